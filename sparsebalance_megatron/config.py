@@ -1,0 +1,158 @@
+"""SparseBalanceConfig: the one place where every knob of the plugin is declared.
+
+Each field carries its documentation in ``metadata["help"]``; ``arguments.py`` generates the CLI
+flags from these fields, so help text, defaults and validation never drift apart.
+This module must not import megatron or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+ANCHORS = ("mean", "median", "min", "max")
+BACKENDS = ("auto", "flex", "torch", "reference")
+SELECTION_MODES = ("density", "mass")
+ESTIMATORS = ("maxkey", "pooled")
+LONG_SAMPLE_POLICIES = ("split", "error")
+TOKENIZERS = ("qwen", "gpt2", "byte")
+
+
+def _f(default, help: str, choices=None, **kw):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta, **kw)
+
+
+def flag_name(field_name: str) -> str:
+    """CLI flag of a config field: ``sparse_balance`` -> ``--sparse-balance``, else ``--sb-<name>``."""
+    if field_name == "sparse_balance":
+        return "--sparse-balance"
+    return "--sb-" + field_name.replace("_", "-")
+
+
+def dest_name(field_name: str) -> str:
+    """argparse destination of a field: Megatron's args namespace is flat, so we prefix ``sb_``."""
+    return "sparse_balance" if field_name == "sparse_balance" else "sb_" + field_name
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of its domain; the message names the flag and the value."""
+
+
+@dataclass
+class SparseBalanceConfig:
+    """All SparseBalance settings. Defaults give a plain (dense) Megatron run."""
+
+    # --- switches -------------------------------------------------------------------------
+    sparse_balance: bool = _f(
+        False, "Turn on the whole system: budgeted block-sparse attention, dynamic sparsity "
+        "tuning (DST) and sparsity-aware batching (SAB).")
+    sparse_attention: bool = _f(
+        False, "Use budgeted block-sparse attention at the static density --sb-density "
+        "(no DST, no SAB) unless those are switched on too.")
+    dst: bool = _f(
+        False, "Dynamic sparsity tuning alone: plan a density per (rank, micro-batch, stage) "
+        "each step. Implies sparse attention.")
+    batching: bool = _f(
+        False, "Sparsity-aware batching alone: pack and assign samples by predicted latency.")
+
+    # --- attention budget -----------------------------------------------------------------
+    density: float = _f(0.5, "Base density d0 in (0, 1]: kept key blocks / causal key blocks.")
+    min_density: float = _f(0.125, "Lowest density DST may cut to (d_min), in (0, 1].")
+    max_density: float = _f(1.0, "Highest density DST may raise to (d_max), in (0, 1].")
+    block_size: int = _f(64, "Attention block size in tokens; a positive power of two.")
+    sink_blocks: int = _f(1, "Blocks at the start of each document that are always kept.")
+    local_blocks: int = _f(0, "Extra always-kept blocks just before the diagonal block.")
+    selection_mode: str = _f(
+        "density", "Fill the budget by top-k at the density ('density') or by an estimated "
+        "attention-mass threshold clipped to [min, max] density ('mass').",
+        choices=SELECTION_MODES)
+    mass_threshold: float = _f(0.9, "Mass threshold tau in (0, 1] for --sb-selection-mode mass.")
+    estimator: str = _f(
+        "maxkey", "Block-score estimator: 'maxkey' (pooled query x every key, max per block) "
+        "or 'pooled' (pooled query x pooled key).", choices=ESTIMATORS)
+    attention_backend: str = _f(
+        "auto", "Sparse kernel: 'flex' (FlexAttention, CUDA), 'torch' (blockwise PyTorch), "
+        "'reference' (dense masked SDPA oracle), or 'auto' (flex on CUDA, torch on CPU).",
+        choices=BACKENDS)
+    query_chunk_blocks: int = _f(
+        16, "Query blocks processed at once by the torch kernel; bounds its memory.")
+
+    # --- DST ------------------------------------------------------------------------------
+    anchor: str = _f(
+        "mean", "DST anchor over predicted unit times: mean, median, min (aggressive) or "
+        "max (never cut, only raise).", choices=ANCHORS)
+    tolerance: float = _f(0.1, "DST tolerance p >= 0: units above (1+p) x anchor are cut.")
+
+    # --- latency model --------------------------------------------------------------------
+    latency_table: Optional[str] = _f(
+        None, "Profiled latency table (JSON, from sparsebalance-profile). Without one, a "
+        "table is profiled at start-up on this device.")
+    latency_table_force: bool = _f(
+        False, "Use --sb-latency-table even if it was measured on another device, model "
+        "shape or software version.")
+    calibration_ema: float = _f(
+        0.3, "Weight in (0, 1] of a new measurement in the per-rank latency correction EMA.")
+
+    # --- batching and data ----------------------------------------------------------------
+    long_sample_policy: str = _f(
+        "split", "A document longer than --seq-length is split into segments ('split') or "
+        "refused with an error ('error').", choices=LONG_SAMPLE_POLICIES)
+    tokenizer: str = _f(
+        "qwen", "Tokenizer of the built-in real-text corpus and of .jsonl data: 'qwen' "
+        "(Qwen2 BPE via tiktoken), 'gpt2', or 'byte'.", choices=TOKENIZERS)
+    data_cache_dir: Optional[str] = _f(
+        None, "Where the built-in corpus is cached (default: ~/.cache/sparsebalance_megatron).")
+    seed: int = _f(1234, "Seed of data shuffling and batching decisions.")
+
+    def __post_init__(self):
+        self.validate()
+
+    # Derived switches: --sparse-balance implies all three parts.
+    @property
+    def sparse_attention_enabled(self) -> bool:
+        return self.sparse_balance or self.sparse_attention or self.dst
+
+    @property
+    def dst_enabled(self) -> bool:
+        return self.sparse_balance or self.dst
+
+    @property
+    def batching_enabled(self) -> bool:
+        return self.sparse_balance or self.batching
+
+    def validate(self) -> None:
+        def bad(name, value, expected):
+            raise ConfigError(f"{flag_name(name)}={value!r}: expected {expected}")
+
+        for name in ("density", "min_density", "max_density", "mass_threshold",
+                     "calibration_ema"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v != v or not (0.0 < v <= 1.0):
+                bad(name, v, "a number in (0, 1]")
+        if self.min_density > self.max_density:
+            bad("min_density", self.min_density,
+                f"<= --sb-max-density ({self.max_density})")
+        if not (self.min_density <= self.density <= self.max_density):
+            bad("density", self.density,
+                f"a value within [--sb-min-density, --sb-max-density] = "
+                f"[{self.min_density}, {self.max_density}]")
+        b = self.block_size
+        if not isinstance(b, int) or b <= 0 or (b & (b - 1)) != 0:
+            bad("block_size", b, "a positive power of two (e.g. 64 or 128)")
+        for name in ("sink_blocks", "local_blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                bad(name, v, "an integer >= 0")
+        if not isinstance(self.query_chunk_blocks, int) or self.query_chunk_blocks < 1:
+            bad("query_chunk_blocks", self.query_chunk_blocks, "an integer >= 1")
+        t = self.tolerance
+        if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
+            bad("tolerance", t, "a number in [0, 10]")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                bad(f.name, getattr(self, f.name), "one of " + ", ".join(choices))
