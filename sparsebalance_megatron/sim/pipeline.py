@@ -1,0 +1,152 @@
+"""Discrete-event simulator of Megatron's non-interleaved 1F1B pipeline step, replicated over DP.
+
+Input: forward and backward seconds per (dp_rank, micro-batch, stage) and a point-to-point latency.
+Output: the step time (max over DP ranks of each rank's pipeline makespan), busy time per
+(dp rank, stage), bubble fraction and imbalance. DST and SAB call ``pipeline_makespan_s`` inside
+their planning loops, so the work is vectorised over the DP axis: the event order of 1F1B does not
+depend on the durations, so it is computed once per (m, pp) and every event is one numpy step over
+``[dp]`` arrays.
+
+Schedule (megatron/core/pipeline_parallel/schedules.py,
+``forward_backward_pipelining_without_interleaving``), stage s of pp, m micro-batches:
+warm-up forwards ``min(pp - s - 1, m)``, then steady 1F1B (forward i + warm-up, backward i), then
+cool-down backwards. Dependencies: fwd(i, s) starts after fwd(i, s-1) ended + p2p; bwd(i, s) after
+bwd(i, s+1) ended + p2p; a stage runs its own events in order, one at a time. Sends are modelled as
+asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient all-reduce,
+optimizer and data loading are outside the model.
+
+Pure numpy; must not import torch, megatron or anything else from this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+
+FWD, BWD = 0, 1
+
+
+@dataclass
+class StepSimulation:
+    """One simulated training step."""
+
+    step_time_s: float        # max over DP ranks of the pipeline makespan
+    rank_time_s: np.ndarray   # [dp] makespan of each DP rank's pipeline
+    busy_s: np.ndarray        # [dp, pp] busy seconds per (dp rank, stage)
+    bubble_fraction: float    # 1 - busy_s.sum() / (step_time_s * dp * pp)
+    imbalance: float          # max / mean of rank_time_s
+    # [dp, m, pp, 2] start / end seconds of every event (last axis: 0 = fwd, 1 = bwd);
+    # None unless record=True.
+    start_s: Optional[np.ndarray] = None
+    end_s: Optional[np.ndarray] = None
+
+
+def stage_order_1f1b(num_microbatches: int, pp: int, stage: int) -> list[tuple[int, int]]:
+    """Megatron's 1F1B event order on one stage: a list of (kind FWD/BWD, micro-batch)."""
+    m = num_microbatches
+    warmup = min(pp - stage - 1, m)
+    order = [(FWD, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order.append((FWD, i + warmup))
+        order.append((BWD, i))
+    order.extend((BWD, i) for i in range(m - warmup, m))
+    return order
+
+
+@lru_cache(maxsize=256)
+def _global_order(m: int, pp: int) -> tuple:
+    """A topological order of all 2*m*pp events consistent with per-stage order and p2p deps.
+
+    Returns (stage, kind, microbatch, dep_stage) arrays; dep_stage = -1 when the event has no
+    cross-stage dependency (fwd on stage 0, bwd on the last stage, which follows its own fwd).
+    """
+    orders = [stage_order_1f1b(m, pp, s) for s in range(pp)]
+    pos = [0] * pp
+    done = np.zeros((2, m, pp), dtype=bool)
+    out = []
+    total = 2 * m * pp
+    while len(out) < total:
+        progressed = False
+        for s in range(pp):
+            while pos[s] < len(orders[s]):
+                kind, i = orders[s][pos[s]]
+                if kind == FWD:
+                    dep = s - 1 if s > 0 else -1
+                else:
+                    dep = s + 1 if s < pp - 1 else -1
+                if dep >= 0 and not done[kind, i, dep]:
+                    break
+                done[kind, i, s] = True
+                out.append((s, kind, i, dep))
+                pos[s] += 1
+                progressed = True
+        if not progressed:  # cannot happen for 1F1B; guards a future schedule
+            raise RuntimeError(f"1F1B order deadlocks for m={m}, pp={pp}")
+    arr = np.asarray(out, dtype=np.int64)
+    return tuple(arr[:, j].copy() for j in range(4))
+
+
+def _check_times(fwd_s, bwd_s, p2p_s):
+    f = np.asarray(fwd_s, dtype=np.float64)
+    b = np.asarray(bwd_s, dtype=np.float64)
+    if f.ndim != 3:
+        raise ValueError(f"fwd_s must be [dp, m, pp], got shape {f.shape}")
+    if b.shape != f.shape:
+        raise ValueError(f"bwd_s shape {b.shape} must equal fwd_s shape {f.shape} ([dp, m, pp])")
+    if min(f.shape) < 1:
+        raise ValueError(f"fwd_s shape {f.shape}: every axis of [dp, m, pp] must be >= 1")
+    for name, a in (("fwd_s", f), ("bwd_s", b)):
+        if not np.all(np.isfinite(a)) or np.any(a < 0):
+            raise ValueError(f"{name} must be finite and >= 0 seconds, got min={np.nanmin(a)!r} "
+                             f"(NaN present: {bool(np.isnan(a).any())})")
+    p = float(p2p_s)
+    if not np.isfinite(p) or p < 0:
+        raise ValueError(f"p2p_s={p2p_s!r}: expected a finite number of seconds >= 0")
+    return f, b, p
+
+
+def _run(f, b, p, record):
+    dp, m, pp = f.shape
+    stages, kinds, mbs, deps = _global_order(m, pp)
+    dur = np.stack([f, b], axis=0)              # [2, dp, m, pp]
+    end = np.zeros((2, m, pp, dp))               # end time of every event, dp last for speed
+    start = np.zeros((2, m, pp, dp)) if record else None
+    free = np.zeros((pp, dp))                    # when each stage becomes free
+    for s, k, i, d in zip(stages.tolist(), kinds.tolist(), mbs.tolist(), deps.tolist()):
+        t0 = free[s]
+        if d >= 0:
+            t0 = np.maximum(t0, end[k, i, d] + p)
+        t1 = t0 + dur[k, :, i, s]
+        if record:
+            start[k, i, s] = t0  # before free[s] is overwritten: t0 may be a view of it
+        end[k, i, s] = t1
+        free[s] = t1
+    rank_time = free.max(axis=0)                 # [dp]
+    return rank_time, start, end
+
+
+def pipeline_makespan_s(fwd_s, bwd_s, p2p_s: float = 0.0) -> np.ndarray:
+    """[dp] makespan of each DP rank's 1F1B pipeline; the fast path used by the policies."""
+    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
+    return _run(f, b, p, record=False)[0]
+
+
+def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, record: bool = False) -> StepSimulation:
+    """Simulate one step; fwd_s, bwd_s: [dp, m, pp] seconds per (dp_rank, micro-batch, stage)."""
+    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
+    dp, m, pp = f.shape
+    rank_time, start, end = _run(f, b, p, record)
+    busy = (f + b).sum(axis=1)                   # [dp, pp]
+    step = float(rank_time.max())
+    mean = float(rank_time.mean())
+    bubble = 1.0 - float(busy.sum()) / (step * dp * pp) if step > 0 else 0.0
+    imbalance = step / mean if mean > 0 else 1.0
+    sim = StepSimulation(step, rank_time, busy, bubble, imbalance)
+    if record:
+        # [2, m, pp, dp] -> [dp, m, pp, 2]
+        sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
+        sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
+    return sim

@@ -1,0 +1,100 @@
+"""1F1B simulator against hand-computed schedules (sparsebalance_megatron.sim.pipeline)."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.sim import pipeline_makespan_s, simulate_1f1b, stage_order_1f1b
+from sparsebalance_megatron.sim.pipeline import BWD, FWD
+
+
+def _times(dp, m, pp, f, b):
+    return np.full((dp, m, pp), float(f)), np.full((dp, m, pp), float(b))
+
+
+def test_stage_order_matches_megatron_warmup_steady_cooldown():
+    assert stage_order_1f1b(4, 4, 0) == [(FWD, 0), (FWD, 1), (FWD, 2), (FWD, 3), (BWD, 0),
+                                         (BWD, 1), (BWD, 2), (BWD, 3)]
+    assert stage_order_1f1b(4, 4, 3) == [(FWD, 0), (BWD, 0), (FWD, 1), (BWD, 1), (FWD, 2),
+                                         (BWD, 2), (FWD, 3), (BWD, 3)]
+    assert stage_order_1f1b(2, 4, 0) == [(FWD, 0), (FWD, 1), (BWD, 0), (BWD, 1)]
+
+
+def test_pp1_is_the_sum_of_all_work():
+    f = np.array([[[1.0], [2.0], [3.0]]])
+    b = 2 * f
+    sim = simulate_1f1b(f, b)
+    assert sim.step_time_s == pytest.approx(18.0)
+    assert sim.bubble_fraction == pytest.approx(0.0)
+    assert sim.imbalance == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4])
+def test_uniform_pp2_matches_closed_form(m):
+    f, b = _times(1, m, 2, 1.0, 2.0)
+    sim = simulate_1f1b(f, b)
+    # (m + pp - 1) * (f + b) for uniform stages, bubble (pp-1)/(m+pp-1)
+    assert sim.step_time_s == pytest.approx((m + 1) * 3.0)
+    assert sim.bubble_fraction == pytest.approx(1 / (m + 1))
+
+
+def test_unequal_stages_and_p2p_hand_computed():
+    f = np.array([[[1.0, 2.0], [1.0, 2.0]]])  # [dp=1, m=2, pp=2]
+    b = np.array([[[2.0, 4.0], [2.0, 4.0]]])
+    # F0s0 0-1, F0s1 1-3, B0s1 3-7, F1s0 1-2, B0s0 7-9, F1s1 7-9, B1s1 9-13, B1s0 13-15
+    assert simulate_1f1b(f, b).step_time_s == pytest.approx(15.0)
+    # p2p 0.5 on every cross-stage edge: ... B1s1 9.5-13.5, B1s0 14-16
+    sim = simulate_1f1b(f, b, p2p_s=0.5, record=True)
+    assert sim.step_time_s == pytest.approx(16.0)
+    assert sim.start_s[0, 1, 1, FWD] == pytest.approx(7.5)  # F1 on stage 1 waits for B0 there
+    assert sim.start_s[0, 0, 0, BWD] == pytest.approx(8.0)  # B0 on stage 0 waits for p2p
+
+
+def test_straggler_microbatch_and_dp_imbalance():
+    f, b = _times(2, 3, 2, 1.0, 2.0)
+    f[0, 1, 1], b[0, 1, 1] = 3.0, 6.0  # rank 0, micro-batch 1, last stage is slow
+    sim = simulate_1f1b(f, b, record=True)
+    # hand schedule of rank 0 ends with B2s0 16-18; rank 1 is uniform: 4 * 3 = 12
+    np.testing.assert_allclose(sim.rank_time_s, [18.0, 12.0])
+    assert sim.step_time_s == pytest.approx(18.0)
+    assert sim.imbalance == pytest.approx(18.0 / 15.0)
+    np.testing.assert_allclose(sim.busy_s, [[9.0, 15.0], [9.0, 9.0]])
+    assert sim.bubble_fraction == pytest.approx(1 - 42.0 / 72.0)
+    assert sim.end_s[0, 2, 0, BWD] == pytest.approx(18.0)
+    assert sim.start_s[0, 2, 1, FWD] == pytest.approx(13.0)  # F2s1 waits behind B1s1
+
+
+def test_fewer_microbatches_than_stages_is_serial():
+    f = np.array([[[1.0, 2.0, 3.0, 4.0]]])
+    sim = simulate_1f1b(f, 2 * f)
+    assert sim.step_time_s == pytest.approx(30.0)
+
+
+def test_vectorised_dp_equals_rank_by_rank_and_respects_dependencies():
+    rng = np.random.default_rng(0)
+    f = rng.uniform(0.5, 2.0, size=(5, 6, 3))
+    b = f * rng.uniform(1.5, 2.5, size=f.shape)
+    sim = simulate_1f1b(f, b, p2p_s=0.1, record=True)
+    for r in range(5):
+        one = pipeline_makespan_s(f[r:r + 1], b[r:r + 1], 0.1)
+        assert one[0] == pytest.approx(sim.rank_time_s[r])
+    s, e = sim.start_s, sim.end_s
+    np.testing.assert_allclose(e - s, np.stack([f, b], -1))
+    assert np.all(s[:, :, 1:, FWD] >= e[:, :, :-1, FWD] + 0.1 - 1e-12)
+    assert np.all(s[:, :, :-1, BWD] >= e[:, :, 1:, BWD] + 0.1 - 1e-12)
+    # no stage runs two events at once
+    for r in range(5):
+        for st in range(3):
+            iv = sorted(zip(s[r, :, st].ravel(), e[r, :, st].ravel()))
+            assert all(a[1] <= b_[0] + 1e-12 for a, b_ in zip(iv, iv[1:]))
+
+
+@pytest.mark.parametrize("bad", [
+    dict(fwd_s=np.ones((2, 2)), bwd_s=np.ones((2, 2))),
+    dict(fwd_s=np.ones((1, 2, 2)), bwd_s=np.ones((1, 2, 3))),
+    dict(fwd_s=-np.ones((1, 2, 2)), bwd_s=np.ones((1, 2, 2))),
+    dict(fwd_s=np.full((1, 2, 2), np.nan), bwd_s=np.ones((1, 2, 2))),
+    dict(fwd_s=np.ones((1, 2, 2)), bwd_s=np.ones((1, 2, 2)), p2p_s=-1.0),
+])
+def test_bad_input_raises_value_error(bad):
+    with pytest.raises(ValueError):
+        simulate_1f1b(**bad)
