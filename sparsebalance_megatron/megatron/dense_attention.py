@@ -1,0 +1,46 @@
+"""Dense causal attention over packed (THD) documents: the dense baseline on the local spec.
+
+megatron-core's local ``DotProductAttention`` refuses packed sequences, and transformer-engine
+(whose attention accepts them) is unavailable on CPU. Dense runs therefore swap in this module:
+exact causal softmax attention per document (SDPA), same contract as ``DotProductAttention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+
+class DenseVarlenCoreAttention(MegatronModule):
+    """Exact causal attention that never crosses a document boundary (cu_seqlens)."""
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                 **kwargs):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        hn = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
+
+    def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is None:  # [s, b, np, hn] -> each batch row is one document
+            s, b, np_, hn = query.shape
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
+        # THD: [t, np, hn] / [t, ng, hn] (megatron squeezes the batch dim for packed input)
+        q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
+        cu = packed_seq_params.cu_seqlens_q.tolist()
+        outs = []
+        for start, end in zip(cu[:-1], cu[1:]):
+            qd, kd, vd = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, hn]
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=self.softmax_scale,
+                                               enable_gqa=kd.shape[0] != qd.shape[0])
+            outs.append(o.transpose(0, 1))
+        out = torch.cat(outs, dim=0)  # [t, np, hn]
+        return out.reshape(out.shape[0], -1)
