@@ -1,0 +1,18 @@
+"""Real-data pipeline: offline tokenizers, the cached document corpus, sampling and packing.
+
+Pure: numpy and tokenizers only; no torch.distributed, no megatron (the Megatron indexed data set
+reader lives in ``sparsebalance_megatron/megatron/indexed_data.py`` and is imported lazily).
+"""
+
+from .corpus import (DataError, DataFileNotFoundError, DocumentCorpus, format_stats,
+                     length_stats, load_corpus, pad_vocab_size)
+from .packing import (GlobalBatchSampler, LongDocumentError, PackedMicroBatch, Segment,
+                      materialize, sequential_pack)
+from .tokenizers import TOKENIZER_NAMES, TokenizerUnavailableError, get_tokenizer
+
+__all__ = [
+    "DataError", "DataFileNotFoundError", "DocumentCorpus", "format_stats", "length_stats",
+    "load_corpus", "pad_vocab_size", "GlobalBatchSampler", "LongDocumentError",
+    "PackedMicroBatch", "Segment", "materialize", "sequential_pack", "TOKENIZER_NAMES",
+    "TokenizerUnavailableError", "get_tokenizer",
+]

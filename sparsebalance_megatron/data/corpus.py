@@ -1,0 +1,339 @@
+"""Token documents with O(1) access, memory-mapped from an on-disk cache; ``load_corpus`` builds it.
+
+Three kinds of input, one ``DocumentCorpus`` out:
+- ``None``: the built-in real-text corpus (``sources.py``: CPython stdlib sources, Shakespeare),
+  tokenized on first use and cached under ``cache_dir`` (default ~/.cache/sparsebalance_megatron).
+- ``*.jsonl``: one document per line, its ``"text"`` field; tokenized once and cached.
+- anything else: a Megatron indexed data set prefix (``PREFIX.bin`` + ``PREFIX.idx``), read in
+  place through ``sparsebalance_megatron.megatron.indexed_data`` (the only megatron import).
+Cache builds are atomic (built in a temporary directory, then ``os.replace``) and serialized by a
+file lock, so two torchrun ranks racing on first use build once and never read a half-written
+cache. Documents are stored without EOD; packing appends it.
+Must not depend on torch, torch.distributed or megatron (except the lazy indexed-data import).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import sources as _sources
+from .tokenizers import get_tokenizer
+
+CACHE_VERSION = 1
+VOCAB_PAD_MULTIPLE = 128
+DEFAULT_SOURCES = ("stdlib", "shakespeare")
+
+
+class DataError(ValueError):
+    """The data input is missing or malformed; the message names the path and what is wrong."""
+
+
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    pass
+
+
+class DocumentIndexError(DataError, IndexError):
+    pass
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "sparsebalance_megatron")
+
+
+def pad_vocab_size(n_ids: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+    """Smallest multiple of ``multiple`` >= ``n_ids`` (Qwen2's 151851 ids -> 151936)."""
+    return -(-int(n_ids) // multiple) * multiple
+
+
+def length_stats(lengths: np.ndarray) -> dict:
+    """Number of documents, total tokens and length percentiles (tokens, without EOD)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        return {"n_docs": 0, "total_tokens": 0}
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {"n_docs": int(lengths.size), "total_tokens": int(lengths.sum()),
+            "mean": round(float(lengths.mean()), 1), "p50": int(round(p50)),
+            "p90": int(round(p90)), "p99": int(round(p99)), "min": int(lengths.min()),
+            "max": int(lengths.max())}
+
+
+class DocumentCorpus:
+    """Token documents (integer arrays) with O(1) access; memory-mapped from the cache.
+
+    ``flat`` holds all tokens back to back; document ``i`` is ``flat[starts[i]:starts[i]+lengths[i]]``,
+    mapped through ``token_map`` (a lookup table old id -> model id) when the vocabulary is compacted
+    lazily (indexed data sets, which are read in place).
+    """
+
+    def __init__(self, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *,
+                 vocab_size: int, eod_id: int, name: str,
+                 doc_names: Optional[Sequence[str]] = None,
+                 token_map: Optional[np.ndarray] = None, notes: Sequence[str] = ()):
+        self.flat = flat
+        self.starts = np.asarray(starts, dtype=np.int64)              # [n_docs]
+        self.lengths = np.asarray(lengths, dtype=np.int64)            # [n_docs], without EOD
+        if self.starts.shape != self.lengths.shape:
+            raise DataError(f"{name}: starts {self.starts.shape} != lengths {self.lengths.shape}")
+        self.vocab_size = int(vocab_size)
+        self.eod_id = int(eod_id)
+        self.name = name
+        self.doc_names = list(doc_names) if doc_names is not None else None
+        self.token_map = token_map
+        self.notes = list(notes)   # e.g. a built-in source that could not be had
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+    def tokens(self, doc_id: int) -> np.ndarray:
+        """Tokens of document ``doc_id``: ``[lengths[doc_id]]``, no EOD."""
+        if not 0 <= doc_id < len(self):
+            raise DocumentIndexError(f"doc_id={doc_id}: expected 0 <= doc_id < {len(self)}")
+        s = int(self.starts[doc_id])
+        out = self.flat[s:s + int(self.lengths[doc_id])]
+        return self.token_map[out] if self.token_map is not None else out
+
+    def doc_name(self, doc_id: int) -> str:
+        return self.doc_names[doc_id] if self.doc_names is not None else f"{self.name}#{doc_id}"
+
+    def stats(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, **length_stats(self.lengths)}
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"DocumentCorpus({self.name}: {s['n_docs']} docs, {s['total_tokens']} tokens, "
+                f"vocab {self.vocab_size})")
+
+
+def format_stats(stats: dict) -> str:
+    """One line for logs and the README."""
+    if not stats.get("n_docs"):
+        return f"{stats.get('name', 'corpus')}: empty"
+    return (f"{stats.get('name', 'corpus')}: {stats['n_docs']} documents, "
+            f"{stats['total_tokens']} tokens; length p50 {stats['p50']}, p90 {stats['p90']}, "
+            f"p99 {stats['p99']}, max {stats['max']}; vocab {stats.get('vocab_size', '?')}")
+
+
+# --- cache ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _file_lock(path: str):
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _cache_key(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _write_cache(dest: str, docs: list[np.ndarray], names: list[str], meta: dict) -> None:
+    """Write ``docs`` to ``dest`` atomically: a temp dir in the same parent, then rename."""
+    parent = os.path.dirname(dest)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".build-")
+    try:
+        lengths = np.array([d.size for d in docs], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        flat = np.concatenate(docs).astype(np.uint32) if docs else np.zeros(0, np.uint32)
+        flat.tofile(os.path.join(tmp, "tokens.u32"))
+        np.save(os.path.join(tmp, "starts.npy"), starts)
+        np.save(os.path.join(tmp, "lengths.npy"), lengths)
+        with open(os.path.join(tmp, "names.json"), "w") as f:
+            json.dump(names, f)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:  # written last: marks completeness
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _open_cache(dest: str) -> DocumentCorpus:
+    with open(os.path.join(dest, "meta.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(dest, "names.json")) as f:
+        names = json.load(f)
+    tok_path = os.path.join(dest, "tokens.u32")
+    flat = (np.memmap(tok_path, dtype=np.uint32, mode="r") if os.path.getsize(tok_path)
+            else np.zeros(0, np.uint32))
+    return DocumentCorpus(flat, np.load(os.path.join(dest, "starts.npy")),
+                          np.load(os.path.join(dest, "lengths.npy")),
+                          vocab_size=meta["vocab_size"], eod_id=meta["eod_id"], name=meta["name"],
+                          doc_names=names, notes=meta.get("notes", ()))
+
+
+def _cached(cache_dir: str, key_parts: dict, build) -> DocumentCorpus:
+    """Open the cache entry of ``key_parts``, building it with ``build() -> (docs, names, meta)``."""
+    os.makedirs(cache_dir, exist_ok=True)
+    dest = os.path.join(cache_dir, "corpus-" + _cache_key(key_parts))
+    if not os.path.exists(os.path.join(dest, "meta.json")):
+        with _file_lock(dest + ".lock"):
+            if not os.path.exists(os.path.join(dest, "meta.json")):
+                docs, names, meta = build()
+                meta["key"] = key_parts
+                _write_cache(dest, docs, names, meta)
+    return _open_cache(dest)
+
+
+def _finish(docs: list[np.ndarray], names: list[str], tok, *, name: str, compact_vocab: bool,
+            notes: Sequence[str] = ()) -> tuple[list[np.ndarray], list[str], dict]:
+    """Vocabulary of the tokenized documents: the tokenizer's, or compacted to the ids used."""
+    meta = {"name": name, "tokenizer": tok.name, "notes": list(notes)}
+    if compact_vocab:
+        used = np.unique(np.concatenate(docs)) if docs else np.zeros(0, np.int64)
+        # Text ids become 0..K-1 in their original order; EOD becomes K.
+        docs = [np.searchsorted(used, d).astype(np.uint32) for d in docs]
+        meta.update(eod_id=int(used.size), vocab_size=pad_vocab_size(used.size + 1),
+                    original_ids=[int(i) for i in used] + [tok.eod_id])
+    else:
+        meta.update(eod_id=tok.eod_id, vocab_size=pad_vocab_size(tok.n_vocab))
+    return docs, names, meta
+
+
+# --- the three inputs -------------------------------------------------------------------------
+
+def _build_builtin(files, missing, tok, *, min_doc_tokens, max_docs, compact_vocab, name):
+    texts = [_sources.read_text(p) for _, p in files]
+    docs, names = [], []
+    for (doc_name, _), ids in zip(files, tok.encode_batch(texts)):
+        if ids.size >= min_doc_tokens:
+            docs.append(ids)
+            names.append(doc_name)
+            if max_docs is not None and len(docs) >= max_docs:
+                break
+    return _finish(docs, names, tok, name=name, compact_vocab=compact_vocab, notes=missing)
+
+
+def _read_jsonl(path: str) -> list[str]:
+    texts = []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or "text" not in obj:
+                raise DataError(f"{path}:{line_no}: expected a JSON object with a \"text\" field, "
+                                f"got {type(obj).__name__}"
+                                + (f" with keys {sorted(obj)[:5]}" if isinstance(obj, dict) else ""))
+            if not isinstance(obj["text"], str):
+                raise DataError(f"{path}:{line_no}: \"text\" must be a string, "
+                                f"got {type(obj['text']).__name__}")
+            texts.append(obj["text"])
+    return texts
+
+
+def _build_jsonl(path, tok, *, min_doc_tokens, compact_vocab):
+    texts = _read_jsonl(path)
+    docs, names = [], []
+    for i, ids in enumerate(tok.encode_batch(texts)):
+        if ids.size >= min_doc_tokens:
+            docs.append(ids)
+            names.append(f"{os.path.basename(path)}#{i}")
+    if not docs:
+        raise DataError(f"{path}: no document with at least {min_doc_tokens} tokens "
+                        f"({len(texts)} lines read)")
+    return _finish(docs, names, tok, name=path, compact_vocab=compact_vocab)
+
+
+def _load_indexed(prefix: str, tok, *, min_doc_tokens: int, compact_vocab: bool) -> DocumentCorpus:
+    for suffix in (".bin", ".idx"):
+        if prefix.endswith(suffix):
+            prefix = prefix[: -len(suffix)]
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    have_idx, have_bin = os.path.isfile(idx_path), os.path.isfile(bin_path)
+    if not have_idx and not have_bin:
+        raise DataFileNotFoundError(
+            f"--data-path {prefix!r}: no such file; expected a .jsonl file or a Megatron indexed "
+            f"data set prefix with {bin_path} and {idx_path}")
+    if not (have_idx and have_bin):
+        raise DataFileNotFoundError(
+            f"--data-path {prefix!r}: Megatron indexed data set is incomplete: "
+            f"{idx_path if not have_idx else bin_path} is missing")
+    from ..megatron.indexed_data import read_indexed_documents
+
+    flat, starts, lengths = read_indexed_documents(prefix)
+    # Documents preprocessed with --append-eod end with EOD; packing appends its own.
+    if lengths.size and flat.size:
+        last = np.asarray(flat[np.maximum(starts + lengths - 1, 0)])
+        lengths = lengths - ((last == tok.eod_id) & (lengths > 0)).astype(np.int64)
+    keep = lengths >= min_doc_tokens
+    starts, lengths = starts[keep], lengths[keep]
+    if not lengths.size:
+        raise DataError(f"{prefix}: no document with at least {min_doc_tokens} tokens")
+    token_map, eod_id = None, tok.eod_id
+    if compact_vocab:
+        used = np.unique(np.concatenate([flat[s:s + n] for s, n in zip(starts, lengths)]))
+        token_map = np.zeros(int(max(used.max(), 0)) + 1, dtype=np.int64)
+        token_map[used] = np.arange(used.size)
+        eod_id, vocab_size = int(used.size), pad_vocab_size(used.size + 1)
+    else:
+        max_id = int(flat.max()) if flat.size and flat.size < (1 << 28) else 0
+        vocab_size = pad_vocab_size(max(tok.n_vocab, max_id + 1))
+    return DocumentCorpus(flat, starts, lengths, vocab_size=vocab_size, eod_id=eod_id,
+                          name=prefix, token_map=token_map)
+
+
+def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
+                cache_dir: Optional[str] = None, min_doc_tokens: int = 16,
+                compact_vocab: bool = False, sources: Sequence[str] = DEFAULT_SOURCES,
+                max_docs: Optional[int] = None, verbose: bool = False) -> DocumentCorpus:
+    """The documents of ``data_path`` (None: built-in corpus; ``*.jsonl``; indexed prefix).
+
+    ``compact_vocab`` remaps the token ids that occur to 0..K-1 (EOD = K) so tiny models need only a
+    K-row embedding. ``sources`` and ``max_docs`` select the built-in corpus (a subset for tests).
+    """
+    if not isinstance(min_doc_tokens, int) or min_doc_tokens < 1:
+        raise ValueError(f"min_doc_tokens={min_doc_tokens!r}: expected an integer >= 1")
+    if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
+        raise ValueError(f"max_docs={max_docs!r}: expected None or an integer >= 1")
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
+    tok = get_tokenizer(tokenizer)
+    if data_path is None:
+        sources = tuple(sources)
+        files, missing = _sources.list_source_files(sources, cache_dir)
+        used = tuple(s for s in sources if not any(m.startswith(s + ":") for m in missing))
+        if not files:
+            raise DataError(f"built-in corpus: no source file found ({'; '.join(missing)})")
+        for note in missing:
+            print(f"[sparsebalance data] built-in source unavailable, going on without it: "
+                  f"{note}", file=sys.stderr)
+        name = f"builtin:{tokenizer}:{'+'.join(used)}" + ("" if max_docs is None
+                                                           else f":max{max_docs}")
+        key = {"v": CACHE_VERSION, "kind": "builtin", "tokenizer": tokenizer, "sources": used,
+               "files": _sources.fingerprint(files), "n_files": len(files),
+               "python": sys.version.split()[0], "min_doc_tokens": min_doc_tokens,
+               "max_docs": max_docs, "compact": compact_vocab}
+        corpus = _cached(cache_dir, key, lambda: _build_builtin(
+            files, missing, tok, min_doc_tokens=min_doc_tokens, max_docs=max_docs,
+            compact_vocab=compact_vocab, name=name))
+    elif str(data_path).endswith(".jsonl"):
+        path = os.path.abspath(os.path.expanduser(str(data_path)))
+        if not os.path.isfile(path):
+            raise DataFileNotFoundError(f"--data-path {data_path!r}: no such .jsonl file")
+        st = os.stat(path)
+        key = {"v": CACHE_VERSION, "kind": "jsonl", "path": path, "size": st.st_size,
+               "mtime_ns": st.st_mtime_ns, "tokenizer": tokenizer,
+               "min_doc_tokens": min_doc_tokens, "compact": compact_vocab}
+        corpus = _cached(cache_dir, key, lambda: _build_jsonl(
+            path, tok, min_doc_tokens=min_doc_tokens, compact_vocab=compact_vocab))
+    else:
+        corpus = _load_indexed(os.path.expanduser(str(data_path)), tok,
+                               min_doc_tokens=min_doc_tokens, compact_vocab=compact_vocab)
+    if verbose:
+        print(f"[sparsebalance data] {format_stats(corpus.stats())}", file=sys.stderr)
+    return corpus

