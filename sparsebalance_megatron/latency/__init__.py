@@ -1,0 +1,15 @@
+"""Latency model of one micro-batch on one pipeline stage: work features, fit, calibration,
+JSON tables (profiled or analytic). Pure numpy; must not import megatron (the profiler CLI in
+``profile_cli`` imports it lazily inside ``main``)."""
+
+from .analytic import DeviceProfile, ModelShape, analytic_table
+from .features import FEATURES, UnitFeatures
+from .model import LatencyModel, UnitTerms
+from .table import (LatencyTableError, LatencyTableMismatch, read_table, stage_kinds_for,
+                    validate_table, write_table)
+from .work import attention_work, selection_work
+
+__all__ = ["DeviceProfile", "ModelShape", "analytic_table", "FEATURES", "UnitFeatures",
+           "LatencyModel", "UnitTerms", "LatencyTableError", "LatencyTableMismatch",
+           "read_table", "stage_kinds_for", "validate_table", "write_table", "attention_work",
+           "selection_work"]

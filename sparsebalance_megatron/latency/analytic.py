@@ -1,0 +1,149 @@
+"""Analytic latency table of a GPU from FLOP counts, for the scale study (DESIGN.md section 7).
+
+No GPU is needed: the time of every matmul and of the kept attention blocks is its FLOP count
+divided by a throughput; memory-bound parts (loss over the vocabulary, elementwise ops) are bytes
+divided by HBM bandwidth. The result is an ordinary table (``"source": "analytic"``) with the
+same fields as a profiled one, so the same loader and ``LatencyModel`` read it.
+
+Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the table's notes):
+- NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor-core peak, 3.35 TB/s HBM3.
+- Large BF16 GEMMs reach about 60-70% of peak in practice (600-700 TFLOP/s); this model's GEMMs
+  are narrow (hidden 896), so 550 TFLOP/s is assumed.
+- FlashAttention-3 (Shah et al., 2024): up to ~740 TFLOP/s BF16 forward at head dim 128, lower at
+  head dim 64; FlashAttention-2 reaches ~350 TFLOP/s forward on H100. FlexAttention (PyTorch blog,
+  Aug 2024) reaches ~90% of FlashAttention-2 forward and ~85% backward. Assumed: block-sparse
+  attention 350 TFLOP/s forward; backward does 2.5x the forward FLOPs at 250 TFLOP/s.
+- Block scoring (pooled query x keys, max per block) is a skinny batched GEMM: 150 TFLOP/s assumed.
+These are assumptions from published numbers, not measurements: the output says so.
+
+Pure Python + numpy; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .features import FEATURES, UnitFeatures
+from .table import FORMAT, FORMAT_VERSION, stage_kinds_for
+
+
+@dataclass
+class ModelShape:
+    """Transformer shape; defaults are Qwen2.5-0.5B at 32K tokens per micro-batch."""
+
+    num_layers: int = 24
+    hidden_size: int = 896
+    num_attention_heads: int = 14
+    num_query_groups: int = 2
+    kv_channels: int = 64
+    ffn_hidden_size: int = 4864
+    vocab_size: int = 151936
+    seq_length: int = 32768   # tokens per packed micro-batch
+    swiglu: bool = True
+
+
+@dataclass
+class DeviceProfile:
+    """Throughputs of one GPU, in FLOP/s and bytes/s."""
+
+    name: str = "NVIDIA H100 SXM (analytic)"
+    matmul_flops: float = 550e12
+    attn_fwd_flops: float = 350e12
+    attn_bwd_flops: float = 250e12
+    attn_bwd_flop_ratio: float = 2.5
+    select_flops: float = 150e12
+    hbm_bytes_per_s: float = 3.35e12
+    launch_s_per_layer: float = 30e-6   # kernel launches and small ops, forward; backward 2x
+    p2p_bytes_per_s: float = 300e9      # NVLink activation transfer between stages
+    sources: str = field(default=(
+        "NVIDIA H100 SXM datasheet (989 TFLOP/s dense BF16, 3.35 TB/s HBM3); FlashAttention-2/3 "
+        "(Dao 2023; Shah et al. 2024: FA2 ~350, FA3 up to ~740 TFLOP/s fwd on H100); PyTorch "
+        "FlexAttention blog (2024: ~90% of FA2 fwd, ~85% bwd). Throughputs are assumptions "
+        "within these published ranges, not measurements."))
+
+    @classmethod
+    def h100_sxm(cls) -> "DeviceProfile":
+        return cls()
+
+
+def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -> dict:
+    """Seconds per feature of ONE transformer layer: {fwd, bwd: [const, tokens, pair, select]}."""
+    h, hd = shape.hidden_size, shape.kv_channels
+    nq, ng = shape.num_attention_heads, shape.num_query_groups
+    qkv = 2 * h * (nq + 2 * ng) * hd            # FLOPs per token
+    proj = 2 * nq * hd * h
+    mlp = 2 * h * shape.ffn_hidden_size * (3 if shape.swiglu else 2)
+    gemm_fwd_s = (qkv + proj + mlp) / dev.matmul_flops
+    # elementwise traffic per token (norms, RoPE, residuals, activation), bf16 bytes, assumed
+    elem_fwd_s = 2 * (12 * h + 4 * shape.ffn_hidden_size) / dev.hbm_bytes_per_s
+    pair_flops = 4 * block_size * block_size * hd * nq   # QK^T and PV of one block pair
+    select_flops = 2 * block_size * hd * nq              # pooled query x one key block's keys
+    fwd = [dev.launch_s_per_layer, gemm_fwd_s + elem_fwd_s, pair_flops / dev.attn_fwd_flops,
+           select_flops / dev.select_flops]
+    bwd = [2 * dev.launch_s_per_layer, 2 * gemm_fwd_s + 2 * elem_fwd_s,
+           dev.attn_bwd_flop_ratio * pair_flops / dev.attn_bwd_flops, 0.0]  # no grad via scores
+    return {"fwd": fwd, "bwd": bwd}
+
+
+def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None = None, *,
+                   pp: int = 1, block_size: int = 64, sink_blocks: int = 1,
+                   local_blocks: int = 0, densities=(0.125, 0.25, 0.5, 0.75, 1.0),
+                   seed: int = 0) -> dict:
+    """A complete latency table (coefficients + a synthetic grid of 'measurements')."""
+    shape = shape or ModelShape()
+    dev = device or DeviceProfile.h100_sxm()
+    if pp < 1 or shape.num_layers % pp:
+        raise ValueError(f"pp={pp}: expected a divisor of num_layers={shape.num_layers}")
+    kinds = stage_kinds_for(pp)
+    per_stage = shape.num_layers // pp
+    lay = layer_coefficients(shape, dev, block_size)
+    h, v = shape.hidden_size, shape.vocab_size
+    embed_tok_s = 2 * 2 * h / dev.hbm_bytes_per_s                  # gather + write, bf16
+    head_tok_fwd_s = 2 * h * v / dev.matmul_flops + 4 * 2 * v / dev.hbm_bytes_per_s  # + loss
+    coef = {}
+    for kind in sorted(set(kinds)):
+        c = {p: [per_stage * x for x in lay[p]] for p in ("fwd", "bwd")}
+        if kind in ("first", "only"):
+            c["fwd"][1] += embed_tok_s
+            c["bwd"][1] += 2 * embed_tok_s
+        if kind in ("last", "only"):
+            c["fwd"][1] += head_tok_fwd_s
+            c["bwd"][1] += 2 * head_tok_fwd_s
+        coef[kind] = c
+    # a grid over document mixes x densities, evaluated with the coefficients, so the table
+    # has the same shape as a profiled one and fit() recovers the coefficients exactly
+    rng = np.random.default_rng(seed)
+    t = shape.seq_length
+    mixes = [[t], [t // 2] * 2, [t // 8] * 8, [t // 64] * 64, [t // 2], [t // 4] * 3]
+    for total in (t, t, t // 2, t // 4):   # unequal token totals keep const and tokens apart
+        cuts = np.sort(rng.choice(np.arange(1, total), size=rng.integers(2, 12), replace=False))
+        mixes.append(np.diff(np.concatenate([[0], cuts, [total]])).tolist())
+    meas = []
+    for kind in sorted(set(kinds)):
+        f = UnitFeatures.build(mixes, block_size, sink_blocks, local_blocks)
+        for d in densities:
+            x = f.matrix(float(d))
+            for j, mix in enumerate(mixes):
+                meas.append({"kind": kind, "doc_lengths": [int(a) for a in mix],
+                             "density": float(d),
+                             "fwd_s": float(x[j] @ np.asarray(coef[kind]["fwd"])),
+                             "bwd_s": float(x[j] @ np.asarray(coef[kind]["bwd"]))})
+    act_bytes = 2 * t * h
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "source": "analytic",
+        "device": dev.name,
+        "software": {"torch": "analytic", "megatron_core": "analytic"},
+        "model": {k: val for k, val in asdict(shape).items()},
+        "attention": {"block_size": block_size, "sink_blocks": sink_blocks,
+                      "local_blocks": local_blocks},
+        "pipeline": {"pp": pp, "stage_kinds": kinds, "layers_per_stage": [per_stage] * pp},
+        "features": list(FEATURES),
+        "measurements": meas,
+        "coefficients": coef,
+        "p2p_s": act_bytes / dev.p2p_bytes_per_s,
+        "device_profile": asdict(dev),
+        "notes": "ANALYTIC table: FLOPs / published H100 throughputs, not a measurement. "
+                 + dev.sources,
+    }

@@ -1,0 +1,240 @@
+"""LatencyModel: forward/backward seconds of one micro-batch on one pipeline stage.
+
+Form, per stage kind (first / middle / last, or "only" without PP), fitted separately for the
+forward and the backward pass::
+
+    t = c0 + c1 * tokens + c2 * attention_work(density) + c3 * selection_work
+
+(features in ``features.py``; attention work counts exactly the kept block pairs). Because the
+density enters only through attention work, DST re-times a unit at another density with
+``UnitTerms.time_s(d) = fixed_s + attn_s_per_pair * work(d)``: no documents are re-walked.
+Online calibration multiplies a rank's predictions by an EMA of measured / predicted.
+
+Pure numpy; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .features import FEATURES, UnitFeatures, features_of
+from .table import (LatencyTableError, check_compatible, read_table, validate_table,
+                    write_table)
+
+
+def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative error (rows scaled by 1/y), dropping features whose coefficient
+    comes out negative (a cost cannot shrink with more work); the intercept may stay negative
+    only if nothing else fits."""
+    w = 1.0 / np.maximum(y, 1e-12)
+    active = list(range(x.shape[1]))
+    # drop features that are constant zero on this grid (e.g. nothing varies): unidentifiable
+    active = [j for j in active if j == 0 or np.any(x[:, j] != 0)]
+    while True:
+        a = x[:, active] * w[:, None]
+        c, *_ = np.linalg.lstsq(a, y * w, rcond=None)
+        neg = [j for j, v in zip(active, c) if v < 0 and j != 0]
+        if not neg:
+            break
+        worst = min(neg, key=lambda j: c[active.index(j)])
+        active.remove(worst)
+    out = np.zeros(x.shape[1])
+    out[active] = c
+    return out
+
+
+@dataclass
+class UnitTerms:
+    """Closed-form time of n units on one stage: ``t(d) = fixed_s + attn_s_per_pair * work(d)``."""
+
+    features: UnitFeatures
+    fwd_fixed_s: np.ndarray       # [n]
+    bwd_fixed_s: np.ndarray       # [n]
+    fwd_attn_s_per_pair: float    # seconds per kept block pair (already calibrated)
+    bwd_attn_s_per_pair: float
+
+    @property
+    def fixed_s(self) -> np.ndarray:
+        return self.fwd_fixed_s + self.bwd_fixed_s
+
+    @property
+    def attn_s_per_pair(self) -> float:
+        return self.fwd_attn_s_per_pair + self.bwd_attn_s_per_pair
+
+    def fwd_bwd_s(self, densities) -> tuple[np.ndarray, np.ndarray]:
+        w = self.features.attention_work(densities)
+        return (self.fwd_fixed_s + self.fwd_attn_s_per_pair * w,
+                self.bwd_fixed_s + self.bwd_attn_s_per_pair * w)
+
+    def time_s(self, densities) -> np.ndarray:
+        """[n] fwd+bwd seconds of every unit at its density (scalar or [n]); exact."""
+        return self.fixed_s + self.attn_s_per_pair * self.features.attention_work(densities)
+
+    def time_grid_s(self, density_grid) -> np.ndarray:
+        """[n, g] fwd+bwd seconds of every unit at every density of the grid."""
+        return self.fixed_s[:, None] + self.attn_s_per_pair * self.features.work_grid(density_grid)
+
+
+class LatencyModel:
+    """Fitted per-stage-kind linear model over the work features, with per-rank calibration."""
+
+    def __init__(self, table: dict, coefficients: dict, *, calibration_ema: float = 0.3):
+        self.table = table
+        att = table["attention"]
+        self.block_size = int(att["block_size"])
+        self.sink_blocks = int(att["sink_blocks"])
+        self.local_blocks = int(att["local_blocks"])
+        self.stage_kinds = list(table["pipeline"]["stage_kinds"])
+        self.features = list(table["features"])
+        if self.features != list(FEATURES):
+            raise LatencyTableError(f"latency table: field 'features': {self.features!r}: "
+                                    f"expected {list(FEATURES)}")
+        self.coef = {k: {p: np.asarray(v[p], dtype=np.float64) for p in ("fwd", "bwd")}
+                     for k, v in coefficients.items()}
+        if not (0.0 < calibration_ema <= 1.0):
+            raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
+        self.calibration_ema = float(calibration_ema)
+        self._correction: dict[int, float] = {}
+        self._warned_bad_measurement = False
+
+    # --- construction ---------------------------------------------------------------------
+    @classmethod
+    def fit(cls, table: dict, *, calibration_ema: float = 0.3, where: str = "<table>"
+            ) -> "LatencyModel":
+        """Least squares per stage kind on the table's measurements (ignores stored coefficients)."""
+        validate_table(table, where)
+        att = table["attention"]
+        coef = {}
+        for kind in sorted(set(table["pipeline"]["stage_kinds"])):
+            rows = [m for m in table["measurements"] if m["kind"] == kind]
+            feats = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
+                                       att["sink_blocks"], att["local_blocks"])
+            x = feats.matrix(np.asarray([m["density"] for m in rows]))
+            coef[kind] = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows])).tolist()
+                          for p in ("fwd", "bwd")}
+        table = dict(table)
+        table["coefficients"] = coef
+        return cls(table, coef, calibration_ema=calibration_ema)
+
+    @classmethod
+    def from_table(cls, table: dict, *, calibration_ema: float = 0.3, where: str = "<table>"
+                   ) -> "LatencyModel":
+        """Use the table's stored coefficients, or fit them when it has none."""
+        validate_table(table, where)
+        if table.get("coefficients") is None:
+            return cls.fit(table, calibration_ema=calibration_ema, where=where)
+        return cls(table, table["coefficients"], calibration_ema=calibration_ema)
+
+    @classmethod
+    def load(cls, path: str, *, expect: Optional[dict] = None, force: bool = False,
+             calibration_ema: float = 0.3) -> "LatencyModel":
+        """Read a JSON table; refuse one from another device/model/software unless ``force``."""
+        table = read_table(path)
+        check_compatible(table, expect, path, force)
+        return cls.from_table(table, calibration_ema=calibration_ema, where=path)
+
+    @classmethod
+    def analytic(cls, shape=None, device=None, *, calibration_ema: float = 0.3,
+                 **kw) -> "LatencyModel":
+        """FLOP-based model of a GPU (``analytic.py``); see ``analytic_table`` for the knobs."""
+        from .analytic import analytic_table
+        return cls.from_table(analytic_table(shape, device, **kw),
+                              calibration_ema=calibration_ema, where="<analytic>")
+
+    def save(self, path: str) -> None:
+        """Write the table with the current coefficients as JSON (never pickle)."""
+        table = copy.deepcopy(self.table)
+        table["coefficients"] = {k: {p: v[p].tolist() for p in v} for k, v in self.coef.items()}
+        write_table(table, path)
+
+    def to_json(self) -> str:
+        table = copy.deepcopy(self.table)
+        table["coefficients"] = {k: {p: v[p].tolist() for p in v} for k, v in self.coef.items()}
+        return json.dumps(table)
+
+    # --- prediction -----------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        return len(self.stage_kinds)
+
+    @property
+    def p2p_s(self) -> float:
+        return float(self.table.get("p2p_s", 0.0))
+
+    def kind_of(self, stage: int) -> str:
+        if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) \
+                or not (0 <= stage < self.pp):
+            raise ValueError(f"stage={stage!r}: expected an integer in [0, {self.pp}) "
+                             f"(the table's pipeline has {self.pp} stage(s))")
+        return self.stage_kinds[stage]
+
+    def unit_features(self, mb_doc_lengths) -> UnitFeatures:
+        """Density-independent features of many units; pass the result back to avoid rebuilding."""
+        return features_of(mb_doc_lengths, self.block_size, self.sink_blocks, self.local_blocks)
+
+    def unit_terms(self, mb_doc_lengths, stage: int, rank: Optional[int] = None) -> UnitTerms:
+        """Closed-form per-unit time at any density on ``stage`` (calibrated for ``rank``)."""
+        f = self.unit_features(mb_doc_lengths)
+        c = self.coef[self.kind_of(stage)]
+        corr = self.correction(rank) if rank is not None else 1.0
+        x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work], axis=1)  # [n, 3]
+        fixed = {p: np.maximum(x @ c[p][[0, 1, 3]], 0.0) * corr for p in ("fwd", "bwd")}
+        return UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
+                         float(c["bwd"][2]) * corr)
+
+    def predict_many_fwd_bwd(self, mb_doc_lengths, densities, stage: int,
+                             rank: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+        return self.unit_terms(mb_doc_lengths, stage, rank).fwd_bwd_s(densities)
+
+    def predict_many(self, mb_doc_lengths, densities, stage: int,
+                     rank: Optional[int] = None) -> np.ndarray:
+        """[n] fwd+bwd seconds; units as a list of length arrays, a CSR (offsets, lengths)
+        tuple or a ``UnitFeatures``; densities scalar or [n]."""
+        return self.unit_terms(mb_doc_lengths, stage, rank).time_s(densities)
+
+    def predict_fwd_bwd(self, doc_lengths, density: float, stage: int,
+                        rank: Optional[int] = None) -> tuple[float, float]:
+        f, b = self.predict_many_fwd_bwd([doc_lengths], np.asarray([density]), stage, rank)
+        return float(f[0]), float(b[0])
+
+    def predict(self, doc_lengths, density: float, stage: int,
+                rank: Optional[int] = None) -> float:
+        """Seconds, forward + backward, of one micro-batch on one stage."""
+        f, b = self.predict_fwd_bwd(doc_lengths, density, stage, rank)
+        return f + b
+
+    # --- online calibration ---------------------------------------------------------------
+    def correction(self, rank: Optional[int]) -> float:
+        return self._correction.get(int(rank), 1.0) if rank is not None else 1.0
+
+    def calibrate(self, rank: int, predicted_s, measured_s) -> None:
+        """EMA update of ``rank``'s factor toward measured / predicted (sums over the arrays).
+
+        ``predicted_s`` must be the *uncorrected* prediction. A NaN, negative, zero or missing
+        measurement keeps the previous factor and warns once.
+        """
+        p = np.asarray(predicted_s if predicted_s is not None else np.nan, dtype=np.float64)
+        m = np.asarray(measured_s if measured_s is not None else np.nan, dtype=np.float64)
+        ps, ms = float(p.sum()) if p.size else math.nan, float(m.sum()) if m.size else math.nan
+        ok = (p.shape == m.shape and np.all(np.isfinite(p)) and np.all(np.isfinite(m))
+              and np.all(m >= 0) and ps > 0 and ms > 0)
+        if not ok:
+            if not self._warned_bad_measurement:
+                warnings.warn(f"latency calibration of rank {rank}: unusable measurement "
+                              f"(predicted={ps!r}, measured={ms!r}); keeping the previous "
+                              f"correction {self.correction(rank):.3f}", stacklevel=2)
+                self._warned_bad_measurement = True
+            return
+        w = self.calibration_ema
+        old = self.correction(rank)
+        self._correction[int(rank)] = (1.0 - w) * old + w * (ms / ps)
+
+    def corrections(self) -> dict[int, float]:
+        return dict(self._correction)

@@ -1,0 +1,121 @@
+"""Latency model: exact work counts, fit, closed-form unit terms, calibration, speed."""
+
+import time
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.latency import (LatencyModel, ModelShape, UnitFeatures,
+                                            analytic_table, attention_work, selection_work)
+from sparsebalance_megatron.latency.work import kept_pairs_bruteforce
+
+
+@pytest.mark.parametrize("lengths", [[1], [64], [65], [1000, 3000], [130, 7, 640]])
+@pytest.mark.parametrize("density", [0.1, 0.25, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("sink,local", [(1, 0), (0, 0), (2, 3)])
+def test_attention_work_matches_bruteforce(lengths, density, sink, local):
+    assert attention_work(lengths, density, 64, sink, local) == \
+        kept_pairs_bruteforce(lengths, density, 64, sink, local)
+
+
+def test_work_hand_values_and_dense_limit():
+    # one doc of 4 blocks, d=0.5, sink 1: available 1,2,3,4 -> kept 1,2,2,2
+    assert attention_work([256], 0.5, 64, 1, 0) == 7
+    # density 1 keeps every causal pair = selection work; short last block counts as one pair
+    assert attention_work([200], 1.0, 64) == selection_work([200], 64) == 10
+    assert attention_work([1, 1], 0.2, 64) == 2
+    with pytest.raises(ValueError, match="density"):
+        attention_work([64], 0.0, 64)
+    with pytest.raises(ValueError, match="block_size"):
+        attention_work([64], 0.5, 48)
+    with pytest.raises(ValueError, match="lengths >= 1"):
+        attention_work([64, 0], 0.5, 64)
+
+
+def test_unit_features_grid_csr_and_per_unit_densities_agree():
+    units = [np.array([100, 900]), np.array([4096]), np.array([5, 6, 7, 2000])]
+    f = UnitFeatures.build(units, 64, 1, 1)
+    offsets = np.array([0, 2, 3, 7])
+    g = UnitFeatures.build((offsets, np.concatenate(units)), 64, 1, 1)
+    grid = np.array([0.125, 0.3, 1.0])
+    wg = f.work_grid(grid)
+    np.testing.assert_array_equal(wg, g.work_grid(grid))
+    for j, d in enumerate(grid):
+        np.testing.assert_array_equal(wg[:, j], [attention_work(u, d, 64, 1, 1) for u in units])
+    per_unit = np.array([0.3, 1.0, 0.125])
+    np.testing.assert_array_equal(f.attention_work(per_unit), [wg[0, 1], wg[1, 2], wg[2, 0]])
+    np.testing.assert_array_equal(f.tokens, [1000, 4096, 2018])
+
+
+def _synthetic_table(coef_fwd, coef_bwd, pp=1, noise=0.0, seed=0):
+    t = analytic_table(ModelShape(num_layers=2, seq_length=4096), pp=pp, seed=seed)
+    rng = np.random.default_rng(seed)
+    f = UnitFeatures.build([m["doc_lengths"] for m in t["measurements"]], 64, 1, 0)
+    x = f.matrix(np.array([m["density"] for m in t["measurements"]]))
+    for m, row in zip(t["measurements"], x):
+        m["fwd_s"] = float(row @ coef_fwd) * (1 + noise * rng.standard_normal())
+        m["bwd_s"] = float(row @ coef_bwd) * (1 + noise * rng.standard_normal())
+    del t["coefficients"]
+    return t
+
+
+def test_fit_recovers_known_coefficients_and_splits_fwd_bwd():
+    cf = np.array([1e-3, 2e-6, 5e-6, 1e-7])
+    cb = np.array([2e-3, 4e-6, 12e-6, 0.0])
+    m = LatencyModel.fit(_synthetic_table(cf, cb))
+    np.testing.assert_allclose(m.coef["only"]["fwd"], cf, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(m.coef["only"]["bwd"], cb, rtol=1e-6, atol=1e-12)
+    docs = [3000, 700, 50]
+    f, b = m.predict_fwd_bwd(docs, 0.4, 0)
+    x = np.array([1, 3750, attention_work(docs, 0.4, 64), selection_work(docs, 64)])
+    assert f == pytest.approx(x @ cf) and b == pytest.approx(x @ cb)
+    assert m.predict(docs, 0.4, 0) == pytest.approx(f + b)
+    assert m.predict(docs, 0.2, 0) < m.predict(docs, 0.4, 0)
+
+
+def test_unit_terms_closed_form_equals_predict_many():
+    m = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=8192), pp=2)
+    rng = np.random.default_rng(1)
+    units = [np.diff(np.r_[0, np.sort(rng.choice(8191, 5, replace=False) + 1), 8192])
+             for _ in range(20)]
+    d = rng.choice([0.125, 0.25, 0.5, 1.0], 20)
+    for stage in (0, 1):
+        terms = m.unit_terms(units, stage)
+        np.testing.assert_allclose(terms.time_s(d), m.predict_many(units, d, stage))
+        np.testing.assert_allclose(terms.time_s(d)[3], m.predict(units[3], d[3], stage))
+        grid = terms.time_grid_s([0.125, 0.25, 0.5, 1.0])
+        idx = np.searchsorted([0.125, 0.25, 0.5, 1.0], d)
+        np.testing.assert_allclose(grid[np.arange(20), idx], terms.time_s(d))
+    with pytest.raises(ValueError, match="stage=2"):
+        m.predict(units[0], 0.5, 2)
+
+
+def test_calibration_ema_and_bad_measurements():
+    m = LatencyModel.analytic(ModelShape(num_layers=2, seq_length=4096), calibration_ema=0.5)
+    base = m.predict([4096], 0.5, 0)
+    m.calibrate(3, [1.0, 1.0], [2.0, 2.0])        # ratio 2 -> 1 + 0.5 * (2 - 1)
+    assert m.correction(3) == pytest.approx(1.5)
+    m.calibrate(3, 1.0, 2.0)
+    assert m.correction(3) == pytest.approx(1.75)
+    assert m.correction(0) == 1.0
+    assert m.predict([4096], 0.5, 0, rank=3) == pytest.approx(1.75 * base)
+    with pytest.warns(UserWarning, match="rank 3"):
+        m.calibrate(3, 1.0, float("nan"))
+    m.calibrate(3, 1.0, -1.0)                       # warned once already: silent, unchanged
+    m.calibrate(3, 1.0, None)
+    assert m.correction(3) == pytest.approx(1.75)
+
+
+def test_predict_many_global_batch_is_milliseconds():
+    m = LatencyModel.analytic(pp=4)
+    rng = np.random.default_rng(0)
+    units = [np.diff(np.r_[0, np.sort(rng.choice(32767, rng.integers(1, 30), replace=False) + 1),
+                           32768]) for _ in range(4096)]
+    d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
+    m.predict_many(units, d, 1)
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        m.predict_many(units, d, 1)
+        runs.append(time.perf_counter() - t0)
+    assert np.median(runs) < 0.25   # measured ~10 ms on 2 shared cores; generous margin

@@ -1,0 +1,85 @@
+"""Latency table JSON: strict loading, clear errors naming file and field, compatibility check."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.latency import (LatencyModel, LatencyTableError, LatencyTableMismatch,
+                                            ModelShape, analytic_table)
+
+
+@pytest.fixture
+def table():
+    return analytic_table(ModelShape(num_layers=4, seq_length=4096), pp=2)
+
+
+def _write(tmp_path, obj, name="t.json"):
+    p = tmp_path / name
+    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(p)
+
+
+def test_save_load_roundtrip_is_json_and_predicts_the_same(tmp_path, table):
+    m = LatencyModel.from_table(table)
+    path = str(tmp_path / "lat.json")
+    m.save(path)
+    again = LatencyModel.load(path)
+    assert json.load(open(path))["source"] == "analytic"
+    for stage in (0, 1):
+        assert again.predict([1000, 3096], 0.3, stage) == pytest.approx(
+            m.predict([1000, 3096], 0.3, stage))
+
+
+def test_truncated_and_malformed_json_name_the_file(tmp_path, table):
+    text = json.dumps(table)
+    p = _write(tmp_path, text[: len(text) // 2])
+    with pytest.raises(LatencyTableError, match="t.json.*not valid JSON"):
+        LatencyModel.load(p)
+    with pytest.raises(LatencyTableError, match="file not found"):
+        LatencyModel.load(str(tmp_path / "nope.json"))
+
+
+@pytest.mark.parametrize("mutate,field", [
+    (lambda t: t.pop("device"), "'device': missing"),
+    (lambda t: t.pop("measurements"), "'measurements': missing"),
+    (lambda t: t.__setitem__("measurements", []), "'measurements': empty grid"),
+    (lambda t: t["measurements"][3].__setitem__("fwd_s", -1.0), r"measurements\[3\].fwd_s"),
+    (lambda t: t["measurements"][0].__setitem__("bwd_s", float("nan")), r"measurements\[0\].bwd_s"),
+    (lambda t: t["measurements"][2].pop("density"), r"measurements\[2\].density': missing"),
+    (lambda t: t["measurements"][1].__setitem__("density", 1.5), r"measurements\[1\].density"),
+    (lambda t: t["measurements"][1].__setitem__("doc_lengths", [0]), "doc_lengths"),
+    (lambda t: t["attention"].pop("block_size"), "attention.block_size"),
+    (lambda t: t["coefficients"]["first"].__setitem__("fwd", [1.0]), "coefficients.first.fwd"),
+    (lambda t: t.__setitem__("format_version", 99), "format_version"),
+    (lambda t: t.__setitem__("measurements", [m for m in t["measurements"] if m["kind"] == "first"]),
+     r"stage kind\(s\) \['last'\]"),
+])
+def test_bad_fields_are_named(tmp_path, table, mutate, field):
+    mutate(table)
+    p = _write(tmp_path, table)
+    with pytest.raises(LatencyTableError, match="t.json.*" + field):
+        LatencyModel.load(p)
+
+
+def test_table_from_another_setup_is_refused_unless_forced(tmp_path, table):
+    p = _write(tmp_path, table)
+    expect = {"device": "cpu: test", "torch": "2.13.0", "megatron_core": "0.19.2",
+              "model": {"hidden_size": 896, "num_layers": 8}}
+    with pytest.raises(LatencyTableMismatch) as e:
+        LatencyModel.load(p, expect=expect)
+    msg = str(e.value)
+    assert "device" in msg and "torch version" in msg and "model.num_layers" in msg
+    assert "model.hidden_size" not in msg and "--sb-latency-table-force" in msg
+    with pytest.warns(UserWarning, match="used anyway"):
+        m = LatencyModel.load(p, expect=expect, force=True)
+    assert m.predict([4096], 0.5, 0) > 0
+    same = {"device": table["device"], "model": {"num_layers": 4}}
+    LatencyModel.load(p, expect=same)   # matching expectations load silently
+
+
+def test_table_without_coefficients_is_fitted(tmp_path, table):
+    ref = LatencyModel.from_table(table)
+    del table["coefficients"]
+    m = LatencyModel.load(_write(tmp_path, table))
+    np.testing.assert_allclose(m.coef["last"]["bwd"], ref.coef["last"]["bwd"], rtol=1e-6, atol=1e-15)
