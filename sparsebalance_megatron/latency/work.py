@@ -5,7 +5,8 @@ every document is cut into ``ceil(L / block_size)`` blocks; query block i (0-bas
 document) has ``i + 1`` causal key blocks available and keeps
 ``max(ceil(density * (i + 1)), forced_i)`` of them, where ``forced_i = min(i + 1,
 sink_blocks + local_blocks + 1)`` counts the diagonal, the sink blocks and the local window (their
-union inside [0, i]). The ceil is taken in float64 on ``density * available``, like the kernel does.
+union inside [0, i]). The ceil is taken in float64 as ``ceil(density * available - 1e-9)``, exactly
+like ``attention/selection.py`` does (the epsilon keeps ceil(0.7 * 10) at 7).
 A short last block counts as one full pair: the kernels work on padded ``block_size`` tiles
 (see ``attention/blocks.py``), so a short tile costs what a full one does.
 
@@ -55,6 +56,10 @@ def check_densities(density) -> np.ndarray:
     return d
 
 
+# Must equal attention/selection.py's _CEIL_EPS (a test compares with the kernel's selection).
+CEIL_EPS = 1e-9
+
+
 def num_blocks(doc_lengths: np.ndarray, block_size: int) -> np.ndarray:
     return (doc_lengths + block_size - 1) // block_size
 
@@ -65,7 +70,7 @@ def cumulative_work_table(densities: np.ndarray, max_blocks: int, sink_blocks: i
     d = check_densities(densities).reshape(-1, 1)                 # [D, 1]
     n = np.arange(1, max_blocks + 1, dtype=np.float64)[None, :]   # [1, N] available blocks
     forced = np.minimum(n, float(sink_blocks + local_blocks + 1))
-    kept = np.maximum(np.ceil(d * n), forced)                     # [D, N]
+    kept = np.maximum(np.ceil(d * n - CEIL_EPS), forced)                     # [D, N]
     out = np.zeros((d.shape[0], max_blocks + 1))
     np.cumsum(kept, axis=1, out=out[:, 1:])
     return out
@@ -98,6 +103,6 @@ def kept_pairs_bruteforce(doc_lengths: DocLengths, density: float, block_size: i
         nb = -(-length // block_size)
         for i in range(nb):
             forced = set(range(min(sink_blocks, i + 1))) | set(range(max(0, i - local_blocks), i + 1))
-            k = int(np.ceil(np.float64(density) * (i + 1)))
+            k = int(np.ceil(np.float64(density) * (i + 1) - CEIL_EPS))
             total += min(i + 1, max(k, len(forced)))
     return total

@@ -119,3 +119,19 @@ def test_predict_many_global_batch_is_milliseconds():
         m.predict_many(units, d, 1)
         runs.append(time.perf_counter() - t0)
     assert np.median(runs) < 0.25   # measured ~10 ms on 2 shared cores; generous margin
+
+
+@pytest.mark.parametrize("density", [0.1, 0.3, 0.7, 1.0])
+def test_attention_work_equals_the_kernels_selection(density):
+    """The count the model uses is what the attention kernel keeps (attention/selection.py)."""
+    torch = pytest.importorskip("torch")
+    api = pytest.importorskip("sparsebalance_megatron.attention")
+    lengths = [700, 64, 1500, 33]
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(t, 4, 16, generator=g)
+    k = torch.randn(t, 2, 16, generator=g)
+    cu = [0] + np.cumsum(lengths).tolist()
+    _, sel = api.block_sparse_attention(q, k, k.clone(), cu, density, block_size=64,
+                                        sink_blocks=1, local_blocks=2, backend="reference")
+    assert int(sel.kv_num[0].sum()) == attention_work(lengths, density, 64, 1, 2)
