@@ -1,0 +1,160 @@
+"""Unit costs over a density grid: the cost interface DST plans against.
+
+A *unit* is one (dp_rank, micro-batch, pipeline stage). The latency model predicts each unit's
+forward and backward seconds as a function of its attention density; DST needs that function at
+many densities, so it is tabulated once per step on a small grid of densities (multiples of 1/64
+between d_min and d_max, plus d0). On the grid, planning is exact table look-ups: no latency-model
+calls inside the planning loop.
+
+Also here: the attention-work-weighted mean density that every report quotes.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+
+GRID_STEP = 1.0 / 64
+
+
+def density_grid(d0: float, d_min: float, d_max: float, step: float = GRID_STEP) -> np.ndarray:
+    """[g] sorted densities: multiples of ``step`` inside [d_min, d_max], plus d_min, d0, d_max."""
+    check_density_bounds(d0, d_min, d_max)
+    if not (0.0 < step <= 1.0):
+        raise ValueError(f"grid step={step!r}: expected a number in (0, 1]")
+    k0 = int(np.ceil(d_min / step - 1e-9))
+    k1 = int(np.floor(d_max / step + 1e-9))
+    pts = [k * step for k in range(max(k0, 1), k1 + 1)]
+    pts += [d_min, d0, d_max]
+    grid = np.unique(np.round(np.asarray(pts, dtype=np.float64), 12))
+    return grid[(grid >= d_min - 1e-12) & (grid <= d_max + 1e-12)]
+
+
+def check_density_bounds(d0: float, d_min: float, d_max: float) -> None:
+    """ValueError naming the flag when d0, d_min, d_max are not 0 < d_min <= d0 <= d_max <= 1."""
+    for flag, v in (("--sb-density", d0), ("--sb-min-density", d_min),
+                    ("--sb-max-density", d_max)):
+        if not isinstance(v, (int, float, np.floating)) or not (0.0 < float(v) <= 1.0):
+            raise ValueError(f"{flag}={v!r}: expected a number in (0, 1]")
+    if not (d_min <= d0 <= d_max):
+        raise ValueError(f"--sb-density={d0!r}: expected d_min <= d0 <= d_max with "
+                         f"--sb-min-density={d_min!r}, --sb-max-density={d_max!r}")
+
+
+@dataclass
+class UnitCosts:
+    """Predicted seconds of every unit at every grid density.
+
+    densities: [g] ascending grid; fwd_s, bwd_s: [dp, m, pp, g] seconds.
+    attn_work: optional [dp, m, pp] dense attention work of each unit (kept block pairs at density
+    1, or anything proportional); the weights of the mean density. Without it the attention part
+    of the cost is used: (t(d_max) - t(d_min)) / (d_max - d_min), which is proportional to dense
+    attention work when time is affine in kept block pairs.
+
+    Costs are made non-decreasing in density (a running max over the grid), so that cutting can
+    never make a unit slower; a latency table's interpolation noise would otherwise break that.
+    """
+
+    densities: np.ndarray
+    fwd_s: np.ndarray
+    bwd_s: np.ndarray
+    attn_work: Optional[np.ndarray] = None
+
+    def __post_init__(self):
+        g = np.asarray(self.densities, dtype=np.float64)
+        if g.ndim != 1 or g.size < 1 or np.any(np.diff(g) <= 0):
+            raise ValueError(f"densities must be a strictly increasing [g] grid, got {g!r}")
+        if g[0] <= 0 or g[-1] > 1:
+            raise ValueError(f"grid densities must lie in (0, 1], got [{g[0]}, {g[-1]}]")
+        f = np.asarray(self.fwd_s, dtype=np.float64)
+        b = np.asarray(self.bwd_s, dtype=np.float64)
+        if f.ndim != 4 or f.shape[-1] != g.size or b.shape != f.shape:
+            raise ValueError(f"fwd_s {f.shape} and bwd_s {b.shape} must both be [dp, m, pp, g] "
+                             f"with g={g.size}")
+        if min(f.shape) < 1:
+            raise ValueError(f"fwd_s shape {f.shape}: every axis must be >= 1")
+        for name, a in (("fwd_s", f), ("bwd_s", b)):
+            if not np.all(np.isfinite(a)) or np.any(a < 0):
+                raise ValueError(f"{name} must be finite seconds >= 0 (min={np.nanmin(a)!r})")
+        self.densities = g
+        self.fwd_s = np.maximum.accumulate(f, axis=-1)
+        self.bwd_s = np.maximum.accumulate(b, axis=-1)
+        self.total_s = self.fwd_s + self.bwd_s                       # [dp, m, pp, g]
+        if self.attn_work is not None:
+            w = np.asarray(self.attn_work, dtype=np.float64)
+            if w.shape != f.shape[:3] or np.any(~np.isfinite(w)) or np.any(w < 0):
+                raise ValueError(f"attn_work must be [dp, m, pp]={f.shape[:3]} finite >= 0, "
+                                 f"got shape {w.shape}")
+            self.attn_work = w
+
+    @property
+    def shape(self) -> Tuple[int, int, int]:
+        return tuple(self.fwd_s.shape[:3])
+
+    def index_of(self, density: float) -> int:
+        """Grid index of a density that is on the grid (ValueError otherwise)."""
+        i = int(np.argmin(np.abs(self.densities - density)))
+        if abs(self.densities[i] - density) > 1e-9:
+            raise ValueError(f"density {density!r} is not on the cost grid "
+                             f"[{self.densities[0]}, ..., {self.densities[-1]}]")
+        return i
+
+    def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
+        i = np.asarray(idx)[..., None]
+        return (np.take_along_axis(self.fwd_s, i, axis=-1)[..., 0],
+                np.take_along_axis(self.bwd_s, i, axis=-1)[..., 0])
+
+    def weights(self) -> np.ndarray:
+        """[dp, m, pp] weights of the work-weighted mean density."""
+        if self.attn_work is not None:
+            return self.attn_work
+        t = self.total_s
+        span = self.densities[-1] - self.densities[0]
+        if span <= 0:
+            return np.ones(self.shape)
+        return (t[..., -1] - t[..., 0]) / span
+
+    @classmethod
+    def from_function(cls, cost_fn: Callable[[float], Tuple[np.ndarray, np.ndarray]],
+                      densities: np.ndarray, attn_work: Optional[np.ndarray] = None
+                      ) -> "UnitCosts":
+        """Tabulate ``cost_fn(density) -> (fwd_s [dp, m, pp], bwd_s [dp, m, pp])`` on a grid."""
+        g = np.asarray(densities, dtype=np.float64)
+        pairs = [cost_fn(float(d)) for d in g]
+        f = np.stack([np.asarray(p[0], dtype=np.float64) for p in pairs], axis=-1)
+        b = np.stack([np.asarray(p[1], dtype=np.float64) for p in pairs], axis=-1)
+        return cls(g, f, b, attn_work)
+
+    @classmethod
+    def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,
+               fwd_fraction: float = 1.0 / 3.0, attn_work: Optional[np.ndarray] = None
+               ) -> "UnitCosts":
+        """Closed form t(d) = fixed_s + d * attn_s_dense per unit ([dp, m, pp] each), split into
+        forward and backward by ``fwd_fraction`` (1/3: backward costs about twice the forward)."""
+        g = np.asarray(densities, dtype=np.float64)
+        fixed = np.asarray(fixed_s, dtype=np.float64)
+        attn = np.asarray(attn_s_dense, dtype=np.float64)
+        if fixed.shape != attn.shape or fixed.ndim != 3:
+            raise ValueError(f"fixed_s {fixed.shape} and attn_s_dense {attn.shape} must both "
+                             "be [dp, m, pp]")
+        if not (0.0 < fwd_fraction < 1.0):
+            raise ValueError(f"fwd_fraction={fwd_fraction!r}: expected a number in (0, 1)")
+        t = fixed[..., None] + attn[..., None] * g                  # [dp, m, pp, g]
+        w = attn if attn_work is None else attn_work
+        return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, w)
+
+
+def weighted_mean_density(densities: np.ndarray, weights: np.ndarray) -> float:
+    """Mean of densities [dp, m, pp] weighted by attention work [dp, m, pp] (plain mean if all
+    weights are zero)."""
+    d = np.asarray(densities, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if d.shape != w.shape:
+        raise ValueError(f"densities {d.shape} and weights {w.shape} must have the same shape")
+    tot = float(w.sum())
+    return float((d * w).sum() / tot) if tot > 0 else float(d.mean())

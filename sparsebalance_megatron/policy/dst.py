@@ -1,0 +1,285 @@
+"""Dynamic sparsity tuning (DST): plan one attention density per (dp_rank, micro-batch, stage).
+
+The rule (DESIGN.md section 5, issue 4):
+
+1. Static plan: every unit at d0; simulate the 1F1B step (``sim.pipeline``) -> step time T0.
+2. Anchor over the *load units* at d0: a load unit is one (dp rank, pipeline stage) and its time
+   is the stage's busy seconds over the step, sum over micro-batches of fwd+bwd. Why this unit:
+   DP ranks wait for each other at the gradient all-reduce, so a rank's whole step is what waits;
+   within a rank, stage s runs its micro-batches back to back, so the pipeline's steady state runs
+   at the pace of its busiest stage, and the makespan is about (busiest stage's busy time) + fill
+   and drain. A single heavy micro-batch on a light rank sets nothing: cutting it would lose
+   accuracy for no step time. Anchoring over (rank, stage) balances both axes the paper balances,
+   DP ranks and pipeline stages (the last stage carries the LM head and loss).
+   ``mean`` | ``median`` | ``min`` over all dp x pp load units; ``max`` = the largest, i.e. never cut.
+3. Cut: every load unit above (1 + p) x anchor has its micro-batches' densities on that stage
+   lowered, least sensitive micro-batch first, each down to d_min at most, until the stage's busy
+   time is inside the band (or everything is at d_min). Cutting only lowers unit times, and a
+   1F1B makespan is a longest path with fixed event order, so the step time can only shrink.
+4. Raise (bubble filling): simulate again -> the new bottleneck T1. On every rank, every stage's
+   busy time may grow up to T1 - (that rank's fill/drain overhead); densities rise most sensitive
+   micro-batch first, each up to d_max. The proxy is checked with the simulator: a rank whose
+   makespan would exceed T1 gets half of its slack and is re-planned (a few rounds), and falls
+   back to its cut-only densities if it still exceeds. So the planned step time never exceeds T1,
+   which never exceeds T0. This is where cheap stages (first stage, light ranks) turn bubbles into
+   density.
+
+Costs come as ``UnitCosts`` (a density grid), so every step of the rule is a vectorised table
+look-up; a 64 x 16 x 4 plan takes a few milliseconds.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..config import ANCHORS, ConfigError
+from ..sim.pipeline import pipeline_makespan_s
+from .costs import UnitCosts, check_density_bounds, weighted_mean_density
+from .slack import event_float_s
+
+RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
+_REL_EPS = 1e-9           # float slack when comparing makespans
+
+
+@dataclass
+class DSTReport:
+    """What one plan did; every time is predicted by the latency model + 1F1B simulator."""
+
+    step_time_static_s: float    # all units at d0
+    step_time_cut_s: float       # after the cut phase (the bottleneck the raise respects)
+    step_time_planned_s: float   # final plan
+    speedup: float               # static / planned
+    imbalance_before: float      # max / mean of per-rank makespans, static plan
+    imbalance_after: float       # same, final plan
+    anchor_s: float              # anchor over (rank, stage) busy times at d0
+    band_s: float                # (1 + p) x anchor
+    mean_density_static: float   # work-weighted mean density of the static plan (= d0)
+    mean_density: float          # work-weighted mean density of the final plan
+    units_cut: int               # units whose density ended below d0
+    units_raised: int            # units whose density ended above d0
+    ranks_reverted: int          # ranks whose raise failed verification (kept cut-only)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DSTPlan:
+    densities: np.ndarray   # [dp, m, pp] planned density of every unit
+    report: DSTReport
+
+
+def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
+    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
+    if anchor not in ANCHORS:
+        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
+    t = tolerance
+    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
+            or t < 0 or t > 10):
+        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
+
+
+def _anchor_s(busy_s: np.ndarray, anchor: str) -> float:
+    if anchor == "mean":
+        return float(busy_s.mean())
+    if anchor == "median":
+        return float(np.median(busy_s))
+    if anchor == "min":
+        return float(busy_s.min())
+    return float(busy_s.max())
+
+
+def _unit_ids(shape, rows: np.ndarray) -> np.ndarray:
+    """Flat unit ids [k, m, pp] of the units of DP ranks ``rows`` in a [dp, m, pp] layout."""
+    _, m, pp = shape
+    return (rows[:, None, None] * m + np.arange(m)[None, :, None]) * pp \
+        + np.arange(pp)[None, None, :]
+
+
+def _lookup(a: np.ndarray, units: np.ndarray, idx) -> np.ndarray:
+    """a[unit, idx] for a [dp, m, pp, g] table, flat unit ids and grid indices (same shape)."""
+    g = a.shape[-1]
+    return a.reshape(-1)[units * g + idx]
+
+
+def _perm_along_m(order: np.ndarray):
+    """Fancy-index tuple that reorders a [k, m, pp] array along m by order [k, m, pp]."""
+    k, m, pp = order.shape
+    return (np.arange(k)[:, None, None], order, np.arange(pp)[None, None, :])
+
+
+def _highest_index_within(t_grid, units, thr, lo, hi):
+    """Per unit: the highest grid index i in [lo, hi] with t(i) <= thr (lo if none).
+
+    Vectorised binary search; costs are non-decreasing in density (``UnitCosts`` makes them so).
+    """
+    lo = np.array(np.broadcast_to(lo, units.shape), dtype=np.int64)
+    hi = np.array(np.broadcast_to(hi, units.shape), dtype=np.int64)
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi + 1) // 2
+        fits = _lookup(t_grid, units, mid) <= thr
+        lo = np.where(open_ & fits, mid, lo)
+        hi = np.where(open_ & ~fits, mid - 1, hi)
+
+
+def _cut(t_grid, units, cur_i, excess_s, order, i_min):
+    """Lower densities until each (rank, stage) sheds ``excess_s`` [k, pp] seconds, taking the
+    micro-batches in ``order`` [k, m, pp] (least sensitive first), each at most down to d_min.
+
+    t_grid [dp, m, pp, g] seconds; units [k, m, pp] flat unit ids; cur_i [k, m, pp] grid indices.
+    """
+    t_cur = _lookup(t_grid, units, cur_i)                        # [k, m, pp]
+    save_full = t_cur - _lookup(t_grid, units, i_min)
+    perm = _perm_along_m(order)
+    save_sorted = save_full[perm]
+    cum_before = np.empty_like(save_full)
+    cum_before[perm] = np.cumsum(save_sorted, axis=1) - save_sorted
+    need = excess_s[:, None, :] - cum_before                       # seconds still to shed
+    active = (need > 0) & (save_full > 0)
+    new_i = cur_i.copy()
+    new_i[active] = _highest_index_within(t_grid, units[active], (t_cur - need)[active],
+                                          i_min, cur_i[active])
+    return new_i
+
+
+def _raise(t_grid, units, cur_i, slack_s, cap_s, order, i_max):
+    """Raise densities while each (rank, stage) stays within ``slack_s`` [k, pp] extra seconds
+    and each unit within its own float ``cap_s`` [k, m, pp], micro-batches in ``order`` (most
+    sensitive first), each at most up to d_max."""
+    t_cur = _lookup(t_grid, units, cur_i)
+    gain_full = np.minimum(_lookup(t_grid, units, i_max) - t_cur, cap_s)
+    perm = _perm_along_m(order)
+    gain_sorted = gain_full[perm]
+    cum_before = np.empty_like(gain_full)
+    cum_before[perm] = np.cumsum(gain_sorted, axis=1) - gain_sorted
+    room = np.minimum(slack_s[:, None, :] - cum_before, cap_s)
+    active = (room > 0) & (gain_full > 0)
+    new_i = cur_i.copy()
+    new_i[active] = _highest_index_within(t_grid, units[active], (t_cur + room)[active],
+                                          cur_i[active], i_max)
+    return new_i
+
+
+def _broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
+    dp, m, pp = shape
+    if sensitivity is None:
+        return np.zeros(shape)
+    s = np.asarray(sensitivity, dtype=np.float64)
+    if s.shape == (dp, m):
+        s = np.broadcast_to(s[:, :, None], shape)
+    if s.shape != shape:
+        raise ValueError(f"sensitivity must be [dp, m]={(dp, m)} or [dp, m, pp]={shape}, "
+                         f"got {s.shape}")
+    if not np.all(np.isfinite(s)):
+        raise ValueError("sensitivity must be finite")
+    return s
+
+
+def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_min: float,
+             d_max: float, anchor: str = "mean", tolerance: float = 0.1,
+             p2p_s: float = 0.0) -> DSTPlan:
+    """Plan densities [dp, m, pp] for one step.
+
+    costs: predicted fwd/bwd seconds of every unit over a density grid that contains d0, d_min
+    and d_max (``density_grid``); sensitivity: [dp, m] or [dp, m, pp], higher = loses more
+    accuracy when sparsified (mean over a micro-batch's samples), None = all equal.
+    """
+    check_anchor_tolerance(anchor, tolerance)
+    check_density_bounds(d0, d_min, d_max)
+    dp, m, pp = costs.shape
+    sens = _broadcast_sensitivity(sensitivity, (dp, m, pp))
+    i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
+    t_grid = costs.total_s                                          # [dp, m, pp, g]
+    weights = costs.weights()
+
+    all_units = _unit_ids((dp, m, pp), np.arange(dp))               # [dp, m, pp]
+
+    def simulate(units, idx):
+        f, b = _lookup(costs.fwd_s, units, idx), _lookup(costs.bwd_s, units, idx)
+        return pipeline_makespan_s(f, b, p2p_s), f + b
+
+    # 1. static plan
+    idx0 = np.full((dp, m, pp), i0, dtype=np.int64)
+    mk0, t0 = simulate(all_units, idx0)
+    step0 = float(mk0.max())
+    busy0 = t0.sum(axis=1)                                          # [dp, pp]
+    anchor_s = _anchor_s(busy0, anchor)
+    band_s = (1.0 + tolerance) * anchor_s
+
+    # 2. cut stragglers, least sensitive first (stable sort: ties keep micro-batch order)
+    excess = busy0 - band_s
+    if anchor != "max" and np.any(excess > 0):
+        order = np.argsort(sens, axis=1, kind="stable")
+        idx_cut = _cut(t_grid, all_units, idx0, np.maximum(excess, 0.0), order, i_min)
+        mk1, t1 = simulate(all_units, idx_cut)
+    else:
+        idx_cut, mk1, t1 = idx0, mk0, t0
+    step1 = float(mk1.max())
+
+    # 3. raise below the new bottleneck, most sensitive first; verify with the simulator.
+    #    Ranks are independent pipelines, so a rank that overshoots is re-planned alone.
+    busy1 = t1.sum(axis=1)                                          # [dp, pp]
+    overhead = mk1 - busy1.max(axis=1)                              # [dp] fill/drain
+    slack_full = np.maximum(step1 - overhead[:, None] - busy1, 0.0)  # [dp, pp]
+    f1, b1 = _lookup(costs.fwd_s, all_units, idx_cut), _lookup(costs.bwd_s, all_units, idx_cut)
+    float_f, float_b = event_float_s(f1, b1, np.full(dp, step1), p2p_s)
+    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0)       # [dp, m, pp]
+    idx, mk_final = idx_cut.copy(), mk1.copy()
+    reverted = 0
+    limit = step1 * (1.0 + _REL_EPS) + 1e-15
+    ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
+    if i_max > i_min and ranks.size:
+        order = np.argsort(-sens, axis=1, kind="stable")
+
+        def try_raise(rows, alpha):
+            """Raise ranks ``rows`` with slack x alpha [k]; accept those the simulator clears."""
+            units = all_units[rows]
+            trial = _raise(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
+                           alpha[:, None, None] * cap_full[rows], order[rows], i_max)
+            mk, _ = simulate(units, trial)
+            return trial, mk, mk <= limit
+
+        trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
+        idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
+        ranks = ranks[~ok]
+        if ranks.size:
+            # All shrunken slacks of the overshooting ranks in one simulator call:
+            # rows = rank x alpha (0.5, 0.25, ...); keep the largest alpha that clears.
+            alphas = 0.5 ** np.arange(1, RAISE_ROUNDS + 1)
+            rows = np.repeat(ranks, alphas.size)
+            trial, mk, ok = try_raise(rows, np.tile(alphas, ranks.size))
+            ok = ok.reshape(ranks.size, alphas.size)
+            for j, r in enumerate(ranks.tolist()):
+                hits = np.flatnonzero(ok[j])
+                if hits.size:
+                    k = j * alphas.size + hits[0]
+                    idx[r], mk_final[r] = trial[k], mk[k]
+                else:
+                    reverted += 1
+
+    dens = costs.densities[idx]
+    report = DSTReport(
+        step_time_static_s=step0, step_time_cut_s=step1,
+        step_time_planned_s=float(mk_final.max()),
+        speedup=step0 / float(mk_final.max()) if mk_final.max() > 0 else 1.0,
+        imbalance_before=float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0,
+        imbalance_after=float(mk_final.max() / mk_final.mean()) if mk_final.mean() > 0 else 1.0,
+        anchor_s=anchor_s, band_s=band_s,
+        mean_density_static=float(d0),
+        mean_density=weighted_mean_density(dens, weights),
+        units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()),
+        ranks_reverted=reverted)
+    return DSTPlan(dens, report)
+
+
+def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
+    """[dp, m, pp] all at d0 (the baseline DST is compared with)."""
+    return np.full(costs.shape, float(d0))

@@ -1,0 +1,165 @@
+"""DST policy: properties of the plan (never slower, bounds, max never cuts, determinism),
+the cut/raise behaviour on hand-built cases, validation and planning time."""
+
+import time
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.policy import (UnitCosts, density_grid, plan_dst,
+                                           weighted_mean_density)
+from sparsebalance_megatron.sim.pipeline import simulate_1f1b
+
+D0, DMIN, DMAX = 0.5, 0.125, 1.0
+
+
+def synthetic_costs(dp, m, pp, seed, grid=None, lm_head=0.3, attn_scale=1.6):
+    """Affine unit costs with a heavy-tailed attention part (packed 32K micro-batches of
+    Pareto-length documents) and a heavier last stage (LM head + loss)."""
+    rng = np.random.default_rng(seed)
+    attn = np.zeros((dp, m))
+    for r in range(dp):
+        for j in range(m):
+            lengths = np.minimum(rng.pareto(1.1, size=64) * 800 + 64, 32768)
+            lengths = lengths[np.cumsum(lengths) <= 32768]
+            attn[r, j] = (lengths ** 2).sum() / 32768 ** 2 + rng.random() * 0.02
+    fixed = np.ones((dp, m, pp)) * (1 + 0.05 * rng.random((dp, m, pp)))
+    fixed[..., -1] += lm_head
+    attn_s = np.broadcast_to(attn[:, :, None] * attn_scale, (dp, m, pp)).copy()
+    g = density_grid(D0, DMIN, DMAX) if grid is None else grid
+    return UnitCosts.affine(g, fixed, attn_s)
+
+
+def step_time_of(costs, densities):
+    idx = np.searchsorted(costs.densities, densities - 1e-12)
+    assert np.allclose(costs.densities[idx], densities), "density off the grid"
+    f = np.take_along_axis(costs.fwd_s, idx[..., None], axis=-1)[..., 0]
+    b = np.take_along_axis(costs.bwd_s, idx[..., None], axis=-1)[..., 0]
+    return simulate_1f1b(f, b).step_time_s
+
+
+def test_properties_over_random_cases():
+    rng = np.random.default_rng(0)
+    for case in range(40):
+        dp, m, pp = int(rng.integers(1, 9)), int(rng.integers(1, 7)), int(rng.integers(1, 5))
+        costs = synthetic_costs(dp, m, pp, seed=case)
+        sens = rng.random((dp, m))
+        anchor = ("mean", "median", "min", "max")[case % 4]
+        tol = float(rng.choice([0.0, 0.05, 0.1, 0.3]))
+        plan = plan_dst(costs, sens, D0, DMIN, DMAX, anchor=anchor, tolerance=tol)
+        d, rep = plan.densities, plan.report
+        static = step_time_of(costs, np.full((dp, m, pp), D0))
+        planned = step_time_of(costs, d)
+        assert d.shape == (dp, m, pp)
+        assert np.all(d >= DMIN - 1e-12) and np.all(d <= DMAX + 1e-12)
+        assert planned <= static * (1 + 1e-9), (case, anchor, planned, static)
+        assert rep.step_time_planned_s == pytest.approx(planned)
+        assert rep.step_time_static_s == pytest.approx(static)
+        if anchor == "max":
+            assert np.all(d >= D0 - 1e-12) and rep.units_cut == 0
+        assert rep.units_cut == int((d < D0 - 1e-12).sum())
+        assert rep.units_raised == int((d > D0 + 1e-12).sum())
+        again = plan_dst(costs, sens.copy(), D0, DMIN, DMAX, anchor=anchor, tolerance=tol)
+        assert np.array_equal(again.densities, d)
+
+
+def test_straggler_rank_is_cut_least_sensitive_first_and_others_raised():
+    dp, m, pp = 4, 4, 1
+    fixed = np.ones((dp, m, pp))
+    attn = np.full((dp, m, pp), 0.4)
+    attn[2] = 3.0                                   # rank 2 holds the long documents
+    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+    sens = np.tile(np.array([0.3, 0.1, 0.4, 0.2]), (dp, 1))
+    plan = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    d, rep = plan.densities[..., 0], plan.report
+    assert rep.step_time_planned_s < 0.8 * rep.step_time_static_s
+    assert d[2].mean() < 0.5 * D0 and d[2].max() <= D0
+    # least sensitive micro-batch (index 1) is cut deepest, the most sensitive (2) least
+    assert d[2, 1] == d[2].min() and d[2, 2] == d[2].max()
+    # the light ranks turn their slack into density, most sensitive first
+    assert np.all(d[[0, 1, 3]] >= D0)
+    assert d[0, 2] == d[0].max()
+    assert rep.imbalance_after < rep.imbalance_before
+    # never cut below d_min even if the band is unreachable
+    hard = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="min", tolerance=0.0)
+    assert hard.densities.min() >= DMIN
+
+
+def test_cheaper_stage_is_raised_without_growing_step_time():
+    dp, m, pp = 2, 6, 2
+    fixed = np.ones((dp, m, pp))
+    fixed[..., 1] = 1.8                             # last stage: LM head + loss
+    attn = np.full((dp, m, pp), 0.6)
+    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+    plan = plan_dst(costs, None, D0, DMIN, DMAX, anchor="max")
+    d = plan.densities
+    assert np.all(d[:, 1:-1, 0] > D0)               # first stage fills its bubble
+    assert np.all(d[..., 0] >= D0)
+    assert np.all(d[..., 1] == D0)                  # bottleneck stage unchanged
+    assert plan.report.step_time_planned_s <= plan.report.step_time_static_s * (1 + 1e-9)
+    assert plan.report.mean_density > D0
+
+
+def test_mean_anchor_cuts_heavy_last_stage_and_raises_the_rest():
+    costs = synthetic_costs(8, 8, 4, seed=3, lm_head=0.8)
+    plan = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    d = plan.densities
+    assert d[..., -1].mean() < D0 < d[..., 0].mean()
+    assert plan.report.speedup > 1.02
+
+
+def test_weighted_mean_density():
+    d = np.array([[[0.25], [1.0]]])
+    w = np.array([[[3.0], [1.0]]])
+    assert weighted_mean_density(d, w) == pytest.approx((0.75 + 1.0) / 4)
+    with pytest.raises(ValueError):
+        weighted_mean_density(d, w[:, :1])
+
+
+@pytest.mark.parametrize("kw, flag", [
+    (dict(anchor="average"), "--sb-anchor"),
+    (dict(tolerance=-0.1), "--sb-tolerance"),
+    (dict(tolerance=float("nan")), "--sb-tolerance"),
+    (dict(tolerance=11.0), "--sb-tolerance"),
+])
+def test_bad_anchor_or_tolerance_names_the_flag(kw, flag):
+    costs = synthetic_costs(2, 2, 2, seed=0)
+    with pytest.raises(ValueError, match=flag):
+        plan_dst(costs, None, D0, DMIN, DMAX, **kw)
+
+
+def test_bad_bounds_and_shapes():
+    costs = synthetic_costs(2, 3, 2, seed=0)
+    with pytest.raises(ValueError, match="--sb-density"):
+        plan_dst(costs, None, 0.05, DMIN, DMAX)
+    with pytest.raises(ValueError, match="--sb-max-density"):
+        density_grid(D0, DMIN, 1.5)
+    with pytest.raises(ValueError, match="sensitivity"):
+        plan_dst(costs, np.zeros((3, 3)), D0, DMIN, DMAX)
+    with pytest.raises(ValueError, match="not on the cost grid"):
+        plan_dst(costs, None, 0.51, DMIN, DMAX)
+    with pytest.raises(ValueError, match="bwd_s"):
+        UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s[:, :1])
+    with pytest.raises(ValueError, match="finite"):
+        UnitCosts(costs.densities, -costs.fwd_s, costs.bwd_s)
+
+
+def test_costs_are_made_monotone_in_density():
+    g = np.array([0.25, 0.5, 1.0])
+    f = np.array([1.0, 0.9, 1.2]).reshape(1, 1, 1, 3)
+    c = UnitCosts(g, f, f)
+    assert np.all(np.diff(c.fwd_s, axis=-1) >= 0)
+
+
+def test_planning_64_ranks_16_microbatches_4_stages_under_10ms():
+    costs = synthetic_costs(64, 16, 4, seed=7)
+    sens = np.random.default_rng(7).random((64, 16))
+    plan_dst(costs, sens, D0, DMIN, DMAX)           # warm caches (1F1B event order)
+    cpu_ms, wall_ms = [], []
+    for _ in range(9):
+        t_cpu, t_wall = time.thread_time(), time.perf_counter()
+        plan_dst(costs, sens, D0, DMIN, DMAX)
+        cpu_ms.append((time.thread_time() - t_cpu) * 1e3)
+        wall_ms.append((time.perf_counter() - t_wall) * 1e3)
+    # CPU time of this thread: the 2 cores are shared with other jobs, wall time is not ours.
+    assert np.median(cpu_ms) < 10.0, (cpu_ms, wall_ms)
