@@ -108,6 +108,11 @@ class SparseBalanceConfig:
         None, "Where the built-in corpus is cached (default: ~/.cache/sparsebalance_megatron).")
     seed: int = _f(1234, "Seed of data shuffling and batching decisions.")
 
+    # --- logging --------------------------------------------------------------------------
+    metrics_file: Optional[str] = _f(
+        None, "Append one JSON line per step (loss, step time, tokens/s, plan statistics) to "
+        "this file on rank 0.")
+
     def __post_init__(self):
         self.validate()
 

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 _RANDOM_TARGETS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
 _CUDA_TARGETS = (
     "current_device", "current_stream", "default_stream", "stream", "Stream", "Event",
-    "synchronize", "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all",
+    "synchronize", "get_rng_state", "set_rng_state", "manual_seed",
     "empty_cache", "set_device",
 )
 
@@ -101,12 +101,30 @@ def _cpu_device(*args, **kwargs):
     return torch.device("cpu")
 
 
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU version of megatron's clip_grad_by_total_norm_fp32 (which asserts CUDA tensors)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if isinstance(clip_coeff, torch.Tensor):
+        clip_coeff = clip_coeff.clamp_max(1.0)
+        torch._foreach_mul_(grads, clip_coeff)
+    elif clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
 def check_shim_targets() -> list[str]:
     """Names the shims patch that are missing from the installed torch / megatron-core."""
+    import megatron.core.optimizer.optimizer as moptimizer
     import megatron.core.tensor_parallel.random as mrandom
 
     missing = [f"megatron.core.tensor_parallel.random.{n}" for n in _RANDOM_TARGETS
                if not hasattr(mrandom, n)]
+    if not hasattr(moptimizer, "clip_grad_by_total_norm_fp32"):
+        missing.append("megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32")
     missing += [f"torch.cuda.{n}" for n in _CUDA_TARGETS if not hasattr(torch.cuda, n)]
     return missing
 
@@ -122,8 +140,10 @@ def activate_cpu_shims() -> bool:
     if missing:
         raise RuntimeError(f"{SHIM_ID}: shim targets missing (megatron-core/torch changed): {missing}")
 
+    import megatron.core.optimizer.optimizer as moptimizer
     import megatron.core.tensor_parallel.random as mrandom
 
+    moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
     cuda = torch.cuda
     cuda.current_device = _cpu_device
     cuda.current_stream = lambda *a, **k: _NullStream()
@@ -138,8 +158,8 @@ def activate_cpu_shims() -> bool:
     # tensor-parallel initialisation and dropout, deterministically per seed.
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: torch.manual_seed(seed)
-    cuda.manual_seed_all = lambda seed: torch.manual_seed(seed)
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all, so seed the generator directly.)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 

@@ -32,7 +32,7 @@ def _cpu_settings(args) -> list[str]:
     """Settings megatron-core needs on a machine without CUDA (see MEGATRON_CPU notes)."""
     changed = []
     for name, value in (("distributed_backend", "gloo"), ("transformer_impl", "local"),
-                        ("gradient_accumulation_fusion", False), ("persist_layer_norm", False),
+                        ("gradient_accumulation_fusion", False), ("no_persist_layer_norm", True),
                         ("apply_rope_fusion", False), ("masked_softmax_fusion", False),
                         ("bias_swiglu_fusion", False), ("bias_gelu_fusion", False),
                         ("bias_dropout_fusion", False), ("use_distributed_optimizer", False)):

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The main job on CPU: a tiny GPT, real data (CPython stdlib + Shakespeare, Qwen2 BPE),
+# torchrun with 2 processes (gloo), --sparse-balance. `make demo` runs this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+NPROC=${NPROC:-2}
+OUT=${OUT:-runs/demo}
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
+  examples/pretrain_gpt_sparsebalance.py \
+  --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 --num-attention-heads 4 \
+  --group-query-attention --num-query-groups 2 \
+  --seq-length 1024 --max-position-embeddings 1024 \
+  --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
+  --untie-embeddings-and-output-weights \
+  --attention-dropout 0 --hidden-dropout 0 \
+  --micro-batch-size 1 --global-batch-size 4 \
+  --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 3 --clip-grad 1.0 \
+  --train-iters "${TRAIN_ITERS:-30}" --log-interval 1 \
+  --pipeline-model-parallel-size "${PP:-1}" \
+  --save "$OUT/checkpoints" --save-interval 1000 \
+  ${SB_FLAGS---sparse-balance --sb-density 0.5 --sb-block-size 64} \
+  "$@"
