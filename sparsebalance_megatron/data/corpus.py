@@ -14,8 +14,6 @@ Must not depend on torch, torch.distributed or megatron (except the lazy indexed
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,7 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from . import sources as _sources
-from .tokenizers import get_tokenizer
+from .tokenizers import TOKENIZER_NAMES, get_tokenizer
 
 CACHE_VERSION = 1
 VOCAB_PAD_MULTIPLE = 128
@@ -124,16 +122,6 @@ def format_stats(stats: dict) -> str:
 
 # --- cache ------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _file_lock(path: str):
-    with open(path, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def _cache_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -179,7 +167,7 @@ def _cached(cache_dir: str, key_parts: dict, build) -> DocumentCorpus:
     os.makedirs(cache_dir, exist_ok=True)
     dest = os.path.join(cache_dir, "corpus-" + _cache_key(key_parts))
     if not os.path.exists(os.path.join(dest, "meta.json")):
-        with _file_lock(dest + ".lock"):
+        with _sources.file_lock(dest + ".lock"):
             if not os.path.exists(os.path.join(dest, "meta.json")):
                 docs, names, meta = build()
                 meta["key"] = key_parts
@@ -306,7 +294,11 @@ def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
         raise ValueError(f"max_docs={max_docs!r}: expected None or an integer >= 1")
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or _sources.default_cache_dir()))
-    tok = get_tokenizer(tokenizer, cache_dir=cache_dir)
+    if tokenizer not in TOKENIZER_NAMES:
+        raise ValueError(f"tokenizer={tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
+
+    def tok():  # built only when a cache entry is built or an indexed data set is read
+        return get_tokenizer(tokenizer, cache_dir=cache_dir)
     if data_path is None:
         sources = tuple(sources)
         files, missing = _sources.list_source_files(sources, cache_dir)
@@ -323,7 +315,7 @@ def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
                "python": sys.version.split()[0], "min_doc_tokens": min_doc_tokens,
                "max_docs": max_docs, "compact": compact_vocab}
         corpus = _cached(cache_dir, key, lambda: _build_builtin(
-            files, missing, tok, min_doc_tokens=min_doc_tokens, max_docs=max_docs,
+            files, missing, tok(), min_doc_tokens=min_doc_tokens, max_docs=max_docs,
             compact_vocab=compact_vocab, name=name))
     elif str(data_path).endswith(".jsonl"):
         path = os.path.abspath(os.path.expanduser(str(data_path)))
@@ -334,9 +326,9 @@ def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
                "mtime_ns": st.st_mtime_ns, "tokenizer": tokenizer,
                "min_doc_tokens": min_doc_tokens, "compact": compact_vocab}
         corpus = _cached(cache_dir, key, lambda: _build_jsonl(
-            path, tok, min_doc_tokens=min_doc_tokens, compact_vocab=compact_vocab))
+            path, tok(), min_doc_tokens=min_doc_tokens, compact_vocab=compact_vocab))
     else:
-        corpus = _load_indexed(os.path.expanduser(str(data_path)), tok,
+        corpus = _load_indexed(os.path.expanduser(str(data_path)), tok(),
                                min_doc_tokens=min_doc_tokens, compact_vocab=compact_vocab)
     if verbose:
         print(f"[sparsebalance data] {format_stats(corpus.stats())}", file=sys.stderr)

