@@ -1,0 +1,307 @@
+"""Sparsity-aware batching (SAB) and the two baselines it is compared with.
+
+All three take the segments of one global batch and return a ``BatchPlan`` with
+``dp x num_microbatches`` micro-batches of at most ``max_tokens`` tokens:
+
+- ``sequential_plan``: Megatron's default (``data/packing.sequential_pack``): fill micro-batches
+  in sample order, micro-batch j to DP rank j % dp, slot j // dp.
+- ``token_balanced_plan``: what a length-aware balancer does: LPT on *token counts* over ranks,
+  then even token counts over a rank's micro-batches.
+- ``sab_plan``: LPT on *predicted cost* (latency model at the expected density: attention grows
+  with the square of a document's length, so equal tokens are not equal time): segments in
+  decreasing cost go to the least loaded rank that still has token room. Within a rank the
+  segments are ordered by sensitivity and cut into contiguous micro-batches of about equal cost,
+  so each micro-batch holds samples of similar sensitivity (DST then cuts whole insensitive
+  micro-batches and raises sensitive ones). The cheapest micro-batches take the first and last
+  slots, which open and close the 1F1B pipeline. If the cost-aware packing does not fit a rank's
+  micro-batches, SAB falls back to the sequential bins re-assigned to ranks by cost (LPT with m
+  bins per rank): whatever the sequential baseline fits, SAB fits.
+
+Determinism: ties in cost are broken by a permutation drawn from ``seed``; no other randomness.
+
+Pure Python + numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..data.packing import sequential_pack
+from .plan import (BatchingError, BatchPlan, as_segments, check_fits, check_shape_args,
+                   split_long)
+from .sensitivity import SensitivityTracker
+
+CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] seconds
+
+
+def latency_sample_cost_fn(model, density: float) -> CostFn:
+    """Cost of a segment as a document of a packed micro-batch: the seconds it adds to the
+    micro-batch, fwd + bwd, summed over the pipeline stages, from a ``LatencyModel`` at
+    ``density`` (time of the micro-batch with it minus the empty micro-batch)."""
+    def cost(lengths: np.ndarray) -> np.ndarray:
+        L = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        csr = (np.arange(L.size + 1, dtype=np.int64), L)
+        feats = model.unit_features(csr)
+        empty = model.unit_features((np.zeros(2, np.int64), np.zeros(0, np.int64)))
+        out = np.zeros(L.size)
+        for s in range(model.pp):
+            out += model.predict_many(feats, density, s) - model.predict_many(empty, density, s)[0]
+        return out
+    return cost
+
+
+def _prepare(samples, dp, m, max_tokens, long_sample_policy):
+    check_shape_args(dp, m, max_tokens)
+    segs = as_segments(samples)
+    if not segs:
+        raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
+    segs, n_split = split_long(segs, max_tokens, long_sample_policy)
+    check_fits(segs, dp, m, max_tokens)
+    return segs, n_split
+
+
+def _costs(segs, cost_fn: Optional[CostFn]) -> np.ndarray:
+    sizes = np.asarray([e - s for _, s, e in segs], dtype=np.float64)
+    if cost_fn is None:
+        return sizes
+    c = np.asarray(cost_fn(sizes.astype(np.int64)), dtype=np.float64).reshape(-1)
+    if c.shape != sizes.shape or not np.all(np.isfinite(c)) or np.any(c < 0):
+        raise ValueError(f"sample cost function returned {c.shape} values (finite >= 0 "
+                         f"expected, one per segment: {sizes.size})")
+    return c
+
+
+def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
+                    long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None
+                    ) -> BatchPlan:
+    """Megatron's default packing (see the module docstring)."""
+    segs, n_split = _prepare(samples, dp, num_microbatches, max_tokens, long_sample_policy)
+    try:
+        mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
+    except ValueError as e:
+        raise BatchingError(f"sequential packing: {e}") from None
+    return _finish(mbs, "sequential", max_tokens, n_split, False, segs, _costs(segs, cost_fn))
+
+
+def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
+    """Rank of every item: items in ``order`` go to the least loaded rank with token room."""
+    heap = [(0.0, r) for r in range(dp)]
+    used = [0] * dp
+    rank_of = np.empty(len(cost), dtype=np.int64)
+    cost_l, size_l = cost.tolist(), size.tolist()
+    for i in order.tolist():
+        skipped = []
+        while heap:
+            load, r = heapq.heappop(heap)
+            if used[r] + size_l[i] <= cap_tokens:
+                break
+            skipped.append((load, r))
+        else:
+            return None
+        rank_of[i] = r
+        used[r] += size_l[i]
+        heapq.heappush(heap, (load + cost_l[i], r))
+        for x in skipped:
+            heapq.heappush(heap, x)
+    return rank_of
+
+
+def _contiguous_bins(items, size, cost, m, cap, balance: bool) -> Optional[list]:
+    """Cut ``items`` (in order) into at most m bins of <= cap tokens; with ``balance``, close a
+    bin once it reaches the rank's mean cost per bin. Keeps every bin non-empty when there are
+    at least m items. None if it does not fit."""
+    target = sum(cost[i] for i in items) / m if balance else float("inf")
+    bins, cur, cur_tok, cur_cost = [], [], 0, 0.0
+    n_left = len(items)
+    for i in items:
+        bins_left = m - len(bins)                      # including the open one
+        full = cur_tok + size[i] > cap
+        at_target = cur_cost >= target and bins_left > 1
+        must_spread = n_left <= bins_left - 1          # leave one item per remaining bin
+        if cur and (full or at_target or must_spread):
+            bins.append(cur)
+            cur, cur_tok, cur_cost = [], 0, 0.0
+            if len(bins) >= m:
+                return None
+        cur.append(i)
+        cur_tok += size[i]
+        cur_cost += cost[i]
+        n_left -= 1
+    bins.append(cur)
+    return bins + [[] for _ in range(m - len(bins))]
+
+
+def _first_fit_decreasing(items, size, m, cap) -> Optional[list]:
+    bins, free = [[] for _ in range(m)], [cap] * m
+    for i in sorted(items, key=lambda i: -size[i]):
+        for b in range(m):
+            if free[b] >= size[i]:
+                bins[b].append(i)
+                free[b] -= size[i]
+                break
+        else:
+            return None
+    return bins
+
+
+def _pack_rank(items, size, cost, m, cap, balance=True) -> Optional[list]:
+    return (_contiguous_bins(items, size, cost, m, cap, balance)
+            or (_contiguous_bins(items, size, cost, m, cap, False) if balance else None)
+            or _first_fit_decreasing(items, size, m, cap))
+
+
+def _order_slots(bins, cost) -> list:
+    """Cheapest bin to the first slot, second cheapest to the last: they bound 1F1B's fill and
+    drain. The others keep their order."""
+    if len(bins) < 3:
+        return bins
+    c = [sum(cost[i] for i in b) for b in bins]
+    order = sorted(range(len(bins)), key=lambda j: (c[j], j))
+    first, last = order[0], order[1]
+    mid = [b for j, b in enumerate(bins) if j not in (first, last)]
+    return [bins[first]] + mid + [bins[last]]
+
+
+def _balanced(segs, cost, key, dp, m, max_tokens, seed, balance_bins=True):
+    """LPT of segments over ranks by ``cost``, then each rank's segments sorted by ``key`` and
+    cut into m bins. None if some rank does not fit."""
+    size = [e - s for _, s, e in segs]
+    tie = np.random.default_rng(seed).permutation(len(segs))
+    order = np.lexsort((tie, -cost))                   # cost descending, seeded ties
+    rank_of = _lpt_ranks(cost, np.asarray(size), order, dp, m * max_tokens)
+    if rank_of is None:
+        return None
+    per_rank = [[] for _ in range(dp)]
+    for i in np.lexsort((tie, key, rank_of)).tolist():  # by rank, then key, then seeded ties
+        per_rank[int(rank_of[i])].append(i)
+    cost_l = cost.tolist()
+    out = []
+    for items in per_rank:
+        bins = _pack_rank(items, size, cost_l, m, max_tokens, balance_bins)
+        if bins is None:
+            return None
+        out.append(_order_slots(bins, cost_l))
+    return out
+
+
+def _finish(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
+            indices: bool = False) -> BatchPlan:
+    if indices:
+        mbs = [[[segs[i] for i in b] for b in rank] for rank in mbs_idx_or_segs]
+        rank_cost = np.asarray([sum(cost[i] for b in rank for i in b)
+                                for rank in mbs_idx_or_segs])
+    else:
+        mbs = mbs_idx_or_segs
+        pos = {}
+        for k, sg in enumerate(segs):
+            pos.setdefault(sg, []).append(k)
+        rank_cost = np.asarray([sum(cost[pos[sg][0]] for mb in rank for sg in mb)
+                                for rank in mbs])
+    return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
+
+
+def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
+                        long_sample_policy: str = "split", seed: int = 0,
+                        cost_fn: Optional[CostFn] = None) -> BatchPlan:
+    """Length-aware baseline: balance token counts over ranks and micro-batches."""
+    segs, n_split = _prepare(samples, dp, num_microbatches, max_tokens, long_sample_policy)
+    tokens = np.asarray([e - s for _, s, e in segs], dtype=np.float64)
+    plan = _balanced(segs, tokens, np.zeros(len(segs)), dp, num_microbatches, max_tokens, seed)
+    cost = _costs(segs, cost_fn)
+    if plan is None:
+        seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
+                              max_tokens=max_tokens)
+        out = _finish(seq.micro_batches, "token_balanced", max_tokens, n_split, True, segs, cost)
+        return out
+    return _finish(plan, "token_balanced", max_tokens, n_split, False, segs, cost, indices=True)
+
+
+def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
+             cost_fn: Optional[CostFn] = None,
+             sensitivity: Optional[SensitivityTracker | Callable] = None,
+             long_sample_policy: str = "split", seed: int = 0) -> BatchPlan:
+    """Sparsity-aware batching of one global batch.
+
+    samples: (sample_id, start, end) segments, or a [n] array of lengths; cost_fn: segment
+    lengths -> predicted seconds (``latency_sample_cost_fn``; None = tokens, which reduces SAB to
+    token balancing); sensitivity: a ``SensitivityTracker`` (or a callable (ids, lengths) -> [n])
+    whose estimates group the micro-batches; None = the length prior.
+    """
+    segs, n_split = _prepare(samples, dp, num_microbatches, max_tokens, long_sample_policy)
+    cost = _costs(segs, cost_fn)
+    ids = [i for i, _, _ in segs]
+    lengths = np.asarray([e - s for _, s, e in segs])
+    tracker = sensitivity if sensitivity is not None else SensitivityTracker()
+    est = tracker.estimate if isinstance(tracker, SensitivityTracker) else tracker
+    sens = np.asarray(est(ids, lengths), dtype=np.float64).reshape(-1)
+    if sens.shape != (len(segs),):
+        raise ValueError(f"sensitivity returned {sens.shape}: expected one value per segment "
+                         f"({len(segs)})")
+    plan = _balanced(segs, cost, sens, dp, num_microbatches, max_tokens, seed)
+    if plan is not None:
+        return _finish(plan, "sab", max_tokens, n_split, False, segs, cost, indices=True)
+    return _fallback(segs, cost, dp, num_microbatches, max_tokens, n_split)
+
+
+def _fallback(segs, cost, dp, m, max_tokens, n_split) -> BatchPlan:
+    """Sequential bins (they fit whenever the baseline fits), assigned to ranks by LPT on cost
+    with exactly m bins per rank."""
+    size = [e - s for _, s, e in segs]
+    bins, free = [], 0
+    for i, n in enumerate(size):
+        if n > free:
+            bins.append([])
+            free = max_tokens
+        bins[-1].append(i)
+        free -= n
+    if len(bins) > dp * m:
+        raise BatchingError(f"{len(segs)} segments need {len(bins)} micro-batches of "
+                            f"{max_tokens} tokens even packed in order; expected at most "
+                            f"dp x m = {dp * m}")
+    bins += [[] for _ in range(dp * m - len(bins))]
+    bcost = [sum(cost[i] for i in b) for b in bins]
+    heap = [(0.0, r) for r in range(dp)]
+    per_rank = [[] for _ in range(dp)]
+    for j in sorted(range(len(bins)), key=lambda j: (-bcost[j], j)):
+        load, r = heapq.heappop(heap)
+        per_rank[r].append(bins[j])
+        if len(per_rank[r]) < m:
+            heapq.heappush(heap, (load + bcost[j], r))
+    cost_l = cost.tolist()
+    per_rank = [_order_slots(b, cost_l) for b in per_rank]
+    return _finish(per_rank, "sab", max_tokens, n_split, True, segs, cost, indices=True)
+
+
+def _merged(ranges):
+    out = []
+    for s, e in sorted(ranges):
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def check_plan_covers(plan: BatchPlan, samples: Sequence, max_tokens: int) -> None:
+    """AssertionError unless every token of every sample is in exactly one segment of the plan
+    and no micro-batch exceeds ``max_tokens`` (used by tests and by the data path's checks)."""
+    want, got = {}, {}
+    for i, s, e in as_segments(samples):
+        want.setdefault(i, []).append((s, e))
+    assert len(plan.micro_batches) == plan.dp
+    for rank in plan.micro_batches:
+        assert len(rank) == plan.num_microbatches, "ranks differ in micro-batch count"
+        for mb in rank:
+            assert sum(e - s for _, s, e in mb) <= max_tokens, "micro-batch over max_tokens"
+            for i, s, e in mb:
+                assert e - s <= max_tokens
+                got.setdefault(i, []).append((s, e))
+    assert set(got) == set(want), "samples missing or invented"
+    for i in want:
+        n_want = sum(e - s for s, e in want[i])
+        n_got = sum(e - s for s, e in got[i])
+        assert n_got == n_want, f"sample {i}: {n_got} tokens planned, {n_want} given"
+        assert _merged(got[i]) == _merged(want[i]), f"sample {i}: pieces do not tile its ranges"
