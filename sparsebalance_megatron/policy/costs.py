@@ -131,6 +131,36 @@ class UnitCosts:
         return cls(g, f, b, attn_work)
 
     @classmethod
+    def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
+                     densities: np.ndarray, calibrated: bool = True) -> "UnitCosts":
+        """Tabulate a ``latency.LatencyModel`` for one step.
+
+        mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
+        ``UnitFeatures`` of them; every stage sees the same micro-batches. With ``calibrated``,
+        rank r's times are scaled by the model's online correction of rank r.
+        attn_work = kept block pairs at density 1 (dense causal work), the mean-density weights.
+        """
+        g = np.asarray(densities, dtype=np.float64)
+        feats = model.unit_features(mb_doc_lengths)
+        n, m, pp = feats.num_units, int(num_microbatches), model.pp
+        if n != dp * m:
+            raise ValueError(f"{n} micro-batches given: expected dp x m = {dp} x {m} = {dp * m}")
+        work = feats.work_grid(g)                                    # [n, g]
+        f = np.empty((n, pp, g.size))
+        b = np.empty((n, pp, g.size))
+        for s in range(pp):
+            t = model.unit_terms(feats, s)
+            f[:, s] = t.fwd_fixed_s[:, None] + t.fwd_attn_s_per_pair * work
+            b[:, s] = t.bwd_fixed_s[:, None] + t.bwd_attn_s_per_pair * work
+        f = f.reshape(dp, m, pp, g.size)
+        b = b.reshape(dp, m, pp, g.size)
+        if calibrated:
+            corr = np.asarray([model.correction(r) for r in range(dp)])[:, None, None, None]
+            f, b = f * corr, b * corr
+        dense = feats.work_grid(np.array([1.0]))[:, 0].reshape(dp, m)
+        return cls(g, f, b, np.repeat(dense[:, :, None], pp, axis=2))
+
+    @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,
                fwd_fraction: float = 1.0 / 3.0, attn_work: Optional[np.ndarray] = None
                ) -> "UnitCosts":

@@ -163,3 +163,21 @@ def test_planning_64_ranks_16_microbatches_4_stages_under_10ms():
         wall_ms.append((time.perf_counter() - t_wall) * 1e3)
     # CPU time of this thread: the 2 cores are shared with other jobs, wall time is not ours.
     assert np.median(cpu_ms) < 10.0, (cpu_ms, wall_ms)
+
+
+def test_unit_costs_from_latency_model_match_its_predictions():
+    from sparsebalance_megatron.latency import LatencyModel
+    lm = LatencyModel.analytic(pp=2)
+    rng = np.random.default_rng(0)
+    units = [rng.integers(64, 4000, size=int(rng.integers(1, 5))) for _ in range(6)]  # dp=3, m=2
+    g = density_grid(D0, DMIN, DMAX)
+    c = UnitCosts.from_latency(lm, units, dp=3, num_microbatches=2, densities=g)
+    i = c.index_of(0.75)
+    for u, lengths in enumerate(units):
+        for s in range(2):
+            f, b = lm.predict_fwd_bwd(lengths, 0.75, s)
+            assert c.fwd_s[u // 2, u % 2, s, i] == pytest.approx(f)
+            assert c.bwd_s[u // 2, u % 2, s, i] == pytest.approx(b)
+    assert np.all(c.attn_work[..., 0] == c.attn_work[..., 1]) and np.all(c.attn_work > 0)
+    with pytest.raises(ValueError, match="dp x m"):
+        UnitCosts.from_latency(lm, units, dp=2, num_microbatches=2, densities=g)
