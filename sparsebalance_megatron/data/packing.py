@@ -113,9 +113,9 @@ def materialize(segments: Sequence[Segment], corpus, capacity: int) -> PackedMic
             raise ValueError(f"segments hold {p + n}+ tokens: expected at most capacity "
                              f"{capacity}")
         # Positions [start, end] of doc + EOD: the segment's tokens and the token after each.
-        ext = doc[start:min(end + 1, n_doc)]
+        ext = np.asarray(doc[start:min(end + 1, n_doc)], dtype=np.int64)
         if end >= n_doc:
-            ext = np.concatenate([ext, np.array([eod], dtype=ext.dtype)])
+            ext = np.concatenate([ext, np.array([eod], dtype=np.int64)])
         tokens[p:p + n] = ext[:n]
         nxt = ext[1:]                     # n values, or n - 1 when the segment ends with EOD
         labels[p:p + nxt.size] = nxt
@@ -209,6 +209,14 @@ class GlobalBatchSampler:
                     self.position, self.epoch = 0, self.epoch + 1
         self.step += 1
         return out
+
+    def skip_steps(self, n_steps: int) -> None:
+        """Advance by ``n_steps`` global batches: resuming at Megatron's ``iteration`` without a
+        saved sampler state gives the same order (the sampler is a pure function of the seed)."""
+        if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 0:
+            raise ValueError(f"n_steps={n_steps!r}: expected an integer >= 0")
+        for _ in range(int(n_steps)):
+            self.next_global_batch()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "offset": self.offset,

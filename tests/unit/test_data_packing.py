@@ -178,6 +178,9 @@ def test_resume_from_state_replays_the_uninterrupted_sequence():
         again.load_state_dict(state)
         assert [again.next_global_batch() for _ in range(40 - k)] == expected[k:]
     assert resumed_any_mid_document, "some resume point falls inside a split document"
+    skipped = GlobalBatchSampler(lengths, **kw)
+    skipped.skip_steps(25)
+    assert [skipped.next_global_batch() for _ in range(15)] == expected[25:]
 
 
 def test_bad_arguments_raise_value_errors_naming_the_value():
