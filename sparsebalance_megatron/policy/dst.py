@@ -283,3 +283,12 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
 def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
     """[dp, m, pp] all at d0 (the baseline DST is compared with)."""
     return np.full(costs.shape, float(d0))
+
+
+def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
+                         p2p_s: float = 0.0) -> DSTPlan:
+    """``plan_dst`` with d0, bounds, anchor and tolerance from a ``SparseBalanceConfig``; the
+    costs must be tabulated on ``density_grid(config.density, config.min_density,
+    config.max_density)``."""
+    return plan_dst(costs, sensitivity, config.density, config.min_density, config.max_density,
+                    anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s)

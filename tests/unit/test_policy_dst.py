@@ -181,3 +181,14 @@ def test_unit_costs_from_latency_model_match_its_predictions():
     assert np.all(c.attn_work[..., 0] == c.attn_work[..., 1]) and np.all(c.attn_work > 0)
     with pytest.raises(ValueError, match="dp x m"):
         UnitCosts.from_latency(lm, units, dp=2, num_microbatches=2, densities=g)
+
+
+def test_plan_from_config_uses_its_knobs():
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.policy import plan_dst_from_config
+    cfg = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max")
+    costs = synthetic_costs(3, 4, 2, seed=2, grid=density_grid(0.25, 0.125, 0.5))
+    plan = plan_dst_from_config(cfg, costs, None)
+    assert plan.report.units_cut == 0 and plan.densities.max() <= 0.5
+    assert np.array_equal(plan.densities,
+                          plan_dst(costs, None, 0.25, 0.125, 0.5, anchor="max").densities)
