@@ -280,7 +280,7 @@ def _load_indexed(prefix: str, tok, *, min_doc_tokens: int, compact_vocab: bool)
                           name=prefix, token_map=token_map, id_map=id_map)
 
 
-def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
+def load_corpus(data_path: Optional[str | Sequence[str]] = None, *, tokenizer: str = "qwen",
                 cache_dir: Optional[str] = None, min_doc_tokens: int = 16,
                 compact_vocab: bool = False, sources: Sequence[str] = DEFAULT_SOURCES,
                 max_docs: Optional[int] = None, verbose: bool = False) -> DocumentCorpus:
@@ -289,6 +289,11 @@ def load_corpus(data_path: Optional[str] = None, *, tokenizer: str = "qwen",
     ``compact_vocab`` remaps the token ids that occur to 0..K-1 (EOD = K) so tiny models need only a
     K-row embedding. ``sources`` and ``max_docs`` select the built-in corpus (a subset for tests).
     """
+    if isinstance(data_path, (list, tuple)):   # Megatron's --data-path is a list
+        if len(data_path) != 1:
+            raise DataError(f"--data-path {list(data_path)!r}: expected one path (a .jsonl file "
+                            f"or an indexed prefix); weighted blends are not supported")
+        data_path = data_path[0]
     if not isinstance(min_doc_tokens, int) or min_doc_tokens < 1:
         raise ValueError(f"min_doc_tokens={min_doc_tokens!r}: expected an integer >= 1")
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):

@@ -118,6 +118,10 @@ def test_missing_inputs_give_clear_errors(tmp_path):
     empty = write_jsonl(tmp_path / "e.jsonl", ["tiny"])
     with pytest.raises(DataError, match="no document with at least 16 tokens"):
         load_corpus(empty, tokenizer="byte", cache_dir=cache)
+    with pytest.raises(DataError, match="expected one path"):
+        load_corpus(["0.5", empty], tokenizer="byte", cache_dir=cache)
+    assert len(load_corpus([write_jsonl(tmp_path / "f.jsonl", TEXTS)], tokenizer="byte",
+                           cache_dir=cache)) == 4
     with pytest.raises(ValueError, match="tokenizer='bpe'"):
         load_corpus(empty, tokenizer="bpe", cache_dir=cache)
 
