@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .corpus import DEFAULT_SOURCES, load_corpus
+from .corpus import DEFAULT_SOURCES, DOC_UNITS, load_corpus
 from .packing import GlobalBatchSampler, sequential_pack
 from .tokenizers import TOKENIZER_NAMES
 
@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES))
     p.add_argument("--min-doc-tokens", type=int, default=16)
+    p.add_argument("--doc-unit", default="file", choices=DOC_UNITS)
     p.add_argument("--capacity", type=int, nargs="*", default=[],
                    help="also report Megatron-default (sequential) packing at these micro-batch "
                         "sizes in tokens: padding share and attention-cost spread")
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         c = load_corpus(args.data_path, tokenizer=tok, cache_dir=args.cache_dir,
                         compact_vocab=args.compact_vocab, sources=args.sources,
-                        min_doc_tokens=args.min_doc_tokens)
+                        min_doc_tokens=args.min_doc_tokens, doc_unit=args.doc_unit)
         rows.append({**c.stats(), "tokenizer": tok, "compact_vocab": args.compact_vocab,
                      "load_s": round(time.perf_counter() - t0, 2), "notes": c.notes,
                      "packing": [packing_stats(c.lengths, cap, args) for cap in args.capacity]})

@@ -30,6 +30,7 @@ from .tokenizers import TOKENIZER_NAMES, get_tokenizer
 CACHE_VERSION = 1
 VOCAB_PAD_MULTIPLE = 128
 DEFAULT_SOURCES = ("stdlib", "shakespeare")
+DOC_UNITS = ("file", "section")
 
 
 class DataError(ValueError):
@@ -192,13 +193,20 @@ def _finish(docs: list[np.ndarray], names: list[str], tok, *, name: str, compact
 
 # --- the three inputs -------------------------------------------------------------------------
 
-def _build_builtin(files, missing, tok, *, min_doc_tokens, max_docs, compact_vocab, name):
+def _build_builtin(files, missing, tok, *, min_doc_tokens, max_docs, compact_vocab, name,
+                   doc_unit):
     docs, names = [], []
     chunk = 64  # tokenize in chunks so a max_docs subset reads and encodes only what it needs
     for i in range(0, len(files), chunk):
-        part = files[i:i + chunk]
-        for (doc_name, _), ids in zip(part, tok.encode_batch(
-                [_sources.read_text(p) for _, p in part])):
+        units = []
+        for doc_name, path in files[i:i + chunk]:
+            text = _sources.read_text(path)
+            if doc_unit == "section":
+                units += [(f"{doc_name}#{k}", t)
+                          for k, t in enumerate(_sources.split_sections(doc_name, text))]
+            else:
+                units.append((doc_name, text))
+        for (doc_name, _), ids in zip(units, tok.encode_batch([t for _, t in units])):
             if ids.size >= min_doc_tokens and (max_docs is None or len(docs) < max_docs):
                 docs.append(ids)
                 names.append(doc_name)
@@ -283,12 +291,17 @@ def _load_indexed(prefix: str, tok, *, min_doc_tokens: int, compact_vocab: bool)
 def load_corpus(data_path: Optional[str | Sequence[str]] = None, *, tokenizer: str = "qwen",
                 cache_dir: Optional[str] = None, min_doc_tokens: int = 16,
                 compact_vocab: bool = False, sources: Sequence[str] = DEFAULT_SOURCES,
-                max_docs: Optional[int] = None, verbose: bool = False) -> DocumentCorpus:
+                doc_unit: str = "file", max_docs: Optional[int] = None,
+                verbose: bool = False) -> DocumentCorpus:
     """The documents of ``data_path`` (None: built-in corpus; ``*.jsonl``; indexed prefix).
 
     ``compact_vocab`` remaps the token ids that occur to 0..K-1 (EOD = K) so tiny models need only a
-    K-row embedding. ``sources`` and ``max_docs`` select the built-in corpus (a subset for tests).
+    K-row embedding. ``sources`` and ``max_docs`` select the built-in corpus (a subset for tests);
+    ``doc_unit`` its documents: whole files ("file") or their natural sections ("section": top-level
+    definitions of a Python file, scenes of a play), a heavy tail at short context lengths.
     """
+    if doc_unit not in DOC_UNITS:
+        raise ValueError(f"doc_unit={doc_unit!r}: expected one of {', '.join(DOC_UNITS)}")
     if isinstance(data_path, (list, tuple)):   # Megatron's --data-path is a list
         if len(data_path) != 1:
             raise DataError(f"--data-path {list(data_path)!r}: expected one path (a .jsonl file "
@@ -313,15 +326,16 @@ def load_corpus(data_path: Optional[str | Sequence[str]] = None, *, tokenizer: s
         for note in missing:
             print(f"[sparsebalance data] built-in source unavailable, going on without it: "
                   f"{note}", file=sys.stderr)
-        name = f"builtin:{tokenizer}:{'+'.join(used)}" + ("" if max_docs is None
-                                                           else f":max{max_docs}")
+        name = (f"builtin:{tokenizer}:{'+'.join(used)}"
+                + ("" if doc_unit == "file" else f":{doc_unit}")
+                + ("" if max_docs is None else f":max{max_docs}"))
         key = {"v": CACHE_VERSION, "kind": "builtin", "tokenizer": tokenizer, "sources": used,
                "files": _sources.fingerprint(files), "n_files": len(files),
                "python": sys.version.split()[0], "min_doc_tokens": min_doc_tokens,
-               "max_docs": max_docs, "compact": compact_vocab}
+               "max_docs": max_docs, "compact": compact_vocab, "doc_unit": doc_unit}
         corpus = _cached(cache_dir, key, lambda: _build_builtin(
             files, missing, tok(), min_doc_tokens=min_doc_tokens, max_docs=max_docs,
-            compact_vocab=compact_vocab, name=name))
+            compact_vocab=compact_vocab, name=name, doc_unit=doc_unit))
     elif str(data_path).endswith(".jsonl"):
         path = os.path.abspath(os.path.expanduser(str(data_path)))
         if not os.path.isfile(path):

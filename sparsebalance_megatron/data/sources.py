@@ -20,6 +20,7 @@ import fcntl
 import glob
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -157,6 +158,42 @@ def fingerprint(files: list[DocFile]) -> str:
     for name, path in files:
         h.update(f"{name}\0{os.path.getsize(path)}\n".encode())
     return h.hexdigest()[:16]
+
+
+_PY_TOPLEVEL = re.compile(r"^(?:def |async def |class |@)")
+_ACT_LINE = re.compile(r"^(?:ACT|Act) [IVX]+\.?\s*$")
+_SCENE_LINE = re.compile(r"^(?:SCENE|Scene) (?:[IVXLC]+|[0-9]+)\b")
+
+
+def _cut(lines: list[str], starts: list[int]) -> list[str]:
+    bounds = sorted(set([0] + [i for i in starts if 0 < i < len(lines)])) + [len(lines)]
+    return ["".join(lines[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def split_sections(doc_name: str, text: str) -> list[str]:
+    """Natural sub-documents of a built-in text, in order, concatenating back to ``text``.
+
+    Python sources: the module preamble, then each top-level ``def``/``class`` (with its
+    decorators and the comment lines right above it) and the statements after it. Plays: each
+    scene (with the act heading right above it). Other texts (poems): the whole text.
+    """
+    lines = text.splitlines(keepends=True)
+    starts = []
+    if doc_name.endswith(".py"):
+        for i, line in enumerate(lines):
+            if _PY_TOPLEVEL.match(line) and not (i and lines[i - 1].startswith("@")):
+                j = i
+                while j > 0 and lines[j - 1].startswith("#"):
+                    j -= 1
+                starts.append(j)
+    else:
+        for i, line in enumerate(lines):
+            if _SCENE_LINE.match(line):
+                j = i
+                while j > 0 and not lines[j - 1].strip():
+                    j -= 1
+                starts.append(j - 1 if j > 0 and _ACT_LINE.match(lines[j - 1]) else i)
+    return _cut(lines, starts)
 
 
 def read_text(path: str) -> str:

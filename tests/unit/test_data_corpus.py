@@ -164,3 +164,38 @@ def test_tokenizers_byte_round_trip_and_errors(monkeypatch, tmp_path):
     monkeypatch.setattr("sparsebalance_megatron.data.tokenizers._CACHE", {})
     with pytest.raises(TokenizerUnavailableError, match="SPARSEBALANCE_GPT2_RANKS=.*missing"):
         get_tokenizer("gpt2")
+
+
+def test_split_sections_of_python_and_plays():
+    from sparsebalance_megatron.data.sources import split_sections
+
+    py = ('"""doc"""\nimport os\n\n# about f\n@dec\n@dec2\ndef f():\n    return 1\n\n'
+          'X = 1\nclass C:\n    def m(self):\n        pass\nasync def g():\n    pass\n')
+    parts = split_sections("stdlib/m.py", py)
+    assert "".join(parts) == py
+    assert [p.splitlines()[0] for p in parts] == ['"""doc"""', "# about f", "class C:",
+                                                  "async def g():"]
+    play = ("TITLE\n\nPERSONS\n\nACT I.\n\nScene I. A room.\n\nA.\nHi.\n\nSCENE 2. Hall.\n\nB.\n"
+            "Yo.\n\nACT II.\n\nScene I. Out.\n\nC.\nBye.\n")
+    parts = split_sections("shakespeare/x", play)
+    assert "".join(parts) == play
+    assert [p.strip().splitlines()[0] for p in parts] == ["TITLE", "ACT I.", "SCENE 2. Hall.",
+                                                          "ACT II."]
+    assert split_sections("shakespeare/sonnets", "I\n\nFrom fairest\n") == ["I\n\nFrom fairest\n"]
+
+
+def test_builtin_section_documents_are_shorter_and_named(tmp_path):
+    kw = dict(tokenizer="byte", cache_dir=str(tmp_path), sources=("stdlib",), max_docs=40,
+              min_doc_tokens=1)
+    files = load_corpus(None, **kw)
+    sections = load_corpus(None, doc_unit="section", **kw)
+    assert sections.name.endswith(":section:max40")
+    assert all("#" in n for n in sections.doc_names)
+    assert np.median(sections.lengths) < np.median(files.lengths)
+    # The sections of the first file concatenate back to that file.
+    first = files.doc_names[0]
+    own = [i for i, n in enumerate(sections.doc_names) if n.split("#")[0] == first]
+    text = b"".join(bytes(sections.tokens(i).astype(np.uint8)) for i in own)
+    assert text == bytes(files.tokens(0).astype(np.uint8))
+    with pytest.raises(ValueError, match="doc_unit='line'"):
+        load_corpus(None, doc_unit="line", **kw)
