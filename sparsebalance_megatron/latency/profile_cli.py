@@ -1,0 +1,119 @@
+"""``sparsebalance-profile``: measure a latency table of one pipeline stage on this device.
+
+Usage (the model flags use Megatron's names and must match the training run)::
+
+    sparsebalance-profile --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 \\
+        --num-attention-heads 4 --num-query-groups 2 --seq-length 2048 --vocab-size 32768 \\
+        --pipeline-model-parallel-size 2 --sb-block-size 64 --out lat_cpu.json [--quick]
+
+``--analytic`` writes the FLOP-based H100 table of the scale study instead (no measurement).
+This module imports megatron only inside ``main`` (through ``megatron/profile.py``), so the
+latency package itself stays megatron-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..arguments import add_sparsebalance_args
+
+    p = argparse.ArgumentParser(prog="sparsebalance-profile", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model (Megatron flag names)")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=384)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=2)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=32768,
+                   help="padded vocabulary of the run (the LM head dominates small models)")
+    g.add_argument("--seq-length", type=int, default=2048, help="tokens per packed micro-batch")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    r = p.add_argument_group("profile")
+    r.add_argument("--out", required=True, help="where to write the JSON table")
+    r.add_argument("--densities", type=float, nargs="+", default=None)
+    r.add_argument("--mixes", type=int, default=None, help="document-length mixes in the grid")
+    r.add_argument("--repeats", type=int, default=None)
+    r.add_argument("--warmup", type=int, default=None,
+                   help="untimed runs before each grid point (one more per stage before the grid)")
+    r.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="statistic over repeats; 'min' resists CPU contention on shared machines")
+    r.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (training uses OMP_NUM_THREADS=1 per process)")
+    r.add_argument("--quick", action="store_true", help="small grid (< 1 minute on 2 CPU cores)")
+    r.add_argument("--analytic", action="store_true",
+                   help="write the analytic H100 table of the given shape instead of measuring")
+    r.add_argument("--no-progress", action="store_true")
+    add_sparsebalance_args(p)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from ..arguments import config_from_args
+    from .model import LatencyModel
+    from .table import write_table
+
+    sb = config_from_args(args)
+    if args.analytic:
+        from .analytic import ModelShape, analytic_table
+        shape = ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                           num_attention_heads=args.num_attention_heads,
+                           num_query_groups=args.num_query_groups,
+                           kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
+                           ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
+                           seq_length=args.seq_length)
+        table = analytic_table(shape, pp=args.pipeline_model_parallel_size,
+                               block_size=sb.block_size, sink_blocks=sb.sink_blocks,
+                               local_blocks=sb.local_blocks)
+        write_table(table, args.out)
+        print(f"ANALYTIC table (FLOPs / published H100 throughputs, not measured) -> {args.out}")
+        print(table["notes"])
+        _print_coefficients(LatencyModel.from_table(table))
+        return 0
+
+    import torch
+    from tqdm import tqdm
+
+    from ..megatron.profile import StageShape, default_mixes, fit_report, profile_table
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*RNG state changed.*")
+    densities = args.densities or ([0.25, 0.5, 1.0] if args.quick
+                                   else [0.125, 0.25, 0.5, 0.75, 1.0])
+    mixes = default_mixes(args.seq_length, args.mixes or (4 if args.quick else 10), seed=sb.seed)
+    repeats = args.repeats or (2 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    shape = StageShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       ffn_hidden_size=args.ffn_hidden_size,
+                       num_attention_heads=args.num_attention_heads,
+                       num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+                       vocab_size=args.vocab_size, seq_length=args.seq_length,
+                       pp=args.pipeline_model_parallel_size)
+    table = profile_table(shape, sb, densities=densities, mixes=mixes, repeats=repeats,
+                          warmup=warmup, statistic=args.statistic, progress=None if args.no_progress else tqdm)
+    write_table(table, args.out)
+    print(f"profiled {len(table['measurements'])} points on {table['device']} "
+          f"(torch {table['software']['torch']}, megatron-core "
+          f"{table['software']['megatron_core']}) -> {args.out}")
+    _print_coefficients(LatencyModel.from_table(table))
+    print(f"{'kind':8s} {'grid MAPE':>10s} {'max err':>8s} {'n':>4s}")
+    for kind, m, mx, n in fit_report(table):
+        print(f"{kind:8s} {100 * m:9.1f}% {100 * mx:7.1f}% {n:4d}")
+    return 0
+
+
+def _print_coefficients(model) -> None:
+    print(f"{'kind':8s} {'pass':4s} " + " ".join(f"{f:>15s}" for f in model.features))
+    for kind, c in sorted(model.coef.items()):
+        for part in ("fwd", "bwd"):
+            print(f"{kind:8s} {part:4s} " + " ".join(f"{x:15.4e}" for x in c[part]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Profile forward+backward time of one pipeline stage of the configured GPT on this device.
+
+Each stage kind (first: embedding + layers; middle: layers; last: layers + LM head + loss; only:
+all of it) is built as a megatron-core ``GPTModel`` with ``pre_process`` / ``post_process`` and
+the stage's layer count, with the SparseBalance layer spec (``spec.get_sparsebalance_layer_spec``)
+on a 1-process gloo group. Packed (THD) micro-batches over a grid of document-length mixes x
+densities are timed with warm-up and repeats; the median goes into a latency table
+(``latency/table.py``) whose coefficients are fitted by ``LatencyModel.fit``.
+
+Not for use inside a running training job (it initialises its own 1-process model-parallel state).
+Imports megatron; ``latency/profile_cli.py`` is the thin command-line front end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import socket
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..config import SparseBalanceConfig
+from ..latency.features import FEATURES
+from ..latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
+from ..plan import BudgetPlan, set_current_microbatch, set_step_plan
+
+
+@dataclass
+class StageShape:
+    """The GPT being profiled (Megatron flag names in comments)."""
+
+    num_layers: int = 4              # --num-layers (whole model; split evenly over pp)
+    hidden_size: int = 128           # --hidden-size
+    ffn_hidden_size: int = 384       # --ffn-hidden-size
+    num_attention_heads: int = 4     # --num-attention-heads
+    num_query_groups: int = 2        # --num-query-groups
+    kv_channels: Optional[int] = None  # --kv-channels (default hidden / heads)
+    vocab_size: int = 151680         # padded vocabulary (Qwen2 BPE padded to 128)
+    seq_length: int = 2048           # tokens per packed micro-batch
+    pp: int = 1                      # --pipeline-model-parallel-size
+
+    def as_table_model(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("pp")
+        d["kv_channels"] = self.kv_channels or self.hidden_size // self.num_attention_heads
+        d["swiglu"] = True
+        return d
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"cpu: {model} x{os.cpu_count()}"
+
+
+def software_versions() -> dict:
+    from megatron.core import package_info
+
+    from .. import __version__ as sb_version
+    return {"torch": torch.__version__, "megatron_core": package_info.__version__,
+            "sparsebalance_megatron": sb_version}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process(seed: int = 1234) -> None:
+    """A 1-process gloo group and megatron-core parallel state (idempotent)."""
+    from megatron.core import parallel_state
+
+    from .initialize import initialize_distributed
+    if parallel_state.model_parallel_is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    initialize_distributed(SimpleNamespace(
+        distributed_backend="nccl" if torch.cuda.is_available() else "gloo", world_size=1,
+        rank=0, distributed_timeout_minutes=10, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, context_parallel_size=1, seed=seed))
+
+
+def _layer_spec(sb: SparseBalanceConfig):
+    """The training layer spec; until ``spec.py`` exists, a local spec whose core attention
+    calls ``block_sparse_attention`` directly (same kernel, same density context)."""
+    try:
+        from .spec import get_sparsebalance_layer_spec
+    except ImportError:
+        import copy
+        import warnings
+
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        warnings.warn("megatron/spec.py not found: profiling with a stand-in core attention "
+                      "around attention.block_sparse_attention", stacklevel=2)
+        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        spec.submodules.self_attention.submodules.core_attention = _make_standin(sb)
+        return spec
+    return get_sparsebalance_layer_spec(sb, transformer_impl="local", qk_layernorm=False,
+                                        normalization="RMSNorm")
+
+
+def _make_standin(sb: SparseBalanceConfig):
+    from megatron.core.transformer.module import MegatronModule
+
+    from ..attention import block_sparse_attention
+    from ..plan import current_density
+
+    class StandinSparseCoreAttention(MegatronModule):
+        """q/k/v ``[t, 1, heads, hn]`` (THD) -> ``[t, np * hn]`` via block_sparse_attention."""
+
+        def __init__(self, config, layer_number, *args, **kwargs):
+            super().__init__(config=config)
+
+        def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
+            out, _ = block_sparse_attention(
+                q, k, v, packed_seq_params.cu_seqlens_q, current_density(sb.density),
+                block_size=sb.block_size, sink_blocks=sb.sink_blocks,
+                local_blocks=sb.local_blocks, estimator=sb.estimator,
+                backend=sb.attention_backend, query_chunk_blocks=sb.query_chunk_blocks)
+            return out.reshape(out.shape[0], -1)
+
+    return StandinSparseCoreAttention
+
+
+def build_stage(shape: StageShape, sb: SparseBalanceConfig, kind: str, num_layers: int):
+    """A GPTModel holding one pipeline stage of ``kind`` with ``num_layers`` layers."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=num_layers, hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups, kv_channels=shape.kv_channels,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        pipeline_model_parallel_size=1, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, batch_p2p_sync=False,
+        bf16=torch.cuda.is_available(),
+        params_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    model = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(sb),
+                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
+                     pre_process=kind in ("first", "only"), post_process=kind in ("last", "only"),
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return model.to(dev), dev
+
+
+def default_mixes(seq_length: int, count: int, seed: int = 0) -> list[list[int]]:
+    """Document-length mixes: regular splits plus random cuts, with unequal token totals."""
+    t = seq_length
+    fixed = [[t], [t // 2] * 2, [t // 4] * 4, [t // 16] * 16, [t // 2], [3 * t // 8] * 2]
+    rng = np.random.default_rng(seed)
+    out = [m for m in fixed if all(x > 0 for x in m)][:count]
+    while len(out) < count:
+        total = int(t * rng.choice([1.0, 1.0, 0.75, 0.5]))
+        k = int(rng.integers(2, 16))
+        cuts = np.sort(rng.choice(np.arange(1, total), size=k - 1, replace=False))
+        out.append(np.diff(np.concatenate([[0], cuts, [total]])).astype(int).tolist())
+    return out
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_microbatch(model, dev, kind: str, shape: StageShape, doc_lengths: Sequence[int],
+                    density: float, repeats: int, warmup: int, statistic: str = "median"
+                    ) -> tuple[float, float]:
+    """Median (or min) (fwd_s, bwd_s) over ``repeats`` runs of one packed micro-batch."""
+    stat = {"median": np.median, "min": np.min}[statistic]
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    t = int(sum(doc_lengths))
+    cu = torch.tensor([0] + np.cumsum(doc_lengths).tolist(), dtype=torch.int32, device=dev)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=int(max(doc_lengths)), max_seqlen_kv=int(max(doc_lengths)))
+    g = torch.Generator(device="cpu").manual_seed(t)
+    tokens = torch.randint(0, shape.vocab_size, (1, t), generator=g).to(dev)
+    pos = torch.cat([torch.arange(n) for n in doc_lengths]).unsqueeze(0).to(dev)
+    dtype = next(model.parameters()).dtype
+    hidden = torch.randn(t, 1, shape.hidden_size, generator=g).to(dev, dtype)  # [s, b, h]
+    set_step_plan(BudgetPlan.static(0, density, 1, 1, 1), 0, 0)
+    set_current_microbatch(0, None)
+    fwd, bwd = [], []
+    try:
+        for i in range(warmup + repeats):
+            model.zero_grad(set_to_none=True)
+            x_in = None
+            if kind in ("middle", "last"):
+                x_in = hidden.clone().requires_grad_(True)
+                model.set_input_tensor(x_in)
+            labels = tokens if kind in ("last", "only") else None
+            _sync(dev)
+            t0 = time.perf_counter()
+            out = model(tokens if kind in ("first", "only") else None, pos, None,
+                        labels=labels, packed_seq_params=psp)
+            _sync(dev)
+            t1 = time.perf_counter()
+            if labels is not None:
+                out.float().mean().backward()
+            else:
+                out.backward(torch.ones_like(out))
+            _sync(dev)
+            t2 = time.perf_counter()
+            if i >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+    finally:
+        set_step_plan(None)
+        set_current_microbatch(None, None)
+    if not fwd:   # warm-up only
+        return 0.0, 0.0
+    return float(stat(fwd)), float(stat(bwd))
+
+
+def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequence[float],
+                  mixes: Sequence[Sequence[int]], repeats: int = 3, warmup: int = 1,
+                  statistic: str = "median", progress: Optional[Callable] = None) -> dict:
+    """Measure every (stage kind, mix, density) and return a validated, fitted table."""
+    from ..latency.model import LatencyModel
+
+    if shape.num_layers % shape.pp:
+        raise ValueError(f"--num-layers={shape.num_layers} is not divisible by "
+                         f"--pipeline-model-parallel-size={shape.pp}")
+    init_single_process(sb.seed)
+    kinds = stage_kinds_for(shape.pp)
+    per_stage = shape.num_layers // shape.pp
+    meas = []
+    todo = [(k, m, d) for k in sorted(set(kinds)) for m in mixes for d in densities]
+    bar = progress(total=len(todo)) if progress else None
+    models = {}
+    for kind, mix, density in todo:
+        if kind not in models:
+            torch.manual_seed(sb.seed)
+            models = {kind: build_stage(shape, sb, kind, per_stage)}  # one stage in memory
+            model, dev = models[kind]
+            # first-touch allocations and lazy init happen here, not in the first grid point
+            time_microbatch(model, dev, kind, shape, max(mixes, key=len), max(densities), 0, 1)
+        model, dev = models[kind]
+        f, b = time_microbatch(model, dev, kind, shape, mix, density, repeats, warmup, statistic)
+        meas.append({"kind": kind, "doc_lengths": [int(x) for x in mix],
+                     "density": float(density), "fwd_s": f, "bwd_s": b})
+        if bar is not None:
+            bar.set_postfix_str(f"{kind} docs={len(mix)} d={density:g} {1e3 * (f + b):.1f}ms")
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    table = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "source": "profiled",
+        "device": device_name(), "software": software_versions(),
+        "model": shape.as_table_model(),
+        "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
+                      "local_blocks": sb.local_blocks, "backend": sb.attention_backend,
+                      "estimator": sb.estimator},
+        "pipeline": {"pp": shape.pp, "stage_kinds": kinds, "layers_per_stage": [per_stage] * shape.pp},
+        "features": list(FEATURES),
+        "measurements": meas,
+        "profile": {"repeats": repeats, "warmup": warmup, "statistic": statistic,
+                    "threads": torch.get_num_threads(),
+                    "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    }
+    return LatencyModel.fit(table, where="<profile>").table
+
+
+def fit_report(table: dict) -> list[tuple[str, float, float, int]]:
+    """(kind, grid MAPE fwd+bwd, max abs % error, n) of the fitted coefficients on the grid."""
+    from ..latency.model import LatencyModel
+
+    m = LatencyModel.from_table(table)
+    rows = []
+    for kind in sorted(set(table["pipeline"]["stage_kinds"])):
+        ms = [x for x in table["measurements"] if x["kind"] == kind]
+        stage = table["pipeline"]["stage_kinds"].index(kind)
+        pred = m.predict_many([x["doc_lengths"] for x in ms], np.array([x["density"] for x in ms]),
+                              stage)
+        meas = np.array([x["fwd_s"] + x["bwd_s"] for x in ms])
+        err = np.abs(pred - meas) / meas
+        rows.append((kind, float(err.mean()), float(err.max()), len(ms)))
+    return rows
+
+
+def mape(pred, meas) -> float:
+    pred, meas = np.asarray(pred, float), np.asarray(meas, float)
+    return float(np.mean(np.abs(pred - meas) / meas)) if meas.size else math.nan
