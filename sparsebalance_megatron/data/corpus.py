@@ -212,6 +212,9 @@ def _build_builtin(files, missing, tok, *, min_doc_tokens, max_docs, compact_voc
                 names.append(doc_name)
         if max_docs is not None and len(docs) >= max_docs:
             break
+    if not docs:
+        raise DataError(f"{name}: no document with at least {min_doc_tokens} tokens "
+                        f"({len(files)} files read)")
     return _finish(docs, names, tok, name=name, compact_vocab=compact_vocab, notes=missing)
 
 
@@ -317,6 +320,7 @@ def load_corpus(data_path: Optional[str | Sequence[str]] = None, *, tokenizer: s
 
     def tok():  # built only when a cache entry is built or an indexed data set is read
         return get_tokenizer(tokenizer, cache_dir=cache_dir)
+
     if data_path is None:
         sources = tuple(sources)
         files, missing = _sources.list_source_files(sources, cache_dir)
