@@ -142,7 +142,13 @@ def _write_cache(dest: str, docs: list[np.ndarray], names: list[str], meta: dict
             json.dump(names, f)
         with open(os.path.join(tmp, "meta.json"), "w") as f:  # written last: marks completeness
             json.dump(meta, f, indent=1)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            # Another process finished first (a file system without working locks): use its.
+            if not os.path.exists(os.path.join(dest, "meta.json")):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -233,3 +233,28 @@ def test_shakespeare_texts_from_a_directory(tmp_path, monkeypatch):
     assert c.doc_names == ["shakespeare/tempest#0", "shakespeare/tempest#1",
                            "shakespeare/tempest#2"]
     assert bytes(c.tokens(2).astype(np.uint8)).startswith(b"SCENE 2. Isle.\n")
+
+
+def _load_in_child(args):
+    cache, queue = args
+    c = load_corpus(None, tokenizer="byte", sources=("stdlib",), max_docs=30, cache_dir=cache)
+    queue.put((c.name, c.lengths.tolist(), int(c.tokens(len(c) - 1).sum())))
+
+
+def test_two_processes_racing_on_first_use_build_one_cache(tmp_path):
+    """What two torchrun ranks do on a fresh machine: both load the built-in corpus at once."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_load_in_child, args=((str(tmp_path), queue),)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1] and len(results[0][1]) == 30
+    entries = os.listdir(tmp_path)
+    assert len([e for e in entries if e.startswith("corpus-") and not e.endswith(".lock")]) == 1
+    assert not [e for e in entries if e.startswith(".build-")]
