@@ -3,7 +3,7 @@
 Usage (the model flags use Megatron's names and must match the training run)::
 
     sparsebalance-profile --num-layers 4 --hidden-size 128 --ffn-hidden-size 384 \\
-        --num-attention-heads 4 --num-query-groups 2 --seq-length 2048 --vocab-size 32768 \\
+        --num-attention-heads 4 --num-query-groups 2 --seq-length 2048 --vocab-size 42240 \\
         --pipeline-model-parallel-size 2 --sb-block-size 64 --out lat_cpu.json [--quick]
 
 ``--analytic`` writes the FLOP-based H100 table of the scale study instead (no measurement).
@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--num-query-groups", type=int, default=2)
     g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=32768,
-                   help="padded vocabulary of the run (the LM head dominates small models)")
+    g.add_argument("--vocab-size", type=int, default=42240,
+                   help="padded vocabulary of the run (default: the compact built-in corpus, qwen); the LM head dominates small models")
     g.add_argument("--seq-length", type=int, default=2048, help="tokens per packed micro-batch")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     r = p.add_argument_group("profile")

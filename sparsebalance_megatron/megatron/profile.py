@@ -41,7 +41,7 @@ class StageShape:
     num_attention_heads: int = 4     # --num-attention-heads
     num_query_groups: int = 2        # --num-query-groups
     kv_channels: Optional[int] = None  # --kv-channels (default hidden / heads)
-    vocab_size: int = 151680         # padded vocabulary (Qwen2 BPE padded to 128)
+    vocab_size: int = 42240          # padded vocabulary (compact built-in corpus, qwen)
     seq_length: int = 2048           # tokens per packed micro-batch
     pp: int = 1                      # --pipeline-model-parallel-size
 

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Held-out accuracy of the latency model: fit on a table's grid, predict real micro-batches.
+
+The held-out micro-batches are packed from the real document lengths of the built-in corpus
+(CPython stdlib + Shakespeare, Qwen2 BPE; ``sparsebalance_megatron.data``) the way training packs
+them (documents in shuffled order, long ones split, the remainder padded as its own sequence),
+at densities drawn off the grid. Each is timed on the table's stage kinds with the table's repeats
+and statistic, then compared with the prediction.
+
+    python scripts/eval_latency_model.py --table lat_cpu.json --json eval.json [--n 12]
+
+Writes ``{"mape": float, "n": int, "device": str, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+import numpy as np
+
+
+def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") -> list[list[int]]:
+    from sparsebalance_megatron.data import load_corpus
+
+    lengths = np.asarray(load_corpus(tokenizer="qwen", compact_vocab=True,
+                                     doc_unit=doc_unit).lengths, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(lengths.size)
+    mixes, cur = [], []
+    for i in order:
+        rest = int(lengths[i])
+        while rest > 0:
+            room = seq_length - sum(cur)
+            take = min(rest, room)
+            cur.append(take)
+            rest -= take
+            if sum(cur) == seq_length:
+                mixes.append(cur)
+                cur = []
+                if len(mixes) == n:
+                    return mixes
+            if rng.random() < 0.3 and cur:   # some micro-batches end early: padding document
+                cur.append(seq_length - sum(cur))
+                mixes.append(cur)
+                cur = []
+                if len(mixes) == n:
+                    return mixes
+                break
+    return mixes
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--table", required=True)
+    p.add_argument("--json", required=True, help="where to write the result")
+    p.add_argument("--n", type=int, default=12, help="held-out micro-batches per stage kind")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--doc-unit", choices=("file", "section"), default="file")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency import LatencyModel, read_table
+    from sparsebalance_megatron.megatron.profile import (StageShape, build_stage, device_name,
+                                                         init_single_process, time_microbatch)
+    warnings.filterwarnings("ignore", message=".*RNG state changed.*")
+    if not torch.cuda.is_available():
+        torch.set_num_threads(args.threads)
+    table = read_table(args.table)
+    model = LatencyModel.fit(table, where=args.table)        # fit on the grid only
+    if device_name() != table["device"]:
+        print(f"warning: table measured on {table['device']!r}, evaluating on {device_name()!r}",
+              file=sys.stderr)
+    mod, att, prof = table["model"], table["attention"], table.get("profile", {})
+    shape = StageShape(**{k: mod[k] for k in StageShape.__dataclass_fields__ if k in mod},
+                       pp=table["pipeline"]["pp"])
+    sb = SparseBalanceConfig(sparse_attention=True, block_size=att["block_size"],
+                             sink_blocks=att["sink_blocks"], local_blocks=att["local_blocks"],
+                             attention_backend=att.get("backend", "auto"),
+                             estimator=att.get("estimator", "maxkey"), min_density=0.05)
+    repeats, stat = int(prof.get("repeats", 3)), prof.get("statistic", "median")
+    init_single_process(sb.seed)
+    rng = np.random.default_rng(args.seed)
+    mixes = heldout_mixes(shape.seq_length, args.n, args.seed, args.doc_unit)
+    grid = sorted({m["density"] for m in table["measurements"]})
+    rows = []
+    kinds = table["pipeline"]["stage_kinds"]
+    for kind in sorted(set(kinds)):
+        stage = kinds.index(kind)
+        torch.manual_seed(sb.seed)
+        net, dev = build_stage(shape, sb, kind, table["pipeline"]["layers_per_stage"][stage])
+        time_microbatch(net, dev, kind, shape, mixes[0], 1.0, 0, 1)   # warm-up
+        for mix in tqdm(mixes, desc=kind):
+            d = float(rng.uniform(min(grid), 1.0))              # off the grid
+            f, b = time_microbatch(net, dev, kind, shape, mix, d, repeats, 1, stat)
+            pf, pb = model.predict_fwd_bwd(mix, d, stage)
+            rows.append(dict(kind=kind, docs=len(mix), density=d, measured_s=f + b,
+                             predicted_s=pf + pb, measured_fwd_s=f, predicted_fwd_s=pf))
+        del net
+    meas = np.array([r["measured_s"] for r in rows])
+    pred = np.array([r["predicted_s"] for r in rows])
+    err = np.abs(pred - meas) / meas
+    print(f"{'kind':6s} {'docs':>4s} {'density':>7s} {'measured ms':>11s} {'predicted ms':>12s} "
+          f"{'err':>6s}")
+    for r, e in zip(rows, err):
+        print(f"{r['kind']:6s} {r['docs']:4d} {r['density']:7.3f} {1e3 * r['measured_s']:11.1f} "
+              f"{1e3 * r['predicted_s']:12.1f} {100 * e:5.1f}%")
+    out = {"mape": float(err.mean()), "n": int(err.size), "device": device_name(),
+           "max_error": float(err.max()), "table": args.table,
+           "table_device": table["device"], "statistic": stat, "repeats": repeats,
+           "rows": rows}
+    print(f"held-out MAPE {100 * out['mape']:.1f}% over n={out['n']} micro-batches "
+          f"(max {100 * out['max_error']:.1f}%) on {out['device']}")
+    with open(args.json, "w", encoding="utf-8") as fh:
+        json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
