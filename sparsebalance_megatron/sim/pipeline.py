@@ -100,8 +100,8 @@ def _check_times(fwd_s, bwd_s, p2p_s):
         raise ValueError(f"fwd_s shape {f.shape}: every axis of [dp, m, pp] must be >= 1")
     for name, a in (("fwd_s", f), ("bwd_s", b)):
         if not np.all(np.isfinite(a)) or np.any(a < 0):
-            raise ValueError(f"{name} must be finite and >= 0 seconds, got min={np.nanmin(a)!r} "
-                             f"(NaN present: {bool(np.isnan(a).any())})")
+            bad = a[~(np.isfinite(a) & (a >= 0))].ravel()[0]
+            raise ValueError(f"{name} must be finite and >= 0 seconds, got {bad!r}")
     p = float(p2p_s)
     if not np.isfinite(p) or p < 0:
         raise ValueError(f"p2p_s={p2p_s!r}: expected a finite number of seconds >= 0")

@@ -83,3 +83,21 @@ def test_table_without_coefficients_is_fitted(tmp_path, table):
     del table["coefficients"]
     m = LatencyModel.load(_write(tmp_path, table))
     np.testing.assert_allclose(m.coef["last"]["bwd"], ref.coef["last"]["bwd"], rtol=1e-6, atol=1e-15)
+
+
+def test_profile_cli_analytic_writes_a_loadable_qwen_table(tmp_path, capsys):
+    from sparsebalance_megatron.latency.profile_cli import main
+
+    out = str(tmp_path / "qwen.json")
+    assert main(["--analytic", "--num-layers", "24", "--hidden-size", "896",
+                 "--ffn-hidden-size", "4864", "--num-attention-heads", "14",
+                 "--num-query-groups", "2", "--vocab-size", "151936", "--seq-length", "32768",
+                 "--pipeline-model-parallel-size", "4", "--out", out]) == 0
+    assert "ANALYTIC" in capsys.readouterr().out
+    m = LatencyModel.load(out, expect={"model": {"hidden_size": 896, "num_layers": 24}})
+    assert m.table["source"] == "analytic" and m.pp == 4
+    # the last stage carries the LM head + loss, the first the embedding: both cost more than
+    # a middle stage with the same layers; attention work makes a long document dearer
+    t = [m.predict([32768], 0.5, s) for s in range(4)]
+    assert t[3] > t[0] > t[1] == pytest.approx(t[2])
+    assert m.predict([32768], 0.5, 1) > m.predict([512] * 64, 0.5, 1)
