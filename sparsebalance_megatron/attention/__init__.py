@@ -1,0 +1,13 @@
+"""Budgeted block-sparse attention: block selection under a density budget and its kernels.
+
+Pure torch (FlexAttention imported lazily on CUDA only); must not import megatron or
+torch.distributed. Entry point: ``block_sparse_attention``.
+"""
+
+from .api import BACKENDS, block_sparse_attention, resolve_backend
+from .blocks import BlockLayout, build_layout
+from .selection import ESTIMATORS, BlockSelection, estimate_block_shares, select_from_shares
+
+__all__ = ["block_sparse_attention", "resolve_backend", "BACKENDS", "BlockLayout",
+           "build_layout", "BlockSelection", "ESTIMATORS", "estimate_block_shares",
+           "select_from_shares"]

@@ -1,0 +1,108 @@
+"""One entry point for budgeted block-sparse attention over a packed micro-batch.
+
+``block_sparse_attention(q, k, v, cu_seqlens, density, ...)`` validates the inputs, lays the
+documents out in blocks, selects key blocks under the budget (no gradient) and runs one of the
+kernels, all of which compute the same function:
+
+- ``flex``: FlexAttention with a BlockMask (CUDA), compiled;
+- ``torch``: blockwise PyTorch with autograd (CPU and portable fallback);
+- ``reference``: dense SDPA with the expanded boolean mask (the oracle, O(t^2) memory);
+- ``auto``: flex on CUDA, torch elsewhere.
+
+Layouts: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``; query head h
+uses key/value head ``h // (np // ng)``), out ``[t, np, hn]``. Must not import megatron.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+
+from .blocks import build_layout, check_density, check_qkv
+from .kernels import (blockwise_attention, from_blocks_q, reference_attention, to_blocks_kv,
+                      to_blocks_q)
+from .selection import ESTIMATORS, BlockSelection, select_blocks
+
+BACKENDS = ("auto", "flex", "torch", "reference")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "torch"
+    return backend
+
+
+def _check_fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= 1):
+        raise ValueError(f"{name}={value!r}: expected a number in (0, 1]")
+    return float(value)
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r}: expected an integer >= 0")
+    return value
+
+
+def block_sparse_attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+        density: Union[float, torch.Tensor], *, block_size: int = 64, sink_blocks: int = 1,
+        local_blocks: int = 0, selection_mode: str = "density", mass_threshold: float = 0.9,
+        min_density: float = 0.125, max_density: float = 1.0, estimator: str = "maxkey",
+        backend: str = "auto", softmax_scale: Optional[float] = None,
+        query_chunk_blocks: int = 16) -> Tuple[torch.Tensor, BlockSelection]:
+    """Budgeted block-sparse causal attention within documents.
+
+    ``cu_seqlens``: ``[ndoc + 1]`` document boundaries (tensor or list, ``0 ... t``).
+    ``density``: scalar or ``[ndoc]`` in (0, 1] (kept key blocks / causal key blocks).
+    Returns ``(out [t, np, hn], selection)``; ``selection.density_kept`` and
+    ``selection.recall`` are ``[ndoc]`` per-document statistics (detached).
+    """
+    num_heads, num_groups, head_dim = check_qkv(q, k, v)
+    backend = resolve_backend(backend, q.device)
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
+    if selection_mode not in ("density", "mass"):
+        raise ValueError(f"selection_mode={selection_mode!r}: expected 'density' or 'mass'")
+    mass_threshold = _check_fraction("mass_threshold", mass_threshold)
+    min_density = _check_fraction("min_density", min_density)
+    max_density = _check_fraction("max_density", max_density)
+    if min_density > max_density:
+        raise ValueError(f"min_density={min_density} > max_density={max_density}: expected "
+                         f"min_density <= max_density")
+    sink_blocks = _check_count("sink_blocks", sink_blocks)
+    local_blocks = _check_count("local_blocks", local_blocks)
+    if isinstance(query_chunk_blocks, bool) or not isinstance(query_chunk_blocks, int) \
+            or query_chunk_blocks < 1:
+        raise ValueError(f"query_chunk_blocks={query_chunk_blocks!r}: expected an integer >= 1")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+
+    layout = build_layout(cu_seqlens, q.shape[0], block_size, q.device)
+    density_doc = check_density(density, layout.num_docs, q.device)
+
+    q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
+    q_blk = to_blocks_q(q_pad, num_groups, block_size)       # [ng, NB, rep, B, hn]
+    k_blk = to_blocks_kv(k_pad, block_size)                  # [ng, NB, B, hn]
+    selection = select_blocks(
+        q_blk.detach(), k_blk.detach(), layout, density_doc, estimator=estimator,
+        softmax_scale=softmax_scale, sink_blocks=sink_blocks, local_blocks=local_blocks,
+        selection_mode=selection_mode, mass_threshold=mass_threshold,
+        min_density=min_density, max_density=max_density)
+
+    if backend == "reference":
+        out = reference_attention(q, k, v, selection, softmax_scale)
+    elif backend == "torch":
+        v_blk = to_blocks_kv(v_pad, block_size)
+        out_blk = blockwise_attention(q_blk, k_blk, v_blk, selection, softmax_scale,
+                                      query_chunk_blocks)
+        out = layout.unpad(from_blocks_q(out_blk))
+    else:
+        from .flex import flex_attention_padded
+        out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
+                                                 softmax_scale))
+    return out, selection

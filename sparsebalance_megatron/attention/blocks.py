@@ -1,0 +1,160 @@
+"""Block layout of a packed micro-batch: documents split into blocks of ``block_size`` tokens.
+
+Every document (``cu_seqlens``) is cut into blocks; the last block of a document may be short.
+All blocks of all documents are numbered globally (``NB`` blocks) and laid out in a *padded*
+token space of ``NB * block_size`` slots, where each document starts on a block boundary, so the
+kernels see uniform ``[NB, block_size]`` tiles and attention can never cross a document.
+Input validation shared by every backend lives here too.
+Pure torch; must not import megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+
+@dataclass
+class BlockLayout:
+    """Where every block and token of a packed micro-batch lives.
+
+    ``block_*`` tensors are ``[NB]`` (long, on the input's device); ``token_slot`` is ``[t]``:
+    the padded position of every real token (``None`` when the layout needs no padding).
+    """
+
+    block_size: int
+    doc_lens: List[int]            # tokens per document
+    doc_block_start: List[int]     # global index of each document's first block; len ndoc + 1
+    num_tokens: int                # t, real tokens
+    block_doc: torch.Tensor        # [NB] document of each block
+    block_local: torch.Tensor      # [NB] index of the block inside its document
+    block_len: torch.Tensor        # [NB] real tokens in the block (1..block_size)
+    token_slot: Optional[torch.Tensor]  # [t] padded slot of each token, None if identity
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_lens)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.doc_block_start[-1]
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def block_available(self) -> torch.Tensor:
+        """[NB] causal in-document key blocks of each query block (its own included)."""
+        return self.block_local + 1
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[t, ...] -> [NB * block_size, ...] with zeros in the padding slots (differentiable)."""
+        if self.token_slot is None:
+            return x
+        out = x.new_zeros((self.padded_tokens,) + tuple(x.shape[1:]))
+        return out.index_copy(0, self.token_slot, x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[NB * block_size, ...] -> [t, ...] (differentiable)."""
+        if self.token_slot is None:
+            return x
+        return x.index_select(0, self.token_slot)
+
+    def token_block(self) -> torch.Tensor:
+        """[t] global block index of every real token."""
+        slots = (torch.arange(self.num_tokens, device=self.block_doc.device)
+                 if self.token_slot is None else self.token_slot)
+        return torch.div(slots, self.block_size, rounding_mode="floor")
+
+
+def check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
+            or (block_size & (block_size - 1)) != 0:
+        raise ValueError(f"block_size={block_size!r}: expected a positive power of two (e.g. 64)")
+    return block_size
+
+
+def check_cu_seqlens(cu_seqlens, num_tokens: int) -> List[int]:
+    """Validate document boundaries; returns them as a Python list ``[0, ..., num_tokens]``."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens: expected a 1-D integer tensor, got dtype "
+                             f"{cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        cu = [int(x) for x in cu_seqlens]
+    if len(cu) < 2 or cu[0] != 0:
+        raise ValueError(f"cu_seqlens={cu[:8]}: expected [0, end_1, ..., t] with at least one document")
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b <= a:
+            raise ValueError(f"cu_seqlens={cu[:16]}: expected strictly increasing values "
+                             f"(found {a} followed by {b})")
+    if cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but there are {num_tokens} tokens: "
+                         f"expected the last entry to equal the token count")
+    return cu
+
+
+def check_density(density, num_docs: int, device) -> torch.Tensor:
+    """Scalar or per-document density in (0, 1] -> float64 tensor ``[ndoc]``."""
+    if isinstance(density, torch.Tensor):
+        d = density.detach().to(device=device, dtype=torch.float64).reshape(-1)
+        if d.numel() == 1:
+            d = d.expand(num_docs)
+        elif d.numel() != num_docs:
+            raise ValueError(f"density has {d.numel()} entries: expected a scalar or one per "
+                             f"document ({num_docs})")
+    else:
+        if isinstance(density, bool) or not isinstance(density, (int, float)):
+            raise ValueError(f"density={density!r}: expected a number in (0, 1] or a tensor")
+        d = torch.full((num_docs,), float(density), dtype=torch.float64, device=device)
+    bad = ~((d > 0) & (d <= 1))  # also catches NaN
+    if bool(bad.any()):
+        raise ValueError(f"density={d[bad][0].item()!r}: expected a value in (0, 1]")
+    return d
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> (np, ng, hn)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}: expected 3 dims [t, heads, hn]")
+    if k.shape != v.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}: expected equal")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens, k/v have {k.shape[0]}: expected equal")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"head dim of q ({q.shape[2]}) != head dim of k/v ({k.shape[2]})")
+    num_heads, num_groups = q.shape[1], k.shape[1]
+    if num_groups < 1 or num_heads % num_groups != 0:
+        raise ValueError(f"{num_heads} query heads with {num_groups} key/value heads: expected "
+                         f"the query head count to be a multiple of the key/value head count")
+    return num_heads, num_groups, q.shape[2]
+
+
+def build_layout(cu_seqlens, num_tokens: int, block_size: int, device) -> BlockLayout:
+    """Split every document into blocks (last one may be short) and number them globally."""
+    block_size = check_block_size(block_size)
+    cu = check_cu_seqlens(cu_seqlens, num_tokens)
+    doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    nblocks = [(n + block_size - 1) // block_size for n in doc_lens]
+    starts = [0]
+    for n in nblocks:
+        starts.append(starts[-1] + n)
+    lens_t = torch.tensor(doc_lens, dtype=torch.long, device=device)
+    nblk_t = torch.tensor(nblocks, dtype=torch.long, device=device)
+    start_t = torch.tensor(starts[:-1], dtype=torch.long, device=device)
+    ndoc = len(doc_lens)
+    block_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), nblk_t)
+    block_local = torch.arange(starts[-1], device=device) - start_t[block_doc]
+    block_len = torch.clamp(lens_t[block_doc] - block_local * block_size, max=block_size)
+    token_slot = None
+    if any(n % block_size for n in doc_lens[:-1]) or doc_lens[-1] % block_size:
+        cu_t = torch.tensor(cu[:-1], dtype=torch.long, device=device)
+        token_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), lens_t)
+        token_slot = start_t[token_doc] * block_size + (
+            torch.arange(num_tokens, device=device) - cu_t[token_doc])
+    return BlockLayout(block_size, doc_lens, starts, num_tokens, block_doc, block_local,
+                       block_len, token_slot)
