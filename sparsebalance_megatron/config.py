@@ -17,6 +17,7 @@ SELECTION_MODES = ("density", "mass")
 ESTIMATORS = ("maxkey", "pooled")
 LONG_SAMPLE_POLICIES = ("split", "error")
 TOKENIZERS = ("qwen", "gpt2", "byte")
+DOC_UNITS = ("file", "section")
 
 
 def _f(default, help: str, choices=None, **kw):
@@ -104,9 +105,20 @@ class SparseBalanceConfig:
     tokenizer: str = _f(
         "qwen", "Tokenizer of the built-in real-text corpus and of .jsonl data: 'qwen' "
         "(Qwen2 BPE via tiktoken), 'gpt2', or 'byte'.", choices=TOKENIZERS)
+    doc_unit: str = _f(
+        "file", "Documents of the built-in corpus: whole files/plays ('file') or their natural "
+        "sections, top-level defs and scenes ('section'; a heavier tail at short contexts).",
+        choices=DOC_UNITS)
     data_cache_dir: Optional[str] = _f(
         None, "Where the built-in corpus is cached (default: ~/.cache/sparsebalance_megatron).")
     seed: int = _f(1234, "Seed of data shuffling and batching decisions.")
+
+    # --- benchmarking -----------------------------------------------------------------------
+    straggler_rank: int = _f(
+        -1, "Benchmarking: data-parallel rank that emulates a slower device (-1: none).")
+    straggler_slowdown: float = _f(
+        1.0, "Benchmarking: how many times slower --sb-straggler-rank computes (>= 1); it "
+        "sleeps in proportion to its measured forward time.")
 
     # --- logging --------------------------------------------------------------------------
     metrics_file: Optional[str] = _f(
@@ -154,6 +166,11 @@ class SparseBalanceConfig:
                 bad(name, v, "an integer >= 0")
         if not isinstance(self.query_chunk_blocks, int) or self.query_chunk_blocks < 1:
             bad("query_chunk_blocks", self.query_chunk_blocks, "an integer >= 1")
+        if not isinstance(self.straggler_rank, int) or self.straggler_rank < -1:
+            bad("straggler_rank", self.straggler_rank, "-1 or a data-parallel rank >= 0")
+        sd = self.straggler_slowdown
+        if not isinstance(sd, (int, float)) or sd != sd or not (1.0 <= sd <= 100.0):
+            bad("straggler_slowdown", sd, "a number in [1, 100]")
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")

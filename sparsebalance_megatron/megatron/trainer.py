@@ -34,13 +34,22 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(data_iterator, model):
-    """Megatron forward_step_func: one packed micro-batch through this stage."""
-    mb = next(data_iterator)
-    budget.set_current_microbatch(mb["index"], mb["doc_ids"])
-    output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
-                   packed_seq_params=mb["packed_seq_params"])
-    return output, partial(loss_func, mb["loss_mask"])
+def make_forward_step(slowdown: float = 1.0):
+    """Megatron forward_step_func: one packed micro-batch through this stage.
+
+    ``slowdown`` > 1 emulates a slower device for straggler benchmarks (--sb-straggler-*): the
+    forward sleeps so that forward + backward (about 3x the forward) take ``slowdown`` times longer.
+    """
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        budget.set_current_microbatch(mb["index"], mb["doc_ids"])
+        t0 = time.perf_counter()
+        output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
+                       packed_seq_params=mb["packed_seq_params"])
+        if slowdown > 1.0:
+            time.sleep(3.0 * (slowdown - 1.0) * (time.perf_counter() - t0))
+        return output, partial(loss_func, mb["loss_mask"])
+    return forward_step
 
 
 def _load_corpus(args, sb):
@@ -48,7 +57,8 @@ def _load_corpus(args, sb):
 
     def load():
         return load_corpus(args.data_path[0] if args.data_path else None, tokenizer=sb.tokenizer,
-                           cache_dir=sb.data_cache_dir, compact_vocab=args.data_path is None)
+                           cache_dir=sb.data_cache_dir, compact_vocab=args.data_path is None,
+                           doc_unit=sb.doc_unit)
 
     # Rank 0 builds the cache on first use; the others then open it.
     corpus = load() if comm.rank() == 0 else None
@@ -124,6 +134,8 @@ def train(state) -> dict:
     model, optimizer, scheduler, config = (state[k] for k in ("model", "optimizer", "scheduler", "config"))
     dp_rank, pp_rank = ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     fb_func = get_forward_backward_func()
+    sb = state["sb"]
+    forward_step = make_forward_step(sb.straggler_slowdown if dp_rank == sb.straggler_rank else 1.0)
     for m in model:
         m.train()
 
