@@ -176,8 +176,9 @@ def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch
             sorted_shares = shares.gather(-1, order)
             before = sorted_shares.cumsum(dim=-1) - sorted_shares       # mass of the blocks ahead
             need = (before < mass_threshold).sum(dim=-1)                # [ng, NB]
-            lo = torch.maximum(ceil_frac(torch.tensor(min_density, device=dev)), n_forced)
-            hi = torch.maximum(ceil_frac(torch.tensor(max_density, device=dev)), n_forced)
+            f64 = dict(dtype=torch.float64, device=dev)   # float32 0.6 * 10 would ceil to 7
+            lo = torch.maximum(ceil_frac(torch.tensor(min_density, **f64)), n_forced)
+            hi = torch.maximum(ceil_frac(torch.tensor(max_density, **f64)), n_forced)
             kv_num = torch.minimum(torch.maximum(need, lo), torch.minimum(hi, avail))
             kmax = int(kv_num.max())
             kv_indices = order[..., :kmax].contiguous()
