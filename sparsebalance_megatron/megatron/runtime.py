@@ -200,16 +200,17 @@ class SparseBalanceRuntime:
         out = {}
         if plan is not None:
             out["mean_density"] = float(np.mean(plan.densities))
-        if self.latency is not None or self.tracker is not None:
-            stats = _doc_recalls(pop_attention_stats())
-            gathered = comm.all_gather_object(
-                (self.dp_rank, self.pp_rank, self.last_timings, stats))
-            if self.latency is not None and plan is not None:
-                out.update(self._calibrate(step_data, plan, gathered))
-            if self.tracker is not None:
-                self._update_sensitivity(step_data, gathered)
-        else:
-            pop_attention_stats()
+        stats = _doc_recalls(pop_attention_stats()) if self.tracker is not None else {}
+        gathered = comm.all_gather_object((self.dp_rank, self.pp_rank, self.last_timings, stats))
+        measured = self._measured_busy(gathered, step_data.num_microbatches)
+        if np.isfinite(measured).all():
+            rank_busy = measured.sum(axis=1)
+            out["rank_busy_s"] = [round(float(x), 5) for x in rank_busy]
+            out["measured_imbalance"] = float(rank_busy.max() / max(rank_busy.mean(), 1e-12))
+        if self.latency is not None and plan is not None:
+            out.update(self._calibrate(step_data, plan, measured))
+        if self.tracker is not None:
+            self._update_sensitivity(step_data, gathered)
         if self.last_report is not None:
             r = self.last_report
             out.update(predicted_step_s=r["step_time_planned_s"],
@@ -225,25 +226,29 @@ class SparseBalanceRuntime:
         self.overhead_s = 0.0
         return out
 
-    def _calibrate(self, step_data, plan: BudgetPlan, gathered) -> dict:
-        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction."""
-        units = unit_lengths(step_data, self.capacity)
-        m = step_data.num_microbatches
+    def _measured_busy(self, gathered, m: int) -> np.ndarray:
+        """[dp, pp] measured fwd+bwd seconds of every rank's micro-batches (NaN: missing/bad)."""
         measured = np.full((self.dp, self.pp), np.nan)
-        predicted = np.zeros((self.dp, self.pp))
         for dp_rank, pp_rank, timings, _ in gathered:
             f = (timings or {}).get("fwd_s") or []
             b = (timings or {}).get("bwd_s") or []
             if len(f) == m and len(b) == m:
                 measured[dp_rank, pp_rank] = float(np.sum(f) + np.sum(b))
+        return measured
+
+    def _calibrate(self, step_data, plan: BudgetPlan, measured: np.ndarray) -> dict:
+        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction."""
+        units = unit_lengths(step_data, self.capacity)
+        m = step_data.num_microbatches
+        predicted = np.zeros((self.dp, self.pp))
         for r in range(self.dp):
             for s in range(self.pp):
                 predicted[r, s] = float(np.sum(self.latency.predict_many(
                     units[r * m:(r + 1) * m], plan.densities[r, :, s], s)))
         for r in range(self.dp):
-            ok = np.isfinite(measured[r]).all()
+            ok = np.isfinite(measured[r]).all()  # missing/NaN: keep the previous factor, warn once
             self.latency.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
-        return {"measured_busy_s": float(np.nanmax(measured)) if np.isfinite(measured).any() else None,
+        return {"predicted_busy_s": [round(float(x), 5) for x in predicted.sum(axis=1)],
                 "calibration": [round(self.latency.correction(r), 4) for r in range(self.dp)]}
 
     def _update_sensitivity(self, step_data, gathered) -> None:
