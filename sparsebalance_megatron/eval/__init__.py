@@ -1,0 +1,14 @@
+"""Long-context quality eval: RULER-style task generator and scoring (issue 7).
+
+Pure Python: must not import torch, megatron or transformers. The model side (conversion, the
+Megatron forward, attention-recall hooks) lives in ``megatron/hf_convert.py`` and
+``scripts/eval_long_context.py``.
+"""
+
+from .assets import HAYSTACKS, MissingDataPackageError, lce_json_dir
+from .scoring import answer_token_accuracy, greedy_exact_match, mean_by, string_match
+from .tasks import TASKS, TaskLengthError, TaskSample, make_sample, make_suite
+
+__all__ = ["TASKS", "HAYSTACKS", "TaskSample", "TaskLengthError", "MissingDataPackageError",
+           "make_sample", "make_suite", "lce_json_dir", "answer_token_accuracy",
+           "greedy_exact_match", "string_match", "mean_by"]

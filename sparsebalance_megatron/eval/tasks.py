@@ -1,0 +1,226 @@
+"""RULER-style long-context tasks with exact token counts, written for this project.
+
+``make_sample(task, length, depth, seed, encode)`` returns a prompt of exactly ``length`` tokens
+(instruction + haystack with needles + question) and the answer tokens that follow it. Tasks:
+
+- ``needle_single``: one pass key (7 digits) in the haystack;
+- ``needle_multikey``: four "magic number for <key>" needles, one asked for, three distractors;
+- ``needle_multivalue``: four numbers for the same key, all asked for (in order of appearance);
+- ``variable_tracking``: a chain ``VAR A = 12345; VAR B = VAR A; ...``, all names asked for;
+- ``qa``: a SQuAD or HotpotQA question, its gold paragraph(s) among distractor paragraphs.
+
+The haystack is RULER's Paul Graham essays (or Shakespeare) for the needle tasks and other
+questions' paragraphs for ``qa``. The asked-for needle (the first of a chain) sits at ``depth``
+(0 = right after the instruction, 1 = right before the question), snapped to a sentence
+boundary; other needles go to seeded random depths. Pieces are tokenized separately and
+concatenated as ids, so counts are exact. ``encode`` is any ``str -> list[int]`` (the model's own
+tokenizer in the eval, a toy one in tests). Pure Python; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Sequence, Tuple
+
+from . import assets
+
+TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_tracking", "qa")
+Encode = Callable[[str], List[int]]
+
+_WORDS = ("amber", "brisk", "cobalt", "dusty", "eager", "fabled", "gentle", "hollow", "icy",
+          "jolly", "keen", "lunar", "mellow", "noble", "opal", "placid", "quiet", "rustic",
+          "silent", "tidal", "umber", "vivid", "wary", "zesty")
+_NOUNS = ("anchor", "badger", "canyon", "dragon", "ember", "falcon", "garden", "harbor",
+          "island", "jungle", "kettle", "lantern", "meadow", "needle", "orchard", "pepper",
+          "quarry", "river", "saddle", "timber", "valley", "walnut", "yarrow", "zephyr")
+
+_NIAH_PREFIX = ("Some special magic numbers are hidden within the following text. Make sure to "
+                "memorize it. I will quiz you about the numbers afterwards.\n")
+_PASSKEY_PREFIX = ("There is an important piece of information hidden inside a lot of irrelevant "
+                   "text. Find it and memorize it. I will quiz you about it afterwards.\n")
+_VT_PREFIX = "Memorize and track the chain of variable assignments hidden in the following text.\n"
+_QA_INSTR = ("Answer the question based on the given documents. Only give me the answer and do "
+             "not output any other words.")
+
+
+class TaskLengthError(ValueError):
+    """The requested length cannot hold the instruction, needles and question."""
+
+
+@dataclass
+class TaskSample:
+    """One prompt of exactly ``length`` tokens and the answer tokens that follow it."""
+
+    task: str
+    length: int
+    depth: float
+    seed: int
+    input_ids: List[int]                 # the prompt, len == length
+    answer_ids: List[int]                # gold continuation (teacher forcing target)
+    answers: Tuple[str, ...]             # gold strings (all must appear, except qa: any)
+    needle_spans: List[Tuple[int, int]] = field(default_factory=list)  # [start, end) in prompt
+
+
+def _number(rng: random.Random, digits: int) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.choice(_WORDS)}-{rng.choice(_NOUNS)}"
+
+
+def _var(rng: random.Random) -> str:
+    return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+
+
+def _check_args(task: str, length: int, depth: float) -> None:
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: expected one of {TASKS}")
+    if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+        raise ValueError(f"length={length!r}: expected a positive token count")
+    if not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth={depth!r}: expected a number in [0, 1]")
+
+
+def _filler_units(units: Sequence[str], rng: random.Random, sep: str) -> Iterator[str]:
+    """Units (sentences / paragraphs) in order from a seeded start, wrapping around."""
+    start = rng.randrange(len(units))
+    i = start
+    while True:
+        yield sep + units[i]
+        i = (i + 1) % len(units)
+
+
+def _assemble(encode: Encode, length: int, prefix: str, needles: List[Tuple[float, str]],
+              question: str, filler: Iterator[str], task: str):
+    """prefix + filler with needles at depths + question, exactly ``length`` tokens."""
+    prefix_ids, question_ids = encode(prefix), encode(question)
+    needle_ids = [(d, encode(t)) for d, t in needles]
+    fixed = len(prefix_ids) + len(question_ids) + sum(len(ids) for _, ids in needle_ids)
+    fill = length - fixed
+    if fill < 0:
+        raise TaskLengthError(
+            f"length={length} is too short for task {task!r}: the instruction, needle(s) and "
+            f"question alone take {fixed} tokens; expected length >= {fixed}")
+    hay: List[int] = []
+    bounds = [0]                      # sentence boundaries inside the filler
+    while len(hay) < fill:
+        hay.extend(encode(next(filler)))
+        bounds.append(min(len(hay), fill))
+    hay = hay[:fill]
+    # needles at the boundary nearest to depth * fill; stable for equal depths
+    placed = sorted(((min(bounds, key=lambda b: (abs(b - d * fill), b)), k, ids)
+                     for k, (d, ids) in enumerate(needle_ids)), key=lambda x: (x[0], x[1]))
+    out, spans, cursor = list(prefix_ids), [None] * len(needle_ids), 0
+    for pos, k, ids in placed:
+        out.extend(hay[cursor:pos])
+        cursor = pos
+        spans[k] = (len(out), len(out) + len(ids))
+        out.extend(ids)
+    out.extend(hay[cursor:])
+    out.extend(question_ids)
+    assert len(out) == length, (len(out), length)
+    return out, spans
+
+
+def _other_depths(rng: random.Random, n: int) -> List[float]:
+    return [rng.random() for _ in range(n)]
+
+
+def make_sample(task: str, length: int, depth: float, seed: int, encode: Encode, *,
+                haystack: str = "essays", num_needles: int = 4, num_hops: int = 4) -> TaskSample:
+    """One seeded sample; see the module docstring for the tasks."""
+    _check_args(task, length, depth)
+    rng = random.Random(f"{task}:{length}:{depth}:{seed}")
+    if task == "qa":
+        return _make_qa(length, depth, seed, rng, encode)
+    filler = _filler_units(assets.haystack_sentences(haystack), rng, " ")
+    if task == "needle_single":
+        key = _number(rng, 7)
+        needles = [(depth, f" The pass key is {key}. Remember it. {key} is the pass key.")]
+        question = "\nWhat is the pass key? The pass key is"
+        answers, answer, prefix = (key,), " " + key, _PASSKEY_PREFIX
+    elif task == "needle_multikey":
+        keys = []
+        while len(keys) < num_needles:
+            k = _key(rng)
+            if k not in keys:
+                keys.append(k)
+        values = [_number(rng, 7) for _ in keys]
+        depths = [depth] + _other_depths(rng, num_needles - 1)
+        needles = [(d, f" One of the special magic numbers for {k} is: {v}.")
+                   for d, k, v in zip(depths, keys, values)]
+        question = (f"\nWhat is the special magic number for {keys[0]} mentioned in the provided "
+                    f"text? The special magic number for {keys[0]} mentioned in the provided "
+                    f"text is")
+        answers, answer, prefix = (values[0],), " " + values[0], _NIAH_PREFIX
+    elif task == "needle_multivalue":
+        key = _key(rng)
+        values = [_number(rng, 7) for _ in range(num_needles)]
+        depths = [depth] + _other_depths(rng, num_needles - 1)
+        needles = [(d, f" One of the special magic numbers for {key} is: {v}.")
+                   for d, v in zip(depths, values)]
+        question = (f"\nWhat are all the special magic numbers for {key} mentioned in the "
+                    f"provided text? The special magic numbers for {key} mentioned in the "
+                    f"provided text are")
+        answers, answer, prefix = tuple(values), None, _NIAH_PREFIX  # ordered after placement
+    else:  # variable_tracking
+        names = []
+        while len(names) < num_hops + 1:
+            n = _var(rng)
+            if n not in names:
+                names.append(n)
+        value = _number(rng, 5)
+        depths = sorted([depth] + [depth + (1 - depth) * r for r in _other_depths(rng, num_hops)])
+        chain = [f" VAR {names[0]} = {value}."] + [
+            f" VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, num_hops + 1)]
+        needles = list(zip(depths, chain))
+        question = (f"\nQuestion: Find all variables that are assigned the value {value} in the "
+                    f"text above. Answer: According to the chain of variable assignments in the "
+                    f"text above, {num_hops + 1} variables are assigned the value {value}, they "
+                    f"are:")
+        answers, answer, prefix = tuple(names), " " + " ".join(names), _VT_PREFIX
+    ids, spans = _assemble(encode, length, prefix, needles, question, filler, task)
+    if answer is None:  # multivalue: values in their order of appearance in the prompt
+        answers = tuple(v for _, v in sorted(zip(spans, values)))
+        answer = " " + ", ".join(answers)
+    return TaskSample(task, length, float(depth), seed, ids, encode(answer), answers, spans)
+
+
+def _make_qa(length: int, depth: float, seed: int, rng: random.Random, encode: Encode):
+    """SQuAD (even seeds) or HotpotQA (odd seeds); distractors are other items' paragraphs.
+
+    Questions with short answers (<= 5 words, not yes/no) whose gold paragraphs fit in half the
+    length are drawn; the rest of the length is other questions' paragraphs.
+    """
+    hotpot = seed % 2 == 1
+    items = assets.hotpotqa_items() if hotpot else assets.squad_items()
+    for _ in range(500):
+        item = items[rng.randrange(len(items))]
+        q, ans = item[0], item[1]
+        gold = list(item[2]) if hotpot else [item[2]]
+        if not gold or len(ans[0].split()) > 5 or ans[0].lower() in ("yes", "no"):
+            continue
+        needles = [(depth, "\nPassage: " + g + "\n") for g in gold]
+        if sum(len(encode(t)) for _, t in needles) <= length // 2:
+            break
+    else:
+        raise TaskLengthError(f"length={length} is too short for task 'qa': no question's gold "
+                              f"paragraphs fit in half of it; expected a longer length")
+    pool = []
+    while len(pool) < 200:
+        other = items[rng.randrange(len(items))]
+        pool.extend(p for p in (other[3] if hotpot else [other[2]]) if p not in gold)
+    filler = _filler_units(pool, rng, "\nPassage: ")
+    question = f"\n{_QA_INSTR}\n\nQuestion: {q} Answer:"
+    ids, spans = _assemble(encode, length, _QA_INSTR + "\n\nThe following are given documents.\n",
+                           needles, question, filler, "qa")
+    return TaskSample("qa", length, float(depth), seed, ids, encode(" " + ans[0]), ans, spans)
+
+
+def make_suite(tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float],
+               samples: int, encode: Encode, seed: int = 0, **kw) -> List[TaskSample]:
+    """Every (task, length, depth) with ``samples`` seeds each (seeds seed .. seed+samples-1)."""
+    return [make_sample(t, n, d, seed + s, encode, **kw)
+            for t in tasks for n in lengths for d in depths for s in range(samples)]
