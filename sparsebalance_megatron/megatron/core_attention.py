@@ -1,0 +1,124 @@
+"""``SparseCoreAttention``: budgeted block-sparse attention behind megatron-core's core-attention slot.
+
+Meets ``CoreAttentionInterface`` / ``CoreAttentionBuilder`` of megatron-core 0.19
+(``megatron/core/transformer/attention.py``): built with the keywords ``config, layer_number,
+attn_mask_type, attention_type, cp_comm_type, softmax_scale, pg_collection`` plus ``sb_config``
+(from the layer spec's ``params``), called as ``forward(query, key, value, attention_mask, *,
+attn_mask_type, attention_bias, packed_seq_params)``.
+
+- Packed (THD) micro-batches: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (megatron squeezes the batch
+  dim; a leading ``[t, 1, ...]`` is accepted too), documents from ``packed_seq_params.cu_seqlens_q``;
+  returns ``[t, np*hn]`` (megatron reshapes it to ``[t, 1, np*hn]``).
+- Unpacked: q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]``, plain causal: every batch row is one
+  document; ``attention_mask`` is ignored (it must be the causal mask); returns
+  ``[sq, b, np*hn]``.
+- Tensor parallel: ``np``/``ng`` are this rank's heads; selection is per key/value head, so TP ranks
+  share nothing but the density (the plan is identical on every rank).
+- Pipeline parallel: nothing here depends on the stage; the density comes from
+  ``plan.current_density`` which knows the stage.
+
+The density of the current micro-batch is ``plan.current_density(default=sb_config.density)``.
+After each forward *with grad enabled* (training forwards, and the recomputation of activation
+checkpointing, which runs its first pass without grad), the per-document kept density and
+estimated recall go to ``plan.record_attention_stats``: one record per layer and micro-batch,
+small detached CPU lists; evaluation forwards under ``torch.no_grad()`` record nothing.
+Attention dropout is not applied (the sparse kernels have none); a nonzero
+``config.attention_dropout`` is logged once and ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from .. import plan
+from ..attention import block_sparse_attention
+from ..config import SparseBalanceConfig
+
+log = logging.getLogger(__name__)
+_warned_dropout = False
+_CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+class SparseCoreAttention(MegatronModule):
+    """Causal block-sparse attention within documents, with a per-micro-batch density budget."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type=AttnMaskType.causal,
+                 attention_type: str = "self", cp_comm_type=None, softmax_scale=None,
+                 pg_collection=None, sb_config: SparseBalanceConfig = None,
+                 attention_dropout=None):
+        super().__init__(config=config)
+        if sb_config is None:
+            raise ValueError("SparseCoreAttention needs sb_config (pass it through the layer "
+                             "spec: get_sparsebalance_layer_spec(sb_config))")
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r}: SparseCoreAttention supports "
+                             f"only causal self-attention")
+        if attn_mask_type not in _CAUSAL_TYPES:
+            raise ValueError(f"attn_mask_type={attn_mask_type}: expected a causal mask type "
+                             f"({', '.join(str(t) for t in _CAUSAL_TYPES)})")
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError(f"context_parallel_size={config.context_parallel_size}: "
+                             f"SparseCoreAttention does not support context parallelism (use 1)")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(f"window_size={config.window_size}: sliding-window attention is "
+                             f"not supported by SparseCoreAttention (use local_blocks)")
+        global _warned_dropout
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout and not _warned_dropout:
+            log.warning("attention_dropout=%s is ignored by SparseCoreAttention", dropout)
+            _warned_dropout = True
+        self.sb_config = sb_config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        head_dim = config.kv_channels
+        # DotProductAttention's query-key layer scaling divides and re-multiplies by the layer
+        # number: the net scale is this one.
+        self.softmax_scale = softmax_scale if softmax_scale is not None \
+            else 1.0 / math.sqrt(head_dim)
+
+    def _attend(self, q, k, v, cu_seqlens):
+        sb = self.sb_config
+        out, sel = block_sparse_attention(
+            q, k, v, cu_seqlens, plan.current_density(default=sb.density),
+            block_size=sb.block_size, sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
+            selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
+            min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
+            backend=sb.attention_backend, softmax_scale=self.softmax_scale,
+            query_chunk_blocks=sb.query_chunk_blocks)
+        if torch.is_grad_enabled():
+            plan.record_attention_stats(self.layer_number, sel.density_kept.cpu().tolist(),
+                                        sel.recall.cpu().tolist())
+        return out                                                # [t, np, hn]
+
+    def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by SparseCoreAttention (got a "
+                             f"tensor of shape {tuple(attention_bias.shape)}; expected None)")
+        if attn_mask_type is not None and attn_mask_type not in _CAUSAL_TYPES:
+            raise ValueError(f"attn_mask_type={attn_mask_type}: expected a causal mask type")
+        if packed_seq_params is not None:
+            if getattr(packed_seq_params, "qkv_format", "thd") != "thd":
+                raise ValueError(f"packed_seq_params.qkv_format="
+                                 f"{packed_seq_params.qkv_format!r}: expected 'thd'")
+            # [t, heads, hn]; megatron squeezes the batch dim, accept [t, 1, heads, hn] too
+            q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
+            cu = packed_seq_params.cu_seqlens_q
+            if int(cu[-1]) != q.shape[0] and packed_seq_params.cu_seqlens_q_padded is not None:
+                cu = packed_seq_params.cu_seqlens_q_padded  # padded THD: attend over the padding
+            out = self._attend(q, k, v, cu)
+            return out.reshape(out.shape[0], -1)                  # [t, np*hn]
+        # [sq, b, np, hn] -> [b*sq, np, hn], one document per batch row
+        sq, b, nh, hn = query.shape
+        if key.shape[0] != sq:
+            raise ValueError(f"key has {key.shape[0]} positions, query {sq}: expected equal "
+                             f"(self-attention without a KV cache)")
+        q, k, v = (x.transpose(0, 1).reshape(b * sq, x.shape[2], hn) for x in (query, key, value))
+        cu = torch.arange(0, (b + 1) * sq, sq, device=query.device)
+        out = self._attend(q, k, v, cu)                           # [b*sq, np, hn]
+        return out.view(b, sq, nh * hn).transpose(0, 1).contiguous()   # [sq, b, np*hn]
