@@ -137,7 +137,7 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
         "software": {"torch": "analytic", "megatron_core": "analytic"},
         "model": {k: val for k, val in asdict(shape).items()},
         "attention": {"block_size": block_size, "sink_blocks": sink_blocks,
-                      "local_blocks": local_blocks},
+                      "local_blocks": local_blocks, "work": "kept"},  # FlexAttention on GPU
         "pipeline": {"pp": pp, "stage_kinds": kinds, "layers_per_stage": [per_stage] * pp},
         "features": list(FEATURES),
         "measurements": meas,

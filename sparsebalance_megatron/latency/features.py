@@ -16,10 +16,13 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from .work import (as_doc_lengths, check_block_params, check_densities, cumulative_work_table,
-                   num_blocks)
+from .work import (as_doc_lengths, block_kept, check_block_params, check_densities,
+                   cumulative_work_table, num_blocks)
 
 FEATURES = ("const", "tokens", "attention_work", "selection_work")
+# How attention work is counted: "kept" = exact kept pairs (FlexAttention on GPU), "chunked" =
+# the CPU kernel's chunks padded to their largest kept count (see work.chunked_attention_work).
+WORK_MODES = ("kept", "chunked")
 
 
 @dataclass
@@ -34,7 +37,10 @@ class UnitFeatures:
     doc_blocks: np.ndarray      # [total_docs] int64 blocks per document
     doc_unit: np.ndarray        # [total_docs] int64 unit of every document
     tokens: np.ndarray          # [n] float64
-    selection_work: np.ndarray  # [n] float64 key blocks scored
+    selection_work: np.ndarray  # [n] float64 block pairs scored (NB ** 2 per unit)
+    work_mode: str = "kept"
+    query_chunk_blocks: int = 16
+    _blocks: tuple | None = None  # chunked mode: (block_local, block_unit, chunk_starts, chunk_unit)
 
     @property
     def num_units(self) -> int:
@@ -42,9 +48,14 @@ class UnitFeatures:
 
     @classmethod
     def build(cls, mb_doc_lengths, block_size: int, sink_blocks: int = 1,
-              local_blocks: int = 0) -> "UnitFeatures":
+              local_blocks: int = 0, work_mode: str = "kept",
+              query_chunk_blocks: int = 16) -> "UnitFeatures":
         """From a list of per-unit length arrays, or a CSR tuple ``(offsets, lengths)``."""
         check_block_params(block_size, sink_blocks, local_blocks)
+        if work_mode not in WORK_MODES:
+            raise ValueError(f"work_mode={work_mode!r}: expected one of {WORK_MODES}")
+        if not isinstance(query_chunk_blocks, (int, np.integer)) or query_chunk_blocks < 1:
+            raise ValueError(f"query_chunk_blocks={query_chunk_blocks!r}: expected an integer >= 1")
         if isinstance(mb_doc_lengths, tuple) and len(mb_doc_lengths) == 2 \
                 and np.ndim(mb_doc_lengths[0]) == 1 and np.ndim(mb_doc_lengths[1]) == 1 \
                 and len(mb_doc_lengths[0]) >= 1 and int(np.asarray(mb_doc_lengths[0])[0]) == 0 \
@@ -68,10 +79,36 @@ class UnitFeatures:
         doc_unit = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
         nb = num_blocks(lengths, block_size)
         tokens = np.bincount(doc_unit, weights=lengths, minlength=n).astype(np.float64)
-        nbf = nb.astype(np.float64)
-        sel = np.bincount(doc_unit, weights=nbf * (nbf + 1) / 2, minlength=n)
+        unit_blocks = np.bincount(doc_unit, weights=nb, minlength=n).astype(np.float64)
         return cls(block_size, sink_blocks, local_blocks, offsets, lengths, nb, doc_unit,
-                   tokens, sel.astype(np.float64))
+                   tokens, unit_blocks * unit_blocks, work_mode, int(query_chunk_blocks))
+
+    def _block_arrays(self):
+        """Density-independent block layout for the chunked count, built once."""
+        if self._blocks is None:
+            nb = self.doc_blocks
+            total = int(nb.sum())
+            doc_start = np.cumsum(nb) - nb                          # first block of each doc
+            block_doc = np.repeat(np.arange(nb.size), nb)
+            block_local = np.arange(total) - doc_start[block_doc]
+            block_unit = self.doc_unit[block_doc]
+            unit_start = np.zeros(self.num_units + 1, dtype=np.int64)
+            np.cumsum(np.bincount(self.doc_unit, weights=nb, minlength=self.num_units)
+                      .astype(np.int64), out=unit_start[1:])
+            pos = np.arange(total) - unit_start[block_unit]         # block index in its unit
+            new_chunk = np.ones(total, dtype=bool)
+            new_chunk[1:] = (block_unit[1:] != block_unit[:-1]) | (
+                pos[1:] // self.query_chunk_blocks != pos[:-1] // self.query_chunk_blocks)
+            starts = np.flatnonzero(new_chunk)
+            sizes = np.diff(np.r_[starts, total]).astype(np.float64)
+            self._blocks = (block_local, block_unit, starts, sizes, block_unit[starts])
+        return self._blocks
+
+    def _chunked_work(self, d_unit: np.ndarray) -> np.ndarray:
+        block_local, block_unit, starts, sizes, chunk_unit = self._block_arrays()
+        k = block_kept(block_local, d_unit[block_unit], self.sink_blocks, self.local_blocks)
+        kmax = np.maximum.reduceat(k, starts) if k.size else np.zeros(0)
+        return np.bincount(chunk_unit, weights=kmax * sizes, minlength=self.num_units)
 
     def _max_blocks(self) -> int:
         return int(self.doc_blocks.max()) if self.doc_blocks.size else 0
@@ -85,6 +122,8 @@ class UnitFeatures:
             raise ValueError(f"densities has {d.size} entries: expected 1 or one per unit ({n})")
         if self.lengths.size == 0:
             return np.zeros(n)
+        if self.work_mode == "chunked":
+            return self._chunked_work(d)
         uniq, inv = np.unique(d, return_inverse=True)
         table = cumulative_work_table(uniq, self._max_blocks(), self.sink_blocks,
                                       self.local_blocks)          # [U, N + 1]
@@ -97,6 +136,8 @@ class UnitFeatures:
         n = self.num_units
         if self.lengths.size == 0:
             return np.zeros((n, grid.size))
+        if self.work_mode == "chunked":
+            return np.stack([self._chunked_work(np.full(n, d)) for d in grid], axis=1)
         table = cumulative_work_table(grid, self._max_blocks(), self.sink_blocks,
                                       self.local_blocks)          # [g, N + 1]
         per_doc = table[:, self.doc_blocks]                        # [g, total_docs]
@@ -113,14 +154,16 @@ class UnitFeatures:
 
 
 def features_of(mb_doc_lengths: Union["UnitFeatures", Sequence, tuple], block_size: int,
-                sink_blocks: int, local_blocks: int) -> UnitFeatures:
+                sink_blocks: int, local_blocks: int, work_mode: str = "kept",
+                query_chunk_blocks: int = 16) -> UnitFeatures:
     """Reuse a ``UnitFeatures`` whose block parameters match, else build one."""
+    want = (block_size, sink_blocks, local_blocks, work_mode, query_chunk_blocks)
     if isinstance(mb_doc_lengths, UnitFeatures):
         f = mb_doc_lengths
-        if (f.block_size, f.sink_blocks, f.local_blocks) != (block_size, sink_blocks, local_blocks):
+        have = (f.block_size, f.sink_blocks, f.local_blocks, f.work_mode, f.query_chunk_blocks)
+        if have != want:
             raise ValueError(
-                f"UnitFeatures built with block_size={f.block_size}, sink_blocks={f.sink_blocks}, "
-                f"local_blocks={f.local_blocks}: expected {block_size}, {sink_blocks}, "
-                f"{local_blocks} (the latency model's)")
+                f"UnitFeatures built with (block_size, sink_blocks, local_blocks, work_mode, "
+                f"query_chunk_blocks)={have}: expected {want} (the latency model's)")
         return f
-    return UnitFeatures.build(mb_doc_lengths, block_size, sink_blocks, local_blocks)
+    return UnitFeatures.build(mb_doc_lengths, *want)

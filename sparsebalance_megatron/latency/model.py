@@ -91,6 +91,8 @@ class LatencyModel:
         self.block_size = int(att["block_size"])
         self.sink_blocks = int(att["sink_blocks"])
         self.local_blocks = int(att["local_blocks"])
+        self.work_mode = att.get("work", "kept")
+        self.query_chunk_blocks = int(att.get("query_chunk_blocks", 16))
         self.stage_kinds = list(table["pipeline"]["stage_kinds"])
         self.features = list(table["features"])
         if self.features != list(FEATURES):
@@ -115,7 +117,9 @@ class LatencyModel:
         for kind in sorted(set(table["pipeline"]["stage_kinds"])):
             rows = [m for m in table["measurements"] if m["kind"] == kind]
             feats = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
-                                       att["sink_blocks"], att["local_blocks"])
+                                       att["sink_blocks"], att["local_blocks"],
+                                       att.get("work", "kept"),
+                                       int(att.get("query_chunk_blocks", 16)))
             x = feats.matrix(np.asarray([m["density"] for m in rows]))
             coef[kind] = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows])).tolist()
                           for p in ("fwd", "bwd")}
@@ -177,7 +181,8 @@ class LatencyModel:
 
     def unit_features(self, mb_doc_lengths) -> UnitFeatures:
         """Density-independent features of many units; pass the result back to avoid rebuilding."""
-        return features_of(mb_doc_lengths, self.block_size, self.sink_blocks, self.local_blocks)
+        return features_of(mb_doc_lengths, self.block_size, self.sink_blocks, self.local_blocks,
+                           self.work_mode, self.query_chunk_blocks)
 
     def unit_terms(self, mb_doc_lengths, stage: int, rank: Optional[int] = None) -> UnitTerms:
         """Closed-form per-unit time at any density on ``stage`` (calibrated for ``rank``)."""

@@ -6,7 +6,8 @@ A table (written by the profiler or by ``analytic.py``) looks like::
      "source": "profiled" | "analytic",
      "device": "cpu: ...", "software": {"torch": "2.13.0", "megatron_core": "0.19.2"},
      "model": {"num_layers": ..., "hidden_size": ..., ...},
-     "attention": {"block_size": 64, "sink_blocks": 1, "local_blocks": 0},
+     "attention": {"block_size": 64, "sink_blocks": 1, "local_blocks": 0,
+                   "work": "kept" | "chunked", "query_chunk_blocks": 16},
      "pipeline": {"pp": 2, "stage_kinds": ["first", "last"], "layers_per_stage": [2, 2]},
      "features": ["const", "tokens", "attention_work", "selection_work"],
      "measurements": [{"kind": "first", "doc_lengths": [...], "density": 0.5,
@@ -83,6 +84,11 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
         if not isinstance(att[k], int) or att[k] < (1 if k == "block_size" else 0):
             err(f"attention.{k}", f"{att[k]!r}: expected an integer >= "
                 f"{1 if k == 'block_size' else 0}")
+    if att.get("work", "kept") not in ("kept", "chunked"):
+        err("attention.work", f"{att.get('work')!r}: expected 'kept' or 'chunked'")
+    qc = att.get("query_chunk_blocks", 16)
+    if isinstance(qc, bool) or not isinstance(qc, int) or qc < 1:
+        err("attention.query_chunk_blocks", f"{qc!r}: expected an integer >= 1")
     pipe = table["pipeline"]
     if not isinstance(pipe, dict) or not isinstance(pipe.get("stage_kinds"), list) \
             or not pipe["stage_kinds"]:

@@ -10,8 +10,15 @@ like ``attention/selection.py`` does (the epsilon keeps ceil(0.7 * 10) at 7).
 A short last block counts as one full pair: the kernels work on padded ``block_size`` tiles
 (see ``attention/blocks.py``), so a short tile costs what a full one does.
 
-``selection_work`` is the scoring cost: every query block scores every key of its causal range,
-counted in key blocks, i.e. ``nb * (nb + 1) / 2`` per document of ``nb`` blocks.
+``selection_work`` is the scoring cost of the current estimator (``attention/selection.py``): it
+fills a dense ``[NB, NB]`` share matrix over all ``NB`` blocks of the micro-batch (then masks it
+to causal, in-document pairs and takes a top-k), so it costs ``NB ** 2`` block pairs per micro-batch,
+whatever the documents are. If the estimator becomes per-document, change it here.
+
+The CPU kernel (``attention/kernels.py``, backend ``torch``) pads every chunk of
+``query_chunk_blocks`` consecutive query blocks of the micro-batch to the chunk's largest kept
+count, so what it computes is ``chunked_attention_work``: sum over chunks of
+``chunk blocks x max kept``. FlexAttention (GPU) computes exactly the kept pairs.
 
 Pure numpy; must not import torch or megatron.
 """
@@ -89,10 +96,36 @@ def attention_work(doc_lengths: DocLengths, density: float, block_size: int,
 
 
 def selection_work(doc_lengths: DocLengths, block_size: int) -> float:
-    """Scoring cost in key blocks: sum over documents of nb * (nb + 1) / 2."""
+    """Scoring cost in block pairs: ``NB ** 2`` for the ``NB`` blocks of the micro-batch."""
     check_block_params(block_size, 0, 0)
-    nb = num_blocks(as_doc_lengths(doc_lengths), block_size).astype(np.float64)
-    return float((nb * (nb + 1) / 2).sum())
+    nb = float(num_blocks(as_doc_lengths(doc_lengths), block_size).sum())
+    return nb * nb
+
+
+def block_kept(block_local: np.ndarray, density: np.ndarray, sink_blocks: int,
+               local_blocks: int) -> np.ndarray:
+    """Kept key blocks of every query block (``block_local``: index inside its document)."""
+    n = block_local.astype(np.float64) + 1.0
+    forced = np.minimum(n, float(sink_blocks + local_blocks + 1))
+    return np.maximum(np.ceil(density * n - CEIL_EPS), forced)
+
+
+def chunked_attention_work(doc_lengths: DocLengths, density: float, block_size: int,
+                           sink_blocks: int = 1, local_blocks: int = 0,
+                           query_chunk_blocks: int = 16) -> float:
+    """Block pairs the CPU kernel computes: chunks of ``query_chunk_blocks`` consecutive query
+    blocks (documents in the given order) padded to the chunk's largest kept count."""
+    check_block_params(block_size, sink_blocks, local_blocks)
+    nb = num_blocks(as_doc_lengths(doc_lengths), block_size)
+    if nb.size == 0:
+        return 0.0
+    local = np.concatenate([np.arange(n) for n in nb])
+    k = block_kept(local, np.float64(check_densities(density)), sink_blocks, local_blocks)
+    pad = (-k.size) % query_chunk_blocks
+    k = np.concatenate([k, np.zeros(pad)]).reshape(-1, query_chunk_blocks)
+    sizes = np.full(k.shape[0], float(query_chunk_blocks))
+    sizes[-1] -= pad
+    return float((k.max(axis=1) * sizes).sum())
 
 
 def kept_pairs_bruteforce(doc_lengths: DocLengths, density: float, block_size: int,

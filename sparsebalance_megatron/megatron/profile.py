@@ -238,6 +238,7 @@ def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequ
                   mixes: Sequence[Sequence[int]], repeats: int = 3, warmup: int = 1,
                   statistic: str = "median", progress: Optional[Callable] = None) -> dict:
     """Measure every (stage kind, mix, density) and return a validated, fitted table."""
+    from ..attention import resolve_backend
     from ..latency.model import LatencyModel
 
     if shape.num_layers % shape.pp:
@@ -266,13 +267,17 @@ def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequ
             bar.update(1)
     if bar is not None:
         bar.close()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "source": "profiled",
         "device": device_name(), "software": software_versions(),
         "model": shape.as_table_model(),
         "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
                       "local_blocks": sb.local_blocks, "backend": sb.attention_backend,
-                      "estimator": sb.estimator},
+                      "estimator": sb.estimator, "query_chunk_blocks": sb.query_chunk_blocks,
+                      # the CPU kernel pads query-block chunks; FlexAttention keeps exact pairs
+                      "work": "chunked" if resolve_backend(sb.attention_backend, dev) == "torch"
+                      else "kept"},
         "pipeline": {"pp": shape.pp, "stage_kinds": kinds, "layers_per_stage": [per_stage] * shape.pp},
         "features": list(FEATURES),
         "measurements": meas,

@@ -7,7 +7,7 @@ import pytest
 
 from sparsebalance_megatron.latency import (LatencyModel, ModelShape, UnitFeatures,
                                             analytic_table, attention_work, selection_work)
-from sparsebalance_megatron.latency.work import kept_pairs_bruteforce
+from sparsebalance_megatron.latency.work import chunked_attention_work, kept_pairs_bruteforce
 
 
 @pytest.mark.parametrize("lengths", [[1], [64], [65], [1000, 3000], [130, 7, 640]])
@@ -21,8 +21,10 @@ def test_attention_work_matches_bruteforce(lengths, density, sink, local):
 def test_work_hand_values_and_dense_limit():
     # one doc of 4 blocks, d=0.5, sink 1: available 1,2,3,4 -> kept 1,2,2,2
     assert attention_work([256], 0.5, 64, 1, 0) == 7
-    # density 1 keeps every causal pair = selection work; short last block counts as one pair
-    assert attention_work([200], 1.0, 64) == selection_work([200], 64) == 10
+    # density 1 keeps every causal pair; a short last block counts as one pair
+    assert attention_work([200], 1.0, 64) == 10
+    # the estimator scores a dense [NB, NB] matrix over the micro-batch's blocks
+    assert selection_work([200, 64], 64) == 25
     assert attention_work([1, 1], 0.2, 64) == 2
     with pytest.raises(ValueError, match="density"):
         attention_work([64], 0.0, 64)
@@ -121,17 +123,25 @@ def test_predict_many_global_batch_is_milliseconds():
     assert np.median(runs) < 0.25   # measured ~10 ms on 2 shared cores; generous margin
 
 
-@pytest.mark.parametrize("density", [0.1, 0.3, 0.7, 1.0])
-def test_attention_work_equals_the_kernels_selection(density):
-    """The count the model uses is what the attention kernel keeps (attention/selection.py)."""
+@pytest.mark.parametrize("density", [0.3, 1.0])
+def test_work_counts_equal_what_the_attention_kernels_compute(density):
+    """'kept' = the selection's kept blocks; 'chunked' = the CPU kernel's padded query chunks
+    (attention/selection.py, attention/kernels.py)."""
     torch = pytest.importorskip("torch")
     api = pytest.importorskip("sparsebalance_megatron.attention")
-    lengths = [700, 64, 1500, 33]
-    t = sum(lengths)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(t, 4, 16, generator=g)
-    k = torch.randn(t, 2, 16, generator=g)
+    kernels = pytest.importorskip("sparsebalance_megatron.attention.kernels")
+    lengths = [400, 64, 700, 33, 200]
     cu = [0] + np.cumsum(lengths).tolist()
-    _, sel = api.block_sparse_attention(q, k, k.clone(), cu, density, block_size=64,
-                                        sink_blocks=1, local_blocks=2, backend="reference")
+    q = torch.randn(sum(lengths), 2, 8, generator=torch.Generator().manual_seed(0))
+    k = q[:, :1].clone()
+    _, sel = api.block_sparse_attention(q, k, k, cu, density, block_size=64, sink_blocks=1,
+                                        local_blocks=2, backend="reference")
     assert int(sel.kv_num[0].sum()) == attention_work(lengths, density, 64, 1, 2)
+    chunks = kernels.plan_chunks(sel.kv_num, 2, 64, 4)
+    kernel_pairs = sum((i1 - i0) * kmax for i0, i1, kmax, _ in chunks)
+    assert kernel_pairs == chunked_attention_work(lengths, density, 64, 1, 2, 4)
+    f = UnitFeatures.build([lengths, lengths[::-1]], 64, 1, 2, "chunked", 4)
+    w = f.attention_work(density)
+    assert w[0] == kernel_pairs
+    assert w[1] == chunked_attention_work(lengths[::-1], density, 64, 1, 2, 4)
+    np.testing.assert_array_equal(f.work_grid([density])[:, 0], w)
