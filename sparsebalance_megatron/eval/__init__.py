@@ -1,8 +1,9 @@
 """Long-context quality eval: RULER-style task generator and scoring (issue 7).
 
-Pure Python: must not import torch, megatron or transformers. The model side (conversion, the
-Megatron forward, attention-recall hooks) lives in ``megatron/hf_convert.py`` and
-``scripts/eval_long_context.py``.
+The generator and scoring are pure Python (no torch); ``recall.py`` (mass recall of block
+selections against exact attention) needs torch and is imported explicitly. Nothing here may import
+megatron or transformers: conversion lives in ``megatron/hf_convert.py``, the Megatron forward
+and its attention hooks in ``scripts/eval_long_context.py``.
 """
 
 from .assets import HAYSTACKS, MissingDataPackageError, lce_json_dir

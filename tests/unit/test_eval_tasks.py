@@ -108,3 +108,29 @@ def test_scoring():
     assert string_match("Paris!", ["paris", "Lyon"], mode="any") == 1.0
     recs = [{"t": "a", "acc": 1.0}, {"t": "a", "acc": 0.0}, {"t": "b", "acc": 1.0}]
     assert mean_by(recs, ("t",), "acc") == {("a",): 0.5, ("b",): 1.0}
+
+
+def test_recall_against_brute_force():
+    torch = pytest.importorskip("torch")
+    from sparsebalance_megatron.eval.recall import layer_recalls, true_block_shares
+    g = torch.Generator().manual_seed(0)
+    t, nh, ng, hn, bs = 150, 4, 2, 8, 32
+    q, k = torch.randn(t, nh, hn, generator=g) * 2, torch.randn(t, ng, hn, generator=g) * 2
+    shares = true_block_shares(q, k, bs)
+    # brute force: per head causal softmax, block sums, mean over the block's queries and group
+    p = torch.softmax((torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1))
+                       / hn ** 0.5).masked_fill(~torch.ones(t, t).bool().tril(), -1e30), -1)
+    nb = -(-t // bs)
+    ref = torch.zeros(nh, nb, nb)
+    for i in range(nb):
+        for j in range(nb):
+            ref[:, i, j] = p[:, i * bs:(i + 1) * bs, j * bs:(j + 1) * bs].sum(-1).mean(-1)
+    assert torch.allclose(shares, ref.view(ng, 2, nb, nb).mean(1), atol=1e-5)
+    assert torch.allclose(shares.sum(-1), torch.ones(ng, nb), atol=1e-5)
+    rec = layer_recalls(q, k, [1.0, 0.5, 0.25], block_size=bs)
+    assert rec["static@1"]["recall"] == pytest.approx(1.0, abs=1e-5)
+    for name in ("static@0.5", "static@0.25", "mass"):
+        assert rec[name]["recall"] <= rec[name]["oracle_recall"] + 1e-6
+    assert rec["static@0.25"]["oracle_recall"] < rec["static@1"]["oracle_recall"]
+    with pytest.raises(ValueError, match="multiple"):
+        true_block_shares(torch.randn(10, 3, 8), torch.randn(10, 2, 8), bs)

