@@ -35,6 +35,9 @@ ALL_TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--load", default=None, help="converted/trained checkpoint directory")
+    ap.add_argument("--arch-from", default=None,
+                    help="converted checkpoint whose hf_architecture.json describes --load "
+                         "(for checkpoints written by training runs)")
     ap.add_argument("--gguf", default=None, help="GGUF for weights (if no --load) and tokenizer")
     ap.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=ALL_TASKS)
     ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
@@ -49,7 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--sink-blocks", type=int, default=1)
     ap.add_argument("--local-blocks", type=int, default=0)
     ap.add_argument("--estimator", default="maxkey", choices=["maxkey", "pooled"])
-    ap.add_argument("--recall-samples", type=int, default=1,
+    ap.add_argument("--recall-samples", type=int, default=1,  # 0: no recall measurement
                     help="samples per (task, length) whose dense forward also measures recall")
     ap.add_argument("--haystack", default="essays", choices=["essays", "shakespeare"])
     ap.add_argument("--seed", type=int, default=0)
@@ -72,7 +75,8 @@ def build_models(args, sb):
     from sparsebalance_megatron.megatron import hf_convert
 
     if args.load:
-        dense, arch = hf_convert.load_checkpoint(args.load, "local")
+        expected = hf_convert.read_checkpoint_arch(args.arch_from) if args.arch_from else None
+        dense, arch = hf_convert.load_checkpoint(args.load, "local", expected=expected)
         _, tok = hf_convert.load_hf_gguf(args.gguf, with_model=False)
         name = os.path.basename(os.path.normpath(args.load))
     else:

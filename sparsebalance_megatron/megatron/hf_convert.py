@@ -262,23 +262,46 @@ def hf_to_megatron(hf_model, spec: str = "local", sb_config=None):
 
 # ---- checkpoints -------------------------------------------------------------------------------
 
+TRACKER_FILE = "latest_checkpointed_iteration.txt"   # megatron.training's layout
+
+
 def save_checkpoint(model, arch: HFArchitecture, directory: str) -> None:
-    """megatron-core dist_checkpointing (torch_dist) + ``hf_architecture.json``."""
+    """A megatron.training-style *release* checkpoint (``--load DIR --finetune`` reads it).
+
+    ``DIR/latest_checkpointed_iteration.txt`` = ``release``, ``DIR/release/``: dist_checkpointing
+    (torch_dist) of ``{"model": model.sharded_state_dict(), "checkpoint_version": 3.0,
+    "iteration": 0}``, and ``DIR/hf_architecture.json``.
+    """
     from megatron.core import dist_checkpointing
 
     check_model_matches(model, arch)
     os.makedirs(directory, exist_ok=True)
     if os.listdir(directory):
         raise ValueError(f"--save {directory!r}: expected an empty or new directory")
-    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    sub = os.path.join(directory, "release")
+    os.makedirs(sub)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "checkpoint_version": 3.0,
+                             "iteration": 0}, sub)
+    with open(os.path.join(directory, TRACKER_FILE), "w") as f:
+        f.write("release")
     with open(os.path.join(directory, ARCH_FILE), "w") as f:
         json.dump(arch.to_dict(), f, indent=1, sort_keys=True)
 
 
-def read_checkpoint_arch(directory: str) -> HFArchitecture:
+def checkpoint_subdir(directory: str) -> str:
+    """The dist_checkpointing directory a megatron.training-style checkpoint points at."""
+    tracker = os.path.join(directory, TRACKER_FILE)
+    if not os.path.exists(tracker):
+        return directory
+    with open(tracker) as f:
+        tag = f.read().strip()
+    return os.path.join(directory, "release" if tag == "release" else f"iter_{int(tag):07d}")
+
+
+def read_checkpoint_arch(directory: str) -> Optional[HFArchitecture]:
     path = os.path.join(directory, ARCH_FILE)
     if not os.path.exists(path):
-        raise ValueError(f"{directory!r} is not a converted checkpoint: {ARCH_FILE} missing")
+        return None
     with open(path) as f:
         return HFArchitecture.from_dict(json.load(f))
 
@@ -287,17 +310,27 @@ def load_checkpoint(directory: str, spec: str = "local", sb_config=None,
                     expected: Optional[HFArchitecture] = None, **config_overrides):
     """Build the stored architecture and load its weights: ``(GPTModel, HFArchitecture)``.
 
-    ``expected`` (e.g. the shape a training run was configured with) is compared field by field
-    before any weight is read; a mismatch raises ``ArchitectureMismatchError`` naming the field.
+    ``directory``: a converted checkpoint, or a megatron.training ``--save`` directory of a run
+    that started from one (it has no ``hf_architecture.json``: ``expected`` is then required).
+    ``expected`` is compared field by field before any weight is read; a mismatch raises
+    ``ArchitectureMismatchError`` naming the field.
     """
     from megatron.core import dist_checkpointing
 
     arch = read_checkpoint_arch(directory)
-    if expected is not None:
+    if arch is None:
+        if expected is None:
+            raise ValueError(f"{directory!r} has no {ARCH_FILE}: pass the expected architecture "
+                             f"(e.g. read_checkpoint_arch(<converted checkpoint>))")
+        arch = expected
+    elif expected is not None:
         arch.check_equal(expected, f"checkpoint {directory!r} vs expected")
     model = build_gpt_model(arch, spec, sb_config, **config_overrides)
-    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
-    model.load_state_dict(state, strict=False)
+    sub = checkpoint_subdir(directory)
+    if not os.path.isdir(sub):
+        raise ValueError(f"{directory!r}: checkpoint directory {sub!r} is missing")
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, sub)
+    model.load_state_dict(state["model"], strict=False)
     return model.eval(), arch
 
 

@@ -87,6 +87,13 @@ def test_checkpoint_round_trip_and_arch_errors(tmp_path):
             load_checkpoint(str(tmp_path / "ckpt"), expected=wrong)
     with pytest.raises(ValueError, match="empty or new"):
         save_checkpoint(mg, arch, str(tmp_path / "ckpt"))
+    # megatron.training layout (--load DIR --finetune): tracker -> release/
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    (tmp_path / "ckpt" / "hf_architecture.json").rename(tmp_path / "arch.json")
+    with pytest.raises(ValueError, match="hf_architecture.json"):
+        load_checkpoint(str(tmp_path / "ckpt"))
+    again, _ = load_checkpoint(str(tmp_path / "ckpt"), expected=arch)   # a trained run's dir
+    assert torch.equal(megatron_logits(again, ids), megatron_logits(mg, ids))
 
 
 def test_built_model_mismatch_is_named():
