@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mixes", type=int, default=None, help="document-length mixes in the grid")
     r.add_argument("--repeats", type=int, default=None)
     r.add_argument("--warmup", type=int, default=None,
-                   help="untimed runs before each grid point (one more per stage before the grid)")
+                   help="untimed runs before each sample (default 0: one warm-up per stage runs before the grid)")
     r.add_argument("--statistic", choices=("median", "min"), default="median",
                    help="statistic over repeats; 'min' resists CPU contention on shared machines")
     r.add_argument("--threads", type=int, default=1,
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                                    else [0.125, 0.25, 0.5, 0.75, 1.0])
     mixes = default_mixes(args.seq_length, args.mixes or (4 if args.quick else 10), seed=sb.seed)
     repeats = args.repeats or (2 if args.quick else 5)
-    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    warmup = args.warmup if args.warmup is not None else 0
     shape = StageShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
                        ffn_hidden_size=args.ffn_hidden_size,
                        num_attention_heads=args.num_attention_heads,

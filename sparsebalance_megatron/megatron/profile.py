@@ -247,24 +247,34 @@ def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequ
     init_single_process(sb.seed)
     kinds = stage_kinds_for(shape.pp)
     per_stage = shape.num_layers // shape.pp
+    # Repeats are passes over the whole grid, not back-to-back runs: a burst of load from other
+    # processes then spoils one sample of many points instead of every sample of one point.
+    stat = {"median": np.median, "min": np.min}[statistic]
     meas = []
-    todo = [(k, m, d) for k in sorted(set(kinds)) for m in mixes for d in densities]
-    bar = progress(total=len(todo)) if progress else None
-    models = {}
-    for kind, mix, density in todo:
-        if kind not in models:
-            torch.manual_seed(sb.seed)
-            models = {kind: build_stage(shape, sb, kind, per_stage)}  # one stage in memory
-            model, dev = models[kind]
-            # first-touch allocations and lazy init happen here, not in the first grid point
-            time_microbatch(model, dev, kind, shape, max(mixes, key=len), max(densities), 0, 1)
-        model, dev = models[kind]
-        f, b = time_microbatch(model, dev, kind, shape, mix, density, repeats, warmup, statistic)
-        meas.append({"kind": kind, "doc_lengths": [int(x) for x in mix],
-                     "density": float(density), "fwd_s": f, "bwd_s": b})
-        if bar is not None:
-            bar.set_postfix_str(f"{kind} docs={len(mix)} d={density:g} {1e3 * (f + b):.1f}ms")
-            bar.update(1)
+    points = [(m, d) for m in mixes for d in densities]
+    bar = progress(total=len(set(kinds)) * len(points) * repeats) if progress else None
+    for kind in sorted(set(kinds)):
+        torch.manual_seed(sb.seed)
+        model, dev = build_stage(shape, sb, kind, per_stage)   # one stage in memory at a time
+        # first-touch allocations and lazy init happen here, not in the first grid point
+        time_microbatch(model, dev, kind, shape, max(mixes, key=len), max(densities), 0, 1)
+        samples = [[] for _ in points]
+        for _ in range(repeats):
+            for j, (mix, density) in enumerate(points):
+                samples[j].append(time_microbatch(model, dev, kind, shape, mix, density, 1,
+                                                  warmup))
+                if bar is not None:
+                    f, b = samples[j][-1]
+                    bar.set_postfix_str(f"{kind} docs={len(mix)} d={density:g} "
+                                        f"{1e3 * (f + b):.1f}ms")
+                    bar.update(1)
+        for (mix, density), smp in zip(points, samples):
+            arr = np.asarray(smp)                               # [repeats, 2]
+            meas.append({"kind": kind, "doc_lengths": [int(x) for x in mix],
+                         "density": float(density), "fwd_s": float(stat(arr[:, 0])),
+                         "bwd_s": float(stat(arr[:, 1])),
+                         "samples_s": [[float(a), float(b)] for a, b in smp]})
+        del model
     if bar is not None:
         bar.close()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -282,6 +292,7 @@ def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequ
         "features": list(FEATURES),
         "measurements": meas,
         "profile": {"repeats": repeats, "warmup": warmup, "statistic": statistic,
+                    "repeat_order": "passes over the grid",
                     "threads": torch.get_num_threads(),
                     "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
