@@ -33,7 +33,9 @@ def _flex_fn(compiled: bool):
     if not compiled:
         return flex_attention
     if "fn" not in _COMPILED:
-        _COMPILED["fn"] = torch.compile(flex_attention, dynamic=False)
+        # automatic dynamic shapes: packed micro-batches change length every step, and a
+        # static compile would hit the recompile limit and fall back to dense eager flex
+        _COMPILED["fn"] = torch.compile(flex_attention)
     return _COMPILED["fn"]
 
 
