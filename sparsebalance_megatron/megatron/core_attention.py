@@ -24,6 +24,7 @@ estimated recall go to ``plan.record_attention_stats``: one record per layer and
 small detached CPU lists; evaluation forwards under ``torch.no_grad()`` record nothing.
 Attention dropout is not applied (the sparse kernels have none); a nonzero
 ``config.attention_dropout`` is logged once and ignored.
+Part of the megatron adapter layer; must not touch torch.distributed (TP/PP need no collective here).
 """
 
 from __future__ import annotations

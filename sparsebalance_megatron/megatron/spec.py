@@ -5,7 +5,8 @@
 ``transformer_impl="transformer_engine"``, which needs transformer-engine installed) and replaces
 only ``submodules.self_attention.submodules.core_attention`` with a ``ModuleSpec`` of
 ``SparseCoreAttention`` whose ``params`` carry ``sb_config``. Everything else (QKV projection,
-RoPE, norms, MLP) stays megatron's.
+RoPE, norms, MLP) stays megatron's. transformer-engine is probed, never required.
+Must not touch torch.distributed.
 """
 
 from __future__ import annotations

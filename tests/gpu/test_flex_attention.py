@@ -5,7 +5,8 @@ import torch
 
 from sparsebalance_megatron.attention import block_sparse_attention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _run(backend, q, k, v, cu, density, block_size, w):

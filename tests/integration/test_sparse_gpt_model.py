@@ -16,6 +16,7 @@ from sparsebalance_megatron import plan
 from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims
 
+pytestmark = pytest.mark.integration
 VOCAB, BLOCK = 64, 16
 
 
