@@ -13,7 +13,8 @@ The haystack is RULER's Paul Graham essays (or Shakespeare) for the needle tasks
 questions' paragraphs for ``qa``. The asked-for needle (the first of a chain) sits at ``depth``
 (0 = right after the instruction, 1 = right before the question), snapped to a sentence
 boundary; other needles go to seeded random depths. Pieces are tokenized separately and
-concatenated as ids, so counts are exact. ``encode`` is any ``str -> list[int]`` (the model's own
+concatenated as ids, so counts are exact. Where the tokenizer puts a lone space token before
+the answer (digit-splitting tokenizers do), that token ends the prompt (``_leading_space_token``). ``encode`` is any ``str -> list[int]`` (the model's own
 tokenizer in the eval, a toy one in tests). Pure Python; must not import torch or megatron.
 """
 
@@ -93,9 +94,9 @@ def _filler_units(units: Sequence[str], rng: random.Random, sep: str) -> Iterato
 
 
 def _assemble(encode: Encode, length: int, prefix: str, needles: List[Tuple[float, str]],
-              question: str, filler: Iterator[str], task: str):
-    """prefix + filler with needles at depths + question, exactly ``length`` tokens."""
-    prefix_ids, question_ids = encode(prefix), encode(question)
+              question: str, filler: Iterator[str], task: str, suffix_ids: List[int] = ()):
+    """prefix + filler with needles at depths + question (+ suffix ids), ``length`` tokens."""
+    prefix_ids, question_ids = encode(prefix), encode(question) + list(suffix_ids)
     needle_ids = [(d, encode(t)) for d, t in needles]
     fixed = len(prefix_ids) + len(question_ids) + sum(len(ids) for _, ids in needle_ids)
     fill = length - fixed
@@ -181,11 +182,24 @@ def make_sample(task: str, length: int, depth: float, seed: int, encode: Encode,
                     f"text above, {num_hops + 1} variables are assigned the value {value}, they "
                     f"are:")
         answers, answer, prefix = tuple(names), " " + " ".join(names), _VT_PREFIX
-    ids, spans = _assemble(encode, length, prefix, needles, question, filler, task)
+    lead = _leading_space_token(encode, answers[0])
+    ids, spans = _assemble(encode, length, prefix, needles, question, filler, task, lead)
     if answer is None:  # multivalue: values in their order of appearance in the prompt
         answers = tuple(v for _, v in sorted(zip(spans, values)))
         answer = " " + ", ".join(answers)
-    return TaskSample(task, length, float(depth), seed, ids, encode(answer), answers, spans)
+    answer_ids = encode(answer)[len(lead):]
+    return TaskSample(task, length, float(depth), seed, ids, answer_ids, answers, spans)
+
+
+def _leading_space_token(encode: Encode, answer: str) -> List[int]:
+    """The separate space token a tokenizer puts before the answer, if it has one.
+
+    Tokenizers that split digits (SmolLM2's, Qwen's) encode " 2333853" as [" ", "2", ...]: the
+    lone space then ends the prompt, so that scoring is about the answer's content tokens, not
+    about whether the model emits a lone space or a space-prefixed word first.
+    """
+    space, full, bare = encode(" "), encode(" " + answer), encode(answer)
+    return space if len(space) == 1 and full == space + bare else []
 
 
 def _make_qa(length: int, depth: float, seed: int, rng: random.Random, encode: Encode):
@@ -214,9 +228,11 @@ def _make_qa(length: int, depth: float, seed: int, rng: random.Random, encode: E
         pool.extend(p for p in (other[3] if hotpot else [other[2]]) if p not in gold)
     filler = _filler_units(pool, rng, "\nPassage: ")
     question = f"\n{_QA_INSTR}\n\nQuestion: {q} Answer:"
+    lead = _leading_space_token(encode, ans[0])
     ids, spans = _assemble(encode, length, _QA_INSTR + "\n\nThe following are given documents.\n",
-                           needles, question, filler, "qa")
-    return TaskSample("qa", length, float(depth), seed, ids, encode(" " + ans[0]), ans, spans)
+                           needles, question, filler, "qa", lead)
+    return TaskSample("qa", length, float(depth), seed, ids, encode(" " + ans[0])[len(lead):],
+                      ans, spans)
 
 
 def make_suite(tasks: Sequence[str], lengths: Sequence[int], depths: Sequence[float],

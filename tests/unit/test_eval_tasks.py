@@ -48,7 +48,7 @@ def test_depth_places_the_needle():
     lo = make_sample("needle_single", 3000, 0.0, 1, enc)
     hi = make_sample("needle_single", 3000, 1.0, 1, enc)
     mid = make_sample("needle_single", 3000, 0.5, 1, enc)
-    q = enc("\nWhat is the pass key? The pass key is")
+    q = enc("\nWhat is the pass key? The pass key is ")
     (lo_a, _), (hi_a, hi_b), (mid_a, _) = lo.needle_spans[0], hi.needle_spans[0], mid.needle_spans[0]
     assert lo_a < 200                                  # right after the instruction
     assert hi_b == 3000 - len(q)                       # right before the question
@@ -61,7 +61,9 @@ def test_multivalue_order_and_variable_chain():
     starts = sorted(a for a, _ in s.needle_spans)
     text = dec(s.input_ids)
     assert [text.index(v) for v in s.answers] == sorted(text.index(v) for v in s.answers)
-    assert len(starts) == 4 and dec(s.answer_ids) == " " + ", ".join(s.answers)
+    # the byte tokenizer has a lone space token: it ends the prompt, the answer starts at "1".."9"
+    assert len(starts) == 4 and dec(s.answer_ids) == ", ".join(s.answers)
+    assert s.input_ids[-1] == ord(" ")
     v = make_sample("variable_tracking", 2000, 0.2, 2, enc)
     chain = [dec(v.input_ids[a:b]) for a, b in v.needle_spans]
     assert [a for a, _ in v.needle_spans] == sorted(a for a, _ in v.needle_spans)
