@@ -4,9 +4,11 @@ Always run: the patch is a well-formed unified diff whose hunks target the files
 script refuses a directory that is not a Megatron-LM checkout, applies the patch to a checkout
 whose pretrain_gpt.py holds the patch's pre-image, detects it as already applied, reverts it and
 refuses a file it does not fit; the hooks the patch calls work on Megatron's parser, model config,
-timers and finalize slot. With ``MEGATRON_LM_DIR`` set (a real Megatron-LM checkout): the patch is
-applied to a copy, the patched pretrain_gpt.py compiles, calls only hooks that exist, and its
-argument parser (``--help``) lists our flags.
+timers and finalize slot, and the patched flow (parse -> gpt_config_from_args -> install ->
+Megatron's GPTModelBuilder) builds a GPT with our core attention that runs forward and backward.
+With ``MEGATRON_LM_DIR`` set (a real Megatron-LM checkout): the patch is applied to a copy, the
+patched pretrain_gpt.py compiles, calls only hooks that exist, and its argument parser knows
+our flags (a bad ``--sb-anchor`` is refused as our flag's bad choice).
 """
 
 from __future__ import annotations
@@ -273,6 +275,70 @@ def test_timer_tee_and_finalize_hook_record_microbatch_timings(monkeypatch):
     assert hooks._state.timers.durations_s("forward-compute") == [], "not reset after the step"
 
 
+_BUILD = r"""
+import sys
+import torch
+from sparsebalance_megatron.megatron import cpu_compat, hooks
+cpu_compat.activate_cpu_shims()
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.argument_utils import gpt_config_from_args
+from megatron.training.global_vars import set_global_variables
+sys.argv = ["pretrain_gpt.py", *sys.argv[1:]]
+args = parse_args(extra_args_provider=hooks.extra_args_provider(None))  # as the patched script
+validate_args(args, {})
+set_global_variables(args, build_tokenizer=False)
+args.padded_vocab_size = 512
+model_cfg = gpt_config_from_args(args)
+hooks.install(args, model_cfg)
+torch.distributed.init_process_group("gloo", world_size=1, rank=0)
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+parallel_state.initialize_model_parallel()
+model_parallel_cuda_manual_seed(1)
+model = model_cfg.get_builder_cls()(model_cfg).build_model(
+    ProcessGroupCollection.use_mpu_process_groups(), pre_process=True, post_process=True)
+core = model.decoder.layers[0].self_attention.core_attention
+tokens = torch.randint(0, 500, (1, 256))
+loss = model(tokens, torch.arange(256)[None], None, labels=tokens).float().mean()
+loss.backward()
+print("CORE", type(core).__module__, type(core).__name__, "LOSS", float(loss), flush=True)
+"""
+
+BUILD_ARGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "256",
+    "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "1",
+    "--lr", "1e-3", "--train-iters", "1", "--position-embedding-type", "rope",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local",
+    "--vocab-size", "512", "--tokenizer-type", "NullTokenizer", "--distributed-backend", "gloo",
+    "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+    "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+]
+
+
+def test_hooked_model_config_builds_a_sparse_gpt_with_megatrons_builder(tmp_path):
+    """The patched flow on megatron-core 0.19: parse -> gpt_config_from_args -> install ->
+    GPTModelBuilder builds a GPT whose core attention is ours; forward and backward run."""
+    pytest.importorskip("sparsebalance_megatron.megatron.spec")
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1",
+               RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _BUILD, *BUILD_ARGS, "--sb-sparse-attention",
+                           "--sb-block-size", "64", "--sb-density", "0.5"], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("CORE "))
+    module, name, _, loss = line.split()[1:]
+    assert module.startswith("sparsebalance_megatron.megatron"), line
+    assert 0 < float(loss) < 20, line
+    assert "[sparsebalance] sparse attention on: density 0.5, block 64" in proc.stdout
+
+
 # --- a real Megatron-LM checkout ---------------------------------------------------------------
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
@@ -297,10 +363,14 @@ def test_patch_applies_to_megatron_lm_checkout(tmp_path):
     assert ("sparsebalance_megatron.megatron", "hooks") in imports
     test_patch_calls_only_existing_hooks()
 
-    # Megatron's parser with our provider, through the patched script itself (exits at --help).
+    # Megatron's parser with our provider, through the patched script itself. (Not --help:
+    # megatron-core 0.19.2's own help text has an unescaped '%' and argparse fails to format it.)
+    # A bad value of one of our flags must be refused by argparse as *our* flag's bad choice,
+    # before anything is initialised; unpatched, it would be an unrecognized argument.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(REPO)]))
-    proc = subprocess.run([sys.executable, str(copy / "pretrain_gpt.py"), "--help"], cwd=copy,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert "--sparse-balance" in proc.stdout and "--sb-density" in proc.stdout
+    proc = subprocess.run([sys.executable, str(copy / "pretrain_gpt.py"), "--sparse-balance",
+                           "--sb-anchor", "avg"], cwd=copy, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-4000:]
+    assert "argument --sb-anchor: invalid choice: 'avg'" in proc.stdout, proc.stdout[-4000:]
+    assert "unrecognized arguments" not in proc.stdout
