@@ -49,6 +49,7 @@ class _Context:
     doc_ids: Optional[Sequence[int]] = None
     default_density: Optional[float] = None
     stats: list = field(default_factory=list)
+    served: dict = field(default_factory=dict)  # microbatch -> density handed to attention
 
 
 _ctx = _Context()
@@ -73,7 +74,15 @@ def current_density(default: float) -> float:
     """Density the attention must use now: the plan's unit, else ``default`` (static d0)."""
     if _ctx.plan is None or _ctx.microbatch is None:
         return default
-    return _ctx.plan.density(_ctx.dp_rank, _ctx.microbatch, _ctx.stage)
+    d = _ctx.plan.density(_ctx.dp_rank, _ctx.microbatch, _ctx.stage)
+    _ctx.served[_ctx.microbatch] = d
+    return d
+
+
+def pop_served_densities() -> dict:
+    """{micro-batch: density} handed to attention since the last call (for consistency checks)."""
+    out, _ctx.served = _ctx.served, {}
+    return out
 
 
 def record_attention_stats(layer_number: int, density_kept: Sequence[float],

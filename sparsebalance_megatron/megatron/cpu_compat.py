@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -144,6 +145,13 @@ def activate_cpu_shims() -> bool:
     import megatron.core.tensor_parallel.random as mrandom
 
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    try:  # megatron.training (the entry's argument validation) asks for the GPU architecture
+        import megatron.training.arguments as margs
+        margs.get_device_arch_version = lambda *a, **k: 0
+    except ImportError:
+        pass
+    # Megatron asks tensor-parallel GPU runs to serialise kernel launches; meaningless on CPU.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     cuda = torch.cuda
     cuda.current_device = _cpu_device
     cuda.current_stream = lambda *a, **k: _NullStream()

@@ -71,6 +71,7 @@ def parse_and_validate(argv=None, defaults: dict | None = None):
     """Parse Megatron's and our flags; returns (megatron args, SparseBalanceConfig)."""
     from megatron.training.arguments import parse_args, validate_args
 
+    cpu_compat.activate_cpu_shims()  # no-op with CUDA; validate_args already queries the device
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
     args = parse_args(extra_args_provider=add_sparsebalance_args)

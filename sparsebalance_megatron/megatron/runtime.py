@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ..config import SparseBalanceConfig
-from ..plan import BudgetPlan, pop_attention_stats
+from ..plan import BudgetPlan, pop_attention_stats, pop_served_densities
 from . import comm
 
 log = logging.getLogger("sparsebalance")
@@ -75,7 +75,7 @@ def load_latency_model(args, sb: SparseBalanceConfig):
     expect = table_expectation(args, sb)
     path = sb.latency_table
     if path is None:
-        from ..data.corpus import default_cache_dir
+        from ..data.sources import default_cache_dir
 
         key = "_".join(f"{k}{v}" for k, v in sorted(expect["model"].items()))
         key += f"_pp{args.pipeline_model_parallel_size}_b{sb.block_size}s{sb.sink_blocks}l{sb.local_blocks}"
@@ -201,7 +201,12 @@ class SparseBalanceRuntime:
         if plan is not None:
             out["mean_density"] = float(np.mean(plan.densities))
         stats = _doc_recalls(pop_attention_stats()) if self.tracker is not None else {}
-        gathered = comm.all_gather_object((self.dp_rank, self.pp_rank, self.last_timings, stats))
+        served = pop_served_densities()
+        gathered = comm.all_gather_object(
+            (self.dp_rank, self.pp_rank, self.last_timings, stats, served))
+        if plan is not None:
+            check_budgets(plan, gathered)
+            out["budgets_consistent"] = True
         measured = self._measured_busy(gathered, step_data.num_microbatches)
         if np.isfinite(measured).all():
             rank_busy = measured.sum(axis=1)
@@ -229,7 +234,7 @@ class SparseBalanceRuntime:
     def _measured_busy(self, gathered, m: int) -> np.ndarray:
         """[dp, pp] measured fwd+bwd seconds of every rank's micro-batches (NaN: missing/bad)."""
         measured = np.full((self.dp, self.pp), np.nan)
-        for dp_rank, pp_rank, timings, _ in gathered:
+        for dp_rank, pp_rank, timings, *_ in gathered:
             f = (timings or {}).get("fwd_s") or []
             b = (timings or {}).get("bwd_s") or []
             if len(f) == m and len(b) == m:
@@ -253,7 +258,7 @@ class SparseBalanceRuntime:
 
     def _update_sensitivity(self, step_data, gathered) -> None:
         recalls: dict[int, list] = {}
-        for _, _, _, stats in sorted(gathered, key=lambda g: (g[0], g[1])):
+        for _, _, _, stats, _ in sorted(gathered, key=lambda g: (g[0], g[1])):
             for doc_id, values in sorted(stats.items()):
                 recalls.setdefault(doc_id, []).extend(values)
         if not recalls:
@@ -289,6 +294,18 @@ class SparseBalanceRuntime:
                 self.latency._correction[int(r)] = float(c)
         if self.tracker is not None and state.get("sensitivity"):
             self.tracker.load_state_dict(state["sensitivity"])
+
+
+def check_budgets(plan: BudgetPlan, gathered) -> None:
+    """Every rank (all TP ranks of a micro-batch included) used exactly the plan's density."""
+    bad = []
+    for dp_rank, pp_rank, _, _, served in gathered:
+        for mb, d in (served or {}).items():
+            want = plan.density(dp_rank, mb, pp_rank)
+            if d != want:
+                bad.append(f"(dp {dp_rank}, stage {pp_rank}, micro-batch {mb}): {d} != plan {want}")
+    if bad:
+        raise RuntimeError("attention budgets differ from the broadcast plan: " + "; ".join(bad[:5]))
 
 
 def _doc_recalls(stats: list) -> dict:

@@ -12,7 +12,7 @@ from tests.conftest import TINY_MODEL, read_metrics, run_entry
 
 pytestmark = pytest.mark.distributed
 
-SPARSE = [
+SPARSE = ["--sb-sparse-attention", "--sb-density", "0.5", "--sb-block-size", "32",
           "--sb-tokenizer", "byte"]
 
 
