@@ -10,6 +10,12 @@ import torch
 import torch.distributed as dist
 
 
+def init_process_group(backend: str, world_size: int, rank: int, timeout) -> None:
+    """Join the job's process group (idempotent)."""
+    if not is_initialized():
+        dist.init_process_group(backend=backend, world_size=world_size, rank=rank, timeout=timeout)
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

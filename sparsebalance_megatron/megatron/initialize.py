@@ -12,6 +12,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ import torch
 
 from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
-from . import cpu_compat
+from . import comm, cpu_compat
 
 log = logging.getLogger("sparsebalance")
 
@@ -67,6 +68,17 @@ def check_launch(args, sb: SparseBalanceConfig) -> None:
                           f"--pipeline-model-parallel-size={pp}")
 
 
+def _extra_args(parser):
+    """Our flags; also escapes stray '%' in Megatron's help texts (megatron-core 0.19.2 has one
+    in --moe-paged-stash-buffer-size-factor-cuda that makes ``--help`` crash)."""
+    for action in parser._actions:
+        if action.help:
+            action.help = re.sub(r"%%|%\(\w+\)[a-z]|%",
+                                 lambda m: m.group(0) if len(m.group(0)) > 1 else "%%",
+                                 action.help)
+    return add_sparsebalance_args(parser)
+
+
 def parse_and_validate(argv=None, defaults: dict | None = None):
     """Parse Megatron's and our flags; returns (megatron args, SparseBalanceConfig)."""
     from megatron.training.arguments import parse_args, validate_args
@@ -74,7 +86,7 @@ def parse_and_validate(argv=None, defaults: dict | None = None):
     cpu_compat.activate_cpu_shims()  # no-op with CUDA; validate_args already queries the device
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
-    args = parse_args(extra_args_provider=add_sparsebalance_args)
+    args = parse_args(extra_args_provider=_extra_args)
     try:
         sb = config_from_args(args)
     except ConfigError as e:
@@ -106,10 +118,8 @@ def initialize_distributed(args) -> None:
     cpu_compat.activate_cpu_shims()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend=args.distributed_backend, world_size=args.world_size, rank=args.rank,
-            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    comm.init_process_group(args.distributed_backend, args.world_size, args.rank,
+                            timedelta(minutes=args.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

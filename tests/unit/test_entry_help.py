@@ -1,0 +1,16 @@
+"""The training entry's --help lists Megatron's flags and ours (megatron-core 0.19.2's own help
+text has a stray '%' that crashes argparse; the entry escapes it)."""
+
+import subprocess
+import sys
+
+from tests.conftest import ENTRY
+
+
+def test_entry_help_lists_megatron_and_sparsebalance_flags():
+    proc = subprocess.run([sys.executable, str(ENTRY), "--help"], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    for flag in ("--num-layers", "--pipeline-model-parallel-size", "--sparse-balance",
+                 "--sb-density", "--sb-anchor", "--sb-latency-table"):
+        assert flag in proc.stdout
