@@ -45,6 +45,15 @@ class StepData:
         return [[self.segment_lengths(r, m) for m in range(self.num_microbatches)]
                 for r in range(self.dp)]
 
+    def split_documents(self, doc_lengths: np.ndarray, capacity: int) -> int:
+        """Documents of this step longer than a micro-batch, hence split into segments."""
+        docs = {d for rank in self.assignment for mb in rank for d, _, _ in mb}
+        return int(sum(1 for d in docs if doc_lengths[d] + 1 > capacity))
+
+    def fingerprint(self) -> int:
+        """A hash of the assignment: every rank must hold the same one."""
+        return hash(tuple(tuple(tuple(mb) for mb in rank) for rank in self.assignment))
+
     def num_tokens(self) -> int:
         return int(sum(e - s for rank in self.assignment for mb in rank for _, s, e in mb))
 

@@ -203,7 +203,10 @@ class SparseBalanceRuntime:
         stats = _doc_recalls(pop_attention_stats()) if self.tracker is not None else {}
         served = pop_served_densities()
         gathered = comm.all_gather_object(
-            (self.dp_rank, self.pp_rank, self.last_timings, stats, served))
+            (self.dp_rank, self.pp_rank, self.last_timings, stats, served, step_data.fingerprint()))
+        if len({g[5] for g in gathered}) != 1:
+            raise RuntimeError(f"step {step_data.step}: ranks packed different micro-batches "
+                               "(the sampler/packer must be deterministic on every rank)")
         if plan is not None:
             check_budgets(plan, gathered)
             out["budgets_consistent"] = True
@@ -258,7 +261,7 @@ class SparseBalanceRuntime:
 
     def _update_sensitivity(self, step_data, gathered) -> None:
         recalls: dict[int, list] = {}
-        for _, _, _, stats, _ in sorted(gathered, key=lambda g: (g[0], g[1])):
+        for _, _, _, stats, *_ in sorted(gathered, key=lambda g: (g[0], g[1])):
             for doc_id, values in sorted(stats.items()):
                 recalls.setdefault(doc_id, []).extend(values)
         if not recalls:
@@ -299,7 +302,7 @@ class SparseBalanceRuntime:
 def check_budgets(plan: BudgetPlan, gathered) -> None:
     """Every rank (all TP ranks of a micro-batch included) used exactly the plan's density."""
     bad = []
-    for dp_rank, pp_rank, _, _, served in gathered:
+    for dp_rank, pp_rank, _, _, served, _ in gathered:
         for mb, d in (served or {}).items():
             want = plan.density(dp_rank, mb, pp_rank)
             if d != want:

@@ -168,6 +168,7 @@ def train(state) -> dict:
         loss_val = total[0] / max(total[1], 1.0)
         tokens = step_data.num_tokens()
         rec = dict(step=iteration, loss=loss_val, step_time_s=step_s, tokens=tokens,
+                   split_docs=step_data.split_documents(state["corpus"].lengths, state["capacity"]),
                    tokens_per_s=tokens / step_s,
                    grad_norm=float(grad_norm) if grad_norm is not None else None,
                    skipped=int(skipped))
@@ -200,6 +201,8 @@ def _format_step(rec: dict, total: int) -> str:
         parts.append(f"density {rec['mean_density']:.3f}")
     if "plan" in rec:
         parts.append(rec["plan"])
+    if rec.get("split_docs"):
+        parts.append(f"split docs {rec['split_docs']}")
     return " | ".join(parts)
 
 
@@ -209,7 +212,8 @@ def _summary(history: list) -> dict:
     steady = history[1:] or history  # the first step pays for warm-up
     mean_s = sum(r["step_time_s"] for r in steady) / len(steady)
     toks = sum(r["tokens"] for r in steady) / sum(r["step_time_s"] for r in steady)
-    out = {"steps": len(history), "first_loss": round(history[0]["loss"], 4),
+    out = {"steps": len(history), "split_docs": sum(r.get("split_docs", 0) for r in history),
+           "first_loss": round(history[0]["loss"], 4),
            "final_loss": round(history[-1]["loss"], 4), "mean_step_s": round(mean_s, 4),
            "tokens_per_s": round(toks, 1)}
     if "mean_density" in history[-1]:

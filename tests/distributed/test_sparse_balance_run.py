@@ -66,3 +66,19 @@ def test_broken_latency_table_stops_before_step_one(tmp_path, small_jsonl, table
     assert proc.returncode != 0
     assert "fwd_s" in proc.stdout and str(bad) in proc.stdout
     assert not (tmp_path / "m.jsonl").exists()  # no step ran
+
+
+def test_sparse_balance_resume_repeats_the_uninterrupted_run(tmp_path, small_jsonl, table):
+    """SAB order, DST plans (calibration, sensitivity) and losses after --load equal the
+    uninterrupted run's: the side-car state is saved with Megatron's checkpoint."""
+    common = [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "4",
+              "--train-iters", "3", "--sb-latency-table", table, "--sb-latency-table-force"]
+    run_entry(2, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
+                  "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
+    run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
+                  "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
+    full, resumed = read_metrics(tmp_path / "full.jsonl"), read_metrics(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["tokens"] == full[2]["tokens"]
+    assert resumed[0]["mean_density"] == full[2]["mean_density"]
+    assert abs(resumed[0]["loss"] - full[2]["loss"]) <= 1e-6 * abs(full[2]["loss"])
