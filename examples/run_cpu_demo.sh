@@ -21,5 +21,6 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
   --train-iters "${TRAIN_ITERS:-30}" --log-interval 1 \
   --pipeline-model-parallel-size "${PP:-1}" \
   --save "$OUT/checkpoints" --save-interval 1000 \
+  --sb-doc-unit section \
   ${SB_FLAGS---sparse-balance --sb-density 0.5 --sb-block-size 64} \
   "$@"

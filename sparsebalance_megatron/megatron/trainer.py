@@ -56,6 +56,12 @@ def _load_corpus(args, sb):
     from ..data.corpus import load_corpus
 
     def load():
+        try:
+            return _load()
+        except (ValueError, OSError) as e:  # DataError & co. name the file and the problem
+            raise SystemExit(f"error: data: {e}")
+
+    def _load():
         return load_corpus(args.data_path[0] if args.data_path else None, tokenizer=sb.tokenizer,
                            cache_dir=sb.data_cache_dir, compact_vocab=args.data_path is None,
                            doc_unit=sb.doc_unit)
