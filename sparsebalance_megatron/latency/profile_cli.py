@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
-    densities = args.densities or ([0.25, 0.5, 1.0] if args.quick
+    densities = args.densities or ([0.25, 1.0] if args.quick
                                    else [0.125, 0.25, 0.5, 0.75, 1.0])
     mixes = default_mixes(args.seq_length, args.mixes or (4 if args.quick else 10), seed=sb.seed)
     repeats = args.repeats or (2 if args.quick else 5)

@@ -168,7 +168,8 @@ def build_stage(shape: StageShape, sb: SparseBalanceConfig, kind: str, num_layer
 def default_mixes(seq_length: int, count: int, seed: int = 0) -> list[list[int]]:
     """Document-length mixes: regular splits plus random cuts, with unequal token totals."""
     t = seq_length
-    fixed = [[t], [t // 2] * 2, [t // 4] * 4, [t // 16] * 16, [t // 2], [3 * t // 8] * 2]
+    # the first four (the --quick grid) already vary the token total and the document count
+    fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [t // 2] * 2, [3 * t // 8] * 2]
     rng = np.random.default_rng(seed)
     out = [m for m in fixed if all(x > 0 for x in m)][:count]
     while len(out) < count:
