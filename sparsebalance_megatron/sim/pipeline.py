@@ -56,37 +56,76 @@ def stage_order_1f1b(num_microbatches: int, pp: int, stage: int) -> list[tuple[i
     return order
 
 
-@lru_cache(maxsize=256)
-def _global_order(m: int, pp: int) -> tuple:
-    """A topological order of all 2*m*pp events consistent with per-stage order and p2p deps.
+def interleaved_schedule_table(num_microbatches: int, vp: int, group: int) -> list:
+    """Megatron's ``get_schedule_table``: (micro-batch, model chunk) of each virtual micro-batch."""
+    table = []
+    for lo in range(0, num_microbatches, group):
+        hi = num_microbatches if lo + group >= num_microbatches else lo + group
+        table.extend((i, c) for c in range(vp) for i in range(lo, hi))
+    return table
 
-    Returns (stage, kind, microbatch, dep_stage) arrays; dep_stage = -1 when the event has no
-    cross-stage dependency (fwd on stage 0, bwd on the last stage, which follows its own fwd).
+
+def stage_order_interleaved(num_microbatches: int, pp: int, vp: int, stage: int,
+                            group: Optional[int] = None) -> list[tuple[int, int, int]]:
+    """Megatron's interleaved 1F1B order on one rank: (kind, micro-batch, model chunk).
+
+    ``group`` is ``microbatch_group_size_per_vp_stage`` (Megatron's default: pp). Warm-up
+    forwards ``(pp - stage - 1) * 2 + (vp - 1) * group``; backward k runs chunk
+    ``vp - 1 - chunk(k)`` of micro-batch ``mb(k)``.
     """
-    orders = [stage_order_1f1b(m, pp, s) for s in range(pp)]
+    group = pp if group is None else group
+    table = interleaved_schedule_table(num_microbatches, vp, group)
+    total = num_microbatches * vp
+    warmup = min((pp - stage - 1) * 2 + (vp - 1) * group, total)
+    fwd = [(FWD, i, c) for i, c in table]
+    bwd = [(BWD, i, vp - 1 - c) for i, c in table]
+    order = fwd[:warmup]
+    for k in range(total - warmup):
+        order.append(fwd[warmup + k])
+        order.append(bwd[k])
+    order.extend(bwd[total - warmup:])
+    return order
+
+
+@lru_cache(maxsize=256)
+def _global_order(m: int, pp: int, vp: int = 1) -> tuple:
+    """A topological order of all 2*m*pp*vp events consistent with every rank's order and the
+    cross-stage dependencies. Virtual stage ``v = chunk * pp + rank`` (Megatron's layer order).
+
+    Returns (rank, kind, microbatch, v, dep_kind, dep_v, dep_p2p) arrays; dep_v = -1 when the
+    event has no dependency (fwd on virtual stage 0); dep_p2p = 1 when the dependency crosses ranks.
+    """
+    nv = pp * vp
+    if vp == 1:
+        orders = [[(k, i, 0) for k, i in stage_order_1f1b(m, pp, s)] for s in range(pp)]
+    else:
+        orders = [stage_order_interleaved(m, pp, vp, s) for s in range(pp)]
     pos = [0] * pp
-    done = np.zeros((2, m, pp), dtype=bool)
+    done = np.zeros((2, m, nv), dtype=bool)
     out = []
-    total = 2 * m * pp
+    total = 2 * m * nv
     while len(out) < total:
         progressed = False
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, i, c = orders[r][pos[r]]
+                v = c * pp + r
                 if kind == FWD:
-                    dep = s - 1 if s > 0 else -1
+                    dk, dv = FWD, (v - 1 if v > 0 else -1)
+                elif v < nv - 1:
+                    dk, dv = BWD, v + 1
                 else:
-                    dep = s + 1 if s < pp - 1 else -1
-                if dep >= 0 and not done[kind, i, dep]:
+                    dk, dv = FWD, v          # the last stage's backward follows its forward
+                if dv >= 0 and not done[dk, i, dv]:
                     break
-                done[kind, i, s] = True
-                out.append((s, kind, i, dep))
-                pos[s] += 1
+                done[kind, i, v] = True
+                out.append((r, kind, i, v, dk, dv, int(dv >= 0 and dv % pp != r)))
+                pos[r] += 1
                 progressed = True
-        if not progressed:  # cannot happen for 1F1B; guards a future schedule
-            raise RuntimeError(f"1F1B order deadlocks for m={m}, pp={pp}")
+        if not progressed:  # cannot happen for Megatron's schedules; guards a future one
+            raise RuntimeError(f"1F1B order deadlocks for m={m}, pp={pp}, vp={vp}")
     arr = np.asarray(out, dtype=np.int64)
-    return tuple(arr[:, j].copy() for j in range(4))
+    return tuple(arr[:, j].copy() for j in range(7))
 
 
 def _check_times(fwd_s, bwd_s, p2p_s):
@@ -108,22 +147,24 @@ def _check_times(fwd_s, bwd_s, p2p_s):
     return f, b, p
 
 
-def _run(f, b, p, record):
-    dp, m, pp = f.shape
-    stages, kinds, mbs, deps = _global_order(m, pp)
-    dur = np.stack([f, b], axis=0)              # [2, dp, m, pp]
-    end = np.zeros((2, m, pp, dp))               # end time of every event, dp last for speed
-    start = np.zeros((2, m, pp, dp)) if record else None
-    free = np.zeros((pp, dp))                    # when each stage becomes free
-    for s, k, i, d in zip(stages.tolist(), kinds.tolist(), mbs.tolist(), deps.tolist()):
-        t0 = free[s]
-        if d >= 0:
-            t0 = np.maximum(t0, end[k, i, d] + p)
-        t1 = t0 + dur[k, :, i, s]
+def _run(f, b, p, record, pp=None):
+    dp, m, nv = f.shape
+    pp = nv if pp is None else pp
+    ranks, kinds, mbs, vs, dks, dvs, dps = _global_order(m, pp, nv // pp)
+    dur = np.stack([f, b], axis=0)              # [2, dp, m, nv]
+    end = np.zeros((2, m, nv, dp))               # end time of every event, dp last for speed
+    start = np.zeros((2, m, nv, dp)) if record else None
+    free = np.zeros((pp, dp))                    # when each rank becomes free
+    for r, k, i, v, dk, dv, dpp in zip(ranks.tolist(), kinds.tolist(), mbs.tolist(), vs.tolist(),
+                                       dks.tolist(), dvs.tolist(), dps.tolist()):
+        t0 = free[r]
+        if dv >= 0:
+            t0 = np.maximum(t0, end[dk, i, dv] + (p if dpp else 0.0))
+        t1 = t0 + dur[k, :, i, v]
         if record:
-            start[k, i, s] = t0  # before free[s] is overwritten: t0 may be a view of it
-        end[k, i, s] = t1
-        free[s] = t1
+            start[k, i, v] = t0  # before free[r] is overwritten: t0 may be a view of it
+        end[k, i, v] = t1
+        free[r] = t1
     rank_time = free.max(axis=0)                 # [dp]
     return rank_time, start, end
 
@@ -147,6 +188,31 @@ def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, record: bool = False) -> 
     sim = StepSimulation(step, rank_time, busy, bubble, imbalance)
     if record:
         # [2, m, pp, dp] -> [dp, m, pp, 2]
+        sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
+        sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
+    return sim
+
+
+def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
+                              record: bool = False) -> StepSimulation:
+    """Megatron's interleaved 1F1B (virtual pipeline, ``microbatch_group_size_per_vp_stage`` =
+    pp). fwd_s, bwd_s: [dp, m, pp * vp] seconds per virtual stage ``v = chunk * pp + rank``;
+    busy_s is per (dp rank, physical rank); start_s/end_s are [dp, m, pp * vp, 2]."""
+    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
+    dp, m, nv = f.shape
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2 or nv % pp:
+        raise ValueError(f"pp={pp!r}: expected an integer >= 2 dividing the {nv} virtual stages")
+    if m < pp:
+        raise ValueError(f"{m} micro-batches with pp={pp}: the interleaved schedule needs at "
+                         f"least pp micro-batches (Megatron refuses fewer)")
+    rank_time, start, end = _run(f, b, p, record, pp)
+    busy = (f + b).sum(axis=1).reshape(dp, nv // pp, pp).sum(axis=1)   # [dp, pp]
+    step = float(rank_time.max())
+    mean = float(rank_time.mean())
+    sim = StepSimulation(step, rank_time, busy,
+                         1.0 - float(busy.sum()) / (step * dp * pp) if step > 0 else 0.0,
+                         step / mean if mean > 0 else 1.0)
+    if record:
         sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
         sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
     return sim
