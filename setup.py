@@ -36,7 +36,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "sparsebalance-profile=sparsebalance_megatron.latency.profile_cli:main",
+            "sparsebalance-profile=sparsebalance_megatron.megatron.profile_cli:main",
         ],
     },
 )

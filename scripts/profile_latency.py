@@ -9,7 +9,7 @@
 
 import sys
 
-from sparsebalance_megatron.latency.profile_cli import main
+from sparsebalance_megatron.megatron.profile_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

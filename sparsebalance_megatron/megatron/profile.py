@@ -8,7 +8,7 @@ densities are timed with warm-up and repeats; the median goes into a latency tab
 (``latency/table.py``) whose coefficients are fitted by ``LatencyModel.fit``.
 
 Not for use inside a running training job (it initialises its own 1-process model-parallel state).
-Imports megatron; ``latency/profile_cli.py`` is the thin command-line front end.
+Imports megatron; ``megatron/profile_cli.py`` is the thin command-line front end.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ Usage (the model flags use Megatron's names and must match the training run)::
         --pipeline-model-parallel-size 2 --sb-block-size 64 --out lat_cpu.json [--quick]
 
 ``--analytic`` writes the FLOP-based H100 table of the scale study instead (no measurement).
-This module imports megatron only inside ``main`` (through ``megatron/profile.py``), so the
-latency package itself stays megatron-free.
+It lives in the Megatron adapter because measuring builds a megatron-core stage
+(``profile.py``); ``--analytic`` and ``--help`` need no megatron import.
 """
 
 from __future__ import annotations
@@ -56,12 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from ..arguments import config_from_args
-    from .model import LatencyModel
-    from .table import write_table
+    from ..latency.model import LatencyModel
+    from ..latency.table import write_table
 
     sb = config_from_args(args)
     if args.analytic:
-        from .analytic import ModelShape, analytic_table
+        from ..latency.analytic import ModelShape, analytic_table
         shape = ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
                            num_attention_heads=args.num_attention_heads,
                            num_query_groups=args.num_query_groups,
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from ..megatron.profile import StageShape, default_mixes, fit_report, profile_table
+    from .profile import StageShape, default_mixes, fit_report, profile_table
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")

@@ -50,7 +50,7 @@ def table_expectation(args, sb: SparseBalanceConfig) -> dict:
 
 
 def _profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:
-    cmd = [sys.executable, "-m", "sparsebalance_megatron.latency.profile_cli", "--quick",
+    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--no-progress", "--out", out,
            "--num-layers", args.num_layers, "--hidden-size", args.hidden_size,
            "--ffn-hidden-size", args.ffn_hidden_size,

@@ -26,7 +26,7 @@ def table(tmp_path_factory, small_jsonl):
     import sys
 
     out = tmp_path_factory.mktemp("lat") / "lat.json"
-    cmd = [sys.executable, "-m", "sparsebalance_megatron.latency.profile_cli", "--quick",
+    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--no-progress", "--out", str(out), "--num-layers", "4", "--hidden-size", "64",
            "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
            "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",

@@ -86,7 +86,7 @@ def test_table_without_coefficients_is_fitted(tmp_path, table):
 
 
 def test_profile_cli_analytic_writes_a_loadable_qwen_table(tmp_path, capsys):
-    from sparsebalance_megatron.latency.profile_cli import main
+    from sparsebalance_megatron.megatron.profile_cli import main
 
     out = str(tmp_path / "qwen.json")
     assert main(["--analytic", "--num-layers", "24", "--hidden-size", "896",
