@@ -164,3 +164,44 @@ def test_a_few_steps_lower_the_loss_with_packed_micro_batches():
     plan.pop_attention_stats()
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_core_attention_contract_shapes_and_errors():
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from sparsebalance_megatron.attention import block_sparse_attention
+    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                            num_query_groups=2, attention_dropout=0.0,
+                            pipeline_model_parallel_size=1)
+    sb = _sb(density=0.5)
+    core = SparseCoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                               attention_type="self", cp_comm_type=None, softmax_scale=None,
+                               pg_collection=None, sb_config=sb)
+    g = torch.Generator().manual_seed(5)
+    t = 80
+    q, k, v = (torch.randn(t, h, 16, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 30, 80], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          max_seqlen_q=50, max_seqlen_kv=50)
+    want, _ = block_sparse_attention(q, k, v, cu, 0.5, block_size=BLOCK, backend="torch",
+                                     query_chunk_blocks=2)
+    for args in ((q, k, v), (q[:, None], k[:, None], v[:, None])):   # [t, h, hn] or [t, 1, h, hn]
+        out = core(*args, None, attn_mask_type=AttnMaskType.causal, attention_bias=None,
+                   packed_seq_params=psp)
+        assert out.shape == (t, 64) and torch.allclose(out, want.reshape(t, 64), atol=1e-6)
+    sq_b = core(q.view(40, 2, 4, 16), k.view(40, 2, 2, 16), v.view(40, 2, 2, 16), None)
+    assert sq_b.shape == (40, 2, 64)
+    row0, _ = block_sparse_attention(q.view(40, 2, 4, 16)[:, 0], k.view(40, 2, 2, 16)[:, 0],
+                                     v.view(40, 2, 2, 16)[:, 0], [0, 40], 0.5, block_size=BLOCK)
+    assert torch.allclose(sq_b[:, 0], row0.reshape(40, 64), atol=1e-6)
+    with pytest.raises(ValueError, match="attention_bias"):
+        core(q, k, v, None, attention_bias=torch.zeros(1), packed_seq_params=psp)
+    with pytest.raises(ValueError, match="attn_mask_type"):
+        SparseCoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.no_mask,
+                            sb_config=sb)
+    with pytest.raises(ValueError, match="sb_config"):
+        SparseCoreAttention(config=cfg, layer_number=1)
+    plan.pop_attention_stats()
