@@ -163,7 +163,7 @@ def variants(args):
     return out
 
 
-def evaluate(args) -> dict:
+def evaluate(args, partial=None) -> dict:
     from sparsebalance_megatron import plan
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.eval import answer_token_accuracy, greedy_exact_match, make_suite
@@ -219,8 +219,11 @@ def evaluate(args) -> dict:
                          f"{r['accuracy']:.0f}/{r['token_accuracy']:.2f}"
                          for r in samples[-len(variants(args)):])
               + f" ({time.perf_counter() - t1:.1f} s)", flush=True)
-    return {"model": name, "samples": samples, "recalls": recalls,
-            "settings": {k: v for k, v in vars(args).items() if k != "json"}}
+        raw = {"model": name, "samples": samples, "recalls": recalls,
+               "settings": {k: v for k, v in vars(args).items() if k != "json"}}
+        if partial is not None:   # long runs: results so far survive an interruption
+            partial(raw, n + 1, len(suite))
+    return raw
 
 
 def summarize(raw: dict) -> dict:
@@ -269,7 +272,53 @@ def print_table(out: dict) -> None:
               f"{f(r['oracle_recall']):>6} {f(ratio):>5} {r['samples']:3d}")
 
 
+def markdown(out: dict) -> str:
+    """Density x length tables (accuracy; recall vs oracle) for QUALITY.md."""
+    rows = out["results"]
+    lengths = sorted({r["length"] for r in rows})
+    lines = []
+    for task in sorted({r["task"] for r in rows}):
+        sub = [r for r in rows if r["task"] == task]
+        keys = sorted({(r["variant"], r["density"] if r["variant"] != "mass" else None)
+                       for r in sub}, key=lambda k: (k[0] != "dense", k[0] == "mass",
+                                                     -(k[1] or 0)))
+        lines += [f"\n{task}: greedy exact match (answer-token accuracy), n samples per cell\n",
+                  "| variant | density | " + " | ".join(f"{n} tok" for n in lengths) + " |",
+                  "|---|---|" + "---|" * len(lengths)]
+        for variant, dens in keys:
+            cells, shown = [], dens
+            for n in lengths:
+                hit = [r for r in sub if r["length"] == n and r["variant"] == variant and
+                       (variant == "mass" or r["density"] == dens)]
+                if not hit:
+                    cells.append("-")
+                    continue
+                r = hit[0]
+                shown = r["density"]
+                kept = f", kept {r['density']:.2f}" if variant == "mass" else ""
+                cells.append(f"{r['accuracy']:.2f} ({r['token_accuracy']:.2f}), "
+                             f"n={r['samples']}{kept}")
+            label = "tau" if variant == "mass" else f"{shown:.3g}"
+            lines.append(f"| {variant} | {label} | " + " | ".join(cells) + " |")
+    rec = [r for r in rows if r["variant"] != "dense" and r["recall"] is not None]
+    if rec:
+        lines += ["\nmass recall of the selected blocks vs exact attention (dense forward's q/k, "
+                  "mean over 30 layers and KV groups)\n",
+                  "| task | length | variant | density | estimator recall | oracle recall | "
+                  "ratio |", "|---|---|---|---|---|---|---|"]
+        for r in sorted(rec, key=lambda r: (r["task"], r["length"], r["variant"],
+                                            -r["density"])):
+            lines.append(f"| {r['task']} | {r['length']} | {r['variant']} | {r['density']:.3g} | "
+                         f"{r['recall']:.4f} | {r['oracle_recall']:.4f} | "
+                         f"{r['recall'] / r['oracle_recall']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--markdown":
+        with open(sys.argv[2]) as f:       # re-render a results file: --markdown PATH
+            print(markdown(json.load(f)))
+        return 0
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,18 +327,27 @@ def main(argv=None) -> int:
     activate_cpu_shims()
     init_single_process()
     t0, c0 = time.perf_counter(), time.process_time()
-    out = summarize(evaluate(args))
+
+    def partial(raw, done, total):
+        if args.json:
+            with open(args.json + ".partial", "w") as f:
+                json.dump({**summarize(raw), "done": f"{done}/{total}"}, f, indent=1)
+
+    out = summarize(evaluate(args, partial))
     # wall time on a shared machine says little: CPU time (all threads) is reported next to it
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out["cpu_s"] = round(time.process_time() - c0, 1)
     out["command"] = "python scripts/eval_long_context.py " + " ".join(sys.argv[1:] if argv is None
                                                                       else argv)
     print_table(out)
+    print(markdown(out))
     print(f"\ntotal {out['wall_s']} s wall, {out['cpu_s']} s CPU ({torch.get_num_threads()} "
           f"threads)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+        if os.path.exists(args.json + ".partial"):
+            os.remove(args.json + ".partial")
         print("wrote", args.json)
     return 0
 
