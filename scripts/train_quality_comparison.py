@@ -43,6 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--density", type=float, default=0.5, help="d0 of static and sparse_balance")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2, help="pipeline stages (bubbles to fill)")
+    ap.add_argument("--no-recompute", action="store_true",
+                    help="keep all activations (at 2K tokens rank 0 then needs ~10 GB RSS)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--eval-args", default="--tasks needle_single needle_multikey --lengths 2048 "
@@ -126,6 +128,9 @@ def train_cmd(args, arch: dict, variant: str, init_dir: str, data: str, out_dir:
         "--ckpt-format", "torch_dist", "--save", out_dir, "--save-interval", "100000",
         "--data-path", data, "--sb-tokenizer", "byte",
         "--sb-metrics-file", os.path.join(out_dir, "metrics.jsonl")]
+    if not args.no_recompute:   # a 2K dense run was OOM-killed at 10 GB RSS on a 24 GB machine
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
     if arch["add_qkv_bias"]:
         flags.append("--add-qkv-bias")
     if not arch["tie_embeddings"]:
