@@ -239,6 +239,26 @@ def recall_rows(model, tokens, block_size, densities):
     return rows
 
 
+def peak_memory_row(seq_len, density, nh, ng, hn, block_size):
+    """CPU only: growth of the peak RSS over one fwd+bwd of a ``seq_len``-token document."""
+    import resource
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(seq_len, h, hn, generator=g).requires_grad_(True)
+               for h in (nh, ng, ng))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    t0 = time.process_time()
+    out, _ = block_sparse_attention(q, k, v, [0, seq_len], density, block_size=block_size,
+                                    backend="torch")
+    out.sum().backward()
+    cpu_ms = (time.process_time() - t0) * 1e3
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return dict(kind="memory", seq_len=seq_len, density=density, backend="torch",
+                fwd_bwd_ms=None, ratio_vs_full_density=None, ratio_vs_dense_sdpa=None,
+                recall=None, select_ms=None, fwd_bwd_cpu_ms=cpu_ms,
+                peak_rss_growth_mib=peak - before,
+                dense_scores_per_head_mib=seq_len * seq_len * 4 / 2 ** 20)
+
+
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
@@ -252,6 +272,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train-steps", type=int, default=None)
     ap.add_argument("--no-recall", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--mem-seq-len", type=int, default=None,
+                    help="CPU: also measure the peak-RSS growth of one fwd+bwd at this length")
+    ap.add_argument("--mem-density", type=float, default=0.125)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's); 1 is steadier on a shared host")
     args = ap.parse_args(argv)
@@ -274,6 +297,13 @@ def main(argv=None) -> int:
     rows = []
     if not args.no_timing:
         rows += bench_kernels(device, seq_lens, dtype, nh, ng, hn, reps, args.block_size)
+    if args.mem_seq_len and not cuda:
+        row = peak_memory_row(args.mem_seq_len, args.mem_density, nh, ng, hn, args.block_size)
+        print(f"memory: {args.mem_seq_len} tokens, density {args.mem_density}: peak RSS grew "
+              f"{row['peak_rss_growth_mib']:.0f} MiB during fwd+bwd ({row['fwd_bwd_cpu_ms']:.0f} "
+              f"ms CPU); one fp32 L x L score matrix per head would be "
+              f"{row['dense_scores_per_head_mib']:.0f} MiB")
+        rows.append(row)
     if not args.no_recall:
         steps = args.train_steps or (20 if args.quick else 200)
         seq_len, eval_len = (512, 1024) if args.quick else (1024, 2048)
