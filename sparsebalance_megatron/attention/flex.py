@@ -8,6 +8,11 @@ blocks in the partial lists. ``mask_mod`` still encodes everything (causality, d
 real tokens and the selected blocks), because eager flex applies only mask_mod.
 ``torch.nn.attention.flex_attention`` is imported lazily: importing this module never needs it,
 and the CPU never runs it (FlexAttention has no CPU backward in torch 2.13).
+Untested on a GPU so far (none was available): forward on CPU (eager and compiled) equals the
+reference. Risk to check first: inductor's default backward tiles for hn=128 on sm90 are
+128 wide, and tiles must divide the sparse block size, so ``block_size=64`` may fail to compile
+the backward there; ``block_size=128`` avoids that. ``tests/gpu/test_flex_attention.py`` covers
+both.
 Pure torch; must not import megatron.
 """
 
