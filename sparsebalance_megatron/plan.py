@@ -70,12 +70,18 @@ def current_plan() -> Optional[BudgetPlan]:
     return _ctx.plan
 
 
-def current_density(default: float) -> float:
-    """Density the attention must use now: the plan's unit, else ``default`` (static d0)."""
-    if _ctx.plan is None or _ctx.microbatch is None:
+def current_density(default: float, microbatch: Optional[int] = None) -> float:
+    """Density the attention must use now: the plan's unit, else ``default`` (static d0).
+
+    ``microbatch`` overrides the context's current one: activation recomputation re-runs a
+    micro-batch's forward during a later backward, so the module passes the index it was given
+    with its inputs (``packed_seq_params.sb_microbatch``) rather than trusting the context.
+    """
+    mb = _ctx.microbatch if microbatch is None else microbatch
+    if _ctx.plan is None or mb is None:
         return default
-    d = _ctx.plan.density(_ctx.dp_rank, _ctx.microbatch, _ctx.stage)
-    _ctx.served[_ctx.microbatch] = d
+    d = _ctx.plan.density(_ctx.dp_rank, mb, _ctx.stage)
+    _ctx.served[mb] = d
     return d
 
 
@@ -86,10 +92,15 @@ def pop_served_densities() -> dict:
 
 
 def record_attention_stats(layer_number: int, density_kept: Sequence[float],
-                           recall: Sequence[float]) -> None:
-    """Attention reports per-document kept density and estimated mass recall (cu_seqlens order)."""
+                           recall: Sequence[float], microbatch: Optional[int] = None,
+                           doc_ids: Optional[Sequence[int]] = None) -> None:
+    """Attention reports per-document kept density and estimated mass recall (cu_seqlens order).
+
+    ``microbatch``/``doc_ids`` override the context (see ``current_density``)."""
+    mb = _ctx.microbatch if microbatch is None else microbatch
+    ids = _ctx.doc_ids if doc_ids is None else doc_ids
     with _lock:
-        _ctx.stats.append((_ctx.microbatch, _ctx.doc_ids, layer_number,
+        _ctx.stats.append((mb, ids, layer_number,
                            list(map(float, density_kept)), list(map(float, recall))))
 
 

@@ -82,10 +82,14 @@ class SparseCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None \
             else 1.0 / math.sqrt(head_dim)
 
-    def _attend(self, q, k, v, cu_seqlens):
+    def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None):
         sb = self.sb_config
+        # The trainer tags packed inputs with their micro-batch, so a recomputed forward
+        # (activation checkpointing, run during a later backward) reads its own budget.
+        mb = getattr(packed_seq_params, "sb_microbatch", None)
+        docs = getattr(packed_seq_params, "sb_doc_ids", None)
         out, sel = block_sparse_attention(
-            q, k, v, cu_seqlens, plan.current_density(default=sb.density),
+            q, k, v, cu_seqlens, plan.current_density(default=sb.density, microbatch=mb),
             block_size=sb.block_size, sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
@@ -93,7 +97,7 @@ class SparseCoreAttention(MegatronModule):
             query_chunk_blocks=sb.query_chunk_blocks)
         if torch.is_grad_enabled():
             plan.record_attention_stats(self.layer_number, sel.density_kept.cpu().tolist(),
-                                        sel.recall.cpu().tolist())
+                                        sel.recall.cpu().tolist(), microbatch=mb, doc_ids=docs)
         return out                                                # [t, np, hn]
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
@@ -112,7 +116,7 @@ class SparseCoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q
             if int(cu[-1]) != q.shape[0] and packed_seq_params.cu_seqlens_q_padded is not None:
                 cu = packed_seq_params.cu_seqlens_q_padded  # padded THD: attend over the padding
-            out = self._attend(q, k, v, cu)
+            out = self._attend(q, k, v, cu, packed_seq_params)
             return out.reshape(out.shape[0], -1)                  # [t, np*hn]
         # [sq, b, np, hn] -> [b*sq, np, hn], one document per batch row
         sq, b, nh, hn = query.shape

@@ -43,6 +43,8 @@ def make_forward_step(slowdown: float = 1.0):
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         budget.set_current_microbatch(mb["index"], mb["doc_ids"])
+        psp = mb["packed_seq_params"]
+        psp.sb_microbatch, psp.sb_doc_ids = mb["index"], mb["doc_ids"]  # recompute-safe budget
         t0 = time.perf_counter()
         output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
                        packed_seq_params=mb["packed_seq_params"])
