@@ -298,7 +298,8 @@ def markdown(out: dict) -> str:
                 kept = f", kept {r['density']:.2f}" if variant == "mass" else ""
                 cells.append(f"{r['accuracy']:.2f} ({r['token_accuracy']:.2f}), "
                              f"n={r['samples']}{kept}")
-            label = "tau" if variant == "mass" else f"{shown:.3g}"
+            tau = out.get("settings", {}).get("mass_threshold")
+            label = f"tau={tau}" if variant == "mass" else f"{shown:.3g}"
             lines.append(f"| {variant} | {label} | " + " | ".join(cells) + " |")
     rec = [r for r in rows if r["variant"] != "dense" and r["recall"] is not None]
     if rec:
