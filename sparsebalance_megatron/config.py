@@ -18,6 +18,7 @@ ESTIMATORS = ("maxkey", "pooled")
 LONG_SAMPLE_POLICIES = ("split", "error")
 TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
+PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 
 
 def _f(default, help: str, choices=None, **kw):
@@ -99,6 +100,11 @@ class SparseBalanceConfig:
         0.3, "Weight in (0, 1] of a new measurement in the per-rank latency correction EMA.")
 
     # --- batching and data ----------------------------------------------------------------
+    packing: str = _f(
+        "auto", "How a step's documents become micro-batches: Megatron's 'sequential' fill, "
+        "'token_balanced' (balance token counts, what a length-aware balancer does) or 'sab' "
+        "(predicted latency + sensitivity); 'auto' = sab with SAB on, else sequential.",
+        choices=PACKINGS)
     long_sample_policy: str = _f(
         "split", "A document longer than --seq-length is split into segments ('split') or "
         "refused with an error ('error').", choices=LONG_SAMPLE_POLICIES)
@@ -139,7 +145,13 @@ class SparseBalanceConfig:
 
     @property
     def batching_enabled(self) -> bool:
-        return self.sparse_balance or self.batching
+        return self.sparse_balance or self.batching or self.packing == "sab"
+
+    @property
+    def packing_method(self) -> str:
+        if self.packing == "auto":
+            return "sab" if self.batching_enabled else "sequential"
+        return self.packing
 
     def validate(self) -> None:
         def bad(name, value, expected):

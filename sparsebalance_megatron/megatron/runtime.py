@@ -141,10 +141,22 @@ class SparseBalanceRuntime:
 
     # --- before the step ------------------------------------------------------------------
     def packer(self):
-        """The packer of the data path: SAB when on, else Megatron's sequential packing."""
+        """The packer of the data path (--sb-packing): SAB, token-balanced or sequential."""
         from ..data.packing import sequential_pack
 
-        return self._sab_pack if self.sb.batching_enabled else sequential_pack
+        method = self.sb.packing_method
+        if method == "sab":
+            return self._sab_pack
+        if method == "token_balanced":
+            return self._token_balanced_pack
+        return sequential_pack
+
+    def _token_balanced_pack(self, segments, *, capacity, dp, num_microbatches):
+        from ..batching.packing import token_balanced_plan
+
+        return token_balanced_plan(segments, dp=dp, num_microbatches=num_microbatches,
+                                   max_tokens=capacity, long_sample_policy=self.sb.long_sample_policy,
+                                   seed=self.sb.seed).micro_batches
 
     def _sab_pack(self, segments, *, capacity, dp, num_microbatches):
         from ..batching.packing import latency_sample_cost_fn, sab_plan
