@@ -65,13 +65,14 @@ def run(cmd: list, log_path: str, env=None) -> None:
 
 
 def convert(args, init_dir: str) -> None:
+    if args.gguf_parts:   # later steps (tokenizer, eval) read the rebuilt file too
+        args.gguf = os.path.abspath(os.path.join(args.out, "model.gguf"))
+        if not os.path.exists(args.gguf):
+            run([sys.executable, "scripts/convert_hf_to_megatron.py", "--join",
+                 args.gguf_parts, "--gguf", args.gguf], os.path.join(args.out, "join.log"))
+    gguf = args.gguf
     if os.path.exists(os.path.join(init_dir, "latest_checkpointed_iteration.txt")):
         return
-    gguf = args.gguf
-    if args.gguf_parts:
-        gguf = os.path.join(args.out, "model.gguf")
-        run([sys.executable, "scripts/convert_hf_to_megatron.py", "--join", args.gguf_parts,
-             "--gguf", gguf], os.path.join(args.out, "join.log"))
     cmd = [sys.executable, "scripts/convert_hf_to_megatron.py", "--save", init_dir]
     run(cmd + (["--gguf", gguf] if gguf else []), os.path.join(args.out, "convert.log"))
 
