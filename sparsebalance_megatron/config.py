@@ -88,6 +88,10 @@ class SparseBalanceConfig:
         "mean", "DST anchor over predicted unit times: mean, median, min (aggressive) or "
         "max (never cut, only raise).", choices=ANCHORS)
     tolerance: float = _f(0.1, "DST tolerance p >= 0: units above (1+p) x anchor are cut.")
+    density_floor: float = _f(
+        0.9, "DST keeps each step's mean density (weighted by attention work) at or above this "
+        "fraction of --sb-density by cutting fewer units when the raises cannot pay the cuts "
+        "back; 0 = the paper's rule unchanged.")
 
     # --- latency model --------------------------------------------------------------------
     latency_table: Optional[str] = _f(
@@ -183,6 +187,9 @@ class SparseBalanceConfig:
         sd = self.straggler_slowdown
         if not isinstance(sd, (int, float)) or sd != sd or not (1.0 <= sd <= 100.0):
             bad("straggler_slowdown", sd, "a number in [1, 100]")
+        fl = self.density_floor
+        if not isinstance(fl, (int, float)) or fl != fl or not (0.0 <= fl <= 1.0):
+            bad("density_floor", fl, "a number in [0, 1]")
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")

@@ -7,8 +7,8 @@ Must not import torch, megatron or torch.distributed.
 from .costs import (GRID_STEP, UnitCosts, check_density_bounds, density_grid,
                     weighted_mean_density)
 from .dst import (DSTPlan, DSTReport, check_anchor_tolerance, plan_dst, plan_dst_from_config,
-                  static_plan)
+                  plan_dst_with_floor, static_plan)
 
 __all__ = ["GRID_STEP", "UnitCosts", "check_density_bounds", "density_grid",
            "weighted_mean_density", "DSTPlan", "DSTReport", "check_anchor_tolerance",
-           "plan_dst", "plan_dst_from_config", "static_plan"]
+           "plan_dst", "plan_dst_from_config", "plan_dst_with_floor", "static_plan"]

@@ -63,6 +63,7 @@ class DSTReport:
     units_cut: int               # units whose density ended below d0
     units_raised: int            # units whose density ended above d0
     ranks_reverted: int          # ranks whose raise failed verification (kept cut-only)
+    tolerance_used: float = float("nan")  # band actually applied (wider under a density floor)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -276,8 +277,42 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
         mean_density_static=float(d0),
         mean_density=weighted_mean_density(dens, weights),
         units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()),
-        ranks_reverted=reverted)
+        ranks_reverted=reverted, tolerance_used=float(tolerance))
     return DSTPlan(dens, report)
+
+
+def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
+                        d_min: float, d_max: float, anchor: str = "mean",
+                        tolerance: float = 0.1, p2p_s: float = 0.0,
+                        density_floor: float = 0.0, search_steps: int = 6) -> DSTPlan:
+    """``plan_dst``, but the plan's work-weighted mean density stays >= density_floor x d0.
+
+    When the cuts of the tolerance band would take more attention budget than the raises give
+    back (e.g. a stage made heavy by the LM head, whose units can only be cut), the band is
+    widened: fewer units are cut. The widest band cuts nothing (the ``max`` anchor), whose plan
+    only raises, so a plan meeting the floor always exists; every candidate is a ``plan_dst``
+    plan, so the predicted step time never exceeds the static plan's. Among the candidates that
+    meet the floor the fastest is kept (bisection over the tolerance, ``search_steps`` plans).
+    """
+    best = plan_dst(costs, sensitivity, d0, d_min, d_max, anchor, tolerance, p2p_s)
+    floor = density_floor * d0 - 1e-12
+    if density_floor <= 0 or anchor == "max" or best.report.mean_density >= floor:
+        return best
+    ok = plan_dst(costs, sensitivity, d0, d_min, d_max, "max", tolerance, p2p_s)  # no cuts
+    lo, hi = tolerance, 10.0
+    hi_plan = plan_dst(costs, sensitivity, d0, d_min, d_max, anchor, hi, p2p_s)
+    if hi_plan.report.mean_density >= floor:
+        ok = min((ok, hi_plan), key=lambda p: p.report.step_time_planned_s)
+        for _ in range(search_steps):
+            mid = 0.5 * (lo + hi)
+            trial = plan_dst(costs, sensitivity, d0, d_min, d_max, anchor, mid, p2p_s)
+            if trial.report.mean_density >= floor:
+                hi = mid
+                if trial.report.step_time_planned_s < ok.report.step_time_planned_s:
+                    ok = trial
+            else:
+                lo = mid
+    return ok
 
 
 def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
@@ -287,8 +322,11 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
                          p2p_s: float = 0.0) -> DSTPlan:
-    """``plan_dst`` with d0, bounds, anchor and tolerance from a ``SparseBalanceConfig``; the
+    """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance and the mean-density floor
+    (``--sb-density-floor``) from a ``SparseBalanceConfig``; the
     costs must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``."""
-    return plan_dst(costs, sensitivity, config.density, config.min_density, config.max_density,
-                    anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s)
+    return plan_dst_with_floor(
+        costs, sensitivity, config.density, config.min_density, config.max_density,
+        anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
+        density_floor=getattr(config, "density_floor", 0.0))

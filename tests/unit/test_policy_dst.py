@@ -192,3 +192,29 @@ def test_plan_from_config_uses_its_knobs():
     assert plan.report.units_cut == 0 and plan.densities.max() <= 0.5
     assert np.array_equal(plan.densities,
                           plan_dst(costs, None, 0.25, 0.125, 0.5, anchor="max").densities)
+
+
+def test_density_floor_keeps_the_mean_budget_and_the_step_time():
+    from sparsebalance_megatron.policy import plan_dst_with_floor, weighted_mean_density
+    rng = np.random.default_rng(11)
+    below = 0
+    for case in range(30):
+        dp, m, pp = int(rng.integers(1, 6)), int(rng.integers(1, 5)), int(rng.integers(2, 5))
+        # A heavy last stage (LM head) that DST can only cut: the case the floor is for.
+        costs = synthetic_costs(dp, m, pp, seed=100 + case, lm_head=float(rng.uniform(0.5, 3)))
+        sens = rng.random((dp, m))
+        raw = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+        floored = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, anchor="mean",
+                                      tolerance=0.1, density_floor=0.9)
+        static = step_time_of(costs, np.full((dp, m, pp), D0))
+        mean = weighted_mean_density(floored.densities, costs.weights())
+        assert mean >= 0.9 * D0 - 1e-9
+        assert step_time_of(costs, floored.densities) <= static * (1 + 1e-9)
+        assert np.all(floored.densities >= DMIN - 1e-12)
+        assert np.all(floored.densities <= DMAX + 1e-12)
+        if raw.report.mean_density < 0.9 * D0:
+            below += 1
+            assert floored.report.tolerance_used >= 0.1
+        else:  # the floor does not touch plans that already meet it
+            np.testing.assert_array_equal(floored.densities, raw.densities)
+    assert below > 0  # the cases exercised the floor
