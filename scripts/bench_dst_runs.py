@@ -57,6 +57,9 @@ def parse_args(argv=None):
                    help="default 4096; quick 2048")
     p.add_argument("--pipeline-seq-length", type=int, default=None,
                    help="default 2048; quick 1024")
+    p.add_argument("--straggler-cut-only", action="store_true",
+                   help="also run dst_cutonly in the straggler part: DST with --sb-max-density "
+                        "d0 (cuts, never raises), to separate the cut from the raise")
     p.add_argument("--out-dir", default="runs/bench_dst_runs")
     p.add_argument("--timeout", type=int, default=900)
     args = p.parse_args(argv)
@@ -113,10 +116,15 @@ def run_pair(name: str, cfg: CpuRunConfig, extra: list, args, out_dir: Path,
     for rnd in range(args.rounds):
         order = list(variants) if rnd % 2 == 0 else list(reversed(variants))
         for v in order:
-            flags = cfg.flags() + extra + (
-                ["--sb-sparse-attention"] if v == "static" else
-                ["--sb-dst", "--sb-latency-table", table,
-                 "--sb-anchor", v[4:] if v.startswith("dst_") else "mean"])
+            if v == "static":
+                vflags = ["--sb-sparse-attention"]
+            elif v == "dst_cutonly":  # d_max = d0: DST may cut, never raise
+                vflags = ["--sb-dst", "--sb-latency-table", table,
+                          "--sb-max-density", cfg.density]
+            else:
+                vflags = ["--sb-dst", "--sb-latency-table", table,
+                          "--sb-anchor", v[4:] if v.startswith("dst_") else "mean"]
+            flags = cfg.flags() + extra + vflags
             plan_file = out_dir / f"{name}_{v}_r{rnd}.plans.jsonl"
             plan_file.unlink(missing_ok=True)
             lines = run_variant(v, flags, steps=args.steps, timeout=args.timeout,
@@ -215,7 +223,9 @@ def main(argv=None):
                            num_layers=1 if args.quick else 2)
         extra = ["--sb-straggler-rank", 1, "--sb-straggler-slowdown", args.slowdown]
         print("(a) straggler run", flush=True)
-        result["straggler"] = run_pair("straggler", cfg, extra, args, out_dir)
+        result["straggler"] = run_pair(
+            "straggler", cfg, extra, args, out_dir,
+            ("static", "dst", "dst_cutonly") if args.straggler_cut_only else ("static", "dst"))
     if "pipeline" in args.parts:
         cfg = CpuRunConfig(seq_length=args.pipeline_seq_length, density=args.density, pp=2,
                            tokenizer="qwen", doc_unit="file", global_batch_size=4)

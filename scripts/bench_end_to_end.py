@@ -66,7 +66,7 @@ def parse_args(argv=None):
     r = p.add_argument_group("real CPU runs")
     r.add_argument("--pp", type=int, default=1, choices=(1, 2),
                    help="1: DP=2; 2: PP=2 x DP=1 (2 processes either way)")
-    r.add_argument("--steps", type=int, default=None, help="steps per run (default 10; quick 4)")
+    r.add_argument("--steps", type=int, default=None, help="steps per run (default 8; quick 4)")
     r.add_argument("--warmup", type=int, default=None,
                    help="first steps of each run left out (default 2; quick 1)")
     r.add_argument("--rounds", type=int, default=None,
@@ -88,13 +88,14 @@ def parse_args(argv=None):
                    help="more flags for every run (last on the line), e.g. --sb-straggler-rank 1")
     s = p.add_argument_group("simulator")
     s.add_argument("--sim-ranks", type=int, nargs="+", default=list(SIM_RANKS))
-    s.add_argument("--sim-steps", type=int, default=3)
+    s.add_argument("--sim-steps", type=int, default=None, help="default 3; quick 1")
     s.add_argument("--sim-seq-length", type=int, default=32768)
     s.add_argument("--sim-microbatches", type=int, default=8)
     args = p.parse_args(argv)
     q = args.quick
-    for name, full, quick in (("steps", 10, 4), ("warmup", 2, 1), ("rounds", 2, 1),
-                              ("num_layers", 2, 1), ("seq_length", 4096, 2048)):
+    for name, full, quick in (("steps", 8, 4), ("warmup", 2, 1), ("rounds", 2, 1),
+                              ("num_layers", 2, 1), ("seq_length", 4096, 2048),
+                              ("sim_steps", 3, 1)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
     if args.steps <= args.warmup:
@@ -157,7 +158,7 @@ class CpuRunConfig:
         path = out_dir / f"latency_{key}.json"
         if path.exists():
             return str(path), 0.0
-        cmd = [sys.executable, "-m", "sparsebalance_megatron.latency.profile_cli", "--quick",
+        cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
                "--no-progress", "--statistic", "min", "--out", str(path),
                "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                "--ffn-hidden-size", 2 * self.hidden_size, "--num-attention-heads", 4,
