@@ -130,6 +130,7 @@ class SparseBalanceRuntime:
         self.last_timings: dict | None = None
         self.last_report: dict | None = None
         self.overhead_s = 0.0
+        self.steps_done = 0
         if sb.dst_enabled or sb.batching_enabled:
             self.latency = load_latency_model(args, sb)
         if sb.batching_enabled:
@@ -212,6 +213,8 @@ class SparseBalanceRuntime:
         out = {}
         if plan is not None:
             out["mean_density"] = float(np.mean(plan.densities))
+            out["density_per_rank"] = [round(float(x), 4) for x in plan.densities.mean(axis=(1, 2))]
+            out["density_per_stage"] = [round(float(x), 4) for x in plan.densities.mean(axis=(0, 1))]
         stats = _doc_recalls(pop_attention_stats()) if self.tracker is not None else {}
         served = pop_served_densities()
         gathered = comm.all_gather_object(
@@ -227,8 +230,10 @@ class SparseBalanceRuntime:
             rank_busy = measured.sum(axis=1)
             out["rank_busy_s"] = [round(float(x), 5) for x in rank_busy]
             out["measured_imbalance"] = float(rank_busy.max() / max(rank_busy.mean(), 1e-12))
-        if self.latency is not None and plan is not None:
+        # The first step of a run pays for warm-up (allocations, lazy init): not a latency sample.
+        if self.latency is not None and plan is not None and self.steps_done > 0:
             out.update(self._calibrate(step_data, plan, measured))
+        self.steps_done += 1
         if self.tracker is not None:
             self._update_sensitivity(step_data, gathered)
         if self.last_report is not None:

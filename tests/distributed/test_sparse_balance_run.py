@@ -50,6 +50,9 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
         assert 0.25 - 1e-9 <= r["mean_density"] <= 1.0
         assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
         assert len(r["rank_busy_s"]) == (1 if parallel else 2)
+        assert len(r["density_per_rank"]) == (1 if parallel else 2)
+    assert "calibration" not in rows[0]  # the warm-up step is no latency sample
+    for r in rows[1:]:
         assert all(c > 0 for c in r["calibration"])
     # Calibration moved away from 1.0: measured times reached the latency model.
     assert any(abs(c - 1.0) > 1e-6 for c in rows[-1]["calibration"])
