@@ -243,3 +243,11 @@ class LatencyModel:
 
     def corrections(self) -> dict[int, float]:
         return dict(self._correction)
+
+    def load_corrections(self, corrections: dict) -> None:
+        """Restore per-rank factors saved with ``corrections()`` (a resumed run)."""
+        for rank, factor in corrections.items():
+            f = float(factor)
+            if not (math.isfinite(f) and f > 0):
+                raise ValueError(f"correction of rank {rank}: {factor!r}: expected a number > 0")
+            self._correction[int(rank)] = f

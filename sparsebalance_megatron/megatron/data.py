@@ -30,20 +30,8 @@ class StepData:
     assignment: list  # [dp][m] -> list[Segment]
 
     @property
-    def dp(self) -> int:
-        return len(self.assignment)
-
-    @property
     def num_microbatches(self) -> int:
         return len(self.assignment[0])
-
-    def segment_lengths(self, dp_rank: int, microbatch: int) -> np.ndarray:
-        return np.array([e - s for _, s, e in self.assignment[dp_rank][microbatch]], dtype=np.int64)
-
-    def all_segment_lengths(self) -> list:
-        """[dp][m] -> int64 array of the segment lengths packed in that micro-batch."""
-        return [[self.segment_lengths(r, m) for m in range(self.num_microbatches)]
-                for r in range(self.dp)]
 
     def split_documents(self, doc_lengths: np.ndarray, capacity: int) -> int:
         """Documents of this step longer than a micro-batch, hence split into segments."""

@@ -310,8 +310,7 @@ class SparseBalanceRuntime:
         with open(path) as f:
             state = json.load(f)
         if self.latency is not None:
-            for r, c in state.get("calibration", {}).items():
-                self.latency._correction[int(r)] = float(c)
+            self.latency.load_corrections(state.get("calibration", {}))
         if self.tracker is not None and state.get("sensitivity"):
             self.tracker.load_state_dict(state["sensitivity"])
 
