@@ -21,8 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-Segment = tuple[int, int, int]          # (sample_id, start, end), tokens [start, end)
-LONG_SAMPLE_POLICIES = ("split", "error")
+from ..data.packing import LONG_SAMPLE_POLICIES, Segment, padding_lengths
 
 
 class BatchingError(ValueError):
@@ -57,9 +56,15 @@ class BatchPlan:
         return [[np.asarray([e - s for _, s, e in mb], dtype=np.int64) for mb in rank]
                 for rank in self.micro_batches]
 
-    def flat_lengths(self) -> list:
-        """The [dp][m] lengths flattened rank-major, as latency-model units (dp * m arrays)."""
-        return [x for rank in self.lengths() for x in rank]
+    def flat_lengths(self, with_padding: bool = False) -> list:
+        """The [dp][m] lengths flattened rank-major, as latency-model units (dp * m arrays).
+        ``with_padding``: followed by the padding sequences that fill each micro-batch to
+        ``max_tokens``, as the packed micro-batch holds them (``data.padding_lengths``)."""
+        flat = [x for rank in self.lengths() for x in rank]
+        if with_padding:
+            flat = [np.concatenate([x, padding_lengths(self.max_tokens - int(x.sum()))])
+                    .astype(np.int64) for x in flat]
+        return flat
 
     def tokens(self) -> np.ndarray:
         """[dp, m] tokens per micro-batch."""

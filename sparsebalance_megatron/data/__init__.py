@@ -6,13 +6,14 @@ reader lives in ``sparsebalance_megatron/megatron/indexed_data.py`` and is impor
 
 from .corpus import (DataError, DataFileNotFoundError, DocumentCorpus, format_stats,
                      length_stats, load_corpus, pad_vocab_size)
-from .packing import (GlobalBatchSampler, LongDocumentError, PackedMicroBatch, Segment,
-                      materialize, sequential_pack)
+from .packing import (PAD_SEQ_TOKENS, GlobalBatchSampler, LongDocumentError, PackedMicroBatch,
+                      Segment, materialize, padding_lengths, sequential_pack)
 from .tokenizers import TOKENIZER_NAMES, TokenizerUnavailableError, get_tokenizer
 
 __all__ = [
     "DataError", "DataFileNotFoundError", "DocumentCorpus", "format_stats", "length_stats",
     "load_corpus", "pad_vocab_size", "GlobalBatchSampler", "LongDocumentError",
-    "PackedMicroBatch", "Segment", "materialize", "sequential_pack", "TOKENIZER_NAMES",
+    "PackedMicroBatch", "Segment", "materialize", "sequential_pack", "padding_lengths",
+    "PAD_SEQ_TOKENS", "TOKENIZER_NAMES",
     "TokenizerUnavailableError", "get_tokenizer",
 ]

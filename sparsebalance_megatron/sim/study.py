@@ -130,7 +130,7 @@ def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:
         if "token_balanced" in needed:
             plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
                                                           max_tokens=cap, seed=cfg.seed)
-        costs = {k: UnitCosts.from_latency(lm, p.flat_lengths(), dp, m, grid)
+        costs = {k: UnitCosts.from_latency(lm, p.flat_lengths(with_padding=True), dp, m, grid)
                  for k, p in plans.items()}
         sens = {k: unit_sensitivity(p.micro_batches, tracker) for k, p in plans.items()}
         for v in variants:

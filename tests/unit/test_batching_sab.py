@@ -10,7 +10,7 @@ from sparsebalance_megatron.batching import (BatchingError, LongSampleError, Sen
                                              check_plan_covers, latency_sample_cost_fn,
                                              sab_plan, sequential_plan, token_balanced_plan,
                                              unit_sensitivity)
-from sparsebalance_megatron.data.packing import GlobalBatchSampler
+from sparsebalance_megatron.data.packing import PAD_SEQ_TOKENS, GlobalBatchSampler
 
 
 def quad_cost(lengths):
@@ -186,3 +186,13 @@ def test_planning_4096_samples_for_64_ranks_under_50ms():
         cpu_ms.append((time.thread_time() - t) * 1e3)
     # CPU time of this thread: the 2 cores are shared with other jobs.
     assert np.median(cpu_ms) < 50.0, cpu_ms
+
+
+def test_flat_lengths_with_padding_fill_every_micro_batch_to_max_tokens():
+    segs = global_batch(2, 2, 3, 1024)
+    plan = sequential_plan(segs, dp=2, num_microbatches=3, max_tokens=1024)
+    bare, padded = plan.flat_lengths(), plan.flat_lengths(with_padding=True)
+    assert len(bare) == len(padded) == 6
+    for b, p in zip(bare, padded):
+        assert int(p.sum()) == 1024 and np.array_equal(p[:b.size], b)
+        assert np.all(p[b.size:] <= PAD_SEQ_TOKENS) and p.dtype == np.int64

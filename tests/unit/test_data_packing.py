@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.data.packing import (GlobalBatchSampler, LongDocumentError,
-                                                 materialize, sequential_pack)
+from sparsebalance_megatron.data.packing import (PAD_SEQ_TOKENS, GlobalBatchSampler,
+                                                 LongDocumentError, materialize,
+                                                 padding_lengths, sequential_pack)
 
 EOD = 999_999
 
@@ -127,7 +128,9 @@ def test_materialize_labels_and_cu_seqlens_never_cross_a_document():
             if e == lengths[d] + 1:   # last piece: ends with EOD, which predicts nothing
                 assert mb.tokens[b - 1] == EOD and mb.loss_mask[b - 1] == 0
         if mb.n_real_tokens < cap:
-            assert cu[-2] == mb.n_real_tokens, "padding is its own final sequence"
+            k = len(mb_segments)
+            assert cu[k] == mb.n_real_tokens, "padding follows the documents"
+            assert list(np.diff(cu[k:])) == padding_lengths(cap - mb.n_real_tokens)
     assert seen_eod_label
 
 
@@ -202,6 +205,24 @@ def test_bad_arguments_raise_value_errors_naming_the_value():
         materialize([(0, 0, 7)], FakeCorpus([5]), 8)
     with pytest.raises(ValueError, match="capacity 8"):
         materialize([(0, 0, 6), (1, 0, 6)], FakeCorpus([5, 5]), 8)
+
+
+def test_padding_is_cut_into_short_sequences_that_carry_no_loss():
+    assert padding_lengths(0) == []
+    assert padding_lengths(PAD_SEQ_TOKENS) == [PAD_SEQ_TOKENS]
+    assert padding_lengths(2 * PAD_SEQ_TOKENS + 5) == [PAD_SEQ_TOKENS, PAD_SEQ_TOKENS, 5]
+    with pytest.raises(ValueError, match="-1 tokens"):
+        padding_lengths(-1)
+    cap = 3 * PAD_SEQ_TOKENS + 100
+    mb = materialize([(0, 0, 51)], FakeCorpus([50]), cap)
+    cu = mb.cu_seqlens
+    assert cu[0] == 0 and cu[1] == 51 and cu[-1] == cap
+    assert list(np.diff(cu[1:])) == padding_lengths(cap - 51)
+    assert max(np.diff(cu[1:])) <= PAD_SEQ_TOKENS
+    for a, b in zip(cu[1:-1], cu[2:]):       # every padding sequence restarts its positions
+        assert np.array_equal(mb.position_ids[a:b], np.arange(b - a))
+    assert np.all(mb.tokens[51:] == EOD) and mb.loss_mask[50:].sum() == 0
+    assert mb.loss_mask[:50].sum() == 50 and mb.n_real_tokens == 51
 
 
 def test_short_global_batch_leaves_trailing_microbatches_as_padding():
