@@ -92,6 +92,11 @@ class SparseBalanceConfig:
         0.9, "DST keeps each step's mean density (weighted by attention work) at or above this "
         "fraction of --sb-density by cutting fewer units when the raises cannot pay the cuts "
         "back; 0 = the paper's rule unchanged.")
+    raise_headroom: str = _f(
+        "auto", "Bubble filling raises a unit only while its predicted time stays below "
+        "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "
+        "raised unit into the new straggler. A fraction h in [0, 0.5], or 'auto': the median "
+        "relative error of the calibrated latency model over recent steps (0.05 before any).")
 
     # --- latency model --------------------------------------------------------------------
     latency_table: Optional[str] = _f(
@@ -157,6 +162,17 @@ class SparseBalanceConfig:
             return "sab" if self.batching_enabled else "sequential"
         return self.packing
 
+    @property
+    def raise_headroom_value(self) -> Optional[float]:
+        """The fixed raise headroom, or None for 'auto' (or a value out of its domain)."""
+        if self.raise_headroom == "auto":
+            return None
+        try:
+            h = float(self.raise_headroom)
+        except (TypeError, ValueError):
+            return None
+        return h if 0.0 <= h <= 0.5 else None
+
     def validate(self) -> None:
         def bad(name, value, expected):
             raise ConfigError(f"{flag_name(name)}={value!r}: expected {expected}")
@@ -193,6 +209,8 @@ class SparseBalanceConfig:
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")
+        if self.raise_headroom_value is None and self.raise_headroom != "auto":
+            bad("raise_headroom", self.raise_headroom, "'auto' or a number in [0, 0.5]")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +49,10 @@ def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     out = np.zeros(x.shape[1])
     out[active] = c
     return out
+
+
+ERROR_HISTORY = 4096
+"""Calibration errors (one per rank and step) kept for ``recent_error``."""
 
 
 @dataclass
@@ -104,6 +109,7 @@ class LatencyModel:
             raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
         self.calibration_ema = float(calibration_ema)
         self._correction: dict[int, float] = {}
+        self._errors: deque = deque(maxlen=ERROR_HISTORY)
         self._warned_bad_measurement = False
 
     # --- construction ---------------------------------------------------------------------
@@ -239,7 +245,16 @@ class LatencyModel:
             return
         w = self.calibration_ema
         old = self.correction(rank)
+        self._errors.append(abs(old * ps - ms) / ms)
         self._correction[int(rank)] = (1.0 - w) * old + w * (ms / ps)
+
+    def recent_error(self, last: int = 16) -> Optional[float]:
+        """Median relative error |corrected prediction - measured| / measured over the ``last``
+        calibrations (each taken before its own update: the error a plan made with the model
+        would have had; one per rank and step); None before any."""
+        if not self._errors:
+            return None
+        return float(np.median(list(self._errors)[-max(int(last), 1):]))
 
     def corrections(self) -> dict[int, float]:
         return dict(self._correction)

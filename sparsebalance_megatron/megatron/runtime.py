@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from ..config import SparseBalanceConfig
+from ..data import padding_lengths
 from ..plan import BudgetPlan, pop_attention_stats, pop_served_densities
 from . import comm
 
@@ -108,8 +109,8 @@ def unit_lengths(step_data, capacity: int) -> list:
     for rank in step_data.assignment:
         for mb in rank:
             lengths = [e - s for _, s, e in mb]
-            pad = capacity - sum(lengths)
-            out.append(np.asarray(lengths + ([pad] if pad > 0 else []), dtype=np.int64))
+            out.append(np.asarray(lengths + padding_lengths(capacity - sum(lengths)),
+                                  dtype=np.int64))
     return out
 
 
@@ -195,8 +196,22 @@ class SparseBalanceRuntime:
         costs = UnitCosts.from_latency(self.latency, unit_lengths(step_data, self.capacity),
                                        self.dp, step_data.num_microbatches, grid)
         sens = unit_sensitivity(step_data.assignment, self.tracker) if self.tracker else None
-        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s)
-        return plan.densities.tolist(), plan.report.as_dict()
+        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s,
+                                    raise_headroom=self.raise_headroom())
+        report = plan.report.as_dict()
+        report["raise_headroom"] = self.raise_headroom()
+        return plan.densities.tolist(), report
+
+    def raise_headroom(self) -> float:
+        """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
+        8 steps (``DEFAULT_RAISE_HEADROOM`` before any), capped at ``MAX_RAISE_HEADROOM``."""
+        from ..policy.dst import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM
+
+        fixed = self.sb.raise_headroom_value
+        if fixed is not None:
+            return fixed
+        err = self.latency.recent_error(last=8 * self.dp)
+        return DEFAULT_RAISE_HEADROOM if err is None else min(err, MAX_RAISE_HEADROOM)
 
     # --- inside the step ------------------------------------------------------------------
     def wrap_finalize(self, finalize):
@@ -242,7 +257,7 @@ class SparseBalanceRuntime:
                        predicted_static_s=r["step_time_static_s"],
                        imbalance_before=r["imbalance_before"], imbalance_after=r["imbalance_after"],
                        mean_density=r["mean_density"], units_cut=r["units_cut"],
-                       units_raised=r["units_raised"])
+                       units_raised=r["units_raised"], raise_headroom=r.get("raise_headroom"))
             out["plan"] = (f"pred {r['step_time_planned_s']:.3f}s (static {r['step_time_static_s']:.3f}s)"
                            f" | imb {r['imbalance_before']:.2f}->{r['imbalance_after']:.2f}"
                            f" | cut {r['units_cut']} raised {r['units_raised']}")
@@ -333,7 +348,7 @@ def _doc_recalls(stats: list) -> dict:
     for _, doc_ids, _, _, recall in stats:
         if not doc_ids:
             continue
-        for doc_id, r in zip(doc_ids, recall):  # the trailing padding sequence has no doc id
+        for doc_id, r in zip(doc_ids, recall):  # the trailing padding sequences have no doc id
             if np.isfinite(r):
                 out.setdefault(int(doc_id), []).append(float(r))
     return out

@@ -16,13 +16,16 @@ The rule (DESIGN.md section 5, issue 4):
    lowered, least sensitive micro-batch first, each down to d_min at most, until the stage's busy
    time is inside the band (or everything is at d_min). Cutting only lowers unit times, and a
    1F1B makespan is a longest path with fixed event order, so the step time can only shrink.
-4. Raise (bubble filling): simulate again -> the new bottleneck T1. On every rank, every stage's
-   busy time may grow up to T1 - (that rank's fill/drain overhead); densities rise most sensitive
-   micro-batch first, each up to d_max. The proxy is checked with the simulator: a rank whose
-   makespan would exceed T1 gets half of its slack and is re-planned (a few rounds), and falls
-   back to its cut-only densities if it still exceeds. So the planned step time never exceeds T1,
-   which never exceeds T0. This is where cheap stages (first stage, light ranks) turn bubbles into
-   density.
+4. Raise (bubble filling): simulate again -> the new bottleneck T1, and the raise target
+   T1' = (1 - h) x T1, where the headroom h (``--sb-raise-headroom``) is about the latency
+   model's relative error: a rank raised exactly to T1 becomes the straggler whenever it is
+   under-predicted, so on a noisy device filling every bubble to the brim costs step time. On
+   every rank, every stage's busy time may grow up to T1' - (that rank's fill/drain overhead);
+   densities rise most sensitive micro-batch first, each up to d_max. The proxy is checked with
+   the simulator: a rank whose makespan would exceed T1' gets half of its slack and is re-planned
+   (a few rounds), and falls back to its cut-only densities if it still exceeds. So the planned
+   step time never exceeds T1, which never exceeds T0. This is where cheap stages (first stage,
+   light ranks) turn bubbles into density.
 
 Costs come as ``UnitCosts`` (a density grid), so every step of the rule is a vectorised table
 look-up; a 64 x 16 x 4 plan takes a few milliseconds.
@@ -44,6 +47,8 @@ from .slack import event_float_s
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 _REL_EPS = 1e-9           # float slack when comparing makespans
+DEFAULT_RAISE_HEADROOM = 0.05  # 'auto' before any step has measured the latency model's error
+MAX_RAISE_HEADROOM = 0.5
 
 
 @dataclass
@@ -73,6 +78,13 @@ class DSTReport:
 class DSTPlan:
     densities: np.ndarray   # [dp, m, pp] planned density of every unit
     report: DSTReport
+
+
+def check_raise_headroom(h: float) -> None:
+    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
+    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
+        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
+                          f"[0, {MAX_RAISE_HEADROOM}]")
 
 
 def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
@@ -186,14 +198,16 @@ def _broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
 
 def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_min: float,
              d_max: float, anchor: str = "mean", tolerance: float = 0.1,
-             p2p_s: float = 0.0) -> DSTPlan:
+             p2p_s: float = 0.0, raise_headroom: float = 0.0) -> DSTPlan:
     """Plan densities [dp, m, pp] for one step.
 
     costs: predicted fwd/bwd seconds of every unit over a density grid that contains d0, d_min
     and d_max (``density_grid``); sensitivity: [dp, m] or [dp, m, pp], higher = loses more
-    accuracy when sparsified (mean over a micro-batch's samples), None = all equal.
+    accuracy when sparsified (mean over a micro-batch's samples), None = all equal;
+    raise_headroom: h in [0, 0.5], raises stop at (1 - h) x the cut plan's step time.
     """
     check_anchor_tolerance(anchor, tolerance)
+    check_raise_headroom(raise_headroom)
     check_density_bounds(d0, d_min, d_max)
     dp, m, pp = costs.shape
     sens = _broadcast_sensitivity(sensitivity, (dp, m, pp))
@@ -227,15 +241,16 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
 
     # 3. raise below the new bottleneck, most sensitive first; verify with the simulator.
     #    Ranks are independent pipelines, so a rank that overshoots is re-planned alone.
+    target = step1 * (1.0 - raise_headroom)                        # T1'
     busy1 = t1.sum(axis=1)                                          # [dp, pp]
     overhead = mk1 - busy1.max(axis=1)                              # [dp] fill/drain
-    slack_full = np.maximum(step1 - overhead[:, None] - busy1, 0.0)  # [dp, pp]
+    slack_full = np.maximum(target - overhead[:, None] - busy1, 0.0)  # [dp, pp]
     f1, b1 = _lookup(costs.fwd_s, all_units, idx_cut), _lookup(costs.bwd_s, all_units, idx_cut)
-    float_f, float_b = event_float_s(f1, b1, np.full(dp, step1), p2p_s)
+    float_f, float_b = event_float_s(f1, b1, np.full(dp, target), p2p_s)
     cap_full = np.maximum(np.minimum(float_f, float_b), 0.0)       # [dp, m, pp]
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = 0
-    limit = step1 * (1.0 + _REL_EPS) + 1e-15
+    limit = target * (1.0 + _REL_EPS) + 1e-15
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
     if i_max > i_min and ranks.size:
         order = np.argsort(-sens, axis=1, kind="stable")
@@ -284,7 +299,8 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
 def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
                         d_min: float, d_max: float, anchor: str = "mean",
                         tolerance: float = 0.1, p2p_s: float = 0.0,
-                        density_floor: float = 0.0, search_steps: int = 6) -> DSTPlan:
+                        density_floor: float = 0.0, search_steps: int = 6,
+                        raise_headroom: float = 0.0) -> DSTPlan:
     """``plan_dst``, but the plan's work-weighted mean density stays >= density_floor x d0.
 
     When the cuts of the tolerance band would take more attention budget than the raises give
@@ -294,18 +310,21 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     plan, so the predicted step time never exceeds the static plan's. Among the candidates that
     meet the floor the fastest is kept (bisection over the tolerance, ``search_steps`` plans).
     """
-    best = plan_dst(costs, sensitivity, d0, d_min, d_max, anchor, tolerance, p2p_s)
+    def plan(anchor_: str, tol: float) -> DSTPlan:
+        return plan_dst(costs, sensitivity, d0, d_min, d_max, anchor_, tol, p2p_s, raise_headroom)
+
+    best = plan(anchor, tolerance)
     floor = density_floor * d0 - 1e-12
     if density_floor <= 0 or anchor == "max" or best.report.mean_density >= floor:
         return best
-    ok = plan_dst(costs, sensitivity, d0, d_min, d_max, "max", tolerance, p2p_s)  # no cuts
+    ok = plan("max", tolerance)                                     # no cuts
     lo, hi = tolerance, 10.0
-    hi_plan = plan_dst(costs, sensitivity, d0, d_min, d_max, anchor, hi, p2p_s)
+    hi_plan = plan(anchor, hi)
     if hi_plan.report.mean_density >= floor:
         ok = min((ok, hi_plan), key=lambda p: p.report.step_time_planned_s)
         for _ in range(search_steps):
             mid = 0.5 * (lo + hi)
-            trial = plan_dst(costs, sensitivity, d0, d_min, d_max, anchor, mid, p2p_s)
+            trial = plan(anchor, mid)
             if trial.report.mean_density >= floor:
                 hi = mid
                 if trial.report.step_time_planned_s < ok.report.step_time_planned_s:
@@ -321,12 +340,18 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 
 
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
-                         p2p_s: float = 0.0) -> DSTPlan:
-    """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance and the mean-density floor
-    (``--sb-density-floor``) from a ``SparseBalanceConfig``; the
+                         p2p_s: float = 0.0, raise_headroom: Optional[float] = None) -> DSTPlan:
+    """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance, the mean-density floor
+    (``--sb-density-floor``) and the raise headroom from a ``SparseBalanceConfig``; the
     costs must be tabulated on ``density_grid(config.density, config.min_density,
-    config.max_density)``."""
+    config.max_density)``. ``raise_headroom`` overrides the config's (the runtime passes the
+    measured error when the config says 'auto'; 'auto' without one is
+    ``DEFAULT_RAISE_HEADROOM``)."""
+    if raise_headroom is None:
+        raise_headroom = config.raise_headroom_value
+    if raise_headroom is None:
+        raise_headroom = DEFAULT_RAISE_HEADROOM
     return plan_dst_with_floor(
         costs, sensitivity, config.density, config.min_density, config.max_density,
         anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
-        density_floor=getattr(config, "density_floor", 0.0))
+        density_floor=config.density_floor, raise_headroom=raise_headroom)

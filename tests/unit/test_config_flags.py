@@ -34,6 +34,8 @@ def _candidates(f: dataclasses.Field) -> list:
         return [f.default / 2, f.default * 2, 0.5, 2.0, f.default + 1]
     if isinstance(f.default, int):
         return [f.default + 2, f.default + 1, f.default * 2, 0, 1]
+    if f.default == "auto":                 # 'auto' or a number (--sb-raise-headroom)
+        return ["0.1", "0"]
     raise AssertionError(f"no non-default value rule for {f.name}={f.default!r}")
 
 
@@ -102,6 +104,8 @@ def test_non_default_values_round_trip():
     (["--sb-block-size", "48"], "--sb-block-size", "48"),
     (["--sb-block-size", "0"], "--sb-block-size", "0"),
     (["--sb-tolerance", "-1"], "--sb-tolerance", "-1"),
+    (["--sb-raise-headroom", "0.6"], "--sb-raise-headroom", "0.6"),
+    (["--sb-raise-headroom", "fast"], "--sb-raise-headroom", "fast"),
 ])
 def test_bad_values_name_the_flag_and_the_value(argv, flag, value):
     with pytest.raises(ConfigError) as e:

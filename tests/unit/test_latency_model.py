@@ -108,6 +108,19 @@ def test_calibration_ema_and_bad_measurements():
     assert m.correction(3) == pytest.approx(1.75)
 
 
+def test_recent_error_is_the_error_before_each_update():
+    m = LatencyModel.analytic(ModelShape(num_layers=2, seq_length=4096), calibration_ema=0.5)
+    assert m.recent_error() is None
+    m.calibrate(0, 1.0, 2.0)     # corrected prediction 1.0 vs 2.0: error 0.5; factor -> 1.5
+    m.calibrate(0, 1.0, 1.5)     # 1.5 vs 1.5: error 0
+    m.calibrate(1, 2.0, 2.2)     # rank 1 factor 1.0: 2.0 vs 2.2: error 1/11
+    assert m.recent_error() == pytest.approx(1 / 11)          # median of 0.5, 0, 1/11
+    assert m.recent_error(last=2) == pytest.approx(0.5 / 11)  # median of 0, 1/11
+    with pytest.warns(UserWarning):
+        m.calibrate(2, 1.0, float("nan"))                      # unusable: no error sample
+    assert m.recent_error(last=1) == pytest.approx(1 / 11)
+
+
 def test_predict_many_global_batch_is_milliseconds():
     m = LatencyModel.analytic(pp=4)
     rng = np.random.default_rng(0)

@@ -30,12 +30,14 @@ def synthetic_costs(dp, m, pp, seed, grid=None, lm_head=0.3, attn_scale=1.6):
     return UnitCosts.affine(g, fixed, attn_s)
 
 
-def step_time_of(costs, densities):
+def step_time_of(costs, densities, rank=None):
+    """Simulated step time of a plan, or the makespan of one DP rank."""
     idx = np.searchsorted(costs.densities, densities - 1e-12)
     assert np.allclose(costs.densities[idx], densities), "density off the grid"
     f = np.take_along_axis(costs.fwd_s, idx[..., None], axis=-1)[..., 0]
     b = np.take_along_axis(costs.bwd_s, idx[..., None], axis=-1)[..., 0]
-    return simulate_1f1b(f, b).step_time_s
+    sim = simulate_1f1b(f, b)
+    return sim.step_time_s if rank is None else float(sim.rank_time_s[rank])
 
 
 def test_properties_over_random_cases():
@@ -186,12 +188,49 @@ def test_unit_costs_from_latency_model_match_its_predictions():
 def test_plan_from_config_uses_its_knobs():
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.policy import plan_dst_from_config
+    from sparsebalance_megatron.policy.dst import DEFAULT_RAISE_HEADROOM
     cfg = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max")
     costs = synthetic_costs(3, 4, 2, seed=2, grid=density_grid(0.25, 0.125, 0.5))
     plan = plan_dst_from_config(cfg, costs, None)
     assert plan.report.units_cut == 0 and plan.densities.max() <= 0.5
-    assert np.array_equal(plan.densities,
+    # 'auto' headroom without a measured error: the default
+    assert np.array_equal(plan.densities, plan_dst(
+        costs, None, 0.25, 0.125, 0.5, anchor="max",
+        raise_headroom=DEFAULT_RAISE_HEADROOM).densities)
+    fixed = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max",
+                                raise_headroom="0")
+    assert np.array_equal(plan_dst_from_config(fixed, costs, None).densities,
                           plan_dst(costs, None, 0.25, 0.125, 0.5, anchor="max").densities)
+    assert np.array_equal(plan_dst_from_config(fixed, costs, None, raise_headroom=0.2).densities,
+                          plan_dst(costs, None, 0.25, 0.125, 0.5, anchor="max",
+                                   raise_headroom=0.2).densities)
+
+
+def test_raise_headroom_keeps_raised_ranks_below_the_lowered_target():
+    rng = np.random.default_rng(5)
+    for case in range(20):
+        dp, m, pp = int(rng.integers(2, 7)), int(rng.integers(1, 5)), int(rng.integers(1, 4))
+        costs = synthetic_costs(dp, m, pp, seed=300 + case)
+        sens = rng.random((dp, m))
+        prev_density = None
+        for h in (0.0, 0.05, 0.2):
+            plan = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
+                            raise_headroom=h)
+            cut_only = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
+                                raise_headroom=0.5)
+            t1 = plan.report.step_time_cut_s
+            assert plan.report.step_time_planned_s <= t1 * (1 + 1e-9)
+            for r in range(dp):
+                raised = plan.densities[r] > cut_only.densities[r] + 1e-12
+                if raised.any():   # a rank that got raised stays within (1 - h) x T1
+                    mk = step_time_of(costs, plan.densities, rank=r)
+                    assert mk <= (1 - h) * t1 * (1 + 1e-9), (case, h, r)
+            mean = plan.report.mean_density
+            if prev_density is not None:   # more headroom never raises more on average
+                assert mean <= prev_density + 1e-9, (case, h)
+            prev_density = mean
+    with pytest.raises(ValueError, match="--sb-raise-headroom=0.7"):
+        plan_dst(costs, None, D0, DMIN, DMAX, raise_headroom=0.7)
 
 
 def test_density_floor_keeps_the_mean_budget_and_the_step_time():
