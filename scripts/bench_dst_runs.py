@@ -220,7 +220,7 @@ def main(argv=None):
                        "config": {k: v for k, v in vars(args).items() if k != "json"}}}
     if "straggler" in args.parts:
         cfg = CpuRunConfig(seq_length=args.straggler_seq_length, density=args.density,
-                           num_layers=1 if args.quick else 2)
+                           num_layers=1 if args.quick else 2, global_batch_size=8)
         extra = ["--sb-straggler-rank", 1, "--sb-straggler-slowdown", args.slowdown]
         print("(a) straggler run", flush=True)
         result["straggler"] = run_pair(

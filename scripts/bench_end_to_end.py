@@ -11,8 +11,9 @@ Same data (the built-in real corpus: its heavy-tailed length mix), same d0, five
 **real**: CPU torchrun runs of the training entry (gloo; DP=2, or PP=2 x DP=1 with ``--pp 2``),
 all in this one invocation, back to back in rounds whose variant order rotates, so that every
 variant sees the same background load as far as a shared machine allows. The model is chosen so
-that attention is a large share of the step (byte tokenizer: tiny LM head; 4K-token micro-batches;
-hidden 64), as in long-context training; otherwise there is nothing to balance. Per variant:
+that attention is a large share of the step (byte tokenizer: tiny LM head; 8K-token micro-batches;
+hidden 64), as in long-context training; otherwise there is nothing to balance. Global batch 4
+(2 micro-batches per rank) by default: fewer, longer micro-batches per rank, as at 32K+ contexts. Per variant:
 step time (median over the steady steps of all rounds: the first ``--warmup`` steps of each run
 are dropped), speedup over static, imbalance (max / mean of the measured per-rank fwd+bwd busy
 seconds, median over steps), bubble fraction (derived: 1 - measured busy / (ranks x step time), so
@@ -66,15 +67,15 @@ def parse_args(argv=None):
     r = p.add_argument_group("real CPU runs")
     r.add_argument("--pp", type=int, default=1, choices=(1, 2),
                    help="1: DP=2; 2: PP=2 x DP=1 (2 processes either way)")
-    r.add_argument("--steps", type=int, default=None, help="steps per run (default 8; quick 4)")
+    r.add_argument("--steps", type=int, default=None, help="steps per run (default 10; quick 5)")
     r.add_argument("--warmup", type=int, default=None,
                    help="first steps of each run left out (default 2; quick 1)")
     r.add_argument("--rounds", type=int, default=None,
-                   help="runs per variant, order rotated each round (default 2; quick 1)")
+                   help="runs per variant, order rotated each round (default 3; quick 1)")
     r.add_argument("--num-layers", type=int, default=None, help="default 2")
     r.add_argument("--hidden-size", type=int, default=64)
-    r.add_argument("--seq-length", type=int, default=None, help="default 4096; quick 2048")
-    r.add_argument("--global-batch-size", type=int, default=8)
+    r.add_argument("--seq-length", type=int, default=None, help="default 8192; quick 4096")
+    r.add_argument("--global-batch-size", type=int, default=4)
     r.add_argument("--doc-unit", default="section", choices=("file", "section"))
     r.add_argument("--tokenizer", default="byte")
     r.add_argument("--density", type=float, default=0.5, help="d0 of every sparse variant")
@@ -93,8 +94,8 @@ def parse_args(argv=None):
     s.add_argument("--sim-microbatches", type=int, default=8)
     args = p.parse_args(argv)
     q = args.quick
-    for name, full, quick in (("steps", 8, 4), ("warmup", 2, 1), ("rounds", 2, 1),
-                              ("num_layers", 2, 1), ("seq_length", 4096, 2048),
+    for name, full, quick in (("steps", 10, 5), ("warmup", 2, 1), ("rounds", 3, 1),
+                              ("num_layers", 2, 1), ("seq_length", 8192, 4096),
                               ("sim_steps", 3, 1)):
         if getattr(args, name) is None:
             setattr(args, name, quick if q else full)
@@ -111,8 +112,8 @@ class CpuRunConfig:
 
     num_layers: int = 2
     hidden_size: int = 64
-    seq_length: int = 4096
-    global_batch_size: int = 8
+    seq_length: int = 8192
+    global_batch_size: int = 4
     pp: int = 1
     tokenizer: str = "byte"
     doc_unit: str = "section"
