@@ -20,12 +20,14 @@ The rule (DESIGN.md section 5, issue 4):
    T1' = (1 - h) x T1, where the headroom h (``--sb-raise-headroom``) is about the latency
    model's relative error: a rank raised exactly to T1 becomes the straggler whenever it is
    under-predicted, so on a noisy device filling every bubble to the brim costs step time. On
-   every rank, every stage's busy time may grow up to T1' - (that rank's fill/drain overhead);
-   densities rise most sensitive micro-batch first, each up to d_max. The proxy is checked with
-   the simulator: a rank whose makespan would exceed T1' gets half of its slack and is re-planned
-   (a few rounds), and falls back to its cut-only densities if it still exceeds. So the planned
-   step time never exceeds T1, which never exceeds T0. This is where cheap stages (first stage,
-   light ranks) turn bubbles into density.
+   every rank, every stage's busy time may grow up to T1' - (that rank's fill/drain overhead)
+   (each unit within its 1F1B float before T1'); densities rise most sensitive micro-batch
+   first, each up to d_max. The proxy is checked with the simulator: a rank whose makespan would
+   exceed T1' (or, for a rank already above T1' such as the bottleneck rank of a pipeline, would
+   grow at all) gets half of its slack and is re-planned (a few rounds), and falls back to its
+   cut-only densities if it still exceeds. So the planned step time never exceeds T1, which
+   never exceeds T0. This is where cheap stages (first stage, light ranks) turn bubbles into
+   density.
 
 Costs come as ``UnitCosts`` (a density grid), so every step of the rule is a vectorised table
 look-up; a 64 x 16 x 4 plan takes a few milliseconds.
@@ -250,7 +252,9 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
     cap_full = np.maximum(np.minimum(float_f, float_b), 0.0)       # [dp, m, pp]
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = 0
-    limit = target * (1.0 + _REL_EPS) + 1e-15
+    # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
+    # may only fill stages off its critical path, whose slack above is already short by h x T1.
+    limit = np.maximum(target, mk1) * (1.0 + _REL_EPS) + 1e-15      # [dp]
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
     if i_max > i_min and ranks.size:
         order = np.argsort(-sens, axis=1, kind="stable")
@@ -261,7 +265,7 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
             trial = _raise(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
                            alpha[:, None, None] * cap_full[rows], order[rows], i_max)
             mk, _ = simulate(units, trial)
-            return trial, mk, mk <= limit
+            return trial, mk, mk <= limit[rows]
 
         trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
         idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
