@@ -3,7 +3,7 @@
 
 The held-out micro-batches are packed from the real document lengths of the built-in corpus
 (CPython stdlib + Shakespeare, Qwen2 BPE; ``sparsebalance_megatron.data``) the way training packs
-them (documents in shuffled order, long ones split, the remainder padded as its own sequence),
+them (documents in shuffled order, long ones split, the remainder padded in 256-token pieces),
 at densities drawn off the grid. Each is timed on the table's stage kinds with the table's repeats
 and statistic, then compared with the prediction.
 
@@ -23,7 +23,7 @@ import numpy as np
 
 
 def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") -> list[list[int]]:
-    from sparsebalance_megatron.data import load_corpus
+    from sparsebalance_megatron.data import load_corpus, padding_lengths
 
     lengths = np.asarray(load_corpus(tokenizer="qwen", compact_vocab=True,
                                      doc_unit=doc_unit).lengths, dtype=np.int64)
@@ -42,8 +42,8 @@ def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") ->
                 cur = []
                 if len(mixes) == n:
                     return mixes
-            if rng.random() < 0.3 and cur:   # some micro-batches end early: padding document
-                cur.append(seq_length - sum(cur))
+            if rng.random() < 0.3 and cur:   # some micro-batches end early: padding pieces
+                cur.extend(padding_lengths(seq_length - sum(cur)))
                 mixes.append(cur)
                 cur = []
                 if len(mixes) == n:
