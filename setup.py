@@ -1,13 +1,19 @@
 """Install sparsebalance_megatron next to megatron-core: ``pip install -e .[dev]``."""
 
+import re
+
 from setuptools import find_packages, setup
+
+# One version, in the package (latency tables record it: sparsebalance_megatron/__init__.py).
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("sparsebalance_megatron/__init__.py",
+                    encoding="utf-8").read(), re.M).group(1)
 
 # transformers loads the GGUF offline (gguf_file=, needs gguf + accelerate); CPU torch is reused.
 EVAL_EXTRA = ["transformers>=4.56", "gguf>=0.10", "accelerate>=1.0"]
 
 setup(
     name="sparsebalance_megatron",
-    version="0.1.0",
+    version=VERSION,
     description="SparseBalance (arXiv 2604.13847) for Megatron-LM: budgeted block-sparse "
                 "attention with dynamic sparsity tuning and sparsity-aware batching",
     long_description=open("README.md", encoding="utf-8").read(),

@@ -154,8 +154,10 @@ class CpuRunConfig:
     def ensure_latency_table(self, out_dir: Path) -> tuple[str, float]:
         """(path, seconds spent profiling) of this model's CPU latency table: profiled once
         (quick grid, min over repeats: it resists contention) and reused from ``out_dir``."""
+        from sparsebalance_megatron import __version__
+
         key = (f"l{self.num_layers}h{self.hidden_size}s{self.seq_length}pp{self.pp}"
-               f"b{self.block_size}_{self.tokenizer}")
+               f"b{self.block_size}_{self.tokenizer}_v{__version__}")  # runs refuse other versions
         path = out_dir / f"latency_{key}.json"
         if path.exists():
             return str(path), 0.0

@@ -32,12 +32,14 @@ def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     import megatron.core
     import torch
 
+    from .. import __version__
     from .profile import device_name
 
     return {
         "device": device_name(),
         "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
+        "sparsebalance_megatron": __version__,
         "model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                   "ffn_hidden_size": args.ffn_hidden_size,
                   "num_attention_heads": args.num_attention_heads,
@@ -79,7 +81,8 @@ def load_latency_model(args, sb: SparseBalanceConfig):
         from ..data.sources import default_cache_dir
 
         key = "_".join(f"{k}{v}" for k, v in sorted(expect["model"].items()))
-        key += f"_pp{args.pipeline_model_parallel_size}_b{sb.block_size}s{sb.sink_blocks}l{sb.local_blocks}"
+        key += (f"_pp{args.pipeline_model_parallel_size}_b{sb.block_size}s{sb.sink_blocks}"
+                f"l{sb.local_blocks}_v{expect['sparsebalance_megatron']}")  # upgrade: re-profile
         path = os.path.join(sb.data_cache_dir or default_cache_dir(), "latency", key + ".json")
         if comm.rank() == 0 and not os.path.exists(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
