@@ -101,6 +101,7 @@ def worker(plan_path: str, argv: list) -> None:
         trainer.train(state)
     finally:
         comm.barrier()
+    trainer.shutdown()
 
 
 # --- driver -----------------------------------------------------------------------------------

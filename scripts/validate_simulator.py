@@ -40,7 +40,7 @@ def main() -> int:
 
     from sparsebalance_megatron.megatron import comm
     from sparsebalance_megatron.megatron.profile import device_name
-    from sparsebalance_megatron.megatron.trainer import build, train
+    from sparsebalance_megatron.megatron.trainer import build, shutdown, train
     from sparsebalance_megatron.sim import simulate_1f1b
 
     state = build(rest)
@@ -90,6 +90,7 @@ def main() -> int:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
     comm.barrier()
+    shutdown()
     return 0
 
 

@@ -232,6 +232,19 @@ def _summary(history: list) -> dict:
 def main(argv=None) -> dict:
     state = build(argv)
     try:
-        return train(state)
+        out = train(state)
     finally:
         comm.barrier()
+    shutdown()
+    return out
+
+
+def shutdown() -> None:
+    """Tear the process groups down (after a barrier) while the interpreter is whole. Left to
+    exit, a gloo group's worker thread was sometimes destroyed still joinable ("terminate called
+    without an active exception", SIGABRT) after a run that had finished and saved, failing the
+    launcher."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    comm.destroy()
