@@ -199,11 +199,9 @@ class SparseBalanceRuntime:
         costs = UnitCosts.from_latency(self.latency, unit_lengths(step_data, self.capacity),
                                        self.dp, step_data.num_microbatches, grid)
         sens = unit_sensitivity(step_data.assignment, self.tracker) if self.tracker else None
-        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s,
-                                    raise_headroom=self.raise_headroom())
-        report = plan.report.as_dict()
-        report["raise_headroom"] = self.raise_headroom()
-        return plan.densities.tolist(), report
+        headroom = self.raise_headroom()
+        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom)
+        return plan.densities.tolist(), dict(plan.report.as_dict(), raise_headroom=headroom)
 
     def raise_headroom(self) -> float:
         """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
