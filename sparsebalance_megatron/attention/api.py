@@ -20,12 +20,12 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..config import BACKENDS
 from .blocks import build_layout, check_density, check_qkv
 from .kernels import (blockwise_attention, from_blocks_q, reference_attention, to_blocks_kv,
                       to_blocks_q)
 from .selection import ESTIMATORS, BlockSelection, select_blocks
 
-BACKENDS = ("auto", "flex", "torch", "reference")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

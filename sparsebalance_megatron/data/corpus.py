@@ -24,13 +24,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..config import DOC_UNITS
 from . import sources as _sources
 from .tokenizers import TOKENIZER_NAMES, get_tokenizer
 
 CACHE_VERSION = 1
 VOCAB_PAD_MULTIPLE = 128
 DEFAULT_SOURCES = ("stdlib", "shakespeare")
-DOC_UNITS = ("file", "section")
 
 
 class DataError(ValueError):

@@ -28,8 +28,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..config import LONG_SAMPLE_POLICIES
+
 Segment = tuple[int, int, int]   # (doc_id, start, end): positions [start, end) of doc + EOD
-LONG_SAMPLE_POLICIES = ("split", "error")
 PAD_SEQ_TOKENS = 256
 """Longest padding sequence of a packed micro-batch. Shorter pieces make attention over padding
 cheaper but add per-sequence overheads (Megatron's THD rotary loops over sequences): on CPU,

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-TOKENIZER_NAMES = ("qwen", "gpt2", "byte")
+from ..config import TOKENIZERS as TOKENIZER_NAMES
 
 # Pre-tokenization patterns and special ids are facts of the published vocabularies.
 _QWEN2_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
