@@ -19,6 +19,8 @@ LONG_SAMPLE_POLICIES = ("split", "error")
 TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
+DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
+MAX_RAISE_HEADROOM = 0.5
 
 
 def _f(default, help: str, choices=None, **kw):
@@ -95,8 +97,9 @@ class SparseBalanceConfig:
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "
-        "raised unit into the new straggler. A fraction h in [0, 0.5], or 'auto': the median "
-        "relative error of the calibrated latency model over recent steps (0.05 before any).")
+        f"raised unit into the new straggler. A fraction h in [0, {MAX_RAISE_HEADROOM}], or "
+        "'auto': the median relative error of the calibrated latency model over recent steps "
+        f"({DEFAULT_RAISE_HEADROOM} before any).")
 
     # --- latency model --------------------------------------------------------------------
     latency_table: Optional[str] = _f(
@@ -171,7 +174,7 @@ class SparseBalanceConfig:
             h = float(self.raise_headroom)
         except (TypeError, ValueError):
             return None
-        return h if 0.0 <= h <= 0.5 else None
+        return h if 0.0 <= h <= MAX_RAISE_HEADROOM else None
 
     def validate(self) -> None:
         def bad(name, value, expected):
@@ -210,7 +213,8 @@ class SparseBalanceConfig:
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")
         if self.raise_headroom_value is None and self.raise_headroom != "auto":
-            bad("raise_headroom", self.raise_headroom, "'auto' or a number in [0, 0.5]")
+            bad("raise_headroom", self.raise_headroom,
+                f"'auto' or a number in [0, {MAX_RAISE_HEADROOM}]")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

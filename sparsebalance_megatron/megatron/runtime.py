@@ -206,7 +206,7 @@ class SparseBalanceRuntime:
     def raise_headroom(self) -> float:
         """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
         8 steps (``DEFAULT_RAISE_HEADROOM`` before any), capped at ``MAX_RAISE_HEADROOM``."""
-        from ..policy.dst import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM
+        from ..config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM
 
         fixed = self.sb.raise_headroom_value
         if fixed is not None:

@@ -42,15 +42,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import ANCHORS, ConfigError
+from ..config import ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, ConfigError
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts, check_density_bounds, weighted_mean_density
 from .slack import event_float_s
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 _REL_EPS = 1e-9           # float slack when comparing makespans
-DEFAULT_RAISE_HEADROOM = 0.05  # 'auto' before any step has measured the latency model's error
-MAX_RAISE_HEADROOM = 0.5
 
 
 @dataclass
