@@ -124,21 +124,30 @@ class CpuRunConfig:
     def from_args(cls, args) -> "CpuRunConfig":
         return cls(**{f: getattr(args, f) for f in cls.__dataclass_fields__})
 
+    def shape(self):
+        """The model as a profiler ``StageShape`` (the one list of its dimensions)."""
+        from sparsebalance_megatron.megatron.profile import StageShape
+
+        return StageShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                          ffn_hidden_size=2 * self.hidden_size, num_attention_heads=4,
+                          num_query_groups=2, vocab_size=self.padded_vocab_size(),
+                          seq_length=self.seq_length, pp=self.pp, swiglu=True)
+
     def flags(self) -> list:
         """Megatron + SparseBalance flags of the run (no variant flags)."""
-        s = self.seq_length
+        m = self.shape()
         return [
-            "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
-            "--ffn-hidden-size", 2 * self.hidden_size, "--num-attention-heads", 4,
-            "--group-query-attention", "--num-query-groups", 2,
-            "--seq-length", s, "--max-position-embeddings", s,
+            "--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
+            "--ffn-hidden-size", m.ffn_hidden_size, "--num-attention-heads", m.num_attention_heads,
+            "--group-query-attention", "--num-query-groups", m.num_query_groups,
+            "--seq-length", m.seq_length, "--max-position-embeddings", m.seq_length,
             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
             "--disable-bias-linear", "--untie-embeddings-and-output-weights",
             "--attention-dropout", 0, "--hidden-dropout", 0,
             "--micro-batch-size", 1, "--global-batch-size", self.global_batch_size,
             "--lr", 1e-3, "--lr-decay-style", "constant", "--clip-grad", 1.0,
             "--log-interval", 1, "--seed", 7,
-            "--pipeline-model-parallel-size", self.pp,
+            "--pipeline-model-parallel-size", m.pp,
             "--sb-tokenizer", self.tokenizer, "--sb-doc-unit", self.doc_unit,
             "--sb-density", self.density, "--sb-block-size", self.block_size,
         ]
@@ -163,11 +172,7 @@ class CpuRunConfig:
             return str(path), 0.0
         cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
                "--no-progress", "--statistic", "min", "--out", str(path),
-               "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
-               "--ffn-hidden-size", 2 * self.hidden_size, "--num-attention-heads", 4,
-               "--num-query-groups", 2, "--vocab-size", self.padded_vocab_size(),
-               "--seq-length", self.seq_length, "--pipeline-model-parallel-size", self.pp,
-               "--sb-block-size", self.block_size]
+               *self.shape().cli_flags(), "--sb-block-size", self.block_size]
         print(f"profiling the CPU latency table of this model -> {path}", flush=True)
         t0 = time.perf_counter()
         proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=_env(),

@@ -44,13 +44,37 @@ class StageShape:
     vocab_size: int = 42240          # padded vocabulary (compact built-in corpus, qwen)
     seq_length: int = 2048           # tokens per packed micro-batch
     pp: int = 1                      # --pipeline-model-parallel-size
+    swiglu: bool = True              # --swiglu (gated SiLU MLP); else Megatron's GeLU MLP
+
+    @classmethod
+    def from_megatron_args(cls, args) -> "StageShape":
+        """The shape of a training run (Megatron's parsed and validated args)."""
+        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   ffn_hidden_size=args.ffn_hidden_size,
+                   num_attention_heads=args.num_attention_heads,
+                   num_query_groups=args.num_query_groups or args.num_attention_heads,
+                   kv_channels=args.kv_channels, vocab_size=args.padded_vocab_size,
+                   seq_length=args.seq_length * args.micro_batch_size,
+                   pp=args.pipeline_model_parallel_size, swiglu=bool(args.swiglu))
 
     def as_table_model(self) -> dict:
+        """The ``model`` section of a latency table measured on this shape."""
         d = dict(self.__dict__)
         d.pop("pp")
         d["kv_channels"] = self.kv_channels or self.hidden_size // self.num_attention_heads
-        d["swiglu"] = True
         return d
+
+    def cli_flags(self) -> list[str]:
+        """``sparsebalance-profile`` flags that profile this shape."""
+        flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
+                 "--ffn-hidden-size", self.ffn_hidden_size,
+                 "--num-attention-heads", self.num_attention_heads,
+                 "--num-query-groups", self.num_query_groups, "--vocab-size", self.vocab_size,
+                 "--seq-length", self.seq_length, "--pipeline-model-parallel-size", self.pp,
+                 "--swiglu" if self.swiglu else "--no-swiglu"]
+        if self.kv_channels is not None:
+            flags += ["--kv-channels", self.kv_channels]
+        return [str(f) for f in flags]
 
 
 def device_name() -> str:
@@ -89,8 +113,11 @@ def init_single_process(seed: int = 1234) -> None:
     from .initialize import initialize_distributed
     if parallel_state.model_parallel_is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # Its own rendezvous, always: launched from inside a torchrun job (a run profiling its table
+    # at start-up) it inherits that job's MASTER_PORT and agent store, which it must not join.
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     initialize_distributed(SimpleNamespace(
         distributed_backend="nccl" if torch.cuda.is_available() else "gloo", world_size=1,
         rank=0, distributed_timeout_minutes=10, tensor_model_parallel_size=1,
@@ -151,7 +178,8 @@ def build_stage(shape: StageShape, sb: SparseBalanceConfig, kind: str, num_layer
         num_layers=num_layers, hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups, kv_channels=shape.kv_channels,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        normalization="RMSNorm", gated_linear_unit=shape.swiglu,
+        activation_func=F.silu if shape.swiglu else F.gelu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         pipeline_model_parallel_size=1, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, batch_p2p_sync=False,

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padded vocabulary of the run (default: the compact built-in corpus, qwen); the LM head dominates small models")
     g.add_argument("--seq-length", type=int, default=2048, help="tokens per packed micro-batch")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True,
+                   help="gated SiLU MLP (Megatron --swiglu); --no-swiglu: GeLU MLP")
     r = p.add_argument_group("profile")
     r.add_argument("--out", required=True, help="where to write the JSON table")
     r.add_argument("--densities", type=float, nargs="+", default=None)
@@ -51,6 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     add_sparsebalance_args(p)
     return p
+
+
+def shape_from_cli(args):
+    """The ``StageShape`` these flags describe (the inverse of ``StageShape.cli_flags``)."""
+    from .profile import StageShape
+
+    return StageShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      ffn_hidden_size=args.ffn_hidden_size,
+                      num_attention_heads=args.num_attention_heads,
+                      num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+                      vocab_size=args.vocab_size, seq_length=args.seq_length,
+                      pp=args.pipeline_model_parallel_size, swiglu=args.swiglu)
 
 
 def main(argv=None) -> int:
@@ -80,7 +94,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from .profile import StageShape, default_mixes, fit_report, profile_table
+    from .profile import default_mixes, fit_report, profile_table
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
@@ -89,12 +103,7 @@ def main(argv=None) -> int:
     mixes = default_mixes(args.seq_length, args.mixes or (4 if args.quick else 10), seed=sb.seed)
     repeats = args.repeats or (2 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else 0
-    shape = StageShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       ffn_hidden_size=args.ffn_hidden_size,
-                       num_attention_heads=args.num_attention_heads,
-                       num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-                       vocab_size=args.vocab_size, seq_length=args.seq_length,
-                       pp=args.pipeline_model_parallel_size)
+    shape = shape_from_cli(args)
     table = profile_table(shape, sb, densities=densities, mixes=mixes, repeats=repeats,
                           warmup=warmup, statistic=args.statistic, progress=None if args.no_progress else tqdm)
     write_table(table, args.out)

@@ -33,19 +33,14 @@ def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     import torch
 
     from .. import __version__
-    from .profile import device_name
+    from .profile import StageShape, device_name
 
     return {
         "device": device_name(),
         "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
         "sparsebalance_megatron": __version__,
-        "model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                  "ffn_hidden_size": args.ffn_hidden_size,
-                  "num_attention_heads": args.num_attention_heads,
-                  "num_query_groups": args.num_query_groups,
-                  "vocab_size": args.padded_vocab_size,
-                  "seq_length": args.seq_length * args.micro_batch_size},
+        "model": StageShape.from_megatron_args(args).as_table_model(),
         "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
                       "local_blocks": sb.local_blocks},
         "pipeline": {"pp": args.pipeline_model_parallel_size},
@@ -53,14 +48,10 @@ def table_expectation(args, sb: SparseBalanceConfig) -> dict:
 
 
 def _profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:
+    from .profile import StageShape
+
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
-           "--no-progress", "--out", out,
-           "--num-layers", args.num_layers, "--hidden-size", args.hidden_size,
-           "--ffn-hidden-size", args.ffn_hidden_size,
-           "--num-attention-heads", args.num_attention_heads,
-           "--num-query-groups", args.num_query_groups, "--vocab-size", args.padded_vocab_size,
-           "--seq-length", args.seq_length * args.micro_batch_size,
-           "--pipeline-model-parallel-size", args.pipeline_model_parallel_size,
+           "--no-progress", "--out", out, *StageShape.from_megatron_args(args).cli_flags(),
            "--sb-block-size", sb.block_size, "--sb-sink-blocks", sb.sink_blocks,
            "--sb-local-blocks", sb.local_blocks, "--sb-attention-backend", sb.attention_backend]
     return [str(c) for c in cmd]
@@ -80,7 +71,8 @@ def load_latency_model(args, sb: SparseBalanceConfig):
     if path is None:
         from ..data.sources import default_cache_dir
 
-        key = "_".join(f"{k}{v}" for k, v in sorted(expect["model"].items()))
+        key = "_".join(f"{k}{int(v) if isinstance(v, bool) else v}"
+                       for k, v in sorted(expect["model"].items()))
         key += (f"_pp{args.pipeline_model_parallel_size}_b{sb.block_size}s{sb.sink_blocks}"
                 f"l{sb.local_blocks}_v{expect['sparsebalance_megatron']}")  # upgrade: re-profile
         path = os.path.join(sb.data_cache_dir or default_cache_dir(), "latency", key + ".json")
