@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_end_to_end import REPO, CpuRunConfig, run_variant  # noqa: E402
+from bench_end_to_end import REPO, CpuRunConfig, run_variant, write_json  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 
@@ -250,10 +249,7 @@ def main(argv=None):
           f"{100 * o['dst_overhead_fraction_max']:.2f}% (target < 1%)")
     print(f"({result['meta']['wall_s']:.0f} s)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

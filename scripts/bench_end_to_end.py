@@ -182,6 +182,14 @@ class CpuRunConfig:
         return str(path), time.perf_counter() - t0
 
 
+def write_json(path: str, result: dict) -> None:
+    """Write a bench result (creating the folder) and say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
 def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
@@ -460,10 +468,7 @@ def main(argv=None):
     print_tables(result, args)
     print(f"\n({result['meta']['wall_s']:.0f} s)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     if args.plot:
         plot(result, args.plot, args)
 
