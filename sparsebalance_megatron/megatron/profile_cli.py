@@ -76,12 +76,7 @@ def main(argv=None) -> int:
     sb = config_from_args(args)
     if args.analytic:
         from ..latency.analytic import ModelShape, analytic_table
-        shape = ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                           num_attention_heads=args.num_attention_heads,
-                           num_query_groups=args.num_query_groups,
-                           kv_channels=args.kv_channels or args.hidden_size // args.num_attention_heads,
-                           ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
-                           seq_length=args.seq_length)
+        shape = ModelShape(**shape_from_cli(args).as_table_model())
         table = analytic_table(shape, pp=args.pipeline_model_parallel_size,
                                block_size=sb.block_size, sink_blocks=sb.sink_blocks,
                                local_blocks=sb.local_blocks)
