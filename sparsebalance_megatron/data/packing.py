@@ -12,8 +12,9 @@
   one document, so attention and labels never cross a document. Padding up to ``capacity`` is
   cut into sequences of at most ``PAD_SEQ_TOKENS`` (``padding_lengths``): attention over padding
   then costs a few blocks, where one long padding sequence would cost as much as a real document
-  of that length (measured on CPU, 8K micro-batch with 1.4K real tokens, block-sparse d 0.5,
-  fwd+bwd: 0.70 s with one padding sequence, 0.24 s with 256-token pieces).
+  of that length (measured on CPU by ``scripts/bench_microbatch_mix.py``, 8K micro-batch with
+  1.4K real tokens, block-sparse d 0.5, fwd+bwd: 0.71 s with one padding sequence, 0.23 s with
+  256-token pieces).
 
 A document of ``n`` tokens is packed as ``n + 1`` positions: its tokens, then EOD. A ``Segment``
 ``(doc_id, start, end)`` is a range of those positions (``end <= n + 1``); only the last piece of a
@@ -34,7 +35,7 @@ Segment = tuple[int, int, int]   # (doc_id, start, end): positions [start, end) 
 PAD_SEQ_TOKENS = 256
 """Longest padding sequence of a packed micro-batch. Shorter pieces make attention over padding
 cheaper but add per-sequence overheads (Megatron's THD rotary loops over sequences): on CPU,
-pieces of 64 / 128 / 256 / 512 tokens gave 0.27 / 0.26 / 0.24 / 0.29 s for the micro-batch above."""
+pieces of 64 / 128 / 256 / 512 tokens gave 0.28 / 0.26 / 0.23 / 0.29 s for the micro-batch above."""
 
 
 def padding_lengths(n_pad: int) -> list[int]:
