@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     import torch
 
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
     from sparsebalance_megatron.megatron.profile import (build_stage, device_name,
                                                          init_single_process, time_microbatch)
 

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     if not args.save:
         ap.error("nothing to do: give --save DIR (or --split / --join)")
 
-    from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
     from sparsebalance_megatron.megatron.profile import init_single_process
     activate_cpu_shims()
     init_single_process()

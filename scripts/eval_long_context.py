@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
     from sparsebalance_megatron.megatron.profile import init_single_process
     activate_cpu_shims()
     init_single_process()

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..config import DOC_UNITS
 from . import sources as _sources
-from .tokenizers import TOKENIZER_NAMES, get_tokenizer
+from .tokenizers import TOKENIZER_NAMES, TextTokenizer, get_tokenizer
 
 CACHE_VERSION = 1
 VOCAB_PAD_MULTIPLE = 128
@@ -110,6 +110,60 @@ class DocumentCorpus:
         s = self.stats()
         return (f"DocumentCorpus({self.name}: {s['n_docs']} docs, {s['total_tokens']} tokens, "
                 f"vocab {self.vocab_size})")
+
+
+class ConcatCorpus:
+    """Several corpora as one: document ids run through them in order (``offsets``).
+
+    The parts of a Megatron blend. They must agree on the EOD id (one tokenizer made them); the
+    vocabulary is the largest part's.
+    """
+
+    def __init__(self, parts: Sequence[DocumentCorpus]):
+        if not parts:
+            raise DataError("no data set to concatenate")
+        eods = {int(p.eod_id) for p in parts}
+        if len(eods) != 1:
+            raise DataError(f"the data sets of the blend end documents with different EOD ids "
+                            f"{sorted(eods)} ({', '.join(p.name for p in parts)}): they must "
+                            f"come from one tokenizer")
+        self.parts = list(parts)
+        self.eod_id = eods.pop()
+        self.vocab_size = max(int(p.vocab_size) for p in parts)
+        self.lengths = np.concatenate([p.lengths for p in parts]).astype(np.int64)
+        self.offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)  # [n_parts+1]
+        self.name = " + ".join(p.name for p in parts)
+        self.notes = [n for p in parts for n in p.notes]
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def part_of(self, doc_id: int) -> tuple[int, int]:
+        """(part index, document id within that part)."""
+        if not 0 <= doc_id < len(self):
+            raise DocumentIndexError(f"doc_id={doc_id}: expected 0 <= doc_id < {len(self)}")
+        k = int(np.searchsorted(self.offsets, doc_id, side="right") - 1)
+        return k, int(doc_id - self.offsets[k])
+
+    def tokens(self, doc_id: int) -> np.ndarray:
+        k, i = self.part_of(doc_id)
+        return self.parts[k].tokens(i)
+
+    def doc_name(self, doc_id: int) -> str:
+        k, i = self.part_of(doc_id)
+        return self.parts[k].doc_name(i)
+
+    def part_doc_ids(self, k: int) -> np.ndarray:
+        """Document ids of part ``k`` (a source of the blend)."""
+        return np.arange(self.offsets[k], self.offsets[k + 1], dtype=np.int64)
+
+    def stats(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, **length_stats(self.lengths)}
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"ConcatCorpus({len(self.parts)} data sets: {s['n_docs']} docs, "
+                f"{s['total_tokens']} tokens, vocab {self.vocab_size})")
 
 
 def format_stats(stats: dict) -> str:
@@ -297,7 +351,8 @@ def _load_indexed(prefix: str, tok, *, min_doc_tokens: int, compact_vocab: bool)
                           name=prefix, token_map=token_map, id_map=id_map)
 
 
-def load_corpus(data_path: Optional[str | Sequence[str]] = None, *, tokenizer: str = "qwen",
+def load_corpus(data_path: Optional[str | Sequence[str]] = None, *,
+                tokenizer: "str | TextTokenizer" = "qwen",
                 cache_dir: Optional[str] = None, min_doc_tokens: int = 16,
                 compact_vocab: bool = False, sources: Sequence[str] = DEFAULT_SOURCES,
                 doc_unit: str = "file", max_docs: Optional[int] = None,
@@ -305,7 +360,9 @@ def load_corpus(data_path: Optional[str | Sequence[str]] = None, *, tokenizer: s
     """The documents of ``data_path`` (None: built-in corpus; ``*.jsonl``; indexed prefix).
 
     ``compact_vocab`` remaps the token ids that occur to 0..K-1 (EOD = K) so tiny models need only a
-    K-row embedding. ``sources`` and ``max_docs`` select the built-in corpus (a subset for tests);
+    K-row embedding. ``tokenizer`` is a name of ``tokenizers.TOKENIZER_NAMES`` or a ``TextTokenizer``
+    (e.g. Megatron's tokenizer wrapped by the adapter; its ``name`` keys the cache).
+    ``sources`` and ``max_docs`` select the built-in corpus (a subset for tests);
     ``doc_unit`` its documents: whole files ("file") or their natural sections ("section": top-level
     definitions of a Python file, scenes of a play), a heavy tail at short context lengths.
     """
@@ -321,11 +378,15 @@ def load_corpus(data_path: Optional[str | Sequence[str]] = None, *, tokenizer: s
     if max_docs is not None and (not isinstance(max_docs, int) or max_docs < 1):
         raise ValueError(f"max_docs={max_docs!r}: expected None or an integer >= 1")
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or _sources.default_cache_dir()))
-    if tokenizer not in TOKENIZER_NAMES:
+    if isinstance(tokenizer, TextTokenizer):
+        given, tokenizer = tokenizer, tokenizer.name
+    elif tokenizer not in TOKENIZER_NAMES:
         raise ValueError(f"tokenizer={tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
+    else:
+        given = None
 
     def tok():  # built only when a cache entry is built or an indexed data set is read
-        return get_tokenizer(tokenizer, cache_dir=cache_dir)
+        return given if given is not None else get_tokenizer(tokenizer, cache_dir=cache_dir)
 
     if data_path is None:
         sources = tuple(sources)

@@ -152,17 +152,28 @@ def materialize(segments: Sequence[Segment], corpus, capacity: int) -> PackedMic
 
 
 class GlobalBatchSampler:
-    """Deterministic (seed) shuffled order of documents over epochs; step t's global batch is the
-    next documents in that order that fill ``dp * num_microbatches`` micro-batches of ``capacity``
-    tokens under sequential packing, the remainder starting the next step. Never drops or
-    duplicates a document within an epoch (a step may straddle two epochs). Resumable:
-    ``state_dict()`` = (epoch, position, offset) -> the same order as an uninterrupted run.
+    """A deterministic (seed) stream of documents cut into micro-batch "bins" of ``capacity``
+    tokens under sequential packing; step t's global batch is the next ``dp * num_microbatches``
+    bins. A bin is Megatron's sample: after ``k`` consumed samples the stream stands at bin ``k``
+    whatever the batch sizes of the steps were (``skip_bins``), so a resumed run, or one whose
+    global batch size ramps up, reads what the uninterrupted run read.
+
+    Documents come from one or more *sources* (arrays of document ids: a data set of a blend, or
+    the train/valid/test split of one). Each source is read in a shuffled order, reshuffled every
+    epoch (seeded by the seed, the source and the epoch), never dropping or duplicating a document
+    within an epoch. With several sources the next document comes from the source furthest behind
+    its share of tokens: ``weights`` (Megatron's blend weights, normalised), or by default each
+    source's token count (every source then finishes its epoch together: a plain union).
+    Documents longer than ``capacity`` are split into pieces of ``capacity`` tokens counted from
+    the document start (or refused), so pieces are the same whatever the step boundaries.
 
     ``lengths`` are token counts without EOD; with ``append_eod`` each document takes one more.
     """
 
-    def __init__(self, lengths, *, capacity: int, dp: int, num_microbatches: int, seed: int,
-                 long_sample_policy: str = "split", append_eod: bool = True):
+    def __init__(self, lengths, *, capacity: int, dp: int = 1, num_microbatches: int = 1,
+                 seed: int, long_sample_policy: str = "split", append_eod: bool = True,
+                 sources: Optional[Sequence[Sequence[int]]] = None,
+                 weights: Optional[Sequence[float]] = None):
         self.capacity = _check_positive_int("capacity", capacity)
         self.dp = _check_positive_int("dp", dp)
         self.num_microbatches = _check_positive_int("num_microbatches", num_microbatches)
@@ -181,36 +192,93 @@ class GlobalBatchSampler:
         if bad.size:
             raise ValueError(f"document {int(bad[0])} has {int(lengths[bad[0]])} tokens: "
                              f"expected >= 1")
+        self.sources = self._check_sources(sources)
+        self.weights = self._check_weights(weights)
         if long_sample_policy == "error":
-            too_long = np.flatnonzero(self.n_positions > self.capacity)
+            used = np.concatenate(self.sources)
+            too_long = used[self.n_positions[used] > self.capacity]
             if too_long.size:
-                d = int(too_long[0])
+                d = int(np.sort(too_long)[0])
                 raise LongDocumentError(
                     f"document {d} has {int(lengths[d])} tokens"
                     + (" + EOD" if append_eod else "")
                     + f" > capacity {self.capacity} (--seq-length); {too_long.size} documents are"
                     f" this long. Use --sb-long-sample-policy split or a larger --seq-length.")
-        self.epoch, self.position, self.offset, self.step = 0, 0, 0, 0
-        self._order_epoch: Optional[int] = None
-        self._order: Optional[np.ndarray] = None
+        k = len(self.sources)
+        self.epochs, self.positions, self.taken = [0] * k, [0] * k, [0] * k
+        self.current: Optional[int] = None   # source of the document being cut (offset > 0)
+        self.offset, self.step, self.bins = 0, 0, 0
+        self._orders: dict = {}
+
+    def _check_sources(self, sources) -> list:
+        n = self.n_positions.size
+        if sources is None:
+            return [np.arange(n, dtype=np.int64)]
+        out = []
+        for i, src in enumerate(sources):
+            src = np.asarray(src, dtype=np.int64)
+            if src.ndim != 1 or src.size == 0:
+                raise ValueError(f"source {i}: expected a non-empty 1-D array of document ids, "
+                                 f"got shape {src.shape}")
+            if src.min() < 0 or src.max() >= n or np.unique(src).size != src.size:
+                raise ValueError(f"source {i}: document ids must be distinct and in [0, {n})")
+            out.append(src)
+        if not out:
+            raise ValueError("sources=[]: expected at least one source of documents")
+        return out
+
+    def _check_weights(self, weights) -> np.ndarray:
+        if weights is None:   # each source's share of tokens: a plain union of the sources
+            return np.array([float(self.n_positions[s].sum()) for s in self.sources])
+        w = np.asarray(weights, dtype=np.float64)
+        if w.shape != (len(self.sources),) or not np.all(np.isfinite(w)) or np.any(w <= 0):
+            raise ValueError(f"weights={list(weights)!r}: expected {len(self.sources)} finite "
+                             f"numbers > 0 (one per source)")
+        return w
 
     def __len__(self) -> int:
         return int(self.n_positions.size)
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Document ids in the order of ``epoch``: a permutation seeded by (seed, epoch)."""
-        if self._order_epoch != epoch:
-            rng = np.random.default_rng([self.seed, int(epoch)])
-            self._order = rng.permutation(self.n_positions.size)
-            self._order_epoch = epoch
-        return self._order
+    # Single-source views (the common case, and what logs and tests read).
+    @property
+    def epoch(self) -> int:
+        return self.epochs[0]
 
-    def next_global_batch(self) -> list[Segment]:
-        """Segments of this step, in order; they fill at most ``dp * num_microbatches`` bins."""
+    @property
+    def position(self) -> int:
+        return self.positions[0]
+
+    def source_order(self, source: int, epoch: int) -> np.ndarray:
+        """Document ids of ``source`` in the order of ``epoch`` (seeded by seed, source, epoch)."""
+        key = (source, epoch)
+        if key not in self._orders:
+            if len(self._orders) > 8:
+                self._orders.clear()
+            seed = [self.seed, int(epoch)] if len(self.sources) == 1 else \
+                [self.seed, int(source), int(epoch)]
+            src = self.sources[source]
+            self._orders[key] = src[np.random.default_rng(seed).permutation(src.size)]
+        return self._orders[key]
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Document ids in the order of ``epoch`` (single source)."""
+        return self.source_order(0, epoch)
+
+    def _pick_source(self) -> int:
+        if self.current is not None:
+            return self.current
+        if len(self.sources) == 1:
+            return 0
+        return int(np.argmin(np.asarray(self.taken, dtype=np.float64) / self.weights))
+
+    def next_bins(self, n_bins: int) -> list[Segment]:
+        """Segments of the next ``n_bins`` bins, in order (the last bin may be part-filled)."""
+        n_bins = _check_positive_int("n_bins", n_bins)
         out: list[Segment] = []
-        bins_left, free = self.dp * self.num_microbatches, 0
+        bins_left, free = n_bins, 0
         while True:
-            doc = int(self.epoch_order(self.epoch)[self.position])
+            src = self._pick_source()
+            doc = int(self.source_order(src, self.epochs[src])[self.positions[src]])
             n = int(self.n_positions[doc])
             end = min(n, self.offset + self.capacity)
             size = end - self.offset
@@ -219,28 +287,51 @@ class GlobalBatchSampler:
                     break
                 bins_left -= 1
                 free = self.capacity
+            if self.offset == 0:
+                self.taken[src] += n
             out.append((doc, self.offset, end))
             free -= size
             self.offset = end
+            self.current = src
             if self.offset == n:
-                self.offset = 0
-                self.position += 1
-                if self.position == self.n_positions.size:
-                    self.position, self.epoch = 0, self.epoch + 1
+                self.offset, self.current = 0, None
+                self.positions[src] += 1
+                if self.positions[src] == self.sources[src].size:
+                    self.positions[src], self.epochs[src] = 0, self.epochs[src] + 1
+        self.bins += n_bins
+        return out
+
+    def next_global_batch(self) -> list[Segment]:
+        """Segments of this step: ``dp * num_microbatches`` bins."""
+        out = self.next_bins(self.dp * self.num_microbatches)
         self.step += 1
         return out
 
+    def skip_bins(self, n_bins: int) -> None:
+        """Advance by ``n_bins`` bins (Megatron's consumed samples) without keeping them."""
+        if isinstance(n_bins, bool) or not isinstance(n_bins, (int, np.integer)) or n_bins < 0:
+            raise ValueError(f"n_bins={n_bins!r}: expected an integer >= 0")
+        left = int(n_bins)
+        while left:
+            chunk = min(left, 4096)
+            self.next_bins(chunk)
+            left -= chunk
+
     def skip_steps(self, n_steps: int) -> None:
-        """Advance by ``n_steps`` global batches: resuming at Megatron's ``iteration`` without a
-        saved sampler state gives the same order (the sampler is a pure function of the seed)."""
+        """Advance by ``n_steps`` global batches of ``dp * num_microbatches`` bins."""
         if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)) or n_steps < 0:
             raise ValueError(f"n_steps={n_steps!r}: expected an integer >= 0")
-        for _ in range(int(n_steps)):
-            self.next_global_batch()
+        self.skip_bins(int(n_steps) * self.dp * self.num_microbatches)
+        self.step += int(n_steps)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "offset": self.offset,
-                "step": self.step, "seed": self.seed, "n_docs": int(self.n_positions.size)}
+        state = {"epoch": self.epochs[0], "position": self.positions[0], "offset": self.offset,
+                 "step": self.step, "bins": self.bins, "seed": self.seed,
+                 "n_docs": int(self.n_positions.size)}
+        if len(self.sources) > 1:
+            state.update(epochs=list(self.epochs), positions=list(self.positions),
+                         taken=list(self.taken), current=self.current)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for k in ("epoch", "position", "offset", "seed", "n_docs"):
@@ -251,13 +342,24 @@ class GlobalBatchSampler:
                 f"sampler state of seed {state['seed']} over {state['n_docs']} documents: "
                 f"expected seed {self.seed} over {self.n_positions.size} documents (same data "
                 f"and --sb-seed as the run that saved it)")
-        epoch, position, offset = int(state["epoch"]), int(state["position"]), int(state["offset"])
-        if epoch < 0 or not 0 <= position < self.n_positions.size:
-            raise ValueError(f"sampler state epoch={epoch}, position={position}: expected "
-                             f"epoch >= 0 and 0 <= position < {self.n_positions.size}")
-        doc = int(self.epoch_order(epoch)[position])
-        if not 0 <= offset < self.n_positions[doc]:
-            raise ValueError(f"sampler state offset={offset}: expected 0 <= offset < "
-                             f"{int(self.n_positions[doc])} (document {doc})")
-        self.epoch, self.position, self.offset = epoch, position, offset
-        self.step = int(state.get("step", 0))
+        k = len(self.sources)
+        epochs = [int(x) for x in state.get("epochs", [state["epoch"]])]
+        positions = [int(x) for x in state.get("positions", [state["position"]])]
+        taken = [int(x) for x in state.get("taken", [0] * k)]
+        if not len(epochs) == len(positions) == len(taken) == k:
+            raise ValueError(f"sampler state for {len(epochs)} source(s): expected {k}")
+        for i, (epoch, position) in enumerate(zip(epochs, positions)):
+            if epoch < 0 or not 0 <= position < self.sources[i].size:
+                raise ValueError(f"sampler state epoch={epoch}, position={position}: expected "
+                                 f"epoch >= 0 and 0 <= position < {self.sources[i].size}")
+        offset = int(state["offset"])
+        current = state.get("current", 0 if offset else None) if k > 1 else (0 if offset else None)
+        if offset:
+            src = 0 if current is None else int(current)
+            doc = int(self.source_order(src, epochs[src])[positions[src]])
+            if not 0 <= offset < self.n_positions[doc]:
+                raise ValueError(f"sampler state offset={offset}: expected 0 <= offset < "
+                                 f"{int(self.n_positions[doc])} (document {doc})")
+        self.epochs, self.positions, self.taken = epochs, positions, taken
+        self.offset, self.current = offset, current
+        self.step, self.bins = int(state.get("step", 0)), int(state.get("bins", 0))

@@ -259,6 +259,21 @@ class LatencyModel:
     def corrections(self) -> dict[int, float]:
         return dict(self._correction)
 
+    def calibration_state(self) -> dict:
+        """What online calibration learned: per-rank factors and the recent errors."""
+        return {"corrections": {str(r): f for r, f in self._correction.items()},
+                "errors": [float(e) for e in self._errors]}
+
+    def load_calibration_state(self, state: dict) -> None:
+        """Restore ``calibration_state()`` (a resumed run continues where the saved one stood)."""
+        self._correction.clear()
+        self.load_corrections(state.get("corrections", {}))
+        errors = [float(e) for e in state.get("errors", [])]
+        if not all(math.isfinite(e) and e >= 0 for e in errors):
+            raise ValueError("calibration errors must be finite numbers >= 0")
+        self._errors.clear()
+        self._errors.extend(errors)
+
     def load_corrections(self, corrections: dict) -> None:
         """Restore per-rank factors saved with ``corrections()`` (a resumed run)."""
         for rank, factor in corrections.items():

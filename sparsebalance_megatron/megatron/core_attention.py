@@ -2,8 +2,8 @@
 
 Meets ``CoreAttentionInterface`` / ``CoreAttentionBuilder`` of megatron-core 0.19
 (``megatron/core/transformer/attention.py``): built with the keywords ``config, layer_number,
-attn_mask_type, attention_type, cp_comm_type, softmax_scale, pg_collection`` plus ``sb_config``
-(from the layer spec's ``params``), called as ``forward(query, key, value, attention_mask, *,
+attn_mask_type, attention_type, cp_comm_type, softmax_scale, pg_collection`` plus ``sb_config`` and
+``budget`` (a ``budget.BudgetContext``, both from the layer spec's ``params``), called as ``forward(query, key, value, attention_mask, *,
 attn_mask_type, attention_bias, packed_seq_params)``.
 
 - Packed (THD) micro-batches: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (megatron squeezes the batch
@@ -14,14 +14,14 @@ attn_mask_type, attention_bias, packed_seq_params)``.
   ``[sq, b, np*hn]``.
 - Tensor parallel: ``np``/``ng`` are this rank's heads; selection is per key/value head, so TP ranks
   share nothing but the density (the plan is identical on every rank).
-- Pipeline parallel: nothing here depends on the stage; the density comes from
-  ``plan.current_density`` which knows the stage.
+- Pipeline parallel: nothing here depends on the stage; the budget context knows it.
 
-The density of the current micro-batch is ``plan.current_density(default=sb_config.density)``.
-After each forward *with grad enabled* (training forwards, and the recomputation of activation
-checkpointing, which runs its first pass without grad), the per-document kept density and
-estimated recall go to ``plan.record_attention_stats``: one record per layer and micro-batch,
-small detached CPU lists; evaluation forwards under ``torch.no_grad()`` record nothing.
+The density of a micro-batch is ``budget.density(packed_seq_params)``: the plan's unit for the
+micro-batch that ``SparsePackedSeqParams`` names, else the static ``sb_config.density``
+(evaluation, unpacked input). After each forward *with grad enabled* (training forwards, and the
+recomputation of activation checkpointing, which runs its first pass without grad), the
+per-document kept density and estimated recall go to ``budget.record``: one record per layer and
+micro-batch, detached device tensors; evaluation forwards under ``torch.no_grad()`` record nothing.
 Attention dropout is not applied (the sparse kernels have none); a nonzero
 ``config.attention_dropout`` is logged once and ignored.
 Part of the megatron adapter layer; must not touch torch.distributed (TP/PP need no collective here).
@@ -36,9 +36,9 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .. import plan
 from ..attention import block_sparse_attention
 from ..config import SparseBalanceConfig
+from .budget import BudgetContext
 
 log = logging.getLogger(__name__)
 _warned_dropout = False
@@ -51,7 +51,7 @@ class SparseCoreAttention(MegatronModule):
     def __init__(self, config, layer_number: int, attn_mask_type=AttnMaskType.causal,
                  attention_type: str = "self", cp_comm_type=None, softmax_scale=None,
                  pg_collection=None, sb_config: SparseBalanceConfig = None,
-                 attention_dropout=None):
+                 budget: BudgetContext = None, attention_dropout=None):
         super().__init__(config=config)
         if sb_config is None:
             raise ValueError("SparseCoreAttention needs sb_config (pass it through the layer "
@@ -74,6 +74,7 @@ class SparseCoreAttention(MegatronModule):
             log.warning("attention_dropout=%s is ignored by SparseCoreAttention", dropout)
             _warned_dropout = True
         self.sb_config = sb_config
+        self.budget = budget if budget is not None else BudgetContext(sb_config.density)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         head_dim = config.kv_channels
@@ -84,20 +85,15 @@ class SparseCoreAttention(MegatronModule):
 
     def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None):
         sb = self.sb_config
-        # The trainer tags packed inputs with their micro-batch, so a recomputed forward
-        # (activation checkpointing, run during a later backward) reads its own budget.
-        mb = getattr(packed_seq_params, "sb_microbatch", None)
-        docs = getattr(packed_seq_params, "sb_doc_ids", None)
         out, sel = block_sparse_attention(
-            q, k, v, cu_seqlens, plan.current_density(default=sb.density, microbatch=mb),
+            q, k, v, cu_seqlens, self.budget.density(packed_seq_params),
             block_size=sb.block_size, sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
             backend=sb.attention_backend, softmax_scale=self.softmax_scale,
             query_chunk_blocks=sb.query_chunk_blocks)
         if torch.is_grad_enabled():
-            plan.record_attention_stats(self.layer_number, sel.density_kept.cpu().tolist(),
-                                        sel.recall.cpu().tolist(), microbatch=mb, doc_ids=docs)
+            self.budget.record(self.layer_number, packed_seq_params, sel.density_kept, sel.recall)
         return out                                                # [t, np, hn]
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,

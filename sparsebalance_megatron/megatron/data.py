@@ -1,118 +1,223 @@
-"""Megatron data path: a step's documents -> packed THD micro-batches for this rank.
+"""The plugin's data path inside Megatron: documents -> packed THD micro-batches, as iterators.
 
-Every rank runs the same deterministic sampler and packer, so all TP and PP ranks of a DP rank
-build identical micro-batches without communication, and every rank knows every DP rank's
-documents (which DST needs). One step is read ahead so the plan for step t+1 can be built from
-its documents before step t+1 starts.
+Megatron pulls them through ``--dataloader-type external``: ``hooks.datasets_provider`` returns
+the iterators built here and Megatron wraps each in its ``RerunDataIterator``.
+
+- ``load_data(args, sb)``: the documents and their train/valid/test sources, with Megatron's
+  semantics: ``--data-path`` is one path, several paths (weights inferred from their sizes) or
+  ``W1 P1 W2 P2 ...`` (a weighted blend); each path a ``.jsonl`` file or an indexed prefix; no
+  ``--data-path``: the built-in real-text corpus. ``--split`` divides every data set's documents
+  (after a seeded shuffle) into train/valid/test. Text is tokenized by Megatron's
+  ``--tokenizer-type``; ``NullTokenizer`` (Megatron's "no text tokenizer") means the plugin's
+  ``--sb-tokenizer`` stands for it (text and EOD id). The built-in corpus is always tokenized by
+  ``--sb-tokenizer`` into a compact vocabulary.
+- ``TrainIterator``: this DP rank's micro-batches of the step the callback prepared (SAB packing,
+  DST plan), in slot order; each carries a ``SparsePackedSeqParams`` naming its step and slot.
+- ``EvalIterator``: the valid/test split packed in Megatron's order, static density.
+Every rank builds identical micro-batches from the same deterministic sampler: TP and PP ranks
+need no broadcast, and every rank knows every DP rank's documents (DST needs them).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
+from ..config import SparseBalanceConfig, flag_name
+from ..data.corpus import ConcatCorpus, DataError, load_corpus
 from ..data.packing import GlobalBatchSampler, materialize, sequential_pack
+from ..data.tokenizers import TextTokenizer
+from .budget import SparsePackedSeqParams
+from .launch import LaunchError
 
-Segment = tuple[int, int, int]
-# packer(segments, *, capacity, dp, num_microbatches) -> [dp][m] lists of segments
-Packer = Callable[..., list]
+log = logging.getLogger("sparsebalance")
+DEFAULT_SPLIT = "969,30,1"   # Megatron's legacy default when --split is not given
+SPLITS = ("train", "valid", "test")
 
 
 @dataclass
-class StepData:
-    """The documents of one training step, assigned to (dp rank, micro-batch slot)."""
+class PluginData:
+    """Documents of a run and, per split, the document ids of each data set (a blend's sources)."""
 
-    step: int
-    assignment: list  # [dp][m] -> list[Segment]
+    corpus: object                        # DocumentCorpus | ConcatCorpus
+    splits: dict                          # "train"/"valid"/"test" -> list[np.ndarray] per source
+    weights: Optional[list]               # blend weights per source, None: inferred from sizes
+    tokenizer: str                        # what tokenized the text (for logs)
 
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.assignment[0])
-
-    def split_documents(self, doc_lengths: np.ndarray, capacity: int) -> int:
-        """Documents of this step longer than a micro-batch, hence split into segments."""
-        docs = {d for rank in self.assignment for mb in rank for d, _, _ in mb}
-        return int(sum(1 for d in docs if doc_lengths[d] + 1 > capacity))
-
-    def fingerprint(self) -> int:
-        """A hash of the assignment: every rank must hold the same one."""
-        return hash(tuple(tuple(tuple(mb) for mb in rank) for rank in self.assignment))
-
-    def num_tokens(self) -> int:
-        return int(sum(e - s for rank in self.assignment for mb in rank for _, s, e in mb))
-
-
-class StepBatcher:
-    """Sampler + packer: the same ``StepData`` sequence on every rank, resumable by step count."""
-
-    def __init__(self, corpus, *, capacity: int, dp: int, num_microbatches: int, seed: int,
-                 long_sample_policy: str = "split", packer: Packer | None = None):
-        self.corpus, self.capacity = corpus, capacity
-        self.dp, self.num_microbatches = dp, num_microbatches
-        self.sampler = GlobalBatchSampler(
-            corpus.lengths, capacity=capacity, dp=dp, num_microbatches=num_microbatches,
-            seed=seed, long_sample_policy=long_sample_policy)
-        self.packer = packer or sequential_pack
-        self.step = 0
-
-    def next_step(self) -> StepData:
-        segments = self.sampler.next_global_batch()
-        assignment = self.packer(segments, capacity=self.capacity, dp=self.dp,
-                                 num_microbatches=self.num_microbatches)
-        _check_assignment(segments, assignment, self.capacity, self.dp, self.num_microbatches)
-        data = StepData(self.step, assignment)
-        self.step += 1
-        return data
-
-    def skip(self, steps: int) -> None:
-        """Advance past ``steps`` steps without packing (resume: same order as uninterrupted)."""
-        for _ in range(steps):
-            self.sampler.next_global_batch()
-            self.step += 1
+    def sampler(self, split: str, *, capacity: int, seed: int, long_sample_policy: str,
+                dp: int = 1, num_microbatches: int = 1) -> Optional[GlobalBatchSampler]:
+        """A sampler over ``split``'s documents; None when the split holds none."""
+        sources = [s for s in self.splits[split] if s.size]
+        if not sources:
+            return None
+        weights = None
+        if self.weights is not None:
+            weights = [w for w, s in zip(self.weights, self.splits[split]) if s.size]
+        return GlobalBatchSampler(self.corpus.lengths, capacity=capacity, dp=dp,
+                                  num_microbatches=num_microbatches, seed=seed,
+                                  long_sample_policy=long_sample_policy, sources=sources,
+                                  weights=weights)
 
 
-def _check_assignment(segments, assignment, capacity, dp, m) -> None:
-    """A packer must use every segment of the step exactly once and respect the capacity."""
-    if len(assignment) != dp or any(len(r) != m for r in assignment):
-        raise RuntimeError(f"packer returned a {len(assignment)} x ? assignment, expected {dp} x {m}")
-    used = sorted(seg for rank in assignment for mb in rank for seg in mb)
-    if used != sorted(segments):
-        raise RuntimeError("packer dropped or duplicated segments of the global batch")
-    for r, rank in enumerate(assignment):
-        for j, mb in enumerate(rank):
-            n = sum(e - s for _, s, e in mb)
-            if n > capacity:
-                raise RuntimeError(f"packer put {n} tokens in micro-batch ({r}, {j}), capacity {capacity}")
+def megatron_text_tokenizer(args) -> Optional[TextTokenizer]:
+    """Megatron's tokenizer as the data pipeline's ``TextTokenizer``; None for NullTokenizer."""
+    if args.tokenizer_type in (None, "NullTokenizer"):
+        return None
+    from megatron.training.global_vars import get_tokenizer
+
+    tok = get_tokenizer()
+    what = args.tokenizer_model or args.vocab_file or ""
+    return TextTokenizer(
+        name=f"megatron:{args.tokenizer_type}:{what}:{tok.vocab_size}", eod_id=int(tok.eod),
+        n_vocab=int(tok.vocab_size),
+        _encode_batch=lambda texts: [tok.tokenize(t) for t in texts],
+        _decode=lambda ids: tok.detokenize(list(ids)))
 
 
-def microbatch_tensors(segments, corpus, capacity: int, index: int, device) -> dict:
-    """One packed micro-batch as Megatron THD inputs: tokens/labels/position_ids ``[1, T]``."""
+def data_blend(data_path: Optional[Sequence[str]]) -> tuple[Optional[list], Optional[list]]:
+    """(paths, weights) of ``--data-path`` with Megatron's rules; (None, None) without one."""
+    if not data_path:
+        return None, None
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    try:
+        paths, weights = get_blend_from_list(list(data_path))
+    except (AssertionError, ValueError):
+        raise LaunchError(f"--data-path {' '.join(data_path)}: expected one or more paths, or "
+                          f"weight/path pairs (W1 P1 W2 P2 ...), not a mix of both") from None
+    if weights is not None and not all(np.isfinite(w) and w > 0 for w in weights):
+        raise LaunchError(f"--data-path {' '.join(data_path)}: blend weights {weights} must be "
+                          f"numbers > 0")
+    return paths, weights
+
+
+def split_ratios(split: Optional[str]) -> np.ndarray:
+    """``--split`` as normalised train/valid/test ratios (Megatron's parser)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    try:
+        ratios = parse_and_normalize_split(split or DEFAULT_SPLIT)
+    except (AssertionError, ValueError, ZeroDivisionError):
+        raise LaunchError(f"--split {split!r}: expected up to three numbers >= 0 with a positive "
+                          f"sum, e.g. 969,30,1") from None
+    return np.asarray(ratios, dtype=np.float64)
+
+
+def split_documents(doc_ids: np.ndarray, ratios: np.ndarray, seed: int) -> list[np.ndarray]:
+    """``doc_ids`` shuffled (seeded) and cut into train/valid/test ranges by ``ratios``."""
+    order = doc_ids[np.random.default_rng([seed, 7919]).permutation(doc_ids.size)]
+    bounds = np.round(np.concatenate([[0.0], np.cumsum(ratios)]) * doc_ids.size).astype(int)
+    bounds[-1] = doc_ids.size
+    return [np.sort(order[bounds[i]:bounds[i + 1]]) for i in range(len(SPLITS))]
+
+
+def load_data(args, sb: SparseBalanceConfig, *, text_tokenizer: Optional[TextTokenizer] = None
+              ) -> PluginData:
+    """The run's documents and splits (see the module docstring for the rules)."""
+    paths, weights = data_blend(args.data_path)
+    tok = text_tokenizer if text_tokenizer is not None else sb.tokenizer
+    if paths is None:
+        if args.tokenizer_type not in (None, "NullTokenizer"):
+            raise LaunchError(
+                f"--tokenizer-type {args.tokenizer_type}: the built-in corpus is tokenized by "
+                f"the plugin ({flag_name('tokenizer')} {sb.tokenizer}); give --data-path to train on "
+                f"data for a Megatron tokenizer, or use --tokenizer-type NullTokenizer")
+        parts = [load_corpus(None, tokenizer=sb.tokenizer, cache_dir=sb.data_cache_dir,
+                             compact_vocab=True, doc_unit=sb.doc_unit)]
+    else:
+        parts = [load_corpus(p, tokenizer=tok, cache_dir=sb.data_cache_dir) for p in paths]
+    corpus = parts[0] if len(parts) == 1 else ConcatCorpus(parts)
+    ratios = split_ratios(getattr(args, "split", None))
+    per_source = [np.arange(len(parts[0]), dtype=np.int64)] if len(parts) == 1 else \
+        [corpus.part_doc_ids(k) for k in range(len(parts))]
+    cut = [split_documents(ids, ratios, sb.seed) for ids in per_source]
+    splits = {name: [c[i] for c in cut] for i, name in enumerate(SPLITS)}
+    if not any(s.size for s in splits["train"]):
+        raise DataError(f"--split {args.split or DEFAULT_SPLIT}: no document left for training "
+                        f"({len(corpus)} documents in all)")
+    name = tok.name if isinstance(tok, TextTokenizer) else f"plugin:{tok}"
+    return PluginData(corpus=corpus, splits=splits, weights=weights, tokenizer=name)
+
+
+def check_vocab(data: PluginData, model_vocab_size: int) -> None:
+    """The model's (padded) vocabulary must hold every token id of the data."""
+    need = int(data.corpus.vocab_size)
+    if model_vocab_size < need:
+        raise LaunchError(
+            f"the model's vocabulary ({model_vocab_size} ids, from --vocab-size / the tokenizer) "
+            f"is smaller than the data's ({need} ids, {data.tokenizer}): pass --vocab-size {need}")
+
+
+# --- micro-batches ---------------------------------------------------------------------------
+
+def microbatch_inputs(segments, corpus, capacity: int, device, *, step: Optional[int] = None,
+                      index: Optional[int] = None) -> dict:
+    """One packed micro-batch as Megatron THD inputs: tokens/labels/loss_mask/position_ids
+    ``[1, T]`` and a ``SparsePackedSeqParams`` (cu_seqlens int32 ``[n_seq + 1]``)."""
     mb = materialize(segments, corpus, capacity)
-    cu = torch.from_numpy(np.asarray(mb.cu_seqlens, dtype=np.int32)).to(device)
-    max_len = int((cu[1:] - cu[:-1]).max())
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    cu = torch.from_numpy(mb.cu_seqlens).to(device)
+    max_len = mb.max_seqlen
+    psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                max_seqlen_q=max_len, max_seqlen_kv=max_len, sb_step=step,
+                                sb_microbatch=index,
+                                sb_doc_ids=tuple(int(d) for d, _, _ in segments))
 
     def t(a, dtype):
         return torch.from_numpy(np.asarray(a)).to(device=device, dtype=dtype).unsqueeze(0)
 
-    return {
-        "index": index,
-        "doc_ids": [d for d, _, _ in segments],
-        "tokens": t(mb.tokens, torch.int64),
-        "labels": t(mb.labels, torch.int64),
-        "loss_mask": t(mb.loss_mask, torch.float32),
-        "position_ids": t(mb.position_ids, torch.int64),
-        "packed_seq_params": psp,
-        "num_real_tokens": int(sum(e - s for _, s, e in segments)),
-    }
+    return {"tokens": t(mb.tokens, torch.int64), "labels": t(mb.labels, torch.int64),
+            "loss_mask": t(mb.loss_mask, torch.float32),
+            "position_ids": t(mb.position_ids, torch.int64), "packed_seq_params": psp}
 
 
-def rank_microbatches(step: StepData, dp_rank: int, corpus, capacity: int, device) -> Iterator[dict]:
-    """This DP rank's micro-batches of the step, in schedule order."""
-    for j, segments in enumerate(step.assignment[dp_rank]):
-        yield microbatch_tensors(segments, corpus, capacity, j, device)
+class TrainIterator:
+    """This DP rank's micro-batches, step after step, as the callback prepared the steps.
+
+    ``save_state`` is Megatron's hook for external data loaders (``--dataloader-save``): the
+    callback's state goes into Megatron's checkpoint folder of the iteration.
+    """
+
+    def __init__(self, callback, device):
+        self.callback, self.device = callback, device
+        self._step = None
+        self._next = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        cb = self.callback
+        if self._step is None or self._next == self._step.batch.num_microbatches:
+            self._step, self._next = cb.take_step(), 0
+        j = self._next
+        self._next += 1
+        segments = self._step.batch.micro_batches[cb.dp_rank][j]
+        return microbatch_inputs(segments, cb.corpus, cb.capacity, self.device,
+                                 step=self._step.iteration, index=j)
+
+    def save_state(self) -> dict:
+        return self.callback.state_dict()
+
+
+class EvalIterator:
+    """Micro-batches of the valid or test split: Megatron's sequential order, ``dp`` bins per
+    row, this DP rank's bin of each row; endless (the split is re-read epoch after epoch)."""
+
+    def __init__(self, sampler: GlobalBatchSampler, corpus, *, capacity: int, dp: int,
+                 dp_rank: int, device, consumed_samples: int = 0):
+        self.sampler, self.corpus = sampler, corpus
+        self.capacity, self.dp, self.dp_rank, self.device = capacity, dp, dp_rank, device
+        self.sampler.skip_bins(int(consumed_samples))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        segments = self.sampler.next_bins(self.dp)
+        rank = sequential_pack(segments, capacity=self.capacity, dp=self.dp,
+                               num_microbatches=1)[self.dp_rank]
+        return microbatch_inputs(rank[0], self.corpus, self.capacity, self.device)

@@ -1,194 +1,331 @@
-"""Entry points for a Megatron-LM checkout's ``pretrain_gpt.py`` (patches/megatron_lm_pretrain_gpt.patch).
+"""The one integration of SparseBalance into Megatron's ``pretrain()``, for both entry points.
 
-The patch calls three functions, each thin and delegating to the adapter:
+``examples/pretrain_gpt_sparsebalance.py`` and Megatron-LM's ``pretrain_gpt.py`` (with
+``patches/``) run the same five calls around Megatron's own flow; the loop is Megatron's::
 
-- ``extra_args_provider(base)``: our flags (``add_sparsebalance_args``) composed with whatever
-  provider the script already passes (ModelOpt's, or None);
-- ``install(args, model_cfg)``: launch checks, the SparseBalance layer spec in the named slot
-  ``GPTModelConfig.transformer_layer_spec`` (``model.get_layer_spec``), and a post-wrap hook that
-  sets ``config.finalize_model_grads_func`` (Megatron's ``train()`` keeps a preset one);
-- ``wrap_forward_step(fn)``: before each micro-batch, ``config.timers`` becomes a tee that also
-  records per-micro-batch intervals (``timing.MicrobatchTimers``); ``train()`` resets
-  ``config.timers`` at start-up and around evaluation, so it is re-installed when needed.
+    args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider(base),
+                                   args_defaults=hooks.args_defaults(defaults))
+    model_cfg = gpt_config_from_args(args)
+    hooks.install(args, model_cfg)
+    pretrain(pretrain_cfg_container_from_args(args, model_cfg),
+             hooks.datasets_provider(provider), ModelType.encoder_or_decoder,
+             hooks.forward_step(forward_step), ...)
 
-No Megatron function is monkeypatched. In a Megatron-LM run, sparse attention runs at the static
-density ``--sb-density``: DST and SAB need the read-ahead packed data path of
-``examples/pretrain_gpt_sparsebalance.py`` and are reported as off in the log.
-Only for ``sparsebalance_megatron.megatron``: imports megatron lazily, inside the functions.
+What enters where:
+- flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
+  machine without CUDA also the CPU defaults of ``launch.cpu_parser_defaults`` and the CPU shims);
+- the attention: ``GPTModelConfig.transformer_layer_spec`` = Megatron's default spec with only
+  ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params;
+- data (SAB): with the plugin's data path (DST or SAB on, or always for our entry) Megatron pulls
+  our iterators through ``--dataloader-type external``; ``forward_step`` is ours (THD inputs);
+- the step callback (DST, calibration, metrics): a post-wrap hook (``model_cfg.post_wrap_hooks``)
+  builds ``callback.SparseBalanceCallback`` once the process groups and model exist and sets
+  ``config.finalize_model_grads_func`` (Megatron's ``train()`` keeps a preset one);
+- per-micro-batch timings: Megatron's global ``Timers`` becomes a ``TeeTimers`` (it is what
+  ``train()`` puts in ``config.timers``, and ``evaluate()`` restores after evaluation);
+- resume state: ``args.dataloader_save`` = ``--save``: Megatron's checkpoint calls our iterator's
+  ``save_state`` and writes it into the iteration's folder (``state.py``).
+With none of the plugin's switches on, ``install`` changes nothing: the run is stock Megatron.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
+import sys
+import time
 from typing import Callable, Optional
 
 from ..arguments import add_sparsebalance_args, config_from_args
-from ..config import SparseBalanceConfig, flag_name
-from .initialize import LaunchError
-from .timing import MicrobatchTimers
+from ..config import ConfigError, SparseBalanceConfig
+from . import compat
+from .launch import LaunchError, check_launch, cpu_parser_defaults
 
 log = logging.getLogger("sparsebalance")
 
 
-class _State:
-    """Per-process hook state (one training run per process, as in pretrain_gpt.py)."""
+class _Integration:
+    """What ``install`` set up in this process (one training run per process)."""
 
     sb: Optional[SparseBalanceConfig] = None
-    timers: Optional[MicrobatchTimers] = None
-    last_timings: Optional[dict] = None
+    plugin_data: bool = False
+    data = None
+    budget = None
+    callback = None
+    timers = None
 
 
-_state = _State()
+_run = _Integration()
 
+
+def _print0(msg: str) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
+        int(__import__("os").environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"[sparsebalance] {msg}", flush=True)
+
+
+# --- flags -----------------------------------------------------------------------------------
 
 def extra_args_provider(base: Optional[Callable] = None) -> Callable:
-    """Megatron ``extra_args_provider`` adding our flags after ``base``'s (if any)."""
+    """Megatron ``extra_args_provider``: ``base``'s flags (if any), then ours; without CUDA also
+    the CPU defaults, and the CPU shims (``validate_args`` already queries the device)."""
 
     def provider(parser):
         if base is not None:
             parser = base(parser)
+        compat.activate_cpu_shims()
+        cpu_parser_defaults(parser)
+        _escape_help_percent(parser)
         return add_sparsebalance_args(parser)
 
     return provider
 
 
-def model_layer_spec(args, sb: Optional[SparseBalanceConfig] = None):
-    """The SparseBalance layer spec when sparse attention is on, else None (Megatron's default)."""
-    sb = config_from_args(args) if sb is None else sb
-    if not sb.sparse_attention_enabled:
-        return None
-    from .model import get_layer_spec
+def _escape_help_percent(parser) -> None:
+    """megatron-core 0.19.2 has a stray '%' in --moe-paged-stash-buffer-size-factor-cuda's help,
+    which makes ``--help`` crash; escape lone '%'."""
+    import re
 
-    return get_layer_spec(args, sb)
+    for action in parser._actions:
+        if action.help:
+            action.help = re.sub(r"%%|%\(\w+\)[a-z]|%",
+                                 lambda m: m.group(0) if len(m.group(0)) > 1 else "%%",
+                                 action.help)
 
 
-def _unsupported(args) -> list[str]:
-    """Settings whose layer spec or core attention would silently replace ours."""
-    out = []
-    if getattr(args, "spec", None) is not None:
-        out.append(f"--spec {args.spec} (a custom layer spec)")
-    if getattr(args, "num_experts", None):
-        out.append(f"--num-experts {args.num_experts} (MoE block spec)")
-    if getattr(args, "multi_latent_attention", False):
-        out.append("--multi-latent-attention")
-    if getattr(args, "experimental_attention_variant", None) is not None:
-        out.append(f"--experimental-attention-variant {args.experimental_attention_variant}")
-    if getattr(args, "heterogeneous_layers_config_path", None) is not None:
-        out.append("--heterogeneous-layers-config-path")
-    if str(getattr(args, "attention_backend", "")).endswith("local"):
-        out.append("--attention-backend local (the builder swaps in DotProductAttention)")
-    if getattr(args, "modelopt_enabled", False):
-        out.append("ModelOpt (its own layer spec)")
+def uses_plugin_data(sb: SparseBalanceConfig, packed_data: Optional[bool]) -> bool:
+    """The plugin's packed data path: always for our entry, else when DST or SAB needs it."""
+    if packed_data is not None:
+        return bool(packed_data)
+    return sb.dst_enabled or sb.batching_enabled or sb.packing != "auto"
+
+
+def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = None,
+                  argv=None) -> dict:
+    """``args_defaults`` for ``parse_and_validate_args``: ``base``, except that with the plugin's
+    data path and its tokenizer (Megatron's ``NullTokenizer``, the default there) the vocabulary
+    size is the data's, so ``--vocab-size`` need not be given."""
+    out = dict(base or {})
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_sparsebalance_args(parser)
+    for flag in ("--tokenizer-type", "--split", "--seed"):
+        parser.add_argument(flag)
+    parser.add_argument("--vocab-size", type=int)
+    parser.add_argument("--data-path", nargs="*")
+    ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        sb = config_from_args(ns)
+    except ConfigError:
+        return out   # Megatron's parse reports it
+    if not uses_plugin_data(sb, packed_data):
+        return out
+    out.setdefault("eval_interval", 1000)   # Megatron's sample count needs one; its old default
+    if ns.tokenizer_type not in (None, "NullTokenizer"):
+        return out   # a Megatron text tokenizer: it decides the vocabulary
+    out["tokenizer_type"] = "NullTokenizer"
+    if ns.vocab_size is not None:
+        return out
+    from .data import load_data
+
+    try:
+        data = load_data(argparse.Namespace(data_path=ns.data_path, tokenizer_type=None,
+                                             split=ns.split), sb)
+    except (ValueError, OSError):
+        return out   # install() reports it with the full arguments
+    out.update(tokenizer_type="NullTokenizer", vocab_size=int(data.corpus.vocab_size))
     return out
 
 
-def check(args, sb: SparseBalanceConfig) -> None:
-    """Clear errors, before any model is built, for settings the sparse layer spec cannot serve."""
-    if not sb.sparse_attention_enabled:
-        return
-    if args.seq_length is not None and args.seq_length < sb.block_size:
-        raise LaunchError(
-            f"--seq-length={args.seq_length} is smaller than {flag_name('block_size')}="
-            f"{sb.block_size}: a sequence must hold at least one attention block")
-    bad = _unsupported(args)
-    if bad:
-        raise LaunchError("sparse attention (--sparse-balance / --sb-sparse-attention / --sb-dst) "
-                          "cannot be combined with: " + "; ".join(bad))
+# --- model, data, callback ----------------------------------------------------------------------
+
+def install(args, model_cfg, *, packed_data: Optional[bool] = None):
+    """Checks, layer spec, data and step hooks on Megatron's ``GPTModelConfig``; returns it.
+
+    ``packed_data``: True for an entry whose only data path is the plugin's (ours); None for a
+    script with its own data path (Megatron-LM's ``pretrain_gpt.py``): the plugin's is used when
+    DST or SAB needs it. Bad settings end the process with one ``error:`` line.
+    """
+    try:
+        return _install(args, model_cfg, packed_data)
+    except (ConfigError, LaunchError, ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
-def install(args, model_cfg):
-    """Put the SparseBalance layer spec and step hooks on Megatron's ``GPTModelConfig``."""
+def _install(args, model_cfg, packed_data):
+    from .budget import BudgetContext
+    from .spec import layer_spec_builder, sparse_core_attention_spec
+
     sb = config_from_args(args)
-    _state.sb = sb
-    if not sb.sparse_attention_enabled:
+    plugin_data = uses_plugin_data(sb, packed_data)
+    check_launch(args, sb, plugin_data=plugin_data)
+    _run.sb, _run.plugin_data = sb, plugin_data
+    if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
-    check(args, sb)
-    model_cfg.transformer_layer_spec = model_layer_spec(args, sb)
-    if _install_finalize not in model_cfg.post_wrap_hooks:
-        model_cfg.post_wrap_hooks.append(_install_finalize)
-    _state.timers = MicrobatchTimers()
-    if getattr(args, "rank", 0) == 0:
-        off = [name for name, on in (("DST", sb.dst_enabled), ("SAB", sb.batching_enabled)) if on]
-        print(f"[sparsebalance] sparse attention on: density {sb.density}, block {sb.block_size}, "
-              f"backend {sb.attention_backend}"
-              + (f"; {' and '.join(off)} requested but not available in a Megatron-LM "
-                 f"pretrain_gpt.py run (static density; use examples/pretrain_gpt_sparsebalance.py)"
-                 if off else ""), flush=True)
+    compat.skip_prebuilt_helpers_compile()
+    _run.budget = BudgetContext(sb.density)
+    if sb.sparse_attention_enabled:
+        model_cfg.transformer_layer_spec = layer_spec_builder(
+            sparse_core_attention_spec(sb, _run.budget))
+    elif args.transformer_impl == "local":
+        from .dense_attention import DenseVarlenCoreAttention   # local DotProductAttention: no THD
+        model_cfg.transformer_layer_spec = layer_spec_builder(DenseVarlenCoreAttention)
+    if plugin_data:
+        from .data import check_vocab, load_data, megatron_text_tokenizer
+
+        _run.data = load_data(args, sb, text_tokenizer=megatron_text_tokenizer(args))
+        check_vocab(_run.data, int(args.padded_vocab_size or model_cfg.vocab_size))
+        args.dataloader_type = "external"            # Megatron pulls our iterators
+        args.dataloader_save = args.save             # our save_state -> the iteration's folder
+        # Packed micro-batches hold different numbers of real tokens: normalise per token.
+        args.calculate_per_token_loss = True
+        model_cfg.calculate_per_token_loss = True
+    if _on_model_built not in model_cfg.post_wrap_hooks:
+        model_cfg.post_wrap_hooks.append(_on_model_built)
+    parts = [f"sparse attention: density {sb.density}, block {sb.block_size}, backend "
+             f"{sb.attention_backend}" if sb.sparse_attention_enabled else "dense attention"]
+    if plugin_data:
+        parts.append(f"data: {_run.data.corpus.name} ({len(_run.data.corpus)} documents, "
+                     f"tokenizer {_run.data.tokenizer}), packing {sb.packing_method}")
+    parts.append("DST on" if sb.dst_enabled else "DST off")
+    _print0("; ".join(parts))
     return model_cfg
 
 
-def _install_finalize(model: list) -> list:
-    """Post-wrap hook: record this step's per-micro-batch timings before Megatron's finalize."""
+def _on_model_built(model: list) -> list:
+    """Post-wrap hook (process groups and the model exist): the step callback, the finalize
+    hook and the timers tee."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
+    if not _run.plugin_data or _run.callback is not None:
+        return model
+    from .callback import SparseBalanceCallback
+    from .compat import device
+    from .timing import MicrobatchTimers
+
+    args = _megatron_args()
+    _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
+    _run.timers = _run.callback.timers = MicrobatchTimers()
+    _install_timers_tee(_run.timers)
     config = get_model_config(model[0])
     inner = config.finalize_model_grads_func or finalize_model_grads
-    if getattr(inner, "_sparsebalance", False):
-        return model
-
-    def finalize_model_grads_sb(*a, **kw):
-        timers = _state.timers
-        if timers is not None:
-            _state.last_timings = {"fwd_s": timers.durations_s("forward-compute"),
-                                   "bwd_s": timers.durations_s("backward-compute")}
-            timers.reset()
-        return inner(*a, **kw)
-
-    finalize_model_grads_sb._sparsebalance = True
-    config.finalize_model_grads_func = finalize_model_grads_sb
+    if not getattr(inner, "_sparsebalance", False):
+        config.finalize_model_grads_func = _run.callback.finalize_model_grads(inner)
     return model
 
 
-def last_microbatch_timings() -> Optional[dict]:
-    """Seconds per micro-batch of the last step on this rank: {'fwd_s': [...], 'bwd_s': [...]}."""
-    return _state.last_timings
+def _megatron_args():
+    from megatron.training.global_vars import get_args
+
+    return get_args()
 
 
-class _TeeInterval:
-    def __init__(self, megatron_timer, ours):
-        self._m, self._o = megatron_timer, ours
+def _install_timers_tee(ours) -> None:
+    """Megatron's global ``Timers`` -> ``TeeTimers(Timers, ours)``.
 
-    def start(self, barrier: bool = False):
-        self._o.start()
-        self._m.start(barrier=barrier)
+    ``train()`` sets ``config.timers = get_timers()`` and ``evaluate()`` restores it from there,
+    so the tee is seen by every schedule. Targets megatron-core >=0.19,<0.20
+    (``megatron.training.global_vars._GLOBAL_TIMERS``); idempotent; a test fails if the
+    attribute disappears.
+    """
+    from megatron.training import global_vars
 
-    def stop(self, barrier: bool = False):
-        self._m.stop(barrier=barrier)
-        self._o.stop()
+    from .timing import TeeTimers
 
-    def __getattr__(self, name):
-        return getattr(self._m, name)
-
-
-class TeeTimers:
-    """``config.timers`` feeding Megatron's ``Timers`` and our ``MicrobatchTimers`` together."""
-
-    def __init__(self, megatron_timers, ours: MicrobatchTimers):
-        self.megatron_timers, self.ours = megatron_timers, ours
-
-    def __call__(self, name, log_level=None, barrier: bool = False):
-        return _TeeInterval(self.megatron_timers(name, log_level), self.ours(name))
-
-    def __getattr__(self, name):
-        return getattr(self.megatron_timers, name)
+    current = global_vars._GLOBAL_TIMERS
+    if current is None:
+        raise RuntimeError("Megatron's timers are not set up (parse_and_validate_args first)")
+    if isinstance(current, TeeTimers):
+        current.ours = ours
+        return
+    global_vars._GLOBAL_TIMERS = TeeTimers(current, ours)
 
 
-def wrap_forward_step(forward_step: Callable) -> Callable:
-    """Megatron ``forward_step_func`` that (re)installs the timer tee, then calls ``forward_step``."""
-    if getattr(forward_step, "_sparsebalance", False):
-        return forward_step
+def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
+    """Megatron's ``train_valid_test_datasets_provider``: ours with the plugin's data path (it
+    returns the train/valid/test iterators for ``--dataloader-type external``), else
+    ``megatron_provider`` unchanged."""
+    if not _run.plugin_data:
+        if megatron_provider is None:
+            raise RuntimeError("hooks.datasets_provider(None) needs the plugin's data path: call "
+                               "hooks.install(args, model_cfg, packed_data=True) first")
+        return megatron_provider
 
-    @functools.wraps(forward_step)  # keeps the signature Megatron inspects
-    def forward_step_sb(data_iterator, model, *a, **kw):
-        if _state.timers is not None:
-            from megatron.core.utils import get_model_config
+    def provider(train_val_test_num_samples, vp_stage=None):
+        from megatron.core import parallel_state as ps
 
-            config = get_model_config(model)
-            if config.timers is not None and not isinstance(config.timers, TeeTimers):
-                config.timers = TeeTimers(config.timers, _state.timers)
-        return forward_step(data_iterator, model, *a, **kw)
+        from .data import EvalIterator
 
-    forward_step_sb._sparsebalance = True
-    return forward_step_sb
+        cb, args = _run.callback, _megatron_args()
+        train = cb.train_iterator() if args.train_iters else None
+        evals = []
+        for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
+            sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
+                                        long_sample_policy=_run.sb.long_sample_policy)
+            evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
+                sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
+                dp_rank=ps.get_data_parallel_rank(), device=cb.device,
+                consumed_samples=consumed))
+        return train, evals[0], evals[1]
+
+    provider.is_distributed = True   # every rank builds its own (identical) iterators
+    return provider
+
+
+def forward_step(megatron_forward_step: Optional[Callable] = None) -> Callable:
+    """Megatron's ``forward_step_func``: ours with the plugin's data path, else the script's."""
+    if not _run.plugin_data:
+        if megatron_forward_step is None:
+            raise RuntimeError("hooks.forward_step(None) needs the plugin's data path")
+        return megatron_forward_step
+    return _forward_step
+
+
+def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One packed micro-batch through this pipeline stage."""
+    from megatron.training.global_vars import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    mb = next(data_iterator)
+    timers("batch-generator").stop()
+    sb, cb = _run.sb, _run.callback
+    t0 = time.perf_counter()
+    output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
+                   loss_mask=mb["loss_mask"], packed_seq_params=mb["packed_seq_params"])
+    if sb.straggler_rank == cb.dp_rank and sb.straggler_slowdown > 1.0:
+        # Benchmarks (--sb-straggler-*): forward + backward (about 3x the forward) take
+        # straggler_slowdown times longer on this rank.
+        time.sleep(3.0 * (sb.straggler_slowdown - 1.0) * (time.perf_counter() - t0))
+    return output, functools.partial(_loss_func, mb["loss_mask"])
+
+
+def _loss_func(loss_mask, output_tensor):
+    """Megatron's per-token loss contract: (sum, tokens, report), as pretrain_gpt's."""
+    import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    args = _megatron_args()
+    if args.check_for_nan_in_loss_and_grad:
+        machine = get_rerun_state_machine()
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(result=loss, rejection_func=reject,
+                                    message=f"found {what} in local forward loss calculation",
+                                    tolerance=0.0, fatal=True)
+    _run.callback.record_loss(loss, num_tokens)
+    return loss, num_tokens, report
+
+
+def current_callback():
+    """The running ``SparseBalanceCallback`` (None before the model is built / without the
+    plugin's data path): for scripts that observe a run in-process."""
+    return _run.callback

@@ -19,7 +19,6 @@ import platform
 import socket
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -28,7 +27,8 @@ import torch
 from ..config import SparseBalanceConfig
 from ..latency.features import FEATURES
 from ..latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
-from ..plan import BudgetPlan, set_current_microbatch, set_step_plan
+from ..plan import BudgetPlan
+from .budget import BudgetContext, SparsePackedSeqParams
 
 
 @dataclass
@@ -107,65 +107,47 @@ def _free_port() -> int:
 
 
 def init_single_process(seed: int = 1234) -> None:
-    """A 1-process gloo group and megatron-core parallel state (idempotent)."""
-    from megatron.core import parallel_state
+    """A 1-process gloo (or NCCL) group and megatron-core parallel state (idempotent)."""
+    from datetime import timedelta
 
-    from .initialize import initialize_distributed
+    from megatron.core import parallel_state, tensor_parallel
+
+    from . import comm
+    from .compat import activate_cpu_shims
     if parallel_state.model_parallel_is_initialized():
         return
+    activate_cpu_shims()
     # Its own rendezvous, always: launched from inside a torchrun job (a run profiling its table
     # at start-up) it inherits that job's MASTER_PORT and agent store, which it must not join.
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(_free_port())
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    initialize_distributed(SimpleNamespace(
-        distributed_backend="nccl" if torch.cuda.is_available() else "gloo", world_size=1,
-        rank=0, distributed_timeout_minutes=10, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, context_parallel_size=1, seed=seed))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    comm.init_process_group("nccl" if torch.cuda.is_available() else "gloo", 1, 0,
+                            timedelta(minutes=10))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             pipeline_model_parallel_size=1)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def _layer_spec(sb: SparseBalanceConfig):
-    """The training layer spec; until ``spec.py`` exists, a local spec whose core attention
-    calls ``block_sparse_attention`` directly (same kernel, same density context)."""
-    try:
-        from .spec import get_sparsebalance_layer_spec
-    except ImportError:
-        import copy
-        import warnings
+    """The training layer spec (local implementation; only ``core_attention`` swapped)."""
+    from .spec import get_sparsebalance_layer_spec
 
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        warnings.warn("megatron/spec.py not found: profiling with a stand-in core attention "
-                      "around attention.block_sparse_attention", stacklevel=2)
-        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
-        spec.submodules.self_attention.submodules.core_attention = _make_standin(sb)
-        return spec
     return get_sparsebalance_layer_spec(sb, transformer_impl="local", qk_layernorm=False,
                                         normalization="RMSNorm")
 
 
-def _make_standin(sb: SparseBalanceConfig):
-    from megatron.core.transformer.module import MegatronModule
+def _budget_of(model) -> BudgetContext:
+    """The budget context the model's sparse attention layers share (built by ``_layer_spec``)."""
+    from .core_attention import SparseCoreAttention
 
-    from ..attention import block_sparse_attention
-    from ..plan import current_density
-
-    class StandinSparseCoreAttention(MegatronModule):
-        """q/k/v ``[t, 1, heads, hn]`` (THD) -> ``[t, np * hn]`` via block_sparse_attention."""
-
-        def __init__(self, config, layer_number, *args, **kwargs):
-            super().__init__(config=config)
-
-        def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
-                    attention_bias=None, packed_seq_params=None):
-            q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
-            out, _ = block_sparse_attention(
-                q, k, v, packed_seq_params.cu_seqlens_q, current_density(sb.density),
-                block_size=sb.block_size, sink_blocks=sb.sink_blocks,
-                local_blocks=sb.local_blocks, estimator=sb.estimator,
-                backend=sb.attention_backend, query_chunk_blocks=sb.query_chunk_blocks)
-            return out.reshape(out.shape[0], -1)
-
-    return StandinSparseCoreAttention
+    for module in model.modules():
+        if isinstance(module, SparseCoreAttention):
+            return module.budget
+    raise ValueError("the profiled model has no SparseCoreAttention layer")
 
 
 def build_stage(shape: StageShape, sb: SparseBalanceConfig, kind: str, num_layers: int):
@@ -218,19 +200,18 @@ def time_microbatch(model, dev, kind: str, shape: StageShape, doc_lengths: Seque
                     ) -> tuple[float, float]:
     """Median (or min) (fwd_s, bwd_s) over ``repeats`` runs of one packed micro-batch."""
     stat = {"median": np.median, "min": np.min}[statistic]
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     t = int(sum(doc_lengths))
     cu = torch.tensor([0] + np.cumsum(doc_lengths).tolist(), dtype=torch.int32, device=dev)
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          max_seqlen_q=int(max(doc_lengths)), max_seqlen_kv=int(max(doc_lengths)))
+    psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                max_seqlen_q=int(max(doc_lengths)),
+                                max_seqlen_kv=int(max(doc_lengths)), sb_step=0, sb_microbatch=0)
     g = torch.Generator(device="cpu").manual_seed(t)
     tokens = torch.randint(0, shape.vocab_size, (1, t), generator=g).to(dev)
     pos = torch.cat([torch.arange(n) for n in doc_lengths]).unsqueeze(0).to(dev)
     dtype = next(model.parameters()).dtype
     hidden = torch.randn(t, 1, shape.hidden_size, generator=g).to(dev, dtype)  # [s, b, h]
-    set_step_plan(BudgetPlan.static(0, density, 1, 1, 1), 0, 0)
-    set_current_microbatch(0, None)
+    budget = _budget_of(model)
+    budget.set_plan(BudgetPlan.static(0, density, 1, 1, 1), dp_rank=0, stage=0)
     fwd, bwd = [], []
     try:
         for i in range(warmup + repeats):
@@ -256,8 +237,9 @@ def time_microbatch(model, dev, kind: str, shape: StageShape, doc_lengths: Seque
                 fwd.append(t1 - t0)
                 bwd.append(t2 - t1)
     finally:
-        set_step_plan(None)
-        set_current_microbatch(None, None)
+        budget.set_plan(None, dp_rank=0, stage=0)
+        budget.pop_served()
+        budget.pop_stats()
     if not fwd:   # warm-up only
         return 0.0, 0.0
     return float(stat(fwd)), float(stat(bwd))

@@ -1,21 +1,27 @@
-"""Layer specs with SparseBalance attention: megatron's own GPT specs, ``core_attention`` swapped.
+"""Layer specs with SparseBalance attention: Megatron's own GPT specs, ``core_attention`` swapped.
 
-``get_sparsebalance_layer_spec(sb_config, transformer_impl="local", **kwargs)`` builds megatron's
-``get_gpt_layer_local_spec(**kwargs)`` (or ``get_gpt_layer_with_transformer_engine_spec`` for
-``transformer_impl="transformer_engine"``, which needs transformer-engine installed) and replaces
-only ``submodules.self_attention.submodules.core_attention`` with a ``ModuleSpec`` of
-``SparseCoreAttention`` whose ``params`` carry ``sb_config``. Everything else (QKV projection,
-RoPE, norms, MLP) stays megatron's. transformer-engine is probed, never required.
-Must not touch torch.distributed.
+Training builds the model with Megatron's ``GPTModelBuilder``; ``layer_spec_builder(core)`` is the
+callable put in ``GPTModelConfig.transformer_layer_spec``. It calls the function Megatron's builder
+itself calls when no spec is given (``megatron.training.models.gpt.default_layer_spec(config,
+vp_stage)``: transformer-engine or local, with every keyword upstream passes, ``qk_l2_norm``,
+``use_te_op_fuser`` and the rest) and replaces only
+``submodules.self_attention.submodules.core_attention``. So every flag upstream honours still works.
+
+``get_sparsebalance_layer_spec(sb_config, transformer_impl, **kwargs)`` builds a spec directly from
+``get_gpt_layer_local_spec(**kwargs)`` / ``get_gpt_layer_with_transformer_engine_spec(**kwargs)``
+for models built outside ``pretrain()`` (the profiler, conversion, tests).
+transformer-engine is probed, never required. Must not touch torch.distributed.
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Callable, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import SparseBalanceConfig
+from .budget import BudgetContext
 from .core_attention import SparseCoreAttention
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -29,17 +35,46 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def sparse_core_attention_spec(sb_config: SparseBalanceConfig) -> ModuleSpec:
-    """The core-attention builder: ``ModuleSpec(SparseCoreAttention, params={"sb_config": ...})``."""
+def sparse_core_attention_spec(sb_config: SparseBalanceConfig,
+                               budget: Optional[BudgetContext] = None) -> ModuleSpec:
+    """``ModuleSpec(SparseCoreAttention, params={"sb_config": ..., "budget": ...})``."""
     if not isinstance(sb_config, SparseBalanceConfig):
         raise ValueError(f"sb_config={sb_config!r}: expected a SparseBalanceConfig")
-    return ModuleSpec(module=SparseCoreAttention, params={"sb_config": sb_config})
+    if budget is None:
+        budget = BudgetContext(sb_config.density)
+    return ModuleSpec(module=SparseCoreAttention, params={"sb_config": sb_config,
+                                                          "budget": budget})
 
 
-def get_sparsebalance_layer_spec(sb_config: SparseBalanceConfig,
-                                 transformer_impl: str = "local", **kwargs) -> ModuleSpec:
+def swap_core_attention(spec: ModuleSpec, core, what: str = "the layer spec") -> ModuleSpec:
+    """A copy of ``spec`` whose ``self_attention.core_attention`` is ``core``; nothing else changes."""
+    attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    if getattr(getattr(attention, "submodules", None), "core_attention", None) is None:
+        raise ValueError(f"{what} ({type(spec).__name__}) has no "
+                         f"submodules.self_attention.submodules.core_attention slot: only plain "
+                         f"GPT layer specs (transformer-engine or local) can take sparse attention")
+    spec = copy.deepcopy(spec)   # the budget context survives: BudgetContext.__deepcopy__
+    spec.submodules.self_attention.submodules.core_attention = core
+    return spec
+
+
+def layer_spec_builder(core) -> Callable:
+    """``GPTModelConfig.transformer_layer_spec`` callable: Megatron's default spec for
+    ``(config, vp_stage)``, with ``core`` (a module class or ``ModuleSpec``) as core attention."""
+
+    def sparsebalance_layer_spec(config, vp_stage=None) -> ModuleSpec:
+        from megatron.training.models.gpt import default_layer_spec
+
+        return swap_core_attention(default_layer_spec(config, vp_stage), core,
+                                   what=f"Megatron's {config.transformer_impl} layer spec")
+
+    return sparsebalance_layer_spec
+
+
+def get_sparsebalance_layer_spec(sb_config: SparseBalanceConfig, transformer_impl: str = "local",
+                                 budget: Optional[BudgetContext] = None, **kwargs) -> ModuleSpec:
     """Megatron's GPT layer spec (``kwargs`` go to it) with SparseBalance core attention."""
-    core = sparse_core_attention_spec(sb_config)
+    core = sparse_core_attention_spec(sb_config, budget)
     if transformer_impl == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         spec = get_gpt_layer_local_spec(**kwargs)
@@ -55,10 +90,4 @@ def get_sparsebalance_layer_spec(sb_config: SparseBalanceConfig,
     else:
         raise ValueError(f"transformer_impl={transformer_impl!r}: expected one of "
                          f"{', '.join(TRANSFORMER_IMPLS)}")
-    spec = copy.deepcopy(spec)
-    attention = spec.submodules.self_attention
-    if getattr(attention.submodules, "core_attention", None) is None:
-        raise ValueError(f"the {transformer_impl} spec has no self_attention.core_attention slot "
-                         f"(multi-latent attention is not supported)")
-    attention.submodules.core_attention = core
-    return spec
+    return swap_core_attention(spec, core, what=f"the {transformer_impl} spec")

@@ -3,8 +3,10 @@
 Megatron's pipeline schedules call ``config.timers('forward-compute').start()/.stop()`` around
 each micro-batch's forward and ``'backward-compute'`` around its backward. ``MicrobatchTimers``
 records every interval in order: wall clock on CPU, CUDA events on a GPU (resolved once per step,
-so the schedule never synchronises). Also usable as Megatron's ``Timers`` where only
-``__call__(name, log_level=...)`` is needed.
+so the schedule never synchronises). ``step_timings()``, called once per step from the
+finalize hook, returns the step's per-micro-batch seconds and the time since the schedule started
+(``forward-backward``), then starts a new step. ``TeeTimers`` feeds Megatron's ``Timers`` and ours
+from one ``config.timers``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,26 @@ class MicrobatchTimers:
                 out.append(b - a)
         return out
 
+    def open_for_s(self, name: str) -> float | None:
+        """Seconds since the still-open interval ``name`` started (None if it is not open)."""
+        timer = self._timers.get(name)
+        if timer is None or timer._start is None:
+            return None
+        now = self._now()
+        if self.use_cuda:
+            now.synchronize()
+            return timer._start.elapsed_time(now) / 1e3
+        return now - timer._start
+
+    def step_timings(self) -> dict:
+        """{'fwd_s': [...], 'bwd_s': [...], 'step_s': seconds since the schedule began} of the
+        step so far; then the records are cleared for the next step."""
+        out = {"fwd_s": self.durations_s("forward-compute"),
+               "bwd_s": self.durations_s("backward-compute"),
+               "step_s": self.open_for_s("forward-backward")}
+        self._records.clear()
+        return out
+
     def total_s(self, name: str) -> float:
         return float(sum(self.durations_s(name)))
 
@@ -80,3 +102,33 @@ class MicrobatchTimers:
 
     def write(self, *args, **kwargs):
         pass
+
+
+class _TeeInterval:
+    def __init__(self, megatron_timer, ours: _Interval):
+        self._m, self._o = megatron_timer, ours
+
+    def start(self, barrier: bool = False):
+        self._o.start()
+        self._m.start(barrier=barrier)
+
+    def stop(self, barrier: bool = False):
+        self._m.stop(barrier=barrier)
+        self._o.stop()
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+
+class TeeTimers:
+    """Megatron's ``Timers`` and our ``MicrobatchTimers`` behind one object: every interval
+    Megatron times is also recorded per call; everything else is Megatron's."""
+
+    def __init__(self, megatron_timers, ours: MicrobatchTimers):
+        self.megatron_timers, self.ours = megatron_timers, ours
+
+    def __call__(self, name, log_level=None, barrier: bool = False):
+        return _TeeInterval(self.megatron_timers(name, log_level), self.ours(name))
+
+    def __getattr__(self, name):
+        return getattr(self.megatron_timers, name)

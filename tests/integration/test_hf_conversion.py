@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims  # noqa: E402
+from sparsebalance_megatron.megatron.compat import activate_cpu_shims  # noqa: E402
 from sparsebalance_megatron.megatron import hf_convert  # noqa: E402
 from sparsebalance_megatron.megatron.hf_convert import (  # noqa: E402
     ArchitectureMismatchError, arch_from_hf_config, build_gpt_model, hf_to_megatron,

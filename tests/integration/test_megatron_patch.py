@@ -278,8 +278,8 @@ def test_timer_tee_and_finalize_hook_record_microbatch_timings(monkeypatch):
 _BUILD = r"""
 import sys
 import torch
-from sparsebalance_megatron.megatron import cpu_compat, hooks
-cpu_compat.activate_cpu_shims()
+from sparsebalance_megatron.megatron import compat, hooks
+compat.activate_cpu_shims()
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.argument_utils import gpt_config_from_args
 from megatron.training.global_vars import set_global_variables

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from sparsebalance_megatron import plan
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.megatron.cpu_compat import activate_cpu_shims
+from sparsebalance_megatron.megatron.compat import activate_cpu_shims
 
 pytestmark = pytest.mark.integration
 VOCAB, BLOCK = 64, 16

@@ -1,24 +1,33 @@
-"""Run megatron-core (0.19.x) on a machine without CUDA: the one place with CPU shims.
+"""The one place where megatron-core's own functions are replaced: CPU shims and a wheel fix.
 
-megatron-core assumes CUDA in a few hundred places (allocations on ``torch.cuda.current_device()``,
-CUDA RNG state, streams in DDP, a hard-coded ``device="cuda"`` in the schedules). On a CPU-only
-machine, ``activate_cpu_shims()`` redirects exactly those to the CPU. It is idempotent and does
-nothing at all when CUDA is available, so GPU runs never see it.
+1. ``activate_cpu_shims()`` (id ``sparsebalance.cpu_compat.v2``): megatron-core assumes CUDA in a
+   few hundred places (allocations on ``torch.cuda.current_device()``, CUDA RNG state, streams in
+   DDP, a hard-coded ``device="cuda"`` in the schedules, ``initialize_megatron``'s CUDA assertion,
+   model-parallel set-up skipped when ``torch.cuda.device_count() == 0``). On a CPU-only machine it
+   redirects exactly those to the CPU. Idempotent; does nothing at all when CUDA is available, so
+   GPU runs never see it.
+2. ``skip_prebuilt_helpers_compile()`` (id ``sparsebalance.wheel_helpers.v1``), on any device:
+   ``pretrain()`` runs ``make`` in ``megatron/core/datasets`` to build the dataset helpers, but the
+   megatron-core wheel ships them prebuilt and without a Makefile, so ``make`` fails and the run
+   exits. When the prebuilt extension imports and there is no Makefile, the compile step becomes a
+   no-op; a Megatron-LM checkout (which has the Makefile) keeps its own behaviour.
 
-Shim id: ``sparsebalance.cpu_compat.v1``; targets megatron-core >=0.19,<0.20 and torch >= 2.6.
-``check_shim_targets()`` fails loudly when a patched attribute disappears (a test calls it).
+Both target megatron-core >=0.19,<0.20 and torch >= 2.6; ``check_shim_targets()`` fails loudly
+when a replaced attribute disappears (a test calls it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-SHIM_ID = "sparsebalance.cpu_compat.v1"
+SHIM_ID = "sparsebalance.cpu_compat.v2"
+WHEEL_SHIM_ID = "sparsebalance.wheel_helpers.v1"
 _active = False
 _mode: TorchFunctionMode | None = None
 log = logging.getLogger(__name__)
@@ -28,8 +37,9 @@ _RANDOM_TARGETS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
 _CUDA_TARGETS = (
     "current_device", "current_stream", "default_stream", "stream", "Stream", "Event",
     "synchronize", "get_rng_state", "set_rng_state", "manual_seed",
-    "empty_cache", "set_device",
+    "empty_cache", "set_device", "device_count",
 )
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
 
 def _is_cuda(device) -> bool:
@@ -117,8 +127,17 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
         torch._foreach_mul_(grads, clip_coeff)
 
 
+class _DropRngWarning(logging.Filter):
+    """On CPU the "CUDA" RNG *is* the CPU generator, so Megatron's tracker sees the CPU state
+    change inside every fork and warns each time: expected here, and only noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _RNG_WARNING not in record.getMessage()
+
+
 def check_shim_targets() -> list[str]:
-    """Names the shims patch that are missing from the installed torch / megatron-core."""
+    """Names the shims replace that are missing from the installed torch / megatron-core."""
+    import megatron.core.datasets.utils as mdutils
     import megatron.core.optimizer.optimizer as moptimizer
     import megatron.core.tensor_parallel.random as mrandom
 
@@ -126,8 +145,40 @@ def check_shim_targets() -> list[str]:
                if not hasattr(mrandom, n)]
     if not hasattr(moptimizer, "clip_grad_by_total_norm_fp32"):
         missing.append("megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32")
+    if not hasattr(mdutils, "compile_helpers"):
+        missing.append("megatron.core.datasets.utils.compile_helpers")
+    try:
+        import megatron.training.training as mtraining
+        if not hasattr(mtraining, "initialize_megatron"):
+            missing.append("megatron.training.training.initialize_megatron")
+    except ImportError:
+        pass  # megatron.training is optional for the model-only uses of the shims
     missing += [f"torch.cuda.{n}" for n in _CUDA_TARGETS if not hasattr(torch.cuda, n)]
     return missing
+
+
+def skip_prebuilt_helpers_compile() -> bool:
+    """Make ``pretrain()``'s dataset-helper compile a no-op where the wheel ships them prebuilt.
+
+    Returns True when the compile step was replaced (idempotent)."""
+    import megatron.core.datasets.utils as mdutils
+
+    if getattr(mdutils.compile_helpers, "_sparsebalance", False):
+        return True
+    if os.path.exists(os.path.join(os.path.dirname(mdutils.__file__), "Makefile")):
+        return False  # a source checkout: Megatron builds its helpers itself
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False  # nothing prebuilt: let Megatron report its own error
+
+    def compile_helpers():
+        """Prebuilt in the megatron-core wheel (see sparsebalance_megatron.megatron.compat)."""
+
+    compile_helpers._sparsebalance = True
+    mdutils.compile_helpers = compile_helpers
+    log.debug("%s: megatron-core's prebuilt dataset helpers are used as they are", WHEEL_SHIM_ID)
+    return True
 
 
 def activate_cpu_shims() -> bool:
@@ -145,6 +196,12 @@ def activate_cpu_shims() -> bool:
     import megatron.core.tensor_parallel.random as mrandom
 
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_cpu
+    try:  # pretrain() asserts CUDA unless initialize_megatron is told a CPU run is meant
+        import megatron.training.training as mtraining
+        mtraining.initialize_megatron = functools.partial(mtraining.initialize_megatron,
+                                                          allow_no_cuda=True)
+    except ImportError:
+        pass
     try:  # megatron.training (the entry's argument validation) asks for the GPU architecture
         import megatron.training.arguments as margs
         margs.get_device_arch_version = lambda *a, **k: 0
@@ -162,6 +219,8 @@ def activate_cpu_shims() -> bool:
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda *a, **k: None
     cuda.set_device = lambda *a, **k: None
+    # One "device": Megatron skips model-parallel set-up and RNG seeding when it counts none.
+    cuda.device_count = lambda *a, **k: 1
     # The "CUDA" RNG state becomes the CPU generator's: Megatron's tracker forks it for
     # tensor-parallel initialisation and dropout, deterministically per seed.
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -170,6 +229,8 @@ def activate_cpu_shims() -> bool:
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngWarning())
 
     _mode = _CudaToCpuMode()
     _mode.__enter__()  # global for the process: megatron builds "cuda" tensors anywhere

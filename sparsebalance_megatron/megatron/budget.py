@@ -1,0 +1,102 @@
+"""The typed slots through which a step's budget reaches the sparse attention.
+
+Two objects, no process-wide globals:
+
+- ``SparsePackedSeqParams``: megatron-core's ``PackedSeqParams`` plus the identity of the packed
+  micro-batch (step, index within this DP rank's step, document ids). It travels with the inputs,
+  so a forward re-run by activation recomputation during a later backward reads its own budget.
+  ``sb_microbatch=None`` marks a micro-batch outside any plan (evaluation): static density.
+- ``BudgetContext``: owned by the runtime (``callback.SparseBalanceCallback``) and handed to every
+  ``SparseCoreAttention`` through ``ModuleSpec.params``. It holds the current step's
+  ``BudgetPlan`` for this rank's (dp rank, pipeline stage), answers ``density(psp)``, and collects
+  what attention reports back (the densities it served, per-document kept density and recall).
+  Deep copies return the same object: Megatron may copy layer specs, the context must stay shared.
+
+Part of the megatron adapter layer; no torch.distributed here.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from ..plan import BudgetPlan
+
+
+@dataclass
+class SparsePackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` of one packed micro-batch, with its place in the step's plan."""
+
+    sb_step: Optional[int] = None
+    """Training iteration (0-based, Megatron's ``args.curr_iteration``) the micro-batch belongs to."""
+    sb_microbatch: Optional[int] = None
+    """Index of the micro-batch within this DP rank's step; None outside a plan (evaluation)."""
+    sb_doc_ids: tuple = field(default_factory=tuple)
+    """Document ids of the micro-batch's sequences, in ``cu_seqlens`` order (padding has none)."""
+
+
+class BudgetError(RuntimeError):
+    """A micro-batch asked for a budget the installed plan does not have."""
+
+
+class BudgetContext:
+    """This rank's view of the step plan, and the sink of attention statistics."""
+
+    def __init__(self, default_density: float):
+        if not 0.0 < float(default_density) <= 1.0:
+            raise ValueError(f"default_density={default_density!r}: expected a number in (0, 1]")
+        self.default_density = float(default_density)
+        self.plan: Optional[BudgetPlan] = None
+        self.dp_rank, self.stage = 0, 0
+        self._served: dict[int, float] = {}
+        self._stats: list = []
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        return self  # a runtime handle, not configuration: shared by every layer
+
+    def set_plan(self, plan: Optional[BudgetPlan], *, dp_rank: int, stage: int) -> None:
+        """Install the coming step's plan for this rank's (dp rank, pipeline stage)."""
+        self.plan, self.dp_rank, self.stage = plan, int(dp_rank), int(stage)
+
+    def density(self, psp: Optional[PackedSeqParams]) -> float:
+        """Density for the micro-batch of ``psp``: the plan's unit, else the static default."""
+        mb = getattr(psp, "sb_microbatch", None)
+        if self.plan is None or mb is None:
+            return self.default_density
+        step = getattr(psp, "sb_step", None)
+        if step is not None and step != self.plan.step:
+            raise BudgetError(f"micro-batch {mb} of step {step} ran under the plan of step "
+                              f"{self.plan.step}: the data iterator and the plan are out of step")
+        d = self.plan.density(self.dp_rank, mb, self.stage)
+        self._served[mb] = d
+        return d
+
+    def record(self, layer_number: int, psp, density_kept: torch.Tensor,
+               recall: torch.Tensor) -> None:
+        """Per-document kept density and estimated recall of one layer's forward ([n_seq] each).
+
+        Kept as detached tensors; ``pop_stats`` moves them to the host once per step, so the
+        per-layer path does not synchronise with the device.
+        """
+        mb = getattr(psp, "sb_microbatch", None)
+        docs = tuple(getattr(psp, "sb_doc_ids", ()) or ())
+        with self._lock:
+            self._stats.append((mb, docs, layer_number, density_kept.detach(), recall.detach()))
+
+    def pop_served(self) -> dict:
+        """{micro-batch: density} handed to attention since the last call."""
+        out, self._served = self._served, {}
+        return out
+
+    def pop_stats(self) -> list:
+        """[(micro-batch, doc_ids, layer, kept [n_seq] list, recall [n_seq] list)] since the last
+        call, in recording order."""
+        with self._lock:
+            stats, self._stats = self._stats, []
+        return [(mb, docs, layer, kept.float().cpu().tolist(), rec.float().cpu().tolist())
+                for mb, docs, layer, kept, rec in stats]

@@ -1,0 +1,346 @@
+"""``SparseBalanceCallback``: SAB and DST as a named per-step callback inside Megatron's ``train()``.
+
+Megatron's loop runs unchanged; the callback is reached through its hooks only:
+
+- ``train_iterator()`` (from the datasets provider, on every rank before training): the data
+  position from ``args.consumed_train_samples``, the plugin state saved in the checkpoint of a
+  resumed run, and the first step prepared.
+- ``take_step()`` (the data iterator's first ``next`` of a step): the prepared step becomes
+  current and its plan is installed in the ``BudgetContext`` the attention reads.
+- ``finalize_model_grads`` (``config.finalize_model_grads_func``, once per step on every rank
+  after the last backward): this rank's per-micro-batch timings (``config.timers`` tee), then
+  Megatron's finalize, then ``end_step``: gather timings and attention statistics, check that
+  every rank used the plan, calibrate the latency model, refine sensitivities, report metrics,
+  and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
+  plan (rank 0 plans, broadcasts; every rank holds identical budgets).
+- ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..batching.plan import BatchPlan
+from ..config import SparseBalanceConfig
+from ..plan import BudgetPlan
+from . import comm
+from .budget import BudgetContext
+
+log = logging.getLogger("sparsebalance")
+STATE_VERSION = 1
+
+
+@dataclass
+class PreparedStep:
+    """One step's data and budgets, built before the step runs."""
+
+    iteration: int                 # Megatron's 0-based iteration (args.curr_iteration)
+    first_bin: int                 # Megatron's consumed samples before the step
+    batch: BatchPlan               # [dp][m] micro-batches of segments, padding known
+    plan: Optional[BudgetPlan]     # None: dense run
+    report: Optional[dict]         # DST's report (None: static plan)
+
+
+class SparseBalanceCallback:
+    """Owns the latency model, sensitivity tracker, packer and per-step plans of this rank."""
+
+    def __init__(self, args, sb: SparseBalanceConfig, budget: BudgetContext, data, *, device):
+        from megatron.core import parallel_state as ps
+
+        from .reporting import StepReporter
+
+        self.args, self.sb, self.budget, self.data, self.device = args, sb, budget, data, device
+        self.corpus = data.corpus
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.pp, self.pp_rank = args.pipeline_model_parallel_size, \
+            ps.get_pipeline_model_parallel_rank()
+        self.capacity = args.seq_length * args.micro_batch_size
+        self.latency = self.tracker = None
+        if sb.dst_enabled or sb.batching_enabled:
+            from .latency_setup import load_latency_model
+            self.latency = load_latency_model(args, sb)
+        if sb.batching_enabled:
+            from ..batching.sensitivity import SensitivityTracker
+            self.tracker = SensitivityTracker()
+        self.reporter = StepReporter(args, sb, dp=self.dp, pp=self.pp)
+        self.timers = None                      # hooks installs the MicrobatchTimers
+        self.sampler = None
+        self.steps_done = 0                     # steps this process ran (the first is warm-up)
+        self._ready: Optional[PreparedStep] = None
+        self._current: Optional[PreparedStep] = None
+        self._finalized: Optional[int] = None
+        self._losses: list = []
+        self._overhead_s = 0.0
+
+    # --- Megatron hooks ----------------------------------------------------------------------
+    def train_iterator(self):
+        """The train data iterator (all ranks; collective: the first plan is broadcast)."""
+        from .data import TrainIterator
+
+        args = self.args
+        self.sampler = self.data.sampler("train", capacity=self.capacity, seed=self.sb.seed,
+                                         long_sample_policy=self.sb.long_sample_policy)
+        self.sampler.skip_bins(int(args.consumed_train_samples))
+        if args.iteration > 0 and args.load:
+            self.load_state_dict(self._load_saved_state(args.load, args.iteration))
+        if args.iteration < args.train_iters:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+            self.prepare_step(args.iteration, get_num_microbatches())
+        return TrainIterator(self, self.device)
+
+    def finalize_model_grads(self, inner):
+        """Megatron's ``finalize_model_grads_func``, with the step's end around it."""
+        def finalize_model_grads(*a, **kw):
+            timings = self.timers.step_timings() if self.timers is not None else {}
+            out = inner(*a, **kw)
+            iteration = self.args.curr_iteration
+            if self._finalized != iteration:   # a rerun of the step (rerun state machine): once
+                self._finalized = iteration
+                self.end_step(iteration, timings)
+            return out
+        finalize_model_grads._sparsebalance = True
+        return finalize_model_grads
+
+    def record_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """The loss function's per-micro-batch (sum, tokens), last stage, training only."""
+        if torch.is_grad_enabled():
+            self._losses.append((loss_sum.detach(), num_tokens.detach()))
+
+    # --- before a step -----------------------------------------------------------------------
+    def pack(self, segments, num_microbatches: int) -> BatchPlan:
+        """The step's micro-batches by --sb-packing: sequential (Megatron), token_balanced, SAB."""
+        from ..batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
+                                        token_balanced_plan)
+
+        sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
+                               max_tokens=self.capacity)
+        method = sb.packing_method
+        if method == "sab":
+            return sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
+                            sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
+                            seed=sb.seed, **kw)
+        if method == "token_balanced":
+            return token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
+                                       seed=sb.seed, **kw)
+        return sequential_plan(segments, **kw)
+
+    def prepare_step(self, iteration: int, num_microbatches: int) -> None:
+        """Documents, packing and budgets of ``iteration`` (collective: DST plan broadcast)."""
+        t0 = time.perf_counter()
+        first_bin = self.sampler.bins
+        segments = self.sampler.next_bins(self.dp * num_microbatches)
+        batch = self.pack(segments, num_microbatches)
+        _check_assignment(segments, batch, self.capacity)
+        plan, report = None, None
+        sb = self.sb
+        if sb.dst_enabled:
+            payload = self._plan_dst(batch) if comm.rank() == 0 else None
+            densities, report = comm.broadcast_object(payload, src=0)
+            plan = BudgetPlan(iteration, np.asarray(densities))
+        elif sb.sparse_attention_enabled:
+            plan = BudgetPlan.static(iteration, sb.density, self.dp, num_microbatches, self.pp)
+        self._ready = PreparedStep(iteration, first_bin, batch, plan, report)
+        self._overhead_s += time.perf_counter() - t0
+
+    def _plan_dst(self, batch: BatchPlan):
+        from ..batching.sensitivity import unit_sensitivity
+        from ..policy.costs import UnitCosts, density_grid
+        from ..policy.dst import plan_dst_from_config
+
+        sb = self.sb
+        grid = density_grid(sb.density, sb.min_density, sb.max_density)
+        costs = UnitCosts.from_latency(self.latency, batch.flat_lengths(with_padding=True),
+                                       self.dp, batch.num_microbatches, grid)
+        sens = unit_sensitivity(batch.micro_batches, self.tracker) if self.tracker else None
+        headroom = self.raise_headroom()
+        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom)
+        return plan.densities.tolist(), dict(plan.report.as_dict(), raise_headroom=headroom)
+
+    def raise_headroom(self) -> float:
+        """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
+        8 steps (``DEFAULT_RAISE_HEADROOM`` before any), capped at ``MAX_RAISE_HEADROOM``."""
+        from ..config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM
+
+        fixed = self.sb.raise_headroom_value
+        if fixed is not None:
+            return fixed
+        err = self.latency.recent_error(last=8 * self.dp)
+        return DEFAULT_RAISE_HEADROOM if err is None else min(err, MAX_RAISE_HEADROOM)
+
+    def take_step(self) -> PreparedStep:
+        """The prepared step becomes current (the data iterator's first read of a step)."""
+        step, args = self._ready, self.args
+        if step is None:
+            raise RuntimeError("the data iterator was read past the prepared step: every step "
+                               "must run its forward/backward through Megatron's train_step")
+        if step.iteration != args.curr_iteration or step.first_bin != args.consumed_train_samples:
+            raise RuntimeError(
+                f"data out of step: prepared iteration {step.iteration} at sample "
+                f"{step.first_bin}, Megatron is at iteration {args.curr_iteration}, sample "
+                f"{args.consumed_train_samples}")
+        self._ready, self._current = None, step
+        self.budget.set_plan(step.plan, dp_rank=self.dp_rank, stage=self.pp_rank)
+        self._losses = []
+        return step
+
+    # --- after a step ------------------------------------------------------------------------
+    def end_step(self, iteration: int, timings: dict) -> None:
+        """Gather, check, calibrate, report; then prepare the next step (collective)."""
+        t0 = time.perf_counter()
+        step = self._current
+        if step is None:
+            raise RuntimeError(f"iteration {iteration} finished without reading the plugin's "
+                               f"data iterator")
+        loss = (torch.stack([x[0].float() for x in self._losses]).sum().item(),
+                torch.stack([x[1].float() for x in self._losses]).sum().item()) \
+            if self._losses else (0.0, 0.0)
+        stats = _doc_recalls(self.budget.pop_stats()) if self.tracker is not None else {}
+        mine = dict(dp=self.dp_rank, pp=self.pp_rank, fwd_s=timings.get("fwd_s", []),
+                    bwd_s=timings.get("bwd_s", []), step_s=timings.get("step_s"), stats=stats,
+                    served=self.budget.pop_served(), fingerprint=_fingerprint(step.batch),
+                    loss=loss)
+        gathered = comm.all_gather_object(mine)
+        if len({g["fingerprint"] for g in gathered}) != 1:
+            raise RuntimeError(f"iteration {iteration}: ranks packed different micro-batches "
+                               f"(the sampler/packer must be deterministic on every rank)")
+        if step.plan is not None:
+            check_budgets(step.plan, gathered)
+        measured = _measured_busy(gathered, self.dp, self.pp, step.batch.num_microbatches)
+        calib = {}
+        # The first step of a process pays for warm-up (allocations, lazy init): no sample.
+        if self.latency is not None and step.plan is not None and self.steps_done > 0:
+            calib = self._calibrate(step, measured)
+        self.steps_done += 1
+        if self.tracker is not None:
+            self._update_sensitivity(step, gathered)
+        self._current = None
+        args = self.args
+        if iteration + 1 < args.train_iters:
+            self.prepare_step(iteration + 1, self._num_microbatches_next(step))
+        self._overhead_s += time.perf_counter() - t0
+        self.reporter.report(iteration + 1, step, gathered, measured, calib,
+                             overhead_s=self._overhead_s)
+        self._overhead_s = 0.0
+
+    def _num_microbatches_next(self, step: PreparedStep) -> int:
+        """Micro-batches of the next step by Megatron's batch-size rules (its calculator at the
+        consumed samples the next step will start from)."""
+        from megatron.core import num_microbatches_calculator as nmc
+
+        consumed = step.first_bin + self.dp * step.batch.num_microbatches
+        args = self.args
+        if args.step_batch_size_schedule is None:
+            return nmc.get_num_microbatches()
+        calc = nmc.StepBatchsizeNumMicroBatchesCalculator(
+            micro_batch_size=args.micro_batch_size, data_parallel_size=self.dp,
+            decrease_batch_size_if_needed=args.decrease_batch_size_if_needed, rank=-1,
+            schedule=args.step_batch_size_schedule, seq_length=args.seq_length)
+        calc.update(consumed, consistency_check=False)
+        return calc.get()
+
+    def _calibrate(self, step: PreparedStep, measured: np.ndarray) -> dict:
+        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction."""
+        units = step.batch.flat_lengths(with_padding=True)
+        m = step.batch.num_microbatches
+        predicted = np.zeros((self.dp, self.pp))
+        for r in range(self.dp):
+            for s in range(self.pp):
+                predicted[r, s] = float(np.sum(self.latency.predict_many(
+                    units[r * m:(r + 1) * m], step.plan.densities[r, :, s], s)))
+        corrected = predicted * np.array([self.latency.correction(r) for r in range(self.dp)])[:, None]
+        for r in range(self.dp):
+            ok = np.isfinite(measured[r]).all()  # missing/NaN: keep the previous factor
+            self.latency.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
+        busy = measured.sum(axis=1)
+        err = np.abs(corrected.sum(axis=1) - busy) / np.maximum(busy, 1e-12)
+        return {"predicted_busy_s": corrected.sum(axis=1).tolist(),
+                "latency_error": float(np.nanmean(err)) if np.isfinite(err).any() else None,
+                "calibration": [self.latency.correction(r) for r in range(self.dp)]}
+
+    def _update_sensitivity(self, step: PreparedStep, gathered) -> None:
+        recalls: dict[int, list] = {}
+        for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
+            for doc_id, values in sorted(g["stats"].items()):
+                recalls.setdefault(int(doc_id), []).extend(values)
+        if not recalls:
+            return
+        lengths = {d: e - s for d, s, e in step.batch.segments()}
+        ids = sorted(i for i in recalls if i in lengths)
+        self.tracker.update(ids, [lengths[i] for i in ids],
+                            [float(np.mean(recalls[i])) for i in ids])
+
+    # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
+                "latency": self.latency.calibration_state() if self.latency else None,
+                "sensitivity": self.tracker.state_dict() if self.tracker else None}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if state is None:
+            return
+        if self.latency is not None and state.get("latency") is not None:
+            self.latency.load_calibration_state(state["latency"])
+        if self.tracker is not None and state.get("sensitivity") is not None:
+            self.tracker.load_state_dict(state["sensitivity"])
+
+    def _load_saved_state(self, load_dir: str, iteration: int) -> Optional[dict]:
+        from .state import load_plugin_state
+
+        if self.latency is None and self.tracker is None:
+            return None
+        return load_plugin_state(self.args, load_dir, iteration)
+
+
+def _check_assignment(segments, batch: BatchPlan, capacity: int) -> None:
+    """The packer used every segment of the step exactly once and respected the capacity."""
+    used = sorted(batch.segments())
+    if used != sorted(tuple(s) for s in segments):
+        raise RuntimeError("packer dropped or duplicated segments of the global batch")
+    for r, rank in enumerate(batch.micro_batches):
+        for j, mb in enumerate(rank):
+            n = sum(e - s for _, s, e in mb)
+            if n > capacity:
+                raise RuntimeError(f"packer put {n} tokens in micro-batch ({r}, {j}), "
+                                   f"capacity {capacity}")
+
+
+def _fingerprint(batch: BatchPlan) -> int:
+    return hash(tuple(tuple(tuple(mb) for mb in rank) for rank in batch.micro_batches))
+
+
+def _measured_busy(gathered, dp: int, pp: int, m: int) -> np.ndarray:
+    """[dp, pp] measured fwd+bwd seconds of every rank's micro-batches (NaN: missing)."""
+    measured = np.full((dp, pp), np.nan)
+    for g in gathered:
+        if len(g["fwd_s"]) == m and len(g["bwd_s"]) == m:
+            measured[g["dp"], g["pp"]] = float(np.sum(g["fwd_s"]) + np.sum(g["bwd_s"]))
+    return measured
+
+
+def check_budgets(plan: BudgetPlan, gathered) -> None:
+    """Every rank (all TP ranks of a micro-batch included) used exactly the plan's density."""
+    bad = []
+    for g in gathered:
+        for mb, d in (g["served"] or {}).items():
+            want = plan.density(g["dp"], mb, g["pp"])
+            if d != want:
+                bad.append(f"(dp {g['dp']}, stage {g['pp']}, micro-batch {mb}): {d} != {want}")
+    if bad:
+        raise RuntimeError("attention budgets differ from the broadcast plan: " + "; ".join(bad[:5]))
+
+
+def _doc_recalls(stats: list) -> dict:
+    """{doc_id: [recall per layer]} from the attention statistics of this rank's step."""
+    out: dict[int, list] = {}
+    for _, doc_ids, _, _, recall in stats:
+        for doc_id, r in zip(doc_ids, recall):  # the trailing padding sequences have no doc id
+            if np.isfinite(r):
+                out.setdefault(int(doc_id), []).append(float(r))
+    return out

@@ -1,0 +1,96 @@
+"""The run's latency model: ``--sb-latency-table``, else a table profiled now on this device.
+
+Rank 0 profiles (the profiler CLI in a subprocess, a quick grid for this run's model shape,
+progress on the console) into the cache when no table is given and none is cached; the other
+ranks wait at a barrier and load the same file. Any problem with the table (malformed, measured
+on another device/model/version) stops the run before step 1 with the loader's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from ..config import SparseBalanceConfig
+from . import comm
+
+log = logging.getLogger("sparsebalance")
+
+
+def table_expectation(args, sb: SparseBalanceConfig) -> dict:
+    """What a latency table must have been measured on to be used by this run."""
+    import megatron.core
+    import torch
+
+    from .. import __version__
+    from .profile import StageShape, device_name
+
+    return {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "megatron_core": megatron.core.__version__,
+        "sparsebalance_megatron": __version__,
+        "model": StageShape.from_megatron_args(args).as_table_model(),
+        "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
+                      "local_blocks": sb.local_blocks},
+        "pipeline": {"pp": args.pipeline_model_parallel_size},
+    }
+
+
+def profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:
+    from .profile import StageShape
+
+    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
+           "--out", out, *StageShape.from_megatron_args(args).cli_flags(),
+           "--sb-block-size", sb.block_size, "--sb-sink-blocks", sb.sink_blocks,
+           "--sb-local-blocks", sb.local_blocks, "--sb-attention-backend", sb.attention_backend]
+    return [str(c) for c in cmd]
+
+
+def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
+    from ..data.sources import default_cache_dir
+
+    key = "_".join(f"{k}{int(v) if isinstance(v, bool) else v}"
+                   for k, v in sorted(expect["model"].items()))
+    key += (f"_pp{args.pipeline_model_parallel_size}_b{sb.block_size}s{sb.sink_blocks}"
+            f"l{sb.local_blocks}_v{expect['sparsebalance_megatron']}")  # upgrade: re-profile
+    return os.path.join(sb.data_cache_dir or default_cache_dir(), "latency", key + ".json")
+
+
+def _profile(args, sb: SparseBalanceConfig, path: str) -> None:
+    """Rank 0: run the profiler CLI; its progress goes to this console."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    log.info("no --sb-latency-table: profiling this model on this device (quick grid) -> %s",
+             path)
+    t0 = time.perf_counter()
+    proc = subprocess.run(profile_command(args, sb, path), stdout=subprocess.PIPE,
+                          stderr=None, text=True)   # stderr: the progress bar, live
+    if proc.returncode != 0:
+        raise SystemExit(f"error: latency profiling failed:\n{proc.stdout[-3000:]}")
+    log.info("latency table profiled in %.1f s", time.perf_counter() - t0)
+
+
+def load_latency_model(args, sb: SparseBalanceConfig):
+    """The run's ``LatencyModel`` (collective: every rank calls it)."""
+    from ..latency.model import LatencyModel
+    from ..latency.table import LatencyTableError
+
+    expect = table_expectation(args, sb)
+    path = sb.latency_table
+    if path is None:
+        path = cached_table_path(args, sb, expect)
+        if comm.rank() == 0 and not os.path.exists(path):
+            _profile(args, sb, path)
+        comm.barrier()
+    try:
+        model = LatencyModel.load(path, expect=expect, force=sb.latency_table_force,
+                                  calibration_ema=sb.calibration_ema)
+    except (LatencyTableError, OSError) as e:
+        raise SystemExit(f"error: --sb-latency-table: {e}")
+    if model.pp != args.pipeline_model_parallel_size:
+        raise SystemExit(f"error: --sb-latency-table {path}: profiled for {model.pp} pipeline "
+                         f"stage(s), this run has {args.pipeline_model_parallel_size}")
+    return model

@@ -1,0 +1,197 @@
+"""Launch checks and CPU defaults: what cannot work is refused before any process group starts.
+
+``check_launch(args, sb, plugin_data=...)`` runs on Megatron's parsed and validated arguments in
+``hooks.install`` (before ``pretrain()`` initialises torch.distributed) and raises a
+``LaunchError`` whose one line names the flag, its value and what to do; the entry points turn it
+into ``SystemExit("error: ...")``, so the user reads one line, not a chained traceback.
+
+``cpu_parser_defaults(parser)``: on a machine without CUDA, Megatron's defaults that need a GPU
+(NCCL, transformer-engine, fused kernels, apex's persistent layer norm and fused weight-gradient
+accumulation, the distributed optimizer) are replaced as *defaults*, so a flag given on the command
+line still wins, and is then refused here by name when it cannot run on the CPU.
+Imports nothing from megatron at module level; no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from ..config import SparseBalanceConfig, flag_name
+
+
+class LaunchError(ValueError):
+    """A launch setting that cannot work; raised before any model or process group is built."""
+
+
+# dest -> value on a CPU-only machine (Megatron's flag in the comment)
+CPU_DEFAULTS = {
+    "distributed_backend": "gloo",             # --distributed-backend
+    "transformer_impl": "local",               # --transformer-impl
+    "gradient_accumulation_fusion": False,     # --no-gradient-accumulation-fusion
+    "no_persist_layer_norm": True,             # --no-persist-layer-norm
+    "masked_softmax_fusion": False,            # --no-masked-softmax-fusion
+    "bias_gelu_fusion": False,                 # --no-bias-gelu-fusion
+    "bias_swiglu_fusion": False,               # --no-bias-swiglu-fusion
+    "bias_dropout_fusion": False,              # --no-bias-dropout-fusion
+    "apply_rope_fusion": False,                # --no-rope-fusion
+}
+
+
+def cpu_parser_defaults(parser) -> list[str]:
+    """Set ``CPU_DEFAULTS`` on Megatron's parser when CUDA is absent; returns what was set."""
+    if torch.cuda.is_available():
+        return []
+    known = {a.dest for a in parser._actions}
+    values = {k: v for k, v in CPU_DEFAULTS.items() if k in known}
+    parser.set_defaults(**values)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def have_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _sparse_attention_conflicts(args) -> list[str]:
+    """Settings whose layer spec or core attention would silently replace ours."""
+    out = []
+    if getattr(args, "spec", None) is not None:
+        out.append(f"--spec {args.spec} (a custom layer spec)")
+    if getattr(args, "num_experts", None):
+        out.append(f"--num-experts {args.num_experts} (MoE block spec)")
+    if getattr(args, "multi_latent_attention", False):
+        out.append("--multi-latent-attention")
+    if getattr(args, "experimental_attention_variant", None) is not None:
+        out.append(f"--experimental-attention-variant {args.experimental_attention_variant}")
+    if getattr(args, "heterogeneous_layers_config_path", None) is not None:
+        out.append("--heterogeneous-layers-config-path")
+    if str(getattr(args, "attention_backend", "")).endswith("local"):
+        out.append("--attention-backend local (the builder swaps in DotProductAttention)")
+    if getattr(args, "modelopt_enabled", False):
+        out.append("ModelOpt (its own layer spec)")
+    if getattr(args, "window_size", None) is not None:
+        out.append(f"--window-size {args.window_size} (use --sb-local-blocks)")
+    return out
+
+
+def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """Megatron features the plugin does not support yet (each with its own issue)."""
+    out = []
+    if getattr(args, "context_parallel_size", 1) != 1:
+        out.append(f"--context-parallel-size {args.context_parallel_size} (context parallelism "
+                   f"is not supported by the sparse attention yet; use 1)")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None or \
+            getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+        out.append("the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage / "
+                   "--num-virtual-stages-per-pipeline-rank; not supported yet)")
+    if sb.dst_enabled or sb.batching_enabled:
+        layout = [f for f, d in (("--decoder-first-pipeline-num-layers",
+                                  "decoder_first_pipeline_num_layers"),
+                                 ("--decoder-last-pipeline-num-layers",
+                                  "decoder_last_pipeline_num_layers"),
+                                 ("--pipeline-model-parallel-layout",
+                                  "pipeline_model_parallel_layout"))
+                  if getattr(args, d, None) is not None]
+        layout += [f for f, d in (("--account-for-embedding-in-pipeline-split",
+                                   "account_for_embedding_in_pipeline_split"),
+                                  ("--account-for-loss-in-pipeline-split",
+                                   "account_for_loss_in_pipeline_split"))
+                   if getattr(args, d, False)]
+        if layout:
+            out.append(f"{', '.join(layout)} with DST/SAB (the latency model knows even layer "
+                       f"splits only, so far)")
+    if plugin_data:
+        if getattr(args, "iterations_to_skip", None):
+            out.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "
+                       f"iterator")
+    return out
+
+
+def _data_conflicts(args) -> list[str]:
+    """Megatron data settings the plugin's packed data path does not serve."""
+    out = []
+    if getattr(args, "mock_data", False):
+        out.append("--mock-data (the plugin's data path packs real documents; give --data-path "
+                   "or nothing for the built-in corpus)")
+    for flag, dest in (("--train-data-path", "train_data_path"),
+                       ("--valid-data-path", "valid_data_path"),
+                       ("--test-data-path", "test_data_path"),
+                       ("--data-args-path", "data_args_path"),
+                       ("--per-split-data-args-path", "per_split_data_args_path")):
+        if getattr(args, dest, None) is not None:
+            out.append(f"{flag} (use --data-path with --split)")
+    if getattr(args, "sft", False):
+        out.append("--sft")
+    if getattr(args, "fim_data", False):
+        out.append("--fim-data")
+    if getattr(args, "micro_batch_size", 1) != 1:
+        out.append(f"--micro-batch-size {args.micro_batch_size} (packed micro-batches hold whole "
+                   f"documents in one row of --seq-length tokens: use --micro-batch-size 1 and "
+                   f"raise --seq-length or --global-batch-size)")
+    return out
+
+
+def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
+    out = []
+    cuda = torch.cuda.is_available()
+    impl = getattr(args, "transformer_impl", "local")
+    if impl == "transformer_engine" and not have_module("transformer_engine"):
+        out.append("--transformer-impl transformer_engine: transformer-engine is not installed "
+                   "(pip install 'transformer-engine[pytorch]', or --transformer-impl local)")
+    if sb.sparse_attention_enabled and sb.attention_backend == "flex" and not cuda:
+        out.append(f"{flag_name('attention_backend')} flex: FlexAttention needs CUDA "
+                   f"(use torch or auto on this machine)")
+    if not cuda:
+        if getattr(args, "use_distributed_optimizer", False):
+            out.append("--use-distributed-optimizer on CPU (Megatron's distributed optimizer "
+                       "asserts CUDA tensors; leave it to GPU runs)")
+        if getattr(args, "distributed_backend", "gloo") == "nccl":
+            out.append("--distributed-backend nccl on CPU (use gloo)")
+        if getattr(args, "fp8", None):
+            out.append(f"--fp8-format {args.fp8} on CPU")
+    elif impl == "local":
+        have_apex = have_module("apex")
+        if getattr(args, "gradient_accumulation_fusion", False) and not have_apex:
+            out.append("--transformer-impl local with gradient accumulation fusion: it needs "
+                       "NVIDIA apex; add --no-gradient-accumulation-fusion")
+        if not getattr(args, "no_persist_layer_norm", True) and not have_apex:
+            out.append("--transformer-impl local with the persistent layer norm: it needs NVIDIA "
+                       "apex; add --no-persist-layer-norm")
+        if getattr(args, "sequence_parallel", False):
+            out.append("--sequence-parallel with --transformer-impl local (the local torch norm "
+                       "does not support it; use transformer-engine)")
+    return out
+
+
+def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool) -> None:
+    """``LaunchError`` listing every setting of this launch that cannot work."""
+    bad = _device_conflicts(args, sb) + _not_yet(args, sb, plugin_data)
+    if plugin_data:
+        bad += _data_conflicts(args)
+    if sb.sparse_attention_enabled:
+        seq = getattr(args, "seq_length", None)
+        if seq is not None and seq < sb.block_size:
+            bad.append(f"--seq-length {seq} is smaller than {flag_name('block_size')} "
+                       f"{sb.block_size}: a micro-batch must hold at least one attention block")
+        bad += [f"{c} with sparse attention (--sparse-balance / --sb-sparse-attention / --sb-dst)"
+                for c in _sparse_attention_conflicts(args)]
+        if not plugin_data and getattr(args, "reset_attention_mask", False):
+            bad.append("--reset-attention-mask with sparse attention on Megatron's data path: the "
+                       "sparse attention takes document boundaries from packed cu_seqlens; use "
+                       "--dataloader-inter-document-masking (or the plugin's data path, "
+                       "--sb-batching / --sparse-balance, which packs documents apart)")
+    if sb.straggler_rank >= 0:
+        world = int(os.environ.get("WORLD_SIZE", getattr(args, "world_size", 1) or 1))
+        per_dp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
+            getattr(args, "context_parallel_size", 1)
+        dp = max(world // max(per_dp, 1), 1)
+        if sb.straggler_rank >= dp:
+            bad.append(f"{flag_name('straggler_rank')} {sb.straggler_rank}: this launch has "
+                       f"{dp} data-parallel rank(s) (0..{dp - 1})")
+    if bad:
+        raise LaunchError("cannot launch: " + "; ".join(bad))

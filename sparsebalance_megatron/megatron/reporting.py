@@ -1,0 +1,151 @@
+"""The plugin's per-step metrics, written where Megatron writes its own.
+
+- TensorBoard and W&B: Megatron's writers (``get_tensorboard_writer`` / ``get_wandb_writer``, which
+  exist on the last rank when ``--tensorboard-dir`` / ``--wandb-project`` are given), scalars under
+  ``sparsebalance/`` at Megatron's iteration numbers, every ``--tensorboard-log-interval``.
+- The console: one ``[sparsebalance]`` line per ``--log-interval`` from the last rank (where
+  Megatron prints its own line), averaged over the interval like Megatron's.
+- ``--sb-metrics-file``: one JSON line per step on rank 0, for scripts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+
+from ..config import SparseBalanceConfig
+from . import comm
+
+PREFIX = "sparsebalance/"
+
+
+def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
+                overhead_s: float) -> dict:
+    """Everything known about a finished step (identical on every rank)."""
+    batch = step.batch
+    loss_sum = sum(g["loss"][0] for g in gathered)
+    loss_tokens = sum(g["loss"][1] for g in gathered)
+    step_s = max((g["step_s"] for g in gathered if g["step_s"] is not None), default=None)
+    tokens = int(batch.tokens().sum())
+    rec = {"step": iteration, "tokens": tokens,
+           "loss": loss_sum / loss_tokens if loss_tokens else None,
+           "step_time_s": step_s, "tokens_per_s": tokens / step_s if step_s else None,
+           "packing": batch.method, "split_docs": int(batch.num_split_samples),
+           "sb_overhead_s": overhead_s}
+    if step.plan is not None:
+        d = step.plan.densities                                     # [dp, m, pp]
+        rec.update(budgets_consistent=True, mean_density=float(d.mean()),
+                   density_per_rank=[float(x) for x in d.mean(axis=(1, 2))],
+                   density_per_stage=[float(x) for x in d.mean(axis=(0, 1))])
+    if np.isfinite(measured).all():
+        busy = measured.sum(axis=1)
+        rec.update(rank_busy_s=[float(x) for x in busy],
+                   measured_imbalance=float(busy.max() / max(busy.mean(), 1e-12)))
+    rec.update(calib)
+    r = step.report
+    if r is not None:
+        rec.update(predicted_step_s=r["step_time_planned_s"],
+                   predicted_static_s=r["step_time_static_s"],
+                   imbalance_before=r["imbalance_before"], imbalance_after=r["imbalance_after"],
+                   mean_density=r["mean_density"], units_cut=r["units_cut"],
+                   units_raised=r["units_raised"], raise_headroom=r.get("raise_headroom"))
+    return rec
+
+
+def scalars(rec: dict) -> dict:
+    """The record's numbers as ``sparsebalance/...`` scalars."""
+    out = {}
+
+    def put(name, value):
+        if value is not None and np.isfinite(value):
+            out[PREFIX + name] = float(value)
+
+    put("loss", rec.get("loss"))
+    put("step_time/measured_s", rec.get("step_time_s"))
+    put("step_time/predicted_s", rec.get("predicted_step_s"))
+    put("step_time/static_s", rec.get("predicted_static_s"))
+    put("density/mean", rec.get("mean_density"))
+    for s, v in enumerate(rec.get("density_per_stage") or []):
+        put(f"density/stage{s}", v)
+    for r, v in enumerate(rec.get("density_per_rank") or []):
+        put(f"density/rank{r}", v)
+    put("imbalance/predicted_before", rec.get("imbalance_before"))
+    put("imbalance/predicted_after", rec.get("imbalance_after"))
+    put("imbalance/measured", rec.get("measured_imbalance"))
+    put("units/cut", rec.get("units_cut"))
+    put("units/raised", rec.get("units_raised"))
+    put("latency_model/error", rec.get("latency_error"))
+    put("raise_headroom", rec.get("raise_headroom"))
+    put("overhead_s", rec.get("sb_overhead_s"))
+    return out
+
+
+class StepReporter:
+    """Sends each step's record to the metrics file, Megatron's writers and the console."""
+
+    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, pp: int):
+        self.args, self.sb, self.dp, self.pp = args, sb, dp, pp
+        self._interval: dict = defaultdict(list)
+        self.history: list = []   # records of this process (tests, scripts in the same process)
+
+    def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float):
+        rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s)
+        self.history.append(rec)
+        if self.sb.metrics_file and comm.rank() == 0:
+            with open(self.sb.metrics_file, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        values = scalars(rec)
+        self._write(iteration, values)
+        for k, v in values.items():
+            self._interval[k].append(v)
+        if iteration % max(self.args.log_interval, 1) == 0 or iteration == self.args.train_iters:
+            self._log_line(iteration, rec)
+            self._interval.clear()
+        return rec
+
+    def _write(self, iteration: int, values: dict) -> None:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        every = max(getattr(self.args, "tensorboard_log_interval", 1) or 1, 1)
+        if iteration % every:
+            return
+        writer = get_tensorboard_writer()
+        if writer:
+            for k, v in values.items():
+                writer.add_scalar(k, v, iteration)
+        wandb = get_wandb_writer()
+        if wandb:
+            wandb.log(values, iteration)
+
+    def _log_line(self, iteration: int, rec: dict) -> None:
+        if comm.rank() != comm.world_size() - 1:   # where Megatron prints its log line
+            return
+
+        def mean(name):
+            v = self._interval.get(PREFIX + name)
+            return float(np.mean(v)) if v else None
+
+        parts = [f"[sparsebalance] iteration {iteration:>6d}/{self.args.train_iters}"]
+        if mean("step_time/measured_s") is not None:
+            parts.append(f"fwd-bwd {mean('step_time/measured_s'):.3f} s")
+        if mean("density/mean") is not None:
+            stages = [mean(f"density/stage{s}") for s in range(self.pp)]
+            parts.append(f"density {mean('density/mean'):.3f}"
+                         + (f" (stages {'/'.join(f'{x:.2f}' for x in stages)})"
+                            if self.pp > 1 else ""))
+        if mean("step_time/predicted_s") is not None:
+            parts.append(f"pred {mean('step_time/predicted_s'):.3f} s (static "
+                         f"{mean('step_time/static_s'):.3f} s)")
+            parts.append(f"imb {mean('imbalance/predicted_before'):.2f}->"
+                         f"{mean('imbalance/predicted_after'):.2f}")
+            cut = sum(self._interval.get(PREFIX + "units/cut", []))
+            raised = sum(self._interval.get(PREFIX + "units/raised", []))
+            parts.append(f"cut {int(cut)} raised {int(raised)}")
+        if mean("latency_model/error") is not None:
+            parts.append(f"lat err {100 * mean('latency_model/error'):.1f}%")
+        if rec.get("split_docs"):
+            parts.append(f"split docs {rec['split_docs']}")
+        parts.append(f"overhead {mean('overhead_s') or 0.0:.3f} s")
+        print(" | ".join(parts), flush=True)
