@@ -37,6 +37,9 @@ class SparsePackedSeqParams(PackedSeqParams):
     """Index of the micro-batch within this DP rank's step; None outside a plan (evaluation)."""
     sb_doc_ids: tuple = field(default_factory=tuple)
     """Document ids of the micro-batch's sequences, in ``cu_seqlens`` order (padding has none)."""
+    sb_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per-micro-batch scratch shared by every layer (and by a recomputed forward): what depends
+    only on the micro-batch's documents, e.g. the block layout, is computed once and kept here."""
 
 
 class BudgetError(RuntimeError):
