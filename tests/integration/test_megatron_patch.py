@@ -1,14 +1,15 @@
-"""The Megatron-LM patch (patches/megatron_lm_pretrain_gpt.patch), its apply script and its hooks.
+"""The Megatron-LM patch (patches/megatron_lm_pretrain_gpt.patch), its apply script and the hooks.
 
-Always run: the patch is a well-formed unified diff whose hunks target the files it names; the
-script refuses a directory that is not a Megatron-LM checkout, applies the patch to a checkout
-whose pretrain_gpt.py holds the patch's pre-image, detects it as already applied, reverts it and
-refuses a file it does not fit; the hooks the patch calls work on Megatron's parser, model config,
-timers and finalize slot, and the patched flow (parse -> gpt_config_from_args -> install ->
+Always run: the patch is a well-formed unified diff whose hunks target the files it names and
+call only hooks that exist; the script refuses a directory that is not a Megatron-LM checkout,
+applies the patch to a checkout whose pretrain_gpt.py holds the patch's pre-image, detects it as
+already applied, reverts it and refuses a file it does not fit; the hooks work on Megatron's
+parser, model config (the spec is built by Megatron's own default-spec call, for TE and local),
+timers and finalize slot; the patched flow (parse -> gpt_config_from_args -> install ->
 Megatron's GPTModelBuilder) builds a GPT with our core attention that runs forward and backward.
 With ``MEGATRON_LM_DIR`` set (a real Megatron-LM checkout): the patch is applied to a copy, the
-patched pretrain_gpt.py compiles, calls only hooks that exist, and its argument parser knows
-our flags (a bad ``--sb-anchor`` is refused as our flag's bad choice).
+patched pretrain_gpt.py trains 3 steps with ``--sparse-balance`` (DST + SAB) on 2 ranks, CPU, and
+its losses equal our entry's on the same data.
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ def test_patch_is_a_well_formed_diff_of_the_named_files():
     assert set(files) <= TARGETS, f"patch touches {set(files) - TARGETS}"
     assert "pretrain_gpt.py" in files
     added = "\n".join(b for hs in files.values() for h in hs for b in h["lines"] if b[:1] == "+")
-    # The three wiring points: our flags, the layer spec + finalize hook, the wrapped forward step.
-    for call in ("extra_args_provider(", "install(args, model_cfg)", "wrap_forward_step(forward_step)"):
+    # The wiring points: flags and defaults, install (spec, data, step hooks), data, forward step.
+    for call in ("extra_args_provider(", "args_defaults(", "install(args, model_cfg)",
+                 "datasets_provider(train_valid_test_datasets_provider)",
+                 "forward_step(forward_step)"):
         assert call in added, f"patch does not add {call}"
     assert "from sparsebalance_megatron.megatron import hooks as sparsebalance_hooks" in added
 
@@ -149,7 +152,7 @@ def test_script_applies_detects_applied_and_reverts(tmp_path):
 
 def test_script_refuses_a_file_the_patch_does_not_fit(tmp_path):
     original = pre_image(parse_patch(PATCH.read_text())["pretrain_gpt.py"])
-    changed = original.replace("forward_step,", "my_forward_step,")
+    changed = original.replace("        forward_step,", "        my_forward_step,")
     assert changed != original
     ckpt = fake_checkout(tmp_path / "Megatron-LM", changed)
     out = run_script(ckpt, check_rc=1).stdout
@@ -157,7 +160,7 @@ def test_script_refuses_a_file_the_patch_does_not_fit(tmp_path):
     assert (ckpt / "pretrain_gpt.py").read_text() == changed, "a failed apply touched the file"
 
 
-# --- the hooks the patch calls -----------------------------------------------------------------
+# --- the hooks ----------------------------------------------------------------------------------
 
 def _megatron_args(argv: list[str]):
     from megatron.training.arguments import add_megatron_arguments
@@ -180,99 +183,159 @@ def test_extra_args_provider_composes_with_the_scripts_own():
     assert (args.modelopt_like, args.sparse_balance, args.sb_density) == (5, True, 0.25)
 
 
-def test_install_leaves_a_dense_run_alone():
+def test_extra_args_provider_sets_cpu_defaults_that_flags_override():
+    args = _megatron_args(["--seq-length", "128"])
+    assert (args.transformer_impl, args.distributed_backend) == ("local", "gloo")
+    assert args.gradient_accumulation_fusion is False and args.no_persist_layer_norm is True
+    assert _megatron_args(["--transformer-impl", "transformer_engine"]).transformer_impl == \
+        "transformer_engine"
+
+
+def test_args_defaults_with_the_plugins_data_path(tmp_path, small_jsonl):
+    from sparsebalance_megatron.megatron import hooks
+
+    base = {"tokenizer_type": "GPT2BPETokenizer"}
+    # Without DST/SAB, Megatron-LM's script keeps its own defaults and data path.
+    assert hooks.args_defaults(base, argv=["--sb-sparse-attention"]) == base
+    got = hooks.args_defaults(base, argv=["--sparse-balance", "--data-path", str(small_jsonl),
+                                          "--sb-tokenizer", "byte",
+                                          "--sb-data-cache-dir", str(tmp_path)])
+    # The plugin's tokenizer stands for NullTokenizer; the vocabulary is the data's.
+    assert got["tokenizer_type"] == "NullTokenizer" and got["vocab_size"] == 384
+    explicit = hooks.args_defaults(base, argv=["--sparse-balance", "--vocab-size", "999"])
+    assert "vocab_size" not in explicit
+    # A Megatron text tokenizer decides the vocabulary itself.
+    hf = hooks.args_defaults(base, argv=["--sparse-balance", "--tokenizer-type",
+                                         "HuggingFaceTokenizer"])
+    assert "vocab_size" not in hf
+
+
+def test_install_leaves_a_dense_megatron_run_alone():
     from sparsebalance_megatron.megatron import hooks
 
     cfg = types.SimpleNamespace(transformer_layer_spec=None, post_wrap_hooks=[])
-    hooks.install(_megatron_args(["--seq-length", "128"]), cfg)
+    assert hooks.install(_megatron_args(["--seq-length", "128"]), cfg) is cfg
     assert cfg.transformer_layer_spec is None and cfg.post_wrap_hooks == []
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--seq-length", "32", "--sparse-balance", "--sb-block-size", "64"], "--seq-length=32"),
+    (["--seq-length", "32", "--sb-sparse-attention", "--sb-block-size", "64"],
+     "--seq-length 32 is smaller than --sb-block-size 64"),
     (["--seq-length", "256", "--sb-sparse-attention", "--spec", "local"], "--spec"),
-    (["--seq-length", "256", "--sparse-balance", "--num-experts", "4"], "--num-experts 4"),
+    (["--seq-length", "256", "--sb-sparse-attention", "--num-experts", "4"], "--num-experts 4"),
+    (["--seq-length", "256", "--sparse-balance", "--context-parallel-size", "2"],
+     "--context-parallel-size 2"),
+    (["--seq-length", "256", "--sb-density", "2"], "--sb-density=2.0"),
 ])
-def test_install_refuses_what_the_sparse_spec_cannot_serve(argv, needle):
+def test_install_refuses_with_one_error_line(argv, needle, capsys):
     from sparsebalance_megatron.megatron import hooks
-    from sparsebalance_megatron.megatron.initialize import LaunchError
 
     cfg = types.SimpleNamespace(transformer_layer_spec=None, post_wrap_hooks=[])
-    with pytest.raises(LaunchError, match=re.escape(needle)):
+    with pytest.raises(SystemExit) as e:
         hooks.install(_megatron_args(argv), cfg)
+    msg = str(e.value)
+    assert msg.startswith("error: ") and needle in msg and "\n" not in msg, msg
     assert cfg.transformer_layer_spec is None
 
 
-def test_install_puts_the_sparse_spec_on_the_model_config():
-    pytest.importorskip("sparsebalance_megatron.megatron.spec",
-                        reason="get_sparsebalance_layer_spec not written yet")
-    from sparsebalance_megatron.megatron import hooks
+def _gpt_config(impl: str):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.training.models.gpt import GPTModelConfig
 
-    args = _megatron_args(["--seq-length", "256", "--sparse-balance", "--transformer-impl", "local"])
-    cfg = types.SimpleNamespace(transformer_layer_spec=None, post_wrap_hooks=[])
-    hooks.install(args, cfg)
-    core = cfg.transformer_layer_spec.submodules.self_attention.submodules.core_attention
-    assert "sparsebalance" in getattr(core, "module", core).__module__
-    assert cfg.post_wrap_hooks == [hooks._install_finalize]
+    tc = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                           num_query_groups=2, transformer_impl=impl, normalization="RMSNorm",
+                           qk_l2_norm=True, pipeline_model_parallel_size=1)
+    return GPTModelConfig(transformer=tc, vocab_size=512)
 
 
-class _MegatronLikeTimers:
-    """Megatron's ``Timers`` call shape (``__call__(name, log_level)``, start/stop), without CUDA."""
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_spec_is_megatrons_own_call_with_only_core_attention_swapped(impl, monkeypatch):
+    """The spec builder calls Megatron's default_layer_spec(config, vp_stage): the TE branch gets
+    exactly the arguments its signature accepts (checked by binding them, no TE needed)."""
+    import inspect
 
-    def __init__(self):
-        self.calls = []
+    import megatron.training.models.gpt as mgpt
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    def __call__(self, name, log_level=None):
-        timers = self
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.spec import (layer_spec_builder,
+                                                      sparse_core_attention_spec)
 
-        class _T:
-            def start(self, barrier=False):
-                timers.calls.append((name, "start"))
+    calls = []
+    real_te, real_local = (mgpt.get_gpt_layer_with_transformer_engine_spec,
+                           mgpt.get_gpt_layer_local_spec)
 
-            def stop(self, barrier=False):
-                timers.calls.append((name, "stop"))
+    def te(*a, **kw):
+        inspect.signature(real_te).bind(*a, **kw)   # TypeError if a keyword is not accepted
+        calls.append(("te", a, kw))
+        return get_gpt_layer_local_spec()           # TE modules cannot be built here
 
-        return _T()
+    def local(*a, **kw):
+        inspect.signature(real_local).bind(*a, **kw)
+        calls.append(("local", a, kw))
+        return real_local(*a, **kw)
 
-    def log(self, names):
-        return f"logged {names}"
+    monkeypatch.setattr(mgpt, "get_gpt_layer_with_transformer_engine_spec", te)
+    monkeypatch.setattr(mgpt, "get_gpt_layer_local_spec", local)
+    core = sparse_core_attention_spec(SparseBalanceConfig(sparse_attention=True))
+    spec = layer_spec_builder(core)(_gpt_config(impl), vp_stage=None)
+    assert [c[0] for c in calls] == ["te" if impl == "transformer_engine" else "local"]
+    if impl == "transformer_engine":
+        assert calls[0][2]["qk_l2_norm"] is True            # upstream's flags reach the spec
+    got = spec.submodules.self_attention.submodules.core_attention
+    assert got is core and got.module is SparseCoreAttention
+    stock = get_gpt_layer_local_spec()
+    stock.submodules.self_attention.submodules.core_attention = got
+    if impl == "local":
+        assert repr(spec) == repr(stock)                   # nothing else changed
 
 
-def test_timer_tee_and_finalize_hook_record_microbatch_timings(monkeypatch):
-    from sparsebalance_megatron.megatron import hooks
-    from sparsebalance_megatron.megatron.timing import MicrobatchTimers
+def test_timer_tee_records_microbatches_and_keeps_megatrons_timers():
+    from sparsebalance_megatron.megatron.timing import MicrobatchTimers, TeeTimers
 
-    monkeypatch.setattr(hooks, "_state", hooks._State())
-    hooks._state.timers = MicrobatchTimers(use_cuda_events=False)
-    megatron_timers = _MegatronLikeTimers()
-    finalized = []
-    config = types.SimpleNamespace(timers=megatron_timers,
-                                   finalize_model_grads_func=lambda *a, **k: finalized.append(a))
-    model = types.SimpleNamespace(config=config)
+    class MegatronLikeTimers:
+        def __init__(self):
+            self.calls = []
 
-    seen = []
-    step = hooks.wrap_forward_step(lambda it, m: seen.append(m) or ("out", None))
-    assert hooks.wrap_forward_step(step) is step
-    for _ in range(3):  # the schedule: timer start, forward_step, stop; then backward
-        config.timers("forward-compute", log_level=2).start()
-        assert step(iter(()), model) == ("out", None)
-        config.timers("forward-compute").stop()
-        config.timers("backward-compute", log_level=2).start()
-        config.timers("backward-compute").stop()
-    assert isinstance(config.timers, hooks.TeeTimers) and len(seen) == 3
-    # Megatron's own timers still see every start/stop, and its other methods pass through.
+        def __call__(self, name, log_level=None):
+            timers = self
+
+            class _T:
+                def start(self, barrier=False):
+                    timers.calls.append((name, "start"))
+
+                def stop(self, barrier=False):
+                    timers.calls.append((name, "stop"))
+
+            return _T()
+
+        def log(self, names):
+            return f"logged {names}"
+
+    megatron_timers = MegatronLikeTimers()
+    tee = TeeTimers(megatron_timers, MicrobatchTimers(use_cuda_events=False))
+    tee("forward-backward", log_level=1).start()
+    for _ in range(3):   # the schedule's shape
+        tee("forward-compute", log_level=2).start()
+        tee("forward-compute").stop()
+        tee("backward-compute", log_level=2).start()
+        tee("backward-compute").stop()
+    timings = tee.ours.step_timings()
+    assert len(timings["fwd_s"]) == 3 and len(timings["bwd_s"]) == 3
+    assert timings["step_s"] is not None and timings["step_s"] >= 0
     assert megatron_timers.calls.count(("forward-compute", "stop")) == 3
-    assert megatron_timers.calls.count(("backward-compute", "start")) == 3
-    assert config.timers.log(["x"]) == "logged ['x']"
+    assert tee.log(["x"]) == "logged ['x']"
+    assert tee.ours.step_timings()["fwd_s"] == [], "a new step starts empty"
+    tee("forward-backward").stop()
 
-    assert hooks._install_finalize([model]) == [model]
-    hooks._install_finalize([model])  # idempotent: not wrapped twice
-    config.finalize_model_grads_func(["m"], None)
-    timings = hooks.last_microbatch_timings()
-    # The first forward started before the tee was installed; the other intervals are all there.
-    assert len(timings["fwd_s"]) == 2 and len(timings["bwd_s"]) == 3
-    assert finalized == [(["m"], None)]
-    assert hooks._state.timers.durations_s("forward-compute") == [], "not reset after the step"
+
+def test_timer_tee_targets_megatrons_global_timers():
+    """The tee replaces megatron.training.global_vars._GLOBAL_TIMERS (what train() puts in
+    config.timers): fail loudly if megatron-core moves it."""
+    from megatron.training import global_vars
+
+    assert hasattr(global_vars, "_GLOBAL_TIMERS") and callable(global_vars.get_timers)
 
 
 _BUILD = r"""
@@ -310,17 +373,14 @@ BUILD_ARGS = [
     "--group-query-attention", "--num-query-groups", "2", "--seq-length", "256",
     "--max-position-embeddings", "256", "--micro-batch-size", "1", "--global-batch-size", "1",
     "--lr", "1e-3", "--train-iters", "1", "--position-embedding-type", "rope",
-    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--transformer-impl", "local",
-    "--vocab-size", "512", "--tokenizer-type", "NullTokenizer", "--distributed-backend", "gloo",
-    "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
-    "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+    "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+    "--vocab-size", "512", "--tokenizer-type", "NullTokenizer",
 ]
 
 
 def test_hooked_model_config_builds_a_sparse_gpt_with_megatrons_builder(tmp_path):
     """The patched flow on megatron-core 0.19: parse -> gpt_config_from_args -> install ->
     GPTModelBuilder builds a GPT whose core attention is ours; forward and backward run."""
-    pytest.importorskip("sparsebalance_megatron.megatron.spec")
     import socket
 
     with socket.socket() as sock:
@@ -332,18 +392,40 @@ def test_hooked_model_config_builds_a_sparse_gpt_with_megatrons_builder(tmp_path
                            "--sb-block-size", "64", "--sb-density", "0.5"], cwd=tmp_path, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("CORE "))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CORE "))
     module, name, _, loss = line.split()[1:]
-    assert module.startswith("sparsebalance_megatron.megatron"), line
+    assert (module, name) == ("sparsebalance_megatron.megatron.core_attention",
+                              "SparseCoreAttention"), line
     assert 0 < float(loss) < 20, line
-    assert "[sparsebalance] sparse attention on: density 0.5, block 64" in proc.stdout
+    assert "[sparsebalance] sparse attention: density 0.5, block 64" in proc.stdout
 
 
 # --- a real Megatron-LM checkout ---------------------------------------------------------------
 
+def _tool_path(tmp_path: Path) -> str:
+    """PATH on which ``python3`` / ``python3-config`` are this interpreter's: Megatron-LM builds
+    its dataset helpers with ``make`` calling them (pybind11 comes with the [dev] extra)."""
+    import sysconfig
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A wrapper, not a symlink: a symlinked interpreter would not find its virtualenv.
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for cand in (Path(sys.base_prefix) / "bin" / f"python{ver}-config",
+                 Path(sysconfig.get_config_var("BINDIR") or "") / f"python{ver}-config"):
+        if cand.exists():
+            (bin_dir / "python3-config").symlink_to(cand)
+            break
+    return os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
+
+
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
-                    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout to apply the patch to it")
-def test_patch_applies_to_megatron_lm_checkout(tmp_path):
+                    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout to run the patched script")
+def test_patched_megatron_lm_trains_with_sparse_balance_like_our_entry(tmp_path, small_jsonl):
+    from tests.conftest import ENTRY, TINY_MODEL, read_metrics
+
     src = Path(os.environ["MEGATRON_LM_DIR"]).resolve()
     copy = tmp_path / "Megatron-LM"
     copy.mkdir()
@@ -351,26 +433,33 @@ def test_patch_applies_to_megatron_lm_checkout(tmp_path):
         if (src / name).exists():
             shutil.copy2(src / name, copy / name)
     (copy / "megatron").symlink_to(src / "megatron", target_is_directory=True)
-
-    out = run_script(copy).stdout
-    assert "applied" in out, out
+    assert "applied" in run_script(copy).stdout
     assert "already applied" in run_script(copy, check_rc=0).stdout
     patched = (copy / "pretrain_gpt.py").read_text()
-    tree = ast.parse(patched)  # compiles
     compile(patched, str(copy / "pretrain_gpt.py"), "exec")
-    imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-               for a in n.names}
+    imports = {(n.module, a.name) for n in ast.walk(ast.parse(patched))
+               if isinstance(n, ast.ImportFrom) for a in n.names}
     assert ("sparsebalance_megatron.megatron", "hooks") in imports
-    test_patch_calls_only_existing_hooks()
 
-    # Megatron's parser with our provider, through the patched script itself. (Not --help:
-    # megatron-core 0.19.2's own help text has an unescaped '%' and argparse fails to format it.)
-    # A bad value of one of our flags must be refused by argparse as *our* flag's bad choice,
-    # before anything is initialised; unpatched, it would be an unrecognized argument.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(REPO)]))
-    proc = subprocess.run([sys.executable, str(copy / "pretrain_gpt.py"), "--sparse-balance",
-                           "--sb-anchor", "avg"], cwd=copy, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-4000:]
-    assert "argument --sb-anchor: invalid choice: 'avg'" in proc.stdout, proc.stdout[-4000:]
-    assert "unrecognized arguments" not in proc.stdout
+    flags = [*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "1",
+             "--data-path", str(small_jsonl), "--sparse-balance", "--sb-density", "0.5",
+             "--sb-block-size", "32", "--sb-tokenizer", "byte",
+             "--sb-data-cache-dir", str(tmp_path / "cache")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=_tool_path(tmp_path))
+    runs = {}
+    for name, script in (("megatron_lm", copy / "pretrain_gpt.py"), ("ours", ENTRY)):
+        metrics = tmp_path / f"{name}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", str(script), *flags,
+                               "--sb-metrics-file", str(metrics)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-5000:]
+        assert "DST on" in proc.stdout and "packing sab" in proc.stdout
+        assert "validation loss at iteration 3" in proc.stdout   # Megatron's eval ran
+        runs[name] = read_metrics(metrics)
+    a, b = runs["megatron_lm"], runs["ours"]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        assert x["tokens"] == y["tokens"] and x["mean_density"] == y["mean_density"]
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (x["loss"], y["loss"])
