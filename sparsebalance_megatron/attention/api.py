@@ -2,9 +2,11 @@
 
 ``block_sparse_attention(q, k, v, cu_seqlens, density, ...)`` validates the inputs, lays the
 documents out in blocks, selects key blocks under the budget (no gradient) and runs one of the
-kernels, all of which compute the same function:
+kernels, all of which compute the same function. What depends only on the micro-batch's
+documents (the layout, masks, kept-count bounds, loop plans) is computed once per micro-batch
+and shared through ``cache``; the per-layer path then reads nothing back from the device.
 
-- ``flex``: FlexAttention with a BlockMask (CUDA), compiled;
+- ``flex``: FlexAttention with a BlockMask (CUDA), compiled once per run (``flex.py``);
 - ``torch``: blockwise PyTorch with autograd (CPU and portable fallback);
 - ``reference``: dense SDPA with the expanded boolean mask (the oracle, O(t^2) memory);
 - ``auto``: flex on CUDA, torch elsewhere.
@@ -24,7 +26,8 @@ from ..config import BACKENDS
 from .blocks import build_layout, check_density, check_qkv
 from .kernels import (blockwise_attention, from_blocks_q, reference_attention, to_blocks_kv,
                       to_blocks_q)
-from .selection import ESTIMATORS, BlockSelection, select_blocks
+from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
+                        pooled_queries_padded, select_from_shares, shares_from_pooled)
 
 
 
@@ -48,17 +51,47 @@ def _check_count(name: str, value) -> int:
     return value
 
 
+def _layout(cache, cu_seqlens, num_tokens, block_size, device, fixed_length):
+    """The micro-batch's layout: built (reading ``cu_seqlens`` on the host) on the first call,
+    then taken from ``cache`` by every later layer and by a recomputed forward."""
+    key = ("layout", num_tokens, block_size, str(device), fixed_length)
+    if cache is not None and key in cache:
+        return cache[key]
+    layout = build_layout(cu_seqlens, num_tokens, block_size, device, fixed_length=fixed_length)
+    if cache is not None:
+        cache[key] = layout
+    return layout
+
+
+def _density(layout, density):
+    """(``[ndoc]`` float64 tensor, host list); a Python number is memoised on the layout."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        return check_density(density, layout.num_docs, layout.block_doc.device)
+    key = ("density", float(density))
+    if key not in layout.memo:
+        layout.memo[key] = check_density(density, layout.num_docs, layout.block_doc.device)
+    return layout.memo[key]
+
+
 def block_sparse_attention(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
         density: Union[float, torch.Tensor], *, block_size: int = 64, sink_blocks: int = 1,
         local_blocks: int = 0, selection_mode: str = "density", mass_threshold: float = 0.9,
         min_density: float = 0.125, max_density: float = 1.0, estimator: str = "maxkey",
         backend: str = "auto", softmax_scale: Optional[float] = None,
-        query_chunk_blocks: int = 16) -> Tuple[torch.Tensor, BlockSelection]:
+        query_chunk_blocks: int = 16, cache: Optional[dict] = None,
+        compile_backend: Optional[str] = "inductor") -> Tuple[torch.Tensor, BlockSelection]:
     """Budgeted block-sparse causal attention within documents.
 
     ``cu_seqlens``: ``[ndoc + 1]`` document boundaries (tensor or list, ``0 ... t``).
-    ``density``: scalar or ``[ndoc]`` in (0, 1] (kept key blocks / causal key blocks).
+    ``density``: scalar or ``[ndoc]`` in (0, 1] (kept key blocks / causal key blocks); a Python
+    number costs no device round trip, a tensor one.
+    ``cache``: a dict owned by one micro-batch (e.g. ``SparsePackedSeqParams.sb_cache``): the
+    first call lays the documents out (reading ``cu_seqlens`` on the host) and keeps the layout
+    and everything derived from it there; later calls with the same dict (the other layers, the
+    recomputed forward) reuse it and read nothing from the device. ``cu_seqlens`` is not
+    re-validated on those calls.
+    ``compile_backend`` (flex only): torch.compile backend; ``None`` runs flex eagerly.
     Returns ``(out [t, np, hn], selection)``; ``selection.density_kept`` and
     ``selection.recall`` are ``[ndoc]`` per-document statistics (detached).
     """
@@ -82,27 +115,35 @@ def block_sparse_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
 
-    layout = build_layout(cu_seqlens, q.shape[0], block_size, q.device)
-    density_doc = check_density(density, layout.num_docs, q.device)
+    layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
+                     fixed_length=backend == "flex")
+    density_doc, density_host = _density(layout, density)
+    budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
+                  selection_mode=selection_mode, mass_threshold=mass_threshold,
+                  min_density=min_density, max_density=max_density, density_host=density_host)
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
+    if backend == "flex":
+        from .flex import flex_attention_padded
+        with torch.no_grad():
+            qbar = pooled_queries_padded(q_pad.detach(), layout, num_groups)  # [ng, NB, rep, hn]
+            keys = k_pad.detach()[:layout.num_blocks * block_size].permute(1, 0, 2)
+            shares = shares_from_pooled(qbar, keys, layout, estimator, softmax_scale)
+        selection = select_from_shares(shares, layout, density_doc, **budget)
+        out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
+                                                 softmax_scale, compile_backend))
+        return out, selection
+
     q_blk = to_blocks_q(q_pad, num_groups, block_size)       # [ng, NB, rep, B, hn]
     k_blk = to_blocks_kv(k_pad, block_size)                  # [ng, NB, B, hn]
-    selection = select_blocks(
-        q_blk.detach(), k_blk.detach(), layout, density_doc, estimator=estimator,
-        softmax_scale=softmax_scale, sink_blocks=sink_blocks, local_blocks=local_blocks,
-        selection_mode=selection_mode, mass_threshold=mass_threshold,
-        min_density=min_density, max_density=max_density)
-
+    shares = estimate_block_shares(q_blk.detach(), k_blk.detach(), layout, estimator,
+                                   softmax_scale)
+    selection = select_from_shares(shares, layout, density_doc, **budget)
     if backend == "reference":
         out = reference_attention(q, k, v, selection, softmax_scale)
-    elif backend == "torch":
+    else:
         v_blk = to_blocks_kv(v_pad, block_size)
         out_blk = blockwise_attention(q_blk, k_blk, v_blk, selection, softmax_scale,
                                       query_chunk_blocks)
         out = layout.unpad(from_blocks_q(out_blk))
-    else:
-        from .flex import flex_attention_padded
-        out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
-                                                 softmax_scale))
     return out, selection

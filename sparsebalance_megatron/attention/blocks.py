@@ -2,17 +2,24 @@
 
 Every document (``cu_seqlens``) is cut into blocks; the last block of a document may be short.
 All blocks of all documents are numbered globally (``NB`` blocks) and laid out in a *padded*
-token space of ``NB * block_size`` slots, where each document starts on a block boundary, so the
-kernels see uniform ``[NB, block_size]`` tiles and attention can never cross a document.
-Input validation shared by every backend lives here too.
+token space where each document starts on a block boundary, so the kernels see uniform
+``[NB, block_size]`` tiles and attention can never cross a document. The padded space may hold
+empty blocks after the last document (``padded_blocks >= NB``): the FlexAttention path pads every
+micro-batch of the same token count to the same length, so its compiled kernel sees one shape.
+
+A layout depends only on the micro-batch's documents: it is built once per micro-batch (this is
+where ``cu_seqlens`` is read on the host) and shared by every layer, together with the tensors and
+host-side numbers derived from it (``memo``). Nothing on a layout's methods reads device values
+back to the host. Input validation shared by every backend lives here too.
 Pure torch; must not import megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 
@@ -21,7 +28,8 @@ class BlockLayout:
     """Where every block and token of a packed micro-batch lives.
 
     ``block_*`` tensors are ``[NB]`` (long, on the input's device); ``token_slot`` is ``[t]``:
-    the padded position of every real token (``None`` when the layout needs no padding).
+    the padded position of every real token (``None`` when tokens keep their positions).
+    ``block_local_host`` is the same as ``block_local``, on the host (for shapes and loop plans).
     """
 
     block_size: int
@@ -32,6 +40,18 @@ class BlockLayout:
     block_local: torch.Tensor      # [NB] index of the block inside its document
     block_len: torch.Tensor        # [NB] real tokens in the block (1..block_size)
     token_slot: Optional[torch.Tensor]  # [t] padded slot of each token, None if identity
+    padded_blocks: int = 0         # blocks of the padded token space (>= NB; 0: NB)
+    block_local_host: np.ndarray = field(default=None, repr=False)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    """Per-micro-batch results derived from the layout (masks, budgets, loop plans)."""
+
+    def __post_init__(self):
+        if self.padded_blocks < self.num_blocks:
+            self.padded_blocks = self.num_blocks
+        if self.block_local_host is None:
+            self.block_local_host = np.concatenate(
+                [np.arange(b - a) for a, b in zip(self.doc_block_start[:-1],
+                                                  self.doc_block_start[1:])])
 
     @property
     def num_docs(self) -> int:
@@ -43,23 +63,40 @@ class BlockLayout:
 
     @property
     def padded_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.padded_blocks * self.block_size
+
+    @property
+    def max_doc_blocks(self) -> int:
+        """Blocks of the longest document."""
+        return int(np.diff(self.doc_block_start).max())
 
     def block_available(self) -> torch.Tensor:
         """[NB] causal in-document key blocks of each query block (its own included)."""
         return self.block_local + 1
 
+    def allowed(self) -> torch.Tensor:
+        """[NB, NB] bool: key block j is causal (j <= i) and in the document of query block i."""
+        if "allowed" not in self.memo:
+            nb = self.num_blocks
+            ar = torch.arange(nb, device=self.block_doc.device)
+            self.memo["allowed"] = ((self.block_doc[:, None] == self.block_doc[None, :])
+                                    & (ar[None, :] <= ar[:, None]))
+        return self.memo["allowed"]
+
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[t, ...] -> [NB * block_size, ...] with zeros in the padding slots (differentiable)."""
+        """[t, ...] -> [padded_tokens, ...] with zeros in the padding slots (differentiable)."""
+        tail = self.padded_tokens - self.num_tokens
         if self.token_slot is None:
-            return x
+            if tail == 0:
+                return x
+            return torch.cat([x, x.new_zeros((tail,) + tuple(x.shape[1:]))])
         out = x.new_zeros((self.padded_tokens,) + tuple(x.shape[1:]))
         return out.index_copy(0, self.token_slot, x)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """[NB * block_size, ...] -> [t, ...] (differentiable)."""
+        """[padded_tokens, ...] -> [t, ...] (differentiable)."""
         if self.token_slot is None:
-            return x
+            return x if x.shape[0] == self.num_tokens else x[:self.num_tokens]
         return x.index_select(0, self.token_slot)
 
     def token_block(self) -> torch.Tensor:
@@ -77,7 +114,10 @@ def check_block_size(block_size) -> int:
 
 
 def check_cu_seqlens(cu_seqlens, num_tokens: int) -> List[int]:
-    """Validate document boundaries; returns them as a Python list ``[0, ..., num_tokens]``."""
+    """Validate document boundaries; returns them as a Python list ``[0, ..., num_tokens]``.
+
+    A device tensor is read back to the host here: call it once per micro-batch, not per layer.
+    """
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens: expected a 1-D integer tensor, got dtype "
@@ -97,23 +137,31 @@ def check_cu_seqlens(cu_seqlens, num_tokens: int) -> List[int]:
     return cu
 
 
-def check_density(density, num_docs: int, device) -> torch.Tensor:
-    """Scalar or per-document density in (0, 1] -> float64 tensor ``[ndoc]``."""
+def check_density(density, num_docs: int, device):
+    """Scalar or per-document density in (0, 1] -> (float64 tensor ``[ndoc]``, host list).
+
+    A Python number is checked on the host (no device round trip: the per-layer path passes
+    one); a tensor is read back once to check it and to size the selection.
+    """
     if isinstance(density, torch.Tensor):
-        d = density.detach().to(device=device, dtype=torch.float64).reshape(-1)
-        if d.numel() == 1:
-            d = d.expand(num_docs)
-        elif d.numel() != num_docs:
-            raise ValueError(f"density has {d.numel()} entries: expected a scalar or one per "
+        host = [float(x) for x in density.detach().reshape(-1).tolist()]
+        if len(host) == 1:
+            host = host * num_docs
+        elif len(host) != num_docs:
+            raise ValueError(f"density has {len(host)} entries: expected a scalar or one per "
                              f"document ({num_docs})")
     else:
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise ValueError(f"density={density!r}: expected a number in (0, 1] or a tensor")
-        d = torch.full((num_docs,), float(density), dtype=torch.float64, device=device)
-    bad = ~((d > 0) & (d <= 1))  # also catches NaN
-    if bool(bad.any()):
-        raise ValueError(f"density={d[bad][0].item()!r}: expected a value in (0, 1]")
-    return d
+        host = [float(density)] * num_docs
+    for d in host:
+        if not 0.0 < d <= 1.0:  # also catches NaN
+            raise ValueError(f"density={d!r}: expected a value in (0, 1]")
+    if isinstance(density, torch.Tensor):
+        d = torch.tensor(host, dtype=torch.float64, device=device)
+    else:
+        d = torch.full((num_docs,), host[0], dtype=torch.float64, device=device)
+    return d, host
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -134,8 +182,28 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
     return num_heads, num_groups, q.shape[2]
 
 
-def build_layout(cu_seqlens, num_tokens: int, block_size: int, device) -> BlockLayout:
-    """Split every document into blocks (last one may be short) and number them globally."""
+def fixed_padded_blocks(num_tokens: int, num_blocks: int, block_size: int) -> int:
+    """Padded block count that depends on the token count alone, unless the documents overflow.
+
+    ``ceil(t / block_size)`` blocks plus a slack of a quarter of that (at least 8) for the short
+    last blocks of documents, rounded up to a multiple of 8. Every micro-batch of ``t`` tokens
+    with fewer than about ``slack`` documents gets the same padded length; one with more doubles
+    the slack until it fits (a new shape, rare: documents averaging under 4 blocks).
+    """
+    base = -(-num_tokens // block_size)
+    slack = max(8, -(-base // 4))
+    while base + slack < num_blocks:
+        slack *= 2
+    return -(-(base + slack) // 8) * 8
+
+
+def build_layout(cu_seqlens, num_tokens: int, block_size: int, device,
+                 fixed_length: bool = False) -> BlockLayout:
+    """Split every document into blocks (last one may be short) and number them globally.
+
+    ``fixed_length``: pad to ``fixed_padded_blocks`` (the same length for every micro-batch of
+    ``num_tokens`` tokens) instead of the documents' own block count.
+    """
     block_size = check_block_size(block_size)
     cu = check_cu_seqlens(cu_seqlens, num_tokens)
     doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
@@ -146,15 +214,18 @@ def build_layout(cu_seqlens, num_tokens: int, block_size: int, device) -> BlockL
     lens_t = torch.tensor(doc_lens, dtype=torch.long, device=device)
     nblk_t = torch.tensor(nblocks, dtype=torch.long, device=device)
     start_t = torch.tensor(starts[:-1], dtype=torch.long, device=device)
-    ndoc = len(doc_lens)
-    block_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), nblk_t)
-    block_local = torch.arange(starts[-1], device=device) - start_t[block_doc]
+    ndoc, nb = len(doc_lens), starts[-1]
+    block_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), nblk_t,
+                                        output_size=nb)
+    block_local = torch.arange(nb, device=device) - start_t[block_doc]
     block_len = torch.clamp(lens_t[block_doc] - block_local * block_size, max=block_size)
     token_slot = None
-    if any(n % block_size for n in doc_lens[:-1]) or doc_lens[-1] % block_size:
+    if any(n % block_size for n in doc_lens[:-1]):
         cu_t = torch.tensor(cu[:-1], dtype=torch.long, device=device)
-        token_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), lens_t)
+        token_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), lens_t,
+                                            output_size=num_tokens)
         token_slot = start_t[token_doc] * block_size + (
             torch.arange(num_tokens, device=device) - cu_t[token_doc])
+    padded = fixed_padded_blocks(num_tokens, nb, block_size) if fixed_length else nb
     return BlockLayout(block_size, doc_lens, starts, num_tokens, block_doc, block_local,
-                       block_len, token_slot)
+                       block_len, token_slot, padded)

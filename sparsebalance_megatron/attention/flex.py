@@ -1,25 +1,36 @@
-"""FlexAttention backend (GPU): the block selection as a ``BlockMask``, compiled, fwd + bwd.
+"""FlexAttention backend (GPU): the block selection as a ``BlockMask``, compiled once, fwd + bwd.
 
-Works in the padded token space of ``BlockLayout`` (every document starts on a block boundary),
-so the selection's global block indices are exactly the BlockMask's block indices. The
-``BlockMask`` is built from ``kv_num_blocks / kv_indices``: kept off-diagonal blocks with a full
-key block go in the *full* lists (no mask_mod evaluation), the diagonal and short (padded) key
-blocks in the partial lists. ``mask_mod`` still encodes everything (causality, document ids,
-real tokens and the selected blocks), because eager flex applies only mask_mod.
-``torch.nn.attention.flex_attention`` is imported lazily: importing this module never needs it,
-and the CPU never runs it (FlexAttention has no CPU backward in torch 2.13).
-Untested on a GPU so far (none was available): forward on CPU (eager and compiled) equals the
-reference. Risk to check first: inductor's default backward tiles for hn=128 on sm90 are
-128 wide, and tiles must divide the sparse block size, so ``block_size=64`` may fail to compile
-the backward there; ``block_size=128`` avoids that. ``tests/gpu/test_flex_attention.py`` covers
-both.
-Pure torch; must not import megatron.
+Shapes that compile once per run. The kernel works in the padded token space of a
+``BlockLayout`` built with ``fixed_length=True``: every document starts on a block boundary (so
+the selection's global block indices are exactly the BlockMask's block indices, and no kept
+block is inflated by a document edge), and the space is padded to ``fixed_padded_blocks``,
+which depends on the micro-batch's token count only. q/k/v, the mask_mod's lookup tensors and
+the BlockMask's row counts therefore have one shape for the whole run; the only sizes that
+follow the data are the widths of the two index lists sized by the kept counts, and those are
+marked dynamic (``torch._dynamo.maybe_mark_dynamic``) on purpose. The compiled function makes
+one graph for forward+backward and one for forwards under no_grad (activation recomputation).
+
+GQA without expanding anything per query head: the KV groups are the *batch* dimension
+(q ``[ng, rep, P, hn]``, k/v ``[ng, 1, P, hn]``, ``enable_gqa``), so the BlockMask is
+``[ng, 1, NBP, ...]``: one block list per KV group.
+
+The lists: the diagonal is the only partial block of a query block (documents start on block
+boundaries, and a document's short last block is a key block only for itself), so the partial
+lists are one column wide; the other kept blocks are full (no mask_mod evaluation) and their
+list is ``kmax - 1`` columns wide. The transposed (query-side) lists are built here by a sort
+of the kept pairs instead of BlockMask's dense transposition; their width is the longest
+document's block count, because a sink block is kept by every query block of its document.
+``mask_mod`` still encodes causality, document ids, real tokens and the selected blocks (a bit
+per block pair and KV group), because eager flex applies only mask_mod.
+``torch.nn.attention.flex_attention`` is imported lazily; the CPU never runs it in training
+(FlexAttention has no CPU backward in torch 2.13). Pure torch; must not import megatron.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .blocks import BlockLayout
 from .selection import BlockSelection
 
 _COMPILED = {}
@@ -33,76 +44,123 @@ def flex_available() -> bool:
     return True
 
 
-def _flex_fn(compiled: bool):
+def _flex_fn(compile_backend):
     from torch.nn.attention.flex_attention import flex_attention
-    if not compiled:
+    if compile_backend is None:
         return flex_attention
-    if "fn" not in _COMPILED:
-        # automatic dynamic shapes: packed micro-batches change length every step, and a
-        # static compile would hit the recompile limit and fall back to dense eager flex
-        _COMPILED["fn"] = torch.compile(flex_attention)
-    return _COMPILED["fn"]
+    if compile_backend not in _COMPILED:
+        _COMPILED[compile_backend] = torch.compile(flex_attention, backend=compile_backend)
+    return _COMPILED[compile_backend]
 
 
-def _compact(idx: torch.Tensor, keep: torch.Tensor, num_kv_blocks: int):
-    """Kept slots of every row moved to the front, as BlockMask wants them:
-    (num ``[..]`` int32, indices ``[.., num_kv_blocks]`` int32, zero-padded)."""
-    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
-    ordered = idx.gather(-1, order).to(torch.int32)
-    out = ordered.new_zeros(tuple(idx.shape[:-1]) + (num_kv_blocks,))
-    out[..., :idx.shape[-1]] = ordered
-    return keep.sum(-1).to(torch.int32), out
+def _slot_tables(layout: BlockLayout):
+    """Per padded slot ``[P]``: document id (-1 in the tail) and whether a real token sits there."""
+    if "flex_slots" not in layout.memo:
+        bs, nb, nbp = layout.block_size, layout.num_blocks, layout.padded_blocks
+        dev = layout.block_doc.device
+        doc = torch.full((nbp,), -1, dtype=torch.int32, device=dev)
+        doc[:nb] = layout.block_doc.to(torch.int32)
+        n = torch.zeros(nbp, dtype=torch.int32, device=dev)
+        n[:nb] = layout.block_len.to(torch.int32)
+        real = (torch.arange(bs, device=dev).view(1, bs) < n.view(nbp, 1)).reshape(-1)
+        diag = torch.arange(nbp, dtype=torch.int32, device=dev)
+        diag_num = (diag < nb).to(torch.int32)
+        layout.memo["flex_slots"] = (doc.repeat_interleave(bs), real, diag, diag_num)
+    return layout.memo["flex_slots"]
 
 
-def build_block_mask(selection: BlockSelection, num_heads: int):
-    """BlockMask over the padded layout ``[1, np, NB*B, NB*B]`` encoding the selection."""
+def _transpose_lists(num: torch.Tensor, idx: torch.Tensor, num_cols: int, width: int):
+    """Row lists ``num [G, R]``, ``idx [G, R, K]`` -> column lists ``[G, num_cols]``,
+    ``[G, num_cols, width]`` (rows ascending), by one sort of the kept pairs; no host sync.
+    ``width`` must bound the entries of every column."""
+    g, r, k = idx.shape
+    dev = idx.device
+    valid = torch.arange(k, device=dev) < num[..., None]
+    rows = torch.arange(r, device=dev).view(1, r, 1)
+    sentinel = num_cols * r
+    key = torch.where(valid, idx.long() * r + rows, sentinel).view(g, r * k)
+    key = key.sort(dim=-1).values
+    col, row = key // r, key % r                                   # sentinel -> col num_cols
+    counts = torch.zeros(g, num_cols + 1, dtype=torch.long, device=dev)
+    counts.scatter_add_(1, col, torch.ones_like(col))
+    start = counts.cumsum(-1) - counts
+    rank = torch.arange(r * k, device=dev).view(1, -1) - start.gather(1, col)
+    rank = rank.clamp(max=width - 1)     # only sentinels can exceed it; they land in the dump row
+    out = torch.zeros(g, (num_cols + 1) * width, dtype=torch.int32, device=dev)
+    out.scatter_(1, col * width + rank, row.to(torch.int32))
+    out = out.view(g, num_cols + 1, width)[:, :num_cols]
+    return counts[:, :num_cols].to(torch.int32), out
+
+
+def mask_tensors(selection: BlockSelection) -> dict:
+    """The BlockMask's tensors for a selection (see the module docstring), as a dict."""
+    layout = selection.layout
+    nb, nbp = layout.num_blocks, layout.padded_blocks
+    ng, _, kmax = selection.kv_indices.shape
+    dev = selection.kv_num.device
+    _, _, diag, diag_num = _slot_tables(layout)
+    kf = max(2, kmax - 1)                    # >= 2: sizes 0 and 1 would be specialised
+    full_num = torch.zeros(ng, nbp, dtype=torch.int32, device=dev)
+    full_num[:, :nb] = selection.kv_num - 1
+    full_idx = torch.zeros(ng, nbp, kf, dtype=torch.int32, device=dev)
+    full_idx[:, :nb, :kmax - 1] = selection.kv_indices[..., 1:]
+    wq = max(2, layout.max_doc_blocks - 1)
+    fq_num, fq_idx = _transpose_lists(full_num, full_idx, nbp, wq)
+    # one bit per (query block, key block): the selection, for mask_mod
+    words = (nbp + 7) // 8
+    valid = torch.arange(kmax, device=dev) < selection.kv_num[..., None]
+    bits = torch.zeros(ng, nbp, words, dtype=torch.int32, device=dev)
+    bits[:, :nb].scatter_add_(2, selection.kv_indices // 8,
+                              torch.where(valid, 1 << (selection.kv_indices % 8), 0).int())
+    part_num = diag_num.view(1, 1, nbp).expand(ng, 1, nbp).contiguous()
+    part_idx = diag.view(1, 1, nbp, 1).expand(ng, 1, nbp, 1).contiguous()
+    return dict(kv_num_blocks=part_num, kv_indices=part_idx,
+                full_kv_num_blocks=full_num.unsqueeze(1), full_kv_indices=full_idx.unsqueeze(1),
+                q_num_blocks=part_num, q_indices=part_idx,
+                full_q_num_blocks=fq_num.unsqueeze(1), full_q_indices=fq_idx.unsqueeze(1),
+                selected_bits=bits.to(torch.uint8))
+
+
+def build_block_mask(selection: BlockSelection):
+    """BlockMask ``[ng, 1, P, P]`` over the padded layout encoding the selection."""
     from torch.nn.attention.flex_attention import BlockMask
     layout = selection.layout
-    bs, nb = layout.block_size, layout.num_blocks
-    ng = selection.kv_num.shape[0]
-    rep = num_heads // ng
-    dev = selection.kv_num.device
-    idx = selection.kv_indices                                             # [ng, NB, K]
-    kmax = idx.shape[-1]
-    valid = torch.arange(kmax, device=dev) < selection.kv_num[..., None]
-    diag = idx == torch.arange(nb, device=dev).view(1, nb, 1)
-    short = layout.block_len[idx] < bs
-    partial = valid & (diag | short)
-    full = valid & ~partial
-    kv_num, kv_idx = _compact(idx, partial, nb)
-    full_num, full_idx = _compact(idx, full, nb)
-
-    def per_head(x):  # [ng, ...] -> [1, np, ...]
-        return x.repeat_interleave(rep, dim=0).unsqueeze(0).contiguous()
-
-    block_sel = selection.block_mask()                                     # [ng, NB, NB]
-    slot_doc = layout.block_doc.repeat_interleave(bs)                      # [NB*B]
-    slot_real = (torch.arange(bs, device=dev).view(1, bs)
-                 < layout.block_len.view(nb, 1)).reshape(-1)               # [NB*B]
+    bs, p = layout.block_size, layout.padded_tokens
+    t = mask_tensors(selection)
+    bits = t.pop("selected_bits")
+    slot_doc, slot_real, _, _ = _slot_tables(layout)
 
     def mask_mod(b, h, q_idx, kv_idx):
+        qb, kb = q_idx // bs, kv_idx // bs
+        kept = ((bits[b, qb, kb // 8].to(torch.int32) >> (kb % 8)) & 1) == 1
         return ((q_idx >= kv_idx) & (slot_doc[q_idx] == slot_doc[kv_idx]) & slot_real[kv_idx]
-                & block_sel[h // rep, q_idx // bs, kv_idx // bs])
+                & kept)
 
-    return BlockMask.from_kv_blocks(per_head(kv_num), per_head(kv_idx), per_head(full_num),
-                                    per_head(full_idx), BLOCK_SIZE=bs, mask_mod=mask_mod,
-                                    seq_lengths=(nb * bs, nb * bs))
+    return BlockMask(seq_lengths=(p, p), BLOCK_SIZE=(bs, bs), mask_mod=mask_mod, **t)
 
 
 def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch.Tensor,
                           selection: BlockSelection, softmax_scale: float,
-                          compiled: bool = True) -> torch.Tensor:
-    """q_pad ``[NB*B, np, hn]``, k/v_pad ``[NB*B, ng, hn]`` -> ``[NB*B, np, hn]``."""
-    nh, ng = q_pad.shape[1], k_pad.shape[1]
-    block_mask = build_block_mask(selection, nh)
+                          compile_backend="inductor") -> torch.Tensor:
+    """q_pad ``[P, np, hn]``, k/v_pad ``[P, ng, hn]`` -> ``[P, np, hn]``.
+
+    ``compile_backend``: torch.compile backend (``None``: eager flex, mask_mod only)."""
+    p, nh, hn = q_pad.shape
+    ng = k_pad.shape[1]
+    rep = nh // ng
+    block_mask = build_block_mask(selection)
     bs = selection.layout.block_size
     kernel_options = None
     if bs < 128:
         # default tiles are up to 128 wide; they must divide the sparse block size
         kernel_options = {"BLOCK_M": bs, "BLOCK_N": bs, "BLOCK_M1": min(bs, 32),
                           "BLOCK_N1": bs, "BLOCK_M2": bs, "BLOCK_N2": min(bs, 32)}
-    fn = _flex_fn(compiled)
-    out = fn(q_pad.transpose(0, 1)[None], k_pad.transpose(0, 1)[None],
-             v_pad.transpose(0, 1)[None], block_mask=block_mask, scale=softmax_scale,
-             enable_gqa=(nh != ng), kernel_options=kernel_options)
-    return out[0].transpose(0, 1)
+    if compile_backend is not None:
+        # the kept-count widths follow the budget: one graph for all of them
+        torch._dynamo.maybe_mark_dynamic(block_mask.full_kv_indices, 3)
+        torch._dynamo.maybe_mark_dynamic(block_mask.full_q_indices, 3)
+    q4 = q_pad.view(p, ng, rep, hn).permute(1, 2, 0, 3)                  # [ng, rep, P, hn]
+    k4, v4 = (x.permute(1, 0, 2).unsqueeze(1) for x in (k_pad, v_pad))   # [ng, 1, P, hn]
+    out = _flex_fn(compile_backend)(q4, k4, v4, block_mask=block_mask, scale=softmax_scale,
+                                    enable_gqa=rep > 1, kernel_options=kernel_options)
+    return out.permute(2, 0, 1, 3).reshape(p, nh, hn)                    # [P, np, hn]

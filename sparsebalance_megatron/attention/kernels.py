@@ -47,13 +47,19 @@ def from_blocks_q(x_blk: torch.Tensor) -> torch.Tensor:
     return x_blk.permute(1, 3, 0, 2, 4).reshape(nb * bs, ng * rep, hn)
 
 
-def plan_chunks(kv_num: torch.Tensor, num_heads: int, block_size: int,
+def plan_chunks(kv_num, num_heads: int, block_size: int,
                 query_chunk_blocks: int) -> List[Tuple[int, int, int, int]]:
     """Chunks ``(i0, i1, kmax, kmin)`` of query blocks: at most ``query_chunk_blocks`` blocks,
     and the score tile ``num_heads * C * B * kmax * B`` within ``_CHUNK_ELEMENTS`` (at least one
-    block). ``kmax`` / ``kmin``: largest / smallest kept count in the chunk."""
-    kmax_blk = kv_num.max(dim=0).values.tolist()
-    kmin_blk = kv_num.min(dim=0).values.tolist()
+    block). ``kmax`` / ``kmin``: largest / smallest kept count in the chunk.
+
+    ``kv_num``: ``[ng, NB]`` kept counts (read back to the host), or a ``KeptBounds`` (host-side
+    bounds of the counts: the per-layer path plans from these, without a device round trip)."""
+    if isinstance(kv_num, torch.Tensor):
+        kmax_blk = kv_num.max(dim=0).values.tolist()
+        kmin_blk = kv_num.min(dim=0).values.tolist()
+    else:
+        kmax_blk, kmin_blk = kv_num.hi.tolist(), kv_num.lo.tolist()
     chunks, i0, nb = [], 0, len(kmax_blk)
     per_pair = num_heads * block_size * block_size
     while i0 < nb:
@@ -170,10 +176,20 @@ class _BlockSparseAttention(torch.autograd.Function):
 def blockwise_attention(q_blk: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor,
                         selection: BlockSelection, softmax_scale: float,
                         query_chunk_blocks: int = 16) -> torch.Tensor:
-    """Blocked q ``[ng, NB, rep, B, hn]``, k/v ``[ng, NB, B, hn]`` -> out ``[ng, NB, rep, B, hn]``."""
+    """Blocked q ``[ng, NB, rep, B, hn]``, k/v ``[ng, NB, B, hn]`` -> out ``[ng, NB, rep, B, hn]``.
+
+    The chunk plan comes from the selection's host-side kept-count bounds (planned once per
+    micro-batch and density), so this path reads nothing back from the device."""
     layout = selection.layout
-    chunks = plan_chunks(selection.kv_num, q_blk.shape[0] * q_blk.shape[2], layout.block_size,
-                         query_chunk_blocks)
+    heads = q_blk.shape[0] * q_blk.shape[2]
+    bounds = selection.bounds
+    if bounds is None:
+        chunks = plan_chunks(selection.kv_num, heads, layout.block_size, query_chunk_blocks)
+    else:
+        key = ("chunks", heads, query_chunk_blocks)
+        if key not in bounds.memo:
+            bounds.memo[key] = plan_chunks(bounds, heads, layout.block_size, query_chunk_blocks)
+        chunks = bounds.memo[key]
     return _BlockSparseAttention.apply(q_blk, k_blk, v_blk, selection.kv_indices,
                                        selection.kv_num, chunks, float(softmax_scale))
 

@@ -6,7 +6,8 @@ only; a softmax over the key blocks turns scores into an estimated attention-mas
 Estimators (pluggable, ``ESTIMATORS``):
 
 - ``maxkey`` (default): mean-pooled query block . every key, max over the keys of each key block
-  (cost ~ 1/block_size of dense attention);
+  (cost ~ 1/block_size of dense attention); on CUDA one Triton kernel (``maxkey_triton``), else
+  PyTorch over chunks of query blocks planned once per micro-batch;
 - ``pooled``: mean-pooled query block . mean-pooled key block (cheaper, less accurate).
 
 GQA: shares are computed per query head and averaged over the query heads of a group, so one
@@ -14,23 +15,43 @@ selection serves the group. The diagonal block, the first ``sink_blocks`` blocks
 and ``local_blocks`` blocks before the diagonal are always kept; the rest is filled by density
 (top-k, k = ceil(density * available)) or by an estimated-mass threshold clipped to
 [min_density, max_density]. Selection is never differentiated.
+
+No device value is read back on the host here: the kept-count bounds that size the tensors come
+from the layout and the density on the host (``kept_bounds``, once per micro-batch and density).
 Pure torch; must not import megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Dict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
 from .blocks import BlockLayout
 
-# Elements of the largest score tensor built at once while estimating (bounds selection memory).
+# Elements of the largest score tensor built at once by the PyTorch maxkey (bounds its memory).
 _SCORE_BUDGET = 1 << 25
 # Guard against ceil(0.7 * 10) = 8 from floating-point noise.
 _CEIL_EPS = 1e-9
+
+
+@dataclass
+class KeptBounds:
+    """Host-side bounds of the kept count of every query block (over KV groups).
+
+    ``lo[i] <= kv_num[g, i] <= hi[i]``; equal in ``density`` mode, where the count depends only
+    on the layout and the density. ``kmax = max(hi)`` sizes ``kv_indices``."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def kmax(self) -> int:
+        return int(self.hi.max())
 
 
 @dataclass
@@ -43,11 +64,12 @@ class BlockSelection:
     """
 
     layout: BlockLayout
-    kv_indices: torch.Tensor    # [ng, NB, K] long
+    kv_indices: torch.Tensor    # [ng, NB, K] long, K = bounds.kmax
     kv_num: torch.Tensor        # [ng, NB] long
     shares: torch.Tensor        # [ng, NB, NB] float32 estimated mass share (0 where not allowed)
     density_kept: torch.Tensor  # [ndoc] float32: kept blocks / causal blocks
     recall: torch.Tensor        # [ndoc] float32: estimated mass share of the kept blocks
+    bounds: Optional[KeptBounds] = None
 
     def block_mask(self) -> torch.Tensor:
         """[ng, NB, NB] bool: True where key block j is kept for query block i."""
@@ -63,17 +85,53 @@ class BlockSelection:
 
 def allowed_blocks(layout: BlockLayout) -> torch.Tensor:
     """[NB, NB] bool: key block j is causal (j <= i) and in the same document as query block i."""
-    nb = layout.num_blocks
-    ar = torch.arange(nb, device=layout.block_doc.device)
-    return (layout.block_doc[:, None] == layout.block_doc[None, :]) & (ar[None, :] <= ar[:, None])
+    return layout.allowed()
 
 
 def forced_blocks(layout: BlockLayout, sink_blocks: int, local_blocks: int) -> torch.Tensor:
     """[NB, NB] bool: always-kept blocks (diagonal, document sinks, local window)."""
-    loc = layout.block_local
-    kb_local = loc[None, :]
-    forced = (kb_local < sink_blocks) | (kb_local >= loc[:, None] - local_blocks)
-    return forced & allowed_blocks(layout)
+    key = ("forced", sink_blocks, local_blocks)
+    if key not in layout.memo:
+        loc = layout.block_local
+        kb_local = loc[None, :]
+        forced = (kb_local < sink_blocks) | (kb_local >= loc[:, None] - local_blocks)
+        layout.memo[key] = forced & layout.allowed()
+    return layout.memo[key]
+
+
+def _ceil_frac(frac, avail):
+    return np.ceil(frac * avail.astype(np.float64) - _CEIL_EPS).astype(np.int64)
+
+
+def kept_bounds(layout: BlockLayout, density_host: List[float], *, sink_blocks: int = 1,
+                local_blocks: int = 0, selection_mode: str = "density",
+                min_density: float = 0.125, max_density: float = 1.0) -> KeptBounds:
+    """Bounds of the kept count per query block, from the layout and density on the host.
+
+    Computed once per micro-batch and density (memoised on the layout); the device formulas in
+    ``select_from_shares`` give counts inside them (exactly them in ``density`` mode).
+    """
+    key = ("bounds", tuple(density_host), sink_blocks, local_blocks, selection_mode,
+           min_density, max_density)
+    if key in layout.memo:
+        return layout.memo[key]
+    loc = layout.block_local_host.astype(np.int64)
+    avail = loc + 1
+    # forced = sinks [0, min(sink, l+1)) U window [max(0, l - local), l]
+    sink = np.minimum(sink_blocks, avail)
+    win_lo = np.maximum(0, loc - local_blocks)
+    n_forced = (loc - win_lo + 1) + sink - np.maximum(0, sink - win_lo)
+    if selection_mode == "density":
+        dens = np.asarray(density_host, dtype=np.float64)[
+            np.repeat(np.arange(layout.num_docs), np.diff(layout.doc_block_start))]
+        k = np.maximum(_ceil_frac(dens, avail), 1)
+        lo = hi = np.minimum(np.maximum(k, n_forced), avail)
+    else:
+        lo = np.minimum(np.maximum(_ceil_frac(min_density, avail), n_forced), avail)
+        hi = np.minimum(np.maximum(_ceil_frac(max_density, avail), n_forced), avail)
+    out = KeptBounds(lo, hi)
+    layout.memo[key] = out
+    return out
 
 
 def _pooled_queries(q_blk: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -82,45 +140,85 @@ def _pooled_queries(q_blk: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     return q_blk.float().sum(dim=3) / n
 
 
-def _estimate_maxkey(q_blk, k_blk, layout, softmax_scale):
-    ng, nb, rep, bs, hn = q_blk.shape
-    qbar = _pooled_queries(q_blk, layout)                       # [ng, NB, rep, hn]
-    kf = k_blk.float()                                          # [ng, NB, B, hn]
-    local = layout.block_local.tolist()
-    tok = torch.arange(bs, device=kf.device)
-    key_pad = tok[None, :] >= layout.block_len[:, None]         # [NB, B]
-    allowed = allowed_blocks(layout)
-    shares = torch.zeros(ng, nb, nb, dtype=torch.float32, device=kf.device)
-    i0 = 0
+def pooled_queries_padded(q_pad: torch.Tensor, layout: BlockLayout,
+                          num_groups: int) -> torch.Tensor:
+    """q_pad [P, np, hn] (padded layout) -> mean over real tokens [ng, NB, rep, hn] (float32)."""
+    nb, bs = layout.num_blocks, layout.block_size
+    _, nh, hn = q_pad.shape
+    s = q_pad[:nb * bs].view(nb, bs, num_groups, nh // num_groups, hn).float().sum(dim=1)
+    return (s / layout.block_len.to(torch.float32).view(-1, 1, 1, 1)).permute(1, 0, 2, 3)
+
+
+def _maxkey_chunks(layout: BlockLayout, ng: int, rep: int) -> list:
+    """(i0, i1, kb0) chunks of query blocks whose score tensor fits ``_SCORE_BUDGET``."""
+    key = ("maxkey_chunks", ng, rep)
+    if key in layout.memo:
+        return layout.memo[key]
+    nb, bs = layout.num_blocks, layout.block_size
+    local = layout.block_local_host
+    chunks, i0 = [], 0
     while i0 < nb:
-        kb0 = i0 - local[i0]
-        # grow the chunk while the score tensor [ng, C, rep, span, B] stays within budget
+        kb0 = i0 - int(local[i0])
         i1 = i0 + 1
         while i1 < nb and ng * (i1 + 1 - i0) * rep * (i1 + 1 - kb0) * bs <= _SCORE_BUDGET \
                 and i1 + 1 - i0 <= 64:
             i1 += 1
+        chunks.append((i0, i1, kb0))
+        i0 = i1
+    layout.memo[key] = chunks
+    return chunks
+
+
+def _maxkey_scores_torch(qbar, keys, layout):
+    """qbar [ng, NB, rep, hn] f32, keys [ng, NB*B, hn] -> max over each key block's real keys of
+    qbar . key, [ng, NB, rep, NB] f32 (-inf outside the chunk's key span)."""
+    ng, nb, rep, hn = qbar.shape
+    bs = layout.block_size
+    tok = torch.arange(bs, device=qbar.device)
+    key_pad = tok[None, :] >= layout.block_len[:, None]                 # [NB, B]
+    scores = torch.full((ng, nb, rep, nb), float("-inf"), device=qbar.device)
+    for i0, i1, kb0 in _maxkey_chunks(layout, ng, rep):
         span = i1 - kb0
         qc = qbar[:, i0:i1].reshape(ng, (i1 - i0) * rep, hn)
-        keys = kf[:, kb0:i1].reshape(ng, span * bs, hn)
-        s = torch.bmm(qc, keys.transpose(1, 2)).view(ng, i1 - i0, rep, span, bs)
+        kc = keys[:, kb0 * bs:i1 * bs].float()
+        s = torch.bmm(qc, kc.transpose(1, 2)).view(ng, i1 - i0, rep, span, bs)
         s.masked_fill_(key_pad[kb0:i1].view(1, 1, 1, span, bs), float("-inf"))
-        s = s.amax(dim=-1) * softmax_scale                      # [ng, C, rep, span]
-        s.masked_fill_(~allowed[i0:i1, kb0:i1].view(1, i1 - i0, 1, span), float("-inf"))
-        shares[:, i0:i1, kb0:i1] = torch.softmax(s, dim=-1).mean(dim=2)
-        i0 = i1
-    return shares
+        scores[:, i0:i1, :, kb0:i1] = s.amax(dim=-1)
+    return scores
 
 
-def _estimate_pooled(q_blk, k_blk, layout, softmax_scale):
-    ng, nb, rep, bs, hn = q_blk.shape
-    qbar = _pooled_queries(q_blk, layout).reshape(ng, nb * rep, hn)
-    kbar = k_blk.float().sum(dim=2) / layout.block_len.to(torch.float32).view(1, -1, 1)
-    s = torch.bmm(qbar, kbar.transpose(1, 2)).view(ng, nb, rep, nb) * softmax_scale
-    s.masked_fill_(~allowed_blocks(layout).view(1, nb, 1, nb), float("-inf"))
+def _maxkey_shares(qbar, keys, layout, softmax_scale):
+    from . import maxkey_triton
+    if maxkey_triton.usable(keys, layout.block_size):
+        s = maxkey_triton.maxkey_scores(qbar, keys, layout)
+    else:
+        s = _maxkey_scores_torch(qbar, keys, layout)
+    s = s * softmax_scale
+    s.masked_fill_(~layout.allowed()[None, :, None, :], float("-inf"))
     return torch.softmax(s, dim=-1).mean(dim=2)
 
 
-ESTIMATORS: Dict[str, Callable] = {"maxkey": _estimate_maxkey, "pooled": _estimate_pooled}
+def _pooled_shares(qbar, keys, layout, softmax_scale):
+    ng, nb, rep, hn = qbar.shape
+    kbar = keys.unflatten(1, (nb, layout.block_size)).float().sum(dim=2) \
+        / layout.block_len.to(torch.float32).view(1, -1, 1)
+    s = torch.bmm(qbar.reshape(ng, nb * rep, hn), kbar.transpose(1, 2)).view(ng, nb, rep, nb)
+    s = s * softmax_scale
+    s.masked_fill_(~layout.allowed().view(1, nb, 1, nb), float("-inf"))
+    return torch.softmax(s, dim=-1).mean(dim=2)
+
+
+ESTIMATORS: Dict[str, Callable] = {"maxkey": _maxkey_shares, "pooled": _pooled_shares}
+
+
+def shares_from_pooled(qbar: torch.Tensor, keys: torch.Tensor, layout: BlockLayout,
+                       estimator: str, softmax_scale: float) -> torch.Tensor:
+    """Estimated shares from pooled queries ``[ng, NB, rep, hn]`` and the keys of the padded
+    layout ``[ng, NB*B, hn]`` (any strides, zeros in padding) -> ``[ng, NB, NB]`` float32."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
+    with torch.no_grad():
+        return ESTIMATORS[estimator](qbar, keys, layout, softmax_scale)
 
 
 def estimate_block_shares(q_blk: torch.Tensor, k_blk: torch.Tensor, layout: BlockLayout,
@@ -133,27 +231,36 @@ def estimate_block_shares(q_blk: torch.Tensor, k_blk: torch.Tensor, layout: Bloc
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
     with torch.no_grad():
-        return ESTIMATORS[estimator](q_blk, k_blk, layout, softmax_scale)
+        qbar = _pooled_queries(q_blk, layout)
+        return shares_from_pooled(qbar, k_blk.flatten(1, 2), layout, estimator, softmax_scale)
 
 
 def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch.Tensor, *,
                        sink_blocks: int = 1, local_blocks: int = 0,
                        selection_mode: str = "density", mass_threshold: float = 0.9,
-                       min_density: float = 0.125, max_density: float = 1.0) -> BlockSelection:
+                       min_density: float = 0.125, max_density: float = 1.0,
+                       density_host: Optional[List[float]] = None) -> BlockSelection:
     """Turn estimated shares ``[ng, NB, NB]`` into kept blocks under the budget.
 
     ``density`` is ``[ndoc]`` (float, in (0, 1]). In ``density`` mode every query block keeps
     ``max(ceil(density * available), forced)`` blocks; in ``mass`` mode the fewest blocks whose
     estimated share reaches ``mass_threshold``, clipped to
     ``[ceil(min_density * available), ceil(max_density * available)]`` (never below the forced
-    blocks).
+    blocks). ``density_host``: the same densities as a host list (read from ``density`` if None:
+    a device round trip).
     """
     if selection_mode not in ("density", "mass"):
         raise ValueError(f"selection_mode={selection_mode!r}: expected 'density' or 'mass'")
+    if density_host is None:
+        density_host = [float(x) for x in density.reshape(-1).tolist()]
+    bounds = kept_bounds(layout, density_host, sink_blocks=sink_blocks,
+                         local_blocks=local_blocks, selection_mode=selection_mode,
+                         min_density=min_density, max_density=max_density)
+    kmax = bounds.kmax
     with torch.no_grad():
         ng, nb, _ = shares.shape
         dev = shares.device
-        allowed = allowed_blocks(layout)
+        allowed = layout.allowed()
         forced = forced_blocks(layout, sink_blocks, local_blocks)
         avail = layout.block_available()                                # [NB]
         n_forced = forced.sum(dim=-1)                                   # [NB]
@@ -169,19 +276,16 @@ def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch
             k = ceil_frac(density[layout.block_doc]).clamp(min=1)
             k = torch.minimum(torch.maximum(k, n_forced), avail)        # [NB]
             kv_num = k.view(1, nb).expand(ng, nb).contiguous()
-            kmax = int(kv_num.max())
             kv_indices = priority.topk(kmax, dim=-1).indices
         else:
-            order = priority.argsort(dim=-1, descending=True)
+            order = priority.topk(kmax, dim=-1).indices                 # best kmax, descending
             sorted_shares = shares.gather(-1, order)
             before = sorted_shares.cumsum(dim=-1) - sorted_shares       # mass of the blocks ahead
             need = (before < mass_threshold).sum(dim=-1)                # [ng, NB]
-            f64 = dict(dtype=torch.float64, device=dev)   # float32 0.6 * 10 would ceil to 7
-            lo = torch.maximum(ceil_frac(torch.tensor(min_density, **f64)), n_forced)
-            hi = torch.maximum(ceil_frac(torch.tensor(max_density, **f64)), n_forced)
+            lo = torch.maximum(ceil_frac(min_density), n_forced)
+            hi = torch.maximum(ceil_frac(max_density), n_forced)
             kv_num = torch.minimum(torch.maximum(need, lo), torch.minimum(hi, avail))
-            kmax = int(kv_num.max())
-            kv_indices = order[..., :kmax].contiguous()
+            kv_indices = order
         slot_valid = torch.arange(kmax, device=dev) < kv_num[..., None]   # [ng, NB, K]
         diag = torch.arange(nb, device=dev).view(1, nb, 1).expand_as(kv_indices)
         kv_indices = torch.where(slot_valid, kv_indices, diag)
@@ -198,7 +302,7 @@ def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch
         nblk_doc = torch.zeros(ndoc, dtype=torch.float64, device=dev).index_add_(
             0, doc, torch.full((nb,), float(ng), dtype=torch.float64, device=dev))
         return BlockSelection(layout, kv_indices, kv_num, shares,
-                              (kept / avail_doc).float(), (rec / nblk_doc).float())
+                              (kept / avail_doc).float(), (rec / nblk_doc).float(), bounds)
 
 
 def select_blocks(q_blk: torch.Tensor, k_blk: torch.Tensor, layout: BlockLayout,

@@ -22,6 +22,10 @@ micro-batch that ``SparsePackedSeqParams`` names, else the static ``sb_config.de
 recomputation of activation checkpointing, which runs its first pass without grad), the
 per-document kept density and estimated recall go to ``budget.record``: one record per layer and
 micro-batch, detached device tensors; evaluation forwards under ``torch.no_grad()`` record nothing.
+What depends only on the micro-batch's documents (the chosen ``cu_seqlens``, the block layout and
+everything derived from it) is computed by the first layer and kept in
+``packed_seq_params.sb_cache``, so the other layers and the recomputed forward read nothing back
+from the device (no host synchronisation in the per-layer path).
 Attention dropout is not applied (the sparse kernels have none); a nonzero
 ``config.attention_dropout`` is logged once and ignored.
 Part of the megatron adapter layer; must not touch torch.distributed (TP/PP need no collective here).
@@ -82,8 +86,9 @@ class SparseCoreAttention(MegatronModule):
         # number: the net scale is this one.
         self.softmax_scale = softmax_scale if softmax_scale is not None \
             else 1.0 / math.sqrt(head_dim)
+        self._unpacked_cache = {}
 
-    def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None):
+    def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None, cache=None):
         sb = self.sb_config
         out, sel = block_sparse_attention(
             q, k, v, cu_seqlens, self.budget.density(packed_seq_params),
@@ -91,10 +96,24 @@ class SparseCoreAttention(MegatronModule):
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
             backend=sb.attention_backend, softmax_scale=self.softmax_scale,
-            query_chunk_blocks=sb.query_chunk_blocks)
+            query_chunk_blocks=sb.query_chunk_blocks, cache=cache)
         if torch.is_grad_enabled():
             self.budget.record(self.layer_number, packed_seq_params, sel.density_kept, sel.recall)
         return out                                                # [t, np, hn]
+
+    @staticmethod
+    def _packed_cu_seqlens(psp, num_tokens: int, cache):
+        """The document boundaries to attend within; chosen (one host read) once per micro-batch
+        when ``psp`` carries a cache (``SparsePackedSeqParams.sb_cache``), else every layer."""
+        key = ("cu_seqlens", num_tokens)
+        if cache is not None and key in cache:
+            return cache[key]
+        cu = psp.cu_seqlens_q
+        if int(cu[-1]) != num_tokens and psp.cu_seqlens_q_padded is not None:
+            cu = psp.cu_seqlens_q_padded  # padded THD: attend over the padding
+        if cache is not None:
+            cache[key] = cu
+        return cu
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -109,10 +128,10 @@ class SparseCoreAttention(MegatronModule):
                                  f"{packed_seq_params.qkv_format!r}: expected 'thd'")
             # [t, heads, hn]; megatron squeezes the batch dim, accept [t, 1, heads, hn] too
             q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
-            cu = packed_seq_params.cu_seqlens_q
-            if int(cu[-1]) != q.shape[0] and packed_seq_params.cu_seqlens_q_padded is not None:
-                cu = packed_seq_params.cu_seqlens_q_padded  # padded THD: attend over the padding
-            out = self._attend(q, k, v, cu, packed_seq_params)
+            # per-micro-batch scratch shared by every layer (None for a plain PackedSeqParams)
+            cache = getattr(packed_seq_params, "sb_cache", None)
+            cu = self._packed_cu_seqlens(packed_seq_params, q.shape[0], cache)
+            out = self._attend(q, k, v, cu, packed_seq_params, cache)
             return out.reshape(out.shape[0], -1)                  # [t, np*hn]
         # [sq, b, np, hn] -> [b*sq, np, hn], one document per batch row
         sq, b, nh, hn = query.shape
@@ -120,6 +139,7 @@ class SparseCoreAttention(MegatronModule):
             raise ValueError(f"key has {key.shape[0]} positions, query {sq}: expected equal "
                              f"(self-attention without a KV cache)")
         q, k, v = (x.transpose(0, 1).reshape(b * sq, x.shape[2], hn) for x in (query, key, value))
-        cu = torch.arange(0, (b + 1) * sq, sq, device=query.device)
-        out = self._attend(q, k, v, cu)                           # [b*sq, np, hn]
+        cu = list(range(0, (b + 1) * sq, sq))                     # host list: no device read
+        # the layout depends on (b, sq) alone: keep it on the module, not one per call
+        out = self._attend(q, k, v, cu, cache=self._unpacked_cache)   # [b*sq, np, hn]
         return out.view(b, sq, nh * hn).transpose(0, 1).contiguous()   # [sq, b, np*hn]

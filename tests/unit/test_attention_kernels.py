@@ -152,5 +152,5 @@ def test_flex_eager_forward_matches_reference_on_cpu():
     out, sel = block_sparse_attention(q, k, v, cu, 0.3, block_size=16, backend="reference")
     lay = sel.layout
     got = lay.unpad(flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel,
-                                          32 ** -0.5, compiled=False))
+                                          32 ** -0.5, compile_backend=None))
     assert _rel_err(got, out) <= 1e-5

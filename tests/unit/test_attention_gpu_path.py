@@ -1,0 +1,245 @@
+"""The GPU path's contracts, checked on CPU: no host syncs per layer, one compiled graph, mask sizes.
+
+- Host syncs: a ``TorchFunctionMode`` counts every call that reads a device value back on the
+  host (``.item``/``.tolist``/``.cpu``/``bool(t)``/``nonzero``/boolean indexing/...) or copies
+  host data to the device (``torch.tensor``). After the per-micro-batch setup (the first layer),
+  the per-layer path must make none, fwd and bwd, torch and flex backends, and through
+  ``SparseCoreAttention`` with ``SparsePackedSeqParams``.
+- Compile once: the flex call compiled with Dynamo's ``eager`` backend (Dynamo's guards decide
+  recompiles, whatever the backend) over micro-batches of one token count with different
+  documents and densities makes one graph per grad mode.
+- BlockMask: per KV group, lists sized by the kept counts, transposed lists equal to a dense
+  transposition; eager flex (mask_mod only) with the fixed-length layout equals the reference.
+- The Triton maxkey kernel (interpreter, CPU) equals the PyTorch estimator.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from sparsebalance_megatron.attention import block_sparse_attention, build_layout
+from sparsebalance_megatron.attention.blocks import fixed_padded_blocks
+
+T = torch.Tensor
+_READS = {T.item, T.tolist, T.cpu, T.numpy, T.__bool__, T.__int__, T.__float__, T.__index__,
+          T.nonzero, torch.nonzero, T.unique, torch.unique, torch.masked_select,
+          T.masked_select, torch.bincount, T.bincount}
+_WRITES = {torch.tensor, torch.as_tensor}
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts host round trips: device reads (``reads``) and host-to-device copies (``writes``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.writes = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
+        if func in _READS:
+            self.reads.append(name)
+        elif func in _WRITES:
+            self.writes.append(name)
+        elif func in (T.to,) and any(str(a) == "cpu" for a in list(args[1:]) +
+                                     list(kwargs.values())):
+            self.reads.append("to(cpu)")
+        elif func in (torch.repeat_interleave, T.repeat_interleave) \
+                and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor) \
+                and kwargs.get("output_size") is None:
+            self.reads.append("repeat_interleave")
+        elif func in (T.__getitem__, T.__setitem__):
+            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
+                self.reads.append(name + "[bool]")
+        elif name == "where" and len(args) == 1:
+            self.reads.append("where(cond)")
+        return func(*args, **kwargs)
+
+
+def _qkv(t, nh, ng, hn, seed, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(t, h, hn, generator=g).requires_grad_(grad) for h in (nh, ng, ng))
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_counter_sees_the_syncs_it_must_catch():
+    x = torch.arange(6.0)
+    with HostSyncCounter() as c:
+        x.sum().item()
+        x.tolist()
+        bool(x.any())
+        x[x > 2]
+        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 2, 3]))
+    assert c.reads == ["item", "tolist", "__bool__", "__getitem__[bool]", "repeat_interleave"]
+    assert c.writes == ["tensor"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "flex"])
+@pytest.mark.parametrize("mode", ["density", "mass"])
+def test_per_layer_path_makes_no_host_syncs_after_setup(backend, mode, monkeypatch):
+    if backend == "flex":
+        pytest.importorskip("torch.nn.attention.flex_attention")
+        from sparsebalance_megatron.attention import flex
+        # the CPU cannot run flex backward; the kernel call itself is checked on the GPU with
+        # torch.cuda.set_sync_debug_mode (tests/gpu): here, everything around it
+        monkeypatch.setattr(flex, "_flex_fn", lambda backend: lambda q, k, v, **kw: q * 1.0)
+    cu = torch.tensor([0, 70, 71, 200, 333])          # a tensor, as Megatron hands it over
+    q, k, v = _qkv(333, 4, 2, 16, seed=0)
+    cache = {}
+    kw = dict(block_size=16, backend=backend, selection_mode=mode, local_blocks=1, cache=cache,
+              compile_backend=None)
+    block_sparse_attention(q, k, v, cu, 0.4, **kw)    # layer 1: the per-micro-batch setup
+    with HostSyncCounter() as c:
+        for layer in range(3):                        # the other layers, forward and backward
+            out, sel = block_sparse_attention(q, k, v, cu, 0.4, **kw)
+            out.sum().backward()
+    assert c.reads == [] and c.writes == []
+    assert sel.layout is cache[next(iter(cache))]
+
+
+def test_sparse_core_attention_layers_share_the_micro_batch_setup():
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.budget import BudgetContext, SparsePackedSeqParams
+    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                            num_query_groups=2, kv_channels=16, attention_dropout=0.0)
+    sb = SparseBalanceConfig(density=0.5, block_size=16, attention_backend="torch")
+    budget = BudgetContext(0.5)
+    layers = [SparseCoreAttention(cfg, n + 1, AttnMaskType.causal, sb_config=sb, budget=budget)
+              for n in range(3)]
+    cu = torch.tensor([0, 90, 160], dtype=torch.int32)
+    psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                max_seqlen_q=90, max_seqlen_kv=90, sb_microbatch=None)
+    q, k, v = _qkv(160, 4, 2, 16, seed=1)
+    x = layers[0](q, k, v, packed_seq_params=psp)     # first layer: setup
+    with HostSyncCounter() as c:
+        for layer in layers[1:]:
+            x = x + layer(q, k, v, packed_seq_params=psp)
+        x.sum().backward()
+    assert c.reads == [] and c.writes == []
+    assert len(budget.pop_stats()) == 3
+    # unpacked input and a plain PackedSeqParams still work
+    out = layers[0](q.view(160, 1, 4, 16), k.view(160, 1, 2, 16), v.view(160, 1, 2, 16))
+    assert out.shape == (160, 1, 64)
+
+
+def test_fixed_padded_length_depends_on_the_token_count_only():
+    t, bs = 4096, 64
+    mixes = [[t], [1000, 3096], [7] * 10 + [t - 70], [100] * 10 + [t - 1000]]
+    padded = {build_layout([0, *torch.tensor(m).cumsum(0).tolist()], t, bs, "cpu",
+                           fixed_length=True).padded_blocks for m in mixes}
+    assert padded == {fixed_padded_blocks(t, 64, bs)} == {80}
+    many = [1] * 100 + [t - 100]                      # 100 one-token documents overflow
+    lay = build_layout([0, *torch.tensor(many).cumsum(0).tolist()], t, bs, "cpu", True)
+    assert lay.padded_blocks >= lay.num_blocks > 80 and lay.padded_blocks % 8 == 0
+
+
+def _dense_lists(num, idx, cols):
+    """Dense [G, R, cols] bool from row lists."""
+    g, r, k = idx.shape
+    d = torch.zeros(g, r, cols, dtype=torch.bool)
+    for a in range(g):
+        for i in range(r):
+            d[a, i, idx[a, i, :num[a, i]].long()] = True
+    return d
+
+
+def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from sparsebalance_megatron.attention.flex import mask_tensors
+    cu = [0, 500, 520, 1024]
+    q, k, v = _qkv(1024, 6, 2, 16, seed=2, grad=False)
+    _, sel = block_sparse_attention(q, k, v, cu, 0.25, block_size=16, backend="flex",
+                                    compile_backend=None, sink_blocks=1)
+    lay = sel.layout
+    m = mask_tensors(sel)
+    ng, nbp, kmax = 2, lay.padded_blocks, sel.kv_indices.shape[-1]
+    assert m["kv_indices"].shape == (ng, 1, nbp, 1)                   # the diagonal only
+    assert m["full_kv_indices"].shape == (ng, 1, nbp, kmax - 1)       # kept count, not NB
+    assert m["full_q_indices"].shape == (ng, 1, nbp, lay.max_doc_blocks - 1)
+    assert kmax - 1 < lay.num_blocks // 2
+    full = _dense_lists(m["full_kv_num_blocks"][:, 0], m["full_kv_indices"][:, 0], nbp)
+    part = _dense_lists(m["kv_num_blocks"][:, 0], m["kv_indices"][:, 0], nbp)
+    nb = lay.num_blocks
+    assert torch.equal((full | part)[:, :nb, :nb], sel.block_mask())
+    assert not (full & part).any() and not full[:, nb:].any()
+    full_q = _dense_lists(m["full_q_num_blocks"][:, 0], m["full_q_indices"][:, 0], nbp)
+    assert torch.equal(full_q, full.transpose(1, 2))
+    bits = m["selected_bits"]
+    unpacked = ((bits.int()[..., None] >> torch.arange(8)) & 1).flatten(-2)[..., :nbp] == 1
+    assert torch.equal(unpacked, full | part)
+
+
+@pytest.mark.parametrize("nh,ng,mode", [(4, 2, "density"), (3, 3, "mass")])
+def test_flex_fixed_length_eager_equals_reference(nh, ng, mode):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    cu = [0, 100, 101, 300, 333]
+    q, k, v = _qkv(333, nh, ng, 32, seed=3, grad=False)
+    kw = dict(block_size=16, selection_mode=mode, local_blocks=1, mass_threshold=0.6)
+    ref, sel_r = block_sparse_attention(q, k, v, cu, 0.3, backend="reference", **kw)
+    out, sel_f = block_sparse_attention(q, k, v, cu, 0.3, backend="flex", compile_backend=None,
+                                        **kw)
+    assert sel_f.layout.padded_blocks > sel_f.layout.num_blocks          # a padded tail
+    assert torch.equal(sel_f.block_mask(), sel_r.block_mask())
+    assert _rel(out, ref) < 1e-5
+
+
+def test_flex_compiles_one_graph_per_grad_mode_across_micro_batches():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    t, gen = 512, torch.Generator().manual_seed(4)
+    for step in range(6):
+        cuts = sorted(torch.randperm(t - 1, generator=gen)[:step % 4].add(1).tolist())
+        cu = [0, *cuts, t]
+        q, k, v = _qkv(t, 4, 2, 16, seed=step, grad=False)  # CPU flex refuses requires_grad
+        density = [1.0, 0.5, 0.25, 0.125, 0.3, 0.7][step]
+        with torch.set_grad_enabled(step % 2 == 1):       # training forward / recompute pass
+            block_sparse_attention(q, k, v, cu, density, block_size=16, backend="flex",
+                                   compile_backend="eager", cache={})
+    assert counters["stats"]["unique_graphs"] == 2   # grad and no-grad, nothing per mix/density
+    torch._dynamo.reset()
+
+
+def test_triton_maxkey_kernel_equals_the_torch_estimator():
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch
+        from sparsebalance_megatron.attention import build_layout, maxkey_triton
+        from sparsebalance_megatron.attention.selection import (
+            _maxkey_scores_torch, pooled_queries_padded)
+        cu, bs = [0, 70, 71, 200, 333], 16
+        lay = build_layout(cu, 333, bs, "cpu")
+        g = torch.Generator().manual_seed(5)
+        q, k = torch.randn(333, 6, 16, generator=g), torch.randn(333, 2, 16, generator=g)
+        qbar = pooled_queries_padded(lay.pad(q), lay, 2)
+        keys = lay.pad(k)[:lay.num_blocks * bs].permute(1, 0, 2)
+        assert maxkey_triton.usable(keys, bs)
+        a = maxkey_triton.maxkey_scores(qbar, keys, lay)
+        b = _maxkey_scores_torch(qbar, keys, lay)
+        ok = lay.allowed()[None, :, None, :].expand_as(a)
+        assert torch.allclose(a[ok], b[ok], atol=1e-5), (a[ok] - b[ok]).abs().max()
+        nb = lay.num_blocks
+        later = (torch.arange(nb)[None, :] > torch.arange(nb)[:, None])[None, :, None, :]
+        assert bool((a[later.expand_as(a)] == float("-inf")).all())
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
