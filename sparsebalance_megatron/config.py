@@ -19,6 +19,7 @@ LONG_SAMPLE_POLICIES = ("split", "error")
 TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
+TIMING_SOURCES = ("measured", "model")
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
 
@@ -137,6 +138,11 @@ class SparseBalanceConfig:
     straggler_slowdown: float = _f(
         1.0, "Benchmarking: how many times slower --sb-straggler-rank computes (>= 1); it "
         "sleeps in proportion to its measured forward time.")
+    timing_source: str = _f(
+        "measured", "Per-micro-batch times that calibrate the latency model: Megatron's timers "
+        "('measured'), or the latency model's own prediction, times --sb-straggler-slowdown on "
+        "--sb-straggler-rank ('model': deterministic, for tests and reproducible studies).",
+        choices=TIMING_SOURCES)
 
     # --- logging --------------------------------------------------------------------------
     metrics_file: Optional[str] = _f(

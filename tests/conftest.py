@@ -63,3 +63,12 @@ def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: b
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_scalars(tb_dir: Path) -> dict:
+    """{tag: {iteration: value}} from the TensorBoard event files Megatron's writer left."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}

@@ -212,10 +212,15 @@ class SparseBalanceCallback:
                                f"(the sampler/packer must be deterministic on every rank)")
         if step.plan is not None:
             check_budgets(step.plan, gathered)
-        measured = _measured_busy(gathered, self.dp, self.pp, step.batch.num_microbatches)
+        if self.sb.timing_source == "model" and self.latency is not None and step.plan is not None:
+            measured = self._modelled_busy(step)
+            warm = True                        # a modelled time has no warm-up in it
+        else:
+            measured = _measured_busy(gathered, self.dp, self.pp, step.batch.num_microbatches)
+            # The first step of a process pays for warm-up (allocations, lazy init): no sample.
+            warm = self.steps_done > 0
         calib = {}
-        # The first step of a process pays for warm-up (allocations, lazy init): no sample.
-        if self.latency is not None and step.plan is not None and self.steps_done > 0:
+        if self.latency is not None and step.plan is not None and warm:
             calib = self._calibrate(step, measured)
         self.steps_done += 1
         if self.tracker is not None:
@@ -245,8 +250,8 @@ class SparseBalanceCallback:
         calc.update(consumed, consistency_check=False)
         return calc.get()
 
-    def _calibrate(self, step: PreparedStep, measured: np.ndarray) -> dict:
-        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction."""
+    def _predicted_busy(self, step: PreparedStep) -> np.ndarray:
+        """[dp, pp] uncorrected predicted fwd+bwd seconds of the step's units under its plan."""
         units = step.batch.flat_lengths(with_padding=True)
         m = step.batch.num_microbatches
         predicted = np.zeros((self.dp, self.pp))
@@ -254,6 +259,19 @@ class SparseBalanceCallback:
             for s in range(self.pp):
                 predicted[r, s] = float(np.sum(self.latency.predict_many(
                     units[r * m:(r + 1) * m], step.plan.densities[r, :, s], s)))
+        return predicted
+
+    def _modelled_busy(self, step: PreparedStep) -> np.ndarray:
+        """--sb-timing-source model: the prediction, --sb-straggler-slowdown times on the
+        straggler rank; a deterministic stand-in for Megatron's timers."""
+        busy = self._predicted_busy(step)
+        if 0 <= self.sb.straggler_rank < self.dp:
+            busy[self.sb.straggler_rank] *= self.sb.straggler_slowdown
+        return busy
+
+    def _calibrate(self, step: PreparedStep, measured: np.ndarray) -> dict:
+        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction."""
+        predicted = self._predicted_busy(step)
         corrected = predicted * np.array([self.latency.correction(r) for r in range(self.dp)])[:, None]
         for r in range(self.dp):
             ok = np.isfinite(measured[r]).all()  # missing/NaN: keep the previous factor
@@ -280,7 +298,8 @@ class SparseBalanceCallback:
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
                 "latency": self.latency.calibration_state() if self.latency else None,
-                "sensitivity": self.tracker.state_dict() if self.tracker else None}
+                "sensitivity": self.tracker.state_dict() if self.tracker else None,
+                "timing_source": self.sb.timing_source}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state is None:

@@ -297,9 +297,11 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
     t0 = time.perf_counter()
     output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
                    loss_mask=mb["loss_mask"], packed_seq_params=mb["packed_seq_params"])
-    if sb.straggler_rank == cb.dp_rank and sb.straggler_slowdown > 1.0:
+    if sb.straggler_rank == cb.dp_rank and sb.straggler_slowdown > 1.0 and \
+            sb.timing_source == "measured":
         # Benchmarks (--sb-straggler-*): forward + backward (about 3x the forward) take
-        # straggler_slowdown times longer on this rank.
+        # straggler_slowdown times longer on this rank (with --sb-timing-source model the
+        # slowdown is modelled instead).
         time.sleep(3.0 * (sb.straggler_slowdown - 1.0) * (time.perf_counter() - t0))
     return output, functools.partial(_loss_func, mb["loss_mask"])
 
