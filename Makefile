@@ -45,3 +45,11 @@ test-fast: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# GPU acceptance check (docs/GPU.md): one H100, under 10 minutes, one JSON under GPU_CHECK_DIR.
+# Uses the interpreter that has CUDA torch (GPU_PY), not .venv (the CPU install).
+GPU_PY ?= python3
+GPU_CHECK_DIR ?= runs/gpu_check
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) scripts/gpu_check.py --out-dir $(GPU_CHECK_DIR)

@@ -295,7 +295,12 @@ def main(argv=None) -> int:
                f"{torch.get_num_threads()} threads)"
     reps = args.reps or (1 if args.quick else 3)
     rows = []
-    if not args.no_timing:
+    if not args.no_timing and cuda:
+        import bench_attention_gpu   # scripts/ is on sys.path when this runs as a script
+        gpu_rows = bench_attention_gpu.bench(seq_lens, nh, ng, hn, args.block_size)
+        bench_attention_gpu.print_table(gpu_rows, name)
+        rows += [dict(kind="timing_gpu", **r) for r in gpu_rows]
+    elif not args.no_timing:
         rows += bench_kernels(device, seq_lens, dtype, nh, ng, hn, reps, args.block_size)
     if args.mem_seq_len and not cuda:
         row = peak_memory_row(args.mem_seq_len, args.mem_density, nh, ng, hn, args.block_size)
@@ -323,6 +328,8 @@ def main(argv=None) -> int:
           f"| {'vs_d1.0':>7} | {'vs_sdpa':>7} | {'cpu_ms':>8} | {'cpu_vs_d1.0':>11} "
           f"| {'select_ms':>9} | {'recall':>6} |")
     for r in rows:
+        if r["kind"] == "timing_gpu":
+            continue
         print(f"| {r['kind']:7} | {r['seq_len']:7d} | {r['density']:7.3f} | {r['backend']:>15} "
               f"| {_fmt(r['fwd_bwd_ms'], '10.1f')} | {_fmt(r['ratio_vs_full_density'], '7.3f')} "
               f"| {_fmt(r['ratio_vs_dense_sdpa'], '7.3f')} "

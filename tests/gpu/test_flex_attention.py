@@ -1,52 +1,114 @@
-"""FlexAttention backend (compiled BlockMask) == dense masked reference, outputs and gradients (CUDA)."""
+"""FlexAttention backend on CUDA: equals the dense masked reference (outputs and gradients), makes
+no host syncs per layer, compiles one graph per grad mode; the Triton maxkey kernel equals the
+PyTorch estimator. Each case compiles (tens of seconds), so the cases are few."""
+
+import warnings
 
 import pytest
 import torch
 
-from sparsebalance_megatron.attention import block_sparse_attention
+from sparsebalance_megatron.attention import block_sparse_attention, build_layout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _run(backend, q, k, v, cu, density, block_size, w):
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()   # each case compiles its own static graph (no automatic dynamic)
+    yield
+
+
+def _run(backend, q, k, v, cu, density, block_size, w, cache=None):
     q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     out, sel = block_sparse_attention(q, k, v, cu, density, block_size=block_size,
-                                      backend=backend, sink_blocks=1, local_blocks=1)
+                                      backend=backend, sink_blocks=1, local_blocks=1,
+                                      cache=cache)
     (out.float() * w).sum().backward()
     return out.float(), [x.grad.float() for x in (q, k, v)], sel
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("block_size", [64, 128])
-@pytest.mark.parametrize("nh,ng", [(8, 2), (4, 4)])
+def _inputs(t, nh, ng, hn, dtype, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(t, h, hn, generator=g).to("cuda", dtype) for h in (nh, ng, ng))
+    return q, k, v, torch.randn(t, nh, hn, generator=g).cuda()
+
+
+@pytest.mark.parametrize("dtype,tol,block_size,nh,ng", [
+    (torch.bfloat16, 3e-2, 128, 8, 2), (torch.bfloat16, 3e-2, 64, 14, 2),
+    (torch.float32, 2e-3, 128, 4, 4)])
 def test_flex_matches_reference(dtype, tol, block_size, nh, ng):
-    torch.manual_seed(0)
     cu = [0, 1000, 1001, 2500, 4096]
-    t, hn = cu[-1], 64
-    q = torch.randn(t, nh, hn, device="cuda", dtype=dtype)
-    k = torch.randn(t, ng, hn, device="cuda", dtype=dtype)
-    v = torch.randn(t, ng, hn, device="cuda", dtype=dtype)
-    w = torch.randn(t, nh, hn, device="cuda")
+    q, k, v, w = _inputs(cu[-1], nh, ng, 64, dtype, seed=0)
     density = torch.tensor([0.3, 1.0, 0.5, 0.2], device="cuda")
     out_f, g_f, sel_f = _run("flex", q, k, v, cu, density, block_size, w)
     out_r, g_r, sel_r = _run("reference", q, k, v, cu, density, block_size, w)
     assert torch.equal(sel_f.block_mask(), sel_r.block_mask())
-    rel = lambda a, b: float((a - b).norm() / b.norm())
+    rel = lambda a, b: float((a - b).norm() / b.norm())     # noqa: E731
     assert rel(out_f, out_r) < tol
     for a, b in zip(g_f, g_r):
         assert rel(a, b) < tol
 
 
 def test_torch_backend_on_cuda_matches_reference():
-    torch.manual_seed(1)
     cu = [0, 700, 2048]
-    q = torch.randn(2048, 4, 64, device="cuda")
-    k = torch.randn(2048, 2, 64, device="cuda")
-    v = torch.randn(2048, 2, 64, device="cuda")
-    w = torch.randn(2048, 4, 64, device="cuda")
+    q, k, v, w = _inputs(2048, 4, 2, 64, torch.float32, seed=1)
     out_t, g_t, _ = _run("torch", q, k, v, cu, 0.25, 64, w)
     out_r, g_r, _ = _run("reference", q, k, v, cu, 0.25, 64, w)
     assert float((out_t - out_r).abs().max()) < 1e-4
     for a, b in zip(g_t, g_r):
         assert float((a - b).norm() / b.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_maxkey_equals_torch_estimator(dtype):
+    from sparsebalance_megatron.attention import maxkey_triton
+    from sparsebalance_megatron.attention.selection import (_maxkey_scores_torch,
+                                                            pooled_queries_padded)
+    cu, bs = [0, 700, 701, 3000, 4096], 64
+    lay = build_layout(cu, 4096, bs, "cuda")
+    q, k, _, _ = _inputs(4096, 8, 2, 128, dtype, seed=2)
+    qbar = pooled_queries_padded(lay.pad(q), lay, 2)
+    keys = lay.pad(k)[:lay.num_blocks * bs].permute(1, 0, 2)
+    assert maxkey_triton.usable(keys, bs)
+    a = maxkey_triton.maxkey_scores(qbar, keys, lay)
+    b = _maxkey_scores_torch(qbar.to(dtype).float(), keys, lay)
+    ok = lay.allowed()[None, :, None, :].expand_as(a)
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    assert float((a[ok] - b[ok]).abs().max() / b[ok].abs().max()) < tol
+
+
+def test_per_layer_path_syncs_nothing_and_compiles_once():
+    """Training-shaped calls: packed micro-batches of one token count, the DST density range;
+    each micro-batch's first layer is the setup, its other layers (fwd + bwd) and a recomputed
+    forward (no grad) run under ``torch.cuda.set_sync_debug_mode``."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    t, bs, gen = 8192, 128, torch.Generator().manual_seed(3)
+    graphs, syncs = [], []
+    for step in range(8):
+        cuts = sorted(torch.randperm(t - 1, generator=gen)[:1 + step % 6].add(1).tolist())
+        cu = torch.tensor([0, *cuts, t], dtype=torch.int32, device="cuda")
+        density = [1.0, 0.5, 0.25, 0.125, 0.3, 0.7, 0.2, 0.9][step]
+        q, k, v, w = _inputs(t, 14, 2, 64, torch.bfloat16, seed=step)
+        cache = {}
+        _run("flex", q, k, v, cu, density, bs, w, cache)           # layer 1: setup
+        if step == 0:                                               # compile the no-grad graph
+            with torch.no_grad():
+                block_sparse_attention(q, k, v, cu, density, block_size=bs, backend="flex",
+                                       sink_blocks=1, local_blocks=1, cache=cache)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(2):
+                    _run("flex", q, k, v, cu, density, bs, w, cache)
+                with torch.no_grad():
+                    block_sparse_attention(q, k, v, cu, density, block_size=bs, backend="flex",
+                                           sink_blocks=1, local_blocks=1, cache=cache)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(c.message) for c in caught))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert syncs == [0] * 8, syncs
+    assert graphs[-1] == graphs[0] <= 2, graphs     # grad + no-grad, nothing per batch or density

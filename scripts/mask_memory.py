@@ -1,0 +1,99 @@
+#!/usr/bin/env python
+"""Bytes of the FlexAttention mask structures per layer: now vs the per-head, NB-wide lists before.
+
+For one document of 32K and 128K tokens, blocks of 64 and 128, density 0.25 (and 1.0), two head
+shapes (Qwen2.5-0.5B: 14 query / 2 KV heads; a 32 / 8 model), this builds the selection (from
+random shares: the sizes depend only on the layout and the budget) and the BlockMask tensors of
+``attention/flex.py`` on the CPU and counts their bytes. "before" is the layout the code had
+until issue 13, computed from its shapes: four ``[1, np, NB, NB]`` int32 index lists (kv and the
+transposed q lists, partial and full), four ``[1, np, NB]`` counts, a ``[ng, NB, NB]`` bool
+selection for mask_mod. Per-micro-batch tables shared by all layers (document id and real-token
+flag per padded slot) are listed apart. One document is the widest case: the query-side lists
+are as wide as the longest document's block count (a sink block is kept by all its queries).
+
+    python scripts/mask_memory.py --json docs/results/mask_memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from sparsebalance_megatron.attention import build_layout
+from sparsebalance_megatron.attention.flex import _slot_tables, mask_tensors
+from sparsebalance_megatron.attention.selection import select_from_shares
+
+HEADS = {"qwen2.5-0.5b (14q/2kv)": (14, 2), "32q/8kv": (32, 8)}
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def before_bytes(nb: int, nh: int, ng: int, bs: int) -> int:
+    return 4 * nh * nb * nb * 4 + 4 * nh * nb * 4 + ng * nb * nb + nb * bs * (8 + 1)
+
+
+def measure(t: int, bs: int, nh: int, ng: int, density: float) -> dict:
+    lay = build_layout([0, t], t, bs, "cpu", fixed_length=True)
+    shares = torch.rand(ng, lay.num_blocks, lay.num_blocks, generator=torch.Generator()
+                        .manual_seed(0))
+    sel = select_from_shares(shares, lay, torch.tensor([density], dtype=torch.float64),
+                             sink_blocks=1)
+    m = mask_tensors(sel)
+    per_layer = _bytes(m.values())
+    per_mb = _bytes(_slot_tables(lay))
+    before = before_bytes(lay.num_blocks, nh, ng, bs)
+    return dict(seq_len=t, block_size=bs, heads=nh, kv_groups=ng, density=density,
+                num_blocks=lay.num_blocks, padded_blocks=lay.padded_blocks,
+                full_kv_width=int(m["full_kv_indices"].shape[-1]),
+                full_q_width=int(m["full_q_indices"].shape[-1]),
+                now_per_layer_bytes=per_layer, now_per_microbatch_bytes=per_mb,
+                before_per_layer_bytes=before, ratio=per_layer / before)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.25, 1.0])
+    args = ap.parse_args(argv)
+    rows = []
+    for name, (nh, ng) in HEADS.items():
+        for t in (32768, 131072):
+            for bs in (64, 128):
+                for d in args.densities:
+                    r = measure(t, bs, nh, ng, d)
+                    r["model"] = name
+                    rows.append(r)
+                    print(f"  {name} t={t} B={bs} d={d}: {r['now_per_layer_bytes'] / 2**20:.1f} "
+                          f"MiB", file=sys.stderr)
+    mib = lambda b: f"{b / 2 ** 20:,.1f}"      # noqa: E731
+    print("| heads (q/kv) | tokens | block | density | NB | padded | full kv width | "
+          "full q width | now MiB/layer | before MiB/layer | now / before | "
+          "per micro-batch MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['heads']}/{r['kv_groups']} | {r['seq_len'] // 1024}K | {r['block_size']} "
+              f"| {r['density']} | {r['num_blocks']} | {r['padded_blocks']} "
+              f"| {r['full_kv_width']} | {r['full_q_width']} | {mib(r['now_per_layer_bytes'])} "
+              f"| {mib(r['before_per_layer_bytes'])} | {r['ratio']:.3f} "
+              f"| {mib(r['now_per_microbatch_bytes'])} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": "cpu (byte counts; independent of the device)",
+                       "torch": torch.__version__, "command": " ".join(sys.argv),
+                       "results": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
