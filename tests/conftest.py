@@ -49,6 +49,19 @@ TINY_MODEL = [
 ]
 
 
+@pytest.fixture(scope="session")
+def tiny_latency_table(tmp_path_factory) -> Path:
+    """A quick latency table for TINY_MODEL (the profiler CLI, as a user would run it)."""
+    out = tmp_path_factory.mktemp("lat") / "lat.json"
+    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
+           "--no-progress", "--out", str(out), "--num-layers", "4", "--hidden-size", "64",
+           "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
+           "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",
+           "--mixes", "3", "--densities", "0.25", "1.0", "--repeats", "1"]
+    subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return out
+
+
 def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: bool = True):
     """torchrun the training entry; returns the CompletedProcess (stdout+stderr merged)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

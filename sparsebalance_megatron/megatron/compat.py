@@ -59,6 +59,11 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs = dict(kwargs, device="cpu")
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron's mixed-precision optimizers accept parameters by their CUDA type name
+            # ('torch.cuda.HalfTensor'): report CPU tensors as the CUDA type they stand for.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
         if func is torch.Tensor.to:
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)

@@ -29,7 +29,9 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
     loss_tokens = sum(g["loss"][1] for g in gathered)
     step_s = max((g["step_s"] for g in gathered if g["step_s"] is not None), default=None)
     tokens = int(batch.tokens().sum())
-    rec = {"step": iteration, "tokens": tokens,
+    samples = batch.dp * batch.num_microbatches
+    rec = {"step": iteration, "tokens": tokens, "samples": samples,
+           "consumed_samples": step.first_bin + samples,
            "loss": loss_sum / loss_tokens if loss_tokens else None,
            "step_time_s": step_s, "tokens_per_s": tokens / step_s if step_s else None,
            "packing": batch.method, "split_docs": int(batch.num_split_samples),

@@ -1,8 +1,9 @@
-"""--sparse-balance (DST + SAB) in real Megatron runs: TP=2 and DP=2 on gloo.
+"""--sparse-balance (DST + SAB) in real Megatron runs (pretrain()): TP=2 and DP=2 on gloo.
 
 Checks what only a distributed run shows: every rank (both TP ranks of a micro-batch) used the
-broadcast plan's density, densities stay in bounds, the log carries the plan statistics, and the
-latency model gets calibrated from gathered timings.
+broadcast plan's density, densities stay in bounds, the metrics carry the plan statistics, the
+latency model gets calibrated from gathered timings, and a resumed run repeats the uninterrupted
+one (with the deterministic timing source, so no wall clock decides the plans).
 """
 
 from __future__ import annotations
@@ -16,23 +17,12 @@ from tests.conftest import TINY_MODEL, read_metrics, run_entry
 pytestmark = pytest.mark.distributed
 
 SB = ["--sparse-balance", "--sb-density", "0.5", "--sb-min-density", "0.25",
-      "--sb-block-size", "32", "--sb-tokenizer", "byte"]
+      "--sb-block-size", "32", "--sb-tokenizer", "byte", "--eval-iters", "0"]
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory, small_jsonl):
-    """A quick latency table for the tiny model (the profiler CLI, as a user would run it)."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("lat") / "lat.json"
-    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
-           "--no-progress", "--out", str(out), "--num-layers", "4", "--hidden-size", "64",
-           "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
-           "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",
-           "--mixes", "3", "--densities", "0.25", "1.0", "--repeats", "1"]
-    subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return out
+def table(tiny_latency_table):
+    return tiny_latency_table
 
 
 @pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "2"], []],
@@ -78,16 +68,38 @@ def test_broken_latency_table_stops_before_step_one(tmp_path, small_jsonl, table
 
 
 def test_sparse_balance_resume_repeats_the_uninterrupted_run(tmp_path, small_jsonl, table):
-    """SAB order, DST plans (calibration, sensitivity) and losses after --load equal the
-    uninterrupted run's: the side-car state is saved with Megatron's checkpoint."""
+    """SAB packing, DST plans (calibration, error history, sensitivity) and losses after --load
+    equal the uninterrupted run's: the plugin state is saved inside Megatron's checkpoint folder.
+    The times come from the latency model (--sb-timing-source model, rank 1 twice as slow), so the
+    plans are a function of the data alone and the comparison is exact."""
     common = [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "4",
-              "--train-iters", "3", "--sb-latency-table", table, "--sb-latency-table-force"]
+              "--train-iters", "4", "--sb-latency-table", table, "--sb-latency-table-force",
+              "--sb-timing-source", "model", "--sb-straggler-rank", "1",
+              "--sb-straggler-slowdown", "2"]
     run_entry(2, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
                   "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
+    state = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00" / "train_dataloader_dprank000.pt"
+    assert state.exists(), "the plugin state is not in Megatron's checkpoint folder"
     run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
     full, resumed = read_metrics(tmp_path / "full.jsonl"), read_metrics(tmp_path / "resumed.jsonl")
-    assert [r["step"] for r in resumed] == [3]
-    assert resumed[0]["tokens"] == full[2]["tokens"]
-    assert resumed[0]["mean_density"] == full[2]["mean_density"]
-    assert abs(resumed[0]["loss"] - full[2]["loss"]) <= 1e-6 * abs(full[2]["loss"])
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert any(r["units_cut"] for r in full[2:]), "DST never moved: nothing was compared"
+    for a, b in zip(full[2:], resumed):
+        for key in ("tokens", "mean_density", "density_per_rank", "calibration",
+                    "raise_headroom", "predicted_step_s"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
+
+
+def test_resume_without_the_plugin_state_is_refused(tmp_path, small_jsonl, table):
+    common = [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "2",
+              "--sb-latency-table", table, "--sb-latency-table-force"]
+    run_entry(1, [*common, "--train-iters", "2", "--save", tmp_path / "ckpt",
+                  "--save-interval", "1"], cwd=tmp_path)
+    state = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00" / "train_dataloader_dprank000.pt"
+    state.unlink()
+    proc = run_entry(1, [*common, "--train-iters", "2", "--load", tmp_path / "ckpt",
+                         "--ckpt-step", "1"], cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert f"no SparseBalance state at {state}" in proc.stdout, proc.stdout[-3000:]
