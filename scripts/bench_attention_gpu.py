@@ -67,9 +67,9 @@ def _dense_rows(t, q, kk, vv, g, reps):
 def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSITIES):
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.attention.flex import build_block_mask, flex_attention_padded
-    from sparsebalance_megatron.attention.selection import (pooled_queries_padded,
+    from sparsebalance_megatron.attention.selection import (query_block_sums_padded,
                                                             select_from_shares,
-                                                            shares_from_pooled)
+                                                            shares_from_block_sums)
     rows = []
     dev = torch.device("cuda")
     for t in seq_lens:
@@ -83,25 +83,28 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
         dense_ms = min([x for x in dense.values() if x is not None] or [float("nan")])
         cache = {}
         scale = hn ** -0.5
-        for d in densities:
-            def ours(d=d):
+        # the last run: density 0.25 without the sink block (the dK/dV kernel walks a sink
+        # block's whole column of query blocks in one program: how much does that tail cost?)
+        for d, sink in [(d, 1) for d in densities] + [(0.25, 0)]:
+            def ours(d=d, sink=sink):
                 out, _ = block_sparse_attention(q, k, v, [0, t], d, block_size=block_size,
-                                                backend="flex", cache=cache)
+                                                backend="flex", cache=cache, sink_blocks=sink)
                 out.backward(g)
 
             ms = cuda_ms(ours, reps)
             _, sel = block_sparse_attention(q.detach(), k.detach(), v.detach(), [0, t], d,
-                                            block_size=block_size, backend="flex", cache=cache)
+                                            block_size=block_size, backend="flex", cache=cache,
+                                            sink_blocks=sink)
             lay = sel.layout
             dd, dh = lay.memo[("density", float(d))]
 
             def select():
                 with torch.no_grad():
                     qp, kp = lay.pad(q.detach()), lay.pad(k.detach())
-                    qbar = pooled_queries_padded(qp, lay, ng)
+                    qsum = query_block_sums_padded(qp, lay, ng)
                     keys = kp[:lay.num_blocks * block_size].permute(1, 0, 2)
-                    sh = shares_from_pooled(qbar, keys, lay, "maxkey", scale)
-                    select_from_shares(sh, lay, dd, density_host=dh)
+                    sh = shares_from_block_sums(qsum, keys, lay, "maxkey", scale)
+                    select_from_shares(sh, lay, dd, density_host=dh, sink_blocks=sink)
 
             qp, kp, vp = (lay.pad(x.detach()).requires_grad_(True) for x in (q, k, v))
             gp = lay.pad(g)
@@ -109,7 +112,7 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
             def kernel():
                 flex_attention_padded(qp, kp, vp, sel, scale).backward(gp)
 
-            row = dict(seq_len=t, density=d, block_size=block_size, ours_ms=ms,
+            row = dict(seq_len=t, density=d, sink_blocks=sink, block_size=block_size, ours_ms=ms,
                        dense_ms=dense_ms, dense_cudnn_ms=dense["cudnn"],
                        dense_flash_ms=dense["flash"], ratio_vs_dense=ms / dense_ms,
                        select_ms=cuda_ms(select, reps), mask_ms=cuda_ms(
@@ -119,19 +122,19 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
                        padded_blocks=lay.padded_blocks, num_blocks=lay.num_blocks)
             row["select_vs_dense"] = row["select_ms"] / dense_ms
             rows.append(row)
-            print(f"  t={t} d={d}: ours {ms:.2f} ms, dense {dense_ms:.2f} ms "
+            print(f"  t={t} d={d} sink={sink}: ours {ms:.2f} ms, dense {dense_ms:.2f} ms "
                   f"({ms / dense_ms:.3f}x)", file=sys.stderr)
     return rows
 
 
 def print_table(rows, device):
     print(f"device: {device}; torch {torch.__version__}")
-    print("| seq_len | density | ours ms | cuDNN ms | flash ms | ours / dense | select ms "
+    print("| seq_len | density | sink | ours ms | cuDNN ms | flash ms | ours / dense | select ms "
           "| select / dense | mask ms | kernel ms | kept |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda x: "-" if x is None else f"{x:.2f}"     # noqa: E731
     for r in rows:
-        print(f"| {r['seq_len']} | {r['density']} | {f(r['ours_ms'])} | "
+        print(f"| {r['seq_len']} | {r['density']} | {r['sink_blocks']} | {f(r['ours_ms'])} | "
               f"{f(r['dense_cudnn_ms'])} | {f(r['dense_flash_ms'])} | "
               f"{r['ratio_vs_dense']:.3f} | {f(r['select_ms'])} | {r['select_vs_dense']:.3f} "
               f"| {f(r['mask_ms'])} | {f(r['kernel_ms'])} | {r['density_kept']:.3f} |")

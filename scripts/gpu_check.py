@@ -118,16 +118,20 @@ def step_recompile(out_dir):
                 call(q, k, v, g, cu, d, cache, grad=False)            # recompute pass
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        syncs = [c for c in caught if "synchroniz" in str(c.message)]
         rows.append(dict(docs=len(mix), density=d, kept=float(sel.density_kept.mean()),
                          padded_blocks=sel.layout.padded_blocks,
                          num_blocks=sel.layout.num_blocks,
                          new_graphs=counters["stats"]["unique_graphs"] - graphs_before,
-                         host_syncs=sum("synchroniz" in str(c.message) for c in caught)))
+                         host_syncs=len(syncs),
+                         sync_sites=[f"{c.filename}:{c.lineno}: {str(c.message)[:160]}"
+                                     for c in syncs[:3]]))
     after = rows[warmup:]
     return {"calls_after_warmup": len(after), "warmup_calls": warmup,
             "graphs_total": counters["stats"]["unique_graphs"],
             "recompiles_after_warmup": sum(r["new_graphs"] for r in after),
-            "host_syncs_per_layer_path": sum(r["host_syncs"] for r in rows),
+            "host_syncs_per_layer_path": sum(r["host_syncs"] for r in after),
+            "host_syncs_during_warmup": sum(r["host_syncs"] for r in rows[:warmup]),
             "rows": rows}
 
 
@@ -166,7 +170,8 @@ def run_steps(steps, out_dir, deadline):
             if rc == 0:
                 rows = json.load(open(path))["results"]
                 res["rows"] = rows
-                at = [r for r in rows if r["seq_len"] == 32768 and r["density"] == 0.25]
+                at = [r for r in rows if r["seq_len"] == 32768 and r["density"] == 0.25
+                      and r["sink_blocks"] == 1]
                 if at:
                     res["ratio_32k_d025"] = at[0]["ratio_vs_dense"]
                     res["select_vs_dense_32k"] = at[0]["select_vs_dense"]

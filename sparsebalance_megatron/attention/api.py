@@ -27,7 +27,7 @@ from .blocks import build_layout, check_density, check_qkv
 from .kernels import (blockwise_attention, from_blocks_q, reference_attention, to_blocks_kv,
                       to_blocks_q)
 from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
-                        pooled_queries_padded, select_from_shares, shares_from_pooled)
+                        query_block_sums_padded, select_from_shares, shares_from_block_sums)
 
 
 
@@ -126,9 +126,9 @@ def block_sparse_attention(
     if backend == "flex":
         from .flex import flex_attention_padded
         with torch.no_grad():
-            qbar = pooled_queries_padded(q_pad.detach(), layout, num_groups)  # [ng, NB, rep, hn]
+            qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
             keys = k_pad.detach()[:layout.num_blocks * block_size].permute(1, 0, 2)
-            shares = shares_from_pooled(qbar, keys, layout, estimator, softmax_scale)
+            shares = shares_from_block_sums(qsum, keys, layout, estimator, softmax_scale)
         selection = select_from_shares(shares, layout, density_doc, **budget)
         out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
                                                  softmax_scale, compile_backend))

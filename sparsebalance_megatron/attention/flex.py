@@ -15,11 +15,14 @@ GQA without expanding anything per query head: the KV groups are the *batch* dim
 ``[ng, 1, NBP, ...]``: one block list per KV group.
 
 The lists: the diagonal is the only partial block of a query block (documents start on block
-boundaries, and a document's short last block is a key block only for itself), so the partial
-lists are one column wide; the other kept blocks are full (no mask_mod evaluation) and their
-list is ``kmax - 1`` columns wide. The transposed (query-side) lists are built here by a sort
-of the kept pairs instead of BlockMask's dense transposition; their width is the longest
-document's block count, because a sink block is kept by every query block of its document.
+boundaries, and a document's short last block is a key block only for itself); the other kept
+blocks are full (no mask_mod evaluation). The key-side lists are ``kmax - 1`` columns wide (the
+kept count, not NB). The transposed (query-side) lists are built here by a sort of the kept
+pairs instead of BlockMask's dense transposition; their width is the longest document's block
+count, because a sink block is kept by every query block of its document. The partial lists,
+which hold one entry, are as wide as the full lists of their side: torch 2.11's kernels index
+the full lists with the partial lists' strides (checked on an H100: narrower partial lists
+gave wrong outputs).
 ``mask_mod`` still encodes causality, document ids, real tokens and the selected blocks (a bit
 per block pair and KV group), because eager flex applies only mask_mod.
 ``torch.nn.attention.flex_attention`` is imported lazily; the CPU never runs it in training
@@ -63,33 +66,45 @@ def _slot_tables(layout: BlockLayout):
         n = torch.zeros(nbp, dtype=torch.int32, device=dev)
         n[:nb] = layout.block_len.to(torch.int32)
         real = (torch.arange(bs, device=dev).view(1, bs) < n.view(nbp, 1)).reshape(-1)
-        diag = torch.arange(nbp, dtype=torch.int32, device=dev)
-        diag_num = (diag < nb).to(torch.int32)
-        layout.memo["flex_slots"] = (doc.repeat_interleave(bs), real, diag, diag_num)
+        layout.memo["flex_slots"] = (doc.repeat_interleave(bs), real)
     return layout.memo["flex_slots"]
 
 
-def _transpose_lists(num: torch.Tensor, idx: torch.Tensor, num_cols: int, width: int):
-    """Row lists ``num [G, R]``, ``idx [G, R, K]`` -> column lists ``[G, num_cols]``,
-    ``[G, num_cols, width]`` (rows ascending), by one sort of the kept pairs; no host sync.
-    ``width`` must bound the entries of every column."""
+def _diagonal_lists(layout: BlockLayout, ng: int, width: int, side: str):
+    """The partial lists: every real query block's own block, ``[ng, 1, NBP]`` counts and
+    ``[ng, 1, NBP, width]`` indices (as wide as the full lists: torch 2.11's kernels index
+    both with one stride). One pair per ``side``: the kv and q lists are never the same tensor
+    (an input aliased in one call and not in another would make Dynamo compile again)."""
+    key = ("flex_diag", side, ng, width)
+    if key not in layout.memo:
+        nb, nbp, dev = layout.num_blocks, layout.padded_blocks, layout.block_doc.device
+        ar = torch.arange(nbp, dtype=torch.int32, device=dev)
+        num = (ar < nb).to(torch.int32).view(1, 1, nbp).expand(ng, 1, nbp).contiguous()
+        idx = torch.zeros(ng, 1, nbp, width, dtype=torch.int32, device=dev)
+        idx[..., 0] = ar
+        layout.memo[key] = (num, idx)
+    return layout.memo[key]
+
+
+def _transpose_lists(num: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, width: int):
+    """Row lists ``num [G, R]``, ``idx [G, R, K]`` (``valid``: the slots below ``num``) ->
+    column lists ``[G, R]``, ``[G, R, width]`` (rows ascending), contiguous, by one sort of the
+    kept pairs; no host sync. ``width`` must bound the entries of every column."""
     g, r, k = idx.shape
     dev = idx.device
-    valid = torch.arange(k, device=dev) < num[..., None]
     rows = torch.arange(r, device=dev).view(1, r, 1)
-    sentinel = num_cols * r
-    key = torch.where(valid, idx.long() * r + rows, sentinel).view(g, r * k)
+    key = torch.where(valid, idx.long() * r + rows, r * r).view(g, r * k)   # sentinel last
     key = key.sort(dim=-1).values
-    col, row = key // r, key % r                                   # sentinel -> col num_cols
-    counts = torch.zeros(g, num_cols + 1, dtype=torch.long, device=dev)
+    col, row = key // r, key % r                                   # sentinel -> col r
+    counts = torch.zeros(g, r + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(1, col, torch.ones_like(col))
     start = counts.cumsum(-1) - counts
     rank = torch.arange(r * k, device=dev).view(1, -1) - start.gather(1, col)
     rank = rank.clamp(max=width - 1)     # only sentinels can exceed it; they land in the dump row
-    out = torch.zeros(g, (num_cols + 1) * width, dtype=torch.int32, device=dev)
+    out = torch.zeros(g, (r + 1) * width, dtype=torch.int32, device=dev)
     out.scatter_(1, col * width + rank, row.to(torch.int32))
-    out = out.view(g, num_cols + 1, width)[:, :num_cols]
-    return counts[:, :num_cols].to(torch.int32), out
+    out = out.view(g, r + 1, width)[:, :r].contiguous()
+    return counts[:, :r].to(torch.int32).contiguous(), out
 
 
 def mask_tensors(selection: BlockSelection) -> dict:
@@ -98,25 +113,32 @@ def mask_tensors(selection: BlockSelection) -> dict:
     nb, nbp = layout.num_blocks, layout.padded_blocks
     ng, _, kmax = selection.kv_indices.shape
     dev = selection.kv_num.device
-    _, _, diag, diag_num = _slot_tables(layout)
     kf = max(2, kmax - 1)                    # >= 2: sizes 0 and 1 would be specialised
-    full_num = torch.zeros(ng, nbp, dtype=torch.int32, device=dev)
-    full_num[:, :nb] = selection.kv_num - 1
+    wq = max(2, layout.max_doc_blocks - 1)
+    # in density mode the counts depend on the micro-batch and the budget only: build once
+    budget = selection.bounds.memo.get(("tensors", ng), {}) if selection.bounds else {}
+    memo = budget if selection.kv_num is budget.get("kv_num") else {}
+    if "flex_full_num" not in memo:
+        full_num = torch.zeros(ng, nbp, dtype=torch.int32, device=dev)
+        full_num[:, :nb] = selection.kv_num - 1
+        memo["flex_full_num"] = full_num
+        memo["flex_full_valid"] = torch.arange(kf, device=dev) < full_num[..., None]
+        memo["flex_slot_bit_valid"] = (torch.arange(kmax, device=dev)
+                                       < selection.kv_num[..., None])
+    full_num, full_valid = memo["flex_full_num"], memo["flex_full_valid"]
     full_idx = torch.zeros(ng, nbp, kf, dtype=torch.int32, device=dev)
     full_idx[:, :nb, :kmax - 1] = selection.kv_indices[..., 1:]
-    wq = max(2, layout.max_doc_blocks - 1)
-    fq_num, fq_idx = _transpose_lists(full_num, full_idx, nbp, wq)
+    fq_num, fq_idx = _transpose_lists(full_num, full_idx, full_valid, wq)
     # one bit per (query block, key block): the selection, for mask_mod
     words = (nbp + 7) // 8
-    valid = torch.arange(kmax, device=dev) < selection.kv_num[..., None]
+    sel = selection.kv_indices
     bits = torch.zeros(ng, nbp, words, dtype=torch.int32, device=dev)
-    bits[:, :nb].scatter_add_(2, selection.kv_indices // 8,
-                              torch.where(valid, 1 << (selection.kv_indices % 8), 0).int())
-    part_num = diag_num.view(1, 1, nbp).expand(ng, 1, nbp).contiguous()
-    part_idx = diag.view(1, 1, nbp, 1).expand(ng, 1, nbp, 1).contiguous()
-    return dict(kv_num_blocks=part_num, kv_indices=part_idx,
+    bits[:, :nb].scatter_add_(2, sel // 8, (memo["flex_slot_bit_valid"] << (sel % 8)).int())
+    kv_num, kv_idx = _diagonal_lists(layout, ng, kf, "kv")
+    q_num, q_idx = _diagonal_lists(layout, ng, wq, "q")
+    return dict(kv_num_blocks=kv_num, kv_indices=kv_idx,
                 full_kv_num_blocks=full_num.unsqueeze(1), full_kv_indices=full_idx.unsqueeze(1),
-                q_num_blocks=part_num, q_indices=part_idx,
+                q_num_blocks=q_num, q_indices=q_idx,
                 full_q_num_blocks=fq_num.unsqueeze(1), full_q_indices=fq_idx.unsqueeze(1),
                 selected_bits=bits.to(torch.uint8))
 
@@ -128,7 +150,7 @@ def build_block_mask(selection: BlockSelection):
     bs, p = layout.block_size, layout.padded_tokens
     t = mask_tensors(selection)
     bits = t.pop("selected_bits")
-    slot_doc, slot_real, _, _ = _slot_tables(layout)
+    slot_doc, slot_real = _slot_tables(layout)
 
     def mask_mod(b, h, q_idx, kv_idx):
         qb, kb = q_idx // bs, kv_idx // bs
@@ -156,9 +178,10 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
         kernel_options = {"BLOCK_M": bs, "BLOCK_N": bs, "BLOCK_M1": min(bs, 32),
                           "BLOCK_N1": bs, "BLOCK_M2": bs, "BLOCK_N2": min(bs, 32)}
     if compile_backend is not None:
-        # the kept-count widths follow the budget: one graph for all of them
-        torch._dynamo.maybe_mark_dynamic(block_mask.full_kv_indices, 3)
-        torch._dynamo.maybe_mark_dynamic(block_mask.full_q_indices, 3)
+        # the list widths follow the budget and the longest document: one graph for all
+        for t in (block_mask.kv_indices, block_mask.full_kv_indices, block_mask.q_indices,
+                  block_mask.full_q_indices):
+            torch._dynamo.maybe_mark_dynamic(t, 3)
     q4 = q_pad.view(p, ng, rep, hn).permute(1, 2, 0, 3)                  # [ng, rep, P, hn]
     k4, v4 = (x.permute(1, 0, 2).unsqueeze(1) for x in (k_pad, v_pad))   # [ng, 1, P, hn]
     out = _flex_fn(compile_backend)(q4, k4, v4, block_mask=block_mask, scale=softmax_scale,

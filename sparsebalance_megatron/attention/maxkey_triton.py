@@ -1,8 +1,10 @@
 """The ``maxkey`` block scores in one Triton kernel (CUDA): no score tensor over all keys.
 
-``maxkey_scores(qbar, keys, layout)`` computes, for every KV group ``g``, pooled query row
-``r`` (query block ``i = r // rep``) and key block ``j <= i`` of the same document,
-``max over the real keys of block j of qbar[g, r] . key`` (float32; ``-inf`` elsewhere). The
+``maxkey_scores(qsum, keys, layout, scale)`` computes, for every KV group ``g``, query head
+``r`` of the group, query block ``i`` and key block ``j <= i`` of the same document,
+``scale * max over the real keys of block j of mean_query[g, i, r] . key`` (float32; ``-inf``
+elsewhere) from the per-block query *sums* (the division by the block length and the scale are
+applied in the kernel). The
 PyTorch fallback (``selection._maxkey_scores_torch``) builds the same numbers chunk by chunk;
 this kernel needs no Python loop and no memory beyond its ``[ng, NB, rep, NB]`` output.
 One program per (group, tile of ``_BLOCK_R`` pooled rows, key block); programs whose key block
@@ -37,8 +39,8 @@ def usable(keys: torch.Tensor, block_size: int) -> bool:
 
 if HAVE_TRITON:
     @triton.jit
-    def _maxkey_kernel(Q, K, LEN, DOC, OUT, R, REP, NB,
-                       sq_g, sq_r, sk_g, sk_t, so_g, so_r,
+    def _maxkey_kernel(Q, K, LEN, DOC, OUT, R, REP, NB, scale,
+                       sq_g, sq_i, sq_j, sk_g, sk_t, so_g, so_r,
                        HN: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,
                        IEEE: tl.constexpr):
         g = tl.program_id(0)
@@ -46,6 +48,7 @@ if HAVE_TRITON:
         j = tl.program_id(2)
         rows = r0 + tl.arange(0, BLOCK_R)
         row_ok = rows < R
+        qi = rows // REP                              # query block of each pooled row
         i_first = r0 // REP
         i_last = tl.minimum(r0 + BLOCK_R - 1, R - 1) // REP
         out_ptrs = OUT + g * so_g + rows * so_r + j
@@ -57,37 +60,47 @@ if HAVE_TRITON:
             key_ok = t < klen
             k = tl.load(K + g * sk_g + (j * BS + t)[:, None] * sk_t + d[None, :],
                         mask=key_ok[:, None], other=0.0)
-            q = tl.load(Q + g * sq_g + rows[:, None] * sq_r + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
+            q = tl.load(Q + g * sq_g + qi[:, None] * sq_i + (rows % REP)[:, None] * sq_j
+                        + d[None, :], mask=row_ok[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q.to(k.dtype), tl.trans(k))
             s = tl.where(key_ok[None, :], s, float("-inf"))
-            m = tl.max(s, axis=1)
-            m = tl.where((rows // REP) >= j, m, float("-inf"))
+            # q holds block sums: the mean is the sum / the block's real length
+            qlen = tl.load(LEN + qi, mask=row_ok, other=1).to(tl.float32)
+            m = tl.max(s, axis=1) * (scale / qlen)
+            m = tl.where(qi >= j, m, float("-inf"))
             tl.store(out_ptrs, m, mask=row_ok)
         else:
             tl.store(out_ptrs, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=row_ok)
 
 
-def maxkey_scores(qbar: torch.Tensor, keys: torch.Tensor, layout) -> torch.Tensor:
-    """qbar ``[ng, NB, rep, hn]`` float32, keys ``[ng, NB*B, hn]`` (any strides, last dim
-    contiguous) -> ``[ng, NB, rep, NB]`` float32 (``-inf`` for j > i and other documents)."""
-    ng, nb, rep, hn = qbar.shape
+def _int32_tables(layout):
+    if "maxkey_i32" not in layout.memo:
+        layout.memo["maxkey_i32"] = (layout.block_len.to(torch.int32),
+                                     layout.block_doc.to(torch.int32))
+    return layout.memo["maxkey_i32"]
+
+
+def maxkey_scores(qsum: torch.Tensor, keys: torch.Tensor, layout,
+                  softmax_scale: float = 1.0) -> torch.Tensor:
+    """qsum ``[ng, NB, rep, hn]`` float32 *sums* of each block's queries (any strides, last dim
+    contiguous), keys ``[ng, NB*B, hn]`` (any strides, last dim contiguous) ->
+    ``softmax_scale * max_key(mean query . key)`` as ``[ng, NB, rep, NB]`` float32 (``-inf``
+    for j > i and for key blocks of earlier documents than the row tile)."""
+    ng, nb, rep, hn = qsum.shape
     bs = layout.block_size
     ieee = keys.dtype == torch.float32
-    q = qbar.reshape(ng, nb * rep, hn)
-    if not ieee:
-        q = q.to(keys.dtype)
     if keys.stride(-1) != 1:
         keys = keys.contiguous()
-    out = torch.empty(ng, nb * rep, nb, dtype=torch.float32, device=qbar.device)
-    lens = layout.block_len.to(torch.int32)
-    docs = layout.block_doc.to(torch.int32)
+    if qsum.stride(-1) != 1:
+        qsum = qsum.contiguous()
+    out = torch.empty(ng, nb * rep, nb, dtype=torch.float32, device=qsum.device)
+    lens, docs = _int32_tables(layout)
     grid = (ng, triton.cdiv(nb * rep, _BLOCK_R), nb)
-    _maxkey_kernel[grid](q, keys, lens, docs, out, nb * rep, rep, nb,
-                         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-                         out.stride(0), out.stride(1),
+    _maxkey_kernel[grid](qsum, keys, lens, docs, out, nb * rep, rep, nb, float(softmax_scale),
+                         qsum.stride(0), qsum.stride(1), qsum.stride(2),
+                         keys.stride(0), keys.stride(1), out.stride(0), out.stride(1),
                          HN=hn, BS=bs, BLOCK_R=_BLOCK_R, IEEE=ieee)
     return out.view(ng, nb, rep, nb)

@@ -134,19 +134,38 @@ def kept_bounds(layout: BlockLayout, density_host: List[float], *, sink_blocks: 
     return out
 
 
-def _pooled_queries(q_blk: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    """q_blk [ng, NB, rep, B, hn] (zeros in padding) -> mean over real tokens [ng, NB, rep, hn]."""
-    n = layout.block_len.to(torch.float32).view(1, -1, 1, 1)
-    return q_blk.float().sum(dim=3) / n
+def block_query_sums(q_blk: torch.Tensor) -> torch.Tensor:
+    """q_blk [ng, NB, rep, B, hn] (zeros in padding) -> sum over each block's tokens
+    [ng, NB, rep, hn] float32 (the estimators divide by the real length)."""
+    return q_blk.sum(dim=3, dtype=torch.float32)
 
 
-def pooled_queries_padded(q_pad: torch.Tensor, layout: BlockLayout,
-                          num_groups: int) -> torch.Tensor:
-    """q_pad [P, np, hn] (padded layout) -> mean over real tokens [ng, NB, rep, hn] (float32)."""
+def query_block_sums_padded(q_pad: torch.Tensor, layout: BlockLayout,
+                            num_groups: int) -> torch.Tensor:
+    """q_pad [P, np, hn] (padded layout) -> sum over each block's tokens [ng, NB, rep, hn]
+    (float32, a permuted view; summed in float32 without a float copy of q)."""
     nb, bs = layout.num_blocks, layout.block_size
     _, nh, hn = q_pad.shape
-    s = q_pad[:nb * bs].view(nb, bs, num_groups, nh // num_groups, hn).float().sum(dim=1)
-    return (s / layout.block_len.to(torch.float32).view(-1, 1, 1, 1)).permute(1, 0, 2, 3)
+    s = q_pad[:nb * bs].view(nb, bs, num_groups, nh // num_groups, hn).sum(
+        dim=1, dtype=torch.float32)
+    return s.permute(1, 0, 2, 3)
+
+
+def _mean(qsum, layout):
+    return qsum / _block_len_f(layout).view(1, -1, 1, 1)
+
+
+def _block_len_f(layout: BlockLayout) -> torch.Tensor:
+    if "block_len_f" not in layout.memo:
+        layout.memo["block_len_f"] = layout.block_len.to(torch.float32)
+    return layout.memo["block_len_f"]
+
+
+def _disallowed(layout: BlockLayout) -> torch.Tensor:
+    if "disallowed" not in layout.memo:
+        nb = layout.num_blocks
+        layout.memo["disallowed"] = ~layout.allowed().view(1, nb, 1, nb)
+    return layout.memo["disallowed"]
 
 
 def _maxkey_chunks(layout: BlockLayout, ng: int, rep: int) -> list:
@@ -187,38 +206,39 @@ def _maxkey_scores_torch(qbar, keys, layout):
     return scores
 
 
-def _maxkey_shares(qbar, keys, layout, softmax_scale):
+def _maxkey_shares(qsum, keys, layout, softmax_scale):
     from . import maxkey_triton
     if maxkey_triton.usable(keys, layout.block_size):
-        s = maxkey_triton.maxkey_scores(qbar, keys, layout)
+        s = maxkey_triton.maxkey_scores(qsum, keys, layout, softmax_scale)
     else:
-        s = _maxkey_scores_torch(qbar, keys, layout)
-    s = s * softmax_scale
-    s.masked_fill_(~layout.allowed()[None, :, None, :], float("-inf"))
+        s = _maxkey_scores_torch(_mean(qsum, layout), keys, layout) * softmax_scale
+    s.masked_fill_(_disallowed(layout), float("-inf"))
     return torch.softmax(s, dim=-1).mean(dim=2)
 
 
-def _pooled_shares(qbar, keys, layout, softmax_scale):
-    ng, nb, rep, hn = qbar.shape
-    kbar = keys.unflatten(1, (nb, layout.block_size)).float().sum(dim=2) \
-        / layout.block_len.to(torch.float32).view(1, -1, 1)
+def _pooled_shares(qsum, keys, layout, softmax_scale):
+    ng, nb, rep, hn = qsum.shape
+    qbar = _mean(qsum, layout)
+    kbar = keys.unflatten(1, (nb, layout.block_size)).sum(dim=2, dtype=torch.float32) \
+        / _block_len_f(layout).view(1, -1, 1)
     s = torch.bmm(qbar.reshape(ng, nb * rep, hn), kbar.transpose(1, 2)).view(ng, nb, rep, nb)
     s = s * softmax_scale
-    s.masked_fill_(~layout.allowed().view(1, nb, 1, nb), float("-inf"))
+    s.masked_fill_(_disallowed(layout), float("-inf"))
     return torch.softmax(s, dim=-1).mean(dim=2)
 
 
 ESTIMATORS: Dict[str, Callable] = {"maxkey": _maxkey_shares, "pooled": _pooled_shares}
 
 
-def shares_from_pooled(qbar: torch.Tensor, keys: torch.Tensor, layout: BlockLayout,
-                       estimator: str, softmax_scale: float) -> torch.Tensor:
-    """Estimated shares from pooled queries ``[ng, NB, rep, hn]`` and the keys of the padded
-    layout ``[ng, NB*B, hn]`` (any strides, zeros in padding) -> ``[ng, NB, NB]`` float32."""
+def shares_from_block_sums(qsum: torch.Tensor, keys: torch.Tensor, layout: BlockLayout,
+                           estimator: str, softmax_scale: float) -> torch.Tensor:
+    """Estimated shares from each block's query sums ``[ng, NB, rep, hn]`` (float32) and the
+    keys of the padded layout ``[ng, NB*B, hn]`` (any strides, zeros in padding) ->
+    ``[ng, NB, NB]`` float32."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
     with torch.no_grad():
-        return ESTIMATORS[estimator](qbar, keys, layout, softmax_scale)
+        return ESTIMATORS[estimator](qsum, keys, layout, softmax_scale)
 
 
 def estimate_block_shares(q_blk: torch.Tensor, k_blk: torch.Tensor, layout: BlockLayout,
@@ -231,8 +251,53 @@ def estimate_block_shares(q_blk: torch.Tensor, k_blk: torch.Tensor, layout: Bloc
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
     with torch.no_grad():
-        qbar = _pooled_queries(q_blk, layout)
-        return shares_from_pooled(qbar, k_blk.flatten(1, 2), layout, estimator, softmax_scale)
+        return shares_from_block_sums(block_query_sums(q_blk), k_blk.flatten(1, 2), layout,
+                                      estimator, softmax_scale)
+
+
+def _budget_tensors(layout: BlockLayout, bounds: KeptBounds, density: torch.Tensor, ng: int,
+                    sink_blocks: int, local_blocks: int, selection_mode: str,
+                    min_density: float, max_density: float) -> dict:
+    """What the selection needs besides the shares, per micro-batch and budget (memoised on the
+    bounds, which are memoised on the layout): no layer recomputes it."""
+    key = ("tensors", ng)
+    if key in bounds.memo:
+        return bounds.memo[key]
+    nb, dev = layout.num_blocks, layout.block_doc.device
+    kmax = bounds.kmax
+    allowed = layout.allowed()
+    forced = forced_blocks(layout, sink_blocks, local_blocks)
+    avail = layout.block_available()                                   # [NB]
+    n_forced = forced.sum(dim=-1)                                      # [NB]
+    # priority = shares + base: the diagonal first (kernels rely on slot 0 being the diagonal),
+    # then the other forced blocks, then by share (shares are 0 where not allowed), then the rest
+    base = torch.where(forced, 2.0, torch.where(allowed, 0.0, -1.0))
+    base.diagonal().add_(2.0)
+
+    def ceil_frac(frac):
+        return torch.ceil(frac * avail.double() - _CEIL_EPS).long()
+
+    t = dict(base=base, avail=avail,
+             diag=torch.arange(nb, device=dev).view(1, nb, 1).expand(ng, nb, kmax),
+             slots=torch.arange(kmax, device=dev))
+    doc = layout.block_doc
+    t["avail_doc"] = torch.zeros(layout.num_docs, dtype=torch.float64, device=dev).index_add_(
+        0, doc, avail.double() * ng)
+    t["nblk_doc"] = torch.zeros(layout.num_docs, dtype=torch.float64, device=dev).index_add_(
+        0, doc, torch.full((nb,), float(ng), dtype=torch.float64, device=dev))
+    if selection_mode == "density":
+        k = ceil_frac(density[doc]).clamp(min=1)
+        k = torch.minimum(torch.maximum(k, n_forced), avail)           # [NB]
+        t["kv_num"] = k.view(1, nb).expand(ng, nb).contiguous()
+        t["slot_valid"] = t["slots"] < t["kv_num"][..., None]           # [ng, NB, K]
+        kept = torch.zeros(layout.num_docs, dtype=torch.float64, device=dev).index_add_(
+            0, doc, t["kv_num"].double().sum(dim=0))
+        t["density_kept"] = (kept / t["avail_doc"]).float()
+    else:
+        t["lo"] = torch.maximum(ceil_frac(min_density), n_forced)
+        t["hi"] = torch.minimum(torch.maximum(ceil_frac(max_density), n_forced), avail)
+    bounds.memo[key] = t
+    return t
 
 
 def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch.Tensor, *,
@@ -259,50 +324,31 @@ def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch
     kmax = bounds.kmax
     with torch.no_grad():
         ng, nb, _ = shares.shape
-        dev = shares.device
-        allowed = layout.allowed()
-        forced = forced_blocks(layout, sink_blocks, local_blocks)
-        avail = layout.block_available()                                # [NB]
-        n_forced = forced.sum(dim=-1)                                   # [NB]
-        # the diagonal first (kernels rely on slot 0 being the diagonal), then the other forced
-        # blocks (share + 2), then by share; disallowed last (-1)
-        priority = torch.where(forced, shares + 2.0, torch.where(allowed, shares, -1.0))
-        priority.diagonal(dim1=1, dim2=2).add_(2.0)
-
-        def ceil_frac(frac):
-            return torch.ceil(frac * avail.double() - _CEIL_EPS).long()
-
+        t = _budget_tensors(layout, bounds, density, ng, sink_blocks, local_blocks,
+                            selection_mode, min_density, max_density)
+        order = (shares + t["base"]).topk(kmax, dim=-1).indices      # [ng, NB, K], best first
         if selection_mode == "density":
-            k = ceil_frac(density[layout.block_doc]).clamp(min=1)
-            k = torch.minimum(torch.maximum(k, n_forced), avail)        # [NB]
-            kv_num = k.view(1, nb).expand(ng, nb).contiguous()
-            kv_indices = priority.topk(kmax, dim=-1).indices
+            kv_num, slot_valid = t["kv_num"], t["slot_valid"]
         else:
-            order = priority.topk(kmax, dim=-1).indices                 # best kmax, descending
             sorted_shares = shares.gather(-1, order)
             before = sorted_shares.cumsum(dim=-1) - sorted_shares       # mass of the blocks ahead
             need = (before < mass_threshold).sum(dim=-1)                # [ng, NB]
-            lo = torch.maximum(ceil_frac(min_density), n_forced)
-            hi = torch.maximum(ceil_frac(max_density), n_forced)
-            kv_num = torch.minimum(torch.maximum(need, lo), torch.minimum(hi, avail))
-            kv_indices = order
-        slot_valid = torch.arange(kmax, device=dev) < kv_num[..., None]   # [ng, NB, K]
-        diag = torch.arange(nb, device=dev).view(1, nb, 1).expand_as(kv_indices)
-        kv_indices = torch.where(slot_valid, kv_indices, diag)
+            kv_num = torch.minimum(torch.maximum(need, t["lo"]), t["hi"])
+            slot_valid = t["slots"] < kv_num[..., None]
+        kv_indices = torch.where(slot_valid, order, t["diag"])
         recall_row = (shares.gather(-1, kv_indices) * slot_valid).sum(dim=-1)  # [ng, NB]
 
-        ndoc = layout.num_docs
-        doc = layout.block_doc
-        kept = torch.zeros(ndoc, dtype=torch.float64, device=dev).index_add_(
-            0, doc, kv_num.double().sum(dim=0))
-        avail_doc = torch.zeros(ndoc, dtype=torch.float64, device=dev).index_add_(
-            0, doc, avail.double() * ng)
-        rec = torch.zeros(ndoc, dtype=torch.float64, device=dev).index_add_(
+        ndoc, doc = layout.num_docs, layout.block_doc
+        if selection_mode == "density":
+            density_kept = t["density_kept"]
+        else:
+            kept = torch.zeros(ndoc, dtype=torch.float64, device=shares.device).index_add_(
+                0, doc, kv_num.double().sum(dim=0))
+            density_kept = (kept / t["avail_doc"]).float()
+        rec = torch.zeros(ndoc, dtype=torch.float64, device=shares.device).index_add_(
             0, doc, recall_row.double().sum(dim=0))
-        nblk_doc = torch.zeros(ndoc, dtype=torch.float64, device=dev).index_add_(
-            0, doc, torch.full((nb,), float(ng), dtype=torch.float64, device=dev))
-        return BlockSelection(layout, kv_indices, kv_num, shares,
-                              (kept / avail_doc).float(), (rec / nblk_doc).float(), bounds)
+        return BlockSelection(layout, kv_indices, kv_num, shares, density_kept,
+                              (rec / t["nblk_doc"]).float(), bounds)
 
 
 def select_blocks(q_blk: torch.Tensor, k_blk: torch.Tensor, layout: BlockLayout,

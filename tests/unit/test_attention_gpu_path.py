@@ -167,7 +167,10 @@ def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks():
     lay = sel.layout
     m = mask_tensors(sel)
     ng, nbp, kmax = 2, lay.padded_blocks, sel.kv_indices.shape[-1]
-    assert m["kv_indices"].shape == (ng, 1, nbp, 1)                   # the diagonal only
+    # the partial lists hold the diagonal only, but are as wide as the full lists of their side
+    assert m["kv_indices"].shape == m["full_kv_indices"].shape
+    assert m["q_indices"].shape == m["full_q_indices"].shape
+    assert bool((m["kv_num_blocks"] <= 1).all()) and m["kv_indices"] is not m["q_indices"]
     assert m["full_kv_indices"].shape == (ng, 1, nbp, kmax - 1)       # kept count, not NB
     assert m["full_q_indices"].shape == (ng, 1, nbp, lay.max_doc_blocks - 1)
     assert kmax - 1 < lay.num_blocks // 2
@@ -222,16 +225,16 @@ def test_triton_maxkey_kernel_equals_the_torch_estimator():
         import torch
         from sparsebalance_megatron.attention import build_layout, maxkey_triton
         from sparsebalance_megatron.attention.selection import (
-            _maxkey_scores_torch, pooled_queries_padded)
+            _maxkey_scores_torch, _mean, query_block_sums_padded)
         cu, bs = [0, 70, 71, 200, 333], 16
         lay = build_layout(cu, 333, bs, "cpu")
         g = torch.Generator().manual_seed(5)
         q, k = torch.randn(333, 6, 16, generator=g), torch.randn(333, 2, 16, generator=g)
-        qbar = pooled_queries_padded(lay.pad(q), lay, 2)
+        qsum = query_block_sums_padded(lay.pad(q), lay, 2)
         keys = lay.pad(k)[:lay.num_blocks * bs].permute(1, 0, 2)
         assert maxkey_triton.usable(keys, bs)
-        a = maxkey_triton.maxkey_scores(qbar, keys, lay)
-        b = _maxkey_scores_torch(qbar, keys, lay)
+        a = maxkey_triton.maxkey_scores(qsum, keys, lay, 0.7)
+        b = _maxkey_scores_torch(_mean(qsum, lay), keys, lay) * 0.7
         ok = lay.allowed()[None, :, None, :].expand_as(a)
         assert torch.allclose(a[ok], b[ok], atol=1e-5), (a[ok] - b[ok]).abs().max()
         nb = lay.num_blocks
