@@ -24,6 +24,13 @@ def rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 
 
+def launch_rank() -> int:
+    """This process's global rank, also before the process group exists (torchrun's RANK)."""
+    import os
+
+    return rank() if is_initialized() else int(os.environ.get("RANK", "0"))
+
+
 def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 

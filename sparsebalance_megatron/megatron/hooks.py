@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
-from . import compat
+from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
 
 log = logging.getLogger("sparsebalance")
@@ -60,11 +60,7 @@ _run = _Integration()
 
 
 def _print0(msg: str) -> None:
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else \
-        int(__import__("os").environ.get("RANK", "0"))
-    if rank == 0:
+    if comm.launch_rank() == 0:
         print(f"[sparsebalance] {msg}", flush=True)
 
 

@@ -1,6 +1,5 @@
 """Latency model: exact work counts, fit, closed-form unit terms, calibration, speed."""
 
-import time
 
 import numpy as np
 import pytest
@@ -121,19 +120,18 @@ def test_recent_error_is_the_error_before_each_update():
     assert m.recent_error(last=1) == pytest.approx(1 / 11)
 
 
-def test_predict_many_global_batch_is_milliseconds():
+def test_predict_many_global_batch_matches_one_by_one():
+    """4,096 micro-batches at once equal their one-by-one predictions (the cost of the batched
+    call is measured by scripts/bench_planner_cost.py, not here: no wall clock in tests)."""
     m = LatencyModel.analytic(pp=4)
     rng = np.random.default_rng(0)
     units = [np.diff(np.r_[0, np.sort(rng.choice(32767, rng.integers(1, 30), replace=False) + 1),
                            32768]) for _ in range(4096)]
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
-    m.predict_many(units, d, 1)
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        m.predict_many(units, d, 1)
-        runs.append(time.perf_counter() - t0)
-    assert np.median(runs) < 0.25   # measured ~10 ms on 2 shared cores; generous margin
+    out = m.predict_many(units, d, 1)
+    assert out.shape == (4096,) and np.all(np.isfinite(out)) and np.all(out > 0)
+    for i in (0, 17, 4095):
+        assert out[i] == pytest.approx(m.predict(units[i], float(d[i]), 1))
 
 
 @pytest.mark.parametrize("density", [0.3, 1.0])

