@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The main job on CPU: a tiny GPT, real data (CPython stdlib + Shakespeare, Qwen2 BPE),
-# torchrun with 2 processes (gloo), --sparse-balance. `make demo` runs this.
+# The main job on CPU: a tiny GPT, real data (CPython stdlib + Shakespeare, Qwen2 BPE), trained in
+# Megatron's own pretrain() by torchrun with 4 processes (gloo): pipeline parallel 2 x data
+# parallel 2, --sparse-balance (block-sparse attention + DST + SAB). `make demo` runs this.
+# Options: TRAIN_ITERS (30), NPROC (4), PP (2), SB_FLAGS (empty: a dense run), OUT (runs/demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-NPROC=${NPROC:-2}
+NPROC=${NPROC:-4}
+PP=${PP:-2}
 OUT=${OUT:-runs/demo}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -16,11 +19,13 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
   --untie-embeddings-and-output-weights \
   --attention-dropout 0 --hidden-dropout 0 \
-  --micro-batch-size 1 --global-batch-size 4 \
+  --micro-batch-size 1 --global-batch-size 8 \
   --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 3 --clip-grad 1.0 \
-  --train-iters "${TRAIN_ITERS:-30}" --log-interval 1 \
-  --pipeline-model-parallel-size "${PP:-1}" \
+  --train-iters "${TRAIN_ITERS:-30}" --log-interval 5 \
+  --eval-interval 15 --eval-iters 2 \
+  --pipeline-model-parallel-size "$PP" \
   --save "$OUT/checkpoints" --save-interval 1000 \
-  --sb-doc-unit section \
+  --tensorboard-dir "$OUT/tensorboard" \
+  --sb-doc-unit section --sb-metrics-file "$OUT/metrics.jsonl" \
   ${SB_FLAGS---sparse-balance --sb-density 0.5 --sb-block-size 64} \
   "$@"

@@ -10,13 +10,15 @@
 #                (tokenized with the Qwen2 tokenizer); the full 151936-row vocabulary is used
 #   NPROC [8]    GPUs per node;  NNODES [1], NODE_RANK [0], MASTER_ADDR, MASTER_PORT [29500]
 #   TP [1]       tensor parallel: 1 or 2 (14 heads and 2 query groups must divide by it);
-#                TP > 1 turns on --sequence-parallel
+#                TP > 1 turns on --sequence-parallel with transformer-engine
 #   PP [1]       pipeline parallel: divides 24 layers (1, 2, 3, 4, 6, 8)
 #                data parallel = NNODES * NPROC / (TP * PP)
 #   GBS [64]     global batch size in packed 32K-token micro-batches;  TRAIN_ITERS [2000]
 #   OUT [runs/qwen2.5-0.5b_32k]   checkpoints (--save/--load), metrics, latency table
 #   SB_LATENCY_TABLE [$OUT/latency_table_pp$PP.json]   from sparsebalance-profile, see below
 #   TRANSFORMER_IMPL [transformer_engine if importable, else local];  PY [python]
+#                the local fallback runs without NVIDIA apex: no persistent layer norm, no fused
+#                weight-gradient accumulation, no sequence parallelism (the flags below say so)
 #
 # The latency table: profile once per device kind, model shape and PP size, on one GPU:
 #   sparsebalance-profile --num-layers 24 --hidden-size 896 --ffn-hidden-size 4864 \
@@ -55,7 +57,14 @@ if [[ -z "${TRANSFORMER_IMPL:-}" ]]; then
   fi
 fi
 PARALLEL=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
-if (( TP > 1 )); then PARALLEL+=(--sequence-parallel); fi
+IMPL=(--transformer-impl "$TRANSFORMER_IMPL")
+if [[ "$TRANSFORMER_IMPL" == transformer_engine ]]; then
+  if (( TP > 1 )); then PARALLEL+=(--sequence-parallel); fi
+else
+  # Megatron's GPU defaults need apex with the local implementation: turn them off.
+  IMPL+=(--no-persist-layer-norm --no-gradient-accumulation-fusion)
+  echo "note: transformer-engine is not importable: --transformer-impl local (slower)" >&2
+fi
 TABLE=()
 if [[ -f "$SB_LATENCY_TABLE" ]]; then
   TABLE=(--sb-latency-table "$SB_LATENCY_TABLE")
@@ -90,7 +99,7 @@ TRAINING=(
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 100
   --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --init-method-std 0.02
   --bf16 --use-distributed-optimizer --overlap-grad-reduce
-  --transformer-impl "$TRANSFORMER_IMPL" --distributed-backend nccl
+  "${IMPL[@]}" --distributed-backend nccl
 )
 SPARSEBALANCE=(
   --sparse-balance --sb-density 0.5 --sb-min-density 0.125 --sb-max-density 1.0
@@ -98,9 +107,10 @@ SPARSEBALANCE=(
   --sb-tokenizer qwen --sb-metrics-file "$OUT/metrics.jsonl" "${TABLE[@]}"
 )
 IO=(
-  --data-path "$DATA_PATH"
+  --data-path "$DATA_PATH" --split 99,1,0
   --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 500
-  --log-interval 10
+  --eval-interval 500 --eval-iters 10
+  --log-interval 10 --tensorboard-dir "$OUT/tensorboard"
 )
 
 exec "$PY" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node="$NPROC" \

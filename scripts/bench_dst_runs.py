@@ -13,10 +13,9 @@
 (c) **overhead**: ``sb_overhead_s / step_time_s`` per step of every DST run (planning,
     broadcast, gathering, calibration; target < 1%).
 
-The metrics line has no per-unit densities, so each run goes through this script's ``--worker``
-mode: the training entry's own ``build`` + ``train``, with the runtime's ``plan_step`` of this
-process wrapped to append each step's plan (densities [dp, m, pp] and the dense attention work of
-every unit, its weight) to a JSONL file on rank 0. Nothing in the package is patched.
+Every run is the training entry in Megatron's own ``pretrain()``; the per-step callback writes
+each step's plan (densities [dp, m, pp], the dense attention work of every unit, its weight) and
+measured times to ``--sb-metrics-file``, which this script reads. Nothing is patched.
 
     python scripts/bench_dst_runs.py --json runs/dst_runs.json
     python scripts/bench_dst_runs.py --quick
@@ -35,9 +34,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_end_to_end import REPO, CpuRunConfig, run_variant, write_json  # noqa: E402
-
-SCRIPT = Path(__file__).resolve()
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -72,37 +68,6 @@ def parse_args(argv=None):
     return args
 
 
-# --- worker: the training entry, recording each step's plan ------------------------------------
-
-def worker(plan_path: str, argv: list) -> None:
-    from sparsebalance_megatron.latency.work import attention_work
-    from sparsebalance_megatron.megatron import comm, trainer
-    from sparsebalance_megatron.megatron.runtime import unit_lengths
-
-    state = trainer.build(argv)
-    runtime, sb = state["runtime"], state["sb"]
-    plan_step = runtime.plan_step
-
-    def recording_plan_step(step_data):
-        plan = plan_step(step_data)
-        if plan is not None and comm.rank() == 0:
-            dp, m, pp = plan.densities.shape
-            work = [attention_work(x, 1.0, sb.block_size, sb.sink_blocks, sb.local_blocks)
-                    for x in unit_lengths(step_data, state["capacity"])]
-            with open(plan_path, "a") as f:
-                f.write(json.dumps({"step": step_data.step + 1,
-                                    "densities": plan.densities.tolist(),
-                                    "attn_work": np.reshape(work, (dp, m)).tolist()}) + "\n")
-        return plan
-
-    runtime.plan_step = recording_plan_step
-    try:
-        trainer.train(state)
-    finally:
-        comm.barrier()
-    trainer.shutdown()
-
-
 # --- driver -----------------------------------------------------------------------------------
 
 def run_pair(name: str, cfg: CpuRunConfig, extra: list, args, out_dir: Path,
@@ -125,15 +90,11 @@ def run_pair(name: str, cfg: CpuRunConfig, extra: list, args, out_dir: Path,
                 vflags = ["--sb-dst", "--sb-latency-table", table,
                           "--sb-anchor", v[4:] if v.startswith("dst_") else "mean"]
             flags = cfg.flags() + extra + vflags
-            plan_file = out_dir / f"{name}_{v}_r{rnd}.plans.jsonl"
-            plan_file.unlink(missing_ok=True)
             lines = run_variant(v, flags, steps=args.steps, timeout=args.timeout,
                                 metrics=out_dir / f"{name}_{v}_r{rnd}.jsonl",
-                                log=out_dir / f"{name}_{v}_r{rnd}.log",
-                                entry=[str(SCRIPT), "--worker", str(plan_file)])
-            plan_lines = [json.loads(x) for x in plan_file.read_text().splitlines() if x]
+                                log=out_dir / f"{name}_{v}_r{rnd}.log")
             runs[v].append(lines)
-            plans[v].append(plan_lines)
+            plans[v].append([r for r in lines if "densities" in r])
     out = {"config": vars(cfg), "extra_flags": extra, "latency_table": table,
            "profile_s": prof_s, "wall_s": time.perf_counter() - t0}
     out.update(summarize(runs, plans, args.warmup))
@@ -253,7 +214,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3:])
-    else:
-        main()
+    main()

@@ -146,7 +146,7 @@ class CpuRunConfig:
             "--attention-dropout", 0, "--hidden-dropout", 0,
             "--micro-batch-size", 1, "--global-batch-size", self.global_batch_size,
             "--lr", 1e-3, "--lr-decay-style", "constant", "--clip-grad", 1.0,
-            "--log-interval", 1, "--seed", 7,
+            "--log-interval", 1, "--seed", 7, "--eval-iters", 0,
             "--pipeline-model-parallel-size", m.pp,
             "--sb-tokenizer", self.tokenizer, "--sb-doc-unit", self.doc_unit,
             "--sb-density", self.density, "--sb-block-size", self.block_size,

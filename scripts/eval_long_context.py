@@ -110,7 +110,7 @@ def forward_argmax(model, ids: list, n_answer: int) -> list:
     handle = only_last_positions(model, n_answer)
     try:
         # grad mode on (no parameter needs grad, so no graph is built): the sparse core
-        # attention then reports its kept density and estimated recall through plan.
+        # attention then reports its kept density and estimated recall to its budget context.
         with torch.enable_grad():
             logits = model(x, pos, attention_mask=None)             # [1, n_answer, V]
     finally:
@@ -164,7 +164,6 @@ def variants(args):
 
 
 def evaluate(args, partial=None) -> dict:
-    from sparsebalance_megatron import plan
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.eval import answer_token_accuracy, greedy_exact_match, make_suite
 
@@ -181,8 +180,7 @@ def evaluate(args, partial=None) -> dict:
                        seed=args.seed, haystack=args.haystack)
     probe_budget = defaultdict(int)
     samples, recalls = [], []
-    plan.set_step_plan(None)
-    plan.set_current_microbatch(None)
+    budget = sparse.decoder.layers[0].self_attention.core_attention.budget  # shared by layers
     for n, s in enumerate(suite):
         ids = s.input_ids + s.answer_ids[:-1]
         key = (s.task, s.length)
@@ -205,9 +203,10 @@ def evaluate(args, partial=None) -> dict:
             else:
                 sb.selection_mode = "mass" if variant == "mass" else "density"
                 sb.density = density if density is not None else args.max_density
-                plan.pop_attention_stats()
+                budget.default_density = sb.density       # no plan: the static density
+                budget.pop_stats()
                 pred = forward_argmax(sparse, ids, len(s.answer_ids))
-                stats = plan.pop_attention_stats()
+                stats = budget.pop_stats()
                 kept = sum(st[3][0] for st in stats) / max(1, len(stats))
             samples.append({
                 "variant": variant, "density": density, "kept_density": kept, "task": s.task,

@@ -123,7 +123,7 @@ def train_cmd(args, arch: dict, variant: str, init_dir: str, data: str, out_dir:
         "--lr", args.lr, "--min-lr", args.lr / 10, "--lr-decay-style", "cosine",
         "--lr-warmup-iters", min(2, args.iters // 4), "--clip-grad", "1.0",
         "--train-iters", args.iters,
-        "--log-interval", "1", "--seed", args.seed, "--sb-seed", args.seed,
+        "--log-interval", "1", "--seed", args.seed, "--sb-seed", args.seed, "--eval-iters", "0",
         "--pipeline-model-parallel-size", args.pp,
         "--load", init_dir, "--finetune", "--no-load-optim", "--no-load-rng",
         "--ckpt-format", "torch_dist", "--save", out_dir, "--save-interval", "100000",

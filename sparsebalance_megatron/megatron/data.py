@@ -21,6 +21,7 @@ need no broadcast, and every rank knows every DP rank's documents (DST needs the
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -92,7 +93,20 @@ def data_blend(data_path: Optional[Sequence[str]]) -> tuple[Optional[list], Opti
     if weights is not None and not all(np.isfinite(w) and w > 0 for w in weights):
         raise LaunchError(f"--data-path {' '.join(data_path)}: blend weights {weights} must be "
                           f"numbers > 0")
+    numbers = [p for p in paths if _is_number(p) and not os.path.exists(p)]
+    if weights is None and numbers:
+        raise LaunchError(f"--data-path {' '.join(data_path)}: {numbers[0]!r} looks like a blend "
+                          f"weight, not a path; expected paths, or weight/path pairs "
+                          f"(W1 P1 W2 P2 ...)")
     return paths, weights
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def split_ratios(split: Optional[str]) -> np.ndarray:

@@ -84,6 +84,30 @@ def scalars(rec: dict) -> dict:
     return out
 
 
+def unit_details(step, gathered, sb: SparseBalanceConfig, *, dp: int, pp: int) -> dict:
+    """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
+    [dp][m][pp], each unit's dense attention work [dp][m] (its weight in density means) and the
+    measured forward/backward seconds [dp][m][pp] (None where a rank reported none)."""
+    from ..latency.work import attention_work
+
+    batch = step.batch
+    m = batch.num_microbatches
+    work = [attention_work(x, 1.0, sb.block_size, sb.sink_blocks, sb.local_blocks)
+            for x in batch.flat_lengths(with_padding=True)]
+    fwd = [[[None] * pp for _ in range(m)] for _ in range(dp)]
+    bwd = [[[None] * pp for _ in range(m)] for _ in range(dp)]
+    for g in gathered:
+        if len(g["fwd_s"]) == m and len(g["bwd_s"]) == m:
+            for j in range(m):
+                fwd[g["dp"]][j][g["pp"]] = float(g["fwd_s"][j])
+                bwd[g["dp"]][j][g["pp"]] = float(g["bwd_s"][j])
+    out = {"attn_work": np.reshape(work, (dp, m)).tolist(), "microbatch_fwd_s": fwd,
+           "microbatch_bwd_s": bwd}
+    if step.plan is not None:
+        out["densities"] = step.plan.densities.tolist()
+    return out
+
+
 class StepReporter:
     """Sends each step's record to the metrics file, Megatron's writers and the console."""
 
@@ -96,8 +120,9 @@ class StepReporter:
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s)
         self.history.append(rec)
         if self.sb.metrics_file and comm.rank() == 0:
+            line = dict(rec, **unit_details(step, gathered, self.sb, dp=self.dp, pp=self.pp))
             with open(self.sb.metrics_file, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+                f.write(json.dumps(line) + "\n")
         values = scalars(rec)
         self._write(iteration, values)
         for k, v in values.items():
