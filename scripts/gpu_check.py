@@ -216,7 +216,7 @@ def run_steps(steps, out_dir, deadline):
                    "--hidden-dropout", "0", "--micro-batch-size", "1",
                    "--global-batch-size", "4", "--train-iters", "20", "--lr", "3e-4",
                    "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-                   "--clip-grad", "1.0", "--bf16", "--log-interval", "1",
+                   "--clip-grad", "1.0", "--bf16", "--log-interval", "1", "--eval-iters", "0",
                    "--distributed-backend", "nccl", *impl,
                    "--sparse-balance", "--sb-density", "0.5", "--sb-block-size", "128",
                    "--sb-attention-backend", "flex", "--sb-metrics-file", metrics, *tbl]

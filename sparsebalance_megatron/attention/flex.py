@@ -20,9 +20,10 @@ blocks are full (no mask_mod evaluation). The key-side lists are ``kmax - 1`` co
 kept count, not NB). The transposed (query-side) lists are built here by a sort of the kept
 pairs instead of BlockMask's dense transposition; their width is the longest document's block
 count, because a sink block is kept by every query block of its document. The partial lists,
-which hold one entry, are as wide as the full lists of their side: torch 2.11's kernels index
-the full lists with the partial lists' strides (checked on an H100: narrower partial lists
-gave wrong outputs).
+which hold one entry, are as wide as the full lists of their side: the flex kernels of older
+torch releases index the full lists with the partial lists' offsets ("always contiguous"), and
+on an H100 with torch 2.11 narrower partial lists gave wrong outputs (docs/GPU.md; equal widths
+have not run on a GPU yet).
 ``mask_mod`` still encodes causality, document ids, real tokens and the selected blocks (a bit
 per block pair and KV group), because eager flex applies only mask_mod.
 ``torch.nn.attention.flex_attention`` is imported lazily; the CPU never runs it in training

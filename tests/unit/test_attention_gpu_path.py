@@ -162,7 +162,7 @@ def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks():
     from sparsebalance_megatron.attention.flex import mask_tensors
     cu = [0, 500, 520, 1024]
     q, k, v = _qkv(1024, 6, 2, 16, seed=2, grad=False)
-    _, sel = block_sparse_attention(q, k, v, cu, 0.25, block_size=16, backend="flex",
+    _, sel = block_sparse_attention(q, k, v, cu, 0.25, block_size=32, backend="flex",
                                     compile_backend=None, sink_blocks=1)
     lay = sel.layout
     m = mask_tensors(sel)
