@@ -185,6 +185,14 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
             torch._dynamo.maybe_mark_dynamic(t, 3)
     q4 = q_pad.view(p, ng, rep, hn).permute(1, 2, 0, 3)                  # [ng, rep, P, hn]
     k4, v4 = (x.permute(1, 0, 2).unsqueeze(1) for x in (k_pad, v_pad))   # [ng, 1, P, hn]
-    out = _flex_fn(compile_backend)(q4, k4, v4, block_mask=block_mask, scale=softmax_scale,
-                                    enable_gqa=rep > 1, kernel_options=kernel_options)
+    try:
+        out = _flex_fn(compile_backend)(q4, k4, v4, block_mask=block_mask, scale=softmax_scale,
+                                        enable_gqa=rep > 1, kernel_options=kernel_options)
+    except Exception as e:   # noqa: BLE001 - only a known compile failure is translated
+        if bs < 128 and "NoValidChoices" in str(e):
+            raise ValueError(
+                f"block_size={bs}: torch's compiled FlexAttention found no kernel configuration "
+                f"whose tiles divide the block size (seen with torch 2.11, head dim {hn}); use "
+                f"block_size=128 (--sb-block-size 128) on this GPU, or the 'torch' backend") from e
+        raise
     return out.permute(2, 0, 1, 3).reshape(p, nh, hn)                    # [P, np, hn]

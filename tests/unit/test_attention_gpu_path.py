@@ -246,3 +246,17 @@ def test_triton_maxkey_kernel_equals_the_torch_estimator():
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-2000:]
+
+
+def test_flex_compile_failure_at_small_blocks_names_the_block_size(monkeypatch):
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from sparsebalance_megatron.attention import flex
+
+    def refuse(backend):
+        def fn(*a, **kw):
+            raise RuntimeError("LoweringException: NoValidChoicesError: No choices to select")
+        return fn
+    monkeypatch.setattr(flex, "_flex_fn", refuse)
+    q, k, v = _qkv(256, 4, 2, 16, seed=6, grad=False)
+    with pytest.raises(ValueError, match="block_size=64"):
+        block_sparse_attention(q, k, v, [0, 256], 0.5, block_size=64, backend="flex")
