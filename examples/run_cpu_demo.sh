@@ -19,7 +19,7 @@ exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
   --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \
   --untie-embeddings-and-output-weights \
   --attention-dropout 0 --hidden-dropout 0 \
-  --micro-batch-size 1 --global-batch-size 8 \
+  --micro-batch-size 1 --global-batch-size 4 \
   --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 3 --clip-grad 1.0 \
   --train-iters "${TRAIN_ITERS:-30}" --log-interval 5 \
   --eval-interval 15 --eval-iters 2 \
