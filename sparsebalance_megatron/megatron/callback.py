@@ -18,7 +18,6 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -32,7 +31,6 @@ from ..plan import BudgetPlan
 from . import comm
 from .budget import BudgetContext
 
-log = logging.getLogger("sparsebalance")
 STATE_VERSION = 1
 
 

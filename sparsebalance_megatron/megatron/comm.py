@@ -31,6 +31,13 @@ def launch_rank() -> int:
     return rank() if is_initialized() else int(os.environ.get("RANK", "0"))
 
 
+def say(msg: str) -> None:
+    """One ``[sparsebalance]`` line on the console, from global rank 0 (also before the process
+    group exists)."""
+    if launch_rank() == 0:
+        print(f"[sparsebalance] {msg}", flush=True)
+
+
 def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 

@@ -240,7 +240,8 @@ def activate_cpu_shims() -> bool:
     _mode = _CudaToCpuMode()
     _mode.__enter__()  # global for the process: megatron builds "cuda" tensors anywhere
     _active = True
-    log.info("%s active: megatron-core runs on CPU (gloo)", SHIM_ID)
+    from .comm import say
+    say(f"no CUDA: megatron-core runs on the CPU ({SHIM_ID})")
     return True
 
 

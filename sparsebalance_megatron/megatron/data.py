@@ -20,7 +20,6 @@ need no broadcast, and every rank knows every DP rank's documents (DST needs the
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -35,7 +34,6 @@ from ..data.tokenizers import TextTokenizer
 from .budget import SparsePackedSeqParams
 from .launch import LaunchError
 
-log = logging.getLogger("sparsebalance")
 DEFAULT_SPLIT = "969,30,1"   # Megatron's legacy default when --split is not given
 SPLITS = ("train", "valid", "test")
 

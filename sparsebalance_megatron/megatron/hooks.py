@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import sys
 import time
 from typing import Callable, Optional
@@ -41,9 +40,6 @@ from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
-
-log = logging.getLogger("sparsebalance")
-
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -57,11 +53,6 @@ class _Integration:
 
 
 _run = _Integration()
-
-
-def _print0(msg: str) -> None:
-    if comm.launch_rank() == 0:
-        print(f"[sparsebalance] {msg}", flush=True)
 
 
 # --- flags -----------------------------------------------------------------------------------
@@ -187,7 +178,7 @@ def _install(args, model_cfg, packed_data):
         parts.append(f"data: {_run.data.corpus.name} ({len(_run.data.corpus)} documents, "
                      f"tokenizer {_run.data.tokenizer}), packing {sb.packing_method}")
     parts.append("DST on" if sb.dst_enabled else "DST off")
-    _print0("; ".join(parts))
+    comm.say("; ".join(parts))
     return model_cfg
 
 

@@ -8,7 +8,6 @@ on another device/model/version) stops the run before step 1 with the loader's m
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -16,9 +15,6 @@ import time
 
 from ..config import SparseBalanceConfig
 from . import comm
-
-log = logging.getLogger("sparsebalance")
-
 
 def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     """What a latency table must have been measured on to be used by this run."""
@@ -65,8 +61,7 @@ def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
 def _profile(args, sb: SparseBalanceConfig, path: str) -> None:
     """Rank 0: run the profiler CLI; its progress goes to this console."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    log.info("no --sb-latency-table: profiling this model on this device (quick grid) -> %s",
-             path)
+    comm.say(f"no --sb-latency-table: profiling this model on this device (quick grid) -> {path}")
     t0 = time.perf_counter()
     # The profiler must import the megatron this run imports (a Megatron-LM checkout's, say).
     import megatron.core
@@ -78,7 +73,7 @@ def _profile(args, sb: SparseBalanceConfig, path: str) -> None:
                           stderr=None, text=True, env=env)   # stderr: the progress bar, live
     if proc.returncode != 0:
         raise SystemExit(f"error: latency profiling failed:\n{proc.stdout[-3000:]}")
-    log.info("latency table profiled in %.1f s", time.perf_counter() - t0)
+    comm.say(f"latency table profiled in {time.perf_counter() - t0:.1f} s")
 
 
 def load_latency_model(args, sb: SparseBalanceConfig):

@@ -185,6 +185,10 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool) -> None:
                        "sparse attention takes document boundaries from packed cu_seqlens; use "
                        "--dataloader-inter-document-masking (or the plugin's data path, "
                        "--sb-batching / --sparse-balance, which packs documents apart)")
+    if sb.dst_enabled and sb.selection_mode == "mass":
+        bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
+                   f"mass mode picks its own density per query block and would ignore the plan; "
+                   f"use {flag_name('selection_mode')} density")
     if sb.straggler_rank >= 0:
         world = int(os.environ.get("WORLD_SIZE", getattr(args, "world_size", 1) or 1))
         per_dp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \

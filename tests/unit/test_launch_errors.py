@@ -72,6 +72,13 @@ def test_reset_attention_mask_is_served_by_the_plugins_data_path():
     check_launch(launch_args(reset_attention_mask=True), SPARSE, plugin_data=True)
 
 
+def test_mass_selection_would_ignore_the_dst_plan():
+    sb = SparseBalanceConfig(sparse_balance=True, selection_mode="mass")
+    assert "--sb-selection-mode mass with DST" in refused(launch_args(), sb)
+    check_launch(launch_args(), SparseBalanceConfig(sparse_attention=True, selection_mode="mass"),
+                 plugin_data=True)   # static sparse attention may use it
+
+
 def test_flex_backend_needs_cuda():
     sb = SparseBalanceConfig(sparse_attention=True, attention_backend="flex")
     assert "--sb-attention-backend flex: FlexAttention needs CUDA" in refused(launch_args(), sb)
