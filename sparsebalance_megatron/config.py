@@ -95,6 +95,10 @@ class SparseBalanceConfig:
         0.9, "DST keeps each step's mean density (weighted by attention work) at or above this "
         "fraction of --sb-density by cutting fewer units when the raises cannot pay the cuts "
         "back; 0 = the paper's rule unchanged.")
+    stage_density_floor: float = _f(
+        0.75, "DST keeps every pipeline stage's density in a step (weighted by attention work) at "
+        "or above this fraction of --sb-density, by cutting fewer units, so no stage's layers "
+        "are starved to pay for another's (the LM-head stage is the usual victim); 0 = off.")
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "
@@ -212,9 +216,10 @@ class SparseBalanceConfig:
         sd = self.straggler_slowdown
         if not isinstance(sd, (int, float)) or sd != sd or not (1.0 <= sd <= 100.0):
             bad("straggler_slowdown", sd, "a number in [1, 100]")
-        fl = self.density_floor
-        if not isinstance(fl, (int, float)) or fl != fl or not (0.0 <= fl <= 1.0):
-            bad("density_floor", fl, "a number in [0, 1]")
+        for name in ("density_floor", "stage_density_floor"):
+            fl = getattr(self, name)
+            if not isinstance(fl, (int, float)) or fl != fl or not (0.0 <= fl <= 1.0):
+                bad(name, fl, "a number in [0, 1]")
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")

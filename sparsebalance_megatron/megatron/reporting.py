@@ -21,9 +21,22 @@ from . import comm
 PREFIX = "sparsebalance/"
 
 
+def unit_work(batch, sb: SparseBalanceConfig) -> np.ndarray:
+    """[dp, m] dense attention work (kept block pairs at density 1) of every micro-batch: the
+    weight of its density in every density figure (a stage's layers all run at that density)."""
+    from ..latency.work import attention_work
+
+    work = [attention_work(x, 1.0, sb.block_size, sb.sink_blocks, sb.local_blocks)
+            for x in batch.flat_lengths(with_padding=True)]
+    return np.reshape(work, (batch.dp, batch.num_microbatches))
+
+
 def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
-                overhead_s: float) -> dict:
-    """Everything known about a finished step (identical on every rank)."""
+                overhead_s: float, work: np.ndarray) -> dict:
+    """Everything known about a finished step (identical on every rank). Densities are weighted
+    by attention work (``work`` [dp, m]); per stage and per DP rank as well as overall."""
+    from ..policy.costs import stage_mean_densities, weighted_mean_density
+
     batch = step.batch
     loss_sum = sum(g["loss"][0] for g in gathered)
     loss_tokens = sum(g["loss"][1] for g in gathered)
@@ -38,9 +51,11 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
            "sb_overhead_s": overhead_s}
     if step.plan is not None:
         d = step.plan.densities                                     # [dp, m, pp]
-        rec.update(budgets_consistent=True, mean_density=float(d.mean()),
-                   density_per_rank=[float(x) for x in d.mean(axis=(1, 2))],
-                   density_per_stage=[float(x) for x in d.mean(axis=(0, 1))])
+        w = np.broadcast_to(np.asarray(work, dtype=np.float64)[:, :, None], d.shape)
+        per_rank = stage_mean_densities(d.transpose(2, 1, 0), w.transpose(2, 1, 0))
+        rec.update(budgets_consistent=True, mean_density=weighted_mean_density(d, w),
+                   density_per_rank=[float(x) for x in per_rank],
+                   density_per_stage=[float(x) for x in stage_mean_densities(d, w)])
     if np.isfinite(measured).all():
         busy = measured.sum(axis=1)
         rec.update(rank_busy_s=[float(x) for x in busy],
@@ -51,8 +66,8 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
         rec.update(predicted_step_s=r["step_time_planned_s"],
                    predicted_static_s=r["step_time_static_s"],
                    imbalance_before=r["imbalance_before"], imbalance_after=r["imbalance_after"],
-                   mean_density=r["mean_density"], units_cut=r["units_cut"],
-                   units_raised=r["units_raised"], raise_headroom=r.get("raise_headroom"))
+                   units_cut=r["units_cut"], units_raised=r["units_raised"],
+                   raise_headroom=r.get("raise_headroom"))
     return rec
 
 
@@ -84,16 +99,11 @@ def scalars(rec: dict) -> dict:
     return out
 
 
-def unit_details(step, gathered, sb: SparseBalanceConfig, *, dp: int, pp: int) -> dict:
+def unit_details(step, gathered, work: np.ndarray, *, dp: int, pp: int) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
     [dp][m][pp], each unit's dense attention work [dp][m] (its weight in density means) and the
     measured forward/backward seconds [dp][m][pp] (None where a rank reported none)."""
-    from ..latency.work import attention_work
-
-    batch = step.batch
-    m = batch.num_microbatches
-    work = [attention_work(x, 1.0, sb.block_size, sb.sink_blocks, sb.local_blocks)
-            for x in batch.flat_lengths(with_padding=True)]
+    m = step.batch.num_microbatches
     fwd = [[[None] * pp for _ in range(m)] for _ in range(dp)]
     bwd = [[[None] * pp for _ in range(m)] for _ in range(dp)]
     for g in gathered:
@@ -101,7 +111,7 @@ def unit_details(step, gathered, sb: SparseBalanceConfig, *, dp: int, pp: int) -
             for j in range(m):
                 fwd[g["dp"]][j][g["pp"]] = float(g["fwd_s"][j])
                 bwd[g["dp"]][j][g["pp"]] = float(g["bwd_s"][j])
-    out = {"attn_work": np.reshape(work, (dp, m)).tolist(), "microbatch_fwd_s": fwd,
+    out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
            "microbatch_bwd_s": bwd}
     if step.plan is not None:
         out["densities"] = step.plan.densities.tolist()
@@ -117,10 +127,12 @@ class StepReporter:
         self.history: list = []   # records of this process (tests, scripts in the same process)
 
     def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float):
-        rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s)
+        work = unit_work(step.batch, self.sb)
+        rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
+                          work=work)
         self.history.append(rec)
         if self.sb.metrics_file and comm.rank() == 0:
-            line = dict(rec, **unit_details(step, gathered, self.sb, dp=self.dp, pp=self.pp))
+            line = dict(rec, **unit_details(step, gathered, work, dp=self.dp, pp=self.pp))
             with open(self.sb.metrics_file, "a") as f:
                 f.write(json.dumps(line) + "\n")
         values = scalars(rec)

@@ -179,6 +179,18 @@ class UnitCosts:
         return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, w)
 
 
+def stage_mean_densities(densities: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """[pp] work-weighted mean density of every pipeline stage (over its ranks and micro-batches;
+    a stage's layers all run at its units' densities)."""
+    d = np.asarray(densities, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if d.shape != w.shape or d.ndim != 3:
+        raise ValueError(f"densities {d.shape} and weights {w.shape} must both be [dp, m, pp]")
+    tot = w.sum(axis=(0, 1))
+    plain = d.mean(axis=(0, 1))
+    return np.where(tot > 0, (d * w).sum(axis=(0, 1)) / np.where(tot > 0, tot, 1.0), plain)
+
+
 def weighted_mean_density(densities: np.ndarray, weights: np.ndarray) -> float:
     """Mean of densities [dp, m, pp] weighted by attention work [dp, m, pp] (plain mean if all
     weights are zero)."""

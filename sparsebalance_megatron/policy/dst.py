@@ -44,7 +44,8 @@ import numpy as np
 
 from ..config import ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, ConfigError
 from ..sim.pipeline import pipeline_makespan_s
-from .costs import UnitCosts, check_density_bounds, weighted_mean_density
+from .costs import (UnitCosts, check_density_bounds, stage_mean_densities,
+                    weighted_mean_density)
 from .slack import event_float_s
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
@@ -69,6 +70,7 @@ class DSTReport:
     units_raised: int            # units whose density ended above d0
     ranks_reverted: int          # ranks whose raise failed verification (kept cut-only)
     tolerance_used: float = float("nan")  # band actually applied (wider under a density floor)
+    density_per_stage: tuple = ()         # work-weighted mean density of every stage, final plan
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -294,7 +296,8 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
         mean_density_static=float(d0),
         mean_density=weighted_mean_density(dens, weights),
         units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()),
-        ranks_reverted=reverted, tolerance_used=float(tolerance))
+        ranks_reverted=reverted, tolerance_used=float(tolerance),
+        density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, weights)))
     return DSTPlan(dens, report)
 
 
@@ -302,32 +305,41 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                         d_min: float, d_max: float, anchor: str = "mean",
                         tolerance: float = 0.1, p2p_s: float = 0.0,
                         density_floor: float = 0.0, search_steps: int = 6,
-                        raise_headroom: float = 0.0) -> DSTPlan:
-    """``plan_dst``, but the plan's work-weighted mean density stays >= density_floor x d0.
+                        raise_headroom: float = 0.0,
+                        stage_density_floor: float = 0.0) -> DSTPlan:
+    """``plan_dst``, but the plan keeps its work-weighted mean density >= density_floor x d0 and
+    every pipeline stage's work-weighted density >= stage_density_floor x d0.
 
     When the cuts of the tolerance band would take more attention budget than the raises give
-    back (e.g. a stage made heavy by the LM head, whose units can only be cut), the band is
-    widened: fewer units are cut. The widest band cuts nothing (the ``max`` anchor), whose plan
-    only raises, so a plan meeting the floor always exists; every candidate is a ``plan_dst``
-    plan, so the predicted step time never exceeds the static plan's. Among the candidates that
-    meet the floor the fastest is kept (bisection over the tolerance, ``search_steps`` plans).
+    back (e.g. a stage made heavy by the LM head, whose units can only be cut), or concentrate the
+    cuts on one stage, the band is widened: fewer units are cut. The widest band cuts nothing (the
+    ``max`` anchor), whose plan only raises, so a plan meeting both floors always exists; every
+    candidate is a ``plan_dst`` plan, so the predicted step time never exceeds the static plan's.
+    Among the candidates that meet the floors the fastest is kept (bisection over the tolerance,
+    ``search_steps`` plans).
     """
     def plan(anchor_: str, tol: float) -> DSTPlan:
         return plan_dst(costs, sensitivity, d0, d_min, d_max, anchor_, tol, p2p_s, raise_headroom)
 
-    best = plan(anchor, tolerance)
     floor = density_floor * d0 - 1e-12
-    if density_floor <= 0 or anchor == "max" or best.report.mean_density >= floor:
+    stage_floor = stage_density_floor * d0 - 1e-12
+
+    def meets(p: DSTPlan) -> bool:
+        r = p.report
+        return r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
+
+    best = plan(anchor, tolerance)
+    if (density_floor <= 0 and stage_density_floor <= 0) or anchor == "max" or meets(best):
         return best
     ok = plan("max", tolerance)                                     # no cuts
     lo, hi = tolerance, 10.0
     hi_plan = plan(anchor, hi)
-    if hi_plan.report.mean_density >= floor:
+    if meets(hi_plan):
         ok = min((ok, hi_plan), key=lambda p: p.report.step_time_planned_s)
         for _ in range(search_steps):
             mid = 0.5 * (lo + hi)
             trial = plan(anchor, mid)
-            if trial.report.mean_density >= floor:
+            if meets(trial):
                 hi = mid
                 if trial.report.step_time_planned_s < ok.report.step_time_planned_s:
                     ok = trial
@@ -344,7 +356,8 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
                          p2p_s: float = 0.0, raise_headroom: Optional[float] = None) -> DSTPlan:
     """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance, the mean-density floor
-    (``--sb-density-floor``) and the raise headroom from a ``SparseBalanceConfig``; the
+    (``--sb-density-floor``), the per-stage floor (``--sb-stage-density-floor``) and the raise
+    headroom from a ``SparseBalanceConfig``; the
     costs must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``. ``raise_headroom`` overrides the config's (the runtime passes the
     measured error when the config says 'auto'; 'auto' without one is
@@ -356,4 +369,5 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
     return plan_dst_with_floor(
         costs, sensitivity, config.density, config.min_density, config.max_density,
         anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
-        density_floor=config.density_floor, raise_headroom=raise_headroom)
+        density_floor=config.density_floor, raise_headroom=raise_headroom,
+        stage_density_floor=config.stage_density_floor)

@@ -263,3 +263,32 @@ def test_density_floor_keeps_the_mean_budget_and_the_step_time():
         else:  # the floor does not touch plans that already meet it
             np.testing.assert_array_equal(floored.densities, raw.densities)
     assert below > 0  # the cases exercised the floor
+
+
+def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
+    """A heavy last stage (LM head) is the bottleneck: DST cuts its attention while raising the
+    other stages. The per-stage floor stops that concentration (quality is convex in per-layer
+    density: DESIGN.md section 7), and the step time still never exceeds the static plan's."""
+    from sparsebalance_megatron.policy import plan_dst_with_floor
+    from sparsebalance_megatron.policy.costs import stage_mean_densities
+    rng = np.random.default_rng(21)
+    starved = 0
+    for case in range(30):
+        dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 6)), int(rng.integers(2, 5))
+        costs = synthetic_costs(dp, m, pp, seed=300 + case, lm_head=float(rng.uniform(0.5, 3)))
+        sens = rng.random((dp, m))
+        w = costs.weights()
+        raw = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9)
+        fed = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
+                                  stage_density_floor=0.75)
+        per_stage = stage_mean_densities(fed.densities, w)
+        assert np.all(per_stage >= 0.75 * D0 - 1e-9), (case, per_stage)
+        assert np.allclose(fed.report.density_per_stage, per_stage)
+        assert weighted_mean_density(fed.densities, w) >= 0.9 * D0 - 1e-9
+        static = step_time_of(costs, np.full((dp, m, pp), D0))
+        assert step_time_of(costs, fed.densities) <= static * (1 + 1e-9)
+        if min(stage_mean_densities(raw.densities, w)) < 0.75 * D0:
+            starved += 1
+        else:  # plans that already feed every stage are left alone
+            np.testing.assert_array_equal(fed.densities, raw.densities)
+    assert starved > 0  # the cases exercised the stage floor
