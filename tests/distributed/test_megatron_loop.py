@@ -64,8 +64,9 @@ def test_fp16_trains_with_megatrons_loss_scale(tmp_path, small_jsonl):
                   "--tensorboard-dir", tmp_path / "tb"], cwd=tmp_path)
     tb = read_scalars(tmp_path / "tb")
     scale = [tb["loss-scale"][it] for it in sorted(tb["loss-scale"])]
-    # Overflowing steps halve the scale and are skipped; then steps update with a finite loss.
-    assert scale[0] <= 1024 and min(scale) < 1024, scale
+    # Megatron's dynamic scaler is at work: an overflowing step halves the scale (and is
+    # skipped), two clean steps double it (--loss-scale-window 2); either way it moves.
+    assert len(set(scale)) > 1 and max(scale) <= 4096, scale
     updated = sorted(tb["grad-norm"])
     assert updated and all(math.isfinite(tb["lm loss"][it]) for it in updated)
 
