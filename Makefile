@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo test test-fast clean-venv
+.PHONY: venv demo test test-fast reliability clean-venv
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -42,6 +42,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+reliability: $(STAMP)   # RELIABILITY.md: the bad inputs and faults the tests try, with outcomes
+	SB_RELIABILITY_REPORT=RELIABILITY.md $(PY) -m pytest -q -m reliability tests
 
 clean-venv:
 	rm -rf $(VENV)

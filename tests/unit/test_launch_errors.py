@@ -14,6 +14,15 @@ from sparsebalance_megatron.megatron.launch import (CPU_DEFAULTS, LaunchError, c
 from tests.conftest import TINY_MODEL, run_entry
 
 SPARSE = SparseBalanceConfig(sparse_attention=True, block_size=64)
+
+
+def _case(kw: dict, sb, plugin_data: bool, needle: str):
+    """One refused launch setting, marked for RELIABILITY.md."""
+    case = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    return pytest.param(kw, sb, plugin_data, needle, id=case, marks=pytest.mark.reliability(
+        area="launch", case=case, expect=f"refused before any process group: '{needle}'"))
+
+
 FULL = SparseBalanceConfig(sparse_balance=True, block_size=64)
 
 
@@ -41,28 +50,24 @@ def test_a_good_launch_passes():
 
 
 @pytest.mark.parametrize("kw, sb, plugin_data, needle", [
-    (dict(context_parallel_size=2), SPARSE, True, "--context-parallel-size 2"),
-    (dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "interleaved pipeline"),
-    (dict(num_layers_per_virtual_pipeline_stage=1), SPARSE, True, "interleaved pipeline"),
-    (dict(decoder_first_pipeline_num_layers=3), FULL, True,
-     "--decoder-first-pipeline-num-layers with DST/SAB"),
-    (dict(pipeline_model_parallel_layout="E|t|t|L"), FULL, True,
-     "--pipeline-model-parallel-layout with DST/SAB"),
-    (dict(account_for_loss_in_pipeline_split=True), FULL, True,
-     "--account-for-loss-in-pipeline-split with DST/SAB"),
-    (dict(micro_batch_size=2), SPARSE, True, "--micro-batch-size 2"),
-    (dict(seq_length=16), SPARSE, True, "--seq-length 16 is smaller than --sb-block-size 64"),
-    (dict(mock_data=True), SPARSE, True, "--mock-data"),
-    (dict(train_data_path=["a"]), SPARSE, True, "--train-data-path"),
-    (dict(iterations_to_skip=[3]), SPARSE, True, "--iterations-to-skip"),
-    (dict(num_experts=8), SPARSE, False, "--num-experts 8"),
-    (dict(spec=["my", "spec"]), SPARSE, False, "--spec"),
-    (dict(attention_backend="AttnBackend.local"), SPARSE, False, "--attention-backend local"),
-    (dict(reset_attention_mask=True), SPARSE, False, "--dataloader-inter-document-masking"),
-    (dict(use_distributed_optimizer=True), SPARSE, True, "--use-distributed-optimizer on CPU"),
-    (dict(distributed_backend="nccl"), SPARSE, True, "--distributed-backend nccl on CPU"),
-    (dict(transformer_impl="transformer_engine"), SPARSE, True,
-     "transformer-engine is not installed"),
+    _case(dict(context_parallel_size=2), SPARSE, True, "--context-parallel-size 2"),
+    _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "interleaved pipeline"),
+    _case(dict(num_layers_per_virtual_pipeline_stage=1), SPARSE, True, "interleaved pipeline"),
+    _case(dict(decoder_first_pipeline_num_layers=3), FULL, True, "--decoder-first-pipeline-num-layers with DST/SAB"),
+    _case(dict(pipeline_model_parallel_layout="E|t|t|L"), FULL, True, "--pipeline-model-parallel-layout with DST/SAB"),
+    _case(dict(account_for_loss_in_pipeline_split=True), FULL, True, "--account-for-loss-in-pipeline-split with DST/SAB"),
+    _case(dict(micro_batch_size=2), SPARSE, True, "--micro-batch-size 2"),
+    _case(dict(seq_length=16), SPARSE, True, "--seq-length 16 is smaller than --sb-block-size 64"),
+    _case(dict(mock_data=True), SPARSE, True, "--mock-data"),
+    _case(dict(train_data_path=["a"]), SPARSE, True, "--train-data-path"),
+    _case(dict(iterations_to_skip=[3]), SPARSE, True, "--iterations-to-skip"),
+    _case(dict(num_experts=8), SPARSE, False, "--num-experts 8"),
+    _case(dict(spec=["my", "spec"]), SPARSE, False, "--spec"),
+    _case(dict(attention_backend="AttnBackend.local"), SPARSE, False, "--attention-backend local"),
+    _case(dict(reset_attention_mask=True), SPARSE, False, "--dataloader-inter-document-masking"),
+    _case(dict(use_distributed_optimizer=True), SPARSE, True, "--use-distributed-optimizer on CPU"),
+    _case(dict(distributed_backend="nccl"), SPARSE, True, "--distributed-backend nccl on CPU"),
+    _case(dict(transformer_impl="transformer_engine"), SPARSE, True, "transformer-engine is not installed"),
 ])
 def test_refused_settings_name_the_flag(kw, sb, plugin_data, needle):
     assert needle in refused(launch_args(**kw), sb, plugin_data)
