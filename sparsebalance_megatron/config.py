@@ -20,6 +20,7 @@ TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 TIMING_SOURCES = ("measured", "model")
+FAULT_KINDS = ("raise", "hang", "kill")
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
 
@@ -148,7 +149,16 @@ class SparseBalanceConfig:
         "--sb-straggler-rank ('model': deterministic, for tests and reproducible studies).",
         choices=TIMING_SOURCES)
 
-    # --- logging --------------------------------------------------------------------------
+    fault: Optional[str] = _f(
+        None, "Testing: inject a fault 'RANK:STEP:KIND' into global rank RANK's forward step of "
+        "iteration STEP (1-based); KIND is raise (an exception), hang (the rank stops "
+        "answering) or kill (the process dies).")
+
+    # --- resume and logging -----------------------------------------------------------------
+    fresh_state: bool = _f(
+        False, "On --load of a checkpoint that holds no SparseBalance state (one written "
+        "without the plugin's data path), start the balancer fresh (latency calibration, "
+        "sensitivities) instead of refusing the resume.")
     metrics_file: Optional[str] = _f(
         None, "Append one JSON line per step (loss, step time, tokens/s, plan statistics) to "
         "this file on rank 0.")
@@ -174,6 +184,20 @@ class SparseBalanceConfig:
         if self.packing == "auto":
             return "sab" if self.batching_enabled else "sequential"
         return self.packing
+
+    @property
+    def fault_spec(self) -> Optional[tuple[int, int, str]]:
+        """(rank, iteration, kind) of --sb-fault, or None."""
+        if not self.fault:
+            return None
+        parts = str(self.fault).split(":")
+        if len(parts) != 3 or parts[2] not in FAULT_KINDS:
+            return None
+        try:
+            rank, step = int(parts[0]), int(parts[1])
+        except ValueError:
+            return None
+        return (rank, step, parts[2]) if rank >= 0 and step >= 1 else None
 
     @property
     def raise_headroom_value(self) -> Optional[float]:
@@ -223,6 +247,9 @@ class SparseBalanceConfig:
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")
+        if self.fault and self.fault_spec is None:
+            bad("fault", self.fault, "RANK:STEP:KIND with RANK >= 0, STEP >= 1 and KIND one of "
+                + ", ".join(FAULT_KINDS))
         if self.raise_headroom_value is None and self.raise_headroom != "auto":
             bad("raise_headroom", self.raise_headroom,
                 f"'auto' or a number in [0, {MAX_RAISE_HEADROOM}]")

@@ -87,7 +87,15 @@ class SparseBalanceCallback:
                                          long_sample_policy=self.sb.long_sample_policy)
         self.sampler.skip_bins(int(args.consumed_train_samples))
         if args.iteration > 0 and args.load:
-            self.load_state_dict(self._load_saved_state(args.load, args.iteration))
+            state = self._load_saved_state(args.load, args.iteration)
+            try:
+                self.load_state_dict(state)
+            except (ValueError, KeyError, TypeError) as e:
+                from .launch import LaunchError
+                from .state import plugin_state_path
+                raise LaunchError(f"SparseBalance state "
+                                  f"{plugin_state_path(args, args.load, args.iteration)}: "
+                                  f"{type(e).__name__}: {e}") from None
         if args.iteration < args.train_iters:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             self.prepare_step(args.iteration, get_num_microbatches())
@@ -199,17 +207,18 @@ class SparseBalanceCallback:
         loss = (torch.stack([x[0].float() for x in self._losses]).sum().item(),
                 torch.stack([x[1].float() for x in self._losses]).sum().item()) \
             if self._losses else (0.0, 0.0)
-        stats = _doc_recalls(self.budget.pop_stats()) if self.tracker is not None else {}
+        records = self.budget.pop_stats()
+        stats = _doc_recalls(records) if self.tracker is not None else {}
         mine = dict(dp=self.dp_rank, pp=self.pp_rank, fwd_s=timings.get("fwd_s", []),
                     bwd_s=timings.get("bwd_s", []), step_s=timings.get("step_s"), stats=stats,
-                    served=self.budget.pop_served(), fingerprint=_fingerprint(step.batch),
-                    loss=loss)
+                    served=self.budget.pop_served(), used=_min_kept(records),
+                    fingerprint=_fingerprint(step.batch), loss=loss)
         gathered = comm.all_gather_object(mine)
         if len({g["fingerprint"] for g in gathered}) != 1:
             raise RuntimeError(f"iteration {iteration}: ranks packed different micro-batches "
                                f"(the sampler/packer must be deterministic on every rank)")
         if step.plan is not None:
-            check_budgets(step.plan, gathered)
+            check_budgets(step.plan, gathered, check_used=self.sb.selection_mode == "density")
         if self.sb.timing_source == "model" and self.latency is not None and step.plan is not None:
             measured = self._modelled_busy(step)
             warm = True                        # a modelled time has no warm-up in it
@@ -312,7 +321,7 @@ class SparseBalanceCallback:
 
         if self.latency is None and self.tracker is None:
             return None
-        return load_plugin_state(self.args, load_dir, iteration)
+        return load_plugin_state(self.args, load_dir, iteration, fresh=self.sb.fresh_state)
 
 
 def _check_assignment(segments, batch: BatchPlan, capacity: int) -> None:
@@ -341,16 +350,35 @@ def _measured_busy(gathered, dp: int, pp: int, m: int) -> np.ndarray:
     return measured
 
 
-def check_budgets(plan: BudgetPlan, gathered) -> None:
-    """Every rank (all TP ranks of a micro-batch included) used exactly the plan's density."""
+USED_TOLERANCE = 1e-3   # kept blocks are counted in whole blocks; a float rounding slack
+
+
+def check_budgets(plan: BudgetPlan, gathered, *, check_used: bool = True) -> None:
+    """Every rank (all TP ranks of a micro-batch included) asked for exactly the plan's density,
+    and its attention kept at least that share of every sequence's causal blocks (density
+    selection keeps ceil(density x available) of them: fewer means the plan was ignored)."""
     bad = []
     for g in gathered:
         for mb, d in (g["served"] or {}).items():
             want = plan.density(g["dp"], mb, g["pp"])
             if d != want:
                 bad.append(f"(dp {g['dp']}, stage {g['pp']}, micro-batch {mb}): {d} != {want}")
+        for mb, kept in (g.get("used") or {}).items() if check_used else ():
+            want = plan.density(g["dp"], mb, g["pp"])
+            if kept < want - USED_TOLERANCE:
+                bad.append(f"(dp {g['dp']}, stage {g['pp']}, micro-batch {mb}): kept {kept:.4f} "
+                           f"of the blocks, plan {want}")
     if bad:
         raise RuntimeError("attention budgets differ from the broadcast plan: " + "; ".join(bad[:5]))
+
+
+def _min_kept(records: list) -> dict:
+    """{micro-batch: the smallest kept density of any of its sequences in any layer}."""
+    out: dict = {}
+    for mb, _, _, kept, _ in records:
+        if mb is not None and kept:
+            out[mb] = min(out.get(mb, 1.0), min(kept))
+    return out
 
 
 def _doc_recalls(stats: list) -> dict:

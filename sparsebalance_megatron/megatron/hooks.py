@@ -281,6 +281,8 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
     mb = next(data_iterator)
     timers("batch-generator").stop()
     sb, cb = _run.sb, _run.callback
+    if sb.fault is not None:
+        _inject_fault(sb.fault_spec, mb["packed_seq_params"])
     t0 = time.perf_counter()
     output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
                    loss_mask=mb["loss_mask"], packed_seq_params=mb["packed_seq_params"])
@@ -291,6 +293,25 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
         # slowdown is modelled instead).
         time.sleep(3.0 * (sb.straggler_slowdown - 1.0) * (time.perf_counter() - t0))
     return output, functools.partial(_loss_func, mb["loss_mask"])
+
+
+def _inject_fault(spec, psp) -> None:
+    """--sb-fault RANK:STEP:KIND (tests of fail-fast): at the first micro-batch of iteration STEP
+    on global rank RANK, raise, hang (stop answering, as a stuck device would) or die."""
+    import os
+    import signal
+
+    rank, step, kind = spec
+    if comm.rank() != rank or psp.sb_step != step - 1 or psp.sb_microbatch != 0:
+        return
+    print(f"[sparsebalance] --sb-fault: injecting '{kind}' on rank {rank} at iteration {step}",
+          flush=True)
+    if kind == "raise":
+        raise RuntimeError(f"--sb-fault: injected failure on rank {rank} at iteration {step}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:   # hang
+        time.sleep(3600)
 
 
 def _loss_func(loss_mask, output_tensor):

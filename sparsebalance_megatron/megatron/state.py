@@ -28,16 +28,22 @@ def plugin_state_path(args, load_dir: str, iteration: int) -> str:
                                expert_rank=0, basename=STATE_BASENAME)
 
 
-def load_plugin_state(args, load_dir: str, iteration: int) -> dict:
-    """The state the callback saved with the checkpoint of ``iteration``."""
+def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = False):
+    """The state the callback saved with the checkpoint of ``iteration``; None (start the
+    balancer fresh) when there is none and ``fresh`` (--sb-fresh-state) says so."""
     from .callback import STATE_VERSION
 
     path = plugin_state_path(args, load_dir, iteration)
     if not os.path.exists(path):
+        if fresh:
+            from .comm import say
+            say(f"no SparseBalance state at {path}: starting the balancer fresh "
+                f"(--sb-fresh-state)")
+            return None
         raise LaunchError(
             f"resuming iteration {iteration} from {load_dir}: no SparseBalance state at {path} "
-            f"(the checkpoint was written without the plugin's data path); to start the plugin "
-            f"afresh from these weights, load them with --finetune")
+            f"(the checkpoint was written without the plugin's data path); pass "
+            f"--sb-fresh-state to start the balancer fresh, or load the weights with --finetune")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         state = saved["dataloader_state_dict"]

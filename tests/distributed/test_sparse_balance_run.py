@@ -92,14 +92,33 @@ def test_sparse_balance_resume_repeats_the_uninterrupted_run(tmp_path, small_jso
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
 
 
-def test_resume_without_the_plugin_state_is_refused(tmp_path, small_jsonl, table):
+@pytest.mark.reliability(area="resume", case="plugin state missing, then damaged, then "
+                         "--sb-fresh-state", expect="refused naming the file; fresh start on request")
+def test_resume_without_or_with_a_damaged_plugin_state(tmp_path, small_jsonl, table):
+    import torch
+
     common = [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "2",
               "--sb-latency-table", table, "--sb-latency-table-force"]
     run_entry(1, [*common, "--train-iters", "2", "--save", tmp_path / "ckpt",
                   "--save-interval", "1"], cwd=tmp_path)
+    resume = [*common, "--train-iters", "2", "--load", tmp_path / "ckpt", "--ckpt-step", "1"]
     state = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00" / "train_dataloader_dprank000.pt"
+    saved = torch.load(state, weights_only=True)
+    # Damaged: a NaN calibration factor (and a truncated file) name the file.
+    bad = {"dataloader_state_dict": dict(saved["dataloader_state_dict"])}
+    bad["dataloader_state_dict"]["latency"] = {"corrections": {"0": float("nan")}, "errors": []}
+    torch.save(bad, state)
+    proc = run_entry(1, resume, cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and f"SparseBalance state {state}" in proc.stdout, \
+        proc.stdout[-3000:]
+    state.write_bytes(b"\x80\x02truncated")
+    proc = run_entry(1, resume, cwd=tmp_path, check=False)
+    assert proc.returncode != 0 and f"SparseBalance state {state} cannot be read" in proc.stdout
+    # Missing: refused, unless the user asks for a fresh balancer.
     state.unlink()
-    proc = run_entry(1, [*common, "--train-iters", "2", "--load", tmp_path / "ckpt",
-                         "--ckpt-step", "1"], cwd=tmp_path, check=False)
+    proc = run_entry(1, resume, cwd=tmp_path, check=False)
     assert proc.returncode != 0
     assert f"no SparseBalance state at {state}" in proc.stdout, proc.stdout[-3000:]
+    assert "--sb-fresh-state" in proc.stdout
+    proc = run_entry(1, [*resume, "--sb-fresh-state"], cwd=tmp_path)
+    assert "starting the balancer fresh (--sb-fresh-state)" in proc.stdout

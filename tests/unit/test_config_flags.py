@@ -28,6 +28,8 @@ def _candidates(f: dataclasses.Field) -> list:
         return [c for c in choices if c != f.default]
     if isinstance(f.default, bool):
         return [not f.default]
+    if f.name == "fault":                   # RANK:STEP:KIND
+        return ["1:3:raise"]
     if f.default is None:
         return [f"/tmp/sb-{f.name}"]
     if isinstance(f.default, float):
