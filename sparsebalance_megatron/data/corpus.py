@@ -3,6 +3,7 @@
 Three kinds of input, one ``DocumentCorpus`` out:
 - ``None``: the built-in real-text corpus (``sources.py``: CPython stdlib sources, Shakespeare),
   tokenized on first use and cached under ``cache_dir`` (default ~/.cache/sparsebalance_megatron).
+  Offline: a source that is not on disk is an error naming the set-up command that fetches it.
 - ``*.jsonl``: one document per line, its ``"text"`` field; tokenized once and cached.
 - anything else: a Megatron indexed data set prefix (``PREFIX.bin`` + ``PREFIX.idx``), read in
   place through ``sparsebalance_megatron.megatron.indexed_data`` (the only megatron import).
@@ -391,16 +392,15 @@ def load_corpus(data_path: Optional[str | Sequence[str]] = None, *,
     if data_path is None:
         sources = tuple(sources)
         files, missing = _sources.list_source_files(sources, cache_dir)
-        used = tuple(s for s in sources if not any(m.startswith(s + ":") for m in missing))
+        if missing:   # never a smaller corpus than asked for: that would be another data set
+            raise DataError(f"built-in corpus (sources {', '.join(sources)}): "
+                            f"{'; '.join(missing)}")
         if not files:
-            raise DataError(f"built-in corpus: no source file found ({'; '.join(missing)})")
-        for note in missing:
-            print(f"[sparsebalance data] built-in source unavailable, going on without it: "
-                  f"{note}", file=sys.stderr)
-        name = (f"builtin:{tokenizer}:{'+'.join(used)}"
+            raise DataError(f"built-in corpus: no source file found (sources {sources})")
+        name = (f"builtin:{tokenizer}:{'+'.join(sources)}"
                 + ("" if doc_unit == "file" else f":{doc_unit}")
                 + ("" if max_docs is None else f":max{max_docs}"))
-        key = {"v": CACHE_VERSION, "kind": "builtin", "tokenizer": tokenizer, "sources": used,
+        key = {"v": CACHE_VERSION, "kind": "builtin", "tokenizer": tokenizer, "sources": sources,
                "files": _sources.fingerprint(files), "n_files": len(files),
                "python": sys.version.split()[0], "min_doc_tokens": min_doc_tokens,
                "max_docs": max_docs, "compact": compact_vocab, "doc_unit": doc_unit}

