@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from . import sources
+from . import fetch, sources
 from .corpus import DEFAULT_SOURCES, DOC_UNITS, DataError, load_corpus
 from .packing import GlobalBatchSampler, sequential_pack
 from .tokenizers import TOKENIZER_NAMES, TokenizerUnavailableError
@@ -37,15 +37,15 @@ def fetch_main(argv=None) -> int:
                         "(gpt2.tiktoken of --sb-tokenizer gpt2); default: both")
     p.add_argument("--index-url", default=None,
                    help=f"simple API of the package index (default: $PIP_INDEX_URL, else "
-                        f"{sources.DEFAULT_INDEX_URL})")
+                        f"{fetch.DEFAULT_INDEX_URL})")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     args = p.parse_args(argv)
     for name in args.what:
         asset = sources.ASSETS[name]
         try:
-            r = sources.fetch_asset(asset, args.cache_dir, index_url=args.index_url,
+            r = fetch.fetch_asset(asset, args.cache_dir, index_url=args.index_url,
                                     timeout_s=args.timeout)
-        except sources.FetchError as e:
+        except fetch.FetchError as e:
             print(f"fetch {name}: failed: {e}", file=sys.stderr)
             return 1
         if r.archive is None:

