@@ -12,42 +12,41 @@ and shared through ``cache``; the per-layer path then reads nothing back from th
 - ``auto``: flex on CUDA, torch elsewhere.
 
 Layouts: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``; query head h
-uses key/value head ``h // (np // ng)``), out ``[t, np, hn]``. Must not import megatron.
+uses key/value head ``h // (np // ng)``), out ``[t, np, hn]``.
+
+Every argument is validated before any work, the same way for every backend: a bad value raises
+a ``ValueError`` that names the argument and the value (``blocks.py`` holds the checks).
+Must not import megatron.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Tuple, Union
 
 import torch
 
 from ..config import BACKENDS
-from .blocks import build_layout, check_density, check_qkv
+from .blocks import (build_layout, check_block_size, check_density, check_fraction, check_int,
+                     check_qkv, check_softmax_scale)
 from .kernels import (blockwise_attention, from_blocks_q, reference_attention, to_blocks_kv,
                       to_blocks_q)
 from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
                         query_block_sums_padded, select_from_shares, shares_from_block_sums)
 
 
-
 def resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
+    """The backend that runs on ``device``: ``auto`` is flex on CUDA, torch elsewhere."""
+    _check_choice("backend", backend, BACKENDS)
     if backend == "auto":
         return "flex" if torch.device(device).type == "cuda" else "torch"
     return backend
 
 
-def _check_fraction(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= 1):
-        raise ValueError(f"{name}={value!r}: expected a number in (0, 1]")
-    return float(value)
-
-
-def _check_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r}: expected an integer >= 0")
+def _check_choice(name: str, value, choices) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
     return value
 
 
@@ -65,7 +64,7 @@ def _layout(cache, cu_seqlens, num_tokens, block_size, device, fixed_length):
 
 def _density(layout, density):
     """(``[ndoc]`` float64 tensor, host list); a Python number is memoised on the layout."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)):
+    if isinstance(density, bool) or not isinstance(density, numbers.Real):
         return check_density(density, layout.num_docs, layout.block_doc.device)
     key = ("density", float(density))
     if key not in layout.memo:
@@ -92,28 +91,36 @@ def block_sparse_attention(
     recomputed forward) reuse it and read nothing from the device. ``cu_seqlens`` is not
     re-validated on those calls.
     ``compile_backend`` (flex only): torch.compile backend; ``None`` runs flex eagerly.
+    ``softmax_scale``: a finite number > 0, or ``None`` for ``1/sqrt(hn)``.
+    q, k and v must share one floating dtype (float16, bfloat16, float32 or float64) and one
+    device; any bad argument raises a ``ValueError`` naming it, whatever the backend.
     Returns ``(out [t, np, hn], selection)``; ``selection.density_kept`` and
     ``selection.recall`` are ``[ndoc]`` per-document statistics (detached).
     """
     num_heads, num_groups, head_dim = check_qkv(q, k, v)
     backend = resolve_backend(backend, q.device)
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"estimator={estimator!r}: expected one of {', '.join(ESTIMATORS)}")
-    if selection_mode not in ("density", "mass"):
-        raise ValueError(f"selection_mode={selection_mode!r}: expected 'density' or 'mass'")
-    mass_threshold = _check_fraction("mass_threshold", mass_threshold)
-    min_density = _check_fraction("min_density", min_density)
-    max_density = _check_fraction("max_density", max_density)
+    estimator = _check_choice("estimator", estimator, tuple(ESTIMATORS))
+    selection_mode = _check_choice("selection_mode", selection_mode, ("density", "mass"))
+    block_size = check_block_size(block_size)
+    mass_threshold = check_fraction("mass_threshold", mass_threshold)
+    min_density = check_fraction("min_density", min_density)
+    max_density = check_fraction("max_density", max_density)
     if min_density > max_density:
         raise ValueError(f"min_density={min_density} > max_density={max_density}: expected "
                          f"min_density <= max_density")
-    sink_blocks = _check_count("sink_blocks", sink_blocks)
-    local_blocks = _check_count("local_blocks", local_blocks)
-    if isinstance(query_chunk_blocks, bool) or not isinstance(query_chunk_blocks, int) \
-            or query_chunk_blocks < 1:
-        raise ValueError(f"query_chunk_blocks={query_chunk_blocks!r}: expected an integer >= 1")
+    sink_blocks = check_int("sink_blocks", sink_blocks)
+    local_blocks = check_int("local_blocks", local_blocks)
+    query_chunk_blocks = check_int("query_chunk_blocks", query_chunk_blocks, minimum=1)
+    softmax_scale = check_softmax_scale(softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
+    if cache is not None and not isinstance(cache, dict):
+        raise ValueError(f"cache is a {type(cache).__name__}: expected a dict owned by one "
+                         f"micro-batch, or None")
+    if compile_backend is not None and not (isinstance(compile_backend, str)
+                                            or callable(compile_backend)):
+        raise ValueError(f"compile_backend={compile_backend!r}: expected a torch.compile "
+                         f"backend (name or callable), or None for eager flex")
 
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
                      fixed_length=backend == "flex")

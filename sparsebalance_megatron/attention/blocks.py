@@ -16,6 +16,9 @@ Pure torch; must not import megatron or torch.distributed.
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -106,25 +109,61 @@ class BlockLayout:
         return torch.div(slots, self.block_size, rounding_mode="floor")
 
 
+# dtypes the kernels and the estimators compute in (softmax in float32 at least).
+_QKV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_int(name: str, value, minimum: int = 0) -> int:
+    """An integer (Python or numpy; not bool, not float) >= ``minimum`` -> int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
+    return int(value)
+
+
+def check_fraction(name: str, value) -> float:
+    """A real number in (0, 1] (not bool, not a tensor) -> float; NaN and inf are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value <= 1):
+        raise ValueError(f"{name}={value!r}: expected a number in (0, 1]")
+    return float(value)
+
+
+def check_softmax_scale(value) -> Optional[float]:
+    """``None`` (1/sqrt(head dim)) or a finite real number > 0 -> float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softmax_scale={value!r}: expected a finite number > 0 (or None for "
+                         f"1/sqrt(head dim))")
+    return float(value)
+
+
 def check_block_size(block_size) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 \
-            or (block_size & (block_size - 1)) != 0:
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) \
+            or block_size <= 0 or (block_size & (block_size - 1)) != 0:
         raise ValueError(f"block_size={block_size!r}: expected a positive power of two (e.g. 64)")
-    return block_size
+    return int(block_size)
 
 
 def check_cu_seqlens(cu_seqlens, num_tokens: int) -> List[int]:
     """Validate document boundaries; returns them as a Python list ``[0, ..., num_tokens]``.
 
+    A 1-D integer tensor, or a sequence of integers (floats are refused, not truncated),
+    starting at 0, strictly increasing (no empty document), ending at ``num_tokens``.
     A device tensor is read back to the host here: call it once per micro-batch, not per layer.
     """
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+                or cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens: expected a 1-D integer tensor, got dtype "
                              f"{cu_seqlens.dtype} shape {tuple(cu_seqlens.shape)}")
         cu = [int(x) for x in cu_seqlens.tolist()]
     else:
-        cu = [int(x) for x in cu_seqlens]
+        try:
+            cu = [operator.index(x) for x in cu_seqlens]
+        except TypeError:
+            raise ValueError(f"cu_seqlens={cu_seqlens!r}: expected a 1-D integer tensor or a "
+                             f"sequence of integers [0, end_1, ..., t]") from None
     if len(cu) < 2 or cu[0] != 0:
         raise ValueError(f"cu_seqlens={cu[:8]}: expected [0, end_1, ..., t] with at least one document")
     for a, b in zip(cu[:-1], cu[1:]):
@@ -141,9 +180,13 @@ def check_density(density, num_docs: int, device):
     """Scalar or per-document density in (0, 1] -> (float64 tensor ``[ndoc]``, host list).
 
     A Python number is checked on the host (no device round trip: the per-layer path passes
-    one); a tensor is read back once to check it and to size the selection.
+    one); a real-valued tensor is read back once to check it and to size the selection. The
+    host list holds the tensor's values as they are (a float32 0.3 is 0.30000001); the kept
+    count's rounding (``selection.kept_count``) absorbs that.
     """
     if isinstance(density, torch.Tensor):
+        if density.is_complex() or density.dtype == torch.bool:
+            raise ValueError(f"density: expected a real tensor, got dtype {density.dtype}")
         host = [float(x) for x in density.detach().reshape(-1).tolist()]
         if len(host) == 1:
             host = host * num_docs
@@ -151,7 +194,7 @@ def check_density(density, num_docs: int, device):
             raise ValueError(f"density has {len(host)} entries: expected a scalar or one per "
                              f"document ({num_docs})")
     else:
-        if isinstance(density, bool) or not isinstance(density, (int, float)):
+        if isinstance(density, bool) or not isinstance(density, numbers.Real):
             raise ValueError(f"density={density!r}: expected a number in (0, 1] or a tensor")
         host = [float(density)] * num_docs
     for d in host:
@@ -165,18 +208,32 @@ def check_density(density, num_docs: int, device):
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> (np, ng, hn)."""
+    """q ``[t, np, hn]``, k/v ``[t, ng, hn]``, one floating dtype and device -> (np, ng, hn)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} is a {type(x).__name__}: expected a torch.Tensor "
+                             f"[t, heads, hn]")
         if x.dim() != 3:
             raise ValueError(f"{name} has shape {tuple(x.shape)}: expected 3 dims [t, heads, hn]")
+        if x.dtype not in _QKV_DTYPES:
+            raise ValueError(f"{name} dtype {x.dtype}: expected one of "
+                             f"{', '.join(str(d) for d in _QKV_DTYPES)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {x.dtype} != q dtype {q.dtype}: expected q, k and v "
+                             f"in one dtype")
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}: expected one device")
     if k.shape != v.shape:
         raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}: expected equal")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens, k/v have {k.shape[0]}: expected equal")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"head dim of q ({q.shape[2]}) != head dim of k/v ({k.shape[2]})")
+    if q.shape[2] < 1:
+        raise ValueError(f"q has shape {tuple(q.shape)}: expected a head dim >= 1")
     num_heads, num_groups = q.shape[1], k.shape[1]
-    if num_groups < 1 or num_heads % num_groups != 0:
+    if num_heads < 1 or num_groups < 1 or num_heads % num_groups != 0:
         raise ValueError(f"{num_heads} query heads with {num_groups} key/value heads: expected "
                          f"the query head count to be a multiple of the key/value head count")
     return num_heads, num_groups, q.shape[2]

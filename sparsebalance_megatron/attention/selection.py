@@ -13,8 +13,14 @@ Estimators (pluggable, ``ESTIMATORS``):
 GQA: shares are computed per query head and averaged over the query heads of a group, so one
 selection serves the group. The diagonal block, the first ``sink_blocks`` blocks of the document
 and ``local_blocks`` blocks before the diagonal are always kept; the rest is filled by density
-(top-k, k = ceil(density * available)) or by an estimated-mass threshold clipped to
-[min_density, max_density]. Selection is never differentiated.
+(top-k, k = ceil(density * available), ``kept_count``) or by an estimated-mass threshold clipped
+to [min_density, max_density]; a threshold of 1.0 keeps every allowed block up to max_density.
+Selection is never differentiated.
+
+Robust to what the scores cannot be trusted with: shares are sanitised before ranking (NaN -> 0,
+clamped to [0, 1], 0 outside the causal in-document blocks), so a NaN or inf in q or k can
+neither displace a forced block (ranked by index-derived offsets above any share) nor bring in
+a future or other-document block (ranked below every allowed block).
 
 No device value is read back on the host here: the kept-count bounds that size the tensors come
 from the layout and the density on the host (``kept_bounds``, once per micro-batch and density).
@@ -34,8 +40,11 @@ from .blocks import BlockLayout
 
 # Elements of the largest score tensor built at once by the PyTorch maxkey (bounds its memory).
 _SCORE_BUDGET = 1 << 25
-# Guard against ceil(0.7 * 10) = 8 from floating-point noise.
-_CEIL_EPS = 1e-9
+# Relative tolerance of the kept count: a density within 1e-6 (relative to 1) above m / available
+# keeps m blocks. It absorbs float64 noise (ceil(0.7 * 10) = 8) and float32 storage (a float32
+# 0.3 is 0.30000001: ceil(3.0000001) would keep 4 of 10 where the float 0.3 keeps 3), and is
+# far below any density step a plan uses.
+_DENSITY_RTOL = 1e-6
 
 
 @dataclass
@@ -99,8 +108,16 @@ def forced_blocks(layout: BlockLayout, sink_blocks: int, local_blocks: int) -> t
     return layout.memo[key]
 
 
-def _ceil_frac(frac, avail):
-    return np.ceil(frac * avail.astype(np.float64) - _CEIL_EPS).astype(np.int64)
+def kept_count(frac, avail):
+    """``ceil((frac - _DENSITY_RTOL) * avail)`` in float64: the one rounding of a density (or a
+    density bound) to a block count, on the host (``avail`` a numpy array -> int64 array) and on
+    the device (``avail`` a tensor -> long tensor) with the same arithmetic, so the host-side
+    bounds and the device counts agree, and a density gives the same count whether it arrives
+    as a Python float or a float32/float64 tensor."""
+    if isinstance(avail, torch.Tensor):
+        return torch.ceil((frac - _DENSITY_RTOL) * avail.double()).long()
+    frac = np.asarray(frac, dtype=np.float64)
+    return np.ceil((frac - _DENSITY_RTOL) * avail.astype(np.float64)).astype(np.int64)
 
 
 def kept_bounds(layout: BlockLayout, density_host: List[float], *, sink_blocks: int = 1,
@@ -124,11 +141,11 @@ def kept_bounds(layout: BlockLayout, density_host: List[float], *, sink_blocks: 
     if selection_mode == "density":
         dens = np.asarray(density_host, dtype=np.float64)[
             np.repeat(np.arange(layout.num_docs), np.diff(layout.doc_block_start))]
-        k = np.maximum(_ceil_frac(dens, avail), 1)
+        k = np.maximum(kept_count(dens, avail), 1)
         lo = hi = np.minimum(np.maximum(k, n_forced), avail)
     else:
-        lo = np.minimum(np.maximum(_ceil_frac(min_density, avail), n_forced), avail)
-        hi = np.minimum(np.maximum(_ceil_frac(max_density, avail), n_forced), avail)
+        lo = np.minimum(np.maximum(kept_count(min_density, avail), n_forced), avail)
+        hi = np.minimum(np.maximum(kept_count(max_density, avail), n_forced), avail)
     out = KeptBounds(lo, hi)
     layout.memo[key] = out
     return out
@@ -269,13 +286,11 @@ def _budget_tensors(layout: BlockLayout, bounds: KeptBounds, density: torch.Tens
     forced = forced_blocks(layout, sink_blocks, local_blocks)
     avail = layout.block_available()                                   # [NB]
     n_forced = forced.sum(dim=-1)                                      # [NB]
-    # priority = shares + base: the diagonal first (kernels rely on slot 0 being the diagonal),
-    # then the other forced blocks, then by share (shares are 0 where not allowed), then the rest
+    # priority = sanitised shares (in [0, 1], 0 where not allowed) + base, decided by index:
+    # the diagonal in [4, 5] (kernels rely on slot 0 being the diagonal), the other forced
+    # blocks in [2, 3], the other allowed blocks in [0, 1] by share, disallowed ones at -1
     base = torch.where(forced, 2.0, torch.where(allowed, 0.0, -1.0))
     base.diagonal().add_(2.0)
-
-    def ceil_frac(frac):
-        return torch.ceil(frac * avail.double() - _CEIL_EPS).long()
 
     t = dict(base=base, avail=avail,
              diag=torch.arange(nb, device=dev).view(1, nb, 1).expand(ng, nb, kmax),
@@ -286,7 +301,7 @@ def _budget_tensors(layout: BlockLayout, bounds: KeptBounds, density: torch.Tens
     t["nblk_doc"] = torch.zeros(layout.num_docs, dtype=torch.float64, device=dev).index_add_(
         0, doc, torch.full((nb,), float(ng), dtype=torch.float64, device=dev))
     if selection_mode == "density":
-        k = ceil_frac(density[doc]).clamp(min=1)
+        k = kept_count(density[doc], avail).clamp(min=1)
         k = torch.minimum(torch.maximum(k, n_forced), avail)           # [NB]
         t["kv_num"] = k.view(1, nb).expand(ng, nb).contiguous()
         t["slot_valid"] = t["slots"] < t["kv_num"][..., None]           # [ng, NB, K]
@@ -294,10 +309,21 @@ def _budget_tensors(layout: BlockLayout, bounds: KeptBounds, density: torch.Tens
             0, doc, t["kv_num"].double().sum(dim=0))
         t["density_kept"] = (kept / t["avail_doc"]).float()
     else:
-        t["lo"] = torch.maximum(ceil_frac(min_density), n_forced)
-        t["hi"] = torch.minimum(torch.maximum(ceil_frac(max_density), n_forced), avail)
+        t["lo"] = torch.maximum(kept_count(min_density, avail), n_forced)
+        t["hi"] = torch.minimum(torch.maximum(kept_count(max_density, avail), n_forced), avail)
+        t["hi_kv"] = t["hi"].view(1, nb).expand(ng, nb).contiguous()   # threshold 1.0
     bounds.memo[key] = t
     return t
+
+
+def sanitize_shares(shares: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """``[ng, NB, NB]`` shares as the selection ranks them: NaN -> 0, +inf -> 1, clamped to
+    [0, 1], 0 outside the causal in-document blocks. Finite estimator output is unchanged (a
+    softmax is already in [0, 1] and 0 where masked); a NaN or inf from q or k cannot outrank a
+    forced block or lift a disallowed one."""
+    nb = layout.num_blocks
+    return (shares.nan_to_num(nan=0.0, posinf=1.0, neginf=0.0).clamp_(0.0, 1.0)
+            .masked_fill_(_disallowed(layout).view(nb, nb), 0.0))
 
 
 def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch.Tensor, *,
@@ -311,8 +337,11 @@ def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch
     ``max(ceil(density * available), forced)`` blocks; in ``mass`` mode the fewest blocks whose
     estimated share reaches ``mass_threshold``, clipped to
     ``[ceil(min_density * available), ceil(max_density * available)]`` (never below the forced
-    blocks). ``density_host``: the same densities as a host list (read from ``density`` if None:
-    a device round trip).
+    blocks); a threshold of 1.0 keeps every allowed block up to ``max_density``. Counts round
+    by ``kept_count``. Shares are sanitised first (``sanitize_shares``): the forced blocks are
+    kept and no disallowed block is chosen whatever the shares hold; ``selection.shares`` and the
+    statistics use the sanitised shares. ``density_host``: the same densities as a host list
+    (read from ``density`` if None: a device round trip).
     """
     if selection_mode not in ("density", "mass"):
         raise ValueError(f"selection_mode={selection_mode!r}: expected 'density' or 'mass'")
@@ -326,14 +355,18 @@ def select_from_shares(shares: torch.Tensor, layout: BlockLayout, density: torch
         ng, nb, _ = shares.shape
         t = _budget_tensors(layout, bounds, density, ng, sink_blocks, local_blocks,
                             selection_mode, min_density, max_density)
+        shares = sanitize_shares(shares, layout)
         order = (shares + t["base"]).topk(kmax, dim=-1).indices      # [ng, NB, K], best first
         if selection_mode == "density":
             kv_num, slot_valid = t["kv_num"], t["slot_valid"]
         else:
-            sorted_shares = shares.gather(-1, order)
-            before = sorted_shares.cumsum(dim=-1) - sorted_shares       # mass of the blocks ahead
-            need = (before < mass_threshold).sum(dim=-1)                # [ng, NB]
-            kv_num = torch.minimum(torch.maximum(need, t["lo"]), t["hi"])
+            if mass_threshold >= 1.0:   # all of the mass: every allowed block, up to max_density
+                kv_num = t["hi_kv"]
+            else:   # float64 running sum: float32's drift could drop the last blocks
+                sorted_shares = shares.gather(-1, order).double()
+                before = sorted_shares.cumsum(dim=-1) - sorted_shares   # mass of the blocks ahead
+                need = (before < mass_threshold).sum(dim=-1)            # [ng, NB]
+                kv_num = torch.minimum(torch.maximum(need, t["lo"]), t["hi"])
             slot_valid = t["slots"] < kv_num[..., None]
         kv_indices = torch.where(slot_valid, order, t["diag"])
         recall_row = (shares.gather(-1, kv_indices) * slot_valid).sum(dim=-1)  # [ng, NB]

@@ -142,4 +142,5 @@ class SparseCoreAttention(MegatronModule):
         cu = list(range(0, (b + 1) * sq, sq))                     # host list: no device read
         # the layout depends on (b, sq) alone: keep it on the module, not one per call
         out = self._attend(q, k, v, cu, cache=self._unpacked_cache)   # [b*sq, np, hn]
-        return out.view(b, sq, nh * hn).transpose(0, 1).contiguous()   # [sq, b, np*hn]
+        # reshape, not view: the kernels may return a non-contiguous [b*sq, np, hn] (np == ng)
+        return out.reshape(b, sq, nh * hn).transpose(0, 1).contiguous()   # [sq, b, np*hn]
