@@ -15,6 +15,9 @@ Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the 
   attention 350 TFLOP/s forward; backward does 2.5x the forward FLOPs at 250 TFLOP/s.
 - Block scoring (pooled query x keys, max per block) is a skinny batched GEMM: 150 TFLOP/s assumed.
 These are assumptions from published numbers, not measurements: the output says so.
+Activation recomputation is modelled by its FLOPs (full: the layers' forward again in backward;
+selective: the core attention's); tensor parallelism is not modelled (TP = 1 only), and the
+transformer implementation is recorded, not modelled (the throughputs are fused-kernel ones).
 
 Pure Python + numpy; must not import torch or megatron.
 """
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .features import FEATURES, UnitFeatures
-from .table import FORMAT, FORMAT_VERSION, stage_kinds_for
+from .table import EXECUTION, FORMAT, FORMAT_VERSION, stage_kinds_for
 
 
 @dataclass
@@ -90,15 +93,26 @@ def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -
 def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None = None, *,
                    pp: int = 1, block_size: int = 64, sink_blocks: int = 1,
                    local_blocks: int = 0, densities=(0.125, 0.25, 0.5, 0.75, 1.0),
-                   seed: int = 0) -> dict:
+                   seed: int = 0, transformer_impl: str = "transformer_engine",
+                   recompute_granularity: str = "none") -> dict:
     """A complete latency table (coefficients + a synthetic grid of 'measurements')."""
     shape = shape or ModelShape()
     dev = device or DeviceProfile.h100_sxm()
     if pp < 1 or shape.num_layers % pp:
         raise ValueError(f"pp={pp}: expected a divisor of num_layers={shape.num_layers}")
+    for name, value in (("transformer_impl", transformer_impl),
+                        ("recompute_granularity", recompute_granularity)):
+        if value not in EXECUTION[name]:
+            raise ValueError(f"{name}={value!r}: expected one of {EXECUTION[name]}")
     kinds = stage_kinds_for(pp)
     per_stage = shape.num_layers // pp
     lay = layer_coefficients(shape, dev, block_size)
+    # Recomputation runs (part of) the forward again inside the backward; the block selection
+    # is cached per micro-batch, so it is not recomputed.
+    if recompute_granularity == "full":
+        lay["bwd"] = [b + f for b, f in zip(lay["bwd"][:3], lay["fwd"][:3])] + lay["bwd"][3:]
+    elif recompute_granularity == "selective":    # Megatron's default: the core attention
+        lay["bwd"][2] += lay["fwd"][2]
     h, v = shape.hidden_size, shape.vocab_size
     embed_tok_s = 2 * 2 * h / dev.hbm_bytes_per_s                  # gather + write, bf16
     head_tok_fwd_s = 2 * h * v / dev.matmul_flops + 4 * 2 * v / dev.hbm_bytes_per_s  # + loss
@@ -136,6 +150,8 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
         "device": dev.name,
         "software": {"torch": "analytic", "megatron_core": "analytic"},
         "model": {k: val for k, val in asdict(shape).items()},
+        "execution": {"tensor_model_parallel_size": 1, "transformer_impl": transformer_impl,
+                      "recompute_granularity": recompute_granularity},
         "attention": {"block_size": block_size, "sink_blocks": sink_blocks,
                       "local_blocks": local_blocks, "work": "kept"},  # FlexAttention on GPU
         "pipeline": {"pp": pp, "stage_kinds": kinds, "layers_per_stage": [per_stage] * pp},

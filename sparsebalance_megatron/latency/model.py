@@ -8,7 +8,9 @@ forward and the backward pass::
 (features in ``features.py``; attention work counts exactly the kept block pairs). Because the
 density enters only through attention work, DST re-times a unit at another density with
 ``UnitTerms.time_s(d) = fixed_s + attn_s_per_pair * work(d)``: no documents are re-walked.
-Online calibration multiplies a rank's predictions by an EMA of measured / predicted.
+Online calibration multiplies a rank's predictions by an EMA of measured / predicted, each
+ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` times the current factor so that
+one outlier timing cannot throw a rank's factor off; unusable samples keep the factor.
 
 Pure numpy; must not import torch or megatron.
 """
@@ -26,8 +28,8 @@ from typing import Optional
 import numpy as np
 
 from .features import FEATURES, UnitFeatures, features_of
-from .table import (LatencyTableError, check_compatible, read_table, validate_table,
-                    write_table)
+from .table import (LatencyTableError, check_coefficients, check_compatible, read_table,
+                    validate_table, write_table)
 
 
 def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -53,6 +55,13 @@ def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 ERROR_HISTORY = 4096
 """Calibration errors (one per rank and step) kept for ``recent_error``."""
+CALIBRATION_CLIP = 4.0
+"""One calibration update moves a rank's factor toward measured / predicted clipped to
+``[old / CALIBRATION_CLIP, old * CALIBRATION_CLIP]``: a single outlier (a 1e9 s glitch, a
+paused process, a timer that read 0) moves the factor by at most ``1 + w * (CLIP - 1)`` (x1.9, or
+/1.9, at the default EMA weight w = 0.3) instead of to the outlier, while a lasting slowdown is
+still followed: at w = 0.3 the factor reaches 90% of a 10x slowdown in 8 steps (7 unclipped), of
+a 100x one in 11 (7 unclipped)."""
 
 
 @dataclass
@@ -90,7 +99,8 @@ class UnitTerms:
 class LatencyModel:
     """Fitted per-stage-kind linear model over the work features, with per-rank calibration."""
 
-    def __init__(self, table: dict, coefficients: dict, *, calibration_ema: float = 0.3):
+    def __init__(self, table: dict, coefficients: dict, *, calibration_ema: float = 0.3,
+                 where: str = "<table>"):
         self.table = table
         att = table["attention"]
         self.block_size = int(att["block_size"])
@@ -101,8 +111,9 @@ class LatencyModel:
         self.stage_kinds = list(table["pipeline"]["stage_kinds"])
         self.features = list(table["features"])
         if self.features != list(FEATURES):
-            raise LatencyTableError(f"latency table: field 'features': {self.features!r}: "
-                                    f"expected {list(FEATURES)}")
+            raise LatencyTableError(f"latency table {where}: field 'features': "
+                                    f"{self.features!r}: expected {list(FEATURES)}")
+        check_coefficients(table, coefficients, where)
         self.coef = {k: {p: np.asarray(v[p], dtype=np.float64) for p in ("fwd", "bwd")}
                      for k, v in coefficients.items()}
         if not (0.0 < calibration_ema <= 1.0):
@@ -111,6 +122,7 @@ class LatencyModel:
         self._correction: dict[int, float] = {}
         self._errors: deque = deque(maxlen=ERROR_HISTORY)
         self._warned_bad_measurement = False
+        self._warned_clipped = False
 
     # --- construction ---------------------------------------------------------------------
     @classmethod
@@ -131,7 +143,7 @@ class LatencyModel:
                           for p in ("fwd", "bwd")}
         table = dict(table)
         table["coefficients"] = coef
-        return cls(table, coef, calibration_ema=calibration_ema)
+        return cls(table, coef, calibration_ema=calibration_ema, where=where)
 
     @classmethod
     def from_table(cls, table: dict, *, calibration_ema: float = 0.3, where: str = "<table>"
@@ -140,15 +152,23 @@ class LatencyModel:
         validate_table(table, where)
         if table.get("coefficients") is None:
             return cls.fit(table, calibration_ema=calibration_ema, where=where)
-        return cls(table, table["coefficients"], calibration_ema=calibration_ema)
+        return cls(table, table["coefficients"], calibration_ema=calibration_ema, where=where)
 
     @classmethod
     def load(cls, path: str, *, expect: Optional[dict] = None, force: bool = False,
              calibration_ema: float = 0.3) -> "LatencyModel":
-        """Read a JSON table; refuse one from another device/model/software unless ``force``."""
+        """Read a JSON table; refuse one from another device/model/execution/software unless
+        ``force``; warn when no coefficient depends on the density (DST would have no effect)."""
         table = read_table(path)
         check_compatible(table, expect, path, force)
-        return cls.from_table(table, calibration_ema=calibration_ema, where=path)
+        model = cls.from_table(table, calibration_ema=calibration_ema, where=path)
+        attn = FEATURES.index("attention_work")
+        if not any(c[p][attn] > 0 for c in model.coef.values() for p in c):
+            warnings.warn(f"latency table {path}: the attention_work coefficient is 0 for every "
+                          f"stage and pass: the density changes no prediction, so DST cannot "
+                          f"trade density for time (profile with more repeats, a larger grid "
+                          f"or on a quieter machine)", stacklevel=2)
+        return model
 
     @classmethod
     def analytic(cls, shape=None, device=None, *, calibration_ema: float = 0.3,
@@ -226,13 +246,18 @@ class LatencyModel:
         return self._correction.get(int(rank), 1.0) if rank is not None else 1.0
 
     def calibrate(self, rank: int, predicted_s, measured_s) -> None:
-        """EMA update of ``rank``'s factor toward measured / predicted (sums over the arrays).
+        """EMA update of ``rank``'s factor toward measured / predicted (sums over the arrays),
+        the ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` x the current factor.
 
-        ``predicted_s`` must be the *uncorrected* prediction. A NaN, negative, zero or missing
-        measurement keeps the previous factor and warns once.
+        ``predicted_s`` must be the *uncorrected* prediction. A NaN, inf, negative, zero, missing
+        or non-numeric sample (any element of it) keeps the previous factor and warns once; a
+        clipped outlier warns once.
         """
-        p = np.asarray(predicted_s if predicted_s is not None else np.nan, dtype=np.float64)
-        m = np.asarray(measured_s if measured_s is not None else np.nan, dtype=np.float64)
+        try:
+            p = np.asarray(predicted_s if predicted_s is not None else np.nan, dtype=np.float64)
+            m = np.asarray(measured_s if measured_s is not None else np.nan, dtype=np.float64)
+        except (TypeError, ValueError):
+            p = m = np.asarray(np.nan)
         ps, ms = float(p.sum()) if p.size else math.nan, float(m.sum()) if m.size else math.nan
         ok = (p.shape == m.shape and np.all(np.isfinite(p)) and np.all(np.isfinite(m))
               and np.all(m >= 0) and ps > 0 and ms > 0)
@@ -245,8 +270,16 @@ class LatencyModel:
             return
         w = self.calibration_ema
         old = self.correction(rank)
+        ratio = ms / ps
+        clipped = min(max(ratio, old / CALIBRATION_CLIP), old * CALIBRATION_CLIP)
+        if clipped != ratio and not self._warned_clipped:
+            warnings.warn(f"latency calibration of rank {rank}: measured / predicted = "
+                          f"{ratio:.3g} ({ms:.3g} s / {ps:.3g} s) is more than "
+                          f"{CALIBRATION_CLIP:g}x off the current correction {old:.3g}; this update uses {clipped:.3g} "
+                          f"(an outlier moves the factor by a bounded step)", stacklevel=2)
+            self._warned_clipped = True
         self._errors.append(abs(old * ps - ms) / ms)
-        self._correction[int(rank)] = (1.0 - w) * old + w * (ms / ps)
+        self._correction[int(rank)] = (1.0 - w) * old + w * clipped
 
     def recent_error(self, last: int = 16) -> Optional[float]:
         """Median relative error |corrected prediction - measured| / measured over the ``last``

@@ -2,10 +2,12 @@
 
 A table (written by the profiler or by ``analytic.py``) looks like::
 
-    {"format": "sparsebalance-latency-table", "format_version": 1,
+    {"format": "sparsebalance-latency-table", "format_version": 2,
      "source": "profiled" | "analytic",
      "device": "cpu: ...", "software": {"torch": "2.13.0", "megatron_core": "0.19.2"},
      "model": {"num_layers": ..., "hidden_size": ..., ...},
+     "execution": {"tensor_model_parallel_size": 1, "transformer_impl": "local",
+                   "recompute_granularity": "none"},                  # since format_version 2
      "attention": {"block_size": 64, "sink_blocks": 1, "local_blocks": 0,
                    "work": "kept" | "chunked", "query_chunk_blocks": 16},
      "pipeline": {"pp": 2, "stage_kinds": ["first", "last"], "layers_per_stage": [2, 2]},
@@ -15,8 +17,14 @@ A table (written by the profiler or by ``analytic.py``) looks like::
      "coefficients": {"first": {"fwd": [c0, c1, c2, c3], "bwd": [...]}, ...},   # optional
      "p2p_s": 0.0, "notes": "..."}                                               # optional
 
-Every problem raises ``LatencyTableError`` naming the file and the field; a table from another
-device, model shape or software version raises ``LatencyTableMismatch`` unless forced.
+Every problem raises ``LatencyTableError`` naming the file, the field and the value; a table from
+another device, model shape, execution setup (TP size, transformer implementation, activation
+recomputation) or software version raises ``LatencyTableMismatch`` unless forced. Degenerate
+values are refused, not just malformed ones: times and coefficients must be finite, times > 0,
+coefficients of work features >= 0, not all zero, and no micro-batch of the table's own grid may
+be predicted at <= 0 s or above ``MAX_MICROBATCH_S``. A file over ``MAX_TABLE_BYTES`` is refused
+before it is read. Format 1 tables (no ``execution`` section) are still read, so that
+``--sb-latency-table-force`` can use them; a run that checks the execution setup refuses them.
 JSON only (never pickle). Pure Python + numpy; must not import torch or megatron.
 """
 
@@ -25,14 +33,30 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import warnings
 from typing import Any, Optional
 
+import numpy as np
+
+from .features import FEATURES, UnitFeatures
+
 FORMAT = "sparsebalance-latency-table"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)   # 1: before the execution section; read, refused by a checking run
 STAGE_KINDS = ("only", "first", "middle", "last")
 REQUIRED = ("format", "format_version", "source", "device", "software", "model", "attention",
             "pipeline", "features", "measurements")
+# What a stage's time depends on besides the model shape, recorded since format_version 2.
+EXECUTION = {"tensor_model_parallel_size": None,          # an integer >= 1
+             "transformer_impl": ("local", "transformer_engine"),
+             "recompute_granularity": ("none", "selective", "full")}
+MAX_TABLE_BYTES = 16 * 2**20
+"""Largest table file read (a profiled table is well under 1 MiB)."""
+MAX_MICROBATCH_S = 1e6
+"""Largest time of one micro-batch on one stage a table may hold or predict (11.6 days)."""
+MAX_BLOCKS_PER_MICROBATCH = 2**20
+"""Largest micro-batch of a measurement, in attention blocks (the grid check builds its work)."""
 
 
 class LatencyTableError(ValueError):
@@ -40,7 +64,8 @@ class LatencyTableError(ValueError):
 
 
 class LatencyTableMismatch(LatencyTableError):
-    """A latency table was measured on another device, model shape or software version."""
+    """A latency table was measured on another device, model shape, execution setup (TP size,
+    transformer implementation, recomputation) or software version."""
 
 
 def stage_kinds_for(pp: int) -> list[str]:
@@ -52,6 +77,14 @@ def stage_kinds_for(pp: int) -> list[str]:
 
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    """A JSON number that is a finite float (an integer of 400 digits is not)."""
+    try:
+        return _num(v) and math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def validate_table(table: Any, where: str = "<table>") -> dict:
@@ -66,8 +99,10 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
             err(k, "missing")
     if table["format"] != FORMAT:
         err("format", f"{table['format']!r}: expected {FORMAT!r}")
-    if table["format_version"] != FORMAT_VERSION:
-        err("format_version", f"{table['format_version']!r}: expected {FORMAT_VERSION}")
+    version = table["format_version"]
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        err("format_version", f"{version!r}: expected {FORMAT_VERSION} (or 1, the format "
+            f"before the execution section)")
     if table["source"] not in ("profiled", "analytic"):
         err("source", f"{table['source']!r}: expected 'profiled' or 'analytic'")
     if not isinstance(table["device"], str) or not table["device"]:
@@ -77,13 +112,17 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
         err("software", f"{sw!r}: expected an object with 'torch' and 'megatron_core'")
     if not isinstance(table["model"], dict):
         err("model", "expected an object describing the model shape")
+    _validate_execution(table, err)
     att = table["attention"]
     for k in ("block_size", "sink_blocks", "local_blocks"):
         if not isinstance(att, dict) or k not in att:
             err(f"attention.{k}", "missing")
-        if not isinstance(att[k], int) or att[k] < (1 if k == "block_size" else 0):
+        if isinstance(att[k], bool) or not isinstance(att[k], int) \
+                or att[k] < (1 if k == "block_size" else 0):
             err(f"attention.{k}", f"{att[k]!r}: expected an integer >= "
                 f"{1 if k == 'block_size' else 0}")
+    if att["block_size"] & (att["block_size"] - 1):
+        err("attention.block_size", f"{att['block_size']!r}: expected a power of two")
     if att.get("work", "kept") not in ("kept", "chunked"):
         err("attention.work", f"{att.get('work')!r}: expected 'kept' or 'chunked'")
     qc = att.get("query_chunk_blocks", 16)
@@ -100,8 +139,8 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
     if pipe.get("pp", len(kinds)) != len(kinds):
         err("pipeline.pp", f"{pipe.get('pp')!r} != len(stage_kinds) = {len(kinds)}")
     feats = table["features"]
-    if not isinstance(feats, list) or not feats or feats[0] != "const":
-        err("features", f"{feats!r}: expected a list starting with 'const'")
+    if feats != list(FEATURES):
+        err("features", f"{feats!r}: expected {list(FEATURES)}")
     meas = table["measurements"]
     if not isinstance(meas, list) or not meas:
         err("measurements", "empty grid: expected at least one measurement")
@@ -118,44 +157,139 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
         if not isinstance(dl, list) or not dl or not all(
                 isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in dl):
             err(f"{f}.doc_lengths", f"{str(dl)[:60]}: expected a non-empty list of positive integers")
+        bs = att["block_size"]
+        if sum((x + bs - 1) // bs for x in dl) > MAX_BLOCKS_PER_MICROBATCH:
+            err(f"{f}.doc_lengths", f"{sum(dl)} tokens in {len(dl)} document(s): expected at most "
+                f"{MAX_BLOCKS_PER_MICROBATCH} blocks of {bs} tokens per micro-batch")
         d = m["density"]
         if not _num(d) or not (0 < d <= 1):
             err(f"{f}.density", f"{d!r}: expected a number in (0, 1]")
         for k in ("fwd_s", "bwd_s"):
             v = m[k]
-            if not _num(v) or not math.isfinite(v) or v < 0:
-                err(f"{f}.{k}", f"{v!r}: expected a finite time in seconds >= 0")
+            if not _finite(v) or not (0 < v <= MAX_MICROBATCH_S):
+                err(f"{f}.{k}", f"{v!r}: expected a measured time in seconds in "
+                    f"(0, {MAX_MICROBATCH_S:g}]")
     missing = sorted(set(kinds) - {m["kind"] for m in meas})
     if missing:
-        err("measurements", f"no measurement for stage kind(s) {missing}")
-    coef = table.get("coefficients")
-    if coef is not None:
-        if not isinstance(coef, dict):
-            err("coefficients", "expected an object {kind: {fwd: [...], bwd: [...]}}")
-        for kind in set(kinds):
-            for part in ("fwd", "bwd"):
-                c = coef.get(kind, {}).get(part) if isinstance(coef.get(kind), dict) else None
-                if not isinstance(c, list) or len(c) != len(feats) or not all(
-                        _num(x) and math.isfinite(x) for x in c):
-                    err(f"coefficients.{kind}.{part}",
-                        f"{c!r}: expected {len(feats)} finite numbers (one per feature)")
+        err("measurements", f"no measurement for stage kind(s) {missing}: expected at least one "
+            f"for every stage kind of the pipeline {sorted(set(kinds))}")
     p2p = table.get("p2p_s", 0.0)
-    if not _num(p2p) or not math.isfinite(p2p) or p2p < 0:
-        err("p2p_s", f"{p2p!r}: expected a finite time in seconds >= 0")
+    if not _finite(p2p) or not (0 <= p2p <= MAX_MICROBATCH_S):
+        err("p2p_s", f"{p2p!r}: expected a time in seconds in [0, {MAX_MICROBATCH_S:g}]")
+    if table.get("coefficients") is not None:
+        check_coefficients(table, table["coefficients"], where)
     return table
 
 
+def _validate_execution(table: dict, err) -> None:
+    """The ``execution`` section: required since format 2, absent in format 1."""
+    ex = table.get("execution")
+    if ex is None and table["format_version"] < 2:
+        return
+    if not isinstance(ex, dict):
+        err("execution", f"{ex!r}: expected an object with {sorted(EXECUTION)} (format_version "
+            f"{FORMAT_VERSION} tables record them: re-profile with sparsebalance-profile)")
+    for k, allowed in EXECUTION.items():
+        if k not in ex:
+            err(f"execution.{k}", "missing")
+        v = ex[k]
+        if allowed is None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            err(f"execution.{k}", f"{v!r}: expected an integer >= 1")
+        if allowed is not None and v not in allowed:
+            err(f"execution.{k}", f"{v!r}: expected one of {allowed}")
+
+
+def check_coefficients(table: dict, coefficients: Any, where: str = "<table>") -> None:
+    """Refuse coefficients that are malformed or degenerate (stored, or just fitted): every one
+    finite, work features' >= 0, not all zero, and every micro-batch of the table's own grid
+    predicted in (0, ``MAX_MICROBATCH_S``] s. ``table`` must already be valid otherwise."""
+    def err(field, problem):
+        raise LatencyTableError(f"latency table {where}: field '{field}': {problem}")
+
+    feats = table["features"]
+    if not isinstance(coefficients, dict):
+        err("coefficients", f"{str(coefficients)[:60]}: expected an object "
+            f"{{kind: {{fwd: [...], bwd: [...]}}}}")
+    att = table["attention"]
+    for kind in sorted(set(table["pipeline"]["stage_kinds"])):
+        per_kind = coefficients.get(kind)
+        total = None
+        idx = [i for i, m in enumerate(table["measurements"]) if m["kind"] == kind]
+        rows = [table["measurements"][i] for i in idx]
+        x = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
+                               att["sink_blocks"], att["local_blocks"], att.get("work", "kept"),
+                               int(att.get("query_chunk_blocks", 16))
+                               ).matrix(np.asarray([m["density"] for m in rows]))  # [n, 4]
+        for part in ("fwd", "bwd"):
+            f = f"coefficients.{kind}.{part}"
+            c = per_kind.get(part) if isinstance(per_kind, dict) else None
+            if isinstance(c, (tuple, np.ndarray)):        # built in code rather than read
+                c = np.asarray(c).tolist()
+            if not isinstance(c, list) or len(c) != len(feats) or not all(
+                    _finite(v) for v in c):
+                err(f, f"{str(c)[:80]}: expected {len(feats)} finite numbers (one per feature)")
+            if not any(c):
+                err(f, f"{c!r}: all zero: every micro-batch would be predicted to take 0 s, so "
+                    f"balancing and DST have nothing to act on; expected a fitted, positive cost")
+            for j in range(1, len(c)):
+                if c[j] < 0:
+                    err(f"{f}[{j}]", f"{c[j]!r} (seconds per unit of {feats[j]}): expected >= 0 "
+                        f"(a cost cannot shrink with more work)")
+            if abs(c[0]) > MAX_MICROBATCH_S:
+                err(f"{f}[0]", f"{c[0]!r} s (const): expected at most {MAX_MICROBATCH_S:g} s")
+            with np.errstate(over="ignore", invalid="ignore"):
+                pred = x @ np.asarray(c, dtype=np.float64)                       # [n]
+            worst = int(np.argmax(np.where(np.isnan(pred), np.inf, pred)))
+            if not pred[worst] <= MAX_MICROBATCH_S:
+                err(f, f"{str(c)[:80]} predicts {pred[worst]:.3g} s for "
+                    f"{_describe(table, idx[worst])}: expected at most {MAX_MICROBATCH_S:g} s "
+                    f"per micro-batch")
+            total = pred if total is None else total + pred
+        low = int(np.argmin(total))
+        if total[low] <= 0:
+            err(f"coefficients.{kind}", f"predict {total[low]:.3g} s (forward + backward) for "
+                f"{_describe(table, idx[low])}: expected more than 0 s")
+
+
+def _describe(table: dict, i: int) -> str:
+    m = table["measurements"][i]
+    return (f"measurements[{i}] ({len(m['doc_lengths'])} document(s), "
+            f"{sum(m['doc_lengths'])} tokens, density {m['density']:g})")
+
+
+def _too_large(path: str, size: str) -> LatencyTableError:
+    return LatencyTableError(f"latency table {path}: {size} is over the {MAX_TABLE_BYTES} bytes "
+                             f"({MAX_TABLE_BYTES // 2**20} MiB) limit of a latency table (a "
+                             f"profiled table is well under 1 MiB): not read. Is it the right "
+                             f"file?")
+
+
 def read_table(path: str) -> dict:
-    """Read and validate a JSON table; every failure is a ``LatencyTableError`` naming ``path``."""
+    """Read and validate a JSON table; every failure is a ``LatencyTableError`` naming ``path``.
+    The size is checked before reading, and at most ``MAX_TABLE_BYTES + 1`` bytes are read."""
     if not os.path.exists(path):
         raise LatencyTableError(f"latency table {path}: file not found")
     try:
-        with open(path, encoding="utf-8") as fh:
-            table = json.load(fh, parse_constant=lambda c: float(c))
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise LatencyTableError(f"latency table {path}: not a regular file")
+        if st.st_size > MAX_TABLE_BYTES:
+            raise _too_large(path, f"{st.st_size} bytes ({st.st_size / 2**20:.1f} MiB)")
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_TABLE_BYTES + 1)
+        if len(raw) > MAX_TABLE_BYTES:      # grew after the stat
+            raise _too_large(path, f"more than {MAX_TABLE_BYTES} bytes")
+        table = json.loads(raw.decode("utf-8"), parse_constant=lambda c: float(c))
     except json.JSONDecodeError as e:
         raise LatencyTableError(f"latency table {path}: not valid JSON (truncated or malformed) "
                                 f"at line {e.lineno} column {e.colno}: {e.msg}") from e
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise LatencyTableError(f"latency table {path}: not UTF-8 text: {e}") from e
+    except ValueError as e:              # e.g. an integer literal of thousands of digits
+        raise LatencyTableError(f"latency table {path}: unreadable JSON value: {e}") from e
+    except RecursionError as e:
+        raise LatencyTableError(f"latency table {path}: JSON nested too deeply") from e
+    except OSError as e:
         raise LatencyTableError(f"latency table {path}: cannot be read: {e}") from e
     return validate_table(table, path)
 
@@ -178,7 +312,7 @@ def _strip_local(v: str) -> str:
 def table_differences(table: dict, expect: dict) -> list[str]:
     """What differs between a table and the run: ``expect`` may hold device, torch,
     megatron_core, sparsebalance_megatron (the plugin's kernels and data layout change its
-    timings), model (dict), attention (dict), pipeline (dict); absent keys are not checked."""
+    timings), model, execution, attention, pipeline (dicts); absent keys are not checked."""
     diffs = []
     if "device" in expect and expect["device"] != table["device"]:
         diffs.append(f"device: table {table['device']!r}, this run {expect['device']!r}")
@@ -187,16 +321,19 @@ def table_differences(table: dict, expect: dict) -> list[str]:
             continue   # hand-written / analytic tables do not say which plugin measured them
         if k in expect and _strip_local(expect[k]) != _strip_local(table["software"].get(k)):
             diffs.append(f"{k} version: table {table['software'].get(k)!r}, this run {expect[k]!r}")
-    for section in ("model", "attention", "pipeline"):
+    for section in ("model", "execution", "attention", "pipeline"):
         want = expect.get(section)
         if not want:
             continue
-        have = table[section]
+        have = table.get(section) or {}
         for k, v in want.items():
             if k in have and have[k] != v:
                 diffs.append(f"{section}.{k}: table {have[k]!r}, this run {v!r}")
             elif k not in have:
-                diffs.append(f"{section}.{k}: missing in the table, this run {v!r}")
+                old = (f" (a format_version {table['format_version']} table predates it: "
+                       f"re-profile with sparsebalance-profile)"
+                       if section == "execution" and table["format_version"] < 2 else "")
+                diffs.append(f"{section}.{k}: missing in the table{old}, this run {v!r}")
     return diffs
 
 

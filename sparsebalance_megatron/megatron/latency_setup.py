@@ -17,19 +17,23 @@ from ..config import SparseBalanceConfig
 from . import comm
 
 def table_expectation(args, sb: SparseBalanceConfig) -> dict:
-    """What a latency table must have been measured on to be used by this run."""
+    """What a latency table must have been measured on to be used by this run: device,
+    versions, model shape, execution (``args.tensor_model_parallel_size``,
+    ``args.transformer_impl``, ``args.recompute_granularity``), attention and pipeline."""
     import megatron.core
     import torch
 
     from .. import __version__
     from .profile import StageShape, device_name
 
+    shape = StageShape.from_megatron_args(args)
     return {
         "device": device_name(),
         "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
         "sparsebalance_megatron": __version__,
-        "model": StageShape.from_megatron_args(args).as_table_model(),
+        "model": shape.as_table_model(),
+        "execution": shape.as_table_execution(),
         "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
                       "local_blocks": sb.local_blocks},
         "pipeline": {"pp": args.pipeline_model_parallel_size},

@@ -6,6 +6,11 @@ the stage's layer count, with the SparseBalance layer spec (``spec.get_sparsebal
 on a 1-process gloo group. Packed (THD) micro-batches over a grid of document-length mixes x
 densities are timed with warm-up and repeats; the median goes into a latency table
 (``latency/table.py``) whose coefficients are fitted by ``LatencyModel.fit``.
+The stage is built with the run's transformer implementation and activation recomputation, and
+the table records them with the tensor-parallel size (its ``execution`` section). Only TP = 1 can
+be profiled: a 1-process stage cannot measure tensor-parallel GEMM shards and their all-reduces,
+and no model of them is attempted; a TP > 1 run needs ``--sb-latency-table-force`` with a TP = 1
+table (and then predicts TP = 1 times, which the online calibration can only scale).
 
 Not for use inside a running training job (it initialises its own 1-process model-parallel state).
 Imports megatron; ``megatron/profile_cli.py`` is the thin command-line front end.
@@ -26,7 +31,7 @@ import torch
 
 from ..config import SparseBalanceConfig
 from ..latency.features import FEATURES
-from ..latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
+from ..latency.table import EXECUTION, FORMAT, FORMAT_VERSION, stage_kinds_for
 from ..plan import BudgetPlan
 from .budget import BudgetContext, SparsePackedSeqParams
 
@@ -45,24 +50,52 @@ class StageShape:
     seq_length: int = 2048           # tokens per packed micro-batch
     pp: int = 1                      # --pipeline-model-parallel-size
     swiglu: bool = True              # --swiglu (gated SiLU MLP); else Megatron's GeLU MLP
+    # how the stage runs (the table's "execution" section, not its "model" section)
+    tensor_model_parallel_size: int = 1   # --tensor-model-parallel-size (only 1 is profiled)
+    transformer_impl: str = "local"       # --transformer-impl: local | transformer_engine
+    recompute_granularity: str = "none"   # --recompute-granularity (Megatron's None = "none")
 
     @classmethod
     def from_megatron_args(cls, args) -> "StageShape":
-        """The shape of a training run (Megatron's parsed and validated args)."""
+        """The shape of a training run (Megatron's parsed and validated args; a hand-built
+        namespace without the execution fields gets TP 1, no recomputation and the local
+        implementation, the plugin's CPU defaults)."""
         return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
                    ffn_hidden_size=args.ffn_hidden_size,
                    num_attention_heads=args.num_attention_heads,
                    num_query_groups=args.num_query_groups or args.num_attention_heads,
                    kv_channels=args.kv_channels, vocab_size=args.padded_vocab_size,
                    seq_length=args.seq_length * args.micro_batch_size,
-                   pp=args.pipeline_model_parallel_size, swiglu=bool(args.swiglu))
+                   pp=args.pipeline_model_parallel_size, swiglu=bool(args.swiglu),
+                   tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+                   transformer_impl=getattr(args, "transformer_impl", "local"),
+                   recompute_granularity=getattr(args, "recompute_granularity", None) or "none")
 
     def as_table_model(self) -> dict:
         """The ``model`` section of a latency table measured on this shape."""
         d = dict(self.__dict__)
-        d.pop("pp")
+        for k in ("pp", *EXECUTION):
+            d.pop(k)
         d["kv_channels"] = self.kv_channels or self.hidden_size // self.num_attention_heads
         return d
+
+    def as_table_execution(self) -> dict:
+        """The ``execution`` section: TP size, transformer implementation, recomputation."""
+        return {k: getattr(self, k) for k in EXECUTION}
+
+    def check_profilable(self) -> None:
+        """``ValueError`` naming the setting when this stage cannot be profiled here."""
+        if self.tensor_model_parallel_size != 1:
+            raise ValueError(
+                f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: the profiler "
+                f"builds a 1-process stage and can neither measure nor model tensor-parallel "
+                f"time (sharded GEMMs plus all-reduces); profile with "
+                f"--tensor-model-parallel-size 1 and run with --sb-latency-table-force, knowing "
+                f"that the table then predicts TP=1 times")
+        for k, allowed in EXECUTION.items():
+            if allowed is not None and getattr(self, k) not in allowed:
+                raise ValueError(f"--{k.replace('_', '-')} {getattr(self, k)!r}: expected one of "
+                                 f"{allowed}")
 
     def cli_flags(self) -> list[str]:
         """``sparsebalance-profile`` flags that profile this shape."""
@@ -71,7 +104,10 @@ class StageShape:
                  "--num-attention-heads", self.num_attention_heads,
                  "--num-query-groups", self.num_query_groups, "--vocab-size", self.vocab_size,
                  "--seq-length", self.seq_length, "--pipeline-model-parallel-size", self.pp,
-                 "--swiglu" if self.swiglu else "--no-swiglu"]
+                 "--swiglu" if self.swiglu else "--no-swiglu",
+                 "--tensor-model-parallel-size", self.tensor_model_parallel_size,
+                 "--transformer-impl", self.transformer_impl,
+                 "--recompute-granularity", self.recompute_granularity]
         if self.kv_channels is not None:
             flags += ["--kv-channels", self.kv_channels]
         return [str(f) for f in flags]
@@ -132,12 +168,15 @@ def init_single_process(seed: int = 1234) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def _layer_spec(sb: SparseBalanceConfig):
-    """The training layer spec (local implementation; only ``core_attention`` swapped)."""
+def _layer_spec(sb: SparseBalanceConfig, transformer_impl: str = "local"):
+    """The training layer spec of ``transformer_impl`` (only ``core_attention`` swapped)."""
     from .spec import get_sparsebalance_layer_spec
 
-    return get_sparsebalance_layer_spec(sb, transformer_impl="local", qk_layernorm=False,
-                                        normalization="RMSNorm")
+    if transformer_impl == "local":
+        return get_sparsebalance_layer_spec(sb, transformer_impl="local", qk_layernorm=False,
+                                            normalization="RMSNorm")
+    # the TE spec takes its norm from the config (TENorm reads config.normalization)
+    return get_sparsebalance_layer_spec(sb, transformer_impl=transformer_impl, qk_layernorm=False)
 
 
 def _budget_of(model) -> BudgetContext:
@@ -166,13 +205,26 @@ def build_stage(shape: StageShape, sb: SparseBalanceConfig, kind: str, num_layer
         pipeline_model_parallel_size=1, gradient_accumulation_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, batch_p2p_sync=False,
         bf16=torch.cuda.is_available(),
-        params_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    model = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(sb),
+        params_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+        **_recompute_config(shape.recompute_granularity))
+    model = GPTModel(config=cfg, transformer_layer_spec=_layer_spec(sb, shape.transformer_impl),
                      vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                      pre_process=kind in ("first", "only"), post_process=kind in ("last", "only"),
                      share_embeddings_and_output_weights=False, position_embedding_type="rope")
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return model.to(dev), dev
+
+
+def _recompute_config(granularity: str) -> dict:
+    """TransformerConfig fields of ``--recompute-granularity``: selective recomputes Megatron's
+    default modules (the core attention); full recomputes every layer (uniform, one layer per
+    checkpoint: every layer's forward runs twice, as with any uniform split)."""
+    if granularity == "none":
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": 1}
 
 
 def default_mixes(seq_length: int, count: int, seed: int = 0) -> list[list[int]]:
@@ -255,6 +307,7 @@ def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequ
     if shape.num_layers % shape.pp:
         raise ValueError(f"--num-layers={shape.num_layers} is not divisible by "
                          f"--pipeline-model-parallel-size={shape.pp}")
+    shape.check_profilable()
     init_single_process(sb.seed)
     kinds = stage_kinds_for(shape.pp)
     per_stage = shape.num_layers // shape.pp
@@ -293,6 +346,7 @@ def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequ
         "format": FORMAT, "format_version": FORMAT_VERSION, "source": "profiled",
         "device": device_name(), "software": software_versions(),
         "model": shape.as_table_model(),
+        "execution": shape.as_table_execution(),
         "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
                       "local_blocks": sb.local_blocks, "backend": sb.attention_backend,
                       "estimator": sb.estimator, "query_chunk_blocks": sb.query_chunk_blocks,

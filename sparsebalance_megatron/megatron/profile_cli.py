@@ -20,6 +20,7 @@ import warnings
 
 def build_parser() -> argparse.ArgumentParser:
     from ..arguments import add_sparsebalance_args
+    from ..latency.table import EXECUTION
 
     p = argparse.ArgumentParser(prog="sparsebalance-profile", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -36,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--swiglu", action=argparse.BooleanOptionalAction, default=True,
                    help="gated SiLU MLP (Megatron --swiglu); --no-swiglu: GeLU MLP")
+    e = p.add_argument_group("execution (Megatron flag names; recorded in the table and checked)")
+    e.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="the run's TP size; only 1 can be profiled (a 1-process stage)")
+    e.add_argument("--transformer-impl", choices=EXECUTION["transformer_impl"], default="local")
+    e.add_argument("--recompute-granularity", choices=EXECUTION["recompute_granularity"],
+                   default="none", help="activation recomputation of the run (full: uniform, "
+                   "1 layer per checkpoint)")
     r = p.add_argument_group("profile")
     r.add_argument("--out", required=True, help="where to write the JSON table")
     r.add_argument("--densities", type=float, nargs="+", default=None)
@@ -64,22 +72,32 @@ def shape_from_cli(args):
                       num_attention_heads=args.num_attention_heads,
                       num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
                       vocab_size=args.vocab_size, seq_length=args.seq_length,
-                      pp=args.pipeline_model_parallel_size, swiglu=args.swiglu)
+                      pp=args.pipeline_model_parallel_size, swiglu=args.swiglu,
+                      tensor_model_parallel_size=args.tensor_model_parallel_size,
+                      transformer_impl=args.transformer_impl,
+                      recompute_granularity=args.recompute_granularity)
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from ..arguments import config_from_args
     from ..latency.model import LatencyModel
     from ..latency.table import write_table
 
     sb = config_from_args(args)
+    try:
+        shape_from_cli(args).check_profilable()
+    except ValueError as e:
+        parser.error(str(e))
     if args.analytic:
         from ..latency.analytic import ModelShape, analytic_table
         shape = ModelShape(**shape_from_cli(args).as_table_model())
         table = analytic_table(shape, pp=args.pipeline_model_parallel_size,
                                block_size=sb.block_size, sink_blocks=sb.sink_blocks,
-                               local_blocks=sb.local_blocks)
+                               local_blocks=sb.local_blocks,
+                               transformer_impl=args.transformer_impl,
+                               recompute_granularity=args.recompute_granularity)
         write_table(table, args.out)
         print(f"ANALYTIC table (FLOPs / published H100 throughputs, not measured) -> {args.out}")
         print(table["notes"])
