@@ -104,7 +104,8 @@ def main(argv=None) -> int:
         print(f"warning: table measured on {table['device']!r}, evaluating on {device_name()!r}",
               file=sys.stderr)
     mod, att, prof = table["model"], table["attention"], table.get("profile", {})
-    shape = StageShape(**{k: mod[k] for k in StageShape.__dataclass_fields__ if k in mod},
+    fields = {**mod, **table.get("execution", {})}   # model shape and how the stage ran
+    shape = StageShape(**{k: fields[k] for k in StageShape.__dataclass_fields__ if k in fields},
                        pp=table["pipeline"]["pp"])
     sb = SparseBalanceConfig(sparse_attention=True, block_size=att["block_size"],
                              sink_blocks=att["sink_blocks"], local_blocks=att["local_blocks"],

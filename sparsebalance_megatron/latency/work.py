@@ -5,8 +5,9 @@ every document is cut into ``ceil(L / block_size)`` blocks; query block i (0-bas
 document) has ``i + 1`` causal key blocks available and keeps
 ``max(ceil(density * (i + 1)), forced_i)`` of them, where ``forced_i = min(i + 1,
 sink_blocks + local_blocks + 1)`` counts the diagonal, the sink blocks and the local window (their
-union inside [0, i]). The ceil is taken in float64 as ``ceil(density * available - 1e-9)``, exactly
-like ``attention/selection.py`` does (the epsilon keeps ceil(0.7 * 10) at 7).
+union inside [0, i]). The ceil is taken in float64 as ``ceil((density - 1e-6) * available)``, exactly
+like ``attention/selection.py``'s ``kept_count`` (the tolerance keeps ceil(0.7 * 10) at 7 and a
+float32 0.3 at 3 of 10).
 A short last block counts as one full pair: the kernels work on padded ``block_size`` tiles
 (see ``attention/blocks.py``), so a short tile costs what a full one does.
 
@@ -63,8 +64,8 @@ def check_densities(density) -> np.ndarray:
     return d
 
 
-# Must equal attention/selection.py's _CEIL_EPS (a test compares with the kernel's selection).
-CEIL_EPS = 1e-9
+# Must equal attention/selection.py's _DENSITY_RTOL (a test compares with the kernel's selection).
+DENSITY_RTOL = 1e-6
 
 
 def num_blocks(doc_lengths: np.ndarray, block_size: int) -> np.ndarray:
@@ -77,7 +78,7 @@ def cumulative_work_table(densities: np.ndarray, max_blocks: int, sink_blocks: i
     d = check_densities(densities).reshape(-1, 1)                 # [D, 1]
     n = np.arange(1, max_blocks + 1, dtype=np.float64)[None, :]   # [1, N] available blocks
     forced = np.minimum(n, float(sink_blocks + local_blocks + 1))
-    kept = np.maximum(np.ceil(d * n - CEIL_EPS), forced)                     # [D, N]
+    kept = np.maximum(np.ceil((d - DENSITY_RTOL) * n), forced)              # [D, N]
     out = np.zeros((d.shape[0], max_blocks + 1))
     np.cumsum(kept, axis=1, out=out[:, 1:])
     return out
@@ -107,7 +108,7 @@ def block_kept(block_local: np.ndarray, density: np.ndarray, sink_blocks: int,
     """Kept key blocks of every query block (``block_local``: index inside its document)."""
     n = block_local.astype(np.float64) + 1.0
     forced = np.minimum(n, float(sink_blocks + local_blocks + 1))
-    return np.maximum(np.ceil(density * n - CEIL_EPS), forced)
+    return np.maximum(np.ceil((density - DENSITY_RTOL) * n), forced)
 
 
 def chunked_attention_work(doc_lengths: DocLengths, density: float, block_size: int,
@@ -136,6 +137,6 @@ def kept_pairs_bruteforce(doc_lengths: DocLengths, density: float, block_size: i
         nb = -(-length // block_size)
         for i in range(nb):
             forced = set(range(min(sink_blocks, i + 1))) | set(range(max(0, i - local_blocks), i + 1))
-            k = int(np.ceil(np.float64(density) * (i + 1) - CEIL_EPS))
+            k = int(np.ceil((np.float64(density) - DENSITY_RTOL) * (i + 1)))
             total += min(i + 1, max(k, len(forced)))
     return total
