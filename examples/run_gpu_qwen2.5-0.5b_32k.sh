@@ -62,7 +62,7 @@ if [[ "$TRANSFORMER_IMPL" == transformer_engine ]]; then
   if (( TP > 1 )); then PARALLEL+=(--sequence-parallel); fi
 else
   # Megatron's GPU defaults need apex with the local implementation: turn them off.
-  IMPL+=(--no-persist-layer-norm --no-gradient-accumulation-fusion)
+  IMPL+=(--no-persist-layer-norm --no-gradient-accumulation-fusion --no-rope-fusion)
   echo "note: transformer-engine is not importable: --transformer-impl local (slower)" >&2
 fi
 TABLE=()

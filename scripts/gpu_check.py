@@ -203,7 +203,7 @@ def run_steps(steps, out_dir, deadline):
         elif name == "train":
             impl = (["--transformer-impl", "transformer_engine"] if _te_available(env) else
                     ["--transformer-impl", "local", "--no-persist-layer-norm",
-                     "--no-gradient-accumulation-fusion"])
+                     "--no-gradient-accumulation-fusion", "--no-rope-fusion"])
             metrics = os.path.join(out_dir, "train_metrics.jsonl")
             tbl = ["--sb-latency-table", table, "--sb-latency-table-force"] \
                 if os.path.exists(table) else []

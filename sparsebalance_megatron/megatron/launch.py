@@ -165,6 +165,9 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
         if getattr(args, "sequence_parallel", False):
             out.append("--sequence-parallel with --transformer-impl local (the local torch norm "
                        "does not support it; use transformer-engine)")
+        if getattr(args, "apply_rope_fusion", False) and not have_module("transformer_engine"):
+            out.append("the fused RoPE kernel (Megatron's default) needs transformer-engine; "
+                       "add --no-rope-fusion")
     return out
 
 
