@@ -8,5 +8,5 @@ Importing the package needs neither megatron, a GPU, nor an optional accelerator
 from .arguments import add_sparsebalance_args, config_from_args
 from .config import ConfigError, SparseBalanceConfig
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = ["SparseBalanceConfig", "ConfigError", "add_sparsebalance_args", "config_from_args"]

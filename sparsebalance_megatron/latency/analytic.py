@@ -87,7 +87,8 @@ def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -
            select_flops / dev.select_flops]
     bwd = [2 * dev.launch_s_per_layer, 2 * gemm_fwd_s + 2 * elem_fwd_s,
            dev.attn_bwd_flop_ratio * pair_flops / dev.attn_bwd_flops, 0.0]  # no grad via scores
-    return {"fwd": fwd, "bwd": bwd}
+    # per sequence: not modelled from FLOPs (a launch-bound cost; profile a device to see it)
+    return {"fwd": fwd + [0.0], "bwd": bwd + [0.0]}
 
 
 def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None = None, *,

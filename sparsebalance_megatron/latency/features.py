@@ -19,7 +19,11 @@ import numpy as np
 from .work import (as_doc_lengths, block_kept, check_block_params, check_densities,
                    cumulative_work_table, num_blocks)
 
-FEATURES = ("const", "tokens", "attention_work", "selection_work")
+FEATURES = ("const", "tokens", "attention_work", "selection_work", "sequences")
+# "sequences": the packed micro-batch's sequences (documents and padding pieces). Each costs a
+# little besides its tokens (Megatron's THD rotary embedding loops over them, the kernels set up
+# per document): measured on an H100 at 16K tokens, 50-58 short sequences took twice as long as
+# one to four long ones at the same token count and density.
 # How attention work is counted: "kept" = exact kept pairs (FlexAttention on GPU), "chunked" =
 # the CPU kernel's chunks padded to their largest kept count (see work.chunked_attention_work).
 WORK_MODES = ("kept", "chunked")
@@ -38,6 +42,7 @@ class UnitFeatures:
     doc_unit: np.ndarray        # [total_docs] int64 unit of every document
     tokens: np.ndarray          # [n] float64
     selection_work: np.ndarray  # [n] float64 block pairs scored (NB ** 2 per unit)
+    sequences: np.ndarray       # [n] float64 sequences (documents) of every unit
     work_mode: str = "kept"
     query_chunk_blocks: int = 16
     _blocks: tuple | None = None  # chunked mode: (block_local, block_unit, chunk_starts, chunk_unit)
@@ -81,7 +86,8 @@ class UnitFeatures:
         tokens = np.bincount(doc_unit, weights=lengths, minlength=n).astype(np.float64)
         unit_blocks = np.bincount(doc_unit, weights=nb, minlength=n).astype(np.float64)
         return cls(block_size, sink_blocks, local_blocks, offsets, lengths, nb, doc_unit,
-                   tokens, unit_blocks * unit_blocks, work_mode, int(query_chunk_blocks))
+                   tokens, unit_blocks * unit_blocks, np.diff(offsets).astype(np.float64),
+                   work_mode, int(query_chunk_blocks))
 
     def _block_arrays(self):
         """Density-independent block layout for the chunked count, built once."""
@@ -148,9 +154,9 @@ class UnitFeatures:
         return out.T.copy()
 
     def matrix(self, densities) -> np.ndarray:
-        """[n, 4] design matrix in the order of ``FEATURES``."""
+        """[n, 5] design matrix in the order of ``FEATURES``."""
         return np.stack([np.ones(self.num_units), self.tokens, self.attention_work(densities),
-                         self.selection_work], axis=1)
+                         self.selection_work, self.sequences], axis=1)
 
 
 def features_of(mb_doc_lengths: Union["UnitFeatures", Sequence, tuple], block_size: int,

@@ -3,7 +3,7 @@
 Form, per stage kind (first / middle / last, or "only" without PP), fitted separately for the
 forward and the backward pass::
 
-    t = c0 + c1 * tokens + c2 * attention_work(density) + c3 * selection_work
+    t = c0 + c1 * tokens + c2 * attention_work(density) + c3 * selection_work + c4 * sequences
 
 (features in ``features.py``; attention work counts exactly the kept block pairs). Because the
 density enters only through attention work, DST re-times a unit at another density with
@@ -112,7 +112,9 @@ class LatencyModel:
         self.features = list(table["features"])
         if self.features != list(FEATURES):
             raise LatencyTableError(f"latency table {where}: field 'features': "
-                                    f"{self.features!r}: expected {list(FEATURES)}")
+                                    f"{self.features!r}: expected {list(FEATURES)} (a table from "
+                                    "another version of this plugin: profile the device again "
+                                    "with python -m sparsebalance_megatron.megatron.profile_cli)")
         check_coefficients(table, coefficients, where)
         self.coef = {k: {p: np.asarray(v[p], dtype=np.float64) for p in ("fwd", "bwd")}
                      for k, v in coefficients.items()}
@@ -215,8 +217,9 @@ class LatencyModel:
         f = self.unit_features(mb_doc_lengths)
         c = self.coef[self.kind_of(stage)]
         corr = self.correction(rank) if rank is not None else 1.0
-        x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work], axis=1)  # [n, 3]
-        fixed = {p: np.maximum(x @ c[p][[0, 1, 3]], 0.0) * corr for p in ("fwd", "bwd")}
+        x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work, f.sequences],
+                     axis=1)                                                   # [n, 4]
+        fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]], 0.0) * corr for p in ("fwd", "bwd")}
         return UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
                          float(c["bwd"][2]) * corr)
 

@@ -11,7 +11,7 @@ A table (written by the profiler or by ``analytic.py``) looks like::
      "attention": {"block_size": 64, "sink_blocks": 1, "local_blocks": 0,
                    "work": "kept" | "chunked", "query_chunk_blocks": 16},
      "pipeline": {"pp": 2, "stage_kinds": ["first", "last"], "layers_per_stage": [2, 2]},
-     "features": ["const", "tokens", "attention_work", "selection_work"],
+     "features": ["const", "tokens", "attention_work", "selection_work", "sequences"],
      "measurements": [{"kind": "first", "doc_lengths": [...], "density": 0.5,
                        "fwd_s": ..., "bwd_s": ...}, ...],
      "coefficients": {"first": {"fwd": [c0, c1, c2, c3], "bwd": [...]}, ...},   # optional

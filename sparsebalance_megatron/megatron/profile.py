@@ -230,8 +230,10 @@ def _recompute_config(granularity: str) -> dict:
 def default_mixes(seq_length: int, count: int, seed: int = 0) -> list[list[int]]:
     """Document-length mixes: regular splits plus random cuts, with unequal token totals."""
     t = seq_length
-    # the first four (the --quick grid) already vary the token total and the document count
-    fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [t // 2] * 2, [3 * t // 8] * 2]
+    # The first five (the --quick grid) vary the token total and the document count, up to the
+    # 64 short sequences of a mostly padded micro-batch (padding is cut into <= 256-token pieces).
+    fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [t // 64] * 64, [t // 2] * 2,
+             [3 * t // 8] * 2]
     rng = np.random.default_rng(seed)
     out = [m for m in fixed if all(x > 0 for x in m)][:count]
     while len(out) < count:

@@ -61,14 +61,14 @@ def _synthetic_table(coef_fwd, coef_bwd, pp=1, noise=0.0, seed=0):
 
 
 def test_fit_recovers_known_coefficients_and_splits_fwd_bwd():
-    cf = np.array([1e-3, 2e-6, 5e-6, 1e-7])
-    cb = np.array([2e-3, 4e-6, 12e-6, 0.0])
+    cf = np.array([1e-3, 2e-6, 5e-6, 1e-7, 3e-5])
+    cb = np.array([2e-3, 4e-6, 12e-6, 0.0, 6e-5])
     m = LatencyModel.fit(_synthetic_table(cf, cb))
     np.testing.assert_allclose(m.coef["only"]["fwd"], cf, rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(m.coef["only"]["bwd"], cb, rtol=1e-6, atol=1e-12)
     docs = [3000, 700, 50]
     f, b = m.predict_fwd_bwd(docs, 0.4, 0)
-    x = np.array([1, 3750, attention_work(docs, 0.4, 64), selection_work(docs, 64)])
+    x = np.array([1, 3750, attention_work(docs, 0.4, 64), selection_work(docs, 64), 3])
     assert f == pytest.approx(x @ cf) and b == pytest.approx(x @ cb)
     assert m.predict(docs, 0.4, 0) == pytest.approx(f + b)
     assert m.predict(docs, 0.2, 0) < m.predict(docs, 0.4, 0)

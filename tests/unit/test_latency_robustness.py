@@ -45,24 +45,24 @@ def _set_time(i, key, value):
 
 
 DEGENERATE = [
-    case(_set_coef("first", "fwd", [0.0, 0.0, 0.0, 0.0]),
-         r"'coefficients.first.fwd': \[0.0, 0.0, 0.0, 0.0\]: all zero", "zero-coef",
+    case(_set_coef("first", "fwd", [0.0, 0.0, 0.0, 0.0, 0.0]),
+         r"'coefficients.first.fwd': \[0.0, 0.0, 0.0, 0.0, 0.0\]: all zero", "zero-coef",
          "all-zero coefficients", "refused: error names the table, the coefficient and its value"),
     case(lambda t: t["coefficients"]["last"]["bwd"].__setitem__(2, -1e-6),
          r"'coefficients.last.bwd\[2\]': -1e-06 \(seconds per unit of attention_work\): "
          r"expected >= 0", "negative-coef", "a negative work coefficient",
          "refused: error names the coefficient, its value and '>= 0'"),
-    case(_set_coef("first", "bwd", [-1.0, 0.0, 0.0, 0.0]),
+    case(_set_coef("first", "bwd", [-1.0, 0.0, 0.0, 0.0, 0.0]),
          r"'coefficients.first': predict -[0-9.]+ s \(forward \+ backward\) for "
          r"measurements\[\d+\] \(\d+ document\(s\), \d+ tokens, density [0-9.]+\): expected "
          r"more than 0 s",
          "negative-intercept", "a negative intercept that makes every time <= 0",
          "refused: error names the stage's coefficients and the measurement predicted <= 0 s"),
     case(lambda t: t["coefficients"]["first"]["fwd"].__setitem__(1, float("nan")),
-         r"'coefficients.first.fwd': \[.*nan.*\]: expected 4 finite numbers", "nan-coef",
+         r"'coefficients.first.fwd': \[.*nan.*\]: expected 5 finite numbers", "nan-coef",
          "a NaN coefficient", "refused: error names the coefficient list"),
     case(lambda t: t["coefficients"]["first"]["fwd"].__setitem__(2, float("inf")),
-         r"'coefficients.first.fwd': \[.*inf.*\]: expected 4 finite numbers", "inf-coef",
+         r"'coefficients.first.fwd': \[.*inf.*\]: expected 5 finite numbers", "inf-coef",
          "an infinite coefficient", "refused: error names the coefficient list"),
     case(lambda t: t["coefficients"]["last"]["fwd"].__setitem__(1, 1e300),
          r"'coefficients.last.fwd': \[.*1e\+300.*\] predicts [0-9.e+]+ s for measurements\[\d+\]"
@@ -112,7 +112,7 @@ def test_degenerate_tables_are_refused_naming_file_field_and_value(tmp_path, tab
 @rel("latency table", "all-zero coefficients passed in memory (no file)",
      "refused by LatencyModel itself: error names the coefficient")
 def test_degenerate_coefficients_are_refused_without_a_file_too(table):
-    coef = {k: {p: [0.0] * 4 for p in ("fwd", "bwd")} for k in ("first", "last")}
+    coef = {k: {p: [0.0] * 5 for p in ("fwd", "bwd")} for k in ("first", "last")}
     with pytest.raises(LatencyTableError, match=r"<mem>: field 'coefficients.first.fwd'.*all zero"):
         LatencyModel(table, coef, where="<mem>")
     t = dict(table, coefficients=coef)

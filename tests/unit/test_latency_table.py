@@ -82,10 +82,10 @@ def test_table_from_another_plugin_version_is_refused(tmp_path, table):
     table["software"]["sparsebalance_megatron"] = "0.1.0"
     p = _write(tmp_path, table)
     with pytest.raises(LatencyTableMismatch, match="sparsebalance_megatron version"):
-        LatencyModel.load(p, expect={"sparsebalance_megatron": "0.2.0"})
+        LatencyModel.load(p, expect={"sparsebalance_megatron": "0.3.0"})
     LatencyModel.load(p, expect={"sparsebalance_megatron": "0.1.0+local"})
     del table["software"]["sparsebalance_megatron"]     # a table that does not say: not checked
-    LatencyModel.load(_write(tmp_path, table), expect={"sparsebalance_megatron": "0.2.0"})
+    LatencyModel.load(_write(tmp_path, table), expect={"sparsebalance_megatron": "0.3.0"})
 
 
 def test_table_without_coefficients_is_fitted(tmp_path, table):
