@@ -71,6 +71,8 @@ def test_fp16_trains_with_megatrons_loss_scale(tmp_path, small_jsonl):
     assert updated and all(math.isfinite(tb["lm loss"][it]) for it in updated)
 
 
+@pytest.mark.reliability(area="resume", case="resume at iterations 3 and 5 under a batch-size "
+                         "schedule (2 then 4)", expect="the same samples as the uninterrupted run")
 def test_resume_reads_the_same_samples_under_a_batch_size_schedule(tmp_path, small_jsonl):
     """Batch size 2 for the first 8 samples (2048 tokens), then 4 (--step-batch-size-schedule);
     checkpoints at 3 (inside the first phase) and 5 (after the change)."""

@@ -54,6 +54,9 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
     assert rows[2]["raise_headroom"] != DEFAULT_RAISE_HEADROOM
 
 
+@pytest.mark.reliability(area="latency table", case="a negative measured time in --sb-latency-table, "
+                         "through torchrun", expect="the job stops before step 1 naming the file "
+                         "and the field")
 def test_broken_latency_table_stops_before_step_one(tmp_path, small_jsonl, table):
     bad = tmp_path / "bad.json"
     data = json.loads(table.read_text())
@@ -67,6 +70,9 @@ def test_broken_latency_table_stops_before_step_one(tmp_path, small_jsonl, table
     assert not (tmp_path / "m.jsonl").exists()  # no step ran
 
 
+@pytest.mark.reliability(area="resume", case="DP=2 SAB+DST run resumed at iteration 2 of 4 "
+                         "(modelled timings, one rank 2x slow)", expect="packing, plans, "
+                         "calibration and losses equal the uninterrupted run's")
 def test_sparse_balance_resume_repeats_the_uninterrupted_run(tmp_path, small_jsonl, table):
     """SAB packing, DST plans (calibration, error history, sensitivity) and losses after --load
     equal the uninterrupted run's: the plugin state is saved inside Megatron's checkpoint folder.
