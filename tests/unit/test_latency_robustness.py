@@ -13,8 +13,8 @@ from sparsebalance_megatron.latency import (LatencyModel, LatencyTableError, Lat
                                             ModelShape, analytic_table, read_table)
 from sparsebalance_megatron.latency import table as table_mod
 from sparsebalance_megatron.latency.model import CALIBRATION_CLIP
-from sparsebalance_megatron.latency.table import (MAX_MICROBATCH_S, MAX_TABLE_BYTES,
-                                                  validate_table)
+from sparsebalance_megatron.latency.table import MAX_TABLE_BYTES, validate_table
+from tests.unit.conftest import write_table
 
 
 def rel(area, case, expect):
@@ -23,17 +23,6 @@ def rel(area, case, expect):
 
 def case(mutate, needle, id, what, expect):
     return pytest.param(mutate, needle, id=id, marks=rel("latency table", what, expect))
-
-
-@pytest.fixture
-def table():
-    return analytic_table(ModelShape(num_layers=4, seq_length=4096), pp=2)
-
-
-def _write(tmp_path, obj, name="t.json"):
-    p = tmp_path / name
-    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
-    return str(p)
 
 
 def _set_coef(kind, part, values):
@@ -104,7 +93,7 @@ DEGENERATE = [
 def test_degenerate_tables_are_refused_naming_file_field_and_value(tmp_path, table, mutate, needle):
     validate_table(table)                         # the fixture itself is sound
     mutate(table)
-    p = _write(tmp_path, json.dumps(table))       # NaN / Infinity written as JSON constants
+    p = write_table(tmp_path, json.dumps(table))       # NaN / Infinity written as JSON constants
     with pytest.raises(LatencyTableError, match=r"latency table .*t\.json: field " + needle):
         LatencyModel.load(p)
 
@@ -127,7 +116,7 @@ def test_density_blind_table_warns(tmp_path, table):
         for part in kind.values():
             part[2] = 0.0
     with pytest.warns(UserWarning, match="attention_work coefficient is 0.*DST cannot"):
-        m = LatencyModel.load(_write(tmp_path, table))
+        m = LatencyModel.load(write_table(tmp_path, table))
     assert m.predict([4096], 0.25, 0) == m.predict([4096], 1.0, 0)
 
 
@@ -152,7 +141,7 @@ def test_oversized_table_is_refused_before_it_is_read(tmp_path, monkeypatch):
      "read (the limit refuses only larger files)")
 def test_table_at_the_limit_is_read(tmp_path, table):
     text = json.dumps(table)
-    p = _write(tmp_path, text + " " * (MAX_TABLE_BYTES - len(text)))
+    p = write_table(tmp_path, text + " " * (MAX_TABLE_BYTES - len(text)))
     assert os.path.getsize(p) == MAX_TABLE_BYTES
     assert read_table(p)["source"] == "analytic"
 
@@ -201,7 +190,7 @@ EXEC_RUN = {"tensor_model_parallel_size": 1, "transformer_impl": "transformer_en
 def test_table_from_another_execution_setup_is_refused_unless_forced(tmp_path, table, field,
                                                                      run_value):
     assert table["execution"] == EXEC_RUN
-    p = _write(tmp_path, table)
+    p = write_table(tmp_path, table)
     LatencyModel.load(p, expect={"execution": EXEC_RUN})           # same setup: silent
     expect = {"execution": {**EXEC_RUN, field: run_value}}
     with pytest.raises(LatencyTableMismatch) as e:
@@ -220,7 +209,7 @@ def test_table_from_another_execution_setup_is_refused_unless_forced(tmp_path, t
 def test_format_1_table_is_refused_with_re_profile_unless_forced(tmp_path, table):
     table["format_version"] = 1
     del table["execution"]
-    p = _write(tmp_path, table)
+    p = write_table(tmp_path, table)
     assert LatencyModel.load(p).pp == 2                            # readable; nothing checked
     with pytest.raises(LatencyTableMismatch) as e:
         LatencyModel.load(p, expect={"execution": EXEC_RUN})
@@ -248,7 +237,7 @@ def test_format_1_table_is_refused_with_re_profile_unless_forced(tmp_path, table
 def test_malformed_execution_section_is_refused(tmp_path, table, mutate, needle):
     mutate(table)
     with pytest.raises(LatencyTableError, match=r"t\.json: field " + needle):
-        LatencyModel.load(_write(tmp_path, table))
+        LatencyModel.load(write_table(tmp_path, table))
 
 
 def test_analytic_table_models_recomputation():

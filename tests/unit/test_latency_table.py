@@ -5,19 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.latency import (LatencyModel, LatencyTableError, LatencyTableMismatch,
-                                            ModelShape, analytic_table)
-
-
-@pytest.fixture
-def table():
-    return analytic_table(ModelShape(num_layers=4, seq_length=4096), pp=2)
-
-
-def _write(tmp_path, obj, name="t.json"):
-    p = tmp_path / name
-    p.write_text(obj if isinstance(obj, str) else json.dumps(obj))
-    return str(p)
+from sparsebalance_megatron.latency import LatencyModel, LatencyTableError, LatencyTableMismatch
+from tests.unit.conftest import write_table
 
 
 def test_save_load_roundtrip_is_json_and_predicts_the_same(tmp_path, table):
@@ -33,7 +22,7 @@ def test_save_load_roundtrip_is_json_and_predicts_the_same(tmp_path, table):
 
 def test_truncated_and_malformed_json_name_the_file(tmp_path, table):
     text = json.dumps(table)
-    p = _write(tmp_path, text[: len(text) // 2])
+    p = write_table(tmp_path, text[: len(text) // 2])
     with pytest.raises(LatencyTableError, match="t.json.*not valid JSON"):
         LatencyModel.load(p)
     with pytest.raises(LatencyTableError, match="file not found"):
@@ -57,13 +46,13 @@ def test_truncated_and_malformed_json_name_the_file(tmp_path, table):
 ])
 def test_bad_fields_are_named(tmp_path, table, mutate, field):
     mutate(table)
-    p = _write(tmp_path, table)
+    p = write_table(tmp_path, table)
     with pytest.raises(LatencyTableError, match="t.json.*" + field):
         LatencyModel.load(p)
 
 
 def test_table_from_another_setup_is_refused_unless_forced(tmp_path, table):
-    p = _write(tmp_path, table)
+    p = write_table(tmp_path, table)
     expect = {"device": "cpu: test", "torch": "2.13.0", "megatron_core": "0.19.2",
               "model": {"hidden_size": 896, "num_layers": 8}}
     with pytest.raises(LatencyTableMismatch) as e:
@@ -80,18 +69,18 @@ def test_table_from_another_setup_is_refused_unless_forced(tmp_path, table):
 
 def test_table_from_another_plugin_version_is_refused(tmp_path, table):
     table["software"]["sparsebalance_megatron"] = "0.1.0"
-    p = _write(tmp_path, table)
+    p = write_table(tmp_path, table)
     with pytest.raises(LatencyTableMismatch, match="sparsebalance_megatron version"):
         LatencyModel.load(p, expect={"sparsebalance_megatron": "0.3.0"})
     LatencyModel.load(p, expect={"sparsebalance_megatron": "0.1.0+local"})
     del table["software"]["sparsebalance_megatron"]     # a table that does not say: not checked
-    LatencyModel.load(_write(tmp_path, table), expect={"sparsebalance_megatron": "0.3.0"})
+    LatencyModel.load(write_table(tmp_path, table), expect={"sparsebalance_megatron": "0.3.0"})
 
 
 def test_table_without_coefficients_is_fitted(tmp_path, table):
     ref = LatencyModel.from_table(table)
     del table["coefficients"]
-    m = LatencyModel.load(_write(tmp_path, table))
+    m = LatencyModel.load(write_table(tmp_path, table))
     np.testing.assert_allclose(m.coef["last"]["bwd"], ref.coef["last"]["bwd"], rtol=1e-6, atol=1e-15)
 
 
