@@ -92,11 +92,6 @@ class BlockSelection:
         return mask
 
 
-def allowed_blocks(layout: BlockLayout) -> torch.Tensor:
-    """[NB, NB] bool: key block j is causal (j <= i) and in the same document as query block i."""
-    return layout.allowed()
-
-
 def forced_blocks(layout: BlockLayout, sink_blocks: int, local_blocks: int) -> torch.Tensor:
     """[NB, NB] bool: always-kept blocks (diagonal, document sinks, local window)."""
     key = ("forced", sink_blocks, local_blocks)

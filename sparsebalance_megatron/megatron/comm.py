@@ -1,12 +1,11 @@
 """The one module of ours that talks to torch.distributed: small gathers and broadcasts.
 
-Used by the trainer (loss reporting, barriers) and the DST runtime (gathering per-micro-batch
-timings, broadcasting the plan so every TP, PP and DP rank holds identical budgets).
+Used by the callback (gathering per-micro-batch timings, broadcasting the DST plan so every TP,
+PP and DP rank holds identical budgets), the profiler and the console lines.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 
@@ -47,14 +46,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a short vector of floats over every rank (float64 on the CPU or current device)."""
-    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-    if is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.tolist()
-
-
 def all_gather_object(obj) -> list:
     """Every rank's ``obj`` in rank order (small, picklable payloads only: timings, stats)."""
     if not is_initialized():
@@ -72,13 +63,3 @@ def broadcast_object(obj, src: int = 0):
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
-
-def _comm_device() -> torch.device:
-    if is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def destroy() -> None:
-    if is_initialized():
-        dist.destroy_process_group()

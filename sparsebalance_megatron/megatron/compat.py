@@ -245,10 +245,6 @@ def activate_cpu_shims() -> bool:
     return True
 
 
-def shims_active() -> bool:
-    return _active
-
-
 def device() -> torch.device:
     """The device model tensors live on: the current CUDA device, else the CPU."""
     if torch.cuda.is_available():

@@ -334,8 +334,3 @@ def _loss_func(loss_mask, output_tensor):
     _run.callback.record_loss(loss, num_tokens)
     return loss, num_tokens, report
 
-
-def current_callback():
-    """The running ``SparseBalanceCallback`` (None before the model is built / without the
-    plugin's data path): for scripts that observe a run in-process."""
-    return _run.callback
