@@ -125,10 +125,10 @@ class CpuRunConfig:
         return cls(**{f: getattr(args, f) for f in cls.__dataclass_fields__})
 
     def shape(self):
-        """The model as a profiler ``StageShape`` (the one list of its dimensions)."""
-        from sparsebalance_megatron.megatron.profile import StageShape
+        """The model as a profiler ``ModelShape`` (the one list of its dimensions)."""
+        from sparsebalance_megatron.latency.shape import ModelShape
 
-        return StageShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
+        return ModelShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
                           ffn_hidden_size=2 * self.hidden_size, num_attention_heads=4,
                           num_query_groups=2, vocab_size=self.padded_vocab_size(),
                           seq_length=self.seq_length, pp=self.pp, swiglu=True)

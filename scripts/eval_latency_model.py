@@ -93,7 +93,8 @@ def main(argv=None) -> int:
 
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.latency import LatencyModel, read_table
-    from sparsebalance_megatron.megatron.profile import (StageShape, build_stage, device_name,
+    from sparsebalance_megatron.latency.shape import ModelShape
+    from sparsebalance_megatron.megatron.profile import (build_stage, device_name,
                                                          init_single_process, time_microbatch)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
     if not torch.cuda.is_available():
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     mod, att, prof = table["model"], table["attention"], table.get("profile", {})
     fields = {**mod, **table.get("execution", {})}   # model shape and how the stage ran
-    shape = StageShape(**{k: fields[k] for k in StageShape.__dataclass_fields__ if k in fields},
+    shape = ModelShape(**{k: fields[k] for k in ModelShape.__dataclass_fields__ if k in fields},
                        pp=table["pipeline"]["pp"])
     sb = SparseBalanceConfig(sparse_attention=True, block_size=att["block_size"],
                              sink_blocks=att["sink_blocks"], local_blocks=att["local_blocks"],

@@ -52,11 +52,21 @@ TINY_MODEL = [
 @pytest.fixture(scope="session")
 def tiny_latency_table(tmp_path_factory) -> Path:
     """A quick latency table for TINY_MODEL (the profiler CLI, as a user would run it)."""
-    out = tmp_path_factory.mktemp("lat") / "lat.json"
+    return _profile_tiny(tmp_path_factory.mktemp("lat") / "lat.json", pp=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_latency_table_pp2(tmp_path_factory) -> Path:
+    """The same for a 2-stage pipeline (first, last and a middle stage: any layout)."""
+    return _profile_tiny(tmp_path_factory.mktemp("lat") / "lat_pp2.json", pp=2)
+
+
+def _profile_tiny(out: Path, pp: int) -> Path:
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--no-progress", "--out", str(out), "--num-layers", "4", "--hidden-size", "64",
            "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
            "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",
+           "--pipeline-model-parallel-size", str(pp),
            "--mixes", "3", "--densities", "0.25", "1.0", "--repeats", "1"]
     subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return out

@@ -29,22 +29,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .features import FEATURES, UnitFeatures
+from .shape import ModelShape
 from .table import EXECUTION, FORMAT, FORMAT_VERSION, stage_kinds_for
-
-
-@dataclass
-class ModelShape:
-    """Transformer shape; defaults are Qwen2.5-0.5B at 32K tokens per micro-batch."""
-
-    num_layers: int = 24
-    hidden_size: int = 896
-    num_attention_heads: int = 14
-    num_query_groups: int = 2
-    kv_channels: int = 64
-    ffn_hidden_size: int = 4864
-    vocab_size: int = 151936
-    seq_length: int = 32768   # tokens per packed micro-batch
-    swiglu: bool = True
 
 
 @dataclass
@@ -73,7 +59,7 @@ class DeviceProfile:
 
 def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -> dict:
     """Seconds per feature of ONE transformer layer: {fwd, bwd: [const, tokens, pair, select]}."""
-    h, hd = shape.hidden_size, shape.kv_channels
+    h, hd = shape.hidden_size, shape.head_dim
     nq, ng = shape.num_attention_heads, shape.num_query_groups
     qkv = 2 * h * (nq + 2 * ng) * hd            # FLOPs per token
     proj = 2 * nq * hd * h
@@ -117,8 +103,11 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
     h, v = shape.hidden_size, shape.vocab_size
     embed_tok_s = 2 * 2 * h / dev.hbm_bytes_per_s                  # gather + write, bf16
     head_tok_fwd_s = 2 * h * v / dev.matmul_flops + 4 * 2 * v / dev.hbm_bytes_per_s  # + loss
+    # a middle stage is always given (measured, in a profiled table): it is one layer's cost x
+    # per_stage, what ``LatencyModel.with_layout`` needs for uneven and interleaved layouts
+    all_kinds = sorted(set(kinds) | ({"middle"} if pp >= 2 else set()))
     coef = {}
-    for kind in sorted(set(kinds)):
+    for kind in all_kinds:
         c = {p: [per_stage * x for x in lay[p]] for p in ("fwd", "bwd")}
         if kind in ("first", "only"):
             c["fwd"][1] += embed_tok_s
@@ -136,7 +125,7 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
         cuts = np.sort(rng.choice(np.arange(1, total), size=rng.integers(2, 12), replace=False))
         mixes.append(np.diff(np.concatenate([[0], cuts, [total]])).tolist())
     meas = []
-    for kind in sorted(set(kinds)):
+    for kind in all_kinds:
         f = UnitFeatures.build(mixes, block_size, sink_blocks, local_blocks)
         for d in densities:
             x = f.matrix(float(d))
@@ -150,7 +139,7 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
         "format": FORMAT, "format_version": FORMAT_VERSION, "source": "analytic",
         "device": dev.name,
         "software": {"torch": "analytic", "megatron_core": "analytic"},
-        "model": {k: val for k, val in asdict(shape).items()},
+        "model": shape.as_table_model(),
         "execution": {"tensor_model_parallel_size": 1, "transformer_impl": transformer_impl,
                       "recompute_granularity": recompute_granularity},
         "attention": {"block_size": block_size, "sink_blocks": sink_blocks,

@@ -5,6 +5,13 @@ forward and the backward pass::
 
     t = c0 + c1 * tokens + c2 * attention_work(density) + c3 * selection_work + c4 * sequences
 
+A stage of another layer count than the table's (Megatron's uneven splits, layout strings and
+the interleaved schedule's model chunks: ``layout.PipelineLayout``) is its kind's coefficients
+plus (its layers - the table's layers of that kind) x one layer's, where one layer is the
+measured middle stage divided by its layers: exact for the table's own layout, and the embedding
+and LM head + loss stay on the first and last (virtual) stage. ``with_layout`` gives the model of
+a run's layout; ``num_stages`` is then the number of virtual stages.
+
 (features in ``features.py``; attention work counts exactly the kept block pairs). Because the
 density enters only through attention work, DST re-times a unit at another density with
 ``UnitTerms.time_s(d) = fixed_s + attn_s_per_pair * work(d)``: no documents are re-walked.
@@ -28,8 +35,9 @@ from typing import Optional
 import numpy as np
 
 from .features import FEATURES, UnitFeatures, features_of
-from .table import (LatencyTableError, check_coefficients, check_compatible, read_table,
-                    validate_table, write_table)
+from .layout import LayoutError, PipelineLayout
+from .table import (LatencyTableError, check_coefficients, check_compatible, measured_kinds,
+                    read_table, table_layout, validate_table, write_table)
 
 
 def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -108,7 +116,6 @@ class LatencyModel:
         self.local_blocks = int(att["local_blocks"])
         self.work_mode = att.get("work", "kept")
         self.query_chunk_blocks = int(att.get("query_chunk_blocks", 16))
-        self.stage_kinds = list(table["pipeline"]["stage_kinds"])
         self.features = list(table["features"])
         if self.features != list(FEATURES):
             raise LatencyTableError(f"latency table {where}: field 'features': "
@@ -118,6 +125,9 @@ class LatencyModel:
         check_coefficients(table, coefficients, where)
         self.coef = {k: {p: np.asarray(v[p], dtype=np.float64) for p in ("fwd", "bwd")}
                      for k, v in coefficients.items()}
+        self.table_layout = table_layout(table)
+        self.layout = self.table_layout
+        self._stage_coef = [self.coef[k] for k in self.layout.kinds()]
         if not (0.0 < calibration_ema <= 1.0):
             raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
         self.calibration_ema = float(calibration_ema)
@@ -134,7 +144,7 @@ class LatencyModel:
         validate_table(table, where)
         att = table["attention"]
         coef = {}
-        for kind in sorted(set(table["pipeline"]["stage_kinds"])):
+        for kind in measured_kinds(table):
             rows = [m for m in table["measurements"] if m["kind"] == kind]
             feats = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
                                        att["sink_blocks"], att["local_blocks"],
@@ -191,20 +201,82 @@ class LatencyModel:
         table["coefficients"] = {k: {p: v[p].tolist() for p in v} for k, v in self.coef.items()}
         return json.dumps(table)
 
+    # --- layouts ---------------------------------------------------------------------------
+    def layer_coefficients(self) -> dict:
+        """{fwd, bwd: [n_features]} of ONE decoder layer: the measured middle stage over its
+        layers. ``LayoutError`` when the table has no middle stage (a pp=1 table, or a pp=2 one
+        profiled before 0.4.0)."""
+        if "middle" not in self.coef:
+            raise LayoutError(
+                f"latency table ({self.table.get('device')}, pp={self.table_layout.pp}, stage "
+                f"kinds {sorted(self.coef)}) has no middle-stage measurement, so one layer's cost "
+                f"is unknown and only its own layout {self.table_layout.describe()} can be "
+                f"predicted: profile again with sparsebalance-profile "
+                f"--pipeline-model-parallel-size 2 or more (it measures a middle stage)")
+        n = self._kind_layers("middle")
+        return {p: self.coef["middle"][p] / n for p in ("fwd", "bwd")}
+
+    def _kind_layers(self, kind: str) -> int:
+        lay = self.table_layout
+        kinds = lay.kinds()
+        return lay.layers[kinds.index(kind)] if kind in kinds else max(lay.layers)
+
+    def with_layout(self, layout: PipelineLayout) -> "LatencyModel":
+        """This model for a run with ``layout`` (per virtual stage); calibration is shared.
+
+        ``LayoutError`` when the table cannot predict it (see ``layer_coefficients``)."""
+        kinds = layout.kinds()
+        missing = sorted(set(kinds) - set(self.coef))
+        if missing:
+            raise LayoutError(
+                f"latency table (stage kinds {sorted(self.coef)}, pp={self.table_layout.pp}) "
+                f"cannot predict the {'x'.join(str(v) for v in (layout.pp, layout.vp) if v > 1) or 1}"
+                f"-stage layout {layout.describe()}: it lacks stage kind(s) {missing} (profile "
+                f"with --pipeline-model-parallel-size >= 2 for a pipelined run)")
+        stage_coef = []
+        per_layer = None
+        for kind, n in zip(kinds, layout.layers):
+            base = self.coef[kind]
+            dn = n - self._kind_layers(kind)
+            if dn == 0:
+                stage_coef.append(base)
+                continue
+            if per_layer is None:
+                per_layer = self.layer_coefficients()
+            c = {p: base[p] + dn * per_layer[p] for p in ("fwd", "bwd")}
+            for p in c:           # a stage with fewer layers cannot have negative work costs
+                c[p][1:] = np.maximum(c[p][1:], 0.0)
+            stage_coef.append(c)
+        out = copy.copy(self)
+        out.layout = layout
+        out._stage_coef = stage_coef
+        return out
+
     # --- prediction -----------------------------------------------------------------------
     @property
     def pp(self) -> int:
-        return len(self.stage_kinds)
+        """Pipeline ranks of the layout."""
+        return self.layout.pp
+
+    @property
+    def num_stages(self) -> int:
+        """Virtual stages of the layout (pp x vp); the stage axis of every prediction."""
+        return self.layout.num_stages
+
+    @property
+    def stage_kinds(self) -> list:
+        return self.layout.kinds()
 
     @property
     def p2p_s(self) -> float:
         return float(self.table.get("p2p_s", 0.0))
 
     def kind_of(self, stage: int) -> str:
+        n = self.num_stages
         if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)) \
-                or not (0 <= stage < self.pp):
-            raise ValueError(f"stage={stage!r}: expected an integer in [0, {self.pp}) "
-                             f"(the table's pipeline has {self.pp} stage(s))")
+                or not (0 <= stage < n):
+            raise ValueError(f"stage={stage!r}: expected an integer in [0, {n}) "
+                             f"(the layout {self.layout.describe()} has {n} stage(s))")
         return self.stage_kinds[stage]
 
     def unit_features(self, mb_doc_lengths) -> UnitFeatures:
@@ -215,7 +287,8 @@ class LatencyModel:
     def unit_terms(self, mb_doc_lengths, stage: int, rank: Optional[int] = None) -> UnitTerms:
         """Closed-form per-unit time at any density on ``stage`` (calibrated for ``rank``)."""
         f = self.unit_features(mb_doc_lengths)
-        c = self.coef[self.kind_of(stage)]
+        self.kind_of(stage)
+        c = self._stage_coef[stage]
         corr = self.correction(rank) if rank is not None else 1.0
         x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work, f.sequences],
                      axis=1)                                                   # [n, 4]

@@ -11,6 +11,7 @@ A table (written by the profiler or by ``analytic.py``) looks like::
      "attention": {"block_size": 64, "sink_blocks": 1, "local_blocks": 0,
                    "work": "kept" | "chunked", "query_chunk_blocks": 16},
      "pipeline": {"pp": 2, "stage_kinds": ["first", "last"], "layers_per_stage": [2, 2]},
+     # measurements may also hold kind "middle" when pp >= 2 (one layer's cost, for layouts)
      "features": ["const", "tokens", "attention_work", "selection_work", "sequences"],
      "measurements": [{"kind": "first", "doc_lengths": [...], "density": 0.5,
                        "fwd_s": ..., "bwd_s": ...}, ...],
@@ -40,6 +41,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .features import FEATURES, UnitFeatures
+from .layout import PipelineLayout
 
 FORMAT = "sparsebalance-latency-table"
 FORMAT_VERSION = 2
@@ -73,6 +75,24 @@ def stage_kinds_for(pp: int) -> list[str]:
     if pp == 1:
         return ["only"]
     return ["first"] + ["middle"] * (pp - 2) + ["last"]
+
+
+def measured_kinds(table: dict) -> list[str]:
+    """Stage kinds with measurements: the pipeline's, plus ``middle`` in a pp >= 2 table
+    profiled for layouts (a middle stage gives one layer's cost)."""
+    return sorted({m["kind"] for m in table["measurements"]})
+
+
+def table_layout(table: dict) -> PipelineLayout:
+    """The layout the table was measured on (``pipeline.layers_per_stage``, else the model's
+    layers split evenly)."""
+    pipe = table["pipeline"]
+    pp = len(pipe["stage_kinds"])
+    layers = pipe.get("layers_per_stage")
+    if layers is None:
+        n = int(table.get("model", {}).get("num_layers", pp))
+        layers = [max(n // pp, 1)] * pp
+    return PipelineLayout(pp, 1, tuple(int(x) for x in layers))
 
 
 def _num(v) -> bool:
@@ -138,6 +158,15 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
             err(f"pipeline.stage_kinds[{i}]", f"{k!r}: expected one of {STAGE_KINDS}")
     if pipe.get("pp", len(kinds)) != len(kinds):
         err("pipeline.pp", f"{pipe.get('pp')!r} != len(stage_kinds) = {len(kinds)}")
+    if kinds != stage_kinds_for(len(kinds)):
+        err("pipeline.stage_kinds", f"{kinds!r}: expected {stage_kinds_for(len(kinds))} for "
+            f"{len(kinds)} stage(s)")
+    lps = pipe.get("layers_per_stage")
+    if lps is not None and (not isinstance(lps, list) or len(lps) != len(kinds) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in lps)):
+        err("pipeline.layers_per_stage", f"{lps!r}: expected {len(kinds)} integers >= 1 (one "
+            f"per stage)")
+    allowed = set(kinds) | ({"middle"} if len(kinds) >= 2 else set())
     feats = table["features"]
     if feats != list(FEATURES):
         err("features", f"{feats!r}: expected {list(FEATURES)}")
@@ -151,8 +180,8 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
         for k in ("kind", "doc_lengths", "density", "fwd_s", "bwd_s"):
             if k not in m:
                 err(f"{f}.{k}", "missing")
-        if m["kind"] not in kinds:
-            err(f"{f}.kind", f"{m['kind']!r}: expected one of the pipeline's kinds {sorted(set(kinds))}")
+        if m["kind"] not in allowed:
+            err(f"{f}.kind", f"{m['kind']!r}: expected one of the pipeline's kinds {sorted(allowed)}")
         dl = m["doc_lengths"]
         if not isinstance(dl, list) or not dl or not all(
                 isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in dl):
@@ -211,7 +240,7 @@ def check_coefficients(table: dict, coefficients: Any, where: str = "<table>") -
         err("coefficients", f"{str(coefficients)[:60]}: expected an object "
             f"{{kind: {{fwd: [...], bwd: [...]}}}}")
     att = table["attention"]
-    for kind in sorted(set(table["pipeline"]["stage_kinds"])):
+    for kind in measured_kinds(table):
         per_kind = coefficients.get(kind)
         total = None
         idx = [i for i, m in enumerate(table["measurements"]) if m["kind"] == kind]

@@ -67,7 +67,10 @@ class SparseBalanceCallback:
         if sb.batching_enabled:
             from ..batching.sensitivity import SensitivityTracker
             self.tracker = SensitivityTracker()
-        self.reporter = StepReporter(args, sb, dp=self.dp, pp=self.pp)
+        from ..latency.layout import PipelineLayout
+        self.layout = PipelineLayout.from_megatron_args(args)   # launch.py checked it
+        self.reporter = StepReporter(args, sb, dp=self.dp, pp=self.pp,
+                                     layers=self.layout.layers)
         self.timers = None                      # hooks installs the MicrobatchTimers
         self.sampler = None
         self.steps_done = 0                     # steps this process ran (the first is warm-up)

@@ -19,14 +19,17 @@ from . import comm
 def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     """What a latency table must have been measured on to be used by this run: device,
     versions, model shape, execution (``args.tensor_model_parallel_size``,
-    ``args.transformer_impl``, ``args.recompute_granularity``), attention and pipeline."""
+    ``args.transformer_impl``, ``args.recompute_granularity``) and attention. The pipeline is not
+    compared: any table with the run's stage kinds (and a middle stage, for a layout other than
+    its own) predicts the run's layout (``LatencyModel.with_layout``)."""
     import megatron.core
     import torch
 
     from .. import __version__
-    from .profile import StageShape, device_name
+    from ..latency.shape import ModelShape
+    from .profile import device_name
 
-    shape = StageShape.from_megatron_args(args)
+    shape = ModelShape.from_megatron_args(args)
     return {
         "device": device_name(),
         "torch": torch.__version__,
@@ -36,15 +39,14 @@ def table_expectation(args, sb: SparseBalanceConfig) -> dict:
         "execution": shape.as_table_execution(),
         "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
                       "local_blocks": sb.local_blocks},
-        "pipeline": {"pp": args.pipeline_model_parallel_size},
     }
 
 
 def profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:
-    from .profile import StageShape
+    from ..latency.shape import ModelShape
 
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
-           "--out", out, *StageShape.from_megatron_args(args).cli_flags(),
+           "--out", out, *ModelShape.from_megatron_args(args).cli_flags(),
            "--sb-block-size", sb.block_size, "--sb-sink-blocks", sb.sink_blocks,
            "--sb-local-blocks", sb.local_blocks, "--sb-attention-backend", sb.attention_backend]
     return [str(c) for c in cmd]
@@ -98,7 +100,8 @@ def load_latency_model(args, sb: SparseBalanceConfig):
                                   calibration_ema=sb.calibration_ema)
     except (LatencyTableError, OSError) as e:
         raise SystemExit(f"error: --sb-latency-table: {e}")
-    if model.pp != args.pipeline_model_parallel_size:
-        raise SystemExit(f"error: --sb-latency-table {path}: profiled for {model.pp} pipeline "
-                         f"stage(s), this run has {args.pipeline_model_parallel_size}")
-    return model
+    from ..latency.layout import LayoutError, PipelineLayout
+    try:
+        return model.with_layout(PipelineLayout.from_megatron_args(args))
+    except LayoutError as e:
+        raise SystemExit(f"error: --sb-latency-table {path}: {e}")

@@ -20,6 +20,7 @@ import os
 import torch
 
 from ..config import SparseBalanceConfig, flag_name
+from ..latency.layout import LayoutError, PipelineLayout
 
 
 class LaunchError(ValueError):
@@ -87,24 +88,14 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
                    f"is not supported by the sparse attention yet; use 1)")
     if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None or \
             getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
-        out.append("the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage / "
-                   "--num-virtual-stages-per-pipeline-rank; not supported yet)")
-    if sb.dst_enabled or sb.batching_enabled:
-        layout = [f for f, d in (("--decoder-first-pipeline-num-layers",
-                                  "decoder_first_pipeline_num_layers"),
-                                 ("--decoder-last-pipeline-num-layers",
-                                  "decoder_last_pipeline_num_layers"),
-                                 ("--pipeline-model-parallel-layout",
-                                  "pipeline_model_parallel_layout"))
-                  if getattr(args, d, None) is not None]
-        layout += [f for f, d in (("--account-for-embedding-in-pipeline-split",
-                                   "account_for_embedding_in_pipeline_split"),
-                                  ("--account-for-loss-in-pipeline-split",
-                                   "account_for_loss_in_pipeline_split"))
-                   if getattr(args, d, False)]
-        if layout:
-            out.append(f"{', '.join(layout)} with DST/SAB (the latency model knows even layer "
-                       f"splits only, so far)")
+        out.append("the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage, "
+                   "--num-virtual-stages-per-pipeline-rank, or a layout string with more stages "
+                   "than pipeline ranks): the latency model, simulator, DST and "
+                   "sparsebalance-layout plan it, training does not run it yet")
+    try:
+        PipelineLayout.from_megatron_args(args)
+    except LayoutError as e:
+        out.append(f"the pipeline layout: {e}")
     if plugin_data:
         if getattr(args, "iterations_to_skip", None):
             out.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "

@@ -23,7 +23,6 @@ import os
 import platform
 import socket
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -31,86 +30,10 @@ import torch
 
 from ..config import SparseBalanceConfig
 from ..latency.features import FEATURES
-from ..latency.table import EXECUTION, FORMAT, FORMAT_VERSION, stage_kinds_for
+from ..latency.shape import ModelShape
+from ..latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
 from ..plan import BudgetPlan
 from .budget import BudgetContext, SparsePackedSeqParams
-
-
-@dataclass
-class StageShape:
-    """The GPT being profiled (Megatron flag names in comments)."""
-
-    num_layers: int = 4              # --num-layers (whole model; split evenly over pp)
-    hidden_size: int = 128           # --hidden-size
-    ffn_hidden_size: int = 384       # --ffn-hidden-size
-    num_attention_heads: int = 4     # --num-attention-heads
-    num_query_groups: int = 2        # --num-query-groups
-    kv_channels: Optional[int] = None  # --kv-channels (default hidden / heads)
-    vocab_size: int = 42240          # padded vocabulary (compact built-in corpus, qwen)
-    seq_length: int = 2048           # tokens per packed micro-batch
-    pp: int = 1                      # --pipeline-model-parallel-size
-    swiglu: bool = True              # --swiglu (gated SiLU MLP); else Megatron's GeLU MLP
-    # how the stage runs (the table's "execution" section, not its "model" section)
-    tensor_model_parallel_size: int = 1   # --tensor-model-parallel-size (only 1 is profiled)
-    transformer_impl: str = "local"       # --transformer-impl: local | transformer_engine
-    recompute_granularity: str = "none"   # --recompute-granularity (Megatron's None = "none")
-
-    @classmethod
-    def from_megatron_args(cls, args) -> "StageShape":
-        """The shape of a training run (Megatron's parsed and validated args; a hand-built
-        namespace without the execution fields gets TP 1, no recomputation and the local
-        implementation, the plugin's CPU defaults)."""
-        return cls(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   ffn_hidden_size=args.ffn_hidden_size,
-                   num_attention_heads=args.num_attention_heads,
-                   num_query_groups=args.num_query_groups or args.num_attention_heads,
-                   kv_channels=args.kv_channels, vocab_size=args.padded_vocab_size,
-                   seq_length=args.seq_length * args.micro_batch_size,
-                   pp=args.pipeline_model_parallel_size, swiglu=bool(args.swiglu),
-                   tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
-                   transformer_impl=getattr(args, "transformer_impl", "local"),
-                   recompute_granularity=getattr(args, "recompute_granularity", None) or "none")
-
-    def as_table_model(self) -> dict:
-        """The ``model`` section of a latency table measured on this shape."""
-        d = dict(self.__dict__)
-        for k in ("pp", *EXECUTION):
-            d.pop(k)
-        d["kv_channels"] = self.kv_channels or self.hidden_size // self.num_attention_heads
-        return d
-
-    def as_table_execution(self) -> dict:
-        """The ``execution`` section: TP size, transformer implementation, recomputation."""
-        return {k: getattr(self, k) for k in EXECUTION}
-
-    def check_profilable(self) -> None:
-        """``ValueError`` naming the setting when this stage cannot be profiled here."""
-        if self.tensor_model_parallel_size != 1:
-            raise ValueError(
-                f"--tensor-model-parallel-size {self.tensor_model_parallel_size}: the profiler "
-                f"builds a 1-process stage and can neither measure nor model tensor-parallel "
-                f"time (sharded GEMMs plus all-reduces); profile with "
-                f"--tensor-model-parallel-size 1 and run with --sb-latency-table-force, knowing "
-                f"that the table then predicts TP=1 times")
-        for k, allowed in EXECUTION.items():
-            if allowed is not None and getattr(self, k) not in allowed:
-                raise ValueError(f"--{k.replace('_', '-')} {getattr(self, k)!r}: expected one of "
-                                 f"{allowed}")
-
-    def cli_flags(self) -> list[str]:
-        """``sparsebalance-profile`` flags that profile this shape."""
-        flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
-                 "--ffn-hidden-size", self.ffn_hidden_size,
-                 "--num-attention-heads", self.num_attention_heads,
-                 "--num-query-groups", self.num_query_groups, "--vocab-size", self.vocab_size,
-                 "--seq-length", self.seq_length, "--pipeline-model-parallel-size", self.pp,
-                 "--swiglu" if self.swiglu else "--no-swiglu",
-                 "--tensor-model-parallel-size", self.tensor_model_parallel_size,
-                 "--transformer-impl", self.transformer_impl,
-                 "--recompute-granularity", self.recompute_granularity]
-        if self.kv_channels is not None:
-            flags += ["--kv-channels", self.kv_channels]
-        return [str(f) for f in flags]
 
 
 def device_name() -> str:
@@ -189,7 +112,7 @@ def _budget_of(model) -> BudgetContext:
     raise ValueError("the profiled model has no SparseCoreAttention layer")
 
 
-def build_stage(shape: StageShape, sb: SparseBalanceConfig, kind: str, num_layers: int):
+def build_stage(shape: ModelShape, sb: SparseBalanceConfig, kind: str, num_layers: int):
     """A GPTModel holding one pipeline stage of ``kind`` with ``num_layers`` layers."""
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -249,7 +172,7 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def time_microbatch(model, dev, kind: str, shape: StageShape, doc_lengths: Sequence[int],
+def time_microbatch(model, dev, kind: str, shape: ModelShape, doc_lengths: Sequence[int],
                     density: float, repeats: int, warmup: int, statistic: str = "median"
                     ) -> tuple[float, float]:
     """Median (or min) (fwd_s, bwd_s) over ``repeats`` runs of one packed micro-batch."""
@@ -299,27 +222,31 @@ def time_microbatch(model, dev, kind: str, shape: StageShape, doc_lengths: Seque
     return float(stat(fwd)), float(stat(bwd))
 
 
-def profile_table(shape: StageShape, sb: SparseBalanceConfig, *, densities: Sequence[float],
+def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequence[float],
                   mixes: Sequence[Sequence[int]], repeats: int = 3, warmup: int = 1,
                   statistic: str = "median", progress: Optional[Callable] = None) -> dict:
     """Measure every (stage kind, mix, density) and return a validated, fitted table."""
     from ..attention import resolve_backend
     from ..latency.model import LatencyModel
 
-    if shape.num_layers % shape.pp:
-        raise ValueError(f"--num-layers={shape.num_layers} is not divisible by "
-                         f"--pipeline-model-parallel-size={shape.pp}")
+    if shape.num_layers < shape.pp:
+        raise ValueError(f"--num-layers={shape.num_layers} is less than "
+                         f"--pipeline-model-parallel-size={shape.pp}: no layer for a stage")
     shape.check_profilable()
     init_single_process(sb.seed)
     kinds = stage_kinds_for(shape.pp)
+    # Every stage kind is measured at the same layer count (the even split, rounded down); with
+    # pp >= 2 a middle stage is measured too, even at pp = 2: it is one layer's cost x per_stage,
+    # from which ``LatencyModel.with_layout`` predicts any uneven or interleaved layout.
     per_stage = shape.num_layers // shape.pp
+    measured = sorted(set(kinds) | ({"middle"} if shape.pp >= 2 else set()))
     # Repeats are passes over the whole grid, not back-to-back runs: a burst of load from other
     # processes then spoils one sample of many points instead of every sample of one point.
     stat = {"median": np.median, "min": np.min}[statistic]
     meas = []
     points = [(m, d) for m in mixes for d in densities]
-    bar = progress(total=len(set(kinds)) * len(points) * repeats) if progress else None
-    for kind in sorted(set(kinds)):
+    bar = progress(total=len(measured) * len(points) * repeats) if progress else None
+    for kind in measured:
         torch.manual_seed(sb.seed)
         model, dev = build_stage(shape, sb, kind, per_stage)   # one stage in memory at a time
         # first-touch allocations and lazy init happen here, not in the first grid point

@@ -64,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def shape_from_cli(args):
-    """The ``StageShape`` these flags describe (the inverse of ``StageShape.cli_flags``)."""
-    from .profile import StageShape
+    """The ``ModelShape`` these flags describe (the inverse of ``ModelShape.cli_flags``)."""
+    from ..latency.shape import ModelShape
 
-    return StageShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+    return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       ffn_hidden_size=args.ffn_hidden_size,
                       num_attention_heads=args.num_attention_heads,
                       num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.analytic:
-        from ..latency.analytic import ModelShape, analytic_table
-        shape = ModelShape(**shape_from_cli(args).as_table_model())
+        from ..latency.analytic import analytic_table
+        shape = shape_from_cli(args)
         table = analytic_table(shape, pp=args.pipeline_model_parallel_size,
                                block_size=sb.block_size, sink_blocks=sb.sink_blocks,
                                local_blocks=sb.local_blocks,

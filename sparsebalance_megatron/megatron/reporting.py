@@ -32,9 +32,10 @@ def unit_work(batch, sb: SparseBalanceConfig) -> np.ndarray:
 
 
 def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
-                overhead_s: float, work: np.ndarray) -> dict:
+                overhead_s: float, work: np.ndarray, layers=None) -> dict:
     """Everything known about a finished step (identical on every rank). Densities are weighted
-    by attention work (``work`` [dp, m]); per stage and per DP rank as well as overall."""
+    by layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per stage, the
+    run's pipeline layout; None = equal); per stage and per DP rank as well as overall."""
     from ..policy.costs import stage_mean_densities, weighted_mean_density
 
     batch = step.batch
@@ -51,9 +52,11 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
            "sb_overhead_s": overhead_s}
     if step.plan is not None:
         d = step.plan.densities                                     # [dp, m, pp]
-        w = np.broadcast_to(np.asarray(work, dtype=np.float64)[:, :, None], d.shape)
+        lay = np.ones(d.shape[2]) if layers is None else np.asarray(layers, dtype=np.float64)
+        w = np.asarray(work, dtype=np.float64)[:, :, None] * lay[None, None, :]
         per_rank = stage_mean_densities(d.transpose(2, 1, 0), w.transpose(2, 1, 0))
         rec.update(budgets_consistent=True, mean_density=weighted_mean_density(d, w),
+                   layers_per_stage=[int(x) for x in lay],
                    density_per_rank=[float(x) for x in per_rank],
                    density_per_stage=[float(x) for x in stage_mean_densities(d, w)])
     if np.isfinite(measured).all():
@@ -121,15 +124,15 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, pp: int) -> dict:
 class StepReporter:
     """Sends each step's record to the metrics file, Megatron's writers and the console."""
 
-    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, pp: int):
-        self.args, self.sb, self.dp, self.pp = args, sb, dp, pp
+    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, pp: int, layers=None):
+        self.args, self.sb, self.dp, self.pp, self.layers = args, sb, dp, pp, layers
         self._interval: dict = defaultdict(list)
         self.history: list = []   # records of this process (tests, scripts in the same process)
 
     def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float):
         work = unit_work(step.batch, self.sb)
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
-                          work=work)
+                          work=work, layers=self.layers)
         self.history.append(rec)
         if self.sb.metrics_file and comm.rank() == 0:
             line = dict(rec, **unit_details(step, gathered, work, dp=self.dp, pp=self.pp))

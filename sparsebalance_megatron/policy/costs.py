@@ -49,11 +49,14 @@ def check_density_bounds(d0: float, d_min: float, d_max: float) -> None:
 class UnitCosts:
     """Predicted seconds of every unit at every grid density.
 
-    densities: [g] ascending grid; fwd_s, bwd_s: [dp, m, pp, g] seconds.
-    attn_work: optional [dp, m, pp] dense attention work of each unit (kept block pairs at density
-    1, or anything proportional); the weights of the mean density. Without it the attention part
-    of the cost is used: (t(d_max) - t(d_min)) / (d_max - d_min), which is proportional to dense
-    attention work when time is affine in kept block pairs.
+    densities: [g] ascending grid; fwd_s, bwd_s: [dp, m, pp, g] seconds; the stage axis holds the
+    pipeline's *virtual* stages (``v = chunk * pipeline_ranks + rank``) when ``pipeline_ranks``
+    is given and smaller (Megatron's interleaved schedule), else one stage per rank.
+    attn_work: optional [dp, m, pp] dense attention work of each unit, all its layers together
+    (kept block pairs at density 1 x the stage's decoder layers, or anything proportional); the
+    weights of every mean density, so a density is weighted by layers x attention work. Without
+    it the attention part of the cost is used: (t(d_max) - t(d_min)) / (d_max - d_min), which is
+    proportional to that when time is affine in kept block pairs.
 
     Costs are made non-decreasing in density (a running max over the grid), so that cutting can
     never make a unit slower; a latency table's interpolation noise would otherwise break that.
@@ -63,6 +66,7 @@ class UnitCosts:
     fwd_s: np.ndarray
     bwd_s: np.ndarray
     attn_work: Optional[np.ndarray] = None
+    pipeline_ranks: Optional[int] = None
 
     def __post_init__(self):
         g = np.asarray(self.densities, dtype=np.float64)
@@ -80,6 +84,13 @@ class UnitCosts:
         for name, a in (("fwd_s", f), ("bwd_s", b)):
             if not np.all(np.isfinite(a)) or np.any(a < 0):
                 raise ValueError(f"{name} must be finite seconds >= 0 (min={np.nanmin(a)!r})")
+        nv = f.shape[2]
+        pr = nv if self.pipeline_ranks is None else self.pipeline_ranks
+        if isinstance(pr, bool) or not isinstance(pr, (int, np.integer)) or pr < 1 or nv % pr \
+                or (pr < nv and pr < 2):
+            raise ValueError(f"pipeline_ranks={self.pipeline_ranks!r}: expected an integer >= 2 "
+                             f"dividing the {nv} (virtual) stages, or None")
+        self.pipeline_ranks = int(pr)
         self.densities = g
         self.fwd_s = np.maximum.accumulate(f, axis=-1)
         self.bwd_s = np.maximum.accumulate(b, axis=-1)
@@ -94,6 +105,11 @@ class UnitCosts:
     @property
     def shape(self) -> Tuple[int, int, int]:
         return tuple(self.fwd_s.shape[:3])
+
+    @property
+    def vp(self) -> int:
+        """Model chunks per pipeline rank (1: no interleaving)."""
+        return self.fwd_s.shape[2] // self.pipeline_ranks
 
     def index_of(self, density: float) -> int:
         """Grid index of a density that is on the grid (ValueError otherwise)."""
@@ -136,13 +152,15 @@ class UnitCosts:
         """Tabulate a ``latency.LatencyModel`` for one step.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
-        ``UnitFeatures`` of them; every stage sees the same micro-batches. With ``calibrated``,
-        rank r's times are scaled by the model's online correction of rank r.
-        attn_work = kept block pairs at density 1 (dense causal work), the mean-density weights.
+        ``UnitFeatures`` of them; every stage sees the same micro-batches. The stage axis is the
+        model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
+        model's online correction of rank r.
+        attn_work = kept block pairs at density 1 (dense causal work) x the stage's decoder
+        layers: the mean-density weights.
         """
         g = np.asarray(densities, dtype=np.float64)
         feats = model.unit_features(mb_doc_lengths)
-        n, m, pp = feats.num_units, int(num_microbatches), model.pp
+        n, m, pp = feats.num_units, int(num_microbatches), model.num_stages
         if n != dp * m:
             raise ValueError(f"{n} micro-batches given: expected dp x m = {dp} x {m} = {dp * m}")
         work = feats.work_grid(g)                                    # [n, g]
@@ -158,7 +176,9 @@ class UnitCosts:
             corr = np.asarray([model.correction(r) for r in range(dp)])[:, None, None, None]
             f, b = f * corr, b * corr
         dense = feats.work_grid(np.array([1.0]))[:, 0].reshape(dp, m)
-        return cls(g, f, b, np.repeat(dense[:, :, None], pp, axis=2))
+        layers = np.asarray(model.layout.layers, dtype=np.float64)
+        return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
+                   pipeline_ranks=model.layout.pp)
 
     @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,
@@ -180,8 +200,8 @@ class UnitCosts:
 
 
 def stage_mean_densities(densities: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """[pp] work-weighted mean density of every pipeline stage (over its ranks and micro-batches;
-    a stage's layers all run at its units' densities)."""
+    """[pp] work-weighted mean density of every (virtual) pipeline stage (over its ranks and
+    micro-batches; a stage's layers all run at its units' densities)."""
     d = np.asarray(densities, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
     if d.shape != w.shape or d.ndim != 3:

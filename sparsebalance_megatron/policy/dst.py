@@ -78,7 +78,7 @@ class DSTReport:
 
 @dataclass
 class DSTPlan:
-    densities: np.ndarray   # [dp, m, pp] planned density of every unit
+    densities: np.ndarray   # [dp, m, stages] planned density of every unit (virtual stages)
     report: DSTReport
 
 
@@ -211,20 +211,27 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
     check_anchor_tolerance(anchor, tolerance)
     check_raise_headroom(raise_headroom)
     check_density_bounds(d0, d_min, d_max)
-    dp, m, pp = costs.shape
-    sens = _broadcast_sensitivity(sensitivity, (dp, m, pp))
+    dp, m, nv = costs.shape
+    # The load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
+    # model chunks: its units are then the (micro-batch, chunk) pairs, so every array below is
+    # [dp, m * vp, pp] (the same memory as [dp, m, nv], since v = chunk * pp + rank).
+    pp, vp = costs.pipeline_ranks, costs.vp
+    slots = m * vp
+    sens = _broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
-    t_grid = costs.total_s                                          # [dp, m, pp, g]
+    t_grid = costs.total_s                                          # [dp, m, nv, g]
     weights = costs.weights()
 
-    all_units = _unit_ids((dp, m, pp), np.arange(dp))               # [dp, m, pp]
+    all_units = _unit_ids((dp, slots, pp), np.arange(dp))           # [dp, m * vp, pp]
 
     def simulate(units, idx):
         f, b = _lookup(costs.fwd_s, units, idx), _lookup(costs.bwd_s, units, idx)
-        return pipeline_makespan_s(f, b, p2p_s), f + b
+        k = f.shape[0]
+        return pipeline_makespan_s(f.reshape(k, m, nv), b.reshape(k, m, nv), p2p_s,
+                                   pp=pp), f + b
 
     # 1. static plan
-    idx0 = np.full((dp, m, pp), i0, dtype=np.int64)
+    idx0 = np.full((dp, slots, pp), i0, dtype=np.int64)
     mk0, t0 = simulate(all_units, idx0)
     step0 = float(mk0.max())
     busy0 = t0.sum(axis=1)                                          # [dp, pp]
@@ -248,8 +255,9 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
     overhead = mk1 - busy1.max(axis=1)                              # [dp] fill/drain
     slack_full = np.maximum(target - overhead[:, None] - busy1, 0.0)  # [dp, pp]
     f1, b1 = _lookup(costs.fwd_s, all_units, idx_cut), _lookup(costs.bwd_s, all_units, idx_cut)
-    float_f, float_b = event_float_s(f1, b1, np.full(dp, target), p2p_s)
-    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0)       # [dp, m, pp]
+    float_f, float_b = event_float_s(f1.reshape(dp, m, nv), b1.reshape(dp, m, nv),
+                                     np.full(dp, target), p2p_s, pp=pp)
+    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0).reshape(dp, slots, pp)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = 0
     # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
@@ -285,7 +293,7 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
                 else:
                     reverted += 1
 
-    dens = costs.densities[idx]
+    dens = costs.densities[idx].reshape(dp, m, nv)
     report = DSTReport(
         step_time_static_s=step0, step_time_cut_s=step1,
         step_time_planned_s=float(mk_final.max()),

@@ -9,7 +9,8 @@ last event set to a common deadline (the bottleneck step time). A unit (one micr
 stage) may grow by at most the smaller float of its forward and backward without touching the
 deadline (its forward precedes its backward, so both lie on one path).
 
-Same event graph as ``sim/pipeline.py`` (Megatron's non-interleaved 1F1B), vectorised over DP.
+Same event graph as ``sim/pipeline.py`` (Megatron's 1F1B, plain or interleaved), vectorised over
+DP.
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -19,60 +20,65 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..sim.pipeline import BWD, FWD, stage_order_1f1b
+from ..sim.pipeline import FWD, _global_order
 
 
 @lru_cache(maxsize=64)
-def _events(m: int, pp: int):
-    """Topological order of (stage, kind, microbatch, predecessor-on-stage index) plus, for the
-    backward pass, each event's successors: (same-stage next event, cross-stage successor)."""
-    orders = [stage_order_1f1b(m, pp, s) for s in range(pp)]
-    pos, out, done = [0] * pp, [], set()
-    while len(out) < 2 * m * pp:
-        for s in range(pp):
-            while pos[s] < len(orders[s]):
-                kind, i = orders[s][pos[s]]
-                dep = (s - 1 if s > 0 else None) if kind == FWD else (s + 1 if s < pp - 1 else None)
-                if dep is not None and (kind, i, dep) not in done:
-                    break
-                done.add((kind, i, s))
-                nxt = orders[s][pos[s] + 1] if pos[s] + 1 < len(orders[s]) else None
-                cross = None
-                if kind == FWD and s < pp - 1:
-                    cross = (FWD, i, s + 1)
-                elif kind == BWD and s > 0:
-                    cross = (BWD, i, s - 1)
-                out.append((s, kind, i, dep, nxt, cross))
-                pos[s] += 1
-    return tuple(out)
+def _events(m: int, pp: int, vp: int = 1):
+    """The step's event graph in topological order (the simulator's): per event its rank,
+    kind, micro-batch, virtual stage, the event it waits for and whether that wait crosses ranks,
+    the next event on its rank and the event that waits for it (each -1 when none)."""
+    ranks, kinds, mbs, vs, dks, dvs, crosses = _global_order(m, pp, vp)
+    n = len(ranks)
+    eid = np.empty((2, m, pp * vp), dtype=np.int64)
+    eid[kinds, mbs, vs] = np.arange(n)
+    dep = np.where(dvs >= 0, eid[dks, mbs, np.maximum(dvs, 0)], -1)
+    nxt = np.full(n, -1, dtype=np.int64)
+    last = {}
+    for e in range(n - 1, -1, -1):
+        r = int(ranks[e])
+        nxt[e] = last.get(r, -1)
+        last[r] = e
+    succ = np.full(n, -1, dtype=np.int64)
+    has = dep >= 0
+    succ[dep[has]] = np.flatnonzero(has)
+    return (ranks.tolist(), kinds, mbs, vs, dep.tolist(), crosses.astype(bool).tolist(),
+            nxt.tolist(), succ.tolist())
 
 
 def event_float_s(fwd_s: np.ndarray, bwd_s: np.ndarray, deadline_s: np.ndarray,
-                  p2p_s: float = 0.0):
-    """Float of every forward and backward event: two arrays [dp, m, pp] of seconds (>= 0 when
-    the rank meets ``deadline_s`` [dp]).
+                  p2p_s: float = 0.0, pp=None):
+    """Float of every forward and backward event: two arrays [dp, m, stages] of seconds (>= 0
+    when the rank meets ``deadline_s`` [dp]).
 
-    fwd_s, bwd_s: [dp, m, pp] seconds, already validated by the caller.
+    fwd_s, bwd_s: [dp, m, stages] seconds, already validated by the caller; with ``pp`` smaller
+    than the stage axis, the virtual stages of the interleaved schedule.
     """
-    dp, m, pp = fwd_s.shape
-    ev = _events(m, pp)
-    dur = np.stack([np.moveaxis(fwd_s, 0, -1), np.moveaxis(bwd_s, 0, -1)])  # [2, m, pp, dp]
-    ef = np.zeros((2, m, pp, dp))
+    dp, m, nv = fwd_s.shape
+    pp = nv if pp is None else int(pp)
+    ranks, kinds, mbs, vs, dep, cross, nxt, succ = _events(m, pp, nv // pp)
+    dur = np.where((kinds == FWD)[:, None], fwd_s[:, mbs, vs].T, bwd_s[:, mbs, vs].T)  # [E, dp]
+    n = len(ranks)
+    ef = np.empty((n, dp))
     free = np.zeros((pp, dp))
-    for s, k, i, dep, _, _ in ev:                    # earliest finish (forward pass)
-        t0 = free[s]
-        if dep is not None:
-            t0 = np.maximum(t0, ef[k, i, dep] + p2p_s)
-        ef[k, i, s] = free[s] = t0 + dur[k, i, s]
-    lf = np.empty((2, m, pp, dp))
+    for e in range(n):                               # earliest finish (forward pass)
+        r, d = ranks[e], dep[e]
+        t0 = free[r]
+        if d >= 0:
+            t0 = np.maximum(t0, ef[d] + (p2p_s if cross[e] else 0.0))
+        ef[e] = free[r] = t0 + dur[e]
+    lf = np.empty((n, dp))
     deadline = np.asarray(deadline_s, dtype=np.float64)
-    for s, k, i, _, nxt, cross in reversed(ev):      # latest finish (backward pass)
+    for e in range(n - 1, -1, -1):                   # latest finish (backward pass)
         t = deadline
-        if nxt is not None:
-            t = np.minimum(t, lf[nxt[0], nxt[1], s] - dur[nxt[0], nxt[1], s])
-        if cross is not None:
-            ck, ci, cs = cross
-            t = np.minimum(t, lf[ck, ci, cs] - dur[ck, ci, cs] - p2p_s)
-        lf[k, i, s] = t
-    fl = np.moveaxis(lf - ef, -1, 1)                 # [2, dp, m, pp]
-    return fl[FWD], fl[BWD]
+        j = nxt[e]
+        if j >= 0:
+            t = np.minimum(t, lf[j] - dur[j])
+        j = succ[e]
+        if j >= 0:
+            t = np.minimum(t, lf[j] - dur[j] - (p2p_s if cross[j] else 0.0))
+        lf[e] = t
+    fl = lf - ef                                     # [E, dp]
+    out = np.empty((2, dp, m, nv))
+    out[kinds, :, mbs, vs] = fl
+    return out[FWD], out[1 - FWD]

@@ -150,7 +150,7 @@ def _check_times(fwd_s, bwd_s, p2p_s):
 def _run(f, b, p, record, pp=None):
     dp, m, nv = f.shape
     pp = nv if pp is None else pp
-    ranks, kinds, mbs, vs, dks, dvs, dps = _global_order(m, pp, nv // pp)
+    ranks, kinds, mbs, vs, dks, dvs, dps = _global_order(m, int(pp), nv // int(pp))
     dur = np.stack([f, b], axis=0)              # [2, dp, m, nv]
     end = np.zeros((2, m, nv, dp))               # end time of every event, dp last for speed
     start = np.zeros((2, m, nv, dp)) if record else None
@@ -169,10 +169,24 @@ def _run(f, b, p, record, pp=None):
     return rank_time, start, end
 
 
-def pipeline_makespan_s(fwd_s, bwd_s, p2p_s: float = 0.0) -> np.ndarray:
-    """[dp] makespan of each DP rank's 1F1B pipeline; the fast path used by the policies."""
+def pipeline_makespan_s(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None
+                        ) -> np.ndarray:
+    """[dp] makespan of each DP rank's pipeline; the fast path used by the policies. The stage
+    axis holds one stage per rank (1F1B), or with ``pp`` smaller than it the virtual stages of
+    the interleaved schedule (``v = chunk * pp + rank``)."""
     f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
-    return _run(f, b, p, record=False)[0]
+    if pp is not None and pp != f.shape[2]:
+        _check_interleaved(f.shape, pp)
+    return _run(f, b, p, record=False, pp=pp)[0]
+
+
+def _check_interleaved(shape, pp) -> None:
+    _, m, nv = shape
+    if isinstance(pp, bool) or not isinstance(pp, (int, np.integer)) or pp < 2 or nv % pp:
+        raise ValueError(f"pp={pp!r}: expected an integer >= 2 dividing the {nv} virtual stages")
+    if m < pp:
+        raise ValueError(f"{m} micro-batches with pp={pp}: the interleaved schedule needs at "
+                         f"least pp micro-batches (Megatron refuses fewer)")
 
 
 def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, record: bool = False) -> StepSimulation:
@@ -200,11 +214,7 @@ def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
     busy_s is per (dp rank, physical rank); start_s/end_s are [dp, m, pp * vp, 2]."""
     f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
     dp, m, nv = f.shape
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 2 or nv % pp:
-        raise ValueError(f"pp={pp!r}: expected an integer >= 2 dividing the {nv} virtual stages")
-    if m < pp:
-        raise ValueError(f"{m} micro-batches with pp={pp}: the interleaved schedule needs at "
-                         f"least pp micro-batches (Megatron refuses fewer)")
+    _check_interleaved(f.shape, pp)
     rank_time, start, end = _run(f, b, p, record, pp)
     busy = (f + b).sum(axis=1).reshape(dp, nv // pp, pp).sum(axis=1)   # [dp, pp]
     step = float(rank_time.max())

@@ -54,6 +54,32 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
     assert rows[2]["raise_headroom"] != DEFAULT_RAISE_HEADROOM
 
 
+@pytest.mark.parametrize("layout", [["--decoder-first-pipeline-num-layers", "3"],
+                                    ["--pipeline-model-parallel-layout", "Et|tttL"]],
+                         ids=["first3", "layout-string"])
+def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
+                                                     tiny_latency_table_pp2, layout):
+    """PP=2 with Megatron's uneven splits: the latency model predicts each stage from its own
+    layer count (a table profiled on the even split), plans are made for that layout and every
+    density figure is weighted by the stage's layers."""
+    metrics = tmp_path / "m.jsonl"
+    run_entry(2, [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2", *layout,
+                  "--data-path", small_jsonl, "--global-batch-size", "4", "--train-iters", "3",
+                  "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
+                  "--sb-timing-source", "model", "--sb-metrics-file", metrics], cwd=tmp_path)
+    rows = read_metrics(metrics)
+    want = [3, 1] if "3" in layout else [1, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["budgets_consistent"] is True and r["layers_per_stage"] == want
+        assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
+        d, w = r["densities"][0], r["attn_work"][0]          # one DP rank: [m][pp], [m]
+        num = sum(d[j][s] * w[j] * want[s] for j in range(len(w)) for s in range(2))
+        den = sum(w[j] * want[s] for j in range(len(w)) for s in range(2))
+        assert r["mean_density"] == pytest.approx(num / den)
+        assert len(r["density_per_stage"]) == 2
+
+
 @pytest.mark.reliability(area="latency table", case="a negative measured time in --sb-latency-table, "
                          "through torchrun", expect="the job stops before step 1 naming the file "
                          "and the field")

@@ -10,7 +10,7 @@ import pytest
 
 from sparsebalance_megatron.latency import LatencyModel, read_table
 from sparsebalance_megatron.latency.table import FORMAT_VERSION, LatencyTableMismatch
-from sparsebalance_megatron.megatron.profile import StageShape
+from sparsebalance_megatron.latency.shape import ModelShape
 
 
 def test_no_swiglu_profile_matches_a_gelu_run_only(tmp_path):
@@ -18,7 +18,7 @@ def test_no_swiglu_profile_matches_a_gelu_run_only(tmp_path):
                            num_attention_heads=4, num_query_groups=2, kv_channels=None,
                            padded_vocab_size=256, seq_length=128, micro_batch_size=1,
                            pipeline_model_parallel_size=1, swiglu=False)
-    shape = StageShape.from_megatron_args(args)
+    shape = ModelShape.from_megatron_args(args)
     out = tmp_path / "gelu.json"
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--no-progress", "--out", str(out), *shape.cli_flags(), "--sb-block-size", "32",
@@ -27,7 +27,7 @@ def test_no_swiglu_profile_matches_a_gelu_run_only(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     m = LatencyModel.load(str(out), expect={"model": shape.as_table_model()})
     assert m.table["model"]["swiglu"] is False and m.predict([128], 0.5, 0) > 0
-    swiglu = StageShape.from_megatron_args(SimpleNamespace(**{**vars(args), "swiglu": True}))
+    swiglu = ModelShape.from_megatron_args(SimpleNamespace(**{**vars(args), "swiglu": True}))
     with pytest.raises(LatencyTableMismatch, match="model.swiglu"):
         LatencyModel.load(str(out), expect={"model": swiglu.as_table_model()})
 
@@ -47,7 +47,7 @@ def _run_args(**kw):
 def recompute_table(tmp_path_factory):
     """A quick table of a full-recompute run, profiled with the flags the run would pass."""
     out = tmp_path_factory.mktemp("lat") / "full.json"
-    shape = StageShape.from_megatron_args(_run_args())
+    shape = ModelShape.from_megatron_args(_run_args())
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--no-progress", "--out", str(out), *shape.cli_flags(), "--sb-block-size", "32",
            "--mixes", "2", "--densities", "0.5", "1.0", "--repeats", "1"]

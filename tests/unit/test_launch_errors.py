@@ -53,9 +53,9 @@ def test_a_good_launch_passes():
     _case(dict(context_parallel_size=2), SPARSE, True, "--context-parallel-size 2"),
     _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "interleaved pipeline"),
     _case(dict(num_layers_per_virtual_pipeline_stage=1), SPARSE, True, "interleaved pipeline"),
-    _case(dict(decoder_first_pipeline_num_layers=3), FULL, True, "--decoder-first-pipeline-num-layers with DST/SAB"),
-    _case(dict(pipeline_model_parallel_layout="E|t|t|L"), FULL, True, "--pipeline-model-parallel-layout with DST/SAB"),
-    _case(dict(account_for_loss_in_pipeline_split=True), FULL, True, "--account-for-loss-in-pipeline-split with DST/SAB"),
+    _case(dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tmL"), FULL, True, "multi-token prediction layers ('m') are not supported"),
+    _case(dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tEt|ttL"), FULL, True, "the embedding 'E' must appear once, first in the first stage"),
+    _case(dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=4), FULL, True, "the 0 remaining layer(s) of --num-layers=4 cannot fill the 1 other pipeline stage(s)"),
     _case(dict(micro_batch_size=2), SPARSE, True, "--micro-batch-size 2"),
     _case(dict(seq_length=16), SPARSE, True, "--seq-length 16 is smaller than --sb-block-size 64"),
     _case(dict(mock_data=True), SPARSE, True, "--mock-data"),
@@ -71,6 +71,20 @@ def test_a_good_launch_passes():
 ])
 def test_refused_settings_name_the_flag(kw, sb, plugin_data, needle):
     assert needle in refused(launch_args(**kw), sb, plugin_data)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(decoder_first_pipeline_num_layers=3),
+    dict(decoder_last_pipeline_num_layers=1),
+    dict(pipeline_model_parallel_layout="Ettt|tL"),
+    dict(account_for_loss_in_pipeline_split=True, num_layers=3),
+    dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True,
+         num_layers=2),
+])
+def test_uneven_pipeline_layouts_launch_with_dst_and_sab(kw):
+    """Megatron's uneven splits are planned per stage (the latency model scales one layer's
+    cost): they launch with the whole of SparseBalance on."""
+    check_launch(launch_args(pipeline_model_parallel_size=2, **kw), FULL, plugin_data=True)
 
 
 def test_reset_attention_mask_is_served_by_the_plugins_data_path():

@@ -1,0 +1,305 @@
+"""Megatron's pipeline layouts: how many decoder layers each (virtual) pipeline stage holds.
+
+A ``PipelineLayout`` is what Megatron builds from its flags: ``--pipeline-model-parallel-size``
+(pp), the interleaved schedule's model chunks per rank (vp, from
+``--num-virtual-stages-per-pipeline-rank`` / ``--num-layers-per-virtual-pipeline-stage`` / a
+layout string), and the split of ``--num-layers`` over the stages:
+
+- even (the default): ``num_layers / (pp * vp)`` per virtual stage;
+- ``--decoder-first-pipeline-num-layers F`` / ``--decoder-last-pipeline-num-layers L``: the
+  first (last) rank holds F (L) layers, the other ranks share the rest evenly; with vp > 1 every
+  rank's layers are split evenly over its chunks;
+- ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``: the
+  embedding (loss) counts as one layer of the even split, so its stage builds one layer fewer;
+- ``--pipeline-model-parallel-layout`` (e.g. ``"Ettt|tt|tt|ttL"``, ``"E|(tt|)*4,L"``): the layer
+  list of every virtual stage.
+
+Virtual stage ``v = chunk * pp + rank`` runs ``layers[v]`` decoder layers; the embedding is on
+virtual stage 0 and the LM head + loss on the last (Megatron requires both). The arithmetic
+follows megatron-core 0.19's ``get_num_layers_to_build`` and ``PipelineParallelLayerLayout``;
+every setting Megatron refuses is refused here too, with a ``LayoutError`` naming the flag.
+
+Pure Python; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+class LayoutError(ValueError):
+    """A pipeline layout Megatron would refuse (or this plugin cannot model); names the flag."""
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Decoder layers per virtual stage (``v = chunk * pp + rank``)."""
+
+    pp: int
+    vp: int
+    layers: tuple
+
+    def __post_init__(self):
+        for name, v in (("pp", self.pp), ("vp", self.vp)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise LayoutError(f"pipeline layout {name}={v!r}: expected an integer >= 1")
+        layers = tuple(self.layers)
+        if len(layers) != self.pp * self.vp:
+            raise LayoutError(f"pipeline layout: {len(layers)} stage layer counts for pp={self.pp}"
+                              f" x vp={self.vp}: expected {self.pp * self.vp}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in layers):
+            raise LayoutError(f"pipeline layout layers={list(layers)}: expected integers >= 0")
+        if self.vp > 1 and self.pp < 2:
+            raise LayoutError(f"pipeline layout: vp={self.vp} needs pp >= 2 (the interleaved "
+                              f"schedule is a pipeline schedule)")
+        object.__setattr__(self, "layers", layers)
+
+    # --- views ------------------------------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        """Virtual stages (pp x vp)."""
+        return self.pp * self.vp
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers)
+
+    @property
+    def interleaved(self) -> bool:
+        return self.vp > 1
+
+    def kinds(self) -> list[str]:
+        """Stage kind of every virtual stage: the first carries the embedding, the last the LM
+        head + loss; a single stage is ``only``."""
+        nv = self.num_stages
+        if nv == 1:
+            return ["only"]
+        return ["first"] + ["middle"] * (nv - 2) + ["last"]
+
+    def rank_of(self, v: int) -> int:
+        return v % self.pp
+
+    def chunk_of(self, v: int) -> int:
+        return v // self.pp
+
+    def stage_of(self, rank: int, chunk: int = 0) -> int:
+        """Virtual stage of (pipeline rank, model chunk)."""
+        if not (0 <= rank < self.pp and 0 <= chunk < self.vp):
+            raise LayoutError(f"(rank {rank}, chunk {chunk}): expected rank in [0, {self.pp}) "
+                              f"and chunk in [0, {self.vp})")
+        return chunk * self.pp + rank
+
+    def rank_layers(self) -> list[int]:
+        """Decoder layers held by every pipeline rank (its chunks together)."""
+        return [sum(self.layers[c * self.pp + r] for c in range(self.vp)) for r in range(self.pp)]
+
+    def is_even(self) -> bool:
+        return len(set(self.layers)) == 1
+
+    def describe(self) -> str:
+        """``8/7/7/2``; with vp > 1 every rank's chunks in brackets, ``[4+4]/[4+4]``."""
+        if self.vp == 1:
+            return "/".join(str(n) for n in self.layers)
+        return "/".join("[" + "+".join(str(self.layers[c * self.pp + r]) for c in range(self.vp))
+                        + "]" for r in range(self.pp))
+
+    def layout_string(self) -> str:
+        """Megatron's ``--pipeline-model-parallel-layout`` string of this layout."""
+        parts = []
+        for v, n in enumerate(self.layers):
+            s = ("E" if v == 0 else "") + ("t*%d" % n if n > 1 else "t" * n)
+            parts.append(s + ("L" if v == self.num_stages - 1 else ""))
+        return "|".join(parts)
+
+    def megatron_flags(self) -> list[str]:
+        """Megatron flags that build this layout (with ``--pipeline-model-parallel-size`` and
+        ``--num-layers``): none for an even split, first/last counts where they express it,
+        else a layout string."""
+        if self.num_stages == 1 or self.is_even():
+            flags = []
+        else:
+            flags = None
+            for first in (None, self.rank_layers()[0]):
+                for last in (None, self.rank_layers()[-1]):
+                    if flags is None and (first, last) != (None, None):
+                        try:
+                            if PipelineLayout.from_counts(self.num_layers, self.pp, self.vp,
+                                                          first=first, last=last) == self:
+                                flags = ([] if first is None else
+                                         ["--decoder-first-pipeline-num-layers", str(first)]) + \
+                                        ([] if last is None else
+                                         ["--decoder-last-pipeline-num-layers", str(last)])
+                        except LayoutError:
+                            pass
+            if flags is None:
+                return ["--pipeline-model-parallel-layout", self.layout_string()]
+        if self.vp > 1:
+            flags += ["--num-virtual-stages-per-pipeline-rank", str(self.vp)]
+        return flags
+
+    def as_dict(self) -> dict:
+        return {"pp": self.pp, "vp": self.vp, "layers": list(self.layers)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelineLayout":
+        try:
+            return cls(int(d["pp"]), int(d.get("vp", 1)), tuple(int(x) for x in d["layers"]))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, LayoutError):
+                raise
+            raise LayoutError(f"pipeline layout {d!r}: expected {{'pp', 'vp', 'layers'}}") from e
+
+    # --- construction (Megatron's rules) ----------------------------------------------------
+    @classmethod
+    def even(cls, num_layers: int, pp: int = 1, vp: int = 1) -> "PipelineLayout":
+        return cls.from_counts(num_layers, pp, vp)
+
+    @classmethod
+    def from_counts(cls, num_layers: int, pp: int, vp: int = 1, *, first: Optional[int] = None,
+                    last: Optional[int] = None, account_for_embedding: bool = False,
+                    account_for_loss: bool = False) -> "PipelineLayout":
+        """Megatron's split without a layout string (``get_num_layers_to_build``)."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise LayoutError(f"--num-layers={num_layers!r}: expected an integer >= 1")
+        if pp < 1 or vp < 1:
+            raise LayoutError(f"pp={pp!r}, vp={vp!r}: expected integers >= 1")
+        uneven = first is not None or last is not None
+        if uneven and (account_for_embedding or account_for_loss):
+            raise LayoutError("--decoder-first/last-pipeline-num-layers with --account-for-"
+                              "embedding/loss-in-pipeline-split: Megatron refuses the mix")
+        if uneven and pp < 2:
+            raise LayoutError("--decoder-first/last-pipeline-num-layers need "
+                              "--pipeline-model-parallel-size >= 2")
+        for flag, n in (("--decoder-first-pipeline-num-layers", first),
+                        ("--decoder-last-pipeline-num-layers", last)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise LayoutError(f"{flag}={n!r}: expected an integer >= 1 (Megatron's rule)")
+        if uneven:
+            rest, left = num_layers, pp
+            for n in (first, last):
+                if n is not None:
+                    rest, left = rest - n, left - 1
+            if rest < 0 or bool(rest) != bool(left):
+                raise LayoutError(f"--decoder-first/last-pipeline-num-layers {first}/{last}: "
+                                  f"the {max(rest, 0)} remaining layer(s) of --num-layers="
+                                  f"{num_layers} cannot fill the {left} other pipeline stage(s) "
+                                  f"(Megatron needs layers on every middle stage, none left "
+                                  f"over)")
+            if left > 0 and rest % left:
+                raise LayoutError(f"--decoder-first/last-pipeline-num-layers {first}/{last}: the "
+                                  f"{rest} other layers must divide evenly over the {left} other "
+                                  f"pipeline stage(s)")
+            per_rank = [rest // left if left else 0] * pp
+            if first is not None:
+                per_rank[0] = first
+            if last is not None:
+                per_rank[-1] = last
+        else:
+            total = num_layers + int(account_for_embedding) + int(account_for_loss)
+            if total % pp:
+                raise LayoutError(f"--num-layers={num_layers}"
+                                  + (" + embedding" if account_for_embedding else "")
+                                  + (" + loss" if account_for_loss else "")
+                                  + f" = {total} is not divisible by "
+                                  f"--pipeline-model-parallel-size={pp}")
+            per_rank = [total // pp] * pp
+        layers = []
+        for c in range(vp):
+            for r in range(pp):
+                if vp > 1 and per_rank[r] % vp:
+                    raise LayoutError(f"pipeline rank {r} holds {per_rank[r]} layers: not "
+                                      f"divisible by the {vp} virtual stages per rank")
+                layers.append(per_rank[r] // vp)
+        if account_for_embedding:
+            layers[0] -= 1
+        if account_for_loss:
+            layers[-1] -= 1
+        if min(layers) < 0:
+            raise LayoutError(f"--account-for-embedding/loss-in-pipeline-split: a stage of "
+                              f"{num_layers} layers over pp={pp} x vp={vp} has none to give")
+        return cls(pp, vp, tuple(layers))
+
+    @classmethod
+    def from_string(cls, layout: str, pp: int, num_layers: Optional[int] = None
+                    ) -> "PipelineLayout":
+        """``--pipeline-model-parallel-layout`` (Megatron's syntax: stages split by ``|``,
+        ``E`` embedding, ``t`` decoder layer, ``L`` loss, ``x*n`` and ``(...)*n`` repeat,
+        commas cosmetic). Multi-token prediction (``m``) is refused."""
+        flag = "--pipeline-model-parallel-layout"
+        if not isinstance(layout, str) or not layout:
+            raise LayoutError(f"{flag}={layout!r}: expected a layout string such as 'Ett|tt|ttL'")
+        s = layout.replace(",", "")
+        for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+            s = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), s)
+        stages = s.split("|")
+        bad = sorted(set(s) - set("EtL|"))
+        if bad:
+            what = ("multi-token prediction layers ('m') are not supported with the sparse "
+                    "attention" if bad == ["m"] else f"unknown character(s) {bad}")
+            raise LayoutError(f"{flag}={layout!r}: {what}; expected E, t, L, |, *n and (...)")
+        if len(stages) % pp:
+            raise LayoutError(f"{flag}={layout!r}: {len(stages)} stages are not divisible by "
+                              f"--pipeline-model-parallel-size={pp}")
+        if s.count("E") != 1 or "E" not in stages[0] or not stages[0].startswith("E"):
+            raise LayoutError(f"{flag}={layout!r}: the embedding 'E' must appear once, first in "
+                              f"the first stage")
+        if s.count("L") != 1 or not stages[-1].endswith("L"):
+            raise LayoutError(f"{flag}={layout!r}: the loss 'L' must appear once, last in the "
+                              f"last stage")
+        out = cls(pp, len(stages) // pp, tuple(st.count("t") for st in stages))
+        if num_layers is not None and out.num_layers != num_layers:
+            raise LayoutError(f"{flag}={layout!r} has {out.num_layers} decoder layers: expected "
+                              f"--num-layers={num_layers}")
+        return out
+
+    @classmethod
+    def from_megatron_args(cls, args) -> "PipelineLayout":
+        """The layout of a run (Megatron's parsed and validated args)."""
+        pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        vp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+        string = getattr(args, "pipeline_model_parallel_layout", None)
+        if string is not None:
+            return cls.from_string(str(string), pp, args.num_layers)
+        return cls.from_counts(
+            int(args.num_layers), pp, vp,
+            first=getattr(args, "decoder_first_pipeline_num_layers", None),
+            last=getattr(args, "decoder_last_pipeline_num_layers", None),
+            account_for_embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split",
+                                               False)),
+            account_for_loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+
+
+def candidate_layouts(num_layers: int, pp: int, vps: Sequence[int] = (1,),
+                      max_candidates: int = 4096) -> list[PipelineLayout]:
+    """Every layout Megatron's first/last counts (and the embedding/loss accounting flags)
+    can build for ``num_layers`` over ``pp`` ranks and each vp in ``vps``, even split first;
+    duplicates removed. With pp <= 2 every split is reachable this way."""
+    seen, out = set(), []
+
+    def add(lay):
+        if lay.layers not in seen and len(out) < max_candidates:
+            seen.add(lay.layers)
+            out.append(lay)
+
+    for vp in vps:
+        if vp > 1 and pp < 2:
+            continue
+        for emb, loss in ((False, False), (True, False), (False, True), (True, True)):
+            try:
+                add(PipelineLayout.from_counts(num_layers, pp, vp, account_for_embedding=emb,
+                                               account_for_loss=loss))
+            except LayoutError:
+                pass
+        if pp < 2:
+            continue
+        for first in [None] + list(range(1, num_layers + 1)):
+            for last in [None] + list(range(1, num_layers + 1)):
+                if first is None and last is None:
+                    continue
+                try:
+                    add(PipelineLayout.from_counts(num_layers, pp, vp, first=first, last=last))
+                except LayoutError:
+                    pass
+    return out
