@@ -48,6 +48,7 @@ setup(
     entry_points={
         "console_scripts": [
             "sparsebalance-profile=sparsebalance_megatron.megatron.profile_cli:main",
+            "sparsebalance-layout=sparsebalance_megatron.layout_cli:main",
         ],
     },
 )

@@ -22,7 +22,7 @@ attention work (dense 1; static and SAB d0; DST: the plan's work-weighted mean f
 The DST/SAB runs share one latency table, profiled once here for the run's model (or
 ``--latency-table``), so no run profiles inside its start-up.
 
-**sim**: ``sparsebalance_megatron.sim.study`` at 8, 32 and 256 DP ranks x PP=4 on the qwen-token
+**sim**: ``sparsebalance_megatron.experiments.study`` at 8, 32 and 256 DP ranks x PP=4 on the qwen-token
 length mix at 32K tokens per micro-batch, timed by the analytic Qwen2.5-0.5B H100 table (FLOPs /
 published throughputs: no GPU table exists here; a CPU table of a tiny model must not be used for
 a scale study, DESIGN.md section 7).
@@ -321,7 +321,7 @@ def _paired(static_rounds, rounds, warmup: int):
 def run_sim(args, variants) -> dict:
     from sparsebalance_megatron.data import load_corpus
     from sparsebalance_megatron.latency import LatencyModel
-    from sparsebalance_megatron.sim.study import StudyConfig, run_config
+    from sparsebalance_megatron.experiments.study import StudyConfig, run_config
 
     lm = LatencyModel.analytic(pp=4)
     corpus = load_corpus(tokenizer="qwen")

@@ -1,103 +1,127 @@
-"""Simulator study of DST and SAB (issues 4 and 5): DP ranks x PP=4 on the real length mix.
+"""Simulator study of SparseBalance against the best static Megatron configuration (issue 12).
 
-For every DP size and a few global batches (steps), the real corpus (CPython stdlib + Shakespeare,
-qwen tokenizer; ``data.load_corpus``) is cut into global batches by the data pipeline's
-``GlobalBatchSampler`` (sequential fill of dp x m micro-batches of --seq-length tokens), packed
-by Megatron's sequential order or by SAB, timed by the latency model (default: the analytic
-Qwen2.5-0.5B / 32K-token / H100 table, ``LatencyModel.analytic``; or a profiled table with
---table) and stepped through the 1F1B simulator (``sparsebalance_megatron.sim.study``). Variants:
+For every length mix (the built-in corpus cut into whole files, or into sections: a heavy tail of
+short documents), d0 and DP size, the layout search (``experiments.layout_search``, what
+``sparsebalance-layout`` runs) finds:
 
-- ``static``: sequential packing, every unit at d0 (static sparse attention; the baseline);
-- ``dst_<anchor>``: sequential packing + DST with that anchor (mean, median, min, max);
-- ``token_balanced``: length-aware balancer at d0; ``sab``: SAB at d0; ``sab_dst``: SAB + DST.
+- ``best_static``: the fastest static configuration a Megatron user can run: every split
+  Megatron's flags allow (first/last counts, embedding/loss accounting; vp 1 and 2, the
+  interleaved schedule) x Megatron's sequential packing or token-balanced packing, all at d0;
+- ``sab_dst``: the fastest SAB + DST layout (plain 1F1B) whose plan keeps the layer-weighted
+  density >= d0 and every stage >= the stage floor x d0.
 
-Per variant: step time summed over the steps, speedup vs static, imbalance (max / mean of the
-per-rank makespans, averaged over steps), bubble fraction, mean density weighted by dense
-attention work. Sensitivities come from the length prior (nothing has been measured in a
-simulation). Prints a table; ``--json PATH`` writes everything.
+Rows, all on the same global batches, speedups vs ``best_static``:
+``static_even`` (Megatron's default: even split, sequential packing; the old baseline, labelled),
+``best_static``, ``sab`` and ``dst`` (each alone on the best plain-1F1B static layout),
+``sab_dst`` (on its own best layout) and ``sab_dst_max`` (SAB + DST that never cuts, on the best
+plain static layout: the "free accuracy" row, density raised only where bubbles allow).
+DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom). Densities are weighted
+by layers x dense attention work, overall and per stage.
 
-    python scripts/bench_sim_study.py --json sim_study.json
+Latency: the analytic Qwen2.5-0.5B / 32K / H100 table (published throughputs, not measured) or
+--table. Prints tables; ``--json PATH`` writes everything.
+
+    python scripts/bench_sim_study.py --json docs/results/sim_study.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import numpy as np
 
 from sparsebalance_megatron.data import load_corpus
-from sparsebalance_megatron.latency import LatencyModel
-from sparsebalance_megatron.sim.study import StudyConfig, format_table, run_config
-
-ANCHORS = ("mean", "median", "min", "max")
+from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
+from sparsebalance_megatron.latency import LatencyModel, PipelineLayout
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64],
-                   help="DP sizes of the DST anchor study")
-    p.add_argument("--sab-ranks", type=int, nargs="+", default=[8, 32, 256],
-                   help="DP sizes of the SAB / SAB+DST comparison")
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.25], help="d0 values")
+    p.add_argument("--mixes", nargs="+", default=["file", "section"],
+                   help="built-in corpus document units (length mixes)")
     p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--vp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
     p.add_argument("--seq-length", type=int, default=32768, help="tokens per micro-batch")
-    p.add_argument("--density", type=float, default=0.5, help="d0")
     p.add_argument("--min-density", type=float, default=0.125)
     p.add_argument("--max-density", type=float, default=1.0)
-    p.add_argument("--tolerance", type=float, default=0.1)
     p.add_argument("--steps", type=int, default=3, help="global batches per configuration")
     p.add_argument("--table", default=None, help="profiled latency table (JSON); default: "
                    "the analytic Qwen2.5-0.5B H100 table")
     p.add_argument("--table-force", action="store_true")
     p.add_argument("--tokenizer", default="qwen")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--quick", action="store_true", help="ranks 8 32, sab-ranks 8 32, 1 step")
+    p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
-def study_config(args) -> StudyConfig:
-    return StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
-                       density=args.density, min_density=args.min_density,
-                       max_density=args.max_density, tolerance=args.tolerance, steps=args.steps,
-                       seed=args.seed)
+def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
+    """The search and the comparison rows of one (mix, d0, dp)."""
+    t0 = time.perf_counter()
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
+    search_s = time.perf_counter() - t0
+    best_static, best_sb = found["static"][0], found["sparsebalance"][0]
+    plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
+    even = PipelineLayout.even(best_static.layout.num_layers, pp)
+    runs = {"static_even": ("static", even),
+            "best_static": (best_static.variant, best_static.layout),
+            "sab": ("sab", plain), "dst": ("dst", plain),
+            "sab_dst": ("sab_dst", best_sb.layout),
+            "sab_dst_max": ("sab_dst_max", plain)}
+    rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_static")
+    layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
+    return {"rows": rows, "layouts": layouts,
+            "best_static": best_static.as_dict(), "best_sparsebalance": best_sb.as_dict(),
+            "search_s": search_s,
+            "static_top5": [c.as_dict() for c in found["static"][:5]],
+            "sparsebalance_top5": [c.as_dict() for c in found["sparsebalance"][:5]]}
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.quick:
-        args.ranks, args.sab_ranks, args.steps = [8, 32], [8, 32], 1
+        args.ranks, args.densities, args.mixes, args.steps = [8], [0.5], ["file"], 1
     if args.table:
         lm = LatencyModel.load(args.table, force=args.table_force)
         source = f"table {args.table} ({lm.table.get('device')})"
     else:
         lm = LatencyModel.analytic(pp=args.pp)
         source = "ANALYTIC Qwen2.5-0.5B / 32K / H100 table (published throughputs, not measured)"
-    if lm.pp != args.pp:
-        sys.exit(f"--table has pp={lm.pp}: expected --pp {args.pp}")
-    corpus = load_corpus(tokenizer=args.tokenizer)
-    lengths = np.asarray(corpus.lengths, dtype=np.int64)
-    cfg = study_config(args)
-    print(f"latency: {source}\ncorpus: {corpus!r}\npp={args.pp} m={args.microbatches} "
-          f"seq_length={args.seq_length} d0={args.density} [{args.min_density}, "
-          f"{args.max_density}] tolerance={args.tolerance} steps={args.steps}")
+    print(f"latency: {source}\npp={args.pp} vp={args.vp} m={args.microbatches} "
+          f"seq_length={args.seq_length} d in [{args.min_density}, {args.max_density}] "
+          f"steps={args.steps}")
     t0 = time.perf_counter()
-    anchors = {str(dp): run_config(dp, cfg, lm, lengths,
-                                   ["static"] + [f"dst_{a}" for a in ANCHORS])
-               for dp in args.ranks}
-    print(format_table("DST anchors (sequential packing)", anchors))
-    sab = {str(dp): run_config(dp, cfg, lm, lengths,
-                               ["static", "token_balanced", "sab", "dst_mean", "sab_dst"])
-           for dp in args.sab_ranks}
-    print(format_table("SAB and SAB+DST (DST anchor mean)", sab))
+    out = {"config": {k: v for k, v in vars(args).items() if k != "json"},
+           "latency_source": source, "results": {}}
+    for mix in args.mixes:
+        corpus = load_corpus(tokenizer=args.tokenizer, doc_unit=mix)
+        lengths = np.asarray(corpus.lengths, dtype=np.int64)
+        out.setdefault("corpus", {})[mix] = corpus.stats()
+        for d0 in args.densities:
+            cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
+                              density=d0, min_density=args.min_density,
+                              max_density=args.max_density, steps=args.steps, seed=args.seed)
+            res = {}
+            for dp in args.ranks:
+                r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
+                res[str(dp)] = r
+                out["results"][f"{mix}/d0={d0}/dp={dp}"] = r
+            title = (f"mix={mix} ({len(lengths)} docs), d0={d0}: speedup vs the best static "
+                     f"configuration")
+            print(format_table(title, {dp: r["rows"] for dp, r in res.items()}))
+            for dp, r in res.items():
+                lay = ", ".join(f"{k} {v}" for k, v in r["layouts"].items())
+                st = " ".join(f"{x:.2f}" for x in r["rows"]["sab_dst"]["density_per_stage"])
+                print(f"{dp:>6} layouts: {lay}; best static packing "
+                      f"{r['best_static']['variant']}; sab_dst per stage {st}; "
+                      f"search {r['search_s']:.1f} s")
     print(f"\n({time.perf_counter() - t0:.1f} s)")
     if args.json:
-        out = {"config": {k: v for k, v in vars(args).items() if k != "json"},
-               "latency_source": source, "corpus": corpus.stats(),
-               "anchors": anchors, "sab": sab}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")

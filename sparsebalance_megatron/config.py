@@ -93,11 +93,11 @@ class SparseBalanceConfig:
         "max (never cut, only raise).", choices=ANCHORS)
     tolerance: float = _f(0.1, "DST tolerance p >= 0: units above (1+p) x anchor are cut.")
     density_floor: float = _f(
-        0.9, "DST keeps each step's mean density (weighted by attention work) at or above this "
+        0.9, "DST keeps each step's mean density (weighted by layers x attention work) at or above this "
         "fraction of --sb-density by cutting fewer units when the raises cannot pay the cuts "
         "back; 0 = the paper's rule unchanged.")
     stage_density_floor: float = _f(
-        0.75, "DST keeps every pipeline stage's density in a step (weighted by attention work) at "
+        0.75, "DST keeps every pipeline stage's density in a step (weighted by layers x attention work) at "
         "or above this fraction of --sb-density, by cutting fewer units, so no stage's layers "
         "are starved to pay for another's (the LM-head stage is the usual victim); 0 = off.")
     raise_headroom: str = _f(

@@ -1,0 +1,245 @@
+"""Simulated step-time study of the SparseBalance variants on a real length mix.
+
+Shared by ``scripts/bench_sim_study.py``, ``scripts/bench_end_to_end.py`` (its sim half) and the
+layout search. For one DP size: the corpus lengths are cut into global batches by the data
+pipeline's ``GlobalBatchSampler`` (sequential fill of dp x m micro-batches of ``seq_length``
+tokens), packed by Megatron's sequential order, a token balancer or SAB, timed by a latency model
+over a density grid (``UnitCosts``) on a pipeline layout and stepped through the simulator (1F1B,
+or the interleaved schedule for a layout with vp > 1). Variants (names are what the tables print):
+
+- ``dense``: sequential packing, every unit at density 1;
+- ``static``: sequential packing, every unit at d0 (static sparse attention);
+- ``token_balanced``: length-aware balancer at d0 (what a careful Megatron user runs);
+- ``sab``: SAB at d0;
+- ``dst`` (= ``dst_mean``) and ``dst_<anchor>``: sequential packing + DST with that anchor;
+- ``sab_dst`` (= ``sab_dst_mean``) and ``sab_dst_<anchor>``: SAB + DST with that anchor
+  (``sab_dst_max`` never cuts: it only spends bubbles on density, the "free accuracy" plan).
+
+DST is the runtime's own call, ``plan_dst_from_config`` with the floors and the raise headroom of
+a ``SparseBalanceConfig`` (``StudyConfig.policy``). Every run of a study is (variant, layout):
+the same global batches and packings are timed on each run's layout.
+
+Per run: step time (mean over steps), speedup vs the baseline run (sum of its step times / sum of
+this run's), imbalance (max / mean of per-rank makespans, mean over steps), bubble fraction, mean
+density weighted by layers x dense attention work, the same per (virtual) stage and its minimum,
+and the planning time. Sensitivities come from the length prior (nothing is measured in a
+simulation).
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..batching import (SensitivityTracker, latency_sample_cost_fn, sab_plan, sequential_plan,
+                        token_balanced_plan, unit_sensitivity)
+from ..config import SparseBalanceConfig
+from ..data import GlobalBatchSampler
+from ..policy import UnitCosts, density_grid
+from ..policy.dst import plan_dst_from_config
+from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
+
+_PACKING = {"dense": "sequential", "static": "sequential", "token_balanced": "token_balanced",
+            "sab": "sab", "sab_dst": "sab"}
+
+
+@dataclass
+class StudyConfig:
+    """One simulated configuration (everything but the DP size, layout and latency model)."""
+
+    microbatches: int = 8
+    """Micro-batches per DP rank per step."""
+    seq_length: int = 32768
+    """Tokens per micro-batch (the packing capacity)."""
+    density: float = 0.5
+    """d0: the density of static sparse attention and the base of DST."""
+    min_density: float = 0.125
+    """d_min: the lowest density DST may cut to."""
+    max_density: float = 1.0
+    """d_max: the highest density DST may raise to."""
+    tolerance: float = 0.1
+    """DST tolerance p."""
+    steps: int = 3
+    """Global batches per configuration."""
+    seed: int = 1234
+    """Seed of the sampler and of SAB."""
+    density_floor: Optional[float] = None
+    """--sb-density-floor of the plans (None: the runtime's default)."""
+    stage_density_floor: Optional[float] = None
+    """--sb-stage-density-floor of the plans (None: the runtime's default)."""
+    raise_headroom: Optional[str] = None
+    """--sb-raise-headroom of the plans (None: the runtime's default, 'auto', which is
+    ``DEFAULT_RAISE_HEADROOM`` without a measured error, as in a simulation)."""
+
+    def policy(self, anchor: str = "mean") -> SparseBalanceConfig:
+        """The ``SparseBalanceConfig`` a run with these settings would plan with."""
+        kw = dict(sparse_balance=True, density=self.density, min_density=self.min_density,
+                  max_density=self.max_density, tolerance=self.tolerance, anchor=anchor)
+        for k in ("density_floor", "stage_density_floor", "raise_headroom"):
+            if getattr(self, k) is not None:
+                kw[k] = getattr(self, k)
+        return SparseBalanceConfig(**kw)
+
+
+def packing_of(variant: str) -> str:
+    """The packing a variant uses: sequential, token_balanced or sab."""
+    if variant.startswith("sab_dst_"):
+        return "sab"
+    return _PACKING.get(variant, "sequential")
+
+
+def dst_anchor_of(variant: str):
+    """The DST anchor of a variant, or None when the variant does not run DST."""
+    if variant in ("dst", "sab_dst"):
+        return "mean"
+    for prefix in ("dst_", "sab_dst_"):
+        if variant.startswith(prefix):
+            return variant[len(prefix):]
+    return None
+
+
+def check_variant(variant: str) -> None:
+    from ..config import ANCHORS
+    if variant in _PACKING or variant == "dst":
+        return
+    for prefix in ("dst_", "sab_dst_"):
+        if variant.startswith(prefix) and variant[len(prefix):] in ANCHORS:
+            return
+    raise ValueError(f"variant {variant!r}: expected one of {sorted(_PACKING) + ['dst']}, "
+                     f"dst_<anchor> or sab_dst_<anchor> with an anchor of {ANCHORS}")
+
+
+class VariantAccumulator:
+    """Accumulates one run's simulated steps."""
+
+    def __init__(self):
+        self.step_s, self.imb, self.bubble, self.dw, self.w = 0.0, [], [], 0.0, 0.0
+        self.stage_dw = self.stage_w = None
+        self.plan_ms = []
+
+    def add(self, costs: UnitCosts, densities: np.ndarray, p2p_s: float, plan_ms=None):
+        idx = np.searchsorted(costs.densities, densities - 1e-12)
+        f, b = costs.at(idx)
+        if costs.vp > 1:
+            sim = simulate_interleaved_1f1b(f, b, p2p_s, pp=costs.pipeline_ranks)
+        else:
+            sim = simulate_1f1b(f, b, p2p_s)
+        self.step_s += sim.step_time_s
+        self.imb.append(sim.imbalance)
+        self.bubble.append(sim.bubble_fraction)
+        w = costs.weights()
+        self.dw += float((densities * w).sum())
+        self.w += float(w.sum())
+        sdw, sw = (densities * w).sum(axis=(0, 1)), w.sum(axis=(0, 1))
+        self.stage_dw = sdw if self.stage_dw is None else self.stage_dw + sdw
+        self.stage_w = sw if self.stage_w is None else self.stage_w + sw
+        if plan_ms is not None:
+            self.plan_ms.append(plan_ms)
+
+    def row(self, baseline_step_s: Optional[float]) -> dict:
+        stage = np.where(self.stage_w > 0, self.stage_dw / np.maximum(self.stage_w, 1e-300),
+                         np.nan)
+        out = {"step_time_s": self.step_s / max(len(self.imb), 1),
+               "speedup_vs_static": (baseline_step_s / self.step_s
+                                     if self.step_s and baseline_step_s else float("nan")),
+               "imbalance": float(np.mean(self.imb)),
+               "bubble_fraction": float(np.mean(self.bubble)),
+               "mean_density": self.dw / self.w if self.w else float("nan"),
+               "density_per_stage": [float(x) for x in stage],
+               "min_stage_density": float(np.nanmin(stage)) if np.any(self.stage_w > 0)
+               else float("nan")}
+        if self.plan_ms:
+            out["plan_ms_median"] = float(np.median(self.plan_ms))
+        return out
+
+
+def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
+              baseline: Optional[str] = None) -> dict:
+    """{run name: row} for one DP size.
+
+    runs: {name: (variant, layout)}; layout is a ``PipelineLayout`` or None (the latency
+    model's own). ``baseline``: the run whose step time every speedup divides (default: the
+    first run). Every run sees the same global batches; runs that share a packing share it.
+    """
+    if not runs:
+        raise ValueError("runs is empty: expected at least one (variant, layout)")
+    for variant, _ in runs.values():
+        check_variant(variant)
+    baseline = next(iter(runs)) if baseline is None else baseline
+    if baseline not in runs:
+        raise ValueError(f"baseline {baseline!r}: expected one of the runs {list(runs)}")
+    m, cap, d0 = cfg.microbatches, cfg.seq_length, cfg.density
+    grid = density_grid(d0, cfg.min_density, cfg.max_density)
+    if any(v == "dense" for v, _ in runs.values()) and grid[-1] < 1.0:
+        grid = np.append(grid, 1.0)  # above d_max: DST never plans there, dense reads it
+    models = {}
+    for _, lay in runs.values():
+        key = None if lay is None else lay.layers + (lay.pp,)
+        if key not in models:
+            models[key] = lm if lay is None else lm.with_layout(lay)
+    sampler = GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
+                                 seed=cfg.seed, long_sample_policy="split")
+    cost_fn = latency_sample_cost_fn(lm, d0)
+    tracker = SensitivityTracker()
+    acc = {name: VariantAccumulator() for name in runs}
+    policies = {}
+    needed = {packing_of(v) for v, _ in runs.values()}
+    for _ in range(cfg.steps):
+        segs = sampler.next_global_batch()
+        plans = {"sequential": sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)}
+        if "sab" in needed:
+            plans["sab"] = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
+                                    cost_fn=cost_fn, sensitivity=tracker, seed=cfg.seed)
+        if "token_balanced" in needed:
+            plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
+                                                          max_tokens=cap, seed=cfg.seed)
+        feats = {k: lm.unit_features(p.flat_lengths(with_padding=True)) for k, p in plans.items()}
+        sens = {k: unit_sensitivity(p.micro_batches, tracker) for k, p in plans.items()}
+        costs = {}
+        for name, (variant, lay) in runs.items():
+            packing = packing_of(variant)
+            key = None if lay is None else lay.layers + (lay.pp,)
+            model = models[key]
+            if (packing, key) not in costs:
+                costs[packing, key] = UnitCosts.from_latency(model, feats[packing], dp, m, grid)
+            c = costs[packing, key]
+            anchor = dst_anchor_of(variant)
+            if anchor is not None:
+                if anchor not in policies:
+                    policies[anchor] = cfg.policy(anchor)
+                t = time.perf_counter()
+                plan = plan_dst_from_config(policies[anchor], c, sens[packing], p2p_s=lm.p2p_s)
+                acc[name].add(c, plan.densities, lm.p2p_s, (time.perf_counter() - t) * 1e3)
+            else:
+                acc[name].add(c, np.full(c.shape, 1.0 if variant == "dense" else d0), lm.p2p_s)
+    base = acc[baseline].step_s
+    return {name: a.row(base) for name, a in acc.items()}
+
+
+def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:
+    """{variant: row} for one DP size on the latency model's own layout; ``variants`` must
+    contain ``static`` (the baseline of the speedups)."""
+    if "static" not in variants:
+        raise ValueError(f"variants {list(variants)} must include 'static' (the baseline)")
+    return run_study(dp, cfg, lm, lengths, {v: (v, None) for v in variants}, baseline="static")
+
+
+def format_table(title: str, results: dict) -> str:
+    """Text table of {dp: {run: row}}, preceded by a blank line and the title."""
+    lines = [f"\n{title}",
+             f"{'ranks':>6} {'run':<26} {'step_s':>8} {'speedup':>8} {'imbal':>6} "
+             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'plan_ms':>8}"]
+    for dp, rows in results.items():
+        for v, r in rows.items():
+            pm = f"{r['plan_ms_median']:.1f}" if "plan_ms_median" in r else "-"
+            lines.append(f"{dp:>6} {v:<26} {r['step_time_s']:>8.3f} "
+                         f"{r['speedup_vs_static']:>8.3f} {r['imbalance']:>6.3f} "
+                         f"{r['bubble_fraction']:>7.3f} {r['mean_density']:>8.3f} "
+                         f"{r['min_stage_density']:>7.3f} {pm:>8}")
+    return "\n".join(lines)
+

@@ -1,0 +1,172 @@
+"""sparsebalance-layout: the fastest Megatron pipeline layout, static and with SparseBalance.
+
+From a latency table (``--latency-table``, as ``sparsebalance-profile`` writes it; or the
+analytic Qwen2.5-0.5B H100 table with ``--analytic``) and a length mix (``--data-path`` with the
+run's documents, ``--lengths`` with a JSON list of document lengths or a histogram
+``{"length": count}``, or the built-in corpus), every split Megatron's flags allow is simulated
+on the same global batches (``experiments.layout_search``). Prints the best static
+configurations (layout x packing), the best layouts for ``--sparse-balance`` (densities meeting d0
+and the stage floor), and the Megatron flags to paste. ``--json PATH`` writes everything.
+
+    sparsebalance-layout --analytic --pp 4 --dp 32
+    sparsebalance-layout --latency-table lat.json --pp 2 --dp 8 --data-path docs.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+
+HELP = __doc__.split("\n\n")[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsebalance-layout", description=HELP)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--latency-table", help="a latency table JSON (sparsebalance-profile)")
+    src.add_argument("--analytic", action="store_true",
+                     help="the analytic Qwen2.5-0.5B / H100 table (published throughputs)")
+    p.add_argument("--pp", type=int, required=True, help="--pipeline-model-parallel-size")
+    p.add_argument("--vp", type=int, nargs="+", default=[1, 2],
+                   help="virtual stages per rank to try (1: plain 1F1B; 2: interleaved)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="default: the table's model")
+    p.add_argument("--dp", type=int, default=8, help="data-parallel ranks")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="tokens per packed micro-batch (default: the table's model)")
+    p.add_argument("--density", type=float, default=0.5, help="--sb-density (d0)")
+    p.add_argument("--min-density", type=float, default=0.125)
+    p.add_argument("--max-density", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=3, help="global batches simulated")
+    p.add_argument("--seed", type=int, default=1234)
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--data-path", help="the run's documents (.jsonl or an indexed prefix)")
+    data.add_argument("--lengths", help="JSON: a list of document lengths in tokens, or a "
+                      "histogram {\"length\": count}")
+    p.add_argument("--tokenizer", default="qwen", help="tokenizer of --data-path / the corpus")
+    p.add_argument("--top", type=int, default=5, help="rows printed per search")
+    p.add_argument("--json", default=None, help="write every simulated run here")
+    return p
+
+
+def read_lengths(path: str) -> np.ndarray:
+    """Document lengths from a JSON list or histogram; ``ValueError`` naming the file."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--lengths {path}: cannot read a JSON file: {e}") from e
+    if isinstance(raw, dict):
+        out = []
+        for k, v in raw.items():
+            try:
+                n, c = int(k), int(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"--lengths {path}: entry {k!r}: {v!r}: expected "
+                                 f"\"length\": count with integers") from None
+            if n < 1 or c < 0 or str(n) != str(k).strip():
+                raise ValueError(f"--lengths {path}: entry {k!r}: {v!r}: expected a length "
+                                 f">= 1 and a count >= 0")
+            out += [n] * c
+        lengths = np.asarray(out, dtype=np.int64)
+    elif isinstance(raw, list):
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in raw):
+            bad = next(x for x in raw if not (isinstance(x, int) and not isinstance(x, bool)
+                                              and x >= 1))
+            raise ValueError(f"--lengths {path}: {bad!r}: expected document lengths as "
+                             f"integers >= 1")
+        lengths = np.asarray(raw, dtype=np.int64)
+    else:
+        raise ValueError(f"--lengths {path}: expected a JSON list or object, got "
+                         f"{type(raw).__name__}")
+    if lengths.size == 0:
+        raise ValueError(f"--lengths {path}: no documents")
+    return lengths
+
+
+def _rows(title, choices, base_s, top):
+    lines = [f"\n{title}",
+             f"{'layout':<26} {'packing':<15} {'step_s':>8} {'vs even':>8} {'density':>8} "
+             f"{'per stage':<30} flags"]
+    for c in choices[:top]:
+        st = " ".join(f"{d:.2f}" for d in c.row["density_per_stage"])
+        lines.append(f"{c.layout.describe():<26} {c.variant:<15} {c.step_time_s:>8.3f} "
+                     f"{base_s / c.step_time_s:>8.3f} {c.row['mean_density']:>8.3f} "
+                     f"{st:<30} {' '.join(c.flags) or '(default split)'}"
+                     + ("" if c.qualifies else "  [starves a stage]"))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .data import load_corpus
+    from .experiments import StudyConfig, best_layouts
+    from .latency import LatencyModel, LatencyTableError, LayoutError, ModelShape
+
+    try:
+        if args.analytic:
+            shape = ModelShape(**({"num_layers": args.num_layers} if args.num_layers else {}))
+            pp_table = 4 if shape.num_layers % 4 == 0 else 2
+            lm = LatencyModel.analytic(shape, pp=pp_table)
+        else:
+            lm = LatencyModel.load(args.latency_table)
+    except (LatencyTableError, ValueError) as e:
+        parser.error(str(e))
+    num_layers = args.num_layers or int(lm.table["model"]["num_layers"])
+    seq = args.seq_length or int(lm.table["model"]["seq_length"])
+    try:
+        lengths = (read_lengths(args.lengths) if args.lengths else
+                   np.asarray(load_corpus(args.data_path, tokenizer=args.tokenizer).lengths,
+                              dtype=np.int64))
+    except ValueError as e:
+        parser.error(str(e))
+    cfg = StudyConfig(microbatches=args.microbatches, seq_length=seq, density=args.density,
+                      min_density=args.min_density, max_density=args.max_density,
+                      steps=args.steps, seed=args.seed)
+    t0 = time.perf_counter()
+    try:
+        res = best_layouts(lm, lengths, cfg, args.dp, pp=args.pp, num_layers=num_layers,
+                           vps=args.vp)
+    except (LayoutError, ValueError) as e:
+        print(f"sparsebalance-layout: error: {e}", file=sys.stderr)
+        return 2
+    base = res["even_static"].step_time_s
+    print(f"{num_layers} layers, pp={args.pp}, vp in {args.vp}, dp={args.dp}, "
+          f"m={args.microbatches}, {seq} tokens per micro-batch, d0={args.density}; "
+          f"{len(lengths)} documents; latency: {lm.table.get('device')} "
+          f"({lm.table.get('source')}); {time.perf_counter() - t0:.1f} s")
+    print(f"Megatron's default (even split, sequential packing): {base:.3f} s per step")
+    print(_rows("Best static configurations (every unit at d0)", res["static"], base, args.top))
+    print(_rows("Best layouts for --sparse-balance (SAB + DST; plain 1F1B, since training does "
+                "not run the interleaved schedule with it yet)", res["sparsebalance"], base,
+                args.top))
+    best_s, best_sb = res["static"][0], res["sparsebalance"][0]
+    print(f"\nstatic:         {' '.join(best_s.flags) or '(default split)'}"
+          f"{' --sb-packing token_balanced' if best_s.variant == 'token_balanced' else ''}")
+    if best_s.layout.vp > 1 and best_s.variant == "token_balanced":
+        print("                (a baseline for comparison: the plugin's packing does not run "
+              "with the interleaved schedule yet)")
+    print(f"sparse-balance: {' '.join(best_sb.flags) or '(default split)'} --sparse-balance "
+          f"--sb-density {args.density}")
+    print(f"sparse-balance vs the best static: {best_s.step_time_s / best_sb.step_time_s:.3f}x "
+          f"(simulated)")
+    if args.json:
+        out = {"config": vars(args), "num_layers": num_layers, "seq_length": seq,
+               "even_static": res["even_static"].as_dict(),
+               "static": [c.as_dict() for c in res["static"]],
+               "sparsebalance": [c.as_dict() for c in res["sparsebalance"]]}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The layout search (experiments.layout_search) and its console script sparsebalance-layout,
+on a small analytic model: deterministic (no wall clock), seconds."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.experiments import StudyConfig, best_layouts, run_study
+from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
+from sparsebalance_megatron.layout_cli import main, read_lengths
+
+SHAPE = ModelShape(num_layers=8, seq_length=8192)
+CFG = StudyConfig(microbatches=4, seq_length=8192, steps=2)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return LatencyModel.analytic(SHAPE, pp=4)
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    rng = np.random.default_rng(3)
+    return np.concatenate([rng.integers(64, 1024, 300), rng.integers(4000, 8192, 40)])
+
+
+@pytest.fixture(scope="module")
+def result(lm, lengths):
+    return best_layouts(lm, lengths, CFG, 4, pp=4, vps=(1, 2))
+
+
+def test_the_best_static_is_the_fastest_of_every_split_and_packing(result, lm, lengths):
+    static = result["static"]
+    assert static[0].step_time_s == min(c.step_time_s for c in static)
+    assert {c.variant for c in static} == {"static", "token_balanced"}
+    assert any(c.layout.vp == 2 for c in static)
+    even = result["even_static"]
+    assert even.layout == PipelineLayout.even(8, 4) and even.variant == "static"
+    # the search's numbers are the study's numbers for that run
+    best = static[0]
+    row = run_study(4, CFG, lm, lengths, {"x": (best.variant, best.layout)})["x"]
+    assert row["step_time_s"] == pytest.approx(best.step_time_s)
+
+
+def test_sparse_balance_layouts_keep_every_stage_above_the_floor(result):
+    sb = result["sparsebalance"]
+    assert all(c.layout.vp == 1 and c.variant == "sab_dst" for c in sb)
+    floor = CFG.policy().stage_density_floor * CFG.density
+    for c in sb:
+        if c.qualifies:
+            assert c.row["mean_density"] >= CFG.density - 1e-9
+            assert c.row["min_stage_density"] >= floor - 1e-9
+    assert sb[0].qualifies
+
+
+def test_layer_weighted_density_of_a_plan(lm, lengths):
+    """Stage densities are weighted by layers x work: the mean is their layer-weighted mean."""
+    lay = PipelineLayout.from_counts(8, 4, first=3, last=1)
+    row = run_study(2, CFG, lm, lengths, {"sb": ("sab_dst", lay)})["sb"]
+    st = np.asarray(row["density_per_stage"])
+    assert len(st) == 4
+    assert min(st) <= row["mean_density"] <= max(st)
+
+
+def test_cli_prints_flags_and_writes_json(tmp_path, capsys, lengths):
+    hist = tmp_path / "h.json"
+    vals, counts = np.unique(lengths, return_counts=True)
+    hist.write_text(json.dumps({str(int(v)): int(c) for v, c in zip(vals, counts)}))
+    out = tmp_path / "o.json"
+    assert main(["--analytic", "--num-layers", "8", "--pp", "2", "--dp", "2",
+                 "--microbatches", "4", "--seq-length", "8192", "--steps", "1",
+                 "--lengths", str(hist), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Best static configurations" in text and "sparse-balance vs the best static" in text
+    data = json.loads(out.read_text())
+    assert data["static"][0]["megatron_flags"] is not None
+    assert data["even_static"]["describe"] == "4/4"
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("[1, 0, 3]", "0: expected document lengths as integers >= 1"),
+    ('{"a": 3}', "expected \"length\": count"),
+    ("[]", "no documents"),
+    ("3", "expected a JSON list or object"),
+    ("{", "cannot read a JSON file"),
+])
+def test_bad_length_files_are_named(tmp_path, content, needle):
+    p = tmp_path / "l.json"
+    p.write_text(content)
+    with pytest.raises(ValueError) as e:
+        read_lengths(str(p))
+    assert str(p) in str(e.value) and needle in str(e.value)
