@@ -205,7 +205,7 @@ class LatencyModel:
     def layer_coefficients(self) -> dict:
         """{fwd, bwd: [n_features]} of ONE decoder layer: the measured middle stage over its
         layers. ``LayoutError`` when the table has no middle stage (a pp=1 table, or a pp=2 one
-        profiled before 0.4.0)."""
+        profiled before the profiler measured a middle stage at pp = 2)."""
         if "middle" not in self.coef:
             raise LayoutError(
                 f"latency table ({self.table.get('device')}, pp={self.table_layout.pp}, stage "

@@ -59,7 +59,8 @@ def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
                    for k, v in sorted(expect["model"].items()))
     key += (f"_pp{args.pipeline_model_parallel_size}_b{sb.block_size}s{sb.sink_blocks}"
             f"l{sb.local_blocks}_v{expect['sparsebalance_megatron']}"  # upgrade: re-profile
-            f"_mc{expect['megatron_core']}_t{expect['torch']}")
+            f"_mc{expect['megatron_core']}_t{expect['torch']}"
+            "_mid")   # measured with a middle stage (any layout); older caches lack one
     key += "_" + "_".join(f"{v}" for _, v in sorted(expect.get("execution", {}).items()))
     key = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
     return os.path.join(sb.data_cache_dir or default_cache_dir(), "latency", key + ".json")

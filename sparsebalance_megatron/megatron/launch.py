@@ -93,7 +93,8 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
                    "than pipeline ranks): the latency model, simulator, DST and "
                    "sparsebalance-layout plan it, training does not run it yet")
     try:
-        PipelineLayout.from_megatron_args(args)
+        if getattr(args, "num_layers", None) is not None:   # else Megatron's own check says so
+            PipelineLayout.from_megatron_args(args)
     except LayoutError as e:
         out.append(f"the pipeline layout: {e}")
     if plugin_data:
