@@ -8,6 +8,9 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
   test's shape), median thread CPU time of 9 runs after a warm-up; target < 10 ms.
 - ``LatencyModel.predict_many`` over a global batch of 4,096 micro-batches of 32K tokens
   (analytic table, PP=4), median of 5; target well under 250 ms.
+- One step's SparseBalance work at 64 DP x 16 micro-batches x PP=4, 32K tokens, on the built-in
+  corpus (SAB packing, unit costs, the runtime's DST call), against the simulated step time of
+  the plan (analytic Qwen2.5-0.5B table); target < 1% of the step.
 
     .venv/bin/python scripts/bench_planner_cost.py --json docs/results/planner_cost.json
 """
@@ -32,6 +35,52 @@ def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
     return float(np.median(out))
 
 
+def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5) -> dict:
+    """The plugin's per-step CPU work at scale, in the runtime's order, on the built-in corpus:
+    SAB packing of a global batch (sampler included), the unit costs of the packed step, the
+    runtime's DST call; and the step time the plan is simulated to take (the denominator)."""
+    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
+                                                 sab_plan, unit_sensitivity)
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
+    from sparsebalance_megatron.policy import UnitCosts, density_grid
+    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+    from sparsebalance_megatron.sim import pipeline_makespan_s
+
+    lengths = np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
+    sampler = GlobalBatchSampler(lengths, capacity=seq, dp=dp, num_microbatches=m, seed=1,
+                                 long_sample_policy="split")
+    batches = [sampler.next_global_batch() for _ in range(repeats + 1)]
+    sb = SparseBalanceConfig(sparse_balance=True)
+    grid = density_grid(sb.density, sb.min_density, sb.max_density)
+    cost_fn = latency_sample_cost_fn(lm, sb.density)
+    tracker = SensitivityTracker()
+    parts = {"sab_plan": [], "UnitCosts.from_latency": [], "plan_dst_from_config": []}
+    step_s = []
+    for k, segs in enumerate(batches):
+        t0 = time.thread_time()
+        plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq, cost_fn=cost_fn,
+                        sensitivity=tracker, seed=1)
+        t1 = time.thread_time()
+        costs = UnitCosts.from_latency(lm, plan.flat_lengths(with_padding=True), dp, m, grid)
+        t2 = time.thread_time()
+        dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
+                                   p2p_s=lm.p2p_s)
+        t3 = time.thread_time()
+        if k == 0:
+            continue                                          # warm-up
+        for name, a, b in (("sab_plan", t0, t1), ("UnitCosts.from_latency", t1, t2),
+                           ("plan_dst_from_config", t2, t3)):
+            parts[name].append((b - a) * 1e3)
+        idx = np.searchsorted(costs.densities, dst.densities - 1e-12)
+        f, b = costs.at(idx)
+        step_s.append(float(pipeline_makespan_s(f, b, lm.p2p_s).max()))
+    med = {k: float(np.median(v)) for k, v in parts.items()}
+    return {"shape": f"{dp} DP x {m} micro-batches x PP{lm.pp}, {seq} tokens",
+            "parts_ms": med, "total_ms": float(sum(med.values())),
+            "step_s": float(np.median(step_s))}
+
+
 def main(argv=None) -> int:
     from sparsebalance_megatron.latency import LatencyModel
     from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
@@ -54,15 +103,20 @@ def main(argv=None) -> int:
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
     predict_ms = _median_ms(lambda: lm.predict_many(units, d, 1), 5)
 
+    step = step_overhead(lm)
     rows = [("plan_dst 64 x 16 x 4", plan_ms, 10.0),
             ("predict_many 4,096 x 32K (pp 4)", predict_ms, 250.0)]
-    print(f"{'what':<34} {'median ms':>10} {'target ms':>10}")
+    rows += [(f"step: {k}", v, None) for k, v in step["parts_ms"].items()]
+    rows.append(("step: all of it", step["total_ms"], 0.01 * step["step_s"] * 1e3))
+    print(f"{'what':<42} {'median ms':>10} {'target ms':>10}")
     for name, ms, target in rows:
-        print(f"{name:<34} {ms:>10.2f} {target:>10.1f}")
+        print(f"{name:<42} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
+    print(f"per step: {step['total_ms']:.1f} ms of a simulated {step['step_s']:.2f} s step = "
+          f"{100 * step['total_ms'] / (1e3 * step['step_s']):.2f}% (target < 1%)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(),
-                       "clock": "thread CPU time",
+                       "clock": "thread CPU time", "step": step,
                        "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]},
                       f, indent=1)
     return 0

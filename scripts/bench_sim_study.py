@@ -13,8 +13,9 @@ short documents), d0 and DP size, the layout search (``experiments.layout_search
 Rows, all on the same global batches, speedups vs ``best_static``:
 ``static_even`` (Megatron's default: even split, sequential packing; the old baseline, labelled),
 ``best_static``, ``sab`` and ``dst`` (each alone on the best plain-1F1B static layout),
-``sab_dst`` (on its own best layout) and ``sab_dst_max`` (SAB + DST that never cuts, on the best
-plain static layout: the "free accuracy" row, density raised only where bubbles allow).
+``sab_dst`` (on its ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
+plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the densest
+layout whose step is no slower than best_static's: the "free accuracy" row).
 DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom). Densities are weighted
 by layers x dense attention work, overall and per stage.
 
@@ -55,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--table-force", action="store_true")
     p.add_argument("--tokenizer", default="qwen")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--floor-sweep", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9],
+                   help="--sb-stage-density-floor values tried for sab_dst on the even split and "
+                        "on its best layout (the evidence for the default); none: skip")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -66,13 +70,15 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
+    best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
     even = PipelineLayout.even(best_static.layout.num_layers, pp)
     runs = {"static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
             "sab": ("sab", plain), "dst": ("dst", plain),
             "sab_dst": ("sab_dst", best_sb.layout),
-            "sab_dst_max": ("sab_dst_max", plain)}
+            "sab_dst_max": ("sab_dst_max", plain),
+            "sab_dst_acc": ("sab_dst_acc", best_acc.layout)}
     rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_static")
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
     return {"rows": rows, "layouts": layouts,
@@ -80,6 +86,27 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
             "search_s": search_s,
             "static_top5": [c.as_dict() for c in found["static"][:5]],
             "sparsebalance_top5": [c.as_dict() for c in found["sparsebalance"][:5]]}
+
+
+def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) -> dict:
+    """sab_dst at every stage floor, on the even split and on its best layout, against the
+    best static configuration found for this (mix, d0, dp)."""
+    from dataclasses import replace
+
+    best = found["best_static"]
+    static_layout = PipelineLayout.from_dict(best["layout"])
+    sb_layout = PipelineLayout.from_dict(found["best_sparsebalance"]["layout"])
+    even = PipelineLayout.even(static_layout.num_layers, pp)
+    out = {}
+    for name, lay in ((f"even {even.describe()}", even),
+                      (f"best {sb_layout.describe()}", sb_layout)):
+        out[name] = {}
+        for f in floors:
+            c = replace(cfg, stage_density_floor=float(f))
+            rows = run_study(dp, c, lm, lengths, {"base": (best["variant"], static_layout),
+                                                  "sb": ("sab_dst", lay)}, baseline="base")
+            out[name][str(f)] = rows["sb"]
+    return out
 
 
 def main(argv=None):
@@ -111,6 +138,17 @@ def main(argv=None):
                 r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
                 res[str(dp)] = r
                 out["results"][f"{mix}/d0={d0}/dp={dp}"] = r
+            if args.floor_sweep:
+                dp = args.ranks[-1]
+                sweep = floor_sweep(lm, lengths, cfg, dp, args.pp, args.floor_sweep,
+                                    res[str(dp)])
+                out.setdefault("floor_sweep", {})[f"{mix}/d0={d0}/dp={dp}"] = sweep
+                print(f"\nstage floor sweep (sab_dst, {mix}, d0={d0}, {dp} ranks; speedup vs "
+                      f"best static, layer-weighted density, lowest stage):")
+                for name, rows in sweep.items():
+                    print(f"  {name:<22} " + "  ".join(
+                        f"floor {f}: {r['speedup_vs_static']:.3f}x d={r['mean_density']:.3f} "
+                        f"min={r['min_stage_density']:.3f}" for f, r in rows.items()))
             title = (f"mix={mix} ({len(lengths)} docs), d0={d0}: speedup vs the best static "
                      f"configuration")
             print(format_table(title, {dp: r["rows"] for dp, r in res.items()}))

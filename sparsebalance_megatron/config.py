@@ -19,6 +19,7 @@ LONG_SAMPLE_POLICIES = ("split", "error")
 TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
+RAISE_TARGETS = ("bottleneck", "static")
 TIMING_SOURCES = ("measured", "model")
 FAULT_KINDS = ("raise", "hang", "kill")
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
@@ -100,6 +101,11 @@ class SparseBalanceConfig:
         0.75, "DST keeps every pipeline stage's density in a step (weighted by layers x attention work) at "
         "or above this fraction of --sb-density, by cutting fewer units, so no stage's layers "
         "are starved to pay for another's (the LM-head stage is the usual victim); 0 = off.")
+    raise_to: str = _f(
+        "bottleneck", "How far bubble filling raises densities: under the cut plan's step time "
+        "('bottleneck': the balance gain is speed) or up to the static plan's step time at "
+        "--sb-density ('static': the balance gain becomes density, the step no slower than "
+        "static sparse attention).", choices=RAISE_TARGETS)
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "

@@ -147,6 +147,10 @@ def main(argv: Optional[list] = None) -> int:
     print(_rows("Best layouts for --sparse-balance (SAB + DST; plain 1F1B, since training does "
                 "not run the interleaved schedule with it yet)", res["sparsebalance"], base,
                 args.top))
+    if res["accuracy"]:
+        print(_rows("Densest --sparse-balance --sb-raise-to static layouts no slower than the "
+                    "best static configuration (free accuracy)", res["accuracy"], base,
+                    args.top))
     best_s, best_sb = res["static"][0], res["sparsebalance"][0]
     print(f"\nstatic:         {' '.join(best_s.flags) or '(default split)'}"
           f"{' --sb-packing token_balanced' if best_s.variant == 'token_balanced' else ''}")
@@ -157,11 +161,17 @@ def main(argv: Optional[list] = None) -> int:
           f"--sb-density {args.density}")
     print(f"sparse-balance vs the best static: {best_s.step_time_s / best_sb.step_time_s:.3f}x "
           f"(simulated)")
+    if res["accuracy"]:
+        a = res["accuracy"][0]
+        print(f"free accuracy:  {' '.join(a.flags) or '(default split)'} --sparse-balance "
+              f"--sb-raise-to static: density {a.row['mean_density']:.3f} (d0 {args.density}) "
+              f"at {best_s.step_time_s / a.step_time_s:.3f}x the best static's speed")
     if args.json:
         out = {"config": vars(args), "num_layers": num_layers, "seq_length": seq,
                "even_static": res["even_static"].as_dict(),
                "static": [c.as_dict() for c in res["static"]],
-               "sparsebalance": [c.as_dict() for c in res["sparsebalance"]]}
+               "sparsebalance": [c.as_dict() for c in res["sparsebalance"]],
+               "accuracy": [c.as_dict() for c in res["accuracy"]]}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")

@@ -7,6 +7,9 @@ global batches (``study.run_study``):
 
 - static: every unit at d0, with Megatron's sequential packing and with token-balanced packing;
   the best (layout, packing) is *the best static configuration* a Megatron user could run;
+- accuracy: SAB + DST raising up to the static plan's step time (``--sb-raise-to static``): of
+  the layouts no slower than the best static configuration, the one with the highest
+  layer-weighted density;
 - SparseBalance: SAB + DST (the runtime's ``plan_dst_from_config``, floors included), on plain
   1F1B layouts (training refuses the interleaved schedule with ``--sparse-balance`` so far). A
   layout qualifies only if its plan keeps the layer-weighted density >= d0 and every stage >= the
@@ -25,6 +28,7 @@ from .study import StudyConfig, run_study
 
 STATIC_VARIANTS = ("static", "token_balanced")
 SPARSE_VARIANT = "sab_dst"
+ACCURACY_VARIANT = "sab_dst_acc"
 
 
 @dataclass
@@ -72,7 +76,7 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     for name, (variant, lay) in runs.items():
         r = rows[name]
         ok = True
-        if variant == SPARSE_VARIANT or variant.startswith("dst"):
+        if variant.startswith(SPARSE_VARIANT) or variant.startswith("dst"):
             ok = (r["mean_density"] >= cfg.density - 1e-9
                   and r["min_stage_density"] >= floor - 1e-9)
         out.append(LayoutChoice(lay, variant, r["step_time_s"], r, ok))
@@ -82,14 +86,54 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
 
 def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                  num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2)) -> dict:
-    """{"static": [LayoutChoice...], "sparsebalance": [...], "even_static": LayoutChoice}: both
-    searches, fastest first, and Megatron's default (even split, sequential packing)."""
+    """{"static": [...], "sparsebalance": [...], "accuracy": [...], "even_static": choice}.
+
+    static / sparsebalance: the two searches, fastest first; accuracy: SAB + DST raising to the
+    static plan's step time (``--sb-raise-to static``) on every plain layout whose step is no
+    slower than the best static configuration's, densest first (the "free accuracy" choice);
+    even_static: Megatron's default (even split, sequential packing)."""
     n = int(num_layers or lm.table["model"]["num_layers"])
     static = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                             variants=STATIC_VARIANTS)
     # the runtime does not run the interleaved schedule yet (refused at launch): plain 1F1B only
     sparse = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=(1,),
                             variants=(SPARSE_VARIANT,))
+    acc = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=(1,),
+                         variants=(ACCURACY_VARIANT,))
+    limit = static[0].step_time_s * (1 + 1e-9)
+    acc = sorted((c for c in acc if c.qualifies and c.step_time_s <= limit),
+                 key=lambda c: (-c.row["mean_density"], c.step_time_s))
     even = PipelineLayout.even(n, pp)
     even_static = next(c for c in static if c.layout == even and c.variant == "static")
-    return {"static": static, "sparsebalance": sparse, "even_static": even_static}
+    return {"static": static, "sparsebalance": sparse, "accuracy": acc,
+            "even_static": even_static}
+
+
+LAYOUT_GAP_WARN = 1.05
+"""The runtime warns when its layout's static step is predicted this much slower than the best."""
+
+
+def layout_gap(lm, mb_doc_lengths, dp: int, num_microbatches: int, layout: PipelineLayout,
+               density: float) -> tuple[float, PipelineLayout]:
+    """(configured / best predicted static step time, the best layout) for one packed step at
+    ``density``, over the plain-1F1B layouts Megatron's flags build for ``layout``'s model and
+    pp (the runtime's start-up check; ``LayoutError`` when the table cannot predict them)."""
+    import numpy as np
+
+    from ..policy import UnitCosts
+    from ..sim.pipeline import pipeline_makespan_s
+
+    feats = lm.unit_features(mb_doc_lengths)
+    grid = np.asarray([float(density)])
+
+    def step_s(lay):
+        c = UnitCosts.from_latency(lm.with_layout(lay), feats, dp, num_microbatches, grid)
+        return float(pipeline_makespan_s(c.fwd_s[..., 0], c.bwd_s[..., 0], lm.p2p_s).max())
+
+    mine = step_s(layout)
+    best, best_s = layout, mine
+    for cand in candidate_layouts(layout.num_layers, layout.pp, (1,)):
+        t = step_s(cand)
+        if t < best_s * (1 - 1e-9):
+            best, best_s = cand, t
+    return (mine / best_s if best_s > 0 else 1.0), best

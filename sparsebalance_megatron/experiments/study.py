@@ -13,7 +13,9 @@ or the interleaved schedule for a layout with vp > 1). Variants (names are what 
 - ``sab``: SAB at d0;
 - ``dst`` (= ``dst_mean``) and ``dst_<anchor>``: sequential packing + DST with that anchor;
 - ``sab_dst`` (= ``sab_dst_mean``) and ``sab_dst_<anchor>``: SAB + DST with that anchor
-  (``sab_dst_max`` never cuts: it only spends bubbles on density, the "free accuracy" plan).
+  (``sab_dst_max`` never cuts: it only spends bubbles on density);
+- any DST variant + ``_acc`` (e.g. ``sab_dst_acc``): ``--sb-raise-to static``, the raises go up
+  to the static plan's step time: what balancing saved becomes density ("free accuracy").
 
 DST is the runtime's own call, ``plan_dst_from_config`` with the floors and the raise headroom of
 a ``SparseBalanceConfig`` (``StudyConfig.policy``). Every run of a study is (variant, layout):
@@ -76,42 +78,60 @@ class StudyConfig:
     """--sb-raise-headroom of the plans (None: the runtime's default, 'auto', which is
     ``DEFAULT_RAISE_HEADROOM`` without a measured error, as in a simulation)."""
 
-    def policy(self, anchor: str = "mean") -> SparseBalanceConfig:
+    def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
+               ) -> SparseBalanceConfig:
         """The ``SparseBalanceConfig`` a run with these settings would plan with."""
         kw = dict(sparse_balance=True, density=self.density, min_density=self.min_density,
-                  max_density=self.max_density, tolerance=self.tolerance, anchor=anchor)
+                  max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
+                  raise_to=raise_to)
         for k in ("density_floor", "stage_density_floor", "raise_headroom"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)
 
 
+def _base(variant: str) -> str:
+    return variant[:-4] if variant.endswith("_acc") else variant
+
+
 def packing_of(variant: str) -> str:
     """The packing a variant uses: sequential, token_balanced or sab."""
-    if variant.startswith("sab_dst_"):
+    v = _base(variant)
+    if v.startswith("sab_dst_"):
         return "sab"
-    return _PACKING.get(variant, "sequential")
+    return _PACKING.get(v, "sequential")
 
 
 def dst_anchor_of(variant: str):
     """The DST anchor of a variant, or None when the variant does not run DST."""
-    if variant in ("dst", "sab_dst"):
+    v = _base(variant)
+    if v in ("dst", "sab_dst"):
         return "mean"
     for prefix in ("dst_", "sab_dst_"):
-        if variant.startswith(prefix):
-            return variant[len(prefix):]
+        if v.startswith(prefix):
+            return v[len(prefix):]
     return None
+
+
+def raise_to_of(variant: str) -> str:
+    """``static`` for the accuracy-first variants (``..._acc``), else ``bottleneck``."""
+    return "static" if variant.endswith("_acc") and dst_anchor_of(variant) else "bottleneck"
 
 
 def check_variant(variant: str) -> None:
     from ..config import ANCHORS
-    if variant in _PACKING or variant == "dst":
+    v = _base(variant)
+    if variant.endswith("_acc") and dst_anchor_of(variant) is None:
+        raise ValueError(f"variant {variant!r}: '_acc' (raise to the static step time) needs a "
+                         f"DST variant")
+    if v in _PACKING or v == "dst":
         return
     for prefix in ("dst_", "sab_dst_"):
-        if variant.startswith(prefix) and variant[len(prefix):] in ANCHORS:
+        if v.startswith(prefix) and v[len(prefix):] in ANCHORS:
             return
     raise ValueError(f"variant {variant!r}: expected one of {sorted(_PACKING) + ['dst']}, "
-                     f"dst_<anchor> or sab_dst_<anchor> with an anchor of {ANCHORS}")
+                     f"dst_<anchor> or sab_dst_<anchor> with an anchor of {ANCHORS}, each DST "
+                     f"one optionally with '_acc'")
 
 
 class VariantAccumulator:
@@ -210,10 +230,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
             c = costs[packing, key]
             anchor = dst_anchor_of(variant)
             if anchor is not None:
-                if anchor not in policies:
-                    policies[anchor] = cfg.policy(anchor)
+                pkey = (anchor, raise_to_of(variant))
+                if pkey not in policies:
+                    policies[pkey] = cfg.policy(*pkey)
                 t = time.perf_counter()
-                plan = plan_dst_from_config(policies[anchor], c, sens[packing], p2p_s=lm.p2p_s)
+                plan = plan_dst_from_config(policies[pkey], c, sens[packing], p2p_s=lm.p2p_s)
                 acc[name].add(c, plan.densities, lm.p2p_s, (time.perf_counter() - t) * 1e3)
             else:
                 acc[name].add(c, np.full(c.shape, 1.0 if variant == "dense" else d0), lm.p2p_s)

@@ -46,6 +46,7 @@ class UnitFeatures:
     work_mode: str = "kept"
     query_chunk_blocks: int = 16
     _blocks: tuple | None = None  # chunked mode: (block_local, block_unit, chunk_starts, chunk_unit)
+    _hist: tuple | None = None    # kept mode: (distinct doc block counts, [n, k] doc counts)
 
     @property
     def num_units(self) -> int:
@@ -146,12 +147,19 @@ class UnitFeatures:
             return np.stack([self._chunked_work(np.full(n, d)) for d in grid], axis=1)
         table = cumulative_work_table(grid, self._max_blocks(), self.sink_blocks,
                                       self.local_blocks)          # [g, N + 1]
-        per_doc = table[:, self.doc_blocks]                        # [g, total_docs]
-        # segmented sum via cumulative sums (the documents of a unit are contiguous in CSR)
-        csum = np.zeros((grid.size, per_doc.shape[1] + 1))
-        np.cumsum(per_doc, axis=1, out=csum[:, 1:])
-        out = csum[:, self.offsets[1:]] - csum[:, self.offsets[:-1]]
-        return out.T.copy()
+        # A document's work depends only on its block count: count each unit's documents per
+        # distinct block count once, then one [n, k] x [k, g] product (exact: integer sums).
+        sizes, counts = self._block_count_histogram()
+        return counts @ table[:, sizes].T
+
+    def _block_count_histogram(self) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct document block counts [k], documents of each unit per count [n, k])."""
+        if self._hist is None:
+            sizes, inv = np.unique(self.doc_blocks, return_inverse=True)
+            n, k = self.num_units, sizes.size
+            counts = np.bincount(self.doc_unit * k + inv, minlength=n * k).reshape(n, k)
+            self._hist = (sizes, counts.astype(np.float64))
+        return self._hist
 
     def matrix(self, densities) -> np.ndarray:
         """[n, 5] design matrix in the order of ``FEATURES``."""

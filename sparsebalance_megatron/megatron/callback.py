@@ -79,6 +79,7 @@ class SparseBalanceCallback:
         self._finalized: Optional[int] = None
         self._losses: list = []
         self._overhead_s = 0.0
+        self._layout_checked = False
 
     # --- Megatron hooks ----------------------------------------------------------------------
     def train_iterator(self):
@@ -156,7 +157,28 @@ class SparseBalanceCallback:
         elif sb.sparse_attention_enabled:
             plan = BudgetPlan.static(iteration, sb.density, self.dp, num_microbatches, self.pp)
         self._ready = PreparedStep(iteration, first_bin, batch, plan, report)
+        if not self._layout_checked:
+            self._layout_checked = True
+            self._check_layout(batch)
         self._overhead_s += time.perf_counter() - t0
+
+    def _check_layout(self, batch: BatchPlan) -> None:
+        """Once, on rank 0: warn when the run's pipeline layout is predicted well slower (static,
+        at d0, this step's data) than another split Megatron's flags allow."""
+        if comm.rank() != 0 or self.latency is None or self.layout.pp < 2:
+            return
+        from ..experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
+        from ..latency.layout import LayoutError
+        try:
+            gap, best = layout_gap(self.latency, batch.flat_lengths(with_padding=True), self.dp,
+                                   batch.num_microbatches, self.layout, self.sb.density)
+        except LayoutError:
+            return   # a table that knows only its own layout: nothing to compare
+        if gap > LAYOUT_GAP_WARN:
+            comm.say(f"warning: the pipeline layout {self.layout.describe()} is predicted "
+                     f"{gap:.2f}x slower (static, d0, this step's data) than "
+                     f"{best.describe()} ({' '.join(best.megatron_flags())}); see "
+                     f"sparsebalance-layout")
 
     def _plan_dst(self, batch: BatchPlan):
         from ..batching.sensitivity import unit_sensitivity

@@ -163,7 +163,8 @@ class UnitCosts:
         n, m, pp = feats.num_units, int(num_microbatches), model.num_stages
         if n != dp * m:
             raise ValueError(f"{n} micro-batches given: expected dp x m = {dp} x {m} = {dp * m}")
-        work = feats.work_grid(g)                                    # [n, g]
+        with_dense = feats.work_grid(np.append(g, 1.0))              # [n, g + 1]
+        work, dense = with_dense[:, :-1], with_dense[:, -1]
         f = np.empty((n, pp, g.size))
         b = np.empty((n, pp, g.size))
         for s in range(pp):
@@ -175,7 +176,7 @@ class UnitCosts:
         if calibrated:
             corr = np.asarray([model.correction(r) for r in range(dp)])[:, None, None, None]
             f, b = f * corr, b * corr
-        dense = feats.work_grid(np.array([1.0]))[:, 0].reshape(dp, m)
+        dense = dense.reshape(dp, m)
         layers = np.asarray(model.layout.layers, dtype=np.float64)
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
                    pipeline_ranks=model.layout.pp)

@@ -27,7 +27,9 @@ The rule (DESIGN.md section 5, issue 4):
    grow at all) gets half of its slack and is re-planned (a few rounds), and falls back to its
    cut-only densities if it still exceeds. So the planned step time never exceeds T1, which
    never exceeds T0. This is where cheap stages (first stage, light ranks) turn bubbles into
-   density.
+   density. With ``--sb-raise-to static`` the target is (1 - h) x T0 instead: the cuts still
+   take the stragglers down, and everything balancing saved is spent on density, so the step
+   ends no slower than static sparse attention (the accuracy-first use of DST).
 
 Costs come as ``UnitCosts`` (a density grid), so every step of the rule is a vectorised table
 look-up; a 64 x 16 x 4 plan takes a few milliseconds.
@@ -42,7 +44,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, ConfigError
+from ..config import (ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, RAISE_TARGETS,
+                      ConfigError)
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import (UnitCosts, check_density_bounds, stage_mean_densities,
                     weighted_mean_density)
@@ -200,16 +203,21 @@ def _broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
 
 def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_min: float,
              d_max: float, anchor: str = "mean", tolerance: float = 0.1,
-             p2p_s: float = 0.0, raise_headroom: float = 0.0) -> DSTPlan:
+             p2p_s: float = 0.0, raise_headroom: float = 0.0,
+             raise_to: str = "bottleneck") -> DSTPlan:
     """Plan densities [dp, m, pp] for one step.
 
     costs: predicted fwd/bwd seconds of every unit over a density grid that contains d0, d_min
     and d_max (``density_grid``); sensitivity: [dp, m] or [dp, m, pp], higher = loses more
     accuracy when sparsified (mean over a micro-batch's samples), None = all equal;
-    raise_headroom: h in [0, 0.5], raises stop at (1 - h) x the cut plan's step time.
+    raise_headroom: h in [0, 0.5], raises stop at (1 - h) x the raise target; raise_to: the
+    target, the cut plan's step time (``bottleneck``) or the static plan's (``static``: what
+    balancing saved is spent on density instead of speed).
     """
     check_anchor_tolerance(anchor, tolerance)
     check_raise_headroom(raise_headroom)
+    if raise_to not in RAISE_TARGETS:
+        raise ConfigError(f"--sb-raise-to={raise_to!r}: expected one of {', '.join(RAISE_TARGETS)}")
     check_density_bounds(d0, d_min, d_max)
     dp, m, nv = costs.shape
     # The load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
@@ -250,7 +258,7 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
 
     # 3. raise below the new bottleneck, most sensitive first; verify with the simulator.
     #    Ranks are independent pipelines, so a rank that overshoots is re-planned alone.
-    target = step1 * (1.0 - raise_headroom)                        # T1'
+    target = (step0 if raise_to == "static" else step1) * (1.0 - raise_headroom)   # T1'
     busy1 = t1.sum(axis=1)                                          # [dp, pp]
     overhead = mk1 - busy1.max(axis=1)                              # [dp] fill/drain
     slack_full = np.maximum(target - overhead[:, None] - busy1, 0.0)  # [dp, pp]
@@ -314,7 +322,8 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                         tolerance: float = 0.1, p2p_s: float = 0.0,
                         density_floor: float = 0.0, search_steps: int = 6,
                         raise_headroom: float = 0.0,
-                        stage_density_floor: float = 0.0) -> DSTPlan:
+                        stage_density_floor: float = 0.0,
+                        raise_to: str = "bottleneck") -> DSTPlan:
     """``plan_dst``, but the plan keeps its work-weighted mean density >= density_floor x d0 and
     every pipeline stage's work-weighted density >= stage_density_floor x d0.
 
@@ -327,7 +336,8 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     ``search_steps`` plans).
     """
     def plan(anchor_: str, tol: float) -> DSTPlan:
-        return plan_dst(costs, sensitivity, d0, d_min, d_max, anchor_, tol, p2p_s, raise_headroom)
+        return plan_dst(costs, sensitivity, d0, d_min, d_max, anchor_, tol, p2p_s, raise_headroom,
+                        raise_to)
 
     floor = density_floor * d0 - 1e-12
     stage_floor = stage_density_floor * d0 - 1e-12
@@ -364,8 +374,8 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
                          p2p_s: float = 0.0, raise_headroom: Optional[float] = None) -> DSTPlan:
     """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance, the mean-density floor
-    (``--sb-density-floor``), the per-stage floor (``--sb-stage-density-floor``) and the raise
-    headroom from a ``SparseBalanceConfig``; the
+    (``--sb-density-floor``), the per-stage floor (``--sb-stage-density-floor``), the raise
+    target (``--sb-raise-to``) and the raise headroom from a ``SparseBalanceConfig``; the
     costs must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``. ``raise_headroom`` overrides the config's (the runtime passes the
     measured error when the config says 'auto'; 'auto' without one is
@@ -378,4 +388,4 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
         costs, sensitivity, config.density, config.min_density, config.max_density,
         anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
         density_floor=config.density_floor, raise_headroom=raise_headroom,
-        stage_density_floor=config.stage_density_floor)
+        stage_density_floor=config.stage_density_floor, raise_to=config.raise_to)

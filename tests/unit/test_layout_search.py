@@ -91,3 +91,26 @@ def test_bad_length_files_are_named(tmp_path, content, needle):
     with pytest.raises(ValueError) as e:
         read_lengths(str(p))
     assert str(p) in str(e.value) and needle in str(e.value)
+
+
+def test_free_accuracy_layouts_are_no_slower_than_the_best_static(result):
+    """The accuracy search keeps only layouts whose SAB + DST (raising to the static step time)
+    is no slower than the best static configuration, densest first."""
+    acc = result["accuracy"]
+    limit = result["static"][0].step_time_s * (1 + 1e-9)
+    assert all(c.variant == "sab_dst_acc" and c.step_time_s <= limit for c in acc)
+    dens = [c.row["mean_density"] for c in acc]
+    assert dens == sorted(dens, reverse=True)
+
+
+def test_layout_gap_names_a_faster_split(lm, lengths):
+    """The runtime's start-up check: the even split of a model whose last stage carries a big
+    LM head is predicted slower than an uneven one; the best layout is its own gap 1."""
+    from sparsebalance_megatron.experiments.layout_search import layout_gap
+
+    rng = np.random.default_rng(1)
+    mbs = [list(rng.integers(200, 4000, size=3)) for _ in range(2 * 4)]
+    gap, best = layout_gap(lm, mbs, 2, 4, PipelineLayout.even(8, 4), 0.5)
+    assert gap > 1.05 and best != PipelineLayout.even(8, 4)
+    again, same = layout_gap(lm, mbs, 2, 4, best, 0.5)
+    assert again == pytest.approx(1.0) and same == best

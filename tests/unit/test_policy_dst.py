@@ -292,3 +292,24 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
         else:  # plans that already feed every stage are left alone
             np.testing.assert_array_equal(fed.densities, raw.densities)
     assert starved > 0  # the cases exercised the stage floor
+
+
+def test_raise_to_static_spends_the_balance_gain_on_density():
+    """--sb-raise-to static: the cuts still take the stragglers down, the raises then go up to
+    the static plan's step time instead of the cut plan's: never slower than static, never less
+    dense than the speed-first plan of the same step."""
+    from sparsebalance_megatron.config import ConfigError
+
+    gained = 0
+    for case in range(12):
+        costs = synthetic_costs(4, 6, 3, seed=100 + case)
+        sens = np.random.default_rng(case).random((4, 6))
+        fast = plan_dst(costs, sens, D0, DMIN, DMAX)
+        dense = plan_dst(costs, sens, D0, DMIN, DMAX, raise_to="static")
+        static = step_time_of(costs, np.full((4, 6, 3), D0))
+        assert step_time_of(costs, dense.densities) <= static * (1 + 1e-9)
+        assert dense.report.mean_density >= fast.report.mean_density - 1e-12
+        gained += dense.report.mean_density > fast.report.mean_density + 1e-6
+    assert gained >= 6, "raising to the static step time never added density"
+    with pytest.raises(ConfigError, match="--sb-raise-to='later'"):
+        plan_dst(costs, None, D0, DMIN, DMAX, raise_to="later")
