@@ -4,6 +4,8 @@ Same data (the built-in real corpus: its heavy-tailed length mix), same d0, five
 
 - ``dense``: no sparse attention (Megatron's sequential packing);
 - ``static``: static sparse attention at d0 (``--sb-sparse-attention``), sequential packing;
+- ``token_balanced``: the same with token-balanced packing (``--sb-packing token_balanced``): the
+  best static configuration of a DP run (no layer split to choose); ``vs_tb`` divides by it;
 - ``sab``: + sparsity-aware batching (``--sb-batching``), every unit at d0;
 - ``dst``: + dynamic sparsity tuning (``--sb-dst``), sequential packing;
 - ``sab_dst``: both (``--sparse-balance``).
@@ -47,8 +49,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
-VARIANTS = ("dense", "static", "sab", "dst", "sab_dst")
+VARIANTS = ("dense", "static", "token_balanced", "sab", "dst", "sab_dst")
 VARIANT_FLAGS = {"dense": [], "static": ["--sb-sparse-attention"],
+                 "token_balanced": ["--sb-sparse-attention", "--sb-packing", "token_balanced"],
                  "sab": ["--sb-sparse-attention", "--sb-batching"], "dst": ["--sb-dst"],
                  "sab_dst": ["--sparse-balance"]}
 NEEDS_TABLE = ("sab", "dst", "sab_dst")
@@ -256,7 +259,7 @@ def summarize_real(runs: dict, args) -> dict:
                 for r in steady if r.get("rank_busy_s")]
         if v == "dense":
             dens = 1.0
-        elif v in ("static", "sab"):
+        elif v in ("static", "token_balanced", "sab"):
             dens = args.density
         else:
             dens = float(np.mean([r["mean_density"] for r in steady]))
@@ -287,6 +290,11 @@ def summarize_real(runs: dict, args) -> dict:
             row["speedup_vs_static"] = st["step_time_s"] / row["step_time_s"]
             row["speedup_vs_static_mean"] = st["step_time_mean_s"] / row["step_time_mean_s"]
             row["speedup_paired_median"] = _paired(runs["static"], runs[v], args.warmup)
+            if "token_balanced" in rows:
+                row["speedup_vs_token_balanced"] = (rows["token_balanced"]["step_time_s"]
+                                                    / row["step_time_s"])
+                row["speedup_paired_vs_token_balanced"] = _paired(
+                    runs["token_balanced"], runs[v], args.warmup)
     return rows
 
 
@@ -343,7 +351,7 @@ def _fmt(x, spec):
 
 
 def print_tables(result: dict, args) -> None:
-    hdr = (f"{'variant':<8} {'step_s':>8} {'speedup':>8} {'imbal':>6} {'bubble':>7} "
+    hdr = (f"{'variant':<14} {'step_s':>8} {'speedup':>8} {'imbal':>6} {'bubble':>7} "
            f"{'density':>8}")
     if "real" in result:
         r = result["meta"]["real"]
@@ -355,14 +363,17 @@ def print_tables(result: dict, args) -> None:
               f"{r['wall_s']:.0f} s (+{r['profile_s']:.0f} s profiling)")
         if args.quick:
             print("QUICK: small model and few steps; these numbers are indicative only")
-        print(hdr + f" {'paired':>7} {'mean_s':>7} {'ovh%':>6} {'lat_err':>7} {'pred':>6}")
+        print(hdr + f" {'paired':>7} {'mean_s':>7} {'ovh%':>6} {'lat_err':>7} {'pred':>6} "
+              f"{'vs_tb':>6} {'pair_tb':>7}")
         for v, row in result["real"].items():
-            print(f"{v:<8} {row['step_time_s']:>8.3f} {row['speedup_vs_static']:>8.3f} "
+            print(f"{v:<14} {row['step_time_s']:>8.3f} {row['speedup_vs_static']:>8.3f} "
                   f"{_fmt(row['imbalance'], '6.3f')} {_fmt(row['bubble_fraction'], '7.3f')} "
                   f"{row['mean_density']:>8.3f} {_fmt(row['speedup_paired_median'], '7.3f')} "
                   f"{row['step_time_mean_s']:>7.3f} {100 * row['overhead_fraction']:>6.2f} "
                   f"{_fmt(row.get('latency_error'), '7.3f')} "
-                  f"{_fmt(row.get('predicted_speedup_vs_static_plan'), '6.3f')}")
+                  f"{_fmt(row.get('predicted_speedup_vs_static_plan'), '6.3f')} "
+                  f"{_fmt(row.get('speedup_vs_token_balanced'), '6.3f')} "
+                  f"{_fmt(row.get('speedup_paired_vs_token_balanced'), '7.3f')}")
         print("paired: median over steps of static / variant step time on the same global "
               "batch; lat_err: median |calibrated prediction - measured| / measured of per-rank "
               "busy; pred: DST's predicted static / planned step time; bubble: 1 - measured "
@@ -374,7 +385,7 @@ def print_tables(result: dict, args) -> None:
         print(f"{'ranks':>6} " + hdr)
         for dp, rows in result["sim"].items():
             for v, row in rows.items():
-                print(f"{dp:>6} {v:<8} {row['step_time_s']:>8.3f} "
+                print(f"{dp:>6} {v:<14} {row['step_time_s']:>8.3f} "
                       f"{row['speedup_vs_static']:>8.3f} {row['imbalance']:>6.3f} "
                       f"{row['bubble_fraction']:>7.3f} {row['mean_density']:>8.3f}")
 
@@ -388,7 +399,8 @@ def plot(result: dict, path: str, args) -> None:
     panels = (["real"] if "real" in result else []) + (["sim"] if "sim" in result else [])
     fig, axes = plt.subplots(len(panels), 2, figsize=(11, 4.2 * len(panels)), squeeze=False)
     axes = axes.ravel()
-    colors = {"dense": "#999999", "static": "#4c72b0", "sab": "#55a868", "dst": "#dd8452",
+    colors = {"dense": "#999999", "static": "#4c72b0", "token_balanced": "#8172b3",
+              "sab": "#55a868", "dst": "#dd8452",
               "sab_dst": "#c44e52"}
     k = 0
     if "real" in result:
