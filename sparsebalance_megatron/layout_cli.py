@@ -110,10 +110,21 @@ def main(argv: Optional[list] = None) -> int:
     from .experiments import StudyConfig, best_layouts
     from .latency import LatencyModel, LatencyTableError, LayoutError, ModelShape
 
+    for flag, value in (("--pp", args.pp), ("--dp", args.dp), ("--microbatches", args.microbatches),
+                        ("--steps", args.steps), ("--num-layers", args.num_layers),
+                        ("--seq-length", args.seq_length), ("--top", args.top),
+                        *(("--vp", v) for v in args.vp)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: expected an integer >= 1")
+    if args.num_layers is not None and args.num_layers < args.pp:
+        parser.error(f"--num-layers {args.num_layers} is less than --pp {args.pp}: a pipeline "
+                     f"stage would hold no layer")
     try:
         if args.analytic:
             shape = ModelShape(**({"num_layers": args.num_layers} if args.num_layers else {}))
-            pp_table = 4 if shape.num_layers % 4 == 0 else 2
+            # the analytic table's own split only needs the stage kinds (and a middle stage)
+            n = shape.num_layers
+            pp_table = 1 if args.pp == 1 else (2 if n % 2 == 0 else n)
             lm = LatencyModel.analytic(shape, pp=pp_table)
         else:
             lm = LatencyModel.load(args.latency_table)
@@ -137,12 +148,17 @@ def main(argv: Optional[list] = None) -> int:
     except (LayoutError, ValueError) as e:
         print(f"sparsebalance-layout: error: {e}", file=sys.stderr)
         return 2
-    base = res["even_static"].step_time_s
+    even = res["even_static"]
+    base = even.step_time_s if even is not None else res["static"][0].step_time_s
     print(f"{num_layers} layers, pp={args.pp}, vp in {args.vp}, dp={args.dp}, "
           f"m={args.microbatches}, {seq} tokens per micro-batch, d0={args.density}; "
           f"{len(lengths)} documents; latency: {lm.table.get('device')} "
           f"({lm.table.get('source')}); {time.perf_counter() - t0:.1f} s")
-    print(f"Megatron's default (even split, sequential packing): {base:.3f} s per step")
+    if even is not None:
+        print(f"Megatron's default (even split, sequential packing): {base:.3f} s per step")
+    else:
+        print(f"Megatron's default split does not exist for {num_layers} layers over pp="
+              f"{args.pp}; 'vs even' below is relative to the best static configuration")
     print(_rows("Best static configurations (every unit at d0)", res["static"], base, args.top))
     print(_rows("Best layouts for --sparse-balance (SAB + DST; plain 1F1B, since training does "
                 "not run the interleaved schedule with it yet)", res["sparsebalance"], base,
@@ -168,7 +184,7 @@ def main(argv: Optional[list] = None) -> int:
               f"at {best_s.step_time_s / a.step_time_s:.3f}x the best static's speed")
     if args.json:
         out = {"config": vars(args), "num_layers": num_layers, "seq_length": seq,
-               "even_static": res["even_static"].as_dict(),
+               "even_static": even.as_dict() if even is not None else None,
                "static": [c.as_dict() for c in res["static"]],
                "sparsebalance": [c.as_dict() for c in res["sparsebalance"]],
                "accuracy": [c.as_dict() for c in res["accuracy"]]}

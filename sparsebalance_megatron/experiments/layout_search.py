@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..latency.layout import PipelineLayout, candidate_layouts
+from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
 from .study import StudyConfig, run_study
 
 STATIC_VARIANTS = ("static", "token_balanced")
@@ -91,7 +91,8 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     static / sparsebalance: the two searches, fastest first; accuracy: SAB + DST raising to the
     static plan's step time (``--sb-raise-to static``) on every plain layout whose step is no
     slower than the best static configuration's, densest first (the "free accuracy" choice);
-    even_static: Megatron's default (even split, sequential packing)."""
+    even_static: Megatron's default (even split, sequential packing; None when num_layers is
+    not divisible by pp)."""
     n = int(num_layers or lm.table["model"]["num_layers"])
     static = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                             variants=STATIC_VARIANTS)
@@ -103,8 +104,11 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     limit = static[0].step_time_s * (1 + 1e-9)
     acc = sorted((c for c in acc if c.qualifies and c.step_time_s <= limit),
                  key=lambda c: (-c.row["mean_density"], c.step_time_s))
-    even = PipelineLayout.even(n, pp)
-    even_static = next(c for c in static if c.layout == even and c.variant == "static")
+    try:
+        even = PipelineLayout.even(n, pp)
+    except LayoutError:
+        even = None        # Megatron's default needs num_layers divisible by pp
+    even_static = next((c for c in static if c.layout == even and c.variant == "static"), None)
     return {"static": static, "sparsebalance": sparse, "accuracy": acc,
             "even_static": even_static}
 

@@ -114,3 +114,24 @@ def test_layout_gap_names_a_faster_split(lm, lengths):
     assert gap > 1.05 and best != PipelineLayout.even(8, 4)
     again, same = layout_gap(lm, mbs, 2, 4, best, 0.5)
     assert again == pytest.approx(1.0) and same == best
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--pp", "0"], "--pp 0: expected an integer >= 1"),
+    (["--pp", "2", "--dp", "0"], "--dp 0: expected an integer >= 1"),
+    (["--pp", "4", "--num-layers", "2"], "--num-layers 2 is less than --pp 4"),
+])
+def test_cli_bad_flags_are_named(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--analytic", *argv])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_cli_without_megatrons_even_split(capsys):
+    """7 layers over 2 stages: Megatron's default split does not exist; the tool still ranks
+    the splits its flags allow."""
+    assert main(["--analytic", "--num-layers", "7", "--pp", "2", "--dp", "2", "--steps", "1",
+                 "--seq-length", "8192", "--microbatches", "4", "--vp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "default split does not exist for 7 layers" in out
+    assert "--decoder-" in out
