@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_end_to_end import REPO, CpuRunConfig, rotated, run_variant, write_json  # noqa: E402
+from bench_end_to_end import (REPO, CpuRunConfig, _paired, rotated, run_variant,  # noqa: E402
+                              write_json)
 
 
 def parse_args(argv=None):
@@ -115,11 +116,7 @@ def main(argv=None):
                    "simulated_speedup_vs_best_static": sim[v]}
     for v, row in rows.items():
         row["speedup_vs_best_static"] = rows["best_static"]["step_time_s"] / row["step_time_s"]
-        ratios = []
-        for a, b in zip(runs["best_static"], runs[v]):
-            sa = {r["step"]: r["step_time_s"] for r in a if r["step"] > args.warmup}
-            ratios += [sa[r["step"]] / r["step_time_s"] for r in b if r["step"] in sa]
-        row["speedup_paired_median"] = statistics.median(ratios)
+        row["speedup_paired_median"] = _paired(runs["best_static"], runs[v], args.warmup)
     print(f"\nreal: CPU torchrun PP=2 x DP=1, {args.num_layers} layers, hidden "
           f"{args.hidden_size}, seq {args.seq_length}, global batch {args.global_batch_size}, "
           f"{args.tokenizer} {args.doc_unit}s, d0 {args.density}; {args.rounds} rounds x "

@@ -199,9 +199,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         grid = np.append(grid, 1.0)  # above d_max: DST never plans there, dense reads it
     models = {}
     for _, lay in runs.values():
-        key = None if lay is None else lay.layers + (lay.pp,)
-        if key not in models:
-            models[key] = lm if lay is None else lm.with_layout(lay)
+        if lay not in models:              # PipelineLayout is frozen: a dict key
+            models[lay] = lm if lay is None else lm.with_layout(lay)
     sampler = GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
                                  seed=cfg.seed, long_sample_policy="split")
     cost_fn = latency_sample_cost_fn(lm, d0)
@@ -223,11 +222,10 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         costs = {}
         for name, (variant, lay) in runs.items():
             packing = packing_of(variant)
-            key = None if lay is None else lay.layers + (lay.pp,)
-            model = models[key]
-            if (packing, key) not in costs:
-                costs[packing, key] = UnitCosts.from_latency(model, feats[packing], dp, m, grid)
-            c = costs[packing, key]
+            if (packing, lay) not in costs:
+                costs[packing, lay] = UnitCosts.from_latency(models[lay], feats[packing], dp, m,
+                                                             grid)
+            c = costs[packing, lay]
             anchor = dst_anchor_of(variant)
             if anchor is not None:
                 pkey = (anchor, raise_to_of(variant))

@@ -117,27 +117,26 @@ class PipelineLayout:
         """Megatron flags that build this layout (with ``--pipeline-model-parallel-size`` and
         ``--num-layers``): none for an even split, first/last counts where they express it,
         else a layout string."""
-        if self.num_stages == 1 or self.is_even():
-            flags = []
-        else:
-            flags = None
-            for first in (None, self.rank_layers()[0]):
-                for last in (None, self.rank_layers()[-1]):
-                    if flags is None and (first, last) != (None, None):
-                        try:
-                            if PipelineLayout.from_counts(self.num_layers, self.pp, self.vp,
-                                                          first=first, last=last) == self:
-                                flags = ([] if first is None else
-                                         ["--decoder-first-pipeline-num-layers", str(first)]) + \
-                                        ([] if last is None else
-                                         ["--decoder-last-pipeline-num-layers", str(last)])
-                        except LayoutError:
-                            pass
-            if flags is None:
-                return ["--pipeline-model-parallel-layout", self.layout_string()]
+        flags = [] if self.num_stages == 1 or self.is_even() else self._count_flags()
+        if flags is None:
+            return ["--pipeline-model-parallel-layout", self.layout_string()]
         if self.vp > 1:
             flags += ["--num-virtual-stages-per-pipeline-rank", str(self.vp)]
         return flags
+
+    def _count_flags(self) -> Optional[list[str]]:
+        """The first/last-count flags that rebuild this layout, or None if none do."""
+        first, last = self.rank_layers()[0], self.rank_layers()[-1]
+        for f, l in ((None, last), (first, None), (first, last)):
+            try:
+                if PipelineLayout.from_counts(self.num_layers, self.pp, self.vp,
+                                              first=f, last=l) != self:
+                    continue
+            except LayoutError:
+                continue
+            return ((["--decoder-first-pipeline-num-layers", str(f)] if f is not None else [])
+                    + (["--decoder-last-pipeline-num-layers", str(l)] if l is not None else []))
+        return None
 
     def as_dict(self) -> dict:
         return {"pp": self.pp, "vp": self.vp, "layers": list(self.layers)}
