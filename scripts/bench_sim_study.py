@@ -7,13 +7,13 @@ short documents), d0 and DP size, the layout search (``experiments.layout_search
 - ``best_static``: the fastest static configuration a Megatron user can run: every split
   Megatron's flags allow (first/last counts, embedding/loss accounting; vp 1 and 2, the
   interleaved schedule) x Megatron's sequential packing or token-balanced packing, all at d0;
-- ``sab_dst``: the fastest SAB + DST layout (plain 1F1B) whose plan keeps the layer-weighted
+- ``sab_dst``: the fastest SAB + DST layout (vp 1 or 2) whose plan keeps the layer-weighted
   density >= d0 and every stage >= the stage floor x d0.
 
 Rows, all on the same global batches, speedups vs ``best_static``:
 ``static_even`` (Megatron's default: even split, sequential packing; the old baseline, labelled),
 ``best_static``, ``sab`` and ``dst`` (each alone on the best plain-1F1B static layout),
-``sab_dst`` (on its ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
+``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
 plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the densest
 layout whose step is no slower than best_static's: the "free accuracy" row).
 DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom). Densities are weighted

@@ -160,8 +160,7 @@ def main(argv: Optional[list] = None) -> int:
         print(f"Megatron's default split does not exist for {num_layers} layers over pp="
               f"{args.pp}; 'vs even' below is relative to the best static configuration")
     print(_rows("Best static configurations (every unit at d0)", res["static"], base, args.top))
-    print(_rows("Best layouts for --sparse-balance (SAB + DST; plain 1F1B, since training does "
-                "not run the interleaved schedule with it yet)", res["sparsebalance"], base,
+    print(_rows("Best layouts for --sparse-balance (SAB + DST)", res["sparsebalance"], base,
                 args.top))
     if res["accuracy"]:
         print(_rows("Densest --sparse-balance --sb-raise-to static layouts no slower than the "
@@ -170,9 +169,6 @@ def main(argv: Optional[list] = None) -> int:
     best_s, best_sb = res["static"][0], res["sparsebalance"][0]
     print(f"\nstatic:         {' '.join(best_s.flags) or '(default split)'}"
           f"{' --sb-packing token_balanced' if best_s.variant == 'token_balanced' else ''}")
-    if best_s.layout.vp > 1 and best_s.variant == "token_balanced":
-        print("                (a baseline for comparison: the plugin's packing does not run "
-              "with the interleaved schedule yet)")
     print(f"sparse-balance: {' '.join(best_sb.flags) or '(default split)'} --sparse-balance "
           f"--sb-density {args.density}")
     print(f"sparse-balance vs the best static: {best_s.step_time_s / best_sb.step_time_s:.3f}x "

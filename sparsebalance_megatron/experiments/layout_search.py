@@ -10,10 +10,10 @@ global batches (``study.run_study``):
 - accuracy: SAB + DST raising up to the static plan's step time (``--sb-raise-to static``): of
   the layouts no slower than the best static configuration, the one with the highest
   layer-weighted density;
-- SparseBalance: SAB + DST (the runtime's ``plan_dst_from_config``, floors included), on plain
-  1F1B layouts (training refuses the interleaved schedule with ``--sparse-balance`` so far). A
-  layout qualifies only if its plan keeps the layer-weighted density >= d0 and every stage >= the
-  stage floor x d0 (a layout that starves a stage to win is not a win).
+- SparseBalance: SAB + DST (the runtime's ``plan_dst_from_config``, floors included), on the same
+  layouts, the interleaved schedule included (DST plans every model chunk). A layout qualifies
+  only if its plan keeps the layer-weighted density >= d0 and every stage >= the stage floor x d0
+  (a layout that starves a stage to win is not a win).
 
 Pure numpy; must not import torch or megatron.
 """
@@ -89,17 +89,16 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     """{"static": [...], "sparsebalance": [...], "accuracy": [...], "even_static": choice}.
 
     static / sparsebalance: the two searches, fastest first; accuracy: SAB + DST raising to the
-    static plan's step time (``--sb-raise-to static``) on every plain layout whose step is no
-    slower than the best static configuration's, densest first (the "free accuracy" choice);
+    static plan's step time (``--sb-raise-to static``) on every layout whose step is no slower
+    than the best static configuration's, densest first (the "free accuracy" choice);
     even_static: Megatron's default (even split, sequential packing; None when num_layers is
     not divisible by pp)."""
     n = int(num_layers or lm.table["model"]["num_layers"])
     static = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                             variants=STATIC_VARIANTS)
-    # the runtime does not run the interleaved schedule yet (refused at launch): plain 1F1B only
-    sparse = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=(1,),
+    sparse = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                             variants=(SPARSE_VARIANT,))
-    acc = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=(1,),
+    acc = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                          variants=(ACCURACY_VARIANT,))
     limit = static[0].step_time_s * (1 + 1e-9)
     acc = sorted((c for c in acc if c.qualifies and c.step_time_s <= limit),
@@ -120,8 +119,9 @@ LAYOUT_GAP_WARN = 1.05
 def layout_gap(lm, mb_doc_lengths, dp: int, num_microbatches: int, layout: PipelineLayout,
                density: float) -> tuple[float, PipelineLayout]:
     """(configured / best predicted static step time, the best layout) for one packed step at
-    ``density``, over the plain-1F1B layouts Megatron's flags build for ``layout``'s model and
-    pp (the runtime's start-up check; ``LayoutError`` when the table cannot predict them)."""
+    ``density``, over the layouts Megatron's flags build for ``layout``'s model and pp (vp 1,
+    and 2 where the step has >= pp micro-batches, as Megatron's interleaved schedule needs; the
+    runtime's start-up check; ``LayoutError`` when the table cannot predict them)."""
     import numpy as np
 
     from ..policy import UnitCosts
@@ -136,7 +136,8 @@ def layout_gap(lm, mb_doc_lengths, dp: int, num_microbatches: int, layout: Pipel
 
     mine = step_s(layout)
     best, best_s = layout, mine
-    for cand in candidate_layouts(layout.num_layers, layout.pp, (1,)):
+    vps = (1, 2) if num_microbatches >= layout.pp else (1,)
+    for cand in candidate_layouts(layout.num_layers, layout.pp, vps):
         t = step_s(cand)
         if t < best_s * (1 - 1e-9):
             best, best_s = cand, t

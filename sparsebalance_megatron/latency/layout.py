@@ -91,6 +91,11 @@ class PipelineLayout:
                               f"and chunk in [0, {self.vp})")
         return chunk * self.pp + rank
 
+    def layer_stages(self) -> list[int]:
+        """Virtual stage of every decoder layer: entry ``n - 1`` for Megatron's global 1-based
+        layer number ``n`` (the model's layers in order, virtual stage after virtual stage)."""
+        return [v for v, n in enumerate(self.layers) for _ in range(n)]
+
     def rank_layers(self) -> list[int]:
         """Decoder layers held by every pipeline rank (its chunks together)."""
         return [sum(self.layers[c * self.pp + r] for c in range(self.vp)) for r in range(self.pp)]

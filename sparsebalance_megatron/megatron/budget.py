@@ -8,8 +8,8 @@ Two objects, no process-wide globals:
   ``sb_microbatch=None`` marks a micro-batch outside any plan (evaluation): static density.
 - ``BudgetContext``: owned by the runtime (``callback.SparseBalanceCallback``) and handed to every
   ``SparseCoreAttention`` through ``ModuleSpec.params``. It holds the current step's
-  ``BudgetPlan`` for this rank's (dp rank, pipeline stage), answers ``density(psp)``, and collects
-  what attention reports back (the densities it served, per-document kept density and recall).
+  ``BudgetPlan`` for this rank's (dp rank, pipeline stage), answers ``density(psp, layer)``, and
+  collects what attention reports back (the densities it served, per-document kept density and recall).
   Deep copies return the same object: Megatron may copy layer specs, the context must stay shared.
 
 Part of the megatron adapter layer; no torch.distributed here.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -55,6 +55,7 @@ class BudgetContext:
         self.default_density = float(default_density)
         self.plan: Optional[BudgetPlan] = None
         self.dp_rank, self.stage = 0, 0
+        self.layer_stages: Optional[tuple] = None
         self._served: dict[int, float] = {}
         self._stats: list = []
         self._lock = threading.Lock()
@@ -62,12 +63,32 @@ class BudgetContext:
     def __deepcopy__(self, memo):
         return self  # a runtime handle, not configuration: shared by every layer
 
-    def set_plan(self, plan: Optional[BudgetPlan], *, dp_rank: int, stage: int) -> None:
-        """Install the coming step's plan for this rank's (dp rank, pipeline stage)."""
-        self.plan, self.dp_rank, self.stage = plan, int(dp_rank), int(stage)
+    def set_plan(self, plan: Optional[BudgetPlan], *, dp_rank: int, stage: int = 0,
+                 layer_stages: Optional[Sequence[int]] = None) -> None:
+        """Install the coming step's plan for this rank's (dp rank, pipeline stage).
 
-    def density(self, psp: Optional[PackedSeqParams]) -> float:
-        """Density for the micro-batch of ``psp``: the plan's unit, else the static default."""
+        ``layer_stages``: the plan's stage of every decoder layer (entry ``n - 1`` for Megatron's
+        1-based global layer number ``n``), for a rank that holds several model chunks (the
+        interleaved schedule: each chunk is its own virtual stage of the plan); None: every
+        layer of this rank is ``stage``.
+        """
+        self.plan, self.dp_rank, self.stage = plan, int(dp_rank), int(stage)
+        self.layer_stages = None if layer_stages is None else tuple(int(s) for s in layer_stages)
+
+    def stage_of(self, layer_number: Optional[int]) -> int:
+        """The plan's stage of the decoder layer ``layer_number`` (1-based, global)."""
+        if self.layer_stages is None or layer_number is None:
+            return self.stage
+        if not 1 <= layer_number <= len(self.layer_stages):
+            raise BudgetError(f"layer number {layer_number}: the pipeline layout has "
+                              f"{len(self.layer_stages)} decoder layers (expected 1.."
+                              f"{len(self.layer_stages)})")
+        return self.layer_stages[layer_number - 1]
+
+    def density(self, psp: Optional[PackedSeqParams], layer_number: Optional[int] = None
+                ) -> float:
+        """Density for the micro-batch of ``psp`` in decoder layer ``layer_number``: the plan's
+        unit, else the static default."""
         mb = getattr(psp, "sb_microbatch", None)
         if self.plan is None or mb is None:
             return self.default_density
@@ -75,8 +96,9 @@ class BudgetContext:
         if step is not None and step != self.plan.step:
             raise BudgetError(f"micro-batch {mb} of step {step} ran under the plan of step "
                               f"{self.plan.step}: the data iterator and the plan are out of step")
-        d = self.plan.density(self.dp_rank, mb, self.stage)
-        self._served[mb] = d
+        stage = self.stage_of(layer_number)
+        d = self.plan.density(self.dp_rank, mb, stage)
+        self._served[(mb, stage)] = d
         return d
 
     def record(self, layer_number: int, psp, density_kept: torch.Tensor,
@@ -92,7 +114,7 @@ class BudgetContext:
             self._stats.append((mb, docs, layer_number, density_kept.detach(), recall.detach()))
 
     def pop_served(self) -> dict:
-        """{micro-batch: density} handed to attention since the last call."""
+        """{(micro-batch, stage): density} handed to attention since the last call."""
         out, self._served = self._served, {}
         return out
 

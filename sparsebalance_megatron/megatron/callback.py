@@ -2,11 +2,13 @@
 
 Megatron's loop runs unchanged; the callback is reached through its hooks only:
 
-- ``train_iterator()`` (from the datasets provider, on every rank before training): the data
-  position from ``args.consumed_train_samples``, the plugin state saved in the checkpoint of a
-  resumed run, and the first step prepared.
-- ``take_step()`` (the data iterator's first ``next`` of a step): the prepared step becomes
-  current and its plan is installed in the ``BudgetContext`` the attention reads.
+- ``train_iterator(chunk)`` (from the datasets provider, on every rank before training; once per
+  model chunk with the interleaved schedule): for the first chunk the data position from
+  ``args.consumed_train_samples``, the plugin state saved in the checkpoint of a resumed run, and
+  the first step prepared; every chunk gets its own cursor over the same prepared steps.
+- ``step_for_chunk()`` (a data iterator's first ``next`` of a step): the first chunk to read
+  makes the prepared step current and installs its plan in the ``BudgetContext`` the attention
+  reads (each chunk's layers are their own virtual stage of the plan).
 - ``finalize_model_grads`` (``config.finalize_model_grads_func``, once per step on every rank
   after the last backward): this rank's per-micro-batch timings (``config.timers`` tee), then
   Megatron's finalize, then ``end_step``: gather timings and attention statistics, check that
@@ -69,23 +71,33 @@ class SparseBalanceCallback:
             self.tracker = SensitivityTracker()
         from ..latency.layout import PipelineLayout
         self.layout = PipelineLayout.from_megatron_args(args)   # launch.py checked it
-        self.reporter = StepReporter(args, sb, dp=self.dp, pp=self.pp,
-                                     layers=self.layout.layers)
+        self.vp = self.layout.vp
+        # A rank with several model chunks finds each layer's virtual stage by its number.
+        self.layer_stages = self.layout.layer_stages() if self.vp > 1 else None
+        self.reporter = StepReporter(args, sb, dp=self.dp, layout=self.layout)
         self.timers = None                      # hooks installs the MicrobatchTimers
         self.sampler = None
         self.steps_done = 0                     # steps this process ran (the first is warm-up)
         self._ready: Optional[PreparedStep] = None
         self._current: Optional[PreparedStep] = None
+        self._chunks_read: set = set()          # model chunks that read the current step
+        self._fwd_order: list = []              # (micro-batch, chunk) of every forward, in order
         self._finalized: Optional[int] = None
         self._losses: list = []
         self._overhead_s = 0.0
         self._layout_checked = False
 
     # --- Megatron hooks ----------------------------------------------------------------------
-    def train_iterator(self):
-        """The train data iterator (all ranks; collective: the first plan is broadcast)."""
+    def train_iterator(self, chunk: int = 0):
+        """The train data iterator of model chunk ``chunk`` (all ranks; collective for the first
+        chunk: the first plan is broadcast)."""
         from .data import TrainIterator
 
+        if chunk:
+            if self.sampler is None:
+                raise RuntimeError(f"train_iterator(chunk={chunk}) before chunk 0's: Megatron "
+                                   f"builds the iterators of the model chunks in order")
+            return TrainIterator(self, self.device, chunk=chunk)
         args = self.args
         self.sampler = self.data.sampler("train", capacity=self.capacity, seed=self.sb.seed,
                                          long_sample_policy=self.sb.long_sample_policy)
@@ -155,7 +167,8 @@ class SparseBalanceCallback:
             densities, report = comm.broadcast_object(payload, src=0)
             plan = BudgetPlan(iteration, np.asarray(densities))
         elif sb.sparse_attention_enabled:
-            plan = BudgetPlan.static(iteration, sb.density, self.dp, num_microbatches, self.pp)
+            plan = BudgetPlan.static(iteration, sb.density, self.dp, num_microbatches,
+                                     self.layout.num_stages)
         self._ready = PreparedStep(iteration, first_bin, batch, plan, report)
         if not self._layout_checked:
             self._layout_checked = True
@@ -205,6 +218,21 @@ class SparseBalanceCallback:
         err = self.latency.recent_error(last=8 * self.dp)
         return DEFAULT_RAISE_HEADROOM if err is None else min(err, MAX_RAISE_HEADROOM)
 
+    def step_for_chunk(self, chunk: int) -> PreparedStep:
+        """The step the data iterator of model chunk ``chunk`` reads next: the current one if
+        another chunk took it already, else the prepared one (``take_step``)."""
+        if self._current is not None and chunk not in self._chunks_read:
+            self._chunks_read.add(chunk)
+            return self._current
+        step = self.take_step()
+        self._chunks_read = {chunk}
+        return step
+
+    def note_forward(self, microbatch: int, chunk: int) -> None:
+        """A training forward of (micro-batch, model chunk) begins (Megatron's schedule order);
+        maps the step's timer intervals to plan units."""
+        self._fwd_order.append((int(microbatch), int(chunk)))
+
     def take_step(self) -> PreparedStep:
         """The prepared step becomes current (the data iterator's first read of a step)."""
         step, args = self._ready, self.args
@@ -217,8 +245,9 @@ class SparseBalanceCallback:
                 f"{step.first_bin}, Megatron is at iteration {args.curr_iteration}, sample "
                 f"{args.consumed_train_samples}")
         self._ready, self._current = None, step
-        self.budget.set_plan(step.plan, dp_rank=self.dp_rank, stage=self.pp_rank)
-        self._losses = []
+        self.budget.set_plan(step.plan, dp_rank=self.dp_rank, stage=self.pp_rank,
+                             layer_stages=self.layer_stages)
+        self._losses, self._fwd_order = [], []
         return step
 
     # --- after a step ------------------------------------------------------------------------
@@ -236,7 +265,9 @@ class SparseBalanceCallback:
         stats = _doc_recalls(records) if self.tracker is not None else {}
         mine = dict(dp=self.dp_rank, pp=self.pp_rank, fwd_s=timings.get("fwd_s", []),
                     bwd_s=timings.get("bwd_s", []), step_s=timings.get("step_s"), stats=stats,
-                    served=self.budget.pop_served(), used=_min_kept(records),
+                    served=self.budget.pop_served(),
+                    used=_min_kept(records, self.budget.stage_of),
+                    units=unit_order(self._fwd_order, self.layout, self.pp_rank),
                     fingerprint=_fingerprint(step.batch), loss=loss)
         gathered = comm.all_gather_object(mine)
         if len({g["fingerprint"] for g in gathered}) != 1:
@@ -248,7 +279,8 @@ class SparseBalanceCallback:
             measured = self._modelled_busy(step)
             warm = True                        # a modelled time has no warm-up in it
         else:
-            measured = _measured_busy(gathered, self.dp, self.pp, step.batch.num_microbatches)
+            measured = _measured_busy(gathered, self.dp, self.pp,
+                                      step.batch.num_microbatches * self.vp)
             # The first step of a process pays for warm-up (allocations, lazy init): no sample.
             warm = self.steps_done > 0
         calib = {}
@@ -257,7 +289,7 @@ class SparseBalanceCallback:
         self.steps_done += 1
         if self.tracker is not None:
             self._update_sensitivity(step, gathered)
-        self._current = None
+        self._current, self._chunks_read = None, set()
         args = self.args
         if iteration + 1 < args.train_iters:
             self.prepare_step(iteration + 1, self._num_microbatches_next(step))
@@ -283,14 +315,15 @@ class SparseBalanceCallback:
         return calc.get()
 
     def _predicted_busy(self, step: PreparedStep) -> np.ndarray:
-        """[dp, pp] uncorrected predicted fwd+bwd seconds of the step's units under its plan."""
+        """[dp, pp] uncorrected predicted fwd+bwd seconds of the step's units under its plan
+        (a pipeline rank's model chunks together)."""
         units = step.batch.flat_lengths(with_padding=True)
         m = step.batch.num_microbatches
         predicted = np.zeros((self.dp, self.pp))
         for r in range(self.dp):
-            for s in range(self.pp):
-                predicted[r, s] = float(np.sum(self.latency.predict_many(
-                    units[r * m:(r + 1) * m], step.plan.densities[r, :, s], s)))
+            for v in range(self.layout.num_stages):
+                predicted[r, self.layout.rank_of(v)] += float(np.sum(self.latency.predict_many(
+                    units[r * m:(r + 1) * m], step.plan.densities[r, :, v], v)))
         return predicted
 
     def _modelled_busy(self, step: PreparedStep) -> np.ndarray:
@@ -366,8 +399,17 @@ def _fingerprint(batch: BatchPlan) -> int:
     return hash(tuple(tuple(tuple(mb) for mb in rank) for rank in batch.micro_batches))
 
 
+def unit_order(fwd_order: list, layout, pp_rank: int) -> list:
+    """The plan unit (micro-batch, virtual stage) of each of a pipeline rank's forward timer
+    intervals, in order. Backward intervals follow the same micro-batches with the model chunks
+    reversed (Megatron's interleaved schedule runs chunk ``vp - 1 - c`` where the forward ran
+    ``c``; with one chunk both orders are the forward's)."""
+    return [(mb, layout.stage_of(pp_rank, chunk)) for mb, chunk in fwd_order]
+
+
 def _measured_busy(gathered, dp: int, pp: int, m: int) -> np.ndarray:
-    """[dp, pp] measured fwd+bwd seconds of every rank's micro-batches (NaN: missing)."""
+    """[dp, pp] measured fwd+bwd seconds of every rank's ``m`` timed forwards and backwards
+    (micro-batches x model chunks; NaN: missing)."""
     measured = np.full((dp, pp), np.nan)
     for g in gathered:
         if len(g["fwd_s"]) == m and len(g["bwd_s"]) == m:
@@ -384,25 +426,27 @@ def check_budgets(plan: BudgetPlan, gathered, *, check_used: bool = True) -> Non
     selection keeps ceil(density x available) of them: fewer means the plan was ignored)."""
     bad = []
     for g in gathered:
-        for mb, d in (g["served"] or {}).items():
-            want = plan.density(g["dp"], mb, g["pp"])
+        for (mb, stage), d in (g["served"] or {}).items():
+            want = plan.density(g["dp"], mb, stage)
             if d != want:
-                bad.append(f"(dp {g['dp']}, stage {g['pp']}, micro-batch {mb}): {d} != {want}")
-        for mb, kept in (g.get("used") or {}).items() if check_used else ():
-            want = plan.density(g["dp"], mb, g["pp"])
+                bad.append(f"(dp {g['dp']}, stage {stage}, micro-batch {mb}): {d} != {want}")
+        for (mb, stage), kept in (g.get("used") or {}).items() if check_used else ():
+            want = plan.density(g["dp"], mb, stage)
             if kept < want - USED_TOLERANCE:
-                bad.append(f"(dp {g['dp']}, stage {g['pp']}, micro-batch {mb}): kept {kept:.4f} "
+                bad.append(f"(dp {g['dp']}, stage {stage}, micro-batch {mb}): kept {kept:.4f} "
                            f"of the blocks, plan {want}")
     if bad:
         raise RuntimeError("attention budgets differ from the broadcast plan: " + "; ".join(bad[:5]))
 
 
-def _min_kept(records: list) -> dict:
-    """{micro-batch: the smallest kept density of any of its sequences in any layer}."""
+def _min_kept(records: list, stage_of) -> dict:
+    """{(micro-batch, stage): the smallest kept density of any of its sequences in any layer};
+    ``stage_of(layer_number)`` is the plan stage of a layer."""
     out: dict = {}
-    for mb, _, _, kept, _ in records:
+    for mb, _, layer, kept, _ in records:
         if mb is not None and kept:
-            out[mb] = min(out.get(mb, 1.0), min(kept))
+            key = (mb, stage_of(layer))
+            out[key] = min(out.get(key, 1.0), min(kept))
     return out
 
 

@@ -14,10 +14,11 @@ attn_mask_type, attention_bias, packed_seq_params)``.
   ``[sq, b, np*hn]``.
 - Tensor parallel: ``np``/``ng`` are this rank's heads; selection is per key/value head, so TP ranks
   share nothing but the density (the plan is identical on every rank).
-- Pipeline parallel: nothing here depends on the stage; the budget context knows it.
+- Pipeline parallel: nothing here depends on the stage; the budget context knows it (with the
+  interleaved schedule, from the layer's global number: each model chunk is its own plan stage).
 
-The density of a micro-batch is ``budget.density(packed_seq_params)``: the plan's unit for the
-micro-batch that ``SparsePackedSeqParams`` names, else the static ``sb_config.density``
+The density of a micro-batch is ``budget.density(packed_seq_params, layer_number)``: the plan's
+unit for the micro-batch that ``SparsePackedSeqParams`` names, else the static ``sb_config.density``
 (evaluation, unpacked input). After each forward *with grad enabled* (training forwards, and the
 recomputation of activation checkpointing, which runs its first pass without grad), the
 per-document kept density and estimated recall go to ``budget.record``: one record per layer and
@@ -91,7 +92,7 @@ class SparseCoreAttention(MegatronModule):
     def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None, cache=None):
         sb = self.sb_config
         out, sel = block_sparse_attention(
-            q, k, v, cu_seqlens, self.budget.density(packed_seq_params),
+            q, k, v, cu_seqlens, self.budget.density(packed_seq_params, self.layer_number),
             block_size=sb.block_size, sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,

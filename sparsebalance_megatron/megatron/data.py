@@ -189,12 +189,15 @@ def microbatch_inputs(segments, corpus, capacity: int, device, *, step: Optional
 class TrainIterator:
     """This DP rank's micro-batches, step after step, as the callback prepared the steps.
 
-    ``save_state`` is Megatron's hook for external data loaders (``--dataloader-save``): the
-    callback's state goes into Megatron's checkpoint folder of the iteration.
+    With the interleaved schedule Megatron reads one iterator per model chunk: each chunk's
+    iterator is its own cursor over the same prepared steps (every chunk runs every
+    micro-batch). ``save_state`` is Megatron's hook for external data loaders
+    (``--dataloader-save``): the callback's state goes into Megatron's checkpoint folder of the
+    iteration.
     """
 
-    def __init__(self, callback, device):
-        self.callback, self.device = callback, device
+    def __init__(self, callback, device, *, chunk: int = 0):
+        self.callback, self.device, self.chunk = callback, device, int(chunk)
         self._step = None
         self._next = 0
 
@@ -204,9 +207,10 @@ class TrainIterator:
     def __next__(self) -> dict:
         cb = self.callback
         if self._step is None or self._next == self._step.batch.num_microbatches:
-            self._step, self._next = cb.take_step(), 0
+            self._step, self._next = cb.step_for_chunk(self.chunk), 0
         j = self._next
         self._next += 1
+        cb.note_forward(j, self.chunk)
         segments = self._step.batch.micro_batches[cb.dp_rank][j]
         return microbatch_inputs(segments, cb.corpus, cb.capacity, self.device,
                                  step=self._step.iteration, index=j)

@@ -167,6 +167,14 @@ def _install(args, model_cfg, packed_data):
         check_vocab(_run.data, int(args.padded_vocab_size or model_cfg.vocab_size))
         args.dataloader_type = "external"            # Megatron pulls our iterators
         args.dataloader_save = args.save             # our save_state -> the iteration's folder
+        if args.save and _interleaved(args):
+            # megatron-core 0.19's maybe_save_dataloader_state takes one iterator, train()
+            # hands it the list of the model chunks' iterators: it would fail at the first save.
+            args.dataloader_save = None
+            comm.say("warning: with the interleaved schedule Megatron (0.19) cannot save an "
+                     "external data loader's state: checkpoints hold the weights and the data "
+                     "position, not the balancer's state; resume with --sb-fresh-state "
+                     "(calibration and sensitivities start over)")
         # Packed micro-batches hold different numbers of real tokens: normalise per token.
         args.calculate_per_token_loss = True
         model_cfg.calculate_per_token_loss = True
@@ -180,6 +188,12 @@ def _install(args, model_cfg, packed_data):
     parts.append("DST on" if sb.dst_enabled else "DST off")
     comm.say("; ".join(parts))
     return model_cfg
+
+
+def _interleaved(args) -> bool:
+    from ..latency.layout import PipelineLayout
+
+    return PipelineLayout.from_megatron_args(args).vp > 1
 
 
 def _on_model_built(model: list) -> list:
@@ -248,7 +262,7 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
         from .data import EvalIterator
 
         cb, args = _run.callback, _megatron_args()
-        train = cb.train_iterator() if args.train_iters else None
+        train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
         evals = []
         for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
             sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,

@@ -86,12 +86,6 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     if getattr(args, "context_parallel_size", 1) != 1:
         out.append(f"--context-parallel-size {args.context_parallel_size} (context parallelism "
                    f"is not supported by the sparse attention yet; use 1)")
-    if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None or \
-            getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
-        out.append("the interleaved pipeline schedule (--num-layers-per-virtual-pipeline-stage, "
-                   "--num-virtual-stages-per-pipeline-rank, or a layout string with more stages "
-                   "than pipeline ranks): the latency model, simulator, DST and "
-                   "sparsebalance-layout plan it, training does not run it yet")
     try:
         if getattr(args, "num_layers", None) is not None:   # else Megatron's own check says so
             PipelineLayout.from_megatron_args(args)

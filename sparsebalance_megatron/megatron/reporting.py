@@ -102,18 +102,22 @@ def scalars(rec: dict) -> dict:
     return out
 
 
-def unit_details(step, gathered, work: np.ndarray, *, dp: int, pp: int) -> dict:
+def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
-    [dp][m][pp], each unit's dense attention work [dp][m] (its weight in density means) and the
-    measured forward/backward seconds [dp][m][pp] (None where a rank reported none)."""
-    m = step.batch.num_microbatches
-    fwd = [[[None] * pp for _ in range(m)] for _ in range(dp)]
-    bwd = [[[None] * pp for _ in range(m)] for _ in range(dp)]
+    [dp][m][stages], each unit's dense attention work [dp][m] (its weight in density means) and
+    the measured forward/backward seconds [dp][m][stages] (None where a rank reported none);
+    stages are the layout's virtual stages. A rank's timer intervals are mapped to units by the
+    order it ran them (``units``: forward order; the backward runs the model chunks reversed)."""
+    m, nv, vp = step.batch.num_microbatches, layout.num_stages, layout.vp
+    fwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
+    bwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
     for g in gathered:
-        if len(g["fwd_s"]) == m and len(g["bwd_s"]) == m:
-            for j in range(m):
-                fwd[g["dp"]][j][g["pp"]] = float(g["fwd_s"][j])
-                bwd[g["dp"]][j][g["pp"]] = float(g["bwd_s"][j])
+        units = g.get("units") or [(j, g["pp"]) for j in range(m)]
+        if len(units) == len(g["fwd_s"]) == len(g["bwd_s"]) == m * vp:
+            for k, (j, v) in enumerate(units):
+                back = layout.stage_of(g["pp"], vp - 1 - layout.chunk_of(v))
+                fwd[g["dp"]][j][v] = float(g["fwd_s"][k])
+                bwd[g["dp"]][j][back] = float(g["bwd_s"][k])
     out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
            "microbatch_bwd_s": bwd}
     if step.plan is not None:
@@ -124,18 +128,23 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, pp: int) -> dict:
 class StepReporter:
     """Sends each step's record to the metrics file, Megatron's writers and the console."""
 
-    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, pp: int, layers=None):
-        self.args, self.sb, self.dp, self.pp, self.layers = args, sb, dp, pp, layers
+    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, layout=None):
+        from ..latency.layout import PipelineLayout
+
+        self.args, self.sb, self.dp = args, sb, dp
+        self.layout = layout if layout is not None else PipelineLayout(1, 1, (1,))
+        self.stages = self.layout.num_stages
         self._interval: dict = defaultdict(list)
         self.history: list = []   # records of this process (tests, scripts in the same process)
 
     def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float):
         work = unit_work(step.batch, self.sb)
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
-                          work=work, layers=self.layers)
+                          work=work, layers=self.layout.layers)
         self.history.append(rec)
         if self.sb.metrics_file and comm.rank() == 0:
-            line = dict(rec, **unit_details(step, gathered, work, dp=self.dp, pp=self.pp))
+            line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,
+                                            layout=self.layout))
             with open(self.sb.metrics_file, "a") as f:
                 f.write(json.dumps(line) + "\n")
         values = scalars(rec)
@@ -173,10 +182,10 @@ class StepReporter:
         if mean("step_time/measured_s") is not None:
             parts.append(f"fwd-bwd {mean('step_time/measured_s'):.3f} s")
         if mean("density/mean") is not None:
-            stages = [mean(f"density/stage{s}") for s in range(self.pp)]
+            stages = [mean(f"density/stage{s}") for s in range(self.stages)]
             parts.append(f"density {mean('density/mean'):.3f}"
                          + (f" (stages {'/'.join(f'{x:.2f}' for x in stages)})"
-                            if self.pp > 1 else ""))
+                            if self.stages > 1 else ""))
         if mean("step_time/predicted_s") is not None:
             parts.append(f"pred {mean('step_time/predicted_s'):.3f} s (static "
                          f"{mean('step_time/static_s'):.3f} s)")

@@ -42,7 +42,8 @@ def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = Fals
             return None
         raise LaunchError(
             f"resuming iteration {iteration} from {load_dir}: no SparseBalance state at {path} "
-            f"(the checkpoint was written without the plugin's data path); pass "
+            f"(the checkpoint was written without the plugin's data path, or with the "
+            f"interleaved schedule, where Megatron 0.19 saves no data loader state); pass "
             f"--sb-fresh-state to start the balancer fresh, or load the weights with --finetune")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)

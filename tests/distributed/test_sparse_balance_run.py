@@ -80,6 +80,44 @@ def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
         assert len(r["density_per_stage"]) == 2
 
 
+def test_interleaved_schedule_plans_every_model_chunk(tmp_path, small_jsonl,
+                                                      tiny_latency_table_pp2):
+    """PP=2 with Megatron's interleaved schedule (2 model chunks per rank, one layer each): one
+    data iterator per chunk over the same prepared step, every chunk's layers read their own
+    virtual stage of the plan (checked against the broadcast plan on every rank), and the
+    per-unit timings land on the virtual stages."""
+    metrics = tmp_path / "m.jsonl"
+    common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2",
+              "--num-layers-per-virtual-pipeline-stage", "1", "--data-path", small_jsonl,
+              "--global-batch-size", "4", "--train-iters", "3", "--sb-latency-table",
+              tiny_latency_table_pp2, "--sb-latency-table-force", "--sb-timing-source", "model"]
+    out = run_entry(2, [*common, "--sb-metrics-file", metrics, "--save", tmp_path / "ckpt",
+                        "--save-interval", "2"], cwd=tmp_path).stdout
+    # Megatron 0.19 saves no external data loader state with model chunks: said at launch
+    assert "resume with --sb-fresh-state" in out
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["budgets_consistent"] is True and r["layers_per_stage"] == [1, 1, 1, 1]
+        assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
+        d = r["densities"][0]                                    # one DP rank: [m][4]
+        assert len(d) == 4 and all(len(x) == 4 for x in d)
+        assert len(r["density_per_stage"]) == 4
+        for key in ("microbatch_fwd_s", "microbatch_bwd_s"):      # every unit timed once
+            assert all(t is not None and t > 0 for mb in r[key][0] for t in mb)
+    # DST moved densities of single virtual stages, not whole ranks
+    assert any(len({x[0], x[2]}) > 1 or len({x[1], x[3]}) > 1
+               for r in rows for x in r["densities"][0]), "no chunk differed from its rank's other"
+    # resumed from the checkpoint (weights and data position): step 3 trains the same documents
+    resumed = tmp_path / "resumed.jsonl"
+    run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2", "--sb-fresh-state",
+                  "--sb-metrics-file", resumed], cwd=tmp_path)
+    again = read_metrics(resumed)
+    assert [r["step"] for r in again] == [3]
+    assert again[0]["consumed_samples"] == rows[2]["consumed_samples"]
+    assert again[0]["tokens"] == rows[2]["tokens"]
+
+
 @pytest.mark.reliability(area="latency table", case="a negative measured time in --sb-latency-table, "
                          "through torchrun", expect="the job stops before step 1 naming the file "
                          "and the field")

@@ -13,8 +13,10 @@ pytestmark = pytest.mark.integration
 PLAN = BudgetPlan(0, np.array([[[0.5], [0.25]], [[1.0], [0.5]]]))   # [dp 2, m 2, pp 1]
 
 
-def _rank(dp, served, used):
-    return dict(dp=dp, pp=0, served=served, used=used)
+def _rank(dp, served, used, stage=0):
+    """A rank's report; ``served``/``used`` by micro-batch, at plan stage ``stage``."""
+    return dict(dp=dp, pp=0, served={(mb, stage): d for mb, d in served.items()},
+                used={(mb, stage): d for mb, d in used.items()})
 
 
 def test_a_consistent_step_passes():
@@ -42,4 +44,15 @@ def test_min_kept_is_the_smallest_share_of_any_sequence_and_layer():
     records = [(0, (5, 6), 1, [0.6, 0.5, 1.0], [0.9, 0.9, 1.0]),
                (0, (5, 6), 2, [0.7, 0.55, 1.0], [0.9, 0.9, 1.0]),
                (1, (7,), 1, [0.25], [0.8]), (None, (), 1, [0.1], [0.5])]   # None: evaluation
-    assert _min_kept(records) == {0: 0.5, 1: 0.25}
+    assert _min_kept(records, lambda layer: 0) == {(0, 0): 0.5, (1, 0): 0.25}
+    # model chunks (interleaved schedule): each layer's virtual stage is its own key
+    assert _min_kept(records, lambda layer: 2 * (layer - 1)) == {(0, 0): 0.5, (0, 2): 0.55,
+                                                                  (1, 0): 0.25}
+
+
+def test_a_model_chunk_is_checked_against_its_own_virtual_stage():
+    plan = BudgetPlan(0, np.array([[[0.5, 1.0, 0.25, 1.0]]]))   # [dp 1, m 1, pp 2 x vp 2]
+    check_budgets(plan, [_rank(0, {0: 0.5}, {0: 0.5}, stage=0),
+                         _rank(0, {0: 0.25}, {0: 0.25}, stage=2)])
+    with pytest.raises(RuntimeError, match=r"\(dp 0, stage 2, micro-batch 0\): 0.5 != 0.25"):
+        check_budgets(plan, [_rank(0, {0: 0.5}, {0: 0.5}, stage=2)])

@@ -146,7 +146,7 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     step = PreparedStep(0, 0, batch, BudgetPlan.static(0, 0.5, 2, 1, 1), None)
     gathered = [dict(dp=r, pp=0, fwd_s=[0.1], bwd_s=[0.2], step_s=0.4, stats={}, served={},
                      fingerprint=1, loss=(10.0, 5.0)) for r in range(2)]
-    rec = StepReporter(args, sb, dp=2, pp=1).report(1, step, gathered,
+    rec = StepReporter(args, sb, dp=2).report(1, step, gathered,
                                                     np.full((2, 1), 0.3), {}, overhead_s=0.01)
     assert rec["loss"] == 2.0 and rec["samples"] == 2 and rec["consumed_samples"] == 2
     for writer in (tb, wandb):
@@ -157,3 +157,28 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     line = json.loads((tmp_path / "m.jsonl").read_text())
     assert line["densities"] == [[[0.5]], [[0.5]]] and len(line["attn_work"]) == 2
     assert line["microbatch_fwd_s"] == [[[0.1]], [[0.1]]]
+
+
+def test_unit_timings_of_model_chunks_land_on_their_virtual_stages():
+    """Interleaved schedule (pp 2 x vp 2, 2 micro-batches): rank 0 runs forwards in Megatron's
+    schedule-table order (micro-batches 0, 1 of chunk 0, then of chunk 1) and backwards with the
+    chunks reversed; each interval lands on its (micro-batch, virtual stage)."""
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    from sparsebalance_megatron.batching.packing import sequential_plan
+    from sparsebalance_megatron.latency.layout import PipelineLayout
+    from sparsebalance_megatron.megatron.callback import PreparedStep, unit_order
+    from sparsebalance_megatron.megatron.reporting import unit_details
+    from sparsebalance_megatron.plan import BudgetPlan
+
+    layout = PipelineLayout.from_counts(4, 2, 2)
+    order = get_schedule_table(2, 2, 2)                       # [(micro-batch, chunk)] forwards
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    batch = sequential_plan([(0, 0, 100), (1, 0, 50)], dp=1, num_microbatches=2, max_tokens=256)
+    step = PreparedStep(0, 0, batch, BudgetPlan.static(0, 0.5, 1, 2, 4), None)
+    gathered = [dict(dp=0, pp=0, fwd_s=[1.0, 2.0, 3.0, 4.0], bwd_s=[10.0, 20.0, 30.0, 40.0],
+                     units=unit_order(order, layout, 0))]
+    out = unit_details(step, gathered, np.ones((1, 2)), dp=1, layout=layout)
+    fwd, bwd = out["microbatch_fwd_s"][0], out["microbatch_bwd_s"][0]   # [m][virtual stage]
+    assert fwd == [[1.0, None, 3.0, None], [2.0, None, 4.0, None]]
+    assert bwd == [[30.0, None, 10.0, None], [40.0, None, 20.0, None]]

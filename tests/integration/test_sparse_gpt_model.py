@@ -9,6 +9,7 @@ statistics come back; a few optimizer steps lower the loss.
 import copy
 
 import pytest
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -140,7 +141,7 @@ def test_plan_density_reaches_the_attention():
         with torch.enable_grad():
             model(ids, pos, attention_mask=None, packed_seq_params=psp)
         kept[mb] = [s[3][0] for s in budget.pop_stats()]
-    assert budget.pop_served() == {0: 0.25, 1: 1.0}
+    assert budget.pop_served() == {(0, 0): 0.25, (1, 0): 1.0}
     assert kept[1] == [1.0, 1.0]
     assert all(0.25 <= x < 0.45 for x in kept[0])
     # evaluation micro-batches (no slot) run at the static density; a stale step is refused
@@ -150,6 +151,28 @@ def test_plan_density_reaches_the_attention():
     assert [s[3][0] for s in budget.pop_stats()] == [1.0, 1.0] and budget.pop_served() == {}
     psp, pos = _packed([256], sb_step=2, sb_microbatch=0)
     with pytest.raises(BudgetError, match="step 2 ran under the plan of step 3"):
+        model(ids, pos, attention_mask=None, packed_seq_params=psp)
+
+
+def test_each_model_chunk_reads_its_own_virtual_stage():
+    """The interleaved schedule: a rank holds several model chunks, each its own virtual stage
+    of the plan; a layer finds its stage by its global layer number."""
+    from sparsebalance_megatron.megatron.budget import BudgetContext, BudgetError
+    budget = BudgetContext(1.0)
+    model = _model(_sb(density=1.0, min_density=0.125), budget=budget).eval()
+    ids = torch.randint(0, VOCAB, (1, 256), generator=torch.Generator().manual_seed(3))
+    # pp 2 x vp 2, one layer per virtual stage; this rank (pipeline rank 1) would hold virtual
+    # stages 1 and 3: the two layers of this model stand for them
+    densities = np.array([[[1.0, 0.25, 1.0, 0.5]]])
+    budget.set_plan(BudgetPlan(0, densities), dp_rank=0, stage=1, layer_stages=[1, 3])
+    psp, pos = _packed([256], sb_step=0, sb_microbatch=0)
+    with torch.enable_grad():
+        model(ids, pos, attention_mask=None, packed_seq_params=psp)
+    assert budget.pop_served() == {(0, 1): 0.25, (0, 3): 0.5}
+    kept = {layer: k[0] for _, _, layer, k, _ in budget.pop_stats()}
+    assert 0.25 <= kept[1] < 0.45 and 0.5 <= kept[2] < 0.7
+    budget.set_plan(BudgetPlan(0, densities), dp_rank=0, stage=1, layer_stages=[1])
+    with pytest.raises(BudgetError, match="layer number 2: the pipeline layout has 1 decoder"):
         model(ids, pos, attention_mask=None, packed_seq_params=psp)
 
 

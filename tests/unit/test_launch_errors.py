@@ -45,14 +45,16 @@ def refused(args, sb=SPARSE, plugin_data=True) -> str:
 def test_a_good_launch_passes():
     check_launch(launch_args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
                  FULL, plugin_data=True)
+    check_launch(launch_args(pipeline_model_parallel_size=2,            # interleaved schedule
+                             num_layers_per_virtual_pipeline_stage=1), FULL, plugin_data=True)
     check_launch(launch_args(seq_length=64), SPARSE, plugin_data=True)  # exactly one block
     check_launch(launch_args(seq_length=16), SparseBalanceConfig(), plugin_data=True)  # dense
 
 
 @pytest.mark.parametrize("kw, sb, plugin_data, needle", [
     _case(dict(context_parallel_size=2), SPARSE, True, "--context-parallel-size 2"),
-    _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "interleaved pipeline"),
-    _case(dict(num_layers_per_virtual_pipeline_stage=1), SPARSE, True, "interleaved pipeline"),
+    _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "vp=2 needs pp >= 2"),
+    _case(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), FULL, True, "pipeline rank 0 holds 2 layers: not divisible by the 3 virtual stages per rank"),
     _case(dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tmL"), FULL, True, "multi-token prediction layers ('m') are not supported"),
     _case(dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="tEt|ttL"), FULL, True, "the embedding 'E' must appear once, first in the first stage"),
     _case(dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=4), FULL, True, "the 0 remaining layer(s) of --num-layers=4 cannot fill the 1 other pipeline stage(s)"),

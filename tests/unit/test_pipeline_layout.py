@@ -191,3 +191,10 @@ def test_dst_plans_every_layout_and_never_slows_the_step(qwen, lay):
     fwd, bwd = costs.at(idx)
     assert max(pipeline_makespan_s(fwd, bwd, m.p2p_s, pp=lay.pp)) == pytest.approx(
         r.step_time_planned_s)
+
+
+def test_layer_stages_number_the_layers_in_model_order():
+    """Megatron's global 1-based layer number n sits in virtual stage layer_stages()[n - 1]."""
+    lay = PipelineLayout(2, 2, (1, 2, 3, 1))      # v0 rank 0, v1 rank 1, v2 rank 0, v3 rank 1
+    assert lay.layer_stages() == [0, 1, 1, 2, 2, 2, 3]
+    assert [lay.rank_of(v) for v in lay.layer_stages()] == [0, 1, 1, 0, 0, 0, 1]
