@@ -214,7 +214,20 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
     target, the cut plan's step time (``bottleneck``) or the static plan's (``static``: what
     balancing saved is spent on density instead of speed).
     """
-    check_anchor_tolerance(anchor, tolerance)
+    return plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, [(anchor, tolerance)],
+                               p2p_s, raise_headroom, raise_to)[0]
+
+
+def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
+                        d_min: float, d_max: float, candidates, p2p_s: float = 0.0,
+                        raise_headroom: float = 0.0, raise_to: str = "bottleneck"
+                        ) -> list[DSTPlan]:
+    """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
+    copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
+    calls (a plan's rows never interact with another candidate's), so K plans cost far less than
+    K calls."""
+    for anchor, tolerance in candidates:
+        check_anchor_tolerance(anchor, tolerance)
     check_raise_headroom(raise_headroom)
     if raise_to not in RAISE_TARGETS:
         raise ConfigError(f"--sb-raise-to={raise_to!r}: expected one of {', '.join(RAISE_TARGETS)}")
@@ -222,61 +235,72 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
     dp, m, nv = costs.shape
     # The load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
     # model chunks: its units are then the (micro-batch, chunk) pairs, so every array below is
-    # [dp, m * vp, pp] (the same memory as [dp, m, nv], since v = chunk * pp + rank).
+    # [rows, m * vp, pp] (the same memory as [rows, m, nv], since v = chunk * pp + rank).
     pp, vp = costs.pipeline_ranks, costs.vp
     slots = m * vp
+    k = len(candidates)
     sens = _broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     t_grid = costs.total_s                                          # [dp, m, nv, g]
     weights = costs.weights()
 
-    all_units = _unit_ids((dp, slots, pp), np.arange(dp))           # [dp, m * vp, pp]
+    rank_units = _unit_ids((dp, slots, pp), np.arange(dp))          # [dp, m * vp, pp]
+    # row = candidate c x dp + rank: every candidate's copy of the step
+    all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
 
     def simulate(units, idx):
         f, b = _lookup(costs.fwd_s, units, idx), _lookup(costs.bwd_s, units, idx)
-        k = f.shape[0]
-        return pipeline_makespan_s(f.reshape(k, m, nv), b.reshape(k, m, nv), p2p_s,
+        n = f.shape[0]
+        return pipeline_makespan_s(f.reshape(n, m, nv), b.reshape(n, m, nv), p2p_s,
                                    pp=pp), f + b
 
-    # 1. static plan
+    def per_candidate(x):
+        return np.asarray(x).reshape(k, dp)
+
+    # 1. static plan (the same for every candidate)
     idx0 = np.full((dp, slots, pp), i0, dtype=np.int64)
-    mk0, t0 = simulate(all_units, idx0)
+    mk0, t0 = simulate(rank_units, idx0)
     step0 = float(mk0.max())
     busy0 = t0.sum(axis=1)                                          # [dp, pp]
-    anchor_s = _anchor_s(busy0, anchor)
-    band_s = (1.0 + tolerance) * anchor_s
+    anchors = np.array([_anchor_s(busy0, a) for a, _ in candidates])
+    bands = np.array([(1.0 + t) for _, t in candidates]) * anchors  # [k]
 
     # 2. cut stragglers, least sensitive first (stable sort: ties keep micro-batch order)
-    excess = busy0 - band_s
-    if anchor != "max" and np.any(excess > 0):
-        order = np.argsort(sens, axis=1, kind="stable")
-        idx_cut = _cut(t_grid, all_units, idx0, np.maximum(excess, 0.0), order, i_min)
+    excess = np.tile(busy0, (k, 1)) - np.repeat(bands, dp)[:, None]  # [k * dp, pp]
+    cuts = np.array([a != "max" for a, _ in candidates])
+    excess[~np.repeat(cuts, dp)] = 0.0
+    idx_start = np.tile(idx0, (k, 1, 1))
+    sens_rows = np.tile(sens, (k, 1, 1))
+    if np.any(excess > 0):
+        order = np.argsort(sens_rows, axis=1, kind="stable")
+        idx_cut = _cut(t_grid, all_units, idx_start, np.maximum(excess, 0.0), order, i_min)
         mk1, t1 = simulate(all_units, idx_cut)
     else:
-        idx_cut, mk1, t1 = idx0, mk0, t0
-    step1 = float(mk1.max())
+        idx_cut, mk1, t1 = idx_start, np.tile(mk0, k), np.tile(t0, (k, 1, 1))
+    step1 = per_candidate(mk1).max(axis=1)                          # [k]
 
     # 3. raise below the new bottleneck, most sensitive first; verify with the simulator.
     #    Ranks are independent pipelines, so a rank that overshoots is re-planned alone.
-    target = (step0 if raise_to == "static" else step1) * (1.0 - raise_headroom)   # T1'
-    busy1 = t1.sum(axis=1)                                          # [dp, pp]
-    overhead = mk1 - busy1.max(axis=1)                              # [dp] fill/drain
-    slack_full = np.maximum(target - overhead[:, None] - busy1, 0.0)  # [dp, pp]
+    targets = (np.full(k, step0) if raise_to == "static" else step1) * (1.0 - raise_headroom)
+    target = np.repeat(targets, dp)                                 # [k * dp] T1'
+    busy1 = t1.sum(axis=1)                                          # [k * dp, pp]
+    overhead = mk1 - busy1.max(axis=1)                              # fill/drain
+    slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
     f1, b1 = _lookup(costs.fwd_s, all_units, idx_cut), _lookup(costs.bwd_s, all_units, idx_cut)
-    float_f, float_b = event_float_s(f1.reshape(dp, m, nv), b1.reshape(dp, m, nv),
-                                     np.full(dp, target), p2p_s, pp=pp)
-    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0).reshape(dp, slots, pp)
+    float_f, float_b = event_float_s(f1.reshape(k * dp, m, nv), b1.reshape(k * dp, m, nv),
+                                     target, p2p_s, pp=pp)
+    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0).reshape(k * dp, slots, pp)
     idx, mk_final = idx_cut.copy(), mk1.copy()
-    reverted = 0
+    reverted = np.zeros(k * dp, dtype=bool)
     # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
     # may only fill stages off its critical path, whose slack above is already short by h x T1.
-    limit = np.maximum(target, mk1) * (1.0 + _REL_EPS) + 1e-15      # [dp]
+    limit = np.maximum(target, mk1) * (1.0 + _REL_EPS) + 1e-15      # [k * dp]
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
     if i_max > i_min and ranks.size:
-        order = np.argsort(-sens, axis=1, kind="stable")
+        order = np.argsort(-sens_rows, axis=1, kind="stable")
 
         def try_raise(rows, alpha):
-            """Raise ranks ``rows`` with slack x alpha [k]; accept those the simulator clears."""
+            """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
             units = all_units[rows]
             trial = _raise(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
                            alpha[:, None, None] * cap_full[rows], order[rows], i_max)
@@ -287,7 +311,7 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
         idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
         ranks = ranks[~ok]
         if ranks.size:
-            # All shrunken slacks of the overshooting ranks in one simulator call:
+            # All shrunken slacks of the overshooting rows in one simulator call:
             # rows = rank x alpha (0.5, 0.25, ...); keep the largest alpha that clears.
             alphas = 0.5 ** np.arange(1, RAISE_ROUNDS + 1)
             rows = np.repeat(ranks, alphas.size)
@@ -296,25 +320,32 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
             for j, r in enumerate(ranks.tolist()):
                 hits = np.flatnonzero(ok[j])
                 if hits.size:
-                    k = j * alphas.size + hits[0]
-                    idx[r], mk_final[r] = trial[k], mk[k]
+                    h = j * alphas.size + hits[0]
+                    idx[r], mk_final[r] = trial[h], mk[h]
                 else:
-                    reverted += 1
+                    reverted[r] = True
 
-    dens = costs.densities[idx].reshape(dp, m, nv)
-    report = DSTReport(
-        step_time_static_s=step0, step_time_cut_s=step1,
-        step_time_planned_s=float(mk_final.max()),
-        speedup=step0 / float(mk_final.max()) if mk_final.max() > 0 else 1.0,
-        imbalance_before=float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0,
-        imbalance_after=float(mk_final.max() / mk_final.mean()) if mk_final.mean() > 0 else 1.0,
-        anchor_s=anchor_s, band_s=band_s,
-        mean_density_static=float(d0),
-        mean_density=weighted_mean_density(dens, weights),
-        units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()),
-        ranks_reverted=reverted, tolerance_used=float(tolerance),
-        density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, weights)))
-    return DSTPlan(dens, report)
+    plans = []
+    mk_c, idx_c, rev_c = per_candidate(mk_final), idx.reshape(k, dp, slots, pp), \
+        per_candidate(reverted)
+    imb0 = float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0
+    for c, (_, tolerance) in enumerate(candidates):
+        mk_end = mk_c[c]
+        dens = costs.densities[idx_c[c]].reshape(dp, m, nv)
+        report = DSTReport(
+            step_time_static_s=step0, step_time_cut_s=float(step1[c]),
+            step_time_planned_s=float(mk_end.max()),
+            speedup=step0 / float(mk_end.max()) if mk_end.max() > 0 else 1.0,
+            imbalance_before=imb0,
+            imbalance_after=float(mk_end.max() / mk_end.mean()) if mk_end.mean() > 0 else 1.0,
+            anchor_s=float(anchors[c]), band_s=float(bands[c]),
+            mean_density_static=float(d0),
+            mean_density=weighted_mean_density(dens, weights),
+            units_cut=int((idx_c[c] < i0).sum()), units_raised=int((idx_c[c] > i0).sum()),
+            ranks_reverted=int(rev_c[c].sum()), tolerance_used=float(tolerance),
+            density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, weights)))
+        plans.append(DSTPlan(dens, report))
+    return plans
 
 
 def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
@@ -332,12 +363,15 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     cuts on one stage, the band is widened: fewer units are cut. The widest band cuts nothing (the
     ``max`` anchor), whose plan only raises, so a plan meeting both floors always exists; every
     candidate is a ``plan_dst`` plan, so the predicted step time never exceeds the static plan's.
-    Among the candidates that meet the floors the fastest is kept (bisection over the tolerance,
-    ``search_steps`` plans).
+    Among the candidates that meet the floors the fastest is kept (usually the narrowest band that
+    meets them). The band is searched between ``tolerance`` and 10 in ``search_steps // 2``
+    rounds, each one batched pass (``plan_dst_candidates``) of 3 tolerances spaced geometrically
+    inside the interval where the floors start to hold (the first pass also plans the no-cut
+    plan): 4^rounds sub-intervals, as fine as ``2 x rounds`` bisection steps in half the passes.
     """
-    def plan(anchor_: str, tol: float) -> DSTPlan:
-        return plan_dst(costs, sensitivity, d0, d_min, d_max, anchor_, tol, p2p_s, raise_headroom,
-                        raise_to)
+    def plans(cands):
+        return plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
+                                   raise_headroom, raise_to)
 
     floor = density_floor * d0 - 1e-12
     stage_floor = stage_density_floor * d0 - 1e-12
@@ -346,24 +380,24 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         r = p.report
         return r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
 
-    best = plan(anchor, tolerance)
+    best = plans([(anchor, tolerance)])[0]
     if (density_floor <= 0 and stage_density_floor <= 0) or anchor == "max" or meets(best):
         return best
-    ok = plan("max", tolerance)                                     # no cuts
-    lo, hi = tolerance, 10.0
-    hi_plan = plan(anchor, hi)
-    if meets(hi_plan):
-        ok = min((ok, hi_plan), key=lambda p: p.report.step_time_planned_s)
-        for _ in range(search_steps):
-            mid = 0.5 * (lo + hi)
-            trial = plan(anchor, mid)
-            if meets(trial):
-                hi = mid
-                if trial.report.step_time_planned_s < ok.report.step_time_planned_s:
-                    ok = trial
-            else:
-                lo = mid
-    return ok
+    lo, hi = max(float(tolerance), 1e-3), 10.0
+    ok, per_round = [], 3
+    for rnd in range(max(search_steps // 2, 1)):
+        ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
+        cands = [(anchor, float(t)) for t in ts]
+        found = plans(([("max", tolerance)] if rnd == 0 else []) + cands)
+        if rnd == 0:
+            ok.append(found.pop(0))                                  # no cuts: always meets
+        hits = [i for i, p in enumerate(found) if meets(p)]
+        ok += [found[i] for i in hits]
+        if hits:
+            lo, hi = (float(ts[hits[0] - 1]) if hits[0] > 0 else lo), float(ts[hits[0]])
+        else:
+            lo = float(ts[-1])
+    return min(ok, key=lambda p: p.report.step_time_planned_s)
 
 
 def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
