@@ -9,8 +9,10 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
 - ``LatencyModel.predict_many`` over a global batch of 4,096 micro-batches of 32K tokens
   (analytic table, PP=4), median of 5; target well under 250 ms.
 - One step's SparseBalance work at 64 DP x 16 micro-batches x PP=4, 32K tokens, on the built-in
-  corpus (SAB packing, unit costs, the runtime's DST call), against the simulated step time of
-  the plan (analytic Qwen2.5-0.5B table); target < 1% of the step.
+  corpus (SAB packing, unit costs, the runtime's DST call, the calibration's prediction and the
+  reports' weights after the step), against the simulated step time of the plan (analytic
+  Qwen2.5-0.5B table); target < 1% of the step. Twice: on Megatron's even split (the LM-head
+  stage heavy, so DST's per-stage floor search runs) and on the best static layout.
 
     .venv/bin/python scripts/bench_planner_cost.py --json docs/results/planner_cost.json
 """
@@ -35,14 +37,23 @@ def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
     return float(np.median(out))
 
 
-def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5) -> dict:
-    """The plugin's per-step CPU work at scale, in the runtime's order, on the built-in corpus:
-    SAB packing of a global batch (sampler included), the unit costs of the packed step, the
-    runtime's DST call; and the step time the plan is simulated to take (the denominator)."""
+def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5,
+                  layout: str = "even") -> dict:
+    """The plugin's per-step CPU work at scale, in the runtime's order and with its calls, on the
+    built-in corpus: SAB packing of a global batch; the latency model's features of the packed
+    step and its unit costs; the micro-batch sensitivities and the runtime's DST call; after the
+    step, the calibration's prediction (``busy_s``) and the reports' density weights
+    (``unit_work``); and the step time the plan is simulated to take (the denominator).
+
+    layout: ``even`` (the model's table as given: Megatron's default split) or ``best`` (the
+    fastest static layout of the first step's data, ``layout_gap``: the configuration the
+    benchmarks compare with)."""
     from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
                                                  sab_plan, unit_sensitivity)
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
+    from sparsebalance_megatron.experiments.layout_search import layout_gap
+    from sparsebalance_megatron.megatron.reporting import unit_work
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.dst import plan_dst_from_config
     from sparsebalance_megatron.sim import pipeline_makespan_s
@@ -55,30 +66,43 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
     cost_fn = latency_sample_cost_fn(lm, sb.density)
     tracker = SensitivityTracker()
-    parts = {"sab_plan": [], "UnitCosts.from_latency": [], "plan_dst_from_config": []}
-    step_s = []
+    if layout == "best":
+        first = sab_plan(batches[0], dp=dp, num_microbatches=m, max_tokens=seq,
+                         cost_fn=cost_fn, sensitivity=tracker, seed=1)
+        _, best = layout_gap(lm, first.unit_csr(with_padding=True), dp, m, lm.layout,
+                             sb.density)
+        lm = lm.with_layout(best)
+    names = ("sab_plan", "features + UnitCosts.from_latency", "sensitivity + DST",
+             "after the step: busy_s + unit_work")
+    parts = {k: [] for k in names}
+    step_s, searched = [], []
     for k, segs in enumerate(batches):
-        t0 = time.thread_time()
+        t = [time.thread_time()]
         plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq, cost_fn=cost_fn,
                         sensitivity=tracker, seed=1)
-        t1 = time.thread_time()
-        costs = UnitCosts.from_latency(lm, plan.flat_lengths(with_padding=True), dp, m, grid)
-        t2 = time.thread_time()
+        t.append(time.thread_time())
+        feats = lm.unit_features(plan.unit_csr(with_padding=True))
+        costs = UnitCosts.from_latency(lm, feats, dp, m, grid)
+        t.append(time.thread_time())
         dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
                                    p2p_s=lm.p2p_s)
-        t3 = time.thread_time()
+        t.append(time.thread_time())
+        lm.busy_s(feats, dst.densities)
+        unit_work(plan, sb)
+        t.append(time.thread_time())
         if k == 0:
             continue                                          # warm-up
-        for name, a, b in (("sab_plan", t0, t1), ("UnitCosts.from_latency", t1, t2),
-                           ("plan_dst_from_config", t2, t3)):
-            parts[name].append((b - a) * 1e3)
+        for j, name in enumerate(names):
+            parts[name].append((t[j + 1] - t[j]) * 1e3)
         idx = np.searchsorted(costs.densities, dst.densities - 1e-12)
         f, b = costs.at(idx)
-        step_s.append(float(pipeline_makespan_s(f, b, lm.p2p_s).max()))
+        step_s.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
+        searched.append(dst.report.tolerance_used != sb.tolerance)
     med = {k: float(np.median(v)) for k, v in parts.items()}
-    return {"shape": f"{dp} DP x {m} micro-batches x PP{lm.pp}, {seq} tokens",
-            "parts_ms": med, "total_ms": float(sum(med.values())),
-            "step_s": float(np.median(step_s))}
+    return {"shape": f"{dp} DP x {m} micro-batches x PP{lm.layout.pp}, {seq} tokens",
+            "layout": lm.layout.describe(), "parts_ms": med, "total_ms": float(sum(med.values())),
+            "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
+            "steps": len(step_s)}
 
 
 def main(argv=None) -> int:
@@ -103,20 +127,26 @@ def main(argv=None) -> int:
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
     predict_ms = _median_ms(lambda: lm.predict_many(units, d, 1), 5)
 
-    step = step_overhead(lm)
+    steps = {lay: step_overhead(lm, layout=lay) for lay in ("even", "best")}
     rows = [("plan_dst 64 x 16 x 4", plan_ms, 10.0),
             ("predict_many 4,096 x 32K (pp 4)", predict_ms, 250.0)]
-    rows += [(f"step: {k}", v, None) for k, v in step["parts_ms"].items()]
-    rows.append(("step: all of it", step["total_ms"], 0.01 * step["step_s"] * 1e3))
-    print(f"{'what':<42} {'median ms':>10} {'target ms':>10}")
+    for lay, step in steps.items():
+        tag = f"{lay} {step['layout']}"
+        rows += [(f"step ({tag}): {k}", v, None) for k, v in step["parts_ms"].items()]
+        rows.append((f"step ({tag}): all of it", step["total_ms"],
+                     0.01 * step["step_s"] * 1e3))
+    print(f"{'what':<62} {'median ms':>10} {'target ms':>10}")
     for name, ms, target in rows:
-        print(f"{name:<42} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
-    print(f"per step: {step['total_ms']:.1f} ms of a simulated {step['step_s']:.2f} s step = "
-          f"{100 * step['total_ms'] / (1e3 * step['step_s']):.2f}% (target < 1%)")
+        print(f"{name:<62} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
+    for lay, step in steps.items():
+        print(f"per step, {lay} layout {step['layout']}: {step['total_ms']:.1f} ms of a simulated "
+              f"{step['step_s']:.2f} s step = {100 * step['total_ms'] / (1e3 * step['step_s']):.2f}%"
+              f" (target < 1%); DST's floor search ran in {step['floor_search_steps']} of "
+              f"{step['steps']} steps")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(),
-                       "clock": "thread CPU time", "step": step,
+                       "clock": "thread CPU time", "steps": steps,
                        "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]},
                       f, indent=1)
     return 0

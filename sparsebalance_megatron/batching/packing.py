@@ -25,13 +25,14 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..data.packing import sequential_pack
-from .plan import (BatchingError, BatchPlan, as_segments, check_fits, check_shape_args,
-                   split_long)
+from .plan import (BatchingError, BatchPlan, as_segment_array, as_segments, check_fits,
+                   check_shape_args, split_long)
 from .sensitivity import SensitivityTracker
 
 CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] seconds
@@ -54,17 +55,24 @@ def latency_sample_cost_fn(model, density: float) -> CostFn:
 
 
 def _prepare(samples, dp, m, max_tokens, long_sample_policy):
+    """(segments, their sizes [n] int64, number of samples split), checked."""
     check_shape_args(dp, m, max_tokens)
-    segs = as_segments(samples)
+    segs, arr = as_segment_array(samples)
     if not segs:
         raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
-    segs, n_split = split_long(segs, max_tokens, long_sample_policy)
-    check_fits(segs, dp, m, max_tokens)
-    return segs, n_split
+    sizes = arr[:, 2] - arr[:, 1]
+    n_split = 0
+    if int(sizes.max()) > max_tokens:
+        segs, n_split = split_long(segs, max_tokens, long_sample_policy)
+        sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)
+    else:
+        split_long([], max_tokens, long_sample_policy)          # checks the policy's name
+    check_fits(segs, dp, m, max_tokens, sizes=sizes)
+    return segs, sizes, n_split
 
 
-def _costs(segs, cost_fn: Optional[CostFn]) -> np.ndarray:
-    sizes = np.asarray([e - s for _, s, e in segs], dtype=np.float64)
+def _costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> np.ndarray:
+    sizes = np.asarray(sizes, dtype=np.float64)
     if cost_fn is None:
         return sizes
     c = np.asarray(cost_fn(sizes.astype(np.int64)), dtype=np.float64).reshape(-1)
@@ -78,21 +86,29 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                     long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None
                     ) -> BatchPlan:
     """Megatron's default packing (see the module docstring)."""
-    segs, n_split = _prepare(samples, dp, num_microbatches, max_tokens, long_sample_policy)
+    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
+                                    long_sample_policy)
     try:
         mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
-    return _finish(mbs, "sequential", max_tokens, n_split, False, segs, _costs(segs, cost_fn))
+    return _finish(mbs, "sequential", max_tokens, n_split, False, segs, _costs(sizes, cost_fn))
 
 
 def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
     """Rank of every item: items in ``order`` go to the least loaded rank with token room."""
     heap = [(0.0, r) for r in range(dp)]
     used = [0] * dp
-    rank_of = np.empty(len(cost), dtype=np.int64)
+    rank_of = [0] * len(cost)
     cost_l, size_l = cost.tolist(), size.tolist()
+    replace = heapq.heapreplace
     for i in order.tolist():
+        load, r = heap[0]                              # fast path: the least loaded rank fits
+        if used[r] + size_l[i] <= cap_tokens:
+            rank_of[i] = r
+            used[r] += size_l[i]
+            replace(heap, (load + cost_l[i], r))
+            continue
         skipped = []
         while heap:
             load, r = heapq.heappop(heap)
@@ -106,7 +122,7 @@ def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
         heapq.heappush(heap, (load + cost_l[i], r))
         for x in skipped:
             heapq.heappush(heap, x)
-    return rank_of
+    return np.asarray(rank_of, dtype=np.int64)
 
 
 def _contiguous_bins(items, size, cost, m, cap, balance: bool) -> Optional[list]:
@@ -158,29 +174,27 @@ def _order_slots(bins, cost) -> list:
     drain. The others keep their order."""
     if len(bins) < 3:
         return bins
-    c = [sum(cost[i] for i in b) for b in bins]
+    c = [sum(map(cost.__getitem__, b)) for b in bins]
     order = sorted(range(len(bins)), key=lambda j: (c[j], j))
     first, last = order[0], order[1]
     mid = [b for j, b in enumerate(bins) if j not in (first, last)]
     return [bins[first]] + mid + [bins[last]]
 
 
-def _balanced(segs, cost, key, dp, m, max_tokens, seed, balance_bins=True):
-    """LPT of segments over ranks by ``cost``, then each rank's segments sorted by ``key`` and
-    cut into m bins. None if some rank does not fit."""
-    size = [e - s for _, s, e in segs]
-    tie = np.random.default_rng(seed).permutation(len(segs))
+def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
+    """LPT of segments (sizes [n]) over ranks by ``cost``, then each rank's segments sorted by
+    ``key`` and cut into m bins. None if some rank does not fit."""
+    tie = np.random.default_rng(seed).permutation(sizes.size)
     order = np.lexsort((tie, -cost))                   # cost descending, seeded ties
-    rank_of = _lpt_ranks(cost, np.asarray(size), order, dp, m * max_tokens)
+    rank_of = _lpt_ranks(cost, sizes, order, dp, m * max_tokens)
     if rank_of is None:
         return None
-    per_rank = [[] for _ in range(dp)]
-    for i in np.lexsort((tie, key, rank_of)).tolist():  # by rank, then key, then seeded ties
-        per_rank[int(rank_of[i])].append(i)
-    cost_l = cost.tolist()
+    by_rank = np.lexsort((tie, key, rank_of))          # by rank, then key, then seeded ties
+    per_rank = np.split(by_rank, np.cumsum(np.bincount(rank_of, minlength=dp))[:-1])
+    size, cost_l = sizes.tolist(), cost.tolist()
     out = []
     for items in per_rank:
-        bins = _pack_rank(items, size, cost_l, m, max_tokens, balance_bins)
+        bins = _pack_rank(items.tolist(), size, cost_l, m, max_tokens, balance_bins)
         if bins is None:
             return None
         out.append(_order_slots(bins, cost_l))
@@ -190,8 +204,9 @@ def _balanced(segs, cost, key, dp, m, max_tokens, seed, balance_bins=True):
 def _finish(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
             indices: bool = False) -> BatchPlan:
     if indices:
-        mbs = [[[segs[i] for i in b] for b in rank] for rank in mbs_idx_or_segs]
-        rank_cost = np.asarray([sum(cost[i] for b in rank for i in b)
+        get, cost_l = segs.__getitem__, cost.tolist()
+        mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
+        rank_cost = np.asarray([sum(map(cost_l.__getitem__, chain.from_iterable(rank)))
                                 for rank in mbs_idx_or_segs])
     else:
         mbs = mbs_idx_or_segs
@@ -207,10 +222,11 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
                         long_sample_policy: str = "split", seed: int = 0,
                         cost_fn: Optional[CostFn] = None) -> BatchPlan:
     """Length-aware baseline: balance token counts over ranks and micro-batches."""
-    segs, n_split = _prepare(samples, dp, num_microbatches, max_tokens, long_sample_policy)
-    tokens = np.asarray([e - s for _, s, e in segs], dtype=np.float64)
-    plan = _balanced(segs, tokens, np.zeros(len(segs)), dp, num_microbatches, max_tokens, seed)
-    cost = _costs(segs, cost_fn)
+    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
+                                    long_sample_policy)
+    tokens = sizes.astype(np.float64)
+    plan = _balanced(sizes, tokens, np.zeros(len(segs)), dp, num_microbatches, max_tokens, seed)
+    cost = _costs(sizes, cost_fn)
     if plan is None:
         seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
@@ -230,17 +246,18 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     token balancing); sensitivity: a ``SensitivityTracker`` (or a callable (ids, lengths) -> [n])
     whose estimates group the micro-batches; None = the length prior.
     """
-    segs, n_split = _prepare(samples, dp, num_microbatches, max_tokens, long_sample_policy)
-    cost = _costs(segs, cost_fn)
+    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
+                                    long_sample_policy)
+    cost = _costs(sizes, cost_fn)
     ids = [i for i, _, _ in segs]
-    lengths = np.asarray([e - s for _, s, e in segs])
+    lengths = sizes
     tracker = sensitivity if sensitivity is not None else SensitivityTracker()
     est = tracker.estimate if isinstance(tracker, SensitivityTracker) else tracker
     sens = np.asarray(est(ids, lengths), dtype=np.float64).reshape(-1)
     if sens.shape != (len(segs),):
         raise ValueError(f"sensitivity returned {sens.shape}: expected one value per segment "
                          f"({len(segs)})")
-    plan = _balanced(segs, cost, sens, dp, num_microbatches, max_tokens, seed)
+    plan = _balanced(sizes, cost, sens, dp, num_microbatches, max_tokens, seed)
     if plan is not None:
         return _finish(plan, "sab", max_tokens, n_split, False, segs, cost, indices=True)
     return _fallback(segs, cost, dp, num_microbatches, max_tokens, n_split)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..data.packing import LONG_SAMPLE_POLICIES, Segment, padding_lengths
+from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment
 
 
 class BatchingError(ValueError):
@@ -42,6 +42,8 @@ class BatchPlan:
     num_split_samples: int = 0     # samples cut into several segments (long_sample_policy=split)
     fallback: bool = False         # SAB re-used the sequential bins (cost-aware packing did not fit)
     predicted_rank_cost_s: np.ndarray = field(default=None)  # [dp] planner's cost proxy per rank
+    # derived arrays (unit_csr, flat_lengths), computed once: a plan is not changed once made
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def dp(self) -> int:
@@ -56,15 +58,32 @@ class BatchPlan:
         return [[np.asarray([e - s for _, s, e in mb], dtype=np.int64) for mb in rank]
                 for rank in self.micro_batches]
 
+    def unit_csr(self, with_padding: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The micro-batches as latency-model units in CSR form, rank-major: (offsets [dp*m + 1],
+        lengths), unit u's sequences ``lengths[offsets[u]:offsets[u + 1]]``; ``with_padding``
+        appends the padding sequences that fill each micro-batch to ``max_tokens``, as the packed
+        micro-batch holds them (``data.padding_lengths``). Computed once, vectorised."""
+        key = ("csr", bool(with_padding))
+        if key not in self._cache:
+            mbs = self.micro_batches
+            counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
+            lengths = np.fromiter((e - s for rank in mbs for mb in rank for _, s, e in mb),
+                                  dtype=np.int64, count=int(counts.sum()))
+            if with_padding:
+                lengths, counts = _with_padding(lengths, counts, self.max_tokens)
+            offsets = np.zeros(counts.size + 1, dtype=np.int64)
+            np.cumsum(counts, out=offsets[1:])
+            self._cache[key] = (offsets, lengths)
+        return self._cache[key]
+
     def flat_lengths(self, with_padding: bool = False) -> list:
-        """The [dp][m] lengths flattened rank-major, as latency-model units (dp * m arrays).
-        ``with_padding``: followed by the padding sequences that fill each micro-batch to
-        ``max_tokens``, as the packed micro-batch holds them (``data.padding_lengths``)."""
-        flat = [x for rank in self.lengths() for x in rank]
-        if with_padding:
-            flat = [np.concatenate([x, padding_lengths(self.max_tokens - int(x.sum()))])
-                    .astype(np.int64) for x in flat]
-        return flat
+        """The [dp][m] lengths flattened rank-major, as latency-model units (dp * m arrays);
+        ``with_padding`` as in ``unit_csr``."""
+        key = ("flat", bool(with_padding))
+        if key not in self._cache:
+            offsets, lengths = self.unit_csr(with_padding)
+            self._cache[key] = np.split(lengths, offsets[1:-1])
+        return self._cache[key]
 
     def tokens(self) -> np.ndarray:
         """[dp, m] tokens per micro-batch."""
@@ -74,6 +93,30 @@ class BatchPlan:
     def segments(self) -> list:
         """All segments, rank-major then slot order."""
         return [seg for rank in self.micro_batches for mb in rank for seg in mb]
+
+
+def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Every unit's lengths followed by ``padding_lengths(max_tokens - its tokens)``: full
+    padding sequences of ``PAD_SEQ_TOKENS``, the last one shorter."""
+    n = counts.size
+    unit = np.repeat(np.arange(n), counts)
+    pad = max_tokens - np.bincount(unit, weights=lengths, minlength=n).astype(np.int64)
+    if np.any(pad < 0):
+        raise ValueError(f"micro-batch {int(np.argmin(pad))} holds {max_tokens - int(pad.min())} "
+                         f"tokens > max_tokens {max_tokens}")
+    full, rest = np.divmod(pad, PAD_SEQ_TOKENS)
+    npad = full + (rest > 0)
+    new_counts = counts + npad
+    starts = np.cumsum(new_counts) - new_counts
+    out = np.empty(int(new_counts.sum()), dtype=np.int64)
+    local = np.arange(lengths.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    out[starts[unit] + local] = lengths
+    punit = np.repeat(np.arange(n), npad)
+    plocal = np.arange(punit.size) - np.repeat(np.cumsum(npad) - npad, npad)
+    out[starts[punit] + counts[punit] + plocal] = np.where(plocal < full[punit], PAD_SEQ_TOKENS,
+                                                          rest[punit])
+    return out, new_counts
 
 
 def check_shape_args(dp: int, num_microbatches: int, max_tokens: int) -> None:
@@ -86,8 +129,23 @@ def check_shape_args(dp: int, num_microbatches: int, max_tokens: int) -> None:
 def as_segments(samples) -> list:
     """Segments from a list of (sample_id, start, end) triples or a [n] array of lengths
     (sample i = tokens [0, length_i))."""
+    return as_segment_array(samples)[0]
+
+
+def as_segment_array(samples) -> tuple[list, np.ndarray]:
+    """``as_segments`` and the same segments as an [n, 3] int64 array. A well-formed list of
+    triples (the sampler's) is checked in one vectorised pass; anything else goes through the
+    per-item path, whose errors name the offending sample."""
     if isinstance(samples, np.ndarray) and samples.ndim == 1:
         samples = [(i, 0, int(n)) for i, n in enumerate(samples.tolist())]
+    if len(samples):
+        try:
+            a = np.asarray(samples, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            a = None
+        if a is not None and a.ndim == 2 and a.shape[1] == 3 \
+                and bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
+            return list(map(tuple, a.tolist())), a
     out = []
     for k, seg in enumerate(samples):
         if isinstance(seg, (int, np.integer)):
@@ -100,7 +158,7 @@ def as_segments(samples) -> list:
         if not 0 <= s < e:
             raise ValueError(f"sample {k}: segment {(i, s, e)}: expected 0 <= start < end")
         out.append((i, s, e))
-    return out
+    return out, np.asarray(out, dtype=np.int64).reshape(-1, 3)
 
 
 def split_long(segments: Sequence[Segment], max_tokens: int, long_sample_policy: str
@@ -126,8 +184,8 @@ def split_long(segments: Sequence[Segment], max_tokens: int, long_sample_policy:
     return out, n_split
 
 
-def check_fits(segments: Sequence[Segment], dp: int, num_microbatches: int, max_tokens: int
-               ) -> None:
+def check_fits(segments: Sequence[Segment], dp: int, num_microbatches: int, max_tokens: int,
+               sizes: np.ndarray | None = None) -> None:
     """BatchingError when the global batch is empty, cannot give every DP rank a sample, or
     holds more tokens than dp x m micro-batches of max_tokens."""
     if len(segments) == 0:
@@ -136,7 +194,7 @@ def check_fits(segments: Sequence[Segment], dp: int, num_microbatches: int, max_
         raise BatchingError(
             f"global batch of {len(segments)} sample segment(s) cannot fill dp={dp} DP ranks: "
             f"every rank needs at least one sample; use a larger global batch or fewer ranks")
-    total = sum(e - s for _, s, e in segments)
+    total = int(sizes.sum()) if sizes is not None else sum(e - s for _, s, e in segments)
     if total > dp * num_microbatches * max_tokens:
         raise BatchingError(
             f"global batch of {total} tokens does not fit dp x m = {dp} x {num_microbatches} "

@@ -132,7 +132,8 @@ def layout_gap(lm, mb_doc_lengths, dp: int, num_microbatches: int, layout: Pipel
 
     def step_s(lay):
         c = UnitCosts.from_latency(lm.with_layout(lay), feats, dp, num_microbatches, grid)
-        return float(pipeline_makespan_s(c.fwd_s[..., 0], c.bwd_s[..., 0], lm.p2p_s).max())
+        return float(pipeline_makespan_s(c.fwd_s[..., 0], c.bwd_s[..., 0], lm.p2p_s,
+                                         pp=lay.pp).max())
 
     mine = step_s(layout)
     best, best_s = layout, mine

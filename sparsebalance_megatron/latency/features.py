@@ -46,7 +46,7 @@ class UnitFeatures:
     work_mode: str = "kept"
     query_chunk_blocks: int = 16
     _blocks: tuple | None = None  # chunked mode: (block_local, block_unit, chunk_starts, chunk_unit)
-    _hist: tuple | None = None    # kept mode: (distinct doc block counts, [n, k] doc counts)
+    _runs: tuple | None = None    # kept mode: runs of equal documents (block count, unit, n)
 
     @property
     def num_units(self) -> int:
@@ -134,8 +134,8 @@ class UnitFeatures:
         uniq, inv = np.unique(d, return_inverse=True)
         table = cumulative_work_table(uniq, self._max_blocks(), self.sink_blocks,
                                       self.local_blocks)          # [U, N + 1]
-        per_doc = table[inv[self.doc_unit], self.doc_blocks]
-        return np.bincount(self.doc_unit, weights=per_doc, minlength=n)
+        blocks, unit, count = self._doc_runs()
+        return np.bincount(unit, weights=table[inv[unit], blocks] * count, minlength=n)
 
     def work_grid(self, density_grid) -> np.ndarray:
         """[n, g] kept block pairs of every unit at every density of the grid."""
@@ -147,19 +147,28 @@ class UnitFeatures:
             return np.stack([self._chunked_work(np.full(n, d)) for d in grid], axis=1)
         table = cumulative_work_table(grid, self._max_blocks(), self.sink_blocks,
                                       self.local_blocks)          # [g, N + 1]
-        # A document's work depends only on its block count: count each unit's documents per
-        # distinct block count once, then one [n, k] x [k, g] product (exact: integer sums).
-        sizes, counts = self._block_count_histogram()
-        return counts @ table[:, sizes].T
+        # A document's work depends only on its block count, and a packed micro-batch's padding
+        # is many equal pieces in a row: one gather per run of equal documents, summed per unit
+        # (runs are in unit order). Exact: integer pair counts.
+        blocks, unit, count = self._doc_runs()
+        per_run = table[:, blocks] * count                         # [g, runs]
+        out = np.zeros((grid.size, n))
+        has = np.bincount(unit, minlength=n) > 0
+        out[:, has] = np.add.reduceat(per_run, np.searchsorted(unit, np.flatnonzero(has)),
+                                      axis=1)
+        return out.T
 
-    def _block_count_histogram(self) -> tuple[np.ndarray, np.ndarray]:
-        """(distinct document block counts [k], documents of each unit per count [n, k])."""
-        if self._hist is None:
-            sizes, inv = np.unique(self.doc_blocks, return_inverse=True)
-            n, k = self.num_units, sizes.size
-            counts = np.bincount(self.doc_unit * k + inv, minlength=n * k).reshape(n, k)
-            self._hist = (sizes, counts.astype(np.float64))
-        return self._hist
+    def _doc_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Runs of consecutive documents of one unit with the same block count: (block count,
+        unit, documents) per run, in unit order (CSR order)."""
+        if self._runs is None:
+            nb, unit = self.doc_blocks, self.doc_unit
+            new = np.ones(nb.size, dtype=bool)
+            new[1:] = (nb[1:] != nb[:-1]) | (unit[1:] != unit[:-1])
+            start = np.flatnonzero(new)
+            count = np.diff(np.append(start, nb.size)).astype(np.float64)
+            self._runs = (nb[start], unit[start], count)
+        return self._runs
 
     def matrix(self, densities) -> np.ndarray:
         """[n, 5] design matrix in the order of ``FEATURES``."""

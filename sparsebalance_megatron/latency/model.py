@@ -306,6 +306,21 @@ class LatencyModel:
         tuple or a ``UnitFeatures``; densities scalar or [n]."""
         return self.unit_terms(mb_doc_lengths, stage, rank).time_s(densities)
 
+    def busy_s(self, mb_doc_lengths, densities) -> np.ndarray:
+        """[dp, pipeline ranks] uncorrected fwd+bwd seconds of one step: units as in
+        ``predict_many`` (dp * m of them, rank-major), densities [dp, m, stages] (the layout's
+        virtual stages); each pipeline rank's model chunks summed."""
+        f = self.unit_features(mb_doc_lengths)
+        d = np.asarray(densities, dtype=np.float64)
+        if d.ndim != 3 or d.shape[0] * d.shape[1] != f.num_units or d.shape[2] != self.num_stages:
+            raise ValueError(f"densities shape {d.shape}: expected [dp, m, {self.num_stages}] "
+                             f"with dp x m = {f.num_units} units")
+        out = np.zeros((d.shape[0], self.layout.pp))
+        for v in range(self.num_stages):
+            t = self.unit_terms(f, v).time_s(d[:, :, v].reshape(-1))
+            out[:, self.layout.rank_of(v)] += t.reshape(d.shape[:2]).sum(axis=1)
+        return out
+
     def predict_fwd_bwd(self, doc_lengths, density: float, stage: int,
                         rank: Optional[int] = None) -> tuple[float, float]:
         f, b = self.predict_many_fwd_bwd([doc_lengths], np.asarray([density]), stage, rank)

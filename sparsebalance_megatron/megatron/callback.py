@@ -45,6 +45,7 @@ class PreparedStep:
     batch: BatchPlan               # [dp][m] micro-batches of segments, padding known
     plan: Optional[BudgetPlan]     # None: dense run
     report: Optional[dict]         # DST's report (None: static plan)
+    units: object = None           # the latency model's UnitFeatures of the batch (padded)
 
 
 class SparseBalanceCallback:
@@ -162,20 +163,28 @@ class SparseBalanceCallback:
         _check_assignment(segments, batch, self.capacity)
         plan, report = None, None
         sb = self.sb
+        units = self._units(batch)
         if sb.dst_enabled:
-            payload = self._plan_dst(batch) if comm.rank() == 0 else None
+            payload = self._plan_dst(batch, units) if comm.rank() == 0 else None
             densities, report = comm.broadcast_object(payload, src=0)
             plan = BudgetPlan(iteration, np.asarray(densities))
         elif sb.sparse_attention_enabled:
             plan = BudgetPlan.static(iteration, sb.density, self.dp, num_microbatches,
                                      self.layout.num_stages)
-        self._ready = PreparedStep(iteration, first_bin, batch, plan, report)
+        self._ready = PreparedStep(iteration, first_bin, batch, plan, report, units)
         if not self._layout_checked:
             self._layout_checked = True
-            self._check_layout(batch)
+            self._check_layout(batch, units)
         self._overhead_s += time.perf_counter() - t0
 
-    def _check_layout(self, batch: BatchPlan) -> None:
+    def _units(self, batch: BatchPlan):
+        """The latency model's features of the step's packed micro-batches, built once per step
+        and shared by DST, calibration and the layout check (None without a latency model)."""
+        if self.latency is None:
+            return None
+        return self.latency.unit_features(batch.unit_csr(with_padding=True))
+
+    def _check_layout(self, batch: BatchPlan, units) -> None:
         """Once, on rank 0: warn when the run's pipeline layout is predicted well slower (static,
         at d0, this step's data) than another split Megatron's flags allow."""
         if comm.rank() != 0 or self.latency is None or self.layout.pp < 2:
@@ -183,7 +192,7 @@ class SparseBalanceCallback:
         from ..experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
         from ..latency.layout import LayoutError
         try:
-            gap, best = layout_gap(self.latency, batch.flat_lengths(with_padding=True), self.dp,
+            gap, best = layout_gap(self.latency, units, self.dp,
                                    batch.num_microbatches, self.layout, self.sb.density)
         except LayoutError:
             return   # a table that knows only its own layout: nothing to compare
@@ -193,15 +202,15 @@ class SparseBalanceCallback:
                      f"{best.describe()} ({' '.join(best.megatron_flags())}); see "
                      f"sparsebalance-layout")
 
-    def _plan_dst(self, batch: BatchPlan):
+    def _plan_dst(self, batch: BatchPlan, units):
         from ..batching.sensitivity import unit_sensitivity
         from ..policy.costs import UnitCosts, density_grid
         from ..policy.dst import plan_dst_from_config
 
         sb = self.sb
         grid = density_grid(sb.density, sb.min_density, sb.max_density)
-        costs = UnitCosts.from_latency(self.latency, batch.flat_lengths(with_padding=True),
-                                       self.dp, batch.num_microbatches, grid)
+        costs = UnitCosts.from_latency(self.latency, units, self.dp,
+                                       batch.num_microbatches, grid)
         sens = unit_sensitivity(batch.micro_batches, self.tracker) if self.tracker else None
         headroom = self.raise_headroom()
         plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom)
@@ -317,14 +326,8 @@ class SparseBalanceCallback:
     def _predicted_busy(self, step: PreparedStep) -> np.ndarray:
         """[dp, pp] uncorrected predicted fwd+bwd seconds of the step's units under its plan
         (a pipeline rank's model chunks together)."""
-        units = step.batch.flat_lengths(with_padding=True)
-        m = step.batch.num_microbatches
-        predicted = np.zeros((self.dp, self.pp))
-        for r in range(self.dp):
-            for v in range(self.layout.num_stages):
-                predicted[r, self.layout.rank_of(v)] += float(np.sum(self.latency.predict_many(
-                    units[r * m:(r + 1) * m], step.plan.densities[r, :, v], v)))
-        return predicted
+        units = step.units if step.units is not None else self._units(step.batch)
+        return self.latency.busy_s(units, step.plan.densities)
 
     def _modelled_busy(self, step: PreparedStep) -> np.ndarray:
         """--sb-timing-source model: the prediction, --sb-straggler-slowdown times on the

@@ -24,11 +24,11 @@ PREFIX = "sparsebalance/"
 def unit_work(batch, sb: SparseBalanceConfig) -> np.ndarray:
     """[dp, m] dense attention work (kept block pairs at density 1) of every micro-batch: the
     weight of its density in every density figure (a stage's layers all run at that density)."""
-    from ..latency.work import attention_work
+    from ..latency.features import UnitFeatures
 
-    work = [attention_work(x, 1.0, sb.block_size, sb.sink_blocks, sb.local_blocks)
-            for x in batch.flat_lengths(with_padding=True)]
-    return np.reshape(work, (batch.dp, batch.num_microbatches))
+    feats = UnitFeatures.build(batch.unit_csr(with_padding=True), sb.block_size,
+                               sb.sink_blocks, sb.local_blocks)
+    return feats.attention_work(1.0).reshape(batch.dp, batch.num_microbatches)
 
 
 def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,

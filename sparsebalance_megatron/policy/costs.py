@@ -82,7 +82,8 @@ class UnitCosts:
         if min(f.shape) < 1:
             raise ValueError(f"fwd_s shape {f.shape}: every axis must be >= 1")
         for name, a in (("fwd_s", f), ("bwd_s", b)):
-            if not np.all(np.isfinite(a)) or np.any(a < 0):
+            lo, hi = a.min(), a.max()                  # NaN propagates into both
+            if not (lo >= 0 and hi < np.inf):
                 raise ValueError(f"{name} must be finite seconds >= 0 (min={np.nanmin(a)!r})")
         nv = f.shape[2]
         pr = nv if self.pipeline_ranks is None else self.pipeline_ranks
@@ -92,8 +93,8 @@ class UnitCosts:
                              f"dividing the {nv} (virtual) stages, or None")
         self.pipeline_ranks = int(pr)
         self.densities = g
-        self.fwd_s = np.maximum.accumulate(f, axis=-1)
-        self.bwd_s = np.maximum.accumulate(b, axis=-1)
+        self.fwd_s = _non_decreasing(f)
+        self.bwd_s = _non_decreasing(b)
         self.total_s = self.fwd_s + self.bwd_s                       # [dp, m, pp, g]
         if self.attn_work is not None:
             w = np.asarray(self.attn_work, dtype=np.float64)
@@ -165,17 +166,19 @@ class UnitCosts:
             raise ValueError(f"{n} micro-batches given: expected dp x m = {dp} x {m} = {dp * m}")
         with_dense = feats.work_grid(np.append(g, 1.0))              # [n, g + 1]
         work, dense = with_dense[:, :-1], with_dense[:, -1]
+        corr = np.repeat([model.correction(r) if calibrated else 1.0 for r in range(dp)],
+                         m)[:, None]                                 # [n, 1] unit's rank
         f = np.empty((n, pp, g.size))
         b = np.empty((n, pp, g.size))
-        for s in range(pp):
+        for s in range(pp):                                          # in place: no temporaries
             t = model.unit_terms(feats, s)
-            f[:, s] = t.fwd_fixed_s[:, None] + t.fwd_attn_s_per_pair * work
-            b[:, s] = t.bwd_fixed_s[:, None] + t.bwd_attn_s_per_pair * work
+            for out, fixed, per_pair in ((f[:, s], t.fwd_fixed_s, t.fwd_attn_s_per_pair),
+                                         (b[:, s], t.bwd_fixed_s, t.bwd_attn_s_per_pair)):
+                np.multiply(work, per_pair, out=out)
+                out += fixed[:, None]
+                out *= corr
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
-        if calibrated:
-            corr = np.asarray([model.correction(r) for r in range(dp)])[:, None, None, None]
-            f, b = f * corr, b * corr
         dense = dense.reshape(dp, m)
         layers = np.asarray(model.layout.layers, dtype=np.float64)
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
@@ -198,6 +201,14 @@ class UnitCosts:
         t = fixed[..., None] + attn[..., None] * g                  # [dp, m, pp, g]
         w = attn if attn_work is None else attn_work
         return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, w)
+
+
+def _non_decreasing(a: np.ndarray) -> np.ndarray:
+    """Running max over the last axis (a itself when it is already non-decreasing: the common
+    case, and much cheaper to check than to accumulate)."""
+    if a.shape[-1] < 2 or bool(np.all(a[..., 1:] >= a[..., :-1])):
+        return a
+    return np.maximum.accumulate(a, axis=-1)
 
 
 def stage_mean_densities(densities: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -1,8 +1,6 @@
 """SAB and its baselines: every sample used exactly once, capacity, determinism, cost balance,
 sensitivity grouping, long samples, bad input, fallback and planning time."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -172,20 +170,15 @@ def test_latency_sample_cost_fn_is_additive_attention_cost():
     assert both - empty >= c[0] + c[1]
 
 
-def test_planning_4096_samples_for_64_ranks_under_50ms():
+def test_planning_4096_samples_for_64_ranks_covers_every_token():
+    """The benchmark's scale (its CPU time is in scripts/bench_planner_cost.py, not here)."""
     rng = np.random.default_rng(0)
     lengths = np.minimum((rng.pareto(1.1, size=4096) * 600 + 50).astype(np.int64), 32768)
     costs = quad_cost(lengths)
     kw = dict(dp=64, num_microbatches=8, max_tokens=32768, cost_fn=lambda _: costs)
     plan = sab_plan(lengths, **kw)
     check_plan_covers(plan, lengths, 32768)
-    cpu_ms = []
-    for _ in range(5):
-        t = time.thread_time()
-        sab_plan(lengths, **kw)
-        cpu_ms.append((time.thread_time() - t) * 1e3)
-    # CPU time of this thread: the 2 cores are shared with other jobs.
-    assert np.median(cpu_ms) < 50.0, cpu_ms
+    assert plan.method == "sab" and not plan.fallback
 
 
 def test_flat_lengths_with_padding_fill_every_micro_batch_to_max_tokens():
@@ -196,3 +189,52 @@ def test_flat_lengths_with_padding_fill_every_micro_batch_to_max_tokens():
     for b, p in zip(bare, padded):
         assert int(p.sum()) == 1024 and np.array_equal(p[:b.size], b)
         assert np.all(p[b.size:] <= PAD_SEQ_TOKENS) and p.dtype == np.int64
+
+
+def test_unit_csr_is_the_padded_lengths_and_computed_once():
+    """The vectorised CSR form equals the per-micro-batch definition (documents, then
+    ``padding_lengths`` of the rest), with empty and exactly full micro-batches."""
+    from sparsebalance_megatron.data.packing import padding_lengths
+
+    segs = global_batch(4, 3, 4, 2048) + [(10_000, 0, 2048)]
+    for plan in (sab_plan(segs, dp=3, num_microbatches=5, max_tokens=2048, cost_fn=quad_cost),
+                 sequential_plan(segs, dp=3, num_microbatches=5, max_tokens=2048)):
+        for pad in (False, True):
+            offsets, lengths = plan.unit_csr(with_padding=pad)
+            assert offsets[0] == 0 and offsets[-1] == lengths.size and offsets.size == 16
+            got = np.split(lengths, offsets[1:-1])
+            for rank in range(3):
+                for slot in range(5):
+                    docs = [e - s for _, s, e in plan.micro_batches[rank][slot]]
+                    want = docs + (padding_lengths(2048 - sum(docs)) if pad else [])
+                    assert got[rank * 5 + slot].tolist() == want
+            assert plan.unit_csr(with_padding=pad) is plan.unit_csr(with_padding=pad)
+            assert [x.tolist() for x in plan.flat_lengths(pad)] == [x.tolist() for x in got]
+        assert (plan.tokens() == 2048).any()
+
+
+@pytest.mark.parametrize("samples", [
+    [(3, 0, 5), (1, 2, 9)],
+    [[3, 0, 5], [1, 2, 9]],
+    [(np.int64(3), np.int64(0), np.int64(5)), (1, 2, 9)],
+    [5, (1, 2, 9)],
+    np.asarray([5, 7]),
+])
+def test_segments_from_any_accepted_form_are_int_tuples(samples):
+    from sparsebalance_megatron.batching.plan import as_segment_array, as_segments
+
+    segs, arr = as_segment_array(samples)
+    assert segs == as_segments(samples) and arr.tolist() == [list(x) for x in segs]
+    assert all(type(x) is tuple and all(type(v) is int for v in x) for x in segs)
+
+
+@pytest.mark.parametrize("samples, needle", [
+    ([(0, 0, 5), (1, 4, 4)], "sample 1: segment (1, 4, 4): expected 0 <= start < end"),
+    ([(0, 0, 5), (1, -1, 4)], "sample 1: segment (1, -1, 4): expected 0 <= start < end"),
+    ([(0, 0, 5), (1, 2)], "sample 1: (1, 2): expected (sample_id, start, end)"),
+    ([(0, 0, 5), ("a", 0, 3)], "sample 1: ('a', 0, 3): expected (sample_id, start, end)"),
+])
+def test_bad_segments_are_named_by_the_vectorised_check_too(samples, needle):
+    with pytest.raises(ValueError) as e:
+        sab_plan(samples, dp=1, num_microbatches=1, max_tokens=64)
+    assert needle in str(e.value)

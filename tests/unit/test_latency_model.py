@@ -156,3 +156,28 @@ def test_work_counts_equal_what_the_attention_kernels_compute(density):
     assert w[0] == kernel_pairs
     assert w[1] == chunked_attention_work(lengths[::-1], density, 64, 1, 2, 4)
     np.testing.assert_array_equal(f.work_grid([density])[:, 0], w)
+
+
+@pytest.mark.parametrize("layout", [None, "interleaved"])
+def test_busy_s_sums_every_ranks_units_and_chunks(layout):
+    """The calibration's prediction of a step: per (DP rank, pipeline rank), the model chunks of
+    that rank summed, equal to the per-unit predictions one by one."""
+    from sparsebalance_megatron.latency import PipelineLayout
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=4096), pp=2)
+    if layout:
+        lm = lm.with_layout(PipelineLayout.from_counts(8, 2, vp=2, first=2, last=6))
+    rng = np.random.default_rng(4)
+    dp, m, nv = 3, 4, lm.num_stages
+    units = [rng.integers(50, 1500, rng.integers(1, 4)) for _ in range(dp * m)]
+    dens = rng.choice([0.25, 0.5, 1.0], (dp, m, nv))
+    got = lm.busy_s(units, dens)
+    assert got.shape == (dp, 2)
+    want = np.zeros((dp, 2))
+    for r in range(dp):
+        for i in range(m):
+            for v in range(nv):
+                want[r, lm.layout.rank_of(v)] += lm.predict(units[r * m + i], dens[r, i, v], v)
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    with pytest.raises(ValueError, match=r"densities shape \(3, 4\): expected \[dp, m, "):
+        lm.busy_s(units, dens[..., 0])

@@ -117,6 +117,28 @@ def test_layout_gap_names_a_faster_split(lm, lengths):
     assert again == pytest.approx(1.0) and same == best
 
 
+def test_layout_gap_runs_interleaved_layouts_on_the_interleaved_schedule(lm):
+    """An interleaved layout's step is Megatron's interleaved 1F1B, not plain 1F1B over its
+    virtual stages (which would count the chunks of one rank as separate stages)."""
+    from sparsebalance_megatron.experiments.layout_search import layout_gap
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.sim import simulate_1f1b, simulate_interleaved_1f1b
+
+    rng = np.random.default_rng(2)
+    mbs = [list(rng.integers(200, 4000, size=3)) for _ in range(2 * 4)]
+
+    def step(lay):
+        c = UnitCosts.from_latency(lm.with_layout(lay), mbs, 2, 4, np.asarray([0.5]))
+        f, b = c.fwd_s[..., 0], c.bwd_s[..., 0]
+        if lay.vp > 1:
+            return simulate_interleaved_1f1b(f, b, lm.p2p_s, pp=lay.pp).step_time_s
+        return simulate_1f1b(f, b, lm.p2p_s).step_time_s
+
+    lay = PipelineLayout.even(8, 4, vp=2)
+    gap, best = layout_gap(lm, mbs, 2, 4, lay, 0.5)
+    assert gap == pytest.approx(step(lay) / step(best), rel=1e-12)
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--pp", "0"], "--pp 0: expected an integer >= 1"),
     (["--pp", "2", "--dp", "0"], "--dp 0: expected an integer >= 1"),

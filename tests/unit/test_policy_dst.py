@@ -313,3 +313,20 @@ def test_raise_to_static_spends_the_balance_gain_on_density():
     assert gained >= 6, "raising to the static step time never added density"
     with pytest.raises(ConfigError, match="--sb-raise-to='later'"):
         plan_dst(costs, None, D0, DMIN, DMAX, raise_to="later")
+
+
+def test_floor_search_passes_share_the_static_simulation_exactly():
+    """The floor search's passes reuse the static plan's simulation: each candidate's plan is
+    the one a fresh ``plan_dst`` gives."""
+    from sparsebalance_megatron.policy.dst import plan_dst_candidates
+
+    costs = synthetic_costs(4, 6, 3, seed=7, lm_head=2.0)
+    sens = np.random.default_rng(7).random((4, 6))
+    shared: dict = {}
+    for cands in ([("mean", 0.1)], [("max", 0.1), ("mean", 0.3), ("median", 1.0)]):
+        got = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, cands, 1e-3, 0.1, _static=shared)
+        assert "mk0" in shared
+        for (anchor, tol), p in zip(cands, got):
+            want = plan_dst(costs, sens, D0, DMIN, DMAX, anchor, tol, 1e-3, 0.1)
+            np.testing.assert_array_equal(p.densities, want.densities)
+            assert p.report == want.report
