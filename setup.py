@@ -20,6 +20,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
     packages=find_packages(include=["sparsebalance_megatron", "sparsebalance_megatron.*"]),
+    # the default quality cost of --sb-dst-objective quality (SmolLM2-135M, measured)
+    package_data={"sparsebalance_megatron.policy": ["quality_cost_smollm2.json"]},
     install_requires=[
         # Tested with megatron-core 0.19.2 and torch 2.13.0 (CPU/gloo). On CUDA, torch 2.11.0+cu130
         # on one H100 has run tests/gpu and the attention benchmark once (docs/GPU.md: the flex

@@ -56,6 +56,7 @@ class BudgetContext:
         self.plan: Optional[BudgetPlan] = None
         self.dp_rank, self.stage = 0, 0
         self.layer_stages: Optional[tuple] = None
+        self.layer_densities: Optional[dict] = None   # static per-layer densities (evaluation)
         self._served: dict[int, float] = {}
         self._stats: list = []
         self._lock = threading.Lock()
@@ -75,6 +76,19 @@ class BudgetContext:
         self.plan, self.dp_rank, self.stage = plan, int(dp_rank), int(stage)
         self.layer_stages = None if layer_stages is None else tuple(int(s) for s in layer_stages)
 
+    def set_layer_densities(self, densities: Optional[dict]) -> None:
+        """Static density per decoder layer ({1-based global layer number: density}), served
+        when no step plan applies (evaluating a per-layer allocation on a model outside
+        training); layers not named, and None, get ``default_density``."""
+        if densities is not None:
+            for n, d in densities.items():
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise BudgetError(f"layer number {n!r}: expected an integer >= 1")
+                if not 0.0 < float(d) <= 1.0:
+                    raise BudgetError(f"density {d!r} of layer {n}: expected a number in (0, 1]")
+            densities = {int(n): float(d) for n, d in densities.items()}
+        self.layer_densities = densities
+
     def stage_of(self, layer_number: Optional[int]) -> int:
         """The plan's stage of the decoder layer ``layer_number`` (1-based, global)."""
         if self.layer_stages is None or layer_number is None:
@@ -91,6 +105,8 @@ class BudgetContext:
         unit, else the static default."""
         mb = getattr(psp, "sb_microbatch", None)
         if self.plan is None or mb is None:
+            if self.layer_densities is not None and layer_number is not None:
+                return self.layer_densities.get(layer_number, self.default_density)
             return self.default_density
         step = getattr(psp, "sb_step", None)
         if step is not None and step != self.plan.step:

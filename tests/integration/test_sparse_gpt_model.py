@@ -154,6 +154,30 @@ def test_plan_density_reaches_the_attention():
         model(ids, pos, attention_mask=None, packed_seq_params=psp)
 
 
+def test_static_per_layer_densities_reach_each_layer():
+    """Evaluation of a per-layer allocation (scripts/profile_quality_cost.py): without a plan,
+    each layer serves its own density; layers not named serve the default."""
+    from sparsebalance_megatron.megatron.budget import BudgetContext, BudgetError
+    budget = BudgetContext(1.0)
+    model = _model(_sb(density=1.0, min_density=0.125), budget=budget).eval()
+    ids = torch.randint(0, VOCAB, (1, 256), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(256).unsqueeze(0)
+    for setting, want in (({2: 0.25}, {1: (1.0, 1.0), 2: (0.25, 0.45)}),
+                          ({1: 0.25, 2: 1.0}, {1: (0.25, 0.45), 2: (1.0, 1.0)}),
+                          (None, {1: (1.0, 1.0), 2: (1.0, 1.0)})):
+        budget.set_layer_densities(setting)
+        with torch.enable_grad():
+            model(ids, pos, attention_mask=None)
+        kept = {layer: k[0] for _, _, layer, k, _ in budget.pop_stats()}
+        assert set(kept) == {1, 2}
+        for layer, (lo, hi) in want.items():
+            assert lo <= kept[layer] <= hi, (setting, kept)
+    with pytest.raises(BudgetError, match="density 0 of layer 1: expected a number in"):
+        budget.set_layer_densities({1: 0})
+    with pytest.raises(BudgetError, match="layer number 0: expected an integer >= 1"):
+        budget.set_layer_densities({0: 0.5})
+
+
 def test_each_model_chunk_reads_its_own_virtual_stage():
     """The interleaved schedule: a rank holds several model chunks, each its own virtual stage
     of the plan; a layer finds its stage by its global layer number."""
