@@ -20,6 +20,7 @@ TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 RAISE_TARGETS = ("bottleneck", "static")
+DST_OBJECTIVES = ("density", "quality")
 TIMING_SOURCES = ("measured", "model")
 FAULT_KINDS = ("raise", "hang", "kill")
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
@@ -106,6 +107,16 @@ class SparseBalanceConfig:
         "('bottleneck': the balance gain is speed) or up to the static plan's step time at "
         "--sb-density ('static': the balance gain becomes density, the step no slower than "
         "static sparse attention).", choices=RAISE_TARGETS)
+    dst_objective: str = _f(
+        "density", "What DST keeps while it balances: 'density' (the mean and per-stage density "
+        "floors; cuts take the least sensitive micro-batches first) or 'quality' (cuts and "
+        "raises spread evenly over a stage's micro-batches, and a plan may not lose predicted LM "
+        "loss against uniform --sb-density under the measured convex quality cost "
+        "--sb-quality-cost; the floors still apply).", choices=DST_OBJECTIVES)
+    quality_cost: Optional[str] = _f(
+        None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"
+        " LM-loss increase against density per depth range of a real model); default: the "
+        "shipped SmolLM2-135M measurement.")
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "

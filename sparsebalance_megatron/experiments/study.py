@@ -77,6 +77,8 @@ class StudyConfig:
     raise_headroom: Optional[str] = None
     """--sb-raise-headroom of the plans (None: the runtime's default, 'auto', which is
     ``DEFAULT_RAISE_HEADROOM`` without a measured error, as in a simulation)."""
+    dst_objective: Optional[str] = None
+    """--sb-dst-objective of the plans (None: the runtime's default)."""
 
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:
@@ -84,7 +86,7 @@ class StudyConfig:
         kw = dict(sparse_balance=True, density=self.density, min_density=self.min_density,
                   max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
                   raise_to=raise_to)
-        for k in ("density_floor", "stage_density_floor", "raise_headroom"):
+        for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)
@@ -232,7 +234,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                 if pkey not in policies:
                     policies[pkey] = cfg.policy(*pkey)
                 t = time.perf_counter()
-                plan = plan_dst_from_config(policies[pkey], c, sens[packing], p2p_s=lm.p2p_s)
+                plan = plan_dst_from_config(policies[pkey], c, sens[packing], p2p_s=lm.p2p_s,
+                                            stage_layers=models[lay].layout.layers)
                 acc[name].add(c, plan.densities, lm.p2p_s, (time.perf_counter() - t) * 1e3)
             else:
                 acc[name].add(c, np.full(c.shape, 1.0 if variant == "dense" else d0), lm.p2p_s)

@@ -213,7 +213,8 @@ class SparseBalanceCallback:
                                        batch.num_microbatches, grid)
         sens = unit_sensitivity(batch.micro_batches, self.tracker) if self.tracker else None
         headroom = self.raise_headroom()
-        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom)
+        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom,
+                                    stage_layers=self.layout.layers)
         return plan.densities.tolist(), dict(plan.report.as_dict(), raise_headroom=headroom)
 
     def raise_headroom(self) -> float:

@@ -178,6 +178,12 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool) -> None:
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "
                    f"use {flag_name('selection_mode')} density")
+    if sb.dst_enabled and sb.dst_objective == "quality":
+        from ..policy.quality import QualityCostError, load_quality_cost
+        try:
+            load_quality_cost(sb.quality_cost)
+        except QualityCostError as e:
+            bad.append(f"{flag_name('dst_objective')} quality: {e}")
     if sb.straggler_rank >= 0:
         world = int(os.environ.get("WORLD_SIZE", getattr(args, "world_size", 1) or 1))
         per_dp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \

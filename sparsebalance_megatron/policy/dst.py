@@ -74,6 +74,7 @@ class DSTReport:
     ranks_reverted: int          # ranks whose raise failed verification (kept cut-only)
     tolerance_used: float = float("nan")  # band actually applied (wider under a density floor)
     density_per_stage: tuple = ()         # work-weighted mean density of every stage, final plan
+    quality_cost: float = float("nan")    # predicted loss change vs uniform d0 (quality objective)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -186,6 +187,64 @@ def _raise(t_grid, units, cur_i, slack_s, cap_s, order, i_max):
     return new_i
 
 
+def _level_search(lo, hi, ok):
+    """Per (row, stage): the largest level L in [lo, hi] with ok(L) (lo if none); ok must be
+    monotone (true up to some level). Vectorised binary search over grid indices."""
+    lo = np.array(lo, dtype=np.int64)
+    hi = np.array(hi, dtype=np.int64)
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi + 1) // 2
+        fits = ok(mid)
+        lo = np.where(open_ & fits, mid, lo)
+        hi = np.where(open_ & ~fits, mid - 1, hi)
+
+
+_FILL_ITERS = 12          # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
+
+
+def _water_fill(t_grid, units, best_index, b, lo, hi, limit_s):
+    """Quality water-filling of every (row, stage): each unit u takes the highest grid index in
+    [lo_u, hi_u] whose marginal quality gain per unit of density, ``marg[u, i]`` (non-increasing
+    in i: the cost is convex), is still worth its attention seconds, ``>= lambda x b_u``; lambda,
+    per (row, stage), is the smallest that keeps the summed unit seconds within ``limit_s``
+    [k, pp] (found by bisection on log lambda). So density goes where it buys the most quality
+    per second: cuts fall first on units that save much time for little quality, raises go
+    first to low densities on cheap units, and no unit is starved while another is spared.
+
+    best_index(x) -> [k, m, pp]: per unit the highest grid index whose marginal gain is >= x
+    (x [k, m, pp]); b [k, m, pp] attention seconds per unit of density; lo, hi [k, m, pp] grid
+    index bounds. Where even the largest lambda (every unit at lo) exceeds the limit, every
+    unit is at lo."""
+    def at(log_lam):
+        return np.clip(best_index(np.exp(log_lam)[:, None, :] * b), lo, hi)
+
+    def total(idx):
+        return _lookup(t_grid, units, idx).sum(axis=1)
+
+    shape = limit_s.shape
+    lo_l, hi_l = np.full(shape, -20.0), np.full(shape, 20.0)
+    for _ in range(_FILL_ITERS):
+        mid = (lo_l + hi_l) / 2
+        fits = total(at(mid)) <= limit_s
+        hi_l = np.where(fits, mid, hi_l)
+        lo_l = np.where(fits, lo_l, mid)
+    free = total(hi) <= limit_s                                  # everything fits: no lambda
+    # A piecewise-linear cost has equal marginal gains along a segment, so units cross it
+    # together at one lambda; between the last lambda that does not fit and the first that does,
+    # the units that move stop at one common density level, the highest that fits.
+    fit, over = at(hi_l), at(lo_l)
+
+    def level(L):
+        return np.maximum(fit, np.minimum(over, L[:, None, :]))
+
+    L = _level_search(fit.min(axis=1), over.max(axis=1),
+                      lambda L: total(level(L)) <= limit_s)
+    return np.where(free[:, None, :], hi, level(L))
+
+
 def _broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
     dp, m, pp = shape
     if sensitivity is None:
@@ -221,12 +280,13 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
 def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
                         d_min: float, d_max: float, candidates, p2p_s: float = 0.0,
                         raise_headroom: float = 0.0, raise_to: str = "bottleneck",
-                        _static: Optional[dict] = None) -> list[DSTPlan]:
+                        _static: Optional[dict] = None, quality=None) -> list[DSTPlan]:
     """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
     copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
     calls (a plan's rows never interact with another candidate's), so K plans cost far less than
     K calls. ``_static``: a dict the caller keeps between passes over the same costs (the static
-    plan's simulation is computed once)."""
+    plan's simulation is computed once). ``quality`` (a ``policy.quality.StageQuality``): cuts
+    and raises by quality water-filling (``_water_fill``) instead of sensitivity order."""
     for anchor, tolerance in candidates:
         check_anchor_tolerance(anchor, tolerance)
     check_raise_headroom(raise_headroom)
@@ -248,6 +308,24 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     rank_units = _unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])  # [dp, m*vp, pp]
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
+    if quality is not None:
+        # marginal quality gain per unit of density of every (virtual stage, grid index):
+        # +inf at the first index, non-increasing (the cost is convex), negated for searchsorted
+        q = quality.grid_table(costs.densities)                     # [nv, g]
+        marg = np.full(q.shape, np.inf)
+        marg[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(costs.densities), 0.0)
+        neg = -np.minimum.accumulate(marg, axis=1)
+        span = costs.densities[i_max] - costs.densities[i_min]
+        b_rows = np.tile(((_lookup(t_grid, rank_units, i_max) - _lookup(t_grid, rank_units, i_min))
+                          / span) if span > 0 else np.zeros(rank_units.shape), (k, 1, 1))
+        # virtual stage v = chunk * pp + rank sits at slots chunk::vp, column rank
+        cells = [(v, slice(v // pp, None, vp), v % pp) for v in range(nv)]
+
+        def best_index(x):
+            out = np.empty(x.shape, dtype=np.int64)
+            for v, cs, r in cells:
+                out[:, cs, r] = np.searchsorted(neg[v], -x[:, cs, r], side="right") - 1
+            return out
 
     def simulate(units, idx):
         """(makespan [rows], fwd, bwd [rows, m * vp, pp]) of the rows' units at grid idx."""
@@ -279,8 +357,14 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     excess[~np.repeat(cuts, dp)] = 0.0
     idx_start = np.tile(idx0, (k, 1, 1))
     if np.any(excess > 0):
-        order = np.tile(np.argsort(sens, axis=1, kind="stable"), (k, 1, 1))
-        idx_cut = _cut(t_grid, all_units, idx_start, np.maximum(excess, 0.0), order, i_min)
+        if quality is not None:
+            base_s = _lookup(t_grid, all_units, idx_start).sum(axis=1)
+            idx_cut = _water_fill(t_grid, all_units, best_index, b_rows,
+                                  np.full_like(idx_start, i_min),
+                                  idx_start, np.where(excess > 0, base_s - excess, np.inf))
+        else:
+            order = np.tile(np.argsort(sens, axis=1, kind="stable"), (k, 1, 1))
+            idx_cut = _cut(t_grid, all_units, idx_start, np.maximum(excess, 0.0), order, i_min)
         mk1, f1, b1 = simulate(all_units, idx_cut)
     else:
         idx_cut, mk1 = idx_start, np.tile(mk0, k)
@@ -310,8 +394,16 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         def try_raise(rows, alpha):
             """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
             units = all_units[rows]
-            trial = _raise(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
-                           alpha[:, None, None] * cap_full[rows], order[rows], i_max)
+            if quality is not None:
+                cur = idx_cut[rows]
+                t_cur = _lookup(t_grid, units, cur)
+                top = _highest_index_within(t_grid, units, t_cur + alpha[:, None, None] *
+                                            cap_full[rows], cur, i_max)
+                trial = _water_fill(t_grid, units, best_index, b_rows[rows], cur, top,
+                                    t_cur.sum(axis=1) + alpha[:, None] * slack_full[rows])
+            else:
+                trial = _raise(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
+                               alpha[:, None, None] * cap_full[rows], order[rows], i_max)
             mk, _, _ = simulate(units, trial)
             return trial, mk, mk <= limit[rows]
 
@@ -362,7 +454,7 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                         density_floor: float = 0.0, search_steps: int = 6,
                         raise_headroom: float = 0.0,
                         stage_density_floor: float = 0.0,
-                        raise_to: str = "bottleneck") -> DSTPlan:
+                        raise_to: str = "bottleneck", quality=None) -> DSTPlan:
     """``plan_dst``, but the plan keeps its work-weighted mean density >= density_floor x d0 and
     every pipeline stage's work-weighted density >= stage_density_floor x d0.
 
@@ -379,22 +471,34 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     The resolution matters: near the floor, speed falls steeply as the band widens (a 5^2 grid
     instead of 4^3 lost 4% of the step at 64 DP x 16 x PP4). The static plan's simulation is
     shared by the passes.
+
+    ``quality`` (a ``policy.quality.StageQuality``: ``--sb-dst-objective quality``): cuts and
+    raises by quality water-filling (where density buys the most predicted quality per second),
+    and a plan must also not lose predicted quality against uniform d0 (its raises pay its cuts
+    back under the measured convex cost); the fastest plan that does is kept.
     """
     static: dict = {}
+    even = quality is not None
 
     def plans(cands):
-        return plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
-                                   raise_headroom, raise_to, _static=static)
+        found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
+                                    raise_headroom, raise_to, _static=static, quality=quality)
+        if even:
+            for p in found:
+                p.report.quality_cost = quality.plan_cost(p.densities)
+        return found
 
     floor = density_floor * d0 - 1e-12
     stage_floor = stage_density_floor * d0 - 1e-12
 
     def meets(p: DSTPlan) -> bool:
         r = p.report
-        return r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
+        return (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
+                and not r.quality_cost > 1e-12)
 
     best = plans([(anchor, tolerance)])[0]
-    if (density_floor <= 0 and stage_density_floor <= 0) or anchor == "max" or meets(best):
+    if (density_floor <= 0 and stage_density_floor <= 0 and not even) or anchor == "max" \
+            or meets(best):
         return best
     lo, hi = max(float(tolerance), 1e-3), 10.0
     ok, per_round = [], 3
@@ -419,20 +523,31 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 
 
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
-                         p2p_s: float = 0.0, raise_headroom: Optional[float] = None) -> DSTPlan:
+                         p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
+                         stage_layers=None) -> DSTPlan:
     """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance, the mean-density floor
     (``--sb-density-floor``), the per-stage floor (``--sb-stage-density-floor``), the raise
     target (``--sb-raise-to``) and the raise headroom from a ``SparseBalanceConfig``; the
     costs must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``. ``raise_headroom`` overrides the config's (the runtime passes the
     measured error when the config says 'auto'; 'auto' without one is
-    ``DEFAULT_RAISE_HEADROOM``)."""
+    ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality``, ``stage_layers`` (the
+    decoder layers of every (virtual) stage of the costs) maps the quality cost onto the stages."""
     if raise_headroom is None:
         raise_headroom = config.raise_headroom_value
     if raise_headroom is None:
         raise_headroom = DEFAULT_RAISE_HEADROOM
+    quality = None
+    if getattr(config, "dst_objective", "density") == "quality":
+        from .quality import StageQuality, load_quality_cost
+        if stage_layers is None or len(stage_layers) != costs.shape[2]:
+            raise ValueError(f"--sb-dst-objective quality needs the decoder layers of each of "
+                             f"the {costs.shape[2]} stages, got {stage_layers!r}")
+        quality = StageQuality.from_cost(load_quality_cost(config.quality_cost), stage_layers,
+                                         config.density)
     return plan_dst_with_floor(
         costs, sensitivity, config.density, config.min_density, config.max_density,
         anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
         density_floor=config.density_floor, raise_headroom=raise_headroom,
-        stage_density_floor=config.stage_density_floor, raise_to=config.raise_to)
+        stage_density_floor=config.stage_density_floor, raise_to=config.raise_to,
+        quality=quality)

@@ -55,8 +55,10 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
 
 
 @pytest.mark.parametrize("layout", [["--decoder-first-pipeline-num-layers", "3"],
-                                    ["--pipeline-model-parallel-layout", "Et|tttL"]],
-                         ids=["first3", "layout-string"])
+                                    ["--pipeline-model-parallel-layout", "Et|tttL"],
+                                    ["--decoder-first-pipeline-num-layers", "3",
+                                     "--sb-dst-objective", "quality"]],
+                         ids=["first3", "layout-string", "first3-quality-objective"])
 def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
                                                      tiny_latency_table_pp2, layout):
     """PP=2 with Megatron's uneven splits: the latency model predicts each stage from its own

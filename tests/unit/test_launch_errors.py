@@ -100,6 +100,21 @@ def test_mass_selection_would_ignore_the_dst_plan():
                  plugin_data=True)   # static sparse attention may use it
 
 
+@pytest.mark.reliability(area="launch", case="--sb-dst-objective quality with a missing or bad "
+                         "--sb-quality-cost", expect="refused before any process group, naming "
+                         "the file and the field")
+def test_quality_objective_needs_a_readable_quality_cost(tmp_path):
+    sb = SparseBalanceConfig(sparse_balance=True, dst_objective="quality",
+                             quality_cost=str(tmp_path / "none.json"))
+    assert "--sb-dst-objective quality: quality cost file" in refused(launch_args(), sb)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": "sparsebalance-quality-cost", "version": 7}')
+    sb = SparseBalanceConfig(sparse_balance=True, dst_objective="quality", quality_cost=str(bad))
+    assert "version=7: expected 1" in refused(launch_args(), sb)
+    check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True, dst_objective="quality"),
+                 plugin_data=True)                 # the shipped default
+
+
 def test_flex_backend_needs_cuda():
     sb = SparseBalanceConfig(sparse_attention=True, attention_backend="flex")
     assert "--sb-attention-backend flex: FlexAttention needs CUDA" in refused(launch_args(), sb)

@@ -330,3 +330,69 @@ def test_floor_search_passes_share_the_static_simulation_exactly():
             want = plan_dst(costs, sens, D0, DMIN, DMAX, anchor, tol, 1e-3, 0.1)
             np.testing.assert_array_equal(p.densities, want.densities)
             assert p.report == want.report
+
+
+def _quality(pp):
+    """A convex, measured-looking quality cost (deeper layers a little more sensitive)."""
+    from sparsebalance_megatron.policy.quality import QualityCost, StageQuality
+    groups = [{"depth": [g / 2, (g + 1) / 2], "layers": [15 * g + 1, 15 * g + 15],
+               "densities": [0.125, 0.25, 0.375, 0.75, 1.0],
+               "delta_loss": [c * 0.085, c * 0.032, c * 0.014, -c * 0.025, -c * 0.035],
+               "stderr": [0.005] * 5} for g, c in ((0, 1.0), (1, 1.4))]
+    qc = QualityCost.from_dict({"kind": "sparsebalance-quality-cost", "version": 1,
+                                "model": "synthetic", "reference_density": 0.5,
+                                "reference_loss": 3.0, "windows": 6, "window_tokens": 2048,
+                                "text": "essays", "groups": groups})
+    return StageQuality.from_cost(qc, [6] * pp, D0)
+
+
+def test_quality_water_filling_spreads_cuts_over_equal_micro_batches():
+    """Four identical micro-batches on a heavy last stage: the order rule cuts the least
+    sensitive ones to d_min and leaves the rest; quality water-filling cuts all of them to
+    about the same density (convex cost: no starved micro-batch) and sheds the same excess."""
+    from sparsebalance_megatron.policy.dst import plan_dst_candidates
+    g = density_grid(D0, DMIN, DMAX)
+    fixed = np.ones((1, 4, 2))
+    fixed[..., 1] += 0.6                                   # LM-head stage
+    costs = UnitCosts.affine(g, fixed, np.full((1, 4, 2), 1.0))
+    sens = np.asarray([[0.1, 0.2, 0.3, 0.4]])
+    q = _quality(2)
+    fill = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, [("mean", 0.0)], quality=q)[0]
+    order = plan_dst(costs, sens, D0, DMIN, DMAX, tolerance=0.0)
+    last_fill, last_order = fill.densities[0, :, 1], order.densities[0, :, 1]
+    assert np.ptp(last_fill) <= 1.0 / 64 + 1e-12 and last_fill.max() < D0
+    assert np.ptp(last_order) > 0.25                       # concentrated
+    assert fill.report.step_time_cut_s <= order.report.step_time_cut_s * (1 + 0.02)
+    assert q.plan_cost(fill.densities) < q.plan_cost(order.densities)
+
+
+def test_quality_objective_keeps_predicted_quality_and_speed():
+    from sparsebalance_megatron.policy import plan_dst_with_floor
+    rng = np.random.default_rng(5)
+    cheaper = 0
+    for case in range(12):
+        dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 7)), int(rng.integers(2, 5))
+        costs = synthetic_costs(dp, m, pp, seed=500 + case, lm_head=float(rng.uniform(0.3, 3)))
+        sens = rng.random((dp, m))
+        q = _quality(pp)
+        plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
+                                   stage_density_floor=0.75, quality=q)
+        assert plan.report.quality_cost == pytest.approx(q.plan_cost(plan.densities))
+        assert plan.report.quality_cost <= 1e-12
+        static = step_time_of(costs, np.full((dp, m, pp), D0))
+        assert step_time_of(costs, plan.densities) <= static * (1 + 1e-9)
+        dens = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
+                                   stage_density_floor=0.75)
+        cheaper += q.plan_cost(plan.densities) < q.plan_cost(dens.densities) - 1e-9
+    assert cheaper >= 3
+
+
+def test_quality_objective_from_config_needs_the_stage_layers():
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.policy import plan_dst_from_config
+    costs = synthetic_costs(2, 4, 2, seed=3)
+    cfg = SparseBalanceConfig(sparse_balance=True, dst_objective="quality")
+    with pytest.raises(ValueError, match="needs the decoder layers of each of the 2 stages"):
+        plan_dst_from_config(cfg, costs, None)
+    plan = plan_dst_from_config(cfg, costs, None, stage_layers=[12, 12])   # the shipped cost
+    assert plan.report.quality_cost <= 1e-12
