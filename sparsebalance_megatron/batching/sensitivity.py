@@ -1,16 +1,23 @@
-"""Per-sample sparsity sensitivity: a length prior refined by measured attention-mass recall.
+"""Per-sample sparsity sensitivity: a length prior refined by a measured signal (the sample's
+training loss by default, or the attention-mass recall of the sparse selection).
 
-Sensitivity = 1 - recall, where recall is the share of attention mass the sparse selection kept
-(recorded by the attention, ``plan.record_attention_stats``). Low recall at the base density means
-the sample spreads its attention and loses accuracy when sparsified: high sensitivity.
+Signals (``--sb-sensitivity-signal``), checked against the loss change sparsification causes on
+real documents (SmolLM2-135M, 22 documents, ``scripts/eval_sensitivity_signal.py``):
+- ``loss``: sensitivity = minus the document's mean next-token loss in its last training forward
+  (the loss function records it per document). Well-predicted text (code) loses the most when
+  sparsified: Spearman +0.50.
+- ``recall``: sensitivity = 1 - recall, the share of attention mass the sparse selection kept
+  (recorded by the attention). Measured anti-correlated: Spearman -0.45.
 
 Estimate of a sample, best first:
-1. the recall measured the last time this sample went through attention;
-2. an EMA of the recalls measured on samples of its length bucket (powers of two);
-3. a prior by length: recall rises with length at a fixed density (DESIGN.md section 3 measured
+1. its value measured the last time it went through training;
+2. an EMA of the values measured on samples of its length bucket (powers of two);
+3. (loss) an EMA over all measured samples, so measured and unmeasured estimates share a scale;
+4. a prior by length: recall rises with length at a fixed density (DESIGN.md section 3 measured
    oracle top-k recall 0.85 at 2K and 0.88 at 4K tokens, density 0.25, SmolLM2-135M), so the
-   prior is ``recall = 0.85 + 0.03 * log2(length / 2048)`` clipped to [0.5, 0.99]. Only the order
-   of the estimates matters to SAB and DST, and measurements replace the prior quickly.
+   prior is ``recall = 0.85 + 0.03 * log2(length / 2048)`` clipped to [0.5, 0.99] (shorter is
+   more sensitive, +0.38 against the measured change). Only the order of the estimates matters
+   to SAB and DST, and measurements replace the prior after the first step.
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """
@@ -38,59 +45,92 @@ def prior_sensitivity(lengths) -> np.ndarray:
     return 1.0 - np.clip(recall, 0.5, 0.99)
 
 
-class SensitivityTracker:
-    """Remembers measured recall per sample and per length bucket (EMA with weight ``ema``)."""
+SIGNALS = ("loss", "recall")
 
-    def __init__(self, ema: float = 0.3):
+
+class SensitivityTracker:
+    """Remembers a measured signal per sample and per length bucket (EMA with weight ``ema``).
+
+    ``signal``:
+    - ``loss`` (default): the sample's mean next-token loss in its last training forward; the
+      sensitivity estimate is minus that loss (a well-predicted sample, e.g. code, loses most
+      when sparsified: measured on SmolLM2-135M, Spearman +0.50 against the loss change at
+      density 0.25, BENCHMARKS.md). Unmeasured samples take their bucket's EMA, else the EMA
+      over all samples, and before any measurement the length prior.
+    - ``recall``: the estimator's kept attention mass at the sample's density; sensitivity =
+      1 - recall (the original signal; measured anti-correlated, Spearman -0.45).
+    """
+
+    def __init__(self, ema: float = 0.3, signal: str = "loss"):
         if not (0.0 < ema <= 1.0):
             raise ValueError(f"ema={ema!r}: expected a number in (0, 1]")
-        self.ema = float(ema)
-        self._sample: dict[int, float] = {}     # sample id -> last measured recall
-        self._bucket: dict[int, float] = {}     # length bucket -> EMA of recall
+        if signal not in SIGNALS:
+            raise ValueError(f"--sb-sensitivity-signal={signal!r}: expected one of "
+                             f"{', '.join(SIGNALS)}")
+        self.ema, self.signal = float(ema), signal
+        self._sample: dict[int, float] = {}     # sample id -> last measured value
+        self._bucket: dict[int, float] = {}     # length bucket -> EMA of the value
+        self._all: float | None = None          # EMA over every measured sample (loss)
 
-    def update(self, sample_ids: Sequence[int], lengths, recall) -> None:
-        """Record recalls in [0, 1] of samples (NaN entries are skipped: no measurement)."""
+    def update(self, sample_ids: Sequence[int], lengths, values) -> None:
+        """Record measured values of samples (NaN entries are skipped: no measurement): recalls
+        in [0, 1], or mean losses >= 0 (nats per token)."""
         ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
         L = np.asarray(lengths, dtype=np.float64).reshape(-1)
-        r = np.asarray(recall, dtype=np.float64).reshape(-1)
+        r = np.asarray(values, dtype=np.float64).reshape(-1)
         if not (ids.size == L.size == r.size):
-            raise ValueError(f"sample_ids ({ids.size}), lengths ({L.size}) and recall "
+            raise ValueError(f"sample_ids ({ids.size}), lengths ({L.size}) and values "
                              f"({r.size}) must have the same length")
         ok = np.isfinite(r)
-        if np.any((r[ok] < 0) | (r[ok] > 1)):
-            raise ValueError(f"recall must lie in [0, 1], got min={r[ok].min()!r} "
+        hi = 1.0 if self.signal == "recall" else np.inf
+        if np.any((r[ok] < 0) | (r[ok] > hi)):
+            raise ValueError(f"{self.signal} must lie in [0, {hi}], got min={r[ok].min()!r} "
                              f"max={r[ok].max()!r}")
         for i, b, x in zip(ids[ok].tolist(), length_bucket(L[ok]).tolist(), r[ok].tolist()):
             self._sample[i] = x
             old = self._bucket.get(b)
             self._bucket[b] = x if old is None else (1 - self.ema) * old + self.ema * x
+            self._all = x if self._all is None else (1 - self.ema) * self._all + self.ema * x
         return None
 
+    def _sensitivity(self, value: float) -> float:
+        return 1.0 - value if self.signal == "recall" else -value
+
     def estimate(self, sample_ids: Sequence[int], lengths) -> np.ndarray:
-        """[n] sensitivity (1 - recall) per sample: measured, else its bucket, else the prior."""
+        """[n] sensitivity per sample: measured, else its bucket, else (loss) the mean over all
+        samples, else the length prior."""
         ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
         L = np.asarray(lengths, dtype=np.float64).reshape(-1)
         if ids.size != L.size:
             raise ValueError(f"sample_ids ({ids.size}) and lengths ({L.size}) must have the "
                              "same length")
         out = prior_sensitivity(L)
+        if self.signal == "loss" and self._all is not None:
+            out[:] = self._sensitivity(self._all)
         if self._bucket:
             for j, b in enumerate(length_bucket(L).tolist()):
                 r = self._bucket.get(b)
                 if r is not None:
-                    out[j] = 1.0 - r
+                    out[j] = self._sensitivity(r)
         if self._sample:
-            for j, i in enumerate(ids.tolist()):
-                r = self._sample.get(i)
+            got = [self._sample.get(i) for i in ids.tolist()]
+            for j, r in enumerate(got):
                 if r is not None:
-                    out[j] = 1.0 - r
+                    out[j] = self._sensitivity(r)
         return out
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "sample": dict(self._sample), "bucket": dict(self._bucket)}
+        return {"ema": self.ema, "signal": self.signal, "all": self._all,
+                "sample": dict(self._sample), "bucket": dict(self._bucket)}
 
     def load_state_dict(self, state: dict) -> None:
+        signal = state.get("signal", "recall")        # states saved before the loss signal
+        if signal != self.signal:
+            raise ValueError(f"the saved sensitivity state measured {signal!r}, this run "
+                             f"--sb-sensitivity-signal {self.signal!r}: resume with "
+                             f"--sb-sensitivity-signal {signal} (or --sb-fresh-state)")
         self.ema = float(state["ema"])
+        self._all = None if state.get("all") is None else float(state["all"])
         self._sample = {int(k): float(v) for k, v in state["sample"].items()}
         self._bucket = {int(k): float(v) for k, v in state["bucket"].items()}
 

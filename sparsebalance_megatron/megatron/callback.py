@@ -69,7 +69,7 @@ class SparseBalanceCallback:
             self.latency = load_latency_model(args, sb)
         if sb.batching_enabled:
             from ..batching.sensitivity import SensitivityTracker
-            self.tracker = SensitivityTracker()
+            self.tracker = SensitivityTracker(signal=sb.sensitivity_signal)
         from ..latency.layout import PipelineLayout
         self.layout = PipelineLayout.from_megatron_args(args)   # launch.py checked it
         self.vp = self.layout.vp
@@ -85,6 +85,7 @@ class SparseBalanceCallback:
         self._fwd_order: list = []              # (micro-batch, chunk) of every forward, in order
         self._finalized: Optional[int] = None
         self._losses: list = []
+        self._doc_losses: list = []             # (doc ids, loss sums, tokens) per micro-batch
         self._overhead_s = 0.0
         self._layout_checked = False
 
@@ -135,6 +136,12 @@ class SparseBalanceCallback:
         """The loss function's per-micro-batch (sum, tokens), last stage, training only."""
         if torch.is_grad_enabled():
             self._losses.append((loss_sum.detach(), num_tokens.detach()))
+
+    def record_doc_losses(self, doc_ids, loss_sums: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Each document's (loss sum, loss tokens) in one micro-batch, last stage, training only
+        (read at the end of the step, with the other statistics)."""
+        if torch.is_grad_enabled() and self.tracker is not None:
+            self._doc_losses.append((tuple(doc_ids), loss_sums.detach(), tokens.detach()))
 
     # --- before a step -----------------------------------------------------------------------
     def pack(self, segments, num_microbatches: int) -> BatchPlan:
@@ -215,7 +222,9 @@ class SparseBalanceCallback:
         headroom = self.raise_headroom()
         plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom,
                                     stage_layers=self.layout.layers)
-        return plan.densities.tolist(), dict(plan.report.as_dict(), raise_headroom=headroom)
+        return plan.densities.tolist(), dict(
+            plan.report.as_dict(), raise_headroom=headroom,
+            unit_sensitivity=None if sens is None else np.round(sens, 6).tolist())
 
     def raise_headroom(self) -> float:
         """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
@@ -257,7 +266,7 @@ class SparseBalanceCallback:
         self._ready, self._current = None, step
         self.budget.set_plan(step.plan, dp_rank=self.dp_rank, stage=self.pp_rank,
                              layer_stages=self.layer_stages)
-        self._losses, self._fwd_order = [], []
+        self._losses, self._fwd_order, self._doc_losses = [], [], []
         return step
 
     # --- after a step ------------------------------------------------------------------------
@@ -278,7 +287,8 @@ class SparseBalanceCallback:
                     served=self.budget.pop_served(),
                     used=_min_kept(records, self.budget.stage_of),
                     units=unit_order(self._fwd_order, self.layout, self.pp_rank),
-                    fingerprint=_fingerprint(step.batch), loss=loss)
+                    fingerprint=_fingerprint(step.batch), loss=loss,
+                    doc_loss=self._pop_doc_losses())
         gathered = comm.all_gather_object(mine)
         if len({g["fingerprint"] for g in gathered}) != 1:
             raise RuntimeError(f"iteration {iteration}: ranks packed different micro-batches "
@@ -351,17 +361,39 @@ class SparseBalanceCallback:
                 "latency_error": float(np.nanmean(err)) if np.isfinite(err).any() else None,
                 "calibration": [self.latency.correction(r) for r in range(self.dp)]}
 
+    def _pop_doc_losses(self) -> dict:
+        """{doc_id: [loss sum, tokens]} of this rank's step (a document split over micro-batches
+        summed), moved to the host once."""
+        out: dict[int, list] = {}
+        for docs, sums, tokens in self._doc_losses:
+            for d, s_, n in zip(docs, sums.float().cpu().tolist(), tokens.float().cpu().tolist()):
+                acc = out.setdefault(int(d), [0.0, 0.0])
+                acc[0] += s_
+                acc[1] += n
+        self._doc_losses = []
+        return out
+
     def _update_sensitivity(self, step: PreparedStep, gathered) -> None:
-        recalls: dict[int, list] = {}
-        for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
-            for doc_id, values in sorted(g["stats"].items()):
-                recalls.setdefault(int(doc_id), []).extend(values)
-        if not recalls:
+        values: dict[int, float] = {}
+        if self.tracker.signal == "loss":
+            sums: dict[int, list] = {}
+            for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
+                for doc_id, (s_, n) in sorted(g.get("doc_loss", {}).items()):
+                    acc = sums.setdefault(int(doc_id), [0.0, 0.0])
+                    acc[0] += s_
+                    acc[1] += n
+            values = {d: s_ / n for d, (s_, n) in sums.items() if n > 0}
+        else:
+            recalls: dict[int, list] = {}
+            for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
+                for doc_id, vals in sorted(g["stats"].items()):
+                    recalls.setdefault(int(doc_id), []).extend(vals)
+            values = {d: float(np.mean(v)) for d, v in recalls.items()}
+        if not values:
             return
         lengths = {d: e - s for d, s, e in step.batch.segments()}
-        ids = sorted(i for i in recalls if i in lengths)
-        self.tracker.update(ids, [lengths[i] for i in ids],
-                            [float(np.mean(recalls[i])) for i in ids])
+        ids = sorted(i for i in values if i in lengths)
+        self.tracker.update(ids, [lengths[i] for i in ids], [values[i] for i in ids])
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:

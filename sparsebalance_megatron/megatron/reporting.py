@@ -70,7 +70,11 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
                    predicted_static_s=r["step_time_static_s"],
                    imbalance_before=r["imbalance_before"], imbalance_after=r["imbalance_after"],
                    units_cut=r["units_cut"], units_raised=r["units_raised"],
-                   raise_headroom=r.get("raise_headroom"))
+                   raise_headroom=r.get("raise_headroom"),
+                   unit_sensitivity=r.get("unit_sensitivity"))
+        q = r.get("quality_cost")
+        if q is not None and np.isfinite(q):
+            rec["predicted_loss_change"] = float(q)
     return rec
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tests.conftest import TINY_MODEL, read_metrics, run_entry
@@ -164,6 +165,11 @@ def test_sparse_balance_resume_repeats_the_uninterrupted_run(tmp_path, small_jso
                     "raise_headroom", "predicted_step_s"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
+        assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)
+    # the default sensitivity signal: the length prior (> 0) until the first step's documents
+    # report their training loss, then minus each document's loss (< 0)
+    assert min(min(r) for r in full[0]["unit_sensitivity"]) > 0
+    assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[1:])
 
 
 @pytest.mark.reliability(area="resume", case="plugin state missing, then damaged, then "

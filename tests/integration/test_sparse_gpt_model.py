@@ -178,6 +178,27 @@ def test_static_per_layer_densities_reach_each_layer():
         budget.set_layer_densities({0: 0.5})
 
 
+def test_document_losses_split_the_packed_loss_by_document():
+    """The loss function's per-document sums (the default sensitivity signal): each document's
+    share of the packed micro-batch's masked loss, trailing padding excluded, no host sync."""
+    from sparsebalance_megatron.megatron.hooks import document_sums
+    model = _model(_sb()).eval()
+    lens = [100, 60, 96]                                # two documents, then padding
+    psp, pos = _packed(lens, sb_doc_ids=(7, 8))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (1, 256), generator=g)
+    labels = torch.randint(0, VOCAB, (1, 256), generator=g)
+    with torch.no_grad():
+        losses = model(ids, pos, attention_mask=None, labels=labels,
+                       packed_seq_params=psp).view(-1)
+    mask = torch.ones(256)
+    mask[95:100] = 0.0                                  # masked tokens count nowhere
+    sums, tokens = document_sums(losses * mask, mask, psp.cu_seqlens_q, 2)
+    want = torch.stack([(losses * mask)[:100].sum(), (losses * mask)[100:160].sum()])
+    torch.testing.assert_close(sums, want)
+    assert tokens.tolist() == [95.0, 60.0]
+
+
 def test_each_model_chunk_reads_its_own_virtual_stage():
     """The interleaved schedule: a rank holds several model chunks, each its own virtual stage
     of the plan; a layer finds its stage by its global layer number."""

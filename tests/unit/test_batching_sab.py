@@ -77,7 +77,7 @@ def test_micro_batches_group_similar_sensitivity():
     dp, m, cap = 2, 4, 4096
     rng = np.random.default_rng(0)
     segs = [(k, 0, int(n)) for k, n in enumerate(rng.integers(100, 400, size=64))]
-    tracker = SensitivityTracker()
+    tracker = SensitivityTracker(signal="recall")
     ids = [s[0] for s in segs]
     recall = np.where(np.arange(64) % 2 == 0, 0.95, 0.55)   # interleaved: even ids insensitive
     tracker.update(ids, [s[2] for s in segs], recall)
@@ -92,7 +92,7 @@ def test_micro_batches_group_similar_sensitivity():
 
 
 def test_sensitivity_tracker_prefers_sample_then_bucket_then_prior():
-    t = SensitivityTracker(ema=0.5)
+    t = SensitivityTracker(ema=0.5, signal="recall")
     prior = t.estimate([1, 2], [1000, 8000])
     assert prior[0] > prior[1] > 0                  # shorter documents are more sensitive
     t.update([1], [1000], [0.6])
@@ -106,9 +106,38 @@ def test_sensitivity_tracker_prefers_sample_then_bucket_then_prior():
     assert t.estimate([4], [64])[0] == pytest.approx(t.estimate([5], [64])[0])
     with pytest.raises(ValueError, match="recall"):
         t.update([1], [10], [1.5])
-    t2 = SensitivityTracker()
+    t2 = SensitivityTracker(signal="recall")
     t2.load_state_dict(t.state_dict())
     assert np.array_equal(t2.estimate([1, 9], [1000, 1020]), t.estimate([1, 9], [1000, 1020]))
+
+
+def test_loss_signal_lower_loss_is_more_sensitive_and_unmeasured_take_the_mean():
+    """The default signal: minus a document's mean training loss (well-predicted text loses most
+    when sparsified); unmeasured documents take their bucket, else the EMA over all documents,
+    so measured and unmeasured estimates share one scale."""
+    t = SensitivityTracker(ema=0.5)
+    assert t.signal == "loss"
+    prior = t.estimate([1, 2], [1000, 8000])
+    assert prior[0] > prior[1]                      # before any measurement: the length prior
+    t.update([1, 2], [1000, 8000], [2.0, 3.5])      # 1 is code-like (low loss): more sensitive
+    est = t.estimate([1, 2, 3, 4], [1000, 8000, 1010, 100_000])
+    assert est[0] == -2.0 and est[1] == -3.5 and est[0] > est[1]
+    assert est[2] == -2.0                           # 1's length bucket
+    assert est[3] == pytest.approx(-(0.5 * 2.0 + 0.5 * 3.5))   # EMA over all samples
+    with pytest.raises(ValueError, match="loss must lie in"):
+        t.update([5], [10], [-0.1])
+    saved = t.state_dict()
+    t2 = SensitivityTracker()
+    t2.load_state_dict(saved)
+    assert np.array_equal(t2.estimate([1, 3, 4], [1000, 1010, 7]), t.estimate([1, 3, 4],
+                                                                              [1000, 1010, 7]))
+    with pytest.raises(ValueError, match="resume with --sb-sensitivity-signal loss"):
+        SensitivityTracker(signal="recall").load_state_dict(saved)
+    old = {k: v for k, v in saved.items() if k not in ("signal", "all")}   # an older state
+    with pytest.raises(ValueError, match="measured 'recall'"):
+        SensitivityTracker().load_state_dict(old)
+    with pytest.raises(ValueError, match="--sb-sensitivity-signal='x'"):
+        SensitivityTracker(signal="x")
 
 
 def test_long_samples_split_or_refused_never_dropped():
