@@ -110,9 +110,10 @@ class SparseBalanceConfig:
     dst_objective: str = _f(
         "density", "What DST keeps while it balances: 'density' (the mean and per-stage density "
         "floors; cuts take the least sensitive micro-batches first) or 'quality' (cuts and "
-        "raises spread evenly over a stage's micro-batches, and a plan may not lose predicted LM "
-        "loss against uniform --sb-density under the measured convex quality cost "
-        "--sb-quality-cost; the floors still apply).", choices=DST_OBJECTIVES)
+        "raises go where density buys the most predicted quality per attention-second under the "
+        "measured convex quality cost --sb-quality-cost, and a plan may not lose predicted LM "
+        "loss against uniform --sb-density; the floors still apply; plans about 3x slower).",
+        choices=DST_OBJECTIVES)
     quality_cost: Optional[str] = _f(
         None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"
         " LM-loss increase against density per depth range of a real model); default: the "

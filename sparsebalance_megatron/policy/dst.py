@@ -478,12 +478,11 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     back under the measured convex cost); the fastest plan that does is kept.
     """
     static: dict = {}
-    even = quality is not None
 
     def plans(cands):
         found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
                                     raise_headroom, raise_to, _static=static, quality=quality)
-        if even:
+        if quality is not None:
             for p in found:
                 p.report.quality_cost = quality.plan_cost(p.densities)
         return found
@@ -497,7 +496,8 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                 and not r.quality_cost > 1e-12)
 
     best = plans([(anchor, tolerance)])[0]
-    if (density_floor <= 0 and stage_density_floor <= 0 and not even) or anchor == "max" \
+    if (density_floor <= 0 and stage_density_floor <= 0 and quality is None) \
+            or anchor == "max" \
             or meets(best):
         return best
     lo, hi = max(float(tolerance), 1e-3), 10.0
