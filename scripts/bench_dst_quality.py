@@ -3,13 +3,13 @@
 
 For each d0 and DP size: the built-in corpus packed by SAB into 32K micro-batches, the analytic
 Qwen2.5-0.5B table (PP4) on the best static layout of the first step (``layout_gap``) and on
-Megatron's even split; per step, the runtime's DST call (``plan_dst_from_config``) with
-``--sb-dst-objective density`` (floors, sensitivity order) and ``quality`` (water-filling
-cuts/raises, no predicted loss against uniform d0), each with ``--sb-raise-to bottleneck``
-(speed) and ``static`` (accuracy). Reported per variant: step time against static d0 on the same layout and packing,
-layer-weighted density, the lowest stage density, and the predicted loss change against uniform
-d0 under the shipped SmolLM2-135M quality cost mapped by depth (the cost the quality objective
-plans with: ``scripts/eval_dst_plans.py`` measures the plans on the model itself).
+Megatron's even split; per step, the runtime's DST call (``plan_dst_from_config``) with ``--sb-dst-
+objective density`` (floors, sensitivity order) and ``quality`` (water-filling cuts/raises, no
+predicted loss against uniform d0), each with ``--sb-raise-to bottleneck`` (speed) and ``static``
+(accuracy). Reported per variant: step time against static d0 on the same layout and packing,
+layer-weighted density, the lowest stage density, and the predicted loss change against uniform d0
+under the shipped SmolLM2-135M quality cost mapped by depth (the cost the quality objective plans
+with: ``scripts/eval_dst_plans.py`` measures the plans on the model itself).
 
     .venv/bin/python scripts/bench_dst_quality.py --json docs/results/dst_quality.json
 """
