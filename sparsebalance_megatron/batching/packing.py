@@ -32,7 +32,7 @@ import numpy as np
 
 from ..data.packing import sequential_pack
 from .plan import (BatchingError, BatchPlan, as_segment_array, as_segments, check_fits,
-                   check_shape_args, split_long)
+                   check_long_sample_policy, check_shape_args, split_long)
 from .sensitivity import SensitivityTracker
 
 CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] seconds
@@ -60,13 +60,12 @@ def _prepare(samples, dp, m, max_tokens, long_sample_policy):
     segs, arr = as_segment_array(samples)
     if not segs:
         raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
+    check_long_sample_policy(long_sample_policy)
     sizes = arr[:, 2] - arr[:, 1]
     n_split = 0
     if int(sizes.max()) > max_tokens:
         segs, n_split = split_long(segs, max_tokens, long_sample_policy)
         sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)
-    else:
-        split_long([], max_tokens, long_sample_policy)          # checks the policy's name
     check_fits(segs, dp, m, max_tokens, sizes=sizes)
     return segs, sizes, n_split
 

@@ -161,13 +161,18 @@ def as_segment_array(samples) -> tuple[list, np.ndarray]:
     return out, np.asarray(out, dtype=np.int64).reshape(-1, 3)
 
 
+def check_long_sample_policy(long_sample_policy: str) -> None:
+    """ValueError naming ``--sb-long-sample-policy`` unless it is one of the policies."""
+    if long_sample_policy not in LONG_SAMPLE_POLICIES:
+        raise ValueError(f"--sb-long-sample-policy={long_sample_policy!r}: expected one of "
+                         f"{', '.join(LONG_SAMPLE_POLICIES)}")
+
+
 def split_long(segments: Sequence[Segment], max_tokens: int, long_sample_policy: str
                ) -> tuple[list, int]:
     """Split segments longer than ``max_tokens`` into pieces of ``max_tokens`` counted from the
     segment start (the last piece shorter), or refuse. Returns (segments, number split)."""
-    if long_sample_policy not in LONG_SAMPLE_POLICIES:
-        raise ValueError(f"--sb-long-sample-policy={long_sample_policy!r}: expected one of "
-                         f"{', '.join(LONG_SAMPLE_POLICIES)}")
+    check_long_sample_policy(long_sample_policy)
     out, n_split = [], 0
     for i, s, e in segments:
         if e - s <= max_tokens:

@@ -137,10 +137,15 @@ class SparseBalanceCallback:
         if torch.is_grad_enabled():
             self._losses.append((loss_sum.detach(), num_tokens.detach()))
 
+    @property
+    def signal(self) -> Optional[str]:
+        """The sensitivity signal this run measures: 'loss', 'recall', or None (no SAB)."""
+        return self.tracker.signal if self.tracker is not None else None
+
     def record_doc_losses(self, doc_ids, loss_sums: torch.Tensor, tokens: torch.Tensor) -> None:
         """Each document's (loss sum, loss tokens) in one micro-batch, last stage, training only
         (read at the end of the step, with the other statistics)."""
-        if torch.is_grad_enabled() and self.tracker is not None:
+        if torch.is_grad_enabled():
             self._doc_losses.append((tuple(doc_ids), loss_sums.detach(), tokens.detach()))
 
     # --- before a step -----------------------------------------------------------------------
@@ -281,7 +286,7 @@ class SparseBalanceCallback:
                 torch.stack([x[1].float() for x in self._losses]).sum().item()) \
             if self._losses else (0.0, 0.0)
         records = self.budget.pop_stats()
-        stats = _doc_recalls(records) if self.tracker is not None else {}
+        stats = _doc_recalls(records) if self.signal == "recall" else {}
         mine = dict(dp=self.dp_rank, pp=self.pp_rank, fwd_s=timings.get("fwd_s", []),
                     bwd_s=timings.get("bwd_s", []), step_s=timings.get("step_s"), stats=stats,
                     served=self.budget.pop_served(),
@@ -364,24 +369,17 @@ class SparseBalanceCallback:
     def _pop_doc_losses(self) -> dict:
         """{doc_id: [loss sum, tokens]} of this rank's step (a document split over micro-batches
         summed), moved to the host once."""
-        out: dict[int, list] = {}
-        for docs, sums, tokens in self._doc_losses:
-            for d, s_, n in zip(docs, sums.float().cpu().tolist(), tokens.float().cpu().tolist()):
-                acc = out.setdefault(int(d), [0.0, 0.0])
-                acc[0] += s_
-                acc[1] += n
+        pairs = [{d: (s_, n)} for docs, sums, tokens in self._doc_losses
+                 for d, s_, n in zip(docs, sums.float().cpu().tolist(),
+                                     tokens.float().cpu().tolist())]
         self._doc_losses = []
-        return out
+        return _sum_pairs(pairs)
 
     def _update_sensitivity(self, step: PreparedStep, gathered) -> None:
         values: dict[int, float] = {}
-        if self.tracker.signal == "loss":
-            sums: dict[int, list] = {}
-            for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
-                for doc_id, (s_, n) in sorted(g.get("doc_loss", {}).items()):
-                    acc = sums.setdefault(int(doc_id), [0.0, 0.0])
-                    acc[0] += s_
-                    acc[1] += n
+        if self.signal == "loss":
+            sums = _sum_pairs(g["doc_loss"] for g in sorted(gathered,
+                                                            key=lambda g: (g["dp"], g["pp"])))
             values = {d: s_ / n for d, (s_, n) in sums.items() if n > 0}
         else:
             recalls: dict[int, list] = {}
@@ -483,6 +481,18 @@ def _min_kept(records: list, stage_of) -> dict:
         if mb is not None and kept:
             key = (mb, stage_of(layer))
             out[key] = min(out.get(key, 1.0), min(kept))
+    return out
+
+
+def _sum_pairs(dicts) -> dict:
+    """{doc_id: [loss sum, tokens]} summed over dicts of {doc_id: (loss sum, tokens)}, in key
+    order (a document split over micro-batches or ranks counts once, whole)."""
+    out: dict[int, list] = {}
+    for part in dicts:
+        for doc_id, (s_, n) in sorted(part.items()):
+            acc = out.setdefault(int(doc_id), [0.0, 0.0])
+            acc[0] += s_
+            acc[1] += n
     return out
 
 

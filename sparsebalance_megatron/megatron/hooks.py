@@ -348,7 +348,7 @@ def _loss_func(loss_mask, psp, output_tensor):
                                     tolerance=0.0, fatal=True)
     _run.callback.record_loss(loss, num_tokens)
     docs = getattr(psp, "sb_doc_ids", None)
-    if docs:
+    if docs and _run.callback.signal == "loss":
         _run.callback.record_doc_losses(docs, *document_sums(losses * mask, mask,
                                                              psp.cu_seqlens_q, len(docs)))
     return loss, num_tokens, report

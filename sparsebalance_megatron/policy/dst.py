@@ -132,21 +132,26 @@ def _perm_along_m(order: np.ndarray):
     return (np.arange(k)[:, None, None], order, np.arange(pp)[None, None, :])
 
 
-def _highest_index_within(t_grid, units, thr, lo, hi):
-    """Per unit: the highest grid index i in [lo, hi] with t(i) <= thr (lo if none).
-
-    Vectorised binary search; costs are non-decreasing in density (``UnitCosts`` makes them so).
-    """
-    lo = np.array(np.broadcast_to(lo, units.shape), dtype=np.int64)
-    hi = np.array(np.broadcast_to(hi, units.shape), dtype=np.int64)
+def _level_search(lo, hi, ok):
+    """Elementwise: the largest level L in [lo, hi] with ok(L) (lo if none); ok must be
+    monotone (true up to some level). Vectorised binary search over grid indices."""
+    lo = np.array(lo, dtype=np.int64)
+    hi = np.array(hi, dtype=np.int64)
     while True:
         open_ = lo < hi
         if not open_.any():
             return lo
         mid = (lo + hi + 1) // 2
-        fits = _lookup(t_grid, units, mid) <= thr
+        fits = ok(mid)
         lo = np.where(open_ & fits, mid, lo)
         hi = np.where(open_ & ~fits, mid - 1, hi)
+
+
+def _highest_index_within(t_grid, units, thr, lo, hi):
+    """Per unit: the highest grid index i in [lo, hi] with t(i) <= thr (lo if none); costs are
+    non-decreasing in density (``UnitCosts`` makes them so)."""
+    return _level_search(np.broadcast_to(lo, units.shape), np.broadcast_to(hi, units.shape),
+                         lambda i: _lookup(t_grid, units, i) <= thr)
 
 
 def _cut(t_grid, units, cur_i, excess_s, order, i_min):
@@ -185,21 +190,6 @@ def _raise(t_grid, units, cur_i, slack_s, cap_s, order, i_max):
     new_i[active] = _highest_index_within(t_grid, units[active], (t_cur + room)[active],
                                           cur_i[active], i_max)
     return new_i
-
-
-def _level_search(lo, hi, ok):
-    """Per (row, stage): the largest level L in [lo, hi] with ok(L) (lo if none); ok must be
-    monotone (true up to some level). Vectorised binary search over grid indices."""
-    lo = np.array(lo, dtype=np.int64)
-    hi = np.array(hi, dtype=np.int64)
-    while True:
-        open_ = lo < hi
-        if not open_.any():
-            return lo
-        mid = (lo + hi + 1) // 2
-        fits = ok(mid)
-        lo = np.where(open_ & fits, mid, lo)
-        hi = np.where(open_ & ~fits, mid - 1, hi)
 
 
 _FILL_ITERS = 12          # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
@@ -309,12 +299,8 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
     if quality is not None:
-        # marginal quality gain per unit of density of every (virtual stage, grid index):
-        # +inf at the first index, non-increasing (the cost is convex), negated for searchsorted
-        q = quality.grid_table(costs.densities)                     # [nv, g]
-        marg = np.full(q.shape, np.inf)
-        marg[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(costs.densities), 0.0)
-        neg = -np.minimum.accumulate(marg, axis=1)
+        # marginal quality gain of every (virtual stage, grid index), negated for searchsorted
+        neg = -quality.marginal_gain(costs.densities)              # [nv, g] ascending
         span = costs.densities[i_max] - costs.densities[i_min]
         b_rows = np.tile(((_lookup(t_grid, rank_units, i_max) - _lookup(t_grid, rank_units, i_min))
                           / span) if span > 0 else np.zeros(rank_units.shape), (k, 1, 1))

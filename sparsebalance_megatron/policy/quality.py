@@ -229,6 +229,16 @@ class StageQuality:
         return np.stack([self.scale[s] * (grp.cost(g) - grp.cost(self.d0))
                          for s, grp in enumerate(self.groups)])
 
+    def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
+        """[nv, g] quality gained per unit of density by stepping up to each grid index from the
+        one below (+inf at index 0), non-increasing along the grid (the cost is convex): what
+        DST's quality water-filling weighs against attention seconds."""
+        g = np.asarray(grid, dtype=np.float64)
+        q = self.grid_table(g)
+        out = np.full(q.shape, np.inf)
+        out[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(g), 0.0)
+        return np.minimum.accumulate(out, axis=1)
+
     def plan_cost(self, densities: np.ndarray) -> float:
         """Predicted loss change (nats per token) of a plan against uniform d0: every
         micro-batch's stages summed, micro-batches averaged (each holds the same tokens)."""
