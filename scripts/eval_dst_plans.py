@@ -71,6 +71,16 @@ def layer_densities(stage_d, stage_layers, n_layers: int) -> dict:
     return out
 
 
+def _summary(per_item) -> dict:
+    per_item = np.asarray(per_item, dtype=float)
+    return {"mean": float(per_item.mean()),
+            "stderr": float(per_item.std(ddof=1) / math.sqrt(per_item.size))
+            if per_item.size > 1 else None, "per_item": per_item.tolist()}
+
+
+METRICS = ("loss", "answer_nll", "token_accuracy", "exact")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", type=int, default=4)
@@ -80,11 +90,17 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--window-tokens", type=int, default=1024)
     ap.add_argument("--text", default="essays", choices=["essays", "shakespeare"])
+    ap.add_argument("--retrieval-samples", type=int, default=4,
+                    help="needle prompts (needle_single, needle_multikey alternating; 0: none)")
+    ap.add_argument("--retrieval-length", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from profile_quality_cost import load_model, window_loss, windows_of
+    if args.windows < 2 or args.retrieval_samples < 0:
+        ap.error("--windows >= 2 and --retrieval-samples >= 0 expected")
+    from profile_quality_cost import answer_scores, load_model, window_loss, windows_of
 
+    from sparsebalance_megatron.eval import make_sample
     from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
 
     t0 = time.perf_counter()
@@ -92,57 +108,79 @@ def main(argv=None) -> int:
     quality = StageQuality.from_cost(load_quality_cost(), layout.layers, args.d0)
     model, tok, budget, n_layers = load_model(None, args.d0, args.block_size)
     wins = windows_of(tok, args.text, args.windows, args.window_tokens)
-    # every unit of every plan; a density vector shared by units (or plans) runs once per window
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [make_sample(("needle_single", "needle_multikey")[k % 2], args.retrieval_length,
+                           (0.25, 0.75)[(k // 2) % 2], k // 4, encode)
+               for k in range(args.retrieval_samples)]
+    # every unit of every plan; a density vector shared by units (or plans) runs once
     vectors = sorted({tuple(v) for d in plans.values() for v in d.reshape(-1, d.shape[2])})
     print(f"layout {layout.describe()}: {len(vectors)} distinct unit allocations over "
-          f"{len(plans)} plans, {len(wins)} windows ({time.perf_counter() - t0:.0f} s)",
-          flush=True)
-    uniform = {j: args.d0 for j in range(1, n_layers + 1)}
-    ref = [window_loss(model, budget, w, uniform, args.block_size) for w in wins]
+          f"{len(plans)} plans, {len(wins)} windows, {len(prompts)} retrieval prompts "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    def scores(alloc: dict) -> dict:
+        """{metric: [per window or per prompt]} of one per-layer allocation."""
+        out = {"loss": [window_loss(model, budget, w, alloc, args.block_size) for w in wins]}
+        rs = [answer_scores(model, budget, p, alloc, args.block_size) for p in prompts]
+        for k in METRICS[1:]:
+            out[k] = [r[k] for r in rs]
+        return out
+
+    uniform_vec = tuple([args.d0] * len(layout.layers))
+    ref = scores({j: args.d0 for j in range(1, n_layers + 1)})
     measured = {}
     for n, vec in enumerate(vectors):
-        alloc = layer_densities(vec, layout.layers, n_layers)
-        measured[vec] = [window_loss(model, budget, w, alloc, args.block_size) - base
-                         if any(x != args.d0 for x in vec) else 0.0
-                         for w, base in zip(wins, ref)]
+        measured[vec] = ref if vec == uniform_vec else scores(
+            layer_densities(vec, layout.layers, n_layers))
         if (n + 1) % 10 == 0:
             print(f"  {n + 1}/{len(vectors)} allocations ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
-    results = {}
+    metrics = [k for k in METRICS if len(ref[k])]
+    results = {"uniform": {k: _summary(np.zeros(len(ref[k]))) for k in metrics}}
+    results["uniform"].update(predicted=0.0, stage_density=[args.d0] * len(layout.layers),
+                              min_unit_density=args.d0)
     for name, dens in plans.items():
         units = [tuple(v) for v in dens.reshape(-1, dens.shape[2])]
-        per_window = np.mean([measured[u] for u in units], axis=0)       # [windows]
-        results[name] = {"delta_loss": float(per_window.mean()),
-                         "stderr": float(per_window.std(ddof=1) / math.sqrt(per_window.size)),
-                         "per_window": per_window.tolist(),
-                         "predicted": quality.plan_cost(dens),
-                         "stage_density": dens.mean(axis=(0, 1)).tolist(),
-                         "min_unit_density": float(dens.min())}
-        r = results[name]
-        print(f"{name:<22} measured {r['delta_loss']:+.4f} +- {r['stderr']:.4f} nats, predicted "
-              f"{r['predicted']:+.4f}; stage densities "
-              f"{' '.join(f'{x:.3f}' for x in r['stage_density'])}", flush=True)
+        results[name] = {k: _summary(np.mean([measured[u][k] for u in units], axis=0)
+                                     - np.asarray(ref[k])) for k in metrics}
+        results[name].update(predicted=quality.plan_cost(dens),
+                             stage_density=dens.mean(axis=(0, 1)).tolist(),
+                             min_unit_density=float(dens.min()))
+    absolute = {k: float(np.mean(ref[k])) for k in metrics}
+    print(f"uniform d0 = {args.d0}: " + ", ".join(f"{k} {v:.4f}" for k, v in absolute.items()))
+    for name, r in results.items():
+        print(f"{name:<20} " + "  ".join(
+            f"{k} {r[k]['mean']:+.4f}" + ("" if r[k]["stderr"] is None else
+                                          f" +- {r[k]['stderr']:.4f}") for k in metrics)
+              + f"  predicted {r['predicted']:+.4f}; stage densities "
+              + " ".join(f"{x:.3f}" for x in r["stage_density"]), flush=True)
     names = list(results)
     pairs = {}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            d = np.asarray(results[a]["per_window"]) - np.asarray(results[b]["per_window"])
-            pairs[f"{a} - {b}"] = [float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))]
-            print(f"  {a} - {b}: {d.mean():+.4f} +- {pairs[f'{a} - {b}'][1]:.4f}")
+            pairs[f"{a} - {b}"] = {}
+            for k in metrics:
+                d = np.asarray(results[a][k]["per_item"]) - np.asarray(results[b][k]["per_item"])
+                pairs[f"{a} - {b}"][k] = [float(d.mean()),
+                                          float(d.std(ddof=1) / math.sqrt(d.size))]
+            print(f"  {a} - {b}: " + "  ".join(f"{k} {v[0]:+.4f} +- {v[1]:.4f}"
+                                                for k, v in pairs[f"{a} - {b}"].items()))
     pred = np.asarray([quality.unit_costs(np.asarray(v)[None, None, :]).sum() for v in vectors])
-    meas = np.asarray([np.mean(measured[v]) for v in vectors])
+    meas = np.asarray([np.mean(measured[v]["loss"]) - np.mean(ref["loss"]) for v in vectors])
     moved = np.abs(pred) > 0
     fit = {"pearson": float(np.corrcoef(pred[moved], meas[moved])[0, 1]) if moved.sum() > 2
            else None,
            "measured_over_predicted": float(meas[moved].sum() / pred[moved].sum())
            if moved.any() else None, "allocations": int(moved.sum())}
-    print(f"cost model per allocation: Pearson {fit['pearson']}, measured / predicted "
+    print(f"cost model per allocation (LM loss): Pearson {fit['pearson']}, measured / predicted "
           f"{fit['measured_over_predicted']} over {fit['allocations']} allocations")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"settings": vars(args), "layout": layout.describe(),
-                       "reference_loss": float(np.mean(ref)), "results": results,
-                       "pairs": pairs, "cost_model_fit": fit,
+                       "reference": absolute, "results": results, "pairs": pairs,
+                       "cost_model_fit": fit,
+                       "prompts": [{"task": p.task, "length": p.length, "depth": p.depth,
+                                    "seed": p.seed} for p in prompts],
                        "allocations": [{"densities": list(v), "measured": measured[v],
                                         "predicted": float(p)}
                                        for v, p in zip(vectors, pred)]}, f, indent=1)

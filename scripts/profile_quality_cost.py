@@ -87,6 +87,20 @@ def expected_kept(tokens: int, density: float, block_size: int) -> float:
                                                                           block_size)
 
 
+def _check_kept(budget, per_layer: dict, tokens: int, block_size: int) -> None:
+    """The kept densities the kernel reported since ``set_layer_densities`` match ``per_layer``
+    (else SystemExit naming the layer)."""
+    kept = {}
+    for _, _, layer, k, _ in budget.pop_stats():
+        kept.setdefault(layer, []).extend(k)
+    for layer, want in per_layer.items():
+        got = float(np.mean(kept.get(layer, [math.nan])))
+        expect = expected_kept(tokens, want, block_size)
+        if not abs(got - expect) <= 0.02 + 0.05 * expect:
+            raise SystemExit(f"layer {layer}: kept density {got:.3f}, asked {want} (expected "
+                             f"{expect:.3f} with the forced sink and diagonal blocks)")
+
+
 def window_loss(model, budget, ids, per_layer: dict, block_size: int) -> float:
     """Mean next-token loss (nats) of one window with ``per_layer`` densities; the kept densities
     the kernel reports must match what was asked (else SystemExit naming the layer)."""
@@ -96,16 +110,40 @@ def window_loss(model, budget, ids, per_layer: dict, block_size: int) -> float:
     pos = torch.arange(x.shape[1]).unsqueeze(0)
     with torch.enable_grad():                      # the kernel reports its kept densities
         out = model(x, pos, attention_mask=None, labels=torch.tensor([ids[1:]]))
-    kept = {}
-    for _, _, layer, k, _ in budget.pop_stats():
-        kept.setdefault(layer, []).extend(k)
-    for layer, want in per_layer.items():
-        got = float(np.mean(kept.get(layer, [math.nan])))
-        expect = expected_kept(len(ids) - 1, want, block_size)
-        if not abs(got - expect) <= 0.02 + 0.05 * expect:
-            raise SystemExit(f"layer {layer}: kept density {got:.3f}, asked {want} (expected "
-                             f"{expect:.3f} with the forced sink and diagonal blocks)")
+    _check_kept(budget, per_layer, len(ids) - 1, block_size)
     return float(out.float().mean())
+
+
+def answer_scores(model, budget, sample, per_layer: dict, block_size: int) -> dict:
+    """Retrieval scores of one task sample (``eval.tasks``) from one teacher-forced forward with
+    ``per_layer`` densities: the answer tokens' mean NLL (nats), answer-token accuracy and greedy
+    exact match. Kept densities are checked as in ``window_loss``."""
+    from sparsebalance_megatron.eval import answer_token_accuracy, greedy_exact_match
+
+    ids = sample.input_ids + sample.answer_ids[:-1]
+    n = len(sample.answer_ids)
+
+    def last_positions(_module, _inp, out):          # the LM head runs on the answer's only
+        h = out[0] if isinstance(out, tuple) else out                 # [s, b, h]
+        return (h[-n:],) + tuple(out[1:]) if isinstance(out, tuple) else h[-n:]
+
+    budget.set_layer_densities(per_layer)
+    budget.pop_stats()
+    x = torch.tensor([ids])
+    pos = torch.arange(x.shape[1]).unsqueeze(0)
+    handle = model.decoder.register_forward_hook(last_positions)
+    try:
+        with torch.enable_grad():                  # the kernel reports its kept densities
+            logits = model(x, pos, attention_mask=None)[0].float()     # [n, V]
+    finally:
+        handle.remove()
+    _check_kept(budget, per_layer, len(ids), block_size)
+    gold = torch.tensor(sample.answer_ids)
+    nll = -torch.log_softmax(logits, dim=-1).gather(1, gold[:, None])[:, 0]
+    pred = logits.argmax(dim=-1).tolist()
+    return {"answer_nll": float(nll.mean()),
+            "token_accuracy": answer_token_accuracy(pred, sample.answer_ids),
+            "exact": float(greedy_exact_match(pred, sample.answer_ids))}
 
 
 def main(argv=None) -> int:

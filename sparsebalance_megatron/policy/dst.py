@@ -235,6 +235,29 @@ def _water_fill(t_grid, units, best_index, b, lo, hi, limit_s):
     return np.where(free[:, None, :], hi, level(L))
 
 
+def _gain_index(marg: np.ndarray, slots: int, pp: int, vp: int):
+    """best_index(x) -> [k, slots, pp]: per unit, the highest grid index whose marginal quality
+    gain ``marg[v, i]`` ([nv, g], non-increasing in i, +inf at 0) is >= x [k, slots, pp], where
+    a unit's virtual stage is v = chunk x pp + rank (slot = micro-batch x vp + chunk). One
+    searchsorted over the stages' tables laid end to end, each shifted into its own band (a call
+    per stage costs more than the search)."""
+    nv, g = marg.shape
+    neg = -np.asarray(marg, dtype=np.float64)                      # ascending, -inf at 0
+    finite = neg[np.isfinite(neg)]
+    low = (float(finite.min()) if finite.size else 0.0) - 1.0      # below every finite entry
+    high = max(float(finite.max()) if finite.size else 0.0, 0.0) + 0.5
+    width = high - low + 1.0
+    flat = (np.clip(neg, low, None) + np.arange(nv)[:, None] * width).reshape(-1)
+    stage = (np.arange(slots) % vp)[:, None] * pp + np.arange(pp)[None, :]   # [slots, pp]
+    shift, first = stage * width, stage * g
+
+    def best_index(x):
+        q = np.clip(-x, low, high) + shift
+        return np.searchsorted(flat, q, side="right") - 1 - first
+
+    return best_index
+
+
 def _broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
     dp, m, pp = shape
     if sensitivity is None:
@@ -299,19 +322,10 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
     if quality is not None:
-        # marginal quality gain of every (virtual stage, grid index), negated for searchsorted
-        neg = -quality.marginal_gain(costs.densities)              # [nv, g] ascending
+        best_index = _gain_index(quality.marginal_gain(costs.densities), slots, pp, vp)
         span = costs.densities[i_max] - costs.densities[i_min]
         b_rows = np.tile(((_lookup(t_grid, rank_units, i_max) - _lookup(t_grid, rank_units, i_min))
                           / span) if span > 0 else np.zeros(rank_units.shape), (k, 1, 1))
-        # virtual stage v = chunk * pp + rank sits at slots chunk::vp, column rank
-        cells = [(v, slice(v // pp, None, vp), v % pp) for v in range(nv)]
-
-        def best_index(x):
-            out = np.empty(x.shape, dtype=np.int64)
-            for v, cs, r in cells:
-                out[:, cs, r] = np.searchsorted(neg[v], -x[:, cs, r], side="right") - 1
-            return out
 
     def simulate(units, idx):
         """(makespan [rows], fwd, bwd [rows, m * vp, pp]) of the rows' units at grid idx."""
