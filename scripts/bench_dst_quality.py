@@ -11,6 +11,12 @@ layer-weighted density, the lowest stage density, and the predicted loss change 
 under the shipped SmolLM2-135M quality cost mapped by depth (the cost the quality objective plans
 with: ``scripts/eval_dst_plans.py`` measures the plans on the model itself).
 
+``quality/equal-cost`` answers "at equal quality cost, which objective is faster": per step, the
+quality objective (raise to the bottleneck) at every tolerance of ``--equal-cost-tolerances`` (a
+narrower band cuts more, so it is faster and costs more quality), and the fastest of those plans
+whose predicted loss change is no higher than ``density/bottleneck``'s on the same step (the
+default tolerance's plan if none is).
+
     .venv/bin/python scripts/bench_dst_quality.py --json docs/results/dst_quality.json
 """
 
@@ -22,7 +28,8 @@ import json
 import numpy as np
 
 
-def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 32768) -> dict:
+def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 32768,
+        equal_cost_tolerances=(0.0, 0.025, 0.05, 0.1)) -> dict:
     from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
                                                  sab_plan, unit_sensitivity)
     from sparsebalance_megatron.config import SparseBalanceConfig
@@ -53,7 +60,8 @@ def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 
                 for obj in ("density", "quality") for rt in ("bottleneck", "static")}
     grid = density_grid(d0, 0.125, 1.0)
     rows = {k: {"step_s": [], "static_s": [], "density": [], "min_stage": [], "quality": []}
-            for k in variants}
+            for k in list(variants) + ["quality/equal-cost"]}
+    tolerances = []
     for plan in batches:
         costs = UnitCosts.from_latency(lm, lm.unit_features(plan.unit_csr(True)), dp, m, grid)
         sens = unit_sensitivity(plan.micro_batches, tracker)
@@ -63,8 +71,21 @@ def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 
             f, b = costs.at(np.searchsorted(costs.densities, dens - 1e-12))
             return float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max())
         static_s = step(np.full(costs.shape, d0))
-        for name, cfg in variants.items():
-            dens = plan_dst_from_config(cfg, costs, sens, lm.p2p_s, stage_layers=layers).densities
+
+        def plan(cfg):
+            return plan_dst_from_config(cfg, costs, sens, lm.p2p_s, stage_layers=layers).densities
+        plans = {name: plan(cfg) for name, cfg in variants.items()}
+        cap = quality.plan_cost(plans["density/bottleneck"]) + 1e-12
+        sweep = [(t, plan(SparseBalanceConfig(sparse_balance=True, density=d0, tolerance=t,
+                                              dst_objective="quality"))) for t in
+                 equal_cost_tolerances]
+        within = [(step(d), t, d) for t, d in sweep if quality.plan_cost(d) <= cap]
+        if within:
+            _, t_best, plans["quality/equal-cost"] = min(within, key=lambda x: (x[0], -x[1]))
+        else:
+            t_best, plans["quality/equal-cost"] = None, plans["quality/bottleneck"]
+        tolerances.append(t_best)
+        for name, dens in plans.items():
             r = rows[name]
             r["step_s"].append(step(dens))
             r["static_s"].append(static_s)
@@ -78,7 +99,7 @@ def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 
                      "min_stage_density_x_d0": float(np.min(r["min_stage"])),
                      "predicted_loss_change_nats": float(np.mean(r["quality"]))}
     return {"dp": dp, "d0": d0, "layout": lm.layout.describe(), "micro_batches": m,
-            "steps": steps, "variants": out}
+            "steps": steps, "variants": out, "equal_cost_tolerance_per_step": tolerances}
 
 
 def main(argv=None) -> int:
@@ -86,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--d0", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--equal-cost-tolerances", type=float, nargs="+",
+                    default=[0.0, 0.025, 0.05, 0.1])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     results = []
@@ -94,7 +117,8 @@ def main(argv=None) -> int:
     for d0 in args.d0:
         for dp in args.dp:
             for layout in ("best", "even"):
-                res = run(dp, d0, layout, args.steps)
+                res = run(dp, d0, layout, args.steps,
+                          equal_cost_tolerances=args.equal_cost_tolerances)
                 results.append(res)
                 for name, v in res["variants"].items():
                     print(f"{d0:>5} {dp:>4} {res['layout']:>9} {name:<22} "
