@@ -13,6 +13,8 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
   reports' weights after the step), against the simulated step time of the plan (analytic
   Qwen2.5-0.5B table); target < 1% of the step. Twice: on Megatron's even split (the LM-head
   stage heavy, so DST's per-stage floor search runs) and on the best static layout.
+- The same with ``--sb-plan-ahead`` (``plan_ahead_overlap``): the draft on the planner thread
+  while a stand-in step runs, and what stays on the training thread's critical path.
 
     .venv/bin/python scripts/bench_planner_cost.py --json docs/results/planner_cost.json
 """
@@ -23,6 +25,7 @@ import argparse
 import json
 import platform
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -99,10 +102,60 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
         step_s.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
         searched.append(dst.report.tolerance_used != sb.tolerance)
     med = {k: float(np.median(v)) for k, v in parts.items()}
-    return {"shape": f"{dp} DP x {m} micro-batches x PP{lm.layout.pp}, {seq} tokens",
-            "layout": lm.layout.describe(), "parts_ms": med, "total_ms": float(sum(med.values())),
-            "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
-            "steps": len(step_s)}
+    out = {"shape": f"{dp} DP x {m} micro-batches x PP{lm.layout.pp}, {seq} tokens",
+           "layout": lm.layout.describe(), "parts_ms": med, "total_ms": float(sum(med.values())),
+           "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
+           "steps": len(step_s)}
+    out["plan_ahead"] = plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq,
+                                           float(np.median(step_s)))
+    return out
+
+
+def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float) -> dict:
+    """--sb-plan-ahead at the same scale: each step's draft (SAB, features, unit costs, DST)
+    runs on the runtime's planner thread (``callback._Planner``) while the training thread
+    stands in for a GPU-bound step (blocked ``step_s`` seconds with the GIL released, as it is
+    in CUDA synchronisation and NCCL waits); measured on the training thread: the wait at the
+    join, and the after-step work (calibration's ``busy_s``, the reports' ``unit_work``). What
+    a CPU-bound training thread (kernel launches holding the GIL) would lose to the planner is
+    not modelled: the draft's CPU time is its bound."""
+    from sparsebalance_megatron.batching import (SensitivityTracker, sab_plan,
+                                                 unit_sensitivity)
+    from sparsebalance_megatron.megatron.callback import _Planner
+    from sparsebalance_megatron.megatron.reporting import unit_work
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+
+    tracker = SensitivityTracker()
+
+    def draft(segs):
+        t0 = time.thread_time()
+        plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq, cost_fn=cost_fn,
+                        sensitivity=tracker, seed=1)
+        feats = lm.unit_features(plan.unit_csr(with_padding=True))
+        costs = UnitCosts.from_latency(lm, feats, dp, m, grid)
+        dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
+                                   p2p_s=lm.p2p_s, stage_layers=lm.layout.layers)
+        return SimpleNamespace(plan=plan, feats=feats, dst=dst, cpu_s=time.thread_time() - t0)
+
+    waits, after, drafts = [], [], []
+    current = draft(batches[0])
+    for segs in batches[1:]:
+        planner = _Planner(lambda segs=segs: draft(segs), basis={})
+        time.sleep(step_s)                          # the step trains (GIL released)
+        t0 = time.perf_counter()                    # end_step: join the next step's draft ...
+        nxt = planner.result()
+        waits.append((time.perf_counter() - t0) * 1e3)
+        t1 = time.thread_time()
+        lm.busy_s(current.feats, current.dst.densities)   # ... calibration's prediction ...
+        unit_work(current.plan, sb)                       # ... and the reports' weights
+        after.append((time.thread_time() - t1) * 1e3)
+        drafts.append(nxt.cpu_s * 1e3)
+        current = nxt
+    on_path = float(np.median(waits) + np.median(after))
+    return {"stand_in_step_s": step_s, "draft_cpu_ms": float(np.median(drafts)),
+            "join_wait_ms": float(np.median(waits)), "after_step_ms": float(np.median(after)),
+            "critical_path_ms": on_path, "share_of_step": on_path / (1e3 * step_s)}
 
 
 def main(argv=None) -> int:
@@ -135,6 +188,11 @@ def main(argv=None) -> int:
         rows += [(f"step ({tag}): {k}", v, None) for k, v in step["parts_ms"].items()]
         rows.append((f"step ({tag}): all of it", step["total_ms"],
                      0.01 * step["step_s"] * 1e3))
+        ahead = step["plan_ahead"]
+        rows.append((f"step ({tag}), --sb-plan-ahead: draft (planner thread)",
+                     ahead["draft_cpu_ms"], None))
+        rows.append((f"step ({tag}), --sb-plan-ahead: critical path", ahead["critical_path_ms"],
+                     0.01 * step["step_s"] * 1e3))
     print(f"{'what':<62} {'median ms':>10} {'target ms':>10}")
     for name, ms, target in rows:
         print(f"{name:<62} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
@@ -143,6 +201,11 @@ def main(argv=None) -> int:
               f"{step['step_s']:.2f} s step = {100 * step['total_ms'] / (1e3 * step['step_s']):.2f}%"
               f" (target < 1%); DST's floor search ran in {step['floor_search_steps']} of "
               f"{step['steps']} steps")
+        a = step["plan_ahead"]
+        print(f"  with --sb-plan-ahead: {a['critical_path_ms']:.1f} ms on the critical path "
+              f"(join wait {a['join_wait_ms']:.2f} ms + after-step work "
+              f"{a['after_step_ms']:.1f} ms) = {100 * a['share_of_step']:.2f}% of the step; the "
+              f"draft's {a['draft_cpu_ms']:.1f} ms ran on the planner thread")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(),

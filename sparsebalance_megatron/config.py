@@ -179,6 +179,12 @@ class SparseBalanceConfig:
         "answering) or kill (the process dies).")
 
     # --- resume and logging -----------------------------------------------------------------
+    plan_ahead: bool = _f(
+        False, "Plan step n+1 (document packing, latency features, DST) in a background thread "
+        "while step n trains, so planning leaves the step's critical path: only the plan's "
+        "broadcast stays in it. Calibration and sensitivities then reach the plans one step "
+        "later (a step's plan uses the state after the step before the previous one); "
+        "deterministic and resumable like the in-line planner.")
     fresh_state: bool = _f(
         False, "On --load of a checkpoint that holds no SparseBalance state (one written "
         "without the plugin's data path), start the balancer fresh (latency calibration, "

@@ -16,10 +16,19 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
   plan (rank 0 plans, broadcasts; every rank holds identical budgets).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
+
+With ``--sb-plan-ahead`` the next step's draft (documents, packing, latency features, rank 0's
+DST plan: no collective) is made by a background thread while the step trains, from the state
+after the previous step; ``end_step`` joins it before it updates that state, and only the plan's
+broadcast stays on the critical path. So a step's plan always uses the state after the step
+before the previous one, and a checkpoint also holds that older state (``ahead_basis``): a
+resumed run re-plans its first step from it and repeats the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -46,6 +55,43 @@ class PreparedStep:
     plan: Optional[BudgetPlan]     # None: dense run
     report: Optional[dict]         # DST's report (None: static plan)
     units: object = None           # the latency model's UnitFeatures of the batch (padded)
+
+
+@dataclass
+class _Draft:
+    """A step planned without collectives (``SparseBalanceCallback._draft``): every rank packs the
+    same micro-batches; rank 0 also holds the DST plan the commit broadcasts."""
+
+    iteration: int
+    first_bin: int
+    batch: BatchPlan
+    units: object
+    payload: Optional[tuple]       # rank 0 with DST: (densities, report); else None
+    cpu_s: float = 0.0             # CPU time the draft took (its thread's)
+    basis: Optional[dict] = None   # plan-ahead: the plugin state it was planned from
+
+
+class _Planner:
+    """One background draft (``--sb-plan-ahead``): a daemon thread, its result or exception."""
+
+    def __init__(self, fn, basis: dict):
+        self.basis, self._out, self._err = basis, None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                        name="sparsebalance-planner")
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out = fn()
+        except BaseException as e:           # re-raised on the training thread by result()
+            self._err = e
+
+    def result(self) -> _Draft:
+        self._thread.join()
+        if self._err is not None:
+            raise self._err
+        self._out.basis = self.basis
+        return self._out
 
 
 class SparseBalanceCallback:
@@ -88,6 +134,9 @@ class SparseBalanceCallback:
         self._doc_losses: list = []             # (doc ids, loss sums, tokens) per micro-batch
         self._overhead_s = 0.0
         self._layout_checked = False
+        self._planner: Optional[_Planner] = None   # --sb-plan-ahead: the next step's draft
+        self._ready_basis: Optional[dict] = None   # the state the prepared step was planned from
+        self._ahead_s = 0.0                        # CPU seconds of the last background draft
 
     # --- Megatron hooks ----------------------------------------------------------------------
     def train_iterator(self, chunk: int = 0):
@@ -104,19 +153,25 @@ class SparseBalanceCallback:
         self.sampler = self.data.sampler("train", capacity=self.capacity, seed=self.sb.seed,
                                          long_sample_policy=self.sb.long_sample_policy)
         self.sampler.skip_bins(int(args.consumed_train_samples))
+        state = None
         if args.iteration > 0 and args.load:
             state = self._load_saved_state(args.load, args.iteration)
-            try:
-                self.load_state_dict(state)
-            except (ValueError, KeyError, TypeError) as e:
-                from .launch import LaunchError
-                from .state import plugin_state_path
-                raise LaunchError(f"SparseBalance state "
-                                  f"{plugin_state_path(args, args.load, args.iteration)}: "
-                                  f"{type(e).__name__}: {e}") from None
+        ahead = self.sb.plan_ahead and state is not None and state.get("ahead_basis")
+        try:
+            # plan-ahead: the first step is re-planned from the state it was planned from
+            self.load_state_dict(dict(state, **state["ahead_basis"]) if ahead else state)
+        except (ValueError, KeyError, TypeError) as e:
+            from .launch import LaunchError
+            from .state import plugin_state_path
+            raise LaunchError(f"SparseBalance state "
+                              f"{plugin_state_path(args, args.load, args.iteration)}: "
+                              f"{type(e).__name__}: {e}") from None
         if args.iteration < args.train_iters:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             self.prepare_step(args.iteration, get_num_microbatches())
+            if ahead:
+                self.load_state_dict(state)      # validated above as part of the same file
+            self._plan_ahead()
         return TrainIterator(self, self.device)
 
     def finalize_model_grads(self, inner):
@@ -169,25 +224,55 @@ class SparseBalanceCallback:
     def prepare_step(self, iteration: int, num_microbatches: int) -> None:
         """Documents, packing and budgets of ``iteration`` (collective: DST plan broadcast)."""
         t0 = time.perf_counter()
+        draft = self._draft(iteration, num_microbatches)
+        draft.basis = self._state_basis() if self.sb.plan_ahead else None
+        self._commit(draft)
+        self._overhead_s += time.perf_counter() - t0
+
+    def _draft(self, iteration: int, num_microbatches: int) -> _Draft:
+        """The step's documents, packing, latency features and (rank 0) DST plan; reads the
+        sampler, latency model and tracker, no collective (safe on the planner thread)."""
+        t0 = time.thread_time()
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * num_microbatches)
         batch = self.pack(segments, num_microbatches)
         _check_assignment(segments, batch, self.capacity)
-        plan, report = None, None
-        sb = self.sb
         units = self._units(batch)
+        payload = self._plan_dst(batch, units) \
+            if self.sb.dst_enabled and comm.rank() == 0 else None
+        return _Draft(iteration, first_bin, batch, units, payload,
+                      cpu_s=time.thread_time() - t0)
+
+    def _commit(self, draft: _Draft) -> None:
+        """The draft becomes the prepared step (collective: rank 0's DST plan is broadcast)."""
+        plan, report, sb = None, None, self.sb
         if sb.dst_enabled:
-            payload = self._plan_dst(batch, units) if comm.rank() == 0 else None
-            densities, report = comm.broadcast_object(payload, src=0)
-            plan = BudgetPlan(iteration, np.asarray(densities))
+            densities, report = comm.broadcast_object(draft.payload, src=0)
+            plan = BudgetPlan(draft.iteration, np.asarray(densities))
         elif sb.sparse_attention_enabled:
-            plan = BudgetPlan.static(iteration, sb.density, self.dp, num_microbatches,
-                                     self.layout.num_stages)
-        self._ready = PreparedStep(iteration, first_bin, batch, plan, report, units)
+            plan = BudgetPlan.static(draft.iteration, sb.density, self.dp,
+                                     draft.batch.num_microbatches, self.layout.num_stages)
+        self._ready = PreparedStep(draft.iteration, draft.first_bin, draft.batch, plan, report,
+                                   draft.units)
+        self._ready_basis = draft.basis
         if not self._layout_checked:
             self._layout_checked = True
-            self._check_layout(batch, units)
-        self._overhead_s += time.perf_counter() - t0
+            self._check_layout(draft.batch, draft.units)
+
+    def _state_basis(self) -> dict:
+        """A copy of the state plans are made from (calibration, sensitivities)."""
+        return copy.deepcopy({
+            "latency": self.latency.calibration_state() if self.latency else None,
+            "sensitivity": self.tracker.state_dict() if self.tracker else None})
+
+    def _plan_ahead(self) -> None:
+        """--sb-plan-ahead: start drafting the step after the prepared one on the planner thread,
+        from the current state (which nothing changes until ``end_step`` joins the draft)."""
+        step = self._ready
+        if not self.sb.plan_ahead or step is None or step.iteration + 1 >= self.args.train_iters:
+            return
+        m = self._num_microbatches_next(step)
+        self._planner = _Planner(lambda: self._draft(step.iteration + 1, m), self._state_basis())
 
     def _units(self, batch: BatchPlan):
         """The latency model's features of the step's packed micro-batches, built once per step
@@ -308,6 +393,9 @@ class SparseBalanceCallback:
                                       step.batch.num_microbatches * self.vp)
             # The first step of a process pays for warm-up (allocations, lazy init): no sample.
             warm = self.steps_done > 0
+        # The next step's draft read the state this step is about to change: join it first.
+        draft, self._planner = (self._planner.result() if self._planner is not None
+                                else None), None
         calib = {}
         if self.latency is not None and step.plan is not None and warm:
             calib = self._calibrate(step, measured)
@@ -316,11 +404,16 @@ class SparseBalanceCallback:
             self._update_sensitivity(step, gathered)
         self._current, self._chunks_read = None, set()
         args = self.args
-        if iteration + 1 < args.train_iters:
+        if draft is not None:
+            self._ahead_s = draft.cpu_s
+            self._commit(draft)
+            self._plan_ahead()
+        elif iteration + 1 < args.train_iters:
             self.prepare_step(iteration + 1, self._num_microbatches_next(step))
         self._overhead_s += time.perf_counter() - t0
         self.reporter.report(iteration + 1, step, gathered, measured, calib,
-                             overhead_s=self._overhead_s)
+                             overhead_s=self._overhead_s,
+                             planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None)
         self._overhead_s = 0.0
 
     def _num_microbatches_next(self, step: PreparedStep) -> int:
@@ -395,10 +488,13 @@ class SparseBalanceCallback:
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
-                "latency": self.latency.calibration_state() if self.latency else None,
-                "sensitivity": self.tracker.state_dict() if self.tracker else None,
-                "timing_source": self.sb.timing_source}
+        out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
+               "latency": self.latency.calibration_state() if self.latency else None,
+               "sensitivity": self.tracker.state_dict() if self.tracker else None,
+               "timing_source": self.sb.timing_source}
+        if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
+            out["ahead_basis"] = self._ready_basis
+        return out
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state is None:

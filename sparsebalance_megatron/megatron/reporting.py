@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from typing import Optional
 
 import numpy as np
 
@@ -103,6 +104,7 @@ def scalars(rec: dict) -> dict:
     put("latency_model/error", rec.get("latency_error"))
     put("raise_headroom", rec.get("raise_headroom"))
     put("overhead_s", rec.get("sb_overhead_s"))
+    put("planned_ahead_s", rec.get("sb_planned_ahead_s"))
     return out
 
 
@@ -141,10 +143,16 @@ class StepReporter:
         self._interval: dict = defaultdict(list)
         self.history: list = []   # records of this process (tests, scripts in the same process)
 
-    def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float):
+    def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float,
+               planned_ahead_s: Optional[float] = None):
+        """``overhead_s``: the plugin's seconds on the step's critical path (this rank);
+        ``planned_ahead_s``: CPU seconds the background draft of the next step took
+        (--sb-plan-ahead; off the critical path)."""
         work = unit_work(step.batch, self.sb)
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
                           work=work, layers=self.layout.layers)
+        if planned_ahead_s is not None:
+            rec["sb_planned_ahead_s"] = planned_ahead_s
         self.history.append(rec)
         if self.sb.metrics_file and comm.rank() == 0:
             line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,

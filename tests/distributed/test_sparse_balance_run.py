@@ -58,8 +58,8 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
 @pytest.mark.parametrize("layout", [["--decoder-first-pipeline-num-layers", "3"],
                                     ["--pipeline-model-parallel-layout", "Et|tttL"],
                                     ["--decoder-first-pipeline-num-layers", "3",
-                                     "--sb-dst-objective", "quality"]],
-                         ids=["first3", "layout-string", "first3-quality-objective"])
+                                     "--sb-dst-objective", "quality", "--sb-plan-ahead"]],
+                         ids=["first3", "layout-string", "first3-quality-objective-plan-ahead"])
 def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
                                                      tiny_latency_table_pp2, layout):
     """PP=2 with Megatron's uneven splits: the latency model predicts each stage from its own
@@ -170,6 +170,38 @@ def test_sparse_balance_resume_repeats_the_uninterrupted_run(tmp_path, small_jso
     # report their training loss, then minus each document's loss (< 0)
     assert min(min(r) for r in full[0]["unit_sensitivity"]) > 0
     assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[1:])
+
+
+@pytest.mark.reliability(area="resume", case="--sb-plan-ahead DP=2 SAB+DST run resumed at "
+                         "iteration 2 of 5 (modelled timings, one rank 2x slow)",
+                         expect="plans one step behind the state, and after --load packing, "
+                         "plans, calibration and losses equal the uninterrupted run's")
+def test_plan_ahead_lags_one_step_and_resumes_exactly(tmp_path, small_jsonl, table):
+    """--sb-plan-ahead drafts step n+1 on a background thread during step n, from the state
+    after step n-1: the first two steps plan with the length prior (no loss measured before
+    them), later ones with measured losses. A checkpoint holds the state the pending step was
+    planned from, so the resumed run re-plans it exactly."""
+    common = [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "4",
+              "--train-iters", "5", "--sb-latency-table", table, "--sb-latency-table-force",
+              "--sb-timing-source", "model", "--sb-straggler-rank", "1",
+              "--sb-straggler-slowdown", "2", "--sb-plan-ahead"]
+    run_entry(2, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
+                  "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
+    run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
+                  "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
+    full, resumed = read_metrics(tmp_path / "full.jsonl"), read_metrics(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in full] == [1, 2, 3, 4, 5]
+    assert [min(min(r) for r in row["unit_sensitivity"]) > 0 for row in full[:2]] == [True] * 2
+    assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[2:])
+    assert all(r["sb_planned_ahead_s"] > 0 for r in full[:-1])
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    assert any(r["units_cut"] for r in full[2:]), "DST never moved: nothing was compared"
+    for a, b in zip(full[2:], resumed):
+        for key in ("tokens", "mean_density", "density_per_rank", "calibration",
+                    "raise_headroom", "predicted_step_s"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
+        assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.reliability(area="resume", case="plugin state missing, then damaged, then "
