@@ -30,29 +30,17 @@ import numpy as np
 
 def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 32768,
         equal_cost_tolerances=(0.0, 0.025, 0.05, 0.1)) -> dict:
-    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
-                                                 sab_plan, unit_sensitivity)
+    from sparsebalance_megatron.batching import unit_sensitivity
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
-    from sparsebalance_megatron.experiments.layout_search import layout_gap
-    from sparsebalance_megatron.latency import LatencyModel
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.costs import stage_mean_densities, weighted_mean_density
     from sparsebalance_megatron.policy.dst import plan_dst_from_config
     from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    lm = LatencyModel.analytic(pp=4)
-    lengths = np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
-    sampler = GlobalBatchSampler(lengths, capacity=seq, dp=dp, num_microbatches=m, seed=1,
-                                 long_sample_policy="split")
-    cost_fn = latency_sample_cost_fn(lm, d0)
-    tracker = SensitivityTracker()
-    batches = [sab_plan(sampler.next_global_batch(), dp=dp, num_microbatches=m, max_tokens=seq,
-                        cost_fn=cost_fn, sensitivity=tracker, seed=1) for _ in range(steps)]
-    if layout == "best":
-        _, best = layout_gap(lm, batches[0].unit_csr(True), dp, m, lm.layout, d0)
-        lm = lm.with_layout(best)
+    corpus = corpus_steps(dp, m, d0, steps, seq=seq, layout=layout)
+    lm, batches, tracker = corpus.lm, corpus.plans, corpus.tracker
     layers = lm.layout.layers
     quality = StageQuality.from_cost(load_quality_cost(), layers, d0)
     variants = {f"{obj}/{rt}": SparseBalanceConfig(sparse_balance=True, density=d0,

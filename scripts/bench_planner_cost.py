@@ -54,27 +54,19 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
                                                  sab_plan, unit_sensitivity)
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
-    from sparsebalance_megatron.experiments.layout_search import layout_gap
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.reporting import unit_work
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.dst import plan_dst_from_config
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    lengths = np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
-    sampler = GlobalBatchSampler(lengths, capacity=seq, dp=dp, num_microbatches=m, seed=1,
-                                 long_sample_policy="split")
-    batches = [sampler.next_global_batch() for _ in range(repeats + 1)]
     sb = SparseBalanceConfig(sparse_balance=True)
+    corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout,
+                          pp=lm.layout.pp)
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    cost_fn = latency_sample_cost_fn(lm, sb.density)
+    cost_fn = latency_sample_cost_fn(lm, sb.density)      # packing as corpus_steps packs
+    batches, lm = corpus.segments, corpus.lm
     tracker = SensitivityTracker()
-    if layout == "best":
-        first = sab_plan(batches[0], dp=dp, num_microbatches=m, max_tokens=seq,
-                         cost_fn=cost_fn, sensitivity=tracker, seed=1)
-        _, best = layout_gap(lm, first.unit_csr(with_padding=True), dp, m, lm.layout,
-                             sb.density)
-        lm = lm.with_layout(best)
     names = ("sab_plan", "features + UnitCosts.from_latency", "sensitivity + DST",
              "after the step: busy_s + unit_work")
     parts = {k: [] for k in names}
@@ -88,7 +80,7 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
         costs = UnitCosts.from_latency(lm, feats, dp, m, grid)
         t.append(time.thread_time())
         dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
-                                   p2p_s=lm.p2p_s)
+                                   p2p_s=lm.p2p_s, stage_layers=lm.layout.layers)
         t.append(time.thread_time())
         lm.busy_s(feats, dst.densities)
         unit_work(plan, sb)

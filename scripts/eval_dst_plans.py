@@ -29,25 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def plans_for(dp: int, m: int, d0: float, layout: str, seed: int = 1):
     """{variant: densities [dp, m, stages]} of one step, and the stage layer counts."""
-    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
-                                                 sab_plan, unit_sensitivity)
+    from sparsebalance_megatron.batching import unit_sensitivity
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
-    from sparsebalance_megatron.experiments.layout_search import layout_gap
-    from sparsebalance_megatron.latency import LatencyModel
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.dst import plan_dst_from_config
 
-    lm = LatencyModel.analytic(pp=4)
-    lengths = np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
-    sampler = GlobalBatchSampler(lengths, capacity=32768, dp=dp, num_microbatches=m, seed=seed,
-                                 long_sample_policy="split")
-    tracker = SensitivityTracker()
-    plan = sab_plan(sampler.next_global_batch(), dp=dp, num_microbatches=m, max_tokens=32768,
-                    cost_fn=latency_sample_cost_fn(lm, d0), sensitivity=tracker, seed=seed)
-    if layout == "best":
-        _, best = layout_gap(lm, plan.unit_csr(True), dp, m, lm.layout, d0)
-        lm = lm.with_layout(best)
+    run = corpus_steps(dp, m, d0, layout=layout, seed=seed)
+    lm, plan, tracker = run.lm, run.plans[0], run.tracker
     costs = UnitCosts.from_latency(lm, lm.unit_features(plan.unit_csr(True)), dp, m,
                                    density_grid(d0, 0.125, 1.0))
     sens = unit_sensitivity(plan.micro_batches, tracker)

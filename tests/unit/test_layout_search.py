@@ -158,3 +158,17 @@ def test_cli_without_megatrons_even_split(capsys):
     out = capsys.readouterr().out
     assert "default split does not exist for 7 layers" in out
     assert "--decoder-" in out
+
+
+def test_corpus_steps_pack_every_segment_and_pick_the_layout():
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
+
+    run = corpus_steps(2, 4, 0.5, 2, seq=8192, layout="best")
+    assert len(run.plans) == len(run.segments) == 2
+    for segs, plan in zip(run.segments, run.plans):        # every segment packed once
+        assert sorted(plan.segments()) == sorted(segs)
+    even = corpus_steps(2, 4, 0.5, 1, seq=8192)
+    assert tuple(even.lm.layout.layers) == (6, 6, 6, 6)
+    assert tuple(run.lm.layout.layers) != (6, 6, 6, 6)   # the LM-head stage takes fewer
+    with pytest.raises(ValueError, match="layout='diag': expected one of even, best"):
+        corpus_steps(2, 4, 0.5, layout="diag")
