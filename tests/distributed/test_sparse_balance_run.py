@@ -139,6 +139,18 @@ def test_broken_latency_table_stops_before_step_one(tmp_path, small_jsonl, table
     assert not (tmp_path / "m.jsonl").exists()  # no step ran
 
 
+def assert_resumed_like_uninterrupted(full: list, resumed: list) -> None:
+    """The resumed run's steps equal the uninterrupted run's same steps: packing, plans,
+    calibration, headroom, losses and sensitivities."""
+    assert any(r["units_cut"] for r in full), "DST never moved: nothing was compared"
+    for a, b in zip(full, resumed, strict=True):
+        for key in ("tokens", "mean_density", "density_per_rank", "calibration",
+                    "raise_headroom", "predicted_step_s"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
+        assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)
+
+
 @pytest.mark.reliability(area="resume", case="DP=2 SAB+DST run resumed at iteration 2 of 4 "
                          "(modelled timings, one rank 2x slow)", expect="packing, plans, "
                          "calibration and losses equal the uninterrupted run's")
@@ -159,13 +171,7 @@ def test_sparse_balance_resume_repeats_the_uninterrupted_run(tmp_path, small_jso
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
     full, resumed = read_metrics(tmp_path / "full.jsonl"), read_metrics(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in resumed] == [3, 4]
-    assert any(r["units_cut"] for r in full[2:]), "DST never moved: nothing was compared"
-    for a, b in zip(full[2:], resumed):
-        for key in ("tokens", "mean_density", "density_per_rank", "calibration",
-                    "raise_headroom", "predicted_step_s"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
-        assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)
+    assert_resumed_like_uninterrupted(full[2:], resumed)
     # the default sensitivity signal: the length prior (> 0) until the first step's documents
     # report their training loss, then minus each document's loss (< 0)
     assert min(min(r) for r in full[0]["unit_sensitivity"]) > 0
@@ -195,13 +201,7 @@ def test_plan_ahead_lags_one_step_and_resumes_exactly(tmp_path, small_jsonl, tab
     assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[2:])
     assert all(r["sb_planned_ahead_s"] > 0 for r in full[:-1])
     assert [r["step"] for r in resumed] == [3, 4, 5]
-    assert any(r["units_cut"] for r in full[2:]), "DST never moved: nothing was compared"
-    for a, b in zip(full[2:], resumed):
-        for key in ("tokens", "mean_density", "density_per_rank", "calibration",
-                    "raise_headroom", "predicted_step_s"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
-        assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)
+    assert_resumed_like_uninterrupted(full[2:], resumed)
 
 
 @pytest.mark.reliability(area="resume", case="plugin state missing, then damaged, then "
