@@ -41,7 +41,7 @@ def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
 
 
 def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5,
-                  layout: str = "even") -> dict:
+                  layout: str = "even", objective: str = "density") -> dict:
     """The plugin's per-step CPU work at scale, in the runtime's order and with its calls, on the
     built-in corpus: SAB packing of a global batch; the latency model's features of the packed
     step and its unit costs; the micro-batch sensitivities and the runtime's DST call; after the
@@ -60,7 +60,7 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     from sparsebalance_megatron.policy.dst import plan_dst_from_config
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    sb = SparseBalanceConfig(sparse_balance=True)
+    sb = SparseBalanceConfig(sparse_balance=True, dst_objective=objective)
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout,
                           pp=lm.layout.pp)
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
@@ -156,6 +156,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
+    p.add_argument("--dst-objective", default="density", choices=["density", "quality"],
+                   help="DST's objective in the per-step rows (--sb-dst-objective)")
     args = p.parse_args(argv)
 
     rng = np.random.default_rng(7)
@@ -172,7 +174,8 @@ def main(argv=None) -> int:
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
     predict_ms = _median_ms(lambda: lm.predict_many(units, d, 1), 5)
 
-    steps = {lay: step_overhead(lm, layout=lay) for lay in ("even", "best")}
+    steps = {lay: step_overhead(lm, layout=lay, objective=args.dst_objective)
+             for lay in ("even", "best")}
     rows = [("plan_dst 64 x 16 x 4", plan_ms, 10.0),
             ("predict_many 4,096 x 32K (pp 4)", predict_ms, 250.0)]
     for lay, step in steps.items():
@@ -201,7 +204,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(),
-                       "clock": "thread CPU time", "steps": steps,
+                       "clock": "thread CPU time", "dst_objective": args.dst_objective,
+                       "steps": steps,
                        "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]},
                       f, indent=1)
     return 0
