@@ -112,7 +112,9 @@ class SparseBalanceConfig:
         "floors; cuts take the least sensitive micro-batches first) or 'quality' (cuts and "
         "raises go where density buys the most predicted quality per attention-second under the "
         "measured convex quality cost --sb-quality-cost, and a plan may not lose predicted LM "
-        "loss against uniform --sb-density; the floors still apply; plans about 3x slower).",
+        "loss against uniform --sb-density; the density objective's plan competes and the one "
+        "the quality cost prefers at the same speed is kept; the floors still apply; plans "
+        "1.5-4x slower, off the critical path with --sb-plan-ahead).",
         choices=DST_OBJECTIVES)
     quality_cost: Optional[str] = _f(
         None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"

@@ -53,6 +53,7 @@ from .slack import event_float_s
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 _REL_EPS = 1e-9           # float slack when comparing makespans
+SPEED_TIE = 1e-3          # quality objective: plans within 0.1% of the fastest count as as fast
 
 
 @dataclass
@@ -475,8 +476,37 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     ``quality`` (a ``policy.quality.StageQuality``: ``--sb-dst-objective quality``): cuts and
     raises by quality water-filling (where density buys the most predicted quality per second),
     and a plan must also not lose predicted quality against uniform d0 (its raises pay its cuts
-    back under the measured convex cost); the fastest plan that does is kept.
+    back under the measured convex cost); the fastest plan that does is kept. Water-filling
+    places each phase's cuts and raises best, but the two phases interact through the pipeline's
+    floats (a cut spread over many micro-batches can leave less room to raise elsewhere), so the
+    density objective's plan competes too: of the two, the one with the lower predicted quality
+    cost among those within ``SPEED_TIE`` of the faster one's step time is returned.
     """
+    if quality is not None:
+        kw = dict(anchor=anchor, tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
+                  search_steps=search_steps, raise_headroom=raise_headroom,
+                  stage_density_floor=stage_density_floor, raise_to=raise_to)
+        filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
+        ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, **kw)
+        ordered.report.quality_cost = quality.plan_cost(ordered.densities)
+        fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
+        fastest = min(p.report.step_time_planned_s for p in fair)
+        return min((p for p in fair if p.report.step_time_planned_s
+                    <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
+    return _plan_with_floor(costs, sensitivity, d0, d_min, d_max, anchor=anchor,
+                            tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
+                            search_steps=search_steps, raise_headroom=raise_headroom,
+                            stage_density_floor=stage_density_floor, raise_to=raise_to)
+
+
+def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
+                     d_min: float, d_max: float, anchor: str = "mean",
+                     tolerance: float = 0.1, p2p_s: float = 0.0,
+                     density_floor: float = 0.0, search_steps: int = 6,
+                     raise_headroom: float = 0.0,
+                     stage_density_floor: float = 0.0,
+                     raise_to: str = "bottleneck", quality=None) -> DSTPlan:
+    """``plan_dst_with_floor`` for one objective (``quality`` None: density order)."""
     static: dict = {}
 
     def plans(cands):

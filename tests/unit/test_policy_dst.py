@@ -7,6 +7,7 @@ import pytest
 
 from sparsebalance_megatron.policy import (UnitCosts, density_grid, plan_dst,
                                            weighted_mean_density)
+from sparsebalance_megatron.policy.dst import SPEED_TIE
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
@@ -384,7 +385,42 @@ def test_quality_objective_keeps_predicted_quality_and_speed():
         dens = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
                                    stage_density_floor=0.75)
         cheaper += q.plan_cost(plan.densities) < q.plan_cost(dens.densities) - 1e-9
+        # never slower (beyond the tie) and costlier than the density objective's plan
+        t_q, t_d = step_time_of(costs, plan.densities), step_time_of(costs, dens.densities)
+        if q.plan_cost(dens.densities) <= 1e-12:
+            assert t_q <= t_d * (1 + SPEED_TIE) + 1e-12
+            assert t_q < t_d or q.plan_cost(plan.densities) <= q.plan_cost(dens.densities) + 1e-12
     assert cheaper >= 3
+
+
+def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
+    """Water-filling spreads the LM-head stage's cut over many micro-batches, which can leave
+    less room to raise the other stages than the order rule's concentrated cut: then the
+    quality objective returns the order plan, which the quality cost prefers."""
+    from sparsebalance_megatron.policy import plan_dst_with_floor
+    from sparsebalance_megatron.policy.dst import _plan_with_floor
+    rng = np.random.default_rng(11)
+    swapped = 0
+    for case in range(40):
+        dp, m, pp = int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(2, 5))
+        costs = synthetic_costs(dp, m, pp, seed=900 + case, lm_head=float(rng.uniform(0.3, 3)))
+        sens, q = rng.random((dp, m)), _quality(pp)
+        kw = dict(density_floor=0.9, stage_density_floor=0.75, raise_to="static")
+        filled = _plan_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
+        order = _plan_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
+        plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
+        c_f, c_o = q.plan_cost(filled.densities), q.plan_cost(order.densities)
+        t_f, t_o = filled.report.step_time_planned_s, order.report.step_time_planned_s
+        if c_o > 1e-12 or t_o > t_f * (1 + SPEED_TIE):      # order plan not eligible / slower
+            want = filled
+        elif t_f > t_o * (1 + SPEED_TIE):                    # water-filling slower
+            want = order
+        else:                                                # as fast: the cheaper one
+            want = order if c_o < c_f else filled
+        assert np.array_equal(plan.densities, want.densities)
+        assert plan.report.quality_cost == pytest.approx(q.plan_cost(want.densities))
+        swapped += want is order and c_o < c_f - 1e-9
+    assert swapped >= 1
 
 
 def test_quality_objective_from_config_needs_the_stage_layers():
