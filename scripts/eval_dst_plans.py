@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run real DST plans on a real model: the LM loss of each objective's plan, paired.
+"""Run real DST plans on a real model: the LM loss and needle retrieval of each plan, paired.
 
 Plans come from the simulator setup of ``bench_dst_quality.py`` (built-in corpus, SAB, analytic
 Qwen2.5-0.5B PP4 table, one step at d0). A plan's unit (DP rank, micro-batch) gives a density per
@@ -9,6 +9,7 @@ kernel reports. Every unit of every plan runs (a density vector shared by severa
 runs once) on the same text windows; a plan's loss change against uniform d0 is the mean over
 its units, paired per window across plans (mean and standard error over windows). Also: how
 well the quality cost model (``policy.quality``) predicts each allocation's measured change.
+``--plans-from`` takes the plans of real runs instead (their ``--sb-metrics-file``).
 
     .venv/bin/python scripts/eval_dst_plans.py --json docs/results/dst_plans_smollm2.json
 """
@@ -50,6 +51,33 @@ def plans_for(dp: int, m: int, d0: float, layout: str, seed: int = 1):
     return out, lm.layout
 
 
+def plans_from(specs) -> tuple:
+    """{name: densities [steps x dp, m, stages]} of real runs, from ``NAME=FILE`` specs naming
+    ``--sb-metrics-file`` outputs (every step's per-unit plan), and the runs' stage layers (one
+    pipeline layout for all)."""
+    from sparsebalance_megatron.latency.layout import PipelineLayout
+
+    out, layers = {}, None
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--plans-from {spec!r}: expected NAME=METRICS.jsonl")
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        rows = [r for r in rows if r.get("densities") is not None]
+        if not rows:
+            raise SystemExit(f"--plans-from {spec!r}: no step with per-unit densities (run with "
+                             f"--sb-metrics-file and DST on)")
+        lay = tuple(int(x) for x in rows[0]["layers_per_stage"])
+        if layers not in (None, lay):
+            raise SystemExit(f"--plans-from {spec!r}: stage layers {list(lay)}, the other runs "
+                             f"have {list(layers)}: one pipeline layout expected")
+        layers = lay
+        out[name] = np.concatenate([np.asarray(r["densities"], dtype=np.float64)
+                                    for r in rows])
+    return out, PipelineLayout(len(layers), 1, layers)
+
+
 def layer_densities(stage_d, stage_layers, n_layers: int) -> dict:
     """{layer: density} of a model with n_layers: each layer at its relative depth's stage."""
     edges = np.cumsum(stage_layers) / float(np.sum(stage_layers))
@@ -83,6 +111,9 @@ def main(argv=None) -> int:
                     help="needle prompts (needle_single, needle_multikey alternating; 0: none)")
     ap.add_argument("--retrieval-length", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--plans-from", nargs="+", default=None, metavar="NAME=METRICS.jsonl",
+                    help="plans of real runs (their --sb-metrics-file, every step) instead of "
+                         "the simulator's; --d0 must be the runs' --sb-density")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.windows < 2 or args.retrieval_samples < 0:
@@ -93,7 +124,8 @@ def main(argv=None) -> int:
     from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
 
     t0 = time.perf_counter()
-    plans, layout = plans_for(args.dp, args.microbatches, args.d0, args.layout)
+    plans, layout = plans_from(args.plans_from) if args.plans_from else \
+        plans_for(args.dp, args.microbatches, args.d0, args.layout)
     quality = StageQuality.from_cost(load_quality_cost(), layout.layers, args.d0)
     model, tok, budget, n_layers = load_model(None, args.d0, args.block_size)
     wins = windows_of(tok, args.text, args.windows, args.window_tokens)
