@@ -482,30 +482,25 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     density objective's plan competes too: of the two, the one with the lower predicted quality
     cost among those within ``SPEED_TIE`` of the faster one's step time is returned.
     """
-    if quality is not None:
-        kw = dict(anchor=anchor, tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
-                  search_steps=search_steps, raise_headroom=raise_headroom,
-                  stage_density_floor=stage_density_floor, raise_to=raise_to)
-        filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
-        ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, **kw)
-        ordered.report.quality_cost = quality.plan_cost(ordered.densities)
-        fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
-        fastest = min(p.report.step_time_planned_s for p in fair)
-        return min((p for p in fair if p.report.step_time_planned_s
-                    <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
-    return _plan_with_floor(costs, sensitivity, d0, d_min, d_max, anchor=anchor,
-                            tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
-                            search_steps=search_steps, raise_headroom=raise_headroom,
-                            stage_density_floor=stage_density_floor, raise_to=raise_to)
+    kw = dict(anchor=anchor, tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
+              search_steps=search_steps, raise_headroom=raise_headroom,
+              stage_density_floor=stage_density_floor, raise_to=raise_to)
+    ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, **kw)
+    if quality is None:
+        return ordered
+    filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
+    ordered.report.quality_cost = quality.plan_cost(ordered.densities)
+    fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
+    fastest = min(p.report.step_time_planned_s for p in fair)
+    return min((p for p in fair if p.report.step_time_planned_s
+                <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
 
 
 def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
-                     d_min: float, d_max: float, anchor: str = "mean",
-                     tolerance: float = 0.1, p2p_s: float = 0.0,
-                     density_floor: float = 0.0, search_steps: int = 6,
-                     raise_headroom: float = 0.0,
-                     stage_density_floor: float = 0.0,
-                     raise_to: str = "bottleneck", quality=None) -> DSTPlan:
+                     d_min: float, d_max: float, *, anchor: str, tolerance: float,
+                     p2p_s: float, density_floor: float, search_steps: int,
+                     raise_headroom: float, stage_density_floor: float, raise_to: str,
+                     quality=None) -> DSTPlan:
     """``plan_dst_with_floor`` for one objective (``quality`` None: density order)."""
     static: dict = {}
 

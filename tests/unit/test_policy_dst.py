@@ -405,9 +405,10 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
         dp, m, pp = int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(2, 5))
         costs = synthetic_costs(dp, m, pp, seed=900 + case, lm_head=float(rng.uniform(0.3, 3)))
         sens, q = rng.random((dp, m)), _quality(pp)
-        kw = dict(density_floor=0.9, stage_density_floor=0.75, raise_to="static")
+        kw = dict(anchor="mean", tolerance=0.1, p2p_s=0.0, density_floor=0.9, search_steps=6,
+                  raise_headroom=0.0, stage_density_floor=0.75, raise_to="static")
         filled = _plan_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
-        order = _plan_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
+        order = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
         plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
         c_f, c_o = q.plan_cost(filled.densities), q.plan_cost(order.densities)
         t_f, t_o = filled.report.step_time_planned_s, order.report.step_time_planned_s
