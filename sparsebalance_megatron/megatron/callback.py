@@ -259,11 +259,14 @@ class SparseBalanceCallback:
             self._layout_checked = True
             self._check_layout(draft.batch, draft.units)
 
+    def _planning_state(self) -> dict:
+        """The state plans are made from: latency calibration and sensitivities."""
+        return {"latency": self.latency.calibration_state() if self.latency else None,
+                "sensitivity": self.tracker.state_dict() if self.tracker else None}
+
     def _state_basis(self) -> dict:
-        """A copy of the state plans are made from (calibration, sensitivities)."""
-        return copy.deepcopy({
-            "latency": self.latency.calibration_state() if self.latency else None,
-            "sensitivity": self.tracker.state_dict() if self.tracker else None})
+        """A copy of ``_planning_state`` that later steps do not change (plan-ahead)."""
+        return copy.deepcopy(self._planning_state())
 
     def _plan_ahead(self) -> None:
         """--sb-plan-ahead: start drafting the step after the prepared one on the planner thread,
@@ -461,18 +464,20 @@ class SparseBalanceCallback:
 
     def _pop_doc_losses(self) -> dict:
         """{doc_id: [loss sum, tokens]} of this rank's step (a document split over micro-batches
-        summed), moved to the host once."""
-        pairs = [{d: (s_, n)} for docs, sums, tokens in self._doc_losses
-                 for d, s_, n in zip(docs, sums.float().cpu().tolist(),
-                                     tokens.float().cpu().tolist())]
-        self._doc_losses = []
-        return _sum_pairs(pairs)
+        summed), moved to the host in one transfer."""
+        parts, self._doc_losses = self._doc_losses, []
+        if not parts:
+            return {}
+        ids = [d for docs, _, _ in parts for d in docs]
+        sums = torch.cat([torch.stack([s.float(), n.float()], dim=1) for _, s, n in parts])
+        return _sum_by_doc((d, s_, n) for d, (s_, n) in zip(ids, sums.cpu().tolist()))
 
     def _update_sensitivity(self, step: PreparedStep, gathered) -> None:
         values: dict[int, float] = {}
         if self.signal == "loss":
-            sums = _sum_pairs(g["doc_loss"] for g in sorted(gathered,
-                                                            key=lambda g: (g["dp"], g["pp"])))
+            ranks = sorted(gathered, key=lambda g: (g["dp"], g["pp"]))
+            sums = _sum_by_doc((d, s_, n) for g in ranks
+                               for d, (s_, n) in sorted(g["doc_loss"].items()))
             values = {d: s_ / n for d, (s_, n) in sums.items() if n > 0}
         else:
             recalls: dict[int, list] = {}
@@ -489,9 +494,7 @@ class SparseBalanceCallback:
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
-               "latency": self.latency.calibration_state() if self.latency else None,
-               "sensitivity": self.tracker.state_dict() if self.tracker else None,
-               "timing_source": self.sb.timing_source}
+               **self._planning_state(), "timing_source": self.sb.timing_source}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self._ready_basis
         return out
@@ -580,15 +583,14 @@ def _min_kept(records: list, stage_of) -> dict:
     return out
 
 
-def _sum_pairs(dicts) -> dict:
-    """{doc_id: [loss sum, tokens]} summed over dicts of {doc_id: (loss sum, tokens)}, in key
+def _sum_by_doc(triples) -> dict:
+    """{doc_id: [loss sum, tokens]} summed over (doc_id, loss sum, tokens) triples, in their
     order (a document split over micro-batches or ranks counts once, whole)."""
     out: dict[int, list] = {}
-    for part in dicts:
-        for doc_id, (s_, n) in sorted(part.items()):
-            acc = out.setdefault(int(doc_id), [0.0, 0.0])
-            acc[0] += s_
-            acc[1] += n
+    for doc_id, s_, n in triples:
+        acc = out.setdefault(int(doc_id), [0.0, 0.0])
+        acc[0] += s_
+        acc[1] += n
     return out
 
 

@@ -366,4 +366,3 @@ def document_sums(values, mask, cu_seqlens, n_docs: int):
     cmask = torch.cat([zero, torch.cumsum(mask, 0)])
     lo, hi = cu[:n_docs], cu[1:n_docs + 1]
     return csum[hi] - csum[lo], cmask[hi] - cmask[lo]
-

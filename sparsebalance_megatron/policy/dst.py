@@ -471,7 +471,7 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     plan): 4^rounds sub-intervals, as fine as ``2 x rounds`` bisection steps in half the passes.
     The resolution matters: near the floor, speed falls steeply as the band widens (a 5^2 grid
     instead of 4^3 lost 4% of the step at 64 DP x 16 x PP4). The static plan's simulation is
-    shared by the passes.
+    shared by the passes (and by both objectives' plans).
 
     ``quality`` (a ``policy.quality.StageQuality``: ``--sb-dst-objective quality``): cuts and
     raises by quality water-filling (where density buys the most predicted quality per second),
@@ -484,7 +484,8 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     """
     kw = dict(anchor=anchor, tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
               search_steps=search_steps, raise_headroom=raise_headroom,
-              stage_density_floor=stage_density_floor, raise_to=raise_to)
+              stage_density_floor=stage_density_floor, raise_to=raise_to,
+              static={})                    # the static plan's simulation, shared by all passes
     ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, **kw)
     if quality is None:
         return ordered
@@ -500,9 +501,9 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
                      d_min: float, d_max: float, *, anchor: str, tolerance: float,
                      p2p_s: float, density_floor: float, search_steps: int,
                      raise_headroom: float, stage_density_floor: float, raise_to: str,
-                     quality=None) -> DSTPlan:
-    """``plan_dst_with_floor`` for one objective (``quality`` None: density order)."""
-    static: dict = {}
+                     static: dict, quality=None) -> DSTPlan:
+    """``plan_dst_with_floor`` for one objective (``quality`` None: density order); ``static``:
+    the ``_static`` cache of ``plan_dst_candidates`` (the same costs)."""
 
     def plans(cands):
         found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
@@ -563,7 +564,7 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
     if raise_headroom is None:
         raise_headroom = DEFAULT_RAISE_HEADROOM
     quality = None
-    if getattr(config, "dst_objective", "density") == "quality":
+    if config.dst_objective == "quality":
         from .quality import StageQuality, load_quality_cost
         if stage_layers is None or len(stage_layers) != costs.shape[2]:
             raise ValueError(f"--sb-dst-objective quality needs the decoder layers of each of "

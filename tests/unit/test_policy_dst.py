@@ -407,7 +407,7 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
         sens, q = rng.random((dp, m)), _quality(pp)
         kw = dict(anchor="mean", tolerance=0.1, p2p_s=0.0, density_floor=0.9, search_steps=6,
                   raise_headroom=0.0, stage_density_floor=0.75, raise_to="static")
-        filled = _plan_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
+        filled = _plan_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, static={}, **kw)
         order = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
         plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
         c_f, c_o = q.plan_cost(filled.densities), q.plan_cost(order.densities)
