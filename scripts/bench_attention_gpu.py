@@ -85,7 +85,8 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
         scale = hn ** -0.5
         # the last run: density 0.25 without the sink block (the dK/dV kernel walks a sink
         # block's whole column of query blocks in one program: how much does that tail cost?)
-        for d, sink in [(d, 1) for d in densities] + [(0.25, 0)]:
+        extra = [(0.25, 0)] if 0.25 in densities else []
+        for d, sink in [(d, 1) for d in densities] + extra:
             def ours(d=d, sink=sink):
                 out, _ = block_sparse_attention(q, k, v, [0, t], d, block_size=block_size,
                                                 backend="flex", cache=cache, sink_blocks=sink)
@@ -129,12 +130,16 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
 
 def print_table(rows, device):
     print(f"device: {device}; torch {torch.__version__}")
-    print("| seq_len | density | sink | ours ms | cuDNN ms | flash ms | ours / dense | select ms "
-          "| select / dense | mask ms | kernel ms | kept |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| variant | seq_len | density | sink | ours ms | cuDNN ms | flash ms | ours / dense "
+          "| select ms | select / dense | mask ms | kernel ms | kept |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda x: "-" if x is None else f"{x:.2f}"     # noqa: E731
     for r in rows:
-        print(f"| {r['seq_len']} | {r['density']} | {r['sink_blocks']} | {f(r['ours_ms'])} | "
+        if "failed" in r:
+            print(f"| variant {r['variant']} failed: {r['failed'][:120]} |")
+            continue
+        print(f"| {r['variant']} | {r['seq_len']} | {r['density']} | {r['sink_blocks']} | "
+              f"{f(r['ours_ms'])} | "
               f"{f(r['dense_cudnn_ms'])} | {f(r['dense_flash_ms'])} | "
               f"{r['ratio_vs_dense']:.3f} | {f(r['select_ms'])} | {r['select_vs_dense']:.3f} "
               f"| {f(r['mask_ms'])} | {f(r['kernel_ms'])} | {r['density_kept']:.3f} |")
@@ -145,13 +150,43 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                    help="also run with flex tuning JSON {\"kernel_options\": {...}, "
+                         "\"mode\": \"max-autotune-no-cudagraphs\"} (repeatable); the "
+                         "default configuration runs first as 'default'")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs CUDA (the CPU benchmark is scripts/bench_attention.py)",
               file=sys.stderr)
         return 2
-    rows = bench(args.seq_lens, block_size=args.block_size, reps=args.reps)
+    from sparsebalance_megatron.attention.flex import set_flex_tuning
+    variants = [("default", {})]
+    for v in args.variant:
+        name, _, spec = v.partition("=")
+        try:
+            cfg = json.loads(spec)
+        except json.JSONDecodeError as e:
+            ap.error(f"--variant {v!r}: expected NAME=JSON ({e})")
+        if not isinstance(cfg, dict) or set(cfg) - {"kernel_options", "mode"}:
+            ap.error(f"--variant {v!r}: expected keys kernel_options and/or mode")
+        variants.append((name, cfg))
+    rows = []
+    for name, cfg in variants:
+        set_flex_tuning(cfg.get("kernel_options"), cfg.get("mode"))
+        try:
+            got = bench(args.seq_lens, block_size=args.block_size, reps=args.reps,
+                        densities=args.densities)
+        except Exception as e:   # noqa: BLE001 - a tile configuration that does not compile
+            print(f"variant {name}: failed: {type(e).__name__}: {str(e)[:300]}",
+                  file=sys.stderr)
+            got = [dict(variant=name, failed=f"{type(e).__name__}: {str(e)[:300]}")]
+        for r in got:
+            r.setdefault("variant", name)
+            r["tuning"] = cfg
+        rows += got
+    set_flex_tuning()
     device = torch.cuda.get_device_name()
     print_table(rows, device)
     if args.json:
@@ -159,7 +194,7 @@ def main(argv=None) -> int:
             json.dump({"device": device, "torch": torch.__version__, "dtype": "bfloat16",
                        "heads": [8, 2, 128], "command": " ".join(sys.argv),
                        "results": rows}, fh, indent=1)
-    return 0
+    return 1 if any("failed" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

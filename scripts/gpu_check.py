@@ -170,7 +170,7 @@ def run_steps(steps, out_dir, deadline):
             if rc == 0:
                 rows = json.load(open(path))["results"]
                 res["rows"] = rows
-                at = [r for r in rows if r["seq_len"] == 32768 and r["density"] == 0.25
+                at = [r for r in rows if r.get("seq_len") == 32768 and r["density"] == 0.25
                       and r["sink_blocks"] == 1]
                 if at:
                     res["ratio_32k_d025"] = at[0]["ratio_vs_dense"]

@@ -38,6 +38,8 @@ from .blocks import BlockLayout
 from .selection import BlockSelection
 
 _COMPILED = {}
+# kernel tuning (``set_flex_tuning``): extra flex ``kernel_options`` and the torch.compile mode
+_TUNING = {"kernel_options": {}, "mode": None}
 
 
 def flex_available() -> bool:
@@ -48,12 +50,25 @@ def flex_available() -> bool:
     return True
 
 
+def set_flex_tuning(kernel_options=None, mode=None) -> None:
+    """Extra FlexAttention ``kernel_options`` (tile sizes, warps, stages, flags such as
+    ``ROWS_GUARANTEED_SAFE``) and the ``torch.compile`` mode (e.g. ``"max-autotune-no-cudagraphs"``,
+    which benchmarks flex's tile configurations once per shape) for every later call."""
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise ValueError(f"kernel_options={kernel_options!r}: expected a dict or None")
+    _TUNING["kernel_options"] = dict(kernel_options or {})
+    if mode != _TUNING["mode"]:
+        _COMPILED.clear()
+    _TUNING["mode"] = mode
+
+
 def _flex_fn(compile_backend):
     from torch.nn.attention.flex_attention import flex_attention
     if compile_backend is None:
         return flex_attention
     if compile_backend not in _COMPILED:
-        _COMPILED[compile_backend] = torch.compile(flex_attention, backend=compile_backend)
+        kw = {"mode": _TUNING["mode"]} if _TUNING["mode"] else {}
+        _COMPILED[compile_backend] = torch.compile(flex_attention, backend=compile_backend, **kw)
     return _COMPILED[compile_backend]
 
 
@@ -178,6 +193,8 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
         # default tiles are up to 128 wide; they must divide the sparse block size
         kernel_options = {"BLOCK_M": bs, "BLOCK_N": bs, "BLOCK_M1": min(bs, 32),
                           "BLOCK_N1": bs, "BLOCK_M2": bs, "BLOCK_N2": min(bs, 32)}
+    if _TUNING["kernel_options"]:
+        kernel_options = {**(kernel_options or {}), **_TUNING["kernel_options"]}
     if compile_backend is not None:
         # the list widths follow the budget and the longest document: one graph for all
         for t in (block_mask.kv_indices, block_mask.full_kv_indices, block_mask.q_indices,
