@@ -153,7 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="also run with flex tuning JSON {\"kernel_options\": {...}, "
-                         "\"mode\": \"max-autotune-no-cudagraphs\"} (repeatable); the "
+                         "\"mode\": \"max-autotune-no-cudagraphs\", \"split_blocks\": 0} "
+                         "(repeatable; split_blocks 0: no sink split); the "
                          "default configuration runs first as 'default'")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
         print("error: needs CUDA (the CPU benchmark is scripts/bench_attention.py)",
               file=sys.stderr)
         return 2
-    from sparsebalance_megatron.attention.flex import set_flex_tuning
+    from sparsebalance_megatron.attention.flex import SPLIT_BLOCKS, set_flex_tuning
     variants = [("default", {})]
     for v in args.variant:
         name, _, spec = v.partition("=")
@@ -169,12 +170,13 @@ def main(argv=None) -> int:
             cfg = json.loads(spec)
         except json.JSONDecodeError as e:
             ap.error(f"--variant {v!r}: expected NAME=JSON ({e})")
-        if not isinstance(cfg, dict) or set(cfg) - {"kernel_options", "mode"}:
-            ap.error(f"--variant {v!r}: expected keys kernel_options and/or mode")
+        if not isinstance(cfg, dict) or set(cfg) - {"kernel_options", "mode", "split_blocks"}:
+            ap.error(f"--variant {v!r}: expected keys kernel_options, mode, split_blocks")
         variants.append((name, cfg))
     rows = []
     for name, cfg in variants:
-        set_flex_tuning(cfg.get("kernel_options"), cfg.get("mode"))
+        set_flex_tuning(cfg.get("kernel_options"), cfg.get("mode"),
+                        cfg.get("split_blocks", SPLIT_BLOCKS))
         try:
             got = bench(args.seq_lens, block_size=args.block_size, reps=args.reps,
                         densities=args.densities)

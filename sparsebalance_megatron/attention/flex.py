@@ -32,14 +32,17 @@ per block pair and KV group), because eager flex applies only mask_mod.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .blocks import BlockLayout
 from .selection import BlockSelection
 
 _COMPILED = {}
-# kernel tuning (``set_flex_tuning``): extra flex ``kernel_options`` and the torch.compile mode
-_TUNING = {"kernel_options": {}, "mode": None}
+SPLIT_BLOCKS = 16
+"""Default run length of the sink split (``_sink_split``): query blocks per sink copy."""
+# set_flex_tuning: extra flex kernel_options, the torch.compile mode, the sink split's run length
+_TUNING = {"kernel_options": {}, "mode": None, "split_blocks": SPLIT_BLOCKS}
 
 
 def flex_available() -> bool:
@@ -50,12 +53,16 @@ def flex_available() -> bool:
     return True
 
 
-def set_flex_tuning(kernel_options=None, mode=None) -> None:
+def set_flex_tuning(kernel_options=None, mode=None, split_blocks=SPLIT_BLOCKS) -> None:
     """Extra FlexAttention ``kernel_options`` (tile sizes, warps, stages, flags such as
-    ``ROWS_GUARANTEED_SAFE``) and the ``torch.compile`` mode (e.g. ``"max-autotune-no-cudagraphs"``,
-    which benchmarks flex's tile configurations once per shape) for every later call."""
+    ``ROWS_GUARANTEED_SAFE``), the ``torch.compile`` mode (e.g. ``"max-autotune-no-cudagraphs"``,
+    which benchmarks flex's tile configurations once per shape) and the sink split's run length
+    (0: off) for every later call."""
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise ValueError(f"kernel_options={kernel_options!r}: expected a dict or None")
+    if isinstance(split_blocks, bool) or not isinstance(split_blocks, int) or split_blocks < 0:
+        raise ValueError(f"split_blocks={split_blocks!r}: expected an int >= 0 (0: no split)")
+    _TUNING["split_blocks"] = split_blocks
     _TUNING["kernel_options"] = dict(kernel_options or {})
     if mode != _TUNING["mode"]:
         _COMPILED.clear()
@@ -86,49 +93,109 @@ def _slot_tables(layout: BlockLayout):
     return layout.memo["flex_slots"]
 
 
-def _diagonal_lists(layout: BlockLayout, ng: int, width: int, side: str):
-    """The partial lists: every real query block's own block, ``[ng, 1, NBP]`` counts and
-    ``[ng, 1, NBP, width]`` indices (as wide as the full lists: torch 2.11's kernels index
-    both with one stride). One pair per ``side``: the kv and q lists are never the same tensor
-    (an input aliased in one call and not in another would make Dynamo compile again)."""
-    key = ("flex_diag", side, ng, width)
+def _diagonal_lists(layout: BlockLayout, ng: int, width: int, side: str, rows: int = None):
+    """The partial lists: every real query block's own block, ``[ng, 1, rows]`` counts and
+    ``[ng, 1, rows, width]`` indices (``rows``: NBP, or more on the key side where the sink
+    split appends copy blocks, which have no partial entry; as wide as the full lists: torch
+    2.11's kernels index both with one stride). One pair per ``side``: the kv and q lists are
+    never the same tensor (an input aliased in one call and not in another would make Dynamo
+    compile again)."""
+    nb, nbp, dev = layout.num_blocks, layout.padded_blocks, layout.block_doc.device
+    rows = nbp if rows is None else rows
+    key = ("flex_diag", side, ng, width, rows)
     if key not in layout.memo:
-        nb, nbp, dev = layout.num_blocks, layout.padded_blocks, layout.block_doc.device
-        ar = torch.arange(nbp, dtype=torch.int32, device=dev)
-        num = (ar < nb).to(torch.int32).view(1, 1, nbp).expand(ng, 1, nbp).contiguous()
-        idx = torch.zeros(ng, 1, nbp, width, dtype=torch.int32, device=dev)
-        idx[..., 0] = ar
+        ar = torch.arange(rows, dtype=torch.int32, device=dev)
+        num = (ar < nb).to(torch.int32).view(1, 1, rows).expand(ng, 1, rows).contiguous()
+        idx = torch.zeros(ng, 1, rows, width, dtype=torch.int32, device=dev)
+        idx[..., 0] = torch.where(ar < nb, ar, 0)
         layout.memo[key] = (num, idx)
     return layout.memo[key]
 
 
-def _transpose_lists(num: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, width: int):
+def _transpose_lists(num: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, width: int,
+                     cols: int = None):
     """Row lists ``num [G, R]``, ``idx [G, R, K]`` (``valid``: the slots below ``num``) ->
-    column lists ``[G, R]``, ``[G, R, width]`` (rows ascending), contiguous, by one sort of the
-    kept pairs; no host sync. ``width`` must bound the entries of every column."""
+    column lists ``[G, C]``, ``[G, C, width]`` (rows ascending; ``C = cols``, default ``R``),
+    contiguous, by one sort of the kept pairs; no host sync. ``width`` must bound the entries of
+    every column."""
     g, r, k = idx.shape
+    c = r if cols is None else cols
     dev = idx.device
     rows = torch.arange(r, device=dev).view(1, r, 1)
-    key = torch.where(valid, idx.long() * r + rows, r * r).view(g, r * k)   # sentinel last
+    key = torch.where(valid, idx.long() * r + rows, c * r).view(g, r * k)   # sentinel last
     key = key.sort(dim=-1).values
-    col, row = key // r, key % r                                   # sentinel -> col r
-    counts = torch.zeros(g, r + 1, dtype=torch.long, device=dev)
+    col, row = key // r, key % r                                   # sentinel -> col c
+    counts = torch.zeros(g, c + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(1, col, torch.ones_like(col))
     start = counts.cumsum(-1) - counts
     rank = torch.arange(r * k, device=dev).view(1, -1) - start.gather(1, col)
     rank = rank.clamp(max=width - 1)     # only sentinels can exceed it; they land in the dump row
-    out = torch.zeros(g, (r + 1) * width, dtype=torch.int32, device=dev)
+    out = torch.zeros(g, (c + 1) * width, dtype=torch.int32, device=dev)
     out.scatter_(1, col * width + rank, row.to(torch.int32))
-    out = out.view(g, r + 1, width)[:, :r].contiguous()
-    return counts[:, :r].to(torch.int32).contiguous(), out
+    out = out.view(g, c + 1, width)[:, :c].contiguous()
+    return counts[:, :c].to(torch.int32).contiguous(), out
 
 
-def mask_tensors(selection: BlockSelection) -> dict:
-    """The BlockMask's tensors for a selection (see the module docstring), as a dict."""
+def split_capacity(padded_blocks: int, split_blocks: int) -> int:
+    """Copy blocks reserved for the sink split: a fixed number per token count (one compiled
+    shape). A document of n > s blocks (s = ``split_blocks``) needs ceil((n - 1) / s) < 2 (n - 1)
+    / s copies, so ``2 * ceil(NBP / s)`` always suffices."""
+    return 0 if split_blocks <= 0 else 2 * -(-padded_blocks // split_blocks)
+
+
+def _sink_split(layout: BlockLayout, split_blocks: int):
+    """The sink split of a micro-batch (layout-only, memoised): per padded query block the first
+    block of its document ``[NBP]`` and the copy block that stands in for it (``-1``: none), and
+    the padded key row of every slot of the extended key space ``[P + cap * B]`` (the identity,
+    then the rows each copy block repeats).
+
+    Why: flex's backward gives every key block one program that walks the block's whole column
+    of query blocks; a document's first block (the attention sink, kept by every query block of
+    the document) is a column as long as the document, and that one program is the kernel's
+    tail (at 32K, density 0.25 on an H100: 9.2 ms with the sink against 7.1 ms without). Here
+    the query blocks of a document longer than ``split_blocks`` + 1 blocks are cut into runs of
+    ``split_blocks``, and each run reads the sink from its own copy of the sink's K/V rows,
+    appended after the padded key space: each copy's column is at most ``split_blocks`` long.
+    Outputs are the same (the copies hold the same keys and values); the copies' K/V gradients
+    are summed back onto the sink's rows by autograd (the copy is an ``index_select``)."""
+    key = ("flex_split", split_blocks)
+    if key not in layout.memo:
+        bs, nbp = layout.block_size, layout.padded_blocks
+        cap = split_capacity(nbp, split_blocks)
+        starts = layout.doc_block_start
+        row_sink = np.full(nbp, -1, dtype=np.int64)
+        row_copy = np.full(nbp, -1, dtype=np.int64)
+        src = np.zeros(cap, dtype=np.int64)
+        n = 0
+        for d in range(len(starts) - 1):
+            s0, e0 = starts[d], starts[d + 1]
+            row_sink[s0:e0] = s0
+            if e0 - s0 - 1 <= split_blocks:
+                continue
+            for c0 in range(s0 + 1, e0, split_blocks):
+                row_copy[c0:min(c0 + split_blocks, e0)] = nbp + n
+                src[n] = s0
+                n += 1
+        if n > cap:    # cannot happen (see split_capacity); a wrong list would be silent
+            raise AssertionError(f"sink split needs {n} copy blocks, reserved {cap}")
+        dev = layout.block_doc.device
+        rows = torch.cat([torch.arange(nbp * bs),
+                          (torch.from_numpy(src).view(cap, 1) * bs
+                           + torch.arange(bs).view(1, bs)).reshape(-1)])
+        layout.memo[key] = (cap, torch.from_numpy(row_sink).to(dev),
+                            torch.from_numpy(row_copy).to(dev), rows.to(dev))
+    return layout.memo[key]
+
+
+def mask_tensors(selection: BlockSelection, split_blocks: int = None) -> dict:
+    """The BlockMask's tensors for a selection (see the module docstring), as a dict; with the
+    sink split (``split_blocks`` > 0, default ``set_flex_tuning``'s) also ``key_rows``, the
+    padded key rows of the extended key space (``[P + copies * B]``)."""
     layout = selection.layout
     nb, nbp = layout.num_blocks, layout.padded_blocks
     ng, _, kmax = selection.kv_indices.shape
     dev = selection.kv_num.device
+    split = _TUNING["split_blocks"] if split_blocks is None else int(split_blocks)
     kf = max(2, kmax - 1)                    # >= 2: sizes 0 and 1 would be specialised
     wq = max(2, layout.max_doc_blocks - 1)
     # in density mode the counts depend on the micro-batch and the budget only: build once
@@ -142,39 +209,50 @@ def mask_tensors(selection: BlockSelection) -> dict:
         memo["flex_slot_bit_valid"] = (torch.arange(kmax, device=dev)
                                        < selection.kv_num[..., None])
     full_num, full_valid = memo["flex_full_num"], memo["flex_full_valid"]
-    full_idx = torch.zeros(ng, nbp, kf, dtype=torch.int32, device=dev)
-    full_idx[:, :nb, :kmax - 1] = selection.kv_indices[..., 1:]
-    fq_num, fq_idx = _transpose_lists(full_num, full_idx, full_valid, wq)
-    # one bit per (query block, key block): the selection, for mask_mod
-    words = (nbp + 7) // 8
     sel = selection.kv_indices
+    cap, out = 0, {}
+    if split > 0:
+        cap, row_sink, row_copy, key_rows = _sink_split(layout, split)
+        # slot 0 is the diagonal, never a redirected sink (a split row is not a first block)
+        rc = row_copy[:nb].view(1, nb, 1)
+        sel = torch.where((sel == row_sink[:nb].view(1, nb, 1)) & (rc >= 0), rc, sel)
+        out["key_rows"] = key_rows
+    nbk = nbp + cap                          # key blocks: the padded space and the copies
+    full_idx = torch.zeros(ng, nbp, kf, dtype=torch.int32, device=dev)
+    full_idx[:, :nb, :kmax - 1] = sel[..., 1:]
+    fq_num, fq_idx = _transpose_lists(full_num, full_idx, full_valid, wq, cols=nbk)
+    # one bit per (query block, key block): the selection, for mask_mod
+    words = (nbk + 7) // 8
     bits = torch.zeros(ng, nbp, words, dtype=torch.int32, device=dev)
     bits[:, :nb].scatter_add_(2, sel // 8, (memo["flex_slot_bit_valid"] << (sel % 8)).int())
     kv_num, kv_idx = _diagonal_lists(layout, ng, kf, "kv")
-    q_num, q_idx = _diagonal_lists(layout, ng, wq, "q")
+    q_num, q_idx = _diagonal_lists(layout, ng, wq, "q", rows=nbk)
     return dict(kv_num_blocks=kv_num, kv_indices=kv_idx,
                 full_kv_num_blocks=full_num.unsqueeze(1), full_kv_indices=full_idx.unsqueeze(1),
                 q_num_blocks=q_num, q_indices=q_idx,
                 full_q_num_blocks=fq_num.unsqueeze(1), full_q_indices=fq_idx.unsqueeze(1),
-                selected_bits=bits.to(torch.uint8))
+                selected_bits=bits.to(torch.uint8), **out)
 
 
-def build_block_mask(selection: BlockSelection):
-    """BlockMask ``[ng, 1, P, P]`` over the padded layout encoding the selection."""
+def build_block_mask(selection: BlockSelection, split_blocks: int = None):
+    """BlockMask ``[ng, 1, P, P + copies * B]`` over the padded layout encoding the selection,
+    and the padded key rows of its key space (``None`` without the sink split)."""
     from torch.nn.attention.flex_attention import BlockMask
     layout = selection.layout
     bs, p = layout.block_size, layout.padded_tokens
-    t = mask_tensors(selection)
+    t = mask_tensors(selection, split_blocks)
     bits = t.pop("selected_bits")
+    key_rows = t.pop("key_rows", None)
     slot_doc, slot_real = _slot_tables(layout)
+    pk = p if key_rows is None else key_rows.numel()
 
     def mask_mod(b, h, q_idx, kv_idx):
         qb, kb = q_idx // bs, kv_idx // bs
         kept = ((bits[b, qb, kb // 8].to(torch.int32) >> (kb % 8)) & 1) == 1
-        return ((q_idx >= kv_idx) & (slot_doc[q_idx] == slot_doc[kv_idx]) & slot_real[kv_idx]
-                & kept)
+        src = kv_idx if key_rows is None else key_rows[kv_idx]
+        return ((q_idx >= src) & (slot_doc[q_idx] == slot_doc[src]) & slot_real[src] & kept)
 
-    return BlockMask(seq_lengths=(p, p), BLOCK_SIZE=(bs, bs), mask_mod=mask_mod, **t)
+    return BlockMask(seq_lengths=(p, pk), BLOCK_SIZE=(bs, bs), mask_mod=mask_mod, **t), key_rows
 
 
 def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch.Tensor,
@@ -186,7 +264,7 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
     p, nh, hn = q_pad.shape
     ng = k_pad.shape[1]
     rep = nh // ng
-    block_mask = build_block_mask(selection)
+    block_mask, key_rows = build_block_mask(selection)
     bs = selection.layout.block_size
     kernel_options = None
     if bs < 128:
@@ -200,8 +278,10 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
         for t in (block_mask.kv_indices, block_mask.full_kv_indices, block_mask.q_indices,
                   block_mask.full_q_indices):
             torch._dynamo.maybe_mark_dynamic(t, 3)
+    if key_rows is not None:             # the sink split: copies of the sinks' K/V rows
+        k_pad, v_pad = k_pad.index_select(0, key_rows), v_pad.index_select(0, key_rows)
     q4 = q_pad.view(p, ng, rep, hn).permute(1, 2, 0, 3)                  # [ng, rep, P, hn]
-    k4, v4 = (x.permute(1, 0, 2).unsqueeze(1) for x in (k_pad, v_pad))   # [ng, 1, P, hn]
+    k4, v4 = (x.permute(1, 0, 2).unsqueeze(1) for x in (k_pad, v_pad))   # [ng, 1, PK, hn]
     try:
         out = _flex_fn(compile_backend)(q4, k4, v4, block_mask=block_mask, scale=softmax_scale,
                                         enable_gqa=rep > 1, kernel_options=kernel_options)

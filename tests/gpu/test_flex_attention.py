@@ -40,12 +40,25 @@ _BLOCK64 = pytest.mark.xfail(strict=False, reason="torch 2.11: no default flex b
                               "config divides block 64 (seen at head dim 64)")
 
 
-@pytest.mark.parametrize("dtype,tol,block_size,nh,ng,hn", [
-    (torch.bfloat16, 3e-2, 128, 8, 2, 128), (torch.bfloat16, 3e-2, 128, 14, 2, 64),
-    (torch.float32, 2e-3, 128, 4, 4, 64),
-    pytest.param(torch.bfloat16, 3e-2, 64, 8, 2, 128, marks=_BLOCK64),
-    pytest.param(torch.bfloat16, 3e-2, 64, 14, 2, 64, marks=_BLOCK64)])
-def test_flex_matches_reference(dtype, tol, block_size, nh, ng, hn):
+@pytest.mark.parametrize("dtype,tol,block_size,nh,ng,hn,split", [
+    (torch.bfloat16, 3e-2, 128, 8, 2, 128, 16), (torch.bfloat16, 3e-2, 128, 14, 2, 64, 16),
+    (torch.float32, 2e-3, 128, 4, 4, 64, 16),
+    # the sink split with copies in play (runs of 3 query blocks; the default 16 makes none at
+    # this length) and switched off
+    (torch.bfloat16, 3e-2, 128, 8, 2, 128, 3), (torch.float32, 2e-3, 128, 4, 4, 64, 3),
+    (torch.float32, 2e-3, 128, 4, 4, 64, 0),
+    pytest.param(torch.bfloat16, 3e-2, 64, 8, 2, 128, 16, marks=_BLOCK64),
+    pytest.param(torch.bfloat16, 3e-2, 64, 14, 2, 64, 16, marks=_BLOCK64)])
+def test_flex_matches_reference(dtype, tol, block_size, nh, ng, hn, split):
+    from sparsebalance_megatron.attention.flex import set_flex_tuning
+    set_flex_tuning(split_blocks=split)
+    try:
+        _check_flex_matches_reference(dtype, tol, block_size, nh, ng, hn)
+    finally:
+        set_flex_tuning()
+
+
+def _check_flex_matches_reference(dtype, tol, block_size, nh, ng, hn):
     cu = [0, 1000, 1001, 2500, 4096]
     q, k, v, w = _inputs(cu[-1], nh, ng, hn, dtype, seed=0)
     density = torch.tensor([0.3, 1.0, 0.5, 0.2], device="cuda")

@@ -157,38 +157,72 @@ def _dense_lists(num, idx, cols):
     return d
 
 
-def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks():
+@pytest.mark.parametrize("split", [0, 4])
+def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks(split):
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from sparsebalance_megatron.attention.flex import mask_tensors
+    from sparsebalance_megatron.attention.flex import mask_tensors, split_capacity
     cu = [0, 500, 520, 1024]
     q, k, v = _qkv(1024, 6, 2, 16, seed=2, grad=False)
     _, sel = block_sparse_attention(q, k, v, cu, 0.25, block_size=32, backend="flex",
                                     compile_backend=None, sink_blocks=1)
     lay = sel.layout
-    m = mask_tensors(sel)
+    m = mask_tensors(sel, split_blocks=split)
     ng, nbp, kmax = 2, lay.padded_blocks, sel.kv_indices.shape[-1]
+    nbk = nbp + split_capacity(nbp, split)          # key blocks: padded space + sink copies
     # the partial lists hold the diagonal only, but are as wide as the full lists of their side
     assert m["kv_indices"].shape == m["full_kv_indices"].shape
     assert m["q_indices"].shape == m["full_q_indices"].shape
     assert bool((m["kv_num_blocks"] <= 1).all()) and m["kv_indices"] is not m["q_indices"]
     assert m["full_kv_indices"].shape == (ng, 1, nbp, kmax - 1)       # kept count, not NB
-    assert m["full_q_indices"].shape == (ng, 1, nbp, lay.max_doc_blocks - 1)
+    assert m["full_q_indices"].shape == (ng, 1, nbk, lay.max_doc_blocks - 1)
     assert kmax - 1 < lay.num_blocks // 2
-    full = _dense_lists(m["full_kv_num_blocks"][:, 0], m["full_kv_indices"][:, 0], nbp)
-    part = _dense_lists(m["kv_num_blocks"][:, 0], m["kv_indices"][:, 0], nbp)
+    full = _dense_lists(m["full_kv_num_blocks"][:, 0], m["full_kv_indices"][:, 0], nbk)
+    part = _dense_lists(m["kv_num_blocks"][:, 0], m["kv_indices"][:, 0], nbk)
     nb = lay.num_blocks
-    assert torch.equal((full | part)[:, :nb, :nb], sel.block_mask())
     assert not (full & part).any() and not full[:, nb:].any()
     full_q = _dense_lists(m["full_q_num_blocks"][:, 0], m["full_q_indices"][:, 0], nbp)
     assert torch.equal(full_q, full.transpose(1, 2))
     bits = m["selected_bits"]
-    unpacked = ((bits.int()[..., None] >> torch.arange(8)) & 1).flatten(-2)[..., :nbp] == 1
+    unpacked = ((bits.int()[..., None] >> torch.arange(8)) & 1).flatten(-2)[..., :nbk] == 1
     assert torch.equal(unpacked, full | part)
+    kept = full | part
+    if split:
+        # each copy block repeats one sink's rows and serves at most `split` query blocks;
+        # folded back onto its sink, the lists are the selection again
+        rows = m["key_rows"]
+        assert rows.shape == (nbk * 32,) and torch.equal(rows[:nbp * 32], torch.arange(nbp * 32))
+        src = rows.view(nbk, 32)[:, 0] // 32
+        assert torch.equal(rows.view(nbk, 32), src[:, None] * 32 + torch.arange(32))
+        copies = kept[:, :, nbp:]
+        assert copies.any() and int(copies.sum(1).max()) <= split
+        for c in range(nbk - nbp):
+            if copies[:, :, c].any():
+                s0 = int(src[nbp + c])
+                assert s0 in lay.doc_block_start          # a document's first block
+                assert not (copies[:, :, c] & kept[:, :, s0]).any()
+        folded = kept[:, :, :nbp].clone()
+        folded.index_put_((torch.arange(ng)[:, None, None], torch.arange(nbp)[None, :, None],
+                           src[nbp:].view(1, 1, -1).expand(ng, nbp, -1)),
+                          copies, accumulate=True)
+        kept = folded
+    else:
+        assert "key_rows" not in m
+    assert torch.equal(kept[:, :nb, :nb], sel.block_mask())
 
 
-@pytest.mark.parametrize("nh,ng,mode", [(4, 2, "density"), (3, 3, "mass")])
-def test_flex_fixed_length_eager_equals_reference(nh, ng, mode):
+@pytest.mark.parametrize("nh,ng,mode,split", [(4, 2, "density", 16), (3, 3, "mass", 16),
+                                              (4, 2, "density", 2), (3, 3, "mass", 3)])
+def test_flex_fixed_length_eager_equals_reference(nh, ng, mode, split):
     pytest.importorskip("torch.nn.attention.flex_attention")
+    from sparsebalance_megatron.attention.flex import set_flex_tuning
+    set_flex_tuning(split_blocks=split)      # 2, 3: the sink split with copies in play
+    try:
+        _check_flex_fixed_length_eager(nh, ng, mode)
+    finally:
+        set_flex_tuning()
+
+
+def _check_flex_fixed_length_eager(nh, ng, mode):
     cu = [0, 100, 101, 300, 333]
     q, k, v = _qkv(333, nh, ng, 32, seed=3, grad=False)
     kw = dict(block_size=16, selection_mode=mode, local_blocks=1, mass_threshold=0.6)
