@@ -157,7 +157,7 @@ def _sink_split(layout: BlockLayout, split_blocks: int):
     ``split_blocks``, and each run reads the sink from its own copy of the sink's K/V rows,
     appended after the padded key space: each copy's column is at most ``split_blocks`` long.
     Outputs are the same (the copies hold the same keys and values); the copies' K/V gradients
-    are summed back onto the sink's rows by autograd (the copy is an ``index_select``)."""
+    are summed back onto the sink's rows by autograd (the copies are an ``index_select``)."""
     key = ("flex_split", split_blocks)
     if key not in layout.memo:
         bs, nbp = layout.block_size, layout.padded_blocks
@@ -279,7 +279,10 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
                   block_mask.full_q_indices):
             torch._dynamo.maybe_mark_dynamic(t, 3)
     if key_rows is not None:             # the sink split: copies of the sinks' K/V rows
-        k_pad, v_pad = k_pad.index_select(0, key_rows), v_pad.index_select(0, key_rows)
+        # appended (not the whole key space gathered): the backward then scatter-adds the
+        # copies' rows only, not every key row
+        copies = key_rows[p:]
+        k_pad, v_pad = (torch.cat([x, x.index_select(0, copies)]) for x in (k_pad, v_pad))
     q4 = q_pad.view(p, ng, rep, hn).permute(1, 2, 0, 3)                  # [ng, rep, P, hn]
     k4, v4 = (x.permute(1, 0, 2).unsqueeze(1) for x in (k_pad, v_pad))   # [ng, 1, PK, hn]
     try:
