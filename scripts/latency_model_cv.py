@@ -20,10 +20,11 @@ coefficients >= 0), it reports:
   should take the same time. Measured in another state they do not, and no model of the grid
   can predict them.
 
-The H100 table of BENCHMARKS.md "GPU latency model (H100)" (docs/results/latency_table_h100_full.json
-with latency_eval_h100_full.json) shows both: its first pass timed the 16K-token points 8-17%
-faster in the backward until the grid's first 8K-token micro-batch, and the held-out 16K document
-matches that first pass, not the rest of the grid.
+The H100 table of BENCHMARKS.md "GPU latency model (H100)"
+(docs/results/latency_table_h100_full.json with latency_eval_h100_full.json) shows both: its
+first pass timed the backward of the 16K-token points 8-17% lower until the grid's first
+8K-token micro-batch, and the held-out 16K document matches that first pass, not the rest of
+the grid.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def evaluate(table: dict, held: list, extras=()) -> dict:
             c = fitter.fit([m for m, kk in zip(rows, keys) if kk != k], extras)
             pf, pb = fitter.predict(c, [rows[i] for i in out], extras)
             cv[out] = _errors(pf + pb, meas[out])
-        if kind in table["pipeline"]["stage_kinds"]:     # the middle stage of pp=2 only feeds layouts
+        if kind in table["pipeline"]["stage_kinds"]:     # pp=2's middle stage only feeds layouts
             grid_err.append(_errors(f + b, meas))
             cv_err.append(cv)
         hrows = [r for r in held if r.get("kind", kind) == kind]
@@ -182,12 +183,14 @@ def same_mix_check(table: dict, held: list) -> list[dict]:
         work = fitter.design(grid)[:, 2]
         w = float(fitter.design([r])[0, 2])
         row = {"kind": kind, "docs": len(r["doc_lengths"]), "density": r["density"],
-               "held_fwd_s": r["measured_fwd_s"], "held_bwd_s": r["measured_s"] - r["measured_fwd_s"],
+               "held_fwd_s": r["measured_fwd_s"],
+               "held_bwd_s": r["measured_s"] - r["measured_fwd_s"],
                "grid_fwd_s": float(np.interp(w, work, [m["fwd_s"] for m in grid])),
                "grid_bwd_s": float(np.interp(w, work, [m["bwd_s"] for m in grid]))}
         if all(m.get("samples_s") for m in grid):
-            row["grid_pass0_fwd_s"] = float(np.interp(w, work, [m["samples_s"][0][0] for m in grid]))
-            row["grid_pass0_bwd_s"] = float(np.interp(w, work, [m["samples_s"][0][1] for m in grid]))
+            for j, part in enumerate(("fwd", "bwd")):
+                row[f"grid_pass0_{part}_s"] = float(
+                    np.interp(w, work, [m["samples_s"][0][j] for m in grid]))
         out.append(row)
     return out
 

@@ -16,8 +16,9 @@ H100_EVAL = REPO / "docs/results/latency_eval_h100_full.json"
 
 
 def test_refit_of_the_stored_h100_table_reproduces_its_heldout_mape():
-    # the stored H100 table: the fit reproduces its stored coefficients and the held-out MAPE
-    # of BENCHMARKS.md (7.97%)
+    # the stored H100 table (totals of 16K, 12K and 8K: nothing constant to fold into the
+    # intercept): the fit reproduces its stored coefficients and the held-out MAPE of
+    # BENCHMARKS.md (7.97%)
     from sparsebalance_megatron.latency import read_table
     table = read_table(str(H100_TABLE))
     m = LatencyModel.fit(dict(table, coefficients=None))
