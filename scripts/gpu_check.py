@@ -83,7 +83,7 @@ def step_recompile(out_dir):
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.megatron.profile import default_mixes
     t, bs, nh, ng, hn = 16384, 128, 14, 2, 64
-    mixes = default_mixes(t, 24, seed=0)
+    mixes = default_mixes(t, 24, seed=0, block_size=bs)
     mixes = [m + [t - sum(m)] if sum(m) < t else m for m in mixes]   # every batch holds t tokens
     densities = [0.125 + 0.875 * ((i * 0.618) % 1.0) for i in range(len(mixes))]
     gen = torch.Generator().manual_seed(0)

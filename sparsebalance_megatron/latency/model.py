@@ -43,11 +43,16 @@ from .table import (LatencyTableError, check_coefficients, check_compatible, mea
 def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares on relative error (rows scaled by 1/y), dropping features whose coefficient
     comes out negative (a cost cannot shrink with more work); the intercept may stay negative
-    only if nothing else fits."""
+    only if nothing else fits.
+
+    A feature that does not vary over the grid cannot be told apart from the intercept: it gets
+    0 and its cost stays in the intercept. A profiled grid has one token count (that of training's
+    micro-batches, ``megatron/profile.default_mixes``), so ``tokens`` is such a feature there, and
+    so is ``selection_work`` when every document fills whole blocks."""
     w = 1.0 / np.maximum(y, 1e-12)
     active = list(range(x.shape[1]))
-    # drop features that are constant zero on this grid (e.g. nothing varies): unidentifiable
-    active = [j for j in active if j == 0 or np.any(x[:, j] != 0)]
+    # features constant on this grid (zero, or one value for every micro-batch): unidentifiable
+    active = [j for j in active if j == 0 or np.ptp(x[:, j]) > 0]
     while True:
         a = x[:, active] * w[:, None]
         c, *_ = np.linalg.lstsq(a, y * w, rcond=None)

@@ -4,7 +4,8 @@ Each stage kind (first: embedding + layers; middle: layers; last: layers + LM he
 all of it) is built as a megatron-core ``GPTModel`` with ``pre_process`` / ``post_process`` and
 the stage's layer count, with the SparseBalance layer spec (``spec.get_sparsebalance_layer_spec``)
 on a 1-process gloo group. Packed (THD) micro-batches over a grid of document-length mixes x
-densities are timed with warm-up and repeats; the median goes into a latency table
+densities are timed with warm-up and repeats (each mix ``seq_length`` tokens packed as training
+packs them, padding included: ``default_mixes``); the median goes into a latency table
 (``latency/table.py``) whose coefficients are fitted by ``LatencyModel.fit``.
 The stage is built with the run's transformer implementation and activation recomputation, and
 the table records them with the tensor-parallel size (its ``execution`` section). Only TP = 1 can
@@ -23,12 +24,14 @@ import os
 import platform
 import socket
 import time
+import warnings
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..config import SparseBalanceConfig
+from ..data.packing import padding_lengths
 from ..latency.features import FEATURES
 from ..latency.shape import ModelShape
 from ..latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
@@ -150,21 +153,86 @@ def _recompute_config(granularity: str) -> dict:
             "recompute_num_layers": 1}
 
 
-def default_mixes(seq_length: int, count: int, seed: int = 0) -> list[list[int]]:
-    """Document-length mixes: regular splits plus random cuts, with unequal token totals."""
+def default_mixes(seq_length: int, count: int, seed: int = 0,
+                  block_size: Optional[int] = None) -> list[list[int]]:
+    """Document-length mixes of exactly ``seq_length`` tokens each, packed as training packs them.
+
+    Training fills every micro-batch to ``seq_length`` tokens and cuts the rest into padding
+    sequences of at most ``PAD_SEQ_TOKENS`` tokens (``data.packing.padding_lengths``), so a mix
+    with fewer real tokens gets that padding too: the grid holds only micro-batches a run can
+    have. One token count is also what keeps a CUDA profile in the state training runs in: the
+    flex kernel's padded length follows the token count, and the first micro-batch of a second
+    length recompiles it with that length dynamic (torch.compile's automatic dynamic shapes);
+    every later call, those of the first length included, then runs the dynamic graph, which
+    dynamo tries first. On the H100 the earlier grid (totals of 16K, 12K and 8K) timed the
+    backward of its 16K points 8-21% slower after its first 8K point than before it
+    (docs/results/latency_table_h100_full.json: one 16K document, 45.7-53.9 ms against
+    38.0-44.9 ms; the held-out micro-batches, all of 16K tokens, matched the earlier state to
+    0.1 ms): the held-out bias of BENCHMARKS.md "GPU latency model (H100)". With one token count
+    the ``tokens`` feature is constant; the fit folds it into the intercept
+    (``latency/model._fit_nonneg``). With ``block_size``, a mix whose documents' short last
+    blocks would overflow the padded length of ``seq_length`` tokens
+    (``attention.blocks.fixed_padded_blocks``: another compiled shape) is left out or drawn again.
+
+    The first five (the --quick grid) vary the document count and the longest document: one
+    document, 4 and 16 equal ones, half a micro-batch of one document plus padding, and 64 short
+    sequences (a fully padded micro-batch; sequences of one block each when ``seq_length / 64``
+    is shorter than a block). The others: two equal documents with and without padding, then
+    random cuts of 100%, 75% or 50% of the tokens into 2-15 documents, padded.
+    """
+    from ..attention.blocks import fixed_padded_blocks
+
     t = seq_length
-    # The first five (the --quick grid) vary the token total and the document count, up to the
-    # 64 short sequences of a mostly padded micro-batch (padding is cut into <= 256-token pieces).
-    fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [t // 64] * 64, [t // 2] * 2,
+
+    def packed(docs: list[int]) -> list[int]:
+        return docs + padding_lengths(t - sum(docs))
+
+    def one_shape(mix: list[int]) -> bool:
+        if block_size is None:
+            return True
+        nb = sum(-(-x // block_size) for x in mix)
+        return (fixed_padded_blocks(t, nb, block_size)
+                == fixed_padded_blocks(t, -(-t // block_size), block_size))
+
+    short = max(t // 64, block_size or 1)
+    fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [short] * (t // short), [t // 2] * 2,
              [3 * t // 8] * 2]
+    out = [m for m in (packed(m) for m in fixed if m and all(x > 0 for x in m))
+           if one_shape(m)][:count]
     rng = np.random.default_rng(seed)
-    out = [m for m in fixed if all(x > 0 for x in m)][:count]
     while len(out) < count:
         total = int(t * rng.choice([1.0, 1.0, 0.75, 0.5]))
-        k = int(rng.integers(2, 16))
+        k = min(int(rng.integers(2, 16)), total)
         cuts = np.sort(rng.choice(np.arange(1, total), size=k - 1, replace=False))
-        out.append(np.diff(np.concatenate([[0], cuts, [total]])).astype(int).tolist())
+        mix = packed(np.diff(np.concatenate([[0], cuts, [total]])).astype(int).tolist())
+        if one_shape(mix):
+            out.append(mix)
     return out
+
+
+def padded_length_warning(mixes: Sequence[Sequence[int]], block_size: int,
+                          device_type: str) -> Optional[str]:
+    """Why a CUDA profile of ``mixes`` would not time the kernels training runs (see
+    ``default_mixes``): the flex kernel's padded length (``attention.blocks.fixed_padded_blocks``
+    of the token count and the documents' blocks) differs between mixes. None when it does not,
+    or without a compiled kernel (CPU)."""
+    from ..attention.blocks import fixed_padded_blocks
+
+    if device_type != "cuda":
+        return None
+    shapes = {}
+    for m in mixes:
+        nb = sum(-(-int(x) // block_size) for x in m)
+        shapes.setdefault(fixed_padded_blocks(int(sum(m)), nb, block_size), int(sum(m)))
+    if len(shapes) <= 1:
+        return None
+    return (f"the profile grid's micro-batches have {len(shapes)} padded lengths "
+            f"({', '.join(f'{p} blocks' for p in sorted(shapes))}; token counts "
+            f"{sorted({int(sum(m)) for m in mixes})}): on CUDA the first micro-batch of a "
+            f"second length recompiles the flex kernel with a dynamic length, and every later "
+            f"sample (the first length's included) times that graph, which a run whose "
+            f"micro-batches all hold seq_length tokens never uses (an 8-21% slower backward on "
+            f"an H100); pad every mix to one token count (default_mixes does)")
 
 
 def _sync(dev):
@@ -243,6 +311,10 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
     # Repeats are passes over the whole grid, not back-to-back runs: a burst of load from other
     # processes then spoils one sample of many points instead of every sample of one point.
     stat = {"median": np.median, "min": np.min}[statistic]
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    why = padded_length_warning(mixes, sb.block_size, dev_type)
+    if why is not None:
+        warnings.warn(why, stacklevel=2)
     meas = []
     points = [(m, d) for m in mixes for d in densities]
     bar = progress(total=len(measured) * len(points) * repeats) if progress else None
@@ -287,6 +359,7 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
         "measurements": meas,
         "profile": {"repeats": repeats, "warmup": warmup, "statistic": statistic,
                     "repeat_order": "passes over the grid",
+                    "token_totals": sorted({int(sum(m)) for m in mixes}),
                     "threads": torch.get_num_threads(),
                     "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }

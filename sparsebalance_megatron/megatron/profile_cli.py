@@ -113,10 +113,11 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
     densities = args.densities or ([0.25, 1.0] if args.quick
                                    else [0.125, 0.25, 0.5, 0.75, 1.0])
-    mixes = default_mixes(args.seq_length, args.mixes or (5 if args.quick else 10), seed=sb.seed)
+    mixes = default_mixes(args.seq_length, args.mixes or (5 if args.quick else 10), seed=sb.seed,
+                          block_size=sb.block_size)
     repeats = args.repeats or (2 if args.quick else 5)
-    # On CUDA a new shape compiles the flex kernel: one untimed run per point keeps the compile
-    # out of the samples (the quick grid's mixes differ in token count).
+    # On CUDA a new shape compiles the flex kernel: one untimed run per point keeps any compile
+    # out of the samples (the grid has one token count, so there should be one shape).
     warmup = args.warmup if args.warmup is not None else (1 if torch.cuda.is_available() else 0)
     shape = shape_from_cli(args)
     table = profile_table(shape, sb, densities=densities, mixes=mixes, repeats=repeats,

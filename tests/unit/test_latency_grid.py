@@ -1,0 +1,93 @@
+"""The profiling grid holds micro-batches training can have (one token count, training's padding,
+one padded length of the flex kernel), and the fit copes with the features such a grid leaves
+constant (the stored H100 profile's state change: tests/unit/test_latency_cv.py)."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.data.packing import PAD_SEQ_TOKENS
+from sparsebalance_megatron.latency import LatencyModel, ModelShape, UnitFeatures, analytic_table
+from sparsebalance_megatron.megatron.profile import default_mixes, padded_length_warning
+
+
+@pytest.mark.parametrize("seq_length,block_size", [(16384, 128), (32768, 128), (4096, 128),
+                                                   (2048, 64), (256, 32), (128, 32)])
+@pytest.mark.parametrize("count", [2, 5, 10, 24])
+def test_default_mixes_hold_seq_length_tokens_packed_like_training(seq_length, block_size, count):
+    mixes = default_mixes(seq_length, count, seed=1234, block_size=block_size)
+    assert len(mixes) == count
+    for m in mixes:
+        assert sum(m) == seq_length and all(isinstance(x, int) and x > 0 for x in m)
+    # one padded length: on CUDA a second one would recompile the flex kernel with a dynamic
+    # length (by the token count, or by short last blocks overflowing fixed_padded_blocks' slack)
+    assert padded_length_warning(mixes, block_size, "cuda") is None
+    assert default_mixes(seq_length, count, seed=1234, block_size=block_size) == mixes
+    if count >= 5:
+        assert len({len(m) for m in mixes}) >= 3      # the sequence count varies
+
+
+def test_default_mixes_pad_like_training_and_vary_the_documents():
+    t = 16384
+    mixes = default_mixes(t, 10, seed=1234, block_size=128)
+    assert default_mixes(t, 10, seed=1234) == mixes      # nothing overflows at 16K / 128
+    # the quick grid (first five): 1, 4, 16 documents, half a micro-batch plus its padding in
+    # pieces of PAD_SEQ_TOKENS (as data.packing pads), 64 short sequences
+    assert [len(m) for m in mixes[:5]] == [1, 4, 16, 1 + (t // 2) // PAD_SEQ_TOKENS, 64]
+    assert mixes[3] == [t // 2] + [PAD_SEQ_TOKENS] * ((t // 2) // PAD_SEQ_TOKENS)
+    assert mixes[6] == [3 * t // 8] * 2 + [PAD_SEQ_TOKENS] * ((t // 4) // PAD_SEQ_TOKENS)
+    # random cuts keep their documents (the earlier grid's), now padded to t
+    assert mixes[9][:5] == [5226, 69, 2784, 2468, 1741] and set(mixes[9][5:]) == {PAD_SEQ_TOKENS}
+    longest = {max(m) for m in mixes}
+    assert {t, t // 2, t // 4, t // 16, PAD_SEQ_TOKENS} <= longest
+
+
+def test_unequal_padded_lengths_warn_on_cuda_only():
+    # the earlier H100 grid: 16K, 12K and 8K tokens (160, 120 and 80 blocks)
+    grid = [[16384], [6144, 6144], [8192]]
+    msg = padded_length_warning(grid, 128, "cuda")
+    assert msg is not None and "3 padded lengths" in msg and "dynamic length" in msg
+    assert "token counts [8192, 12288, 16384]" in msg
+    assert padded_length_warning(grid, 128, "cpu") is None
+    # one token count, but 24 one-token documents overflow the slack of 1024 tokens (8 + 8
+    # blocks): another padded length too
+    msg = padded_length_warning([[1024], [1] * 24 + [1000]], 128, "cuda")
+    assert msg is not None and "token counts [1024]" in msg
+
+
+def _constant_token_table(c_fwd, c_bwd, seq_length=2048, block_size=64):
+    """An analytic-format table whose grid is ``default_mixes`` (one token count), timed by
+    known coefficients."""
+    t = analytic_table(ModelShape(num_layers=2, seq_length=seq_length), block_size=block_size)
+    mixes = default_mixes(seq_length, 10, seed=3)
+    dens = [0.125, 0.25, 0.5, 1.0]
+    rows = [(m, d) for m in mixes for d in dens]
+    f = UnitFeatures.build([m for m, _ in rows], block_size, 1, 0)
+    x = f.matrix(np.array([d for _, d in rows]))
+    t["measurements"] = [{"kind": "only", "doc_lengths": m, "density": d,
+                          "fwd_s": float(r @ c_fwd), "bwd_s": float(r @ c_bwd)}
+                         for (m, d), r in zip(rows, x)]
+    del t["coefficients"]
+    return t, x
+
+
+def test_fit_folds_a_feature_constant_on_the_grid_into_the_intercept():
+    # every micro-batch holds 2048 tokens: the per-token cost cannot be told from the constant
+    cf = np.array([2e-3, 3e-6, 5e-6, 1e-8, 4e-5])
+    cb = np.array([3e-3, 6e-6, 1.1e-5, 0.0, 7e-5])
+    table, x = _constant_token_table(cf, cb)
+    assert np.ptp(x[:, 1]) == 0 and np.ptp(x[:, 3]) > 0     # random cuts leave partial blocks
+    m = LatencyModel.fit(table)
+    for part, c in (("fwd", cf), ("bwd", cb)):
+        got = m.coef["only"][part]
+        assert got[1] == 0.0                                  # no share of the constant
+        assert got[0] == pytest.approx(c[0] + c[1] * 2048, rel=1e-9)
+        np.testing.assert_allclose(got[2:], c[2:], rtol=1e-6, atol=1e-14)
+        np.testing.assert_allclose(x @ got, x @ c, rtol=1e-9)
+    # a sample's cost (what SAB ranks samples by) is the work it adds, with no arbitrary share
+    # of the micro-batch's fixed cost per token
+    from sparsebalance_megatron.batching.packing import latency_sample_cost_fn
+    lengths = np.array([100, 700, 2048])
+    f = UnitFeatures.build([[n] for n in lengths], 64, 1, 0)
+    c = cf + cb
+    want = c[2] * f.attention_work(0.5) + c[3] * f.selection_work + c[4]
+    np.testing.assert_allclose(latency_sample_cost_fn(m, 0.5)(lengths), want, rtol=1e-6)
