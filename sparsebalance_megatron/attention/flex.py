@@ -39,8 +39,9 @@ from .blocks import BlockLayout
 from .selection import BlockSelection
 
 _COMPILED = {}
-SPLIT_BLOCKS = 16
-"""Default run length of the sink split (``_sink_split``): query blocks per sink copy."""
+SPLIT_BLOCKS = 0
+"""Default run length of the sink split (``_sink_split``), query blocks per sink copy; 0: off
+(on an H100 it gained at densities <= 0.25 and lost 18-22% at 0.5-1.0: docs/GPU.md)."""
 # set_flex_tuning: extra flex kernel_options, the torch.compile mode, the sink split's run length
 _TUNING = {"kernel_options": {}, "mode": None, "split_blocks": SPLIT_BLOCKS}
 
