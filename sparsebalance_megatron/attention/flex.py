@@ -39,9 +39,10 @@ from .blocks import BlockLayout
 from .selection import BlockSelection
 
 _COMPILED = {}
-SPLIT_BLOCKS = 0
-"""Default run length of the sink split (``_sink_split``), query blocks per sink copy; 0: off
-(on an H100 it gained at densities <= 0.25 and lost 18-22% at 0.5-1.0: docs/GPU.md)."""
+SPLIT_BLOCKS = 16
+"""Default run length of the sink split (``_sink_split``), query blocks per sink copy; 0: off.
+On an H100 (32K, bf16, docs/GPU.md) the flex kernel took -34% / -18% / -1% / +5% at densities
+0.125 / 0.25 / 0.5 / 1.0."""
 # set_flex_tuning: extra flex kernel_options, the torch.compile mode, the sink split's run length
 _TUNING = {"kernel_options": {}, "mode": None, "split_blocks": SPLIT_BLOCKS}
 
@@ -218,15 +219,21 @@ def mask_tensors(selection: BlockSelection, split_blocks: int = None) -> dict:
         rc = row_copy[:nb].view(1, nb, 1)
         sel = torch.where((sel == row_sink[:nb].view(1, nb, 1)) & (rc >= 0), rc, sel)
         out["key_rows"] = key_rows
-    nbk = nbp + cap                          # key blocks: the padded space and the copies
-    full_idx = torch.zeros(ng, nbp, kf, dtype=torch.int32, device=dev)
+    # blocks of the (square) space: the padded space and the copies; with copies the query side
+    # gets as many empty blocks (a key space longer than the query space made torch 2.11's
+    # kernels 18% slower on an H100)
+    nbk = nbp + cap
+    if cap:
+        full_num = torch.cat([full_num, full_num.new_zeros(ng, cap)], 1)
+        full_valid = torch.cat([full_valid, full_valid.new_zeros(ng, cap, kf)], 1)
+    full_idx = torch.zeros(ng, nbk, kf, dtype=torch.int32, device=dev)
     full_idx[:, :nb, :kmax - 1] = sel[..., 1:]
-    fq_num, fq_idx = _transpose_lists(full_num, full_idx, full_valid, wq, cols=nbk)
+    fq_num, fq_idx = _transpose_lists(full_num, full_idx, full_valid, wq)
     # one bit per (query block, key block): the selection, for mask_mod
     words = (nbk + 7) // 8
-    bits = torch.zeros(ng, nbp, words, dtype=torch.int32, device=dev)
+    bits = torch.zeros(ng, nbk, words, dtype=torch.int32, device=dev)
     bits[:, :nb].scatter_add_(2, sel // 8, (memo["flex_slot_bit_valid"] << (sel % 8)).int())
-    kv_num, kv_idx = _diagonal_lists(layout, ng, kf, "kv")
+    kv_num, kv_idx = _diagonal_lists(layout, ng, kf, "kv", rows=nbk)
     q_num, q_idx = _diagonal_lists(layout, ng, wq, "q", rows=nbk)
     return dict(kv_num_blocks=kv_num, kv_indices=kv_idx,
                 full_kv_num_blocks=full_num.unsqueeze(1), full_kv_indices=full_idx.unsqueeze(1),
@@ -236,8 +243,9 @@ def mask_tensors(selection: BlockSelection, split_blocks: int = None) -> dict:
 
 
 def build_block_mask(selection: BlockSelection, split_blocks: int = None):
-    """BlockMask ``[ng, 1, P, P + copies * B]`` over the padded layout encoding the selection,
-    and the padded key rows of its key space (``None`` without the sink split)."""
+    """BlockMask ``[ng, 1, PK, PK]`` over the padded layout encoding the selection (``PK = P``,
+    or ``P + copies * B`` with the sink split), and the padded key rows of its key space
+    (``None`` without the sink split)."""
     from torch.nn.attention.flex_attention import BlockMask
     layout = selection.layout
     bs, p = layout.block_size, layout.padded_tokens
@@ -245,15 +253,26 @@ def build_block_mask(selection: BlockSelection, split_blocks: int = None):
     bits = t.pop("selected_bits")
     key_rows = t.pop("key_rows", None)
     slot_doc, slot_real = _slot_tables(layout)
-    pk = p if key_rows is None else key_rows.numel()
+    pk = p
+    if key_rows is not None:
+        pk = key_rows.numel()
+        memo_key = ("flex_split_slots", pk)
+        if memo_key not in layout.memo:     # the copies' slots carry their source's document
+            pad = torch.full((pk - p,), -2, dtype=slot_doc.dtype, device=slot_doc.device)
+            layout.memo[memo_key] = (torch.cat([slot_doc, pad]), slot_doc[key_rows],
+                                     slot_real[key_rows])
+        q_doc, slot_doc, slot_real = layout.memo[memo_key]
+    else:
+        q_doc = slot_doc
 
     def mask_mod(b, h, q_idx, kv_idx):
         qb, kb = q_idx // bs, kv_idx // bs
         kept = ((bits[b, qb, kb // 8].to(torch.int32) >> (kb % 8)) & 1) == 1
-        src = kv_idx if key_rows is None else key_rows[kv_idx]
-        return ((q_idx >= src) & (slot_doc[q_idx] == slot_doc[src]) & slot_real[src] & kept)
+        # a copy (kv_idx >= P) repeats a first block, before every query of its document
+        return (((q_idx >= kv_idx) | (kv_idx >= p)) & (q_doc[q_idx] == slot_doc[kv_idx])
+                & slot_real[kv_idx] & kept)
 
-    return BlockMask(seq_lengths=(p, pk), BLOCK_SIZE=(bs, bs), mask_mod=mask_mod, **t), key_rows
+    return BlockMask(seq_lengths=(pk, pk), BLOCK_SIZE=(bs, bs), mask_mod=mask_mod, **t), key_rows
 
 
 def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch.Tensor,
@@ -284,7 +303,9 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
         # copies' rows only, not every key row
         copies = key_rows[p:]
         k_pad, v_pad = (torch.cat([x, x.index_select(0, copies)]) for x in (k_pad, v_pad))
-    q4 = q_pad.view(p, ng, rep, hn).permute(1, 2, 0, 3)                  # [ng, rep, P, hn]
+        q_pad = torch.cat([q_pad, q_pad.new_zeros(copies.numel(), nh, hn)])   # empty rows
+    pk = q_pad.shape[0]
+    q4 = q_pad.view(pk, ng, rep, hn).permute(1, 2, 0, 3)                 # [ng, rep, PK, hn]
     k4, v4 = (x.permute(1, 0, 2).unsqueeze(1) for x in (k_pad, v_pad))   # [ng, 1, PK, hn]
     try:
         out = _flex_fn(compile_backend)(q4, k4, v4, block_mask=block_mask, scale=softmax_scale,
@@ -296,4 +317,4 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
                 f"whose tiles divide the block size (seen with torch 2.11, head dim {hn}); use "
                 f"block_size=128 (--sb-block-size 128) on this GPU, or the 'torch' backend") from e
         raise
-    return out.permute(2, 0, 1, 3).reshape(p, nh, hn)                    # [P, np, hn]
+    return out[:, :, :p].permute(2, 0, 1, 3).reshape(p, nh, hn)         # [P, np, hn]

@@ -173,14 +173,14 @@ def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks(split):
     assert m["kv_indices"].shape == m["full_kv_indices"].shape
     assert m["q_indices"].shape == m["full_q_indices"].shape
     assert bool((m["kv_num_blocks"] <= 1).all()) and m["kv_indices"] is not m["q_indices"]
-    assert m["full_kv_indices"].shape == (ng, 1, nbp, kmax - 1)       # kept count, not NB
+    assert m["full_kv_indices"].shape == (ng, 1, nbk, kmax - 1)       # kept count, not NB
     assert m["full_q_indices"].shape == (ng, 1, nbk, lay.max_doc_blocks - 1)
     assert kmax - 1 < lay.num_blocks // 2
     full = _dense_lists(m["full_kv_num_blocks"][:, 0], m["full_kv_indices"][:, 0], nbk)
     part = _dense_lists(m["kv_num_blocks"][:, 0], m["kv_indices"][:, 0], nbk)
     nb = lay.num_blocks
     assert not (full & part).any() and not full[:, nb:].any()
-    full_q = _dense_lists(m["full_q_num_blocks"][:, 0], m["full_q_indices"][:, 0], nbp)
+    full_q = _dense_lists(m["full_q_num_blocks"][:, 0], m["full_q_indices"][:, 0], nbk)
     assert torch.equal(full_q, full.transpose(1, 2))
     bits = m["selected_bits"]
     unpacked = ((bits.int()[..., None] >> torch.arange(8)) & 1).flatten(-2)[..., :nbk] == 1
@@ -200,10 +200,11 @@ def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks(split):
                 s0 = int(src[nbp + c])
                 assert s0 in lay.doc_block_start          # a document's first block
                 assert not (copies[:, :, c] & kept[:, :, s0]).any()
-        folded = kept[:, :, :nbp].clone()
+        assert not kept[:, nbp:].any()              # the copies' query rows stay empty
+        folded = kept[:, :nbp, :nbp].clone()
         folded.index_put_((torch.arange(ng)[:, None, None], torch.arange(nbp)[None, :, None],
                            src[nbp:].view(1, 1, -1).expand(ng, nbp, -1)),
-                          copies, accumulate=True)
+                          copies[:, :nbp], accumulate=True)
         kept = folded
     else:
         assert "key_rows" not in m
