@@ -83,12 +83,15 @@ def test_counter_sees_the_syncs_it_must_catch():
     assert c.writes == ["tensor"]
 
 
-@pytest.mark.parametrize("backend", ["torch", "flex"])
+@pytest.mark.parametrize("backend", ["torch", "flex", "flex-split"])
 @pytest.mark.parametrize("mode", ["density", "mass"])
 def test_per_layer_path_makes_no_host_syncs_after_setup(backend, mode, monkeypatch):
-    if backend == "flex":
+    if backend.startswith("flex"):
         pytest.importorskip("torch.nn.attention.flex_attention")
         from sparsebalance_megatron.attention import flex
+        # flex-split: the sink split with copies in play (the 129-token document has 9 blocks)
+        monkeypatch.setitem(flex._TUNING, "split_blocks", 2 if backend == "flex-split" else 16)
+        backend = "flex"
         # the CPU cannot run flex backward; the kernel call itself is checked on the GPU with
         # torch.cuda.set_sync_debug_mode (tests/gpu): here, everything around it
         monkeypatch.setattr(flex, "_flex_fn", lambda backend: lambda q, k, v, **kw: q * 1.0)
@@ -235,9 +238,13 @@ def _check_flex_fixed_length_eager(nh, ng, mode):
     assert _rel(out, ref) < 1e-5
 
 
-def test_flex_compiles_one_graph_per_grad_mode_across_micro_batches():
+@pytest.mark.parametrize("split", [16, 3])
+def test_flex_compiles_one_graph_per_grad_mode_across_micro_batches(split, monkeypatch):
     pytest.importorskip("torch.nn.attention.flex_attention")
     import torch._dynamo
+
+    from sparsebalance_megatron.attention import flex
+    monkeypatch.setitem(flex._TUNING, "split_blocks", split)   # 3: copies in most mixes
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
