@@ -16,8 +16,10 @@ Rows, all on the same global batches, speedups vs ``best_static``:
 ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
 plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the densest
 layout whose step is no slower than best_static's: the "free accuracy" row).
-DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom). Densities are weighted
-by layers x dense attention work, overall and per stage.
+DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and the runtime's default
+``--sb-dst-objective`` unless ``--dst-objective`` names one; the JSON's config records which).
+Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
+against uniform d0 that the shipped quality cost predicts for a run's plans (both objectives).
 
 Latency: the analytic Qwen2.5-0.5B / 32K / H100 table (published throughputs, not measured) or
 --table. Prints tables; ``--json PATH`` writes everything.
@@ -33,6 +35,7 @@ import time
 
 import numpy as np
 
+from sparsebalance_megatron.config import DST_OBJECTIVES, SparseBalanceConfig
 from sparsebalance_megatron.data import load_corpus
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.latency import LatencyModel, PipelineLayout
@@ -59,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--floor-sweep", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9],
                    help="--sb-stage-density-floor values tried for sab_dst on the even split and "
                         "on its best layout (the evidence for the default); none: skip")
+    p.add_argument("--dst-objective", choices=DST_OBJECTIVES, default=None,
+                   help="--sb-dst-objective of every DST plan (default: the runtime's, "
+                        f"{SparseBalanceConfig().dst_objective})")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -119,9 +125,11 @@ def main(argv=None):
     else:
         lm = LatencyModel.analytic(pp=args.pp)
         source = "ANALYTIC Qwen2.5-0.5B / 32K / H100 table (published throughputs, not measured)"
+    if args.dst_objective is None:
+        args.dst_objective = SparseBalanceConfig().dst_objective
     print(f"latency: {source}\npp={args.pp} vp={args.vp} m={args.microbatches} "
           f"seq_length={args.seq_length} d in [{args.min_density}, {args.max_density}] "
-          f"steps={args.steps}")
+          f"steps={args.steps} dst_objective={args.dst_objective}")
     t0 = time.perf_counter()
     out = {"config": {k: v for k, v in vars(args).items() if k != "json"},
            "latency_source": source, "results": {}}
@@ -132,7 +140,8 @@ def main(argv=None):
         for d0 in args.densities:
             cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
                               density=d0, min_density=args.min_density,
-                              max_density=args.max_density, steps=args.steps, seed=args.seed)
+                              max_density=args.max_density, steps=args.steps, seed=args.seed,
+                              dst_objective=args.dst_objective)
             res = {}
             for dp in args.ranks:
                 r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
@@ -144,11 +153,13 @@ def main(argv=None):
                                     res[str(dp)])
                 out.setdefault("floor_sweep", {})[f"{mix}/d0={d0}/dp={dp}"] = sweep
                 print(f"\nstage floor sweep (sab_dst, {mix}, d0={d0}, {dp} ranks; speedup vs "
-                      f"best static, layer-weighted density, lowest stage):")
+                      f"best static, layer-weighted density, lowest stage, predicted loss "
+                      f"change vs uniform d0):")
                 for name, rows in sweep.items():
                     print(f"  {name:<22} " + "  ".join(
                         f"floor {f}: {r['speedup_vs_static']:.3f}x d={r['mean_density']:.3f} "
-                        f"min={r['min_stage_density']:.3f}" for f, r in rows.items()))
+                        f"min={r['min_stage_density']:.3f} loss={r['predicted_loss']:+.4f}"
+                        for f, r in rows.items()))
             title = (f"mix={mix} ({len(lengths)} docs), d0={d0}: speedup vs the best static "
                      f"configuration")
             print(format_table(title, {dp: r["rows"] for dp, r in res.items()}))

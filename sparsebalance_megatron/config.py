@@ -108,14 +108,14 @@ class SparseBalanceConfig:
         "--sb-density ('static': the balance gain becomes density, the step no slower than "
         "static sparse attention).", choices=RAISE_TARGETS)
     dst_objective: str = _f(
-        "density", "What DST keeps while it balances: 'density' (the mean and per-stage density "
-        "floors; cuts take the least sensitive micro-batches first) or 'quality' (cuts and "
-        "raises go where density buys the most predicted quality per attention-second under the "
+        "quality", "What DST keeps while it balances: 'quality' (the default: cuts and raises "
+        "go where density buys the most predicted quality per attention-second under the "
         "measured convex quality cost --sb-quality-cost, and a plan may not lose predicted LM "
         "loss against uniform --sb-density; the density objective's plan competes and the one "
         "the quality cost prefers at the same speed is kept; the floors still apply; plans "
-        "1.5-4x slower, off the critical path with --sb-plan-ahead).",
-        choices=DST_OBJECTIVES)
+        "1.5-4x slower, off the critical path with --sb-plan-ahead) or 'density' (only the "
+        "mean and per-stage density floors; cuts take the least sensitive micro-batches "
+        "first).", choices=DST_OBJECTIVES)
     quality_cost: Optional[str] = _f(
         None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"
         " LM-loss increase against density per depth range of a real model); default: the "

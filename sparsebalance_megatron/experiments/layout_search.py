@@ -49,8 +49,9 @@ class LayoutChoice:
         return {"layout": self.layout.as_dict(), "describe": self.layout.describe(),
                 "variant": self.variant, "step_time_s": self.step_time_s,
                 "megatron_flags": self.flags, "qualifies": self.qualifies, **{
-                    k: self.row[k] for k in ("imbalance", "bubble_fraction", "mean_density",
-                                             "density_per_stage", "min_stage_density")}}
+                    k: self.row.get(k) for k in ("imbalance", "bubble_fraction", "mean_density",
+                                                 "density_per_stage", "min_stage_density",
+                                                 "predicted_loss")}}
 
 
 def _name(variant: str, lay: PipelineLayout) -> str:

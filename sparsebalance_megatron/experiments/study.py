@@ -24,7 +24,9 @@ the same global batches and packings are timed on each run's layout.
 Per run: step time (mean over steps), speedup vs the baseline run (sum of its step times / sum of
 this run's), imbalance (max / mean of per-rank makespans, mean over steps), bubble fraction, mean
 density weighted by layers x dense attention work, the same per (virtual) stage and its minimum,
-and the planning time. Sensitivities come from the length prior (nothing is measured in a
+the predicted LM-loss change against uniform d0 under the shipped quality cost mapped onto the run's
+layout (``policy.quality``, what the quality objective plans with; mean over steps; the same
+measure for both DST objectives) and the planning time. Sensitivities come from the length prior (nothing is measured in a
 simulation).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
@@ -44,6 +46,7 @@ from ..config import SparseBalanceConfig
 from ..data import GlobalBatchSampler
 from ..policy import UnitCosts, density_grid
 from ..policy.dst import plan_dst_from_config
+from ..policy.quality import StageQuality, load_quality_cost
 from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
 
 _PACKING = {"dense": "sequential", "static": "sequential", "token_balanced": "token_balanced",
@@ -142,9 +145,11 @@ class VariantAccumulator:
     def __init__(self):
         self.step_s, self.imb, self.bubble, self.dw, self.w = 0.0, [], [], 0.0, 0.0
         self.stage_dw = self.stage_w = None
-        self.plan_ms = []
+        self.plan_ms, self.loss = [], []
 
-    def add(self, costs: UnitCosts, densities: np.ndarray, p2p_s: float, plan_ms=None):
+    def add(self, costs: UnitCosts, densities: np.ndarray, p2p_s: float, plan_ms=None,
+            quality=None):
+        """One step; ``quality``: a ``StageQuality`` of the run's layout (predicted loss)."""
         idx = np.searchsorted(costs.densities, densities - 1e-12)
         f, b = costs.at(idx)
         if costs.vp > 1:
@@ -162,6 +167,8 @@ class VariantAccumulator:
         self.stage_w = sw if self.stage_w is None else self.stage_w + sw
         if plan_ms is not None:
             self.plan_ms.append(plan_ms)
+        if quality is not None:
+            self.loss.append(quality.plan_cost(densities))
 
     def row(self, baseline_step_s: Optional[float]) -> dict:
         stage = np.where(self.stage_w > 0, self.stage_dw / np.maximum(self.stage_w, 1e-300),
@@ -175,6 +182,8 @@ class VariantAccumulator:
                "density_per_stage": [float(x) for x in stage],
                "min_stage_density": float(np.nanmin(stage)) if np.any(self.stage_w > 0)
                else float("nan")}
+        if self.loss:
+            out["predicted_loss"] = float(np.mean(self.loss))
         if self.plan_ms:
             out["plan_ms_median"] = float(np.median(self.plan_ms))
         return out
@@ -199,10 +208,12 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     grid = density_grid(d0, cfg.min_density, cfg.max_density)
     if any(v == "dense" for v, _ in runs.values()) and grid[-1] < 1.0:
         grid = np.append(grid, 1.0)  # above d_max: DST never plans there, dense reads it
-    models = {}
+    models, quality = {}, {}
     for _, lay in runs.values():
         if lay not in models:              # PipelineLayout is frozen: a dict key
             models[lay] = lm if lay is None else lm.with_layout(lay)
+            quality[lay] = StageQuality.from_cost(load_quality_cost(None),
+                                                  models[lay].layout.layers, d0)
     sampler = GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
                                  seed=cfg.seed, long_sample_policy="split")
     cost_fn = latency_sample_cost_fn(lm, d0)
@@ -236,9 +247,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                 t = time.perf_counter()
                 plan = plan_dst_from_config(policies[pkey], c, sens[packing], p2p_s=lm.p2p_s,
                                             stage_layers=models[lay].layout.layers)
-                acc[name].add(c, plan.densities, lm.p2p_s, (time.perf_counter() - t) * 1e3)
+                acc[name].add(c, plan.densities, lm.p2p_s, (time.perf_counter() - t) * 1e3,
+                              quality=quality[lay])
             else:
-                acc[name].add(c, np.full(c.shape, 1.0 if variant == "dense" else d0), lm.p2p_s)
+                acc[name].add(c, np.full(c.shape, 1.0 if variant == "dense" else d0), lm.p2p_s,
+                              quality=quality[lay])
     base = acc[baseline].step_s
     return {name: a.row(base) for name, a in acc.items()}
 
@@ -255,13 +268,14 @@ def format_table(title: str, results: dict) -> str:
     """Text table of {dp: {run: row}}, preceded by a blank line and the title."""
     lines = [f"\n{title}",
              f"{'ranks':>6} {'run':<26} {'step_s':>8} {'speedup':>8} {'imbal':>6} "
-             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'plan_ms':>8}"]
+             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'loss':>8} {'plan_ms':>8}"]
     for dp, rows in results.items():
         for v, r in rows.items():
             pm = f"{r['plan_ms_median']:.1f}" if "plan_ms_median" in r else "-"
+            pl = f"{r['predicted_loss']:+.4f}" if "predicted_loss" in r else "-"
             lines.append(f"{dp:>6} {v:<26} {r['step_time_s']:>8.3f} "
                          f"{r['speedup_vs_static']:>8.3f} {r['imbalance']:>6.3f} "
                          f"{r['bubble_fraction']:>7.3f} {r['mean_density']:>8.3f} "
-                         f"{r['min_stage_density']:>7.3f} {pm:>8}")
+                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8}")
     return "\n".join(lines)
 

@@ -183,7 +183,9 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool) -> None:
         try:
             load_quality_cost(sb.quality_cost)
         except QualityCostError as e:
-            bad.append(f"{flag_name('dst_objective')} quality: {e}")
+            bad.append(f"{flag_name('dst_objective')} quality: {e} (quality is the default "
+                       f"objective; {flag_name('dst_objective')} density plans without a "
+                       f"quality cost)")
     if sb.straggler_rank >= 0:
         world = int(os.environ.get("WORLD_SIZE", getattr(args, "world_size", 1) or 1))
         per_dp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \

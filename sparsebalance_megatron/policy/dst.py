@@ -557,8 +557,10 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
     costs must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``. ``raise_headroom`` overrides the config's (the runtime passes the
     measured error when the config says 'auto'; 'auto' without one is
-    ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality``, ``stage_layers`` (the
-    decoder layers of every (virtual) stage of the costs) maps the quality cost onto the stages."""
+    ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality`` (the default),
+    ``stage_layers`` (the decoder layers of every (virtual) stage of the costs) maps the quality
+    cost onto the stages: without it the call raises ``ValueError`` (no silent fall-back to the
+    density objective); ``dst_objective="density"`` needs none."""
     if raise_headroom is None:
         raise_headroom = config.raise_headroom_value
     if raise_headroom is None:
@@ -567,8 +569,10 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
     if config.dst_objective == "quality":
         from .quality import StageQuality, load_quality_cost
         if stage_layers is None or len(stage_layers) != costs.shape[2]:
-            raise ValueError(f"--sb-dst-objective quality needs the decoder layers of each of "
-                             f"the {costs.shape[2]} stages, got {stage_layers!r}")
+            raise ValueError(f"--sb-dst-objective quality (the default) needs the decoder "
+                             f"layers of each of the {costs.shape[2]} stages, got "
+                             f"{stage_layers!r}; pass stage_layers, or plan with "
+                             f"--sb-dst-objective density, which needs none")
         quality = StageQuality.from_cost(load_quality_cost(config.quality_cost), stage_layers,
                                          config.density)
     return plan_dst_with_floor(

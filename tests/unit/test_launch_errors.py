@@ -107,12 +107,23 @@ def test_quality_objective_needs_a_readable_quality_cost(tmp_path):
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective="quality",
                              quality_cost=str(tmp_path / "none.json"))
     assert "--sb-dst-objective quality: quality cost file" in refused(launch_args(), sb)
+    # quality is the default objective: a bad cost file refuses a plain --sparse-balance launch
+    # too, and the line names the objective that needs no cost file
+    sb = SparseBalanceConfig(sparse_balance=True, quality_cost=str(tmp_path / "none.json"))
+    msg = refused(launch_args(), sb)
+    assert "--sb-dst-objective quality: quality cost file" in msg
+    assert "quality is the default objective; --sb-dst-objective density plans without" in msg
+    check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True, dst_objective="density",
+                                                    quality_cost=str(tmp_path / "none.json")),
+                 plugin_data=True)                 # the density objective never reads it
     bad = tmp_path / "bad.json"
     bad.write_text('{"kind": "sparsebalance-quality-cost", "version": 7}')
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective="quality", quality_cost=str(bad))
     assert "version=7: expected 1" in refused(launch_args(), sb)
     check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True, dst_objective="quality"),
                  plugin_data=True)                 # the shipped default
+    check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True),
+                 plugin_data=True)                 # the default objective with the shipped cost
 
 
 def test_flex_backend_needs_cuda():

@@ -64,6 +64,28 @@ def test_layer_weighted_density_of_a_plan(lm, lengths):
     assert min(st) <= row["mean_density"] <= max(st)
 
 
+def test_study_reports_the_predicted_loss_of_both_objectives(lm, lengths):
+    """Every run's row carries the shipped quality cost's predicted loss change against uniform
+    d0 on its layout: 0 for static d0, never above 0 for the default (quality) objective's plans
+    (a plan may not lose predicted quality), and defined for the density objective too, so the
+    two compare on one measure; the default objective plans what an explicit quality one does."""
+    from dataclasses import replace
+    lay = PipelineLayout.even(8, 4)
+    runs = {"static": ("static", lay), "sb": ("sab_dst", lay), "acc": ("sab_dst_acc", lay)}
+    default = run_study(4, CFG, lm, lengths, runs, baseline="static")
+    quality = run_study(4, replace(CFG, dst_objective="quality"), lm, lengths, runs,
+                        baseline="static")
+    density = run_study(4, replace(CFG, dst_objective="density"), lm, lengths, runs,
+                        baseline="static")
+    for name in runs:
+        assert default[name]["predicted_loss"] == quality[name]["predicted_loss"]
+        assert default[name]["mean_density"] == quality[name]["mean_density"]
+    assert default["static"]["predicted_loss"] == density["static"]["predicted_loss"] == 0.0
+    for name in ("sb", "acc"):
+        assert default[name]["predicted_loss"] <= 1e-12
+        assert np.isfinite(density[name]["predicted_loss"])
+
+
 def test_cli_prints_flags_and_writes_json(tmp_path, capsys, lengths):
     hist = tmp_path / "h.json"
     vals, counts = np.unique(lengths, return_counts=True)

@@ -187,7 +187,9 @@ def test_plan_from_config_uses_its_knobs():
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.policy import plan_dst_from_config
     from sparsebalance_megatron.policy.dst import DEFAULT_RAISE_HEADROOM
-    cfg = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max")
+    # the density objective's plan is plan_dst's (the quality objective's default is tested below)
+    cfg = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max",
+                              dst_objective="density")
     costs = synthetic_costs(3, 4, 2, seed=2, grid=density_grid(0.25, 0.125, 0.5))
     plan = plan_dst_from_config(cfg, costs, None)
     assert plan.report.units_cut == 0 and plan.densities.max() <= 0.5
@@ -196,7 +198,7 @@ def test_plan_from_config_uses_its_knobs():
         costs, None, 0.25, 0.125, 0.5, anchor="max",
         raise_headroom=DEFAULT_RAISE_HEADROOM).densities)
     fixed = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max",
-                                raise_headroom="0")
+                                raise_headroom="0", dst_objective="density")
     assert np.array_equal(plan_dst_from_config(fixed, costs, None).densities,
                           plan_dst(costs, None, 0.25, 0.125, 0.5, anchor="max").densities)
     assert np.array_equal(plan_dst_from_config(fixed, costs, None, raise_headroom=0.2).densities,
@@ -431,5 +433,42 @@ def test_quality_objective_from_config_needs_the_stage_layers():
     cfg = SparseBalanceConfig(sparse_balance=True, dst_objective="quality")
     with pytest.raises(ValueError, match="needs the decoder layers of each of the 2 stages"):
         plan_dst_from_config(cfg, costs, None)
+    with pytest.raises(ValueError, match="needs the decoder layers"):
+        plan_dst_from_config(cfg, costs, None, stage_layers=[12, 12, 12])   # 3 for 2 stages
     plan = plan_dst_from_config(cfg, costs, None, stage_layers=[12, 12])   # the shipped cost
     assert plan.report.quality_cost <= 1e-12
+
+
+def test_the_default_objective_is_quality_and_density_stays_selectable():
+    """Quality is the default (issue 16's measurements); a default config plans exactly what an
+    explicit dst_objective="quality" plans, refuses to plan without the stages' layer counts
+    (with a message naming the density objective, which needs none: no silent fall-back), and
+    the density objective, still selectable, plans plan_dst_with_floor without a quality cost."""
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.policy import plan_dst_from_config, plan_dst_with_floor
+    from sparsebalance_megatron.policy.dst import DEFAULT_RAISE_HEADROOM
+    assert SparseBalanceConfig().dst_objective == "quality"
+    rng = np.random.default_rng(16)
+    moved = 0
+    for case in range(6):
+        dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 7)), int(rng.integers(2, 5))
+        costs = synthetic_costs(dp, m, pp, seed=1600 + case, lm_head=float(rng.uniform(0.3, 3)))
+        sens, layers = rng.random((dp, m)), [int(x) for x in rng.integers(1, 9, size=pp)]
+        default = SparseBalanceConfig(sparse_balance=True)
+        with pytest.raises(ValueError, match=r"\(the default\) needs the decoder layers.*"
+                                             r"--sb-dst-objective density"):
+            plan_dst_from_config(default, costs, sens)
+        got = plan_dst_from_config(default, costs, sens, stage_layers=layers)
+        want = plan_dst_from_config(SparseBalanceConfig(sparse_balance=True,
+                                                        dst_objective="quality"),
+                                    costs, sens, stage_layers=layers)
+        assert np.array_equal(got.densities, want.densities)
+        assert got.report.quality_cost <= 1e-12               # predicted no worse than uniform d0
+        density = SparseBalanceConfig(sparse_balance=True, dst_objective="density")
+        dens = plan_dst_from_config(density, costs, sens)     # needs no layer counts
+        assert np.array_equal(dens.densities, plan_dst_with_floor(
+            costs, sens, D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
+            raise_headroom=DEFAULT_RAISE_HEADROOM).densities)
+        assert np.isnan(dens.report.quality_cost)             # no quality cost was evaluated
+        moved += not np.array_equal(got.densities, dens.densities)
+    assert moved >= 1, "the two objectives planned alike in every case: nothing was compared"
