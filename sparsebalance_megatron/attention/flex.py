@@ -26,6 +26,11 @@ on an H100 with torch 2.11 narrower partial lists gave wrong outputs (docs/GPU.m
 have not run on a GPU yet).
 ``mask_mod`` still encodes causality, document ids, real tokens and the selected blocks (a bit
 per block pair and KV group), because eager flex applies only mask_mod.
+
+The sink split (``_sink_split``, on by default): a document's first block is kept by all its
+query blocks, and flex's backward walks that whole column in one program; long documents'
+query blocks therefore read the sink from copies of its K/V rows (one per run of
+``SPLIT_BLOCKS`` query blocks) in a square space of ``P + copies * B`` slots.
 ``torch.nn.attention.flex_attention`` is imported lazily; the CPU never runs it in training
 (FlexAttention has no CPU backward in torch 2.13). Pure torch; must not import megatron.
 """
@@ -97,9 +102,9 @@ def _slot_tables(layout: BlockLayout):
 
 def _diagonal_lists(layout: BlockLayout, ng: int, width: int, side: str, rows: int = None):
     """The partial lists: every real query block's own block, ``[ng, 1, rows]`` counts and
-    ``[ng, 1, rows, width]`` indices (``rows``: NBP, or more on the key side where the sink
-    split appends copy blocks, which have no partial entry; as wide as the full lists: torch
-    2.11's kernels index both with one stride). One pair per ``side``: the kv and q lists are
+    ``[ng, 1, rows, width]`` indices (``rows``: NBP, or NBP + the sink split's copy blocks,
+    which have no partial entry; as wide as the full lists: torch 2.11's kernels index both
+    with one stride). One pair per ``side``: the kv and q lists are
     never the same tensor (an input aliased in one call and not in another would make Dynamo
     compile again)."""
     nb, nbp, dev = layout.num_blocks, layout.padded_blocks, layout.block_doc.device
@@ -114,28 +119,25 @@ def _diagonal_lists(layout: BlockLayout, ng: int, width: int, side: str, rows: i
     return layout.memo[key]
 
 
-def _transpose_lists(num: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, width: int,
-                     cols: int = None):
+def _transpose_lists(num: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, width: int):
     """Row lists ``num [G, R]``, ``idx [G, R, K]`` (``valid``: the slots below ``num``) ->
-    column lists ``[G, C]``, ``[G, C, width]`` (rows ascending; ``C = cols``, default ``R``),
-    contiguous, by one sort of the kept pairs; no host sync. ``width`` must bound the entries of
-    every column."""
+    column lists ``[G, R]``, ``[G, R, width]`` (rows ascending), contiguous, by one sort of the
+    kept pairs; no host sync. ``width`` must bound the entries of every column."""
     g, r, k = idx.shape
-    c = r if cols is None else cols
     dev = idx.device
     rows = torch.arange(r, device=dev).view(1, r, 1)
-    key = torch.where(valid, idx.long() * r + rows, c * r).view(g, r * k)   # sentinel last
+    key = torch.where(valid, idx.long() * r + rows, r * r).view(g, r * k)   # sentinel last
     key = key.sort(dim=-1).values
-    col, row = key // r, key % r                                   # sentinel -> col c
-    counts = torch.zeros(g, c + 1, dtype=torch.long, device=dev)
+    col, row = key // r, key % r                                   # sentinel -> col r
+    counts = torch.zeros(g, r + 1, dtype=torch.long, device=dev)
     counts.scatter_add_(1, col, torch.ones_like(col))
     start = counts.cumsum(-1) - counts
     rank = torch.arange(r * k, device=dev).view(1, -1) - start.gather(1, col)
     rank = rank.clamp(max=width - 1)     # only sentinels can exceed it; they land in the dump row
-    out = torch.zeros(g, (c + 1) * width, dtype=torch.int32, device=dev)
+    out = torch.zeros(g, (r + 1) * width, dtype=torch.int32, device=dev)
     out.scatter_(1, col * width + rank, row.to(torch.int32))
-    out = out.view(g, c + 1, width)[:, :c].contiguous()
-    return counts[:, :c].to(torch.int32).contiguous(), out
+    out = out.view(g, r + 1, width)[:, :r].contiguous()
+    return counts[:, :r].to(torch.int32).contiguous(), out
 
 
 def split_capacity(padded_blocks: int, split_blocks: int) -> int:
@@ -158,6 +160,8 @@ def _sink_split(layout: BlockLayout, split_blocks: int):
     the query blocks of a document longer than ``split_blocks`` + 1 blocks are cut into runs of
     ``split_blocks``, and each run reads the sink from its own copy of the sink's K/V rows,
     appended after the padded key space: each copy's column is at most ``split_blocks`` long.
+    The query space gets as many empty blocks (``flex_attention_padded``): a key space longer
+    than the query space alone made torch 2.11's kernels 18% slower on an H100.
     Outputs are the same (the copies hold the same keys and values); the copies' K/V gradients
     are summed back onto the sink's rows by autograd (the copies are an ``index_select``)."""
     key = ("flex_split", split_blocks)
@@ -224,8 +228,11 @@ def mask_tensors(selection: BlockSelection, split_blocks: int = None) -> dict:
     # kernels 18% slower on an H100)
     nbk = nbp + cap
     if cap:
-        full_num = torch.cat([full_num, full_num.new_zeros(ng, cap)], 1)
-        full_valid = torch.cat([full_valid, full_valid.new_zeros(ng, cap, kf)], 1)
+        if ("flex_full_ext", cap) not in memo:
+            memo[("flex_full_ext", cap)] = (
+                torch.cat([full_num, full_num.new_zeros(ng, cap)], 1),
+                torch.cat([full_valid, full_valid.new_zeros(ng, cap, kf)], 1))
+        full_num, full_valid = memo[("flex_full_ext", cap)]
     full_idx = torch.zeros(ng, nbk, kf, dtype=torch.int32, device=dev)
     full_idx[:, :nb, :kmax - 1] = sel[..., 1:]
     fq_num, fq_idx = _transpose_lists(full_num, full_idx, full_valid, wq)
