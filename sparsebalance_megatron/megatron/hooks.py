@@ -209,6 +209,12 @@ def _on_model_built(model: list) -> list:
     from .timing import MicrobatchTimers
 
     args = _megatron_args()
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_rank() != 0:
+        # CP ranks of a DP rank hold the same state and Megatron names its file by the DP rank
+        # alone: only CP rank 0 writes it (the others would write the same file at once).
+        args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
