@@ -134,8 +134,8 @@ def attend_whole_documents(q, k, v, psp, group, attend: Callable, cache: Optiona
     if index is not None:                                          # natural order, no padding
         q, k, v = (x.index_select(0, index) for x in (q, k, v))
     out = attend(q, k, v, cu, share_reducer(ng, group, cp))       # [T_real, np/cp, hn]
-    if index is not None:
-        out = out.new_zeros((rows,) + tuple(out.shape[1:])).index_copy(0, index, out)
+    if index is not None:   # index_put saves only the index for the backward (index_copy: out too)
+        out = out.new_zeros((rows,) + tuple(out.shape[1:])).index_put((index,), out)
     if cp > 1:
         out = _gather_heads(out, group, cp)
     return out
