@@ -83,6 +83,12 @@ def _sparse_attention_conflicts(args) -> list[str]:
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the sparse attention implements
 
 
+def _flex(sb: SparseBalanceConfig) -> bool:
+    """The sparse attention would run FlexAttention (flex, or auto on CUDA)."""
+    return sb.attention_backend == "flex" or (sb.attention_backend == "auto"
+                                              and torch.cuda.is_available())
+
+
 def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     """Context parallelism: the sparse attention's all-to-all scheme on the plugin's packed data;
     what it does not serve, one line each."""
@@ -101,6 +107,10 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
         out.append(f"--seq-length {seq}: expected a multiple of {multiple} (documents are padded "
                    f"to multiples of {multiple}" + (f", 2 x --context-parallel-size {cp})"
                                                     if cp > 1 else ")"))
+    if sb.seq_pad_multiple > 1 and sb.sparse_attention_enabled and _flex(sb) and cp == 1:
+        out.append(f"{flag_name('seq_pad_multiple')} {sb.seq_pad_multiple} with the flex "
+                   f"attention backend (padded documents are verified with the torch backend "
+                   f"only so far: add {flag_name('attention_backend')} torch)")
     if cp == 1:
         return out
     where = f"--context-parallel-size {cp}"
@@ -122,11 +132,7 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
         out.append(f"{where} on Megatron's data path (the plugin's packed data path splits "
                    f"micro-batches for CP: use examples/pretrain_gpt_sparsebalance.py, or "
                    f"--sb-batching / --sparse-balance)")
-    if not sb.sparse_attention_enabled:
-        out.append(f"{where} with dense attention (CP is implemented by the sparse attention: "
-                   f"add --sb-sparse-attention, --sb-dst or --sparse-balance)")
-    elif sb.attention_backend == "flex" or (sb.attention_backend == "auto"
-                                            and torch.cuda.is_available()):
+    if sb.sparse_attention_enabled and _flex(sb):
         out.append(f"{where} with the flex attention backend (CP is verified with the torch "
                    f"backend only so far: add {flag_name('attention_backend')} torch)")
     if getattr(args, "transformer_impl", "local") != "local":

@@ -6,7 +6,8 @@ CP=1 on the whole unpadded micro-batch (the reference), then with CP=2 on its sh
 micro-batch in Megatron's per-document zigzag order (padding filled with noise that differs per
 rank), and compares outputs and q/k/v gradients at every real token, in fp32: GQA with as many
 KV groups as CP ranks and with fewer (replicated KV heads, block shares averaged over the ranks
-that share a group), densities that differ per micro-batch (a plan) and per document.
+that share a group), densities that differ per micro-batch (a plan) and per document; and the
+dense baseline's core attention through the same path.
 """
 
 from __future__ import annotations
@@ -136,6 +137,21 @@ def _per_document_density(q, k, v, psp, group):
     return attend_whole_documents(q, k, v, psp, group, attend)
 
 
+def _dense(q, k, v, psp, group):
+    """The dense baseline's core attention (exact per-document SDPA) through the same path."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from sparsebalance_megatron.megatron.dense_attention import DenseVarlenCoreAttention
+
+    nh, ng = q.shape[1], k.shape[1]
+    cfg = TransformerConfig(num_layers=1, hidden_size=nh * HN, num_attention_heads=nh,
+                            num_query_groups=ng, kv_channels=HN, attention_dropout=0.0,
+                            context_parallel_size=1 if group is None else CP)
+    module = DenseVarlenCoreAttention(cfg, 1, cp_comm_type="a2a",
+                                      pg_collection=types.SimpleNamespace(cp=group))
+    return module(q, k, v, None, packed_seq_params=psp)
+
+
 def _worker(rank, port):
     import torch.distributed as dist
 
@@ -147,6 +163,7 @@ def _worker(rank, port):
             for microbatch in (0, 1):               # the plan's densities 0.25 and 0.75
                 _case(rank, nh, ng, microbatch)
             _case(rank, nh, ng, 0, attend=_per_document_density)
+            _case(rank, nh, ng, 1, attend=_dense)
     finally:
         dist.destroy_process_group()
 

@@ -59,7 +59,7 @@ def test_a_good_launch_passes():
     _case(dict(context_parallel_size=2, cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[2, 1]), SPARSE, True, "--hierarchical-context-parallel-sizes with --context-parallel-size 2"),
     _case(dict(CP_A2A, hybrid_context_parallel=True), SPARSE, True, "--hybrid-context-parallel"),
     _case(CP_A2A, SPARSE, False, "--context-parallel-size 2 on Megatron's data path"),
-    _case(CP_A2A, SparseBalanceConfig(), True, "--context-parallel-size 2 with dense attention"),
+    _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, attention_backend="flex"), True, "--context-parallel-size 2 with the flex attention backend"),
     _case(dict(CP_A2A, num_attention_heads=6, context_parallel_size=4), SPARSE, True, "6 attention heads per tensor-parallel rank do not split over 4 CP ranks"),
     _case(dict(CP_A2A, num_attention_heads=12, group_query_attention=True, num_query_groups=3), SPARSE, True, "3 query groups per tensor-parallel rank and 2 CP ranks"),
     _case(dict(CP_A2A, seq_length=250), SPARSE, True, "--seq-length 250: expected a multiple of 4"),
@@ -111,6 +111,7 @@ def test_context_parallel_a2a_launches_with_sparse_balance(kw):
     check_launch(launch_args(**kw), FULL, plugin_data=True)
     check_launch(launch_args(**kw), SparseBalanceConfig(sparse_attention=True, seq_pad_multiple=8),
                  plugin_data=True)
+    check_launch(launch_args(**kw), SparseBalanceConfig(), plugin_data=True)   # dense attention
 
 
 def test_reset_attention_mask_is_served_by_the_plugins_data_path():
