@@ -28,7 +28,9 @@ def padded_length(n, multiple: int):
     m = int(multiple)
     if m < 1:
         raise ValueError(f"multiple={multiple!r}: expected an integer >= 1")
-    return (np.asarray(n) + m - 1) // m * m if isinstance(n, np.ndarray) else (int(n) + m - 1) // m * m
+    if isinstance(n, np.ndarray):
+        return (n + m - 1) // m * m
+    return (int(n) + m - 1) // m * m
 
 
 def _lengths(cu_seqlens: Sequence[int]) -> np.ndarray:
