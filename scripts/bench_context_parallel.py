@@ -19,20 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import socket
 import statistics
+import tempfile
 import time
 import types
 
 import torch
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _module(args, cp: int, group):
@@ -52,7 +45,7 @@ def _module(args, cp: int, group):
                                pg_collection=types.SimpleNamespace(cp=group))
 
 
-def _run(rank: int, cp: int, port: int, args, out):
+def _run(rank: int, cp: int, init_file: str, args, out):
     import torch.distributed as dist
 
     from sparsebalance_megatron.data.context_parallel import zigzag_positions
@@ -62,8 +55,8 @@ def _run(rank: int, cp: int, port: int, args, out):
     torch.set_num_threads(args.threads)
     group = None
     if cp > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=cp)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=cp)
         group = dist.group.WORLD
     attn = _module(args, cp, group)
     t = args.tokens
@@ -130,9 +123,9 @@ def main(argv=None) -> int:
 
     rows = []
     for cp in (1, args.context_parallel_size):
-        with mp.Manager() as manager:
+        with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
             out = manager.dict()
-            mp.spawn(_run, args=(cp, _port(), args, out), nprocs=cp, join=True)
+            mp.spawn(_run, args=(cp, f"{tmp}/rendezvous", args, out), nprocs=cp, join=True)
             ranks = [dict(out[r]) for r in range(cp)]
         slow = max(ranks, key=lambda r: r["step_s"])
         rows.append({"cp": cp, "step_s": slow["step_s"], "a2a_s": max(r["a2a_s"] for r in ranks),

@@ -23,6 +23,7 @@ RAISE_TARGETS = ("bottleneck", "static")
 DST_OBJECTIVES = ("density", "quality")
 TIMING_SOURCES = ("measured", "model")
 FAULT_KINDS = ("raise", "hang", "kill")
+CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
 

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import CP_COMM_TYPES
 from ..data.context_parallel import gather_index
 from . import comm
 
@@ -42,6 +43,25 @@ def check_heads(num_heads: int, num_groups: int, cp_size: int) -> None:
         raise ValueError(f"{num_groups} KV groups per tensor-parallel rank and context-parallel "
                          f"size {cp_size}: expected one to divide the other (each CP rank takes "
                          f"whole groups, or replicas of one)")
+
+
+def cp_group_of(config, cp_comm_type, pg_collection, who: str):
+    """The CP process group a core attention built with Megatron's ``config`` uses (None without
+    CP), after checking the communication type and that its heads split over the CP ranks."""
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
+    if cp == 1:
+        return None
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type={cp_comm_type!r} with context_parallel_size={cp}: {who} "
+                         f"implements only {', '.join(CP_COMM_TYPES)} (--cp-comm-type a2a)")
+    tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+    heads = config.num_attention_heads
+    check_heads(heads // tp, max((config.num_query_groups or heads) // tp, 1), cp)
+    group = getattr(pg_collection, "cp", None)
+    if group is None:
+        from megatron.core import parallel_state
+        group = parallel_state.get_context_parallel_group()
+    return group
 
 
 def kv_per_rank(num_groups: int, cp_size: int) -> int:

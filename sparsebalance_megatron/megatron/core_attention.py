@@ -50,12 +50,11 @@ from megatron.core.transformer.module import MegatronModule
 from ..attention import block_sparse_attention
 from ..config import SparseBalanceConfig
 from .budget import BudgetContext
-from .context_parallel import attend_whole_documents, check_heads
+from .context_parallel import attend_whole_documents, cp_group_of
 
 log = logging.getLogger(__name__)
 _warned_dropout = False
 _CAUSAL_TYPES = (AttnMaskType.causal, AttnMaskType.padding_causal)
-CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values SparseCoreAttention implements
 
 
 class SparseCoreAttention(MegatronModule):
@@ -76,20 +75,7 @@ class SparseCoreAttention(MegatronModule):
             raise ValueError(f"attn_mask_type={attn_mask_type}: expected a causal mask type "
                              f"({', '.join(str(t) for t in _CAUSAL_TYPES)})")
         self.cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
-        self.cp_group = None
-        if self.cp_size > 1:
-            if cp_comm_type not in CP_COMM_TYPES:
-                raise ValueError(f"cp_comm_type={cp_comm_type!r} with context_parallel_size="
-                                 f"{self.cp_size}: SparseCoreAttention implements only "
-                                 f"{', '.join(CP_COMM_TYPES)} (--cp-comm-type a2a)")
-            tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
-            check_heads(config.num_attention_heads // tp,
-                        max(config.num_query_groups // tp, 1) if config.num_query_groups else
-                        config.num_attention_heads // tp, self.cp_size)
-            self.cp_group = getattr(pg_collection, "cp", None)
-            if self.cp_group is None:
-                from megatron.core import parallel_state
-                self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group_of(config, cp_comm_type, pg_collection, "SparseCoreAttention")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"window_size={config.window_size}: sliding-window attention is "
                              f"not supported by SparseCoreAttention (use local_blocks)")

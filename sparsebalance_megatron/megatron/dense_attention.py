@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from .context_parallel import attend_whole_documents, check_heads
+from .context_parallel import attend_whole_documents, cp_group_of
 
 
 def _causal_per_document(q, k, v, cu_seqlens, softmax_scale):
@@ -41,19 +41,8 @@ class DenseVarlenCoreAttention(MegatronModule):
         self.layer_number = layer_number
         hn = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
-        self.cp_group = None
-        cp = int(getattr(config, "context_parallel_size", 1) or 1)
-        if cp > 1:
-            if cp_comm_type != "a2a":
-                raise ValueError(f"cp_comm_type={cp_comm_type!r} with context_parallel_size={cp}: "
-                                 f"DenseVarlenCoreAttention implements only 'a2a'")
-            tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
-            check_heads(config.num_attention_heads // tp,
-                        max((config.num_query_groups or config.num_attention_heads) // tp, 1), cp)
-            self.cp_group = getattr(pg_collection, "cp", None)
-            if self.cp_group is None:
-                from megatron.core import parallel_state
-                self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_group = cp_group_of(config, cp_comm_type, pg_collection,
+                                    "DenseVarlenCoreAttention")
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..config import SparseBalanceConfig, flag_name
+from ..config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ..latency.layout import LayoutError, PipelineLayout
 
 
@@ -78,9 +78,6 @@ def _sparse_attention_conflicts(args) -> list[str]:
     if getattr(args, "window_size", None) is not None:
         out.append(f"--window-size {args.window_size} (use --sb-local-blocks)")
     return out
-
-
-CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the sparse attention implements
 
 
 def _flex(sb: SparseBalanceConfig) -> bool:

@@ -12,8 +12,6 @@ dense baseline's core attention through the same path.
 
 from __future__ import annotations
 
-import os
-import socket
 import types
 
 import numpy as np
@@ -26,12 +24,6 @@ CP = 2
 HN = 8
 LENGTHS = [37, 3, 130, 1, 64, 21, 6]      # three documents shorter than 2 x CP chunks' worth
 RTOL, ATOL = 1e-5, 1e-6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _modules(nh, ng, plan):
@@ -152,11 +144,11 @@ def _dense(q, k, v, psp, group):
     return module(q, k, v, None, packed_seq_params=psp)
 
 
-def _worker(rank, port):
+def _worker(rank, init_file):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
+    # a file rendezvous: no TCP port to pick (and lose to another process) between runs
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=CP)
     try:
         torch.manual_seed(0)
         for nh, ng in ((4, 2), (4, 1)):             # ng == CP; ng < CP: KV heads replicated
@@ -168,8 +160,8 @@ def _worker(rank, port):
         dist.destroy_process_group()
 
 
-def test_cp2_equals_cp1_outputs_and_gradients():
+def test_cp2_equals_cp1_outputs_and_gradients(tmp_path):
     import torch.multiprocessing as mp
 
     # a failed assertion in either process fails the spawn (ProcessRaisedException)
-    mp.spawn(_worker, args=(_free_port(),), nprocs=CP, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=CP, join=True)
