@@ -23,6 +23,7 @@ RAISE_TARGETS = ("bottleneck", "static")
 DST_OBJECTIVES = ("density", "quality")
 TIMING_SOURCES = ("measured", "model")
 FAULT_KINDS = ("raise", "hang", "kill")
+CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
 
@@ -152,6 +153,11 @@ class SparseBalanceConfig:
     long_sample_policy: str = _f(
         "split", "A document longer than --seq-length is split into segments ('split') or "
         "refused with an error ('error').", choices=LONG_SAMPLE_POLICIES)
+    seq_pad_multiple: int = _f(
+        0, "Pad every packed document (after its EOD, outside the loss) to a multiple of this "
+        "many positions; 0: automatic, 2 x --context-parallel-size (what Megatron's "
+        "context-parallel split of a packed micro-batch needs), 1 without context parallelism. "
+        "Give the CP run's value to a CP=1 run to train on identical micro-batches.")
     tokenizer: str = _f(
         "qwen", "Tokenizer of the built-in real-text corpus and of .jsonl data: 'qwen' "
         "(Qwen2 BPE via tiktoken), 'gpt2', or 'byte'.", choices=TOKENIZERS)
@@ -217,6 +223,10 @@ class SparseBalanceConfig:
             return "sab" if self.batching_enabled else "sequential"
         return self.packing
 
+    def pad_multiple(self, cp_size: int) -> int:
+        """What packed documents are padded to a multiple of, under ``cp_size`` CP ranks."""
+        return self.seq_pad_multiple or (2 * cp_size if cp_size > 1 else 1)
+
     @property
     def fault_spec(self) -> Optional[tuple[int, int, str]]:
         """(rank, iteration, kind) of --sb-fault, or None."""
@@ -267,6 +277,9 @@ class SparseBalanceConfig:
                 bad(name, v, "an integer >= 0")
         if not isinstance(self.query_chunk_blocks, int) or self.query_chunk_blocks < 1:
             bad("query_chunk_blocks", self.query_chunk_blocks, "an integer >= 1")
+        if isinstance(self.seq_pad_multiple, bool) or not isinstance(self.seq_pad_multiple, int) \
+                or self.seq_pad_multiple < 0:
+            bad("seq_pad_multiple", self.seq_pad_multiple, "an integer >= 0 (0: automatic)")
         if not isinstance(self.straggler_rank, int) or self.straggler_rank < -1:
             bad("straggler_rank", self.straggler_rank, "-1 or a data-parallel rank >= 0")
         sd = self.straggler_slowdown

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
@@ -79,7 +79,9 @@ def block_sparse_attention(
         min_density: float = 0.125, max_density: float = 1.0, estimator: str = "maxkey",
         backend: str = "auto", softmax_scale: Optional[float] = None,
         query_chunk_blocks: int = 16, cache: Optional[dict] = None,
-        compile_backend: Optional[str] = "inductor") -> Tuple[torch.Tensor, BlockSelection]:
+        compile_backend: Optional[str] = "inductor",
+        reduce_shares: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, BlockSelection]:
     """Budgeted block-sparse causal attention within documents.
 
     ``cu_seqlens``: ``[ndoc + 1]`` document boundaries (tensor or list, ``0 ... t``).
@@ -92,6 +94,9 @@ def block_sparse_attention(
     re-validated on those calls.
     ``compile_backend`` (flex only): torch.compile backend; ``None`` runs flex eagerly.
     ``softmax_scale``: a finite number > 0, or ``None`` for ``1/sqrt(hn)``.
+    ``reduce_shares``: applied to the estimated shares ``[ng, NB, NB]`` before the selection
+    (context parallelism with fewer KV groups than ranks: a rank holds some of a group's query
+    heads, and this averages the shares over the ranks that hold the others).
     q, k and v must share one floating dtype (float16, bfloat16, float32 or float64) and one
     device; any bad argument raises a ``ValueError`` naming it, whatever the backend.
     Returns ``(out [t, np, hn], selection)``; ``selection.density_kept`` and
@@ -121,6 +126,8 @@ def block_sparse_attention(
                                             or callable(compile_backend)):
         raise ValueError(f"compile_backend={compile_backend!r}: expected a torch.compile "
                          f"backend (name or callable), or None for eager flex")
+    if reduce_shares is not None and not callable(reduce_shares):
+        raise ValueError(f"reduce_shares={reduce_shares!r}: expected a callable or None")
 
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
                      fixed_length=backend == "flex")
@@ -136,6 +143,8 @@ def block_sparse_attention(
             qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
             keys = k_pad.detach()[:layout.num_blocks * block_size].permute(1, 0, 2)
             shares = shares_from_block_sums(qsum, keys, layout, estimator, softmax_scale)
+            if reduce_shares is not None:
+                shares = reduce_shares(shares)
         selection = select_from_shares(shares, layout, density_doc, **budget)
         out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
                                                  softmax_scale, compile_backend))
@@ -145,6 +154,9 @@ def block_sparse_attention(
     k_blk = to_blocks_kv(k_pad, block_size)                  # [ng, NB, B, hn]
     shares = estimate_block_shares(q_blk.detach(), k_blk.detach(), layout, estimator,
                                    softmax_scale)
+    if reduce_shares is not None:
+        with torch.no_grad():
+            shares = reduce_shares(shares)
     selection = select_from_shares(shares, layout, density_doc, **budget)
     if backend == "reference":
         out = reference_attention(q, k, v, selection, softmax_scale)

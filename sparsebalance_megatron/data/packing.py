@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..config import LONG_SAMPLE_POLICIES
+from .context_parallel import padded_length
 
 Segment = tuple[int, int, int]   # (doc_id, start, end): positions [start, end) of doc + EOD
 PAD_SEQ_TOKENS = 256
@@ -38,12 +39,16 @@ cheaper but add per-sequence overheads (Megatron's THD rotary loops over sequenc
 pieces of 64 / 128 / 256 / 512 tokens gave 0.28 / 0.26 / 0.23 / 0.29 s for the micro-batch above."""
 
 
-def padding_lengths(n_pad: int) -> list[int]:
-    """Lengths of the padding sequences that fill ``n_pad`` tokens (the last may be shorter)."""
+def padding_lengths(n_pad: int, multiple: int = 1) -> list[int]:
+    """Lengths of the padding sequences that fill ``n_pad`` tokens (the last may be shorter);
+    each a multiple of ``multiple`` (context parallelism), ``n_pad`` must be one too."""
     if n_pad < 0:
         raise ValueError(f"padding of {n_pad} tokens: expected >= 0")
-    full, rest = divmod(int(n_pad), PAD_SEQ_TOKENS)
-    return [PAD_SEQ_TOKENS] * full + ([rest] if rest else [])
+    if n_pad % multiple:
+        raise ValueError(f"padding of {n_pad} tokens: expected a multiple of {multiple}")
+    piece = max(PAD_SEQ_TOKENS // multiple, 1) * multiple
+    full, rest = divmod(int(n_pad), piece)
+    return [piece] * full + ([rest] if rest else [])
 
 
 class LongDocumentError(ValueError):
@@ -92,14 +97,18 @@ def sequential_pack(segments: Sequence[Segment], *, capacity: int, dp: int,
 @dataclass
 class PackedMicroBatch:
     """One micro-batch of ``T == capacity`` tokens; padding is its last sequences
-    (``padding_lengths``)."""
+    (``padding_lengths``) and, with a ``pad_multiple`` > 1, the positions after each document's
+    EOD up to the next multiple (``cu_seqlens_real`` then differs from ``cu_seqlens``)."""
 
     segments: list[Segment]
     tokens: np.ndarray        # [T] int64
     labels: np.ndarray        # [T] int64, next token of the same document (EOD at padding)
     loss_mask: np.ndarray     # [T] float32, 0 on padding and where no in-document next token
     position_ids: np.ndarray  # [T] int64, restarting at 0 at every sequence
-    cu_seqlens: np.ndarray    # [n_seq + 1] int32, 0 ... T
+    cu_seqlens: np.ndarray    # [n_seq + 1] int32, 0 ... T: sequence boundaries (padding included)
+    cu_seqlens_real: Optional[np.ndarray] = None   # [n_seq + 1] int32: cumulative real lengths
+    """Megatron's ``cu_seqlens_q`` when sequences are padded (its ``cu_seqlens_q_padded`` is then
+    ``cu_seqlens``); None: no sequence is padded."""
 
     @property
     def max_seqlen(self) -> int:
@@ -107,48 +116,69 @@ class PackedMicroBatch:
 
     @property
     def n_real_tokens(self) -> int:
-        """Tokens of documents (EOD included), i.e. T minus padding."""
+        """Positions of the documents' sequences (EOD and per-document padding included), i.e.
+        T minus the padding sequences."""
         return int(sum(e - s for _, s, e in self.segments))
 
 
-def materialize(segments: Sequence[Segment], corpus, capacity: int) -> PackedMicroBatch:
-    """Arrays of one micro-batch from its segments; ``corpus`` has ``tokens(id)`` and ``eod_id``."""
+def materialize(segments: Sequence[Segment], corpus, capacity: int, *,
+                pad_multiple: int = 1) -> PackedMicroBatch:
+    """Arrays of one micro-batch from its segments; ``corpus`` has ``tokens(id)`` and ``eod_id``.
+
+    ``pad_multiple`` > 1 (context parallelism): a document of ``n`` tokens spans
+    ``padded_length(n + 1, pad_multiple)`` positions, its tokens, EOD, then padding (EOD tokens
+    outside the loss), as ``GlobalBatchSampler(pad_multiple=...)`` cuts it; every sequence
+    then holds a multiple of ``pad_multiple`` positions, and the padding sequences too."""
     capacity = _check_positive_int("capacity", capacity)
+    pad_multiple = _check_positive_int("pad_multiple", pad_multiple)
+    if capacity % pad_multiple:
+        raise ValueError(f"capacity {capacity}: expected a multiple of pad_multiple "
+                         f"{pad_multiple}")
     eod = int(corpus.eod_id)
     tokens = np.full(capacity, eod, dtype=np.int64)
     labels = np.full(capacity, eod, dtype=np.int64)
     loss_mask = np.zeros(capacity, dtype=np.float32)
     position_ids = np.zeros(capacity, dtype=np.int64)
-    cu = [0]
+    cu, cu_real = [0], [0]
     p = 0
     for doc_id, start, end in segments:
         doc = corpus.tokens(int(doc_id))
         n_doc = int(doc.size)
-        if not 0 <= start < end <= n_doc + 1:
-            raise ValueError(f"segment {(doc_id, start, end)}: expected 0 <= start < end <= "
-                             f"{n_doc + 1} (document {doc_id} has {n_doc} tokens + EOD)")
+        limit = padded_length(n_doc + 1, pad_multiple)
+        if not 0 <= start < end <= limit or start > n_doc:
+            raise ValueError(f"segment {(doc_id, start, end)}: expected 0 <= start <= {n_doc} "
+                             f"and start < end <= {limit} (document {doc_id} has {n_doc} tokens "
+                             f"+ EOD" + (f", padded to a multiple of {pad_multiple})"
+                                         if pad_multiple > 1 else ")"))
         n = end - start
         if p + n > capacity:
             raise ValueError(f"segments hold {p + n}+ tokens: expected at most capacity "
                              f"{capacity}")
-        # Positions [start, end] of doc + EOD: the segment's tokens and the token after each.
-        ext = np.asarray(doc[start:min(end + 1, n_doc)], dtype=np.int64)
-        if end >= n_doc:
+        real_end = min(end, n_doc + 1)
+        n_real = real_end - start
+        # Positions [start, real_end] of doc + EOD: the segment's tokens and the token after each.
+        ext = np.asarray(doc[start:min(real_end + 1, n_doc)], dtype=np.int64)
+        if real_end >= n_doc:
             ext = np.concatenate([ext, np.array([eod], dtype=np.int64)])
-        tokens[p:p + n] = ext[:n]
-        nxt = ext[1:]                     # n values, or n - 1 when the segment ends with EOD
+        tokens[p:p + n_real] = ext[:n_real]
+        nxt = ext[1:]                # n_real values, or n_real - 1 when the segment holds the EOD
         labels[p:p + nxt.size] = nxt
         loss_mask[p:p + nxt.size] = 1.0
         position_ids[p:p + n] = np.arange(n)
         p += n
         cu.append(p)
-    for n in padding_lengths(capacity - p):
+        cu_real.append(cu_real[-1] + n_real)
+    for n in padding_lengths(capacity - p, pad_multiple):
         position_ids[p:p + n] = np.arange(n)
         p += n
         cu.append(p)
+        cu_real.append(cu_real[-1] + n)
+    cu_arr = np.asarray(cu, dtype=np.int32)
+    real_arr = np.asarray(cu_real, dtype=np.int32)
     return PackedMicroBatch(segments=[tuple(int(x) for x in s) for s in segments], tokens=tokens,
                             labels=labels, loss_mask=loss_mask, position_ids=position_ids,
-                            cu_seqlens=np.asarray(cu, dtype=np.int32))
+                            cu_seqlens=cu_arr,
+                            cu_seqlens_real=None if np.array_equal(cu_arr, real_arr) else real_arr)
 
 
 class GlobalBatchSampler:
@@ -168,13 +198,19 @@ class GlobalBatchSampler:
     the document start (or refused), so pieces are the same whatever the step boundaries.
 
     ``lengths`` are token counts without EOD; with ``append_eod`` each document takes one more.
+    With ``pad_multiple`` > 1 (context parallelism) a document takes its positions rounded up to
+    a multiple of it (``materialize`` pads it after the EOD); ``capacity`` must be a multiple.
     """
 
     def __init__(self, lengths, *, capacity: int, dp: int = 1, num_microbatches: int = 1,
                  seed: int, long_sample_policy: str = "split", append_eod: bool = True,
                  sources: Optional[Sequence[Sequence[int]]] = None,
-                 weights: Optional[Sequence[float]] = None):
+                 weights: Optional[Sequence[float]] = None, pad_multiple: int = 1):
         self.capacity = _check_positive_int("capacity", capacity)
+        self.pad_multiple = _check_positive_int("pad_multiple", pad_multiple)
+        if self.capacity % self.pad_multiple:
+            raise ValueError(f"capacity {self.capacity}: expected a multiple of pad_multiple "
+                             f"{self.pad_multiple}")
         self.dp = _check_positive_int("dp", dp)
         self.num_microbatches = _check_positive_int("num_microbatches", num_microbatches)
         if long_sample_policy not in LONG_SAMPLE_POLICIES:
@@ -189,6 +225,7 @@ class GlobalBatchSampler:
             raise ValueError(f"lengths of shape {lengths.shape}: expected a non-empty 1-D array")
         self.n_positions = lengths + (1 if append_eod else 0)   # [n_docs] packed positions
         bad = np.flatnonzero(self.n_positions < 1)
+        self.n_positions = padded_length(self.n_positions, self.pad_multiple)
         if bad.size:
             raise ValueError(f"document {int(bad[0])} has {int(lengths[bad[0]])} tokens: "
                              f"expected >= 1")

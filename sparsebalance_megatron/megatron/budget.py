@@ -40,6 +40,16 @@ class SparsePackedSeqParams(PackedSeqParams):
     sb_cache: dict = field(default_factory=dict, repr=False, compare=False)
     """Per-micro-batch scratch shared by every layer (and by a recomputed forward): what depends
     only on the micro-batch's documents, e.g. the block layout, is computed once and kept here."""
+    sb_cp_size: int = 1
+    """Context-parallel ranks the micro-batch's tokens are split over (Megatron's per-document
+    zigzag order); the ``cu_seqlens*`` fields describe the whole micro-batch, as in Megatron."""
+
+    def local_cu_seqlens(self) -> torch.Tensor:
+        """Sequence boundaries of this rank's tokens ``[n_seq + 1]``: a sequence's two CP chunks
+        lie next to each other, ``1 / sb_cp_size`` of its padded length."""
+        cu = self.cu_seqlens_q_padded if self.cu_seqlens_q_padded is not None \
+            else self.cu_seqlens_q
+        return cu // self.sb_cp_size if self.sb_cp_size > 1 else cu
 
 
 class BudgetError(RuntimeError):

@@ -109,6 +109,10 @@ class SparseBalanceCallback:
         self.pp, self.pp_rank = args.pipeline_model_parallel_size, \
             ps.get_pipeline_model_parallel_rank()
         self.capacity = args.seq_length * args.micro_batch_size
+        # CP ranks of a DP rank read the same micro-batches, each its share of the tokens
+        cp = ps.get_context_parallel_world_size()
+        self.cp_split = dict(pad_multiple=sb.pad_multiple(cp), cp_size=cp,
+                             cp_rank=ps.get_context_parallel_rank())
         self.latency = self.tracker = None
         if sb.dst_enabled or sb.batching_enabled:
             from .latency_setup import load_latency_model
@@ -151,7 +155,8 @@ class SparseBalanceCallback:
             return TrainIterator(self, self.device, chunk=chunk)
         args = self.args
         self.sampler = self.data.sampler("train", capacity=self.capacity, seed=self.sb.seed,
-                                         long_sample_policy=self.sb.long_sample_policy)
+                                         long_sample_policy=self.sb.long_sample_policy,
+                                         pad_multiple=self.cp_split["pad_multiple"])
         self.sampler.skip_bins(int(args.consumed_train_samples))
         state = None
         if args.iteration > 0 and args.load:
@@ -542,11 +547,14 @@ def unit_order(fwd_order: list, layout, pp_rank: int) -> list:
 
 def _measured_busy(gathered, dp: int, pp: int, m: int) -> np.ndarray:
     """[dp, pp] measured fwd+bwd seconds of every rank's ``m`` timed forwards and backwards
-    (micro-batches x model chunks; NaN: missing)."""
+    (micro-batches x model chunks; NaN: missing); the slowest of the TP and CP ranks that share
+    a (dp, pp) place (they wait for each other in their collectives)."""
     measured = np.full((dp, pp), np.nan)
     for g in gathered:
         if len(g["fwd_s"]) == m and len(g["bwd_s"]) == m:
-            measured[g["dp"], g["pp"]] = float(np.sum(g["fwd_s"]) + np.sum(g["bwd_s"]))
+            t = float(np.sum(g["fwd_s"]) + np.sum(g["bwd_s"]))
+            prev = measured[g["dp"], g["pp"]]
+            measured[g["dp"], g["pp"]] = t if not np.isfinite(prev) else max(prev, t)
     return measured
 
 

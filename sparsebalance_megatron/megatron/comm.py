@@ -1,11 +1,14 @@
-"""The one module of ours that talks to torch.distributed: small gathers and broadcasts.
+"""The one module of ours that talks to torch.distributed: small gathers and broadcasts, and the
+context-parallel collectives of the sparse attention.
 
 Used by the callback (gathering per-micro-batch timings, broadcasting the DST plan so every TP,
-PP and DP rank holds identical budgets), the profiler and the console lines.
+PP, CP and DP rank holds identical budgets), the profiler, the console lines, and
+``context_parallel`` (all-to-all of q/k/v and outputs, the all-reduce of block shares).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -63,3 +66,44 @@ def broadcast_object(obj, src: int = 0):
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
+
+
+# --- process groups (context parallelism) -----------------------------------------------------
+
+def group_size(group) -> int:
+    """Ranks in ``group`` (1 for None or without a process group)."""
+    return dist.get_world_size(group) if group is not None and is_initialized() else 1
+
+
+def group_rank(group) -> int:
+    """This process's rank in ``group`` (0 for None or without a process group)."""
+    return dist.get_rank(group) if group is not None and is_initialized() else 0
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all along dim 0; its gradient is the same all-to-all of the output's
+    gradient (``torch.distributed.nn``'s version is deprecated in torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad.contiguous(), ctx.group), None
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """``x [n, ...]`` with ``n`` = the group's size: slice ``i`` goes to rank ``i``; returns the
+    slices received, in rank order. Differentiable: the backward is the reverse all-to-all (gloo
+    and NCCL both have ``all_to_all_single``)."""
+    return _AllToAll.apply(x.contiguous(), group)
+
+
+def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
+    """In-place sum of ``x`` over ``group`` (not differentiated)."""
+    dist.all_reduce(x, group=group)
+    return x

@@ -14,6 +14,12 @@ attn_mask_type, attention_bias, packed_seq_params)``.
   ``[sq, b, np*hn]``.
 - Tensor parallel: ``np``/``ng`` are this rank's heads; selection is per key/value head, so TP ranks
   share nothing but the density (the plan is identical on every rank).
+- Context parallel (``--cp-comm-type a2a`` only, packed input only): q/k/v hold this CP rank's
+  share of every sequence in Megatron's per-document zigzag order; ``context_parallel`` gathers
+  the sequence and scatters the heads (one all-to-all over ``pg_collection.cp``), the attention
+  runs on whole documents for ``np / cp`` heads, and the output goes back the same way.
+- Padded THD (``cu_seqlens_q_padded``, the data path's padding for CP): each sequence's padding
+  is left out of the attention and gets zeros (transformer-engine's semantics).
 - Pipeline parallel: nothing here depends on the stage; the budget context knows it (with the
   interleaved schedule, from the layer's global number: each model chunk is its own plan stage).
 
@@ -29,7 +35,7 @@ everything derived from it) is computed by the first layer and kept in
 from the device (no host synchronisation in the per-layer path).
 Attention dropout is not applied (the sparse kernels have none); a nonzero
 ``config.attention_dropout`` is logged once and ignored.
-Part of the megatron adapter layer; must not touch torch.distributed (TP/PP need no collective here).
+Part of the megatron adapter layer; CP's collectives go through ``comm`` (TP/PP need none here).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from megatron.core.transformer.module import MegatronModule
 from ..attention import block_sparse_attention
 from ..config import SparseBalanceConfig
 from .budget import BudgetContext
+from .context_parallel import attend_whole_documents, cp_group_of
 
 log = logging.getLogger(__name__)
 _warned_dropout = False
@@ -67,9 +74,8 @@ class SparseCoreAttention(MegatronModule):
         if attn_mask_type not in _CAUSAL_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type}: expected a causal mask type "
                              f"({', '.join(str(t) for t in _CAUSAL_TYPES)})")
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise ValueError(f"context_parallel_size={config.context_parallel_size}: "
-                             f"SparseCoreAttention does not support context parallelism (use 1)")
+        self.cp_size = int(getattr(config, "context_parallel_size", 1) or 1)
+        self.cp_group = cp_group_of(config, cp_comm_type, pg_collection, "SparseCoreAttention")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"window_size={config.window_size}: sliding-window attention is "
                              f"not supported by SparseCoreAttention (use local_blocks)")
@@ -89,7 +95,8 @@ class SparseCoreAttention(MegatronModule):
             else 1.0 / math.sqrt(head_dim)
         self._unpacked_cache = {}
 
-    def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None, cache=None):
+    def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None, cache=None,
+                reduce_shares=None):
         sb = self.sb_config
         out, sel = block_sparse_attention(
             q, k, v, cu_seqlens, self.budget.density(packed_seq_params, self.layer_number),
@@ -97,24 +104,10 @@ class SparseCoreAttention(MegatronModule):
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
             backend=sb.attention_backend, softmax_scale=self.softmax_scale,
-            query_chunk_blocks=sb.query_chunk_blocks, cache=cache)
+            query_chunk_blocks=sb.query_chunk_blocks, cache=cache, reduce_shares=reduce_shares)
         if torch.is_grad_enabled():
             self.budget.record(self.layer_number, packed_seq_params, sel.density_kept, sel.recall)
         return out                                                # [t, np, hn]
-
-    @staticmethod
-    def _packed_cu_seqlens(psp, num_tokens: int, cache):
-        """The document boundaries to attend within; chosen (one host read) once per micro-batch
-        when ``psp`` carries a cache (``SparsePackedSeqParams.sb_cache``), else every layer."""
-        key = ("cu_seqlens", num_tokens)
-        if cache is not None and key in cache:
-            return cache[key]
-        cu = psp.cu_seqlens_q
-        if int(cu[-1]) != num_tokens and psp.cu_seqlens_q_padded is not None:
-            cu = psp.cu_seqlens_q_padded  # padded THD: attend over the padding
-        if cache is not None:
-            cache[key] = cu
-        return cu
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -131,9 +124,16 @@ class SparseCoreAttention(MegatronModule):
             q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
             # per-micro-batch scratch shared by every layer (None for a plain PackedSeqParams)
             cache = getattr(packed_seq_params, "sb_cache", None)
-            cu = self._packed_cu_seqlens(packed_seq_params, q.shape[0], cache)
-            out = self._attend(q, k, v, cu, packed_seq_params, cache)
+
+            def attend(q_, k_, v_, cu, reduce_shares):   # whole documents, natural order
+                return self._attend(q_, k_, v_, cu, packed_seq_params, cache, reduce_shares)
+
+            out = attend_whole_documents(q, k, v, packed_seq_params, self.cp_group, attend, cache)
             return out.reshape(out.shape[0], -1)                  # [t, np*hn]
+        if self.cp_size > 1:
+            raise ValueError(f"context_parallel_size={self.cp_size}: SparseCoreAttention "
+                             f"supports context parallelism on packed (THD) micro-batches only "
+                             f"(packed_seq_params=None here)")
         # [sq, b, np, hn] -> [b*sq, np, hn], one document per batch row
         sq, b, nh, hn = query.shape
         if key.shape[0] != sq:

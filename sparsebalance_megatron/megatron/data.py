@@ -15,7 +15,10 @@ the iterators built here and Megatron wraps each in its ``RerunDataIterator``.
   DST plan), in slot order; each carries a ``SparsePackedSeqParams`` naming its step and slot.
 - ``EvalIterator``: the valid/test split packed in Megatron's order, static density.
 Every rank builds identical micro-batches from the same deterministic sampler: TP and PP ranks
-need no broadcast, and every rank knows every DP rank's documents (DST needs them).
+need no broadcast, and every rank knows every DP rank's documents (DST needs them). Context
+parallel (CP) ranks of a DP rank build the same micro-batches and keep their share of the tokens
+(``microbatch_inputs``: Megatron's per-document zigzag split, documents padded to a multiple of
+2 x CP so that every sequence splits evenly; the packers count the padded lengths).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from ..config import SparseBalanceConfig, flag_name
+from ..data.context_parallel import zigzag_positions
 from ..data.corpus import ConcatCorpus, DataError, load_corpus
 from ..data.packing import GlobalBatchSampler, materialize, sequential_pack
 from ..data.tokenizers import TextTokenizer
@@ -48,7 +52,8 @@ class PluginData:
     tokenizer: str                        # what tokenized the text (for logs)
 
     def sampler(self, split: str, *, capacity: int, seed: int, long_sample_policy: str,
-                dp: int = 1, num_microbatches: int = 1) -> Optional[GlobalBatchSampler]:
+                dp: int = 1, num_microbatches: int = 1,
+                pad_multiple: int = 1) -> Optional[GlobalBatchSampler]:
         """A sampler over ``split``'s documents; None when the split holds none."""
         sources = [s for s in self.splits[split] if s.size]
         if not sources:
@@ -59,7 +64,7 @@ class PluginData:
         return GlobalBatchSampler(self.corpus.lengths, capacity=capacity, dp=dp,
                                   num_microbatches=num_microbatches, seed=seed,
                                   long_sample_policy=long_sample_policy, sources=sources,
-                                  weights=weights)
+                                  weights=weights, pad_multiple=pad_multiple)
 
 
 def megatron_text_tokenizer(args) -> Optional[TextTokenizer]:
@@ -167,19 +172,33 @@ def check_vocab(data: PluginData, model_vocab_size: int) -> None:
 # --- micro-batches ---------------------------------------------------------------------------
 
 def microbatch_inputs(segments, corpus, capacity: int, device, *, step: Optional[int] = None,
-                      index: Optional[int] = None) -> dict:
+                      index: Optional[int] = None, pad_multiple: int = 1, cp_size: int = 1,
+                      cp_rank: int = 0) -> dict:
     """One packed micro-batch as Megatron THD inputs: tokens/labels/loss_mask/position_ids
-    ``[1, T]`` and a ``SparsePackedSeqParams`` (cu_seqlens int32 ``[n_seq + 1]``)."""
-    mb = materialize(segments, corpus, capacity)
+    ``[1, T]`` and a ``SparsePackedSeqParams`` (cu_seqlens int32 ``[n_seq + 1]``).
+
+    With ``pad_multiple`` > 1 documents are padded after their EOD (outside the loss), and the
+    params carry Megatron's padded-THD pair: ``cu_seqlens_q`` the real lengths,
+    ``cu_seqlens_q_padded`` the boundaries. With ``cp_size`` > 1 the token tensors hold CP rank
+    ``cp_rank``'s share, ``[1, T / cp_size]`` in Megatron's per-document zigzag order (what
+    transformer-engine's ``thd_get_partitioned_indices`` gives); the cu_seqlens stay global."""
+    mb = materialize(segments, corpus, capacity, pad_multiple=pad_multiple)
     cu = torch.from_numpy(mb.cu_seqlens).to(device)
+    real = None if mb.cu_seqlens_real is None else torch.from_numpy(mb.cu_seqlens_real).to(device)
     max_len = mb.max_seqlen
-    psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+    psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu if real is None else real,
+                                cu_seqlens_kv=cu if real is None else real,
+                                cu_seqlens_q_padded=None if real is None else cu,
+                                cu_seqlens_kv_padded=None if real is None else cu,
                                 max_seqlen_q=max_len, max_seqlen_kv=max_len, sb_step=step,
                                 sb_microbatch=index,
-                                sb_doc_ids=tuple(int(d) for d, _, _ in segments))
+                                sb_doc_ids=tuple(int(d) for d, _, _ in segments),
+                                sb_cp_size=int(cp_size))
+    keep = zigzag_positions(mb.cu_seqlens, cp_size, cp_rank) if cp_size > 1 else slice(None)
 
     def t(a, dtype):
-        return torch.from_numpy(np.asarray(a)).to(device=device, dtype=dtype).unsqueeze(0)
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(a)[keep])).to(
+            device=device, dtype=dtype).unsqueeze(0)
 
     return {"tokens": t(mb.tokens, torch.int64), "labels": t(mb.labels, torch.int64),
             "loss_mask": t(mb.loss_mask, torch.float32),
@@ -213,7 +232,7 @@ class TrainIterator:
         cb.note_forward(j, self.chunk)
         segments = self._step.batch.micro_batches[cb.dp_rank][j]
         return microbatch_inputs(segments, cb.corpus, cb.capacity, self.device,
-                                 step=self._step.iteration, index=j)
+                                 step=self._step.iteration, index=j, **cb.cp_split)
 
     def save_state(self) -> dict:
         return self.callback.state_dict()
@@ -224,9 +243,10 @@ class EvalIterator:
     row, this DP rank's bin of each row; endless (the split is re-read epoch after epoch)."""
 
     def __init__(self, sampler: GlobalBatchSampler, corpus, *, capacity: int, dp: int,
-                 dp_rank: int, device, consumed_samples: int = 0):
+                 dp_rank: int, device, consumed_samples: int = 0, cp_split: Optional[dict] = None):
         self.sampler, self.corpus = sampler, corpus
         self.capacity, self.dp, self.dp_rank, self.device = capacity, dp, dp_rank, device
+        self.cp_split = cp_split or {}   # microbatch_inputs' pad_multiple, cp_size, cp_rank
         self.sampler.skip_bins(int(consumed_samples))
 
     def __iter__(self):
@@ -236,4 +256,5 @@ class EvalIterator:
         segments = self.sampler.next_bins(self.dp)
         rank = sequential_pack(segments, capacity=self.capacity, dp=self.dp,
                                num_microbatches=1)[self.dp_rank]
-        return microbatch_inputs(rank[0], self.corpus, self.capacity, self.device)
+        return microbatch_inputs(rank[0], self.corpus, self.capacity, self.device,
+                                 **self.cp_split)

@@ -3,6 +3,9 @@
 megatron-core's local ``DotProductAttention`` refuses packed sequences, and transformer-engine
 (whose attention accepts them) is unavailable on CPU. Dense runs therefore swap in this module:
 exact causal softmax attention per document (SDPA), same contract as ``DotProductAttention``.
+Packed input goes through ``context_parallel.attend_whole_documents`` like the sparse attention's:
+padded sequences (``cu_seqlens_q_padded``) leave their padding out, and with context parallelism
+(``--cp-comm-type a2a``) the documents are gathered whole for this rank's heads.
 """
 
 from __future__ import annotations
@@ -12,6 +15,20 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+
+from .context_parallel import attend_whole_documents, cp_group_of
+
+
+def _causal_per_document(q, k, v, cu_seqlens, softmax_scale):
+    """q ``[t, np, hn]``, k/v ``[t, ng, hn]``, documents ``cu_seqlens`` -> ``[t, np, hn]``."""
+    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    outs = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        qd, kd, vd = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, hn]
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=softmax_scale,
+                                           enable_gqa=kd.shape[0] != qd.shape[0])
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
 
 
 class DenseVarlenCoreAttention(MegatronModule):
@@ -24,10 +41,15 @@ class DenseVarlenCoreAttention(MegatronModule):
         self.layer_number = layer_number
         hn = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
+        self.cp_group = cp_group_of(config, cp_comm_type, pg_collection,
+                                    "DenseVarlenCoreAttention")
 
     def forward(self, query, key, value, attention_mask=None, *, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if packed_seq_params is None:  # [s, b, np, hn] -> each batch row is one document
+            if self.cp_group is not None:
+                raise ValueError("DenseVarlenCoreAttention supports context parallelism on packed "
+                                 "(THD) micro-batches only")
             s, b, np_, hn = query.shape
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
@@ -35,12 +57,8 @@ class DenseVarlenCoreAttention(MegatronModule):
             return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
         # THD: [t, np, hn] / [t, ng, hn] (megatron squeezes the batch dim for packed input)
         q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        outs = []
-        for start, end in zip(cu[:-1], cu[1:]):
-            qd, kd, vd = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, hn]
-            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=self.softmax_scale,
-                                               enable_gqa=kd.shape[0] != qd.shape[0])
-            outs.append(o.transpose(0, 1))
-        out = torch.cat(outs, dim=0)  # [t, np, hn]
+        out = attend_whole_documents(
+            q, k, v, packed_seq_params, self.cp_group,
+            lambda q_, k_, v_, cu, _: _causal_per_document(q_, k_, v_, cu, self.softmax_scale),
+            getattr(packed_seq_params, "sb_cache", None))
         return out.reshape(out.shape[0], -1)

@@ -209,6 +209,12 @@ def _on_model_built(model: list) -> list:
     from .timing import MicrobatchTimers
 
     args = _megatron_args()
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_rank() != 0:
+        # CP ranks of a DP rank hold the same state and Megatron names its file by the DP rank
+        # alone: only CP rank 0 writes it (the others would write the same file at once).
+        args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
@@ -266,11 +272,12 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
         evals = []
         for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
             sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
-                                        long_sample_policy=_run.sb.long_sample_policy)
+                                        long_sample_policy=_run.sb.long_sample_policy,
+                                        pad_multiple=cb.cp_split["pad_multiple"])
             evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
                 sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
                 dp_rank=ps.get_data_parallel_rank(), device=cb.device,
-                consumed_samples=consumed))
+                consumed_samples=consumed, cp_split=cb.cp_split))
         return train, evals[0], evals[1]
 
     provider.is_distributed = True   # every rank builds its own (identical) iterators
@@ -349,8 +356,9 @@ def _loss_func(loss_mask, psp, output_tensor):
     _run.callback.record_loss(loss, num_tokens)
     docs = getattr(psp, "sb_doc_ids", None)
     if docs and _run.callback.signal == "loss":
+        # this rank's tokens: its share of every sequence under CP, padding included
         _run.callback.record_doc_losses(docs, *document_sums(losses * mask, mask,
-                                                             psp.cu_seqlens_q, len(docs)))
+                                                             psp.local_cu_seqlens(), len(docs)))
     return loss, num_tokens, report
 
 

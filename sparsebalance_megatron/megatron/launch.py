@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..config import SparseBalanceConfig, flag_name
+from ..config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ..latency.layout import LayoutError, PipelineLayout
 
 
@@ -80,12 +80,79 @@ def _sparse_attention_conflicts(args) -> list[str]:
     return out
 
 
+def _flex(sb: SparseBalanceConfig) -> bool:
+    """The sparse attention would run FlexAttention (flex, or auto on CUDA)."""
+    return sb.attention_backend == "flex" or (sb.attention_backend == "auto"
+                                              and torch.cuda.is_available())
+
+
+def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """Context parallelism: the sparse attention's all-to-all scheme on the plugin's packed data;
+    what it does not serve, one line each."""
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    out = []
+    seq = getattr(args, "seq_length", None)
+    multiple = sb.pad_multiple(cp)
+    if sb.seq_pad_multiple and not plugin_data:
+        out.append(f"{flag_name('seq_pad_multiple')} {sb.seq_pad_multiple} on Megatron's data "
+                   f"path (it pads the plugin's packed documents)")
+    if sb.seq_pad_multiple and cp > 1 and sb.seq_pad_multiple % (2 * cp):
+        out.append(f"{flag_name('seq_pad_multiple')} {sb.seq_pad_multiple} with "
+                   f"--context-parallel-size {cp}: expected a multiple of 2 x {cp} (every "
+                   f"sequence splits into 2 x CP chunks)")
+    elif seq is not None and seq % multiple:
+        out.append(f"--seq-length {seq}: expected a multiple of {multiple} (documents are padded "
+                   f"to multiples of {multiple}" + (f", 2 x --context-parallel-size {cp})"
+                                                    if cp > 1 else ")"))
+    if sb.seq_pad_multiple > 1 and sb.sparse_attention_enabled and _flex(sb) and cp == 1:
+        out.append(f"{flag_name('seq_pad_multiple')} {sb.seq_pad_multiple} with the flex "
+                   f"attention backend (padded documents are verified with the torch backend "
+                   f"only so far: add {flag_name('attention_backend')} torch)")
+    if cp == 1:
+        return out
+    where = f"--context-parallel-size {cp}"
+    kinds = getattr(args, "cp_comm_type", None) or ["p2p"]
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    bad = sorted({k for k in kinds if k not in CP_COMM_TYPES})
+    if bad:
+        out.append(f"--cp-comm-type {' '.join(bad)} with {where}: the sparse attention "
+                   f"implements only {', '.join(CP_COMM_TYPES)} (all-to-all: sequence gathered, "
+                   f"heads scattered); p2p, all_gather, a2a+p2p and hierarchical CP are not "
+                   f"supported: pass --cp-comm-type a2a")
+    if getattr(args, "hierarchical_context_parallel_sizes", None):
+        out.append(f"--hierarchical-context-parallel-sizes with {where} (a2a+p2p is not "
+                   f"supported; use --cp-comm-type a2a)")
+    if getattr(args, "hybrid_context_parallel", False):
+        out.append(f"--hybrid-context-parallel (dynamic CP group sizes per micro-batch are not "
+                   f"supported; use a fixed --context-parallel-size with --cp-comm-type a2a)")
+    if not plugin_data:
+        out.append(f"{where} on Megatron's data path (the plugin's packed data path splits "
+                   f"micro-batches for CP: use examples/pretrain_gpt_sparsebalance.py, or "
+                   f"--sb-batching / --sparse-balance)")
+    if sb.sparse_attention_enabled and _flex(sb):
+        out.append(f"{where} with the flex attention backend (CP is verified with the torch "
+                   f"backend only so far: add {flag_name('attention_backend')} torch)")
+    if getattr(args, "transformer_impl", "local") != "local":
+        out.append(f"{where} with --transformer-impl {args.transformer_impl} (CP is verified "
+                   f"with --transformer-impl local only so far)")
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    heads = getattr(args, "num_attention_heads", None)
+    if heads:
+        groups = getattr(args, "num_query_groups", None) \
+            if getattr(args, "group_query_attention", False) else None
+        nh, ng = heads // tp, max((groups or heads) // tp, 1)
+        if nh % cp:
+            out.append(f"{where}: {nh} attention heads per tensor-parallel rank do not split "
+                       f"over {cp} CP ranks (the a2a scheme gives each num_heads / cp)")
+        if ng % cp and cp % ng:
+            out.append(f"{where}: {ng} query groups per tensor-parallel rank and {cp} CP ranks "
+                       f"(expected one to divide the other: whole KV groups, or replicas)")
+    return out
+
+
 def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     """Megatron features the plugin does not support yet (each with its own issue)."""
-    out = []
-    if getattr(args, "context_parallel_size", 1) != 1:
-        out.append(f"--context-parallel-size {args.context_parallel_size} (context parallelism "
-                   f"is not supported by the sparse attention yet; use 1)")
+    out = _context_parallel_conflicts(args, sb, plugin_data)
     try:
         if getattr(args, "num_layers", None) is not None:   # else Megatron's own check says so
             PipelineLayout.from_megatron_args(args)

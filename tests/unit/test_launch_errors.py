@@ -24,6 +24,7 @@ def _case(kw: dict, sb, plugin_data: bool, needle: str):
 
 
 FULL = SparseBalanceConfig(sparse_balance=True, block_size=64)
+CP_A2A = dict(context_parallel_size=2, cp_comm_type=["a2a"], num_attention_heads=4)
 
 
 def launch_args(**kw):
@@ -52,7 +53,18 @@ def test_a_good_launch_passes():
 
 
 @pytest.mark.parametrize("kw, sb, plugin_data, needle", [
-    _case(dict(context_parallel_size=2), SPARSE, True, "--context-parallel-size 2"),
+    _case(dict(context_parallel_size=2), SPARSE, True, "--cp-comm-type p2p with --context-parallel-size 2: the sparse attention implements only a2a"),
+    _case(dict(context_parallel_size=2, cp_comm_type=["all_gather"]), SPARSE, True, "--cp-comm-type all_gather with --context-parallel-size 2"),
+    _case(dict(context_parallel_size=2, cp_comm_type=["a2a", "p2p", "a2a", "a2a"]), SPARSE, True, "--cp-comm-type p2p with"),
+    _case(dict(context_parallel_size=2, cp_comm_type=["a2a+p2p"], hierarchical_context_parallel_sizes=[2, 1]), SPARSE, True, "--hierarchical-context-parallel-sizes with --context-parallel-size 2"),
+    _case(dict(CP_A2A, hybrid_context_parallel=True), SPARSE, True, "--hybrid-context-parallel"),
+    _case(CP_A2A, SPARSE, False, "--context-parallel-size 2 on Megatron's data path"),
+    _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, attention_backend="flex"), True, "--context-parallel-size 2 with the flex attention backend"),
+    _case(dict(CP_A2A, num_attention_heads=6, context_parallel_size=4), SPARSE, True, "6 attention heads per tensor-parallel rank do not split over 4 CP ranks"),
+    _case(dict(CP_A2A, num_attention_heads=12, group_query_attention=True, num_query_groups=3), SPARSE, True, "3 query groups per tensor-parallel rank and 2 CP ranks"),
+    _case(dict(CP_A2A, seq_length=250), SPARSE, True, "--seq-length 250: expected a multiple of 4"),
+    _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, seq_pad_multiple=6), True, "--sb-seq-pad-multiple 6 with --context-parallel-size 2: expected a multiple of 2 x 2"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, seq_pad_multiple=4), False, "--sb-seq-pad-multiple 4 on Megatron's data path"),
     _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "vp=2 needs pp >= 2"),
     _case(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), FULL, True, "pipeline rank 0 holds 2 layers: not divisible by the 3 virtual stages per rank"),
     _case(dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tmL"), FULL, True, "multi-token prediction layers ('m') are not supported"),
@@ -87,6 +99,19 @@ def test_uneven_pipeline_layouts_launch_with_dst_and_sab(kw):
     """Megatron's uneven splits are planned per stage (the latency model scales one layer's
     cost): they launch with the whole of SparseBalance on."""
     check_launch(launch_args(pipeline_model_parallel_size=2, **kw), FULL, plugin_data=True)
+
+
+@pytest.mark.parametrize("kw", [
+    CP_A2A, dict(CP_A2A, pipeline_model_parallel_size=2),
+    dict(CP_A2A, group_query_attention=True, num_query_groups=1),      # KV heads replicated
+    dict(CP_A2A, tensor_model_parallel_size=2, num_attention_heads=8, group_query_attention=True,
+         num_query_groups=2),
+])
+def test_context_parallel_a2a_launches_with_sparse_balance(kw):
+    check_launch(launch_args(**kw), FULL, plugin_data=True)
+    check_launch(launch_args(**kw), SparseBalanceConfig(sparse_attention=True, seq_pad_multiple=8),
+                 plugin_data=True)
+    check_launch(launch_args(**kw), SparseBalanceConfig(), plugin_data=True)   # dense attention
 
 
 def test_reset_attention_mask_is_served_by_the_plugins_data_path():
