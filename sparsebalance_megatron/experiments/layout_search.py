@@ -8,8 +8,9 @@ global batches (``study.run_study``):
 - static: every unit at d0, with Megatron's sequential packing and with token-balanced packing;
   the best (layout, packing) is *the best static configuration* a Megatron user could run;
 - accuracy: SAB + DST raising up to the static plan's step time (``--sb-raise-to static``): of
-  the layouts no slower than the best static configuration, the one with the highest
-  layer-weighted density;
+  the layouts no slower than the best static configuration, the one with the lowest predicted
+  LM-loss change under the quality objective (the default), the highest layer-weighted density
+  under the density objective;
 - SparseBalance: SAB + DST (the runtime's ``plan_dst_from_config``, floors included), on the same
   layouts, the interleaved schedule included (DST plans every model chunk). A layout qualifies
   only if its plan keeps the layer-weighted density >= d0 and every stage >= the stage floor x d0
@@ -91,7 +92,8 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
 
     static / sparsebalance: the two searches, fastest first; accuracy: SAB + DST raising to the
     static plan's step time (``--sb-raise-to static``) on every layout whose step is no slower
-    than the best static configuration's, densest first (the "free accuracy" choice);
+    than the best static configuration's, best first (the "free accuracy" choice: lowest
+    predicted loss under the quality objective, densest under the density objective);
     even_static: Megatron's default (even split, sequential packing; None when num_layers is
     not divisible by pp)."""
     n = int(num_layers or lm.table["model"]["num_layers"])
@@ -102,8 +104,11 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     acc = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                          variants=(ACCURACY_VARIANT,))
     limit = static[0].step_time_s * (1 + 1e-9)
-    acc = sorted((c for c in acc if c.qualifies and c.step_time_s <= limit),
-                 key=lambda c: (-c.row["mean_density"], c.step_time_s))
+    acc = [c for c in acc if c.qualifies and c.step_time_s <= limit]
+    if cfg.policy().dst_objective == "quality" and all("predicted_loss" in c.row for c in acc):
+        acc.sort(key=lambda c: (c.row["predicted_loss"], c.step_time_s))
+    else:
+        acc.sort(key=lambda c: (-c.row["mean_density"], c.step_time_s))
     try:
         even = PipelineLayout.even(n, pp)
     except LayoutError:

@@ -118,10 +118,21 @@ def test_bad_length_files_are_named(tmp_path, content, needle):
 
 def test_free_accuracy_layouts_are_no_slower_than_the_best_static(result):
     """The accuracy search keeps only layouts whose SAB + DST (raising to the static step time)
-    is no slower than the best static configuration, densest first."""
+    is no slower than the best static configuration; under the quality objective (the default)
+    the lowest predicted loss first."""
     acc = result["accuracy"]
     limit = result["static"][0].step_time_s * (1 + 1e-9)
+    assert len(acc) >= 2
     assert all(c.variant == "sab_dst_acc" and c.step_time_s <= limit for c in acc)
+    loss = [c.row["predicted_loss"] for c in acc]
+    assert loss == sorted(loss)
+
+
+def test_free_accuracy_layouts_under_the_density_objective_are_densest_first(lm, lengths):
+    import dataclasses
+    cfg = dataclasses.replace(CFG, dst_objective="density")
+    acc = best_layouts(lm, lengths, cfg, 4, pp=4, vps=(1,))["accuracy"]
+    assert len(acc) >= 2
     dens = [c.row["mean_density"] for c in acc]
     assert dens == sorted(dens, reverse=True)
 
