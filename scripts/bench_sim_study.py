@@ -14,8 +14,9 @@ Rows, all on the same global batches, speedups vs ``best_static``:
 ``static_even`` (Megatron's default: even split, sequential packing; the old baseline, labelled),
 ``best_static``, ``sab`` and ``dst`` (each alone on the best plain-1F1B static layout),
 ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
-plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the densest
-layout whose step is no slower than best_static's: the "free accuracy" row).
+plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the layout
+no slower than best_static's with the lowest predicted loss, the densest under the density
+objective: the "free accuracy" row).
 DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and the runtime's default
 ``--sb-dst-objective`` unless ``--dst-objective`` names one; the JSON's config records which).
 Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
