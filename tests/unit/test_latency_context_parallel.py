@@ -98,3 +98,29 @@ def test_bad_values_are_named(kw, needle):
 def test_kv_groups_neither_multiple_nor_divisor():
     with pytest.raises(ValueError, match="context_parallel_size=4.*6 KV groups"):
         ContextParallelCost(4, 12, 6, 64, 1e9, 0.0)
+
+
+def _run_args(**kw):
+    from types import SimpleNamespace
+    base = dict(num_layers=8, pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
+                tensor_model_parallel_size=1)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_a_cp_run_plans_with_the_cp_adapted_model():
+    """latency_setup.model_for_run: what the callback's latency model is for a run."""
+    from sparsebalance_megatron.megatron.latency_setup import model_for_run
+
+    m = _model(pp=2)
+    plain = model_for_run(m, _run_args())
+    assert plain.cp == 1
+    run = model_for_run(m, _run_args(context_parallel_size=4, tensor_model_parallel_size=2))
+    want = m.with_context_parallel(4, tensor_model_parallel_size=2)
+    assert run.cp == 4 and run.context_parallel.num_attention_heads == 8   # 16 heads / TP 2
+    assert run.context_parallel.num_query_groups == 1                      # replicated over 4
+    for s in range(2):
+        np.testing.assert_array_equal(run.predict_many(UNITS, 0.3, s),
+                                      want.predict_many(UNITS, 0.3, s))
+        assert np.all(run.predict_many(UNITS, 0.3, s) < plain.predict_many(UNITS, 0.3, s))
+    assert run.table is m.table                       # the table stays the CP=1 one
