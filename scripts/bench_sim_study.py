@@ -22,8 +22,15 @@ DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and t
 Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
 against uniform d0 that the shipped quality cost predicts for a run's plans (both objectives).
 
-Latency: the analytic Qwen2.5-0.5B / 32K / H100 table (published throughputs, not measured) or
---table. Prints tables; ``--json PATH`` writes everything.
+Latency: the analytic Qwen2.5-0.5B / H100 table (published throughputs, not measured; its
+micro-batch is --seq-length tokens), another model's shape (--model), or --table. Prints tables;
+``--json PATH`` writes everything.
+
+Context parallelism (issue 14): ``--context-parallel 2 4 8`` repeats the study with the latency
+model of one rank of a CP group of that size (``LatencyModel.with_context_parallel``: the a2a
+scheme, the assumed NVLink all-to-all bandwidth of ``DeviceProfile``); DP and PP stay as given, so
+each CP size uses CP times the GPUs. The query heads must split over every size (Qwen2.5-0.5B's 14
+do only for 2: use ``--model llama3.2-1b``, 32 query / 8 KV heads).
 
     python scripts/bench_sim_study.py --json docs/results/sim_study.json
 """
@@ -39,7 +46,14 @@ import numpy as np
 from sparsebalance_megatron.config import DST_OBJECTIVES, SparseBalanceConfig
 from sparsebalance_megatron.data import load_corpus
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
-from sparsebalance_megatron.latency import LatencyModel, PipelineLayout
+from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
+
+MODELS = {
+    "qwen2.5-0.5b": {},          # ModelShape's defaults
+    "llama3.2-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
+                        num_attention_heads=32, num_query_groups=8, kv_channels=64,
+                        vocab_size=128256),
+}
 
 
 def parse_args(argv=None):
@@ -58,6 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--table", default=None, help="profiled latency table (JSON); default: "
                    "the analytic Qwen2.5-0.5B H100 table")
     p.add_argument("--table-force", action="store_true")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b",
+                   help="the analytic table's model shape (without --table)")
+    p.add_argument("--context-parallel", type=int, nargs="+", default=[1],
+                   help="CP sizes (a2a scheme) to study; each one's results are keyed .../cp=N "
+                        "when N > 1")
     p.add_argument("--tokenizer", default="qwen")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--floor-sweep", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9],
@@ -121,11 +140,20 @@ def main(argv=None):
     if args.quick:
         args.ranks, args.densities, args.mixes, args.steps = [8], [0.5], ["file"], 1
     if args.table:
-        lm = LatencyModel.load(args.table, force=args.table_force)
-        source = f"table {args.table} ({lm.table.get('device')})"
+        lm0 = LatencyModel.load(args.table, force=args.table_force)
+        source = f"table {args.table} ({lm0.table.get('device')})"
     else:
-        lm = LatencyModel.analytic(pp=args.pp)
-        source = "ANALYTIC Qwen2.5-0.5B / 32K / H100 table (published throughputs, not measured)"
+        shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
+        lm0 = LatencyModel.analytic(shape, pp=args.pp)
+        source = (f"ANALYTIC {args.model} / {args.seq_length // 1024}K / H100 table (published "
+                  f"throughputs, not measured)")
+    models = {cp: lm0.with_context_parallel(cp) for cp in args.context_parallel}
+    if args.context_parallel != [1]:
+        dev = lm0.table.get("device_profile") or {}
+        cost = next(m.context_parallel for m in models.values() if m.context_parallel)
+        source += (f"; CP a2a at an ASSUMED {cost.a2a_bytes_per_s / 1e9:.0f} GB/s per rank, "
+                   f"{cost.collective_latency_s * 1e6:.0f} us per collective"
+                   + ("" if dev else " (DeviceProfile defaults)"))
     if args.dst_objective is None:
         args.dst_objective = SparseBalanceConfig().dst_objective
     print(f"latency: {source}\npp={args.pp} vp={args.vp} m={args.microbatches} "
@@ -134,47 +162,55 @@ def main(argv=None):
     t0 = time.perf_counter()
     out = {"config": {k: v for k, v in vars(args).items() if k != "json"},
            "latency_source": source, "results": {}}
-    for mix in args.mixes:
-        corpus = load_corpus(tokenizer=args.tokenizer, doc_unit=mix)
-        lengths = np.asarray(corpus.lengths, dtype=np.int64)
-        out.setdefault("corpus", {})[mix] = corpus.stats()
-        for d0 in args.densities:
-            cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
-                              density=d0, min_density=args.min_density,
-                              max_density=args.max_density, steps=args.steps, seed=args.seed,
-                              dst_objective=args.dst_objective)
-            res = {}
-            for dp in args.ranks:
-                r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
-                res[str(dp)] = r
-                out["results"][f"{mix}/d0={d0}/dp={dp}"] = r
-            if args.floor_sweep:
-                dp = args.ranks[-1]
-                sweep = floor_sweep(lm, lengths, cfg, dp, args.pp, args.floor_sweep,
-                                    res[str(dp)])
-                out.setdefault("floor_sweep", {})[f"{mix}/d0={d0}/dp={dp}"] = sweep
-                print(f"\nstage floor sweep (sab_dst, {mix}, d0={d0}, {dp} ranks; speedup vs "
-                      f"best static, layer-weighted density, lowest stage, predicted loss "
-                      f"change vs uniform d0):")
-                for name, rows in sweep.items():
-                    print(f"  {name:<22} " + "  ".join(
-                        f"floor {f}: {r['speedup_vs_static']:.3f}x d={r['mean_density']:.3f} "
-                        f"min={r['min_stage_density']:.3f} loss={r['predicted_loss']:+.4f}"
-                        for f, r in rows.items()))
-            title = (f"mix={mix} ({len(lengths)} docs), d0={d0}: speedup vs the best static "
-                     f"configuration")
-            print(format_table(title, {dp: r["rows"] for dp, r in res.items()}))
-            for dp, r in res.items():
-                lay = ", ".join(f"{k} {v}" for k, v in r["layouts"].items())
-                st = " ".join(f"{x:.2f}" for x in r["rows"]["sab_dst"]["density_per_stage"])
-                print(f"{dp:>6} layouts: {lay}; best static packing "
-                      f"{r['best_static']['variant']}; sab_dst per stage {st}; "
-                      f"search {r['search_s']:.1f} s")
+    for cp, lm in models.items():
+        for mix in args.mixes:
+            study_mix(args, out, lm, cp, mix)
     print(f"\n({time.perf_counter() - t0:.1f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
+
+
+def study_mix(args, out: dict, lm, cp: int, mix: str) -> None:
+    """Every d0 and DP size of one length mix at one CP size, into ``out``."""
+    tag = "" if cp == 1 else f"/cp={cp}"
+    corpus = load_corpus(tokenizer=args.tokenizer, doc_unit=mix)
+    lengths = np.asarray(corpus.lengths, dtype=np.int64)
+    out.setdefault("corpus", {})[mix] = corpus.stats()
+    for d0 in args.densities:
+        cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
+                          density=d0, min_density=args.min_density,
+                          max_density=args.max_density, steps=args.steps, seed=args.seed,
+                          dst_objective=args.dst_objective)
+        res = {}
+        for dp in args.ranks:
+            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
+            res[str(dp)] = r
+            out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
+        if args.floor_sweep:
+            dp = args.ranks[-1]
+            sweep = floor_sweep(lm, lengths, cfg, dp, args.pp, args.floor_sweep,
+                                res[str(dp)])
+            out.setdefault("floor_sweep", {})[f"{mix}/d0={d0}/dp={dp}{tag}"] = sweep
+            print(f"\nstage floor sweep (sab_dst, {mix}, d0={d0}, {dp} ranks; speedup vs "
+                  f"best static, layer-weighted density, lowest stage, predicted loss "
+                  f"change vs uniform d0):")
+            for name, rows in sweep.items():
+                print(f"  {name:<22} " + "  ".join(
+                    f"floor {f}: {r['speedup_vs_static']:.3f}x d={r['mean_density']:.3f} "
+                    f"min={r['min_stage_density']:.3f} loss={r['predicted_loss']:+.4f}"
+                    for f, r in rows.items()))
+        title = (f"mix={mix} ({len(lengths)} docs), d0={d0}"
+                 f"{f', CP={cp}' if cp > 1 else ''}: speedup vs the best static "
+                 f"configuration")
+        print(format_table(title, {dp: r["rows"] for dp, r in res.items()}))
+        for dp, r in res.items():
+            lay = ", ".join(f"{k} {v}" for k, v in r["layouts"].items())
+            st = " ".join(f"{x:.2f}" for x in r["rows"]["sab_dst"]["density_per_stage"])
+            print(f"{dp:>6} layouts: {lay}; best static packing "
+                  f"{r['best_static']['variant']}; sab_dst per stage {st}; "
+                  f"search {r['search_s']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ JSON tables (profiled or analytic). Pure numpy; must not import megatron (the pr
 ``profile_cli`` imports it lazily inside ``main``)."""
 
 from .analytic import DeviceProfile, analytic_table
+from .context_parallel import ContextParallelCost
 from .features import FEATURES, UnitFeatures
 from .layout import LayoutError, PipelineLayout, candidate_layouts
 from .model import LatencyModel, UnitTerms
@@ -11,7 +12,7 @@ from .table import (LatencyTableError, LatencyTableMismatch, read_table, stage_k
                     validate_table, write_table)
 from .work import attention_work, selection_work
 
-__all__ = ["DeviceProfile", "ModelShape", "analytic_table", "FEATURES", "UnitFeatures",
+__all__ = ["ContextParallelCost", "DeviceProfile", "ModelShape", "analytic_table", "FEATURES", "UnitFeatures",
            "LatencyModel", "UnitTerms", "LayoutError", "PipelineLayout", "candidate_layouts", "LatencyTableError", "LatencyTableMismatch",
            "read_table", "stage_kinds_for", "validate_table", "write_table", "attention_work",
            "selection_work"]

@@ -15,6 +15,8 @@ Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the 
   attention 350 TFLOP/s forward; backward does 2.5x the forward FLOPs at 250 TFLOP/s.
 - Block scoring (pooled query x keys, max per block) is a skinny batched GEMM: 150 TFLOP/s assumed.
 These are assumptions from published numbers, not measurements: the output says so.
+Context parallelism is not in the table (a table describes a CP=1 stage); ``LatencyModel.
+with_context_parallel`` derives a CP rank's time from it, with the profile's all-to-all bandwidth.
 Activation recomputation is modelled by its FLOPs (full: the layers' forward again in backward;
 selective: the core attention's); tensor parallelism is not modelled (TP = 1 only), and the
 transformer implementation is recorded, not modelled (the throughputs are fused-kernel ones).
@@ -46,6 +48,11 @@ class DeviceProfile:
     hbm_bytes_per_s: float = 3.35e12
     launch_s_per_layer: float = 30e-6   # kernel launches and small ops, forward; backward 2x
     p2p_bytes_per_s: float = 300e9      # NVLink activation transfer between stages
+    # Context parallelism (latency/context_parallel.py), assumed: NCCL all-to-all inside one
+    # NVLink 4 node (450 GB/s per direction peak) taken at 200 GB/s effective per rank, and
+    # 20 us per collective (launch + synchronisation).
+    a2a_bytes_per_s: float = 200e9
+    collective_latency_s: float = 20e-6
     sources: str = field(default=(
         "NVIDIA H100 SXM datasheet (989 TFLOP/s dense BF16, 3.35 TB/s HBM3); FlashAttention-2/3 "
         "(Dao 2023; Shah et al. 2024: FA2 ~350, FA3 up to ~740 TFLOP/s fwd on H100); PyTorch "

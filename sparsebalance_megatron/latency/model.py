@@ -34,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 
+from .context_parallel import ContextParallelCost
 from .features import FEATURES, UnitFeatures, features_of
 from .layout import LayoutError, PipelineLayout
 from .table import (LatencyTableError, check_coefficients, check_compatible, measured_kinds,
@@ -133,6 +134,7 @@ class LatencyModel:
         self.table_layout = table_layout(table)
         self.layout = self.table_layout
         self._stage_coef = [self.coef[k] for k in self.layout.kinds()]
+        self.context_parallel: Optional[ContextParallelCost] = None
         if not (0.0 < calibration_ema <= 1.0):
             raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
         self.calibration_ema = float(calibration_ema)
@@ -189,11 +191,14 @@ class LatencyModel:
 
     @classmethod
     def analytic(cls, shape=None, device=None, *, calibration_ema: float = 0.3,
-                 **kw) -> "LatencyModel":
-        """FLOP-based model of a GPU (``analytic.py``); see ``analytic_table`` for the knobs."""
+                 context_parallel: int = 1, **kw) -> "LatencyModel":
+        """FLOP-based model of a GPU (``analytic.py``); see ``analytic_table`` for the knobs;
+        ``context_parallel``: the model of one rank of a CP group that size (with the device's
+        all-to-all bandwidth)."""
         from .analytic import analytic_table
-        return cls.from_table(analytic_table(shape, device, **kw),
-                              calibration_ema=calibration_ema, where="<analytic>")
+        model = cls.from_table(analytic_table(shape, device, **kw),
+                               calibration_ema=calibration_ema, where="<analytic>")
+        return model if context_parallel == 1 else model.with_context_parallel(context_parallel)
 
     def save(self, path: str) -> None:
         """Write the table with the current coefficients as JSON (never pickle)."""
@@ -254,8 +259,39 @@ class LatencyModel:
             stage_coef.append(c)
         out = copy.copy(self)
         out.layout = layout
-        out._stage_coef = stage_coef
+        cp = self.context_parallel
+        out._stage_coef = stage_coef if cp is None else [
+            cp.stage_coefficients(c, n) for c, n in zip(stage_coef, layout.layers)]
         return out
+
+    def with_context_parallel(self, size: int, *, tensor_model_parallel_size: int = 1,
+                              a2a_bytes_per_s: Optional[float] = None,
+                              collective_latency_s: Optional[float] = None) -> "LatencyModel":
+        """This model for one rank of a CP group of ``size`` ranks (``--cp-comm-type a2a``,
+        ``context_parallel.py``), on this model's layout; calibration is shared. The table stays
+        a CP=1 one. The interconnect defaults to the table's device profile (an analytic table),
+        else ``DeviceProfile``'s assumed NVLink figures. ``size=1`` is this model unchanged."""
+        from .analytic import DeviceProfile
+
+        tp = tensor_model_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+            raise ValueError(f"tensor_model_parallel_size={tp!r}: expected an integer >= 1")
+        m = self.table["model"]
+        nh, ng = int(m["num_attention_heads"]), int(m.get("num_query_groups") or
+                                                    m["num_attention_heads"])
+        if nh % tp or ng % tp:
+            raise ValueError(f"tensor_model_parallel_size={tp}: expected a divisor of the "
+                             f"{nh} query heads and {ng} KV groups")
+        prof = {**DeviceProfile().__dict__, **self.table.get("device_profile", {})}
+        cp = ContextParallelCost(
+            size, nh // tp, ng // tp, int(m.get("kv_channels") or
+                                          int(m["hidden_size"]) // nh),
+            prof["a2a_bytes_per_s"] if a2a_bytes_per_s is None else a2a_bytes_per_s,
+            prof["collective_latency_s"] if collective_latency_s is None
+            else collective_latency_s)
+        base = copy.copy(self)
+        base.context_parallel = None if cp.size == 1 else cp
+        return base.with_layout(self.layout)
 
     # --- prediction -----------------------------------------------------------------------
     @property
@@ -273,8 +309,14 @@ class LatencyModel:
         return self.layout.kinds()
 
     @property
+    def cp(self) -> int:
+        """Context-parallel ranks the predictions are for (1 without CP)."""
+        return self.context_parallel.size if self.context_parallel is not None else 1
+
+    @property
     def p2p_s(self) -> float:
-        return float(self.table.get("p2p_s", 0.0))
+        """Stage-to-stage activation transfer of one micro-batch (a CP rank sends its share)."""
+        return float(self.table.get("p2p_s", 0.0)) / self.cp
 
     def kind_of(self, stage: int) -> str:
         n = self.num_stages

@@ -101,8 +101,25 @@ def load_latency_model(args, sb: SparseBalanceConfig):
                                   calibration_ema=sb.calibration_ema)
     except (LatencyTableError, OSError) as e:
         raise SystemExit(f"error: --sb-latency-table: {e}")
-    from ..latency.layout import LayoutError, PipelineLayout
+    from ..latency.layout import LayoutError
     try:
-        return model.with_layout(PipelineLayout.from_megatron_args(args))
+        return model_for_run(model, args)
     except LayoutError as e:
         raise SystemExit(f"error: --sb-latency-table {path}: {e}")
+
+
+def model_for_run(model, args):
+    """The table's model adapted to the run: its pipeline layout (``with_layout``) and, with
+    ``--context-parallel-size`` > 1, one CP rank's time under the a2a scheme
+    (``with_context_parallel``, per TP rank's heads). The table itself stays a CP=1 one (the
+    profiler measures one process); the CP terms are derived from it, with the interconnect's
+    assumed bandwidth, and online calibration absorbs what they miss. Every rank builds the
+    same model from the same table and args, and plans are made on rank 0 and broadcast."""
+    from ..latency.layout import PipelineLayout
+
+    model = model.with_layout(PipelineLayout.from_megatron_args(args))
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if cp == 1:
+        return model
+    return model.with_context_parallel(
+        cp, tensor_model_parallel_size=int(getattr(args, "tensor_model_parallel_size", 1) or 1))

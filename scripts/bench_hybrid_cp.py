@@ -1,0 +1,170 @@
+"""Megatron's hybrid context parallelism against a2a CP + SparseBalance, in the simulator (issue 14).
+
+Megatron's hybrid CP (``--hybrid-context-parallel``; ``megatron/core/datasets/data_schedule.py:
+HybridCPDataLoaderWrapper`` and ``megatron/core/pipeline_parallel/hybrid_cp_schedule.py``) takes
+the documents of a global batch apart: every document is a sub-sample run alone (its own forward
+and backward) on a CP group of ``2 ** ceil(log2(L / max_seqlen_per_dp_cp_rank))`` of the DP x CP
+GPUs, and ``BalancedCPScheduler.get_groups_and_subsamples`` places them in groups (a barrier after
+each) balancing its own estimate of the work, ``L ** 2 / cp``. No pipeline parallelism (Megatron:
+"PP not yet supported").
+
+This script runs Megatron's own scheduler (imported, not copied; the process group is a stand-in
+that only answers ``size()``) on the documents of the same global batches the a2a runs see
+(the data pipeline's sampler, ``long_sample_policy="split"``), and times what it schedules with
+this plugin's latency model: a sub-sample of ``L`` tokens on ``k`` GPUs costs
+``LatencyModel.with_context_parallel(k)`` of a micro-batch holding that one document, at d0. On a
+GPU the sub-samples run in its list's order, each starting when every GPU sharing it is ready;
+a group ends at its slowest GPU (Megatron's barrier). The a2a side: DP ranks x m micro-batches of
+``--seq-length`` tokens, each on a CP group of the run's size, PP=1 (``experiments.run_study``):
+``static`` (sequential packing at d0), ``token_balanced`` and ``sab_dst`` (SAB + DST, planned by
+the runtime's DST). Same GPUs (DP x CP), same latency model and interconnect for both: the
+comparison isolates the scheduling, not Megatron's CP kernels (transformer-engine's p2p/a2a,
+which this model does not describe). Hybrid CP's ``max_seqlen_per_dp_cp_rank`` is
+``--seq-length / CP``: no GPU holds more tokens of a document than an a2a CP rank holds.
+
+    python scripts/bench_hybrid_cp.py --json docs/results/hybrid_cp_sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
+from sparsebalance_megatron.experiments import StudyConfig, run_study
+from sparsebalance_megatron.latency import LatencyModel, ModelShape
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_sim_study import MODELS  # noqa: E402  (the same model shapes as the layout study)
+
+
+class _Group:
+    """What ``BalancedCPScheduler`` asks of its process group."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="llama3.2-1b")
+    p.add_argument("--seq-length", type=int, default=131072)
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--context-parallel", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--density", type=float, default=0.5, help="d0")
+    p.add_argument("--mixes", nargs="+", default=["file", "section", "long"],
+                   help="built-in corpus units, or 'long': 300 synthetic documents of 16K-128K "
+                        "tokens (uniform, seed 0)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def mix_lengths(mix: str, seq_length: int) -> np.ndarray:
+    if mix == "long":
+        return np.random.default_rng(0).integers(16384, seq_length + 1, 300).astype(np.int64)
+    return np.asarray(load_corpus(tokenizer="qwen", doc_unit=mix).lengths, dtype=np.int64)
+
+
+def hybrid_step_s(seg_lengths, total_gpus: int, max_seqlen_per_rank: int, cost) -> dict:
+    """One global batch under Megatron's hybrid CP: step seconds, groups, sub-samples."""
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    sched = BalancedCPScheduler(max_seqlen_per_rank, _Group(total_gpus))
+    samples = [(i, int(n)) for i, n in enumerate(seg_lengths)]
+    groups, id_groups = sched.get_groups_and_subsamples(samples, None)
+    length = dict(samples)
+    step, busy = 0.0, 0.0
+    for ids in id_groups:                       # [gpu] -> sample ids, in execution order
+        share = Counter(s for gpu in ids for s in gpu)
+        ready = [0.0] * total_gpus
+        pos = [0] * total_gpus
+        left = sum(len(g) for g in ids)
+        while left:
+            moved = False
+            for r in range(total_gpus):
+                if pos[r] >= len(ids[r]):
+                    continue
+                s = ids[r][pos[r]]
+                holders = [q for q in range(total_gpus)
+                           if pos[q] < len(ids[q]) and ids[q][pos[q]] == s]
+                if len(holders) < share[s]:
+                    continue                    # a partner has not reached it yet
+                t = max(ready[q] for q in holders) + cost(length[s], share[s])
+                for q in holders:
+                    ready[q], pos[q] = t, pos[q] + 1
+                busy += cost(length[s], share[s]) * share[s]
+                left -= len(holders)
+                moved = True
+            if not moved:
+                raise RuntimeError("hybrid CP schedule: sub-samples in inconsistent orders")
+        step += max(ready)
+    return {"step_s": step, "groups": len(groups), "subsamples": len(samples),
+            "utilisation": busy / (step * total_gpus) if step else float("nan")}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
+    lm0 = LatencyModel.analytic(shape, pp=1)
+    d0 = args.density
+    cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length, density=d0,
+                      steps=args.steps, seed=args.seed)
+    out = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "results": {}}
+    print(f"ANALYTIC {args.model} H100 table, PP=1, {args.seq_length} tokens per micro-batch, "
+          f"DP={args.dp}, m={args.microbatches}, d0={d0}, {args.steps} steps; CP all-to-all at "
+          f"the ASSUMED DeviceProfile bandwidth")
+    print(f"{'mix':<8} {'CP':>3} {'GPUs':>5} {'a2a static':>11} {'a2a tok-bal':>11} "
+          f"{'a2a sab_dst':>11} {'hybrid':>8} {'hyb groups':>10} {'hyb util':>8}   (step s)")
+    t0 = time.perf_counter()
+    for mix in args.mixes:
+        lengths = mix_lengths(mix, args.seq_length)
+        for cp in args.context_parallel:
+            lm = lm0.with_context_parallel(cp)
+            rows = run_study(args.dp, cfg, lm, lengths,
+                             {"static": ("static", None),
+                              "token_balanced": ("token_balanced", None),
+                              "sab_dst": ("sab_dst", None)}, baseline="static")
+            models = {}
+
+            def cost(n: int, k: int) -> float:
+                if k not in models:
+                    models[k] = lm0.with_context_parallel(k)
+                return float(models[k].predict([n], d0, 0))
+
+            sampler = GlobalBatchSampler(lengths, capacity=args.seq_length, dp=args.dp,
+                                         num_microbatches=args.microbatches, seed=args.seed,
+                                         long_sample_policy="split")
+            hyb = []
+            for _ in range(args.steps):
+                segs = sampler.next_global_batch()
+                hyb.append(hybrid_step_s([e - s for _, s, e in segs], args.dp * cp,
+                                         args.seq_length // cp, cost))
+            h = {"step_time_s": float(np.mean([x["step_s"] for x in hyb])),
+                 "groups": float(np.mean([x["groups"] for x in hyb])),
+                 "subsamples": float(np.mean([x["subsamples"] for x in hyb])),
+                 "utilisation": float(np.mean([x["utilisation"] for x in hyb]))}
+            out["results"][f"{mix}/cp={cp}"] = {"a2a": rows, "hybrid": h}
+            print(f"{mix:<8} {cp:>3} {args.dp * cp:>5} {rows['static']['step_time_s']:>11.3f} "
+                  f"{rows['token_balanced']['step_time_s']:>11.3f} "
+                  f"{rows['sab_dst']['step_time_s']:>11.3f} {h['step_time_s']:>8.3f} "
+                  f"{h['groups']:>10.1f} {h['utilisation']:>8.3f}")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
