@@ -117,9 +117,12 @@ class ContextParallelCost:
         share = p == "fwd" and self.num_query_groups < self.size
         return A2A_PER_LAYER + int(share)
 
-    def stage_coefficients(self, coef: dict, layers: int) -> dict:
+    def stage_coefficients(self, coef: dict, layers: int, folded_tokens: int = None) -> dict:
         """One stage's CP=1 coefficients ``{fwd, bwd: [5]}`` -> one CP rank's (``layers``
-        decoder layers on the stage)."""
+        decoder layers on the stage). ``folded_tokens``: a table profiled at one token total
+        T0 has no ``tokens`` coefficient (0; that work sits in the intercept): the intercept is
+        then read as ``T0`` tokens' work and divided like it (launch latencies in it do not divide,
+        so this errs fast; a negative intercept, which a fit can give, is left as it is)."""
         _positive_int("layers", layers)
         if self.size == 1:
             return coef
@@ -127,6 +130,8 @@ class ContextParallelCost:
         out = {}
         for p in ("fwd", "bwd"):
             x = np.array(coef[p], dtype=np.float64)
+            if folded_tokens and x[1] == 0.0 and x[0] > 0.0:
+                x[1], x[0] = x[0] / folded_tokens, 0.0
             x[0] += layers * self.collectives_per_layer(p) * self.collective_latency_s
             x[1] = x[1] / c + layers * self.a2a_bytes_per_token() / bw
             x[2] = x[2] / c

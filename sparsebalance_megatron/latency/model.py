@@ -261,8 +261,16 @@ class LatencyModel:
         out.layout = layout
         cp = self.context_parallel
         out._stage_coef = stage_coef if cp is None else [
-            cp.stage_coefficients(c, n) for c, n in zip(stage_coef, layout.layers)]
+            cp.stage_coefficients(c, n, folded_tokens=self._folded_tokens())
+            for c, n in zip(stage_coef, layout.layers)]
         return out
+
+    def _folded_tokens(self) -> Optional[int]:
+        """The grid's one token total when the table was profiled at a single one (the profiler's
+        grid since 2026-11-23): its ``tokens`` coefficient is then 0 and the token-proportional
+        work sits in the intercept (``_fit_nonneg``); None for a table with several totals."""
+        totals = self.table.get("profile", {}).get("token_totals") or []
+        return int(totals[0]) if len(totals) == 1 and totals[0] > 0 else None
 
     def with_context_parallel(self, size: int, *, tensor_model_parallel_size: int = 1,
                               a2a_bytes_per_s: Optional[float] = None,

@@ -124,3 +124,24 @@ def test_a_cp_run_plans_with_the_cp_adapted_model():
                                       want.predict_many(UNITS, 0.3, s))
         assert np.all(run.predict_many(UNITS, 0.3, s) < plain.predict_many(UNITS, 0.3, s))
     assert run.table is m.table                       # the table stays the CP=1 one
+
+
+def test_a_table_profiled_at_one_token_total_splits_its_intercept_as_token_work():
+    # the profiler's grid holds --seq-length tokens in every mix, so the fit folds the token
+    # work into the intercept (tokens coefficient 0): CP must still divide that work
+    m = _model()
+    t0 = 16384
+    for p in ("fwd", "bwd"):
+        c = m.coef["only"][p]
+        c[0], c[1] = c[0] + c[1] * t0, 0.0          # the same CP=1 times at t0 tokens
+    m.table = {**m.table, "profile": {"token_totals": [t0]}}
+    m = m.with_layout(m.layout)
+    free = m.with_context_parallel(2, a2a_bytes_per_s=1e30, collective_latency_s=0.0)
+    for p in ("fwd", "bwd"):
+        base, cp = m.coef["only"][p], free._stage_coef[0][p]
+        assert cp[0] == 0.0 and cp[1] == pytest.approx(base[0] / t0 / 2, rel=1e-12)
+    # with several token totals the intercept stays as it is
+    m.table = {**m.table, "profile": {"token_totals": [8192, t0]}}
+    kept = m.with_layout(m.layout).with_context_parallel(2, a2a_bytes_per_s=1e30,
+                                                         collective_latency_s=0.0)
+    assert kept._stage_coef[0]["fwd"][0] == m.coef["only"]["fwd"][0]
