@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 4:
         ap.error(f"--steps {args.steps}: expected >= 4 (the first two steps are not timed)")
+    if not os.path.exists("/usr/bin/time"):
+        ap.error("/usr/bin/time not found: it measures the peak RSS (apt-get install time)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for cp in (1, 2):
