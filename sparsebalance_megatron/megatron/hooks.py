@@ -121,8 +121,10 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
     try:
         data = load_data(argparse.Namespace(data_path=ns.data_path, tokenizer_type=None,
                                              split=ns.split), sb)
-    except (ValueError, OSError):
-        return out   # install() reports it with the full arguments
+    except (ValueError, OSError) as e:
+        # Megatron's parse would fail next on NullTokenizer without a vocabulary size, hiding
+        # the cause: say it here.
+        raise SystemExit(f"error: {e}") from None
     out.update(tokenizer_type="NullTokenizer", vocab_size=int(data.corpus.vocab_size))
     return out
 

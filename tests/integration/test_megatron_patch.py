@@ -210,6 +210,21 @@ def test_args_defaults_with_the_plugins_data_path(tmp_path, small_jsonl):
     assert "vocab_size" not in hf
 
 
+def test_args_defaults_reports_unreadable_data_in_one_line(tmp_path):
+    """Without a vocabulary size Megatron's parse fails on NullTokenizer next, hiding the cause:
+    the data's own error ends the launch here."""
+    from sparsebalance_megatron.megatron import hooks
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as e:
+        hooks.args_defaults({}, argv=["--sparse-balance", "--data-path", str(empty),
+                                      "--sb-tokenizer", "byte", "--sb-data-cache-dir",
+                                      str(tmp_path / "cache")])
+    msg = str(e.value)
+    assert msg.startswith("error: ") and str(empty) in msg and "no document" in msg
+
+
 def test_install_leaves_a_dense_megatron_run_alone():
     from sparsebalance_megatron.megatron import hooks
 
