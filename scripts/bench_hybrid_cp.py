@@ -21,6 +21,9 @@ the runtime's DST). Same GPUs (DP x CP), same latency model and interconnect for
 comparison isolates the scheduling, not Megatron's CP kernels (transformer-engine's p2p/a2a,
 which this model does not describe). Hybrid CP's ``max_seqlen_per_dp_cp_rank`` is
 ``--seq-length / CP``: no GPU holds more tokens of a document than an a2a CP rank holds.
+The a2a runs go twice: fixed-length micro-batches (padding fills each to ``--seq-length``), and
+variable-length ones (``--sb-microbatch-multiple``: each micro-batch its documents rounded up to
+``--microbatch-multiple`` tokens, so the fill costs nothing; every a2a variant alike).
 
     python scripts/bench_hybrid_cp.py --json docs/results/hybrid_cp_sim.json
 """
@@ -32,6 +35,7 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
@@ -64,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--mixes", nargs="+", default=["file", "section", "long"],
                    help="built-in corpus units, or 'long': 300 synthetic documents of 16K-128K "
                         "tokens (uniform, seed 0)")
+    p.add_argument("--microbatch-multiple", type=int, default=1024,
+                   help="the variable-length a2a runs' --sb-microbatch-multiple")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", default=None)
@@ -125,16 +131,18 @@ def main(argv=None):
           f"DP={args.dp}, m={args.microbatches}, d0={d0}, {args.steps} steps; CP all-to-all at "
           f"the ASSUMED DeviceProfile bandwidth")
     print(f"{'mix':<8} {'CP':>3} {'GPUs':>5} {'a2a static':>11} {'a2a tok-bal':>11} "
-          f"{'a2a sab_dst':>11} {'hybrid':>8} {'hyb groups':>10} {'hyb util':>8}   (step s)")
+          f"{'a2a sab_dst':>11} {'var static':>11} {'var sab_dst':>11} {'hybrid':>8} "
+          f"{'hyb groups':>10} {'hyb util':>8}   (step s)")
+    cfg_var = replace(cfg, microbatch_multiple=args.microbatch_multiple)
     t0 = time.perf_counter()
     for mix in args.mixes:
         lengths = mix_lengths(mix, args.seq_length)
         for cp in args.context_parallel:
             lm = lm0.with_context_parallel(cp)
-            rows = run_study(args.dp, cfg, lm, lengths,
-                             {"static": ("static", None),
-                              "token_balanced": ("token_balanced", None),
-                              "sab_dst": ("sab_dst", None)}, baseline="static")
+            runs = {"static": ("static", None), "token_balanced": ("token_balanced", None),
+                    "sab_dst": ("sab_dst", None)}
+            rows = run_study(args.dp, cfg, lm, lengths, runs, baseline="static")
+            rows_var = run_study(args.dp, cfg_var, lm, lengths, runs, baseline="static")
             models = {}
 
             def cost(n: int, k: int) -> float:
@@ -154,10 +162,13 @@ def main(argv=None):
                  "groups": float(np.mean([x["groups"] for x in hyb])),
                  "subsamples": float(np.mean([x["subsamples"] for x in hyb])),
                  "utilisation": float(np.mean([x["utilisation"] for x in hyb]))}
-            out["results"][f"{mix}/cp={cp}"] = {"a2a": rows, "hybrid": h}
+            out["results"][f"{mix}/cp={cp}"] = {"a2a": rows, "a2a_variable": rows_var,
+                                                 "hybrid": h}
             print(f"{mix:<8} {cp:>3} {args.dp * cp:>5} {rows['static']['step_time_s']:>11.3f} "
                   f"{rows['token_balanced']['step_time_s']:>11.3f} "
-                  f"{rows['sab_dst']['step_time_s']:>11.3f} {h['step_time_s']:>8.3f} "
+                  f"{rows['sab_dst']['step_time_s']:>11.3f} "
+                  f"{rows_var['static']['step_time_s']:>11.3f} "
+                  f"{rows_var['sab_dst']['step_time_s']:>11.3f} {h['step_time_s']:>8.3f} "
                   f"{h['groups']:>10.1f} {h['utilisation']:>8.3f}")
     print(f"({time.perf_counter() - t0:.1f} s)")
     if args.json:

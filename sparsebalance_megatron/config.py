@@ -158,6 +158,13 @@ class SparseBalanceConfig:
         "many positions; 0: automatic, 2 x --context-parallel-size (what Megatron's "
         "context-parallel split of a packed micro-batch needs), 1 without context parallelism. "
         "Give the CP run's value to a CP=1 run to train on identical micro-batches.")
+    microbatch_multiple: int = _f(
+        0, "0: every packed micro-batch is --seq-length tokens, padding fills what its "
+        "documents leave (Megatron's fixed shapes). K > 0: variable-length micro-batches, each "
+        "as long as its documents rounded up to a multiple of K tokens (at most --seq-length), "
+        "so the fill costs no linear-layer time; the plugin turns on Megatron's "
+        "variable_seq_lengths (pipeline stages exchange shapes). K must be a multiple of the "
+        "document padding (2 x CP) and, with sequence parallelism, of TP x CP.")
     tokenizer: str = _f(
         "qwen", "Tokenizer of the built-in real-text corpus and of .jsonl data: 'qwen' "
         "(Qwen2 BPE via tiktoken), 'gpt2', or 'byte'.", choices=TOKENIZERS)
@@ -280,6 +287,10 @@ class SparseBalanceConfig:
         if isinstance(self.seq_pad_multiple, bool) or not isinstance(self.seq_pad_multiple, int) \
                 or self.seq_pad_multiple < 0:
             bad("seq_pad_multiple", self.seq_pad_multiple, "an integer >= 0 (0: automatic)")
+        if isinstance(self.microbatch_multiple, bool) \
+                or not isinstance(self.microbatch_multiple, int) or self.microbatch_multiple < 0:
+            bad("microbatch_multiple", self.microbatch_multiple,
+                "an integer >= 0 (0: fixed --seq-length micro-batches)")
         if not isinstance(self.straggler_rank, int) or self.straggler_rank < -1:
             bad("straggler_rank", self.straggler_rank, "-1 or a data-parallel rank >= 0")
         sd = self.straggler_slowdown

@@ -16,12 +16,12 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 
-from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment
+from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
 
 
 class BatchingError(ValueError):
@@ -42,8 +42,18 @@ class BatchPlan:
     num_split_samples: int = 0     # samples cut into several segments (long_sample_policy=split)
     fallback: bool = False         # SAB re-used the sequential bins (cost-aware packing did not fit)
     predicted_rank_cost_s: np.ndarray = field(default=None)  # [dp] planner's cost proxy per rank
+    length_multiple: int = 0       # 0: every micro-batch is max_tokens long (padding fills it);
+    # k > 0: variable-length micro-batches, their tokens rounded up to a multiple of k
+    # (data.packing.packed_length, --sb-microbatch-multiple)
     # derived arrays (unit_csr, flat_lengths), computed once: a plan is not changed once made
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def with_length_multiple(self, multiple: int) -> "BatchPlan":
+        """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)``."""
+        if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) \
+                or multiple < 0:
+            raise ValueError(f"length multiple {multiple!r}: expected an integer >= 0")
+        return replace(self, length_multiple=int(multiple))
 
     @property
     def dp(self) -> int:
@@ -61,7 +71,8 @@ class BatchPlan:
     def unit_csr(self, with_padding: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """The micro-batches as latency-model units in CSR form, rank-major: (offsets [dp*m + 1],
         lengths), unit u's sequences ``lengths[offsets[u]:offsets[u + 1]]``; ``with_padding``
-        appends the padding sequences that fill each micro-batch to ``max_tokens``, as the packed
+        appends the padding sequences that fill each micro-batch to its packed length
+        (``max_tokens``, or its tokens rounded up to ``length_multiple``), as the packed
         micro-batch holds them (``data.padding_lengths``). Computed once, vectorised."""
         key = ("csr", bool(with_padding))
         if key not in self._cache:
@@ -70,7 +81,8 @@ class BatchPlan:
             lengths = np.fromiter((e - s for rank in mbs for mb in rank for _, s, e in mb),
                                   dtype=np.int64, count=int(counts.sum()))
             if with_padding:
-                lengths, counts = _with_padding(lengths, counts, self.max_tokens)
+                lengths, counts = _with_padding(lengths, counts, self.max_tokens,
+                                                self.length_multiple)
             offsets = np.zeros(counts.size + 1, dtype=np.int64)
             np.cumsum(counts, out=offsets[1:])
             self._cache[key] = (offsets, lengths)
@@ -90,21 +102,27 @@ class BatchPlan:
         return np.asarray([[sum(e - s for _, s, e in mb) for mb in rank]
                            for rank in self.micro_batches], dtype=np.int64)
 
+    def packed_lengths(self) -> np.ndarray:
+        """[dp, m] positions of every packed micro-batch (its tokens and the padding that fills
+        it: ``max_tokens``, or the tokens rounded up to ``length_multiple``)."""
+        return packed_length(self.tokens(), self.max_tokens, self.length_multiple)
+
     def segments(self) -> list:
         """All segments, rank-major then slot order."""
         return [seg for rank in self.micro_batches for mb in rank for seg in mb]
 
 
-def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Every unit's lengths followed by ``padding_lengths(max_tokens - its tokens)``: full
-    padding sequences of ``PAD_SEQ_TOKENS``, the last one shorter."""
+def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
+                  length_multiple: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Every unit's lengths followed by ``padding_lengths(its packed length - its tokens)``:
+    full padding sequences of ``PAD_SEQ_TOKENS``, the last one shorter."""
     n = counts.size
     unit = np.repeat(np.arange(n), counts)
-    pad = max_tokens - np.bincount(unit, weights=lengths, minlength=n).astype(np.int64)
+    tokens = np.bincount(unit, weights=lengths, minlength=n).astype(np.int64)
+    pad = packed_length(tokens, max_tokens, length_multiple) - tokens
     if np.any(pad < 0):
-        raise ValueError(f"micro-batch {int(np.argmin(pad))} holds {max_tokens - int(pad.min())} "
-                         f"tokens > max_tokens {max_tokens}")
+        raise ValueError(f"micro-batch {int(np.argmin(pad))} holds "
+                         f"{int(tokens[np.argmin(pad)])} tokens > max_tokens {max_tokens}")
     full, rest = np.divmod(pad, PAD_SEQ_TOKENS)
     npad = full + (rest > 0)
     new_counts = counts + npad

@@ -51,6 +51,21 @@ def padding_lengths(n_pad: int, multiple: int = 1) -> list[int]:
     return [piece] * full + ([rest] if rest else [])
 
 
+def packed_length(n_tokens, capacity: int, multiple: int = 0):
+    """Positions of a packed micro-batch whose documents take ``n_tokens`` (an int or an integer
+    array): ``capacity`` with ``multiple`` 0 (fixed-length micro-batches, padding fills them),
+    else ``n_tokens`` rounded up to a multiple of ``multiple`` (at least one), at most
+    ``capacity`` (variable-length micro-batches, ``--sb-microbatch-multiple``)."""
+    if multiple < 0:
+        raise ValueError(f"multiple={multiple!r}: expected an integer >= 0 (0: fixed length)")
+    if multiple == 0:
+        return np.full_like(n_tokens, capacity) if isinstance(n_tokens, np.ndarray) \
+            else int(capacity)
+    if isinstance(n_tokens, np.ndarray):
+        return np.minimum(np.maximum(padded_length(n_tokens, multiple), multiple), capacity)
+    return min(max(padded_length(n_tokens, multiple), multiple), int(capacity))
+
+
 class LongDocumentError(ValueError):
     """A document does not fit a micro-batch and the policy is 'error'."""
 
@@ -96,7 +111,8 @@ def sequential_pack(segments: Sequence[Segment], *, capacity: int, dp: int,
 
 @dataclass
 class PackedMicroBatch:
-    """One micro-batch of ``T == capacity`` tokens; padding is its last sequences
+    """One micro-batch of ``T`` tokens (``packed_length``: the capacity, or its documents rounded
+    up); padding is its last sequences
     (``padding_lengths``) and, with a ``pad_multiple`` > 1, the positions after each document's
     EOD up to the next multiple (``cu_seqlens_real`` then differs from ``cu_seqlens``)."""
 
@@ -122,8 +138,12 @@ class PackedMicroBatch:
 
 
 def materialize(segments: Sequence[Segment], corpus, capacity: int, *,
-                pad_multiple: int = 1) -> PackedMicroBatch:
+                pad_multiple: int = 1, length_multiple: int = 0) -> PackedMicroBatch:
     """Arrays of one micro-batch from its segments; ``corpus`` has ``tokens(id)`` and ``eod_id``.
+
+    The micro-batch holds ``packed_length(its segments' tokens, capacity, length_multiple)``
+    positions: ``capacity`` by default, its documents rounded up to a multiple of
+    ``length_multiple`` when that is > 0 (a multiple of ``pad_multiple``).
 
     ``pad_multiple`` > 1 (context parallelism): a document of ``n`` tokens spans
     ``padded_length(n + 1, pad_multiple)`` positions, its tokens, EOD, then padding (EOD tokens
@@ -134,6 +154,13 @@ def materialize(segments: Sequence[Segment], corpus, capacity: int, *,
     if capacity % pad_multiple:
         raise ValueError(f"capacity {capacity}: expected a multiple of pad_multiple "
                          f"{pad_multiple}")
+    if length_multiple % pad_multiple:
+        raise ValueError(f"length_multiple {length_multiple}: expected a multiple of "
+                         f"pad_multiple {pad_multiple}")
+    n_docs = sum(int(e) - int(s) for _, s, e in segments)
+    if n_docs > capacity:
+        raise ValueError(f"segments hold {n_docs} tokens: expected at most capacity {capacity}")
+    capacity = packed_length(n_docs, capacity, length_multiple)
     eod = int(corpus.eod_id)
     tokens = np.full(capacity, eod, dtype=np.int64)
     labels = np.full(capacity, eod, dtype=np.int64)

@@ -82,6 +82,10 @@ class StudyConfig:
     ``DEFAULT_RAISE_HEADROOM`` without a measured error, as in a simulation)."""
     dst_objective: Optional[str] = None
     """--sb-dst-objective of the plans (None: the runtime's default)."""
+    microbatch_multiple: int = 0
+    """--sb-microbatch-multiple: 0 fixed-length micro-batches (the fill is padding every run
+    pays), k > 0 each micro-batch its documents rounded up to a multiple of k tokens; every
+    variant of a study runs with the same setting."""
 
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:
@@ -230,6 +234,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         if "token_balanced" in needed:
             plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
                                                           max_tokens=cap, seed=cfg.seed)
+        plans = {k: p.with_length_multiple(cfg.microbatch_multiple) for k, p in plans.items()}
         feats = {k: lm.unit_features(p.flat_lengths(with_padding=True)) for k, p in plans.items()}
         sens = {k: unit_sensitivity(p.micro_batches, tracker) for k, p in plans.items()}
         costs = {}

@@ -109,10 +109,12 @@ class SparseBalanceCallback:
         self.pp, self.pp_rank = args.pipeline_model_parallel_size, \
             ps.get_pipeline_model_parallel_rank()
         self.capacity = args.seq_length * args.micro_batch_size
-        # CP ranks of a DP rank read the same micro-batches, each its share of the tokens
+        # How micro-batches are built (data.microbatch_inputs): CP ranks of a DP rank read the
+        # same micro-batches, each its share of the tokens; lengths fixed or variable.
         cp = ps.get_context_parallel_world_size()
-        self.cp_split = dict(pad_multiple=sb.pad_multiple(cp), cp_size=cp,
-                             cp_rank=ps.get_context_parallel_rank())
+        self.mb_args = dict(pad_multiple=sb.pad_multiple(cp), cp_size=cp,
+                            cp_rank=ps.get_context_parallel_rank(),
+                            length_multiple=sb.microbatch_multiple)
         self.latency = self.tracker = None
         if sb.dst_enabled or sb.batching_enabled:
             from .latency_setup import load_latency_model
@@ -156,7 +158,7 @@ class SparseBalanceCallback:
         args = self.args
         self.sampler = self.data.sampler("train", capacity=self.capacity, seed=self.sb.seed,
                                          long_sample_policy=self.sb.long_sample_policy,
-                                         pad_multiple=self.cp_split["pad_multiple"])
+                                         pad_multiple=self.mb_args["pad_multiple"])
         self.sampler.skip_bins(int(args.consumed_train_samples))
         state = None
         if args.iteration > 0 and args.load:
@@ -218,13 +220,16 @@ class SparseBalanceCallback:
                                max_tokens=self.capacity)
         method = sb.packing_method
         if method == "sab":
-            return sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
+            plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
                             sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
                             seed=sb.seed, **kw)
-        if method == "token_balanced":
-            return token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
+        elif method == "token_balanced":
+            plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
                                        seed=sb.seed, **kw)
-        return sequential_plan(segments, **kw)
+        else:
+            plan = sequential_plan(segments, **kw)
+        # variable-length micro-batches: the planner's units end where the packed tensors do
+        return plan.with_length_multiple(sb.microbatch_multiple)
 
     def prepare_step(self, iteration: int, num_microbatches: int) -> None:
         """Documents, packing and budgets of ``iteration`` (collective: DST plan broadcast)."""

@@ -173,7 +173,7 @@ def check_vocab(data: PluginData, model_vocab_size: int) -> None:
 
 def microbatch_inputs(segments, corpus, capacity: int, device, *, step: Optional[int] = None,
                       index: Optional[int] = None, pad_multiple: int = 1, cp_size: int = 1,
-                      cp_rank: int = 0) -> dict:
+                      cp_rank: int = 0, length_multiple: int = 0) -> dict:
     """One packed micro-batch as Megatron THD inputs: tokens/labels/loss_mask/position_ids
     ``[1, T]`` and a ``SparsePackedSeqParams`` (cu_seqlens int32 ``[n_seq + 1]``).
 
@@ -181,8 +181,11 @@ def microbatch_inputs(segments, corpus, capacity: int, device, *, step: Optional
     params carry Megatron's padded-THD pair: ``cu_seqlens_q`` the real lengths,
     ``cu_seqlens_q_padded`` the boundaries. With ``cp_size`` > 1 the token tensors hold CP rank
     ``cp_rank``'s share, ``[1, T / cp_size]`` in Megatron's per-document zigzag order (what
-    transformer-engine's ``thd_get_partitioned_indices`` gives); the cu_seqlens stay global."""
-    mb = materialize(segments, corpus, capacity, pad_multiple=pad_multiple)
+    transformer-engine's ``thd_get_partitioned_indices`` gives); the cu_seqlens stay global.
+    ``T`` is ``capacity``, or with ``length_multiple`` > 0 the documents' positions rounded up
+    to a multiple of it (``data.packing.packed_length``: variable-length micro-batches)."""
+    mb = materialize(segments, corpus, capacity, pad_multiple=pad_multiple,
+                     length_multiple=length_multiple)
     cu = torch.from_numpy(mb.cu_seqlens).to(device)
     real = None if mb.cu_seqlens_real is None else torch.from_numpy(mb.cu_seqlens_real).to(device)
     max_len = mb.max_seqlen
@@ -232,7 +235,7 @@ class TrainIterator:
         cb.note_forward(j, self.chunk)
         segments = self._step.batch.micro_batches[cb.dp_rank][j]
         return microbatch_inputs(segments, cb.corpus, cb.capacity, self.device,
-                                 step=self._step.iteration, index=j, **cb.cp_split)
+                                 step=self._step.iteration, index=j, **cb.mb_args)
 
     def save_state(self) -> dict:
         return self.callback.state_dict()
@@ -243,10 +246,10 @@ class EvalIterator:
     row, this DP rank's bin of each row; endless (the split is re-read epoch after epoch)."""
 
     def __init__(self, sampler: GlobalBatchSampler, corpus, *, capacity: int, dp: int,
-                 dp_rank: int, device, consumed_samples: int = 0, cp_split: Optional[dict] = None):
+                 dp_rank: int, device, consumed_samples: int = 0, mb_args: Optional[dict] = None):
         self.sampler, self.corpus = sampler, corpus
         self.capacity, self.dp, self.dp_rank, self.device = capacity, dp, dp_rank, device
-        self.cp_split = cp_split or {}   # microbatch_inputs' pad_multiple, cp_size, cp_rank
+        self.mb_args = mb_args or {}   # microbatch_inputs' keywords (CP split, lengths)
         self.sampler.skip_bins(int(consumed_samples))
 
     def __iter__(self):
@@ -257,4 +260,4 @@ class EvalIterator:
         rank = sequential_pack(segments, capacity=self.capacity, dp=self.dp,
                                num_microbatches=1)[self.dp_rank]
         return microbatch_inputs(rank[0], self.corpus, self.capacity, self.device,
-                                 **self.cp_split)
+                                 **self.mb_args)

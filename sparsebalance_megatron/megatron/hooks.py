@@ -180,6 +180,11 @@ def _install(args, model_cfg, packed_data):
         # Packed micro-batches hold different numbers of real tokens: normalise per token.
         args.calculate_per_token_loss = True
         model_cfg.calculate_per_token_loss = True
+        if sb.microbatch_multiple:
+            # Variable-length micro-batches: Megatron's pipeline stages exchange each tensor's
+            # shape before sending it (its dataloader-set flag; validate_args clears it).
+            args.variable_seq_lengths = True
+            model_cfg.variable_seq_lengths = True
     if _on_model_built not in model_cfg.post_wrap_hooks:
         model_cfg.post_wrap_hooks.append(_on_model_built)
     parts = [f"sparse attention: density {sb.density}, block {sb.block_size}, backend "
@@ -275,11 +280,11 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
         for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
             sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
                                         long_sample_policy=_run.sb.long_sample_policy,
-                                        pad_multiple=cb.cp_split["pad_multiple"])
+                                        pad_multiple=cb.mb_args["pad_multiple"])
             evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
                 sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
                 dp_rank=ps.get_data_parallel_rank(), device=cb.device,
-                consumed_samples=consumed, cp_split=cb.cp_split))
+                consumed_samples=consumed, mb_args=cb.mb_args))
         return train, evals[0], evals[1]
 
     provider.is_distributed = True   # every rank builds its own (identical) iterators

@@ -15,6 +15,7 @@ Imports nothing from megatron at module level; no torch.distributed.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import torch
@@ -150,9 +151,40 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
     return out
 
 
+def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """``--sb-microbatch-multiple K``: what variable-length micro-batches need."""
+    k = sb.microbatch_multiple
+    if not k:
+        return []
+    flag = f"{flag_name('microbatch_multiple')} {k}"
+    if not plugin_data:
+        return [f"{flag} on Megatron's data path (it sizes the plugin's packed micro-batches)"]
+    out = []
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    need = sb.pad_multiple(cp)
+    if getattr(args, "sequence_parallel", False) and tp > 1:
+        need = math.lcm(need, tp * cp)
+    if k % need:
+        out.append(f"{flag}: expected a multiple of {need} (documents are padded to multiples "
+                   f"of {sb.pad_multiple(cp)}; each of {cp} CP ranks' share must split over "
+                   f"{tp if getattr(args, 'sequence_parallel', False) else 1} sequence-"
+                   f"parallel ranks)")
+    if sb.sparse_attention_enabled and _flex(sb):
+        out.append(f"{flag} with the flex attention backend (each micro-batch length would "
+                   f"compile its own kernel; verified with the torch backend only so far: add "
+                   f"{flag_name('attention_backend')} torch)")
+    if str(getattr(args, "cuda_graph_impl", "none") or "none") != "none" \
+            or getattr(args, "enable_cuda_graph", False) \
+            or getattr(args, "external_cuda_graph", False):
+        out.append(f"{flag} with CUDA graphs (they capture fixed shapes)")
+    return out
+
+
 def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     """Megatron features the plugin does not support yet (each with its own issue)."""
     out = _context_parallel_conflicts(args, sb, plugin_data)
+    out += _microbatch_length_conflicts(args, sb, plugin_data)
     try:
         if getattr(args, "num_layers", None) is not None:   # else Megatron's own check says so
             PipelineLayout.from_megatron_args(args)

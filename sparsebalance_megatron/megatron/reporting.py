@@ -45,7 +45,8 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
     step_s = max((g["step_s"] for g in gathered if g["step_s"] is not None), default=None)
     tokens = int(batch.tokens().sum())
     samples = batch.dp * batch.num_microbatches
-    rec = {"step": iteration, "tokens": tokens, "samples": samples,
+    rec = {"step": iteration, "tokens": tokens, "positions": int(batch.packed_lengths().sum()),
+           "samples": samples,
            "consumed_samples": step.first_bin + samples,
            "loss": loss_sum / loss_tokens if loss_tokens else None,
            "step_time_s": step_s, "tokens_per_s": tokens / step_s if step_s else None,

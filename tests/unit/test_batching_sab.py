@@ -242,6 +242,36 @@ def test_unit_csr_is_the_padded_lengths_and_computed_once():
         assert (plan.tokens() == 2048).any()
 
 
+def test_variable_length_plans_pad_each_micro_batch_to_its_multiple_only():
+    """``with_length_multiple(k)``: each unit's padding ends at its tokens rounded up to k (at
+    least k, at most max_tokens), the same definition ``materialize`` packs; the documents and
+    the original plan are unchanged."""
+    from sparsebalance_megatron.data.packing import packed_length, padding_lengths
+
+    segs = global_batch(4, 3, 4, 2048) + [(10_000, 0, 2048)]
+    fixed = sab_plan(segs, dp=3, num_microbatches=5, max_tokens=2048, cost_fn=quad_cost)
+    fixed.unit_csr(with_padding=True)                      # cached on the fixed plan
+    var = fixed.with_length_multiple(96)
+    assert var.micro_batches is fixed.micro_batches and var.length_multiple == 96
+    assert fixed.length_multiple == 0 and int(fixed.packed_lengths().sum()) == 15 * 2048
+    tokens = var.tokens()
+    want_len = np.minimum(np.maximum(-(-tokens // 96) * 96, 96), 2048)
+    assert np.array_equal(var.packed_lengths(), want_len)
+    assert (tokens == 2048).any() and (want_len < 2048).any()
+    got = var.flat_lengths(with_padding=True)
+    for u, (n, docs) in enumerate(zip(tokens.reshape(-1), var.flat_lengths())):
+        assert got[u].tolist() == docs.tolist() + padding_lengths(int(want_len.flat[u]) - int(n))
+        assert int(got[u].sum()) == packed_length(int(n), 2048, 96)
+    for x, y in zip(fixed.flat_lengths(with_padding=True), fixed.flat_lengths()):
+        assert int(x.sum()) == 2048 and x[:y.size].tolist() == y.tolist()
+    empty = sequential_plan(segs[:3], dp=3, num_microbatches=5, max_tokens=2048)
+    assert (empty.tokens() == 0).any()          # an empty micro-batch is one multiple of padding
+    assert empty.with_length_multiple(96).packed_lengths()[empty.tokens() == 0].tolist() == \
+        [96] * int((empty.tokens() == 0).sum())
+    with pytest.raises(ValueError, match="length multiple -1"):
+        fixed.with_length_multiple(-1)
+
+
 @pytest.mark.parametrize("samples", [
     [(3, 0, 5), (1, 2, 9)],
     [[3, 0, 5], [1, 2, 9]],

@@ -5,7 +5,8 @@ import pytest
 
 from sparsebalance_megatron.data.packing import (PAD_SEQ_TOKENS, GlobalBatchSampler,
                                                  LongDocumentError, materialize,
-                                                 padding_lengths, sequential_pack)
+                                                 packed_length, padding_lengths,
+                                                 sequential_pack)
 
 EOD = 999_999
 
@@ -230,3 +231,31 @@ def test_short_global_batch_leaves_trailing_microbatches_as_padding():
     assert packed == [[[(0, 0, 4)], []], [[], []]]
     mb = materialize([], FakeCorpus([3]), 8)
     assert mb.loss_mask.sum() == 0 and list(mb.cu_seqlens) == [0, 8]
+
+
+def test_variable_length_micro_batches_end_at_their_documents_rounded_up():
+    """``length_multiple`` k: the micro-batch holds its segments' positions rounded up to k (at
+    least k, at most the capacity); the documents' tokens, labels, loss and positions are those
+    of the fixed-length micro-batch, only the trailing padding is shorter."""
+    corpus = FakeCorpus([50, 7, 30])
+    segs = [(0, 0, 51), (1, 0, 8), (2, 0, 31)]                      # 90 positions
+    fixed = materialize(segs, corpus, 512)
+    for k, want in ((1, 90), (32, 96), (90, 90), (1000, 512)):
+        mb = materialize(segs, corpus, 512, length_multiple=k)
+        assert mb.tokens.size == want == packed_length(90, 512, k) and mb.cu_seqlens[-1] == want
+        for name in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert np.array_equal(getattr(mb, name), getattr(fixed, name)[:want]), (k, name)
+        assert mb.cu_seqlens[:4].tolist() == fixed.cu_seqlens[:4].tolist()
+        assert mb.loss_mask.sum() == fixed.loss_mask.sum() == 50 + 7 + 30
+    assert materialize([], corpus, 512, length_multiple=32).tokens.size == 32   # one multiple
+    cp_segs = [(0, 0, 52), (1, 0, 8), (2, 0, 32)]                   # padded to 4 (CP=2): 92
+    cp = materialize(cp_segs, corpus, 512, pad_multiple=4, length_multiple=8)
+    assert cp.tokens.size == 96 and np.all(np.diff(cp.cu_seqlens) % 4 == 0)
+    assert packed_length(np.array([0, 90, 600]), 512, 32).tolist() == [32, 96, 512]
+    assert packed_length(np.array([0, 90]), 512).tolist() == [512, 512]
+    with pytest.raises(ValueError, match="length_multiple 6: expected a multiple of pad_multiple 4"):
+        materialize(segs, corpus, 512, pad_multiple=4, length_multiple=6)
+    with pytest.raises(ValueError, match="segments hold 90 tokens: expected at most capacity 64"):
+        materialize(segs, corpus, 64, length_multiple=32)
+    with pytest.raises(ValueError, match="multiple=-2"):
+        packed_length(5, 64, -2)

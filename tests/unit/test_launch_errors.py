@@ -65,6 +65,11 @@ def test_a_good_launch_passes():
     _case(dict(CP_A2A, seq_length=250), SPARSE, True, "--seq-length 250: expected a multiple of 4"),
     _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, seq_pad_multiple=6), True, "--sb-seq-pad-multiple 6 with --context-parallel-size 2: expected a multiple of 2 x 2"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, seq_pad_multiple=4), False, "--sb-seq-pad-multiple 4 on Megatron's data path"),
+    _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, microbatch_multiple=6), True, "--sb-microbatch-multiple 6: expected a multiple of 4"),
+    _case(dict(tensor_model_parallel_size=4, sequence_parallel=True), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=6), True, "--sb-microbatch-multiple 6: expected a multiple of 4"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=64), False, "--sb-microbatch-multiple 64 on Megatron's data path"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flex", microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with the flex attention backend"),
+    _case(dict(cuda_graph_impl="local"), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with CUDA graphs"),
     _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "vp=2 needs pp >= 2"),
     _case(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), FULL, True, "pipeline rank 0 holds 2 layers: not divisible by the 3 virtual stages per rank"),
     _case(dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tmL"), FULL, True, "multi-token prediction layers ('m') are not supported"),
@@ -112,6 +117,14 @@ def test_context_parallel_a2a_launches_with_sparse_balance(kw):
     check_launch(launch_args(**kw), SparseBalanceConfig(sparse_attention=True, seq_pad_multiple=8),
                  plugin_data=True)
     check_launch(launch_args(**kw), SparseBalanceConfig(), plugin_data=True)   # dense attention
+
+
+@pytest.mark.parametrize("kw, k", [(dict(), 1), (dict(), 96), (CP_A2A, 4),
+                                   (dict(CP_A2A, tensor_model_parallel_size=2,
+                                         sequence_parallel=True), 8)])
+def test_variable_length_microbatches_launch(kw, k):
+    check_launch(launch_args(**kw), SparseBalanceConfig(sparse_balance=True,
+                                                        microbatch_multiple=k), plugin_data=True)
 
 
 def test_reset_attention_mask_is_served_by_the_plugins_data_path():
