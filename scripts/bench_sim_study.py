@@ -85,6 +85,9 @@ def parse_args(argv=None):
     p.add_argument("--dst-objective", choices=DST_OBJECTIVES, default=None,
                    help="--sb-dst-objective of every DST plan (default: the runtime's, "
                         f"{SparseBalanceConfig().dst_objective})")
+    p.add_argument("--microbatch-multiple", type=int, default=0,
+                   help="--sb-microbatch-multiple of every run (0: fixed --seq-length "
+                        "micro-batches; K: each micro-batch its documents rounded up to K)")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -182,7 +185,8 @@ def study_mix(args, out: dict, lm, cp: int, mix: str) -> None:
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=args.seed,
-                          dst_objective=args.dst_objective)
+                          dst_objective=args.dst_objective,
+                          microbatch_multiple=args.microbatch_multiple)
         res = {}
         for dp in args.ranks:
             r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)

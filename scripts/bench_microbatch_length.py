@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Fixed- vs variable-length micro-batches (``--sb-microbatch-multiple``) in whole training steps.
+
+Runs the README's CPU job (``examples/run_cpu_demo.sh``: the tiny GPT, real data, ``torchrun``,
+PP=2 x DP=2, ``--sparse-balance``) twice on the same documents: with micro-batches of
+``--seq-length`` tokens (the fill is padding every layer computes) and with micro-batches that
+end at their documents, rounded up to ``--multiple`` tokens. Measured timings drive DST in both
+(the job's default), so the plans may differ where the units differ. Prints, per run and
+alternating the runs ``--repeats`` times: the median step time over the steps after the first
+two (the plugin's metrics file), the positions computed per step against the documents' tokens,
+and the last step's loss.
+
+    .venv/bin/python scripts/bench_microbatch_length.py --json docs/results/microbatch_length_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(multiple: int, args, out: str) -> dict:
+    extra = ["--sb-doc-unit", args.doc_unit, "--eval-iters", "0"]
+    if multiple:
+        extra += ["--sb-microbatch-multiple", str(multiple)]
+    env = dict(os.environ, OUT=out, TRAIN_ITERS=str(args.steps), OMP_NUM_THREADS="1",
+               PY=sys.executable)
+    p = subprocess.run(["bash", "examples/run_cpu_demo.sh", *extra], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"run with multiple {multiple} failed (rc {p.returncode}):\n"
+                         f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
+    times = [r["step_time_s"] for r in rows[2:]]
+    return {"multiple": multiple, "steps": len(rows),
+            "step_time_s_median": statistics.median(times), "step_times_s": times,
+            "tokens": sum(r["tokens"] for r in rows),
+            "positions": sum(r["positions"] for r in rows),
+            "mean_density": statistics.mean(r["mean_density"] for r in rows),
+            "last_loss": rows[-1]["loss"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--multiple", type=int, default=64)
+    ap.add_argument("--doc-unit", choices=("section", "file"), default="section")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    if args.steps < 4:
+        ap.error(f"--steps {args.steps}: expected >= 4 (the first two steps are not timed)")
+    runs = {0: [], args.multiple: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for k in runs:
+                runs[k].append(run(k, args, os.path.join(tmp, f"k{k}_r{rep}")))
+    print(f"README CPU job (PP=2 x DP=2, 4 processes on {os.cpu_count()} cores), "
+          f"{args.doc_unit} documents, {args.steps} steps x {args.repeats} runs each")
+    print(f"{'micro-batches':<22} {'step s (median)':>16} {'positions/tokens':>17} "
+          f"{'density':>8} {'last loss':>10}")
+    out = {"config": vars(args), "runs": {}}
+    for k, rs in runs.items():
+        med = statistics.median(s for r in rs for s in r["step_times_s"])
+        name = "fixed (--seq-length)" if k == 0 else f"variable (multiple {k})"
+        ratio = rs[0]["positions"] / rs[0]["tokens"]
+        print(f"{name:<22} {med:>16.3f} {ratio:>17.3f} {rs[0]['mean_density']:>8.3f} "
+              f"{rs[-1]['last_loss']:>10.4f}")
+        out["runs"][name] = {"step_time_s_median": med, "positions_per_token": ratio,
+                             "repeats": rs}
+    fixed, var = (out["runs"][n]["step_time_s_median"] for n in out["runs"])
+    out["speedup"] = fixed / var
+    print(f"speedup of variable-length micro-batches: {fixed / var:.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
