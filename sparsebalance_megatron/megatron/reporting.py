@@ -32,18 +32,31 @@ def unit_work(batch, sb: SparseBalanceConfig) -> np.ndarray:
     return feats.attention_work(1.0).reshape(batch.dp, batch.num_microbatches)
 
 
+def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
+    """Positions of the step's documents (tokens and EOD), per-document padding (context
+    parallelism) left out; ``doc_positions[d]`` = document d's tokens + 1 (None: count the
+    segments whole)."""
+    segs = np.asarray(batch.segments(), dtype=np.int64).reshape(-1, 3)
+    if doc_positions is None or not segs.size:
+        return int((segs[:, 2] - segs[:, 1]).sum())
+    return int((np.minimum(segs[:, 2], doc_positions[segs[:, 0]]) - segs[:, 1]).sum())
+
+
 def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
-                overhead_s: float, work: np.ndarray, layers=None) -> dict:
+                overhead_s: float, work: np.ndarray, layers=None,
+                doc_positions: Optional[np.ndarray] = None) -> dict:
     """Everything known about a finished step (identical on every rank). Densities are weighted
     by layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per stage, the
-    run's pipeline layout; None = equal); per stage and per DP rank as well as overall."""
+    run's pipeline layout; None = equal); per stage and per DP rank as well as overall.
+    ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
+    ``positions`` what the step computed (padding included)."""
     from ..policy.costs import stage_mean_densities, weighted_mean_density
 
     batch = step.batch
     loss_sum = sum(g["loss"][0] for g in gathered)
     loss_tokens = sum(g["loss"][1] for g in gathered)
     step_s = max((g["step_s"] for g in gathered if g["step_s"] is not None), default=None)
-    tokens = int(batch.tokens().sum())
+    tokens = document_tokens(batch, doc_positions)
     samples = batch.dp * batch.num_microbatches
     rec = {"step": iteration, "tokens": tokens, "positions": int(batch.packed_lengths().sum()),
            "samples": samples,
@@ -143,6 +156,7 @@ class StepReporter:
         self.stages = self.layout.num_stages
         self._interval: dict = defaultdict(list)
         self.history: list = []   # records of this process (tests, scripts in the same process)
+        self.doc_positions: Optional[np.ndarray] = None   # [docs] tokens + EOD (the callback's)
 
     def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float,
                planned_ahead_s: Optional[float] = None):
@@ -151,7 +165,8 @@ class StepReporter:
         (--sb-plan-ahead; off the critical path)."""
         work = unit_work(step.batch, self.sb)
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
-                          work=work, layers=self.layout.layers)
+                          work=work, layers=self.layout.layers,
+                          doc_positions=self.doc_positions)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         self.history.append(rec)

@@ -149,6 +149,7 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     rec = StepReporter(args, sb, dp=2).report(1, step, gathered,
                                                     np.full((2, 1), 0.3), {}, overhead_s=0.01)
     assert rec["loss"] == 2.0 and rec["samples"] == 2 and rec["consumed_samples"] == 2
+    assert rec["tokens"] == 350 and rec["positions"] == 512      # segments whole, fixed length
     for writer in (tb, wandb):
         tags = {t for t, _, s in writer.calls if s == 1}
         assert {"sparsebalance/density/mean", "sparsebalance/density/rank1",
@@ -157,6 +158,12 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     line = json.loads((tmp_path / "m.jsonl").read_text())
     assert line["densities"] == [[[0.5]], [[0.5]]] and len(line["attn_work"]) == 2
     assert line["microbatch_fwd_s"] == [[[0.1]], [[0.1]]]
+    # with the corpus' lengths, per-document padding (CP) is not counted as tokens: document 2
+    # has 190 tokens + EOD, its segment 200 positions
+    reporter = StepReporter(args, SparseBalanceConfig(sparse_attention=True), dp=2)
+    reporter.doc_positions = np.array([99, 50, 190]) + 1
+    rec = reporter.report(2, step, gathered, np.full((2, 1), 0.3), {}, overhead_s=0.01)
+    assert rec["tokens"] == 100 + 50 + 191 and rec["tokens_per_s"] == pytest.approx(341 / 0.4)
 
 
 def test_unit_timings_of_model_chunks_land_on_their_virtual_stages():
