@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..config import SparseBalanceConfig
-from ..data.packing import padding_lengths
+from ..data.packing import packed_length, padding_lengths
 from ..latency.features import FEATURES
 from ..latency.shape import ModelShape
 from ..latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
@@ -154,8 +154,16 @@ def _recompute_config(granularity: str) -> dict:
 
 
 def default_mixes(seq_length: int, count: int, seed: int = 0,
-                  block_size: Optional[int] = None) -> list[list[int]]:
+                  block_size: Optional[int] = None,
+                  length_multiple: int = 0) -> list[list[int]]:
     """Document-length mixes of exactly ``seq_length`` tokens each, packed as training packs them.
+
+    With ``length_multiple`` K > 0 (``--sb-microbatch-multiple``: variable-length micro-batches)
+    training packs a micro-batch to its documents rounded up to K, so the mixes are padded that
+    way and the grid holds several token totals (the quick grid: ``seq_length``, a half and a
+    quarter), which is what lets the fit tell token work from the intercept and from selection
+    work. The one-token-count reasoning below is about the flex kernel, which variable lengths
+    do not run (refused at launch).
 
     Training fills every micro-batch to ``seq_length`` tokens and cuts the rest into padding
     sequences of at most ``PAD_SEQ_TOKENS`` tokens (``data.packing.padding_lengths``), so a mix
@@ -185,10 +193,10 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     t = seq_length
 
     def packed(docs: list[int]) -> list[int]:
-        return docs + padding_lengths(t - sum(docs))
+        return docs + padding_lengths(packed_length(sum(docs), t, length_multiple) - sum(docs))
 
     def one_shape(mix: list[int]) -> bool:
-        if block_size is None:
+        if block_size is None or length_multiple:
             return True
         nb = sum(-(-x // block_size) for x in mix)
         return (fixed_padded_blocks(t, nb, block_size)
@@ -197,6 +205,9 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     short = max(t // 64, block_size or 1)
     fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [short] * (t // short), [t // 2] * 2,
              [3 * t // 8] * 2]
+    if length_multiple:          # the quick grid spans three token totals: t, t/2, t/4
+        fixed = [[t], [t // 4] * 4, [t // 2], [t // 4], [short] * (t // short),
+                 [t // 16] * 16, [t // 2] * 2, [3 * t // 8] * 2]
     out = [m for m in (packed(m) for m in fixed if m and all(x > 0 for x in m))
            if one_shape(m)][:count]
     rng = np.random.default_rng(seed)

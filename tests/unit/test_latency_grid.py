@@ -91,3 +91,53 @@ def test_fit_folds_a_feature_constant_on_the_grid_into_the_intercept():
     c = cf + cb
     want = c[2] * f.attention_work(0.5) + c[3] * f.selection_work + c[4]
     np.testing.assert_allclose(latency_sample_cost_fn(m, 0.5)(lengths), want, rtol=1e-6)
+
+
+def test_variable_length_grid_lets_the_fit_see_token_work():
+    """``--sb-microbatch-multiple``: the grid's mixes are padded as variable-length training pads
+    them (to a multiple of K), so it holds several token totals (the quick grid: t, t/2, t/4) and
+    the fit recovers the per-token cost that a one-token-count grid folds into the intercept; a
+    half-length micro-batch is then predicted right."""
+    t, k = 2048, 64
+    quick = default_mixes(t, 5, seed=3, block_size=64, length_multiple=k)
+    assert sorted({sum(m) for m in quick}) == [t // 4, t // 2, t]
+    full = default_mixes(t, 10, seed=3, block_size=64, length_multiple=k)
+    assert full[:5] == quick and all(sum(m) % k == 0 and sum(m) <= t for m in full)
+    cf = np.array([2e-3, 3e-6, 5e-6, 1e-8, 4e-5])
+    cb = np.array([3e-3, 6e-6, 1.1e-5, 0.0, 7e-5])
+    table = analytic_table(ModelShape(num_layers=2, seq_length=t), block_size=64)
+    rows = [(m, d) for m in full for d in (0.125, 0.25, 0.5, 1.0)]
+    x = UnitFeatures.build([m for m, _ in rows], 64, 1, 0).matrix(np.array([d for _, d in rows]))
+    table["measurements"] = [{"kind": "only", "doc_lengths": m, "density": d,
+                              "fwd_s": float(r @ cf), "bwd_s": float(r @ cb)}
+                             for (m, d), r in zip(rows, x)]
+    del table["coefficients"]
+    m = LatencyModel.fit(table)
+    for part, c in (("fwd", cf), ("bwd", cb)):
+        np.testing.assert_allclose(m.coef["only"][part], c, rtol=1e-6, atol=1e-12)
+    half = UnitFeatures.build([[600, 400, 24]], 64, 1, 0).matrix(np.array([0.5]))[0]
+    assert m.predict([600, 400, 24], 0.5, 0) == pytest.approx(
+        float(half @ cf + half @ cb), rel=1e-6)
+
+
+def test_a_variable_length_run_profiles_its_own_grid_and_cache_entry(tmp_path):
+    """The run-time profile of a variable-length run passes the multiple to the profiler (its
+    grid: several token totals) and caches apart from a fixed-length run's table."""
+    import types
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.latency_setup import cached_table_path, profile_command
+
+    args = types.SimpleNamespace(num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                                 num_attention_heads=4, num_query_groups=2, kv_channels=None,
+                                 padded_vocab_size=512, seq_length=256, micro_batch_size=1,
+                                 pipeline_model_parallel_size=1, swiglu=True)
+    fixed = SparseBalanceConfig(sparse_balance=True, data_cache_dir=str(tmp_path))
+    var = SparseBalanceConfig(sparse_balance=True, data_cache_dir=str(tmp_path),
+                              microbatch_multiple=32)
+    cmd = profile_command(args, var, "out.json")
+    assert cmd[cmd.index("--sb-microbatch-multiple") + 1] == "32"
+    assert "--sb-microbatch-multiple" not in profile_command(args, fixed, "out.json")
+    expect = {"model": {"num_layers": 2}, "sparsebalance_megatron": "x", "megatron_core": "y",
+              "torch": "z", "execution": {}}
+    assert cached_table_path(args, var, expect) != cached_table_path(args, fixed, expect)
