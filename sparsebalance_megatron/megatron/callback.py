@@ -127,8 +127,9 @@ class SparseBalanceCallback:
         self.vp = self.layout.vp
         # A rank with several model chunks finds each layer's virtual stage by its number.
         self.layer_stages = self.layout.layer_stages() if self.vp > 1 else None
-        self.reporter = StepReporter(args, sb, dp=self.dp, layout=self.layout)
-        self.reporter.doc_positions = np.asarray(self.corpus.lengths, dtype=np.int64) + 1
+        self.reporter = StepReporter(args, sb, dp=self.dp, layout=self.layout,
+                                     doc_positions=np.asarray(self.corpus.lengths,
+                                                              dtype=np.int64) + 1)
         self.timers = None                      # hooks installs the MicrobatchTimers
         self.sampler = None
         self.steps_done = 0                     # steps this process ran (the first is warm-up)

@@ -148,7 +148,10 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout) -> dict:
 class StepReporter:
     """Sends each step's record to the metrics file, Megatron's writers and the console."""
 
-    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, layout=None):
+    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, layout=None,
+                 doc_positions: Optional[np.ndarray] = None):
+        """``doc_positions``: [documents] tokens + EOD of every document of the corpus, so that
+        ``tokens`` leaves per-document padding out (``document_tokens``)."""
         from ..latency.layout import PipelineLayout
 
         self.args, self.sb, self.dp = args, sb, dp
@@ -156,7 +159,7 @@ class StepReporter:
         self.stages = self.layout.num_stages
         self._interval: dict = defaultdict(list)
         self.history: list = []   # records of this process (tests, scripts in the same process)
-        self.doc_positions: Optional[np.ndarray] = None   # [docs] tokens + EOD (the callback's)
+        self.doc_positions = doc_positions
 
     def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float,
                planned_ahead_s: Optional[float] = None):

@@ -160,8 +160,8 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     assert line["microbatch_fwd_s"] == [[[0.1]], [[0.1]]]
     # with the corpus' lengths, per-document padding (CP) is not counted as tokens: document 2
     # has 190 tokens + EOD, its segment 200 positions
-    reporter = StepReporter(args, SparseBalanceConfig(sparse_attention=True), dp=2)
-    reporter.doc_positions = np.array([99, 50, 190]) + 1
+    reporter = StepReporter(args, SparseBalanceConfig(sparse_attention=True), dp=2,
+                            doc_positions=np.array([99, 50, 190]) + 1)
     rec = reporter.report(2, step, gathered, np.full((2, 1), 0.3), {}, overhead_s=0.01)
     assert rec["tokens"] == 100 + 50 + 191 and rec["tokens_per_s"] == pytest.approx(341 / 0.4)
 
