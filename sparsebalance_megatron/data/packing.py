@@ -177,10 +177,7 @@ def materialize(segments: Sequence[Segment], corpus, capacity: int, *,
                              f"and start < end <= {limit} (document {doc_id} has {n_doc} tokens "
                              f"+ EOD" + (f", padded to a multiple of {pad_multiple})"
                                          if pad_multiple > 1 else ")"))
-        n = end - start
-        if p + n > capacity:
-            raise ValueError(f"segments hold {p + n}+ tokens: expected at most capacity "
-                             f"{capacity}")
+        n = end - start        # the segments fit: checked above
         real_end = min(end, n_doc + 1)
         n_real = real_end - start
         # Positions [start, real_end] of doc + EOD: the segment's tokens and the token after each.
