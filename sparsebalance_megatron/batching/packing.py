@@ -126,15 +126,16 @@ def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
 
 def _contiguous_bins(items, size, cost, m, cap, balance: bool) -> Optional[list]:
     """Cut ``items`` (in order) into at most m bins of <= cap tokens; with ``balance``, close a
-    bin once it reaches the rank's mean cost per bin. Keeps every bin non-empty when there are
-    at least m items. None if it does not fit."""
+    bin once it reaches the rank's mean cost per bin, and give an item that alone reaches it (a
+    long document) a bin of its own. Keeps every bin non-empty when there are at least m
+    items. None if it does not fit."""
     target = sum(cost[i] for i in items) / m if balance else float("inf")
     bins, cur, cur_tok, cur_cost = [], [], 0, 0.0
     n_left = len(items)
     for i in items:
         bins_left = m - len(bins)                      # including the open one
         full = cur_tok + size[i] > cap
-        at_target = cur_cost >= target and bins_left > 1
+        at_target = (cur_cost >= target or cost[i] >= target) and bins_left > 1
         must_spread = n_left <= bins_left - 1          # leave one item per remaining bin
         if cur and (full or at_target or must_spread):
             bins.append(cur)

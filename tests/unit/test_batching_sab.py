@@ -297,3 +297,18 @@ def test_bad_segments_are_named_by_the_vectorised_check_too(samples, needle):
     with pytest.raises(ValueError) as e:
         sab_plan(samples, dp=1, num_microbatches=1, max_tokens=64)
     assert needle in str(e.value)
+
+
+def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
+    """SAB's cut of a rank's segments: one whose cost alone reaches the rank's mean cost per
+    micro-batch is not packed with the segments before it (with variable-length micro-batches
+    that costs no fill)."""
+    from sparsebalance_megatron.batching.packing import _contiguous_bins
+
+    size = [100, 100, 900, 100, 100, 100]
+    cost = [1.0, 1.0, 9.0, 1.0, 1.0, 1.0]         # mean per bin of 3: 4.67
+    bins = _contiguous_bins(list(range(6)), size, cost, 3, 1024, balance=True)
+    assert bins == [[0, 1], [2], [3, 4, 5]]
+    # without such a segment the cut is by the mean cost alone
+    assert _contiguous_bins(list(range(6)), [100] * 6, [1.0] * 6, 3, 1024, balance=True) == \
+        [[0, 1], [2, 3], [4, 5]]
