@@ -2,7 +2,8 @@
 """Fixed- vs variable-length micro-batches (``--sb-microbatch-multiple``) in whole training steps.
 
 Runs the README's CPU job (``examples/run_cpu_demo.sh``: the tiny GPT, real data, ``torchrun``,
-PP=2 x DP=2, ``--sparse-balance``) twice on the same documents: with micro-batches of
+PP=2 x DP=2 by default, ``--sparse-balance``; ``--cp``, ``--pp``, ``--nproc`` and
+``--seq-length`` change that) twice on the same documents: with micro-batches of
 ``--seq-length`` tokens (the fill is padding every layer computes) and with micro-batches that
 end at their documents, rounded up to ``--multiple`` tokens. Measured timings drive DST in both
 (the job's default), so the plans may differ where the units differ. Prints, per run and
@@ -28,10 +29,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(multiple: int, args, out: str) -> dict:
     extra = ["--sb-doc-unit", args.doc_unit, "--eval-iters", "0"]
+    if args.seq_length:
+        extra += ["--seq-length", str(args.seq_length), "--max-position-embeddings",
+                  str(args.seq_length)]
+    if args.cp > 1:
+        extra += ["--context-parallel-size", str(args.cp), "--cp-comm-type", "a2a"]
     if multiple:
         extra += ["--sb-microbatch-multiple", str(multiple)]
     env = dict(os.environ, OUT=out, TRAIN_ITERS=str(args.steps), OMP_NUM_THREADS="1",
-               PY=sys.executable)
+               PY=sys.executable, NPROC=str(args.nproc), PP=str(args.pp))
     p = subprocess.run(["bash", "examples/run_cpu_demo.sh", *extra], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     if p.returncode != 0:
@@ -51,6 +57,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--multiple", type=int, default=64)
     ap.add_argument("--doc-unit", choices=("section", "file"), default="section")
+    ap.add_argument("--seq-length", type=int, default=None, help="default: the job's 1024")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--cp", type=int, default=1, help="--context-parallel-size (a2a)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", metavar="PATH")
@@ -62,8 +72,9 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for k in runs:
                 runs[k].append(run(k, args, os.path.join(tmp, f"k{k}_r{rep}")))
-    print(f"README CPU job (PP=2 x DP=2, 4 processes on {os.cpu_count()} cores), "
-          f"{args.doc_unit} documents, {args.steps} steps x {args.repeats} runs each")
+    print(f"README CPU job ({args.nproc} processes on {os.cpu_count()} cores: PP={args.pp}, "
+          f"CP={args.cp}), {args.seq_length or 1024}-token micro-batches of {args.doc_unit} "
+          f"documents, {args.steps} steps x {args.repeats} runs each")
     print(f"{'micro-batches':<22} {'step s (median)':>16} {'positions/tokens':>17} "
           f"{'density':>8} {'last loss':>10}")
     out = {"config": vars(args), "runs": {}}
