@@ -4,11 +4,12 @@ training entry that must stop with that line and nothing of Megatron's set-up af
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
 
-from sparsebalance_megatron.config import SparseBalanceConfig
+from sparsebalance_megatron.config import SparseBalanceConfig, flag_name
 from sparsebalance_megatron.megatron.launch import (CPU_DEFAULTS, LaunchError, check_launch,
                                                     cpu_parser_defaults)
 from tests.conftest import TINY_MODEL, run_entry
@@ -17,8 +18,15 @@ SPARSE = SparseBalanceConfig(sparse_attention=True, block_size=64)
 
 
 def _case(kw: dict, sb, plugin_data: bool, needle: str):
-    """One refused launch setting, marked for RELIABILITY.md."""
-    case = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    """One refused launch setting, marked for RELIABILITY.md: Megatron's args that differ from
+    ``launch_args``'s, then the plugin's settings that differ from the defaults (flag names)."""
+    base = SparseBalanceConfig()
+    plugin = [flag_name(f.name) + ("" if getattr(sb, f.name) is True
+                                   else f" {getattr(sb, f.name)}")
+              for f in dataclasses.fields(sb) if f.name not in ("sparse_attention", "block_size")
+              and getattr(sb, f.name) != getattr(base, f.name)]
+    case = ", ".join([f"{k}={v!r}" for k, v in kw.items()] + plugin
+                     + ([] if plugin_data else ["Megatron's data path"]))
     return pytest.param(kw, sb, plugin_data, needle, id=case, marks=pytest.mark.reliability(
         area="launch", case=case, expect=f"refused before any process group: '{needle}'"))
 
