@@ -29,6 +29,20 @@ def stdlib_texts(n: int, max_chars: int = 6000) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def short_docs_jsonl(tmp_path_factory) -> Path:
+    """Short real documents (40-300 characters of stdlib modules): with the byte tokenizer and
+    256-token micro-batches the fill is a real share of a step (variable-length tests)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("data") / "short.jsonl"
+    with open(path, "w") as f:
+        for t in stdlib_texts(160, max_chars=3000):
+            f.write(json.dumps({"text": t[:int(rng.integers(40, 300))]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
 def small_jsonl(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "docs.jsonl"
     with open(path, "w") as f:

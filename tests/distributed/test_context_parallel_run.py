@@ -64,11 +64,17 @@ def test_cp2_x_dp2_trains_like_dp2(tmp_path, small_jsonl, analytic_table_pp1):
         assert _close(tb2["grad-norm"][it], tb1["grad-norm"][it], 1e-4), it
 
 
-def test_cp2_x_pp2_trains_and_evaluates(tmp_path, small_jsonl, analytic_latency_table_pp2):
+@pytest.mark.parametrize("variable", [False, True], ids=["fixed", "variable-length"])
+def test_cp2_x_pp2_trains_and_evaluates(tmp_path, request, variable, analytic_latency_table_pp2):
+    """Fixed-length micro-batches of the stdlib texts; or variable-length ones
+    (--sb-microbatch-multiple 32) of short documents, DST planning on the units that end where
+    the micro-batches do (test_variable_length_run.py: they train like fixed-length ones)."""
     metrics = tmp_path / "m.jsonl"
-    out = run_entry(4, [*TINY_MODEL, *SB, *CP2, "--pipeline-model-parallel-size", "2",
+    data = request.getfixturevalue("short_docs_jsonl" if variable else "small_jsonl")
+    extra = ["--sb-microbatch-multiple", "32"] if variable else []
+    out = run_entry(4, [*TINY_MODEL, *SB, *CP2, *extra, "--pipeline-model-parallel-size", "2",
                         "--sb-latency-table", analytic_latency_table_pp2, "--data-path",
-                        small_jsonl, "--eval-interval", "2", "--eval-iters", "1",
+                        data, "--eval-interval", "2", "--eval-iters", "1",
                         "--sb-metrics-file", metrics], cwd=tmp_path).stdout
     assert "validation loss at iteration 2" in out
     rows = read_metrics(metrics)
@@ -76,5 +82,7 @@ def test_cp2_x_pp2_trains_and_evaluates(tmp_path, small_jsonl, analytic_latency_
     for r in rows:
         assert r["budgets_consistent"] is True and math.isfinite(r["loss"])
         assert len(r["density_per_stage"]) == 2
+        if variable:
+            assert r["positions"] < 4 * 256 and r["positions"] % 32 == 0
     # bubble filling raised some micro-batch's stage: densities vary per unit
     assert any(len({d for mb in r["densities"][0] for d in mb}) > 1 for r in rows)

@@ -6,17 +6,14 @@ attention, so only the fill's linear-layer work goes. Checked at PP=2 x CP=2, wh
 stages exchange each tensor's shape first (``variable_seq_lengths``, which the plugin sets) and
 each CP rank holds its zigzag share of a micro-batch of any length. The documents are short
 (40-300 bytes, byte tokenizer, 256-token micro-batches), so the fill is a real share of the step.
+With --sparse-balance and evaluation: test_context_parallel_run.py's CP x PP test, variable case.
 """
 
 from __future__ import annotations
 
-import json
-import math
-
-import numpy as np
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry, stdlib_texts
+from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -28,25 +25,15 @@ COMMON = ["--sb-density", "0.5", "--sb-block-size", "32", "--sb-tokenizer", "byt
           "--eval-iters", "0"]
 
 
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp("data") / "short.jsonl"
-    with open(path, "w") as f:
-        for t in stdlib_texts(160, max_chars=3000):
-            f.write(json.dumps({"text": t[:int(rng.integers(40, 300))]}) + "\n")
-    return path
-
-
 def _close(a, b, rtol):
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
 
 
-def test_variable_length_microbatches_train_like_fixed_ones(tmp_path, short_docs,
+def test_variable_length_microbatches_train_like_fixed_ones(tmp_path, short_docs_jsonl,
                                                             analytic_latency_table_pp2):
     # static sparse attention and SAB packing: the same micro-batches in both runs
     common = [*TINY_MODEL, *COMMON, *PP2_CP2, "--sb-sparse-attention", "--sb-batching",
-              "--sb-latency-table", analytic_latency_table_pp2, "--data-path", short_docs,
+              "--sb-latency-table", analytic_latency_table_pp2, "--data-path", short_docs_jsonl,
               "--sb-data-cache-dir", tmp_path / "cache"]
     for name, extra in (("fixed", []), ("var", ["--sb-microbatch-multiple", "32"])):
         run_entry(4, [*common, *extra, "--sb-metrics-file", tmp_path / f"{name}.jsonl",
@@ -64,21 +51,3 @@ def test_variable_length_microbatches_train_like_fixed_ones(tmp_path, short_docs
     for it in (1, 2, 3):
         assert _close(tf["lm loss"][it], tv["lm loss"][it], 1e-5), it
         assert _close(tf["grad-norm"][it], tv["grad-norm"][it], 1e-4), it
-
-
-def test_variable_length_microbatches_with_sparse_balance_and_eval(tmp_path, short_docs,
-                                                                   analytic_latency_table_pp2):
-    metrics = tmp_path / "m.jsonl"
-    out = run_entry(4, [*TINY_MODEL, *COMMON[:-2], *PP2_CP2, "--sparse-balance",
-                        "--sb-min-density", "0.25", "--sb-microbatch-multiple", "32",
-                        "--sb-latency-table", analytic_latency_table_pp2, "--data-path",
-                        short_docs, "--eval-interval", "2", "--eval-iters", "1",
-                        "--sb-metrics-file", metrics], cwd=tmp_path).stdout
-    assert "validation loss at iteration 2" in out
-    rows = read_metrics(metrics)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        assert r["budgets_consistent"] is True and math.isfinite(r["loss"])
-        assert r["positions"] < 4 * 256 and r["positions"] % 32 == 0
-    # DST planned on the variable-length units: densities vary per micro-batch or stage
-    assert any(len({d for mb in r["densities"][0] for d in mb}) > 1 for r in rows)
