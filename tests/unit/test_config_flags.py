@@ -108,6 +108,7 @@ def test_non_default_values_round_trip():
     (["--sb-tolerance", "-1"], "--sb-tolerance", "-1"),
     (["--sb-raise-headroom", "0.6"], "--sb-raise-headroom", "0.6"),
     (["--sb-raise-headroom", "fast"], "--sb-raise-headroom", "fast"),
+    (["--sb-microbatch-multiple", "-1"], "--sb-microbatch-multiple", "-1"),
 ])
 def test_bad_values_name_the_flag_and_the_value(argv, flag, value):
     with pytest.raises(ConfigError) as e:
