@@ -6,18 +6,21 @@ of ``bench_attention.py``'s GPU rows). Dense baselines: ``F.scaled_dot_product_a
 ``is_causal=True`` pinned to the cuDNN and to the flash backend (GQA expanded before timing, so
 the baselines pay for no copy); ``dense_ms`` is the faster of the two. Ours: the whole
 ``block_sparse_attention`` call (selection, BlockMask, compiled flex, pad/unpad) with the
-micro-batch's ``cache`` shared between repetitions, as the layers of one micro-batch share it.
+micro-batch's ``cache`` shared between repetitions, as the layers of one micro-batch share it;
+``--backends flex flash`` also times flex's FlashAttention-4 kernel (backend ``flash``).
 ``select_ms`` is the selection alone (pooled queries, maxkey scores, top-k), ``mask_ms`` the
 BlockMask construction, ``kernel_ms`` the compiled flex forward+backward on a fixed selection.
 Times are CUDA-event medians after warm-up (the first call compiles; Dynamo is reset between
 lengths so each length gets its own static graph).
 
     python scripts/bench_attention_gpu.py --json docs/results/attention_gpu_h100.json
+    python scripts/bench_attention_gpu.py --backends flex flash --json runs/attention_flash.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -64,7 +67,8 @@ def _dense_rows(t, q, kk, vv, g, reps):
     return out
 
 
-def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSITIES):
+def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSITIES,
+          backend="flex"):
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.attention.flex import build_block_mask, flex_attention_padded
     from sparsebalance_megatron.attention.selection import (query_block_sums_padded,
@@ -89,12 +93,12 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
         for d, sink in [(d, 1) for d in densities] + extra:
             def ours(d=d, sink=sink):
                 out, _ = block_sparse_attention(q, k, v, [0, t], d, block_size=block_size,
-                                                backend="flex", cache=cache, sink_blocks=sink)
+                                                backend=backend, cache=cache, sink_blocks=sink)
                 out.backward(g)
 
             ms = cuda_ms(ours, reps)
             _, sel = block_sparse_attention(q.detach(), k.detach(), v.detach(), [0, t], d,
-                                            block_size=block_size, backend="flex", cache=cache,
+                                            block_size=block_size, backend=backend, cache=cache,
                                             sink_blocks=sink)
             lay = sel.layout
             dd, dh = lay.memo[("density", float(d))]
@@ -111,9 +115,11 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
             gp = lay.pad(g)
 
             def kernel():
-                flex_attention_padded(qp, kp, vp, sel, scale).backward(gp)
+                flex_attention_padded(qp, kp, vp, sel, scale,
+                                      kernel="flash" if backend == "flash" else "triton"
+                                      ).backward(gp)
 
-            row = dict(seq_len=t, density=d, sink_blocks=sink, block_size=block_size, ours_ms=ms,
+            row = dict(backend=backend, seq_len=t, density=d, sink_blocks=sink, block_size=block_size, ours_ms=ms,
                        dense_ms=dense_ms, dense_cudnn_ms=dense["cudnn"],
                        dense_flash_ms=dense["flash"], ratio_vs_dense=ms / dense_ms,
                        select_ms=cuda_ms(select, reps), mask_ms=cuda_ms(
@@ -123,22 +129,23 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
                        padded_blocks=lay.padded_blocks, num_blocks=lay.num_blocks)
             row["select_vs_dense"] = row["select_ms"] / dense_ms
             rows.append(row)
-            print(f"  t={t} d={d} sink={sink}: ours {ms:.2f} ms, dense {dense_ms:.2f} ms "
+            print(f"  {backend} t={t} d={d} sink={sink}: ours {ms:.2f} ms, dense {dense_ms:.2f} ms "
                   f"({ms / dense_ms:.3f}x)", file=sys.stderr)
     return rows
 
 
 def print_table(rows, device):
     print(f"device: {device}; torch {torch.__version__}")
-    print("| variant | seq_len | density | sink | ours ms | cuDNN ms | flash ms | ours / dense "
+    print("| backend/variant | seq_len | density | sink | ours ms | SDPA cuDNN ms | SDPA flash ms "
+          "| ours / dense "
           "| select ms | select / dense | mask ms | kernel ms | kept |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda x: "-" if x is None else f"{x:.2f}"     # noqa: E731
     for r in rows:
         if "failed" in r:
-            print(f"| variant {r['variant']} failed: {r['failed'][:120]} |")
+            print(f"| {r['backend']}/{r['variant']} failed: {r['failed'][:120]} |")
             continue
-        print(f"| {r['variant']} | {r['seq_len']} | {r['density']} | {r['sink_blocks']} | "
+        print(f"| {r['backend']}/{r['variant']} | {r['seq_len']} | {r['density']} | {r['sink_blocks']} | "
               f"{f(r['ours_ms'])} | "
               f"{f(r['dense_cudnn_ms'])} | {f(r['dense_flash_ms'])} | "
               f"{r['ratio_vs_dense']:.3f} | {f(r['select_ms'])} | {r['select_vs_dense']:.3f} "
@@ -156,6 +163,9 @@ def main(argv=None) -> int:
                          "\"mode\": \"max-autotune-no-cudagraphs\", \"split_blocks\": 0} "
                          "(repeatable; split_blocks 0: no sink split); the "
                          "default configuration runs first as 'default'")
+    ap.add_argument("--backends", nargs="+", choices=("flex", "flash"), default=["flex"],
+                    help="our kernels: 'flex' (flex's Triton kernel) and/or 'flash' (flex's "
+                         "FlashAttention-4 kernel; needs flash-attn-4)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -174,16 +184,16 @@ def main(argv=None) -> int:
             ap.error(f"--variant {v!r}: expected keys kernel_options, mode, split_blocks")
         variants.append((name, cfg))
     rows = []
-    for name, cfg in variants:
+    for backend, (name, cfg) in itertools.product(args.backends, variants):
         set_flex_tuning(cfg.get("kernel_options"), cfg.get("mode"),
                         cfg.get("split_blocks", SPLIT_BLOCKS))
         try:
             got = bench(args.seq_lens, block_size=args.block_size, reps=args.reps,
-                        densities=args.densities)
-        except Exception as e:   # noqa: BLE001 - a tile configuration that does not compile
-            print(f"variant {name}: failed: {type(e).__name__}: {str(e)[:300]}",
+                        densities=args.densities, backend=backend)
+        except Exception as e:   # noqa: BLE001 - a configuration or kernel that does not compile
+            print(f"{backend}/{name}: failed: {type(e).__name__}: {str(e)[:300]}",
                   file=sys.stderr)
-            got = [dict(variant=name, failed=f"{type(e).__name__}: {str(e)[:300]}")]
+            got = [dict(backend=backend, failed=f"{type(e).__name__}: {str(e)[:300]}")]
         for r in got:
             r.setdefault("variant", name)
             r["tuning"] = cfg

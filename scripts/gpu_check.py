@@ -3,10 +3,13 @@
 
 Steps (each a subprocess with its own time limit; a failed step is recorded and the next runs):
 
-- ``env``: device, torch / triton / CUDA versions, which optional packages import;
+- ``env``: device, torch / triton / CUDA versions, which optional packages import, whether the
+  ``flash`` backend (flex's FlashAttention-4 kernel) can run;
 - ``tests``: ``pytest tests/gpu``;
 - ``bench``: ``scripts/bench_attention_gpu.py`` at 8K and 32K bf16 (ours at densities 1.0 / 0.5 /
-  0.25 / 0.125 vs cuDNN and flash SDPA);
+  0.25 / 0.125 vs cuDNN and flash SDPA), with the ``flex`` backend and, where it can run, the
+  ``flash`` one (the 32K target goes to the faster; about twice the time, so give the step
+  its own call: ``--steps bench``);
 - ``recompile``: 20 training-shaped calls (packed 16K micro-batches of varied documents, densities
   across the DST range, 14 query / 2 KV heads, hn 64, block 128): per micro-batch a setup layer,
   two layers forward+backward and a recomputed forward under no_grad; counts Dynamo graphs after
@@ -64,12 +67,15 @@ def step_env(out_dir):
     import torch
     info = {"torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    for mod in ("triton", "megatron.core", "transformer_engine", "flash_attn"):
+    for mod in ("triton", "megatron.core", "transformer_engine", "flash_attn",
+                "flash_attn.cute"):
         try:
             m = __import__(mod, fromlist=["_"])
             info[mod] = getattr(m, "__version__", "importable")
         except Exception as e:   # noqa: BLE001 - any import failure means "not usable"
             info[mod] = f"not importable: {type(e).__name__}"
+    from sparsebalance_megatron.attention.flex import flash_kernel_missing
+    info["flash_backend"] = flash_kernel_missing("cuda") or "available"
     return info
 
 
@@ -140,6 +146,19 @@ def _te_available(env):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
 
 
+def bench_summary(rows):
+    """The 32K, density 0.25 figures of the attention benchmark's rows (the sink kept; failed
+    rows skipped). The target goes to the faster backend, since a user can pick either."""
+    at = {r["backend"]: r for r in rows if "failed" not in r and r["seq_len"] == 32768
+          and r["density"] == 0.25 and r["sink_blocks"] == 1 and r["variant"] == "default"}
+    if not at:
+        return {}
+    best = min(at.values(), key=lambda r: r["ratio_vs_dense"])
+    return {"ratio_32k_d025": best["ratio_vs_dense"], "ratio_backend": best["backend"],
+            "select_vs_dense_32k": best["select_vs_dense"],
+            "ratio_32k_d025_by_backend": {b: r["ratio_vs_dense"] for b, r in at.items()}}
+
+
 def run_steps(steps, out_dir, deadline):
     results = {}
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
@@ -163,19 +182,16 @@ def run_steps(steps, out_dir, deadline):
             res = {"ok": rc == 0, "rc": rc, "seconds": sec,
                    "summary": summary[-1] if summary else tail[-300:]}
         elif name == "bench":
+            from sparsebalance_megatron.attention.flex import flash_kernel_missing
             path = os.path.join(out_dir, "attention_gpu.json")
-            rc, sec, tail = _run([py, "scripts/bench_attention_gpu.py", "--json", path], log,
-                                 limit, env)
-            res = {"ok": rc == 0, "rc": rc, "seconds": sec}
-            if rc == 0:
-                rows = json.load(open(path))["results"]
-                res["rows"] = rows
-                at = [r for r in rows if r.get("seq_len") == 32768 and r["density"] == 0.25
-                      and r["sink_blocks"] == 1]
-                if at:
-                    res["ratio_32k_d025"] = at[0]["ratio_vs_dense"]
-                    res["select_vs_dense_32k"] = at[0]["select_vs_dense"]
-            else:
+            backends = ["flex"] + ([] if flash_kernel_missing("cuda") else ["flash"])
+            rc, sec, tail = _run([py, "scripts/bench_attention_gpu.py", "--json", path,
+                                  "--backends", *backends], log, limit, env)
+            res = {"ok": rc == 0, "rc": rc, "seconds": sec, "backends": backends}
+            if os.path.exists(path):
+                res["rows"] = rows = json.load(open(path))["results"]
+                res.update(bench_summary(rows))
+            if rc != 0:
                 res["tail"] = tail[-1500:]
         elif name == "recompile":
             path = os.path.join(out_dir, "recompile.json")

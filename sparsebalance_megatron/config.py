@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 ANCHORS = ("mean", "median", "min", "max")
-BACKENDS = ("auto", "flex", "torch", "reference")
+BACKENDS = ("auto", "flex", "flash", "torch", "reference")
 SELECTION_MODES = ("density", "mass")
 ESTIMATORS = ("maxkey", "pooled")
 LONG_SAMPLE_POLICIES = ("split", "error")
@@ -84,8 +84,10 @@ class SparseBalanceConfig:
         "maxkey", "Block-score estimator: 'maxkey' (pooled query x every key, max per block) "
         "or 'pooled' (pooled query x pooled key).", choices=ESTIMATORS)
     attention_backend: str = _f(
-        "auto", "Sparse kernel: 'flex' (FlexAttention, CUDA), 'torch' (blockwise PyTorch), "
-        "'reference' (dense masked SDPA oracle), or 'auto' (flex on CUDA, torch on CPU).",
+        "auto", "Sparse kernel: 'flex' (FlexAttention's Triton kernel, CUDA), 'flash' "
+        "(FlexAttention's FlashAttention-4 kernel: Hopper or newer with flash-attn-4 installed; "
+        "experimental, not yet run on a GPU here), 'torch' (blockwise PyTorch), 'reference' "
+        "(dense masked SDPA oracle), or 'auto' (flex on CUDA, torch on CPU).",
         choices=BACKENDS)
     query_chunk_blocks: int = _f(
         16, "Query blocks processed at once by the torch kernel; bounds its memory.")

@@ -7,6 +7,8 @@ documents (the layout, masks, kept-count bounds, loop plans) is computed once pe
 and shared through ``cache``; the per-layer path then reads nothing back from the device.
 
 - ``flex``: FlexAttention with a BlockMask (CUDA), compiled once per run (``flex.py``);
+- ``flash``: the same BlockMask through flex's FlashAttention-4 kernel (Hopper or newer,
+  ``flash-attn-4`` installed; experimental);
 - ``torch``: blockwise PyTorch with autograd (CPU and portable fallback);
 - ``reference``: dense SDPA with the expanded boolean mask (the oracle, O(t^2) memory);
 - ``auto``: flex on CUDA, torch elsewhere.
@@ -129,15 +131,23 @@ def block_sparse_attention(
     if reduce_shares is not None and not callable(reduce_shares):
         raise ValueError(f"reduce_shares={reduce_shares!r}: expected a callable or None")
 
+    flex_kernel = {"flex": "triton", "flash": "flash"}.get(backend)
+    if backend == "flash":
+        from .flex import flash_kernel_missing
+        why = flash_kernel_missing(q.device)
+        if why is None and compile_backend is None:
+            why = "it runs compiled only (compile_backend=None asks for eager flex)"
+        if why is not None:
+            raise ValueError(f"backend='flash': {why}; use backend 'flex' or 'auto'")
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
-                     fixed_length=backend == "flex")
+                     fixed_length=flex_kernel is not None)
     density_doc, density_host = _density(layout, density)
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
                   selection_mode=selection_mode, mass_threshold=mass_threshold,
                   min_density=min_density, max_density=max_density, density_host=density_host)
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
-    if backend == "flex":
+    if flex_kernel is not None:
         from .flex import flex_attention_padded
         with torch.no_grad():
             qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
@@ -147,7 +157,7 @@ def block_sparse_attention(
                 shares = reduce_shares(shares)
         selection = select_from_shares(shares, layout, density_doc, **budget)
         out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
-                                                 softmax_scale, compile_backend))
+                                                 softmax_scale, compile_backend, flex_kernel))
         return out, selection
 
     q_blk = to_blocks_q(q_pad, num_groups, block_size)       # [ng, NB, rep, B, hn]

@@ -37,6 +37,9 @@ query blocks therefore read the sink from copies of its K/V rows (one per run of
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -58,6 +61,24 @@ def flex_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def flash_kernel_missing(device) -> Optional[str]:
+    """Why flex's FlashAttention-4 kernel (``kernel_options BACKEND=FLASH``) cannot run on
+    ``device``, or None when it can: it needs CUDA, a Hopper or newer GPU and the
+    ``flash-attn-4`` package (``flash_attn.cute``, CuTe DSL)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return "it needs a CUDA device"
+    major = torch.cuda.get_device_capability(torch.device(device))[0]
+    if major < 9:
+        return f"it needs a Hopper or newer GPU (compute capability 9.0+, this one is {major}.x)"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:     # no flash_attn package at all
+        found = False
+    if not found:
+        return "flash-attn-4 is not installed (pip install --pre 'flash-attn-4[cu13]')"
+    return None
 
 
 def set_flex_tuning(kernel_options=None, mode=None, split_blocks=SPLIT_BLOCKS) -> None:
@@ -284,17 +305,26 @@ def build_block_mask(selection: BlockSelection, split_blocks: int = None):
 
 def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch.Tensor,
                           selection: BlockSelection, softmax_scale: float,
-                          compile_backend="inductor") -> torch.Tensor:
+                          compile_backend="inductor", kernel: str = "triton") -> torch.Tensor:
     """q_pad ``[P, np, hn]``, k/v_pad ``[P, ng, hn]`` -> ``[P, np, hn]``.
 
-    ``compile_backend``: torch.compile backend (``None``: eager flex, mask_mod only)."""
+    ``compile_backend``: torch.compile backend (``None``: eager flex, mask_mod only).
+    ``kernel``: the compiled flex kernel, ``"triton"`` (torch's default) or ``"flash"``
+    (FlashAttention-4 through ``kernel_options BACKEND=FLASH``; compiled only)."""
+    if kernel not in ("triton", "flash"):
+        raise ValueError(f"kernel={kernel!r}: expected 'triton' or 'flash'")
+    if kernel == "flash" and compile_backend is None:
+        raise ValueError("kernel='flash' with compile_backend=None: flex's FlashAttention-4 "
+                         "kernel runs compiled only")
     p, nh, hn = q_pad.shape
     ng = k_pad.shape[1]
     rep = nh // ng
     block_mask, key_rows = build_block_mask(selection)
     bs = selection.layout.block_size
     kernel_options = None
-    if bs < 128:
+    if kernel == "flash":
+        kernel_options = {"BACKEND": "FLASH"}
+    elif bs < 128:
         # default tiles are up to 128 wide; they must divide the sparse block size
         kernel_options = {"BLOCK_M": bs, "BLOCK_N": bs, "BLOCK_M1": min(bs, 32),
                           "BLOCK_N1": bs, "BLOCK_M2": bs, "BLOCK_N2": min(bs, 32)}

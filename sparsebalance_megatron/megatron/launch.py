@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from ..attention.flex import flash_kernel_missing
 from ..config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ..latency.layout import LayoutError, PipelineLayout
 
@@ -81,10 +82,14 @@ def _sparse_attention_conflicts(args) -> list[str]:
     return out
 
 
-def _flex(sb: SparseBalanceConfig) -> bool:
-    """The sparse attention would run FlexAttention (flex, or auto on CUDA)."""
-    return sb.attention_backend == "flex" or (sb.attention_backend == "auto"
-                                              and torch.cuda.is_available())
+def _flex(sb: SparseBalanceConfig) -> str:
+    """The FlexAttention backend the sparse attention would run ('flex', 'flash', or 'flex'
+    for auto on CUDA), or '' when it runs none."""
+    if not sb.sparse_attention_enabled:
+        return ""
+    if sb.attention_backend in ("flex", "flash"):
+        return sb.attention_backend
+    return "flex" if sb.attention_backend == "auto" and torch.cuda.is_available() else ""
 
 
 def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
@@ -105,10 +110,10 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
         out.append(f"--seq-length {seq}: expected a multiple of {multiple} (documents are padded "
                    f"to multiples of {multiple}" + (f", 2 x --context-parallel-size {cp})"
                                                     if cp > 1 else ")"))
-    if sb.seq_pad_multiple > 1 and sb.sparse_attention_enabled and _flex(sb) and cp == 1:
-        out.append(f"{flag_name('seq_pad_multiple')} {sb.seq_pad_multiple} with the flex "
-                   f"attention backend (padded documents are verified with the torch backend "
-                   f"only so far: add {flag_name('attention_backend')} torch)")
+    if sb.seq_pad_multiple > 1 and _flex(sb) and cp == 1:
+        out.append(f"{flag_name('seq_pad_multiple')} {sb.seq_pad_multiple} with the "
+                   f"{_flex(sb)} attention backend (padded documents are verified with the "
+                   f"torch backend only so far: add {flag_name('attention_backend')} torch)")
     if cp == 1:
         return out
     where = f"--context-parallel-size {cp}"
@@ -130,9 +135,9 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
         out.append(f"{where} on Megatron's data path (the plugin's packed data path splits "
                    f"micro-batches for CP: use examples/pretrain_gpt_sparsebalance.py, or "
                    f"--sb-batching / --sparse-balance)")
-    if sb.sparse_attention_enabled and _flex(sb):
-        out.append(f"{where} with the flex attention backend (CP is verified with the torch "
-                   f"backend only so far: add {flag_name('attention_backend')} torch)")
+    if _flex(sb):
+        out.append(f"{where} with the {_flex(sb)} attention backend (CP is verified with "
+                   f"the torch backend only so far: add {flag_name('attention_backend')} torch)")
     if getattr(args, "transformer_impl", "local") != "local":
         out.append(f"{where} with --transformer-impl {args.transformer_impl} (CP is verified "
                    f"with --transformer-impl local only so far)")
@@ -170,10 +175,10 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
                    f"of {sb.pad_multiple(cp)}; each of {cp} CP ranks' share must split over "
                    f"{tp if getattr(args, 'sequence_parallel', False) else 1} sequence-"
                    f"parallel ranks)")
-    if sb.sparse_attention_enabled and _flex(sb):
-        out.append(f"{flag} with the flex attention backend (each micro-batch length would "
-                   f"compile its own kernel; verified with the torch backend only so far: add "
-                   f"{flag_name('attention_backend')} torch)")
+    if _flex(sb):
+        out.append(f"{flag} with the {_flex(sb)} attention backend (each micro-batch "
+                   f"length would compile its own kernel; verified with the torch backend "
+                   f"only so far: add {flag_name('attention_backend')} torch)")
     if str(getattr(args, "cuda_graph_impl", "none") or "none") != "none" \
             or getattr(args, "enable_cuda_graph", False) \
             or getattr(args, "external_cuda_graph", False):
@@ -231,6 +236,11 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
     if sb.sparse_attention_enabled and sb.attention_backend == "flex" and not cuda:
         out.append(f"{flag_name('attention_backend')} flex: FlexAttention needs CUDA "
                    f"(use torch or auto on this machine)")
+    if sb.sparse_attention_enabled and sb.attention_backend == "flash":
+        why = flash_kernel_missing(torch.device("cuda") if cuda else torch.device("cpu"))
+        if why is not None:
+            out.append(f"{flag_name('attention_backend')} flash: {why} (use flex, torch or "
+                       f"auto on this machine)")
     if not cuda:
         if getattr(args, "use_distributed_optimizer", False):
             out.append("--use-distributed-optimizer on CPU (Megatron's distributed optimizer "

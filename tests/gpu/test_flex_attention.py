@@ -58,11 +58,26 @@ def test_flex_matches_reference(dtype, tol, block_size, nh, ng, hn, split):
         set_flex_tuning()
 
 
-def _check_flex_matches_reference(dtype, tol, block_size, nh, ng, hn):
+@pytest.mark.parametrize("dtype,tol,nh,ng,hn,split", [
+    (torch.bfloat16, 3e-2, 8, 2, 128, 16), (torch.bfloat16, 3e-2, 14, 2, 64, 3)])
+def test_flash_kernel_matches_reference(dtype, tol, nh, ng, hn, split):
+    """backend 'flash': flex's FlashAttention-4 kernel (needs flash-attn-4 and a Hopper GPU)."""
+    from sparsebalance_megatron.attention.flex import flash_kernel_missing, set_flex_tuning
+    why = flash_kernel_missing("cuda")
+    if why is not None:
+        pytest.skip(f"backend 'flash': {why}")
+    set_flex_tuning(split_blocks=split)
+    try:
+        _check_flex_matches_reference(dtype, tol, 128, nh, ng, hn, backend="flash")
+    finally:
+        set_flex_tuning()
+
+
+def _check_flex_matches_reference(dtype, tol, block_size, nh, ng, hn, backend="flex"):
     cu = [0, 1000, 1001, 2500, 4096]
     q, k, v, w = _inputs(cu[-1], nh, ng, hn, dtype, seed=0)
     density = torch.tensor([0.3, 1.0, 0.5, 0.2], device="cuda")
-    out_f, g_f, sel_f = _run("flex", q, k, v, cu, density, block_size, w)
+    out_f, g_f, sel_f = _run(backend, q, k, v, cu, density, block_size, w)
     out_r, g_r, sel_r = _run("reference", q, k, v, cu, density, block_size, w)
     assert torch.equal(sel_f.block_mask(), sel_r.block_mask())
     rel = lambda a, b: float((a - b).norm() / b.norm())     # noqa: E731

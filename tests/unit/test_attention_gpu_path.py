@@ -302,3 +302,55 @@ def test_flex_compile_failure_at_small_blocks_names_the_block_size(monkeypatch):
     q, k, v = _qkv(256, 4, 2, 16, seed=6, grad=False)
     with pytest.raises(ValueError, match="block_size=64"):
         block_sparse_attention(q, k, v, [0, 256], 0.5, block_size=64, backend="flex")
+
+
+def test_flash_backend_says_why_it_cannot_run(monkeypatch):
+    from sparsebalance_megatron.attention import flex
+    q, k, v = _qkv(256, 4, 2, 16, seed=5, grad=False)
+    with pytest.raises(ValueError, match=r"backend='flash': it needs a CUDA device; use "
+                                         r"backend 'flex' or 'auto'"):
+        block_sparse_attention(q, k, v, [0, 256], 0.5, block_size=32, backend="flash")
+    assert flex.flash_kernel_missing("cpu") == "it needs a CUDA device"
+    # a CUDA machine as the probe sees it: an Ampere GPU, then a Hopper without flash-attn-4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "Hopper or newer GPU (compute capability 9.0+, this one is 8.x)" in \
+        flex.flash_kernel_missing("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(flex.importlib.util, "find_spec", lambda name: None)
+    assert "flash-attn-4 is not installed" in flex.flash_kernel_missing("cuda")
+    monkeypatch.setattr(flex.importlib.util, "find_spec", lambda name: object())
+    assert flex.flash_kernel_missing("cuda") is None
+
+
+@pytest.mark.parametrize("kernel,block_size", [("flash", 32), ("flash", 128), ("triton", 32)])
+def test_flex_kernel_choice_reaches_flex_kernel_options(kernel, block_size, monkeypatch):
+    """'flash' asks flex for its FlashAttention-4 kernel (BACKEND=FLASH) and none of the Triton
+    tile options; 'triton' keeps the tiles that divide a small block. The kernel itself runs on
+    the GPU only (tests/gpu)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from sparsebalance_megatron.attention import flex
+    seen = {}
+
+    def fake_flex(q, k, v, **kw):
+        seen.update(kw)
+        return q * 1.0
+    monkeypatch.setattr(flex, "_flex_fn", lambda backend: fake_flex)
+    t = 2 * block_size + 7
+    q, k, v = _qkv(t, 4, 2, 16, seed=6, grad=False)
+    _, sel = block_sparse_attention(q, k, v, [0, t], 0.5, block_size=block_size, backend="flex",
+                                    compile_backend=None)
+    lay = sel.layout
+    out = flex.flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel, 0.25,
+                                     "inductor", kernel)
+    assert out.shape == lay.pad(q).shape
+    opts = seen["kernel_options"]
+    if kernel == "flash":
+        assert opts == {"BACKEND": "FLASH"}
+    else:
+        assert "BACKEND" not in opts and opts["BLOCK_M"] == block_size
+    with pytest.raises(ValueError, match="kernel='flash' with compile_backend=None"):
+        flex.flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel, 0.25, None, "flash")
+    with pytest.raises(ValueError, match=r"kernel='cutlass': expected 'triton' or 'flash'"):
+        flex.flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel, 0.25, "inductor",
+                                   "cutlass")

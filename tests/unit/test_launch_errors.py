@@ -177,6 +177,12 @@ def test_flex_backend_needs_cuda():
     assert "--sb-attention-backend flex: FlexAttention needs CUDA" in refused(launch_args(), sb)
 
 
+def test_flash_backend_refused_where_it_cannot_run():
+    sb = SparseBalanceConfig(sparse_attention=True, attention_backend="flash")
+    assert "--sb-attention-backend flash: it needs a CUDA device (use flex, torch or auto on " \
+        "this machine)" in refused(launch_args(), sb)
+
+
 def test_straggler_rank_must_be_a_data_parallel_rank(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     sb = SparseBalanceConfig(sparse_balance=True, straggler_rank=5, straggler_slowdown=2.0)
