@@ -15,15 +15,13 @@ plugin's metrics file), the loss of the last step, and the largest process's pea
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from demo_runs import add_steps_arg, check_steps, run_demo, write_json
 
 
 def run(cp: int, args, out: str) -> dict:
@@ -32,16 +30,9 @@ def run(cp: int, args, out: str) -> dict:
              "--eval-iters", "0"]
     if cp > 1:
         extra += ["--context-parallel-size", str(cp), "--cp-comm-type", "a2a"]
-    env = dict(os.environ, NPROC=str(cp), PP="1", OUT=out, TRAIN_ITERS=str(args.steps),
-               OMP_NUM_THREADS="1", PY=sys.executable)
-    cmd = ["/usr/bin/time", "-v", "bash", "examples/run_cpu_demo.sh", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"CP={cp} run failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n"
-                         f"{p.stderr[-3000:]}")
+    rows, times, p = run_demo(extra, out, f"CP={cp}", args.steps,
+                              prefix=("/usr/bin/time", "-v"), NPROC=cp, PP=1)
     rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)
-    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
-    times = [r["step_time_s"] for r in rows[2:]]
     return {"cp": cp, "processes": cp, "steps": len(rows),
             "step_time_s_median": statistics.median(times), "step_times_s": times,
             "last_loss": rows[-1]["loss"], "tokens_per_step": rows[-1]["tokens"],
@@ -51,11 +42,10 @@ def run(cp: int, args, out: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-length", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=8)
+    add_steps_arg(ap, 8)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    if args.steps < 4:
-        ap.error(f"--steps {args.steps}: expected >= 4 (the first two steps are not timed)")
+    check_steps(ap, args.steps)
     if not os.path.exists("/usr/bin/time"):
         ap.error("/usr/bin/time not found: it measures the peak RSS (apt-get install time)")
     rows = []
@@ -70,10 +60,8 @@ def main(argv=None) -> int:
               f"{r['last_loss']:.4f} | {r['peak_rss_mib_largest_process']:.0f} |")
     ratio = rows[0]["step_time_s_median"] / rows[1]["step_time_s_median"]
     print(f"CP=2 vs CP=1 step time: {ratio:.2f}x")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(sys.argv), "seq_length": args.seq_length,
-                       "results": rows}, fh, indent=1)
+    write_json(args.json, {"command": " ".join(sys.argv), "seq_length": args.seq_length,
+                           "results": rows})
     return 0
 
 

@@ -17,14 +17,12 @@ and the last step's loss.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from demo_runs import add_steps_arg, check_steps, run_demo, write_json
 
 
 def run(multiple: int, args, out: str) -> dict:
@@ -36,15 +34,8 @@ def run(multiple: int, args, out: str) -> dict:
         extra += ["--context-parallel-size", str(args.cp), "--cp-comm-type", "a2a"]
     if multiple:
         extra += ["--sb-microbatch-multiple", str(multiple)]
-    env = dict(os.environ, OUT=out, TRAIN_ITERS=str(args.steps), OMP_NUM_THREADS="1",
-               PY=sys.executable, NPROC=str(args.nproc), PP=str(args.pp))
-    p = subprocess.run(["bash", "examples/run_cpu_demo.sh", *extra], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"run with multiple {multiple} failed (rc {p.returncode}):\n"
-                         f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
-    times = [r["step_time_s"] for r in rows[2:]]
+    rows, times, _ = run_demo(extra, out, f"multiple {multiple}", args.steps,
+                              NPROC=args.nproc, PP=args.pp)
     return {"multiple": multiple, "steps": len(rows),
             "step_time_s_median": statistics.median(times), "step_times_s": times,
             "tokens": sum(r["tokens"] for r in rows),
@@ -61,12 +52,11 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--cp", type=int, default=1, help="--context-parallel-size (a2a)")
-    ap.add_argument("--steps", type=int, default=20)
+    add_steps_arg(ap, 20)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    if args.steps < 4:
-        ap.error(f"--steps {args.steps}: expected >= 4 (the first two steps are not timed)")
+    check_steps(ap, args.steps)
     runs = {0: [], args.multiple: []}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -89,10 +79,7 @@ def main(argv=None) -> int:
     fixed, var = (out["runs"][n]["step_time_s_median"] for n in out["runs"])
     out["speedup"] = fixed / var
     print(f"speedup of variable-length micro-batches: {fixed / var:.3f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    write_json(args.json, out)
     return 0
 
 

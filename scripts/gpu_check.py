@@ -185,6 +185,7 @@ def run_steps(steps, out_dir, deadline):
             from sparsebalance_megatron.attention.flex import flash_kernel_missing
             path = os.path.join(out_dir, "attention_gpu.json")
             backends = ["flex"] + ([] if flash_kernel_missing("cuda") else ["flash"])
+            limit = min(LIMIT_S[name] * len(backends), left)     # each backend compiles anew
             rc, sec, tail = _run([py, "scripts/bench_attention_gpu.py", "--json", path,
                                   "--backends", *backends], log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "seconds": sec, "backends": backends}
