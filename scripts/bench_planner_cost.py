@@ -40,6 +40,27 @@ def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
     return float(np.median(out))
 
 
+def _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, seq):
+    """One step's plan with the runtime's calls (SAB packing, the latency model's features and
+    unit costs, the micro-batch sensitivities and DST), and the thread CPU clock before, between
+    and after the three parts (``marks``)."""
+    from sparsebalance_megatron.batching import sab_plan, unit_sensitivity
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+
+    marks = [time.thread_time()]
+    plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq, cost_fn=cost_fn,
+                    sensitivity=tracker, seed=1)
+    marks.append(time.thread_time())
+    feats = lm.unit_features(plan.unit_csr(with_padding=True))
+    costs = UnitCosts.from_latency(lm, feats, dp, m, grid)
+    marks.append(time.thread_time())
+    dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
+                               p2p_s=lm.p2p_s, stage_layers=lm.layout.layers)
+    marks.append(time.thread_time())
+    return SimpleNamespace(plan=plan, feats=feats, costs=costs, dst=dst, marks=marks)
+
+
 def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5,
                   layout: str = "even", objective: str = "density") -> dict:
     """The plugin's per-step CPU work at scale, in the runtime's order and with its calls, on the
@@ -51,13 +72,11 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     layout: ``even`` (the model's table as given: Megatron's default split) or ``best`` (the
     fastest static layout of the first step's data, ``layout_gap``: the configuration the
     benchmarks compare with)."""
-    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
-                                                 sab_plan, unit_sensitivity)
+    from sparsebalance_megatron.batching import SensitivityTracker, latency_sample_cost_fn
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.reporting import unit_work
-    from sparsebalance_megatron.policy import UnitCosts, density_grid
-    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+    from sparsebalance_megatron.policy import density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective=objective)
@@ -72,19 +91,11 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     parts = {k: [] for k in names}
     step_s, searched = [], []
     for k, segs in enumerate(batches):
-        t = [time.thread_time()]
-        plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq, cost_fn=cost_fn,
-                        sensitivity=tracker, seed=1)
-        t.append(time.thread_time())
-        feats = lm.unit_features(plan.unit_csr(with_padding=True))
-        costs = UnitCosts.from_latency(lm, feats, dp, m, grid)
-        t.append(time.thread_time())
-        dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
-                                   p2p_s=lm.p2p_s, stage_layers=lm.layout.layers)
-        t.append(time.thread_time())
-        lm.busy_s(feats, dst.densities)
-        unit_work(plan, sb)
-        t.append(time.thread_time())
+        d = _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, seq)
+        costs, dst = d.costs, d.dst
+        lm.busy_s(d.feats, dst.densities)
+        unit_work(d.plan, sb)
+        t = d.marks + [time.thread_time()]
         if k == 0:
             continue                                          # warm-up
         for j, name in enumerate(names):
@@ -111,24 +122,14 @@ def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float
     join, and the after-step work (calibration's ``busy_s``, the reports' ``unit_work``). What
     a CPU-bound training thread (kernel launches holding the GIL) would lose to the planner is
     not modelled: the draft's CPU time is its bound."""
-    from sparsebalance_megatron.batching import (SensitivityTracker, sab_plan,
-                                                 unit_sensitivity)
+    from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.callback import _Planner
     from sparsebalance_megatron.megatron.reporting import unit_work
-    from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy.dst import plan_dst_from_config
 
     tracker = SensitivityTracker()
 
     def draft(segs):
-        t0 = time.thread_time()
-        plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq, cost_fn=cost_fn,
-                        sensitivity=tracker, seed=1)
-        feats = lm.unit_features(plan.unit_csr(with_padding=True))
-        costs = UnitCosts.from_latency(lm, feats, dp, m, grid)
-        dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
-                                   p2p_s=lm.p2p_s, stage_layers=lm.layout.layers)
-        return SimpleNamespace(plan=plan, feats=feats, dst=dst, cpu_s=time.thread_time() - t0)
+        return _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, seq)
 
     waits, after, drafts = [], [], []
     current = draft(batches[0])
@@ -142,7 +143,7 @@ def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float
         lm.busy_s(current.feats, current.dst.densities)   # ... calibration's prediction ...
         unit_work(current.plan, sb)                       # ... and the reports' weights
         after.append((time.thread_time() - t1) * 1e3)
-        drafts.append(nxt.cpu_s * 1e3)
+        drafts.append((nxt.marks[-1] - nxt.marks[0]) * 1e3)
         current = nxt
     on_path = float(np.median(waits) + np.median(after))
     return {"stand_in_step_s": step_s, "draft_cpu_ms": float(np.median(drafts)),
