@@ -37,3 +37,13 @@ def test_no_32k_row_gives_no_target():
     assert gc.bench_summary(failed + [_row("flex", 0.5, t=8192)]) == {}
     assert "ours_32k_d025_vs_dense<=0.4" not in gc.targets({"bench": {}})
     assert gc.bench_summary(failed + [_row("flex", 0.66)])["ratio_backend"] == "flex"
+
+
+def test_flash_backend_has_its_own_recompile_targets():
+    gc = _gpu_check()
+    flex = {"recompiles_after_warmup": 0, "host_syncs_per_layer_path": 0}
+    t = gc.targets({"recompile": dict(flex, flash={"recompiles_after_warmup": 3,
+                                                   "host_syncs_per_layer_path": 0})})
+    assert t == {"no_recompiles_after_warmup": True, "no_host_syncs_per_layer": True,
+                 "flash_no_recompiles_after_warmup": False, "flash_no_host_syncs_per_layer": True}
+    assert "flash_no_recompiles_after_warmup" not in gc.targets({"recompile": flex})
