@@ -38,6 +38,7 @@ query blocks therefore read the sink from copies of its K/V rows (one per run of
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Optional
 
 import numpy as np
@@ -47,6 +48,7 @@ from .blocks import BlockLayout
 from .selection import BlockSelection
 
 _COMPILED = {}
+FLASH_MODULE = "flash_attn.cute.interface"   # what flex's compiled FLASH kernels call into
 SPLIT_BLOCKS = 16
 """Default run length of the sink split (``_sink_split``), query blocks per sink copy; 0: off.
 On an H100 (32K, bf16, docs/GPU.md) the flex kernel took -34% / -18% / -1% / +5% at densities
@@ -354,4 +356,10 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
                 f"whose tiles divide the block size (seen with torch 2.11, head dim {hn}); use "
                 f"block_size=128 (--sb-block-size 128) on this GPU, or the 'torch' backend") from e
         raise
+    if kernel == "flash" and FLASH_MODULE not in sys.modules:
+        # a torch release without the option runs its Triton kernel and says nothing
+        raise RuntimeError(f"backend 'flash': torch {torch.__version__} ran flex's Triton "
+                           f"kernel, not FlashAttention-4 ({FLASH_MODULE} was never loaded: "
+                           f"this release ignores kernel_options BACKEND='FLASH'); use the "
+                           f"flex backend")
     return out[:, :, :p].permute(2, 0, 1, 3).reshape(p, nh, hn)         # [P, np, hn]

@@ -336,6 +336,8 @@ def test_flex_kernel_choice_reaches_flex_kernel_options(kernel, block_size, monk
         seen.update(kw)
         return q * 1.0
     monkeypatch.setattr(flex, "_flex_fn", lambda backend: fake_flex)
+    # the compiled FLASH kernel loads FlashAttention-4's interface; stand in for it here
+    monkeypatch.setitem(sys.modules, flex.FLASH_MODULE, object())
     t = 2 * block_size + 7
     q, k, v = _qkv(t, 4, 2, 16, seed=6, grad=False)
     _, sel = block_sparse_attention(q, k, v, [0, t], 0.5, block_size=block_size, backend="flex",
@@ -354,3 +356,20 @@ def test_flex_kernel_choice_reaches_flex_kernel_options(kernel, block_size, monk
     with pytest.raises(ValueError, match=r"kernel='cutlass': expected 'triton' or 'flash'"):
         flex.flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel, 0.25, "inductor",
                                    "cutlass")
+
+
+def test_flash_backend_refuses_a_torch_that_ignored_the_option(monkeypatch):
+    """A torch release without kernel_options BACKEND='FLASH' runs its Triton kernel silently;
+    the flash backend notices that FlashAttention-4 was never loaded and says so."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from sparsebalance_megatron.attention import flex
+    monkeypatch.setattr(flex, "_flex_fn", lambda backend: lambda q, k, v, **kw: q * 1.0)
+    monkeypatch.delitem(sys.modules, flex.FLASH_MODULE, raising=False)
+    q, k, v = _qkv(300, 4, 2, 16, seed=7, grad=False)
+    _, sel = block_sparse_attention(q, k, v, [0, 300], 0.5, block_size=128, backend="flex",
+                                    compile_backend=None)
+    lay = sel.layout
+    with pytest.raises(RuntimeError, match=r"ran flex's Triton kernel, not FlashAttention-4 "
+                                           r"\(flash_attn.cute.interface was never loaded"):
+        flex.flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel, 0.25, "inductor",
+                                   "flash")
