@@ -27,6 +27,10 @@ def test_the_32k_target_goes_to_the_faster_backend():
     assert got["ratio_backend"] == "flash" and got["ratio_32k_d025"] == 0.31
     assert got["ratio_32k_d025_by_backend"] == {"flex": 0.66, "flash": 0.31}
     assert got["select_vs_dense_32k"] == 0.31 / 20
+    # where sparse beats dense, per backend and length (the tma variant and sink-0 rows aside)
+    assert got["densities_faster_than_dense"] == {"flex": {"32768": [0.25]},
+                                                  "flash": {"32768": [0.25, 0.125],
+                                                            "8192": [0.25]}}
     t = gc.targets({"bench": got})
     assert t["ours_32k_d025_vs_dense<=0.4"] and not t["ours_32k_d025_vs_dense<=0.3_goal"]
 
@@ -34,7 +38,9 @@ def test_the_32k_target_goes_to_the_faster_backend():
 def test_no_32k_row_gives_no_target():
     gc = _gpu_check()
     failed = [dict(backend="flash", variant="default", failed="RuntimeError: no flash")]
-    assert gc.bench_summary(failed + [_row("flex", 0.5, t=8192)]) == {}
+    assert gc.bench_summary(failed) == {}
+    assert gc.bench_summary(failed + [_row("flex", 1.5, t=8192)]) == \
+        {"densities_faster_than_dense": {"flex": {"8192": []}}}
     assert "ours_32k_d025_vs_dense<=0.4" not in gc.targets({"bench": {}})
     assert gc.bench_summary(failed + [_row("flex", 0.66)])["ratio_backend"] == "flex"
 
