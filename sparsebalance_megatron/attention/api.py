@@ -23,6 +23,7 @@ Must not import megatron.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Callable, Optional, Tuple, Union
@@ -44,6 +45,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "flex" if torch.device(device).type == "cuda" else "torch"
     return backend
+
+
+@functools.lru_cache(maxsize=8)
+def _flash_missing(device: str) -> Optional[str]:
+    """``flex.flash_kernel_missing``, probed once per device (it looks for a package)."""
+    from .flex import flash_kernel_missing
+    return flash_kernel_missing(device)
 
 
 def _check_choice(name: str, value, choices) -> str:
@@ -132,13 +140,9 @@ def block_sparse_attention(
         raise ValueError(f"reduce_shares={reduce_shares!r}: expected a callable or None")
 
     flex_kernel = {"flex": "triton", "flash": "flash"}.get(backend)
-    if backend == "flash":
-        from .flex import flash_kernel_missing
-        why = flash_kernel_missing(q.device)
-        if why is None and compile_backend is None:
-            why = "it runs compiled only (compile_backend=None asks for eager flex)"
-        if why is not None:
-            raise ValueError(f"backend='flash': {why}; use backend 'flex' or 'auto'")
+    if backend == "flash" and _flash_missing(str(q.device)) is not None:
+        raise ValueError(f"backend='flash': {_flash_missing(str(q.device))}; use backend "
+                         f"'flex' or 'auto'")
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
                      fixed_length=flex_kernel is not None)
     density_doc, density_host = _density(layout, density)
