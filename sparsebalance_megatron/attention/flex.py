@@ -25,7 +25,9 @@ torch releases index the full lists with the partial lists' offsets ("always con
 on an H100 with torch 2.11 narrower partial lists gave wrong outputs (docs/GPU.md; equal widths
 have not run on a GPU yet).
 ``mask_mod`` still encodes causality, document ids, real tokens and the selected blocks (a bit
-per block pair and KV group), because eager flex applies only mask_mod.
+per block pair and KV group), because eager flex applies only mask_mod. Compiled kernels apply
+it to the partial (diagonal) blocks only, where causality is all that is left for real queries;
+the ``flash`` kernel gets that causal mask_mod alone (``build_block_mask(causal_only=True)``).
 
 The sink split (``_sink_split``, on by default): a document's first block is kept by all its
 query blocks, and flex's backward walks that whole column in one program; long documents'
@@ -272,16 +274,30 @@ def mask_tensors(selection: BlockSelection, split_blocks: int = None) -> dict:
                 selected_bits=bits.to(torch.uint8), **out)
 
 
-def build_block_mask(selection: BlockSelection, split_blocks: int = None):
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def build_block_mask(selection: BlockSelection, split_blocks: int = None,
+                     causal_only: bool = False):
     """BlockMask ``[ng, 1, PK, PK]`` over the padded layout encoding the selection (``PK = P``,
     or ``P + copies * B`` with the sink split), and the padded key rows of its key space
-    (``None`` without the sink split)."""
+    (``None`` without the sink split).
+
+    ``causal_only``: mask_mod is causality alone, for compiled kernels only. They apply mask_mod
+    to the partial blocks, which are the diagonal blocks: one document's tokens then padding, so
+    for every real query the rest of the full mask_mod holds already (a test checks the two
+    agree there). Eager flex applies mask_mod everywhere and needs the full one."""
     from torch.nn.attention.flex_attention import BlockMask
     layout = selection.layout
     bs, p = layout.block_size, layout.padded_tokens
     t = mask_tensors(selection, split_blocks)
     bits = t.pop("selected_bits")
     key_rows = t.pop("key_rows", None)
+    if causal_only:
+        pk = p if key_rows is None else key_rows.numel()
+        return BlockMask(seq_lengths=(pk, pk), BLOCK_SIZE=(bs, bs), mask_mod=_causal,
+                         **t), key_rows
     slot_doc, slot_real = _slot_tables(layout)
     pk = p
     if key_rows is not None:
@@ -321,7 +337,8 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
     p, nh, hn = q_pad.shape
     ng = k_pad.shape[1]
     rep = nh // ng
-    block_mask, key_rows = build_block_mask(selection)
+    # FlashAttention-4 gets the causal mask_mod alone: nothing captured to lower
+    block_mask, key_rows = build_block_mask(selection, causal_only=kernel == "flash")
     bs = selection.layout.block_size
     kernel_options = None
     if kernel == "flash":

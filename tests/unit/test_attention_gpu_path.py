@@ -373,3 +373,55 @@ def test_flash_backend_refuses_a_torch_that_ignored_the_option(monkeypatch):
                                            r"\(flash_attn.cute.interface was never loaded"):
         flex.flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel, 0.25, "inductor",
                                    "flash")
+
+
+def _kernel_view(bm, key_rows, p, t, token_slot):
+    """What a compiled flex kernel computes from a BlockMask, as ``[ng, t, t, copies]``
+    counts over the real tokens: full blocks are kept whole, mask_mod is evaluated on the
+    partial blocks only, and a key slot past ``p`` is a copy of the key row ``key_rows`` names."""
+    bs = bm.BLOCK_SIZE[0]
+    ng, _, rows = bm.kv_num_blocks.shape
+    pk = rows * bs
+    view = torch.zeros(ng, pk, pk, dtype=torch.bool)
+    ar = torch.arange(bs)
+    for g in range(ng):
+        for i in range(rows):
+            for lists, nums, partial in ((bm.full_kv_indices, bm.full_kv_num_blocks, False),
+                                         (bm.kv_indices, bm.kv_num_blocks, True)):
+                for j in lists[g, 0, i, :int(nums[g, 0, i])].tolist():
+                    q_idx, kv_idx = (i * bs + ar)[:, None], (j * bs + ar)[None, :]
+                    keep = bm.mask_mod(g, 0, q_idx, kv_idx) if partial else True
+                    view[g, i * bs:(i + 1) * bs, j * bs:(j + 1) * bs] |= keep
+    src = torch.arange(pk) if key_rows is None else key_rows      # key slot -> padded key row
+    slot_token = torch.full((pk,), -1, dtype=torch.long)
+    slot_token[token_slot] = torch.arange(t)
+    counts = torch.zeros(ng, t, t, dtype=torch.int64)
+    kt = slot_token[src]                                          # key slot -> real token or -1
+    for g in range(ng):
+        rows_q = view[g, token_slot][:, kt >= 0]                  # [t, real key slots]
+        counts[g].index_add_(1, kt[kt >= 0], rows_q.long())
+    return counts
+
+
+@pytest.mark.parametrize("split", [0, 2])
+@pytest.mark.parametrize("causal_only", [False, True])
+def test_compiled_kernels_see_the_selection_with_either_mask_mod(split, causal_only):
+    """The BlockMask as a compiled kernel reads it (lists, mask_mod on the partial blocks only,
+    sink copies folded back) keeps exactly the selection's token mask for every real query, each
+    key once: with the full mask_mod (the flex kernel, GPU-verified) and with causality alone
+    (what the flash backend passes)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from sparsebalance_megatron.attention.flex import build_block_mask
+    from sparsebalance_megatron.attention.kernels import token_mask
+    cu = [0, 300, 301, 333, 700, 1024]
+    q, k, v = _qkv(1024, 4, 2, 16, seed=8, grad=False)
+    _, sel = block_sparse_attention(q, k, v, cu, torch.tensor([0.3, 1.0, 0.5, 0.25, 0.6]),
+                                    block_size=32, backend="flex", compile_backend=None,
+                                    sink_blocks=1, local_blocks=1)
+    lay = sel.layout
+    bm, key_rows = build_block_mask(sel, split_blocks=split, causal_only=causal_only)
+    assert (key_rows is not None) == (split > 0)
+    slots = lay.token_slot if lay.token_slot is not None else torch.arange(lay.num_tokens)
+    counts = _kernel_view(bm, key_rows, lay.padded_tokens, lay.num_tokens, slots)
+    assert int(counts.max()) == 1                      # no key row reached twice (copy + sink)
+    assert torch.equal(counts == 1, token_mask(sel, 2))
