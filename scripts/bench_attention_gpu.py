@@ -160,8 +160,9 @@ def main(argv=None) -> int:
     ap.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
                     help="also run with flex tuning JSON {\"kernel_options\": {...}, "
-                         "\"mode\": \"max-autotune-no-cudagraphs\", \"split_blocks\": 0} "
-                         "(repeatable; split_blocks 0: no sink split); the "
+                         "\"mode\": \"max-autotune-no-cudagraphs\", \"split_blocks\": 0, "
+                         "\"dynamic_lists\": false} (repeatable; split_blocks 0: no sink "
+                         "split; dynamic_lists false: static list widths); the "
                          "default configuration runs first as 'default'")
     ap.add_argument("--backends", nargs="+", choices=("flex", "flash"), default=["flex"],
                     help="our kernels: 'flex' (flex's Triton kernel) and/or 'flash' (flex's "
@@ -180,13 +181,14 @@ def main(argv=None) -> int:
             cfg = json.loads(spec)
         except json.JSONDecodeError as e:
             ap.error(f"--variant {v!r}: expected NAME=JSON ({e})")
-        if not isinstance(cfg, dict) or set(cfg) - {"kernel_options", "mode", "split_blocks"}:
-            ap.error(f"--variant {v!r}: expected keys kernel_options, mode, split_blocks")
+        keys = {"kernel_options", "mode", "split_blocks", "dynamic_lists"}
+        if not isinstance(cfg, dict) or set(cfg) - keys:
+            ap.error(f"--variant {v!r}: expected keys {', '.join(sorted(keys))}")
         variants.append((name, cfg))
     rows = []
     for backend, (name, cfg) in itertools.product(args.backends, variants):
         set_flex_tuning(cfg.get("kernel_options"), cfg.get("mode"),
-                        cfg.get("split_blocks", SPLIT_BLOCKS))
+                        cfg.get("split_blocks", SPLIT_BLOCKS), cfg.get("dynamic_lists", True))
         try:
             got = bench(args.seq_lens, block_size=args.block_size, reps=args.reps,
                         densities=args.densities, backend=backend)

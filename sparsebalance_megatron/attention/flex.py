@@ -56,7 +56,8 @@ SPLIT_BLOCKS = 16
 On an H100 (32K, bf16, docs/GPU.md) the flex kernel took -34% / -18% / -1% / +5% at densities
 0.125 / 0.25 / 0.5 / 1.0."""
 # set_flex_tuning: extra flex kernel_options, the torch.compile mode, the sink split's run length
-_TUNING = {"kernel_options": {}, "mode": None, "split_blocks": SPLIT_BLOCKS}
+_TUNING = {"kernel_options": {}, "mode": None, "split_blocks": SPLIT_BLOCKS,
+           "dynamic_lists": True}
 
 
 def flex_available() -> bool:
@@ -85,16 +86,23 @@ def flash_kernel_missing(device) -> Optional[str]:
     return None
 
 
-def set_flex_tuning(kernel_options=None, mode=None, split_blocks=SPLIT_BLOCKS) -> None:
+def set_flex_tuning(kernel_options=None, mode=None, split_blocks=SPLIT_BLOCKS,
+                    dynamic_lists=True) -> None:
     """Extra FlexAttention ``kernel_options`` (tile sizes, warps, stages, flags such as
     ``ROWS_GUARANTEED_SAFE``), the ``torch.compile`` mode (e.g. ``"max-autotune-no-cudagraphs"``,
-    which benchmarks flex's tile configurations once per shape) and the sink split's run length
-    (0: off) for every later call."""
+    which benchmarks flex's tile configurations once per shape), the sink split's run length
+    (0: off) and the block lists' widths for every later call: ``dynamic_lists`` True (the
+    kept counts, marked dynamic) or False (every list as wide as the block space: one static
+    shape per run, for kernels that recompile on dynamic sizes; the kernels read only the
+    counted entries, so only memory grows)."""
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise ValueError(f"kernel_options={kernel_options!r}: expected a dict or None")
     if isinstance(split_blocks, bool) or not isinstance(split_blocks, int) or split_blocks < 0:
         raise ValueError(f"split_blocks={split_blocks!r}: expected an int >= 0 (0: no split)")
+    if not isinstance(dynamic_lists, bool):
+        raise ValueError(f"dynamic_lists={dynamic_lists!r}: expected True or False")
     _TUNING["split_blocks"] = split_blocks
+    _TUNING["dynamic_lists"] = dynamic_lists
     _TUNING["kernel_options"] = dict(kernel_options or {})
     if mode != _TUNING["mode"]:
         _COMPILED.clear()
@@ -279,7 +287,7 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 def build_block_mask(selection: BlockSelection, split_blocks: int = None,
-                     causal_only: bool = False):
+                     causal_only: bool = False, static_width: bool = False):
     """BlockMask ``[ng, 1, PK, PK]`` over the padded layout encoding the selection (``PK = P``,
     or ``P + copies * B`` with the sink split), and the padded key rows of its key space
     (``None`` without the sink split).
@@ -287,13 +295,19 @@ def build_block_mask(selection: BlockSelection, split_blocks: int = None,
     ``causal_only``: mask_mod is causality alone, for compiled kernels only. They apply mask_mod
     to the partial blocks, which are the diagonal blocks: one document's tokens then padding, so
     for every real query the rest of the full mask_mod holds already (a test checks the two
-    agree there). Eager flex applies mask_mod everywhere and needs the full one."""
+    agree there). Eager flex applies mask_mod everywhere and needs the full one.
+    ``static_width``: every list padded to the block space's width (counts unchanged)."""
     from torch.nn.attention.flex_attention import BlockMask
     layout = selection.layout
     bs, p = layout.block_size, layout.padded_tokens
     t = mask_tensors(selection, split_blocks)
     bits = t.pop("selected_bits")
     key_rows = t.pop("key_rows", None)
+    if static_width:
+        rows = t["kv_num_blocks"].shape[-1]
+        for name in ("kv_indices", "full_kv_indices", "q_indices", "full_q_indices"):
+            t[name] = torch.nn.functional.pad(t[name],
+                                              (0, max(0, rows - 1 - t[name].shape[-1])))
     if causal_only:
         pk = p if key_rows is None else key_rows.numel()
         return BlockMask(seq_lengths=(pk, pk), BLOCK_SIZE=(bs, bs), mask_mod=_causal,
@@ -338,7 +352,9 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
     ng = k_pad.shape[1]
     rep = nh // ng
     # FlashAttention-4 gets the causal mask_mod alone: nothing captured to lower
-    block_mask, key_rows = build_block_mask(selection, causal_only=kernel == "flash")
+    static = not _TUNING["dynamic_lists"]
+    block_mask, key_rows = build_block_mask(selection, causal_only=kernel == "flash",
+                                            static_width=static)
     bs = selection.layout.block_size
     kernel_options = None
     if kernel == "flash":
@@ -349,7 +365,7 @@ def flex_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: torch
                           "BLOCK_N1": bs, "BLOCK_M2": bs, "BLOCK_N2": min(bs, 32)}
     if _TUNING["kernel_options"]:
         kernel_options = {**(kernel_options or {}), **_TUNING["kernel_options"]}
-    if compile_backend is not None:
+    if compile_backend is not None and not static:
         # the list widths follow the budget and the longest document: one graph for all
         for t in (block_mask.kv_indices, block_mask.full_kv_indices, block_mask.q_indices,
                   block_mask.full_q_indices):

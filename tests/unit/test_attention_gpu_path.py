@@ -403,13 +403,14 @@ def _kernel_view(bm, key_rows, p, t, token_slot):
     return counts
 
 
-@pytest.mark.parametrize("split", [0, 2])
+@pytest.mark.parametrize("split,static", [(0, False), (2, False), (2, True)])
 @pytest.mark.parametrize("causal_only", [False, True])
-def test_compiled_kernels_see_the_selection_with_either_mask_mod(split, causal_only):
+def test_compiled_kernels_see_the_selection_with_either_mask_mod(split, static, causal_only):
     """The BlockMask as a compiled kernel reads it (lists, mask_mod on the partial blocks only,
     sink copies folded back) keeps exactly the selection's token mask for every real query, each
     key once: with the full mask_mod (the flex kernel, GPU-verified) and with causality alone
-    (what the flash backend passes)."""
+    (what the flash backend passes); with the lists at their kept width or padded to the block
+    space (``dynamic_lists=False``)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     from sparsebalance_megatron.attention.flex import build_block_mask
     from sparsebalance_megatron.attention.kernels import token_mask
@@ -419,9 +420,41 @@ def test_compiled_kernels_see_the_selection_with_either_mask_mod(split, causal_o
                                     block_size=32, backend="flex", compile_backend=None,
                                     sink_blocks=1, local_blocks=1)
     lay = sel.layout
-    bm, key_rows = build_block_mask(sel, split_blocks=split, causal_only=causal_only)
+    bm, key_rows = build_block_mask(sel, split_blocks=split, causal_only=causal_only,
+                                    static_width=static)
     assert (key_rows is not None) == (split > 0)
+    rows = bm.kv_num_blocks.shape[-1]
+    widths = {x.shape[-1] for x in (bm.kv_indices, bm.full_kv_indices, bm.q_indices,
+                                    bm.full_q_indices)}
+    assert widths == {rows - 1} if static else rows - 1 not in widths
     slots = lay.token_slot if lay.token_slot is not None else torch.arange(lay.num_tokens)
     counts = _kernel_view(bm, key_rows, lay.padded_tokens, lay.num_tokens, slots)
     assert int(counts.max()) == 1                      # no key row reached twice (copy + sink)
     assert torch.equal(counts == 1, token_mask(sel, 2))
+
+
+def test_static_list_widths_turn_off_the_dynamic_marks(monkeypatch):
+    """dynamic_lists=False: the lists' widths are the block space's whatever the budget, and
+    nothing is marked dynamic; the default marks the four list widths."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from sparsebalance_megatron.attention import flex
+    q, k, v = _qkv(1024, 4, 2, 16, seed=9, grad=False)
+    sels = [block_sparse_attention(q, k, v, [0, 1024], d, block_size=32, backend="flex",
+                                   compile_backend=None)[1] for d in (0.25, 0.75)]
+    marked, seen = [], []
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda t, d: marked.append(d))
+    monkeypatch.setattr(flex, "_flex_fn", lambda backend: lambda q, k, v, **kw: (
+        seen.append(kw["block_mask"].full_kv_indices.shape), q * 1.0)[1])
+    try:
+        for dynamic in (True, False):
+            flex.set_flex_tuning(dynamic_lists=dynamic)
+            for sel in sels:
+                lay = sel.layout
+                flex.flex_attention_padded(lay.pad(q), lay.pad(k), lay.pad(v), sel, 0.25)
+        with pytest.raises(ValueError, match="dynamic_lists=1: expected True or False"):
+            flex.set_flex_tuning(dynamic_lists=1)
+    finally:
+        flex.set_flex_tuning()
+    assert marked == [3] * 8                           # two calls with dynamic lists
+    assert seen[0] != seen[1] and seen[2] == seen[3]   # kept widths differ; static ones do not
+    assert seen[2][-1] == seen[2][-2] - 1
