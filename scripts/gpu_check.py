@@ -169,7 +169,7 @@ def bench_summary(rows):
             "densities_faster_than_dense": wins}
 
 
-def run_steps(steps, out_dir, deadline):
+def run_steps(steps, out_dir, deadline, train_backend="flex"):
     results = {}
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     py = sys.executable
@@ -221,6 +221,7 @@ def run_steps(steps, out_dir, deadline):
         elif name == "latency":
             rc, sec, tail = _run([py, "-m", "sparsebalance_megatron.megatron.profile_cli",
                                   "--quick", "--warmup", "1", "--no-progress", *SHAPE,
+                                  "--sb-attention-backend", train_backend,
                                   "--sb-block-size", "128", "--out", table], log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "profile_seconds": sec}
             if rc == 0:
@@ -254,7 +255,8 @@ def run_steps(steps, out_dir, deadline):
                    "--clip-grad", "1.0", "--bf16", "--log-interval", "1", "--eval-iters", "0",
                    "--distributed-backend", "nccl", *impl,
                    "--sparse-balance", "--sb-density", "0.5", "--sb-block-size", "128",
-                   "--sb-attention-backend", "flex", "--sb-metrics-file", metrics, *tbl]
+                   "--sb-attention-backend", train_backend, "--sb-metrics-file", metrics,
+                   *tbl]
             rc, sec, tail = _run(cmd, log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "seconds": sec, "transformer_impl": impl[1]}
             if os.path.exists(metrics):
@@ -303,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
     ap.add_argument("--budget-s", type=float, default=570,
                     help="stop starting steps after this many seconds")
+    ap.add_argument("--train-backend", choices=("flex", "flash"), default="flex",
+                    help="the sparse kernel of the latency and train steps")
     ap.add_argument("--child-recompile", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--child-backend", default="flex", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -313,7 +317,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     global LIMIT_TOTAL
     LIMIT_TOTAL = args.budget_s
-    results = run_steps(args.steps, args.out_dir, time.time() + args.budget_s)
+    results = run_steps(args.steps, args.out_dir, time.time() + args.budget_s,
+                        args.train_backend)
     doc = _write(results, args.out_dir)
     print(json.dumps({"device": doc["device"], "targets": doc["targets"],
                       "failed": [k for k, v in results.items() if not v.get("ok")]}, indent=1))
