@@ -196,6 +196,8 @@ def run_steps(steps, out_dir, deadline, train_backend="flex"):
         elif name == "bench":
             path = os.path.join(out_dir, "attention_gpu.json")
             limit = min(LIMIT_S[name] * len(backends), left)     # each backend compiles anew
+            if os.path.exists(path):
+                os.remove(path)     # rows are read even when a backend failed: never stale ones
             rc, sec, tail = _run([py, "scripts/bench_attention_gpu.py", "--json", path,
                                   "--backends", *backends], log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "seconds": sec, "backends": backends}
