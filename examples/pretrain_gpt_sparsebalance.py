@@ -7,7 +7,7 @@
         --lr 3e-4 --train-iters 30 --sparse-balance --sb-density 0.5
 
 Megatron's own flags work as usual; ``--sparse-balance`` and the ``--sb-*`` flags are ours. The
-flow is Megatron-LM's ``pretrain_gpt.py`` with the plugin's five calls (``hooks``); the data path
+flow is Megatron-LM's ``pretrain_gpt.py`` with the plugin's six calls (``hooks``); the data path
 is always the plugin's (packed documents; ``--data-path`` or the built-in corpus). On a machine
 without CUDA it runs on the CPU (gloo) by itself.
 The ``__main__`` guard matters: Megatron's checkpoint writer spawns a process that re-imports it.
@@ -27,3 +27,4 @@ if __name__ == "__main__":
     hooks.install(args, model_cfg, packed_data=True)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg),
              hooks.datasets_provider(), ModelType.encoder_or_decoder, hooks.forward_step())
+    hooks.finish()

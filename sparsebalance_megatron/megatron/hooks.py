@@ -1,7 +1,7 @@
 """The one integration of SparseBalance into Megatron's ``pretrain()``, for both entry points.
 
 ``examples/pretrain_gpt_sparsebalance.py`` and Megatron-LM's ``pretrain_gpt.py`` (with
-``patches/``) run the same five calls around Megatron's own flow; the loop is Megatron's::
+``patches/``) run the same six calls around Megatron's own flow; the loop is Megatron's::
 
     args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider(base),
                                    args_defaults=hooks.args_defaults(defaults))
@@ -10,6 +10,7 @@
     pretrain(pretrain_cfg_container_from_args(args, model_cfg),
              hooks.datasets_provider(provider), ModelType.encoder_or_decoder,
              hooks.forward_step(forward_step), ...)
+    hooks.finish()       # destroys the process groups once every rank is done
 
 What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
@@ -289,6 +290,19 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
 
     provider.is_distributed = True   # every rank builds its own (identical) iterators
     return provider
+
+
+def finish() -> None:
+    """After ``pretrain()`` has returned on every rank: a barrier, then the process groups are
+    destroyed (PyTorch's documented shutdown; Megatron's ``pretrain()`` leaves them up). Left to
+    interpreter finalization, gloo's worker threads can abort a finished rank ("terminate called
+    without an active exception", pytorch#190489; seen here in about one of ten PP x CP runs on
+    CPU). Only for a normal end: after an error the other ranks would not reach the barrier."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def forward_step(megatron_forward_step: Optional[Callable] = None) -> Callable:

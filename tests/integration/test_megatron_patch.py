@@ -105,10 +105,11 @@ def test_patch_is_a_well_formed_diff_of_the_named_files():
     assert set(files) <= TARGETS, f"patch touches {set(files) - TARGETS}"
     assert "pretrain_gpt.py" in files
     added = "\n".join(b for hs in files.values() for h in hs for b in h["lines"] if b[:1] == "+")
-    # The wiring points: flags and defaults, install (spec, data, step hooks), data, forward step.
+    # The wiring points: flags and defaults, install (spec, data, step hooks), data, forward
+    # step, and the shutdown after pretrain() returns.
     for call in ("extra_args_provider(", "args_defaults(", "install(args, model_cfg)",
                  "datasets_provider(train_valid_test_datasets_provider)",
-                 "forward_step(forward_step)"):
+                 "forward_step(forward_step)", "sparsebalance_hooks.finish()"):
         assert call in added, f"patch does not add {call}"
     assert "from sparsebalance_megatron.megatron import hooks as sparsebalance_hooks" in added
 
