@@ -22,6 +22,13 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def destroy_process_groups() -> None:
+    """Every rank done: a barrier, then every process group destroyed (nothing without one)."""
+    if is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def rank() -> int:
     return dist.get_rank() if is_initialized() else 0
 

@@ -298,11 +298,7 @@ def finish() -> None:
     interpreter finalization, gloo's worker threads can abort a finished rank ("terminate called
     without an active exception", pytorch#190489; seen here in about one of ten PP x CP runs on
     CPU). Only for a normal end: after an error the other ranks would not reach the barrier."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    comm.destroy_process_groups()
 
 
 def forward_step(megatron_forward_step: Optional[Callable] = None) -> Callable:
