@@ -79,6 +79,7 @@ def test_a_good_launch_passes():
     _case(dict(tensor_model_parallel_size=4, sequence_parallel=True), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=6), True, "--sb-microbatch-multiple 6: expected a multiple of 4"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=64), False, "--sb-microbatch-multiple 64 on Megatron's data path"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flex", microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with the flex attention backend"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flash", microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with the flash attention backend"),
     _case(dict(cuda_graph_impl="local"), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with CUDA graphs"),
     _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "vp=2 needs pp >= 2"),
     _case(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), FULL, True, "pipeline rank 0 holds 2 layers: not divisible by the 3 virtual stages per rank"),
