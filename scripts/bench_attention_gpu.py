@@ -70,7 +70,8 @@ def _dense_rows(t, q, kk, vv, g, reps):
 def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSITIES,
           backend="flex"):
     from sparsebalance_megatron.attention import block_sparse_attention
-    from sparsebalance_megatron.attention.flex import build_block_mask, flex_attention_padded
+    from sparsebalance_megatron.attention.flex import (FLEX_KERNELS, build_block_mask,
+                                                       flex_attention_padded)
     from sparsebalance_megatron.attention.selection import (query_block_sums_padded,
                                                             select_from_shares,
                                                             shares_from_block_sums)
@@ -116,8 +117,7 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
 
             def kernel():
                 flex_attention_padded(qp, kp, vp, sel, scale,
-                                      kernel="flash" if backend == "flash" else "triton"
-                                      ).backward(gp)
+                                      kernel=FLEX_KERNELS[backend]).backward(gp)
 
             row = dict(backend=backend, seq_len=t, density=d, sink_blocks=sink, block_size=block_size, ours_ms=ms,
                        dense_ms=dense_ms, dense_cudnn_ms=dense["cudnn"],

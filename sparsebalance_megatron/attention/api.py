@@ -33,6 +33,7 @@ import torch
 from ..config import BACKENDS
 from .blocks import (build_layout, check_block_size, check_density, check_fraction, check_int,
                      check_qkv, check_softmax_scale)
+from .flex import FLEX_KERNELS
 from .kernels import (blockwise_attention, from_blocks_q, reference_attention, to_blocks_kv,
                       to_blocks_q)
 from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
@@ -139,10 +140,10 @@ def block_sparse_attention(
     if reduce_shares is not None and not callable(reduce_shares):
         raise ValueError(f"reduce_shares={reduce_shares!r}: expected a callable or None")
 
-    flex_kernel = {"flex": "triton", "flash": "flash"}.get(backend)
-    if backend == "flash" and _flash_missing(str(q.device)) is not None:
-        raise ValueError(f"backend='flash': {_flash_missing(str(q.device))}; use backend "
-                         f"'flex' or 'auto'")
+    flex_kernel = FLEX_KERNELS.get(backend)
+    why = _flash_missing(str(q.device)) if backend == "flash" else None
+    if why is not None:
+        raise ValueError(f"backend='flash': {why}; use backend 'flex' or 'auto'")
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
                      fixed_length=flex_kernel is not None)
     density_doc, density_host = _density(layout, density)

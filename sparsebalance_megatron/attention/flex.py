@@ -51,6 +51,7 @@ from .selection import BlockSelection
 
 _COMPILED = {}
 FLASH_MODULE = "flash_attn.cute.interface"   # what flex's compiled FLASH kernels call into
+FLEX_KERNELS = {"flex": "triton", "flash": "flash"}   # attention backend -> compiled flex kernel
 SPLIT_BLOCKS = 16
 """Default run length of the sink split (``_sink_split``), query blocks per sink copy; 0: off.
 On an H100 (32K, bf16, docs/GPU.md) the flex kernel took -34% / -18% / -1% / +5% at densities
@@ -226,10 +227,12 @@ def _sink_split(layout: BlockLayout, split_blocks: int):
     return layout.memo[key]
 
 
-def mask_tensors(selection: BlockSelection, split_blocks: int = None) -> dict:
+def mask_tensors(selection: BlockSelection, split_blocks: int = None,
+                 with_bits: bool = True) -> dict:
     """The BlockMask's tensors for a selection (see the module docstring), as a dict; with the
     sink split (``split_blocks`` > 0, default ``set_flex_tuning``'s) also ``key_rows``, the
-    padded key rows of the extended key space (``[P + copies * B]``)."""
+    padded key rows of the extended key space (``[P + copies * B]``); ``with_bits``: also the
+    selection bits the full mask_mod reads (``selected_bits``; not for the causal one)."""
     layout = selection.layout
     nb, nbp = layout.num_blocks, layout.padded_blocks
     ng, _, kmax = selection.kv_indices.shape
@@ -269,17 +272,19 @@ def mask_tensors(selection: BlockSelection, split_blocks: int = None) -> dict:
     full_idx = torch.zeros(ng, nbk, kf, dtype=torch.int32, device=dev)
     full_idx[:, :nb, :kmax - 1] = sel[..., 1:]
     fq_num, fq_idx = _transpose_lists(full_num, full_idx, full_valid, wq)
-    # one bit per (query block, key block): the selection, for mask_mod
-    words = (nbk + 7) // 8
-    bits = torch.zeros(ng, nbk, words, dtype=torch.int32, device=dev)
-    bits[:, :nb].scatter_add_(2, sel // 8, (memo["flex_slot_bit_valid"] << (sel % 8)).int())
+    if with_bits:   # one bit per (query block, key block): the selection, for mask_mod
+        words = (nbk + 7) // 8
+        bits = torch.zeros(ng, nbk, words, dtype=torch.int32, device=dev)
+        bits[:, :nb].scatter_add_(2, sel // 8,
+                                  (memo["flex_slot_bit_valid"] << (sel % 8)).int())
+        out["selected_bits"] = bits.to(torch.uint8)
     kv_num, kv_idx = _diagonal_lists(layout, ng, kf, "kv", rows=nbk)
     q_num, q_idx = _diagonal_lists(layout, ng, wq, "q", rows=nbk)
     return dict(kv_num_blocks=kv_num, kv_indices=kv_idx,
                 full_kv_num_blocks=full_num.unsqueeze(1), full_kv_indices=full_idx.unsqueeze(1),
                 q_num_blocks=q_num, q_indices=q_idx,
                 full_q_num_blocks=fq_num.unsqueeze(1), full_q_indices=fq_idx.unsqueeze(1),
-                selected_bits=bits.to(torch.uint8), **out)
+                **out)
 
 
 def _causal(b, h, q_idx, kv_idx):
@@ -300,8 +305,8 @@ def build_block_mask(selection: BlockSelection, split_blocks: int = None,
     from torch.nn.attention.flex_attention import BlockMask
     layout = selection.layout
     bs, p = layout.block_size, layout.padded_tokens
-    t = mask_tensors(selection, split_blocks)
-    bits = t.pop("selected_bits")
+    t = mask_tensors(selection, split_blocks, with_bits=not causal_only)
+    bits = t.pop("selected_bits", None)
     key_rows = t.pop("key_rows", None)
     if static_width:
         rows = t["kv_num_blocks"].shape[-1]

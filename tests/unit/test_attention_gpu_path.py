@@ -186,6 +186,8 @@ def test_block_mask_is_per_kv_group_and_sized_by_the_kept_blocks(split):
     full_q = _dense_lists(m["full_q_num_blocks"][:, 0], m["full_q_indices"][:, 0], nbk)
     assert torch.equal(full_q, full.transpose(1, 2))
     bits = m["selected_bits"]
+    # the causal-only mask_mod (flash) reads no bits: none are built for it
+    assert "selected_bits" not in mask_tensors(sel, split_blocks=split, with_bits=False)
     unpacked = ((bits.int()[..., None] >> torch.arange(8)) & 1).flatten(-2)[..., :nbk] == 1
     assert torch.equal(unpacked, full | part)
     kept = full | part
