@@ -1,37 +1,64 @@
 #!/usr/bin/env python
-"""GPU attention benchmark: our FlexAttention path vs dense cuDNN / flash SDPA, forward+backward.
+"""GPU kernel table: every block-sparse kernel of ours against dense varlen attention, fwd+bwd.
 
-One document of ``t`` tokens (8K and 32K), bf16, 8 query / 2 KV heads, head dim 128 (the shape
-of ``bench_attention.py``'s GPU rows). Dense baselines: ``F.scaled_dot_product_attention`` with
-``is_causal=True`` pinned to the cuDNN and to the flash backend (GQA expanded before timing, so
-the baselines pay for no copy); ``dense_ms`` is the faster of the two. Ours: the whole
-``block_sparse_attention`` call (selection, BlockMask, compiled flex, pad/unpad) with the
-micro-batch's ``cache`` shared between repetitions, as the layers of one micro-batch share it;
-``--backends flex flash`` also times flex's FlashAttention-4 kernel (backend ``flash``).
-``select_ms`` is the selection alone (pooled queries, maxkey scores, top-k), ``mask_ms`` the
-BlockMask construction, ``kernel_ms`` the compiled flex forward+backward on a fixed selection.
-Times are CUDA-event medians after warm-up (the first call compiles; Dynamo is reset between
-lengths so each length gets its own static graph).
+What a Megatron user runs today is dense attention in one fused varlen call per packed
+micro-batch (Transformer Engine's THD attention: cuDNN). This table says where our sparse path
+beats that, and by how much:
 
-    python scripts/bench_attention_gpu.py --json docs/results/attention_gpu_h100.json
-    python scripts/bench_attention_gpu.py --backends flex flash --json runs/attention_flash.json
+- **cases**: single documents of 4K-64K tokens (128K with ``--long``) and packed 32K micro-batches
+  of real documents (the built-in corpus as whole files and as sections, sequentially packed;
+  their lengths are in ``docs/results/packed_mixes_32k.json``, made on any machine by
+  ``--make-mixes``);
+- **shapes**: Qwen2.5-0.5B's heads (14 query / 2 KV, head dim 64) and 32 / 8, head dim 128;
+  bf16, block 128;
+- **dense**: ``attention.dense.dense_varlen_attention`` with ``kernel='varlen'`` (torch's
+  ``varlen_attn``: one call) and ``kernel='sdpa'`` (cuDNN SDPA); ``dense_ms`` is the faster;
+- **ours**: ``block_sparse_attention`` through each backend of ``--backends`` (``triton``: our
+  kernel; ``fa4``: FlashAttention-4's CuTe block-sparse kernel; ``flex`` / ``flash``: flex's
+  Triton and FA4 kernels through a BlockMask) at densities 1 / 0.5 / 0.25 / 0.125: the whole call
+  (selection, lists, kernel, pad/unpad), the micro-batch's ``cache`` shared between repetitions
+  as the layers of one micro-batch share it. Packed rows run twice: every document sparse
+  (``routing: none``), and routed: documents shorter than the crossover go through the dense
+  varlen call (``routing: crossover``).
+- **crossover**: per backend, shape and density, from the single-document rows: the shortest
+  measured length from which ours is faster than dense (``null``: never, so everything goes
+  dense). It is what the latency profile stores for training (``dense_crossover``).
+
+Times are CUDA-event medians after warm-up. One JSON with the rows, the crossover table, the
+target checks, the command, the commit, the versions and the device.
+
+    python scripts/bench_attention_gpu.py --json runs/kernel_table.json
+    python scripts/bench_attention_gpu.py --backends triton --shapes 14/2/64 --cases single
+    python scripts/bench_attention_gpu.py --make-mixes docs/results/packed_mixes_32k.json  # CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import os
 import statistics
+import subprocess
 import sys
+import time
 
 import torch
-import torch.nn.functional as F
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
+SINGLE_LENGTHS = (4096, 8192, 16384, 32768, 65536)
+LONG_LENGTH = 131072
+SHAPES = ("14/2/64", "32/8/128")
+BACKENDS = ("triton", "fa4", "flex", "flash")
+MIXES_PATH = os.path.join(ROOT, "docs", "results", "packed_mixes_32k.json")
+MIX_TOKENS = 32768
+# Targets of issue 26 (one H100): 32K one document fwd+bwd vs dense; packed never slower.
+TARGET_32K = {0.25: 0.35, 0.5: 0.6}
+GOAL_32K_D025 = 0.3
+TARGET_PACKED = 1.02
 
 
-def cuda_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
     """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
@@ -47,168 +74,267 @@ def cuda_ms(fn, reps: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _dense_rows(t, q, kk, vv, g, reps):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``'np/ng/hn'`` -> (query heads, KV heads, head dim)."""
+    try:
+        nh, ng, hn = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: expected 'query_heads/kv_heads/head_dim', e.g. 14/2/64")
+    if nh <= 0 or ng <= 0 or hn <= 0 or nh % ng:
+        raise ValueError(f"shape {text!r}: expected positive numbers with query heads a multiple "
+                         f"of KV heads")
+    return nh, ng, hn
+
+
+def crossover_of(single_rows, backend: str, shape: str, density: float):
+    """Shortest single-document length at which ``backend`` beat dense at ``density`` and every
+    longer measured length did too; None when it never did (route everything dense)."""
+    rows = sorted((r for r in single_rows if r["backend"] == backend and r["shape"] == shape
+                   and r["density"] == density and "ours_ms" in r), key=lambda r: r["tokens"])
+    best = None
+    for r in reversed(rows):
+        if r["ours_ms"] < r["dense_ms"]:
+            best = r["tokens"]
+        else:
+            break
+    return best
+
+
+def make_mixes(path: str, per_mix: int = 4) -> None:
+    """Sequence lengths of ``per_mix`` sequentially packed 32K micro-batches of the built-in
+    corpus, as whole files and as sections, exactly as training packs them: documents + EOD (a
+    document longer than a micro-batch split), then padding sequences up to 32K
+    (``data.packing.padding_lengths``)."""
+    import numpy as np
+
+    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
+    from sparsebalance_megatron.data.packing import padding_lengths
+    out = {"tokens": MIX_TOKENS, "command": " ".join(sys.argv), "mixes": {}}
+    for unit in ("file", "section"):
+        lengths = np.asarray(load_corpus(tokenizer="qwen", doc_unit=unit).lengths)
+        # one bin more than kept: the sampler's last bin may be part-filled
+        sampler = GlobalBatchSampler(lengths, capacity=MIX_TOKENS, num_microbatches=per_mix + 1,
+                                     seed=0)
+        bins, free = [], 0
+        for _doc, start, end in sampler.next_global_batch():
+            if end - start > free:
+                bins.append([])
+                free = MIX_TOKENS
+            bins[-1].append(int(end - start))
+            free -= end - start
+        out["mixes"][unit] = [b + padding_lengths(MIX_TOKENS - sum(b)) for b in bins[:per_mix]]
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"wrote {path}: " + ", ".join(f"{k}: {[len(b) for b in v]} documents"
+                                        for k, v in out["mixes"].items()))
+
+
+def _inputs(doc_lens, nh, ng, hn, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(doc_lens)
+    q, k, v = (torch.randn(t, h, hn, generator=gen).to("cuda", torch.bfloat16)
+               .requires_grad_(True) for h in (nh, ng, ng))
+    g = torch.randn(t, nh, hn, generator=gen).to("cuda", torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(doc_lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device="cuda")
+    return q, k, v, g, cu
+
+
+def _dense_ms(q, k, v, g, cu, reps):
+    from sparsebalance_megatron.attention.dense import dense_varlen_attention
     out = {}
-    qd = q.detach().transpose(0, 1)[None].contiguous().requires_grad_(True)   # [1, np, t, hn]
-    kd, vd = (x.detach().transpose(0, 1)[None].contiguous().requires_grad_(True)
-              for x in (kk, vv))
-    gd = g.transpose(0, 1)[None].contiguous()
-    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        def dense(be=be):
-            with sdpa_kernel(be):
-                o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
-            o.backward(gd)
+    for kernel in ("varlen", "sdpa"):
+        def call(kernel=kernel):
+            dense_varlen_attention(q, k, v, cu, None, kernel=kernel).backward(g)
         try:
-            out[name] = cuda_ms(dense, reps)
-        except RuntimeError as e:  # a backend that refuses this shape/GPU
-            out[name] = None
-            print(f"  dense {name} unavailable at t={t}: {str(e)[:120]}", file=sys.stderr)
+            out[kernel] = cuda_ms(call, reps)
+        except Exception as e:  # noqa: BLE001 - a dense kernel that refuses this shape or GPU
+            out[kernel] = None
+            print(f"  dense {kernel} unavailable: {type(e).__name__}: {str(e)[:160]}",
+                  file=sys.stderr)
     return out
 
 
-def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSITIES,
-          backend="flex"):
+def _ours_ms(q, k, v, g, cu, density, backend, reps, dense_below=0):
     from sparsebalance_megatron.attention import block_sparse_attention
-    from sparsebalance_megatron.attention.flex import (FLEX_KERNELS, build_block_mask,
-                                                       flex_attention_padded)
-    from sparsebalance_megatron.attention.selection import (query_block_sums_padded,
-                                                            select_from_shares,
-                                                            shares_from_block_sums)
-    rows = []
-    dev = torch.device("cuda")
-    for t in seq_lens:
-        torch._dynamo.reset()
-        gen = torch.Generator(device="cpu").manual_seed(t)
-        q, k, v = (torch.randn(t, h, hn, generator=gen).to(dev, torch.bfloat16)
-                   .requires_grad_(True) for h in (nh, ng, ng))
-        g = torch.randn(t, nh, hn, generator=gen).to(dev, torch.bfloat16)
-        kk, vv = (x.repeat_interleave(nh // ng, 1) for x in (k, v))
-        dense = _dense_rows(t, q, kk, vv, g, reps)
-        dense_ms = min([x for x in dense.values() if x is not None] or [float("nan")])
-        cache = {}
-        scale = hn ** -0.5
-        # the last run: density 0.25 without the sink block (the dK/dV kernel walks a sink
-        # block's whole column of query blocks in one program: how much does that tail cost?)
-        extra = [(0.25, 0)] if 0.25 in densities else []
-        for d, sink in [(d, 1) for d in densities] + extra:
-            def ours(d=d, sink=sink):
-                out, _ = block_sparse_attention(q, k, v, [0, t], d, block_size=block_size,
-                                                backend=backend, cache=cache, sink_blocks=sink)
-                out.backward(g)
+    cache = {}
 
-            ms = cuda_ms(ours, reps)
-            _, sel = block_sparse_attention(q.detach(), k.detach(), v.detach(), [0, t], d,
-                                            block_size=block_size, backend=backend, cache=cache,
-                                            sink_blocks=sink)
-            lay = sel.layout
-            dd, dh = lay.memo[("density", float(d))]
-
-            def select():
-                with torch.no_grad():
-                    qp, kp = lay.pad(q.detach()), lay.pad(k.detach())
-                    qsum = query_block_sums_padded(qp, lay, ng)
-                    keys = kp[:lay.num_blocks * block_size].permute(1, 0, 2)
-                    sh = shares_from_block_sums(qsum, keys, lay, "maxkey", scale)
-                    select_from_shares(sh, lay, dd, density_host=dh, sink_blocks=sink)
-
-            qp, kp, vp = (lay.pad(x.detach()).requires_grad_(True) for x in (q, k, v))
-            gp = lay.pad(g)
-
-            def kernel():
-                flex_attention_padded(qp, kp, vp, sel, scale,
-                                      kernel=FLEX_KERNELS[backend]).backward(gp)
-
-            row = dict(backend=backend, seq_len=t, density=d, sink_blocks=sink, block_size=block_size, ours_ms=ms,
-                       dense_ms=dense_ms, dense_cudnn_ms=dense["cudnn"],
-                       dense_flash_ms=dense["flash"], ratio_vs_dense=ms / dense_ms,
-                       select_ms=cuda_ms(select, reps), mask_ms=cuda_ms(
-                           lambda: build_block_mask(sel), reps),
-                       kernel_ms=cuda_ms(kernel, reps),
-                       density_kept=float(sel.density_kept[0]),
-                       padded_blocks=lay.padded_blocks, num_blocks=lay.num_blocks)
-            row["select_vs_dense"] = row["select_ms"] / dense_ms
-            rows.append(row)
-            print(f"  {backend} t={t} d={d} sink={sink}: ours {ms:.2f} ms, dense {dense_ms:.2f} ms "
-                  f"({ms / dense_ms:.3f}x)", file=sys.stderr)
-    return rows
+    def call():
+        out, _ = block_sparse_attention(q, k, v, cu, density, block_size=128, backend=backend,
+                                        cache=cache, dense_below_tokens=dense_below)
+        out.backward(g)
+    return cuda_ms(call, reps)
 
 
-def print_table(rows, device):
-    print(f"device: {device}; torch {torch.__version__}")
-    print("| backend/variant | seq_len | density | sink | ours ms | SDPA cuDNN ms | SDPA flash ms "
-          "| ours / dense "
-          "| select ms | select / dense | mask ms | kernel ms | kept |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    f = lambda x: "-" if x is None else f"{x:.2f}"     # noqa: E731
-    for r in rows:
-        if "failed" in r:
-            print(f"| {r['backend']}/{r['variant']} failed: {r['failed'][:120]} |")
-            continue
-        print(f"| {r['backend']}/{r['variant']} | {r['seq_len']} | {r['density']} | {r['sink_blocks']} | "
-              f"{f(r['ours_ms'])} | "
-              f"{f(r['dense_cudnn_ms'])} | {f(r['dense_flash_ms'])} | "
-              f"{r['ratio_vs_dense']:.3f} | {f(r['select_ms'])} | {r['select_vs_dense']:.3f} "
-              f"| {f(r['mask_ms'])} | {f(r['kernel_ms'])} | {r['density_kept']:.3f} |")
+def run_case(rows, case, doc_lens, shape, backends, densities, reps, crossover=None):
+    """Dense and ours on one micro-batch; appends rows. ``crossover`` (packed cases):
+    {(backend, density): tokens or None} for the routed rows."""
+    nh, ng, hn = parse_shape(shape)
+    q, k, v, g, cu = _inputs(doc_lens, nh, ng, hn, seed=len(rows))
+    dense = _dense_ms(q, k, v, g, cu, reps)
+    known = [x for x in dense.values() if x is not None]
+    dense_ms = min(known) if known else None
+    base = dict(case=case, shape=shape, tokens=sum(doc_lens), docs=len(doc_lens),
+                longest=max(doc_lens), dense_varlen_ms=dense["varlen"], dense_sdpa_ms=dense["sdpa"],
+                dense_ms=dense_ms)
+    for backend in backends:
+        torch._dynamo.reset()      # every case compiles its own flex graph
+        for d in densities:
+            routings = [("none", 0)]
+            if crossover is not None:
+                x = crossover.get((backend, d))
+                routings.append(("crossover", (1 << 40) if x is None else x))
+            for routing, below in routings:
+                row = dict(base, backend=backend, density=d, routing=routing,
+                           dense_below_tokens=below if routing != "none" else 0)
+                try:
+                    row["ours_ms"] = ms = _ours_ms(q, k, v, g, cu, d, backend, reps, below)
+                    if dense_ms:
+                        row["ratio_vs_dense"] = ms / dense_ms
+                    if dense["varlen"]:
+                        row["ratio_vs_varlen"] = ms / dense["varlen"]
+                    print(f"  {case} {shape} {backend} d={d} {routing}: {ms:.2f} ms, dense "
+                          f"{dense_ms:.2f} ms ({row.get('ratio_vs_dense', float('nan')):.3f}x)",
+                          file=sys.stderr)
+                except Exception as e:  # noqa: BLE001 - a kernel that fails here is a row
+                    row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(f"  {case} {shape} {backend} d={d}: failed: {row['failed']}",
+                          file=sys.stderr)
+                rows.append(row)
+    del q, k, v, g
+    torch.cuda.empty_cache()
+
+
+def summarize(rows, crossovers):
+    """Target checks of issue 26 from the rows (None where a row is missing)."""
+    out = {}
+    single32 = [r for r in rows if r["case"] == "single" and r["tokens"] == 32768
+                and "ratio_vs_dense" in r]
+    for d, limit in TARGET_32K.items():
+        at = [r for r in single32 if r["density"] == d]
+        if at:
+            best = min(at, key=lambda r: r["ratio_vs_dense"])
+            out[f"32k_d{d}"] = {"ratio": best["ratio_vs_dense"], "backend": best["backend"],
+                                "shape": best["shape"], "target": limit,
+                                "met": best["ratio_vs_dense"] <= limit}
+    if "32k_d0.25" in out:
+        out["32k_d0.25"]["goal_0.3_met"] = out["32k_d0.25"]["ratio"] <= GOAL_32K_D025
+    routed = [r for r in rows if r.get("routing") == "crossover" and "ratio_vs_varlen" in r]
+    by_backend = {}
+    for r in routed:
+        by_backend.setdefault(r["backend"], []).append(r["ratio_vs_varlen"])
+    out["packed_worst_vs_varlen"] = {b: max(v) for b, v in by_backend.items()}
+    out["packed_never_slower_met"] = {b: max(v) <= TARGET_PACKED for b, v in by_backend.items()}
+    out["crossover_tokens"] = crossovers
+    return out
+
+
+def _provenance():
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    info = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def usable_backends(requested):
+    """The requested backends that can run here, and why the others cannot."""
+    from sparsebalance_megatron.attention.api import backend_missing
+    ok, skipped = [], {}
+    for b in requested:
+        why = backend_missing(b, "cuda")
+        if why is None:
+            ok.append(b)
+        else:
+            skipped[b] = why
+    return ok, skipped
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), metavar="NP/NG/HN")
     ap.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
-                    help="also run with flex tuning JSON {\"kernel_options\": {...}, "
-                         "\"mode\": \"max-autotune-no-cudagraphs\", \"split_blocks\": 0, "
-                         "\"dynamic_lists\": false} (repeatable; split_blocks 0: no sink "
-                         "split; dynamic_lists false: static list widths); the "
-                         "default configuration runs first as 'default'")
-    ap.add_argument("--backends", nargs="+", choices=("flex", "flash"), default=["flex"],
-                    help="our kernels: 'flex' (flex's Triton kernel) and/or 'flash' (flex's "
-                         "FlashAttention-4 kernel; needs flash-attn-4)")
+    ap.add_argument("--cases", nargs="+", choices=("single", "file", "section"),
+                    default=["single", "file", "section"])
+    ap.add_argument("--lengths", type=int, nargs="+", default=list(SINGLE_LENGTHS),
+                    help="single-document lengths (tokens)")
+    ap.add_argument("--long", action="store_true", help=f"also one {LONG_LENGTH}-token document")
+    ap.add_argument("--mixes", default=MIXES_PATH, help="packed micro-batches (JSON)")
+    ap.add_argument("--micro-batches", type=int, default=2, help="packed micro-batches per mix")
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--make-mixes", metavar="PATH", help="write the packed mixes (CPU) and exit")
     args = ap.parse_args(argv)
+    if args.make_mixes:
+        make_mixes(args.make_mixes)
+        return 0
+    try:
+        for s in args.shapes:
+            parse_shape(s)
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         print("error: needs CUDA (the CPU benchmark is scripts/bench_attention.py)",
               file=sys.stderr)
         return 2
-    from sparsebalance_megatron.attention.flex import SPLIT_BLOCKS, set_flex_tuning
-    variants = [("default", {})]
-    for v in args.variant:
-        name, _, spec = v.partition("=")
-        try:
-            cfg = json.loads(spec)
-        except json.JSONDecodeError as e:
-            ap.error(f"--variant {v!r}: expected NAME=JSON ({e})")
-        keys = {"kernel_options", "mode", "split_blocks", "dynamic_lists"}
-        if not isinstance(cfg, dict) or set(cfg) - keys:
-            ap.error(f"--variant {v!r}: expected keys {', '.join(sorted(keys))}")
-        variants.append((name, cfg))
+    backends, skipped = usable_backends(args.backends)
+    for b, why in skipped.items():
+        print(f"backend {b} skipped: {why}", file=sys.stderr)
+    t0 = time.time()
     rows = []
-    for backend, (name, cfg) in itertools.product(args.backends, variants):
-        set_flex_tuning(cfg.get("kernel_options"), cfg.get("mode"),
-                        cfg.get("split_blocks", SPLIT_BLOCKS), cfg.get("dynamic_lists", True))
-        try:
-            got = bench(args.seq_lens, block_size=args.block_size, reps=args.reps,
-                        densities=args.densities, backend=backend)
-        except Exception as e:   # noqa: BLE001 - a configuration or kernel that does not compile
-            print(f"{backend}/{name}: failed: {type(e).__name__}: {str(e)[:300]}",
-                  file=sys.stderr)
-            got = [dict(backend=backend, failed=f"{type(e).__name__}: {str(e)[:300]}")]
-        for r in got:
-            r.setdefault("variant", name)
-            r["tuning"] = cfg
-        rows += got
-    set_flex_tuning()
-    device = torch.cuda.get_device_name()
-    print_table(rows, device)
+    lengths = list(args.lengths) + ([LONG_LENGTH] if args.long else [])
+    if "single" in args.cases:
+        for shape in args.shapes:
+            for t in lengths:
+                run_case(rows, "single", [t], shape, backends, args.densities, args.reps)
+    single = [r for r in rows if r["case"] == "single"]
+    crossovers = {f"{b}|{s}|{d}": crossover_of(single, b, s, d)
+                  for b in backends for s in args.shapes for d in args.densities}
+    packed = [c for c in args.cases if c != "single"]
+    if packed:
+        with open(args.mixes) as fh:
+            mixes = json.load(fh)["mixes"]
+        for shape in args.shapes:
+            cross = {(b, d): crossovers[f"{b}|{shape}|{d}"] for b in backends
+                     for d in args.densities} if "single" in args.cases else None
+            for unit in packed:
+                for i, lens in enumerate(mixes[unit][:args.micro_batches]):
+                    run_case(rows, f"{unit}#{i}", lens, shape, backends, args.densities,
+                             args.reps, cross)
+    doc = dict(_provenance(), dtype="bfloat16", block_size=128, seconds=time.time() - t0,
+               skipped_backends=skipped, summary=summarize(rows, crossovers), results=rows)
+    print_table(rows, doc["device"])
+    print(json.dumps(doc["summary"], indent=1))
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
-            json.dump({"device": device, "torch": torch.__version__, "dtype": "bfloat16",
-                       "heads": [8, 2, 128], "command": " ".join(sys.argv),
-                       "results": rows}, fh, indent=1)
+            json.dump(doc, fh, indent=1)
     return 1 if any("failed" in r for r in rows) else 0
+
+
+def print_table(rows, device):
+    print(f"device: {device}; torch {torch.__version__}; bf16, block 128, fwd+bwd ms")
+    print("| case | shape | docs | backend | density | routing | ours | varlen | sdpa | "
+          "ours / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    f = lambda x: "-" if x is None else f"{x:.2f}"     # noqa: E731
+    for r in rows:
+        ratio = f"{r['ratio_vs_dense']:.3f}" if "ratio_vs_dense" in r else r.get("failed", "-")
+        print(f"| {r['case']} {r['tokens']} | {r['shape']} | {r['docs']} | {r['backend']} | "
+              f"{r['density']} | {r['routing']} | {f(r.get('ours_ms'))} | "
+              f"{f(r['dense_varlen_ms'])} | {f(r['dense_sdpa_ms'])} | {ratio} |")
 
 
 if __name__ == "__main__":
