@@ -27,12 +27,13 @@ dim <= 128 (wider heads get narrower tiles), the query block a multiple of its 1
 tiles. Blackwell's forward runs two 128-row Q tiles per CTA (256-row sparse blocks), so only
 compute capability 9.x is accepted.
 
-Contract (T = NB * B tokens of the block layout, B = 128, ``rep = np / ng``):
+Contract (T = NB * B tokens of the block layout, B = 128, ``rep = np / ng``; every tensor on
+one CUDA device; bf16/fp: bfloat16 or float16):
 
 ==========  ======================  =======  ==============================================
 argument    shape                   dtype    meaning
 ==========  ======================  =======  ==============================================
-q           [T, np, hn]             bf16/16  queries, any strides (made contiguous)
+q           [T, np, hn]             bf16/fp  queries, any strides (made contiguous)
 k, v        [T, ng, hn]             as q     keys, values
 q_num       [ng, NB]                int32    kept key blocks of query block i, diagonal not
                                              counted
@@ -153,7 +154,7 @@ def fa4_sparse_tensors(num: torch.Tensor, idx: torch.Tensor):
     diagonal as the partial list, ``[ng, 1, NB(, W)]`` views of ours as the full list."""
     nb = num.shape[1]
     mask_cnt, mask_idx = _diagonal(nb, num.device)
-    return mask_cnt, mask_idx, num.unsqueeze(1), idx.contiguous().unsqueeze(1)
+    return mask_cnt, mask_idx, num.contiguous().unsqueeze(1), idx.contiguous().unsqueeze(1)
 
 
 @functools.lru_cache(maxsize=1)
