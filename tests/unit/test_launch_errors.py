@@ -23,7 +23,7 @@ def _case(kw: dict, sb, plugin_data: bool, needle: str):
     base = SparseBalanceConfig()
     plugin = [flag_name(f.name) + ("" if getattr(sb, f.name) is True
                                    else f" {getattr(sb, f.name)}")
-              for f in dataclasses.fields(sb) if f.name not in ("sparse_attention", "block_size")
+              for f in dataclasses.fields(sb) if f.name != "sparse_attention"
               and getattr(sb, f.name) != getattr(base, f.name)]
     case = ", ".join([f"{k}={v!r}" for k, v in kw.items()] + plugin
                      + ([] if plugin_data else ["Megatron's data path"]))
@@ -70,6 +70,9 @@ def test_a_good_launch_passes():
     _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, attention_backend="flex"), True, "--context-parallel-size 2 with the flex attention backend"),
     _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, attention_backend="flash"), True, "--context-parallel-size 2 with the flash attention backend"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flash"), True, "--sb-attention-backend flash: it needs a CUDA device (use flex, torch or auto on this machine)"),
+    _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, attention_backend="fa4", block_size=128), True, "--context-parallel-size 2 with the fa4 attention backend"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="fa4", block_size=128), True, "--sb-attention-backend fa4: it needs a CUDA device (use flex, torch or auto on this machine)"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="fa4"), True, "--sb-attention-backend fa4 with --sb-block-size 64: expected 128 (FA4's Hopper tiles)"),
     _case(dict(CP_A2A, num_attention_heads=6, context_parallel_size=4), SPARSE, True, "6 attention heads per tensor-parallel rank do not split over 4 CP ranks"),
     _case(dict(CP_A2A, num_attention_heads=12, group_query_attention=True, num_query_groups=3), SPARSE, True, "3 query groups per tensor-parallel rank and 2 CP ranks"),
     _case(dict(CP_A2A, seq_length=250), SPARSE, True, "--seq-length 250: expected a multiple of 4"),
@@ -80,6 +83,7 @@ def test_a_good_launch_passes():
     _case(dict(), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=64), False, "--sb-microbatch-multiple 64 on Megatron's data path"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flex", microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with the flex attention backend"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flash", microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with the flash attention backend"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="fa4", block_size=128, microbatch_multiple=128), True, "--sb-microbatch-multiple 128 with the fa4 attention backend (verified with the torch backend only so far"),
     _case(dict(cuda_graph_impl="local"), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with CUDA graphs"),
     _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "vp=2 needs pp >= 2"),
     _case(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), FULL, True, "pipeline rank 0 holds 2 layers: not divisible by the 3 virtual stages per rank"),

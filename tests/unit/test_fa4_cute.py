@@ -1,0 +1,209 @@
+"""The fa4 backend's block lists and its FA4 tensors, on CPU: our list format from a selection,
+FA4's forward and backward block-sparse tensors read the way its kernels read them (the diagonal
+the only partial block, under the causal mask_mod; every other kept block full) against the
+selection's token mask; the custom op's autograd wiring on fake tensors; the refusals.
+
+Where flash-attn-4 imports (``flash_attn.cute``), ``test_fa4_compiles_our_lists_for_hopper``
+compiles FA4's Hopper kernels without a GPU (CuTe DSL under a FakeTensorMode for sm_90, no JIT
+engine) on our lists, tile sizes and GQA layout (docs/GPU.md says how to install it here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsebalance_megatron.attention import block_sparse_attention, build_layout
+from sparsebalance_megatron.attention.fa4_cute import (
+    fa4_block_sparse_attention, fa4_missing, fa4_shape_problem, fa4_sparse_tensors,
+    lists_from_selection)
+from sparsebalance_megatron.attention.kernels import token_mask, to_blocks_kv, to_blocks_q
+from sparsebalance_megatron.attention.selection import select_blocks
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _selection(cu, nh, ng, hn, bs, density, seed=0, **budget):
+    t = cu[-1]
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(t, nh, hn, generator=g), torch.randn(t, ng, hn, generator=g)
+    lay = build_layout(cu, t, bs, "cpu")
+    density = torch.as_tensor(density, dtype=torch.float64).expand(lay.num_docs)
+    return select_blocks(to_blocks_q(lay.pad(q), ng, bs), to_blocks_kv(lay.pad(k), bs), lay,
+                         density, **budget)
+
+
+def _expand(cnt, idx, ng):
+    """FA4's broadcast of a ``[1 or ng, 1, NB(, W)]`` list over the groups (its batch)."""
+    return cnt.expand(ng, 1, cnt.shape[2]), idx.expand(ng, 1, *idx.shape[2:])
+
+
+def _kernel_view(tensors, ng, bs, lay, transposed):
+    """``[ng, t, t]`` counts of (query token, key token) pairs FA4 computes from its four
+    block-sparse tensors: full blocks whole, the partial ones under the mask_mod ``kv <= q``;
+    ``transposed``: the backward's lists (rows are key blocks, entries query blocks)."""
+    mask_cnt, mask_idx, full_cnt, full_idx = tensors
+    mask_cnt, mask_idx = _expand(mask_cnt, mask_idx, ng)
+    full_cnt, full_idx = _expand(full_cnt, full_idx, ng)
+    nb, p = lay.num_blocks, lay.padded_tokens
+    view = torch.zeros(ng, p, p, dtype=torch.int64)
+    ar = torch.arange(bs)
+    for g in range(ng):
+        for r in range(nb):
+            for cnt, idx, partial in ((full_cnt, full_idx, False), (mask_cnt, mask_idx, True)):
+                for e in idx[g, 0, r, :int(cnt[g, 0, r])].tolist():
+                    i, j = (e, r) if transposed else (r, e)        # query block, key block
+                    qi, kj = (i * bs + ar)[:, None], (j * bs + ar)[None, :]
+                    keep = (kj <= qi) if partial else torch.ones(bs, bs, dtype=torch.bool)
+                    view[g, i * bs:(i + 1) * bs, j * bs:(j + 1) * bs] += keep.long()
+    slots = lay.token_slot if lay.token_slot is not None else torch.arange(lay.num_tokens)
+    return view[:, slots][:, :, slots]
+
+
+CASES = [([0, 300, 301, 333, 700, 1024], 4, 2, 32, [0.3, 1.0, 0.5, 0.25, 0.6], {}),
+         ([0, 2048], 6, 3, 64, 0.25, dict(sink_blocks=1, local_blocks=1)),
+         ([0, 500, 1024], 2, 1, 64, 0.01, dict(sink_blocks=0)),      # diagonals only
+         ([0, 700, 1024], 4, 2, 32, 0.5, dict(selection_mode="mass", mass_threshold=0.6))]
+
+
+@pytest.mark.parametrize("cu,nh,ng,bs,density,budget", CASES)
+def test_lists_equal_the_selection_and_its_transpose(cu, nh, ng, bs, density, budget):
+    sel = _selection(cu, nh, ng, 16, bs, density, **budget)
+    lay, nb = sel.layout, sel.layout.num_blocks
+    q_num, q_idx, kv_num, kv_idx = lists_from_selection(sel)
+    kmax = sel.kv_indices.shape[-1]
+    assert q_idx.shape == (ng, nb, max(1, kmax - 1))
+    assert kv_idx.shape == (ng, nb, max(1, lay.max_doc_blocks - 1))
+    for x in (q_num, q_idx, kv_num, kv_idx):
+        assert x.dtype == torch.int32 and x.is_contiguous()
+    assert int(q_idx.min()) >= 0 and int(q_idx.max()) < nb       # unread entries in range too
+    assert int(kv_idx.min()) >= 0 and int(kv_idx.max()) < nb
+    kept = sel.block_mask() & ~torch.eye(nb, dtype=torch.bool)   # the diagonal is implicit
+    for g in range(ng):
+        for i in range(nb):
+            assert q_idx[g, i, :int(q_num[g, i])].tolist() == \
+                torch.nonzero(kept[g, i]).flatten().tolist()     # ascending
+            assert kv_idx[g, i, :int(kv_num[g, i])].tolist() == \
+                torch.nonzero(kept[g, :, i]).flatten().tolist()
+
+
+@pytest.mark.parametrize("cu,nh,ng,bs,density,budget", CASES)
+def test_fa4_tensors_keep_the_selection_token_mask_each_pair_once(cu, nh, ng, bs, density,
+                                                                  budget):
+    """Forward (per query block) and backward (per key block) tensors as FA4 reads them give
+    exactly the selection's token mask over the real tokens, no pair twice: the diagonal is the
+    only partial block, it is not in the full lists, and causality inside it is right for every
+    real query of a document's short last block."""
+    sel = _selection(cu, nh, ng, 16, bs, density, **budget)
+    lay, nb = sel.layout, sel.layout.num_blocks
+    q_num, q_idx, kv_num, kv_idx = lists_from_selection(sel)
+    want = token_mask(sel, ng)                                        # [ng, t, t]
+    for tensors, transposed in ((fa4_sparse_tensors(q_num, q_idx), False),
+                                (fa4_sparse_tensors(kv_num, kv_idx), True)):
+        mask_cnt, mask_idx, full_cnt, full_idx = tensors
+        assert mask_cnt.shape == (1, 1, nb) and mask_idx.shape == (1, 1, nb, 1)
+        assert torch.equal(mask_cnt.flatten(), torch.ones(nb, dtype=torch.int32))
+        assert torch.equal(mask_idx.flatten(), torch.arange(nb, dtype=torch.int32))
+        assert full_cnt.shape == (ng, 1, nb) and full_idx.dim() == 4
+        assert all(x.dtype == torch.int32 and x.stride(-1) == 1 for x in tensors)
+        assert full_idx.data_ptr() == (kv_idx if transposed else q_idx).data_ptr()  # no copy
+        counts = _kernel_view(tensors, ng, bs, lay, transposed)
+        assert int(counts.max()) == 1
+        assert torch.equal(counts == 1, want)
+
+
+def test_custom_op_autograd_on_fake_tensors():
+    """The op pair's fake implementations and autograd wiring: shapes of out and of the three
+    gradients, without FA4 or a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    sel = _selection([0, 300, 1024], 4, 2, 16, 128, 0.5)
+    lists = lists_from_selection(sel)
+    t = sel.layout.padded_tokens                   # 9 blocks: the documents' own, 3 + 6
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(t, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.empty(t, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        out = fa4_block_sparse_attention(q, k, v, *lists, block_size=128, softmax_scale=0.125)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_refusals_name_the_backend_and_value():
+    q = torch.randn(256, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(256, 2, 64, dtype=torch.bfloat16)
+    assert fa4_missing("cpu") == "it needs a CUDA device"
+    with pytest.raises(ValueError, match=r"backend='fa4': it needs a CUDA device; use backend"):
+        block_sparse_attention(q, k, v, [0, 256], 0.5, block_size=128, backend="fa4")
+    assert "block_size=64: expected 128" in fa4_shape_problem(torch.bfloat16, 64, 64)
+    assert "head dim 96" not in str(fa4_shape_problem(torch.bfloat16, 96, 128))
+    assert "head dim 192: expected a multiple of 8 up to 128" in \
+        fa4_shape_problem(torch.float16, 192, 128)
+    assert "dtype torch.float32" in fa4_shape_problem(torch.float32, 64, 128)
+    sel = _selection([0, 256], 4, 2, 16, 128, 0.5)
+    q_num, q_idx, kv_num, kv_idx = lists_from_selection(sel)
+    with pytest.raises(ValueError, match=r"q_idx: expected a 3-D int32 tensor, got torch.int64"):
+        fa4_block_sparse_attention(q, k, v, q_num, q_idx.long(), kv_num, kv_idx,
+                                   block_size=128, softmax_scale=0.125)
+    with pytest.raises(ValueError, match=r"kv_num has shape \(1, 2\): expected \[2, 2, ...\]"):
+        fa4_block_sparse_attention(q, k, v, q_num, q_idx, kv_num[:1], kv_idx,
+                                   block_size=128, softmax_scale=0.125)
+    with pytest.raises(ValueError, match=r"q has 200 rows: expected a multiple of block_size"):
+        fa4_block_sparse_attention(q[:200], k[:200], v[:200], q_num, q_idx, kv_num, kv_idx,
+                                   block_size=128, softmax_scale=0.125)
+
+
+# --- compile-only check of FA4's Hopper kernels (needs flash_attn.cute, not a GPU) -------------
+
+def compile_check(shapes) -> None:
+    """Compile FA4's sm_90 forward and backward on our lists for each ``(np, ng, hn)``: a
+    FakeTensorMode (FA4 compiles and skips the launch) and ``cute.compile`` without its JIT
+    engine (which needs a CUDA driver). Run in a fresh process: the arch variables are read
+    when CuTe DSL loads."""
+    import cutlass.cute as cute
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from flash_attn.cute import interface
+    from sparsebalance_megatron.attention import fa4_cute
+
+    compile_og = cute.compile
+
+    class NoJit:
+        def __getitem__(self, options):
+            return compile_og[options]
+
+        def __call__(self, *args, **kw):
+            return compile_og(*args, no_jit_engine=True, **kw)
+
+    interface.cute.compile = NoJit()
+    sel = _selection([0, 300, 301, 1100, 2048], 2, 1, 16, 128, [0.3, 1.0, 0.5, 0.25],
+                     local_blocks=1)
+    t = sel.layout.padded_tokens                   # 19 blocks: 3 + 1 + 7 + 8
+    for nh, ng, hn in shapes:
+        lists = [x.expand(ng, *x.shape[1:]).contiguous() for x in lists_from_selection(sel)]
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            q_num, q_idx, kv_num, kv_idx = (x.to("cuda") for x in lists)
+            q = torch.empty(t, nh, hn, dtype=torch.bfloat16, device="cuda")
+            k, v = (torch.empty(t, ng, hn, dtype=torch.bfloat16, device="cuda")
+                    for _ in range(2))
+            out, lse = fa4_cute.forward_kernel(q, k, v, q_num, q_idx, 128, hn ** -0.5)
+            assert lse.shape == (ng, nh // ng, t)
+            fa4_cute.backward_kernel(torch.empty_like(out), q, k, v, out, lse, kv_num, kv_idx,
+                                     128, hn ** -0.5)
+        print(f"compiled fwd+bwd np={nh} ng={ng} hn={hn}", flush=True)
+
+
+def test_fa4_compiles_our_lists_for_hopper():
+    pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed (docs/GPU.md: "
+                        "the FA4 wheels and PYTHONPATH for the compile-only check)")
+    env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
+    code = ("from tests.unit.test_fa4_cute import compile_check; "
+            "compile_check([(14, 2, 64), (32, 8, 128)])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("compiled fwd+bwd") == 2, r.stdout
