@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 ANCHORS = ("mean", "median", "min", "max")
-BACKENDS = ("auto", "flex", "flash", "torch", "reference")
+BACKENDS = ("auto", "flex", "flash", "triton", "torch", "reference")
 SELECTION_MODES = ("density", "mass")
 ESTIMATORS = ("maxkey", "pooled")
 LONG_SAMPLE_POLICIES = ("split", "error")
@@ -86,7 +86,9 @@ class SparseBalanceConfig:
     attention_backend: str = _f(
         "auto", "Sparse kernel: 'flex' (FlexAttention's Triton kernel, CUDA), 'flash' "
         "(FlexAttention's FlashAttention-4 kernel: Hopper or newer with flash-attn-4 installed; "
-        "experimental, not yet run on a GPU here), 'torch' (blockwise PyTorch), 'reference' "
+        "experimental, not yet run on a GPU here), 'triton' (the plugin's own Triton "
+        "block-sparse FlashAttention, CUDA; not yet timed on a GPU), 'torch' (blockwise "
+        "PyTorch), 'reference' "
         "(dense masked SDPA oracle), or 'auto' (flex on CUDA, torch on CPU).",
         choices=BACKENDS)
     query_chunk_blocks: int = _f(
