@@ -4,8 +4,9 @@
 query block, in the selection's top-k order, slot 0 the diagonal) into two sorted,
 int32 list pairs: per query block, the kept key blocks (the forward and dQ loop), and per key
 block, the query blocks that keep it (the dK/dV loop). One kernel launch per call (one program
-per query block and KV group); no host sync: the widths come from host-side bounds (the
-selection's width ``K`` and the layout's longest document).
+per query block and KV group, which scans the blocks of its document: no sort, work
+``O(document blocks x K)`` per program); no host sync: the widths come from host-side bounds
+(the selection's width ``K`` and the layout's longest document).
 
 Format (``ng`` KV groups, ``NB`` blocks of the layout, global block ids as in ``BlockLayout``):
 
@@ -74,48 +75,54 @@ class BlockLists:
 
 if HAVE_TRITON:
     @triton.jit(do_not_specialize=["WQ", "WK"])
-    def _lists_kernel(SEL, SEL_NUM, DOC_END, Q_NUM, Q_IDX, KV_NUM, KV_IDX,
-                      s_sel_g, s_sel_i, s_num_g, WQ, WK,
-                      KP: tl.constexpr, WKP: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _lists_kernel(SEL, SEL_NUM, DOC_START, DOC_END, Q_NUM, Q_IDX, KV_NUM, KV_IDX,
+                      s_sel_g, s_sel_i, s_num_g, WQ, WK, KP: tl.constexpr, WP: tl.constexpr,
+                      BLOCK: tl.constexpr):
         i = tl.program_id(0)
         g = tl.program_id(1)
         nb = tl.num_programs(0)
         slots = 1 + tl.arange(0, KP)                         # slot 0 (the diagonal) is skipped
-        # forward list of query block i: its kept slots, sorted
+        start = tl.load(DOC_START + i)
+        end = tl.load(DOC_END + i)
+        # forward list of query block i: the blocks of [start, i) its kept slots hold
         n = tl.load(SEL_NUM + g * s_num_g + i).to(tl.int32)
-        row = tl.load(SEL + g * s_sel_g + i * s_sel_i + slots, mask=slots < n,
-                      other=2147483647).to(tl.int32)
-        row = tl.sort(row)
-        pos = tl.arange(0, KP)
-        tl.store(Q_IDX + (g * nb + i) * WQ + pos, tl.where(pos < n - 1, row, i), mask=pos < WQ)
-        tl.store(Q_NUM + g * nb + i, n - 1)
-        # transposed list of key block j = i: scan the later query blocks of its document
+        row = tl.load(SEL + g * s_sel_g + i * s_sel_i + slots, mask=slots < n, other=-1)
+        out = Q_IDX + (g * nb + i) * WQ
+        count = i * 0
+        for b0 in range(start, i, BLOCK):
+            cand = b0 + tl.arange(0, BLOCK)
+            hit = tl.max((row[None, :] == cand[:, None]).to(tl.int32), axis=1)
+            tl.store(out + count + tl.cumsum(hit, 0) - 1, cand, mask=hit == 1)
+            count += tl.sum(hit, 0)
+        rest = tl.arange(0, WP)
+        tl.store(out + rest, tl.full([WP], 0, tl.int32) + i, mask=(rest >= count) & (rest < WQ))
+        tl.store(Q_NUM + g * nb + i, count)
+        # transposed list of key block j = i: the query blocks of (j, end) that keep it
         j = i
-        end = tl.load(DOC_END + j)
+        out = KV_IDX + (g * nb + j) * WK
         count = j * 0
-        for i0 in range(j + 1, end, BLOCK_I):
-            rows = i0 + tl.arange(0, BLOCK_I)
+        for r0 in range(j + 1, end, BLOCK):
+            rows = r0 + tl.arange(0, BLOCK)
             row_ok = rows < end
             rn = tl.load(SEL_NUM + g * s_num_g + rows, mask=row_ok, other=0).to(tl.int32)
             ids = tl.load(SEL + g * s_sel_g + rows[:, None] * s_sel_i + slots[None, :],
                           mask=row_ok[:, None] & (slots[None, :] < rn[:, None]), other=-1)
             hit = tl.max((ids == j).to(tl.int32), axis=1)
-            at = count + tl.cumsum(hit, 0) - 1
-            tl.store(KV_IDX + (g * nb + j) * WK + at, rows, mask=hit == 1)
+            tl.store(out + count + tl.cumsum(hit, 0) - 1, rows, mask=hit == 1)
             count += tl.sum(hit, 0)
-        rest = tl.arange(0, WKP)
-        tl.store(KV_IDX + (g * nb + j) * WK + rest, tl.full([WKP], 0, tl.int32) + j,
-                 mask=(rest >= count) & (rest < WK))
+        tl.store(out + rest, tl.full([WP], 0, tl.int32) + j, mask=(rest >= count) & (rest < WK))
         tl.store(KV_NUM + g * nb + j, count)
 
 
-def _doc_end(layout) -> torch.Tensor:
-    """[NB] int32: one past the last block of each block's document (memoised on the layout)."""
-    if "lists_doc_end" not in layout.memo:
-        ends = torch.tensor(layout.doc_block_start[1:], dtype=torch.int32,
-                            device=layout.block_doc.device)
-        layout.memo["lists_doc_end"] = ends[layout.block_doc]
-    return layout.memo["lists_doc_end"]
+def _doc_span(layout):
+    """[NB] int32 first block and one past the last block of each block's document (memoised
+    on the layout)."""
+    if "lists_doc_span" not in layout.memo:
+        dev = layout.block_doc.device
+        bounds = torch.tensor(layout.doc_block_start, dtype=torch.int32, device=dev)
+        layout.memo["lists_doc_span"] = (bounds[:-1][layout.block_doc],
+                                         bounds[1:][layout.block_doc])
+    return layout.memo["lists_doc_span"]
 
 
 def _pow2(n: int) -> int:
@@ -139,8 +146,8 @@ def build_block_lists(selection: BlockSelection) -> BlockLists:
     if sel.stride(-1) != 1:
         sel = sel.contiguous()
     kp = _pow2(max(k - 1, 1))
-    block_i = max(1, min(64, _SCAN_ELEMENTS // kp))
-    _lists_kernel[(nb, ng)](sel, sel_num, _doc_end(layout), q_num, q_idx, kv_num, kv_idx,
+    block = max(16, min(64, _SCAN_ELEMENTS // kp))
+    _lists_kernel[(nb, ng)](sel, sel_num, *_doc_span(layout), q_num, q_idx, kv_num, kv_idx,
                             sel.stride(0), sel.stride(1), sel_num.stride(0), wq, wk,
-                            KP=kp, WKP=_pow2(wk), BLOCK_I=block_i)
+                            KP=kp, WP=_pow2(max(wq, wk)), BLOCK=block)
     return BlockLists(q_num, q_idx, kv_num, kv_idx)

@@ -122,6 +122,10 @@ def _shape(q, k):
 
 
 if HAVE_TRITON:
+    def _prec(q):
+        """tl.dot's input precision: exact float32 for float32 inputs (no TF32)."""
+        return "ieee" if q.dtype == torch.float32 else "tf32"
+
     def _launch(hn):
         warps, stages = _LAUNCH[hn]
         return dict(num_warps=warps, num_stages=stages)
@@ -139,7 +143,7 @@ if HAVE_TRITON:
         _k.fwd_kernel[(triton.cdiv(rep * block_size, bm), ng, nb)](
             q, k, v, out, lse, q_num, q_idx, block_len, nb, t, q_idx.shape[-1],
             scale * _k.LOG2E.value, NP=nh, NG=ng, REP=rep, HN=hn, BS=block_size, BLOCK_M=bm,
-            IEEE=q.dtype == torch.float32, **_launch(hn))
+            PREC=_prec(q), **_launch(hn))
         return out, lse
 
     @_fwd_op.register_fake
@@ -156,7 +160,7 @@ if HAVE_TRITON:
         t, nh, ng, rep, hn = _shape(q, k)
         nb = t // block_size
         dout = dout.contiguous()
-        tiles, launch, ieee = _tiles(hn, block_size, rep), _launch(hn), q.dtype == torch.float32
+        tiles, launch, prec = _tiles(hn, block_size, rep), _launch(hn), _prec(q)
         delta = torch.empty(nh, t, dtype=torch.float32, device=q.device)
         _k.delta_kernel[(triton.cdiv(t, 64), nh)](out, dout, delta, t, t, NP=nh, HN=hn,
                                                   BLOCK_T=64)
@@ -166,7 +170,7 @@ if HAVE_TRITON:
         _k.dq_kernel[(triton.cdiv(rep * block_size, bm), ng, nb)](
             q, k, v, dout, dq, lse, delta, q_num, q_idx, block_len, nb, t, q_idx.shape[-1],
             qk_scale, scale, NP=nh, NG=ng, REP=rep, HN=hn, BS=block_size, BLOCK_M=bm,
-            IEEE=ieee, **launch)
+            PREC=prec, **launch)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
         chunks = -(-kv_idx.shape[-1] // kv_chunk)
@@ -174,7 +178,7 @@ if HAVE_TRITON:
         _k.dkv_kernel[(chunks * (block_size // bn), ng, nb)](
             q, k, v, dout, dk, dv, lse, delta, kv_num, kv_idx, block_len, nb, t,
             kv_idx.shape[-1], kv_chunk, qk_scale, scale, NP=nh, NG=ng, REP=rep, HN=hn,
-            BS=block_size, BLOCK_N=bn, BLOCK_M=tiles["dkv_m"], IEEE=ieee, **launch)
+            BS=block_size, BLOCK_N=bn, BLOCK_M=tiles["dkv_m"], PREC=prec, **launch)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
     @_bwd_op.register_fake

@@ -27,68 +27,55 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)   # the kernels' exp2/log2 base change
 
 
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _rows(m0, BS: tl.constexpr, REP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Stacked rows m0 .. m0 + BLOCK_M: (head in the group, token in the block, valid)."""
-    m = m0 + tl.arange(0, BLOCK_M)
-    return m // BS, m % BS, m < REP * BS
-
-
 @triton.jit(do_not_specialize=["NB", "P", "WQ"])
 def fwd_kernel(Q, K, V, O, LSE, Q_NUM, Q_IDX, BLEN, NB, P, WQ, qk_scale,
                NP: tl.constexpr, NG: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr,
-               BS: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+               BS: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
     """Grid (m tiles of the stacked rows, ng, NB): output and lse of one tile of query block i
     (the latest blocks first: their lists are the longest)."""
     g = tl.program_id(1)
     i = NB - 1 - tl.program_id(2)
-    r, t, row_ok = _rows(tl.program_id(0) * BLOCK_M, BS, REP, BLOCK_M)
-    head = g * REP + r
-    tok = i * BS + t
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = m % BS
+    row_ok = m < REP * BS
+    head = g * REP + m // BS
     d = tl.arange(0, HN)
     n = tl.arange(0, BS)
-    q_off = (tok * NP + head)[:, None] * HN + d[None, :]
+    q_off = ((i * BS + t) * NP + head)[:, None] * HN + d[None, :]
     q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+    kv_rows = (n * NG + g)[:, None] * HN + d[None, :]     # block j's tile: + j * BS * NG * HN
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HN], tl.float32)
-    num = tl.load(Q_NUM + g * NB + i)
-    for e in range(0, num):                                # full blocks: no mask
-        j = tl.load(Q_IDX + (g * NB + i) * WQ + e)
-        kv_off = ((j * BS + n) * NG + g)[:, None] * HN + d[None, :]
+    entries = Q_IDX + (g * NB + i) * WQ
+    for e in range(0, tl.load(Q_NUM + g * NB + i)):       # full blocks: no mask
+        kv_off = tl.load(entries + e) * (BS * NG * HN) + kv_rows
         k = tl.load(K + kv_off)
         v = tl.load(V + kv_off)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     # the diagonal block: causal, and only its real keys
     blen = tl.load(BLEN + i)
-    kv_off = ((i * BS + n) * NG + g)[:, None] * HN + d[None, :]
+    kv_off = i * (BS * NG * HN) + kv_rows
     k = tl.load(K + kv_off, mask=(n < blen)[:, None], other=0.0)
     v = tl.load(V + kv_off, mask=(n < blen)[:, None], other=0.0)
-    s = _dot(q, tl.trans(k), IEEE) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     s = tl.where((n[None, :] <= t[:, None]) & (n[None, :] < blen), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
     real = row_ok & (t < blen)
-    out = tl.where(real[:, None], acc / l_i[:, None], 0.0)
-    tl.store(O + q_off, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(O + q_off, tl.where(real[:, None], acc / l_i[:, None], 0.0).to(O.dtype.element_ty),
+             mask=row_ok[:, None])
     lse = tl.where(real, (m_new + tl.math.log2(l_i)) / LOG2E, float("inf"))
-    tl.store(LSE + head * P + tok, lse, mask=row_ok)
+    tl.store(LSE + head * P + i * BS + t, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["T", "P"])
@@ -98,87 +85,81 @@ def delta_kernel(O, DO, DELTA, T, P, NP: tl.constexpr, HN: tl.constexpr,
     h = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = tok < T
-    d = tl.arange(0, HN)
-    off = (tok * NP + h)[:, None] * HN + d[None, :]
+    off = (tok * NP + h)[:, None] * HN + tl.arange(0, HN)[None, :]
     o = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
     do = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
     tl.store(DELTA + h * P + tok, tl.sum(o * do, 1), mask=ok)
 
 
-@triton.jit
-def _dq_step(dq, q, do, lse2, delta, K, V, j, g, t, blen, DIAG: tl.constexpr, qk_scale,
-             NG: tl.constexpr, HN: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
-    n = tl.arange(0, BS)
-    d = tl.arange(0, HN)
-    kv_off = ((j * BS + n) * NG + g)[:, None] * HN + d[None, :]
-    if DIAG:
-        k = tl.load(K + kv_off, mask=(n < blen)[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=(n < blen)[:, None], other=0.0)
-    else:
-        k = tl.load(K + kv_off)
-        v = tl.load(V + kv_off)
-    s = _dot(q, tl.trans(k), IEEE) * qk_scale
-    p = tl.math.exp2(s - lse2[:, None])
-    if DIAG:
-        p = tl.where((n[None, :] <= t[:, None]) & (n[None, :] < blen), p, 0.0)
-    dp = _dot(do, tl.trans(v), IEEE)
-    ds = p * (dp - delta[:, None])
-    return dq + _dot(ds.to(k.dtype), k, IEEE)
-
-
 @triton.jit(do_not_specialize=["NB", "P", "WQ"])
 def dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, Q_NUM, Q_IDX, BLEN, NB, P, WQ, qk_scale, scale,
               NP: tl.constexpr, NG: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr,
-              BS: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+              BS: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
     """Grid (m tiles, ng, NB): dQ of one tile of query block i over its forward list and its
     diagonal."""
     g = tl.program_id(1)
     i = NB - 1 - tl.program_id(2)
-    r, t, row_ok = _rows(tl.program_id(0) * BLOCK_M, BS, REP, BLOCK_M)
-    head = g * REP + r
-    tok = i * BS + t
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = m % BS
+    row_ok = m < REP * BS
+    head = g * REP + m // BS
     d = tl.arange(0, HN)
-    q_off = (tok * NP + head)[:, None] * HN + d[None, :]
+    n = tl.arange(0, BS)
+    q_off = ((i * BS + t) * NP + head)[:, None] * HN + d[None, :]
     q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-    lse2 = tl.load(LSE + head * P + tok, mask=row_ok, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + head * P + tok, mask=row_ok, other=0.0)
-    blen = tl.load(BLEN + i)
+    stat = head * P + i * BS + t
+    lse2 = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+    kv_rows = (n * NG + g)[:, None] * HN + d[None, :]
     dq = tl.zeros([BLOCK_M, HN], tl.float32)
-    num = tl.load(Q_NUM + g * NB + i)
-    for e in range(0, num):
-        j = tl.load(Q_IDX + (g * NB + i) * WQ + e)
-        dq = _dq_step(dq, q, do, lse2, delta, K, V, j, g, t, blen, False, qk_scale,
-                      NG, HN, BS, IEEE)
-    dq = _dq_step(dq, q, do, lse2, delta, K, V, i, g, t, blen, True, qk_scale, NG, HN, BS, IEEE)
+    entries = Q_IDX + (g * NB + i) * WQ
+    for e in range(0, tl.load(Q_NUM + g * NB + i)):
+        kv_off = tl.load(entries + e) * (BS * NG * HN) + kv_rows
+        k = tl.load(K + kv_off)
+        v = tl.load(V + kv_off)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    blen = tl.load(BLEN + i)
+    kv_off = i * (BS * NG * HN) + kv_rows
+    k = tl.load(K + kv_off, mask=(n < blen)[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=(n < blen)[:, None], other=0.0)
+    p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
+    p = tl.where((n[None, :] <= t[:, None]) & (n[None, :] < blen), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _dkv_block(dk, dv, k, v, Q, DO, LSE, DELTA, i, g, n, kv_len, DIAG: tl.constexpr, P,
-               qk_scale, NP: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr,
-               BS: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
-    """Add query block i's contribution (all REP heads, BLOCK_M stacked rows at a time) to the
-    dK/dV tile of keys ``n``."""
+def _dkv_rows(dk, dv, k, v, Q, DO, LSE, DELTA, i, g, n, kv_len, P, qk_scale,
+              NP: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr, BS: tl.constexpr,
+              BLOCK_M: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr):
+    """Add query block i's contribution (its REP heads' stacked rows, BLOCK_M at a time) to
+    the dK/dV tile of keys ``n`` (``DIAG``: i is the key block itself, causal)."""
     d = tl.arange(0, HN)
     for m0 in range(0, REP * BS, BLOCK_M):
-        r, t, row_ok = _rows(m0, BS, REP, BLOCK_M)
-        head = g * REP + r
-        tok = i * BS + t
-        q_off = (tok * NP + head)[:, None] * HN + d[None, :]
+        m = m0 + tl.arange(0, BLOCK_M)
+        t = m % BS
+        row_ok = m < REP * BS
+        head = g * REP + m // BS
+        q_off = ((i * BS + t) * NP + head)[:, None] * HN + d[None, :]
         q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-        lse2 = tl.load(LSE + head * P + tok, mask=row_ok, other=float("inf")) \
-            * LOG2E
-        delta = tl.load(DELTA + head * P + tok, mask=row_ok, other=0.0)
-        st = _dot(k, tl.trans(q), IEEE) * qk_scale              # [keys, rows]
-        pt = tl.math.exp2(st - lse2[None, :])
+        stat = head * P + i * BS + t
+        lse2 = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
+        pt = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+                          - lse2[None, :])                      # [keys, rows]
         if DIAG:
             pt = tl.where((n[:, None] <= t[None, :]) & (n[:, None] < kv_len), pt, 0.0)
-        dv += _dot(pt.to(do.dtype), do, IEEE)
-        dpt = _dot(v, tl.trans(do), IEEE)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
         dst = pt * (dpt - delta[None, :])
-        dk += _dot(dst.to(q.dtype), q, IEEE)
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PREC)
     return dk, dv
 
 
@@ -186,7 +167,7 @@ def _dkv_block(dk, dv, k, v, Q, DO, LSE, DELTA, i, g, n, kv_len, DIAG: tl.conste
 def dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, NB, P, WK, CHUNK,
                qk_scale, scale, NP: tl.constexpr, NG: tl.constexpr, REP: tl.constexpr,
                HN: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+               BLOCK_M: tl.constexpr, PREC: tl.constexpr):
     """Grid (chunks x key sub-tiles, ng, NB): dK/dV of ``BLOCK_N`` keys of key block j from at
     most ``CHUNK`` entries of its transposed list (chunk c: entries ``[c * CHUNK, (c + 1) *
     CHUNK)``; chunk 0 also takes the diagonal). A column longer than ``CHUNK`` (the sink) is
@@ -200,20 +181,19 @@ def dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, NB, P, WK,
     num = tl.load(KV_NUM + g * NB + j)
     e0 = c * CHUNK
     if (e0 < num) | (c == 0):
-        d = tl.arange(0, HN)
         kv_len = tl.load(BLEN + j)
-        kv_off = ((j * BS + n) * NG + g)[:, None] * HN + d[None, :]
+        kv_off = ((j * BS + n) * NG + g)[:, None] * HN + tl.arange(0, HN)[None, :]
         k = tl.load(K + kv_off, mask=(n < kv_len)[:, None], other=0.0)
         v = tl.load(V + kv_off, mask=(n < kv_len)[:, None], other=0.0)
         dk = tl.zeros([BLOCK_N, HN], tl.float32)
         dv = tl.zeros([BLOCK_N, HN], tl.float32)
+        entries = KV_IDX + (g * NB + j) * WK
         for e in range(e0, tl.minimum(num, e0 + CHUNK)):
-            i = tl.load(KV_IDX + (g * NB + j) * WK + e)
-            dk, dv = _dkv_block(dk, dv, k, v, Q, DO, LSE, DELTA, i, g, n, kv_len, False, P,
-                                qk_scale, NP, REP, HN, BS, BLOCK_M, IEEE)
+            dk, dv = _dkv_rows(dk, dv, k, v, Q, DO, LSE, DELTA, tl.load(entries + e), g, n,
+                               kv_len, P, qk_scale, NP, REP, HN, BS, BLOCK_M, PREC, False)
         if c == 0:
-            dk, dv = _dkv_block(dk, dv, k, v, Q, DO, LSE, DELTA, j, g, n, kv_len, True, P,
-                                qk_scale, NP, REP, HN, BS, BLOCK_M, IEEE)
+            dk, dv = _dkv_rows(dk, dv, k, v, Q, DO, LSE, DELTA, j, g, n, kv_len, P, qk_scale,
+                               NP, REP, HN, BS, BLOCK_M, PREC, True)
         dk = dk * scale
         if num > CHUNK:
             tl.atomic_add(DK + kv_off, dk, sem="relaxed")
