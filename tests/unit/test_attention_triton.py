@@ -11,9 +11,10 @@ test sends one and fails with the worker's traceback. Shapes are tiny (block 16,
 
 import json
 import os
-import select
+import queue
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,16 +50,24 @@ def interp():
     proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=str(REPO))
+    lines = queue.Queue()     # a reader thread: select() would miss lines already buffered
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put("")                         # end of output: the worker is gone
+    threading.Thread(target=read, daemon=True).start()
 
     def run(name, **kw):
         proc.stdin.write(json.dumps([name, kw]) + "\n")
         proc.stdin.flush()
         seen = []
         while True:
-            if not select.select([proc.stdout], [], [], 300)[0]:
+            try:
+                line = lines.get(timeout=300)
+            except queue.Empty:
                 proc.kill()
                 pytest.fail(f"{name}: no answer from the interpreter worker in 300 s")
-            line = proc.stdout.readline()
             if not line:
                 pytest.fail(f"{name}: the interpreter worker died:\n{''.join(seen)[-3000:]}")
             if line.startswith("@@RESULT "):
@@ -145,15 +154,16 @@ def check_lists(density, sink_blocks, local_blocks, selection_mode):
 
 
 def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mode="density",
-                    kv_chunk=None, seed=0):
-    """Output and dq, dk, dv in float32 against the float64 reference on the same selection.
-    ``kv_chunk`` None: through ``block_sparse_attention`` (backend triton); else the padded
-    kernel on a fixed-length layout (a padded tail) with that chunk length."""
+                    kv_chunk=None, seed=0, dtype="float32", tol=1e-4):
+    """Output and dq, dk, dv against the float64 reference on the same selection and inputs
+    (max error relative to the largest entry below ``tol``). ``kv_chunk`` None: through
+    ``block_sparse_attention`` (backend triton); else the padded kernel on a fixed-length
+    layout (a padded tail) with that chunk length."""
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.attention.block_lists import build_block_lists
     from sparsebalance_megatron.attention.kernels import reference_attention
     from sparsebalance_megatron.attention.sparse_triton import sparse_attention_padded
-    q, k, v, w = _inputs(nh, ng, hn, seed)
+    q, k, v, w = _inputs(nh, ng, hn, seed, getattr(torch, dtype))
     scale = 0.7 / hn ** 0.5
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
                   selection_mode=selection_mode, mass_threshold=0.5, max_density=0.6)
@@ -175,8 +185,9 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
     ref = reference_attention(*x64, sel, scale)
     ref_grads = torch.autograd.grad((ref * w.double()).sum(), x64)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert a.dtype == q.dtype
         err = float((a.double() - b).abs().max() / b.abs().max())
-        assert err < 1e-4, f"{name}: max error {err:.2e} relative to the largest entry"
+        assert err < tol, f"{name}: max error {err:.2e} relative to the largest entry"
     assert float(sel.density_kept[2]) < 0.7          # the 7-block document is sparse
 
 
@@ -238,6 +249,27 @@ def check_refusals_and_fake_op():
         assert out.shape == (t, nh, hn) and lse.shape == (nh, t) and lse.dtype == torch.float32
 
 
+def check_no_host_syncs_per_layer():
+    """After the micro-batch's first layer, the triton backend's layers (selection, lists,
+    kernels; forward and backward) read nothing back from the device and copy nothing to it."""
+    import importlib.util
+
+    from sparsebalance_megatron.attention import block_sparse_attention
+    spec = importlib.util.spec_from_file_location(
+        "gpu_path_checks", Path(__file__).with_name("test_attention_gpu_path.py"))
+    gpu_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_path)
+    q, k, v, _ = _inputs(4, 2, 16, seed=6)
+    x = [t.requires_grad_(True) for t in (q, k, v)]
+    cu = torch.tensor(CU)                     # a tensor, as Megatron hands it over
+    kw = dict(block_size=BS, backend="triton", cache={}, local_blocks=1, estimator="pooled")
+    block_sparse_attention(*x, cu, 0.4, **kw)                      # layer 1: the set-up
+    with gpu_path.HostSyncCounter() as c:
+        out, _ = block_sparse_attention(*x, cu, 0.4, **kw)
+        out.sum().backward()
+    assert c.reads == [] and c.writes == [], (c.reads, c.writes)
+
+
 # --- tests -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("density,sink,local,mode", [
@@ -257,9 +289,17 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     # 3 query heads per group (a stacked tile with masked rows), no sink, mass selection
     dict(nh=6, ng=2, hn=16, density=0.25, sink_blocks=0, local_blocks=2,
          selection_mode="mass", kv_chunk=3),
-], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass"])
+    # half precision through the API (bfloat16 is left to tests/gpu: the interpreter's tl.dot
+    # mishandles bfloat16 operands in triton 3.7)
+    dict(nh=4, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, dtype="float16",
+         tol=3e-3),
+], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
+
+
+def test_per_layer_path_makes_no_host_syncs(interp):
+    interp("check_no_host_syncs_per_layer")
 
 
 def test_a_wrong_list_is_caught(interp):
