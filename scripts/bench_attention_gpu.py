@@ -7,14 +7,17 @@ of ``bench_attention.py``'s GPU rows). Dense baselines: ``F.scaled_dot_product_a
 the baselines pay for no copy); ``dense_ms`` is the faster of the two. Ours: the whole
 ``block_sparse_attention`` call (selection, BlockMask, compiled flex, pad/unpad) with the
 micro-batch's ``cache`` shared between repetitions, as the layers of one micro-batch share it;
-``--backends flex flash`` also times flex's FlashAttention-4 kernel (backend ``flash``).
-``select_ms`` is the selection alone (pooled queries, maxkey scores, top-k), ``mask_ms`` the
-BlockMask construction, ``kernel_ms`` the compiled flex forward+backward on a fixed selection.
+``--backends flex flash`` also times flex's FlashAttention-4 kernel (backend ``flash``),
+``--backends triton`` the plugin's own Triton kernel (``sparse_triton``; the flex tuning variants
+do not apply to it). ``select_ms`` is the selection alone (pooled queries, maxkey scores, top-k),
+``mask_ms`` the BlockMask construction (triton: the block lists), ``kernel_ms`` the kernel's
+forward+backward on a fixed selection.
 Times are CUDA-event medians after warm-up (the first call compiles; Dynamo is reset between
 lengths so each length gets its own static graph).
 
     python scripts/bench_attention_gpu.py --json docs/results/attention_gpu_h100.json
     python scripts/bench_attention_gpu.py --backends flex flash --json runs/attention_flash.json
+    python scripts/bench_attention_gpu.py --backends flex triton --json runs/attention_triton.json
 """
 
 from __future__ import annotations
@@ -70,8 +73,10 @@ def _dense_rows(t, q, kk, vv, g, reps):
 def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSITIES,
           backend="flex"):
     from sparsebalance_megatron.attention import block_sparse_attention
+    from sparsebalance_megatron.attention.block_lists import build_block_lists
     from sparsebalance_megatron.attention.flex import (FLEX_KERNELS, build_block_mask,
                                                        flex_attention_padded)
+    from sparsebalance_megatron.attention.sparse_triton import triton_attention_padded
     from sparsebalance_megatron.attention.selection import (query_block_sums_padded,
                                                             select_from_shares,
                                                             shares_from_block_sums)
@@ -116,14 +121,19 @@ def bench(seq_lens, nh=8, ng=2, hn=128, block_size=128, reps=10, densities=DENSI
             gp = lay.pad(g)
 
             def kernel():
-                flex_attention_padded(qp, kp, vp, sel, scale,
-                                      kernel=FLEX_KERNELS[backend]).backward(gp)
+                if backend == "triton":
+                    triton_attention_padded(qp, kp, vp, sel, scale).backward(gp)
+                else:
+                    flex_attention_padded(qp, kp, vp, sel, scale,
+                                          kernel=FLEX_KERNELS[backend]).backward(gp)
+
+            def lists():
+                return build_block_lists(sel) if backend == "triton" else build_block_mask(sel)
 
             row = dict(backend=backend, seq_len=t, density=d, sink_blocks=sink, block_size=block_size, ours_ms=ms,
                        dense_ms=dense_ms, dense_cudnn_ms=dense["cudnn"],
                        dense_flash_ms=dense["flash"], ratio_vs_dense=ms / dense_ms,
-                       select_ms=cuda_ms(select, reps), mask_ms=cuda_ms(
-                           lambda: build_block_mask(sel), reps),
+                       select_ms=cuda_ms(select, reps), mask_ms=cuda_ms(lists, reps),
                        kernel_ms=cuda_ms(kernel, reps),
                        density_kept=float(sel.density_kept[0]),
                        padded_blocks=lay.padded_blocks, num_blocks=lay.num_blocks)
@@ -164,9 +174,11 @@ def main(argv=None) -> int:
                          "\"dynamic_lists\": false} (repeatable; split_blocks 0: no sink "
                          "split; dynamic_lists false: static list widths); the "
                          "default configuration runs first as 'default'")
-    ap.add_argument("--backends", nargs="+", choices=("flex", "flash"), default=["flex"],
-                    help="our kernels: 'flex' (flex's Triton kernel) and/or 'flash' (flex's "
-                         "FlashAttention-4 kernel; needs flash-attn-4)")
+    ap.add_argument("--backends", nargs="+", choices=("flex", "flash", "triton"),
+                    default=["flex"],
+                    help="our kernels: 'flex' (flex's Triton kernel), 'flash' (flex's "
+                         "FlashAttention-4 kernel; needs flash-attn-4) and/or 'triton' (the "
+                         "plugin's own Triton kernel)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -187,6 +199,8 @@ def main(argv=None) -> int:
         variants.append((name, cfg))
     rows = []
     for backend, (name, cfg) in itertools.product(args.backends, variants):
+        if backend == "triton" and name != "default":
+            continue                     # the flex tuning variants do not apply to it
         set_flex_tuning(cfg.get("kernel_options"), cfg.get("mode"),
                         cfg.get("split_blocks", SPLIT_BLOCKS), cfg.get("dynamic_lists", True))
         try:

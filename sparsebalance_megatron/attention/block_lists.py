@@ -125,10 +125,6 @@ def _doc_span(layout):
     return layout.memo["lists_doc_span"]
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def build_block_lists(selection: BlockSelection) -> BlockLists:
     """The selection's forward and transposed lists (module docstring), built on its device by
     one Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
@@ -145,9 +141,9 @@ def build_block_lists(selection: BlockSelection) -> BlockLists:
     kv_idx = torch.empty(ng, nb, wk, dtype=torch.int32, device=dev)
     if sel.stride(-1) != 1:
         sel = sel.contiguous()
-    kp = _pow2(max(k - 1, 1))
+    kp = triton.next_power_of_2(max(k - 1, 1))
     block = max(16, min(64, _SCAN_ELEMENTS // kp))
     _lists_kernel[(nb, ng)](sel, sel_num, *_doc_span(layout), q_num, q_idx, kv_num, kv_idx,
                             sel.stride(0), sel.stride(1), sel_num.stride(0), wq, wk,
-                            KP=kp, WP=_pow2(max(wq, wk)), BLOCK=block)
+                            KP=kp, WP=triton.next_power_of_2(max(wq, wk)), BLOCK=block)
     return BlockLists(q_num, q_idx, kv_num, kv_idx)

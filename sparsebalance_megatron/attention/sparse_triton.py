@@ -3,8 +3,9 @@
 Works in the padded token space of a ``BlockLayout`` (every document starts on a block
 boundary; block size = the selection's, 64 or 128 on a GPU, >= 16) over the lists of
 ``block_lists.build_block_lists``: per query block its kept key blocks besides the diagonal
-(all full), per key block the query blocks that keep it. One launch per micro-batch for each
-kernel, over all query (or key) blocks of all documents; nothing is compiled per length.
+(all full), per key block the query blocks that keep it. Each call launches each kernel once,
+over all query (or key) blocks of all documents of the micro-batch; nothing is compiled per
+length (one kernel per head dim, block size, GQA ratio and dtype).
 
 Contract of ``sparse_attention_padded(q_pad, k_pad, v_pad, lists, layout, softmax_scale)``:
 
@@ -29,18 +30,27 @@ multiple of ``ng``; differentiable in q, k and v. ``triton_attention_padded(...,
 
 Design (``sparse_triton_kernels`` has the kernels):
 
-- forward: one program per (KV group, query block, tile of the block's stacked ``rep`` heads x
-  block rows): the heads of a group in one tile share every K/V tile loaded; online softmax in
-  float32; full blocks unmasked, then the diagonal with the causal and real-length masks; saves
-  the log-sum-exp.
+- GQA: the ``rep = np // ng`` query heads of a KV group are stacked as the M dimension
+  (``rep * B`` rows: head-major, then token). A forward / dQ program takes ``BLOCK_M`` of those
+  rows of one query block (``_tiles``: 128 or 64), so every K/V tile it loads serves all the
+  heads in its rows (up to ``BLOCK_M / B``: two heads at block 64 and head dim <= 128; at block
+  128 one head per program, and the group's programs are launched next to each other, so the
+  tile comes from L2). A dK/dV program holds one K/V tile and loops over all ``rep`` heads'
+  rows of every query block in its list: each K/V tile is loaded once per program for the
+  whole group.
+- forward: online softmax in float32 (base 2) over the full blocks, unmasked, then the diagonal
+  with the causal and real-length masks; saves the log-sum-exp. Query blocks are launched
+  latest first (the longest lists).
 - backward: ``delta = rowsum(dO * O)``; dQ per query-block tile over the forward list; dK/dV
-  per key block over its transposed list, all ``rep`` heads of the group. A column is split into
-  chunks of ``KV_CHUNK`` (16) query blocks, one program each (the first also takes the
-  diagonal): no program walks a whole document's sink column. A column longer than one chunk is
-  summed with float32 atomic adds; a shorter one is stored by its only program. dK/dV are
-  accumulated in float32 buffers and cast to the input dtype at the end.
-- tiles and launch settings per head dim (``_tiles``, ``_LAUNCH``) are untuned first choices, to
-  be tuned on the device.
+  per key block over its transposed list. A column is cut into chunks of ``KV_CHUNK`` = 16
+  query blocks, one program each (the first also takes the diagonal): no program walks a whole
+  document's sink column, and one program's work is at most 17 query blocks x ``rep`` heads.
+  The chunks of a column longer than 16 add their partial sums into float32 dK/dV buffers with
+  atomic adds; a shorter column is stored by its only program. The buffers are cast to the
+  input dtype at the end. The grid is ``ceil(Wk / 16)`` chunks for every key block, most of
+  them empty (they exit at once).
+- tiles, ``KV_CHUNK`` and launch settings per head dim (``_tiles``, ``_LAUNCH``) are untuned
+  first choices, to be tuned on the device.
 
 Registered with ``torch.library.custom_op`` (fake implementations for tracing) and its autograd;
 the ops run under ``TRITON_INTERPRET=1`` on CPU tensors too, which is how the unit tests check
@@ -96,14 +106,10 @@ def usable(q: torch.Tensor, block_size: int) -> bool:
     return why_not(q, block_size) is None
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _tiles(hn: int, bs: int, rep: int) -> dict:
     """Stacked query rows per program (forward, dQ, dK/dV) and key rows per dK/dV program:
     register-sized for the head dim (untuned)."""
-    rows = _pow2(rep * bs)
+    rows = triton.next_power_of_2(rep * bs)
     return dict(fwd=min(rows, 128 if hn <= 128 else 64), dq=min(rows, 128 if hn <= 64 else 64),
                 dkv_m=min(rows, 64 if hn <= 64 else 32),
                 dkv_n=min(bs, 128 if hn <= 64 else 64))
@@ -121,15 +127,17 @@ def _shape(q, k):
     return t, nh, ng, nh // ng, hn
 
 
+def _prec(q):
+    """tl.dot's input precision: exact float32 for float32 inputs (no TF32)."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _launch(hn):
+    warps, stages = _LAUNCH[hn]
+    return dict(num_warps=warps, num_stages=stages)
+
+
 if HAVE_TRITON:
-    def _prec(q):
-        """tl.dot's input precision: exact float32 for float32 inputs (no TF32)."""
-        return "ieee" if q.dtype == torch.float32 else "tf32"
-
-    def _launch(hn):
-        warps, stages = _LAUNCH[hn]
-        return dict(num_warps=warps, num_stages=stages)
-
     @torch.library.custom_op("sparsebalance::sparse_attn_fwd", mutates_args=())
     def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_num: torch.Tensor,
                 q_idx: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor,

@@ -15,7 +15,8 @@ nothing to dK/dV and get dQ = 0, whatever dO holds.
 
 The per-micro-batch sizes (``NB``, ``P``, list widths) are not specialised on
 (``do_not_specialize``): one compiled kernel per head dim, block size and GQA ratio serves every
-micro-batch. All index arithmetic is int32 (``sparse_triton`` checks that the token x head x dim extents fit).
+micro-batch. All index arithmetic is int32 (``sparse_triton`` checks that the token x head x
+dim extents fit). Imported by ``sparse_triton`` only where triton is installed.
 Pure triton; must not import megatron.
 """
 
