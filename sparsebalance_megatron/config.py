@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 ANCHORS = ("mean", "median", "min", "max")
-BACKENDS = ("auto", "flex", "flash", "fa4", "torch", "reference")
+BACKENDS = ("auto", "triton", "fa4", "flex", "flash", "torch", "reference")
 SELECTION_MODES = ("density", "mass")
 ESTIMATORS = ("maxkey", "pooled")
 LONG_SAMPLE_POLICIES = ("split", "error")
@@ -88,7 +88,9 @@ class SparseBalanceConfig:
         "(FlexAttention's FlashAttention-4 kernel: Hopper or newer with flash-attn-4 installed; "
         "experimental, not yet run on a GPU here), 'fa4' (FlashAttention-4's block-sparse CuTe "
         "kernels called directly: Hopper, block 128, bf16/fp16, flash-attn-4 installed; "
-        "experimental, not yet run on a GPU), 'torch' (blockwise PyTorch), 'reference' "
+        "experimental, not yet run on a GPU), 'triton' (the plugin's own Triton "
+        "block-sparse FlashAttention, CUDA; not yet timed on a GPU), 'torch' (blockwise "
+        "PyTorch), 'reference' "
         "(dense masked SDPA oracle), or 'auto' (flex on CUDA, torch on CPU).",
         choices=BACKENDS)
     query_chunk_blocks: int = _f(

@@ -12,6 +12,9 @@ and shared through ``cache``; the per-layer path then reads nothing back from th
 - ``fa4``: FlashAttention-4's block-sparse CuTe kernels called directly on the selection's
   block lists (Hopper, block 128, bf16/fp16, ``flash-attn-4`` installed; experimental,
   ``fa4_cute.py``);
+- ``triton``: the plugin's own block-sparse FlashAttention in Triton (``sparse_triton.py``;
+  CUDA, or CPU tensors under ``TRITON_INTERPRET=1``), one launch per micro-batch per kernel and
+  no recompiles across lengths;
 - ``torch``: blockwise PyTorch with autograd (CPU and portable fallback);
 - ``reference``: dense SDPA with the expanded boolean mask (the oracle, O(t^2) memory);
 - ``auto``: flex on CUDA, torch elsewhere.
@@ -157,6 +160,11 @@ def block_sparse_attention(
         raise ValueError(f"backend='flash': {why}; use backend 'flex' or 'auto'")
     if backend == "fa4":
         _refuse_fa4(q, head_dim, block_size)
+    if backend == "triton":
+        from .sparse_triton import why_not
+        why = why_not(q, block_size)
+        if why is not None:
+            raise ValueError(f"backend='triton': {why}; use backend 'flex', 'torch' or 'auto'")
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
                      fixed_length=flex_kernel is not None)
     density_doc, density_host = _density(layout, density)
@@ -165,8 +173,7 @@ def block_sparse_attention(
                   min_density=min_density, max_density=max_density, density_host=density_host)
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
-    if flex_kernel is not None or backend == "fa4":
-        from .flex import flex_attention_padded
+    if flex_kernel is not None or backend in ("fa4", "triton"):
         with torch.no_grad():
             qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
             keys = k_pad.detach()[:layout.num_blocks * block_size].permute(1, 0, 2)
@@ -176,11 +183,15 @@ def block_sparse_attention(
         selection = select_from_shares(shares, layout, density_doc, **budget)
         if backend == "fa4":     # the layout's own blocks: FA4 takes the length at run time
             from .fa4_cute import fa4_attention_padded
-            return layout.unpad(fa4_attention_padded(q_pad, k_pad, v_pad, selection,
-                                                     softmax_scale)), selection
-        out = layout.unpad(flex_attention_padded(q_pad, k_pad, v_pad, selection,
-                                                 softmax_scale, compile_backend, flex_kernel))
-        return out, selection
+            out = fa4_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale)
+        elif backend == "triton":
+            from .sparse_triton import triton_attention_padded
+            out = triton_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale)
+        else:
+            from .flex import flex_attention_padded
+            out = flex_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale,
+                                        compile_backend, flex_kernel)
+        return layout.unpad(out), selection
 
     q_blk = to_blocks_q(q_pad, num_groups, block_size)       # [ng, NB, rep, B, hn]
     k_blk = to_blocks_kv(k_pad, block_size)                  # [ng, NB, B, hn]

@@ -83,15 +83,20 @@ def _sparse_attention_conflicts(args) -> list[str]:
     return out
 
 
-def _flex(sb: SparseBalanceConfig) -> str:
-    """The GPU kernel backend the sparse attention would run ('flex', 'flash', 'fa4', or 'flex'
-    for auto on CUDA), or '' when it runs none (the features verified with the torch backend
-    only are refused for each)."""
+def _gpu_kernel(sb: SparseBalanceConfig) -> str:
+    """The GPU kernel backend the sparse attention would run ('flex', 'flash', 'triton', 'fa4',
+    or 'flex' for auto on CUDA), or '' when it runs the torch or reference path."""
     if not sb.sparse_attention_enabled:
         return ""
-    if sb.attention_backend in ("flex", "flash", "fa4"):
+    if sb.attention_backend in ("flex", "flash", "triton", "fa4"):
         return sb.attention_backend
     return "flex" if sb.attention_backend == "auto" and torch.cuda.is_available() else ""
+
+
+def _flex(sb: SparseBalanceConfig) -> str:
+    """``_gpu_kernel`` when it is a FlexAttention backend (compiled per shape), else ''."""
+    kernel = _gpu_kernel(sb)
+    return kernel if kernel in ("flex", "flash") else ""
 
 
 def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
@@ -112,9 +117,9 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
         out.append(f"--seq-length {seq}: expected a multiple of {multiple} (documents are padded "
                    f"to multiples of {multiple}" + (f", 2 x --context-parallel-size {cp})"
                                                     if cp > 1 else ")"))
-    if sb.seq_pad_multiple > 1 and _flex(sb) and cp == 1:
+    if sb.seq_pad_multiple > 1 and _gpu_kernel(sb) and cp == 1:
         out.append(f"{flag_name('seq_pad_multiple')} {sb.seq_pad_multiple} with the "
-                   f"{_flex(sb)} attention backend (padded documents are verified with the "
+                   f"{_gpu_kernel(sb)} attention backend (padded documents are verified with the "
                    f"torch backend only so far: add {flag_name('attention_backend')} torch)")
     if cp == 1:
         return out
@@ -137,8 +142,8 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
         out.append(f"{where} on Megatron's data path (the plugin's packed data path splits "
                    f"micro-batches for CP: use examples/pretrain_gpt_sparsebalance.py, or "
                    f"--sb-batching / --sparse-balance)")
-    if _flex(sb):
-        out.append(f"{where} with the {_flex(sb)} attention backend (CP is verified with "
+    if _gpu_kernel(sb):
+        out.append(f"{where} with the {_gpu_kernel(sb)} attention backend (CP is verified with "
                    f"the torch backend only so far: add {flag_name('attention_backend')} torch)")
     if getattr(args, "transformer_impl", "local") != "local":
         out.append(f"{where} with --transformer-impl {args.transformer_impl} (CP is verified "
@@ -177,11 +182,12 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
                    f"of {sb.pad_multiple(cp)}; each of {cp} CP ranks' share must split over "
                    f"{tp if getattr(args, 'sequence_parallel', False) else 1} sequence-"
                    f"parallel ranks)")
-    if _flex(sb):
+    kernel = _gpu_kernel(sb)
+    if kernel in ("flex", "flash", "fa4"):   # triton compiles nothing per length: not refused
         # FA4's kernels take the length at run time; flex compiles one kernel per length
-        compiles = "" if _flex(sb) == "fa4" else "each micro-batch length would compile its " \
-            "own kernel; "
-        out.append(f"{flag} with the {_flex(sb)} attention backend ({compiles}verified with "
+        compiles = "" if kernel == "fa4" else "each micro-batch length would compile its own " \
+            "kernel; "
+        out.append(f"{flag} with the {kernel} attention backend ({compiles}verified with "
                    f"the torch backend only so far: add {flag_name('attention_backend')} torch)")
     if str(getattr(args, "cuda_graph_impl", "none") or "none") != "none" \
             or getattr(args, "enable_cuda_graph", False) \
@@ -230,6 +236,23 @@ def _data_conflicts(args) -> list[str]:
     return out
 
 
+def _triton_conflicts(args, sb: SparseBalanceConfig, cuda: bool) -> list[str]:
+    """``--sb-attention-backend triton``: what its kernels cannot run (``sparse_triton.why_not``
+    at launch: the device, the head dim, the block size)."""
+    flag = f"{flag_name('attention_backend')} triton"
+    out = []
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        out.append(f"{flag}: the Triton kernels need CUDA (use torch or auto on this machine)")
+    hn = getattr(args, "kv_channels", None)
+    if hn is not None and not (16 <= hn <= 256 and hn & (hn - 1) == 0):
+        out.append(f"{flag} with head dim {hn} (--kv-channels): expected a power of two in "
+                   f"16..256 (use flex or torch)")
+    if sb.block_size < 16:
+        out.append(f"{flag} with {flag_name('block_size')} {sb.block_size}: expected >= 16 "
+                   f"(the kernels' smallest tile)")
+    return out
+
+
 def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
     out = []
     cuda = torch.cuda.is_available()
@@ -240,6 +263,8 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
     if sb.sparse_attention_enabled and sb.attention_backend == "flex" and not cuda:
         out.append(f"{flag_name('attention_backend')} flex: FlexAttention needs CUDA "
                    f"(use torch or auto on this machine)")
+    if sb.sparse_attention_enabled and sb.attention_backend == "triton":
+        out += _triton_conflicts(args, sb, cuda)
     if sb.sparse_attention_enabled and sb.attention_backend == "flash":
         why = flash_kernel_missing(torch.device("cuda") if cuda else torch.device("cpu"))
         if why is not None:

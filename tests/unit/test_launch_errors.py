@@ -73,6 +73,9 @@ def test_a_good_launch_passes():
     _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, attention_backend="fa4", block_size=128), True, "--context-parallel-size 2 with the fa4 attention backend"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="fa4", block_size=128), True, "--sb-attention-backend fa4: it needs a CUDA device (use flex, torch or auto on this machine)"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="fa4"), True, "--sb-attention-backend fa4 with --sb-block-size 64: expected 128 (FA4's Hopper tiles)"),
+    _case(CP_A2A, SparseBalanceConfig(sparse_attention=True, attention_backend="triton"), True, "--context-parallel-size 2 with the triton attention backend"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="triton"), True, "--sb-attention-backend triton: the Triton kernels need CUDA (use torch or auto on this machine)"),
+    _case(dict(kv_channels=24), SparseBalanceConfig(sparse_attention=True, attention_backend="triton"), True, "--sb-attention-backend triton with head dim 24 (--kv-channels): expected a power of two in 16..256"),
     _case(dict(CP_A2A, num_attention_heads=6, context_parallel_size=4), SPARSE, True, "6 attention heads per tensor-parallel rank do not split over 4 CP ranks"),
     _case(dict(CP_A2A, num_attention_heads=12, group_query_attention=True, num_query_groups=3), SPARSE, True, "3 query groups per tensor-parallel rank and 2 CP ranks"),
     _case(dict(CP_A2A, seq_length=250), SPARSE, True, "--seq-length 250: expected a multiple of 4"),
@@ -182,6 +185,17 @@ def test_quality_objective_needs_a_readable_quality_cost(tmp_path):
 def test_flex_backend_needs_cuda():
     sb = SparseBalanceConfig(sparse_attention=True, attention_backend="flex")
     assert "--sb-attention-backend flex: FlexAttention needs CUDA" in refused(launch_args(), sb)
+
+
+def test_triton_backend_takes_variable_length_microbatches(monkeypatch):
+    """Unlike flex, the Triton kernels compile nothing per micro-batch length (the interpreter
+    stands in for CUDA here, as the attention API accepts it)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sb = SparseBalanceConfig(sparse_attention=True, attention_backend="triton",
+                             microbatch_multiple=64)
+    check_launch(launch_args(kv_channels=64), sb, plugin_data=True)
+    assert "--sb-block-size 8: expected >= 16" in refused(
+        launch_args(seq_length=64), dataclasses.replace(sb, block_size=8))
 
 
 def test_straggler_rank_must_be_a_data_parallel_rank(monkeypatch):
