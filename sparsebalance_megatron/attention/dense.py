@@ -35,9 +35,9 @@ from typing import List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from ..config import DENSE_KERNELS
 from .blocks import check_cu_seqlens, check_qkv, check_softmax_scale
 
-DENSE_KERNELS = ("auto", "varlen", "sdpa")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
 
