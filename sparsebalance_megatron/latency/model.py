@@ -4,6 +4,14 @@ Form, per stage kind (first / middle / last, or "only" without PP), fitted separ
 forward and the backward pass::
 
     t = c0 + c1 * tokens + c2 * attention_work(density) + c3 * selection_work + c4 * sequences
+        + c5 * dense_work
+
+``dense_work`` (the causal block pairs of documents routed to the dense kernel, ``features.py``)
+does not depend on the density, so it joins the fixed part of a unit's time: a unit of short
+documents alone takes the same time at every density. Its coefficient is the table's
+``dense_coefficients`` (fitted when the grid has routed documents), else the sparse kernel's
+per-pair cost (``crossover.dense_coefficient``). The routing threshold is the table's crossover;
+``with_routing`` gives the model of a run that routes at another (``--sb-dense-below-tokens``).
 
 A stage of another layer count than the table's (Megatron's uneven splits, layout strings and
 the interleaved schedule's model chunks: ``layout.PipelineLayout``) is its kind's coefficients
@@ -35,7 +43,8 @@ from typing import Optional
 import numpy as np
 
 from .context_parallel import ContextParallelCost
-from .features import FEATURES, UnitFeatures, features_of
+from .crossover import dense_coefficient, table_crossover
+from .features import FEATURES, MODEL_FEATURES, UnitFeatures, features_of
 from .layout import LayoutError, PipelineLayout
 from .table import (LatencyTableError, check_coefficients, check_compatible, measured_kinds,
                     read_table, table_layout, validate_table, write_table)
@@ -129,11 +138,17 @@ class LatencyModel:
                                     "another version of this plugin: profile the device again "
                                     "with python -m sparsebalance_megatron.megatron.profile_cli)")
         check_coefficients(table, coefficients, where)
-        self.coef = {k: {p: np.asarray(v[p], dtype=np.float64) for p in ("fwd", "bwd")}
-                     for k, v in coefficients.items()}
+        # one vector per (kind, pass) in the order of MODEL_FEATURES (the table's features,
+        # then dense_work); ``coef`` is its view on the table's features
+        self._coef_full = {
+            k: {p: np.asarray(list(v[p]) + [dense_coefficient(table, coefficients, k, p)],
+                              dtype=np.float64) for p in ("fwd", "bwd")}
+            for k, v in coefficients.items()}
+        self.coef = {k: {p: v[p][:len(FEATURES)] for p in v} for k, v in self._coef_full.items()}
+        self.dense_below_tokens = table_crossover(table)
         self.table_layout = table_layout(table)
         self.layout = self.table_layout
-        self._stage_coef = [self.coef[k] for k in self.layout.kinds()]
+        self._stage_coef = [self._coef_full[k] for k in self.layout.kinds()]
         self.context_parallel: Optional[ContextParallelCost] = None
         if not (0.0 < calibration_ema <= 1.0):
             raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
@@ -150,18 +165,27 @@ class LatencyModel:
         """Least squares per stage kind on the table's measurements (ignores stored coefficients)."""
         validate_table(table, where)
         att = table["attention"]
-        coef = {}
+        coef, dense = {}, {}
         for kind in measured_kinds(table):
             rows = [m for m in table["measurements"] if m["kind"] == kind]
             feats = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
                                        att["sink_blocks"], att["local_blocks"],
                                        att.get("work", "kept"),
-                                       int(att.get("query_chunk_blocks", 16)))
-            x = feats.matrix(np.asarray([m["density"] for m in rows]))
-            coef[kind] = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows])).tolist()
-                          for p in ("fwd", "bwd")}
+                                       int(att.get("query_chunk_blocks", 16)),
+                                       table_crossover(table))
+            x = feats.matrix(np.asarray([m["density"] for m in rows]), MODEL_FEATURES)
+            fitted = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows]))
+                      for p in ("fwd", "bwd")}
+            coef[kind] = {p: c[:len(FEATURES)].tolist() for p, c in fitted.items()}
+            # the dense kernel's own coefficient, where the grid has routed documents that price
+            # it (else the sparse kernel's per-pair cost stands in: crossover.dense_coefficient)
+            if all(c[-1] > 0 for c in fitted.values()):
+                dense[kind] = {p: float(c[-1]) for p, c in fitted.items()}
         table = dict(table)
         table["coefficients"] = coef
+        table.pop("dense_coefficients", None)
+        if dense:
+            table["dense_coefficients"] = dense
         return cls(table, coef, calibration_ema=calibration_ema, where=where)
 
     @classmethod
@@ -202,19 +226,35 @@ class LatencyModel:
 
     def save(self, path: str) -> None:
         """Write the table with the current coefficients as JSON (never pickle)."""
-        table = copy.deepcopy(self.table)
-        table["coefficients"] = {k: {p: v[p].tolist() for p in v} for k, v in self.coef.items()}
-        write_table(table, path)
+        write_table(self._table_with_coefficients(), path)
 
     def to_json(self) -> str:
+        return json.dumps(self._table_with_coefficients())
+
+    def _table_with_coefficients(self) -> dict:
         table = copy.deepcopy(self.table)
-        table["coefficients"] = {k: {p: v[p].tolist() for p in v} for k, v in self.coef.items()}
-        return json.dumps(table)
+        n = len(FEATURES)
+        table["coefficients"] = {k: {p: v[p].tolist() for p in v}
+                                 for k, v in self.coef.items()}
+        if "dense_coefficients" in table:       # fitted; a fallback is not written
+            table["dense_coefficients"] = {k: {p: float(v[p][n]) for p in v}
+                                           for k, v in self._coef_full.items()}
+        return table
+
+    def with_routing(self, dense_below_tokens: int) -> "LatencyModel":
+        """This model for a run whose documents shorter than ``dense_below_tokens`` run dense
+        (0: none); calibration is shared. The table's own threshold is its crossover."""
+        n = dense_below_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"dense_below_tokens={n!r}: expected an integer >= 0")
+        out = copy.copy(self)
+        out.dense_below_tokens = int(n)
+        return out
 
     # --- layouts ---------------------------------------------------------------------------
     def layer_coefficients(self) -> dict:
-        """{fwd, bwd: [n_features]} of ONE decoder layer: the measured middle stage over its
-        layers. ``LayoutError`` when the table has no middle stage (a pp=1 table, or a pp=2 one
+        """{fwd, bwd: [len(MODEL_FEATURES)]} of ONE decoder layer: the measured middle stage over
+        its layers. ``LayoutError`` when the table has no middle stage (a pp=1 table, or a pp=2 one
         profiled before the profiler measured a middle stage at pp = 2)."""
         if "middle" not in self.coef:
             raise LayoutError(
@@ -224,7 +264,7 @@ class LatencyModel:
                 f"predicted: profile again with sparsebalance-profile "
                 f"--pipeline-model-parallel-size 2 or more (it measures a middle stage)")
         n = self._kind_layers("middle")
-        return {p: self.coef["middle"][p] / n for p in ("fwd", "bwd")}
+        return {p: self._coef_full["middle"][p] / n for p in ("fwd", "bwd")}
 
     def _kind_layers(self, kind: str) -> int:
         lay = self.table_layout
@@ -246,7 +286,7 @@ class LatencyModel:
         stage_coef = []
         per_layer = None
         for kind, n in zip(kinds, layout.layers):
-            base = self.coef[kind]
+            base = self._coef_full[kind]
             dn = n - self._kind_layers(kind)
             if dn == 0:
                 stage_coef.append(base)
@@ -337,7 +377,7 @@ class LatencyModel:
     def unit_features(self, mb_doc_lengths) -> UnitFeatures:
         """Density-independent features of many units; pass the result back to avoid rebuilding."""
         return features_of(mb_doc_lengths, self.block_size, self.sink_blocks, self.local_blocks,
-                           self.work_mode, self.query_chunk_blocks)
+                           self.work_mode, self.query_chunk_blocks, self.dense_below_tokens)
 
     def unit_terms(self, mb_doc_lengths, stage: int, rank: Optional[int] = None) -> UnitTerms:
         """Closed-form per-unit time at any density on ``stage`` (calibrated for ``rank``)."""
@@ -347,7 +387,9 @@ class LatencyModel:
         corr = self.correction(rank) if rank is not None else 1.0
         x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work, f.sequences],
                      axis=1)                                                   # [n, 4]
-        fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]], 0.0) * corr for p in ("fwd", "bwd")}
+        # dense work is density-independent: fixed time (+ 0.0 exactly without routing)
+        fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]] + c[p][5] * f.dense_work, 0.0) * corr
+                 for p in ("fwd", "bwd")}
         return UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
                          float(c["bwd"][2]) * corr)
 
