@@ -93,9 +93,12 @@ def packed_docs(cu_seqlens, num_tokens: int, device, cache: Optional[dict] = Non
     return docs
 
 
-def fused_kernel_runs(q: torch.Tensor) -> bool:
-    """Whether ``varlen`` / ``sdpa`` can run on ``q``: CUDA and float16/bfloat16."""
-    return q.is_cuda and q.dtype in _FUSED_DTYPES
+def resolve_dense_kernel(kernel: str, device, dtype: torch.dtype) -> str:
+    """The kernel that runs for ``kernel`` on ``device`` in ``dtype``: ``varlen`` or ``sdpa`` on
+    CUDA in float16/bfloat16 (``auto`` is ``varlen``), else ``loop`` (the exact loop)."""
+    if torch.device(device).type != "cuda" or dtype not in _FUSED_DTYPES:
+        return "loop"
+    return "varlen" if kernel == "auto" else kernel
 
 
 def dense_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -116,11 +119,10 @@ def dense_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if docs.num_tokens != q.shape[0]:
         raise ValueError(f"cu_seqlens ends at {docs.num_tokens} but there are {q.shape[0]} "
                          f"tokens: expected the last entry to equal the token count")
-    if not fused_kernel_runs(q):
+    run = resolve_dense_kernel(kernel, q.device, q.dtype)
+    if run == "loop":
         return causal_per_document(q, k, v, docs.bounds, scale)
-    if kernel == "sdpa":
-        return _padded_sdpa(q, k, v, docs, scale)
-    return _varlen(q, k, v, docs, scale)
+    return _padded_sdpa(q, k, v, docs, scale) if run == "sdpa" else _varlen(q, k, v, docs, scale)
 
 
 def causal_per_document(q, k, v, bounds: Sequence[int], softmax_scale: float) -> torch.Tensor:
