@@ -25,7 +25,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from .blocks import check_cu_seqlens
+from .blocks import check_cu_seqlens, check_density
 from .dense import PackedDocs, dense_varlen_attention
 from .selection import BlockSelection
 
@@ -112,12 +112,6 @@ def route_of(cache: Optional[dict], cu_seqlens, num_tokens: int, dense_below_tok
     return route
 
 
-def check_routed_density(density, num_docs: int):
-    """A per-document density tensor must have one entry per document of the whole micro-batch
-    (before routing picks the long ones); a scalar passes through."""
-    if isinstance(density, torch.Tensor) and density.numel() not in (1, num_docs):
-        raise ValueError(f"density has {density.numel()} entries: expected a scalar or one per "
-                         f"document ({num_docs})")
 
 
 def attend_routed(q, k, v, route: Route, density, softmax_scale: float, dense_kernel: str,
@@ -127,10 +121,12 @@ def attend_routed(q, k, v, route: Route, density, softmax_scale: float, dense_ke
     ``sparse(q, k, v, cu_host, density, cache) -> (out, BlockSelection)`` runs the block-sparse
     path on the long documents packed together. Returns ``(out [t, np, hn], RoutedSelection)``.
     """
+    # every entry checked, the dense documents' too, with the sparse path's messages (on the
+    # host: a number costs nothing, a tensor one read, as on the sparse path)
+    check_density(density, route.num_docs, "cpu")
     if not route.sparse_bounds[-1]:                   # every document is short: no sparse call
         out = dense_varlen_attention(q, k, v, route.dense, softmax_scale, kernel=dense_kernel)
         return out, RoutedSelection(route.ones, route.ones, None, tuple(route.dense_docs))
-    check_routed_density(density, route.num_docs)
     if isinstance(density, torch.Tensor) and density.numel() > 1:
         density = density.reshape(-1).index_select(0, route.sparse_docs.to(density.device))
     ts = route.sparse_tokens

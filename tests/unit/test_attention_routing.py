@@ -96,6 +96,12 @@ def test_bad_routing_arguments_name_the_argument_and_value():
                                          r"document \(5\)"):
         block_sparse_attention(q, k, v, CU, torch.tensor([0.5, 0.5]), dense_below_tokens=100,
                                **KW)
+    for n in (100, 1000):        # a dense document's entry is checked too, all-short or not
+        with pytest.raises(ValueError, match=r"density=7.0: expected a value in \(0, 1\]"):
+            block_sparse_attention(q, k, v, CU, torch.tensor([7.0, 0.5, 0.5, 0.5, 0.5]),
+                                   dense_below_tokens=n, **KW)
+        with pytest.raises(ValueError, match=r"density=0.0: expected a value in \(0, 1\]"):
+            block_sparse_attention(q, k, v, CU, 0, dense_below_tokens=n, **KW)
 
 
 def _refuse(what):
