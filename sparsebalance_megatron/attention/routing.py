@@ -112,8 +112,6 @@ def route_of(cache: Optional[dict], cu_seqlens, num_tokens: int, dense_below_tok
     return route
 
 
-
-
 def attend_routed(q, k, v, route: Route, density, softmax_scale: float, dense_kernel: str,
                   sparse: Callable):
     """Routed attention of a micro-batch with at least one short document.
