@@ -70,7 +70,7 @@ def _check_choice(name: str, value, choices) -> str:
 def _layout(cache, cu_seqlens, num_tokens, block_size, device, fixed_length, pad_tokens=None):
     """The micro-batch's layout: built (reading ``cu_seqlens`` on the host) on the first call,
     then taken from ``cache`` by every later layer and by a recomputed forward."""
-    key = ("layout", num_tokens, block_size, str(device), fixed_length)
+    key = ("layout", num_tokens, block_size, str(device), fixed_length, pad_tokens)
     if cache is not None and key in cache:
         return cache[key]
     layout = build_layout(cu_seqlens, num_tokens, block_size, device, fixed_length=fixed_length,
@@ -100,6 +100,7 @@ def block_sparse_attention(
         compile_backend: Optional[str] = "inductor",
         reduce_shares: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         dense_below_tokens: int = 0, dense_kernel: str = "auto",
+        pad_to_tokens: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Union[BlockSelection, RoutedSelection]]:
     """Budgeted block-sparse causal attention within documents.
 
@@ -121,6 +122,9 @@ def block_sparse_attention(
     sdpa) and only the others through the selection and the sparse kernel (``routing.py``); the
     split is made once per micro-batch and kept in ``cache``. With every document long this is
     the unrouted computation; with every document short no sparse call is made.
+    ``pad_to_tokens`` (flex and flash): lay the tokens out padded as a micro-batch of this many
+    tokens would be (routing pads its long documents as the whole micro-batch), so that calls of
+    different lengths share the compiled kernel's one shape; None: the call's own token count.
     q, k and v must share one floating dtype (float16, bfloat16, float32 or float64) and one
     device; any bad argument raises a ``ValueError`` naming it, whatever the backend.
     Returns ``(out [t, np, hn], selection)``; ``selection.density_kept`` and
@@ -154,6 +158,8 @@ def block_sparse_attention(
     if reduce_shares is not None and not callable(reduce_shares):
         raise ValueError(f"reduce_shares={reduce_shares!r}: expected a callable or None")
     dense_below_tokens = check_int("dense_below_tokens", dense_below_tokens)
+    if pad_to_tokens is not None:
+        pad_to_tokens = check_int("pad_to_tokens", pad_to_tokens)
     dense_kernel = _check_choice("dense_kernel", dense_kernel, DENSE_KERNELS)
     why = _flash_missing(str(q.device)) if backend == "flash" else None
     if why is not None:
@@ -170,10 +176,11 @@ def block_sparse_attention(
         route = route_of(cache, cu_seqlens, q.shape[0], dense_below_tokens, q.device)
         if route.dense_docs:
             # the long documents are padded like the whole micro-batch (one compiled shape)
+            pad = max(q.shape[0], pad_to_tokens or 0)
             return attend_routed(q, k, v, route, density, softmax_scale, dense_kernel,
-                                 functools.partial(sparse, pad_tokens=q.shape[0]))
+                                 functools.partial(sparse, pad_tokens=pad))
         cu_seqlens = route.bounds          # every document is long: the layout reads no device
-    return sparse(q, k, v, cu_seqlens, density, cache)
+    return sparse(q, k, v, cu_seqlens, density, cache, pad_tokens=pad_to_tokens)
 
 
 def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_size, backend,

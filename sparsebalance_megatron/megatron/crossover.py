@@ -3,7 +3,9 @@
 Single documents of 1, 2, 3, 4, 6, 8, 12, ... blocks, up to the micro-batch length
 (``latency.crossover.crossover_lengths``), are timed forward + backward through the run's two
 kernels: ``dense_varlen_attention`` with ``--sb-dense-kernel``, and ``block_sparse_attention`` at
-the base density ``--sb-density`` with ``--sb-attention-backend`` and the run's selection knobs.
+the base density ``--sb-density`` with ``--sb-attention-backend`` and the run's selection knobs,
+laid out as a routed micro-batch's long documents are: padded as the whole micro-batch
+(``pad_to_tokens``), so flex runs the one compiled shape the profiled grid and training use.
 The head shape is the profiled model's (TP = 1), the dtype that of its stage (bfloat16 on CUDA,
 float32 on CPU). Repeats are passes over all lengths (a burst of load spoils one sample of many
 points); the median is kept. ``latency.crossover.crossover_tokens`` turns the times into the
@@ -70,7 +72,7 @@ def measure_crossover(sb: SparseBalanceConfig, *, num_heads: int, num_groups: in
                 selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
                 min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
                 backend=sb.attention_backend, query_chunk_blocks=sb.query_chunk_blocks,
-                cache=cache)[0]
+                cache=cache, pad_to_tokens=max_tokens)[0]
 
         cases.append(((q, k, v), w, dense, sparse))
     samples = np.zeros((repeats, len(lengths), 2))

@@ -89,6 +89,8 @@ def test_bad_routing_arguments_name_the_argument_and_value():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=rf"dense_below_tokens={bad!r}: expected an integer"):
             block_sparse_attention(q, k, v, CU, 0.5, dense_below_tokens=bad, **KW)
+    with pytest.raises(ValueError, match=r"pad_to_tokens=-5: expected an integer >= 0"):
+        block_sparse_attention(q, k, v, CU, 0.5, pad_to_tokens=-5, **KW)
     with pytest.raises(ValueError, match="dense_kernel='cudnn': expected one of auto, varlen"):
         block_sparse_attention(q, k, v, CU, 0.5, dense_below_tokens=100, dense_kernel="cudnn",
                                **KW)
