@@ -13,6 +13,7 @@ from typing import Optional
 
 ANCHORS = ("mean", "median", "min", "max")
 BACKENDS = ("auto", "triton", "fa4", "flex", "flash", "torch", "reference")
+DENSE_KERNELS = ("auto", "varlen", "sdpa")   # attention/dense.py: the dense kernels of routing
 SELECTION_MODES = ("density", "mass")
 ESTIMATORS = ("maxkey", "pooled")
 LONG_SAMPLE_POLICIES = ("split", "error")
@@ -95,6 +96,17 @@ class SparseBalanceConfig:
         choices=BACKENDS)
     query_chunk_blocks: int = _f(
         16, "Query blocks processed at once by the torch kernel; bounds its memory.")
+    dense_below_tokens: str = _f(
+        "auto", "Dense where dense wins: documents shorter than this many tokens go through one "
+        "dense varlen attention call instead of the block selection and the sparse kernel, and "
+        "count at density 1 (DST cannot cut them). 'auto': the crossover measured on the device "
+        "and stored in the latency table (no routing without a table or when the table has "
+        "none); 0: never route; N > 0: documents under N tokens.")
+    dense_kernel: str = _f(
+        "auto", "Dense kernel of routed documents on CUDA in float16/bfloat16: 'varlen' (one "
+        "FlashAttention varlen call over the packed documents), 'sdpa' (one cuDNN SDPA call over "
+        "the documents padded to the longest) or 'auto' (varlen); elsewhere the exact "
+        "per-document SDPA loop.", choices=DENSE_KERNELS)
 
     # --- DST ------------------------------------------------------------------------------
     anchor: str = _f(
@@ -236,6 +248,25 @@ class SparseBalanceConfig:
             return "sab" if self.batching_enabled else "sequential"
         return self.packing
 
+    @property
+    def dense_below_tokens_value(self) -> Optional[int]:
+        """The fixed routing threshold, or None for 'auto' (or a value out of its domain)."""
+        v = self.dense_below_tokens
+        if isinstance(v, bool) or v == "auto":
+            return None
+        if isinstance(v, str) and v.isascii() and v.isdigit():
+            return int(v)
+        return v if isinstance(v, int) and v >= 0 else None
+
+    def routing_threshold(self, table_crossover: Optional[int]) -> int:
+        """Documents shorter than this many tokens run dense: --sb-dense-below-tokens when a
+        number, else (auto) the latency table's measured crossover (``table_crossover``; None: no
+        table, or a table without one, which means no routing)."""
+        fixed = self.dense_below_tokens_value
+        if fixed is not None:
+            return fixed
+        return table_crossover or 0
+
     def pad_multiple(self, cp_size: int) -> int:
         """What packed documents are padded to a multiple of, under ``cp_size`` CP ranks."""
         return self.seq_pad_multiple or (2 * cp_size if cp_size > 1 else 1)
@@ -290,6 +321,10 @@ class SparseBalanceConfig:
                 bad(name, v, "an integer >= 0")
         if not isinstance(self.query_chunk_blocks, int) or self.query_chunk_blocks < 1:
             bad("query_chunk_blocks", self.query_chunk_blocks, "an integer >= 1")
+        if self.dense_below_tokens != "auto" and self.dense_below_tokens_value is None:
+            bad("dense_below_tokens", self.dense_below_tokens, "'auto' (the latency table's "
+                "measured crossover) or an integer >= 0 (0: never route documents to dense "
+                "attention)")
         if isinstance(self.seq_pad_multiple, bool) or not isinstance(self.seq_pad_multiple, int) \
                 or self.seq_pad_multiple < 0:
             bad("seq_pad_multiple", self.seq_pad_multiple, "an integer >= 0 (0: automatic)")

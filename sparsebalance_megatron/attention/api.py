@@ -22,6 +22,10 @@ and shared through ``cache``; the per-layer path then reads nothing back from th
 Layouts: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``; query head h
 uses key/value head ``h // (np // ng)``), out ``[t, np, hn]``.
 
+Routing (``dense_below_tokens=N > 0``): documents shorter than ``N`` tokens run through ONE dense
+varlen call (``dense.py``), the others through the block-sparse path above (``routing.py``);
+``N`` is the device's measured crossover, not a constant of this module.
+
 Every argument is validated before any work, the same way for every backend: a bad value raises
 a ``ValueError`` that names the argument and the value (``blocks.py`` holds the checks).
 Must not import megatron.
@@ -39,9 +43,11 @@ import torch
 from ..config import BACKENDS
 from .blocks import (build_layout, check_block_size, check_density, check_fraction, check_int,
                      check_qkv, check_softmax_scale)
+from .dense import DENSE_KERNELS
 from .flex import FLEX_KERNELS
 from .kernels import (blockwise_attention, from_blocks_q, reference_attention, to_blocks_kv,
                       to_blocks_q)
+from .routing import RoutedSelection, attend_routed, route_of
 from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
                         query_block_sums_padded, select_from_shares, shares_from_block_sums)
 
@@ -61,12 +67,25 @@ def _flash_missing(device: str) -> Optional[str]:
     return flash_kernel_missing(device)
 
 
-def _refuse_fa4(q: torch.Tensor, head_dim: int, block_size: int) -> None:
-    """ValueError naming the fa4 backend when its kernels cannot run these inputs here."""
-    from .fa4_cute import fa4_missing, fa4_shape_problem
-    why = fa4_missing(q.device) or fa4_shape_problem(q.dtype, head_dim, block_size)
-    if why is not None:
-        raise ValueError(f"backend='fa4': {why}; use backend 'flex' or 'auto'")
+def backend_missing(backend: str, device, *, dtype=None, head_dim: Optional[int] = None,
+                    block_size: Optional[int] = None) -> Optional[str]:
+    """Why ``backend`` cannot run on ``device`` (and, where given, inputs of this dtype, head
+    dim and block size), or None when it can. Probes optional packages; never raises for a
+    known backend."""
+    _check_choice("backend", backend, BACKENDS)
+    cuda = torch.device(device).type == "cuda"
+    if backend in ("flex", "flash") and not cuda:
+        return "it needs a CUDA device"
+    if backend == "flash":
+        return _flash_missing(str(device))
+    if backend == "fa4":
+        from .fa4_cute import fa4_missing, fa4_shape_problem
+        return fa4_missing(device) or (None if None in (dtype, head_dim, block_size) else
+                                       fa4_shape_problem(dtype, head_dim, block_size))
+    if backend == "triton":
+        from .sparse_triton import missing
+        return missing(device, dtype, head_dim, block_size)
+    return None
 
 
 def _check_choice(name: str, value, choices) -> str:
@@ -75,13 +94,14 @@ def _check_choice(name: str, value, choices) -> str:
     return value
 
 
-def _layout(cache, cu_seqlens, num_tokens, block_size, device, fixed_length):
+def _layout(cache, cu_seqlens, num_tokens, block_size, device, fixed_length, pad_tokens=None):
     """The micro-batch's layout: built (reading ``cu_seqlens`` on the host) on the first call,
     then taken from ``cache`` by every later layer and by a recomputed forward."""
-    key = ("layout", num_tokens, block_size, str(device), fixed_length)
+    key = ("layout", num_tokens, block_size, str(device), fixed_length, pad_tokens)
     if cache is not None and key in cache:
         return cache[key]
-    layout = build_layout(cu_seqlens, num_tokens, block_size, device, fixed_length=fixed_length)
+    layout = build_layout(cu_seqlens, num_tokens, block_size, device, fixed_length=fixed_length,
+                          pad_tokens=pad_tokens)
     if cache is not None:
         cache[key] = layout
     return layout
@@ -106,7 +126,9 @@ def block_sparse_attention(
         query_chunk_blocks: int = 16, cache: Optional[dict] = None,
         compile_backend: Optional[str] = "inductor",
         reduce_shares: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-) -> Tuple[torch.Tensor, BlockSelection]:
+        dense_below_tokens: int = 0, dense_kernel: str = "auto",
+        pad_to_tokens: Optional[int] = None,
+) -> Tuple[torch.Tensor, Union[BlockSelection, RoutedSelection]]:
     """Budgeted block-sparse causal attention within documents.
 
     ``cu_seqlens``: ``[ndoc + 1]`` document boundaries (tensor or list, ``0 ... t``).
@@ -122,10 +144,19 @@ def block_sparse_attention(
     ``reduce_shares``: applied to the estimated shares ``[ng, NB, NB]`` before the selection
     (context parallelism with fewer KV groups than ranks: a rank holds some of a group's query
     heads, and this averages the shares over the ranks that hold the others).
+    ``dense_below_tokens``: 0 (off), or route documents shorter than this many tokens through
+    one dense varlen call (``dense_varlen_attention``, kernel ``dense_kernel``: auto, varlen or
+    sdpa) and only the others through the selection and the sparse kernel (``routing.py``); the
+    split is made once per micro-batch and kept in ``cache``. With every document long this is
+    the unrouted computation; with every document short no sparse call is made.
+    ``pad_to_tokens`` (flex and flash): lay the tokens out padded as a micro-batch of this many
+    tokens would be (routing pads its long documents as the whole micro-batch), so that calls of
+    different lengths share the compiled kernel's one shape; None: the call's own token count.
     q, k and v must share one floating dtype (float16, bfloat16, float32 or float64) and one
     device; any bad argument raises a ``ValueError`` naming it, whatever the backend.
     Returns ``(out [t, np, hn], selection)``; ``selection.density_kept`` and
-    ``selection.recall`` are ``[ndoc]`` per-document statistics (detached).
+    ``selection.recall`` are ``[ndoc]`` per-document statistics (detached; 1.0 for a document
+    that ran dense, whose selection is then a ``RoutedSelection``).
     """
     num_heads, num_groups, head_dim = check_qkv(q, k, v)
     backend = resolve_backend(backend, q.device)
@@ -153,24 +184,42 @@ def block_sparse_attention(
                          f"backend (name or callable), or None for eager flex")
     if reduce_shares is not None and not callable(reduce_shares):
         raise ValueError(f"reduce_shares={reduce_shares!r}: expected a callable or None")
-
-    flex_kernel = FLEX_KERNELS.get(backend)
-    why = _flash_missing(str(q.device)) if backend == "flash" else None
-    if why is not None:
-        raise ValueError(f"backend='flash': {why}; use backend 'flex' or 'auto'")
-    if backend == "fa4":
-        _refuse_fa4(q, head_dim, block_size)
-    if backend == "triton":
-        from .sparse_triton import why_not
-        why = why_not(q, block_size)
+    dense_below_tokens = check_int("dense_below_tokens", dense_below_tokens)
+    if pad_to_tokens is not None:
+        pad_to_tokens = check_int("pad_to_tokens", pad_to_tokens)
+    dense_kernel = _check_choice("dense_kernel", dense_kernel, DENSE_KERNELS)
+    if backend in ("flash", "fa4", "triton"):
+        why = backend_missing(backend, q.device, dtype=q.dtype, head_dim=head_dim,
+                              block_size=block_size)
         if why is not None:
-            raise ValueError(f"backend='triton': {why}; use backend 'flex', 'torch' or 'auto'")
+            raise ValueError(f"backend={backend!r}: {why}; use backend 'flex', 'torch' or 'auto'")
+    sparse = functools.partial(
+        _sparse_attention, num_groups=num_groups, block_size=block_size, backend=backend,
+        estimator=estimator, softmax_scale=softmax_scale, query_chunk_blocks=query_chunk_blocks,
+        compile_backend=compile_backend, reduce_shares=reduce_shares,
+        budget=dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
+                    selection_mode=selection_mode, mass_threshold=mass_threshold,
+                    min_density=min_density, max_density=max_density))
+    if dense_below_tokens:
+        route = route_of(cache, cu_seqlens, q.shape[0], dense_below_tokens, q.device)
+        if route.dense_docs:
+            # the long documents are padded like the whole micro-batch (one compiled shape)
+            pad = max(q.shape[0], pad_to_tokens or 0)
+            return attend_routed(q, k, v, route, density, softmax_scale, dense_kernel,
+                                 functools.partial(sparse, pad_tokens=pad))
+        cu_seqlens = route.bounds          # every document is long: the layout reads no device
+    return sparse(q, k, v, cu_seqlens, density, cache, pad_tokens=pad_to_tokens)
+
+
+def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_size, backend,
+                      estimator, softmax_scale, query_chunk_blocks, compile_backend,
+                      reduce_shares, budget, pad_tokens=None):
+    """The block-sparse path on validated arguments: layout, selection, kernel."""
+    flex_kernel = FLEX_KERNELS.get(backend)
     layout = _layout(cache, cu_seqlens, q.shape[0], block_size, q.device,
-                     fixed_length=flex_kernel is not None)
+                     fixed_length=flex_kernel is not None, pad_tokens=pad_tokens)
     density_doc, density_host = _density(layout, density)
-    budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
-                  selection_mode=selection_mode, mass_threshold=mass_threshold,
-                  min_density=min_density, max_density=max_density, density_host=density_host)
+    budget = dict(budget, density_host=density_host)
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
     if flex_kernel is not None or backend in ("fa4", "triton"):

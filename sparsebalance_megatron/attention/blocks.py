@@ -255,11 +255,13 @@ def fixed_padded_blocks(num_tokens: int, num_blocks: int, block_size: int) -> in
 
 
 def build_layout(cu_seqlens, num_tokens: int, block_size: int, device,
-                 fixed_length: bool = False) -> BlockLayout:
+                 fixed_length: bool = False, pad_tokens: Optional[int] = None) -> BlockLayout:
     """Split every document into blocks (last one may be short) and number them globally.
 
     ``fixed_length``: pad to ``fixed_padded_blocks`` (the same length for every micro-batch of
-    ``num_tokens`` tokens) instead of the documents' own block count.
+    ``num_tokens`` tokens) instead of the documents' own block count; ``pad_tokens``: the token
+    count that length is taken for, when larger (routing's long documents of a micro-batch are
+    padded like the whole micro-batch, so the compiled kernel keeps one shape).
     """
     block_size = check_block_size(block_size)
     cu = check_cu_seqlens(cu_seqlens, num_tokens)
@@ -283,6 +285,7 @@ def build_layout(cu_seqlens, num_tokens: int, block_size: int, device,
                                             output_size=num_tokens)
         token_slot = start_t[token_doc] * block_size + (
             torch.arange(num_tokens, device=device) - cu_t[token_doc])
-    padded = fixed_padded_blocks(num_tokens, nb, block_size) if fixed_length else nb
+    padded = fixed_padded_blocks(max(num_tokens, pad_tokens or 0), nb, block_size) \
+        if fixed_length else nb
     return BlockLayout(block_size, doc_lens, starts, num_tokens, block_doc, block_local,
                        block_len, token_slot, padded)

@@ -86,17 +86,23 @@ _INT32_MAX = 2 ** 31 - 1
 
 def why_not(q: torch.Tensor, block_size: int) -> Optional[str]:
     """Why the kernels cannot run on ``q`` with this block size, or None when they can."""
-    hn = q.shape[-1]
+    return missing(q.device, q.dtype, q.shape[-1], block_size)
+
+
+def missing(device, dtype=None, head_dim: Optional[int] = None,
+            block_size: Optional[int] = None) -> Optional[str]:
+    """Why the kernels cannot run on ``device`` (and, where given, this dtype, head dim and
+    block size), or None when they can."""
     if not HAVE_TRITON:
         return "triton is not installed"
-    if not (q.is_cuda or _INTERPRET):
-        return (f"it needs a CUDA device (q is on {q.device}; TRITON_INTERPRET=1 runs it on CPU "
-                f"tensors in Triton's interpreter, slowly)")
-    if q.dtype not in _DTYPES:
-        return f"q dtype {q.dtype}: expected float16, bfloat16 or float32"
-    if not (16 <= hn <= 256 and hn & (hn - 1) == 0):
-        return f"head dim {hn}: expected a power of two in 16..256"
-    if block_size < 16:
+    if torch.device(device).type != "cuda" and not _INTERPRET:
+        return (f"it needs a CUDA device (q is on {device}; TRITON_INTERPRET=1 runs it "
+                f"on CPU tensors in Triton's interpreter, slowly)")
+    if dtype is not None and dtype not in _DTYPES:
+        return f"q dtype {dtype}: expected float16, bfloat16 or float32"
+    if head_dim is not None and not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
+        return f"head dim {head_dim}: expected a power of two in 16..256"
+    if block_size is not None and block_size < 16:
         return f"block_size={block_size}: expected >= 16"
     return None
 
@@ -249,4 +255,4 @@ def triton_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: tor
 
 
 __all__ = ["KV_CHUNK", "sparse_attention_padded", "triton_attention_padded", "usable",
-           "why_not"]
+           "why_not", "missing"]

@@ -164,9 +164,12 @@ class VariantAccumulator:
         self.imb.append(sim.imbalance)
         self.bubble.append(sim.bubble_fraction)
         w = costs.weights()
-        self.dw += float((densities * w).sum())
+        dw = densities * w
+        if costs.dense_work is not None:     # routed documents: density 1 whatever the plan
+            dw, w = dw + costs.dense_work, w + costs.dense_work
+        self.dw += float(dw.sum())
         self.w += float(w.sum())
-        sdw, sw = (densities * w).sum(axis=(0, 1)), w.sum(axis=(0, 1))
+        sdw, sw = dw.sum(axis=(0, 1)), w.sum(axis=(0, 1))
         self.stage_dw = sdw if self.stage_dw is None else self.stage_dw + sdw
         self.stage_w = sw if self.stage_w is None else self.stage_w + sw
         if plan_ms is not None:

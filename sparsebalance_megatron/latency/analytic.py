@@ -14,7 +14,16 @@ Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the 
   Aug 2024) reaches ~90% of FlashAttention-2 forward and ~85% backward. Assumed: block-sparse
   attention 350 TFLOP/s forward; backward does 2.5x the forward FLOPs at 250 TFLOP/s.
 - Block scoring (pooled query x keys, max per block) is a skinny batched GEMM: 150 TFLOP/s assumed.
+- Dense attention of routed short documents (one fused varlen call): FlashAttention-3 / cuDNN
+  class, assumed 500 TFLOP/s forward and 400 TFLOP/s backward (2.5x the forward FLOPs).
 These are assumptions from published numbers, not measurements: the output says so.
+
+Routing (``routing_density``): the table's ``dense_crossover_tokens`` is derived from its own cost
+terms, per layer, forward + backward: a single document of n blocks costs ``pair x kept(n, d0) +
+select x n^2`` sparse and ``dense x n (n + 1) / 2`` dense, and ``crossover.crossover_tokens``
+picks the length from which sparse stays cheaper. No per-call or per-document overhead is
+modelled, so the derived crossover is small (a few blocks at d0 = 0.5): a profiled table, which
+times the kernels, is what routing should run on.
 Context parallelism is not in the table (a table describes a CP=1 stage); ``LatencyModel.
 with_context_parallel`` derives a CP rank's time from it, with the profile's all-to-all bandwidth.
 Activation recomputation is modelled by its FLOPs (full: the layers' forward again in backward;
@@ -30,9 +39,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .crossover import crossover_entries, crossover_lengths, crossover_tokens
 from .features import FEATURES, UnitFeatures
 from .shape import ModelShape
 from .table import EXECUTION, FORMAT, FORMAT_VERSION, stage_kinds_for
+from .work import attention_work
 
 
 @dataclass
@@ -45,6 +56,8 @@ class DeviceProfile:
     attn_bwd_flops: float = 250e12
     attn_bwd_flop_ratio: float = 2.5
     select_flops: float = 150e12
+    dense_attn_fwd_flops: float = 500e12
+    dense_attn_bwd_flops: float = 400e12
     hbm_bytes_per_s: float = 3.35e12
     launch_s_per_layer: float = 30e-6   # kernel launches and small ops, forward; backward 2x
     p2p_bytes_per_s: float = 300e9      # NVLink activation transfer between stages
@@ -84,12 +97,38 @@ def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -
     return {"fwd": fwd + [0.0], "bwd": bwd + [0.0]}
 
 
+def dense_layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -> dict:
+    """Seconds per causal block pair of a routed (dense) document, ONE layer: {fwd, bwd}."""
+    pair_flops = 4 * block_size * block_size * shape.head_dim * shape.num_attention_heads
+    return {"fwd": pair_flops / dev.dense_attn_fwd_flops,
+            "bwd": dev.attn_bwd_flop_ratio * pair_flops / dev.dense_attn_bwd_flops}
+
+
+def derived_crossover(lay: dict, dense: dict, *, density: float, block_size: int,
+                      sink_blocks: int, local_blocks: int, max_tokens: int) -> dict:
+    """The ``dense_crossover`` record of one layer's cost terms (module docstring)."""
+    lengths = crossover_lengths(block_size, max_tokens)
+    sparse_s, dense_s = [], []
+    for n_tok in lengths:
+        nb = -(-n_tok // block_size)
+        kept = attention_work([n_tok], density, block_size, sink_blocks, local_blocks)
+        sparse_s.append(sum(lay[p][2] * kept + lay[p][3] * nb * nb for p in ("fwd", "bwd")))
+        dense_s.append(sum(dense[p] for p in ("fwd", "bwd")) * nb * (nb + 1) / 2)
+    return {"source": "analytic", "sparse_kernel": "flex (analytic)",
+            "dense_kernel": "varlen (analytic)", "block_size": block_size, "density": density,
+            "lengths": lengths, "dense_s": dense_s, "sparse_s": sparse_s,
+            "tokens": crossover_tokens(lengths, dense_s, sparse_s)}
+
+
 def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None = None, *,
                    pp: int = 1, block_size: int = 64, sink_blocks: int = 1,
                    local_blocks: int = 0, densities=(0.125, 0.25, 0.5, 0.75, 1.0),
                    seed: int = 0, transformer_impl: str = "transformer_engine",
-                   recompute_granularity: str = "none") -> dict:
-    """A complete latency table (coefficients + a synthetic grid of 'measurements')."""
+                   recompute_granularity: str = "none",
+                   routing_density: float | None = None) -> dict:
+    """A complete latency table (coefficients + a synthetic grid of 'measurements').
+    ``routing_density``: the run's base density d0, to derive the dense crossover at (module
+    docstring) and route the grid's short documents; None: no routing entry (no routing)."""
     shape = shape or ModelShape()
     dev = device or DeviceProfile.h100_sxm()
     if pp < 1 or shape.num_layers % pp:
@@ -101,12 +140,19 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
     kinds = stage_kinds_for(pp)
     per_stage = shape.num_layers // pp
     lay = layer_coefficients(shape, dev, block_size)
+    dense = dense_layer_coefficients(shape, dev, block_size)
     # Recomputation runs (part of) the forward again inside the backward; the block selection
     # is cached per micro-batch, so it is not recomputed.
     if recompute_granularity == "full":
         lay["bwd"] = [b + f for b, f in zip(lay["bwd"][:3], lay["fwd"][:3])] + lay["bwd"][3:]
-    elif recompute_granularity == "selective":    # Megatron's default: the core attention
+    if recompute_granularity != "none":           # selective: Megatron's default, core attention
+        dense["bwd"] += dense["fwd"]
+    if recompute_granularity == "selective":
         lay["bwd"][2] += lay["fwd"][2]
+    routing = None if routing_density is None else derived_crossover(
+        lay, dense, density=float(routing_density), block_size=block_size,
+        sink_blocks=sink_blocks, local_blocks=local_blocks, max_tokens=shape.seq_length)
+    crossover = routing["tokens"] if routing else 0
     h, v = shape.hidden_size, shape.vocab_size
     embed_tok_s = 2 * 2 * h / dev.hbm_bytes_per_s                  # gather + write, bf16
     head_tok_fwd_s = 2 * h * v / dev.matmul_flops + 4 * 2 * v / dev.hbm_bytes_per_s  # + loss
@@ -131,18 +177,26 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
     for total in (t, t, t // 2, t // 4):   # unequal token totals keep const and tokens apart
         cuts = np.sort(rng.choice(np.arange(1, total), size=rng.integers(2, 12), replace=False))
         mixes.append(np.diff(np.concatenate([[0], cuts, [total]])).tolist())
+    dense_coef = {kind: {p: per_stage * dense[p] for p in dense} for kind in all_kinds}
     meas = []
     for kind in all_kinds:
-        f = UnitFeatures.build(mixes, block_size, sink_blocks, local_blocks)
+        f = UnitFeatures.build(mixes, block_size, sink_blocks, local_blocks,
+                               dense_below_tokens=crossover)
         for d in densities:
             x = f.matrix(float(d))
             for j, mix in enumerate(mixes):
-                meas.append({"kind": kind, "doc_lengths": [int(a) for a in mix],
-                             "density": float(d),
-                             "fwd_s": float(x[j] @ np.asarray(coef[kind]["fwd"])),
-                             "bwd_s": float(x[j] @ np.asarray(coef[kind]["bwd"]))})
+                row = {"kind": kind, "doc_lengths": [int(a) for a in mix], "density": float(d)}
+                for p in ("fwd", "bwd"):    # routed documents: the dense kernel's pairs
+                    row[p + "_s"] = float(x[j] @ np.asarray(coef[kind][p])
+                                          + f.dense_work[j] * dense_coef[kind][p])
+                meas.append(row)
     act_bytes = 2 * t * h
-    return {
+    routed = {} if routing is None else {
+        **crossover_entries(dict(routing, num_attention_heads=shape.num_attention_heads,
+                                 num_query_groups=shape.num_query_groups,
+                                 head_dim=shape.head_dim, dtype="bfloat16")),
+        "dense_coefficients": dense_coef}
+    return {**routed,
         "format": FORMAT, "format_version": FORMAT_VERSION, "source": "analytic",
         "device": dev.name,
         "software": {"torch": "analytic", "megatron_core": "analytic"},

@@ -2,9 +2,17 @@
 
 A *unit* is one micro-batch (a list of document lengths). ``UnitFeatures`` holds the documents of
 n units in CSR form (``offsets [n + 1]``, ``lengths [total_docs]``) and the density-independent
-features (tokens, selection work); attention work at any per-unit density, or on a whole density
-grid, is a table lookup (``work.cumulative_work_table``) plus a segmented sum, never a walk over
-blocks. This is what keeps DST's "time of unit u at density d" cheap.
+features (tokens, selection work, dense work); attention work at any per-unit density, or on a
+whole density grid, is a table lookup (``work.cumulative_work_table``) plus a segmented sum, never
+a walk over blocks. This is what keeps DST's "time of unit u at density d" cheap.
+
+Routing (``dense_below_tokens`` N > 0, the measured crossover): documents shorter than N tokens
+run through the dense kernel, the others through the selection and the sparse kernel, so the
+features follow the two kernels: ``attention_work`` (at the unit's density) and
+``selection_work`` count the long documents only, and ``dense_work`` counts the short documents'
+causal block pairs (what attention work would be at density 1), whatever the density: a unit of
+short documents alone takes the same time at every density, which is how DST and SAB know it
+cannot be cut. ``tokens`` and ``sequences`` count every document. N = 0 routes nothing.
 
 Pure numpy; must not import torch or megatron.
 """
@@ -20,6 +28,11 @@ from .work import (as_doc_lengths, block_kept, check_block_params, check_densiti
                    cumulative_work_table, num_blocks)
 
 FEATURES = ("const", "tokens", "attention_work", "selection_work", "sequences")
+# The features of a latency table's ``coefficients``. The dense kernel's cost per causal block pair
+# of a routed document is a feature of its own, so that the fit has a coefficient per kernel; a
+# table keeps it apart (``dense_coefficients``), so tables without routing keep their format.
+DENSE_FEATURE = "dense_work"
+MODEL_FEATURES = FEATURES + (DENSE_FEATURE,)
 # "sequences": the packed micro-batch's sequences (documents and padding pieces). Each costs a
 # little besides its tokens (Megatron's THD rotary embedding loops over them, the kernels set up
 # per document): measured on an H100 at 16K tokens, 50-58 short sequences took twice as long as
@@ -38,13 +51,15 @@ class UnitFeatures:
     local_blocks: int
     offsets: np.ndarray         # [n + 1] int64, documents of unit u: lengths[offsets[u]:offsets[u+1]]
     lengths: np.ndarray         # [total_docs] int64 tokens per document
-    doc_blocks: np.ndarray      # [total_docs] int64 blocks per document
-    doc_unit: np.ndarray        # [total_docs] int64 unit of every document
+    doc_blocks: np.ndarray      # [sparse docs] int64 blocks of every document on the sparse path
+    doc_unit: np.ndarray        # [sparse docs] int64 unit of every document on the sparse path
     tokens: np.ndarray          # [n] float64
-    selection_work: np.ndarray  # [n] float64 block pairs scored (NB ** 2 per unit)
+    selection_work: np.ndarray  # [n] float64 block pairs scored (NB ** 2 of the sparse path)
     sequences: np.ndarray       # [n] float64 sequences (documents) of every unit
+    dense_work: np.ndarray      # [n] float64 causal block pairs of the documents routed dense
     work_mode: str = "kept"
     query_chunk_blocks: int = 16
+    dense_below_tokens: int = 0   # documents shorter than this run dense (0: none)
     _blocks: tuple | None = None  # chunked mode: (block_local, block_unit, chunk_starts, chunk_unit)
     _runs: tuple | None = None    # kept mode: runs of equal documents (block count, unit, n)
 
@@ -55,13 +70,19 @@ class UnitFeatures:
     @classmethod
     def build(cls, mb_doc_lengths, block_size: int, sink_blocks: int = 1,
               local_blocks: int = 0, work_mode: str = "kept",
-              query_chunk_blocks: int = 16) -> "UnitFeatures":
-        """From a list of per-unit length arrays, or a CSR tuple ``(offsets, lengths)``."""
+              query_chunk_blocks: int = 16, dense_below_tokens: int = 0) -> "UnitFeatures":
+        """From a list of per-unit length arrays, or a CSR tuple ``(offsets, lengths)``;
+        documents shorter than ``dense_below_tokens`` are routed dense (module docstring)."""
         check_block_params(block_size, sink_blocks, local_blocks)
         if work_mode not in WORK_MODES:
             raise ValueError(f"work_mode={work_mode!r}: expected one of {WORK_MODES}")
         if not isinstance(query_chunk_blocks, (int, np.integer)) or query_chunk_blocks < 1:
             raise ValueError(f"query_chunk_blocks={query_chunk_blocks!r}: expected an integer >= 1")
+        if isinstance(dense_below_tokens, bool) or not isinstance(dense_below_tokens,
+                                                                  (int, np.integer)) \
+                or dense_below_tokens < 0:
+            raise ValueError(f"dense_below_tokens={dense_below_tokens!r}: expected an integer "
+                             f">= 0 (0: no routing)")
         if isinstance(mb_doc_lengths, tuple) and len(mb_doc_lengths) == 2 \
                 and np.ndim(mb_doc_lengths[0]) == 1 and np.ndim(mb_doc_lengths[1]) == 1 \
                 and len(mb_doc_lengths[0]) >= 1 and int(np.asarray(mb_doc_lengths[0])[0]) == 0 \
@@ -85,10 +106,16 @@ class UnitFeatures:
         doc_unit = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
         nb = num_blocks(lengths, block_size)
         tokens = np.bincount(doc_unit, weights=lengths, minlength=n).astype(np.float64)
+        dense_work = np.zeros(n)
+        if dense_below_tokens:
+            short = lengths < dense_below_tokens
+            dense_work = np.bincount(doc_unit[short], weights=nb[short] * (nb[short] + 1) / 2,
+                                     minlength=n).astype(np.float64)
+            nb, doc_unit = nb[~short], doc_unit[~short]
         unit_blocks = np.bincount(doc_unit, weights=nb, minlength=n).astype(np.float64)
         return cls(block_size, sink_blocks, local_blocks, offsets, lengths, nb, doc_unit,
                    tokens, unit_blocks * unit_blocks, np.diff(offsets).astype(np.float64),
-                   work_mode, int(query_chunk_blocks))
+                   dense_work, work_mode, int(query_chunk_blocks), int(dense_below_tokens))
 
     def _block_arrays(self):
         """Density-independent block layout for the chunked count, built once."""
@@ -127,7 +154,7 @@ class UnitFeatures:
         d = np.broadcast_to(d, (n,)) if d.ndim == 0 else d.reshape(-1)
         if d.size != n:
             raise ValueError(f"densities has {d.size} entries: expected 1 or one per unit ({n})")
-        if self.lengths.size == 0:
+        if self.doc_blocks.size == 0:
             return np.zeros(n)
         if self.work_mode == "chunked":
             return self._chunked_work(d)
@@ -141,7 +168,7 @@ class UnitFeatures:
         """[n, g] kept block pairs of every unit at every density of the grid."""
         grid = check_densities(density_grid).reshape(-1)
         n = self.num_units
-        if self.lengths.size == 0:
+        if self.doc_blocks.size == 0:
             return np.zeros((n, grid.size))
         if self.work_mode == "chunked":
             return np.stack([self._chunked_work(np.full(n, d)) for d in grid], axis=1)
@@ -170,23 +197,30 @@ class UnitFeatures:
             self._runs = (nb[start], unit[start], count)
         return self._runs
 
-    def matrix(self, densities) -> np.ndarray:
-        """[n, 5] design matrix in the order of ``FEATURES``."""
-        return np.stack([np.ones(self.num_units), self.tokens, self.attention_work(densities),
-                         self.selection_work, self.sequences], axis=1)
+    def matrix(self, densities, features=FEATURES) -> np.ndarray:
+        """[n, len(features)] design matrix of the named features (default ``FEATURES``; the
+        latency model fits ``MODEL_FEATURES``, dense work included)."""
+        cols = {"const": lambda: np.ones(self.num_units), "tokens": lambda: self.tokens,
+                "attention_work": lambda: self.attention_work(densities),
+                "selection_work": lambda: self.selection_work,
+                "sequences": lambda: self.sequences, DENSE_FEATURE: lambda: self.dense_work}
+        return np.stack([cols[name]() for name in features], axis=1)
 
 
 def features_of(mb_doc_lengths: Union["UnitFeatures", Sequence, tuple], block_size: int,
                 sink_blocks: int, local_blocks: int, work_mode: str = "kept",
-                query_chunk_blocks: int = 16) -> UnitFeatures:
-    """Reuse a ``UnitFeatures`` whose block parameters match, else build one."""
-    want = (block_size, sink_blocks, local_blocks, work_mode, query_chunk_blocks)
+                query_chunk_blocks: int = 16, dense_below_tokens: int = 0) -> UnitFeatures:
+    """Reuse a ``UnitFeatures`` whose block and routing parameters match, else build one."""
+    want = (block_size, sink_blocks, local_blocks, work_mode, query_chunk_blocks,
+            dense_below_tokens)
     if isinstance(mb_doc_lengths, UnitFeatures):
         f = mb_doc_lengths
-        have = (f.block_size, f.sink_blocks, f.local_blocks, f.work_mode, f.query_chunk_blocks)
+        have = (f.block_size, f.sink_blocks, f.local_blocks, f.work_mode, f.query_chunk_blocks,
+                f.dense_below_tokens)
         if have != want:
             raise ValueError(
                 f"UnitFeatures built with (block_size, sink_blocks, local_blocks, work_mode, "
-                f"query_chunk_blocks)={have}: expected {want} (the latency model's)")
+                f"query_chunk_blocks, dense_below_tokens)={have}: expected {want} (the latency "
+                f"model's)")
         return f
     return UnitFeatures.build(mb_doc_lengths, *want)

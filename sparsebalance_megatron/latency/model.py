@@ -4,6 +4,14 @@ Form, per stage kind (first / middle / last, or "only" without PP), fitted separ
 forward and the backward pass::
 
     t = c0 + c1 * tokens + c2 * attention_work(density) + c3 * selection_work + c4 * sequences
+        + c5 * dense_work
+
+``dense_work`` (the causal block pairs of documents routed to the dense kernel, ``features.py``)
+does not depend on the density, so it joins the fixed part of a unit's time: a unit of short
+documents alone takes the same time at every density. Its coefficient is the table's
+``dense_coefficients`` (fitted when the grid has routed documents), else the sparse kernel's
+per-pair cost (``crossover.dense_coefficient``). The routing threshold is the table's crossover;
+``with_routing`` gives the model of a run that routes at another (``--sb-dense-below-tokens``).
 
 A stage of another layer count than the table's (Megatron's uneven splits, layout strings and
 the interleaved schedule's model chunks: ``layout.PipelineLayout``) is its kind's coefficients
@@ -15,9 +23,9 @@ a run's layout; ``num_stages`` is then the number of virtual stages.
 (features in ``features.py``; attention work counts exactly the kept block pairs). Because the
 density enters only through attention work, DST re-times a unit at another density with
 ``UnitTerms.time_s(d) = fixed_s + attn_s_per_pair * work(d)``: no documents are re-walked.
-Online calibration multiplies a rank's predictions by an EMA of measured / predicted, each
-ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` times the current factor so that
-one outlier timing cannot throw a rank's factor off; unusable samples keep the factor.
+Online calibration (``calibration.py``) multiplies a rank's predictions by an EMA of measured /
+predicted, each ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` times the current
+factor so that one outlier timing cannot throw a rank's factor off; unusable samples keep it.
 
 Pure numpy; must not import torch or megatron.
 """
@@ -26,16 +34,17 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import warnings
-from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
+# CALIBRATION_CLIP lived here before calibration.py: callers still import it from this module
+from .calibration import CALIBRATION_CLIP, Calibration  # noqa: F401
 from .context_parallel import ContextParallelCost
-from .features import FEATURES, UnitFeatures, features_of
+from .crossover import dense_coefficient, table_crossover
+from .features import FEATURES, MODEL_FEATURES, UnitFeatures, features_of
 from .layout import LayoutError, PipelineLayout
 from .table import (LatencyTableError, check_coefficients, check_compatible, measured_kinds,
                     read_table, table_layout, validate_table, write_table)
@@ -65,17 +74,6 @@ def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     out = np.zeros(x.shape[1])
     out[active] = c
     return out
-
-
-ERROR_HISTORY = 4096
-"""Calibration errors (one per rank and step) kept for ``recent_error``."""
-CALIBRATION_CLIP = 4.0
-"""One calibration update moves a rank's factor toward measured / predicted clipped to
-``[old / CALIBRATION_CLIP, old * CALIBRATION_CLIP]``: a single outlier (a 1e9 s glitch, a
-paused process, a timer that read 0) moves the factor by at most ``1 + w * (CLIP - 1)`` (x1.9, or
-/1.9, at the default EMA weight w = 0.3) instead of to the outlier, while a lasting slowdown is
-still followed: at w = 0.3 the factor reaches 90% of a 10x slowdown in 8 steps (7 unclipped), of
-a 100x one in 11 (7 unclipped)."""
 
 
 @dataclass
@@ -110,7 +108,7 @@ class UnitTerms:
         return self.fixed_s[:, None] + self.attn_s_per_pair * self.features.work_grid(density_grid)
 
 
-class LatencyModel:
+class LatencyModel(Calibration):
     """Fitted per-stage-kind linear model over the work features, with per-rank calibration."""
 
     def __init__(self, table: dict, coefficients: dict, *, calibration_ema: float = 0.3,
@@ -129,19 +127,19 @@ class LatencyModel:
                                     "another version of this plugin: profile the device again "
                                     "with python -m sparsebalance_megatron.megatron.profile_cli)")
         check_coefficients(table, coefficients, where)
-        self.coef = {k: {p: np.asarray(v[p], dtype=np.float64) for p in ("fwd", "bwd")}
-                     for k, v in coefficients.items()}
+        # one vector per (kind, pass) in the order of MODEL_FEATURES (the table's features,
+        # then dense_work); ``coef`` is its view on the table's features
+        self._coef_full = {
+            k: {p: np.asarray(list(v[p]) + [dense_coefficient(table, coefficients, k, p)],
+                              dtype=np.float64) for p in ("fwd", "bwd")}
+            for k, v in coefficients.items()}
+        self.coef = {k: {p: v[p][:len(FEATURES)] for p in v} for k, v in self._coef_full.items()}
+        self.dense_below_tokens = table_crossover(table)
         self.table_layout = table_layout(table)
         self.layout = self.table_layout
-        self._stage_coef = [self.coef[k] for k in self.layout.kinds()]
+        self._stage_coef = [self._coef_full[k] for k in self.layout.kinds()]
         self.context_parallel: Optional[ContextParallelCost] = None
-        if not (0.0 < calibration_ema <= 1.0):
-            raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
-        self.calibration_ema = float(calibration_ema)
-        self._correction: dict[int, float] = {}
-        self._errors: deque = deque(maxlen=ERROR_HISTORY)
-        self._warned_bad_measurement = False
-        self._warned_clipped = False
+        self.init_calibration(calibration_ema)
 
     # --- construction ---------------------------------------------------------------------
     @classmethod
@@ -150,18 +148,27 @@ class LatencyModel:
         """Least squares per stage kind on the table's measurements (ignores stored coefficients)."""
         validate_table(table, where)
         att = table["attention"]
-        coef = {}
+        coef, dense = {}, {}
         for kind in measured_kinds(table):
             rows = [m for m in table["measurements"] if m["kind"] == kind]
             feats = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
                                        att["sink_blocks"], att["local_blocks"],
                                        att.get("work", "kept"),
-                                       int(att.get("query_chunk_blocks", 16)))
-            x = feats.matrix(np.asarray([m["density"] for m in rows]))
-            coef[kind] = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows])).tolist()
-                          for p in ("fwd", "bwd")}
+                                       int(att.get("query_chunk_blocks", 16)),
+                                       table_crossover(table))
+            x = feats.matrix(np.asarray([m["density"] for m in rows]), MODEL_FEATURES)
+            fitted = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows]))
+                      for p in ("fwd", "bwd")}
+            coef[kind] = {p: c[:len(FEATURES)].tolist() for p, c in fitted.items()}
+            # the dense kernel's own coefficient, where the grid has routed documents that price
+            # it (else the sparse kernel's per-pair cost stands in: crossover.dense_coefficient)
+            if all(c[-1] > 0 for c in fitted.values()):
+                dense[kind] = {p: float(c[-1]) for p, c in fitted.items()}
         table = dict(table)
         table["coefficients"] = coef
+        table.pop("dense_coefficients", None)
+        if dense:
+            table["dense_coefficients"] = dense
         return cls(table, coef, calibration_ema=calibration_ema, where=where)
 
     @classmethod
@@ -202,19 +209,35 @@ class LatencyModel:
 
     def save(self, path: str) -> None:
         """Write the table with the current coefficients as JSON (never pickle)."""
-        table = copy.deepcopy(self.table)
-        table["coefficients"] = {k: {p: v[p].tolist() for p in v} for k, v in self.coef.items()}
-        write_table(table, path)
+        write_table(self._table_with_coefficients(), path)
 
     def to_json(self) -> str:
+        return json.dumps(self._table_with_coefficients())
+
+    def _table_with_coefficients(self) -> dict:
         table = copy.deepcopy(self.table)
-        table["coefficients"] = {k: {p: v[p].tolist() for p in v} for k, v in self.coef.items()}
-        return json.dumps(table)
+        n = len(FEATURES)
+        table["coefficients"] = {k: {p: v[p].tolist() for p in v}
+                                 for k, v in self.coef.items()}
+        if "dense_coefficients" in table:       # fitted; a fallback is not written
+            table["dense_coefficients"] = {k: {p: float(v[p][n]) for p in v}
+                                           for k, v in self._coef_full.items()}
+        return table
+
+    def with_routing(self, dense_below_tokens: int) -> "LatencyModel":
+        """This model for a run whose documents shorter than ``dense_below_tokens`` run dense
+        (0: none); calibration is shared. The table's own threshold is its crossover."""
+        n = dense_below_tokens
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"dense_below_tokens={n!r}: expected an integer >= 0")
+        out = copy.copy(self)
+        out.dense_below_tokens = int(n)
+        return out
 
     # --- layouts ---------------------------------------------------------------------------
     def layer_coefficients(self) -> dict:
-        """{fwd, bwd: [n_features]} of ONE decoder layer: the measured middle stage over its
-        layers. ``LayoutError`` when the table has no middle stage (a pp=1 table, or a pp=2 one
+        """{fwd, bwd: [len(MODEL_FEATURES)]} of ONE decoder layer: the measured middle stage over
+        its layers. ``LayoutError`` when the table has no middle stage (a pp=1 table, or a pp=2 one
         profiled before the profiler measured a middle stage at pp = 2)."""
         if "middle" not in self.coef:
             raise LayoutError(
@@ -224,7 +247,7 @@ class LatencyModel:
                 f"predicted: profile again with sparsebalance-profile "
                 f"--pipeline-model-parallel-size 2 or more (it measures a middle stage)")
         n = self._kind_layers("middle")
-        return {p: self.coef["middle"][p] / n for p in ("fwd", "bwd")}
+        return {p: self._coef_full["middle"][p] / n for p in ("fwd", "bwd")}
 
     def _kind_layers(self, kind: str) -> int:
         lay = self.table_layout
@@ -246,7 +269,7 @@ class LatencyModel:
         stage_coef = []
         per_layer = None
         for kind, n in zip(kinds, layout.layers):
-            base = self.coef[kind]
+            base = self._coef_full[kind]
             dn = n - self._kind_layers(kind)
             if dn == 0:
                 stage_coef.append(base)
@@ -337,7 +360,7 @@ class LatencyModel:
     def unit_features(self, mb_doc_lengths) -> UnitFeatures:
         """Density-independent features of many units; pass the result back to avoid rebuilding."""
         return features_of(mb_doc_lengths, self.block_size, self.sink_blocks, self.local_blocks,
-                           self.work_mode, self.query_chunk_blocks)
+                           self.work_mode, self.query_chunk_blocks, self.dense_below_tokens)
 
     def unit_terms(self, mb_doc_lengths, stage: int, rank: Optional[int] = None) -> UnitTerms:
         """Closed-form per-unit time at any density on ``stage`` (calibrated for ``rank``)."""
@@ -347,7 +370,9 @@ class LatencyModel:
         corr = self.correction(rank) if rank is not None else 1.0
         x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work, f.sequences],
                      axis=1)                                                   # [n, 4]
-        fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]], 0.0) * corr for p in ("fwd", "bwd")}
+        # dense work is density-independent: fixed time (+ 0.0 exactly without routing)
+        fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]] + c[p][5] * f.dense_work, 0.0) * corr
+                 for p in ("fwd", "bwd")}
         return UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
                          float(c["bwd"][2]) * corr)
 
@@ -386,77 +411,3 @@ class LatencyModel:
         """Seconds, forward + backward, of one micro-batch on one stage."""
         f, b = self.predict_fwd_bwd(doc_lengths, density, stage, rank)
         return f + b
-
-    # --- online calibration ---------------------------------------------------------------
-    def correction(self, rank: Optional[int]) -> float:
-        return self._correction.get(int(rank), 1.0) if rank is not None else 1.0
-
-    def calibrate(self, rank: int, predicted_s, measured_s) -> None:
-        """EMA update of ``rank``'s factor toward measured / predicted (sums over the arrays),
-        the ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` x the current factor.
-
-        ``predicted_s`` must be the *uncorrected* prediction. A NaN, inf, negative, zero, missing
-        or non-numeric sample (any element of it) keeps the previous factor and warns once; a
-        clipped outlier warns once.
-        """
-        try:
-            p = np.asarray(predicted_s if predicted_s is not None else np.nan, dtype=np.float64)
-            m = np.asarray(measured_s if measured_s is not None else np.nan, dtype=np.float64)
-        except (TypeError, ValueError):
-            p = m = np.asarray(np.nan)
-        ps, ms = float(p.sum()) if p.size else math.nan, float(m.sum()) if m.size else math.nan
-        ok = (p.shape == m.shape and np.all(np.isfinite(p)) and np.all(np.isfinite(m))
-              and np.all(m >= 0) and ps > 0 and ms > 0)
-        if not ok:
-            if not self._warned_bad_measurement:
-                warnings.warn(f"latency calibration of rank {rank}: unusable measurement "
-                              f"(predicted={ps!r}, measured={ms!r}); keeping the previous "
-                              f"correction {self.correction(rank):.3f}", stacklevel=2)
-                self._warned_bad_measurement = True
-            return
-        w = self.calibration_ema
-        old = self.correction(rank)
-        ratio = ms / ps
-        clipped = min(max(ratio, old / CALIBRATION_CLIP), old * CALIBRATION_CLIP)
-        if clipped != ratio and not self._warned_clipped:
-            warnings.warn(f"latency calibration of rank {rank}: measured / predicted = "
-                          f"{ratio:.3g} ({ms:.3g} s / {ps:.3g} s) is more than "
-                          f"{CALIBRATION_CLIP:g}x off the current correction {old:.3g}; this update uses {clipped:.3g} "
-                          f"(an outlier moves the factor by a bounded step)", stacklevel=2)
-            self._warned_clipped = True
-        self._errors.append(abs(old * ps - ms) / ms)
-        self._correction[int(rank)] = (1.0 - w) * old + w * clipped
-
-    def recent_error(self, last: int = 16) -> Optional[float]:
-        """Median relative error |corrected prediction - measured| / measured over the ``last``
-        calibrations (each taken before its own update: the error a plan made with the model
-        would have had; one per rank and step); None before any."""
-        if not self._errors:
-            return None
-        return float(np.median(list(self._errors)[-max(int(last), 1):]))
-
-    def corrections(self) -> dict[int, float]:
-        return dict(self._correction)
-
-    def calibration_state(self) -> dict:
-        """What online calibration learned: per-rank factors and the recent errors."""
-        return {"corrections": {str(r): f for r, f in self._correction.items()},
-                "errors": [float(e) for e in self._errors]}
-
-    def load_calibration_state(self, state: dict) -> None:
-        """Restore ``calibration_state()`` (a resumed run continues where the saved one stood)."""
-        self._correction.clear()
-        self.load_corrections(state.get("corrections", {}))
-        errors = [float(e) for e in state.get("errors", [])]
-        if not all(math.isfinite(e) and e >= 0 for e in errors):
-            raise ValueError("calibration errors must be finite numbers >= 0")
-        self._errors.clear()
-        self._errors.extend(errors)
-
-    def load_corrections(self, corrections: dict) -> None:
-        """Restore per-rank factors saved with ``corrections()`` (a resumed run)."""
-        for rank, factor in corrections.items():
-            f = float(factor)
-            if not (math.isfinite(f) and f > 0):
-                raise ValueError(f"correction of rank {rank}: {factor!r}: expected a number > 0")
-            self._correction[int(rank)] = f

@@ -17,6 +17,17 @@ A table (written by the profiler or by ``analytic.py``) looks like::
                        "fwd_s": ..., "bwd_s": ...}, ...],
      "coefficients": {"first": {"fwd": [c0, c1, c2, c3], "bwd": [...]}, ...},   # optional
      "p2p_s": 0.0, "notes": "..."}                                               # optional
+     # routing (optional; absent: no routing): documents shorter than the crossover ran dense
+     # in the measurements, and the dense kernel's seconds per causal block pair are fitted
+     "dense_crossover_tokens": 1536,
+     "dense_crossover": {"source": "profiled", "sparse_kernel": "flex", "dense_kernel": "auto",
+                         "num_attention_heads": 14, "num_query_groups": 2, "head_dim": 64,
+                         "dtype": "bfloat16", "block_size": 64, "density": 0.5,
+                         "lengths": [...], "dense_s": [...], "sparse_s": [...]},
+     "dense_coefficients": {"first": {"fwd": c5, "bwd": c5}, ...}               # optional
+
+A table without ``dense_coefficients`` prices a routed document as the sparse kernel at density
+1 (its ``attention_work`` coefficient per block pair): ``crossover.dense_coefficient``.
 
 Every problem raises ``LatencyTableError`` naming the file, the field and the value; a table from
 another device, model shape, execution setup (TP size, transformer implementation, activation
@@ -40,6 +51,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .crossover import dense_coefficient, table_crossover, validate_routing
 from .features import FEATURES, UnitFeatures
 from .layout import PipelineLayout
 
@@ -205,6 +217,7 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
     p2p = table.get("p2p_s", 0.0)
     if not _finite(p2p) or not (0 <= p2p <= MAX_MICROBATCH_S):
         err("p2p_s", f"{p2p!r}: expected a time in seconds in [0, {MAX_MICROBATCH_S:g}]")
+    validate_routing(table, err, measured_kinds(table), MAX_MICROBATCH_S)
     if table.get("coefficients") is not None:
         check_coefficients(table, table["coefficients"], where)
     return table
@@ -245,10 +258,11 @@ def check_coefficients(table: dict, coefficients: Any, where: str = "<table>") -
         total = None
         idx = [i for i, m in enumerate(table["measurements"]) if m["kind"] == kind]
         rows = [table["measurements"][i] for i in idx]
-        x = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
-                               att["sink_blocks"], att["local_blocks"], att.get("work", "kept"),
-                               int(att.get("query_chunk_blocks", 16))
-                               ).matrix(np.asarray([m["density"] for m in rows]))  # [n, 4]
+        units = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
+                                   att["sink_blocks"], att["local_blocks"],
+                                   att.get("work", "kept"), int(att.get("query_chunk_blocks", 16)),
+                                   table_crossover(table))
+        x = units.matrix(np.asarray([m["density"] for m in rows]))              # [n, 5]
         for part in ("fwd", "bwd"):
             f = f"coefficients.{kind}.{part}"
             c = per_kind.get(part) if isinstance(per_kind, dict) else None
@@ -268,6 +282,9 @@ def check_coefficients(table: dict, coefficients: Any, where: str = "<table>") -
                 err(f"{f}[0]", f"{c[0]!r} s (const): expected at most {MAX_MICROBATCH_S:g} s")
             with np.errstate(over="ignore", invalid="ignore"):
                 pred = x @ np.asarray(c, dtype=np.float64)                       # [n]
+                if units.dense_work.any():
+                    pred = pred + units.dense_work * dense_coefficient(table, coefficients,
+                                                                       kind, part)
             worst = int(np.argmax(np.where(np.isnan(pred), np.inf, pred)))
             if not pred[worst] <= MAX_MICROBATCH_S:
                 err(f, f"{str(c)[:80]} predicts {pred[worst]:.3g} s for "

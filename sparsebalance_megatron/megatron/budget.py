@@ -8,8 +8,10 @@ Two objects, no process-wide globals:
   ``sb_microbatch=None`` marks a micro-batch outside any plan (evaluation): static density.
 - ``BudgetContext``: owned by the runtime (``callback.SparseBalanceCallback``) and handed to every
   ``SparseCoreAttention`` through ``ModuleSpec.params``. It holds the current step's
-  ``BudgetPlan`` for this rank's (dp rank, pipeline stage), answers ``density(psp, layer)``, and
-  collects what attention reports back (the densities it served, per-document kept density and recall).
+  ``BudgetPlan`` for this rank's (dp rank, pipeline stage), answers ``density(psp, layer)``, holds
+  the routing threshold (documents shorter than ``dense_below_tokens`` run dense: the latency
+  table's crossover, known once the runtime has loaded the table), and collects what attention
+  reports back (the densities it served, per-document kept density and recall).
   Deep copies return the same object: Megatron may copy layer specs, the context must stay shared.
 
 Part of the megatron adapter layer; no torch.distributed here.
@@ -59,10 +61,12 @@ class BudgetError(RuntimeError):
 class BudgetContext:
     """This rank's view of the step plan, and the sink of attention statistics."""
 
-    def __init__(self, default_density: float):
+    def __init__(self, default_density: float, dense_below_tokens: int = 0):
         if not 0.0 < float(default_density) <= 1.0:
             raise ValueError(f"default_density={default_density!r}: expected a number in (0, 1]")
         self.default_density = float(default_density)
+        self.dense_below_tokens = 0
+        self.set_routing(dense_below_tokens)
         self.plan: Optional[BudgetPlan] = None
         self.dp_rank, self.stage = 0, 0
         self.layer_stages: Optional[tuple] = None
@@ -73,6 +77,19 @@ class BudgetContext:
 
     def __deepcopy__(self, memo):
         return self  # a runtime handle, not configuration: shared by every layer
+
+    @classmethod
+    def for_config(cls, sb) -> "BudgetContext":
+        """The context of a ``SparseBalanceConfig`` before any latency table is known: its
+        density, and its routing threshold if it names one (the table's comes later)."""
+        return cls(sb.density, sb.routing_threshold(None))
+
+    def set_routing(self, dense_below_tokens: int) -> None:
+        """Documents shorter than ``dense_below_tokens`` tokens run dense (0: none)."""
+        n = dense_below_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"dense_below_tokens={n!r}: expected an integer >= 0")
+        self.dense_below_tokens = n
 
     def set_plan(self, plan: Optional[BudgetPlan], *, dp_rank: int, stage: int = 0,
                  layer_stages: Optional[Sequence[int]] = None) -> None:

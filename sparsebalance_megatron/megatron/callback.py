@@ -119,6 +119,10 @@ class SparseBalanceCallback:
         if sb.dst_enabled or sb.batching_enabled:
             from .latency_setup import load_latency_model
             self.latency = load_latency_model(args, sb)
+        # routing: the latency table's crossover (or --sb-dense-below-tokens), known only now
+        routing = self.latency.dense_below_tokens if self.latency is not None \
+            else sb.routing_threshold(None)
+        budget.set_routing(routing)
         if sb.batching_enabled:
             from ..batching.sensitivity import SensitivityTracker
             self.tracker = SensitivityTracker(signal=sb.sensitivity_signal)
@@ -129,7 +133,8 @@ class SparseBalanceCallback:
         self.layer_stages = self.layout.layer_stages() if self.vp > 1 else None
         self.reporter = StepReporter(args, sb, dp=self.dp, layout=self.layout,
                                      doc_positions=np.asarray(self.corpus.lengths,
-                                                              dtype=np.int64) + 1)
+                                                              dtype=np.int64) + 1,
+                                     dense_below_tokens=routing)
         self.timers = None                      # hooks installs the MicrobatchTimers
         self.sampler = None
         self.steps_done = 0                     # steps this process ran (the first is warm-up)

@@ -29,8 +29,12 @@ unit for the micro-batch that ``SparsePackedSeqParams`` names, else the static `
 recomputation of activation checkpointing, which runs its first pass without grad), the
 per-document kept density and estimated recall go to ``budget.record``: one record per layer and
 micro-batch, detached device tensors; evaluation forwards under ``torch.no_grad()`` record nothing.
-What depends only on the micro-batch's documents (the chosen ``cu_seqlens``, the block layout and
-everything derived from it) is computed by the first layer and kept in
+Routing: documents shorter than ``budget.dense_below_tokens`` (the latency table's measured
+crossover, or ``--sb-dense-below-tokens``) run through one dense varlen call, the others through
+the selection and the sparse kernel; with CP every rank holds whole documents for its heads, so
+all ranks route alike. Dense documents report kept density and recall 1.0.
+What depends only on the micro-batch's documents (the chosen ``cu_seqlens``, the route, the block
+layout and everything derived from it) is computed by the first layer and kept in
 ``packed_seq_params.sb_cache``, so the other layers and the recomputed forward read nothing back
 from the device (no host synchronisation in the per-layer path).
 Attention dropout is not applied (the sparse kernels have none); a nonzero
@@ -85,7 +89,7 @@ class SparseCoreAttention(MegatronModule):
             log.warning("attention_dropout=%s is ignored by SparseCoreAttention", dropout)
             _warned_dropout = True
         self.sb_config = sb_config
-        self.budget = budget if budget is not None else BudgetContext(sb_config.density)
+        self.budget = budget if budget is not None else BudgetContext.for_config(sb_config)
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         head_dim = config.kv_channels
@@ -104,7 +108,8 @@ class SparseCoreAttention(MegatronModule):
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
             backend=sb.attention_backend, softmax_scale=self.softmax_scale,
-            query_chunk_blocks=sb.query_chunk_blocks, cache=cache, reduce_shares=reduce_shares)
+            query_chunk_blocks=sb.query_chunk_blocks, cache=cache, reduce_shares=reduce_shares,
+            dense_below_tokens=self.budget.dense_below_tokens, dense_kernel=sb.dense_kernel)
         if torch.is_grad_enabled():
             self.budget.record(self.layer_number, packed_seq_params, sel.density_kept, sel.recall)
         return out                                                # [t, np, hn]

@@ -2,7 +2,10 @@
 
 megatron-core's local ``DotProductAttention`` refuses packed sequences, and transformer-engine
 (whose attention accepts them) is unavailable on CPU. Dense runs therefore swap in this module:
-exact causal softmax attention per document (SDPA), same contract as ``DotProductAttention``.
+exact causal softmax attention within documents, same contract as ``DotProductAttention``, through
+``attention.dense.dense_varlen_attention``: on CUDA in half precision ONE fused varlen call over
+the packed documents (what a transformer-engine user gets), elsewhere the exact per-document
+SDPA loop. The documents are read on the host once per micro-batch (``sb_cache``).
 Packed input goes through ``context_parallel.attend_whole_documents`` like the sparse attention's:
 padded sequences (``cu_seqlens_q_padded``) leave their padding out, and with context parallelism
 (``--cp-comm-type a2a``) the documents are gathered whole for this rank's heads.
@@ -12,23 +15,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from ..attention.dense import dense_varlen_attention, packed_docs
 from .context_parallel import attend_whole_documents, cp_group_of
-
-
-def _causal_per_document(q, k, v, cu_seqlens, softmax_scale):
-    """q ``[t, np, hn]``, k/v ``[t, ng, hn]``, documents ``cu_seqlens`` -> ``[t, np, hn]``."""
-    cu = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
-    outs = []
-    for start, end in zip(cu[:-1], cu[1:]):
-        qd, kd, vd = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, L, hn]
-        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=softmax_scale,
-                                           enable_gqa=kd.shape[0] != qd.shape[0])
-        outs.append(o.transpose(0, 1))
-    return torch.cat(outs, dim=0)
 
 
 class DenseVarlenCoreAttention(MegatronModule):
@@ -57,8 +48,11 @@ class DenseVarlenCoreAttention(MegatronModule):
             return out.permute(2, 0, 1, 3).reshape(s, b, np_ * hn)
         # THD: [t, np, hn] / [t, ng, hn] (megatron squeezes the batch dim for packed input)
         q, k, v = (x.squeeze(1) if x.dim() == 4 else x for x in (query, key, value))
-        out = attend_whole_documents(
-            q, k, v, packed_seq_params, self.cp_group,
-            lambda q_, k_, v_, cu, _: _causal_per_document(q_, k_, v_, cu, self.softmax_scale),
-            getattr(packed_seq_params, "sb_cache", None))
+        cache = getattr(packed_seq_params, "sb_cache", None)
+
+        def attend(q_, k_, v_, cu, _):                 # whole documents, natural order
+            docs = packed_docs(cu, q_.shape[0], q_.device, cache)
+            return dense_varlen_attention(q_, k_, v_, docs, self.softmax_scale)
+
+        out = attend_whole_documents(q, k, v, packed_seq_params, self.cp_group, attend, cache)
         return out.reshape(out.shape[0], -1)

@@ -156,7 +156,7 @@ def _install(args, model_cfg, packed_data):
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
     compat.skip_prebuilt_helpers_compile()
-    _run.budget = BudgetContext(sb.density)
+    _run.budget = BudgetContext.for_config(sb)
     if sb.sparse_attention_enabled:
         model_cfg.transformer_layer_spec = layer_spec_builder(
             sparse_core_attention_spec(sb, _run.budget))

@@ -63,6 +63,7 @@ def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
             f"l{sb.local_blocks}_v{expect['sparsebalance_megatron']}"  # upgrade: re-profile
             f"_mc{expect['megatron_core']}_t{expect['torch']}"
             "_mid"    # measured with a middle stage (any layout); older caches lack one
+            "_dx"     # with the dense/sparse crossover (on CUDA); older caches lack one
             + (f"_mm{sb.microbatch_multiple}" if sb.microbatch_multiple else ""))
     key += "_" + "_".join(f"{v}" for _, v in sorted(expect.get("execution", {}).items()))
     key = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
@@ -111,11 +112,50 @@ def load_latency_model(args, sb: SparseBalanceConfig):
                  f"costs, so its times of shorter (variable-length) micro-batches are guesses; "
                  f"profile with {flag_name('microbatch_multiple')} "
                  f"{sb.microbatch_multiple} (several token totals)")
+    model = model.with_routing(sb.routing_threshold(model.dense_below_tokens))
+    note = routing_note(model, sb, *run_kernels(args, sb))
+    if note:
+        comm.say(note)
     from ..latency.layout import LayoutError
     try:
         return model_for_run(model, args)
     except LayoutError as e:
         raise SystemExit(f"error: --sb-latency-table {path}: {e}")
+
+
+def run_kernels(args, sb: SparseBalanceConfig) -> tuple[str, str]:
+    """(sparse, dense) kernel this run's attention resolves to (its device and dtype)."""
+    import torch
+
+    from ..attention import resolve_backend
+    from ..attention.dense import resolve_dense_kernel
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else \
+        torch.float16 if getattr(args, "fp16", False) else torch.float32
+    return resolve_backend(sb.attention_backend, dev), resolve_dense_kernel(sb.dense_kernel,
+                                                                            dev, dtype)
+
+
+def routing_note(model, sb: SparseBalanceConfig, sparse_kernel: str, dense_kernel: str) -> str:
+    """The console line on routing: the threshold the run uses and where it comes from, with a
+    warning when the table's crossover was measured for other kernels (the run's resolve to
+    ``sparse_kernel`` and ``dense_kernel``) or another base density."""
+    n, rec = model.dense_below_tokens, model.table.get("dense_crossover") or {}
+    if not n:
+        return ""
+    if sb.dense_below_tokens_value is not None:
+        return f"routing: documents under {n} tokens run dense (--sb-dense-below-tokens)"
+    line = (f"routing: documents under {n} tokens run dense (the latency table's crossover, "
+            f"measured with {rec.get('sparse_kernel', '?')} vs {rec.get('dense_kernel', '?')} "
+            f"at density {rec.get('density', '?')})")
+    want = {"sparse_kernel": sparse_kernel, "dense_kernel": dense_kernel, "density": sb.density}
+    off = [f"{k} {rec[k]!r} (this run: {v!r})" for k, v in want.items()
+           if k in rec and rec[k] != v and rec.get("source") != "analytic"]
+    if off:
+        line += ("; warning: measured for another " + ", ".join(off) + ": profile again, or "
+                 "set --sb-dense-below-tokens")
+    return line
 
 
 def model_for_run(model, args):

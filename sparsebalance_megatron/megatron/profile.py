@@ -303,8 +303,10 @@ def time_microbatch(model, dev, kind: str, shape: ModelShape, doc_lengths: Seque
 
 def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequence[float],
                   mixes: Sequence[Sequence[int]], repeats: int = 3, warmup: int = 1,
-                  statistic: str = "median", progress: Optional[Callable] = None) -> dict:
-    """Measure every (stage kind, mix, density) and return a validated, fitted table."""
+                  statistic: str = "median", progress: Optional[Callable] = None,
+                  dense_crossover: bool = False) -> dict:
+    """Measure every (stage kind, mix, density) and return a validated, fitted table; with
+    ``dense_crossover`` the crossover first (``crossover.py``), and the grid routed at it."""
     from ..attention import resolve_backend
     from ..latency.model import LatencyModel
 
@@ -326,12 +328,15 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
     why = padded_length_warning(mixes, sb.block_size, dev_type)
     if why is not None:
         warnings.warn(why, stacklevel=2)
+    from .crossover import crossover_of_shape
+    routing = crossover_of_shape(shape, sb, repeats, warmup) if dense_crossover else {}
     meas = []
     points = [(m, d) for m in mixes for d in densities]
     bar = progress(total=len(measured) * len(points) * repeats) if progress else None
     for kind in measured:
         torch.manual_seed(sb.seed)
         model, dev = build_stage(shape, sb, kind, per_stage)   # one stage in memory at a time
+        _budget_of(model).set_routing(routing.get("dense_crossover_tokens", 0))
         # first-touch allocations and lazy init happen here, not in the first grid point
         time_microbatch(model, dev, kind, shape, max(mixes, key=len), max(densities), 0, 1)
         samples = [[] for _ in points]
@@ -355,7 +360,7 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
         bar.close()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "source": "profiled",
+        **routing, "format": FORMAT, "format_version": FORMAT_VERSION, "source": "profiled",
         "device": device_name(), "software": software_versions(),
         "model": shape.as_table_model(),
         "execution": shape.as_table_execution(),

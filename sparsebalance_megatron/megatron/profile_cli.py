@@ -7,6 +7,9 @@ Usage (the model flags use Megatron's names and must match the training run)::
         --pipeline-model-parallel-size 2 --sb-block-size 64 --out lat_cpu.json [--quick]
 
 ``--analytic`` writes the FLOP-based H100 table of the scale study instead (no measurement).
+``--dense-crossover`` measures (or, with ``--analytic``, derives) the document length from which
+the sparse kernel beats the dense one, stored in the table: the routing threshold of runs with
+``--sb-dense-below-tokens auto`` (``auto``: on CUDA, and for the analytic H100 table).
 It lives in the Megatron adapter because measuring builds a megatron-core stage
 (``profile.py``); ``--analytic`` and ``--help`` need no megatron import.
 """
@@ -58,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--quick", action="store_true", help="small grid (< 1 minute on 2 CPU cores)")
     r.add_argument("--analytic", action="store_true",
                    help="write the analytic H100 table of the given shape instead of measuring")
+    r.add_argument("--dense-crossover", choices=("auto", "measure", "off"), default="auto",
+                   help="measure the dense/sparse crossover (single documents, both kernels, at "
+                   "--sb-density) and route the grid's short documents dense at it; 'auto': on "
+                   "CUDA and for --analytic (the CPU kernels are functional stand-ins whose "
+                   "crossover would route every document dense)")
     r.add_argument("--no-progress", action="store_true")
     add_sparsebalance_args(p)
     return p
@@ -97,7 +105,9 @@ def main(argv=None) -> int:
                                block_size=sb.block_size, sink_blocks=sb.sink_blocks,
                                local_blocks=sb.local_blocks,
                                transformer_impl=args.transformer_impl,
-                               recompute_granularity=args.recompute_granularity)
+                               recompute_granularity=args.recompute_granularity,
+                               routing_density=None if args.dense_crossover == "off"
+                               else sb.density)
         write_table(table, args.out)
         print(f"ANALYTIC table (FLOPs / published H100 throughputs, not measured) -> {args.out}")
         print(table["notes"])
@@ -120,13 +130,19 @@ def main(argv=None) -> int:
     # out of the samples (the grid has one token count, so there should be one shape).
     warmup = args.warmup if args.warmup is not None else (1 if torch.cuda.is_available() else 0)
     shape = shape_from_cli(args)
+    crossover = args.dense_crossover == "measure" or (args.dense_crossover == "auto"
+                                                      and torch.cuda.is_available())
     table = profile_table(shape, sb, densities=densities, mixes=mixes, repeats=repeats,
-                          warmup=warmup, statistic=args.statistic, progress=None if args.no_progress else tqdm)
+                          warmup=warmup, statistic=args.statistic, dense_crossover=crossover,
+                          progress=None if args.no_progress else tqdm)
     write_table(table, args.out)
     print(f"profiled {len(table['measurements'])} points on {table['device']} "
           f"(torch {table['software']['torch']}, megatron-core "
           f"{table['software']['megatron_core']}) -> {args.out}")
     _print_coefficients(LatencyModel.from_table(table))
+    if crossover:
+        print(f"dense/sparse crossover: {table['dense_crossover_tokens']} tokens (documents "
+              f"shorter run dense; 0: none)")
     print(f"{'kind':8s} {'grid MAPE':>10s} {'max err':>8s} {'n':>4s}")
     for kind, m, mx, n in fit_report(table):
         print(f"{kind:8s} {100 * m:9.1f}% {100 * mx:7.1f}% {n:4d}")
@@ -134,10 +150,13 @@ def main(argv=None) -> int:
 
 
 def _print_coefficients(model) -> None:
-    print(f"{'kind':8s} {'pass':4s} " + " ".join(f"{f:>15s}" for f in model.features))
+    routed = "dense_coefficients" in model.table
+    names = list(model.features) + (["dense_work"] if routed else [])
+    print(f"{'kind':8s} {'pass':4s} " + " ".join(f"{f:>15s}" for f in names))
     for kind, c in sorted(model.coef.items()):
         for part in ("fwd", "bwd"):
-            print(f"{kind:8s} {part:4s} " + " ".join(f"{x:15.4e}" for x in c[part]))
+            dense = [model.table["dense_coefficients"][kind][part]] if routed else []
+            print(f"{kind:8s} {part:4s} " + " ".join(f"{x:15.4e}" for x in list(c[part]) + dense))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
 - The console: one ``[sparsebalance]`` line per ``--log-interval`` from the last rank (where
   Megatron prints its own line), averaged over the interval like Megatron's.
 - ``--sb-metrics-file``: one JSON line per step on rank 0, for scripts.
+
+Every density figure is weighted by attention work, and documents routed to the dense kernel
+(shorter than the run's routing threshold) count at density 1 in it: they keep every block.
 """
 
 from __future__ import annotations
@@ -22,14 +25,20 @@ from . import comm
 PREFIX = "sparsebalance/"
 
 
-def unit_work(batch, sb: SparseBalanceConfig) -> np.ndarray:
-    """[dp, m] dense attention work (kept block pairs at density 1) of every micro-batch: the
-    weight of its density in every density figure (a stage's layers all run at that density)."""
+def unit_work(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0
+              ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """([dp, m] dense attention work (kept block pairs at density 1) of every micro-batch's
+    documents on the sparse path: the weight of its planned density in every density figure (a
+    stage's layers all run at that density); [dp, m] that of its documents routed dense
+    (shorter than ``dense_below_tokens``), which count at density 1, or None without routing)."""
     from ..latency.features import UnitFeatures
 
     feats = UnitFeatures.build(batch.unit_csr(with_padding=True), sb.block_size,
-                               sb.sink_blocks, sb.local_blocks)
-    return feats.attention_work(1.0).reshape(batch.dp, batch.num_microbatches)
+                               sb.sink_blocks, sb.local_blocks,
+                               dense_below_tokens=dense_below_tokens)
+    shape = (batch.dp, batch.num_microbatches)
+    return (feats.attention_work(1.0).reshape(shape),
+            feats.dense_work.reshape(shape) if dense_below_tokens else None)
 
 
 def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
@@ -44,10 +53,12 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
 
 def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
                 overhead_s: float, work: np.ndarray, layers=None,
-                doc_positions: Optional[np.ndarray] = None) -> dict:
+                doc_positions: Optional[np.ndarray] = None,
+                dense_work: Optional[np.ndarray] = None) -> dict:
     """Everything known about a finished step (identical on every rank). Densities are weighted
     by layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per stage, the
-    run's pipeline layout; None = equal); per stage and per DP rank as well as overall.
+    run's pipeline layout; None = equal); per stage and per DP rank as well as overall; routed
+    documents (``dense_work`` [dp, m], None without routing) count at density 1.
     ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
     ``positions`` what the step computed (padding included)."""
     from ..policy.costs import stage_mean_densities, weighted_mean_density
@@ -69,11 +80,14 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
         d = step.plan.densities                                     # [dp, m, pp]
         lay = np.ones(d.shape[2]) if layers is None else np.asarray(layers, dtype=np.float64)
         w = np.asarray(work, dtype=np.float64)[:, :, None] * lay[None, None, :]
-        per_rank = stage_mean_densities(d.transpose(2, 1, 0), w.transpose(2, 1, 0))
-        rec.update(budgets_consistent=True, mean_density=weighted_mean_density(d, w),
+        dw = None if dense_work is None else \
+            np.asarray(dense_work, dtype=np.float64)[:, :, None] * lay[None, None, :]
+        per_rank = stage_mean_densities(d.transpose(2, 1, 0), w.transpose(2, 1, 0),
+                                        None if dw is None else dw.transpose(2, 1, 0))
+        rec.update(budgets_consistent=True, mean_density=weighted_mean_density(d, w, dw),
                    layers_per_stage=[int(x) for x in lay],
                    density_per_rank=[float(x) for x in per_rank],
-                   density_per_stage=[float(x) for x in stage_mean_densities(d, w)])
+                   density_per_stage=[float(x) for x in stage_mean_densities(d, w, dw)])
     if np.isfinite(measured).all():
         busy = measured.sum(axis=1)
         rec.update(rank_busy_s=[float(x) for x in busy],
@@ -122,9 +136,11 @@ def scalars(rec: dict) -> dict:
     return out
 
 
-def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout) -> dict:
+def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
+                 dense_work: Optional[np.ndarray] = None) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
-    [dp][m][stages], each unit's dense attention work [dp][m] (its weight in density means) and
+    [dp][m][stages], each unit's dense attention work [dp][m] (its weight in density means; with
+    routing also ``dense_work``, that of its routed documents, at density 1) and
     the measured forward/backward seconds [dp][m][stages] (None where a rank reported none);
     stages are the layout's virtual stages. A rank's timer intervals are mapped to units by the
     order it ran them (``units``: forward order; the backward runs the model chunks reversed)."""
@@ -140,6 +156,8 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout) -> dict:
                 bwd[g["dp"]][j][back] = float(g["bwd_s"][k])
     out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
            "microbatch_bwd_s": bwd}
+    if dense_work is not None:
+        out["dense_work"] = np.asarray(dense_work).tolist()
     if step.plan is not None:
         out["densities"] = step.plan.densities.tolist()
     return out
@@ -149,12 +167,14 @@ class StepReporter:
     """Sends each step's record to the metrics file, Megatron's writers and the console."""
 
     def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, layout=None,
-                 doc_positions: Optional[np.ndarray] = None):
+                 doc_positions: Optional[np.ndarray] = None, dense_below_tokens: int = 0):
         """``doc_positions``: [documents] tokens + EOD of every document of the corpus, so that
-        ``tokens`` leaves per-document padding out (``document_tokens``)."""
+        ``tokens`` leaves per-document padding out (``document_tokens``); documents shorter
+        than ``dense_below_tokens`` run dense (the run's routing threshold; 0: none)."""
         from ..latency.layout import PipelineLayout
 
         self.args, self.sb, self.dp = args, sb, dp
+        self.dense_below_tokens = dense_below_tokens
         self.layout = layout if layout is not None else PipelineLayout(1, 1, (1,))
         self.stages = self.layout.num_stages
         self._interval: dict = defaultdict(list)
@@ -166,16 +186,16 @@ class StepReporter:
         """``overhead_s``: the plugin's seconds on the step's critical path (this rank);
         ``planned_ahead_s``: CPU seconds the background draft of the next step took
         (--sb-plan-ahead; off the critical path)."""
-        work = unit_work(step.batch, self.sb)
+        work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens)
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
                           work=work, layers=self.layout.layers,
-                          doc_positions=self.doc_positions)
+                          doc_positions=self.doc_positions, dense_work=dense)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         self.history.append(rec)
         if self.sb.metrics_file and comm.rank() == 0:
             line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,
-                                            layout=self.layout))
+                                            layout=self.layout, dense_work=dense))
             with open(self.sb.metrics_file, "a") as f:
                 f.write(json.dumps(line) + "\n")
         values = scalars(rec)

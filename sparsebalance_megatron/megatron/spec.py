@@ -41,7 +41,7 @@ def sparse_core_attention_spec(sb_config: SparseBalanceConfig,
     if not isinstance(sb_config, SparseBalanceConfig):
         raise ValueError(f"sb_config={sb_config!r}: expected a SparseBalanceConfig")
     if budget is None:
-        budget = BudgetContext(sb_config.density)
+        budget = BudgetContext.for_config(sb_config)
     return ModuleSpec(module=SparseCoreAttention, params={"sb_config": sb_config,
                                                           "budget": budget})
 

@@ -6,7 +6,10 @@ many densities, so it is tabulated once per step on a small grid of densities (m
 between d_min and d_max, plus d0). On the grid, planning is exact table look-ups: no latency-model
 calls inside the planning loop.
 
-Also here: the attention-work-weighted mean density that every report quotes.
+Also here: the attention-work-weighted mean density that every report quotes. Documents routed to
+the dense kernel (``dense_work``) count at density 1 in it, whatever the plan: they keep every
+causal block, and no plan can cut them (their time does not depend on the density, so a unit of
+them alone has a flat cost curve and DST neither gains by cutting it nor pays for raising it).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -57,6 +60,8 @@ class UnitCosts:
     weights of every mean density, so a density is weighted by layers x attention work. Without
     it the attention part of the cost is used: (t(d_max) - t(d_min)) / (d_max - d_min), which is
     proportional to that when time is affine in kept block pairs.
+    dense_work: optional [dp, m, pp] work (same unit as attn_work) of the documents routed to the
+    dense kernel: counted at density 1 in every mean density (None: no routing).
 
     Costs are made non-decreasing in density (a running max over the grid), so that cutting can
     never make a unit slower; a latency table's interpolation noise would otherwise break that.
@@ -67,6 +72,7 @@ class UnitCosts:
     bwd_s: np.ndarray
     attn_work: Optional[np.ndarray] = None
     pipeline_ranks: Optional[int] = None
+    dense_work: Optional[np.ndarray] = None
 
     def __post_init__(self):
         g = np.asarray(self.densities, dtype=np.float64)
@@ -96,12 +102,13 @@ class UnitCosts:
         self.fwd_s = _non_decreasing(f)
         self.bwd_s = _non_decreasing(b)
         self.total_s = self.fwd_s + self.bwd_s                       # [dp, m, pp, g]
-        if self.attn_work is not None:
-            w = np.asarray(self.attn_work, dtype=np.float64)
-            if w.shape != f.shape[:3] or np.any(~np.isfinite(w)) or np.any(w < 0):
-                raise ValueError(f"attn_work must be [dp, m, pp]={f.shape[:3]} finite >= 0, "
-                                 f"got shape {w.shape}")
-            self.attn_work = w
+        for name in ("attn_work", "dense_work"):
+            if getattr(self, name) is not None:
+                w = np.asarray(getattr(self, name), dtype=np.float64)
+                if w.shape != f.shape[:3] or np.any(~np.isfinite(w)) or np.any(w < 0):
+                    raise ValueError(f"{name} must be [dp, m, pp]={f.shape[:3]} finite >= 0, "
+                                     f"got shape {w.shape}")
+                setattr(self, name, w)
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -157,7 +164,8 @@ class UnitCosts:
         model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
         model's online correction of rank r.
         attn_work = kept block pairs at density 1 (dense causal work) x the stage's decoder
-        layers: the mean-density weights.
+        layers: the mean-density weights; with routing (the model's ``dense_below_tokens``) of
+        the sparse path's documents, and ``dense_work`` that of the routed ones.
         """
         g = np.asarray(densities, dtype=np.float64)
         feats = model.unit_features(mb_doc_lengths)
@@ -181,8 +189,10 @@ class UnitCosts:
         b = b.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
         layers = np.asarray(model.layout.layers, dtype=np.float64)
+        routed = None if not model.dense_below_tokens else \
+            feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
-                   pipeline_ranks=model.layout.pp)
+                   pipeline_ranks=model.layout.pp, dense_work=routed)
 
     @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,
@@ -211,24 +221,41 @@ def _non_decreasing(a: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(a, axis=-1)
 
 
-def stage_mean_densities(densities: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def stage_mean_densities(densities: np.ndarray, weights: np.ndarray,
+                         dense_weights: Optional[np.ndarray] = None) -> np.ndarray:
     """[pp] work-weighted mean density of every (virtual) pipeline stage (over its ranks and
-    micro-batches; a stage's layers all run at its units' densities)."""
+    micro-batches; a stage's layers all run at its units' densities); ``dense_weights``
+    [dp, m, pp]: work of documents routed dense, at density 1."""
     d = np.asarray(densities, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
     if d.shape != w.shape or d.ndim != 3:
         raise ValueError(f"densities {d.shape} and weights {w.shape} must both be [dp, m, pp]")
     tot = w.sum(axis=(0, 1))
     plain = d.mean(axis=(0, 1))
-    return np.where(tot > 0, (d * w).sum(axis=(0, 1)) / np.where(tot > 0, tot, 1.0), plain)
+    kept = (d * w).sum(axis=(0, 1))
+    if dense_weights is not None:
+        dense = _dense_weights(dense_weights, d.shape).sum(axis=(0, 1))
+        tot, kept = tot + dense, kept + dense
+    return np.where(tot > 0, kept / np.where(tot > 0, tot, 1.0), plain)
 
 
-def weighted_mean_density(densities: np.ndarray, weights: np.ndarray) -> float:
+def weighted_mean_density(densities: np.ndarray, weights: np.ndarray,
+                          dense_weights: Optional[np.ndarray] = None) -> float:
     """Mean of densities [dp, m, pp] weighted by attention work [dp, m, pp] (plain mean if all
-    weights are zero)."""
+    weights are zero); ``dense_weights``: work of documents routed dense, at density 1."""
     d = np.asarray(densities, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
     if d.shape != w.shape:
         raise ValueError(f"densities {d.shape} and weights {w.shape} must have the same shape")
-    tot = float(w.sum())
-    return float((d * w).sum() / tot) if tot > 0 else float(d.mean())
+    tot, kept = float(w.sum()), float((d * w).sum())
+    if dense_weights is not None:
+        dense = float(_dense_weights(dense_weights, d.shape).sum())
+        tot, kept = tot + dense, kept + dense
+    return kept / tot if tot > 0 else float(d.mean())
+
+
+def _dense_weights(dense_weights, shape) -> np.ndarray:
+    w = np.asarray(dense_weights, dtype=np.float64)
+    if w.shape != shape:
+        raise ValueError(f"dense_weights {w.shape} must have the densities' shape {shape}")
+    return w

@@ -68,7 +68,8 @@ class DSTReport:
     imbalance_after: float       # same, final plan
     anchor_s: float              # anchor over (rank, stage) busy times at d0
     band_s: float                # (1 + p) x anchor
-    mean_density_static: float   # work-weighted mean density of the static plan (= d0)
+    mean_density_static: float   # work-weighted mean density of the static plan (d0; more
+    #                              with routing: routed documents count at density 1)
     mean_density: float          # work-weighted mean density of the final plan
     units_cut: int               # units whose density ended below d0
     units_raised: int            # units whose density ended above d0
@@ -440,11 +441,13 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
             imbalance_before=imb0,
             imbalance_after=float(mk_end.max() / mk_end.mean()) if mk_end.mean() > 0 else 1.0,
             anchor_s=float(anchors[c]), band_s=float(bands[c]),
-            mean_density_static=float(d0),
-            mean_density=weighted_mean_density(dens, weights),
+            mean_density_static=float(d0) if costs.dense_work is None else
+            weighted_mean_density(np.full(dens.shape, float(d0)), weights, costs.dense_work),
+            mean_density=weighted_mean_density(dens, weights, costs.dense_work),
             units_cut=int((idx_c[c] < i0).sum()), units_raised=int((idx_c[c] > i0).sum()),
             ranks_reverted=int(rev_c[c].sum()), tolerance_used=float(tolerance),
-            density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, weights)))
+            density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, weights,
+                                                                            costs.dense_work)))
         plans.append(DSTPlan(dens, report))
     return plans
 

@@ -6,8 +6,9 @@ CP=1 on the whole unpadded micro-batch (the reference), then with CP=2 on its sh
 micro-batch in Megatron's per-document zigzag order (padding filled with noise that differs per
 rank), and compares outputs and q/k/v gradients at every real token, in fp32: GQA with as many
 KV groups as CP ranks and with fewer (replicated KV heads, block shares averaged over the ranks
-that share a group), densities that differ per micro-batch (a plan) and per document; and the
-dense baseline's core attention through the same path.
+that share a group), densities that differ per micro-batch (a plan) and per document, routing
+(short documents through the dense kernel, every rank alike); and the dense baseline's core
+attention through the same path.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ LENGTHS = [37, 3, 130, 1, 64, 21, 6]      # three documents shorter than 2 x CP 
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _modules(nh, ng, plan):
+def _modules(nh, ng, plan, dense_below_tokens=0):
     """(CP=1 attention, CP=2 attention) sharing one budget context with ``plan`` installed."""
     import torch.distributed as dist
     from megatron.core.transformer.enums import AttnMaskType
@@ -38,7 +39,7 @@ def _modules(nh, ng, plan):
 
     sb = SparseBalanceConfig(density=0.5, min_density=0.1, block_size=16,
                              attention_backend="torch")
-    budget = BudgetContext(sb.density)
+    budget = BudgetContext(sb.density, dense_below_tokens)
     budget.set_plan(plan, dp_rank=0)
     out = []
     for cp in (1, CP):
@@ -51,7 +52,7 @@ def _modules(nh, ng, plan):
     return out
 
 
-def _case(rank, nh, ng, microbatch, attend=None):
+def _case(rank, nh, ng, microbatch, attend=None, dense_below_tokens=0):
     """Reference (CP=1, unpadded) vs CP=2 (padded, split) on one micro-batch; asserts."""
     from sparsebalance_megatron.data.context_parallel import padded_length, zigzag_positions
     from sparsebalance_megatron.megatron.budget import SparsePackedSeqParams
@@ -82,7 +83,7 @@ def _case(rank, nh, ng, microbatch, attend=None):
     ref_in = [x.clone().requires_grad_(True) for x in (q, k, v)]
     mine = [to_padded(x)[keep].requires_grad_(True) for x in (q, k, v)]
     if attend is None:
-        ref_mod, cp_mod = _modules(nh, ng, _plan())
+        ref_mod, cp_mod = _modules(nh, ng, _plan(), dense_below_tokens)
         ref = ref_mod(*ref_in, None, packed_seq_params=psp(1))
         out = cp_mod(*mine, None, packed_seq_params=psp(CP))
     else:
@@ -155,6 +156,7 @@ def _worker(rank, init_file):
             for microbatch in (0, 1):               # the plan's densities 0.25 and 0.75
                 _case(rank, nh, ng, microbatch)
             _case(rank, nh, ng, 0, attend=_per_document_density)
+            _case(rank, nh, ng, 1, dense_below_tokens=40)   # 130 and 64 tokens stay sparse
             _case(rank, nh, ng, 1, attend=_dense)
     finally:
         dist.destroy_process_group()

@@ -310,7 +310,7 @@ def test_flash_backend_says_why_it_cannot_run(monkeypatch):
     from sparsebalance_megatron.attention import flex
     q, k, v = _qkv(256, 4, 2, 16, seed=5, grad=False)
     with pytest.raises(ValueError, match=r"backend='flash': it needs a CUDA device; use "
-                                         r"backend 'flex' or 'auto'"):
+                                         r"backend 'flex', 'torch' or 'auto'"):
         block_sparse_attention(q, k, v, [0, 256], 0.5, block_size=32, backend="flash")
     assert flex.flash_kernel_missing("cpu") == "it needs a CUDA device"
     # a CUDA machine as the probe sees it: an Ampere GPU, then a Hopper without flash-attn-4

@@ -1,0 +1,114 @@
+"""Online calibration of a latency model: one multiplicative correction per rank.
+
+Each calibration moves a rank's factor toward measured / predicted by an EMA (weight
+``calibration_ema``), the ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` times the
+current factor so that one outlier timing cannot throw the factor off; unusable samples keep it.
+The relative errors of the corrected predictions are kept for ``recent_error`` (the raise
+headroom of DST). ``LatencyModel`` inherits this.
+
+Pure numpy; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+ERROR_HISTORY = 4096
+"""Calibration errors (one per rank and step) kept for ``recent_error``."""
+CALIBRATION_CLIP = 4.0
+"""One calibration update moves a rank's factor toward measured / predicted clipped to
+``[old / CALIBRATION_CLIP, old * CALIBRATION_CLIP]``: a single outlier (a 1e9 s glitch, a
+paused process, a timer that read 0) moves the factor by at most ``1 + w * (CLIP - 1)`` (x1.9, or
+/1.9, at the default EMA weight w = 0.3) instead of to the outlier, while a lasting slowdown is
+still followed: at w = 0.3 the factor reaches 90% of a 10x slowdown in 8 steps (7 unclipped), of
+a 100x one in 11 (7 unclipped)."""
+
+class Calibration:
+    """Per-rank correction factors and the recent errors of the corrected predictions."""
+
+    def init_calibration(self, calibration_ema: float) -> None:
+        if not (0.0 < calibration_ema <= 1.0):
+            raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
+        self.calibration_ema = float(calibration_ema)
+        self._correction: dict[int, float] = {}
+        self._errors: deque = deque(maxlen=ERROR_HISTORY)
+        self._warned_bad_measurement = False
+        self._warned_clipped = False
+
+    def correction(self, rank: Optional[int]) -> float:
+        return self._correction.get(int(rank), 1.0) if rank is not None else 1.0
+
+    def calibrate(self, rank: int, predicted_s, measured_s) -> None:
+        """EMA update of ``rank``'s factor toward measured / predicted (sums over the arrays),
+        the ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` x the current factor.
+
+        ``predicted_s`` must be the *uncorrected* prediction. A NaN, inf, negative, zero, missing
+        or non-numeric sample (any element of it) keeps the previous factor and warns once; a
+        clipped outlier warns once.
+        """
+        try:
+            p = np.asarray(predicted_s if predicted_s is not None else np.nan, dtype=np.float64)
+            m = np.asarray(measured_s if measured_s is not None else np.nan, dtype=np.float64)
+        except (TypeError, ValueError):
+            p = m = np.asarray(np.nan)
+        ps, ms = float(p.sum()) if p.size else math.nan, float(m.sum()) if m.size else math.nan
+        ok = (p.shape == m.shape and np.all(np.isfinite(p)) and np.all(np.isfinite(m))
+              and np.all(m >= 0) and ps > 0 and ms > 0)
+        if not ok:
+            if not self._warned_bad_measurement:
+                warnings.warn(f"latency calibration of rank {rank}: unusable measurement "
+                              f"(predicted={ps!r}, measured={ms!r}); keeping the previous "
+                              f"correction {self.correction(rank):.3f}", stacklevel=2)
+                self._warned_bad_measurement = True
+            return
+        w = self.calibration_ema
+        old = self.correction(rank)
+        ratio = ms / ps
+        clipped = min(max(ratio, old / CALIBRATION_CLIP), old * CALIBRATION_CLIP)
+        if clipped != ratio and not self._warned_clipped:
+            warnings.warn(f"latency calibration of rank {rank}: measured / predicted = "
+                          f"{ratio:.3g} ({ms:.3g} s / {ps:.3g} s) is more than "
+                          f"{CALIBRATION_CLIP:g}x off the current correction {old:.3g}; this update uses {clipped:.3g} "
+                          f"(an outlier moves the factor by a bounded step)", stacklevel=2)
+            self._warned_clipped = True
+        self._errors.append(abs(old * ps - ms) / ms)
+        self._correction[int(rank)] = (1.0 - w) * old + w * clipped
+
+    def recent_error(self, last: int = 16) -> Optional[float]:
+        """Median relative error |corrected prediction - measured| / measured over the ``last``
+        calibrations (each taken before its own update: the error a plan made with the model
+        would have had; one per rank and step); None before any."""
+        if not self._errors:
+            return None
+        return float(np.median(list(self._errors)[-max(int(last), 1):]))
+
+    def corrections(self) -> dict[int, float]:
+        return dict(self._correction)
+
+    def calibration_state(self) -> dict:
+        """What online calibration learned: per-rank factors and the recent errors."""
+        return {"corrections": {str(r): f for r, f in self._correction.items()},
+                "errors": [float(e) for e in self._errors]}
+
+    def load_calibration_state(self, state: dict) -> None:
+        """Restore ``calibration_state()`` (a resumed run continues where the saved one stood)."""
+        self._correction.clear()
+        self.load_corrections(state.get("corrections", {}))
+        errors = [float(e) for e in state.get("errors", [])]
+        if not all(math.isfinite(e) and e >= 0 for e in errors):
+            raise ValueError("calibration errors must be finite numbers >= 0")
+        self._errors.clear()
+        self._errors.extend(errors)
+
+    def load_corrections(self, corrections: dict) -> None:
+        """Restore per-rank factors saved with ``corrections()`` (a resumed run)."""
+        for rank, factor in corrections.items():
+            f = float(factor)
+            if not (math.isfinite(f) and f > 0):
+                raise ValueError(f"correction of rank {rank}: {factor!r}: expected a number > 0")
+            self._correction[int(rank)] = f

@@ -1,0 +1,103 @@
+"""Measure this device's dense/sparse crossover for the profiler (``profile.profile_table``).
+
+Single documents of 1, 2, 3, 4, 6, 8, 12, ... blocks, up to the micro-batch length
+(``latency.crossover.crossover_lengths``), are timed forward + backward through the run's two
+kernels: ``dense_varlen_attention`` with ``--sb-dense-kernel``, and ``block_sparse_attention`` at
+the base density ``--sb-density`` with ``--sb-attention-backend`` and the run's selection knobs,
+laid out as a routed micro-batch's long documents are: padded as the whole micro-batch
+(``pad_to_tokens``), so flex runs the one compiled shape the profiled grid and training use.
+The head shape is the profiled model's (TP = 1), the dtype that of its stage (bfloat16 on CUDA,
+float32 on CPU). Repeats are passes over all lengths (a burst of load spoils one sample of many
+points); the median is kept. ``latency.crossover.crossover_tokens`` turns the times into the
+crossover, stored in the table with what it was measured with.
+
+On CPU the kernels are functional stand-ins (the blockwise torch kernel against SDPA), not what
+a GPU run trades, so the profiler measures the crossover on CUDA only unless asked
+(``profile_cli --dense-crossover``).
+Pure torch (megatron is not imported); it lives in the adapter because only the profiler runs it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ..attention import block_sparse_attention, resolve_backend
+from ..attention.dense import dense_varlen_attention, packed_docs, resolve_dense_kernel
+from ..config import SparseBalanceConfig
+from ..latency.crossover import crossover_entries, crossover_lengths, crossover_tokens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_fwd_bwd(fn, inputs, w, device) -> float:
+    for x in inputs:
+        x.grad = None
+    _sync(device)
+    t0 = time.perf_counter()
+    (fn(*inputs).float() * w).sum().backward()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def measure_crossover(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int,
+                      head_dim: int, max_tokens: int, device, dtype: torch.dtype,
+                      repeats: int = 3, warmup: int = 1, seed: int = 0) -> dict:
+    """The crossover record of this device (kernels, head shape, dtype, density, lengths, median
+    seconds of each kernel, ``tokens``: the crossover; ``latency.crossover.crossover_entries``
+    makes it table entries)."""
+    device = torch.device(device)
+    lengths = crossover_lengths(sb.block_size, max_tokens)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cases = []
+    for n in lengths:
+        q, k, v = (torch.randn(n, h, head_dim, generator=g).to(device, dtype).requires_grad_()
+                   for h in (num_heads, num_groups, num_groups))
+        w = torch.randn(n, num_heads, head_dim, generator=g).to(device)
+        docs = packed_docs([0, n], n, device)
+        cache = {}          # one micro-batch: the layout is built once, as in training
+
+        def dense(q_, k_, v_, docs=docs):
+            return dense_varlen_attention(q_, k_, v_, docs, kernel=sb.dense_kernel)
+
+        def sparse(q_, k_, v_, n=n, cache=cache):
+            return block_sparse_attention(
+                q_, k_, v_, [0, n], sb.density, block_size=sb.block_size,
+                sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
+                selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
+                min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
+                backend=sb.attention_backend, query_chunk_blocks=sb.query_chunk_blocks,
+                cache=cache, pad_to_tokens=max_tokens)[0]
+
+        cases.append(((q, k, v), w, dense, sparse))
+    samples = np.zeros((repeats, len(lengths), 2))
+    for r in range(warmup + repeats):
+        for j, (inputs, w, dense, sparse) in enumerate(cases):
+            for i, fn in enumerate((dense, sparse)):
+                t = _time_fwd_bwd(fn, inputs, w, device)
+                if r >= warmup:
+                    samples[r - warmup, j, i] = t
+    dense_s, sparse_s = (np.median(samples[:, :, i], axis=0).tolist() for i in (0, 1))
+    return {"source": "profiled", "sparse_kernel": resolve_backend(sb.attention_backend, device),
+            "dense_kernel": resolve_dense_kernel(sb.dense_kernel, device, dtype),
+            "num_attention_heads": num_heads, "num_query_groups": num_groups,
+            "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
+            "block_size": sb.block_size, "density": sb.density, "repeats": repeats,
+            "lengths": lengths, "dense_s": dense_s, "sparse_s": sparse_s,
+            "tokens": crossover_tokens(lengths, dense_s, sparse_s)}
+
+
+def crossover_of_shape(shape, sb: SparseBalanceConfig, repeats: int, warmup: int) -> dict:
+    """The latency-table entries of this device's crossover for a ``ModelShape`` (its heads,
+    its longest document ``seq_length``), in the dtype the profiler's stages run in."""
+    cuda = torch.cuda.is_available()
+    return crossover_entries(measure_crossover(
+        sb, num_heads=shape.num_attention_heads, num_groups=shape.num_query_groups,
+        head_dim=shape.head_dim, max_tokens=shape.seq_length, device="cuda" if cuda else "cpu",
+        dtype=torch.bfloat16 if cuda else torch.float32, repeats=repeats,
+        warmup=max(warmup, 1)))
