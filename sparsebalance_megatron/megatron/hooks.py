@@ -147,22 +147,29 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
 
 def _install(args, model_cfg, packed_data):
     from .budget import BudgetContext
+    from .hybrid import hybrid_stack_spec_for, is_hybrid_config
     from .spec import layer_spec_builder, sparse_core_attention_spec
 
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)
-    check_launch(args, sb, plugin_data=plugin_data)
+    hybrid = is_hybrid_config(model_cfg)
+    check_launch(args, sb, plugin_data=plugin_data, hybrid=hybrid)
     _run.sb, _run.plugin_data = sb, plugin_data
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
     compat.skip_prebuilt_helpers_compile()
     _run.budget = BudgetContext(sb.density)
+    core = None
     if sb.sparse_attention_enabled:
-        model_cfg.transformer_layer_spec = layer_spec_builder(
-            sparse_core_attention_spec(sb, _run.budget))
+        core = sparse_core_attention_spec(sb, _run.budget)
     elif args.transformer_impl == "local":
         from .dense_attention import DenseVarlenCoreAttention   # local DotProductAttention: no THD
-        model_cfg.transformer_layer_spec = layer_spec_builder(DenseVarlenCoreAttention)
+        core = DenseVarlenCoreAttention
+    if hybrid:   # HybridModelBuilder reads the stack spec, never transformer_layer_spec
+        model_cfg.hybrid_stack_spec = hybrid_stack_spec_for(
+            model_cfg, core, spec_flag=" ".join(args.spec) if args.spec else None)
+    elif core is not None:
+        model_cfg.transformer_layer_spec = layer_spec_builder(core)
     if plugin_data:
         from .data import check_vocab, load_data, megatron_text_tokenizer
 
@@ -190,6 +197,9 @@ def _install(args, model_cfg, packed_data):
         model_cfg.post_wrap_hooks.append(_on_model_built)
     parts = [f"sparse attention: density {sb.density}, block {sb.block_size}, backend "
              f"{sb.attention_backend}" if sb.sparse_attention_enabled else "dense attention"]
+    if hybrid:
+        p = args.hybrid_layer_pattern
+        parts[0] += f" in the {p.count('*')} attention layers of HybridModel {p!r}"
     if plugin_data:
         parts.append(f"data: {_run.data.corpus.name} ({len(_run.data.corpus)} documents, "
                      f"tokenizer {_run.data.tokenizer}), packing {sb.packing_method}")
@@ -205,11 +215,19 @@ def _interleaved(args) -> bool:
 
 
 def _on_model_built(model: list) -> list:
-    """Post-wrap hook (process groups and the model exist): the step callback, the finalize
-    hook and the timers tee."""
+    """Post-wrap hook (process groups and the model exist): the check that every layer the plan
+    budgets runs our attention, then the step callback, the finalize hook and the timers tee."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
+    from megatron.core import parallel_state as ps
+
+    if _run.sb is not None and _run.sb.sparse_attention_enabled:
+        from .attention_check import check_sparse_attention
+        try:
+            check_sparse_attention(model, _megatron_args(), ps.get_pipeline_model_parallel_rank())
+        except LaunchError as e:
+            raise SystemExit(f"error: {e}") from None
     if not _run.plugin_data or _run.callback is not None:
         return model
     from .callback import SparseBalanceCallback
@@ -217,8 +235,6 @@ def _on_model_built(model: list) -> list:
     from .timing import MicrobatchTimers
 
     args = _megatron_args()
-    from megatron.core import parallel_state as ps
-
     if ps.get_context_parallel_rank() != 0:
         # CP ranks of a DP rank hold the same state and Megatron names its file by the DP rank
         # alone: only CP rank 0 writes it (the others would write the same file at once).

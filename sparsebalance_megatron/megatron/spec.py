@@ -7,6 +7,11 @@ vp_stage)``: transformer-engine or local, with every keyword upstream passes, ``
 ``use_te_op_fuser`` and the rest) and replaces only
 ``submodules.self_attention.submodules.core_attention``. So every flag upstream honours still works.
 
+HybridModel (``pretrain_hybrid.py``): the slot sits one level deeper, in the stack spec's
+attention layer (``submodules.attention_layer.submodules.self_attention.submodules.
+core_attention``); ``swap_hybrid_core_attention`` swaps it there and nowhere else (which stack
+spec a run builds: ``hybrid.py``).
+
 ``get_sparsebalance_layer_spec(sb_config, transformer_impl, **kwargs)`` builds a spec directly from
 ``get_gpt_layer_local_spec(**kwargs)`` / ``get_gpt_layer_with_transformer_engine_spec(**kwargs)``
 for models built outside ``pretrain()`` (the profiler, conversion, tests).
@@ -51,11 +56,28 @@ def swap_core_attention(spec: ModuleSpec, core, what: str = "the layer spec") ->
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
     if getattr(getattr(attention, "submodules", None), "core_attention", None) is None:
         raise ValueError(f"{what} ({type(spec).__name__}) has no "
-                         f"submodules.self_attention.submodules.core_attention slot: only plain "
-                         f"GPT layer specs (transformer-engine or local) can take sparse attention")
+                         f"submodules.self_attention.submodules.core_attention slot: only layers with "
+                         f"Megatron's SelfAttention (transformer-engine or local) can take sparse "
+                         f"attention")
     spec = copy.deepcopy(spec)   # the budget context survives: BudgetContext.__deepcopy__
     spec.submodules.self_attention.submodules.core_attention = core
     return spec
+
+
+def swap_hybrid_core_attention(stack_spec: ModuleSpec, core,
+                               what: str = "the hybrid stack spec") -> ModuleSpec:
+    """A copy of a ``HybridStack`` spec whose attention layers (``*``) have ``core`` as core
+    attention; the other layer kinds are shared with ``stack_spec``, unchanged."""
+    sub = getattr(stack_spec, "submodules", None)
+    layer = getattr(sub, "attention_layer", None)
+    if not isinstance(layer, ModuleSpec):
+        raise ValueError(f"{what} ({type(stack_spec).__name__}) has no submodules."
+                         f"attention_layer layer spec: expected a HybridStack ModuleSpec")
+    out = copy.copy(stack_spec)
+    out.submodules = copy.copy(sub)
+    out.submodules.attention_layer = swap_core_attention(layer, core, what=f"{what}'s "
+                                                         f"attention_layer")
+    return out
 
 
 def layer_spec_builder(core) -> Callable:
