@@ -73,10 +73,21 @@ def swap_hybrid_core_attention(stack_spec: ModuleSpec, core,
     if not isinstance(layer, ModuleSpec):
         raise ValueError(f"{what} ({type(stack_spec).__name__}) has no submodules."
                          f"attention_layer layer spec: expected a HybridStack ModuleSpec")
+    attention = getattr(layer.submodules, "self_attention", None)
+    if getattr(getattr(attention, "submodules", None), "core_attention", None) is None:
+        raise ValueError(f"{what}'s attention_layer has no submodules.self_attention."
+                         f"submodules.core_attention slot")
+    # copies along the path to the slot only: the rest stays shared (Megatron's TE specs hold
+    # stand-in mocks where transformer-engine is missing, which cannot be deep-copied)
+    attention = copy.copy(attention)
+    attention.submodules = copy.copy(attention.submodules)
+    attention.submodules.core_attention = core
+    layer = copy.copy(layer)
+    layer.submodules = copy.copy(layer.submodules)
+    layer.submodules.self_attention = attention
     out = copy.copy(stack_spec)
     out.submodules = copy.copy(sub)
-    out.submodules.attention_layer = swap_core_attention(layer, core, what=f"{what}'s "
-                                                         f"attention_layer")
+    out.submodules.attention_layer = layer
     return out
 
 
