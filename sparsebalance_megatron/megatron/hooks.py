@@ -1,11 +1,12 @@
-"""The one integration of SparseBalance into Megatron's ``pretrain()``, for both entry points.
+"""The one integration of SparseBalance into Megatron's ``pretrain()``, for every entry point.
 
-``examples/pretrain_gpt_sparsebalance.py`` and Megatron-LM's ``pretrain_gpt.py`` (with
-``patches/``) run the same six calls around Megatron's own flow; the loop is Megatron's::
+``examples/pretrain_{gpt,hybrid}_sparsebalance.py`` and Megatron-LM's ``pretrain_gpt.py`` /
+``pretrain_hybrid.py`` (with ``patches/``) run the same six calls around Megatron's own flow; the
+loop is Megatron's::
 
     args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider(base),
                                    args_defaults=hooks.args_defaults(defaults))
-    model_cfg = gpt_config_from_args(args)
+    model_cfg = gpt_config_from_args(args)        # or hybrid_config_from_args
     hooks.install(args, model_cfg)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg),
              hooks.datasets_provider(provider), ModelType.encoder_or_decoder,
@@ -16,7 +17,9 @@ What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
   machine without CUDA also the CPU defaults of ``launch.cpu_parser_defaults`` and the CPU shims);
 - the attention: ``GPTModelConfig.transformer_layer_spec`` = Megatron's default spec with only
-  ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params;
+  ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params; a
+  HybridModel's ``hybrid_stack_spec`` with its attention layers' slot swapped (``hybrid.py``);
+  after the build, the post-wrap hook checks every budgeted layer is ours (``attention_check``);
 - data (SAB): with the plugin's data path (DST or SAB on, or always for our entry) Megatron pulls
   our iterators through ``--dataloader-type external``; ``forward_step`` is ours (THD inputs);
 - the step callback (DST, calibration, metrics): a post-wrap hook (``model_cfg.post_wrap_hooks``)
