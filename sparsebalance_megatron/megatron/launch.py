@@ -83,10 +83,13 @@ def _sparse_attention_conflicts(args, hybrid: bool = False) -> list[str]:
     return out
 
 
-def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool) -> list[str]:
+def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool,
+                      plugin_data: bool) -> list[str]:
     """HybridModel: the layer kinds served are attention (``*``) and MLP (``-``); a GPT run
     must not carry a hybrid pattern (the plan would budget layers the GPT does not have)."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not (sb.sparse_attention_enabled or plugin_data):
+        return []   # the plugin is off: the run is stock Megatron, whatever its layers
     if not hybrid:
         return [] if pattern is None else [
             f"--hybrid-layer-pattern {pattern!r} with a GPT model (pretrain_gpt builds GPT "
@@ -219,8 +222,11 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     """Megatron features the plugin does not support yet (each with its own issue)."""
     out = _context_parallel_conflicts(args, sb, plugin_data)
     out += _microbatch_length_conflicts(args, sb, plugin_data)
+    # a HybridModel's pattern matters only when the plugin plans (stock runs keep Mamba, MTP...)
+    plans = sb.sparse_attention_enabled or plugin_data
     try:
-        if getattr(args, "num_layers", None) is not None:   # else Megatron's own check says so
+        if getattr(args, "num_layers", None) is not None and \
+                (plans or getattr(args, "hybrid_layer_pattern", None) is None):
             PipelineLayout.from_megatron_args(args)
     except LayoutError as e:
         out.append(f"the pipeline layout: {e}")
@@ -299,7 +305,7 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
                  hybrid: bool = False) -> None:
     """``LaunchError`` listing every setting of this launch that cannot work (``hybrid``: the
     model is a HybridModel, ``pretrain_hybrid.py``)."""
-    bad = _device_conflicts(args, sb) + _hybrid_conflicts(args, sb, hybrid) + \
+    bad = _device_conflicts(args, sb) + _hybrid_conflicts(args, sb, hybrid, plugin_data) + \
         _not_yet(args, sb, plugin_data)
     if plugin_data:
         bad += _data_conflicts(args)

@@ -137,6 +137,18 @@ def test_install_refuses_a_hybrid_launch_in_one_line(argv, spec, needle):
     assert msg.startswith("error: cannot launch: ") and needle in msg and "\n" not in msg, msg
 
 
+@pytest.mark.parametrize("pattern", ["M*M*", "*-*-/*-"])
+def test_install_leaves_a_stock_hybrid_run_alone(pattern):
+    """Without the plugin's switches a patched pretrain_hybrid.py is stock Megatron: Mamba
+    layers, MTP and the TE spec are not the plugin's business then."""
+    from sparsebalance_megatron.megatron import hooks
+
+    cfg = _hybrid_cfg(pattern=pattern)
+    args = _args(["--hybrid-layer-pattern", pattern, "--num-layers", "4"])
+    assert hooks.install(args, cfg) is cfg
+    assert cfg.hybrid_stack_spec is None and cfg.post_wrap_hooks == []
+
+
 def test_a_gpt_launch_with_a_hybrid_pattern_is_refused():
     from sparsebalance_megatron.megatron import hooks
 
