@@ -47,9 +47,6 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
 
 
 @pytest.mark.slow
-@pytest.mark.reliability(area="resume", case="HybridModel '*-|-*' PP=2 x DP=2 SAB+DST run resumed "
-                         "at iteration 2 of 4", expect="packing, plans, calibration and losses "
-                         "equal the uninterrupted run's")
 def test_hybrid_entry_resumes_like_the_uninterrupted_run(tmp_path, small_jsonl,
                                                          analytic_latency_table_pp2):
     common = [*_common("*-|-*", small_jsonl, analytic_latency_table_pp2), "--train-iters", "4",
