@@ -130,3 +130,17 @@ def test_dst_budgets_only_the_attention_layers(tiny):
     r = plan.report
     assert plan.densities.shape == (2, 2, 2)
     assert r.step_time_planned_s <= r.step_time_static_s * (1 + 1e-9)
+
+
+def test_a_one_stage_table_prices_a_one_stage_hybrid_from_its_mean_layer():
+    """A pp=1 table has no middle stage: its layers' mean stands for one GPT layer, so '*-*-'
+    (two GPT layers' worth) costs half the 4-layer table's stage, attention term included."""
+    shape = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=8192, seq_length=256, pp=1)
+    m = LatencyModel.from_table(analytic_table(shape, pp=1, block_size=32,
+                                               transformer_impl="local"))
+    hyb = m.with_layout(L.from_hybrid_pattern("*-*-"))
+    for p in ("fwd", "bwd"):
+        assert np.allclose(hyb._stage_coef[0][p], m.coef["only"][p] / 2)
+    with pytest.raises(LayoutError, match="lacks stage kind"):
+        m.with_layout(L.from_hybrid_pattern("*-|*-", 2))
