@@ -84,8 +84,9 @@ if (( conflicts > 0 )) && [[ "$MODE" != revert ]]; then
     echo "${errors[$i]}" | sed 's/^/  /' >&2
   done
   echo "It was made against the megatron-core 0.19 flow of the script's __main__ block" >&2
-  echo "(parse_and_validate_args -> gpt/hybrid_config_from_args -> pretrain_cfg_container_from_args)." >&2
-  echo "Nothing was changed. See patches/README.md for the calls to make by hand in other versions." >&2
+  echo "(parse_and_validate_args -> gpt/hybrid_config_from_args ->" >&2
+  echo " pretrain_cfg_container_from_args). Nothing was changed." >&2
+  echo "See patches/README.md for the calls to make by hand in other versions." >&2
   exit 1
 fi
 

@@ -56,9 +56,9 @@ def swap_core_attention(spec: ModuleSpec, core, what: str = "the layer spec") ->
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
     if getattr(getattr(attention, "submodules", None), "core_attention", None) is None:
         raise ValueError(f"{what} ({type(spec).__name__}) has no "
-                         f"submodules.self_attention.submodules.core_attention slot: only layers with "
-                         f"Megatron's SelfAttention (transformer-engine or local) can take sparse "
-                         f"attention")
+                         f"submodules.self_attention.submodules.core_attention slot: only "
+                         f"layers with Megatron's SelfAttention (transformer-engine or local) "
+                         f"can take sparse attention")
     spec = copy.deepcopy(spec)   # the budget context survives: BudgetContext.__deepcopy__
     spec.submodules.self_attention.submodules.core_attention = core
     return spec
