@@ -150,8 +150,8 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
 
 def _install(args, model_cfg, packed_data):
     from .budget import BudgetContext
-    from .hybrid import hybrid_stack_spec_for, is_hybrid_config
-    from .spec import layer_spec_builder, sparse_core_attention_spec
+    from .hybrid import is_hybrid_config
+    from .spec import install_attention_spec, sparse_core_attention_spec
 
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)
@@ -168,11 +168,7 @@ def _install(args, model_cfg, packed_data):
     elif args.transformer_impl == "local":
         from .dense_attention import DenseVarlenCoreAttention   # local DotProductAttention: no THD
         core = DenseVarlenCoreAttention
-    if hybrid:   # HybridModelBuilder reads the stack spec, never transformer_layer_spec
-        model_cfg.hybrid_stack_spec = hybrid_stack_spec_for(
-            model_cfg, core, spec_flag=" ".join(args.spec) if args.spec else None)
-    elif core is not None:
-        model_cfg.transformer_layer_spec = layer_spec_builder(core)
+    install_attention_spec(model_cfg, core, spec_flag=args.spec)
     if plugin_data:
         from .data import check_vocab, load_data, megatron_text_tokenizer
 
@@ -220,10 +216,9 @@ def _interleaved(args) -> bool:
 def _on_model_built(model: list) -> list:
     """Post-wrap hook (process groups and the model exist): the check that every layer the plan
     budgets runs our attention, then the step callback, the finalize hook and the timers tee."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
-
-    from megatron.core import parallel_state as ps
 
     if _run.sb is not None and _run.sb.sparse_attention_enabled:
         from .attention_check import check_sparse_attention

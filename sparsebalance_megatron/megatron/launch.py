@@ -65,7 +65,8 @@ def _sparse_attention_conflicts(args, hybrid: bool = False) -> list[str]:
     ``--spec`` is a stack spec: the swap goes inside it, ``hybrid.py``)."""
     out = []
     if getattr(args, "spec", None) is not None and not hybrid:
-        out.append(f"--spec {' '.join(args.spec)} (a custom layer spec)")
+        spec = args.spec if isinstance(args.spec, str) else " ".join(args.spec)
+        out.append(f"--spec {spec} (a custom layer spec)")
     if getattr(args, "num_experts", None):
         out.append(f"--num-experts {args.num_experts} (MoE block spec)")
     if getattr(args, "multi_latent_attention", False):
