@@ -13,6 +13,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
+HYBRID_ENTRY = REPO / "examples" / "pretrain_hybrid_sparsebalance.py"
+SLOW_ENV = "SB_SLOW_TESTS"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (resumes, checkout comparisons: minutes each) run only with
+    SB_SLOW_TESTS=1, which keeps ``make test`` within its time budget."""
+    if os.environ.get(SLOW_ENV):
+        return
+    skip = pytest.mark.skip(reason=f"slow: set {SLOW_ENV}=1 to run")
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(skip)
 
 
 def stdlib_texts(n: int, max_chars: int = 6000) -> list[str]:
@@ -102,11 +115,13 @@ def _profile_tiny(out: Path, pp: int) -> Path:
     return out
 
 
-def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: bool = True):
-    """torchrun the training entry; returns the CompletedProcess (stdout+stderr merged)."""
+def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: bool = True,
+              entry: Path = ENTRY):
+    """torchrun the training entry (the GPT one unless ``entry``); returns the CompletedProcess
+    (stdout+stderr merged)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(ENTRY), *map(str, args)]
+           f"--nproc_per_node={nproc}", str(entry), *map(str, args)]
     proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:

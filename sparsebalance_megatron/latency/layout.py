@@ -33,6 +33,14 @@ class LayoutError(ValueError):
     """A pipeline layout Megatron would refuse (or this plugin cannot model); names the flag."""
 
 
+ATTENTION, MLP = "*", "-"
+"""HybridModel layer symbols the plugin serves (Megatron's ``Symbols.ATTENTION`` / ``MLP``)."""
+HYBRID_SYMBOLS = {"M": "Mamba", "G": "gated delta net", "*": "attention",
+                  "D": "DeepSeek sparse attention", "+": "multi-latent attention", "-": "MLP",
+                  "E": "MoE"}
+"""Every decoder-layer symbol of megatron-core 0.19's ``hybrid_layer_allocation.Symbols``."""
+
+
 @dataclass(frozen=True)
 class PipelineLayout:
     """Decoder layers per virtual stage (``v = chunk * pp + rank``)."""
@@ -40,6 +48,9 @@ class PipelineLayout:
     pp: int
     vp: int
     layers: tuple
+    pattern: Optional[str] = None
+    """HybridModel: the symbol of every decoder layer in order (``--hybrid-layer-pattern``
+    without ``|``); None for a GPT (every layer is attention + MLP)."""
 
     def __post_init__(self):
         for name, v in (("pp", self.pp), ("vp", self.vp)):
@@ -55,6 +66,11 @@ class PipelineLayout:
             raise LayoutError(f"pipeline layout: vp={self.vp} needs pp >= 2 (the interleaved "
                               f"schedule is a pipeline schedule)")
         object.__setattr__(self, "layers", layers)
+        if self.pattern is not None:
+            bad = sorted(set(str(self.pattern)) - set(HYBRID_SYMBOLS))
+            if not isinstance(self.pattern, str) or bad or len(self.pattern) != sum(layers):
+                raise LayoutError(f"pipeline layout pattern={self.pattern!r}: expected "
+                                  f"{sum(layers)} layer symbols of {''.join(HYBRID_SYMBOLS)}")
 
     # --- views ------------------------------------------------------------------------------
     @property
@@ -96,6 +112,28 @@ class PipelineLayout:
         layer number ``n`` (the model's layers in order, virtual stage after virtual stage)."""
         return [v for v, n in enumerate(self.layers) for _ in range(n)]
 
+    def stage_patterns(self) -> list[str]:
+        """Layer symbols of every virtual stage (a GPT's layers are ``t``, attention + MLP)."""
+        pattern = self.pattern if self.pattern is not None else "t" * self.num_layers
+        ends = [0]
+        for n in self.layers:
+            ends.append(ends[-1] + n)
+        return [pattern[a:b] for a, b in zip(ends[:-1], ends[1:])]
+
+    @property
+    def attention_layers(self) -> tuple:
+        """Attention layers of every virtual stage: what the sparse attention budgets (a GPT's
+        every layer; a HybridModel's ``*`` layers)."""
+        if self.pattern is None:
+            return self.layers
+        return tuple(p.count(ATTENTION) for p in self.stage_patterns())
+
+    def hybrid_pattern(self) -> str:
+        """``--hybrid-layer-pattern`` of this layout: the symbols, ``|`` between stages."""
+        if self.pattern is None:
+            raise LayoutError("a GPT layout has no --hybrid-layer-pattern")
+        return "|".join(self.stage_patterns())
+
     def rank_layers(self) -> list[int]:
         """Decoder layers held by every pipeline rank (its chunks together)."""
         return [sum(self.layers[c * self.pp + r] for c in range(self.vp)) for r in range(self.pp)]
@@ -104,11 +142,14 @@ class PipelineLayout:
         return len(set(self.layers)) == 1
 
     def describe(self) -> str:
-        """``8/7/7/2``; with vp > 1 every rank's chunks in brackets, ``[4+4]/[4+4]``."""
+        """``8/7/7/2``; with vp > 1 every rank's chunks in brackets, ``[4+4]/[4+4]``; a
+        HybridModel's adds its pattern, ``2/2 (*-|*-)``."""
         if self.vp == 1:
-            return "/".join(str(n) for n in self.layers)
-        return "/".join("[" + "+".join(str(self.layers[c * self.pp + r]) for c in range(self.vp))
-                        + "]" for r in range(self.pp))
+            out = "/".join(str(n) for n in self.layers)
+        else:
+            out = "/".join("[" + "+".join(str(self.layers[c * self.pp + r])
+                                          for c in range(self.vp)) + "]" for r in range(self.pp))
+        return out if self.pattern is None else f"{out} ({self.hybrid_pattern()})"
 
     def layout_string(self) -> str:
         """Megatron's ``--pipeline-model-parallel-layout`` string of this layout."""
@@ -121,7 +162,9 @@ class PipelineLayout:
     def megatron_flags(self) -> list[str]:
         """Megatron flags that build this layout (with ``--pipeline-model-parallel-size`` and
         ``--num-layers``): none for an even split, first/last counts where they express it,
-        else a layout string."""
+        else a layout string; a HybridModel's: its ``--hybrid-layer-pattern``."""
+        if self.pattern is not None:
+            return ["--hybrid-layer-pattern", self.hybrid_pattern()]
         flags = [] if self.num_stages == 1 or self.is_even() else self._count_flags()
         if flags is None:
             return ["--pipeline-model-parallel-layout", self.layout_string()]
@@ -144,12 +187,14 @@ class PipelineLayout:
         return None
 
     def as_dict(self) -> dict:
-        return {"pp": self.pp, "vp": self.vp, "layers": list(self.layers)}
+        out = {"pp": self.pp, "vp": self.vp, "layers": list(self.layers)}
+        return out if self.pattern is None else dict(out, pattern=self.pattern)
 
     @classmethod
     def from_dict(cls, d: dict) -> "PipelineLayout":
         try:
-            return cls(int(d["pp"]), int(d.get("vp", 1)), tuple(int(x) for x in d["layers"]))
+            return cls(int(d["pp"]), int(d.get("vp", 1)), tuple(int(x) for x in d["layers"]),
+                       d.get("pattern"))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, LayoutError):
                 raise
@@ -259,9 +304,45 @@ class PipelineLayout:
         return out
 
     @classmethod
+    def from_hybrid_pattern(cls, pattern: str, pp: int = 1, *, first: Optional[int] = None,
+                            last: Optional[int] = None) -> "PipelineLayout":
+        """HybridModel's layout (megatron-core 0.19's ``select_pipeline_segment``): with ``|``,
+        segment ``v = chunk * pp + rank`` is virtual stage v (their number a multiple of pp);
+        without, Megatron's even or first/last split of the layers. Multi-token prediction
+        (``/``) is refused."""
+        flag = "--hybrid-layer-pattern"
+        if not isinstance(pattern, str) or not pattern.replace("|", ""):
+            raise LayoutError(f"{flag}={pattern!r}: expected layer symbols such as '*-*-'")
+        if "/" in pattern:
+            raise LayoutError(f"{flag} {pattern!r}: multi-token prediction ('/') is not "
+                              f"supported with the sparse attention")
+        bad = sorted(set(pattern) - set(HYBRID_SYMBOLS) - {"|"})
+        if bad:
+            raise LayoutError(f"{flag} {pattern!r}: unknown layer symbol(s) {bad}; expected "
+                              f"{''.join(HYBRID_SYMBOLS)} and '|'")
+        segments = pattern.split("|")
+        flat = pattern.replace("|", "")
+        if len(segments) == 1:
+            lay = cls.from_counts(len(flat), pp, first=first, last=last)
+            return cls(lay.pp, lay.vp, lay.layers, flat)
+        if first is not None or last is not None:
+            raise LayoutError(f"{flag} {pattern!r} with '|' and --decoder-first/last-pipeline-"
+                              f"num-layers: Megatron refuses the mix")
+        if len(segments) % pp:
+            raise LayoutError(f"{flag} {pattern!r}: {len(segments)} '|' segments are not "
+                              f"divisible by --pipeline-model-parallel-size={pp}")
+        return cls(pp, len(segments) // pp, tuple(len(s) for s in segments), flat)
+
+    @classmethod
     def from_megatron_args(cls, args) -> "PipelineLayout":
-        """The layout of a run (Megatron's parsed and validated args)."""
+        """The layout of a run (Megatron's parsed and validated args): a HybridModel's when
+        ``--hybrid-layer-pattern`` is set."""
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+        pattern = getattr(args, "hybrid_layer_pattern", None)
+        if pattern is not None:
+            return cls.from_hybrid_pattern(
+                str(pattern), pp, first=getattr(args, "decoder_first_pipeline_num_layers", None),
+                last=getattr(args, "decoder_last_pipeline_num_layers", None))
         vp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
         string = getattr(args, "pipeline_model_parallel_layout", None)
         if string is not None:

@@ -266,9 +266,21 @@ class LatencyModel(Calibration):
                 f"cannot predict the {'x'.join(str(v) for v in (layout.pp, layout.vp) if v > 1) or 1}"
                 f"-stage layout {layout.describe()}: it lacks stage kind(s) {missing} (profile "
                 f"with --pipeline-model-parallel-size >= 2 for a pipelined run)")
+        # a HybridModel's stages hold attention and MLP layers, not GPT layers (hybrid.py)
+        stage_coef = self._gpt_stage_coef(layout) if layout.pattern is None \
+            else self._hybrid_stage_coef(layout)
+        out = copy.copy(self)
+        out.layout = layout
+        cp = self.context_parallel
+        out._stage_coef = stage_coef if cp is None else [
+            cp.stage_coefficients(c, n, folded_tokens=self._folded_tokens())
+            for c, n in zip(stage_coef, layout.layers)]
+        return out
+
+    def _gpt_stage_coef(self, layout: PipelineLayout) -> list:
         stage_coef = []
         per_layer = None
-        for kind, n in zip(kinds, layout.layers):
+        for kind, n in zip(layout.kinds(), layout.layers):
             base = self._coef_full[kind]
             dn = n - self._kind_layers(kind)
             if dn == 0:
@@ -280,13 +292,22 @@ class LatencyModel(Calibration):
             for p in c:           # a stage with fewer layers cannot have negative work costs
                 c[p][1:] = np.maximum(c[p][1:], 0.0)
             stage_coef.append(c)
-        out = copy.copy(self)
-        out.layout = layout
-        cp = self.context_parallel
-        out._stage_coef = stage_coef if cp is None else [
-            cp.stage_coefficients(c, n, folded_tokens=self._folded_tokens())
-            for c, n in zip(stage_coef, layout.layers)]
-        return out
+        return stage_coef
+
+    def _hybrid_stage_coef(self, layout: PipelineLayout) -> list:
+        """Stage coefficients of a HybridModel layout (``hybrid.py``). A one-stage table has no
+        middle stage: its layers' mean (embedding and LM head spread over them) stands for one
+        layer there, as nothing else says what a layer costs."""
+        from .hybrid import hybrid_stage_coefficients
+
+        if "middle" not in self.coef and self.table_layout.num_stages == 1:
+            only = self._coef_full[self.table_layout.kinds()[0]]
+            per_layer = {p: only[p] / self.table_layout.num_layers for p in ("fwd", "bwd")}
+        else:
+            per_layer = self.layer_coefficients()
+        return hybrid_stage_coefficients(self._coef_full,
+                                         {k: self._kind_layers(k) for k in self.coef},
+                                         per_layer, self.table["model"], layout)
 
     def _folded_tokens(self) -> Optional[int]:
         """The grid's one token total when the table was profiled at a single one (the profiler's

@@ -304,7 +304,8 @@ class SparseBalanceCallback:
     def _check_layout(self, batch: BatchPlan, units) -> None:
         """Once, on rank 0: warn when the run's pipeline layout is predicted well slower (static,
         at d0, this step's data) than another split Megatron's flags allow."""
-        if comm.rank() != 0 or self.latency is None or self.layout.pp < 2:
+        if comm.rank() != 0 or self.latency is None or self.layout.pp < 2 \
+                or self.layout.pattern is not None:   # the search splits GPT layers only
             return
         from ..experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
         from ..latency.layout import LayoutError
@@ -331,7 +332,7 @@ class SparseBalanceCallback:
         sens = unit_sensitivity(batch.micro_batches, self.tracker) if self.tracker else None
         headroom = self.raise_headroom()
         plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom,
-                                    stage_layers=self.layout.layers)
+                                    stage_layers=self.layout.attention_layers)
         return plan.densities.tolist(), dict(
             plan.report.as_dict(), raise_headroom=headroom,
             unit_sensitivity=None if sens is None else np.round(sens, 6).tolist())

@@ -1,11 +1,12 @@
-"""The one integration of SparseBalance into Megatron's ``pretrain()``, for both entry points.
+"""The one integration of SparseBalance into Megatron's ``pretrain()``, for every entry point.
 
-``examples/pretrain_gpt_sparsebalance.py`` and Megatron-LM's ``pretrain_gpt.py`` (with
-``patches/``) run the same six calls around Megatron's own flow; the loop is Megatron's::
+``examples/pretrain_{gpt,hybrid}_sparsebalance.py`` and Megatron-LM's ``pretrain_gpt.py`` /
+``pretrain_hybrid.py`` (with ``patches/``) run the same six calls around Megatron's own flow; the
+loop is Megatron's::
 
     args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider(base),
                                    args_defaults=hooks.args_defaults(defaults))
-    model_cfg = gpt_config_from_args(args)
+    model_cfg = gpt_config_from_args(args)        # or hybrid_config_from_args
     hooks.install(args, model_cfg)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg),
              hooks.datasets_provider(provider), ModelType.encoder_or_decoder,
@@ -16,7 +17,9 @@ What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
   machine without CUDA also the CPU defaults of ``launch.cpu_parser_defaults`` and the CPU shims);
 - the attention: ``GPTModelConfig.transformer_layer_spec`` = Megatron's default spec with only
-  ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params;
+  ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params; a
+  HybridModel's ``hybrid_stack_spec`` with its attention layers' slot swapped (``hybrid.py``);
+  after the build, the post-wrap hook checks every budgeted layer is ours (``attention_check``);
 - data (SAB): with the plugin's data path (DST or SAB on, or always for our entry) Megatron pulls
   our iterators through ``--dataloader-type external``; ``forward_step`` is ours (THD inputs);
 - the step callback (DST, calibration, metrics): a post-wrap hook (``model_cfg.post_wrap_hooks``)
@@ -147,22 +150,25 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
 
 def _install(args, model_cfg, packed_data):
     from .budget import BudgetContext
-    from .spec import layer_spec_builder, sparse_core_attention_spec
+    from .hybrid import is_hybrid_config
+    from .spec import install_attention_spec, sparse_core_attention_spec
 
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)
-    check_launch(args, sb, plugin_data=plugin_data)
+    hybrid = is_hybrid_config(model_cfg)
+    check_launch(args, sb, plugin_data=plugin_data, hybrid=hybrid)
     _run.sb, _run.plugin_data = sb, plugin_data
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
     compat.skip_prebuilt_helpers_compile()
     _run.budget = BudgetContext.for_config(sb)
+    core = None
     if sb.sparse_attention_enabled:
-        model_cfg.transformer_layer_spec = layer_spec_builder(
-            sparse_core_attention_spec(sb, _run.budget))
+        core = sparse_core_attention_spec(sb, _run.budget)
     elif args.transformer_impl == "local":
         from .dense_attention import DenseVarlenCoreAttention   # local DotProductAttention: no THD
-        model_cfg.transformer_layer_spec = layer_spec_builder(DenseVarlenCoreAttention)
+        core = DenseVarlenCoreAttention
+    install_attention_spec(model_cfg, core, spec_flag=args.spec)
     if plugin_data:
         from .data import check_vocab, load_data, megatron_text_tokenizer
 
@@ -190,6 +196,9 @@ def _install(args, model_cfg, packed_data):
         model_cfg.post_wrap_hooks.append(_on_model_built)
     parts = [f"sparse attention: density {sb.density}, block {sb.block_size}, backend "
              f"{sb.attention_backend}" if sb.sparse_attention_enabled else "dense attention"]
+    if hybrid:
+        p = args.hybrid_layer_pattern
+        parts[0] += f" in the {p.count('*')} attention layers of HybridModel {p!r}"
     if plugin_data:
         parts.append(f"data: {_run.data.corpus.name} ({len(_run.data.corpus)} documents, "
                      f"tokenizer {_run.data.tokenizer}), packing {sb.packing_method}")
@@ -205,11 +214,18 @@ def _interleaved(args) -> bool:
 
 
 def _on_model_built(model: list) -> list:
-    """Post-wrap hook (process groups and the model exist): the step callback, the finalize
-    hook and the timers tee."""
+    """Post-wrap hook (process groups and the model exist): the check that every layer the plan
+    budgets runs our attention, then the step callback, the finalize hook and the timers tee."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
+    if _run.sb is not None and _run.sb.sparse_attention_enabled:
+        from .attention_check import check_sparse_attention
+        try:
+            check_sparse_attention(model, _megatron_args(), ps.get_pipeline_model_parallel_rank())
+        except LaunchError as e:
+            raise SystemExit(f"error: {e}") from None
     if not _run.plugin_data or _run.callback is not None:
         return model
     from .callback import SparseBalanceCallback
@@ -217,8 +233,6 @@ def _on_model_built(model: list) -> list:
     from .timing import MicrobatchTimers
 
     args = _megatron_args()
-    from megatron.core import parallel_state as ps
-
     if ps.get_context_parallel_rank() != 0:
         # CP ranks of a DP rank hold the same state and Megatron names its file by the DP rank
         # alone: only CP rank 0 writes it (the others would write the same file at once).

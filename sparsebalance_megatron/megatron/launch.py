@@ -23,7 +23,7 @@ import torch
 from ..attention.fa4_cute import FA4_BLOCK, fa4_missing
 from ..attention.flex import flash_kernel_missing
 from ..config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
-from ..latency.layout import LayoutError, PipelineLayout
+from ..latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
 
 
 class LaunchError(ValueError):
@@ -61,11 +61,13 @@ def have_module(name: str) -> bool:
         return False
 
 
-def _sparse_attention_conflicts(args) -> list[str]:
-    """Settings whose layer spec or core attention would silently replace ours."""
+def _sparse_attention_conflicts(args, hybrid: bool = False) -> list[str]:
+    """Settings whose layer spec or core attention would silently replace ours (a HybridModel's
+    ``--spec`` is a stack spec: the swap goes inside it, ``hybrid.py``)."""
     out = []
-    if getattr(args, "spec", None) is not None:
-        out.append(f"--spec {args.spec} (a custom layer spec)")
+    if getattr(args, "spec", None) is not None and not hybrid:
+        spec = args.spec if isinstance(args.spec, str) else " ".join(args.spec)
+        out.append(f"--spec {spec} (a custom layer spec)")
     if getattr(args, "num_experts", None):
         out.append(f"--num-experts {args.num_experts} (MoE block spec)")
     if getattr(args, "multi_latent_attention", False):
@@ -80,6 +82,37 @@ def _sparse_attention_conflicts(args) -> list[str]:
         out.append("ModelOpt (its own layer spec)")
     if getattr(args, "window_size", None) is not None:
         out.append(f"--window-size {args.window_size} (use --sb-local-blocks)")
+    return out
+
+
+def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool,
+                      plugin_data: bool) -> list[str]:
+    """HybridModel: the layer kinds served are attention (``*``) and MLP (``-``); a GPT run
+    must not carry a hybrid pattern (the plan would budget layers the GPT does not have)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not (sb.sparse_attention_enabled or plugin_data):
+        return []   # the plugin is off: the run is stock Megatron, whatever its layers
+    if not hybrid:
+        return [] if pattern is None else [
+            f"--hybrid-layer-pattern {pattern!r} with a GPT model (pretrain_gpt builds GPT "
+            f"layers; use pretrain_hybrid.py or examples/pretrain_hybrid_sparsebalance.py)"]
+    if pattern is None:
+        return ["a HybridModel without --hybrid-layer-pattern (the plugin plans from the "
+                "pattern; the deprecated ratios are not supported)"]
+    main = str(pattern).split("/")[0]
+    out = []
+    bad = sorted(set(main) - {ATTENTION, MLP, "|"} & set(HYBRID_SYMBOLS))
+    if bad:
+        kinds = ", ".join(f"'{c}' ({HYBRID_SYMBOLS[c]})" for c in bad)
+        out.append(f"--hybrid-layer-pattern {pattern!r}: layer kind(s) {kinds} not supported "
+                   f"with SparseBalance (supported: '{ATTENTION}' attention, '{MLP}' MLP)")
+    if sb.sparse_attention_enabled and ATTENTION not in main:
+        out.append(f"--hybrid-layer-pattern {pattern!r} has no attention layer "
+                   f"('{ATTENTION}') for the sparse attention")
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if cp > 1:
+        out.append(f"--context-parallel-size {cp} with a HybridModel (verified with GPT "
+                   f"only so far)")
     return out
 
 
@@ -200,8 +233,11 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     """Megatron features the plugin does not support yet (each with its own issue)."""
     out = _context_parallel_conflicts(args, sb, plugin_data)
     out += _microbatch_length_conflicts(args, sb, plugin_data)
+    # a HybridModel's pattern matters only when the plugin plans (stock runs keep Mamba, MTP...)
+    plans = sb.sparse_attention_enabled or plugin_data
     try:
-        if getattr(args, "num_layers", None) is not None:   # else Megatron's own check says so
+        if getattr(args, "num_layers", None) is not None and \
+                (plans or getattr(args, "hybrid_layer_pattern", None) is None):
             PipelineLayout.from_megatron_args(args)
     except LayoutError as e:
         out.append(f"the pipeline layout: {e}")
@@ -303,9 +339,12 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
     return out
 
 
-def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool) -> None:
-    """``LaunchError`` listing every setting of this launch that cannot work."""
-    bad = _device_conflicts(args, sb) + _not_yet(args, sb, plugin_data)
+def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
+                 hybrid: bool = False) -> None:
+    """``LaunchError`` listing every setting of this launch that cannot work (``hybrid``: the
+    model is a HybridModel, ``pretrain_hybrid.py``)."""
+    bad = _device_conflicts(args, sb) + _hybrid_conflicts(args, sb, hybrid, plugin_data) + \
+        _not_yet(args, sb, plugin_data)
     if plugin_data:
         bad += _data_conflicts(args)
     if sb.sparse_attention_enabled:
@@ -314,7 +353,7 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool) -> None:
             bad.append(f"--seq-length {seq} is smaller than {flag_name('block_size')} "
                        f"{sb.block_size}: a micro-batch must hold at least one attention block")
         bad += [f"{c} with sparse attention (--sparse-balance / --sb-sparse-attention / --sb-dst)"
-                for c in _sparse_attention_conflicts(args)]
+                for c in _sparse_attention_conflicts(args, hybrid)]
         if not plugin_data and getattr(args, "reset_attention_mask", False):
             bad.append("--reset-attention-mask with sparse attention on Megatron's data path: the "
                        "sparse attention takes document boundaries from packed cu_seqlens; use "

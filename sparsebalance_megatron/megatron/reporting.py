@@ -52,13 +52,14 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
 
 
 def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
-                overhead_s: float, work: np.ndarray, layers=None,
+                overhead_s: float, work: np.ndarray, layers=None, attention_layers=None,
                 doc_positions: Optional[np.ndarray] = None,
                 dense_work: Optional[np.ndarray] = None) -> dict:
     """Everything known about a finished step (identical on every rank). Densities are weighted
-    by layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per stage, the
-    run's pipeline layout; None = equal); per stage and per DP rank as well as overall; routed
-    documents (``dense_work`` [dp, m], None without routing) count at density 1.
+    by attention layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per
+    stage, the run's pipeline layout, None = equal; ``attention_layers`` [pp] those with
+    attention, a HybridModel's ``*`` layers, None = all); per stage and per DP rank as well as
+    overall; routed documents (``dense_work`` [dp, m], None without routing) count at density 1.
     ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
     ``positions`` what the step computed (padding included)."""
     from ..policy.costs import stage_mean_densities, weighted_mean_density
@@ -79,13 +80,15 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
     if step.plan is not None:
         d = step.plan.densities                                     # [dp, m, pp]
         lay = np.ones(d.shape[2]) if layers is None else np.asarray(layers, dtype=np.float64)
-        w = np.asarray(work, dtype=np.float64)[:, :, None] * lay[None, None, :]
+        att = lay if attention_layers is None else np.asarray(attention_layers, np.float64)
+        w = np.asarray(work, dtype=np.float64)[:, :, None] * att[None, None, :]
         dw = None if dense_work is None else \
-            np.asarray(dense_work, dtype=np.float64)[:, :, None] * lay[None, None, :]
+            np.asarray(dense_work, dtype=np.float64)[:, :, None] * att[None, None, :]
         per_rank = stage_mean_densities(d.transpose(2, 1, 0), w.transpose(2, 1, 0),
                                         None if dw is None else dw.transpose(2, 1, 0))
         rec.update(budgets_consistent=True, mean_density=weighted_mean_density(d, w, dw),
                    layers_per_stage=[int(x) for x in lay],
+                   attention_layers_per_stage=[int(x) for x in att],
                    density_per_rank=[float(x) for x in per_rank],
                    density_per_stage=[float(x) for x in stage_mean_densities(d, w, dw)])
     if np.isfinite(measured).all():
@@ -189,6 +192,7 @@ class StepReporter:
         work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens)
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
                           work=work, layers=self.layout.layers,
+                          attention_layers=self.layout.attention_layers,
                           doc_positions=self.doc_positions, dense_work=dense)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s

@@ -7,6 +7,11 @@ vp_stage)``: transformer-engine or local, with every keyword upstream passes, ``
 ``use_te_op_fuser`` and the rest) and replaces only
 ``submodules.self_attention.submodules.core_attention``. So every flag upstream honours still works.
 
+HybridModel (``pretrain_hybrid.py``): the slot sits one level deeper, in the stack spec's
+attention layer (``submodules.attention_layer.submodules.self_attention.submodules.
+core_attention``); ``swap_hybrid_core_attention`` swaps it there and nowhere else (which stack
+spec a run builds: ``hybrid.py``).
+
 ``get_sparsebalance_layer_spec(sb_config, transformer_impl, **kwargs)`` builds a spec directly from
 ``get_gpt_layer_local_spec(**kwargs)`` / ``get_gpt_layer_with_transformer_engine_spec(**kwargs)``
 for models built outside ``pretrain()`` (the profiler, conversion, tests).
@@ -51,11 +56,39 @@ def swap_core_attention(spec: ModuleSpec, core, what: str = "the layer spec") ->
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
     if getattr(getattr(attention, "submodules", None), "core_attention", None) is None:
         raise ValueError(f"{what} ({type(spec).__name__}) has no "
-                         f"submodules.self_attention.submodules.core_attention slot: only plain "
-                         f"GPT layer specs (transformer-engine or local) can take sparse attention")
+                         f"submodules.self_attention.submodules.core_attention slot: only "
+                         f"layers with Megatron's SelfAttention (transformer-engine or local) "
+                         f"can take sparse attention")
     spec = copy.deepcopy(spec)   # the budget context survives: BudgetContext.__deepcopy__
     spec.submodules.self_attention.submodules.core_attention = core
     return spec
+
+
+def swap_hybrid_core_attention(stack_spec: ModuleSpec, core,
+                               what: str = "the hybrid stack spec") -> ModuleSpec:
+    """A copy of a ``HybridStack`` spec whose attention layers (``*``) have ``core`` as core
+    attention; the other layer kinds are shared with ``stack_spec``, unchanged."""
+    sub = getattr(stack_spec, "submodules", None)
+    layer = getattr(sub, "attention_layer", None)
+    if not isinstance(layer, ModuleSpec):
+        raise ValueError(f"{what} ({type(stack_spec).__name__}) has no submodules."
+                         f"attention_layer layer spec: expected a HybridStack ModuleSpec")
+    attention = getattr(layer.submodules, "self_attention", None)
+    if getattr(getattr(attention, "submodules", None), "core_attention", None) is None:
+        raise ValueError(f"{what}'s attention_layer has no submodules.self_attention."
+                         f"submodules.core_attention slot")
+    # copies along the path to the slot only: the rest stays shared (Megatron's TE specs hold
+    # stand-in mocks where transformer-engine is missing, which cannot be deep-copied)
+    attention = copy.copy(attention)
+    attention.submodules = copy.copy(attention.submodules)
+    attention.submodules.core_attention = core
+    layer = copy.copy(layer)
+    layer.submodules = copy.copy(layer.submodules)
+    layer.submodules.self_attention = attention
+    out = copy.copy(stack_spec)
+    out.submodules = copy.copy(sub)
+    out.submodules.attention_layer = layer
+    return out
 
 
 def layer_spec_builder(core) -> Callable:
@@ -69,6 +102,23 @@ def layer_spec_builder(core) -> Callable:
                                    what=f"Megatron's {config.transformer_impl} layer spec")
 
     return sparsebalance_layer_spec
+
+
+def install_attention_spec(model_cfg, core, *, spec_flag=None) -> None:
+    """Put ``core`` (None: the base spec's own) where ``model_cfg``'s builder reads it: a
+    ``GPTModelConfig``'s ``transformer_layer_spec`` (``layer_spec_builder``), a
+    ``HybridModelConfig``'s ``hybrid_stack_spec`` (its builder never reads the former;
+    ``hybrid.hybrid_stack_spec_for``, which also picks the base, the local one on CPU).
+    ``spec_flag``: Megatron's ``--spec`` value, for messages."""
+    from .hybrid import hybrid_stack_spec_for, is_hybrid_config
+
+    if is_hybrid_config(model_cfg):
+        if spec_flag is not None and not isinstance(spec_flag, str):
+            spec_flag = " ".join(spec_flag)
+        model_cfg.hybrid_stack_spec = hybrid_stack_spec_for(model_cfg, core,
+                                                            spec_flag=spec_flag or None)
+    elif core is not None:
+        model_cfg.transformer_layer_spec = layer_spec_builder(core)
 
 
 def get_sparsebalance_layer_spec(sb_config: SparseBalanceConfig, transformer_impl: str = "local",

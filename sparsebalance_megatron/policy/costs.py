@@ -163,9 +163,10 @@ class UnitCosts:
         ``UnitFeatures`` of them; every stage sees the same micro-batches. The stage axis is the
         model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
         model's online correction of rank r.
-        attn_work = kept block pairs at density 1 (dense causal work) x the stage's decoder
-        layers: the mean-density weights; with routing (the model's ``dense_below_tokens``) of
-        the sparse path's documents, and ``dense_work`` that of the routed ones.
+        attn_work = kept block pairs at density 1 (dense causal work) x the stage's attention
+        layers (``layout.attention_layers``: a HybridModel's MLP layers have none): the
+        mean-density weights; with routing (the model's ``dense_below_tokens``) of the sparse
+        path's documents, and ``dense_work`` that of the routed ones.
         """
         g = np.asarray(densities, dtype=np.float64)
         feats = model.unit_features(mb_doc_lengths)
@@ -188,7 +189,7 @@ class UnitCosts:
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
-        layers = np.asarray(model.layout.layers, dtype=np.float64)
+        layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
             feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],

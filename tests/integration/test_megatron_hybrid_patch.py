@@ -1,0 +1,157 @@
+"""patches/megatron_lm_pretrain_hybrid.patch: Megatron-LM's pretrain_hybrid.py (HybridModel).
+
+Always run: the patch is a well-formed diff of pretrain_hybrid.py alone, adding the six hook calls
+(each exists in ``hooks``); the apply script patches both scripts of a checkout, detects them as
+applied, reverts them, changes nothing when one of them does not fit, and skips a checkout
+without pretrain_hybrid.py. With ``MEGATRON_LM_DIR`` (a core_r0.19.0 checkout) and/or
+``MEGATRON_LM_MAIN_DIR`` (a main checkout): the patched pretrain_hybrid.py of that checkout trains
+3 steps of a ``*-*-`` HybridModel with ``--sparse-balance`` on 2 CPU ranks, evaluates, and its
+losses equal our entry's (examples/pretrain_hybrid_sparsebalance.py) on the same data.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_megatron_patch import (_tool_path, parse_patch, pre_image,
+                                                   run_script)
+
+REPO = Path(__file__).resolve().parents[2]
+PATCH = REPO / "patches" / "megatron_lm_pretrain_hybrid.patch"
+GPT_PATCH = REPO / "patches" / "megatron_lm_pretrain_gpt.patch"
+
+pytestmark = pytest.mark.integration
+
+
+def test_patch_is_a_diff_of_pretrain_hybrid_adding_the_six_calls():
+    from sparsebalance_megatron.megatron import hooks
+
+    files = parse_patch(PATCH.read_text())
+    assert set(files) == {"pretrain_hybrid.py"}
+    added = "\n".join(b[1:] for h in files["pretrain_hybrid.py"] for b in h["lines"]
+                      if b[:1] == "+")
+    for call in ("extra_args_provider(", "args_defaults(", "install(args, model_cfg)",
+                 "datasets_provider(train_valid_test_datasets_provider)",
+                 "forward_step(forward_step)", "sparsebalance_hooks.finish()"):
+        assert call in added, f"patch does not add {call}"
+    used = set(re.findall(r"sparsebalance_hooks\.(\w+)", added))
+    assert used and all(callable(getattr(hooks, name, None)) for name in used), used
+
+
+def _checkout(root: Path, hybrid_text=None) -> Path:
+    (root / "megatron" / "training").mkdir(parents=True)
+    (root / "pretrain_gpt.py").write_text(pre_image(parse_patch(GPT_PATCH.read_text())
+                                                    ["pretrain_gpt.py"]))
+    if hybrid_text is not None:
+        (root / "pretrain_hybrid.py").write_text(hybrid_text)
+    return root
+
+
+def test_script_patches_both_scripts_and_reverts_them(tmp_path):
+    original = pre_image(parse_patch(PATCH.read_text())["pretrain_hybrid.py"])
+    ckpt = _checkout(tmp_path / "Megatron-LM", original)
+    out = run_script("--check", ckpt, check_rc=0).stdout
+    assert out.count("applies cleanly") == 2 and "pretrain_hybrid.py" in out
+    run_script(ckpt, check_rc=0)
+    patched = (ckpt / "pretrain_hybrid.py").read_text()
+    assert "sparsebalance_hooks.install(args, model_cfg)" in patched
+    assert "sparsebalance_hooks.install(args, model_cfg)" in (ckpt / "pretrain_gpt.py").read_text()
+    assert run_script(ckpt, check_rc=0).stdout.count("already applied") == 2
+    assert run_script("--revert", ckpt, check_rc=0).stdout.count("reverted") == 2
+    assert (ckpt / "pretrain_hybrid.py").read_text() == original
+
+
+def test_script_changes_nothing_when_one_script_does_not_fit(tmp_path):
+    original = pre_image(parse_patch(PATCH.read_text())["pretrain_hybrid.py"])
+    changed = original.replace("        forward_step,", "        my_forward_step,")
+    assert changed != original
+    ckpt = _checkout(tmp_path / "Megatron-LM", changed)
+    gpt_before = (ckpt / "pretrain_gpt.py").read_text()
+    out = run_script(ckpt, check_rc=1).stdout
+    assert "does not apply" in out and "pretrain_hybrid.py" in out and "Nothing was changed" in out
+    assert (ckpt / "pretrain_hybrid.py").read_text() == changed
+    assert (ckpt / "pretrain_gpt.py").read_text() == gpt_before, "the GPT script was patched"
+
+
+def test_script_skips_a_checkout_without_pretrain_hybrid(tmp_path):
+    ckpt = _checkout(tmp_path / "Megatron-LM")
+    out = run_script(ckpt, check_rc=0).stdout
+    assert "skipped:" in out and "pretrain_hybrid.py does not exist" in out
+    assert "applied: " in out   # the GPT script still is
+
+
+# --- real Megatron-LM checkouts ------------------------------------------------------------------
+
+CHECKOUTS = {"core_r0.19.0": "MEGATRON_LM_DIR", "main": "MEGATRON_LM_MAIN_DIR"}
+
+
+def _flags(tmp_path: Path, data: Path) -> list[str]:
+    from tests.conftest import TINY_MODEL
+
+    return [*TINY_MODEL, "--hybrid-layer-pattern", "*-*-", "--global-batch-size", "4",
+            "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
+            "--data-path", str(data), "--sparse-balance", "--sb-density", "0.5",
+            "--sb-block-size", "32", "--sb-tokenizer", "byte",
+            "--sb-data-cache-dir", str(tmp_path / "cache")]
+
+
+def _train(script: Path, flags: list, tmp_path: Path, name: str) -> list[dict]:
+    from tests.conftest import read_metrics
+
+    metrics = tmp_path / f"{name}.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=_tool_path(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(script), *flags,
+                           "--sb-metrics-file", str(metrics)], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert "attention layers of HybridModel '*-*-'" in proc.stdout, proc.stdout[-3000:]
+    assert "DST on" in proc.stdout and "packing sab" in proc.stdout
+    assert "validation loss at iteration 3" in proc.stdout   # Megatron's eval ran
+    return read_metrics(metrics)
+
+
+@pytest.fixture(scope="module")
+def our_entry_run(tmp_path_factory, small_jsonl):
+    from tests.conftest import HYBRID_ENTRY
+
+    tmp = tmp_path_factory.mktemp("ours")
+    return _train(HYBRID_ENTRY, _flags(tmp, small_jsonl), tmp, "ours")
+
+
+@pytest.mark.parametrize("branch", list(CHECKOUTS))
+def test_patched_pretrain_hybrid_trains_like_our_entry(branch, tmp_path, small_jsonl, request):
+    env = CHECKOUTS[branch]
+    if not os.environ.get(env):
+        pytest.skip(f"set {env} to a Megatron-LM {branch} checkout to run its pretrain_hybrid.py")
+    src = Path(os.environ[env]).resolve()
+    copy = tmp_path / "Megatron-LM"
+    copy.mkdir()
+    for name in ("pretrain_gpt.py", "pretrain_hybrid.py", "hybrid_builders.py",
+                 "model_provider.py"):
+        shutil.copy2(src / name, copy / name)
+    (copy / "megatron").symlink_to(src / "megatron", target_is_directory=True)
+    out = run_script(copy, check_rc=0).stdout
+    assert f"applied: {copy}/pretrain_hybrid.py" in out, out
+    patched = (copy / "pretrain_hybrid.py").read_text()
+    imports = {(n.module, a.name) for n in ast.walk(ast.parse(patched))
+               if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("sparsebalance_megatron.megatron", "hooks") in imports
+
+    theirs = _train(copy / "pretrain_hybrid.py", _flags(tmp_path, small_jsonl), tmp_path,
+                    branch)
+    ours = request.getfixturevalue("our_entry_run")
+    assert [r["step"] for r in theirs] == [r["step"] for r in ours] == [1, 2, 3]
+    for x, y in zip(theirs, ours):
+        assert x["tokens"] == y["tokens"] and x["mean_density"] == y["mean_density"]
+        assert x["attention_layers_per_stage"] == y["attention_layers_per_stage"] == [2]
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (x["loss"], y["loss"])
