@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from ..config import BACKENDS
 from ..plan import BudgetPlan
 
 
@@ -67,6 +68,7 @@ class BudgetContext:
         self.default_density = float(default_density)
         self.dense_below_tokens = 0
         self.set_routing(dense_below_tokens)
+        self.attention_backend: Optional[str] = None   # the latency table's pick for 'auto'
         self.plan: Optional[BudgetPlan] = None
         self.dp_rank, self.stage = 0, 0
         self.layer_stages: Optional[tuple] = None
@@ -90,6 +92,14 @@ class BudgetContext:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"dense_below_tokens={n!r}: expected an integer >= 0")
         self.dense_below_tokens = n
+
+    def set_backend(self, backend: Optional[str]) -> None:
+        """The kernel ``--sb-attention-backend auto`` runs: the fastest one measured on this
+        device when its latency table was profiled (None: ``resolve_backend``'s default)."""
+        if backend is not None and (backend not in BACKENDS or backend == "auto"):
+            raise ValueError(f"attention backend {backend!r}: expected one of "
+                             f"{', '.join(b for b in BACKENDS if b != 'auto')} or None")
+        self.attention_backend = backend
 
     def set_plan(self, plan: Optional[BudgetPlan], *, dp_rank: int, stage: int = 0,
                  layer_stages: Optional[Sequence[int]] = None) -> None:

@@ -117,8 +117,9 @@ class SparseBalanceCallback:
                             length_multiple=sb.microbatch_multiple)
         self.latency = self.tracker = None
         if sb.dst_enabled or sb.batching_enabled:
-            from .latency_setup import load_latency_model
+            from .latency_setup import load_latency_model, table_backend
             self.latency = load_latency_model(args, sb)
+            budget.set_backend(table_backend(self.latency.table, sb))   # auto: measured pick
         # routing: the latency table's crossover (or --sb-dense-below-tokens), known only now
         routing = self.latency.dense_below_tokens if self.latency is not None \
             else sb.routing_threshold(None)

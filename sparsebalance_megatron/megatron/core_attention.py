@@ -107,8 +107,8 @@ class SparseCoreAttention(MegatronModule):
             block_size=sb.block_size, sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
-            backend=sb.attention_backend, softmax_scale=self.softmax_scale,
-            query_chunk_blocks=sb.query_chunk_blocks, cache=cache, reduce_shares=reduce_shares,
+            backend=self.budget.attention_backend or sb.attention_backend,
+            softmax_scale=self.softmax_scale, query_chunk_blocks=sb.query_chunk_blocks, cache=cache, reduce_shares=reduce_shares,
             dense_below_tokens=self.budget.dense_below_tokens, dense_kernel=sb.dense_kernel)
         if torch.is_grad_enabled():
             self.budget.record(self.layer_number, packed_seq_params, sel.density_kept, sel.recall)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..attention import block_sparse_attention, resolve_backend
+from ..attention.api import backend_missing
 from ..attention.dense import dense_varlen_attention, packed_docs, resolve_dense_kernel
 from ..config import SparseBalanceConfig
 from ..latency.crossover import crossover_entries, crossover_lengths, crossover_tokens
@@ -90,6 +91,66 @@ def measure_crossover(sb: SparseBalanceConfig, *, num_heads: int, num_groups: in
             "block_size": sb.block_size, "density": sb.density, "repeats": repeats,
             "lengths": lengths, "dense_s": dense_s, "sparse_s": sparse_s,
             "tokens": crossover_tokens(lengths, dense_s, sparse_s)}
+
+
+AUTO_CANDIDATES = ("triton", "fa4", "flex", "flash")
+"""What ``--sb-attention-backend auto`` chooses among on CUDA: each one that can run here."""
+
+
+def fastest_backend(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int, head_dim: int,
+                    tokens: int, device, dtype: torch.dtype, repeats: int = 3,
+                    warmup: int = 1, seed: int = 0) -> dict:
+    """``{"chosen": backend, "seconds": {backend: median fwd+bwd s}, "tokens", "density"}``:
+    every candidate that can run here timed on one document of ``tokens`` tokens at the base
+    density (the long documents the sparse kernel is for); a candidate that fails is recorded
+    with its error and not chosen."""
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(tokens, h, head_dim, generator=g).to(device, dtype).requires_grad_()
+               for h in (num_heads, num_groups, num_groups))
+    w = torch.randn(tokens, num_heads, head_dim, generator=g).to(device)
+    seconds, failed = {}, {}
+    for backend in AUTO_CANDIDATES:
+        why = backend_missing(backend, device, dtype=dtype, head_dim=head_dim,
+                              block_size=sb.block_size)
+        if why is not None:
+            failed[backend] = why
+            continue
+        cache = {}
+
+        def sparse(q_, k_, v_, backend=backend, cache=cache):
+            return block_sparse_attention(
+                q_, k_, v_, [0, tokens], sb.density, block_size=sb.block_size,
+                sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
+                selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
+                min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
+                backend=backend, query_chunk_blocks=sb.query_chunk_blocks, cache=cache)[0]
+        try:
+            times = [_time_fwd_bwd(sparse, (q, k, v), w, device)
+                     for _ in range(warmup + repeats)][warmup:]
+        except Exception as e:  # noqa: BLE001 - a kernel that does not run here is not chosen
+            failed[backend] = f"{type(e).__name__}: {str(e)[:200]}"
+            continue
+        seconds[backend] = float(np.median(times))
+    if not seconds:
+        raise RuntimeError(f"--sb-attention-backend auto: no sparse kernel ran on {device} "
+                           f"({'; '.join(f'{b}: {w}' for b, w in failed.items())})")
+    return {"chosen": min(seconds, key=seconds.get), "seconds": seconds, "failed": failed,
+            "tokens": tokens, "density": sb.density, "dtype": str(dtype).replace("torch.", "")}
+
+
+def choose_backend(shape, sb: SparseBalanceConfig, repeats: int, warmup: int):
+    """(the config the profiler runs, the choice record or None): on CUDA, ``auto`` becomes the
+    fastest kernel measured here (``fastest_backend``); elsewhere nothing changes."""
+    import dataclasses
+
+    if sb.attention_backend != "auto" or not torch.cuda.is_available():
+        return sb, None
+    choice = fastest_backend(sb, num_heads=shape.num_attention_heads,
+                             num_groups=shape.num_query_groups, head_dim=shape.head_dim,
+                             tokens=shape.seq_length, device="cuda", dtype=torch.bfloat16,
+                             repeats=repeats, warmup=max(warmup, 1))
+    return dataclasses.replace(sb, attention_backend=choice["chosen"]), choice
 
 
 def crossover_of_shape(shape, sb: SparseBalanceConfig, repeats: int, warmup: int) -> dict:

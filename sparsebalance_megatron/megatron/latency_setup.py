@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 from ..config import SparseBalanceConfig
 from . import comm
@@ -113,7 +114,7 @@ def load_latency_model(args, sb: SparseBalanceConfig):
                  f"profile with {flag_name('microbatch_multiple')} "
                  f"{sb.microbatch_multiple} (several token totals)")
     model = model.with_routing(sb.routing_threshold(model.dense_below_tokens))
-    note = routing_note(model, sb, *run_kernels(args, sb))
+    note = routing_note(model, sb, *run_kernels(args, sb, model.table))
     if note:
         comm.say(note)
     from ..latency.layout import LayoutError
@@ -123,8 +124,25 @@ def load_latency_model(args, sb: SparseBalanceConfig):
         raise SystemExit(f"error: --sb-latency-table {path}: {e}")
 
 
-def run_kernels(args, sb: SparseBalanceConfig) -> tuple[str, str]:
-    """(sparse, dense) kernel this run's attention resolves to (its device and dtype)."""
+def table_backend(table: dict, sb: SparseBalanceConfig):
+    """The kernel ``--sb-attention-backend auto`` runs with this latency table: on CUDA the one
+    its profile measured fastest here (``crossover.fastest_backend``, recorded as the table's
+    attention backend), if it can run; None (``resolve_backend``'s default) otherwise, and for
+    any explicit backend."""
+    import torch
+
+    from ..attention.api import backend_missing
+
+    chosen = (table.get("attention") or {}).get("backend")
+    if sb.attention_backend != "auto" or not torch.cuda.is_available() \
+            or chosen in (None, "auto", "torch", "reference"):
+        return None
+    return chosen if backend_missing(chosen, "cuda") is None else None
+
+
+def run_kernels(args, sb: SparseBalanceConfig, table: Optional[dict] = None) -> tuple[str, str]:
+    """(sparse, dense) kernel this run's attention resolves to (its device and dtype; with
+    ``table``, ``auto`` as ``table_backend`` picks it)."""
     import torch
 
     from ..attention import resolve_backend
@@ -133,8 +151,8 @@ def run_kernels(args, sb: SparseBalanceConfig) -> tuple[str, str]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else \
         torch.float16 if getattr(args, "fp16", False) else torch.float32
-    return resolve_backend(sb.attention_backend, dev), resolve_dense_kernel(sb.dense_kernel,
-                                                                            dev, dtype)
+    backend = (table_backend(table, sb) if table else None) or sb.attention_backend
+    return resolve_backend(backend, dev), resolve_dense_kernel(sb.dense_kernel, dev, dtype)
 
 
 def routing_note(model, sb: SparseBalanceConfig, sparse_kernel: str, dense_kernel: str) -> str:

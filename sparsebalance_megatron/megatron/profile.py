@@ -328,7 +328,8 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
     why = padded_length_warning(mixes, sb.block_size, dev_type)
     if why is not None:
         warnings.warn(why, stacklevel=2)
-    from .crossover import crossover_of_shape
+    from .crossover import choose_backend, crossover_of_shape
+    sb, backend_choice = choose_backend(shape, sb, repeats, warmup)   # 'auto' on CUDA: measured
     routing = crossover_of_shape(shape, sb, repeats, warmup) if dense_crossover else {}
     meas = []
     points = [(m, d) for m in mixes for d in densities]
@@ -366,6 +367,7 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
         "execution": shape.as_table_execution(),
         "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
                       "local_blocks": sb.local_blocks, "backend": sb.attention_backend,
+                      **({"backend_choice": backend_choice} if backend_choice else {}),
                       "estimator": sb.estimator, "query_chunk_blocks": sb.query_chunk_blocks,
                       # the CPU kernel pads query-block chunks; FlexAttention keeps exact pairs
                       "work": "chunked" if resolve_backend(sb.attention_backend, dev) == "torch"

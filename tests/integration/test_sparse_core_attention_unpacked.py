@@ -47,3 +47,22 @@ def test_unpacked_rows_are_causal_documents(nh, ng, sq, backend):
     want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
     for got, exp in zip(grads, want_grads):
         assert float((got - exp).abs().max()) < 1e-4
+
+
+def test_every_layer_runs_the_backend_the_latency_table_picked(monkeypatch):
+    """``auto`` with a profiled table: the budget context carries the measured pick
+    (``BudgetContext.set_backend``) and the core attention calls that kernel."""
+    from sparsebalance_megatron.megatron import core_attention
+    core = _core_attention(4, 2, 16, "auto", 0.5)
+    seen = []
+    real = core_attention.block_sparse_attention
+
+    def spy(*a, **kw):
+        seen.append(kw["backend"])
+        return real(*a, **kw)
+    monkeypatch.setattr(core_attention, "block_sparse_attention", spy)
+    q, k, v = (torch.randn(32, 1, h, 16) for h in (4, 2, 2))
+    core(q, k, v, None)
+    core.budget.set_backend("reference")
+    core(q, k, v, None)
+    assert seen == ["auto", "reference"]
