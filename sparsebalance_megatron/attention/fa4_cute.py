@@ -45,9 +45,14 @@ returned    [T, np, hn]             as q     attention output (contiguous)
 (saved)     lse [ng, rep, T]        float32  log-sum-exp per row, for the backward only
 ==========  ======================  =======  ==============================================
 
-``BlockSelection.kv_indices`` converts with ``lists_from_selection`` (pure torch, no host sync).
-Importing this module needs neither flash-attn-4 nor a GPU; ``fa4_missing`` says what is
-missing. Pure torch; must not import megatron or torch.distributed.
+The lists are ``block_lists.build_block_lists(selection)`` (one Triton kernel on the device, no
+host sync; the ``triton`` backend reads the same lists), handed over as they are: same widths
+(``Wq = max(1, K - 1)``, ``Wk = max(1, longest document's blocks - 1)``), int32, contiguous,
+ascending. Its entries past a count hold the row's own block, which is in ``[0, NB)``; FA4 reads
+none of them (4.0.0b8 ``block_sparse_utils.py``: every loop over a list stops at its count).
+Importing this module needs neither flash-attn-4, triton nor a GPU; ``fa4_missing`` says what is
+missing. Pure torch (triton through ``block_lists``, imported when the lists are built); must
+not import megatron or torch.distributed.
 """
 
 from __future__ import annotations
@@ -58,7 +63,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .flex import _transpose_lists
 from .selection import BlockSelection
 
 FA4_BLOCK = 128                      # the sparse block FA4's Hopper tiles accept (see above)
@@ -78,7 +82,7 @@ def have_fa4() -> bool:
 
 def fa4_missing(device) -> Optional[str]:
     """Why the ``fa4`` backend cannot run on ``device`` (None when it can): CUDA, a Hopper GPU
-    (compute capability 9.x) and flash-attn-4."""
+    (compute capability 9.x), flash-attn-4 and triton (the lists' builder)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "it needs a CUDA device"
     major, minor = torch.cuda.get_device_capability(torch.device(device))
@@ -87,6 +91,8 @@ def fa4_missing(device) -> Optional[str]:
                 f"FA4's block-sparse tiles take 128-token blocks there only")
     if not have_fa4():
         return f"flash-attn-4 is not installed ({INSTALL_HINT})"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (the block lists are built by a Triton kernel)"
     return None
 
 
@@ -101,27 +107,6 @@ def fa4_shape_problem(dtype, head_dim: int, block_size: int) -> Optional[str]:
         return (f"head dim {head_dim}: expected a multiple of 8 up to 128 (FA4's key tile is "
                 f"{FA4_BLOCK} wide only there)")
     return None
-
-
-def lists_from_selection(selection: BlockSelection):
-    """The selection in our list format ``(q_num, q_idx, kv_num, kv_idx)`` (module docstring),
-    by two sorts on the device; widths from host-side bounds (no host sync): ``Wq = max(1,
-    kmax - 1)``, ``Wk = max(1, longest document's blocks - 1)`` (a sink is kept by every later
-    query block of its document)."""
-    layout = selection.layout
-    ng, nb, kmax = selection.kv_indices.shape
-    dev = selection.kv_indices.device
-    wq, wk = max(1, kmax - 1), max(1, layout.max_doc_blocks - 1)
-    q_num = (selection.kv_num - 1).to(torch.int32)
-    valid = torch.arange(wq, device=dev) < q_num[..., None]            # [ng, NB, Wq]
-    others = selection.kv_indices[..., 1:]                             # slot 0: the diagonal
-    if kmax - 1 < wq:                                                  # only diagonals kept
-        others = others.new_zeros(ng, nb, wq)
-    ascending = torch.where(valid, others, nb).sort(dim=-1).values     # unread slots last
-    diag = torch.arange(nb, device=dev).view(1, nb, 1)
-    q_idx = torch.where(valid, ascending, diag).to(torch.int32)        # unread: in range
-    kv_num, kv_idx = _transpose_lists(q_num, q_idx, valid, wk)
-    return q_num, q_idx, kv_num, kv_idx
 
 
 def check_lists(q_num, q_idx, kv_num, kv_idx, num_groups: int, num_blocks: int) -> None:
@@ -279,8 +264,11 @@ def fa4_block_sparse_attention(q, k, v, q_num, q_idx, kv_num, kv_idx, *, block_s
 def fa4_attention_padded(q_pad, k_pad, v_pad, selection: BlockSelection,
                          softmax_scale: float) -> torch.Tensor:
     """q_pad ``[NB * B, np, hn]``, k/v_pad ``[NB * B, ng, hn]`` (the layout's blocks, no tail)
-    -> ``[NB * B, np, hn]`` through FA4 on the selection's lists."""
-    lists = lists_from_selection(selection)
-    return fa4_block_sparse_attention(q_pad, k_pad, v_pad, *lists,
+    -> ``[NB * B, np, hn]`` through FA4 on the selection's lists (``build_block_lists``: one
+    kernel per call, forward and transposed lists together, on the device)."""
+    from .block_lists import build_block_lists
+    lists = build_block_lists(selection)
+    return fa4_block_sparse_attention(q_pad, k_pad, v_pad, lists.q_num, lists.q_idx,
+                                      lists.kv_num, lists.kv_idx,
                                       block_size=selection.layout.block_size,
                                       softmax_scale=softmax_scale)

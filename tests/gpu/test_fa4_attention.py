@@ -52,7 +52,9 @@ def test_fa4_matches_reference(nh, ng, hn, strided):
 
 def test_fa4_per_layer_path_syncs_nothing():
     """After the micro-batch's first layer (which lays it out; forward and backward also
-    compile FA4's kernels), a layer's forward and backward read nothing back from the device."""
+    compile FA4's kernels), a layer's forward and backward read nothing back from the device:
+    the selection, the lists (``build_block_lists``, one Triton kernel for the forward and the
+    transposed lists) and FA4's kernels."""
     cu, nh, ng, hn = [0, 3000, 8192], 14, 2, 64
     q, k, v = (torch.randn(8192, h, hn, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for h in (nh, ng, ng))

@@ -3,84 +3,23 @@ interpreter against the float64 dense reference (output and dq, dk, dv) and a pu
 construction of the lists.
 
 Triton decides at decoration time whether a kernel is interpreted, so the checks run in one
-worker process started with ``TRITON_INTERPRET=1`` (``interp``; whatever this process imported
-before is untouched). The worker imports this file and runs its ``check_*`` functions; each
-test sends one and fails with the worker's traceback. Shapes are tiny (block 16, head dims
-16/32, ~13 blocks): the interpreter runs every program in Python.
+worker process started with ``TRITON_INTERPRET=1`` (the ``interp`` fixture of
+``tests/unit/conftest.py``; whatever this process imported before is untouched). The worker
+imports this file and runs its ``check_*`` functions; each test sends one and fails with the
+worker's traceback. Shapes are tiny (block 16, head dims 16/32, ~13 blocks): the interpreter
+runs every program in Python.
 """
 
-import json
 import os
-import queue
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
 # documents: a short last block (37 = 2 x 16 + 5), a 1-token document, a 7-block document
 # (its first block, the sink, is kept by 6 later query blocks), a short one
 CU = [0, 37, 38, 138, 166]
 BS = 16
-_WORKER = f"""
-import importlib.util, json, sys, traceback
-sys.path.insert(0, {str(REPO)!r})
-spec = importlib.util.spec_from_file_location("triton_checks", {str(Path(__file__))!r})
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-for line in sys.stdin:
-    name, kw = json.loads(line)
-    try:
-        getattr(mod, name)(**kw)
-        res = "OK"
-    except BaseException:
-        res = traceback.format_exc()
-    print("@@RESULT " + json.dumps(res), flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def interp():
-    """``run(check_name, **kwargs)`` in the interpreter worker; asserts it passed."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=str(REPO))
-    lines = queue.Queue()     # a reader thread: select() would miss lines already buffered
-
-    def read():
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put("")                         # end of output: the worker is gone
-    threading.Thread(target=read, daemon=True).start()
-
-    def run(name, **kw):
-        proc.stdin.write(json.dumps([name, kw]) + "\n")
-        proc.stdin.flush()
-        seen = []
-        while True:
-            try:
-                line = lines.get(timeout=300)
-            except queue.Empty:
-                proc.kill()
-                pytest.fail(f"{name}: no answer from the interpreter worker in 300 s")
-            if not line:
-                pytest.fail(f"{name}: the interpreter worker died:\n{''.join(seen)[-3000:]}")
-            if line.startswith("@@RESULT "):
-                res = json.loads(line[len("@@RESULT "):])
-                assert res == "OK", f"{name}({kw}) failed in the interpreter:\n{res}"
-                return
-            seen.append(line)
-
-    yield run
-    if proc.poll() is None:
-        proc.stdin.close()
-        proc.wait(timeout=60)
-
 
 # --- checks (run in the worker) ----------------------------------------------------------------
 

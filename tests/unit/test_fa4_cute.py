@@ -1,7 +1,11 @@
-"""The fa4 backend's block lists and its FA4 tensors, on CPU: our list format from a selection,
-FA4's forward and backward block-sparse tensors read the way its kernels read them (the diagonal
-the only partial block, under the causal mask_mod; every other kept block full) against the
-selection's token mask; the custom op's autograd wiring on fake tensors; the refusals.
+"""The fa4 backend's block lists and its FA4 tensors, on CPU: the lists it hands FA4
+(``build_block_lists``, the Triton kernel the ``triton`` backend uses too) against the
+selection, FA4's forward and backward block-sparse tensors read the way its kernels read them
+(the diagonal the only partial block, under the causal mask_mod; every other kept block full)
+against the selection's token mask; the custom op's autograd wiring on fake tensors; the
+refusals. Checks that build lists run in the ``interp`` worker (``tests/unit/conftest.py``: one
+``TRITON_INTERPRET=1`` process for this module; triton decides interpretation when a kernel is
+decorated).
 
 Where flash-attn-4 imports (``flash_attn.cute``), ``test_fa4_compiles_our_lists_for_hopper``
 compiles FA4's Hopper kernels without a GPU (CuTe DSL under a FakeTensorMode for sm_90, no JIT
@@ -9,18 +13,19 @@ engine) on our lists, tile sizes and GQA layout (docs/GPU.md says how to install
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from sparsebalance_megatron.attention import block_sparse_attention, build_layout
 from sparsebalance_megatron.attention.fa4_cute import (
-    fa4_block_sparse_attention, fa4_missing, fa4_shape_problem, fa4_sparse_tensors,
-    lists_from_selection)
+    fa4_block_sparse_attention, fa4_missing, fa4_shape_problem, fa4_sparse_tensors)
 from sparsebalance_megatron.attention.kernels import token_mask, to_blocks_kv, to_blocks_q
 from sparsebalance_megatron.attention.selection import select_blocks
 
@@ -28,13 +33,23 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _selection(cu, nh, ng, hn, bs, density, seed=0, **budget):
+    """The estimator is ``pooled``: under the interpreter ``maxkey`` would run its own Triton
+    kernel (seconds a selection); the lists do not depend on how the blocks were picked."""
     t = cu[-1]
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(t, nh, hn, generator=g), torch.randn(t, ng, hn, generator=g)
     lay = build_layout(cu, t, bs, "cpu")
     density = torch.as_tensor(density, dtype=torch.float64).expand(lay.num_docs)
     return select_blocks(to_blocks_q(lay.pad(q), ng, bs), to_blocks_kv(lay.pad(k), bs), lay,
-                         density, **budget)
+                         density, estimator="pooled", **budget)
+
+
+def _lists(sel):
+    """The lists the fa4 backend hands FA4: ``(q_num, q_idx, kv_num, kv_idx)`` of
+    ``build_block_lists`` (CPU tensors: under TRITON_INTERPRET=1 only)."""
+    from sparsebalance_megatron.attention.block_lists import build_block_lists
+    lists = build_block_lists(sel)
+    return lists.q_num, lists.q_idx, lists.kv_num, lists.kv_idx
 
 
 def _expand(cnt, idx, ng):
@@ -70,11 +85,20 @@ CASES = [([0, 300, 301, 333, 700, 1024], 4, 2, 32, [0.3, 1.0, 0.5, 0.25, 0.6], {
          ([0, 700, 1024], 4, 2, 32, 0.5, dict(selection_mode="mass", mass_threshold=0.6))]
 
 
-@pytest.mark.parametrize("cu,nh,ng,bs,density,budget", CASES)
-def test_lists_equal_the_selection_and_its_transpose(cu, nh, ng, bs, density, budget):
+# --- checks (run in the interpreter worker) ----------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _case(case):
+    """A case's selection and its lists, built once in the worker (two tests read them)."""
+    cu, nh, ng, bs, density, budget = CASES[case]
     sel = _selection(cu, nh, ng, 16, bs, density, **budget)
+    return sel, _lists(sel)
+
+
+def check_lists_equal_the_selection_and_its_transpose(case):
+    ng = CASES[case][2]
+    sel, (q_num, q_idx, kv_num, kv_idx) = _case(case)
     lay, nb = sel.layout, sel.layout.num_blocks
-    q_num, q_idx, kv_num, kv_idx = lists_from_selection(sel)
     kmax = sel.kv_indices.shape[-1]
     assert q_idx.shape == (ng, nb, max(1, kmax - 1))
     assert kv_idx.shape == (ng, nb, max(1, lay.max_doc_blocks - 1))
@@ -91,16 +115,14 @@ def test_lists_equal_the_selection_and_its_transpose(cu, nh, ng, bs, density, bu
                 torch.nonzero(kept[g, :, i]).flatten().tolist()
 
 
-@pytest.mark.parametrize("cu,nh,ng,bs,density,budget", CASES)
-def test_fa4_tensors_keep_the_selection_token_mask_each_pair_once(cu, nh, ng, bs, density,
-                                                                  budget):
+def check_fa4_tensors_keep_the_selection_token_mask_each_pair_once(case):
     """Forward (per query block) and backward (per key block) tensors as FA4 reads them give
     exactly the selection's token mask over the real tokens, no pair twice: the diagonal is the
     only partial block, it is not in the full lists, and causality inside it is right for every
     real query of a document's short last block."""
-    sel = _selection(cu, nh, ng, 16, bs, density, **budget)
+    ng, bs = CASES[case][2], CASES[case][3]
+    sel, (q_num, q_idx, kv_num, kv_idx) = _case(case)
     lay, nb = sel.layout, sel.layout.num_blocks
-    q_num, q_idx, kv_num, kv_idx = lists_from_selection(sel)
     want = token_mask(sel, ng)                                        # [ng, t, t]
     for tensors, transposed in ((fa4_sparse_tensors(q_num, q_idx), False),
                                 (fa4_sparse_tensors(kv_num, kv_idx), True)):
@@ -116,12 +138,12 @@ def test_fa4_tensors_keep_the_selection_token_mask_each_pair_once(cu, nh, ng, bs
         assert torch.equal(counts == 1, want)
 
 
-def test_custom_op_autograd_on_fake_tensors():
+def check_custom_op_autograd_on_fake_tensors():
     """The op pair's fake implementations and autograd wiring: shapes of out and of the three
     gradients, without FA4 or a GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     sel = _selection([0, 300, 1024], 4, 2, 16, 128, 0.5)
-    lists = lists_from_selection(sel)
+    lists = _lists(sel)
     t = sel.layout.padded_tokens                   # 9 blocks: the documents' own, 3 + 6
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.empty(t, 4, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -133,19 +155,11 @@ def test_custom_op_autograd_on_fake_tensors():
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
-def test_refusals_name_the_backend_and_value():
+def check_list_refusals_name_the_tensor():
     q = torch.randn(256, 4, 64, dtype=torch.bfloat16)
     k = v = torch.randn(256, 2, 64, dtype=torch.bfloat16)
-    assert fa4_missing("cpu") == "it needs a CUDA device"
-    with pytest.raises(ValueError, match=r"backend='fa4': it needs a CUDA device; use backend"):
-        block_sparse_attention(q, k, v, [0, 256], 0.5, block_size=128, backend="fa4")
-    assert "block_size=64: expected 128" in fa4_shape_problem(torch.bfloat16, 64, 64)
-    assert "head dim 96" not in str(fa4_shape_problem(torch.bfloat16, 96, 128))
-    assert "head dim 192: expected a multiple of 8 up to 128" in \
-        fa4_shape_problem(torch.float16, 192, 128)
-    assert "dtype torch.float32" in fa4_shape_problem(torch.float32, 64, 128)
     sel = _selection([0, 256], 4, 2, 16, 128, 0.5)
-    q_num, q_idx, kv_num, kv_idx = lists_from_selection(sel)
+    q_num, q_idx, kv_num, kv_idx = _lists(sel)
     with pytest.raises(ValueError, match=r"q_idx: expected a 3-D int32 tensor, got torch.int64"):
         fa4_block_sparse_attention(q, k, v, q_num, q_idx.long(), kv_num, kv_idx,
                                    block_size=128, softmax_scale=0.125)
@@ -157,13 +171,68 @@ def test_refusals_name_the_backend_and_value():
                                    block_size=128, softmax_scale=0.125)
 
 
+def check_backend_hands_build_block_lists_to_fa4():
+    """The runtime path (``fa4_attention_padded``, what ``backend='fa4'`` calls) passes FA4 the
+    four tensors of ``build_block_lists`` in the contract's order, with the layout's block."""
+    from sparsebalance_megatron.attention import fa4_cute
+    sel = _selection([0, 300, 1024], 4, 2, 16, 128, 0.5, sink_blocks=1)
+    seen = {}
+
+    def record(q, k, v, *lists, block_size, softmax_scale):
+        seen.update(lists=lists, block_size=block_size, softmax_scale=softmax_scale)
+        return q
+
+    t = sel.layout.padded_tokens
+    with mock.patch.object(fa4_cute, "fa4_block_sparse_attention", record):
+        fa4_cute.fa4_attention_padded(torch.empty(t, 4, 64), torch.empty(t, 2, 64),
+                                      torch.empty(t, 2, 64), sel, 0.125)
+    assert seen["block_size"] == 128 and seen["softmax_scale"] == 0.125
+    for got, want in zip(seen["lists"], _lists(sel), strict=True):
+        assert torch.equal(got, want)
+    assert int(seen["lists"][2][0, 3]) == 5             # the second document's sink column
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_lists_equal_the_selection_and_its_transpose(interp, case):
+    interp("check_lists_equal_the_selection_and_its_transpose", case=case)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_fa4_tensors_keep_the_selection_token_mask_each_pair_once(interp, case):
+    interp("check_fa4_tensors_keep_the_selection_token_mask_each_pair_once", case=case)
+
+
+def test_custom_op_autograd_on_fake_tensors(interp):
+    interp("check_custom_op_autograd_on_fake_tensors")
+
+
+def test_backend_hands_build_block_lists_to_fa4(interp):
+    interp("check_backend_hands_build_block_lists_to_fa4")
+
+
+def test_refusals_name_the_backend_and_value(interp):
+    q = torch.randn(256, 4, 64, dtype=torch.bfloat16)
+    k = v = torch.randn(256, 2, 64, dtype=torch.bfloat16)
+    assert fa4_missing("cpu") == "it needs a CUDA device"
+    with pytest.raises(ValueError, match=r"backend='fa4': it needs a CUDA device; use backend"):
+        block_sparse_attention(q, k, v, [0, 256], 0.5, block_size=128, backend="fa4")
+    assert "block_size=64: expected 128" in fa4_shape_problem(torch.bfloat16, 64, 64)
+    assert "head dim 96" not in str(fa4_shape_problem(torch.bfloat16, 96, 128))
+    assert "head dim 192: expected a multiple of 8 up to 128" in \
+        fa4_shape_problem(torch.float16, 192, 128)
+    assert "dtype torch.float32" in fa4_shape_problem(torch.float32, 64, 128)
+    interp("check_list_refusals_name_the_tensor")
+
+
 # --- compile-only check of FA4's Hopper kernels (needs flash_attn.cute, not a GPU) -------------
 
 def compile_check(shapes) -> None:
     """Compile FA4's sm_90 forward and backward on our lists for each ``(np, ng, hn)``: a
     FakeTensorMode (FA4 compiles and skips the launch) and ``cute.compile`` without its JIT
     engine (which needs a CUDA driver). Run in a fresh process: the arch variables are read
-    when CuTe DSL loads."""
+    when CuTe DSL loads (and TRITON_INTERPRET=1: the lists are built on CPU)."""
     import cutlass.cute as cute
     from torch._subclasses.fake_tensor import FakeTensorMode
     from flash_attn.cute import interface
@@ -183,7 +252,7 @@ def compile_check(shapes) -> None:
                      local_blocks=1)
     t = sel.layout.padded_tokens                   # 19 blocks: 3 + 1 + 7 + 8
     for nh, ng, hn in shapes:
-        lists = [x.expand(ng, *x.shape[1:]).contiguous() for x in lists_from_selection(sel)]
+        lists = [x.expand(ng, *x.shape[1:]).contiguous() for x in _lists(sel)]
         with FakeTensorMode(allow_non_fake_inputs=True):
             q_num, q_idx, kv_num, kv_idx = (x.to("cuda") for x in lists)
             q = torch.empty(t, nh, hn, dtype=torch.bfloat16, device="cuda")
@@ -200,7 +269,7 @@ def test_fa4_compiles_our_lists_for_hopper():
     pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed (docs/GPU.md: "
                         "the FA4 wheels and PYTHONPATH for the compile-only check)")
     env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a",
-               PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
+               TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
     code = ("from tests.unit.test_fa4_cute import compile_check; "
             "compile_check([(14, 2, 64), (32, 8, 128)])")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
