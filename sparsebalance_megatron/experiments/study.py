@@ -7,7 +7,9 @@ tokens), packed by Megatron's sequential order, a token balancer or SAB, timed b
 over a density grid (``UnitCosts``) on a pipeline layout and stepped through the simulator (1F1B,
 or the interleaved schedule for a layout with vp > 1). Variants (names are what the tables print):
 
-- ``dense``: sequential packing, every unit at density 1;
+- ``dense``: sequential packing, dense attention: every document through the dense kernel
+  (``LatencyModel.with_routing`` of every length: the table's dense coefficients where it has
+  them, what a user without the plugin runs; else the sparse kernel's cost at density 1);
 - ``static``: sequential packing, every unit at d0 (static sparse attention);
 - ``token_balanced``: length-aware balancer at d0 (what a careful Megatron user runs);
 - ``sab``: SAB at d0;
@@ -49,6 +51,7 @@ from ..policy.dst import plan_dst_from_config
 from ..policy.quality import StageQuality, load_quality_cost
 from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
 
+_ALL_DENSE = 1 << 40   # a routing threshold above every document: all of them dense
 _PACKING = {"dense": "sequential", "static": "sequential", "token_balanced": "token_balanced",
             "sab": "sab", "sab_dst": "sab"}
 
@@ -216,11 +219,14 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     if any(v == "dense" for v, _ in runs.values()) and grid[-1] < 1.0:
         grid = np.append(grid, 1.0)  # above d_max: DST never plans there, dense reads it
     models, quality = {}, {}
-    for _, lay in runs.values():
-        if lay not in models:              # PipelineLayout is frozen: a dict key
-            models[lay] = lm if lay is None else lm.with_layout(lay)
+    lm_dense = lm.with_routing(_ALL_DENSE)
+    for variant, lay in runs.values():
+        base = lm_dense if variant == "dense" else lm
+        if (base is lm_dense, lay) not in models:     # PipelineLayout is frozen: a dict key
+            models[base is lm_dense, lay] = base if lay is None else base.with_layout(lay)
+        if lay not in quality:
             quality[lay] = StageQuality.from_cost(load_quality_cost(None),
-                                                  models[lay].layout.layers, d0)
+                                                  models[base is lm_dense, lay].layout.layers, d0)
     sampler = GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
                                  seed=cfg.seed, long_sample_policy="split")
     cost_fn = latency_sample_cost_fn(lm, d0)
@@ -228,6 +234,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     acc = {name: VariantAccumulator() for name in runs}
     policies = {}
     needed = {packing_of(v) for v, _ in runs.values()}
+    needed_feats = {(packing_of(v), v == "dense") for v, _ in runs.values()}
     for _ in range(cfg.steps):
         segs = sampler.next_global_batch()
         plans = {"sequential": sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)}
@@ -238,15 +245,17 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
             plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
                                                           max_tokens=cap, seed=cfg.seed)
         plans = {k: p.with_length_multiple(cfg.microbatch_multiple) for k, p in plans.items()}
-        feats = {k: lm.unit_features(p.flat_lengths(with_padding=True)) for k, p in plans.items()}
+        feats = {(k, dense): (lm_dense if dense else lm).unit_features(
+            p.flat_lengths(with_padding=True)) for k, p in plans.items() for dense in (False, True)
+            if (k, dense) in needed_feats}
         sens = {k: unit_sensitivity(p.micro_batches, tracker) for k, p in plans.items()}
         costs = {}
         for name, (variant, lay) in runs.items():
-            packing = packing_of(variant)
-            if (packing, lay) not in costs:
-                costs[packing, lay] = UnitCosts.from_latency(models[lay], feats[packing], dp, m,
-                                                             grid)
-            c = costs[packing, lay]
+            packing, dense = packing_of(variant), variant == "dense"
+            if (packing, dense, lay) not in costs:
+                costs[packing, dense, lay] = UnitCosts.from_latency(
+                    models[dense, lay], feats[packing, dense], dp, m, grid)
+            c = costs[packing, dense, lay]
             anchor = dst_anchor_of(variant)
             if anchor is not None:
                 pkey = (anchor, raise_to_of(variant))
@@ -254,7 +263,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                     policies[pkey] = cfg.policy(*pkey)
                 t = time.perf_counter()
                 plan = plan_dst_from_config(policies[pkey], c, sens[packing], p2p_s=lm.p2p_s,
-                                            stage_layers=models[lay].layout.layers)
+                                            stage_layers=models[False, lay].layout.layers)
                 acc[name].add(c, plan.densities, lm.p2p_s, (time.perf_counter() - t) * 1e3,
                               quality=quality[lay])
             else:
