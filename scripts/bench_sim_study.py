@@ -7,6 +7,8 @@ short documents), d0 and DP size, the layout search (``experiments.layout_search
 - ``best_static``: the fastest static configuration a Megatron user can run: every split
   Megatron's flags allow (first/last counts, embedding/loss accounting; vp 1 and 2, the
   interleaved schedule) x Megatron's sequential packing or token-balanced packing, all at d0;
+- ``best_dense``: the fastest dense configuration (every split, sequential packing, dense
+  attention: what a user without the plugin runs today; ``speedup_vs_dense`` divides by it);
 - ``sab_dst``: the fastest SAB + DST layout (vp 1 or 2) whose plan keeps the layer-weighted
   density >= d0 and every stage >= the stage floor x d0.
 
@@ -99,19 +101,23 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
+    best_dense = found["dense"][0]
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
     even = PipelineLayout.even(best_static.layout.num_layers, pp)
-    runs = {"static_even": ("static", even),
+    runs = {"best_dense": ("dense", best_dense.layout), "static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
             "sab": ("sab", plain), "dst": ("dst", plain),
             "sab_dst": ("sab_dst", best_sb.layout),
             "sab_dst_max": ("sab_dst_max", plain),
             "sab_dst_acc": ("sab_dst_acc", best_acc.layout)}
     rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_static")
+    for r in rows.values():   # what users run today: dense attention on its own best layout
+        r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
     return {"rows": rows, "layouts": layouts,
             "best_static": best_static.as_dict(), "best_sparsebalance": best_sb.as_dict(),
+            "best_dense": best_dense.as_dict(),
             "search_s": search_s,
             "static_top5": [c.as_dict() for c in found["static"][:5]],
             "sparsebalance_top5": [c.as_dict() for c in found["sparsebalance"][:5]]}

@@ -28,6 +28,7 @@ from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
 from .study import StudyConfig, run_study
 
 STATIC_VARIANTS = ("static", "token_balanced")
+DENSE_VARIANT = "dense"
 SPARSE_VARIANT = "sab_dst"
 ACCURACY_VARIANT = "sab_dst_acc"
 
@@ -88,9 +89,11 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
 
 def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                  num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2)) -> dict:
-    """{"static": [...], "sparsebalance": [...], "accuracy": [...], "even_static": choice}.
+    """{"static": [...], "dense": [...], "sparsebalance": [...], "accuracy": [...],
+    "even_static": choice}.
 
-    static / sparsebalance: the two searches, fastest first; accuracy: SAB + DST raising to the
+    static / dense / sparsebalance: the searches, fastest first (dense: every layout with dense
+    attention, what a user without the plugin runs today); accuracy: SAB + DST raising to the
     static plan's step time (``--sb-raise-to static``) on every layout whose step is no slower
     than the best static configuration's, best first (the "free accuracy" choice: lowest
     predicted loss under the quality objective, densest under the density objective);
@@ -99,6 +102,8 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     n = int(num_layers or lm.table["model"]["num_layers"])
     static = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                             variants=STATIC_VARIANTS)
+    dense = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
+                           variants=(DENSE_VARIANT,))
     sparse = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                             variants=(SPARSE_VARIANT,))
     acc = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
@@ -114,7 +119,7 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     except LayoutError:
         even = None        # Megatron's default needs num_layers divisible by pp
     even_static = next((c for c in static if c.layout == even and c.variant == "static"), None)
-    return {"static": static, "sparsebalance": sparse, "accuracy": acc,
+    return {"static": static, "dense": dense, "sparsebalance": sparse, "accuracy": acc,
             "even_static": even_static}
 
 

@@ -285,14 +285,17 @@ def format_table(title: str, results: dict) -> str:
     """Text table of {dp: {run: row}}, preceded by a blank line and the title."""
     lines = [f"\n{title}",
              f"{'ranks':>6} {'run':<26} {'step_s':>8} {'speedup':>8} {'imbal':>6} "
-             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'loss':>8} {'plan_ms':>8}"]
+             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'loss':>8} {'plan_ms':>8}"
+             + (f" {'vs_dense':>8}" if any("speedup_vs_dense" in r for rows in results.values()
+                                          for r in rows.values()) else "")]
     for dp, rows in results.items():
         for v, r in rows.items():
             pm = f"{r['plan_ms_median']:.1f}" if "plan_ms_median" in r else "-"
             pl = f"{r['predicted_loss']:+.4f}" if "predicted_loss" in r else "-"
+            vd = f" {r['speedup_vs_dense']:>8.3f}" if "speedup_vs_dense" in r else ""
             lines.append(f"{dp:>6} {v:<26} {r['step_time_s']:>8.3f} "
                          f"{r['speedup_vs_static']:>8.3f} {r['imbalance']:>6.3f} "
                          f"{r['bubble_fraction']:>7.3f} {r['mean_density']:>8.3f} "
-                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8}")
+                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8}{vd}")
     return "\n".join(lines)
 

@@ -43,6 +43,16 @@ def test_the_best_static_is_the_fastest_of_every_split_and_packing(result, lm, l
     assert row["step_time_s"] == pytest.approx(best.step_time_s)
 
 
+def test_the_best_dense_configuration_is_searched_over_the_same_layouts(result):
+    """What users run today: dense attention on its own fastest layout, the baseline of the
+    scale study's ``speedup_vs_dense``."""
+    dense = result["dense"]
+    assert {c.variant for c in dense} == {"dense"}
+    assert dense[0].step_time_s == min(c.step_time_s for c in dense)
+    assert {c.layout for c in dense} == {c.layout for c in result["static"]}
+    assert dense[0].row["mean_density"] == 1.0
+
+
 def test_sparse_balance_layouts_keep_every_stage_above_the_floor(result):
     sb = result["sparsebalance"]
     assert all(c.variant == "sab_dst" for c in sb)
