@@ -330,7 +330,10 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
         # straggler_slowdown times longer on this rank (with --sb-timing-source model the
         # slowdown is modelled instead).
         time.sleep(3.0 * (sb.straggler_slowdown - 1.0) * (time.perf_counter() - t0))
-    return output, functools.partial(_loss_func, mb["loss_mask"], mb["packed_seq_params"])
+    from .loss import loss_func   # pretrain_gpt's, mirrored flag by flag (loss.py)
+
+    return output, functools.partial(loss_func, mb["loss_mask"], mb["packed_seq_params"], cb,
+                                     _megatron_args())
 
 
 def _inject_fault(spec, psp) -> None:
@@ -350,44 +353,3 @@ def _inject_fault(spec, psp) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     while True:   # hang
         time.sleep(3600)
-
-
-def _loss_func(loss_mask, psp, output_tensor):
-    """Megatron's per-token loss contract: (sum, tokens, report), as pretrain_gpt's; also each
-    document's loss sum and tokens (the sensitivity signal), without a host sync."""
-    import torch
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    args = _megatron_args()
-    if args.check_for_nan_in_loss_and_grad:
-        machine = get_rerun_state_machine()
-        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
-            machine.validate_result(result=loss, rejection_func=reject,
-                                    message=f"found {what} in local forward loss calculation",
-                                    tolerance=0.0, fatal=True)
-    _run.callback.record_loss(loss, num_tokens)
-    docs = getattr(psp, "sb_doc_ids", None)
-    if docs and _run.callback.signal == "loss":
-        # this rank's tokens: its share of every sequence under CP, padding included
-        _run.callback.record_doc_losses(docs, *document_sums(losses * mask, mask,
-                                                             psp.local_cu_seqlens(), len(docs)))
-    return loss, num_tokens, report
-
-
-def document_sums(values, mask, cu_seqlens, n_docs: int):
-    """(sum of ``values``, sum of ``mask``) over each of the first ``n_docs`` sequences of a
-    packed micro-batch ([T] each, boundaries ``cu_seqlens``): prefix sums read at the
-    boundaries, on the device."""
-    import torch
-
-    cu = cu_seqlens.long()
-    zero = values.new_zeros(1)
-    csum = torch.cat([zero, torch.cumsum(values, 0)])
-    cmask = torch.cat([zero, torch.cumsum(mask, 0)])
-    lo, hi = cu[:n_docs], cu[1:n_docs + 1]
-    return csum[hi] - csum[lo], cmask[hi] - cmask[lo]
