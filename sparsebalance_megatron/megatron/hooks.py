@@ -41,6 +41,7 @@ from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
+from .preflight import OneLineParser, check_config, uses_plugin_data
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -58,19 +59,52 @@ _run = _Integration()
 
 # --- flags -----------------------------------------------------------------------------------
 
-def extra_args_provider(base: Optional[Callable] = None) -> Callable:
+def extra_args_provider(base: Optional[Callable] = None, *,
+                        packed_data: Optional[bool] = None) -> Callable:
     """Megatron ``extra_args_provider``: ``base``'s flags (if any), then ours; without CUDA also
-    the CPU defaults, and the CPU shims (``validate_args`` already queries the device)."""
+    the CPU defaults, and the CPU shims (``validate_args`` already queries the device). The
+    parser it returns checks the plugin's settings as soon as it has parsed them, before
+    Megatron validates the flags or builds the tokenizer (``preflight.check_parsed``; with the
+    plugin's attention the default ``--attention-dropout`` becomes 0). ``packed_data`` as for
+    ``install``."""
 
     def provider(parser):
         if base is not None:
             parser = base(parser)
         compat.activate_cpu_shims()
+        compat.warn_untested_versions()
         cpu_parser_defaults(parser)
         _escape_help_percent(parser)
-        return add_sparsebalance_args(parser)
+        add_sparsebalance_args(parser)
+        _check_after_parse(parser, packed_data)
+        return parser
 
     return provider
+
+
+def _check_after_parse(parser, packed_data: Optional[bool]) -> None:
+    """Wrap this parser's ``parse_known_args`` (``parse_args`` calls it) with
+    ``preflight.check_parsed``: argparse has no hook after parsing, and Megatron validates the
+    namespace and builds its tokenizer right after. Idempotent."""
+    from .preflight import check_parsed
+
+    if getattr(parser.parse_known_args, "_sparsebalance", False):
+        return
+    dropout_default = parser.get_default("attention_dropout")
+    if any(a.dest == "attention_dropout" for a in parser._actions):
+        parser.set_defaults(attention_dropout=None)   # None: not given (check_parsed decides)
+    parse_known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, rest = parse_known(args, namespace)
+        try:
+            check_parsed(ns, packed_data=packed_data, attention_dropout_default=dropout_default)
+        except (ConfigError, LaunchError) as e:
+            raise SystemExit(f"error: {e}") from None
+        return ns, rest
+
+    parse_known_args._sparsebalance = True
+    parser.parse_known_args = parse_known_args
 
 
 def _escape_help_percent(parser) -> None:
@@ -85,30 +119,25 @@ def _escape_help_percent(parser) -> None:
                                  action.help)
 
 
-def uses_plugin_data(sb: SparseBalanceConfig, packed_data: Optional[bool]) -> bool:
-    """The plugin's packed data path: always for our entry, else when DST or SAB needs it."""
-    if packed_data is not None:
-        return bool(packed_data)
-    return sb.dst_enabled or sb.batching_enabled or sb.packing != "auto"
-
-
 def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = None,
                   argv=None) -> dict:
     """``args_defaults`` for ``parse_and_validate_args``: ``base``, except that with the plugin's
     data path and its tokenizer (Megatron's ``NullTokenizer``, the default there) the vocabulary
     size is the data's, so ``--vocab-size`` need not be given."""
     out = dict(base or {})
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = OneLineParser(add_help=False, allow_abbrev=False)
     add_sparsebalance_args(parser)
     for flag in ("--tokenizer-type", "--split", "--seed"):
         parser.add_argument(flag)
     parser.add_argument("--vocab-size", type=int)
     parser.add_argument("--data-path", nargs="*")
-    ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        sb = config_from_args(ns)
-    except ConfigError:
-        return out   # Megatron's parse reports it
+        # The plugin's flags first of all (this runs before Megatron parses anything): one line
+        # naming the flag and value, before Megatron's tokenizer or data would trip over it.
+        ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+        sb = check_config(config_from_args(ns))
+    except (ConfigError, LaunchError) as e:
+        raise SystemExit(f"error: {e}") from None
     if not uses_plugin_data(sb, packed_data):
         return out
     out.setdefault("eval_interval", 1000)   # Megatron's sample count needs one; its old default
@@ -152,6 +181,9 @@ def _install(args, model_cfg, packed_data):
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)
     check_launch(args, sb, plugin_data=plugin_data)
+    if plugin_data:
+        from .latency_setup import check_given_table
+        check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)
     _run.sb, _run.plugin_data = sb, plugin_data
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg

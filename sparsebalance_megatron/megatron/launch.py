@@ -318,14 +318,9 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool) -> None:
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "
                    f"use {flag_name('selection_mode')} density")
-    if sb.dst_enabled and sb.dst_objective == "quality":
-        from ..policy.quality import QualityCostError, load_quality_cost
-        try:
-            load_quality_cost(sb.quality_cost)
-        except QualityCostError as e:
-            bad.append(f"{flag_name('dst_objective')} quality: {e} (quality is the default "
-                       f"objective; {flag_name('dst_objective')} density plans without a "
-                       f"quality cost)")
+    from .preflight import config_problems   # the files the flags name (checked at parse too)
+    bad += config_problems(sb)
+    bad += attention_dropout_conflicts(args, sb, plugin_data)
     if sb.straggler_rank >= 0:
         world = int(os.environ.get("WORLD_SIZE", getattr(args, "world_size", 1) or 1))
         per_dp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
