@@ -203,10 +203,11 @@ def _install(args, model_cfg, packed_data):
         args.dataloader_type = "external"            # Megatron pulls our iterators
         args.dataloader_save = args.save             # our save_state -> the iteration's folder
         if args.save and _interleaved(args):
-            # megatron-core 0.19's maybe_save_dataloader_state takes one iterator, train()
-            # hands it the list of the model chunks' iterators: it would fail at the first save.
+            # megatron-core 0.19's and 0.20's maybe_save_dataloader_state take one iterator,
+            # train() hands it the list of the model chunks' iterators: it would fail at the
+            # first save.
             args.dataloader_save = None
-            comm.say("warning: with the interleaved schedule Megatron (0.19) cannot save an "
+            comm.say("warning: with the interleaved schedule Megatron (0.19, 0.20) cannot save an "
                      "external data loader's state: checkpoints hold the weights and the data "
                      "position, not the balancer's state; resume with --sb-fresh-state "
                      "(calibration and sensitivities start over)")
@@ -275,7 +276,7 @@ def _install_timers_tee(ours) -> None:
     """Megatron's global ``Timers`` -> ``TeeTimers(Timers, ours)``.
 
     ``train()`` sets ``config.timers = get_timers()`` and ``evaluate()`` restores it from there,
-    so the tee is seen by every schedule. Targets megatron-core >=0.19,<0.20
+    so the tee is seen by every schedule. Targets megatron-core >=0.19.2,<0.21
     (``megatron.training.global_vars._GLOBAL_TIMERS``); idempotent; a test fails if the
     attribute disappears.
     """
