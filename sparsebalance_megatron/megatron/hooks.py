@@ -304,25 +304,34 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
         return megatron_provider
 
     def provider(train_val_test_num_samples, vp_stage=None):
-        from megatron.core import parallel_state as ps
-
-        from .data import EvalIterator
-
-        cb, args = _run.callback, _megatron_args()
-        train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
-        evals = []
-        for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
-            sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
-                                        long_sample_policy=_run.sb.long_sample_policy,
-                                        pad_multiple=cb.mb_args["pad_multiple"])
-            evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
-                sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
-                dp_rank=ps.get_data_parallel_rank(), device=cb.device,
-                consumed_samples=consumed, mb_args=cb.mb_args))
-        return train, evals[0], evals[1]
+        try:
+            return _datasets(vp_stage)
+        except LaunchError as e:   # e.g. a resume without the plugin's state: one line, once
+            comm.say_error(f"error: {e}")
+            raise SystemExit(1) from None
 
     provider.is_distributed = True   # every rank builds its own (identical) iterators
     return provider
+
+
+def _datasets(vp_stage):
+    """The plugin's train, valid and test iterators (every rank builds its own)."""
+    from megatron.core import parallel_state as ps
+
+    from .data import EvalIterator
+
+    cb, args = _run.callback, _megatron_args()
+    train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
+    evals = []
+    for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
+        sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
+                                    long_sample_policy=_run.sb.long_sample_policy,
+                                    pad_multiple=cb.mb_args["pad_multiple"])
+        evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
+            sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(), device=cb.device,
+            consumed_samples=consumed, mb_args=cb.mb_args))
+    return train, evals[0], evals[1]
 
 
 def finish() -> None:
