@@ -69,6 +69,6 @@ case "$MODE:$state" in
     echo "$err" | sed 's/^/  /' >&2
     echo "It was made against the megatron-core 0.19 flow of pretrain_gpt.py's __main__ block" >&2
     echo "(parse_and_validate_args -> gpt_config_from_args -> pretrain_cfg_container_from_args)." >&2
-    echo "See patches/README.md for the three changes to make by hand in other versions." >&2
+    echo "See patches/README.md for the six calls to make by hand in other versions." >&2
     exit 1 ;;
 esac
