@@ -41,7 +41,7 @@ from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
-from .preflight import OneLineParser, check_config, uses_plugin_data
+from .preflight import OneLineParser, check_after_parse, check_config, uses_plugin_data
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -76,35 +76,10 @@ def extra_args_provider(base: Optional[Callable] = None, *,
         cpu_parser_defaults(parser)
         _escape_help_percent(parser)
         add_sparsebalance_args(parser)
-        _check_after_parse(parser, packed_data)
+        check_after_parse(parser, packed_data)
         return parser
 
     return provider
-
-
-def _check_after_parse(parser, packed_data: Optional[bool]) -> None:
-    """Wrap this parser's ``parse_known_args`` (``parse_args`` calls it) with
-    ``preflight.check_parsed``: argparse has no hook after parsing, and Megatron validates the
-    namespace and builds its tokenizer right after. Idempotent."""
-    from .preflight import check_parsed
-
-    if getattr(parser.parse_known_args, "_sparsebalance", False):
-        return
-    dropout_default = parser.get_default("attention_dropout")
-    if any(a.dest == "attention_dropout" for a in parser._actions):
-        parser.set_defaults(attention_dropout=None)   # None: not given (check_parsed decides)
-    parse_known = parser.parse_known_args
-
-    def parse_known_args(args=None, namespace=None):
-        ns, rest = parse_known(args, namespace)
-        try:
-            check_parsed(ns, packed_data=packed_data, attention_dropout_default=dropout_default)
-        except (ConfigError, LaunchError) as e:
-            raise SystemExit(f"error: {e}") from None
-        return ns, rest
-
-    parse_known_args._sparsebalance = True
-    parser.parse_known_args = parse_known_args
 
 
 def _escape_help_percent(parser) -> None:

@@ -27,7 +27,7 @@ import os
 from typing import Optional
 
 from ..arguments import config_from_args
-from ..config import SparseBalanceConfig, flag_name
+from ..config import ConfigError, SparseBalanceConfig, flag_name
 from .launch import LaunchError, attention_dropout_conflicts
 
 
@@ -130,6 +130,30 @@ def check_parsed(args, *, packed_data: Optional[bool],
             bad += _table_problems(args, sb)
     if bad:
         raise LaunchError("; ".join(bad))
+
+
+def check_after_parse(parser, packed_data: Optional[bool]) -> None:
+    """Wrap this parser's ``parse_known_args`` (``parse_args`` calls it) with ``check_parsed``,
+    ending the process with one ``error:`` line: argparse has no hook after parsing, and
+    Megatron validates the namespace and builds its tokenizer right after. Also makes
+    ``--attention-dropout``'s default None, so that an explicit value is seen. Idempotent."""
+    if getattr(parser.parse_known_args, "_sparsebalance", False):
+        return
+    dropout_default = parser.get_default("attention_dropout")
+    if any(a.dest == "attention_dropout" for a in parser._actions):
+        parser.set_defaults(attention_dropout=None)   # None: not given (check_parsed decides)
+    parse_known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, rest = parse_known(args, namespace)
+        try:
+            check_parsed(ns, packed_data=packed_data, attention_dropout_default=dropout_default)
+        except (ConfigError, LaunchError) as e:
+            raise SystemExit(f"error: {e}") from None
+        return ns, rest
+
+    parse_known_args._sparsebalance = True
+    parser.parse_known_args = parse_known_args
 
 
 def _plugin_attention(args, sb: SparseBalanceConfig, plugin_data: bool) -> bool:
