@@ -281,7 +281,8 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
     def provider(train_val_test_num_samples, vp_stage=None):
         try:
             return _datasets(vp_stage)
-        except LaunchError as e:   # e.g. a resume without the plugin's state: one line, once
+        except LaunchError as e:   # a resume without the plugin's state: the callback made
+            # every rank raise the same one; said once
             comm.say_error(f"error: {e}")
             raise SystemExit(1) from None
 
