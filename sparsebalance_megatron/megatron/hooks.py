@@ -15,6 +15,8 @@
 What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
   machine without CUDA also the CPU defaults of ``launch.cpu_parser_defaults`` and the CPU shims);
+  ``args_defaults`` and the parser the provider returns check the plugin's settings before
+  Megatron validates its flags or builds a tokenizer (``preflight.py``);
 - the attention: ``GPTModelConfig.transformer_layer_spec`` = Megatron's default spec with only
   ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params;
 - data (SAB): with the plugin's data path (DST or SAB on, or always for our entry) Megatron pulls
