@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo test test-fast reliability clean-venv
+.PHONY: venv demo test test-fast reliability clean-venv mcore020 test-mcore020
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -49,6 +49,17 @@ reliability: $(STAMP)   # RELIABILITY.md: the bad inputs and faults the tests tr
 
 clean-venv:
 	rm -rf $(VENV)
+
+# megatron-core 0.20 (Megatron-LM main, not on PyPI yet) beside the venv's 0.19.2, then the unit,
+# integration and two distributed test files against it (tests/conftest.py: SB_MEGATRON_CORE_020).
+MCORE020_DIR ?= .mcore020
+mcore020: $(STAMP)
+	@test -n "$(MEGATRON_LM)" || { echo "usage: make mcore020 MEGATRON_LM=/path/to/Megatron-LM (main)" >&2; exit 2; }
+	$(PY) -m pip install -q --no-deps --target $(MCORE020_DIR) $(MEGATRON_LM)
+
+test-mcore020: $(STAMP)
+	SB_MEGATRON_CORE_020=$(MCORE020_DIR) $(PY) -m pytest -q tests/unit tests/integration \
+	  tests/distributed/test_megatron_equivalence.py tests/distributed/test_sparse_balance_run.py
 
 # GPU acceptance check (docs/GPU.md): one H100, under 10 minutes, one JSON under GPU_CHECK_DIR.
 # Uses the interpreter that has CUDA torch (GPU_PY), not .venv (the CPU install).

@@ -23,11 +23,13 @@ setup(
     # the default quality cost of --sb-dst-objective quality (SmolLM2-135M, measured)
     package_data={"sparsebalance_megatron.policy": ["quality_cost_smollm2.json"]},
     install_requires=[
-        # Tested with megatron-core 0.19.2 and torch 2.13.0 (CPU/gloo). On CUDA, torch 2.11.0+cu130
-        # on one H100 has run tests/gpu and the attention benchmark once (docs/GPU.md: the flex
-        # path failed its correctness test there; the fix has not run on a GPU yet); no GPU
-        # training run yet.
-        "megatron-core>=0.19.0,<0.20",
+        # The tested range (compat.TESTED_MEGATRON_CORE; a launch on another version says so):
+        # megatron-core 0.19.2 from PyPI and 0.20.0 (Megatron-LM main d98e8a64dd, not on PyPI
+        # yet: README "Install next to Megatron"), with torch 2.13.0 (CPU/gloo). On CUDA, torch
+        # 2.11.0+cu130 on one H100 has run tests/gpu and the attention benchmark once
+        # (docs/GPU.md: the flex path failed its correctness test there; the fix has not run on
+        # a GPU yet); no GPU training run yet.
+        "megatron-core>=0.19.2,<0.21",
         "torch>=2.6",
         "numpy>=1.26",
         "psutil",            # megatron dist_checkpointing needs it

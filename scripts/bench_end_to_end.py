@@ -27,7 +27,7 @@ The DST/SAB runs share one latency table, profiled once here for the run's model
 **sim**: ``sparsebalance_megatron.experiments.study`` at 8, 32 and 256 DP ranks x PP=4 on the qwen-token
 length mix at 32K tokens per micro-batch, timed by the analytic Qwen2.5-0.5B H100 table (FLOPs /
 published throughputs: no GPU table exists here; a CPU table of a tiny model must not be used for
-a scale study, DESIGN.md section 7).
+a scale study, docs/DESIGN.md section 7).
 
     python scripts/bench_end_to_end.py --json runs/end_to_end.json --plot docs/end_to_end.png
     python scripts/bench_end_to_end.py --quick          # < 2 minutes on 2 cores; indicative only

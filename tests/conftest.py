@@ -27,6 +27,36 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow"):
             item.add_marker(skip)
 
+# --- megatron-core 0.20, opt-in --------------------------------------------------------------------
+# SB_MEGATRON_CORE_020=DIR: the tests, and every process they start (torchrun, the profiler), import
+# the megatron installed in DIR (`pip install --no-deps --target DIR /path/to/Megatron-LM` of main,
+# megatron-core 0.20.0; `make mcore020 MEGATRON_LM=...` does it), ahead of the venv's 0.19.2.
+MEGATRON_CORE_020 = os.environ.get("SB_MEGATRON_CORE_020")
+if MEGATRON_CORE_020:
+    MEGATRON_CORE_020 = str(Path(MEGATRON_CORE_020).resolve())
+    sys.path.insert(0, MEGATRON_CORE_020)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (MEGATRON_CORE_020, str(REPO), os.environ.get("PYTHONPATH")) if p)
+
+
+def pytest_configure(config):
+    if not MEGATRON_CORE_020:
+        return
+    import megatron.core
+
+    where, version = megatron.core.__file__, megatron.core.__version__
+    if not (where.startswith(MEGATRON_CORE_020) and version.startswith("0.20.")):
+        raise pytest.UsageError(f"SB_MEGATRON_CORE_020={MEGATRON_CORE_020}: imported megatron-core "
+                                f"{version} from {where}; expected 0.20.x from that directory "
+                                f"(pip install --no-deps --target DIR /path/to/Megatron-LM)")
+
+
+def pytest_report_header(config):
+    if MEGATRON_CORE_020:
+        import megatron.core
+        return f"megatron-core {megatron.core.__version__} from {MEGATRON_CORE_020} " \
+               f"(SB_MEGATRON_CORE_020)"
+
 
 def stdlib_texts(n: int, max_chars: int = 6000) -> list[str]:
     """Real text with varied lengths: the first ``n`` CPython stdlib modules, in sorted order."""

@@ -13,7 +13,7 @@ Estimate of a sample, best first:
 1. its value measured the last time it went through training;
 2. an EMA of the values measured on samples of its length bucket (powers of two);
 3. (loss) an EMA over all measured samples, so measured and unmeasured estimates share a scale;
-4. a prior by length: recall rises with length at a fixed density (DESIGN.md section 3 measured
+4. a prior by length: recall rises with length at a fixed density (docs/DESIGN.md section 3:
    oracle top-k recall 0.85 at 2K and 0.88 at 4K tokens, density 0.25, SmolLM2-135M), so the
    prior is ``recall = 0.85 + 0.03 * log2(length / 2048)`` clipped to [0.5, 0.99] (shorter is
    more sensitive, +0.38 against the measured change). Only the order of the estimates matters

@@ -1,4 +1,5 @@
-"""Analytic latency table of a GPU from FLOP counts, for the scale study (DESIGN.md section 7).
+"""Analytic latency table of a GPU from FLOP counts, for the scale study (docs/DESIGN.md
+section 7).
 
 No GPU is needed: the time of every matmul and of the kept attention blocks is its FLOP count
 divided by a throughput; memory-bound parts (loss over the vocabulary, elementwise ops) are bytes

@@ -168,19 +168,19 @@ class SparseBalanceCallback:
                                          long_sample_policy=self.sb.long_sample_policy,
                                          pad_multiple=self.mb_args["pad_multiple"])
         self.sampler.skip_bins(int(args.consumed_train_samples))
-        state = None
+        state, ahead = None, False
         if args.iteration > 0 and args.load:
-            state = self._load_saved_state(args.load, args.iteration)
-        ahead = self.sb.plan_ahead and state is not None and state.get("ahead_basis")
-        try:
-            # plan-ahead: the first step is re-planned from the state it was planned from
-            self.load_state_dict(dict(state, **state["ahead_basis"]) if ahead else state)
-        except (ValueError, KeyError, TypeError) as e:
             from .launch import LaunchError
-            from .state import plugin_state_path
-            raise LaunchError(f"SparseBalance state "
-                              f"{plugin_state_path(args, args.load, args.iteration)}: "
-                              f"{type(e).__name__}: {e}") from None
+            try:
+                state, ahead = self._restore_saved_state()
+                err = None
+            except LaunchError as e:
+                err = str(e)
+            # Every rank refuses alike, before any other collective (the hooks say it once,
+            # from rank 0), even where only some ranks could not read their state.
+            errors = [e for e in comm.all_gather_object(err) if e]
+            if errors:
+                raise LaunchError(errors[0])
         if args.iteration < args.train_iters:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             self.prepare_step(args.iteration, get_num_microbatches())
@@ -525,6 +525,23 @@ class SparseBalanceCallback:
             self.latency.load_calibration_state(state["latency"])
         if self.tracker is not None and state.get("sensitivity") is not None:
             self.tracker.load_state_dict(state["sensitivity"])
+
+    def _restore_saved_state(self):
+        """(state, plan-ahead basis present) of the resumed checkpoint, loaded into the latency
+        model and tracker; ``LaunchError`` naming the file when it is missing or damaged."""
+        args = self.args
+        state = self._load_saved_state(args.load, args.iteration)
+        ahead = bool(self.sb.plan_ahead and state is not None and state.get("ahead_basis"))
+        try:
+            # plan-ahead: the first step is re-planned from the state it was planned from
+            self.load_state_dict(dict(state, **state["ahead_basis"]) if ahead else state)
+        except (ValueError, KeyError, TypeError) as e:
+            from .launch import LaunchError
+            from .state import plugin_state_path
+            raise LaunchError(f"SparseBalance state "
+                              f"{plugin_state_path(args, args.load, args.iteration)}: "
+                              f"{type(e).__name__}: {e}") from None
+        return state, ahead
 
     def _load_saved_state(self, load_dir: str, iteration: int) -> Optional[dict]:
         from .state import load_plugin_state

@@ -47,6 +47,14 @@ def say(msg: str) -> None:
         print(f"[sparsebalance] {msg}", flush=True)
 
 
+def say_error(line: str) -> None:
+    """An error every rank meets alike (a resume state, a setting), on stderr from global rank
+    0 only: the user reads it once, not once per rank."""
+    if launch_rank() == 0:
+        import sys
+        print(line, file=sys.stderr, flush=True)
+
+
 def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 

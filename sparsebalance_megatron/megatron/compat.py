@@ -12,7 +12,8 @@
    exits. When the prebuilt extension imports and there is no Makefile, the compile step becomes a
    no-op; a Megatron-LM checkout (which has the Makefile) keeps its own behaviour.
 
-Both target megatron-core >=0.19,<0.20 and torch >= 2.6; ``check_shim_targets()`` fails loudly
+Both target megatron-core >=0.19.2,<0.21 (0.19.2 and 0.20.0 tested: ``TESTED_MEGATRON_CORE``; the
+launch warns once on another version) and torch >= 2.6; ``check_shim_targets()`` fails loudly
 when a replaced attribute disappears (a test calls it).
 """
 
@@ -243,6 +244,43 @@ def activate_cpu_shims() -> bool:
     from .comm import say
     say(f"no CUDA: megatron-core runs on the CPU ({SHIM_ID})")
     return True
+
+
+# megatron-core versions the test suite has passed on (README "Install next to Megatron" gives
+# the commands; setup.py declares this range). 0.20.0 is Megatron-LM main at d98e8a64dd,
+# installed from the checkout (it is not on PyPI yet).
+TESTED_MEGATRON_CORE = ("0.19.2", "0.20.0")
+_warned_versions = False
+
+
+def untested_versions_warning(installed: str | None = None) -> str | None:
+    """A one-line warning when the installed megatron-core is not one the tests ran on."""
+    if installed is None:
+        import megatron.core
+        installed = megatron.core.__version__
+    release = str(installed).split("+")[0]          # a source checkout adds "+<commit>"
+    if release in TESTED_MEGATRON_CORE:
+        return None
+    return (f"warning: megatron-core {installed} is installed; sparsebalance_megatron was "
+            f"tested with megatron-core {' and '.join(TESTED_MEGATRON_CORE)} (setup.py: "
+            f"megatron-core>={TESTED_MEGATRON_CORE[0]},<{_next_minor(TESTED_MEGATRON_CORE[-1])})")
+
+
+def _next_minor(version: str) -> str:
+    major, minor = version.split(".")[:2]
+    return f"{major}.{int(minor) + 1}"
+
+
+def warn_untested_versions() -> None:
+    """Say ``untested_versions_warning`` once per process, from rank 0."""
+    global _warned_versions
+    if _warned_versions:
+        return
+    _warned_versions = True
+    msg = untested_versions_warning()
+    if msg:
+        from .comm import say
+        say(msg)
 
 
 def device() -> torch.device:

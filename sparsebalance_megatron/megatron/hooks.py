@@ -16,6 +16,8 @@ loop is Megatron's::
 What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
   machine without CUDA also the CPU defaults of ``launch.cpu_parser_defaults`` and the CPU shims);
+  ``args_defaults`` and the parser the provider returns check the plugin's settings before
+  Megatron validates its flags or builds a tokenizer (``preflight.py``);
 - the attention: ``GPTModelConfig.transformer_layer_spec`` = Megatron's default spec with only
   ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params; a
   HybridModel's ``hybrid_stack_spec`` with its attention layers' slot swapped (``hybrid.py``);
@@ -44,6 +46,7 @@ from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
+from .preflight import OneLineParser, check_after_parse, check_config, uses_plugin_data
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -61,17 +64,25 @@ _run = _Integration()
 
 # --- flags -----------------------------------------------------------------------------------
 
-def extra_args_provider(base: Optional[Callable] = None) -> Callable:
+def extra_args_provider(base: Optional[Callable] = None, *,
+                        packed_data: Optional[bool] = None) -> Callable:
     """Megatron ``extra_args_provider``: ``base``'s flags (if any), then ours; without CUDA also
-    the CPU defaults, and the CPU shims (``validate_args`` already queries the device)."""
+    the CPU defaults, and the CPU shims (``validate_args`` already queries the device). The
+    parser it returns checks the plugin's settings as soon as it has parsed them, before
+    Megatron validates the flags or builds the tokenizer (``preflight.check_parsed``; with the
+    plugin's attention the default ``--attention-dropout`` becomes 0). ``packed_data`` as for
+    ``install``."""
 
     def provider(parser):
         if base is not None:
             parser = base(parser)
         compat.activate_cpu_shims()
+        compat.warn_untested_versions()
         cpu_parser_defaults(parser)
         _escape_help_percent(parser)
-        return add_sparsebalance_args(parser)
+        add_sparsebalance_args(parser)
+        check_after_parse(parser, packed_data)
+        return parser
 
     return provider
 
@@ -88,30 +99,25 @@ def _escape_help_percent(parser) -> None:
                                  action.help)
 
 
-def uses_plugin_data(sb: SparseBalanceConfig, packed_data: Optional[bool]) -> bool:
-    """The plugin's packed data path: always for our entry, else when DST or SAB needs it."""
-    if packed_data is not None:
-        return bool(packed_data)
-    return sb.dst_enabled or sb.batching_enabled or sb.packing != "auto"
-
-
 def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = None,
                   argv=None) -> dict:
     """``args_defaults`` for ``parse_and_validate_args``: ``base``, except that with the plugin's
     data path and its tokenizer (Megatron's ``NullTokenizer``, the default there) the vocabulary
     size is the data's, so ``--vocab-size`` need not be given."""
     out = dict(base or {})
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser = OneLineParser(add_help=False, allow_abbrev=False)
     add_sparsebalance_args(parser)
     for flag in ("--tokenizer-type", "--split", "--seed"):
         parser.add_argument(flag)
     parser.add_argument("--vocab-size", type=int)
     parser.add_argument("--data-path", nargs="*")
-    ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
-        sb = config_from_args(ns)
-    except ConfigError:
-        return out   # Megatron's parse reports it
+        # The plugin's flags first of all (this runs before Megatron parses anything): one line
+        # naming the flag and value, before Megatron's tokenizer or data would trip over it.
+        ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+        sb = check_config(config_from_args(ns))
+    except (ConfigError, LaunchError) as e:
+        raise SystemExit(f"error: {e}") from None
     if not uses_plugin_data(sb, packed_data):
         return out
     out.setdefault("eval_interval", 1000)   # Megatron's sample count needs one; its old default
@@ -157,6 +163,9 @@ def _install(args, model_cfg, packed_data):
     plugin_data = uses_plugin_data(sb, packed_data)
     hybrid = is_hybrid_config(model_cfg)
     check_launch(args, sb, plugin_data=plugin_data, hybrid=hybrid)
+    if plugin_data:
+        from .latency_setup import check_given_table
+        check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)
     _run.sb, _run.plugin_data = sb, plugin_data
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
@@ -177,10 +186,11 @@ def _install(args, model_cfg, packed_data):
         args.dataloader_type = "external"            # Megatron pulls our iterators
         args.dataloader_save = args.save             # our save_state -> the iteration's folder
         if args.save and _interleaved(args):
-            # megatron-core 0.19's maybe_save_dataloader_state takes one iterator, train()
-            # hands it the list of the model chunks' iterators: it would fail at the first save.
+            # megatron-core 0.19's and 0.20's maybe_save_dataloader_state take one iterator,
+            # train() hands it the list of the model chunks' iterators: it would fail at the
+            # first save.
             args.dataloader_save = None
-            comm.say("warning: with the interleaved schedule Megatron (0.19) cannot save an "
+            comm.say("warning: with the interleaved schedule Megatron (0.19, 0.20) cannot save an "
                      "external data loader's state: checkpoints hold the weights and the data "
                      "position, not the balancer's state; resume with --sb-fresh-state "
                      "(calibration and sensitivities start over)")
@@ -257,7 +267,7 @@ def _install_timers_tee(ours) -> None:
     """Megatron's global ``Timers`` -> ``TeeTimers(Timers, ours)``.
 
     ``train()`` sets ``config.timers = get_timers()`` and ``evaluate()`` restores it from there,
-    so the tee is seen by every schedule. Targets megatron-core >=0.19,<0.20
+    so the tee is seen by every schedule. Targets megatron-core >=0.19.2,<0.21
     (``megatron.training.global_vars._GLOBAL_TIMERS``); idempotent; a test fails if the
     attribute disappears.
     """
@@ -285,25 +295,35 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
         return megatron_provider
 
     def provider(train_val_test_num_samples, vp_stage=None):
-        from megatron.core import parallel_state as ps
-
-        from .data import EvalIterator
-
-        cb, args = _run.callback, _megatron_args()
-        train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
-        evals = []
-        for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
-            sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
-                                        long_sample_policy=_run.sb.long_sample_policy,
-                                        pad_multiple=cb.mb_args["pad_multiple"])
-            evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
-                sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
-                dp_rank=ps.get_data_parallel_rank(), device=cb.device,
-                consumed_samples=consumed, mb_args=cb.mb_args))
-        return train, evals[0], evals[1]
+        try:
+            return _datasets(vp_stage)
+        except LaunchError as e:   # a resume without the plugin's state: the callback made
+            # every rank raise the same one; said once
+            comm.say_error(f"error: {e}")
+            raise SystemExit(1) from None
 
     provider.is_distributed = True   # every rank builds its own (identical) iterators
     return provider
+
+
+def _datasets(vp_stage):
+    """The plugin's train, valid and test iterators (every rank builds its own)."""
+    from megatron.core import parallel_state as ps
+
+    from .data import EvalIterator
+
+    cb, args = _run.callback, _megatron_args()
+    train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
+    evals = []
+    for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
+        sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
+                                    long_sample_policy=_run.sb.long_sample_policy,
+                                    pad_multiple=cb.mb_args["pad_multiple"])
+        evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
+            sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(), device=cb.device,
+            consumed_samples=consumed, mb_args=cb.mb_args))
+    return train, evals[0], evals[1]
 
 
 def finish() -> None:
@@ -344,7 +364,10 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
         # straggler_slowdown times longer on this rank (with --sb-timing-source model the
         # slowdown is modelled instead).
         time.sleep(3.0 * (sb.straggler_slowdown - 1.0) * (time.perf_counter() - t0))
-    return output, functools.partial(_loss_func, mb["loss_mask"], mb["packed_seq_params"])
+    from .loss import loss_func   # pretrain_gpt's, mirrored flag by flag (loss.py)
+
+    return output, functools.partial(loss_func, mb["loss_mask"], mb["packed_seq_params"], cb,
+                                     _megatron_args())
 
 
 def _inject_fault(spec, psp) -> None:
@@ -364,44 +387,3 @@ def _inject_fault(spec, psp) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     while True:   # hang
         time.sleep(3600)
-
-
-def _loss_func(loss_mask, psp, output_tensor):
-    """Megatron's per-token loss contract: (sum, tokens, report), as pretrain_gpt's; also each
-    document's loss sum and tokens (the sensitivity signal), without a host sync."""
-    import torch
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-    losses = output_tensor.float().view(-1)
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    args = _megatron_args()
-    if args.check_for_nan_in_loss_and_grad:
-        machine = get_rerun_state_machine()
-        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
-            machine.validate_result(result=loss, rejection_func=reject,
-                                    message=f"found {what} in local forward loss calculation",
-                                    tolerance=0.0, fatal=True)
-    _run.callback.record_loss(loss, num_tokens)
-    docs = getattr(psp, "sb_doc_ids", None)
-    if docs and _run.callback.signal == "loss":
-        # this rank's tokens: its share of every sequence under CP, padding included
-        _run.callback.record_doc_losses(docs, *document_sums(losses * mask, mask,
-                                                             psp.local_cu_seqlens(), len(docs)))
-    return loss, num_tokens, report
-
-
-def document_sums(values, mask, cu_seqlens, n_docs: int):
-    """(sum of ``values``, sum of ``mask``) over each of the first ``n_docs`` sequences of a
-    packed micro-batch ([T] each, boundaries ``cu_seqlens``): prefix sums read at the
-    boundaries, on the device."""
-    import torch
-
-    cu = cu_seqlens.long()
-    zero = values.new_zeros(1)
-    csum = torch.cat([zero, torch.cumsum(values, 0)])
-    cmask = torch.cat([zero, torch.cumsum(mask, 0)])
-    lo, hi = cu[:n_docs], cu[1:n_docs + 1]
-    return csum[hi] - csum[lo], cmask[hi] - cmask[lo]

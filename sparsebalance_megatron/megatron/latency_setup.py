@@ -23,24 +23,72 @@ def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     ``args.transformer_impl``, ``args.recompute_granularity``) and attention. The pipeline is not
     compared: any table with the run's stage kinds (and a middle stage, for a layout other than
     its own) predicts the run's layout (``LatencyModel.with_layout``)."""
+    from ..latency.shape import ModelShape
+
+    shape = ModelShape.from_megatron_args(args)
+    return dict(_run_expectation(sb), model=shape.as_table_model(),
+                execution=shape.as_table_execution())
+
+
+def flag_expectation(args, sb: SparseBalanceConfig) -> dict:
+    """``table_expectation`` from Megatron's flags as parsed, before its ``validate_args`` and
+    tokenizer: the model fields that flags give as they are (layers, hidden size, heads, tokens
+    per micro-batch, SwiGLU). Derived sizes (padded vocabulary, FFN and KV defaults, query
+    groups) and the execution section are compared by ``check_given_table`` at install."""
+    model = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+             "num_attention_heads": args.num_attention_heads,
+             "seq_length": None if args.seq_length is None
+             else args.seq_length * (args.micro_batch_size or 1),
+             "swiglu": bool(getattr(args, "swiglu", False))}
+    return dict(_run_expectation(sb), model={k: v for k, v in model.items() if v is not None})
+
+
+def _run_expectation(sb: SparseBalanceConfig) -> dict:
     import megatron.core
     import torch
 
     from .. import __version__
-    from ..latency.shape import ModelShape
     from .profile import device_name
 
-    shape = ModelShape.from_megatron_args(args)
     return {
         "device": device_name(),
         "torch": torch.__version__,
         "megatron_core": megatron.core.__version__,
         "sparsebalance_megatron": __version__,
-        "model": shape.as_table_model(),
-        "execution": shape.as_table_execution(),
         "attention": {"block_size": sb.block_size, "sink_blocks": sb.sink_blocks,
                       "local_blocks": sb.local_blocks},
     }
+
+
+def uses_latency_table(sb: SparseBalanceConfig) -> bool:
+    """DST and SAB plan with a latency model (the callback loads it)."""
+    return sb.dst_enabled or sb.batching_enabled
+
+
+def check_given_table(args, sb: SparseBalanceConfig) -> None:
+    """``LaunchError`` naming --sb-latency-table when the given table cannot serve this run
+    (unreadable, measured on another device, model, execution or version without
+    --sb-latency-table-force, or missing the stages of the run's pipeline layout). For
+    ``hooks.install``: Megatron's args validated, no process group yet."""
+    import warnings
+
+    from ..latency.layout import LayoutError
+    from ..latency.model import LatencyModel
+    from ..latency.table import LatencyTableError
+    from .launch import LaunchError
+
+    if not (sb.latency_table and uses_latency_table(sb)):
+        return
+    try:
+        with warnings.catch_warnings():    # said once, when the callback loads it
+            warnings.simplefilter("ignore")
+            model = LatencyModel.load(sb.latency_table, expect=table_expectation(args, sb),
+                                      force=sb.latency_table_force)
+        model_for_run(model, args)
+    except (LatencyTableError, OSError) as e:
+        raise LaunchError(f"--sb-latency-table: {e}") from None
+    except LayoutError as e:
+        raise LaunchError(f"--sb-latency-table {sb.latency_table}: {e}") from None
 
 
 def profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -248,9 +249,39 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     return out
 
 
+def plugin_core_attention(args, sb: SparseBalanceConfig, plugin_data: bool) -> Optional[str]:
+    """What replaces Megatron's core attention (``hooks.install``), or None: the sparse
+    attention, or on the plugin's data path with the local implementation (whose
+    DotProductAttention refuses packed input) the dense per-document attention."""
+    if sb.sparse_attention_enabled:
+        return "sparse attention"
+    if plugin_data and getattr(args, "transformer_impl", "local") == "local":
+        return "the plugin's dense per-document attention"
+    return None
+
+
+def attention_dropout_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """The plugin's attention kernels apply no dropout: a non-zero --attention-dropout would be
+    silently ignored."""
+    p = getattr(args, "attention_dropout", None)
+    which = plugin_core_attention(args, sb, plugin_data)
+    if not p or which is None:
+        return []
+    return [f"--attention-dropout {p} with {which}: its kernels apply no attention dropout; "
+            f"pass --attention-dropout 0 (the default with the plugin's attention)"]
+
+
 def _data_conflicts(args) -> list[str]:
     """Megatron data settings the plugin's packed data path does not serve."""
     out = []
+    # pretrain_gpt.loss_func's other losses (loss.MEGATRON_LOSS_ARGS): the plugin's forward step
+    # computes the LM loss only.
+    if getattr(args, "logits_load_dir", None) is not None:
+        out.append(f"--logits-load-dir {args.logits_load_dir} with the plugin's data path (its "
+                   f"forward step computes the LM loss, not offline distillation's)")
+    if getattr(args, "modelopt_enabled", False):
+        out.append("ModelOpt with the plugin's data path (its forward step computes the LM loss, "
+                   "not ModelOpt's distillation loss)")
     if getattr(args, "mock_data", False):
         out.append("--mock-data (the plugin's data path packs real documents; give --data-path "
                    "or nothing for the built-in corpus)")
@@ -363,14 +394,9 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "
                    f"use {flag_name('selection_mode')} density")
-    if sb.dst_enabled and sb.dst_objective == "quality":
-        from ..policy.quality import QualityCostError, load_quality_cost
-        try:
-            load_quality_cost(sb.quality_cost)
-        except QualityCostError as e:
-            bad.append(f"{flag_name('dst_objective')} quality: {e} (quality is the default "
-                       f"objective; {flag_name('dst_objective')} density plans without a "
-                       f"quality cost)")
+    from .preflight import config_problems   # the files the flags name (checked at parse too)
+    bad += config_problems(sb)
+    bad += attention_dropout_conflicts(args, sb, plugin_data)
     if sb.straggler_rank >= 0:
         world = int(os.environ.get("WORLD_SIZE", getattr(args, "world_size", 1) or 1))
         per_dp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \

@@ -43,8 +43,9 @@ def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = Fals
         raise LaunchError(
             f"resuming iteration {iteration} from {load_dir}: no SparseBalance state at {path} "
             f"(the checkpoint was written without the plugin's data path, or with the "
-            f"interleaved schedule, where Megatron 0.19 saves no data loader state); pass "
-            f"--sb-fresh-state to start the balancer fresh, or load the weights with --finetune")
+            f"interleaved schedule, where megatron-core 0.19-0.20 saves no data loader "
+            f"state); pass --sb-fresh-state to start the balancer fresh, or load the weights "
+            f"with --finetune")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
         state = saved["dataloader_state_dict"]

@@ -1,6 +1,6 @@
 """Dynamic sparsity tuning (DST): plan one attention density per (dp_rank, micro-batch, stage).
 
-The rule (DESIGN.md section 5, issue 4):
+The rule (docs/DESIGN.md section 5, issue 4):
 
 1. Static plan: every unit at d0; simulate the 1F1B step (``sim.pipeline``) -> step time T0.
 2. Anchor over the *load units* at d0: a load unit is one (dp rank, pipeline stage) and its time

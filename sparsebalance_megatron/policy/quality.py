@@ -1,7 +1,7 @@
 """Quality cost of attention sparsity per layer group: the LM-loss increase against density,
 measured on a real model (``scripts/profile_quality_cost.py``) and fitted convex.
 
-DESIGN.md section 7 measured that loss is convex in per-layer density: cutting a few layers hard
+docs/DESIGN.md section 7: loss was measured convex in per-layer density: cutting a few layers hard
 costs more than the same mean density spread evenly. A planner that only keeps a mean density
 cannot see that; this module gives it a cost to minimise.
 

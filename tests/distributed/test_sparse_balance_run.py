@@ -85,6 +85,9 @@ def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
         assert len(r["density_per_stage"]) == 2
 
 
+@pytest.mark.reliability(area="resume", case="PP=2 interleaved-schedule checkpoint (no plugin "
+                         "state) resumed without --sb-fresh-state, 2 ranks", expect="one 'error:' "
+                         "line naming the file and --sb-fresh-state, no rank traceback")
 def test_interleaved_schedule_plans_every_model_chunk(tmp_path, small_jsonl,
                                                       analytic_latency_table_pp2):
     """PP=2 with Megatron's interleaved schedule (2 model chunks per rank, one layer each): one
@@ -115,6 +118,13 @@ def test_interleaved_schedule_plans_every_model_chunk(tmp_path, small_jsonl,
     # DST moved densities of single virtual stages, not whole ranks
     assert any(len({x[0], x[2]}) > 1 or len({x[1], x[3]}) > 1
                for r in rows for x in r["densities"][0]), "no chunk differed from its rank's other"
+    # without --sb-fresh-state the resume is refused: one line (rank 0's), no rank traceback
+    proc = run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2"],
+                     cwd=tmp_path, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
+    assert "no SparseBalance state at" in errors[0] and "--sb-fresh-state" in errors[0]
+    assert "Traceback" not in proc.stdout.split("torch/distributed/elastic")[0]
     # resumed from the checkpoint (weights and data position): step 3 trains the same documents
     resumed = tmp_path / "resumed.jsonl"
     run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2", "--sb-fresh-state",
@@ -232,7 +242,9 @@ def test_resume_without_or_with_a_damaged_plugin_state(tmp_path, small_jsonl, ta
     state.unlink()
     proc = run_entry(1, resume, cwd=tmp_path, check=False)
     assert proc.returncode != 0
-    assert f"no SparseBalance state at {state}" in proc.stdout, proc.stdout[-3000:]
+    assert proc.stdout.count(f"no SparseBalance state at {state}") == 1, proc.stdout[-3000:]
     assert "--sb-fresh-state" in proc.stdout
+    rank = proc.stdout.split("torch/distributed/elastic")[0]    # not torchrun's own report
+    assert "Traceback" not in rank, "the refusal should be one line, not a traceback"
     proc = run_entry(1, [*resume, "--sb-fresh-state"], cwd=tmp_path)
     assert "starting the balancer fresh (--sb-fresh-state)" in proc.stdout

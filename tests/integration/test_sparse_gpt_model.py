@@ -181,7 +181,7 @@ def test_static_per_layer_densities_reach_each_layer():
 def test_document_losses_split_the_packed_loss_by_document():
     """The loss function's per-document sums (the default sensitivity signal): each document's
     share of the packed micro-batch's masked loss, trailing padding excluded, no host sync."""
-    from sparsebalance_megatron.megatron.hooks import document_sums
+    from sparsebalance_megatron.megatron.loss import document_sums
     model = _model(_sb()).eval()
     lens = [100, 60, 96]                                # two documents, then padding
     psp, pos = _packed(lens, sb_doc_ids=(7, 8))

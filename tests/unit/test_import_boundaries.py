@@ -1,4 +1,5 @@
-"""One adapter layer: the import rules of STYLE.md, checked on every module of the package with ``ast``.
+"""One adapter layer: the import rules of docs/DESIGN.md section 2, checked on every module of the
+package with ``ast``.
 
 1. Only ``sparsebalance_megatron/megatron/`` imports ``megatron``, and no other module imports our
    ``.megatron`` subpackage at module level. The one allowed exception is a lazy import inside a

@@ -271,7 +271,7 @@ def test_density_floor_keeps_the_mean_budget_and_the_step_time():
 def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
     """A heavy last stage (LM head) is the bottleneck: DST cuts its attention while raising the
     other stages. The per-stage floor stops that concentration (quality is convex in per-layer
-    density: DESIGN.md section 7), and the step time still never exceeds the static plan's."""
+    density: docs/DESIGN.md section 7), and the step time still never exceeds the static plan's."""
     from sparsebalance_megatron.policy import plan_dst_with_floor
     from sparsebalance_megatron.policy.costs import stage_mean_densities
     rng = np.random.default_rng(21)

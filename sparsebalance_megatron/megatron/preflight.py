@@ -1,0 +1,180 @@
+"""The plugin's own settings, checked before Megatron builds a tokenizer or a process group.
+
+Megatron's flow is ``parse_and_validate_args`` (parse the flags, ``validate_args``, then
+``set_global_variables``, which builds the tokenizer) and ``pretrain()`` (process groups, then the
+model). A mistake in a plugin setting must end the launch with one line naming the flag and its
+value before any of that, not as whatever Megatron trips over next (a tokenizer it cannot build
+for lack of the data's vocabulary, or a latency table first read after the model is built).
+Two points come before Megatron's own work:
+
+- ``hooks.args_defaults`` is evaluated before ``parse_and_validate_args`` is called: it reads the
+  ``--sb-*`` flags with ``OneLineParser`` and checks them with ``check_config`` (types, choices,
+  domains, and the files and directories the flags name);
+- the parser that ``hooks.extra_args_provider`` returns checks what it parsed, before Megatron
+  validates it (``check_parsed``): the same, plus what needs Megatron's flags (the latency table
+  against the model flags, attention dropout, ``--save`` without ``--save-interval``).
+
+``hooks.install`` then runs the launch checks (``launch.check_launch``) and compares the latency
+table with the validated model (padded vocabulary, derived sizes), still before any process
+group. Every refusal is one ``LaunchError`` line (the hooks print it as ``error: ...``).
+No torch.distributed; megatron only inside functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+from ..arguments import config_from_args
+from ..config import ConfigError, SparseBalanceConfig, flag_name
+from .launch import LaunchError, attention_dropout_conflicts
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints its usage and the message, then exits 2: here the message alone, which
+    names the flag and the value (``argument --sb-anchor: invalid choice: 'top'``)."""
+
+    def error(self, message):
+        raise LaunchError(message)
+
+
+def uses_plugin_data(sb: SparseBalanceConfig, packed_data: Optional[bool]) -> bool:
+    """The plugin's packed data path: always for our entry, else when DST or SAB needs it."""
+    if packed_data is not None:
+        return bool(packed_data)
+    return sb.dst_enabled or sb.batching_enabled or sb.packing != "auto"
+
+
+def config_problems(sb: SparseBalanceConfig) -> list[str]:
+    """What is wrong with the files and directories the plugin's flags name, one entry each."""
+    from .latency_setup import uses_latency_table
+
+    out = []
+    if sb.latency_table and uses_latency_table(sb):
+        from ..latency.table import LatencyTableError, read_table
+        try:
+            read_table(sb.latency_table)
+        except LatencyTableError as e:
+            out.append(f"{flag_name('latency_table')}: {e}")
+    if sb.dst_enabled and sb.dst_objective == "quality":
+        from ..policy.quality import QualityCostError, load_quality_cost
+        try:
+            load_quality_cost(sb.quality_cost)
+        except QualityCostError as e:
+            out.append(f"{flag_name('dst_objective')} quality: {e} (quality is the default "
+                       f"objective; {flag_name('dst_objective')} density plans without a "
+                       f"quality cost)")
+    if sb.metrics_file:
+        out += _output_file_problems(flag_name("metrics_file"), sb.metrics_file)
+    if sb.data_cache_dir:
+        out += _directory_problems(flag_name("data_cache_dir"), sb.data_cache_dir)
+    return out
+
+
+def _output_file_problems(flag: str, path: str) -> list[str]:
+    """A file the run appends to: its directory must exist and be writable."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return [f"{flag} {path}: is a directory (expected a file to append to)"]
+    if not os.path.isdir(where):
+        return [f"{flag} {path}: directory {where} does not exist"]
+    if not os.access(where, os.W_OK):
+        return [f"{flag} {path}: directory {where} is not writable"]
+    return []
+
+
+def _directory_problems(flag: str, path: str) -> list[str]:
+    """A directory the run may create and write into."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"{flag} {path}: exists and is not a directory"]
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [f"{flag} {path}: cannot be created ({parent} is not a directory)"]
+    if parent != os.path.abspath(path) and not os.access(parent, os.W_OK):
+        return [f"{flag} {path}: cannot be created ({parent} is not writable)"]
+    return []
+
+
+def check_config(sb: SparseBalanceConfig) -> SparseBalanceConfig:
+    """``sb`` (validated when built) with the files its flags name; ``LaunchError`` otherwise."""
+    bad = config_problems(sb)
+    if bad:
+        raise LaunchError("; ".join(bad))
+    return sb
+
+
+def check_parsed(args, *, packed_data: Optional[bool],
+                 attention_dropout_default: Optional[float] = None) -> None:
+    """Megatron's namespace as parsed (before ``validate_args``): the plugin's config and files,
+    then what needs Megatron's flags. Sets ``args.attention_dropout`` when no flag gave it
+    (``hooks.extra_args_provider`` makes its default None): 0 with the plugin's attention, whose
+    kernels have no dropout, else ``attention_dropout_default`` (Megatron's)."""
+    sb = config_from_args(args)          # ConfigError: flag and value
+    plugin_data = uses_plugin_data(sb, packed_data)
+    bad = config_problems(sb)
+    if hasattr(args, "attention_dropout"):
+        bad += attention_dropout_conflicts(args, sb, plugin_data)
+        if args.attention_dropout is None:
+            args.attention_dropout = 0.0 if _plugin_attention(args, sb, plugin_data) \
+                else attention_dropout_default
+    if sb.sparse_attention_enabled or plugin_data:
+        save_interval = getattr(args, "save_interval", None)
+        if getattr(args, "save", None) and (save_interval is None or save_interval <= 0):
+            bad.append(f"--save {args.save} without --save-interval (Megatron saves every N "
+                       f"iterations: add --save-interval N)" if save_interval is None else
+                       f"--save-interval {save_interval}: expected an integer >= 1")
+        if not bad:
+            bad += _table_problems(args, sb)
+    if bad:
+        raise LaunchError("; ".join(bad))
+
+
+def check_after_parse(parser, packed_data: Optional[bool]) -> None:
+    """Wrap this parser's ``parse_known_args`` (``parse_args`` calls it) with ``check_parsed``,
+    ending the process with one ``error:`` line: argparse has no hook after parsing, and
+    Megatron validates the namespace and builds its tokenizer right after. Also makes
+    ``--attention-dropout``'s default None, so that an explicit value is seen. Idempotent."""
+    if getattr(parser.parse_known_args, "_sparsebalance", False):
+        return
+    dropout_default = parser.get_default("attention_dropout")
+    if any(a.dest == "attention_dropout" for a in parser._actions):
+        parser.set_defaults(attention_dropout=None)   # None: not given (check_parsed decides)
+    parse_known = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        ns, rest = parse_known(args, namespace)
+        try:
+            check_parsed(ns, packed_data=packed_data, attention_dropout_default=dropout_default)
+        except (ConfigError, LaunchError) as e:
+            raise SystemExit(f"error: {e}") from None
+        return ns, rest
+
+    parse_known_args._sparsebalance = True
+    parser.parse_known_args = parse_known_args
+
+
+def _plugin_attention(args, sb: SparseBalanceConfig, plugin_data: bool) -> bool:
+    from .launch import plugin_core_attention
+    return plugin_core_attention(args, sb, plugin_data) is not None
+
+
+def _table_problems(args, sb: SparseBalanceConfig) -> list[str]:
+    """The given latency table against this launch's device, versions, attention blocks and the
+    model flags as given (``latency_setup.flag_expectation``); forced tables are not compared."""
+    from .latency_setup import flag_expectation, uses_latency_table
+
+    if not (sb.latency_table and uses_latency_table(sb)) or sb.latency_table_force:
+        return []
+    if getattr(args, "num_layers", None) is None or getattr(args, "hidden_size", None) is None \
+            or getattr(args, "num_attention_heads", None) is None:
+        return []    # Megatron's validation names the missing model flag
+    from ..latency.table import LatencyTableError, check_compatible, read_table
+    try:
+        check_compatible(read_table(sb.latency_table), flag_expectation(args, sb),
+                         sb.latency_table, force=False)
+    except LatencyTableError as e:
+        return [f"{flag_name('latency_table')}: {e}"]
+    return []
