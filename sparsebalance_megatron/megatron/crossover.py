@@ -46,6 +46,24 @@ def _time_fwd_bwd(fn, inputs, w, device) -> float:
     return time.perf_counter() - t0
 
 
+def _sparse_fn(sb: SparseBalanceConfig, tokens: int, backend: str, pad_to_tokens=None):
+    """``f(q, k, v) -> out``: the run's sparse attention of one ``tokens``-token document
+    through ``backend`` (``f.backend``), with a cache of its own: one micro-batch, the layout
+    built once, as in training."""
+    cache = {}
+
+    def sparse(q, k, v):
+        return block_sparse_attention(
+            q, k, v, [0, tokens], sb.density, block_size=sb.block_size,
+            sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
+            selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
+            min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
+            backend=backend, query_chunk_blocks=sb.query_chunk_blocks, cache=cache,
+            pad_to_tokens=pad_to_tokens)[0]
+    sparse.backend = backend
+    return sparse
+
+
 def measure_crossover(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int,
                       head_dim: int, max_tokens: int, device, dtype: torch.dtype,
                       repeats: int = 3, warmup: int = 1, seed: int = 0) -> dict:
@@ -61,21 +79,12 @@ def measure_crossover(sb: SparseBalanceConfig, *, num_heads: int, num_groups: in
                    for h in (num_heads, num_groups, num_groups))
         w = torch.randn(n, num_heads, head_dim, generator=g).to(device)
         docs = packed_docs([0, n], n, device)
-        cache = {}          # one micro-batch: the layout is built once, as in training
 
         def dense(q_, k_, v_, docs=docs):
             return dense_varlen_attention(q_, k_, v_, docs, kernel=sb.dense_kernel)
 
-        def sparse(q_, k_, v_, n=n, cache=cache):
-            return block_sparse_attention(
-                q_, k_, v_, [0, n], sb.density, block_size=sb.block_size,
-                sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
-                selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
-                min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
-                backend=sb.attention_backend, query_chunk_blocks=sb.query_chunk_blocks,
-                cache=cache, pad_to_tokens=max_tokens)[0]
-
-        cases.append(((q, k, v), w, dense, sparse))
+        cases.append(((q, k, v), w, dense,
+                      _sparse_fn(sb, n, sb.attention_backend, pad_to_tokens=max_tokens)))
     samples = np.zeros((repeats, len(lengths), 2))
     for r in range(warmup + repeats):
         for j, (inputs, w, dense, sparse) in enumerate(cases):
@@ -116,15 +125,7 @@ def fastest_backend(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int,
         if why is not None:
             failed[backend] = why
             continue
-        cache = {}
-
-        def sparse(q_, k_, v_, backend=backend, cache=cache):
-            return block_sparse_attention(
-                q_, k_, v_, [0, tokens], sb.density, block_size=sb.block_size,
-                sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
-                selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
-                min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
-                backend=backend, query_chunk_blocks=sb.query_chunk_blocks, cache=cache)[0]
+        sparse = _sparse_fn(sb, tokens, backend)
         try:
             times = [_time_fwd_bwd(sparse, (q, k, v), w, device)
                      for _ in range(warmup + repeats)][warmup:]

@@ -20,8 +20,8 @@ def test_fastest_backend_times_every_candidate_and_picks_the_fastest(monkeypatch
     # that cannot run here is recorded with its reason and never chosen
     monkeypatch.setattr(crossover, "AUTO_CANDIDATES", ("torch", "reference", "flex"))
     monkeypatch.setattr(crossover, "_time_fwd_bwd",
-                        lambda fn, inputs, w, dev: {"torch": 2.0, "reference": 1.0}[
-                            fn.__defaults__[0]] + fn(*inputs).float().sum().item() * 0)
+                        lambda fn, inputs, w, dev: {"torch": 2.0, "reference": 1.0}[fn.backend]
+                        + fn(*inputs).float().sum().item() * 0)
     got = crossover.fastest_backend(_sb(), num_heads=4, num_groups=2, head_dim=16, tokens=64,
                                     device="cpu", dtype=torch.float32, repeats=2)
     assert got["chosen"] == "reference"
