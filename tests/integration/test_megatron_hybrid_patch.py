@@ -5,8 +5,9 @@ Always run: the patch is a well-formed diff of pretrain_hybrid.py alone, adding 
 applied, reverts them, changes nothing when one of them does not fit, and skips a checkout
 without pretrain_hybrid.py. With ``MEGATRON_LM_DIR`` (a core_r0.19.0 checkout) and/or
 ``MEGATRON_LM_MAIN_DIR`` (a main checkout): the patched pretrain_hybrid.py of that checkout trains
-3 steps of a ``*-*-`` HybridModel with ``--sparse-balance`` on 2 CPU ranks, evaluates, and its
-losses equal our entry's (examples/pretrain_hybrid_sparsebalance.py) on the same data.
+a ``*-*-`` HybridModel with ``--sparse-balance`` (DST + SAB) at PP=2 x DP=2 on 4 CPU ranks,
+evaluates, checkpoints and resumes like the uninterrupted run, and every step's loss equals our
+entry's (examples/pretrain_hybrid_sparsebalance.py) on the same data.
 """
 
 from __future__ import annotations
@@ -93,14 +94,18 @@ def test_script_skips_a_checkout_without_pretrain_hybrid(tmp_path):
 CHECKOUTS = {"core_r0.19.0": "MEGATRON_LM_DIR", "main": "MEGATRON_LM_MAIN_DIR"}
 
 
-def _flags(tmp_path: Path, data: Path) -> list[str]:
+def _flags(tmp_path: Path, data: Path, table) -> list[str]:
+    """PP=2 x DP=2 (4 ranks), 4 steps, a checkpoint at step 2, evaluation at steps 2 and 4; one
+    rank modelled twice as slow, so that DST moves units."""
     from tests.conftest import TINY_MODEL
 
-    return [*TINY_MODEL, "--hybrid-layer-pattern", "*-*-", "--global-batch-size", "4",
-            "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
-            "--data-path", str(data), "--sparse-balance", "--sb-density", "0.5",
-            "--sb-block-size", "32", "--sb-tokenizer", "byte",
-            "--sb-data-cache-dir", str(tmp_path / "cache")]
+    return [*TINY_MODEL, "--hybrid-layer-pattern", "*-*-", "--pipeline-model-parallel-size", "2",
+            "--global-batch-size", "4", "--train-iters", "4", "--eval-interval", "2",
+            "--eval-iters", "1", "--data-path", str(data), "--sparse-balance",
+            "--sb-density", "0.5", "--sb-block-size", "32", "--sb-tokenizer", "byte",
+            "--sb-data-cache-dir", str(tmp_path / "cache"), "--sb-latency-table", str(table),
+            "--sb-latency-table-force", "--sb-timing-source", "model",
+            "--sb-straggler-rank", "1", "--sb-straggler-slowdown", "2"]
 
 
 def _train(script: Path, flags: list, tmp_path: Path, name: str) -> list[dict]:
@@ -109,27 +114,45 @@ def _train(script: Path, flags: list, tmp_path: Path, name: str) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=_tool_path(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=2", str(script), *flags,
+                           "--nproc_per_node=4", str(script), *flags,
                            "--sb-metrics-file", str(metrics)], cwd=tmp_path, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600)
+                          timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert "attention layers of HybridModel '*-*-'" in proc.stdout, proc.stdout[-3000:]
     assert "DST on" in proc.stdout and "packing sab" in proc.stdout
-    assert "validation loss at iteration 3" in proc.stdout   # Megatron's eval ran
+    assert "validation loss at iteration" in proc.stdout   # Megatron's eval ran
     return read_metrics(metrics)
 
 
+def _train_and_resume(script: Path, tmp_path: Path, data: Path, table, name: str):
+    """(the uninterrupted run's records, the records of a run resumed from its step-2
+    checkpoint)."""
+    from tests.distributed.test_sparse_balance_run import assert_resumed_like_uninterrupted
+
+    ckpt = tmp_path / f"ckpt_{name}"
+    full = _train(script, [*_flags(tmp_path, data, table), "--save", str(ckpt), "--save-interval", "2"],
+                  tmp_path, f"{name}_full")
+    resumed = _train(script, [*_flags(tmp_path, data, table), "--load", str(ckpt), "--ckpt-step", "2"],
+                     tmp_path, f"{name}_resumed")
+    assert [r["step"] for r in full] == [1, 2, 3, 4] and [r["step"] for r in resumed] == [3, 4]
+    assert_resumed_like_uninterrupted(full[2:], resumed)
+    return full, resumed
+
+
 @pytest.fixture(scope="module")
-def our_entry_run(tmp_path_factory, small_jsonl):
+def our_entry_run(tmp_path_factory, small_jsonl, analytic_latency_table_pp2):
     from tests.conftest import HYBRID_ENTRY
 
     tmp = tmp_path_factory.mktemp("ours")
-    return _train(HYBRID_ENTRY, _flags(tmp, small_jsonl), tmp, "ours")
+    return _train_and_resume(HYBRID_ENTRY, tmp, small_jsonl, analytic_latency_table_pp2, "ours")
 
 
 @pytest.mark.parametrize("branch", list(CHECKOUTS))
-def test_patched_pretrain_hybrid_trains_like_our_entry(branch, tmp_path, small_jsonl, request):
+def test_patched_pretrain_hybrid_trains_like_our_entry(branch, tmp_path, small_jsonl, request,
+                                                       analytic_latency_table_pp2):
+    """PP=2 x DP=2 with DST and SAB: the patched script of the branch trains, evaluates,
+    checkpoints and resumes, and every step's loss equals our entry's."""
     env = CHECKOUTS[branch]
     if not os.environ.get(env):
         pytest.skip(f"set {env} to a Megatron-LM {branch} checkout to run its pretrain_hybrid.py")
@@ -147,11 +170,12 @@ def test_patched_pretrain_hybrid_trains_like_our_entry(branch, tmp_path, small_j
                if isinstance(n, ast.ImportFrom) for a in n.names}
     assert ("sparsebalance_megatron.megatron", "hooks") in imports
 
-    theirs = _train(copy / "pretrain_hybrid.py", _flags(tmp_path, small_jsonl), tmp_path,
-                    branch)
+    theirs = _train_and_resume(copy / "pretrain_hybrid.py", tmp_path, small_jsonl,
+                               analytic_latency_table_pp2, branch)
     ours = request.getfixturevalue("our_entry_run")
-    assert [r["step"] for r in theirs] == [r["step"] for r in ours] == [1, 2, 3]
-    for x, y in zip(theirs, ours):
-        assert x["tokens"] == y["tokens"] and x["mean_density"] == y["mean_density"]
-        assert x["attention_layers_per_stage"] == y["attention_layers_per_stage"] == [2]
-        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (x["loss"], y["loss"])
+    for a, b in zip(theirs, ours):       # the uninterrupted runs, then the resumed ones
+        assert [r["step"] for r in a] == [r["step"] for r in b]
+        for x, y in zip(a, b):
+            assert x["tokens"] == y["tokens"] and x["mean_density"] == y["mean_density"]
+            assert x["attention_layers_per_stage"] == y["attention_layers_per_stage"] == [1, 1]
+            assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (x["loss"], y["loss"])

@@ -5,6 +5,7 @@ rank."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparsebalance_megatron.megatron import hooks
 from sparsebalance_megatron.megatron.launch import LaunchError
@@ -23,6 +24,8 @@ def test_a_refusal_in_the_data_provider_is_one_line_from_rank_0(rank, monkeypatc
         raise LaunchError(msg)
 
     monkeypatch.setenv("RANK", rank)
+    # torchrun's RANK is the rank here: a process group another test left behind is not ours
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(hooks._run, "plugin_data", True)
     monkeypatch.setattr(hooks, "_datasets", refuse)
     provider = hooks.datasets_provider()
