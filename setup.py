@@ -25,10 +25,8 @@ setup(
     install_requires=[
         # The tested range (compat.TESTED_MEGATRON_CORE; a launch on another version says so):
         # megatron-core 0.19.2 from PyPI and 0.20.0 (Megatron-LM main d98e8a64dd, not on PyPI
-        # yet: README "Install next to Megatron"), with torch 2.13.0 (CPU/gloo). On CUDA, torch
-        # 2.11.0+cu130 on one H100 has run tests/gpu and the attention benchmark once
-        # (docs/GPU.md: the flex path failed its correctness test there; the fix has not run on
-        # a GPU yet); no GPU training run yet.
+        # yet: README "Install next to Megatron"), with torch 2.13.0 (CPU/gloo). What has run on
+        # a GPU (torch 2.11.0+cu130, one H100) and what has not: docs/GPU.md.
         "megatron-core>=0.19.2,<0.21",
         "torch>=2.6",
         "numpy>=1.26",
