@@ -70,21 +70,34 @@ def _flash_missing(device: str) -> Optional[str]:
 def backend_missing(backend: str, device, *, dtype=None, head_dim: Optional[int] = None,
                     block_size: Optional[int] = None) -> Optional[str]:
     """Why ``backend`` cannot run on ``device`` (and, where given, inputs of this dtype, head
-    dim and block size), or None when it can. Probes optional packages; never raises for a
-    known backend."""
+    dim and block size), or None when it can. The device and package probe runs once per
+    (backend, device): every layer's call asks. Never raises for a known backend."""
     _check_choice("backend", backend, BACKENDS)
-    cuda = torch.device(device).type == "cuda"
-    if backend in ("flex", "flash") and not cuda:
-        return "it needs a CUDA device"
-    if backend == "flash":
-        return _flash_missing(str(device))
-    if backend == "fa4":
-        from .fa4_cute import fa4_missing, fa4_shape_problem
-        return fa4_missing(device) or (None if None in (dtype, head_dim, block_size) else
-                                       fa4_shape_problem(dtype, head_dim, block_size))
+    why = _device_missing(backend, str(torch.device(device)))
+    if why is not None:
+        return why
+    if backend == "fa4" and None not in (dtype, head_dim, block_size):
+        from .fa4_cute import fa4_shape_problem
+        return fa4_shape_problem(dtype, head_dim, block_size)
     if backend == "triton":
         from .sparse_triton import missing
         return missing(device, dtype, head_dim, block_size)
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _device_missing(backend: str, device: str) -> Optional[str]:
+    """``backend_missing``'s device and package part, probed once per (backend, device)."""
+    if backend in ("flex", "flash") and torch.device(device).type != "cuda":
+        return "it needs a CUDA device"
+    if backend == "flash":
+        return _flash_missing(device)
+    if backend == "fa4":
+        from .fa4_cute import fa4_missing
+        return fa4_missing(device)
+    if backend == "triton":
+        from .sparse_triton import missing
+        return missing(device)
     return None
 
 
