@@ -155,6 +155,11 @@ class SparseBalanceConfig:
         "shape or software version.")
     calibration_ema: float = _f(
         0.3, "Weight in (0, 1] of a new measurement in the per-rank latency correction EMA.")
+    profile_timeout_minutes: float = _f(
+        60.0, "Without --sb-latency-table: how long the other ranks wait for rank 0 to profile "
+        "the latency table at start-up (minutes, > 0; they wait on a group of their own, not "
+        "under --distributed-timeout-minutes, and print progress). A profile cut short "
+        "resumes on the next run from its saved samples.")
 
     # --- batching and data ----------------------------------------------------------------
     packing: str = _f(
@@ -312,6 +317,9 @@ class SparseBalanceConfig:
             bad("density", self.density,
                 f"a value within [--sb-min-density, --sb-max-density] = "
                 f"[{self.min_density}, {self.max_density}]")
+        t = self.profile_timeout_minutes
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < float("inf")):
+            bad("profile_timeout_minutes", t, "a number of minutes > 0")
         b = self.block_size
         if not isinstance(b, int) or b <= 0 or (b & (b - 1)) != 0:
             bad("block_size", b, "a positive power of two (e.g. 64 or 128)")

@@ -8,6 +8,8 @@ PP, CP and DP rank holds identical budgets), the profiler, the console lines, an
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -81,6 +83,44 @@ def broadcast_object(obj, src: int = 0):
     dist.broadcast_object_list(box, src=src)
     return box[0]
 
+
+
+# --- waiting for one rank's long work (the start-up latency profile) ---------------------------
+
+def new_gloo_group(timeout):
+    """A gloo group of every rank whose collectives time out after ``timeout`` (a timedelta),
+    not after the job's ``--distributed-timeout-minutes`` (collective: every rank calls it)."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def destroy_group(group) -> None:
+    dist.destroy_process_group(group)
+
+
+def broadcast_bytes(payload: Optional[bytes], status: int, *, group, on_wait=None,
+                    poll_s: float = 1.0) -> tuple[int, bytes]:
+    """(status, payload) of rank 0 on every rank of ``group``. Rank 0 passes them; the others
+    pass None and wait without blocking in the collective: they poll it every ``poll_s``
+    seconds and call ``on_wait()`` in between (progress lines), so how long they wait is
+    ``group``'s timeout, not the job's."""
+    import time
+
+    head = torch.zeros(2, dtype=torch.int64)
+    if dist.get_rank() == 0:
+        head[0], head[1] = status, len(payload or b"")
+    work = dist.broadcast(head, src=0, group=group, async_op=True)
+    while not work.is_completed():
+        if on_wait is not None:
+            on_wait()
+        time.sleep(poll_s)
+    work.wait()
+    status, n = int(head[0]), int(head[1])
+    buf = torch.empty(n, dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        buf = torch.frombuffer(bytearray(payload or b""), dtype=torch.uint8) if n else buf
+    if n:
+        dist.broadcast(buf, src=0, group=group)
+    return status, bytes(buf.numpy().tobytes())
 
 
 # --- process groups (context parallelism) -----------------------------------------------------

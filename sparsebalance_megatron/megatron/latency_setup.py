@@ -2,14 +2,15 @@
 
 Rank 0 profiles (the profiler CLI in a subprocess, a quick grid for this run's model shape,
 progress on the console) into the cache when no table is given and none is cached; the other
-ranks wait at a barrier and load the same file. Any problem with the table (malformed, measured
+ranks wait for it under ``--sb-profile-timeout-minutes``, not the job's distributed timeout, and
+load the same table (``startup_profile.shared_table``). The profile is saved as it is measured
+and resumed by a retry. Any problem with the table (malformed, measured
 on another device/model/version) stops the run before step 1 with the loader's message.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -120,9 +121,15 @@ def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
 
 
 def _profile(args, sb: SparseBalanceConfig, path: str) -> None:
-    """Rank 0: run the profiler CLI; its progress goes to this console."""
+    """Rank 0: run the profiler CLI (``startup_profile.run_profiler``); its progress goes to
+    this console."""
+    from .startup_profile import run_profiler
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    comm.say(f"no --sb-latency-table: profiling this model on this device (quick grid) -> {path}")
+    wait = (f"; the other ranks wait for it up to {sb.profile_timeout_minutes:g} min "
+            f"(--sb-profile-timeout-minutes)" if comm.world_size() > 1 else "")
+    comm.say(f"no --sb-latency-table: profiling this model on this device (quick grid) -> "
+             f"{path}{wait}")
     t0 = time.perf_counter()
     # The profiler must import the megatron this run imports (a Megatron-LM checkout's, say).
     import megatron.core
@@ -130,10 +137,7 @@ def _profile(args, sb: SparseBalanceConfig, path: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
         megatron.core.__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(profile_command(args, sb, path), stdout=subprocess.PIPE,
-                          stderr=None, text=True, env=env)   # stderr: the progress bar, live
-    if proc.returncode != 0:
-        raise SystemExit(f"error: latency profiling failed:\n{proc.stdout[-3000:]}")
+    run_profiler(profile_command(args, sb, path), path, env=env)
     comm.say(f"latency table profiled in {time.perf_counter() - t0:.1f} s")
 
 
@@ -146,9 +150,9 @@ def load_latency_model(args, sb: SparseBalanceConfig):
     path = sb.latency_table
     if path is None:
         path = cached_table_path(args, sb, expect)
-        if comm.rank() == 0 and not os.path.exists(path):
-            _profile(args, sb, path)
-        comm.barrier()
+        from .startup_profile import shared_table
+        shared_table(path, lambda: _profile(args, sb, path),
+                     timeout_minutes=sb.profile_timeout_minutes)
     try:
         model = LatencyModel.load(path, expect=expect, force=sb.latency_table_force,
                                   calibration_ema=sb.calibration_ema)

@@ -301,12 +301,32 @@ def time_microbatch(model, dev, kind: str, shape: ModelShape, doc_lengths: Seque
     return float(stat(fwd)), float(stat(bwd))
 
 
+def profile_identity(shape: ModelShape, sb: SparseBalanceConfig, *, densities, mixes,
+                     repeats: int, warmup: int, statistic: str, dense_crossover: bool) -> dict:
+    """What the samples of ``profile_table`` with these arguments depend on: the identity of
+    its partial profile (``latency/partial.py``), which a retry resumes only when equal."""
+    import dataclasses
+
+    return {"device": device_name(), "software": software_versions(),
+            "model": shape.as_table_model(), "execution": shape.as_table_execution(),
+            "pp": shape.pp, "config": dataclasses.asdict(sb),
+            "densities": [float(d) for d in densities],
+            "mixes": [[int(x) for x in m] for m in mixes], "repeats": repeats,
+            "warmup": warmup, "statistic": statistic, "dense_crossover": bool(dense_crossover),
+            "threads": torch.get_num_threads()}
+
+
 def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequence[float],
                   mixes: Sequence[Sequence[int]], repeats: int = 3, warmup: int = 1,
                   statistic: str = "median", progress: Optional[Callable] = None,
-                  dense_crossover: bool = False) -> dict:
+                  dense_crossover: bool = False, partial=None) -> dict:
     """Measure every (stage kind, mix, density) and return a validated, fitted table; with
-    ``dense_crossover`` the crossover first (``crossover.py``), and the grid routed at it."""
+    ``dense_crossover`` the crossover first (``crossover.py``), and the grid routed at it.
+    With ``partial`` (a ``latency.partial.PartialProfile`` of ``profile_identity``) every
+    sample is saved as it is measured and the samples it holds already are not measured again
+    (a stage kind whose samples are all there is not even built)."""
+    import dataclasses
+
     from ..attention import resolve_backend
     from ..latency.model import LatencyModel
 
@@ -329,22 +349,48 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
     if why is not None:
         warnings.warn(why, stacklevel=2)
     from .crossover import choose_backend, crossover_of_shape
-    sb, backend_choice = choose_backend(shape, sb, repeats, warmup)   # 'auto' on CUDA: measured
-    routing = crossover_of_shape(shape, sb, repeats, warmup) if dense_crossover else {}
+    saved = partial if partial is not None else {}
+    if "backend_choice" in saved:
+        backend_choice = saved.get("backend_choice")["choice"]
+        if backend_choice:
+            sb = dataclasses.replace(sb, attention_backend=backend_choice["chosen"])
+    else:
+        sb, backend_choice = choose_backend(shape, sb, repeats, warmup)  # 'auto' on CUDA
+        if partial is not None:
+            partial.put("backend_choice", {"choice": backend_choice})
+    if "crossover" in saved:
+        routing = saved.get("crossover")
+    else:
+        routing = crossover_of_shape(shape, sb, repeats, warmup) if dense_crossover else {}
+        if partial is not None:
+            partial.put("crossover", routing)
     meas = []
     points = [(m, d) for m in mixes for d in densities]
-    bar = progress(total=len(measured) * len(points) * repeats) if progress else None
+    total = len(measured) * len(points) * repeats
+    if partial is not None and "total" not in partial:
+        partial.put("total", total)
+    bar = progress(total=total) if progress else None
     for kind in measured:
-        torch.manual_seed(sb.seed)
-        model, dev = build_stage(shape, sb, kind, per_stage)   # one stage in memory at a time
-        _budget_of(model).set_routing(routing.get("dense_crossover_tokens", 0))
-        # first-touch allocations and lazy init happen here, not in the first grid point
-        time_microbatch(model, dev, kind, shape, max(mixes, key=len), max(densities), 0, 1)
+        keys = [[f"{kind}/{r}/{j}" for j in range(len(points))] for r in range(repeats)]
+        todo = [k for row in keys for k in row if k not in saved]
+        if bar is not None and len(todo) < repeats * len(points):
+            bar.update(repeats * len(points) - len(todo))
+        if todo:
+            torch.manual_seed(sb.seed)
+            model, dev = build_stage(shape, sb, kind, per_stage)  # one stage in memory at a time
+            _budget_of(model).set_routing(routing.get("dense_crossover_tokens", 0))
+            # first-touch allocations and lazy init happen here, not in the first grid point
+            time_microbatch(model, dev, kind, shape, max(mixes, key=len), max(densities), 0, 1)
         samples = [[] for _ in points]
-        for _ in range(repeats):
+        for r in range(repeats):
             for j, (mix, density) in enumerate(points):
+                if keys[r][j] in saved:
+                    samples[j].append(tuple(saved.get(keys[r][j])))
+                    continue
                 samples[j].append(time_microbatch(model, dev, kind, shape, mix, density, 1,
                                                   warmup))
+                if partial is not None:
+                    partial.put(keys[r][j], list(samples[j][-1]))
                 if bar is not None:
                     f, b = samples[j][-1]
                     bar.set_postfix_str(f"{kind} docs={len(mix)} d={density:g} "
@@ -356,7 +402,8 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
                          "density": float(density), "fwd_s": float(stat(arr[:, 0])),
                          "bwd_s": float(stat(arr[:, 1])),
                          "samples_s": [[float(a), float(b)] for a, b in smp]})
-        del model
+        if todo:
+            del model
     if bar is not None:
         bar.close()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -109,6 +109,9 @@ def test_non_default_values_round_trip():
     (["--sb-raise-headroom", "0.6"], "--sb-raise-headroom", "0.6"),
     (["--sb-raise-headroom", "fast"], "--sb-raise-headroom", "fast"),
     (["--sb-microbatch-multiple", "-1"], "--sb-microbatch-multiple", "-1"),
+    (["--sb-profile-timeout-minutes", "0"], "--sb-profile-timeout-minutes", "0.0"),
+    (["--sb-profile-timeout-minutes", "-5"], "--sb-profile-timeout-minutes", "-5.0"),
+    (["--sb-profile-timeout-minutes", "inf"], "--sb-profile-timeout-minutes", "inf"),
 ])
 def test_bad_values_name_the_flag_and_the_value(argv, flag, value):
     with pytest.raises(ConfigError) as e:
