@@ -109,7 +109,10 @@ def _lead(path: str, profile: Callable[[], None], group) -> bytes:
             payload = fh.read()
     except BaseException as e:   # the others must not wait for a table that will not come
         why = str(e) if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
-        comm.broadcast_bytes(why.encode(), FAILED, group=group)
+        try:
+            comm.broadcast_bytes(why.encode(), FAILED, group=group)
+        except RuntimeError:     # the others are gone already: rank 0's own error is the news
+            pass
         raise
     comm.broadcast_bytes(payload, OK, group=group)
     return payload
