@@ -135,7 +135,8 @@ def _readme_job(tmp_path: Path, cache: Path, iters: int, log: Path) -> subproces
                PYTHONUNBUFFERED="1")
     cmd = ["bash", str(REPO / "examples" / "run_cpu_demo.sh"), "--seq-length", "4096",
            "--max-position-embeddings", "4096", "--distributed-timeout-minutes", "1",
-           "--sb-data-cache-dir", str(cache), "--eval-interval", "1000", "--log-interval", "1"]
+           "--sb-data-cache-dir", str(cache), "--eval-interval", "1000", "--log-interval", "1",
+           "--lr-warmup-iters", "1"]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, text=True)
 
