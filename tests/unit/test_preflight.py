@@ -117,14 +117,15 @@ CASES = [
     _case(["--sb-stage-density-floor", "1.5"], "--sb-stage-density-floor=1.5: expected a number "
           "in [0, 1]"),
     _case([*SB, "--sb-latency-table", "{tmp}/none.json"],
-          "--sb-latency-table: latency table {tmp}/none.json: file not found"),
+          "--sb-latency-table {tmp}/none.json: file not found"),
     _case([*SB, "--sb-latency-table", "{broken}"], "--sb-latency-table: latency table {broken}: "
           "not valid JSON"),
     _case([*SB, "--sb-latency-table", "{deeper}"], "does not match this run: model.num_layers: "
           "table 8, this run 4"),
     _case([*SB, "--sb-latency-table", "{block32}"], "attention.block_size: table 32, this run 64"),
-    _case([*SB, "--sb-quality-cost", "{tmp}/none.json"], "--sb-dst-objective quality: quality "
-          "cost file"),
+    _case([*SB, "--sb-quality-cost", "{tmp}/none.json"], "--sb-quality-cost {tmp}/none.json: "
+          "file not found"),
+    _case([*SB, "--sb-quality-cost", "{tmp}"], "--sb-quality-cost {tmp}: is a directory"),
     _case([*SB, "--sb-metrics-file", "{tmp}/no/such/dir/m.jsonl"],
           "--sb-metrics-file {tmp}/no/such/dir/m.jsonl: directory {tmp}/no/such/dir does not exist"),
     _case([*SB, "--sb-metrics-file", "{tmp}"], "--sb-metrics-file {tmp}: is a directory"),
@@ -178,7 +179,7 @@ def test_attention_dropout_defaults_to_zero_with_the_plugins_attention(monkeypat
 @pytest.mark.parametrize("argv, needle", [
     (["--sb-density", "1.5"], "error: --sb-density=1.5: expected a number in (0, 1]"),
     ([*SB, "--sb-latency-table", "missing.json"],
-     "error: --sb-latency-table: latency table missing.json: file not found"),
+     "error: --sb-latency-table missing.json: file not found"),
 ], ids=["density", "latency-table"])
 @pytest.mark.reliability(area="plugin flags", case="--sb-density 1.5; a missing "
                          "--sb-latency-table, through torchrun and the training entry",
