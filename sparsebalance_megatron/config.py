@@ -190,7 +190,8 @@ class SparseBalanceConfig:
         0, "Pad every packed document (after its EOD, outside the loss) to a multiple of this "
         "many positions; 0: automatic, 2 x --context-parallel-size (what Megatron's "
         "context-parallel split of a packed micro-batch needs), 1 without context parallelism. "
-        "Give the CP run's value to a CP=1 run to train on identical micro-batches.")
+        "Give the CP run's value to a CP=1 run to compute the CP run's numbers on the same plans "
+        "(--sb-replay-plans: each run plans with its own latency model otherwise).")
     microbatch_multiple: int = _f(
         0, "0: every packed micro-batch is --seq-length tokens, padding fills what its "
         "documents leave (Megatron's fixed shapes). K > 0: variable-length micro-batches, each "

@@ -17,6 +17,9 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   plan (rank 0 plans, broadcasts; every rank holds identical budgets).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
 
+With ``--sb-replay-plans`` a step's packing and densities are another run's recorded ones
+(``replay.py``) instead of SAB's and DST's; the resume state is ``state.py``'s.
+
 With ``--sb-plan-ahead`` the next step's draft (documents, packing, latency features, rank 0's
 DST plan: no collective) is made by a background thread while the step trains, from the state
 after the previous step; ``end_step`` joins it before it updates that state, and only the plan's
