@@ -47,6 +47,13 @@ def tables(tmp_path_factory):
         out[name] = d / f"{name}.json"
     (d / "broken.json").write_text('{"format": ')
     out["broken"] = d / "broken.json"
+    # a --sb-metrics-file line of a run with --seq-length 512 (BASE has 256)
+    from sparsebalance_megatron.batching.packing import sequential_plan
+    from sparsebalance_megatron.batching.replay import plan_record
+    batch = sequential_plan([(0, 0, 100), (1, 0, 300)], dp=1, num_microbatches=2, max_tokens=512)
+    (d / "plans512.jsonl").write_text(json.dumps(
+        {"step": 1, "plan": plan_record(batch, 0, 1), "densities": [[[0.5], [0.5]]]}) + "\n")
+    out["plans512"] = d / "plans512.jsonl"
     return out
 
 
@@ -129,6 +136,10 @@ CASES = [
     _case([*SB, "--sb-metrics-file", "{tmp}/no/such/dir/m.jsonl"],
           "--sb-metrics-file {tmp}/no/such/dir/m.jsonl: directory {tmp}/no/such/dir does not exist"),
     _case([*SB, "--sb-metrics-file", "{tmp}"], "--sb-metrics-file {tmp}: is a directory"),
+    _case([*SB, "--sb-replay-plans", "{tmp}"], "--sb-replay-plans {tmp}: is a directory"),
+    _case([*SB, "--sb-replay-plans", "{plans512}"], "--sb-replay-plans {plans512}: step 1 cannot "
+          "be replayed by this run: --seq-length x --micro-batch-size: recorded 512, this run "
+          "256"),
     _case([*SB, "--sb-data-cache-dir", "{good}"], "--sb-data-cache-dir {good}: exists and is not "
           "a directory"),
     _case([*SB, "--attention-dropout", "0.1"], "--attention-dropout 0.1 with sparse attention: "
