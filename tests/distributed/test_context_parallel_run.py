@@ -4,7 +4,8 @@ with --sparse-balance, on gloo.
 CP x DP: given the same plan, a CP=2 run computes the numbers of a CP=1 run with CP=2's padding
 (``--sb-seq-pad-multiple 4``); each plans with its own latency model, so the CP=2 run replays the
 CP=1 run's recorded plans (``--sb-replay-plans``): a DP=2 x CP=2 run with DST acting on a modelled
-straggler (slow) and a DP=1 x CP=2 run, losses within 1e-6 relative, step after step. CP x PP: a
+straggler and a profiled table (slow) and a DP=1 x CP=2 run on the analytic table, losses within
+1e-6 relative, step after step. CP x PP: a
 CP=2 x PP=2 run trains and evaluates, with DST moving densities per micro-batch and stage, and
 every rank (both CP ranks of a stage included) served the broadcast plan. The analytic latency
 table and modelled timings make the plans a function of the data alone.
@@ -75,11 +76,12 @@ def _assert_same_numbers(cp1, cp2, tb1, tb2, steps):
 @pytest.mark.reliability(area="context parallelism", case="DP=2 x CP=2 replaying a DP=2 CP=1 "
                          "run's plans (--sb-replay-plans), DST acting on a 3x modelled straggler, "
                          "SAB packing", expect="every step's loss within 1e-6 relative")
-def test_cp2_x_dp2_replaying_dp2_plans_trains_like_it(tmp_path, small_jsonl, analytic_table_pp1):
-    """The issue's target: DP=2 x CP=2 with DST acting, replaying the CP=1 run's plans. Without
-    the replay the CP=2 run plans with the CP-adapted latency model and may pack and budget
-    otherwise (then only the per-plan numbers agree, not the runs)."""
-    cp1, cp2, tb1, tb2 = _replay_runs(tmp_path, small_jsonl, analytic_table_pp1, dp=2, extra=[
+def test_cp2_x_dp2_replaying_dp2_plans_trains_like_it(tmp_path, small_jsonl, tiny_latency_table):
+    """The issue's target: DP=2 x CP=2 with DST acting, replaying the CP=1 run's plans, on a
+    table profiled on this machine (not the analytic one). Without the replay the CP=2 run plans
+    with the CP-adapted latency model and may pack and budget otherwise
+    (tests/unit/test_replay.py): then the runs agree per plan, not step by step."""
+    cp1, cp2, tb1, tb2 = _replay_runs(tmp_path, small_jsonl, tiny_latency_table, dp=2, extra=[
         "--sb-straggler-rank", "1", "--sb-straggler-slowdown", "3"])
     _assert_same_numbers(cp1, cp2, tb1, tb2, [1, 2, 3])
     # DST acted on the straggler: units moved off d0 = 0.5

@@ -115,3 +115,26 @@ def test_launch_refuses_flags_the_recorded_plans_do_not_fit(tmp_path, monkeypatc
     same = SparseBalanceConfig(sparse_balance=True, replay_plans=path, metrics_file=path)
     (msg,) = launch_problems(_args(), same)
     assert "the same file as --sb-metrics-file" in msg
+
+
+def test_the_cp_latency_model_may_pack_other_micro_batches():
+    """Why replay: given the same documents, SAB packs by the latency model of the run, and a
+    CP=2 run's (``with_context_parallel``: token work halved, per-document costs kept, the
+    all-to-all added) orders their costs otherwise than CP=1's; so CP=2 and CP=1 runs on the same
+    data may train on different plans unless one replays the other's."""
+    from sparsebalance_megatron.batching.packing import latency_sample_cost_fn, sab_plan
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+
+    shape = ModelShape(num_layers=8, seq_length=16384)
+    cp1 = LatencyModel.analytic(shape)
+    cp2 = cp1.with_context_parallel(2)
+    rng = np.random.default_rng(0)
+    differ = 0
+    for seed in range(4):
+        lengths = np.minimum(rng.lognormal(np.log(2048), 1.2, size=64).astype(int) + 4, 16384)
+        segs = [(i, 0, int(n + (-n) % 4)) for i, n in enumerate(lengths)]
+        plans = [sab_plan(segs, dp=2, num_microbatches=16, max_tokens=16384, seed=seed,
+                          cost_fn=latency_sample_cost_fn(m, 0.5)).micro_batches
+                 for m in (cp1, cp2)]
+        differ += plans[0] != plans[1]
+    assert differ >= 1
