@@ -29,11 +29,26 @@ DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has m
 MAX_RAISE_HEADROOM = 0.5
 
 
-def _f(default, help: str, choices=None, **kw):
+PATH_KINDS = ("input", "output", "directory")
+
+
+def _f(default, help: str, choices=None, path=None, **kw):
+    """A config field: its help text, choices, and for a flag naming a file or directory its
+    ``path`` kind (``PATH_KINDS``: a file the run reads, a file it writes, a directory it writes
+    into), which ``megatron/preflight.py`` checks before the launch does any work."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
+    if path is not None:
+        assert path in PATH_KINDS, path
+        meta["path"] = path
     return field(default=default, metadata=meta, **kw)
+
+
+def path_fields(kind: str) -> list[str]:
+    """Names of the fields whose flag names a path of ``kind`` (``PATH_KINDS``)."""
+    return [f.name for f in dataclasses.fields(SparseBalanceConfig)
+            if f.metadata.get("path") == kind]
 
 
 def flag_name(field_name: str) -> str:
@@ -138,7 +153,7 @@ class SparseBalanceConfig:
     quality_cost: Optional[str] = _f(
         None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"
         " LM-loss increase against density per depth range of a real model); default: the "
-        "shipped SmolLM2-135M measurement.")
+        "shipped SmolLM2-135M measurement.", path="input")
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "
@@ -149,7 +164,7 @@ class SparseBalanceConfig:
     # --- latency model --------------------------------------------------------------------
     latency_table: Optional[str] = _f(
         None, "Profiled latency table (JSON, from sparsebalance-profile). Without one, a "
-        "table is profiled at start-up on this device.")
+        "table is profiled at start-up on this device.", path="input")
     latency_table_force: bool = _f(
         False, "Use --sb-latency-table even if it was measured on another device, model "
         "shape or software version.")
@@ -180,7 +195,8 @@ class SparseBalanceConfig:
         0, "Pad every packed document (after its EOD, outside the loss) to a multiple of this "
         "many positions; 0: automatic, 2 x --context-parallel-size (what Megatron's "
         "context-parallel split of a packed micro-batch needs), 1 without context parallelism. "
-        "Give the CP run's value to a CP=1 run to train on identical micro-batches.")
+        "Give the CP run's value to a CP=1 run to compute the CP run's numbers on the same plans "
+        "(--sb-replay-plans: each run plans with its own latency model otherwise).")
     microbatch_multiple: int = _f(
         0, "0: every packed micro-batch is --seq-length tokens, padding fills what its "
         "documents leave (Megatron's fixed shapes). K > 0: variable-length micro-batches, each "
@@ -196,7 +212,8 @@ class SparseBalanceConfig:
         "sections, top-level defs and scenes ('section'; a heavier tail at short contexts).",
         choices=DOC_UNITS)
     data_cache_dir: Optional[str] = _f(
-        None, "Where the built-in corpus is cached (default: ~/.cache/sparsebalance_megatron).")
+        None, "Where the built-in corpus and the start-up latency profile are cached (default: "
+        "~/.cache/sparsebalance_megatron).", path="directory")
     seed: int = _f(1234, "Seed of data shuffling and batching decisions.")
 
     # --- benchmarking -----------------------------------------------------------------------
@@ -224,12 +241,20 @@ class SparseBalanceConfig:
         "later (a step's plan uses the state after the step before the previous one); "
         "deterministic and resumable like the in-line planner.")
     fresh_state: bool = _f(
-        False, "On --load of a checkpoint that holds no SparseBalance state (one written "
-        "without the plugin's data path), start the balancer fresh (latency calibration, "
-        "sensitivities) instead of refusing the resume.")
+        False, "On --load of a checkpoint whose SparseBalance state is missing (one written "
+        "without the plugin's data path) or damaged (truncated, unreadable, another version), "
+        "start the balancer fresh (latency calibration, sensitivities) with a warning naming "
+        "the file, instead of refusing the resume.")
     metrics_file: Optional[str] = _f(
         None, "Append one JSON line per step (loss, step time, tokens/s, plan statistics) to "
-        "this file on rank 0.")
+        "this file on rank 0; it records every step's plan (documents per micro-batch, "
+        "densities), which --sb-replay-plans replays.", path="output")
+    replay_plans: Optional[str] = _f(
+        None, "Replay the plans another run recorded in its --sb-metrics-file instead of "
+        "planning: every step packs the recorded documents into the recorded micro-batches "
+        "and runs the recorded densities (same data, seed, batch sizes and DP size; any "
+        "--context-parallel-size). A CP=N run replaying a CP=1 run's plans computes its "
+        "numbers.", path="input")
 
     def __post_init__(self):
         self.validate()

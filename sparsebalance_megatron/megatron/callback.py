@@ -17,6 +17,9 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   plan (rank 0 plans, broadcasts; every rank holds identical budgets).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
 
+With ``--sb-replay-plans`` a step's packing and densities are another run's recorded ones
+(``replay.py``) instead of SAB's and DST's; the resume state is ``state.py``'s.
+
 With ``--sb-plan-ahead`` the next step's draft (documents, packing, latency features, rank 0's
 DST plan: no collective) is made by a background thread while the step trains, from the state
 after the previous step; ``end_step`` joins it before it updates that state, and only the plan's
@@ -67,6 +70,7 @@ class _Draft:
     batch: BatchPlan
     units: object
     payload: Optional[tuple]       # rank 0 with DST: (densities, report); else None
+    replayed: object = None        # --sb-replay-plans: the recorded densities (None: dense)
     cpu_s: float = 0.0             # CPU time the draft took (its thread's)
     basis: Optional[dict] = None   # plan-ahead: the plugin state it was planned from
 
@@ -129,13 +133,18 @@ class SparseBalanceCallback:
             self.tracker = SensitivityTracker(signal=sb.sensitivity_signal)
         from ..latency.layout import PipelineLayout
         self.layout = PipelineLayout.from_megatron_args(args)   # launch.py checked it
+        from .replay import plan_replay
+        self.replay = plan_replay(sb, dp=self.dp, max_tokens=self.capacity,
+                                  pad_multiple=self.mb_args["pad_multiple"],
+                                  stages=self.layout.num_stages)   # None: plan here
         self.vp = self.layout.vp
         # A rank with several model chunks finds each layer's virtual stage by its number.
         self.layer_stages = self.layout.layer_stages() if self.vp > 1 else None
         self.reporter = StepReporter(args, sb, dp=self.dp, layout=self.layout,
                                      doc_positions=np.asarray(self.corpus.lengths,
                                                               dtype=np.int64) + 1,
-                                     dense_below_tokens=routing)
+                                     dense_below_tokens=routing,
+                                     pad_multiple=self.mb_args["pad_multiple"])
         self.timers = None                      # hooks installs the MicrobatchTimers
         self.sampler = None
         self.steps_done = 0                     # steps this process ran (the first is warm-up)
@@ -171,8 +180,9 @@ class SparseBalanceCallback:
         state, ahead = None, False
         if args.iteration > 0 and args.load:
             from .launch import LaunchError
+            from .state import restore_saved_state
             try:
-                state, ahead = self._restore_saved_state()
+                state, ahead = restore_saved_state(self)
                 err = None
             except LaunchError as e:
                 err = str(e)
@@ -253,18 +263,24 @@ class SparseBalanceCallback:
         t0 = time.thread_time()
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * num_microbatches)
-        batch = self.pack(segments, num_microbatches)
+        replayed = None
+        if self.replay is not None:            # the recorded packing and densities
+            batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
+        else:
+            batch = self.pack(segments, num_microbatches)
         _check_assignment(segments, batch, self.capacity)
         units = self._units(batch)
         payload = self._plan_dst(batch, units) \
-            if self.sb.dst_enabled and comm.rank() == 0 else None
-        return _Draft(iteration, first_bin, batch, units, payload,
+            if self.sb.dst_enabled and self.replay is None and comm.rank() == 0 else None
+        return _Draft(iteration, first_bin, batch, units, payload, replayed,
                       cpu_s=time.thread_time() - t0)
 
     def _commit(self, draft: _Draft) -> None:
         """The draft becomes the prepared step (collective: rank 0's DST plan is broadcast)."""
         plan, report, sb = None, None, self.sb
-        if sb.dst_enabled:
+        if self.replay is not None and sb.sparse_attention_enabled:   # every rank read it
+            plan = BudgetPlan(draft.iteration, draft.replayed)
+        elif sb.dst_enabled:
             densities, report = comm.broadcast_object(draft.payload, src=0)
             plan = BudgetPlan(draft.iteration, np.asarray(densities))
         elif sb.sparse_attention_enabled:
@@ -525,30 +541,6 @@ class SparseBalanceCallback:
             self.latency.load_calibration_state(state["latency"])
         if self.tracker is not None and state.get("sensitivity") is not None:
             self.tracker.load_state_dict(state["sensitivity"])
-
-    def _restore_saved_state(self):
-        """(state, plan-ahead basis present) of the resumed checkpoint, loaded into the latency
-        model and tracker; ``LaunchError`` naming the file when it is missing or damaged."""
-        args = self.args
-        state = self._load_saved_state(args.load, args.iteration)
-        ahead = bool(self.sb.plan_ahead and state is not None and state.get("ahead_basis"))
-        try:
-            # plan-ahead: the first step is re-planned from the state it was planned from
-            self.load_state_dict(dict(state, **state["ahead_basis"]) if ahead else state)
-        except (ValueError, KeyError, TypeError) as e:
-            from .launch import LaunchError
-            from .state import plugin_state_path
-            raise LaunchError(f"SparseBalance state "
-                              f"{plugin_state_path(args, args.load, args.iteration)}: "
-                              f"{type(e).__name__}: {e}") from None
-        return state, ahead
-
-    def _load_saved_state(self, load_dir: str, iteration: int) -> Optional[dict]:
-        from .state import load_plugin_state
-
-        if self.latency is None and self.tracker is None:
-            return None
-        return load_plugin_state(self.args, load_dir, iteration, fresh=self.sb.fresh_state)
 
 
 def _check_assignment(segments, batch: BatchPlan, capacity: int) -> None:

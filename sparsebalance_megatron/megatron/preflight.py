@@ -27,7 +27,7 @@ import os
 from typing import Optional
 
 from ..arguments import config_from_args
-from ..config import ConfigError, SparseBalanceConfig, flag_name
+from ..config import ConfigError, SparseBalanceConfig, flag_name, path_fields
 from .launch import LaunchError, attention_dropout_conflicts
 
 
@@ -47,29 +47,107 @@ def uses_plugin_data(sb: SparseBalanceConfig, packed_data: Optional[bool]) -> bo
 
 
 def config_problems(sb: SparseBalanceConfig) -> list[str]:
-    """What is wrong with the files and directories the plugin's flags name, one entry each."""
+    """What is wrong with the files and directories the plugin's flags name, one entry each,
+    every entry naming its flag: each flag declared a path (``config.path_fields``) is checked
+    by its kind, an input file also by its reader (``INPUT_READERS``) where the run reads it."""
+    out = []
+    for name in path_fields("input"):
+        path = getattr(sb, name)
+        used, reader = INPUT_READERS.get(name, (None, None))
+        if path and (used is None or used(sb)):    # one this run never reads is not checked
+            bad = _input_file_problems(flag_name(name), path)
+            out += [b + INPUT_HINTS.get(name, "") for b in bad] or \
+                (reader(sb) if reader is not None else [])
+    if _reads_quality_cost(sb) and not sb.quality_cost:
+        out += _quality_cost_problems(sb)                # the shipped one
+    for name in path_fields("output"):
+        if getattr(sb, name):
+            out += _output_file_problems(flag_name(name), getattr(sb, name))
+    for name in path_fields("directory"):
+        if getattr(sb, name):
+            out += _directory_problems(flag_name(name), getattr(sb, name))
+    out += _profile_cache_problems(sb)
+    return out
+
+
+def _input_file_problems(flag: str, path: str) -> list[str]:
+    """A file the run reads: it must exist, be a regular file and be readable."""
+    if not os.path.exists(path):
+        return [f"{flag} {path}: file not found"]
+    if os.path.isdir(path):
+        return [f"{flag} {path}: is a directory (expected a file)"]
+    if not os.path.isfile(path):
+        return [f"{flag} {path}: not a regular file"]
+    if not os.access(path, os.R_OK):
+        return [f"{flag} {path}: not readable"]
+    return []
+
+
+def _latency_table_problems(sb: SparseBalanceConfig) -> list[str]:
+    from ..latency.table import LatencyTableError, read_table
+
+    try:
+        read_table(sb.latency_table)
+    except LatencyTableError as e:
+        return [f"{flag_name('latency_table')}: {e}"]
+    return []
+
+
+def _reads_quality_cost(sb: SparseBalanceConfig) -> bool:
+    return sb.dst_enabled and sb.dst_objective == "quality"
+
+
+def _quality_cost_problems(sb: SparseBalanceConfig) -> list[str]:
+    from ..policy.quality import QualityCostError, load_quality_cost
+
+    try:
+        load_quality_cost(sb.quality_cost)
+    except QualityCostError as e:
+        what = f"{flag_name('quality_cost')} {sb.quality_cost}" if sb.quality_cost else \
+            f"{flag_name('dst_objective')} quality (the shipped quality cost)"
+        return [f"{what}: {e}{INPUT_HINTS['quality_cost']}"]
+    return []
+
+
+def _replay_plans_problems(sb: SparseBalanceConfig) -> list[str]:
+    from ..batching.replay import RecordedPlans, ReplayError
+
+    try:
+        RecordedPlans.read(sb.replay_plans)
+    except ReplayError as e:
+        return [str(e)]
+    return []
+
+
+def _uses_latency_table(sb: SparseBalanceConfig) -> bool:
+    from .latency_setup import uses_latency_table
+    return uses_latency_table(sb)
+
+
+# Each input file flag: (whether this run reads the file, its reader: content problems named by
+# the flag). A flag missing here gets the file checks only (tests/unit/test_file_flags.py
+# fails for it: unreadable content must be refused too).
+INPUT_READERS = {"latency_table": (_uses_latency_table, _latency_table_problems),
+                 "quality_cost": (_reads_quality_cost, _quality_cost_problems),
+                 "replay_plans": (None, _replay_plans_problems)}
+INPUT_HINTS = {"quality_cost": f" (quality is the default objective; "
+                               f"{flag_name('dst_objective')} density plans without a quality "
+                               f"cost)"}
+
+
+def _profile_cache_problems(sb: SparseBalanceConfig) -> list[str]:
+    """Without --sb-latency-table a run with DST or SAB profiles one at start-up and caches it
+    under --sb-data-cache-dir (checked above when given) or its default: that must be writable
+    before the run reaches the profiler."""
     from .latency_setup import uses_latency_table
 
-    out = []
-    if sb.latency_table and uses_latency_table(sb):
-        from ..latency.table import LatencyTableError, read_table
-        try:
-            read_table(sb.latency_table)
-        except LatencyTableError as e:
-            out.append(f"{flag_name('latency_table')}: {e}")
-    if sb.dst_enabled and sb.dst_objective == "quality":
-        from ..policy.quality import QualityCostError, load_quality_cost
-        try:
-            load_quality_cost(sb.quality_cost)
-        except QualityCostError as e:
-            out.append(f"{flag_name('dst_objective')} quality: {e} (quality is the default "
-                       f"objective; {flag_name('dst_objective')} density plans without a "
-                       f"quality cost)")
-    if sb.metrics_file:
-        out += _output_file_problems(flag_name("metrics_file"), sb.metrics_file)
-    if sb.data_cache_dir:
-        out += _directory_problems(flag_name("data_cache_dir"), sb.data_cache_dir)
-    return out
+    if sb.data_cache_dir or sb.latency_table or not uses_latency_table(sb):
+        return []
+    from ..data.sources import default_cache_dir
+    return [p.replace(flag_name("data_cache_dir"),
+                      f"{flag_name('data_cache_dir')} (default, the start-up latency profile's "
+                      f"cache)", 1)
+            for p in _directory_problems(flag_name("data_cache_dir"), default_cache_dir())]
 
 
 def _output_file_problems(flag: str, path: str) -> list[str]:
@@ -81,6 +159,8 @@ def _output_file_problems(flag: str, path: str) -> list[str]:
         return [f"{flag} {path}: directory {where} does not exist"]
     if not os.access(where, os.W_OK):
         return [f"{flag} {path}: directory {where} is not writable"]
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return [f"{flag} {path}: exists and is not writable"]
     return []
 
 
@@ -88,6 +168,8 @@ def _directory_problems(flag: str, path: str) -> list[str]:
     """A directory the run may create and write into."""
     if os.path.exists(path) and not os.path.isdir(path):
         return [f"{flag} {path}: exists and is not a directory"]
+    if os.path.isdir(path) and not os.access(path, os.W_OK):
+        return [f"{flag} {path}: directory is not writable"]
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -128,6 +210,9 @@ def check_parsed(args, *, packed_data: Optional[bool],
                        f"--save-interval {save_interval}: expected an integer >= 1")
         if not bad:
             bad += _table_problems(args, sb)
+    if not bad:
+        from .replay import launch_problems
+        bad += launch_problems(args, sb)
     if bad:
         raise LaunchError("; ".join(bad))
 

@@ -5,7 +5,8 @@
   ``sparsebalance/`` at Megatron's iteration numbers, every ``--tensorboard-log-interval``.
 - The console: one ``[sparsebalance]`` line per ``--log-interval`` from the last rank (where
   Megatron prints its own line), averaged over the interval like Megatron's.
-- ``--sb-metrics-file``: one JSON line per step on rank 0, for scripts.
+- ``--sb-metrics-file``: one JSON line per step on rank 0, for scripts; it records the step's
+  plan (``batching.replay.plan_record`` and the densities), which ``--sb-replay-plans`` replays.
 
 Every density figure is weighted by attention work, and documents routed to the dense kernel
 (shorter than the run's routing threshold) count at density 1 in it: they keep every block.
@@ -140,13 +141,17 @@ def scalars(rec: dict) -> dict:
 
 
 def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
-                 dense_work: Optional[np.ndarray] = None) -> dict:
+                 dense_work: Optional[np.ndarray] = None, pad_multiple: int = 1) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
     [dp][m][stages], each unit's dense attention work [dp][m] (its weight in density means; with
     routing also ``dense_work``, that of its routed documents, at density 1) and
     the measured forward/backward seconds [dp][m][stages] (None where a rank reported none);
     stages are the layout's virtual stages. A rank's timer intervals are mapped to units by the
-    order it ran them (``units``: forward order; the backward runs the model chunks reversed)."""
+    order it ran them (``units``: forward order; the backward runs the model chunks reversed).
+    ``plan``: the step's packing (``batching.replay.plan_record``; documents padded to a
+    multiple of ``pad_multiple``), which with ``densities`` is what ``--sb-replay-plans`` replays."""
+    from ..batching.replay import plan_record
+
     m, nv, vp = step.batch.num_microbatches, layout.num_stages, layout.vp
     fwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
     bwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
@@ -158,7 +163,8 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
                 fwd[g["dp"]][j][v] = float(g["fwd_s"][k])
                 bwd[g["dp"]][j][back] = float(g["bwd_s"][k])
     out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
-           "microbatch_bwd_s": bwd}
+           "microbatch_bwd_s": bwd,
+           "plan": plan_record(step.batch, step.first_bin, pad_multiple)}
     if dense_work is not None:
         out["dense_work"] = np.asarray(dense_work).tolist()
     if step.plan is not None:
@@ -170,10 +176,12 @@ class StepReporter:
     """Sends each step's record to the metrics file, Megatron's writers and the console."""
 
     def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, layout=None,
-                 doc_positions: Optional[np.ndarray] = None, dense_below_tokens: int = 0):
+                 doc_positions: Optional[np.ndarray] = None, dense_below_tokens: int = 0,
+                 pad_multiple: int = 1):
         """``doc_positions``: [documents] tokens + EOD of every document of the corpus, so that
         ``tokens`` leaves per-document padding out (``document_tokens``); documents shorter
-        than ``dense_below_tokens`` run dense (the run's routing threshold; 0: none)."""
+        than ``dense_below_tokens`` run dense (the run's routing threshold; 0: none);
+        ``pad_multiple``: what documents are padded to (recorded with the plan)."""
         from ..latency.layout import PipelineLayout
 
         self.args, self.sb, self.dp = args, sb, dp
@@ -183,6 +191,7 @@ class StepReporter:
         self._interval: dict = defaultdict(list)
         self.history: list = []   # records of this process (tests, scripts in the same process)
         self.doc_positions = doc_positions
+        self.pad_multiple = pad_multiple
 
     def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float,
                planned_ahead_s: Optional[float] = None):
@@ -199,7 +208,8 @@ class StepReporter:
         self.history.append(rec)
         if self.sb.metrics_file and comm.rank() == 0:
             line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,
-                                            layout=self.layout, dense_work=dense))
+                                            layout=self.layout, dense_work=dense,
+                                            pad_multiple=self.pad_multiple))
             with open(self.sb.metrics_file, "a") as f:
                 f.write(json.dumps(line) + "\n")
         values = scalars(rec)

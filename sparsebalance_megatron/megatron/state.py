@@ -5,7 +5,9 @@ set to ``--save`` (``hooks.install``), every ``save_checkpoint`` calls the train
 ``save_state()`` and writes it to ``<save>/iter_NNNNNNN/mp_rank_00[_000]/train_dataloader_dprankNNN.pt``
 before it writes ``latest_checkpointed_iteration.txt``, so a checkpoint that Megatron resumes from
 always has its plugin state next to the weights. ``load_plugin_state`` reads it back with errors
-that name the file.
+that name the file; ``restore_saved_state`` loads it into the callback. With --sb-fresh-state a
+missing or damaged state starts the balancer fresh (a warning names the file); a state without
+the balancer's parts (a dense run's checkpoint) starts them fresh with one line saying so.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def plugin_state_path(args, load_dir: str, iteration: int) -> str:
 
 def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = False):
     """The state the callback saved with the checkpoint of ``iteration``; None (start the
-    balancer fresh) when there is none and ``fresh`` (--sb-fresh-state) says so."""
+    balancer fresh) when it is missing or damaged and ``fresh`` (--sb-fresh-state) says so, with
+    a warning naming the file; else a ``LaunchError`` naming the file and both ways out."""
     from .callback import STATE_VERSION
 
     path = plugin_state_path(args, load_dir, iteration)
@@ -50,13 +53,65 @@ def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = Fals
         saved = torch.load(path, map_location="cpu", weights_only=True)
         state = saved["dataloader_state_dict"]
         version, it = int(state["version"]), int(state["iteration"])
+        problem = None
     except Exception as e:  # truncated, not a dict, missing keys
-        raise LaunchError(f"SparseBalance state {path} cannot be read ({type(e).__name__}: "
-                          f"{e}); the checkpoint is damaged") from None
-    if version != STATE_VERSION:
-        raise LaunchError(f"SparseBalance state {path}: version {version}, this plugin reads "
-                          f"version {STATE_VERSION}")
-    if it != iteration:
-        raise LaunchError(f"SparseBalance state {path} belongs to iteration {it}, the checkpoint "
-                          f"is iteration {iteration}")
-    return state
+        problem = f"cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged"
+    else:
+        if version != STATE_VERSION:
+            problem = f"has version {version}, this plugin reads version {STATE_VERSION}"
+        elif it != iteration:
+            problem = f"belongs to iteration {it}, the checkpoint is iteration {iteration}"
+    if problem is None:
+        return state
+    return damaged_state(path, problem, fresh)
+
+
+def damaged_state(path: str, problem: str, fresh: bool) -> None:
+    """A state file that exists but cannot serve the resume: with ``fresh`` (--sb-fresh-state)
+    a warning naming the file (rank 0) and None (start fresh); else the refusal, which says how
+    to go on."""
+    if fresh:
+        from .comm import say
+        say(f"warning: SparseBalance state {path} {problem}: starting the balancer fresh "
+            f"(--sb-fresh-state)")
+        return None
+    raise LaunchError(f"SparseBalance state {path} {problem}; pass --sb-fresh-state to start "
+                      f"the balancer fresh (latency calibration, sensitivities), or restore the "
+                      f"file from a copy of the checkpoint")
+
+
+def note_missing_parts(state: dict, *, latency: bool, sensitivity: bool, path: str) -> None:
+    """A checkpoint whose state holds no balancer state for a part this run has (one written by
+    a dense or static run, DST/SAB off): say once (rank 0) that the part starts fresh."""
+    parts = [name for name, have, key in (("latency calibration", latency, "latency"),
+                                          ("sensitivities", sensitivity, "sensitivity"))
+             if have and state.get(key) is None]
+    if parts:
+        from .comm import say
+        say(f"the checkpoint's SparseBalance state {path} holds no {' or '.join(parts)} (written "
+            f"by a run without DST/SAB): the balancer starts fresh")
+
+
+def restore_saved_state(cb):
+    """(state, plan-ahead basis present) of the checkpoint ``cb`` (the ``SparseBalanceCallback``)
+    resumes, loaded into its latency model and tracker; (None, False) when it starts fresh;
+    ``LaunchError`` naming the file when the state is missing or damaged (without
+    --sb-fresh-state)."""
+    args = cb.args
+    if cb.latency is None and cb.tracker is None:
+        return None, False                       # nothing to restore
+    state = load_plugin_state(args, args.load, args.iteration, fresh=cb.sb.fresh_state)
+    ahead = bool(cb.sb.plan_ahead and state is not None and state.get("ahead_basis"))
+    path, fresh = plugin_state_path(args, args.load, args.iteration), cb._state_basis()
+    try:
+        # plan-ahead: the first step is re-planned from the state it was planned from
+        cb.load_state_dict(dict(state, **state["ahead_basis"]) if ahead else state)
+    except (ValueError, KeyError, TypeError) as e:
+        damaged_state(path, f"cannot be loaded ({type(e).__name__}: {e})",
+                      cb.sb.fresh_state)          # refuses without --sb-fresh-state
+        cb.load_state_dict(fresh)                 # undo a partial load
+        return None, False
+    if state is not None:
+        note_missing_parts(state, latency=cb.latency is not None,
+                           sensitivity=cb.tracker is not None, path=path)
+    return state, ahead

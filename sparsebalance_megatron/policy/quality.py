@@ -189,6 +189,15 @@ class QualityCost:
                                    f"scripts/profile_quality_cost.py)") from None
         except json.JSONDecodeError as e:
             raise QualityCostError(f"{path}: not JSON ({e})") from None
+        except UnicodeDecodeError as e:
+            raise QualityCostError(f"{path}: not UTF-8 text ({e.reason})") from None
+        except IsADirectoryError:
+            raise QualityCostError(f"{path}: is a directory (expected a quality cost JSON "
+                                   f"file)") from None
+        except OSError as e:
+            raise QualityCostError(f"{path}: cannot be read ({e.strerror or e})") from None
+        except RecursionError:
+            raise QualityCostError(f"{path}: JSON nested too deeply") from None
         return cls.from_dict(d, where=path)
 
 

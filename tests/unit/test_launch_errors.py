@@ -162,12 +162,13 @@ def test_mass_selection_would_ignore_the_dst_plan():
 def test_quality_objective_needs_a_readable_quality_cost(tmp_path):
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective="quality",
                              quality_cost=str(tmp_path / "none.json"))
-    assert "--sb-dst-objective quality: quality cost file" in refused(launch_args(), sb)
+    assert f"--sb-quality-cost {tmp_path / 'none.json'}: file not found" \
+        in refused(launch_args(), sb)
     # quality is the default objective: a bad cost file refuses a plain --sparse-balance launch
     # too, and the line names the objective that needs no cost file
     sb = SparseBalanceConfig(sparse_balance=True, quality_cost=str(tmp_path / "none.json"))
     msg = refused(launch_args(), sb)
-    assert "--sb-dst-objective quality: quality cost file" in msg
+    assert f"--sb-quality-cost {tmp_path / 'none.json'}: file not found" in msg
     assert "quality is the default objective; --sb-dst-objective density plans without" in msg
     check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True, dst_objective="density",
                                                     quality_cost=str(tmp_path / "none.json")),

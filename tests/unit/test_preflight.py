@@ -47,6 +47,13 @@ def tables(tmp_path_factory):
         out[name] = d / f"{name}.json"
     (d / "broken.json").write_text('{"format": ')
     out["broken"] = d / "broken.json"
+    # a --sb-metrics-file line of a run with --seq-length 512 (BASE has 256)
+    from sparsebalance_megatron.batching.packing import sequential_plan
+    from sparsebalance_megatron.batching.replay import plan_record
+    batch = sequential_plan([(0, 0, 100), (1, 0, 300)], dp=1, num_microbatches=2, max_tokens=512)
+    (d / "plans512.jsonl").write_text(json.dumps(
+        {"step": 1, "plan": plan_record(batch, 0, 1), "densities": [[[0.5], [0.5]]]}) + "\n")
+    out["plans512"] = d / "plans512.jsonl"
     return out
 
 
@@ -117,17 +124,22 @@ CASES = [
     _case(["--sb-stage-density-floor", "1.5"], "--sb-stage-density-floor=1.5: expected a number "
           "in [0, 1]"),
     _case([*SB, "--sb-latency-table", "{tmp}/none.json"],
-          "--sb-latency-table: latency table {tmp}/none.json: file not found"),
+          "--sb-latency-table {tmp}/none.json: file not found"),
     _case([*SB, "--sb-latency-table", "{broken}"], "--sb-latency-table: latency table {broken}: "
           "not valid JSON"),
     _case([*SB, "--sb-latency-table", "{deeper}"], "does not match this run: model.num_layers: "
           "table 8, this run 4"),
     _case([*SB, "--sb-latency-table", "{block32}"], "attention.block_size: table 32, this run 64"),
-    _case([*SB, "--sb-quality-cost", "{tmp}/none.json"], "--sb-dst-objective quality: quality "
-          "cost file"),
+    _case([*SB, "--sb-quality-cost", "{tmp}/none.json"], "--sb-quality-cost {tmp}/none.json: "
+          "file not found"),
+    _case([*SB, "--sb-quality-cost", "{tmp}"], "--sb-quality-cost {tmp}: is a directory"),
     _case([*SB, "--sb-metrics-file", "{tmp}/no/such/dir/m.jsonl"],
           "--sb-metrics-file {tmp}/no/such/dir/m.jsonl: directory {tmp}/no/such/dir does not exist"),
     _case([*SB, "--sb-metrics-file", "{tmp}"], "--sb-metrics-file {tmp}: is a directory"),
+    _case([*SB, "--sb-replay-plans", "{tmp}"], "--sb-replay-plans {tmp}: is a directory"),
+    _case([*SB, "--sb-replay-plans", "{plans512}"], "--sb-replay-plans {plans512}: step 1 cannot "
+          "be replayed by this run: --seq-length x --micro-batch-size: recorded 512, this run "
+          "256"),
     _case([*SB, "--sb-data-cache-dir", "{good}"], "--sb-data-cache-dir {good}: exists and is not "
           "a directory"),
     _case([*SB, "--attention-dropout", "0.1"], "--attention-dropout 0.1 with sparse attention: "
@@ -178,7 +190,7 @@ def test_attention_dropout_defaults_to_zero_with_the_plugins_attention(monkeypat
 @pytest.mark.parametrize("argv, needle", [
     (["--sb-density", "1.5"], "error: --sb-density=1.5: expected a number in (0, 1]"),
     ([*SB, "--sb-latency-table", "missing.json"],
-     "error: --sb-latency-table: latency table missing.json: file not found"),
+     "error: --sb-latency-table missing.json: file not found"),
 ], ids=["density", "latency-table"])
 @pytest.mark.reliability(area="plugin flags", case="--sb-density 1.5; a missing "
                          "--sb-latency-table, through torchrun and the training entry",
