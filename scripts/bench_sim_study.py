@@ -141,6 +141,9 @@ def parse_args(argv=None):
     p.add_argument("--dst-objective", choices=DST_OBJECTIVES, default=None,
                    help="--sb-dst-objective of every DST plan (default: the runtime's, "
                         f"{SparseBalanceConfig().dst_objective})")
+    p.add_argument("--tolerance", type=float, default=StudyConfig.tolerance,
+                   help="--sb-tolerance p of every DST plan (units above (1 + p) x the anchor "
+                        "are cut)")
     p.add_argument("--microbatch-multiple", type=int, default=0,
                    help="--sb-microbatch-multiple of every run (0: fixed --seq-length "
                         "micro-batches; K: each micro-batch its documents rounded up to K)")
@@ -258,7 +261,7 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=seed,
-                          dst_objective=args.dst_objective,
+                          dst_objective=args.dst_objective, tolerance=args.tolerance,
                           microbatch_multiple=args.microbatch_multiple)
         res = {}
         for dp in args.ranks:
