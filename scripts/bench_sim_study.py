@@ -40,13 +40,15 @@ Robustness (issue 27): ``--mixes`` also takes the seeded families of ``experimen
 (``lognormal_short``, ``long_tail``, ``both``) and ``--seeds 0 1 2`` repeats every mix with each
 seed (the synthetic mix's draw and the sampler's shuffle; results keyed ``MIX/seed=S/...``).
 ``--slow-rank R:FACTOR`` (``experiments.heterogeneous``: global rank R = dp_rank + dp x pipeline
-rank computes FACTOR times slower) adds to every row static, DST, SAB and SAB + DST on the best
-static configuration's layout with and without that GPU slowed. After the tables, a summary
+rank computes FACTOR times slower; several are studied one at a time) adds to every row static,
+DST, SAB and SAB + DST on the best static configuration's layout with and without that GPU
+slowed. After the tables, a summary
 (``experiments.robustness``): every row's sab_dst speedup over the best static, worst, median,
 how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON as ``summary``.
 
     python scripts/bench_sim_study.py --mixes file section lognormal_short long_tail both \
-        --seeds 0 1 2 --ranks 8 --steps 2 --floor-sweep --slow-rank 7:1.1 \
+        --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
+        --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
         --json docs/results/sim_study_robustness.json
 """
 
@@ -117,7 +119,8 @@ def parse_args(argv=None):
                    help="tokens drawn per synthetic mix")
     p.add_argument("--slow-rank", type=_slow_rank, nargs="*", default=[],
                    help="R:FACTOR: global rank R (dp_rank + dp x pipeline rank) computes FACTOR "
-                        "times slower; adds the same-layout comparison with and without it")
+                        "times slower; adds the same-layout comparison with and without it, "
+                        "each one given alone")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
@@ -173,8 +176,8 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
     for r in rows.values():   # what users run today: dense attention on its own best layout
         r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
-    extra = {} if not slow else {"slow_rank": same_layout_slow_rank(
-        lm, lengths, cfg, dp, best_static.layout, slow)}
+    extra = {} if not slow else {"slow_rank": {s.describe(): same_layout_slow_rank(
+        lm, lengths, cfg, dp, best_static.layout, [s]) for s in slow}}
     return {"rows": rows, "layouts": layouts, **extra,
             "best_static": best_static.as_dict(), "best_sparsebalance": best_sb.as_dict(),
             "best_dense": best_dense.as_dict(),

@@ -43,27 +43,31 @@ def test_robustness_mode_runs_mixes_seeds_and_a_slow_rank(tmp_path, capsys):
     _script().main(["--mixes", "long_tail", "lognormal_short", "--seeds", "0", "1",
                     "--ranks", "2", "--densities", "0.5", "--steps", "1", "--pp", "2",
                     "--vp", "1", "--microbatches", "2", "--seq-length", "8192",
-                    "--total-tokens", "200000", "--floor-sweep", "--slow-rank", "3:1.1",
+                    "--total-tokens", "200000", "--floor-sweep", "--slow-rank", "3:1.1", "1:1.1",
                     "--json", str(out)])
     doc = json.loads(out.read_text())
     keys = ["long_tail/seed=0/d0=0.5/dp=2", "long_tail/seed=1/d0=0.5/dp=2",
             "lognormal_short/seed=0/d0=0.5/dp=2", "lognormal_short/seed=1/d0=0.5/dp=2"]
     assert list(doc["results"]) == keys
     assert doc["command"].startswith("bench_sim_study.py --mixes long_tail")
-    assert len(doc["commit"]) == 40 and doc["numpy"] and doc["config"]["slow_rank"] == ["3:1.1"]
+    assert len(doc["commit"]) == 40 and doc["numpy"] and doc["config"]["slow_rank"] == ["3:1.1", "1:1.1"]
     # the seed changes the draw: different mixes, different batches
     assert doc["corpus"]["long_tail/seed=0"] != doc["corpus"]["long_tail/seed=1"]
     rows = doc["summary"]["rows"]
     assert [r["key"] for r in rows] == keys
     assert all(r["sab_dst_vs_best_static"] ==
                doc["results"][r["key"]]["rows"]["sab_dst"]["speedup_vs_static"] for r in rows)
-    het = doc["results"][keys[0]]["slow_rank"]
+    assert list(doc["results"][keys[0]]["slow_rank"]) == ["3:1.1", "1:1.1"]   # each alone
+    het = doc["results"][keys[0]]["slow_rank"]["3:1.1"]
+    assert het["slow_ranks"] == ["3:1.1"]
     # the slow GPU costs static time on its layout; DST's ratio is over the same layout
     assert het["static_slowdown"] >= 1.0 and het["slow"]["static"]["step_time_s"] >= \
         het["uniform"]["static"]["step_time_s"]
     assert het["dst_vs_static"] == pytest.approx(
         het["slow"]["static"]["step_time_s"] / het["slow"]["dst"]["step_time_s"])
-    assert len(doc["summary"]["slow_rank"]["rows"]) == 4
+    assert len(doc["summary"]["slow_rank"]["rows"]) == 8
+    costs = [r for r in doc["summary"]["slow_rank"]["rows"] if r["static_slowdown"] > 1 + 1e-6]
+    assert doc["summary"]["slow_rank"]["dst_vs_static_where_it_costs"]["rows"] == len(costs)
     text = capsys.readouterr().out
     assert "robustness: sab_dst vs the best static configuration, every row" in text
     assert "DST vs static with the slow rank: worst" in text
