@@ -53,6 +53,10 @@ def _run(tmp_path, name, table, small_jsonl, extra):
     return rows
 
 
+@pytest.mark.reliability(area="fault", case="PP=2, one GPU of the pipeline 10% slow (modelled "
+                         "timings, --sb-straggler-stage)", expect="its factor learned per "
+                         "pipeline rank; from the third step DST cuts that stage and predicts a "
+                         "faster step than static; the run without it stays at d0")
 def test_a_slow_pipeline_gpu_is_learned_and_planned_around(tmp_path, small_jsonl,
                                                             attention_bound_table):
     uniform = _run(tmp_path, "uniform", attention_bound_table, small_jsonl, [])
