@@ -66,6 +66,7 @@ def test_a_slow_pipeline_gpu_is_learned_and_planned_around(tmp_path, small_jsonl
     # learned: stage 1 of DP rank 0 relative to stage 0, moving toward 1.1 by the EMA (0.6)
     for r in uniform[:-1]:
         assert np.allclose(r["stage_calibration"], 1.0)
+    assert all(np.allclose(r["densities"], 0.5) for r in uniform)   # nothing to balance
     ratios = [r["stage_calibration"][0][1] / r["stage_calibration"][0][0] for r in slow[:-1]]
     assert all(1.0 < a < b <= 1.1 + 1e-9 for a, b in zip(ratios, ratios[1:])), ratios
     assert ratios[-1] > 1.05
