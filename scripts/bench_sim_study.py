@@ -35,19 +35,39 @@ each CP size uses CP times the GPUs. The query heads must split over every size 
 do only for 2: use ``--model llama3.2-1b``, 32 query / 8 KV heads).
 
     python scripts/bench_sim_study.py --json docs/results/sim_study.json
+
+Robustness (issue 27): ``--mixes`` also takes the seeded families of ``experiments.mixes``
+(``lognormal_short``, ``long_tail``, ``both``) and ``--seeds 0 1 2`` repeats every mix with each
+seed (the synthetic mix's draw and the sampler's shuffle; results keyed ``MIX/seed=S/...``).
+``--slow-rank R:FACTOR`` (``experiments.heterogeneous``: global rank R = dp_rank + dp x pipeline
+rank computes FACTOR times slower; several are studied one at a time) adds to every row static,
+DST, SAB and SAB + DST on the best static configuration's layout with and without that GPU
+slowed. After the tables, a summary
+(``experiments.robustness``): every row's sab_dst speedup over the best static, worst, median,
+how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON as ``summary``.
+
+    python scripts/bench_sim_study.py --mixes file section lognormal_short long_tail both \
+        --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
+        --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
+        --json docs/results/sim_study_robustness.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
 
 from sparsebalance_megatron.config import DST_OBJECTIVES, SparseBalanceConfig
-from sparsebalance_megatron.data import load_corpus
+from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
+from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
+from sparsebalance_megatron.experiments.mixes import DEFAULT_TOKENS, MIXES, mix_lengths
+from sparsebalance_megatron.experiments.robustness import (format_summary, same_layout_slow_rank,
+                                                           summarize)
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
 
 MODELS = {
@@ -58,12 +78,49 @@ MODELS = {
 }
 
 
+def provenance() -> dict:
+    """The commit (and whether the tree had changes), Python, numpy and the package's version."""
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    from sparsebalance_megatron import __version__
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=30,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+            "python": platform.python_version(), "numpy": np.__version__,
+            "sparsebalance_megatron": __version__}
+
+
+def _slow_rank(text):
+    try:
+        return parse_slow_rank(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 32])
     p.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.25], help="d0 values")
-    p.add_argument("--mixes", nargs="+", default=["file", "section"],
-                   help="built-in corpus document units (length mixes)")
+    p.add_argument("--mixes", nargs="+", default=["file", "section"], choices=MIXES,
+                   help="length mixes: the built-in corpus's document units (file, section) or "
+                        "the seeded families of experiments/mixes.py")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="repeat every mix with each seed (the synthetic draw and the sampler's "
+                        "shuffle); default: --seed alone, results keyed without it")
+    p.add_argument("--total-tokens", type=int, default=DEFAULT_TOKENS,
+                   help="tokens drawn per synthetic mix")
+    p.add_argument("--slow-rank", type=_slow_rank, nargs="*", default=[],
+                   help="R:FACTOR: global rank R (dp_rank + dp x pipeline rank) computes FACTOR "
+                        "times slower; adds the same-layout comparison with and without it, "
+                        "each one given alone")
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--vp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
@@ -87,6 +144,9 @@ def parse_args(argv=None):
     p.add_argument("--dst-objective", choices=DST_OBJECTIVES, default=None,
                    help="--sb-dst-objective of every DST plan (default: the runtime's, "
                         f"{SparseBalanceConfig().dst_objective})")
+    p.add_argument("--tolerance", type=float, default=StudyConfig.tolerance,
+                   help="--sb-tolerance p of every DST plan (units above (1 + p) x the anchor "
+                        "are cut)")
     p.add_argument("--microbatch-multiple", type=int, default=0,
                    help="--sb-microbatch-multiple of every run (0: fixed --seq-length "
                         "micro-batches; K: each micro-batch its documents rounded up to K)")
@@ -95,8 +155,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
-    """The search and the comparison rows of one (mix, d0, dp)."""
+def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> dict:
+    """The search and the comparison rows of one (mix, d0, dp); with ``slow`` ranks also the
+    same-layout comparison on the best static layout with and without them."""
     t0 = time.perf_counter()
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
     search_s = time.perf_counter() - t0
@@ -115,7 +176,9 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     for r in rows.values():   # what users run today: dense attention on its own best layout
         r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
-    return {"rows": rows, "layouts": layouts,
+    extra = {} if not slow else {"slow_rank": {s.describe(): same_layout_slow_rank(
+        lm, lengths, cfg, dp, best_static.layout, [s]) for s in slow}}
+    return {"rows": rows, "layouts": layouts, **extra,
             "best_static": best_static.as_dict(), "best_sparsebalance": best_sb.as_dict(),
             "best_dense": best_dense.as_dict(),
             "search_s": search_s,
@@ -169,33 +232,43 @@ def main(argv=None):
           f"seq_length={args.seq_length} d in [{args.min_density}, {args.max_density}] "
           f"steps={args.steps} dst_objective={args.dst_objective}")
     t0 = time.perf_counter()
-    out = {"config": {k: v for k, v in vars(args).items() if k != "json"},
+    out = {"command": " ".join(["python", *sys.argv]) if argv is None else
+           " ".join(["bench_sim_study.py", *argv]),
+           "config": {k: ([s.describe() for s in v] if k == "slow_rank" else v)
+                      for k, v in vars(args).items() if k != "json"},
            "latency_source": source, "results": {}}
+    out.update(provenance())
     for cp, lm in models.items():
         for mix in args.mixes:
-            study_mix(args, out, lm, cp, mix)
-    print(f"\n({time.perf_counter() - t0:.1f} s)")
+            for seed in (args.seeds or [None]):
+                study_mix(args, out, lm, cp, mix, seed)
+    out["summary"] = summarize(out["results"])
+    print(format_summary(out["summary"]))
+    out["wall_s"] = time.perf_counter() - t0
+    print(f"\n({out['wall_s']:.1f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
 
 
-def study_mix(args, out: dict, lm, cp: int, mix: str) -> None:
-    """Every d0 and DP size of one length mix at one CP size, into ``out``."""
+def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
+    """Every d0 and DP size of one length mix (and seed) at one CP size, into ``out``."""
     tag = "" if cp == 1 else f"/cp={cp}"
-    corpus = load_corpus(tokenizer=args.tokenizer, doc_unit=mix)
-    lengths = np.asarray(corpus.lengths, dtype=np.int64)
-    out.setdefault("corpus", {})[mix] = corpus.stats()
+    name = mix if seed is None else f"{mix}/seed={seed}"
+    seed = args.seed if seed is None else seed
+    lengths = mix_lengths(mix, seed, total_tokens=args.total_tokens, tokenizer=args.tokenizer)
+    out.setdefault("corpus", {})[name] = length_stats(lengths)
+    mix = name
     for d0 in args.densities:
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
                           density=d0, min_density=args.min_density,
-                          max_density=args.max_density, steps=args.steps, seed=args.seed,
-                          dst_objective=args.dst_objective,
+                          max_density=args.max_density, steps=args.steps, seed=seed,
+                          dst_objective=args.dst_objective, tolerance=args.tolerance,
                           microbatch_multiple=args.microbatch_multiple)
         res = {}
         for dp in args.ranks:
-            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
+            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank)
             res[str(dp)] = r
             out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
         if args.floor_sweep:

@@ -222,6 +222,9 @@ class SparseBalanceConfig:
     straggler_slowdown: float = _f(
         1.0, "Benchmarking: how many times slower --sb-straggler-rank computes (>= 1); it "
         "sleeps in proportion to its measured forward time.")
+    straggler_stage: int = _f(
+        -1, "Benchmarking: the pipeline rank of --sb-straggler-rank that is slow (-1: all of "
+        "them): one GPU of a pipeline, as thermal throttling or a bad link makes it.")
     timing_source: str = _f(
         "measured", "Per-micro-batch times that calibrate the latency model: Megatron's timers "
         "('measured'), or the latency model's own prediction, times --sb-straggler-slowdown on "
@@ -367,6 +370,9 @@ class SparseBalanceConfig:
                 "an integer >= 0 (0: fixed --seq-length micro-batches)")
         if not isinstance(self.straggler_rank, int) or self.straggler_rank < -1:
             bad("straggler_rank", self.straggler_rank, "-1 or a data-parallel rank >= 0")
+        if isinstance(self.straggler_stage, bool) or not isinstance(self.straggler_stage, int) \
+                or self.straggler_stage < -1:
+            bad("straggler_stage", self.straggler_stage, "-1 or a pipeline rank >= 0")
         sd = self.straggler_slowdown
         if not isinstance(sd, (int, float)) or sd != sd or not (1.0 <= sd <= 100.0):
             bad("straggler_slowdown", sd, "a number in [1, 100]")

@@ -50,6 +50,7 @@ from ..policy import UnitCosts, density_grid
 from ..policy.dst import plan_dst_from_config
 from ..policy.quality import StageQuality, load_quality_cost
 from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
+from .heterogeneous import scale_costs
 
 _ALL_DENSE = 1 << 40   # a routing threshold above every document: all of them dense
 _PACKING = {"dense": "sequential", "static": "sequential", "token_balanced": "token_balanced",
@@ -89,6 +90,10 @@ class StudyConfig:
     """--sb-microbatch-multiple: 0 fixed-length micro-batches (the fill is padding every run
     pays), k > 0 each micro-batch its documents rounded up to a multiple of k tokens; every
     variant of a study runs with the same setting."""
+    slow_ranks: tuple = ()
+    """``heterogeneous.SlowRank``s: GPUs that compute that many times slower than predicted
+    (every run of the study, static ones included; DST plans with the scaled costs, as after
+    the runtime's per-rank calibration)."""
 
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:
@@ -253,8 +258,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         for name, (variant, lay) in runs.items():
             packing, dense = packing_of(variant), variant == "dense"
             if (packing, dense, lay) not in costs:
-                costs[packing, dense, lay] = UnitCosts.from_latency(
-                    models[dense, lay], feats[packing, dense], dp, m, grid)
+                costs[packing, dense, lay] = scale_costs(UnitCosts.from_latency(
+                    models[dense, lay], feats[packing, dense], dp, m, grid), cfg.slow_ranks)
             c = costs[packing, dense, lay]
             anchor = dst_anchor_of(variant)
             if anchor is not None:

@@ -1,10 +1,17 @@
-"""Online calibration of a latency model: one multiplicative correction per rank.
+"""Online calibration of a latency model: one multiplicative correction per rank, and within a
+pipeline one per (DP rank, pipeline rank).
 
 Each calibration moves a rank's factor toward measured / predicted by an EMA (weight
 ``calibration_ema``), the ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` times the
 current factor so that one outlier timing cannot throw the factor off; unusable samples keep it.
 The relative errors of the corrected predictions are kept for ``recent_error`` (the raise
 headroom of DST). ``LatencyModel`` inherits this.
+
+With PP > 1 one GPU of a DP rank's pipeline can be slower than its peers (thermal throttling, a
+bad link): ``calibrate_stages`` learns, by the same EMA and clip, each pipeline rank's measured /
+predicted relative to its DP rank's, so the stage factor is 1 when every stage is off by the same
+ratio and the DP rank's factor times the stage factor follows that GPU alone
+(``correction_grid``, what ``UnitCosts.from_latency`` plans with).
 
 Pure numpy; must not import torch or megatron.
 """
@@ -36,6 +43,7 @@ class Calibration:
             raise ValueError(f"calibration_ema={calibration_ema!r}: expected a value in (0, 1]")
         self.calibration_ema = float(calibration_ema)
         self._correction: dict[int, float] = {}
+        self._stage_correction: dict[tuple[int, int], float] = {}
         self._errors: deque = deque(maxlen=ERROR_HISTORY)
         self._warned_bad_measurement = False
         self._warned_clipped = False
@@ -79,6 +87,34 @@ class Calibration:
         self._errors.append(abs(old * ps - ms) / ms)
         self._correction[int(rank)] = (1.0 - w) * old + w * clipped
 
+    def stage_correction(self, rank: Optional[int], stage: int) -> float:
+        """The factor of pipeline rank ``stage`` relative to DP rank ``rank``'s (1: no news)."""
+        return 1.0 if rank is None else self._stage_correction.get((int(rank), int(stage)), 1.0)
+
+    def correction_grid(self, dp: int, pp: int) -> np.ndarray:
+        """[dp, pp] correction of every (DP rank, pipeline rank): rank factor x stage factor."""
+        return np.array([[self.correction(r) * self.stage_correction(r, s) for s in range(pp)]
+                         for r in range(dp)], dtype=np.float64)
+
+    def calibrate_stages(self, rank: int, predicted_s, measured_s) -> None:
+        """EMA update of each pipeline rank's factor of DP rank ``rank`` toward its measured /
+        predicted over the DP rank's (``predicted_s``, ``measured_s``: [pp] uncorrected predicted
+        and measured busy seconds per pipeline rank), clipped like ``calibrate``. A sample with
+        one stage unusable (NaN, <= 0) keeps every factor; one stage: nothing to learn."""
+        p = np.asarray(predicted_s, dtype=np.float64).ravel()
+        m = np.asarray(measured_s, dtype=np.float64).ravel()
+        if p.size < 2 or p.shape != m.shape or not (np.all(np.isfinite(p)) and
+                                                    np.all(np.isfinite(m)) and
+                                                    np.all(p > 0) and np.all(m > 0)):
+            return
+        overall = m.sum() / p.sum()
+        w = self.calibration_ema
+        for s in range(p.size):
+            old = self.stage_correction(rank, s)
+            ratio = (m[s] / p[s]) / overall
+            ratio = min(max(ratio, old / CALIBRATION_CLIP), old * CALIBRATION_CLIP)
+            self._stage_correction[int(rank), s] = (1.0 - w) * old + w * ratio
+
     def recent_error(self, last: int = 16) -> Optional[float]:
         """Median relative error |corrected prediction - measured| / measured over the ``last``
         calibrations (each taken before its own update: the error a plan made with the model
@@ -92,13 +128,24 @@ class Calibration:
 
     def calibration_state(self) -> dict:
         """What online calibration learned: per-rank factors and the recent errors."""
-        return {"corrections": {str(r): f for r, f in self._correction.items()},
-                "errors": [float(e) for e in self._errors]}
+        out = {"corrections": {str(r): f for r, f in self._correction.items()},
+               "errors": [float(e) for e in self._errors]}
+        if self._stage_correction:     # PP runs; an older state has none (all 1)
+            out["stage_corrections"] = {f"{r},{s}": f
+                                        for (r, s), f in self._stage_correction.items()}
+        return out
 
     def load_calibration_state(self, state: dict) -> None:
         """Restore ``calibration_state()`` (a resumed run continues where the saved one stood)."""
         self._correction.clear()
         self.load_corrections(state.get("corrections", {}))
+        self._stage_correction.clear()
+        for key, factor in state.get("stage_corrections", {}).items():
+            f = float(factor)
+            if not (math.isfinite(f) and f > 0):
+                raise ValueError(f"stage correction {key}: {factor!r}: expected a number > 0")
+            r, s = (int(x) for x in str(key).split(","))
+            self._stage_correction[r, s] = f
         errors = [float(e) for e in state.get("errors", [])]
         if not all(math.isfinite(e) and e >= 0 for e in errors):
             raise ValueError("calibration errors must be finite numbers >= 0")

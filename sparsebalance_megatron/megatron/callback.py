@@ -478,24 +478,29 @@ class SparseBalanceCallback:
 
     def _modelled_busy(self, step: PreparedStep) -> np.ndarray:
         """--sb-timing-source model: the prediction, --sb-straggler-slowdown times on the
-        straggler rank; a deterministic stand-in for Megatron's timers."""
+        straggler rank (its --sb-straggler-stage alone if given); a deterministic stand-in for
+        Megatron's timers."""
         busy = self._predicted_busy(step)
         if 0 <= self.sb.straggler_rank < self.dp:
-            busy[self.sb.straggler_rank] *= self.sb.straggler_slowdown
+            stages = slice(None) if self.sb.straggler_stage < 0 else self.sb.straggler_stage
+            busy[self.sb.straggler_rank, stages] *= self.sb.straggler_slowdown
         return busy
 
     def _calibrate(self, step: PreparedStep, measured: np.ndarray) -> dict:
-        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction."""
+        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction; with
+        PP, each pipeline rank's share of it too (one slow GPU of a pipeline)."""
         predicted = self._predicted_busy(step)
-        corrected = predicted * np.array([self.latency.correction(r) for r in range(self.dp)])[:, None]
+        corrected = predicted * self.latency.correction_grid(*predicted.shape)
         for r in range(self.dp):
             ok = np.isfinite(measured[r]).all()  # missing/NaN: keep the previous factor
             self.latency.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
+            self.latency.calibrate_stages(r, predicted[r], measured[r])
         busy = measured.sum(axis=1)
         err = np.abs(corrected.sum(axis=1) - busy) / np.maximum(busy, 1e-12)
         return {"predicted_busy_s": corrected.sum(axis=1).tolist(),
                 "latency_error": float(np.nanmean(err)) if np.isfinite(err).any() else None,
-                "calibration": [self.latency.correction(r) for r in range(self.dp)]}
+                "calibration": [self.latency.correction(r) for r in range(self.dp)],
+                "stage_calibration": self.latency.correction_grid(*predicted.shape).tolist()}
 
     def _pop_doc_losses(self) -> dict:
         """{doc_id: [loss sum, tokens]} of this rank's step (a document split over micro-batches

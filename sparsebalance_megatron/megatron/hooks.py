@@ -359,7 +359,7 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
     output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
                    loss_mask=mb["loss_mask"], packed_seq_params=mb["packed_seq_params"])
     if sb.straggler_rank == cb.dp_rank and sb.straggler_slowdown > 1.0 and \
-            sb.timing_source == "measured":
+            sb.timing_source == "measured" and sb.straggler_stage in (-1, cb.pp_rank):
         # Benchmarks (--sb-straggler-*): forward + backward (about 3x the forward) take
         # straggler_slowdown times longer on this rank (with --sb-timing-source model the
         # slowdown is modelled instead).

@@ -397,6 +397,9 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
     from .preflight import config_problems   # the files the flags name (checked at parse too)
     bad += config_problems(sb)
     bad += attention_dropout_conflicts(args, sb, plugin_data)
+    if sb.straggler_stage >= 0 and sb.straggler_rank < 0:
+        bad.append(f"{flag_name('straggler_stage')} {sb.straggler_stage}: needs "
+                   f"{flag_name('straggler_rank')} (the data-parallel rank whose stage is slow)")
     if sb.straggler_rank >= 0:
         world = int(os.environ.get("WORLD_SIZE", getattr(args, "world_size", 1) or 1))
         per_dp = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
@@ -405,5 +408,9 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         if sb.straggler_rank >= dp:
             bad.append(f"{flag_name('straggler_rank')} {sb.straggler_rank}: this launch has "
                        f"{dp} data-parallel rank(s) (0..{dp - 1})")
+        pp = args.pipeline_model_parallel_size
+        if sb.straggler_stage >= pp:
+            bad.append(f"{flag_name('straggler_stage')} {sb.straggler_stage}: this launch has "
+                       f"{pp} pipeline rank(s) (0..{pp - 1})")
     if bad:
         raise LaunchError("cannot launch: " + "; ".join(bad))

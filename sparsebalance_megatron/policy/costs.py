@@ -162,7 +162,8 @@ class UnitCosts:
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
         ``UnitFeatures`` of them; every stage sees the same micro-batches. The stage axis is the
         model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
-        model's online correction of rank r.
+        model's online correction of rank r, and by that of its pipeline rank where the model
+        has learned one (``correction_grid``: virtual stage v runs on pipeline rank v mod pp).
         attn_work = kept block pairs at density 1 (dense causal work) x the stage's attention
         layers (``layout.attention_layers``: a HybridModel's MLP layers have none): the
         mean-density weights; with routing (the model's ``dense_below_tokens``) of the sparse
@@ -175,8 +176,12 @@ class UnitCosts:
             raise ValueError(f"{n} micro-batches given: expected dp x m = {dp} x {m} = {dp * m}")
         with_dense = feats.work_grid(np.append(g, 1.0))              # [n, g + 1]
         work, dense = with_dense[:, :-1], with_dense[:, -1]
-        corr = np.repeat([model.correction(r) if calibrated else 1.0 for r in range(dp)],
-                         m)[:, None]                                 # [n, 1] unit's rank
+        ranks = model.layout.pp
+        grid_fn = getattr(model, "correction_grid", None)
+        corr = (grid_fn(dp, ranks) if grid_fn is not None else np.array(
+            [[model.correction(r)] * ranks for r in range(dp)])) if calibrated \
+            else np.ones((dp, ranks))
+        corr = np.repeat(corr, m, axis=0)                            # [n, ranks] unit's rank
         f = np.empty((n, pp, g.size))
         b = np.empty((n, pp, g.size))
         for s in range(pp):                                          # in place: no temporaries
@@ -185,7 +190,7 @@ class UnitCosts:
                                          (b[:, s], t.bwd_fixed_s, t.bwd_attn_s_per_pair)):
                 np.multiply(work, per_pair, out=out)
                 out += fixed[:, None]
-                out *= corr
+                out *= corr[:, s % ranks, None]
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)

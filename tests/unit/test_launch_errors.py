@@ -208,6 +208,19 @@ def test_straggler_rank_must_be_a_data_parallel_rank(monkeypatch):
                  plugin_data=True)
 
 
+def test_straggler_stage_must_be_a_pipeline_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    sb = SparseBalanceConfig(sparse_balance=True, straggler_rank=1, straggler_stage=2,
+                             straggler_slowdown=1.1)
+    assert "--sb-straggler-stage 2: this launch has 2 pipeline rank(s) (0..1)" in \
+        refused(launch_args(pipeline_model_parallel_size=2), sb)
+    check_launch(launch_args(pipeline_model_parallel_size=2),
+                 dataclasses.replace(sb, straggler_stage=1), plugin_data=True)
+    assert "--sb-straggler-stage 1: needs --sb-straggler-rank" in refused(
+        launch_args(pipeline_model_parallel_size=2),
+        SparseBalanceConfig(sparse_balance=True, straggler_stage=1))
+
+
 def test_every_problem_of_a_launch_in_one_line():
     msg = refused(launch_args(context_parallel_size=2, micro_batch_size=4, mock_data=True))
     assert "--context-parallel-size 2" in msg and "--micro-batch-size 4" in msg

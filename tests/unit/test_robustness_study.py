@@ -1,0 +1,83 @@
+"""The robustness mode of scripts/bench_sim_study.py (issue 27): mixes x seeds, the slow-rank
+comparison on one layout, the summary (every row, worst, median, rows meeting the target) and the
+JSON's provenance. A small analytic model, one step: seconds, deterministic."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from sparsebalance_megatron.experiments.robustness import (MEDIAN_TARGET, ROW_TARGET,
+                                                           format_summary, summarize)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_sim_study",
+                                                  REPO / "scripts/bench_sim_study.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(speedup):
+    return {"best_static": {"describe": "3/3/1/1", "variant": "static"},
+            "layouts": {"sab_dst": "2/3/2/1"},
+            "rows": {"sab_dst": {"speedup_vs_static": speedup, "mean_density": 0.5}}}
+
+
+def test_summary_reports_worst_median_and_rows_meeting_the_target():
+    s = summarize({"a": _row(0.98), "b": _row(1.04), "c": _row(1.10)})
+    t = s["sab_dst_vs_best_static"]
+    assert (t["worst"], t["median"], t["best"], t["met"], t["rows"]) == (0.98, 1.04, 1.10, 2, 3)
+    assert t["target"] == ROW_TARGET and t["median_met"] is (1.04 >= MEDIAN_TARGET)
+    text = format_summary(s)
+    assert "worst 0.980x, median 1.040x (target >= 1.05x: MISSED)" in text
+    assert "2 of 3 rows >= 1.00x" in text and text.count(" NO") == 1
+
+
+def test_robustness_mode_runs_mixes_seeds_and_a_slow_rank(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    _script().main(["--mixes", "long_tail", "lognormal_short", "--seeds", "0", "1",
+                    "--ranks", "2", "--densities", "0.5", "--steps", "1", "--pp", "2",
+                    "--vp", "1", "--microbatches", "2", "--seq-length", "8192",
+                    "--total-tokens", "200000", "--floor-sweep", "--slow-rank", "3:1.1", "1:1.1",
+                    "--json", str(out)])
+    doc = json.loads(out.read_text())
+    keys = ["long_tail/seed=0/d0=0.5/dp=2", "long_tail/seed=1/d0=0.5/dp=2",
+            "lognormal_short/seed=0/d0=0.5/dp=2", "lognormal_short/seed=1/d0=0.5/dp=2"]
+    assert list(doc["results"]) == keys
+    assert doc["command"].startswith("bench_sim_study.py --mixes long_tail")
+    assert len(doc["commit"]) == 40 and doc["numpy"] and doc["config"]["slow_rank"] == ["3:1.1", "1:1.1"]
+    # the seed changes the draw: different mixes, different batches
+    assert doc["corpus"]["long_tail/seed=0"] != doc["corpus"]["long_tail/seed=1"]
+    rows = doc["summary"]["rows"]
+    assert [r["key"] for r in rows] == keys
+    assert all(r["sab_dst_vs_best_static"] ==
+               doc["results"][r["key"]]["rows"]["sab_dst"]["speedup_vs_static"] for r in rows)
+    assert list(doc["results"][keys[0]]["slow_rank"]) == ["3:1.1", "1:1.1"]   # each alone
+    het = doc["results"][keys[0]]["slow_rank"]["3:1.1"]
+    assert het["slow_ranks"] == ["3:1.1"]
+    # the slow GPU costs static time on its layout; DST's ratio is over the same layout
+    assert het["static_slowdown"] >= 1.0 and het["slow"]["static"]["step_time_s"] >= \
+        het["uniform"]["static"]["step_time_s"]
+    assert het["dst_vs_static"] == pytest.approx(
+        het["slow"]["static"]["step_time_s"] / het["slow"]["dst"]["step_time_s"])
+    assert len(doc["summary"]["slow_rank"]["rows"]) == 8
+    costs = [r for r in doc["summary"]["slow_rank"]["rows"] if r["static_slowdown"] > 1 + 1e-6]
+    assert doc["summary"]["slow_rank"]["dst_vs_static_where_it_costs"]["rows"] == len(costs)
+    text = capsys.readouterr().out
+    assert "robustness: sab_dst vs the best static configuration, every row" in text
+    assert "DST vs static with the slow rank: worst" in text
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--mixes", "zipf"], "invalid choice: 'zipf'"),
+    (["--slow-rank", "7"], "--slow-rank '7': expected RANK:FACTOR"),
+    (["--slow-rank", "7:0.5"], "factor 0.5: expected a number in [1, 100]")])
+def test_bad_flags_are_named(argv, needle, capsys):
+    with pytest.raises(SystemExit):
+        _script().parse_args(argv)
+    assert needle in capsys.readouterr().err

@@ -1,0 +1,64 @@
+"""Per-(DP rank, pipeline rank) calibration (issue 27): one GPU of a pipeline slower than its
+peers is learned from its measured share and reaches the costs DST plans with."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
+from sparsebalance_megatron.latency import LatencyModel, ModelShape
+from sparsebalance_megatron.policy import UnitCosts
+
+
+@pytest.fixture
+def lm():
+    return LatencyModel.analytic(ModelShape(num_layers=8, seq_length=4096), pp=2)
+
+
+def test_a_slow_pipeline_rank_is_learned_apart_from_its_dp_rank(lm):
+    predicted = np.array([[1.0, 2.0], [1.0, 2.0]])          # [dp, pp] uncorrected busy seconds
+    measured = predicted * np.array([[1.0, 1.1], [1.0, 1.0]])   # GPU (dp 0, stage 1) 10% slow
+    for _ in range(30):
+        for r in range(2):
+            lm.calibrate(r, predicted[r], measured[r])
+            lm.calibrate_stages(r, predicted[r], measured[r])
+    grid = lm.correction_grid(2, 2)
+    assert grid == pytest.approx(np.array([[1.0, 1.1], [1.0, 1.0]]), rel=2e-3)
+    assert lm.correction(0) == pytest.approx(3.2 / 3.0, rel=1e-3)   # the DP rank's total
+
+
+def test_unusable_or_single_stage_samples_keep_the_factors(lm):
+    lm.calibrate_stages(0, [1.0, 1.0], [1.0, 1.5])
+    before = lm.correction_grid(1, 2).copy()
+    for p, m in (([1.0, 1.0], [np.nan, 1.0]), ([1.0, 0.0], [1.0, 1.0]), ([1.0], [2.0]),
+                 ([1.0, 1.0], [1.0])):
+        lm.calibrate_stages(0, p, m)
+    assert np.array_equal(lm.correction_grid(1, 2), before)
+    assert lm.stage_correction(None, 1) == 1.0
+
+
+def test_stage_factors_reach_the_planned_costs_and_survive_a_resume(lm):
+    lens = [[4096]] * 4                                     # dp 2 x m 2
+    grid = np.array([0.5, 1.0])
+    before = UnitCosts.from_latency(lm, lens, 2, 2, grid)
+    for _ in range(30):
+        lm.calibrate(1, [1.0, 1.0], [1.0, 1.2])
+        lm.calibrate_stages(1, [1.0, 1.0], [1.0, 1.2])
+    after = UnitCosts.from_latency(lm, lens, 2, 2, grid)
+    ratio = after.fwd_s / before.fwd_s                      # [dp, m, pp, g]
+    assert ratio[0] == pytest.approx(1.0)
+    assert ratio[1, :, 1] == pytest.approx(1.2, rel=2e-3) and ratio[1, :, 0] == pytest.approx(
+        1.0, rel=2e-3)
+    raw = UnitCosts.from_latency(lm, lens, 2, 2, grid, calibrated=False)
+    assert np.array_equal(raw.fwd_s, before.fwd_s)
+    state = lm.calibration_state()
+    assert set(state["stage_corrections"]) == {"1,0", "1,1"}
+    fresh = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=4096), pp=2)
+    fresh.load_calibration_state(state)
+    assert np.array_equal(fresh.correction_grid(2, 2), lm.correction_grid(2, 2))
+    with pytest.raises(ValueError, match="stage correction 1,1: nan"):
+        fresh.load_calibration_state({"stage_corrections": {"1,1": float("nan")}})
+
+
+def test_straggler_stage_flag_is_checked():
+    with pytest.raises(ConfigError, match="--sb-straggler-stage=-2: expected -1 or a pipeline"):
+        SparseBalanceConfig(straggler_rank=0, straggler_stage=-2)
