@@ -122,3 +122,11 @@ def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
     """In-place sum of ``x`` over ``group`` (not differentiated)."""
     dist.all_reduce(x, group=group)
     return x
+
+
+def watchdog_store():
+    """The job's key-value store (torchrun's, or the one ``init_process_group`` made) under the
+    prefix ``sparsebalance/watchdog/``: each rank's heartbeat record, for ``watchdog.py``."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore("sparsebalance/watchdog/", _get_default_store())

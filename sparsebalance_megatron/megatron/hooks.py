@@ -47,6 +47,7 @@ from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
 from .preflight import OneLineParser, check_after_parse, check_config, uses_plugin_data
+from .watchdog import check_watchdog_setting
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -57,6 +58,7 @@ class _Integration:
     budget = None
     callback = None
     timers = None
+    watchdog = None
 
 
 _run = _Integration()
@@ -163,6 +165,7 @@ def _install(args, model_cfg, packed_data):
     plugin_data = uses_plugin_data(sb, packed_data)
     hybrid = is_hybrid_config(model_cfg)
     check_launch(args, sb, plugin_data=plugin_data, hybrid=hybrid)
+    check_watchdog_setting(args, sb)
     if plugin_data:
         from .latency_setup import check_given_table
         check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)
@@ -248,6 +251,8 @@ def _on_model_built(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
+    from .watchdog import start_for_megatron
+    _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
     config = get_model_config(model[0])
@@ -331,7 +336,10 @@ def finish() -> None:
     destroyed (PyTorch's documented shutdown; Megatron's ``pretrain()`` leaves them up). Left to
     interpreter finalization, gloo's worker threads can abort a finished rank ("terminate called
     without an active exception", pytorch#190489; seen here in about one of ten PP x CP runs on
-    CPU). Only for a normal end: after an error the other ranks would not reach the barrier."""
+    CPU). Only for a normal end: after an error the other ranks would not reach the barrier.
+    The watchdog stops first (its records live on the process group's store)."""
+    if _run.watchdog is not None:
+        _run.watchdog.stop()
     comm.destroy_process_groups()
 
 
@@ -353,6 +361,11 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
     mb = next(data_iterator)
     timers("batch-generator").stop()
     sb, cb = _run.sb, _run.callback
+    psp = mb["packed_seq_params"]
+    if _run.watchdog is not None:   # a progress point (training or evaluation micro-batch)
+        step, index = getattr(psp, "sb_step", None), getattr(psp, "sb_microbatch", None)
+        _run.watchdog.tick(step, "evaluation" if step is None or index is None else
+                           f"forward step, iteration {step + 1}, micro-batch {index}")
     if sb.fault is not None:
         _inject_fault(sb.fault_spec, mb["packed_seq_params"])
     t0 = time.perf_counter()
@@ -372,7 +385,8 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 def _inject_fault(spec, psp) -> None:
     """--sb-fault RANK:STEP:KIND (tests of fail-fast): at the first micro-batch of iteration STEP
-    on global rank RANK, raise, hang (stop answering, as a stuck device would) or die."""
+    on global rank RANK, raise, hang (stop answering, as a stuck device would), die, or leave
+    (``os._exit(0)``, a rank that ends before the others)."""
     import os
     import signal
 
@@ -385,5 +399,7 @@ def _inject_fault(spec, psp) -> None:
         raise RuntimeError(f"--sb-fault: injected failure on rank {rank} at iteration {step}")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "exit":
+        os._exit(0)
     while True:   # hang
         time.sleep(3600)
