@@ -47,7 +47,6 @@ from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
 from .preflight import OneLineParser, check_after_parse, check_config, uses_plugin_data
-from .watchdog import check_watchdog_setting
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -165,7 +164,6 @@ def _install(args, model_cfg, packed_data):
     plugin_data = uses_plugin_data(sb, packed_data)
     hybrid = is_hybrid_config(model_cfg)
     check_launch(args, sb, plugin_data=plugin_data, hybrid=hybrid)
-    check_watchdog_setting(args, sb)
     if plugin_data:
         from .latency_setup import check_given_table
         check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)

@@ -109,6 +109,13 @@ def _format_stack(frame, limit: Optional[int]) -> list:
     return traceback.format_list(traceback.extract_stack(frame, limit=limit))
 
 
+def _where(frame) -> str:
+    """``file:function`` of the innermost frame (one word in the report's list of ranks)."""
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+
 def process_state(pid: int) -> Optional[str]:
     """The state letter of a local process (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``
     zombie), or None when there is no such process."""
@@ -148,6 +155,7 @@ class Watchdog:
         self._seq = 0
         self._seen: dict[int, tuple] = {}   # peer -> (seq, local time the seq last changed)
         self._reported = False
+        self._peers: dict = {}
         self._verdict_at: Optional[float] = None
         self._thread: Optional[threading.Thread] = None
         self._halt = threading.Event()
@@ -190,7 +198,10 @@ class Watchdog:
     def _atexit(self) -> None:
         if self.state == "running":     # left before the job's end (sys.exit, a return)
             self.state = "exited"
-            self.publish()
+            try:
+                self.publish()
+            except Exception:           # the store is gone with the job: nothing to tell
+                pass
 
     def _excepthook(self, etype, value, tb) -> None:
         (self._prev_excepthook or sys.__excepthook__)(etype, value, tb)
@@ -205,7 +216,7 @@ class Watchdog:
             return
         if culprits and self._claim():
             self._say(f"rank {self.rank} failed ({etype.__name__}) while its peers were lost:")
-            self._report(culprits)
+            self._report(culprits, me="failed")
 
     # --- the thread -----------------------------------------------------------------------------
 
@@ -254,7 +265,8 @@ class Watchdog:
                    iteration=self.iteration, phase=self.phase,
                    stall_s=round(self.clock() - self._last_tick, 2),
                    waiting=bool(waiting) if waiting is not None else
-                   waiting_in_communication(frame), stack="".join(stack))
+                   waiting_in_communication(frame), where=_where(frame),
+                   stack="".join(stack))
         self.store.set(f"hb/{self.rank}", json.dumps(rec))
 
     # --- judging --------------------------------------------------------------------------------
@@ -269,10 +281,11 @@ class Watchdog:
         first (a stalled one is named only when nothing else explains it)."""
         now = self.clock()
         hard, stalled = [], []
+        self._peers = {}
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
-            rec = self._read(f"hb/{peer}")
+            rec = self._peers[peer] = self._read(f"hb/{peer}")
             if rec is None or rec["state"] in ("finished", "failed"):
                 continue   # not started watching, done, or raised (torchrun names that one)
             seq, since = self._seen.get(peer, (None, now))
@@ -307,7 +320,7 @@ class Watchdog:
         self._reported = True
         return self.store.add("claim", 1) == 1
 
-    def _report(self, culprits: list) -> None:
+    def _report(self, culprits: list, me: str = "waits") -> None:
         for kind, why, rec in culprits:
             where = ", ".join(f"{k} {v}" for k, v in rec["coords"].items())
             it = "" if rec["iteration"] is None else f"iteration {rec['iteration'] + 1}, "
@@ -317,6 +330,12 @@ class Watchdog:
                       f"'{rec['phase']}'")
             self._say(f"rank {rec['rank']}'s last Python stack (main thread):")
             self._say(rec["stack"].rstrip() or "  (none recorded)", raw=True)
+        named = {r["rank"] for _, _, r in culprits}
+        others = [f"rank {p} " + ("(no record)" if r is None else r["state"]
+                                  if r["state"] != "running" else
+                                  f"{'waits' if r['waiting'] else 'runs'} in {r['where']}")
+                  for p, r in sorted(self._peers.items()) if p not in named]
+        self._say(f"the other ranks: rank {self.rank} (this one) {me}; " + "; ".join(others))
         self.store.set("verdict", json.dumps(dict(by=self.rank, ranks=[
             dict(rank=r["rank"], kind=k) for k, _, r in culprits])))
 
@@ -388,22 +407,19 @@ def distributed_timeouts_s(args) -> tuple[float, Optional[float]]:
     return 60.0 * float(args.distributed_timeout_minutes), None if after is None else float(after)
 
 
-def check_watchdog_setting(args, sb) -> None:
-    """A fixed ``--sb-watchdog-seconds`` must act before a collective times out (``LaunchError``
-    otherwise; raised before any process group starts)."""
-    from .launch import LaunchError
-
+def watchdog_problems(args, sb) -> list[str]:
+    """A fixed ``--sb-watchdog-seconds`` must act before a collective times out: one line per
+    timeout it does not fit in (``preflight.check_parsed`` refuses the launch with them)."""
     w = sb.watchdog_seconds_value
-    if not w:
-        return
+    if not w or getattr(args, "distributed_timeout_minutes", None) is None:
+        return []
     init, after = distributed_timeouts_s(args)
-    for timeout, flag in ((init, "--distributed-timeout-minutes"),
-                          (after, "--distributed-timeout-seconds-after-init")):
-        if timeout is not None and w >= timeout:
-            raise LaunchError(f"--sb-watchdog-seconds={sb.watchdog_seconds}: expected fewer "
-                              f"seconds than the distributed timeout ({timeout:g} s, {flag}): "
-                              "the collectives would time out before the watchdog names the "
-                              "hung rank; lower it, or use 'auto'")
+    return [f"--sb-watchdog-seconds={sb.watchdog_seconds}: expected fewer seconds than the "
+            f"distributed timeout ({timeout:g} s, {flag}): the collectives would time out before "
+            "the watchdog names the hung rank; lower it, or use 'auto'"
+            for timeout, flag in ((init, "--distributed-timeout-minutes"),
+                                  (after, "--distributed-timeout-seconds-after-init"))
+            if timeout is not None and w >= timeout][:1]
 
 
 def start_for_megatron(args, sb) -> Optional[Watchdog]:
