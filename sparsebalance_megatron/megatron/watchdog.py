@@ -32,6 +32,10 @@ block from ``sys.excepthook`` when an exited or stopped peer explains its error.
 then ``--distributed-timeout-seconds-after-init`` from the second step) less a margin, so the
 watchdog acts before the timeout would. Watching starts at the first progress point (a training or
 evaluation micro-batch): start-up, profiling and checkpoint loading before it are never judged.
+Limits: a rank stopped on another host cannot be sent SIGKILL from here (its node's torchrun
+still gives it 30 s of SIGTERM grace after the reporting rank ends); the records live on the
+job's store, which torchrun's agent serves: under a launcher whose store lives in rank 0's process,
+a stopped rank 0 also freezes the store and nothing is named.
 Healthy runs print nothing and read no peer record (a rank only reads them once it has waited
 ``threshold_s / 2``). Imports neither megatron nor torch at module level: the store, the clock,
 the stack source and the process probes are injected (unit tests drive them by hand).
@@ -177,7 +181,7 @@ class Watchdog:
     def start(self) -> None:
         import atexit
 
-        self.publish()
+        self.publish(sys._getframe(1))   # the caller's stack: the main thread's first record
         self._prev_excepthook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self._atexit)
@@ -249,9 +253,9 @@ class Watchdog:
             return
         culprits = self._judge(t)
         if culprits and not self._reported and self._claim():
-            self._say(f"rank {self.rank} has waited {stall:.1f} s in communication "
-                      f"(threshold {t.threshold_s:g} s); the rank{'s' if len(culprits) > 1 else ''} "
-                      "it waits for:")
+            self._say(f"rank {self.rank} has made no progress for {stall:.1f} s and waits in "
+                      f"communication (threshold {t.threshold_s:g} s); the "
+                      f"rank{'s' if len(culprits) > 1 else ''} it waits for:")
             self._report(culprits)
             self._end(culprits)
 
