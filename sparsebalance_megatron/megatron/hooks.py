@@ -31,6 +31,9 @@ What enters where:
   ``train()`` puts in ``config.timers``, and ``evaluate()`` restores after evaluation);
 - resume state: ``args.dataloader_save`` = ``--save``: Megatron's checkpoint calls our iterator's
   ``save_state`` and writes it into the iteration's folder (``state.py``).
+- the watchdog (``watchdog.py``, with the plugin's data path): built by the post-wrap hook, ticked
+  by every forward step, stopped by ``finish``; it names a hung, stopped or departed rank before
+  the distributed timeout (``--sb-watchdog-seconds``).
 With none of the plugin's switches on, ``install`` changes nothing: the run is stock Megatron.
 """
 

@@ -77,6 +77,7 @@ def _launch(nproc: int, script: Path, args: list, cwd: Path, fault_line: str, *,
     finally:
         timer.cancel()
     end = time.monotonic()
+    (cwd / "torchrun.log").write_text("".join(lines))   # kept with pytest's tmp_path
     if fault_at is None:
         return "".join(lines), proc.returncode, None, None
     named = None if named_at is None else named_at - fault_at
