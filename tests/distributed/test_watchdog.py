@@ -136,6 +136,7 @@ def test_a_rank_that_exits_early_is_named(tmp_path):
     assert named < THRESHOLD_S + 10 and after < CHEAP_BOUND_S, (named, after)
 
 
+@pytest.mark.slow   # the normal suite's healthy Megatron runs check it (test_megatron_loop.py)
 def test_a_healthy_run_prints_nothing(tmp_path):
     out, rc, _, _ = _worker(tmp_path, "none")
     assert rc == 0, out[-3000:]
