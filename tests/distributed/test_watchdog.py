@@ -2,7 +2,7 @@
 its pid), sleeps forever, or leaves early (``os._exit(0)``); the output must name the rank and
 show its Python stack, and the job must end well before the distributed timeout.
 
-The cheap form (normal suite; about 10 s each on an idle machine, 25-55 s on a loaded one): a
+The cheap form (normal suite; 16-19 s each at load average 2.5 on 2 cores, 25-55 s at 25-30): a
 two- or three-rank torchrun job of ``watchdog_worker.py`` (all-reduces, no Megatron, a 300 s
 timeout) with a 4 s threshold: the rank is named within the threshold + 10 s. The full form
 (slow, 2-3 minutes each): Megatron's own loop at PP=2 x DP=2 with ``--distributed-timeout-minutes
