@@ -338,8 +338,10 @@ def finish() -> None:
     interpreter finalization, gloo's worker threads can abort a finished rank ("terminate called
     without an active exception", pytorch#190489; seen here in about one of ten PP x CP runs on
     CPU). Only for a normal end: after an error the other ranks would not reach the barrier.
-    The watchdog stops first (its records live on the process group's store)."""
+    The watchdog watches that barrier (a rank stuck in a final checkpoint is named) and stops
+    before the groups go (its records live on the default group's store)."""
     if _run.watchdog is not None:
+        comm.barrier()
         _run.watchdog.stop()
     comm.destroy_process_groups()
 
