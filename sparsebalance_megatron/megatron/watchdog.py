@@ -89,10 +89,6 @@ class WatchdogTiming:
         return cls.for_threshold(max(1.0, timeout_s - margin))
 
 
-def auto_threshold_s(timeout_s: float) -> float:
-    return WatchdogTiming.for_timeout(timeout_s).threshold_s
-
-
 def waiting_in_communication(frame) -> bool:
     """Whether a thread whose innermost Python frame is ``frame`` waits for its peers."""
     if frame is None:
@@ -412,8 +408,8 @@ def distributed_timeouts_s(args) -> tuple[float, Optional[float]]:
 
 
 def watchdog_problems(args, sb) -> list[str]:
-    """A fixed ``--sb-watchdog-seconds`` must act before a collective times out: one line per
-    timeout it does not fit in (``preflight.check_parsed`` refuses the launch with them)."""
+    """A fixed ``--sb-watchdog-seconds`` must act before a collective times out: a line naming the
+    first timeout it does not fit in (``preflight.check_parsed`` refuses the launch with it)."""
     w = sb.watchdog_seconds_value
     if not w or getattr(args, "distributed_timeout_minutes", None) is None:
         return []

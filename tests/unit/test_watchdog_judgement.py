@@ -18,6 +18,7 @@ from sparsebalance_megatron.megatron.watchdog import (
     HUNG_EXIT_CODE,
     Watchdog,
     WatchdogTiming,
+    start_for_megatron,
     waiting_in_communication,
     watchdog_problems,
 )
@@ -252,3 +253,14 @@ def test_a_watchdog_slower_than_the_timeout_is_a_launch_problem():
         "--sb-watchdog-seconds=30: expected fewer seconds than the distributed timeout (30 s, "
         "--distributed-timeout-seconds-after-init): the collectives would time out before the "
         "watchdog names the hung rank; lower it, or use 'auto'"]
+
+
+def test_off_or_without_a_process_group_there_is_no_watchdog(monkeypatch):
+    from sparsebalance_megatron.megatron import comm
+
+    args = argparse.Namespace(distributed_timeout_minutes=1,
+                              distributed_timeout_seconds_after_init=None)
+    monkeypatch.setattr(comm, "is_initialized", lambda: True)
+    assert start_for_megatron(args, SparseBalanceConfig(watchdog_seconds="0")) is None
+    monkeypatch.setattr(comm, "is_initialized", lambda: False)   # whatever other tests left
+    assert start_for_megatron(args, SparseBalanceConfig()) is None
