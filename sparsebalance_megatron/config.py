@@ -23,7 +23,7 @@ PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 RAISE_TARGETS = ("bottleneck", "static")
 DST_OBJECTIVES = ("density", "quality")
 TIMING_SOURCES = ("measured", "model")
-FAULT_KINDS = ("raise", "hang", "kill")
+FAULT_KINDS = ("raise", "hang", "kill", "exit")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
@@ -234,7 +234,16 @@ class SparseBalanceConfig:
     fault: Optional[str] = _f(
         None, "Testing: inject a fault 'RANK:STEP:KIND' into global rank RANK's forward step of "
         "iteration STEP (1-based); KIND is raise (an exception), hang (the rank stops "
-        "answering) or kill (the process dies).")
+        "answering), kill (the process dies) or exit (the process leaves with os._exit(0)).")
+    watchdog_seconds: str = _f(
+        "auto", "Name the hung rank: a rank that has waited this many seconds in a collective "
+        "reads every rank's heartbeat (published every few seconds on the job's store) and "
+        "names the rank it waits for (stopped, exited, or making no progress outside any "
+        "collective) with its last Python stack, then ends the job. 'auto': the distributed "
+        "timeout in effect (--distributed-timeout-minutes, then "
+        "--distributed-timeout-seconds-after-init) less 10% (at least 2 s), so the job ends "
+        "before a collective would time out; N > 0: after N seconds (less than the timeout); "
+        "0: off. Watching starts at the first training micro-batch.")
 
     # --- resume and logging -----------------------------------------------------------------
     plan_ahead: bool = _f(
@@ -319,6 +328,19 @@ class SparseBalanceConfig:
         return (rank, step, parts[2]) if rank >= 0 and step >= 1 else None
 
     @property
+    def watchdog_seconds_value(self) -> Optional[float]:
+        """The fixed watchdog threshold in seconds (0: off), or None for 'auto' (or a value out
+        of its domain)."""
+        v = self.watchdog_seconds
+        if v == "auto" or isinstance(v, bool):
+            return None
+        try:
+            s = float(v)
+        except (TypeError, ValueError):
+            return None
+        return s if s == s and 0.0 <= s < float("inf") else None
+
+    @property
     def raise_headroom_value(self) -> Optional[float]:
         """The fixed raise headroom, or None for 'auto' (or a value out of its domain)."""
         if self.raise_headroom == "auto":
@@ -386,6 +408,10 @@ class SparseBalanceConfig:
         if self.fault and self.fault_spec is None:
             bad("fault", self.fault, "RANK:STEP:KIND with RANK >= 0, STEP >= 1 and KIND one of "
                 + ", ".join(FAULT_KINDS))
+        if self.watchdog_seconds != "auto" and self.watchdog_seconds_value is None:
+            bad("watchdog_seconds", self.watchdog_seconds,
+                "'auto' (the distributed timeout less a margin), 0 (off) or a number of seconds "
+                "> 0")
         if self.raise_headroom_value is None and self.raise_headroom != "auto":
             bad("raise_headroom", self.raise_headroom,
                 f"'auto' or a number in [0, {MAX_RAISE_HEADROOM}]")

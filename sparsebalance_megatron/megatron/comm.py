@@ -162,3 +162,15 @@ def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
     """In-place sum of ``x`` over ``group`` (not differentiated)."""
     dist.all_reduce(x, group=group)
     return x
+
+
+def watchdog_store():
+    """The job's key-value store (torchrun's, or the one ``init_process_group`` made) under the
+    prefix ``sparsebalance/watchdog/<torchrun's restart count>/`` (torchrun keeps its store
+    across restarts): each rank's heartbeat record, for ``watchdog.py``."""
+    import os
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"sparsebalance/watchdog/{attempt}/", _get_default_store())

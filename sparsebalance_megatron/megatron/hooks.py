@@ -31,6 +31,9 @@ What enters where:
   ``train()`` puts in ``config.timers``, and ``evaluate()`` restores after evaluation);
 - resume state: ``args.dataloader_save`` = ``--save``: Megatron's checkpoint calls our iterator's
   ``save_state`` and writes it into the iteration's folder (``state.py``).
+- the watchdog (``watchdog.py``, with the plugin's data path): built by the post-wrap hook, ticked
+  by every forward step, stopped by ``finish``; it names a hung, stopped or departed rank before
+  the distributed timeout (``--sb-watchdog-seconds``).
 With none of the plugin's switches on, ``install`` changes nothing: the run is stock Megatron.
 """
 
@@ -57,6 +60,7 @@ class _Integration:
     budget = None
     callback = None
     timers = None
+    watchdog = None
 
 
 _run = _Integration()
@@ -248,6 +252,8 @@ def _on_model_built(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
+    from .watchdog import start_for_megatron
+    _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
     config = get_model_config(model[0])
@@ -331,7 +337,12 @@ def finish() -> None:
     destroyed (PyTorch's documented shutdown; Megatron's ``pretrain()`` leaves them up). Left to
     interpreter finalization, gloo's worker threads can abort a finished rank ("terminate called
     without an active exception", pytorch#190489; seen here in about one of ten PP x CP runs on
-    CPU). Only for a normal end: after an error the other ranks would not reach the barrier."""
+    CPU). Only for a normal end: after an error the other ranks would not reach the barrier.
+    The watchdog watches that barrier (a rank stuck in a final checkpoint is named) and stops
+    before the groups go (its records live on the default group's store)."""
+    if _run.watchdog is not None:
+        comm.barrier()
+        _run.watchdog.stop()
     comm.destroy_process_groups()
 
 
@@ -353,6 +364,11 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
     mb = next(data_iterator)
     timers("batch-generator").stop()
     sb, cb = _run.sb, _run.callback
+    psp = mb["packed_seq_params"]
+    if _run.watchdog is not None:   # a progress point (training or evaluation micro-batch)
+        step, index = getattr(psp, "sb_step", None), getattr(psp, "sb_microbatch", None)
+        _run.watchdog.tick(step, "evaluation" if step is None or index is None else
+                           f"forward step, iteration {step + 1}, micro-batch {index}")
     if sb.fault is not None:
         _inject_fault(sb.fault_spec, mb["packed_seq_params"])
     t0 = time.perf_counter()
@@ -372,7 +388,8 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
 
 def _inject_fault(spec, psp) -> None:
     """--sb-fault RANK:STEP:KIND (tests of fail-fast): at the first micro-batch of iteration STEP
-    on global rank RANK, raise, hang (stop answering, as a stuck device would) or die."""
+    on global rank RANK, raise, hang (stop answering, as a stuck device would), die, or leave
+    (``os._exit(0)``, a rank that ends before the others)."""
     import os
     import signal
 
@@ -385,5 +402,7 @@ def _inject_fault(spec, psp) -> None:
         raise RuntimeError(f"--sb-fault: injected failure on rank {rank} at iteration {step}")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "exit":
+        os._exit(0)
     while True:   # hang
         time.sleep(3600)

@@ -12,7 +12,8 @@ Two points come before Megatron's own work:
   domains, and the files and directories the flags name);
 - the parser that ``hooks.extra_args_provider`` returns checks what it parsed, before Megatron
   validates it (``check_parsed``): the same, plus what needs Megatron's flags (the latency table
-  against the model flags, attention dropout, ``--save`` without ``--save-interval``).
+  against the model flags, attention dropout, ``--save`` without ``--save-interval``, a watchdog
+  threshold the distributed timeout would beat).
 
 ``hooks.install`` then runs the launch checks (``launch.check_launch``) and compares the latency
 table with the validated model (padded vocabulary, derived sizes), still before any process
@@ -29,6 +30,7 @@ from typing import Optional
 from ..arguments import config_from_args
 from ..config import ConfigError, SparseBalanceConfig, flag_name, path_fields
 from .launch import LaunchError, attention_dropout_conflicts
+from .watchdog import watchdog_problems
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -197,6 +199,7 @@ def check_parsed(args, *, packed_data: Optional[bool],
     sb = config_from_args(args)          # ConfigError: flag and value
     plugin_data = uses_plugin_data(sb, packed_data)
     bad = config_problems(sb)
+    bad += watchdog_problems(args, sb)
     if hasattr(args, "attention_dropout"):
         bad += attention_dropout_conflicts(args, sb, plugin_data)
         if args.attention_dropout is None:

@@ -6,7 +6,8 @@ of iteration 2 or 3 of a DP=2 run (gloo, CPU). The bound on the job's duration i
 loaded machine starts a run in about half a minute) but far below what a stall would cost: the
 distributed timeout is 5 minutes here, and every process group gets it (Megatron's groups are made
 with ``--distributed-timeout-minutes``; ``--distributed-timeout-seconds-after-init`` shortens it
-after the first step, which the hang case uses)."""
+after the first step, which the hang case uses; the watchdog then names the hung rank before
+that timeout strikes: tests/distributed/test_watchdog.py has its cases)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,16 @@ def test_a_killed_rank_ends_the_job(tmp_path, small_jsonl):
 
 
 @pytest.mark.reliability(area="fault", case="rank 1 hangs at iteration 3",
-                         expect="its peer times out after the user's timeout, the job ends")
-def test_a_hung_rank_ends_the_job_at_the_users_timeout(tmp_path, small_jsonl):
+                         expect="the watchdog names rank 1 with its stack before the peers' "
+                         "timeout (10 s after the first step) would strike; the job ends")
+def test_a_hung_rank_is_named_before_the_users_timeout(tmp_path, small_jsonl):
     proc, wall = _run(tmp_path, small_jsonl, "1:3:hang",
                       ["--distributed-timeout-seconds-after-init", "10"])
     assert proc.returncode != 0
     assert "injecting 'hang' on rank 1 at iteration 3" in proc.stdout
-    low = proc.stdout.lower()
-    assert "timed out" in low or "timeout" in low, proc.stdout[-3000:]
+    # --sb-watchdog-seconds auto: 10 s less the margin, from the second step on
+    assert "(threshold 8 s)" in proc.stdout, proc.stdout[-3000:]
+    assert "watchdog: rank 1 (dp 1, pp 0, tp 0, cp 0) is stalled" in proc.stdout
+    assert "in _inject_fault" in proc.stdout and "rank 1 ends itself" in proc.stdout
+    assert "exitcode  : 3" in proc.stdout   # torchrun's root cause: the hung rank
     assert wall < BOUND_S, wall

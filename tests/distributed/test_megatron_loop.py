@@ -55,6 +55,7 @@ def test_tensorboard_eval_and_exit_interval(tmp_path, small_jsonl, tiny_latency_
     assert (tmp_path / "ckpt" / "iter_0000003" / "mp_rank_00" /
             "train_dataloader_dprank000.pt").exists()
     assert "CPU RNG state changed" not in out
+    assert "watchdog:" not in out   # evaluation, a checkpoint and an early exit: nothing named
 
 
 def test_fp16_trains_with_megatrons_loss_scale(tmp_path, small_jsonl):

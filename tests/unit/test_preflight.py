@@ -116,6 +116,9 @@ CASES = [
     _case(["--sb-query-chunk-blocks", "0"], "--sb-query-chunk-blocks=0: expected an integer >= 1"),
     _case(["--sb-microbatch-multiple", "-4"], "--sb-microbatch-multiple=-4: expected an integer"),
     _case(["--sb-fault", "1:0:explode"], "--sb-fault='1:0:explode': expected RANK:STEP:KIND"),
+    _case(["--sb-watchdog-seconds", "-1"], "--sb-watchdog-seconds='-1': expected 'auto'"),
+    _case(["--sb-watchdog-seconds", "600"], "--sb-watchdog-seconds=600: expected fewer seconds "
+          "than the distributed timeout (600 s, --distributed-timeout-minutes)"),
     _case(["--sb-raise-headroom", "0.9"], "--sb-raise-headroom='0.9': expected 'auto' or a "
           "number in [0, 0.5]"),
     _case(["--sb-straggler-slowdown", "0.5"], "--sb-straggler-slowdown=0.5: expected a number "
