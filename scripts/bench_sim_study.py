@@ -19,6 +19,10 @@ Rows, all on the same global batches, speedups vs ``best_static``:
 plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the layout
 no slower than best_static's with the lowest predicted loss, the densest under the density
 objective: the "free accuracy" row).
+Do no harm (issue 27, ``--stand-down``): every SAB run stands down to the best static
+configuration's packing in a step where SAB is predicted no faster, and every DST plan to the
+static plan where it is predicted slower (``policy.stand_down``); the ``dst_sd`` / ``sab_sd``
+columns are the fractions of steps that stood down. ``--stand-down off`` is the ablation.
 DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and the runtime's default
 ``--sb-dst-objective`` unless ``--dst-objective`` names one; the JSON's config records which).
 Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
@@ -42,12 +46,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from sparsebalance_megatron.config import DST_OBJECTIVES, SparseBalanceConfig
 from sparsebalance_megatron.data import load_corpus
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
+from sparsebalance_megatron.experiments.layout_search import stand_down_config
+from sparsebalance_megatron.experiments.study import packing_of
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
 
 MODELS = {
@@ -90,6 +97,10 @@ def parse_args(argv=None):
     p.add_argument("--microbatch-multiple", type=int, default=0,
                    help="--sb-microbatch-multiple of every run (0: fixed --seq-length "
                         "micro-batches; K: each micro-batch its documents rounded up to K)")
+    p.add_argument("--stand-down", choices=("best_static", "off"), default="best_static",
+                   help="do no harm (issue 27, --sb-stand-down): SAB runs stand down to the best "
+                        "static configuration's packing and DST plans to the static plan when "
+                        "predicted no faster (best_static), or never (off: the ablation)")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -101,6 +112,7 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
+    cfg = stand_down_config(cfg, best_static)   # what the search's SparseBalance runs used
     best_dense = found["dense"][0]
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
@@ -126,10 +138,10 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
 def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) -> dict:
     """sab_dst at every stage floor, on the even split and on its best layout, against the
     best static configuration found for this (mix, d0, dp)."""
-    from dataclasses import replace
-
     best = found["best_static"]
     static_layout = PipelineLayout.from_dict(best["layout"])
+    if cfg.stand_down != "off":                 # stand down to the best static's packing
+        cfg = replace(cfg, stand_down=packing_of(best["variant"]))
     sb_layout = PipelineLayout.from_dict(found["best_sparsebalance"]["layout"])
     even = PipelineLayout.even(static_layout.num_layers, pp)
     out = {}
@@ -192,7 +204,8 @@ def study_mix(args, out: dict, lm, cp: int, mix: str) -> None:
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=args.seed,
                           dst_objective=args.dst_objective,
-                          microbatch_multiple=args.microbatch_multiple)
+                          microbatch_multiple=args.microbatch_multiple,
+                          stand_down="off" if args.stand_down == "off" else None)
         res = {}
         for dp in args.ranks:
             r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
