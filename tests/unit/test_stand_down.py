@@ -166,3 +166,57 @@ def test_counts_describe_and_round_trip():
     assert d == c
     d.load_state_dict(None)
     assert d == c
+
+
+def _runtime_options(lm, lengths, dp=2, m=2):
+    from sparsebalance_megatron.batching import latency_sample_cost_fn, sab_plan, sequential_plan
+
+    kw = dict(dp=dp, num_microbatches=m, max_tokens=4096)
+    sab = sab_plan(lengths, cost_fn=latency_sample_cost_fn(lm, D0), **kw)
+    seq = sequential_plan(lengths, **kw)
+    return [(b, lm.unit_features(b.unit_csr(with_padding=True))) for b in (sab, seq)]
+
+
+def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
+    """The callback's glue (``megatron.step_choice.choose``): with DST's plan made slower on
+    purpose (every unit raised to d_max), rank 0 commits the static plan of the packing it keeps,
+    and the report (what the metrics print) describes that plan, not DST's."""
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.megatron import step_choice
+    from sparsebalance_megatron.policy import dst
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
+    lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])
+    sb = SparseBalanceConfig(sparse_balance=True, density=D0, dst_objective="density")
+    options = _runtime_options(lm, lengths)
+    assert step_choice.wants_baseline_packing(sb, lm)
+    dens, report, record = step_choice.choose(sb, lm, options, 2, dst=True, raise_headroom=0.05,
+                                              stage_layers=[2, 2])
+    assert record["dst_stood_down"] is False and report["stand_down"] == record
+    real = dst.plan_dst_from_config
+
+    def all_raised(config, costs, *a, **kw):
+        p = real(config, costs, *a, **kw)
+        p.densities = np.full(costs.shape, 1.0)
+        return p
+
+    monkeypatch.setattr(dst, "plan_dst_from_config", all_raised)
+    dens, report, record = step_choice.choose(sb, lm, options, 2, dst=True, raise_headroom=0.05,
+                                              stage_layers=[2, 2])
+    assert record["dst_stood_down"] is True
+    assert np.all(np.asarray(dens) == D0)
+    assert report["step_time_planned_s"] == record["predicted_static_s"] < \
+        record["predicted_dst_s"]
+    assert report["units_cut"] == report["units_raised"] == 0
+    # the ablation commits DST's plan as made
+    off = SparseBalanceConfig(sparse_balance=True, density=D0, dst_objective="density",
+                              stand_down="off")
+    assert not step_choice.wants_baseline_packing(off, lm)
+    dens, _, record = step_choice.choose(off, lm, options[:1], 2, dst=True,
+                                         raise_headroom=0.05, stage_layers=[2, 2])
+    assert record["dst_stood_down"] is False and np.all(np.asarray(dens) == 1.0)
+    # without DST: the static plans of the two packings decide (every rank alike)
+    _, _, record = step_choice.choose(SparseBalanceConfig(batching=True, sparse_attention=True,
+                                                          density=D0), lm, options, 2, dst=False)
+    assert record["dst_stood_down"] is None and record["sab_stood_down"] in (True, False)
+    assert record["packing_index"] == int(record["sab_stood_down"])
