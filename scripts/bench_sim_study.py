@@ -106,6 +106,26 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def provenance() -> dict:
+    """Command, commit and versions of this run (recorded in the JSON)."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,
+                                  timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return {"command": " ".join(["python"] + sys.argv), "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain")), "python": platform.python_version(),
+            "numpy": np.__version__}
+
+
 def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     """The search and the comparison rows of one (mix, d0, dp)."""
     t0 = time.perf_counter()
@@ -182,7 +202,7 @@ def main(argv=None):
           f"steps={args.steps} dst_objective={args.dst_objective}")
     t0 = time.perf_counter()
     out = {"config": {k: v for k, v in vars(args).items() if k != "json"},
-           "latency_source": source, "results": {}}
+           "latency_source": source, "provenance": provenance(), "results": {}}
     for cp, lm in models.items():
         for mix in args.mixes:
             study_mix(args, out, lm, cp, mix)

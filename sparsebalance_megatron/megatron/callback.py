@@ -344,22 +344,11 @@ class SparseBalanceCallback:
     def _choose(self, options: list, *, dst: bool):
         """(densities, DST report, stand-down record) of the step: DST on each packing option,
         under the do-no-harm rule (``step_choice.choose``)."""
-        from .step_choice import choose
+        from .step_choice import choose, raise_headroom
 
         return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
-                      raise_headroom=self.raise_headroom() if dst else None,
-                      stage_layers=self.layout.attention_layers)
-
-    def raise_headroom(self) -> float:
-        """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
-        8 steps (``DEFAULT_RAISE_HEADROOM`` before any), capped at ``MAX_RAISE_HEADROOM``."""
-        from ..config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM
-
-        fixed = self.sb.raise_headroom_value
-        if fixed is not None:
-            return fixed
-        err = self.latency.recent_error(last=8 * self.dp)
-        return DEFAULT_RAISE_HEADROOM if err is None else min(err, MAX_RAISE_HEADROOM)
+                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
+                      if dst else None, stage_layers=self.layout.attention_layers)
 
     def step_for_chunk(self, chunk: int) -> PreparedStep:
         """The step the data iterator of model chunk ``chunk`` reads next: the current one if

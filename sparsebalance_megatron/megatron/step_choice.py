@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..batching.sensitivity import unit_sensitivity
-from ..config import SparseBalanceConfig
+from ..config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
 from ..policy.costs import UnitCosts, density_grid
 from ..policy.stand_down import choose_step
 
@@ -25,6 +25,16 @@ from ..policy.stand_down import choose_step
 def wants_baseline_packing(sb: SparseBalanceConfig, latency) -> bool:
     """Whether a step also packs the baseline's way: SAB packing, the rule on, a latency model."""
     return sb.packing_method == "sab" and sb.stand_down != "off" and latency is not None
+
+
+def raise_headroom(sb: SparseBalanceConfig, latency, dp: int) -> float:
+    """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
+    8 steps (``DEFAULT_RAISE_HEADROOM`` before any), capped at ``MAX_RAISE_HEADROOM``."""
+    fixed = sb.raise_headroom_value
+    if fixed is not None:
+        return fixed
+    err = latency.recent_error(last=8 * dp)
+    return DEFAULT_RAISE_HEADROOM if err is None else min(err, MAX_RAISE_HEADROOM)
 
 
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
