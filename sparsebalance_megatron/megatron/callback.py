@@ -14,7 +14,8 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   Megatron's finalize, then ``end_step``: gather timings and attention statistics, check that
   every rank used the plan, calibrate the latency model, refine sensitivities, report metrics,
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
-  plan (rank 0 plans, broadcasts; every rank holds identical budgets).
+  plan (rank 0 plans, broadcasts; every rank holds identical budgets), each committed only where
+  predicted no slower than the static baseline (do no harm, ``step_choice.py``).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
 
 With ``--sb-plan-ahead`` the next step's draft (documents, packing, latency features, rank 0's

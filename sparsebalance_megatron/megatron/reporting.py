@@ -226,8 +226,10 @@ class StepReporter:
         if iteration % max(self.args.log_interval, 1) == 0 or iteration == self.args.train_iters:
             self._log_line(iteration, rec)
             self._interval.clear()
-        if iteration == self.args.train_iters and comm.rank() == comm.world_size() - 1 \
-                and self.stood.describe():
+        exit_every = getattr(self.args, "exit_interval", None)   # Megatron's clean stop
+        last = iteration == self.args.train_iters or bool(exit_every and
+                                                          iteration % exit_every == 0)
+        if last and comm.rank() == comm.world_size() - 1 and self.stood.describe():
             print(f"[sparsebalance] run summary: {self.stood.describe()} of the steps "
                   f"(do no harm: --sb-stand-down {self.sb.stand_down})", flush=True)
         return rec
