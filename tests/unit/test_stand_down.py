@@ -37,6 +37,9 @@ def test_step_time_is_the_simulators():
         plan_step_time_s(costs, d[:, :2])
 
 
+@pytest.mark.reliability(area="budget", case="DST plan predicted slower than the static plan "
+                         "(a raise that lengthens the pipeline fill at equal stage busy time)",
+                         expect="the static plan is committed and the step counts as stood down")
 def test_a_plan_with_equal_stage_busy_times_but_a_longer_pipeline_fill_stands_down():
     """A pipeline-schedule effect a busy-time proxy misses: on one rank of 2 stages, raising the
     first micro-batch on stage 0 and cutting the last one by the same seconds keeps stage 0's
@@ -177,6 +180,9 @@ def _runtime_options(lm, lengths, dp=2, m=2):
     return [(b, lm.unit_features(b.unit_csr(with_padding=True))) for b in (sab, seq)]
 
 
+@pytest.mark.reliability(area="budget", case="runtime: DST returns a plan predicted slower than "
+                         "static (every unit at d_max)", expect="rank 0 commits the static plan "
+                         "and reports it, not DST's; --sb-stand-down off commits DST's plan")
 def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
     """The callback's glue (``megatron.step_choice.choose``): with DST's plan made slower on
     purpose (every unit raised to d_max), rank 0 commits the static plan of the packing it keeps,
