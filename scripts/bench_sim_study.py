@@ -19,6 +19,10 @@ Rows, all on the same global batches, speedups vs ``best_static``:
 plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the layout
 no slower than best_static's with the lowest predicted loss, the densest under the density
 objective: the "free accuracy" row).
+Do no harm (issue 27, ``--stand-down``): every SAB run stands down to the best static
+configuration's packing in a step where SAB is predicted no faster, and every DST plan to the
+static plan where it is predicted slower (``policy.stand_down``); the ``dst_sd`` / ``sab_sd``
+columns are the fractions of steps that stood down. ``--stand-down off`` is the ablation.
 DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and the runtime's default
 ``--sb-dst-objective`` unless ``--dst-objective`` names one; the JSON's config records which).
 Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
@@ -58,6 +62,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -68,6 +73,8 @@ from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
 from sparsebalance_megatron.experiments.mixes import DEFAULT_TOKENS, MIXES, mix_lengths
 from sparsebalance_megatron.experiments.robustness import (format_summary, same_layout_slow_rank,
                                                            summarize)
+from sparsebalance_megatron.experiments.layout_search import stand_down_config
+from sparsebalance_megatron.experiments.study import packing_of
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
 
 MODELS = {
@@ -150,6 +157,10 @@ def parse_args(argv=None):
     p.add_argument("--microbatch-multiple", type=int, default=0,
                    help="--sb-microbatch-multiple of every run (0: fixed --seq-length "
                         "micro-batches; K: each micro-batch its documents rounded up to K)")
+    p.add_argument("--stand-down", choices=("best_static", "off"), default="best_static",
+                   help="do no harm (issue 27, --sb-stand-down): SAB runs stand down to the best "
+                        "static configuration's packing and DST plans to the static plan when "
+                        "predicted no faster (best_static), or never (off: the ablation)")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -162,6 +173,7 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
+    cfg = stand_down_config(cfg, best_static)   # what the search's SparseBalance runs used
     best_dense = found["dense"][0]
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
@@ -189,10 +201,10 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
 def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) -> dict:
     """sab_dst at every stage floor, on the even split and on its best layout, against the
     best static configuration found for this (mix, d0, dp)."""
-    from dataclasses import replace
-
     best = found["best_static"]
     static_layout = PipelineLayout.from_dict(best["layout"])
+    if cfg.stand_down != "off":                 # stand down to the best static's packing
+        cfg = replace(cfg, stand_down=packing_of(best["variant"]))
     sb_layout = PipelineLayout.from_dict(found["best_sparsebalance"]["layout"])
     even = PipelineLayout.even(static_layout.num_layers, pp)
     out = {}
@@ -265,7 +277,8 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=seed,
                           dst_objective=args.dst_objective, tolerance=args.tolerance,
-                          microbatch_multiple=args.microbatch_multiple)
+                          microbatch_multiple=args.microbatch_multiple,
+                          stand_down="off" if args.stand_down == "off" else None)
         res = {}
         for dp in args.ranks:
             r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank)

@@ -21,6 +21,7 @@ TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 RAISE_TARGETS = ("bottleneck", "static")
+STAND_DOWNS = ("sequential", "token_balanced", "off")   # policy/stand_down.py
 DST_OBJECTIVES = ("density", "quality")
 TIMING_SOURCES = ("measured", "model")
 FAULT_KINDS = ("raise", "hang", "kill", "exit")
@@ -141,6 +142,14 @@ class SparseBalanceConfig:
         "('bottleneck': the balance gain is speed) or up to the static plan's step time at "
         "--sb-density ('static': the balance gain becomes density, the step no slower than "
         "static sparse attention).", choices=RAISE_TARGETS)
+    stand_down: str = _f(
+        "sequential", "Do no harm, every step: a DST plan predicted slower than the static plan "
+        "(every unit at --sb-density) of the same micro-batches is not committed (the static "
+        "plan is), and SAB's packing is replaced by this baseline packing ('sequential': "
+        "Megatron's fill; 'token_balanced') unless the latency model predicts SAB's step faster, "
+        "each under the plan DST would make for it; 'off': commit SAB and DST as planned (an "
+        "ablation). The metrics and the [sparsebalance] line count the stand-downs.",
+        choices=STAND_DOWNS)
     dst_objective: str = _f(
         "quality", "What DST keeps while it balances: 'quality' (the default: cuts and raises "
         "go where density buys the most predicted quality per attention-second under the "

@@ -21,11 +21,11 @@ Pure numpy; must not import torch or megatron.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
-from .study import StudyConfig, run_study
+from .study import StudyConfig, packing_of, run_study
 
 STATIC_VARIANTS = ("static", "token_balanced")
 DENSE_VARIANT = "dense"
@@ -87,11 +87,22 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     return out
 
 
+def stand_down_config(cfg: StudyConfig, best_static: LayoutChoice) -> StudyConfig:
+    """``cfg`` whose SAB runs stand down to the packing of the best static configuration
+    (``--sb-stand-down``, issue 27: the baseline a run must not lose to is what the user would
+    run without SparseBalance); unchanged when the stand-down is off."""
+    if cfg.policy().stand_down == "off":
+        return cfg
+    return replace(cfg, stand_down=packing_of(best_static.variant))
+
+
 def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                  num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2)) -> dict:
     """{"static": [...], "dense": [...], "sparsebalance": [...], "accuracy": [...],
     "even_static": choice}.
 
+    The SparseBalance searches stand down to the best static configuration's packing
+    (``stand_down_config``).
     static / dense / sparsebalance: the searches, fastest first (dense: every layout with dense
     attention, what a user without the plugin runs today); accuracy: SAB + DST raising to the
     static plan's step time (``--sb-raise-to static``) on every layout whose step is no slower
@@ -104,9 +115,10 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                             variants=STATIC_VARIANTS)
     dense = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
                            variants=(DENSE_VARIANT,))
-    sparse = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
+    sb_cfg = stand_down_config(cfg, static[0])
+    sparse = search_layouts(lm, lengths, sb_cfg, dp, pp=pp, num_layers=n, vps=vps,
                             variants=(SPARSE_VARIANT,))
-    acc = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
+    acc = search_layouts(lm, lengths, sb_cfg, dp, pp=pp, num_layers=n, vps=vps,
                          variants=(ACCURACY_VARIANT,))
     limit = static[0].step_time_s * (1 + 1e-9)
     acc = [c for c in acc if c.qualifies and c.step_time_s <= limit]

@@ -21,7 +21,12 @@ or the interleaved schedule for a layout with vp > 1). Variants (names are what 
 
 DST is the runtime's own call, ``plan_dst_from_config`` with the floors and the raise headroom of
 a ``SparseBalanceConfig`` (``StudyConfig.policy``). Every run of a study is (variant, layout):
-the same global batches and packings are timed on each run's layout.
+the same global batches and packings are timed on each run's layout. Do no harm (issue 27) is the
+runtime's rule too (``policy.stand_down.choose_step``, ``--sb-stand-down``): a DST plan predicted
+slower than the static plan of its micro-batches is replaced by it, and a SAB run packs the
+baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster; the rows say in what
+fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; the tables'
+``dst_sd`` / ``sab_sd`` columns).
 
 Per run: step time (mean over steps), speedup vs the baseline run (sum of its step times / sum of
 this run's), imbalance (max / mean of per-rank makespans, mean over steps), bubble fraction, mean
@@ -49,6 +54,7 @@ from ..data import GlobalBatchSampler
 from ..policy import UnitCosts, density_grid
 from ..policy.dst import plan_dst_from_config
 from ..policy.quality import StageQuality, load_quality_cost
+from ..policy.stand_down import StandDownCounts, choose_step
 from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
 from .heterogeneous import scale_costs
 
@@ -86,6 +92,9 @@ class StudyConfig:
     ``DEFAULT_RAISE_HEADROOM`` without a measured error, as in a simulation)."""
     dst_objective: Optional[str] = None
     """--sb-dst-objective of the plans (None: the runtime's default)."""
+    stand_down: Optional[str] = None
+    """--sb-stand-down of the runs (None: the runtime's default): the baseline packing SAB's runs
+    stand down to when SAB is predicted no faster, 'off': no stand-down (``policy.stand_down``)."""
     microbatch_multiple: int = 0
     """--sb-microbatch-multiple: 0 fixed-length micro-batches (the fill is padding every run
     pays), k > 0 each micro-batch its documents rounded up to a multiple of k tokens; every
@@ -101,7 +110,8 @@ class StudyConfig:
         kw = dict(sparse_balance=True, density=self.density, min_density=self.min_density,
                   max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
                   raise_to=raise_to)
-        for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective"):
+        for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective",
+                  "stand_down"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)
@@ -158,10 +168,14 @@ class VariantAccumulator:
         self.step_s, self.imb, self.bubble, self.dw, self.w = 0.0, [], [], 0.0, 0.0
         self.stage_dw = self.stage_w = None
         self.plan_ms, self.loss = [], []
+        self.stood = StandDownCounts()
 
     def add(self, costs: UnitCosts, densities: np.ndarray, p2p_s: float, plan_ms=None,
-            quality=None):
-        """One step; ``quality``: a ``StageQuality`` of the run's layout (predicted loss)."""
+            quality=None, choice=None):
+        """One step; ``quality``: a ``StageQuality`` of the run's layout (predicted loss);
+        ``choice``: the step's ``policy.stand_down.StepChoice`` (None: no choice made)."""
+        if choice is not None:
+            self.stood.add(choice.dst_stood_down, choice.sab_stood_down)
         idx = np.searchsorted(costs.densities, densities - 1e-12)
         f, b = costs.at(idx)
         if costs.vp > 1:
@@ -201,6 +215,12 @@ class VariantAccumulator:
             out["predicted_loss"] = float(np.mean(self.loss))
         if self.plan_ms:
             out["plan_ms_median"] = float(np.median(self.plan_ms))
+        st = self.stood
+        for part, n, k in (("dst", st.dst_stood_down, st.dst_steps),
+                           ("sab", st.sab_stood_down, st.sab_steps)):
+            if k:      # fraction of the steps where the part stood down (do no harm)
+                out[f"{part}_stood_down"] = n / k
+                out[f"{part}_stood_down_steps"] = [n, k]
         return out
 
 
@@ -240,6 +260,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     policies = {}
     needed = {packing_of(v) for v, _ in runs.values()}
     needed_feats = {(packing_of(v), v == "dense") for v, _ in runs.values()}
+    fallback = cfg.policy().stand_down          # the packing SAB's runs stand down to
+    fallback = None if fallback == "off" else fallback
+    if fallback and "sab" in needed:
+        needed.add(fallback)
+        needed_feats.add((fallback, False))
     for _ in range(cfg.steps):
         segs = sampler.next_global_batch()
         plans = {"sequential": sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)}
@@ -257,23 +282,34 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         costs = {}
         for name, (variant, lay) in runs.items():
             packing, dense = packing_of(variant), variant == "dense"
-            if (packing, dense, lay) not in costs:
-                costs[packing, dense, lay] = scale_costs(UnitCosts.from_latency(
-                    models[dense, lay], feats[packing, dense], dp, m, grid), cfg.slow_ranks)
-            c = costs[packing, dense, lay]
+            # do no harm: SAB's packing competes with the baseline's (policy.stand_down)
+            cands = [packing] + ([fallback] if packing == "sab" and fallback and not dense
+                                 else [])
+            for k in cands:
+                if (k, dense, lay) not in costs:
+                    costs[k, dense, lay] = scale_costs(UnitCosts.from_latency(
+                        models[dense, lay], feats[k, dense], dp, m, grid), cfg.slow_ranks)
+            cs = [costs[k, dense, lay] for k in cands]
             anchor = dst_anchor_of(variant)
+            if anchor is None and len(cs) == 1:
+                acc[name].add(cs[0], np.full(cs[0].shape, 1.0 if dense else d0), lm.p2p_s,
+                              quality=quality[lay])
+                continue
+            plan_fn = None
             if anchor is not None:
                 pkey = (anchor, raise_to_of(variant))
                 if pkey not in policies:
                     policies[pkey] = cfg.policy(*pkey)
-                t = time.perf_counter()
-                plan = plan_dst_from_config(policies[pkey], c, sens[packing], p2p_s=lm.p2p_s,
-                                            stage_layers=models[False, lay].layout.layers)
-                acc[name].add(c, plan.densities, lm.p2p_s, (time.perf_counter() - t) * 1e3,
-                              quality=quality[lay])
-            else:
-                acc[name].add(c, np.full(c.shape, 1.0 if variant == "dense" else d0), lm.p2p_s,
-                              quality=quality[lay])
+
+                def plan_fn(i, c, pol=policies[pkey], layers=models[False, lay].layout.layers):
+                    plan = plan_dst_from_config(pol, c, sens[cands[i]], p2p_s=lm.p2p_s,
+                                                stage_layers=layers)
+                    return plan.densities, plan
+            t = time.perf_counter()
+            choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None)
+            acc[name].add(cs[choice.index], choice.outcome.densities, lm.p2p_s,
+                          (time.perf_counter() - t) * 1e3 if anchor is not None else None,
+                          quality=quality[lay], choice=choice)
     base = acc[baseline].step_s
     return {name: a.row(base) for name, a in acc.items()}
 
@@ -290,7 +326,8 @@ def format_table(title: str, results: dict) -> str:
     """Text table of {dp: {run: row}}, preceded by a blank line and the title."""
     lines = [f"\n{title}",
              f"{'ranks':>6} {'run':<26} {'step_s':>8} {'speedup':>8} {'imbal':>6} "
-             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'loss':>8} {'plan_ms':>8}"
+             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'loss':>8} {'plan_ms':>8} "
+             f"{'dst_sd':>6} {'sab_sd':>6}"
              + (f" {'vs_dense':>8}" if any("speedup_vs_dense" in r for rows in results.values()
                                           for r in rows.values()) else "")]
     for dp, rows in results.items():
@@ -298,9 +335,11 @@ def format_table(title: str, results: dict) -> str:
             pm = f"{r['plan_ms_median']:.1f}" if "plan_ms_median" in r else "-"
             pl = f"{r['predicted_loss']:+.4f}" if "predicted_loss" in r else "-"
             vd = f" {r['speedup_vs_dense']:>8.3f}" if "speedup_vs_dense" in r else ""
+            sd = " ".join(f"{r[k]:>6.2f}" if k in r else f"{'-':>6}"
+                          for k in ("dst_stood_down", "sab_stood_down"))
             lines.append(f"{dp:>6} {v:<26} {r['step_time_s']:>8.3f} "
                          f"{r['speedup_vs_static']:>8.3f} {r['imbalance']:>6.3f} "
                          f"{r['bubble_fraction']:>7.3f} {r['mean_density']:>8.3f} "
-                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8}{vd}")
+                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8} {sd}{vd}")
     return "\n".join(lines)
 

@@ -14,7 +14,8 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   Megatron's finalize, then ``end_step``: gather timings and attention statistics, check that
   every rank used the plan, calibrate the latency model, refine sensitivities, report metrics,
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
-  plan (rank 0 plans, broadcasts; every rank holds identical budgets).
+  plan (rank 0 plans, broadcasts; every rank holds identical budgets), each committed only where
+  predicted no slower than the static baseline (do no harm, ``step_choice.py``).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
 
 With ``--sb-replay-plans`` a step's packing and densities are another run's recorded ones
@@ -44,6 +45,7 @@ from ..config import SparseBalanceConfig
 from ..plan import BudgetPlan
 from . import comm
 from .budget import BudgetContext
+from .step_choice import wants_baseline_packing
 
 STATE_VERSION = 1
 
@@ -58,6 +60,7 @@ class PreparedStep:
     plan: Optional[BudgetPlan]     # None: dense run
     report: Optional[dict]         # DST's report (None: static plan)
     units: object = None           # the latency model's UnitFeatures of the batch (padded)
+    stand_down: Optional[dict] = None  # do-no-harm record (step_choice.choose); None: no choice
 
 
 @dataclass
@@ -73,6 +76,8 @@ class _Draft:
     replayed: object = None        # --sb-replay-plans: the recorded densities (None: dense)
     cpu_s: float = 0.0             # CPU time the draft took (its thread's)
     basis: Optional[dict] = None   # plan-ahead: the plugin state it was planned from
+    baseline: Optional[tuple] = None   # (batch, units) packed the baseline's way (stand-down)
+    stand_down: Optional[dict] = None  # without DST: every rank's own packing choice
 
 
 class _Planner:
@@ -229,14 +234,15 @@ class SparseBalanceCallback:
             self._doc_losses.append((tuple(doc_ids), loss_sums.detach(), tokens.detach()))
 
     # --- before a step -----------------------------------------------------------------------
-    def pack(self, segments, num_microbatches: int) -> BatchPlan:
-        """The step's micro-batches by --sb-packing: sequential (Megatron), token_balanced, SAB."""
+    def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
+        """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
+        token_balanced, SAB."""
         from ..batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
                                         token_balanced_plan)
 
         sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
                                max_tokens=self.capacity)
-        method = sb.packing_method
+        method = method or sb.packing_method
         if method == "sab":
             plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
                             sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
@@ -263,35 +269,51 @@ class SparseBalanceCallback:
         t0 = time.thread_time()
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * num_microbatches)
-        replayed = None
+        replayed, payload, stand = None, None, None
         if self.replay is not None:            # the recorded packing and densities
             batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
+            _check_assignment(segments, batch, self.capacity)
+            options = [(batch, self._units(batch))]
         else:
-            batch = self.pack(segments, num_microbatches)
+            options = [self._packed(segments, num_microbatches)]
+            if wants_baseline_packing(self.sb, self.latency):     # do no harm: SAB vs baseline
+                options.append(self._packed(segments, num_microbatches, self.sb.stand_down))
+            if self.sb.dst_enabled:
+                if comm.rank() == 0:
+                    densities, report, _ = self._choose(options, dst=True)
+                    payload = (densities, report)
+            elif len(options) > 1:
+                stand = self._choose(options, dst=False)[2]
+        return _Draft(iteration, first_bin, *options[0], payload, replayed,
+                      cpu_s=time.thread_time() - t0,
+                      baseline=options[1] if len(options) > 1 else None, stand_down=stand)
+
+    def _packed(self, segments, num_microbatches: int, method: Optional[str] = None) -> tuple:
+        batch = self.pack(segments, num_microbatches, method)
         _check_assignment(segments, batch, self.capacity)
-        units = self._units(batch)
-        payload = self._plan_dst(batch, units) \
-            if self.sb.dst_enabled and self.replay is None and comm.rank() == 0 else None
-        return _Draft(iteration, first_bin, batch, units, payload, replayed,
-                      cpu_s=time.thread_time() - t0)
+        return batch, self._units(batch)
 
     def _commit(self, draft: _Draft) -> None:
         """The draft becomes the prepared step (collective: rank 0's DST plan is broadcast)."""
-        plan, report, sb = None, None, self.sb
+        plan, report, sb, stand = None, None, self.sb, draft.stand_down
         if self.replay is not None and sb.sparse_attention_enabled:   # every rank read it
             plan = BudgetPlan(draft.iteration, draft.replayed)
         elif sb.dst_enabled:
             densities, report = comm.broadcast_object(draft.payload, src=0)
             plan = BudgetPlan(draft.iteration, np.asarray(densities))
-        elif sb.sparse_attention_enabled:
+            stand = report.get("stand_down")
+        batch, units = draft.batch, draft.units
+        if stand is not None and stand["packing_index"] == 1:    # SAB stood down
+            batch, units = draft.baseline
+        if plan is None and sb.sparse_attention_enabled:
             plan = BudgetPlan.static(draft.iteration, sb.density, self.dp,
-                                     draft.batch.num_microbatches, self.layout.num_stages)
-        self._ready = PreparedStep(draft.iteration, draft.first_bin, draft.batch, plan, report,
-                                   draft.units)
+                                     batch.num_microbatches, self.layout.num_stages)
+        self._ready = PreparedStep(draft.iteration, draft.first_bin, batch, plan, report,
+                                   units, stand)
         self._ready_basis = draft.basis
         if not self._layout_checked:
             self._layout_checked = True
-            self._check_layout(draft.batch, draft.units)
+            self._check_layout(batch, units)
 
     def _planning_state(self) -> dict:
         """The state plans are made from: latency calibration and sensitivities."""
@@ -337,33 +359,14 @@ class SparseBalanceCallback:
                      f"{best.describe()} ({' '.join(best.megatron_flags())}); see "
                      f"sparsebalance-layout")
 
-    def _plan_dst(self, batch: BatchPlan, units):
-        from ..batching.sensitivity import unit_sensitivity
-        from ..policy.costs import UnitCosts, density_grid
-        from ..policy.dst import plan_dst_from_config
+    def _choose(self, options: list, *, dst: bool):
+        """(densities, DST report, stand-down record) of the step: DST on each packing option,
+        under the do-no-harm rule (``step_choice.choose``)."""
+        from .step_choice import choose, raise_headroom
 
-        sb = self.sb
-        grid = density_grid(sb.density, sb.min_density, sb.max_density)
-        costs = UnitCosts.from_latency(self.latency, units, self.dp,
-                                       batch.num_microbatches, grid)
-        sens = unit_sensitivity(batch.micro_batches, self.tracker) if self.tracker else None
-        headroom = self.raise_headroom()
-        plan = plan_dst_from_config(sb, costs, sens, self.latency.p2p_s, raise_headroom=headroom,
-                                    stage_layers=self.layout.attention_layers)
-        return plan.densities.tolist(), dict(
-            plan.report.as_dict(), raise_headroom=headroom,
-            unit_sensitivity=None if sens is None else np.round(sens, 6).tolist())
-
-    def raise_headroom(self) -> float:
-        """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
-        8 steps (``DEFAULT_RAISE_HEADROOM`` before any), capped at ``MAX_RAISE_HEADROOM``."""
-        from ..config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM
-
-        fixed = self.sb.raise_headroom_value
-        if fixed is not None:
-            return fixed
-        err = self.latency.recent_error(last=8 * self.dp)
-        return DEFAULT_RAISE_HEADROOM if err is None else min(err, MAX_RAISE_HEADROOM)
+        return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
+                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
+                      if dst else None, stage_layers=self.layout.attention_layers)
 
     def step_for_chunk(self, chunk: int) -> PreparedStep:
         """The step the data iterator of model chunk ``chunk`` reads next: the current one if
@@ -534,7 +537,8 @@ class SparseBalanceCallback:
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
-               **self._planning_state(), "timing_source": self.sb.timing_source}
+               **self._planning_state(), "timing_source": self.sb.timing_source,
+               "stand_down": self.reporter.stood.state_dict()}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self._ready_basis
         return out
@@ -546,6 +550,7 @@ class SparseBalanceCallback:
             self.latency.load_calibration_state(state["latency"])
         if self.tracker is not None and state.get("sensitivity") is not None:
             self.tracker.load_state_dict(state["sensitivity"])
+        self.reporter.stood.load_state_dict(state.get("stand_down"))   # cumulative counts
 
 
 def _check_assignment(segments, batch: BatchPlan, capacity: int) -> None:

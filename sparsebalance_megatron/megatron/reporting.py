@@ -7,6 +7,9 @@
   Megatron prints its own line), averaged over the interval like Megatron's.
 - ``--sb-metrics-file``: one JSON line per step on rank 0, for scripts; it records the step's
   plan (``batching.replay.plan_record`` and the densities), which ``--sb-replay-plans`` replays.
+- Do no harm (``--sb-stand-down``): per step ``dst_stood_down`` / ``sab_stood_down`` (1: the
+  static plan / the baseline packing was committed), the cumulative counts in the console line
+  (``stood down DST n/N (p%) SAB ...``) and in a last ``run summary`` line.
 
 Every density figure is weighted by attention work, and documents routed to the dense kernel
 (shorter than the run's routing threshold) count at density 1 in it: they keep every block.
@@ -21,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from ..config import SparseBalanceConfig
+from ..policy.stand_down import StandDownCounts
 from . import comm
 
 PREFIX = "sparsebalance/"
@@ -108,6 +112,13 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
         q = r.get("quality_cost")
         if q is not None and np.isfinite(q):
             rec["predicted_loss_change"] = float(q)
+    sd = getattr(step, "stand_down", None)
+    if sd is not None:                   # do no harm (policy.stand_down): 1 = stood down
+        for part in ("dst", "sab"):
+            if sd.get(f"{part}_stood_down") is not None:
+                rec[f"{part}_stood_down"] = int(sd[f"{part}_stood_down"])
+        if sd.get("predicted_dst_s") is not None:
+            rec["predicted_dst_s"] = sd["predicted_dst_s"]
     return rec
 
 
@@ -137,6 +148,8 @@ def scalars(rec: dict) -> dict:
     put("raise_headroom", rec.get("raise_headroom"))
     put("overhead_s", rec.get("sb_overhead_s"))
     put("planned_ahead_s", rec.get("sb_planned_ahead_s"))
+    put("dst_stood_down", rec.get("dst_stood_down"))
+    put("sab_stood_down", rec.get("sab_stood_down"))
     return out
 
 
@@ -192,6 +205,7 @@ class StepReporter:
         self.history: list = []   # records of this process (tests, scripts in the same process)
         self.doc_positions = doc_positions
         self.pad_multiple = pad_multiple
+        self.stood = StandDownCounts()   # cumulative over the run (checkpointed by the callback)
 
     def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float,
                planned_ahead_s: Optional[float] = None):
@@ -206,6 +220,9 @@ class StepReporter:
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         self.history.append(rec)
+        self.stood.add(rec.get("dst_stood_down"), rec.get("sab_stood_down"))
+        if self.stood.dst_steps or self.stood.sab_steps:
+            rec["stood_down_total"] = self.stood.state_dict()
         if self.sb.metrics_file and comm.rank() == 0:
             line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,
                                             layout=self.layout, dense_work=dense,
@@ -219,6 +236,12 @@ class StepReporter:
         if iteration % max(self.args.log_interval, 1) == 0 or iteration == self.args.train_iters:
             self._log_line(iteration, rec)
             self._interval.clear()
+        exit_every = getattr(self.args, "exit_interval", None)   # Megatron's clean stop
+        last = iteration == self.args.train_iters or bool(exit_every and
+                                                          iteration % exit_every == 0)
+        if last and comm.rank() == comm.world_size() - 1 and self.stood.describe():
+            print(f"[sparsebalance] run summary: {self.stood.describe()} of the steps "
+                  f"(do no harm: --sb-stand-down {self.sb.stand_down})", flush=True)
         return rec
 
     def _write(self, iteration: int, values: dict) -> None:
@@ -263,5 +286,7 @@ class StepReporter:
             parts.append(f"lat err {100 * mean('latency_model/error'):.1f}%")
         if rec.get("split_docs"):
             parts.append(f"split docs {rec['split_docs']}")
+        if self.stood.describe():                    # cumulative over the run
+            parts.append(self.stood.describe())
         parts.append(f"overhead {mean('overhead_s') or 0.0:.3f} s")
         print(" | ".join(parts), flush=True)

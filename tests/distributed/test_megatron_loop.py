@@ -38,7 +38,8 @@ def test_tensorboard_eval_and_exit_interval(tmp_path, small_jsonl, tiny_latency_
                 "sparsebalance/density/rank1", "sparsebalance/step_time/predicted_s",
                 "sparsebalance/step_time/static_s", "sparsebalance/imbalance/predicted_after",
                 "sparsebalance/units/cut", "sparsebalance/units/raised",
-                "sparsebalance/overhead_s", "sparsebalance/loss"):
+                "sparsebalance/overhead_s", "sparsebalance/loss",
+                "sparsebalance/dst_stood_down", "sparsebalance/sab_stood_down"):
         assert sorted(tb[tag]) == [1, 2, 3], tag
     assert sorted(tb["sparsebalance/latency_model/error"]) == [2, 3]  # step 1 is warm-up
     for it in (1, 2, 3):
@@ -49,6 +50,10 @@ def test_tensorboard_eval_and_exit_interval(tmp_path, small_jsonl, tiny_latency_
     # One [sparsebalance] line per iteration (log interval 1), from one rank only.
     ours = [ln for ln in out.splitlines() if ln.startswith("[sparsebalance] iteration")]
     assert len(ours) == 3 and "density" in ours[0]
+    # do no harm (issue 27): the cumulative stand-downs, and a summary at the clean stop
+    assert all("stood down DST " in ln for ln in ours)
+    assert sum(ln.startswith("[sparsebalance] run summary: stood down DST ")
+               for ln in out.splitlines()) == 1
     assert sum("| lm loss:" in ln for ln in out.splitlines()) == 3   # Megatron's log line
     # --exit-interval: a clean stop with a checkpoint carrying the plugin state.
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"

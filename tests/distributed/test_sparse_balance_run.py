@@ -30,10 +30,10 @@ def table(tiny_latency_table):
                          ids=["tp2", "dp2"])
 def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl, table, parallel):
     metrics = tmp_path / "m.jsonl"
-    run_entry(2, [*TINY_MODEL, *SB, *parallel, "--data-path", small_jsonl,
-                  "--global-batch-size", "4", "--train-iters", "3",
-                  "--sb-latency-table", table, "--sb-latency-table-force",
-                  "--sb-metrics-file", metrics], cwd=tmp_path)
+    proc = run_entry(2, [*TINY_MODEL, *SB, *parallel, "--data-path", small_jsonl,
+                         "--global-batch-size", "4", "--train-iters", "3",
+                         "--sb-latency-table", table, "--sb-latency-table-force",
+                         "--sb-metrics-file", metrics], cwd=tmp_path)
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -42,6 +42,16 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
         assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
         assert len(r["rank_busy_s"]) == (1 if parallel else 2)
         assert len(r["density_per_rank"]) == (1 if parallel else 2)
+        # do no harm (issue 27): every step says whether DST and SAB stood down, and the
+        # cumulative counts add them up
+        assert r["dst_stood_down"] in (0, 1) and r["sab_stood_down"] in (0, 1)
+    total = rows[-1]["stood_down_total"]
+    assert total == {"dst_steps": 3, "dst_stood_down": sum(r["dst_stood_down"] for r in rows),
+                     "sab_steps": 3, "sab_stood_down": sum(r["sab_stood_down"] for r in rows)}
+    lines = [x for x in proc.stdout.splitlines() if "[sparsebalance] iteration" in x]
+    assert len(lines) == 3 and all("stood down DST " in x and " SAB " in x for x in lines)
+    summary = [x for x in proc.stdout.splitlines() if "[sparsebalance] run summary" in x]
+    assert len(summary) == 1 and f"DST {total['dst_stood_down']}/3 " in summary[0], summary
     assert "calibration" not in rows[0]  # the warm-up step is no latency sample
     for r in rows[1:]:
         assert all(c > 0 for c in r["calibration"])
@@ -158,6 +168,8 @@ def assert_resumed_like_uninterrupted(full: list, resumed: list) -> None:
     for a, b in zip(full, resumed, strict=True):
         for key in ("tokens", "mean_density", "density_per_rank", "calibration",
                     "raise_headroom", "predicted_step_s"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        for key in ("dst_stood_down", "sab_stood_down", "stood_down_total"):   # issue 27
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
         assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)

@@ -15,7 +15,7 @@ from sparsebalance_megatron.config import SparseBalanceConfig, flag_name, path_f
 from sparsebalance_megatron.megatron.launch import LaunchError
 from sparsebalance_megatron.megatron.preflight import check_config
 
-NOT_PATHS = {"fault", "raise_headroom", "dense_below_tokens"}   # strings that name no file
+NOT_PATHS = {"fault", "raise_headroom", "dense_below_tokens", "watchdog_seconds"}   # strings that name no file
 
 
 def test_every_path_flag_is_declared():

@@ -79,10 +79,12 @@ def test_fresh_state_covers_a_damaged_state(tmp_path, content, problem, capsys):
 def _callback(tmp_path, *, fresh: bool, latency=None):
     """A SparseBalanceCallback's resume path on a stub: its state methods, a real tracker."""
     from sparsebalance_megatron.batching.sensitivity import SensitivityTracker
+    from sparsebalance_megatron.policy.stand_down import StandDownCounts
 
     cb = SimpleNamespace(args=SimpleNamespace(**vars(ARGS), load=str(tmp_path), iteration=2),
                          sb=SparseBalanceConfig(sparse_balance=True, fresh_state=fresh),
-                         latency=latency, tracker=SensitivityTracker(signal="loss"))
+                         latency=latency, tracker=SensitivityTracker(signal="loss"),
+                         reporter=SimpleNamespace(stood=StandDownCounts()))
     for name in ("load_state_dict", "_planning_state", "_state_basis"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))
     return cb

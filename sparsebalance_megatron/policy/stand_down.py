@@ -1,0 +1,159 @@
+"""Do no harm (issue 27): per step, commit SAB's packing and DST's plan only where they are
+predicted no slower than what a static run of the same step would do.
+
+One rule, used by the runtime (``megatron/callback.py``) and the simulated study
+(``experiments/study.py``) alike, on the same predictor DST plans with (the latency model's unit
+costs stepped through the pipeline simulator, ``sim.pipeline.pipeline_makespan_s``):
+
+- DST: the plan is compared with the static plan (every unit at d0) of the *same* micro-batches;
+  if it is predicted slower (beyond ``REL_EPS``), the static plan is committed instead. A plan
+  raised into idle time (``--sb-raise-to static``) may equal the static step time, never exceed
+  it.
+- SAB: the step is predicted with SAB's packing and with the baseline packing (``--sb-stand-down``:
+  Megatron's sequential fill, or token-balanced), each under the plan DST would commit for it (the
+  static plan without DST); unless SAB's is predicted faster (beyond ``REL_EPS``), the baseline
+  packing is used. Both packings come from the same global batch of documents, so the data a step
+  trains on is the same either way; only the micro-batches differ.
+
+So every committed step is predicted no slower than the baseline packing at d0. The choice is a
+pure function of the costs: every rank, and a resumed run, makes the same one.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from ..sim.pipeline import pipeline_makespan_s
+from .costs import UnitCosts
+
+REL_EPS = 1e-9   # float slack when comparing predicted step times (the planner's own _REL_EPS)
+
+
+def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0) -> float:
+    """Predicted step time of a plan: max over DP ranks of the pipeline makespan (1F1B, or the
+    interleaved schedule when the costs have virtual stages), densities [dp, m, stages] on the
+    costs' grid (the nearest grid density at or above each)."""
+    d = np.asarray(densities, dtype=np.float64)
+    if d.shape != costs.shape:
+        raise ValueError(f"densities {d.shape} do not match the costs' units {costs.shape}")
+    idx = np.minimum(np.searchsorted(costs.densities, d - 1e-12), costs.densities.size - 1)
+    f, b = costs.at(idx)
+    return float(pipeline_makespan_s(f, b, p2p_s, pp=costs.pipeline_ranks).max())
+
+
+def slower(t_s: float, reference_s: float) -> bool:
+    """t_s predicted slower than reference_s (a tie, within ``REL_EPS``, is not slower)."""
+    return t_s > reference_s * (1.0 + REL_EPS) + 1e-15
+
+
+@dataclass
+class PackingOutcome:
+    """One packing's step after the DST rule."""
+
+    densities: np.ndarray          # [dp, m, stages] committed plan
+    step_s: float                  # its predicted step time
+    static_s: float                # the static plan's (every unit at d0)
+    planned_s: Optional[float]     # DST's plan's (None: no DST)
+    dst_stood_down: Optional[bool]  # None: no DST
+    plan: object = None            # what plan_fn returned (e.g. a DSTPlan), None without DST
+
+
+@dataclass
+class StepChoice:
+    """The committed packing and plan of one step, and why."""
+
+    index: int                       # which of the candidate packings is committed
+    outcome: PackingOutcome          # its plan
+    sab_stood_down: Optional[bool]   # None: one candidate only (no SAB, or the rule is off)
+    step_s: list                     # predicted step time of every candidate, after the DST rule
+
+    @property
+    def dst_stood_down(self) -> Optional[bool]:
+        return self.outcome.dst_stood_down
+
+    def as_dict(self) -> dict:
+        o = self.outcome
+        return {"dst_stood_down": o.dst_stood_down, "sab_stood_down": self.sab_stood_down,
+                "packing_index": self.index, "predicted_step_s": [float(x) for x in self.step_s],
+                "predicted_static_s": o.static_s, "predicted_dst_s": o.planned_s}
+
+
+def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
+                plan: Optional[np.ndarray] = None, enabled: bool = True, payload=None
+                ) -> PackingOutcome:
+    """The DST rule on one packing: ``plan`` (DST's densities, None: static run) is kept unless
+    it is predicted slower than the static plan of the same micro-batches (``enabled`` False:
+    always kept, the ablation)."""
+    static = np.full(costs.shape, float(d0))
+    static_s = plan_step_time_s(costs, static, p2p_s)
+    if plan is None:
+        return PackingOutcome(static, static_s, static_s, None, None, payload)
+    plan = np.asarray(plan, dtype=np.float64)
+    planned_s = plan_step_time_s(costs, plan, p2p_s)
+    if enabled and slower(planned_s, static_s):
+        return PackingOutcome(static, static_s, static_s, planned_s, True, payload)
+    return PackingOutcome(plan, planned_s, static_s, planned_s, False, payload)
+
+
+def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
+                plan_fn: Optional[Callable[[int, UnitCosts], tuple]] = None,
+                enabled: bool = True) -> StepChoice:
+    """The do-no-harm choice of one step.
+
+    costs: the unit costs of each candidate packing of the same documents, the preferred one
+    (SAB's) first and the baseline second (one entry: no packing choice); plan_fn(i, costs_i) ->
+    (densities [dp, m, stages], payload) is DST's plan for candidate i (None: static runs).
+    The first candidate is committed only if predicted faster than the second after each went
+    through the DST rule; ``enabled`` False commits the first candidate and DST's plan as they
+    are (the ablation), still reporting what the rule would have predicted.
+    """
+    if not costs:
+        raise ValueError("choose_step needs at least one candidate packing")
+    outs = []
+    for i, c in enumerate(costs):
+        plan, payload = plan_fn(i, c) if plan_fn is not None else (None, None)
+        outs.append(dst_outcome(c, d0, p2p_s, plan, enabled, payload))
+    times = [o.step_s for o in outs]
+    if len(outs) == 1:
+        return StepChoice(0, outs[0], None, times)
+    keep = (not enabled) or slower(times[1], times[0])      # SAB strictly faster
+    return StepChoice(0 if keep else 1, outs[0 if keep else 1], not keep, times)
+
+
+@dataclass
+class StandDownCounts:
+    """Cumulative stand-downs over a run: steps that had the choice, and how many stood down."""
+
+    dst_steps: int = 0
+    dst_stood_down: int = 0
+    sab_steps: int = 0
+    sab_stood_down: int = 0
+
+    def add(self, dst: Optional[bool], sab: Optional[bool]) -> None:
+        if dst is not None:
+            self.dst_steps += 1
+            self.dst_stood_down += int(bool(dst))
+        if sab is not None:
+            self.sab_steps += 1
+            self.sab_stood_down += int(bool(sab))
+
+    def describe(self) -> str:
+        """'stood down DST 3/10 (30%) SAB 1/10 (10%)', the parts that had a choice."""
+        parts = [f"{name} {n}/{k} ({100.0 * n / k:.0f}%)"
+                 for name, n, k in (("DST", self.dst_stood_down, self.dst_steps),
+                                    ("SAB", self.sab_stood_down, self.sab_steps)) if k]
+        return "stood down " + " ".join(parts) if parts else ""
+
+    def state_dict(self) -> dict:
+        return {"dst_steps": self.dst_steps, "dst_stood_down": self.dst_stood_down,
+                "sab_steps": self.sab_steps, "sab_stood_down": self.sab_stood_down}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        for k, v in (state or {}).items():
+            if k in self.state_dict():
+                setattr(self, k, int(v))
