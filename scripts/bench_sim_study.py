@@ -4,9 +4,11 @@ For every length mix (the built-in corpus cut into whole files, or into sections
 short documents), d0 and DP size, the layout search (``experiments.layout_search``, what
 ``sparsebalance-layout`` runs) finds:
 
-- ``best_static``: the fastest static configuration a Megatron user can run: every split
-  Megatron's flags allow (first/last counts, embedding/loss accounting; vp 1 and 2, the
-  interleaved schedule) x Megatron's sequential packing or token-balanced packing, all at d0;
+- ``best_static``: the fastest static configuration: the whole ``--pipeline-model-parallel-layout``
+  space (issue 27: uneven chunks, empty and LM-head-only stages, vp 1-4; ``--count-flags-only``:
+  the count-flag splits of issue 12) x Megatron's sequential packing or the plugin's
+  token-balanced packing, all at d0 (the JSON names the packing);
+- ``best_plain_static``: the same with Megatron's sequential packing only (no plugin at all);
 - ``best_dense``: the fastest dense configuration (every split, sequential packing, dense
   attention: what a user without the plugin runs today; ``speedup_vs_dense`` divides by it);
 - ``sab_dst``: the fastest SAB + DST layout (vp 1 or 2) whose plan keeps the layer-weighted
@@ -65,7 +67,12 @@ def parse_args(argv=None):
     p.add_argument("--mixes", nargs="+", default=["file", "section"],
                    help="built-in corpus document units (length mixes)")
     p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--vp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--vp", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="the layout search never picks a layout whose fullest rank is "
+                        "estimated over this (latency/memory.py); default: no limit")
+    p.add_argument("--count-flags-only", action="store_true",
+                   help="search only the layouts Megatron's count flags build (before issue 27)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
     p.add_argument("--seq-length", type=int, default=32768, help="tokens per micro-batch")
     p.add_argument("--min-density", type=float, default=0.125)
@@ -95,18 +102,33 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
+def idle_bound(rows: dict, layout, m: int) -> dict:
+    """How much faster the best static run could get at the same work: its bubble fraction
+    against the floor of its own schedule with equal units, (pp - 1) / (vp * m + pp - 1)
+    (1F1B: vp = 1; interleaved 1F1B: Megatron's bubble shrinks with vp)."""
+    pp, vp = layout.pp, layout.vp
+    floor = (pp - 1) / (vp * m + pp - 1)
+    bubble = rows["best_static"]["bubble_fraction"]
+    return {"schedule": "1F1B" if vp == 1 else f"interleaved 1F1B, vp={vp}",
+            "bubble_floor": floor, "best_static_bubble": bubble,
+            "bound": (1 - floor) / (1 - bubble) if bubble < 1 else float("inf")}
+
+
+def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps,
+              whole_space: bool = True) -> dict:
     """The search and the comparison rows of one (mix, d0, dp)."""
     t0 = time.perf_counter()
-    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
     best_dense = found["dense"][0]
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
     even = PipelineLayout.even(best_static.layout.num_layers, pp)
+    plain_static = found["plain_static"]
     runs = {"best_dense": ("dense", best_dense.layout), "static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
+            "best_plain_static": ("static", plain_static.layout),
             "sab": ("sab", plain), "dst": ("dst", plain),
             "sab_dst": ("sab_dst", best_sb.layout),
             "sab_dst_max": ("sab_dst_max", plain),
@@ -115,8 +137,14 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     for r in rows.values():   # what users run today: dense attention on its own best layout
         r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
+    lb = found["static_lower_bound_s"]
     return {"rows": rows, "layouts": layouts,
-            "best_static": best_static.as_dict(), "best_sparsebalance": best_sb.as_dict(),
+            "best_static_packing": best_static.variant, "space": found["space"],
+            "excluded_memory": found["excluded_memory"],
+            "static_lower_bound_s": lb,
+            "static_gap_vs_bound": (best_static.step_time_s / lb - 1) if lb else None,
+            "idle_bound": idle_bound(rows, best_static.layout, cfg.microbatches),
+            "best_static": best_static.as_dict(), "best_plain_static": plain_static.as_dict(), "best_sparsebalance": best_sb.as_dict(),
             "best_dense": best_dense.as_dict(),
             "search_s": search_s,
             "static_top5": [c.as_dict() for c in found["static"][:5]],
@@ -192,10 +220,12 @@ def study_mix(args, out: dict, lm, cp: int, mix: str) -> None:
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=args.seed,
                           dst_objective=args.dst_objective,
-                          microbatch_multiple=args.microbatch_multiple)
+                          microbatch_multiple=args.microbatch_multiple,
+                          device_memory_gib=args.device_memory_gib)
         res = {}
         for dp in args.ranks:
-            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp)
+            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp,
+                          whole_space=not args.count_flags_only)
             res[str(dp)] = r
             out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
         if args.floor_sweep:
@@ -218,9 +248,15 @@ def study_mix(args, out: dict, lm, cp: int, mix: str) -> None:
         for dp, r in res.items():
             lay = ", ".join(f"{k} {v}" for k, v in r["layouts"].items())
             st = " ".join(f"{x:.2f}" for x in r["rows"]["sab_dst"]["density_per_stage"])
+            ib = r["idle_bound"]
+            gap = r["static_gap_vs_bound"]
             print(f"{dp:>6} layouts: {lay}; best static packing "
                   f"{r['best_static']['variant']}; sab_dst per stage {st}; "
-                  f"search {r['search_s']:.1f} s")
+                  f"search {r['search_s']:.1f} s; static lower bound "
+                  f"{r['static_lower_bound_s'] or float('nan'):.3f} s (gap "
+                  f"{'-' if gap is None else f'{gap:.3f}'}); idle-time bound {ib['bound']:.3f}x "
+                  f"({ib['schedule']}, floor {ib['bubble_floor']:.3f}); layouts over the "
+                  f"memory limit: {r['excluded_memory']}")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ class StudyConfig:
     """--sb-microbatch-multiple: 0 fixed-length micro-batches (the fill is padding every run
     pays), k > 0 each micro-batch its documents rounded up to a multiple of k tokens; every
     variant of a study runs with the same setting."""
+    device_memory_gib: Optional[float] = None
+    """The layout search's device-memory limit (``latency.memory``'s estimate of the fullest
+    rank, GiB); None: no limit."""
 
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:
