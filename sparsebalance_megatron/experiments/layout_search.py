@@ -200,27 +200,20 @@ LAYOUT_GAP_WARN = 1.05
 def layout_gap(lm, mb_doc_lengths, dp: int, num_microbatches: int, layout: PipelineLayout,
                density: float) -> tuple[float, PipelineLayout]:
     """(configured / best predicted static step time, the best layout) for one packed step at
-    ``density``, over the layouts Megatron's flags build for ``layout``'s model and pp (vp 1,
-    and 2 where the step has >= pp micro-batches, as Megatron's interleaved schedule needs; the
-    runtime's start-up check; ``LayoutError`` when the table cannot predict them)."""
-    import numpy as np
+    ``density``: the runtime's start-up check. The layouts: those Megatron's count flags build
+    for ``layout``'s model and pp, then a short local search through the whole layout-string
+    space (``layout_space.search_space``: one layer moved at a time, at most 200 more layouts),
+    for vp 1, the run's vp, and 2 where the step has >= pp micro-batches, as Megatron's
+    interleaved schedule needs (``LayoutError`` when the table cannot predict them)."""
+    from .layout_space import StepEvaluator, search_space
 
-    from ..policy import UnitCosts
-    from ..sim.pipeline import pipeline_makespan_s
-
-    feats = lm.unit_features(mb_doc_lengths)
-    grid = np.asarray([float(density)])
-
-    def step_s(lay):
-        c = UnitCosts.from_latency(lm.with_layout(lay), feats, dp, num_microbatches, grid)
-        return float(pipeline_makespan_s(c.fwd_s[..., 0], c.bwd_s[..., 0], lm.p2p_s,
-                                         pp=lay.pp).max())
-
-    mine = step_s(layout)
+    ev = StepEvaluator(lm, [lm.unit_features(mb_doc_lengths)], dp, num_microbatches, density)
+    mine = ev.step_s(layout)
     best, best_s = layout, mine
-    vps = (1, 2) if num_microbatches >= layout.pp else (1,)
-    for cand in candidate_layouts(layout.num_layers, layout.pp, vps):
-        t = step_s(cand)
-        if t < best_s * (1 - 1e-9):
-            best, best_s = cand, t
+    vps = {1, layout.vp} | ({2} if num_microbatches >= layout.pp else set())
+    for vp in sorted(vps):
+        res = search_space(ev, layout.num_layers, layout.pp, vp, local_starts=2,
+                           max_evaluations=200, enumerate_limit=0)
+        if res.ranked and res.best_s < best_s * (1 - 1e-9):
+            best_s, best = res.ranked[0]
     return (mine / best_s if best_s > 0 else 1.0), best
