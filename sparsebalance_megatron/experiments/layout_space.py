@@ -223,7 +223,7 @@ def neighbours(lay: PipelineLayout) -> list:
 def search_space(ev: StepEvaluator, num_layers: int, pp: int, vp: int, *,
                  fits: Optional[Callable[[PipelineLayout], bool]] = None,
                  starts: Optional[Sequence[PipelineLayout]] = None, local_starts: int = 4,
-                 max_evaluations: int = 1500, enumerate_limit: int = 3000) -> SpaceSearch:
+                 max_evaluations: int = 600, enumerate_limit: int = 3000) -> SpaceSearch:
     """The layouts of one vp: all of them when there are at most ``enumerate_limit`` (then the
     best is the optimum: ``exact``); else every start, then a best-improvement local search from
     the best ``local_starts`` (one layer moved at a time) until no neighbour is faster or
