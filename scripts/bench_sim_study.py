@@ -4,9 +4,11 @@ For every length mix (the built-in corpus cut into whole files, or into sections
 short documents), d0 and DP size, the layout search (``experiments.layout_search``, what
 ``sparsebalance-layout`` runs) finds:
 
-- ``best_static``: the fastest static configuration a Megatron user can run: every split
-  Megatron's flags allow (first/last counts, embedding/loss accounting; vp 1 and 2, the
-  interleaved schedule) x Megatron's sequential packing or token-balanced packing, all at d0;
+- ``best_static``: the fastest static configuration: the whole ``--pipeline-model-parallel-layout``
+  space (issue 27: uneven chunks, empty and LM-head-only stages, vp 1-4; ``--count-flags-only``:
+  the count-flag splits of issue 12) x Megatron's sequential packing or the plugin's
+  token-balanced packing, all at d0 (the JSON names the packing);
+- ``best_plain_static``: the same with Megatron's sequential packing only (no plugin at all);
 - ``best_dense``: the fastest dense configuration (every split, sequential packing, dense
   attention: what a user without the plugin runs today; ``speedup_vs_dense`` divides by it);
 - ``sab_dst``: the fastest SAB + DST layout (vp 1 or 2) whose plan keeps the layer-weighted
@@ -129,7 +131,12 @@ def parse_args(argv=None):
                         "times slower; adds the same-layout comparison with and without it, "
                         "each one given alone")
     p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--vp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--vp", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="the layout search never picks a layout whose fullest rank is "
+                        "estimated over this (latency/memory.py); default: no limit")
+    p.add_argument("--count-flags-only", action="store_true",
+                   help="search only the layouts Megatron's count flags build (before issue 27)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
     p.add_argument("--seq-length", type=int, default=32768, help="tokens per micro-batch")
     p.add_argument("--min-density", type=float, default=0.125)
@@ -166,11 +173,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> dict:
+def idle_bound(rows: dict, layout, m: int) -> dict:
+    """How much faster the best static run could get at the same work: its bubble fraction
+    against the floor of its own schedule with equal units, (pp - 1) / (vp * m + pp - 1)
+    (1F1B: vp = 1; interleaved 1F1B: Megatron's bubble shrinks with vp)."""
+    pp, vp = layout.pp, layout.vp
+    floor = (pp - 1) / (vp * m + pp - 1)
+    bubble = rows["best_static"]["bubble_fraction"]
+    return {"schedule": "1F1B" if vp == 1 else f"interleaved 1F1B, vp={vp}",
+            "bubble_floor": floor, "best_static_bubble": bubble,
+            "bound": (1 - floor) / (1 - bubble) if bubble < 1 else float("inf")}
+
+
+def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
+              whole_space: bool = True) -> dict:
     """The search and the comparison rows of one (mix, d0, dp); with ``slow`` ranks also the
     same-layout comparison on the best static layout with and without them."""
     t0 = time.perf_counter()
-    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
     cfg = stand_down_config(cfg, best_static)   # what the search's SparseBalance runs used
@@ -178,8 +198,10 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
     even = PipelineLayout.even(best_static.layout.num_layers, pp)
+    plain_static = found["plain_static"]
     runs = {"best_dense": ("dense", best_dense.layout), "static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
+            "best_plain_static": ("static", plain_static.layout),
             "sab": ("sab", plain), "dst": ("dst", plain),
             "sab_dst": ("sab_dst", best_sb.layout),
             "sab_dst_max": ("sab_dst_max", plain),
@@ -190,8 +212,15 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> 
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
     extra = {} if not slow else {"slow_rank": {s.describe(): same_layout_slow_rank(
         lm, lengths, cfg, dp, best_static.layout, [s]) for s in slow}}
+    lb = found["static_lower_bound_s"]
     return {"rows": rows, "layouts": layouts, **extra,
-            "best_static": best_static.as_dict(), "best_sparsebalance": best_sb.as_dict(),
+            "best_static_packing": best_static.variant, "space": found["space"],
+            "excluded_memory": found["excluded_memory"],
+            "static_lower_bound_s": lb,
+            "static_gap_vs_bound": (best_static.step_time_s / lb - 1) if lb else None,
+            "idle_bound": idle_bound(rows, best_static.layout, cfg.microbatches),
+            "best_static": best_static.as_dict(), "best_plain_static": plain_static.as_dict(),
+            "best_sparsebalance": best_sb.as_dict(),
             "best_dense": best_dense.as_dict(),
             "search_s": search_s,
             "static_top5": [c.as_dict() for c in found["static"][:5]],
@@ -278,10 +307,12 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
                           max_density=args.max_density, steps=args.steps, seed=seed,
                           dst_objective=args.dst_objective, tolerance=args.tolerance,
                           microbatch_multiple=args.microbatch_multiple,
-                          stand_down="off" if args.stand_down == "off" else None)
+                          stand_down="off" if args.stand_down == "off" else None,
+                          device_memory_gib=args.device_memory_gib)
         res = {}
         for dp in args.ranks:
-            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank)
+            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank,
+                          whole_space=not args.count_flags_only)
             res[str(dp)] = r
             out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
         if args.floor_sweep:
@@ -304,9 +335,15 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
         for dp, r in res.items():
             lay = ", ".join(f"{k} {v}" for k, v in r["layouts"].items())
             st = " ".join(f"{x:.2f}" for x in r["rows"]["sab_dst"]["density_per_stage"])
+            ib = r["idle_bound"]
+            gap = r["static_gap_vs_bound"]
             print(f"{dp:>6} layouts: {lay}; best static packing "
                   f"{r['best_static']['variant']}; sab_dst per stage {st}; "
-                  f"search {r['search_s']:.1f} s")
+                  f"search {r['search_s']:.1f} s; static lower bound "
+                  f"{r['static_lower_bound_s'] or float('nan'):.3f} s (gap "
+                  f"{'-' if gap is None else f'{gap:.3f}'}); idle-time bound {ib['bound']:.3f}x "
+                  f"({ib['schedule']}, floor {ib['bubble_floor']:.3f}); layouts over the "
+                  f"memory limit: {r['excluded_memory']}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
 From a latency table (``--latency-table``, as ``sparsebalance-profile`` writes it; or the
 analytic Qwen2.5-0.5B H100 table with ``--analytic``) and a length mix (``--data-path`` with the
 run's documents, ``--lengths`` with a JSON list of document lengths or a histogram
-``{"length": count}``, or the built-in corpus), every split Megatron's flags allow is simulated
-on the same global batches (``experiments.layout_search``). Prints the best static
-configurations (layout x packing), the best layouts for ``--sparse-balance`` (densities meeting d0
-and the stage floor), and the Megatron flags to paste. ``--json PATH`` writes everything.
+``{"length": count}``, or the built-in corpus), the whole ``--pipeline-model-parallel-layout``
+space (uneven virtual chunks, empty and LM-head-only stages, vp 1-4) is searched on the same
+global batches (``experiments.layout_search``), every layout over ``--device-memory-gib`` left
+out. Prints the best static configurations (layout x packing; the best with Megatron's own
+sequential packing too), the best layouts for ``--sparse-balance`` (densities meeting d0 and the
+stage floor), the search's proven lower bound and gap, and the Megatron flags to paste.
+``--json PATH`` writes everything.
 
     sparsebalance-layout --analytic --pp 4 --dp 32
     sparsebalance-layout --latency-table lat.json --pp 2 --dp 8 --data-path docs.jsonl
@@ -32,8 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--analytic", action="store_true",
                      help="the analytic Qwen2.5-0.5B / H100 table (published throughputs)")
     p.add_argument("--pp", type=int, required=True, help="--pipeline-model-parallel-size")
-    p.add_argument("--vp", type=int, nargs="+", default=[1, 2],
-                   help="virtual stages per rank to try (1: plain 1F1B; 2: interleaved)")
+    p.add_argument("--vp", type=int, nargs="+", default=[1, 2, 3, 4],
+                   help="virtual stages per rank to try (1: plain 1F1B; more: interleaved)")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="never pick a layout whose fullest rank is estimated over this many GiB "
+                        "(weights, gradients, Adam state, in-flight activations, logits: "
+                        "latency/memory.py); default: no limit")
+    p.add_argument("--count-flags-only", action="store_true",
+                   help="search only the splits Megatron's count flags build (no layout string)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="default: the table's model")
     p.add_argument("--dp", type=int, default=8, help="data-parallel ranks")
@@ -103,6 +112,15 @@ def _rows(title, choices, base_s, top):
     return "\n".join(lines)
 
 
+def _space_line(vp, r: dict) -> str:
+    """One vp's search: best, proven bound, gap (0 when every layout was simulated)."""
+    gap = ("exact" if r["exact"] else "gap ?" if r["gap_vs_bound"] is None
+           else f"gap <= {r['gap_vs_bound']:.1%}")
+    bound = r["lower_bound_s"] if r["lower_bound_s"] is not None else float("nan")
+    return (f"vp={vp}: best {r['best_s']:.3f} s ({r['best']}), bound {bound:.3f} s, {gap}, "
+            f"{r['evaluated']} simulated")
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -116,6 +134,8 @@ def main(argv: Optional[list] = None) -> int:
                         *(("--vp", v) for v in args.vp)):
         if value is not None and value < 1:
             parser.error(f"{flag} {value}: expected an integer >= 1")
+    if args.device_memory_gib is not None and not args.device_memory_gib > 0:
+        parser.error(f"--device-memory-gib {args.device_memory_gib}: expected a number of GiB > 0")
     if args.num_layers is not None and args.num_layers < args.pp:
         parser.error(f"--num-layers {args.num_layers} is less than --pp {args.pp}: a pipeline "
                      f"stage would hold no layer")
@@ -144,7 +164,8 @@ def main(argv: Optional[list] = None) -> int:
     t0 = time.perf_counter()
     try:
         res = best_layouts(lm, lengths, cfg, args.dp, pp=args.pp, num_layers=num_layers,
-                           vps=args.vp)
+                           vps=args.vp, device_memory_gib=args.device_memory_gib,
+                           whole_space=not args.count_flags_only)
     except (LayoutError, ValueError) as e:
         print(f"sparsebalance-layout: error: {e}", file=sys.stderr)
         return 2
@@ -159,7 +180,15 @@ def main(argv: Optional[list] = None) -> int:
     else:
         print(f"Megatron's default split does not exist for {num_layers} layers over pp="
               f"{args.pp}; 'vs even' below is relative to the best static configuration")
-    print(_rows("Best static configurations (every unit at d0)", res["static"], base, args.top))
+    print(_rows("Best static configurations (every unit at d0; token_balanced is the plugin's "
+                "packing)", res["static"], base, args.top))
+    plain = res["plain_static"]
+    print(_rows("Best plain Megatron (sequential packing, no plugin)", [plain], base, 1))
+    if args.device_memory_gib is not None:
+        print(f"layouts over --device-memory-gib {args.device_memory_gib}: "
+              f"{res['excluded_memory']} left out")
+    for key, per in res["space"].items():
+        print(f"search {key:<15}" + "; ".join(_space_line(vp, r) for vp, r in per.items()))
     print(_rows("Best layouts for --sparse-balance (SAB + DST)", res["sparsebalance"], base,
                 args.top))
     if res["accuracy"]:
@@ -182,6 +211,9 @@ def main(argv: Optional[list] = None) -> int:
         out = {"config": vars(args), "num_layers": num_layers, "seq_length": seq,
                "even_static": even.as_dict() if even is not None else None,
                "static": [c.as_dict() for c in res["static"]],
+               "plain_static": res["plain_static"].as_dict(), "space": res["space"],
+               "excluded_memory": res["excluded_memory"],
+               "static_lower_bound_s": res["static_lower_bound_s"],
                "sparsebalance": [c.as_dict() for c in res["sparsebalance"]],
                "accuracy": [c.as_dict() for c in res["accuracy"]]}
         with open(args.json, "w") as f:

@@ -1,9 +1,11 @@
 """Search Megatron's pipeline layouts for the fastest static configuration and for SparseBalance.
 
-The candidates are every split Megatron's own flags build (``layout.candidate_layouts``: the even
-split, the embedding/loss accounting, first/last layer counts; each for vp = 1 and, where the
-micro-batches allow it, vp = 2 with the interleaved schedule). Each is simulated on the same
-global batches (``study.run_study``):
+The candidates are the whole ``--pipeline-model-parallel-layout`` space (issue 27: uneven
+virtual chunks, empty and LM-head-only stages, vp 1-4 where the micro-batches allow the
+interleaved schedule), searched per packing and vp by ``layout_space.search_space`` (exhaustive
+where small, else local search from every split Megatron's count flags build, with a proven
+lower bound), under an optional device-memory limit; the winners of every search are simulated
+on the same global batches (``study.run_study``):
 
 - static: every unit at d0, with Megatron's sequential packing and with token-balanced packing;
   the best (layout, packing) is *the best static configuration* a Megatron user could run;
@@ -97,9 +99,11 @@ def stand_down_config(cfg: StudyConfig, best_static: LayoutChoice) -> StudyConfi
 
 
 def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
-                 num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2)) -> dict:
+                 num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2),
+                 device_memory_gib: Optional[float] = None, whole_space: bool = True,
+                 shortlist: int = 4) -> dict:
     """{"static": [...], "dense": [...], "sparsebalance": [...], "accuracy": [...],
-    "even_static": choice}.
+    "even_static": choice, "plain_static": choice, "space": {...}, "excluded_memory": int}.
 
     The SparseBalance searches stand down to the best static configuration's packing
     (``stand_down_config``).
@@ -109,17 +113,69 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     than the best static configuration's, best first (the "free accuracy" choice: lowest
     predicted loss under the quality objective, densest under the density objective);
     even_static: Megatron's default (even split, sequential packing; None when num_layers is
-    not divisible by pp)."""
+    not divisible by pp); plain_static: the best static run with Megatron's sequential packing
+    (no plugin at all; the best static may need the plugin's token-balanced packing).
+
+    whole_space (issue 27): the layouts are the whole ``--pipeline-model-parallel-layout`` space
+    (``layout_space.search_space`` per packing and vp, the count-flag layouts among its starts);
+    the best ``shortlist`` of every (packing, vp) search, the dense one and SAB's at d0 included,
+    are then run through the study, so the static rows are the space's best and SparseBalance's
+    layout is chosen from the winners of every packing. ``space`` records every search (best,
+    proven lower bound, gap, evaluations, layouts over the memory limit). Without it: the
+    count-flag layouts only (the search before issue 27).
+    device_memory_gib: layouts whose fullest rank is estimated over it (``latency.memory``, at
+    ``cfg.seq_length`` tokens per micro-batch) are never chosen; ``excluded_memory`` counts them.
+    """
+    from .layout_space import StepEvaluator, packed_features, search_space
+
     n = int(num_layers or lm.table["model"]["num_layers"])
-    static = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
-                            variants=STATIC_VARIANTS)
-    dense = search_layouts(lm, lengths, cfg, dp, pp=pp, num_layers=n, vps=vps,
-                           variants=(DENSE_VARIANT,))
+    vps = [v for v in vps if v == 1 or cfg.microbatches >= pp]
+    if device_memory_gib is None:
+        device_memory_gib = cfg.device_memory_gib
+    if device_memory_gib is not None and not device_memory_gib > 0:
+        raise ValueError(f"--device-memory-gib {device_memory_gib!r}: expected a number of "
+                         f"GiB > 0")
+    fits, excluded = None, set()
+    if device_memory_gib is not None:
+        from ..latency.memory import MemoryModel
+        mm = MemoryModel.from_table_model(lm.table["model"])
+
+        def fits(lay):
+            return mm.peak_gib(lay, cfg.seq_length, cfg.microbatches) <= device_memory_gib
+    space = {}
+    if whole_space:
+        cands = {}
+        for key, model, packing, d in (("static", lm, "sequential", cfg.density),
+                                       ("token_balanced", lm, "token_balanced", cfg.density),
+                                       ("sab", lm, "sab", cfg.density),
+                                       ("dense", lm.with_routing(1 << 40), "sequential", 1.0)):
+            ev = StepEvaluator(model, packed_features(model, lengths, cfg, dp, packing), dp,
+                               cfg.microbatches, d)
+            space[key] = {}
+            for vp in vps:
+                res = search_space(ev, n, pp, vp, fits=fits)
+                space[key][vp] = res
+                for _, lay in res.ranked[:shortlist]:
+                    cands.setdefault(lay.layers + (lay.pp,), lay)
+        excluded_n = max((r.excluded_memory for per in space.values() for r in per.values()),
+                         default=0)
+        candidates = list(cands.values())
+    else:
+        candidates = [c for c in candidate_layouts(n, pp, vps)]
+        if fits is not None:
+            excluded = {c.layers for c in candidates if not fits(c)}
+            candidates = [c for c in candidates if c.layers not in excluded]
+        excluded_n = len(excluded)
+    if not candidates:
+        raise LayoutError(f"no pipeline layout of {n} layers over pp={pp} x vp {list(vps)} "
+                          f"fits --device-memory-gib {device_memory_gib}: raise it, or use more "
+                          f"pipeline stages or shorter micro-batches")
+    kw = dict(pp=pp, num_layers=n, vps=vps, candidates=candidates)
+    static = search_layouts(lm, lengths, cfg, dp, variants=STATIC_VARIANTS, **kw)
+    dense = search_layouts(lm, lengths, cfg, dp, variants=(DENSE_VARIANT,), **kw)
     sb_cfg = stand_down_config(cfg, static[0])
-    sparse = search_layouts(lm, lengths, sb_cfg, dp, pp=pp, num_layers=n, vps=vps,
-                            variants=(SPARSE_VARIANT,))
-    acc = search_layouts(lm, lengths, sb_cfg, dp, pp=pp, num_layers=n, vps=vps,
-                         variants=(ACCURACY_VARIANT,))
+    sparse = search_layouts(lm, lengths, sb_cfg, dp, variants=(SPARSE_VARIANT,), **kw)
+    acc = search_layouts(lm, lengths, sb_cfg, dp, variants=(ACCURACY_VARIANT,), **kw)
     limit = static[0].step_time_s * (1 + 1e-9)
     acc = [c for c in acc if c.qualifies and c.step_time_s <= limit]
     if cfg.policy().dst_objective == "quality" and all("predicted_loss" in c.row for c in acc):
@@ -130,9 +186,23 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
         even = PipelineLayout.even(n, pp)
     except LayoutError:
         even = None        # Megatron's default needs num_layers divisible by pp
-    even_static = next((c for c in static if c.layout == even and c.variant == "static"), None)
+    even_static = None
+    if even is not None:
+        even_static = search_layouts(lm, lengths, cfg, dp, variants=("static",),
+                                     candidates=[even], **{k: v for k, v in kw.items()
+                                                           if k != "candidates"})[0]
+    plain = next((c for c in static if c.variant == "static"), None)
     return {"static": static, "dense": dense, "sparsebalance": sparse, "accuracy": acc,
-            "even_static": even_static}
+            "even_static": even_static, "plain_static": plain, "excluded_memory": excluded_n,
+            "space": {k: {vp: r.as_dict() for vp, r in per.items()} for k, per in space.items()},
+            "static_lower_bound_s": min((r.lower_bound_s for k in STATIC_KEYS
+                                         for r in space.get(k, {}).values()
+                                         if r.lower_bound_s is not None), default=None),
+            "static_optimum_proven": bool(space) and all(
+                r.exact for k in STATIC_KEYS for r in space.get(k, {}).values())}
+
+
+STATIC_KEYS = ("static", "token_balanced")
 
 
 LAYOUT_GAP_WARN = 1.05
@@ -142,27 +212,20 @@ LAYOUT_GAP_WARN = 1.05
 def layout_gap(lm, mb_doc_lengths, dp: int, num_microbatches: int, layout: PipelineLayout,
                density: float) -> tuple[float, PipelineLayout]:
     """(configured / best predicted static step time, the best layout) for one packed step at
-    ``density``, over the layouts Megatron's flags build for ``layout``'s model and pp (vp 1,
-    and 2 where the step has >= pp micro-batches, as Megatron's interleaved schedule needs; the
-    runtime's start-up check; ``LayoutError`` when the table cannot predict them)."""
-    import numpy as np
+    ``density``: the runtime's start-up check. The layouts: those Megatron's count flags build
+    for ``layout``'s model and pp, then a short local search through the whole layout-string
+    space (``layout_space.search_space``: one layer moved at a time, at most 200 more layouts),
+    for vp 1, the run's vp, and 2 where the step has >= pp micro-batches, as Megatron's
+    interleaved schedule needs (``LayoutError`` when the table cannot predict them)."""
+    from .layout_space import StepEvaluator, search_space
 
-    from ..policy import UnitCosts
-    from ..sim.pipeline import pipeline_makespan_s
-
-    feats = lm.unit_features(mb_doc_lengths)
-    grid = np.asarray([float(density)])
-
-    def step_s(lay):
-        c = UnitCosts.from_latency(lm.with_layout(lay), feats, dp, num_microbatches, grid)
-        return float(pipeline_makespan_s(c.fwd_s[..., 0], c.bwd_s[..., 0], lm.p2p_s,
-                                         pp=lay.pp).max())
-
-    mine = step_s(layout)
+    ev = StepEvaluator(lm, [lm.unit_features(mb_doc_lengths)], dp, num_microbatches, density)
+    mine = ev.step_s(layout)
     best, best_s = layout, mine
-    vps = (1, 2) if num_microbatches >= layout.pp else (1,)
-    for cand in candidate_layouts(layout.num_layers, layout.pp, vps):
-        t = step_s(cand)
-        if t < best_s * (1 - 1e-9):
-            best, best_s = cand, t
+    vps = {1, layout.vp} | ({2} if num_microbatches >= layout.pp else set())
+    for vp in sorted(vps):
+        res = search_space(ev, layout.num_layers, layout.pp, vp, local_starts=2,
+                           max_evaluations=200, enumerate_limit=0)
+        if res.ranked and res.best_s < best_s * (1 - 1e-9):
+            best_s, best = res.ranked[0]
     return (mine / best_s if best_s > 0 else 1.0), best

@@ -103,6 +103,9 @@ class StudyConfig:
     """``heterogeneous.SlowRank``s: GPUs that compute that many times slower than predicted
     (every run of the study, static ones included; DST plans with the scaled costs, as after
     the runtime's per-rank calibration)."""
+    device_memory_gib: Optional[float] = None
+    """The layout search's device-memory limit (``latency.memory``'s estimate of the fullest
+    rank, GiB); None: no limit."""
 
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:

@@ -260,3 +260,33 @@ def test_resume_without_or_with_a_damaged_plugin_state(tmp_path, small_jsonl, ta
     assert "Traceback" not in rank, "the refusal should be one line, not a traceback"
     proc = run_entry(1, [*resume, "--sb-fresh-state"], cwd=tmp_path)
     assert "starting the balancer fresh (--sb-fresh-state)" in proc.stdout
+
+
+def test_interleaved_uneven_layout_string_with_an_lm_head_only_stage(tmp_path, small_jsonl,
+                                                                     analytic_latency_table_pp2):
+    """PP=2 x VPP=2 from an uneven ``--pipeline-model-parallel-layout`` (issue 27: what the
+    whole-layout search may recommend): chunks of 2, 1, 1 and 0 layers, the last virtual stage
+    holding only the LM head and loss. The runtime plans every virtual stage with its own layer
+    count, DST moves single chunks, and the density figures weigh the empty stage by nothing."""
+    metrics = tmp_path / "m.jsonl"
+    run_entry(2, [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2",
+                  "--pipeline-model-parallel-layout", "Ett|t|t|L", "--data-path", small_jsonl,
+                  "--global-batch-size", "4", "--train-iters", "2", "--sb-latency-table",
+                  analytic_latency_table_pp2, "--sb-latency-table-force", "--sb-timing-source",
+                  "model", "--sb-metrics-file", metrics], cwd=tmp_path)
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["budgets_consistent"] is True and r["layers_per_stage"] == [2, 1, 1, 0]
+        assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
+        d, w = r["densities"][0], r["attn_work"][0]              # one DP rank: [m][4], [m]
+        assert len(d) == 4 and all(len(x) == 4 for x in d)
+        num = sum(d[j][s] * w[j] * n for j in range(len(w)) for s, n in enumerate([2, 1, 1, 0]))
+        den = sum(w[j] * n for j in range(len(w)) for s, n in enumerate([2, 1, 1, 0]))
+        assert r["mean_density"] == pytest.approx(num / den)
+        for key in ("microbatch_fwd_s", "microbatch_bwd_s"):      # the empty stage runs too
+            assert all(t is not None and t > 0 for mb in r[key][0] for t in mb)
+    # DST acted on the layout: some unit left d0, and chunks of one rank differed
+    assert any(abs(x - 0.5) > 1e-9 for r in rows for mb in r["densities"][0] for x in mb[:3])
+    assert any(len({x[0], x[2]}) > 1 or len({x[1], x[3]}) > 1
+               for r in rows for x in r["densities"][0]), "no chunk differed from its rank's other"

@@ -117,7 +117,7 @@ def test_cli_prints_flags_and_writes_json(tmp_path, capsys, lengths):
     out = tmp_path / "o.json"
     assert main(["--analytic", "--num-layers", "8", "--pp", "2", "--dp", "2",
                  "--microbatches", "4", "--seq-length", "8192", "--steps", "1",
-                 "--lengths", str(hist), "--json", str(out)]) == 0
+                 "--lengths", str(hist), "--json", str(out), "--vp", "1", "2"]) == 0
     text = capsys.readouterr().out
     assert "Best static configurations" in text and "sparse-balance vs the best static" in text
     data = json.loads(out.read_text())

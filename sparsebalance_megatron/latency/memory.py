@@ -1,0 +1,108 @@
+"""Device memory of every pipeline rank of a layout: what keeps the layout search on the device.
+
+A simple, documented estimate (megatron-core 0.19's ``training/theoretical_memory_usage.py``
+counts the same terms; TP = 1, no recomputation, flash/flex attention: no s^2 scores kept):
+
+- weights, gradients and optimizer state: ``bytes_per_param`` per parameter (Megatron's 18:
+  bf16 weights 2 + fp32 gradients 4 + Adam's fp32 master copy, momentum and variance 12; with
+  the distributed optimizer it is ``6 + 12 / dp``) of the rank's decoder layers, plus the
+  embedding on the rank holding virtual stage 0 and the LM head (its own matrix:
+  ``--untie-embeddings-and-output-weights``; a tied one is counted too, as Megatron keeps a copy
+  on the last stage) and the final norm on the rank holding the last virtual stage;
+- activations: one decoder layer keeps ``tokens * hidden * (18 + 4 * ffn / hidden)`` bytes for
+  its backward (Megatron's count, bf16; a gated MLP's third projection adds ``2 * ffn`` per
+  token); the micro-batches in flight are read off the schedule itself: the peak, over the
+  rank's event order (1F1B, or interleaved 1F1B for vp > 1, ``sim.pipeline``), of the layers'
+  activations stored by forwards not yet freed by their backwards; the embedding's output
+  (``2 * tokens * hidden``) travels with virtual stage 0's;
+- logits: the LM head's rank holds one micro-batch's inputs to the output layer and the loss,
+  ``4 * tokens * (hidden + vocab)`` bytes (Megatron's count), while its loss runs.
+
+Allocator fragmentation, communication buffers and the CUDA context are not counted: give the
+search a limit below the device's size (``--device-memory-gib``) to leave room for them.
+
+Pure Python; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import PipelineLayout
+
+GIB = float(1 << 30)
+MEGATRON_BYTES_PER_PARAM = 18.0
+"""bf16 weights + fp32 gradients + Adam (fp32 master, momentum, variance), no distributed optimizer."""
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes of the model's pieces (from a latency table's ``model`` section)."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    swiglu: bool = True
+    bytes_per_param: float = MEGATRON_BYTES_PER_PARAM
+
+    @classmethod
+    def from_table_model(cls, model: dict, bytes_per_param: float = MEGATRON_BYTES_PER_PARAM
+                         ) -> "MemoryModel":
+        try:
+            h = int(model["hidden_size"])
+            return cls(h, int(model["ffn_hidden_size"]), int(model["num_attention_heads"]),
+                       int(model.get("num_query_groups") or model["num_attention_heads"]),
+                       int(model.get("kv_channels") or h // int(model["num_attention_heads"])),
+                       int(model["vocab_size"]), bool(model.get("swiglu", True)),
+                       float(bytes_per_param))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"latency table model {model!r}: cannot estimate memory without "
+                             f"hidden/ffn sizes, heads, query groups and vocabulary ({e})") from e
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: QKV and output projections, the MLP, two norms."""
+        h, q = self.hidden_size, self.num_attention_heads * self.kv_channels
+        kv = 2 * self.num_query_groups * self.kv_channels
+        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden_size
+        return h * (q + kv) + q * h + mlp + 2 * h
+
+    def layer_activation_bytes(self, tokens: int) -> float:
+        """Activations one decoder layer keeps for its backward, for ``tokens`` tokens."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        return tokens * (h * (18.0 + 4.0 * f / h) + (2.0 * f if self.swiglu else 0.0))
+
+    def rank_bytes(self, layout: PipelineLayout, tokens: int, num_microbatches: int) -> list:
+        """[pp] estimated bytes of every pipeline rank (see the module docstring)."""
+        from ..sim.pipeline import FWD, stage_order_1f1b, stage_order_interleaved
+
+        pp, vp, nv = layout.pp, layout.vp, layout.num_stages
+        per_layer_act = self.layer_activation_bytes(tokens)
+        embed_act = 2.0 * tokens * self.hidden_size
+        out = []
+        for r in range(pp):
+            stages = [layout.stage_of(r, c) for c in range(vp)]
+            params = sum(layout.layers[v] for v in stages) * self.layer_params()
+            if 0 in stages:
+                params += self.vocab_size * self.hidden_size
+            if nv - 1 in stages:
+                params += self.vocab_size * self.hidden_size + self.hidden_size
+            act = {c: layout.layers[stages[c]] * per_layer_act
+                   + (embed_act if stages[c] == 0 else 0.0) for c in range(vp)}
+            if vp == 1:
+                order = [(k, i, 0) for k, i in stage_order_1f1b(num_microbatches, pp, r)]
+            else:
+                order = stage_order_interleaved(num_microbatches, pp, vp, r)
+            held = peak = 0.0
+            for kind, _, c in order:
+                held += act[c] if kind == FWD else -act[c]
+                peak = max(peak, held)
+            logits = 4.0 * tokens * (self.hidden_size + self.vocab_size) if nv - 1 in stages else 0.0
+            out.append(params * self.bytes_per_param + peak + logits)
+        return out
+
+    def peak_gib(self, layout: PipelineLayout, tokens: int, num_microbatches: int) -> float:
+        """The fullest rank's estimate in GiB."""
+        return max(self.rank_bytes(layout, tokens, num_microbatches)) / GIB
