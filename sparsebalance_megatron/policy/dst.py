@@ -47,6 +47,7 @@ import numpy as np
 from ..config import (ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, RAISE_TARGETS,
                       ConfigError)
 from ..sim.pipeline import pipeline_makespan_s
+from .bands import band_ladder, pick_band
 from .costs import (UnitCosts, check_density_bounds, stage_mean_densities,
                     weighted_mean_density)
 from .slack import event_float_s
@@ -468,7 +469,9 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     ``max`` anchor), whose plan only raises, so a plan meeting both floors always exists; every
     candidate is a ``plan_dst`` plan, so the predicted step time never exceeds the static plan's.
     Among the candidates that meet the floors the fastest is kept (usually the narrowest band that
-    meets them). The band is searched between ``tolerance`` and 10 in ``search_steps // 2``
+    meets them). Narrower bands than ``tolerance`` (p/2, p/4, 0) are planned in the first pass
+    too, and one is kept only if it meets the floors and quality and is clearly faster
+    (``policy.bands``: a persistently slow GPU sits inside the band otherwise). The band is searched between ``tolerance`` and 10 in ``search_steps // 2``
     rounds, each one batched pass (``plan_dst_candidates``) of 3 tolerances spaced geometrically
     inside the interval where the floors start to hold (the first pass also plans the no-cut
     plan): 4^rounds sub-intervals, as fine as ``2 x rounds`` bisection steps in half the passes.
@@ -489,7 +492,7 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
               search_steps=search_steps, raise_headroom=raise_headroom,
               stage_density_floor=stage_density_floor, raise_to=raise_to,
               static={})                    # the static plan's simulation, shared by all passes
-    ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, **kw)
+    ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, guard=quality, **kw)
     if quality is None:
         return ordered
     filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
@@ -504,9 +507,10 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
                      d_min: float, d_max: float, *, anchor: str, tolerance: float,
                      p2p_s: float, density_floor: float, search_steps: int,
                      raise_headroom: float, stage_density_floor: float, raise_to: str,
-                     static: dict, quality=None) -> DSTPlan:
+                     static: dict, quality=None, guard=None) -> DSTPlan:
     """``plan_dst_with_floor`` for one objective (``quality`` None: density order); ``static``:
-    the ``_static`` cache of ``plan_dst_candidates`` (the same costs)."""
+    the ``_static`` cache of ``plan_dst_candidates`` (the same costs); ``guard``: the quality
+    cost a narrower band's density-order plan must not lose against (``policy.bands``)."""
 
     def plans(cands):
         found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
@@ -524,13 +528,17 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
         return (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
                 and not r.quality_cost > 1e-12)
 
-    best = plans([(anchor, tolerance)])[0]
+    best, *narrow = plans(band_ladder(anchor, tolerance))   # the band, then narrower (bands.py)
+    if guard is not None and quality is None:       # a narrower band must not lose quality
+        for p in narrow:
+            p.report.quality_cost = guard.plan_cost(p.densities)
+    ok = [p for p in narrow if meets(p)]
     if (density_floor <= 0 and stage_density_floor <= 0 and quality is None) \
             or anchor == "max" \
             or meets(best):
-        return best
+        return pick_band([best] + ok)
     lo, hi = max(float(tolerance), 1e-3), 10.0
-    ok, per_round = [], 3
+    per_round = 3
     for rnd in range(max(search_steps // 2, 1)):
         ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
         cands = [(anchor, float(t)) for t in ts]

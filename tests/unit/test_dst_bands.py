@@ -1,0 +1,88 @@
+"""Narrower tolerance bands (policy/bands.py, issue 27): a GPU persistently 10% slow sits inside
+the default band (p = 0.1), so the configured band alone cuts nothing; the planner also plans
+p/2, p/4 and 0 and keeps a narrower band's plan only when it meets the floors and the quality
+condition and is predicted faster by more than ``NARROW_MARGIN``."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.policy import (UnitCosts, density_grid, plan_dst,
+                                           plan_dst_with_floor)
+from sparsebalance_megatron.policy.bands import NARROW_MARGIN, band_ladder, pick_band
+
+D0, DMIN, DMAX = 0.5, 0.125, 1.0
+
+
+def _slow_rank_costs(dp=4, m=4, pp=2, slow_rank=1, factor=1.1):
+    """Identical ranks, one computing ``factor`` x slower (what per-(DP rank, pipeline rank)
+    calibration puts into the costs); equal stages, so every unit of the slow rank is 1.1 /
+    1.025 of the mean: inside the default band."""
+    fixed = np.ones((dp, m, pp))
+    attn = np.full((dp, m, pp), 1.2)
+    fixed[slow_rank] *= factor
+    attn[slow_rank] *= factor
+    return UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+
+
+def test_band_ladder_configured_band_first_then_narrower():
+    assert band_ladder("mean", 0.1) == [("mean", 0.1), ("mean", 0.05), ("mean", 0.025),
+                                        ("mean", 0.0)]
+    assert band_ladder("max", 0.1) == [("max", 0.1)]          # never cuts: nothing to narrow
+    assert band_ladder("median", 0.0) == [("median", 0.0)]
+
+
+class _Plan:
+    def __init__(self, t):
+        self.t = t
+
+
+@pytest.mark.parametrize("times, want", [
+    ([1.0, 1.0, 1.0, 1.0], 0),                                  # as fast: the widest band
+    ([1.0, 1.0 - NARROW_MARGIN / 2, 0.99995, 1.0], 0),          # within the margin
+    ([1.0, 0.99, 0.985, 0.95], 3),                              # each clearly faster
+    ([1.0, 0.95, 0.9495, 0.96], 1),                             # a gain inside the margin
+])
+def test_pick_band_keeps_the_wider_band_unless_clearly_faster(times, want):
+    plans = [_Plan(t) for t in times]
+    assert pick_band(plans, step_time=lambda p: p.t) is plans[want]
+
+
+def test_ten_percent_slow_rank_is_cut_under_the_default_tolerance():
+    costs = _slow_rank_costs()
+    # the configured band alone: the slow rank sits inside (1 + 0.1) x the mean, nothing is cut
+    alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    assert (alone.densities[1] < D0).sum() == 0
+    assert alone.report.speedup == pytest.approx(1.0)
+    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    rep, d = plan.report, plan.densities
+    assert rep.tolerance_used < 0.1
+    assert (d[1] < D0).sum() > 0                     # the slow rank is cut ...
+    assert np.all(np.delete(d, 1, axis=0) >= D0)     # ... and only it
+    assert rep.speedup > 1.05                        # most of the 10% comes back
+    assert rep.step_time_planned_s <= rep.step_time_static_s
+
+
+def test_slow_rank_is_absorbed_under_the_default_floors_and_quality_objective():
+    """The runtime's defaults (density floor 0.9, stage floor 0.75, quality objective): the cut
+    on the slow rank is paid back by raises on the others, so the narrower band qualifies."""
+    from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
+    costs = _slow_rank_costs()
+    q = StageQuality.from_cost(load_quality_cost(None), [12, 12], D0)
+    kw = dict(anchor="mean", tolerance=0.1, density_floor=0.9, stage_density_floor=0.75)
+    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, quality=q, **kw)
+    assert plan.report.speedup > 1.03
+    assert plan.report.quality_cost <= 1e-12
+    assert plan.report.mean_density >= 0.9 * D0
+    uniform = plan_dst_with_floor(_slow_rank_costs(factor=1.0), None, D0, DMIN, DMAX,
+                                  quality=q, **kw)
+    assert uniform.report.speedup == pytest.approx(1.0)      # nothing to absorb
+
+
+def test_uniform_ranks_keep_the_configured_band():
+    """No straggler: no narrower band is meaningfully faster, so the plan is the configured
+    band's, as before the ladder."""
+    costs = _slow_rank_costs(factor=1.0)
+    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    assert plan.report.tolerance_used == 0.1
+    np.testing.assert_array_equal(plan.densities, alone.densities)
