@@ -6,21 +6,40 @@ the anchor may only look heavy. But a GPU that is persistently 10% slow (the per
 pipeline rank) calibration carries it into the costs) sits inside that band, so nothing is cut
 and the whole step waits for it.
 
-So ``plan_dst_with_floor`` plans the configured band and ``NARROW_FRACTIONS`` of it (p/2, p/4 and
+So when the calibration says a GPU is persistently slower than its peers by more than half the
+band (``straggler_present`` on the [dp, pp] compute-time factors the costs were scaled by),
+``plan_dst_with_floor`` plans the configured band and ``NARROW_FRACTIONS`` of it (p/2, p/4 and
 0: cut everything above the anchor) in the same batched pass (``plan_dst_candidates``; the
 candidates are rows of the same vectorised calls), and keeps a narrower band's plan only when it
 meets the same floors and quality condition and is predicted faster than the wider band's by more
 than ``NARROW_MARGIN``: a cut that buys less than that is within what the band exists to ignore,
 and the wider band keeps more density. The do-no-harm stand-down (``policy.stand_down``) still
-replaces any plan predicted slower than static.
+replaces any plan predicted slower than static. Without such a GPU the band is the configured
+one alone: ``--sb-tolerance`` keeps its meaning (a narrower band would also cut the structural
+imbalance the user chose to tolerate, e.g. a slightly heavier LM-head stage).
 
 Pure; must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+import numpy as np
+
 NARROW_FRACTIONS = (0.5, 0.25, 0.0)   # narrower bands planned beside p, as fractions of p
 NARROW_MARGIN = 2e-3                  # a narrower band must be predicted this much faster
+
+
+def straggler_present(rank_scale: Optional[np.ndarray], tolerance: float) -> bool:
+    """Some (DP rank, pipeline rank) computes more than (1 + p/2) x the median one's time
+    (``rank_scale``: [dp, pp] factors, the calibration's ``correction_grid``; None: unknown)."""
+    if rank_scale is None:
+        return False
+    s = np.asarray(rank_scale, dtype=np.float64)
+    if s.size == 0 or not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise ValueError(f"rank_scale must be positive finite [dp, pp] factors, got {s.tolist()}")
+    return bool(s.max() > np.median(s) * (1.0 + float(tolerance) / 2.0))
 
 
 def band_ladder(anchor: str, tolerance: float) -> list[tuple[str, float]]:

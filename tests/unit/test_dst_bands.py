@@ -1,16 +1,26 @@
 """Narrower tolerance bands (policy/bands.py, issue 27): a GPU persistently 10% slow sits inside
 the default band (p = 0.1), so the configured band alone cuts nothing; the planner also plans
 p/2, p/4 and 0 and keeps a narrower band's plan only when it meets the floors and the quality
-condition and is predicted faster by more than ``NARROW_MARGIN``."""
+condition and is predicted faster by more than ``NARROW_MARGIN``, and only where the calibration
+says a GPU is persistently slow (``rank_scale``): otherwise ``--sb-tolerance`` keeps its
+meaning."""
 
 import numpy as np
 import pytest
 
 from sparsebalance_megatron.policy import (UnitCosts, density_grid, plan_dst,
                                            plan_dst_with_floor)
-from sparsebalance_megatron.policy.bands import NARROW_MARGIN, band_ladder, pick_band
+from sparsebalance_megatron.policy.bands import (NARROW_MARGIN, band_ladder, pick_band,
+                                                 straggler_present)
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
+
+
+def _scale(dp=4, pp=2, slow_rank=1, factor=1.1):
+    """The calibration's [dp, pp] factors for ``_slow_rank_costs``."""
+    s = np.ones((dp, pp))
+    s[slow_rank] = factor
+    return s
 
 
 def _slow_rank_costs(dp=4, m=4, pp=2, slow_rank=1, factor=1.1):
@@ -53,7 +63,10 @@ def test_ten_percent_slow_rank_is_cut_under_the_default_tolerance():
     alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     assert (alone.densities[1] < D0).sum() == 0
     assert alone.report.speedup == pytest.approx(1.0)
-    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    unknown = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    np.testing.assert_array_equal(unknown.densities, alone.densities)   # no calibration: as set
+    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
+                               rank_scale=_scale())
     rep, d = plan.report, plan.densities
     assert rep.tolerance_used < 0.1
     assert (d[1] < D0).sum() > 0                     # the slow rank is cut ...
@@ -69,12 +82,12 @@ def test_slow_rank_is_absorbed_under_the_default_floors_and_quality_objective():
     costs = _slow_rank_costs()
     q = StageQuality.from_cost(load_quality_cost(None), [12, 12], D0)
     kw = dict(anchor="mean", tolerance=0.1, density_floor=0.9, stage_density_floor=0.75)
-    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, quality=q, **kw)
+    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, quality=q, rank_scale=_scale(), **kw)
     assert plan.report.speedup > 1.03
     assert plan.report.quality_cost <= 1e-12
     assert plan.report.mean_density >= 0.9 * D0
     uniform = plan_dst_with_floor(_slow_rank_costs(factor=1.0), None, D0, DMIN, DMAX,
-                                  quality=q, **kw)
+                                  quality=q, rank_scale=_scale(factor=1.0), **kw)
     assert uniform.report.speedup == pytest.approx(1.0)      # nothing to absorb
 
 
@@ -82,7 +95,37 @@ def test_uniform_ranks_keep_the_configured_band():
     """No straggler: no narrower band is meaningfully faster, so the plan is the configured
     band's, as before the ladder."""
     costs = _slow_rank_costs(factor=1.0)
-    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
+                               rank_scale=_scale(factor=1.0))
     alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     assert plan.report.tolerance_used == 0.1
     np.testing.assert_array_equal(plan.densities, alone.densities)
+
+
+def test_a_heavier_stage_inside_the_band_stays_uncut_without_a_slow_gpu():
+    """Structural imbalance the user tolerates (the LM-head stage 5% heavier, --sb-tolerance
+    0.1): a narrower band would cut it, but no GPU is slow, so the configured band decides."""
+    fixed = np.ones((2, 4, 2))
+    fixed[..., 1] *= 1.05
+    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, np.full((2, 4, 2), 1.2))
+    alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    for scale in (None, np.ones((2, 2)), np.array([[1.0, 1.04], [1.0, 1.0]])):
+        plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
+                                   rank_scale=scale)
+        np.testing.assert_array_equal(plan.densities, alone.densities)
+        assert plan.report.units_cut == 0
+    # the same costs with a GPU the calibration says is slow: the narrower band cuts that stage
+    slow = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
+                               rank_scale=np.array([[1.0, 1.2], [1.0, 1.0]]))
+    assert slow.report.units_cut > 0 and slow.report.tolerance_used < 0.1
+
+
+def test_straggler_present_needs_a_gpu_half_a_band_slower_than_the_median():
+    assert not straggler_present(None, 0.1)
+    assert not straggler_present(np.ones((4, 2)), 0.1)
+    assert not straggler_present(_scale(factor=1.04), 0.1)
+    assert straggler_present(_scale(factor=1.1), 0.1)
+    assert straggler_present(_scale(factor=1.02), 0.02)          # a tight band: 1% is enough
+    assert not straggler_present(np.full((4, 2), 1.3), 0.1)      # all equally slow: no straggler
+    with pytest.raises(ValueError, match="rank_scale"):
+        straggler_present(np.array([[1.0, np.nan]]), 0.1)
