@@ -57,6 +57,10 @@ def test_pick_band_keeps_the_wider_band_unless_clearly_faster(times, want):
     assert pick_band(plans, step_time=lambda p: p.t) is plans[want]
 
 
+@pytest.mark.reliability(area="fault", case="one GPU persistently 10% slow (calibrated factors), "
+                         "inside the default --sb-tolerance 0.1 band", expect="a narrower band "
+                         "cuts that GPU's units only; >1.05x over static; without calibration "
+                         "news the configured band alone plans")
 def test_ten_percent_slow_rank_is_cut_under_the_default_tolerance():
     costs = _slow_rank_costs()
     # the configured band alone: the slow rank sits inside (1 + 0.1) x the mean, nothing is cut
