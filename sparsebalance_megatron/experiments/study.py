@@ -56,7 +56,7 @@ from ..policy.dst import plan_dst_from_config
 from ..policy.quality import StageQuality, load_quality_cost
 from ..policy.stand_down import StandDownCounts, choose_step
 from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
-from .heterogeneous import scale_costs
+from .heterogeneous import rank_scale, scale_costs
 
 _ALL_DENSE = 1 << 40   # a routing threshold above every document: all of them dense
 _PACKING = {"dense": "sequential", "static": "sequential", "token_balanced": "token_balanced",
@@ -306,7 +306,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
 
                 def plan_fn(i, c, pol=policies[pkey], layers=models[False, lay].layout.layers):
                     plan = plan_dst_from_config(pol, c, sens[cands[i]], p2p_s=lm.p2p_s,
-                                                stage_layers=layers)
+                                                stage_layers=layers,
+                                                # the factors the runtime's calibration learns
+                                                rank_scale=rank_scale(cfg.slow_ranks, dp,
+                                                                      c.pipeline_ranks)
+                                                if cfg.slow_ranks else None)
                     return plan.densities, plan
             t = time.perf_counter()
             choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None)

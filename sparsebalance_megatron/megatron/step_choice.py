@@ -57,8 +57,11 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     plan_fn = None
     if dst:
         def plan_fn(i, c):
+            grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
             p = plan_dst_from_config(sb, c, sens[i], latency.p2p_s,
-                                     raise_headroom=raise_headroom, stage_layers=stage_layers)
+                                     raise_headroom=raise_headroom, stage_layers=stage_layers,
+                                     rank_scale=grid_fn(dp, c.pipeline_ranks) if grid_fn
+                                     else None)
             return p.densities, p
     elif len(options) < 2:
         return None, None, None

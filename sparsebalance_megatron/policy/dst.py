@@ -47,6 +47,7 @@ import numpy as np
 from ..config import (ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, RAISE_TARGETS,
                       ConfigError)
 from ..sim.pipeline import pipeline_makespan_s
+from .bands import band_ladder, pick_band, straggler_present
 from .costs import (UnitCosts, check_density_bounds, stage_mean_densities,
                     weighted_mean_density)
 from .slack import event_float_s
@@ -458,7 +459,8 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                         density_floor: float = 0.0, search_steps: int = 6,
                         raise_headroom: float = 0.0,
                         stage_density_floor: float = 0.0,
-                        raise_to: str = "bottleneck", quality=None) -> DSTPlan:
+                        raise_to: str = "bottleneck", quality=None,
+                        rank_scale=None) -> DSTPlan:
     """``plan_dst``, but the plan keeps its work-weighted mean density >= density_floor x d0 and
     every pipeline stage's work-weighted density >= stage_density_floor x d0.
 
@@ -468,7 +470,10 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     ``max`` anchor), whose plan only raises, so a plan meeting both floors always exists; every
     candidate is a ``plan_dst`` plan, so the predicted step time never exceeds the static plan's.
     Among the candidates that meet the floors the fastest is kept (usually the narrowest band that
-    meets them). The band is searched between ``tolerance`` and 10 in ``search_steps // 2``
+    meets them). ``rank_scale`` ([dp, pp] calibrated compute-time factors): where one GPU is
+    persistently slow (``policy.bands``: it sits inside the band otherwise), narrower bands
+    (p/2, p/4, 0) are planned in the first pass too, one kept only if it meets the floors and
+    quality and is clearly faster. The band is searched between ``tolerance`` and 10 in ``search_steps // 2``
     rounds, each one batched pass (``plan_dst_candidates``) of 3 tolerances spaced geometrically
     inside the interval where the floors start to hold (the first pass also plans the no-cut
     plan): 4^rounds sub-intervals, as fine as ``2 x rounds`` bisection steps in half the passes.
@@ -488,8 +493,9 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     kw = dict(anchor=anchor, tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
               search_steps=search_steps, raise_headroom=raise_headroom,
               stage_density_floor=stage_density_floor, raise_to=raise_to,
-              static={})                    # the static plan's simulation, shared by all passes
-    ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, **kw)
+              static={},                    # the static plan's simulation, shared by all passes
+              narrow=straggler_present(rank_scale, tolerance))
+    ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, guard=quality, **kw)
     if quality is None:
         return ordered
     filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
@@ -504,9 +510,10 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
                      d_min: float, d_max: float, *, anchor: str, tolerance: float,
                      p2p_s: float, density_floor: float, search_steps: int,
                      raise_headroom: float, stage_density_floor: float, raise_to: str,
-                     static: dict, quality=None) -> DSTPlan:
+                     static: dict, narrow: bool = False, quality=None, guard=None) -> DSTPlan:
     """``plan_dst_with_floor`` for one objective (``quality`` None: density order); ``static``:
-    the ``_static`` cache of ``plan_dst_candidates`` (the same costs)."""
+    the ``_static`` cache of ``plan_dst_candidates`` (the same costs); ``guard``: the quality
+    cost a narrower band's density-order plan must not lose against (``policy.bands``)."""
 
     def plans(cands):
         found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
@@ -524,13 +531,17 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
         return (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
                 and not r.quality_cost > 1e-12)
 
-    best = plans([(anchor, tolerance)])[0]
+    best, *narrower = plans(band_ladder(anchor, tolerance) if narrow else [(anchor, tolerance)])
+    if guard is not None and quality is None:       # a narrower band must not lose quality
+        for p in narrower:
+            p.report.quality_cost = guard.plan_cost(p.densities)
+    ok = [p for p in narrower if meets(p)]
     if (density_floor <= 0 and stage_density_floor <= 0 and quality is None) \
             or anchor == "max" \
             or meets(best):
-        return best
+        return pick_band([best] + ok)
     lo, hi = max(float(tolerance), 1e-3), 10.0
-    ok, per_round = [], 3
+    per_round = 3
     for rnd in range(max(search_steps // 2, 1)):
         ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
         cands = [(anchor, float(t)) for t in ts]
@@ -553,7 +564,7 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
                          p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
-                         stage_layers=None) -> DSTPlan:
+                         stage_layers=None, rank_scale=None) -> DSTPlan:
     """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance, the mean-density floor
     (``--sb-density-floor``), the per-stage floor (``--sb-stage-density-floor``), the raise
     target (``--sb-raise-to``) and the raise headroom from a ``SparseBalanceConfig``; the
@@ -563,7 +574,8 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
     ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality`` (the default),
     ``stage_layers`` (the decoder layers of every (virtual) stage of the costs) maps the quality
     cost onto the stages: without it the call raises ``ValueError`` (no silent fall-back to the
-    density objective); ``dst_objective="density"`` needs none."""
+    density objective); ``dst_objective="density"`` needs none. ``rank_scale``: the
+    calibration's [dp, pp] factors (``correction_grid``; narrower bands for a slow GPU)."""
     if raise_headroom is None:
         raise_headroom = config.raise_headroom_value
     if raise_headroom is None:
@@ -583,4 +595,4 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
         anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
         density_floor=config.density_floor, raise_headroom=raise_headroom,
         stage_density_floor=config.stage_density_floor, raise_to=config.raise_to,
-        quality=quality)
+        quality=quality, rank_scale=rank_scale)

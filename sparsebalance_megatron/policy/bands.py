@@ -1,0 +1,62 @@
+"""Narrower tolerance bands beside the configured one (issue 27: absorb a persistent straggler).
+
+DST cuts a load unit (dp rank, pipeline stage) only above (1 + p) x the anchor (``--sb-tolerance``
+p, default 0.1). The band guards against the latency model's error: a unit a few percent above
+the anchor may only look heavy. But a GPU that is persistently 10% slow (the per-(DP rank,
+pipeline rank) calibration carries it into the costs) sits inside that band, so nothing is cut
+and the whole step waits for it.
+
+So when the calibration says a GPU is persistently slower than its peers by more than half the
+band (``straggler_present`` on the [dp, pp] compute-time factors the costs were scaled by),
+``plan_dst_with_floor`` plans the configured band and ``NARROW_FRACTIONS`` of it (p/2, p/4 and
+0: cut everything above the anchor) in the same batched pass (``plan_dst_candidates``; the
+candidates are rows of the same vectorised calls), and keeps a narrower band's plan only when it
+meets the same floors and quality condition and is predicted faster than the wider band's by more
+than ``NARROW_MARGIN``: a cut that buys less than that is within what the band exists to ignore,
+and the wider band keeps more density. The do-no-harm stand-down (``policy.stand_down``) still
+replaces any plan predicted slower than static. Without such a GPU the band is the configured
+one alone: ``--sb-tolerance`` keeps its meaning (a narrower band would also cut the structural
+imbalance the user chose to tolerate, e.g. a slightly heavier LM-head stage).
+
+Pure; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+NARROW_FRACTIONS = (0.5, 0.25, 0.0)   # narrower bands planned beside p, as fractions of p
+NARROW_MARGIN = 2e-3                  # a narrower band must be predicted this much faster
+
+
+def straggler_present(rank_scale: Optional[np.ndarray], tolerance: float) -> bool:
+    """Some (DP rank, pipeline rank) computes more than (1 + p/2) x the median one's time
+    (``rank_scale``: [dp, pp] factors, the calibration's ``correction_grid``; None: unknown)."""
+    if rank_scale is None:
+        return False
+    s = np.asarray(rank_scale, dtype=np.float64)
+    if s.size == 0 or not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise ValueError(f"rank_scale must be positive finite [dp, pp] factors, got {s.tolist()}")
+    return bool(s.max() > np.median(s) * (1.0 + float(tolerance) / 2.0))
+
+
+def band_ladder(anchor: str, tolerance: float) -> list[tuple[str, float]]:
+    """(anchor, tolerance) candidates: the configured band first, then the narrower ones (none
+    for the ``max`` anchor, which never cuts, or a band already 0)."""
+    cands = [(anchor, float(tolerance))]
+    if anchor == "max" or tolerance <= 0:
+        return cands
+    return cands + [(anchor, float(tolerance) * f) for f in NARROW_FRACTIONS]
+
+
+def pick_band(plans: list, step_time=lambda p: p.report.step_time_planned_s):
+    """From plans of ``band_ladder`` order (widest first) that all meet the floors, the one kept:
+    a narrower band replaces the current choice only when predicted faster by more than
+    ``NARROW_MARGIN`` (relative), so equal speed keeps the wider band's density."""
+    best = plans[0]
+    for p in plans[1:]:
+        if step_time(p) < step_time(best) * (1.0 - NARROW_MARGIN):
+            best = p
+    return best
