@@ -121,11 +121,14 @@ class ContextParallelCost:
 
     def stage_coefficients(self, coef: dict, layers: int, folded_tokens: int = None) -> dict:
         """One stage's CP=1 coefficients ``{fwd, bwd: [5]}`` -> one CP rank's (``layers``
-        decoder layers on the stage). ``folded_tokens``: a table profiled at one token total
+        decoder layers on the stage; 0 for an empty stage of a layout string, which pays the embedding /
+        LM head's token work and no per-layer collective). ``folded_tokens``: a table profiled at one token total
         T0 has no ``tokens`` coefficient (0; that work sits in the intercept): the intercept is
         then read as ``T0`` tokens' work and divided like it (launch latencies in it do not divide,
         so this errs fast; a negative intercept, which a fit can give, is left as it is)."""
-        _positive_int("layers", layers)
+        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 0:
+            raise ValueError(f"layers={layers!r}: expected an integer >= 0 (0: an empty stage, "
+                             f"the embedding or LM head alone)")
         if self.size == 1:
             return coef
         c, bw = self.size, float(self.a2a_bytes_per_s)

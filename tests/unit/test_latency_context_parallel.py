@@ -74,6 +74,22 @@ def test_pipelined_layouts_and_order_of_adaptation():
     assert np.all(t2 < t1) and np.all(t2 > t1 / 2)
 
 
+def test_an_empty_stage_of_a_layout_string_pays_no_per_layer_collective():
+    """A layout string's LM-head-only last stage (0 decoder layers) adapts to CP: its token work
+    divides, no all-to-all or collective is added (the runtime's start-up layout search meets
+    such layouts under CP)."""
+    m = _model(pp=2)
+    lay = PipelineLayout.from_string("Etttttttt|L", 2, 8)                 # 8 | 0
+    cp = m.with_layout(lay).with_context_parallel(2)
+    empty = cp._stage_coef[1]
+    for p in ("fwd", "bwd"):
+        base = np.array(m.with_layout(lay)._stage_coef[1][p], dtype=np.float64)
+        assert empty[p][0] == base[0]                                     # no collective latency
+        assert empty[p][1] == pytest.approx(base[1] / 2)                  # tokens divide, no a2a
+    with pytest.raises(ValueError, match="layers=-1: expected an integer >= 0"):
+        cp.context_parallel.stage_coefficients(m.with_layout(lay)._stage_coef[1], -1)
+
+
 def test_analytic_constructor_uses_the_device_bandwidth():
     a = LatencyModel.analytic(SHAPE, context_parallel=2)
     assert a.cp == 2 and a.context_parallel.a2a_bytes_per_s == 200e9
