@@ -28,7 +28,9 @@ def add_sparsebalance_args(parser: argparse.ArgumentParser) -> argparse.Argument
     group = parser.add_argument_group("sparsebalance", "SparseBalance (arXiv 2604.13847)")
     for f in dataclasses.fields(SparseBalanceConfig):
         typ = _field_type(f)
-        kw = dict(dest=dest_name(f.name), default=f.default, help=f.metadata["help"])
+        # argparse %-formats help strings: a field's plain "10%" must not break --help
+        kw = dict(dest=dest_name(f.name), default=f.default,
+                  help=f.metadata["help"].replace("%", "%%"))
         if typ is bool:
             group.add_argument(flag_name(f.name), action="store_true", **kw)
         else:

@@ -14,3 +14,4 @@ def test_entry_help_lists_megatron_and_sparsebalance_flags():
     for flag in ("--num-layers", "--pipeline-model-parallel-size", "--sparse-balance",
                  "--sb-density", "--sb-anchor", "--sb-latency-table"):
         assert flag in proc.stdout
+    assert "less 10% (at least 2 s)" in " ".join(proc.stdout.split())   # a plain % in a help

@@ -120,7 +120,9 @@ def test_a_dense_runs_checkpoint_says_the_balancer_starts_fresh(tmp_path, capsys
     _state_file(tmp_path, GOOD)
     restore_saved_state(_callback(tmp_path, fresh=False))
     assert capsys.readouterr().out == ""
-    monkeypatch.setenv("RANK", "1")
+    from sparsebalance_megatron.megatron import comm     # rank 1 (also where an earlier test
+    monkeypatch.setattr(comm, "launch_rank", lambda: 1)  # left a process group in this process)
+    monkeypatch.setattr(comm, "rank", lambda: 1)
     _state_file(tmp_path, dict(GOOD, sensitivity=None))
     restore_saved_state(_callback(tmp_path, fresh=False))
     assert capsys.readouterr().out == ""
