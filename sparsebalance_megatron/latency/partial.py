@@ -87,15 +87,21 @@ class PartialProfile:
 
     ``identity``: a JSON-able dict of everything the samples depend on. An existing file with
     the same identity is resumed (``resumed`` samples), any other is replaced; ``say`` gets one
-    line saying which (nothing for a new profile)."""
+    line saying which (nothing for a new profile). ``fresh``: replace it whatever it holds
+    (``sparsebalance-profile --no-resume``); the new samples are still saved as measured."""
 
-    def __init__(self, path: str, identity: dict, *, say: Callable[[str], None] = print):
+    def __init__(self, path: str, identity: dict, *, say: Callable[[str], None] = print,
+                 fresh: bool = False):
         self.path = path
         self.identity = _normal(identity)
         os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
         self._lock = self._take_lock(path + ".lock")
         header, records = _read_lines(path) if os.path.exists(path) else (None, [])
-        if header is not None and header != self.identity:
+        if fresh and os.path.exists(path):
+            say(f"ignoring the partial latency profile {path} as asked (--no-resume); "
+                f"profiling from the start")
+            header, records = self.identity, []
+        elif header is not None and header != self.identity:
             say(f"ignoring the partial latency profile {path}: it was measured for another "
                 f"setup ({', '.join(_differences(header, self.identity))} differ); profiling "
                 f"from the start")

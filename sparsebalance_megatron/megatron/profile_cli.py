@@ -7,7 +7,8 @@ Usage (the model flags use Megatron's names and must match the training run)::
         --pipeline-model-parallel-size 2 --sb-block-size 64 --out lat_cpu.json [--quick]
 
 Samples are saved as they are measured (``OUT.partial.jsonl``, ``latency/partial.py``): a
-profile cut short resumes from them when run again with the same flags (``--no-resume``: not).
+profile cut short resumes from them when run again with the same flags (``--no-resume``: it
+starts over, replacing them).
 ``--analytic`` writes the FLOP-based H100 table of the scale study instead (no measurement).
 ``--dense-crossover`` measures (or, with ``--analytic``, derives) the document length from which
 the sparse kernel beats the dense one, stored in the table: the routing threshold of runs with
@@ -70,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "crossover would route every document dense)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--no-resume", action="store_true",
-                   help="measure every sample anew: without it, samples are saved to OUT"
-                   ".partial.jsonl as they are measured and a profile of the same setup that "
-                   "was cut short resumes from them")
+                   help="measure every sample anew, replacing any OUT.partial.jsonl left by a "
+                   "profile cut short (samples are still saved there as they are measured); "
+                   "without it a profile of the same setup resumes from them")
     add_sparsebalance_args(p)
     return p
 
@@ -138,24 +139,22 @@ def main(argv=None) -> int:
     shape = shape_from_cli(args)
     crossover = args.dense_crossover == "measure" or (args.dense_crossover == "auto"
                                                       and torch.cuda.is_available())
-    partial = None
-    if not args.no_resume:
-        from ..latency.partial import PartialProfile, PartialProfileBusy, partial_path
-        from .profile import profile_identity
-        identity = profile_identity(shape, sb, densities=densities, mixes=mixes,
-                                    repeats=repeats, warmup=warmup, statistic=args.statistic,
-                                    dense_crossover=crossover)
-        try:
-            partial = PartialProfile(partial_path(args.out), identity,   # status: stderr
-                                     say=lambda ln: print(ln, file=sys.stderr, flush=True))
-        except PartialProfileBusy as e:
-            parser.exit(2, f"error: {e}\n")
+    from ..latency.partial import PartialProfile, PartialProfileBusy, partial_path
+    from .profile import profile_identity
+    identity = profile_identity(shape, sb, densities=densities, mixes=mixes, repeats=repeats,
+                                warmup=warmup, statistic=args.statistic,
+                                dense_crossover=crossover)
+    try:                       # status lines go to stderr, prefixed like the runtime's
+        partial = PartialProfile(partial_path(args.out), identity, fresh=args.no_resume,
+                                 say=lambda ln: print(f"[sparsebalance] {ln}", file=sys.stderr,
+                                                      flush=True))
+    except PartialProfileBusy as e:
+        parser.exit(2, f"error: {e}\n")
     table = profile_table(shape, sb, densities=densities, mixes=mixes, repeats=repeats,
                           warmup=warmup, statistic=args.statistic, dense_crossover=crossover,
                           progress=None if args.no_progress else tqdm, partial=partial)
     write_table(table, args.out)
-    if partial is not None:
-        partial.discard()
+    partial.discard()
     print(f"profiled {len(table['measurements'])} points on {table['device']} "
           f"(torch {table['software']['torch']}, megatron-core "
           f"{table['software']['megatron_core']}) -> {args.out}")

@@ -115,3 +115,39 @@ def test_a_finished_stage_kind_is_not_built_again(tmp_path, monkeypatch):
     _profile(tmp_path, retry, monkeypatch)
     assert cut.built == ["first", "last"] and retry.built == ["last", "middle"]
     assert len(retry.measured) == 3 * per_kind - per_kind - 1
+
+
+CLI = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+       "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256",
+       "--seq-length", "256", "--pipeline-model-parallel-size", "2", "--sb-block-size", "32",
+       "--densities", "0.25", "1.0", "--mixes", "2", "--repeats", "1", "--no-progress",
+       "--dense-crossover", "off"]
+
+
+def _cli(tmp_path, stage, monkeypatch, *extra):
+    from sparsebalance_megatron.megatron import profile_cli
+
+    stage.install(monkeypatch)
+    return profile_cli.main(CLI + ["--out", str(tmp_path / "t.json"), *extra])
+
+
+@pytest.mark.parametrize("no_resume", [False, True])
+def test_the_profiler_resumes_unless_told_not_to(tmp_path, monkeypatch, capsys, no_resume):
+    with pytest.raises(Killed):
+        _cli(tmp_path, FakeStage(fail_after=3), monkeypatch)
+    partial = tmp_path / "t.json.partial.jsonl"
+    assert partial.exists()
+    capsys.readouterr()
+
+    retry = FakeStage()
+    assert _cli(tmp_path, retry, monkeypatch, *(["--no-resume"] if no_resume else [])) == 0
+    err = capsys.readouterr().err
+    whole = 3 * 2 * 2                      # kinds x mixes x densities, one repeat
+    if no_resume:
+        assert len(retry.measured) == whole
+        assert f"[sparsebalance] ignoring the partial latency profile {partial} as asked " \
+               "(--no-resume)" in err, err
+    else:
+        assert len(retry.measured) == whole - 3
+        assert f"[sparsebalance] resuming the latency profile from {partial}: 3 samples" in err
+    assert (tmp_path / "t.json").exists() and not partial.exists()
