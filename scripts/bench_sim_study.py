@@ -161,6 +161,9 @@ def parse_args(argv=None):
     p.add_argument("--dst-descent", choices=DST_DESCENTS, default=None,
                    help="--sb-dst-descent of every DST plan (default: the runtime's, "
                         f"{SparseBalanceConfig().dst_descent}; 'off': the band rule alone)")
+    p.add_argument("--raise-headroom", default=None,
+                   help="--sb-raise-headroom of every DST plan: a fraction in [0, 0.5] or 'auto' "
+                        "(default: the runtime's; 'auto' is its pre-measurement value here)")
     p.add_argument("--tolerance", type=float, default=StudyConfig.tolerance,
                    help="--sb-tolerance p of every DST plan (units above (1 + p) x the anchor "
                         "are cut)")
@@ -312,7 +315,7 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=seed,
                           dst_objective=args.dst_objective, tolerance=args.tolerance,
-                          dst_descent=args.dst_descent,
+                          dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
                           microbatch_multiple=args.microbatch_multiple,
                           stand_down="off" if args.stand_down == "off" else None,
                           device_memory_gib=args.device_memory_gib)

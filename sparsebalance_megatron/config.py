@@ -164,8 +164,9 @@ class SparseBalanceConfig:
         "critical_path", "After its band search, DST descends the pipeline's critical path "
         "(policy/critical_path.py): units on a path longer than the step's target are cut, units "
         "with float raised, and that plan is kept only if it meets the same floors (and quality "
-        "rule) and is predicted faster. It may cut inside the --sb-tolerance band (a stage "
-        "that holds the longest path); 'off': the band rule alone decides what is cut.",
+        "rule), keeps the mean density at --sb-density or above, and is predicted faster. It "
+        "may cut inside the --sb-tolerance band (a stage that holds the longest path); 'off': "
+        "the band rule alone decides what is cut.",
         choices=DST_DESCENTS)
     quality_cost: Optional[str] = _f(
         None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"

@@ -26,6 +26,11 @@ The descent here approaches that optimum with the simulator and the float of eve
 4. keep the round only if the step got faster and the plan meets the floors (and, with the
    quality objective, loses no predicted quality against uniform d0); else halve eta.
 
+The descent spends no density: its plan keeps the work-weighted mean density at d0 or above
+(``NEUTRAL_DENSITY``), even where the density floor would let the band plan go lower. Its speed
+comes from the pipeline's shape, not from attention dropped, so it is also what the layout
+study counts as a win (a layout qualifies only at mean density >= d0).
+
 So the result is never slower than the plan it starts from, and ``plan_dst_with_floor`` keeps it
 only when it is predicted faster by more than ``dst.SPEED_TIE``. Cost: ``ROUNDS`` rounds of two
 float passes and three simulator calls.
@@ -48,6 +53,7 @@ CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
 RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
 ETA_START, ETA_MAX, ETA_MIN = 0.02, 0.1, 1e-3   # step-time reduction asked of a round
 _REL_EPS = 1e-9
+NEUTRAL_DENSITY = 1.0                        # the descent's mean-density floor, x d0
 
 
 def _highest_within(t_grid: np.ndarray, thr: np.ndarray, lo, hi) -> np.ndarray:
@@ -145,17 +151,19 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
 def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p2p_s: float, *,
                 density_floor: float, stage_density_floor: float, raise_headroom: float,
                 quality=None, margin: float = 1e-3, rounds: int = ROUNDS):
-    """``plan`` (a ``dst.DSTPlan`` meeting the floors), or the critical-path descent from it when
-    that is predicted faster by more than ``margin`` (relative) and meets the same floors: the
-    work-weighted mean density >= density_floor x d0, every stage's >= stage_density_floor x d0,
-    and with ``quality`` (a ``StageQuality``) no predicted loss against uniform d0. A plan that
-    does not meet them is refined from the static plan (every unit at d0) instead."""
+    """``plan`` (a ``dst.DSTPlan``), or the critical-path descent from it when that is predicted
+    faster by more than ``margin`` (relative) and meets the floors: the work-weighted mean
+    density >= max(density_floor, ``NEUTRAL_DENSITY``) x d0, every stage's >=
+    stage_density_floor x d0, and with ``quality`` (a ``StageQuality``) no predicted loss against
+    uniform d0. A plan that does not meet them is refined from the static plan (every unit at
+    d0) instead."""
     if rounds <= 0:
         return plan
     w, dense = costs.weights(), costs.dense_work
+    mean_floor = max(float(density_floor), NEUTRAL_DENSITY) * d0
 
     def meets(dens) -> bool:
-        return (weighted_mean_density(dens, w, dense) >= density_floor * d0 - 1e-12
+        return (weighted_mean_density(dens, w, dense) >= mean_floor - 1e-12
                 and float(np.min(stage_mean_densities(dens, w, dense)))
                 >= stage_density_floor * d0 - 1e-12
                 and (quality is None or quality.plan_cost(dens) <= 1e-12))
