@@ -63,8 +63,8 @@ def _highest_within(t_grid: np.ndarray, thr: np.ndarray, lo, hi) -> np.ndarray:
     thr = np.asarray(thr, dtype=np.float64)
     lo = np.array(np.broadcast_to(lo, thr.shape), dtype=np.int64)
     hi = np.array(np.broadcast_to(hi, thr.shape), dtype=np.int64)
-    flat = np.broadcast_to(t_grid, thr.shape + t_grid.shape[-1:]).reshape(-1, t_grid.shape[-1])
-    rows = np.arange(flat.shape[0]).reshape(thr.shape)
+    flat = t_grid.reshape(-1, t_grid.shape[-1])                   # [units, g], no copy
+    rows = np.broadcast_to(np.arange(flat.shape[0]).reshape(t_grid.shape[:-1]), thr.shape)
     limit = thr * (1 + _REL_EPS) + 1e-15
     while True:
         open_ = lo < hi
