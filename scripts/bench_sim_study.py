@@ -68,7 +68,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from sparsebalance_megatron.config import DST_OBJECTIVES, SparseBalanceConfig
+from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
 from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
@@ -158,6 +158,12 @@ def parse_args(argv=None):
     p.add_argument("--dst-objective", choices=DST_OBJECTIVES, default=None,
                    help="--sb-dst-objective of every DST plan (default: the runtime's, "
                         f"{SparseBalanceConfig().dst_objective})")
+    p.add_argument("--dst-descent", choices=DST_DESCENTS, default=None,
+                   help="--sb-dst-descent of every DST plan (default: the runtime's, "
+                        f"{SparseBalanceConfig().dst_descent}; 'off': the band rule alone)")
+    p.add_argument("--raise-headroom", default=None,
+                   help="--sb-raise-headroom of every DST plan: a fraction in [0, 0.5] or 'auto' "
+                        "(default: the runtime's; 'auto' is its pre-measurement value here)")
     p.add_argument("--tolerance", type=float, default=StudyConfig.tolerance,
                    help="--sb-tolerance p of every DST plan (units above (1 + p) x the anchor "
                         "are cut)")
@@ -269,9 +275,12 @@ def main(argv=None):
                    + ("" if dev else " (DeviceProfile defaults)"))
     if args.dst_objective is None:
         args.dst_objective = SparseBalanceConfig().dst_objective
+    if args.dst_descent is None:
+        args.dst_descent = SparseBalanceConfig().dst_descent
     print(f"latency: {source}\npp={args.pp} vp={args.vp} m={args.microbatches} "
           f"seq_length={args.seq_length} d in [{args.min_density}, {args.max_density}] "
-          f"steps={args.steps} dst_objective={args.dst_objective}")
+          f"steps={args.steps} dst_objective={args.dst_objective} "
+          f"dst_descent={args.dst_descent}")
     t0 = time.perf_counter()
     out = {"command": " ".join(["python", *sys.argv]) if argv is None else
            " ".join(["bench_sim_study.py", *argv]),
@@ -306,6 +315,7 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=seed,
                           dst_objective=args.dst_objective, tolerance=args.tolerance,
+                          dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
                           microbatch_multiple=args.microbatch_multiple,
                           stand_down="off" if args.stand_down == "off" else None,
                           device_memory_gib=args.device_memory_gib)

@@ -23,6 +23,7 @@ PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 RAISE_TARGETS = ("bottleneck", "static")
 STAND_DOWNS = ("sequential", "token_balanced", "off")   # policy/stand_down.py
 DST_OBJECTIVES = ("density", "quality")
+DST_DESCENTS = ("critical_path", "off")   # policy/critical_path.py
 TIMING_SOURCES = ("measured", "model")
 FAULT_KINDS = ("raise", "hang", "kill", "exit")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
@@ -159,6 +160,14 @@ class SparseBalanceConfig:
         "1.5-4x slower, off the critical path with --sb-plan-ahead) or 'density' (only the "
         "mean and per-stage density floors; cuts take the least sensitive micro-batches "
         "first).", choices=DST_OBJECTIVES)
+    dst_descent: str = _f(
+        "critical_path", "After its band search, DST descends the pipeline's critical path "
+        "(policy/critical_path.py): units on a path longer than the step's target are cut, units "
+        "with float raised, and that plan is kept only if it meets the same floors (and quality "
+        "rule), keeps the mean density at --sb-density or above, and is predicted faster. It "
+        "may cut inside the --sb-tolerance band (a stage that holds the longest path); 'off': "
+        "the band rule alone decides what is cut.",
+        choices=DST_DESCENTS)
     quality_cost: Optional[str] = _f(
         None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"
         " LM-loss increase against density per depth range of a real model); default: the "

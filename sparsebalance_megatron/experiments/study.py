@@ -92,6 +92,8 @@ class StudyConfig:
     ``DEFAULT_RAISE_HEADROOM`` without a measured error, as in a simulation)."""
     dst_objective: Optional[str] = None
     """--sb-dst-objective of the plans (None: the runtime's default)."""
+    dst_descent: Optional[str] = None
+    """--sb-dst-descent of the plans (None: the runtime's default)."""
     stand_down: Optional[str] = None
     """--sb-stand-down of the runs (None: the runtime's default): the baseline packing SAB's runs
     stand down to when SAB is predicted no faster, 'off': no stand-down (``policy.stand_down``)."""
@@ -114,7 +116,7 @@ class StudyConfig:
                   max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
                   raise_to=raise_to)
         for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective",
-                  "stand_down"):
+                  "dst_descent", "stand_down"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)

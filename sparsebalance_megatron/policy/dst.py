@@ -50,6 +50,7 @@ from ..sim.pipeline import pipeline_makespan_s
 from .bands import band_ladder, pick_band, straggler_present
 from .costs import (UnitCosts, check_density_bounds, stage_mean_densities,
                     weighted_mean_density)
+from .critical_path import ROUNDS, refine_plan
 from .slack import event_float_s
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
@@ -460,7 +461,7 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                         raise_headroom: float = 0.0,
                         stage_density_floor: float = 0.0,
                         raise_to: str = "bottleneck", quality=None,
-                        rank_scale=None) -> DSTPlan:
+                        rank_scale=None, descent: bool = True) -> DSTPlan:
     """``plan_dst``, but the plan keeps its work-weighted mean density >= density_floor x d0 and
     every pipeline stage's work-weighted density >= stage_density_floor x d0.
 
@@ -470,8 +471,11 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     ``max`` anchor), whose plan only raises, so a plan meeting both floors always exists; every
     candidate is a ``plan_dst`` plan, so the predicted step time never exceeds the static plan's.
     Among the candidates that meet the floors the fastest is kept (usually the narrowest band that
-    meets them). ``rank_scale`` ([dp, pp] calibrated compute-time factors): where one GPU is
-    persistently slow (``policy.bands``: it sits inside the band otherwise), narrower bands
+    meets them), then replaced by its critical-path descent (``policy.critical_path``;
+    ``descent``, ``--sb-dst-descent``; only under a density floor, which bounds its cuts, and not
+    with the ``max`` anchor or raise target ``static``) where it meets the floors and is faster.
+    ``rank_scale`` ([dp, pp] calibrated compute-time factors): where one GPU is persistently slow
+    (``policy.bands``: it sits inside the band otherwise), narrower bands
     (p/2, p/4, 0) are planned in the first pass too, one kept only if it meets the floors and
     quality and is clearly faster. The band is searched between ``tolerance`` and 10 in ``search_steps // 2``
     rounds, each one batched pass (``plan_dst_candidates``) of 3 tolerances spaced geometrically
@@ -496,14 +500,17 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
               static={},                    # the static plan's simulation, shared by all passes
               narrow=straggler_present(rank_scale, tolerance))
     ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, guard=quality, **kw)
-    if quality is None:
-        return ordered
-    filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
-    ordered.report.quality_cost = quality.plan_cost(ordered.densities)
-    fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
-    fastest = min(p.report.step_time_planned_s for p in fair)
-    return min((p for p in fair if p.report.step_time_planned_s
-                <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
+    if quality is not None:
+        filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
+        ordered.report.quality_cost = quality.plan_cost(ordered.densities)
+        fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
+        fastest = min(p.report.step_time_planned_s for p in fair)
+        ordered = min((p for p in fair if p.report.step_time_planned_s
+                       <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
+    descend = descent and raise_to == "bottleneck" and anchor != "max" and density_floor > 0
+    return refine_plan(ordered, costs, d0, d_min, d_max, p2p_s, density_floor=density_floor,
+                       stage_density_floor=stage_density_floor, raise_headroom=raise_headroom,
+                       quality=quality, margin=SPEED_TIE, rounds=ROUNDS if descend else 0)
 
 
 def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
@@ -595,4 +602,4 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
         anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
         density_floor=config.density_floor, raise_headroom=raise_headroom,
         stage_density_floor=config.stage_density_floor, raise_to=config.raise_to,
-        quality=quality, rank_scale=rank_scale)
+        quality=quality, rank_scale=rank_scale, descent=config.dst_descent != "off")

@@ -252,8 +252,9 @@ def test_density_floor_keeps_the_mean_budget_and_the_step_time():
         costs = synthetic_costs(dp, m, pp, seed=100 + case, lm_head=float(rng.uniform(0.5, 3)))
         sens = rng.random((dp, m))
         raw = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+        # the band search alone (the critical-path descent has its own tests)
         floored = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, anchor="mean",
-                                      tolerance=0.1, density_floor=0.9)
+                                      tolerance=0.1, density_floor=0.9, descent=False)
         static = step_time_of(costs, np.full((dp, m, pp), D0))
         mean = weighted_mean_density(floored.densities, costs.weights())
         assert mean >= 0.9 * D0 - 1e-9
@@ -378,14 +379,16 @@ def test_quality_objective_keeps_predicted_quality_and_speed():
         costs = synthetic_costs(dp, m, pp, seed=500 + case, lm_head=float(rng.uniform(0.3, 3)))
         sens = rng.random((dp, m))
         q = _quality(pp)
+        # the choice between the objectives' plans (each descended alone would end elsewhere:
+        # tests/unit/test_critical_path.py)
         plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
-                                   stage_density_floor=0.75, quality=q)
+                                   stage_density_floor=0.75, quality=q, descent=False)
         assert plan.report.quality_cost == pytest.approx(q.plan_cost(plan.densities))
         assert plan.report.quality_cost <= 1e-12
         static = step_time_of(costs, np.full((dp, m, pp), D0))
         assert step_time_of(costs, plan.densities) <= static * (1 + 1e-9)
         dens = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
-                                   stage_density_floor=0.75)
+                                   stage_density_floor=0.75, descent=False)
         cheaper += q.plan_cost(plan.densities) < q.plan_cost(dens.densities) - 1e-9
         # never slower (beyond the tie) and costlier than the density objective's plan
         t_q, t_d = step_time_of(costs, plan.densities), step_time_of(costs, dens.densities)

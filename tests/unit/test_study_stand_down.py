@@ -48,7 +48,10 @@ def test_a_packing_with_no_predicted_gain_stands_down_and_off_keeps_it(lm):
     lengths = np.full(400, 2048)
     on = run_study(4, replace(CFG, stand_down="sequential"), lm, lengths, _runs())
     assert on["sab_dst"]["sab_stood_down_steps"] == [CFG.steps, CFG.steps]
-    assert on["sab_dst"]["step_time_s"] == pytest.approx(on["seq"]["step_time_s"])
+    # packed the baseline's way, then planned as DST plans that packing (the critical-path
+    # descent finds a little even here: the layout's stages are uneven)
+    assert on["sab_dst"]["step_time_s"] == pytest.approx(on["dst"]["step_time_s"])
+    assert on["sab_dst"]["step_time_s"] <= on["seq"]["step_time_s"] * (1 + 1e-9)
     off = run_study(4, replace(CFG, stand_down="off"), lm, lengths, _runs())
     assert all("sab_stood_down" not in off[n] and off[n].get("dst_stood_down", 0) == 0
                for n in off)

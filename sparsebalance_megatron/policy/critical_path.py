@@ -1,0 +1,190 @@
+"""Critical-path descent: a DST candidate that shortens the pipeline's longest path, not its
+busiest stage (issue 27's headroom study).
+
+DST's cut phase (``policy.dst``) lowers the densities of load units, (DP rank, pipeline stage),
+whose busy time is above a band around the anchor; its raise phase fills float. Once SAB has
+balanced the DP ranks, what is left is the pipeline's own shape: the step is the longest path
+through the schedule's events (fill, steady state, drain; with the interleaved schedule a path
+that crosses every rank several times), and no stage's busy time is far above the others'. Then
+nothing is outside the band, or cutting a stage's busy time down to it moves the longest path
+little, and the floors (mean density, per-stage density, predicted quality) widen the band back.
+On issue 27's robustness cases (long-document mixes, interleaved layouts) a linear program over
+the same event graph, floors, bounds and quality rule (continuous densities, costs linear in
+density) put the optimum 10-20% below the step time of DST's band plan; on short documents
+(``lognormal_short``) even every unit at d_min is only 2-5% faster, so nothing is left there.
+
+The descent here approaches that optimum with the simulator and the float of every event
+(``policy.slack``), vectorised over DP ranks; each round:
+
+1. target T' = (1 - eta) x the plan's step time;
+2. cut: every unit on a path longer than T' (negative float at deadline T') sheds the same
+   fraction alpha of its cuttable time (its time above d_min); per DP rank the smallest alpha of
+   ``CUT_FRACTIONS`` that brings the rank within T' (all fractions in one simulator call);
+3. raise: every unit grows by beta x its float at (1 - h) x T' (h: the raise headroom, as in
+   DST's raise), up to d_max; per rank the largest beta of ``RAISE_FRACTIONS`` the simulator
+   clears (a rank may not end above max((1 - h) x T', its cut makespan));
+4. keep the round only if the step got faster and the plan meets the floors (and, with the
+   quality objective, loses no predicted quality against uniform d0); else halve eta.
+
+The descent spends no density: its plan keeps the work-weighted mean density at d0 or above
+(``NEUTRAL_DENSITY``), even where the density floor would let the band plan go lower. Its speed
+comes from the pipeline's shape, not from attention dropped, so it is also what the layout
+study counts as a win (a layout qualifies only at mean density >= d0).
+
+So the result is never slower than the plan it starts from, and ``plan_dst_with_floor`` keeps it
+only when it is predicted faster by more than ``dst.SPEED_TIE``. Cost: ``ROUNDS`` rounds of two
+float passes and three simulator calls.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..sim.pipeline import pipeline_makespan_s
+from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
+from .slack import event_float_s
+
+ROUNDS = 8                                   # descent rounds per plan
+CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
+RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
+ETA_START, ETA_MAX, ETA_MIN = 0.02, 0.1, 1e-3   # step-time reduction asked of a round
+_REL_EPS = 1e-9
+NEUTRAL_DENSITY = 1.0                        # the descent's mean-density floor, x d0
+
+
+def _highest_within(t_grid: np.ndarray, thr: np.ndarray, lo, hi) -> np.ndarray:
+    """Per unit, the highest grid index i in [lo, hi] with t_grid[..., i] <= thr (lo if none);
+    t_grid [..., g] non-decreasing along the grid (``UnitCosts``), thr / lo / hi of its leading
+    shape or broadcast to it. Binary search: a few gathers of the leading shape, not of g."""
+    thr = np.asarray(thr, dtype=np.float64)
+    lo = np.array(np.broadcast_to(lo, thr.shape), dtype=np.int64)
+    hi = np.array(np.broadcast_to(hi, thr.shape), dtype=np.int64)
+    flat = t_grid.reshape(-1, t_grid.shape[-1])                   # [units, g], no copy
+    rows = np.broadcast_to(np.arange(flat.shape[0]).reshape(t_grid.shape[:-1]), thr.shape)
+    limit = thr * (1 + _REL_EPS) + 1e-15
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi + 1) // 2
+        fits = flat[rows, mid] <= limit
+        lo = np.where(open_ & fits, mid, lo)
+        hi = np.where(open_ & ~fits, mid - 1, hi)
+
+
+class _Step:
+    """Times and makespans of plans (grid indices [k, dp, m, nv] or [dp, m, nv]) on costs."""
+
+    def __init__(self, costs: UnitCosts, p2p_s: float):
+        self.c, self.p2p = costs, float(p2p_s)
+        self.pp = costs.pipeline_ranks
+
+    def times(self, idx):
+        i = idx[..., None]
+        f = np.take_along_axis(np.broadcast_to(self.c.fwd_s, idx.shape + (self.c.fwd_s.shape[-1],)),
+                               i, -1)[..., 0]
+        b = np.take_along_axis(np.broadcast_to(self.c.bwd_s, idx.shape + (self.c.bwd_s.shape[-1],)),
+                               i, -1)[..., 0]
+        return f, b
+
+    def makespan(self, f, b):
+        dp, m, nv = self.c.shape
+        return pipeline_makespan_s(f.reshape(-1, m, nv), b.reshape(-1, m, nv), self.p2p,
+                                   pp=self.pp).reshape(f.shape[:-3] + (dp,))
+
+    def floats(self, f, b, deadline):
+        ff, fb = event_float_s(f, b, deadline, self.p2p, pp=self.pp)
+        return np.minimum(ff, fb)
+
+
+def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
+            raise_headroom: float, meets, rounds: int = ROUNDS):
+    """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
+    docstring); ``meets(densities)`` says whether a plan keeps the floors. Returns (grid
+    indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster."""
+    st = _Step(costs, p2p_s)
+    dp = costs.shape[0]
+    rows = np.arange(dp)
+    t_grid = costs.total_s
+    t_min = t_grid[..., i_min]
+    f, b = st.times(idx)
+    step = float(st.makespan(f, b).max())
+    eta = ETA_START
+    for _ in range(rounds):
+        if eta < ETA_MIN:
+            break
+        target = step * (1.0 - eta)
+        crit = st.floats(f, b, np.full(dp, target)) < 0            # on a path longer than T'
+        t_cur = f + b
+        k = CUT_FRACTIONS.size
+        thr = np.where(crit, t_cur - CUT_FRACTIONS[:, None, None, None] * (t_cur - t_min), t_cur)
+        cand = _highest_within(t_grid, thr, i_min, idx)              # [k, dp, m, nv]
+        ok = st.makespan(*st.times(cand)) <= target * (1 + _REL_EPS)
+        ok |= ~crit.any(axis=(1, 2))                                 # rank already within T'
+        if not ok.any(axis=0).all():                                 # T' out of reach: ask less
+            eta /= 2
+            continue
+        cut = cand[np.argmax(ok, axis=0), rows]                      # smallest alpha that fits
+        f1, b1 = st.times(cut)
+        mk_cut = st.makespan(f1, b1)
+        deadline = np.full(dp, target * (1.0 - raise_headroom))
+        cap = np.maximum(st.floats(f1, b1, deadline), 0.0)
+        thr = (f1 + b1) + RAISE_FRACTIONS[:, None, None, None] * cap
+        cand = _highest_within(t_grid, thr, cut, i_max)
+        limit = np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15
+        ok = st.makespan(*st.times(cand)) <= limit                   # beta 0 always holds
+        new = cand[np.argmax(ok, axis=0), rows]
+        nf, nb = st.times(new)
+        new_step = float(st.makespan(nf, nb).max())
+        if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
+            idx, f, b, step = new, nf, nb, new_step
+            eta = min(eta * 1.5, ETA_MAX)
+        else:
+            eta /= 2
+    return idx, step
+
+
+def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p2p_s: float, *,
+                density_floor: float, stage_density_floor: float, raise_headroom: float,
+                quality=None, margin: float = 1e-3, rounds: int = ROUNDS):
+    """``plan`` (a ``dst.DSTPlan``), or the critical-path descent from it when that is predicted
+    faster by more than ``margin`` (relative) and meets the floors: the work-weighted mean
+    density >= max(density_floor, ``NEUTRAL_DENSITY``) x d0, every stage's >=
+    stage_density_floor x d0, and with ``quality`` (a ``StageQuality``) no predicted loss against
+    uniform d0. A plan that does not meet them is refined from the static plan (every unit at
+    d0) instead."""
+    if rounds <= 0:
+        return plan
+    w, dense = costs.weights(), costs.dense_work
+    mean_floor = max(float(density_floor), NEUTRAL_DENSITY) * d0
+
+    def meets(dens) -> bool:
+        return (weighted_mean_density(dens, w, dense) >= mean_floor - 1e-12
+                and float(np.min(stage_mean_densities(dens, w, dense)))
+                >= stage_density_floor * d0 - 1e-12
+                and (quality is None or quality.plan_cost(dens) <= 1e-12))
+
+    r = plan.report
+    start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
+    if r.step_time_planned_s > r.step_time_static_s or not meets(start):
+        start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
+    i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
+    idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
+    idx, step = descend(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds)
+    if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
+        return plan
+    dens = costs.densities[idx]
+    st = _Step(costs, p2p_s)
+    mk = st.makespan(*st.times(idx))
+    report = replace(
+        r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
+        imbalance_after=float(mk.max() / mk.mean()) if mk.mean() > 0 else 1.0,
+        mean_density=weighted_mean_density(dens, w, dense),
+        units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()), ranks_reverted=0,
+        density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, w, dense)),
+        quality_cost=quality.plan_cost(dens) if quality is not None else r.quality_cost)
+    return replace(plan, densities=dens, report=report)
