@@ -24,10 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from types import SimpleNamespace
 
 import numpy as np
+
+from sparsebalance_megatron.config import DST_DESCENTS
 
 
 def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
@@ -62,7 +65,8 @@ def _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, seq):
 
 
 def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5,
-                  layout: str = "even", objective: str = "density") -> dict:
+                  layout: str = "even", objective: str = "density",
+                  descent: str = "critical_path") -> dict:
     """The plugin's per-step CPU work at scale, in the runtime's order and with its calls, on the
     built-in corpus: SAB packing of a global batch; the latency model's features of the packed
     step and its unit costs; the micro-batch sensitivities and the runtime's DST call; after the
@@ -79,7 +83,7 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     from sparsebalance_megatron.policy import density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    sb = SparseBalanceConfig(sparse_balance=True, dst_objective=objective)
+    sb = SparseBalanceConfig(sparse_balance=True, dst_objective=objective, dst_descent=descent)
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout,
                           pp=lm.layout.pp)
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
@@ -159,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--dst-objective", default="density", choices=["density", "quality"],
                    help="DST's objective in the per-step rows (--sb-dst-objective)")
+    p.add_argument("--dst-descent", default=DST_DESCENTS[0], choices=DST_DESCENTS,
+                   help="DST's critical-path descent in the per-step rows (--sb-dst-descent)")
     args = p.parse_args(argv)
 
     rng = np.random.default_rng(7)
@@ -175,7 +181,8 @@ def main(argv=None) -> int:
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
     predict_ms = _median_ms(lambda: lm.predict_many(units, d, 1), 5)
 
-    steps = {lay: step_overhead(lm, layout=lay, objective=args.dst_objective)
+    steps = {lay: step_overhead(lm, layout=lay, objective=args.dst_objective,
+                               descent=args.dst_descent)
              for lay in ("even", "best")}
     rows = [("plan_dst 64 x 16 x 4", plan_ms, 10.0),
             ("predict_many 4,096 x 32K (pp 4)", predict_ms, 250.0)]
@@ -206,6 +213,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(),
                        "clock": "thread CPU time", "dst_objective": args.dst_objective,
+                       "dst_descent": args.dst_descent, "command": sys.argv,
                        "steps": steps,
                        "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]},
                       f, indent=1)
