@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
+from tests.conftest import SLOW_ENV, TINY_MODEL, read_metrics, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -77,19 +78,22 @@ def test_fp16_trains_with_megatrons_loss_scale(tmp_path, small_jsonl):
     assert updated and all(math.isfinite(tb["lm loss"][it]) for it in updated)
 
 
-@pytest.mark.reliability(area="resume", case="resume at iterations 3 and 5 under a batch-size "
-                         "schedule (2 then 4)", expect="the same samples as the uninterrupted run")
+@pytest.mark.reliability(area="resume", case="resume at iteration 3 (also 5 with "
+                         "SB_SLOW_TESTS=1) under a batch-size schedule (2 then 4)",
+                         expect="the same samples as the uninterrupted run")
 def test_resume_reads_the_same_samples_under_a_batch_size_schedule(tmp_path, small_jsonl):
     """Batch size 2 for the first 8 samples (2048 tokens), then 4 (--step-batch-size-schedule);
-    checkpoints at 3 (inside the first phase) and 5 (after the change)."""
+    resumed at 3 (inside the first phase, so the resumed run crosses the change) and, with
+    SB_SLOW_TESTS=1, also at 5 (after it)."""
+    slow = os.environ.get(SLOW_ENV) == "1"
     common = [*TINY_MODEL, *SB, "--sb-sparse-attention", "--data-path", small_jsonl,
               "--step-batch-size-schedule", "0:2 2048:4", "--train-iters", "7",
               "--eval-iters", "0"]
-    run_entry(1, [*common, "--save", tmp_path / "ckpt", "--save-interval", "1",
+    run_entry(1, [*common, "--save", tmp_path / "ckpt", "--save-interval", "1" if slow else "3",
                   "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
     full = read_metrics(tmp_path / "full.jsonl")
     assert [r["samples"] for r in full] == [2, 2, 2, 2, 4, 4, 4]
-    for k in (3, 5):
+    for k in (3, 5) if slow else (3,):
         metrics = tmp_path / f"from{k}.jsonl"
         run_entry(1, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", str(k),
                       "--sb-metrics-file", metrics], cwd=tmp_path)
