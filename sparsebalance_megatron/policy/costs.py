@@ -219,6 +219,22 @@ class UnitCosts:
         return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, w)
 
 
+def level_search(lo, hi, ok) -> np.ndarray:
+    """Elementwise: the largest level L in [lo, hi] with ok(L) (lo if none); ok must be
+    monotone (true up to some level). Vectorised binary search over grid indices, shared by DST's
+    cut/raise and the critical-path descent."""
+    lo = np.array(lo, dtype=np.int64)
+    hi = np.array(hi, dtype=np.int64)
+    while True:
+        open_ = lo < hi
+        if not open_.any():
+            return lo
+        mid = (lo + hi + 1) // 2
+        fits = ok(mid)
+        lo = np.where(open_ & fits, mid, lo)
+        hi = np.where(open_ & ~fits, mid - 1, hi)
+
+
 def _non_decreasing(a: np.ndarray) -> np.ndarray:
     """Running max over the last axis (a itself when it is already non-decreasing: the common
     case, and much cheaper to check than to accumulate)."""

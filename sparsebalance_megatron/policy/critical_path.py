@@ -45,7 +45,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..sim.pipeline import pipeline_makespan_s
-from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
+from .costs import UnitCosts, level_search, stage_mean_densities, weighted_mean_density
 from .slack import event_float_s
 
 ROUNDS = 8                                   # descent rounds per plan
@@ -56,24 +56,16 @@ _REL_EPS = 1e-9
 NEUTRAL_DENSITY = 1.0                        # the descent's mean-density floor, x d0
 
 
-def _highest_within(t_grid: np.ndarray, thr: np.ndarray, lo, hi) -> np.ndarray:
+def _highest_within(t_grid: np.ndarray, thr, lo, hi) -> np.ndarray:
     """Per unit, the highest grid index i in [lo, hi] with t_grid[..., i] <= thr (lo if none);
     t_grid [..., g] non-decreasing along the grid (``UnitCosts``), thr / lo / hi of its leading
-    shape or broadcast to it. Binary search: a few gathers of the leading shape, not of g."""
+    shape or broadcast to it (``costs.level_search``: a few gathers of the leading shape)."""
     thr = np.asarray(thr, dtype=np.float64)
-    lo = np.array(np.broadcast_to(lo, thr.shape), dtype=np.int64)
-    hi = np.array(np.broadcast_to(hi, thr.shape), dtype=np.int64)
     flat = t_grid.reshape(-1, t_grid.shape[-1])                   # [units, g], no copy
     rows = np.broadcast_to(np.arange(flat.shape[0]).reshape(t_grid.shape[:-1]), thr.shape)
     limit = thr * (1 + _REL_EPS) + 1e-15
-    while True:
-        open_ = lo < hi
-        if not open_.any():
-            return lo
-        mid = (lo + hi + 1) // 2
-        fits = flat[rows, mid] <= limit
-        lo = np.where(open_ & fits, mid, lo)
-        hi = np.where(open_ & ~fits, mid - 1, hi)
+    return level_search(np.broadcast_to(lo, thr.shape), np.broadcast_to(hi, thr.shape),
+                        lambda i: flat[rows, i] <= limit)
 
 
 class _Step:

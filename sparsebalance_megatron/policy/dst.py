@@ -48,7 +48,7 @@ from ..config import (ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, RAISE
                       ConfigError)
 from ..sim.pipeline import pipeline_makespan_s
 from .bands import band_ladder, pick_band, straggler_present
-from .costs import (UnitCosts, check_density_bounds, stage_mean_densities,
+from .costs import (UnitCosts, check_density_bounds, level_search, stage_mean_densities,
                     weighted_mean_density)
 from .critical_path import ROUNDS, refine_plan
 from .slack import event_float_s
@@ -136,25 +136,10 @@ def _perm_along_m(order: np.ndarray):
     return (np.arange(k)[:, None, None], order, np.arange(pp)[None, None, :])
 
 
-def _level_search(lo, hi, ok):
-    """Elementwise: the largest level L in [lo, hi] with ok(L) (lo if none); ok must be
-    monotone (true up to some level). Vectorised binary search over grid indices."""
-    lo = np.array(lo, dtype=np.int64)
-    hi = np.array(hi, dtype=np.int64)
-    while True:
-        open_ = lo < hi
-        if not open_.any():
-            return lo
-        mid = (lo + hi + 1) // 2
-        fits = ok(mid)
-        lo = np.where(open_ & fits, mid, lo)
-        hi = np.where(open_ & ~fits, mid - 1, hi)
-
-
 def _highest_index_within(t_grid, units, thr, lo, hi):
     """Per unit: the highest grid index i in [lo, hi] with t(i) <= thr (lo if none); costs are
     non-decreasing in density (``UnitCosts`` makes them so)."""
-    return _level_search(np.broadcast_to(lo, units.shape), np.broadcast_to(hi, units.shape),
+    return level_search(np.broadcast_to(lo, units.shape), np.broadcast_to(hi, units.shape),
                          lambda i: _lookup(t_grid, units, i) <= thr)
 
 
@@ -234,7 +219,7 @@ def _water_fill(t_grid, units, best_index, b, lo, hi, limit_s):
     def level(L):
         return np.maximum(fit, np.minimum(over, L[:, None, :]))
 
-    L = _level_search(fit.min(axis=1), over.max(axis=1),
+    L = level_search(fit.min(axis=1), over.max(axis=1),
                       lambda L: total(level(L)) <= limit_s)
     return np.where(free[:, None, :], hi, level(L))
 
