@@ -5,31 +5,20 @@ seconds."""
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.experiments import StudyConfig, best_layouts
+from sparsebalance_megatron.experiments import best_layouts
 from sparsebalance_megatron.experiments.layout_space import (StepEvaluator, compositions,
                                                               packed_features, search_space)
-from sparsebalance_megatron.latency import LatencyModel, LayoutError, ModelShape, PipelineLayout
+from sparsebalance_megatron.latency import LayoutError, ModelShape, PipelineLayout
 from sparsebalance_megatron.latency.memory import GIB, MemoryModel
 
-SHAPE = ModelShape(num_layers=8, seq_length=8192)
-CFG = StudyConfig(microbatches=4, seq_length=8192, steps=2)
+from test_layout_search import CFG, lengths, lm  # noqa: F401  (the same small model and data)
+
 L = PipelineLayout
 
 LAYOUTS = [L(4, 1, (8, 8, 8, 0)), L(4, 1, (0, 8, 8, 8)), L(4, 1, (9, 7, 8, 0)),
            L(4, 2, (0, 3, 3, 4, 3, 4, 3, 4)), L(4, 2, (3, 4, 3, 2, 4, 5, 3, 0)),
            L(2, 2, (2, 1, 1, 0)), L(2, 3, (1, 0, 2, 0, 1, 0)), L(2, 4, (1, 1, 0, 1, 1, 1, 0, 1)),
            L(8, 1, (3, 3, 3, 3, 3, 3, 3, 3)), L(4, 1, (7, 8, 8, 1))]
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return LatencyModel.analytic(SHAPE, pp=4)
-
-
-@pytest.fixture(scope="module")
-def lengths():
-    rng = np.random.default_rng(3)
-    return np.concatenate([rng.integers(64, 1024, 300), rng.integers(4000, 8192, 40)])
 
 
 @pytest.fixture(scope="module")
