@@ -272,8 +272,7 @@ class SparseBalanceCallback:
         replayed, payload, stand = None, None, None
         if self.replay is not None:            # the recorded packing and densities
             batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
-            _check_assignment(segments, batch, self.capacity)
-            options = [(batch, self._units(batch))]
+            options = [self._checked(segments, batch)]
         else:
             options = [self._packed(segments, num_microbatches)]
             if wants_baseline_packing(self.sb, self.latency):     # do no harm: SAB vs baseline
@@ -289,7 +288,10 @@ class SparseBalanceCallback:
                       baseline=options[1] if len(options) > 1 else None, stand_down=stand)
 
     def _packed(self, segments, num_microbatches: int, method: Optional[str] = None) -> tuple:
-        batch = self.pack(segments, num_microbatches, method)
+        return self._checked(segments, self.pack(segments, num_microbatches, method))
+
+    def _checked(self, segments, batch: BatchPlan) -> tuple:
+        """(batch, its latency features), once the batch is checked to hold ``segments``."""
         _check_assignment(segments, batch, self.capacity)
         return batch, self._units(batch)
 
