@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import PipelineLayout
+from .shape import ModelShape
 
 GIB = float(1 << 30)
 MEGATRON_BYTES_PER_PARAM = 18.0
@@ -37,42 +38,32 @@ MEGATRON_BYTES_PER_PARAM = 18.0
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes of the model's pieces (from a latency table's ``model`` section)."""
+    """Bytes of the model's pieces: its ``ModelShape`` (from a latency table's ``model`` section)
+    at ``bytes_per_param`` for weights, gradients and optimizer state."""
 
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int
-    swiglu: bool = True
+    shape: ModelShape
     bytes_per_param: float = MEGATRON_BYTES_PER_PARAM
 
     @classmethod
     def from_table_model(cls, model: dict, bytes_per_param: float = MEGATRON_BYTES_PER_PARAM
                          ) -> "MemoryModel":
         try:
-            h = int(model["hidden_size"])
-            return cls(h, int(model["ffn_hidden_size"]), int(model["num_attention_heads"]),
-                       int(model.get("num_query_groups") or model["num_attention_heads"]),
-                       int(model.get("kv_channels") or h // int(model["num_attention_heads"])),
-                       int(model["vocab_size"]), bool(model.get("swiglu", True)),
-                       float(bytes_per_param))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"latency table model {model!r}: cannot estimate memory without "
-                             f"hidden/ffn sizes, heads, query groups and vocabulary ({e})") from e
+            return cls(ModelShape.from_table_model(model), float(bytes_per_param))
+        except ValueError as e:
+            raise ValueError(f"cannot estimate memory: {e}") from e
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer: QKV and output projections, the MLP, two norms."""
-        h, q = self.hidden_size, self.num_attention_heads * self.kv_channels
-        kv = 2 * self.num_query_groups * self.kv_channels
-        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden_size
+        s = self.shape
+        h, q = s.hidden_size, s.num_attention_heads * s.head_dim
+        kv = 2 * s.num_query_groups * s.head_dim
+        mlp = (3 if s.swiglu else 2) * h * s.ffn_hidden_size
         return h * (q + kv) + q * h + mlp + 2 * h
 
     def layer_activation_bytes(self, tokens: int) -> float:
         """Activations one decoder layer keeps for its backward, for ``tokens`` tokens."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        return tokens * (h * (18.0 + 4.0 * f / h) + (2.0 * f if self.swiglu else 0.0))
+        h, f = self.shape.hidden_size, self.shape.ffn_hidden_size
+        return tokens * (h * (18.0 + 4.0 * f / h) + (2.0 * f if self.shape.swiglu else 0.0))
 
     def rank_bytes(self, layout: PipelineLayout, tokens: int, num_microbatches: int) -> list:
         """[pp] estimated bytes of every pipeline rank (see the module docstring)."""
@@ -80,15 +71,16 @@ class MemoryModel:
 
         pp, vp, nv = layout.pp, layout.vp, layout.num_stages
         per_layer_act = self.layer_activation_bytes(tokens)
-        embed_act = 2.0 * tokens * self.hidden_size
+        h, vocab = self.shape.hidden_size, self.shape.vocab_size
+        embed_act = 2.0 * tokens * h
         out = []
         for r in range(pp):
             stages = [layout.stage_of(r, c) for c in range(vp)]
             params = sum(layout.layers[v] for v in stages) * self.layer_params()
             if 0 in stages:
-                params += self.vocab_size * self.hidden_size
+                params += vocab * h
             if nv - 1 in stages:
-                params += self.vocab_size * self.hidden_size + self.hidden_size
+                params += vocab * h + h
             act = {c: layout.layers[stages[c]] * per_layer_act
                    + (embed_act if stages[c] == 0 else 0.0) for c in range(vp)}
             if vp == 1:
@@ -99,7 +91,7 @@ class MemoryModel:
             for kind, _, c in order:
                 held += act[c] if kind == FWD else -act[c]
                 peak = max(peak, held)
-            logits = 4.0 * tokens * (self.hidden_size + self.vocab_size) if nv - 1 in stages else 0.0
+            logits = 4.0 * tokens * (h + vocab) if nv - 1 in stages else 0.0
             out.append(params * self.bytes_per_param + peak + logits)
         return out
 

@@ -3,7 +3,8 @@ analytic model and the runs share.
 
 ``ModelShape`` holds Megatron's model flags (``as_table_model``: a table's ``model`` section), the
 pipeline size, and how a stage runs (``as_table_execution``: TP size, transformer implementation,
-activation recomputation). It is built from a run's parsed args (``from_megatron_args``), turned
+activation recomputation). It is built from a run's parsed args (``from_megatron_args``) or a
+table's ``model`` section (``from_table_model``), turned
 back into profiler flags (``cli_flags``), and checked for what the profiler can measure.
 
 Pure Python; must not import torch or megatron.
@@ -52,6 +53,25 @@ class ModelShape:
                    tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
                    transformer_impl=getattr(args, "transformer_impl", "local"),
                    recompute_granularity=getattr(args, "recompute_granularity", None) or "none")
+
+    @classmethod
+    def from_table_model(cls, model: dict) -> "ModelShape":
+        """The shape a table's ``model`` section describes (the inverse of ``as_table_model``;
+        execution fields and pp at their defaults). ``ValueError`` naming the section when a
+        size the shape cannot default is missing or not a number."""
+        required = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
+        try:
+            kw = {k: int(model[k]) for k in required}
+            for k in ("num_layers", "seq_length", "num_query_groups", "kv_channels"):
+                if model.get(k):
+                    kw[k] = int(model[k])
+            kw.setdefault("num_query_groups", kw["num_attention_heads"])
+            if "swiglu" in model:
+                kw["swiglu"] = bool(model["swiglu"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"latency table model {model!r}: expected {', '.join(required)} "
+                             f"as numbers ({e!r})") from e
+        return cls(**kw)
 
     @property
     def head_dim(self) -> int:
