@@ -106,9 +106,6 @@ class RecordedPlans:
             raise ReplayError(f"{where}: no step recorded")
         return cls(path, steps)
 
-    def first_shape(self) -> StepShape:
-        return self.steps[min(self.steps)]["shape"]
-
     def check_shape(self, want: StepShape, step: Optional[int] = None) -> None:
         """``ReplayError`` naming every setting in which ``want`` differs from the recorded
         step (the first one by default); ``None`` fields of ``want`` are not compared."""
