@@ -10,8 +10,9 @@ nothing is outside the band, or cutting a stage's busy time down to it moves the
 little, and the floors (mean density, per-stage density, predicted quality) widen the band back.
 On issue 27's robustness cases (long-document mixes, interleaved layouts) a linear program over
 the same event graph, floors, bounds and quality rule (continuous densities, costs linear in
-density) put the optimum 10-20% below the step time of DST's band plan; on short documents
-(``lognormal_short``) even every unit at d_min is only 2-5% faster, so nothing is left there.
+density; a one-off check with scipy, not kept here) put the optimum 10-20% below the step time
+of DST's band plan; on short documents (``lognormal_short``) even every unit at d_min is only
+2-5% faster, so nothing is left there.
 
 The descent here approaches that optimum with the simulator and the float of every event
 (``policy.slack``), vectorised over DP ranks; each round:
