@@ -68,7 +68,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
+from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, MAX_RAISE_HEADROOM,
+                                       ConfigError, SparseBalanceConfig)
 from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
@@ -176,7 +177,17 @@ def parse_args(argv=None):
                         "predicted no faster (best_static), or never (off: the ablation)")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # checked here, before any search: the runtime's own checks, named by this script's flags
+    if args.device_memory_gib is not None and not args.device_memory_gib > 0:
+        p.error(f"--device-memory-gib {args.device_memory_gib}: expected a number of GiB > 0")
+    if args.raise_headroom is not None:
+        try:
+            SparseBalanceConfig(raise_headroom=args.raise_headroom)
+        except ConfigError:
+            p.error(f"--raise-headroom {args.raise_headroom!r}: expected 'auto' or a number in "
+                    f"[0, {MAX_RAISE_HEADROOM}]")
+    return args
 
 
 def idle_bound(rows: dict, layout, m: int) -> dict:
