@@ -14,6 +14,9 @@ package with ``ast``.
    under ``if TYPE_CHECKING:`` do not (they never run). ``from pkg import mod`` is an edge to the
    module ``pkg.mod`` only: a package's ``__init__`` importing its children is how packages work.
    A circle fails the test, named module by module with the line of each import.
+5. The adapter's rooms (``megatron/<room>/``, docs/DESIGN.md section 2) import only the rooms
+   before them in ``ROOM_ORDER`` (``errors`` is the leaf every room may import); the entries
+   (``hooks``, ``profile_cli``) may import every room.
 
 Modules are discovered, so new files are checked too. A current module that breaks a rule is a
 single xfail case that names the file (KNOWN_VIOLATIONS); it is reported, not edited here.
@@ -37,6 +40,7 @@ COMM = ADAPTER / "comm.py"
 LAZY_ADAPTER_IMPORTS = {"sparsebalance_megatron/data/corpus.py":
                         "sparsebalance_megatron.megatron.indexed_data"}
 KNOWN_VIOLATIONS: dict = {}
+ROOM_ORDER = ["errors", "runtime", "model", "launch", "step"]   # each imports only those before
 
 
 def rel(path: Path) -> str:
@@ -331,3 +335,45 @@ def test_the_circle_check_finds_a_circle_through_a_lazy_import(tmp_path, monkeyp
     _write(tmp_path, {"pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                   "    import pkg.a\n"})
     assert import_circles(paths) == []
+
+
+def room_of(module: str):
+    """The adapter room of ``module`` (``errors`` counts as the first), or None."""
+    parts = module.split(".")
+    if parts[:2] != ["sparsebalance_megatron", "megatron"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in ROOM_ORDER else None
+
+
+def room_problems(paths) -> list[str]:
+    known = {module_name(p) for p in paths}
+    out = []
+    for path in paths:
+        room = room_of(module_name(path))
+        if room is None:
+            continue
+        for mod, line in import_edges(path, known):
+            other = room_of(mod)
+            if other is not None and ROOM_ORDER.index(other) > ROOM_ORDER.index(room):
+                out.append(f"{rel(path)} line {line}: the {room} room imports {mod} "
+                           f"(the {other} room comes after it)")
+    return out
+
+
+def test_rooms_import_only_the_rooms_before_them():
+    problems = room_problems(MODULES)
+    assert not problems, "; ".join(problems)
+
+
+def test_the_room_check_names_a_backward_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    base = "sparsebalance_megatron/megatron/"
+    paths = _write(tmp_path, {
+        base + "__init__.py": "", base + "errors.py": "", base + "hooks.py": "from .step import a\n",
+        base + "model/__init__.py": "", base + "model/spec.py": "from ..errors import E\n",
+        base + "step/__init__.py": "", base + "step/a.py": "from ..model import spec\n",
+        base + "runtime/__init__.py": "",
+        base + "runtime/comm.py": "def f():\n    from ..model.spec import g\n"})
+    assert room_problems(paths) == [
+        f"{base}runtime/comm.py line 2: the runtime room imports "
+        f"sparsebalance_megatron.megatron.model.spec (the model room comes after it)"]
