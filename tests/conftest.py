@@ -146,10 +146,11 @@ def _profile_tiny(out: Path, pp: int) -> Path:
 
 
 def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: bool = True,
-              entry: Path = ENTRY):
-    """torchrun the training entry (the GPT one unless ``entry``); returns the CompletedProcess
-    (stdout+stderr merged)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+              entry: Path = ENTRY, env: dict = None):
+    """torchrun the training entry (the GPT one unless ``entry``: also a patched Megatron-LM
+    ``pretrain_*.py``); returns the CompletedProcess (stdout+stderr merged). ``env``: variables
+    set on top of this process's (e.g. a ``PATH`` with stand-in tools)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(entry), *map(str, args)]
     proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -157,6 +158,23 @@ def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: b
     if check and proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
     return proc
+
+
+def close(a: float, b: float, rtol: float) -> bool:
+    """``a`` and ``b`` agree within ``rtol`` of the larger (runs compared step by step)."""
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def megatron_single_process():
+    """Megatron's model-parallel state on a 1-process gloo group, with the CPU shims, for the
+    tests of a module that build megatron-core models in-process."""
+    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.profile import init_single_process
+
+    activate_cpu_shims()
+    init_single_process()
+    yield
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
+from tests.conftest import TINY_MODEL, close, read_metrics, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -38,10 +38,6 @@ def analytic_table_pp1(tmp_path_factory):
     out = tmp_path_factory.mktemp("lat") / "analytic_pp1.json"
     write_table(analytic_table(shape, pp=1, block_size=32, transformer_impl="local"), str(out))
     return out
-
-
-def _close(a, b, rtol):
-    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
 
 
 def _replay_runs(tmp_path, data, table, dp: int, extra=()):
@@ -66,10 +62,10 @@ def _assert_same_numbers(cp1, cp2, tb1, tb2, steps):
         assert a["budgets_consistent"] is True and b["budgets_consistent"] is True
         assert a["plan"]["micro_batches"] == b["plan"]["micro_batches"]   # the replayed plan
         assert a["densities"] == b["densities"]
-        assert _close(a["loss"], b["loss"], 1e-6), (a["step"], a["loss"], b["loss"])
+        assert close(a["loss"], b["loss"], 1e-6), (a["step"], a["loss"], b["loss"])
     for it in steps:
-        assert _close(tb1["lm loss"][it], tb2["lm loss"][it], 1e-6), it
-        assert _close(tb1["grad-norm"][it], tb2["grad-norm"][it], 1e-5), it
+        assert close(tb1["lm loss"][it], tb2["lm loss"][it], 1e-6), it
+        assert close(tb1["grad-norm"][it], tb2["grad-norm"][it], 1e-5), it
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_scalars, run_entry
+from tests.conftest import TINY_MODEL, close, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -32,16 +32,12 @@ def runs(tmp_path_factory, small_jsonl):
     return d, common, read_scalars(d / "tb_ref")
 
 
-def _close(a, b, rtol):
-    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
-
-
 def _same(ref: dict, other: dict, steps, loss_rtol=1e-5, grad_rtol=1e-4):
     for it in steps:
         a, b = ref["lm loss"][it], other["lm loss"][it]
-        assert _close(a, b, loss_rtol), (it, a, b)
+        assert close(a, b, loss_rtol), (it, a, b)
         a, b = ref["grad-norm"][it], other["grad-norm"][it]
-        assert _close(a, b, grad_rtol), (it, a, b)
+        assert close(a, b, grad_rtol), (it, a, b)
 
 
 def test_pipeline_parallel_matches_single_stage(runs):

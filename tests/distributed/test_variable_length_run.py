@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
+from tests.conftest import TINY_MODEL, close, read_metrics, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -23,10 +23,6 @@ COMMON = ["--sb-density", "0.5", "--sb-block-size", "32", "--sb-tokenizer", "byt
           "--sb-latency-table-force",
           "--sb-timing-source", "model", "--global-batch-size", "4", "--train-iters", "3",
           "--eval-iters", "0"]
-
-
-def _close(a, b, rtol):
-    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
 
 
 def test_variable_length_microbatches_train_like_fixed_ones(tmp_path, short_docs_jsonl,
@@ -45,9 +41,9 @@ def test_variable_length_microbatches_train_like_fixed_ones(tmp_path, short_docs
         assert a["positions"] == 4 * 256                           # fixed: 4 x --seq-length
         assert b["tokens"] <= b["positions"] <= a["tokens"] + 4 * 31   # rounded up to 32 each
         assert b["positions"] % 32 == 0
-        assert _close(a["loss"], b["loss"], 1e-5), (a["step"], a["loss"], b["loss"])
+        assert close(a["loss"], b["loss"], 1e-5), (a["step"], a["loss"], b["loss"])
     assert sum(b["positions"] for b in var) < 0.95 * sum(a["positions"] for a in fixed)
     tf, tv = read_scalars(tmp_path / "tb_fixed"), read_scalars(tmp_path / "tb_var")
     for it in (1, 2, 3):
-        assert _close(tf["lm loss"][it], tv["lm loss"][it], 1e-5), it
-        assert _close(tf["grad-norm"][it], tv["grad-norm"][it], 1e-4), it
+        assert close(tf["lm loss"][it], tv["lm loss"][it], 1e-5), it
+        assert close(tf["grad-norm"][it], tv["grad-norm"][it], 1e-4), it

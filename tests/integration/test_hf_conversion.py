@@ -13,20 +13,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from sparsebalance_megatron.megatron.compat import activate_cpu_shims  # noqa: E402
 from sparsebalance_megatron.megatron import hf_convert  # noqa: E402
 from sparsebalance_megatron.megatron.hf_convert import (  # noqa: E402
     ArchitectureMismatchError, arch_from_hf_config, build_gpt_model, hf_to_megatron,
     load_checkpoint, save_checkpoint)
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_single_process():
-    activate_cpu_shims()
-    from sparsebalance_megatron.megatron.profile import init_single_process
-    init_single_process()
+pytestmark = pytest.mark.usefixtures("megatron_single_process")   # tests/conftest.py
 
 
 def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,6 @@ import ast
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -109,18 +107,13 @@ def _flags(tmp_path: Path, data: Path, table) -> list[str]:
 
 
 def _train(script: Path, flags: list, tmp_path: Path, name: str) -> list[dict]:
-    from tests.conftest import read_metrics
+    from tests.conftest import read_metrics, run_entry
 
     metrics = tmp_path / f"{name}.jsonl"
     tools = tmp_path / f"tools_{name}"          # one PATH folder per run of this tmp_path
     tools.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=_tool_path(tools))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=4", str(script), *flags,
-                           "--sb-metrics-file", str(metrics)], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-5000:]
+    proc = run_entry(4, [*flags, "--sb-metrics-file", metrics], cwd=tmp_path, timeout=900,
+                     entry=script, env={"PATH": _tool_path(tools)})
     assert "attention layers of HybridModel '*-|-*'" in proc.stdout, proc.stdout[-3000:]
     assert "DST on" in proc.stdout and "packing sab" in proc.stdout
     assert "validation loss at iteration" in proc.stdout   # Megatron's eval ran

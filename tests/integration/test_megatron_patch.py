@@ -440,7 +440,7 @@ def _tool_path(tmp_path: Path) -> str:
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
                     reason="set MEGATRON_LM_DIR to a Megatron-LM checkout to run the patched script")
 def test_patched_megatron_lm_trains_with_sparse_balance_like_our_entry(tmp_path, small_jsonl):
-    from tests.conftest import ENTRY, TINY_MODEL, read_metrics
+    from tests.conftest import ENTRY, TINY_MODEL, read_metrics, run_entry
 
     src = Path(os.environ["MEGATRON_LM_DIR"]).resolve()
     copy = tmp_path / "Megatron-LM"
@@ -461,16 +461,11 @@ def test_patched_megatron_lm_trains_with_sparse_balance_like_our_entry(tmp_path,
              "--data-path", str(small_jsonl), "--sparse-balance", "--sb-density", "0.5",
              "--sb-block-size", "32", "--sb-tokenizer", "byte",
              "--sb-data-cache-dir", str(tmp_path / "cache")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PATH=_tool_path(tmp_path))
     runs = {}
     for name, script in (("megatron_lm", copy / "pretrain_gpt.py"), ("ours", ENTRY)):
         metrics = tmp_path / f"{name}.jsonl"
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", str(script), *flags,
-                               "--sb-metrics-file", str(metrics)], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stdout[-5000:]
+        proc = run_entry(2, [*flags, "--sb-metrics-file", metrics], cwd=tmp_path, timeout=600,
+                         entry=script, env={"PATH": _tool_path(tmp_path)})
         assert "DST on" in proc.stdout and "packing sab" in proc.stdout
         assert "validation loss at iteration 3" in proc.stdout   # Megatron's eval ran
         runs[name] = read_metrics(metrics)

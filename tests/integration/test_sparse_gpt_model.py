@@ -15,18 +15,10 @@ import torch.nn.functional as F
 
 from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.plan import BudgetPlan
-from sparsebalance_megatron.megatron.compat import activate_cpu_shims
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration,
+              pytest.mark.usefixtures("megatron_single_process")]   # tests/conftest.py
 VOCAB, BLOCK = 64, 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_single_process():
-    activate_cpu_shims()
-    from sparsebalance_megatron.megatron.profile import init_single_process
-    init_single_process()
-    yield
 
 
 def _sb(**kw):
