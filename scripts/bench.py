@@ -40,6 +40,8 @@ STUDIES = {
                     "BENCHMARKS.md BlockMask memory"),
     "context_parallel": ("a2a context-parallel attention alone, CP=2 vs CP=1 (CPU)",
                          "BENCHMARKS.md context parallelism, docs/CONTEXT_PARALLEL.md"),
+    "cp_step": ("whole pretrain() steps on CPU, CP=2 vs CP=1 (the README's job)",
+                "BENCHMARKS.md context parallelism, attention alone"),
     "quality_cost": ("measure a model's loss per layer group and density (the quality cost)",
                      "BENCHMARKS.md DST's accuracy side"),
     "dst_plans": ("DST's plans evaluated on a real model's loss and retrieval",
