@@ -19,9 +19,9 @@ coefficients >= 0), it reports:
   should take the same time. Measured in another state they do not, and no model of the grid
   can predict them.
 
-The H100 table of BENCHMARKS.md "GPU latency model (H100)"
-(docs/results/latency_table_h100_full_run3.json with latency_eval_h100_full_run3.json) shows both: its
-first pass timed the backward of the 16K-token points 8-17% lower until the grid's first
+The H100 table of docs/benchmarks/attention-gpu.md "GPU latency model (H100)"
+(docs/results/latency_table_h100_full_run3.json with latency_eval_h100_full_run3.json) shows
+both: its first pass timed the backward of the 16K-token points 8-17% lower until the grid's first
 8K-token micro-batch, and the held-out 16K document matches that first pass, not the rest of
 the grid.
 """
