@@ -118,14 +118,14 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
 
 def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float) -> dict:
     """--sb-plan-ahead at the same scale: each step's draft (SAB, features, unit costs, DST)
-    runs on the runtime's planner thread (``callback._Planner``) while the training thread
+    runs on the runtime's planner thread (``step_planning.Planner``) while the training thread
     stands in for a GPU-bound step (blocked ``step_s`` seconds with the GIL released, as it is
     in CUDA synchronisation and NCCL waits); measured on the training thread: the wait at the
     join, and the after-step work (calibration's ``busy_s``, the reports' ``unit_work``). What
     a CPU-bound training thread (kernel launches holding the GIL) would lose to the planner is
     not modelled: the draft's CPU time is its bound."""
     from sparsebalance_megatron.batching import SensitivityTracker
-    from sparsebalance_megatron.megatron.callback import _Planner
+    from sparsebalance_megatron.megatron.step_planning import Planner
     from sparsebalance_megatron.megatron.reporting import unit_work
 
     tracker = SensitivityTracker()
@@ -136,7 +136,7 @@ def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float
     waits, after, drafts = [], [], []
     current = draft(batches[0])
     for segs in batches[1:]:
-        planner = _Planner(lambda segs=segs: draft(segs), basis={})
+        planner = Planner(lambda segs=segs: draft(segs), basis={})
         time.sleep(step_s)                          # the step trains (GIL released)
         t0 = time.perf_counter()                    # end_step: join the next step's draft ...
         nxt = planner.result()

@@ -20,6 +20,9 @@ A document of ``n`` tokens is packed as ``n + 1`` positions: its tokens, then EO
 ``(doc_id, start, end)`` is a range of those positions (``end <= n + 1``); only the last piece of a
 document carries the EOD.
 Must not depend on torch, torch.distributed or megatron.
+
+Why this is long: sampling, packing and materializing are one pipeline whose padding rules
+(``padding_lengths``, the EOD position) must agree at every step; they are kept side by side.
 """
 
 from __future__ import annotations

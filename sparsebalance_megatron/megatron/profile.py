@@ -15,6 +15,9 @@ table (and then predicts TP = 1 times, which the online calibration can only sca
 
 Not for use inside a running training job (it initialises its own 1-process model-parallel state).
 Imports megatron; ``megatron/profile_cli.py`` is the thin command-line front end.
+
+Why this is long: building a stage, timing its micro-batches and writing the table share the
+one-process set-up and the table's identity; the command line is already apart (``profile_cli.py``).
 """
 
 from __future__ import annotations
