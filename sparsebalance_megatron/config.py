@@ -172,7 +172,7 @@ class SparseBalanceConfig:
         "the band rule alone decides what is cut.",
         choices=DST_DESCENTS)
     quality_cost: Optional[str] = _f(
-        None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"
+        None, "Quality cost JSON for --sb-dst-objective quality (scripts/bench.py quality_cost:"
         " LM-loss increase against density per depth range of a real model); default: the "
         "shipped SmolLM2-135M measurement.", path="input")
     raise_headroom: str = _f(

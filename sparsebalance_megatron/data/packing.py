@@ -12,7 +12,7 @@
   one document, so attention and labels never cross a document. Padding up to ``capacity`` is
   cut into sequences of at most ``PAD_SEQ_TOKENS`` (``padding_lengths``): attention over padding
   then costs a few blocks, where one long padding sequence would cost as much as a real document
-  of that length (measured on CPU by ``scripts/bench_microbatch_mix.py``, 8K micro-batch with
+  of that length (measured on CPU by the since-removed ``scripts/bench_microbatch_mix.py``, 8K micro-batch with
   1.4K real tokens, block-sparse d 0.5, fwd+bwd: 0.71 s with one padding sequence, 0.23 s with
   256-token pieces).
 
