@@ -17,6 +17,7 @@ package with ``ast``.
 5. The adapter's rooms (``megatron/<room>/``, docs/DESIGN.md section 2) import only the rooms
    before them in ``ROOM_ORDER`` (``errors`` is the leaf every room may import); the entries
    (``hooks``, ``profile_cli``) may import every room.
+6. A room's ``__init__`` exports (lazily, ``_PUBLIC``) only names its modules define.
 
 Modules are discovered, so new files are checked too. A current module that breaks a rule is a
 single xfail case that names the file (KNOWN_VIOLATIONS); it is reported, not edited here.
@@ -377,3 +378,50 @@ def test_the_room_check_names_a_backward_import(tmp_path, monkeypatch):
     assert room_problems(paths) == [
         f"{base}runtime/comm.py line 2: the runtime room imports "
         f"sparsebalance_megatron.megatron.model.spec (the model room comes after it)"]
+
+
+def top_level_names(path: Path) -> set:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def lazy_export_problems(paths) -> list[str]:
+    """A room's ``__init__`` exports names lazily from ``_PUBLIC`` ({name: module}); each must be
+    a top-level name of that module (else ``from room import name`` fails only when first used)."""
+    out = []
+    for path in paths:
+        if path.name != "__init__.py" or room_of(module_name(path)) is None:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_PUBLIC"
+                                                    for t in node.targets):
+                for name, module in ast.literal_eval(node.value).items():
+                    target = path.parent / f"{module}.py"
+                    if not target.exists() or name not in top_level_names(target):
+                        out.append(f"{rel(path)}: _PUBLIC[{name!r}] = {module!r}, which does not "
+                                   f"define it")
+    return out
+
+
+def test_rooms_export_only_names_their_modules_define():
+    problems = lazy_export_problems(MODULES)
+    assert not problems, "; ".join(problems)
+
+
+def test_the_export_check_names_a_stale_entry(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    base = "sparsebalance_megatron/megatron/step/"
+    paths = _write(tmp_path, {
+        base + "__init__.py": '_PUBLIC = {"run": "callback", "gone": "callback", "x": "nope"}\n',
+        base + "callback.py": "def run():\n    pass\n"})
+    assert lazy_export_problems(paths) == [
+        f"{base}__init__.py: _PUBLIC['gone'] = 'callback', which does not define it",
+        f"{base}__init__.py: _PUBLIC['x'] = 'nope', which does not define it"]
