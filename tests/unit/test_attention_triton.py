@@ -93,15 +93,21 @@ def check_lists(density, sink_blocks, local_blocks, selection_mode):
 
 
 def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mode="density",
-                    kv_chunk=None, seed=0, dtype="float32", tol=1e-4):
+                    kv_chunk=None, seed=0, dtype="float32", tol=1e-4, tokens=False,
+                    config=None):
     """Output and dq, dk, dv against the float64 reference on the same selection and inputs
     (max error relative to the largest entry below ``tol``). ``kv_chunk`` None: through
-    ``block_sparse_attention`` (backend triton); else the padded kernel on a fixed-length
-    layout (a padded tail) with that chunk length."""
+    ``block_sparse_attention`` (backend triton); else with that chunk length the padded kernel
+    on a fixed-length layout (a padded tail), or (``tokens``) the kernel on the unpadded
+    tokens. ``config``: LaunchConfig fields overriding the defaults (other tiles, sub-tiles)."""
+    from dataclasses import replace
+
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.attention.block_lists import build_block_lists
     from sparsebalance_megatron.attention.kernels import reference_attention
-    from sparsebalance_megatron.attention.sparse_triton import sparse_attention_padded
+    from sparsebalance_megatron.attention.sparse_triton import (sparse_attention,
+                                                                sparse_attention_padded)
+    from sparsebalance_megatron.attention.triton_launch import default_config
     q, k, v, w = _inputs(nh, ng, hn, seed, getattr(torch, dtype))
     scale = 0.7 / hn ** 0.5
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
@@ -112,13 +118,18 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
             density, list) else density, block_size=BS, backend="triton", estimator="pooled",
             softmax_scale=scale, **budget)
     else:
-        sel = _selection(q, k, density, fixed_length=True, **budget)
+        sel = _selection(q, k, density, fixed_length=not tokens, **budget)
         lay = sel.layout
-        assert lay.padded_blocks > lay.num_blocks
-        out_pad = sparse_attention_padded(*(lay.pad(t) for t in x), build_block_lists(sel),
-                                          lay, scale, kv_chunk=kv_chunk)
-        assert bool((out_pad[lay.num_blocks * BS:] == 0).all())
-        out = lay.unpad(out_pad)
+        cfg = replace(default_config(hn, BS, nh // ng), **(config or {}))
+        if tokens:      # the micro-batch's own tokens: no padded copy in or out
+            out = sparse_attention(*x, build_block_lists(sel), lay, scale, kv_chunk=kv_chunk,
+                                   config=cfg)
+        else:
+            assert lay.padded_blocks > lay.num_blocks
+            out_pad = sparse_attention_padded(*(lay.pad(t) for t in x), build_block_lists(sel),
+                                              lay, scale, kv_chunk=kv_chunk, config=cfg)
+            assert bool((out_pad[lay.num_blocks * BS:] == 0).all())
+            out = lay.unpad(out_pad)
     grads = torch.autograd.grad((out * w).sum(), x)
     x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
     ref = reference_attention(*x64, sel, scale)
@@ -161,7 +172,11 @@ def check_broken_lists_fail():
 
 def check_refusals_and_fake_op():
     """Why it cannot run, by name; the custom op's fake implementation gives the shapes."""
+    from dataclasses import astuple
+
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sparsebalance_megatron.attention.triton_launch import default_config
 
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.attention import sparse_triton
@@ -181,11 +196,14 @@ def check_refusals_and_fake_op():
     with FakeTensorMode():
         t, nh, hn = 64, 4, 16
         fq, fk = torch.empty(t, nh, hn), torch.empty(t, 2, hn)
-        ints = torch.empty(2, 4, dtype=torch.int32)
-        idx = torch.empty(2, 4, 3, dtype=torch.int32)
+        ints = torch.empty(2, 5, dtype=torch.int32)
+        idx = torch.empty(2, 5, 3, dtype=torch.int32)
+        blk = torch.empty(5, dtype=torch.int32)
+        cfg = list(astuple(default_config(hn, BS, 2)))
         out, lse = torch.ops.sparsebalance.sparse_attn_fwd(
-            fq, fk, fk, ints, idx, ints, idx, torch.empty(4, dtype=torch.int32), BS, 0.25, 16)
-        assert out.shape == (t, nh, hn) and lse.shape == (nh, t) and lse.dtype == torch.float32
+            fq, fk, fk, ints, idx, ints, idx, blk, blk, BS, 0.25, False, cfg)
+        # lse over the 5 blocks' slots, out in the tokens' own space
+        assert out.shape == (t, nh, hn) and lse.shape == (nh, 5 * BS) and lse.dtype == torch.float32
 
 
 def check_no_host_syncs_per_layer():
@@ -232,7 +250,16 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     # mishandles bfloat16 operands in triton 3.7)
     dict(nh=4, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, dtype="float16",
          tol=3e-3),
-], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api"])
+    # the unpadded token space (short last blocks read and written in place, no padded copy),
+    # GQA 7, the sink column split (atomic dK/dV and dQ from several programs), row tiles of
+    # 32 stacked rows spanning two heads
+    dict(nh=7, ng=1, hn=16, density=0.5, sink_blocks=1, local_blocks=1, kv_chunk=2,
+         tokens=True, config=dict(bwd_block_m=32, fwd_block_m=32)),
+    # the unpadded token space in half precision, GQA 3, row tiles of one head each
+    dict(nh=6, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, dtype="float16",
+         tol=3e-3, kv_chunk=4, tokens=True, config=dict(bwd_block_m=16, fwd_block_m=16)),
+], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api", "tokens-rep7",
+        "tokens-fp16-rep3"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
 
@@ -257,3 +284,46 @@ def test_backend_without_cuda_or_interpreter_says_why():
     with pytest.raises(ValueError, match=r"backend='triton': it needs a CUDA device \(q is on "
                                          r"cpu; TRITON_INTERPRET=1 runs it"):
         block_sparse_attention(q, k, v, CU, 0.5, block_size=BS, backend="triton")
+
+
+def _loop_dots(fn):
+    """``tl.dot`` calls inside the ``for`` loops of a function's AST, and in all of it."""
+    import ast
+    dots = lambda node: sum(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)  # noqa: E731
+                            and c.func.attr == "dot" for c in ast.walk(node))
+    loops = [n for n in ast.walk(fn) if isinstance(n, ast.For)]
+    return sum(dots(loop) for loop in loops), dots(fn)
+
+
+def test_kernels_do_the_gemms_the_work_model_counts():
+    """The backward is one pass of 5 GEMMs per kept tile (dQ inside the dK/dV loop), the
+    forward 2: counted in the kernels' source, as the kernel module declares and the work model
+    prices them. No other backward kernel has a GEMM (no second pass recomputing S and dP)."""
+    import ast
+
+    from sparsebalance_megatron.attention import work_model
+    src = Path(__file__).parents[2] / "sparsebalance_megatron/attention/sparse_triton_kernels.py"
+    tree = ast.parse(src.read_text())
+    fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    declared = ast.literal_eval(next(
+        n.value for n in tree.body if isinstance(n, ast.Assign)
+        and getattr(n.targets[0], "id", "") == "GEMMS_PER_TILE"))
+    assert declared == {"fwd_kernel": 2, "dkv_kernel": 5}
+    assert work_model.GEMMS_PER_TILE == {"fwd": declared["fwd_kernel"],
+                                         "bwd": declared["dkv_kernel"]}
+    assert _loop_dots(fns["fwd_kernel"])[0] == 2
+    assert _loop_dots(fns["dkv_kernel"]) == (5, 5)          # all of them in its one loop
+    bwd = [name for name in fns if name.startswith("bwd_") or name == "dkv_kernel"]
+    assert sorted(bwd) == ["bwd_post_kernel", "bwd_pre_kernel", "dkv_kernel"]
+    assert sum(_loop_dots(fns[name])[1] for name in bwd) == 5
+    # fwd+bwd: 7 GEMMs per tile where a separate dQ pass made it 9
+    new = work_model.attention_flops(1000, 8, 128, 128)
+    old = work_model.attention_flops(1000, 8, 128, 128, one_pass_backward=False)
+    assert new["bwd"] * 7 == old["bwd"] * 5 and new["total"] * 9 == old["total"] * 7
+    assert new["fwd"] == 1000 * 8 * 2 * (2 * 128 ** 3)
+    # dQ by atomics: 2.5 * B backward FLOPs per byte; a reduction buffer at 32K, d 0.5, 8
+    # heads would hold ~8.6 GB of partials
+    tiles = work_model.causal_kept_tiles(256, 0.5)
+    traffic = work_model.dq_traffic(tiles, 8, 128, 128)
+    assert traffic["flop_per_atomic_byte"] == 2.5 * 128
+    assert 8.0e9 < traffic["buffer_memory"] < 9.0e9
