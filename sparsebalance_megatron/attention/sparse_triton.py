@@ -207,6 +207,7 @@ if HAVE_TRITON:
         ctx.save_for_backward(q, k, v, output[0], output[1], q_num, q_idx, kv_num, kv_idx,
                               block_len, block_start)
         ctx.args = tuple(args)
+        ctx.set_materialize_grads(False)    # lse gets no gradient: no zeros made for it
 
     def _backward(ctx, dout, dlse):
         q, k, v, out, lse, *lists = ctx.saved_tensors

@@ -327,3 +327,105 @@ def test_kernels_do_the_gemms_the_work_model_counts():
     traffic = work_model.dq_traffic(tiles, 8, 128, 128)
     assert traffic["flop_per_atomic_byte"] == 2.5 * 128
     assert 8.0e9 < traffic["buffer_memory"] < 9.0e9
+
+
+# --- the per-layer call: launches counted -----------------------------------------------------
+
+# aten ops that launch nothing (views, allocations, metadata)
+_FREE_OPS = {"view", "_unsafe_view", "permute", "expand", "slice", "select", "as_strided", "t",
+             "transpose", "unsqueeze", "squeeze", "alias", "detach", "empty", "empty_like",
+             "new_empty", "empty_strided", "new_empty_strided", "lift_fresh", "unbind",
+             "split", "reshape", "diagonal", "_reshape_alias", "unflatten", "flatten"}
+
+
+def _count_launches(fn):
+    """Kernel launches of ``fn()``: every Triton kernel launch plus every aten op that is not a
+    view or an allocation (each is a kernel on a GPU), with their names."""
+    import collections
+
+    from torch._library.custom_ops import _maybe_get_opdef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen, inside = collections.Counter(), []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name.startswith("sparse_attn"):     # our custom ops: count what they run
+                with Ops():
+                    return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
+            if not inside and name not in _FREE_OPS:
+                seen["aten." + name] += 1
+            return func(*args, **(kwargs or {}))
+
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **kw):         # the interpreter's own copies are not launches
+        seen["triton." + self.fn.__name__] += 1
+        inside.append(1)
+        try:
+            return run(self, *a, **kw)
+        finally:
+            inside.pop()
+
+    InterpretedFunction.run = counted
+    try:
+        with Ops():
+            fn()
+    finally:
+        InterpretedFunction.run = run
+    return seen
+
+
+def check_fused_path_and_launches(estimator, nh, ng):
+    """``sparse_triton_select.triton_block_sparse`` (the unpadded per-layer call) gives the
+    padded API path's selection and output, and a layer call (after the micro-batch's first)
+    costs 7 launches forward and 3 backward, where the padded path makes ~50."""
+    from sparsebalance_megatron.attention import block_sparse_attention, build_layout
+    from sparsebalance_megatron.attention.blocks import check_density
+    from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
+    q, k, v, w = _inputs(nh, ng, 32, seed=7)
+    budget = dict(sink_blocks=1, local_blocks=1, selection_mode="density", mass_threshold=0.9,
+                  min_density=0.125, max_density=1.0)
+    kw = dict(estimator=estimator, softmax_scale=0.2, **budget)
+    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    api_kw = dict(block_size=BS, backend="triton", cache={}, **kw)
+    ref, rsel = block_sparse_attention(*x, CU, 0.4, **api_kw)
+    ref_grads = torch.autograd.grad(ref, x, w)
+    lay = build_layout(CU, CU[-1], BS, "cpu")
+    dens, host = check_density(0.4, lay.num_docs, "cpu")
+    out, sel = triton_block_sparse(*x, lay, dens, host, **kw)          # layer 1: the set-up
+    grads = torch.autograd.grad(out, x, w)
+    assert bool((sel.kv_indices == rsel.kv_indices).all())
+    assert bool((sel.kv_num == rsel.kv_num).all())
+    assert float((sel.shares - rsel.shares).abs().max()) < 1e-6
+    assert float((sel.recall - rsel.recall).abs().max()) < 1e-6
+    assert bool((sel.density_kept == rsel.density_kept).all())
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        assert float((a - b).abs().max()) < 1e-5
+    res = {}
+    fwd = _count_launches(lambda: res.update(out=triton_block_sparse(*x, lay, dens, host,
+                                                                     **kw)[0]))
+    bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
+    want_fwd = {"triton._block_sums_kernel": 1, "triton._shares_kernel": 1,
+                "aten.topk": 1, "triton._lists_kernel": 1, "aten.mv": 1,
+                "triton.fwd_kernel": 1}
+    want_fwd.update({"triton._maxkey_kernel": 1} if estimator == "maxkey" else
+                    {"triton._block_sums_kernel": 2, "aten.div": 2, "aten.bmm": 1,
+                     "aten.mul": 1})
+    assert dict(fwd) == want_fwd, dict(fwd)
+    assert dict(bwd) == {"triton.bwd_pre_kernel": 1, "triton.dkv_kernel": 1,
+                         "triton.bwd_post_kernel": 1}, dict(bwd)
+    # the padded API path as wired today, for the record: many more
+    api_fwd = _count_launches(lambda: res.update(out=block_sparse_attention(*x, CU, 0.4,
+                                                                            **api_kw)[0]))
+    api_bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
+    assert sum(api_fwd.values()) + sum(api_bwd.values()) > 3 * (sum(fwd.values()) + 3)
+    print("LAUNCHES", estimator, sum(fwd.values()), sum(bwd.values()),
+          sum(api_fwd.values()), sum(api_bwd.values()), dict(api_fwd), dict(api_bwd))
+
+
+@pytest.mark.parametrize("estimator,nh,ng", [("maxkey", 6, 2), ("pooled", 4, 1)])
+def test_fused_per_layer_call_matches_and_its_launches_are_pinned(interp, estimator, nh, ng):
+    interp("check_fused_path_and_launches", estimator=estimator, nh=nh, ng=ng)
