@@ -38,11 +38,22 @@ from .selection import (BlockSelection, _block_len_f, _budget_tensors, _disallow
                         kept_bounds, select_from_shares)
 from .sparse_triton import block_tables, sparse_attention
 
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
+    HAVE_TRITON = False
 
 
-@triton.jit
+def _kernel(fn=None, **kw):
+    """``triton.jit`` where triton is installed (the module imports without it)."""
+    if not HAVE_TRITON:
+        return (lambda f: f) if fn is None else fn
+    return triton.jit(fn, **kw) if fn is not None else triton.jit(**kw)
+
+
+@_kernel
 def _block_sums_kernel(X, START, LEN, OUT, H: tl.constexpr, HN: tl.constexpr,
                        BS: tl.constexpr):
     """Grid (NB, H): OUT[i, h] = float32 sum of block i's real tokens of X ``[t, H, HN]``."""
@@ -55,7 +66,7 @@ def _block_sums_kernel(X, START, LEN, OUT, H: tl.constexpr, HN: tl.constexpr,
     tl.store(OUT + (i * H + h) * HN + d, tl.sum(x, 0))
 
 
-@triton.jit(do_not_specialize=["NB"])
+@_kernel(do_not_specialize=["NB"])
 def _shares_kernel(S, DOC_START, SH, PRI, NB, s_g, s_i, s_r, SINK, LOCAL,
                    REP: tl.constexpr, RP: tl.constexpr, BLOCK_J: tl.constexpr):
     """Grid (NB, ng): row (g, i) of the shares (softmax over i's causal in-document key
@@ -115,6 +126,8 @@ def _tables(layout, ng: int):
 def block_sums(x: torch.Tensor, layout) -> torch.Tensor:
     """x ``[t, H, hn]`` (the micro-batch's own tokens) -> ``[NB, H, hn]`` float32 sums of each
     block's real tokens, in one launch."""
+    if not HAVE_TRITON:
+        raise RuntimeError("the triton backend needs triton (pip install triton)")
     t, h, hn = x.shape
     lens, start = block_tables(layout, padded=False)
     out = torch.empty(layout.num_blocks, h, hn, dtype=torch.float32, device=x.device)

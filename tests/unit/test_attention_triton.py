@@ -379,11 +379,13 @@ def _count_launches(fn):
 
 
 def check_fused_path_and_launches(estimator, nh, ng):
-    """``sparse_triton_select.triton_block_sparse`` (the unpadded per-layer call) gives the
+    """No host sync either. ``sparse_triton_select.triton_block_sparse`` (the unpadded per-layer call) gives the
     padded API path's selection and output, and a layer call (after the micro-batch's first)
     costs 7 launches forward and 3 backward, where the padded path makes ~50."""
     from sparsebalance_megatron.attention import block_sparse_attention, build_layout
     from sparsebalance_megatron.attention.blocks import check_density
+    import importlib.util
+
     from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
     q, k, v, w = _inputs(nh, ng, 32, seed=7)
     budget = dict(sink_blocks=1, local_blocks=1, selection_mode="density", mass_threshold=0.9,
@@ -405,9 +407,15 @@ def check_fused_path_and_launches(estimator, nh, ng):
     for a, b in zip((out, *grads), (ref, *ref_grads)):
         assert float((a - b).abs().max()) < 1e-5
     res = {}
-    fwd = _count_launches(lambda: res.update(out=triton_block_sparse(*x, lay, dens, host,
-                                                                     **kw)[0]))
-    bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
+    spec = importlib.util.spec_from_file_location(
+        "gpu_path_checks", Path(__file__).with_name("test_attention_gpu_path.py"))
+    gpu_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_path)
+    with gpu_path.HostSyncCounter() as syncs:
+        fwd = _count_launches(lambda: res.update(out=triton_block_sparse(*x, lay, dens, host,
+                                                                         **kw)[0]))
+        bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
+    assert syncs.reads == [] and syncs.writes == [], (syncs.reads, syncs.writes)
     want_fwd = {"triton._block_sums_kernel": 1, "triton._shares_kernel": 1,
                 "aten.topk": 1, "triton._lists_kernel": 1, "aten.mv": 1,
                 "triton.fwd_kernel": 1}
