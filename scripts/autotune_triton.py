@@ -57,12 +57,22 @@ def _provenance(argv):
     return info
 
 
+DEVICE = "cuda"
+
+
 def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
+    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls (wall clock on the
+    CPU device: ``--device cpu`` only checks the script under TRITON_INTERPRET=1)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     times = []
+    if DEVICE != "cuda":
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -80,16 +90,45 @@ class Case:
         from sparsebalance_megatron.attention import block_sparse_attention
         from sparsebalance_megatron.attention.block_lists import build_block_lists
         g = torch.Generator(device="cpu").manual_seed(seed)
-        self.q, self.k, self.v = (torch.randn(tokens, h, hn, generator=g).to("cuda",
-                                                                             torch.bfloat16)
+        # bf16 on the GPU; float16 on the CPU check (the interpreter's tl.dot mishandles bf16)
+        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+        self.q, self.k, self.v = (torch.randn(tokens, h, hn, generator=g).to(DEVICE, dtype)
                                   for h in (nh, ng, ng))
-        self.dout = torch.randn(tokens, nh, hn, generator=g).to("cuda", torch.bfloat16)
+        self.dout = torch.randn(tokens, nh, hn, generator=g).to(DEVICE, dtype)
         _, sel = block_sparse_attention(self.q, self.k, self.v, [0, tokens], density,
                                         block_size=block, backend="triton")
         self.lists, self.layout, self.scale = build_block_lists(sel), sel.layout, hn ** -0.5
+        self.density_doc = (torch.tensor([float(density)], dtype=torch.float64,
+                                         device=DEVICE), [float(density)])
         kept = int(self.lists.q_num.sum()) + ng * self.layout.num_blocks    # + diagonals
         self.kept_tiles = kept * (nh // ng)
         self.density = density
+
+    def call(self, backward: bool):
+        """The whole per-layer call (selection, lists, kernels; ``sparse_triton_select``) with
+        the launch settings ``triton_launch`` gives (the pinned or default ones)."""
+        from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
+        x = [t.detach().requires_grad_(backward) for t in (self.q, self.k, self.v)]
+        out, _ = triton_block_sparse(*x, self.layout, *self.density_doc, estimator="maxkey",
+                                     softmax_scale=self.scale, sink_blocks=1, local_blocks=0,
+                                     selection_mode="density", mass_threshold=0.9,
+                                     min_density=0.125, max_density=1.0)
+        if backward:
+            torch.autograd.grad(out, x, self.dout)
+
+    def select(self):
+        """The selection and lists alone (no attention kernel): the per-call fixed cost."""
+        from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
+        from sparsebalance_megatron.attention import sparse_triton_select as sel
+        real, sel.sparse_attention = sel.sparse_attention, lambda q, *a, **k: q
+        try:
+            with torch.no_grad():
+                triton_block_sparse(self.q, self.k, self.v, self.layout, *self.density_doc,
+                                    estimator="maxkey", softmax_scale=self.scale,
+                                    sink_blocks=1, local_blocks=0, selection_mode="density",
+                                    mass_threshold=0.9, min_density=0.125, max_density=1.0)
+        finally:
+            sel.sparse_attention = real
 
     def run(self, cfg, backward: bool):
         from sparsebalance_megatron.attention.sparse_triton import sparse_attention
@@ -149,7 +188,7 @@ def tune_shape(shape, args, out_rows, deadline):
     default_fwd = row("default", base, False)
     default_bwd = row("default", base, True)
     fwd_rows, bwd_rows = [default_fwd], [default_bwd]
-    for cfg in candidates(hn, block, rep)[1:]:
+    for cfg in candidates(hn, block, rep)[1:args.max_configs]:
         if time.time() > deadline:
             print(f"deadline reached: {shape} sweep cut", flush=True)
             break
@@ -166,9 +205,25 @@ def tune_shape(shape, args, out_rows, deadline):
     final = row("best", best, True)
     if not final["ok"] or final["ms"] >= default_bwd["ms"]:
         best, final = base, default_bwd
+    # the whole per-layer call with the best settings pinned, and its selection alone
+    from sparsebalance_megatron.attention import triton_launch
+    old = triton_launch.PINNED.get(key)
+    triton_launch.PINNED[key] = best
+    try:
+        per_call = {f"d{c.density}": dict(call_ms=round(cuda_ms(lambda: c.call(True),
+                                                                 args.reps), 4),
+                                          selection_ms=round(cuda_ms(c.select, args.reps), 4))
+                    for c in cases}
+    finally:
+        if old is None:
+            triton_launch.PINNED.pop(key)
+        else:
+            triton_launch.PINNED[key] = old
+    print(f"per-layer call (fwd+bwd, with selection) and selection alone: {per_call}",
+          flush=True)
     return key, best, dict(default_ms=default_bwd["ms"], best_ms=final["ms"],
                            speedup=round(default_bwd["ms"] / final["ms"], 3),
-                           tflops=final.get("tflops"))
+                           tflops=final.get("tflops"), per_call=per_call)
 
 
 def main(argv=None) -> int:
@@ -182,6 +237,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--deadline-s", type=float, default=420.0,
                     help="stop sweeping after this many seconds (the rows so far are kept)")
+    ap.add_argument("--max-configs", type=int, default=1000,
+                    help="sweep at most this many candidates per shape (the default first)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: check the script itself under TRITON_INTERPRET=1 (tiny shapes; "
+                         "the times mean nothing)")
     ap.add_argument("--max-rel-diff", type=float, default=2e-2,
                     help="a config whose output/gradients differ more from the default's "
                          "(relative norm) is dropped")
@@ -197,7 +257,11 @@ def main(argv=None) -> int:
         shapes.append((nh, ng, hn))
     os.makedirs(args.out, exist_ok=True)
     info = _provenance(argv)
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--device cpu runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("autotune_triton: skipped, no CUDA device (it times the kernels on a GPU)")
         with open(os.path.join(args.out, "autotune_triton.json"), "w") as fh:
             json.dump(dict(info, skipped="no CUDA device"), fh, indent=1)
@@ -213,17 +277,21 @@ def main(argv=None) -> int:
                       + "),  # " + f"{info['device']}, triton {info['triton']}, torch "
                       f"{info['torch']}, commit {str(info['commit'])[:10]}"
                       for k, c in pinned.items())
-    doc = dict(info, dtype="bfloat16", block_size=args.block, tokens=args.tokens,
+    doc = dict(info, dtype="bfloat16" if DEVICE == "cuda" else "float16 (CPU check)",
+               block_size=args.block, tokens=args.tokens,
                densities=args.densities, seconds=round(time.time() - t0, 1), summary=summary,
                pinned=pinned, paste=paste, results=rows)
     with open(os.path.join(args.out, "autotune_triton.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
     print(f"device: {info['device']}; triton {info['triton']}; torch {info['torch']}")
-    print("| (hn, block, rep) | default fwd+bwd ms | best ms | speedup | TFLOP/s |")
-    print("|---|---|---|---|---|")
+    print("| (hn, block, rep) | default fwd+bwd ms | best ms | speedup | TFLOP/s | "
+          "per call: whole / selection ms |")
+    print("|---|---|---|---|---|---|")
     for k, s in summary.items():
+        calls = "; ".join(f"{d}: {c['call_ms']:.3f} / {c['selection_ms']:.3f}"
+                          for d, c in s["per_call"].items())
         print(f"| {k} | {s['default_ms']:.3f} | {s['best_ms']:.3f} | {s['speedup']} | "
-              f"{s['tflops']} |")
+              f"{s['tflops']} | {calls} |")
     print("paste into sparsebalance_megatron/attention/triton_launch.py PINNED:\n" + paste)
     return 0
 

@@ -90,13 +90,14 @@ def launch_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
 
 def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
     """What the autotune sweeps at one key: the default first, then tiles x warps x stages
-    (each valid for the block; at most a few dozen, so one device step covers them)."""
+    (each valid for the block; at most a few dozen, so one device step covers them), backward
+    and forward candidates interleaved."""
     base = default_config(head_dim, block_size, rep)
     rows = _pow2(rep * block_size)
-    out = [base]
+    fwd, bwd = [], []
     for fwd_m in sorted({min(rows, m) for m in (64, 128)}):
         for fwd_w, fwd_s in ((4, 2), (8, 2), (8, 3), (8, 4)):
-            out.append(LaunchConfig(fwd_m, fwd_w, fwd_s, base.bwd_block_m, base.bwd_block_n,
+            fwd.append(LaunchConfig(fwd_m, fwd_w, fwd_s, base.bwd_block_m, base.bwd_block_n,
                                     base.bwd_warps, base.bwd_stages, base.kv_chunk))
     for bwd_m in sorted({min(rows, m) for m in (32, 64, 128)}):
         for bwd_n in sorted({min(block_size, n) for n in (64, 128)}):
@@ -104,8 +105,16 @@ def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
                 for chunk in (8, 16, 32):
                     if chunk != base.kv_chunk and (bwd_w, bwd_s) != (8, 2):
                         continue
-                    out.append(LaunchConfig(base.fwd_block_m, base.fwd_warps, base.fwd_stages,
+                    bwd.append(LaunchConfig(base.fwd_block_m, base.fwd_warps, base.fwd_stages,
                                             bwd_m, bwd_n, bwd_w, bwd_s, chunk))
+    # backward and forward candidates alternate (two backward per forward: it is ~2.5x the
+    # work), so a sweep cut by its deadline has tried both
+    # nearest the default's tiles first: the whole key block before its halves
+    bwd.sort(key=lambda c: (c.bwd_block_n != base.bwd_block_n, c.bwd_block_m != base.bwd_block_m,
+                            c.kv_chunk != base.kv_chunk))
+    out = [base]
+    for n in range(max(len(bwd), 2 * len(fwd))):
+        out += bwd[n:n + 1] + (fwd[n // 2:n // 2 + 1] if n % 2 == 0 else [])
     seen, uniq = set(), []
     for c in out:
         if c not in seen:

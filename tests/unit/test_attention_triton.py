@@ -30,18 +30,18 @@ def _inputs(nh, ng, hn, seed, dtype=torch.float32):
     return q, k, v, torch.randn(t, nh, hn, generator=g, dtype=dtype)
 
 
-def _selection(q, k, density, fixed_length=False, **budget):
+def _selection(q, k, density, fixed_length=False, bs=BS, **budget):
     """A selection over a layout built here (``fixed_length``: a padded tail past the blocks)."""
     from sparsebalance_megatron.attention import build_layout
     from sparsebalance_megatron.attention.blocks import check_density
     from sparsebalance_megatron.attention.kernels import to_blocks_kv, to_blocks_q
     from sparsebalance_megatron.attention.selection import select_blocks
-    lay = build_layout(CU, CU[-1], BS, "cpu", fixed_length=fixed_length)
-    t = lay.num_blocks * BS
+    lay = build_layout(CU, CU[-1], bs, "cpu", fixed_length=fixed_length)
+    t = lay.num_blocks * bs
     dens, host = check_density(torch.tensor(density) if isinstance(density, list) else density,
                                lay.num_docs, "cpu")
-    return select_blocks(to_blocks_q(lay.pad(q)[:t], k.shape[1], BS),
-                         to_blocks_kv(lay.pad(k)[:t], BS), lay, dens, estimator="pooled",
+    return select_blocks(to_blocks_q(lay.pad(q)[:t], k.shape[1], bs),
+                         to_blocks_kv(lay.pad(k)[:t], bs), lay, dens, estimator="pooled",
                          density_host=host, **budget)
 
 
@@ -94,7 +94,7 @@ def check_lists(density, sink_blocks, local_blocks, selection_mode):
 
 def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mode="density",
                     kv_chunk=None, seed=0, dtype="float32", tol=1e-4, tokens=False,
-                    config=None):
+                    config=None, bs=BS):
     """Output and dq, dk, dv against the float64 reference on the same selection and inputs
     (max error relative to the largest entry below ``tol``). ``kv_chunk`` None: through
     ``block_sparse_attention`` (backend triton); else with that chunk length the padded kernel
@@ -118,9 +118,9 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
             density, list) else density, block_size=BS, backend="triton", estimator="pooled",
             softmax_scale=scale, **budget)
     else:
-        sel = _selection(q, k, density, fixed_length=not tokens, **budget)
+        sel = _selection(q, k, density, fixed_length=not tokens, bs=bs, **budget)
         lay = sel.layout
-        cfg = replace(default_config(hn, BS, nh // ng), **(config or {}))
+        cfg = replace(default_config(hn, bs, nh // ng), **(config or {}))
         if tokens:      # the micro-batch's own tokens: no padded copy in or out
             out = sparse_attention(*x, build_block_lists(sel), lay, scale, kv_chunk=kv_chunk,
                                    config=cfg)
@@ -128,7 +128,7 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
             assert lay.padded_blocks > lay.num_blocks
             out_pad = sparse_attention_padded(*(lay.pad(t) for t in x), build_block_lists(sel),
                                               lay, scale, kv_chunk=kv_chunk, config=cfg)
-            assert bool((out_pad[lay.num_blocks * BS:] == 0).all())
+            assert bool((out_pad[lay.num_blocks * bs:] == 0).all())
             out = lay.unpad(out_pad)
     grads = torch.autograd.grad((out * w).sum(), x)
     x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
@@ -258,8 +258,12 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     # the unpadded token space in half precision, GQA 3, row tiles of one head each
     dict(nh=6, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, dtype="float16",
          tol=3e-3, kv_chunk=4, tokens=True, config=dict(bwd_block_m=16, fwd_block_m=16)),
+    # block 32 with dK/dV in two key sub-tiles of 16 per block (each adds its own dQ share),
+    # the padded space and its tail, 64-row tiles over two heads
+    dict(nh=4, ng=2, hn=16, density=0.5, sink_blocks=1, local_blocks=0, kv_chunk=2, bs=32,
+         config=dict(bwd_block_n=16, bwd_block_m=64)),
 ], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api", "tokens-rep7",
-        "tokens-fp16-rep3"])
+        "tokens-fp16-rep3", "block32-key-subtiles"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
 
