@@ -109,7 +109,8 @@ class Case:
         the launch settings ``triton_launch`` gives (the pinned or default ones)."""
         from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
         x = [t.detach().requires_grad_(backward) for t in (self.q, self.k, self.v)]
-        out, _ = triton_block_sparse(*x, self.layout, *self.density_doc, estimator="maxkey",
+        out, _ = triton_block_sparse(*x, self.layout, self.density_doc[0],
+                                     density_host=self.density_doc[1], estimator="maxkey",
                                      softmax_scale=self.scale, sink_blocks=1, local_blocks=0,
                                      selection_mode="density", mass_threshold=0.9,
                                      min_density=0.125, max_density=1.0)
@@ -123,8 +124,9 @@ class Case:
         real, sel.sparse_attention = sel.sparse_attention, lambda q, *a, **k: q
         try:
             with torch.no_grad():
-                triton_block_sparse(self.q, self.k, self.v, self.layout, *self.density_doc,
-                                    estimator="maxkey", softmax_scale=self.scale,
+                triton_block_sparse(self.q, self.k, self.v, self.layout, self.density_doc[0],
+                                    density_host=self.density_doc[1], estimator="maxkey",
+                                    softmax_scale=self.scale,
                                     sink_blocks=1, local_blocks=0, selection_mode="density",
                                     mass_threshold=0.9, min_density=0.125, max_density=1.0)
         finally:

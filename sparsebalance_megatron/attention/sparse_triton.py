@@ -46,7 +46,9 @@ Design (``sparse_triton_kernels`` has the kernels, ``work_model`` their cost):
   ``triton_launch.launch_config``: pinned by the device's autotune
   (``scripts/autotune_triton.py``), register-sized defaults until then.
 - per call: forward 1 launch, backward 3; no host sync, no per-length recompile (one kernel
-  per head dim, block size, GQA ratio, dtype and launch config).
+  per head dim, block size, GQA ratio, dtype and launch config). The whole per-layer call on
+  the unpadded tokens, selection included, is ``sparse_triton_select.triton_block_sparse``
+  (7 launches forward with the maxkey estimator, 3 backward).
 
 Registered with ``torch.library.custom_op`` (fake implementations for tracing) and its autograd;
 the ops run under ``TRITON_INTERPRET=1`` on CPU tensors too, which is how the unit tests check

@@ -1,7 +1,7 @@
 """The ``triton`` backend's whole per-layer call on the micro-batch's own tokens: selection,
 lists and kernels in few launches, no padded copy, no host sync.
 
-``triton_block_sparse(q, k, v, layout, density, density_host, ...)`` computes what
+``triton_block_sparse(q, k, v, layout, density, density_host=..., ...)`` computes what
 ``api._sparse_attention`` computes for the ``triton`` backend (the same ``BlockSelection``, the
 same output), with the fixed cost per call cut:
 
@@ -153,7 +153,7 @@ def block_scores(q, k, layout, estimator: str, softmax_scale: float) -> torch.Te
 
 
 def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout,
-                        density: torch.Tensor, density_host, *, estimator: str,
+                        density: torch.Tensor, *, density_host, estimator: str,
                         softmax_scale: float, sink_blocks: int, local_blocks: int,
                         selection_mode: str, mass_threshold: float, min_density: float,
                         max_density: float,

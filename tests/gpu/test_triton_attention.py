@@ -98,7 +98,7 @@ def test_unpadded_fused_call_matches_reference_and_syncs_nothing(dtype, nh, ng, 
     sel = {}
 
     def fused(q, k, v):
-        out, sel["s"] = triton_block_sparse(q, k, v, lay, dens, host, **kw)
+        out, sel["s"] = triton_block_sparse(q, k, v, lay, dens, density_host=host, **kw)
         return out
 
     got = _grads(fused, (q, k, v), w)

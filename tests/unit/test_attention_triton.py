@@ -293,8 +293,9 @@ def test_backend_without_cuda_or_interpreter_says_why():
 def _loop_dots(fn):
     """``tl.dot`` calls inside the ``for`` loops of a function's AST, and in all of it."""
     import ast
-    dots = lambda node: sum(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)  # noqa: E731
-                            and c.func.attr == "dot" for c in ast.walk(node))
+    def dots(node):
+        return sum(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                   and c.func.attr == "dot" for c in ast.walk(node))
     loops = [n for n in ast.walk(fn) if isinstance(n, ast.For)]
     return sum(dots(loop) for loop in loops), dots(fn)
 
@@ -383,9 +384,10 @@ def _count_launches(fn):
 
 
 def check_fused_path_and_launches(estimator, nh, ng):
-    """No host sync either. ``sparse_triton_select.triton_block_sparse`` (the unpadded per-layer call) gives the
-    padded API path's selection and output, and a layer call (after the micro-batch's first)
-    costs 7 launches forward and 3 backward, where the padded path makes ~50."""
+    """``sparse_triton_select.triton_block_sparse`` (the unpadded per-layer call) gives the
+    padded API path's selection and output (the generic selection too: mass mode with a share
+    reduction), and a layer call (after the micro-batch's first) costs 7 launches forward and
+    3 backward (maxkey), with no host sync, where the padded path made 29 + 16."""
     from sparsebalance_megatron.attention import block_sparse_attention, build_layout
     from sparsebalance_megatron.attention.blocks import check_density
     import importlib.util
@@ -401,7 +403,7 @@ def check_fused_path_and_launches(estimator, nh, ng):
     ref_grads = torch.autograd.grad(ref, x, w)
     lay = build_layout(CU, CU[-1], BS, "cpu")
     dens, host = check_density(0.4, lay.num_docs, "cpu")
-    out, sel = triton_block_sparse(*x, lay, dens, host, **kw)          # layer 1: the set-up
+    out, sel = triton_block_sparse(*x, lay, dens, density_host=host, **kw)   # layer 1: set-up
     grads = torch.autograd.grad(out, x, w)
     assert bool((sel.kv_indices == rsel.kv_indices).all())
     assert bool((sel.kv_num == rsel.kv_num).all())
@@ -416,8 +418,8 @@ def check_fused_path_and_launches(estimator, nh, ng):
     gpu_path = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_path)
     with gpu_path.HostSyncCounter() as syncs:
-        fwd = _count_launches(lambda: res.update(out=triton_block_sparse(*x, lay, dens, host,
-                                                                         **kw)[0]))
+        fwd = _count_launches(lambda: res.update(out=triton_block_sparse(
+            *x, lay, dens, density_host=host, **kw)[0]))
         bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
     assert syncs.reads == [] and syncs.writes == [], (syncs.reads, syncs.writes)
     want_fwd = {"triton._block_sums_kernel": 1, "triton._shares_kernel": 1,
@@ -429,6 +431,14 @@ def check_fused_path_and_launches(estimator, nh, ng):
     assert dict(fwd) == want_fwd, dict(fwd)
     assert dict(bwd) == {"triton.bwd_pre_kernel": 1, "triton.dkv_kernel": 1,
                          "triton.bwd_post_kernel": 1}, dict(bwd)
+    # mass mode with a share reduction takes the generic selection on the same scores
+    mass = dict(kw, selection_mode="mass", mass_threshold=0.6)
+    ref, rsel = block_sparse_attention(*x, CU, 0.4, reduce_shares=lambda s: s * 1.0,
+                                       **dict(api_kw, **mass))
+    out, sel = triton_block_sparse(*x, lay, dens, density_host=host,
+                                   reduce_shares=lambda s: s * 1.0, **mass)
+    assert bool((sel.kv_indices == rsel.kv_indices).all()) and bool((sel.kv_num != 1).any())
+    assert float((out - ref).abs().max()) < 1e-5
     # the padded API path as wired today, for the record: many more
     api_fwd = _count_launches(lambda: res.update(out=block_sparse_attention(*x, CU, 0.4,
                                                                             **api_kw)[0]))
