@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from .block_tables import block_tables
+
 try:
     import triton
     import triton.language as tl
@@ -81,7 +83,6 @@ def _int32_tables(layout, padded=True):
     the padded token space (``j * B``) or the micro-batch's own (``padded=False``)."""
     key = ("maxkey_i32", padded)
     if key not in layout.memo:
-        from .sparse_triton import block_tables
         lens, start = block_tables(layout, padded)
         layout.memo[key] = (lens, start, layout.block_doc.to(torch.int32))
     return layout.memo[key]

@@ -64,6 +64,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .block_lists import BlockLists, build_block_lists
+from .block_tables import block_tables
 from .triton_launch import LaunchConfig, launch_config
 
 try:
@@ -109,25 +110,6 @@ def missing(device, dtype=None, head_dim: Optional[int] = None,
 def usable(q: torch.Tensor, block_size: int) -> bool:
     """Whether the kernels run on ``q`` (CUDA, or the interpreter; dtypes and tiles they take)."""
     return why_not(q, block_size) is None
-
-
-def block_tables(layout, padded: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(block_len, block_start)`` ``[NB]`` int32: real tokens of every block and the row of
-    its first token, in the padded token space (``i * B``) or the micro-batch's own (memoised
-    on the layout: built once per micro-batch, reused by every layer)."""
-    key = ("triton_blocks", padded)
-    if key not in layout.memo:
-        bs, dev = layout.block_size, layout.block_doc.device
-        if padded:
-            start = torch.arange(layout.num_blocks, dtype=torch.int32, device=dev) * bs
-        else:
-            doc_tok = [0]
-            for n in layout.doc_lens[:-1]:
-                doc_tok.append(doc_tok[-1] + n)
-            first = torch.tensor(doc_tok, dtype=torch.long, device=dev)
-            start = (first[layout.block_doc] + layout.block_local * bs).to(torch.int32)
-        layout.memo[key] = (layout.block_len.to(torch.int32), start)
-    return layout.memo[key]
 
 
 def _shape(q, k):

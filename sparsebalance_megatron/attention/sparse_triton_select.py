@@ -36,7 +36,8 @@ from . import maxkey_triton
 from .block_lists import build_block_lists, lists_from_ranking
 from .selection import (BlockSelection, _block_len_f, _budget_tensors, _disallowed,
                         kept_bounds, select_from_shares)
-from .sparse_triton import block_tables, sparse_attention
+from .block_tables import block_tables
+from .sparse_triton import sparse_attention
 
 try:
     import triton
