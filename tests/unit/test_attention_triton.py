@@ -193,6 +193,25 @@ def check_refusals_and_fake_op():
         else:
             raise AssertionError(f"{needle}: not refused")
     assert sparse_triton.usable(q, BS) and not sparse_triton.usable(q, 8)
+    # the unpadded entry takes the micro-batch's own tokens; a bad launch config is named
+    from dataclasses import replace
+
+    from sparsebalance_megatron.attention.block_lists import build_block_lists
+    sel = _selection(q, k, 0.5)
+    lists, lay = build_block_lists(sel), sel.layout
+    for call, needle in (
+            (lambda: sparse_triton.sparse_attention(lay.pad(q), lay.pad(k), lay.pad(v), lists,
+                                                    lay, 0.25),
+             f"q has {lay.padded_tokens} tokens: expected the layout's {CU[-1]}"),
+            (lambda: sparse_triton.sparse_attention(q, k, v, lists, lay, 0.25, config=replace(
+                default_config(16, BS, 2), bwd_block_n=32)),
+             "bwd_block_n=32: expected a power of two >= 16 dividing the block size 16")):
+        try:
+            call()
+        except ValueError as e:
+            assert needle in str(e), str(e)
+        else:
+            raise AssertionError(f"{needle}: not refused")
     with FakeTensorMode():
         t, nh, hn = 64, 4, 16
         fq, fk = torch.empty(t, nh, hn), torch.empty(t, 2, hn)
@@ -276,6 +295,9 @@ def test_a_wrong_list_is_caught(interp):
     interp("check_broken_lists_fail")
 
 
+@pytest.mark.reliability(area="attention", case="the triton kernels given tokens of another "
+                         "layout, or a launch config they cannot take", expect="ValueError "
+                         "naming the value and what was expected, before any launch")
 def test_refusals_name_the_value_and_the_op_has_a_fake(interp):
     interp("check_refusals_and_fake_op")
 
