@@ -64,12 +64,20 @@ class LaunchConfig:
 
 
 def default_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
-    """Register-sized first choices, used until the device's autotune pins an entry."""
+    """Register- and shared-memory-sized first choices (they must compile on an H100 before
+    anything is tuned: the GPU tests run them), used until the device's autotune pins an entry.
+
+    Forward stages: a stage holds a K and a V tile (``2 B hn`` bytes at 16 bits: 64 KB at block
+    and head dim 128), so 3 stages at hn <= 64, 2 at 128, 1 at 256 stay under the 227 KB of an
+    H100's shared memory per block. Backward: the whole key block, dK and dV in float32
+    registers (128 per thread at 8 warps, block and head dim 128), so 32 query rows per
+    iteration (the Triton tutorial's FlashAttention-2 backward shape)."""
     rows = _pow2(rep * block_size)
     return LaunchConfig(
         fwd_block_m=min(rows, 128 if head_dim <= 128 else 64),
-        fwd_warps=8 if head_dim >= 128 else 4, fwd_stages=3 if head_dim <= 128 else 2,
-        bwd_block_m=min(rows, 64 if head_dim <= 128 else 32),
+        fwd_warps=8 if head_dim >= 128 else 4,
+        fwd_stages=3 if head_dim <= 64 else (2 if head_dim <= 128 else 1),
+        bwd_block_m=min(rows, 64 if head_dim <= 64 else 32),
         bwd_block_n=min(block_size, 128 if head_dim <= 128 else 64),
         bwd_warps=8 if head_dim >= 64 else 4, bwd_stages=2 if head_dim <= 128 else 1,
         kv_chunk=16)
@@ -95,8 +103,9 @@ def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
     base = default_config(head_dim, block_size, rep)
     rows = _pow2(rep * block_size)
     fwd, bwd = [], []
+    stages = (2, 3, 4) if head_dim <= 64 else ((1, 2, 3) if head_dim <= 128 else (1, 2))
     for fwd_m in sorted({min(rows, m) for m in (64, 128)}):
-        for fwd_w, fwd_s in ((4, 2), (8, 2), (8, 3), (8, 4)):
+        for fwd_w, fwd_s in [(4, 2)] + [(8, s) for s in stages]:
             fwd.append(LaunchConfig(fwd_m, fwd_w, fwd_s, base.bwd_block_m, base.bwd_block_n,
                                     base.bwd_warps, base.bwd_stages, base.kv_chunk))
     for bwd_m in sorted({min(rows, m) for m in (32, 64, 128)}):
