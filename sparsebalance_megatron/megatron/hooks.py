@@ -49,7 +49,7 @@ from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
-from .preflight import OneLineParser, check_after_parse, check_config, uses_plugin_data
+from .preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -119,7 +119,7 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
         # The plugin's flags first of all (this runs before Megatron parses anything): one line
         # naming the flag and value, before Megatron's tokenizer or data would trip over it.
         ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-        sb = check_config(config_from_args(ns))
+        sb = checked_config(ns)
     except (ConfigError, LaunchError) as e:
         raise SystemExit(f"error: {e}") from None
     if not uses_plugin_data(sb, packed_data):

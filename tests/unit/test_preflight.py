@@ -167,6 +167,27 @@ def test_a_bad_plugin_setting_ends_the_launch_in_one_line(argv, needle, tmp_path
     assert _fill(needle, tmp_path, tables) in msg, msg
 
 
+@pytest.mark.reliability(area="plugin flags", case="three bad values at once (--sb-density "
+                         "1.5 --sb-block-size 100 --sb-fault 1:0:explode) and a missing "
+                         "--sb-latency-table", expect="one line naming all four, before "
+                         "Megatron's validation, tokenizer and process groups")
+def test_every_bad_value_is_named_at_once(monkeypatch, tmp_path):
+    from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
+
+    values = ["--sb-density=1.5: expected a number in (0, 1]",
+              "--sb-block-size=100: expected a positive power of two",
+              "--sb-fault='1:0:explode': expected RANK:STEP:KIND"]
+    msg = launch(monkeypatch, [*BASE, *SB, "--sb-density", "1.5", "--sb-block-size", "100",
+                               "--sb-fault", "1:0:explode",
+                               "--sb-latency-table", tmp_path / "none.json"])
+    for needle in values + [f"--sb-latency-table {tmp_path}/none.json: file not found"]:
+        assert needle in msg, (needle, msg)
+    with pytest.raises(ConfigError) as e:             # the config alone, as a library user meets it
+        SparseBalanceConfig(density=1.5, block_size=100, fault="1:0:explode")
+    assert len(e.value.problems) == 3
+    assert all(any(v in p for p in e.value.problems) for v in values), e.value.problems
+
+
 def test_a_good_launch_passes_the_checks(monkeypatch, tables, tmp_path):
     args = parsed(monkeypatch, [*BASE, *SB, "--sb-latency-table", tables["good"],
                                 "--sb-metrics-file", tmp_path / "m.jsonl",
