@@ -154,7 +154,8 @@ def scalars(rec: dict) -> dict:
 
 
 def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
-                 dense_work: Optional[np.ndarray] = None, pad_multiple: int = 1) -> dict:
+                 dense_work: Optional[np.ndarray] = None, pad_multiple: int = 1,
+                 seed: Optional[int] = None) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
     [dp][m][stages], each unit's dense attention work [dp][m] (its weight in density means; with
     routing also ``dense_work``, that of its routed documents, at density 1) and
@@ -162,7 +163,8 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
     stages are the layout's virtual stages. A rank's timer intervals are mapped to units by the
     order it ran them (``units``: forward order; the backward runs the model chunks reversed).
     ``plan``: the step's packing (``batching.replay.plan_record``; documents padded to a
-    multiple of ``pad_multiple``), which with ``densities`` is what ``--sb-replay-plans`` replays."""
+    multiple of ``pad_multiple``; ``seed``: the run's --sb-seed), which with ``densities`` is what
+    ``--sb-replay-plans`` replays."""
     from ..batching.replay import plan_record
 
     m, nv, vp = step.batch.num_microbatches, layout.num_stages, layout.vp
@@ -177,7 +179,7 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
                 bwd[g["dp"]][j][back] = float(g["bwd_s"][k])
     out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
            "microbatch_bwd_s": bwd,
-           "plan": plan_record(step.batch, step.first_bin, pad_multiple)}
+           "plan": plan_record(step.batch, step.first_bin, pad_multiple, seed)}
     if dense_work is not None:
         out["dense_work"] = np.asarray(dense_work).tolist()
     if step.plan is not None:
@@ -226,7 +228,8 @@ class StepReporter:
         if self.sb.metrics_file and comm.rank() == 0:
             line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,
                                             layout=self.layout, dense_work=dense,
-                                            pad_multiple=self.pad_multiple))
+                                            pad_multiple=self.pad_multiple,
+                                            seed=self.sb.seed))
             with open(self.sb.metrics_file, "a") as f:
                 f.write(json.dumps(line) + "\n")
         values = scalars(rec)

@@ -54,6 +54,10 @@ def tables(tmp_path_factory):
     (d / "plans512.jsonl").write_text(json.dumps(
         {"step": 1, "plan": plan_record(batch, 0, 1), "densities": [[[0.5], [0.5]]]}) + "\n")
     out["plans512"] = d / "plans512.jsonl"
+    batch = sequential_plan([(0, 0, 100), (1, 0, 100)], dp=1, num_microbatches=2, max_tokens=256)
+    (d / "plans_seed7.jsonl").write_text(json.dumps(
+        {"step": 1, "plan": plan_record(batch, 0, 1, seed=7), "densities": [[[0.5], [0.5]]]}))
+    out["plans_seed7"] = d / "plans_seed7.jsonl"
     return out
 
 
@@ -143,6 +147,11 @@ CASES = [
     _case([*SB, "--sb-replay-plans", "{plans512}"], "--sb-replay-plans {plans512}: step 1 cannot "
           "be replayed by this run: --seq-length x --micro-batch-size: recorded 512, this run "
           "256"),
+    _case([*SB, "--sb-replay-plans", "{plans_seed7}"], "--sb-replay-plans {plans_seed7}: recorded "
+          "with --sb-seed 7, this run has --sb-seed 1234"),
+    _case([*SB, "--sb-replay-plans", "{plans_seed7}", "--sb-seed", "7", "--train-iters", "2"],
+          "--sb-replay-plans {plans_seed7}: holds step 1, this run trains --train-iters 2: "
+          "step 2 not recorded"),
     _case([*SB, "--sb-data-cache-dir", "{good}"], "--sb-data-cache-dir {good}: exists and is not "
           "a directory"),
     _case([*SB, "--attention-dropout", "0.1"], "--attention-dropout 0.1 with sparse attention: "
