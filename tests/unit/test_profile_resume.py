@@ -175,3 +175,15 @@ def test_the_profiler_resumes_unless_told_not_to(tmp_path, monkeypatch, capsys, 
         assert len(retry.measured) == whole - 3
         assert f"[sparsebalance] resuming the latency profile from {partial}: 3 samples" in err
     assert (tmp_path / "t.json").exists() and not partial.exists()
+
+
+def test_the_profiler_shows_progress_on_stderr(tmp_path, monkeypatch, capsys):
+    cli = [a for a in CLI if a != "--no-progress"]
+    FakeStage().install(monkeypatch)
+    from sparsebalance_megatron.megatron import profile_cli
+
+    assert profile_cli.main(cli + ["--out", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr()
+    assert "[sparsebalance] profiling 2 mixes x 2 densities x 1 repeats per stage kind" in out.err
+    assert "12/12" in out.err                       # the bar: kinds x mixes x densities
+    assert "12/12" not in out.out
