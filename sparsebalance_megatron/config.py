@@ -2,8 +2,6 @@
 
 Each field carries its documentation in ``metadata["help"]``; ``arguments.py`` generates the CLI
 flags from these fields, so help text, defaults and validation never drift apart.
-Longer than 400 lines: about fifty fields, each with its help text, and their one validation;
-split, the flag list would have two sources.
 This module must not import megatron or torch.
 
 Why this is long: it is the one declaration of every flag, a field with its help text each, so
