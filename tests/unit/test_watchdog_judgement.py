@@ -466,8 +466,6 @@ def test_an_exited_rank_is_torchruns_root_cause(tmp_path, monkeypatch):
     job = Job().started()
     job.step(2)
     job.advance(TIMING.interval_s)
-    culprit_seen = json.loads(job.store.data["hb/1"])["wall"]
-    job.clock.t += 3.0
     job.proc[101] = None                    # os._exit(0): torchrun counts no failure for it
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     job.ranks[0]._prev_excepthook = lambda *a: None
@@ -476,7 +474,12 @@ def test_an_exited_rank_is_torchruns_root_cause(tmp_path, monkeypatch):
     assert err["message"].startswith("[sparsebalance] watchdog: the root cause is not rank 0: "
                                      "rank 1 has exited: its process 101 on h is gone"), err
     assert "Connection closed by peer" in err["message"]
-    assert err["timestamp"] == int(culprit_seen)   # earlier than rank 0's own failure
+    assert err["timestamp"] == int(job.clock.t)
+    job.store.set("verdict", "{}")          # a rank named and ended by the watchdog: its own
+    (tmp_path / "error.json").unlink()      # exit is torchrun's root cause, no file
+    job.ranks[2]._prev_excepthook = lambda *a: None
+    job.ranks[2]._excepthook(RuntimeError, RuntimeError("Connection closed by peer"), None)
+    assert not (tmp_path / "error.json").exists()
 
 
 def test_classify_a_peer():
