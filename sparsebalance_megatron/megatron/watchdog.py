@@ -199,11 +199,14 @@ class Watchdog:
         self.publish()
         try:
             found = [c for c in self._judge(self.timing(), failing=True) if c[0] != "stalled"]
+            named = self._read("verdict") is not None
         except Exception:   # the store went away with the job: nothing more to say
             return
         if not found:
             return
-        self._tell_torchrun(found, f"failed ({etype.__name__}: {value}) when it lost that rank")
+        if not named:   # else the rank the verdict named is torchrun's root cause
+            self._tell_torchrun(found, f"failed ({etype.__name__}: {value}) when it lost that "
+                                "rank")
         if self._claim():
             self._say(f"rank {self.rank} failed ({etype.__name__}) while its peers were lost:")
             self._report(found, me="failed")

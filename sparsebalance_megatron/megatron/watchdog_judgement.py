@@ -135,16 +135,14 @@ def should_act(wait_s: float, found: list, records: list, t: WatchdogTiming) -> 
 
 
 def torchrun_error(found: list, me: int, how: str, now_wall: float) -> dict:
-    """The error file this rank leaves for torchrun (``TORCHELASTIC_ERROR_FILE``) when a peer
-    explains its end: torchrun's summary shows the failure with the earliest timestamp as the
-    root cause, and a rank that left with ``os._exit(0)`` is no failure to it, so the rank that
-    failed after it carries its name, timestamped when the culprit was last seen alive."""
+    """The error file this rank leaves for torchrun (``TORCHELASTIC_ERROR_FILE``) when the peers
+    in ``found`` explain its end. torchrun's summary shows one failure as the root cause, and a
+    rank that left with ``os._exit(0)`` is no failure to it: the ranks that failed after it carry
+    its name instead (the message's first words say the root cause is another rank)."""
     names = "; ".join(f"rank {r['rank']} {'has exited' if k == 'exited' else 'is ' + k}: {why}"
                       for k, why, r in found)
-    first = min(int(r["wall"]) for _, _, r in found)
     return {"message": f"[sparsebalance] watchdog: the root cause is not rank {me}: {names}. "
-                       f"Rank {me} {how} (the time above is when that rank was last seen).",
-            "timestamp": min(first, int(now_wall) - 1)}
+                       f"Rank {me} {how}.", "timestamp": int(now_wall)}
 
 
 # --- the launch check (``preflight``) ---------------------------------------------------------
