@@ -56,9 +56,11 @@ clean-venv:
 # megatron-core 0.20 (Megatron-LM main, not on PyPI yet) beside the venv's 0.19.2, then the unit,
 # integration and two distributed test files against it (tests/conftest.py: SB_MEGATRON_CORE_020).
 MCORE020_DIR ?= .mcore020
+# MEGATRON_LM made absolute: pip reads a bare relative name (Megatron-LM) as a package name.
 mcore020: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make mcore020 MEGATRON_LM=/path/to/Megatron-LM (main)" >&2; exit 2; }
-	$(PY) -m pip install -q --no-deps --target $(MCORE020_DIR) $(MEGATRON_LM)
+	@test -d "$(MEGATRON_LM)" || { echo "error: MEGATRON_LM=$(MEGATRON_LM): not a directory (expected a clone of Megatron-LM main)" >&2; exit 2; }
+	$(PY) -m pip install -q --no-deps --target $(MCORE020_DIR) $(abspath $(MEGATRON_LM))
 
 test-mcore020: $(STAMP)
 	SB_MEGATRON_CORE_020=$(MCORE020_DIR) $(PY) -m pytest -q tests/unit tests/integration \
