@@ -262,10 +262,12 @@ class SparseBalanceConfig:
         "iteration STEP (1-based); KIND is raise (an exception), hang (the rank stops "
         "answering), kill (the process dies) or exit (the process leaves with os._exit(0)).")
     watchdog_seconds: str = _f(
-        "auto", "Name the hung rank: a rank that has waited this many seconds in a collective "
+        "auto", "Name the hung rank: a rank that has waited this many seconds in one collective "
         "reads every rank's heartbeat (published every few seconds on the job's store) and "
         "names the rank it waits for (stopped, exited, or making no progress outside any "
-        "collective) with its last Python stack, then ends the job. 'auto': the distributed "
+        "collective, evaluation, checkpoint save or load, optimizer step and data loading) with "
+        "its last Python stack, then ends the job; never while a rank saves a checkpoint. "
+        "'auto': the distributed "
         "timeout in effect (--distributed-timeout-minutes, then "
         "--distributed-timeout-seconds-after-init) less 10% (at least 2 s), so the job ends "
         "before a collective would time out; N > 0: after N seconds (less than the timeout); "

@@ -32,8 +32,10 @@ What enters where:
 - resume state: ``args.dataloader_save`` = ``--save``: Megatron's checkpoint calls our iterator's
   ``save_state`` and writes it into the iteration's folder (``state.py``).
 - the watchdog (``watchdog.py``, with the plugin's data path): built by the post-wrap hook, ticked
-  by every forward step, stopped by ``finish``; it names a hung, stopped or departed rank before
-  the distributed timeout (``--sb-watchdog-seconds``).
+  by every forward step, told of evaluation, checkpoint saves and loads, the optimizer step and
+  data loading by Megatron's timers of them (``watchdog_megatron.py``), stopped by ``finish``; it
+  names a hung, stopped or departed rank before the distributed timeout
+  (``--sb-watchdog-seconds``), never while a rank saves a checkpoint.
 With none of the plugin's switches on, ``install`` changes nothing: the run is stock Megatron.
 """
 
@@ -254,10 +256,11 @@ def _on_model_built(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
-    from .watchdog import start_for_megatron
+    from .watchdog_megatron import start_for_megatron, watch_megatron_phases
     _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
+    watch_megatron_phases(_run.watchdog)   # evaluation, checkpoints, optimizer, data: progress
     config = get_model_config(model[0])
     inner = config.finalize_model_grads_func or finalize_model_grads
     if not getattr(inner, "_sparsebalance", False):
@@ -368,8 +371,8 @@ def finish() -> None:
     interpreter finalization, gloo's worker threads can abort a finished rank ("terminate called
     without an active exception", pytorch#190489; seen here in about one of ten PP x CP runs on
     CPU). Only for a normal end: after an error the other ranks would not reach the barrier.
-    The watchdog watches that barrier (a rank stuck in a final checkpoint is named) and stops
-    before the groups go (its records live on the default group's store)."""
+    The watchdog watches that barrier (a rank that hangs after its final save is named) and
+    stops before the groups go (its records live on the default group's store)."""
     if _run.watchdog is not None:
         comm.barrier()
         _run.watchdog.stop()
