@@ -72,7 +72,8 @@ gpu-check:
 # The GPU machine's software stack on CPU (docs/GPU.md, "The device's stack, replicated on CPU"):
 # a side venv with the device's torch 2.11 and triton 3.6 from PyPI (the CUDA build of torch; it
 # runs on CPU), then, there, every GPU path's imports and the torch signatures they call
-# (gpu_check.py --steps env) and the Triton interpreter tests. Not part of `make test`.
+# (gpu_check.py --steps env) and the Triton interpreter tests (their `interp` fixture starts the
+# TRITON_INTERPRET=1 worker). Not part of `make test`.
 DEVICE_VENV ?= .venv-device
 DEVICE_TORCH ?= 2.11.0
 DEVICE_TRITON ?= 3.6.0
@@ -83,12 +84,14 @@ $(DEVICE_VENV)/.installed:
 	@test -x $(DEVICE_PY) || { py=$$($(FIND_PYTHON)); \
 	  test -n "$$py" || { echo "error: no Python >= 3.12 for $(DEVICE_VENV)" >&2; exit 1; }; \
 	  "$$py" -m venv $(DEVICE_VENV); }
+	# numpy < 2.5: triton 3.6's interpreter reads a scalar as int(1-element array), which numpy
+	# 2.5 refuses (triton 3.7 squeezes first); the device's compiled kernels never take that path
 	$(DEVICE_PY) -m pip install -q torch==$(DEVICE_TORCH) triton==$(DEVICE_TRITON) \
-	  numpy pytest psutil tiktoken tqdm
+	  "numpy<2.5" pytest psutil tiktoken tqdm
 	touch $@
 
 device-stack: $(DEVICE_VENV)/.installed
 	@mkdir -p runs/device_stack
 	PYTHONPATH=$(CURDIR) $(DEVICE_PY) scripts/gpu_check.py --steps env --out-dir runs/device_stack
-	PYTHONPATH=$(CURDIR) TRITON_INTERPRET=1 $(DEVICE_PY) -m pytest -q -p no:cacheprovider \
+	PYTHONPATH=$(CURDIR) $(DEVICE_PY) -m pytest -q -p no:cacheprovider \
 	  $(DEVICE_TESTS)
