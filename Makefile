@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo test test-fast reliability clean-venv mcore020 test-mcore020 device-stack
+.PHONY: venv demo test test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -47,15 +47,20 @@ test-fast: $(STAMP)
 reliability: $(STAMP)   # RELIABILITY.md: the bad inputs and faults the tests try, with outcomes
 	SB_RELIABILITY_REPORT=RELIABILITY.md $(PY) -m pytest -q -m reliability tests
 
+flags: $(STAMP)   # docs/FLAGS.md: every --sb-* flag, from SparseBalanceConfig (a unit test checks it)
+	$(PY) -m sparsebalance_megatron.flags --markdown > docs/FLAGS.md
+
 clean-venv:
 	rm -rf $(VENV)
 
 # megatron-core 0.20 (Megatron-LM main, not on PyPI yet) beside the venv's 0.19.2, then the unit,
 # integration and two distributed test files against it (tests/conftest.py: SB_MEGATRON_CORE_020).
 MCORE020_DIR ?= .mcore020
+# MEGATRON_LM made absolute: pip reads a bare relative name (Megatron-LM) as a package name.
 mcore020: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make mcore020 MEGATRON_LM=/path/to/Megatron-LM (main)" >&2; exit 2; }
-	$(PY) -m pip install -q --no-deps --target $(MCORE020_DIR) $(MEGATRON_LM)
+	@test -d "$(MEGATRON_LM)" || { echo "error: MEGATRON_LM=$(MEGATRON_LM): not a directory (expected a clone of Megatron-LM main)" >&2; exit 2; }
+	$(PY) -m pip install -q --no-deps --target $(MCORE020_DIR) $(abspath $(MEGATRON_LM))
 
 test-mcore020: $(STAMP)
 	SB_MEGATRON_CORE_020=$(MCORE020_DIR) $(PY) -m pytest -q tests/unit tests/integration \

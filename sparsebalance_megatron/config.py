@@ -3,6 +3,9 @@
 Each field carries its documentation in ``metadata["help"]``; ``arguments.py`` generates the CLI
 flags from these fields, so help text, defaults and validation never drift apart.
 This module must not import megatron or torch.
+
+Why this is long: it is the one declaration of every flag, a field with its help text each, so
+its length is the number of flags; spread over several files the flags would drift apart again.
 """
 
 from __future__ import annotations
@@ -66,7 +69,12 @@ def dest_name(field_name: str) -> str:
 
 
 class ConfigError(ValueError):
-    """A configuration value is out of its domain; the message names the flag and the value."""
+    """A configuration value is out of its domain; the message names the flag and the value.
+    ``problems``: one entry per bad value (``SparseBalanceConfig.validate`` names them all)."""
+
+    def __init__(self, message: str, problems: Optional[list] = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems else [message]
 
 
 @dataclass
@@ -169,7 +177,7 @@ class SparseBalanceConfig:
         "the band rule alone decides what is cut.",
         choices=DST_DESCENTS)
     quality_cost: Optional[str] = _f(
-        None, "Quality cost JSON for --sb-dst-objective quality (scripts/profile_quality_cost.py:"
+        None, "Quality cost JSON for --sb-dst-objective quality (scripts/bench.py quality_cost:"
         " LM-loss increase against density per depth range of a real model); default: the "
         "shipped SmolLM2-135M measurement.", path="input")
     raise_headroom: str = _f(
@@ -369,19 +377,43 @@ class SparseBalanceConfig:
             return None
         return h if 0.0 <= h <= MAX_RAISE_HEADROOM else None
 
+    @classmethod
+    def unchecked(cls, **values) -> "SparseBalanceConfig":
+        """A config of ``values`` not validated (for naming every problem, ``problems``, of
+        values that may be bad); never run with one."""
+        sb = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            setattr(sb, f.name, values.get(f.name, f.default))
+        return sb
+
     def validate(self) -> None:
+        """``ConfigError`` naming every bad value at once (the first alone hides the others)."""
+        bad = self.problems()
+        if bad:
+            raise ConfigError("; ".join(bad), bad)
+
+    def problems(self) -> list[str]:
+        """Every value out of its domain, one ``--sb-flag=value: expected ...`` line each."""
+        out: list[str] = []
+
         def bad(name, value, expected):
-            raise ConfigError(f"{flag_name(name)}={value!r}: expected {expected}")
+            out.append(f"{flag_name(name)}={value!r}: expected {expected}")
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
         for name in ("density", "min_density", "max_density", "mass_threshold",
                      "calibration_ema"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v != v or not (0.0 < v <= 1.0):
                 bad(name, v, "a number in (0, 1]")
-        if self.min_density > self.max_density:
+        # the order of the three only when each is valid (a bad one is named once, above)
+        ranged = all(number(v) and 0.0 < v <= 1.0
+                     for v in (self.min_density, self.density, self.max_density))
+        if ranged and self.min_density > self.max_density:
             bad("min_density", self.min_density,
                 f"<= --sb-max-density ({self.max_density})")
-        if not (self.min_density <= self.density <= self.max_density):
+        elif ranged and not (self.min_density <= self.density <= self.max_density):
             bad("density", self.density,
                 f"a value within [--sb-min-density, --sb-max-density] = "
                 f"[{self.min_density}, {self.max_density}]")
@@ -437,3 +469,4 @@ class SparseBalanceConfig:
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
                 bad(f.name, getattr(self, f.name), "one of " + ", ".join(choices))
+        return out

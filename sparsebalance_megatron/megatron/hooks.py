@@ -49,7 +49,7 @@ from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
-from .preflight import OneLineParser, check_after_parse, check_config, uses_plugin_data
+from .preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -61,6 +61,7 @@ class _Integration:
     callback = None
     timers = None
     watchdog = None
+    model_built = False   # the post-wrap hook ran: pretrain() built the model install() changed
 
 
 _run = _Integration()
@@ -119,7 +120,7 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
         # The plugin's flags first of all (this runs before Megatron parses anything): one line
         # naming the flag and value, before Megatron's tokenizer or data would trip over it.
         ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-        sb = check_config(config_from_args(ns))
+        sb = checked_config(ns)
     except (ConfigError, LaunchError) as e:
         raise SystemExit(f"error: {e}") from None
     if not uses_plugin_data(sb, packed_data):
@@ -160,8 +161,8 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
 
 def _install(args, model_cfg, packed_data):
     from .budget import BudgetContext
-    from .hybrid import is_hybrid_config
-    from .spec import install_attention_spec, sparse_core_attention_spec
+    from .hybrid import install_attention_spec, is_hybrid_config
+    from .spec import sparse_core_attention_spec
 
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)
@@ -170,7 +171,7 @@ def _install(args, model_cfg, packed_data):
     if plugin_data:
         from .latency_setup import check_given_table
         check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)
-    _run.sb, _run.plugin_data = sb, plugin_data
+    _run.sb, _run.plugin_data, _run.model_built = sb, plugin_data, False
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
     compat.skip_prebuilt_helpers_compile()
@@ -234,6 +235,7 @@ def _on_model_built(model: list) -> list:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
+    _run.model_built = True
     if _run.sb is not None and _run.sb.sparse_attention_enabled:
         from .attention_check import check_sparse_attention
         try:
@@ -298,7 +300,19 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
         if megatron_provider is None:
             raise RuntimeError("hooks.datasets_provider(None) needs the plugin's data path: call "
                                "hooks.install(args, model_cfg, packed_data=True) first")
-        return megatron_provider
+        if _run.sb is None or not _run.sb.sparse_attention_enabled:
+            return megatron_provider
+
+        @functools.wraps(megatron_provider)       # keeps is_distributed and the like
+        def checked(*args, **kwargs):
+            try:
+                _check_model_built()
+            except LaunchError as e:
+                comm.say_error(f"error: {e}")
+                raise SystemExit(1) from None
+            return megatron_provider(*args, **kwargs)
+
+        return checked
 
     def provider(train_val_test_num_samples, vp_stage=None):
         try:
@@ -312,12 +326,28 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
     return provider
 
 
+def _check_model_built() -> None:
+    """Megatron builds the model before the datasets: by then the post-wrap hook that
+    ``install`` added to ``model_cfg`` must have run. A config built again after ``install``
+    (``gpt_config_from_args(args)`` a second time) carries neither the sparse attention nor the
+    hook: training it would run Megatron's attention, and the plugin's data path has no callback
+    (a bare ``AttributeError`` on ``None``)."""
+    if _run.model_built:
+        return
+    raise LaunchError("pretrain() built the model from a config that hooks.install(args, "
+                      "model_cfg) did not change (a config made again after install, e.g. a "
+                      "second gpt_config_from_args(args)): it has Megatron's attention and none "
+                      "of the plugin's hooks; pass pretrain the model_cfg given to install: "
+                      "pretrain(pretrain_cfg_container_from_args(args, model_cfg), ...)")
+
+
 def _datasets(vp_stage):
     """The plugin's train, valid and test iterators (every rank builds its own)."""
     from megatron.core import parallel_state as ps
 
     from .data import EvalIterator
 
+    _check_model_built()
     cb, args = _run.callback, _megatron_args()
     train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
     evals = []
