@@ -89,10 +89,10 @@ $(DEVICE_VENV)/.installed:
 	@test -x $(DEVICE_PY) || { py=$$($(FIND_PYTHON)); \
 	  test -n "$$py" || { echo "error: no Python >= 3.12 for $(DEVICE_VENV)" >&2; exit 1; }; \
 	  "$$py" -m venv $(DEVICE_VENV); }
-	# numpy < 2.5: triton 3.6's interpreter reads a scalar as int(1-element array), which numpy
-	# 2.5 refuses (triton 3.7 squeezes first); the device's compiled kernels never take that path
+	# numpy < 2.4: triton 3.6's interpreter reads a scalar as int(1-element array), which numpy
+	# 2.4 refuses (triton 3.7 squeezes first); the device's compiled kernels never take that path
 	$(DEVICE_PY) -m pip install -q torch==$(DEVICE_TORCH) triton==$(DEVICE_TRITON) \
-	  "numpy<2.5" pytest psutil tiktoken tqdm
+	  "numpy<2.4" pytest psutil tiktoken tqdm
 	touch $@
 
 device-stack: $(DEVICE_VENV)/.installed
