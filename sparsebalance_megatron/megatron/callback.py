@@ -538,12 +538,16 @@ class SparseBalanceCallback:
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
+        """Everything a resume restores, as plain Python types (``state.plain_state``: the one
+        place that converts numpy/torch numbers and refuses what ``weights_only`` cannot read)."""
+        from .state import plain_state
+
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict()}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self._ready_basis
-        return out
+        return plain_state(out)
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state is None:
