@@ -28,6 +28,9 @@ predicted, each ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` ti
 factor so that one outlier timing cannot throw a rank's factor off; unusable samples keep it.
 
 Pure numpy; must not import torch or megatron.
+
+Why this is long: the fit, the prediction and the online calibration read the same
+coefficient layout; apart, a change to the layout would have to be made in step in several files.
 """
 
 from __future__ import annotations
