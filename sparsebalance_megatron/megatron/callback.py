@@ -43,7 +43,7 @@ import torch
 from ..config import SparseBalanceConfig
 from . import comm
 from .budget import BudgetContext
-from .state import STATE_VERSION
+from .state import STATE_VERSION, plain_state
 from .step_checks import (check_budgets, doc_recalls, fingerprint, measured_busy, min_kept,
                           sum_by_doc, unit_order)
 from .step_planning import Planner, PreparedStep, StepPlanning
@@ -350,8 +350,6 @@ class SparseBalanceCallback(StepPlanning):
     def state_dict(self) -> dict:
         """Everything a resume restores, as plain Python types (``state.plain_state``: the one
         place that converts numpy/torch numbers and refuses what ``weights_only`` cannot read)."""
-        from .state import plain_state
-
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict()}
