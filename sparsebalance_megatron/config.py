@@ -117,7 +117,7 @@ class SparseBalanceConfig:
         "experimental, not yet run on a GPU), 'triton' (the plugin's own Triton "
         "block-sparse FlashAttention, CUDA; not yet timed on a GPU), 'torch' (blockwise "
         "PyTorch), 'reference' "
-        "(dense masked SDPA oracle), or 'auto' (flex on CUDA, torch on CPU).",
+        "(dense masked SDPA oracle), or 'auto' (on CUDA the backend the latency profile measured fastest, flex where none was measured; torch on CPU).",
         choices=BACKENDS)
     query_chunk_blocks: int = _f(
         16, "Query blocks processed at once by the torch kernel; bounds its memory.")
