@@ -31,6 +31,8 @@ Online calibration (``calibration.py``) multiplies a rank's predictions by an EM
 predicted, each ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` times the current
 factor so that one outlier timing cannot throw a rank's factor off; unusable samples keep it.
 
+Over 400 lines: fitting, layouts, context parallelism and prediction all read the one
+coefficient vector per stage; they stay together so that its layout has one owner.
 Pure numpy; must not import torch or megatron.
 """
 
