@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo test test-fast reliability clean-venv mcore020 test-mcore020
+.PHONY: venv demo test test-fast reliability flags clean-venv mcore020 test-mcore020
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -46,6 +46,9 @@ test-fast: $(STAMP)
 
 reliability: $(STAMP)   # RELIABILITY.md: the bad inputs and faults the tests try, with outcomes
 	SB_RELIABILITY_REPORT=RELIABILITY.md $(PY) -m pytest -q -m reliability tests
+
+flags: $(STAMP)   # docs/FLAGS.md: every --sb-* flag, from SparseBalanceConfig (a unit test checks it)
+	$(PY) -m sparsebalance_megatron.flags --markdown > docs/FLAGS.md
 
 clean-venv:
 	rm -rf $(VENV)

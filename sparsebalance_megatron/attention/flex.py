@@ -35,6 +35,9 @@ query blocks therefore read the sink from copies of its K/V rows (one per run of
 ``SPLIT_BLOCKS`` query blocks) in a square space of ``P + copies * B`` slots.
 ``torch.nn.attention.flex_attention`` is imported lazily; the CPU never runs it in training
 (FlexAttention has no CPU backward in torch 2.13). Pure torch; must not import megatron.
+
+Why this is long: the block lists, the sink split and the compiled call share one shape
+contract (above); apart, each half would need the other's docstring to be read.
 """
 
 from __future__ import annotations

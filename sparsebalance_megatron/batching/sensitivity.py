@@ -2,7 +2,7 @@
 training loss by default, or the attention-mass recall of the sparse selection).
 
 Signals (``--sb-sensitivity-signal``), checked against the loss change sparsification causes on
-real documents (SmolLM2-135M, 22 documents, ``scripts/eval_sensitivity_signal.py``):
+real documents (SmolLM2-135M, 22 documents, ``scripts/bench.py sensitivity_signal``):
 - ``loss``: sensitivity = minus the document's mean next-token loss in its last training forward
   (the loss function records it per document). Well-predicted text (code) loses the most when
   sparsified: Spearman +0.50.

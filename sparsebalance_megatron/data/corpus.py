@@ -11,6 +11,9 @@ Cache builds are atomic (built in a temporary directory, then ``os.replace``) an
 file lock, so two torchrun ranks racing on first use build once and never read a half-written
 cache. Documents are stored without EOD; packing appends it.
 Must not depend on torch, torch.distributed or megatron (except the lazy indexed-data import).
+
+Why this is long: the three kinds of input share one cache format and one atomic,
+file-locked build; split, the build's guarantees would be stated in two places.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
   one document, so attention and labels never cross a document. Padding up to ``capacity`` is
   cut into sequences of at most ``PAD_SEQ_TOKENS`` (``padding_lengths``): attention over padding
   then costs a few blocks, where one long padding sequence would cost as much as a real document
-  of that length (measured on CPU by ``scripts/bench_microbatch_mix.py``, 8K micro-batch with
+  of that length (measured on CPU by the since-removed ``scripts/bench_microbatch_mix.py``, 8K micro-batch with
   1.4K real tokens, block-sparse d 0.5, fwd+bwd: 0.71 s with one padding sequence, 0.23 s with
   256-token pieces).
 
@@ -20,6 +20,9 @@ A document of ``n`` tokens is packed as ``n + 1`` positions: its tokens, then EO
 ``(doc_id, start, end)`` is a range of those positions (``end <= n + 1``); only the last piece of a
 document carries the EOD.
 Must not depend on torch, torch.distributed or megatron.
+
+Why this is long: sampling, packing and materializing are one pipeline whose padding rules
+(``padding_lengths``, the EOD position) must agree at every step; they are kept side by side.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Steps of the built-in corpus packed the way the runtime packs them, at any scale: the set-up
-the planning studies share (``scripts/bench_dst_quality.py``, ``scripts/eval_dst_plans.py``,
-``scripts/bench_planner_cost.py``).
+the planning studies share (``scripts/bench.py dst_quality``, ``scripts/bench.py dst_plans``,
+``scripts/bench.py planner_cost``).
 
 Pure numpy; must not import torch or megatron.
 """

@@ -1,11 +1,11 @@
 """Simulated step-time study of the SparseBalance variants on a real length mix.
 
-Shared by ``scripts/bench_sim_study.py``, ``scripts/bench_end_to_end.py`` (its sim half) and the
-layout search. For one DP size: the corpus lengths are cut into global batches by the data
-pipeline's ``GlobalBatchSampler`` (sequential fill of dp x m micro-batches of ``seq_length``
-tokens), packed by Megatron's sequential order, a token balancer or SAB, timed by a latency model
-over a density grid (``UnitCosts``) on a pipeline layout and stepped through the simulator (1F1B,
-or the interleaved schedule for a layout with vp > 1). Variants (names are what the tables print):
+Shared by ``scripts/bench_sim_study.py`` and the layout search. For one DP size: the corpus
+lengths are cut into global batches by the data pipeline's ``GlobalBatchSampler`` (sequential
+fill of dp x m micro-batches of ``seq_length`` tokens), packed by Megatron's sequential order, a
+token balancer or SAB, timed by a latency model over a density grid (``UnitCosts``) on a
+pipeline layout and stepped through the simulator (1F1B, or the interleaved schedule for a
+layout with vp > 1). Variants (names are what the tables print):
 
 - ``dense``: sequential packing, dense attention: every document through the dense kernel
   (``LatencyModel.all_dense``: the table's dense coefficients and dense call cost, what a user

@@ -34,6 +34,9 @@ factor so that one outlier timing cannot throw a rank's factor off; unusable sam
 Over 400 lines: fitting, layouts, context parallelism and prediction all read the one
 coefficient vector per stage; they stay together so that its layout has one owner.
 Pure numpy; must not import torch or megatron.
+
+Why this is long: the fit, the prediction and the online calibration read the same
+coefficient layout; apart, a change to the layout would have to be made in step in several files.
 """
 
 from __future__ import annotations

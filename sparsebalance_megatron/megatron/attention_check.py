@@ -18,7 +18,7 @@ from typing import Iterator
 
 from ..latency.layout import ATTENTION, PipelineLayout
 from .core_attention import SparseCoreAttention
-from .launch import LaunchError
+from .errors import LaunchError
 
 
 def _decoder(chunk):

@@ -18,6 +18,9 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   predicted no slower than the static baseline (do no harm, ``step_choice.py``).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
 
+Before a step (its documents, packing and plan, and the plan-ahead thread): ``step_planning.py``;
+the checks and sums over every rank's record at a step's end: ``step_checks.py``.
+
 With ``--sb-replay-plans`` a step's packing and densities are another run's recorded ones
 (``replay.py``) instead of SAB's and DST's; the resume state is ``state.py``'s.
 
@@ -31,79 +34,22 @@ resumed run re-plans its first step from it and repeats the uninterrupted run.
 
 from __future__ import annotations
 
-import copy
-import threading
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..batching.plan import BatchPlan
 from ..config import SparseBalanceConfig
-from ..plan import BudgetPlan
 from . import comm
 from .budget import BudgetContext
-from .step_choice import wants_baseline_packing
-
-STATE_VERSION = 1
-
-
-@dataclass
-class PreparedStep:
-    """One step's data and budgets, built before the step runs."""
-
-    iteration: int                 # Megatron's 0-based iteration (args.curr_iteration)
-    first_bin: int                 # Megatron's consumed samples before the step
-    batch: BatchPlan               # [dp][m] micro-batches of segments, padding known
-    plan: Optional[BudgetPlan]     # None: dense run
-    report: Optional[dict]         # DST's report (None: static plan)
-    units: object = None           # the latency model's UnitFeatures of the batch (padded)
-    stand_down: Optional[dict] = None  # do-no-harm record (step_choice.choose); None: no choice
+from .state import STATE_VERSION
+from .step_checks import (check_budgets, doc_recalls, fingerprint, measured_busy, min_kept,
+                          sum_by_doc, unit_order)
+from .step_planning import Planner, PreparedStep, StepPlanning
 
 
-@dataclass
-class _Draft:
-    """A step planned without collectives (``SparseBalanceCallback._draft``): every rank packs the
-    same micro-batches; rank 0 also holds the DST plan the commit broadcasts."""
-
-    iteration: int
-    first_bin: int
-    batch: BatchPlan
-    units: object
-    payload: Optional[tuple]       # rank 0 with DST: (densities, report); else None
-    replayed: object = None        # --sb-replay-plans: the recorded densities (None: dense)
-    cpu_s: float = 0.0             # CPU time the draft took (its thread's)
-    basis: Optional[dict] = None   # plan-ahead: the plugin state it was planned from
-    baseline: Optional[tuple] = None   # (batch, units) packed the baseline's way (stand-down)
-    stand_down: Optional[dict] = None  # without DST: every rank's own packing choice
-
-
-class _Planner:
-    """One background draft (``--sb-plan-ahead``): a daemon thread, its result or exception."""
-
-    def __init__(self, fn, basis: dict):
-        self.basis, self._out, self._err = basis, None, None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
-                                        name="sparsebalance-planner")
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._out = fn()
-        except BaseException as e:           # re-raised on the training thread by result()
-            self._err = e
-
-    def result(self) -> _Draft:
-        self._thread.join()
-        if self._err is not None:
-            raise self._err
-        self._out.basis = self.basis
-        return self._out
-
-
-class SparseBalanceCallback:
+class SparseBalanceCallback(StepPlanning):
     """Owns the latency model, sensitivity tracker, packer and per-step plans of this rank."""
 
     def __init__(self, args, sb: SparseBalanceConfig, budget: BudgetContext, data, *, device):
@@ -162,7 +108,7 @@ class SparseBalanceCallback:
         self._doc_losses: list = []             # (doc ids, loss sums, tokens) per micro-batch
         self._overhead_s = 0.0
         self._layout_checked = False
-        self._planner: Optional[_Planner] = None   # --sb-plan-ahead: the next step's draft
+        self._planner: Optional[Planner] = None   # --sb-plan-ahead: the next step's draft
         self._ready_basis: Optional[dict] = None   # the state the prepared step was planned from
         self._ahead_s = 0.0                        # CPU seconds of the last background draft
 
@@ -184,7 +130,7 @@ class SparseBalanceCallback:
         self.sampler.skip_bins(int(args.consumed_train_samples))
         state, ahead = None, False
         if args.iteration > 0 and args.load:
-            from .launch import LaunchError
+            from .errors import LaunchError
             from .state import restore_saved_state
             try:
                 state, ahead = restore_saved_state(self)
@@ -233,142 +179,6 @@ class SparseBalanceCallback:
         if torch.is_grad_enabled():
             self._doc_losses.append((tuple(doc_ids), loss_sums.detach(), tokens.detach()))
 
-    # --- before a step -----------------------------------------------------------------------
-    def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
-        """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
-        token_balanced, SAB."""
-        from ..batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
-                                        token_balanced_plan)
-
-        sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
-                               max_tokens=self.capacity)
-        method = method or sb.packing_method
-        if method == "sab":
-            plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
-                            sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
-                            seed=sb.seed, **kw)
-        elif method == "token_balanced":
-            plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
-                                       seed=sb.seed, **kw)
-        else:
-            plan = sequential_plan(segments, **kw)
-        # variable-length micro-batches: the planner's units end where the packed tensors do
-        return plan.with_length_multiple(sb.microbatch_multiple)
-
-    def prepare_step(self, iteration: int, num_microbatches: int) -> None:
-        """Documents, packing and budgets of ``iteration`` (collective: DST plan broadcast)."""
-        t0 = time.perf_counter()
-        draft = self._draft(iteration, num_microbatches)
-        draft.basis = self._state_basis() if self.sb.plan_ahead else None
-        self._commit(draft)
-        self._overhead_s += time.perf_counter() - t0
-
-    def _draft(self, iteration: int, num_microbatches: int) -> _Draft:
-        """The step's documents, packing, latency features and (rank 0) DST plan; reads the
-        sampler, latency model and tracker, no collective (safe on the planner thread)."""
-        t0 = time.thread_time()
-        first_bin = self.sampler.bins
-        segments = self.sampler.next_bins(self.dp * num_microbatches)
-        replayed, payload, stand = None, None, None
-        if self.replay is not None:            # the recorded packing and densities
-            batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
-            options = [self._checked(segments, batch)]
-        else:
-            options = [self._packed(segments, num_microbatches)]
-            if wants_baseline_packing(self.sb, self.latency):     # do no harm: SAB vs baseline
-                options.append(self._packed(segments, num_microbatches, self.sb.stand_down))
-            if self.sb.dst_enabled:
-                if comm.rank() == 0:
-                    densities, report, _ = self._choose(options, dst=True)
-                    payload = (densities, report)
-            elif len(options) > 1:
-                stand = self._choose(options, dst=False)[2]
-        return _Draft(iteration, first_bin, *options[0], payload, replayed,
-                      cpu_s=time.thread_time() - t0,
-                      baseline=options[1] if len(options) > 1 else None, stand_down=stand)
-
-    def _packed(self, segments, num_microbatches: int, method: Optional[str] = None) -> tuple:
-        return self._checked(segments, self.pack(segments, num_microbatches, method))
-
-    def _checked(self, segments, batch: BatchPlan) -> tuple:
-        """(batch, its latency features), once the batch is checked to hold ``segments``."""
-        _check_assignment(segments, batch, self.capacity)
-        return batch, self._units(batch)
-
-    def _commit(self, draft: _Draft) -> None:
-        """The draft becomes the prepared step (collective: rank 0's DST plan is broadcast)."""
-        plan, report, sb, stand = None, None, self.sb, draft.stand_down
-        if self.replay is not None and sb.sparse_attention_enabled:   # every rank read it
-            plan = BudgetPlan(draft.iteration, draft.replayed)
-        elif sb.dst_enabled:
-            densities, report = comm.broadcast_object(draft.payload, src=0)
-            plan = BudgetPlan(draft.iteration, np.asarray(densities))
-            stand = report.get("stand_down")
-        batch, units = draft.batch, draft.units
-        if stand is not None and stand["packing_index"] == 1:    # SAB stood down
-            batch, units = draft.baseline
-        if plan is None and sb.sparse_attention_enabled:
-            plan = BudgetPlan.static(draft.iteration, sb.density, self.dp,
-                                     batch.num_microbatches, self.layout.num_stages)
-        self._ready = PreparedStep(draft.iteration, draft.first_bin, batch, plan, report,
-                                   units, stand)
-        self._ready_basis = draft.basis
-        if not self._layout_checked:
-            self._layout_checked = True
-            self._check_layout(batch, units)
-
-    def _planning_state(self) -> dict:
-        """The state plans are made from: latency calibration and sensitivities."""
-        return {"latency": self.latency.calibration_state() if self.latency else None,
-                "sensitivity": self.tracker.state_dict() if self.tracker else None}
-
-    def _state_basis(self) -> dict:
-        """A copy of ``_planning_state`` that later steps do not change (plan-ahead)."""
-        return copy.deepcopy(self._planning_state())
-
-    def _plan_ahead(self) -> None:
-        """--sb-plan-ahead: start drafting the step after the prepared one on the planner thread,
-        from the current state (which nothing changes until ``end_step`` joins the draft)."""
-        step = self._ready
-        if not self.sb.plan_ahead or step is None or step.iteration + 1 >= self.args.train_iters:
-            return
-        m = self._num_microbatches_next(step)
-        self._planner = _Planner(lambda: self._draft(step.iteration + 1, m), self._state_basis())
-
-    def _units(self, batch: BatchPlan):
-        """The latency model's features of the step's packed micro-batches, built once per step
-        and shared by DST, calibration and the layout check (None without a latency model)."""
-        if self.latency is None:
-            return None
-        return self.latency.unit_features(batch.unit_csr(with_padding=True))
-
-    def _check_layout(self, batch: BatchPlan, units) -> None:
-        """Once, on rank 0: warn when the run's pipeline layout is predicted well slower (static,
-        at d0, this step's data) than another split Megatron's flags allow."""
-        if comm.rank() != 0 or self.latency is None or self.layout.pp < 2 \
-                or self.layout.pattern is not None:   # the search splits GPT layers only
-            return
-        from ..experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
-        from ..latency.layout import LayoutError
-        try:
-            gap, best = layout_gap(self.latency, units, self.dp,
-                                   batch.num_microbatches, self.layout, self.sb.density)
-        except LayoutError:
-            return   # a table that knows only its own layout: nothing to compare
-        if gap > LAYOUT_GAP_WARN:
-            comm.say(f"warning: the pipeline layout {self.layout.describe()} is predicted "
-                     f"{gap:.2f}x slower (static, d0, this step's data) than "
-                     f"{best.describe()} ({' '.join(best.megatron_flags())}); see "
-                     f"sparsebalance-layout")
-
-    def _choose(self, options: list, *, dst: bool):
-        """(densities, DST report, stand-down record) of the step: DST on each packing option,
-        under the do-no-harm rule (``step_choice.choose``)."""
-        from .step_choice import choose, raise_headroom
-
-        return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
-                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                      if dst else None, stage_layers=self.layout.attention_layers)
 
     def step_for_chunk(self, chunk: int) -> PreparedStep:
         """The step the data iterator of model chunk ``chunk`` reads next: the current one if
@@ -414,13 +224,13 @@ class SparseBalanceCallback:
                 torch.stack([x[1].float() for x in self._losses]).sum().item()) \
             if self._losses else (0.0, 0.0)
         records = self.budget.pop_stats()
-        stats = _doc_recalls(records) if self.signal == "recall" else {}
+        stats = doc_recalls(records) if self.signal == "recall" else {}
         mine = dict(dp=self.dp_rank, pp=self.pp_rank, fwd_s=timings.get("fwd_s", []),
                     bwd_s=timings.get("bwd_s", []), step_s=timings.get("step_s"), stats=stats,
                     served=self.budget.pop_served(),
-                    used=_min_kept(records, self.budget.stage_of),
+                    used=min_kept(records, self.budget.stage_of),
                     units=unit_order(self._fwd_order, self.layout, self.pp_rank),
-                    fingerprint=_fingerprint(step.batch), loss=loss,
+                    fingerprint=fingerprint(step.batch), loss=loss,
                     doc_loss=self._pop_doc_losses())
         gathered = comm.all_gather_object(mine)
         if len({g["fingerprint"] for g in gathered}) != 1:
@@ -432,7 +242,7 @@ class SparseBalanceCallback:
             measured = self._modelled_busy(step)
             warm = True                        # a modelled time has no warm-up in it
         else:
-            measured = _measured_busy(gathered, self.dp, self.pp,
+            measured = measured_busy(gathered, self.dp, self.pp,
                                       step.batch.num_microbatches * self.vp)
             # The first step of a process pays for warm-up (allocations, lazy init): no sample.
             warm = self.steps_done > 0
@@ -515,13 +325,13 @@ class SparseBalanceCallback:
             return {}
         ids = [d for docs, _, _ in parts for d in docs]
         sums = torch.cat([torch.stack([s.float(), n.float()], dim=1) for _, s, n in parts])
-        return _sum_by_doc((d, s_, n) for d, (s_, n) in zip(ids, sums.cpu().tolist()))
+        return sum_by_doc((d, s_, n) for d, (s_, n) in zip(ids, sums.cpu().tolist()))
 
     def _update_sensitivity(self, step: PreparedStep, gathered) -> None:
         values: dict[int, float] = {}
         if self.signal == "loss":
             ranks = sorted(gathered, key=lambda g: (g["dp"], g["pp"]))
-            sums = _sum_by_doc((d, s_, n) for g in ranks
+            sums = sum_by_doc((d, s_, n) for g in ranks
                                for d, (s_, n) in sorted(g["doc_loss"].items()))
             values = {d: s_ / n for d, (s_, n) in sums.items() if n > 0}
         else:
@@ -553,95 +363,3 @@ class SparseBalanceCallback:
         if self.tracker is not None and state.get("sensitivity") is not None:
             self.tracker.load_state_dict(state["sensitivity"])
         self.reporter.stood.load_state_dict(state.get("stand_down"))   # cumulative counts
-
-
-def _check_assignment(segments, batch: BatchPlan, capacity: int) -> None:
-    """The packer used every segment of the step exactly once and respected the capacity."""
-    used = sorted(batch.segments())
-    if used != sorted(tuple(s) for s in segments):
-        raise RuntimeError("packer dropped or duplicated segments of the global batch")
-    for r, rank in enumerate(batch.micro_batches):
-        for j, mb in enumerate(rank):
-            n = sum(e - s for _, s, e in mb)
-            if n > capacity:
-                raise RuntimeError(f"packer put {n} tokens in micro-batch ({r}, {j}), "
-                                   f"capacity {capacity}")
-
-
-def _fingerprint(batch: BatchPlan) -> int:
-    return hash(tuple(tuple(tuple(mb) for mb in rank) for rank in batch.micro_batches))
-
-
-def unit_order(fwd_order: list, layout, pp_rank: int) -> list:
-    """The plan unit (micro-batch, virtual stage) of each of a pipeline rank's forward timer
-    intervals, in order. Backward intervals follow the same micro-batches with the model chunks
-    reversed (Megatron's interleaved schedule runs chunk ``vp - 1 - c`` where the forward ran
-    ``c``; with one chunk both orders are the forward's)."""
-    return [(mb, layout.stage_of(pp_rank, chunk)) for mb, chunk in fwd_order]
-
-
-def _measured_busy(gathered, dp: int, pp: int, m: int) -> np.ndarray:
-    """[dp, pp] measured fwd+bwd seconds of every rank's ``m`` timed forwards and backwards
-    (micro-batches x model chunks; NaN: missing); the slowest of the TP and CP ranks that share
-    a (dp, pp) place (they wait for each other in their collectives)."""
-    measured = np.full((dp, pp), np.nan)
-    for g in gathered:
-        if len(g["fwd_s"]) == m and len(g["bwd_s"]) == m:
-            t = float(np.sum(g["fwd_s"]) + np.sum(g["bwd_s"]))
-            prev = measured[g["dp"], g["pp"]]
-            measured[g["dp"], g["pp"]] = t if not np.isfinite(prev) else max(prev, t)
-    return measured
-
-
-USED_TOLERANCE = 1e-3   # kept blocks are counted in whole blocks; a float rounding slack
-
-
-def check_budgets(plan: BudgetPlan, gathered, *, check_used: bool = True) -> None:
-    """Every rank (all TP ranks of a micro-batch included) asked for exactly the plan's density,
-    and its attention kept at least that share of every sequence's causal blocks (density
-    selection keeps ceil(density x available) of them: fewer means the plan was ignored)."""
-    bad = []
-    for g in gathered:
-        for (mb, stage), d in (g["served"] or {}).items():
-            want = plan.density(g["dp"], mb, stage)
-            if d != want:
-                bad.append(f"(dp {g['dp']}, stage {stage}, micro-batch {mb}): {d} != {want}")
-        for (mb, stage), kept in (g.get("used") or {}).items() if check_used else ():
-            want = plan.density(g["dp"], mb, stage)
-            if kept < want - USED_TOLERANCE:
-                bad.append(f"(dp {g['dp']}, stage {stage}, micro-batch {mb}): kept {kept:.4f} "
-                           f"of the blocks, plan {want}")
-    if bad:
-        raise RuntimeError("attention budgets differ from the broadcast plan: " + "; ".join(bad[:5]))
-
-
-def _min_kept(records: list, stage_of) -> dict:
-    """{(micro-batch, stage): the smallest kept density of any of its sequences in any layer};
-    ``stage_of(layer_number)`` is the plan stage of a layer."""
-    out: dict = {}
-    for mb, _, layer, kept, _ in records:
-        if mb is not None and kept:
-            key = (mb, stage_of(layer))
-            out[key] = min(out.get(key, 1.0), min(kept))
-    return out
-
-
-def _sum_by_doc(triples) -> dict:
-    """{doc_id: [loss sum, tokens]} summed over (doc_id, loss sum, tokens) triples, in their
-    order (a document split over micro-batches or ranks counts once, whole)."""
-    out: dict[int, list] = {}
-    for doc_id, s_, n in triples:
-        acc = out.setdefault(int(doc_id), [0.0, 0.0])
-        acc[0] += s_
-        acc[1] += n
-    return out
-
-
-def _doc_recalls(stats: list) -> dict:
-    """{doc_id: [recall per layer]} from the attention statistics of this rank's step."""
-    out: dict[int, list] = {}
-    for _, doc_ids, _, _, recall in stats:
-        for doc_id, r in zip(doc_ids, recall):  # the trailing padding sequences have no doc id
-            if np.isfinite(r):
-                out.setdefault(int(doc_id), []).append(float(r))
-    return out

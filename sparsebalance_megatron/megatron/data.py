@@ -36,7 +36,7 @@ from ..data.corpus import ConcatCorpus, DataError, load_corpus
 from ..data.packing import GlobalBatchSampler, materialize, sequential_pack
 from ..data.tokenizers import TextTokenizer
 from .budget import SparsePackedSeqParams
-from .launch import LaunchError
+from .errors import LaunchError
 
 DEFAULT_SPLIT = "969,30,1"   # Megatron's legacy default when --split is not given
 SPLITS = ("train", "valid", "test")

@@ -160,8 +160,8 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
 
 def _install(args, model_cfg, packed_data):
     from .budget import BudgetContext
-    from .hybrid import is_hybrid_config
-    from .spec import install_attention_spec, sparse_core_attention_spec
+    from .hybrid import install_attention_spec, is_hybrid_config
+    from .spec import sparse_core_attention_spec
 
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)

@@ -20,6 +20,9 @@ as an ``MLPLayer``, both with the GPT layer's checkpoint key map (keys as transf
 fused norms name them), and ``LocalHybridStack`` builds its final norm from the same norm module.
 
 Layer kinds served: ``*`` and ``-``; the launch refuses the others (``launch.py``).
+``install_attention_spec(model_cfg, core)`` (``hooks.install``) puts ``core`` where either model's
+builder reads it; it lives here, not in ``spec.py``, because it needs both (``spec.py`` must not
+import this module, which imports it).
 Must not touch torch.distributed.
 """
 
@@ -32,8 +35,8 @@ from typing import Optional
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from .launch import LaunchError
-from .spec import have_transformer_engine, swap_hybrid_core_attention
+from .errors import LaunchError
+from .spec import have_transformer_engine, layer_spec_builder, swap_hybrid_core_attention
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"
 
@@ -158,3 +161,18 @@ def hybrid_stack_spec_for(model_cfg, core=None, *, spec_flag: Optional[str] = No
         return swap_hybrid_core_attention(base, core, what=f"the hybrid stack spec ({where})")
     except ValueError as e:
         raise LaunchError(f"cannot launch: {e}") from None
+
+
+def install_attention_spec(model_cfg, core, *, spec_flag=None) -> None:
+    """Put ``core`` (None: the base spec's own) where ``model_cfg``'s builder reads it: a
+    ``GPTModelConfig``'s ``transformer_layer_spec`` (``layer_spec_builder``), a
+    ``HybridModelConfig``'s ``hybrid_stack_spec`` (its builder never reads the former;
+    ``hybrid_stack_spec_for``, which also picks the base, the local one on CPU).
+    ``spec_flag``: Megatron's ``--spec`` value, for messages."""
+    if is_hybrid_config(model_cfg):
+        if spec_flag is not None and not isinstance(spec_flag, str):
+            spec_flag = " ".join(spec_flag)
+        model_cfg.hybrid_stack_spec = hybrid_stack_spec_for(model_cfg, core,
+                                                            spec_flag=spec_flag or None)
+    elif core is not None:
+        model_cfg.transformer_layer_spec = layer_spec_builder(core)

@@ -76,7 +76,7 @@ def check_given_table(args, sb: SparseBalanceConfig) -> None:
     from ..latency.layout import LayoutError
     from ..latency.model import LatencyModel
     from ..latency.table import LatencyTableError
-    from .launch import LaunchError
+    from .errors import LaunchError
 
     if not (sb.latency_table and uses_latency_table(sb)):
         return

@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from typing import Optional
 
 import torch
 
@@ -25,10 +24,8 @@ from ..attention.fa4_cute import FA4_BLOCK, fa4_missing
 from ..attention.flex import flash_kernel_missing
 from ..config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ..latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
-
-
-class LaunchError(ValueError):
-    """A launch setting that cannot work; raised before any model or process group is built."""
+from .errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
+from .preflight import attention_dropout_conflicts, config_problems
 
 
 # dest -> value on a CPU-only machine (Megatron's flag in the comment)
@@ -249,28 +246,6 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     return out
 
 
-def plugin_core_attention(args, sb: SparseBalanceConfig, plugin_data: bool) -> Optional[str]:
-    """What replaces Megatron's core attention (``hooks.install``), or None: the sparse
-    attention, or on the plugin's data path with the local implementation (whose
-    DotProductAttention refuses packed input) the dense per-document attention."""
-    if sb.sparse_attention_enabled:
-        return "sparse attention"
-    if plugin_data and getattr(args, "transformer_impl", "local") == "local":
-        return "the plugin's dense per-document attention"
-    return None
-
-
-def attention_dropout_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
-    """The plugin's attention kernels apply no dropout: a non-zero --attention-dropout would be
-    silently ignored."""
-    p = getattr(args, "attention_dropout", None)
-    which = plugin_core_attention(args, sb, plugin_data)
-    if not p or which is None:
-        return []
-    return [f"--attention-dropout {p} with {which}: its kernels apply no attention dropout; "
-            f"pass --attention-dropout 0 (the default with the plugin's attention)"]
-
-
 def _data_conflicts(args) -> list[str]:
     """Megatron data settings the plugin's packed data path does not serve."""
     out = []
@@ -394,8 +369,7 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "
                    f"use {flag_name('selection_mode')} density")
-    from .preflight import config_problems   # the files the flags name (checked at parse too)
-    bad += config_problems(sb)
+    bad += config_problems(sb)   # the files the flags name (checked at parse too)
     bad += attention_dropout_conflicts(args, sb, plugin_data)
     if sb.straggler_stage >= 0 and sb.straggler_rank < 0:
         bad.append(f"{flag_name('straggler_stage')} {sb.straggler_stage}: needs "

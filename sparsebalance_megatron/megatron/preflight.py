@@ -29,7 +29,7 @@ from typing import Optional
 
 from ..arguments import config_from_args
 from ..config import ConfigError, SparseBalanceConfig, flag_name, path_fields
-from .launch import LaunchError, attention_dropout_conflicts
+from .errors import LaunchError
 from .watchdog import watchdog_problems
 
 
@@ -244,8 +244,29 @@ def check_after_parse(parser, packed_data: Optional[bool]) -> None:
     parser.parse_known_args = parse_known_args
 
 
+def plugin_core_attention(args, sb: SparseBalanceConfig, plugin_data: bool) -> Optional[str]:
+    """What replaces Megatron's core attention (``hooks.install``), or None: the sparse
+    attention, or on the plugin's data path with the local implementation (whose
+    DotProductAttention refuses packed input) the dense per-document attention."""
+    if sb.sparse_attention_enabled:
+        return "sparse attention"
+    if plugin_data and getattr(args, "transformer_impl", "local") == "local":
+        return "the plugin's dense per-document attention"
+    return None
+
+
+def attention_dropout_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """The plugin's attention kernels apply no dropout: a non-zero --attention-dropout would be
+    silently ignored."""
+    p = getattr(args, "attention_dropout", None)
+    which = plugin_core_attention(args, sb, plugin_data)
+    if not p or which is None:
+        return []
+    return [f"--attention-dropout {p} with {which}: its kernels apply no attention dropout; "
+            f"pass --attention-dropout 0 (the default with the plugin's attention)"]
+
+
 def _plugin_attention(args, sb: SparseBalanceConfig, plugin_data: bool) -> bool:
-    from .launch import plugin_core_attention
     return plugin_core_attention(args, sb, plugin_data) is not None
 
 

@@ -15,6 +15,9 @@ table (and then predicts TP = 1 times, which the online calibration can only sca
 
 Not for use inside a running training job (it initialises its own 1-process model-parallel state).
 Imports megatron; ``megatron/profile_cli.py`` is the thin command-line front end.
+
+Why this is long: building a stage, timing its micro-batches and writing the table share the
+one-process set-up and the table's identity; the command line is already apart (``profile_cli.py``).
 """
 
 from __future__ import annotations
@@ -176,8 +179,8 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     backward of its 16K points 8-21% slower after its first 8K point than before it
     (docs/results/latency_table_h100_full.json: one 16K document, 45.7-53.9 ms against
     38.0-44.9 ms; the held-out micro-batches, all of 16K tokens, matched the earlier state to
-    0.1 ms): the held-out bias of BENCHMARKS.md "GPU latency model (H100)". With one token count
-    the ``tokens`` feature is constant; the fit folds it into the intercept
+    0.1 ms): the held-out bias of docs/benchmarks/attention-gpu.md "GPU latency model (H100)".
+    With one token count the ``tokens`` feature is constant; the fit folds it into the intercept
     (``latency/model._fit_nonneg``). With ``block_size``, a mix whose documents' short last
     blocks would overflow the padded length of ``seq_length`` tokens
     (``attention.blocks.fixed_padded_blocks``: another compiled shape) is left out or drawn again.

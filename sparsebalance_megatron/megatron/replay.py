@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..batching.replay import RecordedPlans, ReplayError, StepShape
 from ..config import SparseBalanceConfig, flag_name
-from .launch import LaunchError
+from .errors import LaunchError
 
 
 def launch_problems(args, sb: SparseBalanceConfig) -> list[str]:

@@ -104,23 +104,6 @@ def layer_spec_builder(core) -> Callable:
     return sparsebalance_layer_spec
 
 
-def install_attention_spec(model_cfg, core, *, spec_flag=None) -> None:
-    """Put ``core`` (None: the base spec's own) where ``model_cfg``'s builder reads it: a
-    ``GPTModelConfig``'s ``transformer_layer_spec`` (``layer_spec_builder``), a
-    ``HybridModelConfig``'s ``hybrid_stack_spec`` (its builder never reads the former;
-    ``hybrid.hybrid_stack_spec_for``, which also picks the base, the local one on CPU).
-    ``spec_flag``: Megatron's ``--spec`` value, for messages."""
-    from .hybrid import hybrid_stack_spec_for, is_hybrid_config
-
-    if is_hybrid_config(model_cfg):
-        if spec_flag is not None and not isinstance(spec_flag, str):
-            spec_flag = " ".join(spec_flag)
-        model_cfg.hybrid_stack_spec = hybrid_stack_spec_for(model_cfg, core,
-                                                            spec_flag=spec_flag or None)
-    elif core is not None:
-        model_cfg.transformer_layer_spec = layer_spec_builder(core)
-
-
 def get_sparsebalance_layer_spec(sb_config: SparseBalanceConfig, transformer_impl: str = "local",
                                  budget: Optional[BudgetContext] = None, **kwargs) -> ModuleSpec:
     """Megatron's GPT layer spec (``kwargs`` go to it) with SparseBalance core attention."""

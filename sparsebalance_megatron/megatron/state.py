@@ -16,9 +16,10 @@ import os
 
 import torch
 
-from .launch import LaunchError
+from .errors import LaunchError
 
 STATE_BASENAME = "train_dataloader_dprank000.pt"
+STATE_VERSION = 1   # of the dict SparseBalanceCallback.state_dict writes
 
 
 def plugin_state_path(args, load_dir: str, iteration: int) -> str:
@@ -34,8 +35,6 @@ def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = Fals
     """The state the callback saved with the checkpoint of ``iteration``; None (start the
     balancer fresh) when it is missing or damaged and ``fresh`` (--sb-fresh-state) says so, with
     a warning naming the file; else a ``LaunchError`` naming the file and both ways out."""
-    from .callback import STATE_VERSION
-
     path = plugin_state_path(args, load_dir, iteration)
     if not os.path.exists(path):
         if fresh:

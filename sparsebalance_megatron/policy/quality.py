@@ -1,5 +1,5 @@
 """Quality cost of attention sparsity per layer group: the LM-loss increase against density,
-measured on a real model (``scripts/profile_quality_cost.py``) and fitted convex.
+measured on a real model (``scripts/bench.py quality_cost``) and fitted convex.
 
 docs/DESIGN.md section 7: loss was measured convex in per-layer density: cutting a few layers hard
 costs more than the same mean density spread evenly. A planner that only keeps a mean density
@@ -186,7 +186,7 @@ class QualityCost:
                 d = json.load(f)
         except FileNotFoundError:
             raise QualityCostError(f"quality cost file {path!r} not found (make one with "
-                                   f"scripts/profile_quality_cost.py)") from None
+                                   f"python scripts/bench.py quality_cost)") from None
         except json.JSONDecodeError as e:
             raise QualityCostError(f"{path}: not JSON ({e})") from None
         except UnicodeDecodeError as e:
@@ -260,6 +260,6 @@ DEFAULT_QUALITY_COST = os.path.join(os.path.dirname(__file__), "quality_cost_smo
 @functools.lru_cache(maxsize=8)
 def load_quality_cost(path: Optional[str] = None) -> QualityCost:
     """``path``, or the shipped default: SmolLM2-135M measured on real text
-    (``DEFAULT_QUALITY_COST``, made by ``scripts/profile_quality_cost.py``). Read once per path
+    (``DEFAULT_QUALITY_COST``, made by ``scripts/bench.py quality_cost``). Read once per path
     (DST asks every step)."""
     return QualityCost.load(path or DEFAULT_QUALITY_COST)

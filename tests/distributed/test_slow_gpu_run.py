@@ -7,7 +7,7 @@ The latency table is analytic for an attention-bound device (attention at 0.5 GF
 third of every unit's time at d0, as at long context on a GPU; the tiny model's own table is
 launch-bound, where no density change moves the step). DST runs with the density objective and
 tolerance 0.02: at the defaults (quality objective, p = 0.1) it leaves a 10% slowdown alone, the
-band being as wide as the slowdown (BENCHMARKS.md, "Robustness and heterogeneous ranks")."""
+band being as wide as the slowdown (BENCHMARKS.md, "Length mixes and slow GPUs")."""
 
 from __future__ import annotations
 

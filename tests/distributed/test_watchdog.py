@@ -81,7 +81,7 @@ def _launch(nproc: int, script: Path, args: list, cwd: Path, fault_line: str, *,
     if fault_at is None:
         return "".join(lines), proc.returncode, None, None
     named = None if named_at is None else named_at - fault_at
-    # the figures quoted in README.md (pytest -s shows them)
+    # the figures quoted in docs/TRAINING.md (pytest -s shows them)
     print(f"{script.name}: after the line {fault_line!r}{' and SIGSTOP' if stop else ''}: "
           f"named in {named if named is None else round(named, 1)} s, the job ended in "
           f"{end - fault_at:.1f} s (return code {proc.returncode})")

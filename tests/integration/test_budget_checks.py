@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.megatron.callback import _min_kept, check_budgets
+from sparsebalance_megatron.megatron.step_checks import check_budgets, min_kept
 from sparsebalance_megatron.plan import BudgetPlan
 
 pytestmark = pytest.mark.integration
@@ -44,9 +44,9 @@ def test_min_kept_is_the_smallest_share_of_any_sequence_and_layer():
     records = [(0, (5, 6), 1, [0.6, 0.5, 1.0], [0.9, 0.9, 1.0]),
                (0, (5, 6), 2, [0.7, 0.55, 1.0], [0.9, 0.9, 1.0]),
                (1, (7,), 1, [0.25], [0.8]), (None, (), 1, [0.1], [0.5])]   # None: evaluation
-    assert _min_kept(records, lambda layer: 0) == {(0, 0): 0.5, (1, 0): 0.25}
+    assert min_kept(records, lambda layer: 0) == {(0, 0): 0.5, (1, 0): 0.25}
     # model chunks (interleaved schedule): each layer's virtual stage is its own key
-    assert _min_kept(records, lambda layer: 2 * (layer - 1)) == {(0, 0): 0.5, (0, 2): 0.55,
+    assert min_kept(records, lambda layer: 2 * (layer - 1)) == {(0, 0): 0.5, (0, 2): 0.55,
                                                                   (1, 0): 0.25}
 
 

@@ -122,7 +122,7 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     import megatron.training.global_vars as gv
 
     from sparsebalance_megatron.batching.packing import sequential_plan
-    from sparsebalance_megatron.megatron.callback import PreparedStep
+    from sparsebalance_megatron.megatron.step_planning import PreparedStep
     from sparsebalance_megatron.megatron.reporting import StepReporter
     from sparsebalance_megatron.plan import BudgetPlan
 
@@ -179,7 +179,8 @@ def test_unit_timings_of_model_chunks_land_on_their_virtual_stages():
 
     from sparsebalance_megatron.batching.packing import sequential_plan
     from sparsebalance_megatron.latency.layout import PipelineLayout
-    from sparsebalance_megatron.megatron.callback import PreparedStep, unit_order
+    from sparsebalance_megatron.megatron.step_checks import unit_order
+    from sparsebalance_megatron.megatron.step_planning import PreparedStep
     from sparsebalance_megatron.megatron.reporting import unit_details
     from sparsebalance_megatron.plan import BudgetPlan
 

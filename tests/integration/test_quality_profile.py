@@ -1,4 +1,4 @@
-"""scripts/profile_quality_cost.py end to end on SmolLM2-135M (CPU, real text, tiny settings):
+"""scripts/bench.py quality_cost end to end on SmolLM2-135M (CPU, real text, tiny settings):
 the file it writes loads as a quality cost, the kept densities match what was asked (the script
 checks them), and denser attention lowers the loss."""
 
@@ -21,7 +21,7 @@ def test_profile_writes_a_loadable_convex_cost(tmp_path):
 
     out = tmp_path / "q.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "profile_quality_cost.py"), "--windows", "2",
+        [sys.executable, str(REPO / "scripts" / "bench.py"), "quality_cost", "--windows", "2",
          "--window-tokens", "256", "--groups", "2", "--densities", "0.125", "1.0",
          "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

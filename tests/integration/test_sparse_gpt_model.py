@@ -155,7 +155,7 @@ def test_plan_density_reaches_the_attention():
 
 
 def test_static_per_layer_densities_reach_each_layer():
-    """Evaluation of a per-layer allocation (scripts/profile_quality_cost.py): without a plan,
+    """Evaluation of a per-layer allocation (scripts/bench.py quality_cost): without a plan,
     each layer serves its own density; layers not named serve the default."""
     from sparsebalance_megatron.megatron.budget import BudgetContext, BudgetError
     budget = BudgetContext(1.0)

@@ -205,7 +205,7 @@ def test_latency_sample_cost_fn_is_additive_attention_cost():
 
 
 def test_planning_4096_samples_for_64_ranks_covers_every_token():
-    """The benchmark's scale (its CPU time is in scripts/bench_planner_cost.py, not here)."""
+    """The benchmark's scale (its CPU time is in scripts/bench.py planner_cost, not here)."""
     rng = np.random.default_rng(0)
     lengths = np.minimum((rng.pareto(1.1, size=4096) * 600 + 50).astype(np.int64), 32768)
     costs = quad_cost(lengths)

@@ -1,6 +1,7 @@
-"""scripts/bench_hybrid_cp.py: Megatron's hybrid-CP scheduler, timed by a cost function."""
+"""scripts/bench.py hybrid_cp: Megatron's hybrid-CP scheduler, timed by a cost function."""
 
-import importlib.util
+import importlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def bench():
     pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
-    spec = importlib.util.spec_from_file_location("bench_hybrid_cp",
-                                                  REPO / "scripts/bench_hybrid_cp.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(REPO / "scripts"))     # the runner's studies package
+    return importlib.import_module("studies.hybrid_cp")
 
 
 def _tokens_over_gpus(n, k):

@@ -9,6 +9,14 @@ package with ``ast``.
    modules may use Megatron's own distributed helpers), and only it touches ``torch.distributed.*``.
 3. ``import sparsebalance_megatron`` and every pure subpackage (every one but ``megatron``) with all
    of its modules import in a fresh interpreter without ``megatron`` entering ``sys.modules``.
+4. No import circle between the package's modules. Imports inside functions count as much as
+   module-level ones (a lazy import hides a circle from Python, not from the reader); imports
+   under ``if TYPE_CHECKING:`` do not (they never run). ``from pkg import mod`` is an edge to the
+   module ``pkg.mod`` only: a package's ``__init__`` importing its children is how packages work.
+   A circle fails the test, named module by module with the line of each import.
+5. The adapter's rooms (``megatron/<room>/``, docs/DESIGN.md section 2) import only the rooms
+   before them in ``ROOM_ORDER`` (``errors`` is the leaf every room may import); the entries
+   (``hooks``, ``profile_cli``) may import every room.
 
 Modules are discovered, so new files are checked too. A current module that breaks a rule is a
 single xfail case that names the file (KNOWN_VIOLATIONS); it is reported, not edited here.
@@ -32,6 +40,7 @@ COMM = ADAPTER / "comm.py"
 LAZY_ADAPTER_IMPORTS = {"sparsebalance_megatron/data/corpus.py":
                         "sparsebalance_megatron.megatron.indexed_data"}
 KNOWN_VIOLATIONS: dict = {}
+ROOM_ORDER = ["errors", "runtime", "model", "launch", "step"]   # each imports only those before
 
 
 def rel(path: Path) -> str:
@@ -72,6 +81,123 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
 
     visit(tree, False)
     return out
+
+
+def _type_checking(node) -> bool:
+    return isinstance(node, ast.If) and (
+        (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+        or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"))
+
+
+def import_edges(path: Path, known: set) -> list[tuple[str, int]]:
+    """(module of the package, line) for every import of ``path`` that runs (module level or in
+    a function; not under ``if TYPE_CHECKING:``) and names a module in ``known``; ``from X
+    import y`` is an edge to ``X.y`` where that is a module, else to ``X``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def deepest(mod: str):
+        while mod and mod not in known:
+            mod = mod.rpartition(".")[0]
+        return mod or None
+
+    out = []
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if _type_checking(child):
+                for other in child.orelse:
+                    visit(ast.Module(body=[other], type_ignores=[]))
+                continue
+            if isinstance(child, ast.Import):
+                out.extend((deepest(a.name), child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = package.split(".")
+                    base = base[:len(base) - (child.level - 1)]
+                    mod = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    mod = child.module
+                for a in child.names:
+                    out.append((f"{mod}.{a.name}" if f"{mod}.{a.name}" in known
+                                else deepest(mod), child.lineno))
+            visit(child)
+
+    visit(tree)
+    return [(m, line) for m, line in out if m is not None and m != name]
+
+
+def import_circles(paths, groups: list = None) -> list[list[tuple[str, int]]]:
+    """One import circle per group of modules that import each other (a strongly connected
+    component), the shortest through the group's first module, each as [(module, line of its
+    import of the next one), ...], the last importing the first. ``groups`` (a list) receives
+    each group's modules: fixing one circle may leave another in the same group."""
+    files = {module_name(p): p for p in paths}
+    graph = {name: {} for name in files}
+    for name, path in files.items():
+        for mod, line in import_edges(path, set(files)):
+            graph[name].setdefault(mod, line)
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in sorted(graph):                       # Tarjan's algorithm, without recursion
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                group = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    group.add(w)
+                    if w == v:
+                        break
+                if len(group) > 1:
+                    found.append(group)
+    circles = []
+    for group in found:                              # one shortest circle through the group
+        if groups is not None:
+            groups.append(sorted(group))
+        start = min(group)
+        prev, frontier = {start: None}, [start]
+        while frontier and start not in [w for v in frontier for w in graph[v] if w in group]:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v]):
+                    if w in group and w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        last = next(v for v in frontier if start in graph[v])
+        path = [last]
+        while prev[path[-1]] is not None:
+            path.append(prev[path[-1]])
+        path.reverse()
+        circles.append([(v, graph[v][path[(i + 1) % len(path)]]) for i, v in enumerate(path)])
+    return circles
+
+
+def describe(circle) -> str:
+    return " -> ".join(f"{m.removeprefix('sparsebalance_megatron.')} (line {line})"
+                       for m, line in circle) + " -> " + \
+        circle[0][0].removeprefix("sparsebalance_megatron.")
 
 
 def _is(name: str, top: str) -> bool:
@@ -174,3 +300,80 @@ def test_pure_packages_import_without_megatron(name, fresh_imports):
     result = json.loads(stdout.strip().splitlines()[-1])
     assert name in result["imported"]
     assert result["megatron"] == [], f"importing {name} pulled in {result['megatron'][:5]}"
+
+
+def test_no_import_circle_in_the_package():
+    groups: list = []
+    circles = import_circles(MODULES, groups)
+    assert not circles, "import circles (each module imports the next, at that line): " + \
+        "; ".join(f"{describe(c)} (in a group of {len(g)}: {', '.join(g)})"
+                  for c, g in zip(circles, groups))
+
+
+def _write(root: Path, files: dict) -> list[Path]:
+    for rel_path, text in files.items():
+        (root / rel_path).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel_path).write_text(text)
+    return sorted(root.rglob("*.py"))
+
+
+def test_the_circle_check_finds_a_circle_through_a_lazy_import(tmp_path, monkeypatch):
+    """The check itself: a circle closed by a function-level relative import is found and named;
+    a package ``__init__`` re-exporting a child that imports a sibling is not a circle, and
+    neither is an import under ``if TYPE_CHECKING:``."""
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    paths = _write(tmp_path, {
+        "pkg/__init__.py": "from .b import thing\n",
+        "pkg/a.py": "from .b import thing\n",
+        "pkg/b.py": "thing = 1\n\ndef f():\n    from . import c\n",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n"
+                    "import pkg.a\n",
+        "pkg/d.py": "from . import b\n"})
+    circles = import_circles(paths)
+    assert [[m for m, _ in c] for c in circles] == [["pkg.a", "pkg.b", "pkg.c"]]
+    assert describe(circles[0]) == "pkg.a (line 1) -> pkg.b (line 4) -> pkg.c (line 4) -> pkg.a"
+    _write(tmp_path, {"pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                  "    import pkg.a\n"})
+    assert import_circles(paths) == []
+
+
+def room_of(module: str):
+    """The adapter room of ``module`` (``errors`` counts as the first), or None."""
+    parts = module.split(".")
+    if parts[:2] != ["sparsebalance_megatron", "megatron"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in ROOM_ORDER else None
+
+
+def room_problems(paths) -> list[str]:
+    known = {module_name(p) for p in paths}
+    out = []
+    for path in paths:
+        room = room_of(module_name(path))
+        if room is None:
+            continue
+        for mod, line in import_edges(path, known):
+            other = room_of(mod)
+            if other is not None and ROOM_ORDER.index(other) > ROOM_ORDER.index(room):
+                out.append(f"{rel(path)} line {line}: the {room} room imports {mod} "
+                           f"(the {other} room comes after it)")
+    return out
+
+
+def test_rooms_import_only_the_rooms_before_them():
+    problems = room_problems(MODULES)
+    assert not problems, "; ".join(problems)
+
+
+def test_the_room_check_names_a_backward_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    base = "sparsebalance_megatron/megatron/"
+    paths = _write(tmp_path, {
+        base + "__init__.py": "", base + "errors.py": "", base + "hooks.py": "from .step import a\n",
+        base + "model/__init__.py": "", base + "model/spec.py": "from ..errors import E\n",
+        base + "step/__init__.py": "", base + "step/a.py": "from ..model import spec\n",
+        base + "runtime/__init__.py": "",
+        base + "runtime/comm.py": "def f():\n    from ..model.spec import g\n"})
+    assert room_problems(paths) == [
+        f"{base}runtime/comm.py line 2: the runtime room imports "
+        f"sparsebalance_megatron.megatron.model.spec (the model room comes after it)"]

@@ -1,8 +1,9 @@
-"""The offline check of a table (scripts/latency_model_cv.py) reproduces the stored H100 held-out
+"""The offline check of a table (scripts/bench.py latency_cv) reproduces the stored H100 held-out
 MAPE and finds the state change of the stored H100 profile."""
 
-import importlib.util
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +33,8 @@ def test_refit_of_the_stored_h100_table_reproduces_its_heldout_mape():
 
 
 def _cv_script():
-    spec = importlib.util.spec_from_file_location("latency_model_cv",
-                                                  REPO / "scripts/latency_model_cv.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(REPO / "scripts"))     # the runner's studies package
+    return importlib.import_module("studies.latency_cv")
 
 
 def test_offline_check_finds_the_state_change_of_the_stored_h100_profile(tmp_path):

@@ -122,7 +122,7 @@ def test_recent_error_is_the_error_before_each_update():
 
 def test_predict_many_global_batch_matches_one_by_one():
     """4,096 micro-batches at once equal their one-by-one predictions (the cost of the batched
-    call is measured by scripts/bench_planner_cost.py, not here: no wall clock in tests)."""
+    call is measured by scripts/bench.py planner_cost, not here: no wall clock in tests)."""
     m = LatencyModel.analytic(pp=4)
     rng = np.random.default_rng(0)
     units = [np.diff(np.r_[0, np.sort(rng.choice(32767, rng.integers(1, 30), replace=False) + 1),

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sparsebalance_megatron.megatron.callback import _Draft, _Planner
+from sparsebalance_megatron.megatron.step_planning import Draft, Planner
 
 
 def test_planner_returns_the_draft_with_its_basis():
@@ -15,9 +15,9 @@ def test_planner_returns_the_draft_with_its_basis():
 
     def draft():
         seen.append(threading.current_thread().name)
-        return _Draft(iteration=3, first_bin=12, batch=None, units=None, payload=None)
+        return Draft(iteration=3, first_bin=12, batch=None, units=None, payload=None)
 
-    out = _Planner(draft, basis={"latency": {"errors": [0.1]}}).result()
+    out = Planner(draft, basis={"latency": {"errors": [0.1]}}).result()
     assert (out.iteration, out.first_bin) == (3, 12)
     assert out.basis == {"latency": {"errors": [0.1]}}
     assert seen == ["sparsebalance-planner"]
@@ -28,4 +28,4 @@ def test_planner_reraises_the_drafts_error_on_the_caller():
         raise ValueError("sample 7: 40000 tokens, expected <= 32768")
 
     with pytest.raises(ValueError, match="sample 7: 40000 tokens"):
-        _Planner(draft, basis={}).result()
+        Planner(draft, basis={}).result()

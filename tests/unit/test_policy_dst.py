@@ -155,7 +155,7 @@ def test_costs_are_made_monotone_in_density():
 
 def test_planning_64_ranks_16_microbatches_4_stages_is_deterministic():
     """A large plan is well-formed and identical when repeated (its cost, about a millisecond,
-    is measured by scripts/bench_planner_cost.py, not here: no wall clock in tests)."""
+    is measured by scripts/bench.py planner_cost, not here: no wall clock in tests)."""
     costs = synthetic_costs(64, 16, 4, seed=7)
     sens = np.random.default_rng(7).random((64, 16))
     a = plan_dst(costs, sens, D0, DMIN, DMAX)

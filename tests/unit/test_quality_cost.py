@@ -91,7 +91,7 @@ def test_bad_files_name_the_field(over, needle, tmp_path):
 
 
 def test_missing_or_non_json_file(tmp_path):
-    with pytest.raises(QualityCostError, match="not found .*profile_quality_cost.py"):
+    with pytest.raises(QualityCostError, match="not found .*scripts/bench.py quality_cost"):
         QualityCost.load(str(tmp_path / "none.json"))
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(QualityCostError, match="not JSON"):

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.megatron.callback import STATE_VERSION, SparseBalanceCallback
+from sparsebalance_megatron.megatron.callback import SparseBalanceCallback
 from sparsebalance_megatron.megatron.launch import LaunchError
-from sparsebalance_megatron.megatron.state import (load_plugin_state, plugin_state_path,
-                                                   restore_saved_state)
+from sparsebalance_megatron.megatron.state import (STATE_VERSION, load_plugin_state,
+                                                   plugin_state_path, restore_saved_state)
 
 ARGS = SimpleNamespace(pipeline_model_parallel_size=1)
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Whole training steps with context parallelism on CPU: CP=1 vs CP=2 through ``pretrain()``.
 
 Runs the README's CPU job (``examples/run_cpu_demo.sh``: the tiny GPT, real data, ``torchrun``,
@@ -9,19 +8,18 @@ micro-batches. Prints, per run: the median step time over the steps after the fi
 plugin's metrics file), the loss of the last step, and the largest process's peak RSS
 (``/usr/bin/time``: the most any rank held). CP=2 uses twice the cores of CP=1.
 
-    .venv/bin/python scripts/bench_cp_step.py --json docs/results/context_parallel_step_cpu.json
+    .venv/bin/python scripts/bench.py cp_step --json docs/results/context_parallel_step_cpu.json
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
-import sys
 import tempfile
 
-from demo_runs import add_steps_arg, check_steps, run_demo, write_json
+from ._demo import add_steps_arg, check_steps, run_demo
+from .common import parser, write_result
 
 
 def run(cp: int, args, out: str) -> dict:
@@ -40,10 +38,9 @@ def run(cp: int, args, out: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "cp_step")
     ap.add_argument("--seq-length", type=int, default=8192)
     add_steps_arg(ap, 8)
-    ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     check_steps(ap, args.steps)
     if not os.path.exists("/usr/bin/time"):
@@ -60,10 +57,6 @@ def main(argv=None) -> int:
               f"{r['last_loss']:.4f} | {r['peak_rss_mib_largest_process']:.0f} |")
     ratio = rows[0]["step_time_s_median"] / rows[1]["step_time_s_median"]
     print(f"CP=2 vs CP=1 step time: {ratio:.2f}x")
-    write_json(args.json, {"command": " ".join(sys.argv), "seq_length": args.seq_length,
-                           "results": rows})
+    write_result(args.json, {"seq_length": args.seq_length, "results": rows})
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Run real DST plans on a real model: the LM loss and needle retrieval of each plan, paired.
 
 Plans come from the simulator setup of ``bench_dst_quality.py`` (built-in corpus, SAB, analytic
@@ -11,21 +10,18 @@ its units, paired per window across plans (mean and standard error over windows)
 well the quality cost model (``policy.quality``) predicts each allocation's measured change.
 ``--plans-from`` takes the plans of real runs instead (their ``--sb-metrics-file``).
 
-    .venv/bin/python scripts/eval_dst_plans.py --json docs/results/dst_plans_smollm2.json
+    .venv/bin/python scripts/bench.py dst_plans --json docs/results/dst_plans_smollm2.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from .common import parser, write_result
 
 
 def plans_for(dp: int, m: int, d0: float, layout: str, seed: int = 1):
@@ -99,7 +95,7 @@ METRICS = ("loss", "answer_nll", "token_accuracy", "exact")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "dst_plans")
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--d0", type=float, default=0.5)
@@ -114,11 +110,10 @@ def main(argv=None) -> int:
     ap.add_argument("--plans-from", nargs="+", default=None, metavar="NAME=METRICS.jsonl",
                     help="plans of real runs (their --sb-metrics-file, every step) instead of "
                          "the simulator's; --d0 must be the runs' --sb-density")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.windows < 2 or args.retrieval_samples < 0:
         ap.error("--windows >= 2 and --retrieval-samples >= 0 expected")
-    from profile_quality_cost import answer_scores, load_model, window_loss, windows_of
+    from .quality_cost import answer_scores, load_model, window_loss, windows_of
 
     from sparsebalance_megatron.eval import make_sample
     from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
@@ -196,17 +191,11 @@ def main(argv=None) -> int:
     print(f"cost model per allocation (LM loss): Pearson {fit['pearson']}, measured / predicted "
           f"{fit['measured_over_predicted']} over {fit['allocations']} allocations")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "layout": layout.describe(),
-                       "reference": absolute, "results": results, "pairs": pairs,
-                       "cost_model_fit": fit,
-                       "prompts": [{"task": p.task, "length": p.length, "depth": p.depth,
-                                    "seed": p.seed} for p in prompts],
-                       "allocations": [{"densities": list(v), "measured": measured[v],
-                                        "predicted": float(p)}
-                                       for v, p in zip(vectors, pred)]}, f, indent=1)
+        write_result(args.json, {
+            "settings": vars(args), "layout": layout.describe(), "reference": absolute,
+            "results": results, "pairs": pairs, "cost_model_fit": fit,
+            "prompts": [{"task": p.task, "length": p.length, "depth": p.depth, "seed": p.seed}
+                        for p in prompts],
+            "allocations": [{"densities": list(v), "measured": measured[v],
+                             "predicted": float(p)} for v, p in zip(vectors, pred)]})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

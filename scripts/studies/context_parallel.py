@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Context parallelism of the sparse attention on one long document: CP=1 vs CP=N, CPU, gloo.
 
 Runs ``SparseCoreAttention`` (torch backend) forward + backward on one packed micro-batch holding
@@ -11,14 +10,12 @@ slowest rank), the time of the step's four all-to-alls measured alone (q/k/v and
 and backward, each the median of 5 after a warm-up), the bytes autograd saves for the backward
 (per rank, unique storages: the attention's activation memory) and each process's peak RSS.
 
-    .venv/bin/python scripts/bench_context_parallel.py --tokens 8192 \\
-        --out docs/results/context_parallel_cpu.json
+    .venv/bin/python scripts/bench.py context_parallel --tokens 8192 \\
+        --json docs/results/context_parallel_cpu.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import statistics
 import tempfile
@@ -26,6 +23,8 @@ import time
 import types
 
 import torch
+
+from .common import parser, write_result
 
 
 def _module(args, cp: int, group):
@@ -107,7 +106,7 @@ def _run(rank: int, cp: int, init_file: str, args, out):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "context_parallel")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--groups", type=int, default=2)
@@ -117,7 +116,6 @@ def main(argv=None) -> int:
     ap.add_argument("--context-parallel-size", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -141,12 +139,6 @@ def main(argv=None) -> int:
         print(f"{r['cp']:>3} {r['step_s']:>10.3f} {r['a2a_s']:>10.4f} "
               f"{r['saved_mib_per_rank']:>15.1f} {r['max_rss_mb_per_rank']:>16.0f} "
               f"{rows[0]['step_s'] / r['step_s']:>8.2f}x")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "device": "cpu", "torch": torch.__version__,
-                       "rows": rows}, f, indent=1)
+    if args.json:
+        write_result(args.json, {"args": vars(args), "rows": rows})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,14 +1,13 @@
-#!/usr/bin/env python
 """Offline checks of a profiled latency table (and its held-out evaluation): no device needed.
 
-    python scripts/latency_model_cv.py --table T.json [--eval E.json] [--json out.json]
+    python scripts/bench.py latency_cv --table T.json [--eval E.json] [--json out.json]
 
 For every stage kind, fitted as ``LatencyModel.fit`` fits (relative least squares, work
 coefficients >= 0), it reports:
 
 - the fit: grid MAPE, leave-one-mix-out cross-validation (every density of one document mix left
   out at a time: how well the grid predicts a mix it has not seen) and, with ``--eval`` (the JSON
-  of ``scripts/eval_latency_model.py``), the held-out MAPE of the refit model; the same for the
+  of ``scripts/bench.py latency_eval``), the held-out MAPE of the refit model; the same for the
   model plus each candidate feature of ``CANDIDATES`` (computed here from the documents, not part
   of the model), so a new term is judged by cross-validation and held-out rows together;
 - drift between the repeats: each pass over the grid against the median of the other passes,
@@ -20,18 +19,16 @@ coefficients >= 0), it reports:
   should take the same time. Measured in another state they do not, and no model of the grid
   can predict them.
 
-The H100 table of BENCHMARKS.md "GPU latency model (H100)"
-(docs/results/latency_table_h100_full_run3.json with latency_eval_h100_full_run3.json) shows both: its
-first pass timed the backward of the 16K-token points 8-17% lower until the grid's first
+The H100 table of docs/benchmarks/attention-gpu.md "GPU latency model (H100)"
+(docs/results/latency_table_h100_full_run3.json with latency_eval_h100_full_run3.json) shows
+both: its first pass timed the backward of the 16K-token points 8-17% lower until the grid's first
 8K-token micro-batch, and the held-out 16K document matches that first pass, not the rest of
 the grid.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
 import numpy as np
 
@@ -40,6 +37,8 @@ from sparsebalance_megatron.latency.crossover import table_crossover
 from sparsebalance_megatron.latency.features import FEATURES, MODEL_FEATURES, UnitFeatures
 from sparsebalance_megatron.latency.model import _fit_nonneg
 from sparsebalance_megatron.latency.table import measured_kinds
+
+from .common import parser, write_result
 
 
 def longest_sequence_blocks(rows, block_size):
@@ -200,10 +199,9 @@ def same_mix_check(table: dict, held: list) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "latency_cv")
     p.add_argument("--table", required=True, help="a profiled latency table (JSON)")
-    p.add_argument("--eval", help="held-out rows: the JSON of scripts/eval_latency_model.py")
-    p.add_argument("--json", help="where to write the results")
+    p.add_argument("--eval", help="held-out rows: the JSON of scripts/bench.py latency_eval")
     args = p.parse_args(argv)
 
     table = read_table(args.table)
@@ -249,13 +247,8 @@ def main(argv=None) -> int:
                   f"{1e3 * s['held_fwd_s']:6.1f} {1e3 * s['held_bwd_s']:6.1f} | "
                   f"{1e3 * s['grid_fwd_s']:6.1f} {1e3 * s['grid_bwd_s']:6.1f}{extra}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"table": args.table, "eval": args.eval, "fits": results,
-                       "pass_drift": drift,
-                       "change_points": [change_point(table, p) for p in ("fwd", "bwd", "total")]
-                       if drift else [], "same_mix": same}, fh, indent=1)
+        write_result(args.json, {
+            "table": args.table, "eval": args.eval, "fits": results, "pass_drift": drift,
+            "change_points": [change_point(table, p) for p in ("fwd", "bwd", "total")]
+            if drift else [], "same_mix": same})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,13 +14,12 @@ forward, hooks on every layer's core attention take q/k, compute the exact atten
 block, and score the estimator's selection (``attention.selection.select_blocks``, as the kernel
 does) and the oracle's (top blocks by true mass, same budget) at every density and in mass mode.
 
-    python scripts/eval_long_context.py --quick --json quality_quick.json
-    python scripts/eval_long_context.py --lengths 1024 2048 4096 8192 --samples 5 --json q.json
+    python scripts/bench.py long_context --quick --json quality_quick.json
+    python scripts/bench.py long_context --lengths 1024 2048 4096 8192 --samples 5 --json q.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,11 +28,13 @@ from collections import defaultdict
 
 import torch
 
+from .common import parser, write_result
+
 ALL_TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_tracking", "qa")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "long_context")
     ap.add_argument("--load", default=None, help="converted/trained checkpoint directory")
     ap.add_argument("--arch-from", default=None,
                     help="converted checkpoint whose hf_architecture.json describes --load "
@@ -60,7 +61,6 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="2K tokens, needle_single + needle_multikey, depth 0.5, 2 seeds, "
                          "densities 0.5 and 0.25, mass mode")
-    ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args(argv)
     if args.quick:
         args.tasks, args.lengths, args.depths = ["needle_single", "needle_multikey"], [2048], [0.5]
@@ -315,8 +315,9 @@ def markdown(out: dict) -> str:
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--markdown":
-        with open(sys.argv[2]) as f:       # re-render a results file: --markdown PATH
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] == "--markdown":
+        with open(argv[1]) as f:           # re-render a results file: --markdown PATH
             print(markdown(json.load(f)))
         return 0
     args = parse_args(argv)
@@ -337,20 +338,13 @@ def main(argv=None) -> int:
     # wall time on a shared machine says little: CPU time (all threads) is reported next to it
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out["cpu_s"] = round(time.process_time() - c0, 1)
-    out["command"] = "python scripts/eval_long_context.py " + " ".join(sys.argv[1:] if argv is None
-                                                                      else argv)
     print_table(out)
     print(markdown(out))
     print(f"\ntotal {out['wall_s']} s wall, {out['cpu_s']} s CPU ({torch.get_num_threads()} "
           f"threads)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        out = write_result(args.json, out)
         if os.path.exists(args.json + ".partial"):
             os.remove(args.json + ".partial")
         print("wrote", args.json)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Bytes of the FlexAttention mask structures per layer: now vs the per-head, NB-wide lists before.
 
 For one document of 32K and 128K tokens, blocks of 64 and 128, density 0.25 (and 1.0), two head
@@ -11,13 +10,11 @@ selection for mask_mod. Per-micro-batch tables shared by all layers (document id
 flag per padded slot) are listed apart. One document is the widest case: the query-side lists
 are as wide as the longest document's block count (a sink block is kept by all its queries).
 
-    python scripts/mask_memory.py --json docs/results/mask_memory.json
+    python scripts/bench.py mask_memory --json docs/results/mask_memory.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 import torch
@@ -25,6 +22,8 @@ import torch
 from sparsebalance_megatron.attention import build_layout
 from sparsebalance_megatron.attention.flex import _slot_tables, mask_tensors
 from sparsebalance_megatron.attention.selection import select_from_shares
+
+from .common import parser, write_result
 
 HEADS = {"qwen2.5-0.5b (14q/2kv)": (14, 2), "32q/8kv": (32, 8)}
 
@@ -62,8 +61,7 @@ def measure(t: int, bs: int, nh: int, ng: int, density: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", metavar="PATH")
+    ap = parser(__doc__, "mask_memory")
     ap.add_argument("--densities", type=float, nargs="+", default=[0.25, 1.0])
     args = ap.parse_args(argv)
     rows = []
@@ -88,12 +86,6 @@ def main(argv=None) -> int:
               f"| {mib(r['before_per_layer_bytes'])} | {r['ratio']:.3f} "
               f"| {mib(r['now_per_microbatch_bytes'])} |")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": "cpu (byte counts; independent of the device)",
-                       "torch": torch.__version__, "command": " ".join(sys.argv),
-                       "results": rows}, fh, indent=1)
+        write_result(args.json, {"device": "cpu (byte counts; independent of the device)",
+                                 "results": rows})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark budgeted block-sparse attention: fwd+bwd time vs density, and mass recall on real text.
 
 Timing: forward+backward of dense causal SDPA and of ``block_sparse_attention`` at densities 1.0,
@@ -13,13 +12,11 @@ recall is the exact attention mass inside the kept key blocks, averaged over que
 ``maxkey`` and ``pooled`` estimators and for the oracle top-k by true mass (same kept count per
 query block as ``maxkey``, no forced blocks).
 
-    python scripts/bench_attention.py --quick --json /tmp/attn.json
+    python scripts/bench.py attention --quick --json /tmp/attn.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import platform
 import statistics
@@ -33,6 +30,8 @@ import torch.nn.functional as F
 from sparsebalance_megatron.attention import block_sparse_attention, build_layout
 from sparsebalance_megatron.attention.kernels import to_blocks_kv, to_blocks_q
 from sparsebalance_megatron.attention.selection import estimate_block_shares, select_from_shares
+
+from .common import parser, write_result
 
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
 
@@ -264,9 +263,8 @@ def _fmt(x, spec):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "attention")
     ap.add_argument("--quick", action="store_true", help="smallest sizes; under a minute on CPU")
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--train-steps", type=int, default=None)
@@ -339,12 +337,6 @@ def main(argv=None) -> int:
     if args.json:
         meta = dict(torch=torch.__version__, block_size=args.block_size, reps=reps,
                     heads=[nh, ng, hn], dtype=str(dtype), quick=args.quick,
-                    threads=torch.get_num_threads(), recall_model=train_note,
-                    command=" ".join(sys.argv))
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "meta": meta, "results": rows}, f, indent=1)
+                    threads=torch.get_num_threads(), recall_model=train_note)
+        write_result(args.json, {"device": name, "meta": meta, "results": rows})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """DST's two objectives side by side in the simulator: speed, densities and predicted quality.
 
 For each d0 and DP size: the built-in corpus packed by SAB into 32K micro-batches, the analytic
@@ -9,7 +8,7 @@ predicted loss against uniform d0), each with ``--sb-raise-to bottleneck`` (spee
 (accuracy). Reported per variant: step time against static d0 on the same layout and packing,
 layer-weighted density, the lowest stage density, and the predicted loss change against uniform d0
 under the shipped SmolLM2-135M quality cost mapped by depth (the cost the quality objective plans
-with: ``scripts/eval_dst_plans.py`` measures the plans on the model itself).
+with: ``scripts/bench.py dst_plans`` measures the plans on the model itself).
 
 ``quality/equal-cost`` answers "at equal quality cost, which objective is faster": per step, the
 quality objective (raise to the bottleneck) at every tolerance of ``--equal-cost-tolerances`` (a
@@ -17,13 +16,12 @@ narrower band cuts more, so it is faster and costs more quality), and the fastes
 whose predicted loss change is no higher than ``density/bottleneck``'s on the same step (the
 default tolerance's plan if none is).
 
-    .venv/bin/python scripts/bench_dst_quality.py --json docs/results/dst_quality.json
+    .venv/bin/python scripts/bench.py dst_quality --json docs/results/dst_quality.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+from .common import parser, write_result
 
 import numpy as np
 
@@ -91,13 +89,12 @@ def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "dst_quality")
     ap.add_argument("--dp", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--d0", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--equal-cost-tolerances", type=float, nargs="+",
                     default=[0.0, 0.025, 0.05, 0.1])
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     results = []
     print(f"{'d0':>5} {'dp':>4} {'layout':>9} {'variant':<22} {'speedup':>8} {'density':>8} "
@@ -114,14 +111,9 @@ def main(argv=None) -> int:
                           f"{v['min_stage_density_x_d0']:>9.3f} "
                           f"{v['predicted_loss_change_nats']:>+10.4f}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": results,
-                       "note": "speedup vs static d0 on the same layout and SAB packing; "
-                               "densities as multiples of d0, layer x work weighted; predicted "
-                               "loss change vs uniform d0 (nats/token), shipped SmolLM2 cost"},
-                      f, indent=1)
+        write_result(args.json, {
+            "results": results,
+            "note": "speedup vs static d0 on the same layout and SAB packing; densities as "
+                    "multiples of d0, layer x work weighted; predicted loss change vs uniform "
+                    "d0 (nats/token), shipped SmolLM2 cost"})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -25,14 +25,11 @@ The a2a runs go twice: fixed-length micro-batches (padding fills each to ``--seq
 variable-length ones (``--sb-microbatch-multiple``: each micro-batch its documents rounded up to
 ``--microbatch-multiple`` tokens, so the fill costs nothing; every a2a variant alike).
 
-    python scripts/bench_hybrid_cp.py --json docs/results/hybrid_cp_sim.json
+    python scripts/bench.py hybrid_cp --json docs/results/hybrid_cp_sim.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from collections import Counter
 from dataclasses import replace
@@ -43,7 +40,8 @@ from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
 from sparsebalance_megatron.experiments import StudyConfig, run_study
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from .common import parser, write_result
+
 from bench_sim_study import MODELS  # noqa: E402  (the same model shapes as the layout study)
 
 
@@ -58,7 +56,7 @@ class _Group:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, "hybrid_cp")
     p.add_argument("--model", choices=sorted(MODELS), default="llama3.2-1b")
     p.add_argument("--seq-length", type=int, default=131072)
     p.add_argument("--dp", type=int, default=4)
@@ -72,7 +70,6 @@ def parse_args(argv=None):
                    help="the variable-length a2a runs' --sb-microbatch-multiple")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
@@ -171,11 +168,4 @@ def main(argv=None):
                   f"{rows_var['sab_dst']['step_time_s']:>11.3f} {h['step_time_s']:>8.3f} "
                   f"{h['groups']:>10.1f} {h['utilisation']:>8.3f}")
     print(f"({time.perf_counter() - t0:.1f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
-
-
-if __name__ == "__main__":
-    main()
+    write_result(args.json, out)

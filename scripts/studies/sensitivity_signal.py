@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Is the sensitivity signal SAB and DST use related to what sparsification costs a sample?
 
 Samples are real documents of the built-in corpus's sources (CPython standard-library modules
@@ -16,21 +15,18 @@ loss(dense)`` (nats per token). The cheap signals, each available to the runtime
 Reported: Spearman rank correlation of each signal with the measured sensitivity, and a
 bootstrap interval.
 
-    .venv/bin/python scripts/eval_sensitivity_signal.py --json docs/results/sensitivity_signal.json
+    .venv/bin/python scripts/bench.py sensitivity_signal --json docs/results/sensitivity_signal.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from .common import parser, write_result
+
 
 
 def spearman(a, b) -> float:
@@ -42,7 +38,7 @@ def spearman(a, b) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "sensitivity_signal")
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--min-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=2048)
@@ -50,9 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--low", type=float, default=0.25)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from profile_quality_cost import load_model, window_loss
+    from .quality_cost import load_model, window_loss
 
     from sparsebalance_megatron.batching.sensitivity import prior_sensitivity
     from sparsebalance_megatron.data.sources import read_text, shakespeare_files, stdlib_files
@@ -107,11 +102,5 @@ def main(argv=None) -> int:
               f"(90% bootstrap {out[sig]['interval_90'][0]:+.2f} .. "
               f"{out[sig]['interval_90'][1]:+.2f}), n={len(rows)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "correlations": out, "samples": rows}, f,
-                      indent=1)
+        write_result(args.json, {"settings": vars(args), "correlations": out, "samples": rows})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

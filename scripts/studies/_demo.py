@@ -1,4 +1,4 @@
-"""Shared by the CPU benchmarks that time the README's job (``examples/run_cpu_demo.sh``): one run
+"""Shared by the studies that time the README's job (``examples/run_cpu_demo.sh``): one run
 with extra Megatron / plugin flags, its per-step metrics, and the timed steps (the first two
 steps warm up and are not timed)."""
 
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UNTIMED_STEPS = 2
 
 
@@ -38,9 +38,3 @@ def run_demo(extra: list, out: str, label: str, steps: int, prefix=(), **env) ->
     rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
     return rows, [r["step_time_s"] for r in rows[UNTIMED_STEPS:]], p
 
-
-def write_json(path, doc) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {path}")

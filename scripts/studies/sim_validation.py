@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Validate the 1F1B simulator against a real torchrun run: simulated vs measured step time.
 
 Runs the training entry (Megatron's ``pretrain()`` with the plugin) under torchrun with
@@ -8,7 +7,7 @@ time (from the start of Megatron's ``forward-backward`` timer to the end of the 
 maximum over ranks). The simulator is fed the measured per-micro-batch times of every (dp rank,
 stage); its makespan is compared with the measured schedule time.
 
-    python scripts/validate_simulator.py --json sim_validation.json --nproc 2 -- \
+    python scripts/bench.py sim_validation --json sim_validation.json --nproc 2 -- \
         --pipeline-model-parallel-size 2 --num-layers 4 ... (the entry's flags)
 
 Writes ``{"steps": [...], "mean_abs_error": float, "device": str, ...}``.
@@ -16,7 +15,6 @@ Writes ``{"steps": [...], "mean_abs_error": float, "device": str, ...}``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,19 +24,20 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from .common import parser, write_result
+
+REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         i = argv.index("--")
         own, rest = argv[:i], argv[i + 1:]
     else:
         own, rest = argv, []
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--json", required=True)
+    p = parser(__doc__, "sim_validation", json_required=True)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--p2p-s", type=float, default=0.0, help="p2p latency given to the simulator")
     args = p.parse_args(own)
@@ -83,10 +82,5 @@ def main() -> int:
     print(f"simulated vs measured schedule time over {len(steady)} steady steps: mean |error| "
           f"{100 * result['mean_abs_error']:.1f}%, mean {100 * result['mean_error']:+.1f}%, "
           f"max |error| {100 * result['max_abs_error']:.1f}% (dp={dp}, pp={pp})")
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
+    write_result(args.json, result)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

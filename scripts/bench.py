@@ -1,0 +1,99 @@
+"""The one benchmark runner: every study behind a BENCHMARKS.md, QUALITY.md or docs/ figure.
+
+    python scripts/bench.py                      # the studies, one line each
+    python scripts/bench.py NAME --help          # a study's flags
+    python scripts/bench.py NAME [flags] --json docs/results/NAME.json
+
+Every study writes JSON that records its command, commit, versions and device
+(``studies/common.py``). The studies live in ``scripts/studies/``; three still live beside this
+file as scripts of their own (``EXTERNAL``) and run unchanged through it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# name -> (what it measures, where its figures are)
+STUDIES = {
+    "sim_study": ("simulated step: every variant against the best static layout and packing",
+                  "BENCHMARKS.md headline, robustness, do no harm, CP"),
+    "planner_cost": ("planning overhead (thread CPU) of SAB + DST at 64 DP x 16 x PP 4",
+                     "BENCHMARKS.md headline"),
+    "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",
+                  "BENCHMARKS.md context parallelism"),
+    "attention": ("sparse attention kernels on CPU: time, recall, training loss",
+                  "BENCHMARKS.md attention kernel"),
+    "attention_gpu": ("the GPU kernel table: every backend against dense, crossover",
+                      "BENCHMARKS.md attention on GPU, docs/GPU.md"),
+    "latency_eval": ("a latency table's held-out error on real micro-batches",
+                     "BENCHMARKS.md latency model, docs/GPU.md"),
+    "latency_cv": ("offline cross-validation of a stored latency table",
+                   "BENCHMARKS.md attention on GPU, docs/GPU.md"),
+    "sim_validation": ("the 1F1B simulator against a real torchrun run's step times",
+                       "BENCHMARKS.md latency model"),
+    "mask_memory": ("BlockMask bytes per layer call against a dense mask",
+                    "BENCHMARKS.md BlockMask memory"),
+    "context_parallel": ("a2a context-parallel attention alone, CP=2 vs CP=1 (CPU)",
+                         "BENCHMARKS.md context parallelism, docs/CONTEXT_PARALLEL.md"),
+    "cp_step": ("whole pretrain() steps on CPU, CP=2 vs CP=1 (the README's job)",
+                "BENCHMARKS.md context parallelism, attention alone"),
+    "quality_cost": ("measure a model's loss per layer group and density (the quality cost)",
+                     "BENCHMARKS.md DST's accuracy side"),
+    "dst_plans": ("DST's plans evaluated on a real model's loss and retrieval",
+                  "BENCHMARKS.md DST's accuracy side"),
+    "dst_quality": ("the quality objective against the density one (simulated plans)",
+                    "BENCHMARKS.md DST's accuracy side"),
+    "dst_fill": ("bubble filling: the density objective's raise against the quality one",
+                 "BENCHMARKS.md DST's accuracy side"),
+    "sensitivity_signal": ("which online signal tracks measured sparsity sensitivity",
+                           "BENCHMARKS.md DST's accuracy side"),
+    "long_context": ("long-context retrieval (needle, variable tracking, QA) in Megatron",
+                     "QUALITY.md"),
+    "quality_comparison": ("dense vs sparse vs SparseBalance training from one checkpoint",
+                           "QUALITY.md"),
+}
+# studies that are still scripts of their own in scripts/ (run as they are)
+EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",
+            "latency_eval": "eval_latency_model.py"}
+
+
+def usage() -> str:
+    width = max(map(len, STUDIES))
+    rows = [f"  {n:<{width}}  {what} [{where}]" for n, (what, where) in STUDIES.items()]
+    return ("usage: python scripts/bench.py NAME [flags]   (NAME --help: its flags)\n\nstudies:\n"
+            + "\n".join(rows))
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in STUDIES:
+        print(f"error: no study {name!r}; expected one of: {', '.join(STUDIES)}",
+              file=sys.stderr)
+        return 2
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    if name in EXTERNAL:
+        path = os.path.join(HERE, EXTERNAL[name])
+        sys.argv = [os.path.relpath(path), *rest]
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return 0
+    from studies import common
+    common.COMMAND = ["python", "scripts/bench.py", name, *rest]
+    sys.argv = [f"scripts/bench.py {name}", *rest]
+    return importlib.import_module(f"studies.{name}").main(rest) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

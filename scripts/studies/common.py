@@ -1,0 +1,113 @@
+"""What every study shares: its argument parser, percentiles, and the result writer that
+records the command, commit, versions and device beside the figures.
+
+Nothing here imports torch or megatron: a study that needs them imports them itself, and the
+writer reads their versions from the installed distributions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Set by scripts/bench.py to the command line that ran the study (`python scripts/bench.py NAME ...`).
+COMMAND: list[str] | None = None
+DISTRIBUTIONS = ("torch", "numpy", "megatron-core", "sparsebalance_megatron", "triton")
+
+
+def command() -> str:
+    """The command that ran this study, as a user would type it again."""
+    return " ".join(COMMAND if COMMAND is not None else ["python", *sys.argv])
+
+
+def parser(doc: str | None, name: str, json_arg: bool = True,
+           json_required: bool = False) -> argparse.ArgumentParser:
+    """A study's parser: its docstring's first paragraph as the description, and ``--json PATH``
+    (where ``write_result`` puts the figures) unless the study writes a result of another kind."""
+    p = argparse.ArgumentParser(prog=f"python scripts/bench.py {name}",
+                                description=(doc or "").split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if json_arg:
+        p.add_argument("--json", metavar="PATH", required=json_required,
+                       help="write the results here (JSON with the command, commit, versions "
+                            "and device)")
+    return p
+
+
+def percentiles(values, qs=(50, 90, 99)) -> dict:
+    """``{"p50": ..., "p90": ..., ...}`` of ``values`` (linear interpolation, as numpy's
+    default); an empty input is an error naming what was expected."""
+    xs = sorted(float(v) for v in values)
+    if not xs:
+        raise ValueError("percentiles of no values: expected at least one measurement")
+    out = {}
+    for q in qs:
+        if not 0 <= q <= 100:
+            raise ValueError(f"percentile {q}: expected 0..100")
+        pos = (len(xs) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{q:g}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return out
+
+
+def _git(*args) -> str | None:
+    try:
+        p = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def device() -> str:
+    """The CUDA device when torch is loaded and sees one, else the CPU model and core count."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh
+                          if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"cpu: {model} x{os.cpu_count()}"
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in DISTRIBUTIONS:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def provenance() -> dict:
+    """Command, commit (and whether the tree had changes), versions and device."""
+    status = _git("status", "--porcelain")
+    return {"command": command(), "commit": _git("rev-parse", "HEAD"),
+            "dirty": None if status is None else bool(status), "versions": versions(),
+            "device": device()}
+
+
+def write_result(path: str | None, doc: dict) -> dict:
+    """Write ``doc`` as JSON to ``path`` (nothing when ``path`` is None) with the provenance
+    keys added; a study's own ``device`` (a richer name) is kept. Returns what was written."""
+    prov = provenance()
+    if "device" in doc:
+        prov.pop("device")
+    out = {**doc, **prov}
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {path}")
+    return out

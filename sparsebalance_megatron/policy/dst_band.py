@@ -1,0 +1,252 @@
+"""One band's DST plan (``plan_dst``; ``plan_dst_candidates`` for several bands in one pass).
+
+Steps 1-4 of the rule in ``policy/dst.py``'s docstring: the static plan simulated, the anchor, the
+cut of the load units above the band, the raise below the new bottleneck checked with the 1F1B
+simulator (a rank that overshoots is re-planned with less slack, or reverted to its cuts). The
+grid moves themselves are ``dst_moves.py``'s; the band search under density floors, the quality
+objective and the config entry are ``dst.py``'s. Also the plan's types and argument checks.
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..config import ANCHORS, MAX_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
+from ..sim.pipeline import pipeline_makespan_s
+from .costs import UnitCosts, check_density_bounds, stage_mean_densities, weighted_mean_density
+from .dst_moves import (anchor_s, broadcast_sensitivity, cut_densities, gain_index,
+                        highest_index_within, lookup, raise_densities, unit_base, water_fill)
+from .slack import event_float_s
+
+RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
+_REL_EPS = 1e-9           # float slack when comparing makespans
+
+
+@dataclass
+class DSTReport:
+    """What one plan did; every time is predicted by the latency model + 1F1B simulator."""
+
+    step_time_static_s: float    # all units at d0
+    step_time_cut_s: float       # after the cut phase (the bottleneck the raise respects)
+    step_time_planned_s: float   # final plan
+    speedup: float               # static / planned
+    imbalance_before: float      # max / mean of per-rank makespans, static plan
+    imbalance_after: float       # same, final plan
+    anchor_s: float              # anchor over (rank, stage) busy times at d0
+    band_s: float                # (1 + p) x anchor
+    mean_density_static: float   # work-weighted mean density of the static plan (d0; more
+    #                              with routing: routed documents count at density 1)
+    mean_density: float          # work-weighted mean density of the final plan
+    units_cut: int               # units whose density ended below d0
+    units_raised: int            # units whose density ended above d0
+    ranks_reverted: int          # ranks whose raise failed verification (kept cut-only)
+    tolerance_used: float = float("nan")  # band actually applied (wider under a density floor)
+    density_per_stage: tuple = ()         # work-weighted mean density of every stage, final plan
+    quality_cost: float = float("nan")    # predicted loss change vs uniform d0 (quality objective)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DSTPlan:
+    densities: np.ndarray   # [dp, m, stages] planned density of every unit (virtual stages)
+    report: DSTReport
+
+
+def check_raise_headroom(h: float) -> None:
+    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
+    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
+        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
+                          f"[0, {MAX_RAISE_HEADROOM}]")
+
+
+def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
+    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
+    if anchor not in ANCHORS:
+        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
+    t = tolerance
+    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
+            or t < 0 or t > 10):
+        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
+
+
+def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_min: float,
+             d_max: float, anchor: str = "mean", tolerance: float = 0.1,
+             p2p_s: float = 0.0, raise_headroom: float = 0.0,
+             raise_to: str = "bottleneck") -> DSTPlan:
+    """Plan densities [dp, m, pp] for one step.
+
+    costs: predicted fwd/bwd seconds of every unit over a density grid that contains d0, d_min
+    and d_max (``density_grid``); sensitivity: [dp, m] or [dp, m, pp], higher = loses more
+    accuracy when sparsified (mean over a micro-batch's samples), None = all equal;
+    raise_headroom: h in [0, 0.5], raises stop at (1 - h) x the raise target; raise_to: the
+    target, the cut plan's step time (``bottleneck``) or the static plan's (``static``: what
+    balancing saved is spent on density instead of speed).
+    """
+    return plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, [(anchor, tolerance)],
+                               p2p_s, raise_headroom, raise_to)[0]
+
+
+def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
+                        d_min: float, d_max: float, candidates, p2p_s: float = 0.0,
+                        raise_headroom: float = 0.0, raise_to: str = "bottleneck",
+                        _static: Optional[dict] = None, quality=None) -> list[DSTPlan]:
+    """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
+    copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
+    calls (a plan's rows never interact with another candidate's), so K plans cost far less than
+    K calls. ``_static``: a dict the caller keeps between passes over the same costs (the static
+    plan's simulation is computed once). ``quality`` (a ``policy.quality.StageQuality``): cuts
+    and raises by quality water-filling (``water_fill``) instead of sensitivity order."""
+    for anchor, tolerance in candidates:
+        check_anchor_tolerance(anchor, tolerance)
+    check_raise_headroom(raise_headroom)
+    if raise_to not in RAISE_TARGETS:
+        raise ConfigError(f"--sb-raise-to={raise_to!r}: expected one of {', '.join(RAISE_TARGETS)}")
+    check_density_bounds(d0, d_min, d_max)
+    dp, m, nv = costs.shape
+    # The load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
+    # model chunks: its units are then the (micro-batch, chunk) pairs, so every array below is
+    # [rows, m * vp, pp] (the same memory as [rows, m, nv], since v = chunk * pp + rank).
+    pp, vp = costs.pipeline_ranks, costs.vp
+    slots = m * vp
+    k = len(candidates)
+    sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
+    i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
+    t_grid = costs.total_s                                          # [dp, m, nv, g]
+    weights = costs.weights()
+
+    rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])  # [dp, m*vp, pp]
+    # row = candidate c x dp + rank: every candidate's copy of the step
+    all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
+    if quality is not None:
+        best_index = gain_index(quality.marginal_gain(costs.densities), slots, pp, vp)
+        span = costs.densities[i_max] - costs.densities[i_min]
+        b_rows = np.tile(((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
+                          / span) if span > 0 else np.zeros(rank_units.shape), (k, 1, 1))
+
+    def simulate(units, idx):
+        """(makespan [rows], fwd, bwd [rows, m * vp, pp]) of the rows' units at grid idx."""
+        f, b = lookup(costs.fwd_s, units, idx), lookup(costs.bwd_s, units, idx)
+        n = f.shape[0]
+        return pipeline_makespan_s(f.reshape(n, m, nv), b.reshape(n, m, nv), p2p_s,
+                                   pp=pp), f, b
+
+    def per_candidate(x):
+        return np.asarray(x).reshape(k, dp)
+
+    # 1. static plan (the same for every candidate)
+    idx0 = np.full((dp, slots, pp), i0, dtype=np.int64)
+    if _static is not None and "mk0" in _static:
+        mk0, t0 = _static["mk0"], _static["t0"]
+    else:
+        mk0, f0, b0 = simulate(rank_units, idx0)
+        t0 = f0 + b0
+        if _static is not None:
+            _static.update(mk0=mk0, t0=t0)
+    step0 = float(mk0.max())
+    busy0 = t0.sum(axis=1)                                          # [dp, pp]
+    anchors = np.array([anchor_s(busy0, a) for a, _ in candidates])
+    bands = np.array([(1.0 + t) for _, t in candidates]) * anchors  # [k]
+
+    # 2. cut stragglers, least sensitive first (stable sort: ties keep micro-batch order)
+    excess = np.tile(busy0, (k, 1)) - np.repeat(bands, dp)[:, None]  # [k * dp, pp]
+    cuts = np.array([a != "max" for a, _ in candidates])
+    excess[~np.repeat(cuts, dp)] = 0.0
+    idx_start = np.tile(idx0, (k, 1, 1))
+    if np.any(excess > 0):
+        if quality is not None:
+            base_s = lookup(t_grid, all_units, idx_start).sum(axis=1)
+            idx_cut = water_fill(t_grid, all_units, best_index, b_rows,
+                                  np.full_like(idx_start, i_min),
+                                  idx_start, np.where(excess > 0, base_s - excess, np.inf))
+        else:
+            order = np.tile(np.argsort(sens, axis=1, kind="stable"), (k, 1, 1))
+            idx_cut = cut_densities(t_grid, all_units, idx_start, np.maximum(excess, 0.0), order, i_min)
+        mk1, f1, b1 = simulate(all_units, idx_cut)
+    else:
+        idx_cut, mk1 = idx_start, np.tile(mk0, k)
+        f1, b1 = lookup(costs.fwd_s, all_units, idx_cut), lookup(costs.bwd_s, all_units, idx_cut)
+    t1 = f1 + b1
+    step1 = per_candidate(mk1).max(axis=1)                          # [k]
+
+    # 3. raise below the new bottleneck, most sensitive first; verify with the simulator.
+    #    Ranks are independent pipelines, so a rank that overshoots is re-planned alone.
+    targets = (np.full(k, step0) if raise_to == "static" else step1) * (1.0 - raise_headroom)
+    target = np.repeat(targets, dp)                                 # [k * dp] T1'
+    busy1 = t1.sum(axis=1)                                          # [k * dp, pp]
+    overhead = mk1 - busy1.max(axis=1)                              # fill/drain
+    slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
+    float_f, float_b = event_float_s(f1.reshape(k * dp, m, nv), b1.reshape(k * dp, m, nv),
+                                     target, p2p_s, pp=pp)
+    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0).reshape(k * dp, slots, pp)
+    idx, mk_final = idx_cut.copy(), mk1.copy()
+    reverted = np.zeros(k * dp, dtype=bool)
+    # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
+    # may only fill stages off its critical path, whose slack above is already short by h x T1.
+    limit = np.maximum(target, mk1) * (1.0 + _REL_EPS) + 1e-15      # [k * dp]
+    ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
+    if i_max > i_min and ranks.size:
+        order = np.tile(np.argsort(-sens, axis=1, kind="stable"), (k, 1, 1))
+
+        def try_raise(rows, alpha):
+            """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
+            units = all_units[rows]
+            if quality is not None:
+                cur = idx_cut[rows]
+                t_cur = lookup(t_grid, units, cur)
+                top = highest_index_within(t_grid, units, t_cur + alpha[:, None, None] *
+                                            cap_full[rows], cur, i_max)
+                trial = water_fill(t_grid, units, best_index, b_rows[rows], cur, top,
+                                    t_cur.sum(axis=1) + alpha[:, None] * slack_full[rows])
+            else:
+                trial = raise_densities(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
+                               alpha[:, None, None] * cap_full[rows], order[rows], i_max)
+            mk, _, _ = simulate(units, trial)
+            return trial, mk, mk <= limit[rows]
+
+        trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
+        idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
+        ranks = ranks[~ok]
+        if ranks.size:
+            # All shrunken slacks of the overshooting rows in one simulator call:
+            # rows = rank x alpha (0.5, 0.25, ...); keep the largest alpha that clears.
+            alphas = 0.5 ** np.arange(1, RAISE_ROUNDS + 1)
+            rows = np.repeat(ranks, alphas.size)
+            trial, mk, ok = try_raise(rows, np.tile(alphas, ranks.size))
+            ok = ok.reshape(ranks.size, alphas.size)
+            for j, r in enumerate(ranks.tolist()):
+                hits = np.flatnonzero(ok[j])
+                if hits.size:
+                    h = j * alphas.size + hits[0]
+                    idx[r], mk_final[r] = trial[h], mk[h]
+                else:
+                    reverted[r] = True
+
+    plans = []
+    mk_c, idx_c, rev_c = per_candidate(mk_final), idx.reshape(k, dp, slots, pp), \
+        per_candidate(reverted)
+    imb0 = float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0
+    for c, (_, tolerance) in enumerate(candidates):
+        mk_end = mk_c[c]
+        dens = costs.densities[idx_c[c]].reshape(dp, m, nv)
+        report = DSTReport(
+            step_time_static_s=step0, step_time_cut_s=float(step1[c]),
+            step_time_planned_s=float(mk_end.max()),
+            speedup=step0 / float(mk_end.max()) if mk_end.max() > 0 else 1.0,
+            imbalance_before=imb0,
+            imbalance_after=float(mk_end.max() / mk_end.mean()) if mk_end.mean() > 0 else 1.0,
+            anchor_s=float(anchors[c]), band_s=float(bands[c]),
+            mean_density_static=float(d0) if costs.dense_work is None else
+            weighted_mean_density(np.full(dens.shape, float(d0)), weights, costs.dense_work),
+            mean_density=weighted_mean_density(dens, weights, costs.dense_work),
+            units_cut=int((idx_c[c] < i0).sum()), units_raised=int((idx_c[c] > i0).sum()),
+            ranks_reverted=int(rev_c[c].sum()), tolerance_used=float(tolerance),
+            density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, weights,
+                                                                            costs.dense_work)))
+        plans.append(DSTPlan(dens, report))
+    return plans

@@ -1,0 +1,75 @@
+"""scripts/bench.py, the one benchmark runner: every named study exists and has ``main(argv)``,
+an unknown name is refused naming the studies, and every result JSON records its command,
+commit, versions and device (studies/common.py)."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+import bench  # noqa: E402
+from studies import common  # noqa: E402
+
+
+def test_every_study_is_a_module_with_main_or_a_script_beside_the_runner():
+    for name in bench.STUDIES:
+        if name in bench.EXTERNAL:
+            assert (SCRIPTS / bench.EXTERNAL[name]).is_file(), name
+            continue
+        path = SCRIPTS / "studies" / f"{name}.py"
+        assert path.is_file(), f"study {name}: no {path.relative_to(REPO)}"
+        tree = ast.parse(path.read_text())
+        mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+        assert mains and mains[0].args.args, f"study {name}: no main(argv)"
+    modules = {p.stem for p in (SCRIPTS / "studies").glob("*.py")
+               if not p.stem.startswith("_")} - {"common"}      # _demo: a helper, not a study
+    assert modules <= set(bench.STUDIES), f"studies the runner does not name: {modules - set(bench.STUDIES)}"
+
+
+@pytest.mark.reliability(area="benchmarks", case="unknown study name",
+                         expect="exit 2 naming the studies")
+def test_unknown_study_is_refused_with_the_list(capsys):
+    assert bench.main(["no_such_study"]) == 2
+    err = capsys.readouterr().err
+    assert "no study 'no_such_study'" in err and "planner_cost" in err
+
+
+def test_result_records_command_commit_versions_and_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "COMMAND", ["python", "scripts/bench.py", "x", "--json", "p"])
+    path = tmp_path / "sub" / "r.json"
+    common.write_result(str(path), {"rows": [1]})
+    doc = json.loads(path.read_text())
+    assert doc["rows"] == [1]
+    assert doc["command"] == "python scripts/bench.py x --json p"
+    assert doc["versions"]["python"] and "numpy" in doc["versions"]
+    assert doc["device"].startswith("cpu") or doc["device"]
+    assert doc["commit"] is None or len(doc["commit"]) == 40
+    # a study's own device name is kept, the rest added
+    doc = common.write_result(None, {"device": "H100 (measured)"})
+    assert doc["device"] == "H100 (measured)" and "commit" in doc
+
+
+def test_percentiles():
+    assert common.percentiles([3, 1, 2], qs=(0, 50, 100)) == {"p0": 1, "p50": 2, "p100": 3}
+    assert common.percentiles(range(11), qs=(90,)) == {"p90": pytest.approx(9.0)}
+    with pytest.raises(ValueError, match="no values"):
+        common.percentiles([])
+    with pytest.raises(ValueError, match="percentile 101"):
+        common.percentiles([1], qs=(101,))
+
+
+def test_runner_lists_and_runs_a_study_through_its_parser():
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py")], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and "planner_cost" in proc.stdout
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "mask_memory", "--help"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0 and "python scripts/bench.py mask_memory" in proc.stdout
