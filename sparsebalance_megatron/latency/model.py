@@ -31,12 +31,11 @@ Online calibration (``calibration.py``) multiplies a rank's predictions by an EM
 predicted, each ratio clipped to ``[1 / CALIBRATION_CLIP, CALIBRATION_CLIP]`` times the current
 factor so that one outlier timing cannot throw a rank's factor off; unusable samples keep it.
 
-Over 400 lines: fitting, layouts, context parallelism and prediction all read the one
-coefficient vector per stage; they stay together so that its layout has one owner.
 Pure numpy; must not import torch or megatron.
 
-Why this is long: the fit, the prediction and the online calibration read the same
-coefficient layout; apart, a change to the layout would have to be made in step in several files.
+Why this is long: the fit, the layouts, context parallelism and the prediction read the same
+coefficient layout (the table's features, dense work, the two calls); apart, a change to the
+layout would have to be made in step in several files.
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ coefficients of work features >= 0, not all zero, and no micro-batch of the tabl
 be predicted at <= 0 s or above ``MAX_MICROBATCH_S``. A file over ``MAX_TABLE_BYTES`` is refused
 before it is read. Format 1 tables (no ``execution`` section) are still read, so that
 ``--sb-latency-table-force`` can use them; a run that checks the execution setup refuses them.
-JSON only (never pickle). Over 400 lines: the format's description and its validation stay
-in one file, field by field.
-Pure Python + numpy; must not import torch or megatron.
+JSON only (never pickle). Pure Python + numpy; must not import torch or megatron.
+
+Why this is long: the format's description and its validation stay in one file, field by field.
 """
 
 from __future__ import annotations
