@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo test test-fast reliability flags clean-venv mcore020 test-mcore020
+.PHONY: venv demo test test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -56,9 +56,11 @@ clean-venv:
 # megatron-core 0.20 (Megatron-LM main, not on PyPI yet) beside the venv's 0.19.2, then the unit,
 # integration and two distributed test files against it (tests/conftest.py: SB_MEGATRON_CORE_020).
 MCORE020_DIR ?= .mcore020
+# MEGATRON_LM made absolute: pip reads a bare relative name (Megatron-LM) as a package name.
 mcore020: $(STAMP)
 	@test -n "$(MEGATRON_LM)" || { echo "usage: make mcore020 MEGATRON_LM=/path/to/Megatron-LM (main)" >&2; exit 2; }
-	$(PY) -m pip install -q --no-deps --target $(MCORE020_DIR) $(MEGATRON_LM)
+	@test -d "$(MEGATRON_LM)" || { echo "error: MEGATRON_LM=$(MEGATRON_LM): not a directory (expected a clone of Megatron-LM main)" >&2; exit 2; }
+	$(PY) -m pip install -q --no-deps --target $(MCORE020_DIR) $(abspath $(MEGATRON_LM))
 
 test-mcore020: $(STAMP)
 	SB_MEGATRON_CORE_020=$(MCORE020_DIR) $(PY) -m pytest -q tests/unit tests/integration \
@@ -71,3 +73,30 @@ GPU_CHECK_DIR ?= runs/gpu_check
 .PHONY: gpu-check
 gpu-check:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PY) scripts/gpu_check.py --out-dir $(GPU_CHECK_DIR)
+
+# The GPU machine's software stack on CPU (docs/GPU.md, "The device's stack, replicated on CPU"):
+# a side venv with the device's torch 2.11 and triton 3.6 from PyPI (the CUDA build of torch; it
+# runs on CPU), then, there, every GPU path's imports and the torch signatures they call
+# (gpu_check.py --steps env) and the Triton interpreter tests (their `interp` fixture starts the
+# TRITON_INTERPRET=1 worker). Not part of `make test`.
+DEVICE_VENV ?= .venv-device
+DEVICE_TORCH ?= 2.11.0
+DEVICE_TRITON ?= 3.6.0
+DEVICE_PY := $(DEVICE_VENV)/bin/python
+DEVICE_TESTS ?= tests/unit/test_attention_triton.py tests/unit/test_attention_dense.py \
+	tests/unit/test_attention_kernels.py
+$(DEVICE_VENV)/.installed:
+	@test -x $(DEVICE_PY) || { py=$$($(FIND_PYTHON)); \
+	  test -n "$$py" || { echo "error: no Python >= 3.12 for $(DEVICE_VENV)" >&2; exit 1; }; \
+	  "$$py" -m venv $(DEVICE_VENV); }
+	# numpy < 2.4: triton 3.6's interpreter reads a scalar as int(1-element array), which numpy
+	# 2.4 refuses (triton 3.7 squeezes first); the device's compiled kernels never take that path
+	$(DEVICE_PY) -m pip install -q torch==$(DEVICE_TORCH) triton==$(DEVICE_TRITON) \
+	  "numpy<2.4" pytest psutil tiktoken tqdm
+	touch $@
+
+device-stack: $(DEVICE_VENV)/.installed
+	@mkdir -p runs/device_stack
+	PYTHONPATH=$(CURDIR) $(DEVICE_PY) scripts/gpu_check.py --steps env --out-dir runs/device_stack
+	PYTHONPATH=$(CURDIR) $(DEVICE_PY) -m pytest -q -p no:cacheprovider \
+	  $(DEVICE_TESTS)

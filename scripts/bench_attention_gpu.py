@@ -9,7 +9,8 @@ beats that, and by how much:
   of real documents (the built-in corpus as whole files and as sections, sequentially packed;
   their lengths are in ``docs/results/packed_mixes_32k.json``, made on any machine by
   ``--make-mixes``);
-- **shapes**: Qwen2.5-0.5B's heads (14 query / 2 KV, head dim 64) and 32 / 8, head dim 128;
+- **shapes**: the target shape 8 query / 2 KV heads, head dim 128; Qwen2.5-0.5B's heads (14 / 2,
+  head dim 64) and 32 / 8, head dim 128;
   bf16, block 128;
 - **dense**: ``attention.dense.dense_varlen_attention`` with ``kernel='varlen'`` (torch's
   ``varlen_attn``: one call) and ``kernel='sdpa'`` (cuDNN SDPA); ``dense_ms`` is the faster;
@@ -24,10 +25,20 @@ beats that, and by how much:
   measured length from which ours is faster than dense (``null``: never, so everything goes
   dense). It is what the latency profile stores for training (``dense_crossover``).
 
-Times are CUDA-event medians after warm-up. One JSON with the rows, the crossover table, the
-target checks, the command, the commit, the versions and the device.
+Times are CUDA-event medians after warm-up. **Order, rows as they come, deadline**: the cases
+that decide the targets run first (``plan_cases``: the 8/2/128 32K document at densities 0.25,
+0.5, 1; 16K and 8K for the crossover; the packed 32K mixes routed at it; then the rest of the
+grid); ``--jsonl`` appends every row when it is measured (flushed, synced); ``--deadline-s``
+starts no row once the deadline is nearer than 1.5x the longest row so far (so a device call
+ends before its limit with every finished row on disk). ``--json`` writes the rows, the
+crossover table, the target checks, the command, the commit, the versions and the device at
+the end. ``--smoke``: one 32K 8/2/128 row per backend at density 0.25 (the first device call).
 
-    python scripts/bench_attention_gpu.py --json runs/kernel_table.json
+(Longer than 400 lines: the grid, its order and the target summary read best in one file.)
+
+    python scripts/bench_attention_gpu.py --json runs/kernel_table.json --jsonl runs/rows.jsonl \
+        --deadline-s 300
+    python scripts/bench_attention_gpu.py --smoke --jsonl runs/smoke_rows.jsonl
     python scripts/bench_attention_gpu.py --backends triton --shapes 14/2/64 --cases single
     python scripts/bench_attention_gpu.py --make-mixes docs/results/packed_mixes_32k.json  # CPU
 """
@@ -48,7 +59,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
 SINGLE_LENGTHS = (4096, 8192, 16384, 32768, 65536)
 LONG_LENGTH = 131072
-SHAPES = ("14/2/64", "32/8/128")
+# the target shape first (8 query / 2 KV heads, hn 128: every earlier H100 number), then
+# Qwen2.5-0.5B's heads and a wider GQA group
+TARGET_SHAPE = "8/2/128"
+SHAPES = (TARGET_SHAPE, "14/2/64", "32/8/128")
+TARGET_DENSITIES = (0.25, 0.5, 1.0)
 BACKENDS = ("triton", "fa4", "flex", "flash")
 MIXES_PATH = os.path.join(ROOT, "docs", "results", "packed_mixes_32k.json")
 MIX_TOKENS = 32768
@@ -166,48 +181,139 @@ def _ours_ms(q, k, v, g, cu, density, backend, reps, dense_below=0):
     return cuda_ms(call, reps)
 
 
-def run_case(rows, case, doc_lens, shape, backends, densities, reps, crossover=None):
-    """Dense and ours on one micro-batch; appends rows. ``crossover`` (packed cases):
-    {(backend, density): tokens or None} for the routed rows."""
+class Clock:
+    """The call's deadline: no row starts unless ``margin`` seconds (at least 15, and 1.5x the
+    longest row so far, compiles included) are left. ``deadline_s=None``: no deadline."""
+
+    def __init__(self, deadline_s=None, now=time.monotonic):
+        self.now, self.t0 = now, now()
+        self.end = None if deadline_s is None else self.t0 + deadline_s
+        self.longest = 0.0
+
+    def can_start(self) -> bool:
+        return self.end is None or self.end - self.now() >= max(15.0, 1.5 * self.longest)
+
+    def timed(self, fn):
+        t = self.now()
+        try:
+            return fn()
+        finally:
+            self.longest = max(self.longest, self.now() - t)
+
+
+class RowLog:
+    """Rows in memory and, with ``path``, appended to a JSONL file as each is measured (flushed
+    and synced: a call cut at its limit keeps every finished row)."""
+
+    def __init__(self, path=None):
+        self.rows, self.path = [], path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            open(path, "w").close()
+
+    def add(self, row):
+        self.rows.append(row)
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+
+def run_case(log, case, doc_lens, shape, backends, densities, reps, crossover=None,
+             clock=None, routed_only=False):
+    """Dense and ours on one micro-batch; each row goes to ``log`` as measured. ``crossover``
+    (packed cases): {(backend, density): tokens or None} for the routed rows (``routed_only``:
+    no unrouted rows). With ``clock``, rows stop once its deadline nears (returns False)."""
+    clock = clock or Clock()
+    if not clock.can_start():
+        return False
     nh, ng, hn = parse_shape(shape)
-    q, k, v, g, cu = _inputs(doc_lens, nh, ng, hn, seed=len(rows))
-    dense = _dense_ms(q, k, v, g, cu, reps)
+    q, k, v, g, cu = _inputs(doc_lens, nh, ng, hn, seed=len(log.rows))
+    dense = clock.timed(lambda: _dense_ms(q, k, v, g, cu, reps))
     known = [x for x in dense.values() if x is not None]
     dense_ms = min(known) if known else None
     base = dict(case=case, shape=shape, tokens=sum(doc_lens), docs=len(doc_lens),
                 longest=max(doc_lens), dense_varlen_ms=dense["varlen"], dense_sdpa_ms=dense["sdpa"],
                 dense_ms=dense_ms)
+    finished = True
     for backend in backends:
         torch._dynamo.reset()      # every case compiles its own flex graph
         for d in densities:
-            routings = [("none", 0)]
+            routings = [] if routed_only and crossover is not None else [("none", 0)]
             if crossover is not None:
                 x = crossover.get((backend, d))
-                routings.append(("crossover", (1 << 40) if x is None else x))
+                routings.insert(0, ("crossover", (1 << 40) if x is None else x))
             for routing, below in routings:
+                if not clock.can_start():
+                    finished = False
+                    break
                 row = dict(base, backend=backend, density=d, routing=routing,
                            dense_below_tokens=below if routing != "none" else 0)
                 try:
-                    row["ours_ms"] = ms = _ours_ms(q, k, v, g, cu, d, backend, reps, below)
+                    row["ours_ms"] = ms = clock.timed(
+                        lambda: _ours_ms(q, k, v, g, cu, d, backend, reps, below))
                     if dense_ms:
                         row["ratio_vs_dense"] = ms / dense_ms
                     if dense["varlen"]:
                         row["ratio_vs_varlen"] = ms / dense["varlen"]
                     print(f"  {case} {shape} {backend} d={d} {routing}: {ms:.2f} ms, dense "
-                          f"{dense_ms:.2f} ms ({row.get('ratio_vs_dense', float('nan')):.3f}x)",
-                          file=sys.stderr)
+                          f"{dense_ms or float('nan'):.2f} ms "
+                          f"({row.get('ratio_vs_dense', float('nan')):.3f}x)", file=sys.stderr)
                 except Exception as e:  # noqa: BLE001 - a kernel that fails here is a row
                     row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
                     print(f"  {case} {shape} {backend} d={d}: failed: {row['failed']}",
                           file=sys.stderr)
-                rows.append(row)
+                log.add(row)
     del q, k, v, g
     torch.cuda.empty_cache()
+    return finished
+
+
+def plan_cases(args, mixes):
+    """The cases in the order they decide the targets: the target shape's 32K document at the
+    target densities; 16K and 8K documents (the crossover the packed rows route at); the packed
+    32K micro-batches routed; then the rest of the grid. Each: dict(case, lens, shape,
+    densities, packed)."""
+    dens = list(args.densities)
+    first = [d for d in TARGET_DENSITIES if d in dens] or dens
+    rest_d = [d for d in dens if d not in first]
+    shapes = list(args.shapes)
+    tshape = TARGET_SHAPE if TARGET_SHAPE in shapes else shapes[0]
+    lengths = list(args.lengths) + ([LONG_LENGTH] if args.long else [])
+    out, done = [], set()
+
+    def add(case, lens, shape, densities, packed=False):
+        key = (case, tuple(lens), shape, tuple(densities))
+        if densities and key not in done:
+            done.add(key)
+            out.append(dict(case=case, lens=list(lens), shape=shape, densities=densities,
+                            packed=packed))
+
+    single = "single" in args.cases
+    packed_units = [c for c in args.cases if c != "single"]
+    if single:
+        for t in sorted((x for x in lengths if MIX_TOKENS // 4 <= x <= MIX_TOKENS), reverse=True):
+            add("single", [t], tshape, first)
+    for unit in packed_units:
+        for i, lens in enumerate(mixes.get(unit, [])[:args.micro_batches]):
+            add(f"{unit}#{i}", lens, tshape, first, packed=True)
+    for shape in shapes:
+        for t in (lengths if single else []):
+            add("single", [t], shape, first)           # (the ones run above are skipped)
+            add("single", [t], shape, rest_d)
+        for unit in packed_units:
+            for i, lens in enumerate(mixes.get(unit, [])[:args.micro_batches]):
+                if shape != tshape:
+                    add(f"{unit}#{i}", lens, shape, first, packed=True)
+                add(f"{unit}#{i}", lens, shape, rest_d, packed=True)
+    return out
 
 
 def summarize(rows, crossovers):
-    """Target checks of issue 26 from the rows (None where a row is missing)."""
+    """Target checks from the rows at the target shape only (8/2/128; a missing row: no key)."""
     out = {}
+    rows = [r for r in rows if r["shape"] == TARGET_SHAPE]
     single32 = [r for r in rows if r["case"] == "single" and r["tokens"] == 32768
                 and "ratio_vs_dense" in r]
     for d, limit in TARGET_32K.items():
@@ -274,12 +380,21 @@ def main(argv=None) -> int:
     ap.add_argument("--mixes", default=MIXES_PATH, help="packed micro-batches (JSON)")
     ap.add_argument("--micro-batches", type=int, default=2, help="packed micro-batches per mix")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--json", metavar="PATH", help="the table, the summary and provenance, at the end")
+    ap.add_argument("--jsonl", metavar="PATH", help="each row appended as it is measured")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no row later than this many seconds minus a margin")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"one row per backend: one 32K document, {TARGET_SHAPE}, density 0.25")
     ap.add_argument("--make-mixes", metavar="PATH", help="write the packed mixes (CPU) and exit")
     args = ap.parse_args(argv)
     if args.make_mixes:
         make_mixes(args.make_mixes)
         return 0
+    if args.smoke:
+        args.cases, args.lengths, args.shapes, args.densities = \
+            ["single"], [MIX_TOKENS], [TARGET_SHAPE], [0.25]
+        args.long, args.reps = False, min(args.reps, 3)
     try:
         for s in args.shapes:
             parse_shape(s)
@@ -293,28 +408,32 @@ def main(argv=None) -> int:
     for b, why in skipped.items():
         print(f"backend {b} skipped: {why}", file=sys.stderr)
     t0 = time.time()
-    rows = []
-    lengths = list(args.lengths) + ([LONG_LENGTH] if args.long else [])
-    if "single" in args.cases:
-        for shape in args.shapes:
-            for t in lengths:
-                run_case(rows, "single", [t], shape, backends, args.densities, args.reps)
+    clock = Clock(args.deadline_s)
+    log = RowLog(args.jsonl)
+    mixes = {}
+    if any(c != "single" for c in args.cases):
+        with open(args.mixes) as fh:
+            mixes = json.load(fh)["mixes"]
+    cut = False
+    for job in plan_cases(args, mixes):
+        cross = None
+        if job["packed"]:
+            single = [r for r in log.rows if r["case"] == "single"]
+            cross = {(b, d): crossover_of(single, b, job["shape"], d) for b in backends
+                     for d in job["densities"]} if "single" in args.cases else None
+        if not run_case(log, job["case"], job["lens"], job["shape"], backends, job["densities"],
+                        args.reps, cross, clock, routed_only=False):
+            cut = True
+            print(f"deadline: stopped at {job['case']} {job['shape']} after "
+                  f"{time.time() - t0:.0f} s", file=sys.stderr)
+            break
+    rows = log.rows
     single = [r for r in rows if r["case"] == "single"]
     crossovers = {f"{b}|{s}|{d}": crossover_of(single, b, s, d)
                   for b in backends for s in args.shapes for d in args.densities}
-    packed = [c for c in args.cases if c != "single"]
-    if packed:
-        with open(args.mixes) as fh:
-            mixes = json.load(fh)["mixes"]
-        for shape in args.shapes:
-            cross = {(b, d): crossovers[f"{b}|{shape}|{d}"] for b in backends
-                     for d in args.densities} if "single" in args.cases else None
-            for unit in packed:
-                for i, lens in enumerate(mixes[unit][:args.micro_batches]):
-                    run_case(rows, f"{unit}#{i}", lens, shape, backends, args.densities,
-                             args.reps, cross)
     doc = dict(_provenance(), dtype="bfloat16", block_size=128, seconds=time.time() - t0,
-               skipped_backends=skipped, summary=summarize(rows, crossovers), results=rows)
+               cut_by_deadline=cut, skipped_backends=skipped,
+               summary=summarize(rows, crossovers), results=rows)
     print_table(rows, doc["device"])
     print(json.dumps(doc["summary"], indent=1))
     if args.json:

@@ -34,7 +34,12 @@ files, never below 1.0x; no recompiles after warm-up; no host syncs per layer; l
     python scripts/gpu_check.py --out-dir runs/gpu_check          # or: make gpu-check
     python scripts/gpu_check.py --steps bench recompile           # a subset
 
-docs/GPU.md says how to bring the dependencies to a machine without network.
+docs/GPU.md says how to bring the dependencies to a machine without network, and gives the
+device plan (``scripts/gpu_plan.py``: the calls, each with ``--steps``, ``--budget-s`` and
+``--bundle``).
+
+(Longer than 400 lines: each step's runner and its targets sit together, as one device call
+needs them; a helper module would be one more file to carry and import there.)
 """
 
 from __future__ import annotations
@@ -48,14 +53,20 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("env", "tests", "bench", "recompile", "latency", "train")
+STEPS = ("env", "smoke", "bench", "tests", "autotune", "recompile", "latency", "train")
 # reduced Qwen2.5-0.5B: 8 of 24 layers at its 32K tokens; heads, widths, vocabulary and RoPE as
 # the model (fewer layers give the LM head a larger share: the end-to-end ratios understate)
 SHAPE = ["--num-layers", "8", "--hidden-size", "896", "--ffn-hidden-size", "4864",
          "--num-attention-heads", "14", "--num-query-groups", "2", "--kv-channels", "64",
          "--seq-length", "32768"]
-LIMIT_S = {"env": 60, "tests": 240, "bench": 420, "recompile": 180, "latency": 330,
-           "train": 420}
+# per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
+LIMIT_S = {"env": 40, "smoke": 110, "bench": 280, "tests": 170, "autotune": 220,
+           "recompile": 180, "latency": 200, "train": 260}
+GPU_PATH_MODULES = ("sparsebalance_megatron.attention.dense", "sparsebalance_megatron.attention.flex",
+                    "sparsebalance_megatron.attention.sparse_triton",
+                    "sparsebalance_megatron.attention.block_lists",
+                    "sparsebalance_megatron.attention.maxkey_triton",
+                    "sparsebalance_megatron.attention.fa4_cute")
 LONG_DOC_TOKENS = 16384     # the end-to-end data set of long documents: 16K tokens or more
 TRAIN_VARIANTS = {"dense": [], "sb_d0.5": ["--sparse-balance", "--sb-density", "0.5"],
                   "sb_d0.25": ["--sparse-balance", "--sb-density", "0.25"]}
@@ -77,9 +88,17 @@ def _run(cmd, log_path, limit_s, env=None):
 
 
 def step_env(out_dir):
+    """Versions, the device, what imports, and the torch signatures every GPU path calls
+    (``attention/torch_compat.py``); not ok when a GPU path cannot import or a signature lacks
+    a keyword. Runs on CPU too (``make device-stack``)."""
+    import importlib
+
     import torch
     info = {"torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["sm_count"], info["capability"] = p.multi_processor_count, f"{p.major}.{p.minor}"
     for mod in ("triton", "megatron.core", "transformer_engine", "flash_attn",
                 "flash_attn.cute"):
         try:
@@ -87,9 +106,99 @@ def step_env(out_dir):
             info[mod] = getattr(m, "__version__", "importable")
         except Exception as e:   # noqa: BLE001 - any import failure means "not usable"
             info[mod] = f"not importable: {type(e).__name__}"
+    broken = {}
+    for mod in GPU_PATH_MODULES:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:   # noqa: BLE001 - recorded, the step fails
+            broken[mod] = f"{type(e).__name__}: {str(e)[:200]}"
+    from sparsebalance_megatron.attention import torch_compat
+    from sparsebalance_megatron.attention.api import auto_backend, backend_missing
     from sparsebalance_megatron.attention.flex import flash_kernel_missing
-    info["flash_backend"] = flash_kernel_missing("cuda") or "available"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    info.update(gpu_path_import_failures=broken,
+                signature_problems=torch_compat.signature_problems(),
+                varlen_gqa=torch_compat.varlen_gqa_mode()[0],
+                auto_backend=auto_backend(dev)[0],
+                backends={b: backend_missing(b, dev) or "can run"
+                          for b in ("triton", "flex", "flash", "fa4")},
+                flash_backend=flash_kernel_missing("cuda") or "available")
+    info["ok"] = not broken and not info["signature_problems"]
     return info
+
+
+def _bench_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention_gpu", os.path.join(ROOT, "scripts", "bench_attention_gpu.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def rows_of(jsonl):
+    """The rows a bench run wrote as it went (a cut run's too); a torn last line is dropped."""
+    rows = []
+    if os.path.exists(jsonl):
+        for line in open(jsonl):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
+
+
+def step_bench(py, out_dir, work, limit, env, backends, smoke=False):
+    """The kernel table (or the smoke rows): rows to ``out_dir`` as measured, a deadline 20 s
+    under ``limit``; the summary from the rows that finished, even when the run was cut."""
+    name = "smoke" if smoke else "kernel"
+    if not backends:
+        return {"ok": False, "rows": 0, "skipped": "no sparse backend can run here"}
+    jsonl = os.path.join(out_dir, f"{name}_rows.jsonl")
+    path = os.path.join(work, f"{name}_table.json")
+    for f in (jsonl, path):
+        if os.path.exists(f):
+            os.remove(f)     # never stale rows
+    cmd = [py, "scripts/bench_attention_gpu.py", "--jsonl", jsonl, "--json", path,
+           "--deadline-s", str(max(10, limit - 20)), "--backends", *backends]
+    rc, sec, tail = _run(cmd + (["--smoke"] if smoke else []),
+                         os.path.join(work, f"{name}.log"), limit, env)
+    rows = rows_of(jsonl)
+    res = {"ok": rc == 0 and bool(rows), "rc": rc, "seconds": sec, "rows": len(rows),
+           "failed_rows": [f"{r['backend']} {r['case']} d={r['density']}: {r['failed'][:160]}"
+                           for r in rows if "failed" in r][:8]}
+    if smoke:
+        res["ms"] = {f"{r['backend']}": r.get("ours_ms") for r in rows}
+        res["dense_ms"] = rows[0]["dense_ms"] if rows else None
+    else:
+        kt = _bench_module()
+        single = [r for r in rows if r["case"] == "single"]
+        cross = {f"{b}|{s}|{d}": kt.crossover_of(single, b, s, d)
+                 for b in backends for s in {r["shape"] for r in rows}
+                 for d in {r["density"] for r in rows}}
+        res["summary"] = kt.summarize(rows, cross)
+        res["rows_dense_files"] = sorted({r["dense_varlen_ms"] for r in rows
+                                          if r["case"].startswith("file#")
+                                          and r["shape"] == "14/2/64"   # the train step's shape
+                                          and r["dense_varlen_ms"]})
+    if rc != 0:
+        res["tail"] = tail[-1500:]
+    return res
+
+
+def step_autotune(py, work, limit, env):
+    """The Triton kernel's autotune (scripts/autotune_triton.py, written for issue 35), into
+    ``work/autotune``; reported missing when this checkout has no such script."""
+    script = os.path.join(ROOT, "scripts", "autotune_triton.py")
+    if not os.path.exists(script):
+        return {"ok": False, "missing": "scripts/autotune_triton.py is not in this checkout"}
+    rc, sec, tail = _run([py, script, "--out", os.path.join(work, "autotune"),
+                          "--deadline-s", str(max(10, limit - 20))],
+                         os.path.join(work, "autotune.log"), limit, env)
+    res = {"ok": rc == 0, "rc": rc, "seconds": sec}
+    if rc != 0:
+        res["tail"] = tail[-1500:]
+    return res
 
 
 def step_recompile(backend="flex"):
@@ -216,7 +325,7 @@ def step_train(out_dir, table, limit, env, backend):
     res = {"ok": True, "transformer_impl": impl[1], "backend": backend, "runs": {}}
     try:
         prefix, n_long = long_docs_prefix(out_dir)
-        data = {"files": [], "long_docs": ["--data-path", prefix]}
+        data = {"long_docs": ["--data-path", prefix], "files": []}   # the target's data first
         res["long_docs"] = n_long
     except Exception as e:  # noqa: BLE001 - the whole-file runs still go ahead
         data = {"files": []}
@@ -280,11 +389,15 @@ def bench_summary(rows):
             "densities_faster_than_dense": wins}
 
 
-def run_steps(steps, out_dir, deadline, train_backend="auto"):
+def run_steps(steps, out_dir, deadline, train_backend="auto", work=None):
+    """The steps in the given order, each under ``min(LIMIT_S, time left)``; a step with less
+    than 30 s left is skipped. Summary (``gpu_check.json``) and, with ``work`` (``--bundle``),
+    ``bundle.tar.gz`` of everything else, rewritten after each step."""
     results = {}
+    work = work or out_dir
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     py = sys.executable
-    table = os.path.join(out_dir, "latency_gpu.json")
+    table = os.path.join(work, "latency_gpu.json")
     from sparsebalance_megatron.attention.api import backend_missing
     bench_backends = [b for b in ("triton", "fa4", "flex", "flash")
                       if backend_missing(b, "cuda") is None]
@@ -294,10 +407,10 @@ def run_steps(steps, out_dir, deadline, train_backend="auto"):
             results[name] = {"ok": False, "skipped": "out of time"}
             continue
         limit = min(LIMIT_S[name], left)
-        log = os.path.join(out_dir, f"{name}.log")
+        log = os.path.join(work, f"{name}.log")
         res = {}
         if name == "env":
-            res = {"ok": True, **step_env(out_dir)}
+            res = step_env(out_dir)
         elif name == "tests":
             rc, sec, tail = _run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   "tests/gpu"], log, limit, env)
@@ -305,31 +418,18 @@ def run_steps(steps, out_dir, deadline, train_backend="auto"):
                                  tail, re.M)
             res = {"ok": rc == 0, "rc": rc, "seconds": sec,
                    "summary": summary[-1] if summary else tail[-300:]}
-        elif name == "bench":
-            path = os.path.join(out_dir, "kernel_table.json")
-            if os.path.exists(path):
-                os.remove(path)     # rows are read even when a backend failed: never stale ones
-            rc, sec, tail = _run([py, "scripts/bench_attention_gpu.py", "--json", path,
-                                  "--backends", *bench_backends], log, limit, env)
-            res = {"ok": rc == 0, "rc": rc, "seconds": sec}
-            if os.path.exists(path):
-                table = json.load(open(path))
-                res.update(summary=table["summary"], skipped_backends=table["skipped_backends"],
-                           rows_dense_files=sorted({(r["case"], r["dense_varlen_ms"])
-                                                    for r in table["results"]
-                                                    if r["case"].startswith("file#")
-                                                    and r["shape"] == "14/2/64"
-                                                    and r["dense_varlen_ms"]}))
-                res["rows_dense_files"] = [ms for _, ms in res["rows_dense_files"]]
-            if rc != 0:
-                res["tail"] = tail[-1500:]
+        elif name in ("smoke", "bench"):
+            res = step_bench(py, out_dir, work, limit, env, bench_backends,
+                             smoke=name == "smoke")
+        elif name == "autotune":
+            res = step_autotune(py, work, limit, env)
         elif name == "recompile":
             res = {"ok": True}
             for backend in bench_backends:
-                path = os.path.join(out_dir, f"recompile_{backend}.json")
+                path = os.path.join(work, f"recompile_{backend}.json")
                 rc, sec, tail = _run([py, "scripts/gpu_check.py", "--child-recompile", path,
                                       "--child-backend", backend],
-                                     os.path.join(out_dir, f"recompile_{backend}.log"),
+                                     os.path.join(work, f"recompile_{backend}.log"),
                                      min(limit, max(30, deadline - time.time())), env)
                 got = {"ok": rc == 0, "rc": rc, "seconds": sec}
                 got.update(json.load(open(path)) if rc == 0 else {"tail": tail[-1500:]})
@@ -342,11 +442,11 @@ def run_steps(steps, out_dir, deadline, train_backend="auto"):
                                   "--sb-block-size", "128", "--out", table], log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "profile_seconds": sec}
             if rc == 0:
-                ev = os.path.join(out_dir, "latency_eval_gpu.json")
+                ev = os.path.join(work, "latency_eval_gpu.json")
                 limit2 = max(30, min(LIMIT_S[name] - sec, deadline - time.time()))
                 rc, sec2, tail = _run([py, "scripts/eval_latency_model.py", "--table", table,
                                        "--json", ev, "--n", "8"],
-                                      os.path.join(out_dir, "latency_eval.log"), limit2, env)
+                                      os.path.join(work, "latency_eval.log"), limit2, env)
                 res.update(ok=rc == 0, rc=rc, eval_seconds=sec2)
                 if rc == 0:
                     e = json.load(open(ev))
@@ -354,12 +454,29 @@ def run_steps(steps, out_dir, deadline, train_backend="auto"):
             if rc != 0:
                 res["tail"] = tail[-1500:]
         elif name == "train":
-            res = step_train(out_dir, table, limit, env, train_backend)
+            res = step_train(work, table, limit, env, train_backend)
         results[name] = res
         print(f"[gpu_check] {name}: {'ok' if res.get('ok') else 'FAILED'} "
               f"({time.time() - deadline + LIMIT_TOTAL:.0f} s elapsed)", flush=True)
         _write(results, out_dir)
+        if work != out_dir:
+            bundle(work, os.path.join(out_dir, "bundle.tar.gz"))
     return results
+
+
+def bundle(work, path, max_file=8 << 20):
+    """``work``'s files (logs, tables, the autotune's and training's outputs) as one tar.gz:
+    the device returns at most 8 files per call. Files over ``max_file`` (the long-document
+    data set) stay behind."""
+    import tarfile
+    tmp = path + ".part"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for d, _, files in os.walk(work):
+            for f in sorted(files):
+                full = os.path.join(d, f)
+                if os.path.getsize(full) <= max_file:
+                    tar.add(full, arcname=os.path.relpath(full, work))
+    os.replace(tmp, path)
 
 
 LIMIT_TOTAL = 570
@@ -424,6 +541,11 @@ def main(argv=None) -> int:
     ap.add_argument("--train-backend", choices=("auto", "triton", "fa4", "flex", "flash"),
                     default="auto",
                     help="the sparse kernel of the latency and train steps")
+    ap.add_argument("--bundle", action="store_true",
+                    help="keep logs and step outputs in a work folder under /tmp and put them "
+                         "in OUT_DIR/bundle.tar.gz (a device call returns at most 8 files)")
+    ap.add_argument("--plan", action="store_true",
+                    help="print the device plan (scripts/gpu_plan.py) and exit")
     ap.add_argument("--child-recompile", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--child-backend", default="flex", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -431,11 +553,20 @@ def main(argv=None) -> int:
         with open(args.child_recompile, "w") as fh:
             json.dump(step_recompile(args.child_backend), fh, indent=1)
         return 0
+    if args.plan:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        import gpu_plan
+        return gpu_plan.main(["show"])
     os.makedirs(args.out_dir, exist_ok=True)
+    work = None
+    if args.bundle:
+        work = os.path.join("/tmp", "gpu_check_work", os.path.basename(
+            os.path.abspath(args.out_dir)))
+        os.makedirs(work, exist_ok=True)
     global LIMIT_TOTAL
     LIMIT_TOTAL = args.budget_s
     results = run_steps(args.steps, args.out_dir, time.time() + args.budget_s,
-                        args.train_backend)
+                        args.train_backend, work)
     doc = _write(results, args.out_dir)
     print(json.dumps({"device": doc["device"], "targets": doc["targets"],
                       "failed": [k for k, v in results.items() if not v.get("ok")]}, indent=1))

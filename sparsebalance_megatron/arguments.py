@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .config import SparseBalanceConfig, dest_name, flag_name
+from .config import ConfigError, SparseBalanceConfig, dest_name, flag_name
 
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str, "Optional[str]": str}
 
@@ -44,6 +44,17 @@ def config_from_args(args: argparse.Namespace) -> SparseBalanceConfig:
     """Build and validate the config from a namespace parsed with ``add_sparsebalance_args``."""
     values = {f.name: getattr(args, dest_name(f.name)) for f in dataclasses.fields(SparseBalanceConfig)}
     return SparseBalanceConfig(**values)
+
+
+def config_and_problems(args: argparse.Namespace) -> tuple[SparseBalanceConfig, list[str]]:
+    """(config, every bad value of it, one line each): with bad values the config is built
+    unchecked (``SparseBalanceConfig.unchecked``), so that the launch checks can name what else
+    is wrong (the files the flags name) in the same error; it must not be run."""
+    values = {f.name: getattr(args, dest_name(f.name)) for f in dataclasses.fields(SparseBalanceConfig)}
+    try:
+        return SparseBalanceConfig(**values), []
+    except ConfigError as e:
+        return SparseBalanceConfig.unchecked(**values), list(e.problems)
 
 
 def sparsebalance_flags() -> set[str]:

@@ -69,7 +69,12 @@ def dest_name(field_name: str) -> str:
 
 
 class ConfigError(ValueError):
-    """A configuration value is out of its domain; the message names the flag and the value."""
+    """A configuration value is out of its domain; the message names the flag and the value.
+    ``problems``: one entry per bad value (``SparseBalanceConfig.validate`` names them all)."""
+
+    def __init__(self, message: str, problems: Optional[list] = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems else [message]
 
 
 @dataclass
@@ -259,10 +264,12 @@ class SparseBalanceConfig:
         "iteration STEP (1-based); KIND is raise (an exception), hang (the rank stops "
         "answering), kill (the process dies) or exit (the process leaves with os._exit(0)).")
     watchdog_seconds: str = _f(
-        "auto", "Name the hung rank: a rank that has waited this many seconds in a collective "
+        "auto", "Name the hung rank: a rank that has waited this many seconds in one collective "
         "reads every rank's heartbeat (published every few seconds on the job's store) and "
         "names the rank it waits for (stopped, exited, or making no progress outside any "
-        "collective) with its last Python stack, then ends the job. 'auto': the distributed "
+        "collective, evaluation, checkpoint save or load, optimizer step and data loading) with "
+        "its last Python stack, then ends the job; never while a rank saves a checkpoint. "
+        "'auto': the distributed "
         "timeout in effect (--distributed-timeout-minutes, then "
         "--distributed-timeout-seconds-after-init) less 10% (at least 2 s), so the job ends "
         "before a collective would time out; N > 0: after N seconds (less than the timeout); "
@@ -374,19 +381,43 @@ class SparseBalanceConfig:
             return None
         return h if 0.0 <= h <= MAX_RAISE_HEADROOM else None
 
+    @classmethod
+    def unchecked(cls, **values) -> "SparseBalanceConfig":
+        """A config of ``values`` not validated (for naming every problem, ``problems``, of
+        values that may be bad); never run with one."""
+        sb = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            setattr(sb, f.name, values.get(f.name, f.default))
+        return sb
+
     def validate(self) -> None:
+        """``ConfigError`` naming every bad value at once (the first alone hides the others)."""
+        bad = self.problems()
+        if bad:
+            raise ConfigError("; ".join(bad), bad)
+
+    def problems(self) -> list[str]:
+        """Every value out of its domain, one ``--sb-flag=value: expected ...`` line each."""
+        out: list[str] = []
+
         def bad(name, value, expected):
-            raise ConfigError(f"{flag_name(name)}={value!r}: expected {expected}")
+            out.append(f"{flag_name(name)}={value!r}: expected {expected}")
+
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
         for name in ("density", "min_density", "max_density", "mass_threshold",
                      "calibration_ema"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v != v or not (0.0 < v <= 1.0):
                 bad(name, v, "a number in (0, 1]")
-        if self.min_density > self.max_density:
+        # the order of the three only when each is valid (a bad one is named once, above)
+        ranged = all(number(v) and 0.0 < v <= 1.0
+                     for v in (self.min_density, self.density, self.max_density))
+        if ranged and self.min_density > self.max_density:
             bad("min_density", self.min_density,
                 f"<= --sb-max-density ({self.max_density})")
-        if not (self.min_density <= self.density <= self.max_density):
+        elif ranged and not (self.min_density <= self.density <= self.max_density):
             bad("density", self.density,
                 f"a value within [--sb-min-density, --sb-max-density] = "
                 f"[{self.min_density}, {self.max_density}]")
@@ -442,3 +473,4 @@ class SparseBalanceConfig:
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
                 bad(f.name, getattr(self, f.name), "one of " + ", ".join(choices))
+        return out

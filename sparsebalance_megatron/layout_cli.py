@@ -9,7 +9,8 @@ global batches (``experiments.layout_search``), every layout over ``--device-mem
 out. Prints the best static configurations (layout x packing; the best with Megatron's own
 sequential packing too), the best layouts for ``--sparse-balance`` (densities meeting d0 and the
 stage floor), the search's proven lower bound and gap, and the Megatron flags to paste.
-``--json PATH`` writes everything.
+``--json PATH`` writes everything. A search can take minutes: each part prints a line to stderr
+as it starts and ends, with the seconds since the start (``--no-progress``: none).
 
     sparsebalance-layout --analytic --pp 4 --dp 32
     sparsebalance-layout --latency-table lat.json --pp 2 --dp 8 --data-path docs.jsonl
@@ -61,7 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="qwen", help="tokenizer of --data-path / the corpus")
     p.add_argument("--top", type=int, default=5, help="rows printed per search")
     p.add_argument("--json", default=None, help="write every simulated run here")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress lines on stderr (the search's parts as they run)")
     return p
+
+
+def progress_printer(enabled: bool = True, stream=None):
+    """``say(line)``: ``[sparsebalance-layout] 12.3 s: line`` on stderr (seconds since this
+    was made), or nothing when not ``enabled``."""
+    t0 = time.perf_counter()
+
+    def say(line: str) -> None:
+        if enabled:
+            print(f"[sparsebalance-layout] {time.perf_counter() - t0:6.1f} s: {line}",
+                  file=stream or sys.stderr, flush=True)
+
+    return say
 
 
 def read_lengths(path: str) -> np.ndarray:
@@ -152,6 +168,10 @@ def main(argv: Optional[list] = None) -> int:
         parser.error(str(e))
     num_layers = args.num_layers or int(lm.table["model"]["num_layers"])
     seq = args.seq_length or int(lm.table["model"]["seq_length"])
+    say = progress_printer(not args.no_progress)
+    say("reading the document lengths" + (f" of {args.data_path}" if args.data_path else
+                                          f" of {args.lengths}" if args.lengths else
+                                          " of the built-in corpus"))
     try:
         lengths = (read_lengths(args.lengths) if args.lengths else
                    np.asarray(load_corpus(args.data_path, tokenizer=args.tokenizer).lengths,
@@ -165,10 +185,11 @@ def main(argv: Optional[list] = None) -> int:
     try:
         res = best_layouts(lm, lengths, cfg, args.dp, pp=args.pp, num_layers=num_layers,
                            vps=args.vp, device_memory_gib=args.device_memory_gib,
-                           whole_space=not args.count_flags_only)
+                           whole_space=not args.count_flags_only, progress=say)
     except (LayoutError, ValueError) as e:
         print(f"sparsebalance-layout: error: {e}", file=sys.stderr)
         return 2
+    say("done")
     even = res["even_static"]
     base = even.step_time_s if even is not None else res["static"][0].step_time_s
     print(f"{num_layers} layers, pp={args.pp}, vp in {args.vp}, dp={args.dp}, "

@@ -17,7 +17,8 @@ and shared through ``cache``; the per-layer path then reads nothing back from th
   no recompiles across lengths;
 - ``torch``: blockwise PyTorch with autograd (CPU and portable fallback);
 - ``reference``: dense SDPA with the expanded boolean mask (the oracle, O(t^2) memory);
-- ``auto``: flex on CUDA, torch elsewhere.
+- ``auto``: on CUDA the kernel this device's profile measured fastest (flex before any
+  measurement), torch elsewhere (``auto_backend``).
 
 Layouts: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``; query head h
 uses key/value head ``h // (np // ng)``), out ``[t, np, hn]``.
@@ -52,11 +53,48 @@ from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
                         query_block_sums_padded, select_from_shares, shares_from_block_sums)
 
 
+# ``auto``, in one place. On CUDA it is the sparse kernel this device's profile measured fastest:
+# ``megatron/crossover.fastest_backend`` times every kernel that can run (at profiling, and
+# records it in the latency table as ``attention.backend``); whoever measures or loads that pick
+# registers it here (``set_auto_backend``) and every later ``auto`` (the layers, the launch
+# checks, the benchmark, a direct API call) runs it. With no measurement in this process it is
+# AUTO_UNMEASURED, ``flex``: the one sparse kernel verified on a GPU so far (outputs, gradients,
+# graphs and syncs on an H100, docs/GPU.md); ``triton``, ``fa4`` and ``flash`` have not run on
+# one. Off CUDA ``auto`` is ``torch`` (the only sparse kernel that runs there without the
+# Triton interpreter).
+AUTO_UNMEASURED = "flex"
+_AUTO_MEASURED: dict = {}        # device type -> (backend, where the measurement came from)
+
+
+def set_auto_backend(backend: Optional[str], source: str, device="cuda") -> None:
+    """Make ``auto`` on ``device``'s type run ``backend`` (the measured fastest; ``source`` says
+    where it was measured). ``None`` forgets the measurement."""
+    kind = torch.device(device).type
+    if backend is None:
+        _AUTO_MEASURED.pop(kind, None)
+        return
+    _check_choice("backend", backend, tuple(b for b in BACKENDS if b != "auto"))
+    _AUTO_MEASURED[kind] = (backend, source)
+
+
+def auto_backend(device) -> Tuple[str, str]:
+    """(the backend ``auto`` runs on ``device``, why): see AUTO_UNMEASURED above."""
+    kind = torch.device(device).type
+    if kind != "cuda":
+        return "torch", f"not CUDA ({kind}): the blockwise torch kernel"
+    if kind in _AUTO_MEASURED:
+        backend, source = _AUTO_MEASURED[kind]
+        return backend, f"measured fastest on this device ({source})"
+    return AUTO_UNMEASURED, ("no measurement of this device in this process (a latency table "
+                             "profiled here records one): flex, the one sparse kernel verified "
+                             "on a GPU")
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that runs on ``device``: ``auto`` is flex on CUDA, torch elsewhere."""
+    """The backend that runs on ``device``: ``auto`` as ``auto_backend`` says, else ``backend``."""
     _check_choice("backend", backend, BACKENDS)
     if backend == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "torch"
+        return auto_backend(device)[0]
     return backend
 
 

@@ -33,6 +33,11 @@ short last block). Every listed block is *full*: all its keys are visible to eve
 of block ``i``. In FlashAttention-4 / FlexAttention terms the lists are the "full blocks" and
 the diagonal is the single "mask block" of every row and column.
 
+``lists_from_ranking(layout, order, kv_num, shares)`` is the same launch over a ranking (the
+top-k order of the selection's priority): it also writes the selection's ``kv_indices`` and its
+per-row recall, so the fused per-layer call (``sparse_triton_select``) needs no separate
+selection epilogue.
+
 Pure torch + triton; must not import megatron.
 """
 
@@ -74,10 +79,11 @@ class BlockLists:
 
 
 if HAVE_TRITON:
-    @triton.jit(do_not_specialize=["WQ", "WK"])
+    @triton.jit(do_not_specialize=["WQ", "WK", "K"])
     def _lists_kernel(SEL, SEL_NUM, DOC_START, DOC_END, Q_NUM, Q_IDX, KV_NUM, KV_IDX,
-                      s_sel_g, s_sel_i, s_num_g, WQ, WK, KP: tl.constexpr, WP: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      KEPT, SHARES, RECALL, s_sel_g, s_sel_i, s_num_g, WQ, WK, K,
+                      KP: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr,
+                      SELECT: tl.constexpr):
         i = tl.program_id(0)
         g = tl.program_id(1)
         nb = tl.num_programs(0)
@@ -87,6 +93,14 @@ if HAVE_TRITON:
         # forward list of query block i: the blocks of [start, i) its kept slots hold
         n = tl.load(SEL_NUM + g * s_num_g + i).to(tl.int32)
         row = tl.load(SEL + g * s_sel_g + i * s_sel_i + slots, mask=slots < n, other=-1)
+        if SELECT:      # SEL is the ranking: also the selection's kv_indices and its recall
+            all_slots = tl.arange(0, KP * 2)
+            ranked = tl.load(SEL + g * s_sel_g + i * s_sel_i + all_slots,
+                             mask=all_slots < K, other=0)
+            kept = tl.where(all_slots < n, ranked, i)
+            tl.store(KEPT + (g * nb + i) * K + all_slots, kept, mask=all_slots < K)
+            share = tl.load(SHARES + (g * nb + i) * nb + kept, mask=all_slots < n, other=0.0)
+            tl.store(RECALL + g * nb + i, tl.sum(share, 0))
         out = Q_IDX + (g * nb + i) * WQ
         count = i * 0
         for b0 in range(start, i, BLOCK):
@@ -128,10 +142,25 @@ def _doc_span(layout):
 def build_block_lists(selection: BlockSelection) -> BlockLists:
     """The selection's forward and transposed lists (module docstring), built on its device by
     one Triton kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    return _build(selection.layout, selection.kv_indices, selection.kv_num)
+
+
+def lists_from_ranking(layout, order: torch.Tensor, kv_num: torch.Tensor,
+                       shares: torch.Tensor):
+    """The lists of the selection that keeps the first ``kv_num[g, i]`` blocks of each row of
+    ``order`` ``[ng, NB, K]`` (a ranking, slot 0 the diagonal), in the same one launch that
+    writes that selection's ``kv_indices`` (padding slots -> the row's block) and its
+    per-row recall ``[ng, NB]`` float32 (sum of ``shares`` ``[ng, NB, NB]`` (contiguous) over
+    the kept blocks) -> ``(BlockLists, kv_indices, recall_row)``."""
+    ng, nb, k = order.shape
+    kept = torch.empty(ng, nb, k, dtype=order.dtype, device=order.device)
+    recall = torch.empty(ng, nb, dtype=torch.float32, device=order.device)
+    return _build(layout, order, kv_num, (kept, shares, recall)), kept, recall
+
+
+def _build(layout, sel, sel_num, select_out=None) -> BlockLists:
     if not HAVE_TRITON:
         raise RuntimeError("build_block_lists needs triton (pip install triton)")
-    layout = selection.layout
-    sel, sel_num = selection.kv_indices, selection.kv_num
     ng, nb, k = sel.shape
     wq, wk = max(k - 1, 1), max(layout.max_doc_blocks - 1, 1)
     dev = sel.device
@@ -143,7 +172,10 @@ def build_block_lists(selection: BlockSelection) -> BlockLists:
         sel = sel.contiguous()
     kp = triton.next_power_of_2(max(k - 1, 1))
     block = max(16, min(64, _SCAN_ELEMENTS // kp))
+    kept, shares, recall = select_out if select_out is not None else (q_num, q_num, q_num)
     _lists_kernel[(nb, ng)](sel, sel_num, *_doc_span(layout), q_num, q_idx, kv_num, kv_idx,
-                            sel.stride(0), sel.stride(1), sel_num.stride(0), wq, wk,
-                            KP=kp, WP=triton.next_power_of_2(max(wq, wk)), BLOCK=block)
+                            kept, shares, recall, sel.stride(0), sel.stride(1),
+                            sel_num.stride(0), wq, wk, k, KP=kp,
+                            WP=triton.next_power_of_2(max(wq, wk)), BLOCK=block,
+                            SELECT=select_out is not None)
     return BlockLists(q_num, q_idx, kv_num, kv_idx)

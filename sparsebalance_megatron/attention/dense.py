@@ -7,8 +7,9 @@ k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``), causal inside every docu
 
 - ``varlen``: ONE call of ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention's varlen
   kernel over the packed tokens): what a transformer-engine user gets as one fused THD call.
-  It is GQA-aware: ``enable_gqa`` passes K/V with their ``ng`` heads to the flash kernel, which
-  shares each among its query heads, so K/V are not expanded.
+  GQA goes in through whatever this torch release takes (``torch_compat.varlen_attention``:
+  ``enable_gqa`` from torch 2.13; on 2.11 K/V with their ``ng`` heads straight to the flash
+  kernel, which shares each among its query heads; K/V repeated only where a kernel refuses).
 - ``sdpa``: ONE ``scaled_dot_product_attention`` call over the documents padded to the longest
   (``[ndoc, np, Lmax, hn]``, padding on the right, which a causal query never reads), cuDNN
   first, then flash, then memory-efficient. K/V are expanded to ``np`` heads: whether cuDNN
@@ -137,13 +138,9 @@ def causal_per_document(q, k, v, bounds: Sequence[int], softmax_scale: float) ->
 
 
 def _varlen(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
+    from .torch_compat import varlen_attention
 
-    cu, n = docs.cu(), docs.max_len
-    # causal is window_size == (-1, 0), compared as a tuple inside varlen_attn: a list would
-    # silently run non-causal attention
-    return varlen_attn(q, k, v, cu, cu, n, n, scale=scale, window_size=(-1, 0),
-                       enable_gqa=k.shape[1] != q.shape[1])
+    return varlen_attention(q, k, v, docs.cu(), docs.max_len, scale)
 
 
 def _padded_sdpa(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from .block_tables import block_tables
+
 try:
     import triton
     import triton.language as tl
@@ -39,7 +41,7 @@ def usable(keys: torch.Tensor, block_size: int) -> bool:
 
 if HAVE_TRITON:
     @triton.jit
-    def _maxkey_kernel(Q, K, LEN, DOC, OUT, R, REP, NB, scale,
+    def _maxkey_kernel(Q, K, LEN, START, DOC, OUT, R, REP, NB, scale,
                        sq_g, sq_i, sq_j, sk_g, sk_t, so_g, so_r,
                        HN: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,
                        IEEE: tl.constexpr):
@@ -58,7 +60,7 @@ if HAVE_TRITON:
             t = tl.arange(0, BS)
             klen = tl.load(LEN + j)
             key_ok = t < klen
-            k = tl.load(K + g * sk_g + (j * BS + t)[:, None] * sk_t + d[None, :],
+            k = tl.load(K + g * sk_g + (tl.load(START + j) + t)[:, None] * sk_t + d[None, :],
                         mask=key_ok[:, None], other=0.0)
             q = tl.load(Q + g * sq_g + qi[:, None] * sq_i + (rows % REP)[:, None] * sq_j
                         + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -76,17 +78,21 @@ if HAVE_TRITON:
             tl.store(out_ptrs, tl.full([BLOCK_R], float("-inf"), tl.float32), mask=row_ok)
 
 
-def _int32_tables(layout):
-    if "maxkey_i32" not in layout.memo:
-        layout.memo["maxkey_i32"] = (layout.block_len.to(torch.int32),
-                                     layout.block_doc.to(torch.int32))
-    return layout.memo["maxkey_i32"]
+def _int32_tables(layout, padded=True):
+    """(block_len, block_start, block_doc) [NB] int32 (memoised on the layout); block_start in
+    the padded token space (``j * B``) or the micro-batch's own (``padded=False``)."""
+    key = ("maxkey_i32", padded)
+    if key not in layout.memo:
+        lens, start = block_tables(layout, padded)
+        layout.memo[key] = (lens, start, layout.block_doc.to(torch.int32))
+    return layout.memo[key]
 
 
 def maxkey_scores(qsum: torch.Tensor, keys: torch.Tensor, layout,
-                  softmax_scale: float = 1.0) -> torch.Tensor:
+                  softmax_scale: float = 1.0, padded: bool = True) -> torch.Tensor:
     """qsum ``[ng, NB, rep, hn]`` float32 *sums* of each block's queries (any strides, last dim
-    contiguous), keys ``[ng, NB*B, hn]`` (any strides, last dim contiguous) ->
+    contiguous), keys ``[ng, NB*B, hn]`` (any strides, last dim contiguous; ``padded=False``:
+    ``[ng, t, hn]``, the micro-batch's own tokens, e.g. ``k.permute(1, 0, 2)``) ->
     ``softmax_scale * max_key(mean query . key)`` as ``[ng, NB, rep, NB]`` float32 (``-inf``
     for j > i and for key blocks of earlier documents than the row tile)."""
     ng, nb, rep, hn = qsum.shape
@@ -97,9 +103,10 @@ def maxkey_scores(qsum: torch.Tensor, keys: torch.Tensor, layout,
     if qsum.stride(-1) != 1:
         qsum = qsum.contiguous()
     out = torch.empty(ng, nb * rep, nb, dtype=torch.float32, device=qsum.device)
-    lens, docs = _int32_tables(layout)
+    lens, start, docs = _int32_tables(layout, padded)
     grid = (ng, triton.cdiv(nb * rep, _BLOCK_R), nb)
-    _maxkey_kernel[grid](qsum, keys, lens, docs, out, nb * rep, rep, nb, float(softmax_scale),
+    _maxkey_kernel[grid](qsum, keys, lens, start, docs, out, nb * rep, rep, nb,
+                         float(softmax_scale),
                          qsum.stride(0), qsum.stride(1), qsum.stride(2),
                          keys.stride(0), keys.stride(1), out.stride(0), out.stride(1),
                          HN=hn, BS=bs, BLOCK_R=_BLOCK_R, IEEE=ieee)

@@ -1,20 +1,32 @@
 """The Triton kernels of the block-sparse FlashAttention (``sparse_triton`` launches them).
 
-Layout every kernel sees: q/dO/out ``[P, np, hn]``, k/v ``[P, ng, hn]`` contiguous (token,
-head, dim), ``lse``/``delta`` ``[np, P]`` float32, the block lists of ``block_lists`` (int32),
-``BLEN [NB]`` int32 real tokens per block. Query head ``g * REP + r`` belongs to KV group
-``g``. A query block's ``REP`` heads are stacked as the M dimension: row ``m`` of the stacked
-``[REP * BS, hn]`` matrix is head ``m // BS``, token ``m % BS`` of the block; one program takes
-``BLOCK_M`` consecutive rows (several heads when ``BLOCK_M > BS``), so the heads it holds share
-every K/V tile it loads. Rows past ``REP * BS`` are masked.
+Layout every kernel sees: q/dO/out ``[T, np, hn]``, k/v ``[T, ng, hn]`` contiguous (token,
+head, dim) in the caller's own token space: block ``i``'s tokens are rows ``BSTART[i] + t`` for
+``t < BLEN[i]`` (``BSTART``/``BLEN [NB]`` int32). With unpadded tokens a document's blocks
+follow each other from its first token (its last block may be short), so no padded copy of q,
+k, v or the output is ever made: every load and store past a block's real length is masked.
+``PADDED`` (the padded-layout entry point): ``BSTART[i] = i * BS`` and a block's rows past its
+real length are padding slots that get output 0. ``lse``/``delta`` are ``[np, NB * BS]``
+float32, indexed by block and position in the block.
+
+Query head ``g * REP + r`` belongs to KV group ``g``. A query block's ``REP`` heads are stacked
+as the M dimension: row ``m`` of the stacked ``[REP * BS, hn]`` matrix is head ``m // BS``,
+token ``m % BS`` of the block; a program (or loop iteration) takes ``BLOCK_M`` consecutive rows,
+so every K/V tile it holds serves all the heads in its rows. Rows past ``REP * BS`` are masked.
 
 Softmax in float32 in base 2 (``qk_scale = softmax_scale * log2(e)``); ``lse`` is stored in
-natural log. A row that is padding (token past its block's real length) gets output 0 and
-``lse = +inf``, so the backward's ``p = exp(s - lse)`` is 0 there: padding queries contribute
-nothing to dK/dV and get dQ = 0, whatever dO holds.
+natural log. A row that is padding (token past its block's real length) gets ``lse = +inf``, so
+the backward's ``p = exp(s - lse)`` is 0 there: padding queries add nothing to dK/dV and get
+dQ = 0, whatever dO holds.
 
-The per-micro-batch sizes (``NB``, ``P``, list widths) are not specialised on
-(``do_not_specialize``): one compiled kernel per head dim, block size and GQA ratio serves every
+GEMMs per kept (query block, key block) tile, declared in ``GEMMS_PER_TILE`` and counted by a
+test in the kernels' source: forward 2 (S = Q K^T, O += P V); backward 5, in ONE pass over the
+transposed lists (``dkv_kernel``): S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q and
+dQ += dS K, the last added into a float32 dQ accumulator with ``tl.atomic_add`` (why atomics and
+not a reduction buffer: ``work_model``). The former separate dQ pass recomputed S and dP: 7.
+
+The per-micro-batch sizes (``NB``, list widths) are not specialised on (``do_not_specialize``):
+one compiled kernel per head dim, block size, GQA ratio, dtype and launch config serves every
 micro-batch. All index arithmetic is int32 (``sparse_triton`` checks that the token x head x
 dim extents fit). Imported by ``sparse_triton`` only where triton is installed.
 Pure triton; must not import megatron.
@@ -27,30 +39,36 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)   # the kernels' exp2/log2 base change
 
+GEMMS_PER_TILE = {"fwd_kernel": 2, "dkv_kernel": 5}
+"""``tl.dot`` calls per kept tile in each kernel's list loop (``work_model`` prices them)."""
 
-@triton.jit(do_not_specialize=["NB", "P", "WQ"])
-def fwd_kernel(Q, K, V, O, LSE, Q_NUM, Q_IDX, BLEN, NB, P, WQ, qk_scale,
+
+@triton.jit(do_not_specialize=["NB", "WQ"])
+def fwd_kernel(Q, K, V, O, LSE, Q_NUM, Q_IDX, BLEN, BSTART, NB, WQ, qk_scale,
                NP: tl.constexpr, NG: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr,
-               BS: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+               BS: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+               PADDED: tl.constexpr):
     """Grid (m tiles of the stacked rows, ng, NB): output and lse of one tile of query block i
     (the latest blocks first: their lists are the longest)."""
     g = tl.program_id(1)
     i = NB - 1 - tl.program_id(2)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     t = m % BS
-    row_ok = m < REP * BS
     head = g * REP + m // BS
     d = tl.arange(0, HN)
     n = tl.arange(0, BS)
-    q_off = ((i * BS + t) * NP + head)[:, None] * HN + d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-    kv_rows = (n * NG + g)[:, None] * HN + d[None, :]     # block j's tile: + j * BS * NG * HN
+    blen = tl.load(BLEN + i)
+    start_i = tl.load(BSTART + i)
+    real = (m < REP * BS) & (t < blen)
+    q_off = ((start_i + t) * NP + head)[:, None] * HN + d[None, :]
+    q = tl.load(Q + q_off, mask=real[:, None], other=0.0)
+    kv_cols = (n * NG + g)[:, None] * HN + d[None, :]     # block j's tile: + BSTART[j]*NG*HN
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HN], tl.float32)
     entries = Q_IDX + (g * NB + i) * WQ
     for e in range(0, tl.load(Q_NUM + g * NB + i)):       # full blocks: no mask
-        kv_off = tl.load(entries + e) * (BS * NG * HN) + kv_rows
+        kv_off = tl.load(BSTART + tl.load(entries + e)) * (NG * HN) + kv_cols
         k = tl.load(K + kv_off)
         v = tl.load(V + kv_off)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
@@ -61,8 +79,7 @@ def fwd_kernel(Q, K, V, O, LSE, Q_NUM, Q_IDX, BLEN, NB, P, WQ, qk_scale,
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     # the diagonal block: causal, and only its real keys
-    blen = tl.load(BLEN + i)
-    kv_off = i * (BS * NG * HN) + kv_rows
+    kv_off = start_i * (NG * HN) + kv_cols
     k = tl.load(K + kv_off, mask=(n < blen)[:, None], other=0.0)
     v = tl.load(V + kv_off, mask=(n < blen)[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
@@ -72,109 +89,67 @@ def fwd_kernel(Q, K, V, O, LSE, Q_NUM, Q_IDX, BLEN, NB, P, WQ, qk_scale,
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
-    real = row_ok & (t < blen)
-    tl.store(O + q_off, tl.where(real[:, None], acc / l_i[:, None], 0.0).to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    out = tl.where(real[:, None], acc / l_i[:, None], 0.0).to(O.dtype.element_ty)
+    if PADDED:      # the padding slots of the block get 0
+        tl.store(O + q_off, out, mask=(m < REP * BS)[:, None])
+    else:
+        tl.store(O + q_off, out, mask=real[:, None])
     lse = tl.where(real, (m_new + tl.math.log2(l_i)) / LOG2E, float("inf"))
-    tl.store(LSE + head * P + i * BS + t, lse, mask=row_ok)
+    tl.store(LSE + head * (NB * BS) + i * BS + t, lse, mask=m < REP * BS)
 
 
-@triton.jit(do_not_specialize=["T", "P"])
-def delta_kernel(O, DO, DELTA, T, P, NP: tl.constexpr, HN: tl.constexpr,
-                 BLOCK_T: tl.constexpr):
-    """Grid (token tiles, np): delta[h, t] = sum_d dO * O (float32)."""
+@triton.jit(do_not_specialize=["NB"])
+def bwd_pre_kernel(O, DO, DELTA, DQ, DK, DV, BLEN, BSTART, NB, NP: tl.constexpr,
+                   NG: tl.constexpr, HN: tl.constexpr, BS: tl.constexpr,
+                   PADDED: tl.constexpr):
+    """Grid (NB, np): ``delta[h, block i] = rowsum(dO * O)`` (float32), and the float32 dQ
+    (head h) and dK/dV (group h, for h < ng) accumulators zeroed on the block's rows: one
+    launch instead of a delta kernel and three memsets."""
+    i = tl.program_id(0)
     h = tl.program_id(1)
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    ok = tok < T
-    off = (tok * NP + h)[:, None] * HN + tl.arange(0, HN)[None, :]
-    o = tl.load(O + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + off, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(DELTA + h * P + tok, tl.sum(o * do, 1), mask=ok)
-
-
-@triton.jit(do_not_specialize=["NB", "P", "WQ"])
-def dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, Q_NUM, Q_IDX, BLEN, NB, P, WQ, qk_scale, scale,
-              NP: tl.constexpr, NG: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr,
-              BS: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
-    """Grid (m tiles, ng, NB): dQ of one tile of query block i over its forward list and its
-    diagonal."""
-    g = tl.program_id(1)
-    i = NB - 1 - tl.program_id(2)
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = m % BS
-    row_ok = m < REP * BS
-    head = g * REP + m // BS
+    t = tl.arange(0, BS)
     d = tl.arange(0, HN)
-    n = tl.arange(0, BS)
-    q_off = ((i * BS + t) * NP + head)[:, None] * HN + d[None, :]
-    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-    stat = head * P + i * BS + t
-    lse2 = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
-    kv_rows = (n * NG + g)[:, None] * HN + d[None, :]
-    dq = tl.zeros([BLOCK_M, HN], tl.float32)
-    entries = Q_IDX + (g * NB + i) * WQ
-    for e in range(0, tl.load(Q_NUM + g * NB + i)):
-        kv_off = tl.load(entries + e) * (BS * NG * HN) + kv_rows
-        k = tl.load(K + kv_off)
-        v = tl.load(V + kv_off)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     blen = tl.load(BLEN + i)
-    kv_off = i * (BS * NG * HN) + kv_rows
-    k = tl.load(K + kv_off, mask=(n < blen)[:, None], other=0.0)
-    v = tl.load(V + kv_off, mask=(n < blen)[:, None], other=0.0)
-    p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
-    p = tl.where((n[None, :] <= t[:, None]) & (n[None, :] < blen), p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = p * (dp - delta[:, None])
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
-    tl.store(DQ + q_off, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    start_i = tl.load(BSTART + i)
+    real = t < blen
+    rows = (t < BS) if PADDED else real       # the rows block i owns in the token space
+    off = ((start_i + t) * NP + h)[:, None] * HN + d[None, :]
+    o = tl.load(O + off, mask=real[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + off, mask=real[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + h * (NB * BS) + i * BS + t, tl.sum(o * do, 1))
+    zero = tl.zeros([BS, HN], tl.float32)
+    tl.store(DQ + off, zero, mask=rows[:, None])
+    if h < NG:
+        kv_off = ((start_i + t) * NG + h)[:, None] * HN + d[None, :]
+        tl.store(DK + kv_off, zero, mask=rows[:, None])
+        tl.store(DV + kv_off, zero, mask=rows[:, None])
 
 
 @triton.jit
-def _dkv_rows(dk, dv, k, v, Q, DO, LSE, DELTA, i, g, n, kv_len, P, qk_scale,
-              NP: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr, BS: tl.constexpr,
-              BLOCK_M: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr):
-    """Add query block i's contribution (its REP heads' stacked rows, BLOCK_M at a time) to
-    the dK/dV tile of keys ``n`` (``DIAG``: i is the key block itself, causal)."""
-    d = tl.arange(0, HN)
-    for m0 in range(0, REP * BS, BLOCK_M):
-        m = m0 + tl.arange(0, BLOCK_M)
-        t = m % BS
-        row_ok = m < REP * BS
-        head = g * REP + m // BS
-        q_off = ((i * BS + t) * NP + head)[:, None] * HN + d[None, :]
-        q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + q_off, mask=row_ok[:, None], other=0.0)
-        stat = head * P + i * BS + t
-        lse2 = tl.load(LSE + stat, mask=row_ok, other=float("inf")) * LOG2E
-        delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
-        pt = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-                          - lse2[None, :])                      # [keys, rows]
-        if DIAG:
-            pt = tl.where((n[:, None] <= t[None, :]) & (n[:, None] < kv_len), pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-        dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PREC)
-    return dk, dv
+def bwd_post_kernel(DQ_ACC, DK_ACC, DV_ACC, DQ, DK, DV, N_Q, N_KV, BLOCK: tl.constexpr):
+    """Grid (ceil(N_Q / BLOCK)): the float32 accumulators cast to the gradients' dtype (dQ's
+    and dK's softmax scale is already applied), three casts in one launch."""
+    x = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(DQ + x, tl.load(DQ_ACC + x, mask=x < N_Q).to(DQ.dtype.element_ty), mask=x < N_Q)
+    kv = x < N_KV
+    tl.store(DK + x, tl.load(DK_ACC + x, mask=kv).to(DK.dtype.element_ty), mask=kv)
+    tl.store(DV + x, tl.load(DV_ACC + x, mask=kv).to(DV.dtype.element_ty), mask=kv)
 
 
-@triton.jit(do_not_specialize=["NB", "P", "WK", "CHUNK"])
-def dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, NB, P, WK, CHUNK,
-               qk_scale, scale, NP: tl.constexpr, NG: tl.constexpr, REP: tl.constexpr,
-               HN: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit(do_not_specialize=["NB", "WK", "CHUNK"])
+def dkv_kernel(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, BSTART, NB, WK,
+               CHUNK, qk_scale, scale, NP: tl.constexpr, NG: tl.constexpr,
+               REP: tl.constexpr, HN: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_M: tl.constexpr, PREC: tl.constexpr):
-    """Grid (chunks x key sub-tiles, ng, NB): dK/dV of ``BLOCK_N`` keys of key block j from at
-    most ``CHUNK`` entries of its transposed list (chunk c: entries ``[c * CHUNK, (c + 1) *
-    CHUNK)``; chunk 0 also takes the diagonal). A column longer than ``CHUNK`` (the sink) is
-    spread over several programs that add their partial sums atomically into the float32
-    ``DK``/``DV``; a shorter one is stored by its single program."""
+    """Grid (chunks x key sub-tiles, ng, NB): the whole backward of ``BLOCK_N`` keys of key
+    block j (the whole block where registers allow) against at most ``CHUNK`` entries of its
+    transposed list (chunk c: entries ``[c * CHUNK, (c + 1) * CHUNK)``; chunk 0 also takes the
+    diagonal, first), in ONE flattened loop over (entry x row tile of the stacked rows): the
+    software pipeline runs across entries instead of restarting per entry, and Q/dO rows are
+    read once per key tile. dQ of every row tile goes out by float32 atomic adds; dK/dV are
+    stored once at the end (atomically where the column is split over several programs)."""
     NSUB: tl.constexpr = BS // BLOCK_N
+    MT: tl.constexpr = (REP * BS + BLOCK_M - 1) // BLOCK_M     # row tiles per query block
     c = tl.program_id(0) // NSUB
     n = (tl.program_id(0) % NSUB) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1)
@@ -182,23 +157,43 @@ def dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, NB, P, WK,
     num = tl.load(KV_NUM + g * NB + j)
     e0 = c * CHUNK
     if (e0 < num) | (c == 0):
+        d = tl.arange(0, HN)
         kv_len = tl.load(BLEN + j)
-        kv_off = ((j * BS + n) * NG + g)[:, None] * HN + tl.arange(0, HN)[None, :]
-        k = tl.load(K + kv_off, mask=(n < kv_len)[:, None], other=0.0)
-        v = tl.load(V + kv_off, mask=(n < kv_len)[:, None], other=0.0)
+        kv_off = ((tl.load(BSTART + j) + n) * NG + g)[:, None] * HN + d[None, :]
+        key_ok = n < kv_len
+        k = tl.load(K + kv_off, mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + kv_off, mask=key_ok[:, None], other=0.0)
         dk = tl.zeros([BLOCK_N, HN], tl.float32)
         dv = tl.zeros([BLOCK_N, HN], tl.float32)
         entries = KV_IDX + (g * NB + j) * WK
-        for e in range(e0, tl.minimum(num, e0 + CHUNK)):
-            dk, dv = _dkv_rows(dk, dv, k, v, Q, DO, LSE, DELTA, tl.load(entries + e), g, n,
-                               kv_len, P, qk_scale, NP, REP, HN, BS, BLOCK_M, PREC, False)
-        if c == 0:
-            dk, dv = _dkv_rows(dk, dv, k, v, Q, DO, LSE, DELTA, j, g, n, kv_len, P, qk_scale,
-                               NP, REP, HN, BS, BLOCK_M, PREC, True)
+        diag = (c == 0).to(tl.int32)                   # chunk 0: the diagonal is entry -1
+        first = e0 - diag
+        for it in range(0, (tl.minimum(num, e0 + CHUNK) - first) * MT):
+            e = first + it // MT
+            i = tl.where(e < e0, j, tl.load(entries + tl.maximum(e, 0)))
+            m = (it % MT) * BLOCK_M + tl.arange(0, BLOCK_M)
+            t = m % BS
+            head = g * REP + m // BS
+            real = (m < REP * BS) & (t < tl.load(BLEN + i))
+            q_off = ((tl.load(BSTART + i) + t) * NP + head)[:, None] * HN + d[None, :]
+            q = tl.load(Q + q_off, mask=real[:, None], other=0.0)
+            do = tl.load(DO + q_off, mask=real[:, None], other=0.0)
+            stat = head * (NB * BS) + i * BS + t
+            lse2 = tl.load(LSE + stat, mask=real, other=float("inf")) * LOG2E
+            delta = tl.load(DELTA + stat, mask=real, other=0.0)
+            pt = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+                              - lse2[None, :])                   # P^T [keys, rows]
+            pt = tl.where((i != j) | (n[:, None] <= t[None, :]), pt, 0.0)   # causal diagonal
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dst = (pt * (dpt - delta[None, :])).to(q.dtype)      # dS^T
+            dk = tl.dot(dst, q, dk, input_precision=PREC)
+            dq = tl.dot(tl.trans(dst), k, input_precision=PREC)
+            tl.atomic_add(DQ + q_off, dq * scale, mask=real[:, None], sem="relaxed")
         dk = dk * scale
         if num > CHUNK:
-            tl.atomic_add(DK + kv_off, dk, sem="relaxed")
-            tl.atomic_add(DV + kv_off, dv, sem="relaxed")
+            tl.atomic_add(DK + kv_off, dk, mask=key_ok[:, None], sem="relaxed")
+            tl.atomic_add(DV + kv_off, dv, mask=key_ok[:, None], sem="relaxed")
         else:
-            tl.store(DK + kv_off, dk)
-            tl.store(DV + kv_off, dv)
+            tl.store(DK + kv_off, dk, mask=key_ok[:, None])
+            tl.store(DV + kv_off, dv, mask=key_ok[:, None])

@@ -34,10 +34,14 @@ class ReplayError(ValueError):
     """The recorded plans cannot be replayed; the message names the flag and the file."""
 
 
-def plan_record(batch: BatchPlan, first_bin: int, pad_multiple: int) -> dict:
+def plan_record(batch: BatchPlan, first_bin: int, pad_multiple: int,
+                seed: Optional[int] = None) -> dict:
     """The step's packing as one compact JSON-able dict: ``micro_batches[dp][m]`` a flat list
-    ``[doc, start, end, doc, start, end, ...]`` of its segments, plus what shaped them."""
+    ``[doc, start, end, doc, start, end, ...]`` of its segments, plus what shaped them
+    (``seed``: the run's ``--sb-seed``, which draws the documents; a replay is checked against
+    it at launch)."""
     return {"format": PLAN_FORMAT, "first_bin": int(first_bin), "method": batch.method,
+            **({} if seed is None else {"seed": int(seed)}),
             "max_tokens": int(batch.max_tokens), "length_multiple": int(batch.length_multiple),
             "pad_multiple": int(pad_multiple), "split_docs": int(batch.num_split_samples),
             "micro_batches": [[[int(x) for seg in mb for x in seg] for mb in rank]
@@ -105,6 +109,29 @@ class RecordedPlans:
         if not steps:
             raise ReplayError(f"{where}: no step recorded")
         return cls(path, steps)
+
+    def check_run(self, seed: Optional[int], train_iters: Optional[int]) -> list[str]:
+        """What a run of this ``--sb-seed`` and ``--train-iters`` cannot replay, one line each,
+        known at launch: another seed draws other documents (files that record none are not
+        compared), and every step from the file's first to ``train_iters`` must be recorded
+        (a run resumed from a checkpoint may start past the first)."""
+        out = []
+        seeds = sorted({s["seed"] for s in self.steps.values() if s["seed"] is not None})
+        if seed is not None and seeds and seeds != [seed]:
+            out.append(f"{FLAG} {self.path}: recorded with --sb-seed "
+                       f"{'/'.join(map(str, seeds))}, this run has --sb-seed {seed} (another "
+                       f"seed draws other documents): pass --sb-seed {seeds[0]}")
+        if train_iters:
+            first, last = min(self.steps), max(self.steps)
+            missing = [n for n in range(first, train_iters + 1) if n not in self.steps]
+            if missing:
+                gap = f"steps {missing[0]}-{missing[-1]}" if len(missing) > 1 else \
+                    f"step {missing[0]}"
+                held = f"step {first}" if first == last else f"steps {first}-{last}"
+                out.append(f"{FLAG} {self.path}: holds {held}, this run trains --train-iters "
+                           f"{train_iters}: {gap} not recorded; replay at most --train-iters "
+                           f"{missing[0] - 1}")
+        return out
 
     def check_shape(self, want: StepShape, step: Optional[int] = None) -> None:
         """``ReplayError`` naming every setting in which ``want`` differs from the recorded
@@ -176,7 +203,10 @@ def _parse_step(rec: dict, where: str) -> dict:
         shape = StepShape(batch.dp, batch.num_microbatches, batch.max_tokens,
                           int(p["pad_multiple"]), batch.length_multiple,
                           0 if densities is None else int(densities.shape[2]))
+        seed = p.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed {seed!r}: expected an integer")
         return {"shape": shape, "first_bin": int(p["first_bin"]), "batch": batch,
-                "densities": densities}
+                "densities": densities, "seed": seed}
     except (KeyError, TypeError, ValueError) as e:
         raise ReplayError(f"{where}: damaged plan ({type(e).__name__}: {e})") from None

@@ -24,7 +24,7 @@ Pure numpy; must not import torch or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
 from .study import StudyConfig, packing_of, run_study
@@ -101,7 +101,7 @@ def stand_down_config(cfg: StudyConfig, best_static: LayoutChoice) -> StudyConfi
 def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                  num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2),
                  device_memory_gib: Optional[float] = None, whole_space: bool = True,
-                 shortlist: int = 4) -> dict:
+                 shortlist: int = 4, progress: Optional[Callable[[str], None]] = None) -> dict:
     """{"static": [...], "dense": [...], "sparsebalance": [...], "accuracy": [...],
     "even_static": choice, "plain_static": choice, "space": {...}, "excluded_memory": int}.
 
@@ -125,8 +125,12 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     count-flag layouts only (the search before issue 27).
     device_memory_gib: layouts whose fullest rank is estimated over it (``latency.memory``, at
     ``cfg.seq_length`` tokens per micro-batch) are never chosen; ``excluded_memory`` counts them.
+    progress: called with one line as each part of the search starts and ends (a long search
+    is not silent: ``sparsebalance-layout`` prints them to stderr).
     """
     from .layout_space import StepEvaluator, packed_features, search_space
+
+    say = progress or (lambda line: None)
 
     n = int(num_layers or lm.table["model"]["num_layers"])
     vps = [v for v in vps if v == 1 or cfg.microbatches >= pp]
@@ -149,11 +153,16 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                                        ("token_balanced", lm, "token_balanced", cfg.density),
                                        ("sab", lm, "sab", cfg.density),
                                        ("dense", lm.with_routing(1 << 40), "sequential", 1.0)):
+            say(f"packing {cfg.steps} global batches ({packing}) for the {key} layout search")
             ev = StepEvaluator(model, packed_features(model, lengths, cfg, dp, packing), dp,
                                cfg.microbatches, d)
             space[key] = {}
             for vp in vps:
+                say(f"searching the {key} layouts, vp={vp}")
                 res = search_space(ev, n, pp, vp, fits=fits)
+                say(f"searched the {key} layouts, vp={vp}: {res.evaluated} simulated, best "
+                    f"{res.best_s:.3f} s" if res.ranked else
+                    f"searched the {key} layouts, vp={vp}: none fits")
                 space[key][vp] = res
                 for _, lay in res.ranked[:shortlist]:
                     cands.setdefault(lay.layers + (lay.pp,), lay)
@@ -171,10 +180,15 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                           f"fits --device-memory-gib {device_memory_gib}: raise it, or use more "
                           f"pipeline stages or shorter micro-batches")
     kw = dict(pp=pp, num_layers=n, vps=vps, candidates=candidates)
+    c = len(candidates)
+    say(f"simulating {c} layouts x {len(STATIC_VARIANTS)} static packings")
     static = search_layouts(lm, lengths, cfg, dp, variants=STATIC_VARIANTS, **kw)
+    say(f"simulating {c} layouts with dense attention")
     dense = search_layouts(lm, lengths, cfg, dp, variants=(DENSE_VARIANT,), **kw)
     sb_cfg = stand_down_config(cfg, static[0])
+    say(f"simulating {c} layouts with SparseBalance (SAB + DST)")
     sparse = search_layouts(lm, lengths, sb_cfg, dp, variants=(SPARSE_VARIANT,), **kw)
+    say(f"simulating {c} layouts with SparseBalance raising to the static step time")
     acc = search_layouts(lm, lengths, sb_cfg, dp, variants=(ACCURACY_VARIANT,), **kw)
     limit = static[0].step_time_s * (1 + 1e-9)
     acc = [c for c in acc if c.qualifies and c.step_time_s <= limit]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..attention import block_sparse_attention, resolve_backend
-from ..attention.api import backend_missing
+from ..attention.api import backend_missing, set_auto_backend
 from ..attention.dense import dense_varlen_attention, packed_docs, resolve_dense_kernel
 from ..config import SparseBalanceConfig
 from ..latency.crossover import crossover_entries, crossover_lengths, crossover_tokens
@@ -151,6 +151,7 @@ def choose_backend(shape, sb: SparseBalanceConfig, repeats: int, warmup: int):
                              num_groups=shape.num_query_groups, head_dim=shape.head_dim,
                              tokens=shape.seq_length, device="cuda", dtype=torch.bfloat16,
                              repeats=repeats, warmup=max(warmup, 1))
+    set_auto_backend(choice["chosen"], "timed at profiling by crossover.fastest_backend")
     return dataclasses.replace(sb, attention_backend=choice["chosen"]), choice
 
 

@@ -32,8 +32,10 @@ What enters where:
 - resume state: ``args.dataloader_save`` = ``--save``: Megatron's checkpoint calls our iterator's
   ``save_state`` and writes it into the iteration's folder (``state.py``).
 - the watchdog (``watchdog.py``, with the plugin's data path): built by the post-wrap hook, ticked
-  by every forward step, stopped by ``finish``; it names a hung, stopped or departed rank before
-  the distributed timeout (``--sb-watchdog-seconds``).
+  by every forward step, told of evaluation, checkpoint saves and loads, the optimizer step and
+  data loading by Megatron's timers of them (``watchdog_megatron.py``), stopped by ``finish``; it
+  names a hung, stopped or departed rank before the distributed timeout
+  (``--sb-watchdog-seconds``), never while a rank saves a checkpoint.
 With none of the plugin's switches on, ``install`` changes nothing: the run is stock Megatron.
 """
 
@@ -49,7 +51,7 @@ from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from . import comm, compat
 from .launch import LaunchError, check_launch, cpu_parser_defaults
-from .preflight import OneLineParser, check_after_parse, check_config, uses_plugin_data
+from .preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -61,6 +63,7 @@ class _Integration:
     callback = None
     timers = None
     watchdog = None
+    model_built = False   # the post-wrap hook ran: pretrain() built the model install() changed
 
 
 _run = _Integration()
@@ -119,7 +122,7 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
         # The plugin's flags first of all (this runs before Megatron parses anything): one line
         # naming the flag and value, before Megatron's tokenizer or data would trip over it.
         ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-        sb = check_config(config_from_args(ns))
+        sb = checked_config(ns)
     except (ConfigError, LaunchError) as e:
         raise SystemExit(f"error: {e}") from None
     if not uses_plugin_data(sb, packed_data):
@@ -170,7 +173,7 @@ def _install(args, model_cfg, packed_data):
     if plugin_data:
         from .latency_setup import check_given_table
         check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)
-    _run.sb, _run.plugin_data = sb, plugin_data
+    _run.sb, _run.plugin_data, _run.model_built = sb, plugin_data, False
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
     compat.skip_prebuilt_helpers_compile()
@@ -236,6 +239,7 @@ def _on_model_built(model: list) -> list:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
+    _run.model_built = True
     if _run.sb is not None and _run.sb.sparse_attention_enabled:
         from .attention_check import check_sparse_attention
         try:
@@ -254,10 +258,11 @@ def _on_model_built(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
-    from .watchdog import start_for_megatron
+    from .watchdog_megatron import start_for_megatron, watch_megatron_phases
     _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
+    watch_megatron_phases(_run.watchdog)   # evaluation, checkpoints, optimizer, data: progress
     config = get_model_config(model[0])
     inner = config.finalize_model_grads_func or finalize_model_grads
     if not getattr(inner, "_sparsebalance", False):
@@ -300,7 +305,19 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
         if megatron_provider is None:
             raise RuntimeError("hooks.datasets_provider(None) needs the plugin's data path: call "
                                "hooks.install(args, model_cfg, packed_data=True) first")
-        return megatron_provider
+        if _run.sb is None or not _run.sb.sparse_attention_enabled:
+            return megatron_provider
+
+        @functools.wraps(megatron_provider)       # keeps is_distributed and the like
+        def checked(*args, **kwargs):
+            try:
+                _check_model_built()
+            except LaunchError as e:
+                comm.say_error(f"error: {e}")
+                raise SystemExit(1) from None
+            return megatron_provider(*args, **kwargs)
+
+        return checked
 
     def provider(train_val_test_num_samples, vp_stage=None):
         try:
@@ -314,12 +331,28 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
     return provider
 
 
+def _check_model_built() -> None:
+    """Megatron builds the model before the datasets: by then the post-wrap hook that
+    ``install`` added to ``model_cfg`` must have run. A config built again after ``install``
+    (``gpt_config_from_args(args)`` a second time) carries neither the sparse attention nor the
+    hook: training it would run Megatron's attention, and the plugin's data path has no callback
+    (a bare ``AttributeError`` on ``None``)."""
+    if _run.model_built:
+        return
+    raise LaunchError("pretrain() built the model from a config that hooks.install(args, "
+                      "model_cfg) did not change (a config made again after install, e.g. a "
+                      "second gpt_config_from_args(args)): it has Megatron's attention and none "
+                      "of the plugin's hooks; pass pretrain the model_cfg given to install: "
+                      "pretrain(pretrain_cfg_container_from_args(args, model_cfg), ...)")
+
+
 def _datasets(vp_stage):
     """The plugin's train, valid and test iterators (every rank builds its own)."""
     from megatron.core import parallel_state as ps
 
     from .data import EvalIterator
 
+    _check_model_built()
     cb, args = _run.callback, _megatron_args()
     train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
     evals = []
@@ -340,8 +373,8 @@ def finish() -> None:
     interpreter finalization, gloo's worker threads can abort a finished rank ("terminate called
     without an active exception", pytorch#190489; seen here in about one of ten PP x CP runs on
     CPU). Only for a normal end: after an error the other ranks would not reach the barrier.
-    The watchdog watches that barrier (a rank stuck in a final checkpoint is named) and stops
-    before the groups go (its records live on the default group's store)."""
+    The watchdog watches that barrier (a rank that hangs after its final save is named) and
+    stops before the groups go (its records live on the default group's store)."""
     if _run.watchdog is not None:
         comm.barrier()
         _run.watchdog.stop()

@@ -192,7 +192,11 @@ def table_backend(table: dict, sb: SparseBalanceConfig):
     if sb.attention_backend != "auto" or not torch.cuda.is_available() \
             or chosen in (None, "auto", "torch", "reference"):
         return None
-    return chosen if backend_missing(chosen, "cuda") is None else None
+    if backend_missing(chosen, "cuda") is not None:
+        return None
+    from ..attention.api import set_auto_backend
+    set_auto_backend(chosen, "the latency table's profile")     # every later 'auto' runs it
+    return chosen
 
 
 def run_kernels(args, sb: SparseBalanceConfig, table: Optional[dict] = None) -> tuple[str, str]:

@@ -116,12 +116,15 @@ def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool,
 
 def _gpu_kernel(sb: SparseBalanceConfig) -> str:
     """The GPU kernel backend the sparse attention would run ('flex', 'flash', 'triton', 'fa4',
-    or 'flex' for auto on CUDA), or '' when it runs the torch or reference path."""
+    or what ``auto`` resolves to on CUDA), or '' when it runs the torch or reference path."""
     if not sb.sparse_attention_enabled:
         return ""
     if sb.attention_backend in ("flex", "flash", "triton", "fa4"):
         return sb.attention_backend
-    return "flex" if sb.attention_backend == "auto" and torch.cuda.is_available() else ""
+    if sb.attention_backend == "auto" and torch.cuda.is_available():
+        from ..attention.api import resolve_backend
+        return resolve_backend("auto", "cuda")          # one rule: api.auto_backend
+    return ""
 
 
 def _flex(sb: SparseBalanceConfig) -> str:

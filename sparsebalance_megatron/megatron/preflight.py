@@ -27,7 +27,7 @@ import argparse
 import os
 from typing import Optional
 
-from ..arguments import config_from_args
+from ..arguments import config_and_problems
 from ..config import ConfigError, SparseBalanceConfig, flag_name, path_fields
 from .errors import LaunchError
 from .watchdog import watchdog_problems
@@ -190,15 +190,36 @@ def check_config(sb: SparseBalanceConfig) -> SparseBalanceConfig:
     return sb
 
 
+def _values_and_files(args) -> tuple[SparseBalanceConfig, list[str], bool]:
+    """(config, every bad value and every bad file the flags name, whether the values are
+    valid): one refusal names them all, not the first alone."""
+    sb, bad = config_and_problems(args)
+    if not bad:
+        return sb, config_problems(sb), True
+    try:
+        bad += config_problems(sb)   # the files, beside the values (which are named already)
+    except (TypeError, ValueError, AttributeError):
+        pass                         # a check that needs the bad value: the values suffice
+    return sb, bad, False
+
+
+def checked_config(args) -> SparseBalanceConfig:
+    """The config of the parsed ``--sb-*`` flags (``hooks.args_defaults``); one ``LaunchError``
+    naming every bad value and file otherwise."""
+    sb, bad, _ = _values_and_files(args)
+    if bad:
+        raise LaunchError("; ".join(bad))
+    return sb
+
+
 def check_parsed(args, *, packed_data: Optional[bool],
                  attention_dropout_default: Optional[float] = None) -> None:
     """Megatron's namespace as parsed (before ``validate_args``): the plugin's config and files,
     then what needs Megatron's flags. Sets ``args.attention_dropout`` when no flag gave it
     (``hooks.extra_args_provider`` makes its default None): 0 with the plugin's attention, whose
     kernels have no dropout, else ``attention_dropout_default`` (Megatron's)."""
-    sb = config_from_args(args)          # ConfigError: flag and value
+    sb, bad, values_ok = _values_and_files(args)
     plugin_data = uses_plugin_data(sb, packed_data)
-    bad = config_problems(sb)
     bad += watchdog_problems(args, sb)
     if hasattr(args, "attention_dropout"):
         bad += attention_dropout_conflicts(args, sb, plugin_data)
@@ -211,9 +232,10 @@ def check_parsed(args, *, packed_data: Optional[bool],
             bad.append(f"--save {args.save} without --save-interval (Megatron saves every N "
                        f"iterations: add --save-interval N)" if save_interval is None else
                        f"--save-interval {save_interval}: expected an integer >= 1")
-        if not bad:
+        table = flag_name("latency_table")
+        if values_ok and not any(b.startswith(table) for b in bad):
             bad += _table_problems(args, sb)
-    if not bad:
+    if values_ok:
         from .replay import launch_problems
         bad += launch_problems(args, sb)
     if bad:

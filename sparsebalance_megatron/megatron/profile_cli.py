@@ -150,6 +150,14 @@ def main(argv=None) -> int:
                                                       flush=True))
     except PartialProfileBusy as e:
         parser.exit(2, f"error: {e}\n")
+    if not args.no_progress:       # the bar starts after the backend choice and crossover
+        first = [w for w, on in (("the attention backend (auto on CUDA)",
+                                  sb.attention_backend == "auto" and torch.cuda.is_available()),
+                                 ("the dense/sparse crossover", crossover)) if on]
+        print(f"[sparsebalance] profiling {len(mixes)} mixes x {len(densities)} densities x "
+              f"{repeats} repeats per stage kind"
+              + (f"; first measuring {' and '.join(first)}" if first else ""),
+              file=sys.stderr, flush=True)
     table = profile_table(shape, sb, densities=densities, mixes=mixes, repeats=repeats,
                           warmup=warmup, statistic=args.statistic, dense_crossover=crossover,
                           progress=None if args.no_progress else tqdm, partial=partial)

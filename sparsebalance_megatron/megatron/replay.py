@@ -25,8 +25,9 @@ from .errors import LaunchError
 
 
 def launch_problems(args, sb: SparseBalanceConfig) -> list[str]:
-    """What makes the recorded plans unusable by this launch's flags (one entry at most); the
-    file's own problems are ``preflight.config_problems``'."""
+    """What makes the recorded plans unusable by this launch's flags (the seed, the steps
+    --train-iters needs, the shape of the first step), one entry each; the file's own problems
+    are ``preflight.config_problems``'."""
     if not sb.replay_plans:
         return []
     if sb.metrics_file and os.path.abspath(sb.metrics_file) == os.path.abspath(sb.replay_plans):
@@ -53,11 +54,12 @@ def launch_problems(args, sb: SparseBalanceConfig) -> list[str]:
     want = StepShape(dp=dp, num_microbatches=m, max_tokens=seq * mbs if seq else None,
                      pad_multiple=sb.pad_multiple(cp), length_multiple=sb.microbatch_multiple,
                      stages=(None if virtual else pp) if sb.sparse_attention_enabled else 0)
+    out = recorded.check_run(sb.seed, getattr(args, "train_iters", None))
     try:
         recorded.check_shape(want)
     except ReplayError as e:
-        return [str(e)]
-    return []
+        out.append(str(e))
+    return out
 
 
 class PlanReplay:

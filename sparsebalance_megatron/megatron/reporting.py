@@ -13,6 +13,10 @@
 
 Every density figure is weighted by attention work, and documents routed to the dense kernel
 (shorter than the run's routing threshold) count at density 1 in it: they keep every block.
+Two are reported: the planned density (``density``, what the plan asked every unit for) and the
+kept one (``kept``: kept key blocks / causal key blocks, the blocks the attention's selection
+keeps, which can never fall below the sink, local and diagonal blocks every query block keeps;
+on short documents these are most of a document's blocks, so the kept density is higher).
 """
 
 from __future__ import annotations
@@ -46,6 +50,22 @@ def unit_work(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0
             feats.dense_work.reshape(shape) if dense_below_tokens else None)
 
 
+def kept_work(batch, sb: SparseBalanceConfig, densities: np.ndarray,
+              dense_below_tokens: int = 0) -> np.ndarray:
+    """[dp, m, stages] kept block pairs of every unit's documents on the sparse path at the
+    unit's planned density (``densities`` [dp, m, stages]): the count the selection keeps
+    (``latency/work.py``'s kept rule: ``ceil(density x causal blocks)`` per query block, never
+    fewer than its sink, local and diagonal blocks)."""
+    from ..latency.features import UnitFeatures
+
+    feats = UnitFeatures.build(batch.unit_csr(with_padding=True), sb.block_size,
+                               sb.sink_blocks, sb.local_blocks,
+                               dense_below_tokens=dense_below_tokens)
+    d = np.asarray(densities, dtype=np.float64)
+    return np.stack([feats.attention_work(d[:, :, s].reshape(-1)).reshape(d.shape[:2])
+                     for s in range(d.shape[2])], axis=2)
+
+
 def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
     """Positions of the step's documents (tokens and EOD), per-document padding (context
     parallelism) left out; ``doc_positions[d]`` = document d's tokens + 1 (None: count the
@@ -59,14 +79,16 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
 def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
                 overhead_s: float, work: np.ndarray, layers=None, attention_layers=None,
                 doc_positions: Optional[np.ndarray] = None,
-                dense_work: Optional[np.ndarray] = None) -> dict:
+                dense_work: Optional[np.ndarray] = None,
+                kept: Optional[np.ndarray] = None) -> dict:
     """Everything known about a finished step (identical on every rank). Densities are weighted
     by attention layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per
     stage, the run's pipeline layout, None = equal; ``attention_layers`` [pp] those with
     attention, a HybridModel's ``*`` layers, None = all); per stage and per DP rank as well as
     overall; routed documents (``dense_work`` [dp, m], None without routing) count at density 1.
     ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
-    ``positions`` what the step computed (padding included)."""
+    ``positions`` what the step computed (padding included). ``kept`` [dp, m, stages]: kept block
+    pairs at the planned densities (``kept_work``): the kept density beside the planned one."""
     from ..policy.costs import stage_mean_densities, weighted_mean_density
 
     batch = step.batch
@@ -96,6 +118,14 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
                    attention_layers_per_stage=[int(x) for x in att],
                    density_per_rank=[float(x) for x in per_rank],
                    density_per_stage=[float(x) for x in stage_mean_densities(d, w, dw)])
+        if kept is not None:
+            # kept pairs / causal pairs, both over attention layers; routed documents keep all
+            k = np.asarray(kept, dtype=np.float64) * att[None, None, :]
+            num, den = float(k.sum()), float(w.sum())
+            if dw is not None:
+                num, den = num + float(dw.sum()), den + float(dw.sum())
+            if den > 0:
+                rec["kept_density"] = num / den
     if np.isfinite(measured).all():
         busy = measured.sum(axis=1)
         rec.update(rank_busy_s=[float(x) for x in busy],
@@ -135,6 +165,7 @@ def scalars(rec: dict) -> dict:
     put("step_time/predicted_s", rec.get("predicted_step_s"))
     put("step_time/static_s", rec.get("predicted_static_s"))
     put("density/mean", rec.get("mean_density"))
+    put("density/kept", rec.get("kept_density"))
     for s, v in enumerate(rec.get("density_per_stage") or []):
         put(f"density/stage{s}", v)
     for r, v in enumerate(rec.get("density_per_rank") or []):
@@ -154,7 +185,8 @@ def scalars(rec: dict) -> dict:
 
 
 def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
-                 dense_work: Optional[np.ndarray] = None, pad_multiple: int = 1) -> dict:
+                 dense_work: Optional[np.ndarray] = None, pad_multiple: int = 1,
+                 seed: Optional[int] = None) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
     [dp][m][stages], each unit's dense attention work [dp][m] (its weight in density means; with
     routing also ``dense_work``, that of its routed documents, at density 1) and
@@ -162,7 +194,8 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
     stages are the layout's virtual stages. A rank's timer intervals are mapped to units by the
     order it ran them (``units``: forward order; the backward runs the model chunks reversed).
     ``plan``: the step's packing (``batching.replay.plan_record``; documents padded to a
-    multiple of ``pad_multiple``), which with ``densities`` is what ``--sb-replay-plans`` replays."""
+    multiple of ``pad_multiple``; ``seed``: the run's --sb-seed), which with ``densities`` is what
+    ``--sb-replay-plans`` replays."""
     from ..batching.replay import plan_record
 
     m, nv, vp = step.batch.num_microbatches, layout.num_stages, layout.vp
@@ -177,7 +210,7 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
                 bwd[g["dp"]][j][back] = float(g["bwd_s"][k])
     out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
            "microbatch_bwd_s": bwd,
-           "plan": plan_record(step.batch, step.first_bin, pad_multiple)}
+           "plan": plan_record(step.batch, step.first_bin, pad_multiple, seed)}
     if dense_work is not None:
         out["dense_work"] = np.asarray(dense_work).tolist()
     if step.plan is not None:
@@ -213,10 +246,12 @@ class StepReporter:
         ``planned_ahead_s``: CPU seconds the background draft of the next step took
         (--sb-plan-ahead; off the critical path)."""
         work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens)
+        kept = None if step.plan is None else \
+            kept_work(step.batch, self.sb, step.plan.densities, self.dense_below_tokens)
         rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
                           work=work, layers=self.layout.layers,
                           attention_layers=self.layout.attention_layers,
-                          doc_positions=self.doc_positions, dense_work=dense)
+                          doc_positions=self.doc_positions, dense_work=dense, kept=kept)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         self.history.append(rec)
@@ -226,7 +261,8 @@ class StepReporter:
         if self.sb.metrics_file and comm.rank() == 0:
             line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,
                                             layout=self.layout, dense_work=dense,
-                                            pad_multiple=self.pad_multiple))
+                                            pad_multiple=self.pad_multiple,
+                                            seed=self.sb.seed))
             with open(self.sb.metrics_file, "a") as f:
                 f.write(json.dumps(line) + "\n")
         values = scalars(rec)
@@ -271,7 +307,9 @@ class StepReporter:
             parts.append(f"fwd-bwd {mean('step_time/measured_s'):.3f} s")
         if mean("density/mean") is not None:
             stages = [mean(f"density/stage{s}") for s in range(self.stages)]
+            kept = mean("density/kept")
             parts.append(f"density {mean('density/mean'):.3f}"
+                         + (f" kept {kept:.3f}" if kept is not None else "")
                          + (f" (stages {'/'.join(f'{x:.2f}' for x in stages)})"
                             if self.stages > 1 else ""))
         if mean("step_time/predicted_s") is not None:

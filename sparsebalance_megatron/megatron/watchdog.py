@@ -1,46 +1,35 @@
 """Name the hung rank: a heartbeat per rank over the job's store, judged by the ranks left waiting.
 
 A rank that hangs (a stuck kernel, a sleep, SIGSTOP) or leaves early (``os._exit``) leaves its
-peers waiting in a collective until the distributed timeout; torchrun then names a peer that timed
-out, and a stopped process takes another 30 s of SIGTERM grace. Here every rank runs a daemon
-thread that publishes, every ``interval_s``, a small record on the torch.distributed store (a
-``PrefixStore`` of the default one, ``comm.watchdog_store``): a sequence number (the thread is
-alive), the main thread's progress (how long since its last progress point: a micro-batch's
-forward step), whether the main thread is waiting in communication, and the main thread's last
-Python stack. A rank that has itself waited in communication for ``threshold_s`` reads its peers'
-records and names the culprit:
+peers waiting in a collective until the distributed timeout, and torchrun then names a peer. Here
+every rank runs a daemon thread that publishes, every ``interval_s``, a record on the job's store
+(``comm.watchdog_store``): a sequence number (the thread is alive), how long since the main
+thread's last progress point (a micro-batch's forward step, entering or leaving a progress
+phase), the progress phases it is in (evaluation, checkpoint save or load, optimizer step, data
+loading: ``watchdog_megatron`` marks them through Megatron's timers), whether it waits in
+communication and how long in the current collective, and its last Python stack.
+``watchdog_judgement`` decides (pure functions): a rank acts only after ``threshold_s`` in ONE
+collective, names only a peer that is itself not progressing (exited, frozen, or stalled outside
+every collective and progress phase), and never while any rank is inside a checkpoint save.
 
-- a peer whose process is gone, or that left before the job ended (an exit mark), is *exited*;
-- a peer whose record stopped changing for ``stale_s`` (or, on this host, whose process is in the
-  stopped state) is *stopped*: SIGSTOP, or a process frozen in the interpreter;
-- a peer whose thread runs but whose main thread has made no progress for ``threshold_s / 2``
-  while not waiting in communication is *stalled* (a sleep, an endless loop, a stuck device).
-  Peers that wait in communication are victims and never blamed; a stalled peer is not blamed
-  either when an exited or stopped one explains the wait.
+One rank (the first to claim the verdict key) prints one block: the rank, its coordinates,
+iteration and phase, the age of its record, its last Python stack. Then the job is ended before
+the user's timeout: a stalled rank ends itself (its thread reads the verdict, prints its stack,
+exits with ``HUNG_EXIT_CODE``); a stopped rank on this host gets SIGKILL; otherwise (gone, or
+stopped on another host) the reporting rank ends itself. A rank that raises because a peer left
+(its collective fails at once) prints the same block from ``sys.excepthook``. A rank that ends
+because of a peer leaves torchrun an error file naming the culprit, so torchrun's "Root Cause"
+names it even when the culprit left with ``os._exit(0)``, which torchrun does not count a failure.
 
-One rank (the first to claim the verdict key) prints one block: the rank, its coordinates, its
-iteration and phase, the age of its heartbeat and progress, its last Python stack. Then the job is
-ended so that it stops before the user's timeout: a stalled rank ends itself (its own thread reads
-the verdict, prints its current stack and exits with ``HUNG_EXIT_CODE``); a stopped rank on this
-host is sent SIGKILL; otherwise (a rank gone, or stopped on another host) the reporting rank ends
-itself. torchrun's summary then names the culprit as the first failure whenever it could be ended.
-
-A rank that raises (the peers' collectives fail at once when a process exits) prints the same
-block from ``sys.excepthook`` when an exited or stopped peer explains its error.
-
-``threshold_s`` defaults to the distributed timeout in effect (``--distributed-timeout-minutes``,
-then ``--distributed-timeout-seconds-after-init`` from the second step) less a margin, so the
-watchdog acts before the timeout would. Watching starts at the first progress point (a training or
-evaluation micro-batch): start-up, profiling and checkpoint loading before it are never judged.
-Limits: a rank stopped on another host cannot be sent SIGKILL from here (its node's torchrun
-still gives it 30 s of SIGTERM grace after the reporting rank ends); the records live on the
-job's store, which torchrun's agent serves: under a launcher whose store lives in rank 0's process,
-a stopped rank 0 also freezes the store and nothing is named.
-Healthy runs print nothing and read no peer record (a rank only reads them once it has waited
-``threshold_s / 2``). Imports neither megatron nor torch at module level: the store, the clock,
-the stack source and the process probes are injected (unit tests drive them by hand).
+``threshold_s`` defaults to the distributed timeout in effect less a margin: a wait that long in
+one collective would end the job at the timeout anyway. Watching starts at the first forward step.
+Limits: a hang inside a progress phase is left to the distributed timeout; a rank stopped on
+another host cannot be sent SIGKILL from here; under a launcher whose store lives in rank 0's
+process a stopped rank 0 freezes the store. With NCCL a rank blocks at a device synchronisation,
+not in the collective's Python frame, so it rarely counts as waiting and the watchdog rarely acts
+(the safe side). Healthy runs print nothing and read no peer record. Imports neither megatron nor
+torch: the store, clocks, stack source and process probes are injected (unit tests drive them).
 """
-
 from __future__ import annotations
 
 import json
@@ -51,8 +40,13 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Callable, Optional
+
+from .watchdog_judgement import (ContinuousWait, WatchdogTiming, classify, culprits, saving,
+                                 should_act, torchrun_error, watchdog_problems)
+
+__all__ = ["HUNG_EXIT_CODE", "Watchdog", "WatchdogTiming", "waiting_in_communication",
+           "watchdog_problems"]
 
 HUNG_EXIT_CODE = 3          # a rank named as stalled ends itself with this code
 STACK_FRAMES = 16           # frames of the main thread's stack kept in a record
@@ -62,31 +56,6 @@ STACK_FRAMES = 16           # frames of the main thread's stack kept in a record
 COMM_PATHS = ("/torch/distributed/", "/megatron/core/pipeline_parallel/p2p_communication.py",
               "/megatron/core/distributed/", "/sparsebalance_megatron/megatron/comm.py")
 PREFIX = "[sparsebalance] watchdog:"
-
-
-@dataclass(frozen=True)
-class WatchdogTiming:
-    """When a waiting rank judges its peers, and how often records are published."""
-
-    threshold_s: float
-    """A rank that has waited in communication this long reads its peers and names the culprit."""
-    interval_s: float
-    """Heartbeat period."""
-    stale_s: float
-    """A record unchanged this long means its thread no longer runs (stopped or gone)."""
-
-    @classmethod
-    def for_threshold(cls, threshold_s: float) -> "WatchdogTiming":
-        interval = min(2.0, max(0.2, threshold_s / 15.0))
-        return cls(threshold_s=float(threshold_s), interval_s=interval, stale_s=4.0 * interval)
-
-    @classmethod
-    def for_timeout(cls, timeout_s: float) -> "WatchdogTiming":
-        """The automatic setting: act a margin before the distributed timeout (10%, at least 2 s
-        and three heartbeats), so the job ends before a collective would time out."""
-        interval = min(2.0, max(0.2, timeout_s / 30.0))
-        margin = max(2.0, 3.0 * interval, 0.1 * timeout_s)
-        return cls.for_threshold(max(1.0, timeout_s - margin))
 
 
 def waiting_in_communication(frame) -> bool:
@@ -134,7 +103,7 @@ def process_state(pid: int) -> Optional[str]:
 
 class Watchdog:
     """One rank's heartbeat thread and judge. ``tick`` is called by the main thread at every
-    progress point; ``stop`` at a normal end."""
+    progress point, ``enter``/``leave`` around every progress phase; ``stop`` at a normal end."""
 
     def __init__(self, store, rank: int, world_size: int, timing: Callable[[], WatchdogTiming], *,
                  coords: Optional[dict] = None, clock: Callable[[], float] = time.monotonic,
@@ -150,8 +119,10 @@ class Watchdog:
         self.proc_state, self.kill, self.exit = proc_state, kill, exit
         self.pid, self.host = pid or os.getpid(), host or socket.gethostname()
         self.progress, self.iteration, self.phase = 0, None, "starting"
+        self.busy: list = []              # the progress phases the main thread is in
         self.state = "running"           # running | finished | exited | failed
         self._last_tick = clock()
+        self._wait = ContinuousWait()
         self._seq = 0
         self._seen: dict[int, tuple] = {}   # peer -> (seq, local time the seq last changed)
         self._reported = False
@@ -174,6 +145,21 @@ class Watchdog:
         if self._thread is None and self.state == "running":
             self.start()
 
+    def enter(self, phase: str) -> None:
+        """The main thread starts a progress phase (``PHASES``): a progress point, and while it
+        lasts this rank is never named as stalled; while it is a checkpoint save no rank acts."""
+        self.busy = self.busy + [phase]     # a new list: the thread reads it without a lock
+        self.progress += 1
+        self.phase, self._last_tick = phase, self.clock()
+
+    def leave(self, phase: str) -> None:
+        busy = list(self.busy)
+        if phase in busy:
+            del busy[len(busy) - 1 - busy[::-1].index(phase)]
+        self.busy = busy
+        self.progress += 1
+        self.phase, self._last_tick = f"after {phase}", self.clock()
+
     def start(self) -> None:
         import atexit
 
@@ -190,6 +176,7 @@ class Watchdog:
         self._halt.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
+        self._wait.clear()
         self.state = "finished"
         self.publish()
         if self._prev_excepthook is not None and sys.excepthook == self._excepthook:
@@ -211,12 +198,18 @@ class Watchdog:
         self.phase = f"{self.phase} ({etype.__name__})"
         self.publish()
         try:
-            culprits = [c for c in self._judge(self.timing(), failing=True) if c[0] != "stalled"]
+            found = [c for c in self._judge(self.timing(), failing=True) if c[0] != "stalled"]
+            named = self._read("verdict") is not None
         except Exception:   # the store went away with the job: nothing more to say
             return
-        if culprits and self._claim():
+        if not found:
+            return
+        if not named:   # else the rank the verdict named is torchrun's root cause
+            self._tell_torchrun(found, f"failed ({etype.__name__}: {value}) when it lost that "
+                                "rank")
+        if self._claim():
             self._say(f"rank {self.rank} failed ({etype.__name__}) while its peers were lost:")
-            self._report(culprits, me="failed")
+            self._report(found, me="failed")
 
     # --- the thread -----------------------------------------------------------------------------
 
@@ -232,41 +225,48 @@ class Watchdog:
                 return
 
     def poll(self) -> None:
-        """One heartbeat: publish this rank's record; if the main thread has waited in
-        communication for ``threshold_s / 2``, read the verdict and the peers, and act."""
+        """One heartbeat: publish this rank's record; once the main thread has waited
+        ``threshold_s / 2`` in one collective, read the verdict and the peers, and act at
+        ``threshold_s``. A rank that could be named (no progress for ``threshold_s / 2``, not
+        waiting, in no progress phase) reads the verdict, to end itself if it is named."""
         t = self.timing()
         frame = self.main_frame()
         waiting = waiting_in_communication(frame)
-        self.publish(frame, waiting)
-        stall = self.clock() - self._last_tick
-        if self.state != "running" or stall < t.threshold_s / 2:
+        wait_s = self._wait.observe(frame, waiting, self.progress, self.clock())
+        self.publish(frame, waiting, wait_s)
+        if self.state != "running":
+            return
+        suspect = not waiting and not self.busy and \
+            self.clock() - self._last_tick >= t.threshold_s / 2
+        if wait_s < t.threshold_s / 2 and not suspect:
             return
         verdict = self._read("verdict")
         if verdict is not None:
-            self._obey(verdict, t, stall)
-        if not waiting or stall < t.threshold_s:
-            self._judge(t)   # keep the peers' heartbeat ages current
+            self._obey(verdict, t)
+        if wait_s < t.threshold_s / 2:
             return
-        culprits = self._judge(t)
-        if culprits and not self._reported and self._claim():
-            self._say(f"rank {self.rank} has made no progress for {stall:.1f} s and waits in "
-                      f"communication (threshold {t.threshold_s:g} s); the "
-                      f"rank{'s' if len(culprits) > 1 else ''} it waits for:")
-            self._report(culprits)
-            self._end(culprits)
+        found = self._judge(t)   # also keeps the peers' heartbeat ages current
+        records = [self._record] + list(self._peers.values())
+        if self._reported or not should_act(wait_s, found, records, t):
+            return
+        if self._claim():
+            self._say(f"rank {self.rank} has waited {wait_s:.1f} s in one collective (threshold "
+                      f"{t.threshold_s:g} s); the rank{'s' if len(found) > 1 else ''} it waits "
+                      "for:")
+            self._report(found)
+            self._end(found)
 
-    def publish(self, frame=None, waiting: Optional[bool] = None) -> None:
+    def publish(self, frame=None, waiting: Optional[bool] = None, wait_s: float = 0.0) -> None:
         self._seq += 1
         if frame is None and self.state == "running" and self._thread is not None:
             frame = self.main_frame()
         stack = _format_stack(frame, STACK_FRAMES)
-        rec = dict(rank=self.rank, pid=self.pid, host=self.host, coords=self.coords,
-                   seq=self._seq, wall=self.wall(), state=self.state, progress=self.progress,
-                   iteration=self.iteration, phase=self.phase,
-                   stall_s=round(self.clock() - self._last_tick, 2),
-                   waiting=bool(waiting) if waiting is not None else
-                   waiting_in_communication(frame), where=_where(frame),
-                   stack="".join(stack))
+        rec = self._record = dict(
+            rank=self.rank, pid=self.pid, host=self.host, coords=self.coords, seq=self._seq,
+            wall=self.wall(), state=self.state, progress=self.progress, iteration=self.iteration,
+            phase=self.phase, busy=list(self.busy), stall_s=round(self.clock() - self._last_tick, 2),
+            waiting=bool(waiting) if waiting is not None else waiting_in_communication(frame),
+            wait_s=round(wait_s, 2), where=_where(frame), stack="".join(stack))
         self.store.set(f"hb/{self.rank}", json.dumps(rec))
 
     # --- judging --------------------------------------------------------------------------------
@@ -277,17 +277,16 @@ class Watchdog:
         return json.loads(self.store.get(key))
 
     def _judge(self, t: WatchdogTiming, failing: bool = False) -> list:
-        """[(kind, why, record)] for the peers that explain the wait, exited and stopped ones
-        first (a stalled one is named only when nothing else explains it)."""
+        """[(kind, why, record)] for the peers that explain the wait (``culprits``)."""
         now = self.clock()
-        hard, stalled = [], []
+        judged = []
         self._peers = {}
         for peer in range(self.world_size):
             if peer == self.rank:
                 continue
             rec = self._peers[peer] = self._read(f"hb/{peer}")
-            if rec is None or rec["state"] in ("finished", "failed"):
-                continue   # not started watching, done, or raised (torchrun names that one)
+            if rec is None:
+                continue
             seq, since = self._seen.get(peer, (None, now))
             if rec["seq"] != seq:
                 since = now
@@ -296,32 +295,17 @@ class Watchdog:
             if failing:   # no history yet: the record's own wall time tells its age
                 age = max(age, self.wall() - rec["wall"])
             local = rec["host"] == self.host
-            pstate = self.proc_state(rec["pid"]) if local else "?"
-            if rec["state"] == "exited":
-                hard.append(("exited", f"left the job before its end (process {rec['pid']} on "
-                                       f"{rec['host']} exited)", rec))
-            elif local and pstate in (None, "Z"):
-                hard.append(("exited", f"its process {rec['pid']} on {rec['host']} is gone "
-                                       "(killed, or os._exit) before the job's end", rec))
-            elif local and pstate in ("T", "t"):
-                hard.append(("stopped", f"its process {rec['pid']} on {rec['host']} is stopped "
-                                        f"(SIGSTOP or a debugger); heartbeat {age:.1f} s old", rec))
-            elif age >= t.stale_s:
-                hard.append(("stopped", f"its heartbeat stopped {age:.1f} s ago (process "
-                                        f"{rec['pid']} on {rec['host']} frozen or gone)", rec))
-            elif not rec["waiting"] and rec["stall_s"] >= t.threshold_s / 2:
-                stalled.append(("stalled", f"its heartbeat runs but its main thread has made no "
-                                           f"progress for {rec['stall_s']:.1f} s, outside any "
-                                           "communication", rec))
-        return hard or stalled
+            judged.append((rec, classify(rec, age_s=age, local=local, t=t,
+                                         pstate=self.proc_state(rec["pid"]) if local else "?")))
+        return culprits(judged)
 
     def _claim(self) -> bool:
         """The first rank to call this reports (one block per job)."""
         self._reported = True
         return self.store.add("claim", 1) == 1
 
-    def _report(self, culprits: list, me: str = "waits") -> None:
-        for kind, why, rec in culprits:
+    def _report(self, found: list, me: str = "waits") -> None:
+        for kind, why, rec in found:
             where = ", ".join(f"{k} {v}" for k, v in rec["coords"].items())
             it = "" if rec["iteration"] is None else f"iteration {rec['iteration'] + 1}, "
             verb = "has exited" if kind == "exited" else f"is {kind}"
@@ -330,22 +314,22 @@ class Watchdog:
                       f"'{rec['phase']}'")
             self._say(f"rank {rec['rank']}'s last Python stack (main thread):")
             self._say(rec["stack"].rstrip() or "  (none recorded)", raw=True)
-        named = {r["rank"] for _, _, r in culprits}
+        named = {r["rank"] for _, _, r in found}
         others = [f"rank {p} " + ("(no record)" if r is None else r["state"]
                                   if r["state"] != "running" else
                                   f"{'waits' if r['waiting'] else 'runs'} in {r['where']}")
                   for p, r in sorted(self._peers.items()) if p not in named]
         self._say(f"the other ranks: rank {self.rank} (this one) {me}; " + "; ".join(others))
         self.store.set("verdict", json.dumps(dict(by=self.rank, ranks=[
-            dict(rank=r["rank"], kind=k) for k, _, r in culprits])))
+            dict(rank=r["rank"], kind=k) for k, _, r in found])))
 
-    def _end(self, culprits: list) -> None:
+    def _end(self, found: list) -> None:
         """End the job before the timeout: a stalled rank ends itself (``_obey``), a stopped one
         on this host gets SIGKILL; when none of them can be ended (gone, or stopped on another
         host) this rank ends itself."""
         self._verdict_at = self.clock()
         ending = False
-        for kind, _, rec in culprits:
+        for kind, _, rec in found:
             if kind == "stalled":
                 ending = True
             elif kind == "stopped" and rec["host"] == self.host:
@@ -357,9 +341,10 @@ class Watchdog:
                 except ProcessLookupError:
                     pass
         if not ending:
-            self._end_self(", ".join(str(r["rank"]) for _, _, r in culprits))
+            self._tell_torchrun(found, "ended itself so that the job stops (exit code 1)")
+            self._end_self(", ".join(str(r["rank"]) for _, _, r in found))
 
-    def _obey(self, verdict: dict, t: WatchdogTiming, stall: float) -> None:
+    def _obey(self, verdict: dict, t: WatchdogTiming) -> None:
         named = {v["rank"]: v["kind"] for v in verdict["ranks"]}
         if named.get(self.rank) == "stalled":
             frame = self.main_frame()
@@ -373,7 +358,8 @@ class Watchdog:
             return
         if self._verdict_at is None:
             self._verdict_at = self.clock()
-        if self.clock() - self._verdict_at >= max(5.0, 3 * t.interval_s):
+        if self.clock() - self._verdict_at >= max(5.0, 3 * t.interval_s) and \
+                saving([self._record] + list(self._peers.values())) is None:
             # The named rank was not ended (it should have been by now): end this one, so that
             # torchrun tears the job down before the timeout.
             self._end_self(", ".join(map(str, named)))
@@ -383,6 +369,18 @@ class Watchdog:
                   "continue (exit code 1)")
         self._flush()
         self.exit(1)
+
+    def _tell_torchrun(self, found: list, how: str) -> None:
+        """Leave torchrun's error file (``TORCHELASTIC_ERROR_FILE``, set for each worker) naming
+        the culprit, so that its summary's root cause names it (``torchrun_error``)."""
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if not path:
+            return
+        try:
+            with open(path, "w") as f:
+                json.dump(torchrun_error(found, self.rank, how, self.wall()), f)
+        except OSError:
+            pass
 
     # --- output ---------------------------------------------------------------------------------
 
@@ -396,56 +394,3 @@ class Watchdog:
                 f and f.flush()
             except Exception:
                 pass
-
-
-# --- Megatron ------------------------------------------------------------------------------------
-
-def distributed_timeouts_s(args) -> tuple[float, Optional[float]]:
-    """(the timeout of Megatron's process groups at start-up, the one after the first step or
-    None): ``--distributed-timeout-minutes``, ``--distributed-timeout-seconds-after-init``."""
-    after = getattr(args, "distributed_timeout_seconds_after_init", None)
-    return 60.0 * float(args.distributed_timeout_minutes), None if after is None else float(after)
-
-
-def watchdog_problems(args, sb) -> list[str]:
-    """A fixed ``--sb-watchdog-seconds`` must act before a collective times out: a line naming the
-    first timeout it does not fit in (``preflight.check_parsed`` refuses the launch with it)."""
-    w = sb.watchdog_seconds_value
-    if not w or getattr(args, "distributed_timeout_minutes", None) is None:
-        return []
-    init, after = distributed_timeouts_s(args)
-    return [f"--sb-watchdog-seconds={sb.watchdog_seconds}: expected fewer seconds than the "
-            f"distributed timeout ({timeout:g} s, {flag}): the collectives would time out before "
-            "the watchdog names the hung rank; lower it, or use 'auto'"
-            for timeout, flag in ((init, "--distributed-timeout-minutes"),
-                                  (after, "--distributed-timeout-seconds-after-init"))
-            if timeout is not None and w >= timeout][:1]
-
-
-def start_for_megatron(args, sb) -> Optional[Watchdog]:
-    """This rank's watchdog (None with ``--sb-watchdog-seconds 0``), once Megatron's process
-    groups exist; its thread starts at the first ``tick``."""
-    from megatron.core import parallel_state as ps
-
-    from . import comm
-
-    w = sb.watchdog_seconds_value
-    if w == 0 or not comm.is_initialized():
-        return None
-    init, after = distributed_timeouts_s(args)
-    coords = dict(dp=ps.get_data_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
-                  tp=ps.get_tensor_model_parallel_rank(), cp=ps.get_context_parallel_rank())
-    fixed = WatchdogTiming.for_threshold(w) if w else None
-    at_init = fixed or WatchdogTiming.for_timeout(init)
-    later = fixed or (WatchdogTiming.for_timeout(after) if after is not None else at_init)
-    first: list = []
-
-    def timing() -> WatchdogTiming:
-        # Megatron shortens the groups' timeout after the first step of this run.
-        it = wd.iteration
-        if it is not None and not first:
-            first.append(it)
-        return later if it is not None and it > first[0] else at_init
-
-    wd = Watchdog(comm.watchdog_store(), comm.rank(), comm.world_size(), timing, coords=coords)
-    return wd

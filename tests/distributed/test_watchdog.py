@@ -134,13 +134,23 @@ def test_a_rank_that_exits_early_is_named(tmp_path):
     assert rc != 0 and after is not None, out[-3000:]
     assert _named(out, "has exited: its process"), out[-3000:]
     assert named < THRESHOLD_S + 10 and after < CHEAP_BOUND_S, (named, after)
+    # torchrun's summary: os._exit(0) is no failure to it, so its root cause is the peer, whose
+    # error file names rank 1
+    root = out.split("Root Cause (first observed failure):")[1]
+    assert "the root cause is not rank 0: rank 1 has exited" in root, root
 
 
-@pytest.mark.slow   # the normal suite's healthy Megatron runs check it (test_megatron_loop.py)
-def test_a_healthy_run_prints_nothing(tmp_path):
-    out, rc, _, _ = _worker(tmp_path, "none")
-    assert rc == 0, out[-3000:]
-    assert out.count(" done") == 2 and "watchdog" not in out
+@pytest.mark.reliability(area="watchdog (healthy)", case="a slow stage (three waits of 0.4 T "
+                         "between progress points), evaluation steps of 0.6 T and a checkpoint "
+                         "save of 1.5 T, threshold T = 4 s (`torchrun --nproc_per_node=3 "
+                         "tests/distributed/watchdog_worker.py healthy 4 DIR`)",
+                         expect="nothing named, every rank finishes, the checkpoint is complete")
+def test_a_slow_but_healthy_run_is_never_ended(tmp_path):
+    out, rc, _, _ = _launch(3, WORKER, ["healthy", THRESHOLD_S, tmp_path], tmp_path, "no such line",
+                            limit_s=240)
+    assert rc == 0 and out.count(" done") == 3, out[-3000:]
+    assert "watchdog:" not in out, out[-3000:]
+    assert (tmp_path / "ckpt.bin").stat().st_size == 1024 * 10
 
 
 # --- the full form: Megatron's loop, the user's timeout -------------------------------------------
@@ -197,3 +207,28 @@ def test_megatron_exited_rank_named_within_the_timeout(tmp_path, small_jsonl):
     assert rc != 0 and after is not None, out[-3000:]
     assert "watchdog: rank 1 (dp 1, pp 0, tp 0, cp 0) has exited" in out, out[-3000:]
     assert after < BOUND_S, after
+
+
+MEGATRON_WORKER = Path(__file__).with_name("watchdog_megatron_entry.py")
+
+
+@pytest.mark.slow   # the cheap form: test_a_slow_but_healthy_run_is_never_ended
+@pytest.mark.reliability(area="watchdog (healthy)", case="Megatron's loop at PP=2, --sb-watchdog-"
+                         "seconds 4: the last stage 1.6 s per training forward, 2.4 s per "
+                         "evaluation forward, a 6 s checkpoint save on rank 0 "
+                         "(tests/distributed/watchdog_megatron_entry.py 6 2.4 1.6)",
+                         expect="nothing named, the run finishes, its checkpoint is complete")
+def test_megatron_slow_save_evaluation_and_stage_are_not_ended(tmp_path, small_jsonl):
+    threshold = 4
+    args = [0.0 + 1.5 * threshold, 0.6 * threshold, 0.4 * threshold, *TINY_MODEL,
+            "--num-layers", "2", "--sb-sparse-attention", "--sb-block-size", "32",
+            "--sb-tokenizer", "byte", "--global-batch-size", "2", "--train-iters", "2",
+            "--eval-interval", "2", "--eval-iters", "1", "--pipeline-model-parallel-size", "2",
+            "--sb-watchdog-seconds", str(threshold), "--distributed-timeout-minutes", "5",
+            "--data-path", small_jsonl, "--save", tmp_path / "ckpt", "--save-interval", "100"]
+    out, rc, _, _ = _launch(2, MEGATRON_WORKER, args, tmp_path, "no such line", limit_s=600)
+    assert rc == 0, out[-4000:]
+    assert "rank 0 sleeps 6 s in its checkpoint save" in out and "validation loss" in out
+    assert "watchdog:" not in out, out[-4000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+

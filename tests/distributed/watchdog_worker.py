@@ -4,6 +4,14 @@ all-reduces one number per step on gloo; at step 10 rank 1 prints its pid and th
 (``stop``: the test sends it SIGSTOP; ``none``: a healthy run). ``argv[2]``: the watchdog's
 threshold in seconds. The process groups' timeout is 300 s: only the watchdog ends the job early.
 
+``healthy DIR``: a healthy run shaped like the ones the watchdog once killed (issue 34), each
+delay injected, in units of the threshold T: a slow last stage (rank 2 computes 0.4 T before each
+of three all-reduces per forward step: the others wait 1.2 T between their progress points, in
+three collectives), three evaluation steps of 0.6 T on rank 1 inside Megatron's 'evaluate' timer,
+and a checkpoint save inside its 'save-checkpoint' timer in which rank 0 writes ``DIR/ckpt.bin``
+for 1.5 T while the others wait in the save's barrier. The timers are the watchdog's
+``PhaseTimers`` around a stand-in for Megatron's ``Timers`` (start/stop with a barrier).
+
     torchrun --standalone --nproc_per_node=3 tests/distributed/watchdog_worker.py sleep 4
 """
 
@@ -13,18 +21,64 @@ import datetime
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from sparsebalance_megatron.megatron import comm
 from sparsebalance_megatron.megatron.watchdog import Watchdog, WatchdogTiming
+from sparsebalance_megatron.megatron.watchdog_megatron import PhaseTimers
 
 STEPS = {"none": 60, "sleep": 3000, "exit": 3000, "stop": 3000}
+CKPT_CHUNKS = 10
 
 
 def _hang_here():
     while True:
         time.sleep(3600)
+
+
+class _Timer:
+    """Megatron's timer as the phases see it: start and stop may hold a barrier."""
+
+    def start(self, barrier=False):
+        if barrier:
+            comm.barrier()
+
+    def stop(self, barrier=False):
+        if barrier:
+            comm.barrier()
+
+
+def _healthy(wd: Watchdog, rank: int, threshold: float, out: Path) -> None:
+    timers = PhaseTimers(lambda name, log_level=None: _Timer(), wd)
+    x = torch.ones(1)
+    for step in range(2):                       # a slow last stage
+        wd.tick(step, f"forward step, iteration {step + 1}")
+        for _ in range(3):
+            if rank == 2:
+                time.sleep(0.4 * threshold)
+            comm.all_reduce_sum_(x, None)
+    timers("evaluate").start(barrier=True)      # slow evaluation forwards
+    for _ in range(3):
+        wd.tick(None, "evaluation")
+        if rank == 1:
+            time.sleep(0.6 * threshold)
+        comm.all_reduce_sum_(x, None)
+    timers("evaluate").stop()
+    timers("save-checkpoint").start(barrier=False)   # a slow save, as save_checkpoint_and_time
+    if rank == 0:
+        part = out / "ckpt.bin.partial"
+        with open(part, "wb") as f:
+            for _ in range(CKPT_CHUNKS):
+                f.write(b"\0" * 1024)
+                f.flush()
+                time.sleep(1.5 * threshold / CKPT_CHUNKS)
+        part.rename(out / "ckpt.bin")
+    comm.barrier()                              # Megatron's save ends in collectives too
+    timers("save-checkpoint").stop(barrier=False)
+    wd.tick(2, "forward step, iteration 3")
+    comm.all_reduce_sum_(x, None)
 
 
 def main() -> None:
@@ -34,7 +88,9 @@ def main() -> None:
     timing = WatchdogTiming.for_threshold(threshold)
     wd = Watchdog(comm.watchdog_store(), rank, world, lambda: timing, coords=dict(dp=rank))
     x = torch.ones(1)
-    for step in range(STEPS[fault]):
+    if fault == "healthy":
+        _healthy(wd, rank, threshold, Path(sys.argv[3]))
+    for step in range(STEPS.get(fault, 0)):
         wd.tick(step, f"step {step + 1}")
         if rank == 1 and step == 10:
             print(f"rank 1 pid {os.getpid()} at step 10", flush=True)

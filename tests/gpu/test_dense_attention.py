@@ -55,3 +55,22 @@ def test_routed_attention_equals_density_one_on_short_documents_in_bf16():
     want = _run(lambda a, b, c: block_sparse_attention(a, b, c, CU, dens, **kw)[0], q, k, v, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert (a - b).abs().max().item() <= 3e-2 * max(b.abs().max().item(), 1.0), name
+
+
+@pytest.mark.parametrize("mode", ["native", "repeat"])
+def test_varlen_gqa_by_either_path_equals_the_loop_in_bf16(monkeypatch, mode):
+    """torch 2.11's varlen_attn has no enable_gqa: K/V reach FlashAttention-2 with their own heads
+    (native) or repeated (where a kernel refuses); both equal the per-document loop."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from sparsebalance_megatron.attention import torch_compat
+    if mode == "native" and torch_compat.varlen_gqa_mode(varlen_attn)[0] == "enable_gqa":
+        pytest.skip("this torch takes enable_gqa: the native path is not used")
+    monkeypatch.setitem(torch_compat._VARLEN_MODE, varlen_attn, (mode, "forced by a test"))
+    q, k, v, w = _inputs(8, 2, 128)
+    docs = packed_docs(CU, CU[-1], "cuda")
+    got = _run(lambda a, b, c: dense_varlen_attention(a, b, c, docs, 0.1, kernel="varlen"),
+               q, k, v, w)
+    want = _run(lambda a, b, c: causal_per_document(a, b, c, CU, 0.1), q, k, v, w)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert (a - b).abs().max().item() <= 3e-2 * max(b.abs().max().item(), 1.0), (mode, name)

@@ -1,6 +1,7 @@
 """The Triton block-sparse FlashAttention (backend ``triton``) on CUDA: output and gradients
 against the dense reference on the same selection (bf16 at block 128, head dims 64 and 128;
-float32 tightly), the sink column split over several dK/dV programs, no host sync per layer."""
+float32 tightly), the sink column split over several dK/dV programs, no host sync per layer;
+the fused per-layer call on unpadded tokens (``sparse_triton_select``) the same way in bf16."""
 
 import pytest
 import torch
@@ -70,6 +71,47 @@ def test_triton_per_layer_path_syncs_nothing():
     torch.cuda.set_sync_debug_mode("error")
     try:
         out, _ = block_sparse_attention(*x, cu, 0.3, **kw)
+        (out * w).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype,nh,ng,hn,cu,density", [
+    (torch.bfloat16, 8, 2, 128, [0, 1000, 1001, 2500, 4096], 0.3),     # packed, short blocks
+    (torch.bfloat16, 8, 2, 128, [0, 8192], 0.25),                      # a split sink column
+])
+def test_unpadded_fused_call_matches_reference_and_syncs_nothing(dtype, nh, ng, hn, cu,
+                                                                 density):
+    """``sparse_triton_select.triton_block_sparse``: the per-layer call on the unpadded tokens
+    (7 launches fwd, 3 bwd; the 5-GEMM backward) in bf16 against the reference on its own
+    selection, and its second call makes no host sync."""
+    from sparsebalance_megatron.attention import build_layout
+    from sparsebalance_megatron.attention.blocks import check_density
+    from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
+    t = cu[-1]
+    q, k, v, w = _inputs(t, nh, ng, hn, dtype, seed=2)
+    lay = build_layout(cu, t, 128, "cuda")
+    dens, host = check_density(density, lay.num_docs, "cuda")
+    kw = dict(estimator="maxkey", softmax_scale=hn ** -0.5, sink_blocks=1, local_blocks=1,
+              selection_mode="density", mass_threshold=0.9, min_density=0.125,
+              max_density=1.0)
+    sel = {}
+
+    def fused(q, k, v):
+        out, sel["s"] = triton_block_sparse(q, k, v, lay, dens, density_host=host, **kw)
+        return out
+
+    got = _grads(fused, (q, k, v), w)
+    ref = lambda q, k, v: reference_attention(q, k, v, sel["s"], hn ** -0.5)  # noqa: E731
+    exact = _grads(ref, (q, k, v), w, torch.float32)
+    low = _grads(ref, (q, k, v), w)
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        assert _rel(a, b) <= max(2 * _rel(c, b), 1e-2), (name, _rel(a, b), _rel(c, b))
+    x = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fused(*x)
         (out * w).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -92,3 +92,77 @@ def test_bad_arguments_name_the_argument_and_value(kw, needle):
         dense_varlen_attention(q, k, v, args.pop("cu_seqlens"), **args)
     with pytest.raises(ValueError, match="cu_seqlens ends at 50"):
         dense_varlen_attention(q, k, v, packed_docs([0, 50], 50, "cpu"))
+
+
+# --- varlen_attn through its signature (attention/torch_compat.py) -----------------------------
+
+def _fake_varlen(gqa):
+    """A CPU stand-in for torch's ``varlen_attn`` (the exact loop inside): ``gqa`` is
+    ``"enable_gqa"`` (torch 2.13's signature: refuses unequal heads without the flag),
+    ``"native"`` (torch 2.11's: no flag, the kernel shares K/V heads) or ``"refuse"`` (no flag,
+    the kernel refuses unequal heads). Records the head counts it was given."""
+    from sparsebalance_megatron.attention.dense import causal_per_document
+    seen = []
+
+    def run(q, k, v, cu, max_len, scale, window_size, enable_gqa=False):
+        assert window_size == (-1, 0), window_size         # causal, as a tuple
+        seen.append((q.shape[1], k.shape[1]))
+        if k.shape[1] != q.shape[1] and (gqa == "refuse" or gqa == "enable_gqa"
+                                         and not enable_gqa):
+            raise RuntimeError(f"expected equal heads, got Hq={q.shape[1]} Hkv={k.shape[1]}")
+        return causal_per_document(q, k, v, cu.tolist(), scale)
+
+    if gqa == "enable_gqa":
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+                        return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False):
+            return run(query, key, value, cu_seq_q, max_q, scale, window_size, enable_gqa)
+    else:
+        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
+                        return_aux=None, scale=None, window_size=(-1, -1)):
+            return run(query, key, value, cu_seq_q, max_q, scale, window_size)
+    varlen_attn.seen = seen
+    return varlen_attn
+
+
+@pytest.mark.parametrize("gqa,want_mode,kv_heads_seen", [
+    ("enable_gqa", "enable_gqa", 2), ("native", "native", 2), ("refuse", "repeat", 4)])
+def test_varlen_gqa_follows_the_signature_and_equals_the_reference(monkeypatch, gqa, want_mode,
+                                                                   kv_heads_seen):
+    """torch 2.11's varlen_attn has no enable_gqa (passing it is a TypeError): K/V then reach
+    the kernel with their own heads, or repeated where the kernel refuses; the result is the
+    exact GQA attention, outputs and gradients, in each case."""
+    import torch.nn.attention.varlen as varlen_mod
+
+    from sparsebalance_megatron.attention import torch_compat
+    from sparsebalance_megatron.attention.dense import _varlen
+    fake = _fake_varlen(gqa)
+    monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
+    q, k, v = _qkv(dtype=torch.float64)
+    w = torch.randn(90, 4, 8, dtype=torch.float64)
+    out = _varlen(q, k, v, packed_docs(CU, 90, "cpu"), 0.3)
+    assert torch_compat.varlen_gqa_mode(fake)[0] == want_mode
+    assert fake.seen[-1] == (4, kv_heads_seen)
+    torch.testing.assert_close(out, masked_reference(q, k, v, CU, 0.3))
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((masked_reference(q, k, v, CU, 0.3) * w).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    n = len(fake.seen)
+    _varlen(q, k, v, packed_docs(CU, 90, "cpu"), 0.3)        # decided once: one call now
+    assert len(fake.seen) == n + 1
+
+
+def test_torch_signatures_of_the_gpu_paths_are_checked():
+    """Every GPU path's torch call has the keywords it passes in this torch (make device-stack
+    runs this under the device's torch 2.11), and a missing one is named."""
+    import torch.nn.functional as F
+
+    from sparsebalance_megatron.attention import torch_compat
+    assert torch_compat.signature_problems() == []
+    assert "enable_gqa" in torch_compat.parameter_names(F.scaled_dot_product_attention)
+    probs = torch_compat.signature_problems((
+        ("torch.nn.attention.varlen:varlen_attn", ("enable_gqa_typo",), "a test"),
+        ("torch.nn.attention:no_such_api", (), "a test"),
+        ("torch:repeat_interleave", (("nope", "output_size"),), "a test")))
+    assert len(probs) == 2 and "no keyword enable_gqa_typo" in probs[0] \
+        and "no_such_api" in probs[1]

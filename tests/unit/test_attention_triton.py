@@ -30,18 +30,18 @@ def _inputs(nh, ng, hn, seed, dtype=torch.float32):
     return q, k, v, torch.randn(t, nh, hn, generator=g, dtype=dtype)
 
 
-def _selection(q, k, density, fixed_length=False, **budget):
+def _selection(q, k, density, fixed_length=False, bs=BS, **budget):
     """A selection over a layout built here (``fixed_length``: a padded tail past the blocks)."""
     from sparsebalance_megatron.attention import build_layout
     from sparsebalance_megatron.attention.blocks import check_density
     from sparsebalance_megatron.attention.kernels import to_blocks_kv, to_blocks_q
     from sparsebalance_megatron.attention.selection import select_blocks
-    lay = build_layout(CU, CU[-1], BS, "cpu", fixed_length=fixed_length)
-    t = lay.num_blocks * BS
+    lay = build_layout(CU, CU[-1], bs, "cpu", fixed_length=fixed_length)
+    t = lay.num_blocks * bs
     dens, host = check_density(torch.tensor(density) if isinstance(density, list) else density,
                                lay.num_docs, "cpu")
-    return select_blocks(to_blocks_q(lay.pad(q)[:t], k.shape[1], BS),
-                         to_blocks_kv(lay.pad(k)[:t], BS), lay, dens, estimator="pooled",
+    return select_blocks(to_blocks_q(lay.pad(q)[:t], k.shape[1], bs),
+                         to_blocks_kv(lay.pad(k)[:t], bs), lay, dens, estimator="pooled",
                          density_host=host, **budget)
 
 
@@ -93,15 +93,21 @@ def check_lists(density, sink_blocks, local_blocks, selection_mode):
 
 
 def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mode="density",
-                    kv_chunk=None, seed=0, dtype="float32", tol=1e-4):
+                    kv_chunk=None, seed=0, dtype="float32", tol=1e-4, tokens=False,
+                    config=None, bs=BS):
     """Output and dq, dk, dv against the float64 reference on the same selection and inputs
     (max error relative to the largest entry below ``tol``). ``kv_chunk`` None: through
-    ``block_sparse_attention`` (backend triton); else the padded kernel on a fixed-length
-    layout (a padded tail) with that chunk length."""
+    ``block_sparse_attention`` (backend triton); else with that chunk length the padded kernel
+    on a fixed-length layout (a padded tail), or (``tokens``) the kernel on the unpadded
+    tokens. ``config``: LaunchConfig fields overriding the defaults (other tiles, sub-tiles)."""
+    from dataclasses import replace
+
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.attention.block_lists import build_block_lists
     from sparsebalance_megatron.attention.kernels import reference_attention
-    from sparsebalance_megatron.attention.sparse_triton import sparse_attention_padded
+    from sparsebalance_megatron.attention.sparse_triton import (sparse_attention,
+                                                                sparse_attention_padded)
+    from sparsebalance_megatron.attention.triton_launch import default_config
     q, k, v, w = _inputs(nh, ng, hn, seed, getattr(torch, dtype))
     scale = 0.7 / hn ** 0.5
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
@@ -112,13 +118,18 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
             density, list) else density, block_size=BS, backend="triton", estimator="pooled",
             softmax_scale=scale, **budget)
     else:
-        sel = _selection(q, k, density, fixed_length=True, **budget)
+        sel = _selection(q, k, density, fixed_length=not tokens, bs=bs, **budget)
         lay = sel.layout
-        assert lay.padded_blocks > lay.num_blocks
-        out_pad = sparse_attention_padded(*(lay.pad(t) for t in x), build_block_lists(sel),
-                                          lay, scale, kv_chunk=kv_chunk)
-        assert bool((out_pad[lay.num_blocks * BS:] == 0).all())
-        out = lay.unpad(out_pad)
+        cfg = replace(default_config(hn, bs, nh // ng), **(config or {}))
+        if tokens:      # the micro-batch's own tokens: no padded copy in or out
+            out = sparse_attention(*x, build_block_lists(sel), lay, scale, kv_chunk=kv_chunk,
+                                   config=cfg)
+        else:
+            assert lay.padded_blocks > lay.num_blocks
+            out_pad = sparse_attention_padded(*(lay.pad(t) for t in x), build_block_lists(sel),
+                                              lay, scale, kv_chunk=kv_chunk, config=cfg)
+            assert bool((out_pad[lay.num_blocks * bs:] == 0).all())
+            out = lay.unpad(out_pad)
     grads = torch.autograd.grad((out * w).sum(), x)
     x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
     ref = reference_attention(*x64, sel, scale)
@@ -161,7 +172,11 @@ def check_broken_lists_fail():
 
 def check_refusals_and_fake_op():
     """Why it cannot run, by name; the custom op's fake implementation gives the shapes."""
+    from dataclasses import astuple
+
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sparsebalance_megatron.attention.triton_launch import default_config
 
     from sparsebalance_megatron.attention import block_sparse_attention
     from sparsebalance_megatron.attention import sparse_triton
@@ -178,14 +193,36 @@ def check_refusals_and_fake_op():
         else:
             raise AssertionError(f"{needle}: not refused")
     assert sparse_triton.usable(q, BS) and not sparse_triton.usable(q, 8)
+    # the unpadded entry takes the micro-batch's own tokens; a bad launch config is named
+    from dataclasses import replace
+
+    from sparsebalance_megatron.attention.block_lists import build_block_lists
+    sel = _selection(q, k, 0.5)
+    lists, lay = build_block_lists(sel), sel.layout
+    for call, needle in (
+            (lambda: sparse_triton.sparse_attention(lay.pad(q), lay.pad(k), lay.pad(v), lists,
+                                                    lay, 0.25),
+             f"q has {lay.padded_tokens} tokens: expected the layout's {CU[-1]}"),
+            (lambda: sparse_triton.sparse_attention(q, k, v, lists, lay, 0.25, config=replace(
+                default_config(16, BS, 2), bwd_block_n=32)),
+             "bwd_block_n=32: expected a power of two >= 16 dividing the block size 16")):
+        try:
+            call()
+        except ValueError as e:
+            assert needle in str(e), str(e)
+        else:
+            raise AssertionError(f"{needle}: not refused")
     with FakeTensorMode():
         t, nh, hn = 64, 4, 16
         fq, fk = torch.empty(t, nh, hn), torch.empty(t, 2, hn)
-        ints = torch.empty(2, 4, dtype=torch.int32)
-        idx = torch.empty(2, 4, 3, dtype=torch.int32)
+        ints = torch.empty(2, 5, dtype=torch.int32)
+        idx = torch.empty(2, 5, 3, dtype=torch.int32)
+        blk = torch.empty(5, dtype=torch.int32)
+        cfg = list(astuple(default_config(hn, BS, 2)))
         out, lse = torch.ops.sparsebalance.sparse_attn_fwd(
-            fq, fk, fk, ints, idx, ints, idx, torch.empty(4, dtype=torch.int32), BS, 0.25, 16)
-        assert out.shape == (t, nh, hn) and lse.shape == (nh, t) and lse.dtype == torch.float32
+            fq, fk, fk, ints, idx, ints, idx, blk, blk, BS, 0.25, False, cfg)
+        # lse over the 5 blocks' slots, out in the tokens' own space
+        assert out.shape == (t, nh, hn) and lse.shape == (nh, 5 * BS) and lse.dtype == torch.float32
 
 
 def check_no_host_syncs_per_layer():
@@ -232,7 +269,20 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     # mishandles bfloat16 operands in triton 3.7)
     dict(nh=4, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, dtype="float16",
          tol=3e-3),
-], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api"])
+    # the unpadded token space (short last blocks read and written in place, no padded copy),
+    # GQA 7, the sink column split (atomic dK/dV and dQ from several programs), row tiles of
+    # 32 stacked rows spanning two heads
+    dict(nh=7, ng=1, hn=16, density=0.5, sink_blocks=1, local_blocks=1, kv_chunk=2,
+         tokens=True, config=dict(bwd_block_m=32, fwd_block_m=32)),
+    # the unpadded token space in half precision, GQA 3, row tiles of one head each
+    dict(nh=6, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, dtype="float16",
+         tol=3e-3, kv_chunk=4, tokens=True, config=dict(bwd_block_m=16, fwd_block_m=16)),
+    # block 32 with dK/dV in two key sub-tiles of 16 per block (each adds its own dQ share),
+    # the padded space and its tail, 64-row tiles over two heads
+    dict(nh=4, ng=2, hn=16, density=0.5, sink_blocks=1, local_blocks=0, kv_chunk=2, bs=32,
+         config=dict(bwd_block_n=16, bwd_block_m=64)),
+], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api", "tokens-rep7",
+        "tokens-fp16-rep3", "block32-key-subtiles"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
 
@@ -245,6 +295,9 @@ def test_a_wrong_list_is_caught(interp):
     interp("check_broken_lists_fail")
 
 
+@pytest.mark.reliability(area="attention", case="the triton kernels given tokens of another "
+                         "layout, or a launch config they cannot take", expect="ValueError "
+                         "naming the value and what was expected, before any launch")
 def test_refusals_name_the_value_and_the_op_has_a_fake(interp):
     interp("check_refusals_and_fake_op")
 
@@ -257,3 +310,166 @@ def test_backend_without_cuda_or_interpreter_says_why():
     with pytest.raises(ValueError, match=r"backend='triton': it needs a CUDA device \(q is on "
                                          r"cpu; TRITON_INTERPRET=1 runs it"):
         block_sparse_attention(q, k, v, CU, 0.5, block_size=BS, backend="triton")
+
+
+def _loop_dots(fn):
+    """``tl.dot`` calls inside the ``for`` loops of a function's AST, and in all of it."""
+    import ast
+    def dots(node):
+        return sum(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                   and c.func.attr == "dot" for c in ast.walk(node))
+    loops = [n for n in ast.walk(fn) if isinstance(n, ast.For)]
+    return sum(dots(loop) for loop in loops), dots(fn)
+
+
+def test_kernels_do_the_gemms_the_work_model_counts():
+    """The backward is one pass of 5 GEMMs per kept tile (dQ inside the dK/dV loop), the
+    forward 2: counted in the kernels' source, as the kernel module declares and the work model
+    prices them. No other backward kernel has a GEMM (no second pass recomputing S and dP)."""
+    import ast
+
+    from sparsebalance_megatron.attention import work_model
+    src = Path(__file__).parents[2] / "sparsebalance_megatron/attention/sparse_triton_kernels.py"
+    tree = ast.parse(src.read_text())
+    fns = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    declared = ast.literal_eval(next(
+        n.value for n in tree.body if isinstance(n, ast.Assign)
+        and getattr(n.targets[0], "id", "") == "GEMMS_PER_TILE"))
+    assert declared == {"fwd_kernel": 2, "dkv_kernel": 5}
+    assert work_model.GEMMS_PER_TILE == {"fwd": declared["fwd_kernel"],
+                                         "bwd": declared["dkv_kernel"]}
+    assert _loop_dots(fns["fwd_kernel"])[0] == 2
+    assert _loop_dots(fns["dkv_kernel"]) == (5, 5)          # all of them in its one loop
+    bwd = [name for name in fns if name.startswith("bwd_") or name == "dkv_kernel"]
+    assert sorted(bwd) == ["bwd_post_kernel", "bwd_pre_kernel", "dkv_kernel"]
+    assert sum(_loop_dots(fns[name])[1] for name in bwd) == 5
+    # fwd+bwd: 7 GEMMs per tile where a separate dQ pass made it 9
+    new = work_model.attention_flops(1000, 8, 128, 128)
+    old = work_model.attention_flops(1000, 8, 128, 128, one_pass_backward=False)
+    assert new["bwd"] * 7 == old["bwd"] * 5 and new["total"] * 9 == old["total"] * 7
+    assert new["fwd"] == 1000 * 8 * 2 * (2 * 128 ** 3)
+    # dQ by atomics: 2.5 * B backward FLOPs per byte; a reduction buffer at 32K, d 0.5, 8
+    # heads would hold ~8.6 GB of partials
+    tiles = work_model.causal_kept_tiles(256, 0.5)
+    traffic = work_model.dq_traffic(tiles, 8, 128, 128)
+    assert traffic["flop_per_atomic_byte"] == 2.5 * 128
+    assert 8.0e9 < traffic["buffer_memory"] < 9.0e9
+
+
+# --- the per-layer call: launches counted -----------------------------------------------------
+
+# aten ops that launch nothing (views, allocations, metadata)
+_FREE_OPS = {"view", "_unsafe_view", "permute", "expand", "slice", "select", "as_strided", "t",
+             "transpose", "unsqueeze", "squeeze", "alias", "detach", "empty", "empty_like",
+             "new_empty", "empty_strided", "new_empty_strided", "lift_fresh", "unbind",
+             "split", "reshape", "diagonal", "_reshape_alias", "unflatten", "flatten"}
+
+
+def _count_launches(fn):
+    """Kernel launches of ``fn()``: every Triton kernel launch plus every aten op that is not a
+    view or an allocation (each is a kernel on a GPU), with their names."""
+    import collections
+
+    from torch._library.custom_ops import _maybe_get_opdef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen, inside = collections.Counter(), []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name.startswith("sparse_attn"):     # our custom ops: count what they run
+                with Ops():
+                    return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
+            if not inside and name not in _FREE_OPS:
+                seen["aten." + name] += 1
+            return func(*args, **(kwargs or {}))
+
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **kw):         # the interpreter's own copies are not launches
+        seen["triton." + self.fn.__name__] += 1
+        inside.append(1)
+        try:
+            return run(self, *a, **kw)
+        finally:
+            inside.pop()
+
+    InterpretedFunction.run = counted
+    try:
+        with Ops():
+            fn()
+    finally:
+        InterpretedFunction.run = run
+    return seen
+
+
+def check_fused_path_and_launches(estimator, nh, ng):
+    """``sparse_triton_select.triton_block_sparse`` (the unpadded per-layer call) gives the
+    padded API path's selection and output (the generic selection too: mass mode with a share
+    reduction), and a layer call (after the micro-batch's first) costs 7 launches forward and
+    3 backward (maxkey), with no host sync, where the padded path made 29 + 16."""
+    from sparsebalance_megatron.attention import block_sparse_attention, build_layout
+    from sparsebalance_megatron.attention.blocks import check_density
+    import importlib.util
+
+    from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
+    q, k, v, w = _inputs(nh, ng, 32, seed=7)
+    budget = dict(sink_blocks=1, local_blocks=1, selection_mode="density", mass_threshold=0.9,
+                  min_density=0.125, max_density=1.0)
+    kw = dict(estimator=estimator, softmax_scale=0.2, **budget)
+    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    api_kw = dict(block_size=BS, backend="triton", cache={}, **kw)
+    ref, rsel = block_sparse_attention(*x, CU, 0.4, **api_kw)
+    ref_grads = torch.autograd.grad(ref, x, w)
+    lay = build_layout(CU, CU[-1], BS, "cpu")
+    dens, host = check_density(0.4, lay.num_docs, "cpu")
+    out, sel = triton_block_sparse(*x, lay, dens, density_host=host, **kw)   # layer 1: set-up
+    grads = torch.autograd.grad(out, x, w)
+    assert bool((sel.kv_indices == rsel.kv_indices).all())
+    assert bool((sel.kv_num == rsel.kv_num).all())
+    assert float((sel.shares - rsel.shares).abs().max()) < 1e-6
+    assert float((sel.recall - rsel.recall).abs().max()) < 1e-6
+    assert bool((sel.density_kept == rsel.density_kept).all())
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        assert float((a - b).abs().max()) < 1e-5
+    res = {}
+    spec = importlib.util.spec_from_file_location(
+        "gpu_path_checks", Path(__file__).with_name("test_attention_gpu_path.py"))
+    gpu_path = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_path)
+    with gpu_path.HostSyncCounter() as syncs:
+        fwd = _count_launches(lambda: res.update(out=triton_block_sparse(
+            *x, lay, dens, density_host=host, **kw)[0]))
+        bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
+    assert syncs.reads == [] and syncs.writes == [], (syncs.reads, syncs.writes)
+    want_fwd = {"triton._block_sums_kernel": 1, "triton._shares_kernel": 1,
+                "aten.topk": 1, "triton._lists_kernel": 1, "aten.mv": 1,
+                "triton.fwd_kernel": 1}
+    want_fwd.update({"triton._maxkey_kernel": 1} if estimator == "maxkey" else
+                    {"triton._block_sums_kernel": 2, "aten.div": 2, "aten.bmm": 1,
+                     "aten.mul": 1})
+    assert dict(fwd) == want_fwd, dict(fwd)
+    assert dict(bwd) == {"triton.bwd_pre_kernel": 1, "triton.dkv_kernel": 1,
+                         "triton.bwd_post_kernel": 1}, dict(bwd)
+    # mass mode with a share reduction takes the generic selection on the same scores
+    mass = dict(kw, selection_mode="mass", mass_threshold=0.6)
+    ref, rsel = block_sparse_attention(*x, CU, 0.4, reduce_shares=lambda s: s * 1.0,
+                                       **dict(api_kw, **mass))
+    out, sel = triton_block_sparse(*x, lay, dens, density_host=host,
+                                   reduce_shares=lambda s: s * 1.0, **mass)
+    assert bool((sel.kv_indices == rsel.kv_indices).all()) and bool((sel.kv_num != 1).any())
+    assert float((out - ref).abs().max()) < 1e-5
+    # the padded API path as wired today, for the record: many more
+    api_fwd = _count_launches(lambda: res.update(out=block_sparse_attention(*x, CU, 0.4,
+                                                                            **api_kw)[0]))
+    api_bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
+    assert sum(api_fwd.values()) + sum(api_bwd.values()) > 3 * (sum(fwd.values()) + 3)
+    print("LAUNCHES", estimator, sum(fwd.values()), sum(bwd.values()),
+          sum(api_fwd.values()), sum(api_bwd.values()), dict(api_fwd), dict(api_bwd))
+
+
+@pytest.mark.parametrize("estimator,nh,ng", [("maxkey", 6, 2), ("pooled", 4, 1)])
+def test_fused_per_layer_call_matches_and_its_launches_are_pinned(interp, estimator, nh, ng):
+    interp("check_fused_path_and_launches", estimator=estimator, nh=nh, ng=ng)

@@ -11,6 +11,12 @@ from sparsebalance_megatron.megatron import crossover, latency_setup
 from sparsebalance_megatron.megatron.budget import BudgetContext
 
 
+@pytest.fixture(autouse=True)
+def _no_measurement_leaks(monkeypatch):
+    import sparsebalance_megatron.attention.api as api
+    monkeypatch.setattr(api, "_AUTO_MEASURED", {})
+
+
 def _sb(**kw):
     return SparseBalanceConfig(sparse_attention=True, block_size=16, **kw)
 
@@ -50,6 +56,9 @@ def test_the_table_pick_applies_to_auto_on_cuda_only(monkeypatch):
     import sparsebalance_megatron.attention.api as api
     monkeypatch.setattr(api, "backend_missing", lambda b, d, **kw: None)
     assert latency_setup.table_backend(table, _sb()) == "triton"
+    # the table's pick is what every later 'auto' resolves to, not flex
+    assert api.resolve_backend("auto", "cuda") == "triton"
+    assert "latency table" in api.auto_backend("cuda")[1]
     assert latency_setup.table_backend(table, _sb(attention_backend="flex")) is None
     assert latency_setup.table_backend({"attention": {"backend": "auto"}}, _sb()) is None
     monkeypatch.setattr(api, "backend_missing", lambda b, d, **kw: "no flash-attn-4")
@@ -64,3 +73,27 @@ def test_budget_context_carries_the_pick():
     for bad in ("auto", "cudnn"):
         with pytest.raises(ValueError, match=repr(bad)):
             b.set_backend(bad)
+
+
+def test_auto_is_the_measured_pick_everywhere_and_says_why_without_one(monkeypatch):
+    """One rule (api.auto_backend): before any measurement flex on CUDA (named with the reason),
+    torch elsewhere; after the profiler's timing, its pick, through resolve_backend and the
+    launch check alike."""
+    import sparsebalance_megatron.attention.api as api
+    from sparsebalance_megatron.megatron import launch
+    backend, why = api.auto_backend("cuda")
+    assert backend == api.AUTO_UNMEASURED == "flex" and "no measurement" in why
+    assert api.resolve_backend("auto", "cpu") == "torch"
+    monkeypatch.setattr(crossover, "fastest_backend", lambda *a, **kw: {"chosen": "triton"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    shape = type("S", (), dict(num_attention_heads=8, num_query_groups=2, head_dim=128,
+                               seq_length=32768))()
+    sb, choice = crossover.choose_backend(shape, _sb(), 1, 1)
+    assert sb.attention_backend == "triton" == choice["chosen"]
+    assert api.resolve_backend("auto", "cuda") == "triton"
+    assert launch._gpu_kernel(_sb()) == "triton"
+    assert api.resolve_backend("auto", "cpu") == "torch"       # per device type
+    api.set_auto_backend(None, "forget")
+    assert api.resolve_backend("auto", "cuda") == "flex"
+    with pytest.raises(ValueError, match="backend='auto'"):
+        api.set_auto_backend("auto", "a test")

@@ -2,6 +2,7 @@
 (scripts/bench_attention_gpu.py), and how gpu_check turns step results into targets."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +13,12 @@ REPO = Path(__file__).resolve().parents[2]
 def _script(name):
     spec = importlib.util.spec_from_file_location(name, REPO / f"scripts/{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod          # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
 
-def _row(backend, tokens, ours, dense=10.0, d=0.25, shape="14/2/64", case="single",
+def _row(backend, tokens, ours, dense=10.0, d=0.25, shape="8/2/128", case="single",
          routing="none", varlen=None):
     return dict(case=case, shape=shape, tokens=tokens, backend=backend, density=d,
                 routing=routing, ours_ms=ours, dense_ms=dense, ratio_vs_dense=ours / dense,
@@ -30,10 +32,10 @@ def test_crossover_is_where_ours_stays_faster():
             _row("flex", 32768, 30), _row("triton", 32768, 1, d=0.5, shape="32/8/128")]
     # 8K was faster but 16K was not: the crossover is the shortest length from which every
     # longer measured length is faster too
-    assert kt.crossover_of(rows, "triton", "14/2/64", 0.25) == 32768
-    assert kt.crossover_of(rows, "flex", "14/2/64", 0.25) is None      # never: all dense
+    assert kt.crossover_of(rows, "triton", "8/2/128", 0.25) == 32768
+    assert kt.crossover_of(rows, "flex", "8/2/128", 0.25) is None      # never: all dense
     assert kt.crossover_of(rows, "triton", "32/8/128", 0.5) == 32768
-    assert kt.crossover_of(rows, "triton", "14/2/64", 0.125) is None   # not measured
+    assert kt.crossover_of(rows, "triton", "8/2/128", 0.125) is None   # not measured
 
 
 def test_summary_checks_the_issue_targets():
@@ -43,7 +45,8 @@ def test_summary_checks_the_issue_targets():
             _row("triton", 32768, 10.1, case="file#0", routing="crossover"),
             _row("triton", 32768, 10.5, case="file#1", routing="crossover"),
             _row("fa4", 32768, 9.0, case="file#0", routing="crossover"),
-            _row("flex", 32768, 50, case="file#0", routing="none")]   # unrouted: not judged
+            _row("flex", 32768, 50, case="file#0", routing="none"),   # unrouted: not judged
+            _row("flex", 32768, 0.5, shape="14/2/64")]     # another shape: not judged either
     s = kt.summarize(rows, {"triton|14/2/64|0.25": 32768})
     assert s["32k_d0.25"]["backend"] == "triton" and s["32k_d0.25"]["met"]
     assert not s["32k_d0.25"]["goal_0.3_met"]                            # 0.32 > 0.3
@@ -95,3 +98,164 @@ def test_train_summary_skips_warmup_steps():
     assert s["losses"] == [10 - i for i in range(gc.TRAIN_STEPS)]
     assert s["mean_density"] == 0.5 and s["steps"] == gc.TRAIN_STEPS
     assert gc.train_summary([])["tokens_per_s"] is None
+
+
+# --- the bench's order, rows as they come, deadline (scripts/bench_attention_gpu.py) ----------
+
+def _args(kt, **kw):
+    import argparse
+    a = dict(densities=[1.0, 0.5, 0.25, 0.125], shapes=list(kt.SHAPES),
+             lengths=list(kt.SINGLE_LENGTHS), long=False, cases=["single", "file", "section"],
+             micro_batches=2)
+    a.update(kw)
+    return argparse.Namespace(**a)
+
+
+def test_bench_runs_the_cases_that_decide_the_targets_first():
+    kt = _script("bench_attention_gpu")
+    mixes = {"file": [[30000, 2768], [32768]], "section": [[16384] * 2, [8192] * 4]}
+    jobs = kt.plan_cases(_args(kt), mixes)
+    head = [(j["case"], sum(j["lens"]) if j["packed"] else j["lens"][0], j["shape"],
+             j["densities"]) for j in jobs[:7]]
+    target = [0.25, 0.5, 1.0]
+    assert head == [("single", 32768, "8/2/128", target), ("single", 16384, "8/2/128", target),
+                    ("single", 8192, "8/2/128", target), ("file#0", 32768, "8/2/128", target),
+                    ("file#1", 32768, "8/2/128", target),
+                    ("section#0", 32768, "8/2/128", target),
+                    ("section#1", 32768, "8/2/128", target)]
+    # the whole grid still comes, each (case, shape, density) once
+    seen = [(j["case"], tuple(j["lens"]), j["shape"], d) for j in jobs for d in j["densities"]]
+    assert len(seen) == len(set(seen)) == (5 + 4) * 3 * 4
+
+
+class _FakeTime:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_rows_are_written_as_measured_and_the_deadline_stops_new_rows(tmp_path, monkeypatch):
+    """Each row is on disk the moment it is measured (a call cut at its limit keeps them); no row
+    starts once the deadline is nearer than 1.5x the longest row so far; routed rows first."""
+    import json
+    kt = _script("bench_attention_gpu")
+    now = _FakeTime()
+    monkeypatch.setattr(kt, "_inputs", lambda lens, nh, ng, hn, seed: (None,) * 5)
+    monkeypatch.setattr(kt.torch._dynamo, "reset", lambda: None)
+    monkeypatch.setattr(kt.torch.cuda, "empty_cache", lambda: None)
+
+    def dense_ms(*a):
+        now.t += 2
+        return {"varlen": 10.0, "sdpa": 12.0}
+    jsonl = tmp_path / "rows.jsonl"
+    on_disk = []
+
+    def ours_ms(q, k, v, g, cu, d, backend, reps, below):
+        on_disk.append(len(jsonl.read_text().splitlines()))   # rows before this one
+        now.t += 10
+        return 4.0
+    monkeypatch.setattr(kt, "_dense_ms", dense_ms)
+    monkeypatch.setattr(kt, "_ours_ms", ours_ms)
+    log = kt.RowLog(str(jsonl))
+    clock = kt.Clock(deadline_s=60, now=now)
+    # dense 2 s, then rows of 10 s: a row starts while at least max(15, 1.5 x 10) s are left,
+    # at 2, 12, 22, 32 and 42 s; at 52 s (8 s left) none does
+    done = kt.run_case(log, "file#0", [32768], "8/2/128", ["triton", "flex"], [0.25, 0.5],
+                       3, crossover={("triton", 0.25): 16384}, clock=clock)
+    assert not done
+    rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    assert on_disk == [0, 1, 2, 3, 4] and rows == log.rows and len(rows) == 5
+    assert [(r["backend"], r["density"], r["routing"]) for r in rows] == [
+        ("triton", 0.25, "crossover"), ("triton", 0.25, "none"),
+        ("triton", 0.5, "crossover"), ("triton", 0.5, "none"), ("flex", 0.25, "crossover")]
+    assert rows[0]["dense_below_tokens"] == 16384 and rows[2]["dense_below_tokens"] == 1 << 40
+    assert rows[0]["ratio_vs_varlen"] == 0.4
+    assert not kt.run_case(log, "file#1", [32768], "8/2/128", ["triton"], [0.25], 3,
+                           clock=clock) and len(log.rows) == 5
+
+
+def test_gpu_check_reads_the_rows_of_a_cut_run(tmp_path):
+    import json
+    gc = _script("gpu_check")
+    p = tmp_path / "rows.jsonl"
+    p.write_text(json.dumps(_row("triton", 32768, 3)) + "\n" + '{"case": "sing')
+    assert [r["ours_ms"] for r in gc.rows_of(str(p))] == [3]
+    assert gc.rows_of(str(tmp_path / "none.jsonl")) == []
+
+
+def test_autotune_step_says_when_its_script_is_missing(monkeypatch, tmp_path):
+    gc = _script("gpu_check")
+    monkeypatch.setattr(gc, "ROOT", str(tmp_path))
+    got = gc.step_autotune("python3", str(tmp_path), 100, {})
+    assert not got["ok"] and "autotune_triton.py" in got["missing"]
+
+
+# --- the device plan and the carries (scripts/gpu_plan.py) ------------------------------------
+
+def test_the_device_plan_fits_the_machine():
+    gp = _script("gpu_plan")
+    gc = _script("gpu_check")
+    assert gp.plan_problems() == []
+    assert [c.name for c in gp.PLAN] == ["smoke", "table", "autotune", "e2e"]
+    assert gp.PLAN[0].timeout_s <= 180 and set(gp.PLAN[0].steps) == {"env", "smoke"}
+    assert sum(c.timeout_s for c in gp.PLAN) <= 25 * 60
+    for c in gp.PLAN:
+        assert set(c.steps) <= set(gc.STEPS)
+        # the call's steps, at their limits, end inside its budget
+        assert sum(gc.LIMIT_S[s] for s in c.steps) <= c.budget_s, c.name
+        cmd = gp.command(c)
+        assert cmd.startswith("python3 scripts/gpu_plan.py unpack .whl")  # its own wheels
+        assert f"--budget-s {c.budget_s}" in cmd and f"$OUT/{c.name}" in cmd
+    bad = [gp.Call("x", ("env",), 700, 650, carry=tuple("abcdefghi"))] * 3
+    probs = gp.plan_problems(bad)
+    assert any("add up to 2100 s" in p for p in probs)
+    assert any("timeout 700 s" in p for p in probs) and any("9 carried" in p for p in probs)
+
+
+def test_carry_size_check():
+    gp = _script("gpu_plan")
+    mib = gp.MIB
+    assert gp.carry_problem(7 * mib, {".whl": 10 * mib}) is None
+    why = gp.carry_problem(int(6.7 * mib), {".whl-fa4/1": 58 * mib})   # issue 35's 64.7 MiB
+    assert why and "64.7 MiB: expected at most 60 MiB" in why
+    piece = gp.piece_bytes_for(7 * mib, 10 * mib)
+    assert gp.carry_problem(7 * mib, {".whl": 10 * mib, "p": piece}) is None
+    with pytest.raises(ValueError, match="leave"):
+        gp.piece_bytes_for(50 * mib, 5 * mib)
+
+
+@pytest.mark.reliability(area="device plan", case="a carried piece changed on the way",
+                         expect="refused before anything is unpacked, naming the file")
+def test_pieces_are_checksummed_before_they_are_unpacked(tmp_path):
+    gp = _script("gpu_plan")
+    src = tmp_path / "wheels"
+    src.mkdir()
+    payload = {f"w{i}.whl": bytes(range(256)) * (40 + 30 * i) for i in range(3)}
+    for name, data in payload.items():
+        (src / name).write_bytes(data)
+    folders = gp.pack(str(src), str(tmp_path / "pieces"), 10000)
+    assert len(folders) > 2                        # ~60 KB of tar in pieces of 10 KB
+    for f in folders:
+        gp.verify(f)
+        assert sum(p.stat().st_size for p in Path(f).glob("piece.*")) <= 10000
+    stage, out = tmp_path / "stage", tmp_path / "out"
+    stage.mkdir()
+    import shutil
+    for i, f in enumerate(folders):
+        shutil.copy(f"{f}/piece.{i:02d}", stage)
+        shutil.copy(f"{f}/{gp.MANIFEST}", stage)
+        assert gp.join_pieces(str(stage), str(out)) == (i == len(folders) - 1)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == payload
+    # a changed byte: the piece's own check names it; the joined tar's check too
+    bad = Path(folders[1]) / "piece.01"
+    bad.write_bytes(b"x" + bad.read_bytes()[1:])
+    with pytest.raises(ValueError, match="piece.01: sha256"):
+        gp.verify(folders[1])
+    shutil.copy(bad, stage)
+    with pytest.raises(ValueError, match="joined pieces' sha256"):
+        gp.join_pieces(str(stage), str(tmp_path / "out2"))
+    (tmp_path / "pieces" / "1" / "extra.whl").write_bytes(b"stray")
+    with pytest.raises(ValueError, match="extra.whl not in SHA256SUMS"):
+        gp.verify(str(tmp_path / "pieces" / "1"))

@@ -35,3 +35,40 @@ def test_a_refusal_in_the_data_provider_is_one_line_from_rank_0(rank, monkeypatc
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err == (f"error: {msg}\n" if rank == "0" else "")
+
+
+FRESH = "pretrain() built the model from a config that hooks.install(args, model_cfg) did not change"
+
+
+@pytest.mark.reliability(area="integration", case="a model config made afresh after "
+                         "hooks.install and passed to pretrain() (the plugin's data path, or "
+                         "Megatron's with --sb-sparse-attention)",
+                         expect="one 'error:' line saying to pass install's model_cfg to "
+                         "pretrain; no AttributeError, no training on Megatron's attention")
+@pytest.mark.parametrize("plugin_data", [True, False])
+def test_a_config_made_after_install_is_named(plugin_data, monkeypatch, capsys):
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    # what install leaves; the post-wrap hook it added to its model_cfg never ran
+    monkeypatch.setattr(hooks._run, "sb", SparseBalanceConfig(sparse_attention=True))
+    monkeypatch.setattr(hooks._run, "plugin_data", plugin_data)
+    monkeypatch.setattr(hooks._run, "callback", None)
+    monkeypatch.setattr(hooks._run, "model_built", False)
+
+    def megatron_provider(train_val_test_num_samples, vp_stage=None):
+        return "megatron's datasets"
+
+    megatron_provider.is_distributed = True
+    provider = hooks.datasets_provider(None if plugin_data else megatron_provider)
+    assert getattr(provider, "is_distributed", False)
+    with pytest.raises(SystemExit) as e:
+        provider([8, 0, 0])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {FRESH}") and err.count("\n") == 1, err
+    assert "pretrain(pretrain_cfg_container_from_args(args, model_cfg), ...)" in err
+    if not plugin_data:     # the model install changed was built: Megatron's provider runs
+        monkeypatch.setattr(hooks._run, "model_built", True)
+        assert provider([8, 0, 0]) == "megatron's datasets"

@@ -54,6 +54,10 @@ def tables(tmp_path_factory):
     (d / "plans512.jsonl").write_text(json.dumps(
         {"step": 1, "plan": plan_record(batch, 0, 1), "densities": [[[0.5], [0.5]]]}) + "\n")
     out["plans512"] = d / "plans512.jsonl"
+    batch = sequential_plan([(0, 0, 100), (1, 0, 100)], dp=1, num_microbatches=2, max_tokens=256)
+    (d / "plans_seed7.jsonl").write_text(json.dumps(
+        {"step": 1, "plan": plan_record(batch, 0, 1, seed=7), "densities": [[[0.5], [0.5]]]}))
+    out["plans_seed7"] = d / "plans_seed7.jsonl"
     return out
 
 
@@ -143,6 +147,11 @@ CASES = [
     _case([*SB, "--sb-replay-plans", "{plans512}"], "--sb-replay-plans {plans512}: step 1 cannot "
           "be replayed by this run: --seq-length x --micro-batch-size: recorded 512, this run "
           "256"),
+    _case([*SB, "--sb-replay-plans", "{plans_seed7}"], "--sb-replay-plans {plans_seed7}: recorded "
+          "with --sb-seed 7, this run has --sb-seed 1234"),
+    _case([*SB, "--sb-replay-plans", "{plans_seed7}", "--sb-seed", "7", "--train-iters", "2"],
+          "--sb-replay-plans {plans_seed7}: holds step 1, this run trains --train-iters 2: "
+          "step 2 not recorded"),
     _case([*SB, "--sb-data-cache-dir", "{good}"], "--sb-data-cache-dir {good}: exists and is not "
           "a directory"),
     _case([*SB, "--attention-dropout", "0.1"], "--attention-dropout 0.1 with sparse attention: "
@@ -165,6 +174,27 @@ def test_a_bad_plugin_setting_ends_the_launch_in_one_line(argv, needle, tmp_path
     # TINY_MODEL gives --attention-dropout 0: the dropout cases give theirs after it
     msg = launch(monkeypatch, [*BASE, *(_fill(a, tmp_path, tables) for a in argv)])
     assert _fill(needle, tmp_path, tables) in msg, msg
+
+
+@pytest.mark.reliability(area="plugin flags", case="three bad values at once (--sb-density "
+                         "1.5 --sb-block-size 100 --sb-fault 1:0:explode) and a missing "
+                         "--sb-latency-table", expect="one line naming all four, before "
+                         "Megatron's validation, tokenizer and process groups")
+def test_every_bad_value_is_named_at_once(monkeypatch, tmp_path):
+    from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
+
+    values = ["--sb-density=1.5: expected a number in (0, 1]",
+              "--sb-block-size=100: expected a positive power of two",
+              "--sb-fault='1:0:explode': expected RANK:STEP:KIND"]
+    msg = launch(monkeypatch, [*BASE, *SB, "--sb-density", "1.5", "--sb-block-size", "100",
+                               "--sb-fault", "1:0:explode",
+                               "--sb-latency-table", tmp_path / "none.json"])
+    for needle in values + [f"--sb-latency-table {tmp_path}/none.json: file not found"]:
+        assert needle in msg, (needle, msg)
+    with pytest.raises(ConfigError) as e:             # the config alone, as a library user meets it
+        SparseBalanceConfig(density=1.5, block_size=100, fault="1:0:explode")
+    assert len(e.value.problems) == 3
+    assert all(any(v in p for p in e.value.problems) for v in values), e.value.problems
 
 
 def test_a_good_launch_passes_the_checks(monkeypatch, tables, tmp_path):

@@ -106,6 +106,30 @@ def test_a_profile_cut_short_resumes_with_the_rest_only(tmp_path, monkeypatch):
     assert _comparable(table) == _comparable(reference)
 
 
+@pytest.mark.reliability(area="start-up profile", case="the partial profile of a cut-short "
+                         "profile edited: one sample's times negative, one sample a string",
+                         expect="both samples measured again, the other 5 resumed; the table "
+                         "equals an uninterrupted profile's (no numpy traceback, no table error)")
+def test_bad_samples_in_a_partial_profile_are_measured_again(tmp_path, monkeypatch):
+    import json
+
+    reference, _ = _profile(tmp_path / "a", FakeStage(), monkeypatch)
+    with pytest.raises(Killed):
+        _profile(tmp_path / "b", FakeStage(fail_after=7), monkeypatch)
+    path = tmp_path / "b" / "t.json.partial.jsonl"
+    lines = path.read_text().splitlines()
+    samples = [i for i, line in enumerate(lines) if json.loads(line).get("key", "").count("/") == 2]
+    first, second = samples[1], samples[4]
+    lines[first] = json.dumps({"key": json.loads(lines[first])["key"], "value": [-1e-3, 2e-3]})
+    lines[second] = json.dumps({"key": json.loads(lines[second])["key"], "value": "1 ms"})
+    path.write_text("\n".join(lines) + "\n")
+    retry = FakeStage()
+    table, partial = _profile(tmp_path / "b", retry, monkeypatch)
+    assert partial.resumed == 5 and len(retry.measured) == 3 * 3 * 2 * 2 - 5
+    validate_table(table)
+    assert _comparable(table) == _comparable(reference)
+
+
 def test_a_finished_stage_kind_is_not_built_again(tmp_path, monkeypatch):
     per_kind = 3 * 2 * 2
     cut = FakeStage(fail_after=per_kind + 1)       # the first kind done, one of the next
@@ -151,3 +175,15 @@ def test_the_profiler_resumes_unless_told_not_to(tmp_path, monkeypatch, capsys, 
         assert len(retry.measured) == whole - 3
         assert f"[sparsebalance] resuming the latency profile from {partial}: 3 samples" in err
     assert (tmp_path / "t.json").exists() and not partial.exists()
+
+
+def test_the_profiler_shows_progress_on_stderr(tmp_path, monkeypatch, capsys):
+    cli = [a for a in CLI if a != "--no-progress"]
+    FakeStage().install(monkeypatch)
+    from sparsebalance_megatron.megatron import profile_cli
+
+    assert profile_cli.main(cli + ["--out", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr()
+    assert "[sparsebalance] profiling 2 mixes x 2 densities x 1 repeats per stage kind" in out.err
+    assert "12/12" in out.err                       # the bar: kinds x mixes x densities
+    assert "12/12" not in out.out

@@ -19,7 +19,7 @@ SEGMENTS = [(0, 0, 100), (1, 0, 60), (2, 0, 200), (3, 0, 40), (4, 0, 120), (5, 0
             (6, 0, 36), (7, 0, 252)]
 
 
-def _write(path, steps: int = 2, dense: bool = False):
+def _write(path, steps: int = 2, dense: bool = False, seed=None):
     """A metrics file as the reporter writes it: DP=2, 2 micro-batches, 2 stages."""
     lines = []
     for n in range(steps):
@@ -27,7 +27,7 @@ def _write(path, steps: int = 2, dense: bool = False):
         batch = sequential_plan(segs, dp=2, num_microbatches=2, max_tokens=256)
         dens = np.full((2, 2, 2), 0.5)
         dens[0, 1, 0] = 0.375
-        rec = {"step": n + 1, "loss": 5.0, "plan": plan_record(batch, 4 * n, 4)}
+        rec = {"step": n + 1, "loss": 5.0, "plan": plan_record(batch, 4 * n, 4, seed)}
         if not dense:
             rec["densities"] = dens.tolist()
         lines.append(json.dumps(rec))
@@ -115,6 +115,48 @@ def test_launch_refuses_flags_the_recorded_plans_do_not_fit(tmp_path, monkeypatc
     same = SparseBalanceConfig(sparse_balance=True, replay_plans=path, metrics_file=path)
     (msg,) = launch_problems(_args(), same)
     assert "the same file as --sb-metrics-file" in msg
+
+
+@pytest.mark.reliability(area="plan replay", case="--sb-replay-plans with another --sb-seed "
+                         "than the recorded run, or a file one step short of --train-iters",
+                         expect="refused at launch (before the process group) in one line "
+                         "naming the flag, the file, both seeds / the missing step")
+def test_launch_refuses_another_seed_and_too_few_steps(tmp_path, monkeypatch):
+    from sparsebalance_megatron.megatron.replay import launch_problems
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    path = str(_write(tmp_path / "m.jsonl", steps=3, seed=7))
+    sb = SparseBalanceConfig(sparse_balance=True, replay_plans=path, seed=7)
+    assert launch_problems(_args(train_iters=3), sb) == []
+    assert launch_problems(_args(train_iters=2), sb) == []       # fewer steps than recorded
+    other = SparseBalanceConfig(sparse_balance=True, replay_plans=path, seed=8)
+    assert launch_problems(_args(train_iters=3), other) == [
+        f"--sb-replay-plans {path}: recorded with --sb-seed 7, this run has --sb-seed 8 "
+        f"(another seed draws other documents): pass --sb-seed 7"]
+    assert launch_problems(_args(train_iters=4), sb) == [
+        f"--sb-replay-plans {path}: holds steps 1-3, this run trains --train-iters 4: step 4 "
+        f"not recorded; replay at most --train-iters 3"]
+    both = launch_problems(_args(train_iters=4), other)          # both named, in one refusal
+    assert len(both) == 2 and "--sb-seed 8" in both[0] and "step 4 not recorded" in both[1]
+    # a file written before plans recorded their seed: the seed is not compared
+    old = str(_write(tmp_path / "old.jsonl", steps=3))
+    assert launch_problems(_args(train_iters=3), SparseBalanceConfig(
+        sparse_balance=True, replay_plans=old, seed=8)) == []
+    # a file of a resumed run (steps 3-5) serves a run resumed at step 3; a gap is refused
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    gap = tmp_path / "gap.jsonl"
+    gap.write_text(lines[0] + "\n" + lines[2] + "\n")
+    (msg,) = launch_problems(_args(train_iters=3), SparseBalanceConfig(
+        sparse_balance=True, replay_plans=str(gap), seed=7))
+    assert msg == f"--sb-replay-plans {gap}: holds steps 1-3, this run trains --train-iters 3: " \
+        f"step 2 not recorded; replay at most --train-iters 1"
+
+
+def test_the_recorded_seed_must_be_an_integer(tmp_path):
+    path = _write(tmp_path / "m.jsonl", steps=1, seed=7)
+    path.write_text(path.read_text().replace('"seed": 7', '"seed": "7"'))
+    with pytest.raises(ReplayError, match=r"step 1: damaged plan \(ValueError: seed '7'"):
+        RecordedPlans.read(str(path))
 
 
 def test_the_cp_latency_model_may_pack_other_micro_batches():

@@ -18,10 +18,10 @@ from sparsebalance_megatron.megatron.watchdog import (
     HUNG_EXIT_CODE,
     Watchdog,
     WatchdogTiming,
-    start_for_megatron,
     waiting_in_communication,
     watchdog_problems,
 )
+from sparsebalance_megatron.megatron.watchdog_megatron import start_for_megatron
 
 TIMING = WatchdogTiming.for_threshold(10.0)
 
@@ -75,7 +75,8 @@ HUNG = _hung_in_user_code()
 class Job:
     """``n`` ranks on one host (or one host each), sharing a store and a clock."""
 
-    def __init__(self, n=3, one_host=True):
+    def __init__(self, n=3, one_host=True, timing=TIMING):
+        self.timing = timing
         self.store, self.clock, self.out = DictStore(), Clock(), io.StringIO()
         self.proc = {}               # pid -> state letter (None: gone)
         self.killed, self.exits, self.frames = [], {}, {}
@@ -85,7 +86,7 @@ class Job:
         pid = 100 + r
         self.proc[pid] = "S"
         self.frames[r] = IN_COLLECTIVE
-        return Watchdog(self.store, r, n, lambda: TIMING, coords=dict(dp=r, pp=0),
+        return Watchdog(self.store, r, n, lambda: self.timing, coords=dict(dp=r, pp=0),
                         clock=self.clock, wall=self.clock, out=self.out,
                         main_frame=lambda: self.frames[r], proc_state=self.proc.get,
                         kill=lambda p, s: self.killed.append((p, s)),
@@ -101,7 +102,7 @@ class Job:
         polling = range(len(self.ranks)) if polling is None else polling
         end = self.clock.t + seconds
         while self.clock.t < end:
-            self.clock.t += TIMING.interval_s
+            self.clock.t += self.timing.interval_s
             for r in polling:
                 if r not in self.exits:
                     self.ranks[r].poll()
@@ -264,3 +265,245 @@ def test_off_or_without_a_process_group_there_is_no_watchdog(monkeypatch):
     assert start_for_megatron(args, SparseBalanceConfig(watchdog_seconds="0")) is None
     monkeypatch.setattr(comm, "is_initialized", lambda: False)   # whatever other tests left
     assert start_for_megatron(args, SparseBalanceConfig()) is None
+
+
+# --- healthy runs the watchdog once killed (issue 34), at the issue's 1-minute timeout ----------
+# ``for_timeout(60)`` acts at 54 s. Every case: a real wait is a new frame per collective; the
+# rank at work runs user code (not a collective) and ticks when it reaches a progress point.
+
+MINUTE = WatchdogTiming.for_timeout(60)
+COLLECTIVE = "/venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def _busy_for(job, seconds, waiting, worker, *, tick_every=None, polling=None):
+    """``seconds`` during which the ranks in ``waiting`` wait in one new collective each and
+    rank ``worker`` computes (ticking every ``tick_every`` seconds if given)."""
+    for r in waiting:
+        job.frames[r] = _frame_in(COLLECTIVE)   # a new call: a new frame object
+    job.frames[worker] = HUNG
+    done = 0.0
+    while done < seconds:
+        step = min(seconds - done, tick_every or seconds)
+        job.advance(step, polling=polling)
+        done += step
+        if tick_every:
+            job.ranks[worker].tick(None, "evaluation")
+
+
+def _quiet(job):
+    assert job.out.getvalue() == "", job.out.getvalue()
+    assert not job.killed and not job.exits
+
+
+@pytest.mark.reliability(area="watchdog (healthy)", case="a slow last pipeline stage: 40 s per "
+                         "forward, every wait of its peers 40-47 s, 1-minute timeout (unit: "
+                         "threshold 54 s, injected clock)",
+                         expect="nothing named, nothing killed; the same stage hung is named")
+def test_many_waits_shorter_than_the_threshold_never_add_up():
+    job = Job(n=4, timing=MINUTE).started()
+    for it in range(12):            # 12 forwards of the last stage: 9 minutes without a 54 s wait
+        for r in range(3):
+            job.ranks[r].tick(it, f"forward step, iteration {it + 1}")
+        _busy_for(job, 40.0 + (it % 8), waiting=[0, 1, 2], worker=3)
+        job.ranks[3].tick(it, f"forward step, iteration {it + 1}")
+    _quiet(job)
+    _busy_for(job, 70.0, waiting=[0, 1, 2], worker=3)   # the control: the stage hangs
+    assert "rank 3 (dp 3, pp 0) is stalled" in job.out.getvalue()
+    assert list(job.exits.items())[0] == (3, HUNG_EXIT_CODE)   # first; torchrun ends the rest
+
+
+def _enter_all(job, phase):
+    for w in job.ranks:
+        w.enter(phase)
+
+
+@pytest.mark.reliability(area="watchdog (healthy)", case="a checkpoint save of 3 minutes on rank "
+                         "0 while its peers wait in the save's barrier, and again in a collective "
+                         "after leaving theirs (1-minute timeout; unit)",
+                         expect="nothing named, nothing killed: no rank acts while one saves")
+def test_no_rank_acts_while_one_saves():
+    job = Job(timing=MINUTE).started()
+    job.step(5)
+    _enter_all(job, "checkpoint save")
+    _busy_for(job, 180.0, waiting=[1, 2], worker=0)     # one wait of 180 s in the save's barrier
+    _quiet(job)
+    for r in (1, 2):                                    # done saving: wait outside any phase
+        job.ranks[r].leave("checkpoint save")
+    _busy_for(job, 180.0, waiting=[1, 2], worker=0)
+    _quiet(job)
+    job.proc[100] = "T"                                 # even a stopped saver is not killed
+    _busy_for(job, 120.0, waiting=[1, 2], worker=0, polling=[1, 2])
+    _quiet(job)
+
+
+@pytest.mark.reliability(area="watchdog (healthy)", case="25 s per evaluation forward, and an "
+                         "evaluation step of 70 s on one rank (1-minute timeout; unit)",
+                         expect="nothing named: evaluation is a progress phase")
+def test_evaluation_is_progress():
+    job = Job(timing=MINUTE).started()
+    job.step(9)
+    _enter_all(job, "evaluation")
+    for _ in range(10):   # each evaluation forward 25 s on rank 2; the others wait for it
+        _busy_for(job, 25.0, waiting=[0, 1], worker=2, tick_every=25.0)
+    _busy_for(job, 70.0, waiting=[0, 1], worker=2)   # longer than the threshold, still in phase
+    _quiet(job)
+
+
+@pytest.mark.reliability(area="watchdog (healthy)", case="one rank stopped and continued 0.5 s "
+                         "each (SIGSTOP/SIGCONT) through training and a 2-minute final save "
+                         "(1-minute timeout; unit)",
+                         expect="nothing named: a paused rank whose heartbeat is fresh is not "
+                         "stopped")
+def test_a_paused_and_continued_rank_is_not_stopped():
+    job = Job(timing=MINUTE).started()
+    job.step(0)
+    half = 0.5
+    for phase in (None, "checkpoint save"):
+        if phase:
+            _enter_all(job, phase)
+        for r in (0, 2):
+            job.frames[r] = _frame_in(COLLECTIVE)
+        job.frames[1] = HUNG
+        for i in range(int(120 / half)):   # rank 1: stopped every other half second
+            stopped = i % 2 == 0
+            job.proc[101] = "T" if stopped else "S"
+            job.clock.t += half
+            for r in ((0, 2) if stopped else (0, 1, 2)):
+                if (job.clock.t / MINUTE.interval_s) % 1 < half / MINUTE.interval_s:
+                    job.ranks[r].poll()
+            if not phase and i % 60 == 59:   # training: a step every 30 s
+                job.step(i // 60 + 1)
+                for r in (0, 2):
+                    job.frames[r] = _frame_in(COLLECTIVE)
+    _quiet(job)
+
+
+@pytest.mark.reliability(area="watchdog (healthy)", case="a final save under heavy CPU load: "
+                         "heartbeats three intervals late, the save longer than the timeout "
+                         "(unit)", expect="nothing named, nothing killed")
+def test_a_loaded_machine_in_its_final_save():
+    job = Job(timing=MINUTE).started()
+    job.step(29)
+    _enter_all(job, "checkpoint save")
+    for r in (1, 2):
+        job.frames[r] = _frame_in(COLLECTIVE)
+    job.frames[0] = HUNG
+    for _ in range(40):   # 4 minutes; every thread polls once per 3 intervals
+        job.advance(2 * MINUTE.interval_s, polling=[])
+        job.advance(MINUTE.interval_s)
+    _quiet(job)
+
+
+def test_a_wait_is_one_collective():
+    from sparsebalance_megatron.megatron.watchdog_judgement import ContinuousWait
+
+    w, a, b = ContinuousWait(), _frame_in(COLLECTIVE), _frame_in(COLLECTIVE)
+    assert w.observe(a, True, 1, 10.0) == 0.0 and w.observe(a, True, 1, 15.0) == 5.0
+    assert w.observe(b, True, 1, 16.0) == 0.0        # another call: a new wait
+    assert w.observe(b, True, 2, 17.0) == 0.0        # a progress point between: a new wait
+    assert w.observe(b, True, 2, 20.0) == 3.0
+    assert w.observe(HUNG, False, 2, 21.0) == 0.0 and w._frame is None   # reference dropped
+    assert w.observe(b, True, 2, 22.0) == 0.0
+
+
+def test_progress_phases_come_from_megatrons_timers():
+    from sparsebalance_megatron.megatron.timing import MicrobatchTimers, TeeTimers
+    from sparsebalance_megatron.megatron.watchdog_megatron import PhaseTimers, watch_phases
+
+    job = Job()
+    wd, seen = job.ranks[0], []
+
+    class Timer:   # Megatron's: start and stop may hold a barrier
+        def start(self, barrier=False):
+            seen.append(("start", list(wd.busy)))
+
+        def stop(self, barrier=False):
+            seen.append(("stop", list(wd.busy)))
+
+        def elapsed(self, reset=True):
+            return 1.5
+
+    class Timers:
+        def __call__(self, name, log_level=None):
+            return Timer()
+
+    tee = TeeTimers(Timers(), MicrobatchTimers(use_cuda_events=False))
+    watch_phases(tee, wd)
+    watch_phases(tee, wd)                      # idempotent
+    assert isinstance(tee.megatron_timers, PhaseTimers)
+    assert not isinstance(tee.megatron_timers.timers, PhaseTimers)
+    before = wd.progress
+    tee("save-checkpoint", log_level=0).start(barrier=True)
+    tee("forward-compute").start()             # not a phase
+    tee("forward-compute").stop()
+    tee("save-checkpoint").stop(barrier=True)
+    assert tee("save-checkpoint").elapsed(reset=False) == 1.5
+    # the phase covers the timer's barriers: entered before start, left after stop
+    assert seen == [("start", ["checkpoint save"]), ("start", ["checkpoint save"]),
+                    ("stop", ["checkpoint save"]), ("stop", ["checkpoint save"])]
+    assert wd.busy == [] and wd.progress == before + 2
+
+
+def test_the_phase_timers_are_the_ones_megatron_starts():
+    """A test that fails when Megatron renames a timer the watchdog relies on."""
+    import importlib.util
+    from pathlib import Path
+
+    from sparsebalance_megatron.megatron.watchdog_judgement import PHASES
+
+    spec = importlib.util.find_spec("megatron.training")
+    if spec is None:
+        pytest.skip("megatron-core is not installed")
+    src = (Path(spec.origin).parent / "training.py").read_text()
+    ours = (Path(__file__).parents[2] / "sparsebalance_megatron/megatron/hooks.py").read_text()
+    for name in PHASES:
+        assert f"'{name}'" in src or f'"{name}"' in ours, name
+
+
+def test_an_exited_rank_is_torchruns_root_cause(tmp_path, monkeypatch):
+    import json
+
+    job = Job().started()
+    job.step(2)
+    job.advance(TIMING.interval_s)
+    job.proc[101] = None                    # os._exit(0): torchrun counts no failure for it
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    job.ranks[0]._prev_excepthook = lambda *a: None
+    job.ranks[0]._excepthook(RuntimeError, RuntimeError("Connection closed by peer"), None)
+    err = json.loads((tmp_path / "error.json").read_text())
+    assert err["message"].startswith("[sparsebalance] watchdog: the root cause is not rank 0: "
+                                     "rank 1 has exited: its process 101 on h is gone"), err
+    assert "Connection closed by peer" in err["message"]
+    assert err["timestamp"] == int(job.clock.t)
+    job.store.set("verdict", "{}")          # a rank named and ended by the watchdog: its own
+    (tmp_path / "error.json").unlink()      # exit is torchrun's root cause, no file
+    job.ranks[2]._prev_excepthook = lambda *a: None
+    job.ranks[2]._excepthook(RuntimeError, RuntimeError("Connection closed by peer"), None)
+    assert not (tmp_path / "error.json").exists()
+
+
+def test_classify_a_peer():
+    from sparsebalance_megatron.megatron.watchdog_judgement import classify, culprits, should_act
+
+    rec = dict(rank=1, pid=7, host="h", state="running", waiting=False, busy=[], stall_s=30.0,
+               wall=0.0)
+    t = MINUTE   # threshold 54 s, stale after 8 s
+
+    def kind(age=0.0, pstate="S", local=True, **kw):
+        c = classify({**rec, **kw}, age_s=age, local=local, pstate=pstate, t=t)
+        return c and c[0]
+
+    assert kind(stall_s=26.0) is None and kind() == "stalled"
+    assert kind(waiting=True) is None                     # a victim
+    assert kind(busy=["evaluation"]) is None               # in a progress phase
+    assert kind(pstate="T", stall_s=0.0) is None           # paused, heartbeat fresh: SIGCONT next
+    assert kind(pstate="T", age=8.0, busy=["checkpoint save"]) == "stopped"
+    assert kind(age=8.0, local=False, pstate="?") == "stopped"
+    assert kind(pstate=None, busy=["evaluation"]) == "exited"
+    assert kind(state="exited") == "exited" and kind(state="finished") is None
+    found = culprits([(rec, ("stalled", "")), ({**rec, "rank": 2}, ("exited", "")),
+                      ({**rec, "rank": 3}, None)])
+    assert [(k, r["rank"]) for k, _, r in found] == [("exited", 2)]   # it explains the wait
+    saver = {**rec, "busy": ["data loading", "checkpoint save"]}
+    assert should_act(54.0, found, [rec], t) and not should_act(53.9, found, [rec], t)
+    assert not should_act(54.0, found, [rec, saver], t) and not should_act(99.0, [], [rec], t)

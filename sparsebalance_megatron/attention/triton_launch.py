@@ -1,0 +1,135 @@
+"""Launch settings of the ``triton`` backend's kernels, pinned per (head dim, block, GQA ratio).
+
+``launch_config(head_dim, block_size, rep)`` is what ``sparse_triton`` launches with: the
+``PINNED`` entry for that key when the device's autotune has filled one, else ``default_config``
+(register-sized first choices). ``scripts/autotune_triton.py`` sweeps ``candidates`` on a GPU at
+the target shape and prints the entries to paste into ``PINNED`` (with the command, commit,
+versions and device it ran on, which go in the comment above each entry).
+
+A ``LaunchConfig`` changes only speed, never the result: every field is checked for the tile
+shapes the kernels accept (powers of two, the dK/dV key tile dividing the block).
+Pure python (triton only for ``next_power_of_2``'s arithmetic, done here by hand); must not
+import megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Tuple
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tiles and launch settings of the forward and the one-pass backward."""
+
+    fwd_block_m: int
+    """Stacked query rows (GQA heads x tokens of one query block) per forward program."""
+    fwd_warps: int
+    """``num_warps`` of the forward."""
+    fwd_stages: int
+    """``num_stages`` (software pipelining depth) of the forward's list loop."""
+    bwd_block_m: int
+    """Stacked query rows per iteration of the dK/dV/dQ loop."""
+    bwd_block_n: int
+    """Keys per dK/dV program: the whole block where registers allow (dK, dV in float32)."""
+    bwd_warps: int
+    """``num_warps`` of the backward."""
+    bwd_stages: int
+    """``num_stages`` of the backward's flattened (list entry x row tile) loop."""
+    kv_chunk: int
+    """Entries of a key block's transposed list one backward program takes (longer columns,
+    the document sinks, are split and their dK/dV added atomically)."""
+
+    def check(self, block_size: int) -> "LaunchConfig":
+        """This config, or a ``ValueError`` naming the field the kernels cannot take."""
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LaunchConfig.{name}={value!r}: expected an integer >= 1")
+        for name in ("fwd_block_m", "bwd_block_m", "bwd_block_n", "fwd_warps", "bwd_warps"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"LaunchConfig.{name}={value}: expected a power of two")
+        for name in ("fwd_block_m", "bwd_block_m"):
+            if getattr(self, name) < 16:
+                raise ValueError(f"LaunchConfig.{name}={getattr(self, name)}: expected >= 16 "
+                                 f"(tl.dot's smallest tile)")
+        if self.bwd_block_n < 16 or block_size % self.bwd_block_n:
+            raise ValueError(f"LaunchConfig.bwd_block_n={self.bwd_block_n}: expected a power "
+                             f"of two >= 16 dividing the block size {block_size}")
+        return self
+
+
+def default_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
+    """Register- and shared-memory-sized first choices (they must compile on an H100 before
+    anything is tuned: the GPU tests run them), used until the device's autotune pins an entry.
+
+    Forward stages: a stage holds a K and a V tile (``2 B hn`` bytes at 16 bits: 64 KB at block
+    and head dim 128), so 3 stages at hn <= 64, 2 at 128, 1 at 256 stay under the 227 KB of an
+    H100's shared memory per block. Backward: the whole key block, dK and dV in float32
+    registers (128 per thread at 8 warps, block and head dim 128), so 32 query rows per
+    iteration (the Triton tutorial's FlashAttention-2 backward shape)."""
+    rows = _pow2(rep * block_size)
+    return LaunchConfig(
+        fwd_block_m=min(rows, 128 if head_dim <= 128 else 64),
+        fwd_warps=8 if head_dim >= 128 else 4,
+        fwd_stages=3 if head_dim <= 64 else (2 if head_dim <= 128 else 1),
+        bwd_block_m=min(rows, 64 if head_dim <= 64 else 32),
+        bwd_block_n=min(block_size, 128 if head_dim <= 128 else 64),
+        bwd_warps=8 if head_dim >= 64 else 4, bwd_stages=2 if head_dim <= 128 else 1,
+        kv_chunk=16)
+
+
+PINNED: Dict[Tuple[int, int, int], LaunchConfig] = {
+    # (head_dim, block_size, rep): LaunchConfig(...), pasted from scripts/autotune_triton.py's
+    # JSON ("pinned"), with the command, commit, versions and device above the entry.
+    # Empty until the autotune runs on the device.
+}
+
+
+def launch_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
+    """The pinned entry for (head dim, block, GQA ratio), else ``default_config``."""
+    cfg = PINNED.get((head_dim, block_size, rep))
+    return cfg if cfg is not None else default_config(head_dim, block_size, rep)
+
+
+def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
+    """What the autotune sweeps at one key: the default first, then tiles x warps x stages
+    (each valid for the block; at most a few dozen, so one device step covers them), backward
+    and forward candidates interleaved."""
+    base = default_config(head_dim, block_size, rep)
+    rows = _pow2(rep * block_size)
+    fwd, bwd = [], []
+    stages = (2, 3, 4) if head_dim <= 64 else ((1, 2, 3) if head_dim <= 128 else (1, 2))
+    for fwd_m in sorted({min(rows, m) for m in (64, 128)}):
+        for fwd_w, fwd_s in [(4, 2)] + [(8, s) for s in stages]:
+            fwd.append(LaunchConfig(fwd_m, fwd_w, fwd_s, base.bwd_block_m, base.bwd_block_n,
+                                    base.bwd_warps, base.bwd_stages, base.kv_chunk))
+    for bwd_m in sorted({min(rows, m) for m in (32, 64, 128)}):
+        for bwd_n in sorted({min(block_size, n) for n in (64, 128)}):
+            for bwd_w, bwd_s in ((4, 2), (8, 1), (8, 2), (8, 3)):
+                for chunk in (8, 16, 32):
+                    if chunk != base.kv_chunk and (bwd_w, bwd_s) != (8, 2):
+                        continue
+                    bwd.append(LaunchConfig(base.fwd_block_m, base.fwd_warps, base.fwd_stages,
+                                            bwd_m, bwd_n, bwd_w, bwd_s, chunk))
+    # backward and forward candidates alternate (two backward per forward: it is ~2.5x the
+    # work), so a sweep cut by its deadline has tried both
+    # nearest the default's tiles first: the whole key block before its halves
+    bwd.sort(key=lambda c: (c.bwd_block_n != base.bwd_block_n, c.bwd_block_m != base.bwd_block_m,
+                            c.kv_chunk != base.kv_chunk))
+    out = [base]
+    for n in range(max(len(bwd), 2 * len(fwd))):
+        out += bwd[n:n + 1] + (fwd[n // 2:n // 2 + 1] if n % 2 == 0 else [])
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c.check(block_size))
+    return uniq
+
+
+__all__ = ["LaunchConfig", "PINNED", "candidates", "default_config", "launch_config"]

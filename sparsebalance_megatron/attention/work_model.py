@@ -1,0 +1,90 @@
+"""Work model of the block-sparse FlashAttention kernels: GEMMs, FLOPs and dQ traffic per tile.
+
+A *kept tile* is one (query block, key block) pair the kernel computes for one query head:
+``B x B`` scores over head dim ``hn``. Every GEMM on it is ``B x B x hn`` (``2 B^2 hn`` FLOPs):
+
+==========  =====  ==============================================================
+pass        GEMMs  what
+==========  =====  ==============================================================
+forward     2      S = Q K^T, O += P V
+backward    5      S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K
+==========  =====  ==============================================================
+
+The backward is one pass (``sparse_triton_kernels.dkv_kernel``): dQ is accumulated inside the
+dK/dV loop. A separate dQ pass (the design before it, and flex's) recomputes S and dP: 7 GEMMs,
+9 per tile fwd+bwd instead of 7, 29% more tensor-core work for the same tiles.
+
+Why dQ goes out by float32 atomic adds and not through a reduction buffer (``dq_traffic``):
+a key-block program produces a partial dQ ``[rows, hn]`` for every query block of its list.
+Atomics add it into one float32 ``[T, np, hn]`` accumulator in L2: ``4 B hn`` bytes of
+reduce traffic per kept tile against ``5 * 2 B^2 hn`` FLOPs, i.e. ``2.5 B`` FLOP per byte (320
+at block 128: above an H100's ~300 FLOP/byte of bf16 tensor core to HBM, and the adds are to L2),
+and no extra memory. A reduction buffer keeps every partial (``4 B hn`` bytes per kept tile,
+written and read back by a second kernel): at 32K tokens, block 128, 8 query heads, hn 128 and
+density 0.5 that is ~8.6 GB per layer call, more than the whole attention's inputs, and twice
+the traffic. FA2 makes the same choice (FA3 the same adds through TMA).
+
+``sparse_triton_kernels.GEMMS_PER_TILE`` declares the kernels' counts; a unit test counts the
+``tl.dot`` calls in their list loops and checks them against ``GEMMS_PER_TILE`` here.
+Pure python; must not import torch, triton or megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+GEMMS_PER_TILE: Dict[str, int] = {"fwd": 2, "bwd": 5}
+"""GEMMs per kept tile of the kernels as built: forward 2, one-pass backward 5."""
+
+GEMMS_PER_TILE_SEPARATE_DQ: Dict[str, int] = {"fwd": 2, "bwd": 7}
+"""The same with a separate dQ pass that recomputes S and dP (the former design): 7."""
+
+
+def _check(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {minimum}")
+    return value
+
+
+def tile_flops(block_size: int, head_dim: int, gemms: int) -> int:
+    """FLOPs of ``gemms`` ``B x B x hn`` GEMMs (one kept tile, one query head)."""
+    _check("block_size", block_size)
+    _check("head_dim", head_dim)
+    return gemms * 2 * block_size * block_size * head_dim
+
+
+def attention_flops(kept_tiles: int, q_heads: int, block_size: int, head_dim: int,
+                    one_pass_backward: bool = True) -> Dict[str, int]:
+    """Forward, backward and total FLOPs of ``kept_tiles`` (query block, key block) pairs per
+    query head (the kernel's work at one call): ``{"fwd", "bwd", "total"}``."""
+    _check("kept_tiles", kept_tiles, 0)
+    _check("q_heads", q_heads)
+    g = GEMMS_PER_TILE if one_pass_backward else GEMMS_PER_TILE_SEPARATE_DQ
+    fwd = kept_tiles * q_heads * tile_flops(block_size, head_dim, g["fwd"])
+    bwd = kept_tiles * q_heads * tile_flops(block_size, head_dim, g["bwd"])
+    return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
+
+
+def dq_traffic(kept_tiles: int, q_heads: int, block_size: int, head_dim: int) -> Dict[str, float]:
+    """The two ways of reducing dQ in a one-pass backward, in bytes: ``atomic`` (float32 adds
+    into one accumulator; no extra memory), ``buffer_memory`` / ``buffer_traffic`` (every
+    partial kept, written and read back), and ``flop_per_atomic_byte`` (backward FLOPs per
+    byte of atomic traffic: ``2.5 * B``)."""
+    part = 4 * block_size * head_dim                         # one tile's partial dQ, float32
+    n = kept_tiles * q_heads
+    bwd = tile_flops(block_size, head_dim, GEMMS_PER_TILE["bwd"])
+    return {"atomic": float(n * part), "buffer_memory": float(n * part),
+            "buffer_traffic": float(2 * n * part), "flop_per_atomic_byte": bwd / part}
+
+
+def causal_kept_tiles(doc_blocks: int, density: float) -> int:
+    """Kept tiles per head of one document of ``doc_blocks`` blocks at ``density`` (every query
+    block keeps ``max(1, ceil(density * available))``; forced blocks ignored): a quick count
+    for the docstring's figures and the autotune's TFLOP/s, not the selection's exact one."""
+    import math
+    _check("doc_blocks", doc_blocks)
+    return sum(max(1, math.ceil((density - 1e-6) * (i + 1))) for i in range(doc_blocks))
+
+
+__all__ = ["GEMMS_PER_TILE", "GEMMS_PER_TILE_SEPARATE_DQ", "attention_flops",
+           "causal_kept_tiles", "dq_traffic", "tile_flops"]
