@@ -92,7 +92,9 @@ class SparseBalanceConfig:
         False, "Dynamic sparsity tuning alone: plan a density per (rank, micro-batch, stage) "
         "each step. Implies sparse attention.")
     batching: bool = _f(
-        False, "Sparsity-aware batching alone: pack and assign samples by predicted latency.")
+        False, "Sparsity-aware batching alone: pack and assign samples by predicted latency. "
+        "Without --sb-sparse-attention or --sb-dst the attention stays dense (no sparse call): "
+        "SAB packing for a dense run, priced by the dense kernel.")
 
     # --- attention budget -----------------------------------------------------------------
     density: float = _f(0.5, "Base density d0 in (0, 1]: kept key blocks / causal key blocks.")
