@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo test test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack
+.PHONY: venv demo demo-resume test test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -37,6 +37,9 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	bash examples/run_cpu_demo.sh
+
+demo-resume: $(STAMP)   # continue `make demo`'s checkpoint (TRAIN_ITERS: 10 more than it holds)
+	RESUME=1 bash examples/run_cpu_demo.sh
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -10,14 +10,17 @@ short documents), d0 and DP size, the layout search (``experiments.layout_search
   token-balanced packing, all at d0 (the JSON names the packing);
 - ``best_plain_static``: the same with Megatron's sequential packing only (no plugin at all);
 - ``best_dense``: the fastest dense configuration (every split, sequential packing, dense
-  attention: what a user without the plugin runs today; ``speedup_vs_dense`` divides by it);
+  attention: what a user without the plugin runs today; ``speedup_vs_dense`` divides by it).
+  Dense attention is priced by the table's dense kernel: on the analytic table cuDNN's measured
+  H100 costs (``latency/analytic.py``), not the sparse kernel at density 1;
 - ``sab_dst``: the fastest SAB + DST layout (vp 1 or 2) whose plan keeps the layer-weighted
   density >= d0 and every stage >= the stage floor x d0.
 
 Rows, all on the same global batches, speedups vs ``best_static``:
 ``static_even`` (Megatron's default: even split, sequential packing; the old baseline, labelled),
 ``best_static``, ``sab`` and ``dst`` (each alone on the best plain-1F1B static layout),
-``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
+``dense_sab`` (SAB packing with dense attention, ``--sb-batching`` alone, on best_dense's layout:
+the plugin's gain without sparse attention), ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
 plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the layout
 no slower than best_static's with the lowest predicted loss, the densest under the density
 objective: the "free accuracy" row).
@@ -30,9 +33,12 @@ DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and t
 Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
 against uniform d0 that the shipped quality cost predicts for a run's plans (both objectives).
 
-Latency: the analytic Qwen2.5-0.5B / H100 table (published throughputs, not measured; its
-micro-batch is --seq-length tokens), another model's shape (--model), or --table. Prints tables;
-``--json PATH`` writes everything.
+Latency: the analytic Qwen2.5-0.5B / H100 table (published throughputs, the dense kernel and the
+sparse call's fixed cost measured; its micro-batch is --seq-length tokens), another model's shape
+(--model), or --table. ``--routing derived``: the analytic table routes documents below the
+dense/sparse crossover derived from its own costs at each d0 (as the runtime routes at a
+profiled table's crossover); default ``off``: every document of a sparse run goes sparse.
+Prints tables; ``--json PATH`` writes everything.
 
 Context parallelism (issue 14): ``--context-parallel 2 4 8`` repeats the study with the latency
 model of one rank of a CP group of that size (``LatencyModel.with_context_parallel``: the a2a
@@ -148,6 +154,10 @@ def parse_args(argv=None):
     p.add_argument("--table-force", action="store_true")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b",
                    help="the analytic table's model shape (without --table)")
+    p.add_argument("--routing", choices=("off", "derived"), default="off",
+                   help="analytic table only: 'derived' routes documents shorter than the "
+                        "crossover derived from the table's costs at each d0 to the dense kernel "
+                        "(what the runtime does with a profiled table); 'off': no routing")
     p.add_argument("--context-parallel", type=int, nargs="+", default=[1],
                    help="CP sizes (a2a scheme) to study; each one's results are keyed .../cp=N "
                         "when N > 1")
@@ -181,6 +191,9 @@ def parse_args(argv=None):
     # checked here, before any search: the runtime's own checks, named by this script's flags
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
         p.error(f"--device-memory-gib {args.device_memory_gib}: expected a number of GiB > 0")
+    if args.routing != "off" and args.table:
+        p.error(f"--routing {args.routing}: only with the analytic table (a --table routes at "
+                f"its own measured crossover)")
     if args.raise_headroom is not None:
         try:
             SparseBalanceConfig(raise_headroom=args.raise_headroom)
@@ -219,6 +232,7 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
     runs = {"best_dense": ("dense", best_dense.layout), "static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
             "best_plain_static": ("static", plain_static.layout),
+            "dense_sab": ("dense_sab", best_dense.layout),
             "sab": ("sab", plain), "dst": ("dst", plain),
             "sab_dst": ("sab_dst", best_sb.layout),
             "sab_dst_max": ("sab_dst_max", plain),
@@ -276,7 +290,10 @@ def main(argv=None):
         shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
         lm0 = LatencyModel.analytic(shape, pp=args.pp)
         source = (f"ANALYTIC {args.model} / {args.seq_length // 1024}K / H100 table (published "
-                  f"throughputs, not measured)")
+                  f"throughputs, not measured; dense attention and the sparse call's fixed cost "
+                  f"measured: cuDNN and flex on an H100)")
+    if args.routing == "derived":
+        source += "; routing at the crossover derived at each d0"
     models = {cp: lm0.with_context_parallel(cp) for cp in args.context_parallel}
     if args.context_parallel != [1]:
         dev = lm0.table.get("device_profile") or {}
@@ -313,6 +330,14 @@ def main(argv=None):
         print(f"wrote {args.json}")
 
 
+def routed_model(lm, args, d0: float, cp: int):
+    """The analytic model of ``args`` routing at the crossover its costs give at ``d0``."""
+    shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
+    routed = LatencyModel.analytic(shape, pp=args.pp, routing_density=d0)
+    print(f"routing at d0={d0}: documents under {routed.dense_below_tokens} tokens run dense")
+    return routed.with_context_parallel(cp)
+
+
 def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
     """Every d0 and DP size of one length mix (and seed) at one CP size, into ``out``."""
     tag = "" if cp == 1 else f"/cp={cp}"
@@ -322,6 +347,8 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
     out.setdefault("corpus", {})[name] = length_stats(lengths)
     mix = name
     for d0 in args.densities:
+        if args.routing == "derived":      # the crossover depends on d0
+            lm = routed_model(lm, args, d0, cp)
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
                           density=d0, min_density=args.min_density,
                           max_density=args.max_density, steps=args.steps, seed=seed,
@@ -334,6 +361,7 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
         for dp in args.ranks:
             r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank,
                           whole_space=not args.count_flags_only)
+            r["dense_below_tokens"] = lm.dense_below_tokens     # 0: no routing
             res[str(dp)] = r
             out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
         if args.floor_sweep:

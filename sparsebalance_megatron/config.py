@@ -92,7 +92,9 @@ class SparseBalanceConfig:
         False, "Dynamic sparsity tuning alone: plan a density per (rank, micro-batch, stage) "
         "each step. Implies sparse attention.")
     batching: bool = _f(
-        False, "Sparsity-aware batching alone: pack and assign samples by predicted latency.")
+        False, "Sparsity-aware batching alone: pack and assign samples by predicted latency. "
+        "Without --sb-sparse-attention or --sb-dst the attention stays dense (no sparse call): "
+        "SAB packing for a dense run, priced by the dense kernel.")
 
     # --- attention budget -----------------------------------------------------------------
     density: float = _f(0.5, "Base density d0 in (0, 1]: kept key blocks / causal key blocks.")
@@ -117,7 +119,7 @@ class SparseBalanceConfig:
         "experimental, not yet run on a GPU), 'triton' (the plugin's own Triton "
         "block-sparse FlashAttention, CUDA; not yet timed on a GPU), 'torch' (blockwise "
         "PyTorch), 'reference' "
-        "(dense masked SDPA oracle), or 'auto' (flex on CUDA, torch on CPU).",
+        "(dense masked SDPA oracle), or 'auto' (on CUDA the backend the latency profile measured fastest, flex where none was measured; torch on CPU).",
         choices=BACKENDS)
     query_chunk_blocks: int = _f(
         16, "Query blocks processed at once by the torch kernel; bounds its memory.")

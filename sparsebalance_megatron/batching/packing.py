@@ -41,7 +41,11 @@ CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] secon
 def latency_sample_cost_fn(model, density: float) -> CostFn:
     """Cost of a segment as a document of a packed micro-batch: the seconds it adds to the
     micro-batch, fwd + bwd, summed over the pipeline stages, from a ``LatencyModel`` at
-    ``density`` (time of the micro-batch with it minus the empty micro-batch)."""
+    ``density`` (time of the micro-batch with it minus the empty micro-batch), without the
+    kernels' per-call costs (a micro-batch pays each call once, whatever its documents)."""
+    if hasattr(model, "without_call_costs"):
+        model = model.without_call_costs()
+
     def cost(lengths: np.ndarray) -> np.ndarray:
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
         csr = (np.arange(L.size + 1, dtype=np.int64), L)

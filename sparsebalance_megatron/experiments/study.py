@@ -8,8 +8,12 @@ pipeline layout and stepped through the simulator (1F1B, or the interleaved sche
 layout with vp > 1). Variants (names are what the tables print):
 
 - ``dense``: sequential packing, dense attention: every document through the dense kernel
-  (``LatencyModel.with_routing`` of every length: the table's dense coefficients where it has
-  them, what a user without the plugin runs; else the sparse kernel's cost at density 1);
+  (``LatencyModel.all_dense``: the table's dense coefficients and dense call cost, what a user
+  without the plugin runs; a table without dense coefficients falls back to the sparse kernel's
+  per-pair cost at density 1; the analytic table has them: cuDNN measured on an H100);
+- ``dense_sab``: SAB packing, dense attention (``--sb-batching`` without sparse attention): SAB
+  packs by the dense model's costs; with do no harm it stands down to sequential packing when
+  SAB is predicted no faster;
 - ``static``: sequential packing, every unit at d0 (static sparse attention);
 - ``token_balanced``: length-aware balancer at d0 (what a careful Megatron user runs);
 - ``sab``: SAB at d0;
@@ -58,9 +62,10 @@ from ..policy.stand_down import StandDownCounts, choose_step
 from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
 from .heterogeneous import rank_scale, scale_costs
 
-_ALL_DENSE = 1 << 40   # a routing threshold above every document: all of them dense
-_PACKING = {"dense": "sequential", "static": "sequential", "token_balanced": "token_balanced",
-            "sab": "sab", "sab_dst": "sab"}
+_PACKING = {"dense": "sequential", "dense_sab": "sab", "static": "sequential",
+            "token_balanced": "token_balanced", "sab": "sab", "sab_dst": "sab"}
+DENSE_VARIANTS = ("dense", "dense_sab")
+"""Variants with dense attention: every document through the dense kernel."""
 
 
 @dataclass
@@ -134,6 +139,11 @@ def packing_of(variant: str) -> str:
     return _PACKING.get(v, "sequential")
 
 
+def is_dense(variant: str) -> bool:
+    """Whether a variant runs dense attention (``DENSE_VARIANTS``)."""
+    return variant in DENSE_VARIANTS
+
+
 def dst_anchor_of(variant: str):
     """The DST anchor of a variant, or None when the variant does not run DST."""
     v = _base(variant)
@@ -148,6 +158,11 @@ def dst_anchor_of(variant: str):
 def raise_to_of(variant: str) -> str:
     """``static`` for the accuracy-first variants (``..._acc``), else ``bottleneck``."""
     return "static" if variant.endswith("_acc") and dst_anchor_of(variant) else "bottleneck"
+
+
+def _plan_key(variant: str) -> str:
+    """The packing plan a variant runs on: ``packing_of``, SAB by dense costs for dense_sab."""
+    return "sab_dense" if variant == "dense_sab" else packing_of(variant)
 
 
 def check_variant(variant: str) -> None:
@@ -246,12 +261,12 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         raise ValueError(f"baseline {baseline!r}: expected one of the runs {list(runs)}")
     m, cap, d0 = cfg.microbatches, cfg.seq_length, cfg.density
     grid = density_grid(d0, cfg.min_density, cfg.max_density)
-    if any(v == "dense" for v, _ in runs.values()) and grid[-1] < 1.0:
+    if any(is_dense(v) for v, _ in runs.values()) and grid[-1] < 1.0:
         grid = np.append(grid, 1.0)  # above d_max: DST never plans there, dense reads it
     models, quality = {}, {}
-    lm_dense = lm.with_routing(_ALL_DENSE)
+    lm_dense = lm.all_dense()
     for variant, lay in runs.values():
-        base = lm_dense if variant == "dense" else lm
+        base = lm_dense if is_dense(variant) else lm
         if (base is lm_dense, lay) not in models:     # PipelineLayout is frozen: a dict key
             models[base is lm_dense, lay] = base if lay is None else base.with_layout(lay)
         if lay not in quality:
@@ -259,23 +274,30 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                                                   models[base is lm_dense, lay].layout.layers, d0)
     sampler = GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
                                  seed=cfg.seed, long_sample_policy="split")
-    cost_fn = latency_sample_cost_fn(lm, d0)
+    cost_fns = {"sab": latency_sample_cost_fn(lm, d0),
+                "sab_dense": latency_sample_cost_fn(lm_dense, 1.0)}   # every document dense
     tracker = SensitivityTracker()
     acc = {name: VariantAccumulator() for name in runs}
     policies = {}
-    needed = {packing_of(v) for v, _ in runs.values()}
-    needed_feats = {(packing_of(v), v == "dense") for v, _ in runs.values()}
+    needed = {_plan_key(v) for v, _ in runs.values()}
+    needed_feats = {(_plan_key(v), is_dense(v)) for v, _ in runs.values()}
     fallback = cfg.policy().stand_down          # the packing SAB's runs stand down to
     fallback = None if fallback == "off" else fallback
-    if fallback and "sab" in needed:
-        needed.add(fallback)
-        needed_feats.add((fallback, False))
+    dense_fallback = None if fallback is None else "sequential"   # dense_sab: Megatron's own
+    for v, _ in runs.values():
+        if fallback and _plan_key(v) == "sab":
+            needed.add(fallback)
+            needed_feats.add((fallback, False))
+        if dense_fallback and _plan_key(v) == "sab_dense":
+            needed.add(dense_fallback)
+            needed_feats.add((dense_fallback, True))
     for _ in range(cfg.steps):
         segs = sampler.next_global_batch()
         plans = {"sequential": sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)}
-        if "sab" in needed:
-            plans["sab"] = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
-                                    cost_fn=cost_fn, sensitivity=tracker, seed=cfg.seed)
+        for key in ("sab", "sab_dense"):
+            if key in needed:
+                plans[key] = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
+                                      cost_fn=cost_fns[key], sensitivity=tracker, seed=cfg.seed)
         if "token_balanced" in needed:
             plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
                                                           max_tokens=cap, seed=cfg.seed)
@@ -286,10 +308,10 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         sens = {k: unit_sensitivity(p.micro_batches, tracker) for k, p in plans.items()}
         costs = {}
         for name, (variant, lay) in runs.items():
-            packing, dense = packing_of(variant), variant == "dense"
+            packing, dense = _plan_key(variant), is_dense(variant)
             # do no harm: SAB's packing competes with the baseline's (policy.stand_down)
-            cands = [packing] + ([fallback] if packing == "sab" and fallback and not dense
-                                 else [])
+            back = {"sab": fallback, "sab_dense": dense_fallback}.get(packing)
+            cands = [packing] + ([back] if back else [])
             for k in cands:
                 if (k, dense, lay) not in costs:
                     costs[k, dense, lay] = scale_costs(UnitCosts.from_latency(

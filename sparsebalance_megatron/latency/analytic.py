@@ -15,16 +15,27 @@ Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the 
   Aug 2024) reaches ~90% of FlashAttention-2 forward and ~85% backward. Assumed: block-sparse
   attention 350 TFLOP/s forward; backward does 2.5x the forward FLOPs at 250 TFLOP/s.
 - Block scoring (pooled query x keys, max per block) is a skinny batched GEMM: 150 TFLOP/s assumed.
-- Dense attention of routed short documents (one fused varlen call): FlashAttention-3 / cuDNN
-  class, assumed 500 TFLOP/s forward and 400 TFLOP/s backward (2.5x the forward FLOPs).
-These are assumptions from published numbers, not measurements: the output says so.
+- Dense attention (routed short documents, and every document of a dense run): MEASURED, cuDNN's
+  fwd+bwd on an H100 (docs/results/attention_gpu_h100_run2.json: one causal document, bf16, 8
+  query / 2 KV heads, head dim 128, ``dense_cudnn_ms`` 1.2104 ms at 8K and 14.3121 ms at 32K).
+  A fixed cost plus a cost per causal 128 x 128 tile fits both lengths: 0.3261 ms per call and
+  0.42516 us per tile (about 552 TFLOP/s with the backward at 2.5x the forward FLOPs). The tile
+  cost is scaled to the model by FLOPs (query heads x head dim over 8 x 128, block area over
+  128^2) and split 1 : 2.5 between forward and backward; the call cost 1 : 2 (launches).
+- The sparse call's fixed cost (selection, padding, launches besides the kernel): MEASURED on
+  the flex path, the median over the five 32K rows of that file of ``ours_ms - kernel_ms``,
+  0.637 ms per call, fwd+bwd, split 1 : 2; charged once per layer to a unit that has a document
+  on the sparse path (``features.CALL_FEATURES``). The triton backend has no device measurement
+  yet; a device table replaces both figures (``--table``).
+The other figures are assumptions from published numbers, not measurements: the output says so.
 
 Routing (``routing_density``): the table's ``dense_crossover_tokens`` is derived from its own cost
-terms, per layer, forward + backward: a single document of n blocks costs ``pair x kept(n, d0) +
-select x n^2`` sparse and ``dense x n (n + 1) / 2`` dense, and ``crossover.crossover_tokens``
-picks the length from which sparse stays cheaper. No per-call or per-document overhead is
-modelled, so the derived crossover is small (a few blocks at d0 = 0.5): a profiled table, which
-times the kernels, is what routing should run on.
+terms, per layer, forward + backward, as the profiler measures it (one document alone): a
+document of n blocks costs ``sparse_call + pair x kept(n, d0) + select x n^2`` sparse and
+``dense_call + dense x n (n + 1) / 2`` dense, and ``crossover.crossover_tokens`` picks the
+length from which sparse stays cheaper (above every length: all documents dense). Every table
+carries ``dense_coefficients`` (with or without routing), so a dense run
+(``LatencyModel.all_dense``) is priced by the dense kernel, never by the sparse one at density 1.
 Context parallelism is not in the table (a table describes a CP=1 stage); ``LatencyModel.
 with_context_parallel`` derives a CP rank's time from it, with the profile's all-to-all bandwidth.
 Activation recomputation is modelled by its FLOPs (full: the layers' forward again in backward;
@@ -57,8 +68,11 @@ class DeviceProfile:
     attn_bwd_flops: float = 250e12
     attn_bwd_flop_ratio: float = 2.5
     select_flops: float = 150e12
-    dense_attn_fwd_flops: float = 500e12
-    dense_attn_bwd_flops: float = 400e12
+    # measured on an H100 (module docstring; docs/results/attention_gpu_h100_run2.json), fwd+bwd
+    dense_tile_s: float = 0.42516e-6    # cuDNN, per causal 128 x 128 tile at the reference heads
+    dense_call_s: float = 0.3261e-3     # cuDNN, per call
+    dense_reference_heads_dim: int = 8 * 128   # query heads x head dim of that measurement
+    sparse_call_s: float = 0.637e-3     # flex path, per call, besides the kernel
     hbm_bytes_per_s: float = 3.35e12
     launch_s_per_layer: float = 30e-6   # kernel launches and small ops, forward; backward 2x
     p2p_bytes_per_s: float = 300e9      # NVLink activation transfer between stages
@@ -71,7 +85,9 @@ class DeviceProfile:
         "NVIDIA H100 SXM datasheet (989 TFLOP/s dense BF16, 3.35 TB/s HBM3); FlashAttention-2/3 "
         "(Dao 2023; Shah et al. 2024: FA2 ~350, FA3 up to ~740 TFLOP/s fwd on H100); PyTorch "
         "FlexAttention blog (2024: ~90% of FA2 fwd, ~85% bwd). Throughputs are assumptions "
-        "within these published ranges, not measurements."))
+        "within these published ranges, not measurements; except the dense kernel (cuDNN) and "
+        "the sparse call's fixed cost, measured on an H100 "
+        "(docs/results/attention_gpu_h100_run2.json)."))
 
     @classmethod
     def h100_sxm(cls) -> "DeviceProfile":
@@ -98,14 +114,27 @@ def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -
     return {"fwd": fwd + [0.0], "bwd": bwd + [0.0]}
 
 
+BWD_CALL_SHARE = 2 / 3
+"""Share of a per-call cost (fwd+bwd) in the backward: about twice the forward's launches."""
+
+
 def dense_layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -> dict:
-    """Seconds per causal block pair of a routed (dense) document, ONE layer: {fwd, bwd}."""
-    pair_flops = 4 * block_size * block_size * shape.head_dim * shape.num_attention_heads
-    return {"fwd": pair_flops / dev.dense_attn_fwd_flops,
-            "bwd": dev.attn_bwd_flop_ratio * pair_flops / dev.dense_attn_bwd_flops}
+    """Seconds per causal block pair of a dense document, ONE layer: {fwd, bwd}: the measured
+    cuDNN tile cost scaled by FLOPs to this model's heads x head dim and block area."""
+    scale = (shape.num_attention_heads * shape.head_dim / dev.dense_reference_heads_dim
+             * (block_size / 128) ** 2)
+    pair_s = dev.dense_tile_s * scale
+    bwd = dev.attn_bwd_flop_ratio / (1 + dev.attn_bwd_flop_ratio)
+    return {"fwd": (1 - bwd) * pair_s, "bwd": bwd * pair_s}
 
 
-def derived_crossover(lay: dict, dense: dict, *, density: float, block_size: int,
+def call_layer_coefficients(dev: DeviceProfile) -> dict:
+    """Seconds per call of each kernel, ONE layer: {fwd, bwd: {sparse_calls, dense_calls}}."""
+    return {p: {"sparse_calls": share * dev.sparse_call_s, "dense_calls": share * dev.dense_call_s}
+            for p, share in (("fwd", 1 - BWD_CALL_SHARE), ("bwd", BWD_CALL_SHARE))}
+
+
+def derived_crossover(lay: dict, dense: dict, calls: dict, *, density: float, block_size: int,
                       sink_blocks: int, local_blocks: int, max_tokens: int) -> dict:
     """The ``dense_crossover`` record of one layer's cost terms (module docstring)."""
     lengths = crossover_lengths(block_size, max_tokens)
@@ -113,10 +142,12 @@ def derived_crossover(lay: dict, dense: dict, *, density: float, block_size: int
     for n_tok in lengths:
         nb = -(-n_tok // block_size)
         kept = attention_work([n_tok], density, block_size, sink_blocks, local_blocks)
-        sparse_s.append(sum(lay[p][2] * kept + lay[p][3] * nb * nb for p in ("fwd", "bwd")))
-        dense_s.append(sum(dense[p] for p in ("fwd", "bwd")) * nb * (nb + 1) / 2)
+        sparse_s.append(sum(calls[p]["sparse_calls"] + lay[p][2] * kept + lay[p][3] * nb * nb
+                            for p in ("fwd", "bwd")))
+        dense_s.append(sum(calls[p]["dense_calls"] + dense[p] * nb * (nb + 1) / 2
+                           for p in ("fwd", "bwd")))
     return {"source": "analytic", "sparse_kernel": "flex (analytic)",
-            "dense_kernel": "varlen (analytic)", "block_size": block_size, "density": density,
+            "dense_kernel": "cudnn (measured H100, scaled)", "block_size": block_size, "density": density,
             "lengths": lengths, "dense_s": dense_s, "sparse_s": sparse_s,
             "tokens": crossover_tokens(lengths, dense_s, sparse_s)}
 
@@ -142,16 +173,18 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
     per_stage = shape.num_layers // pp
     lay = layer_coefficients(shape, dev, block_size)
     dense = dense_layer_coefficients(shape, dev, block_size)
+    calls = call_layer_coefficients(dev)
     # Recomputation runs (part of) the forward again inside the backward; the block selection
     # is cached per micro-batch, so it is not recomputed.
     if recompute_granularity == "full":
         lay["bwd"] = [b + f for b, f in zip(lay["bwd"][:3], lay["fwd"][:3])] + lay["bwd"][3:]
     if recompute_granularity != "none":           # selective: Megatron's default, core attention
         dense["bwd"] += dense["fwd"]
+        calls["bwd"] = {k: v + calls["fwd"][k] for k, v in calls["bwd"].items()}
     if recompute_granularity == "selective":
         lay["bwd"][2] += lay["fwd"][2]
     routing = None if routing_density is None else derived_crossover(
-        lay, dense, density=float(routing_density), block_size=block_size,
+        lay, dense, calls, density=float(routing_density), block_size=block_size,
         sink_blocks=sink_blocks, local_blocks=local_blocks, max_tokens=shape.seq_length)
     crossover = routing["tokens"] if routing else 0
     h, v = shape.hidden_size, shape.vocab_size
@@ -179,6 +212,8 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
         cuts = np.sort(rng.choice(np.arange(1, total), size=rng.integers(2, 12), replace=False))
         mixes.append(np.diff(np.concatenate([[0], cuts, [total]])).tolist())
     dense_coef = {kind: {p: per_stage * dense[p] for p in dense} for kind in all_kinds}
+    call_coef = {kind: {p: {k: per_stage * v for k, v in calls[p].items()} for p in calls}
+                 for kind in all_kinds}
     meas = []
     for kind in all_kinds:
         f = UnitFeatures.build(mixes, block_size, sink_blocks, local_blocks,
@@ -189,15 +224,15 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
                 row = {"kind": kind, "doc_lengths": [int(a) for a in mix], "density": float(d)}
                 for p in ("fwd", "bwd"):    # routed documents: the dense kernel's pairs
                     row[p + "_s"] = float(x[j] @ np.asarray(coef[kind][p])
-                                          + f.dense_work[j] * dense_coef[kind][p])
+                                          + f.dense_work[j] * dense_coef[kind][p]
+                                          + f.sparse_calls[j] * call_coef[kind][p]["sparse_calls"]
+                                          + f.dense_calls[j] * call_coef[kind][p]["dense_calls"])
                 meas.append(row)
     act_bytes = 2 * t * h
-    routed = {} if routing is None else {
-        **crossover_entries(dict(routing, num_attention_heads=shape.num_attention_heads,
-                                 num_query_groups=shape.num_query_groups,
-                                 head_dim=shape.head_dim, dtype="bfloat16")),
-        "dense_coefficients": dense_coef}
-    return {**routed,
+    routed = {} if routing is None else crossover_entries(dict(
+        routing, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups, head_dim=shape.head_dim, dtype="bfloat16"))
+    return {**routed, "dense_coefficients": dense_coef, "call_coefficients": call_coef,
         "format": FORMAT, "format_version": FORMAT_VERSION, "source": "analytic",
         "device": dev.name,
         "software": {"torch": "analytic", "megatron_core": "analytic"},

@@ -111,7 +111,7 @@ class Calibration:
         w = self.calibration_ema
         for s in range(p.size):
             old = self.stage_correction(rank, s)
-            ratio = (m[s] / p[s]) / overall
+            ratio = float((m[s] / p[s]) / overall)     # a Python float: it is saved state
             ratio = min(max(ratio, old / CALIBRATION_CLIP), old * CALIBRATION_CLIP)
             self._stage_correction[int(rank), s] = (1.0 - w) * old + w * ratio
 
@@ -128,10 +128,10 @@ class Calibration:
 
     def calibration_state(self) -> dict:
         """What online calibration learned: per-rank factors and the recent errors."""
-        out = {"corrections": {str(r): f for r, f in self._correction.items()},
+        out = {"corrections": {str(r): float(f) for r, f in self._correction.items()},
                "errors": [float(e) for e in self._errors]}
         if self._stage_correction:     # PP runs; an older state has none (all 1)
-            out["stage_corrections"] = {f"{r},{s}": f
+            out["stage_corrections"] = {f"{r},{s}": float(f)
                                         for (r, s), f in self._stage_correction.items()}
         return out
 

@@ -25,7 +25,9 @@ CP=1 coefficients ``[const, tokens, attention_work, selection_work, sequences]``
 - ``sequences``: does not divide (every rank loops over all documents: the THD rotary embedding,
   the kernels' per-document set-up for its heads);
 - ``dense_work`` (routed documents, when the model has it): divided by ``c``, like attention work
-  (each rank attends over whole documents for ``np / c`` heads).
+  (each rank attends over whole documents for ``np / c`` heads);
+- ``sparse_calls``, ``dense_calls`` (per-call fixed costs): do not divide (every rank makes the
+  calls, with fewer heads; the launches and set-up stay).
 
 The stage-to-stage activation (``p2p_s``) is each rank's tokens: divided by ``c``. ``c = 1`` is
 the CP=1 model exactly. The interconnect's bandwidth and per-collective latency are assumptions
@@ -141,7 +143,8 @@ class ContextParallelCost:
             x[1] = x[1] / c + layers * self.a2a_bytes_per_token() / bw
             x[2] = x[2] / c
             x[3] = x[3] / self.selection_split
-            x[5:] = x[5:] / c                                     # dense work, if any
+            x[5:6] = x[5:6] / c                                   # dense work, if any
+            # x[6:]: the per-call costs (sparse, dense call) do not divide: launches
             if p == "fwd":
                 x[3] += layers * self.share_bytes_per_pair() / bw
             out[p] = x

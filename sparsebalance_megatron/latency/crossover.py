@@ -13,6 +13,10 @@ terms (``analytic.py``), and stored with the latency table:
   kind and pass (``dense_work``'s coefficient; without it ``dense_coefficient`` falls back to
   the sparse kernel's per-pair cost).
 
+- ``call_coefficients`` (format 3): the per-call fixed seconds of the sparse call and of the
+  dense varlen call (``features.CALL_FEATURES``), per stage kind and pass (``call_coefficient``;
+  absent: 0, the table's ``const`` holds them).
+
 ``crossover_tokens`` is the one rule that turns timings into the crossover. Pure Python + numpy;
 must not import torch or megatron.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .features import FEATURES
+from .features import CALL_FEATURES, FEATURES
 
 
 def crossover_lengths(block_size: int, max_tokens: int) -> list[int]:
@@ -101,3 +105,40 @@ def validate_routing(table: dict, err, kinds: Sequence[str], max_s: float) -> No
             if not ok or not 0 <= c <= max_s:
                 err(f"dense_coefficients.{kind}.{part}", f"{c!r}: expected a finite number >= 0 "
                     f"(seconds per causal block pair of a dense document)")
+
+
+def call_coefficient(table: dict, kind: str, part: str, name: str) -> float:
+    """Seconds per call of ``name`` (one of ``CALL_FEATURES``) on stage ``kind``, pass ``part``:
+    the table's ``call_coefficients``, 0 where it has none (its ``const`` holds the cost)."""
+    return float(((table.get("call_coefficients") or {}).get(kind) or {}).get(part, {})
+                 .get(name, 0.0))
+
+
+def validate_calls(table: dict, err, kinds: Sequence[str], max_s: float) -> None:
+    """The optional ``call_coefficients``: format 3 only, measured kinds, finite seconds >= 0."""
+    calls = table.get("call_coefficients")
+    if calls is None:
+        return
+    if table["format_version"] < 3:
+        err("call_coefficients", f"in a format_version {table['format_version']} table: expected "
+            f"format_version 3 (a table with per-call costs)")
+    if not isinstance(calls, dict):
+        err("call_coefficients", f"{str(calls)[:60]}: expected {{kind: {{fwd: {{name: s}}, "
+            f"bwd: {{...}}}}}}")
+    for kind, parts in calls.items():
+        if kind not in kinds:
+            err(f"call_coefficients.{kind}", f"expected one of the measured stage kinds "
+                f"{list(kinds)}")
+        for part in ("fwd", "bwd"):
+            per = parts.get(part) if isinstance(parts, dict) else None
+            if not isinstance(per, dict):
+                err(f"call_coefficients.{kind}.{part}", f"{per!r}: expected {{name: seconds}} "
+                    f"with names from {list(CALL_FEATURES)}")
+            for name, c in per.items():
+                if name not in CALL_FEATURES:
+                    err(f"call_coefficients.{kind}.{part}.{name}", f"expected one of "
+                        f"{list(CALL_FEATURES)}")
+                ok = isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c)
+                if not ok or not 0 <= c <= max_s:
+                    err(f"call_coefficients.{kind}.{part}.{name}", f"{c!r}: expected a finite "
+                        f"number >= 0 (seconds per call)")

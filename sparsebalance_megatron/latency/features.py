@@ -13,6 +13,8 @@ features follow the two kernels: ``attention_work`` (at the unit's density) and
 causal block pairs (what attention work would be at density 1), whatever the density: a unit of
 short documents alone takes the same time at every density, which is how DST and SAB know it
 cannot be cut. ``tokens`` and ``sequences`` count every document. N = 0 routes nothing.
+``sparse_calls`` and ``dense_calls`` are 1 for a unit that makes that kernel's call (it has a
+document on that path), else 0: the per-call fixed cost of each kernel.
 
 Pure numpy; must not import torch or megatron.
 """
@@ -32,7 +34,12 @@ FEATURES = ("const", "tokens", "attention_work", "selection_work", "sequences")
 # of a routed document is a feature of its own, so that the fit has a coefficient per kernel; a
 # table keeps it apart (``dense_coefficients``), so tables without routing keep their format.
 DENSE_FEATURE = "dense_work"
-MODEL_FEATURES = FEATURES + (DENSE_FEATURE,)
+# Per-call fixed costs: one sparse call (selection, padding, the kernels' launches) per layer for a
+# unit with any document on the sparse path, one dense varlen call for a unit with any routed
+# document. A table keeps them apart too (``call_coefficients``, format_version 3); a grid where
+# every unit makes the same calls cannot tell them from ``const``, where they then stay.
+CALL_FEATURES = ("sparse_calls", "dense_calls")
+MODEL_FEATURES = FEATURES + (DENSE_FEATURE,) + CALL_FEATURES
 # "sequences": the packed micro-batch's sequences (documents and padding pieces). Each costs a
 # little besides its tokens (Megatron's THD rotary embedding loops over them, the kernels set up
 # per document): measured on an H100 at 16K tokens, 50-58 short sequences took twice as long as
@@ -117,6 +124,16 @@ class UnitFeatures:
                    tokens, unit_blocks * unit_blocks, np.diff(offsets).astype(np.float64),
                    dense_work, work_mode, int(query_chunk_blocks), int(dense_below_tokens))
 
+    @property
+    def sparse_calls(self) -> np.ndarray:
+        """[n] 1.0 where the unit has a document on the sparse path (one sparse call), else 0."""
+        return (np.bincount(self.doc_unit, minlength=self.num_units) > 0).astype(np.float64)
+
+    @property
+    def dense_calls(self) -> np.ndarray:
+        """[n] 1.0 where the unit has a routed document (one dense varlen call), else 0."""
+        return (self.dense_work > 0).astype(np.float64)
+
     def _block_arrays(self):
         """Density-independent block layout for the chunked count, built once."""
         if self._blocks is None:
@@ -199,11 +216,13 @@ class UnitFeatures:
 
     def matrix(self, densities, features=FEATURES) -> np.ndarray:
         """[n, len(features)] design matrix of the named features (default ``FEATURES``; the
-        latency model fits ``MODEL_FEATURES``, dense work included)."""
+        latency model fits ``MODEL_FEATURES``, dense work and the calls included)."""
         cols = {"const": lambda: np.ones(self.num_units), "tokens": lambda: self.tokens,
                 "attention_work": lambda: self.attention_work(densities),
                 "selection_work": lambda: self.selection_work,
-                "sequences": lambda: self.sequences, DENSE_FEATURE: lambda: self.dense_work}
+                "sequences": lambda: self.sequences, DENSE_FEATURE: lambda: self.dense_work,
+                "sparse_calls": lambda: self.sparse_calls,
+                "dense_calls": lambda: self.dense_calls}
         return np.stack([cols[name]() for name in features], axis=1)
 
 

@@ -30,8 +30,10 @@ import numpy as np
 from .features import MODEL_FEATURES
 from .layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
 
-ATTENTION_FEATURES = ("attention_work", "selection_work", "sequences", "dense_work")
-"""Features only an attention layer has (routed documents' dense attention included)."""
+ATTENTION_FEATURES = ("attention_work", "selection_work", "sequences", "dense_work",
+                      "sparse_calls", "dense_calls")
+"""Features only an attention layer has (routed documents' dense attention and the attention
+kernels' per-call costs included)."""
 _ATT = [MODEL_FEATURES.index(f) for f in ATTENTION_FEATURES]
 _SHARED = [j for j in range(len(MODEL_FEATURES)) if j not in _ATT]
 

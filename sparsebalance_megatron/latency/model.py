@@ -4,14 +4,18 @@ Form, per stage kind (first / middle / last, or "only" without PP), fitted separ
 forward and the backward pass::
 
     t = c0 + c1 * tokens + c2 * attention_work(density) + c3 * selection_work + c4 * sequences
-        + c5 * dense_work
+        + c5 * dense_work + c6 * sparse_calls + c7 * dense_calls
 
 ``dense_work`` (the causal block pairs of documents routed to the dense kernel, ``features.py``)
 does not depend on the density, so it joins the fixed part of a unit's time: a unit of short
 documents alone takes the same time at every density. Its coefficient is the table's
 ``dense_coefficients`` (fitted when the grid has routed documents), else the sparse kernel's
 per-pair cost (``crossover.dense_coefficient``). The routing threshold is the table's crossover;
-``with_routing`` gives the model of a run that routes at another (``--sb-dense-below-tokens``).
+``with_routing`` gives the model of a run that routes at another (``--sb-dense-below-tokens``);
+``all_dense`` that of a run with dense attention (every document through the dense kernel).
+``sparse_calls`` / ``dense_calls`` (1 when the unit makes that kernel's call) carry each call's
+fixed cost: the table's ``call_coefficients`` (fitted where the grid tells them from ``const``,
+i.e. where some units make a call that others do not), else 0 (``const`` holds them).
 
 A stage of another layer count than the table's (Megatron's uneven splits, layout strings and
 the interleaved schedule's model chunks: ``layout.PipelineLayout``) is its kind's coefficients
@@ -29,8 +33,9 @@ factor so that one outlier timing cannot throw a rank's factor off; unusable sam
 
 Pure numpy; must not import torch or megatron.
 
-Why this is long: the fit, the prediction and the online calibration read the same
-coefficient layout; apart, a change to the layout would have to be made in step in several files.
+Why this is long: the fit, the layouts, context parallelism and the prediction read the same
+coefficient layout (the table's features, dense work, the two calls); apart, a change to the
+layout would have to be made in step in several files.
 """
 
 from __future__ import annotations
@@ -43,14 +48,17 @@ from typing import Optional
 
 import numpy as np
 
+ALL_DENSE_TOKENS = 1 << 40
+"""A routing threshold above every document: all of them through the dense kernel."""
+
 # CALIBRATION_CLIP lived here before calibration.py: callers still import it from this module
 from .calibration import CALIBRATION_CLIP, Calibration  # noqa: F401
 from .context_parallel import ContextParallelCost
-from .crossover import dense_coefficient, table_crossover
-from .features import FEATURES, MODEL_FEATURES, UnitFeatures, features_of
+from .crossover import call_coefficient, dense_coefficient, table_crossover
+from .features import CALL_FEATURES, FEATURES, MODEL_FEATURES, UnitFeatures, features_of
 from .layout import LayoutError, PipelineLayout
-from .table import (LatencyTableError, check_coefficients, check_compatible, measured_kinds,
-                    read_table, table_layout, validate_table, write_table)
+from .table import (FORMAT_VERSION, LatencyTableError, check_coefficients, check_compatible,
+                    measured_kinds, read_table, table_layout, validate_table, write_table)
 
 
 def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -131,9 +139,10 @@ class LatencyModel(Calibration):
                                     "with python -m sparsebalance_megatron.megatron.profile_cli)")
         check_coefficients(table, coefficients, where)
         # one vector per (kind, pass) in the order of MODEL_FEATURES (the table's features,
-        # then dense_work); ``coef`` is its view on the table's features
+        # then dense_work and the calls); ``coef`` is its view on the table's features
         self._coef_full = {
-            k: {p: np.asarray(list(v[p]) + [dense_coefficient(table, coefficients, k, p)],
+            k: {p: np.asarray(list(v[p]) + [dense_coefficient(table, coefficients, k, p)]
+                              + [call_coefficient(table, k, p, n) for n in CALL_FEATURES],
                               dtype=np.float64) for p in ("fwd", "bwd")}
             for k, v in coefficients.items()}
         self.coef = {k: {p: v[p][:len(FEATURES)] for p in v} for k, v in self._coef_full.items()}
@@ -151,7 +160,8 @@ class LatencyModel(Calibration):
         """Least squares per stage kind on the table's measurements (ignores stored coefficients)."""
         validate_table(table, where)
         att = table["attention"]
-        coef, dense = {}, {}
+        coef, dense, calls = {}, {}, {}
+        nf, nd = len(FEATURES), len(FEATURES) + 1
         for kind in measured_kinds(table):
             rows = [m for m in table["measurements"] if m["kind"] == kind]
             feats = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
@@ -162,16 +172,25 @@ class LatencyModel(Calibration):
             x = feats.matrix(np.asarray([m["density"] for m in rows]), MODEL_FEATURES)
             fitted = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows]))
                       for p in ("fwd", "bwd")}
-            coef[kind] = {p: c[:len(FEATURES)].tolist() for p, c in fitted.items()}
+            coef[kind] = {p: c[:nf].tolist() for p, c in fitted.items()}
             # the dense kernel's own coefficient, where the grid has routed documents that price
             # it (else the sparse kernel's per-pair cost stands in: crossover.dense_coefficient)
-            if all(c[-1] > 0 for c in fitted.values()):
-                dense[kind] = {p: float(c[-1]) for p, c in fitted.items()}
+            if all(c[nf] > 0 for c in fitted.values()):
+                dense[kind] = {p: float(c[nf]) for p, c in fitted.items()}
+            # per-call costs where the grid tells them from const (else 0: const holds them);
+            # a format 1 table (no execution section) cannot hold them, and has no routing
+            if any(c[nd:].any() for c in fitted.values()) and table["format_version"] >= 2:
+                calls[kind] = {p: dict(zip(CALL_FEATURES, map(float, c[nd:])))
+                               for p, c in fitted.items()}
         table = dict(table)
         table["coefficients"] = coef
         table.pop("dense_coefficients", None)
+        table.pop("call_coefficients", None)
         if dense:
             table["dense_coefficients"] = dense
+        if calls:
+            table["call_coefficients"] = calls
+            table["format_version"] = FORMAT_VERSION
         return cls(table, coef, calibration_ema=calibration_ema, where=where)
 
     @classmethod
@@ -225,6 +244,10 @@ class LatencyModel(Calibration):
         if "dense_coefficients" in table:       # fitted; a fallback is not written
             table["dense_coefficients"] = {k: {p: float(v[p][n]) for p in v}
                                            for k, v in self._coef_full.items()}
+        if "call_coefficients" in table:
+            table["call_coefficients"] = {
+                k: {p: dict(zip(CALL_FEATURES, map(float, v[p][n + 1:]))) for p in v}
+                for k, v in self._coef_full.items()}
         return table
 
     def with_routing(self, dense_below_tokens: int) -> "LatencyModel":
@@ -235,6 +258,23 @@ class LatencyModel(Calibration):
             raise ValueError(f"dense_below_tokens={n!r}: expected an integer >= 0")
         out = copy.copy(self)
         out.dense_below_tokens = int(n)
+        return out
+
+    def all_dense(self) -> "LatencyModel":
+        """This model for a run with dense attention: every document through the dense kernel
+        (its ``dense_coefficients`` and dense call cost; no sparse call, no selection)."""
+        return self.with_routing(ALL_DENSE_TOKENS)
+
+    def without_call_costs(self) -> "LatencyModel":
+        """This model with the per-call costs at 0: what a document adds to a micro-batch that
+        makes the kernels' calls anyway (SAB's per-document cost, ``batching.packing``), so that
+        a call's fixed cost is not charged once per document."""
+        n = len(FEATURES) + 1
+        out = copy.copy(self)
+        out._coef_full = {k: {p: np.r_[v[p][:n], np.zeros(len(v[p]) - n)] for p in v}
+                          for k, v in self._coef_full.items()}
+        out._stage_coef = [{p: np.r_[c[p][:n], np.zeros(len(c[p]) - n)] for p in c}
+                           for c in self._stage_coef]
         return out
 
     # --- layouts ---------------------------------------------------------------------------
@@ -394,8 +434,11 @@ class LatencyModel(Calibration):
         corr = self.correction(rank) if rank is not None else 1.0
         x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work, f.sequences],
                      axis=1)                                                   # [n, 4]
-        # dense work is density-independent: fixed time (+ 0.0 exactly without routing)
-        fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]] + c[p][5] * f.dense_work, 0.0) * corr
+        # dense work and the calls are density-independent: fixed time (+ 0.0 exactly without
+        # routing and without call costs)
+        sc, dc = f.sparse_calls, f.dense_calls
+        fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]] + c[p][5] * f.dense_work + c[p][6] * sc
+                               + c[p][7] * dc, 0.0) * corr
                  for p in ("fwd", "bwd")}
         return UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
                          float(c["bwd"][2]) * corr)

@@ -25,9 +25,16 @@ A table (written by the profiler or by ``analytic.py``) looks like::
                          "dtype": "bfloat16", "block_size": 64, "density": 0.5,
                          "lengths": [...], "dense_s": [...], "sparse_s": [...]},
      "dense_coefficients": {"first": {"fwd": c5, "bwd": c5}, ...}               # optional
+     # per-call fixed costs (optional, since format_version 3): seconds per call of the sparse
+     # kernel and of the dense varlen call (``features.CALL_FEATURES``), per stage kind and pass
+     "call_coefficients": {"first": {"fwd": {"sparse_calls": c6, "dense_calls": c7},
+                                     "bwd": {...}}, ...}
 
 A table without ``dense_coefficients`` prices a routed document as the sparse kernel at density
-1 (its ``attention_work`` coefficient per block pair): ``crossover.dense_coefficient``.
+1 (its ``attention_work`` coefficient per block pair): ``crossover.dense_coefficient``. A table
+without ``call_coefficients`` (every format 1 and 2 table) has no separate per-call cost: its
+``const`` holds it (0 for both calls), so it predicts what it predicted before. Format 3 marks
+the tables that may hold them, so that an older plugin, which would ignore them, refuses them.
 
 Every problem raises ``LatencyTableError`` naming the file, the field and the value; a table from
 another device, model shape, execution setup (TP size, transformer implementation, activation
@@ -38,6 +45,8 @@ be predicted at <= 0 s or above ``MAX_MICROBATCH_S``. A file over ``MAX_TABLE_BY
 before it is read. Format 1 tables (no ``execution`` section) are still read, so that
 ``--sb-latency-table-force`` can use them; a run that checks the execution setup refuses them.
 JSON only (never pickle). Pure Python + numpy; must not import torch or megatron.
+
+Why this is long: the format's description and its validation stay in one file, field by field.
 """
 
 from __future__ import annotations
@@ -51,13 +60,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .crossover import dense_coefficient, table_crossover, validate_routing
-from .features import FEATURES, UnitFeatures
+from .crossover import (call_coefficient, dense_coefficient, table_crossover, validate_calls,
+                        validate_routing)
+from .features import CALL_FEATURES, FEATURES, UnitFeatures
 from .layout import PipelineLayout
 
 FORMAT = "sparsebalance-latency-table"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)   # 1: before the execution section; read, refused by a checking run
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)   # 1: before the execution section; read, refused by a checking
+# run. 3: may hold ``call_coefficients`` (a 2 reads the same without them)
 STAGE_KINDS = ("only", "first", "middle", "last")
 REQUIRED = ("format", "format_version", "source", "device", "software", "model", "attention",
             "pipeline", "features", "measurements")
@@ -133,8 +144,8 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
         err("format", f"{table['format']!r}: expected {FORMAT!r}")
     version = table["format_version"]
     if isinstance(version, bool) or version not in READABLE_VERSIONS:
-        err("format_version", f"{version!r}: expected {FORMAT_VERSION} (or 1, the format "
-            f"before the execution section)")
+        err("format_version", f"{version!r}: expected {FORMAT_VERSION} (or 2, before the "
+            f"per-call costs, or 1, before the execution section)")
     if table["source"] not in ("profiled", "analytic"):
         err("source", f"{table['source']!r}: expected 'profiled' or 'analytic'")
     if not isinstance(table["device"], str) or not table["device"]:
@@ -218,6 +229,7 @@ def validate_table(table: Any, where: str = "<table>") -> dict:
     if not _finite(p2p) or not (0 <= p2p <= MAX_MICROBATCH_S):
         err("p2p_s", f"{p2p!r}: expected a time in seconds in [0, {MAX_MICROBATCH_S:g}]")
     validate_routing(table, err, measured_kinds(table), MAX_MICROBATCH_S)
+    validate_calls(table, err, measured_kinds(table), MAX_MICROBATCH_S)
     if table.get("coefficients") is not None:
         check_coefficients(table, table["coefficients"], where)
     return table
@@ -285,6 +297,8 @@ def check_coefficients(table: dict, coefficients: Any, where: str = "<table>") -
                 if units.dense_work.any():
                     pred = pred + units.dense_work * dense_coefficient(table, coefficients,
                                                                        kind, part)
+                for name in CALL_FEATURES:
+                    pred = pred + getattr(units, name) * call_coefficient(table, kind, part, name)
             worst = int(np.argmax(np.where(np.isnan(pred), np.inf, pred)))
             if not pred[worst] <= MAX_MICROBATCH_S:
                 err(f, f"{str(c)[:80]} predicts {pred[worst]:.3g} s for "

@@ -43,7 +43,7 @@ import torch
 from ..config import SparseBalanceConfig
 from . import comm
 from .budget import BudgetContext
-from .state import STATE_VERSION
+from .state import STATE_VERSION, plain_state
 from .step_checks import (check_budgets, doc_recalls, fingerprint, measured_busy, min_kept,
                           sum_by_doc, unit_order)
 from .step_planning import Planner, PreparedStep, StepPlanning
@@ -348,12 +348,14 @@ class SparseBalanceCallback(StepPlanning):
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
+        """Everything a resume restores, as plain Python types (``state.plain_state``: the one
+        place that converts numpy/torch numbers and refuses what ``weights_only`` cannot read)."""
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict()}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self._ready_basis
-        return out
+        return plain_state(out)
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state is None:

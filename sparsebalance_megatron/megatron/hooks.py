@@ -212,7 +212,9 @@ def _install(args, model_cfg, packed_data):
     if _on_model_built not in model_cfg.post_wrap_hooks:
         model_cfg.post_wrap_hooks.append(_on_model_built)
     parts = [f"sparse attention: density {sb.density}, block {sb.block_size}, backend "
-             f"{sb.attention_backend}" if sb.sparse_attention_enabled else "dense attention"]
+             f"{sb.attention_backend}" if sb.sparse_attention_enabled else
+             "dense attention (no sparse call; SAB packs by the dense kernel's predicted time)"
+             if sb.batching_enabled else "dense attention"]
     if hybrid:
         p = args.hybrid_layer_pattern
         parts[0] += f" in the {p.count('*')} attention layers of HybridModel {p!r}"

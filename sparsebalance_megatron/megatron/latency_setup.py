@@ -165,10 +165,13 @@ def load_latency_model(args, sb: SparseBalanceConfig):
                  f"costs, so its times of shorter (variable-length) micro-batches are guesses; "
                  f"profile with {flag_name('microbatch_multiple')} "
                  f"{sb.microbatch_multiple} (several token totals)")
-    model = model.with_routing(sb.routing_threshold(model.dense_below_tokens))
-    note = routing_note(model, sb, *run_kernels(args, sb, model.table))
-    if note:
-        comm.say(note)
+    if sb.sparse_attention_enabled:
+        model = model.with_routing(sb.routing_threshold(model.dense_below_tokens))
+        note = routing_note(model, sb, *run_kernels(args, sb, model.table))
+        if note:
+            comm.say(note)
+    else:   # SAB with dense attention: every document through the dense kernel, priced so
+        model = model.all_dense()
     from ..latency.layout import LayoutError
     try:
         return model_for_run(model, args)

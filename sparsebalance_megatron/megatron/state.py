@@ -8,12 +8,22 @@ always has its plugin state next to the weights. ``load_plugin_state`` reads it 
 that name the file; ``restore_saved_state`` loads it into the callback. With --sb-fresh-state a
 missing or damaged state starts the balancer fresh (a warning names the file); a state without
 the balancer's parts (a dense run's checkpoint) starts them fresh with one line saying so.
+
+The file is read with ``torch.load(weights_only=True)``, which refuses anything but plain Python
+types, tensors and allowlisted classes. ``plain_state`` is the one place that makes the saved
+state plain (the callback's ``state_dict`` returns through it): numpy and torch scalars and
+arrays become int/float/bool/lists, tuples lists, and anything else is refused at save time
+naming its field, so a checkpoint never holds what the resume cannot read. Checkpoints written
+before it (PP >= 2 ones held numpy float64 stage corrections) are read by allowing exactly the
+numpy reconstructors of numeric scalars (``_numpy_scalars_allowed``) and converted the same way.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 
+import numpy as np
 import torch
 
 from .errors import LaunchError
@@ -29,6 +39,68 @@ def plugin_state_path(args, load_dir: str, iteration: int) -> str:
                                pipeline_parallel=args.pipeline_model_parallel_size > 1,
                                tensor_rank=0, pipeline_rank=0, expert_parallel=False,
                                expert_rank=0, basename=STATE_BASENAME)
+
+
+_NUMERIC_KINDS = "biuf"     # numpy dtype kinds a state may hold: bool, int, unsigned, float
+
+
+def plain_state(value, where: str = "state"):
+    """``value`` as plain Python types (None, bool, int, float, str; lists; dicts with str or int
+    keys), what ``torch.load(weights_only=True)`` reads on every torch and numpy version.
+
+    numpy and torch numeric scalars become int/float/bool, their arrays (nested) lists, tuples
+    and deques lists. Anything else raises ``TypeError`` naming the field (``where``, e.g.
+    ``state['latency']['stage_corrections']['0,1']``) and its type: a state that would not
+    resume is refused when it is saved, not when the run is resumed."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return str(value)                          # numpy.str_ is a str that numpy pickles
+    if isinstance(value, int):
+        return int(value)                          # an int subclass (IntEnum) as a plain int
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, (np.generic, np.ndarray)) and value.dtype.kind in _NUMERIC_KINDS:
+        return value.tolist()                      # scalar -> bool/int/float; array -> lists
+    if isinstance(value, torch.Tensor) and not (value.is_complex() or value.is_quantized):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int, np.integer)) or isinstance(k, bool):
+                raise TypeError(f"{where}: key {k!r} ({type(k).__name__}): a key of the "
+                                f"plugin's checkpoint state must be a str or an int")
+            out[str(k) if isinstance(k, str) else int(k)] = plain_state(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, (list, tuple, deque)):
+        return [plain_state(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    kind = type(value).__module__ + "." + type(value).__qualname__
+    raise TypeError(f"{where}: {kind} {value!r:.80}: the plugin's checkpoint state holds only "
+                    f"None, bool, int, float, str, lists and dicts (numpy/torch numbers are "
+                    f"converted); convert it where the state is built")
+
+
+def _numpy_scalars_allowed():
+    """``torch.load(weights_only=True)`` allowing numpy's numeric scalars (bool, ints, floats)
+    and nothing else of numpy: what checkpoints of the landed version hold (numpy float64
+    stage corrections). Their reconstructor under both numpy 1 and numpy 2 names; arrays,
+    strings and object scalars stay refused."""
+    scalar = np.float64(0).__reduce__()[0]        # numpy's own scalar reconstructor
+    dtypes = [type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64,
+                                           np.uint8, np.uint16, np.uint32, np.uint64,
+                                           np.float16, np.float32, np.float64)]
+    allowed = [(scalar, "numpy.core.multiarray.scalar"),
+               (scalar, "numpy._core.multiarray.scalar"), np.dtype, *dtypes]
+    return torch.serialization.safe_globals(allowed)
+
+
+def read_state_file(path: str) -> dict:
+    """The plugin state in ``path`` (Megatron's ``{"dataloader_state_dict": state}``) as plain
+    Python types; a file of the landed version (numpy scalars in it) reads the same. Raises
+    what ``torch.load`` or ``plain_state`` raise on a damaged or foreign file."""
+    with _numpy_scalars_allowed():
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    return plain_state(saved["dataloader_state_dict"])
 
 
 def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = False):
@@ -49,8 +121,7 @@ def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = Fals
             f"state); pass --sb-fresh-state to start the balancer fresh, or load the weights "
             f"with --finetune")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        state = saved["dataloader_state_dict"]
+        state = read_state_file(path)
         version, it = int(state["version"]), int(state["iteration"])
         problem = None
     except Exception as e:  # truncated, not a dict, missing keys

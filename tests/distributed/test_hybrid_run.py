@@ -2,8 +2,9 @@
 PP=2 x DP=2, four processes on gloo, in Megatron's own ``pretrain()``.
 
 What only a run shows: the plan has one stage per pipeline rank and weights each by its attention
-layers (the pattern's ``*``), DST moves units with one rank modelled twice as slow, Megatron
-evaluates, and (slow) a run resumed from its checkpoint repeats the uninterrupted one.
+layers (the pattern's ``*``), DST moves units with one rank's stage modelled twice as slow,
+Megatron evaluates, and a run resumed from its checkpoint repeats the uninterrupted one (step 3;
+steps 3 and 4 after an evaluation in the slow form).
 """
 
 from __future__ import annotations
@@ -26,11 +27,19 @@ def _common(pattern, data, table):
             "--global-batch-size", "4", "--sb-latency-table", table, "--sb-latency-table-force"]
 
 
+@pytest.mark.reliability(area="resume", case="PP=2 x DP=2 HybridModel checkpoint, DST on "
+                         "(modelled timings, DP rank 1's stage 1 2x slow), resumed at iteration "
+                         "2 of 3", expect="the resumed step's packing, plan, calibration (per "
+                         "rank and stage) and loss equal the uninterrupted run's")
 def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl,
                                                            analytic_latency_table_pp2):
+    """The run saves at iteration 2 and a second run resumes it for step 3 (issue 34: every
+    PP >= 2 checkpoint was refused), which must be the uninterrupted run's step 3."""
     metrics = tmp_path / "m.jsonl"
-    proc = run_entry(4, [*_common("*-*-", small_jsonl, analytic_latency_table_pp2),
-                         "--train-iters", "3", "--eval-interval", "3", "--eval-iters", "1",
+    common = [*_common("*-*-", small_jsonl, analytic_latency_table_pp2),
+              "--sb-straggler-stage", "1", "--train-iters", "3"]
+    proc = run_entry(4, [*common, "--eval-interval", "3", "--eval-iters", "1",
+                         "--save", tmp_path / "ckpt", "--save-interval", "2",
                          "--sb-metrics-file", metrics], cwd=tmp_path, entry=HYBRID_ENTRY)
     out = proc.stdout
     assert "in the 2 attention layers of HybridModel '*-*-'" in out and "DST on" in out
@@ -44,6 +53,16 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
         assert 0.25 - 1e-9 <= r["mean_density"] <= 1.0
         assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
     assert any(r["units_cut"] for r in rows), "DST never moved a unit"
+    # the stage 2x slow is learned per (DP rank, pipeline rank): the factors the resume restores
+    grid = rows[-1]["stage_calibration"]
+    assert grid[1][1] / grid[1][0] > 1.2 and abs(grid[0][1] / grid[0][0] - 1) < 1e-9, grid
+    run_entry(4, [*common, "--eval-iters", "0", "--load", tmp_path / "ckpt", "--ckpt-step", "2",
+                  "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path,
+              entry=HYBRID_ENTRY)
+    resumed = read_metrics(tmp_path / "resumed.jsonl")
+    assert [r["step"] for r in resumed] == [3]
+    assert rows[2]["stage_calibration"] == resumed[0]["stage_calibration"]
+    assert_resumed_like_uninterrupted(rows[2:], resumed)
 
 
 @pytest.mark.slow

@@ -61,7 +61,7 @@ def test_profiled_table_records_the_execution_setup(recompute_table):
     from sparsebalance_megatron.megatron.latency_setup import table_expectation
 
     table = read_table(recompute_table)
-    assert table["format_version"] == FORMAT_VERSION == 2
+    assert table["format_version"] == FORMAT_VERSION == 3
     assert table["execution"] == {"tensor_model_parallel_size": 1, "transformer_impl": "local",
                                   "recompute_granularity": "full"}
     sb = SparseBalanceConfig(block_size=32)

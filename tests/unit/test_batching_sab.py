@@ -191,8 +191,13 @@ def test_latency_sample_cost_fn_is_additive_attention_cost():
     cost = latency_sample_cost_fn(lm, 0.5)
     c = cost(np.array([1024, 4096, 16384]))
     assert np.all(np.diff(c) > 0) and c[2] / c[1] > 4.0   # superlinear in length
-    both = sum(lm.predict([1024, 4096], 0.5, s) for s in range(2))
-    empty = sum(lm.predict([], 0.5, s) for s in range(2))
+    # a micro-batch pays each kernel's per-call cost once, whatever its documents: the
+    # per-document cost leaves it out
+    plain = lm.without_call_costs()
+    calls = sum(lm.predict([1024], 0.5, s) - plain.predict([1024], 0.5, s) for s in range(2))
+    assert calls > 0
+    both = sum(plain.predict([1024, 4096], 0.5, s) for s in range(2))
+    empty = sum(plain.predict([], 0.5, s) for s in range(2))
     # Additive up to the selection term: the kernel scores a dense NB^2 block matrix per
     # micro-batch, so two documents packed together cost slightly more than apart.
     assert both - empty == pytest.approx(c[0] + c[1], rel=5e-3)
