@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                     help="rebuild the GGUF from DIR's parts into --gguf")
     args = ap.parse_args(argv)
 
-    from sparsebalance_megatron.megatron import hf_convert
+    from sparsebalance_megatron.megatron.model import hf_convert
 
     if args.join:
         if not args.gguf:
@@ -117,8 +117,8 @@ def main(argv=None) -> int:
     if not args.save:
         ap.error("nothing to do: give --save DIR (or --split / --join)")
 
-    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
-    from sparsebalance_megatron.megatron.profile import init_single_process
+    from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
     activate_cpu_shims()
     init_single_process()
     t0 = time.perf_counter()

@@ -94,8 +94,8 @@ def main(argv=None) -> int:
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.latency import LatencyModel, read_table
     from sparsebalance_megatron.latency.shape import ModelShape
-    from sparsebalance_megatron.megatron.profile import (build_stage, device_name,
-                                                         init_single_process, time_microbatch)
+    from sparsebalance_megatron.megatron.launch.profile import (build_stage, device_name,
+                                                                init_single_process, time_microbatch)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)

@@ -40,7 +40,7 @@ PATH_KINDS = ("input", "output", "directory")
 def _f(default, help: str, choices=None, path=None, **kw):
     """A config field: its help text, choices, and for a flag naming a file or directory its
     ``path`` kind (``PATH_KINDS``: a file the run reads, a file it writes, a directory it writes
-    into), which ``megatron/preflight.py`` checks before the launch does any work."""
+    into), which ``megatron/launch/preflight.py`` checks before the launch does any work."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices

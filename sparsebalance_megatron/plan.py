@@ -1,7 +1,7 @@
 """The per-step budget plan: a density for every (dp rank, micro-batch, pipeline stage) unit.
 
 DST (``policy/``) produces it; every rank holds the same ``BudgetPlan``. It reaches the attention
-modules through the adapter's typed slots (``megatron/budget.py``), never through globals.
+modules through the adapter's typed slots (``megatron/model/budget.py``), never through globals.
 Pure Python + numpy; must not import megatron or torch.distributed.
 """
 

@@ -169,8 +169,8 @@ def close(a: float, b: float, rtol: float) -> bool:
 def megatron_single_process():
     """Megatron's model-parallel state on a 1-process gloo group, with the CPU shims, for the
     tests of a module that build megatron-core models in-process."""
-    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
-    from sparsebalance_megatron.megatron.profile import init_single_process
+    from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
 
     activate_cpu_shims()
     init_single_process()

@@ -32,7 +32,7 @@ def _module(args, cp: int, group):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=args.heads * args.head_dim,
                             num_attention_heads=args.heads, num_query_groups=args.groups,
@@ -48,8 +48,8 @@ def _run(rank: int, cp: int, init_file: str, args, out):
     import torch.distributed as dist
 
     from sparsebalance_megatron.data.context_parallel import zigzag_positions
-    from sparsebalance_megatron.megatron import comm
-    from sparsebalance_megatron.megatron.budget import SparsePackedSeqParams
+    from sparsebalance_megatron.megatron.runtime import comm
+    from sparsebalance_megatron.megatron.model.budget import SparsePackedSeqParams
 
     torch.set_num_threads(args.threads)
     group = None

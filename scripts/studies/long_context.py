@@ -72,7 +72,7 @@ def parse_args(argv=None):
 
 def build_models(args, sb):
     """(dense local-spec model, sparse-spec model sharing the weights' values, arch, tokenizer)."""
-    from sparsebalance_megatron.megatron import hf_convert
+    from sparsebalance_megatron.megatron.model import hf_convert
 
     if args.load:
         expected = hf_convert.read_checkpoint_arch(args.arch_from) if args.arch_from else None
@@ -323,8 +323,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
-    from sparsebalance_megatron.megatron.profile import init_single_process
+    from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
     activate_cpu_shims()
     init_single_process()
     t0, c0 = time.perf_counter(), time.process_time()

@@ -77,7 +77,7 @@ def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     from sparsebalance_megatron.batching import SensitivityTracker, latency_sample_cost_fn
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from sparsebalance_megatron.megatron.reporting import unit_work
+    from sparsebalance_megatron.megatron.step.reporting import unit_work
     from sparsebalance_megatron.policy import density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
@@ -125,8 +125,8 @@ def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float
     a CPU-bound training thread (kernel launches holding the GIL) would lose to the planner is
     not modelled: the draft's CPU time is its bound."""
     from sparsebalance_megatron.batching import SensitivityTracker
-    from sparsebalance_megatron.megatron.step_planning import Planner
-    from sparsebalance_megatron.megatron.reporting import unit_work
+    from sparsebalance_megatron.megatron.step.planning import Planner
+    from sparsebalance_megatron.megatron.step.reporting import unit_work
 
     tracker = SensitivityTracker()
 

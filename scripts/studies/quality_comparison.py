@@ -87,7 +87,7 @@ def build_data(args, prefix: str, vocab_size: int) -> None:
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     from sparsebalance_megatron.data import sources
-    from sparsebalance_megatron.megatron.hf_convert import load_hf_gguf
+    from sparsebalance_megatron.megatron.model.hf_convert import load_hf_gguf
 
     _, tok = load_hf_gguf(args.gguf, with_model=False)
     files, missing = sources.list_source_files(("shakespeare", "stdlib"),

@@ -59,9 +59,9 @@ def windows_of(tok, text: str, n: int, length: int) -> list:
 def load_model(gguf, d_ref: float, block_size: int):
     """(SmolLM2 GPTModel with the sparse spec, tokenizer, its budget, decoder layers) on CPU."""
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron import hf_convert
-    from sparsebalance_megatron.megatron.compat import activate_cpu_shims
-    from sparsebalance_megatron.megatron.profile import init_single_process
+    from sparsebalance_megatron.megatron.model import hf_convert
+    from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
 
     activate_cpu_shims()
     init_single_process()

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--p2p-s", type=float, default=0.0, help="p2p latency given to the simulator")
     args = p.parse_args(own)
 
-    from sparsebalance_megatron.megatron.profile import device_name
+    from sparsebalance_megatron.megatron.launch.profile import device_name
     from sparsebalance_megatron.sim import simulate_1f1b
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``), causal inside every docu
   takes GQA is not relied on. It computes ``ndoc x Lmax^2`` pairs instead of ``sum L^2``: meant
   for many short documents of similar lengths.
 - ``auto``: ``varlen``. Which of the two is faster is a device measurement (the profiler
-  records the dense kernel it timed next to the crossover, ``megatron/crossover.py``).
+  records the dense kernel it timed next to the crossover, ``megatron/launch/crossover.py``).
 
 Both need CUDA and float16/bfloat16. Anything else (CPU, float32/float64) runs the exact
 per-document SDPA loop, whatever ``kernel`` says: on CPU the loop is the only exact kernel.

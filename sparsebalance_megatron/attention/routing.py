@@ -4,7 +4,7 @@ ones through the block-sparse path (``api.block_sparse_attention(dense_below_tok
 A sparse kernel call has a cost that does not shrink with the density (on an H100 flex costs
 about 3 ms per call at 8K tokens at any density, dense cuDNN 1.2 ms), and most documents of a
 packed micro-batch of real text are short. So documents shorter than ``N`` tokens (the measured
-crossover, ``megatron/crossover.py``) are packed together and run through
+crossover, ``megatron/launch/crossover.py``) are packed together and run through
 ``dense.dense_varlen_attention`` in one call; the others are packed together and run through the
 layout, the block selection and the sparse kernel, which therefore see only long documents.
 

@@ -1,7 +1,7 @@
 """Real-data pipeline: offline tokenizers, the cached document corpus, sampling and packing.
 
 Pure: numpy and tokenizers only; no torch.distributed, no megatron (the Megatron indexed data set
-reader lives in ``sparsebalance_megatron/megatron/indexed_data.py`` and is imported lazily).
+reader lives in ``sparsebalance_megatron/megatron/step/indexed_data.py`` and is imported lazily).
 """
 
 from .corpus import (DataError, DataFileNotFoundError, DocumentCorpus, format_stats,

@@ -6,7 +6,7 @@ Three kinds of input, one ``DocumentCorpus`` out:
   Offline: a source that is not on disk is an error naming the set-up command that fetches it.
 - ``*.jsonl``: one document per line, its ``"text"`` field; tokenized once and cached.
 - anything else: a Megatron indexed data set prefix (``PREFIX.bin`` + ``PREFIX.idx``), read in
-  place through ``sparsebalance_megatron.megatron.indexed_data`` (the only megatron import).
+  place through ``sparsebalance_megatron.megatron.step.indexed_data`` (the only megatron import).
 Cache builds are atomic (built in a temporary directory, then ``os.replace``) and serialized by a
 file lock, so two torchrun ranks racing on first use build once and never read a half-written
 cache. Documents are stored without EOD; packing appends it.
@@ -330,7 +330,7 @@ def _load_indexed(prefix: str, tok, *, min_doc_tokens: int, compact_vocab: bool)
         raise DataFileNotFoundError(
             f"--data-path {prefix!r}: Megatron indexed data set is incomplete: "
             f"{idx_path if not have_idx else bin_path} is missing")
-    from ..megatron.indexed_data import read_indexed_documents
+    from ..megatron.step.indexed_data import read_indexed_documents
 
     flat, starts, lengths = read_indexed_documents(prefix)
     # Documents preprocessed with --append-eod end with EOD; packing appends its own.

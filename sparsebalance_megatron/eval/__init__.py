@@ -2,7 +2,7 @@
 
 The generator and scoring are pure Python (no torch); ``recall.py`` (mass recall of block
 selections against exact attention) needs torch and is imported explicitly. Nothing here may import
-megatron or transformers: conversion lives in ``megatron/hf_convert.py``, the Megatron forward
+megatron or transformers: conversion lives in ``megatron/model/hf_convert.py``, the Megatron forward
 and its attention hooks in ``scripts/bench.py long_context``.
 """
 

@@ -2,7 +2,7 @@
 
 Routing (``attention.routing``) sends documents shorter than the crossover through one dense
 varlen call. The crossover is a property of the device, the kernels and the head shape, so it is
-measured (``megatron/crossover.py`` times single documents of increasing block counts, dense vs
+measured (``megatron/launch/crossover.py`` times single documents of increasing block counts, dense vs
 sparse at the base density, forward + backward) or derived from an analytic table's own cost
 terms (``analytic.py``), and stored with the latency table:
 

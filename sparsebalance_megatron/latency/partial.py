@@ -1,6 +1,6 @@
 """A latency profile saved as it is measured, so that a profile cut short resumes where it stopped.
 
-The profiler (``megatron/profile.py``) writes every measured sample to ``<table>.partial.jsonl``
+The profiler (``megatron/launch/profile.py``) writes every measured sample to ``<table>.partial.jsonl``
 next to the table it is making: one JSON line per sample, after a header line holding the
 profile's identity (what it measures: device, software versions, model shape, execution,
 attention settings and the grid). A run killed while profiling finds the file on its retry:

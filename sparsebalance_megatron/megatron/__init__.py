@@ -1,11 +1,13 @@
 """The only adapter layer between SparseBalance and Megatron: everything here may import megatron.
 
-hooks (the integration every entry point calls around Megatron's ``pretrain()``), launch (checks
-before any process group), spec/core_attention/budget (the layer spec and the typed slots the
-budget travels through), hybrid (HybridModel's stack spec), attention_check (after the build:
-every budgeted layer runs our attention), data (packed micro-batch iterators),
-callback/reporting/state (the per-step callback: SAB, DST, calibration, metrics, resume state),
-timing (per-micro-batch timers),
-latency_setup/profile/profile_cli (latency tables), compat (CPU shims), comm (torch.distributed).
+Rooms, in import order (a room imports only the rooms before it; docs/DESIGN.md section 2):
+``errors`` (the one launch error, a leaf every room may import), ``runtime/`` (the process group,
+the only torch.distributed user, and the watchdog), ``model/`` (specs, attention modules, the
+budget context, loss, conversion), ``launch/`` (checks before the first step, compatibility shims,
+the latency model's set-up and profiler), ``step/`` (the per-step callback, its planning, checks,
+data, state and report). Entries: ``hooks`` (the one entry from Megatron's side: its
+``pretrain_gpt.py`` / ``pretrain_hybrid.py`` call it) and ``profile_cli`` (``python -m
+sparsebalance_megatron.megatron.profile_cli``, ``sparsebalance-profile``).
+
 Nothing is imported eagerly, so ``import sparsebalance_megatron`` never needs megatron.
 """

@@ -3,7 +3,7 @@
 ``LaunchError`` is raised by the launch checks, the resume-state reader, the hybrid stack spec and
 the replay set-up alike; it lives here, importing nothing of the package, so that none of them has
 to import another's module (with its own imports) to raise it, and no import circle forms around
-it. ``launch.py`` re-exports it for the callers that import it from there.
+it. ``launch/checks.py`` re-exports it for the callers that import it from there.
 Must not import anything from the package, megatron or torch.distributed.
 """
 

@@ -13,14 +13,18 @@ loop is Megatron's::
              hooks.forward_step(forward_step), ...)
     hooks.finish()       # destroys the process groups once every rank is done
 
+Why this is long: it is the one module Megatron's side calls, and each of the six calls above is
+short glue over the rooms (launch, model, step, runtime); splitting it would give an entry point a
+reader must assemble from several files, which is what a single integration module avoids.
+
 What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
   machine without CUDA also the CPU defaults of ``launch.cpu_parser_defaults`` and the CPU shims);
   ``args_defaults`` and the parser the provider returns check the plugin's settings before
-  Megatron validates its flags or builds a tokenizer (``preflight.py``);
+  Megatron validates its flags or builds a tokenizer (``launch/preflight.py``);
 - the attention: ``GPTModelConfig.transformer_layer_spec`` = Megatron's default spec with only
   ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params; a
-  HybridModel's ``hybrid_stack_spec`` with its attention layers' slot swapped (``hybrid.py``);
+  HybridModel's ``hybrid_stack_spec`` with its attention layers' slot swapped (``model/hybrid.py``);
   after the build, the post-wrap hook checks every budgeted layer is ours (``attention_check``);
 - data (SAB): with the plugin's data path (DST or SAB on, or always for our entry) Megatron pulls
   our iterators through ``--dataloader-type external``; ``forward_step`` is ours (THD inputs);
@@ -30,10 +34,10 @@ What enters where:
 - per-micro-batch timings: Megatron's global ``Timers`` becomes a ``TeeTimers`` (it is what
   ``train()`` puts in ``config.timers``, and ``evaluate()`` restores after evaluation);
 - resume state: ``args.dataloader_save`` = ``--save``: Megatron's checkpoint calls our iterator's
-  ``save_state`` and writes it into the iteration's folder (``state.py``).
-- the watchdog (``watchdog.py``, with the plugin's data path): built by the post-wrap hook, ticked
+  ``save_state`` and writes it into the iteration's folder (``step/state.py``).
+- the watchdog (``runtime/watchdog.py``, with the plugin's data path): built by the post-wrap hook, ticked
   by every forward step, told of evaluation, checkpoint saves and loads, the optimizer step and
-  data loading by Megatron's timers of them (``watchdog_megatron.py``), stopped by ``finish``; it
+  data loading by Megatron's timers of them (``runtime/watchdog_megatron.py``), stopped by ``finish``; it
   names a hung, stopped or departed rank before the distributed timeout
   (``--sb-watchdog-seconds``), never while a rank saves a checkpoint.
 With none of the plugin's switches on, ``install`` changes nothing: the run is stock Megatron.
@@ -49,9 +53,10 @@ from typing import Callable, Optional
 
 from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
-from . import comm, compat
-from .launch import LaunchError, check_launch, cpu_parser_defaults
-from .preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
+from .launch import compat
+from .launch.checks import LaunchError, check_launch, cpu_parser_defaults
+from .launch.preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
+from .runtime import comm
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -133,7 +138,7 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
     out["tokenizer_type"] = "NullTokenizer"
     if ns.vocab_size is not None:
         return out
-    from .data import load_data
+    from .step.data import load_data
 
     try:
         data = load_data(argparse.Namespace(data_path=ns.data_path, tokenizer_type=None,
@@ -162,16 +167,16 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
 
 
 def _install(args, model_cfg, packed_data):
-    from .budget import BudgetContext
-    from .hybrid import install_attention_spec, is_hybrid_config
-    from .spec import sparse_core_attention_spec
+    from .model.budget import BudgetContext
+    from .model.hybrid import install_attention_spec, is_hybrid_config
+    from .model.spec import sparse_core_attention_spec
 
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)
     hybrid = is_hybrid_config(model_cfg)
     check_launch(args, sb, plugin_data=plugin_data, hybrid=hybrid)
     if plugin_data:
-        from .latency_setup import check_given_table
+        from .launch.latency_setup import check_given_table
         check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)
     _run.sb, _run.plugin_data, _run.model_built = sb, plugin_data, False
     if not (sb.sparse_attention_enabled or plugin_data):
@@ -182,11 +187,11 @@ def _install(args, model_cfg, packed_data):
     if sb.sparse_attention_enabled:
         core = sparse_core_attention_spec(sb, _run.budget)
     elif args.transformer_impl == "local":
-        from .dense_attention import DenseVarlenCoreAttention   # local DotProductAttention: no THD
+        from .model.dense_attention import DenseVarlenCoreAttention   # local DotProductAttention: no THD
         core = DenseVarlenCoreAttention
     install_attention_spec(model_cfg, core, spec_flag=args.spec)
     if plugin_data:
-        from .data import check_vocab, load_data, megatron_text_tokenizer
+        from .step.data import check_vocab, load_data, megatron_text_tokenizer
 
         _run.data = load_data(args, sb, text_tokenizer=megatron_text_tokenizer(args))
         check_vocab(_run.data, int(args.padded_vocab_size or model_cfg.vocab_size))
@@ -241,16 +246,16 @@ def _on_model_built(model: list) -> list:
 
     _run.model_built = True
     if _run.sb is not None and _run.sb.sparse_attention_enabled:
-        from .attention_check import check_sparse_attention
+        from .model.attention_check import check_sparse_attention
         try:
             check_sparse_attention(model, _megatron_args(), ps.get_pipeline_model_parallel_rank())
         except LaunchError as e:
             raise SystemExit(f"error: {e}") from None
     if not _run.plugin_data or _run.callback is not None:
         return model
-    from .callback import SparseBalanceCallback
-    from .compat import device
-    from .timing import MicrobatchTimers
+    from .launch.compat import device
+    from .step.callback import SparseBalanceCallback
+    from .step.timing import MicrobatchTimers
 
     args = _megatron_args()
     if ps.get_context_parallel_rank() != 0:
@@ -258,7 +263,7 @@ def _on_model_built(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
-    from .watchdog_megatron import start_for_megatron, watch_megatron_phases
+    from .runtime.watchdog_megatron import start_for_megatron, watch_megatron_phases
     _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
@@ -286,7 +291,7 @@ def _install_timers_tee(ours) -> None:
     """
     from megatron.training import global_vars
 
-    from .timing import TeeTimers
+    from .step.timing import TeeTimers
 
     current = global_vars._GLOBAL_TIMERS
     if current is None:
@@ -350,7 +355,7 @@ def _datasets(vp_stage):
     """The plugin's train, valid and test iterators (every rank builds its own)."""
     from megatron.core import parallel_state as ps
 
-    from .data import EvalIterator
+    from .step.data import EvalIterator
 
     _check_model_built()
     cb, args = _run.callback, _megatron_args()
@@ -415,7 +420,7 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
         # straggler_slowdown times longer on this rank (with --sb-timing-source model the
         # slowdown is modelled instead).
         time.sleep(3.0 * (sb.straggler_slowdown - 1.0) * (time.perf_counter() - t0))
-    from .loss import loss_func   # pretrain_gpt's, mirrored flag by flag (loss.py)
+    from .model.loss import loss_func   # pretrain_gpt's, mirrored flag by flag (loss.py)
 
     return output, functools.partial(loss_func, mb["loss_mask"], mb["packed_seq_params"], cb,
                                      _megatron_args())

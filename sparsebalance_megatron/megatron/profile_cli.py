@@ -14,7 +14,7 @@ starts over, replacing them).
 the sparse kernel beats the dense one, stored in the table: the routing threshold of runs with
 ``--sb-dense-below-tokens auto`` (``auto``: on CUDA, and for the analytic H100 table).
 It lives in the Megatron adapter because measuring builds a megatron-core stage
-(``profile.py``); ``--analytic`` and ``--help`` need no megatron import.
+(``launch/profile.py``); ``--analytic`` and ``--help`` need no megatron import.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from .profile import default_mixes, fit_report, profile_table
+    from .launch.profile import default_mixes, fit_report, profile_table
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     crossover = args.dense_crossover == "measure" or (args.dense_crossover == "auto"
                                                       and torch.cuda.is_available())
     from ..latency.partial import PartialProfile, PartialProfileBusy, partial_path
-    from .profile import profile_identity
+    from .launch.profile import profile_identity
     identity = profile_identity(shape, sb, densities=densities, mixes=mixes, repeats=repeats,
                                 warmup=warmup, statistic=args.statistic,
                                 dense_crossover=crossover)

@@ -1,7 +1,7 @@
 """Do no harm (issue 27): per step, commit SAB's packing and DST's plan only where they are
 predicted no slower than what a static run of the same step would do.
 
-One rule, used by the runtime (``megatron/callback.py``) and the simulated study
+One rule, used by the runtime (``megatron/step/callback.py``) and the simulated study
 (``experiments/study.py``) alike, on the same predictor DST plans with (the latency model's unit
 costs stepped through the pipeline simulator, ``sim.pipeline.pipeline_makespan_s``):
 

@@ -34,8 +34,8 @@ def _modules(nh, ng, plan, dense_below_tokens=0):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.budget import BudgetContext
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.budget import BudgetContext
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
 
     sb = SparseBalanceConfig(density=0.5, min_density=0.1, block_size=16,
                              attention_backend="torch")
@@ -55,7 +55,7 @@ def _modules(nh, ng, plan, dense_below_tokens=0):
 def _case(rank, nh, ng, microbatch, attend=None, dense_below_tokens=0):
     """Reference (CP=1, unpadded) vs CP=2 (padded, split) on one micro-batch; asserts."""
     from sparsebalance_megatron.data.context_parallel import padded_length, zigzag_positions
-    from sparsebalance_megatron.megatron.budget import SparsePackedSeqParams
+    from sparsebalance_megatron.megatron.model.budget import SparsePackedSeqParams
 
     g = torch.Generator().manual_seed(10 * nh + ng + microbatch)
     total = sum(LENGTHS)
@@ -119,7 +119,7 @@ def _world():
 def _per_document_density(q, k, v, psp, group):
     """``attend_whole_documents`` with a density per document (the kernel's own API)."""
     from sparsebalance_megatron.attention import block_sparse_attention
-    from sparsebalance_megatron.megatron.context_parallel import attend_whole_documents
+    from sparsebalance_megatron.megatron.model.context_parallel import attend_whole_documents
 
     dens = torch.tensor([0.2, 1.0, 0.35, 0.5, 0.6, 0.9, 0.3], dtype=torch.float64)
 
@@ -134,7 +134,7 @@ def _dense(q, k, v, psp, group):
     """The dense baseline's core attention (exact per-document SDPA) through the same path."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from sparsebalance_megatron.megatron.dense_attention import DenseVarlenCoreAttention
+    from sparsebalance_megatron.megatron.model.dense_attention import DenseVarlenCoreAttention
 
     nh, ng = q.shape[1], k.shape[1]
     cfg = TransformerConfig(num_layers=1, hidden_size=nh * HN, num_attention_heads=nh,

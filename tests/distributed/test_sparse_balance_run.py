@@ -195,7 +195,7 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
     it must equal the uninterrupted run's step 3 whatever it is; and the resumed run's first
     step is its warm-up (no latency sample), so the state it saves at its end holds the
     calibration it restored, which must be the saved one."""
-    from sparsebalance_megatron.megatron.state import read_state_file
+    from sparsebalance_megatron.megatron.step.state import read_state_file
 
     common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2", "--data-path",
               small_jsonl, "--global-batch-size", "4", "--train-iters", "3",

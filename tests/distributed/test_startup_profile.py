@@ -1,4 +1,4 @@
-"""A first run that profiles its latency table starts (megatron/startup_profile.py, issue 28).
+"""A first run that profiles its latency table starts (megatron/launch/startup_profile.py, issue 28).
 
 Cheap form (2 gloo processes, seconds): the job's process group has a 2 s timeout and rank 0's
 profile takes 5 s; rank 1 waits on the profile's own group, prints progress, and gets rank 0's
@@ -46,7 +46,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     job's group)."""
     import torch.distributed as dist
 
-    from sparsebalance_megatron.megatron import startup_profile
+    from sparsebalance_megatron.megatron.launch import startup_profile
 
     out = Path(out_dir)
     sys.stdout = open(out / f"rank{rank}.log", "w", buffering=1)

@@ -26,7 +26,8 @@ def _inject(save_s: float, eval_s: float, stage_s: float) -> None:
     import megatron.training.training as training
     from megatron.core import parallel_state as ps
 
-    from sparsebalance_megatron.megatron import comm, hooks
+    from sparsebalance_megatron.megatron.runtime import comm
+    from sparsebalance_megatron.megatron import hooks
 
     real_save, real_forward = training.save_checkpoint, hooks._forward_step
 

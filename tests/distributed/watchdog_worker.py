@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from sparsebalance_megatron.megatron import comm
-from sparsebalance_megatron.megatron.watchdog import Watchdog, WatchdogTiming
-from sparsebalance_megatron.megatron.watchdog_megatron import PhaseTimers
+from sparsebalance_megatron.megatron.runtime import comm
+from sparsebalance_megatron.megatron.runtime.watchdog import Watchdog, WatchdogTiming
+from sparsebalance_megatron.megatron.runtime.watchdog_megatron import PhaseTimers
 
 STEPS = {"none": 60, "sleep": 3000, "exit": 3000, "stop": 3000}
 CKPT_CHUNKS = 10

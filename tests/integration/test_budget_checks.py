@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.megatron.step_checks import check_budgets, min_kept
+from sparsebalance_megatron.megatron.step.checks import check_budgets, min_kept
 from sparsebalance_megatron.plan import BudgetPlan
 
 pytestmark = pytest.mark.integration

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from sparsebalance_megatron.megatron import hf_convert  # noqa: E402
-from sparsebalance_megatron.megatron.hf_convert import (  # noqa: E402
-    ArchitectureMismatchError, arch_from_hf_config, build_gpt_model, hf_to_megatron,
-    load_checkpoint, save_checkpoint)
+from sparsebalance_megatron.megatron.model import hf_convert  # noqa: E402
+from sparsebalance_megatron.megatron.model.hf_convert import (  # noqa: E402
+          ArchitectureMismatchError, arch_from_hf_config, build_gpt_model, hf_to_megatron,
+          load_checkpoint, save_checkpoint)
 
 TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("megatron_single_process")   # tests/conftest.py

@@ -274,9 +274,9 @@ def test_spec_is_megatrons_own_call_with_only_core_attention_swapped(impl, monke
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
-    from sparsebalance_megatron.megatron.spec import (layer_spec_builder,
-                                                      sparse_core_attention_spec)
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.spec import (layer_spec_builder,
+                                                            sparse_core_attention_spec)
 
     calls = []
     real_te, real_local = (mgpt.get_gpt_layer_with_transformer_engine_spec,
@@ -308,7 +308,7 @@ def test_spec_is_megatrons_own_call_with_only_core_attention_swapped(impl, monke
 
 
 def test_timer_tee_records_microbatches_and_keeps_megatrons_timers():
-    from sparsebalance_megatron.megatron.timing import MicrobatchTimers, TeeTimers
+    from sparsebalance_megatron.megatron.step.timing import MicrobatchTimers, TeeTimers
 
     class MegatronLikeTimers:
         def __init__(self):
@@ -357,7 +357,8 @@ def test_timer_tee_targets_megatrons_global_timers():
 _BUILD = r"""
 import sys
 import torch
-from sparsebalance_megatron.megatron import compat, hooks
+from sparsebalance_megatron.megatron.launch import compat
+from sparsebalance_megatron.megatron import hooks
 compat.activate_cpu_shims()
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.argument_utils import gpt_config_from_args
@@ -410,7 +411,7 @@ def test_hooked_model_config_builds_a_sparse_gpt_with_megatrons_builder(tmp_path
     assert proc.returncode == 0, proc.stdout[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CORE "))
     module, name, _, loss = line.split()[1:]
-    assert (module, name) == ("sparsebalance_megatron.megatron.core_attention",
+    assert (module, name) == ("sparsebalance_megatron.megatron.model.core_attention",
                               "SparseCoreAttention"), line
     assert 0 < float(loss) < 20, line
     assert "[sparsebalance] sparse attention: density 0.5, block 64" in proc.stdout

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.megatron.data import (check_vocab, data_blend, load_data,
-                                                  megatron_text_tokenizer)
-from sparsebalance_megatron.megatron.launch import LaunchError
+from sparsebalance_megatron.megatron.step.data import (check_vocab, data_blend, load_data,
+                                                       megatron_text_tokenizer)
+from sparsebalance_megatron.megatron.launch.checks import LaunchError
 from tests.conftest import stdlib_texts
 
 pytestmark = pytest.mark.integration
@@ -122,8 +122,8 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     import megatron.training.global_vars as gv
 
     from sparsebalance_megatron.batching.packing import sequential_plan
-    from sparsebalance_megatron.megatron.step_planning import PreparedStep
-    from sparsebalance_megatron.megatron.reporting import StepReporter
+    from sparsebalance_megatron.megatron.step.planning import PreparedStep
+    from sparsebalance_megatron.megatron.step.reporting import StepReporter
     from sparsebalance_megatron.plan import BudgetPlan
 
     class Writer:
@@ -179,9 +179,9 @@ def test_unit_timings_of_model_chunks_land_on_their_virtual_stages():
 
     from sparsebalance_megatron.batching.packing import sequential_plan
     from sparsebalance_megatron.latency.layout import PipelineLayout
-    from sparsebalance_megatron.megatron.step_checks import unit_order
-    from sparsebalance_megatron.megatron.step_planning import PreparedStep
-    from sparsebalance_megatron.megatron.reporting import unit_details
+    from sparsebalance_megatron.megatron.step.checks import unit_order
+    from sparsebalance_megatron.megatron.step.planning import PreparedStep
+    from sparsebalance_megatron.megatron.step.reporting import unit_details
     from sparsebalance_megatron.plan import BudgetPlan
 
     layout = PipelineLayout.from_counts(4, 2, 2)

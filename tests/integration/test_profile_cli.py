@@ -58,7 +58,7 @@ def recompute_table(tmp_path_factory):
 
 def test_profiled_table_records_the_execution_setup(recompute_table):
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.latency_setup import table_expectation
+    from sparsebalance_megatron.megatron.launch.latency_setup import table_expectation
 
     table = read_table(recompute_table)
     assert table["format_version"] == FORMAT_VERSION == 3
@@ -95,7 +95,7 @@ def test_profiled_table_records_the_execution_setup(recompute_table):
 ])
 def test_run_with_another_execution_setup_refuses_the_table(recompute_table, kw, needle):
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.latency_setup import table_expectation
+    from sparsebalance_megatron.megatron.launch.latency_setup import table_expectation
 
     expect = table_expectation(_run_args(**kw), SparseBalanceConfig(block_size=32))
     with pytest.raises(LatencyTableMismatch) as e:

@@ -17,7 +17,7 @@ def _core_attention(nh, ng, hn, backend, density):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
     cfg = TransformerConfig(num_layers=1, hidden_size=nh * hn, num_attention_heads=nh,
                             num_query_groups=ng, kv_channels=hn, attention_dropout=0.0)
     sb = SparseBalanceConfig(density=density, block_size=16, attention_backend=backend)
@@ -52,7 +52,7 @@ def test_unpacked_rows_are_causal_documents(nh, ng, sq, backend):
 def test_every_layer_runs_the_backend_the_latency_table_picked(monkeypatch):
     """``auto`` with a profiled table: the budget context carries the measured pick
     (``BudgetContext.set_backend``) and the core attention calls that kernel."""
-    from sparsebalance_megatron.megatron import core_attention
+    from sparsebalance_megatron.megatron.model import core_attention
     core = _core_attention(4, 2, 16, "auto", 0.5)
     seen = []
     real = core_attention.block_sparse_attention

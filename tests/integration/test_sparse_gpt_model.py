@@ -33,7 +33,7 @@ def _model(sb, seed=0, budget=None):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from sparsebalance_megatron.megatron.spec import get_sparsebalance_layer_spec
+    from sparsebalance_megatron.megatron.model.spec import get_sparsebalance_layer_spec
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -51,7 +51,7 @@ def _model(sb, seed=0, budget=None):
 
 
 def _packed(lens, **ids):
-    from sparsebalance_megatron.megatron.budget import SparsePackedSeqParams
+    from sparsebalance_megatron.megatron.model.budget import SparsePackedSeqParams
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                 max_seqlen_q=max(lens), max_seqlen_kv=max(lens), **ids)
@@ -62,8 +62,8 @@ def _packed(lens, **ids):
 def test_spec_swaps_only_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
-    from sparsebalance_megatron.megatron.spec import get_sparsebalance_layer_spec
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.spec import get_sparsebalance_layer_spec
     sb = _sb()
     ours = get_sparsebalance_layer_spec(sb, normalization="RMSNorm")
     stock = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
@@ -78,8 +78,8 @@ def test_spec_swaps_only_core_attention():
 
 
 def test_transformer_engine_spec_needs_te_or_says_what_to_install():
-    from sparsebalance_megatron.megatron.spec import (get_sparsebalance_layer_spec,
-                                                      have_transformer_engine)
+    from sparsebalance_megatron.megatron.model.spec import (get_sparsebalance_layer_spec,
+                                                            have_transformer_engine)
     if have_transformer_engine():
         spec = get_sparsebalance_layer_spec(_sb(), transformer_impl="transformer_engine")
         assert spec.submodules.self_attention.submodules.core_attention.params["sb_config"]
@@ -89,7 +89,7 @@ def test_transformer_engine_spec_needs_te_or_says_what_to_install():
 
 
 def test_packed_thd_equals_each_document_alone_and_records_stats():
-    from sparsebalance_megatron.megatron.budget import BudgetContext
+    from sparsebalance_megatron.megatron.model.budget import BudgetContext
     budget = BudgetContext(0.3)
     model = _model(_sb(density=0.3), budget=budget).eval()
     lens = [70, 33, 150]
@@ -120,7 +120,7 @@ def test_packed_thd_equals_each_document_alone_and_records_stats():
 
 
 def test_plan_density_reaches_the_attention():
-    from sparsebalance_megatron.megatron.budget import BudgetContext, BudgetError
+    from sparsebalance_megatron.megatron.model.budget import BudgetContext, BudgetError
     budget = BudgetContext(1.0)
     model = _model(_sb(density=1.0, min_density=0.125), budget=budget).eval()
     ids = torch.randint(0, VOCAB, (1, 256), generator=torch.Generator().manual_seed(2))
@@ -149,7 +149,7 @@ def test_plan_density_reaches_the_attention():
 def test_static_per_layer_densities_reach_each_layer():
     """Evaluation of a per-layer allocation (scripts/bench.py quality_cost): without a plan,
     each layer serves its own density; layers not named serve the default."""
-    from sparsebalance_megatron.megatron.budget import BudgetContext, BudgetError
+    from sparsebalance_megatron.megatron.model.budget import BudgetContext, BudgetError
     budget = BudgetContext(1.0)
     model = _model(_sb(density=1.0, min_density=0.125), budget=budget).eval()
     ids = torch.randint(0, VOCAB, (1, 256), generator=torch.Generator().manual_seed(3))
@@ -173,7 +173,7 @@ def test_static_per_layer_densities_reach_each_layer():
 def test_document_losses_split_the_packed_loss_by_document():
     """The loss function's per-document sums (the default sensitivity signal): each document's
     share of the packed micro-batch's masked loss, trailing padding excluded, no host sync."""
-    from sparsebalance_megatron.megatron.loss import document_sums
+    from sparsebalance_megatron.megatron.model.loss import document_sums
     model = _model(_sb()).eval()
     lens = [100, 60, 96]                                # two documents, then padding
     psp, pos = _packed(lens, sb_doc_ids=(7, 8))
@@ -194,7 +194,7 @@ def test_document_losses_split_the_packed_loss_by_document():
 def test_each_model_chunk_reads_its_own_virtual_stage():
     """The interleaved schedule: a rank holds several model chunks, each its own virtual stage
     of the plan; a layer finds its stage by its global layer number."""
-    from sparsebalance_megatron.megatron.budget import BudgetContext, BudgetError
+    from sparsebalance_megatron.megatron.model.budget import BudgetContext, BudgetError
     budget = BudgetContext(1.0)
     model = _model(_sb(density=1.0, min_density=0.125), budget=budget).eval()
     ids = torch.randint(0, VOCAB, (1, 256), generator=torch.Generator().manual_seed(3))
@@ -240,7 +240,7 @@ def test_core_attention_contract_shapes_and_errors():
     from megatron.core.transformer.enums import AttnMaskType
 
     from sparsebalance_megatron.attention import block_sparse_attention
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
     cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
                             num_query_groups=2, attention_dropout=0.0,
                             pipeline_model_parallel_size=1)

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.integration
 _FLOW = r"""
 import sys
 import torch
-from sparsebalance_megatron.megatron import compat, hooks
+from sparsebalance_megatron.megatron.launch import compat
+from sparsebalance_megatron.megatron import hooks
 compat.activate_cpu_shims()
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.training.arguments import parse_args, validate_args
@@ -78,7 +79,7 @@ print("DOC_DIFF", float((losses[:, 96:] - alone).abs().max()))
 # a spec set after install: Megatron's own core attention in the budgeted layers
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 if kind == "hybrid":
-    from sparsebalance_megatron.megatron.spec import swap_hybrid_core_attention
+    from sparsebalance_megatron.megatron.model.spec import swap_hybrid_core_attention
     model_cfg.hybrid_stack_spec = swap_hybrid_core_attention(model_cfg.hybrid_stack_spec,
                                                              DotProductAttention)
 else:

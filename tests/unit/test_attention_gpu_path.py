@@ -114,8 +114,8 @@ def test_sparse_core_attention_layers_share_the_micro_batch_setup():
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.budget import BudgetContext, SparsePackedSeqParams
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.budget import BudgetContext, SparsePackedSeqParams
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
 
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                             num_query_groups=2, kv_channels=16, attention_dropout=0.0)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.megatron import crossover, latency_setup
-from sparsebalance_megatron.megatron.budget import BudgetContext
+from sparsebalance_megatron.megatron.launch import crossover, latency_setup
+from sparsebalance_megatron.megatron.model.budget import BudgetContext
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +80,7 @@ def test_auto_is_the_measured_pick_everywhere_and_says_why_without_one(monkeypat
     torch elsewhere; after the profiler's timing, its pick, through resolve_backend and the
     launch check alike."""
     import sparsebalance_megatron.attention.api as api
-    from sparsebalance_megatron.megatron import launch
+    from sparsebalance_megatron.megatron.launch import checks as launch
     backend, why = api.auto_backend("cuda")
     assert backend == api.AUTO_UNMEASURED == "flex" and "no measurement" in why
     assert api.resolve_backend("auto", "cpu") == "torch"

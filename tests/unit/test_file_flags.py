@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from sparsebalance_megatron.config import SparseBalanceConfig, flag_name, path_fields
-from sparsebalance_megatron.megatron.launch import LaunchError
-from sparsebalance_megatron.megatron.preflight import check_config
+from sparsebalance_megatron.megatron.launch.checks import LaunchError
+from sparsebalance_megatron.megatron.launch.preflight import check_config
 
 NOT_PATHS = {"fault", "raise_headroom", "dense_below_tokens", "watchdog_seconds"}   # strings that name no file
 

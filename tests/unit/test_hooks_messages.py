@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparsebalance_megatron.megatron import hooks
-from sparsebalance_megatron.megatron.launch import LaunchError
+from sparsebalance_megatron.megatron.launch.checks import LaunchError
 
 
 @pytest.mark.reliability(area="resume", case="interleaved-schedule checkpoint (no plugin state) "

@@ -17,7 +17,7 @@ from sparsebalance_megatron.config import SparseBalanceConfig
 
 
 def _core():
-    from sparsebalance_megatron.megatron.spec import sparse_core_attention_spec
+    from sparsebalance_megatron.megatron.model.spec import sparse_core_attention_spec
 
     return sparse_core_attention_spec(SparseBalanceConfig(sparse_attention=True))
 
@@ -34,8 +34,8 @@ def _transformer(**kw):
 def test_swap_changes_only_the_attention_layers_core_attention():
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
-    from sparsebalance_megatron.megatron.hybrid import get_hybrid_stack_local_spec
-    from sparsebalance_megatron.megatron.spec import swap_hybrid_core_attention
+    from sparsebalance_megatron.megatron.model.hybrid import get_hybrid_stack_local_spec
+    from sparsebalance_megatron.megatron.model.spec import swap_hybrid_core_attention
 
     core = _core()
     for base in (hybrid_stack_spec, get_hybrid_stack_local_spec(_transformer())):
@@ -55,7 +55,7 @@ def test_swap_changes_only_the_attention_layers_core_attention():
 def test_swap_refuses_a_spec_without_the_attention_slot():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from sparsebalance_megatron.megatron.spec import swap_hybrid_core_attention
+    from sparsebalance_megatron.megatron.model.spec import swap_hybrid_core_attention
 
     with pytest.raises(ValueError, match="no submodules.attention_layer"):
         swap_hybrid_core_attention(get_gpt_layer_local_spec(), _core())
@@ -65,9 +65,9 @@ def test_local_spec_is_free_of_transformer_engine_and_megatrons_is_not():
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
     from megatron.core.ssm.mlp_layer import MLPLayer
 
-    from sparsebalance_megatron.megatron.hybrid import (LocalHybridStack,
-                                                        get_hybrid_stack_local_spec,
-                                                        transformer_engine_parts)
+    from sparsebalance_megatron.megatron.model.hybrid import (LocalHybridStack,
+                                                              get_hybrid_stack_local_spec,
+                                                              transformer_engine_parts)
 
     local = get_hybrid_stack_local_spec(_transformer())
     assert transformer_engine_parts(local) == []
@@ -101,8 +101,8 @@ def _hybrid_cfg(spec=None, pattern="*-*-"):
 
 def test_install_puts_the_swapped_local_stack_spec_where_the_hybrid_builder_reads(monkeypatch):
     from sparsebalance_megatron.megatron import hooks
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
-    from sparsebalance_megatron.megatron.hybrid import LocalHybridStack
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.hybrid import LocalHybridStack
 
     monkeypatch.setattr(hooks, "_run", hooks._Integration())
     cfg = _hybrid_cfg()
@@ -170,13 +170,13 @@ def _fake_model(cores: list, numbers=None):
 
 
 def _sparse_core():
-    from sparsebalance_megatron.megatron.core_attention import SparseCoreAttention
+    from sparsebalance_megatron.megatron.model.core_attention import SparseCoreAttention
 
     return SparseCoreAttention.__new__(SparseCoreAttention)   # an instance, no config needed
 
 
 def test_check_passes_when_every_budgeted_layer_is_ours():
-    from sparsebalance_megatron.megatron.attention_check import check_sparse_attention
+    from sparsebalance_megatron.megatron.model.attention_check import check_sparse_attention
 
     ours = _sparse_core()
     gpt = types.SimpleNamespace(pipeline_model_parallel_size=1, num_layers=2)
@@ -190,8 +190,8 @@ def test_check_passes_when_every_budgeted_layer_is_ours():
 def test_check_names_the_first_budgeted_layer_that_runs_dense_attention():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from sparsebalance_megatron.megatron.attention_check import check_sparse_attention
-    from sparsebalance_megatron.megatron.launch import LaunchError
+    from sparsebalance_megatron.megatron.model.attention_check import check_sparse_attention
+    from sparsebalance_megatron.megatron.launch.checks import LaunchError
 
     ours, dense = _sparse_core(), DotProductAttention.__new__(DotProductAttention)
     gpt = types.SimpleNamespace(pipeline_model_parallel_size=1, num_layers=2)

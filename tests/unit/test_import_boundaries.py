@@ -5,7 +5,7 @@ package with ``ast``.
    ``.megatron`` subpackage at module level. The one allowed exception is a lazy import inside a
    function of ``sparsebalance_megatron/data/corpus.py`` of ``..megatron.indexed_data`` (reading a
    user's Megatron indexed data set needs Megatron's reader; the pure corpus code does not).
-2. Only ``sparsebalance_megatron/megatron/comm.py`` imports ``torch.distributed`` (other adapter
+2. Only ``sparsebalance_megatron/megatron/runtime/comm.py`` imports ``torch.distributed`` (other adapter
    modules may use Megatron's own distributed helpers), and only it touches ``torch.distributed.*``.
 3. ``import sparsebalance_megatron`` and every pure subpackage (every one but ``megatron``) with all
    of its modules import in a fresh interpreter without ``megatron`` entering ``sys.modules``.
@@ -36,10 +36,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "sparsebalance_megatron"
 ADAPTER = PKG / "megatron"
-COMM = ADAPTER / "comm.py"
+COMM = ADAPTER / "runtime/comm.py"
 # (file, the one module it may import lazily inside a function)
 LAZY_ADAPTER_IMPORTS = {"sparsebalance_megatron/data/corpus.py":
-                        "sparsebalance_megatron.megatron.indexed_data"}
+                        "sparsebalance_megatron.megatron.step.indexed_data"}
 KNOWN_VIOLATIONS: dict = {}
 ROOM_ORDER = ["errors", "runtime", "model", "launch", "step"]   # each imports only those before
 

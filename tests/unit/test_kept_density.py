@@ -1,4 +1,4 @@
-"""The kept density beside the planned one (megatron/reporting.py): short documents keep more
+"""The kept density beside the planned one (megatron/step/reporting.py): short documents keep more
 blocks than a density asks for (every query block keeps its sink, local and diagonal blocks), so
 the ``[sparsebalance]`` line and the ``sparsebalance/density/kept`` scalar say what was kept, and
 it is what the attention's selection really keeps."""
@@ -34,8 +34,8 @@ class Writer:
 def _report(monkeypatch, capsys, segments, density=0.5):
     from megatron.training import global_vars as gv
 
-    from sparsebalance_megatron.megatron.callback import PreparedStep
-    from sparsebalance_megatron.megatron.reporting import StepReporter
+    from sparsebalance_megatron.megatron.step.callback import PreparedStep
+    from sparsebalance_megatron.megatron.step.reporting import StepReporter
 
     tb, wandb = Writer(), Writer()
     monkeypatch.setattr(gv, "_GLOBAL_TENSORBOARD_WRITER", tb)

@@ -126,7 +126,7 @@ def _run_args(**kw):
 
 def test_a_cp_run_plans_with_the_cp_adapted_model():
     """latency_setup.model_for_run: what the callback's latency model is for a run."""
-    from sparsebalance_megatron.megatron.latency_setup import model_for_run
+    from sparsebalance_megatron.megatron.launch.latency_setup import model_for_run
 
     m = _model(pp=2)
     plain = model_for_run(m, _run_args())

@@ -7,7 +7,7 @@ import pytest
 
 from sparsebalance_megatron.data.packing import PAD_SEQ_TOKENS
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, UnitFeatures, analytic_table
-from sparsebalance_megatron.megatron.profile import default_mixes, padded_length_warning
+from sparsebalance_megatron.megatron.launch.profile import default_mixes, padded_length_warning
 
 
 @pytest.mark.parametrize("seq_length,block_size", [(16384, 128), (32768, 128), (4096, 128),
@@ -126,7 +126,7 @@ def test_a_variable_length_run_profiles_its_own_grid_and_cache_entry(tmp_path):
     import types
 
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.latency_setup import cached_table_path, profile_command
+    from sparsebalance_megatron.megatron.launch.latency_setup import cached_table_path, profile_command
 
     args = types.SimpleNamespace(num_layers=2, hidden_size=64, ffn_hidden_size=128,
                                  num_attention_heads=4, num_query_groups=2, kv_channels=None,

@@ -178,7 +178,7 @@ def test_reported_density_counts_routed_documents_at_one():
 
     from sparsebalance_megatron.batching.packing import sequential_plan
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.reporting import step_record, unit_work
+    from sparsebalance_megatron.megatron.step.reporting import step_record, unit_work
     from sparsebalance_megatron.plan import BudgetPlan
 
     sb = SparseBalanceConfig(sparse_attention=True, block_size=16)

@@ -10,8 +10,8 @@ import types
 import pytest
 
 from sparsebalance_megatron.config import SparseBalanceConfig, flag_name
-from sparsebalance_megatron.megatron.launch import (CPU_DEFAULTS, LaunchError, check_launch,
-                                                    cpu_parser_defaults)
+from sparsebalance_megatron.megatron.launch.checks import (CPU_DEFAULTS, LaunchError, check_launch,
+                                                           cpu_parser_defaults)
 from tests.conftest import TINY_MODEL, run_entry
 
 SPARSE = SparseBalanceConfig(sparse_attention=True, block_size=64)

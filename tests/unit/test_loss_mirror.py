@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.megatron import loss
-from sparsebalance_megatron.megatron.launch import LaunchError, check_launch
+from sparsebalance_megatron.megatron.model import loss
+from sparsebalance_megatron.megatron.launch.checks import LaunchError, check_launch
 
 
 class _Machine:
@@ -133,7 +133,7 @@ def test_every_argument_megatrons_loss_func_reads_is_handled():
     assert read, "loss_func reads no args: the parse above is out of date"
     missing = read - set(loss.MEGATRON_LOSS_ARGS)
     assert not missing, (f"{src}: loss_func reads {sorted(missing)}, which "
-                         f"sparsebalance_megatron/megatron/loss.py does not handle")
+                         f"sparsebalance_megatron/megatron/model/loss.py does not handle")
     factor = next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
                   and any(getattr(t, "id", None) == "SPIKY_LOSS_FACTOR" for t in n.targets))
     assert factor == loss.SPIKY_LOSS_FACTOR

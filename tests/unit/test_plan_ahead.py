@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sparsebalance_megatron.megatron.step_planning import Draft, Planner
+from sparsebalance_megatron.megatron.step.planning import Draft, Planner
 
 
 def test_planner_returns_the_draft_with_its_basis():

@@ -29,7 +29,7 @@ def tables(tmp_path_factory):
     versions set to this run's), plus one of another depth and one of another block size."""
     from sparsebalance_megatron.latency import ModelShape, analytic_table
     from sparsebalance_megatron.latency.table import write_table
-    from sparsebalance_megatron.megatron.latency_setup import _run_expectation
+    from sparsebalance_megatron.megatron.launch.latency_setup import _run_expectation
     from sparsebalance_megatron.config import SparseBalanceConfig
 
     here = _run_expectation(SparseBalanceConfig())

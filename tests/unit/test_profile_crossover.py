@@ -12,7 +12,7 @@ from sparsebalance_megatron.latency.table import validate_table
 def test_measured_record_goes_into_a_table_and_routes_its_model():
     import torch
 
-    from sparsebalance_megatron.megatron.crossover import measure_crossover
+    from sparsebalance_megatron.megatron.launch.crossover import measure_crossover
 
     sb = SparseBalanceConfig(block_size=16, attention_backend="torch", dense_kernel="varlen")
     rec = measure_crossover(sb, num_heads=4, num_groups=2, head_dim=8, max_tokens=96,

@@ -1,4 +1,4 @@
-"""A latency profile cut short resumes (megatron/profile.py with latency/partial.py): a profile that
+"""A latency profile cut short resumes (megatron/launch/profile.py with latency/partial.py): a profile that
 fails after k samples keeps them; the retry measures only the rest and makes the table an
 uninterrupted profile makes. The stage and its timer are stand-ins (deterministic times, no
 process group), so what is asserted is the bookkeeping, not a clock."""
@@ -30,7 +30,7 @@ class FakeStage:
         self.measured, self.built, self.fail_after = [], [], fail_after
 
     def install(self, monkeypatch):
-        from sparsebalance_megatron.megatron import crossover, profile
+        from sparsebalance_megatron.megatron.launch import crossover, profile
 
         monkeypatch.setattr(profile, "init_single_process", lambda seed: None)
         monkeypatch.setattr(profile, "build_stage", self.build)
@@ -62,7 +62,7 @@ class FakeStage:
 
 
 def _profile(tmp_path, stage, monkeypatch, dense_crossover=True):
-    from sparsebalance_megatron.megatron.profile import profile_identity, profile_table
+    from sparsebalance_megatron.megatron.launch.profile import profile_identity, profile_table
 
     stage.install(monkeypatch)
     ident = profile_identity(SHAPE, SB, statistic="median", dense_crossover=dense_crossover,

@@ -97,7 +97,7 @@ def _args(**kw):
                          "--sb-metrics-file", expect="refused at launch in one line naming the "
                          "flag and each setting, recorded vs this run")
 def test_launch_refuses_flags_the_recorded_plans_do_not_fit(tmp_path, monkeypatch):
-    from sparsebalance_megatron.megatron.replay import launch_problems
+    from sparsebalance_megatron.megatron.launch.replay import launch_problems
 
     path = str(_write(tmp_path / "m.jsonl"))
     sb = SparseBalanceConfig(sparse_balance=True, replay_plans=path)
@@ -122,7 +122,7 @@ def test_launch_refuses_flags_the_recorded_plans_do_not_fit(tmp_path, monkeypatc
                          expect="refused at launch (before the process group) in one line "
                          "naming the flag, the file, both seeds / the missing step")
 def test_launch_refuses_another_seed_and_too_few_steps(tmp_path, monkeypatch):
-    from sparsebalance_megatron.megatron.replay import launch_problems
+    from sparsebalance_megatron.megatron.launch.replay import launch_problems
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     path = str(_write(tmp_path / "m.jsonl", steps=3, seed=7))

@@ -188,7 +188,7 @@ def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
     purpose (every unit raised to d_max), rank 0 commits the static plan of the packing it keeps,
     and the report (what the metrics print) describes that plan, not DST's."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
-    from sparsebalance_megatron.megatron import step_choice
+    from sparsebalance_megatron.megatron.step import choice as step_choice
     from sparsebalance_megatron.policy import dst
 
     lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)

@@ -1,4 +1,4 @@
-"""Rank 0's side of the start-up profile (megatron/startup_profile.py) without a process group:
+"""Rank 0's side of the start-up profile (megatron/launch/startup_profile.py) without a process group:
 the profiler subprocess prints progress lines read from its partial profile, a failure names the
 saved samples a retry resumes, and one rank profiles only when the table is missing. The
 profiler is a stand-in command (no model is built); two ranks: tests/distributed."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from sparsebalance_megatron.latency.partial import PartialProfile, partial_path
-from sparsebalance_megatron.megatron import startup_profile
+from sparsebalance_megatron.megatron.launch import startup_profile
 
 
 def test_progress_lines_read_the_partial_profile(tmp_path, capsys, monkeypatch):

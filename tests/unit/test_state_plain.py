@@ -26,10 +26,10 @@ import torch
 from sparsebalance_megatron.batching.sensitivity import SensitivityTracker
 from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
-from sparsebalance_megatron.megatron.callback import SparseBalanceCallback
-from sparsebalance_megatron.megatron.state import (STATE_VERSION, load_plugin_state,
-                                                   plain_state, plugin_state_path,
-                                                   read_state_file, restore_saved_state)
+from sparsebalance_megatron.megatron.step.callback import SparseBalanceCallback
+from sparsebalance_megatron.megatron.step.state import (STATE_VERSION, load_plugin_state,
+                                                        plain_state, plugin_state_path,
+                                                        read_state_file, restore_saved_state)
 from sparsebalance_megatron.policy.stand_down import StandDownCounts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "landed_state_pp2"

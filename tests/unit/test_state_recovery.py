@@ -2,7 +2,7 @@
 with a warning naming the file; without it the refusal says how to go on; a dense run's
 checkpoint (no balancer state in it) says once that the balancer starts fresh.
 
-In-process on the state file Megatron's checkpoint folder holds (``megatron/state.py``); the
+In-process on the state file Megatron's checkpoint folder holds (``megatron/step/state.py``); the
 torchrun resume through the entry is tests/distributed/test_sparse_balance_run.py's.
 """
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.megatron.callback import SparseBalanceCallback
-from sparsebalance_megatron.megatron.launch import LaunchError
-from sparsebalance_megatron.megatron.state import (STATE_VERSION, load_plugin_state,
-                                                   plugin_state_path, restore_saved_state)
+from sparsebalance_megatron.megatron.step.callback import SparseBalanceCallback
+from sparsebalance_megatron.megatron.launch.checks import LaunchError
+from sparsebalance_megatron.megatron.step.state import (STATE_VERSION, load_plugin_state,
+                                                        plugin_state_path, restore_saved_state)
 
 ARGS = SimpleNamespace(pipeline_model_parallel_size=1)
 
@@ -120,7 +120,7 @@ def test_a_dense_runs_checkpoint_says_the_balancer_starts_fresh(tmp_path, capsys
     _state_file(tmp_path, GOOD)
     restore_saved_state(_callback(tmp_path, fresh=False))
     assert capsys.readouterr().out == ""
-    from sparsebalance_megatron.megatron import comm     # rank 1 (also where an earlier test
+    from sparsebalance_megatron.megatron.runtime import comm  # rank 1 (also where an earlier test
     monkeypatch.setattr(comm, "launch_rank", lambda: 1)  # left a process group in this process)
     monkeypatch.setattr(comm, "rank", lambda: 1)
     _state_file(tmp_path, dict(GOOD, sensitivity=None))

@@ -7,7 +7,7 @@ To run the suite against megatron-core 0.20 (Megatron-LM main, not on PyPI yet),
 
 from __future__ import annotations
 
-from sparsebalance_megatron.megatron import compat
+from sparsebalance_megatron.megatron.launch import compat
 
 
 def test_untested_megatron_core_is_named_once(monkeypatch, capsys):

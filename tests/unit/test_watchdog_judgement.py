@@ -1,4 +1,4 @@
-"""The watchdog's judgement (``megatron/watchdog.py``), driven by hand: ranks share an in-memory
+"""The watchdog's judgement (``megatron/runtime/watchdog.py``), driven by hand: ranks share an in-memory
 store, time is an injected clock, each rank's main-thread stack a real frame made to look as if
 it waited in a collective or not, and the process probes, ``kill`` and ``exit`` are recorded
 instead of acting. The same code runs on real processes in tests/distributed/test_watchdog.py."""
@@ -14,14 +14,14 @@ import threading
 import pytest
 
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
-from sparsebalance_megatron.megatron.watchdog import (
-    HUNG_EXIT_CODE,
-    Watchdog,
-    WatchdogTiming,
-    waiting_in_communication,
-    watchdog_problems,
-)
-from sparsebalance_megatron.megatron.watchdog_megatron import start_for_megatron
+from sparsebalance_megatron.megatron.runtime.watchdog import (
+            HUNG_EXIT_CODE,
+            Watchdog,
+            WatchdogTiming,
+            waiting_in_communication,
+            watchdog_problems,
+        )
+from sparsebalance_megatron.megatron.runtime.watchdog_megatron import start_for_megatron
 
 TIMING = WatchdogTiming.for_threshold(10.0)
 
@@ -257,7 +257,7 @@ def test_a_watchdog_slower_than_the_timeout_is_a_launch_problem():
 
 
 def test_off_or_without_a_process_group_there_is_no_watchdog(monkeypatch):
-    from sparsebalance_megatron.megatron import comm
+    from sparsebalance_megatron.megatron.runtime import comm
 
     args = argparse.Namespace(distributed_timeout_minutes=1,
                               distributed_timeout_seconds_after_init=None)
@@ -395,7 +395,7 @@ def test_a_loaded_machine_in_its_final_save():
 
 
 def test_a_wait_is_one_collective():
-    from sparsebalance_megatron.megatron.watchdog_judgement import ContinuousWait
+    from sparsebalance_megatron.megatron.runtime.watchdog_judgement import ContinuousWait
 
     w, a, b = ContinuousWait(), _frame_in(COLLECTIVE), _frame_in(COLLECTIVE)
     assert w.observe(a, True, 1, 10.0) == 0.0 and w.observe(a, True, 1, 15.0) == 5.0
@@ -407,8 +407,8 @@ def test_a_wait_is_one_collective():
 
 
 def test_progress_phases_come_from_megatrons_timers():
-    from sparsebalance_megatron.megatron.timing import MicrobatchTimers, TeeTimers
-    from sparsebalance_megatron.megatron.watchdog_megatron import PhaseTimers, watch_phases
+    from sparsebalance_megatron.megatron.step.timing import MicrobatchTimers, TeeTimers
+    from sparsebalance_megatron.megatron.runtime.watchdog_megatron import PhaseTimers, watch_phases
 
     job = Job()
     wd, seen = job.ranks[0], []
@@ -449,7 +449,7 @@ def test_the_phase_timers_are_the_ones_megatron_starts():
     import importlib.util
     from pathlib import Path
 
-    from sparsebalance_megatron.megatron.watchdog_judgement import PHASES
+    from sparsebalance_megatron.megatron.runtime.watchdog_judgement import PHASES
 
     spec = importlib.util.find_spec("megatron.training")
     if spec is None:
@@ -483,7 +483,7 @@ def test_an_exited_rank_is_torchruns_root_cause(tmp_path, monkeypatch):
 
 
 def test_classify_a_peer():
-    from sparsebalance_megatron.megatron.watchdog_judgement import classify, culprits, should_act
+    from sparsebalance_megatron.megatron.runtime.watchdog_judgement import classify, culprits, should_act
 
     rec = dict(rank=1, pid=7, host="h", state="running", waiting=False, busy=[], stall_s=30.0,
                wall=0.0)

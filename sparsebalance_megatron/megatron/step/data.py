@@ -30,13 +30,13 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..config import SparseBalanceConfig, flag_name
-from ..data.context_parallel import zigzag_positions
-from ..data.corpus import ConcatCorpus, DataError, load_corpus
-from ..data.packing import GlobalBatchSampler, materialize, sequential_pack
-from ..data.tokenizers import TextTokenizer
-from .budget import SparsePackedSeqParams
-from .errors import LaunchError
+from ...config import SparseBalanceConfig, flag_name
+from ...data.context_parallel import zigzag_positions
+from ...data.corpus import ConcatCorpus, DataError, load_corpus
+from ...data.packing import GlobalBatchSampler, materialize, sequential_pack
+from ...data.tokenizers import TextTokenizer
+from ..errors import LaunchError
+from ..model.budget import SparsePackedSeqParams
 
 DEFAULT_SPLIT = "969,30,1"   # Megatron's legacy default when --split is not given
 SPLITS = ("train", "valid", "test")

@@ -19,9 +19,9 @@ Megatron's hybrid specs are transformer-engine modules (stand-in mocks where it 
 as an ``MLPLayer``, both with the GPT layer's checkpoint key map (keys as transformer-engine's
 fused norms name them), and ``LocalHybridStack`` builds its final norm from the same norm module.
 
-Layer kinds served: ``*`` and ``-``; the launch refuses the others (``launch.py``).
+Layer kinds served: ``*`` and ``-``; the launch refuses the others (``launch/checks.py``).
 ``install_attention_spec(model_cfg, core)`` (``hooks.install``) puts ``core`` where either model's
-builder reads it; it lives here, not in ``spec.py``, because it needs both (``spec.py`` must not
+builder reads it; it lives here, not in ``model/spec.py``, because it needs both (``model/spec.py`` must not
 import this module, which imports it).
 Must not touch torch.distributed.
 """
@@ -35,7 +35,7 @@ from typing import Optional
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from .errors import LaunchError
+from ..errors import LaunchError
 from .spec import have_transformer_engine, layer_spec_builder, swap_hybrid_core_attention
 
 TE_MODULE = "megatron.core.extensions.transformer_engine"

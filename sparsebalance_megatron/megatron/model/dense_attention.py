@@ -18,7 +18,7 @@ import math
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
-from ..attention.dense import dense_varlen_attention, packed_docs
+from ...attention.dense import dense_varlen_attention, packed_docs
 from .context_parallel import attend_whole_documents, cp_group_of
 
 

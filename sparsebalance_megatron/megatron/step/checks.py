@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batching.plan import BatchPlan
-from ..plan import BudgetPlan
+from ...batching.plan import BatchPlan
+from ...plan import BudgetPlan
 
 
 def check_assignment(segments, batch: BatchPlan, capacity: int) -> None:

@@ -26,7 +26,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from .errors import LaunchError
+from ..errors import LaunchError
 
 STATE_BASENAME = "train_dataloader_dprank000.pt"
 STATE_VERSION = 1   # of the dict SparseBalanceCallback.state_dict writes
@@ -110,7 +110,7 @@ def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = Fals
     path = plugin_state_path(args, load_dir, iteration)
     if not os.path.exists(path):
         if fresh:
-            from .comm import say
+            from ..runtime.comm import say
             say(f"no SparseBalance state at {path}: starting the balancer fresh "
                 f"(--sb-fresh-state)")
             return None
@@ -141,7 +141,7 @@ def damaged_state(path: str, problem: str, fresh: bool) -> None:
     a warning naming the file (rank 0) and None (start fresh); else the refusal, which says how
     to go on."""
     if fresh:
-        from .comm import say
+        from ..runtime.comm import say
         say(f"warning: SparseBalance state {path} {problem}: starting the balancer fresh "
             f"(--sb-fresh-state)")
         return None
@@ -157,7 +157,7 @@ def note_missing_parts(state: dict, *, latency: bool, sensitivity: bool, path: s
                                           ("sensitivities", sensitivity, "sensitivity"))
              if have and state.get(key) is None]
     if parts:
-        from .comm import say
+        from ..runtime.comm import say
         say(f"the checkpoint's SparseBalance state {path} holds no {' or '.join(parts)} (written "
             f"by a run without DST/SAB): the balancer starts fresh")
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from ..latency.layout import ATTENTION, PipelineLayout
+from ...latency.layout import ATTENTION, PipelineLayout
+from ..errors import LaunchError
 from .core_attention import SparseCoreAttention
-from .errors import LaunchError
 
 
 def _decoder(chunk):

@@ -54,7 +54,7 @@ STACK_FRAMES = 16           # frames of the main thread's stack kept in a record
 # Megatron's pipeline sends and receives and gradient reductions, our own collectives) or is a
 # ``.wait()`` on an asynchronous handle.
 COMM_PATHS = ("/torch/distributed/", "/megatron/core/pipeline_parallel/p2p_communication.py",
-              "/megatron/core/distributed/", "/sparsebalance_megatron/megatron/comm.py")
+              "/megatron/core/distributed/", "/sparsebalance_megatron/megatron/runtime/comm.py")
 PREFIX = "[sparsebalance] watchdog:"
 
 

@@ -15,14 +15,14 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   every rank used the plan, calibrate the latency model, refine sensitivities, report metrics,
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
   plan (rank 0 plans, broadcasts; every rank holds identical budgets), each committed only where
-  predicted no slower than the static baseline (do no harm, ``step_choice.py``).
+  predicted no slower than the static baseline (do no harm, ``step/choice.py``).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
 
-Before a step (its documents, packing and plan, and the plan-ahead thread): ``step_planning.py``;
-the checks and sums over every rank's record at a step's end: ``step_checks.py``.
+Before a step (its documents, packing and plan, and the plan-ahead thread): ``step/planning.py``;
+the checks and sums over every rank's record at a step's end: ``step/checks.py``.
 
 With ``--sb-replay-plans`` a step's packing and densities are another run's recorded ones
-(``replay.py``) instead of SAB's and DST's; the resume state is ``state.py``'s.
+(``launch/replay.py``) instead of SAB's and DST's; the resume state is ``step/state.py``'s.
 
 With ``--sb-plan-ahead`` the next step's draft (documents, packing, latency features, rank 0's
 DST plan: no collective) is made by a background thread while the step trains, from the state
@@ -40,13 +40,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..config import SparseBalanceConfig
-from . import comm
-from .budget import BudgetContext
+from ...config import SparseBalanceConfig
+from ..model.budget import BudgetContext
+from ..runtime import comm
+from .checks import (check_budgets, doc_recalls, fingerprint, measured_busy, min_kept,
+                     sum_by_doc, unit_order)
+from .planning import Planner, PreparedStep, StepPlanning
 from .state import STATE_VERSION, plain_state
-from .step_checks import (check_budgets, doc_recalls, fingerprint, measured_busy, min_kept,
-                          sum_by_doc, unit_order)
-from .step_planning import Planner, PreparedStep, StepPlanning
 
 
 class SparseBalanceCallback(StepPlanning):
@@ -72,7 +72,7 @@ class SparseBalanceCallback(StepPlanning):
                             length_multiple=sb.microbatch_multiple)
         self.latency = self.tracker = None
         if sb.dst_enabled or sb.batching_enabled:
-            from .latency_setup import load_latency_model, table_backend
+            from ..launch.latency_setup import load_latency_model, table_backend
             self.latency = load_latency_model(args, sb)
             budget.set_backend(table_backend(self.latency.table, sb))   # auto: measured pick
         # routing: the latency table's crossover (or --sb-dense-below-tokens), known only now
@@ -80,11 +80,11 @@ class SparseBalanceCallback(StepPlanning):
             else sb.routing_threshold(None)
         budget.set_routing(routing)
         if sb.batching_enabled:
-            from ..batching.sensitivity import SensitivityTracker
+            from ...batching.sensitivity import SensitivityTracker
             self.tracker = SensitivityTracker(signal=sb.sensitivity_signal)
-        from ..latency.layout import PipelineLayout
-        self.layout = PipelineLayout.from_megatron_args(args)   # launch.py checked it
-        from .replay import plan_replay
+        from ...latency.layout import PipelineLayout
+        self.layout = PipelineLayout.from_megatron_args(args)   # launch/checks.py checked it
+        from ..launch.replay import plan_replay
         self.replay = plan_replay(sb, dp=self.dp, max_tokens=self.capacity,
                                   pad_multiple=self.mb_args["pad_multiple"],
                                   stages=self.layout.num_stages)   # None: plan here
@@ -130,7 +130,7 @@ class SparseBalanceCallback(StepPlanning):
         self.sampler.skip_bins(int(args.consumed_train_samples))
         state, ahead = None, False
         if args.iteration > 0 and args.load:
-            from .errors import LaunchError
+            from ..errors import LaunchError
             from .state import restore_saved_state
             try:
                 state, ahead = restore_saved_state(self)

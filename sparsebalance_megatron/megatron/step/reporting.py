@@ -27,9 +27,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import SparseBalanceConfig
-from ..policy.stand_down import StandDownCounts
-from . import comm
+from ...config import SparseBalanceConfig
+from ...policy.stand_down import StandDownCounts
+from ..runtime import comm
 
 PREFIX = "sparsebalance/"
 
@@ -40,7 +40,7 @@ def unit_work(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0
     documents on the sparse path: the weight of its planned density in every density figure (a
     stage's layers all run at that density); [dp, m] that of its documents routed dense
     (shorter than ``dense_below_tokens``), which count at density 1, or None without routing)."""
-    from ..latency.features import UnitFeatures
+    from ...latency.features import UnitFeatures
 
     feats = UnitFeatures.build(batch.unit_csr(with_padding=True), sb.block_size,
                                sb.sink_blocks, sb.local_blocks,
@@ -56,7 +56,7 @@ def kept_work(batch, sb: SparseBalanceConfig, densities: np.ndarray,
     unit's planned density (``densities`` [dp, m, stages]): the count the selection keeps
     (``latency/work.py``'s kept rule: ``ceil(density x causal blocks)`` per query block, never
     fewer than its sink, local and diagonal blocks)."""
-    from ..latency.features import UnitFeatures
+    from ...latency.features import UnitFeatures
 
     feats = UnitFeatures.build(batch.unit_csr(with_padding=True), sb.block_size,
                                sb.sink_blocks, sb.local_blocks,
@@ -89,7 +89,7 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
     ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
     ``positions`` what the step computed (padding included). ``kept`` [dp, m, stages]: kept block
     pairs at the planned densities (``kept_work``): the kept density beside the planned one."""
-    from ..policy.costs import stage_mean_densities, weighted_mean_density
+    from ...policy.costs import stage_mean_densities, weighted_mean_density
 
     batch = step.batch
     loss_sum = sum(g["loss"][0] for g in gathered)
@@ -196,7 +196,7 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
     ``plan``: the step's packing (``batching.replay.plan_record``; documents padded to a
     multiple of ``pad_multiple``; ``seed``: the run's --sb-seed), which with ``densities`` is what
     ``--sb-replay-plans`` replays."""
-    from ..batching.replay import plan_record
+    from ...batching.replay import plan_record
 
     m, nv, vp = step.batch.num_microbatches, layout.num_stages, layout.vp
     fwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
@@ -228,7 +228,7 @@ class StepReporter:
         ``tokens`` leaves per-document padding out (``document_tokens``); documents shorter
         than ``dense_below_tokens`` run dense (the run's routing threshold; 0: none);
         ``pad_multiple``: what documents are padded to (recorded with the plan)."""
-        from ..latency.layout import PipelineLayout
+        from ...latency.layout import PipelineLayout
 
         self.args, self.sb, self.dp = args, sb, dp
         self.dense_below_tokens = dense_below_tokens

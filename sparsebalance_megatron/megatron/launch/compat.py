@@ -179,7 +179,7 @@ def skip_prebuilt_helpers_compile() -> bool:
         return False  # nothing prebuilt: let Megatron report its own error
 
     def compile_helpers():
-        """Prebuilt in the megatron-core wheel (see sparsebalance_megatron.megatron.compat)."""
+        """Prebuilt in the megatron-core wheel (see sparsebalance_megatron.megatron.launch.compat)."""
 
     compile_helpers._sparsebalance = True
     mdutils.compile_helpers = compile_helpers
@@ -241,7 +241,7 @@ def activate_cpu_shims() -> bool:
     _mode = _CudaToCpuMode()
     _mode.__enter__()  # global for the process: megatron builds "cuda" tensors anywhere
     _active = True
-    from .comm import say
+    from ..runtime.comm import say
     say(f"no CUDA: megatron-core runs on the CPU ({SHIM_ID})")
     return True
 
@@ -279,7 +279,7 @@ def warn_untested_versions() -> None:
     _warned_versions = True
     msg = untested_versions_warning()
     if msg:
-        from .comm import say
+        from ..runtime.comm import say
         say(msg)
 
 

@@ -1,5 +1,5 @@
 """The watchdog's judgement, as pure functions: when a waiting rank may act, and which peer it
-names. ``watchdog.py`` feeds them its heartbeat records; unit tests feed them by hand.
+names. ``runtime/watchdog.py`` feeds them its heartbeat records; unit tests feed them by hand.
 
 The rule (issue 34: a watchdog that never blames a healthy rank):
 

@@ -167,7 +167,7 @@ def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
 def watchdog_store():
     """The job's key-value store (torchrun's, or the one ``init_process_group`` made) under the
     prefix ``sparsebalance/watchdog/<torchrun's restart count>/`` (torchrun keeps its store
-    across restarts): each rank's heartbeat record, for ``watchdog.py``."""
+    across restarts): each rank's heartbeat record, for ``runtime/watchdog.py``."""
     import os
 
     from torch.distributed.distributed_c10d import _get_default_store

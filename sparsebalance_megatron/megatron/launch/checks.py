@@ -20,11 +20,11 @@ import os
 
 import torch
 
-from ..attention.fa4_cute import FA4_BLOCK, fa4_missing
-from ..attention.flex import flash_kernel_missing
-from ..config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
-from ..latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
-from .errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
+from ...attention.fa4_cute import FA4_BLOCK, fa4_missing
+from ...attention.flex import flash_kernel_missing
+from ...config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
+from ...latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
+from ..errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
 from .preflight import attention_dropout_conflicts, config_problems
 
 
@@ -61,7 +61,7 @@ def have_module(name: str) -> bool:
 
 def _sparse_attention_conflicts(args, hybrid: bool = False) -> list[str]:
     """Settings whose layer spec or core attention would silently replace ours (a HybridModel's
-    ``--spec`` is a stack spec: the swap goes inside it, ``hybrid.py``)."""
+    ``--spec`` is a stack spec: the swap goes inside it, ``model/hybrid.py``)."""
     out = []
     if getattr(args, "spec", None) is not None and not hybrid:
         spec = args.spec if isinstance(args.spec, str) else " ".join(args.spec)
@@ -122,7 +122,7 @@ def _gpu_kernel(sb: SparseBalanceConfig) -> str:
     if sb.attention_backend in ("flex", "flash", "triton", "fa4"):
         return sb.attention_backend
     if sb.attention_backend == "auto" and torch.cuda.is_available():
-        from ..attention.api import resolve_backend
+        from ...attention.api import resolve_backend
         return resolve_backend("auto", "cuda")          # one rule: api.auto_backend
     return ""
 

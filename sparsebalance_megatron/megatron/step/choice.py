@@ -16,10 +16,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..batching.sensitivity import unit_sensitivity
-from ..config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
-from ..policy.costs import UnitCosts, density_grid
-from ..policy.stand_down import choose_step
+from ...batching.sensitivity import unit_sensitivity
+from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
+from ...policy.costs import UnitCosts, density_grid
+from ...policy.stand_down import choose_step
 
 
 def wants_baseline_packing(sb: SparseBalanceConfig, latency) -> bool:
@@ -46,7 +46,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     first; dst: plan with DST (rank 0), else the static plans are compared (d0 with sparse
     attention, density 1 without). The stand-down record is ``StepChoice.as_dict()``:
     ``packing_index`` says which option to commit."""
-    from ..policy.dst import plan_dst_from_config
+    from ...policy.dst import plan_dst_from_config
 
     d0 = sb.density if sb.sparse_attention_enabled else 1.0
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])

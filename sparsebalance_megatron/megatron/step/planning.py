@@ -3,10 +3,10 @@ before the step runs, and the ``--sb-plan-ahead`` thread that drafts the next on
 
 ``StepPlanning`` is a base class of the callback, not a component of its own: its methods read the
 callback's sampler, latency model, sensitivity tracker, replay, layout and capacity
-(``callback.py`` sets them) and write the prepared step the callback's ``take_step`` reads. A step
+(``step/callback.py`` sets them) and write the prepared step the callback's ``take_step`` reads. A step
 is first a ``Draft`` (no collective: safe on the planner thread), then ``_commit`` makes it the
 ``PreparedStep`` (collective: rank 0's DST plan is broadcast). Each packing is committed only where
-predicted no slower than the static baseline (do no harm, ``step_choice.py``).
+predicted no slower than the static baseline (do no harm, ``step/choice.py``).
 No torch.distributed outside ``comm``; megatron only through the callback.
 """
 
@@ -20,11 +20,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..batching.plan import BatchPlan
-from ..plan import BudgetPlan
-from . import comm
-from .step_checks import check_assignment
-from .step_choice import wants_baseline_packing
+from ...batching.plan import BatchPlan
+from ...plan import BudgetPlan
+from ..runtime import comm
+from .checks import check_assignment
+from .choice import wants_baseline_packing
 
 
 @dataclass
@@ -86,8 +86,8 @@ class StepPlanning:
     def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
         """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
         token_balanced, SAB."""
-        from ..batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
-                                        token_balanced_plan)
+        from ...batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
+                                         token_balanced_plan)
 
         sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
                                max_tokens=self.capacity)
@@ -197,8 +197,8 @@ class StepPlanning:
         if comm.rank() != 0 or self.latency is None or self.layout.pp < 2 \
                 or self.layout.pattern is not None:   # the search splits GPT layers only
             return
-        from ..experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
-        from ..latency.layout import LayoutError
+        from ...experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
+        from ...latency.layout import LayoutError
         try:
             gap, best = layout_gap(self.latency, units, self.dp,
                                    batch.num_microbatches, self.layout, self.sb.density)
@@ -213,7 +213,7 @@ class StepPlanning:
     def _choose(self, options: list, *, dst: bool):
         """(densities, DST report, stand-down record) of the step: DST on each packing option,
         under the do-no-harm rule (``step_choice.choose``)."""
-        from .step_choice import choose, raise_headroom
+        from .choice import choose, raise_headroom
 
         return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
                       raise_headroom=raise_headroom(self.sb, self.latency, self.dp)

@@ -25,9 +25,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import CP_COMM_TYPES
-from ..data.context_parallel import gather_index
-from . import comm
+from ...config import CP_COMM_TYPES
+from ...data.context_parallel import gather_index
+from ..runtime import comm
 
 
 def check_heads(num_heads: int, num_groups: int, cp_size: int) -> None:

@@ -152,7 +152,7 @@ def layer_spec(spec: str, sb_config=None):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         return get_gpt_layer_local_spec(normalization="RMSNorm")
     if spec == "sparse":
-        from ..config import SparseBalanceConfig
+        from ...config import SparseBalanceConfig
         from .spec import get_sparsebalance_layer_spec
         sb = sb_config if sb_config is not None else SparseBalanceConfig(sparse_attention=True)
         return get_sparsebalance_layer_spec(sb, transformer_impl="local", qk_layernorm=False,

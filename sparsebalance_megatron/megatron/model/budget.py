@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..config import BACKENDS
-from ..plan import BudgetPlan
+from ...config import BACKENDS
+from ...plan import BudgetPlan
 
 
 @dataclass

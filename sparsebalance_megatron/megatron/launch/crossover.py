@@ -24,11 +24,11 @@ import time
 import numpy as np
 import torch
 
-from ..attention import block_sparse_attention, resolve_backend
-from ..attention.api import backend_missing, set_auto_backend
-from ..attention.dense import dense_varlen_attention, packed_docs, resolve_dense_kernel
-from ..config import SparseBalanceConfig
-from ..latency.crossover import crossover_entries, crossover_lengths, crossover_tokens
+from ...attention import block_sparse_attention, resolve_backend
+from ...attention.api import backend_missing, set_auto_backend
+from ...attention.dense import dense_varlen_attention, packed_docs, resolve_dense_kernel
+from ...config import SparseBalanceConfig
+from ...latency.crossover import crossover_entries, crossover_lengths, crossover_tokens
 
 
 def _sync(device: torch.device) -> None:

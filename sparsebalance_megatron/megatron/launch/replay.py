@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..batching.replay import RecordedPlans, ReplayError, StepShape
-from ..config import SparseBalanceConfig, flag_name
-from .errors import LaunchError
+from ...batching.replay import RecordedPlans, ReplayError, StepShape
+from ...config import SparseBalanceConfig, flag_name
+from ..errors import LaunchError
 
 
 def launch_problems(args, sb: SparseBalanceConfig) -> list[str]:

@@ -4,7 +4,7 @@
 does not ship, so the plugin cannot call it; it mirrors it instead, flag by flag.
 ``MEGATRON_LOSS_ARGS`` lists every argument that ``loss_func`` reads (core_r0.19.0 and main,
 megatron-core 0.19.2 and 0.20.0) and what the plugin does with it: mirrored here, or refused at
-launch (``launch.py``) where the plugin's forward step cannot honour it.
+launch (``launch/checks.py``) where the plugin's forward step cannot honour it.
 ``tests/unit/test_loss_mirror.py`` reads ``loss_func`` of a Megatron-LM checkout and fails when
 it reads an argument this table does not name.
 

@@ -10,7 +10,7 @@ vp_stage)``: transformer-engine or local, with every keyword upstream passes, ``
 HybridModel (``pretrain_hybrid.py``): the slot sits one level deeper, in the stack spec's
 attention layer (``submodules.attention_layer.submodules.self_attention.submodules.
 core_attention``); ``swap_hybrid_core_attention`` swaps it there and nowhere else (which stack
-spec a run builds: ``hybrid.py``).
+spec a run builds: ``model/hybrid.py``).
 
 ``get_sparsebalance_layer_spec(sb_config, transformer_impl, **kwargs)`` builds a spec directly from
 ``get_gpt_layer_local_spec(**kwargs)`` / ``get_gpt_layer_with_transformer_engine_spec(**kwargs)``
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..config import SparseBalanceConfig
+from ...config import SparseBalanceConfig
 from .budget import BudgetContext
 from .core_attention import SparseCoreAttention
 

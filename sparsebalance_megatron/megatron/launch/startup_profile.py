@@ -24,8 +24,8 @@ import time
 from datetime import timedelta
 from typing import Callable, Optional
 
-from ..latency.partial import partial_path, read_progress
-from . import comm
+from ...latency.partial import partial_path, read_progress
+from ..runtime import comm
 
 PROGRESS_INTERVAL_S = 30.0
 """Seconds between two progress lines of a rank waiting for (or running) the profile."""

@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Optional
 
-from ..config import SparseBalanceConfig
-from . import comm
+from ...config import SparseBalanceConfig
+from ..runtime import comm
 
 def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     """What a latency table must have been measured on to be used by this run: device,
@@ -24,7 +24,7 @@ def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     ``args.transformer_impl``, ``args.recompute_granularity``) and attention. The pipeline is not
     compared: any table with the run's stage kinds (and a middle stage, for a layout other than
     its own) predicts the run's layout (``LatencyModel.with_layout``)."""
-    from ..latency.shape import ModelShape
+    from ...latency.shape import ModelShape
 
     shape = ModelShape.from_megatron_args(args)
     return dict(_run_expectation(sb), model=shape.as_table_model(),
@@ -48,7 +48,7 @@ def _run_expectation(sb: SparseBalanceConfig) -> dict:
     import megatron.core
     import torch
 
-    from .. import __version__
+    from ... import __version__
     from .profile import device_name
 
     return {
@@ -73,10 +73,10 @@ def check_given_table(args, sb: SparseBalanceConfig) -> None:
     ``hooks.install``: Megatron's args validated, no process group yet."""
     import warnings
 
-    from ..latency.layout import LayoutError
-    from ..latency.model import LatencyModel
-    from ..latency.table import LatencyTableError
-    from .errors import LaunchError
+    from ...latency.layout import LayoutError
+    from ...latency.model import LatencyModel
+    from ...latency.table import LatencyTableError
+    from ..errors import LaunchError
 
     if not (sb.latency_table and uses_latency_table(sb)):
         return
@@ -93,7 +93,7 @@ def check_given_table(args, sb: SparseBalanceConfig) -> None:
 
 
 def profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:
-    from ..latency.shape import ModelShape
+    from ...latency.shape import ModelShape
 
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--out", out, *ModelShape.from_megatron_args(args).cli_flags(),
@@ -105,7 +105,7 @@ def profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:
 
 
 def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
-    from ..data.sources import default_cache_dir
+    from ...data.sources import default_cache_dir
 
     key = "_".join(f"{k}{int(v) if isinstance(v, bool) else v}"
                    for k, v in sorted(expect["model"].items()))
@@ -143,8 +143,8 @@ def _profile(args, sb: SparseBalanceConfig, path: str) -> None:
 
 def load_latency_model(args, sb: SparseBalanceConfig):
     """The run's ``LatencyModel`` (collective: every rank calls it)."""
-    from ..latency.model import LatencyModel
-    from ..latency.table import LatencyTableError
+    from ...latency.model import LatencyModel
+    from ...latency.table import LatencyTableError
 
     expect = table_expectation(args, sb)
     path = sb.latency_table
@@ -159,7 +159,7 @@ def load_latency_model(args, sb: SparseBalanceConfig):
     except (LatencyTableError, OSError) as e:
         raise SystemExit(f"error: --sb-latency-table: {e}")
     if sb.microbatch_multiple and model._folded_tokens():
-        from ..config import flag_name
+        from ...config import flag_name
         comm.say(f"warning: --sb-latency-table {path} was profiled at one token total "
                  f"({model._folded_tokens()}): it cannot tell token work from per-micro-batch "
                  f"costs, so its times of shorter (variable-length) micro-batches are guesses; "
@@ -172,7 +172,7 @@ def load_latency_model(args, sb: SparseBalanceConfig):
             comm.say(note)
     else:   # SAB with dense attention: every document through the dense kernel, priced so
         model = model.all_dense()
-    from ..latency.layout import LayoutError
+    from ...latency.layout import LayoutError
     try:
         return model_for_run(model, args)
     except LayoutError as e:
@@ -186,7 +186,7 @@ def table_backend(table: dict, sb: SparseBalanceConfig):
     any explicit backend."""
     import torch
 
-    from ..attention.api import backend_missing
+    from ...attention.api import backend_missing
 
     chosen = (table.get("attention") or {}).get("backend")
     if sb.attention_backend != "auto" or not torch.cuda.is_available() \
@@ -194,7 +194,7 @@ def table_backend(table: dict, sb: SparseBalanceConfig):
         return None
     if backend_missing(chosen, "cuda") is not None:
         return None
-    from ..attention.api import set_auto_backend
+    from ...attention.api import set_auto_backend
     set_auto_backend(chosen, "the latency table's profile")     # every later 'auto' runs it
     return chosen
 
@@ -204,8 +204,8 @@ def run_kernels(args, sb: SparseBalanceConfig, table: Optional[dict] = None) -> 
     ``table``, ``auto`` as ``table_backend`` picks it)."""
     import torch
 
-    from ..attention import resolve_backend
-    from ..attention.dense import resolve_dense_kernel
+    from ...attention import resolve_backend
+    from ...attention.dense import resolve_dense_kernel
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if getattr(args, "bf16", False) else \
@@ -242,7 +242,7 @@ def model_for_run(model, args):
     profiler measures one process); the CP terms are derived from it, with the interconnect's
     assumed bandwidth, and online calibration absorbs what they miss. Every rank builds the
     same model from the same table and args, and plans are made on rank 0 and broadcast."""
-    from ..latency.layout import PipelineLayout
+    from ...latency.layout import PipelineLayout
 
     model = model.with_layout(PipelineLayout.from_megatron_args(args))
     cp = int(getattr(args, "context_parallel_size", 1) or 1)

@@ -27,10 +27,10 @@ import argparse
 import os
 from typing import Optional
 
-from ..arguments import config_and_problems
-from ..config import ConfigError, SparseBalanceConfig, flag_name, path_fields
-from .errors import LaunchError
-from .watchdog import watchdog_problems
+from ...arguments import config_and_problems
+from ...config import ConfigError, SparseBalanceConfig, flag_name, path_fields
+from ..errors import LaunchError
+from ..runtime.watchdog import watchdog_problems
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -86,7 +86,7 @@ def _input_file_problems(flag: str, path: str) -> list[str]:
 
 
 def _latency_table_problems(sb: SparseBalanceConfig) -> list[str]:
-    from ..latency.table import LatencyTableError, read_table
+    from ...latency.table import LatencyTableError, read_table
 
     try:
         read_table(sb.latency_table)
@@ -100,7 +100,7 @@ def _reads_quality_cost(sb: SparseBalanceConfig) -> bool:
 
 
 def _quality_cost_problems(sb: SparseBalanceConfig) -> list[str]:
-    from ..policy.quality import QualityCostError, load_quality_cost
+    from ...policy.quality import QualityCostError, load_quality_cost
 
     try:
         load_quality_cost(sb.quality_cost)
@@ -112,7 +112,7 @@ def _quality_cost_problems(sb: SparseBalanceConfig) -> list[str]:
 
 
 def _replay_plans_problems(sb: SparseBalanceConfig) -> list[str]:
-    from ..batching.replay import RecordedPlans, ReplayError
+    from ...batching.replay import RecordedPlans, ReplayError
 
     try:
         RecordedPlans.read(sb.replay_plans)
@@ -145,7 +145,7 @@ def _profile_cache_problems(sb: SparseBalanceConfig) -> list[str]:
 
     if sb.data_cache_dir or sb.latency_table or not uses_latency_table(sb):
         return []
-    from ..data.sources import default_cache_dir
+    from ...data.sources import default_cache_dir
     return [p.replace(flag_name("data_cache_dir"),
                       f"{flag_name('data_cache_dir')} (default, the start-up latency profile's "
                       f"cache)", 1)
@@ -302,7 +302,7 @@ def _table_problems(args, sb: SparseBalanceConfig) -> list[str]:
     if getattr(args, "num_layers", None) is None or getattr(args, "hidden_size", None) is None \
             or getattr(args, "num_attention_heads", None) is None:
         return []    # Megatron's validation names the missing model flag
-    from ..latency.table import LatencyTableError, check_compatible, read_table
+    from ...latency.table import LatencyTableError, check_compatible, read_table
     try:
         check_compatible(read_table(sb.latency_table), flag_expectation(args, sb),
                          sb.latency_table, force=False)

@@ -51,8 +51,8 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..attention import block_sparse_attention
-from ..config import SparseBalanceConfig
+from ...attention import block_sparse_attention
+from ...config import SparseBalanceConfig
 from .budget import BudgetContext
 from .context_parallel import attend_whole_documents, cp_group_of
 

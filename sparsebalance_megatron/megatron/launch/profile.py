@@ -33,13 +33,13 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..config import SparseBalanceConfig
-from ..data.packing import packed_length, padding_lengths
-from ..latency.features import FEATURES
-from ..latency.shape import ModelShape
-from ..latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
-from ..plan import BudgetPlan
-from .budget import BudgetContext, SparsePackedSeqParams
+from ...config import SparseBalanceConfig
+from ...data.packing import packed_length, padding_lengths
+from ...latency.features import FEATURES
+from ...latency.shape import ModelShape
+from ...latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
+from ...plan import BudgetPlan
+from ..model.budget import BudgetContext, SparsePackedSeqParams
 
 
 def device_name() -> str:
@@ -60,7 +60,7 @@ def device_name() -> str:
 def software_versions() -> dict:
     from megatron.core import package_info
 
-    from .. import __version__ as sb_version
+    from ... import __version__ as sb_version
     return {"torch": torch.__version__, "megatron_core": package_info.__version__,
             "sparsebalance_megatron": sb_version}
 
@@ -77,7 +77,7 @@ def init_single_process(seed: int = 1234) -> None:
 
     from megatron.core import parallel_state, tensor_parallel
 
-    from . import comm
+    from ..runtime import comm
     from .compat import activate_cpu_shims
     if parallel_state.model_parallel_is_initialized():
         return
@@ -99,7 +99,7 @@ def init_single_process(seed: int = 1234) -> None:
 
 def _layer_spec(sb: SparseBalanceConfig, transformer_impl: str = "local"):
     """The training layer spec of ``transformer_impl`` (only ``core_attention`` swapped)."""
-    from .spec import get_sparsebalance_layer_spec
+    from ..model.spec import get_sparsebalance_layer_spec
 
     if transformer_impl == "local":
         return get_sparsebalance_layer_spec(sb, transformer_impl="local", qk_layernorm=False,
@@ -110,7 +110,7 @@ def _layer_spec(sb: SparseBalanceConfig, transformer_impl: str = "local"):
 
 def _budget_of(model) -> BudgetContext:
     """The budget context the model's sparse attention layers share (built by ``_layer_spec``)."""
-    from .core_attention import SparseCoreAttention
+    from ..model.core_attention import SparseCoreAttention
 
     for module in model.modules():
         if isinstance(module, SparseCoreAttention):
@@ -191,7 +191,7 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     is shorter than a block). The others: two equal documents with and without padding, then
     random cuts of 100%, 75% or 50% of the tokens into 2-15 documents, padded.
     """
-    from ..attention.blocks import fixed_padded_blocks
+    from ...attention.blocks import fixed_padded_blocks
 
     t = seq_length
 
@@ -230,7 +230,7 @@ def padded_length_warning(mixes: Sequence[Sequence[int]], block_size: int,
     ``default_mixes``): the flex kernel's padded length (``attention.blocks.fixed_padded_blocks``
     of the token count and the documents' blocks) differs between mixes. None when it does not,
     or without a compiled kernel (CPU)."""
-    from ..attention.blocks import fixed_padded_blocks
+    from ...attention.blocks import fixed_padded_blocks
 
     if device_type != "cuda":
         return None
@@ -324,14 +324,14 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
                   statistic: str = "median", progress: Optional[Callable] = None,
                   dense_crossover: bool = False, partial=None) -> dict:
     """Measure every (stage kind, mix, density) and return a validated, fitted table; with
-    ``dense_crossover`` the crossover first (``crossover.py``), and the grid routed at it.
+    ``dense_crossover`` the crossover first (``launch/crossover.py``), and the grid routed at it.
     With ``partial`` (a ``latency.partial.PartialProfile`` of ``profile_identity``) every
     sample is saved as it is measured and the samples it holds already are not measured again
     (a stage kind whose samples are all there is not even built)."""
     import dataclasses
 
-    from ..attention import resolve_backend
-    from ..latency.model import LatencyModel
+    from ...attention import resolve_backend
+    from ...latency.model import LatencyModel
 
     if shape.num_layers < shape.pp:
         raise ValueError(f"--num-layers={shape.num_layers} is less than "
@@ -436,7 +436,7 @@ def profile_table(shape: ModelShape, sb: SparseBalanceConfig, *, densities: Sequ
 
 def fit_report(table: dict) -> list[tuple[str, float, float, int]]:
     """(kind, grid MAPE fwd+bwd, max abs % error, n) of the fitted coefficients on the grid."""
-    from ..latency.model import LatencyModel
+    from ...latency.model import LatencyModel
 
     m = LatencyModel.from_table(table)
     rows = []

@@ -1,0 +1,42 @@
+"""The adapter's ``model`` room: what Megatron builds with the plugin: layer and hybrid stack specs,
+the sparse and dense core attentions, the budget context they read (``budget``), context parallel
+attention, the loss, the check that the built model runs our attention, Hugging Face conversion.
+
+Modules: ``attention_check``, ``budget``, ``context_parallel``, ``core_attention``,
+``dense_attention``, ``hf_convert``, ``hybrid``, ``loss``, ``spec``. May import: ``errors``,
+``runtime`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2).
+Its public pieces, the names code outside the room imports, are exported lazily: importing the room
+imports none of its modules, so a light entry point stays light.
+
+- ``attention_check``: ``check_sparse_attention``
+- ``budget``: ``BudgetContext``, ``SparsePackedSeqParams``
+- ``core_attention``: ``SparseCoreAttention``
+- ``dense_attention``: ``DenseVarlenCoreAttention``
+- ``hf_convert``: ``load_hf_gguf``
+- ``hybrid``: ``install_attention_spec``, ``is_hybrid_config``
+- ``loss``: ``loss_func``
+- ``spec``: ``get_sparsebalance_layer_spec``, ``sparse_core_attention_spec``
+"""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "check_sparse_attention": "attention_check",
+    "BudgetContext": "budget",
+    "SparsePackedSeqParams": "budget",
+    "SparseCoreAttention": "core_attention",
+    "DenseVarlenCoreAttention": "dense_attention",
+    "load_hf_gguf": "hf_convert",
+    "install_attention_spec": "hybrid",
+    "is_hybrid_config": "hybrid",
+    "loss_func": "loss",
+    "get_sparsebalance_layer_spec": "spec",
+    "sparse_core_attention_spec": "spec",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

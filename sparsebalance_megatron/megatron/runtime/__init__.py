@@ -1,0 +1,29 @@
+"""The adapter's ``runtime`` room: the process group (``comm``: the only module that touches
+torch.distributed) and the watchdog that reports a stalled or dead rank (its rules in
+``watchdog_judgement``, its wiring into Megatron in ``watchdog_megatron``).
+
+Modules: ``comm``, ``watchdog``, ``watchdog_judgement``, ``watchdog_megatron``. May import:
+``errors`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its
+public pieces, the names code outside the room imports, are exported lazily: importing the room
+imports none of its modules, so a light entry point stays light.
+
+- ``comm``: ``say``
+- ``watchdog``: ``watchdog_problems``
+- ``watchdog_megatron``: ``start_for_megatron``, ``watch_megatron_phases``
+"""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "say": "comm",
+    "watchdog_problems": "watchdog",
+    "start_for_megatron": "watchdog_megatron",
+    "watch_megatron_phases": "watchdog_megatron",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,38 @@
+"""The adapter's ``step`` room: one training step: the callback and its planning, checks, do-no-harm
+choice, timers, metrics, data iterator and resume state.
+
+Modules: ``callback``, ``checks``, ``choice``, ``data``, ``indexed_data``, ``planning``,
+``reporting``, ``state``, ``timing``. May import: ``errors``, ``runtime``, ``model``, ``launch``
+(and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its public
+pieces, the names code outside the room imports, are exported lazily: importing the room imports
+none of its modules, so a light entry point stays light.
+
+- ``callback``: ``SparseBalanceCallback``
+- ``data``: ``EvalIterator``, ``check_vocab``, ``load_data``, ``megatron_text_tokenizer``
+- ``indexed_data``: ``read_indexed_documents``
+- ``planning``: ``Planner``
+- ``reporting``: ``unit_work``
+- ``timing``: ``MicrobatchTimers``, ``TeeTimers``
+"""
+
+from importlib import import_module
+
+_PUBLIC = {
+    "SparseBalanceCallback": "callback",
+    "EvalIterator": "data",
+    "check_vocab": "data",
+    "load_data": "data",
+    "megatron_text_tokenizer": "data",
+    "read_indexed_documents": "indexed_data",
+    "Planner": "planning",
+    "unit_work": "reporting",
+    "MicrobatchTimers": "timing",
+    "TeeTimers": "timing",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
