@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo demo-resume test test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack
+.PHONY: venv demo demo-resume test test-slow test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -43,6 +43,9 @@ demo-resume: $(STAMP)   # continue `make demo`'s checkpoint (TRAIN_ITERS: 10 mor
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+test-slow: $(STAMP)   # the larger end-to-end forms (SB_SLOW_TESTS=1), beside the cheap ones make test runs
+	SB_SLOW_TESTS=1 $(PY) -m pytest -q -m slow tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit

@@ -85,6 +85,7 @@ def test_cp2_x_dp2_replaying_dp2_plans_trains_like_it(tmp_path, small_jsonl, tin
     assert any(r["units_cut"] + r["units_raised"] > 0 for r in cp1)
 
 
+@pytest.mark.slow   # 46 s; CP=2 = CP=1 stays in the suite in test_context_parallel_attention (outputs and gradients) and the CP=2 x PP=2 run
 def test_cp2_replaying_cp1_plans_trains_like_it(tmp_path, small_jsonl, analytic_table_pp1):
     """The cheap form of the above for the normal suite: DP=1 (one rank, then two CP ranks),
     the CP=1 run's SAB packing and DST plans replayed."""

@@ -78,6 +78,7 @@ def test_fp16_trains_with_megatrons_loss_scale(tmp_path, small_jsonl):
     assert updated and all(math.isfinite(tb["lm loss"][it]) for it in updated)
 
 
+@pytest.mark.slow   # 35 s; resume stays in the suite in the PP=2 x DP=2 GPT and Hybrid resumes
 @pytest.mark.reliability(area="resume", case="resume at iteration 3 (also 5 with "
                          "SB_SLOW_TESTS=1) under a batch-size schedule (2 then 4)",
                          expect="the same samples as the uninterrupted run")

@@ -53,6 +53,7 @@ def _run(tmp_path, name, table, small_jsonl, extra):
     return rows
 
 
+@pytest.mark.slow   # 31 s; per-stage calibration of a slow stage stays in the suite in the PP=2 x DP=2 resumes (measured straggler) and tests/unit/test_stage_calibration.py
 @pytest.mark.reliability(area="fault", case="PP=2, one GPU of the pipeline 10% slow (modelled "
                          "timings, --sb-straggler-stage)", expect="its factor learned per "
                          "pipeline rank; from the third step DST cuts that stage and predicts a "

@@ -231,6 +231,7 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
     assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[1:] + resumed)
 
 
+@pytest.mark.slow   # 35 s; plan-ahead stays in the suite in the uneven-layout run, PP resume in the PP=2 x DP=2 resume
 @pytest.mark.reliability(area="resume", case="--sb-plan-ahead DP=2 SAB+DST run resumed at "
                          "iteration 2 of 5 (modelled timings, one rank 2x slow)",
                          expect="plans one step behind the state, and after --load packing, "

