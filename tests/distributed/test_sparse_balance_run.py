@@ -27,8 +27,10 @@ def table(tiny_latency_table):
     return tiny_latency_table
 
 
-@pytest.mark.parametrize("parallel", [["--tensor-model-parallel-size", "2"], []],
-                         ids=["tp2", "dp2"])
+@pytest.mark.parametrize("parallel", [   # dp2 (slow): every PP=2 x DP=2 run checks its
+    # budgets are consistent on every rank (budgets_consistent), the resume among them
+    pytest.param(["--tensor-model-parallel-size", "2"], id="tp2"),
+    pytest.param([], marks=pytest.mark.slow, id="dp2")])
 def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl, table, parallel):
     metrics = tmp_path / "m.jsonl"
     proc = run_entry(2, [*TINY_MODEL, *SB, *parallel, "--data-path", small_jsonl,
@@ -66,11 +68,12 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
     assert rows[2]["raise_headroom"] != DEFAULT_RAISE_HEADROOM
 
 
-@pytest.mark.parametrize("layout", [   # first3 alone (slow): the plan-ahead case covers it
+@pytest.mark.parametrize("layout", [   # first3 alone and the layout string (slow): the
+    # plan-ahead case covers the first, the interleaved run's layout string Ett|t|t|L the second
     pytest.param(["--decoder-first-pipeline-num-layers", "3"], marks=pytest.mark.slow,
                  id="first3"),
     pytest.param(["--pipeline-model-parallel-layout", "Et|tttL", "--sb-dst-objective",
-                  "density"], id="layout-string-density-objective"),
+                  "density"], marks=pytest.mark.slow, id="layout-string-density-objective"),
     pytest.param(["--decoder-first-pipeline-num-layers", "3", "--sb-dst-objective", "quality",
                   "--sb-plan-ahead"], id="first3-quality-objective-plan-ahead")])
 def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
