@@ -21,14 +21,15 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
 - ``train``: end to end, Megatron ``pretrain()`` through ``torchrun
   examples/pretrain_gpt_sparsebalance.py`` on 32K micro-batches of real documents (whole files;
   and the corpus's documents of 16K tokens or more, written as a Megatron indexed data set): the
-  fair dense baseline (one varlen call per micro-batch, the same data path) against
-  ``--sparse-balance`` at d0 0.5 and 0.25, with the ``latency`` step's table: tokens/s, the
+  fair dense baseline (one varlen call per micro-batch, the same data path), the same with SAB
+  packing (``--sb-batching`` alone) and ``--sparse-balance`` at d0 0.5 and 0.25, with the ``latency`` step's table: tokens/s, the
   loss over the same steps, densities and attention's share of the step (from the fitted
   latency model); Transformer Engine if importable, else the local implementation.
 
 Targets checked (issue 26): 32K one document, density 0.25, fwd+bwd <= 0.35x dense (goal 0.3x),
 density 0.5 <= 0.6x; packed micro-batches, routed, never above 1.02x the dense varlen call;
-end to end >= 1.3x dense tokens/s at d0 0.5 on documents of 16K+ tokens, >= 1.1x on whole
+end to end >= 1.3x the faster dense run's tokens/s (plain or SAB-packed) at d0 0.5 on documents
+of 16K+ tokens, >= 1.1x on whole
 files, never below 1.0x; no recompiles after warm-up; no host syncs per layer; latency MAPE <= 5%.
 
     python scripts/gpu_check.py --out-dir runs/gpu_check          # or: make gpu-check
@@ -68,7 +69,9 @@ GPU_PATH_MODULES = ("sparsebalance_megatron.attention.dense", "sparsebalance_meg
                     "sparsebalance_megatron.attention.maxkey_triton",
                     "sparsebalance_megatron.attention.fa4_cute")
 LONG_DOC_TOKENS = 16384     # the end-to-end data set of long documents: 16K tokens or more
-TRAIN_VARIANTS = {"dense": [], "sb_d0.5": ["--sparse-balance", "--sb-density", "0.5"],
+# dense_sab: dense attention with SAB packing (--sb-batching alone), the fairest dense baseline
+TRAIN_VARIANTS = {"dense": [], "dense_sab": ["--sb-batching"],
+                  "sb_d0.5": ["--sparse-balance", "--sb-density", "0.5"],
                   "sb_d0.25": ["--sparse-balance", "--sb-density", "0.25"]}
 TRAIN_STEPS, TRAIN_WARMUP = 8, 3
 
@@ -353,10 +356,14 @@ def step_train(out_dir, table, limit, env, backend):
                 res["ok"] = False
             res["runs"][name] = run
         dense = res["runs"].get(f"{data_name}/dense", {}).get("tokens_per_s")
+        dense_sab = res["runs"].get(f"{data_name}/dense_sab", {}).get("tokens_per_s")
+        best_dense = max(t for t in (dense, dense_sab) if t) if dense or dense_sab else None
         for variant in TRAIN_VARIANTS:
             run = res["runs"].get(f"{data_name}/{variant}", {})
             if dense and run.get("tokens_per_s"):
                 run["speedup_vs_dense"] = run["tokens_per_s"] / dense
+            if best_dense and run.get("tokens_per_s") and not variant.startswith("dense"):
+                run["speedup_vs_best_dense"] = run["tokens_per_s"] / best_dense
     res["seconds"] = time.time() - t0
     return res
 
@@ -514,10 +521,15 @@ def targets(results):
     if "mape" in lat:
         t["latency_mape<=5%"] = lat["mape"] <= 0.05
     runs = results.get("train", {}).get("runs", {})
+    # against the faster dense baseline (plain, or with SAB packing) where both ran
+    def speedup(run):
+        return run.get("speedup_vs_best_dense", run.get("speedup_vs_dense"))
+
     for name, need in (("long_docs/sb_d0.5", 1.3), ("files/sb_d0.5", 1.1)):
-        if "speedup_vs_dense" in runs.get(name, {}):
-            t[f"train_{name}>={need}x_dense"] = runs[name]["speedup_vs_dense"] >= need
-    sp = [v["speedup_vs_dense"] for v in runs.values() if "speedup_vs_dense" in v]
+        if speedup(runs.get(name, {})) is not None:
+            t[f"train_{name}>={need}x_dense"] = speedup(runs[name]) >= need
+    sp = [speedup(v) for k, v in runs.items()
+          if speedup(v) is not None and not k.split("/")[-1].startswith("dense")]
     if sp:
         t["train_never_below_dense"] = min(sp) >= 1.0
     return t
