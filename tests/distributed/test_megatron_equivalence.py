@@ -60,6 +60,7 @@ def test_data_parallel_matches_one_rank_on_the_union(runs):
     assert dp2["sparsebalance/density/mean"] == ref["sparsebalance/density/mean"]
 
 
+@pytest.mark.slow   # 17 s; resume stays in the suite in the PP=2 x DP=2 GPT and Hybrid resumes, which compare the resumed step with the uninterrupted one
 def test_resume_gives_the_uninterrupted_next_loss(runs):
     d, common, ref = runs
     run_entry(1, [*common, "--train-iters", "3", "--load", d / "ref", "--ckpt-step", "2",

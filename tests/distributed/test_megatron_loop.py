@@ -64,6 +64,7 @@ def test_tensorboard_eval_and_exit_interval(tmp_path, small_jsonl, tiny_latency_
     assert "watchdog:" not in out   # evaluation, a checkpoint and an early exit: nothing named
 
 
+@pytest.mark.slow   # 16 s; the other distributed tests train in fp32; the fp16 loss-scale path runs with make test-slow
 def test_fp16_trains_with_megatrons_loss_scale(tmp_path, small_jsonl):
     run_entry(1, [*TINY_MODEL, *SB, "--sb-sparse-attention", "--data-path", small_jsonl,
                   "--global-batch-size", "2", "--train-iters", "6", "--eval-iters", "0",
