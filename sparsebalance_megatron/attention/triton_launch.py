@@ -8,8 +8,8 @@ versions and device it ran on, which go in the comment above each entry).
 
 A ``LaunchConfig`` changes only speed, never the result: every field is checked for the tile
 shapes the kernels accept (powers of two, the dK/dV key tile dividing the block).
-Pure python (triton only for ``next_power_of_2``'s arithmetic, done here by hand); must not
-import megatron.
+Pure python (triton only for ``next_power_of_2``'s arithmetic, done here by hand); it must not
+depend on the Megatron adapter.
 """
 
 from __future__ import annotations
