@@ -193,23 +193,42 @@ def assert_resumed_like_uninterrupted(full: list, resumed: list) -> None:
 def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
                                                          tiny_latency_table_pp2):
     """Every PP >= 2 checkpoint was refused on resume (issue 34: numpy stage corrections under
-    ``weights_only``). Measured timings, as in a user's run: what DST decides then depends on
-    the machine, but the plan of the first resumed step is made from the saved state alone, so
-    it must equal the uninterrupted run's step 3 whatever it is; and the resumed run's first
-    step is its warm-up (no latency sample), so the state it saves at its end holds the
-    calibration it restored, which must be the saved one."""
-    from sparsebalance_megatron.megatron.step.state import read_state_file
-
+    ``weights_only``). Measured timings, as in a user's run (``assert_measured_resume``)."""
     common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2", "--data-path",
               small_jsonl, "--global-batch-size", "4", "--train-iters", "3",
               "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
-              "--sb-straggler-rank", "1", "--sb-straggler-slowdown", "3",
-              "--sb-dst-objective", "density", "--sb-tolerance", "0.02"]
+              *MEASURED_STRAGGLER]
     run_entry(4, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
                   "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
     run_entry(4, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
                   "--save", tmp_path / "again", "--save-interval", "100",
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
+    full = assert_measured_resume(tmp_path)
+    # the default sensitivity signal: the length prior (> 0) until the first step's documents
+    # report their training loss, then minus each document's loss (< 0)
+    resumed = read_metrics(tmp_path / "resumed.jsonl")
+    assert min(min(r) for r in full[0]["unit_sensitivity"]) > 0
+    assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[1:] + resumed)
+
+
+# Measured timings with a straggler that shows in them: DP rank 1 sleeps in its forward so
+# that its fwd+bwd take 3x as long, and DST balances by density within 2 %: it acts on any
+# machine.
+MEASURED_STRAGGLER = ["--sb-timing-source", "measured", "--sb-straggler-rank", "1",
+                      "--sb-straggler-slowdown", "3", "--sb-dst-objective", "density",
+                      "--sb-tolerance", "0.02"]
+
+
+def assert_measured_resume(tmp_path) -> list:
+    """A PP=2 x DP=2 run with measured timings saved at iteration 2 of 3 (``ckpt``, metrics
+    ``full.jsonl``) and resumed for step 3, saving again at its end (``again``, metrics
+    ``resumed.jsonl``). What DST decides depends on the machine, but the plan of the first
+    resumed step is made from the saved state alone, so it must equal the uninterrupted run's
+    step 3 whatever it is; and the resumed run's first step is its warm-up (no latency sample),
+    so the state it saves at its end holds the calibration it restored, which must be the saved
+    one. Returns the uninterrupted run's metrics rows."""
+    from sparsebalance_megatron.megatron.step.state import read_state_file
+
     name = "mp_rank_00_000/train_dataloader_dprank000.pt"
     saved = read_state_file(tmp_path / "ckpt" / "iter_0000002" / name)
     restored = read_state_file(tmp_path / "again" / "iter_0000003" / name)
@@ -219,7 +238,7 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
     assert len(measured) == 6 and 1.0 not in measured                # timings reached them
     assert restored["latency"] == saved["latency"]
     full, resumed = read_metrics(tmp_path / "full.jsonl"), read_metrics(tmp_path / "resumed.jsonl")
-    assert [r["step"] for r in resumed] == [3]
+    assert [r["step"] for r in full] == [1, 2, 3] and [r["step"] for r in resumed] == [3]
     assert full[1]["calibration"] == [saved["latency"]["corrections"][r] for r in "01"]
     assert any(r["units_cut"] or r["units_raised"] for r in full), "DST never moved a unit"
     a, b = full[2], resumed[0]
@@ -228,10 +247,7 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
                 "stood_down_total"):
         assert a[key] == b[key], (key, a[key], b[key])
     assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
-    # the default sensitivity signal: the length prior (> 0) until the first step's documents
-    # report their training loss, then minus each document's loss (< 0)
-    assert min(min(r) for r in full[0]["unit_sensitivity"]) > 0
-    assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[1:] + resumed)
+    return full
 
 
 @pytest.mark.slow   # 35 s; plan-ahead stays in the suite in the uneven-layout run, PP resume in the PP=2 x DP=2 resume
