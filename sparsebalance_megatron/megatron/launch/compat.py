@@ -4,8 +4,9 @@
    few hundred places (allocations on ``torch.cuda.current_device()``, CUDA RNG state, streams in
    DDP, a hard-coded ``device="cuda"`` in the schedules, ``initialize_megatron``'s CUDA assertion,
    model-parallel set-up skipped when ``torch.cuda.device_count() == 0``). On a CPU-only machine it
-   redirects exactly those to the CPU. Idempotent; does nothing at all when CUDA is available, so
-   GPU runs never see it.
+   redirects exactly those to the CPU, and makes the checkpoint writers' results queue in the
+   ``fork`` context (Megatron spawns it at the first save, which re-imports the training script).
+   Idempotent; does nothing at all when CUDA is available, so GPU runs never see it.
 2. ``skip_prebuilt_helpers_compile()`` (id ``sparsebalance.wheel_helpers.v1``), on any device:
    ``pretrain()`` runs ``make`` in ``megatron/core/datasets`` to build the dataset helpers, but the
    megatron-core wheel ships them prebuilt and without a Makefile, so ``make`` fails and the run
@@ -187,6 +188,25 @@ def skip_prebuilt_helpers_compile() -> bool:
     return True
 
 
+def _fork_checkpoint_results_queue() -> None:
+    """A ``torch_dist`` save collects its writers' results through one multiprocessing Manager
+    queue per process, made at the first save in the ``spawn`` context: the spawned server
+    imports the training script, torch and megatron again, which on a 2-core machine costs
+    every rank 5-10 s at its first save (most of a test run's save). Made here in the ``fork``
+    context, as Megatron itself makes it for its async saves (``training/async_utils.py``), it
+    starts at once; here, at argument parsing, no process group or thread of ours exists yet.
+    Only a saving speed: a megatron-core without the queue or its ``mp_mode`` keeps its own."""
+    import inspect
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        make = filesystem_async.get_write_results_queue
+    except (ImportError, AttributeError):
+        return
+    if "mp_mode" in inspect.signature(make).parameters:
+        make(mp_mode="fork")
+
+
 def activate_cpu_shims() -> bool:
     """Install the CPU shims when CUDA is absent. Returns True when they are (now) active."""
     global _active, _mode
@@ -237,6 +257,7 @@ def activate_cpu_shims() -> bool:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropRngWarning())
+    _fork_checkpoint_results_queue()
 
     _mode = _CudaToCpuMode()
     _mode.__enter__()  # global for the process: megatron builds "cuda" tensors anywhere
