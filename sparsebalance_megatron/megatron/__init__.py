@@ -11,3 +11,16 @@ sparsebalance_megatron.megatron.profile_cli``, ``sparsebalance-profile``).
 
 Nothing is imported eagerly, so ``import sparsebalance_megatron`` never needs megatron.
 """
+
+from importlib import import_module
+
+
+def lazy_exports(package: str, public: dict):
+    """A room's module ``__getattr__``: ``public`` ({name: module of the room}) imported on first
+    use, so that importing the room imports none of its modules (a light entry point stays
+    light). Every room's ``__init__`` sets ``__getattr__ = lazy_exports(__name__, _PUBLIC)``."""
+    def __getattr__(name: str):
+        if name in public:
+            return getattr(import_module(f"{package}.{public[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return __getattr__

@@ -346,13 +346,18 @@ def room_of(module: str):
     return parts[2] if parts[2] in ROOM_ORDER else None
 
 
+def in_rooms(paths):
+    """(path, room) of each of ``paths`` that lies in an adapter room."""
+    for path in paths:
+        room = room_of(module_name(path))
+        if room is not None:
+            yield path, room
+
+
 def room_problems(paths) -> list[str]:
     known = {module_name(p) for p in paths}
     out = []
-    for path in paths:
-        room = room_of(module_name(path))
-        if room is None:
-            continue
+    for path, room in in_rooms(paths):
         for mod, line in import_edges(path, known):
             other = room_of(mod)
             if other is not None and ROOM_ORDER.index(other) > ROOM_ORDER.index(room):
@@ -397,8 +402,8 @@ def lazy_export_problems(paths) -> list[str]:
     """A room's ``__init__`` exports names lazily from ``_PUBLIC`` ({name: module}); each must be
     a top-level name of that module (else ``from room import name`` fails only when first used)."""
     out = []
-    for path in paths:
-        if path.name != "__init__.py" or room_of(module_name(path)) is None:
+    for path, _ in in_rooms(paths):
+        if path.name != "__init__.py":
             continue
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_PUBLIC"

@@ -17,7 +17,7 @@ so a light entry point stays light.
 - ``replay``: ``plan_replay``
 """
 
-from importlib import import_module
+from .. import lazy_exports
 
 _PUBLIC = {
     "LaunchError": "checks",
@@ -43,9 +43,4 @@ _PUBLIC = {
     "plan_replay": "replay",
 }
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)

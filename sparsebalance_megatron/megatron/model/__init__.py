@@ -18,7 +18,7 @@ imports none of its modules, so a light entry point stays light.
 - ``spec``: ``get_sparsebalance_layer_spec``, ``sparse_core_attention_spec``
 """
 
-from importlib import import_module
+from .. import lazy_exports
 
 _PUBLIC = {
     "check_sparse_attention": "attention_check",
@@ -34,9 +34,4 @@ _PUBLIC = {
     "sparse_core_attention_spec": "spec",
 }
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)

@@ -12,7 +12,7 @@ imports none of its modules, so a light entry point stays light.
 - ``watchdog_megatron``: ``start_for_megatron``, ``watch_megatron_phases``
 """
 
-from importlib import import_module
+from .. import lazy_exports
 
 _PUBLIC = {
     "say": "comm",
@@ -21,9 +21,4 @@ _PUBLIC = {
     "watch_megatron_phases": "watchdog_megatron",
 }
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)

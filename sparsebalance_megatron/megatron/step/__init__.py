@@ -15,7 +15,7 @@ none of its modules, so a light entry point stays light.
 - ``timing``: ``MicrobatchTimers``, ``TeeTimers``
 """
 
-from importlib import import_module
+from .. import lazy_exports
 
 _PUBLIC = {
     "SparseBalanceCallback": "callback",
@@ -30,9 +30,4 @@ _PUBLIC = {
     "TeeTimers": "timing",
 }
 __all__ = sorted(_PUBLIC)
-
-
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        return getattr(import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _PUBLIC)
