@@ -82,3 +82,18 @@ def test_the_kept_density_is_what_the_selection_keeps(monkeypatch, capsys):
     causal = nb * (nb + 1) / 2                        # causal block pairs of every sequence
     realised = float((sel.density_kept.double().numpy() * causal).sum() / causal.sum())
     assert rec["kept_density"] == pytest.approx(realised, rel=1e-6)
+
+
+def test_scalars_name_every_number_and_leave_out_what_is_missing():
+    from sparsebalance_megatron.megatron.step.reporting import SCALARS, scalars
+
+    rec = {key: float(i) for i, (_, key) in enumerate(SCALARS)}
+    rec.update(loss=float("nan"), units_cut=None, density_per_stage=[0.5, 0.75],
+               density_per_rank=[0.6])
+    out = scalars(rec)
+    expected = {f"sparsebalance/{name}": float(i) for i, (name, key) in enumerate(SCALARS)
+                if key not in ("loss", "units_cut")}
+    expected.update({"sparsebalance/density/stage0": 0.5, "sparsebalance/density/stage1": 0.75,
+                     "sparsebalance/density/rank0": 0.6})
+    assert out == expected
+    assert scalars({}) == {}

@@ -152,36 +152,27 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
     return rec
 
 
+# (scalar name under ``sparsebalance/``, record key) of each single number the record carries
+SCALARS = (
+    ("loss", "loss"), ("step_time/measured_s", "step_time_s"),
+    ("step_time/predicted_s", "predicted_step_s"), ("step_time/static_s", "predicted_static_s"),
+    ("density/mean", "mean_density"), ("density/kept", "kept_density"),
+    ("imbalance/predicted_before", "imbalance_before"),
+    ("imbalance/predicted_after", "imbalance_after"), ("imbalance/measured", "measured_imbalance"),
+    ("units/cut", "units_cut"), ("units/raised", "units_raised"),
+    ("latency_model/error", "latency_error"), ("raise_headroom", "raise_headroom"),
+    ("overhead_s", "sb_overhead_s"), ("planned_ahead_s", "sb_planned_ahead_s"),
+    ("dst_stood_down", "dst_stood_down"), ("sab_stood_down", "sab_stood_down"),
+)
+
+
 def scalars(rec: dict) -> dict:
-    """The record's numbers as ``sparsebalance/...`` scalars."""
-    out = {}
-
-    def put(name, value):
-        if value is not None and np.isfinite(value):
-            out[PREFIX + name] = float(value)
-
-    put("loss", rec.get("loss"))
-    put("step_time/measured_s", rec.get("step_time_s"))
-    put("step_time/predicted_s", rec.get("predicted_step_s"))
-    put("step_time/static_s", rec.get("predicted_static_s"))
-    put("density/mean", rec.get("mean_density"))
-    put("density/kept", rec.get("kept_density"))
-    for s, v in enumerate(rec.get("density_per_stage") or []):
-        put(f"density/stage{s}", v)
-    for r, v in enumerate(rec.get("density_per_rank") or []):
-        put(f"density/rank{r}", v)
-    put("imbalance/predicted_before", rec.get("imbalance_before"))
-    put("imbalance/predicted_after", rec.get("imbalance_after"))
-    put("imbalance/measured", rec.get("measured_imbalance"))
-    put("units/cut", rec.get("units_cut"))
-    put("units/raised", rec.get("units_raised"))
-    put("latency_model/error", rec.get("latency_error"))
-    put("raise_headroom", rec.get("raise_headroom"))
-    put("overhead_s", rec.get("sb_overhead_s"))
-    put("planned_ahead_s", rec.get("sb_planned_ahead_s"))
-    put("dst_stood_down", rec.get("dst_stood_down"))
-    put("sab_stood_down", rec.get("sab_stood_down"))
-    return out
+    """The record's numbers as ``sparsebalance/...`` scalars (``SCALARS``, then the density of
+    each stage and rank); a missing or non-finite number is left out."""
+    named = [(name, rec.get(key)) for name, key in SCALARS]
+    named += [(f"density/stage{s}", v) for s, v in enumerate(rec.get("density_per_stage") or [])]
+    named += [(f"density/rank{r}", v) for r, v in enumerate(rec.get("density_per_rank") or [])]
+    return {PREFIX + name: float(v) for name, v in named if v is not None and np.isfinite(v)}
 
 
 def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
