@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -35,52 +33,19 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from studies.common import gpu_provenance, median_ms  # noqa: E402
+
 FWD_FIELDS = ("fwd_block_m", "fwd_warps", "fwd_stages")
-
-
-def _provenance(argv):
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
-    info = {"command": " ".join(["python", "scripts/autotune_triton.py"] + list(argv)),
-            "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    return info
 
 
 DEVICE = "cuda"
 
 
 def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls (wall clock on the
-    CPU device: ``--device cpu`` only checks the script under TRITON_INTERPRET=1)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if DEVICE != "cuda":
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median milliseconds of ``fn``: CUDA events on the GPU, the wall clock with ``--device
+    cpu`` (which only checks the script under TRITON_INTERPRET=1)."""
+    return median_ms(fn, reps, warmup, cuda=DEVICE == "cuda")
 
 
 class Case:
@@ -258,7 +223,7 @@ def main(argv=None) -> int:
             ap.error(f"--shapes {text!r}: query heads must be a multiple of KV heads")
         shapes.append((nh, ng, hn))
     os.makedirs(args.out, exist_ok=True)
-    info = _provenance(argv)
+    info = gpu_provenance()
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -48,14 +48,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from studies.common import gpu_provenance, median_ms as cuda_ms  # noqa: E402
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
 SINGLE_LENGTHS = (4096, 8192, 16384, 32768, 65536)
 LONG_LENGTH = 131072
@@ -71,22 +71,6 @@ MIX_TOKENS = 32768
 TARGET_32K = {0.25: 0.35, 0.5: 0.6}
 GOAL_32K_D025 = 0.3
 TARGET_PACKED = 1.02
-
-
-def cuda_ms(fn, reps: int, warmup: int = 2) -> float:
-    """Median milliseconds of ``fn`` by CUDA events, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -335,25 +319,6 @@ def summarize(rows, crossovers):
     return out
 
 
-def _provenance():
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
-    info = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return info
-
-
 def usable_backends(requested):
     """The requested backends that can run here, and why the others cannot."""
     from sparsebalance_megatron.attention.api import backend_missing
@@ -431,7 +396,7 @@ def main(argv=None) -> int:
     single = [r for r in rows if r["case"] == "single"]
     crossovers = {f"{b}|{s}|{d}": crossover_of(single, b, s, d)
                   for b in backends for s in args.shapes for d in args.densities}
-    doc = dict(_provenance(), dtype="bfloat16", block_size=128, seconds=time.time() - t0,
+    doc = dict(gpu_provenance(), dtype="bfloat16", block_size=128, seconds=time.time() - t0,
                cut_by_deadline=cut, skipped_backends=skipped,
                summary=summarize(rows, crossovers), results=rows)
     print_table(rows, doc["device"])

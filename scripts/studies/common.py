@@ -1,8 +1,10 @@
-"""What every study shares: its argument parser, percentiles, and the result writer that
-records the command, commit, versions and device beside the figures.
+"""What every study and device script shares: its argument parser, percentiles, the median time
+of a call (CUDA events on a GPU), and the result writer that records the command, commit,
+versions and device beside the figures.
 
 Nothing here imports torch or megatron: a study that needs them imports them itself, and the
-writer reads their versions from the installed distributions.
+writer reads their versions from the installed distributions (``median_ms`` and
+``gpu_provenance`` use the torch their caller has imported).
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 from importlib import metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,8 +26,14 @@ DISTRIBUTIONS = ("torch", "numpy", "megatron-core", "sparsebalance_megatron", "t
 
 
 def command() -> str:
-    """The command that ran this study, as a user would type it again."""
-    return " ".join(COMMAND if COMMAND is not None else ["python", *sys.argv])
+    """The command that ran this study or script, as a user would type it again from the
+    repository root (a script of the repository by its path from there)."""
+    if COMMAND is not None:
+        return " ".join(COMMAND)
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if script.startswith(ROOT + os.sep):
+        return " ".join(["python", os.path.relpath(script, ROOT), *sys.argv[1:]])
+    return " ".join(["python", *sys.argv])
 
 
 def parser(doc: str | None, name: str, json_arg: bool = True,
@@ -55,6 +65,35 @@ def percentiles(values, qs=(50, 90, 99)) -> dict:
         hi = min(lo + 1, len(xs) - 1)
         out[f"p{q:g}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
     return out
+
+
+def median_ms(fn, reps: int, warmup: int = 2, cuda: bool | None = None) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup`` calls: by CUDA events
+    where ``cuda`` (default: torch sees a GPU), synchronised after each call, else by the wall
+    clock (a CPU check of a GPU script under ``TRITON_INTERPRET=1``)."""
+    if reps < 1:
+        raise ValueError(f"reps={reps}: expected at least one timed call")
+    torch = sys.modules.get("torch")
+    if cuda is None:
+        cuda = torch is not None and torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    times = []
+    if not cuda:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def _git(*args) -> str | None:
@@ -96,6 +135,21 @@ def provenance() -> dict:
     return {"command": command(), "commit": _git("rev-parse", "HEAD"),
             "dirty": None if status is None else bool(status), "versions": versions(),
             "device": device()}
+
+
+def gpu_provenance() -> dict:
+    """``provenance()`` with, at the top level, what a device figure depends on: the torch,
+    CUDA and triton versions (None where absent) and the CUDA device's name (None without one)."""
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {**provenance(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": triton_version,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
 def write_result(path: str | None, doc: dict) -> dict:

@@ -66,6 +66,30 @@ def test_percentiles():
         common.percentiles([1], qs=(101,))
 
 
+def test_a_script_is_recorded_by_its_path_from_the_repository_root(monkeypatch):
+    monkeypatch.setattr(common, "COMMAND", None)
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "autotune_triton.py"), "--out", "o"])
+    assert common.command() == "python scripts/autotune_triton.py --out o"
+    monkeypatch.setattr(sys, "argv", ["/elsewhere/x.py", "-v"])
+    assert common.command() == "python /elsewhere/x.py -v"
+
+
+def test_median_ms_takes_the_median_of_the_timed_calls_after_the_warmup(monkeypatch):
+    """The wall-clock path (no GPU), with a clock that advances by each call's index: the
+    warm-up calls are not timed, and the median is of the rest."""
+    calls, now = [], [0.0]
+
+    def fn():
+        calls.append(1)
+        now[0] += len(calls) / 1e3         # call k takes k ms
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    assert common.median_ms(fn, reps=3, warmup=2, cuda=False) == pytest.approx(4.0)
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="reps=0"):
+        common.median_ms(fn, reps=0, cuda=False)
+
+
 def test_runner_lists_and_runs_a_study_through_its_parser():
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py")], capture_output=True,
                           text=True, timeout=120, cwd=REPO)
