@@ -23,3 +23,35 @@ def test_the_shims_find_their_targets_and_fork_the_checkpoint_results_queue():
     # the queue's Manager server is a forked child of this process, not a spawned one
     assert "ForkProcess" in {type(p).__name__ for p in mp.active_children()}
     assert "SpawnProcess" not in {type(p).__name__ for p in mp.active_children()}
+
+
+EXIT_EARLY = """
+import os
+from sparsebalance_megatron.megatron.launch import compat
+compat.activate_cpu_shims()
+print(compat._results_manager._process.pid, flush=True)
+os._exit(3)            # no finaliser runs: as a rank the watchdog ends, or one killed
+"""
+
+
+def test_the_forked_results_server_ends_with_its_rank(tmp_path):
+    """A rank that ends without finalisers (``os._exit``, SIGKILL) must not leave the server
+    behind: it would hold the job's output pipe open, and torchrun, the test harness or a
+    user's ``| tee`` would wait for it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.run([sys.executable, "-c", EXIT_EARLY], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True, timeout=120)   # EOF: no holder
+    assert proc.returncode == 3
+    server = int(proc.stdout.split()[-1])
+    for _ in range(100):
+        try:
+            os.kill(server, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the results server {server} outlived its rank")

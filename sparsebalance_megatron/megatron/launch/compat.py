@@ -188,23 +188,47 @@ def skip_prebuilt_helpers_compile() -> bool:
     return True
 
 
+_results_manager = None     # the forked Manager behind Megatron's checkpoint results queue
+
+
+def _die_with(parent: int) -> None:
+    """In the forked Manager server: default SIGTERM, and SIGKILL when the rank that forked it
+    ends, however it ends (``os._exit`` runs no finaliser; torchrun signals only live ranks):
+    an orphaned server would hold the job's output open."""
+    import ctypes
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:                  # it ended before the line above
+        os._exit(0)
+
+
 def _fork_checkpoint_results_queue() -> None:
     """A ``torch_dist`` save collects its writers' results through one multiprocessing Manager
-    queue per process, made at the first save in the ``spawn`` context: the spawned server
-    imports the training script, torch and megatron again, which on a 2-core machine costs
-    every rank 5-10 s at its first save (most of a test run's save). Made here in the ``fork``
-    context, as Megatron itself makes it for its async saves (``training/async_utils.py``), it
-    starts at once; here, at argument parsing, no process group or thread of ours exists yet.
-    Only a saving speed: a megatron-core without the queue or its ``mp_mode`` keeps its own."""
-    import inspect
+    queue per process (``filesystem_async._results_queue``), made at the first save in the
+    ``spawn`` context: the spawned server imports the training script, torch and megatron
+    again, which on a 2-core machine costs every rank 5-10 s at its first save (most of a test
+    run's save). Made here in the ``fork`` context, as Megatron makes it for its async saves
+    (``training/async_utils.py``), it starts at once; here, at argument parsing, no process
+    group or thread of ours exists yet, and the server dies with its rank (``_die_with``).
+    Only a saving speed: a megatron-core without that queue keeps its own."""
+    global _results_manager
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
-        make = filesystem_async.get_write_results_queue
-    except (ImportError, AttributeError):
+    except ImportError:
         return
-    if "mp_mode" in inspect.signature(make).parameters:
-        make(mp_mode="fork")
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return                                  # made already, or not how this version works
+    _results_manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+    _results_manager.start(initializer=_die_with, initargs=(os.getpid(),))
+    filesystem_async._results_queue = _results_manager.Queue()
 
 
 def activate_cpu_shims() -> bool:
