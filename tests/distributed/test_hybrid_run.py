@@ -61,10 +61,12 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
         assert len(r["densities"]) == 2 and all(len(u) == 2 for mb in r["densities"] for u in mb)
         assert 0.25 - 1e-9 <= r["mean_density"] <= 1.0
         assert r["predicted_step_s"] <= r["predicted_static_s"] + 1e-12
-    # DP rank 1's stage 1 sleeps 6x its forward: learned per (DP rank, pipeline rank) as the
-    # slow stage of its row (by far more than the two stages' natural difference)
+    # DP rank 1's stage 1 sleeps 6x its forward, so it is learned, per (DP rank, pipeline
+    # rank), as the slowest cell of the grid. Only the order is checked: how far it stands out
+    # depends on the machine's load (a CI run under load learned 3.5 against 1.5-2.1 for the
+    # others, a ratio a margin of 1.5 refused), and no test relies on wall-clock ratios.
     grid = rows[-1]["stage_calibration"]
-    assert grid[1][1] / grid[1][0] > 1.5 * grid[0][1] / grid[0][0], grid
+    assert grid[1][1] == max(max(row) for row in grid), grid
 
 
 @pytest.mark.slow
