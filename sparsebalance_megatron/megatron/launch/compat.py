@@ -188,7 +188,9 @@ def skip_prebuilt_helpers_compile() -> bool:
     return True
 
 
-_results_manager = None     # the forked Manager behind Megatron's checkpoint results queue
+# the forked Manager behind Megatron's checkpoint results queue, held here: a Manager that is
+# garbage-collected shuts its server down and the queue with it
+_results_manager = None
 
 
 def _die_with(parent: int) -> None:
