@@ -34,7 +34,9 @@ What enters where:
 - per-micro-batch timings: Megatron's global ``Timers`` becomes a ``TeeTimers`` (it is what
   ``train()`` puts in ``config.timers``, and ``evaluate()`` restores after evaluation);
 - resume state: ``args.dataloader_save`` = ``--save``: Megatron's checkpoint calls our iterator's
-  ``save_state`` and writes it into the iteration's folder (``step/state.py``).
+  ``save_state`` and writes it into the iteration's folder (``step/state.py``); with the
+  interleaved schedule, where that hook cannot take the chunks' iterators, the timers tee's
+  ``save-checkpoint`` timer writes the same file at the start of each save.
 - the watchdog (``runtime/watchdog.py``, with the plugin's data path): built by the post-wrap hook, ticked
   by every forward step, told of evaluation, checkpoint saves and loads, the optimizer step and
   data loading by Megatron's timers of them (``runtime/watchdog_megatron.py``), stopped by ``finish``; it
@@ -197,15 +199,11 @@ def _install(args, model_cfg, packed_data):
         check_vocab(_run.data, int(args.padded_vocab_size or model_cfg.vocab_size))
         args.dataloader_type = "external"            # Megatron pulls our iterators
         args.dataloader_save = args.save             # our save_state -> the iteration's folder
-        if args.save and _interleaved(args):
-            # megatron-core 0.19's and 0.20's maybe_save_dataloader_state take one iterator,
+        if _interleaved(args):
+            # megatron-core's maybe_save_dataloader_state (0.19, 0.20) takes one iterator and
             # train() hands it the list of the model chunks' iterators: it would fail at the
-            # first save.
+            # first save. The post-wrap hook writes the same file at each save instead.
             args.dataloader_save = None
-            comm.say("warning: with the interleaved schedule Megatron (0.19, 0.20) cannot save an "
-                     "external data loader's state: checkpoints hold the weights and the data "
-                     "position, not the balancer's state; resume with --sb-fresh-state "
-                     "(calibration and sensitivities start over)")
         # Packed micro-batches hold different numbers of real tokens: normalise per token.
         args.calculate_per_token_loss = True
         model_cfg.calculate_per_token_loss = True
@@ -267,6 +265,13 @@ def _on_model_built(model: list) -> list:
     _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
+    if args.save and _interleaved(args) and ps.get_pipeline_model_parallel_rank() == 0 and \
+            ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
+        # the ranks Megatron's data loader hook writes on, one file per DP rank (step/state.py)
+        from megatron.training import global_vars
+
+        from .step.state import save_at_checkpoints
+        save_at_checkpoints(global_vars._GLOBAL_TIMERS, _run.callback)
     watch_megatron_phases(_run.watchdog)   # evaluation, checkpoints, optimizer, data: progress
     config = get_model_config(model[0])
     inner = config.finalize_model_grads_func or finalize_model_grads

@@ -3,8 +3,9 @@
 Checks what only a distributed run shows: every rank (both TP ranks of a micro-batch) used the
 broadcast plan's density, densities stay in bounds, the metrics carry the plan statistics, the
 latency model gets calibrated from gathered timings, a PP=2 x DP=2 checkpoint resumes with its
-calibration (measured timings), and a resumed run repeats the uninterrupted one step for step
-(with the deterministic timing source, so no wall clock decides the plans).
+calibration (measured timings; plain and interleaved schedule), and a resumed run repeats the
+uninterrupted one step for step (with the deterministic timing source, so no wall clock decides
+the plans).
 """
 
 from __future__ import annotations
@@ -99,9 +100,11 @@ def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
         assert len(r["density_per_stage"]) == 2
 
 
-@pytest.mark.reliability(area="resume", case="PP=2 interleaved-schedule checkpoint (no plugin "
-                         "state) resumed without --sb-fresh-state, 2 ranks", expect="one 'error:' "
-                         "line naming the file and --sb-fresh-state, no rank traceback")
+@pytest.mark.reliability(area="resume", case="PP=2 interleaved-schedule checkpoint whose plugin "
+                         "state file is truncated, resumed without --sb-fresh-state, 2 ranks",
+                         expect="one 'error:' line naming the file and --sb-fresh-state, no rank "
+                         "traceback; with the file restored, the resumed step equals the "
+                         "uninterrupted run's")
 def test_interleaved_schedule_plans_every_model_chunk(tmp_path, small_jsonl,
                                                       analytic_latency_table_pp2):
     """PP=2 with Megatron's interleaved schedule from an uneven ``--pipeline-model-parallel-layout``
@@ -111,17 +114,15 @@ def test_interleaved_schedule_plans_every_model_chunk(tmp_path, small_jsonl,
     against the broadcast plan on every rank), the per-unit timings land on the virtual stages
     (the empty one runs too), DST moves single chunks and the density figures weigh the empty
     stage by nothing. The table is analytic and the timings modelled, so what DST decides is a
-    function of the data alone."""
+    function of the data alone, and the resumed step repeats the uninterrupted one exactly."""
     metrics = tmp_path / "m.jsonl"
     common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2",
               "--pipeline-model-parallel-layout", "Ett|t|t|L", "--data-path", small_jsonl,
               "--global-batch-size", "4", "--train-iters", "3", "--sb-latency-table",
               analytic_latency_table_pp2, "--sb-latency-table-force", "--sb-timing-source",
               "model"]
-    out = run_entry(2, [*common, "--sb-metrics-file", metrics, "--save", tmp_path / "ckpt",
-                        "--save-interval", "2"], cwd=tmp_path).stdout
-    # Megatron 0.19 saves no external data loader state with model chunks: said at launch
-    assert "resume with --sb-fresh-state" in out
+    run_entry(2, [*common, "--sb-metrics-file", metrics, "--save", tmp_path / "ckpt",
+                  "--save-interval", "2"], cwd=tmp_path)
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -138,21 +139,32 @@ def test_interleaved_schedule_plans_every_model_chunk(tmp_path, small_jsonl,
     # DST moved densities of single virtual stages, not whole ranks
     assert any(len({x[0], x[2]}) > 1 or len({x[1], x[3]}) > 1
                for r in rows for x in r["densities"][0]), "no chunk differed from its rank's other"
-    # without --sb-fresh-state the resume is refused: one line (rank 0's), no rank traceback
+    # the plugin's state, written at Megatron's save (model chunks: not by its data loader
+    # hook), truncated: the resume is refused in one line (rank 0's), no rank traceback
+    state = tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00_000" / "train_dataloader_dprank000.pt"
+    good = state.read_bytes()
+    state.write_bytes(good[:len(good) // 2])
     proc = run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2"],
                      cwd=tmp_path, check=False)
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
-    assert "no SparseBalance state at" in errors[0] and "--sb-fresh-state" in errors[0]
+    assert f"SparseBalance state {state} cannot be read" in errors[0]
+    assert "--sb-fresh-state" in errors[0]
     assert "Traceback" not in proc.stdout.split("torch/distributed/elastic")[0]
-    # resumed from the checkpoint (weights and data position): step 3 trains the same documents
+    # the file restored from a copy: the resumed step 3 is the uninterrupted run's
+    state.write_bytes(good)
     resumed = tmp_path / "resumed.jsonl"
-    run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2", "--sb-fresh-state",
+    run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
                   "--sb-metrics-file", resumed], cwd=tmp_path)
     again = read_metrics(resumed)
     assert [r["step"] for r in again] == [3]
-    assert again[0]["consumed_samples"] == rows[2]["consumed_samples"]
-    assert again[0]["tokens"] == rows[2]["tokens"]
+    a, b = rows[2], again[0]
+    assert a["units_cut"] or a["units_raised"], "DST did not move step 3: nothing was compared"
+    for key in ("tokens", "densities", "calibration", "stage_calibration", "predicted_step_s",
+                "raise_headroom", "units_cut", "units_raised", "stood_down_total"):
+        assert a[key] == b[key], (key, a[key], b[key])
+    assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
+    assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.reliability(area="latency table", case="a negative measured time in --sb-latency-table, "
@@ -209,6 +221,41 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
     resumed = read_metrics(tmp_path / "resumed.jsonl")
     assert min(min(r) for r in full[0]["unit_sensitivity"]) > 0
     assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[1:] + resumed)
+
+
+@pytest.mark.reliability(area="resume", case="interleaved-schedule PP=2 (2 model chunks per "
+                         "rank) x DP=2 checkpoint, DST on, measured timings (DP rank 1 a 3x "
+                         "straggler), resumed at iteration 2 of 3 without --sb-fresh-state",
+                         expect="the plugin state written at Megatron's save, one file per DP "
+                         "rank; the saved calibration restored exactly; the resumed step's plan, "
+                         "prediction and loss equal the uninterrupted run's")
+def test_interleaved_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
+                                                                     tiny_latency_table_pp2):
+    """Megatron's data loader hook cannot save with model chunks (it takes one iterator,
+    ``train()`` passes one per chunk); the plugin writes the same file at the start of
+    Megatron's save instead, and the resume reads it as a PP=2 one."""
+    from sparsebalance_megatron.megatron.step.state import read_state_file
+
+    common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2",
+              "--num-virtual-stages-per-pipeline-rank", "2", "--data-path", small_jsonl,
+              "--global-batch-size", "4", "--train-iters", "3",
+              "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
+              *MEASURED_STRAGGLER]
+    run_entry(4, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
+                  "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
+    run_entry(4, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
+                  "--save", tmp_path / "again", "--save-interval", "100",
+                  "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
+    full = assert_measured_resume(tmp_path)
+    assert all(r["layers_per_stage"] == [1, 1, 1, 1] for r in full)   # 4 virtual stages
+    assert all(len(r["density_per_stage"]) == 4 for r in full)
+    # Megatron's layout: one file per DP rank in the TP 0 / PP 0 folder, nothing else left
+    for ckpt, it in (("ckpt", 2), ("again", 3)):
+        folder = tmp_path / ckpt / f"iter_{it:07d}" / "mp_rank_00_000"
+        names = sorted(p.name for p in folder.iterdir() if "dataloader" in p.name)
+        assert names == ["train_dataloader_dprank000.pt", "train_dataloader_dprank001.pt"]
+        assert read_state_file(folder / names[0]) == read_state_file(folder / names[1])
+        assert not [p for p in folder.iterdir() if ".tmp" in p.name]
 
 
 # Measured timings with a straggler that shows in them: DP rank 1 sleeps in its forward so

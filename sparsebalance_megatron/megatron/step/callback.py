@@ -16,7 +16,8 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
   plan (rank 0 plans, broadcasts; every rank holds identical budgets), each committed only where
   predicted no slower than the static baseline (do no harm, ``step/choice.py``).
-- ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook).
+- ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook; with
+  model chunks, the start of Megatron's checkpoint save: ``state.save_at_checkpoints``).
 
 Before a step (its documents, packing and plan, and the plan-ahead thread): ``step/planning.py``;
 the checks and sums over every rank's record at a step's end: ``step/checks.py``.

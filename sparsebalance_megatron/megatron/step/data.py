@@ -215,7 +215,7 @@ class TrainIterator:
     iterator is its own cursor over the same prepared steps (every chunk runs every
     micro-batch). ``save_state`` is Megatron's hook for external data loaders
     (``--dataloader-save``): the callback's state goes into Megatron's checkpoint folder of the
-    iteration.
+    iteration (with model chunks the hook is off and ``state.save_at_checkpoints`` writes it).
     """
 
     def __init__(self, callback, device, *, chunk: int = 0):

@@ -4,10 +4,18 @@ Saving goes through Megatron's own hook for external data loaders: with ``args.d
 set to ``--save`` (``hooks.install``), every ``save_checkpoint`` calls the train iterator's
 ``save_state()`` and writes it to ``<save>/iter_NNNNNNN/mp_rank_00[_000]/train_dataloader_dprankNNN.pt``
 before it writes ``latest_checkpointed_iteration.txt``, so a checkpoint that Megatron resumes from
-always has its plugin state next to the weights. ``load_plugin_state`` reads it back with errors
-that name the file; ``restore_saved_state`` loads it into the callback. With --sb-fresh-state a
-missing or damaged state starts the balancer fresh (a warning names the file); a state without
-the balancer's parts (a dense run's checkpoint) starts them fresh with one line saying so.
+always has its plugin state next to the weights. With the interleaved schedule (model chunks)
+that hook cannot run: megatron-core's ``maybe_save_dataloader_state`` reads ``.iterable`` of the
+one iterator it is given and ``train()`` gives it the list of the chunks' iterators (0.19.2,
+0.20 / Megatron-LM main and dev alike). There ``save_at_checkpoints`` writes the same file itself
+(``write_state_file``: the same ranks, names and format, written atomically) when Megatron starts
+its checkpoint save: ``save_checkpoint_and_time`` starts its ``save-checkpoint`` timer before
+``save_checkpoint`` writes anything, and the tracker file comes after every rank's save.
+
+``load_plugin_state`` reads it back (DP rank 0's file, for every rank) with errors that name the
+file; ``restore_saved_state`` loads it into the callback. With --sb-fresh-state a missing or
+damaged state starts the balancer fresh (a warning names the file); a state without the
+balancer's parts (a dense run's checkpoint) starts them fresh with one line saying so.
 
 The file is read with ``torch.load(weights_only=True)``, which refuses anything but plain Python
 types, tensors and allowlisted classes. ``plain_state`` is the one place that makes the saved
@@ -28,17 +36,96 @@ import torch
 
 from ..errors import LaunchError
 
-STATE_BASENAME = "train_dataloader_dprank000.pt"
 STATE_VERSION = 1   # of the dict SparseBalanceCallback.state_dict writes
 
 
-def plugin_state_path(args, load_dir: str, iteration: int) -> str:
+def state_file_path(checkpoint_dir: str, iteration: int, *, pipeline_parallel: bool,
+                    dp_rank: int) -> str:
+    """Where Megatron's ``--dataloader-save`` hook puts DP rank ``dp_rank``'s state for the
+    checkpoint of ``iteration``: the TP 0 / PP 0 folder of ``iter_NNNNNNN``."""
     from megatron.training.checkpointing import get_checkpoint_name
 
-    return get_checkpoint_name(load_dir, iteration,
-                               pipeline_parallel=args.pipeline_model_parallel_size > 1,
+    return get_checkpoint_name(checkpoint_dir, iteration, pipeline_parallel=pipeline_parallel,
                                tensor_rank=0, pipeline_rank=0, expert_parallel=False,
-                               expert_rank=0, basename=STATE_BASENAME)
+                               expert_rank=0, basename=f"train_dataloader_dprank{dp_rank:03d}.pt")
+
+
+def plugin_state_path(args, load_dir: str, iteration: int) -> str:
+    """The state file a resume reads (DP rank 0's: every rank holds the same state)."""
+    return state_file_path(load_dir, iteration,
+                           pipeline_parallel=args.pipeline_model_parallel_size > 1, dp_rank=0)
+
+
+def write_state_file(path: str, state: dict) -> None:
+    """``state`` in Megatron's format (``{"dataloader_state_dict": state}``) at ``path``, atomically:
+    written to a temporary file in the same folder, synced, then renamed over ``path``, so a
+    crash leaves the previous file or none, never part of one."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({"dataloader_state_dict": state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# The timers Megatron's save_checkpoint_and_time starts before save_checkpoint (persistent and
+# non-persistent saves); the dataloader hook writes for both, so does save_at_checkpoints.
+SAVE_TIMERS = ("save-checkpoint", "save-checkpoint-non-persistent")
+
+
+class _SavingTimer:
+    def __init__(self, timer, save):
+        self._timer, self._save = timer, save
+
+    def start(self, *args, **kwargs):
+        self._save()
+        return self._timer.start(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._timer, name)
+
+
+class StateSavingTimers:
+    """Megatron's ``Timers`` whose checkpoint-save timers (``SAVE_TIMERS``) call ``save()``
+    before they start; everything else is Megatron's."""
+
+    def __init__(self, timers, save):
+        self.timers, self.save = timers, save
+
+    def __call__(self, name, *args, **kwargs):
+        timer = self.timers(name, *args, **kwargs)
+        return _SavingTimer(timer, self.save) if name in SAVE_TIMERS else timer
+
+    def __getattr__(self, name):
+        return getattr(self.timers, name)
+
+
+def save_at_checkpoints(tee, cb) -> None:
+    """Interleaved schedule: every checkpoint save of Megatron's writes ``cb``'s (the
+    ``SparseBalanceCallback``'s) state where the ``--dataloader-save`` hook would have, for this
+    rank's DP rank, at the start of the save. ``tee`` is Megatron's global timers (``hooks``' tee);
+    its Megatron half becomes ``StateSavingTimers`` (idempotent), inside the watchdog's phase
+    timers, so the write counts as the checkpoint save. Call it on the ranks that write
+    Megatron's data loader state: the first pipeline stage, TP rank 0 (and CP rank 0)."""
+
+    def save():
+        state = cb.state_dict()
+        args = cb.args
+        write_state_file(state_file_path(args.save, state["iteration"],
+                                         pipeline_parallel=args.pipeline_model_parallel_size > 1,
+                                         dp_rank=cb.dp_rank), state)
+
+    inner = tee.megatron_timers
+    if isinstance(inner, StateSavingTimers):
+        inner.save = save
+    else:
+        tee.megatron_timers = StateSavingTimers(inner, save)
 
 
 _NUMERIC_KINDS = "biuf"     # numpy dtype kinds a state may hold: bool, int, unsigned, float
@@ -117,9 +204,9 @@ def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = Fals
         raise LaunchError(
             f"resuming iteration {iteration} from {load_dir}: no SparseBalance state at {path} "
             f"(the checkpoint was written without the plugin's data path, or with the "
-            f"interleaved schedule, where megatron-core 0.19-0.20 saves no data loader "
-            f"state); pass --sb-fresh-state to start the balancer fresh, or load the weights "
-            f"with --finetune")
+            f"interleaved schedule by a plugin version that could not save it there); pass "
+            f"--sb-fresh-state to start the balancer fresh, or load the weights with "
+            f"--finetune")
     try:
         state = read_state_file(path)
         version, it = int(state["version"]), int(state["iteration"])
