@@ -57,9 +57,9 @@ def plugin_state_path(args, load_dir: str, iteration: int) -> str:
 
 
 def write_state_file(path: str, state: dict) -> None:
-    """``state`` in Megatron's format (``{"dataloader_state_dict": state}``) at ``path``, atomically:
-    written to a temporary file in the same folder, synced, then renamed over ``path``, so a
-    crash leaves the previous file or none, never part of one."""
+    """``state`` in Megatron's format (``{"dataloader_state_dict": state}``) at ``path``,
+    atomically: written to a temporary file in the same folder, synced, then renamed over
+    ``path``, so a crash leaves the previous file or none, never part of one."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
