@@ -1,5 +1,5 @@
 """The per-step control plane on real process groups: 8 gloo processes as TP 2 x PP 2 x DP 2 (the
-groups laid out as Megatron's default order lays them, tensor-parallel ranks adjacent), the
+groups laid out as Megatron's default order lays them, ``ExchangeGroups.for_layout``), the
 hierarchical gather (``StepExchange.gather``) and the plan broadcast down the same groups. Every
 rank must end with the same bits: the summary the pure functions give from every rank's report,
 and rank 0's plan. (The training runs of ``test_sparse_balance_run.py`` and ``test_hybrid_run.py``
@@ -60,34 +60,14 @@ def _shape():
     return RecordShape(1, M, M, max(len(s) for s in slots)), slots
 
 
-def _groups():
-    """This rank's (dp, pp, tp) and its cell, pipeline and data-parallel groups: rank = tp + TP x
-    (dp + DP x pp), Megatron's "tp-cp-ep-dp-pp" order (every rank makes every group)."""
-    import torch.distributed as dist
-
-    from sparsebalance_megatron.megatron.step.exchange import ExchangeGroups
-
-    place = {r: (r // TP % DP, r // (TP * DP), r % TP) for r in range(TP * PP * DP)}
-    mine = place[dist.get_rank()]
-    found = {}
-    for name, same in (("cell", (0, 1)), ("pipeline", (0, 2)), ("data", (1, 2))):
-        keys = sorted({tuple(p[i] for i in same) for p in place.values()})
-        for key in keys:
-            ranks = sorted(r for r, p in place.items() if tuple(p[i] for i in same) == key)
-            group = dist.new_group(ranks)
-            if tuple(mine[i] for i in same) == key:
-                found[name] = group
-    return mine, ExchangeGroups(**found)
-
-
 def _worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as dist
 
-    from sparsebalance_megatron.megatron.step.exchange import StepExchange
+    from sparsebalance_megatron.megatron.step.exchange import ExchangeGroups, StepExchange
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=TP * PP * DP)
-    where, groups = _groups()
+    where, groups = ExchangeGroups.for_layout(TP, PP, DP)
     ex = StepExchange(groups)
     assert ex.sizes == (TP, PP, DP) and ex.ranks == (where[2], where[1], where[0])
     shape, slots = _shape()

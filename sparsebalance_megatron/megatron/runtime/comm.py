@@ -130,6 +130,12 @@ def new_gloo_group(timeout):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
+def new_group(ranks) -> object:
+    """A group of the global ``ranks`` on the default backend (collective: every rank of the job
+    calls it, for every group, in the same order)."""
+    return dist.new_group(sorted(int(r) for r in ranks))
+
+
 def destroy_group(group) -> None:
     dist.destroy_process_group(group)
 

@@ -53,6 +53,26 @@ class ExchangeGroups:
                    ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group())
 
 
+    @classmethod
+    def for_layout(cls, tp: int, pp: int, dp: int) -> tuple:
+        """(this rank's (dp, pp, tp) place, its groups) of a job of ``tp x pp x dp`` ranks laid
+        out in Megatron's default order (rank = tp + TP x (dp + DP x pp)), for a harness without
+        Megatron (benchmarks, tests). Collective: every rank makes every group."""
+        world = tp * pp * dp
+        if comm.world_size() != world:
+            raise ValueError(f"a TP {tp} x PP {pp} x DP {dp} layout needs {world} ranks, the job "
+                             f"has {comm.world_size()}")
+        place = {r: (r // tp % dp, r // (tp * dp), r % tp) for r in range(world)}
+        mine, found = place[comm.rank()], {}
+        for name, same in (("cell", (0, 1)), ("pipeline", (0, 2)), ("data", (1, 2))):
+            for key in sorted({tuple(p[i] for i in same) for p in place.values()}):
+                ranks = [r for r, p in place.items() if tuple(p[i] for i in same) == key]
+                group = comm.new_group(ranks)
+                if tuple(mine[i] for i in same) == key:
+                    found[name] = group
+        return mine, cls(**found)
+
+
 class StepExchange:
     """One rank's end of the per-step gather and plan broadcast."""
 
