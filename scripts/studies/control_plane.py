@@ -33,6 +33,12 @@ plane, the after-step work and the draft's excess over the step (a draft that ou
 is waited for); in-line planning adds the whole draft. The training thread's slowdown from a
 draft beside it (the GIL) is not modelled here.
 
+JSON: ``table`` (every shape: bytes and seconds of both paths, the planner's draft and
+after-step work, the critical path and its share of the step), ``rows`` (for the simulated
+studies, ``experiments/plugin_cost.py``: TP 1 x PP 4 by ``world_size`` and ``microbatches``,
+``gather_ms`` and ``broadcast_ms`` of the tensor path, network and host), ``growth`` (fitted
+exponents), ``target_row``, ``planner_points``, ``step_time``, ``gloo``, ``model``.
+
     .venv/bin/python scripts/bench.py control_plane --json docs/results/control_plane.json
 """
 
@@ -139,7 +145,8 @@ def tensor_path(dp: int, pp: int, tp: int, m: int, docs: int) -> dict:
     return {"bytes_per_rank": int(received), "record_bytes": {"cell": cell.nbytes,
                                                               "line": line.nbytes,
                                                               "plan": plan.nbytes},
-            "network_s": sum(collective_s(k, n, s, b) for k, n, s, b in levels)}
+            "gather_network_s": sum(collective_s(*lv) for lv in levels[:3]),
+            "broadcast_network_s": sum(collective_s(*lv) for lv in levels[3:])}
 
 
 def pickled_path(world: int, record_bytes: int, plan_bytes: int) -> dict:
@@ -186,10 +193,10 @@ def _synthetic_step(dp: int, pp: int, tp: int, m: int, docs: int, rng):
     return report, slots, (rng.uniform(0.25, 1, (dp, m, pp)).tolist(), dst)
 
 
-def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> float:
-    """One rank's host seconds of the tensor path on the critical path: encode, combine its
-    cell's TP records, join its pipeline, decode every DP rank's line; rank 0 encodes the plan,
-    every rank decodes it."""
+def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> dict:
+    """One rank's host seconds of the tensor path on the critical path: ``gather_s`` (encode,
+    combine its cell's TP records, join its pipeline, decode every DP rank's line) and
+    ``broadcast_s`` (rank 0 encodes the plan, every rank decodes it)."""
     from sparsebalance_megatron.megatron.step.plan_record import decode_plan, encode_plan
     from sparsebalance_megatron.megatron.step.record import (combine_cell, decode_step,
                                                               encode_rank, join_pipeline)
@@ -206,14 +213,16 @@ def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3)
                       for r in range(dp)])
     plan = encode_plan(*payload, plan_shape)
 
-    def run():
+    def gather():
         combine_cell(np.stack([encode_rank(report, cell_shape, slots[0])] * tp), cell_shape)
         join_pipeline(cells, cell_shape)
         decode_step(lines, line_shape, slots)
+
+    def broadcast():
         encode_plan(*payload, plan_shape)
         decode_plan(plan, plan_shape)
 
-    return _median_s(run, repeats)
+    return {"gather_s": _median_s(gather, repeats), "broadcast_s": _median_s(broadcast, repeats)}
 
 
 def _old_rank_dict(pp_rank: int, pp: int, m: int, docs: int, rng) -> dict:
@@ -393,17 +402,30 @@ def gloo_point(tp: int, pp: int, dp: int, m: int, repeats: int) -> dict:
 # --- the study ---------------------------------------------------------------------------------
 
 def ladder(max_world: int) -> list:
-    """(tp, pp, dp) of the table: TP 8 x PP 4 or 8 x DP 1..128 and TP 1 x PP 4 or 8 x DP up to
-    512, within ``max_world`` ranks (from 8 up)."""
+    """(tp, pp, dp) of the table: TP 8 x PP 4 or 8 x DP 1..128 and TP 1 x PP 4 or 8 x DP 1..1024,
+    within ``max_world`` ranks."""
     out = []
     for tp, pps in ((8, (4, 8)), (1, (4, 8))):
         for pp in pps:
             dp = 1
-            while tp * pp * dp <= max_world and dp <= 512:
-                if tp * pp * dp >= 8:
-                    out.append((tp, pp, dp))
+            while tp * pp * dp <= max_world:
+                out.append((tp, pp, dp))
                 dp *= 2
     return out
+
+
+def simulator_rows(rows: list) -> list:
+    """The tensor path's critical-path ms per step by world size and micro-batches, for the
+    simulated studies (``experiments/plugin_cost.py`` reads ``rows`` of ``world_size``,
+    ``microbatches``, ``gather_ms``, ``broadcast_ms``): their jobs are one GPU per (DP rank,
+    stage), PP 4, so the TP 1 x PP 4 rows (a CP group is a cell like a TP group)."""
+    return [{"world_size": r["world"], "microbatches": r["m"], "tp": r["tp"], "pp": r["pp"],
+             "dp": r["dp"],
+             "gather_ms": 1e3 * (r["tensor"]["gather_network_s"] + r["tensor"]["gather_cpu_s"]),
+             "broadcast_ms": 1e3 * (r["tensor"]["broadcast_network_s"]
+                                    + r["tensor"]["broadcast_cpu_s"]),
+             "bytes_per_rank": r["tensor"]["bytes_per_rank"]}
+            for r in rows if r["tp"] == 1 and r["pp"] == 4]
 
 
 def main(argv=None) -> int:
@@ -443,7 +465,10 @@ def main(argv=None) -> int:
         for tp, pp, dp in ladder(args.max_world):
             docs = docs_per_dp_rank(dp, m)
             new = tensor_path(dp, pp, tp, m, docs)
-            new["cpu_s"] = tensor_cpu_s(dp, pp, tp, m, docs, args.repeats)
+            cpu = tensor_cpu_s(dp, pp, tp, m, docs, args.repeats)
+            new.update(gather_cpu_s=cpu["gather_s"], broadcast_cpu_s=cpu["broadcast_s"])
+            new["network_s"] = new["gather_network_s"] + new["broadcast_network_s"]
+            new["cpu_s"] = cpu["gather_s"] + cpu["broadcast_s"]
             new["total_s"] = new["network_s"] + new["cpu_s"]
             oldc = pickled_cpu(dp, pp, tp, m, docs, args.repeats)
             old = pickled_path(tp * pp * dp, oldc["record_bytes"], oldc["plan_bytes"])
@@ -492,9 +517,8 @@ def main(argv=None) -> int:
             "step_time": [{k: q[k] for k in ("dp", "m", "pp", "layout", "static_step_s")}
                           for q in step_by.values()],
             "planner_pp8_over_pp4": pp_ratio,
-            "planner_points": points, "growth": growth, "rows": rows,
-            "per_step_s": {f"tp{r['tp']}_pp{r['pp']}_dp{r['dp']}_m{r['m']}": r["tensor"]["total_s"]
-                           for r in rows},
+            "planner_points": points, "growth": growth, "table": rows,
+            "rows": simulator_rows(rows),
             "target_row": target, "gloo": gloo,
             "clock": "host work: thread CPU time (codec, pickle, planner, after-step work); "
                      "network: NCCL's alpha-beta model (MODEL); gloo: wall clock"})
