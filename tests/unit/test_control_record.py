@@ -238,3 +238,13 @@ def test_plans_that_do_not_fit_their_layout_are_refused():
             PlanShape(**{**dict(dp=2, microbatches=2, stages=2), **bad})
     with pytest.raises(ValueError, match=r"over the 64 MiB"):
         PlanShape(1024, 1024, 8)
+
+
+def test_recall_sums_count_training_forwards_only():
+    from sparsebalance_megatron.megatron.step.checks import recall_sums
+
+    stats = [(0, (5, 6), 1, [0.5, 0.5], [0.9, 0.7]),
+             (0, (5, 6), 2, [0.5, 0.5], [0.8, float("nan")]),   # NaN: no estimate
+             (1, (7,), 1, [0.5], [0.6]),
+             (None, (99,), 1, [1.0], [0.1])]                      # an evaluation forward
+    assert recall_sums(stats) == {5: [0.9 + 0.8, 2], 6: [0.7, 1], 7: [0.6, 1]}

@@ -122,10 +122,12 @@ def sum_by_doc(triples) -> dict:
 
 def recall_sums(stats: list) -> dict:
     """{doc_id: [sum of its recalls, how many]} over every layer and sequence of this rank's
-    step's attention statistics (the recall signal's mean is the ratio, after every rank's sums
-    are added)."""
+    step's training forwards (the recall signal's mean is the ratio, after every rank's sums are
+    added); evaluation forwards (no micro-batch of the step) are left out."""
     out: dict[int, list] = {}
-    for _, doc_ids, _, _, recall in stats:
+    for mb, doc_ids, _, _, recall in stats:
+        if mb is None:
+            continue
         for doc_id, r in zip(doc_ids, recall):  # the trailing padding sequences have no doc id
             if np.isfinite(r):
                 acc = out.setdefault(int(doc_id), [0.0, 0])
