@@ -478,7 +478,8 @@ def main(argv=None) -> int:
             work = {k: q[k] if q else fits[k]["coefficient"] * (dp * m) ** fits[k]["exponent"]
                     * (pp_ratio[k] if pp == 8 else 1.0) for k in ("draft_s", "after_step_s")}
             draft, after = work["draft_s"], work["after_step_s"]
-            step_s = step_by[m, pp]["static_step_s"]
+            # the static step of this shape where measured, else of the largest measured DP
+            step_s = (q or step_by[m, pp])["static_step_s"]
             row = {"tp": tp, "pp": pp, "dp": dp, "m": m, "world": tp * pp * dp,
                    "docs_per_dp_rank": docs, "tensor": new, "pickled": old,
                    "planner": {"draft_s": draft, "after_step_s": after,
@@ -487,6 +488,9 @@ def main(argv=None) -> int:
             ahead = new["total_s"] + after + max(0.0, draft - step_s)
             row["critical_path_s"] = {"plan_ahead": ahead,
                                       "in_line": new["total_s"] + after + draft}
+            row["critical_path_parts_s"] = {"control_plane": new["total_s"],
+                                            "after_step": after,
+                                            "draft_past_the_step": max(0.0, draft - step_s)}
             row["share_of_step"] = {k: v / step_s for k, v in row["critical_path_s"].items()}
             row["share_if_tp_scaled"] = ahead / (step_s / tp)
             rows.append(row)
@@ -504,6 +508,14 @@ def main(argv=None) -> int:
             [r["dp"] * r["m"] for r in sub], [r["critical_path_s"]["plan_ahead"] for r in sub]),
         "planner_draft_s": fits["draft_s"], "after_step_s": fits["after_step_s"],
         "variable": "DP x micro-batches (TP 8, PP 4; planner: PP 4, measured points)"}
+    for name, pick, var in (("in_dp_at_m16", lambda r: r["m"] == 16, "dp"),
+                            ("in_m_at_dp32", lambda r: r["dp"] == 32, "m")):
+        part = [r for r in sub if pick(r)]
+        if len({r[var] for r in part}) > 1:
+            growth[name] = {k: power_fit([r[var] for r in part], [f(r) for r in part])
+                            for k, f in (("tensor_total_s", lambda r: r["tensor"]["total_s"]),
+                                         ("critical_path_plan_ahead_s",
+                                          lambda r: r["critical_path_s"]["plan_ahead"]))}
     target = next((r for r in rows if all(r[k] == v for k, v in TARGET.items())), None)
 
     gloo = []
@@ -546,7 +558,12 @@ def _print(rows, ms, growth, target, gloo, points) -> None:
               f"the step {q['after_step_s'] * 1e3:6.1f} ms, static step {q['static_step_s']:.3f}"
               f" s ({q['layout']})")
     print("\ngrowth exponents in DP x micro-batches (TP 8, PP 4): " + ", ".join(
-        f"{k} {v['exponent']:.2f}" for k, v in growth.items() if isinstance(v, dict)))
+        f"{k} {v['exponent']:.2f}" for k, v in growth.items()
+        if isinstance(v, dict) and "exponent" in v))
+    for name in ("in_dp_at_m16", "in_m_at_dp32"):
+        if name in growth:
+            print(f"  {name}: " + ", ".join(f"{k} {v['exponent']:.2f}"
+                                            for k, v in growth[name].items()))
     t = target
     if t is None:
         print(f"\n(the target's shape, {TARGET}, is not among the rows)")
@@ -555,7 +572,8 @@ def _print(rows, ms, growth, target, gloo, points) -> None:
               f"{t['m']} micro-batches, 32K): critical path with --sb-plan-ahead "
               f"{t['critical_path_s']['plan_ahead'] * 1e3:.2f} ms = "
               f"{100 * t['share_of_step']['plan_ahead']:.3f}% of the simulated {t['step_s']:.2f} s "
-              f"step (target <= {100 * TARGET_SHARE:.1f}%: "
+              f"step (control plane {t['critical_path_parts_s']['control_plane'] * 1e3:.2f} ms, "
+              f"after the step {t['critical_path_parts_s']['after_step'] * 1e3:.2f} ms; target <= {100 * TARGET_SHARE:.1f}%: "
               f"{'met' if t['share_of_step']['plan_ahead'] <= TARGET_SHARE else 'NOT met'}); "
               f"in-line planning {100 * t['share_of_step']['in_line']:.2f}%; with TP 8 scaling "
               f"the step 8x: {100 * t['share_if_tp_scaled']:.3f}%")
