@@ -75,7 +75,8 @@ def _worker(rank: int, init_file: str, out_dir: str):
     payload, plan_shape = _plan()
     plan = ex.broadcast_plan(payload if rank == 0 else None, plan_shape)
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
-        pickle.dump({"where": where, "summary": summary, "plan": plan}, f)
+        pickle.dump({"where": where, "summary": summary, "plan": plan,
+                     "plan_bytes": ex.broadcast_bytes}, f)
     dist.destroy_process_group()
 
 
@@ -102,7 +103,7 @@ def test_every_rank_ends_with_the_same_summary_and_plan(tmp_path):
     assert sorted(r["where"] for r in runs) == sorted(itertools.product(range(DP), range(PP),
                                                                         range(TP)))
     want = _reference()
-    (dens, report), _ = _plan()
+    (dens, report), plan_shape = _plan()
     for r in runs:
         s = r["summary"]
         assert np.array_equal(s.busy_s, want.busy_s) and s.step_s == want.step_s
@@ -116,6 +117,10 @@ def test_every_rank_ends_with_the_same_summary_and_plan(tmp_path):
         # line (TP 2 x PP 2 x DP 2), not a world of pickles
         shape, _ = _shape()
         assert s.bytes_received == shape.nbytes * 2 + shape.with_stages(PP).nbytes
+        # the plan: once from each group above the rank, rank 0 none (TP 2 x PP 2 x DP 2)
+        hops = (r["where"][2] == 0 and r["where"][0] == 0 and r["where"][1] > 0) \
+            + (r["where"][2] == 0 and r["where"][0] > 0) + (r["where"][2] > 0)
+        assert r["plan_bytes"] == hops * plan_shape.nbytes
         got_d, got = r["plan"]
         assert np.array_equal(got_d, dens)
         assert json.dumps(got, sort_keys=True) == json.dumps(

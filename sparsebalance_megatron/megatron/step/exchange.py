@@ -82,22 +82,24 @@ class StepExchange:
                                                          groups.data))
         self.ranks = tuple(comm.group_rank(g) for g in (groups.cell, groups.pipeline,
                                                          groups.data))
-        self.comm_s = 0.0              # seconds in collectives since the last gather's summary
-        self.bytes_received = 0        # bytes received by the same
+        # the last plan broadcast's seconds in collectives and bytes received (the gather's are
+        # in its StepSummary)
+        self.broadcast_s, self.broadcast_bytes = 0.0, 0
+        self._wait_s, self._bytes = 0.0, 0
 
     def _all_gather(self, buf: np.ndarray, group) -> np.ndarray:
         t0 = time.perf_counter()
         out = comm.all_gather_tensor(torch.from_numpy(buf), group).numpy()
-        self.comm_s += time.perf_counter() - t0
-        self.bytes_received += buf.nbytes * (len(out) - 1)
+        self._wait_s += time.perf_counter() - t0
+        self._bytes += buf.nbytes * (len(out) - 1)
         return out
 
     def _broadcast(self, buf: np.ndarray, group, root: bool) -> np.ndarray:
         t0 = time.perf_counter()
         out = comm.broadcast_tensor(torch.from_numpy(buf), group, 0).numpy()
-        self.comm_s += time.perf_counter() - t0
+        self._wait_s += time.perf_counter() - t0
         if not root and comm.group_size(group) > 1:
-            self.bytes_received += buf.nbytes
+            self._bytes += buf.nbytes
         return out
 
     def gather(self, report: RankReport, shape: RecordShape, slots) -> StepSummary:
@@ -105,13 +107,13 @@ class StepExchange:
         ``shape``: one rank's record (``stages`` 1); ``slots``: every DP rank's document slots
         (``record.doc_slots``; only read with ``shape.docs``)."""
         cell_g, pipe_g, data_g = self.groups.cell, self.groups.pipeline, self.groups.data
+        self._wait_s, self._bytes = 0.0, 0
         mine = encode_rank(report, shape, slots[report.dp] if shape.docs else ())
         cell = combine_cell(self._all_gather(mine, cell_g), shape)
         line = join_pipeline(self._all_gather(cell, pipe_g), shape)
         lines = self._all_gather(line, data_g)
         summary = decode_step(lines, shape.with_stages(self.sizes[1]), slots)
-        summary.comm_s, summary.bytes_received = self.comm_s, self.bytes_received
-        self.comm_s, self.bytes_received = 0.0, 0
+        summary.comm_s, summary.bytes_received = self._wait_s, self._bytes
         return summary
 
     def broadcast_plan(self, payload: Optional[tuple], shape: PlanShape) -> tuple:
@@ -121,10 +123,12 @@ class StepExchange:
         if root and payload is None:
             raise RuntimeError("the plan broadcast's root (rank 0 of its cell, pipeline and "
                                "data-parallel groups) holds no plan")
+        self._wait_s, self._bytes = 0.0, 0
         buf = encode_plan(*payload, shape) if root else np.zeros(shape.words)
         if cell_r == 0 and data_r == 0:            # rank 0 to the first DP rank's stages
             buf = self._broadcast(buf, self.groups.pipeline, root)
         if cell_r == 0:                            # each stage's first DP rank to the others
             buf = self._broadcast(buf, self.groups.data, root or data_r == 0)
         buf = self._broadcast(buf, self.groups.cell, cell_r == 0)
+        self.broadcast_s, self.broadcast_bytes = self._wait_s, self._bytes
         return decode_plan(buf, shape)
