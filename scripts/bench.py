@@ -24,6 +24,8 @@ STUDIES = {
                   "BENCHMARKS.md headline, robustness, do no harm, CP"),
     "planner_cost": ("planning overhead (thread CPU) of SAB + DST at 64 DP x 16 x PP 4",
                      "BENCHMARKS.md headline"),
+    "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 4,096 ranks",
+                      "BENCHMARKS.md control plane"),
     "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",
                   "BENCHMARKS.md context parallelism"),
     "attention": ("sparse attention kernels on CPU: time, recall, training loss",

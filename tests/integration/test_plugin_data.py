@@ -144,8 +144,10 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     batch = sequential_plan([(0, 0, 100), (1, 0, 50), (2, 0, 200)], dp=2, num_microbatches=1,
                             max_tokens=256)
     step = PreparedStep(0, 0, batch, BudgetPlan.static(0, 0.5, 2, 1, 1), None)
-    gathered = [dict(dp=r, pp=0, fwd_s=[0.1], bwd_s=[0.2], step_s=0.4, stats={}, served={},
-                     fingerprint=1, loss=(10.0, 5.0)) for r in range(2)]
+    from sparsebalance_megatron.megatron.step.record import StepSummary
+
+    gathered = StepSummary(step_s=0.4, loss=(20.0, 10.0),
+                           unit_times={(r, 0): ([(0, 0)], [0.1], [0.2]) for r in range(2)})
     rec = StepReporter(args, sb, dp=2).report(1, step, gathered,
                                                     np.full((2, 1), 0.3), {}, overhead_s=0.01)
     assert rec["loss"] == 2.0 and rec["samples"] == 2 and rec["consumed_samples"] == 2
@@ -189,8 +191,10 @@ def test_unit_timings_of_model_chunks_land_on_their_virtual_stages():
     assert order == [(0, 0), (1, 0), (0, 1), (1, 1)]
     batch = sequential_plan([(0, 0, 100), (1, 0, 50)], dp=1, num_microbatches=2, max_tokens=256)
     step = PreparedStep(0, 0, batch, BudgetPlan.static(0, 0.5, 1, 2, 4), None)
-    gathered = [dict(dp=0, pp=0, fwd_s=[1.0, 2.0, 3.0, 4.0], bwd_s=[10.0, 20.0, 30.0, 40.0],
-                     units=unit_order(order, layout, 0))]
+    from sparsebalance_megatron.megatron.step.record import StepSummary
+
+    gathered = StepSummary(unit_times={(0, 0): (unit_order(order, layout, 0), [1.0, 2.0, 3.0, 4.0],
+                                                [10.0, 20.0, 30.0, 40.0])})
     out = unit_details(step, gathered, np.ones((1, 2)), dp=1, layout=layout)
     fwd, bwd = out["microbatch_fwd_s"][0], out["microbatch_bwd_s"][0]   # [m][virtual stage]
     assert fwd == [[1.0, None, 3.0, None], [2.0, None, 4.0, None]]

@@ -44,8 +44,9 @@ def _report(monkeypatch, capsys, segments, density=0.5):
     sb = SparseBalanceConfig(sparse_attention=True, block_size=BLOCK, density=density)
     batch = sequential_plan(segments, dp=1, num_microbatches=1, max_tokens=512)
     step = PreparedStep(0, 0, batch, BudgetPlan.static(0, density, 1, 1, 1), None)
-    gathered = [dict(dp=0, pp=0, fwd_s=[0.1], bwd_s=[0.2], step_s=0.3, stats={}, served={},
-                     fingerprint=1, loss=(10.0, 5.0))]
+    from sparsebalance_megatron.megatron.step.record import StepSummary
+
+    gathered = StepSummary(step_s=0.3, loss=(10.0, 5.0))
     rec = StepReporter(args, sb, dp=1).report(1, step, gathered, np.full((1, 1), 0.3), {},
                                               overhead_s=0.01)
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[sparsebalance]")]

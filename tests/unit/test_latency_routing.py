@@ -186,7 +186,9 @@ def test_reported_density_counts_routed_documents_at_one():
                             max_tokens=256)
     step = SimpleNamespace(batch=batch, plan=BudgetPlan.static(0, 0.5, 2, 1, 1), report=None,
                            first_bin=0)
-    gathered = [dict(loss=(1.0, 1.0), step_s=None)]
+    from sparsebalance_megatron.megatron.step.record import StepSummary
+
+    gathered = StepSummary(loss=(1.0, 1.0))
     work, dense = unit_work(batch, sb)
     assert dense is None
     plain = step_record(1, step, gathered, np.full((2, 1), np.nan), {}, overhead_s=0.0,

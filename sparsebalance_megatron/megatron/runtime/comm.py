@@ -1,8 +1,9 @@
 """The one module of ours that talks to torch.distributed: small gathers and broadcasts, and the
 context-parallel collectives of the sparse attention.
 
-Used by the callback (gathering per-micro-batch timings, broadcasting the DST plan so every TP,
-PP, CP and DP rank holds identical budgets), the profiler, the console lines, and
+Used by the callback's control plane (``step/exchange.py``: each step's records gathered and the
+DST plan broadcast as fixed-size tensors over Megatron's groups, so every TP, PP, CP and DP rank
+holds identical budgets), the profiler, the console lines, and
 ``context_parallel`` (all-to-all of q/k/v and outputs, the all-reduce of block shares).
 """
 
@@ -84,6 +85,42 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+# --- fixed-size tensors over a process group (the per-step control plane) --------------------
+
+def _device(group) -> torch.device:
+    """Where ``group``'s collectives take tensors: the current GPU for NCCL, else the host."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_tensor(x: torch.Tensor, group) -> torch.Tensor:
+    """``[n, *x.shape]`` on the host: every rank's ``x`` in ``group``'s rank order (every rank
+    passes the same shape and dtype; ``n`` = the group's size; None or no process group: this
+    rank's alone)."""
+    n = group_size(group)
+    if n == 1:
+        return x.detach().reshape(1, *x.shape).clone()
+    dev = _device(group)
+    src = x.detach().to(dev).contiguous().reshape(-1)
+    out = torch.empty(n * src.numel(), dtype=src.dtype, device=dev)
+    # all_gather_single (torch 2.13) is all_gather_into_tensor renamed
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, src, group=group)
+    return out.reshape(n, *x.shape).cpu()
+
+
+def broadcast_tensor(x: torch.Tensor, group, group_src: int = 0) -> torch.Tensor:
+    """Rank ``group_src``'s ``x`` (a rank of ``group``, by its rank there) on every rank of
+    ``group``, on the host; the others pass a tensor of the same shape and dtype to fill."""
+    if group_size(group) == 1:
+        return x
+    dev = _device(group)
+    buf = x.detach().to(dev).contiguous()
+    dist.broadcast(buf, src=dist.get_global_rank(group, group_src), group=group)
+    return buf.cpu()
+
+
 
 # --- waiting for one rank's long work (the start-up latency profile) ---------------------------
 
@@ -91,6 +128,12 @@ def new_gloo_group(timeout):
     """A gloo group of every rank whose collectives time out after ``timeout`` (a timedelta),
     not after the job's ``--distributed-timeout-minutes`` (collective: every rank calls it)."""
     return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def new_group(ranks) -> object:
+    """A group of the global ``ranks`` on the default backend (collective: every rank of the job
+    calls it, for every group, in the same order)."""
+    return dist.new_group(sorted(int(r) for r in ranks))
 
 
 def destroy_group(group) -> None:

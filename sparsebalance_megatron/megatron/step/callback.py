@@ -11,8 +11,11 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   reads (each chunk's layers are their own virtual stage of the plan).
 - ``finalize_model_grads`` (``config.finalize_model_grads_func``, once per step on every rank
   after the last backward): this rank's per-micro-batch timings (``config.timers`` tee), then
-  Megatron's finalize, then ``end_step``: gather timings and attention statistics, check that
-  every rank used the plan, calibrate the latency model, refine sensitivities, report metrics,
+  Megatron's finalize, then ``end_step``: check this rank's attention against the plan, gather
+  every rank's timings, losses and sensitivity sums (``step/exchange.py``: a fixed-size record
+  per (DP rank, stage) cell, over the TP x CP, pipeline and DP groups), stop every rank alike if
+  one ignored the plan or packed differently, calibrate the latency model, refine sensitivities,
+  report metrics,
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
   plan (rank 0 plans, broadcasts; every rank holds identical budgets), each committed only where
   predicted no slower than the static baseline (do no harm, ``step/choice.py``).
@@ -44,9 +47,11 @@ import torch
 from ...config import SparseBalanceConfig
 from ..model.budget import BudgetContext
 from ..runtime import comm
-from .checks import (check_budgets, doc_recalls, fingerprint, measured_busy, min_kept,
+from .checks import (budget_error, budget_violations, fingerprint, min_kept, recall_sums,
                      sum_by_doc, unit_order)
+from .exchange import ExchangeGroups, StepExchange
 from .planning import Planner, PreparedStep, StepPlanning
+from .record import RankReport, RecordShape, StepSummary, doc_slots
 from .state import STATE_VERSION, plain_state
 
 
@@ -65,6 +70,12 @@ class SparseBalanceCallback(StepPlanning):
         self.pp, self.pp_rank = args.pipeline_model_parallel_size, \
             ps.get_pipeline_model_parallel_rank()
         self.capacity = args.seq_length * args.micro_batch_size
+        # the per-step gather and plan broadcast, over Megatron's TP x CP, PP and DP groups
+        self.exchange = StepExchange(ExchangeGroups.from_megatron())
+        if self.exchange.sizes[1:] != (self.pp, self.dp):
+            raise RuntimeError(f"Megatron's pipeline and data-parallel groups have "
+                               f"{self.exchange.sizes[1:]} ranks, expected (pp, dp) = "
+                               f"{(self.pp, self.dp)}")
         # How micro-batches are built (data.microbatch_inputs): CP ranks of a DP rank read the
         # same micro-batches, each its share of the tokens; lengths fixed or variable.
         cp = ps.get_context_parallel_world_size()
@@ -224,27 +235,18 @@ class SparseBalanceCallback(StepPlanning):
         loss = (torch.stack([x[0].float() for x in self._losses]).sum().item(),
                 torch.stack([x[1].float() for x in self._losses]).sum().item()) \
             if self._losses else (0.0, 0.0)
-        records = self.budget.pop_stats()
-        stats = doc_recalls(records) if self.signal == "recall" else {}
-        mine = dict(dp=self.dp_rank, pp=self.pp_rank, fwd_s=timings.get("fwd_s", []),
-                    bwd_s=timings.get("bwd_s", []), step_s=timings.get("step_s"), stats=stats,
-                    served=self.budget.pop_served(),
-                    used=min_kept(records, self.budget.stage_of),
-                    units=unit_order(self._fwd_order, self.layout, self.pp_rank),
-                    fingerprint=fingerprint(step.batch), loss=loss,
-                    doc_loss=self._pop_doc_losses())
-        gathered = comm.all_gather_object(mine)
-        if len({g["fingerprint"] for g in gathered}) != 1:
+        summary = self.exchange.gather(self._report(step, timings, loss),
+                                       *self._record_shape(step))
+        if not summary.fingerprints_agree:
             raise RuntimeError(f"iteration {iteration}: ranks packed different micro-batches "
                                f"(the sampler/packer must be deterministic on every rank)")
-        if step.plan is not None:
-            check_budgets(step.plan, gathered, check_used=self.sb.selection_mode == "density")
+        if summary.violations:
+            raise budget_error(summary.examples)
         if self.sb.timing_source == "model" and self.latency is not None and step.plan is not None:
             measured = self._modelled_busy(step)
             warm = True                        # a modelled time has no warm-up in it
         else:
-            measured = measured_busy(gathered, self.dp, self.pp,
-                                      step.batch.num_microbatches * self.vp)
+            measured = summary.busy_s
             # The first step of a process pays for warm-up (allocations, lazy init): no sample.
             warm = self.steps_done > 0
         # The next step's draft read the state this step is about to change: join it first.
@@ -255,7 +257,7 @@ class SparseBalanceCallback(StepPlanning):
             calib = self._calibrate(step, measured)
         self.steps_done += 1
         if self.tracker is not None:
-            self._update_sensitivity(step, gathered)
+            self._update_sensitivity(step, summary)
         self._current, self._chunks_read = None, set()
         args = self.args
         if draft is not None:
@@ -265,7 +267,7 @@ class SparseBalanceCallback(StepPlanning):
         elif iteration + 1 < args.train_iters:
             self.prepare_step(iteration + 1, self._num_microbatches_next(step))
         self._overhead_s += time.perf_counter() - t0
-        self.reporter.report(iteration + 1, step, gathered, measured, calib,
+        self.reporter.report(iteration + 1, step, summary, measured, calib,
                              overhead_s=self._overhead_s,
                              planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None)
         self._overhead_s = 0.0
@@ -328,24 +330,41 @@ class SparseBalanceCallback(StepPlanning):
         sums = torch.cat([torch.stack([s.float(), n.float()], dim=1) for _, s, n in parts])
         return sum_by_doc((d, s_, n) for d, (s_, n) in zip(ids, sums.cpu().tolist()))
 
-    def _update_sensitivity(self, step: PreparedStep, gathered) -> None:
-        values: dict[int, float] = {}
-        if self.signal == "loss":
-            ranks = sorted(gathered, key=lambda g: (g["dp"], g["pp"]))
-            sums = sum_by_doc((d, s_, n) for g in ranks
-                               for d, (s_, n) in sorted(g["doc_loss"].items()))
-            values = {d: s_ / n for d, (s_, n) in sums.items() if n > 0}
-        else:
-            recalls: dict[int, list] = {}
-            for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
-                for doc_id, vals in sorted(g["stats"].items()):
-                    recalls.setdefault(int(doc_id), []).extend(vals)
-            values = {d: float(np.mean(v)) for d, v in recalls.items()}
-        if not values:
+    def _report(self, step: PreparedStep, timings: dict, loss: tuple) -> RankReport:
+        """What this rank sends at the step's end: its timings, losses, the plan checked against
+        what its attention did, and its documents' sensitivity sums."""
+        records = self.budget.pop_stats()
+        served = self.budget.pop_served()
+        bad = [] if step.plan is None else budget_violations(
+            step.plan, self.dp_rank, served, min_kept(records, self.budget.stage_of),
+            check_used=self.sb.selection_mode == "density")
+        docs = self._pop_doc_losses()            # loss signal; also empties the list
+        if self.signal == "recall":
+            docs = recall_sums(records)
+        return RankReport(dp=self.dp_rank, pp=self.pp_rank, fingerprint=fingerprint(step.batch),
+                          fwd_s=timings.get("fwd_s", []), bwd_s=timings.get("bwd_s", []),
+                          units=unit_order(self._fwd_order, self.layout, self.pp_rank),
+                          step_s=timings.get("step_s"), loss=loss, violations=bad,
+                          doc_values=docs if self.signal is not None else {})
+
+    def _record_shape(self, step: PreparedStep) -> tuple:
+        """(the step's ``RecordShape``, every DP rank's document slots): known to every rank
+        before the step ends. Per-interval times travel only where ``--sb-metrics-file`` writes
+        them; document sums only with a sensitivity signal."""
+        timed = step.batch.num_microbatches * self.vp
+        slots = doc_slots(step.batch.micro_batches) if self.signal is not None else []
+        shape = RecordShape(1, timed, timed if self.sb.metrics_file else 0,
+                            max((len(x) for x in slots), default=0))
+        return shape, slots
+
+    def _update_sensitivity(self, step: PreparedStep, summary: StepSummary) -> None:
+        """The tracker learns every document's mean signal this step (sum / count over every
+        rank: loss per token, or recall per layer and head group)."""
+        ids, sums = summary.doc_ids, summary.doc_sums
+        if not ids.size:
             return
         lengths = {d: e - s for d, s, e in step.batch.segments()}
-        ids = sorted(i for i in values if i in lengths)
-        self.tracker.update(ids, [lengths[i] for i in ids], [values[i] for i in ids])
+        self.tracker.update(ids, [lengths[i] for i in ids.tolist()], sums[:, 0] / sums[:, 1])
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:

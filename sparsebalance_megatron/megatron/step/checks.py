@@ -1,14 +1,16 @@
-"""The checks and sums of a step's end, over what every rank reports (``SparseBalanceCallback``).
+"""The checks and sums of a step's end (``SparseBalanceCallback``).
 
-Each rank sends one record per step (``end_step``: its dp and pp rank, micro-batch timings, the
-densities its attention served and the smallest share it kept, the batch fingerprint, losses); every
-rank gathers all of them and runs the same pure functions here: the packing was the same everywhere
-(``fingerprint``), the attention used the broadcast plan (``check_budgets``), the measured busy time
-per (dp, pp) place (``measured_busy``), and the per-document sums the sensitivity tracker reads.
+Each rank checks its own part before the step's record goes out: the attention used the broadcast
+plan (``budget_violations``: what it asked for and what it kept, per (micro-batch, stage)); the
+record (``step/record.py``) carries the count and the first violation, and every rank raises alike
+from the gathered summary. Also here: the packing's fingerprint every rank compares, the order of a
+pipeline rank's timed units, and the per-document sums the sensitivity tracker reads.
 Plain Python and numpy: no torch.distributed, no megatron.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -41,39 +43,59 @@ def unit_order(fwd_order: list, layout, pp_rank: int) -> list:
     return [(mb, layout.stage_of(pp_rank, chunk)) for mb, chunk in fwd_order]
 
 
-def measured_busy(gathered, dp: int, pp: int, m: int) -> np.ndarray:
-    """[dp, pp] measured fwd+bwd seconds of every rank's ``m`` timed forwards and backwards
-    (micro-batches x model chunks; NaN: missing); the slowest of the TP and CP ranks that share
-    a (dp, pp) place (they wait for each other in their collectives)."""
-    measured = np.full((dp, pp), np.nan)
-    for g in gathered:
-        if len(g["fwd_s"]) == m and len(g["bwd_s"]) == m:
-            t = float(np.sum(g["fwd_s"]) + np.sum(g["bwd_s"]))
-            prev = measured[g["dp"], g["pp"]]
-            measured[g["dp"], g["pp"]] = t if not np.isfinite(prev) else max(prev, t)
-    return measured
-
-
 USED_TOLERANCE = 1e-3   # kept blocks are counted in whole blocks; a float rounding slack
 
 
-def check_budgets(plan: BudgetPlan, gathered, *, check_used: bool = True) -> None:
-    """Every rank (all TP ranks of a micro-batch included) asked for exactly the plan's density,
-    and its attention kept at least that share of every sequence's causal blocks (density
+class Violation(NamedTuple):
+    """One (micro-batch, stage) whose attention did not follow the plan: it asked for another
+    density (``kind`` 'request': ``value`` the density asked for) or kept fewer blocks than the
+    plan's share ('kept': ``value`` the smallest kept share)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    value: float
+    want: float
+
+    def describe(self, dp: int) -> str:
+        where = f"(dp {dp}, stage {self.stage}, micro-batch {self.microbatch})"
+        if self.kind == "request":
+            return f"{where}: {self.value} != {self.want}"
+        return f"{where}: kept {self.value:.4f} of the blocks, plan {self.want}"
+
+
+def budget_violations(plan: BudgetPlan, dp: int, served: dict, used: Optional[dict], *,
+                      check_used: bool = True) -> list:
+    """A rank's ``Violation``s, in (micro-batch, stage) order: every density its attention asked
+    for (``served`` {(micro-batch, stage): density}) must be exactly the plan's, and every
+    sequence kept at least that share of its causal blocks (``used``, ``min_kept``; density
     selection keeps ceil(density x available) of them: fewer means the plan was ignored)."""
     bad = []
-    for g in gathered:
-        for (mb, stage), d in (g["served"] or {}).items():
-            want = plan.density(g["dp"], mb, stage)
-            if d != want:
-                bad.append(f"(dp {g['dp']}, stage {stage}, micro-batch {mb}): {d} != {want}")
-        for (mb, stage), kept in (g.get("used") or {}).items() if check_used else ():
-            want = plan.density(g["dp"], mb, stage)
-            if kept < want - USED_TOLERANCE:
-                bad.append(f"(dp {g['dp']}, stage {stage}, micro-batch {mb}): kept {kept:.4f} "
-                           f"of the blocks, plan {want}")
+    for (mb, stage), d in sorted((served or {}).items()):
+        want = plan.density(dp, mb, stage)
+        if d != want:
+            bad.append(Violation("request", int(stage), int(mb), float(d), want))
+    for (mb, stage), kept in sorted((used or {}).items()) if check_used else ():
+        want = plan.density(dp, mb, stage)
+        if kept < want - USED_TOLERANCE:
+            bad.append(Violation("kept", int(stage), int(mb), float(kept), want))
+    return bad
+
+
+def budget_error(examples: list) -> RuntimeError:
+    """The error every rank raises when some rank's attention ignored the plan."""
+    return RuntimeError("attention budgets differ from the broadcast plan: "
+                        + "; ".join(examples[:5]))
+
+
+def check_budgets(plan: BudgetPlan, reports, *, check_used: bool = True) -> None:
+    """``budget_violations`` of several ranks' reports ({'dp', 'served', 'used'} each) at once:
+    a RuntimeError naming the first five (a test's view of what the gathered summary raises)."""
+    bad = [v.describe(g["dp"]) for g in reports
+           for v in budget_violations(plan, g["dp"], g["served"], g.get("used"),
+                                      check_used=check_used)]
     if bad:
-        raise RuntimeError("attention budgets differ from the broadcast plan: " + "; ".join(bad[:5]))
+        raise budget_error(bad)
 
 
 def min_kept(records: list, stage_of) -> dict:
@@ -98,11 +120,17 @@ def sum_by_doc(triples) -> dict:
     return out
 
 
-def doc_recalls(stats: list) -> dict:
-    """{doc_id: [recall per layer]} from the attention statistics of this rank's step."""
+def recall_sums(stats: list) -> dict:
+    """{doc_id: [sum of its recalls, how many]} over every layer and sequence of this rank's
+    step's training forwards (the recall signal's mean is the ratio, after every rank's sums are
+    added); evaluation forwards (no micro-batch of the step) are left out."""
     out: dict[int, list] = {}
-    for _, doc_ids, _, _, recall in stats:
+    for mb, doc_ids, _, _, recall in stats:
+        if mb is None:
+            continue
         for doc_id, r in zip(doc_ids, recall):  # the trailing padding sequences have no doc id
             if np.isfinite(r):
-                out.setdefault(int(doc_id), []).append(float(r))
+                acc = out.setdefault(int(doc_id), [0.0, 0])
+                acc[0] += float(r)
+                acc[1] += 1
     return out

@@ -5,7 +5,8 @@ before the step runs, and the ``--sb-plan-ahead`` thread that drafts the next on
 callback's sampler, latency model, sensitivity tracker, replay, layout and capacity
 (``step/callback.py`` sets them) and write the prepared step the callback's ``take_step`` reads. A step
 is first a ``Draft`` (no collective: safe on the planner thread), then ``_commit`` makes it the
-``PreparedStep`` (collective: rank 0's DST plan is broadcast). Each packing is committed only where
+``PreparedStep`` (collective: rank 0's DST plan is broadcast as a fixed-size tensor,
+``step/exchange.py``). Each packing is committed only where
 predicted no slower than the static baseline (do no harm, ``step/choice.py``).
 No torch.distributed outside ``comm``; megatron only through the callback.
 """
@@ -25,6 +26,7 @@ from ...plan import BudgetPlan
 from ..runtime import comm
 from .checks import check_assignment
 from .choice import wants_baseline_packing
+from .plan_record import PlanShape
 
 
 @dataclass
@@ -150,7 +152,8 @@ class StepPlanning:
         if self.replay is not None and sb.sparse_attention_enabled:   # every rank read it
             plan = BudgetPlan(draft.iteration, draft.replayed)
         elif sb.dst_enabled:
-            densities, report = comm.broadcast_object(draft.payload, src=0)
+            densities, report = self.exchange.broadcast_plan(draft.payload,
+                                                             self._plan_shape(draft))
             plan = BudgetPlan(draft.iteration, np.asarray(densities))
             stand = report.get("stand_down")
         batch, units = draft.batch, draft.units
@@ -165,6 +168,12 @@ class StepPlanning:
         if not self._layout_checked:
             self._layout_checked = True
             self._check_layout(batch, units)
+
+    def _plan_shape(self, draft: Draft) -> PlanShape:
+        """The size of the draft's plan record, known on every rank (``step/plan_record.py``)."""
+        return PlanShape(self.dp, draft.batch.num_microbatches, self.layout.num_stages,
+                         options=1 if draft.baseline is None else 2,
+                         sensitivity=self.tracker is not None)
 
     def _planning_state(self) -> dict:
         """The state plans are made from: latency calibration and sensitivities."""

@@ -76,12 +76,13 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
     return int((np.minimum(segs[:, 2], doc_positions[segs[:, 0]]) - segs[:, 1]).sum())
 
 
-def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dict, *,
+def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict, *,
                 overhead_s: float, work: np.ndarray, layers=None, attention_layers=None,
                 doc_positions: Optional[np.ndarray] = None,
                 dense_work: Optional[np.ndarray] = None,
                 kept: Optional[np.ndarray] = None) -> dict:
-    """Everything known about a finished step (identical on every rank). Densities are weighted
+    """Everything known about a finished step (identical on every rank), from the step's gathered
+    ``summary`` (``step/record.py``'s ``StepSummary``). Densities are weighted
     by attention layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per
     stage, the run's pipeline layout, None = equal; ``attention_layers`` [pp] those with
     attention, a HybridModel's ``*`` layers, None = all); per stage and per DP rank as well as
@@ -92,9 +93,8 @@ def step_record(iteration: int, step, gathered, measured: np.ndarray, calib: dic
     from ...policy.costs import stage_mean_densities, weighted_mean_density
 
     batch = step.batch
-    loss_sum = sum(g["loss"][0] for g in gathered)
-    loss_tokens = sum(g["loss"][1] for g in gathered)
-    step_s = max((g["step_s"] for g in gathered if g["step_s"] is not None), default=None)
+    loss_sum, loss_tokens = summary.loss
+    step_s = summary.step_s
     tokens = document_tokens(batch, doc_positions)
     samples = batch.dp * batch.num_microbatches
     rec = {"step": iteration, "tokens": tokens, "positions": int(batch.packed_lengths().sum()),
@@ -175,15 +175,16 @@ def scalars(rec: dict) -> dict:
     return {PREFIX + name: float(v) for name, v in named if v is not None and np.isfinite(v)}
 
 
-def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
+def unit_details(step, summary, work: np.ndarray, *, dp: int, layout,
                  dense_work: Optional[np.ndarray] = None, pad_multiple: int = 1,
                  seed: Optional[int] = None) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
     [dp][m][stages], each unit's dense attention work [dp][m] (its weight in density means; with
     routing also ``dense_work``, that of its routed documents, at density 1) and
-    the measured forward/backward seconds [dp][m][stages] (None where a rank reported none);
-    stages are the layout's virtual stages. A rank's timer intervals are mapped to units by the
-    order it ran them (``units``: forward order; the backward runs the model chunks reversed).
+    the measured forward/backward seconds [dp][m][stages] (None where a rank reported none; the
+    slowest TP/CP rank of a cell, ``summary.unit_times``); stages are the layout's virtual
+    stages. A rank's timer intervals are mapped to units by the order it ran them (``units``:
+    forward order; the backward runs the model chunks reversed).
     ``plan``: the step's packing (``batching.replay.plan_record``; documents padded to a
     multiple of ``pad_multiple``; ``seed``: the run's --sb-seed), which with ``densities`` is what
     ``--sb-replay-plans`` replays."""
@@ -192,13 +193,12 @@ def unit_details(step, gathered, work: np.ndarray, *, dp: int, layout,
     m, nv, vp = step.batch.num_microbatches, layout.num_stages, layout.vp
     fwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
     bwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
-    for g in gathered:
-        units = g.get("units") or [(j, g["pp"]) for j in range(m)]
-        if len(units) == len(g["fwd_s"]) == len(g["bwd_s"]) == m * vp:
+    for (r, pp), (units, fwd_s, bwd_s) in sorted(summary.unit_times.items()):
+        if len(units) == len(fwd_s) == len(bwd_s) == m * vp:
             for k, (j, v) in enumerate(units):
-                back = layout.stage_of(g["pp"], vp - 1 - layout.chunk_of(v))
-                fwd[g["dp"]][j][v] = float(g["fwd_s"][k])
-                bwd[g["dp"]][j][back] = float(g["bwd_s"][k])
+                back = layout.stage_of(pp, vp - 1 - layout.chunk_of(v))
+                fwd[r][j][v] = float(fwd_s[k])
+                bwd[r][j][back] = float(bwd_s[k])
     out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
            "microbatch_bwd_s": bwd,
            "plan": plan_record(step.batch, step.first_bin, pad_multiple, seed)}
@@ -231,7 +231,7 @@ class StepReporter:
         self.pad_multiple = pad_multiple
         self.stood = StandDownCounts()   # cumulative over the run (checkpointed by the callback)
 
-    def report(self, iteration: int, step, gathered, measured, calib, *, overhead_s: float,
+    def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
                planned_ahead_s: Optional[float] = None):
         """``overhead_s``: the plugin's seconds on the step's critical path (this rank);
         ``planned_ahead_s``: CPU seconds the background draft of the next step took
@@ -239,7 +239,7 @@ class StepReporter:
         work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens)
         kept = None if step.plan is None else \
             kept_work(step.batch, self.sb, step.plan.densities, self.dense_below_tokens)
-        rec = step_record(iteration, step, gathered, measured, calib, overhead_s=overhead_s,
+        rec = step_record(iteration, step, summary, measured, calib, overhead_s=overhead_s,
                           work=work, layers=self.layout.layers,
                           attention_layers=self.layout.attention_layers,
                           doc_positions=self.doc_positions, dense_work=dense, kept=kept)
@@ -250,7 +250,7 @@ class StepReporter:
         if self.stood.dst_steps or self.stood.sab_steps:
             rec["stood_down_total"] = self.stood.state_dict()
         if self.sb.metrics_file and comm.rank() == 0:
-            line = dict(rec, **unit_details(step, gathered, work, dp=self.dp,
+            line = dict(rec, **unit_details(step, summary, work, dp=self.dp,
                                             layout=self.layout, dense_work=dense,
                                             pad_multiple=self.pad_multiple,
                                             seed=self.sb.seed))

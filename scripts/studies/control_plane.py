@@ -1,0 +1,585 @@
+"""The plugin's per-step control plane as the job grows: bytes per rank and seconds of the step's
+gather and plan broadcast, old pickled path against the fixed-size tensor path, from 8 to 4,096
+ranks, with the planner's time beside it and the share of a 32K step on the critical path.
+
+Four parts:
+
+- **Sizes** (exact): the bytes each rank receives per step. Tensor path (``step/exchange.py``): a
+  cell record from each other TP rank, a cell record from each other pipeline stage, a pipeline
+  line from each other DP rank, the plan three times down the same groups. Pickled path (before):
+  every rank's pickled dict from every other rank (``all_gather_object`` pads to the largest) and
+  the pickled plan from rank 0, with the dicts' fields as ``end_step`` filled them (per-interval
+  timings, served and kept densities, units, the last stage's per-document losses). Documents
+  per DP rank come from the built-in corpus at 32K tokens per micro-batch (Qwen tokenizer).
+- **Time under an alpha-beta model with NCCL's constants**: each collective is a ring all-gather
+  or broadcast priced as NCCL's tuner prices it (``ncclTopoTuneModel`` in NVIDIA/nccl
+  ``src/graph/tuning.cc``, ``ncclTunerConstantsDefaults``: latencies in us, LL and Simple
+  protocols, the cheaper taken) on DGX H100 nodes of 8 GPUs (``MODEL`` below says every constant
+  and where it comes from), plus the host CPU work measured here in this process: encoding,
+  combining and decoding the records (tensor path), pickling and unpickling (pickled path).
+- **Planner and after-step work** (measured here, thread CPU time): the step's draft (SAB
+  packing, latency features, unit costs, DST: ``planner_cost``'s runtime calls) and the in-line
+  work after the step (calibration, the sensitivity tracker's update, the reports' weights) on
+  the built-in corpus, Qwen2.5-0.5B analytic table, best static layout; fitted as a power of
+  DP x micro-batches and extrapolated past what runs here (marked so).
+- **gloo, measured**: spawned processes on this machine (TP 2 x PP 2 x DP n), both paths end to
+  end, the slowest rank's median seconds per step.
+
+The denominator: the simulator's static step at d0 (every unit at 0.5) for the Qwen2.5-0.5B
+shape at 32K tokens per micro-batch on the analytic table's best static layout (TP 1: the table
+prices one GPU per stage; with TP 8 this 0.5B model's step would be shorter, which the
+``share_if_tp_scaled`` column shows). The critical path with ``--sb-plan-ahead``: the control
+plane, the after-step work and the draft's excess over the step (a draft that outlasts the step
+is waited for); in-line planning adds the whole draft. The training thread's slowdown from a
+draft beside it (the GIL) is not modelled here.
+
+JSON: ``table`` (every shape: bytes and seconds of both paths, the planner's draft and
+after-step work, the critical path and its share of the step), ``rows`` (for the simulated
+studies, ``experiments/plugin_cost.py``: TP 1 x PP 4 by ``world_size`` and ``microbatches``,
+``gather_ms`` and ``broadcast_ms`` of the tensor path, network and host), ``growth`` (fitted
+exponents), ``target_row``, ``planner_points``, ``step_time``, ``gloo``, ``model``.
+
+    .venv/bin/python scripts/bench.py control_plane --json docs/results/control_plane.json
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from functools import lru_cache
+
+import numpy as np
+
+from .common import parser, write_result
+
+SEQ = 32768
+D0 = 0.5
+GPUS_PER_NODE = 8
+TARGET_SHARE = 0.005          # issue 44: <= 0.5% of a 32K step at 1,024 GPUs
+TARGET = dict(dp=32, pp=4, tp=8, m=16)
+
+# NCCL's tuner, NVIDIA/nccl src/graph/tuning.cc (ncclTunerConstantsDefaults, ncclTopoTuneModel,
+# getNetOverhead; latencies in us). Bandwidths: DGX H100, NVLink 4 (450 GB/s a direction, ~360
+# GB/s of ring bus bandwidth in nccl-tests) and one 400 Gb/s NDR InfiniBand port per GPU (50
+# GB/s line rate, ~45 GB/s bus bandwidth); LL caps at llMaxBws (Hopper one node 141, several
+# nodes of Intel x86 20.4 GB/s). ``host_us``: copying a small record to the GPU and back and
+# waiting for it (two cudaMemcpy of a few KB, ~10 us each: an assumption, not measured here).
+MODEL = {
+    "source": "NVIDIA/nccl src/graph/tuning.cc: ncclTunerConstantsDefaults, ncclTopoTuneModel",
+    "base_lat_us": {"LL": 6.6, "Simple": 8.4},             # baseLatencies, Ring
+    "nvlink_lat_us": {"LL": 0.6, "Simple": 3.4},           # hwLatencies NVLINK, Ring
+    "net_ring_lat_us": {"LL": 2.7, "Simple": 14.0},        # hwLatencies NET, Ring
+    "net_tree_lat_us": {"LL": 5.0, "Simple": 14.0},        # NET, Tree: inter latency at 1 GPU/node
+    "net_overhead_us": 1.0,                                # getNetOverhead, x86 Intel (x3 Simple)
+    "bus_gbps": {"intra": 360.0, "inter": 45.0},           # Simple ring bus bandwidth
+    "ll_max_gbps": {"intra": 141.0, "inter": 20.4},        # llMaxBws: Hopper N1, Intel N4
+    "ll_bw_factor": 0.5,                                   # Ring/LL: busBw * .5
+    "host_us": 20.0,
+    "gpus_per_node": GPUS_PER_NODE,
+}
+
+
+# --- the alpha-beta model ----------------------------------------------------------------------
+
+def _placement(n: int, stride: int) -> tuple:
+    """(nodes, GPUs per node) of a group of ``n`` ranks ``stride`` apart in Megatron's order."""
+    per = max(1, min(n, GPUS_PER_NODE // stride)) if stride < GPUS_PER_NODE else 1
+    return math.ceil(n / per), per
+
+
+def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> float:
+    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it) or
+    ``broadcast`` (``nbytes``: the message) over ``n`` ranks ``stride`` apart, as NCCL's tuner
+    prices it (the cheaper of LL and Simple), plus the host's copies."""
+    if n <= 1:
+        return 0.0
+    nodes, ppn = _placement(n, stride)
+    best = math.inf
+    for p in ("LL", "Simple"):
+        intra = model["nvlink_lat_us"][p]
+        inter = (model["net_tree_lat_us"] if ppn == 1 else model["net_ring_lat_us"])[p]
+        if nodes > 1:
+            over = model["net_overhead_us"] * (3 if p == "Simple" else 1)
+            intra = max(intra, over)
+        where = "inter" if nodes > 1 else "intra"
+        bus = model["bus_gbps"][where]
+        if p == "LL":
+            bus = min(model["ll_max_gbps"][where], bus * model["ll_bw_factor"])
+        if kind == "allgather":
+            steps, inter_steps = n - 1, nodes - 1
+            lat = model["base_lat_us"][p] + (steps - inter_steps) * intra + inter_steps * inter
+            alg = bus * n / steps
+        elif kind == "broadcast":      # a chain: every hop's latency (ring, not sameChannels)
+            lat = model["base_lat_us"][p] + n * (inter if nodes > 1 else intra)
+            alg = bus
+        else:
+            raise ValueError(f"collective {kind!r}: expected allgather or broadcast")
+        best = min(best, lat * 1e-6 + nbytes / (alg * 1e9))
+    return best + model["host_us"] * 1e-6
+
+
+def record_shapes(dp: int, pp: int, m: int, docs: int):
+    """(cell RecordShape, line RecordShape, PlanShape) of a step, as the runtime sizes them at
+    the default flags (no per-interval detail: no --sb-metrics-file; a tracker: documents and
+    unit sensitivity travel; the do-no-harm baseline: two candidate packings)."""
+    from sparsebalance_megatron.megatron.step.plan_record import PlanShape
+    from sparsebalance_megatron.megatron.step.record import RecordShape
+
+    cell = RecordShape(1, m, 0, docs)
+    return cell, cell.with_stages(pp), PlanShape(dp, m, pp, 2, True)
+
+
+def tensor_path(dp: int, pp: int, tp: int, m: int, docs: int) -> dict:
+    """Bytes each rank receives and modelled network seconds of the tensor path's six
+    collectives (three gathers, three plan broadcasts)."""
+    cell, line, plan = record_shapes(dp, pp, m, docs)
+    levels = [("allgather", tp, 1, tp * cell.nbytes), ("allgather", pp, tp * dp, pp * cell.nbytes),
+              ("allgather", dp, tp, dp * line.nbytes), ("broadcast", pp, tp * dp, plan.nbytes),
+              ("broadcast", dp, tp, plan.nbytes), ("broadcast", tp, 1, plan.nbytes)]
+    received = (tp - 1) * cell.nbytes + (pp - 1) * cell.nbytes + (dp - 1) * line.nbytes \
+        + plan.nbytes * ((pp > 1) + (dp > 1) + (tp > 1))
+    return {"bytes_per_rank": int(received), "record_bytes": {"cell": cell.nbytes,
+                                                              "line": line.nbytes,
+                                                              "plan": plan.nbytes},
+            "gather_network_s": sum(collective_s(*lv) for lv in levels[:3]),
+            "broadcast_network_s": sum(collective_s(*lv) for lv in levels[3:])}
+
+
+def pickled_path(world: int, record_bytes: int, plan_bytes: int) -> dict:
+    """The same for the pickled path: ``all_gather_object`` (sizes, then every rank's pickle
+    padded to the largest) and ``broadcast_object_list`` (size, then the pickle) over the world."""
+    levels = [("allgather", world, 1, 8 * world), ("allgather", world, 1, record_bytes * world),
+              ("broadcast", world, 1, 8), ("broadcast", world, 1, plan_bytes)]
+    return {"bytes_per_rank": int((world - 1) * (record_bytes + 8) + plan_bytes + 8),
+            "network_s": sum(collective_s(k, n, s, b) for k, n, s, b in levels)}
+
+
+# --- host CPU of both paths, measured ------------------------------------------------------------
+
+def _median_s(fn, repeats: int) -> float:
+    """Median thread CPU seconds of ``fn`` after a warm-up call (CPU time: a loaded machine's
+    waits for a core are not the work's)."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        out.append(time.thread_time() - t0)
+    return statistics.median(out)
+
+
+def _synthetic_step(dp: int, pp: int, tp: int, m: int, docs: int, rng):
+    """A rank's RankReport, every DP rank's document slots, and rank 0's plan payload of the
+    step's shape (random values: sizes and layout matter here, not the numbers)."""
+    from sparsebalance_megatron.megatron.step.record import RankReport
+    from sparsebalance_megatron.policy.dst_band import DSTReport
+
+    slots = [np.arange(r * docs, (r + 1) * docs) for r in range(dp)]
+    report = RankReport(0, pp - 1, 12345, fwd_s=rng.uniform(0, 1, m).tolist(),
+                        bwd_s=rng.uniform(0, 1, m).tolist(), units=[(j, pp - 1) for j in range(m)],
+                        step_s=2.0, loss=(1.0, 2.0),
+                        doc_values={int(d): (1.0, 2.0) for d in slots[0]})
+    dst = DSTReport(1.0, 0.9, 0.8, 1.25, 1.3, 1.1, 0.5, 0.55, 0.5, 0.49, 3, 2, 0,
+                    density_per_stage=tuple(rng.uniform(0.3, 1, pp)), quality_cost=0.01).as_dict()
+    dst.update(raise_headroom=0.05, unit_sensitivity=np.round(rng.uniform(size=(dp, m)),
+                                                              6).tolist(),
+               stand_down={"dst_stood_down": False, "sab_stood_down": False, "packing_index": 0,
+                           "predicted_step_s": [2.0, 2.1], "predicted_static_s": 2.1,
+                           "predicted_dst_s": 2.0})
+    return report, slots, (rng.uniform(0.25, 1, (dp, m, pp)).tolist(), dst)
+
+
+def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> dict:
+    """One rank's host seconds of the tensor path on the critical path: ``gather_s`` (encode,
+    combine its cell's TP records, join its pipeline, decode every DP rank's line) and
+    ``broadcast_s`` (rank 0 encodes the plan, every rank decodes it)."""
+    from sparsebalance_megatron.megatron.step.plan_record import decode_plan, encode_plan
+    from sparsebalance_megatron.megatron.step.record import (combine_cell, decode_step,
+                                                              encode_rank, join_pipeline)
+
+    cell_shape, line_shape, plan_shape = record_shapes(dp, pp, m, docs)
+    report, slots, payload = _synthetic_step(dp, pp, tp, m, docs, np.random.default_rng(0))
+
+    def cell_of(r: int, s: int) -> np.ndarray:
+        rep = replace(report, dp=r, pp=s, doc_values={int(d): (1.0, 2.0) for d in slots[r]})
+        return combine_cell(np.stack([encode_rank(rep, cell_shape, slots[r])] * tp), cell_shape)
+
+    cells = np.stack([cell_of(0, s) for s in range(pp)])
+    lines = np.stack([join_pipeline(np.stack([cell_of(r, s) for s in range(pp)]), cell_shape)
+                      for r in range(dp)])
+    plan = encode_plan(*payload, plan_shape)
+
+    def gather():
+        combine_cell(np.stack([encode_rank(report, cell_shape, slots[0])] * tp), cell_shape)
+        join_pipeline(cells, cell_shape)
+        decode_step(lines, line_shape, slots)
+
+    def broadcast():
+        encode_plan(*payload, plan_shape)
+        decode_plan(plan, plan_shape)
+
+    return {"gather_s": _median_s(gather, repeats), "broadcast_s": _median_s(broadcast, repeats)}
+
+
+def _old_rank_dict(pp_rank: int, pp: int, m: int, docs: int, rng) -> dict:
+    """A rank's dict as the pickled path's ``end_step`` filled it (loss signal: per-document
+    losses on the last stage only)."""
+    return dict(dp=0, pp=pp_rank, fwd_s=rng.uniform(0, 1, m).tolist(),
+                bwd_s=rng.uniform(0, 1, m).tolist(), step_s=2.0, stats={},
+                served={(j, pp_rank): 0.5 for j in range(m)},
+                used={(j, pp_rank): float(rng.uniform(0.5, 1)) for j in range(m)},
+                units=[(j, pp_rank) for j in range(m)], fingerprint=hash(("x", m)),
+                loss=(1.0, 2.0),
+                doc_loss={int(d): [float(rng.uniform(1, 9)), 40.0] for d in range(docs)}
+                if pp_rank == pp - 1 else {})
+
+
+@lru_cache(maxsize=None)
+def pickled_cpu(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> dict:
+    """Pickled sizes and one rank's host seconds of the pickled path: pickling its dict, then
+    unpickling the world's (every stage's dict, measured once each, times the ranks that send
+    it), pickling (rank 0) and unpickling the plan."""
+    rng = np.random.default_rng(0)
+    world = dp * pp * tp
+    dicts = [_old_rank_dict(s, pp, m, docs, rng) for s in range(pp)]
+    blobs = [pickle.dumps(d) for d in dicts]
+    _, _, payload = _synthetic_step(dp, pp, tp, m, docs, rng)
+    plan_blob = pickle.dumps(payload)
+    loads = [_median_s(lambda b=b: pickle.loads(b), 5 * repeats) for b in blobs]
+    cpu = (_median_s(lambda: pickle.dumps(dicts[-1]), repeats) + world / pp * sum(loads)
+           + _median_s(lambda: pickle.dumps(payload), repeats)
+           + _median_s(lambda: pickle.loads(plan_blob), repeats))
+    return {"record_bytes": max(map(len, blobs)), "plan_bytes": len(plan_blob), "cpu_s": cpu}
+
+
+# --- corpus, planner, after-step work ------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _corpus_lengths():
+    from sparsebalance_megatron.data import load_corpus
+
+    return np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
+
+
+@lru_cache(maxsize=None)
+def docs_per_dp_rank(dp: int, m: int) -> int:
+    """The most documents any DP rank's micro-batches hold in one global batch of the built-in
+    corpus (32K tokens each, long documents split, Megatron's sequential packing)."""
+    from sparsebalance_megatron.batching.packing import sequential_plan
+    from sparsebalance_megatron.data import GlobalBatchSampler
+    from sparsebalance_megatron.megatron.step.record import doc_slots
+
+    sampler = GlobalBatchSampler(_corpus_lengths(), capacity=SEQ, dp=dp, num_microbatches=m,
+                                 seed=1, long_sample_policy="split")
+    plan = sequential_plan(sampler.next_global_batch(), dp=dp, num_microbatches=m,
+                           max_tokens=SEQ)
+    return max(len(s) for s in doc_slots(plan.micro_batches))
+
+
+def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
+    """Measured at one shape (thread CPU time, medians): the draft (SAB, features and unit
+    costs, sensitivity and DST, as ``planner_cost`` times the runtime's calls), the after-step
+    work (the latency model's calibration of every DP rank, the tracker's update with every
+    document, the reports' ``unit_work`` and ``kept_work``, ``busy_s``), and the static step
+    the simulator predicts at d0 (best static layout)."""
+    from sparsebalance_megatron.batching import SensitivityTracker, latency_sample_cost_fn
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
+    from sparsebalance_megatron.megatron.step.record import doc_slots
+    from sparsebalance_megatron.megatron.step.reporting import kept_work, unit_work
+    from sparsebalance_megatron.policy import density_grid
+    from sparsebalance_megatron.sim import pipeline_makespan_s
+
+    from .planner_cost import _draft
+
+    sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
+    corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=SEQ, layout="best", pp=pp)
+    lm = corpus.lm
+    grid = density_grid(sb.density, sb.min_density, sb.max_density)
+    cost_fn = latency_sample_cost_fn(lm, sb.density)
+    tracker = SensitivityTracker()
+    drafts, after, steps = [], [], []
+    rng = np.random.default_rng(0)
+    for k, segs in enumerate(corpus.segments):
+        d = _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, SEQ)
+        dens = d.dst.densities
+        idx = np.searchsorted(d.costs.densities, np.full(d.costs.shape, D0) - 1e-12)
+        f, b = d.costs.at(idx)
+        steps.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
+        uniq = np.unique(np.concatenate(doc_slots(d.plan.micro_batches)))
+        noise = rng.uniform(0.9, 1.1, (dp, lm.layout.pp))
+        signal = rng.uniform(1, 6, uniq.size)
+        t0 = time.thread_time()                        # end_step's work, in its order
+        predicted = lm.busy_s(d.feats, dens)
+        measured = predicted * noise
+        for r in range(dp):
+            lm.calibrate(r, predicted[r], measured[r])
+            lm.calibrate_stages(r, predicted[r], measured[r])
+        lengths = {s[0]: s[2] - s[1] for s in d.plan.segments()}
+        tracker.update(uniq, [lengths[i] for i in uniq.tolist()], signal)
+        unit_work(d.plan, sb)
+        kept_work(d.plan, sb, dens)
+        t1 = time.thread_time()
+        if k:                                          # the first is a warm-up
+            drafts.append((d.marks[-1] - d.marks[0]))
+            after.append(t1 - t0)
+    return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(),
+            "draft_s": statistics.median(drafts), "after_step_s": statistics.median(after),
+            "static_step_s": statistics.median(steps)}
+
+
+def power_fit(x, y) -> dict:
+    """y = c x^k by least squares in log-log: the exponent ``k`` and ``c``."""
+    lx, ly = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
+    k, logc = np.polyfit(lx, ly, 1)
+    return {"exponent": float(k), "coefficient": float(np.exp(logc))}
+
+
+# --- gloo, measured --------------------------------------------------------------------------------
+
+def _gloo_worker(rank: int, world: int, tp: int, pp: int, dp: int, m: int, docs: int,
+                 repeats: int, init_file: str, out):
+    import torch.distributed as dist
+
+    from sparsebalance_megatron.megatron.runtime import comm
+    from sparsebalance_megatron.megatron.step.exchange import ExchangeGroups, StepExchange
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    (r_dp, r_pp, _), groups = ExchangeGroups.for_layout(tp, pp, dp)
+    ex = StepExchange(groups)
+    cell_shape, _, plan_shape = record_shapes(dp, pp, m, docs)
+    rng = np.random.default_rng(rank)
+    report, slots, payload = _synthetic_step(dp, pp, tp, m, docs, np.random.default_rng(0))
+    report.dp, report.pp = r_dp, r_pp
+    report.doc_values = {int(d): (1.0, 2.0) for d in slots[r_dp]}
+    mine = _old_rank_dict(r_pp, pp, m, docs, rng)
+
+    def old():
+        comm.all_gather_object(mine)
+        comm.broadcast_object(payload if rank == 0 else None, src=0)
+
+    def new():
+        ex.gather(report, cell_shape, slots)
+        ex.broadcast_plan(payload if rank == 0 else None, plan_shape)
+
+    times = {}
+    for name, fn in (("pickled", old), ("tensor", new)) * 2:   # interleaved, twice
+        got = []
+        for _ in range(repeats):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            got.append(time.perf_counter() - t0)
+        times.setdefault(name, []).extend(got)
+    out[rank] = times
+    dist.destroy_process_group()
+
+
+def gloo_point(tp: int, pp: int, dp: int, m: int, repeats: int) -> dict:
+    """Both paths end to end on ``tp x pp x dp`` spawned gloo processes: per repetition the
+    slowest rank's seconds, the median over repetitions."""
+    import torch.multiprocessing as mp
+
+    world = tp * pp * dp
+    docs = docs_per_dp_rank(dp, m)
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
+        out = manager.dict()
+        mp.spawn(_gloo_worker, args=(world, tp, pp, dp, m, docs, repeats, f"{tmp}/rdv", out),
+                 nprocs=world, join=True)
+        ranks = [dict(out[r]) for r in range(world)]
+    row = {"tp": tp, "pp": pp, "dp": dp, "world": world, "m": m, "docs_per_dp_rank": docs}
+    for name in ("pickled", "tensor"):
+        slowest = np.max(np.array([r[name] for r in ranks]), axis=0)
+        row[f"{name}_s"] = float(np.median(slowest))
+    return row
+
+
+# --- the study ---------------------------------------------------------------------------------
+
+def ladder(max_world: int) -> list:
+    """(tp, pp, dp) of the table: TP 8 x PP 4 or 8 x DP 1..128 and TP 1 x PP 4 or 8 x DP 1..1024,
+    within ``max_world`` ranks."""
+    out = []
+    for tp, pps in ((8, (4, 8)), (1, (4, 8))):
+        for pp in pps:
+            dp = 1
+            while tp * pp * dp <= max_world:
+                out.append((tp, pp, dp))
+                dp *= 2
+    return out
+
+
+def simulator_rows(rows: list) -> list:
+    """The tensor path's critical-path ms per step by world size and micro-batches, for the
+    simulated studies (``experiments/plugin_cost.py`` reads ``rows`` of ``world_size``,
+    ``microbatches``, ``gather_ms``, ``broadcast_ms``): their jobs are one GPU per (DP rank,
+    stage), PP 4, so the TP 1 x PP 4 rows (a CP group is a cell like a TP group)."""
+    return [{"world_size": r["world"], "microbatches": r["m"], "tp": r["tp"], "pp": r["pp"],
+             "dp": r["dp"],
+             "gather_ms": 1e3 * (r["tensor"]["gather_network_s"] + r["tensor"]["gather_cpu_s"]),
+             "broadcast_ms": 1e3 * (r["tensor"]["broadcast_network_s"]
+                                    + r["tensor"]["broadcast_cpu_s"]),
+             "bytes_per_rank": r["tensor"]["bytes_per_rank"]}
+            for r in rows if r["tp"] == 1 and r["pp"] == 4]
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__, "control_plane")
+    p.add_argument("--microbatches", default="16,32,64",
+                   help="micro-batches per step of the table (comma-separated)")
+    p.add_argument("--max-world", type=int, default=4096)
+    p.add_argument("--planner-dp", default="4,8,16,32,64",
+                   help="DP sizes the planner and after-step work are measured at (PP 4)")
+    p.add_argument("--planner-m", default="16,64",
+                   help="micro-batches the planner is measured at")
+    p.add_argument("--gloo-dp", default="1,2",
+                   help="DP sizes of the gloo runs (TP 2 x PP 2 x DP; 0: none)")
+    p.add_argument("--gloo-repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3, help="repeats of each CPU measurement")
+    args = p.parse_args(argv)
+    ms = [int(x) for x in args.microbatches.split(",")]
+
+    # planner and after-step work: measured at PP 4, fitted in DP x micro-batches; at PP 8 the
+    # largest DP of each m (its step time, and how the work scales from PP 4 to 8)
+    dps = [int(x) for x in args.planner_dp.split(",")]
+    pm = sorted(set([int(x) for x in args.planner_m.split(",")] + ms))
+    points = [planner_point(dp, m, 4) for m in pm
+              for dp in (dps if m in [int(x) for x in args.planner_m.split(",")] else dps[-1:])]
+    points += [planner_point(dps[-1], m, 8) for m in ms]
+    four = [q for q in points if q["pp"] == 4]
+    units = [q["dp"] * q["m"] for q in four]
+    fits = {"draft_s": power_fit(units, [q["draft_s"] for q in four]),
+            "after_step_s": power_fit(units, [q["after_step_s"] for q in four])}
+    measured_at = {(q["dp"], q["m"], q["pp"]): q for q in points}
+    step_by = {(q["m"], q["pp"]): q for q in points if q["dp"] == dps[-1]}
+    pp_ratio = {k: statistics.median(measured_at[dps[-1], m, 8][k] / measured_at[dps[-1], m, 4][k]
+                                     for m in ms) for k in ("draft_s", "after_step_s")}
+
+    rows = []
+    for m in ms:
+        for tp, pp, dp in ladder(args.max_world):
+            docs = docs_per_dp_rank(dp, m)
+            new = tensor_path(dp, pp, tp, m, docs)
+            cpu = tensor_cpu_s(dp, pp, tp, m, docs, args.repeats)
+            new.update(gather_cpu_s=cpu["gather_s"], broadcast_cpu_s=cpu["broadcast_s"])
+            new["network_s"] = new["gather_network_s"] + new["broadcast_network_s"]
+            new["cpu_s"] = cpu["gather_s"] + cpu["broadcast_s"]
+            new["total_s"] = new["network_s"] + new["cpu_s"]
+            oldc = pickled_cpu(dp, pp, tp, m, docs, args.repeats)
+            old = pickled_path(tp * pp * dp, oldc["record_bytes"], oldc["plan_bytes"])
+            old.update(record_bytes=oldc["record_bytes"], plan_bytes=oldc["plan_bytes"],
+                       cpu_s=oldc["cpu_s"], total_s=old["network_s"] + oldc["cpu_s"])
+            q = measured_at.get((dp, m, pp))
+            work = {k: q[k] if q else fits[k]["coefficient"] * (dp * m) ** fits[k]["exponent"]
+                    * (pp_ratio[k] if pp == 8 else 1.0) for k in ("draft_s", "after_step_s")}
+            draft, after = work["draft_s"], work["after_step_s"]
+            # the static step of this shape where measured, else of the largest measured DP
+            step_s = (q or step_by[m, pp])["static_step_s"]
+            row = {"tp": tp, "pp": pp, "dp": dp, "m": m, "world": tp * pp * dp,
+                   "docs_per_dp_rank": docs, "tensor": new, "pickled": old,
+                   "planner": {"draft_s": draft, "after_step_s": after,
+                               "measured": q is not None},
+                   "step_s": step_s}
+            ahead = new["total_s"] + after + max(0.0, draft - step_s)
+            row["critical_path_s"] = {"plan_ahead": ahead,
+                                      "in_line": new["total_s"] + after + draft}
+            row["critical_path_parts_s"] = {"control_plane": new["total_s"],
+                                            "after_step": after,
+                                            "draft_past_the_step": max(0.0, draft - step_s)}
+            row["share_of_step"] = {k: v / step_s for k, v in row["critical_path_s"].items()}
+            row["share_if_tp_scaled"] = ahead / (step_s / tp)
+            rows.append(row)
+
+    # growth: the tensor path's seconds and bytes against DP x micro-batches (TP 8, PP 4)
+    sub = [r for r in rows if r["tp"] == 8 and r["pp"] == 4]
+    growth = {
+        "tensor_total_s": power_fit([r["dp"] * r["m"] for r in sub],
+                                    [r["tensor"]["total_s"] for r in sub]),
+        "tensor_bytes_per_rank": power_fit([r["dp"] * r["m"] for r in sub],
+                                           [r["tensor"]["bytes_per_rank"] for r in sub]),
+        "pickled_total_s": power_fit([r["dp"] * r["m"] for r in sub],
+                                     [r["pickled"]["total_s"] for r in sub]),
+        "critical_path_plan_ahead_s": power_fit(
+            [r["dp"] * r["m"] for r in sub], [r["critical_path_s"]["plan_ahead"] for r in sub]),
+        "planner_draft_s": fits["draft_s"], "after_step_s": fits["after_step_s"],
+        "variable": "DP x micro-batches (TP 8, PP 4; planner: PP 4, measured points)"}
+    for name, pick, var in (("in_dp_at_m16", lambda r: r["m"] == 16, "dp"),
+                            ("in_m_at_dp32", lambda r: r["dp"] == 32, "m")):
+        part = [r for r in sub if pick(r)]
+        if len({r[var] for r in part}) > 1:
+            growth[name] = {k: power_fit([r[var] for r in part], [f(r) for r in part])
+                            for k, f in (("tensor_total_s", lambda r: r["tensor"]["total_s"]),
+                                         ("critical_path_plan_ahead_s",
+                                          lambda r: r["critical_path_s"]["plan_ahead"]))}
+    target = next((r for r in rows if all(r[k] == v for k, v in TARGET.items())), None)
+
+    gloo = []
+    for dp in (int(x) for x in args.gloo_dp.split(",") if int(x) > 0):
+        gloo.append(gloo_point(2, 2, dp, 16, args.gloo_repeats))
+
+    _print(rows, ms, growth, target, gloo, points)
+    if args.json:
+        write_result(args.json, {
+            "model": MODEL, "seq": SEQ, "d0": D0, "target": dict(TARGET, share=TARGET_SHARE),
+            "step_time": [{k: q[k] for k in ("dp", "m", "pp", "layout", "static_step_s")}
+                          for q in step_by.values()],
+            "planner_pp8_over_pp4": pp_ratio,
+            "planner_points": points, "growth": growth, "table": rows,
+            "rows": simulator_rows(rows),
+            "target_row": target, "gloo": gloo,
+            "clock": "host work: thread CPU time (codec, pickle, planner, after-step work); "
+                     "network: NCCL's alpha-beta model (MODEL); gloo: wall clock"})
+    return 0
+
+
+def _print(rows, ms, growth, target, gloo, points) -> None:
+    print(f"{'TP':>3} {'PP':>3} {'DP':>4} {'m':>3} {'GPUs':>5} {'docs':>5} | "
+          f"{'tensor KB':>9} {'net ms':>7} {'cpu ms':>7} | {'pickled KB':>10} {'net ms':>7} "
+          f"{'cpu ms':>8} | {'crit ms':>8} {'% step':>7}")
+    for r in rows:
+        t, o = r["tensor"], r["pickled"]
+        crit = r.get("critical_path_s", {}).get("plan_ahead")
+        share = r.get("share_of_step", {}).get("plan_ahead")
+        print(f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['m']:>3} {r['world']:>5} "
+              f"{r['docs_per_dp_rank']:>5} | {t['bytes_per_rank'] / 1e3:>9.1f} "
+              f"{t['network_s'] * 1e3:>7.2f} {t['cpu_s'] * 1e3:>7.2f} | "
+              f"{o['bytes_per_rank'] / 1e3:>10.1f} {o['network_s'] * 1e3:>7.2f} "
+              f"{o['cpu_s'] * 1e3:>8.1f} | "
+              f"{'-' if crit is None else f'{crit * 1e3:.2f}':>8} "
+              f"{'-' if share is None else f'{100 * share:.3f}':>7}")
+    print("\nplanner and after-step work (measured, best static layout, thread CPU):")
+    for q in points:
+        print(f"  DP {q['dp']:>3} x m {q['m']:>3} x PP {q['pp']}: draft {q['draft_s'] * 1e3:8.1f} ms, after "
+              f"the step {q['after_step_s'] * 1e3:6.1f} ms, static step {q['static_step_s']:.3f}"
+              f" s ({q['layout']})")
+    print("\ngrowth exponents in DP x micro-batches (TP 8, PP 4): " + ", ".join(
+        f"{k} {v['exponent']:.2f}" for k, v in growth.items()
+        if isinstance(v, dict) and "exponent" in v))
+    for name in ("in_dp_at_m16", "in_m_at_dp32"):
+        if name in growth:
+            print(f"  {name}: " + ", ".join(f"{k} {v['exponent']:.2f}"
+                                            for k, v in growth[name].items()))
+    t = target
+    if t is None:
+        print(f"\n(the target's shape, {TARGET}, is not among the rows)")
+    else:
+        print(f"\ntarget: {t['world']} GPUs (DP {t['dp']} x PP {t['pp']} x TP {t['tp']}, "
+              f"{t['m']} micro-batches, 32K): critical path with --sb-plan-ahead "
+              f"{t['critical_path_s']['plan_ahead'] * 1e3:.2f} ms = "
+              f"{100 * t['share_of_step']['plan_ahead']:.3f}% of the simulated {t['step_s']:.2f} s "
+              f"step (control plane {t['critical_path_parts_s']['control_plane'] * 1e3:.2f} ms, "
+              f"after the step {t['critical_path_parts_s']['after_step'] * 1e3:.2f} ms; target <= {100 * TARGET_SHARE:.1f}%: "
+              f"{'met' if t['share_of_step']['plan_ahead'] <= TARGET_SHARE else 'NOT met'}); "
+              f"in-line planning {100 * t['share_of_step']['in_line']:.2f}%; with TP 8 scaling "
+              f"the step 8x: {100 * t['share_if_tp_scaled']:.3f}%")
+    if gloo:
+        print("\ngloo on this machine (TP 2 x PP 2 x DP n, 16 micro-batches, slowest rank, "
+              "median):")
+        for g in gloo:
+            print(f"  {g['world']:>3} ranks: pickled {g['pickled_s'] * 1e3:7.2f} ms, tensor "
+                  f"{g['tensor_s'] * 1e3:7.2f} ms")

@@ -1,0 +1,134 @@
+"""The per-step control plane: each rank's ``RankReport`` gathered into the ``StepSummary`` every
+rank ends a step with, and rank 0's DST plan broadcast, as fixed-size float64 tensors over the
+process groups Megatron already has (``runtime/comm.py`` moves them; ``step/record.py`` and
+``step/plan_record.py`` lay them out).
+
+The gather, in three levels:
+
+1. the tensor- and context-parallel group (the ranks of one (DP rank, stage) cell, one node in
+   the usual layout): every rank's record; each rank combines them (``combine_cell``);
+2. the pipeline group: the cells of this DP rank's pipeline, joined into its line
+   (``join_pipeline``);
+3. the data-parallel group: every DP rank's line, decoded (``decode_step``).
+
+Every rank takes part in every level: the TP/CP ranks of a cell hold the same combined record, so
+their parallel copies of levels 2 and 3 carry identical data, and every rank decodes the same
+bytes with the same function. A rank receives (t - 1) rank records, (pp - 1) cell records and
+(dp - 1) lines, not world-size pickles, and a ring's latency grows with t + pp + dp, not with
+t x pp x dp.
+
+The plan goes down the same tree: rank 0 (rank 0 of all three groups) to its pipeline group,
+each stage's rank to its data-parallel group, then each cell.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..runtime import comm
+from .plan_record import PlanShape, decode_plan, encode_plan
+from .record import (RankReport, RecordShape, StepSummary, combine_cell, decode_step,
+                     encode_rank, join_pipeline)
+
+
+@dataclass
+class ExchangeGroups:
+    """The three process groups of a rank (None: that dimension is 1)."""
+
+    cell: object = None        # tensor x context parallel: the ranks of this rank's cell
+    pipeline: object = None    # the pipeline stages of this DP rank (stage order)
+    data: object = None        # the DP ranks at this rank's stage and TP/CP place (DP order)
+
+    @classmethod
+    def from_megatron(cls) -> "ExchangeGroups":
+        """Megatron's groups of this rank (``parallel_state``, once initialised)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_tensor_and_context_parallel_group(),
+                   ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group())
+
+
+    @classmethod
+    def for_layout(cls, tp: int, pp: int, dp: int) -> tuple:
+        """(this rank's (dp, pp, tp) place, its groups) of a job of ``tp x pp x dp`` ranks laid
+        out in Megatron's default order (rank = tp + TP x (dp + DP x pp)), for a harness without
+        Megatron (benchmarks, tests). Collective: every rank makes every group."""
+        world = tp * pp * dp
+        if comm.world_size() != world:
+            raise ValueError(f"a TP {tp} x PP {pp} x DP {dp} layout needs {world} ranks, the job "
+                             f"has {comm.world_size()}")
+        place = {r: (r // tp % dp, r // (tp * dp), r % tp) for r in range(world)}
+        mine, found = place[comm.rank()], {}
+        for name, same in (("cell", (0, 1)), ("pipeline", (0, 2)), ("data", (1, 2))):
+            for key in sorted({tuple(p[i] for i in same) for p in place.values()}):
+                ranks = [r for r, p in place.items() if tuple(p[i] for i in same) == key]
+                group = comm.new_group(ranks)
+                if tuple(mine[i] for i in same) == key:
+                    found[name] = group
+        return mine, cls(**found)
+
+
+class StepExchange:
+    """One rank's end of the per-step gather and plan broadcast."""
+
+    def __init__(self, groups: ExchangeGroups):
+        self.groups = groups
+        self.sizes = tuple(comm.group_size(g) for g in (groups.cell, groups.pipeline,
+                                                         groups.data))
+        self.ranks = tuple(comm.group_rank(g) for g in (groups.cell, groups.pipeline,
+                                                         groups.data))
+        # the last plan broadcast's seconds in collectives and bytes received (the gather's are
+        # in its StepSummary)
+        self.broadcast_s, self.broadcast_bytes = 0.0, 0
+        self._wait_s, self._bytes = 0.0, 0
+
+    def _all_gather(self, buf: np.ndarray, group) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = comm.all_gather_tensor(torch.from_numpy(buf), group).numpy()
+        self._wait_s += time.perf_counter() - t0
+        self._bytes += buf.nbytes * (len(out) - 1)
+        return out
+
+    def _broadcast(self, buf: np.ndarray, group, root: bool) -> np.ndarray:
+        t0 = time.perf_counter()
+        out = comm.broadcast_tensor(torch.from_numpy(buf), group, 0).numpy()
+        self._wait_s += time.perf_counter() - t0
+        if not root and comm.group_size(group) > 1:
+            self._bytes += buf.nbytes
+        return out
+
+    def gather(self, report: RankReport, shape: RecordShape, slots) -> StepSummary:
+        """The step's ``StepSummary`` (collective: every rank of the job, once per step).
+        ``shape``: one rank's record (``stages`` 1); ``slots``: every DP rank's document slots
+        (``record.doc_slots``; only read with ``shape.docs``)."""
+        cell_g, pipe_g, data_g = self.groups.cell, self.groups.pipeline, self.groups.data
+        self._wait_s, self._bytes = 0.0, 0
+        mine = encode_rank(report, shape, slots[report.dp] if shape.docs else ())
+        cell = combine_cell(self._all_gather(mine, cell_g), shape)
+        line = join_pipeline(self._all_gather(cell, pipe_g), shape)
+        lines = self._all_gather(line, data_g)
+        summary = decode_step(lines, shape.with_stages(self.sizes[1]), slots)
+        summary.comm_s, summary.bytes_received = self._wait_s, self._bytes
+        return summary
+
+    def broadcast_plan(self, payload: Optional[tuple], shape: PlanShape) -> tuple:
+        """Rank 0's ``(densities, report)`` on every rank (collective); the others pass None."""
+        cell_r, pipe_r, data_r = self.ranks
+        root = cell_r == pipe_r == data_r == 0
+        if root and payload is None:
+            raise RuntimeError("the plan broadcast's root (rank 0 of its cell, pipeline and "
+                               "data-parallel groups) holds no plan")
+        self._wait_s, self._bytes = 0.0, 0
+        buf = encode_plan(*payload, shape) if root else np.zeros(shape.words)
+        if cell_r == 0 and data_r == 0:            # rank 0 to the first DP rank's stages
+            buf = self._broadcast(buf, self.groups.pipeline, root)
+        if cell_r == 0:                            # each stage's first DP rank to the others
+            buf = self._broadcast(buf, self.groups.data, root or data_r == 0)
+        buf = self._broadcast(buf, self.groups.cell, cell_r == 0)
+        self.broadcast_s, self.broadcast_bytes = self._wait_s, self._bytes
+        return decode_plan(buf, shape)

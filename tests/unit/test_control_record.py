@@ -1,0 +1,250 @@
+"""The per-step control plane's records (``megatron/step/record.py``, ``plan_record.py``): what a
+rank reports and the plan rank 0 sends travel as fixed-size float64 vectors. Their round trips
+are exact, the combining levels (cell, pipeline, job) give what the old per-rank dicts gave
+(the slowest TP/CP rank's time, losses and document sums added, the first violation named), and a
+record that does not fit its layout is refused with an error naming the size."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.config import SparseBalanceConfig
+from sparsebalance_megatron.megatron.step.checks import Violation, budget_violations
+from sparsebalance_megatron.megatron.step.plan_record import (PlanShape, decode_plan,
+                                                               encode_plan)
+from sparsebalance_megatron.megatron.step.record import (MAX_BYTES, RankReport, RecordShape,
+                                                          check_record, combine_cell,
+                                                          decode_step, doc_slots,
+                                                          encode_rank, join_pipeline)
+from sparsebalance_megatron.plan import BudgetPlan
+
+DP, PP, TP, M = 3, 2, 2, 4
+
+
+def _job(rng, *, units: bool = True, untimed=(), bad=None):
+    """Every rank's RankReport of a DP 3 x PP 2 x TP 2 step with random timings, losses on the
+    last stage and document sums, and what the old dict path computed from them."""
+    batch = [[[(int(d), 0, 10) for d in rng.choice(40, 3, replace=False)] for _ in range(M)]
+             for _ in range(DP)]
+    slots = doc_slots(batch)
+    reports = {}
+    for dp, pp, tp in itertools.product(range(DP), range(PP), range(TP)):
+        n = M - 1 if (dp, pp, tp) in untimed else M       # a rank that missed an interval
+        docs = {int(d): (float(rng.uniform(1, 9)), float(rng.integers(1, 50)))
+                for d in rng.choice(slots[dp], 2, replace=False)} if pp == PP - 1 else {}
+        reports[dp, pp, tp] = RankReport(
+            dp, pp, fingerprint=1234567890123, fwd_s=rng.uniform(0.1, 1, n).tolist(),
+            bwd_s=rng.uniform(0.1, 1, n).tolist(), units=[(j, pp) for j in range(n)],
+            step_s=float(rng.uniform(5, 6)), loss=(float(rng.uniform(1, 9)), 100.0 * (pp == 1)),
+            violations=[bad] if bad is not None and (dp, pp, tp) == (2, 1, 1) else [],
+            doc_values=docs)
+    shape = RecordShape(1, M, M if units else 0, max(len(s) for s in slots))
+    return reports, shape, slots
+
+
+def _exchange(reports, shape, slots):
+    """The three levels, as ``StepExchange.gather`` runs them on every rank."""
+    cells = {(dp, pp): combine_cell(np.stack([encode_rank(reports[dp, pp, t], shape, slots[dp])
+                                              for t in range(TP)]), shape)
+             for dp, pp in itertools.product(range(DP), range(PP))}
+    lines = np.stack([join_pipeline(np.stack([cells[dp, s] for s in range(PP)]), shape)
+                      for dp in range(DP)])
+    return decode_step(lines, shape.with_stages(PP), slots)
+
+
+def test_the_gathered_summary_is_what_every_rank_reported():
+    rng = np.random.default_rng(0)
+    reports, shape, slots = _job(rng, untimed={(1, 0, 0), (2, 1, 0), (2, 1, 1)})
+    s = _exchange(reports, shape, slots)
+    for dp, pp in itertools.product(range(DP), range(PP)):
+        timed = [sum(r.fwd_s) + sum(r.bwd_s) for t in range(TP)
+                 for r in [reports[dp, pp, t]] if len(r.fwd_s) == M]
+        if timed:   # the slowest TP rank with every interval timed, as measured_busy took it
+            assert s.busy_s[dp, pp] == max(timed)
+        else:
+            assert np.isnan(s.busy_s[dp, pp])
+    assert s.step_s == max(r.step_s for r in reports.values())
+    assert s.loss == pytest.approx((sum(r.loss[0] for r in reports.values()),
+                                    sum(r.loss[1] for r in reports.values())), rel=1e-15)
+    want: dict = {}
+    for r in reports.values():
+        for d, (a, n) in r.doc_values.items():
+            want[d] = (want.get(d, (0, 0))[0] + a, want.get(d, (0, 0))[1] + n)
+    assert s.doc_ids.tolist() == sorted(want)
+    assert s.doc_sums == pytest.approx(np.array([want[d] for d in sorted(want)]), rel=1e-14)
+    assert s.fingerprints_agree and s.violations == 0 and s.examples == []
+    # per-interval times of a cell: the slowest of its ranks that timed every interval
+    units, fwd, bwd = s.unit_times[0, 1]
+    assert units == [(j, 1) for j in range(M)]
+    assert fwd == np.maximum(reports[0, 1, 0].fwd_s, reports[0, 1, 1].fwd_s).tolist()
+    assert (2, 1) not in s.unit_times                 # no rank of that cell timed them all
+    assert s.unit_times[1, 0][1] == reports[1, 0, 1].fwd_s
+
+
+def test_a_violation_and_a_different_packing_reach_every_rank():
+    rng = np.random.default_rng(1)
+    bad = Violation("kept", 1, 3, 0.2, 0.5)
+    reports, shape, slots = _job(rng, bad=bad)
+    reports[0, 0, 1].fingerprint = 99                 # one TP rank packed something else
+    s = _exchange(reports, shape, slots)
+    assert not s.fingerprints_agree
+    assert s.violations == 1
+    assert s.examples == ["(dp 2, stage 1, micro-batch 3): kept 0.2000 of the blocks, plan 0.5"]
+
+
+def test_budget_violations_are_found_locally_in_unit_order():
+    plan = BudgetPlan(0, np.array([[[0.5], [0.25]]]))
+    bad = budget_violations(plan, 0, {(1, 0): 0.3, (0, 0): 0.5}, {(0, 0): 0.1, (1, 0): 0.25})
+    assert bad == [Violation("request", 0, 1, 0.3, 0.25), Violation("kept", 0, 0, 0.1, 0.5)]
+    assert bad[0].describe(0) == "(dp 0, stage 0, micro-batch 1): 0.3 != 0.25"
+    assert budget_violations(plan, 0, {}, {(0, 0): 0.1}, check_used=False) == []
+
+
+def test_one_rank_round_trips_exactly():
+    slots = [np.array([4, 8, 15])]
+    r = RankReport(0, 0, fingerprint=-(2 ** 62) + 7, fwd_s=[0.1, 1 / 3], bwd_s=[2 / 7, 1e-9],
+                   units=[(0, 0), (1, 0)], step_s=None, loss=(np.pi, 4096.0),
+                   doc_values={15: (0.1, 3.0), 4: (2.5, 1.0)})
+    shape = RecordShape(1, 2, 2, 3)
+    buf = encode_rank(r, shape, slots[0])
+    assert buf.dtype == np.float64 and buf.shape == (shape.words,)
+    s = decode_step(join_pipeline(combine_cell(buf[None], shape)[None], shape)[None],
+                    shape, slots)
+    assert s.busy_s.tolist() == [[0.1 + 1 / 3 + 2 / 7 + 1e-9]]
+    assert s.step_s is None and s.loss == (np.pi, 4096.0)
+    assert s.doc_ids.tolist() == [4, 15] and s.doc_sums.tolist() == [[2.5, 1.0], [0.1, 3.0]]
+    assert s.unit_times == {(0, 0): ([(0, 0), (1, 0)], [0.1, 1 / 3], [2 / 7, 1e-9])}
+
+
+def test_record_size_is_set_by_the_step_shape_not_the_world():
+    """A rank's or cell's record: 6 + 14 words, 4 per timed interval where they travel, 2 per
+    document slot; a DP rank's line has a block per stage and one set of document slots. At 64
+    micro-batches and 1,000 document slots a cell's record stays under 20 KB, at any DP size."""
+    shape = RecordShape(1, 64, 0, 1000)
+    assert shape.words == 6 + 14 + 2 * 1000 and shape.nbytes < 20_000
+    assert RecordShape(1, 64, 64, 10).words == 6 + 14 + 4 * 64 + 20
+    assert shape.with_stages(8).words == 6 + 8 * 14 + 2 * 1000
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(stages=0, timed=4), r"stages=0: expected an integer >= 1"),
+    (dict(stages=1, timed=-1), r"timed=-1: expected an integer >= 1"),
+    (dict(stages=1, timed=True), r"timed=True"),
+    (dict(stages=1, timed=4, units=3), r"units=3: expected 0 or timed=4"),
+    (dict(stages=1, timed=4, docs=1.5), r"docs=1.5"),
+    (dict(stages=1, timed=4, docs=MAX_BYTES // 16), r"over the 64 MiB"),
+])
+def test_bad_record_shapes_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RecordShape(**kw)
+
+
+def test_records_that_do_not_fit_their_layout_are_refused():
+    shape = RecordShape(1, 2, 0, 2)
+    r = RankReport(1, 0, 5, fwd_s=[1, 1], bwd_s=[1, 1], doc_values={7: (1.0, 1.0)})
+    with pytest.raises(ValueError, match=r"document 7 is not one of DP rank 1's 2 documents"):
+        encode_rank(r, shape, np.array([3, 8]))
+    with pytest.raises(ValueError, match=r"DP rank 1 has 3 documents, the record 2 slots"):
+        encode_rank(r, shape, np.array([3, 7, 8]))
+    buf = encode_rank(r, shape, np.array([3, 7]))
+    with pytest.raises(ValueError, match=rf"{buf.size - 1} words .* expected {buf.size}"):
+        check_record(buf[:-1], RecordShape(1, 2, 0, 2))
+    with pytest.raises(ValueError, match=r"header .* does not match .*timed=3"):
+        check_record(buf, RecordShape(1, 3, 0, 2))       # same size, another shape
+    with pytest.raises(ValueError, match=r"expected a float64 vector"):
+        check_record(buf.astype(np.float32), shape)
+    other = encode_rank(RankReport(0, 0, 5), shape, np.array([3, 7]))
+    with pytest.raises(ValueError, match=r"different \(DP rank, stage\) places"):
+        combine_cell(np.stack([buf, other]), shape)
+    line = join_pipeline(buf[None], shape)
+    with pytest.raises(ValueError, match=r"line 0 .* does not match DP rank 0"):
+        decode_step(line[None], shape, [np.array([3, 7])])   # DP rank 1's line in place 0
+    with pytest.raises(ValueError, match=r"expected float64 \[dp, "):
+        decode_step(line[None, :-1], shape, [np.array([3, 7])])
+
+
+# --- the plan record ---------------------------------------------------------------------------
+
+def _choose(stand_down: str = "sequential"):
+    """A real DST plan and report (``step/choice.py``'s ``choose``) of 2 DP x 2 micro-batches x
+    PP 2, with the do-no-harm baseline packing as a second candidate."""
+    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
+                                                 sab_plan, sequential_plan)
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.megatron.step import choice
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
+    lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])
+    kw = dict(dp=2, num_microbatches=2, max_tokens=4096)
+    options = [(b, lm.unit_features(b.unit_csr(with_padding=True))) for b in
+               (sab_plan(lengths, cost_fn=latency_sample_cost_fn(lm, 0.5), **kw),
+                sequential_plan(lengths, **kw))]
+    sb = SparseBalanceConfig(sparse_balance=True, density=0.5, stand_down=stand_down)
+    n = 2 if choice.wants_baseline_packing(sb, lm) else 1
+    dens, report, _ = choice.choose(sb, lm, options[:n], 2, tracker=SensitivityTracker(),
+                                    dst=True, raise_headroom=0.05, stage_layers=[2, 2])
+    return dens, report, PlanShape(2, 2, 2, options=n, sensitivity=True)
+
+
+@pytest.mark.parametrize("stand_down", ["sequential", "off"])
+def test_a_real_plan_round_trips_exactly(stand_down):
+    dens, report, shape = _choose(stand_down)
+    buf = encode_plan(dens, report, shape)
+    assert buf.shape == (shape.words,) and buf.dtype == np.float64
+    got_d, got = decode_plan(buf, shape)
+    assert got_d.tolist() == dens
+    assert set(got) == set(report)
+    for k, v in report.items():       # the same values and the same JSON (int stays int)
+        w = tuple(v) if k == "density_per_stage" and v is not None else v
+        assert got[k] == w or (isinstance(v, float) and np.isnan(v) and np.isnan(got[k])), k
+        assert json.dumps(got[k]) == json.dumps(w), k
+
+
+def test_optional_report_entries_travel_as_none():
+    dens, report, shape = _choose()
+    report = dict(report, density_per_stage=None, unit_sensitivity=None, raise_headroom=None,
+                  stand_down=dict(report["stand_down"], sab_stood_down=None,
+                                  predicted_dst_s=None))
+    _, got = decode_plan(encode_plan(dens, report, shape), shape)
+    assert got["density_per_stage"] is None and got["unit_sensitivity"] is None
+    assert got["raise_headroom"] is None
+    assert got["stand_down"]["sab_stood_down"] is None
+    assert got["stand_down"]["predicted_dst_s"] is None
+
+
+def test_plans_that_do_not_fit_their_layout_are_refused():
+    dens, report, shape = _choose()
+    with pytest.raises(ValueError, match=r"densities of shape \(2, 2, 2\): expected .*\(3, 2, 2\)"):
+        encode_plan(dens, report, PlanShape(3, 2, 2, 2, True))
+    with pytest.raises(ValueError, match=r"entry 'surprise' has no slot"):
+        encode_plan(dens, dict(report, surprise=1.0), shape)
+    with pytest.raises(ValueError, match=r"units_cut=2.5: expected an integer"):
+        encode_plan(dens, dict(report, units_cut=2.5), shape)
+    with pytest.raises(ValueError, match=r"unit_sensitivity of shape \(1, 2\)"):
+        encode_plan(dens, dict(report, unit_sensitivity=[[0.1, 0.2]]), shape)
+    with pytest.raises(ValueError, match=r"predicted_step_s: 2 values, the record has 1"):
+        encode_plan(dens, report, PlanShape(2, 2, 2, 1, True))
+    buf = encode_plan(dens, report, shape)
+    with pytest.raises(ValueError, match=r"expected float64"):
+        decode_plan(buf[:-1], shape)
+    with pytest.raises(ValueError, match=r"header .* does not match"):
+        decode_plan(buf, PlanShape(2, 2, 2, 2, False))
+    for bad in (dict(dp=0), dict(microbatches=-1), dict(stages=True), dict(options=1.0)):
+        with pytest.raises(ValueError, match=r"expected an integer >= 1"):
+            PlanShape(**{**dict(dp=2, microbatches=2, stages=2), **bad})
+    with pytest.raises(ValueError, match=r"over the 64 MiB"):
+        PlanShape(1024, 1024, 8)
+
+
+def test_recall_sums_count_training_forwards_only():
+    from sparsebalance_megatron.megatron.step.checks import recall_sums
+
+    stats = [(0, (5, 6), 1, [0.5, 0.5], [0.9, 0.7]),
+             (0, (5, 6), 2, [0.5, 0.5], [0.8, float("nan")]),   # NaN: no estimate
+             (1, (7,), 1, [0.5], [0.6]),
+             (None, (99,), 1, [1.0], [0.1])]                      # an evaluation forward
+    assert recall_sums(stats) == {5: [0.9 + 0.8, 2], 6: [0.7, 1], 7: [0.6, 1]}
