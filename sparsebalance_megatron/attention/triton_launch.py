@@ -90,6 +90,12 @@ PINNED: Dict[Tuple[int, int, int], LaunchConfig] = {
 }
 
 
+SPILL_KEPT: Dict[Tuple[str, str], str] = {
+    # ("np/ng/hn@block", "BLOCK_MxBLOCK_N wW sS"): why an autotune candidate that spills stays
+    # in ``candidates`` (compile_gate). Empty: every spilling candidate is dropped.
+}
+
+
 def launch_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
     """The pinned entry for (head dim, block, GQA ratio), else ``default_config``."""
     cfg = PINNED.get((head_dim, block_size, rep))
@@ -132,4 +138,4 @@ def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
     return uniq
 
 
-__all__ = ["LaunchConfig", "PINNED", "candidates", "default_config", "launch_config"]
+__all__ = ["LaunchConfig", "PINNED", "SPILL_KEPT", "candidates", "default_config", "launch_config"]
