@@ -246,6 +246,52 @@ def check_no_host_syncs_per_layer():
     assert c.reads == [] and c.writes == [], (c.reads, c.writes)
 
 
+def _odd(x):
+    """``x``'s values as a contiguous view one element into a fresh buffer (differentiable):
+    ``.contiguous()`` returns it uncopied and its data pointer is not 16-byte aligned."""
+    y = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(x.shape)
+    assert y.is_contiguous() and y.contiguous().data_ptr() == y.data_ptr()
+    assert y.data_ptr() % 16 != 0
+    return y
+
+
+def check_misaligned_inputs_are_copied():
+    """q, k, v and dO at an offset that is not 16-byte aligned: every kernel launch (selection,
+    lists, forward, backward) still gets aligned pointers (the compile gate judged only the
+    aligned build), and the results equal the float64 reference."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from sparsebalance_megatron.attention import block_sparse_attention
+    from sparsebalance_megatron.attention.kernels import reference_attention
+    q, k, v, w = _inputs(4, 2, 16, seed=8)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    seen = []
+    run = InterpretedFunction.run
+
+    def record(self, *a, **kw):
+        seen.extend((self.fn.__name__, x.data_ptr() % 16) for x in a
+                    if isinstance(x, torch.Tensor))
+        return run(self, *a, **kw)
+
+    InterpretedFunction.run = record
+    try:
+        out, sel = block_sparse_attention(*(_odd(t) for t in leaves), CU, 0.5, block_size=BS,
+                                          backend="triton", estimator="maxkey",
+                                          softmax_scale=0.25, cache={})
+        grads = torch.autograd.grad(out, leaves, _odd(w))
+    finally:
+        InterpretedFunction.run = run
+    names = {n for n, _ in seen}
+    assert {"fwd_kernel", "dkv_kernel", "bwd_pre_kernel", "_maxkey_kernel"} <= names, names
+    assert [x for x in seen if x[1]] == [], [x for x in seen if x[1]]
+    x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*x64, sel, 0.25)
+    ref_grads = torch.autograd.grad(ref, x64, w.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        err = float((a.double() - b).abs().max() / b.abs().max())
+        assert err < 1e-4, f"{name}: max error {err:.2e} relative to the largest entry"
+
+
 # --- tests -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("density,sink,local,mode", [
@@ -289,6 +335,21 @@ def test_forward_and_backward_equal_the_reference(interp, case):
 
 def test_per_layer_path_makes_no_host_syncs(interp):
     interp("check_no_host_syncs_per_layer")
+
+
+def test_misaligned_inputs_are_copied_before_any_launch(interp):
+    interp("check_misaligned_inputs_are_copied")
+
+
+def test_aligned_copies_only_what_needs_it():
+    from sparsebalance_megatron.attention.sparse_triton import aligned
+    x = torch.randn(6, 4, 16)
+    assert aligned(x) is x or aligned(x).data_ptr() == x.data_ptr()
+    y = _odd(x)
+    z = aligned(y)
+    assert z.data_ptr() % 16 == 0 and z.data_ptr() != y.data_ptr() and torch.equal(z, x)
+    t = x.transpose(0, 1)                  # not contiguous: copied by .contiguous() already
+    assert aligned(t).is_contiguous() and aligned(t).data_ptr() % 16 == 0
 
 
 def test_a_wrong_list_is_caught(interp):
