@@ -9,9 +9,8 @@ kernel does not specialise on, such as ``kv_chunk``, share one compile), and the
 list, ``bwd_pre`` and ``bwd_post`` kernels as ``sparse_triton_select``, ``maxkey_triton``,
 ``block_lists`` and ``sparse_triton`` launch them. ``run()`` compiles each in a process of its
 own (``compile_gate_worker``: the kernel's own JIT binding, 16-byte-aligned stand-ins, target
-``GPUTarget("cuda", 90, 32)``), reusing results whose key (triton's hash of the kernel source
-and its dependencies, the kernel's specialisation rules, the compile's arguments, the triton
-version and the worker's source) is in a cache. ``problems()`` says what is wrong with a
+``GPUTarget("cuda", 90, 32)``), reusing results whose key (the hash of the kernel's source file,
+the compile's arguments, the triton version and the worker's source) is in a cache. ``problems()`` says what is wrong with a
 result, ``verdict()`` whether that fails the gate:
 
 - a default or pinned config (and every fixed-config kernel) fails on any problem: a spill
@@ -162,19 +161,23 @@ def compiles(targets: Iterable[Tuple[int, int, int, int]] = TARGETS) -> List[Com
             for c, r in merged.items()]
 
 
-def key(c: Compile) -> str:
-    """Cache key: triton's hash of the kernel's source and dependencies, its specialisation
-    rules, the compile's spec, the triton version and the worker's own source."""
-    import importlib
+def _file_hash(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
 
-    import triton
-    module, name = c.kernel.split(":")
-    fn = getattr(importlib.import_module(module), name)
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_gate_worker.py")
-    with open(worker, "rb") as fh:
-        worker_hash = hashlib.sha256(fh.read()).hexdigest()
-    text = json.dumps([fn.cache_key, sorted(fn.do_not_specialize), c.spec(),
-                       triton.__version__, worker_hash], sort_keys=True, default=str)
+
+def key(c: Compile) -> str:
+    """Cache key: the source file that defines the kernel (its code, constants and
+    specialisation rules), the compile's spec, the triton version and the worker's source.
+    Read from the files, not the imported kernels (an interpreted kernel has no JIT hash)."""
+    import importlib.util
+    from importlib import metadata
+    module = c.kernel.split(":")[0]
+    here = os.path.dirname(os.path.abspath(__file__))
+    text = json.dumps([_file_hash(importlib.util.find_spec(module).origin), c.spec(),
+                       metadata.version("triton"),
+                       _file_hash(os.path.join(here, "compile_gate_worker.py"))],
+                      sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -246,6 +249,25 @@ def verdict(c: Compile, found: List[str]) -> str:
     return "pass" if not bad else "fail: " + "; ".join(bad)
 
 
+def judge_configs(target: Tuple[int, int, int, int], configs, cache=None, jobs: int = 0):
+    """Which ``LaunchConfig``s of ``target`` (np, ng, hn, block) pass the gate as autotune
+    candidates -> ``(passed, {config: why not}, rows)`` (what ``scripts/autotune_triton.py``
+    sweeps: nothing the gate refuses)."""
+    nh, ng, hn, bs = target
+    per = [(cfg, _attention(nh, ng, hn, bs, cfg, "candidate")) for cfg in configs]
+    rows = run(list(dict.fromkeys(c for _, cs in per for c in cs)), cache, jobs)
+    by_spec = {(r["kernel"], json.dumps(r["spec"], sort_keys=True)): r for r in rows}
+    passed, dropped = [], {}
+    for cfg, cs in per:
+        why = [by_spec[(c.name, json.dumps(c.spec(), sort_keys=True))]["verdict"] for c in cs]
+        why = [f"{c.name}: {w}" for c, w in zip(cs, why) if w != "pass"]
+        if why:
+            dropped[cfg] = "; ".join(why)
+        else:
+            passed.append(cfg)
+    return passed, dropped, rows
+
+
 def load_cache(paths: Iterable[str]) -> Dict[str, dict]:
     """key -> result from gate JSON files (``write_result``'s ``rows``) that exist."""
     out = {}
@@ -283,5 +305,5 @@ def failures(rows: List[dict]) -> List[str]:
             f"{r['verdict']}" for r in rows if r["verdict"] != "pass"]
 
 
-__all__ = ["Compile", "SHARED_LIMIT", "TARGETS", "compile_one", "compiles", "failures", "key",
-           "load_cache", "problems", "run", "table", "verdict"]
+__all__ = ["Compile", "SHARED_LIMIT", "TARGETS", "compile_one", "compiles", "failures",
+           "judge_configs", "key", "load_cache", "problems", "run", "table", "verdict"]
