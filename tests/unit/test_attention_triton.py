@@ -20,23 +20,26 @@ import torch
 # (its first block, the sink, is kept by 6 later query blocks), a short one
 CU = [0, 37, 38, 138, 166]
 BS = 16
+# block 128 for the target shapes' own default configs: a 3-block document with a short last
+# block, a 1-token one, a 4-block one
+CU_128 = [0, 300, 301, 813]
 
 # --- checks (run in the worker) ----------------------------------------------------------------
 
-def _inputs(nh, ng, hn, seed, dtype=torch.float32):
+def _inputs(nh, ng, hn, seed, dtype=torch.float32, cu=CU):
     g = torch.Generator().manual_seed(seed)
-    t = CU[-1]
+    t = cu[-1]
     q, k, v = (torch.randn(t, h, hn, generator=g, dtype=dtype) for h in (nh, ng, ng))
     return q, k, v, torch.randn(t, nh, hn, generator=g, dtype=dtype)
 
 
-def _selection(q, k, density, fixed_length=False, bs=BS, **budget):
+def _selection(q, k, density, fixed_length=False, bs=BS, cu=CU, **budget):
     """A selection over a layout built here (``fixed_length``: a padded tail past the blocks)."""
     from sparsebalance_megatron.attention import build_layout
     from sparsebalance_megatron.attention.blocks import check_density
     from sparsebalance_megatron.attention.kernels import to_blocks_kv, to_blocks_q
     from sparsebalance_megatron.attention.selection import select_blocks
-    lay = build_layout(CU, CU[-1], bs, "cpu", fixed_length=fixed_length)
+    lay = build_layout(cu, cu[-1], bs, "cpu", fixed_length=fixed_length)
     t = lay.num_blocks * bs
     dens, host = check_density(torch.tensor(density) if isinstance(density, list) else density,
                                lay.num_docs, "cpu")
@@ -94,12 +97,13 @@ def check_lists(density, sink_blocks, local_blocks, selection_mode):
 
 def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mode="density",
                     kv_chunk=None, seed=0, dtype="float32", tol=1e-4, tokens=False,
-                    config=None, bs=BS):
+                    config=None, bs=BS, cu=CU):
     """Output and dq, dk, dv against the float64 reference on the same selection and inputs
     (max error relative to the largest entry below ``tol``). ``kv_chunk`` None: through
     ``block_sparse_attention`` (backend triton); else with that chunk length the padded kernel
     on a fixed-length layout (a padded tail), or (``tokens``) the kernel on the unpadded
-    tokens. ``config``: LaunchConfig fields overriding the defaults (other tiles, sub-tiles)."""
+    tokens. ``config``: LaunchConfig fields overriding the defaults (other tiles, sub-tiles);
+    ``cu``: the documents (``CU_128`` for block 128: the target shapes' defaults as they are)."""
     from dataclasses import replace
 
     from sparsebalance_megatron.attention import block_sparse_attention
@@ -108,17 +112,17 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
     from sparsebalance_megatron.attention.sparse_triton import (sparse_attention,
                                                                 sparse_attention_padded)
     from sparsebalance_megatron.attention.triton_launch import default_config
-    q, k, v, w = _inputs(nh, ng, hn, seed, getattr(torch, dtype))
+    q, k, v, w = _inputs(nh, ng, hn, seed, getattr(torch, dtype), cu=cu)
     scale = 0.7 / hn ** 0.5
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
                   selection_mode=selection_mode, mass_threshold=0.5, max_density=0.6)
     x = [t.clone().requires_grad_(True) for t in (q, k, v)]
     if kv_chunk is None:
-        out, sel = block_sparse_attention(*x, CU, torch.tensor(density) if isinstance(
-            density, list) else density, block_size=BS, backend="triton", estimator="pooled",
+        out, sel = block_sparse_attention(*x, cu, torch.tensor(density) if isinstance(
+            density, list) else density, block_size=bs, backend="triton", estimator="pooled",
             softmax_scale=scale, **budget)
     else:
-        sel = _selection(q, k, density, fixed_length=not tokens, bs=bs, **budget)
+        sel = _selection(q, k, density, fixed_length=not tokens, bs=bs, cu=cu, **budget)
         lay = sel.layout
         cfg = replace(default_config(hn, bs, nh // ng), **(config or {}))
         if tokens:      # the micro-batch's own tokens: no padded copy in or out
@@ -138,7 +142,10 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
         assert a.dtype == q.dtype
         err = float((a.double() - b).abs().max() / b.abs().max())
         assert err < tol, f"{name}: max error {err:.2e} relative to the largest entry"
-    assert float(sel.density_kept[2]) < 0.7          # the 7-block document is sparse
+    if cu == CU:
+        assert float(sel.density_kept[2]) < 0.7      # the 7-block document is sparse
+    else:
+        assert float(sel.density_kept[2]) < 1.0      # the last document skips blocks
 
 
 def check_broken_lists_fail():
@@ -327,8 +334,17 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     # the padded space and its tail, 64-row tiles over two heads
     dict(nh=4, ng=2, hn=16, density=0.5, sink_blocks=1, local_blocks=0, kv_chunk=2, bs=32,
          config=dict(bwd_block_n=16, bwd_block_m=64)),
+    # the target shapes' own default configs, unchanged (the compile gate's "default" rows):
+    # 8/2/128 and 14/2/64 at block 128, 8/2/128 at block 64; split sink columns
+    dict(nh=8, ng=2, hn=128, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=128, cu=CU_128),
+    dict(nh=14, ng=2, hn=64, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=128, cu=CU_128, dtype="float16", tol=3e-3),
+    dict(nh=8, ng=2, hn=128, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=64, cu=CU_128),
 ], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api", "tokens-rep7",
-        "tokens-fp16-rep3", "block32-key-subtiles"])
+        "tokens-fp16-rep3", "block32-key-subtiles", "default-8-2-128-b128",
+        "default-14-2-64-b128-fp16", "default-8-2-128-b64"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
 

@@ -4,8 +4,8 @@ the device can be asked to run, passes: no spill, <= 227 KB of shared memory and
 main-loop GEMM on wgmma for the defaults, pinned entries and fixed-config kernels; every
 autotune candidate can launch.
 
-Results are reused where their key (triton's hash of the kernel source, the compile's spec, the
-triton version, the worker's source) matches the committed gate JSON (``docs/results/
+Results are reused where their key (the hash of the kernel's source file, the compile's spec,
+the triton version, the worker's source) matches the committed gate JSON (``docs/results/
 compile_gate_sm90*.json``, written by ``scripts/bench.py compile_gate``) or this machine's
 cache (``~/.cache/sparsebalance_megatron/compile_gate.json``); the rest is compiled, one
 process per compile. One real config (the forward default at 8/2/128, block 128) is always
