@@ -10,8 +10,8 @@ list, ``bwd_pre`` and ``bwd_post`` kernels as ``sparse_triton_select``, ``maxkey
 ``block_lists`` and ``sparse_triton`` launch them. ``run()`` compiles each in a process of its
 own (``compile_gate_worker``: the kernel's own JIT binding, 16-byte-aligned stand-ins, target
 ``GPUTarget("cuda", 90, 32)``), reusing results whose key (the hash of the kernel's source file,
-the compile's arguments, the triton version and the worker's source) is in a cache. ``problems()`` says what is wrong with a
-result, ``verdict()`` whether that fails the gate:
+the compile's arguments, the triton version and the worker's source) is in a cache.
+``problems()`` says what is wrong with a result, ``verdict()`` whether that fails the gate:
 
 - a default or pinned config (and every fixed-config kernel) fails on any problem: a spill
   (stack bytes, STL/LDL), more than ``SHARED_LIMIT`` bytes of shared memory (227 KB: it

@@ -23,8 +23,8 @@ argument         shape               dtype                 layout / meaning
 returns          ``[T, np, hn]``     as ``q``              attention output
 ===============  ==================  ====================  ==================================
 
-Any strides and offsets (copied where not contiguous or not 16-byte aligned: ``aligned``); ``hn`` a power of two in 16..256; ``np`` a
-multiple of ``ng``; differentiable in q, k and v. The custom ops ``sparsebalance::
+Any strides and offsets (copied where not contiguous or not 16-byte aligned: ``aligned``);
+``hn`` a power of two in 16..256; ``np`` a multiple of ``ng``; differentiable in q, k and v. The custom ops ``sparsebalance::
 sparse_attn_fwd`` / ``sparse_attn_bwd`` underneath return (out, lse ``[np, NB * B]`` float32,
 natural log, ``+inf`` on padding rows) / (dq, dk, dv).
 
