@@ -97,13 +97,14 @@ def check_lists(density, sink_blocks, local_blocks, selection_mode):
 
 def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mode="density",
                     kv_chunk=None, seed=0, dtype="float32", tol=1e-4, tokens=False,
-                    config=None, bs=BS, cu=CU):
+                    config=None, bs=BS, cu=CU, tiles_of=None):
     """Output and dq, dk, dv against the float64 reference on the same selection and inputs
     (max error relative to the largest entry below ``tol``). ``kv_chunk`` None: through
     ``block_sparse_attention`` (backend triton); else with that chunk length the padded kernel
     on a fixed-length layout (a padded tail), or (``tokens``) the kernel on the unpadded
     tokens. ``config``: LaunchConfig fields overriding the defaults (other tiles, sub-tiles);
-    ``cu``: the documents (``CU_128`` for block 128: the target shapes' defaults as they are)."""
+    ``cu``: the documents (``CU_128`` for block 128); ``tiles_of``: (hn, block, rep) whose
+    default config to launch with (a target shape's tiles at a cheaper head dim)."""
     from dataclasses import replace
 
     from sparsebalance_megatron.attention import block_sparse_attention
@@ -124,7 +125,7 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
     else:
         sel = _selection(q, k, density, fixed_length=not tokens, bs=bs, cu=cu, **budget)
         lay = sel.layout
-        cfg = replace(default_config(hn, bs, nh // ng), **(config or {}))
+        cfg = replace(default_config(*(tiles_of or (hn, bs, nh // ng))), **(config or {}))
         if tokens:      # the micro-batch's own tokens: no padded copy in or out
             out = sparse_attention(*x, build_block_lists(sel), lay, scale, kv_chunk=kv_chunk,
                                    config=cfg)
@@ -334,19 +335,30 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     # the padded space and its tail, 64-row tiles over two heads
     dict(nh=4, ng=2, hn=16, density=0.5, sink_blocks=1, local_blocks=0, kv_chunk=2, bs=32,
          config=dict(bwd_block_n=16, bwd_block_m=64)),
-    # the target shapes' own default configs, unchanged (the compile gate's "default" rows):
-    # 8/2/128 and 14/2/64 at block 128, 8/2/128 at block 64; split sink columns
-    dict(nh=8, ng=2, hn=128, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
-         tokens=True, bs=128, cu=CU_128),
-    dict(nh=14, ng=2, hn=64, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
-         tokens=True, bs=128, cu=CU_128, dtype="float16", tol=3e-3),
-    dict(nh=8, ng=2, hn=128, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
-         tokens=True, bs=64, cu=CU_128),
+    # the target shapes' default configs (the compile gate's "default" rows: 8/2/128 and 14/2/64
+    # at block 128, 8/2/128 at block 64), their tiles at head dim 32; split sink columns
+    dict(nh=8, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=128, cu=CU_128, tiles_of=[128, 128, 4]),
+    dict(nh=14, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=128, cu=CU_128, tiles_of=[64, 128, 7], dtype="float16", tol=3e-3),
+    dict(nh=8, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=64, cu=CU_128, tiles_of=[128, 64, 4]),
 ], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api", "tokens-rep7",
-        "tokens-fp16-rep3", "block32-key-subtiles", "default-8-2-128-b128",
-        "default-14-2-64-b128-fp16", "default-8-2-128-b64"])
+        "tokens-fp16-rep3", "block32-key-subtiles", "default-tiles-8-2-128-b128",
+        "default-tiles-14-2-64-b128-fp16", "default-tiles-8-2-128-b64"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nh,hn,bs,dtype,tol", [(8, 128, 128, "float32", 1e-4),
+                                                 (14, 64, 128, "float16", 3e-3),
+                                                 (8, 128, 64, "float32", 1e-4)],
+                         ids=["8-2-128-b128", "14-2-64-b128-fp16", "8-2-128-b64"])
+def test_target_shapes_default_configs_equal_the_reference(interp, nh, hn, bs, dtype, tol):
+    """The larger form of the ``default-tiles-*`` cases: the target shapes themselves."""
+    interp("check_attention", nh=nh, ng=2, hn=hn, density=0.25, sink_blocks=1, local_blocks=0,
+           kv_chunk=2, tokens=True, bs=bs, cu=CU_128, dtype=dtype, tol=tol)
 
 
 def test_per_layer_path_makes_no_host_syncs(interp):
