@@ -24,6 +24,20 @@ written and read back by a second kernel): at 32K tokens, block 128, 8 query hea
 density 0.5 that is ~8.6 GB per layer call, more than the whole attention's inputs, and twice
 the traffic. FA2 makes the same choice (FA3 the same adds through TMA).
 
+At head dim 128 the backward's key tile is 64 (``triton_launch.default_config``: 64 query rows
+x 128 keys spills, 32 rows put the dQ GEMM on mma.sync), so a 128 block is two programs and
+the dQ adds and Q/dO reads of a tile double (``dq_traffic(..., key_tile)``). The alternative
+that also runs every GEMM on wgmma is FlashAttention-2's split (a dK/dV kernel and a dQ kernel;
+``backward_designs``): per kept tile at block and head dim 128, the one pass with 64-key tiles
+is 5 GEMMs (21.0 MFLOP) against 256 KB of Q/dO reads and dQ adds (80 FLOP/byte, the adds to
+L2); the split is 7 GEMMs (29.4 MFLOP, +40%) against 128 KB and no atomics (224 FLOP/byte).
+The one pass is the default: the targets are priced on tensor-core work (fwd+bwd at density
+0.25 is 0.25 x 7/7 of dense's GEMM work with it and 0.25 x 9/7 with the split, so reaching
+0.35x of a dense kernel's time needs 71% of that kernel's FLOP rate with the one pass and 92%
+with the split, diagonal and selection aside), it needs no second kernel, and the traffic it
+adds is L2-resident (a query block's Q/dO rows are read by the two programs of a key block);
+the device decides whether the adds bind.
+
 ``sparse_triton_kernels.GEMMS_PER_TILE`` declares the kernels' counts; a unit test counts the
 ``tl.dot`` calls in their list loops and checks them against ``GEMMS_PER_TILE`` here.
 Pure python; must not import torch, triton or megatron.
