@@ -443,6 +443,16 @@ def test_kernels_do_the_gemms_the_work_model_counts():
     traffic = work_model.dq_traffic(tiles, 8, 128, 128)
     assert traffic["flop_per_atomic_byte"] == 2.5 * 128
     assert 8.0e9 < traffic["buffer_memory"] < 9.0e9
+    # 64-key sub-tiles (the hn-128 default): each of a block's two programs adds its own dQ
+    half = work_model.dq_traffic(tiles, 8, 128, 128, key_tile=64)
+    assert half["atomic"] == 2 * traffic["atomic"] and half["flop_per_atomic_byte"] == 2.5 * 64
+    with pytest.raises(ValueError, match="key_tile=48"):
+        work_model.dq_traffic(1, 1, 128, 128, key_tile=48)
+    d = work_model.backward_designs(128, 128, key_tile=64)
+    assert (d["one_pass"]["gemms"], d["split"]["gemms"]) == (5, 7)
+    assert d["split"]["flops"] * 5 == d["one_pass"]["flops"] * 7
+    assert d["one_pass"]["atomic_bytes"] == 2 * 4 * 128 * 128 and d["split"]["atomic_bytes"] == 0
+    assert d["one_pass"]["load_bytes"] == d["split"]["load_bytes"] == 4 * 128 * 128 * 2
 
 
 # --- the per-layer call: launches counted -----------------------------------------------------
