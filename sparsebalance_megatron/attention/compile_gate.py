@@ -18,7 +18,9 @@ the compile's arguments, the triton version and the worker's source) is in a cac
   compiles and cannot launch on an H100), or a GEMM of the forward or dK/dV/dQ main loop off
   wgmma (any HMMA, or no HGMMA);
 - an autotune candidate fails when it cannot launch or does not compile, and when it spills
-  unless ``triton_launch.SPILL_KEPT`` states why it stays; HMMA is reported, not refused.
+  unless ``triton_launch.SPILL_KEPT`` states why it stays; HMMA is reported, not refused;
+- a fixed-config kernel (selection, lists, ``bwd_pre``/``bwd_post``) is judged as a default,
+  but a spill ``SPILL_KEPT`` states a reason for is reported, not refused.
 
 Pure python here (torch and triton only inside ``specs()`` and the worker); must not import
 megatron. ``scripts/bench.py compile_gate`` prints the table and writes the JSON;
@@ -239,12 +241,16 @@ def problems(kernel: str, res: dict) -> List[str]:
 def verdict(c: Compile, found: List[str]) -> str:
     """``pass`` or ``fail: <why>`` (module docstring: the rules per role)."""
     from .triton_launch import SPILL_KEPT
-    strict = any(r in ("default", "pinned", "fixed") for r in c.roles)
+    strict = any(r in ("default", "pinned") for r in c.roles)
+    if "fixed" in c.roles:      # a fixed-config kernel's spill stays only with a stated reason
+        found = [p for p in found if not (p.startswith("spills") and (
+            c.target, c.name, c.label()) in SPILL_KEPT)]
+        strict = True
     bad = []
     for p in found:
         if strict or p.startswith(("does not compile", "needs")):
             bad.append(p)
-        elif p.startswith("spills") and (c.target, c.label()) not in SPILL_KEPT:
+        elif p.startswith("spills") and (c.target, c.name, c.label()) not in SPILL_KEPT:
             bad.append(p + " (a candidate: drop it or state in SPILL_KEPT why it stays)")
     return "pass" if not bad else "fail: " + "; ".join(bad)
 

@@ -110,6 +110,14 @@ def test_the_rules_fail_what_they_must():
     assert gate.verdict(cand, gate.problems("dkv_kernel", big)).startswith("fail")
     assert "SPILL_KEPT" in gate.verdict(cand, gate.problems("dkv_kernel", spill))
     assert gate.problems("_maxkey_kernel", hmma) == []      # one GEMM, no list loop
+    # a fixed-config kernel's spill passes only with a reason in SPILL_KEPT
+    fixed = [c for c in items if "fixed" in c.roles]
+    lists = next(c for c in fixed if c.name == "_lists_kernel")
+    assert gate.verdict(lists, gate.problems(lists.name, spill)).startswith("fail")
+    kept = next(c for c in gate.compiles(targets=[(8, 2, 128, 64)])
+                if c.name == "_lists_kernel")
+    assert gate.verdict(kept, gate.problems(kept.name, spill)) == "pass"
+    assert gate.verdict(kept, gate.problems(kept.name, big)).startswith("fail")
     assert gate.problems("fwd_kernel", _result(HGMMA=0)) != []
     assert gate.problems("fwd_kernel", dict(ok=False, error="boom"))[0].startswith(
         "does not compile")
