@@ -15,7 +15,7 @@ FIND_PYTHON = for c in python3.13 python3.12 \
 	  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
 	    echo "$$c"; break; fi; done
 
-.PHONY: venv demo demo-resume test test-slow test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack
+.PHONY: venv demo demo-resume test test-slow test-fast reliability flags clean-venv mcore020 test-mcore020 device-stack compile-gate compile-gate-triton36
 
 $(PY):
 	@py=$$($(FIND_PYTHON)); \
@@ -90,7 +90,7 @@ DEVICE_TORCH ?= 2.11.0
 DEVICE_TRITON ?= 3.6.0
 DEVICE_PY := $(DEVICE_VENV)/bin/python
 DEVICE_TESTS ?= tests/unit/test_attention_triton.py tests/unit/test_attention_dense.py \
-	tests/unit/test_attention_kernels.py
+	tests/unit/test_attention_kernels.py tests/unit/test_compile_gate.py
 $(DEVICE_VENV)/.installed:
 	@test -x $(DEVICE_PY) || { py=$$($(FIND_PYTHON)); \
 	  test -n "$$py" || { echo "error: no Python >= 3.12 for $(DEVICE_VENV)" >&2; exit 1; }; \
@@ -104,5 +104,22 @@ $(DEVICE_VENV)/.installed:
 device-stack: $(DEVICE_VENV)/.installed
 	@mkdir -p runs/device_stack
 	PYTHONPATH=$(CURDIR) $(DEVICE_PY) scripts/gpu_check.py --steps env --out-dir runs/device_stack
+	PYTHONPATH=$(CURDIR) $(DEVICE_PY) scripts/bench.py compile_gate \
+	  --json runs/device_stack/compile_gate_sm90_triton36.json
 	PYTHONPATH=$(CURDIR) $(DEVICE_PY) -m pytest -q -p no:cacheprovider \
 	  $(DEVICE_TESTS)
+
+# The H100 compile gate (docs/GPU.md, "The compile gate"): every Triton kernel compiled for sm_90a
+# here, one process per compile; `make test` runs it too (tests/unit/test_compile_gate.py).
+# compile-gate-triton36: the same with the device's triton 3.6 alone (pip --target .triton36, no
+# torch of its own: the gate needs triton's compiler and .venv's CPU torch for stand-ins).
+compile-gate: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) scripts/bench.py compile_gate --json docs/results/compile_gate_sm90.json
+
+.triton36/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target .triton36 triton==$(DEVICE_TRITON)
+	touch $@
+
+compile-gate-triton36: .triton36/.installed
+	PYTHONPATH=$(CURDIR)/.triton36:$(CURDIR) $(PY) scripts/bench.py compile_gate \
+	  --json docs/results/compile_gate_sm90_triton36.json

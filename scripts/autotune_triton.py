@@ -2,7 +2,10 @@
 """Autotune the ``triton`` backend's launch settings on a GPU; print the entries to pin.
 
 One device step: at the target shape (8 query / 2 KV heads, head dim 128, block 128, one 32K
-document, bf16, fwd+bwd) it sweeps ``triton_launch.candidates`` (the default first): forward
+document, bf16, fwd+bwd) it sweeps the ``triton_launch.candidates`` that pass the sm_90a
+compile gate (``compile_gate``: a candidate that spills or cannot launch is never timed; the
+gate's results for the device's triton are committed, the rest compile here first, one
+process each) and the default first: forward
 tiles x warps x stages timed on the forward, backward tiles x warps x stages x ``kv_chunk``
 timed on forward+backward, each summed over the densities (0.25 and 0.5: the targets'). The
 best forward and the best backward are combined, timed against the default, and checked
@@ -37,6 +40,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies.common import gpu_provenance, median_ms  # noqa: E402
 
 FWD_FIELDS = ("fwd_block_m", "fwd_warps", "fwd_stages")
+GATE_RESULTS = ("docs/results/compile_gate_sm90_triton36.json",
+                "docs/results/compile_gate_sm90.json")
 
 
 DEVICE = "cuda"
@@ -128,8 +133,11 @@ def tune_shape(shape, args, out_rows, deadline):
     nh, ng, hn = shape
     rep, block = nh // ng, args.block
     key = (hn, block, rep)
-    cases = [Case(nh, ng, hn, args.tokens, block, d) for d in args.densities]
     base = default_config(hn, block, rep)
+    sweep, gate = candidates(hn, block, rep)[1:args.max_configs], None
+    if args.gate:
+        sweep, gate = gate_candidates((nh, ng, hn, block), sweep, args.gate_jobs)
+    cases = [Case(nh, ng, hn, args.tokens, block, d) for d in args.densities]
     ref = {b: [c.run(base, b) for c in cases] for b in (False, True)}
     flops = sum(work_model.attention_flops(c.kept_tiles, 1, block, hn)["total"]
                 for c in cases)
@@ -155,7 +163,7 @@ def tune_shape(shape, args, out_rows, deadline):
     default_fwd = row("default", base, False)
     default_bwd = row("default", base, True)
     fwd_rows, bwd_rows = [default_fwd], [default_bwd]
-    for cfg in candidates(hn, block, rep)[1:args.max_configs]:
+    for cfg in sweep:
         if time.time() > deadline:
             print(f"deadline reached: {shape} sweep cut", flush=True)
             break
@@ -190,7 +198,25 @@ def tune_shape(shape, args, out_rows, deadline):
           flush=True)
     return key, best, dict(default_ms=default_bwd["ms"], best_ms=final["ms"],
                            speedup=round(default_bwd["ms"] / final["ms"], 3),
-                           tflops=final.get("tflops"), per_call=per_call)
+                           tflops=final.get("tflops"), per_call=per_call, gate=gate)
+
+
+def gate_candidates(target, configs, jobs):
+    """The candidates that pass the sm_90a compile gate (``compile_gate.judge_configs``: one
+    process per compile, the committed results reused where their key matches), and what the
+    gate said: the device never times a config that spills or cannot launch."""
+    from sparsebalance_megatron.attention import compile_gate
+    t0 = time.time()
+    cache = compile_gate.load_cache(os.path.join(ROOT, p) for p in GATE_RESULTS)
+    passed, dropped, rows = compile_gate.judge_configs(target, configs, cache, jobs)
+    for cfg, why in dropped.items():
+        print(f"gate: dropped {asdict(cfg)}: {why}", flush=True)
+    info = dict(candidates=len(configs), passed=len(passed), compiled_now=sum(
+        not r["cached"] for r in rows), seconds=round(time.time() - t0, 1),
+        dropped=[dict(config=asdict(c), why=w) for c, w in dropped.items()])
+    print(f"gate: {len(passed)} of {len(configs)} candidates pass ({info['compiled_now']} "
+          f"compiled now, {info['seconds']} s)", flush=True)
+    return passed, info
 
 
 def main(argv=None) -> int:
@@ -206,6 +232,12 @@ def main(argv=None) -> int:
                     help="stop sweeping after this many seconds (the rows so far are kept)")
     ap.add_argument("--max-configs", type=int, default=1000,
                     help="sweep at most this many candidates per shape (the default first)")
+    ap.add_argument("--gate", action=argparse.BooleanOptionalAction, default=True,
+                    help="sweep only the candidates that pass the sm_90a compile gate "
+                         "(attention/compile_gate.py; compiled here, one process each, where "
+                         "the committed results do not match)")
+    ap.add_argument("--gate-jobs", type=int, default=0,
+                    help="gate compiles at once (0: the CPU count)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: check the script itself under TRITON_INTERPRET=1 (tiny shapes; "
                          "the times mean nothing)")

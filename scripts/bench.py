@@ -30,6 +30,8 @@ STUDIES = {
                   "BENCHMARKS.md context parallelism"),
     "attention": ("sparse attention kernels on CPU: time, recall, training loss",
                   "BENCHMARKS.md attention kernel"),
+    "compile_gate": ("every Triton kernel compiled for the H100 (sm_90a) on CPU, per launch config",
+                     "BENCHMARKS.md attention kernel, docs/GPU.md"),
     "attention_gpu": ("the GPU kernel table: every backend against dense, crossover",
                       "BENCHMARKS.md attention on GPU, docs/GPU.md"),
     "latency_eval": ("a latency table's held-out error on real micro-batches",

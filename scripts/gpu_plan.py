@@ -49,15 +49,22 @@ class Call:
     budget_s: int                # gpu_check.py --budget-s: no step starts after it
     carry: Tuple[str, ...] = (".whl",)
     outputs: Tuple[str, ...] = ("gpu_check.json", "bundle.tar.gz")
+    what: str = ""
 
 
 PLAN: Tuple[Call, ...] = (
     Call("smoke", ("env", "smoke"), 170, 150,
-         outputs=("gpu_check.json", "smoke_rows.jsonl", "bundle.tar.gz")),
+         outputs=("gpu_check.json", "smoke_rows.jsonl", "bundle.tar.gz"),
+         what="versions, imports, signatures; one 32K document per backend vs dense"),
     Call("table", ("bench", "tests"), 480, 460,
-         outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")),
-    Call("autotune", ("autotune",), 240, 225),
-    Call("e2e", ("latency", "train"), 480, 465),
+         outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz"),
+         what="the kernel table at the target shape first; pytest tests/gpu (bf16)"),
+    Call("autotune", ("autotune",), 240, 225,
+         what="the triton backend's launch settings, timed only over the candidates that "
+              "pass the sm_90a compile gate (attention/compile_gate.py, the device's triton); "
+              "the pins to paste into triton_launch.PINNED"),
+    Call("e2e", ("latency", "train"), 480, 465,
+         what="the GPU latency table and its held-out error; pretrain() dense vs sparse"),
 )
 
 PREAMBLE = ("python3 scripts/gpu_plan.py unpack .whl || exit 3; "
@@ -257,8 +264,8 @@ def main(argv=None) -> int:
     verb = argv.pop(0) if argv else "show"
     if verb == "show":
         for i, c in enumerate(PLAN, 1):
-            print(f"{i}. {c.name}: timeout_s {c.timeout_s}, carry {list(c.carry)}, $OUT/{c.name}/"
-                  f"{{{', '.join(c.outputs)}}}\n   {command(c)}")
+            print(f"{i}. {c.name}: {c.what}\n   timeout_s {c.timeout_s}, carry {list(c.carry)}, "
+                  f"$OUT/{c.name}/{{{', '.join(c.outputs)}}}\n   {command(c)}")
         print(f"total {sum(c.timeout_s for c in PLAN)} s; problems: {plan_problems() or 'none'}")
         return 1 if plan_problems() else 0
     if verb == "check":

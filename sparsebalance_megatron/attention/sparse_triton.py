@@ -23,8 +23,8 @@ argument         shape               dtype                 layout / meaning
 returns          ``[T, np, hn]``     as ``q``              attention output
 ===============  ==================  ====================  ==================================
 
-Any strides (made contiguous where they are not); ``hn`` a power of two in 16..256; ``np`` a
-multiple of ``ng``; differentiable in q, k and v. The custom ops ``sparsebalance::
+Any strides and offsets (copied where not contiguous or not 16-byte aligned: ``aligned``);
+``hn`` a power of two in 16..256; ``np`` a multiple of ``ng``; differentiable in q, k and v. The custom ops ``sparsebalance::
 sparse_attn_fwd`` / ``sparse_attn_bwd`` underneath return (out, lse ``[np, NB * B]`` float32,
 natural log, ``+inf`` on padding rows) / (dq, dk, dv).
 
@@ -123,6 +123,16 @@ def _prec(q):
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous with its first element 16-byte aligned, copied where it is not. A
+    contiguous view at an odd offset passes ``.contiguous()`` uncopied, and triton specialises
+    a launch on pointer alignment: an unaligned pointer gets a kernel compiled without the
+    divisibility hints, one the compile gate never judged (slower, and the review found it
+    spilling). Differentiable (``contiguous``/``clone``)."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def _config(cfg: List[int]) -> LaunchConfig:
     return LaunchConfig(*cfg)
 
@@ -161,7 +171,7 @@ if HAVE_TRITON:
         t, nh, ng, rep, hn = _shape(q, k)
         nb = q_num.shape[1]
         c = _config(cfg)
-        dout = dout.contiguous()
+        dout = aligned(dout)
         delta = torch.empty(nh, nb * block_size, dtype=torch.float32, device=q.device)
         dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk_acc = torch.empty(k.shape, dtype=torch.float32, device=q.device)
@@ -248,7 +258,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: B
                          f"padded token space)")
     cfg = _check(q, k, v, lists, layout, layout.num_tokens, "sparse_attention", kv_chunk,
                  config)
-    out, _ = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), *_lists(lists),
+    out, _ = _fwd_op(aligned(q), aligned(k), aligned(v), *_lists(lists),
                      *block_tables(layout, padded=False), layout.block_size,
                      float(softmax_scale), False, list(astuple(cfg)))
     return out
@@ -264,7 +274,7 @@ def sparse_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: tor
     cfg = _check(q_pad, k_pad, v_pad, lists, layout, t, "sparse_attention_padded", kv_chunk,
                  config)
     p, nh, hn = q_pad.shape
-    q, k, v = (x[:t].contiguous() for x in (q_pad, k_pad, v_pad))
+    q, k, v = (aligned(x[:t]) for x in (q_pad, k_pad, v_pad))
     out, _ = _fwd_op(q, k, v, *_lists(lists), *block_tables(layout, padded=True),
                      layout.block_size, float(softmax_scale), True, list(astuple(cfg)))
     if p > t:
@@ -287,5 +297,5 @@ def triton_attention_padded(q_pad: torch.Tensor, k_pad: torch.Tensor, v_pad: tor
                                    selection.layout, softmax_scale)
 
 
-__all__ = ["KV_CHUNK", "block_tables", "sparse_attention", "sparse_attention_padded",
+__all__ = ["KV_CHUNK", "aligned", "block_tables", "sparse_attention", "sparse_attention_padded",
            "triton_attention", "triton_attention_padded", "usable", "why_not", "missing"]

@@ -37,7 +37,7 @@ from .block_lists import build_block_lists, lists_from_ranking
 from .selection import (BlockSelection, _block_len_f, _budget_tensors, _disallowed,
                         kept_bounds, select_from_shares)
 from .block_tables import block_tables
-from .sparse_triton import sparse_attention
+from .sparse_triton import aligned, sparse_attention
 
 try:
     import triton
@@ -163,6 +163,7 @@ def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layou
     of ``layout`` (module docstring) -> ``(out [t, np, hn], BlockSelection)``; ``density``
     ``[ndoc]`` and its host list ``density_host``, the budget as ``select_from_shares`` takes
     it. Validated arguments assumed (``api.block_sparse_attention`` checks them)."""
+    q, k, v = aligned(q), aligned(k), aligned(v)       # every launch below reads them in place
     ng, nb = k.shape[1], layout.num_blocks
     rep = q.shape[1] // ng
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,

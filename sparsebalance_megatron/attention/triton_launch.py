@@ -15,7 +15,7 @@ depend on the Megatron adapter.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 def _pow2(x: int) -> int:
@@ -64,29 +64,63 @@ class LaunchConfig:
 
 
 def default_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
-    """Register- and shared-memory-sized first choices (they must compile on an H100 before
-    anything is tuned: the GPU tests run them), used until the device's autotune pins an entry.
+    """First choices that compile clean for the H100 (``compile_gate``, sm_90a: no spill,
+    <= 227 KB of shared memory, every list-loop GEMM on wgmma at the target shapes), used until
+    the device's autotune pins an entry.
 
-    Forward stages: a stage holds a K and a V tile (``2 B hn`` bytes at 16 bits: 64 KB at block
-    and head dim 128), so 3 stages at hn <= 64, 2 at 128, 1 at 256 stay under the 227 KB of an
-    H100's shared memory per block. Backward: the whole key block, dK and dV in float32
-    registers (128 per thread at 8 warps, block and head dim 128), so 32 query rows per
-    iteration (the Triton tutorial's FlashAttention-2 backward shape)."""
+    Forward: a stage holds a K and a V tile (``2 B hn`` bytes at 16 bits: 64 KB at block and
+    head dim 128), so 3 stages at hn <= 64, 2 at 128, 1 at 256 stay under 227 KB; 8 warps at
+    128 query rows or head dim 128 (at 4 warps a 128-row tile's float32 scores and accumulator
+    spill: the hn-64 forward at block 128 and the hn-128 one at block 64 did). Backward: at head
+    dim 128, 64 query rows x 64 keys at 8 warps: the dQ GEMM (``BLOCK_M`` rows) needs M >= 64
+    for wgmma, and 64 x 128 keys spills (dK and dV of 128 keys are 128 float32 registers a
+    thread); a 128-key block is two programs (``work_model.backward_designs``: Q/dO read and
+    dQ added twice per tile, still 5 GEMMs). At head dim <= 64 the whole 128-key block with
+    64 rows fits."""
     rows = _pow2(rep * block_size)
+    fwd_m = min(rows, 128 if head_dim <= 128 else 64)
     return LaunchConfig(
-        fwd_block_m=min(rows, 128 if head_dim <= 128 else 64),
-        fwd_warps=8 if head_dim >= 128 else 4,
+        fwd_block_m=fwd_m,
+        fwd_warps=8 if head_dim >= 128 or fwd_m >= 128 else 4,
         fwd_stages=3 if head_dim <= 64 else (2 if head_dim <= 128 else 1),
-        bwd_block_m=min(rows, 64 if head_dim <= 64 else 32),
-        bwd_block_n=min(block_size, 128 if head_dim <= 128 else 64),
+        bwd_block_m=min(rows, 64 if head_dim <= 128 else 32),
+        bwd_block_n=min(block_size, 128 if head_dim <= 64 else 64),
         bwd_warps=8 if head_dim >= 64 else 4, bwd_stages=2 if head_dim <= 128 else 1,
         kv_chunk=16)
+
+
+def refused(cfg: LaunchConfig, head_dim: int) -> Optional[str]:
+    """Why ``cfg`` is not an autotune candidate at ``head_dim`` (None: it is): the tiles the
+    compile gate found spilling or over 227 KB on sm_90a (``docs/results/compile_gate_sm90*``;
+    the gate test checks that every remaining candidate at the target shapes passes)."""
+    if cfg.fwd_warps < 8 and cfg.fwd_block_m >= 128:
+        return "forward 128 rows at 4 warps: the score tile spills (hn 64 and 128)"
+    if cfg.bwd_block_m >= 128:
+        return "backward 128 rows: spills at 8 warps, 258 KB at 128 keys (hn 64 and 128)"
+    if head_dim >= 128 and cfg.bwd_warps < 8:
+        return "backward at 4 warps, hn 128: spills at every tile"
+    if head_dim >= 128 and cfg.bwd_block_m * cfg.bwd_block_n > 64 * 64 and \
+            cfg.bwd_block_m >= 64:
+        return "backward 64 rows x 128 keys, hn 128: spills 40-56 B"
+    if head_dim >= 64 and cfg.bwd_warps < 8 and cfg.bwd_block_m * cfg.bwd_block_n > 64 * 64:
+        return "backward 64 rows x 128 keys at 4 warps, hn 64: spills"
+    return None
 
 
 PINNED: Dict[Tuple[int, int, int], LaunchConfig] = {
     # (head_dim, block_size, rep): LaunchConfig(...), pasted from scripts/autotune_triton.py's
     # JSON ("pinned"), with the command, commit, versions and device above the entry.
     # Empty until the autotune runs on the device.
+}
+
+
+SPILL_KEPT: Dict[Tuple[str, str, str], str] = {
+    # ("np/ng/hn@block", kernel, "tiles wW sS") -> why an autotune candidate or a fixed-config
+    # kernel that spills on sm_90a stays (compile_gate). Never a default or pinned entry.
+    ("8/2/128@64", "_lists_kernel", "w4 s3"):
+        "triton 3.6 only: 8 B of stack, one STL and one LDL, in the one list launch per layer "
+        "call, not in an attention loop (80 registers at 4 warps, 48 at 8, which keep it: not "
+        "register pressure); triton 3.7.1 compiles it clean",
 }
 
 
@@ -98,8 +132,9 @@ def launch_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
 
 def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
     """What the autotune sweeps at one key: the default first, then tiles x warps x stages
-    (each valid for the block; at most a few dozen, so one device step covers them), backward
-    and forward candidates interleaved."""
+    (each valid for the block and not ``refused``; at most a few dozen, so one device step
+    covers them), backward and forward candidates interleaved. Candidates whose dQ GEMM runs on
+    mma.sync (32 rows) stay: they compile clean, and the device says whether they lose."""
     base = default_config(head_dim, block_size, rep)
     rows = _pow2(rep * block_size)
     fwd, bwd = [], []
@@ -108,7 +143,7 @@ def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
         for fwd_w, fwd_s in [(4, 2)] + [(8, s) for s in stages]:
             fwd.append(LaunchConfig(fwd_m, fwd_w, fwd_s, base.bwd_block_m, base.bwd_block_n,
                                     base.bwd_warps, base.bwd_stages, base.kv_chunk))
-    for bwd_m in sorted({min(rows, m) for m in (32, 64, 128)}):
+    for bwd_m in sorted({min(rows, m) for m in (32, 64)}):
         for bwd_n in sorted({min(block_size, n) for n in (64, 128)}):
             for bwd_w, bwd_s in ((4, 2), (8, 1), (8, 2), (8, 3)):
                 for chunk in (8, 16, 32):
@@ -129,7 +164,8 @@ def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
         if c not in seen:
             seen.add(c)
             uniq.append(c.check(block_size))
-    return uniq
+    return [c for c in uniq if c == base or refused(c, head_dim) is None]
 
 
-__all__ = ["LaunchConfig", "PINNED", "candidates", "default_config", "launch_config"]
+__all__ = ["LaunchConfig", "PINNED", "SPILL_KEPT", "candidates", "default_config", "launch_config",
+           "refused"]

@@ -24,6 +24,20 @@ written and read back by a second kernel): at 32K tokens, block 128, 8 query hea
 density 0.5 that is ~8.6 GB per layer call, more than the whole attention's inputs, and twice
 the traffic. FA2 makes the same choice (FA3 the same adds through TMA).
 
+At head dim 128 the backward's key tile is 64 (``triton_launch.default_config``: 64 query rows
+x 128 keys spills, 32 rows put the dQ GEMM on mma.sync), so a 128 block is two programs and
+the dQ adds and Q/dO reads of a tile double (``dq_traffic(..., key_tile)``). The alternative
+that also runs every GEMM on wgmma is FlashAttention-2's split (a dK/dV kernel and a dQ kernel;
+``backward_designs``): per kept tile at block and head dim 128, the one pass with 64-key tiles
+is 5 GEMMs (21.0 MFLOP) against 256 KB of Q/dO reads and dQ adds (80 FLOP/byte, the adds to
+L2); the split is 7 GEMMs (29.4 MFLOP, +40%) against 128 KB and no atomics (224 FLOP/byte).
+The one pass is the default: the targets are priced on tensor-core work (fwd+bwd at density
+0.25 is 0.25 x 7/7 of dense's GEMM work with it and 0.25 x 9/7 with the split, so reaching
+0.35x of a dense kernel's time needs 71% of that kernel's FLOP rate with the one pass and 92%
+with the split, diagonal and selection aside), it needs no second kernel, and the traffic it
+adds is L2-resident (a query block's Q/dO rows are read by the two programs of a key block);
+the device decides whether the adds bind.
+
 ``sparse_triton_kernels.GEMMS_PER_TILE`` declares the kernels' counts; a unit test counts the
 ``tl.dot`` calls in their list loops and checks them against ``GEMMS_PER_TILE`` here.
 Pure python; must not import torch, triton or megatron.
@@ -31,7 +45,7 @@ Pure python; must not import torch, triton or megatron.
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 GEMMS_PER_TILE: Dict[str, int] = {"fwd": 2, "bwd": 5}
 """GEMMs per kept tile of the kernels as built: forward 2, one-pass backward 5."""
@@ -65,16 +79,48 @@ def attention_flops(kept_tiles: int, q_heads: int, block_size: int, head_dim: in
     return {"fwd": fwd, "bwd": bwd, "total": fwd + bwd}
 
 
-def dq_traffic(kept_tiles: int, q_heads: int, block_size: int, head_dim: int) -> Dict[str, float]:
+def dq_traffic(kept_tiles: int, q_heads: int, block_size: int, head_dim: int,
+               key_tile: Optional[int] = None) -> Dict[str, float]:
     """The two ways of reducing dQ in a one-pass backward, in bytes: ``atomic`` (float32 adds
     into one accumulator; no extra memory), ``buffer_memory`` / ``buffer_traffic`` (every
     partial kept, written and read back), and ``flop_per_atomic_byte`` (backward FLOPs per
-    byte of atomic traffic: ``2.5 * B``)."""
-    part = 4 * block_size * head_dim                         # one tile's partial dQ, float32
+    byte of atomic traffic: ``2.5 * key_tile``). ``key_tile`` (the dK/dV program's keys,
+    ``LaunchConfig.bwd_block_n``; default the whole block): each of the ``block / key_tile``
+    programs of a key block adds its own partial dQ of the whole query block."""
+    key_tile = block_size if key_tile is None else _check("key_tile", key_tile)
+    if block_size % key_tile:
+        raise ValueError(f"key_tile={key_tile}: expected a divisor of the block {block_size}")
+    part = 4 * block_size * head_dim * (block_size // key_tile)   # partial dQs of one tile
     n = kept_tiles * q_heads
     bwd = tile_flops(block_size, head_dim, GEMMS_PER_TILE["bwd"])
     return {"atomic": float(n * part), "buffer_memory": float(n * part),
             "buffer_traffic": float(2 * n * part), "flop_per_atomic_byte": bwd / part}
+
+
+def backward_designs(block_size: int, head_dim: int, key_tile: Optional[int] = None,
+                     elem_bytes: int = 2) -> Dict[str, Dict[str, float]]:
+    """What one kept tile (one query head) costs in each backward design that runs every GEMM
+    on wgmma at head dim 128 (``compile_gate``), per kept tile: ``gemms``, ``flops``,
+    ``load_bytes`` (the query side Q/dO and, for the dQ kernel, K/V, at ``elem_bytes``;
+    K/V of the key tile a dK/dV program holds are loaded once per column and not counted),
+    ``atomic_bytes`` (float32 dQ adds), ``flop_per_byte``:
+
+    - ``one_pass``: ``dkv_kernel`` with ``key_tile`` keys per program (64 of a 128 block: two
+      programs per key block, so Q/dO are read twice and dQ added twice per tile); 5 GEMMs.
+    - ``split``: FlashAttention-2's two kernels, dK/dV over the whole key block (4 GEMMs: S, dP,
+      dV, dK; Q/dO read once) and dQ per query block (3 GEMMs: S, dP, dQ; K/V read, dQ stored
+      once, no atomics); 7 GEMMs.
+    """
+    b, hn = _check("block_size", block_size), _check("head_dim", head_dim)
+    key_tile = b if key_tile is None else key_tile
+    subs = b // key_tile
+    rows = b * hn * elem_bytes                              # one [B, hn] tile of Q, dO, K or V
+    one = dict(gemms=5, flops=tile_flops(b, hn, 5), load_bytes=2 * rows * subs,
+               atomic_bytes=dq_traffic(1, 1, b, hn, key_tile)["atomic"])
+    split = dict(gemms=7, flops=tile_flops(b, hn, 7), load_bytes=4 * rows, atomic_bytes=0.0)
+    for d in (one, split):
+        d["flop_per_byte"] = d["flops"] / (d["load_bytes"] + d["atomic_bytes"])
+    return {"one_pass": one, "split": split}
 
 
 def causal_kept_tiles(doc_blocks: int, density: float) -> int:
@@ -86,5 +132,5 @@ def causal_kept_tiles(doc_blocks: int, density: float) -> int:
     return sum(max(1, math.ceil((density - 1e-6) * (i + 1))) for i in range(doc_blocks))
 
 
-__all__ = ["GEMMS_PER_TILE", "GEMMS_PER_TILE_SEPARATE_DQ", "attention_flops",
+__all__ = ["GEMMS_PER_TILE", "GEMMS_PER_TILE_SEPARATE_DQ", "attention_flops", "backward_designs",
            "causal_kept_tiles", "dq_traffic", "tile_flops"]

@@ -20,23 +20,26 @@ import torch
 # (its first block, the sink, is kept by 6 later query blocks), a short one
 CU = [0, 37, 38, 138, 166]
 BS = 16
+# block 128 for the target shapes' own default configs: a 3-block document with a short last
+# block, a 1-token one, a 4-block one
+CU_128 = [0, 300, 301, 813]
 
 # --- checks (run in the worker) ----------------------------------------------------------------
 
-def _inputs(nh, ng, hn, seed, dtype=torch.float32):
+def _inputs(nh, ng, hn, seed, dtype=torch.float32, cu=CU):
     g = torch.Generator().manual_seed(seed)
-    t = CU[-1]
+    t = cu[-1]
     q, k, v = (torch.randn(t, h, hn, generator=g, dtype=dtype) for h in (nh, ng, ng))
     return q, k, v, torch.randn(t, nh, hn, generator=g, dtype=dtype)
 
 
-def _selection(q, k, density, fixed_length=False, bs=BS, **budget):
+def _selection(q, k, density, fixed_length=False, bs=BS, cu=CU, **budget):
     """A selection over a layout built here (``fixed_length``: a padded tail past the blocks)."""
     from sparsebalance_megatron.attention import build_layout
     from sparsebalance_megatron.attention.blocks import check_density
     from sparsebalance_megatron.attention.kernels import to_blocks_kv, to_blocks_q
     from sparsebalance_megatron.attention.selection import select_blocks
-    lay = build_layout(CU, CU[-1], bs, "cpu", fixed_length=fixed_length)
+    lay = build_layout(cu, cu[-1], bs, "cpu", fixed_length=fixed_length)
     t = lay.num_blocks * bs
     dens, host = check_density(torch.tensor(density) if isinstance(density, list) else density,
                                lay.num_docs, "cpu")
@@ -94,12 +97,14 @@ def check_lists(density, sink_blocks, local_blocks, selection_mode):
 
 def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mode="density",
                     kv_chunk=None, seed=0, dtype="float32", tol=1e-4, tokens=False,
-                    config=None, bs=BS):
+                    config=None, bs=BS, cu=CU, tiles_of=None):
     """Output and dq, dk, dv against the float64 reference on the same selection and inputs
     (max error relative to the largest entry below ``tol``). ``kv_chunk`` None: through
     ``block_sparse_attention`` (backend triton); else with that chunk length the padded kernel
     on a fixed-length layout (a padded tail), or (``tokens``) the kernel on the unpadded
-    tokens. ``config``: LaunchConfig fields overriding the defaults (other tiles, sub-tiles)."""
+    tokens. ``config``: LaunchConfig fields overriding the defaults (other tiles, sub-tiles);
+    ``cu``: the documents (``CU_128`` for block 128); ``tiles_of``: (hn, block, rep) whose
+    default config to launch with (a target shape's tiles at a cheaper head dim)."""
     from dataclasses import replace
 
     from sparsebalance_megatron.attention import block_sparse_attention
@@ -108,19 +113,19 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
     from sparsebalance_megatron.attention.sparse_triton import (sparse_attention,
                                                                 sparse_attention_padded)
     from sparsebalance_megatron.attention.triton_launch import default_config
-    q, k, v, w = _inputs(nh, ng, hn, seed, getattr(torch, dtype))
+    q, k, v, w = _inputs(nh, ng, hn, seed, getattr(torch, dtype), cu=cu)
     scale = 0.7 / hn ** 0.5
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
                   selection_mode=selection_mode, mass_threshold=0.5, max_density=0.6)
     x = [t.clone().requires_grad_(True) for t in (q, k, v)]
     if kv_chunk is None:
-        out, sel = block_sparse_attention(*x, CU, torch.tensor(density) if isinstance(
-            density, list) else density, block_size=BS, backend="triton", estimator="pooled",
+        out, sel = block_sparse_attention(*x, cu, torch.tensor(density) if isinstance(
+            density, list) else density, block_size=bs, backend="triton", estimator="pooled",
             softmax_scale=scale, **budget)
     else:
-        sel = _selection(q, k, density, fixed_length=not tokens, bs=bs, **budget)
+        sel = _selection(q, k, density, fixed_length=not tokens, bs=bs, cu=cu, **budget)
         lay = sel.layout
-        cfg = replace(default_config(hn, bs, nh // ng), **(config or {}))
+        cfg = replace(default_config(*(tiles_of or (hn, bs, nh // ng))), **(config or {}))
         if tokens:      # the micro-batch's own tokens: no padded copy in or out
             out = sparse_attention(*x, build_block_lists(sel), lay, scale, kv_chunk=kv_chunk,
                                    config=cfg)
@@ -138,7 +143,10 @@ def check_attention(nh, ng, hn, density, sink_blocks, local_blocks, selection_mo
         assert a.dtype == q.dtype
         err = float((a.double() - b).abs().max() / b.abs().max())
         assert err < tol, f"{name}: max error {err:.2e} relative to the largest entry"
-    assert float(sel.density_kept[2]) < 0.7          # the 7-block document is sparse
+    if cu == CU:
+        assert float(sel.density_kept[2]) < 0.7      # the 7-block document is sparse
+    else:
+        assert float(sel.density_kept[2]) < 1.0      # the last document skips blocks
 
 
 def check_broken_lists_fail():
@@ -246,6 +254,52 @@ def check_no_host_syncs_per_layer():
     assert c.reads == [] and c.writes == [], (c.reads, c.writes)
 
 
+def _odd(x):
+    """``x``'s values as a contiguous view one element into a fresh buffer (differentiable):
+    ``.contiguous()`` returns it uncopied and its data pointer is not 16-byte aligned."""
+    y = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(x.shape)
+    assert y.is_contiguous() and y.contiguous().data_ptr() == y.data_ptr()
+    assert y.data_ptr() % 16 != 0
+    return y
+
+
+def check_misaligned_inputs_are_copied():
+    """q, k, v and dO at an offset that is not 16-byte aligned: every kernel launch (selection,
+    lists, forward, backward) still gets aligned pointers (the compile gate judged only the
+    aligned build), and the results equal the float64 reference."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from sparsebalance_megatron.attention import block_sparse_attention
+    from sparsebalance_megatron.attention.kernels import reference_attention
+    q, k, v, w = _inputs(4, 2, 16, seed=8)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    seen = []
+    run = InterpretedFunction.run
+
+    def record(self, *a, **kw):
+        seen.extend((self.fn.__name__, x.data_ptr() % 16) for x in a
+                    if isinstance(x, torch.Tensor))
+        return run(self, *a, **kw)
+
+    InterpretedFunction.run = record
+    try:
+        out, sel = block_sparse_attention(*(_odd(t) for t in leaves), CU, 0.5, block_size=BS,
+                                          backend="triton", estimator="maxkey",
+                                          softmax_scale=0.25, cache={})
+        grads = torch.autograd.grad(out, leaves, _odd(w))
+    finally:
+        InterpretedFunction.run = run
+    names = {n for n, _ in seen}
+    assert {"fwd_kernel", "dkv_kernel", "bwd_pre_kernel", "_maxkey_kernel"} <= names, names
+    assert [x for x in seen if x[1]] == [], [x for x in seen if x[1]]
+    x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = reference_attention(*x64, sel, 0.25)
+    ref_grads = torch.autograd.grad(ref, x64, w.double())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        err = float((a.double() - b).abs().max() / b.abs().max())
+        assert err < 1e-4, f"{name}: max error {err:.2e} relative to the largest entry"
+
+
 # --- tests -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("density,sink,local,mode", [
@@ -281,14 +335,49 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
     # the padded space and its tail, 64-row tiles over two heads
     dict(nh=4, ng=2, hn=16, density=0.5, sink_blocks=1, local_blocks=0, kv_chunk=2, bs=32,
          config=dict(bwd_block_n=16, bwd_block_m=64)),
+    # the target shapes' default configs (the compile gate's "default" rows: 8/2/128 and 14/2/64
+    # at block 128, 8/2/128 at block 64), their tiles at head dim 32; split sink columns
+    dict(nh=8, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=128, cu=CU_128, tiles_of=[128, 128, 4]),
+    dict(nh=14, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=128, cu=CU_128, tiles_of=[64, 128, 7], dtype="float16", tol=3e-3),
+    dict(nh=8, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
+         tokens=True, bs=64, cu=CU_128, tiles_of=[128, 64, 4]),
 ], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api", "tokens-rep7",
-        "tokens-fp16-rep3", "block32-key-subtiles"])
+        "tokens-fp16-rep3", "block32-key-subtiles", "default-tiles-8-2-128-b128",
+        "default-tiles-14-2-64-b128-fp16", "default-tiles-8-2-128-b64"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nh,hn,bs,dtype,tol", [(8, 128, 128, "float32", 1e-4),
+                                                 (14, 64, 128, "float16", 3e-3),
+                                                 (8, 128, 64, "float32", 1e-4)],
+                         ids=["8-2-128-b128", "14-2-64-b128-fp16", "8-2-128-b64"])
+def test_target_shapes_default_configs_equal_the_reference(interp, nh, hn, bs, dtype, tol):
+    """The larger form of the ``default-tiles-*`` cases: the target shapes themselves."""
+    interp("check_attention", nh=nh, ng=2, hn=hn, density=0.25, sink_blocks=1, local_blocks=0,
+           kv_chunk=2, tokens=True, bs=bs, cu=CU_128, dtype=dtype, tol=tol)
+
+
 def test_per_layer_path_makes_no_host_syncs(interp):
     interp("check_no_host_syncs_per_layer")
+
+
+def test_misaligned_inputs_are_copied_before_any_launch(interp):
+    interp("check_misaligned_inputs_are_copied")
+
+
+def test_aligned_copies_only_what_needs_it():
+    from sparsebalance_megatron.attention.sparse_triton import aligned
+    x = torch.randn(6, 4, 16)
+    assert aligned(x) is x or aligned(x).data_ptr() == x.data_ptr()
+    y = _odd(x)
+    z = aligned(y)
+    assert z.data_ptr() % 16 == 0 and z.data_ptr() != y.data_ptr() and torch.equal(z, x)
+    t = x.transpose(0, 1)                  # not contiguous: copied by .contiguous() already
+    assert aligned(t).is_contiguous() and aligned(t).data_ptr() % 16 == 0
 
 
 def test_a_wrong_list_is_caught(interp):
@@ -354,6 +443,16 @@ def test_kernels_do_the_gemms_the_work_model_counts():
     traffic = work_model.dq_traffic(tiles, 8, 128, 128)
     assert traffic["flop_per_atomic_byte"] == 2.5 * 128
     assert 8.0e9 < traffic["buffer_memory"] < 9.0e9
+    # 64-key sub-tiles (the hn-128 default): each of a block's two programs adds its own dQ
+    half = work_model.dq_traffic(tiles, 8, 128, 128, key_tile=64)
+    assert half["atomic"] == 2 * traffic["atomic"] and half["flop_per_atomic_byte"] == 2.5 * 64
+    with pytest.raises(ValueError, match="key_tile=48"):
+        work_model.dq_traffic(1, 1, 128, 128, key_tile=48)
+    d = work_model.backward_designs(128, 128, key_tile=64)
+    assert (d["one_pass"]["gemms"], d["split"]["gemms"]) == (5, 7)
+    assert d["split"]["flops"] * 5 == d["one_pass"]["flops"] * 7
+    assert d["one_pass"]["atomic_bytes"] == 2 * 4 * 128 * 128 and d["split"]["atomic_bytes"] == 0
+    assert d["one_pass"]["load_bytes"] == d["split"]["load_bytes"] == 4 * 128 * 128 * 2
 
 
 # --- the per-layer call: launches counted -----------------------------------------------------

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_defaults_until_pinned_and_the_sweep_is_valid(monkeypatch):
     base = default_config(128, 128, 4)
     assert launch_config(128, 128, 4) == base
-    assert base.bwd_block_n == 128            # whole 128-key blocks in the backward
+    # hn 128: 64 rows x 64 keys (every backward GEMM on wgmma, no spill: compile gate)
+    assert (base.bwd_block_m, base.bwd_block_n, base.bwd_warps) == (64, 64, 8)
+    assert default_config(64, 128, 7).bwd_block_n == 128      # hn 64: the whole key block
+    assert default_config(64, 128, 7).fwd_warps == 8          # 4 warps spilled
     pinned = replace(base, bwd_warps=4)
     monkeypatch.setitem(triton_launch.PINNED, (128, 128, 4), pinned)
     assert launch_config(128, 128, 4) == pinned and launch_config(64, 128, 4) != pinned
@@ -31,6 +34,13 @@ def test_defaults_until_pinned_and_the_sweep_is_valid(monkeypatch):
         assert 1 < len(cands) <= 64               # one device step covers them
         for c in cands:
             c.check(key[1])
+            assert triton_launch.refused(c, key[0]) is None, (key, c)
+    # what the gate refused is not swept: 128 backward rows, 64 x 128 at hn 128, 4-warp
+    # 128-row forwards
+    cands = candidates(128, 128, 4)
+    assert all(c.bwd_block_m <= 64 for c in cands)
+    assert not any(c.bwd_block_m == 64 and c.bwd_block_n == 128 for c in cands)
+    assert not any(c.fwd_block_m == 128 and c.fwd_warps == 4 for c in cands)
 
 
 @pytest.mark.reliability(area="attention", case="a triton launch config the kernels cannot "

@@ -1,0 +1,152 @@
+"""The H100 compile gate in the normal suite (``attention/compile_gate.py``): every Triton
+kernel of the ``triton`` backend, compiled for sm_90a on this CPU machine in every launch config
+the device can be asked to run, passes: no spill, <= 227 KB of shared memory and every
+main-loop GEMM on wgmma for the defaults, pinned entries and fixed-config kernels; every
+autotune candidate can launch.
+
+Results are reused where their key (the hash of the kernel's source file, the compile's spec,
+the triton version, the worker's source) matches the committed gate JSON (``docs/results/
+compile_gate_sm90*.json``, written by ``scripts/bench.py compile_gate``) or this machine's
+cache (``~/.cache/sparsebalance_megatron/compile_gate.json``); the rest is compiled, one
+process per compile. One real config (the forward default at 8/2/128, block 128) is always
+compiled again and must equal its committed result, so the cache cannot go stale unnoticed.
+"""
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from sparsebalance_megatron.attention import compile_gate as gate  # noqa: E402
+from sparsebalance_megatron.attention.compile_gate_worker import (  # noqa: E402
+    count_opcodes, parse_res_usage)
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = [ROOT / "docs/results/compile_gate_sm90.json",
+             ROOT / "docs/results/compile_gate_sm90_triton36.json"]
+LOCAL = Path(os.environ.get("SB_COMPILE_GATE_CACHE",
+                            Path.home() / ".cache/sparsebalance_megatron/compile_gate.json"))
+FIGURES = ("regs", "stack", "shared", "static_shared", "local", "HGMMA", "HMMA", "STL", "LDL",
+           "REDG", "RED", "ATOMG", "ATOM", "UTMALDG", "LDGSTS")
+
+
+def _anchor(items):
+    return next(c for c in items if c.name == "fwd_kernel" and c.target == "8/2/128@128"
+                and "default" in c.roles)
+
+
+def test_every_kernel_compiles_clean_for_the_h100():
+    items = gate.compiles()
+    committed = gate.load_cache(str(p) for p in COMMITTED)
+    cache = dict(committed)
+    cache.update(gate.load_cache([str(LOCAL)]))
+    anchor = _anchor(items)
+    rows = gate.run(items, cache, fresh=[anchor])
+    new = [r for r in rows if not r["cached"] and r["result"].get("ok")]
+    if new:     # this machine's cache: a second run reuses what this one compiled
+        LOCAL.parent.mkdir(parents=True, exist_ok=True)
+        old = json.loads(LOCAL.read_text()).get("rows", []) if LOCAL.exists() else []
+        keep = {r["key"]: r for r in old}
+        keep.update({r["key"]: dict(key=r["key"], result=r["result"]) for r in new})
+        LOCAL.write_text(json.dumps({"rows": list(keep.values())}))
+    row = next(r for r in rows if r["kernel"] == "fwd_kernel" and r["spec"] == anchor.spec())
+    assert row["result"].get("ok"), row["result"]
+    if row["key"] in committed:       # the cache agrees with a compile made now
+        fresh = {f: row["result"][f] for f in FIGURES}
+        assert fresh == {f: committed[row["key"]][f] for f in FIGURES}, \
+            "the committed gate results are stale: run python scripts/bench.py compile_gate " \
+            "--fresh --json docs/results/compile_gate_sm90.json"
+    fails = gate.failures(rows)
+    assert not fails, "\n".join(fails)
+    # the gate saw every kernel, and the configs it judged are the ones the device runs
+    names = {r["kernel"] for r in rows}
+    assert names == _jit_kernels(), names ^ _jit_kernels()
+    for hn, bs in ((128, 128), (64, 128), (128, 64)):
+        assert any(r["kernel"] == "dkv_kernel" and "default" in r["roles"]
+                   and r["target"].endswith(f"/{hn}@{bs}") for r in rows)
+
+
+def _jit_kernels():
+    """Names of every function of the package decorated as a Triton kernel."""
+    out = set()
+    for path in (ROOT / "sparsebalance_megatron").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for d in node.decorator_list:
+                    text = ast.unparse(d)
+                    if text.startswith(("triton.jit", "_kernel")):
+                        out.add(node.name)
+    return out
+
+
+def _result(**kw):
+    base = dict(ok=True, regs=200, stack=0, shared=100 * 1024, static_shared=1024, local=0,
+                **dict.fromkeys(("HGMMA", "HMMA", "STL", "LDL", "REDG", "RED", "ATOMG", "ATOM",
+                                 "UTMALDG", "LDGSTS"), 0))
+    base["HGMMA"] = 32
+    base.update(kw)
+    return base
+
+
+def test_the_rules_fail_what_they_must():
+    """Spill, shared memory past 227 KB and HMMA in a main loop fail a default; a candidate
+    fails only when it cannot launch, or spills without a stated reason."""
+    items = gate.compiles(targets=[(8, 2, 128, 128)])
+    default = next(c for c in items if c.name == "dkv_kernel" and "default" in c.roles)
+    cand = next(c for c in items if c.name == "dkv_kernel" and "default" not in c.roles)
+    spill = _result(stack=64, STL=3, LDL=5)
+    big = _result(shared=257 * 1024)
+    hmma = _result(HMMA=32, HGMMA=20)
+    assert gate.problems("dkv_kernel", _result()) == []
+    for res, word in ((spill, "spills: 64 B"), (big, "258 KB"), (hmma, "32 HMMA")):
+        found = gate.problems("dkv_kernel", res)
+        assert len(found) == 1 and word in found[0], found
+        assert gate.verdict(default, found).startswith("fail")
+    assert gate.verdict(cand, gate.problems("dkv_kernel", hmma)) == "pass"
+    assert gate.verdict(cand, gate.problems("dkv_kernel", big)).startswith("fail")
+    assert "SPILL_KEPT" in gate.verdict(cand, gate.problems("dkv_kernel", spill))
+    assert gate.problems("_maxkey_kernel", hmma) == []      # one GEMM, no list loop
+    # a fixed-config kernel's spill passes only with a reason in SPILL_KEPT
+    fixed = [c for c in items if "fixed" in c.roles]
+    lists = next(c for c in fixed if c.name == "_lists_kernel")
+    assert gate.verdict(lists, gate.problems(lists.name, spill)).startswith("fail")
+    kept = next(c for c in gate.compiles(targets=[(8, 2, 128, 64)])
+                if c.name == "_lists_kernel")
+    assert gate.verdict(kept, gate.problems(kept.name, spill)) == "pass"
+    assert gate.verdict(kept, gate.problems(kept.name, big)).startswith("fail")
+    assert gate.problems("fwd_kernel", _result(HGMMA=0)) != []
+    assert gate.problems("fwd_kernel", dict(ok=False, error="boom"))[0].startswith(
+        "does not compile")
+
+
+def test_cuobjdump_parsing():
+    res = ("\nResource usage:\n Common:\n  GLOBAL:11\n Function fwd_kernel:\n"
+           "  REG:229 STACK:8 SHARED:1024 LOCAL:4 CONSTANT[0]:632 TEXTURE:0\n")
+    assert parse_res_usage(res, "fwd_kernel") == dict(regs=229, stack=8, static_shared=1024,
+                                                      local=4)
+    sass = ("        /*0a30*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;\n"
+            "        /*0a40*/              @!P0 STL [R1+0x4], R3 ;\n"
+            "        /*0a50*/                   REDG.E.ADD.F32.FTZ.RN.STRONG.GPU [R2.64], R5 ;\n"
+            "        /*0a60*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;\n")
+    c = count_opcodes(sass)
+    assert (c["HGMMA"], c["STL"], c["REDG"], c["HMMA"], c["LDL"]) == (1, 1, 1, 1, 0)
+
+
+def test_the_autotune_sweeps_only_candidates_that_pass():
+    """``judge_configs`` (what ``scripts/autotune_triton.py`` sweeps) keeps the candidates that
+    pass and drops a config that cannot launch (not in the committed results: compiled here,
+    258 KB)."""
+    from dataclasses import replace
+
+    from sparsebalance_megatron.attention.triton_launch import candidates
+    cands = candidates(128, 128, 4)
+    bad = replace(cands[0], bwd_block_m=128, bwd_block_n=128)
+    cache = gate.load_cache(str(p) for p in COMMITTED)
+    passed, dropped, rows = gate.judge_configs((8, 2, 128, 128), cands[:3] + [bad], cache)
+    assert passed == cands[:3] and list(dropped) == [bad]
+    assert "cannot launch" in dropped[bad]
+    assert any(not r["cached"] and r["spec"]["constexprs"].get("BLOCK_M") == 128 for r in rows)
