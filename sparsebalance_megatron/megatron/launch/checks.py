@@ -4,6 +4,10 @@
 ``hooks.install`` (before ``pretrain()`` initialises torch.distributed) and raises a
 ``LaunchError`` whose one line names the flag, its value and what to do; the entry points turn it
 into ``SystemExit("error: ...")``, so the user reads one line, not a chained traceback.
+``flag_conflicts`` is the part the flags alone decide: the parser the hooks hand Megatron runs it
+as soon as it has parsed them (``preflight.check_after_parse``), so those mistakes are named
+before Megatron validates and prints its arguments or builds a tokenizer; ``check_launch`` runs
+it again on the validated arguments (a flag Megatron derives, a hand-wired launch).
 
 ``cpu_parser_defaults(parser)``: on a machine without CUDA, Megatron's defaults that need a GPU
 (NCCL, transformer-engine, fused kernels, apex's persistent layer norm and fused weight-gradient
@@ -17,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -59,11 +64,12 @@ def have_module(name: str) -> bool:
         return False
 
 
-def _sparse_attention_conflicts(args, hybrid: bool = False) -> list[str]:
+def _sparse_attention_conflicts(args, hybrid: Optional[bool] = False) -> list[str]:
     """Settings whose layer spec or core attention would silently replace ours (a HybridModel's
-    ``--spec`` is a stack spec: the swap goes inside it, ``model/hybrid.py``)."""
+    ``--spec`` is a stack spec: the swap goes inside it, ``model/hybrid.py``; ``hybrid`` None:
+    the model kind is not known yet, ``--spec`` waits for ``check_launch``)."""
     out = []
-    if getattr(args, "spec", None) is not None and not hybrid:
+    if getattr(args, "spec", None) is not None and hybrid is False:
         spec = args.spec if isinstance(args.spec, str) else " ".join(args.spec)
         out.append(f"--spec {spec} (a custom layer spec)")
     if getattr(args, "num_experts", None):
@@ -230,10 +236,9 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
     return out
 
 
-def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
-    """Megatron features the plugin does not support yet (each with its own issue)."""
-    out = _context_parallel_conflicts(args, sb, plugin_data)
-    out += _microbatch_length_conflicts(args, sb, plugin_data)
+def _layout_problems(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """The pipeline layout the plan reads (from Megatron's validated sizes: a HybridModel's layer
+    count comes from its pattern)."""
     # a HybridModel's pattern matters only when the plugin plans (stock runs keep Mamba, MTP...)
     plans = sb.sparse_attention_enabled or plugin_data
     try:
@@ -241,12 +246,39 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
                 (plans or getattr(args, "hybrid_layer_pattern", None) is None):
             PipelineLayout.from_megatron_args(args)
     except LayoutError as e:
-        out.append(f"the pipeline layout: {e}")
-    if plugin_data:
-        if getattr(args, "iterations_to_skip", None):
-            out.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "
-                       f"iterator")
-    return out
+        return [f"the pipeline layout: {e}"]
+    return []
+
+
+def _packer_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """One packer per launch. Megatron-LM dev's sequence packing scheduler (``train_step`` wraps
+    the data iterator with it: ``--sequence-packing-scheduler``, also chosen by
+    ``--dynamic-context-parallel`` and ``--use-varlen-dataset``) repacks whatever micro-batches
+    it is given: on the plugin's data path it would repack SAB's (or the sequential plan's)
+    micro-batches and drop the keys the plugin's forward step reads (``cu_seqlens``, the
+    micro-batch's plan)."""
+    if not plugin_data:
+        return []
+    scheduler = getattr(args, "sequence_packing_scheduler", None)
+    if scheduler is not None:
+        theirs = f"--sequence-packing-scheduler {scheduler}"
+    elif getattr(args, "dynamic_context_parallel", False):
+        theirs = ("--dynamic-context-parallel (it packs with Megatron's default_dynamic_cp "
+                  "scheduler)")
+    elif getattr(args, "use_varlen_dataset", False) and \
+            not getattr(args, "varlen_sbhd_validation", False):
+        theirs = "--use-varlen-dataset (it packs with Megatron's dp_balanced scheduler)"
+    else:
+        return []
+    ours = [f for f, on in (("--sparse-balance", sb.sparse_balance),
+                            ("--sb-batching", sb.batching), ("--sb-dst", sb.dst),
+                            (f"{flag_name('packing')} {sb.packing}", sb.packing != "auto")) if on]
+    ours = " / ".join(ours) if ours else "the plugin's entry, which always packs"
+    return [f"{theirs} with the plugin's packing ({ours}): two packers, Megatron's would repack "
+            f"the micro-batches the plugin packed and drop their cu_seqlens and budgets; drop "
+            f"{theirs.split(' (')[0]} (SAB already packs, balancing predicted latency where "
+            f"Megatron's packer balances tokens), or drop the plugin's packing for Megatron's "
+            f"(--sb-sparse-attention alone keeps Megatron's data path)"]
 
 
 def _data_conflicts(args) -> list[str]:
@@ -348,13 +380,21 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
     return out
 
 
-def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
-                 hybrid: bool = False) -> None:
-    """``LaunchError`` listing every setting of this launch that cannot work (``hybrid``: the
-    model is a HybridModel, ``pretrain_hybrid.py``)."""
-    bad = _device_conflicts(args, sb) + _hybrid_conflicts(args, sb, hybrid, plugin_data) + \
-        _not_yet(args, sb, plugin_data)
+def flag_conflicts(args, sb: SparseBalanceConfig, *, plugin_data: bool,
+                   hybrid: Optional[bool]) -> list[str]:
+    """Every setting of this launch that cannot work and that Megatron's flags show as parsed,
+    one entry each (``hybrid``: the model is a HybridModel; None: not known, its checks wait for
+    ``check_launch``)."""
+    bad = _device_conflicts(args, sb)
+    if hybrid is not None:
+        bad += _hybrid_conflicts(args, sb, hybrid, plugin_data)
+    bad += _context_parallel_conflicts(args, sb, plugin_data)
+    bad += _microbatch_length_conflicts(args, sb, plugin_data)
+    bad += _packer_conflicts(args, sb, plugin_data)
     if plugin_data:
+        if getattr(args, "iterations_to_skip", None):
+            bad.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "
+                       f"iterator")
         bad += _data_conflicts(args)
     if sb.sparse_attention_enabled:
         seq = getattr(args, "seq_length", None)
@@ -372,8 +412,11 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "
                    f"use {flag_name('selection_mode')} density")
-    bad += config_problems(sb)   # the files the flags name (checked at parse too)
-    bad += attention_dropout_conflicts(args, sb, plugin_data)
+    return bad + _straggler_problems(args, sb)
+
+
+def _straggler_problems(args, sb: SparseBalanceConfig) -> list[str]:
+    bad = []
     if sb.straggler_stage >= 0 and sb.straggler_rank < 0:
         bad.append(f"{flag_name('straggler_stage')} {sb.straggler_stage}: needs "
                    f"{flag_name('straggler_rank')} (the data-parallel rank whose stage is slow)")
@@ -389,5 +432,16 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         if sb.straggler_stage >= pp:
             bad.append(f"{flag_name('straggler_stage')} {sb.straggler_stage}: this launch has "
                        f"{pp} pipeline rank(s) (0..{pp - 1})")
+    return bad
+
+
+def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
+                 hybrid: bool = False) -> None:
+    """``LaunchError`` listing every setting of this launch that cannot work (``hybrid``: the
+    model is a HybridModel, ``pretrain_hybrid.py``)."""
+    bad = flag_conflicts(args, sb, plugin_data=plugin_data, hybrid=hybrid)
+    bad += _layout_problems(args, sb, plugin_data)
+    bad += config_problems(sb)   # the files the flags name (checked at parse too)
+    bad += attention_dropout_conflicts(args, sb, plugin_data)
     if bad:
         raise LaunchError("cannot launch: " + "; ".join(bad))
