@@ -44,9 +44,8 @@ MISTAKES = [
     ("hybrid pattern to the GPT script", "gpt",
      ["--sparse-balance", "--hybrid-layer-pattern", "*-*-"],
      "--hybrid-layer-pattern '*-*-' with a GPT model"),
-    ("distributed optimizer on CPU", "gpt",
-     ["--sb-batching", "--use-distributed-optimizer"],
-     "--use-distributed-optimizer on CPU"),
+    ("MoE with sparse attention", "gpt",
+     ["--sb-sparse-attention", "--num-experts", "4"], "--num-experts 4 (MoE block spec)"),
     ("micro-batch size 2 with packed data", "gpt",
      ["--sparse-balance", "--micro-batch-size", "2"], "--micro-batch-size 2"),
 ]
@@ -105,6 +104,31 @@ def test_the_same_flags_without_the_mistake_parse(monkeypatch):
         parser = hooks.extra_args_provider(None, model=model)(
             add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
         parser.parse_args([*MODEL, *flags])
+
+
+def test_what_megatrons_validation_may_change_waits_for_install():
+    """A flag Megatron's validation may still undo is not refused at parse (a safety check never
+    harms a healthy launch): the distributed optimizer on a CPU (--freeze-all-layers turns it
+    off); the deprecated --hybrid-override-pattern counts as the pattern."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from sparsebalance_megatron.megatron import hooks
+    from sparsebalance_megatron.megatron.launch.checks import LaunchError, check_launch
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    def parser(model):
+        return hooks.extra_args_provider(None, model=model)(
+            add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+    args = parser("gpt").parse_args([*MODEL, "--sb-batching", "--use-distributed-optimizer"])
+    with pytest.raises(LaunchError, match="--use-distributed-optimizer on CPU"):
+        check_launch(args, SparseBalanceConfig(batching=True), plugin_data=True)   # validated
+    parser("hybrid").parse_args([*MODEL, "--sparse-balance", "--hybrid-override-pattern", "*-"])
+    with pytest.raises(SystemExit, match="'M' \\(Mamba\\)"):
+        parser("hybrid").parse_args([*MODEL, "--sparse-balance", "--hybrid-override-pattern",
+                                     "*M"])
 
 
 def test_an_unknown_model_leaves_the_pattern_checks_to_install(monkeypatch):

@@ -92,8 +92,11 @@ def _sparse_attention_conflicts(args, hybrid: Optional[bool] = False) -> list[st
 def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool,
                       plugin_data: bool) -> list[str]:
     """HybridModel: the layer kinds served are attention (``*``) and MLP (``-``); a GPT run
-    must not carry a hybrid pattern (the plan would budget layers the GPT does not have)."""
-    pattern = getattr(args, "hybrid_layer_pattern", None)
+    must not carry a hybrid pattern (the plan would budget layers the GPT does not have). The
+    deprecated ``--hybrid-override-pattern`` counts as the pattern (Megatron's validation moves
+    it there)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None) or \
+        getattr(args, "hybrid_override_pattern", None)
     if not (sb.sparse_attention_enabled or plugin_data):
         return []   # the plugin is off: the run is stock Megatron, whatever its layers
     if not hybrid:
@@ -330,7 +333,10 @@ def _triton_conflicts(args, sb: SparseBalanceConfig, cuda: bool) -> list[str]:
     return out
 
 
-def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
+def _device_conflicts(args, sb: SparseBalanceConfig, validated: bool = True) -> list[str]:
+    """``validated`` False (the flags as parsed): leave out what Megatron's validation may still
+    change (the distributed optimizer, sequence parallelism at TP 1, the RoPE fusion without
+    RoPE); ``check_launch`` judges those."""
     out = []
     cuda = torch.cuda.is_available()
     impl = getattr(args, "transformer_impl", "local")
@@ -356,7 +362,7 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
             out.append(f"{flag_name('attention_backend')} fa4 with {flag_name('block_size')} "
                        f"{sb.block_size}: expected {FA4_BLOCK} (FA4's Hopper tiles)")
     if not cuda:
-        if getattr(args, "use_distributed_optimizer", False):
+        if validated and getattr(args, "use_distributed_optimizer", False):
             out.append("--use-distributed-optimizer on CPU (Megatron's distributed optimizer "
                        "asserts CUDA tensors; leave it to GPU runs)")
         if getattr(args, "distributed_backend", "gloo") == "nccl":
@@ -371,21 +377,24 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
         if not getattr(args, "no_persist_layer_norm", True) and not have_apex:
             out.append("--transformer-impl local with the persistent layer norm: it needs NVIDIA "
                        "apex; add --no-persist-layer-norm")
-        if getattr(args, "sequence_parallel", False):
+        if validated and getattr(args, "sequence_parallel", False):
             out.append("--sequence-parallel with --transformer-impl local (the local torch norm "
                        "does not support it; use transformer-engine)")
-        if getattr(args, "apply_rope_fusion", False) and not have_module("transformer_engine"):
+        if validated and getattr(args, "apply_rope_fusion", False) and \
+                not have_module("transformer_engine"):
             out.append("the fused RoPE kernel (Megatron's default) needs transformer-engine; "
                        "add --no-rope-fusion")
     return out
 
 
 def flag_conflicts(args, sb: SparseBalanceConfig, *, plugin_data: bool,
-                   hybrid: Optional[bool]) -> list[str]:
-    """Every setting of this launch that cannot work and that Megatron's flags show as parsed,
-    one entry each (``hybrid``: the model is a HybridModel; None: not known, its checks wait for
-    ``check_launch``)."""
-    bad = _device_conflicts(args, sb)
+                   hybrid: Optional[bool], validated: bool = False) -> list[str]:
+    """Every setting of this launch that cannot work and that Megatron's flags show, one entry
+    each (``hybrid``: the model is a HybridModel; None: not known, its checks wait for
+    ``check_launch``). ``validated`` False: the flags as parsed, before Megatron's validation;
+    only what it does not change is judged then (it may still derive a setting the checks miss,
+    never undo one they refuse: ``check_launch`` judges the rest)."""
+    bad = _device_conflicts(args, sb, validated)
     if hybrid is not None:
         bad += _hybrid_conflicts(args, sb, hybrid, plugin_data)
     bad += _context_parallel_conflicts(args, sb, plugin_data)
@@ -439,7 +448,7 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
                  hybrid: bool = False) -> None:
     """``LaunchError`` listing every setting of this launch that cannot work (``hybrid``: the
     model is a HybridModel, ``pretrain_hybrid.py``)."""
-    bad = flag_conflicts(args, sb, plugin_data=plugin_data, hybrid=hybrid)
+    bad = flag_conflicts(args, sb, plugin_data=plugin_data, hybrid=hybrid, validated=True)
     bad += _layout_problems(args, sb, plugin_data)
     bad += config_problems(sb)   # the files the flags name (checked at parse too)
     bad += attention_dropout_conflicts(args, sb, plugin_data)
