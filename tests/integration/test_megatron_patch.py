@@ -7,9 +7,11 @@ already applied, reverts it and refuses a file it does not fit; the hooks work o
 parser, model config (the spec is built by Megatron's own default-spec call, for TE and local),
 timers and finalize slot; the patched flow (parse -> gpt_config_from_args -> install ->
 Megatron's GPTModelBuilder) builds a GPT with our core attention that runs forward and backward.
-With ``MEGATRON_LM_DIR`` set (a real Megatron-LM checkout): the patch is applied to a copy, the
-patched pretrain_gpt.py trains 3 steps with ``--sparse-balance`` (DST + SAB) on 2 ranks, CPU, and
-its losses equal our entry's on the same data.
+With ``MEGATRON_LM_DIR`` (core_r0.19.0), ``MEGATRON_LM_MAIN_DIR`` (main) and/or
+``MEGATRON_LM_DEV_DIR`` (dev) set to real Megatron-LM checkouts: the branch's patch is applied to
+a copy, the patched pretrain_gpt.py trains 3 steps with ``--sparse-balance`` (DST + SAB) on 2
+ranks, CPU, the sparse kernel selects (kept density below 1), and its losses equal our entry's on
+the same data.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_an_unknown_old_name_is_still_an_import_error():
 
 
 def _hand_wiring_blocks() -> list[str]:
-    text = (REPO / "docs" / "TRAINING.md").read_text()
+    text = (REPO / "docs/TRAINING.md").read_text()
     section = text.split("## Wiring it by hand", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
