@@ -350,18 +350,19 @@ def _install_timers_tee(ours) -> None:
 def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
     """Megatron's ``train_valid_test_datasets_provider``: ours with the plugin's data path (it
     returns the train/valid/test iterators for ``--dataloader-type external``), else
-    ``megatron_provider`` unchanged."""
+    ``megatron_provider``, checked first (when Megatron calls it, after building the model)
+    that the model is the one ``install`` changed, or that ``install`` need not have run."""
     if not _run.plugin_data:
         if megatron_provider is None:
             raise RuntimeError("hooks.datasets_provider(None) needs the plugin's data path: call "
                                "hooks.install(args, model_cfg, packed_data=True) first")
-        if _run.sb is None or not _run.sb.sparse_attention_enabled:
+        if _run.sb is not None and not _run.sb.sparse_attention_enabled:
             return megatron_provider
 
         @functools.wraps(megatron_provider)       # keeps is_distributed and the like
         def checked(*args, **kwargs):
             try:
-                _check_model_built()
+                _check_installed() if _run.sb is None else _check_model_built()
             except LaunchError as e:
                 comm.say_error(f"error: {e}")
                 raise SystemExit(1) from None
@@ -379,6 +380,23 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
 
     provider.is_distributed = True   # every rank builds its own (identical) iterators
     return provider
+
+
+def _check_installed() -> None:
+    """``install`` (or ``model_config``) never ran in this process: with the plugin's switches
+    on, none of it would act (a ``model_provider`` holding the plugin's spec is not called when
+    the container has a model), and the run would be stock Megatron under the plugin's flags."""
+    try:
+        sb = config_from_args(_megatron_args())
+    except ConfigError:
+        return           # the parser named bad values already; nothing of the plugin is on
+    if sb.sparse_attention_enabled or uses_plugin_data(sb, None):
+        raise LaunchError("the plugin's switches are on (--sparse-balance / --sb-sparse-attention "
+                          "/ --sb-dst / --sb-batching) but hooks.install never ran: pretrain() "
+                          "builds Megatron's attention and nothing of the plugin acts; call "
+                          "hooks.install(args, model_cfg) (or model_cfg = hooks.model_config(args, "
+                          "gpt_config_from_args)) and pass that model_cfg to pretrain: "
+                          "pretrain(pretrain_cfg_container_from_args(args, model_cfg), ...)")
 
 
 def _check_model_built() -> None:
