@@ -4,8 +4,9 @@
 ``pretrain_hybrid.py`` (with ``patches/``) run the same six calls around Megatron's own flow; the
 loop is Megatron's::
 
-    args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider(base, model="gpt"),
-                                   args_defaults=hooks.args_defaults(defaults))
+    args = parse_and_validate_args(
+        extra_args_provider=hooks.extra_args_provider(base, model="gpt"),
+        args_defaults=hooks.args_defaults(defaults))
     model_cfg = gpt_config_from_args(args)        # or hybrid_config_from_args, model="hybrid"
     hooks.install(args, model_cfg)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg),
