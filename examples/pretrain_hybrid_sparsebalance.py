@@ -26,8 +26,9 @@ from megatron.training.arguments import parse_and_validate_args
 from sparsebalance_megatron.megatron import hooks
 
 if __name__ == "__main__":
-    args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider(packed_data=True),
-                                   args_defaults=hooks.args_defaults(packed_data=True))
+    args = parse_and_validate_args(
+        extra_args_provider=hooks.extra_args_provider(packed_data=True, model="hybrid"),
+        args_defaults=hooks.args_defaults(packed_data=True))
     model_cfg = hybrid_config_from_args(args)
     hooks.install(args, model_cfg, packed_data=True)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg),

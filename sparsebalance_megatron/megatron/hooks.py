@@ -4,14 +4,20 @@
 ``pretrain_hybrid.py`` (with ``patches/``) run the same six calls around Megatron's own flow; the
 loop is Megatron's::
 
-    args = parse_and_validate_args(extra_args_provider=hooks.extra_args_provider(base),
-                                   args_defaults=hooks.args_defaults(defaults))
-    model_cfg = gpt_config_from_args(args)        # or hybrid_config_from_args
+    args = parse_and_validate_args(
+        extra_args_provider=hooks.extra_args_provider(base, model="gpt"),
+        args_defaults=hooks.args_defaults(defaults))
+    model_cfg = gpt_config_from_args(args)        # or hybrid_config_from_args, model="hybrid"
     hooks.install(args, model_cfg)
     pretrain(pretrain_cfg_container_from_args(args, model_cfg),
              hooks.datasets_provider(provider), ModelType.encoder_or_decoder,
              hooks.forward_step(forward_step), ...)
     hooks.finish()       # destroys the process groups once every rank is done
+
+A script whose ``pretrain()`` builds the model through ``model_provider`` with a config container
+that holds no model (Megatron-LM dev's ``pretrain_gpt.py``) calls ``model_cfg =
+hooks.model_config(args, gpt_config_from_args)`` instead of the config and ``install`` lines and
+passes it on: ``pretrain_cfg_container_from_args(args, model_cfg)``.
 
 Why this is long: it is the one module Megatron's side calls, and each of the six calls above is
 short glue over the rooms (launch, model, step, runtime); splitting it would give an entry point a
@@ -20,8 +26,9 @@ reader must assemble from several files, which is what a single integration modu
 What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
   machine without CUDA also the CPU defaults of ``launch.cpu_parser_defaults`` and the CPU shims);
-  ``args_defaults`` and the parser the provider returns check the plugin's settings before
-  Megatron validates its flags or builds a tokenizer (``launch/preflight.py``);
+  ``args_defaults`` and the parser the provider returns check the plugin's settings, and the
+  launch conflicts Megatron's flags show (``launch.checks.flag_conflicts``), before Megatron
+  validates and prints its flags or builds a tokenizer (``launch/preflight.py``);
 - the attention: ``GPTModelConfig.transformer_layer_spec`` = Megatron's default spec with only
   ``core_attention`` swapped (``spec.layer_spec_builder``), the budget context in its params; a
   HybridModel's ``hybrid_stack_spec`` with its attention layers' slot swapped (``model/hybrid.py``);
@@ -56,7 +63,7 @@ from typing import Callable, Optional
 from ..arguments import add_sparsebalance_args, config_from_args
 from ..config import ConfigError, SparseBalanceConfig
 from .launch import compat
-from .launch.checks import LaunchError, check_launch, cpu_parser_defaults
+from .launch.checks import LaunchError, check_launch, cpu_parser_defaults, flag_conflicts
 from .launch.preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
 from .runtime import comm
 
@@ -78,14 +85,23 @@ _run = _Integration()
 
 # --- flags -----------------------------------------------------------------------------------
 
-def extra_args_provider(base: Optional[Callable] = None, *,
-                        packed_data: Optional[bool] = None) -> Callable:
+MODELS = ("gpt", "hybrid")
+
+
+def extra_args_provider(base: Optional[Callable] = None, *, packed_data: Optional[bool] = None,
+                        model: Optional[str] = None) -> Callable:
     """Megatron ``extra_args_provider``: ``base``'s flags (if any), then ours; without CUDA also
     the CPU defaults, and the CPU shims (``validate_args`` already queries the device). The
-    parser it returns checks the plugin's settings as soon as it has parsed them, before
-    Megatron validates the flags or builds the tokenizer (``preflight.check_parsed``; with the
-    plugin's attention the default ``--attention-dropout`` becomes 0). ``packed_data`` as for
-    ``install``."""
+    parser it returns checks the plugin's settings and the launch conflicts of Megatron's flags
+    as soon as it has parsed them, before Megatron validates and prints the flags or builds the
+    tokenizer (``preflight.check_parsed``; with the plugin's attention the default
+    ``--attention-dropout`` becomes 0). ``packed_data`` as for ``install``; ``model``: the
+    script's model, ``"gpt"`` or ``"hybrid"`` (the checks of a pattern against the model run at
+    parse; None: they wait for ``install``)."""
+    if model not in (None, *MODELS):
+        raise ValueError(f"model={model!r}: expected one of {MODELS} or None")
+    conflicts = functools.partial(flag_conflicts, hybrid=None if model is None
+                                  else model == "hybrid")
 
     def provider(parser):
         if base is not None:
@@ -95,7 +111,7 @@ def extra_args_provider(base: Optional[Callable] = None, *,
         cpu_parser_defaults(parser)
         _escape_help_percent(parser)
         add_sparsebalance_args(parser)
-        check_after_parse(parser, packed_data)
+        check_after_parse(parser, packed_data, conflicts)
         return parser
 
     return provider
@@ -166,6 +182,23 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
         return _install(args, model_cfg, packed_data)
     except (ConfigError, LaunchError, ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def model_config(args, build: Callable, *, packed_data: Optional[bool] = None):
+    """The model config for ``pretrain_cfg_container_from_args(args, model_cfg)`` in a script
+    whose ``pretrain()`` builds the model through ``model_provider`` (Megatron-LM dev's
+    ``pretrain_gpt.py``). With the plugin's switches on: ``build(args)``
+    (``gpt_config_from_args``) after ``install``: ``pretrain()`` builds a container's model
+    whenever it has one and then never calls ``model_provider``, so the plugin's spec and hooks
+    are the ones built. With them off: the launch checks alone, and None (the script's
+    ``model_provider`` builds the model, as upstream)."""
+    try:
+        sb = config_from_args(args)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not (sb.sparse_attention_enabled or uses_plugin_data(sb, packed_data)):
+        return install(args, None, packed_data=packed_data)
+    return install(args, build(args), packed_data=packed_data)
 
 
 def _install(args, model_cfg, packed_data):
@@ -243,6 +276,8 @@ def _on_model_built(model: list) -> list:
     from megatron.core.utils import get_model_config
 
     _run.model_built = True
+    if _run.plugin_data:
+        _check_one_packer(get_model_config(model[0]))
     if _run.sb is not None and _run.sb.sparse_attention_enabled:
         from .model.attention_check import check_sparse_attention
         try:
@@ -280,6 +315,17 @@ def _on_model_built(model: list) -> list:
     return model
 
 
+def _check_one_packer(config) -> None:
+    """The config ``train_step`` reads: a packing scheduler set on it (a hand-wired config, past
+    the flag checks) would repack the plugin's micro-batches (``checks._packer_conflicts``)."""
+    scheduler = getattr(config, "sequence_packing_scheduler", None)
+    if scheduler is not None:
+        raise SystemExit(f"error: cannot launch: the model config's sequence_packing_scheduler "
+                         f"{scheduler!r} with the plugin's packing: two packers, Megatron's would "
+                         f"repack the micro-batches the plugin packed; leave it None (SAB packs) "
+                         f"or drop the plugin's packing")
+
+
 def _megatron_args():
     from megatron.training.global_vars import get_args
 
@@ -310,18 +356,19 @@ def _install_timers_tee(ours) -> None:
 def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
     """Megatron's ``train_valid_test_datasets_provider``: ours with the plugin's data path (it
     returns the train/valid/test iterators for ``--dataloader-type external``), else
-    ``megatron_provider`` unchanged."""
+    ``megatron_provider``, checked first (when Megatron calls it, after building the model)
+    that the model is the one ``install`` changed, or that ``install`` need not have run."""
     if not _run.plugin_data:
         if megatron_provider is None:
             raise RuntimeError("hooks.datasets_provider(None) needs the plugin's data path: call "
                                "hooks.install(args, model_cfg, packed_data=True) first")
-        if _run.sb is None or not _run.sb.sparse_attention_enabled:
+        if _run.sb is not None and not _run.sb.sparse_attention_enabled:
             return megatron_provider
 
         @functools.wraps(megatron_provider)       # keeps is_distributed and the like
         def checked(*args, **kwargs):
             try:
-                _check_model_built()
+                _check_installed() if _run.sb is None else _check_model_built()
             except LaunchError as e:
                 comm.say_error(f"error: {e}")
                 raise SystemExit(1) from None
@@ -341,17 +388,36 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
     return provider
 
 
+def _check_installed() -> None:
+    """``install`` (or ``model_config``) never ran in this process: with the plugin's switches
+    on, none of it would act (a ``model_provider`` holding the plugin's spec is not called when
+    the container has a model), and the run would be stock Megatron under the plugin's flags."""
+    try:
+        sb = config_from_args(_megatron_args())
+    except ConfigError:
+        return           # the parser named bad values already; nothing of the plugin is on
+    if sb.sparse_attention_enabled or uses_plugin_data(sb, None):
+        raise LaunchError("the plugin's switches are on (--sparse-balance / --sb-sparse-attention "
+                          "/ --sb-dst / --sb-batching) but hooks.install never ran: pretrain() "
+                          "builds Megatron's attention and nothing of the plugin acts; call "
+                          "hooks.install(args, model_cfg) (or model_cfg = hooks.model_config(args, "
+                          "gpt_config_from_args)) and pass that model_cfg to pretrain: "
+                          "pretrain(pretrain_cfg_container_from_args(args, model_cfg), ...)")
+
+
 def _check_model_built() -> None:
     """Megatron builds the model before the datasets: by then the post-wrap hook that
     ``install`` added to ``model_cfg`` must have run. A config built again after ``install``
-    (``gpt_config_from_args(args)`` a second time) carries neither the sparse attention nor the
-    hook: training it would run Megatron's attention, and the plugin's data path has no callback
-    (a bare ``AttributeError`` on ``None``)."""
+    (``gpt_config_from_args(args)`` a second time), or a container without it (``pretrain()``
+    then calls ``model_provider``), carries neither the sparse attention nor the hook: training
+    it would run Megatron's attention, and the plugin's data path has no callback (a bare
+    ``AttributeError`` on ``None``)."""
     if _run.model_built:
         return
     raise LaunchError("pretrain() built the model from a config that hooks.install(args, "
                       "model_cfg) did not change (a config made again after install, e.g. a "
-                      "second gpt_config_from_args(args)): it has Megatron's attention and none "
+                      "second gpt_config_from_args(args), or a container without it, so that "
+                      "model_provider built the model): it has Megatron's attention and none "
                       "of the plugin's hooks; pass pretrain the model_cfg given to install: "
                       "pretrain(pretrain_cfg_container_from_args(args, model_cfg), ...)")
 

@@ -3,8 +3,9 @@
 Always run: the patch is a well-formed diff of pretrain_hybrid.py alone, adding the six hook calls
 (each exists in ``hooks``); the apply script patches both scripts of a checkout, detects them as
 applied, reverts them, changes nothing when one of them does not fit, and skips a checkout
-without pretrain_hybrid.py. With ``MEGATRON_LM_DIR`` (a core_r0.19.0 checkout) and/or
-``MEGATRON_LM_MAIN_DIR`` (a main checkout): the patched pretrain_hybrid.py of that checkout trains
+without pretrain_hybrid.py. With ``MEGATRON_LM_DIR`` (a core_r0.19.0 checkout),
+``MEGATRON_LM_MAIN_DIR`` (main) and/or ``MEGATRON_LM_DEV_DIR`` (dev, which takes its own patch):
+the patched pretrain_hybrid.py of that checkout trains
 a ``*-|-*`` HybridModel with ``--sparse-balance`` (DST + SAB) at PP=2 x DP=2 on 4 CPU ranks,
 evaluates, checkpoints and resumes like the uninterrupted run, and every step's loss equals our
 entry's (examples/pretrain_hybrid_sparsebalance.py) on the same data.
@@ -89,7 +90,9 @@ def test_script_skips_a_checkout_without_pretrain_hybrid(tmp_path):
 
 # --- real Megatron-LM checkouts ------------------------------------------------------------------
 
-CHECKOUTS = {"core_r0.19.0": "MEGATRON_LM_DIR", "main": "MEGATRON_LM_MAIN_DIR"}
+CHECKOUTS = {"core_r0.19.0": ("MEGATRON_LM_DIR", "megatron_lm_pretrain_hybrid.patch"),
+             "main": ("MEGATRON_LM_MAIN_DIR", "megatron_lm_pretrain_hybrid.patch"),
+             "dev": ("MEGATRON_LM_DEV_DIR", "megatron_lm_dev_pretrain_hybrid.patch")}
 
 
 def _flags(tmp_path: Path, data: Path, table) -> list[str]:
@@ -152,7 +155,7 @@ def test_patched_pretrain_hybrid_trains_like_our_entry(branch, tmp_path, small_j
                                                        analytic_latency_table_pp2):
     """PP=2 x DP=2 with DST and SAB: the patched script of the branch trains, evaluates,
     checkpoints and resumes, and every step's loss equals our entry's."""
-    env = CHECKOUTS[branch]
+    env, patch = CHECKOUTS[branch]
     if not os.environ.get(env):
         pytest.skip(f"set {env} to a Megatron-LM {branch} checkout to run its pretrain_hybrid.py")
     src = Path(os.environ[env]).resolve()
@@ -163,7 +166,7 @@ def test_patched_pretrain_hybrid_trains_like_our_entry(branch, tmp_path, small_j
         shutil.copy2(src / name, copy / name)
     (copy / "megatron").symlink_to(src / "megatron", target_is_directory=True)
     out = run_script(copy, check_rc=0).stdout
-    assert f"applied: {copy}/pretrain_hybrid.py" in out, out
+    assert f"applied: {copy}/pretrain_hybrid.py ({patch})" in out, out
     patched = (copy / "pretrain_hybrid.py").read_text()
     imports = {(n.module, a.name) for n in ast.walk(ast.parse(patched))
                if isinstance(n, ast.ImportFrom) for a in n.names}

@@ -7,9 +7,11 @@ already applied, reverts it and refuses a file it does not fit; the hooks work o
 parser, model config (the spec is built by Megatron's own default-spec call, for TE and local),
 timers and finalize slot; the patched flow (parse -> gpt_config_from_args -> install ->
 Megatron's GPTModelBuilder) builds a GPT with our core attention that runs forward and backward.
-With ``MEGATRON_LM_DIR`` set (a real Megatron-LM checkout): the patch is applied to a copy, the
-patched pretrain_gpt.py trains 3 steps with ``--sparse-balance`` (DST + SAB) on 2 ranks, CPU, and
-its losses equal our entry's on the same data.
+With ``MEGATRON_LM_DIR`` (core_r0.19.0), ``MEGATRON_LM_MAIN_DIR`` (main) and/or
+``MEGATRON_LM_DEV_DIR`` (dev) set to real Megatron-LM checkouts: the branch's patch is applied to
+a copy, the patched pretrain_gpt.py trains 3 steps with ``--sparse-balance`` (DST + SAB) on 2
+ranks, CPU, the sparse kernel selects (kept density below 1), and its losses equal our entry's on
+the same data.
 """
 
 from __future__ import annotations
@@ -184,10 +186,15 @@ def test_extra_args_provider_composes_with_the_scripts_own():
     assert (args.modelopt_like, args.sparse_balance, args.sb_density) == (5, True, 0.25)
 
 
-def test_extra_args_provider_sets_cpu_defaults_that_flags_override():
+def test_extra_args_provider_sets_cpu_defaults_that_flags_override(monkeypatch):
+    from sparsebalance_megatron.megatron.launch import checks
+
     args = _megatron_args(["--seq-length", "128"])
     assert (args.transformer_impl, args.distributed_backend) == ("local", "gloo")
     assert args.gradient_accumulation_fusion is False and args.no_persist_layer_norm is True
+    # without transformer-engine the flag is refused as it is parsed (tests/unit/
+    # test_parse_time_checks.py); with it, the flag wins over the CPU default
+    monkeypatch.setattr(checks, "have_module", lambda name: True)
     assert _megatron_args(["--transformer-impl", "transformer_engine"]).transformer_impl == \
         "transformer_engine"
 
@@ -438,20 +445,45 @@ def _tool_path(tmp_path: Path) -> str:
     return os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
-                    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout to run the patched script")
-def test_patched_megatron_lm_trains_with_sparse_balance_like_our_entry(tmp_path, small_jsonl):
-    from tests.conftest import ENTRY, TINY_MODEL, read_metrics, run_entry
+# Real checkouts, by the variable naming each (fetch github:NVIDIA/Megatron-LM, then `git archive`
+# or `git worktree add` of the branch); the patch each must take.
+CHECKOUTS = {"core_r0.19.0": ("MEGATRON_LM_DIR", "megatron_lm_pretrain_gpt.patch"),
+             "main": ("MEGATRON_LM_MAIN_DIR", "megatron_lm_pretrain_gpt.patch"),
+             "dev": ("MEGATRON_LM_DEV_DIR", "megatron_lm_dev_pretrain_gpt.patch")}
 
-    src = Path(os.environ["MEGATRON_LM_DIR"]).resolve()
+
+def patched_copy(branch: str, tmp_path: Path, names) -> Path:
+    """A copy of the checkout's entry scripts (``names``; its ``megatron`` linked), patched by the
+    apply script with the branch's patch; skips the test when the checkout is not given."""
+    env, patch = CHECKOUTS[branch]
+    if not os.environ.get(env):
+        pytest.skip(f"set {env} to a Megatron-LM {branch} checkout to run its patched scripts")
+    src = Path(os.environ[env]).resolve()
     copy = tmp_path / "Megatron-LM"
     copy.mkdir()
-    for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+    for name in names:
         if (src / name).exists():
             shutil.copy2(src / name, copy / name)
     (copy / "megatron").symlink_to(src / "megatron", target_is_directory=True)
-    assert "applied" in run_script(copy).stdout
+    out = run_script(copy, check_rc=0).stdout
+    assert f"applied: {copy}/pretrain_gpt.py ({patch})" in out, out
     assert "already applied" in run_script(copy, check_rc=0).stdout
+    return copy
+
+
+@pytest.mark.parametrize("branch", list(CHECKOUTS))
+def test_patched_megatron_lm_trains_with_sparse_balance_like_our_entry(branch, tmp_path,
+                                                                      small_jsonl):
+    """The branch's patched pretrain_gpt.py trains 3 steps with --sparse-balance on 2 CPU ranks:
+    the sparse kernel runs (every step's kept density, which only SparseCoreAttention's
+    forward records after its selection, is below 1: not a dense model reporting planned
+    densities; on main and core_r0.19.0 pretrain() builds the config container's model, on dev
+    too once hooks.model_config gave it one), Megatron evaluates, and the losses equal our
+    entry's."""
+    from tests.conftest import ENTRY, TINY_MODEL, read_metrics, run_entry
+
+    copy = patched_copy(branch, tmp_path, ("pretrain_gpt.py", "gpt_builders.py",
+                                           "model_provider.py"))
     patched = (copy / "pretrain_gpt.py").read_text()
     compile(patched, str(copy / "pretrain_gpt.py"), "exec")
     imports = {(n.module, a.name) for n in ast.walk(ast.parse(patched))
@@ -462,16 +494,18 @@ def test_patched_megatron_lm_trains_with_sparse_balance_like_our_entry(tmp_path,
              "--data-path", str(small_jsonl), "--sparse-balance", "--sb-density", "0.5",
              "--sb-block-size", "32", "--sb-tokenizer", "byte",
              "--sb-data-cache-dir", str(tmp_path / "cache")]
+    tools = _tool_path(tmp_path)
     runs = {}
     for name, script in (("megatron_lm", copy / "pretrain_gpt.py"), ("ours", ENTRY)):
         metrics = tmp_path / f"{name}.jsonl"
         proc = run_entry(2, [*flags, "--sb-metrics-file", metrics], cwd=tmp_path, timeout=600,
-                         entry=script, env={"PATH": _tool_path(tmp_path)})
+                         entry=script, env={"PATH": tools})
         assert "DST on" in proc.stdout and "packing sab" in proc.stdout
         assert "validation loss at iteration 3" in proc.stdout   # Megatron's eval ran
         runs[name] = read_metrics(metrics)
     a, b = runs["megatron_lm"], runs["ours"]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     for x, y in zip(a, b):
+        assert 0 < x["kept_density"] < 1, x          # the sparse kernel ran, and selected
         assert x["tokens"] == y["tokens"] and x["mean_density"] == y["mean_density"]
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (x["loss"], y["loss"])

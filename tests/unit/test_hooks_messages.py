@@ -72,3 +72,38 @@ def test_a_config_made_after_install_is_named(plugin_data, monkeypatch, capsys):
     if not plugin_data:     # the model install changed was built: Megatron's provider runs
         monkeypatch.setattr(hooks._run, "model_built", True)
         assert provider([8, 0, 0]) == "megatron's datasets"
+
+
+@pytest.mark.reliability(area="integration", case="the plugin's flags on, hooks.install never "
+                         "called (a model_provider holding the plugin's spec beside a container "
+                         "with a model, which pretrain() builds instead)",
+                         expect="one 'error:' line saying install never ran; a stock run (no "
+                         "switch on) goes on")
+def test_install_never_called_is_named(monkeypatch, capsys):
+    import argparse
+
+    from sparsebalance_megatron.arguments import add_sparsebalance_args
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(hooks._run, "sb", None)           # install never ran
+    monkeypatch.setattr(hooks._run, "plugin_data", False)
+
+    def megatron_provider(train_val_test_num_samples, vp_stage=None):
+        return "megatron's datasets"
+
+    def parsed(argv):
+        p = argparse.ArgumentParser()
+        add_sparsebalance_args(p)
+        return p.parse_args(argv)
+
+    provider = hooks.datasets_provider(megatron_provider)
+    monkeypatch.setattr(hooks, "_megatron_args", lambda: parsed(["--sb-sparse-attention"]))
+    with pytest.raises(SystemExit) as e:
+        provider([8, 0, 0])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the plugin's switches are on") and err.count("\n") == 1, err
+    assert "hooks.install never ran" in err
+    monkeypatch.setattr(hooks, "_megatron_args", lambda: parsed([]))
+    assert provider([8, 0, 0]) == "megatron's datasets"     # stock: nothing of the plugin on

@@ -88,7 +88,9 @@ def _args(argv):
 
     from sparsebalance_megatron.megatron import hooks
 
-    parser = hooks.extra_args_provider(None)(add_megatron_arguments(argparse.ArgumentParser()))
+    # as pretrain_hybrid.py's parser: the launch conflicts the flags show end it at parse
+    parser = hooks.extra_args_provider(None, model="hybrid")(
+        add_megatron_arguments(argparse.ArgumentParser()))
     return parser.parse_args(["--seq-length", "256", *argv])
 
 

@@ -216,6 +216,8 @@ def test_attention_dropout_defaults_to_zero_with_the_plugins_attention(monkeypat
     assert parsed(monkeypatch, [*model, "--sb-sparse-attention"]).attention_dropout == 0.0
     assert parsed(monkeypatch, model).attention_dropout == 0.0   # our entry: dense varlen
     te = [*model, "--transformer-impl", "transformer_engine"]
+    from sparsebalance_megatron.megatron.launch import checks   # as where TE is installed (else
+    monkeypatch.setattr(checks, "have_module", lambda name: True)   # refused at parse)
     assert parsed(monkeypatch, te).attention_dropout == 0.1      # Megatron's own attention
     assert parsed(monkeypatch, [*model, *SB, "--attention-dropout", "0"]).attention_dropout == 0
 

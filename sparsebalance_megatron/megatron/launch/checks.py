@@ -4,6 +4,10 @@
 ``hooks.install`` (before ``pretrain()`` initialises torch.distributed) and raises a
 ``LaunchError`` whose one line names the flag, its value and what to do; the entry points turn it
 into ``SystemExit("error: ...")``, so the user reads one line, not a chained traceback.
+``flag_conflicts`` is the part the flags alone decide: the parser the hooks hand Megatron runs it
+as soon as it has parsed them (``preflight.check_after_parse``), so those mistakes are named
+before Megatron validates and prints its arguments or builds a tokenizer; ``check_launch`` runs
+it again on the validated arguments (a flag Megatron derives, a hand-wired launch).
 
 ``cpu_parser_defaults(parser)``: on a machine without CUDA, Megatron's defaults that need a GPU
 (NCCL, transformer-engine, fused kernels, apex's persistent layer norm and fused weight-gradient
@@ -17,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -59,11 +64,12 @@ def have_module(name: str) -> bool:
         return False
 
 
-def _sparse_attention_conflicts(args, hybrid: bool = False) -> list[str]:
+def _sparse_attention_conflicts(args, hybrid: Optional[bool] = False) -> list[str]:
     """Settings whose layer spec or core attention would silently replace ours (a HybridModel's
-    ``--spec`` is a stack spec: the swap goes inside it, ``model/hybrid.py``)."""
+    ``--spec`` is a stack spec: the swap goes inside it, ``model/hybrid.py``; ``hybrid`` None:
+    the model kind is not known yet, ``--spec`` waits for ``check_launch``)."""
     out = []
-    if getattr(args, "spec", None) is not None and not hybrid:
+    if getattr(args, "spec", None) is not None and hybrid is False:
         spec = args.spec if isinstance(args.spec, str) else " ".join(args.spec)
         out.append(f"--spec {spec} (a custom layer spec)")
     if getattr(args, "num_experts", None):
@@ -86,8 +92,11 @@ def _sparse_attention_conflicts(args, hybrid: bool = False) -> list[str]:
 def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool,
                       plugin_data: bool) -> list[str]:
     """HybridModel: the layer kinds served are attention (``*``) and MLP (``-``); a GPT run
-    must not carry a hybrid pattern (the plan would budget layers the GPT does not have)."""
-    pattern = getattr(args, "hybrid_layer_pattern", None)
+    must not carry a hybrid pattern (the plan would budget layers the GPT does not have). The
+    deprecated ``--hybrid-override-pattern`` counts as the pattern (Megatron's validation moves
+    it there)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None) or \
+        getattr(args, "hybrid_override_pattern", None)
     if not (sb.sparse_attention_enabled or plugin_data):
         return []   # the plugin is off: the run is stock Megatron, whatever its layers
     if not hybrid:
@@ -230,10 +239,9 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
     return out
 
 
-def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
-    """Megatron features the plugin does not support yet (each with its own issue)."""
-    out = _context_parallel_conflicts(args, sb, plugin_data)
-    out += _microbatch_length_conflicts(args, sb, plugin_data)
+def _layout_problems(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """The pipeline layout the plan reads (from Megatron's validated sizes: a HybridModel's layer
+    count comes from its pattern)."""
     # a HybridModel's pattern matters only when the plugin plans (stock runs keep Mamba, MTP...)
     plans = sb.sparse_attention_enabled or plugin_data
     try:
@@ -241,12 +249,39 @@ def _not_yet(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
                 (plans or getattr(args, "hybrid_layer_pattern", None) is None):
             PipelineLayout.from_megatron_args(args)
     except LayoutError as e:
-        out.append(f"the pipeline layout: {e}")
-    if plugin_data:
-        if getattr(args, "iterations_to_skip", None):
-            out.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "
-                       f"iterator")
-    return out
+        return [f"the pipeline layout: {e}"]
+    return []
+
+
+def _packer_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """One packer per launch. Megatron-LM dev's sequence packing scheduler (``train_step`` wraps
+    the data iterator with it: ``--sequence-packing-scheduler``, also chosen by
+    ``--dynamic-context-parallel`` and ``--use-varlen-dataset``) repacks whatever micro-batches
+    it is given: on the plugin's data path it would repack SAB's (or the sequential plan's)
+    micro-batches and drop the keys the plugin's forward step reads (``cu_seqlens``, the
+    micro-batch's plan)."""
+    if not plugin_data:
+        return []
+    scheduler = getattr(args, "sequence_packing_scheduler", None)
+    if scheduler is not None:
+        theirs = f"--sequence-packing-scheduler {scheduler}"
+    elif getattr(args, "dynamic_context_parallel", False):
+        theirs = ("--dynamic-context-parallel (it packs with Megatron's default_dynamic_cp "
+                  "scheduler)")
+    elif getattr(args, "use_varlen_dataset", False) and \
+            not getattr(args, "varlen_sbhd_validation", False):
+        theirs = "--use-varlen-dataset (it packs with Megatron's dp_balanced scheduler)"
+    else:
+        return []
+    ours = [f for f, on in (("--sparse-balance", sb.sparse_balance),
+                            ("--sb-batching", sb.batching), ("--sb-dst", sb.dst),
+                            (f"{flag_name('packing')} {sb.packing}", sb.packing != "auto")) if on]
+    ours = " / ".join(ours) if ours else "the plugin's entry, which always packs"
+    return [f"{theirs} with the plugin's packing ({ours}): two packers, Megatron's would repack "
+            f"the micro-batches the plugin packed and drop their cu_seqlens and budgets; drop "
+            f"{theirs.split(' (')[0]} (SAB already packs, balancing predicted latency where "
+            f"Megatron's packer balances tokens), or drop the plugin's packing for Megatron's "
+            f"(--sb-sparse-attention alone keeps Megatron's data path)"]
 
 
 def _data_conflicts(args) -> list[str]:
@@ -298,7 +333,10 @@ def _triton_conflicts(args, sb: SparseBalanceConfig, cuda: bool) -> list[str]:
     return out
 
 
-def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
+def _device_conflicts(args, sb: SparseBalanceConfig, validated: bool = True) -> list[str]:
+    """``validated`` False (the flags as parsed): leave out what Megatron's validation may still
+    change (the distributed optimizer, sequence parallelism at TP 1, the RoPE fusion without
+    RoPE); ``check_launch`` judges those."""
     out = []
     cuda = torch.cuda.is_available()
     impl = getattr(args, "transformer_impl", "local")
@@ -324,7 +362,7 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
             out.append(f"{flag_name('attention_backend')} fa4 with {flag_name('block_size')} "
                        f"{sb.block_size}: expected {FA4_BLOCK} (FA4's Hopper tiles)")
     if not cuda:
-        if getattr(args, "use_distributed_optimizer", False):
+        if validated and getattr(args, "use_distributed_optimizer", False):
             out.append("--use-distributed-optimizer on CPU (Megatron's distributed optimizer "
                        "asserts CUDA tensors; leave it to GPU runs)")
         if getattr(args, "distributed_backend", "gloo") == "nccl":
@@ -339,22 +377,33 @@ def _device_conflicts(args, sb: SparseBalanceConfig) -> list[str]:
         if not getattr(args, "no_persist_layer_norm", True) and not have_apex:
             out.append("--transformer-impl local with the persistent layer norm: it needs NVIDIA "
                        "apex; add --no-persist-layer-norm")
-        if getattr(args, "sequence_parallel", False):
+        if validated and getattr(args, "sequence_parallel", False):
             out.append("--sequence-parallel with --transformer-impl local (the local torch norm "
                        "does not support it; use transformer-engine)")
-        if getattr(args, "apply_rope_fusion", False) and not have_module("transformer_engine"):
+        if validated and getattr(args, "apply_rope_fusion", False) and \
+                not have_module("transformer_engine"):
             out.append("the fused RoPE kernel (Megatron's default) needs transformer-engine; "
                        "add --no-rope-fusion")
     return out
 
 
-def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
-                 hybrid: bool = False) -> None:
-    """``LaunchError`` listing every setting of this launch that cannot work (``hybrid``: the
-    model is a HybridModel, ``pretrain_hybrid.py``)."""
-    bad = _device_conflicts(args, sb) + _hybrid_conflicts(args, sb, hybrid, plugin_data) + \
-        _not_yet(args, sb, plugin_data)
+def flag_conflicts(args, sb: SparseBalanceConfig, *, plugin_data: bool,
+                   hybrid: Optional[bool], validated: bool = False) -> list[str]:
+    """Every setting of this launch that cannot work and that Megatron's flags show, one entry
+    each (``hybrid``: the model is a HybridModel; None: not known, its checks wait for
+    ``check_launch``). ``validated`` False: the flags as parsed, before Megatron's validation;
+    only what it does not change is judged then (it may still derive a setting the checks miss,
+    never undo one they refuse: ``check_launch`` judges the rest)."""
+    bad = _device_conflicts(args, sb, validated)
+    if hybrid is not None:
+        bad += _hybrid_conflicts(args, sb, hybrid, plugin_data)
+    bad += _context_parallel_conflicts(args, sb, plugin_data)
+    bad += _microbatch_length_conflicts(args, sb, plugin_data)
+    bad += _packer_conflicts(args, sb, plugin_data)
     if plugin_data:
+        if getattr(args, "iterations_to_skip", None):
+            bad.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "
+                       f"iterator")
         bad += _data_conflicts(args)
     if sb.sparse_attention_enabled:
         seq = getattr(args, "seq_length", None)
@@ -372,8 +421,11 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "
                    f"use {flag_name('selection_mode')} density")
-    bad += config_problems(sb)   # the files the flags name (checked at parse too)
-    bad += attention_dropout_conflicts(args, sb, plugin_data)
+    return bad + _straggler_problems(args, sb)
+
+
+def _straggler_problems(args, sb: SparseBalanceConfig) -> list[str]:
+    bad = []
     if sb.straggler_stage >= 0 and sb.straggler_rank < 0:
         bad.append(f"{flag_name('straggler_stage')} {sb.straggler_stage}: needs "
                    f"{flag_name('straggler_rank')} (the data-parallel rank whose stage is slow)")
@@ -389,5 +441,16 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         if sb.straggler_stage >= pp:
             bad.append(f"{flag_name('straggler_stage')} {sb.straggler_stage}: this launch has "
                        f"{pp} pipeline rank(s) (0..{pp - 1})")
+    return bad
+
+
+def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
+                 hybrid: bool = False) -> None:
+    """``LaunchError`` listing every setting of this launch that cannot work (``hybrid``: the
+    model is a HybridModel, ``pretrain_hybrid.py``)."""
+    bad = flag_conflicts(args, sb, plugin_data=plugin_data, hybrid=hybrid, validated=True)
+    bad += _layout_problems(args, sb, plugin_data)
+    bad += config_problems(sb)   # the files the flags name (checked at parse too)
+    bad += attention_dropout_conflicts(args, sb, plugin_data)
     if bad:
         raise LaunchError("cannot launch: " + "; ".join(bad))

@@ -39,7 +39,7 @@ _RANDOM_TARGETS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
 _CUDA_TARGETS = (
     "current_device", "current_stream", "default_stream", "stream", "Stream", "Event",
     "synchronize", "get_rng_state", "set_rng_state", "manual_seed",
-    "empty_cache", "set_device", "device_count",
+    "empty_cache", "set_device", "device_count", "is_current_stream_capturing",
 )
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
@@ -271,6 +271,9 @@ def activate_cpu_shims() -> bool:
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda *a, **k: None
     cuda.set_device = lambda *a, **k: None
+    # Megatron-LM dev's pipeline send/receive asks whether a CUDA graph is being captured (a
+    # query the CUDA runtime answers only with a driver): never, on the CPU.
+    cuda.is_current_stream_capturing = lambda *a, **k: False
     # One "device": Megatron skips model-parallel set-up and RNG seeding when it counts none.
     cuda.device_count = lambda *a, **k: 1
     # The "CUDA" RNG state becomes the CPU generator's: Megatron's tracker forks it for

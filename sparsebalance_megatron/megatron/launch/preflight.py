@@ -13,7 +13,8 @@ Two points come before Megatron's own work:
 - the parser that ``hooks.extra_args_provider`` returns checks what it parsed, before Megatron
   validates it (``check_parsed``): the same, plus what needs Megatron's flags (the latency table
   against the model flags, attention dropout, ``--save`` without ``--save-interval``, a watchdog
-  threshold the distributed timeout would beat).
+  threshold the distributed timeout would beat), plus the launch conflicts the flags alone show
+  (``launch.checks.flag_conflicts``, handed in by the hooks as ``conflicts``).
 
 ``hooks.install`` then runs the launch checks (``launch.check_launch``) and compares the latency
 table with the validated model (padded vocabulary, derived sizes), still before any process
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from ...arguments import config_and_problems
 from ...config import ConfigError, SparseBalanceConfig, flag_name, path_fields
@@ -213,11 +214,14 @@ def checked_config(args) -> SparseBalanceConfig:
 
 
 def check_parsed(args, *, packed_data: Optional[bool],
-                 attention_dropout_default: Optional[float] = None) -> None:
+                 attention_dropout_default: Optional[float] = None,
+                 conflicts: Optional[Callable] = None) -> None:
     """Megatron's namespace as parsed (before ``validate_args``): the plugin's config and files,
-    then what needs Megatron's flags. Sets ``args.attention_dropout`` when no flag gave it
-    (``hooks.extra_args_provider`` makes its default None): 0 with the plugin's attention, whose
-    kernels have no dropout, else ``attention_dropout_default`` (Megatron's)."""
+    then what needs Megatron's flags, then ``conflicts(args, sb, plugin_data=...)`` (the launch
+    conflicts the flags show; their refusal reads ``cannot launch: ...``, as at install). Sets
+    ``args.attention_dropout`` when no flag gave it (``hooks.extra_args_provider`` makes its
+    default None): 0 with the plugin's attention, whose kernels have no dropout, else
+    ``attention_dropout_default`` (Megatron's)."""
     sb, bad, values_ok = _values_and_files(args)
     plugin_data = uses_plugin_data(sb, packed_data)
     bad += watchdog_problems(args, sb)
@@ -238,15 +242,20 @@ def check_parsed(args, *, packed_data: Optional[bool],
     if values_ok:
         from .replay import launch_problems
         bad += launch_problems(args, sb)
+    launch = conflicts(args, sb, plugin_data=plugin_data) if values_ok and conflicts else []
+    if launch:
+        raise LaunchError("cannot launch: " + "; ".join(bad + launch))
     if bad:
         raise LaunchError("; ".join(bad))
 
 
-def check_after_parse(parser, packed_data: Optional[bool]) -> None:
-    """Wrap this parser's ``parse_known_args`` (``parse_args`` calls it) with ``check_parsed``,
-    ending the process with one ``error:`` line: argparse has no hook after parsing, and
-    Megatron validates the namespace and builds its tokenizer right after. Also makes
-    ``--attention-dropout``'s default None, so that an explicit value is seen. Idempotent."""
+def check_after_parse(parser, packed_data: Optional[bool],
+                      conflicts: Optional[Callable] = None) -> None:
+    """Wrap this parser's ``parse_known_args`` (``parse_args`` calls it) with ``check_parsed``
+    (``conflicts`` as there), ending the process with one ``error:`` line: argparse has no hook
+    after parsing, and Megatron validates the namespace, prints it and builds its tokenizer
+    right after. Also makes ``--attention-dropout``'s default None, so that an explicit value is
+    seen. Idempotent."""
     if getattr(parser.parse_known_args, "_sparsebalance", False):
         return
     dropout_default = parser.get_default("attention_dropout")
@@ -257,7 +266,8 @@ def check_after_parse(parser, packed_data: Optional[bool]) -> None:
     def parse_known_args(args=None, namespace=None):
         ns, rest = parse_known(args, namespace)
         try:
-            check_parsed(ns, packed_data=packed_data, attention_dropout_default=dropout_default)
+            check_parsed(ns, packed_data=packed_data, attention_dropout_default=dropout_default,
+                         conflicts=conflicts)
         except (ConfigError, LaunchError) as e:
             raise SystemExit(f"error: {e}") from None
         return ns, rest
