@@ -317,7 +317,7 @@ def _on_model_built(model: list) -> list:
 
 def _check_one_packer(config) -> None:
     """The config ``train_step`` reads: a packing scheduler set on it (a hand-wired config, past
-    the flag checks) would repack the plugin's micro-batches (``checks._packer_conflicts``)."""
+    the flag checks) would repack the plugin's micro-batches (``data_checks.packer_conflicts``)."""
     scheduler = getattr(config, "sequence_packing_scheduler", None)
     if scheduler is not None:
         raise SystemExit(f"error: cannot launch: the model config's sequence_packing_scheduler "

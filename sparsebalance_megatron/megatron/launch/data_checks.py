@@ -1,0 +1,72 @@
+"""Launch checks of the data path: one packer per launch, and the Megatron data settings the
+plugin's packed data path does not serve. ``checks.flag_conflicts`` and ``checks.check_launch``
+call them; each returns the problems as lines (empty: nothing to refuse).
+Reads parsed arguments only: imports nothing from megatron, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from ...config import SparseBalanceConfig, flag_name
+
+
+def packer_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """One packer per launch. Megatron-LM dev's sequence packing scheduler (``train_step`` wraps
+    the data iterator with it: ``--sequence-packing-scheduler``, also chosen by
+    ``--dynamic-context-parallel`` and ``--use-varlen-dataset``) repacks whatever micro-batches
+    it is given: on the plugin's data path it would repack SAB's (or the sequential plan's)
+    micro-batches and drop the keys the plugin's forward step reads (``cu_seqlens``, the
+    micro-batch's plan)."""
+    if not plugin_data:
+        return []
+    scheduler = getattr(args, "sequence_packing_scheduler", None)
+    if scheduler is not None:
+        theirs = f"--sequence-packing-scheduler {scheduler}"
+    elif getattr(args, "dynamic_context_parallel", False):
+        theirs = ("--dynamic-context-parallel (it packs with Megatron's default_dynamic_cp "
+                  "scheduler)")
+    elif getattr(args, "use_varlen_dataset", False) and \
+            not getattr(args, "varlen_sbhd_validation", False):
+        theirs = "--use-varlen-dataset (it packs with Megatron's dp_balanced scheduler)"
+    else:
+        return []
+    ours = [f for f, on in (("--sparse-balance", sb.sparse_balance),
+                            ("--sb-batching", sb.batching), ("--sb-dst", sb.dst),
+                            (f"{flag_name('packing')} {sb.packing}", sb.packing != "auto")) if on]
+    ours = " / ".join(ours) if ours else "the plugin's entry, which always packs"
+    return [f"{theirs} with the plugin's packing ({ours}): two packers, Megatron's would repack "
+            f"the micro-batches the plugin packed and drop their cu_seqlens and budgets; drop "
+            f"{theirs.split(' (')[0]} (SAB already packs, balancing predicted latency where "
+            f"Megatron's packer balances tokens), or drop the plugin's packing for Megatron's "
+            f"(--sb-sparse-attention alone keeps Megatron's data path)"]
+
+
+def data_conflicts(args) -> list[str]:
+    """Megatron data settings the plugin's packed data path does not serve."""
+    out = []
+    # pretrain_gpt.loss_func's other losses (loss.MEGATRON_LOSS_ARGS): the plugin's forward step
+    # computes the LM loss only.
+    if getattr(args, "logits_load_dir", None) is not None:
+        out.append(f"--logits-load-dir {args.logits_load_dir} with the plugin's data path (its "
+                   f"forward step computes the LM loss, not offline distillation's)")
+    if getattr(args, "modelopt_enabled", False):
+        out.append("ModelOpt with the plugin's data path (its forward step computes the LM loss, "
+                   "not ModelOpt's distillation loss)")
+    if getattr(args, "mock_data", False):
+        out.append("--mock-data (the plugin's data path packs real documents; give --data-path "
+                   "or nothing for the built-in corpus)")
+    for flag, dest in (("--train-data-path", "train_data_path"),
+                       ("--valid-data-path", "valid_data_path"),
+                       ("--test-data-path", "test_data_path"),
+                       ("--data-args-path", "data_args_path"),
+                       ("--per-split-data-args-path", "per_split_data_args_path")):
+        if getattr(args, dest, None) is not None:
+            out.append(f"{flag} (use --data-path with --split)")
+    if getattr(args, "sft", False):
+        out.append("--sft")
+    if getattr(args, "fim_data", False):
+        out.append("--fim-data")
+    if getattr(args, "micro_batch_size", 1) != 1:
+        out.append(f"--micro-batch-size {args.micro_batch_size} (packed micro-batches hold whole "
+                   f"documents in one row of --seq-length tokens: use --micro-batch-size 1 and "
+                   f"raise --seq-length or --global-batch-size)")
+    return out
