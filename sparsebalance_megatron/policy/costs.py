@@ -235,6 +235,44 @@ def level_search(lo, hi, ok) -> np.ndarray:
         hi = np.where(open_ & ~fits, mid - 1, hi)
 
 
+def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
+    """Elementwise: the highest grid index L in [lo, hi] with ``table[unit, L] <= limit`` (lo if
+    none), for a table whose rows are non-decreasing along the grid (``UnitCosts`` makes its
+    costs so). ``units``: flat offsets of the units' rows (unit id x g) in ``table.reshape(-1)``;
+    ``units``, ``limit``, ``lo``, ``hi`` broadcast to one shape, the result's.
+
+    ``level_search`` with the predicate a table look-up, in fewer gathers: most answers are an
+    end of the interval (a unit left where it is, or cut to its bound), so both ends are tried
+    first and only the others bisect, each round over the elements still open."""
+    flat = table.reshape(-1)
+    units, limit, lo, hi = np.broadcast_arrays(units, limit, lo, hi)
+    shape = units.shape
+    units, limit = units.ravel(), limit.ravel()
+    out = lo.astype(np.int64).ravel()                              # a copy: lo if none
+    hi = hi.astype(np.int64, copy=False).ravel()
+    top = (flat.take(units + hi) <= limit) & (out < hi)
+    out[top] = hi[top]
+    # the rest: the answer is in [lo, hi - 1]; lo + 1 failing settles it at lo
+    todo = np.flatnonzero(~top & (out + 1 < hi))
+    if todo.size:
+        ok = flat.take(units[todo] + out[todo] + 1) <= limit[todo]
+        todo = todo[ok]
+        out[todo] += 1                                             # lo + 1 holds
+    u, lim, l, h = units[todo], limit[todo], out[todo], hi[todo] - 1
+    while todo.size:
+        open_ = l < h
+        if not open_.all():
+            todo, u, lim, l, h = todo[open_], u[open_], lim[open_], l[open_], h[open_]
+            if not todo.size:
+                break
+        mid = (l + h + 1) // 2
+        fits = flat.take(u + mid) <= lim
+        l = np.where(fits, mid, l)
+        h = np.where(fits, h, mid - 1)
+        out[todo] = l
+    return out.reshape(shape)
+
+
 def _non_decreasing(a: np.ndarray) -> np.ndarray:
     """Running max over the last axis (a itself when it is already non-decreasing: the common
     case, and much cheaper to check than to accumulate)."""
