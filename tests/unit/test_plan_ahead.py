@@ -1,13 +1,20 @@
-"""--sb-plan-ahead's planner thread: the draft comes back to the training thread, and so does
-an error raised while drafting (a bad batch must stop the run, not vanish with the thread)."""
+"""The planners that draft step n+1 while step n trains (``step/ahead.py``): the draft comes
+back to the training thread, and so does an error raised while drafting (a bad batch must stop
+the run, not vanish with the thread or the process); in-line, on the planner thread and in the
+planner process the same inputs give the same plan, bit for bit."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 
+import numpy as np
 import pytest
 
-from sparsebalance_megatron.megatron.step.planning import Draft, Planner
+from sparsebalance_megatron.megatron.step.ahead import (Planner, PlannerProcess,
+                                                        PlannerProcessError)
+from sparsebalance_megatron.megatron.step.drafting import Draft, Drafter
 
 
 def test_planner_returns_the_draft_with_its_basis():
@@ -29,3 +36,98 @@ def test_planner_reraises_the_drafts_error_on_the_caller():
 
     with pytest.raises(ValueError, match="sample 7: 40000 tokens"):
         Planner(draft, basis={}).result()
+
+
+DP, M, SEQ = 4, 8, 8192
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """Three global batches of the built-in corpus and a PP=2 analytic latency model."""
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
+
+    return corpus_steps(DP, M, 0.5, 3, seq=SEQ, pp=2)
+
+
+def _drafter(lm, tracker, **sb_kw):
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    sb = SparseBalanceConfig(sparse_balance=True, **sb_kw)
+    return Drafter(sb, lm, tracker, dp=DP, capacity=SEQ,
+                   attention_layers=lm.layout.attention_layers)
+
+
+def _learn(lm, tracker, step: int):
+    """A step's measurements: per-(DP rank, stage) calibration and document losses."""
+    rng = np.random.default_rng(step)
+    for r in range(DP):
+        lm.calibrate(r, np.ones(2), rng.uniform(0.8, 1.6, 2))
+        lm.calibrate_stages(r, np.ones(2), rng.uniform(0.8, 1.4, 2))
+    ids = list(range(step * 20, step * 20 + 20))
+    lengths, losses = rng.integers(100, 8000, 20).tolist(), rng.uniform(1, 4, 20).tolist()
+    return ids, lengths, losses
+
+
+def _plain(d: Draft) -> bytes:
+    """A draft's content (not its CPU time or basis), as bytes to compare."""
+    return pickle.dumps((d.iteration, d.first_bin, d.batch.micro_batches, d.payload,
+                         d.baseline[0].micro_batches if d.baseline else None, d.stand_down,
+                         d.units.work_grid(np.array([0.25, 0.5, 1.0]))))
+
+
+@pytest.mark.parametrize("objective", ["quality", "density"])
+def test_inline_thread_and_process_draft_the_same_plan(steps, objective):
+    from sparsebalance_megatron.batching import SensitivityTracker
+
+    lm, tracker = copy.deepcopy(steps.lm), SensitivityTracker()
+    drafter = _drafter(lm, tracker, dst_objective=objective)
+    proc = PlannerProcess(drafter)              # a copy of the state before any step
+    try:
+        synced = False
+        for k, segs in enumerate(steps.segments):
+            ids, lengths, losses = _learn(lm, tracker, k)
+            tracker.update(ids, lengths, losses)
+            inline = drafter.draft(k, 100 * k, segs, M, with_dst=True)
+            thread = Planner(lambda: drafter.draft(k, 100 * k, segs, M, with_dst=True),
+                             basis={}).result()
+            sync = ("updates", [(ids, lengths, losses)]) if synced else \
+                ("reset", tracker.state_dict())
+            synced = True
+            ahead = proc.submit(k, 100 * k, segs, M, with_dst=True,
+                                latency_state=lm.calibration_state(), tracker_sync=sync,
+                                basis={"k": k}).result()
+            assert ahead.basis == {"k": k} and ahead.cpu_s > 0
+            assert inline.payload is not None and inline.baseline is not None
+            assert _plain(inline) == _plain(thread) == _plain(ahead), f"step {k}"
+        # the learned state moved the plans: the last step differs from a fresh drafter's
+        fresh = _drafter(copy.deepcopy(steps.lm), SensitivityTracker(),
+                         dst_objective=objective).draft(2, 200, steps.segments[2], M,
+                                                         with_dst=True)
+        assert _plain(fresh) != _plain(inline)
+    finally:
+        proc.close()
+    assert proc.proc.poll() is not None           # closing ends the process
+
+
+def test_the_planner_process_raises_the_drafts_error_and_its_own_death(steps):
+    from sparsebalance_megatron.batching import SensitivityTracker
+
+    proc = PlannerProcess(_drafter(copy.deepcopy(steps.lm), SensitivityTracker()))
+    try:
+        bad = steps.segments[0] + [(99999, 0, SEQ + 8)]     # a segment over the capacity
+        pending = proc.submit(0, 0, bad, M, with_dst=True, latency_state=None,
+                              tracker_sync=None, basis={})
+        with pytest.raises(RuntimeError, match="packer dropped or duplicated") as e:
+            pending.result()
+        assert "in the planner process" in "".join(e.value.__notes__)
+        # the process survives a draft's error and answers the next request
+        ok = proc.submit(0, 0, steps.segments[0], M, with_dst=False, latency_state=None,
+                         tracker_sync=None, basis={}).result()
+        assert ok.payload is None and ok.batch.dp == DP
+        proc.proc.kill()                         # killed (out of memory, a signal)
+        proc.proc.wait()
+        with pytest.raises(PlannerProcessError, match="exit code -9.*--sb-planner thread"):
+            proc.submit(1, 0, steps.segments[1], M, with_dst=True, latency_state=None,
+                        tracker_sync=None, basis={}).result()
+    finally:
+        proc.close()

@@ -24,12 +24,14 @@ the checks and sums over every rank's record at a step's end: ``step/checks.py``
 With ``--sb-replay-plans`` a step's packing and densities are another run's recorded ones
 (``launch/replay.py``) instead of SAB's and DST's; the resume state is ``step/state.py``'s.
 
-With ``--sb-plan-ahead`` the next step's draft (documents, packing, latency features, rank 0's
-DST plan: no collective) is made by a background thread while the step trains, from the state
-after the previous step; ``end_step`` joins it before it updates that state, and only the plan's
-broadcast stays on the critical path. So a step's plan always uses the state after the step
-before the previous one, and a checkpoint also holds that older state (``ahead_basis``): a
-resumed run re-plans its first step from it and repeats the uninterrupted run.
+By default (``--sb-planner process``; ``thread`` alike, ``step/ahead.py``) the next step's draft
+(documents, packing, latency features, rank 0's DST plan: no collective) is made while the step
+trains, by the rank's planner process, from the state after the previous step; ``end_step``
+joins it before it updates that state, and only the plan's broadcast stays on the critical path.
+So a step's plan always uses the state after the step before the previous one, and a checkpoint
+also holds that older state (``ahead_basis``): a resumed run re-plans its first step from it and
+repeats the uninterrupted run. ``--sb-planner inline`` plans after the step, on its critical
+path, from the state the step left.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from ..model.budget import BudgetContext
 from ..runtime import comm
 from .checks import (check_budgets, doc_recalls, fingerprint, measured_busy, min_kept,
                      sum_by_doc, unit_order)
-from .planning import Planner, PreparedStep, StepPlanning
+from .ahead import PlannerProcess
+from .planning import PreparedStep, StepPlanning
 from .state import STATE_VERSION, plain_state
 
 
@@ -106,11 +109,16 @@ class SparseBalanceCallback(StepPlanning):
         self._finalized: Optional[int] = None
         self._losses: list = []
         self._doc_losses: list = []             # (doc ids, loss sums, tokens) per micro-batch
-        self._overhead_s = 0.0
+        self._overhead_s = 0.0                  # the plugin's wall seconds in this step ...
+        self._own_s = 0.0                       # ... of which its own work (thread CPU)
         self._layout_checked = False
-        self._planner: Optional[Planner] = None   # --sb-plan-ahead: the next step's draft
+        self._planner = None                       # plan-ahead: the next step's pending draft
         self._ready_basis: Optional[dict] = None   # the state the prepared step was planned from
         self._ahead_s = 0.0                        # CPU seconds of the last background draft
+        self._drafter = None                       # what drafts read (StepPlanning.drafter)
+        self._process: Optional[PlannerProcess] = None   # --sb-planner process
+        self._tracker_log: list = []               # tracker updates the process has not seen
+        self._tracker_synced = False               # the process's tracker is this one's
 
     # --- Megatron hooks ----------------------------------------------------------------------
     def train_iterator(self, chunk: int = 0):
@@ -215,7 +223,7 @@ class SparseBalanceCallback(StepPlanning):
     # --- after a step ------------------------------------------------------------------------
     def end_step(self, iteration: int, timings: dict) -> None:
         """Gather, check, calibrate, report; then prepare the next step (collective)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step = self._current
         if step is None:
             raise RuntimeError(f"iteration {iteration} finished without reading the plugin's "
@@ -264,10 +272,13 @@ class SparseBalanceCallback(StepPlanning):
         elif iteration + 1 < args.train_iters:
             self.prepare_step(iteration + 1, self._num_microbatches_next(step))
         self._overhead_s += time.perf_counter() - t0
+        self._own_s += time.thread_time() - c0
+        t1, c1 = time.perf_counter(), time.thread_time()
         self.reporter.report(iteration + 1, step, gathered, measured, calib,
-                             overhead_s=self._overhead_s,
+                             overhead_s=self._overhead_s, own_s=self._own_s,
                              planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None)
-        self._overhead_s = 0.0
+        # the report's own cost (metrics, writers, log line) counts in the next step's figure
+        self._overhead_s, self._own_s = time.perf_counter() - t1, time.thread_time() - c1
 
     def _num_microbatches_next(self, step: PreparedStep) -> int:
         """Micro-batches of the next step by Megatron's batch-size rules (its calculator at the
@@ -344,7 +355,7 @@ class SparseBalanceCallback(StepPlanning):
             return
         lengths = {d: e - s for d, s, e in step.batch.segments()}
         ids = sorted(i for i in values if i in lengths)
-        self.tracker.update(ids, [lengths[i] for i in ids], [values[i] for i in ids])
+        self._track(ids, [lengths[i] for i in ids], [values[i] for i in ids])
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
@@ -364,4 +375,5 @@ class SparseBalanceCallback(StepPlanning):
             self.latency.load_calibration_state(state["latency"])
         if self.tracker is not None and state.get("sensitivity") is not None:
             self.tracker.load_state_dict(state["sensitivity"])
+            self._tracker_loaded()
         self.reporter.stood.load_state_dict(state.get("stand_down"))   # cumulative counts
