@@ -168,7 +168,8 @@ class SparseBalanceConfig:
         "measured convex quality cost --sb-quality-cost, and a plan may not lose predicted LM "
         "loss against uniform --sb-density; the density objective's plan competes and the one "
         "the quality cost prefers at the same speed is kept; the floors still apply; plans "
-        "1.5-4x slower, off the critical path with --sb-plan-ahead) or 'density' (only the "
+        "1.5-4x slower, off the critical path with the default --sb-planner process) or "
+        "'density' (only the "
         "mean and per-stage density floors; cuts take the least sensitive micro-batches "
         "first).", choices=DST_OBJECTIVES)
     dst_descent: str = _f(

@@ -23,8 +23,10 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
   back, and the after-step work. Target: <= 0.5% of the step.
 - The training thread's slowdown: a launch-bound stand-in (small torch ops one after another,
   as a GPU step's kernel launches hold the GIL between kernels) runs step windows with no
-  planner, then with each planner drafting the next step beside it; reported: its ops per
-  second against the no-planner windows (target: <= 0.5% slower).
+  planner, then with each planner drafting the next step beside it (64 DP x 16 x PP4, best
+  layout); reported: its ops per second against the no-planner windows (target: <= 0.5%
+  slower). It needs a core for the planner process: on a machine whose cores are all busy the
+  process's draft takes CPU time from the training thread like any other process.
 - The draft's CPU time over a fixed reference computation's (numpy and Python, run in the same
   process): a machine-independent figure a planner twice as slow doubles.
 
@@ -108,16 +110,26 @@ def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
     return [(b - a) * 1e3 for a, b in zip(t[:-1], t[1:])]
 
 
+def committed(draft) -> tuple:
+    """(batch, units, densities) the draft commits: SAB's packing, or the baseline's where SAB
+    stood down (do no harm)."""
+    densities, report = draft.payload
+    batch, units = draft.baseline if report["stand_down"]["packing_index"] == 1 else \
+        (draft.batch, draft.units)
+    return batch, units, np.asarray(densities)
+
+
 def after_step(lm, sb, draft) -> float:
     """Thread CPU ms of the after-step work on the training thread: the calibration's
     prediction (``busy_s``) and the reports' density weights and kept work."""
     from sparsebalance_megatron.megatron.step.reporting import kept_work, unit_work
 
-    densities = np.asarray(draft.payload[0])
+    batch, units, densities = committed(draft)
     t0 = time.thread_time()
-    lm.busy_s(draft.units, densities)
-    unit_work(draft.batch, sb, units=draft.units)
-    kept_work(draft.batch, sb, densities, units=draft.units)
+    lm.busy_s(units, densities)
+    routing = lm.dense_below_tokens or 0                 # the reports' routing: the model's
+    unit_work(batch, sb, routing, units=units)
+    kept_work(batch, sb, densities, routing, units=units)
     return (time.thread_time() - t0) * 1e3
 
 
@@ -128,7 +140,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     first step's data, ``layout_gap``: the configuration the benchmarks compare with)."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from sparsebalance_megatron.policy import density_grid
+    from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.stand_down import plan_step_time_s
 
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout, pp=pp)
@@ -147,9 +159,9 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
         for name, v in zip(names, got):
             parts[name].append(v)
         drafts.append(d.cpu_s * 1e3)
-        from sparsebalance_megatron.policy import UnitCosts
-        costs = UnitCosts.from_latency(lm, d.units, dp, m, grid)
-        step_s.append(plan_step_time_s(costs, np.asarray(d.payload[0]), lm.p2p_s))
+        _, units, densities = committed(d)
+        step_s.append(plan_step_time_s(UnitCosts.from_latency(lm, units, dp, m, grid),
+                                       densities, lm.p2p_s))
         searched.append(d.payload[1]["tolerance_used"] != sb.tolerance)
         stood.append(bool(d.payload[1]["stand_down"]["sab_stood_down"]))
     med = {k: float(np.median(v)) for k, v in parts.items()}
@@ -185,9 +197,9 @@ def _submit(planner: str, drafter, proc, k: int, segs, m: int):
 def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str) -> dict:
     """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner
     while the training thread stands in for a GPU-bound step (blocked ``step_s`` seconds with
-    the GIL released); on the training thread: sending the inputs, the wait at the join, reading
-    the draft back, and the after-step work (what a launch-bound training thread loses to a
-    planner beside it: ``launch_slowdown``)."""
+    the GIL released); on the training thread: sending the inputs and reading the draft back
+    (``handoff_ms``, thread CPU), the wait at the join (wall), and the after-step work (thread
+    CPU). What a launch-bound training thread loses to a planner beside it: ``launch_slowdown``."""
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
 
     drafter = _drafter(lm, sb, dp, seq)
@@ -196,9 +208,9 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
         sends, waits, recvs, after, drafts = [], [], [], [], []
         current = drafter.draft(0, 0, batches[0], m, with_dst=True)
         for k, segs in enumerate(batches, start=0):    # step 0: the planner's warm-up
-            t0 = time.perf_counter()
+            c0 = time.thread_time()
             pending = _submit(planner, drafter, proc, k, segs, m)
-            send = (time.perf_counter() - t0) * 1e3
+            send = (time.thread_time() - c0) * 1e3
             time.sleep(step_s)                          # the step trains (GIL released)
             nxt = pending.result()                      # end_step: join the next step's draft
             a = after_step(lm, sb, current)
@@ -223,11 +235,11 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
 def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
                     window_s: float = 2.0, rounds: int = 3, ops: int = 200) -> dict:
     """The training thread's speed beside each planner: a launch-bound stand-in (``ops`` small
-    torch ops per burst, bursts back to back) runs step windows of ``window_s`` seconds; at each
-    window's end it joins the planner's draft of the next step and starts the one after (the
-    runtime's ``end_step``), the drafts planning 64 DP x 16 x PP4 steps one after another. The
-    no-planner windows alternate with the planners' (``rounds`` each) so that a load change on
-    the machine falls on all. Returns ops per second and the slowdown of each planner."""
+    torch ops per burst, bursts back to back) runs step windows of ``window_s`` seconds; as in
+    the runtime, each window starts the planner's draft of the next step (``dp`` x ``m`` x PP4,
+    ``layout``, the built-in corpus) and ends by joining it. The no-planner windows alternate
+    with the planners' (``rounds`` each) so that a load change on the machine falls on all.
+    Returns ops per second in the windows and each planner's slowdown against none."""
     import torch
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
@@ -236,62 +248,46 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
     corpus = corpus_steps(dp, m, sb.density, 3, seq=seq, layout=layout, pp=4)
     a, b, c = torch.randn(64), torch.randn(64), torch.empty(64)
 
-    def window(planner, drafter, proc, k) -> tuple[float, int, float]:
-        """(ops/s during the window, drafts finished, training-thread ms at the joins)."""
+    def window(planner, drafter, proc, k) -> tuple[float, float]:
+        """(ops/s during the window, training-thread ms at its join)."""
         pending = _submit(planner, drafter, proc, k, corpus.segments[k % 3], m) \
             if planner else None
-        n, done, join_ms = 0, 0, 0.0
-        t_end = time.perf_counter() + window_s
-        t0 = time.perf_counter()
+        n, t0 = 0, time.perf_counter()
+        t_end = t0 + window_s
         while time.perf_counter() < t_end:
             for _ in range(ops):
                 torch.add(a, b, out=c)
             n += ops
-            if pending is not None and _ready(pending):
-                t1 = time.perf_counter()
-                pending.result()
-                k += 1
-                done += 1
-                pending = _submit(planner, drafter, proc, k, corpus.segments[k % 3], m)
-                join_ms += (time.perf_counter() - t1) * 1e3
         rate = n / (time.perf_counter() - t0)
+        t1 = time.perf_counter()
         if pending is not None:
             pending.result()
-        return rate, done, join_ms
+        return rate, (time.perf_counter() - t1) * 1e3
 
     drafter = _drafter(corpus.lm, sb, dp, seq)
     proc = PlannerProcess(drafter)
     rates = {None: [], "thread": [], "process": []}
-    drafts = {"thread": 0, "process": 0}
-    joins = {"thread": 0.0, "process": 0.0}
+    joins = {"thread": [], "process": []}
     try:
-        window(None, None, None, 0)                     # warm-up: torch's first calls
+        window(None, None, None, 0)                     # warm-up: torch's first calls ...
+        window("process", drafter, proc, 0)             # ... and the process's first draft
         for r in range(rounds):
             for planner in (None, "thread", None, "process"):
-                rate, done, join_ms = window(planner, drafter, proc, 2 * r)
+                rate, join_ms = window(planner, drafter, proc, r + 1)
                 rates[planner].append(rate)
                 if planner:
-                    drafts[planner] += done
-                    joins[planner] += join_ms
+                    joins[planner].append(join_ms)
     finally:
         proc.close()
     base = float(np.median(rates[None]))
     out = {"window_s": window_s, "ops_per_burst": ops, "rounds": rounds,
+           "shape": f"{dp} DP x {m} micro-batches x PP4, {layout} layout",
            "baseline_ops_per_s": base}
     for planner in ("thread", "process"):
         rate = float(np.median(rates[planner]))
         out[planner] = {"ops_per_s": rate, "slowdown": 1.0 - rate / base,
-                        "drafts": drafts[planner],
-                        "join_ms_per_draft": joins[planner] / max(drafts[planner], 1)}
+                        "join_ms": float(np.median(joins[planner]))}
     return out
-
-
-def _ready(pending) -> bool:
-    """Whether a pending draft has finished (a thread's or the process's), without waiting."""
-    thread = getattr(pending, "_thread", None)
-    if thread is not None:
-        return not thread.is_alive()
-    return pending._planner._in.poll(0)
 
 
 def main(argv=None) -> int:
@@ -306,8 +302,9 @@ def main(argv=None) -> int:
                    help="DST's critical-path descent in the per-step rows (--sb-dst-descent)")
     p.add_argument("--repeats", type=int, default=5, help="steps timed per shape (after one "
                    "warm-up step)")
-    p.add_argument("--slowdown-window-s", type=float, default=2.0,
-                   help="length of a step window of the training-thread slowdown test")
+    p.add_argument("--slowdown-window-s", type=float, default=None,
+                   help="length of a step window of the training-thread slowdown test "
+                        "(default: the simulated step of 64 DP x 16 x PP4 on the best layout)")
     p.add_argument("--no-slowdown", action="store_true",
                    help="skip the training-thread slowdown test")
     args = p.parse_args(argv)
@@ -350,7 +347,8 @@ def main(argv=None) -> int:
             a = step[key]
             rows.append((f"{tag}: --sb-planner {a['planner']}, critical path",
                          a["critical_path_ms"], budget))
-    slow = None if args.no_slowdown else launch_slowdown(sb, window_s=args.slowdown_window_s)
+    slow = None if args.no_slowdown else launch_slowdown(
+        sb, window_s=args.slowdown_window_s or shapes["64x16 best"]["step_s"])
     print(f"{'what':<78} {'median ms':>10} {'target ms':>10}")
     for name, ms, target in rows:
         print(f"{name:<78} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
@@ -369,8 +367,8 @@ def main(argv=None) -> int:
             s = slow[planner]
             print(f"launch-bound training thread beside the {planner} planner: "
                   f"{100 * s['slowdown']:.2f}% slower ({s['ops_per_s']:.0f} vs "
-                  f"{slow['baseline_ops_per_s']:.0f} ops/s, {s['drafts']} drafts; "
-                  f"target <= {100 * TARGET_SHARE:.1f}%)")
+                  f"{slow['baseline_ops_per_s']:.0f} ops/s in {slow['window_s']:.1f} s steps, "
+                  f"{s['join_ms']:.1f} ms at the join; target <= {100 * TARGET_SHARE:.1f}%)")
     if args.json:
         write_result(args.json, {
             "machine": platform.processor() or platform.machine(),

@@ -69,10 +69,13 @@ def _learn(lm, tracker, step: int):
 
 
 def _plain(d: Draft) -> bytes:
-    """A draft's content (not its CPU time or basis), as bytes to compare."""
+    """A draft's content (not its CPU time or basis) as bytes to compare: its packing, the
+    packing it commits (the baseline's where SAB stood down) and its plan."""
+    stand = (d.payload[1] if d.payload else {}).get("stand_down") or d.stand_down
+    batch, units = d.baseline if stand and stand["packing_index"] == 1 else (d.batch, d.units)
     return pickle.dumps((d.iteration, d.first_bin, d.batch.micro_batches, d.payload,
-                         d.baseline[0].micro_batches if d.baseline else None, d.stand_down,
-                         d.units.work_grid(np.array([0.25, 0.5, 1.0]))))
+                         batch.micro_batches, d.stand_down,
+                         units.work_grid(np.array([0.25, 0.5, 1.0]))))
 
 
 @pytest.mark.parametrize("objective", ["quality", "density"])
@@ -98,6 +101,8 @@ def test_inline_thread_and_process_draft_the_same_plan(steps, objective):
                                 basis={"k": k}).result()
             assert ahead.basis == {"k": k} and ahead.cpu_s > 0
             assert inline.payload is not None and inline.baseline is not None
+            if not ahead.payload[1]["stand_down"]["packing_index"]:
+                assert ahead.baseline is None      # not sent back: the plan commits SAB's
             assert _plain(inline) == _plain(thread) == _plain(ahead), f"step {k}"
         # the learned state moved the plans: the last step differs from a fresh drafter's
         fresh = _drafter(copy.deepcopy(steps.lm), SensitivityTracker(),
@@ -109,6 +114,10 @@ def test_inline_thread_and_process_draft_the_same_plan(steps, objective):
     assert proc.proc.poll() is not None           # closing ends the process
 
 
+@pytest.mark.reliability(area="fault", case="the planner process: a draft that fails, then the "
+                         "process killed (SIGKILL)", expect="the draft's error raised on the "
+                         "training thread with the process's traceback; the death named with its "
+                         "exit code and --sb-planner thread/inline, no hang")
 def test_the_planner_process_raises_the_drafts_error_and_its_own_death(steps):
     from sparsebalance_megatron.batching import SensitivityTracker
 

@@ -99,11 +99,11 @@ class PlannerProcess:
         tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...])."""
         if self._pending is not None:
             raise RuntimeError("a draft of the planner process is still pending")
-        t0 = time.perf_counter()
+        c0 = time.thread_time()
         self._send(("draft", dict(iteration=iteration, first_bin=first_bin, segments=segments,
                                   num_microbatches=num_microbatches, with_dst=with_dst,
                                   latency=latency_state, tracker=tracker_sync)))
-        self._pending = PendingDraft(self, basis, send_s=time.perf_counter() - t0)
+        self._pending = PendingDraft(self, basis, send_s=time.thread_time() - c0)
         return self._pending
 
     def _send(self, msg) -> None:
@@ -117,12 +117,12 @@ class PlannerProcess:
         while not self._in.poll(POLL_S):                 # waits without the GIL
             if self.proc.poll() is not None:
                 raise self._died("while drafting")
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         try:
             kind, *rest = self._in.recv()
         except EOFError:
             raise self._died("while sending its draft") from None
-        pending.wait_s, pending.recv_s = t1 - t0, time.perf_counter() - t1
+        pending.wait_s, pending.recv_s = t1 - t0, time.thread_time() - c1
         self._pending = None
         if kind == "error":
             err, text = rest
@@ -145,8 +145,8 @@ class PlannerProcess:
 
 class PendingDraft:
     """A draft the planner process is making: ``result`` waits for it (``Planner``'s API).
-    ``send_s``, ``recv_s``: the training thread's seconds pickling the inputs and reading the
-    draft back (its own work); ``wait_s``: blocked waiting for the draft."""
+    ``send_s``, ``recv_s``: the training thread's CPU seconds pickling the inputs and reading the
+    draft back (its own work); ``wait_s``: wall seconds blocked waiting for the draft."""
 
     def __init__(self, planner: PlannerProcess, basis: dict, send_s: float):
         self._planner, self.basis = planner, basis
@@ -190,6 +190,19 @@ def sync_state(drafter: Drafter, latency_state: Optional[dict], tracker_sync) ->
                 drafter.tracker.update(ids, lengths, values)
 
 
+def without_unused_baseline(draft: Draft) -> Draft:
+    """The draft less its baseline packing where this rank already knows SAB's packing is
+    committed (its own stand-down choice, or as the rank that plans DST, the plan's), so that
+    what the training thread reads back is smaller; a rank that learns the choice from rank 0's
+    broadcast keeps it."""
+    stand = draft.stand_down
+    if draft.payload is not None:
+        stand = draft.payload[1].get("stand_down")
+    if draft.baseline is not None and stand is not None and stand["packing_index"] == 0:
+        draft.baseline = None
+    return draft
+
+
 def serve(inp: Connection, out: Connection) -> None:
     """The planner process's loop: ``init`` (the Drafter), ``draft`` requests answered in
     order, until ``stop`` or the training process's end (EOF)."""
@@ -207,8 +220,9 @@ def serve(inp: Connection, out: Connection) -> None:
         req = msg[1]
         try:
             sync_state(drafter, req["latency"], req["tracker"])
-            reply = ("ok", drafter.draft(req["iteration"], req["first_bin"], req["segments"],
-                                         req["num_microbatches"], with_dst=req["with_dst"]))
+            draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
+                                  req["num_microbatches"], with_dst=req["with_dst"])
+            reply = ("ok", without_unused_baseline(draft))
         except Exception as e:                             # raised on the training thread
             text = traceback.format_exc()
             try:
