@@ -89,8 +89,24 @@ class PlannerProcess:
         self._out = Connection(w_parent, readable=False)
         self._in = Connection(r_parent, writable=False)
         self._pending: Optional[PendingDraft] = None
+        self._ready = False
         self._finalize = weakref.finalize(self, _stop, self.proc, self._out, self._in)
         self._out.send(("init", drafter))
+
+    def wait_ready(self) -> None:
+        """Wait until the process has read its Drafter and imported what a draft uses, so that
+        its start-up costs no CPU during a training step (``submit`` waits for it too)."""
+        if not self._ready:
+            self._wait("while starting")
+            if self._in.recv() != ("ready",):
+                raise PlannerProcessError("the SparseBalance planner process answered its "
+                                          "start-up with something else than ready")
+            self._ready = True
+
+    def _wait(self, when: str) -> None:
+        while not self._in.poll(POLL_S):                 # waits without the GIL
+            if self.proc.poll() is not None:
+                raise self._died(when)
 
     def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
                with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict
@@ -99,6 +115,7 @@ class PlannerProcess:
         tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...])."""
         if self._pending is not None:
             raise RuntimeError("a draft of the planner process is still pending")
+        self.wait_ready()
         c0 = time.thread_time()
         self._send(("draft", dict(iteration=iteration, first_bin=first_bin, segments=segments,
                                   num_microbatches=num_microbatches, with_dst=with_dst,
@@ -114,9 +131,7 @@ class PlannerProcess:
 
     def _receive(self, pending: "PendingDraft") -> Draft:
         t0 = time.perf_counter()
-        while not self._in.poll(POLL_S):                 # waits without the GIL
-            if self.proc.poll() is not None:
-                raise self._died("while drafting")
+        self._wait("while drafting")
         t1, c1 = time.perf_counter(), time.thread_time()
         try:
             kind, *rest = self._in.recv()
@@ -203,6 +218,14 @@ def without_unused_baseline(draft: Draft) -> Draft:
     return draft
 
 
+def _import_draft_modules() -> None:
+    """What a draft imports on first use (packing, DST, the quality cost), imported at start-up
+    instead of during the first draft."""
+    from ...batching import packing  # noqa: F401
+    from ...policy import critical_path, dst, quality  # noqa: F401
+    from . import choice  # noqa: F401
+
+
 def serve(inp: Connection, out: Connection) -> None:
     """The planner process's loop: ``init`` (the Drafter), ``draft`` requests answered in
     order, until ``stop`` or the training process's end (EOF)."""
@@ -216,6 +239,8 @@ def serve(inp: Connection, out: Connection) -> None:
             return
         if msg[0] == "init":
             drafter = msg[1]
+            _import_draft_modules()
+            out.send(("ready",))
             continue
         req = msg[1]
         try:

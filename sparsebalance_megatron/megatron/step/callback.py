@@ -152,6 +152,8 @@ class SparseBalanceCallback(StepPlanning):
                 raise LaunchError(errors[0])
         if args.iteration < args.train_iters:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
+            if args.iteration + 1 < args.train_iters:
+                self.start_planner()         # starts while the first step is prepared
             self.prepare_step(args.iteration, get_num_microbatches())
             if ahead:
                 self.load_state_dict(state)      # validated above as part of the same file

@@ -117,14 +117,19 @@ class StepPlanning:
         if self.sb.planner == "thread":
             self._planner = Planner(lambda: self._draft(it, m), basis)
             return
-        if self._process is None:
-            self._process = PlannerProcess(self.drafter())
-            self._tracker_synced = False
+        self.start_planner()
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * m)
         self._planner = self._process.submit(
             it, first_bin, segments, m, with_dst=comm.rank() == 0,
             latency_state=basis["latency"], tracker_sync=self._tracker_sync(basis), basis=basis)
+
+    def start_planner(self) -> None:
+        """--sb-planner process: start this rank's planner process (once; it reads its copy of
+        the Drafter and imports while the first step is prepared, before training starts)."""
+        if self.sb.planner == "process" and self._process is None:
+            self._process = PlannerProcess(self.drafter())
+            self._tracker_synced = False
 
     def _tracker_sync(self, basis: dict):
         """What brings the planner process's tracker to this one's: its whole state after a
