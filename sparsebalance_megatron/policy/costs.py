@@ -181,16 +181,19 @@ class UnitCosts:
         corr = (grid_fn(dp, ranks) if grid_fn is not None else np.array(
             [[model.correction(r)] * ranks for r in range(dp)])) if calibrated \
             else np.ones((dp, ranks))
-        corr = np.repeat(corr, m, axis=0)                            # [n, ranks] unit's rank
+        corr = np.repeat(corr, m, axis=0)[:, np.arange(pp) % ranks]  # [n, stages] unit's rank
+        terms = [model.unit_terms(feats, s) for s in range(pp)]
         f = np.empty((n, pp, g.size))
         b = np.empty((n, pp, g.size))
-        for s in range(pp):                                          # in place: no temporaries
-            t = model.unit_terms(feats, s)
-            for out, fixed, per_pair in ((f[:, s], t.fwd_fixed_s, t.fwd_attn_s_per_pair),
-                                         (b[:, s], t.bwd_fixed_s, t.bwd_attn_s_per_pair)):
-                np.multiply(work, per_pair, out=out)
-                out += fixed[:, None]
-                out *= corr[:, s % ranks, None]
+        for out, fixed, per_pair in (
+                (f, [t.fwd_fixed_s for t in terms], [t.fwd_attn_s_per_pair for t in terms]),
+                (b, [t.bwd_fixed_s for t in terms], [t.bwd_attn_s_per_pair for t in terms])):
+            # (work x per_pair + fixed) x correction, every stage at once: the same three
+            # operations per element as one stage at a time
+            np.multiply(work[:, None, :], np.asarray(per_pair, np.float64)[None, :, None],
+                        out=out)
+            out += np.stack(fixed, axis=1)[:, :, None]
+            out *= corr[:, :, None]
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
