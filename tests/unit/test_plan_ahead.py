@@ -140,3 +140,21 @@ def test_the_planner_process_raises_the_drafts_error_and_its_own_death(steps):
                         tracker_sync=None, basis={}).result()
     finally:
         proc.close()
+
+
+def test_the_planner_process_imports_no_torch():
+    """What the planner process imports (its module, the Drafter it unpickles, what a draft
+    uses) stays numpy and the pure layers: a process of its own costs no torch start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from sparsebalance_megatron.megatron.step import ahead\n"
+            "from sparsebalance_megatron.latency import LatencyModel\n"
+            "from sparsebalance_megatron.batching import SensitivityTracker\n"
+            "ahead._import_draft_modules()\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

@@ -1,8 +1,8 @@
 """The adapter's ``step`` room: one training step: the callback and its planning, checks, do-no-harm
 choice, timers, metrics, data iterator and resume state.
 
-Modules: ``callback``, ``checks``, ``choice``, ``data``, ``indexed_data``, ``planning``,
-``reporting``, ``state``, ``timing``. May import: ``errors``, ``runtime``, ``model``, ``launch``
+Modules: ``ahead``, ``callback``, ``checks``, ``choice``, ``data``, ``drafting``,
+``indexed_data``, ``planning``, ``reporting``, ``state``, ``timing``. May import: ``errors``, ``runtime``, ``model``, ``launch``
 (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its public
 pieces, the names code outside the room imports, are exported lazily: importing the room imports
 none of its modules, so a light entry point stays light.
@@ -10,7 +10,8 @@ none of its modules, so a light entry point stays light.
 - ``callback``: ``SparseBalanceCallback``
 - ``data``: ``EvalIterator``, ``check_vocab``, ``load_data``, ``megatron_text_tokenizer``
 - ``indexed_data``: ``read_indexed_documents``
-- ``planning``: ``Planner``
+- ``ahead``: ``Planner`` (the planner thread), ``PlannerProcess``
+- ``drafting``: ``Drafter``
 - ``reporting``: ``unit_work``
 - ``timing``: ``MicrobatchTimers``, ``TeeTimers``
 """
@@ -24,7 +25,9 @@ _PUBLIC = {
     "load_data": "data",
     "megatron_text_tokenizer": "data",
     "read_indexed_documents": "indexed_data",
-    "Planner": "planning",
+    "Planner": "ahead",
+    "PlannerProcess": "ahead",
+    "Drafter": "drafting",
     "unit_work": "reporting",
     "MicrobatchTimers": "timing",
     "TeeTimers": "timing",
