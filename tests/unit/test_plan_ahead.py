@@ -158,3 +158,41 @@ def test_the_planner_process_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_saved_basis_is_the_state_each_draft_started_from():
+    """The plan-ahead basis a checkpoint saves (``StepPlanning.ahead_basis``) equals the
+    tracker's and calibration's state when the prepared step's draft started, though the tracker
+    is copied only at start and at the save (its copy replays the updates one draft behind),
+    through a reload of the tracker too (a resume)."""
+    import types
+    from types import SimpleNamespace
+
+    from sparsebalance_megatron.batching import SensitivityTracker
+    from sparsebalance_megatron.latency import LatencyModel
+    from sparsebalance_megatron.megatron.step.planning import StepPlanning
+
+    cb = SimpleNamespace(latency=LatencyModel.analytic(pp=2), tracker=SensitivityTracker(),
+                         _process=None, _tracker_log=[], _tracker_synced=False, _updates=0,
+                         _basis_tracker=None, _basis_log=[], _basis_mark=0, _ready_basis=None)
+    for name in ("_lagged_basis", "_advance_basis", "ahead_basis", "_track", "_tracker_loaded",
+                 "_planning_state"):
+        setattr(cb, name, types.MethodType(getattr(StepPlanning, name), cb))
+    rng = np.random.default_rng(5)
+    pending, expected = None, None
+    for step in range(6):
+        if step == 3:      # a resumed process: it loads the state wholesale, nothing pending
+            cb.tracker.load_state_dict(cb.tracker.state_dict())
+            cb._tracker_loaded()
+            pending = None
+        basis, want = cb._lagged_basis(), copy.deepcopy(cb._planning_state())
+        if pending is not None:                        # end_step: the pending draft committed
+            cb._advance_basis(pending)
+            cb._ready_basis = pending
+            assert cb.ahead_basis() == expected, f"step {step}"
+        pending, expected = basis, want
+        for _ in range(2):                             # the step's measurements
+            cb._track(rng.integers(0, 50, 8).tolist(), rng.integers(100, 4000, 8).tolist(),
+                      rng.uniform(1, 4, 8).tolist())
+            cb.latency.calibrate(step % 2, np.ones(2), rng.uniform(0.8, 1.5, 2))
+    assert cb._updates == 12 and len(cb._basis_log) <= 4     # the copy stays one draft behind

@@ -56,7 +56,7 @@ def _callback(load_dir=".", *, pp=2, fresh=False):
                          latency=lm, tracker=SensitivityTracker(signal="loss"),
                          reporter=SimpleNamespace(stood=StandDownCounts()), _ready_basis=None)
     for name in ("state_dict", "load_state_dict", "_planning_state", "_state_basis",
-                 "_tracker_loaded"):
+                 "_tracker_loaded", "ahead_basis"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))
     return cb
 

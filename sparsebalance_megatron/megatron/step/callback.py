@@ -119,6 +119,10 @@ class SparseBalanceCallback(StepPlanning):
         self._process: Optional[PlannerProcess] = None   # --sb-planner process
         self._tracker_log: list = []               # tracker updates the process has not seen
         self._tracker_synced = False               # the process's tracker is this one's
+        self._updates = 0                          # tracker updates so far
+        self._basis_tracker = None                 # the tracker as of the prepared step's basis
+        self._basis_log: list = []                 # updates since then
+        self._basis_mark = 0                       # updates the copy has
 
     # --- Megatron hooks ----------------------------------------------------------------------
     def train_iterator(self, chunk: int = 0):
@@ -367,7 +371,7 @@ class SparseBalanceCallback(StepPlanning):
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict()}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
-            out["ahead_basis"] = self._ready_basis
+            out["ahead_basis"] = self.ahead_basis()
         return plain_state(out)
 
     def load_state_dict(self, state: Optional[dict]) -> None:

@@ -27,6 +27,15 @@ from .drafting import Draft, Drafter  # noqa: F401  (Draft: the planners' result
 
 
 @dataclass
+class LaggedBasis:
+    """A plan-ahead draft's basis without a copy of the tracker (``StepPlanning._lagged_basis``):
+    the latency calibration as it was, and how many tracker updates the draft saw."""
+
+    latency: Optional[dict]
+    mark: int
+
+
+@dataclass
 class PreparedStep:
     """One step's data and budgets, built before the step runs."""
 
@@ -90,6 +99,7 @@ class StepPlanning:
                                      batch.num_microbatches, self.layout.num_stages)
         self._ready = PreparedStep(draft.iteration, draft.first_bin, batch, plan, report,
                                    units, stand)
+        self._advance_basis(draft.basis)
         self._ready_basis = draft.basis
         if not self._layout_checked:
             self._layout_checked = True
@@ -101,10 +111,45 @@ class StepPlanning:
                 "sensitivity": self.tracker.state_dict() if self.tracker else None}
 
     def _state_basis(self) -> dict:
-        """``_planning_state`` as it is now, unchanged by later steps (plan-ahead): its
-        containers are built fresh by ``calibration_state`` / ``state_dict`` and hold only
-        numbers and strings, so no deep copy is needed."""
+        """``_planning_state`` as it is now, unchanged by later steps: its containers are built
+        fresh by ``calibration_state`` / ``state_dict`` and hold only numbers and strings, so no
+        deep copy is needed."""
         return self._planning_state()
+
+    def _lagged_basis(self) -> "LaggedBasis":
+        """The state a draft starting now is planned from, without copying the tracker: its
+        latency calibration, and the number of tracker updates so far. A copy of the tracker
+        follows the live one up to the prepared step's basis (``_commit``), read only when a
+        checkpoint is saved (``ahead_basis``)."""
+        if self.tracker is not None and self._basis_tracker is None:
+            self._basis_tracker = type(self.tracker)(ema=self.tracker.ema,
+                                                     signal=self.tracker.signal)
+            self._basis_tracker.load_state_dict(self.tracker.state_dict())
+            self._basis_log, self._basis_mark = [], self._updates
+        return LaggedBasis(self.latency.calibration_state() if self.latency else None,
+                           self._updates)
+
+    def _advance_basis(self, basis) -> None:
+        """The tracker's copy brought to ``basis`` (a ``LaggedBasis`` being committed)."""
+        if not isinstance(basis, LaggedBasis) or self._basis_tracker is None:
+            return
+        n = basis.mark - self._basis_mark
+        if n < 0:
+            raise RuntimeError(f"plan-ahead basis at update {basis.mark} is older than the "
+                               f"tracker copy's ({self._basis_mark})")
+        for update in self._basis_log[:n]:
+            self._basis_tracker.update(*update)
+        del self._basis_log[:n]
+        self._basis_mark = basis.mark
+
+    def ahead_basis(self) -> Optional[dict]:
+        """The state the prepared step was planned from, as saved (``ahead_basis``), or None."""
+        basis = self._ready_basis
+        if isinstance(basis, LaggedBasis):
+            return {"latency": basis.latency,
+                    "sensitivity": None if self._basis_tracker is None
+                    else self._basis_tracker.state_dict()}
+        return basis
 
     def _plan_ahead(self) -> None:
         """--sb-planner process/thread: start drafting the step after the prepared one, from
@@ -113,7 +158,7 @@ class StepPlanning:
         if not self.sb.plan_ahead or step is None or step.iteration + 1 >= self.args.train_iters:
             return
         m, it = self._num_microbatches_next(step), step.iteration + 1
-        basis = self._state_basis()
+        basis = self._lagged_basis()
         if self.sb.planner == "thread":
             self._planner = Planner(lambda: self._draft(it, m), basis)
             return
@@ -122,7 +167,7 @@ class StepPlanning:
         segments = self.sampler.next_bins(self.dp * m)
         self._planner = self._process.submit(
             it, first_bin, segments, m, with_dst=comm.rank() == 0,
-            latency_state=basis["latency"], tracker_sync=self._tracker_sync(basis), basis=basis)
+            latency_state=basis.latency, tracker_sync=self._tracker_sync(), basis=basis)
 
     def start_planner(self) -> None:
         """--sb-planner process: start this rank's planner process (once; it reads its copy of
@@ -131,7 +176,7 @@ class StepPlanning:
             self._process = PlannerProcess(self.drafter())
             self._tracker_synced = False
 
-    def _tracker_sync(self, basis: dict):
+    def _tracker_sync(self):
         """What brings the planner process's tracker to this one's: its whole state after a
         load (or at the start), else the updates since the last draft, in order."""
         if self.tracker is None:
@@ -139,19 +184,24 @@ class StepPlanning:
         log, self._tracker_log = self._tracker_log, []
         if not self._tracker_synced:
             self._tracker_synced = True
-            return ("reset", basis["sensitivity"])
+            return ("reset", self.tracker.state_dict())
         return ("updates", log)
 
     def _track(self, ids, lengths, values) -> None:
         """Update the sensitivity tracker with a step's measurements (and log them for the
-        planner process's copy)."""
+        planner process's copy and the plan-ahead basis's)."""
         self.tracker.update(ids, lengths, values)
+        self._updates += 1
         if self._process is not None:
             self._tracker_log.append((ids, lengths, values))
+        if self._basis_tracker is not None:
+            self._basis_log.append((ids, lengths, values))
 
     def _tracker_loaded(self) -> None:
-        """The tracker's state was replaced (a resume): the next draft sends it whole."""
+        """The tracker's state was replaced (a resume): the next draft sends it whole, and the
+        basis's copy starts again from it."""
         self._tracker_synced, self._tracker_log = False, []
+        self._basis_tracker, self._basis_log = None, []
 
     def close_planner(self) -> None:
         """End the planner process, if one runs (its exit also ends it)."""
