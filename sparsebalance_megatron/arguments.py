@@ -15,6 +15,25 @@ from .config import ConfigError, SparseBalanceConfig, dest_name, flag_name
 
 _TYPES = {"bool": bool, "int": int, "float": float, "str": str, "Optional[str]": str}
 
+# Flags an earlier version had, and what replaces them: a launch that still passes one stops at
+# argument parsing with this line (argparse's "unrecognized arguments" would not say what to use).
+REMOVED_FLAGS = {
+    "--sb-plan-ahead": "--sb-planner: planning ahead is now the default (--sb-planner process, "
+                       "a planner process of its own); --sb-planner thread is what "
+                       "--sb-plan-ahead did, --sb-planner inline plans on the training thread",
+}
+
+
+class _Removed(argparse.Action):
+    """A removed flag: refused at parsing with what replaces it (``REMOVED_FLAGS``)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        kw.pop("nargs", None)
+        super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was replaced by {REMOVED_FLAGS[option_string]}")
+
 
 def _field_type(f: dataclasses.Field):
     try:
@@ -37,6 +56,9 @@ def add_sparsebalance_args(parser: argparse.ArgumentParser) -> argparse.Argument
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             group.add_argument(flag_name(f.name), type=typ, **kw)
+    for flag in REMOVED_FLAGS:
+        group.add_argument(flag, action=_Removed, dest=f"_removed_{flag.strip('-')}",
+                           default=argparse.SUPPRESS)
     return parser
 
 
@@ -60,4 +82,4 @@ def config_and_problems(args: argparse.Namespace) -> tuple[SparseBalanceConfig, 
 def sparsebalance_flags() -> set[str]:
     """Every flag ``add_sparsebalance_args`` registers (for tests and docs)."""
     parser = add_sparsebalance_args(argparse.ArgumentParser(add_help=False))
-    return {s for a in parser._actions for s in a.option_strings}
+    return {s for a in parser._actions for s in a.option_strings} - set(REMOVED_FLAGS)

@@ -28,6 +28,7 @@ STAND_DOWNS = ("sequential", "token_balanced", "off")   # policy/stand_down.py
 DST_OBJECTIVES = ("density", "quality")
 DST_DESCENTS = ("critical_path", "off")   # policy/critical_path.py
 TIMING_SOURCES = ("measured", "model")
+PLANNERS = ("process", "thread", "inline")   # megatron/step/ahead.py
 FAULT_KINDS = ("raise", "hang", "kill", "exit")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
@@ -167,7 +168,8 @@ class SparseBalanceConfig:
         "measured convex quality cost --sb-quality-cost, and a plan may not lose predicted LM "
         "loss against uniform --sb-density; the density objective's plan competes and the one "
         "the quality cost prefers at the same speed is kept; the floors still apply; plans "
-        "1.5-4x slower, off the critical path with --sb-plan-ahead) or 'density' (only the "
+        "1.5-4x slower, off the critical path with the default --sb-planner process) or "
+        "'density' (only the "
         "mean and per-stage density floors; cuts take the least sensitive micro-batches "
         "first).", choices=DST_OBJECTIVES)
     dst_descent: str = _f(
@@ -276,12 +278,18 @@ class SparseBalanceConfig:
         "0: off. Watching starts at the first training micro-batch.")
 
     # --- resume and logging -----------------------------------------------------------------
-    plan_ahead: bool = _f(
-        False, "Plan step n+1 (document packing, latency features, DST) in a background thread "
-        "while step n trains, so planning leaves the step's critical path: only the plan's "
-        "broadcast stays in it. Calibration and sensitivities then reach the plans one step "
-        "later (a step's plan uses the state after the step before the previous one); "
-        "deterministic and resumable like the in-line planner.")
+    planner: str = _f(
+        "process", "Where the next step is planned (document packing, latency features, DST). "
+        "'process' (the default): step n+1 is planned in a process of its own (one per rank) "
+        "while step n trains, so planning leaves the step's critical path and the training "
+        "thread's CPU: only the plan's inputs and result pass through a pipe, and the plan's "
+        "broadcast stays in the step. 'thread': the same on a thread of the training process "
+        "(no process to start, but the planner holds the Python GIL while it drafts, which "
+        "slows a training thread that launches many small kernels). 'inline': after the "
+        "step, on its critical path, from the state the step just left. With 'process' and "
+        "'thread' calibration and sensitivities reach the plans one step later (a step's plan "
+        "uses the state after the step before the previous one); all three are deterministic "
+        "and resume exactly.", choices=PLANNERS)
     fresh_state: bool = _f(
         False, "On --load of a checkpoint whose SparseBalance state is missing (one written "
         "without the plugin's data path) or damaged (truncated, unreadable, another version), "
@@ -313,6 +321,11 @@ class SparseBalanceConfig:
     @property
     def batching_enabled(self) -> bool:
         return self.sparse_balance or self.batching or self.packing == "sab"
+
+    @property
+    def plan_ahead(self) -> bool:
+        """Step n+1 is planned while step n trains (--sb-planner process or thread)."""
+        return self.planner != "inline"
 
     @property
     def packing_method(self) -> str:

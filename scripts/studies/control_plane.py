@@ -28,10 +28,11 @@ Four parts:
 The denominator: the simulator's static step at d0 (every unit at 0.5) for the Qwen2.5-0.5B
 shape at 32K tokens per micro-batch on the analytic table's best static layout (TP 1: the table
 prices one GPU per stage; with TP 8 this 0.5B model's step would be shorter, which the
-``share_if_tp_scaled`` column shows). The critical path with ``--sb-plan-ahead``: the control
-plane, the after-step work and the draft's excess over the step (a draft that outlasts the step
-is waited for); in-line planning adds the whole draft. The training thread's slowdown from a
-draft beside it (the GIL) is not modelled here.
+``share_if_tp_scaled`` column shows). The critical path at the default ``--sb-planner
+process``: the control plane, the after-step work and the draft's excess over the step (a draft
+that outlasts the step is waited for); in-line planning adds the whole draft. The handoff to the
+planner process and its effect on a launch-bound training thread are ``planner_cost``'s
+(``plan_ahead.handoff_ms``, ``launch_slowdown``).
 
 JSON: ``table`` (every shape: bytes and seconds of both paths, the planner's draft and
 after-step work, the critical path and its share of the step), ``rows`` (for the simulated
@@ -286,46 +287,46 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     work (the latency model's calibration of every DP rank, the tracker's update with every
     document, the reports' ``unit_work`` and ``kept_work``, ``busy_s``), and the static step
     the simulator predicts at d0 (best static layout)."""
-    from sparsebalance_megatron.batching import SensitivityTracker, latency_sample_cost_fn
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.megatron.step.reporting import kept_work, unit_work
-    from sparsebalance_megatron.policy import density_grid
+    from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    from .planner_cost import _draft
+    from .planner_cost import _drafter, committed
 
     sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=SEQ, layout="best", pp=pp)
     lm = corpus.lm
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    cost_fn = latency_sample_cost_fn(lm, sb.density)
-    tracker = SensitivityTracker()
+    drafter = _drafter(lm, sb, dp, SEQ)               # the runtime's draft (step/drafting.py)
+    tracker = drafter.tracker
     drafts, after, steps = [], [], []
     rng = np.random.default_rng(0)
     for k, segs in enumerate(corpus.segments):
-        d = _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, SEQ)
-        dens = d.dst.densities
-        idx = np.searchsorted(d.costs.densities, np.full(d.costs.shape, D0) - 1e-12)
-        f, b = d.costs.at(idx)
+        d = drafter.draft(k, 0, segs, m, with_dst=True)
+        batch, units, dens = committed(d)
+        costs = UnitCosts.from_latency(lm, units, dp, m, grid)
+        idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
+        f, b = costs.at(idx)
         steps.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
-        uniq = np.unique(np.concatenate(doc_slots(d.plan.micro_batches)))
+        uniq = np.unique(np.concatenate(doc_slots(batch.micro_batches)))
         noise = rng.uniform(0.9, 1.1, (dp, lm.layout.pp))
         signal = rng.uniform(1, 6, uniq.size)
         t0 = time.thread_time()                        # end_step's work, in its order
-        predicted = lm.busy_s(d.feats, dens)
+        predicted = lm.busy_s(units, dens)
         measured = predicted * noise
         for r in range(dp):
             lm.calibrate(r, predicted[r], measured[r])
             lm.calibrate_stages(r, predicted[r], measured[r])
-        lengths = {s[0]: s[2] - s[1] for s in d.plan.segments()}
+        lengths = {s[0]: s[2] - s[1] for s in batch.segments()}
         tracker.update(uniq, [lengths[i] for i in uniq.tolist()], signal)
-        unit_work(d.plan, sb)
-        kept_work(d.plan, sb, dens)
+        unit_work(batch, sb, units=units)
+        kept_work(batch, sb, dens, units=units)
         t1 = time.thread_time()
         if k:                                          # the first is a warm-up
-            drafts.append((d.marks[-1] - d.marks[0]))
+            drafts.append(d.cpu_s)
             after.append(t1 - t0)
     return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(),
             "draft_s": statistics.median(drafts), "after_step_s": statistics.median(after),
@@ -569,7 +570,7 @@ def _print(rows, ms, growth, target, gloo, points) -> None:
         print(f"\n(the target's shape, {TARGET}, is not among the rows)")
     else:
         print(f"\ntarget: {t['world']} GPUs (DP {t['dp']} x PP {t['pp']} x TP {t['tp']}, "
-              f"{t['m']} micro-batches, 32K): critical path with --sb-plan-ahead "
+              f"{t['m']} micro-batches, 32K): critical path with the default --sb-planner process "
               f"{t['critical_path_s']['plan_ahead'] * 1e3:.2f} ms = "
               f"{100 * t['share_of_step']['plan_ahead']:.3f}% of the simulated {t['step_s']:.2f} s "
               f"step (control plane {t['critical_path_parts_s']['control_plane'] * 1e3:.2f} ms, "

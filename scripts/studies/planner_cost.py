@@ -1,34 +1,51 @@
-"""Cost of the per-step planning work on this machine: DST planning and batched latency prediction.
+"""Cost of the per-step planning work on this machine: the runtime's draft, in-line and ahead, and
+what a planner beside it costs a launch-bound training thread.
 
 Prints a table and writes JSON (``--json``). These are speed targets, kept out of the unit tests
-(no wall clock in tests):
+(no wall clock in tests; ``tests/unit/test_planner_work.py`` counts the planner's work instead):
 
 - ``plan_dst`` of 64 DP ranks x 16 micro-batches x 4 stages (synthetic unit costs, the DST unit
   test's shape), median thread CPU time of 9 runs after a warm-up; target < 10 ms.
 - ``LatencyModel.predict_many`` over a global batch of 4,096 micro-batches of 32K tokens
   (analytic table, PP=4), median of 5; target well under 250 ms.
-- One step's SparseBalance work at 64 DP x 16 micro-batches x PP=4, 32K tokens, on the built-in
-  corpus (SAB packing, unit costs, the runtime's DST call, the calibration's prediction and the
-  reports' weights after the step), against the simulated step time of the plan (analytic
-  Qwen2.5-0.5B table); target < 1% of the step. Twice: on Megatron's even split (the LM-head
-  stage heavy, so DST's per-stage floor search runs) and on the best static layout.
-- The same with ``--sb-plan-ahead`` (``plan_ahead_overlap``): the draft on the planner thread
-  while a stand-in step runs, and what stays on the training thread's critical path.
+- One step's SparseBalance work at 64 DP x 16 micro-batches x PP=4 and at the paper's DP 4 x PP 4
+  (16 micro-batches), 32K tokens, on the built-in corpus, with the flags given (default: the
+  defaults): the runtime's draft (``step/drafting.py``: SAB's and the baseline's packing, their
+  latency features, DST on both under the do-no-harm rule), broken down for SAB's packing into
+  its parts (packing, features and unit costs, sensitivities and DST), and after the step the
+  calibration's prediction and the reports' density weights; against the simulated step time of
+  the plan (analytic Qwen2.5-0.5B table). Twice at 64 DP: on Megatron's even split (the LM-head
+  stage heavy) and on the best static layout.
+- Planning ahead (``--sb-planner process``, the default, and ``thread``): each step's draft made
+  by the runtime's planner while a stand-in step runs (``time.sleep`` of the simulated step:
+  the GIL released, as in CUDA synchronisation and NCCL waits), and what stays on the training
+  thread's critical path: sending the draft's inputs, the wait at the join, reading the draft
+  back, and the after-step work. Target: <= 0.5% of the step.
+- The training thread's slowdown: a launch-bound stand-in (small torch ops one after another,
+  as a GPU step's kernel launches hold the GIL between kernels) runs step windows with no
+  planner, then with each planner drafting the next step beside it (64 DP x 16 x PP4, best
+  layout); reported: its ops per second against the no-planner windows (target: <= 0.5%
+  slower). It needs a core for the planner process: on a machine whose cores are all busy the
+  process's draft takes CPU time from the training thread like any other process.
+- The draft's CPU time over a fixed reference computation's (numpy and Python, run in the same
+  process): a machine-independent figure a planner twice as slow doubles.
 
-    .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost.json
+    .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost_quality_descent.json
 """
 
 from __future__ import annotations
 
 import platform
 import time
-from types import SimpleNamespace
 
 import numpy as np
 
-from sparsebalance_megatron.config import DST_DESCENTS
+from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
 
 from .common import parser, write_result
+
+TARGET_SHARE = 0.005          # issue 44: the plugin's critical-path cost, share of the step
+SHAPES = (("64x16", 64, 16, ("even", "best")), ("4x16", 4, 16, ("best",)))
 
 
 def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
@@ -41,128 +58,258 @@ def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
     return float(np.median(out))
 
 
-def _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, seq):
-    """One step's plan with the runtime's calls (SAB packing, the latency model's features and
-    unit costs, the micro-batch sensitivities and DST), and the thread CPU clock before, between
-    and after the three parts (``marks``)."""
-    from sparsebalance_megatron.batching import sab_plan, unit_sensitivity
+def reference_ms(repeats: int = 5) -> float:
+    """Thread CPU ms of a fixed computation of the planner's kind (a Python loop of small numpy
+    steps over rows, a bisection over gathers, a sort): the unit the draft is also stated in,
+    so that a figure does not depend on the machine's speed."""
+    rng = np.random.default_rng(0)
+    rows = rng.random((256, 64))
+    table = np.cumsum(rng.random(200_000))
+    keys = rng.random(50_000) * table[-1]
+
+    def work():
+        end = np.empty_like(rows)
+        for e in range(1, rows.shape[0]):
+            np.maximum(end[e - 1], rows[e], out=end[e])
+            end[e] += rows[e - 1]
+        lo, hi = np.zeros(keys.size, np.int64), np.full(keys.size, table.size - 1)
+        for _ in range(18):
+            mid = (lo + hi + 1) // 2
+            ok = table.take(mid) <= keys
+            lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
+        np.sort(rng.permutation(keys))
+
+    return _median_ms(work, repeats)
+
+
+def _drafter(lm, sb, dp: int, seq: int):
+    from sparsebalance_megatron.batching import SensitivityTracker
+    from sparsebalance_megatron.megatron.step.drafting import Drafter
+
+    return Drafter(sb, lm, SensitivityTracker(signal=sb.sensitivity_signal), dp=dp,
+                   capacity=seq, attention_layers=lm.layout.attention_layers)
+
+
+def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
+    """Thread CPU ms of SAB's packing's parts, with the runtime's calls: packing, the latency
+    features and unit costs, the micro-batch sensitivities and DST."""
+    from sparsebalance_megatron.batching import latency_sample_cost_fn, sab_plan, unit_sensitivity
     from sparsebalance_megatron.policy import UnitCosts
     from sparsebalance_megatron.policy.dst import plan_dst_from_config
 
-    marks = [time.thread_time()]
-    plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq, cost_fn=cost_fn,
-                    sensitivity=tracker, seed=1)
-    marks.append(time.thread_time())
-    feats = lm.unit_features(plan.unit_csr(with_padding=True))
-    costs = UnitCosts.from_latency(lm, feats, dp, m, grid)
-    marks.append(time.thread_time())
-    dst = plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
-                               p2p_s=lm.p2p_s, stage_layers=lm.layout.layers)
-    marks.append(time.thread_time())
-    return SimpleNamespace(plan=plan, feats=feats, costs=costs, dst=dst, marks=marks)
+    t = [time.thread_time()]
+    plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq,
+                    cost_fn=latency_sample_cost_fn(lm, sb.density), sensitivity=tracker, seed=1)
+    t.append(time.thread_time())
+    costs = UnitCosts.from_latency(lm, lm.unit_features(plan.unit_csr(with_padding=True)), dp, m,
+                                   grid)
+    t.append(time.thread_time())
+    plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
+                         p2p_s=lm.p2p_s, stage_layers=lm.layout.attention_layers)
+    t.append(time.thread_time())
+    return [(b - a) * 1e3 for a, b in zip(t[:-1], t[1:])]
 
 
-def step_overhead(lm, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5,
-                  layout: str = "even", objective: str = "density",
-                  descent: str = "critical_path") -> dict:
-    """The plugin's per-step CPU work at scale, in the runtime's order and with its calls, on the
-    built-in corpus: SAB packing of a global batch; the latency model's features of the packed
-    step and its unit costs; the micro-batch sensitivities and the runtime's DST call; after the
-    step, the calibration's prediction (``busy_s``) and the reports' density weights
-    (``unit_work``); and the step time the plan is simulated to take (the denominator).
+def committed(draft) -> tuple:
+    """(batch, units, densities) the draft commits: SAB's packing, or the baseline's where SAB
+    stood down (do no harm)."""
+    densities, report = draft.payload
+    batch, units = draft.baseline if report["stand_down"]["packing_index"] == 1 else \
+        (draft.batch, draft.units)
+    return batch, units, np.asarray(densities)
 
-    layout: ``even`` (the model's table as given: Megatron's default split) or ``best`` (the
-    fastest static layout of the first step's data, ``layout_gap``: the configuration the
-    benchmarks compare with)."""
-    from sparsebalance_megatron.batching import SensitivityTracker, latency_sample_cost_fn
-    from sparsebalance_megatron.config import SparseBalanceConfig
+
+def after_step(lm, sb, draft) -> float:
+    """Thread CPU ms of the after-step work on the training thread: the calibration's
+    prediction (``busy_s``) and the reports' density weights and kept work."""
+    from sparsebalance_megatron.megatron.step.reporting import kept_work, unit_work
+
+    batch, units, densities = committed(draft)
+    t0 = time.thread_time()
+    lm.busy_s(units, densities)
+    routing = lm.dense_below_tokens or 0                 # the reports' routing: the model's
+    unit_work(batch, sb, routing, units=units)
+    kept_work(batch, sb, densities, routing, units=units)
+    return (time.thread_time() - t0) * 1e3
+
+
+def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int = 5,
+                  layout: str = "even", pp: int = 4, ahead: bool = True) -> dict:
+    """The plugin's per-step CPU work at one shape (module docstring), on the built-in corpus;
+    ``layout``: ``even`` (Megatron's default split) or ``best`` (the fastest static layout of the
+    first step's data, ``layout_gap``: the configuration the benchmarks compare with)."""
+    from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from sparsebalance_megatron.megatron.step.reporting import unit_work
-    from sparsebalance_megatron.policy import density_grid
-    from sparsebalance_megatron.sim import pipeline_makespan_s
+    from sparsebalance_megatron.policy import UnitCosts, density_grid
+    from sparsebalance_megatron.policy.stand_down import plan_step_time_s
 
-    sb = SparseBalanceConfig(sparse_balance=True, dst_objective=objective, dst_descent=descent)
-    corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout,
-                          pp=lm.layout.pp)
+    corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout, pp=pp)
+    lm, batches = corpus.lm, corpus.segments
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    cost_fn = latency_sample_cost_fn(lm, sb.density)      # packing as corpus_steps packs
-    batches, lm = corpus.segments, corpus.lm
-    tracker = SensitivityTracker()
+    drafter, tracker = _drafter(lm, sb, dp, seq), SensitivityTracker()
     names = ("sab_plan", "features + UnitCosts.from_latency", "sensitivity + DST",
              "after the step: busy_s + unit_work")
-    parts = {k: [] for k in names}
-    step_s, searched = [], []
+    parts, drafts, step_s, searched, stood = {k: [] for k in names}, [], [], [], []
     for k, segs in enumerate(batches):
-        d = _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, seq)
-        costs, dst = d.costs, d.dst
-        lm.busy_s(d.feats, dst.densities)
-        unit_work(d.plan, sb)
-        t = d.marks + [time.thread_time()]
+        got = _parts(lm, sb, grid, tracker, segs, dp, m, seq)
+        d = drafter.draft(k, 0, segs, m, with_dst=True)
+        got.append(after_step(lm, sb, d))
         if k == 0:
             continue                                          # warm-up
-        for j, name in enumerate(names):
-            parts[name].append((t[j + 1] - t[j]) * 1e3)
-        idx = np.searchsorted(costs.densities, dst.densities - 1e-12)
-        f, b = costs.at(idx)
-        step_s.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
-        searched.append(dst.report.tolerance_used != sb.tolerance)
+        for name, v in zip(names, got):
+            parts[name].append(v)
+        drafts.append(d.cpu_s * 1e3)
+        _, units, densities = committed(d)
+        step_s.append(plan_step_time_s(UnitCosts.from_latency(lm, units, dp, m, grid),
+                                       densities, lm.p2p_s))
+        searched.append(d.payload[1]["tolerance_used"] != sb.tolerance)
+        stood.append(bool(d.payload[1]["stand_down"]["sab_stood_down"]))
     med = {k: float(np.median(v)) for k, v in parts.items()}
-    out = {"shape": f"{dp} DP x {m} micro-batches x PP{lm.layout.pp}, {seq} tokens",
-           "layout": lm.layout.describe(), "parts_ms": med, "total_ms": float(sum(med.values())),
+    after = med[names[-1]]
+    out = {"shape": f"{dp} DP x {m} micro-batches x PP{pp}, {seq} tokens",
+           "dp": dp, "microbatches": m, "pp": pp, "seq_length": seq,
+           "virtual_stages": lm.layout.num_stages, "layout": lm.layout.describe(),
+           "candidates": 2 if drafter.sb.stand_down != "off" else 1,
+           "parts_ms": med, "draft_ms": float(np.median(drafts)),
+           "total_ms": float(np.median(drafts)) + after,
            "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
-           "steps": len(step_s)}
-    out["plan_ahead"] = plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq,
-                                           float(np.median(step_s)))
+           "sab_stood_down_steps": int(sum(stood)), "steps": len(step_s)}
+    out["inline_share_of_step"] = out["total_ms"] / (1e3 * out["step_s"])
+    if ahead:
+        for planner in ("process", "thread"):
+            key = "plan_ahead" if planner == "process" else "plan_ahead_thread"
+            out[key] = plan_ahead_overlap(lm, sb, dp, m, seq, batches, out["step_s"], planner)
     return out
 
 
-def plan_ahead_overlap(lm, sb, grid, cost_fn, batches, dp, m, seq, step_s: float) -> dict:
-    """--sb-plan-ahead at the same scale: each step's draft (SAB, features, unit costs, DST)
-    runs on the runtime's planner thread (``step_planning.Planner``) while the training thread
-    stands in for a GPU-bound step (blocked ``step_s`` seconds with the GIL released, as it is
-    in CUDA synchronisation and NCCL waits); measured on the training thread: the wait at the
-    join, and the after-step work (calibration's ``busy_s``, the reports' ``unit_work``). What
-    a CPU-bound training thread (kernel launches holding the GIL) would lose to the planner is
-    not modelled: the draft's CPU time is its bound."""
-    from sparsebalance_megatron.batching import SensitivityTracker
-    from sparsebalance_megatron.megatron.step.planning import Planner
-    from sparsebalance_megatron.megatron.step.reporting import unit_work
+def _submit(planner: str, drafter, proc, k: int, segs, m: int):
+    """Start the draft of step ``k`` on ``planner`` ('process': ``proc``, a PlannerProcess)."""
+    from sparsebalance_megatron.megatron.step.ahead import Planner
 
-    tracker = SensitivityTracker()
+    if planner == "thread":
+        return Planner(lambda: drafter.draft(k, 0, segs, m, with_dst=True), basis={})
+    return proc.submit(k, 0, segs, m, with_dst=True,
+                       latency_state=drafter.latency.calibration_state(),
+                       tracker_sync=("updates", []) if k else
+                       ("reset", drafter.tracker.state_dict()), basis={})
 
-    def draft(segs):
-        return _draft(lm, sb, grid, cost_fn, tracker, segs, dp, m, seq)
 
-    waits, after, drafts = [], [], []
-    current = draft(batches[0])
-    for segs in batches[1:]:
-        planner = Planner(lambda segs=segs: draft(segs), basis={})
-        time.sleep(step_s)                          # the step trains (GIL released)
-        t0 = time.perf_counter()                    # end_step: join the next step's draft ...
-        nxt = planner.result()
-        waits.append((time.perf_counter() - t0) * 1e3)
-        t1 = time.thread_time()
-        lm.busy_s(current.feats, current.dst.densities)   # ... calibration's prediction ...
-        unit_work(current.plan, sb)                       # ... and the reports' weights
-        after.append((time.thread_time() - t1) * 1e3)
-        drafts.append((nxt.marks[-1] - nxt.marks[0]) * 1e3)
-        current = nxt
-    on_path = float(np.median(waits) + np.median(after))
-    return {"stand_in_step_s": step_s, "draft_cpu_ms": float(np.median(drafts)),
+def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str) -> dict:
+    """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner
+    while the training thread stands in for a GPU-bound step (blocked ``step_s`` seconds with
+    the GIL released); on the training thread: sending the inputs and reading the draft back
+    (``handoff_ms``, thread CPU), the wait at the join (wall), and the after-step work (thread
+    CPU). What a launch-bound training thread loses to a planner beside it: ``launch_slowdown``."""
+    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
+
+    drafter = _drafter(lm, sb, dp, seq)
+    proc = PlannerProcess(drafter) if planner == "process" else None
+    try:
+        sends, waits, recvs, after, drafts = [], [], [], [], []
+        current = drafter.draft(0, 0, batches[0], m, with_dst=True)
+        for k, segs in enumerate(batches, start=0):    # step 0: the planner's warm-up
+            c0 = time.thread_time()
+            pending = _submit(planner, drafter, proc, k, segs, m)
+            send = (time.thread_time() - c0) * 1e3
+            time.sleep(step_s)                          # the step trains (GIL released)
+            nxt = pending.result()                      # end_step: join the next step's draft
+            a = after_step(lm, sb, current)
+            if k:
+                sends.append(send)
+                waits.append(pending.wait_s * 1e3)
+                recvs.append(getattr(pending, "recv_s", 0.0) * 1e3)
+                after.append(a)
+                drafts.append(nxt.cpu_s * 1e3)
+            current = nxt
+    finally:
+        if proc is not None:
+            proc.close()
+    handoff = float(np.median(sends) + np.median(recvs))
+    on_path = handoff + float(np.median(waits) + np.median(after))
+    return {"planner": planner, "stand_in_step_s": step_s,
+            "draft_cpu_ms": float(np.median(drafts)), "handoff_ms": handoff,
             "join_wait_ms": float(np.median(waits)), "after_step_ms": float(np.median(after)),
             "critical_path_ms": on_path, "share_of_step": on_path / (1e3 * step_s)}
+
+
+def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
+                    window_s: float = 2.0, rounds: int = 3, ops: int = 200) -> dict:
+    """The training thread's speed beside each planner: a launch-bound stand-in (``ops`` small
+    torch ops per burst, bursts back to back) runs step windows of ``window_s`` seconds; as in
+    the runtime, each window starts the planner's draft of the next step (``dp`` x ``m`` x PP4,
+    ``layout``, the built-in corpus) and ends by joining it. The no-planner windows alternate
+    with the planners' (``rounds`` each) so that a load change on the machine falls on all.
+    Returns ops per second in the windows and each planner's slowdown against none."""
+    import torch
+
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
+    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
+
+    corpus = corpus_steps(dp, m, sb.density, 3, seq=seq, layout=layout, pp=4)
+    a, b, c = torch.randn(64), torch.randn(64), torch.empty(64)
+
+    def window(planner, drafter, proc, k) -> tuple[float, float]:
+        """(ops/s during the window, training-thread ms at its join)."""
+        pending = _submit(planner, drafter, proc, k, corpus.segments[k % 3], m) \
+            if planner else None
+        n, t0 = 0, time.perf_counter()
+        t_end = t0 + window_s
+        while time.perf_counter() < t_end:
+            for _ in range(ops):
+                torch.add(a, b, out=c)
+            n += ops
+        rate = n / (time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        return rate, (time.perf_counter() - t1) * 1e3
+
+    drafter = _drafter(corpus.lm, sb, dp, seq)
+    proc = PlannerProcess(drafter)
+    rates = {None: [], "thread": [], "process": []}
+    joins = {"thread": [], "process": []}
+    try:
+        window(None, None, None, 0)                     # warm-up: torch's first calls ...
+        window("process", drafter, proc, 0)             # ... and the process's first draft
+        for r in range(rounds):
+            for planner in (None, "thread", None, "process"):
+                rate, join_ms = window(planner, drafter, proc, r + 1)
+                rates[planner].append(rate)
+                if planner:
+                    joins[planner].append(join_ms)
+    finally:
+        proc.close()
+    base = float(np.median(rates[None]))
+    out = {"window_s": window_s, "ops_per_burst": ops, "rounds": rounds,
+           "shape": f"{dp} DP x {m} micro-batches x PP4, {layout} layout",
+           "baseline_ops_per_s": base}
+    for planner in ("thread", "process"):
+        rate = float(np.median(rates[planner]))
+        out[planner] = {"ops_per_s": rate, "slowdown": 1.0 - rate / base,
+                        "join_ms": float(np.median(joins[planner]))}
+    return out
 
 
 def main(argv=None) -> int:
     from sparsebalance_megatron.latency import LatencyModel
     from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
 
+    defaults = SparseBalanceConfig()
     p = parser(__doc__, "planner_cost")
-    p.add_argument("--dst-objective", default="density", choices=["density", "quality"],
+    p.add_argument("--dst-objective", default=defaults.dst_objective, choices=DST_OBJECTIVES,
                    help="DST's objective in the per-step rows (--sb-dst-objective)")
-    p.add_argument("--dst-descent", default=DST_DESCENTS[0], choices=DST_DESCENTS,
+    p.add_argument("--dst-descent", default=defaults.dst_descent, choices=DST_DESCENTS,
                    help="DST's critical-path descent in the per-step rows (--sb-dst-descent)")
+    p.add_argument("--repeats", type=int, default=5, help="steps timed per shape (after one "
+                   "warm-up step)")
+    p.add_argument("--slowdown-window-s", type=float, default=None,
+                   help="length of a step window of the training-thread slowdown test "
+                        "(default: the simulated step of 64 DP x 16 x PP4 on the best layout)")
+    p.add_argument("--no-slowdown", action="store_true",
+                   help="skip the training-thread slowdown test")
     args = p.parse_args(argv)
+    sb = SparseBalanceConfig(sparse_balance=True, dst_objective=args.dst_objective,
+                             dst_descent=args.dst_descent)
 
     rng = np.random.default_rng(7)
     grid = density_grid(0.5, 0.125, 1.0)
@@ -171,45 +318,62 @@ def main(argv=None) -> int:
     costs = UnitCosts.affine(grid, fixed, attn)
     sens = rng.random((64, 16))
     plan_ms = _median_ms(lambda: plan_dst(costs, sens, 0.5, 0.125, 1.0), 9)
-
     lm = LatencyModel.analytic(pp=4)
     units = [np.diff(np.r_[0, np.sort(rng.choice(32767, rng.integers(1, 30), replace=False) + 1),
                            32768]) for _ in range(4096)]
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
     predict_ms = _median_ms(lambda: lm.predict_many(units, d, 1), 5)
+    ref_ms = reference_ms()
 
-    steps = {lay: step_overhead(lm, layout=lay, objective=args.dst_objective,
-                               descent=args.dst_descent)
-             for lay in ("even", "best")}
+    steps, shapes = {}, {}
+    for name, dp, m, layouts in SHAPES:
+        for lay in layouts:
+            out = step_overhead(sb, dp=dp, m=m, layout=lay, repeats=args.repeats)
+            out["draft_over_reference"] = out["draft_ms"] / ref_ms
+            shapes[f"{name} {lay}"] = out
+            if name == "64x16":
+                steps[lay] = out            # the keys earlier results used
     rows = [("plan_dst 64 x 16 x 4", plan_ms, 10.0),
-            ("predict_many 4,096 x 32K (pp 4)", predict_ms, 250.0)]
-    for lay, step in steps.items():
-        tag = f"{lay} {step['layout']}"
-        rows += [(f"step ({tag}): {k}", v, None) for k, v in step["parts_ms"].items()]
-        rows.append((f"step ({tag}): all of it", step["total_ms"],
-                     0.01 * step["step_s"] * 1e3))
-        ahead = step["plan_ahead"]
-        rows.append((f"step ({tag}), --sb-plan-ahead: draft (planner thread)",
-                     ahead["draft_cpu_ms"], None))
-        rows.append((f"step ({tag}), --sb-plan-ahead: critical path", ahead["critical_path_ms"],
-                     0.01 * step["step_s"] * 1e3))
-    print(f"{'what':<62} {'median ms':>10} {'target ms':>10}")
+            ("predict_many 4,096 x 32K (pp 4)", predict_ms, 250.0),
+            ("reference computation (the unit of 'x ref')", ref_ms, None)]
+    for tag, step in shapes.items():
+        tag = f"{tag} {step['layout']}"
+        budget = TARGET_SHARE * step["step_s"] * 1e3
+        rows += [(f"{tag}: {k}", v, None) for k, v in step["parts_ms"].items()]
+        rows.append((f"{tag}: draft ({step['candidates']} packings; "
+                     f"{step['draft_over_reference']:.1f} x ref)", step["draft_ms"], 50.0))
+        rows.append((f"{tag}: --sb-planner inline, critical path", step["total_ms"], budget))
+        for key in ("plan_ahead", "plan_ahead_thread"):
+            a = step[key]
+            rows.append((f"{tag}: --sb-planner {a['planner']}, critical path",
+                         a["critical_path_ms"], budget))
+    slow = None if args.no_slowdown else launch_slowdown(
+        sb, window_s=args.slowdown_window_s or shapes["64x16 best"]["step_s"])
+    print(f"{'what':<78} {'median ms':>10} {'target ms':>10}")
     for name, ms, target in rows:
-        print(f"{name:<62} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
-    for lay, step in steps.items():
-        print(f"per step, {lay} layout {step['layout']}: {step['total_ms']:.1f} ms of a simulated "
-              f"{step['step_s']:.2f} s step = {100 * step['total_ms'] / (1e3 * step['step_s']):.2f}%"
-              f" (target < 1%); DST's floor search ran in {step['floor_search_steps']} of "
-              f"{step['steps']} steps")
-        a = step["plan_ahead"]
-        print(f"  with --sb-plan-ahead: {a['critical_path_ms']:.1f} ms on the critical path "
-              f"(join wait {a['join_wait_ms']:.2f} ms + after-step work "
-              f"{a['after_step_ms']:.1f} ms) = {100 * a['share_of_step']:.2f}% of the step; the "
-              f"draft's {a['draft_cpu_ms']:.1f} ms ran on the planner thread")
+        print(f"{name:<78} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
+    for tag, step in shapes.items():
+        print(f"{tag} {step['layout']}: simulated step {step['step_s']:.2f} s; in-line "
+              f"{100 * step['inline_share_of_step']:.2f}%, ahead in a process "
+              f"{100 * step['plan_ahead']['share_of_step']:.3f}% (handoff "
+              f"{step['plan_ahead']['handoff_ms']:.1f} ms, join wait "
+              f"{step['plan_ahead']['join_wait_ms']:.1f} ms, after-step "
+              f"{step['plan_ahead']['after_step_ms']:.1f} ms), on a thread "
+              f"{100 * step['plan_ahead_thread']['share_of_step']:.3f}% (target <= "
+              f"{100 * TARGET_SHARE:.1f}%); floor search in {step['floor_search_steps']} and "
+              f"SAB stood down in {step['sab_stood_down_steps']} of {step['steps']} steps")
+    if slow is not None:
+        for planner in ("thread", "process"):
+            s = slow[planner]
+            print(f"launch-bound training thread beside the {planner} planner: "
+                  f"{100 * s['slowdown']:.2f}% slower ({s['ops_per_s']:.0f} vs "
+                  f"{slow['baseline_ops_per_s']:.0f} ops/s in {slow['window_s']:.1f} s steps, "
+                  f"{s['join_ms']:.1f} ms at the join; target <= {100 * TARGET_SHARE:.1f}%)")
     if args.json:
         write_result(args.json, {
             "machine": platform.processor() or platform.machine(),
             "clock": "thread CPU time", "dst_objective": args.dst_objective,
-            "dst_descent": args.dst_descent, "steps": steps,
+            "dst_descent": args.dst_descent, "planner": sb.planner, "reference_ms": ref_ms,
+            "steps": steps, "shapes": shapes, "launch_slowdown": slow,
             "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]})
     return 0

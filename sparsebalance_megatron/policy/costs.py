@@ -181,16 +181,19 @@ class UnitCosts:
         corr = (grid_fn(dp, ranks) if grid_fn is not None else np.array(
             [[model.correction(r)] * ranks for r in range(dp)])) if calibrated \
             else np.ones((dp, ranks))
-        corr = np.repeat(corr, m, axis=0)                            # [n, ranks] unit's rank
+        corr = np.repeat(corr, m, axis=0)[:, np.arange(pp) % ranks]  # [n, stages] unit's rank
+        terms = [model.unit_terms(feats, s) for s in range(pp)]
         f = np.empty((n, pp, g.size))
         b = np.empty((n, pp, g.size))
-        for s in range(pp):                                          # in place: no temporaries
-            t = model.unit_terms(feats, s)
-            for out, fixed, per_pair in ((f[:, s], t.fwd_fixed_s, t.fwd_attn_s_per_pair),
-                                         (b[:, s], t.bwd_fixed_s, t.bwd_attn_s_per_pair)):
-                np.multiply(work, per_pair, out=out)
-                out += fixed[:, None]
-                out *= corr[:, s % ranks, None]
+        for out, fixed, per_pair in (
+                (f, [t.fwd_fixed_s for t in terms], [t.fwd_attn_s_per_pair for t in terms]),
+                (b, [t.bwd_fixed_s for t in terms], [t.bwd_attn_s_per_pair for t in terms])):
+            # (work x per_pair + fixed) x correction, every stage at once: the same three
+            # operations per element as one stage at a time
+            np.multiply(work[:, None, :], np.asarray(per_pair, np.float64)[None, :, None],
+                        out=out)
+            out += np.stack(fixed, axis=1)[:, :, None]
+            out *= corr[:, :, None]
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
@@ -233,6 +236,44 @@ def level_search(lo, hi, ok) -> np.ndarray:
         fits = ok(mid)
         lo = np.where(open_ & fits, mid, lo)
         hi = np.where(open_ & ~fits, mid - 1, hi)
+
+
+def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
+    """Elementwise: the highest grid index L in [lo, hi] with ``table[unit, L] <= limit`` (lo if
+    none), for a table whose rows are non-decreasing along the grid (``UnitCosts`` makes its
+    costs so). ``units``: flat offsets of the units' rows (unit id x g) in ``table.reshape(-1)``;
+    ``units``, ``limit``, ``lo``, ``hi`` broadcast to one shape, the result's.
+
+    ``level_search`` with the predicate a table look-up, in fewer gathers: most answers are an
+    end of the interval (a unit left where it is, or cut to its bound), so both ends are tried
+    first and only the others bisect, each round over the elements still open."""
+    flat = table.reshape(-1)
+    units, limit, lo, hi = np.broadcast_arrays(units, limit, lo, hi)
+    shape = units.shape
+    units, limit = units.ravel(), limit.ravel()
+    out = lo.astype(np.int64).ravel()                              # a copy: lo if none
+    hi = hi.astype(np.int64, copy=False).ravel()
+    top = (flat.take(units + hi) <= limit) & (out < hi)
+    out[top] = hi[top]
+    # the rest: the answer is in [lo, hi - 1]; lo + 1 failing settles it at lo
+    todo = np.flatnonzero(~top & (out + 1 < hi))
+    if todo.size:
+        ok = flat.take(units[todo] + out[todo] + 1) <= limit[todo]
+        todo = todo[ok]
+        out[todo] += 1                                             # lo + 1 holds
+    u, lim, l, h = units[todo], limit[todo], out[todo], hi[todo] - 1
+    while todo.size:
+        open_ = l < h
+        if not open_.all():
+            todo, u, lim, l, h = todo[open_], u[open_], lim[open_], l[open_], h[open_]
+            if not todo.size:
+                break
+        mid = (l + h + 1) // 2
+        fits = flat.take(u + mid) <= lim
+        l = np.where(fits, mid, l)
+        h = np.where(fits, h, mid - 1)
+        out[todo] = l
+    return out.reshape(shape)
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

@@ -45,9 +45,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..sim.pipeline import pipeline_makespan_s
-from .costs import UnitCosts, level_search, stage_mean_densities, weighted_mean_density
-from .slack import event_float_s
+from ..sim.pipeline import event_graph
+from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
+from .slack import floats_from
 
 ROUNDS = 8                                   # descent rounds per plan
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
@@ -59,38 +59,39 @@ NEUTRAL_DENSITY = 1.0                        # the descent's mean-density floor,
 
 def _highest_within(t_grid: np.ndarray, thr, lo, hi) -> np.ndarray:
     """Per unit, the highest grid index i in [lo, hi] with t_grid[..., i] <= thr (lo if none);
-    t_grid [..., g] non-decreasing along the grid (``UnitCosts``), thr / lo / hi of its leading
-    shape or broadcast to it (``costs.level_search``: a few gathers of the leading shape)."""
+    t_grid [dp, m, nv, g] non-decreasing along the grid (``UnitCosts``), thr of shape
+    [..., dp, m, nv] (a leading candidate axis), lo / hi broadcast to it."""
     thr = np.asarray(thr, dtype=np.float64)
-    flat = t_grid.reshape(-1, t_grid.shape[-1])                   # [units, g], no copy
-    rows = np.broadcast_to(np.arange(flat.shape[0]).reshape(t_grid.shape[:-1]), thr.shape)
-    limit = thr * (1 + _REL_EPS) + 1e-15
-    return level_search(np.broadcast_to(lo, thr.shape), np.broadcast_to(hi, thr.shape),
-                        lambda i: flat[rows, i] <= limit)
+    units = np.arange(np.prod(t_grid.shape[:-1])).reshape(t_grid.shape[:-1]) * t_grid.shape[-1]
+    return highest_at_most(t_grid, units, thr * (1 + _REL_EPS) + 1e-15, lo, hi)
 
 
 class _Step:
-    """Times and makespans of plans (grid indices [k, dp, m, nv] or [dp, m, nv]) on costs."""
+    """Times, simulations and floats of plans (grid indices [k, dp, m, nv] or [dp, m, nv]) on
+    costs: a simulation keeps its event durations and earliest finishes, so the floats of a plan
+    already simulated cost only the backward pass (``slack.floats_from``)."""
 
     def __init__(self, costs: UnitCosts, p2p_s: float):
         self.c, self.p2p = costs, float(p2p_s)
         self.pp = costs.pipeline_ranks
+        dp, m, nv = costs.shape
+        self.graph = event_graph(m, self.pp, nv // self.pp)
+        self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * costs.densities.size
+        self.fwd, self.bwd = costs.fwd_s.reshape(-1), costs.bwd_s.reshape(-1)
 
     def times(self, idx):
-        i = idx[..., None]
-        f = np.take_along_axis(np.broadcast_to(self.c.fwd_s, idx.shape + (self.c.fwd_s.shape[-1],)),
-                               i, -1)[..., 0]
-        b = np.take_along_axis(np.broadcast_to(self.c.bwd_s, idx.shape + (self.c.bwd_s.shape[-1],)),
-                               i, -1)[..., 0]
-        return f, b
+        u = self.units + idx
+        return self.fwd.take(u), self.bwd.take(u)
 
-    def makespan(self, f, b):
+    def run(self, f, b):
+        """(durations, earliest finishes [E, cols], makespans [..., dp]) of plans' times."""
         dp, m, nv = self.c.shape
-        return pipeline_makespan_s(f.reshape(-1, m, nv), b.reshape(-1, m, nv), self.p2p,
-                                   pp=self.pp).reshape(f.shape[:-3] + (dp,))
+        dur = self.graph.durations(f.reshape(-1, m, nv), b.reshape(-1, m, nv))
+        ef = self.graph.earliest_finish(dur, self.p2p)
+        return dur, ef, self.graph.makespan(ef).reshape(f.shape[:-3] + (dp,))
 
-    def floats(self, f, b, deadline):
-        ff, fb = event_float_s(f, b, deadline, self.p2p, pp=self.pp)
+    def floats(self, dur, ef, deadline):
+        ff, fb = floats_from(self.graph, dur, ef, deadline, self.p2p, self.c.shape)
         return np.minimum(ff, fb)
 
 
@@ -105,36 +106,41 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
     t_grid = costs.total_s
     t_min = t_grid[..., i_min]
     f, b = st.times(idx)
-    step = float(st.makespan(f, b).max())
+    dur, ef, mk = st.run(f, b)
+    step = float(mk.max())
     eta = ETA_START
     for _ in range(rounds):
         if eta < ETA_MIN:
             break
         target = step * (1.0 - eta)
-        crit = st.floats(f, b, np.full(dp, target)) < 0            # on a path longer than T'
+        crit = st.floats(dur, ef, np.full(dp, target)) < 0          # on a path longer than T'
         t_cur = f + b
-        k = CUT_FRACTIONS.size
         thr = np.where(crit, t_cur - CUT_FRACTIONS[:, None, None, None] * (t_cur - t_min), t_cur)
         cand = _highest_within(t_grid, thr, i_min, idx)              # [k, dp, m, nv]
-        ok = st.makespan(*st.times(cand)) <= target * (1 + _REL_EPS)
+        fk, bk = st.times(cand)
+        dur_k, ef_k, mk_k = st.run(fk, bk)                           # one call, k x dp columns
+        ok = mk_k <= target * (1 + _REL_EPS)
         ok |= ~crit.any(axis=(1, 2))                                 # rank already within T'
         if not ok.any(axis=0).all():                                 # T' out of reach: ask less
             eta /= 2
             continue
-        cut = cand[np.argmax(ok, axis=0), rows]                      # smallest alpha that fits
-        f1, b1 = st.times(cut)
-        mk_cut = st.makespan(f1, b1)
+        pick = np.argmax(ok, axis=0)                                 # smallest alpha that fits
+        cut, f1, b1, cols = cand[pick, rows], fk[pick, rows], bk[pick, rows], pick * dp + rows
+        mk_cut = mk_k[pick, rows]
         deadline = np.full(dp, target * (1.0 - raise_headroom))
-        cap = np.maximum(st.floats(f1, b1, deadline), 0.0)
+        cap = np.maximum(st.floats(dur_k[:, cols], ef_k[:, cols], deadline), 0.0)
         thr = (f1 + b1) + RAISE_FRACTIONS[:, None, None, None] * cap
         cand = _highest_within(t_grid, thr, cut, i_max)
+        fr, br = st.times(cand)
+        dur_r, ef_r, mk_r = st.run(fr, br)
         limit = np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15
-        ok = st.makespan(*st.times(cand)) <= limit                   # beta 0 always holds
-        new = cand[np.argmax(ok, axis=0), rows]
-        nf, nb = st.times(new)
-        new_step = float(st.makespan(nf, nb).max())
+        pick = np.argmax(mk_r <= limit, axis=0)                      # beta 0 always holds
+        new = cand[pick, rows]
+        new_step = float(mk_r[pick, rows].max())
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
-            idx, f, b, step = new, nf, nb, new_step
+            cols = pick * dp + rows
+            idx, f, b, step = new, fr[pick, rows], br[pick, rows], new_step
+            dur, ef = dur_r[:, cols], ef_r[:, cols]
             eta = min(eta * 1.5, ETA_MAX)
         else:
             eta /= 2
@@ -172,7 +178,7 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
         return plan
     dens = costs.densities[idx]
     st = _Step(costs, p2p_s)
-    mk = st.makespan(*st.times(idx))
+    mk = st.run(*st.times(idx))[2]
     report = replace(
         r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
         imbalance_after=float(mk.max() / mk.mean()) if mk.mean() > 0 else 1.0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .costs import level_search
+from .costs import highest_at_most, level_search
 
 
 def anchor_s(busy_s: np.ndarray, anchor: str) -> float:
@@ -35,7 +35,7 @@ def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:
 
 def lookup(a: np.ndarray, units: np.ndarray, idx) -> np.ndarray:
     """a[unit, idx] for a [dp, m, pp, g] table, unit offsets (``unit_base``) and grid indices."""
-    return a.reshape(-1)[units + idx]
+    return a.reshape(-1).take(units + idx)
 
 
 def perm_along_m(order: np.ndarray):
@@ -47,8 +47,7 @@ def perm_along_m(order: np.ndarray):
 def highest_index_within(t_grid, units, thr, lo, hi):
     """Per unit: the highest grid index i in [lo, hi] with t(i) <= thr (lo if none); costs are
     non-decreasing in density (``UnitCosts`` makes them so)."""
-    return level_search(np.broadcast_to(lo, units.shape), np.broadcast_to(hi, units.shape),
-                         lambda i: lookup(t_grid, units, i) <= thr)
+    return highest_at_most(t_grid, units, thr, lo, hi)
 
 
 def cut_densities(t_grid, units, cur_i, excess_s, order, i_min):

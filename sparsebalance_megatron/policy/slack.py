@@ -16,34 +16,9 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from ..sim.pipeline import FWD, _global_order
-
-
-@lru_cache(maxsize=64)
-def _events(m: int, pp: int, vp: int = 1):
-    """The step's event graph in topological order (the simulator's): per event its rank,
-    kind, micro-batch, virtual stage, the event it waits for and whether that wait crosses ranks,
-    the next event on its rank and the event that waits for it (each -1 when none)."""
-    ranks, kinds, mbs, vs, dks, dvs, crosses = _global_order(m, pp, vp)
-    n = len(ranks)
-    eid = np.empty((2, m, pp * vp), dtype=np.int64)
-    eid[kinds, mbs, vs] = np.arange(n)
-    dep = np.where(dvs >= 0, eid[dks, mbs, np.maximum(dvs, 0)], -1)
-    nxt = np.full(n, -1, dtype=np.int64)
-    last = {}
-    for e in range(n - 1, -1, -1):
-        r = int(ranks[e])
-        nxt[e] = last.get(r, -1)
-        last[r] = e
-    succ = np.full(n, -1, dtype=np.int64)
-    has = dep >= 0
-    succ[dep[has]] = np.flatnonzero(has)
-    return (ranks.tolist(), kinds, mbs, vs, dep.tolist(), crosses.astype(bool).tolist(),
-            nxt.tolist(), succ.tolist())
+from ..sim.pipeline import FWD, EventGraph, event_graph
 
 
 def event_float_s(fwd_s: np.ndarray, bwd_s: np.ndarray, deadline_s: np.ndarray,
@@ -55,30 +30,42 @@ def event_float_s(fwd_s: np.ndarray, bwd_s: np.ndarray, deadline_s: np.ndarray,
     than the stage axis, the virtual stages of the interleaved schedule.
     """
     dp, m, nv = fwd_s.shape
-    pp = nv if pp is None else int(pp)
-    ranks, kinds, mbs, vs, dep, cross, nxt, succ = _events(m, pp, nv // pp)
-    dur = np.where((kinds == FWD)[:, None], fwd_s[:, mbs, vs].T, bwd_s[:, mbs, vs].T)  # [E, dp]
-    n = len(ranks)
-    ef = np.empty((n, dp))
-    free = np.zeros((pp, dp))
-    for e in range(n):                               # earliest finish (forward pass)
-        r, d = ranks[e], dep[e]
-        t0 = free[r]
-        if d >= 0:
-            t0 = np.maximum(t0, ef[d] + (p2p_s if cross[e] else 0.0))
-        ef[e] = free[r] = t0 + dur[e]
-    lf = np.empty((n, dp))
-    deadline = np.asarray(deadline_s, dtype=np.float64)
-    for e in range(n - 1, -1, -1):                   # latest finish (backward pass)
-        t = deadline
-        j = nxt[e]
-        if j >= 0:
-            t = np.minimum(t, lf[j] - dur[j])
-        j = succ[e]
-        if j >= 0:
-            t = np.minimum(t, lf[j] - dur[j] - (p2p_s if cross[j] else 0.0))
-        lf[e] = t
-    fl = lf - ef                                     # [E, dp]
+    g = event_graph(m, nv if pp is None else int(pp), nv // (nv if pp is None else int(pp)))
+    dur = g.durations(fwd_s, bwd_s)                                # [E, dp]
+    return floats_from(g, dur, g.earliest_finish(dur, p2p_s), deadline_s, p2p_s, (dp, m, nv))
+
+
+def floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s, p2p_s: float,
+                shape) -> tuple:
+    """``event_float_s`` from a simulation already run: durations ``dur`` and earliest
+    finishes ``ef`` [E, cols] (``EventGraph.earliest_finish``), so a caller that simulated the
+    plan pays only the backward pass. Returns the forward and backward floats [cols, m, nv]."""
+    fl = latest_finish(g, dur, deadline_s, p2p_s)
+    fl -= ef                                                       # [E, cols]
+    dp, m, nv = shape
     out = np.empty((2, dp, m, nv))
-    out[kinds, :, mbs, vs] = fl
+    out[g.kinds, :, g.mbs, g.vs] = fl
     return out[FWD], out[1 - FWD]
+
+
+def latest_finish(g: EventGraph, dur: np.ndarray, deadline_s, p2p_s: float) -> np.ndarray:
+    """[E, cols] latest finish of every event with every rank's last event due at
+    ``deadline_s`` [cols]: before the next event on its rank starts, and before the event that
+    waits for it starts (less p2p when that wait crosses ranks)."""
+    deadline = np.asarray(deadline_s, dtype=np.float64)
+    lf = np.empty_like(dur)
+    ls = np.empty_like(dur)                          # latest start: lf - dur
+    lfs, lss, durs = list(lf), list(ls), list(dur)   # row views made once
+    nxt, succ, cross = g.nxt, g.succ, g.cross
+    p = float(p2p_s)
+    for e in range(g.size - 1, -1, -1):
+        row = lfs[e]
+        j, k = nxt[e], succ[e]
+        if j >= 0:
+            np.minimum(deadline, lss[j], out=row)
+        else:
+            row[...] = deadline
+        if k >= 0:
+            np.minimum(row, lss[k] - p if cross[k] and p else lss[k], out=row)
+        np.subtract(row, durs[e], out=lss[e])
+    return lf

@@ -147,26 +147,113 @@ def _check_times(fwd_s, bwd_s, p2p_s):
     return f, b, p
 
 
+@dataclass(frozen=True)
+class EventGraph:
+    """The events of one step in ``_global_order``'s topological order, as flat index arrays:
+    event e is (kind, micro-batch, virtual stage) ``(kinds[e], mbs[e], vs[e])`` on ``ranks[e]``;
+    ``prev[e]`` the event before it on its rank, ``dep[e]`` the event it waits for (its data) and
+    ``cross[e]`` whether that wait crosses ranks (p2p latency on the edge); ``nxt[e]`` and
+    ``succ[e]`` the reverse edges (-1 where none); ``last[r]`` rank r's last event. Built once
+    per (m, pp, vp); what the simulator and the float pass (``policy.slack``) step through."""
+
+    ranks: np.ndarray
+    kinds: np.ndarray
+    mbs: np.ndarray
+    vs: np.ndarray
+    prev: tuple
+    dep: tuple
+    cross: tuple
+    nxt: tuple
+    succ: tuple
+    last: np.ndarray
+    unit_rows: np.ndarray           # [E] row of each event in a [2 * m * nv] (kind, mb, v) table
+    steps: tuple                    # (e, prev, dep, cross) of every event, in order
+
+    @property
+    def size(self) -> int:
+        return len(self.prev)
+
+    def durations(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """[E, cols] duration of every event from fwd/bwd seconds [cols, m, nv]."""
+        cols, m, nv = f.shape
+        both = np.empty((2, m, nv, cols))          # one transposing copy, then whole rows
+        both[FWD] = f.transpose(1, 2, 0)
+        both[1 - FWD] = b.transpose(1, 2, 0)
+        return both.reshape(2 * m * nv, cols).take(self.unit_rows, axis=0)
+
+    def earliest_finish(self, dur: np.ndarray, p2p_s: float,
+                        start: Optional[np.ndarray] = None) -> np.ndarray:
+        """[E, cols] earliest finish of every event (durations ``dur`` [E, cols]): an event
+        starts when its rank's previous event and its dependency (+ p2p when it crosses ranks)
+        have finished. Rows are written in place, a few numpy calls per event; ``start``
+        ([E, cols], optional) receives every event's start."""
+        end = np.empty_like(dur)
+        rows, durs = list(end), list(dur)          # row views made once, not per use
+        p = float(p2p_s)
+        for e, pr, d, c in self.steps:
+            row = rows[e]
+            if d >= 0:
+                if c and p:
+                    np.add(rows[d], p, out=row)
+                else:
+                    row[...] = rows[d]
+                if pr >= 0:
+                    np.maximum(row, rows[pr], out=row)
+            elif pr >= 0:
+                row[...] = rows[pr]
+            else:
+                row[...] = 0.0
+            if start is not None:
+                start[e] = row
+            row += durs[e]
+        return end
+
+    def makespan(self, end: np.ndarray) -> np.ndarray:
+        """[cols] makespan: the latest of the ranks' last events."""
+        return end[self.last].max(axis=0)
+
+
+@lru_cache(maxsize=256)
+def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
+    """The ``EventGraph`` of m micro-batches on pp ranks with vp model chunks each."""
+    ranks, kinds, mbs, vs, dks, dvs, crosses = _global_order(m, pp, vp)
+    n = len(ranks)
+    eid = np.empty((2, m, pp * vp), dtype=np.int64)
+    eid[kinds, mbs, vs] = np.arange(n)
+    dep = np.where(dvs >= 0, eid[dks, mbs, np.maximum(dvs, 0)], -1)
+    prev = np.full(n, -1, dtype=np.int64)
+    nxt = np.full(n, -1, dtype=np.int64)
+    last = np.full(pp, -1, dtype=np.int64)
+    for e in range(n):
+        r = int(ranks[e])
+        if last[r] >= 0:
+            prev[e], nxt[last[r]] = last[r], e
+        last[r] = e
+    succ = np.full(n, -1, dtype=np.int64)
+    has = dep >= 0
+    succ[dep[has]] = np.flatnonzero(has)
+    prev_t, dep_t, cross_t = tuple(prev.tolist()), tuple(dep.tolist()), \
+        tuple(bool(x) for x in crosses)
+    return EventGraph(ranks, kinds, mbs, vs, prev_t, dep_t, cross_t, tuple(nxt.tolist()),
+                      tuple(succ.tolist()), last, (kinds * m + mbs) * (pp * vp) + vs,
+                      tuple(zip(range(n), prev_t, dep_t, cross_t)))
+
+
 def _run(f, b, p, record, pp=None):
     dp, m, nv = f.shape
-    pp = nv if pp is None else pp
-    ranks, kinds, mbs, vs, dks, dvs, dps = _global_order(m, int(pp), nv // int(pp))
-    dur = np.stack([f, b], axis=0)              # [2, dp, m, nv]
-    end = np.zeros((2, m, nv, dp))               # end time of every event, dp last for speed
-    start = np.zeros((2, m, nv, dp)) if record else None
-    free = np.zeros((pp, dp))                    # when each rank becomes free
-    for r, k, i, v, dk, dv, dpp in zip(ranks.tolist(), kinds.tolist(), mbs.tolist(), vs.tolist(),
-                                       dks.tolist(), dvs.tolist(), dps.tolist()):
-        t0 = free[r]
-        if dv >= 0:
-            t0 = np.maximum(t0, end[dk, i, dv] + (p if dpp else 0.0))
-        t1 = t0 + dur[k, :, i, v]
-        if record:
-            start[k, i, v] = t0  # before free[r] is overwritten: t0 may be a view of it
-        end[k, i, v] = t1
-        free[r] = t1
-    rank_time = free.max(axis=0)                 # [dp]
-    return rank_time, start, end
+    pp = nv if pp is None else int(pp)
+    g = event_graph(m, pp, nv // pp)
+    dur = g.durations(f, b)                                        # [E, dp]
+    start = np.empty_like(dur) if record else None
+    end = g.earliest_finish(dur, p, start)
+    rank_time = g.makespan(end)                                    # [dp]
+    if not record:
+        return rank_time, None, None
+    out_end = np.zeros((2, m, nv, dp))           # dp last, as the recorders below expect
+    out_start = np.zeros((2, m, nv, dp))
+    out_end[g.kinds, g.mbs, g.vs] = end
+    out_start[g.kinds, g.mbs, g.vs] = start
+    return rank_time, out_start, out_end
 
 
 def pipeline_makespan_s(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.distributed
 SB = ["--sparse-balance", "--sb-density", "0.5", "--sb-min-density", "0.25",
       "--sb-block-size", "32", "--sb-tokenizer", "byte", "--eval-iters", "0",
       "--sb-tolerance", "0.02", "--sb-dst-objective", "density",
-      "--sb-calibration-ema", "0.6"]
+      "--sb-calibration-ema", "0.6",
+      "--sb-planner", "inline"]   # each step planned from the state the step before left
 STEPS = 4
 
 

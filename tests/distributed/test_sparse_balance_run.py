@@ -33,11 +33,13 @@ def table(tiny_latency_table):
     pytest.param(["--tensor-model-parallel-size", "2"], id="tp2"),
     pytest.param([], marks=pytest.mark.slow, id="dp2")])
 def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl, table, parallel):
+    """With --sb-planner inline (the other runs plan ahead, the default): each step is planned
+    after the previous one, from the state it left, so the measured error reaches step 3."""
     metrics = tmp_path / "m.jsonl"
     proc = run_entry(2, [*TINY_MODEL, *SB, *parallel, "--data-path", small_jsonl,
                          "--global-batch-size", "4", "--train-iters", "3",
                          "--sb-latency-table", table, "--sb-latency-table-force",
-                         "--sb-metrics-file", metrics], cwd=tmp_path)
+                         "--sb-planner", "inline", "--sb-metrics-file", metrics], cwd=tmp_path)
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -70,13 +72,13 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
 
 
 @pytest.mark.parametrize("layout", [   # first3 alone and the layout string (slow): the
-    # plan-ahead case covers the first, the interleaved run's layout string Ett|t|t|L the second
+    # planner-thread case covers the first, the interleaved run's layout string Ett|t|t|L the second
     pytest.param(["--decoder-first-pipeline-num-layers", "3"], marks=pytest.mark.slow,
                  id="first3"),
     pytest.param(["--pipeline-model-parallel-layout", "Et|tttL", "--sb-dst-objective",
                   "density"], marks=pytest.mark.slow, id="layout-string-density-objective"),
     pytest.param(["--decoder-first-pipeline-num-layers", "3", "--sb-dst-objective", "quality",
-                  "--sb-plan-ahead"], id="first3-quality-objective-plan-ahead")])
+                  "--sb-planner", "thread"], id="first3-quality-objective-planner-thread")])
 def test_uneven_pipeline_layout_is_planned_per_stage(tmp_path, small_jsonl,
                                                      tiny_latency_table_pp2, layout):
     """PP=2 with Megatron's uneven splits: the latency model predicts each stage from its own
@@ -217,10 +219,11 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
     full = assert_measured_resume(tmp_path)
     # the default sensitivity signal: the length prior (> 0) until the first step's documents
-    # report their training loss, then minus each document's loss (< 0)
+    # report their training loss, then minus each document's loss (< 0); planned ahead (the
+    # default), step 2 was planned before step 1's losses were in
     resumed = read_metrics(tmp_path / "resumed.jsonl")
-    assert min(min(r) for r in full[0]["unit_sensitivity"]) > 0
-    assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[1:] + resumed)
+    assert all(min(min(r) for r in row["unit_sensitivity"]) > 0 for row in full[:2])
+    assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[2:] + resumed)
 
 
 @pytest.mark.reliability(area="resume", case="interleaved-schedule PP=2 (2 model chunks per "
@@ -297,20 +300,20 @@ def assert_measured_resume(tmp_path) -> list:
     return full
 
 
-@pytest.mark.slow   # 35 s; plan-ahead stays in the suite in the uneven-layout run, PP resume in the PP=2 x DP=2 resume
-@pytest.mark.reliability(area="resume", case="--sb-plan-ahead DP=2 SAB+DST run resumed at "
+@pytest.mark.slow   # 35 s; planning ahead (the default) resumes in the suite in the PP=2 x DP=2 resume
+@pytest.mark.reliability(area="resume", case="--sb-planner process DP=2 SAB+DST run resumed at "
                          "iteration 2 of 5 (modelled timings, one rank 2x slow)",
                          expect="plans one step behind the state, and after --load packing, "
                          "plans, calibration and losses equal the uninterrupted run's")
 def test_plan_ahead_lags_one_step_and_resumes_exactly(tmp_path, small_jsonl, table):
-    """--sb-plan-ahead drafts step n+1 on a background thread during step n, from the state
-    after step n-1: the first two steps plan with the length prior (no loss measured before
+    """The planner process (the default) drafts step n+1 during step n, from the state after
+    step n-1: the first two steps plan with the length prior (no loss measured before
     them), later ones with measured losses. A checkpoint holds the state the pending step was
     planned from, so the resumed run re-plans it exactly."""
     common = [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "4",
               "--train-iters", "5", "--sb-latency-table", table, "--sb-latency-table-force",
               "--sb-timing-source", "model", "--sb-straggler-rank", "1",
-              "--sb-straggler-slowdown", "2", "--sb-plan-ahead"]
+              "--sb-straggler-slowdown", "2"]
     run_entry(2, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
                   "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
     run_entry(2, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",

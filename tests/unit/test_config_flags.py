@@ -66,7 +66,8 @@ def test_flags_are_exactly_the_fields():
     assert flags == {flag_name(f.name) for f in FIELDS}
     assert len(flags) == len(FIELDS)
     parser = add_sparsebalance_args(argparse.ArgumentParser())
-    dests = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
+    dests = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"
+             and not a.dest.startswith("_removed_")}      # REMOVED_FLAGS: refused, no field
     assert dests == {dest_name(f.name) for f in FIELDS}
 
 
@@ -155,3 +156,18 @@ def test_no_collision_with_megatron_flags():
     assert args.sparse_balance is True and args.sb_density == 0.25 and args.num_layers == 2
     cfg = config_from_args(args)
     assert cfg.density == 0.25 and cfg.sparse_attention_enabled and cfg.dst_enabled
+
+
+def test_a_removed_flag_is_refused_with_what_replaces_it(capsys):
+    import argparse
+
+    from sparsebalance_megatron.arguments import REMOVED_FLAGS, add_sparsebalance_args
+
+    parser = add_sparsebalance_args(argparse.ArgumentParser(prog="train"))
+    for flag, replacement in REMOVED_FLAGS.items():
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag])
+        err = capsys.readouterr().err
+        assert f"{flag} was replaced by {replacement}" in err
+    args = parser.parse_args([])                  # a launch without them parses as before
+    assert not any(k.startswith("_removed_") for k in vars(args))

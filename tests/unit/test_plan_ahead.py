@@ -1,13 +1,20 @@
-"""--sb-plan-ahead's planner thread: the draft comes back to the training thread, and so does
-an error raised while drafting (a bad batch must stop the run, not vanish with the thread)."""
+"""The planners that draft step n+1 while step n trains (``step/ahead.py``): the draft comes
+back to the training thread, and so does an error raised while drafting (a bad batch must stop
+the run, not vanish with the thread or the process); in-line, on the planner thread and in the
+planner process the same inputs give the same plan, bit for bit."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 
+import numpy as np
 import pytest
 
-from sparsebalance_megatron.megatron.step.planning import Draft, Planner
+from sparsebalance_megatron.megatron.step.ahead import (Planner, PlannerProcess,
+                                                        PlannerProcessError)
+from sparsebalance_megatron.megatron.step.drafting import Draft, Drafter
 
 
 def test_planner_returns_the_draft_with_its_basis():
@@ -29,3 +36,189 @@ def test_planner_reraises_the_drafts_error_on_the_caller():
 
     with pytest.raises(ValueError, match="sample 7: 40000 tokens"):
         Planner(draft, basis={}).result()
+
+
+DP, M, SEQ = 4, 8, 8192
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """Three global batches of the built-in corpus and a PP=2 analytic latency model."""
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
+
+    return corpus_steps(DP, M, 0.5, 3, seq=SEQ, pp=2)
+
+
+def _drafter(lm, tracker, **sb_kw):
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    sb = SparseBalanceConfig(sparse_balance=True, **sb_kw)
+    return Drafter(sb, lm, tracker, dp=DP, capacity=SEQ,
+                   attention_layers=lm.layout.attention_layers)
+
+
+def _learn(lm, tracker, step: int):
+    """A step's measurements: per-(DP rank, stage) calibration and document losses."""
+    rng = np.random.default_rng(step)
+    for r in range(DP):
+        lm.calibrate(r, np.ones(2), rng.uniform(0.8, 1.6, 2))
+        lm.calibrate_stages(r, np.ones(2), rng.uniform(0.8, 1.4, 2))
+    ids = list(range(step * 20, step * 20 + 20))
+    lengths, losses = rng.integers(100, 8000, 20).tolist(), rng.uniform(1, 4, 20).tolist()
+    return ids, lengths, losses
+
+
+def _plain(d: Draft) -> bytes:
+    """A draft's content (not its CPU time or basis) as bytes to compare: its packing, the
+    packing it commits (the baseline's where SAB stood down) and its plan."""
+    stand = (d.payload[1] if d.payload else {}).get("stand_down") or d.stand_down
+    batch, units = d.baseline if stand and stand["packing_index"] == 1 else (d.batch, d.units)
+    return pickle.dumps((d.iteration, d.first_bin, d.batch.micro_batches, d.payload,
+                         batch.micro_batches, d.stand_down,
+                         units.work_grid(np.array([0.25, 0.5, 1.0]))))
+
+
+@pytest.mark.parametrize("objective", ["quality", "density"])
+def test_inline_thread_and_process_draft_the_same_plan(steps, objective):
+    from sparsebalance_megatron.batching import SensitivityTracker
+
+    lm, tracker = copy.deepcopy(steps.lm), SensitivityTracker()
+    drafter = _drafter(lm, tracker, dst_objective=objective)
+    proc = PlannerProcess(drafter)              # a copy of the state before any step
+    try:
+        synced = False
+        for k, segs in enumerate(steps.segments):
+            ids, lengths, losses = _learn(lm, tracker, k)
+            tracker.update(ids, lengths, losses)
+            inline = drafter.draft(k, 100 * k, segs, M, with_dst=True)
+            thread = Planner(lambda: drafter.draft(k, 100 * k, segs, M, with_dst=True),
+                             basis={}).result()
+            sync = ("updates", [(ids, lengths, losses)]) if synced else \
+                ("reset", tracker.state_dict())
+            synced = True
+            ahead = proc.submit(k, 100 * k, segs, M, with_dst=True,
+                                latency_state=lm.calibration_state(), tracker_sync=sync,
+                                basis={"k": k}).result()
+            assert ahead.basis == {"k": k} and ahead.cpu_s > 0
+            assert inline.payload is not None and inline.baseline is not None
+            if not ahead.payload[1]["stand_down"]["packing_index"]:
+                assert ahead.baseline is None      # not sent back: the plan commits SAB's
+            assert _plain(inline) == _plain(thread) == _plain(ahead), f"step {k}"
+        # the learned state moved the plans: the last step differs from a fresh drafter's
+        fresh = _drafter(copy.deepcopy(steps.lm), SensitivityTracker(),
+                         dst_objective=objective).draft(2, 200, steps.segments[2], M,
+                                                         with_dst=True)
+        assert _plain(fresh) != _plain(inline)
+    finally:
+        proc.close()
+    assert proc.proc.poll() is not None           # closing ends the process
+
+
+@pytest.mark.reliability(area="fault", case="the planner process: a draft that fails, then the "
+                         "process killed (SIGKILL)", expect="the draft's error raised on the "
+                         "training thread with the process's traceback; the death named with its "
+                         "exit code and --sb-planner thread/inline, no hang")
+def test_the_planner_process_raises_the_drafts_error_and_its_own_death(steps):
+    from sparsebalance_megatron.batching import SensitivityTracker
+
+    proc = PlannerProcess(_drafter(copy.deepcopy(steps.lm), SensitivityTracker()))
+    try:
+        bad = steps.segments[0] + [(99999, 0, SEQ + 8)]     # a segment over the capacity
+        pending = proc.submit(0, 0, bad, M, with_dst=True, latency_state=None,
+                              tracker_sync=None, basis={})
+        with pytest.raises(RuntimeError, match="packer dropped or duplicated") as e:
+            pending.result()
+        assert "in the planner process" in "".join(e.value.__notes__)
+        # the process survives a draft's error and answers the next request
+        ok = proc.submit(0, 0, steps.segments[0], M, with_dst=False, latency_state=None,
+                         tracker_sync=None, basis={}).result()
+        assert ok.payload is None and ok.batch.dp == DP
+        proc.proc.kill()                         # killed (out of memory, a signal)
+        proc.proc.wait()
+        with pytest.raises(PlannerProcessError, match="exit code -9.*--sb-planner thread"):
+            proc.submit(1, 0, steps.segments[1], M, with_dst=True, latency_state=None,
+                        tracker_sync=None, basis={}).result()
+    finally:
+        proc.close()
+
+
+def test_the_planner_process_imports_no_torch():
+    """What the planner process imports (its module, the Drafter it unpickles, what a draft
+    uses) stays numpy and the pure layers: a process of its own costs no torch start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from sparsebalance_megatron.megatron.step import ahead\n"
+            "from sparsebalance_megatron.latency import LatencyModel\n"
+            "from sparsebalance_megatron.batching import SensitivityTracker\n"
+            "ahead._import_draft_modules()\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
+            "print(bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_the_saved_basis_is_the_state_each_draft_started_from():
+    """The plan-ahead basis a checkpoint saves (``StepPlanning.ahead_basis``) equals the
+    tracker's and calibration's state when the prepared step's draft started, though the tracker
+    is copied only at start and at the save (its copy replays the updates one draft behind),
+    through a reload of the tracker too (a resume)."""
+    import types
+    from types import SimpleNamespace
+
+    from sparsebalance_megatron.batching import SensitivityTracker
+    from sparsebalance_megatron.latency import LatencyModel
+    from sparsebalance_megatron.megatron.step.planning import StepPlanning
+
+    cb = SimpleNamespace(latency=LatencyModel.analytic(pp=2), tracker=SensitivityTracker(),
+                         _process=None, _tracker_log=[], _tracker_synced=False, _updates=0,
+                         _basis_tracker=None, _basis_log=[], _basis_mark=0, _ready_basis=None)
+    for name in ("_lagged_basis", "_advance_basis", "ahead_basis", "_track", "_tracker_loaded",
+                 "_planning_state"):
+        setattr(cb, name, types.MethodType(getattr(StepPlanning, name), cb))
+    rng = np.random.default_rng(5)
+    pending, expected = None, None
+    for step in range(6):
+        if step == 3:      # a resumed process: it loads the state wholesale, nothing pending
+            cb.tracker.load_state_dict(cb.tracker.state_dict())
+            cb._tracker_loaded()
+            pending = None
+        basis, want = cb._lagged_basis(), copy.deepcopy(cb._planning_state())
+        if pending is not None:                        # end_step: the pending draft committed
+            cb._advance_basis(pending)
+            cb._ready_basis = pending
+            assert cb.ahead_basis() == expected, f"step {step}"
+        pending, expected = basis, want
+        for _ in range(2):                             # the step's measurements
+            cb._track(rng.integers(0, 50, 8).tolist(), rng.integers(100, 4000, 8).tolist(),
+                      rng.uniform(1, 4, 8).tolist())
+            cb.latency.calibrate(step % 2, np.ones(2), rng.uniform(0.8, 1.5, 2))
+    assert cb._updates == 12 and len(cb._basis_log) <= 4     # the copy stays one draft behind
+
+
+def test_a_dropped_baseline_keeps_the_plan_records_size():
+    """The rank that plans DST drops the baseline packing SAB did not need
+    (``without_unused_baseline``); the others keep it until rank 0's broadcast says. The plan
+    record's size (``PlanShape.options``) must still be the same on every rank, or the broadcast
+    of the plan would disagree in size."""
+    from sparsebalance_megatron.megatron.step.ahead import without_unused_baseline
+
+    report = {"stand_down": {"packing_index": 0}}
+    planner = Draft(3, 0, batch=None, units=None, payload=([[0.5]], report),
+                    baseline=("batch", "units"), options=2)
+    other = Draft(3, 0, batch=None, units=None, payload=None,
+                  baseline=("batch", "units"), options=2)
+    assert without_unused_baseline(planner).baseline is None
+    assert without_unused_baseline(other).baseline is not None
+    assert planner.options == other.options == 2
+    from types import SimpleNamespace
+
+    from sparsebalance_megatron.megatron.step.planning import StepPlanning
+
+    batch = SimpleNamespace(num_microbatches=4)
+    planner.batch = other.batch = batch
+    rank = SimpleNamespace(dp=2, layout=SimpleNamespace(num_stages=2), tracker=None)
+    assert StepPlanning._plan_shape(rank, planner) == StepPlanning._plan_shape(rank, other)
+    assert StepPlanning._plan_shape(rank, planner).options == 2

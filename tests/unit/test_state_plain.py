@@ -52,10 +52,11 @@ def _callback(load_dir=".", *, pp=2, fresh=False):
     cb = SimpleNamespace(args=SimpleNamespace(pipeline_model_parallel_size=pp, curr_iteration=1,
                                               load=str(load_dir), iteration=2),
                          sb=SparseBalanceConfig(sparse_balance=True, fresh_state=fresh,
-                                                plan_ahead=True),
+                                                planner="process"),
                          latency=lm, tracker=SensitivityTracker(signal="loss"),
                          reporter=SimpleNamespace(stood=StandDownCounts()), _ready_basis=None)
-    for name in ("state_dict", "load_state_dict", "_planning_state", "_state_basis"):
+    for name in ("state_dict", "load_state_dict", "_planning_state", "_state_basis",
+                 "_tracker_loaded", "ahead_basis"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))
     return cb
 

@@ -85,7 +85,7 @@ def _callback(tmp_path, *, fresh: bool, latency=None):
                          sb=SparseBalanceConfig(sparse_balance=True, fresh_state=fresh),
                          latency=latency, tracker=SensitivityTracker(signal="loss"),
                          reporter=SimpleNamespace(stood=StandDownCounts()))
-    for name in ("load_state_dict", "_planning_state", "_state_basis"):
+    for name in ("load_state_dict", "_planning_state", "_state_basis", "_tracker_loaded"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))
     return cb
 

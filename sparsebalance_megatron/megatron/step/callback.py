@@ -28,12 +28,14 @@ the checks and sums over every rank's record at a step's end: ``step/checks.py``
 With ``--sb-replay-plans`` a step's packing and densities are another run's recorded ones
 (``launch/replay.py``) instead of SAB's and DST's; the resume state is ``step/state.py``'s.
 
-With ``--sb-plan-ahead`` the next step's draft (documents, packing, latency features, rank 0's
-DST plan: no collective) is made by a background thread while the step trains, from the state
-after the previous step; ``end_step`` joins it before it updates that state, and only the plan's
-broadcast stays on the critical path. So a step's plan always uses the state after the step
-before the previous one, and a checkpoint also holds that older state (``ahead_basis``): a
-resumed run re-plans its first step from it and repeats the uninterrupted run.
+By default (``--sb-planner process``; ``thread`` alike, ``step/ahead.py``) the next step's draft
+(documents, packing, latency features, rank 0's DST plan: no collective) is made while the step
+trains, by the rank's planner process, from the state after the previous step; ``end_step``
+joins it before it updates that state, and only the plan's broadcast stays on the critical path.
+So a step's plan always uses the state after the step before the previous one, and a checkpoint
+also holds that older state (``ahead_basis``): a resumed run re-plans its first step from it and
+repeats the uninterrupted run. ``--sb-planner inline`` plans after the step, on its critical
+path, from the state the step left.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ from ..model.budget import BudgetContext
 from ..runtime import comm
 from .checks import (budget_error, budget_violations, fingerprint, min_kept, recall_sums,
                      sum_by_doc, unit_order)
+from .ahead import PlannerProcess
 from .exchange import ExchangeGroups, StepExchange
-from .planning import Planner, PreparedStep, StepPlanning
-from .record import RankReport, RecordShape, StepSummary, doc_slots
+from .planning import PreparedStep, StepPlanning
+from .record import RankReport, StepSummary, step_record_shape
 from .state import STATE_VERSION, plain_state
 
 
@@ -118,11 +121,20 @@ class SparseBalanceCallback(StepPlanning):
         self._finalized: Optional[int] = None
         self._losses: list = []
         self._doc_losses: list = []             # (doc ids, loss sums, tokens) per micro-batch
-        self._overhead_s = 0.0
+        self._overhead_s = 0.0                  # the plugin's wall seconds in this step ...
+        self._own_s = 0.0                       # ... of which its own work (thread CPU)
         self._layout_checked = False
-        self._planner: Optional[Planner] = None   # --sb-plan-ahead: the next step's draft
+        self._planner = None                       # plan-ahead: the next step's pending draft
         self._ready_basis: Optional[dict] = None   # the state the prepared step was planned from
         self._ahead_s = 0.0                        # CPU seconds of the last background draft
+        self._drafter = None                       # what drafts read (StepPlanning.drafter)
+        self._process: Optional[PlannerProcess] = None   # --sb-planner process
+        self._tracker_log: list = []               # tracker updates the process has not seen
+        self._tracker_synced = False               # the process's tracker is this one's
+        self._updates = 0                          # tracker updates so far
+        self._basis_tracker = None                 # the tracker as of the prepared step's basis
+        self._basis_log: list = []                 # updates since then
+        self._basis_mark = 0                       # updates the copy has
 
     # --- Megatron hooks ----------------------------------------------------------------------
     def train_iterator(self, chunk: int = 0):
@@ -156,6 +168,8 @@ class SparseBalanceCallback(StepPlanning):
                 raise LaunchError(errors[0])
         if args.iteration < args.train_iters:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
+            if args.iteration + 1 < args.train_iters:
+                self.start_planner()         # starts while the first step is prepared
             self.prepare_step(args.iteration, get_num_microbatches())
             if ahead:
                 self.load_state_dict(state)      # validated above as part of the same file
@@ -227,7 +241,7 @@ class SparseBalanceCallback(StepPlanning):
     # --- after a step ------------------------------------------------------------------------
     def end_step(self, iteration: int, timings: dict) -> None:
         """Gather, check, calibrate, report; then prepare the next step (collective)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step = self._current
         if step is None:
             raise RuntimeError(f"iteration {iteration} finished without reading the plugin's "
@@ -235,8 +249,9 @@ class SparseBalanceCallback(StepPlanning):
         loss = (torch.stack([x[0].float() for x in self._losses]).sum().item(),
                 torch.stack([x[1].float() for x in self._losses]).sum().item()) \
             if self._losses else (0.0, 0.0)
-        summary = self.exchange.gather(self._report(step, timings, loss),
-                                       *self._record_shape(step))
+        shape, slots = step_record_shape(step.batch, self.vp, signal=self.signal is not None,
+                                         per_interval=bool(self.sb.metrics_file))
+        summary = self.exchange.gather(self._report(step, timings, loss), shape, slots)
         if not summary.fingerprints_agree:
             raise RuntimeError(f"iteration {iteration}: ranks packed different micro-batches "
                                f"(the sampler/packer must be deterministic on every rank)")
@@ -267,10 +282,13 @@ class SparseBalanceCallback(StepPlanning):
         elif iteration + 1 < args.train_iters:
             self.prepare_step(iteration + 1, self._num_microbatches_next(step))
         self._overhead_s += time.perf_counter() - t0
+        self._own_s += time.thread_time() - c0
+        t1, c1 = time.perf_counter(), time.thread_time()
         self.reporter.report(iteration + 1, step, summary, measured, calib,
-                             overhead_s=self._overhead_s,
+                             overhead_s=self._overhead_s, own_s=self._own_s,
                              planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None)
-        self._overhead_s = 0.0
+        # the report's own cost (metrics, writers, log line) counts in the next step's figure
+        self._overhead_s, self._own_s = time.perf_counter() - t1, time.thread_time() - c1
 
     def _num_microbatches_next(self, step: PreparedStep) -> int:
         """Micro-batches of the next step by Megatron's batch-size rules (its calculator at the
@@ -347,16 +365,6 @@ class SparseBalanceCallback(StepPlanning):
                           step_s=timings.get("step_s"), loss=loss, violations=bad,
                           doc_values=docs if self.signal is not None else {})
 
-    def _record_shape(self, step: PreparedStep) -> tuple:
-        """(the step's ``RecordShape``, every DP rank's document slots): known to every rank
-        before the step ends. Per-interval times travel only where ``--sb-metrics-file`` writes
-        them; document sums only with a sensitivity signal."""
-        timed = step.batch.num_microbatches * self.vp
-        slots = doc_slots(step.batch.micro_batches) if self.signal is not None else []
-        shape = RecordShape(1, timed, timed if self.sb.metrics_file else 0,
-                            max((len(x) for x in slots), default=0))
-        return shape, slots
-
     def _update_sensitivity(self, step: PreparedStep, summary: StepSummary) -> None:
         """The tracker learns every document's mean signal this step (sum / count over every
         rank: loss per token, or recall per layer and head group)."""
@@ -364,7 +372,7 @@ class SparseBalanceCallback(StepPlanning):
         if not ids.size:
             return
         lengths = {d: e - s for d, s, e in step.batch.segments()}
-        self.tracker.update(ids, [lengths[i] for i in ids.tolist()], sums[:, 0] / sums[:, 1])
+        self._track(ids, [lengths[i] for i in ids.tolist()], sums[:, 0] / sums[:, 1])
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
@@ -374,7 +382,7 @@ class SparseBalanceCallback(StepPlanning):
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict()}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
-            out["ahead_basis"] = self._ready_basis
+            out["ahead_basis"] = self.ahead_basis()
         return plain_state(out)
 
     def load_state_dict(self, state: Optional[dict]) -> None:
@@ -384,4 +392,5 @@ class SparseBalanceCallback(StepPlanning):
             self.latency.load_calibration_state(state["latency"])
         if self.tracker is not None and state.get("sensitivity") is not None:
             self.tracker.load_state_dict(state["sensitivity"])
+            self._tracker_loaded()
         self.reporter.stood.load_state_dict(state.get("stand_down"))   # cumulative counts

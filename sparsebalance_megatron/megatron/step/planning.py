@@ -1,10 +1,11 @@
 """The planning half of ``SparseBalanceCallback``: a step's documents, packing and budgets, built
-before the step runs, and the ``--sb-plan-ahead`` thread that drafts the next one.
+before the step runs, and the planner that drafts the next one while a step trains.
 
 ``StepPlanning`` is a base class of the callback, not a component of its own: its methods read the
 callback's sampler, latency model, sensitivity tracker, replay, layout and capacity
 (``step/callback.py`` sets them) and write the prepared step the callback's ``take_step`` reads. A step
-is first a ``Draft`` (no collective: safe on the planner thread), then ``_commit`` makes it the
+is first a ``Draft`` (``step/drafting.py``: no collective, the same function in-line, on the planner
+thread or in the planner process, ``step/ahead.py``), then ``_commit`` makes it the
 ``PreparedStep`` (collective: rank 0's DST plan is broadcast as a fixed-size tensor,
 ``step/exchange.py``). Each packing is committed only where
 predicted no slower than the static baseline (do no harm, ``step/choice.py``).
@@ -13,8 +14,6 @@ No torch.distributed outside ``comm``; megatron only through the callback.
 
 from __future__ import annotations
 
-import copy
-import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -24,9 +23,18 @@ import numpy as np
 from ...batching.plan import BatchPlan
 from ...plan import BudgetPlan
 from ..runtime import comm
-from .checks import check_assignment
-from .choice import wants_baseline_packing
 from .plan_record import PlanShape
+from .ahead import Planner, PlannerProcess
+from .drafting import Draft, Drafter  # noqa: F401  (Draft: the planners' result type)
+
+
+@dataclass
+class LaggedBasis:
+    """A plan-ahead draft's basis without a copy of the tracker (``StepPlanning._lagged_basis``):
+    the latency calibration as it was, and how many tracker updates the draft saw."""
+
+    latency: Optional[dict]
+    mark: int
 
 
 @dataclass
@@ -42,109 +50,39 @@ class PreparedStep:
     stand_down: Optional[dict] = None  # do-no-harm record (step_choice.choose); None: no choice
 
 
-@dataclass
-class Draft:
-    """A step planned without collectives (``SparseBalanceCallback._draft``): every rank packs the
-    same micro-batches; rank 0 also holds the DST plan the commit broadcasts."""
-
-    iteration: int
-    first_bin: int
-    batch: BatchPlan
-    units: object
-    payload: Optional[tuple]       # rank 0 with DST: (densities, report); else None
-    replayed: object = None        # --sb-replay-plans: the recorded densities (None: dense)
-    cpu_s: float = 0.0             # CPU time the draft took (its thread's)
-    basis: Optional[dict] = None   # plan-ahead: the plugin state it was planned from
-    baseline: Optional[tuple] = None   # (batch, units) packed the baseline's way (stand-down)
-    stand_down: Optional[dict] = None  # without DST: every rank's own packing choice
-
-
-class Planner:
-    """One background draft (``--sb-plan-ahead``): a daemon thread, its result or exception."""
-
-    def __init__(self, fn, basis: dict):
-        self.basis, self._out, self._err = basis, None, None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
-                                        name="sparsebalance-planner")
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._out = fn()
-        except BaseException as e:           # re-raised on the training thread by result()
-            self._err = e
-
-    def result(self) -> Draft:
-        self._thread.join()
-        if self._err is not None:
-            raise self._err
-        self._out.basis = self.basis
-        return self._out
-
-
 class StepPlanning:
     """Packing, drafting and committing a step's plan (a base of ``SparseBalanceCallback``)."""
+
+    def drafter(self) -> Drafter:
+        """What this rank's drafts read (built once, after the callback set its parts)."""
+        if self._drafter is None:
+            self._drafter = Drafter(self.sb, self.latency, self.tracker, dp=self.dp,
+                                    capacity=self.capacity,
+                                    attention_layers=self.layout.attention_layers,
+                                    replay=self.replay)
+        return self._drafter
 
     def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
         """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
         token_balanced, SAB."""
-        from ...batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
-                                         token_balanced_plan)
-
-        sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
-                               max_tokens=self.capacity)
-        method = method or sb.packing_method
-        if method == "sab":
-            plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
-                            sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
-                            seed=sb.seed, **kw)
-        elif method == "token_balanced":
-            plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
-                                       seed=sb.seed, **kw)
-        else:
-            plan = sequential_plan(segments, **kw)
-        # variable-length micro-batches: the planner's units end where the packed tensors do
-        return plan.with_length_multiple(sb.microbatch_multiple)
+        return self.drafter().pack(segments, num_microbatches, method)
 
     def prepare_step(self, iteration: int, num_microbatches: int) -> None:
         """Documents, packing and budgets of ``iteration`` (collective: DST plan broadcast)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         draft = self._draft(iteration, num_microbatches)
         draft.basis = self._state_basis() if self.sb.plan_ahead else None
         self._commit(draft)
         self._overhead_s += time.perf_counter() - t0
+        self._own_s += time.thread_time() - c0
 
     def _draft(self, iteration: int, num_microbatches: int) -> Draft:
-        """The step's documents, packing, latency features and (rank 0) DST plan; reads the
-        sampler, latency model and tracker, no collective (safe on the planner thread)."""
-        t0 = time.thread_time()
+        """The step's documents (the sampler's next bins), packing, latency features and
+        (rank 0) DST plan; no collective (safe on the planner thread)."""
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * num_microbatches)
-        replayed, payload, stand = None, None, None
-        if self.replay is not None:            # the recorded packing and densities
-            batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
-            options = [self._checked(segments, batch)]
-        else:
-            options = [self._packed(segments, num_microbatches)]
-            if wants_baseline_packing(self.sb, self.latency):     # do no harm: SAB vs baseline
-                options.append(self._packed(segments, num_microbatches, self.sb.stand_down))
-            if self.sb.dst_enabled:
-                if comm.rank() == 0:
-                    densities, report, _ = self._choose(options, dst=True)
-                    payload = (densities, report)
-            elif len(options) > 1:
-                stand = self._choose(options, dst=False)[2]
-        return Draft(iteration, first_bin, *options[0], payload, replayed,
-                      cpu_s=time.thread_time() - t0,
-                      baseline=options[1] if len(options) > 1 else None, stand_down=stand)
-
-    def _packed(self, segments, num_microbatches: int, method: Optional[str] = None) -> tuple:
-        return self._checked(segments, self.pack(segments, num_microbatches, method))
-
-    def _checked(self, segments, batch: BatchPlan) -> tuple:
-        """(batch, its latency features), once the batch is checked to hold ``segments``."""
-        check_assignment(segments, batch, self.capacity)
-        return batch, self._units(batch)
+        return self.drafter().draft(iteration, first_bin, segments, num_microbatches,
+                                    with_dst=comm.rank() == 0)
 
     def _commit(self, draft: Draft) -> None:
         """The draft becomes the prepared step (collective: rank 0's DST plan is broadcast)."""
@@ -164,6 +102,7 @@ class StepPlanning:
                                      batch.num_microbatches, self.layout.num_stages)
         self._ready = PreparedStep(draft.iteration, draft.first_bin, batch, plan, report,
                                    units, stand)
+        self._advance_basis(draft.basis)
         self._ready_basis = draft.basis
         if not self._layout_checked:
             self._layout_checked = True
@@ -172,7 +111,7 @@ class StepPlanning:
     def _plan_shape(self, draft: Draft) -> PlanShape:
         """The size of the draft's plan record, known on every rank (``step/plan_record.py``)."""
         return PlanShape(self.dp, draft.batch.num_microbatches, self.layout.num_stages,
-                         options=1 if draft.baseline is None else 2,
+                         options=draft.options,
                          sensitivity=self.tracker is not None)
 
     def _planning_state(self) -> dict:
@@ -181,24 +120,108 @@ class StepPlanning:
                 "sensitivity": self.tracker.state_dict() if self.tracker else None}
 
     def _state_basis(self) -> dict:
-        """A copy of ``_planning_state`` that later steps do not change (plan-ahead)."""
-        return copy.deepcopy(self._planning_state())
+        """``_planning_state`` as it is now, unchanged by later steps: its containers are built
+        fresh by ``calibration_state`` / ``state_dict`` and hold only numbers and strings, so no
+        deep copy is needed."""
+        return self._planning_state()
+
+    def _lagged_basis(self) -> "LaggedBasis":
+        """The state a draft starting now is planned from, without copying the tracker: its
+        latency calibration, and the number of tracker updates so far. A copy of the tracker
+        follows the live one up to the prepared step's basis (``_commit``), read only when a
+        checkpoint is saved (``ahead_basis``)."""
+        if self.tracker is not None and self._basis_tracker is None:
+            self._basis_tracker = type(self.tracker)(ema=self.tracker.ema,
+                                                     signal=self.tracker.signal)
+            self._basis_tracker.load_state_dict(self.tracker.state_dict())
+            self._basis_log, self._basis_mark = [], self._updates
+        return LaggedBasis(self.latency.calibration_state() if self.latency else None,
+                           self._updates)
+
+    def _advance_basis(self, basis) -> None:
+        """The tracker's copy brought to ``basis`` (a ``LaggedBasis`` being committed)."""
+        if not isinstance(basis, LaggedBasis) or self._basis_tracker is None:
+            return
+        n = basis.mark - self._basis_mark
+        if n < 0:
+            raise RuntimeError(f"plan-ahead basis at update {basis.mark} is older than the "
+                               f"tracker copy's ({self._basis_mark})")
+        for update in self._basis_log[:n]:
+            self._basis_tracker.update(*update)
+        del self._basis_log[:n]
+        self._basis_mark = basis.mark
+
+    def ahead_basis(self) -> Optional[dict]:
+        """The state the prepared step was planned from, as saved (``ahead_basis``), or None."""
+        basis = self._ready_basis
+        if isinstance(basis, LaggedBasis):
+            return {"latency": basis.latency,
+                    "sensitivity": None if self._basis_tracker is None
+                    else self._basis_tracker.state_dict()}
+        return basis
 
     def _plan_ahead(self) -> None:
-        """--sb-plan-ahead: start drafting the step after the prepared one on the planner thread,
-        from the current state (which nothing changes until ``end_step`` joins the draft)."""
+        """--sb-planner process/thread: start drafting the step after the prepared one, from
+        the current state (which nothing changes until ``end_step`` joins the draft)."""
         step = self._ready
         if not self.sb.plan_ahead or step is None or step.iteration + 1 >= self.args.train_iters:
             return
-        m = self._num_microbatches_next(step)
-        self._planner = Planner(lambda: self._draft(step.iteration + 1, m), self._state_basis())
+        m, it = self._num_microbatches_next(step), step.iteration + 1
+        basis = self._lagged_basis()
+        if self.sb.planner == "thread":
+            self._planner = Planner(lambda: self._draft(it, m), basis)
+            return
+        self.start_planner()
+        first_bin = self.sampler.bins
+        segments = self.sampler.next_bins(self.dp * m)
+        self._planner = self._process.submit(
+            it, first_bin, segments, m, with_dst=comm.rank() == 0,
+            latency_state=basis.latency, tracker_sync=self._tracker_sync(), basis=basis)
+
+    def start_planner(self) -> None:
+        """--sb-planner process: start this rank's planner process (once; it reads its copy of
+        the Drafter and imports while the first step is prepared, before training starts)."""
+        if self.sb.planner == "process" and self._process is None:
+            self._process = PlannerProcess(self.drafter())
+            self._tracker_synced = False
+
+    def _tracker_sync(self):
+        """What brings the planner process's tracker to this one's: its whole state after a
+        load (or at the start), else the updates since the last draft, in order."""
+        if self.tracker is None:
+            return None
+        log, self._tracker_log = self._tracker_log, []
+        if not self._tracker_synced:
+            self._tracker_synced = True
+            return ("reset", self.tracker.state_dict())
+        return ("updates", log)
+
+    def _track(self, ids, lengths, values) -> None:
+        """Update the sensitivity tracker with a step's measurements (and log them for the
+        planner process's copy and the plan-ahead basis's)."""
+        self.tracker.update(ids, lengths, values)
+        self._updates += 1
+        if self._process is not None:
+            self._tracker_log.append((ids, lengths, values))
+        if self._basis_tracker is not None:
+            self._basis_log.append((ids, lengths, values))
+
+    def _tracker_loaded(self) -> None:
+        """The tracker's state was replaced (a resume): the next draft sends it whole, and the
+        basis's copy starts again from it."""
+        self._tracker_synced, self._tracker_log = False, []
+        self._basis_tracker, self._basis_log = None, []
+
+    def close_planner(self) -> None:
+        """End the planner process, if one runs (its exit also ends it)."""
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
     def _units(self, batch: BatchPlan):
-        """The latency model's features of the step's packed micro-batches, built once per step
-        and shared by DST, calibration and the layout check (None without a latency model)."""
-        if self.latency is None:
-            return None
-        return self.latency.unit_features(batch.unit_csr(with_padding=True))
+        """The latency model's features of the step's packed micro-batches (None without a
+        latency model)."""
+        return self.drafter().units(batch)
 
     def _check_layout(self, batch: BatchPlan, units) -> None:
         """Once, on rank 0: warn when the run's pipeline layout is predicted well slower (static,
@@ -218,12 +241,3 @@ class StepPlanning:
                      f"{gap:.2f}x slower (static, d0, this step's data) than "
                      f"{best.describe()} ({' '.join(best.megatron_flags())}); see "
                      f"sparsebalance-layout")
-
-    def _choose(self, options: list, *, dst: bool):
-        """(densities, DST report, stand-down record) of the step: DST on each packing option,
-        under the do-no-harm rule (``step_choice.choose``)."""
-        from .choice import choose, raise_headroom
-
-        return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
-                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                      if dst else None, stage_layers=self.layout.attention_layers)

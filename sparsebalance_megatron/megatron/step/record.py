@@ -137,6 +137,18 @@ def doc_slots(micro_batches) -> list:
             for rank in micro_batches]
 
 
+def step_record_shape(batch, vp: int, *, signal: bool, per_interval: bool) -> tuple:
+    """(the step's ``RecordShape``, every DP rank's document slots): known to every rank before
+    the step ends, from its packed ``batch`` and ``vp`` model chunks. Per-interval times travel
+    only where ``per_interval`` (``--sb-metrics-file`` writes them); document sums only with a
+    sensitivity ``signal``."""
+    timed = batch.num_microbatches * vp
+    slots = doc_slots(batch.micro_batches) if signal else []
+    shape = RecordShape(1, timed, timed if per_interval else 0,
+                        max((len(x) for x in slots), default=0))
+    return shape, slots
+
+
 def _views(buf: np.ndarray, shape: RecordShape):
     """(int header, float blocks [stages, block], int blocks, docs [docs, 2]) of ``buf``."""
     h, b = len(HEADER), shape.stages * shape.block

@@ -34,33 +34,40 @@ from ..runtime import comm
 PREFIX = "sparsebalance/"
 
 
-def unit_work(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0
+def step_features(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0, units=None):
+    """The ``UnitFeatures`` of the step's micro-batches with the attention's block parameters
+    and routing: ``units`` (the latency model's features of the step, built by the planner)
+    where they were built with the same parameters, else built here."""
+    from ...latency.features import UnitFeatures
+
+    want = (sb.block_size, sb.sink_blocks, sb.local_blocks, "kept", 16, dense_below_tokens)
+    if isinstance(units, UnitFeatures) and (
+            units.block_size, units.sink_blocks, units.local_blocks, units.work_mode,
+            units.query_chunk_blocks, units.dense_below_tokens) == want:
+        return units
+    return UnitFeatures.build(batch.unit_csr(with_padding=True), *want)
+
+
+def unit_work(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0, units=None
               ) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """([dp, m] dense attention work (kept block pairs at density 1) of every micro-batch's
     documents on the sparse path: the weight of its planned density in every density figure (a
     stage's layers all run at that density); [dp, m] that of its documents routed dense
-    (shorter than ``dense_below_tokens``), which count at density 1, or None without routing)."""
-    from ...latency.features import UnitFeatures
-
-    feats = UnitFeatures.build(batch.unit_csr(with_padding=True), sb.block_size,
-                               sb.sink_blocks, sb.local_blocks,
-                               dense_below_tokens=dense_below_tokens)
+    (shorter than ``dense_below_tokens``), which count at density 1, or None without routing).
+    ``units``: the step's features if already built (``step_features``)."""
+    feats = step_features(batch, sb, dense_below_tokens, units)
     shape = (batch.dp, batch.num_microbatches)
     return (feats.attention_work(1.0).reshape(shape),
             feats.dense_work.reshape(shape) if dense_below_tokens else None)
 
 
 def kept_work(batch, sb: SparseBalanceConfig, densities: np.ndarray,
-              dense_below_tokens: int = 0) -> np.ndarray:
+              dense_below_tokens: int = 0, units=None) -> np.ndarray:
     """[dp, m, stages] kept block pairs of every unit's documents on the sparse path at the
     unit's planned density (``densities`` [dp, m, stages]): the count the selection keeps
     (``latency/work.py``'s kept rule: ``ceil(density x causal blocks)`` per query block, never
-    fewer than its sink, local and diagonal blocks)."""
-    from ...latency.features import UnitFeatures
-
-    feats = UnitFeatures.build(batch.unit_csr(with_padding=True), sb.block_size,
-                               sb.sink_blocks, sb.local_blocks,
-                               dense_below_tokens=dense_below_tokens)
+    fewer than its sink, local and diagonal blocks). ``units`` as in ``unit_work``."""
+    feats = step_features(batch, sb, dense_below_tokens, units)
     d = np.asarray(densities, dtype=np.float64)
     return np.stack([feats.attention_work(d[:, :, s].reshape(-1)).reshape(d.shape[:2])
                      for s in range(d.shape[2])], axis=2)
@@ -77,7 +84,8 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
 
 
 def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict, *,
-                overhead_s: float, work: np.ndarray, layers=None, attention_layers=None,
+                overhead_s: float, work: np.ndarray, own_s: Optional[float] = None,
+                layers=None, attention_layers=None,
                 doc_positions: Optional[np.ndarray] = None,
                 dense_work: Optional[np.ndarray] = None,
                 kept: Optional[np.ndarray] = None) -> dict:
@@ -89,7 +97,10 @@ def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict
     overall; routed documents (``dense_work`` [dp, m], None without routing) count at density 1.
     ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
     ``positions`` what the step computed (padding included). ``kept`` [dp, m, stages]: kept block
-    pairs at the planned densities (``kept_work``): the kept density beside the planned one."""
+    pairs at the planned densities (``kept_work``): the kept density beside the planned one.
+    ``overhead_s``: the plugin's wall seconds on the step's critical path (this rank); ``own_s``:
+    of those, its own work (the training thread's CPU seconds): the rest (``sb_wait_s``) is
+    waiting, for the other ranks in the step's collectives and for the planner's draft."""
     from ...policy.costs import stage_mean_densities, weighted_mean_density
 
     batch = step.batch
@@ -104,6 +115,8 @@ def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict
            "step_time_s": step_s, "tokens_per_s": tokens / step_s if step_s else None,
            "packing": batch.method, "split_docs": int(batch.num_split_samples),
            "sb_overhead_s": overhead_s}
+    if own_s is not None:
+        rec.update(sb_own_s=own_s, sb_wait_s=max(overhead_s - own_s, 0.0))
     if step.plan is not None:
         d = step.plan.densities                                     # [dp, m, pp]
         lay = np.ones(d.shape[2]) if layers is None else np.asarray(layers, dtype=np.float64)
@@ -161,7 +174,8 @@ SCALARS = (
     ("imbalance/predicted_after", "imbalance_after"), ("imbalance/measured", "measured_imbalance"),
     ("units/cut", "units_cut"), ("units/raised", "units_raised"),
     ("latency_model/error", "latency_error"), ("raise_headroom", "raise_headroom"),
-    ("overhead_s", "sb_overhead_s"), ("planned_ahead_s", "sb_planned_ahead_s"),
+    ("overhead_s", "sb_overhead_s"), ("overhead/own_s", "sb_own_s"),
+    ("overhead/wait_s", "sb_wait_s"), ("planned_ahead_s", "sb_planned_ahead_s"),
     ("dst_stood_down", "dst_stood_down"), ("sab_stood_down", "sab_stood_down"),
 )
 
@@ -232,15 +246,16 @@ class StepReporter:
         self.stood = StandDownCounts()   # cumulative over the run (checkpointed by the callback)
 
     def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
-               planned_ahead_s: Optional[float] = None):
-        """``overhead_s``: the plugin's seconds on the step's critical path (this rank);
-        ``planned_ahead_s``: CPU seconds the background draft of the next step took
-        (--sb-plan-ahead; off the critical path)."""
-        work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens)
+               own_s: Optional[float] = None, planned_ahead_s: Optional[float] = None):
+        """``overhead_s``: the plugin's seconds on the step's critical path (this rank), ``own_s``
+        of them its own work (``step_record``); ``planned_ahead_s``: CPU seconds the planner's
+        draft of the next step took (--sb-planner process/thread; off the critical path)."""
+        units = step_features(step.batch, self.sb, self.dense_below_tokens, step.units)
+        work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens, units)
         kept = None if step.plan is None else \
-            kept_work(step.batch, self.sb, step.plan.densities, self.dense_below_tokens)
+            kept_work(step.batch, self.sb, step.plan.densities, self.dense_below_tokens, units)
         rec = step_record(iteration, step, summary, measured, calib, overhead_s=overhead_s,
-                          work=work, layers=self.layout.layers,
+                          own_s=own_s, work=work, layers=self.layout.layers,
                           attention_layers=self.layout.attention_layers,
                           doc_positions=self.doc_positions, dense_work=dense, kept=kept)
         if planned_ahead_s is not None:
@@ -317,5 +332,7 @@ class StepReporter:
             parts.append(f"split docs {rec['split_docs']}")
         if self.stood.describe():                    # cumulative over the run
             parts.append(self.stood.describe())
-        parts.append(f"overhead {mean('overhead_s') or 0.0:.3f} s")
+        own, wait = mean("overhead/own_s"), mean("overhead/wait_s")
+        parts.append(f"overhead {mean('overhead_s') or 0.0:.3f} s"
+                     + (f" (own {own:.3f} s, waiting {wait:.3f} s)" if own is not None else ""))
         print(" | ".join(parts), flush=True)

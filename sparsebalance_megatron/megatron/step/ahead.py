@@ -1,0 +1,271 @@
+"""Planning step n+1 while step n trains (``--sb-planner process`` or ``thread``).
+
+``Planner`` drafts on a thread of the training process. The draft is Python and numpy: it holds
+the GIL most of the time, so a training thread that launches many small kernels (a GPU step's
+forward and backward) runs slower while it drafts. ``PlannerProcess`` drafts in a process of its
+own (one per rank, started at the first draft): the training thread only sends the draft's
+inputs (the step's segments, the latency calibration, the sensitivity updates since the last
+draft) and reads the draft back, both small, plain and pickled; waiting for the draft releases
+the GIL.
+
+The process holds a copy of the rank's ``Drafter`` (config, latency model, tracker) made when it
+starts, and before each draft sets its latency calibration to the one sent and replays the
+tracker's updates in order (or replaces its state when the training process loaded a state), so
+it drafts from exactly the state the training process holds when it asks: the same function on
+the same inputs as the in-line planner (a unit test compares the three). It ends when the
+training process closes the pipe (its exit included, a crash too); a draft's error is raised on
+the training thread, and so is the process's death, naming its exit code.
+
+The worker side (``python -m sparsebalance_megatron.megatron.step.ahead FD_IN FD_OUT``) imports
+numpy and the package's pure layers only: no torch, no megatron.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from typing import Optional
+
+from .drafting import Draft, Drafter
+
+POLL_S = 1.0            # how often a wait for the planner process checks that it is alive
+STOP_WAIT_S = 5.0       # how long a closing training process waits for its planner to end
+
+
+class Planner:
+    """One background draft on a daemon thread (``--sb-planner thread``): its result or
+    exception."""
+
+    def __init__(self, fn, basis: dict):
+        self.basis, self._out, self._err = basis, None, None
+        self.wait_s = 0.0                    # training thread's seconds blocked in ``result``
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                        name="sparsebalance-planner")
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self._out = fn()
+        except BaseException as e:           # re-raised on the training thread by result()
+            self._err = e
+
+    def result(self) -> Draft:
+        t0 = time.perf_counter()
+        self._thread.join()
+        self.wait_s = time.perf_counter() - t0
+        if self._err is not None:
+            raise self._err
+        self._out.basis = self.basis
+        return self._out
+
+
+class PlannerProcessError(RuntimeError):
+    """The planner process ended without answering (killed, crashed, out of memory)."""
+
+
+class PlannerProcess:
+    """The rank's planner process: ``submit`` a step's inputs, ``PendingDraft.result`` its
+    draft. One draft in flight at a time."""
+
+    def __init__(self, drafter: Drafter):
+        r_child, w_parent = os.pipe()
+        r_parent, w_child = os.pipe()
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
+                   MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(r_child), str(w_child)],
+                pass_fds=(r_child, w_child), stdin=subprocess.DEVNULL, env=env)
+        finally:
+            os.close(r_child)
+            os.close(w_child)
+        self._out = Connection(w_parent, readable=False)
+        self._in = Connection(r_parent, writable=False)
+        self._pending: Optional[PendingDraft] = None
+        self._ready = False
+        self._finalize = weakref.finalize(self, _stop, self.proc, self._out, self._in)
+        self._out.send(("init", drafter))
+
+    def wait_ready(self) -> None:
+        """Wait until the process has read its Drafter and imported what a draft uses, so that
+        its start-up costs no CPU during a training step (``submit`` waits for it too)."""
+        if not self._ready:
+            self._wait("while starting")
+            if self._in.recv() != ("ready",):
+                raise PlannerProcessError("the SparseBalance planner process answered its "
+                                          "start-up with something else than ready")
+            self._ready = True
+
+    def _wait(self, when: str) -> None:
+        while not self._in.poll(POLL_S):                 # waits without the GIL
+            if self.proc.poll() is not None:
+                raise self._died(when)
+
+    def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
+               with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict
+               ) -> "PendingDraft":
+        """Start the draft of ``iteration`` from these inputs; ``tracker_sync``: None (no
+        tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...])."""
+        if self._pending is not None:
+            raise RuntimeError("a draft of the planner process is still pending")
+        self.wait_ready()
+        c0 = time.thread_time()
+        self._send(("draft", dict(iteration=iteration, first_bin=first_bin, segments=segments,
+                                  num_microbatches=num_microbatches, with_dst=with_dst,
+                                  latency=latency_state, tracker=tracker_sync)))
+        self._pending = PendingDraft(self, basis, send_s=time.thread_time() - c0)
+        return self._pending
+
+    def _send(self, msg) -> None:
+        try:
+            self._out.send(msg)
+        except (BrokenPipeError, OSError):
+            raise self._died("before it was sent a draft") from None
+
+    def _receive(self, pending: "PendingDraft") -> Draft:
+        t0 = time.perf_counter()
+        self._wait("while drafting")
+        t1, c1 = time.perf_counter(), time.thread_time()
+        try:
+            kind, *rest = self._in.recv()
+        except EOFError:
+            raise self._died("while sending its draft") from None
+        pending.wait_s, pending.recv_s = t1 - t0, time.thread_time() - c1
+        self._pending = None
+        if kind == "error":
+            err, text = rest
+            if not isinstance(err, BaseException):
+                raise PlannerProcessError(text)
+            err.add_note(f"in the planner process (pid {self.proc.pid}):\n{text}")
+            raise err
+        return rest[0]
+
+    def _died(self, when: str) -> PlannerProcessError:
+        code = self.proc.wait()
+        return PlannerProcessError(f"the SparseBalance planner process (pid {self.proc.pid}) "
+                                   f"ended {when} with exit code {code}; its error, if any, "
+                                   f"is above. Plan on the training process instead with "
+                                   f"--sb-planner thread or inline")
+
+    def close(self) -> None:
+        self._finalize()
+
+
+class PendingDraft:
+    """A draft the planner process is making: ``result`` waits for it (``Planner``'s API).
+    ``send_s``, ``recv_s``: the training thread's CPU seconds pickling the inputs and reading the
+    draft back (its own work); ``wait_s``: wall seconds blocked waiting for the draft."""
+
+    def __init__(self, planner: PlannerProcess, basis: dict, send_s: float):
+        self._planner, self.basis = planner, basis
+        self.send_s, self.recv_s, self.wait_s = send_s, 0.0, 0.0
+
+    def result(self) -> Draft:
+        draft = self._planner._receive(self)
+        draft.basis = self.basis
+        return draft
+
+
+def _stop(proc, out: Connection, inp: Connection) -> None:
+    """Ask the planner process to end, close the pipes (its EOF), and reap it."""
+    try:
+        out.send(("stop",))
+    except (OSError, ValueError):
+        pass
+    for c in (out, inp):
+        try:
+            c.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# --- the planner process ------------------------------------------------------------------
+def sync_state(drafter: Drafter, latency_state: Optional[dict], tracker_sync) -> None:
+    """Bring ``drafter``'s latency calibration and tracker to the training process's state."""
+    if latency_state is not None and drafter.latency is not None:
+        drafter.latency.load_calibration_state(latency_state)
+    if tracker_sync is not None and drafter.tracker is not None:
+        kind, value = tracker_sync
+        if kind == "reset":
+            drafter.tracker.load_state_dict(value)
+        else:
+            for ids, lengths, values in value:
+                drafter.tracker.update(ids, lengths, values)
+
+
+def without_unused_baseline(draft: Draft) -> Draft:
+    """The draft less its baseline packing where this rank already knows SAB's packing is
+    committed (its own stand-down choice, or as the rank that plans DST, the plan's), so that
+    what the training thread reads back is smaller; a rank that learns the choice from rank 0's
+    broadcast keeps it."""
+    stand = draft.stand_down
+    if draft.payload is not None:
+        stand = draft.payload[1].get("stand_down")
+    if draft.baseline is not None and stand is not None and stand["packing_index"] == 0:
+        draft.baseline = None
+    return draft
+
+
+def _import_draft_modules() -> None:
+    """What a draft imports on first use (packing, DST, the quality cost), imported at start-up
+    instead of during the first draft."""
+    from ...batching import packing  # noqa: F401
+    from ...policy import critical_path, dst, quality  # noqa: F401
+    from . import choice  # noqa: F401
+
+
+def serve(inp: Connection, out: Connection) -> None:
+    """The planner process's loop: ``init`` (the Drafter), ``draft`` requests answered in
+    order, until ``stop`` or the training process's end (EOF)."""
+    drafter: Optional[Drafter] = None
+    while True:
+        try:
+            msg = inp.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        if msg[0] == "init":
+            drafter = msg[1]
+            _import_draft_modules()
+            out.send(("ready",))
+            continue
+        req = msg[1]
+        try:
+            sync_state(drafter, req["latency"], req["tracker"])
+            draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
+                                  req["num_microbatches"], with_dst=req["with_dst"])
+            reply = ("ok", without_unused_baseline(draft))
+        except Exception as e:                             # raised on the training thread
+            text = traceback.format_exc()
+            try:
+                pickle.dumps(e)
+            except Exception:
+                e = None
+            reply = ("error", e, text)
+        try:
+            out.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+def main(argv=None) -> int:
+    fd_in, fd_out = (int(x) for x in (argv or sys.argv[1:]))
+    serve(Connection(fd_in, writable=False), Connection(fd_out, readable=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

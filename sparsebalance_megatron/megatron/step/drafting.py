@@ -1,0 +1,125 @@
+"""A step's draft as one function of plain inputs: its documents' packing, latency features and
+(on the rank that plans DST) its budgets, with no collective and no torch.
+
+``Drafter`` holds what a draft reads (the config, the latency model, the sensitivity tracker, the
+DP size, micro-batch capacity, the stages' attention layers and a replay of recorded plans) and
+``Drafter.draft`` makes one step's ``Draft`` from the step's segments. The in-line planner, the
+planner thread and the planner process (``step/ahead.py``) all call it, so a plan does not
+depend on where it was made. Each packing is committed only where predicted no slower than the
+static baseline (do no harm, ``step/choice.py``).
+
+Plain Python and numpy: no torch, no torch.distributed, no megatron (the planner process
+imports it alone).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from ...batching.plan import BatchPlan
+from .checks import check_assignment
+from .choice import wants_baseline_packing
+
+
+@dataclass
+class Draft:
+    """A step planned without collectives: every rank packs the same micro-batches; the rank
+    that plans DST also holds the plan the commit broadcasts."""
+
+    iteration: int
+    first_bin: int
+    batch: BatchPlan
+    units: object
+    payload: Optional[tuple]       # the DST rank: (densities, report); else None
+    replayed: object = None        # --sb-replay-plans: the recorded densities (None: dense)
+    cpu_s: float = 0.0             # CPU time the draft took (its thread's)
+    basis: Optional[dict] = None   # plan-ahead: the plugin state it was planned from
+    baseline: Optional[tuple] = None   # (batch, units) packed the baseline's way (stand-down)
+    stand_down: Optional[dict] = None  # without DST: every rank's own packing choice
+    options: int = 1               # packings drafted (2: SAB and the baseline), on every rank
+                                   # alike: the plan record's size, even where ``baseline`` is
+                                   # dropped (``ahead.without_unused_baseline``)
+
+
+class Drafter:
+    """What a draft reads, and the draft (``draft``). ``latency`` (a ``LatencyModel``) and
+    ``tracker`` (a ``SensitivityTracker``) may be None (no DST, no SAB); ``replay`` a
+    ``launch.replay.PlanReplay`` or None. Picklable: the planner process gets a copy."""
+
+    def __init__(self, sb, latency, tracker, *, dp: int, capacity: int, attention_layers,
+                 replay=None):
+        self.sb, self.latency, self.tracker, self.replay = sb, latency, tracker, replay
+        self.dp, self.capacity = int(dp), int(capacity)
+        self.attention_layers = tuple(attention_layers)
+
+    def draft(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
+              with_dst: bool) -> Draft:
+        """The step's packing(s), latency features and, with ``with_dst`` (the rank that plans),
+        DST's plan; ``segments``: the step's global batch (the sampler's ``next_bins``)."""
+        t0 = time.thread_time()
+        sb = self.sb
+        replayed, payload, stand = None, None, None
+        if self.replay is not None:            # the recorded packing and densities
+            batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
+            options = [self.checked(segments, batch)]
+        else:
+            options = [self._packed(segments, num_microbatches)]
+            if wants_baseline_packing(sb, self.latency):      # do no harm: SAB vs baseline
+                options.append(self._packed(segments, num_microbatches, sb.stand_down))
+            if sb.dst_enabled:
+                if with_dst:
+                    densities, report, _ = self.choose(options, dst=True)
+                    payload = (densities, report)
+            elif len(options) > 1:
+                stand = self.choose(options, dst=False)[2]
+        return Draft(iteration, first_bin, *options[0], payload, replayed,
+                     cpu_s=time.thread_time() - t0,
+                     baseline=options[1] if len(options) > 1 else None, stand_down=stand,
+                     options=len(options))
+
+    def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
+        """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
+        token_balanced, SAB."""
+        from ...batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
+                                         token_balanced_plan)
+
+        sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
+                               max_tokens=self.capacity)
+        method = method or sb.packing_method
+        if method == "sab":
+            plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
+                            sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
+                            seed=sb.seed, **kw)
+        elif method == "token_balanced":
+            plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
+                                       seed=sb.seed, **kw)
+        else:
+            plan = sequential_plan(segments, **kw)
+        # variable-length micro-batches: the planner's units end where the packed tensors do
+        return plan.with_length_multiple(sb.microbatch_multiple)
+
+    def _packed(self, segments, num_microbatches: int, method: Optional[str] = None) -> tuple:
+        return self.checked(segments, self.pack(segments, num_microbatches, method))
+
+    def checked(self, segments, batch: BatchPlan) -> tuple:
+        """(batch, its latency features), once the batch is checked to hold ``segments``."""
+        check_assignment(segments, batch, self.capacity)
+        return batch, self.units(batch)
+
+    def units(self, batch: BatchPlan):
+        """The latency model's features of the step's packed micro-batches, built once per step
+        and shared by DST, calibration and the layout check (None without a latency model)."""
+        if self.latency is None:
+            return None
+        return self.latency.unit_features(batch.unit_csr(with_padding=True))
+
+    def choose(self, options: list, *, dst: bool):
+        """(densities, DST report, stand-down record) of the step: DST on each packing option,
+        under the do-no-harm rule (``step_choice.choose``)."""
+        from .choice import choose, raise_headroom
+
+        return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
+                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
+                      if dst else None, stage_layers=self.attention_layers)
