@@ -56,8 +56,16 @@ try:
 except ImportError:  # pragma: no cover - triton ships with CUDA torch wheels
     HAVE_TRITON = False
 
-# elements of one [query blocks, kept slots] tile the transposed scan loads at once
-_SCAN_ELEMENTS = 4096
+# bytes of one [blocks, kept slots] tile of selection ids a scan step holds in registers:
+# 16 KB is 32 registers per thread at 4 warps, beside the rest of the kernel's state
+_SCAN_BYTES = 16384
+
+
+def scan_block(kp: int, itemsize: int) -> int:
+    """Blocks per scan step (``BLOCK``) for ``kp`` kept slots of ``itemsize``-byte ids: the
+    largest power of 2 up to 64 whose ``[BLOCK, kp]`` tile fits in ``_SCAN_BYTES``, or 1
+    where one row alone is larger."""
+    return max(1, min(64, _SCAN_BYTES // (itemsize * kp)))
 
 
 @dataclass
@@ -171,7 +179,7 @@ def _build(layout, sel, sel_num, select_out=None) -> BlockLists:
     if sel.stride(-1) != 1:
         sel = sel.contiguous()
     kp = triton.next_power_of_2(max(k - 1, 1))
-    block = max(16, min(64, _SCAN_ELEMENTS // kp))
+    block = scan_block(kp, sel.element_size())
     kept, shares, recall = select_out if select_out is not None else (q_num, q_num, q_num)
     _lists_kernel[(nb, ng)](sel, sel_num, *_doc_span(layout), q_num, q_idx, kv_num, kv_idx,
                             kept, shares, recall, sel.stride(0), sel.stride(1),

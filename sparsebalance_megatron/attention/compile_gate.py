@@ -116,7 +116,7 @@ def _kernel_specs(nh: int, ng: int, hn: int, bs: int) -> List[Compile]:
                 (i64, i64, i32, i32, i32, i32, i32, i32, i64, f32, f32, ("i", nb * k), ("i", k),
                  ("i", nb), ("i", wq), ("i", wk), ("i", k)),
                 (("KP", kp), ("WP", 1 << max(0, (max(wq, wk) - 1).bit_length())),
-                 ("BLOCK", max(16, min(64, block_lists._SCAN_ELEMENTS // kp))),
+                 ("BLOCK", block_lists.scan_block(kp, 8)),
                  ("SELECT", True))),
     ]
     return [Compile(c.kernel, c.target, c.args, c.constexprs, c.num_warps, c.num_stages,

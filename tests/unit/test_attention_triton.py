@@ -59,13 +59,28 @@ def _expected_lists(sel):
     return rows, cols
 
 
-def check_lists(density, sink_blocks, local_blocks, selection_mode):
+def check_lists(density, sink_blocks, local_blocks, selection_mode, scan_block=None):
+    """``scan_block``: scan the documents in steps of that many blocks (``_SCAN_BYTES`` set
+    to fit it), fewer than the longest document has: counts carried over several steps and
+    a last step with rows past the document masked."""
+    import triton
+
+    from sparsebalance_megatron.attention import block_lists
     from sparsebalance_megatron.attention.block_lists import build_block_lists
     from sparsebalance_megatron.attention.sparse_triton import KV_CHUNK
     q, k, _, _ = _inputs(4, 2, 16, seed=1)
     sel = _selection(q, k, density, sink_blocks=sink_blocks, local_blocks=local_blocks,
                      selection_mode=selection_mode)
-    lists = build_block_lists(sel)
+    saved = block_lists._SCAN_BYTES
+    if scan_block is not None:
+        kp = triton.next_power_of_2(max(sel.kv_indices.shape[-1] - 1, 1))
+        size = sel.kv_indices.element_size()
+        block_lists._SCAN_BYTES = scan_block * kp * size
+        assert block_lists.scan_block(kp, size) == scan_block < sel.layout.max_doc_blocks - 1
+    try:
+        lists = build_block_lists(sel)
+    finally:
+        block_lists._SCAN_BYTES = saved
     lay = sel.layout
     rows, cols = _expected_lists(sel)
     ng, nb = sel.kv_num.shape
@@ -302,13 +317,18 @@ def check_misaligned_inputs_are_copied():
 
 # --- tests -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("density,sink,local,mode", [
-    (0.5, 1, 1, "density"),
-    ([1.0, 0.25, 0.125, 0.5], 2, 0, "mass"),
+@pytest.mark.parametrize("density,sink,local,mode,scan_block", [
+    (0.5, 1, 1, "density", None),
+    ([1.0, 0.25, 0.125, 0.5], 2, 0, "mass", None),
+    # the scans in steps of 2 and 1 blocks (as at the target shapes, where a step holds a few
+    # of a document's blocks)
+    (0.5, 1, 1, "density", 2),
+    ([1.0, 0.25, 0.125, 0.5], 2, 0, "mass", 1),
 ])
-def test_list_builder_equals_a_torch_construction(interp, density, sink, local, mode):
+def test_list_builder_equals_a_torch_construction(interp, density, sink, local, mode,
+                                                  scan_block):
     interp("check_lists", density=density, sink_blocks=sink, local_blocks=local,
-           selection_mode=mode)
+           selection_mode=mode, scan_block=scan_block)
 
 
 @pytest.mark.parametrize("case", [
