@@ -37,7 +37,7 @@ class BatchPlan:
     """A global batch laid out as ``micro_batches[dp_rank][slot]`` lists of segments."""
 
     micro_batches: list            # [dp][m] -> list[Segment]
-    method: str                    # "sequential" | "token_balanced" | "sab"
+    method: str                    # "sequential" | "token_balanced" | "sab" | "dp_balanced"
     max_tokens: int
     num_split_samples: int = 0     # samples cut into several segments (long_sample_policy=split)
     fallback: bool = False         # SAB re-used the sequential bins (cost-aware packing did not fit)
