@@ -85,7 +85,8 @@ from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
 from sparsebalance_megatron.experiments.mixes import DEFAULT_TOKENS, MIXES, mix_lengths
-from sparsebalance_megatron.experiments.packers import format_packers, packer_summary
+from sparsebalance_megatron.experiments.packers import (dp_balanced_stops, format_packers,
+                                                       packer_summary)
 from sparsebalance_megatron.experiments.robustness import (format_summary, same_layout_slow_rank,
                                                            summarize)
 from sparsebalance_megatron.experiments.layout_search import stand_down_config
@@ -260,6 +261,8 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
     return {"rows": rows, "layouts": layouts, **extra,
             "best_static_packing": best_static.variant, "best_dense_packing": best_dense.variant,
             "stand_down": cfg.stand_down, "dense_stand_down": cfg.dense_stand_down,
+            # steps Megatron's own dp_balanced stops on (the rows give it empty micro-batches)
+            "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
             "space": found["space"],
             "excluded_memory": found["excluded_memory"],
             "static_lower_bound_s": lb,

@@ -13,6 +13,9 @@ main and dev, 2026-08; ``--sequence-packing-scheduler dp_balanced`` on dev):
 - while the number of groups is not a multiple of ``dp`` (x ``microbatch_group_size_per_vp_stage``
   with VPP), the last sequence of the last group holding more than one is moved into a group of
   its own, appended at the end;
+- where every group left holds one sequence and the count is still short, Megatron stops (an
+  assertion: the step cannot run); with ``empty_groups`` the rule appends empty groups there
+  instead, so a study can still time the step (``BatchPlan.fallback`` says so);
 - group ``g`` is DP rank ``g % dp``'s micro-batch ``g // dp``: the number of micro-batches is
   ``groups / dp``, so it **varies from step to step**;
 - a micro-batch is its sequences packed back to back (THD), no padding up to the capacity unless
@@ -50,11 +53,12 @@ def _check_int(name: str, value, low: int = 1) -> int:
 
 def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int, dp: int,
                        cp: int = 1, microbatch_group_size_per_vp_stage: Optional[int] = None,
-                       max_num_seqs: Optional[int] = None) -> list:
+                       max_num_seqs: Optional[int] = None, empty_groups: bool = False) -> list:
     """``[micro-batch][dp * cp rank]`` lists of indices into ``seqlens``: Megatron's
     ``DpBalancedScheduler.get_groups_and_subsamples`` on sequences of these lengths, in this
-    order (the module docstring). BatchingError where Megatron's rule has no answer (fewer
-    sequences than the groups it needs)."""
+    order (the module docstring). Where Megatron's rule has no answer (it runs out of groups
+    holding more than one sequence): BatchingError, or with ``empty_groups`` empty groups up to
+    the multiple."""
     cap = _check_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank) * \
         _check_int("cp", cp)
     dp = _check_int("dp", dp)
@@ -81,6 +85,9 @@ def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int
     short = (-len(groups)) % multiple
     g = len(groups) - 1
     while short:
+        if g < 0 and empty_groups:
+            groups += [[] for _ in range(short)]
+            break
         if g < 0:
             raise BatchingError(
                 f"{len(lengths)} sequences cannot make a multiple of {multiple} groups (dp "
@@ -108,13 +115,15 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
                      long_sample_policy: str = "split", order: str = "megatron",
                      micro_batch_size: int = 1,
                      max_seqlen_per_dp_cp_rank: Optional[int] = None,
-                     cost_fn: Optional[CostFn] = None) -> BatchPlan:
+                     cost_fn: Optional[CostFn] = None, empty_groups: bool = False) -> BatchPlan:
     """Megatron's dp_balanced packing of one global batch (module docstring).
 
     samples: (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
     num_microbatches: the micro-batches the other packings get (checks the batch fits them; the
     plan's own count is Megatron's, ``plan.num_microbatches``); max_seqlen_per_dp_cp_rank:
-    Megatron's flag (default ``max_tokens``, what Megatron-LM sets from ``--seq-length``).
+    Megatron's flag (default ``max_tokens``, what Megatron-LM sets from ``--seq-length``);
+    empty_groups: as in ``dp_balanced_groups`` (the plan's ``fallback`` is then True where they
+    were needed: a step Megatron itself would stop on).
     """
     if order not in ORDERS:
         raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
@@ -131,8 +140,10 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
         n_split += more
     idx = megatron_order(len(segs), dp, micro_batch_size) if order == "megatron" \
         else np.arange(len(segs))
-    groups = dp_balanced_groups(sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=cap, dp=dp)
+    groups = dp_balanced_groups(sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=cap, dp=dp,
+                                empty_groups=empty_groups)
+    stops = any(not g for mb in groups for g in mb)
     per_rank = [[idx[groups[i][r]].tolist() for i in range(len(groups))] for r in range(dp)]
-    plan = _finish(per_rank, "dp_balanced", max_tokens, n_split, False, segs,
+    plan = _finish(per_rank, "dp_balanced", max_tokens, n_split, stops, segs,
                    _costs(sizes, cost_fn), indices=True)
     return plan.with_length_multiple(1)

@@ -69,7 +69,8 @@ def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
             plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap, cost_fn=cost_fn,
                             sensitivity=SensitivityTracker(), seed=cfg.seed)
         elif packing == "dp_balanced":
-            plan = dp_balanced_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)
+            plan = dp_balanced_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
+                                    empty_groups=True)
         else:
             raise ValueError(f"packing {packing!r}: expected sequential, token_balanced, "
                              f"dp_balanced, sab or sab_dense")

@@ -16,6 +16,9 @@ import re
 
 import numpy as np
 
+from ..batching import dp_balanced_plan
+from ..data import GlobalBatchSampler
+
 TARGET_VS_DP_BALANCED = 1.15
 DENSE_ROWS = {"sequential": "dense_sequential", "token_balanced": "dense_token_balanced",
               "dp_balanced": "dense_dp_balanced", "sab": "dense_sab"}
@@ -28,6 +31,19 @@ def _stats(values, target: float) -> dict:
         return {"rows": 0}
     return {"rows": int(v.size), "worst": float(v.min()), "median": float(np.median(v)),
             "best": float(v.max()), "met": int(np.sum(v >= target - 1e-12)), "target": target}
+
+
+def dp_balanced_stops(lengths, cfg, dp: int) -> int:
+    """How many of a study's global batches (``study.run_study``'s, for ``cfg`` and ``dp``)
+    Megatron's own dp_balanced rule stops on: it runs out of groups holding more than one
+    sequence before their count is a multiple of dp (an assertion in megatron-core; the study
+    gives it empty micro-batches there)."""
+    sampler = GlobalBatchSampler(lengths, capacity=cfg.seq_length, dp=dp,
+                                 num_microbatches=cfg.microbatches, seed=cfg.seed,
+                                 long_sample_policy="split")
+    return sum(dp_balanced_plan(sampler.next_global_batch(), dp=dp,
+                                num_microbatches=cfg.microbatches, max_tokens=cfg.seq_length,
+                                empty_groups=True).fallback for _ in range(cfg.steps))
 
 
 def packer_summary(results: dict) -> dict:
@@ -48,6 +64,7 @@ def packer_summary(results: dict) -> dict:
                      "layouts": {p: r["layouts"].get(DENSE_ROWS[p]) for p in DENSE_ROWS},
                      "dp_balanced_microbatches_per_rank":
                          got["dp_balanced"].get("microbatches_per_rank"),
+                     "dp_balanced_megatron_stops": r.get("dp_balanced_megatron_stops"),
                      "sab_stood_down": got["sab"].get("sab_stood_down"),
                      "sab_vs_dp_balanced": t["dp_balanced"] / t["sab"],
                      "sab_vs_best_seq_tb": min(t["sequential"], t["token_balanced"]) / t["sab"],
@@ -59,17 +76,19 @@ def packer_summary(results: dict) -> dict:
 
 
 def format_packers(summary: dict) -> str:
-    """Text table: every row's dense step time per packing, then the targets."""
+    """Text table: every row's dense step time per packing (``stops``: global batches Megatron's
+    own dp_balanced stops on, given empty micro-batches here), then the targets."""
     lines = ["\ndense attention by packing, each on its own best layout (step s; SAB = "
              "--sb-batching alone)",
              f"{'row':<30} {'sequential':>10} {'token_bal':>10} {'dp_balanced':>11} "
-             f"{'(mb/rank)':>9} {'sab':>8} {'sab/dp_bal':>10} {'sab/seq|tb':>10} "
+             f"{'(mb/rank)':>9} {'stops':>5} {'sab':>8} {'sab/dp_bal':>10} {'sab/seq|tb':>10} "
              f"{'sab_sd':>6}"]
     for r in summary["rows"]:
         t = r["step_time_s"]
-        sd = r["sab_stood_down"]
+        sd, stops = r["sab_stood_down"], r.get("dp_balanced_megatron_stops")
         lines.append(f"{r['key']:<30} {t['sequential']:>10.3f} {t['token_balanced']:>10.3f} "
                      f"{t['dp_balanced']:>11.3f} {r['dp_balanced_microbatches_per_rank']:>9.2f} "
+                     f"{'-' if not stops else f'{stops[0]}/{stops[1]}':>5} "
                      f"{t['sab']:>8.3f} {r['sab_vs_dp_balanced']:>10.3f} "
                      f"{r['sab_vs_best_seq_tb']:>10.3f} "
                      f"{'-' if sd is None else f'{sd:.2f}':>6}")

@@ -16,7 +16,7 @@ schedule for a layout with vp > 1). Variants (names are what the tables print):
   ``StudyConfig.dense_stand_down`` when SAB is predicted no faster;
 - ``dense_token_balanced``, ``dense_dp_balanced``: dense attention, token-balanced or Megatron's
   own packer (``batching.dp_balanced``: its own micro-batch count per step, no fill to
-  ``seq_length`` unless ``microbatch_multiple`` > 0; no VPP rounding of its groups);
+  ``seq_length`` unless ``microbatch_multiple`` > 0, empty micro-batches where it would stop);
 - ``static``: sequential packing, every unit at d0 (static sparse attention);
 - ``token_balanced``: length-aware balancer at d0 (what a careful Megatron user runs);
 - ``dp_balanced``: Megatron's dp_balanced packer at d0;
@@ -322,7 +322,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                                                           max_tokens=cap, seed=cfg.seed)
         if "dp_balanced" in needed:      # its own lengths (no fill) unless every run's vary
             plans["dp_balanced"] = dp_balanced_plan(segs, dp=dp, num_microbatches=m,
-                                                    max_tokens=cap)
+                                                    max_tokens=cap, empty_groups=True)
         plans = {k: p.with_length_multiple(cfg.microbatch_multiple or p.length_multiple)
                  for k, p in plans.items()}
         feats = {(k, dense): (lm_dense if dense else lm).unit_features(

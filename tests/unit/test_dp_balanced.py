@@ -125,3 +125,21 @@ def test_groups_equal_megatron_cores_get_groups_and_subsamples(dp, vpp, cap):
                                       microbatch_group_size_per_vp_stage=vpp,
                                       max_num_seqs=5) == ref, trial
     assert compared >= 15, f"only {compared} of 20 trials compared"
+
+
+def test_where_megatrons_rule_stops_the_study_gets_empty_groups_and_is_told():
+    """Single long sequences (a long-document mix split at the capacity): the groups cannot be
+    made a multiple of dp by moving sequences, where megatron-core asserts; ``empty_groups``
+    pads with empty groups and the plan's ``fallback`` records it."""
+    lengths = [4096] * 9                       # 9 groups of one: dp 8 needs 16
+    with pytest.raises(BatchingError, match="cannot make a multiple of 8 groups"):
+        dp_balanced_groups(lengths, max_seqlen_per_dp_cp_rank=4096, dp=8)
+    groups = dp_balanced_groups(lengths, max_seqlen_per_dp_cp_rank=4096, dp=8,
+                                empty_groups=True)
+    assert [len(g) for mb in groups for g in mb] == [1] * 9 + [0] * 7
+    plan = dp_balanced_plan(np.asarray(lengths), dp=8, num_microbatches=2, max_tokens=4096,
+                            order="sampler", empty_groups=True)
+    assert plan.fallback and plan.num_microbatches == 2
+    ok = dp_balanced_plan(np.asarray([100] * 16), dp=8, num_microbatches=1, max_tokens=4096,
+                          empty_groups=True)
+    assert not ok.fallback
