@@ -28,6 +28,10 @@ stands it down in most steps there.
 
 CPU attention costs are not GPU costs: the figure shows the mechanism works end to end in
 Megatron's loop (the plugin's packing, its stand-down, its timers), not what a GPU would gain.
+The four processes need four free cores: on fewer they time-share, a step's wall time follows the
+total work (the same for every packing of the same documents) rather than the slowest rank, and
+the balance SAB buys hardly shows; the study says so when the machine has fewer cores
+(``cores`` in the JSON), and a loaded machine's figures are noise.
 
     .venv/bin/python scripts/bench.py dense_sab_run --json docs/results/dense_sab_run_cpu.json
 """
@@ -41,6 +45,7 @@ import tempfile
 from ._demo import UNTIMED_STEPS, add_steps_arg, check_steps, run_demo
 from .common import parser, write_result
 
+PROCESSES = 4          # the README job: PP=2 x DP=2
 PACKINGS = {"sequential": ["--sb-packing", "sequential"],
             "token_balanced": ["--sb-packing", "token_balanced"],
             "sab": ["--sb-batching"]}
@@ -110,6 +115,11 @@ def main(argv=None) -> int:
     if args.global_batch_size < 4 or args.global_batch_size % 2:
         ap.error(f"--global-batch-size {args.global_batch_size}: expected an even number >= 4 "
                  f"(2 DP ranks, at least 2 micro-batches each for PP=2)")
+    cores = os.cpu_count() or 1
+    if cores < PROCESSES:
+        print(f"warning: {cores} CPU cores for {PROCESSES} training processes: the ranks "
+              f"time-share the cores, so the balance between them hardly changes a step's wall "
+              f"time; run on >= {PROCESSES} free cores for a figure of SAB's balance")
     names = list(PACKINGS)
     per_seed = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,6 +146,7 @@ def main(argv=None) -> int:
           f", token-balanced / SAB {s['token_balanced_over_sab_median']:.3f}; seed signs "
           f"{' '.join(f'{k}:{v}' for k, v in s['seed_signs'].items())}")
     write_result(args.json, {"config": {k: v for k, v in vars(args).items() if k != "json"},
+                             "cores": cores, "processes": PROCESSES,
                              "runs": {str(k): v for k, v in per_seed.items()},
                              "summary": {**s, "seeds": {str(k): v for k, v in s["seeds"].items()},
                                          "seed_signs": {str(k): v for k, v in
