@@ -19,8 +19,9 @@ on the same global batches (``study.run_study``):
   under the density objective;
 - SparseBalance: SAB + DST (the runtime's ``plan_dst_from_config``, floors included), on the same
   layouts, the interleaved schedule included (DST plans every model chunk). A layout qualifies
-  only if its plan keeps the layer-weighted density >= d0 and every stage >= the stage floor x d0
-  (a layout that starves a stage to win is not a win).
+  only if its plan keeps the layer-weighted density of the sparse path's documents >= d0 (a
+  routed document counts 1.0 in every run alike and must not pay for cuts elsewhere) and every
+  stage >= the stage floor x d0 (a layout that starves a stage to win is not a win).
 
 Pure numpy; must not import torch or megatron.
 """
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
 from .study import StudyConfig, packing_of, run_study
@@ -95,7 +98,9 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
         if variant.startswith(SPARSE_VARIANT) or variant.startswith("dst"):
             # the sparse path's documents at d0 or above: with routing a routed document is
             # dense work in every run alike, so it must not make up for density cut elsewhere
-            ok = (r.get("sparse_density", r["mean_density"]) >= cfg.density - 1e-9
+            # (NaN: every document routed dense, no sparse path to keep)
+            sd = r.get("sparse_density", np.nan)
+            ok = ((r["mean_density"] if np.isnan(sd) else sd) >= cfg.density - 1e-9
                   and r["min_stage_density"] >= floor - 1e-9)
         out.append(LayoutChoice(lay, variant, r["step_time_s"], r, ok))
     out.sort(key=lambda c: (not c.qualifies, c.step_time_s))
