@@ -14,7 +14,7 @@ main and dev, 2026-08; ``--sequence-packing-scheduler dp_balanced`` on dev):
   with VPP), the last sequence of the last group holding more than one is moved into a group of
   its own, appended at the end;
 - where every group left holds one sequence and the count is still short, Megatron stops (an
-  assertion: the step cannot run); with ``empty_groups`` the rule appends empty groups there
+  assertion: the step cannot run; main stops before taking from group 0, dev after, as here); with ``empty_groups`` the rule appends empty groups there
   instead, so a study can still time the step (``BatchPlan.fallback`` says so);
 - group ``g`` is DP rank ``g % dp``'s micro-batch ``g // dp``: the number of micro-batches is
   ``groups / dp``, so it **varies from step to step**;
