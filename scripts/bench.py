@@ -46,6 +46,8 @@ STUDIES = {
                          "BENCHMARKS.md context parallelism, docs/CONTEXT_PARALLEL.md"),
     "cp_step": ("whole pretrain() steps on CPU, CP=2 vs CP=1 (the README's job)",
                 "BENCHMARKS.md context parallelism, attention alone"),
+    "dense_sab_run": ("dense attention, pretrain() on CPU: SAB vs sequential vs token-balanced "
+                      "packing, paired steps", "BENCHMARKS.md against dense, README results"),
     "quality_cost": ("measure a model's loss per layer group and density (the quality cost)",
                      "BENCHMARKS.md DST's accuracy side"),
     "dst_plans": ("DST's plans evaluated on a real model's loss and retrieval",

@@ -6,11 +6,16 @@ short documents), d0 and DP size, the layout search (``experiments.layout_search
 
 - ``best_static``: the fastest static configuration: the whole ``--pipeline-model-parallel-layout``
   space (issue 27: uneven chunks, empty and LM-head-only stages, vp 1-4; ``--count-flags-only``:
-  the count-flag splits of issue 12) x Megatron's sequential packing or the plugin's
-  token-balanced packing, all at d0 (the JSON names the packing);
+  the count-flag splits of issue 12) x Megatron's sequential packing, the plugin's
+  token-balanced packing or Megatron's dp_balanced packer (issue 41; ``batching.dp_balanced``),
+  all at d0 (the JSON names the packing);
 - ``best_plain_static``: the same with Megatron's sequential packing only (no plugin at all);
-- ``best_dense``: the fastest dense configuration (every split, sequential packing, dense
-  attention: what a user without the plugin runs today; ``speedup_vs_dense`` divides by it).
+- ``best_dense``: the fastest dense configuration (every split x sequential, token-balanced,
+  dp_balanced and SAB packing, dense attention, issue 41; ``speedup_vs_dense`` divides by it);
+  ``dense_sequential``, ``dense_token_balanced``, ``dense_dp_balanced`` and ``dense_sab`` (SAB
+  packing with dense attention, ``--sb-batching`` alone, standing down to the faster of the
+  dense sequential and token-balanced configurations) are each packing on its own best layout,
+  and ``dp_balanced`` is static sparse attention with Megatron's packer on its own best layout.
   Dense attention is priced by the table's dense kernel: on the analytic table cuDNN's measured
   H100 costs (``latency/analytic.py``), not the sparse kernel at density 1;
 - ``sab_dst``: the fastest SAB + DST layout (vp 1 or 2) whose plan keeps the layer-weighted
@@ -19,8 +24,7 @@ short documents), d0 and DP size, the layout search (``experiments.layout_search
 Rows, all on the same global batches, speedups vs ``best_static``:
 ``static_even`` (Megatron's default: even split, sequential packing; the old baseline, labelled),
 ``best_static``, ``sab`` and ``dst`` (each alone on the best plain-1F1B static layout),
-``dense_sab`` (SAB packing with dense attention, ``--sb-batching`` alone, on best_dense's layout:
-the plugin's gain without sparse attention), ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
+the dense and dp_balanced rows above, ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
 plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the layout
 no slower than best_static's with the lowest predicted loss, the densest under the density
 objective: the "free accuracy" row).
@@ -54,7 +58,8 @@ seed (the synthetic mix's draw and the sampler's shuffle; results keyed ``MIX/se
 ``--slow-rank R:FACTOR`` (``experiments.heterogeneous``: global rank R = dp_rank + dp x pipeline
 rank computes FACTOR times slower; several are studied one at a time) adds to every row static,
 DST, SAB and SAB + DST on the best static configuration's layout with and without that GPU
-slowed. After the tables, a summary
+slowed. After the tables, dense attention by packing (``experiments.packers``: SAB against
+dp_balanced and the faster of sequential / token-balanced, every row and the median) and a summary
 (``experiments.robustness``): every row's sab_dst speedup over the best static, worst, median,
 how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON as ``summary``.
 
@@ -80,6 +85,8 @@ from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
 from sparsebalance_megatron.experiments.mixes import DEFAULT_TOKENS, MIXES, mix_lengths
+from sparsebalance_megatron.experiments.packers import (dp_balanced_stops, format_packers,
+                                                       packer_summary)
 from sparsebalance_megatron.experiments.robustness import (format_summary, same_layout_slow_rank,
                                                            summarize)
 from sparsebalance_megatron.experiments.layout_search import stand_down_config
@@ -223,16 +230,23 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
-    cfg = stand_down_config(cfg, best_static)   # what the search's SparseBalance runs used
+    # what the search's SparseBalance runs used
+    cfg = stand_down_config(cfg, best_static, found["static"], found["dense"])
     best_dense = found["dense"][0]
+
+    def best_of(choices, variant):     # each packing on its own best layout
+        return next(c for c in choices if c.variant == variant).layout
     best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
     plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
     even = PipelineLayout.even(best_static.layout.num_layers, pp)
     plain_static = found["plain_static"]
-    runs = {"best_dense": ("dense", best_dense.layout), "static_even": ("static", even),
+    runs = {"best_dense": (best_dense.variant, best_dense.layout),
+            **{v if v != "dense" else "dense_sequential": (v, best_of(found["dense"], v))
+               for v in ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")},
+            "dp_balanced": ("dp_balanced", best_of(found["static"], "dp_balanced")),
+            "static_even": ("static", even),
             "best_static": (best_static.variant, best_static.layout),
             "best_plain_static": ("static", plain_static.layout),
-            "dense_sab": ("dense_sab", best_dense.layout),
             "sab": ("sab", plain), "dst": ("dst", plain),
             "sab_dst": ("sab_dst", best_sb.layout),
             "sab_dst_max": ("sab_dst_max", plain),
@@ -245,7 +259,11 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
         lm, lengths, cfg, dp, best_static.layout, [s]) for s in slow}}
     lb = found["static_lower_bound_s"]
     return {"rows": rows, "layouts": layouts, **extra,
-            "best_static_packing": best_static.variant, "space": found["space"],
+            "best_static_packing": best_static.variant, "best_dense_packing": best_dense.variant,
+            "stand_down": cfg.stand_down, "dense_stand_down": cfg.dense_stand_down,
+            # steps Megatron's own dp_balanced stops on (the rows give it empty micro-batches)
+            "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
+            "space": found["space"],
             "excluded_memory": found["excluded_memory"],
             "static_lower_bound_s": lb,
             "static_gap_vs_bound": (best_static.step_time_s / lb - 1) if lb else None,
@@ -263,8 +281,8 @@ def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) 
     best static configuration found for this (mix, d0, dp)."""
     best = found["best_static"]
     static_layout = PipelineLayout.from_dict(best["layout"])
-    if cfg.stand_down != "off":                 # stand down to the best static's packing
-        cfg = replace(cfg, stand_down=packing_of(best["variant"]))
+    if cfg.stand_down != "off":   # stand down as the study's runs did (the best static's packing)
+        cfg = replace(cfg, stand_down=found.get("stand_down") or packing_of(best["variant"]))
     sb_layout = PipelineLayout.from_dict(found["best_sparsebalance"]["layout"])
     even = PipelineLayout.even(static_layout.num_layers, pp)
     out = {}
@@ -320,6 +338,8 @@ def main(argv=None):
         for mix in args.mixes:
             for seed in (args.seeds or [None]):
                 study_mix(args, out, lm, cp, mix, seed)
+    out["packers"] = packer_summary(out["results"])
+    print(format_packers(out["packers"]))
     out["summary"] = summarize(out["results"])
     print(format_summary(out["summary"]))
     out["wall_s"] = time.perf_counter() - t0

@@ -185,7 +185,8 @@ def main(argv: Optional[list] = None) -> int:
     try:
         res = best_layouts(lm, lengths, cfg, args.dp, pp=args.pp, num_layers=num_layers,
                            vps=args.vp, device_memory_gib=args.device_memory_gib,
-                           whole_space=not args.count_flags_only, progress=say)
+                           whole_space=not args.count_flags_only, progress=say,
+                           dense_packings=("dense",))
     except (LayoutError, ValueError) as e:
         print(f"sparsebalance-layout: error: {e}", file=sys.stderr)
         return 2
@@ -217,8 +218,10 @@ def main(argv: Optional[list] = None) -> int:
                     "best static configuration (free accuracy)", res["accuracy"], base,
                     args.top))
     best_s, best_sb = res["static"][0], res["sparsebalance"][0]
-    print(f"\nstatic:         {' '.join(best_s.flags) or '(default split)'}"
-          f"{' --sb-packing token_balanced' if best_s.variant == 'token_balanced' else ''}")
+    packing = {"token_balanced": " --sb-packing token_balanced",
+               "dp_balanced": " --sequence-packing-scheduler dp_balanced (Megatron-LM dev, "
+                              "without the plugin)"}.get(best_s.variant, "")
+    print(f"\nstatic:         {' '.join(best_s.flags) or '(default split)'}{packing}")
     print(f"sparse-balance: {' '.join(best_sb.flags) or '(default split)'} --sparse-balance "
           f"--sb-density {args.density}")
     print(f"sparse-balance vs the best static: {best_s.step_time_s / best_sb.step_time_s:.3f}x "

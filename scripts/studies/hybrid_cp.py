@@ -16,8 +16,9 @@ this plugin's latency model: a sub-sample of ``L`` tokens on ``k`` GPUs costs
 GPU the sub-samples run in its list's order, each starting when every GPU sharing it is ready;
 a group ends at its slowest GPU (Megatron's barrier). The a2a side: DP ranks x m micro-batches of
 ``--seq-length`` tokens, each on a CP group of the run's size, PP=1 (``experiments.run_study``):
-``static`` (sequential packing at d0), ``token_balanced`` and ``sab_dst`` (SAB + DST, planned by
-the runtime's DST). Same GPUs (DP x CP), same latency model and interconnect for both: the
+``static`` (sequential packing at d0), ``token_balanced``, ``dp_balanced`` (Megatron's own
+packer, ``batching/dp_balanced.py``: its groups fill --seq-length = max_seqlen_per_dp_cp_rank x CP)
+and ``sab_dst`` (SAB + DST, planned by the runtime's DST). Same GPUs (DP x CP), same latency model and interconnect for both: the
 comparison isolates the scheduling, not Megatron's CP kernels (transformer-engine's p2p/a2a,
 which this model does not describe). Hybrid CP's ``max_seqlen_per_dp_cp_rank`` is
 ``--seq-length / CP``: no GPU holds more tokens of a document than an a2a CP rank holds.
@@ -128,7 +129,8 @@ def main(argv=None):
           f"DP={args.dp}, m={args.microbatches}, d0={d0}, {args.steps} steps; CP all-to-all at "
           f"the ASSUMED DeviceProfile bandwidth")
     print(f"{'mix':<8} {'CP':>3} {'GPUs':>5} {'a2a static':>11} {'a2a tok-bal':>11} "
-          f"{'a2a sab_dst':>11} {'var static':>11} {'var sab_dst':>11} {'hybrid':>8} "
+          f"{'a2a dp_bal':>11} {'a2a sab_dst':>11} {'var static':>11} {'var sab_dst':>11} "
+          f"{'hybrid':>8} "
           f"{'hyb groups':>10} {'hyb util':>8}   (step s)")
     cfg_var = replace(cfg, microbatch_multiple=args.microbatch_multiple)
     t0 = time.perf_counter()
@@ -137,7 +139,7 @@ def main(argv=None):
         for cp in args.context_parallel:
             lm = lm0.with_context_parallel(cp)
             runs = {"static": ("static", None), "token_balanced": ("token_balanced", None),
-                    "sab_dst": ("sab_dst", None)}
+                    "dp_balanced": ("dp_balanced", None), "sab_dst": ("sab_dst", None)}
             rows = run_study(args.dp, cfg, lm, lengths, runs, baseline="static")
             rows_var = run_study(args.dp, cfg_var, lm, lengths, runs, baseline="static")
             models = {}
@@ -163,6 +165,7 @@ def main(argv=None):
                                                  "hybrid": h}
             print(f"{mix:<8} {cp:>3} {args.dp * cp:>5} {rows['static']['step_time_s']:>11.3f} "
                   f"{rows['token_balanced']['step_time_s']:>11.3f} "
+                  f"{rows['dp_balanced']['step_time_s']:>11.3f} "
                   f"{rows['sab_dst']['step_time_s']:>11.3f} "
                   f"{rows_var['static']['step_time_s']:>11.3f} "
                   f"{rows_var['sab_dst']['step_time_s']:>11.3f} {h['step_time_s']:>8.3f} "

@@ -37,10 +37,11 @@ class BatchPlan:
     """A global batch laid out as ``micro_batches[dp_rank][slot]`` lists of segments."""
 
     micro_batches: list            # [dp][m] -> list[Segment]
-    method: str                    # "sequential" | "token_balanced" | "sab"
+    method: str                    # "sequential" | "token_balanced" | "sab" | "dp_balanced"
     max_tokens: int
     num_split_samples: int = 0     # samples cut into several segments (long_sample_policy=split)
-    fallback: bool = False         # SAB re-used the sequential bins (cost-aware packing did not fit)
+    fallback: bool = False         # SAB re-used the sequential bins (cost-aware packing did not fit);
+    # dp_balanced: empty micro-batches where Megatron's own rule stops
     predicted_rank_cost_s: np.ndarray = field(default=None)  # [dp] planner's cost proxy per rank
     length_multiple: int = 0       # 0: every micro-batch is max_tokens long (padding fills it);
     # k > 0: variable-length micro-batches, their tokens rounded up to a multiple of k

@@ -7,16 +7,21 @@ where small, else local search from every split Megatron's count flags build, wi
 lower bound), under an optional device-memory limit; the winners of every search are simulated
 on the same global batches (``study.run_study``):
 
-- static: every unit at d0, with Megatron's sequential packing and with token-balanced packing;
-  the best (layout, packing) is *the best static configuration* a Megatron user could run;
+- static: every unit at d0, with Megatron's sequential packing, with token-balanced packing and
+  with Megatron's dp_balanced packer (``batching.dp_balanced``); the best (layout, packing) is
+  *the best static configuration* a Megatron user could run;
+- dense: dense attention with each packing (sequential, token-balanced, dp_balanced, SAB by the
+  dense kernel's costs: ``--sb-batching`` alone), each searched on its own layouts; the best
+  (layout, packing) is *the best dense configuration*;
 - accuracy: SAB + DST raising up to the static plan's step time (``--sb-raise-to static``): of
   the layouts no slower than the best static configuration, the one with the lowest predicted
   LM-loss change under the quality objective (the default), the highest layer-weighted density
   under the density objective;
 - SparseBalance: SAB + DST (the runtime's ``plan_dst_from_config``, floors included), on the same
   layouts, the interleaved schedule included (DST plans every model chunk). A layout qualifies
-  only if its plan keeps the layer-weighted density >= d0 and every stage >= the stage floor x d0
-  (a layout that starves a stage to win is not a win).
+  only if its plan keeps the layer-weighted density of the sparse path's documents >= d0 (a
+  routed document counts 1.0 in every run alike and must not pay for cuts elsewhere) and every
+  stage >= the stage floor x d0 (a layout that starves a stage to win is not a win).
 
 Pure numpy; must not import torch or megatron.
 """
@@ -26,11 +31,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
 from .study import StudyConfig, packing_of, run_study
 
-STATIC_VARIANTS = ("static", "token_balanced")
+STATIC_VARIANTS = ("static", "token_balanced", "dp_balanced")
 DENSE_VARIANT = "dense"
+DENSE_PACKINGS = {"dense": "sequential", "dense_token_balanced": "token_balanced",
+                  "dense_dp_balanced": "dp_balanced", "dense_sab": "sab_dense"}
+"""The dense variants the dense search runs, and the packing each one's layouts are searched
+with."""
+STAND_DOWN_PACKINGS = ("sequential", "token_balanced")
+"""What --sb-stand-down can stand down to (the runtime packs these; not Megatron's dp_balanced,
+whose micro-batch count varies by step)."""
 SPARSE_VARIANT = "sab_dst"
 ACCURACY_VARIANT = "sab_dst_acc"
 
@@ -82,33 +96,52 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
         r = rows[name]
         ok = True
         if variant.startswith(SPARSE_VARIANT) or variant.startswith("dst"):
-            ok = (r["mean_density"] >= cfg.density - 1e-9
+            # the sparse path's documents at d0 or above: with routing a routed document is
+            # dense work in every run alike, so it must not make up for density cut elsewhere
+            # (NaN: every document routed dense, no sparse path to keep)
+            sd = r.get("sparse_density", np.nan)
+            ok = ((r["mean_density"] if np.isnan(sd) else sd) >= cfg.density - 1e-9
                   and r["min_stage_density"] >= floor - 1e-9)
         out.append(LayoutChoice(lay, variant, r["step_time_s"], r, ok))
     out.sort(key=lambda c: (not c.qualifies, c.step_time_s))
     return out
 
 
-def stand_down_config(cfg: StudyConfig, best_static: LayoutChoice) -> StudyConfig:
+def stand_down_config(cfg: StudyConfig, best_static: LayoutChoice,
+                      static: Sequence[LayoutChoice] = (),
+                      dense: Sequence[LayoutChoice] = ()) -> StudyConfig:
     """``cfg`` whose SAB runs stand down to the packing of the best static configuration
     (``--sb-stand-down``, issue 27: the baseline a run must not lose to is what the user would
-    run without SparseBalance); unchanged when the stand-down is off."""
+    run without SparseBalance), and whose dense_sab runs to the best dense one's; where that is
+    Megatron's dp_balanced, which the runtime cannot pack, the fastest of ``static`` (``dense``)
+    whose packing it can. Unchanged when the stand-down is off."""
     if cfg.policy().stand_down == "off":
         return cfg
-    return replace(cfg, stand_down=packing_of(best_static.variant))
+
+    def runtime_packing(choices):
+        return next((packing_of(c.variant) for c in choices
+                     if packing_of(c.variant) in STAND_DOWN_PACKINGS), None)
+
+    out = replace(cfg, stand_down=runtime_packing([best_static, *static]) or "sequential")
+    if dense:
+        out = replace(out, dense_stand_down=runtime_packing(dense) or "sequential")
+    return out
 
 
 def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                  num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2),
                  device_memory_gib: Optional[float] = None, whole_space: bool = True,
-                 shortlist: int = 4, progress: Optional[Callable[[str], None]] = None) -> dict:
+                 shortlist: int = 4, progress: Optional[Callable[[str], None]] = None,
+                 dense_packings: Sequence[str] = tuple(DENSE_PACKINGS)) -> dict:
     """{"static": [...], "dense": [...], "sparsebalance": [...], "accuracy": [...],
     "even_static": choice, "plain_static": choice, "space": {...}, "excluded_memory": int}.
 
     The SparseBalance searches stand down to the best static configuration's packing
     (``stand_down_config``).
     static / dense / sparsebalance: the searches, fastest first (dense: every layout with dense
-    attention, what a user without the plugin runs today); accuracy: SAB + DST raising to the
+    attention and each of ``dense_packings``, keys of ``DENSE_PACKINGS``: what a user without
+    the plugin runs today, and ``dense_sab``, standing down to the fastest dense packing the
+    runtime can pack); accuracy: SAB + DST raising to the
     static plan's step time (``--sb-raise-to static``) on every layout whose step is no slower
     than the best static configuration's, best first (the "free accuracy" choice: lowest
     predicted loss under the quality objective, densest under the density objective);
@@ -148,11 +181,14 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
             return mm.peak_gib(lay, cfg.seq_length, cfg.microbatches) <= device_memory_gib
     space = {}
     if whole_space:
-        cands = {}
+        cands, dense_cands = {}, {}
+        dense_lm = lm.with_routing(1 << 40)
         for key, model, packing, d in (("static", lm, "sequential", cfg.density),
                                        ("token_balanced", lm, "token_balanced", cfg.density),
+                                       ("dp_balanced", lm, "dp_balanced", cfg.density),
                                        ("sab", lm, "sab", cfg.density),
-                                       ("dense", lm.with_routing(1 << 40), "sequential", 1.0)):
+                                       *((v, dense_lm, DENSE_PACKINGS[v], 1.0)
+                                         for v in dense_packings)):
             say(f"packing {cfg.steps} global batches ({packing}) for the {key} layout search")
             ev = StepEvaluator(model, packed_features(model, lengths, cfg, dp, packing), dp,
                                cfg.microbatches, d)
@@ -164,17 +200,21 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                     f"{res.best_s:.3f} s" if res.ranked else
                     f"searched the {key} layouts, vp={vp}: none fits")
                 space[key][vp] = res
+                # the dense packings' winners are the dense search's alone
+                into = dense_cands if key in DENSE_PACKINGS else cands
                 for _, lay in res.ranked[:shortlist]:
-                    cands.setdefault(lay.layers + (lay.pp,), lay)
+                    into.setdefault(lay.layers + (lay.pp,), lay)
         excluded_n = max((r.excluded_memory for per in space.values() for r in per.values()),
                          default=0)
         candidates = list(cands.values())
+        dense_candidates = list({**cands, **dense_cands}.values())
     else:
         candidates = [c for c in candidate_layouts(n, pp, vps)]
         if fits is not None:
             excluded = {c.layers for c in candidates if not fits(c)}
             candidates = [c for c in candidates if c.layers not in excluded]
         excluded_n = len(excluded)
+        dense_candidates = candidates
     if not candidates:
         raise LayoutError(f"no pipeline layout of {n} layers over pp={pp} x vp {list(vps)} "
                           f"fits --device-memory-gib {device_memory_gib}: raise it, or use more "
@@ -183,9 +223,20 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     c = len(candidates)
     say(f"simulating {c} layouts x {len(STATIC_VARIANTS)} static packings")
     static = search_layouts(lm, lengths, cfg, dp, variants=STATIC_VARIANTS, **kw)
-    say(f"simulating {c} layouts with dense attention")
-    dense = search_layouts(lm, lengths, cfg, dp, variants=(DENSE_VARIANT,), **kw)
-    sb_cfg = stand_down_config(cfg, static[0])
+    bad = [v for v in dense_packings if v not in DENSE_PACKINGS]
+    if bad or not dense_packings:
+        raise ValueError(f"dense_packings {list(dense_packings)}: expected some of "
+                         f"{list(DENSE_PACKINGS)}")
+    say(f"simulating {len(dense_candidates)} layouts with dense attention x "
+        f"{len(dense_packings)} packings")
+    dkw = {**kw, "candidates": dense_candidates}
+    dense = search_layouts(lm, lengths, cfg, dp, variants=tuple(
+        v for v in dense_packings if v != "dense_sab"), **dkw) \
+        if set(dense_packings) - {"dense_sab"} else []
+    sb_cfg = stand_down_config(cfg, static[0], static, dense)   # dense_sab: to the best dense
+    if "dense_sab" in dense_packings:
+        dense = sorted(dense + search_layouts(lm, lengths, sb_cfg, dp, variants=("dense_sab",),
+                                              **dkw), key=lambda c: c.step_time_s)
     say(f"simulating {c} layouts with SparseBalance (SAB + DST)")
     sparse = search_layouts(lm, lengths, sb_cfg, dp, variants=(SPARSE_VARIANT,), **kw)
     say(f"simulating {c} layouts with SparseBalance raising to the static step time")

@@ -46,9 +46,10 @@ from ..sim.pipeline import pipeline_makespan_s
 
 def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
     """Unit features of every step's micro-batches under ``packing`` (sequential,
-    token_balanced or sab), cut exactly as ``study.run_study`` cuts and packs them."""
-    from ..batching import (SensitivityTracker, latency_sample_cost_fn, sab_plan,
-                            sequential_plan, token_balanced_plan)
+    token_balanced, dp_balanced, sab, or sab_dense: SAB by the dense kernel's costs), cut exactly
+    as ``study.run_study`` cuts and packs them."""
+    from ..batching import (SensitivityTracker, dp_balanced_plan, latency_sample_cost_fn,
+                            sab_plan, sequential_plan, token_balanced_plan)
     from ..data import GlobalBatchSampler
 
     m, cap = cfg.microbatches, cfg.seq_length
@@ -62,19 +63,25 @@ def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
         elif packing == "token_balanced":
             plan = token_balanced_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
                                        seed=cfg.seed)
-        elif packing == "sab":
-            plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
-                            cost_fn=latency_sample_cost_fn(lm, cfg.density),
+        elif packing in ("sab", "sab_dense"):
+            cost_fn = latency_sample_cost_fn(lm, cfg.density) if packing == "sab" else \
+                latency_sample_cost_fn(lm.all_dense(), 1.0)
+            plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap, cost_fn=cost_fn,
                             sensitivity=SensitivityTracker(), seed=cfg.seed)
+        elif packing == "dp_balanced":
+            plan = dp_balanced_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
+                                    empty_groups=True)
         else:
-            raise ValueError(f"packing {packing!r}: expected sequential, token_balanced or sab")
-        plan = plan.with_length_multiple(cfg.microbatch_multiple)
+            raise ValueError(f"packing {packing!r}: expected sequential, token_balanced, "
+                             f"dp_balanced, sab or sab_dense")
+        plan = plan.with_length_multiple(cfg.microbatch_multiple or plan.length_multiple)
         out.append(lm.unit_features(plan.flat_lengths(with_padding=True)))
     return out
 
 
 class StepEvaluator:
-    """Static step time (every unit at ``density``) of any layout on fixed packed batches."""
+    """Static step time (every unit at ``density``) of any layout on fixed packed batches (a
+    step's micro-batch count is its features' units / dp: Megatron's dp_balanced varies it)."""
 
     def __init__(self, lm, feats: list, dp: int, num_microbatches: int, density: float):
         self.lm, self.feats, self.dp, self.m = lm, feats, int(dp), int(num_microbatches)
@@ -87,7 +94,7 @@ class StepEvaluator:
         keys = [(step, k, n) for k, n in zip(lay.kinds(), lay.layers)]
         if any(k not in self._cols for k in keys):
             c = UnitCosts.from_latency(self.lm.with_layout(lay), self.feats[step], self.dp,
-                                       self.m, self.grid)
+                                       self.feats[step].num_units // self.dp, self.grid)
             for v, k in enumerate(keys):
                 self._cols.setdefault(k, (c.fwd_s[:, :, v, 0].copy(), c.bwd_s[:, :, v, 0].copy()))
         f = np.stack([self._cols[k][0] for k in keys], axis=-1)     # [dp, m, nv]

@@ -3,19 +3,23 @@
 Shared by ``scripts/bench_sim_study.py`` and the layout search. For one DP size: the corpus
 lengths are cut into global batches by the data pipeline's ``GlobalBatchSampler`` (sequential
 fill of dp x m micro-batches of ``seq_length`` tokens), packed by Megatron's sequential order, a
-token balancer or SAB, timed by a latency model over a density grid (``UnitCosts``) on a
-pipeline layout and stepped through the simulator (1F1B, or the interleaved schedule for a
-layout with vp > 1). Variants (names are what the tables print):
+token balancer, Megatron's dp_balanced or SAB, timed by a latency model over a density grid
+(``UnitCosts``) on a pipeline layout and stepped through the simulator (1F1B, or the interleaved
+schedule for a layout with vp > 1). Variants (names are what the tables print):
 
 - ``dense``: sequential packing, dense attention: every document through the dense kernel
   (``LatencyModel.all_dense``: the table's dense coefficients and dense call cost, what a user
   without the plugin runs; a table without dense coefficients falls back to the sparse kernel's
   per-pair cost at density 1; the analytic table has them: cuDNN measured on an H100);
 - ``dense_sab``: SAB packing, dense attention (``--sb-batching`` without sparse attention): SAB
-  packs by the dense model's costs; with do no harm it stands down to sequential packing when
-  SAB is predicted no faster;
+  packs by the dense model's costs; with do no harm it stands down to
+  ``StudyConfig.dense_stand_down`` when SAB is predicted no faster;
+- ``dense_token_balanced``, ``dense_dp_balanced``: dense attention, token-balanced or Megatron's
+  own packer (``batching.dp_balanced``: its own micro-batch count per step, no fill to
+  ``seq_length`` unless ``microbatch_multiple`` > 0, empty micro-batches where it would stop);
 - ``static``: sequential packing, every unit at d0 (static sparse attention);
 - ``token_balanced``: length-aware balancer at d0 (what a careful Megatron user runs);
+- ``dp_balanced``: Megatron's dp_balanced packer at d0;
 - ``sab``: SAB at d0;
 - ``dst`` (= ``dst_mean``) and ``dst_<anchor>``: sequential packing + DST with that anchor;
 - ``sab_dst`` (= ``sab_dst_mean``) and ``sab_dst_<anchor>``: SAB + DST with that anchor
@@ -34,7 +38,9 @@ fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; t
 
 Per run: step time (mean over steps), speedup vs the baseline run (sum of its step times / sum of
 this run's), imbalance (max / mean of per-rank makespans, mean over steps), bubble fraction, mean
-density weighted by layers x dense attention work, the same per (virtual) stage and its minimum,
+density weighted by layers x dense attention work (routed documents at 1.0; ``sparse_density``:
+the sparse path's documents alone), the same per (virtual) stage and its minimum, micro-batches
+per rank (Megatron's dp_balanced varies them),
 the predicted LM-loss change against uniform d0 under the shipped quality cost mapped onto the run's
 layout (``policy.quality``, what the quality objective plans with; mean over steps; the same
 measure for both DST objectives) and the planning time. Sensitivities come from the length prior (nothing is measured in a
@@ -51,8 +57,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..batching import (SensitivityTracker, latency_sample_cost_fn, sab_plan, sequential_plan,
-                        token_balanced_plan, unit_sensitivity)
+from ..batching import (SensitivityTracker, dp_balanced_plan, latency_sample_cost_fn, sab_plan,
+                        sequential_plan, token_balanced_plan, unit_sensitivity)
 from ..config import SparseBalanceConfig
 from ..data import GlobalBatchSampler
 from ..policy import UnitCosts, density_grid
@@ -63,8 +69,10 @@ from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
 from .heterogeneous import rank_scale, scale_costs
 
 _PACKING = {"dense": "sequential", "dense_sab": "sab", "static": "sequential",
-            "token_balanced": "token_balanced", "sab": "sab", "sab_dst": "sab"}
-DENSE_VARIANTS = ("dense", "dense_sab")
+            "token_balanced": "token_balanced", "sab": "sab", "sab_dst": "sab",
+            "dp_balanced": "dp_balanced", "dense_token_balanced": "token_balanced",
+            "dense_dp_balanced": "dp_balanced"}
+DENSE_VARIANTS = ("dense", "dense_sab", "dense_token_balanced", "dense_dp_balanced")
 """Variants with dense attention: every document through the dense kernel."""
 
 
@@ -102,6 +110,8 @@ class StudyConfig:
     stand_down: Optional[str] = None
     """--sb-stand-down of the runs (None: the runtime's default): the baseline packing SAB's runs
     stand down to when SAB is predicted no faster, 'off': no stand-down (``policy.stand_down``)."""
+    dense_stand_down: Optional[str] = None
+    """--sb-stand-down of the ``dense_sab`` runs (None: sequential; off with ``stand_down``)."""
     microbatch_multiple: int = 0
     """--sb-microbatch-multiple: 0 fixed-length micro-batches (the fill is padding every run
     pays), k > 0 each micro-batch its documents rounded up to a multiple of k tokens; every
@@ -132,7 +142,7 @@ def _base(variant: str) -> str:
 
 
 def packing_of(variant: str) -> str:
-    """The packing a variant uses: sequential, token_balanced or sab."""
+    """The packing a variant uses: sequential, token_balanced, dp_balanced or sab."""
     v = _base(variant)
     if v.startswith("sab_dst_"):
         return "sab"
@@ -186,6 +196,7 @@ class VariantAccumulator:
 
     def __init__(self):
         self.step_s, self.imb, self.bubble, self.dw, self.w = 0.0, [], [], 0.0, 0.0
+        self.sparse_dw, self.sparse_w, self.microbatches = 0.0, 0.0, []
         self.stage_dw = self.stage_w = None
         self.plan_ms, self.loss = [], []
         self.stood = StandDownCounts()
@@ -196,6 +207,7 @@ class VariantAccumulator:
         ``choice``: the step's ``policy.stand_down.StepChoice`` (None: no choice made)."""
         if choice is not None:
             self.stood.add(choice.dst_stood_down, choice.sab_stood_down)
+        self.microbatches.append(costs.shape[1])
         idx = np.searchsorted(costs.densities, densities - 1e-12)
         f, b = costs.at(idx)
         if costs.vp > 1:
@@ -207,6 +219,8 @@ class VariantAccumulator:
         self.bubble.append(sim.bubble_fraction)
         w = costs.weights()
         dw = densities * w
+        self.sparse_dw += float(dw.sum())
+        self.sparse_w += float(w.sum())
         if costs.dense_work is not None:     # routed documents: density 1 whatever the plan
             dw, w = dw + costs.dense_work, w + costs.dense_work
         self.dw += float(dw.sum())
@@ -228,6 +242,8 @@ class VariantAccumulator:
                "imbalance": float(np.mean(self.imb)),
                "bubble_fraction": float(np.mean(self.bubble)),
                "mean_density": self.dw / self.w if self.w else float("nan"),
+               "sparse_density": self.sparse_dw / self.sparse_w if self.sparse_w else np.nan,
+               "microbatches_per_rank": float(np.mean(self.microbatches)),
                "density_per_stage": [float(x) for x in stage],
                "min_stage_density": float(np.nanmin(stage)) if np.any(self.stage_w > 0)
                else float("nan")}
@@ -283,7 +299,10 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     needed_feats = {(_plan_key(v), is_dense(v)) for v, _ in runs.values()}
     fallback = cfg.policy().stand_down          # the packing SAB's runs stand down to
     fallback = None if fallback == "off" else fallback
-    dense_fallback = None if fallback is None else "sequential"   # dense_sab: Megatron's own
+    if cfg.dense_stand_down not in (None, "sequential", "token_balanced"):
+        raise ValueError(f"dense_stand_down={cfg.dense_stand_down!r}: expected one of "
+                         f"sequential, token_balanced")
+    dense_fallback = None if fallback is None else (cfg.dense_stand_down or "sequential")
     for v, _ in runs.values():
         if fallback and _plan_key(v) == "sab":
             needed.add(fallback)
@@ -301,7 +320,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         if "token_balanced" in needed:
             plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
                                                           max_tokens=cap, seed=cfg.seed)
-        plans = {k: p.with_length_multiple(cfg.microbatch_multiple) for k, p in plans.items()}
+        if "dp_balanced" in needed:      # its own lengths (no fill) unless every run's vary
+            plans["dp_balanced"] = dp_balanced_plan(segs, dp=dp, num_microbatches=m,
+                                                    max_tokens=cap, empty_groups=True)
+        plans = {k: p.with_length_multiple(cfg.microbatch_multiple or p.length_multiple)
+                 for k, p in plans.items()}
         feats = {(k, dense): (lm_dense if dense else lm).unit_features(
             p.flat_lengths(with_padding=True)) for k, p in plans.items() for dense in (False, True)
             if (k, dense) in needed_feats}
@@ -315,7 +338,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
             for k in cands:
                 if (k, dense, lay) not in costs:
                     costs[k, dense, lay] = scale_costs(UnitCosts.from_latency(
-                        models[dense, lay], feats[k, dense], dp, m, grid), cfg.slow_ranks)
+                        models[dense, lay], feats[k, dense], dp, plans[k].num_microbatches,
+                        grid), cfg.slow_ranks)
             cs = [costs[k, dense, lay] for k in cands]
             anchor = dst_anchor_of(variant)
             if anchor is None and len(cs) == 1:

@@ -36,7 +36,7 @@ def test_layout_tool_on_a_profiled_table(tmp_path, tiny_latency_table_pp2):
     assert said[0] == f"reading the document lengths of {hist}" and said[-1] == "done", lines
     for part in ("searching the static layouts, vp=1", "searching the sab layouts, vp=2"):
         assert part in said, (part, lines)
-    for part in (r"simulating \d+ layouts x 2 static packings",
+    for part in (r"simulating \d+ layouts x 3 static packings",
                  r"simulating \d+ layouts with SparseBalance \(SAB \+ DST\)"):
         assert any(re.fullmatch(part, s) for s in said), (part, lines)
     assert any(s.startswith("searched the dense layouts, vp=1: ") for s in said), lines

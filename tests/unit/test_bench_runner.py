@@ -97,3 +97,26 @@ def test_runner_lists_and_runs_a_study_through_its_parser():
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "mask_memory", "--help"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0 and "python scripts/bench.py mask_memory" in proc.stdout
+
+
+def test_dense_sab_run_pairs_the_same_steps_and_reports_every_seeds_sign():
+    """The real-run study's arithmetic (no run here: the runs are minutes of torchrun): step k of
+    one packing is divided by step k of SAB's on the same tokens, per seed and over all steps;
+    runs that trained on different tokens are refused."""
+    from studies.dense_sab_run import paired, summarize
+
+    def run(times, tokens=(10, 11, 12), stood=0):
+        return {"step_times_s": list(times), "tokens": list(tokens),
+                "sab_stood_down_steps": stood}
+
+    per_seed = {1: {"sequential": run([2.0, 2.0, 2.0]), "token_balanced": run([1.5, 1.5, 1.5]),
+                    "sab": run([1.0, 2.0, 1.0], stood=1)},
+                2: {"sequential": run([1.0, 1.0, 1.0]), "token_balanced": run([1.0, 1.0, 1.0]),
+                    "sab": run([2.0, 2.0, 1.0])}}
+    s = summarize(per_seed)
+    assert s["seeds"][1]["sequential_over_sab_paired"] == [2.0, 1.0, 2.0]
+    assert s["seeds"][1]["steps_sab_faster"] == 2 and s["seeds"][1]["sab_stood_down_steps"] == 1
+    assert s["seed_signs"] == {1: "+", 2: "-"}
+    assert s["sequential_over_sab_median"] == pytest.approx(1.0)   # median of 6 paired steps
+    with pytest.raises(SystemExit, match="did not train on the same steps' tokens"):
+        paired({"a": run([1.0] * 3), "b": run([1.0] * 3, tokens=(10, 11, 13))}, "a", "b")

@@ -1,0 +1,149 @@
+"""Megatron's own packer, ``DpBalancedScheduler``, as a ``BatchPlan``: the baseline SAB is proven
+against where the project compares packings.
+
+The rule, as megatron-core implements it (``megatron/core/datasets/data_schedule.py``, Megatron-LM
+main and dev, 2026-08; ``--sequence-packing-scheduler dp_balanced`` on dev):
+
+- every DP rank loads its share of the global batch, the sequence lengths are gathered, and each
+  sequence gets a global id ordered by DP rank, then by its index on that rank
+  (``data_schedule_utils.get_batch_and_global_seqlens``);
+- ``get_groups_and_subsamples`` walks the sequences in that order and closes a group when the next
+  one would take it past ``max_seqlen_per_dp_cp_rank x cp`` tokens (dev: or past
+  ``max_num_seqs`` sequences, ``--thd-max-packed-sequences``);
+- while the number of groups is not a multiple of ``dp`` (x ``microbatch_group_size_per_vp_stage``
+  with VPP), the last sequence of the last group holding more than one is moved into a group of
+  its own, appended at the end;
+- where every group left holds one sequence and the count is still short, Megatron stops (an
+  assertion: the step cannot run; main stops before taking from group 0, dev after, as here); with ``empty_groups`` the rule appends empty groups there
+  instead, so a study can still time the step (``BatchPlan.fallback`` says so);
+- group ``g`` is DP rank ``g % dp``'s micro-batch ``g // dp``: the number of micro-batches is
+  ``groups / dp``, so it **varies from step to step**;
+- a micro-batch is its sequences packed back to back (THD), no padding up to the capacity unless
+  ``--pad-packed-seq-alignment`` asks for it.
+
+``dp_balanced_groups`` is that rule on a list of lengths, with the same output as
+``get_groups_and_subsamples`` (a test compares the two where megatron-core ships the class).
+``dp_balanced_plan`` runs it on one global batch of the project's sampler: in Megatron's own
+order (``order="megatron"``: the varlen data set's one sequence per sample, dealt to DP ranks by
+``MegatronPretrainingSampler``, sample k to rank ``(k // micro_batch_size) % dp``, then gathered
+rank by rank) or in the sampler's order (``order="sampler"``, where its groups are exactly the
+``sequential`` plan's bins). The plan's micro-batches hold their documents only
+(``length_multiple`` 1: no fill up to ``max_tokens``), as Megatron packs them by default.
+
+Pure Python + numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .packing import CostFn, _costs, _finish, _prepare
+from .plan import BatchingError, BatchPlan, split_long
+
+ORDERS = ("megatron", "sampler")
+
+
+def _check_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {low}")
+    return int(value)
+
+
+def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int, dp: int,
+                       cp: int = 1, microbatch_group_size_per_vp_stage: Optional[int] = None,
+                       max_num_seqs: Optional[int] = None, empty_groups: bool = False) -> list:
+    """``[micro-batch][dp * cp rank]`` lists of indices into ``seqlens``: Megatron's
+    ``DpBalancedScheduler.get_groups_and_subsamples`` on sequences of these lengths, in this
+    order (the module docstring). Where Megatron's rule has no answer (it runs out of groups
+    holding more than one sequence): BatchingError, or with ``empty_groups`` empty groups up to
+    the multiple."""
+    cap = _check_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank) * \
+        _check_int("cp", cp)
+    dp = _check_int("dp", dp)
+    if max_num_seqs is not None:
+        max_num_seqs = _check_int("max_num_seqs", max_num_seqs)
+    multiple = dp * (_check_int("microbatch_group_size_per_vp_stage",
+                                microbatch_group_size_per_vp_stage)
+                     if microbatch_group_size_per_vp_stage is not None else 1)
+    lengths = [int(n) for n in seqlens]
+    if not lengths:
+        raise BatchingError("empty global batch: no sequences for Megatron's dp_balanced rule")
+    if min(lengths) < 0:
+        raise ValueError(f"sequence length {min(lengths)}: expected lengths >= 0")
+    groups, cur, total = [], [], 0
+    for i, n in enumerate(lengths):
+        if total + n <= cap and (max_num_seqs is None or len(cur) < max_num_seqs):
+            cur.append(i)
+            total += n
+        else:                      # Megatron closes the group even when it is empty
+            groups.append(cur)
+            cur, total = [i], n
+    if cur:
+        groups.append(cur)
+    short = (-len(groups)) % multiple
+    g = len(groups) - 1
+    while short:
+        if g < 0 and empty_groups:
+            groups += [[] for _ in range(short)]
+            break
+        if g < 0:
+            raise BatchingError(
+                f"{len(lengths)} sequences cannot make a multiple of {multiple} groups (dp "
+                f"{dp}): Megatron's dp_balanced rule moves single sequences into groups of "
+                f"their own and runs out; use a larger global batch or fewer DP ranks")
+        if len(groups[g]) > 1:
+            groups.append([groups[g].pop()])
+            short -= 1
+        else:
+            g -= 1
+    m = len(groups) // dp
+    return [[groups[i * dp + j // cp] for j in range(cp * dp)] for i in range(m)]
+
+
+def megatron_order(n: int, dp: int, micro_batch_size: int = 1) -> np.ndarray:
+    """[n] positions of the global batch's samples in Megatron's gathered order: sample k goes to
+    DP rank ``(k // micro_batch_size) % dp`` (``MegatronPretrainingSampler``), each rank keeps its
+    samples in order, and the ranks are concatenated in rank order."""
+    dp, mbs = _check_int("dp", dp), _check_int("micro_batch_size", micro_batch_size)
+    k = np.arange(_check_int("n", n, 0))
+    return np.lexsort((k, (k // mbs) % dp))
+
+
+def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
+                     long_sample_policy: str = "split", order: str = "megatron",
+                     micro_batch_size: int = 1,
+                     max_seqlen_per_dp_cp_rank: Optional[int] = None,
+                     cost_fn: Optional[CostFn] = None, empty_groups: bool = False) -> BatchPlan:
+    """Megatron's dp_balanced packing of one global batch (module docstring).
+
+    samples: (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
+    num_microbatches: the micro-batches the other packings get (checks the batch fits them; the
+    plan's own count is Megatron's, ``plan.num_microbatches``); max_seqlen_per_dp_cp_rank:
+    Megatron's flag (default ``max_tokens``, what Megatron-LM sets from ``--seq-length``);
+    empty_groups: as in ``dp_balanced_groups`` (the plan's ``fallback`` is then True where they
+    were needed: a step Megatron itself would stop on).
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
+    cap = max_tokens if max_seqlen_per_dp_cp_rank is None else _check_int(
+        "max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)
+    if cap > max_tokens:
+        raise ValueError(f"max_seqlen_per_dp_cp_rank={cap}: expected at most max_tokens "
+                         f"{max_tokens} (a micro-batch's positions)")
+    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
+                                    long_sample_policy)
+    if int(sizes.max()) > cap:               # Megatron's cap below the micro-batch's positions
+        segs, more = split_long(segs, cap, long_sample_policy)
+        sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)
+        n_split += more
+    idx = megatron_order(len(segs), dp, micro_batch_size) if order == "megatron" \
+        else np.arange(len(segs))
+    groups = dp_balanced_groups(sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=cap, dp=dp,
+                                empty_groups=empty_groups)
+    stops = any(not g for mb in groups for g in mb)
+    per_rank = [[idx[groups[i][r]].tolist() for i in range(len(groups))] for r in range(dp)]
+    plan = _finish(per_rank, "dp_balanced", max_tokens, n_split, stops, segs,
+                   _costs(sizes, cost_fn), indices=True)
+    return plan.with_length_multiple(1)

@@ -1,0 +1,103 @@
+"""Dense attention's packings against each other (issue 41): SAB packing (``--sb-batching`` alone)
+against Megatron's own packer (``dp_balanced``), its sequential fill and token-balanced packing,
+each on its own best layout, over the rows of a simulator study (``scripts/bench_sim_study.py``).
+
+Targets (the issue's; every row reported, met or not): SAB >= ``TARGET_VS_DP_BALANCED`` x
+dp_balanced as the median over the rows, never below it on any row, and never below the faster
+of sequential and token-balanced packing. Dense runs do not depend on d0, so a study's rows at
+several d0 give one dense row per (mix, DP size, CP size).
+
+Pure Python; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ..batching import dp_balanced_plan
+from ..data import GlobalBatchSampler
+
+TARGET_VS_DP_BALANCED = 1.15
+DENSE_ROWS = {"sequential": "dense_sequential", "token_balanced": "dense_token_balanced",
+              "dp_balanced": "dense_dp_balanced", "sab": "dense_sab"}
+"""Packing -> the study row of dense attention with it, each on its own best layout."""
+
+
+def _stats(values, target: float) -> dict:
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return {"rows": 0}
+    return {"rows": int(v.size), "worst": float(v.min()), "median": float(np.median(v)),
+            "best": float(v.max()), "met": int(np.sum(v >= target - 1e-12)), "target": target}
+
+
+def dp_balanced_stops(lengths, cfg, dp: int) -> int:
+    """How many of a study's global batches (``study.run_study``'s, for ``cfg`` and ``dp``)
+    Megatron's own dp_balanced rule stops on: it runs out of groups holding more than one
+    sequence before their count is a multiple of dp (an assertion in megatron-core; the study
+    gives it empty micro-batches there)."""
+    sampler = GlobalBatchSampler(lengths, capacity=cfg.seq_length, dp=dp,
+                                 num_microbatches=cfg.microbatches, seed=cfg.seed,
+                                 long_sample_policy="split")
+    return sum(dp_balanced_plan(sampler.next_global_batch(), dp=dp,
+                                num_microbatches=cfg.microbatches, max_tokens=cfg.seq_length,
+                                empty_groups=True).fallback for _ in range(cfg.steps))
+
+
+def packer_summary(results: dict) -> dict:
+    """Per (mix, DP, CP) row of ``results`` ({key: study_one's result}) the dense step times of
+    every packing, their layouts and dp_balanced's micro-batches per rank, SAB's ratios to
+    dp_balanced and to the faster of sequential and token-balanced; and the targets' stats."""
+    rows, seen = [], set()
+    for key, r in results.items():
+        got = {p: r["rows"][name] for p, name in DENSE_ROWS.items() if name in r["rows"]}
+        if len(got) < len(DENSE_ROWS):
+            continue
+        dense_key = re.sub(r"/d0=[^/]+", "", key)       # the dense runs ignore d0
+        if dense_key in seen:
+            continue
+        seen.add(dense_key)
+        t = {p: row["step_time_s"] for p, row in got.items()}
+        rows.append({"key": dense_key, "step_time_s": t,
+                     "layouts": {p: r["layouts"].get(DENSE_ROWS[p]) for p in DENSE_ROWS},
+                     "dp_balanced_microbatches_per_rank":
+                         got["dp_balanced"].get("microbatches_per_rank"),
+                     "dp_balanced_megatron_stops": r.get("dp_balanced_megatron_stops"),
+                     "sab_stood_down": got["sab"].get("sab_stood_down"),
+                     "sab_vs_dp_balanced": t["dp_balanced"] / t["sab"],
+                     "sab_vs_best_seq_tb": min(t["sequential"], t["token_balanced"]) / t["sab"],
+                     "best_dense": min(t, key=t.get)})
+    return {"rows": rows,
+            "sab_vs_dp_balanced": _stats([x["sab_vs_dp_balanced"] for x in rows], 1.0),
+            "sab_vs_best_seq_tb": _stats([x["sab_vs_best_seq_tb"] for x in rows], 1.0),
+            "median_target": TARGET_VS_DP_BALANCED}
+
+
+def format_packers(summary: dict) -> str:
+    """Text table: every row's dense step time per packing (``stops``: global batches Megatron's
+    own dp_balanced stops on, given empty micro-batches here), then the targets."""
+    lines = ["\ndense attention by packing, each on its own best layout (step s; SAB = "
+             "--sb-batching alone)",
+             f"{'row':<30} {'sequential':>10} {'token_bal':>10} {'dp_balanced':>11} "
+             f"{'(mb/rank)':>9} {'stops':>5} {'sab':>8} {'sab/dp_bal':>10} {'sab/seq|tb':>10} "
+             f"{'sab_sd':>6}"]
+    for r in summary["rows"]:
+        t = r["step_time_s"]
+        sd, stops = r["sab_stood_down"], r.get("dp_balanced_megatron_stops")
+        lines.append(f"{r['key']:<30} {t['sequential']:>10.3f} {t['token_balanced']:>10.3f} "
+                     f"{t['dp_balanced']:>11.3f} {r['dp_balanced_microbatches_per_rank']:>9.2f} "
+                     f"{'-' if not stops else f'{stops[0]}/{stops[1]}':>5} "
+                     f"{t['sab']:>8.3f} {r['sab_vs_dp_balanced']:>10.3f} "
+                     f"{r['sab_vs_best_seq_tb']:>10.3f} "
+                     f"{'-' if sd is None else f'{sd:.2f}':>6}")
+    a, b = summary["sab_vs_dp_balanced"], summary["sab_vs_best_seq_tb"]
+    if a["rows"]:
+        lines.append(f"SAB vs dp_balanced: median {a['median']:.3f}x (target >= "
+                     f"{summary['median_target']:.2f}x: "
+                     f"{'met' if a['median'] >= summary['median_target'] - 1e-12 else 'MISSED'})"
+                     f", worst {a['worst']:.3f}x, {a['met']} of {a['rows']} rows >= 1.00x; vs the "
+                     f"faster of sequential / token-balanced: worst {b['worst']:.3f}x, median "
+                     f"{b['median']:.3f}x, {b['met']} of {b['rows']} rows >= 1.00x")
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""Megatron's dp_balanced packer and every dense packing in the simulated study (issue 41): the
+runs, the stand-down a dense SAB run makes, and the packer table over a study's rows. Small
+analytic model, deterministic, seconds."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.experiments import StudyConfig, run_study
+from sparsebalance_megatron.experiments.layout_search import LayoutChoice, stand_down_config
+from sparsebalance_megatron.experiments.packers import format_packers, packer_summary
+from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
+
+CFG = StudyConfig(microbatches=4, seq_length=8192, steps=2)
+LAYOUT = PipelineLayout.from_counts(8, 4, first=3, last=1)
+DENSE = ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return LatencyModel.analytic(ModelShape(num_layers=8, seq_length=8192), pp=4)
+
+
+@pytest.fixture(scope="module")
+def lengths():
+    rng = np.random.default_rng(3)
+    return np.concatenate([rng.integers(64, 1024, 300), rng.integers(4000, 8192, 40)])
+
+
+def test_every_dense_packing_and_dp_balanced_run_on_the_same_batches(lm, lengths):
+    runs = {v: (v, LAYOUT) for v in (*DENSE, "dp_balanced", "static")}
+    rows = run_study(4, replace(CFG, dense_stand_down="token_balanced"), lm, lengths, runs,
+                     baseline="static")
+    for v in DENSE:       # every document routed dense: no sparse path at all
+        assert rows[v]["mean_density"] == 1.0 and np.isnan(rows[v]["sparse_density"])
+    assert rows["dp_balanced"]["mean_density"] == CFG.density
+    # Megatron's order needs more micro-batches than the sampler's fill of dp x m
+    assert rows["dense_dp_balanced"]["microbatches_per_rank"] > CFG.microbatches
+    assert rows["dense"]["microbatches_per_rank"] == CFG.microbatches
+    # SAB stands down to token-balanced where it is predicted no faster: never slower than it
+    assert rows["dense_sab"]["step_time_s"] <= \
+        rows["dense_token_balanced"]["step_time_s"] * (1 + 1e-9)
+    assert rows["dense_sab"]["sab_stood_down_steps"][1] == CFG.steps
+    with pytest.raises(ValueError, match="dense_stand_down='dp_balanced'"):
+        run_study(4, replace(CFG, dense_stand_down="dp_balanced"), lm, lengths, runs)
+
+
+def test_dp_balanced_pays_no_fill_unless_every_run_varies(lm, lengths):
+    """Megatron packs a micro-batch's documents back to back: with fixed-length micro-batches
+    only the other packings pay the fill; with a multiple every packing rounds alike."""
+    runs = {"dp": ("dp_balanced", LAYOUT), "seq": ("static", LAYOUT)}
+    fixed = run_study(4, CFG, lm, lengths, runs)
+    var = run_study(4, replace(CFG, microbatch_multiple=1), lm, lengths, runs)
+    assert var["dp"]["step_time_s"] == pytest.approx(fixed["dp"]["step_time_s"])
+    assert var["seq"]["step_time_s"] < fixed["seq"]["step_time_s"]
+
+
+def test_the_stand_down_never_names_a_packing_the_runtime_cannot_pack():
+    def choice(variant, t):
+        return LayoutChoice(LAYOUT, variant, t, {})
+
+    static = [choice("dp_balanced", 1.0), choice("token_balanced", 1.1), choice("static", 1.2)]
+    dense = [choice("dense_dp_balanced", 2.0), choice("dense", 2.1),
+             choice("dense_token_balanced", 2.2)]
+    cfg = stand_down_config(CFG, static[0], static, dense)
+    assert (cfg.stand_down, cfg.dense_stand_down) == ("token_balanced", "sequential")
+    assert stand_down_config(replace(CFG, stand_down="off"), static[0], static, dense) == \
+        replace(CFG, stand_down="off")
+
+
+def test_the_packer_table_has_one_dense_row_per_mix_and_dp():
+    def row(t, **kw):
+        return {"step_time_s": t, **kw}
+
+    rows = {"dense_sequential": row(1.2), "dense_token_balanced": row(1.1),
+            "dense_dp_balanced": row(1.15, microbatches_per_rank=9.0),
+            "dense_sab": row(1.0, sab_stood_down=0.0)}
+    res = {f"file/d0={d}/dp=8": {"rows": rows, "layouts": {}} for d in (0.5, 0.25)}
+    s = packer_summary(res)
+    assert [r["key"] for r in s["rows"]] == ["file/dp=8"]
+    r = s["rows"][0]
+    assert r["sab_vs_dp_balanced"] == pytest.approx(1.15)
+    assert r["sab_vs_best_seq_tb"] == pytest.approx(1.1) and r["best_dense"] == "sab"
+    assert s["sab_vs_dp_balanced"]["median"] == pytest.approx(1.15)
+    assert "target >= 1.15x: met" in format_packers(s)
