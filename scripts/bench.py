@@ -24,6 +24,8 @@ STUDIES = {
                   "BENCHMARKS.md headline, robustness, do no harm, CP"),
     "planner_cost": ("planning overhead (thread CPU) of SAB + DST at 64 DP x 16 x PP 4",
                      "BENCHMARKS.md headline"),
+    "plugin_cost": ("the plugin's own per-step cost as the simulator charges it; today's control "
+                    "plane per world size", "BENCHMARKS.md headline (net figures)"),
     "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",
                   "BENCHMARKS.md context parallelism"),
     "attention": ("sparse attention kernels on CPU: time, recall, training loss",

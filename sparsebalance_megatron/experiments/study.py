@@ -32,6 +32,14 @@ baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster; the
 fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; the tables'
 ``dst_sd`` / ``sab_sd`` columns).
 
+Net of the plugin's own cost (issue 44, ``StudyConfig.plugin_cost``: ``plugin_cost.PluginCost``):
+every run of SparseBalance's pays its critical-path cost per step at the flags the row names
+(planning in-line or ``--sb-plan-ahead``, the control plane at the run's world size,
+calibration); the baselines pay nothing. Rows then carry ``step_time_net_s``,
+``speedup_vs_static_net``, ``plugin_cost_ms`` (mean per step, by part), the flags and the cost
+source, and do no harm compares net times (``policy.stand_down.NetGate``: ``net_stood_down``,
+the fraction of steps that stood down without planning). Without a cost model: gross only.
+
 Per run: step time (mean over steps), speedup vs the baseline run (sum of its step times / sum of
 this run's), imbalance (max / mean of per-rank makespans, mean over steps), bubble fraction, mean
 density weighted by layers x dense attention work, the same per (virtual) stage and its minimum,
@@ -55,10 +63,11 @@ from ..batching import (SensitivityTracker, latency_sample_cost_fn, sab_plan, se
                         token_balanced_plan, unit_sensitivity)
 from ..config import SparseBalanceConfig
 from ..data import GlobalBatchSampler
+from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
 from ..policy.dst import plan_dst_from_config
 from ..policy.quality import StageQuality, load_quality_cost
-from ..policy.stand_down import StandDownCounts, choose_step
+from ..policy.stand_down import NetGate, StandDownCounts, choose_step
 from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
 from .heterogeneous import rank_scale, scale_costs
 
@@ -113,6 +122,11 @@ class StudyConfig:
     device_memory_gib: Optional[float] = None
     """The layout search's device-memory limit (``latency.memory``'s estimate of the fullest
     rank, GiB); None: no limit."""
+    plan_ahead: Optional[bool] = None
+    """--sb-plan-ahead of the runs (None: the runtime's default); prices their planning."""
+    plugin_cost: object = None
+    """``plugin_cost.PluginCost``: every SparseBalance run pays its own per-step cost (module
+    docstring); None: gross step times only."""
 
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:
@@ -121,7 +135,7 @@ class StudyConfig:
                   max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
                   raise_to=raise_to)
         for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective",
-                  "dst_descent", "stand_down"):
+                  "dst_descent", "stand_down", "plan_ahead"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)
@@ -189,11 +203,16 @@ class VariantAccumulator:
         self.stage_dw = self.stage_w = None
         self.plan_ms, self.loss = [], []
         self.stood = StandDownCounts()
+        self.charge, self.gate, self.cost_s, self.parts_ms = None, None, 0.0, {}
 
     def add(self, costs: UnitCosts, densities: np.ndarray, p2p_s: float, plan_ms=None,
-            quality=None, choice=None):
+            quality=None, choice=None, cost_s: float = 0.0, parts_ms=None):
         """One step; ``quality``: a ``StageQuality`` of the run's layout (predicted loss);
-        ``choice``: the step's ``policy.stand_down.StepChoice`` (None: no choice made)."""
+        ``choice``: the step's ``policy.stand_down.StepChoice`` (None: no choice made);
+        ``cost_s``: the plugin's own cost of the step (``parts_ms``: by part)."""
+        self.cost_s += cost_s
+        for k, v in (parts_ms or {}).items():
+            self.parts_ms[k] = self.parts_ms.get(k, 0.0) + v
         if choice is not None:
             self.stood.add(choice.dst_stood_down, choice.sab_stood_down)
         idx = np.searchsorted(costs.densities, densities - 1e-12)
@@ -219,10 +238,12 @@ class VariantAccumulator:
         if quality is not None:
             self.loss.append(quality.plan_cost(densities))
 
-    def row(self, baseline_step_s: Optional[float]) -> dict:
+    def row(self, baseline_step_s: Optional[float], baseline_net_s: Optional[float] = None
+            ) -> dict:
         stage = np.where(self.stage_w > 0, self.stage_dw / np.maximum(self.stage_w, 1e-300),
                          np.nan)
-        out = {"step_time_s": self.step_s / max(len(self.imb), 1),
+        n = max(len(self.imb), 1)
+        out = {"step_time_s": self.step_s / n,
                "speedup_vs_static": (baseline_step_s / self.step_s
                                      if self.step_s and baseline_step_s else float("nan")),
                "imbalance": float(np.mean(self.imb)),
@@ -236,11 +257,20 @@ class VariantAccumulator:
         if self.plan_ms:
             out["plan_ms_median"] = float(np.median(self.plan_ms))
         st = self.stood
-        for part, n, k in (("dst", st.dst_stood_down, st.dst_steps),
+        for part, j, k in (("dst", st.dst_stood_down, st.dst_steps),
                            ("sab", st.sab_stood_down, st.sab_steps)):
             if k:      # fraction of the steps where the part stood down (do no harm)
-                out[f"{part}_stood_down"] = n / k
-                out[f"{part}_stood_down_steps"] = [n, k]
+                out[f"{part}_stood_down"] = j / k
+                out[f"{part}_stood_down_steps"] = [j, k]
+        if baseline_net_s is not None:      # net of the plugin's own cost (issue 44)
+            net = self.step_s + self.cost_s
+            out.update(step_time_net_s=net / n, plugin_cost_ms=1e3 * self.cost_s / n,
+                       speedup_vs_static_net=baseline_net_s / net if net else float("nan"),
+                       plugin_cost_parts_ms={k: v / n for k, v in self.parts_ms.items()})
+            if self.charge is not None:
+                out.update(plugin_flags=self.charge.flags, plugin_cost_source=self.charge.source)
+            if self.gate is not None:
+                out["net_stood_down"] = self.gate.stood_down / max(self.gate.steps, 1)
         return out
 
 
@@ -278,6 +308,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                 "sab_dense": latency_sample_cost_fn(lm_dense, 1.0)}   # every document dense
     tracker = SensitivityTracker()
     acc = {name: VariantAccumulator() for name in runs}
+    if cfg.plugin_cost is not None:      # each SparseBalance run's own cost per step (issue 44)
+        _charge_runs(cfg, acc, runs, models, dp, lm)
     policies = {}
     needed = {_plan_key(v) for v, _ in runs.values()}
     needed_feats = {(_plan_key(v), is_dense(v)) for v, _ in runs.values()}
@@ -318,9 +350,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                         models[dense, lay], feats[k, dense], dp, m, grid), cfg.slow_ranks)
             cs = [costs[k, dense, lay] for k in cands]
             anchor = dst_anchor_of(variant)
-            if anchor is None and len(cs) == 1:
+            if anchor is None and len(cs) == 1:      # a baseline, or SAB with no stand-down
+                ch = acc[name].charge
                 acc[name].add(cs[0], np.full(cs[0].shape, 1.0 if dense else d0), lm.p2p_s,
-                              quality=quality[lay])
+                              quality=quality[lay], cost_s=ch.plan_s if ch else 0.0,
+                              parts_ms=ch.parts_ms if ch else None)
                 continue
             plan_fn = None
             if anchor is not None:
@@ -336,13 +370,51 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                                                                       c.pipeline_ranks)
                                                 if cfg.slow_ranks else None)
                     return plan.densities, plan
+            a = acc[name]
+            if a.gate is not None and not a.gate.plans():   # do no harm, net: no planning
+                a.gate.skip()
+                a.add(cs[-1], np.full(cs[-1].shape, 1.0 if dense else d0), lm.p2p_s,
+                      quality=quality[lay], cost_s=a.charge.standby_s,
+                      parts_ms={k: v for k, v in a.charge.parts_ms.items()
+                                if k in ("gather", "calibration")})
+                continue
             t = time.perf_counter()
             choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None)
-            acc[name].add(cs[choice.index], choice.outcome.densities, lm.p2p_s,
-                          (time.perf_counter() - t) * 1e3 if anchor is not None else None,
-                          quality=quality[lay], choice=choice)
-    base = acc[baseline].step_s
-    return {name: a.row(base) for name, a in acc.items()}
+            charged = a.charge.plan_s if a.charge is not None else 0.0
+            if a.gate is not None:
+                a.gate.planned(choice, charged)
+            a.add(cs[choice.index], choice.outcome.densities, lm.p2p_s,
+                  (time.perf_counter() - t) * 1e3 if anchor is not None else None,
+                  quality=quality[lay], choice=choice, cost_s=charged,
+                  parts_ms=a.charge.parts_ms if a.charge is not None else None)
+    base = acc[baseline]
+    base_net = base.step_s + base.cost_s if cfg.plugin_cost is not None else None
+    labels = kernel_labels(lm.table)      # which kernel prices each row (issue 40)
+    out = {}
+    for name, a in acc.items():
+        out[name] = a.row(base.step_s, base_net)
+        short, long = labels["dense" if is_dense(runs[name][0]) else "sparse"]
+        out[name].update(attention_kernel=short, attention_priced_by=long)
+    return out
+
+
+def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int, lm) -> None:
+    """Each SparseBalance run's per-step cost (``cfg.plugin_cost.charge`` at the run's shape and
+    the policy's flags) and, with the do-no-harm rule on, its ``NetGate``."""
+    from .plugin_cost import Shape
+
+    pol = cfg.policy()
+    stand_down = pol.stand_down != "off"
+    for name, (variant, lay) in runs.items():
+        model = models[is_dense(variant), lay]
+        shape = Shape(dp, cfg.microbatches, model.layout.pp, model.num_stages, cfg.seq_length,
+                      lm.cp)
+        a = acc[name]
+        a.charge = cfg.plugin_cost.charge(shape, sab=_plan_key(variant) in ("sab", "sab_dense"),
+                                          dst=dst_anchor_of(variant) is not None,
+                                          plan_ahead=pol.plan_ahead, stand_down=stand_down)
+        if a.charge is not None and stand_down:
+            a.gate = NetGate()
 
 
 def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:
@@ -354,13 +426,18 @@ def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:
 
 
 def format_table(title: str, results: dict) -> str:
-    """Text table of {dp: {run: row}}, preceded by a blank line and the title."""
+    """Text table of {dp: {run: row}}, preceded by a blank line and the title: the kernel that
+    prices each row's attention (issue 40; 'est.': an estimate), and with the plugin's cost
+    (issue 44) its ms per step, the net step time and the net speedups beside the gross."""
+    rows_all = [r for rows in results.values() for r in rows.values()]
+    vs_dense = any("speedup_vs_dense" in r for r in rows_all)
+    net = any("step_time_net_s" in r for r in rows_all)
     lines = [f"\n{title}",
-             f"{'ranks':>6} {'run':<26} {'step_s':>8} {'speedup':>8} {'imbal':>6} "
+             f"{'ranks':>6} {'run':<26} {'kernel':<11} {'step_s':>8} {'speedup':>8} {'imbal':>6} "
              f"{'bubble':>7} {'density':>8} {'min_st':>7} {'loss':>8} {'plan_ms':>8} "
-             f"{'dst_sd':>6} {'sab_sd':>6}"
-             + (f" {'vs_dense':>8}" if any("speedup_vs_dense" in r for rows in results.values()
-                                          for r in rows.values()) else "")]
+             f"{'dst_sd':>6} {'sab_sd':>6}" + (f" {'vs_dense':>8}" if vs_dense else "")
+             + (f" {'cost_ms':>8} {'net_s':>8} {'net_x':>7} {'net_sd':>6}"
+                + (f" {'net_vs_d':>8}" if vs_dense else "") if net else "")]
     for dp, rows in results.items():
         for v, r in rows.items():
             pm = f"{r['plan_ms_median']:.1f}" if "plan_ms_median" in r else "-"
@@ -368,9 +445,16 @@ def format_table(title: str, results: dict) -> str:
             vd = f" {r['speedup_vs_dense']:>8.3f}" if "speedup_vs_dense" in r else ""
             sd = " ".join(f"{r[k]:>6.2f}" if k in r else f"{'-':>6}"
                           for k in ("dst_stood_down", "sab_stood_down"))
-            lines.append(f"{dp:>6} {v:<26} {r['step_time_s']:>8.3f} "
+            nt = ""
+            if "step_time_net_s" in r:
+                nsd = f"{r['net_stood_down']:>6.2f}" if "net_stood_down" in r else f"{'-':>6}"
+                nt = (f" {r['plugin_cost_ms']:>8.1f} {r['step_time_net_s']:>8.3f} "
+                      f"{r['speedup_vs_static_net']:>7.3f} {nsd}"
+                      + (f" {r['speedup_vs_dense_net']:>8.3f}" if "speedup_vs_dense_net" in r
+                         else ""))
+            lines.append(f"{dp:>6} {v:<26} {r.get('attention_kernel', '-'):<11} "
+                         f"{r['step_time_s']:>8.3f} "
                          f"{r['speedup_vs_static']:>8.3f} {r['imbalance']:>6.3f} "
                          f"{r['bubble_fraction']:>7.3f} {r['mean_density']:>8.3f} "
-                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8} {sd}{vd}")
+                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8} {sd}{vd}{nt}")
     return "\n".join(lines)
-
