@@ -61,7 +61,7 @@ import numpy as np
 from .crossover import crossover_entries, crossover_lengths, crossover_tokens
 from .features import FEATURES, UnitFeatures
 from .shape import ModelShape
-from .sparse_call import SparseCallPrice, auto_price
+from .sparse_call import HBM_BYTES_PER_S, SparseCallPrice, auto_price
 from .table import EXECUTION, FORMAT, FORMAT_VERSION, stage_kinds_for
 from .work import attention_work
 
@@ -80,7 +80,7 @@ class DeviceProfile:
     dense_tile_s: float = 0.42516e-6    # cuDNN, per causal 128 x 128 tile at the reference heads
     dense_call_s: float = 0.3261e-3     # cuDNN, per call
     dense_reference_heads_dim: int = 8 * 128   # query heads x head dim of that measurement
-    hbm_bytes_per_s: float = 3.35e12
+    hbm_bytes_per_s: float = HBM_BYTES_PER_S
     launch_s_per_layer: float = 30e-6   # kernel launches and small ops, forward; backward 2x
     p2p_bytes_per_s: float = 300e9      # NVLink activation transfer between stages
     # Context parallelism (latency/context_parallel.py), assumed: NCCL all-to-all inside one

@@ -54,6 +54,8 @@ CALL_BWD_SHARE = 2 / 3
 REFERENCE_SHAPE = "8/2/128"
 """The head shape every H100 kernel figure of the project was measured at (query / KV heads,
 head dim), block 128."""
+HBM_BYTES_PER_S = 3.35e12
+"""H100 SXM HBM3 bandwidth (datasheet); ``analytic.DeviceProfile``'s default."""
 SINK_BLOCKS = 1
 """The sink setting of the priced rows (the studies' and the runtime's default)."""
 
@@ -216,22 +218,22 @@ def triton_estimate(device=None) -> SparseCallPrice:
     flex's measured seconds per tile (``FLEX_H100``, another Triton kernel on the same tensor
     cores) scaled by the FLOPs ``attention.work_model`` counts for each design (ours: 2 forward
     GEMMs and a one-pass backward of 5; flex's backward a separate dQ pass, 7), the backward no
-    faster than its dQ atomic bytes at HBM bandwidth (``DeviceProfile``). Per call: its
+    faster than its dQ atomic bytes at HBM bandwidth (``device.hbm_bytes_per_s``, default the
+    H100's ``HBM_BYTES_PER_S``). Per call: its
     launches (7 forward with the maxkey selection, 3 backward: ``sparse_triton_select``) at
     ``TRITON_LAUNCH_S`` each and no density-independent kernel work (flex's padded layout has
     some; ours lays out the unpadded tokens): optimistic where flex's fixed cost is high. The
     selection's work is priced by FLOPs (``selection_work``), as the analytic table prices it."""
     from ..attention import work_model
-    from .analytic import DeviceProfile
 
-    dev = device or DeviceProfile()
+    hbm = device.hbm_bytes_per_s if device is not None else HBM_BYTES_PER_S
     nq, hd, block = FLEX_H100.ref_q_heads, FLEX_H100.ref_head_dim, FLEX_H100.ref_block
     ours = work_model.attention_flops(1, nq, block, hd)
     flex = work_model.attention_flops(1, nq, block, hd, one_pass_backward=False)
     s_per_flop = FLEX_H100.tile_s / flex["total"]
     dq_bytes = work_model.dq_traffic(1, nq, block, hd)["atomic"]
     tile = ours["fwd"] * s_per_flop + max(ours["bwd"] * s_per_flop,
-                                          dq_bytes / dev.hbm_bytes_per_s)
+                                          dq_bytes / hbm)
     return SparseCallPrice(
         backend="triton", measured=False, call_s=TRITON_LAUNCHES * TRITON_LAUNCH_S,
         call_s_per_token=0.0, tile_s=tile, ref_q_heads=nq, ref_head_dim=hd, ref_block=block,

@@ -106,10 +106,12 @@ def test_the_analytic_table_charges_the_price_per_layer_call_and_names_it():
     est = LatencyModel.analytic(shape, pp=4, sparse_price=triton_estimate())
     assert kernel_labels(est.table)["sparse"][0] == "triton est."
     assert "ESTIMATE" in table_sparse_kernel(est.table)
-    # a measured flex call is costlier per call, cheaper per tile than the estimate's
-    one = [32768]
-    assert lm.predict(one, 1.0, 1) - lm.predict(one, 0.125, 1) < \
-        est.predict(one, 1.0, 1) - est.predict(one, 0.125, 1)
+    # flex's measured call costs far more per call than the estimate's launches, and a
+    # micro-batch of short documents pays it: the estimate is the cheaper kernel there
+    calls = [t.table["call_coefficients"]["middle"]["fwd"]["sparse_calls"] for t in (lm, est)]
+    assert calls[0] > 20 * calls[1]
+    short = [2048] * 16
+    assert lm.predict(short, 0.5, 1) > est.predict(short, 0.5, 1)
 
 
 def test_a_device_latency_table_names_its_own_kernel():
@@ -131,4 +133,4 @@ def test_every_simulated_row_names_the_kernel_that_priced_it():
     assert rows["static"]["attention_priced_by"].startswith("flex (measured")
     assert rows["dense"]["attention_kernel"] == "cudnn"
     text = format_table("t", {2: rows})
-    assert "kernel" in text.splitlines()[1] and " flex " in text and " cudnn " in text
+    assert "kernel" in text.splitlines()[2] and " flex " in text and " cudnn " in text
