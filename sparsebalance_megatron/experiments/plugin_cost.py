@@ -21,10 +21,11 @@ newer measurement replaces an older one without a code change:
 - planning, calibration: ``PLANNER_COST[(dst_objective, dst_descent)]`` (``planner_cost``'s
   JSON, its ``steps.best``: the best static layout, the configuration the studies compare with);
   fields read: ``parts_ms`` (``sab_plan``, ``features + UnitCosts.from_latency``,
-  ``sensitivity + DST``, ``after the step: busy_s + unit_work``), ``plan_ahead.join_wait_ms``,
-  ``plan_ahead.after_step_ms``, the shape (``shape``/``layout`` text, or ``dp``,
-  ``microbatches``, ``pp``, ``virtual_stages``, ``seq_length``) and, if given, ``candidates``
-  (packings the measured draft planned; 1 when absent);
+  ``sensitivity + DST``, ``after the step: busy_s + unit_work``: one packing's draft, which the
+  charge counts once per candidate packing), ``plan_ahead.join_wait_ms``,
+  ``plan_ahead.handoff_ms`` (a planner process's pipe, 0 when absent),
+  ``plan_ahead.after_step_ms``, and the shape (``shape``/``layout`` text, or ``dp``,
+  ``microbatches``, ``pp``, ``virtual_stages``, ``seq_length``);
 - control plane: the first of ``CONTROL_PLANE`` that exists: ``rows`` of ``world_size``,
   ``microbatches``, ``gather_ms``, ``broadcast_ms`` (critical path per step).
 
@@ -118,7 +119,6 @@ class PlannerCost:
     parts_ms: dict
     join_wait_ms: float
     after_step_ahead_ms: float
-    candidates: int = 1
 
     @classmethod
     def load(cls, path: str, layout: str = "best") -> "PlannerCost":
@@ -145,10 +145,10 @@ class PlannerCost:
         return cls(source=_named(path),
             shape=Shape(dp, m, pp, stages, seq),
             parts_ms={k: float(step["parts_ms"][v]) for k, v in PARTS.items()},
-            join_wait_ms=float(ahead.get("join_wait_ms", 0.0)),
+            join_wait_ms=float(ahead.get("join_wait_ms", 0.0)) + float(ahead.get("handoff_ms",
+                                                                                 0.0)),
             after_step_ahead_ms=float(ahead.get("after_step_ms",
-                                                step["parts_ms"][PARTS["calibration"]])),
-            candidates=int(step.get("candidates", data.get("candidates", 1))))
+                                                step["parts_ms"][PARTS["calibration"]])))
 
 
 @dataclass
@@ -241,7 +241,7 @@ class PluginCost:
         (``dst``) under these flags; None for a run with neither (a baseline pays nothing)."""
         if not (sab or dst):
             return None
-        cand = (2 if sab and stand_down else 1) / self.planner.candidates
+        cand = 2 if sab and stand_down else 1         # the draft plans each candidate packing
         m = self.planner.shape
         units, tokens = shape.units / m.units, shape.tokens / m.tokens
         p = self.planner.parts_ms

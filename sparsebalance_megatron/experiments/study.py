@@ -123,7 +123,8 @@ class StudyConfig:
     """The layout search's device-memory limit (``latency.memory``'s estimate of the fullest
     rank, GiB); None: no limit."""
     plan_ahead: Optional[bool] = None
-    """--sb-plan-ahead of the runs (None: the runtime's default); prices their planning."""
+    """Whether the runs plan ahead (--sb-plan-ahead; None: the runtime's default); prices their
+    planning."""
     plugin_cost: object = None
     """``plugin_cost.PluginCost``: every SparseBalance run pays its own per-step cost (module
     docstring); None: gross step times only."""
@@ -135,7 +136,7 @@ class StudyConfig:
                   max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
                   raise_to=raise_to)
         for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective",
-                  "dst_descent", "stand_down", "plan_ahead"):
+                  "dst_descent", "stand_down"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)
@@ -405,6 +406,7 @@ def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int,
 
     pol = cfg.policy()
     stand_down = pol.stand_down != "off"
+    ahead = pol.plan_ahead if cfg.plan_ahead is None else cfg.plan_ahead
     for name, (variant, lay) in runs.items():
         model = models[is_dense(variant), lay]
         shape = Shape(dp, cfg.microbatches, model.layout.pp, model.num_stages, cfg.seq_length,
@@ -412,7 +414,7 @@ def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int,
         a = acc[name]
         a.charge = cfg.plugin_cost.charge(shape, sab=_plan_key(variant) in ("sab", "sab_dense"),
                                           dst=dst_anchor_of(variant) is not None,
-                                          plan_ahead=pol.plan_ahead, stand_down=stand_down)
+                                          plan_ahead=ahead, stand_down=stand_down)
         if a.charge is not None and stand_down:
             a.gate = NetGate()
 

@@ -165,3 +165,17 @@ def test_the_net_gate_plans_while_plans_pay_and_probes_when_they_do_not():
     assert (gate.stood_down, gate.steps) == (2, 4)
     with pytest.raises(ValueError, match="probe_every=0"):
         NetGate(probe_every=0)
+
+
+def test_a_measurement_with_explicit_fields_and_a_planner_process_reads_the_same(tmp_path):
+    """planner_cost's fields by name (dp, microbatches, pp, virtual_stages, seq_length), and a
+    planner process's pipe counted with the join wait."""
+    new = json.loads(json.dumps(PLANNER))
+    step = new["steps"]["best"]
+    step.update(dp=4, microbatches=2, pp=2, virtual_stages=4, seq_length=8192,
+                shape="another description", layout="[1+1]/[1+1]")
+    step["plan_ahead"]["handoff_ms"] = 0.25
+    (tmp_path / "p.json").write_text(json.dumps(new))
+    got = PlannerCost.load(str(tmp_path / "p.json"))
+    assert got.shape == Shape(4, 2, 2, 4, 8192)
+    assert got.join_wait_ms == pytest.approx(0.75)
