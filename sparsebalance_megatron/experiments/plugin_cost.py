@@ -40,8 +40,9 @@ Who pays: a run of SparseBalance's (SAB and / or DST: ``sab``, ``dst*``, ``sab_d
 ``dense_sab``) pays its parts every step it plans; the baselines (``dense``, ``static``,
 ``token_balanced``) pay nothing, as if the plugin's control plane were off: every ratio against
 them is then conservative. Do no harm on net (``policy.stand_down.NetGate``): a run stands down
-without planning (the baseline packing at d0, paying only the control plane and calibration)
-while its last planned step's predicted gain did not cover its own cost.
+without planning (the baseline packing at d0, run as the static baseline: nothing planned,
+gathered or broadcast, so nothing paid) while its last planned step's predicted gain did not
+cover its own cost, probing again after 8 steps, then 16, 32, ... (up to 256).
 
 Pure Python + numpy; must not import torch or megatron.
 """
@@ -193,11 +194,10 @@ class ControlPlaneCost:
 
 @dataclass
 class RunCharge:
-    """One run's cost per step: ``plan_s`` on a step that plans, ``standby_s`` on a step that
-    stood down without planning (``NetGate``); ``parts_ms`` of a planning step."""
+    """One run's cost per step that plans (``plan_s``, by part ``parts_ms``); a step that stood
+    down without planning (``NetGate``) runs as the static baseline and pays nothing."""
 
     plan_s: float
-    standby_s: float
     parts_ms: dict
     flags: str
     source: str
@@ -258,8 +258,7 @@ class PluginCost:
                  f"({shape.dp} DP x {shape.pp} PP{f' x {shape.cp} CP' if shape.cp > 1 else ''}"
                  f"{f' x {shape.tp} TP' if shape.tp > 1 else ''})"
                  + (f", {self.dst_flags}" if dst and self.dst_flags else ""))
-        return RunCharge(plan_s=sum(parts.values()) * 1e-3,
-                         standby_s=(gather + calib) * 1e-3, parts_ms=parts, flags=flags,
+        return RunCharge(plan_s=sum(parts.values()) * 1e-3, parts_ms=parts, flags=flags,
                          source=f"{self.planner.source} (planning, calibration; measured at "
                                 f"{m.dp} DP x {m.microbatches} x {m.virtual_stages} stages); "
                                 f"{self.control.source} (control plane)")

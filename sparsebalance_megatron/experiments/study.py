@@ -372,12 +372,10 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                                                 if cfg.slow_ranks else None)
                     return plan.densities, plan
             a = acc[name]
-            if a.gate is not None and not a.gate.plans():   # do no harm, net: no planning
+            if a.gate is not None and not a.gate.plans():   # do no harm, net: the baseline
                 a.gate.skip()
                 a.add(cs[-1], np.full(cs[-1].shape, 1.0 if dense else d0), lm.p2p_s,
-                      quality=quality[lay], cost_s=a.charge.standby_s,
-                      parts_ms={k: v for k, v in a.charge.parts_ms.items()
-                                if k in ("gather", "calibration")})
+                      quality=quality[lay])
                 continue
             t = time.perf_counter()
             choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None)

@@ -140,31 +140,42 @@ class NetGate:
     weigh it. This gate decides before a step is planned: the step plans unless the last planned
     step's net gain, its predicted gain over the baseline (``StepChoice.baseline_s`` minus the
     committed step) less its own cost, was below zero; then the step stands down without
-    planning (the baseline packing at d0, paying only what a run that does not plan still pays)
-    and every ``probe_every``-th step plans again to see whether planning pays. A run whose plans
-    pay their cost is never stood down: a healthy run is unaffected. The first step plans."""
+    planning and runs as the static baseline (the baseline packing at d0: nothing to plan,
+    gather or broadcast). A probe plans again after ``probe_every`` steps, and every probe that
+    does not pay doubles the wait (up to ``max_probe_every``), so what probing costs a run
+    where planning never pays shrinks towards nothing. A run whose plans pay their cost is
+    never stood down: a healthy run is unaffected. The first step plans (nothing is known yet)."""
 
     probe_every: int = 8
+    max_probe_every: int = 256
     net_gain_s: Optional[float] = None     # of the last planned step (None: none yet)
     skipped: int = 0                       # steps stood down since then
     stood_down: int = 0                    # steps stood down in all
     steps: int = 0
+    wait: int = 0                          # steps to stand down before the next probe
 
     def __post_init__(self):
-        if isinstance(self.probe_every, bool) or not isinstance(self.probe_every, int) \
-                or self.probe_every < 1:
-            raise ValueError(f"probe_every={self.probe_every!r}: expected an integer >= 1")
+        for name in ("probe_every", "max_probe_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: expected an integer >= 1")
+        self.wait = self.wait or self.probe_every
 
     def plans(self) -> bool:
         """Whether the next step plans (and pays for planning)."""
         return (self.net_gain_s is None or self.net_gain_s >= 0.0
-                or self.skipped + 1 >= self.probe_every)
+                or self.skipped + 1 >= self.wait)
 
     def planned(self, choice: StepChoice, cost_s: float) -> float:
         """Record a planned step (its choice and its own cost, seconds); its net gain."""
+        probe = self.net_gain_s is not None and self.net_gain_s < 0.0
         self.steps += 1
         self.skipped = 0
         self.net_gain_s = float(choice.baseline_s - choice.outcome.step_s - cost_s)
+        if self.net_gain_s >= 0.0:
+            self.wait = self.probe_every
+        elif probe:                                   # a probe that did not pay: back off
+            self.wait = min(2 * self.wait, self.max_probe_every)
         return self.net_gain_s
 
     def skip(self) -> None:
