@@ -91,7 +91,9 @@ def summarize(results: dict) -> dict:
             "rows": [{"key": k, "layout": h["layout"], "slow_ranks": h["slow_ranks"],
                       **{x: h[x] for x in ("dst_vs_static", "dst_vs_static_uniform",
                                            "sab_dst_vs_sab", "sab_dst_vs_sab_uniform",
-                                           "static_slowdown", "dst_slowdown")}}
+                                           "static_slowdown", "dst_slowdown",
+                                           "dst_vs_static_net", "dst_vs_static_uniform_net")
+                         if x in h}}
                      for k, h in het],
             "dst_vs_static": _stats([h["dst_vs_static"] for _, h in het], SLOW_RANK_TARGET),
             **({"dst_vs_static_net": _stats([h["dst_vs_static_net"] for _, h in het],
