@@ -273,10 +273,13 @@ def table_sparse_kernel(table: dict) -> str:
     att = table.get("attention") or {}
     backend = att.get("backend", "auto")
     choice = att.get("backend_choice") or {}
+    why = ""
     if backend == "auto":
         backend = choice.get("chosen") or (table.get("dense_crossover") or {}).get(
-            "sparse_kernel") or "flex (auto before any measurement)"
-    return f"{backend} (measured: {table.get('device', '?')} latency table)"
+            "sparse_kernel")
+        if backend is None:
+            backend, why = "flex", "auto before any measurement; "
+    return f"{backend} ({why}measured: {table.get('device', '?')} latency table)"
 
 
 def kernel_labels(table: dict) -> dict:

@@ -117,7 +117,7 @@ def test_the_analytic_table_charges_the_price_per_layer_call_and_names_it():
 def test_a_device_latency_table_names_its_own_kernel():
     table = json.load(open(DEVICE_TABLE))
     assert table["attention"]["backend"] == "auto" and "sparse_call" not in table
-    assert table_sparse_kernel(table).startswith("flex (auto before any measurement)")
+    assert table_sparse_kernel(table).startswith("flex (auto before any measurement; measured")
     table["attention"]["backend"] = "triton"
     assert kernel_labels(table)["sparse"][0] == "triton"
     assert "measured: NVIDIA H100" in table_sparse_kernel(table)
