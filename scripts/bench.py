@@ -26,6 +26,8 @@ STUDIES = {
                      "BENCHMARKS.md headline"),
     "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 4,096 ranks",
                       "BENCHMARKS.md control plane"),
+    "plugin_cost": ("the plugin's own per-step cost as the simulator charges it, by part and "
+                    "planner form", "BENCHMARKS.md headline (net figures)"),
     "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",
                   "BENCHMARKS.md context parallelism"),
     "attention": ("sparse attention kernels on CPU: time, recall, training loss",

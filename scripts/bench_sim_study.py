@@ -37,9 +37,24 @@ DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and t
 Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
 against uniform d0 that the shipped quality cost predicts for a run's plans (both objectives).
 
-Latency: the analytic Qwen2.5-0.5B / H100 table (published throughputs, the dense kernel and the
-sparse call's fixed cost measured; its micro-batch is --seq-length tokens), another model's shape
-(--model), or --table. ``--routing derived``: the analytic table routes documents below the
+Latency: the analytic Qwen2.5-0.5B / H100 table (published throughputs for the GEMMs; attention
+measured on an H100: dense cuDNN, and the sparse call of the kernel ``--sb-attention-backend auto``
+runs, ``latency/sparse_call.py``; its micro-batch is --seq-length tokens), another model's shape
+(--model), or --table (a device latency table: its own measured kernel prices everything).
+``--sparse-kernel``: which sparse kernel prices the analytic table (auto: flex, the only one
+timed on a GPU and auto's choice before any measurement; triton: the plugin's own kernel, an
+ESTIMATE from attention/work_model.py until a device times it); ``--kernel-table PATH``: a
+device kernel table (scripts/bench_attention_gpu.py) whose measurements replace the committed
+one and the estimate. Every row names the kernel that priced it (``attention_kernel``, the
+tables' ``kernel`` column; ``attention_priced_by`` in full).
+
+Net of the plugin's own cost (issue 44, default ``--plugin-cost on``): every SparseBalance row
+pays its per-step critical-path cost (``experiments/plugin_cost.py``: planning as ``--planner``
+says, default the runtime's ``--sb-planner process``, ahead of the step; ``inline`` on it; the
+control plane at the row's world size, calibration), from the
+measurements it names (``plugin_cost_source``; the JSON's ``plugin_cost``); rows carry gross and
+net step times and speedups side by side (``speedup_vs_static_net``, ``speedup_vs_dense_net``),
+and do no harm compares net times (``net_sd``: steps stood down without planning). ``--routing derived``: the analytic table routes documents below the
 dense/sparse crossover derived from its own costs at each d0 (as the runtime routes at a
 profiled table's crossover); default ``off``: every document of a sparse run goes sparse.
 Prints tables; ``--json PATH`` writes everything.
@@ -80,7 +95,7 @@ from dataclasses import replace
 import numpy as np
 
 from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, MAX_RAISE_HEADROOM,
-                                       ConfigError, SparseBalanceConfig)
+                                       PLANNERS, ConfigError, SparseBalanceConfig)
 from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
@@ -90,8 +105,9 @@ from sparsebalance_megatron.experiments.packers import (dp_balanced_stops, forma
 from sparsebalance_megatron.experiments.robustness import (format_summary, same_layout_slow_rank,
                                                            summarize)
 from sparsebalance_megatron.experiments.layout_search import stand_down_config
-from sparsebalance_megatron.experiments.study import packing_of
+from sparsebalance_megatron.experiments.study import is_dense, packing_of
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
+from sparsebalance_megatron.latency.sparse_call import kernel_rows, price_named
 
 MODELS = {
     "qwen2.5-0.5b": {},          # ModelShape's defaults
@@ -161,6 +177,19 @@ def parse_args(argv=None):
     p.add_argument("--table-force", action="store_true")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b",
                    help="the analytic table's model shape (without --table)")
+    p.add_argument("--sparse-kernel", choices=("auto", "flex", "triton"), default="auto",
+                   help="analytic table only: the sparse kernel that prices the sparse call "
+                        "(auto: what --sb-attention-backend auto runs, measured; triton: the "
+                        "plugin's own kernel, an estimate until a device measures it)")
+    p.add_argument("--kernel-table", default=None,
+                   help="analytic table only: a device kernel table (scripts/"
+                        "bench_attention_gpu.py JSON) whose rows price the sparse kernels")
+    p.add_argument("--plugin-cost", choices=("on", "off"), default="on",
+                   help="on: every SparseBalance row pays the plugin's own per-step cost "
+                        "(net figures beside the gross); off: gross only")
+    p.add_argument("--planner", choices=("default",) + PLANNERS, default="default",
+                   help="--sb-planner the rows assume (prices their planning; default: the "
+                        "runtime's default, process: planning ahead)")
     p.add_argument("--routing", choices=("off", "derived"), default="off",
                    help="analytic table only: 'derived' routes documents shorter than the "
                         "crossover derived from the table's costs at each d0 to the dense kernel "
@@ -201,6 +230,9 @@ def parse_args(argv=None):
     if args.routing != "off" and args.table:
         p.error(f"--routing {args.routing}: only with the analytic table (a --table routes at "
                 f"its own measured crossover)")
+    if args.table and (args.sparse_kernel != "auto" or args.kernel_table):
+        p.error("--sparse-kernel / --kernel-table: only with the analytic table (a --table is "
+                "priced by its own measured kernel)")
     if args.raise_headroom is not None:
         try:
             SparseBalanceConfig(raise_headroom=args.raise_headroom)
@@ -252,14 +284,22 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
             "sab_dst_max": ("sab_dst_max", plain),
             "sab_dst_acc": ("sab_dst_acc", best_acc.layout)}
     rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_static")
+    # net, the best dense run is the fastest dense packing after its own cost (dense_sab pays
+    # the plugin's; the others nothing), which can differ from the fastest gross
+    dense_runs = [k for k in runs if k != "best_dense" and is_dense(runs[k][0])]
+    net_of = {k: rows[k].get("step_time_net_s", rows[k]["step_time_s"]) for k in dense_runs}
+    best_dense_net = min(dense_runs, key=net_of.get)
     for r in rows.values():   # what users run today: dense attention on its own best layout
         r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
+        if "step_time_net_s" in r:
+            r["speedup_vs_dense_net"] = net_of[best_dense_net] / r["step_time_net_s"]
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
     extra = {} if not slow else {"slow_rank": {s.describe(): same_layout_slow_rank(
         lm, lengths, cfg, dp, best_static.layout, [s]) for s in slow}}
     lb = found["static_lower_bound_s"]
     return {"rows": rows, "layouts": layouts, **extra,
             "best_static_packing": best_static.variant, "best_dense_packing": best_dense.variant,
+            "best_dense_net": {"run": best_dense_net, "step_time_net_s": net_of[best_dense_net]},
             "stand_down": cfg.stand_down, "dense_stand_down": cfg.dense_stand_down,
             # steps Megatron's own dp_balanced stops on (the rows give it empty micro-batches)
             "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
@@ -306,10 +346,15 @@ def main(argv=None):
         source = f"table {args.table} ({lm0.table.get('device')})"
     else:
         shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
-        lm0 = LatencyModel.analytic(shape, pp=args.pp)
+        args.price = price_named(args.sparse_kernel, kernel_rows(args.kernel_table)
+                                 if args.kernel_table else None,
+                                 microbatch_tokens=args.seq_length, density=args.densities[0])
+        lm0 = LatencyModel.analytic(shape, pp=args.pp, sparse_price=args.price)
         source = (f"ANALYTIC {args.model} / {args.seq_length // 1024}K / H100 table (published "
-                  f"throughputs, not measured; dense attention and the sparse call's fixed cost "
-                  f"measured: cuDNN and flex on an H100)")
+                  f"throughputs for the GEMMs, not measured; dense attention measured: cuDNN on "
+                  f"an H100)")
+    from sparsebalance_megatron.latency.sparse_call import table_sparse_kernel
+    source += f"; sparse call priced by {table_sparse_kernel(lm0.table)}"
     if args.routing == "derived":
         source += "; routing at the crossover derived at each d0"
     models = {cp: lm0.with_context_parallel(cp) for cp in args.context_parallel}
@@ -323,6 +368,15 @@ def main(argv=None):
         args.dst_objective = SparseBalanceConfig().dst_objective
     if args.dst_descent is None:
         args.dst_descent = SparseBalanceConfig().dst_descent
+    plugin_cost = None
+    if args.plugin_cost == "on":
+        from sparsebalance_megatron.experiments.plugin_cost import PluginCost
+        plugin_cost = PluginCost.from_results(args.dst_objective, args.dst_descent)
+    args.plugin_cost_model = plugin_cost
+    if plugin_cost is not None:
+        print("; ".join([f"plugin cost (net rows): {plugin_cost.planner.source} (planning, "
+                         f"calibration), {plugin_cost.control.source} (control plane)"]
+                        + plugin_cost.notes))
     print(f"latency: {source}\npp={args.pp} vp={args.vp} m={args.microbatches} "
           f"seq_length={args.seq_length} d in [{args.min_density}, {args.max_density}] "
           f"steps={args.steps} dst_objective={args.dst_objective} "
@@ -331,8 +385,13 @@ def main(argv=None):
     out = {"command": " ".join(["python", *sys.argv]) if argv is None else
            " ".join(["bench_sim_study.py", *argv]),
            "config": {k: ([s.describe() for s in v] if k == "slow_rank" else v)
-                      for k, v in vars(args).items() if k != "json"},
-           "latency_source": source, "results": {}}
+                      for k, v in vars(args).items()
+                      if k not in ("json", "price", "plugin_cost_model")},
+           "latency_source": source, "sparse_kernel": models_price(lm0),
+           "plugin_cost": None if plugin_cost is None else {
+               "planner": plugin_cost.planner.source, "control_plane": plugin_cost.control.source,
+               "dst_flags": plugin_cost.dst_flags, "notes": plugin_cost.notes},
+           "results": {}}
     out.update(provenance())
     for cp, lm in models.items():
         for mix in args.mixes:
@@ -350,10 +409,18 @@ def main(argv=None):
         print(f"wrote {args.json}")
 
 
+def models_price(lm) -> dict:
+    """The record of what prices the sparse call (``sparse_call`` of an analytic table, else
+    the device table's kernel)."""
+    from sparsebalance_megatron.latency.sparse_call import kernel_labels
+    return lm.table.get("sparse_call") or {"described": kernel_labels(lm.table)["sparse"][1]}
+
+
 def routed_model(lm, args, d0: float, cp: int):
     """The analytic model of ``args`` routing at the crossover its costs give at ``d0``."""
     shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
-    routed = LatencyModel.analytic(shape, pp=args.pp, routing_density=d0)
+    routed = LatencyModel.analytic(shape, pp=args.pp, routing_density=d0,
+                                   sparse_price=args.price)
     print(f"routing at d0={d0}: documents under {routed.dense_below_tokens} tokens run dense")
     return routed.with_context_parallel(cp)
 
@@ -376,7 +443,9 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
                           dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
                           microbatch_multiple=args.microbatch_multiple,
                           stand_down="off" if args.stand_down == "off" else None,
-                          device_memory_gib=args.device_memory_gib)
+                          device_memory_gib=args.device_memory_gib,
+                          planner=None if args.planner == "default" else args.planner,
+                          plugin_cost=args.plugin_cost_model)
         res = {}
         for dp in args.ranks:
             r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank,

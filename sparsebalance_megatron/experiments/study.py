@@ -36,6 +36,15 @@ baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster; the
 fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; the tables'
 ``dst_sd`` / ``sab_sd`` columns).
 
+Net of the plugin's own cost (issue 44, ``StudyConfig.plugin_cost``: ``plugin_cost.PluginCost``):
+every run of SparseBalance's pays its critical-path cost per step at the flags the row names
+(planning by ``--sb-planner``: ahead in a process by default, or in-line; the control plane at
+the run's world size,
+calibration); the baselines pay nothing. Rows then carry ``step_time_net_s``,
+``speedup_vs_static_net``, ``plugin_cost_ms`` (mean per step, by part), the flags and the cost
+source, and do no harm compares net times (``policy.stand_down.NetGate``: ``net_stood_down``,
+the fraction of steps that stood down without planning). Without a cost model: gross only.
+
 Per run: step time (mean over steps), speedup vs the baseline run (sum of its step times / sum of
 this run's), imbalance (max / mean of per-rank makespans, mean over steps), bubble fraction, mean
 density weighted by layers x dense attention work (routed documents at 1.0; ``sparse_density``:
@@ -61,12 +70,13 @@ from ..batching import (SensitivityTracker, dp_balanced_plan, latency_sample_cos
                         sequential_plan, token_balanced_plan, unit_sensitivity)
 from ..config import SparseBalanceConfig
 from ..data import GlobalBatchSampler
+from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
 from ..policy.dst import plan_dst_from_config
 from ..policy.quality import StageQuality, load_quality_cost
-from ..policy.stand_down import StandDownCounts, choose_step
-from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
+from ..policy.stand_down import NetGate, choose_step
 from .heterogeneous import rank_scale, scale_costs
+from .study_rows import VariantAccumulator, format_table  # noqa: F401  (format_table: re-exported)
 
 _PACKING = {"dense": "sequential", "dense_sab": "sab", "static": "sequential",
             "token_balanced": "token_balanced", "sab": "sab", "sab_dst": "sab",
@@ -123,6 +133,12 @@ class StudyConfig:
     device_memory_gib: Optional[float] = None
     """The layout search's device-memory limit (``latency.memory``'s estimate of the fullest
     rank, GiB); None: no limit."""
+    planner: Optional[str] = None
+    """--sb-planner the runs assume (None: the runtime's default, planning ahead in a process);
+    prices their planning."""
+    plugin_cost: object = None
+    """``plugin_cost.PluginCost``: every SparseBalance run pays its own per-step cost (module
+    docstring); None: gross step times only."""
 
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:
@@ -131,7 +147,7 @@ class StudyConfig:
                   max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
                   raise_to=raise_to)
         for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective",
-                  "dst_descent", "stand_down"):
+                  "dst_descent", "stand_down", "planner"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)
@@ -191,75 +207,6 @@ def check_variant(variant: str) -> None:
                      f"one optionally with '_acc'")
 
 
-class VariantAccumulator:
-    """Accumulates one run's simulated steps."""
-
-    def __init__(self):
-        self.step_s, self.imb, self.bubble, self.dw, self.w = 0.0, [], [], 0.0, 0.0
-        self.sparse_dw, self.sparse_w, self.microbatches = 0.0, 0.0, []
-        self.stage_dw = self.stage_w = None
-        self.plan_ms, self.loss = [], []
-        self.stood = StandDownCounts()
-
-    def add(self, costs: UnitCosts, densities: np.ndarray, p2p_s: float, plan_ms=None,
-            quality=None, choice=None):
-        """One step; ``quality``: a ``StageQuality`` of the run's layout (predicted loss);
-        ``choice``: the step's ``policy.stand_down.StepChoice`` (None: no choice made)."""
-        if choice is not None:
-            self.stood.add(choice.dst_stood_down, choice.sab_stood_down)
-        self.microbatches.append(costs.shape[1])
-        idx = np.searchsorted(costs.densities, densities - 1e-12)
-        f, b = costs.at(idx)
-        if costs.vp > 1:
-            sim = simulate_interleaved_1f1b(f, b, p2p_s, pp=costs.pipeline_ranks)
-        else:
-            sim = simulate_1f1b(f, b, p2p_s)
-        self.step_s += sim.step_time_s
-        self.imb.append(sim.imbalance)
-        self.bubble.append(sim.bubble_fraction)
-        w = costs.weights()
-        dw = densities * w
-        self.sparse_dw += float(dw.sum())
-        self.sparse_w += float(w.sum())
-        if costs.dense_work is not None:     # routed documents: density 1 whatever the plan
-            dw, w = dw + costs.dense_work, w + costs.dense_work
-        self.dw += float(dw.sum())
-        self.w += float(w.sum())
-        sdw, sw = dw.sum(axis=(0, 1)), w.sum(axis=(0, 1))
-        self.stage_dw = sdw if self.stage_dw is None else self.stage_dw + sdw
-        self.stage_w = sw if self.stage_w is None else self.stage_w + sw
-        if plan_ms is not None:
-            self.plan_ms.append(plan_ms)
-        if quality is not None:
-            self.loss.append(quality.plan_cost(densities))
-
-    def row(self, baseline_step_s: Optional[float]) -> dict:
-        stage = np.where(self.stage_w > 0, self.stage_dw / np.maximum(self.stage_w, 1e-300),
-                         np.nan)
-        out = {"step_time_s": self.step_s / max(len(self.imb), 1),
-               "speedup_vs_static": (baseline_step_s / self.step_s
-                                     if self.step_s and baseline_step_s else float("nan")),
-               "imbalance": float(np.mean(self.imb)),
-               "bubble_fraction": float(np.mean(self.bubble)),
-               "mean_density": self.dw / self.w if self.w else float("nan"),
-               "sparse_density": self.sparse_dw / self.sparse_w if self.sparse_w else np.nan,
-               "microbatches_per_rank": float(np.mean(self.microbatches)),
-               "density_per_stage": [float(x) for x in stage],
-               "min_stage_density": float(np.nanmin(stage)) if np.any(self.stage_w > 0)
-               else float("nan")}
-        if self.loss:
-            out["predicted_loss"] = float(np.mean(self.loss))
-        if self.plan_ms:
-            out["plan_ms_median"] = float(np.median(self.plan_ms))
-        st = self.stood
-        for part, n, k in (("dst", st.dst_stood_down, st.dst_steps),
-                           ("sab", st.sab_stood_down, st.sab_steps)):
-            if k:      # fraction of the steps where the part stood down (do no harm)
-                out[f"{part}_stood_down"] = n / k
-                out[f"{part}_stood_down_steps"] = [n, k]
-        return out
-
-
 def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
               baseline: Optional[str] = None) -> dict:
     """{run name: row} for one DP size.
@@ -294,6 +241,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                 "sab_dense": latency_sample_cost_fn(lm_dense, 1.0)}   # every document dense
     tracker = SensitivityTracker()
     acc = {name: VariantAccumulator() for name in runs}
+    if cfg.plugin_cost is not None:      # each SparseBalance run's own cost per step (issue 44)
+        _charge_runs(cfg, acc, runs, models, dp, lm)
     policies = {}
     needed = {_plan_key(v) for v, _ in runs.values()}
     needed_feats = {(_plan_key(v), is_dense(v)) for v, _ in runs.values()}
@@ -342,9 +291,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                         grid), cfg.slow_ranks)
             cs = [costs[k, dense, lay] for k in cands]
             anchor = dst_anchor_of(variant)
-            if anchor is None and len(cs) == 1:
+            if anchor is None and len(cs) == 1:      # a baseline, or SAB with no stand-down
+                ch = acc[name].charge
                 acc[name].add(cs[0], np.full(cs[0].shape, 1.0 if dense else d0), lm.p2p_s,
-                              quality=quality[lay])
+                              quality=quality[lay], cost_s=ch.plan_s if ch else 0.0,
+                              parts_ms=ch.parts_ms if ch else None)
                 continue
             plan_fn = None
             if anchor is not None:
@@ -360,13 +311,49 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                                                                       c.pipeline_ranks)
                                                 if cfg.slow_ranks else None)
                     return plan.densities, plan
+            a = acc[name]
+            if a.gate is not None and not a.gate.plans():   # do no harm, net: the baseline
+                a.gate.skip()
+                a.add(cs[-1], np.full(cs[-1].shape, 1.0 if dense else d0), lm.p2p_s,
+                      quality=quality[lay])
+                continue
             t = time.perf_counter()
             choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None)
-            acc[name].add(cs[choice.index], choice.outcome.densities, lm.p2p_s,
-                          (time.perf_counter() - t) * 1e3 if anchor is not None else None,
-                          quality=quality[lay], choice=choice)
-    base = acc[baseline].step_s
-    return {name: a.row(base) for name, a in acc.items()}
+            charged = a.charge.plan_s if a.charge is not None else 0.0
+            if a.gate is not None:
+                a.gate.planned(choice, charged)
+            a.add(cs[choice.index], choice.outcome.densities, lm.p2p_s,
+                  (time.perf_counter() - t) * 1e3 if anchor is not None else None,
+                  quality=quality[lay], choice=choice, cost_s=charged,
+                  parts_ms=a.charge.parts_ms if a.charge is not None else None)
+    base = acc[baseline]
+    base_net = base.step_s + base.cost_s if cfg.plugin_cost is not None else None
+    labels = kernel_labels(lm.table)      # which kernel prices each row (issue 40)
+    out = {}
+    for name, a in acc.items():
+        out[name] = a.row(base.step_s, base_net)
+        short, long = labels["dense" if is_dense(runs[name][0]) else "sparse"]
+        out[name].update(attention_kernel=short, attention_priced_by=long)
+    return out
+
+
+def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int, lm) -> None:
+    """Each SparseBalance run's per-step cost (``cfg.plugin_cost.charge`` at the run's shape and
+    the policy's flags) and, with the do-no-harm rule on, its ``NetGate``."""
+    from .plugin_cost import Shape
+
+    pol = cfg.policy()
+    stand_down = pol.stand_down != "off"
+    for name, (variant, lay) in runs.items():
+        model = models[is_dense(variant), lay]
+        shape = Shape(dp, cfg.microbatches, model.layout.pp, model.num_stages, cfg.seq_length,
+                      lm.cp)
+        a = acc[name]
+        a.charge = cfg.plugin_cost.charge(shape, sab=_plan_key(variant) in ("sab", "sab_dense"),
+                                          dst=dst_anchor_of(variant) is not None,
+                                          planner=pol.planner, stand_down=stand_down)
+        if a.charge is not None and stand_down:
+            a.gate = NetGate()
 
 
 def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:
@@ -375,26 +362,3 @@ def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:
     if "static" not in variants:
         raise ValueError(f"variants {list(variants)} must include 'static' (the baseline)")
     return run_study(dp, cfg, lm, lengths, {v: (v, None) for v in variants}, baseline="static")
-
-
-def format_table(title: str, results: dict) -> str:
-    """Text table of {dp: {run: row}}, preceded by a blank line and the title."""
-    lines = [f"\n{title}",
-             f"{'ranks':>6} {'run':<26} {'step_s':>8} {'speedup':>8} {'imbal':>6} "
-             f"{'bubble':>7} {'density':>8} {'min_st':>7} {'loss':>8} {'plan_ms':>8} "
-             f"{'dst_sd':>6} {'sab_sd':>6}"
-             + (f" {'vs_dense':>8}" if any("speedup_vs_dense" in r for rows in results.values()
-                                          for r in rows.values()) else "")]
-    for dp, rows in results.items():
-        for v, r in rows.items():
-            pm = f"{r['plan_ms_median']:.1f}" if "plan_ms_median" in r else "-"
-            pl = f"{r['predicted_loss']:+.4f}" if "predicted_loss" in r else "-"
-            vd = f" {r['speedup_vs_dense']:>8.3f}" if "speedup_vs_dense" in r else ""
-            sd = " ".join(f"{r[k]:>6.2f}" if k in r else f"{'-':>6}"
-                          for k in ("dst_stood_down", "sab_stood_down"))
-            lines.append(f"{dp:>6} {v:<26} {r['step_time_s']:>8.3f} "
-                         f"{r['speedup_vs_static']:>8.3f} {r['imbalance']:>6.3f} "
-                         f"{r['bubble_fraction']:>7.3f} {r['mean_density']:>8.3f} "
-                         f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8} {sd}{vd}")
-    return "\n".join(lines)
-

@@ -1,8 +1,9 @@
 """Analytic latency table of a GPU from FLOP counts, for the scale study (docs/DESIGN.md
 section 7).
 
-No GPU is needed: the time of every matmul and of the kept attention blocks is its FLOP count
-divided by a throughput; memory-bound parts (loss over the vocabulary, elementwise ops) are bytes
+No GPU is needed: the time of every matmul is its FLOP count divided by a throughput, the
+attention kernels' are their measured H100 costs (dense cuDNN; the sparse call, below) scaled
+to the model; memory-bound parts (loss over the vocabulary, elementwise ops) are bytes
 divided by HBM bandwidth. The result is an ordinary table (``"source": "analytic"``) with the
 same fields as a profiled one, so the same loader and ``LatencyModel`` read it.
 
@@ -10,11 +11,6 @@ Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the 
 - NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense BF16 tensor-core peak, 3.35 TB/s HBM3.
 - Large BF16 GEMMs reach about 60-70% of peak in practice (600-700 TFLOP/s); this model's GEMMs
   are narrow (hidden 896), so 550 TFLOP/s is assumed.
-- FlashAttention-3 (Shah et al., 2024): up to ~740 TFLOP/s BF16 forward at head dim 128, lower at
-  head dim 64; FlashAttention-2 reaches ~350 TFLOP/s forward on H100. FlexAttention (PyTorch blog,
-  Aug 2024) reaches ~90% of FlashAttention-2 forward and ~85% backward. Assumed: block-sparse
-  attention 350 TFLOP/s forward; backward does 2.5x the forward FLOPs at 250 TFLOP/s.
-- Block scoring (pooled query x keys, max per block) is a skinny batched GEMM: 150 TFLOP/s assumed.
 - Dense attention (routed short documents, and every document of a dense run): MEASURED, cuDNN's
   fwd+bwd on an H100 (docs/results/attention_gpu_h100_run2.json: one causal document, bf16, 8
   query / 2 KV heads, head dim 128, ``dense_cudnn_ms`` 1.2104 ms at 8K and 14.3121 ms at 32K).
@@ -22,11 +18,20 @@ Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the 
   0.42516 us per tile (about 552 TFLOP/s with the backward at 2.5x the forward FLOPs). The tile
   cost is scaled to the model by FLOPs (query heads x head dim over 8 x 128, block area over
   128^2) and split 1 : 2.5 between forward and backward; the call cost 1 : 2 (launches).
-- The sparse call's fixed cost (selection, padding, launches besides the kernel): MEASURED on
-  the flex path, the median over the five 32K rows of that file of ``ours_ms - kernel_ms``,
-  0.637 ms per call, fwd+bwd, split 1 : 2; charged once per layer to a unit that has a document
-  on the sparse path (``features.CALL_FEATURES``). The triton backend has no device measurement
-  yet; a device table replaces both figures (``--table``).
+- The sparse call (block-sparse attention: selection, kernel, padding, launches): priced by a
+  ``sparse_call.SparseCallPrice``, the one owner of that price, for the kernel
+  ``--sb-attention-backend auto`` runs (``sparse_call.auto_price``): by default flex MEASURED on
+  an H100 (docs/results/attention_gpu_h100_run2.json: 2.50 ms per call + 0.119 us per token of
+  the micro-batch + 0.476 us per kept 128 x 128 tile at 8 q heads x hn 128, fwd+bwd, the
+  selection included), scaled to the model (``SparseCallPrice.layer_terms``) and charged once per
+  layer to a unit that has a document on the sparse path (``features.CALL_FEATURES``). Another
+  price (``sparse_price=``: a device kernel table's fit, or the ``triton`` ESTIMATE from
+  ``attention/work_model.py``) replaces it; the table records which (``sparse_call``), and a
+  device latency table replaces all of it (``--table``).
+- Block scoring, where a price does not include it (an estimate): a skinny batched GEMM at
+  150 TFLOP/s, assumed. ``attn_fwd_flops`` / ``attn_bwd_flops`` (350 / 250 TFLOP/s, within the
+  published FlashAttention-2/3 and FlexAttention ranges) price only ``flop_price``, an idealised
+  FLOP-priced kernel for tests and what-ifs.
 The other figures are assumptions from published numbers, not measurements: the output says so.
 
 Routing (``routing_density``): the table's ``dense_crossover_tokens`` is derived from its own cost
@@ -37,7 +42,9 @@ length from which sparse stays cheaper (above every length: all documents dense)
 carries ``dense_coefficients`` (with or without routing), so a dense run
 (``LatencyModel.all_dense``) is priced by the dense kernel, never by the sparse one at density 1.
 Context parallelism is not in the table (a table describes a CP=1 stage); ``LatencyModel.
-with_context_parallel`` derives a CP rank's time from it, with the profile's all-to-all bandwidth.
+with_context_parallel`` derives a CP rank's time from it, with the profile's all-to-all bandwidth
+(the per-call costs do not divide there, flex's per-token part included: the sparse path is
+charged its whole micro-batch's fixed cost at CP > 1, an overcharge).
 Activation recomputation is modelled by its FLOPs (full: the layers' forward again in backward;
 selective: the core attention's); tensor parallelism is not modelled (TP = 1 only), and the
 transformer implementation is recorded, not modelled (the throughputs are fused-kernel ones).
@@ -54,6 +61,7 @@ import numpy as np
 from .crossover import crossover_entries, crossover_lengths, crossover_tokens
 from .features import FEATURES, UnitFeatures
 from .shape import ModelShape
+from .sparse_call import HBM_BYTES_PER_S, SparseCallPrice, auto_price
 from .table import EXECUTION, FORMAT, FORMAT_VERSION, stage_kinds_for
 from .work import attention_work
 
@@ -72,8 +80,7 @@ class DeviceProfile:
     dense_tile_s: float = 0.42516e-6    # cuDNN, per causal 128 x 128 tile at the reference heads
     dense_call_s: float = 0.3261e-3     # cuDNN, per call
     dense_reference_heads_dim: int = 8 * 128   # query heads x head dim of that measurement
-    sparse_call_s: float = 0.637e-3     # flex path, per call, besides the kernel
-    hbm_bytes_per_s: float = 3.35e12
+    hbm_bytes_per_s: float = HBM_BYTES_PER_S
     launch_s_per_layer: float = 30e-6   # kernel launches and small ops, forward; backward 2x
     p2p_bytes_per_s: float = 300e9      # NVLink activation transfer between stages
     # Context parallelism (latency/context_parallel.py), assumed: NCCL all-to-all inside one
@@ -85,17 +92,20 @@ class DeviceProfile:
         "NVIDIA H100 SXM datasheet (989 TFLOP/s dense BF16, 3.35 TB/s HBM3); FlashAttention-2/3 "
         "(Dao 2023; Shah et al. 2024: FA2 ~350, FA3 up to ~740 TFLOP/s fwd on H100); PyTorch "
         "FlexAttention blog (2024: ~90% of FA2 fwd, ~85% bwd). Throughputs are assumptions "
-        "within these published ranges, not measurements; except the dense kernel (cuDNN) and "
-        "the sparse call's fixed cost, measured on an H100 "
-        "(docs/results/attention_gpu_h100_run2.json)."))
+        "within these published ranges, not measurements; except the dense kernel (cuDNN), "
+        "measured on an H100 (docs/results/attention_gpu_h100_run2.json). The sparse call is "
+        "priced by its own record (sparse_call)."))
 
     @classmethod
     def h100_sxm(cls) -> "DeviceProfile":
         return cls()
 
 
-def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -> dict:
-    """Seconds per feature of ONE transformer layer: {fwd, bwd: [const, tokens, pair, select]}."""
+def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int,
+                       price: SparseCallPrice | None = None) -> dict:
+    """Seconds per feature of ONE transformer layer: {fwd, bwd: [const, tokens, pair, select]};
+    the sparse kernel's pair (and selection) cost from ``price`` (default ``auto_price()``)."""
+    price = price or auto_price()
     h, hd = shape.hidden_size, shape.head_dim
     nq, ng = shape.num_attention_heads, shape.num_query_groups
     qkv = 2 * h * (nq + 2 * ng) * hd            # FLOPs per token
@@ -104,14 +114,36 @@ def layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: int) -
     gemm_fwd_s = (qkv + proj + mlp) / dev.matmul_flops
     # elementwise traffic per token (norms, RoPE, residuals, activation), bf16 bytes, assumed
     elem_fwd_s = 2 * (12 * h + 4 * shape.ffn_hidden_size) / dev.hbm_bytes_per_s
-    pair_flops = 4 * block_size * block_size * hd * nq   # QK^T and PV of one block pair
-    select_flops = 2 * block_size * hd * nq              # pooled query x one key block's keys
-    fwd = [dev.launch_s_per_layer, gemm_fwd_s + elem_fwd_s, pair_flops / dev.attn_fwd_flops,
+    terms = price.layer_terms(nq, hd, block_size, shape.seq_length)
+    # a measured call includes the selection; an estimate prices it by FLOPs
+    select_flops = 0.0 if price.selection_in_call else 2 * block_size * hd * nq
+    fwd = [dev.launch_s_per_layer, gemm_fwd_s + elem_fwd_s, terms["fwd"]["pair"],
            select_flops / dev.select_flops]
-    bwd = [2 * dev.launch_s_per_layer, 2 * gemm_fwd_s + 2 * elem_fwd_s,
-           dev.attn_bwd_flop_ratio * pair_flops / dev.attn_bwd_flops, 0.0]  # no grad via scores
+    bwd = [2 * dev.launch_s_per_layer, 2 * gemm_fwd_s + 2 * elem_fwd_s, terms["bwd"]["pair"],
+           0.0]  # no grad via scores
     # per sequence: not modelled from FLOPs (a launch-bound cost; profile a device to see it)
     return {"fwd": fwd + [0.0], "bwd": bwd + [0.0]}
+
+
+def ideal_price() -> SparseCallPrice:
+    """The analytic table's sparse call before issue 40: FLOP-priced tiles at the published
+    throughputs and flex's cost outside its kernel (0.637 ms per call), an ideal kernel. For tests
+    whose subject is not the price (an attention-bound model), never a default."""
+    return flop_price(DeviceProfile(), call_s=0.637e-3)
+
+
+def flop_price(dev: DeviceProfile, call_s: float = 0.0) -> SparseCallPrice:
+    """An idealised sparse kernel priced by FLOPs at ``dev``'s attention throughputs (the
+    analytic table's sparse kernel before issue 40) and ``call_s`` per call: for tests that
+    need an attention-bound model and for what-ifs, never a default."""
+    pair_flops = 4 * 128 * 128 * 128 * 8          # QK^T and PV of one 128 x 128 tile, 8 x 128
+    fwd = pair_flops / dev.attn_fwd_flops
+    bwd = dev.attn_bwd_flop_ratio * pair_flops / dev.attn_bwd_flops
+    return SparseCallPrice(backend="ideal", measured=False, call_s=call_s, call_s_per_token=0.0,
+                           tile_s=fwd + bwd, selection_in_call=False,
+                           tile_bwd_share=bwd / (fwd + bwd),
+                           source=f"FLOP-priced at {dev.attn_fwd_flops / 1e12:.0f} / "
+                                  f"{dev.attn_bwd_flops / 1e12:.0f} TFLOP/s (an ideal kernel)")
 
 
 BWD_CALL_SHARE = 2 / 3
@@ -128,14 +160,20 @@ def dense_layer_coefficients(shape: ModelShape, dev: DeviceProfile, block_size: 
     return {"fwd": (1 - bwd) * pair_s, "bwd": bwd * pair_s}
 
 
-def call_layer_coefficients(dev: DeviceProfile) -> dict:
-    """Seconds per call of each kernel, ONE layer: {fwd, bwd: {sparse_calls, dense_calls}}."""
-    return {p: {"sparse_calls": share * dev.sparse_call_s, "dense_calls": share * dev.dense_call_s}
+def call_layer_coefficients(dev: DeviceProfile, shape: ModelShape | None = None,
+                            block_size: int = 64, price: SparseCallPrice | None = None) -> dict:
+    """Seconds per call of each kernel, ONE layer: {fwd, bwd: {sparse_calls, dense_calls}}; the
+    sparse call's from ``price`` (default ``auto_price()``) at ``shape``'s heads and micro-batch."""
+    shape, price = shape or ModelShape(), price or auto_price()
+    sparse = price.layer_terms(shape.num_attention_heads, shape.head_dim, block_size,
+                               shape.seq_length)
+    return {p: {"sparse_calls": sparse[p]["call"], "dense_calls": share * dev.dense_call_s}
             for p, share in (("fwd", 1 - BWD_CALL_SHARE), ("bwd", BWD_CALL_SHARE))}
 
 
 def derived_crossover(lay: dict, dense: dict, calls: dict, *, density: float, block_size: int,
-                      sink_blocks: int, local_blocks: int, max_tokens: int) -> dict:
+                      sink_blocks: int, local_blocks: int, max_tokens: int,
+                      sparse_kernel: str = "flex (analytic)") -> dict:
     """The ``dense_crossover`` record of one layer's cost terms (module docstring)."""
     lengths = crossover_lengths(block_size, max_tokens)
     sparse_s, dense_s = [], []
@@ -146,7 +184,7 @@ def derived_crossover(lay: dict, dense: dict, calls: dict, *, density: float, bl
                             for p in ("fwd", "bwd")))
         dense_s.append(sum(calls[p]["dense_calls"] + dense[p] * nb * (nb + 1) / 2
                            for p in ("fwd", "bwd")))
-    return {"source": "analytic", "sparse_kernel": "flex (analytic)",
+    return {"source": "analytic", "sparse_kernel": sparse_kernel,
             "dense_kernel": "cudnn (measured H100, scaled)", "block_size": block_size, "density": density,
             "lengths": lengths, "dense_s": dense_s, "sparse_s": sparse_s,
             "tokens": crossover_tokens(lengths, dense_s, sparse_s)}
@@ -157,12 +195,16 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
                    local_blocks: int = 0, densities=(0.125, 0.25, 0.5, 0.75, 1.0),
                    seed: int = 0, transformer_impl: str = "transformer_engine",
                    recompute_granularity: str = "none",
-                   routing_density: float | None = None) -> dict:
+                   routing_density: float | None = None,
+                   sparse_price: SparseCallPrice | None = None) -> dict:
     """A complete latency table (coefficients + a synthetic grid of 'measurements').
     ``routing_density``: the run's base density d0, to derive the dense crossover at (module
-    docstring) and route the grid's short documents; None: no routing entry (no routing)."""
+    docstring) and route the grid's short documents; None: no routing entry (no routing).
+    ``sparse_price``: what prices the sparse call (default ``sparse_call.auto_price()``: the
+    kernel ``auto`` runs, measured); recorded in the table as ``sparse_call``."""
     shape = shape or ModelShape()
     dev = device or DeviceProfile.h100_sxm()
+    price = sparse_price or auto_price()
     if pp < 1 or shape.num_layers % pp:
         raise ValueError(f"pp={pp}: expected a divisor of num_layers={shape.num_layers}")
     for name, value in (("transformer_impl", transformer_impl),
@@ -171,9 +213,9 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
             raise ValueError(f"{name}={value!r}: expected one of {EXECUTION[name]}")
     kinds = stage_kinds_for(pp)
     per_stage = shape.num_layers // pp
-    lay = layer_coefficients(shape, dev, block_size)
+    lay = layer_coefficients(shape, dev, block_size, price)
     dense = dense_layer_coefficients(shape, dev, block_size)
-    calls = call_layer_coefficients(dev)
+    calls = call_layer_coefficients(dev, shape, block_size, price)
     # Recomputation runs (part of) the forward again inside the backward; the block selection
     # is cached per micro-batch, so it is not recomputed.
     if recompute_granularity == "full":
@@ -185,7 +227,8 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
         lay["bwd"][2] += lay["fwd"][2]
     routing = None if routing_density is None else derived_crossover(
         lay, dense, calls, density=float(routing_density), block_size=block_size,
-        sink_blocks=sink_blocks, local_blocks=local_blocks, max_tokens=shape.seq_length)
+        sink_blocks=sink_blocks, local_blocks=local_blocks, max_tokens=shape.seq_length,
+        sparse_kernel=price.describe())
     crossover = routing["tokens"] if routing else 0
     h, v = shape.hidden_size, shape.vocab_size
     embed_tok_s = 2 * 2 * h / dev.hbm_bytes_per_s                  # gather + write, bf16
@@ -247,6 +290,7 @@ def analytic_table(shape: ModelShape | None = None, device: DeviceProfile | None
         "coefficients": coef,
         "p2p_s": act_bytes / dev.p2p_bytes_per_s,
         "device_profile": asdict(dev),
+        "sparse_call": price.as_dict(),
         "notes": "ANALYTIC table: FLOPs / published H100 throughputs, not a measurement. "
-                 + dev.sources,
+                 + dev.sources + " Sparse call: " + price.describe(),
     }

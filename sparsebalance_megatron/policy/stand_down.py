@@ -18,6 +18,10 @@ costs stepped through the pipeline simulator, ``sim.pipeline.pipeline_makespan_s
 So every committed step is predicted no slower than the baseline packing at d0. The choice is a
 pure function of the costs: every rank, and a resumed run, makes the same one.
 
+Net of the plugin's own cost (issue 44, ``NetGate``): planning, the control plane and calibration
+are paid before the choice above, so they cannot enter it; whether to plan at all is decided
+before a step is planned, from what the last planned step gained against what it cost.
+
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -71,6 +75,7 @@ class StepChoice:
     outcome: PackingOutcome          # its plan
     sab_stood_down: Optional[bool]   # None: one candidate only (no SAB, or the rule is off)
     step_s: list                     # predicted step time of every candidate, after the DST rule
+    baseline_s: Optional[float] = None  # the static plan of the last candidate (the baseline)
 
     @property
     def dst_stood_down(self) -> Optional[bool]:
@@ -120,9 +125,64 @@ def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
         outs.append(dst_outcome(c, d0, p2p_s, plan, enabled, payload))
     times = [o.step_s for o in outs]
     if len(outs) == 1:
-        return StepChoice(0, outs[0], None, times)
+        return StepChoice(0, outs[0], None, times, outs[0].static_s)
     keep = (not enabled) or slower(times[1], times[0])      # SAB strictly faster
-    return StepChoice(0 if keep else 1, outs[0 if keep else 1], not keep, times)
+    return StepChoice(0 if keep else 1, outs[0 if keep else 1], not keep, times,
+                      outs[-1].static_s)
+
+
+@dataclass
+class NetGate:
+    """Do no harm on net (issue 44): a run plans a step only while planning pays for itself.
+
+    The plugin's own work on the critical path (planning, the control plane, calibration:
+    ``experiments.plugin_cost``) is paid before ``choose_step`` chooses, so the choice cannot
+    weigh it. This gate decides before a step is planned: the step plans unless the last planned
+    step's net gain, its predicted gain over the baseline (``StepChoice.baseline_s`` minus the
+    committed step) less its own cost, was below zero; then the step stands down without
+    planning and runs as the static baseline (the baseline packing at d0: nothing to plan,
+    gather or broadcast). A probe plans again after ``probe_every`` steps, and every probe that
+    does not pay doubles the wait (up to ``max_probe_every``), so what probing costs a run
+    where planning never pays shrinks towards nothing. A run whose plans pay their cost is
+    never stood down: a healthy run is unaffected. The first step plans (nothing is known yet)."""
+
+    probe_every: int = 8
+    max_probe_every: int = 256
+    net_gain_s: Optional[float] = None     # of the last planned step (None: none yet)
+    skipped: int = 0                       # steps stood down since then
+    stood_down: int = 0                    # steps stood down in all
+    steps: int = 0
+    wait: int = 0                          # steps to stand down before the next probe
+
+    def __post_init__(self):
+        for name in ("probe_every", "max_probe_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r}: expected an integer >= 1")
+        self.wait = self.wait or self.probe_every
+
+    def plans(self) -> bool:
+        """Whether the next step plans (and pays for planning)."""
+        return (self.net_gain_s is None or self.net_gain_s >= 0.0
+                or self.skipped + 1 >= self.wait)
+
+    def planned(self, choice: StepChoice, cost_s: float) -> float:
+        """Record a planned step (its choice and its own cost, seconds); its net gain."""
+        probe = self.net_gain_s is not None and self.net_gain_s < 0.0
+        self.steps += 1
+        self.skipped = 0
+        self.net_gain_s = float(choice.baseline_s - choice.outcome.step_s - cost_s)
+        if self.net_gain_s >= 0.0:
+            self.wait = self.probe_every
+        elif probe:                                   # a probe that did not pay: back off
+            self.wait = min(2 * self.wait, self.max_probe_every)
+        return self.net_gain_s
+
+    def skip(self) -> None:
+        """Record a step that stood down without planning."""
+        self.steps += 1
+        self.skipped += 1
+        self.stood_down += 1
 
 
 @dataclass

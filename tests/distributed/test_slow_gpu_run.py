@@ -28,7 +28,8 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def attention_bound_table(tmp_path_factory):
-    from sparsebalance_megatron.latency.analytic import DeviceProfile, analytic_table
+    from sparsebalance_megatron.latency.analytic import (DeviceProfile, analytic_table,
+                                                         flop_price)
     from sparsebalance_megatron.latency.shape import ModelShape
     from sparsebalance_megatron.latency.table import write_table
 
@@ -37,8 +38,9 @@ def attention_bound_table(tmp_path_factory):
     dev = DeviceProfile(name="attention-bound (analytic, for tests)", attn_fwd_flops=5e8,
                         attn_bwd_flops=4e8, launch_s_per_layer=1e-6)
     out = tmp_path_factory.mktemp("lat") / "attention_bound_pp2.json"
-    write_table(analytic_table(shape, dev, pp=2, block_size=32, transformer_impl="local"),
-                str(out))
+    # an idealised FLOP-priced sparse kernel at these slow throughputs: attention-bound
+    write_table(analytic_table(shape, dev, pp=2, block_size=32, transformer_impl="local",
+                               sparse_price=flop_price(dev, call_s=0.637e-3)), str(out))
     return out
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.latency import LatencyModel, LatencyTableError, analytic_table
-from sparsebalance_megatron.latency.analytic import DeviceProfile
+from sparsebalance_megatron.latency.analytic import DeviceProfile, flop_price
 from sparsebalance_megatron.latency.crossover import crossover_lengths, crossover_tokens
 from sparsebalance_megatron.latency.features import MODEL_FEATURES, UnitFeatures
 from sparsebalance_megatron.latency.table import validate_table
@@ -61,14 +61,16 @@ def test_no_routing_keeps_the_features_as_they_were():
         UnitFeatures.build(UNITS, BS, dense_below_tokens=-1)
 
 
-# The analytic table's own sparse kernel never beats its (measured cuDNN) dense one at d0 0.5 on
-# 32K: every document would route dense. A sparse kernel at twice the published throughputs
-# routes short documents only (crossover 8K), which these tests need.
-FAST_SPARSE = DeviceProfile(attn_fwd_flops=700e12, attn_bwd_flops=560e12)
+# The analytic table's own sparse kernel (flex, measured) never beats its (measured cuDNN) dense
+# one at d0 0.5 on 32K: every document would route dense. An idealised FLOP-priced sparse kernel
+# at twice the published throughputs, with flex's former 0.637 ms per call, routes short
+# documents only (crossover 8K), which these tests need.
+FAST_SPARSE = flop_price(DeviceProfile(attn_fwd_flops=700e12, attn_bwd_flops=560e12),
+                         call_s=0.637e-3)
 
 
 def _routed_table(**kw):
-    return analytic_table(routing_density=D0, device=FAST_SPARSE, **kw)
+    return analytic_table(routing_density=D0, sparse_price=FAST_SPARSE, **kw)
 
 
 def _routed_model(**kw):

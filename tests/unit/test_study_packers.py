@@ -84,3 +84,22 @@ def test_the_packer_table_has_one_dense_row_per_mix_and_dp():
     assert r["sab_vs_best_seq_tb"] == pytest.approx(1.1) and r["best_dense"] == "sab"
     assert s["sab_vs_dp_balanced"]["median"] == pytest.approx(1.15)
     assert "target >= 1.15x: met" in format_packers(s)
+
+
+def test_the_packer_table_states_sab_net_of_its_own_cost():
+    """dense_sab pays the plugin's cost, the other packings nothing: net, SAB's lead shrinks by
+    exactly its cost, and the best dense packing can change."""
+    rows = {"dense_sequential": {"step_time_s": 1.2, "step_time_net_s": 1.2},
+            "dense_token_balanced": {"step_time_s": 1.04, "step_time_net_s": 1.04},
+            "dense_dp_balanced": {"step_time_s": 1.15, "step_time_net_s": 1.15,
+                                  "microbatches_per_rank": 9.0},
+            "dense_sab": {"step_time_s": 1.0, "step_time_net_s": 1.05, "plugin_cost_ms": 50.0,
+                          "sab_stood_down": 0.0}}
+    s = packer_summary({"file/d0=0.5/dp=8": {"rows": rows, "layouts": {}}})
+    r = s["rows"][0]
+    assert r["best_dense"] == "sab" and r["best_dense_net"] == "token_balanced"
+    assert r["sab_vs_dp_balanced_net"] == pytest.approx(1.15 / 1.05)
+    assert r["sab_vs_best_seq_tb_net"] == pytest.approx(1.04 / 1.05)
+    assert s["sab_vs_dp_balanced_net"]["median"] == pytest.approx(1.15 / 1.05)
+    table = format_packers(s)
+    assert "SAB vs dp_balanced, net: median 1.095x" in table and "50.00" in table
