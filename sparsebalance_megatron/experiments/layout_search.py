@@ -94,6 +94,8 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     out = []
     for name, (variant, lay) in runs.items():
         r = rows[name]
+        if r.get("refused"):    # a step Megatron cannot run on this layout: not a candidate
+            continue
         ok = True
         if variant.startswith(SPARSE_VARIANT) or variant.startswith("dst"):
             # the sparse path's documents at d0 or above: with routing a routed document is
@@ -198,6 +200,9 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                 res = search_space(ev, n, pp, vp, fits=fits)
                 say(f"searched the {key} layouts, vp={vp}: {res.evaluated} simulated, best "
                     f"{res.best_s:.3f} s" if res.ranked else
+                    f"searched the {key} layouts, vp={vp}: Megatron's interleaved schedule "
+                    f"refuses {list(res.refused_microbatches)} micro-batches"
+                    if res.refused_microbatches else
                     f"searched the {key} layouts, vp={vp}: none fits")
                 space[key][vp] = res
                 # the dense packings' winners are the dense search's alone

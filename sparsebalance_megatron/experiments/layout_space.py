@@ -41,7 +41,7 @@ import numpy as np
 
 from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
 from ..policy import UnitCosts
-from ..sim.pipeline import pipeline_makespan_s
+from ..sim.pipeline import interleaved_refusal, pipeline_makespan_s
 
 
 def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
@@ -100,6 +100,10 @@ class StepEvaluator:
         f = np.stack([self._cols[k][0] for k in keys], axis=-1)     # [dp, m, nv]
         b = np.stack([self._cols[k][1] for k in keys], axis=-1)
         return f, b
+
+    def microbatches(self, step: int) -> int:
+        """Micro-batches per DP rank in ``step`` (dp_balanced's count varies by step)."""
+        return self.feats[step].num_units // self.dp
 
     def step_s(self, lay: PipelineLayout) -> float:
         key = (lay.pp, lay.layers)
@@ -186,12 +190,16 @@ class SpaceSearch:
     exact: bool = False
     """Every layout of this vp was simulated: the best is the optimum (gap 0)."""
     evaluated: int = 0
+    refused_microbatches: tuple = ()
+    """Micro-batch counts of the packing's steps that Megatron's interleaved schedule refuses
+    at this vp (``sim.pipeline.interleaved_refusal``): then nothing is searched."""
 
     def as_dict(self) -> dict:
         return {"vp": self.vp, "best_s": self.best_s, "best": self.ranked[0][1].describe()
                 if self.ranked else None, "lower_bound_s": self.lower_bound_s,
                 "gap_vs_bound": self.gap, "exact": self.exact, "starts": self.starts,
-                "evaluated": self.evaluated, "excluded_memory": self.excluded_memory}
+                "evaluated": self.evaluated, "excluded_memory": self.excluded_memory,
+                "refused_microbatches": list(self.refused_microbatches)}
 
     @property
     def best_s(self) -> float:
@@ -238,6 +246,11 @@ def search_space(ev: StepEvaluator, num_layers: int, pp: int, vp: int, *,
     if vp > 1 and ev.m < pp:
         raise LayoutError(f"vp={vp} needs >= pp={pp} micro-batches per step (Megatron's "
                           f"interleaved schedule), got {ev.m}")
+    refused = sorted({ev.microbatches(s) for s in range(len(ev.feats))
+                      if vp > 1 and interleaved_refusal(ev.microbatches(s), pp)})
+    if refused:   # a packing with a variable micro-batch count (dp_balanced) Megatron cannot
+        # interleave: no layout of this vp runs it
+        return SpaceSearch(vp, [], None, 0, 0, refused_microbatches=tuple(refused))
     if starts is None:
         starts = [c for c in candidate_layouts(num_layers, pp, (vp,)) if c.vp == vp]
     nv = pp * vp

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..policy import UnitCosts
 from ..policy.stand_down import StandDownCounts
-from ..sim.pipeline import simulate_1f1b, simulate_interleaved_1f1b
+from ..sim.pipeline import interleaved_refusal, simulate_1f1b, simulate_interleaved_1f1b
 
 
 class VariantAccumulator:
@@ -31,12 +31,17 @@ class VariantAccumulator:
         self.plan_ms, self.loss = [], []
         self.stood = StandDownCounts()
         self.charge, self.gate, self.cost_s, self.parts_ms = None, None, 0.0, {}
+        self.refused = None   # why Megatron cannot run a step of this run (then it is never best)
 
     def add(self, costs: UnitCosts, densities: np.ndarray, p2p_s: float, plan_ms=None,
             quality=None, choice=None, cost_s: float = 0.0, parts_ms=None):
         """One step; ``quality``: a ``StageQuality`` of the run's layout (predicted loss);
         ``choice``: the step's ``policy.stand_down.StepChoice`` (None: no choice made);
         ``cost_s``: the plugin's own cost of the step (``parts_ms``: by part)."""
+        if costs.vp > 1 and self.refused is None:
+            self.refused = interleaved_refusal(costs.shape[1], costs.pipeline_ranks)
+        if self.refused:     # dp_balanced's variable count at vp > 1: Megatron stops there
+            return
         self.cost_s += cost_s
         for k, v in (parts_ms or {}).items():
             self.parts_ms[k] = self.parts_ms.get(k, 0.0) + v
@@ -70,6 +75,16 @@ class VariantAccumulator:
 
     def row(self, baseline_step_s: Optional[float], baseline_net_s: Optional[float] = None
             ) -> dict:
+        if self.refused:
+            nan = float("nan")
+            out = {"step_time_s": float("inf"), "speedup_vs_static": 0.0, "imbalance": nan,
+                   "bubble_fraction": nan, "mean_density": nan, "sparse_density": nan,
+                   "microbatches_per_rank": nan, "density_per_stage": [], "min_stage_density":
+                   nan, "refused": self.refused}
+            if baseline_net_s is not None:
+                out.update(step_time_net_s=float("inf"), plugin_cost_ms=0.0,
+                           speedup_vs_static_net=0.0, plugin_cost_parts_ms={})
+            return out
         stage = np.where(self.stage_w > 0, self.stage_dw / np.maximum(self.stage_w, 1e-300),
                          np.nan)
         n = max(len(self.imb), 1)

@@ -87,6 +87,22 @@ def stage_order_interleaved(num_microbatches: int, pp: int, vp: int, stage: int,
     return order
 
 
+def interleaved_refusal(m: int, pp: int, group: Optional[int] = None) -> Optional[str]:
+    """Why Megatron's interleaved schedule refuses ``m`` micro-batches at ``pp`` stages with
+    ``group`` contiguous micro-batches per virtual stage (default pp), or None when it runs them
+    (``forward_backward_pipelining_with_interleaving``'s checks: pp <= group <= m, and the last
+    group empty or at least pp micro-batches)."""
+    group = pp if group is None else group
+    if not pp <= group <= m:
+        return (f"{m} micro-batches: the interleaved schedule needs pp={pp} <= "
+                f"microbatch_group_size_per_vp_stage={group} <= micro-batches")
+    rest = m % group
+    if 0 < rest < pp:
+        return (f"{m} micro-batches: the interleaved schedule's last group of {rest} is "
+                f"smaller than pp={pp} (Megatron refuses it: dependency bubbles)")
+    return None
+
+
 @lru_cache(maxsize=256)
 def _global_order(m: int, pp: int, vp: int = 1) -> tuple:
     """A topological order of all 2*m*pp*vp events consistent with every rank's order and the
@@ -99,6 +115,9 @@ def _global_order(m: int, pp: int, vp: int = 1) -> tuple:
     if vp == 1:
         orders = [[(k, i, 0) for k, i in stage_order_1f1b(m, pp, s)] for s in range(pp)]
     else:
+        why = interleaved_refusal(m, pp)
+        if why:
+            raise ValueError(why)
         orders = [stage_order_interleaved(m, pp, vp, s) for s in range(pp)]
     pos = [0] * pp
     done = np.zeros((2, m, nv), dtype=bool)

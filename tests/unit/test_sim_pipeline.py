@@ -133,3 +133,31 @@ def test_interleaved_with_one_chunk_is_plain_1f1b_and_respects_dependencies():
     np.testing.assert_allclose(sim.busy_s.sum(axis=1), (3 * f).sum(axis=(1, 2)))
     with pytest.raises(ValueError, match="at least pp"):
         simulate_interleaved_1f1b(f[:, :2], 2 * f[:, :2], pp=3)
+
+
+def test_interleaved_counts_megatron_refuses_are_refused_and_never_searched():
+    """Megatron's interleaved schedule refuses a last micro-batch group smaller than pp (9
+    micro-batches at pp 4: dp_balanced's variable count); the simulator says so rather than
+    simulating a schedule Megatron cannot run, and the layout search skips that vp."""
+    from sparsebalance_megatron.sim.pipeline import interleaved_refusal, simulate_interleaved_1f1b
+
+    assert interleaved_refusal(8, 4) is None and interleaved_refusal(12, 4) is None
+    assert "last group of 1" in interleaved_refusal(9, 4)
+    assert "pp=4 <=" in interleaved_refusal(3, 4)          # fewer micro-batches than stages
+    assert interleaved_refusal(9, 4, group=9) is None      # one group of all nine runs
+    f = np.ones((1, 9, 8))
+    with pytest.raises(ValueError, match="9 micro-batches"):
+        simulate_interleaved_1f1b(f, f, 0.0, pp=4)
+    simulate_interleaved_1f1b(np.ones((1, 8, 8)), np.ones((1, 8, 8)), 0.0, pp=4)
+
+
+def test_a_run_megatron_cannot_interleave_is_no_layout_candidate():
+    from sparsebalance_megatron.experiments.study_rows import VariantAccumulator
+    class Costs:        # the two attributes the refusal reads before anything is simulated
+        vp, pipeline_ranks, shape = 2, 4, (1, 9, 8, 1)
+
+    acc = VariantAccumulator()
+    acc.add(Costs(), np.full((1, 9, 8), 0.5), 0.0)
+    row = acc.row(1.0, 1.0)
+    assert row["step_time_s"] == float("inf") and "last group of 1" in row["refused"]
+    assert row["speedup_vs_static_net"] == 0.0
