@@ -57,54 +57,73 @@ _REL_EPS = 1e-9
 NEUTRAL_DENSITY = 1.0                        # the descent's mean-density floor, x d0
 
 
-def _highest_within(t_grid: np.ndarray, thr, lo, hi) -> np.ndarray:
-    """Per unit, the highest grid index i in [lo, hi] with t_grid[..., i] <= thr (lo if none);
-    t_grid [dp, m, nv, g] non-decreasing along the grid (``UnitCosts``), thr of shape
-    [..., dp, m, nv] (a leading candidate axis), lo / hi broadcast to it."""
-    thr = np.asarray(thr, dtype=np.float64)
-    units = np.arange(np.prod(t_grid.shape[:-1])).reshape(t_grid.shape[:-1]) * t_grid.shape[-1]
-    return highest_at_most(t_grid, units, thr * (1 + _REL_EPS) + 1e-15, lo, hi)
-
-
 class _Step:
-    """Times, simulations and floats of plans (grid indices [k, dp, m, nv] or [dp, m, nv]) on
-    costs: a simulation keeps its event durations and earliest finishes, so the floats of a plan
-    already simulated cost only the backward pass (``slack.floats_from``)."""
+    """Times, simulations and floats of plans (grid indices [..., dp, m, nv], or a subset of
+    the DP ranks) on costs: a simulation keeps its event durations and earliest finishes, so
+    the floats of a plan already simulated cost only the backward pass
+    (``slack.floats_from``)."""
 
     def __init__(self, costs: UnitCosts, p2p_s: float):
         self.c, self.p2p = costs, float(p2p_s)
         self.pp = costs.pipeline_ranks
         dp, m, nv = costs.shape
         self.graph = event_graph(m, self.pp, nv // self.pp)
-        self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * costs.densities.size
+        self.g = costs.densities.size
+        self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * self.g
         self.fwd, self.bwd = costs.fwd_s.reshape(-1), costs.bwd_s.reshape(-1)
+        self.t_flat = costs.total_s.reshape(-1)
 
-    def times(self, idx):
-        u = self.units + idx
+    def times(self, idx, ranks=None):
+        """fwd, bwd seconds of plans ``idx`` [..., dp, m, nv] (or of DP ranks ``ranks`` only:
+        idx [..., len(ranks), m, nv])."""
+        u = (self.units if ranks is None else self.units[ranks]) + idx
         return self.fwd.take(u), self.bwd.take(u)
 
     def run(self, f, b):
-        """(durations, earliest finishes [E, cols], makespans [..., dp]) of plans' times."""
-        dp, m, nv = self.c.shape
+        """(durations, earliest finishes [E, cols], makespans [..., ranks]) of plans' times
+        f, b [..., ranks, m, nv]."""
+        _, m, nv = self.c.shape
         dur = self.graph.durations(f.reshape(-1, m, nv), b.reshape(-1, m, nv))
         ef = self.graph.earliest_finish(dur, self.p2p)
-        return dur, ef, self.graph.makespan(ef).reshape(f.shape[:-3] + (dp,))
+        return dur, ef, self.graph.makespan(ef).reshape(f.shape[:-2])
 
     def floats(self, dur, ef, deadline):
         ff, fb = floats_from(self.graph, dur, ef, deadline, self.p2p, self.c.shape)
         return np.minimum(ff, fb)
+
+    def highest_within(self, flat_units, thr, lo, hi) -> np.ndarray:
+        """Per unit (flat unit ids ``flat_units`` [n]), the highest grid index i in [lo, hi]
+        with t(i) <= thr (lo if none), thr [k, n] (a candidate per row), lo / hi [n] or
+        scalars; t non-decreasing along the grid (``UnitCosts``)."""
+        limit = np.asarray(thr, dtype=np.float64) * (1 + _REL_EPS) + 1e-15
+        return highest_at_most(self.t_flat, flat_units * self.g, limit, lo, hi)
+
+
+def _candidates(base: np.ndarray, flat_units: np.ndarray, moved: np.ndarray, per_rank: int):
+    """(ranks, candidates [k, len(ranks), m, nv]) of the DP ranks that hold a unit of
+    ``flat_units``: plans ``base`` [dp, m, nv] with those units at ``moved`` [k, n]."""
+    rank_of = flat_units // per_rank
+    ranks = np.unique(rank_of)
+    cand = np.repeat(base[ranks][None], moved.shape[0], axis=0)      # [k, r, m, nv]
+    local = np.searchsorted(ranks, rank_of) * per_rank + flat_units % per_rank
+    cand.reshape(moved.shape[0], -1)[:, local] = moved
+    return ranks, cand
 
 
 def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
             raise_headroom: float, meets, rounds: int = ROUNDS):
     """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
     docstring); ``meets(densities)`` says whether a plan keeps the floors. Returns (grid
-    indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster."""
+    indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster.
+
+    Only what a round can change is searched and simulated: a unit off every path longer
+    than T' keeps its density under every cut fraction (its own time is its threshold), and
+    a unit whose next grid density does not fit under the largest raise fraction keeps it
+    under every fraction; a DP rank none of whose units moves keeps its simulation."""
     st = _Step(costs, p2p_s)
-    dp = costs.shape[0]
-    rows = np.arange(dp)
-    t_grid = costs.total_s
-    t_min = t_grid[..., i_min]
+    dp, m, nv = costs.shape
+    per_rank = m * nv
+    t_min = costs.total_s[..., i_min].reshape(-1)
     f, b = st.times(idx)
     dur, ef, mk = st.run(f, b)
     step = float(mk.max())
@@ -113,34 +132,45 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
         if eta < ETA_MIN:
             break
         target = step * (1.0 - eta)
-        crit = st.floats(dur, ef, np.full(dp, target)) < 0          # on a path longer than T'
-        t_cur = f + b
-        thr = np.where(crit, t_cur - CUT_FRACTIONS[:, None, None, None] * (t_cur - t_min), t_cur)
-        cand = _highest_within(t_grid, thr, i_min, idx)              # [k, dp, m, nv]
-        fk, bk = st.times(cand)
-        dur_k, ef_k, mk_k = st.run(fk, bk)                           # one call, k x dp columns
+        # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
+        on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
+        t_on = (f + b).reshape(-1)[on]
+        moved = st.highest_within(on, t_on - CUT_FRACTIONS[:, None] * (t_on - t_min[on]),
+                                  i_min, idx.reshape(-1)[on])
+        ranks, cand = _candidates(idx, on, moved, per_rank)          # [k, r, m, nv]
+        fk, bk = st.times(cand, ranks)
+        dur_k, ef_k, mk_k = st.run(fk, bk)                           # one call, k x r columns
         ok = mk_k <= target * (1 + _REL_EPS)
-        ok |= ~crit.any(axis=(1, 2))                                 # rank already within T'
         if not ok.any(axis=0).all():                                 # T' out of reach: ask less
             eta /= 2
             continue
-        pick = np.argmax(ok, axis=0)                                 # smallest alpha that fits
-        cut, f1, b1, cols = cand[pick, rows], fk[pick, rows], bk[pick, rows], pick * dp + rows
-        mk_cut = mk_k[pick, rows]
+        pick, r = np.argmax(ok, axis=0), np.arange(ranks.size)      # smallest alpha that fits
+        cut, f1, b1, mk_cut, dur1, ef1 = idx.copy(), f.copy(), b.copy(), mk.copy(), \
+            dur.copy(), ef.copy()
+        cut[ranks], f1[ranks], b1[ranks], mk_cut[ranks] = \
+            cand[pick, r], fk[pick, r], bk[pick, r], mk_k[pick, r]
+        dur1[:, ranks], ef1[:, ranks] = dur_k[:, pick * r.size + r], ef_k[:, pick * r.size + r]
+        # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = np.full(dp, target * (1.0 - raise_headroom))
-        cap = np.maximum(st.floats(dur_k[:, cols], ef_k[:, cols], deadline), 0.0)
-        thr = (f1 + b1) + RAISE_FRACTIONS[:, None, None, None] * cap
-        cand = _highest_within(t_grid, thr, cut, i_max)
-        fr, br = st.times(cand)
+        cap = np.maximum(st.floats(dur1, ef1, deadline), 0.0).reshape(-1)
+        t1, lo = (f1 + b1).reshape(-1), cut.reshape(-1)
+        up = np.flatnonzero(lo < i_max)
+        up = up[st.t_flat.take(up * st.g + lo[up] + 1)
+                <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
+        moved = st.highest_within(up, t1[up] + RAISE_FRACTIONS[:, None] * cap[up], lo[up],
+                                  i_max)
+        ranks, cand = _candidates(cut, up, moved, per_rank)
+        fr, br = st.times(cand, ranks)
         dur_r, ef_r, mk_r = st.run(fr, br)
-        limit = np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15
-        pick = np.argmax(mk_r <= limit, axis=0)                      # beta 0 always holds
-        new = cand[pick, rows]
-        new_step = float(mk_r[pick, rows].max())
+        limit = np.maximum(deadline[ranks], mk_cut[ranks]) * (1 + _REL_EPS) + 1e-15
+        pick, r = np.argmax(mk_r <= limit, axis=0), np.arange(ranks.size)   # beta 0 holds
+        new, mk_new = cut.copy(), mk_cut.copy()
+        new[ranks], mk_new[ranks] = cand[pick, r], mk_r[pick, r]
+        new_step = float(mk_new.max())
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
-            cols = pick * dp + rows
-            idx, f, b, step = new, fr[pick, rows], br[pick, rows], new_step
-            dur, ef = dur_r[:, cols], ef_r[:, cols]
+            f1[ranks], b1[ranks] = fr[pick, r], br[pick, r]
+            dur1[:, ranks], ef1[:, ranks] = dur_r[:, pick * r.size + r], ef_r[:, pick * r.size + r]
+            idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new
             eta = min(eta * 1.5, ETA_MAX)
         else:
             eta /= 2
