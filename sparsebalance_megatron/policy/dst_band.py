@@ -18,7 +18,7 @@ import numpy as np
 from ..config import ANCHORS, MAX_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts, check_density_bounds, stage_mean_densities, weighted_mean_density
-from .dst_moves import (anchor_s, broadcast_sensitivity, cut_densities, gain_index,
+from .dst_moves import (GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
 from .slack import event_float_s
 
@@ -124,7 +124,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
     if quality is not None:
-        best_index = gain_index(quality.marginal_gain(costs.densities), slots, pp, vp)
+        gains = GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp)
         span = costs.densities[i_max] - costs.densities[i_min]
         b_rows = np.tile(((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
                           / span) if span > 0 else np.zeros(rank_units.shape), (k, 1, 1))
@@ -161,7 +161,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     if np.any(excess > 0):
         if quality is not None:
             base_s = lookup(t_grid, all_units, idx_start).sum(axis=1)
-            idx_cut = water_fill(t_grid, all_units, best_index, b_rows,
+            idx_cut = water_fill(t_grid, all_units, gains, b_rows,
                                   np.full_like(idx_start, i_min),
                                   idx_start, np.where(excess > 0, base_s - excess, np.inf))
         else:
@@ -201,7 +201,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                 t_cur = lookup(t_grid, units, cur)
                 top = highest_index_within(t_grid, units, t_cur + alpha[:, None, None] *
                                             cap_full[rows], cur, i_max)
-                trial = water_fill(t_grid, units, best_index, b_rows[rows], cur, top,
+                trial = water_fill(t_grid, units, gains, b_rows[rows], cur, top,
                                     t_cur.sum(axis=1) + alpha[:, None] * slack_full[rows])
             else:
                 trial = raise_densities(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
