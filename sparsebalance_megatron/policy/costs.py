@@ -244,36 +244,25 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     costs so). ``units``: flat offsets of the units' rows (unit id x g) in ``table.reshape(-1)``;
     ``units``, ``limit``, ``lo``, ``hi`` broadcast to one shape, the result's.
 
-    ``level_search`` with the predicate a table look-up, in fewer gathers: most answers are an
-    end of the interval (a unit left where it is, or cut to its bound), so both ends are tried
-    first and only the others bisect, each round over the elements still open."""
+    ``level_search`` with the predicate a table look-up, as a binary lifting over every element
+    at once: steps of 2^j down to 1 from lo - 1, each kept where the row at the probe (clamped
+    to hi) still fits; one gather per step, no per-element bookkeeping."""
     flat = table.reshape(-1)
     units, limit, lo, hi = np.broadcast_arrays(units, limit, lo, hi)
     shape = units.shape
-    units, limit = units.ravel(), limit.ravel()
-    out = lo.astype(np.int64).ravel()                              # a copy: lo if none
-    hi = hi.astype(np.int64, copy=False).ravel()
-    top = (flat.take(units + hi) <= limit) & (out < hi)
-    out[top] = hi[top]
-    # the rest: the answer is in [lo, hi - 1]; lo + 1 failing settles it at lo
-    todo = np.flatnonzero(~top & (out + 1 < hi))
-    if todo.size:
-        ok = flat.take(units[todo] + out[todo] + 1) <= limit[todo]
-        todo = todo[ok]
-        out[todo] += 1                                             # lo + 1 holds
-    u, lim, l, h = units[todo], limit[todo], out[todo], hi[todo] - 1
-    while todo.size:
-        open_ = l < h
-        if not open_.all():
-            todo, u, lim, l, h = todo[open_], u[open_], lim[open_], l[open_], h[open_]
-            if not todo.size:
-                break
-        mid = (l + h + 1) // 2
-        fits = flat.take(u + mid) <= lim
-        l = np.where(fits, mid, l)
-        h = np.where(fits, h, mid - 1)
-        out[todo] = l
-    return out.reshape(shape)
+    first = (units + lo).ravel()                                   # flat index of lo
+    last = (units + hi).ravel()
+    limit = limit.ravel()
+    pos = first - 1
+    span = int((last - first).max()) + 1 if pos.size else 0
+    step = 1 << (span.bit_length() - 1) if span > 0 else 0
+    while step:
+        probe = np.minimum(pos + step, last)
+        np.add(pos, step, out=pos, where=flat.take(probe) <= limit)
+        step >>= 1
+    np.minimum(pos, last, out=pos)                                 # past hi: hi fits
+    np.maximum(pos, first, out=pos)                                # none fits: lo
+    return (pos - units.ravel()).reshape(shape)
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:
