@@ -212,20 +212,16 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
         idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
         ranks = ranks[~ok]
-        if ranks.size:
-            # All shrunken slacks of the overshooting rows in one simulator call:
-            # rows = rank x alpha (0.5, 0.25, ...); keep the largest alpha that clears.
-            alphas = 0.5 ** np.arange(1, RAISE_ROUNDS + 1)
-            rows = np.repeat(ranks, alphas.size)
-            trial, mk, ok = try_raise(rows, np.tile(alphas, ranks.size))
-            ok = ok.reshape(ranks.size, alphas.size)
-            for j, r in enumerate(ranks.tolist()):
-                hits = np.flatnonzero(ok[j])
-                if hits.size:
-                    h = j * alphas.size + hits[0]
-                    idx[r], mk_final[r] = trial[h], mk[h]
-                else:
-                    reverted[r] = True
+        # The overshooting rows again with half the slack, then a quarter, ...: a row keeps the
+        # largest alpha that clears (most clear at the first halvings, so only the rows still
+        # over are re-planned); one that clears none keeps its cut-only densities.
+        for alpha in 0.5 ** np.arange(1, RAISE_ROUNDS + 1):
+            if not ranks.size:
+                break
+            trial, mk, ok = try_raise(ranks, np.full(ranks.size, alpha))
+            idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
+            ranks = ranks[~ok]
+        reverted[ranks] = True
 
     plans = []
     mk_c, idx_c, rev_c = per_candidate(mk_final), idx.reshape(k, dp, slots, pp), \
