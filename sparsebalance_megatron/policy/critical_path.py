@@ -45,7 +45,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..sim.pipeline import event_graph
+from ..sim.pipeline import FWD, event_graph
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
 from .slack import floats_from
 
@@ -72,11 +72,14 @@ class _Step:
         self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * self.g
         self.fwd, self.bwd = costs.fwd_s.reshape(-1), costs.bwd_s.reshape(-1)
         self.t_flat = costs.total_s.reshape(-1)
+        rows = np.empty(self.graph.size, dtype=np.int64)      # event row of each (kind, unit)
+        rows[self.graph.unit_rows] = np.arange(self.graph.size)
+        self.fwd_row, self.bwd_row = rows.reshape(2, m * nv)[FWD], rows.reshape(2, m * nv)[1 - FWD]
+        self.per_rank = m * nv
 
-    def times(self, idx, ranks=None):
-        """fwd, bwd seconds of plans ``idx`` [..., dp, m, nv] (or of DP ranks ``ranks`` only:
-        idx [..., len(ranks), m, nv])."""
-        u = (self.units if ranks is None else self.units[ranks]) + idx
+    def times(self, idx):
+        """fwd, bwd seconds of the plan ``idx`` [dp, m, nv]."""
+        u = self.units + idx
         return self.fwd.take(u), self.bwd.take(u)
 
     def run(self, f, b):
@@ -86,6 +89,38 @@ class _Step:
         dur = self.graph.durations(f.reshape(-1, m, nv), b.reshape(-1, m, nv))
         ef = self.graph.earliest_finish(dur, self.p2p)
         return dur, ef, self.graph.makespan(ef).reshape(f.shape[:-2])
+
+    def candidates(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray):
+        """(ranks, column of each unit's rank among them [n], event durations [E, k x r]) of
+        the DP ranks that hold a unit of ``flat_units`` [n]: the plan simulated as ``dur``
+        [E, dp] with those units at grid indices ``moved`` [k, n] (column c x r + j:
+        candidate c of rank ``ranks[j]``). Only the moved units' seconds are looked up; the
+        other events keep the plan's durations (the same seconds)."""
+        rank_of = flat_units // self.per_rank
+        ranks = np.unique(rank_of)
+        col = np.searchsorted(ranks, rank_of)
+        k, r = moved.shape[0], ranks.size
+        out = np.tile(dur[:, ranks], (1, k))
+        cols = np.arange(k)[:, None] * r + col
+        at = flat_units * self.g + moved                            # [k, n] table offsets
+        local = flat_units % self.per_rank
+        out[self.fwd_row[local], cols] = self.fwd.take(at)
+        out[self.bwd_row[local], cols] = self.bwd.take(at)
+        return ranks, col, out
+
+    def simulate(self, dur):
+        """(earliest finishes [E, cols], makespans [cols]) of event durations [E, cols]."""
+        ef = self.graph.earliest_finish(dur, self.p2p)
+        return ef, self.graph.makespan(ef)
+
+    def moves(self, plan, f, b, flat_units, moved, pick):
+        """Plan ``plan`` [dp, m, nv] and its seconds ``f``, ``b`` with units ``flat_units`` at
+        ``moved[pick, i]`` (``pick`` [n]: each unit's candidate), in place."""
+        i = moved[pick, np.arange(flat_units.size)]
+        at = flat_units * self.g + i
+        plan.reshape(-1)[flat_units] = i
+        f.reshape(-1)[flat_units] = self.fwd.take(at)
+        b.reshape(-1)[flat_units] = self.bwd.take(at)
 
     def floats(self, dur, ef, deadline):
         ff, fb = floats_from(self.graph, dur, ef, deadline, self.p2p, self.c.shape)
@@ -99,17 +134,6 @@ class _Step:
         return highest_at_most(self.t_flat, flat_units * self.g, limit, lo, hi)
 
 
-def _candidates(base: np.ndarray, flat_units: np.ndarray, moved: np.ndarray, per_rank: int):
-    """(ranks, candidates [k, len(ranks), m, nv]) of the DP ranks that hold a unit of
-    ``flat_units``: plans ``base`` [dp, m, nv] with those units at ``moved`` [k, n]."""
-    rank_of = flat_units // per_rank
-    ranks = np.unique(rank_of)
-    cand = np.repeat(base[ranks][None], moved.shape[0], axis=0)      # [k, r, m, nv]
-    local = np.searchsorted(ranks, rank_of) * per_rank + flat_units % per_rank
-    cand.reshape(moved.shape[0], -1)[:, local] = moved
-    return ranks, cand
-
-
 def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
             raise_headroom: float, meets, rounds: int = ROUNDS):
     """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
@@ -120,26 +144,47 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
     than T' keeps its density under every cut fraction (its own time is its threshold), and
     a unit whose next grid density does not fit under the largest raise fraction keeps it
     under every fraction; a DP rank none of whose units moves keeps its simulation."""
+    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds)[:2]
+
+
+def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
+             raise_headroom: float, meets, rounds: int):
+    """``descend``, and the DP ranks' makespans [dp] of the plan it returns."""
     st = _Step(costs, p2p_s)
-    dp, m, nv = costs.shape
-    per_rank = m * nv
+    dp = costs.shape[0]
     t_min = costs.total_s[..., i_min].reshape(-1)
     f, b = st.times(idx)
     dur, ef, mk = st.run(f, b)
     step = float(mk.max())
     eta = ETA_START
+    known = None            # (units, their cuts) searched since the plan last changed
+
+    def cuts_of(on, known):
+        """(grid indices [fractions, n] of units ``on`` under every cut fraction, the units
+        searched so far). A unit's cuts depend only on its own density in the plan, so a
+        round that keeps the plan (the next round asks less: its units on a path longer than
+        T' are a subset) reuses them and searches only units not seen yet."""
+        if known is not None:
+            seen, cuts = known
+            at = np.minimum(np.searchsorted(seen, on), max(seen.size - 1, 0))
+            hit = seen[at] == on if seen.size else np.zeros(on.size, dtype=bool)
+            if hit.all():
+                return cuts[:, at], known
+        t_on = (f + b).reshape(-1)[on]
+        moved = st.highest_within(on, t_on - CUT_FRACTIONS[:, None] * (t_on - t_min[on]),
+                                  i_min, idx.reshape(-1)[on])
+        return moved, (on, moved)
+
     for _ in range(rounds):
         if eta < ETA_MIN:
             break
         target = step * (1.0 - eta)
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
         on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
-        t_on = (f + b).reshape(-1)[on]
-        moved = st.highest_within(on, t_on - CUT_FRACTIONS[:, None] * (t_on - t_min[on]),
-                                  i_min, idx.reshape(-1)[on])
-        ranks, cand = _candidates(idx, on, moved, per_rank)          # [k, r, m, nv]
-        fk, bk = st.times(cand, ranks)
-        dur_k, ef_k, mk_k = st.run(fk, bk)                           # one call, k x r columns
+        moved, known = cuts_of(on, known)
+        ranks, col, dur_k = st.candidates(dur, on, moved)           # [E, k x r]
+        ef_k, mk_k = st.simulate(dur_k)                              # one call, k x r columns
+        mk_k = mk_k.reshape(CUT_FRACTIONS.size, ranks.size)
         ok = mk_k <= target * (1 + _REL_EPS)
         if not ok.any(axis=0).all():                                 # T' out of reach: ask less
             eta /= 2
@@ -147,8 +192,8 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
         pick, r = np.argmax(ok, axis=0), np.arange(ranks.size)      # smallest alpha that fits
         cut, f1, b1, mk_cut, dur1, ef1 = idx.copy(), f.copy(), b.copy(), mk.copy(), \
             dur.copy(), ef.copy()
-        cut[ranks], f1[ranks], b1[ranks], mk_cut[ranks] = \
-            cand[pick, r], fk[pick, r], bk[pick, r], mk_k[pick, r]
+        st.moves(cut, f1, b1, on, moved, pick[col])
+        mk_cut[ranks] = mk_k[pick, r]
         dur1[:, ranks], ef1[:, ranks] = dur_k[:, pick * r.size + r], ef_k[:, pick * r.size + r]
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = np.full(dp, target * (1.0 - raise_headroom))
@@ -159,22 +204,24 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
                 <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
         moved = st.highest_within(up, t1[up] + RAISE_FRACTIONS[:, None] * cap[up], lo[up],
                                   i_max)
-        ranks, cand = _candidates(cut, up, moved, per_rank)
-        fr, br = st.times(cand, ranks)
-        dur_r, ef_r, mk_r = st.run(fr, br)
+        ranks, col, dur_r = st.candidates(dur1, up, moved)
+        ef_r, mk_r = st.simulate(dur_r)
+        mk_r = mk_r.reshape(RAISE_FRACTIONS.size, ranks.size)
         limit = np.maximum(deadline[ranks], mk_cut[ranks]) * (1 + _REL_EPS) + 1e-15
         pick, r = np.argmax(mk_r <= limit, axis=0), np.arange(ranks.size)   # beta 0 holds
         new, mk_new = cut.copy(), mk_cut.copy()
-        new[ranks], mk_new[ranks] = cand[pick, r], mk_r[pick, r]
+        new.reshape(-1)[up] = moved[pick[col], np.arange(up.size)]
+        mk_new[ranks] = mk_r[pick, r]
         new_step = float(mk_new.max())
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
-            f1[ranks], b1[ranks] = fr[pick, r], br[pick, r]
+            st.moves(cut, f1, b1, up, moved, pick[col])
             dur1[:, ranks], ef1[:, ranks] = dur_r[:, pick * r.size + r], ef_r[:, pick * r.size + r]
             idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new
             eta = min(eta * 1.5, ETA_MAX)
+            known = None
         else:
             eta /= 2
-    return idx, step
+    return idx, step, mk
 
 
 def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p2p_s: float, *,
@@ -203,12 +250,10 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
-    idx, step = descend(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds)
+    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds)
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
         return plan
     dens = costs.densities[idx]
-    st = _Step(costs, p2p_s)
-    mk = st.run(*st.times(idx))[2]
     report = replace(
         r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
         imbalance_after=float(mk.max() / mk.mean()) if mk.mean() > 0 else 1.0,
