@@ -92,13 +92,14 @@ class _Step:
 
     def candidates(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray):
         """(ranks, column of each unit's rank among them [n], event durations [E, k x r]) of
-        the DP ranks that hold a unit of ``flat_units`` [n]: the plan simulated as ``dur``
+        the DP ranks that hold a unit of ``flat_units`` [n] (ascending): the plan simulated as ``dur``
         [E, dp] with those units at grid indices ``moved`` [k, n] (column c x r + j:
         candidate c of rank ``ranks[j]``). Only the moved units' seconds are looked up; the
         other events keep the plan's durations (the same seconds)."""
-        rank_of = flat_units // self.per_rank
-        ranks = np.unique(rank_of)
-        col = np.searchsorted(ranks, rank_of)
+        rank_of = flat_units // self.per_rank              # ascending: units come sorted
+        first = np.ones(rank_of.size, dtype=bool)
+        first[1:] = rank_of[1:] != rank_of[:-1]
+        ranks, col = rank_of[first], np.cumsum(first) - 1
         k, r = moved.shape[0], ranks.size
         out = np.tile(dur[:, ranks], (1, k))
         cols = np.arange(k)[:, None] * r + col
@@ -157,22 +158,26 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
     dur, ef, mk = st.run(f, b)
     step = float(mk.max())
     eta = ETA_START
-    known = None            # (units, their cuts) searched since the plan last changed
+    known = (np.zeros(0, dtype=np.int64), np.zeros((CUT_FRACTIONS.size, 0), dtype=np.int64))
 
     def cuts_of(on, known):
-        """(grid indices [fractions, n] of units ``on`` under every cut fraction, the units
-        searched so far). A unit's cuts depend only on its own density in the plan, so a
-        round that keeps the plan (the next round asks less: its units on a path longer than
-        T' are a subset) reuses them and searches only units not seen yet."""
-        if known is not None:
-            seen, cuts = known
-            at = np.minimum(np.searchsorted(seen, on), max(seen.size - 1, 0))
-            hit = seen[at] == on if seen.size else np.zeros(on.size, dtype=bool)
-            if hit.all():
-                return cuts[:, at], known
-        t_on = (f + b).reshape(-1)[on]
-        moved = st.highest_within(on, t_on - CUT_FRACTIONS[:, None] * (t_on - t_min[on]),
-                                  i_min, idx.reshape(-1)[on])
+        """(grid indices [fractions, n] of units ``on`` (ascending) under every cut fraction,
+        the units searched so far and their cuts). A unit's cuts depend only on its own
+        density in the plan, so only units not searched since their density last changed
+        are searched (a round that keeps the plan asks less: its units on a path longer
+        than T' are a subset of the last round's)."""
+        seen, cuts = known
+        at = np.minimum(np.searchsorted(seen, on), max(seen.size - 1, 0))
+        hit = seen[at] == on if seen.size else np.zeros(on.size, dtype=bool)
+        if hit.all():
+            return cuts[:, at], known
+        moved = np.empty((CUT_FRACTIONS.size, on.size), dtype=np.int64)
+        moved[:, hit] = cuts[:, at[hit]]
+        miss = on[~hit]
+        t_on = (f + b).reshape(-1)[miss]
+        moved[:, ~hit] = st.highest_within(
+            miss, t_on - CUT_FRACTIONS[:, None] * (t_on - t_min[miss]), i_min,
+            idx.reshape(-1)[miss])
         return moved, (on, moved)
 
     for _ in range(rounds):
@@ -216,9 +221,11 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
             st.moves(cut, f1, b1, up, moved, pick[col])
             dur1[:, ranks], ef1[:, ranks] = dur_r[:, pick * r.size + r], ef_r[:, pick * r.size + r]
+            seen, cuts = known                  # the units whose density changed: unknown
+            kept = new.reshape(-1)[seen] == idx.reshape(-1)[seen]
+            known = (seen[kept], cuts[:, kept])
             idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new
             eta = min(eta * 1.5, ETA_MAX)
-            known = None
         else:
             eta /= 2
     return idx, step, mk
