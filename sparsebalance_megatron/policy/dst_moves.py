@@ -115,8 +115,10 @@ def water_fill(t_grid, units, gains, b, lo, hi, limit_s):
     limit = limit_s[rows, stages]                                   # [n]
     best_index = gains.for_stages(stages)
 
-    def at(log_lam):
-        return np.clip(best_index(np.exp(log_lam) * b), lo, hi)
+    def at(log_lam):                    # clip(best_index, lo, hi), in place
+        i = best_index(np.exp(log_lam) * b)
+        np.maximum(i, lo, out=i)
+        return np.minimum(i, hi, out=i)
 
     def total(idx):
         return flat.take(u + idx).sum(axis=0)
@@ -161,11 +163,17 @@ class GainIndex:
         """best_index(x) -> [slots, n] for x [slots, n]: column j a unit of pipeline rank
         ``ranks[j]``."""
         stage = self.stage[:, ranks]
-        shift, first = stage * self.width, stage * self.g
+        shift, first = stage * self.width, stage * self.g + 1
+        low, high = self.low, self.high
 
         def best_index(x):
-            q = np.clip(-x, self.low, self.high) + shift
-            return np.searchsorted(self.flat, q, side="right") - 1 - first
+            q = np.negative(x)                      # clip(-x, low, high) + shift, in place
+            np.maximum(q, low, out=q)
+            np.minimum(q, high, out=q)
+            q += shift
+            i = np.searchsorted(self.flat, q, side="right")
+            i -= first
+            return i
 
         return best_index
 
