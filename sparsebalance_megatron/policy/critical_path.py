@@ -92,8 +92,8 @@ class _Step:
 
     def candidates(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray):
         """(ranks, column of each unit's rank among them [n], event durations [E, k x r]) of
-        the DP ranks that hold a unit of ``flat_units`` [n] (ascending): the plan simulated as ``dur``
-        [E, dp] with those units at grid indices ``moved`` [k, n] (column c x r + j:
+        the DP ranks that hold a unit of ``flat_units`` [n] (ascending): the plan simulated
+        as ``dur`` [E, dp] with those units at grid indices ``moved`` [k, n] (column c x r + j:
         candidate c of rank ``ranks[j]``). Only the moved units' seconds are looked up; the
         other events keep the plan's durations (the same seconds)."""
         rank_of = flat_units // self.per_rank              # ascending: units come sorted
@@ -119,9 +119,9 @@ class _Step:
         ``moved[pick, i]`` (``pick`` [n]: each unit's candidate), in place."""
         i = moved[pick, np.arange(flat_units.size)]
         at = flat_units * self.g + i
-        plan.reshape(-1)[flat_units] = i
-        f.reshape(-1)[flat_units] = self.fwd.take(at)
-        b.reshape(-1)[flat_units] = self.bwd.take(at)
+        np.put(plan, flat_units, i)
+        np.put(f, flat_units, self.fwd.take(at))
+        np.put(b, flat_units, self.bwd.take(at))
 
     def floats(self, dur, ef, deadline):
         ff, fb = floats_from(self.graph, dur, ef, deadline, self.p2p, self.c.shape)
@@ -215,11 +215,11 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         limit = np.maximum(deadline[ranks], mk_cut[ranks]) * (1 + _REL_EPS) + 1e-15
         pick, r = np.argmax(mk_r <= limit, axis=0), np.arange(ranks.size)   # beta 0 holds
         new, mk_new = cut.copy(), mk_cut.copy()
-        new.reshape(-1)[up] = moved[pick[col], np.arange(up.size)]
+        np.put(new, up, moved[pick[col], np.arange(up.size)])
         mk_new[ranks] = mk_r[pick, r]
         new_step = float(mk_new.max())
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
-            st.moves(cut, f1, b1, up, moved, pick[col])
+            st.moves(cut, f1, b1, up, moved, pick[col])     # cut becomes new; f1, b1 its times
             dur1[:, ranks], ef1[:, ranks] = dur_r[:, pick * r.size + r], ef_r[:, pick * r.size + r]
             seen, cuts = known                  # the units whose density changed: unknown
             kept = new.reshape(-1)[seen] == idx.reshape(-1)[seen]
