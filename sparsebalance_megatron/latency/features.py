@@ -193,14 +193,14 @@ class UnitFeatures:
                                       self.local_blocks)          # [g, N + 1]
         # A document's work depends only on its block count, and a packed micro-batch's padding
         # is many equal pieces in a row: one gather per run of equal documents, summed per unit
-        # (runs are in unit order). Exact: integer pair counts.
+        # (runs are in unit order). Exact: integer pair counts, so the sums do not depend on
+        # their order, and a run's row of the transposed table is one contiguous gather.
         blocks, unit, count = self._doc_runs()
-        per_run = table[:, blocks] * count                         # [g, runs]
-        out = np.zeros((grid.size, n))
+        per_run = np.ascontiguousarray(table.T)[blocks] * count[:, None]   # [runs, g]
+        out = np.zeros((n, grid.size))
         has = np.bincount(unit, minlength=n) > 0
-        out[:, has] = np.add.reduceat(per_run, np.searchsorted(unit, np.flatnonzero(has)),
-                                      axis=1)
-        return out.T
+        out[has] = np.add.reduceat(per_run, np.searchsorted(unit, np.flatnonzero(has)), axis=0)
+        return out
 
     def _doc_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Runs of consecutive documents of one unit with the same block count: (block count,

@@ -16,7 +16,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
 import numpy as np
@@ -73,6 +73,9 @@ class UnitCosts:
     attn_work: Optional[np.ndarray] = None
     pipeline_ranks: Optional[int] = None
     dense_work: Optional[np.ndarray] = None
+    # the tables are already known finite, >= 0 and non-decreasing (``from_latency`` proves it
+    # from its inputs, a few thousand numbers, instead of the tables' millions)
+    tables_checked: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self):
         g = np.asarray(self.densities, dtype=np.float64)
@@ -87,7 +90,7 @@ class UnitCosts:
                              f"with g={g.size}")
         if min(f.shape) < 1:
             raise ValueError(f"fwd_s shape {f.shape}: every axis must be >= 1")
-        for name, a in (("fwd_s", f), ("bwd_s", b)):
+        for name, a in (("fwd_s", f), ("bwd_s", b)) if not self.tables_checked else ():
             lo, hi = a.min(), a.max()                  # NaN propagates into both
             if not (lo >= 0 and hi < np.inf):
                 raise ValueError(f"{name} must be finite seconds >= 0 (min={np.nanmin(a)!r})")
@@ -99,8 +102,8 @@ class UnitCosts:
                              f"dividing the {nv} (virtual) stages, or None")
         self.pipeline_ranks = int(pr)
         self.densities = g
-        self.fwd_s = _non_decreasing(f)
-        self.bwd_s = _non_decreasing(b)
+        self.fwd_s = f if self.tables_checked else _non_decreasing(f)
+        self.bwd_s = b if self.tables_checked else _non_decreasing(b)
         self.total_s = self.fwd_s + self.bwd_s                       # [dp, m, pp, g]
         for name in ("attn_work", "dense_work"):
             if getattr(self, name) is not None:
@@ -185,15 +188,25 @@ class UnitCosts:
         terms = [model.unit_terms(feats, s) for s in range(pp)]
         f = np.empty((n, pp, g.size))
         b = np.empty((n, pp, g.size))
-        for out, fixed, per_pair in (
-                (f, [t.fwd_fixed_s for t in terms], [t.fwd_attn_s_per_pair for t in terms]),
-                (b, [t.bwd_fixed_s for t in terms], [t.bwd_attn_s_per_pair for t in terms])):
+        parts = [(f, np.stack([t.fwd_fixed_s for t in terms], axis=1),
+                  np.asarray([t.fwd_attn_s_per_pair for t in terms], np.float64)),
+                 (b, np.stack([t.bwd_fixed_s for t in terms], axis=1),
+                  np.asarray([t.bwd_attn_s_per_pair for t in terms], np.float64))]
+        uncorrected = bool(np.all(corr == 1.0))
+        for out, fixed, per_pair in parts:
             # (work x per_pair + fixed) x correction, every stage at once: the same three
-            # operations per element as one stage at a time
-            np.multiply(work[:, None, :], np.asarray(per_pair, np.float64)[None, :, None],
-                        out=out)
-            out += np.stack(fixed, axis=1)[:, :, None]
-            out *= corr[:, :, None]
+            # operations per element as one stage at a time (x 1.0 is exact: left out)
+            np.multiply(work[:, None, :], per_pair[None, :, None], out=out)
+            out += fixed[:, :, None]
+            if not uncorrected:
+                out *= corr[:, :, None]
+        # finite, >= 0 and non-decreasing along the grid when every factor is finite and >= 0
+        # and the work is non-decreasing (rounding is monotone); the largest entry is the last
+        checked = bool(np.all(work[:, 1:] >= work[:, :-1]) and np.all(work >= 0)
+                       and np.all(np.isfinite(corr)) and np.all(corr >= 0)
+                       and all(np.all(np.isfinite(x)) and np.all(x >= 0)
+                               for _, fixed, per_pair in parts for x in (fixed, per_pair))
+                       and np.all(np.isfinite(f[..., -1])) and np.all(np.isfinite(b[..., -1])))
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
@@ -201,7 +214,7 @@ class UnitCosts:
         routed = None if not model.dense_below_tokens else \
             feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
-                   pipeline_ranks=model.layout.pp, dense_work=routed)
+                   pipeline_ranks=model.layout.pp, dense_work=routed, tables_checked=checked)
 
     @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,
@@ -244,36 +257,25 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     costs so). ``units``: flat offsets of the units' rows (unit id x g) in ``table.reshape(-1)``;
     ``units``, ``limit``, ``lo``, ``hi`` broadcast to one shape, the result's.
 
-    ``level_search`` with the predicate a table look-up, in fewer gathers: most answers are an
-    end of the interval (a unit left where it is, or cut to its bound), so both ends are tried
-    first and only the others bisect, each round over the elements still open."""
+    ``level_search`` with the predicate a table look-up, as a binary lifting over every element
+    at once: steps of 2^j down to 1 from lo - 1, each kept where the row at the probe (clamped
+    to hi) still fits; one gather per step, no per-element bookkeeping."""
     flat = table.reshape(-1)
     units, limit, lo, hi = np.broadcast_arrays(units, limit, lo, hi)
     shape = units.shape
-    units, limit = units.ravel(), limit.ravel()
-    out = lo.astype(np.int64).ravel()                              # a copy: lo if none
-    hi = hi.astype(np.int64, copy=False).ravel()
-    top = (flat.take(units + hi) <= limit) & (out < hi)
-    out[top] = hi[top]
-    # the rest: the answer is in [lo, hi - 1]; lo + 1 failing settles it at lo
-    todo = np.flatnonzero(~top & (out + 1 < hi))
-    if todo.size:
-        ok = flat.take(units[todo] + out[todo] + 1) <= limit[todo]
-        todo = todo[ok]
-        out[todo] += 1                                             # lo + 1 holds
-    u, lim, l, h = units[todo], limit[todo], out[todo], hi[todo] - 1
-    while todo.size:
-        open_ = l < h
-        if not open_.all():
-            todo, u, lim, l, h = todo[open_], u[open_], lim[open_], l[open_], h[open_]
-            if not todo.size:
-                break
-        mid = (l + h + 1) // 2
-        fits = flat.take(u + mid) <= lim
-        l = np.where(fits, mid, l)
-        h = np.where(fits, h, mid - 1)
-        out[todo] = l
-    return out.reshape(shape)
+    first = (units + lo).ravel()                                   # flat index of lo
+    last = (units + hi).ravel()
+    limit = limit.ravel()
+    pos = first - 1
+    span = int((last - first).max()) + 1 if pos.size else 0
+    step = 1 << (span.bit_length() - 1) if span > 0 else 0
+    while step:
+        probe = np.minimum(pos + step, last)
+        np.add(pos, step, out=pos, where=flat.take(probe) <= limit)
+        step >>= 1
+    np.minimum(pos, last, out=pos)                                 # past hi: hi fits
+    np.maximum(pos, first, out=pos)                                # none fits: lo
+    return (pos - units.ravel()).reshape(shape)
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

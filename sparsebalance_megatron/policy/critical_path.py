@@ -45,7 +45,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..sim.pipeline import event_graph
+from ..sim.pipeline import FWD, event_graph
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
 from .slack import floats_from
 
@@ -57,94 +57,178 @@ _REL_EPS = 1e-9
 NEUTRAL_DENSITY = 1.0                        # the descent's mean-density floor, x d0
 
 
-def _highest_within(t_grid: np.ndarray, thr, lo, hi) -> np.ndarray:
-    """Per unit, the highest grid index i in [lo, hi] with t_grid[..., i] <= thr (lo if none);
-    t_grid [dp, m, nv, g] non-decreasing along the grid (``UnitCosts``), thr of shape
-    [..., dp, m, nv] (a leading candidate axis), lo / hi broadcast to it."""
-    thr = np.asarray(thr, dtype=np.float64)
-    units = np.arange(np.prod(t_grid.shape[:-1])).reshape(t_grid.shape[:-1]) * t_grid.shape[-1]
-    return highest_at_most(t_grid, units, thr * (1 + _REL_EPS) + 1e-15, lo, hi)
-
-
 class _Step:
-    """Times, simulations and floats of plans (grid indices [k, dp, m, nv] or [dp, m, nv]) on
-    costs: a simulation keeps its event durations and earliest finishes, so the floats of a plan
-    already simulated cost only the backward pass (``slack.floats_from``)."""
+    """Times, simulations and floats of plans (grid indices [..., dp, m, nv], or a subset of
+    the DP ranks) on costs: a simulation keeps its event durations and earliest finishes, so
+    the floats of a plan already simulated cost only the backward pass
+    (``slack.floats_from``)."""
 
     def __init__(self, costs: UnitCosts, p2p_s: float):
         self.c, self.p2p = costs, float(p2p_s)
         self.pp = costs.pipeline_ranks
         dp, m, nv = costs.shape
         self.graph = event_graph(m, self.pp, nv // self.pp)
-        self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * costs.densities.size
+        self.g = costs.densities.size
+        self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * self.g
         self.fwd, self.bwd = costs.fwd_s.reshape(-1), costs.bwd_s.reshape(-1)
+        self.t_flat = costs.total_s.reshape(-1)
+        rows = np.empty(self.graph.size, dtype=np.int64)      # event row of each (kind, unit)
+        rows[self.graph.unit_rows] = np.arange(self.graph.size)
+        self.fwd_row, self.bwd_row = rows.reshape(2, m * nv)[FWD], rows.reshape(2, m * nv)[1 - FWD]
+        self.per_rank = m * nv
 
     def times(self, idx):
+        """fwd, bwd seconds of the plan ``idx`` [dp, m, nv]."""
         u = self.units + idx
         return self.fwd.take(u), self.bwd.take(u)
 
     def run(self, f, b):
-        """(durations, earliest finishes [E, cols], makespans [..., dp]) of plans' times."""
-        dp, m, nv = self.c.shape
+        """(durations, earliest finishes [E, cols], makespans [..., ranks]) of plans' times
+        f, b [..., ranks, m, nv]."""
+        _, m, nv = self.c.shape
         dur = self.graph.durations(f.reshape(-1, m, nv), b.reshape(-1, m, nv))
         ef = self.graph.earliest_finish(dur, self.p2p)
-        return dur, ef, self.graph.makespan(ef).reshape(f.shape[:-3] + (dp,))
+        return dur, ef, self.graph.makespan(ef).reshape(f.shape[:-2])
+
+    def candidates(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray):
+        """(ranks, column of each unit's rank among them [n], event durations [E, k x r]) of
+        the DP ranks that hold a unit of ``flat_units`` [n] (ascending): the plan simulated
+        as ``dur`` [E, dp] with those units at grid indices ``moved`` [k, n] (column c x r + j:
+        candidate c of rank ``ranks[j]``). Only the moved units' seconds are looked up; the
+        other events keep the plan's durations (the same seconds)."""
+        rank_of = flat_units // self.per_rank              # ascending: units come sorted
+        first = np.ones(rank_of.size, dtype=bool)
+        first[1:] = rank_of[1:] != rank_of[:-1]
+        ranks, col = rank_of[first], np.cumsum(first) - 1
+        k, r = moved.shape[0], ranks.size
+        out = np.tile(dur[:, ranks], (1, k))
+        cols = np.arange(k)[:, None] * r + col
+        at = flat_units * self.g + moved                            # [k, n] table offsets
+        local = flat_units % self.per_rank
+        out[self.fwd_row[local], cols] = self.fwd.take(at)
+        out[self.bwd_row[local], cols] = self.bwd.take(at)
+        return ranks, col, out
+
+    def simulate(self, dur):
+        """(earliest finishes [E, cols], makespans [cols]) of event durations [E, cols]."""
+        ef = self.graph.earliest_finish(dur, self.p2p)
+        return ef, self.graph.makespan(ef)
+
+    def moves(self, plan, f, b, flat_units, moved, pick):
+        """Plan ``plan`` [dp, m, nv] and its seconds ``f``, ``b`` with units ``flat_units`` at
+        ``moved[pick, i]`` (``pick`` [n]: each unit's candidate), in place."""
+        i = moved[pick, np.arange(flat_units.size)]
+        at = flat_units * self.g + i
+        np.put(plan, flat_units, i)
+        np.put(f, flat_units, self.fwd.take(at))
+        np.put(b, flat_units, self.bwd.take(at))
 
     def floats(self, dur, ef, deadline):
         ff, fb = floats_from(self.graph, dur, ef, deadline, self.p2p, self.c.shape)
         return np.minimum(ff, fb)
+
+    def highest_within(self, flat_units, thr, lo, hi) -> np.ndarray:
+        """Per unit (flat unit ids ``flat_units`` [n]), the highest grid index i in [lo, hi]
+        with t(i) <= thr (lo if none), thr [k, n] (a candidate per row), lo / hi [n] or
+        scalars; t non-decreasing along the grid (``UnitCosts``)."""
+        limit = np.asarray(thr, dtype=np.float64) * (1 + _REL_EPS) + 1e-15
+        return highest_at_most(self.t_flat, flat_units * self.g, limit, lo, hi)
 
 
 def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
             raise_headroom: float, meets, rounds: int = ROUNDS):
     """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
     docstring); ``meets(densities)`` says whether a plan keeps the floors. Returns (grid
-    indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster."""
+    indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster.
+
+    Only what a round can change is searched and simulated: a unit off every path longer
+    than T' keeps its density under every cut fraction (its own time is its threshold), and
+    a unit whose next grid density does not fit under the largest raise fraction keeps it
+    under every fraction; a DP rank none of whose units moves keeps its simulation."""
+    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds)[:2]
+
+
+def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
+             raise_headroom: float, meets, rounds: int):
+    """``descend``, and the DP ranks' makespans [dp] of the plan it returns."""
     st = _Step(costs, p2p_s)
     dp = costs.shape[0]
-    rows = np.arange(dp)
-    t_grid = costs.total_s
-    t_min = t_grid[..., i_min]
+    t_min = costs.total_s[..., i_min].reshape(-1)
     f, b = st.times(idx)
     dur, ef, mk = st.run(f, b)
     step = float(mk.max())
     eta = ETA_START
+    known = (np.zeros(0, dtype=np.int64), np.zeros((CUT_FRACTIONS.size, 0), dtype=np.int64))
+
+    def cuts_of(on, known):
+        """(grid indices [fractions, n] of units ``on`` (ascending) under every cut fraction,
+        the units searched so far and their cuts). A unit's cuts depend only on its own
+        density in the plan, so only units not searched since their density last changed
+        are searched (a round that keeps the plan asks less: its units on a path longer
+        than T' are a subset of the last round's)."""
+        seen, cuts = known
+        at = np.minimum(np.searchsorted(seen, on), max(seen.size - 1, 0))
+        hit = seen[at] == on if seen.size else np.zeros(on.size, dtype=bool)
+        if hit.all():
+            return cuts[:, at], known
+        moved = np.empty((CUT_FRACTIONS.size, on.size), dtype=np.int64)
+        moved[:, hit] = cuts[:, at[hit]]
+        miss = on[~hit]
+        t_on = (f + b).reshape(-1)[miss]
+        moved[:, ~hit] = st.highest_within(
+            miss, t_on - CUT_FRACTIONS[:, None] * (t_on - t_min[miss]), i_min,
+            idx.reshape(-1)[miss])
+        return moved, (on, moved)
+
     for _ in range(rounds):
         if eta < ETA_MIN:
             break
         target = step * (1.0 - eta)
-        crit = st.floats(dur, ef, np.full(dp, target)) < 0          # on a path longer than T'
-        t_cur = f + b
-        thr = np.where(crit, t_cur - CUT_FRACTIONS[:, None, None, None] * (t_cur - t_min), t_cur)
-        cand = _highest_within(t_grid, thr, i_min, idx)              # [k, dp, m, nv]
-        fk, bk = st.times(cand)
-        dur_k, ef_k, mk_k = st.run(fk, bk)                           # one call, k x dp columns
+        # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
+        on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
+        moved, known = cuts_of(on, known)
+        ranks, col, dur_k = st.candidates(dur, on, moved)           # [E, k x r]
+        ef_k, mk_k = st.simulate(dur_k)                              # one call, k x r columns
+        mk_k = mk_k.reshape(CUT_FRACTIONS.size, ranks.size)
         ok = mk_k <= target * (1 + _REL_EPS)
-        ok |= ~crit.any(axis=(1, 2))                                 # rank already within T'
         if not ok.any(axis=0).all():                                 # T' out of reach: ask less
             eta /= 2
             continue
-        pick = np.argmax(ok, axis=0)                                 # smallest alpha that fits
-        cut, f1, b1, cols = cand[pick, rows], fk[pick, rows], bk[pick, rows], pick * dp + rows
-        mk_cut = mk_k[pick, rows]
+        pick, r = np.argmax(ok, axis=0), np.arange(ranks.size)      # smallest alpha that fits
+        cut, f1, b1, mk_cut, dur1, ef1 = idx.copy(), f.copy(), b.copy(), mk.copy(), \
+            dur.copy(), ef.copy()
+        st.moves(cut, f1, b1, on, moved, pick[col])
+        mk_cut[ranks] = mk_k[pick, r]
+        dur1[:, ranks], ef1[:, ranks] = dur_k[:, pick * r.size + r], ef_k[:, pick * r.size + r]
+        # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = np.full(dp, target * (1.0 - raise_headroom))
-        cap = np.maximum(st.floats(dur_k[:, cols], ef_k[:, cols], deadline), 0.0)
-        thr = (f1 + b1) + RAISE_FRACTIONS[:, None, None, None] * cap
-        cand = _highest_within(t_grid, thr, cut, i_max)
-        fr, br = st.times(cand)
-        dur_r, ef_r, mk_r = st.run(fr, br)
-        limit = np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15
-        pick = np.argmax(mk_r <= limit, axis=0)                      # beta 0 always holds
-        new = cand[pick, rows]
-        new_step = float(mk_r[pick, rows].max())
+        cap = np.maximum(st.floats(dur1, ef1, deadline), 0.0).reshape(-1)
+        t1, lo = (f1 + b1).reshape(-1), cut.reshape(-1)
+        up = np.flatnonzero(lo < i_max)
+        up = up[st.t_flat.take(up * st.g + lo[up] + 1)
+                <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
+        moved = st.highest_within(up, t1[up] + RAISE_FRACTIONS[:, None] * cap[up], lo[up],
+                                  i_max)
+        ranks, col, dur_r = st.candidates(dur1, up, moved)
+        ef_r, mk_r = st.simulate(dur_r)
+        mk_r = mk_r.reshape(RAISE_FRACTIONS.size, ranks.size)
+        limit = np.maximum(deadline[ranks], mk_cut[ranks]) * (1 + _REL_EPS) + 1e-15
+        pick, r = np.argmax(mk_r <= limit, axis=0), np.arange(ranks.size)   # beta 0 holds
+        new, mk_new = cut.copy(), mk_cut.copy()
+        np.put(new, up, moved[pick[col], np.arange(up.size)])
+        mk_new[ranks] = mk_r[pick, r]
+        new_step = float(mk_new.max())
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
-            cols = pick * dp + rows
-            idx, f, b, step = new, fr[pick, rows], br[pick, rows], new_step
-            dur, ef = dur_r[:, cols], ef_r[:, cols]
+            st.moves(cut, f1, b1, up, moved, pick[col])     # cut becomes new; f1, b1 its times
+            dur1[:, ranks], ef1[:, ranks] = dur_r[:, pick * r.size + r], ef_r[:, pick * r.size + r]
+            seen, cuts = known                  # the units whose density changed: unknown
+            kept = new.reshape(-1)[seen] == idx.reshape(-1)[seen]
+            known = (seen[kept], cuts[:, kept])
+            idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new
             eta = min(eta * 1.5, ETA_MAX)
         else:
             eta /= 2
-    return idx, step
+    return idx, step, mk
 
 
 def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p2p_s: float, *,
@@ -173,12 +257,10 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
-    idx, step = descend(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds)
+    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds)
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
         return plan
     dens = costs.densities[idx]
-    st = _Step(costs, p2p_s)
-    mk = st.run(*st.times(idx))[2]
     report = replace(
         r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
         imbalance_after=float(mk.max() / mk.mean()) if mk.mean() > 0 else 1.0,

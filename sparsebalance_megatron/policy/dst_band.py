@@ -16,11 +16,11 @@ from typing import Optional
 import numpy as np
 
 from ..config import ANCHORS, MAX_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
-from ..sim.pipeline import pipeline_makespan_s
+from ..sim.pipeline import event_graph
 from .costs import UnitCosts, check_density_bounds, stage_mean_densities, weighted_mean_density
-from .dst_moves import (anchor_s, broadcast_sensitivity, cut_densities, gain_index,
+from .dst_moves import (GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
-from .slack import event_float_s
+from .slack import floats_from
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 _REL_EPS = 1e-9           # float slack when comparing makespans
@@ -124,17 +124,21 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
     if quality is not None:
-        best_index = gain_index(quality.marginal_gain(costs.densities), slots, pp, vp)
+        gains = GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp)
         span = costs.densities[i_max] - costs.densities[i_min]
         b_rows = np.tile(((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
                           / span) if span > 0 else np.zeros(rank_units.shape), (k, 1, 1))
 
+    graph = event_graph(m, pp, vp)
+
     def simulate(units, idx):
-        """(makespan [rows], fwd, bwd [rows, m * vp, pp]) of the rows' units at grid idx."""
+        """(makespan [rows], fwd, bwd [rows, m * vp, pp], event durations and earliest
+        finishes [E, rows]) of the rows' units at grid idx (the costs are checked already)."""
         f, b = lookup(costs.fwd_s, units, idx), lookup(costs.bwd_s, units, idx)
         n = f.shape[0]
-        return pipeline_makespan_s(f.reshape(n, m, nv), b.reshape(n, m, nv), p2p_s,
-                                   pp=pp), f, b
+        dur = graph.durations(f.reshape(n, m, nv), b.reshape(n, m, nv))
+        ef = graph.earliest_finish(dur, p2p_s)
+        return graph.makespan(ef), f, b, dur, ef
 
     def per_candidate(x):
         return np.asarray(x).reshape(k, dp)
@@ -144,7 +148,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     if _static is not None and "mk0" in _static:
         mk0, t0 = _static["mk0"], _static["t0"]
     else:
-        mk0, f0, b0 = simulate(rank_units, idx0)
+        mk0, f0, b0, _, _ = simulate(rank_units, idx0)
         t0 = f0 + b0
         if _static is not None:
             _static.update(mk0=mk0, t0=t0)
@@ -161,16 +165,16 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     if np.any(excess > 0):
         if quality is not None:
             base_s = lookup(t_grid, all_units, idx_start).sum(axis=1)
-            idx_cut = water_fill(t_grid, all_units, best_index, b_rows,
+            idx_cut = water_fill(t_grid, all_units, gains, b_rows,
                                   np.full_like(idx_start, i_min),
                                   idx_start, np.where(excess > 0, base_s - excess, np.inf))
         else:
             order = np.tile(np.argsort(sens, axis=1, kind="stable"), (k, 1, 1))
             idx_cut = cut_densities(t_grid, all_units, idx_start, np.maximum(excess, 0.0), order, i_min)
-        mk1, f1, b1 = simulate(all_units, idx_cut)
+        mk1, f1, b1, dur1, ef1 = simulate(all_units, idx_cut)
     else:
         idx_cut, mk1 = idx_start, np.tile(mk0, k)
-        f1, b1 = lookup(costs.fwd_s, all_units, idx_cut), lookup(costs.bwd_s, all_units, idx_cut)
+        _, f1, b1, dur1, ef1 = simulate(all_units, idx_cut)
     t1 = f1 + b1
     step1 = per_candidate(mk1).max(axis=1)                          # [k]
 
@@ -181,8 +185,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     busy1 = t1.sum(axis=1)                                          # [k * dp, pp]
     overhead = mk1 - busy1.max(axis=1)                              # fill/drain
     slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
-    float_f, float_b = event_float_s(f1.reshape(k * dp, m, nv), b1.reshape(k * dp, m, nv),
-                                     target, p2p_s, pp=pp)
+    float_f, float_b = floats_from(graph, dur1, ef1, target, p2p_s, (k * dp, m, nv))
     cap_full = np.maximum(np.minimum(float_f, float_b), 0.0).reshape(k * dp, slots, pp)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
@@ -201,31 +204,27 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                 t_cur = lookup(t_grid, units, cur)
                 top = highest_index_within(t_grid, units, t_cur + alpha[:, None, None] *
                                             cap_full[rows], cur, i_max)
-                trial = water_fill(t_grid, units, best_index, b_rows[rows], cur, top,
+                trial = water_fill(t_grid, units, gains, b_rows[rows], cur, top,
                                     t_cur.sum(axis=1) + alpha[:, None] * slack_full[rows])
             else:
                 trial = raise_densities(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
                                alpha[:, None, None] * cap_full[rows], order[rows], i_max)
-            mk, _, _ = simulate(units, trial)
+            mk = simulate(units, trial)[0]
             return trial, mk, mk <= limit[rows]
 
         trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
         idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
         ranks = ranks[~ok]
-        if ranks.size:
-            # All shrunken slacks of the overshooting rows in one simulator call:
-            # rows = rank x alpha (0.5, 0.25, ...); keep the largest alpha that clears.
-            alphas = 0.5 ** np.arange(1, RAISE_ROUNDS + 1)
-            rows = np.repeat(ranks, alphas.size)
-            trial, mk, ok = try_raise(rows, np.tile(alphas, ranks.size))
-            ok = ok.reshape(ranks.size, alphas.size)
-            for j, r in enumerate(ranks.tolist()):
-                hits = np.flatnonzero(ok[j])
-                if hits.size:
-                    h = j * alphas.size + hits[0]
-                    idx[r], mk_final[r] = trial[h], mk[h]
-                else:
-                    reverted[r] = True
+        # The overshooting rows again with half the slack, then a quarter, ...: a row keeps the
+        # largest alpha that clears (most clear at the first halvings, so only the rows still
+        # over are re-planned); one that clears none keeps its cut-only densities.
+        for alpha in 0.5 ** np.arange(1, RAISE_ROUNDS + 1):
+            if not ranks.size:
+                break
+            trial, mk, ok = try_raise(ranks, np.full(ranks.size, alpha))
+            idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
+            ranks = ranks[~ok]
+        reverted[ranks] = True
 
     plans = []
     mk_c, idx_c, rev_c = per_candidate(mk_final), idx.reshape(k, dp, slots, pp), \

@@ -91,7 +91,7 @@ def raise_densities(t_grid, units, cur_i, slack_s, cap_s, order, i_max):
 FILL_ITERS = 12          # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
 
 
-def water_fill(t_grid, units, best_index, b, lo, hi, limit_s):
+def water_fill(t_grid, units, gains, b, lo, hi, limit_s):
     """Quality water-filling of every (row, stage): each unit u takes the highest grid index in
     [lo_u, hi_u] whose marginal quality gain per unit of density, ``marg[u, i]`` (non-increasing
     in i: the cost is convex), is still worth its attention seconds, ``>= lambda x b_u``; lambda,
@@ -100,58 +100,82 @@ def water_fill(t_grid, units, best_index, b, lo, hi, limit_s):
     per second: cuts fall first on units that save much time for little quality, raises go
     first to low densities on cheap units, and no unit is starved while another is spared.
 
-    best_index(x) -> [k, m, pp]: per unit the highest grid index whose marginal gain is >= x
-    (x [k, m, pp]); b [k, m, pp] attention seconds per unit of density; lo, hi [k, m, pp] grid
-    index bounds. Where even the largest lambda (every unit at lo) exceeds the limit, every
-    unit is at lo."""
-    def at(log_lam):
-        return np.clip(best_index(np.exp(log_lam)[:, None, :] * b), lo, hi)
+    gains: a ``GainIndex`` (per unit the highest grid index whose marginal gain is >= x);
+    units, b (attention seconds per unit of density), lo, hi (grid index bounds): [k, slots,
+    pp]. Where every unit fits at hi, that is the answer; where even the largest lambda (every
+    unit at lo) exceeds the limit, every unit is at lo. Only the (row, stage) pairs that do not
+    fit at hi are searched, as [slots, pairs] arrays (each pair's seconds summed over its
+    micro-batches in order, as a [k, slots, pp] sum over slots is)."""
+    flat = t_grid.reshape(-1)
+    out = hi.copy()
+    rows, stages = np.nonzero(~(flat.take(units + hi).sum(axis=1) <= limit_s))
+    if not rows.size:
+        return out
+    u, b, lo, hi = (np.ascontiguousarray(a[rows, :, stages].T) for a in (units, b, lo, hi))
+    limit = limit_s[rows, stages]                                   # [n]
+    best_index = gains.for_stages(stages)
+
+    def at(log_lam):                    # clip(best_index, lo, hi), in place
+        i = best_index(np.exp(log_lam) * b)
+        np.maximum(i, lo, out=i)
+        return np.minimum(i, hi, out=i)
 
     def total(idx):
-        return lookup(t_grid, units, idx).sum(axis=1)
+        return flat.take(u + idx).sum(axis=0)
 
-    shape = limit_s.shape
-    lo_l, hi_l = np.full(shape, -20.0), np.full(shape, 20.0)
+    lo_l, hi_l = np.full(rows.size, -20.0), np.full(rows.size, 20.0)
     for _ in range(FILL_ITERS):
         mid = (lo_l + hi_l) / 2
-        fits = total(at(mid)) <= limit_s
+        fits = total(at(mid)) <= limit
         hi_l = np.where(fits, mid, hi_l)
         lo_l = np.where(fits, lo_l, mid)
-    free = total(hi) <= limit_s                                  # everything fits: no lambda
     # A piecewise-linear cost has equal marginal gains along a segment, so units cross it
     # together at one lambda; between the last lambda that does not fit and the first that does,
     # the units that move stop at one common density level, the highest that fits.
     fit, over = at(hi_l), at(lo_l)
 
     def level(L):
-        return np.maximum(fit, np.minimum(over, L[:, None, :]))
+        return np.maximum(fit, np.minimum(over, L))
 
-    L = level_search(fit.min(axis=1), over.max(axis=1),
-                      lambda L: total(level(L)) <= limit_s)
-    return np.where(free[:, None, :], hi, level(L))
+    L = level_search(fit.min(axis=0), over.max(axis=0), lambda L: total(level(L)) <= limit)
+    out[rows, :, stages] = level(L).T
+    return out
 
 
-def gain_index(marg: np.ndarray, slots: int, pp: int, vp: int):
-    """best_index(x) -> [k, slots, pp]: per unit, the highest grid index whose marginal quality
-    gain ``marg[v, i]`` ([nv, g], non-increasing in i, +inf at 0) is >= x [k, slots, pp], where
-    a unit's virtual stage is v = chunk x pp + rank (slot = micro-batch x vp + chunk). One
-    searchsorted over the stages' tables laid end to end, each shifted into its own band (a call
-    per stage costs more than the search)."""
-    nv, g = marg.shape
-    neg = -np.asarray(marg, dtype=np.float64)                      # ascending, -inf at 0
-    finite = neg[np.isfinite(neg)]
-    low = (float(finite.min()) if finite.size else 0.0) - 1.0      # below every finite entry
-    high = max(float(finite.max()) if finite.size else 0.0, 0.0) + 0.5
-    width = high - low + 1.0
-    flat = (np.clip(neg, low, None) + np.arange(nv)[:, None] * width).reshape(-1)
-    stage = (np.arange(slots) % vp)[:, None] * pp + np.arange(pp)[None, :]   # [slots, pp]
-    shift, first = stage * width, stage * g
+class GainIndex:
+    """Per unit, the highest grid index whose marginal quality gain ``marg[v, i]`` ([nv, g],
+    non-increasing in i, +inf at 0) is >= x, where a unit's virtual stage is v = chunk x pp +
+    rank (slot = micro-batch x vp + chunk). One searchsorted over the stages' tables laid end
+    to end, each shifted into its own band (a call per stage costs more than the search)."""
 
-    def best_index(x):
-        q = np.clip(-x, low, high) + shift
-        return np.searchsorted(flat, q, side="right") - 1 - first
+    def __init__(self, marg: np.ndarray, slots: int, pp: int, vp: int):
+        nv, g = marg.shape
+        neg = -np.asarray(marg, dtype=np.float64)                  # ascending, -inf at 0
+        finite = neg[np.isfinite(neg)]
+        self.low = (float(finite.min()) if finite.size else 0.0) - 1.0   # below every entry
+        self.high = max(float(finite.max()) if finite.size else 0.0, 0.0) + 0.5
+        self.width, self.g = self.high - self.low + 1.0, g
+        self.flat = (np.clip(neg, self.low, None)
+                     + np.arange(nv)[:, None] * self.width).reshape(-1)
+        self.stage = (np.arange(slots) % vp)[:, None] * pp + np.arange(pp)[None, :]
 
-    return best_index
+    def for_stages(self, ranks: np.ndarray):
+        """best_index(x) -> [slots, n] for x [slots, n]: column j a unit of pipeline rank
+        ``ranks[j]``."""
+        stage = self.stage[:, ranks]
+        shift, first = stage * self.width, stage * self.g + 1
+        low, high = self.low, self.high
+
+        def best_index(x):
+            q = np.negative(x)                      # clip(-x, low, high) + shift, in place
+            np.maximum(q, low, out=q)
+            np.minimum(q, high, out=q)
+            q += shift
+            i = np.searchsorted(self.flat, q, side="right")
+            i -= first
+            return i
+
+        return best_index
 
 
 def broadcast_sensitivity(sensitivity, shape) -> np.ndarray:

@@ -109,3 +109,104 @@ def test_issue27_long_tail_interleaved_case_gains_what_the_band_leaves():
     assert on["speedup_vs_static"] > 1.05
     assert on["mean_density"] >= 0.5 - 1e-9 and on["min_stage_density"] >= 0.75 * 0.5 - 1e-9
     assert on["predicted_loss"] <= 1e-9
+
+
+def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds=8):
+    """The descent as its module docstring states it, with nothing skipped: every round
+    searches every unit under every fraction, looks up every candidate plan whole and
+    simulates every DP rank (a plain binary search, ``level_search``, for the grid)."""
+    from sparsebalance_megatron.policy import critical_path as cp
+    from sparsebalance_megatron.policy.costs import level_search
+    from sparsebalance_megatron.policy.slack import floats_from
+    from sparsebalance_megatron.sim.pipeline import event_graph
+
+    dp, m, nv = costs.shape
+    g = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
+    t_grid, rows, eps = costs.total_s, np.arange(dp), cp._REL_EPS
+
+    def highest(thr, lo, hi):
+        lo, hi = np.broadcast_arrays(lo, hi, thr)[:2]
+        limit = thr * (1 + eps) + 1e-15
+        at = np.broadcast_to(t_grid, thr.shape + (t_grid.shape[-1],))
+        return level_search(lo, hi, lambda i: np.take_along_axis(
+            at, i[..., None], axis=-1)[..., 0] <= limit)
+
+    def sim(i):
+        k = i.reshape(-1, dp, m, nv)
+        f = np.stack([np.take_along_axis(costs.fwd_s, c[..., None], -1)[..., 0] for c in k])
+        b = np.stack([np.take_along_axis(costs.bwd_s, c[..., None], -1)[..., 0] for c in k])
+        dur = g.durations(f.reshape(-1, m, nv), b.reshape(-1, m, nv))
+        ef = g.earliest_finish(dur, p2p_s)
+        return f.reshape(i.shape), b.reshape(i.shape), dur, ef, \
+            g.makespan(ef).reshape(i.shape[:-3] + (dp,))
+
+    def floats(dur, ef, deadline):
+        return np.minimum(*floats_from(g, dur, ef, deadline, p2p_s, (dp, m, nv)))
+
+    f, b, dur, ef, mk = sim(idx)
+    step, eta = float(mk.max()), cp.ETA_START
+    for _ in range(rounds):
+        if eta < cp.ETA_MIN:
+            break
+        target = step * (1.0 - eta)
+        crit = floats(dur, ef, np.full(dp, target)) < 0
+        t = f + b
+        thr = np.where(crit, t - cp.CUT_FRACTIONS[:, None, None, None]
+                       * (t - t_grid[..., i_min]), t)
+        cand = highest(thr, i_min, idx)
+        fk, bk, dur_k, ef_k, mk_k = sim(cand)
+        ok = (mk_k <= target * (1 + eps)) | ~crit.any(axis=(1, 2))
+        if not ok.any(axis=0).all():
+            eta /= 2
+            continue
+        pick = np.argmax(ok, axis=0)
+        cut, cols, mk_cut = cand[pick, rows], pick * dp + rows, mk_k[pick, rows]
+        deadline = np.full(dp, target * (1.0 - raise_headroom))
+        cap = np.maximum(floats(dur_k[:, cols], ef_k[:, cols], deadline), 0.0)
+        t1 = fk[pick, rows] + bk[pick, rows]
+        cand = highest(t1 + cp.RAISE_FRACTIONS[:, None, None, None] * cap, cut, i_max)
+        fr, br, dur_r, ef_r, mk_r = sim(cand)
+        pick = np.argmax(mk_r <= np.maximum(deadline, mk_cut) * (1 + eps) + 1e-15, axis=0)
+        new, new_step = cand[pick, rows], float(mk_r[pick, rows].max())
+        if new_step < step * (1 - eps) and meets(costs.densities[new]):
+            cols = pick * dp + rows
+            idx, f, b, step = new, fr[pick, rows], br[pick, rows], new_step
+            dur, ef = dur_r[:, cols], ef_r[:, cols]
+            eta = min(eta * 1.5, cp.ETA_MAX)
+        else:
+            eta /= 2
+    return idx, step
+
+
+def test_descend_plans_exactly_what_the_plain_descent_plans():
+    """``descend`` searches and simulates only what a round can change and reuses searches
+    across rounds; its plans and step times are the plain descent's, bit for bit (plain and
+    interleaved pipelines, p2p latency, raise headroom, floors that reject some rounds)."""
+    from sparsebalance_megatron.policy import UnitCosts
+
+    rng = np.random.default_rng(11)
+    accepted = 0
+    for case in range(24):
+        dp, m, ranks = int(rng.integers(1, 9)), int(rng.integers(2, 9)), int(rng.integers(2, 5))
+        vp = 2 if case % 3 == 0 and m >= ranks else 1
+        costs = synthetic_costs(dp, m, ranks * vp, seed=900 + case,
+                                lm_head=float(rng.uniform(0.2, 3)))
+        if vp > 1:
+            costs = UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s, costs.attn_work,
+                              pipeline_ranks=ranks)
+        i_min, i_max = costs.index_of(DMIN), costs.index_of(DMAX)
+        start = rng.integers(i_min, i_max + 1, costs.shape) if case % 2 else \
+            np.full(costs.shape, costs.index_of(D0))
+        floor = float(rng.uniform(0.3, 0.6))               # some rounds fail the floor
+        w = costs.weights()
+
+        def meets(d):
+            return weighted_mean_density(d, w) >= floor
+
+        kw = dict(p2p_s=0.003 * (case % 2), raise_headroom=0.05 * (case % 4 > 1))
+        got, step = descend(costs, start, i_min, i_max, meets=meets, **kw)
+        want, want_step = _plain_descend(costs, start, i_min, i_max, meets=meets, **kw)
+        np.testing.assert_array_equal(got, want)
+        assert step == want_step
+        accepted += not np.array_equal(got, start)
+    assert accepted >= 8                                  # the descent did move plans
