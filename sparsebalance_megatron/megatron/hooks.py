@@ -158,6 +158,8 @@ def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = 
     out["tokenizer_type"] = "NullTokenizer"
     if ns.vocab_size is not None:
         return out
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        return out   # argparse prints the help and exits before any default is read
     from .step.data import load_data
 
     try:
