@@ -15,7 +15,8 @@ import pytest
 from tests.conftest import HYBRID_ENTRY, TINY_MODEL, read_metrics, run_entry
 from tests.distributed.test_sparse_balance_run import (MEASURED_STRAGGLER,
                                                       assert_measured_resume,
-                                                      assert_resumed_like_uninterrupted)
+                                                      assert_resumed_like_uninterrupted,
+                                                      assert_sensitivity_signs)
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +41,8 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
                                                            tiny_latency_table_pp2):
     """The run saves at iteration 2 and a second run resumes it for step 3 (issue 34: every
     PP >= 2 checkpoint was refused), with measured timings as in a user's run: the checks of
-    ``assert_measured_resume``, and the straggler's stage learned as the slow one."""
+    ``assert_measured_resume``, the sensitivity signal's signs, and the straggler's stage
+    learned as the slow one. (The GPT entry's twin of this resume runs with SB_SLOW_TESTS=1.)"""
     common = [*_common("*-*-", small_jsonl, tiny_latency_table_pp2), *MEASURED_STRAGGLER,
               "--sb-straggler-stage", "1", "--train-iters", "3"]
     proc = run_entry(4, [*common, "--eval-interval", "3", "--eval-iters", "1",
@@ -55,6 +57,7 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path,
               entry=HYBRID_ENTRY)
     rows = assert_measured_resume(tmp_path)
+    assert_sensitivity_signs(rows, read_metrics(tmp_path / "resumed.jsonl"))
     for r in rows:
         assert r["budgets_consistent"] is True
         assert r["layers_per_stage"] == [2, 2] and r["attention_layers_per_stage"] == [1, 1]

@@ -199,6 +199,9 @@ def assert_resumed_like_uninterrupted(full: list, resumed: list) -> None:
         assert np.allclose(a["unit_sensitivity"], b["unit_sensitivity"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow   # 2 launches of 4 ranks; its twins stay in the suite: the HybridModel PP=2 x
+# DP=2 resume (the same data-loader hook and checks, these sensitivity signs included) and the GPT
+# interleaved PP=2 x DP=2 resume below (the GPT entry, the plugin's file written at save)
 @pytest.mark.reliability(area="resume", case="PP=2 x DP=2 GPT checkpoint, DST on, measured "
                          "timings (DP rank 1 a 3x straggler), resumed at iteration 2 of 3",
                          expect="the saved calibration (per rank and stage) restored exactly; "
@@ -217,11 +220,14 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
     run_entry(4, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
                   "--save", tmp_path / "again", "--save-interval", "100",
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
-    full = assert_measured_resume(tmp_path)
-    # the default sensitivity signal: the length prior (> 0) until the first step's documents
-    # report their training loss, then minus each document's loss (< 0); planned ahead (the
-    # default), step 2 was planned before step 1's losses were in
-    resumed = read_metrics(tmp_path / "resumed.jsonl")
+    assert_sensitivity_signs(assert_measured_resume(tmp_path),
+                             read_metrics(tmp_path / "resumed.jsonl"))
+
+
+def assert_sensitivity_signs(full: list, resumed: list) -> None:
+    """The default sensitivity signal: the length prior (> 0) until the first step's documents
+    report their training loss, then minus each document's loss (< 0); planned ahead (the
+    default), step 2 was planned before step 1's losses were in."""
     assert all(min(min(r) for r in row["unit_sensitivity"]) > 0 for row in full[:2])
     assert all(max(max(r) for r in row["unit_sensitivity"]) < 0 for row in full[2:] + resumed)
 

@@ -1,6 +1,7 @@
 """The CPU shims (megatron/launch/compat.py) on the installed megatron-core: every target they
-replace exists, and the checkpoint writers' results queue is made in the ``fork`` context (a
-spawned one re-imports the training script at every run's first save: 5-10 s per rank here)."""
+replace exists, the checkpoint writers' results queue is made in the ``fork`` context (a
+spawned one re-imports the training script at every run's first save: 5-10 s per rank here),
+and ``pretrain()``'s JIT warm-up is skipped (an inductor build in every rank of every launch)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ def test_the_shims_find_their_targets_and_fork_the_checkpoint_results_queue():
     # the queue's Manager server is a forked child of this process, not a spawned one
     assert "ForkProcess" in {type(p).__name__ for p in mp.active_children()}
     assert "SpawnProcess" not in {type(p).__name__ for p in mp.active_children()}
+
+
+def test_pretrains_jit_warmup_runs_nothing_on_the_cpu():
+    """Megatron's ``set_jit_fusion_options`` (called by ``pretrain()``) reaches the warm-up by
+    its module global, which the shims replace: nothing is compiled and nothing drawn (the
+    warm-up's random tensors come from the CPU generator, the model's initialisation next)."""
+    import torch
+    from megatron.training import initialize as minit
+
+    from sparsebalance_megatron.megatron.launch import compat
+
+    assert compat.activate_cpu_shims() is True
+    assert minit._warmup_jit_function is compat._skip_jit_warmup
+    before = torch.get_rng_state()
+    minit.set_jit_fusion_options(tp_size=1)
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 EXIT_EARLY = """

@@ -4,8 +4,9 @@
    few hundred places (allocations on ``torch.cuda.current_device()``, CUDA RNG state, streams in
    DDP, a hard-coded ``device="cuda"`` in the schedules, ``initialize_megatron``'s CUDA assertion,
    model-parallel set-up skipped when ``torch.cuda.device_count() == 0``). On a CPU-only machine it
-   redirects exactly those to the CPU, and makes the checkpoint writers' results queue in the
-   ``fork`` context (Megatron spawns it at the first save, which re-imports the training script).
+   redirects exactly those to the CPU, makes the checkpoint writers' results queue in the
+   ``fork`` context (Megatron spawns it at the first save, which re-imports the training script)
+   and skips ``pretrain()``'s JIT warm-up (an inductor build per rank, ``_skip_jit_warmup``).
    Idempotent; does nothing at all when CUDA is available, so GPU runs never see it.
 2. ``skip_prebuilt_helpers_compile()`` (id ``sparsebalance.wheel_helpers.v1``), on any device:
    ``pretrain()`` runs ``make`` in ``megatron/core/datasets`` to build the dataset helpers, but the
@@ -142,6 +143,14 @@ class _DropRngWarning(logging.Filter):
         return _RNG_WARNING not in record.getMessage()
 
 
+def _skip_jit_warmup(*args, **kwargs) -> None:
+    """Replaces Megatron's ``_warmup_jit_function`` on the CPU. The warm-up runs the fused bias
+    kernels (``jit_fuser``: ``torch.compile``) on random tensors so that their compile is paid
+    before step 1; on the CPU that is an inductor C++ build in every rank of every launch (about
+    3 s of CPU and ten helper processes each, warm compile cache) for kernels the run compiles at
+    first use anyway when its model has them (bias-free models never do)."""
+
+
 def check_shim_targets() -> list[str]:
     """Names the shims replace that are missing from the installed torch / megatron-core."""
     import megatron.core.datasets.utils as mdutils
@@ -155,9 +164,12 @@ def check_shim_targets() -> list[str]:
     if not hasattr(mdutils, "compile_helpers"):
         missing.append("megatron.core.datasets.utils.compile_helpers")
     try:
+        import megatron.training.initialize as minit
         import megatron.training.training as mtraining
         if not hasattr(mtraining, "initialize_megatron"):
             missing.append("megatron.training.training.initialize_megatron")
+        if not hasattr(minit, "_warmup_jit_function"):
+            missing.append("megatron.training.initialize._warmup_jit_function")
     except ImportError:
         pass  # megatron.training is optional for the model-only uses of the shims
     missing += [f"torch.cuda.{n}" for n in _CUDA_TARGETS if not hasattr(torch.cuda, n)]
@@ -252,6 +264,11 @@ def activate_cpu_shims() -> bool:
         import megatron.training.training as mtraining
         mtraining.initialize_megatron = functools.partial(mtraining.initialize_megatron,
                                                           allow_no_cuda=True)
+    except ImportError:
+        pass
+    try:  # pretrain()'s JIT warm-up: see _skip_jit_warmup
+        import megatron.training.initialize as minit
+        minit._warmup_jit_function = _skip_jit_warmup
     except ImportError:
         pass
     try:  # megatron.training (the entry's argument validation) asks for the GPU architecture
