@@ -191,7 +191,7 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                                          for v in dense_packings)):
             say(f"packing {cfg.steps} global batches ({packing}) for the {key} layout search")
             ev = StepEvaluator(model, packed_features(model, lengths, cfg, dp, packing), dp,
-                               cfg.microbatches, d)
+                               cfg.microbatches, d, arrange=packing in ("sab", "sab_dense"))
             space[key] = {}
             for vp in vps:
                 say(f"searching the {key} layouts, vp={vp}")

@@ -46,6 +46,37 @@ def test_every_dense_packing_and_dp_balanced_run_on_the_same_batches(lm, lengths
         run_study(4, replace(CFG, dense_stand_down="dp_balanced"), lm, lengths, runs)
 
 
+def test_sab_packs_on_each_runs_own_layout_as_the_runtime_does(lm, lengths):
+    """SAB arranges its micro-batches on the run's pipeline (``batching.slots``): the study's
+    dense SAB row on a layout is SAB packed with that layout's latency model, step by step."""
+    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
+                                                 sab_plan)
+    from sparsebalance_megatron.data import GlobalBatchSampler
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.sim.pipeline import pipeline_makespan_s
+
+    vp2 = PipelineLayout(4, 2, (1, 1, 1, 1, 1, 1, 1, 1))
+    cfg = replace(CFG, stand_down="off")
+    rows = run_study(4, cfg, lm, lengths, {"a": ("dense_sab", LAYOUT), "b": ("dense_sab", vp2)})
+    sampler = GlobalBatchSampler(lengths, capacity=cfg.seq_length, dp=4,
+                                 num_microbatches=cfg.microbatches, seed=cfg.seed,
+                                 long_sample_policy="split")
+    batches = [sampler.next_global_batch() for _ in range(cfg.steps)]
+    for name, lay in (("a", LAYOUT), ("b", vp2)):
+        model = lm.all_dense().with_layout(lay)
+        total = 0.0
+        for segs in batches:
+            plan = sab_plan(segs, dp=4, num_microbatches=cfg.microbatches,
+                            max_tokens=cfg.seq_length, seed=cfg.seed,
+                            cost_fn=latency_sample_cost_fn(model, 1.0),
+                            sensitivity=SensitivityTracker())
+            c = UnitCosts.from_latency(model, plan.flat_lengths(with_padding=True), 4,
+                                       cfg.microbatches, np.array([1.0]))
+            f, b = c.at(np.zeros(c.shape, dtype=int))
+            total += pipeline_makespan_s(f, b, lm.p2p_s, pp=c.pipeline_ranks).max()
+        assert rows[name]["step_time_s"] == pytest.approx(total / cfg.steps, rel=1e-12)
+
+
 def test_dp_balanced_pays_no_fill_unless_every_run_varies(lm, lengths):
     """Megatron packs a micro-batch's documents back to back: with fixed-length micro-batches
     only the other packings pay the fill; with a multiple every packing rounds alike."""

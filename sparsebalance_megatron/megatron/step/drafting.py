@@ -89,9 +89,10 @@ class Drafter:
                                max_tokens=self.capacity)
         method = method or sb.packing_method
         if method == "sab":
+            # priced with the micro-batches' own padding, arranged on this run's pipeline
             plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
                             sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
-                            seed=sb.seed, **kw)
+                            seed=sb.seed, length_multiple=sb.microbatch_multiple, **kw)
         elif method == "token_balanced":
             plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
                                        seed=sb.seed, **kw)
