@@ -115,3 +115,35 @@ def test_the_packer_table_has_one_dense_row_per_mix_and_dp():
     assert r["sab_vs_best_seq_tb"] == pytest.approx(1.1) and r["best_dense"] == "sab"
     assert s["sab_vs_dp_balanced"]["median"] == pytest.approx(1.15)
     assert "target >= 1.15x: met" in format_packers(s)
+
+
+def test_packers_only_mode_runs_the_dense_rows_of_the_full_study(tmp_path):
+    """``bench_sim_study.py --packers-only``: the dense searches alone, the same rows the full
+    study reports (its dense candidates also hold the sparse searches' shortlists, so each
+    packing there is at least as fast), and the packer table."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts/bench_sim_study.py"
+    spec = importlib.util.spec_from_file_location("bench_sim_study", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--mixes", "long_tail", "--seeds", "0", "--ranks", "2", "--densities", "0.5",
+            "--steps", "1", "--pp", "2", "--vp", "1", "--microbatches", "2", "--seq-length",
+            "8192", "--total-tokens", "200000"]
+    docs = {}
+    for name, extra in (("full", ["--floor-sweep"]), ("packers", ["--packers-only"])):
+        script.main([*argv, *extra, "--json", str(tmp_path / f"{name}.json")])
+        docs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    key = "long_tail/seed=0/d0=0.5/dp=2"
+    full, only = docs["full"]["results"][key], docs["packers"]["results"][key]
+    assert set(only["rows"]) == {"best_dense", "dense_sequential", "dense_token_balanced",
+                                 "dense_dp_balanced", "dense_sab"}
+    assert "summary" not in docs["packers"] and docs["packers"]["packers"]["rows"]
+    for name in only["rows"]:
+        assert full["rows"][name]["step_time_s"] <= \
+            only["rows"][name]["step_time_s"] * (1 + 1e-9)
+    row = docs["packers"]["packers"]["rows"][0]
+    assert row["sab_vs_dp_balanced"] == pytest.approx(
+        only["rows"]["dense_dp_balanced"]["step_time_s"] / only["rows"]["dense_sab"]["step_time_s"])
