@@ -87,36 +87,6 @@ def test_dp_balanced_pays_no_fill_unless_every_run_varies(lm, lengths):
     assert var["seq"]["step_time_s"] < fixed["seq"]["step_time_s"]
 
 
-def test_the_stand_down_never_names_a_packing_the_runtime_cannot_pack():
-    def choice(variant, t):
-        return LayoutChoice(LAYOUT, variant, t, {})
-
-    static = [choice("dp_balanced", 1.0), choice("token_balanced", 1.1), choice("static", 1.2)]
-    dense = [choice("dense_dp_balanced", 2.0), choice("dense", 2.1),
-             choice("dense_token_balanced", 2.2)]
-    cfg = stand_down_config(CFG, static[0], static, dense)
-    assert (cfg.stand_down, cfg.dense_stand_down) == ("token_balanced", "sequential")
-    assert stand_down_config(replace(CFG, stand_down="off"), static[0], static, dense) == \
-        replace(CFG, stand_down="off")
-
-
-def test_the_packer_table_has_one_dense_row_per_mix_and_dp():
-    def row(t, **kw):
-        return {"step_time_s": t, **kw}
-
-    rows = {"dense_sequential": row(1.2), "dense_token_balanced": row(1.1),
-            "dense_dp_balanced": row(1.15, microbatches_per_rank=9.0),
-            "dense_sab": row(1.0, sab_stood_down=0.0)}
-    res = {f"file/d0={d}/dp=8": {"rows": rows, "layouts": {}} for d in (0.5, 0.25)}
-    s = packer_summary(res)
-    assert [r["key"] for r in s["rows"]] == ["file/dp=8"]
-    r = s["rows"][0]
-    assert r["sab_vs_dp_balanced"] == pytest.approx(1.15)
-    assert r["sab_vs_best_seq_tb"] == pytest.approx(1.1) and r["best_dense"] == "sab"
-    assert s["sab_vs_dp_balanced"]["median"] == pytest.approx(1.15)
-    assert "target >= 1.15x: met" in format_packers(s)
-
-
 def test_packers_only_mode_runs_the_dense_rows_of_the_full_study(tmp_path):
     """``bench_sim_study.py --packers-only``: the dense searches alone, the same rows the full
     study reports (its dense candidates also hold the sparse searches' shortlists, so each
@@ -147,3 +117,33 @@ def test_packers_only_mode_runs_the_dense_rows_of_the_full_study(tmp_path):
     row = docs["packers"]["packers"]["rows"][0]
     assert row["sab_vs_dp_balanced"] == pytest.approx(
         only["rows"]["dense_dp_balanced"]["step_time_s"] / only["rows"]["dense_sab"]["step_time_s"])
+
+
+def test_the_stand_down_never_names_a_packing_the_runtime_cannot_pack():
+    def choice(variant, t):
+        return LayoutChoice(LAYOUT, variant, t, {})
+
+    static = [choice("dp_balanced", 1.0), choice("token_balanced", 1.1), choice("static", 1.2)]
+    dense = [choice("dense_dp_balanced", 2.0), choice("dense", 2.1),
+             choice("dense_token_balanced", 2.2)]
+    cfg = stand_down_config(CFG, static[0], static, dense)
+    assert (cfg.stand_down, cfg.dense_stand_down) == ("token_balanced", "sequential")
+    assert stand_down_config(replace(CFG, stand_down="off"), static[0], static, dense) == \
+        replace(CFG, stand_down="off")
+
+
+def test_the_packer_table_has_one_dense_row_per_mix_and_dp():
+    def row(t, **kw):
+        return {"step_time_s": t, **kw}
+
+    rows = {"dense_sequential": row(1.2), "dense_token_balanced": row(1.1),
+            "dense_dp_balanced": row(1.15, microbatches_per_rank=9.0),
+            "dense_sab": row(1.0, sab_stood_down=0.0)}
+    res = {f"file/d0={d}/dp=8": {"rows": rows, "layouts": {}} for d in (0.5, 0.25)}
+    s = packer_summary(res)
+    assert [r["key"] for r in s["rows"]] == ["file/dp=8"]
+    r = s["rows"][0]
+    assert r["sab_vs_dp_balanced"] == pytest.approx(1.15)
+    assert r["sab_vs_best_seq_tb"] == pytest.approx(1.1) and r["best_dense"] == "sab"
+    assert s["sab_vs_dp_balanced"]["median"] == pytest.approx(1.15)
+    assert "target >= 1.15x: met" in format_packers(s)
