@@ -68,10 +68,9 @@ how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON
         --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
         --json docs/results/sim_study_robustness.json
 
-``--packers-only``: that dense table alone (issue 41's SAB vs dp_balanced): the dense packings'
-layout searches and their four rows, without the static sparse, SparseBalance and floor-sweep
-runs that cost the full study an hour; the rows are the full study's where the dense searches'
-own shortlists hold each packing's best layout (the full study also tries the sparse searches').
+``--packers-only``: that dense table alone (issue 41's SAB vs dp_balanced): the same layout
+searches, so the same candidate layouts and the same four dense rows as the full study, without
+the static sparse, SparseBalance, accuracy and floor-sweep runs that cost the full study an hour.
 """
 
 from __future__ import annotations
@@ -200,7 +199,8 @@ def parse_args(argv=None):
     p.add_argument("--packers-only", action="store_true",
                    help="dense attention by packing alone (sequential, token-balanced, "
                         "dp_balanced, SAB, each on its own best layout; the SAB vs dp_balanced "
-                        "table): no static sparse, SparseBalance or floor-sweep runs; dense runs "
+                        "table): the full study's searches and dense rows without its static "
+                        "sparse, SparseBalance or floor-sweep runs; dense runs "
                         "ignore d0, so the first --densities value keys the rows")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
@@ -289,10 +289,10 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
 def packers_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps,
                 whole_space: bool = True) -> dict:
     """``--packers-only``: study_one's dense rows alone (every dense packing on its own best
-    layout, found by the dense searches alone)."""
+    layout among the same candidates)."""
     t0 = time.perf_counter()
     found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space,
-                         sparse=False)
+                         dense_only=True)
     search_s = time.perf_counter() - t0
     cfg = stand_down_config(cfg, found["dense"][0], (), found["dense"])
     best_dense = found["dense"][0]

@@ -133,7 +133,7 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                  device_memory_gib: Optional[float] = None, whole_space: bool = True,
                  shortlist: int = 4, progress: Optional[Callable[[str], None]] = None,
                  dense_packings: Sequence[str] = tuple(DENSE_PACKINGS),
-                 sparse: bool = True) -> dict:
+                 dense_only: bool = False) -> dict:
     """{"static": [...], "dense": [...], "sparsebalance": [...], "accuracy": [...],
     "even_static": choice, "plain_static": choice, "space": {...}, "excluded_memory": int}.
 
@@ -149,9 +149,10 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     even_static: Megatron's default (even split, sequential packing; None when num_layers is
     not divisible by pp); plain_static: the best static run with Megatron's sequential packing
     (no plugin at all; the best static may need the plugin's token-balanced packing).
-    sparse False: the dense search alone (``dense_packings`` on the layouts their own searches
-    shortlist; static, sparsebalance and accuracy empty, even_static and plain_static None): the
-    packers' comparison without the cost of the sparse searches.
+    dense_only: the same layout-space searches and the same dense runs (each dense packing on
+    every shortlisted layout, so its rows are the full search's), without the static, SparseBalance
+    and accuracy runs (static, sparsebalance and accuracy empty, even_static and plain_static
+    None): the packers' comparison at a fraction of the cost.
 
     whole_space (issue 27): the layouts are the whole ``--pipeline-model-parallel-layout`` space
     (``layout_space.search_space`` per packing and vp, the count-flag layouts among its starts);
@@ -187,11 +188,10 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     if whole_space:
         cands, dense_cands = {}, {}
         dense_lm = lm.with_routing(1 << 40)
-        static_keys = (("static", lm, "sequential", cfg.density),
-                       ("token_balanced", lm, "token_balanced", cfg.density),
-                       ("dp_balanced", lm, "dp_balanced", cfg.density),
-                       ("sab", lm, "sab", cfg.density)) if sparse else ()
-        for key, model, packing, d in (*static_keys,
+        for key, model, packing, d in (("static", lm, "sequential", cfg.density),
+                                       ("token_balanced", lm, "token_balanced", cfg.density),
+                                       ("dp_balanced", lm, "dp_balanced", cfg.density),
+                                       ("sab", lm, "sab", cfg.density),
                                        *((v, dense_lm, DENSE_PACKINGS[v], 1.0)
                                          for v in dense_packings)):
             say(f"packing {cfg.steps} global batches ({packing}) for the {key} layout search")
@@ -220,14 +220,14 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
             candidates = [c for c in candidates if c.layers not in excluded]
         excluded_n = len(excluded)
         dense_candidates = candidates
-    if not (candidates if sparse else dense_candidates):
+    if not candidates:
         raise LayoutError(f"no pipeline layout of {n} layers over pp={pp} x vp {list(vps)} "
                           f"fits --device-memory-gib {device_memory_gib}: raise it, or use more "
                           f"pipeline stages or shorter micro-batches")
     kw = dict(pp=pp, num_layers=n, vps=vps, candidates=candidates)
     c = len(candidates)
     static = []
-    if sparse:
+    if not dense_only:
         say(f"simulating {c} layouts x {len(STATIC_VARIANTS)} static packings")
         static = search_layouts(lm, lengths, cfg, dp, variants=STATIC_VARIANTS, **kw)
     bad = [v for v in dense_packings if v not in DENSE_PACKINGS]
@@ -245,7 +245,7 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     if "dense_sab" in dense_packings:
         dense = sorted(dense + search_layouts(lm, lengths, sb_cfg, dp, variants=("dense_sab",),
                                               **dkw), key=lambda c: c.step_time_s)
-    if not sparse:
+    if dense_only:
         return {"static": [], "dense": dense, "sparsebalance": [], "accuracy": [],
                 "even_static": None, "plain_static": None, "excluded_memory": excluded_n,
                 "space": {k: {vp: r.as_dict() for vp, r in per.items()}
