@@ -82,6 +82,10 @@ how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON
         --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
         --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
         --json docs/results/sim_study_robustness.json
+
+``--packers-only``: that dense table alone (issue 41's SAB vs dp_balanced): the same layout
+searches, so the same candidate layouts and the same four dense rows as the full study, without
+the static sparse, SparseBalance, accuracy and floor-sweep runs that cost the full study an hour.
 """
 
 from __future__ import annotations
@@ -221,6 +225,12 @@ def parse_args(argv=None):
                    help="do no harm (issue 27, --sb-stand-down): SAB runs stand down to the best "
                         "static configuration's packing and DST plans to the static plan when "
                         "predicted no faster (best_static), or never (off: the ablation)")
+    p.add_argument("--packers-only", action="store_true",
+                   help="dense attention by packing alone (sequential, token-balanced, "
+                        "dp_balanced, SAB, each on its own best layout; the SAB vs dp_balanced "
+                        "table): the full study's searches and dense rows without its static "
+                        "sparse, SparseBalance or floor-sweep runs; dense runs "
+                        "ignore d0, so the first --densities value keys the rows")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -316,6 +326,30 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
             "sparsebalance_top5": [c.as_dict() for c in found["sparsebalance"][:5]]}
 
 
+def packers_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps,
+                whole_space: bool = True) -> dict:
+    """``--packers-only``: study_one's dense rows alone (every dense packing on its own best
+    layout among the same candidates)."""
+    t0 = time.perf_counter()
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space,
+                         dense_only=True)
+    search_s = time.perf_counter() - t0
+    cfg = stand_down_config(cfg, found["dense"][0], (), found["dense"])
+    best_dense = found["dense"][0]
+    runs = {"best_dense": (best_dense.variant, best_dense.layout),
+            **{v if v != "dense" else "dense_sequential":
+               (v, next(c for c in found["dense"] if c.variant == v).layout)
+               for v in ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")}}
+    rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_dense")
+    for r in rows.values():
+        r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
+    return {"rows": rows, "layouts": {name: lay.describe() for name, (_, lay) in runs.items()},
+            "best_dense_packing": best_dense.variant, "dense_stand_down": cfg.dense_stand_down,
+            "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
+            "space": found["space"], "excluded_memory": found["excluded_memory"],
+            "best_dense": best_dense.as_dict(), "search_s": search_s}
+
+
 def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) -> dict:
     """sab_dst at every stage floor, on the even split and on its best layout, against the
     best static configuration found for this (mix, d0, dp)."""
@@ -399,8 +433,9 @@ def main(argv=None):
                 study_mix(args, out, lm, cp, mix, seed)
     out["packers"] = packer_summary(out["results"])
     print(format_packers(out["packers"]))
-    out["summary"] = summarize(out["results"])
-    print(format_summary(out["summary"]))
+    if not args.packers_only:
+        out["summary"] = summarize(out["results"])
+        print(format_summary(out["summary"]))
     out["wall_s"] = time.perf_counter() - t0
     print(f"\n({out['wall_s']:.1f} s)")
     if args.json:
@@ -433,7 +468,7 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
     lengths = mix_lengths(mix, seed, total_tokens=args.total_tokens, tokenizer=args.tokenizer)
     out.setdefault("corpus", {})[name] = length_stats(lengths)
     mix = name
-    for d0 in args.densities:
+    for d0 in args.densities[:1] if args.packers_only else args.densities:
         if args.routing == "derived":      # the crossover depends on d0
             lm = routed_model(lm, args, d0, cp)
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
@@ -447,6 +482,15 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
                           planner=None if args.planner == "default" else args.planner,
                           plugin_cost=args.plugin_cost_model)
         res = {}
+        if args.packers_only:
+            for dp in args.ranks:
+                r = packers_one(lm, lengths, cfg, dp, args.pp, args.vp,
+                                whole_space=not args.count_flags_only)
+                out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
+                print(f"{mix} dp={dp}: " + ", ".join(f"{k} {r['rows'][k]['step_time_s']:.3f} s "
+                      f"({v})" for k, v in r["layouts"].items()) + f"; search "
+                      f"{r['search_s']:.1f} s", flush=True)
+            continue
         for dp in args.ranks:
             r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank,
                           whole_space=not args.count_flags_only)

@@ -227,13 +227,19 @@ class SparseBalanceConfig:
         "context-parallel split of a packed micro-batch needs), 1 without context parallelism. "
         "Give the CP run's value to a CP=1 run to compute the CP run's numbers on the same plans "
         "(--sb-replay-plans: each run plans with its own latency model otherwise).")
-    microbatch_multiple: int = _f(
-        0, "0: every packed micro-batch is --seq-length tokens, padding fills what its "
+    microbatch_multiple: str = _f(
+        "auto", "0: every packed micro-batch is --seq-length tokens, padding fills what its "
         "documents leave (Megatron's fixed shapes). K > 0: variable-length micro-batches, each "
         "as long as its documents rounded up to a multiple of K tokens (at most --seq-length), "
         "so the fill costs no linear-layer time; the plugin turns on Megatron's "
         "variable_seq_lengths (pipeline stages exchange shapes). K must be a multiple of the "
-        "document padding (2 x CP) and, with sequence parallelism, of TP x CP.")
+        "document padding (2 x CP) and, with sequence parallelism, of TP x CP. 'auto': "
+        "variable (a multiple of 128 that meets those) where SAB packs for dense attention on "
+        "the plugin's data path (dense attention takes any length, as Megatron's own "
+        "dp_balanced packer feeds it), else 0: with sparse attention (a kernel compile per "
+        "length), a HybridModel, CUDA graphs (fixed shapes), or a --sb-latency-table profiled "
+        "at one token total (it cannot price shorter micro-batches); with --sb-replay-plans, "
+        "the multiple the plans were packed at. The launch line says which and why.")
     tokenizer: str = _f(
         "qwen", "Tokenizer of the built-in real-text corpus and of .jsonl data: 'qwen' "
         "(Qwen2 BPE via tiktoken), 'gpt2', or 'byte'.", choices=TOKENIZERS)
@@ -352,6 +358,24 @@ class SparseBalanceConfig:
             return fixed
         return table_crossover or 0
 
+    @property
+    def microbatch_multiple_value(self) -> Optional[int]:
+        """--sb-microbatch-multiple as a number, or None for 'auto' (or a value out of its
+        domain)."""
+        v = self.microbatch_multiple
+        if isinstance(v, bool) or v == "auto":
+            return None
+        if isinstance(v, str) and v.isascii() and v.isdigit():
+            return int(v)
+        return v if isinstance(v, int) and v >= 0 else None
+
+    @property
+    def length_multiple(self) -> int:
+        """The micro-batches' length multiple (0: fixed --seq-length): the number given, or
+        what the launch resolved 'auto' to (``megatron/launch/lengths.py``); 'auto' not yet
+        resolved (a config outside a launch) is 0."""
+        return self.microbatch_multiple_value or 0
+
     def pad_multiple(self, cp_size: int) -> int:
         """What packed documents are padded to a multiple of, under ``cp_size`` CP ranks."""
         return self.seq_pad_multiple or (2 * cp_size if cp_size > 1 else 1)
@@ -453,10 +477,9 @@ class SparseBalanceConfig:
         if isinstance(self.seq_pad_multiple, bool) or not isinstance(self.seq_pad_multiple, int) \
                 or self.seq_pad_multiple < 0:
             bad("seq_pad_multiple", self.seq_pad_multiple, "an integer >= 0 (0: automatic)")
-        if isinstance(self.microbatch_multiple, bool) \
-                or not isinstance(self.microbatch_multiple, int) or self.microbatch_multiple < 0:
+        if self.microbatch_multiple != "auto" and self.microbatch_multiple_value is None:
             bad("microbatch_multiple", self.microbatch_multiple,
-                "an integer >= 0 (0: fixed --seq-length micro-batches)")
+                "'auto' or an integer >= 0 (0: fixed --seq-length micro-batches)")
         if not isinstance(self.straggler_rank, int) or self.straggler_rank < -1:
             bad("straggler_rank", self.straggler_rank, "-1 or a data-parallel rank >= 0")
         if isinstance(self.straggler_stage, bool) or not isinstance(self.straggler_stage, int) \

@@ -12,10 +12,13 @@ All three take the segments of one global batch and return a ``BatchPlan`` with
   decreasing cost go to the least loaded rank that still has token room. Within a rank the
   segments are ordered by sensitivity and cut into contiguous micro-batches of about equal cost,
   so each micro-batch holds samples of similar sensitivity (DST then cuts whole insensitive
-  micro-batches and raises sensitive ones). The cheapest micro-batches take the first and last
-  slots, which open and close the 1F1B pipeline. If the cost-aware packing does not fit a rank's
+  micro-batches and raises sensitive ones). If the cost-aware packing does not fit a rank's
   micro-batches, SAB falls back to the sequential bins re-assigned to ranks by cost (LPT with m
-  bins per rank): whatever the sequential baseline fits, SAB fits.
+  bins per rank): whatever the sequential baseline fits, SAB fits. Then where each micro-batch
+  runs: with a latency model's cost (``latency_sample_cost_fn``) the slots are chosen on the
+  simulated pipeline of the run's layout, and whole micro-batches may swap ranks
+  (``batching.slots``); without one, the cheapest micro-batches take the first and last slots,
+  which open and close the 1F1B pipeline.
 
 Determinism: ties in cost are broken by a permutation drawn from ``seed``; no other randomness.
 
@@ -31,31 +34,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..data.packing import sequential_pack
-from .plan import (BatchingError, BatchPlan, as_segment_array, as_segments, check_fits,
-                   check_long_sample_policy, check_shape_args, split_long)
+from .plan import (BatchingError, BatchPlan, _with_padding, as_segment_array, as_segments,
+                   check_fits, check_long_sample_policy, check_shape_args, split_long)
+from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
 CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] seconds
-
-
-def latency_sample_cost_fn(model, density: float) -> CostFn:
-    """Cost of a segment as a document of a packed micro-batch: the seconds it adds to the
-    micro-batch, fwd + bwd, summed over the pipeline stages, from a ``LatencyModel`` at
-    ``density`` (time of the micro-batch with it minus the empty micro-batch), without the
-    kernels' per-call costs (a micro-batch pays each call once, whatever its documents)."""
-    if hasattr(model, "without_call_costs"):
-        model = model.without_call_costs()
-
-    def cost(lengths: np.ndarray) -> np.ndarray:
-        L = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        csr = (np.arange(L.size + 1, dtype=np.int64), L)
-        feats = model.unit_features(csr)
-        empty = model.unit_features((np.zeros(2, np.int64), np.zeros(0, np.int64)))
-        out = np.zeros(L.size)
-        for s in range(model.pp):
-            out += model.predict_many(feats, density, s) - model.predict_many(empty, density, s)[0]
-        return out
-    return cost
 
 
 def _prepare(samples, dp, m, max_tokens, long_sample_policy):
@@ -242,13 +226,18 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
 def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
              cost_fn: Optional[CostFn] = None,
              sensitivity: Optional[SensitivityTracker | Callable] = None,
-             long_sample_policy: str = "split", seed: int = 0) -> BatchPlan:
+             long_sample_policy: str = "split", seed: int = 0, length_multiple: int = 0,
+             arrange: bool = True) -> BatchPlan:
     """Sparsity-aware batching of one global batch.
 
     samples: (sample_id, start, end) segments, or a [n] array of lengths; cost_fn: segment
     lengths -> predicted seconds (``latency_sample_cost_fn``; None = tokens, which reduces SAB to
     token balancing); sensitivity: a ``SensitivityTracker`` (or a callable (ids, lengths) -> [n])
-    whose estimates group the micro-batches; None = the length prior.
+    whose estimates group the micro-batches; None = the length prior; length_multiple: the
+    plan's ``length_multiple`` (``--sb-microbatch-multiple``: the padding its micro-batches are
+    priced with); arrange: with a ``LatencyCost``, choose the micro-batches' slots and swap whole
+    micro-batches between ranks on the simulated pipeline (``batching.slots``; False: cheapest
+    micro-batches first and last, the others as cut).
     """
     segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
                                     long_sample_policy)
@@ -262,12 +251,35 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         raise ValueError(f"sensitivity returned {sens.shape}: expected one value per segment "
                          f"({len(segs)})")
     plan = _balanced(sizes, cost, sens, dp, num_microbatches, max_tokens, seed)
-    if plan is not None:
-        return _finish(plan, "sab", max_tokens, n_split, False, segs, cost, indices=True)
-    return _fallback(segs, cost, dp, num_microbatches, max_tokens, n_split)
+    fallback = plan is None
+    if fallback:
+        plan = _fallback_bins(segs, cost, dp, num_microbatches, max_tokens)
+    if arrange and isinstance(cost_fn, LatencyCost):
+        plan = _arranged(plan, cost_fn, sizes, max_tokens, length_multiple)
+    return _finish(plan, "sab", max_tokens, n_split, fallback, segs, cost,
+                   indices=True).with_length_multiple(length_multiple)
 
 
-def _fallback(segs, cost, dp, m, max_tokens, n_split) -> BatchPlan:
+def _arranged(per_rank, cost_fn: LatencyCost, sizes, max_tokens: int,
+              length_multiple: int) -> list:
+    """``per_rank`` ([dp][m] bins of segment indices) in the slots ``slots.arrange_slots``
+    chooses on the latency model's per-stage costs of the packed micro-batches."""
+    from .slots import arrange_slots
+
+    dp, m = len(per_rank), len(per_rank[0])
+    bins = [b for rank in per_rank for b in rank]
+    counts = np.fromiter(map(len, bins), dtype=np.int64, count=dp * m)
+    lengths = sizes[np.fromiter(chain.from_iterable(bins), dtype=np.int64,
+                                count=int(counts.sum()))]
+    lengths, counts = _with_padding(lengths, counts, max_tokens, length_multiple)
+    f, b = cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
+    nv = f.shape[1]
+    src, _ = arrange_slots(f.reshape(dp, m, nv), b.reshape(dp, m, nv), cost_fn.p2p_s,
+                           pp=cost_fn.pp, scale=cost_fn.scale(dp))
+    return [[bins[u] for u in row] for row in src.tolist()]
+
+
+def _fallback_bins(segs, cost, dp, m, max_tokens) -> list:
     """Sequential bins (they fit whenever the baseline fits), assigned to ranks by LPT on cost
     with exactly m bins per rank."""
     size = [e - s for _, s, e in segs]
@@ -292,8 +304,7 @@ def _fallback(segs, cost, dp, m, max_tokens, n_split) -> BatchPlan:
         if len(per_rank[r]) < m:
             heapq.heappush(heap, (load + bcost[j], r))
     cost_l = cost.tolist()
-    per_rank = [_order_slots(b, cost_l) for b in per_rank]
-    return _finish(per_rank, "sab", max_tokens, n_split, True, segs, cost, indices=True)
+    return [_order_slots(b, cost_l) for b in per_rank]
 
 
 def _merged(ranges):

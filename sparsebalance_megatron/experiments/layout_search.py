@@ -134,7 +134,8 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                  num_layers: Optional[int] = None, vps: Sequence[int] = (1, 2),
                  device_memory_gib: Optional[float] = None, whole_space: bool = True,
                  shortlist: int = 4, progress: Optional[Callable[[str], None]] = None,
-                 dense_packings: Sequence[str] = tuple(DENSE_PACKINGS)) -> dict:
+                 dense_packings: Sequence[str] = tuple(DENSE_PACKINGS),
+                 dense_only: bool = False) -> dict:
     """{"static": [...], "dense": [...], "sparsebalance": [...], "accuracy": [...],
     "even_static": choice, "plain_static": choice, "space": {...}, "excluded_memory": int}.
 
@@ -150,6 +151,10 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     even_static: Megatron's default (even split, sequential packing; None when num_layers is
     not divisible by pp); plain_static: the best static run with Megatron's sequential packing
     (no plugin at all; the best static may need the plugin's token-balanced packing).
+    dense_only: the same layout-space searches and the same dense runs (each dense packing on
+    every shortlisted layout, so its rows are the full search's), without the static, SparseBalance
+    and accuracy runs (static, sparsebalance and accuracy empty, even_static and plain_static
+    None): the packers' comparison at a fraction of the cost.
 
     whole_space (issue 27): the layouts are the whole ``--pipeline-model-parallel-layout`` space
     (``layout_space.search_space`` per packing and vp, the count-flag layouts among its starts);
@@ -193,7 +198,7 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                                          for v in dense_packings)):
             say(f"packing {cfg.steps} global batches ({packing}) for the {key} layout search")
             ev = StepEvaluator(model, packed_features(model, lengths, cfg, dp, packing), dp,
-                               cfg.microbatches, d)
+                               cfg.microbatches, d, arrange=packing in ("sab", "sab_dense"))
             space[key] = {}
             for vp in vps:
                 say(f"searching the {key} layouts, vp={vp}")
@@ -226,8 +231,10 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                           f"pipeline stages or shorter micro-batches")
     kw = dict(pp=pp, num_layers=n, vps=vps, candidates=candidates)
     c = len(candidates)
-    say(f"simulating {c} layouts x {len(STATIC_VARIANTS)} static packings")
-    static = search_layouts(lm, lengths, cfg, dp, variants=STATIC_VARIANTS, **kw)
+    static = []
+    if not dense_only:
+        say(f"simulating {c} layouts x {len(STATIC_VARIANTS)} static packings")
+        static = search_layouts(lm, lengths, cfg, dp, variants=STATIC_VARIANTS, **kw)
     bad = [v for v in dense_packings if v not in DENSE_PACKINGS]
     if bad or not dense_packings:
         raise ValueError(f"dense_packings {list(dense_packings)}: expected some of "
@@ -238,10 +245,17 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     dense = search_layouts(lm, lengths, cfg, dp, variants=tuple(
         v for v in dense_packings if v != "dense_sab"), **dkw) \
         if set(dense_packings) - {"dense_sab"} else []
-    sb_cfg = stand_down_config(cfg, static[0], static, dense)   # dense_sab: to the best dense
+    # dense_sab: to the best dense
+    sb_cfg = stand_down_config(cfg, static[0] if static else dense[0], static, dense)
     if "dense_sab" in dense_packings:
         dense = sorted(dense + search_layouts(lm, lengths, sb_cfg, dp, variants=("dense_sab",),
                                               **dkw), key=lambda c: c.step_time_s)
+    if dense_only:
+        return {"static": [], "dense": dense, "sparsebalance": [], "accuracy": [],
+                "even_static": None, "plain_static": None, "excluded_memory": excluded_n,
+                "space": {k: {vp: r.as_dict() for vp, r in per.items()}
+                          for k, per in space.items()},
+                "static_lower_bound_s": None, "static_optimum_proven": False}
     say(f"simulating {c} layouts with SparseBalance (SAB + DST)")
     sparse = search_layouts(lm, lengths, sb_cfg, dp, variants=(SPARSE_VARIANT,), **kw)
     say(f"simulating {c} layouts with SparseBalance raising to the static step time")

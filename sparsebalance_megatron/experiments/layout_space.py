@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..batching.slots import arrange_slots
 from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
 from ..policy import UnitCosts
 from ..sim.pipeline import interleaved_refusal, pipeline_makespan_s
@@ -67,7 +68,8 @@ def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
             cost_fn = latency_sample_cost_fn(lm, cfg.density) if packing == "sab" else \
                 latency_sample_cost_fn(lm.all_dense(), 1.0)
             plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap, cost_fn=cost_fn,
-                            sensitivity=SensitivityTracker(), seed=cfg.seed)
+                            sensitivity=SensitivityTracker(), seed=cfg.seed,
+                            length_multiple=cfg.microbatch_multiple)
         elif packing == "dp_balanced":
             plan = dp_balanced_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
                                     empty_groups=True)
@@ -81,10 +83,16 @@ def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
 
 class StepEvaluator:
     """Static step time (every unit at ``density``) of any layout on fixed packed batches (a
-    step's micro-batch count is its features' units / dp: Megatron's dp_balanced varies it)."""
+    step's micro-batch count is its features' units / dp: Megatron's dp_balanced varies it).
+    With ``arrange`` (SAB's packings) the micro-batches run in the slots SAB would give them on
+    that layout (``batching.slots.arrange_slots``: SAB arranges them on the run's own pipeline),
+    and no lower bound is claimed (its fill terms assume the packed first and last
+    micro-batches, and swaps move work between ranks)."""
 
-    def __init__(self, lm, feats: list, dp: int, num_microbatches: int, density: float):
+    def __init__(self, lm, feats: list, dp: int, num_microbatches: int, density: float,
+                 arrange: bool = False):
         self.lm, self.feats, self.dp, self.m = lm, feats, int(dp), int(num_microbatches)
+        self.arrange = bool(arrange)
         self.grid = np.asarray([float(density)])
         self._cols: dict = {}       # (step, kind, layers) -> (fwd [dp, m], bwd [dp, m])
         self._steps: dict = {}      # (pp, layers) -> mean step seconds
@@ -111,6 +119,9 @@ class StepEvaluator:
             tot = 0.0
             for s in range(len(self.feats)):
                 f, b = self._costs(lay, s)
+                if self.arrange:
+                    tot += float(arrange_slots(f, b, self.lm.p2p_s, pp=lay.pp)[1].max())
+                    continue
                 tot += float(pipeline_makespan_s(f, b, self.lm.p2p_s,
                                                  pp=lay.pp if lay.vp > 1 else None).max())
             self._steps[key] = tot / len(self.feats)
@@ -137,7 +148,10 @@ class StepEvaluator:
 
     def lower_bound_s(self, num_layers: int, pp: int, vp: int) -> Optional[float]:
         """A proven lower bound on ``step_s`` of every layout of ``num_layers`` over pp x vp
-        (module docstring); None when the latency model's stage time is not affine."""
+        (module docstring); None when the latency model's stage time is not affine, or the
+        micro-batches are arranged per layout."""
+        if self.arrange:
+            return None
         nv, p2p, total = pp * vp, float(self.lm.p2p_s), 0.0
         for s in range(len(self.feats)):
             aff = self._affine(pp, vp, s)

@@ -191,6 +191,13 @@ def _plan_key(variant: str) -> str:
     return "sab_dense" if variant == "dense_sab" else packing_of(variant)
 
 
+def _layout_plan_key(variant: str, layout):
+    """``_plan_key``, with the layout for SAB's packings: SAB arranges its micro-batches on the
+    run's own pipeline."""
+    key = _plan_key(variant)
+    return (key, layout) if key in ("sab", "sab_dense") else key
+
+
 def check_variant(variant: str) -> None:
     from ..config import ANCHORS
     v = _base(variant)
@@ -237,15 +244,18 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                                                   models[base is lm_dense, lay].layout.layers, d0)
     sampler = GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
                                  seed=cfg.seed, long_sample_policy="split")
-    cost_fns = {"sab": latency_sample_cost_fn(lm, d0),
-                "sab_dense": latency_sample_cost_fn(lm_dense, 1.0)}   # every document dense
     tracker = SensitivityTracker()
     acc = {name: VariantAccumulator() for name in runs}
     if cfg.plugin_cost is not None:      # each SparseBalance run's own cost per step (issue 44)
         _charge_runs(cfg, acc, runs, models, dp, lm)
     policies = {}
-    needed = {_plan_key(v) for v, _ in runs.values()}
-    needed_feats = {(_plan_key(v), is_dense(v)) for v, _ in runs.values()}
+    needed = {_layout_plan_key(v, lay) for v, lay in runs.values()}
+    needed_feats = {(_layout_plan_key(v, lay), is_dense(v)) for v, lay in runs.values()}
+    # SAB packs on each run's own layout, as the runtime's planner does (batching.slots);
+    # sab_dense by the dense costs: every document dense
+    cost_fns = {k: latency_sample_cost_fn(models[k[0] == "sab_dense", k[1]],
+                                          1.0 if k[0] == "sab_dense" else d0)
+                for k in needed if isinstance(k, tuple)}
     fallback = cfg.policy().stand_down          # the packing SAB's runs stand down to
     fallback = None if fallback == "off" else fallback
     if cfg.dense_stand_down not in (None, "sequential", "token_balanced"):
@@ -262,10 +272,10 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     for _ in range(cfg.steps):
         segs = sampler.next_global_batch()
         plans = {"sequential": sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)}
-        for key in ("sab", "sab_dense"):
-            if key in needed:
-                plans[key] = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
-                                      cost_fn=cost_fns[key], sensitivity=tracker, seed=cfg.seed)
+        for key, cost_fn in cost_fns.items():
+            plans[key] = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
+                                  cost_fn=cost_fn, sensitivity=tracker, seed=cfg.seed,
+                                  length_multiple=cfg.microbatch_multiple)
         if "token_balanced" in needed:
             plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
                                                           max_tokens=cap, seed=cfg.seed)
@@ -280,9 +290,9 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         sens = {k: unit_sensitivity(p.micro_batches, tracker) for k, p in plans.items()}
         costs = {}
         for name, (variant, lay) in runs.items():
-            packing, dense = _plan_key(variant), is_dense(variant)
+            packing, dense = _layout_plan_key(variant, lay), is_dense(variant)
             # do no harm: SAB's packing competes with the baseline's (policy.stand_down)
-            back = {"sab": fallback, "sab_dense": dense_fallback}.get(packing)
+            back = {"sab": fallback, "sab_dense": dense_fallback}.get(_plan_key(variant))
             cands = [packing] + ([back] if back else [])
             for k in cands:
                 if (k, dense, lay) not in costs:

@@ -206,6 +206,7 @@ def model_config(args, build: Callable, *, packed_data: Optional[bool] = None):
 
 
 def _install(args, model_cfg, packed_data):
+    from .launch.lengths import apply_length_multiple
     from .model.budget import BudgetContext
     from .model.hybrid import install_attention_spec, is_hybrid_config
     from .model.spec import sparse_core_attention_spec
@@ -213,6 +214,8 @@ def _install(args, model_cfg, packed_data):
     sb = config_from_args(args)
     plugin_data = uses_plugin_data(sb, packed_data)
     hybrid = is_hybrid_config(model_cfg)
+    # --sb-microbatch-multiple auto -> a number, in args, before anything reads it
+    sb, lengths_note = apply_length_multiple(args, sb, plugin_data=plugin_data, hybrid=hybrid)
     check_launch(args, sb, plugin_data=plugin_data, hybrid=hybrid)
     if plugin_data:
         from .launch.latency_setup import check_given_table
@@ -244,7 +247,7 @@ def _install(args, model_cfg, packed_data):
         # Packed micro-batches hold different numbers of real tokens: normalise per token.
         args.calculate_per_token_loss = True
         model_cfg.calculate_per_token_loss = True
-        if sb.microbatch_multiple:
+        if sb.length_multiple:
             # Variable-length micro-batches: Megatron's pipeline stages exchange each tensor's
             # shape before sending it (its dataloader-set flag; validate_args clears it).
             args.variable_seq_lengths = True
@@ -261,6 +264,8 @@ def _install(args, model_cfg, packed_data):
     if plugin_data:
         parts.append(f"data: {_run.data.corpus.name} ({len(_run.data.corpus)} documents, "
                      f"tokenizer {_run.data.tokenizer}), packing {sb.packing_method}")
+        if lengths_note:
+            parts.append(lengths_note)
     parts.append("DST on" if sb.dst_enabled else "DST off")
     comm.say("; ".join(parts))
     return model_cfg

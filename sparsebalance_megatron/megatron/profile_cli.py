@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     densities = args.densities or ([0.25, 1.0] if args.quick
                                    else [0.125, 0.25, 0.5, 0.75, 1.0])
     mixes = default_mixes(args.seq_length, args.mixes or (5 if args.quick else 10), seed=sb.seed,
-                          block_size=sb.block_size, length_multiple=sb.microbatch_multiple)
+                          block_size=sb.block_size, length_multiple=sb.length_multiple)
     repeats = args.repeats or (2 if args.quick else 5)
     # On CUDA a new shape compiles the flex kernel: one untimed run per point keeps any compile
     # out of the samples (the grid has one token count, so there should be one shape).

@@ -3,7 +3,9 @@ pretrain(), on gloo: the plugin's packing gain for a run that keeps dense attent
 
 The run must make no sparse-attention call (a tripwire replaces ``block_sparse_attention`` in the
 training processes: any call stops the run), pack every step by SAB (``--sb-stand-down off``, so
-SAB's packing is committed even when predicted no faster), and say so at launch.
+SAB's packing is committed even when predicted no faster), and say so at launch; with
+``--sb-microbatch-multiple`` left at 'auto' its micro-batches are variable-length (multiples of
+128 tokens: no fill for dense attention), and the launch line says so and why.
 """
 
 from __future__ import annotations
@@ -58,10 +60,12 @@ def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_js
     assert "dense attention (no sparse call; SAB packs by the dense kernel's predicted time)" \
         in out and "packing sab" in out
     assert "SB_TEST_FORBID_SPARSE" not in out
+    assert "variable-length micro-batches, multiples of 128 tokens (--sb-microbatch-multiple " \
+        "auto: SAB with dense attention pays no fill" in out
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["packing"] == "sab"
+        assert r["packing"] == "sab" and r["plan"]["length_multiple"] == 128
         assert "mean_density" not in r              # no density plan: nothing sparse
         assert math.isfinite(r["loss"])
 

@@ -15,7 +15,8 @@ from sparsebalance_megatron.config import SparseBalanceConfig, flag_name, path_f
 from sparsebalance_megatron.megatron.launch.checks import LaunchError
 from sparsebalance_megatron.megatron.launch.preflight import check_config
 
-NOT_PATHS = {"fault", "raise_headroom", "dense_below_tokens", "watchdog_seconds"}   # strings that name no file
+NOT_PATHS = {"fault", "raise_headroom", "dense_below_tokens", "watchdog_seconds",
+             "microbatch_multiple"}   # strings that name no file
 
 
 def test_every_path_flag_is_declared():

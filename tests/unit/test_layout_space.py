@@ -138,3 +138,16 @@ def test_cli_states_the_plain_megatron_row_the_bound_and_the_memory_limit(capsys
     with pytest.raises(SystemExit):
         main(["--analytic", "--pp", "2", "--device-memory-gib", "0"])
     assert "--device-memory-gib 0.0: expected a number of GiB > 0" in capsys.readouterr().err
+
+
+def test_sabs_layout_search_runs_its_micro_batches_in_the_slots_sab_gives_them(lm, lengths):
+    """SAB arranges its micro-batches on the run's own pipeline (``batching.slots``), so its
+    layout search does too: never slower than the packed order on any layout, and no proven
+    bound claimed (the bound's fill terms assume the packed first and last micro-batches)."""
+    feats = packed_features(lm, lengths, CFG, 4, "sab")
+    plain = StepEvaluator(lm, feats, 4, 4, 0.5)
+    arranged = StepEvaluator(lm, feats, 4, 4, 0.5, arrange=True)
+    for lay in (L(4, 1, (8, 8, 8, 0)), L(4, 2, (3, 4, 3, 2, 4, 5, 3, 0))):
+        assert arranged.step_s(lay) <= plain.step_s(lay) * (1 + 1e-12)
+    assert plain.lower_bound_s(24, 4, 1) is not None
+    assert arranged.lower_bound_s(24, 4, 1) is None

@@ -118,7 +118,7 @@ CASES = [
     _case(["--sb-tolerance", "-1"], "--sb-tolerance=-1.0: expected a number in [0, 10]"),
     _case(["--sb-sink-blocks", "-1"], "--sb-sink-blocks=-1: expected an integer >= 0"),
     _case(["--sb-query-chunk-blocks", "0"], "--sb-query-chunk-blocks=0: expected an integer >= 1"),
-    _case(["--sb-microbatch-multiple", "-4"], "--sb-microbatch-multiple=-4: expected an integer"),
+    _case(["--sb-microbatch-multiple", "-4"], "--sb-microbatch-multiple='-4': expected 'auto' or an integer >= 0"),
     _case(["--sb-fault", "1:0:explode"], "--sb-fault='1:0:explode': expected RANK:STEP:KIND"),
     _case(["--sb-watchdog-seconds", "-1"], "--sb-watchdog-seconds='-1': expected 'auto'"),
     _case(["--sb-watchdog-seconds", "600"], "--sb-watchdog-seconds=600: expected fewer seconds "

@@ -46,6 +46,37 @@ def test_every_dense_packing_and_dp_balanced_run_on_the_same_batches(lm, lengths
         run_study(4, replace(CFG, dense_stand_down="dp_balanced"), lm, lengths, runs)
 
 
+def test_sab_packs_on_each_runs_own_layout_as_the_runtime_does(lm, lengths):
+    """SAB arranges its micro-batches on the run's pipeline (``batching.slots``): the study's
+    dense SAB row on a layout is SAB packed with that layout's latency model, step by step."""
+    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
+                                                 sab_plan)
+    from sparsebalance_megatron.data import GlobalBatchSampler
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.sim.pipeline import pipeline_makespan_s
+
+    vp2 = PipelineLayout(4, 2, (1, 1, 1, 1, 1, 1, 1, 1))
+    cfg = replace(CFG, stand_down="off")
+    rows = run_study(4, cfg, lm, lengths, {"a": ("dense_sab", LAYOUT), "b": ("dense_sab", vp2)})
+    sampler = GlobalBatchSampler(lengths, capacity=cfg.seq_length, dp=4,
+                                 num_microbatches=cfg.microbatches, seed=cfg.seed,
+                                 long_sample_policy="split")
+    batches = [sampler.next_global_batch() for _ in range(cfg.steps)]
+    for name, lay in (("a", LAYOUT), ("b", vp2)):
+        model = lm.all_dense().with_layout(lay)
+        total = 0.0
+        for segs in batches:
+            plan = sab_plan(segs, dp=4, num_microbatches=cfg.microbatches,
+                            max_tokens=cfg.seq_length, seed=cfg.seed,
+                            cost_fn=latency_sample_cost_fn(model, 1.0),
+                            sensitivity=SensitivityTracker())
+            c = UnitCosts.from_latency(model, plan.flat_lengths(with_padding=True), 4,
+                                       cfg.microbatches, np.array([1.0]))
+            f, b = c.at(np.zeros(c.shape, dtype=int))
+            total += pipeline_makespan_s(f, b, lm.p2p_s, pp=c.pipeline_ranks).max()
+        assert rows[name]["step_time_s"] == pytest.approx(total / cfg.steps, rel=1e-12)
+
+
 def test_dp_balanced_pays_no_fill_unless_every_run_varies(lm, lengths):
     """Megatron packs a micro-batch's documents back to back: with fixed-length micro-batches
     only the other packings pay the fill; with a multiple every packing rounds alike."""
@@ -54,6 +85,37 @@ def test_dp_balanced_pays_no_fill_unless_every_run_varies(lm, lengths):
     var = run_study(4, replace(CFG, microbatch_multiple=1), lm, lengths, runs)
     assert var["dp"]["step_time_s"] == pytest.approx(fixed["dp"]["step_time_s"])
     assert var["seq"]["step_time_s"] < fixed["seq"]["step_time_s"]
+
+
+def test_packers_only_mode_runs_the_dense_rows_of_the_full_study(tmp_path):
+    """``bench_sim_study.py --packers-only``: the full study's dense rows exactly (the same
+    layout searches, so the same candidates), without its other runs, and the packer table."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts/bench_sim_study.py"
+    spec = importlib.util.spec_from_file_location("bench_sim_study", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--mixes", "long_tail", "--seeds", "0", "--ranks", "2", "--densities", "0.5",
+            "--steps", "1", "--pp", "2", "--vp", "1", "--microbatches", "2", "--seq-length",
+            "8192", "--total-tokens", "200000"]
+    docs = {}
+    for name, extra in (("full", ["--floor-sweep"]), ("packers", ["--packers-only"])):
+        script.main([*argv, *extra, "--json", str(tmp_path / f"{name}.json")])
+        docs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    key = "long_tail/seed=0/d0=0.5/dp=2"
+    full, only = docs["full"]["results"][key], docs["packers"]["results"][key]
+    assert set(only["rows"]) == {"best_dense", "dense_sequential", "dense_token_balanced",
+                                 "dense_dp_balanced", "dense_sab"}
+    assert "summary" not in docs["packers"] and docs["packers"]["packers"]["rows"]
+    for name in only["rows"]:
+        assert full["rows"][name]["step_time_s"] == only["rows"][name]["step_time_s"]
+        assert full["layouts"][name] == only["layouts"][name]
+    row = docs["packers"]["packers"]["rows"][0]
+    assert row["sab_vs_dp_balanced"] == pytest.approx(
+        only["rows"]["dense_dp_balanced"]["step_time_s"] / only["rows"]["dense_sab"]["step_time_s"])
 
 
 def test_the_stand_down_never_names_a_packing_the_runtime_cannot_pack():

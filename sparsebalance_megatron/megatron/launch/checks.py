@@ -209,7 +209,7 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
 
 def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
     """``--sb-microbatch-multiple K``: what variable-length micro-batches need."""
-    k = sb.microbatch_multiple
+    k = sb.length_multiple
     if not k:
         return []
     flag = f"{flag_name('microbatch_multiple')} {k}"

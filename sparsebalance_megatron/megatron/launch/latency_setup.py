@@ -99,8 +99,8 @@ def profile_command(args, sb: SparseBalanceConfig, out: str) -> list[str]:
            "--out", out, *ModelShape.from_megatron_args(args).cli_flags(),
            "--sb-block-size", sb.block_size, "--sb-sink-blocks", sb.sink_blocks,
            "--sb-local-blocks", sb.local_blocks, "--sb-attention-backend", sb.attention_backend]
-    if sb.microbatch_multiple:   # a grid of several token totals, as the run's micro-batches
-        cmd += ["--sb-microbatch-multiple", sb.microbatch_multiple]
+    if sb.length_multiple:   # a grid of several token totals, as the run's micro-batches
+        cmd += ["--sb-microbatch-multiple", sb.length_multiple]
     return [str(c) for c in cmd]
 
 
@@ -114,7 +114,7 @@ def cached_table_path(args, sb: SparseBalanceConfig, expect: dict) -> str:
             f"_mc{expect['megatron_core']}_t{expect['torch']}"
             "_mid"    # measured with a middle stage (any layout); older caches lack one
             "_dx"     # with the dense/sparse crossover (on CUDA); older caches lack one
-            + (f"_mm{sb.microbatch_multiple}" if sb.microbatch_multiple else ""))
+            + (f"_mm{sb.length_multiple}" if sb.length_multiple else ""))
     key += "_" + "_".join(f"{v}" for _, v in sorted(expect.get("execution", {}).items()))
     key = "".join(c if c.isalnum() or c in "._-" else "-" for c in key)
     return os.path.join(sb.data_cache_dir or default_cache_dir(), "latency", key + ".json")
@@ -158,13 +158,13 @@ def load_latency_model(args, sb: SparseBalanceConfig):
                                   calibration_ema=sb.calibration_ema)
     except (LatencyTableError, OSError) as e:
         raise SystemExit(f"error: --sb-latency-table: {e}")
-    if sb.microbatch_multiple and model._folded_tokens():
+    if sb.length_multiple and model._folded_tokens():
         from ...config import flag_name
         comm.say(f"warning: --sb-latency-table {path} was profiled at one token total "
                  f"({model._folded_tokens()}): it cannot tell token work from per-micro-batch "
                  f"costs, so its times of shorter (variable-length) micro-batches are guesses; "
                  f"profile with {flag_name('microbatch_multiple')} "
-                 f"{sb.microbatch_multiple} (several token totals)")
+                 f"{sb.length_multiple} (several token totals)")
     if sb.sparse_attention_enabled:
         model = model.with_routing(sb.routing_threshold(model.dense_below_tokens))
         note = routing_note(model, sb, *run_kernels(args, sb, model.table))

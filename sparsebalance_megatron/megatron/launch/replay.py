@@ -52,7 +52,7 @@ def launch_problems(args, sb: SparseBalanceConfig) -> list[str]:
         or getattr(args, "num_virtual_stages_per_pipeline_rank", None) \
         or getattr(args, "pipeline_model_parallel_layout", None)
     want = StepShape(dp=dp, num_microbatches=m, max_tokens=seq * mbs if seq else None,
-                     pad_multiple=sb.pad_multiple(cp), length_multiple=sb.microbatch_multiple,
+                     pad_multiple=sb.pad_multiple(cp), length_multiple=sb.length_multiple,
                      stages=(None if virtual else pp) if sb.sparse_attention_enabled else 0)
     out = recorded.check_run(sb.seed, getattr(args, "train_iters", None))
     try:
@@ -72,7 +72,7 @@ class PlanReplay:
         except ReplayError as e:
             raise LaunchError(str(e)) from None
         self.dp, self.max_tokens, self.pad_multiple = dp, max_tokens, pad_multiple
-        self.length_multiple = sb.microbatch_multiple
+        self.length_multiple = sb.length_multiple
         self.stages = stages if sb.sparse_attention_enabled else 0
 
     def step(self, iteration: int, first_bin: int, segments, num_microbatches: int):

@@ -84,7 +84,7 @@ class SparseBalanceCallback(StepPlanning):
         cp = ps.get_context_parallel_world_size()
         self.mb_args = dict(pad_multiple=sb.pad_multiple(cp), cp_size=cp,
                             cp_rank=ps.get_context_parallel_rank(),
-                            length_multiple=sb.microbatch_multiple)
+                            length_multiple=sb.length_multiple)
         self.latency = self.tracker = None
         if sb.dst_enabled or sb.batching_enabled:
             from ..launch.latency_setup import load_latency_model, table_backend

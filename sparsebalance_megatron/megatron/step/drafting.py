@@ -89,16 +89,17 @@ class Drafter:
                                max_tokens=self.capacity)
         method = method or sb.packing_method
         if method == "sab":
+            # priced with the micro-batches' own padding, arranged on this run's pipeline
             plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
                             sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
-                            seed=sb.seed, **kw)
+                            seed=sb.seed, length_multiple=sb.length_multiple, **kw)
         elif method == "token_balanced":
             plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
                                        seed=sb.seed, **kw)
         else:
             plan = sequential_plan(segments, **kw)
         # variable-length micro-batches: the planner's units end where the packed tensors do
-        return plan.with_length_multiple(sb.microbatch_multiple)
+        return plan.with_length_multiple(sb.length_multiple)
 
     def _packed(self, segments, num_microbatches: int, method: Optional[str] = None) -> tuple:
         return self.checked(segments, self.pack(segments, num_microbatches, method))

@@ -1,0 +1,75 @@
+"""A segment's cost for SAB from the latency model: what a document adds to a packed
+micro-batch (``latency_sample_cost_fn``, SAB's LPT weight), and the per-stage costs of whole
+packed micro-batches (what ``batching.slots`` simulates to place them).
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+
+class LatencyCost:
+    """A segment's cost from a ``LatencyModel`` at ``density`` (``latency_sample_cost_fn``):
+    callable as a ``CostFn`` (seconds, fwd + bwd summed over the pipeline's virtual stages); with
+    the per-stage costs of packed micro-batches SAB's slot arrangement simulates
+    (``unit_costs``, ``batching.slots``)."""
+
+    def __init__(self, model, density: float):
+        self.full = model
+        self.model = model.without_call_costs() if hasattr(model, "without_call_costs") \
+            else model
+        self.density = float(density)
+        self.pp, self.num_stages = int(model.pp), int(model.num_stages)
+        self.p2p_s = float(getattr(model, "p2p_s", 0.0))
+
+    def _terms(self, model, units) -> tuple[np.ndarray, np.ndarray]:
+        """(fwd, bwd) seconds [n, stages] of n units (lengths per unit, or CSR) at the density,
+        their attention work counted once for all stages."""
+        feats = model.unit_features(units)
+        work = feats.attention_work(self.density)
+        f = np.empty((feats.num_units, self.num_stages))
+        b = np.empty((feats.num_units, self.num_stages))
+        for s in range(self.num_stages):
+            t = model.unit_terms(feats, s)
+            f[:, s] = t.fwd_fixed_s + t.fwd_attn_s_per_pair * work
+            b[:, s] = t.bwd_fixed_s + t.bwd_attn_s_per_pair * work
+        return f, b
+
+    def stage_costs(self, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """(fwd, bwd) seconds [n, stages] segments of these lengths add to a micro-batch: the
+        time of a micro-batch with one of them minus the empty one's, without the kernels'
+        per-call costs (a micro-batch pays each call once, whatever its documents)."""
+        L = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        f, b = self._terms(self.model, (np.r_[0, np.arange(1, L.size + 1), L.size]
+                                        .astype(np.int64), L))
+        return f[:-1] - f[-1], b[:-1] - b[-1]
+
+    def unit_costs(self, units) -> tuple[np.ndarray, np.ndarray]:
+        """(fwd, bwd) seconds [n, stages] of whole packed micro-batches (lengths per unit, or
+        CSR; their padding included), the kernels' calls with them, uncalibrated."""
+        return self._terms(self.full, units)
+
+    def scale(self, dp: int) -> Optional[np.ndarray]:
+        """[dp, stages] calibration factor of every (DP rank, virtual stage), or None."""
+        grid = getattr(self.full, "correction_grid", None)
+        if grid is None:
+            return None
+        return np.asarray(grid(dp, self.pp), dtype=np.float64)[:, np.arange(self.num_stages)
+                                                               % self.pp]
+
+    def __call__(self, lengths: np.ndarray) -> np.ndarray:
+        f, b = self.stage_costs(lengths)
+        return (f + b).sum(axis=1)
+
+
+def latency_sample_cost_fn(model, density: float) -> LatencyCost:
+    """Cost of a segment as a document of a packed micro-batch: the seconds it adds to the
+    micro-batch, fwd + bwd, summed over the pipeline's (virtual) stages, from a ``LatencyModel``
+    at ``density`` (time of the micro-batch with it minus the empty micro-batch), without the
+    kernels' per-call costs (a micro-batch pays each call once, whatever its documents); its
+    per-stage parts let ``sab_plan`` arrange the micro-batches' slots (``LatencyCost``)."""
+    return LatencyCost(model, density)

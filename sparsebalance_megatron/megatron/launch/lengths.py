@@ -1,0 +1,116 @@
+"""``--sb-microbatch-multiple auto``: whether a launch packs variable-length micro-batches.
+
+Fixed-length micro-batches (every one ``--seq-length`` positions, padding filling what its
+documents leave) are what Megatron's own data path runs and what the sparse kernels compile
+for. With dense attention the fill is pure linear-layer time: Megatron's ``dp_balanced`` packer
+sends micro-batches of their documents only, so SAB at fixed length loses to it where documents
+are short (BENCHMARKS.md, "Against dense attention and Megatron's own packer"). 'auto' therefore
+resolves, once per launch, to variable lengths where SAB packs for dense attention and nothing
+needs fixed shapes, and to 0 (fixed) otherwise; the launch line says which and why. A number
+given is kept as given (the launch checks judge it).
+
+Variable where all hold: the plugin's data path, SAB packing, dense attention (Megatron's own
+attention takes any THD length, as its packing scheduler feeds it; the sparse kernels compile
+per length and are verified at fixed length only on GPU), no HybridModel (its Mamba layers'
+packed path is not verified here), no CUDA graphs (they capture fixed shapes), and a latency
+table that prices shorter micro-batches (the start-up profile is taken at several token totals;
+a given table profiled at one total cannot tell token work from per-micro-batch costs). The
+multiple is ``VARIABLE_MULTIPLE`` raised to what the document padding (2 x CP) and sequence
+parallelism (TP x CP) need. A run replaying recorded plans (``--sb-replay-plans``) takes the
+multiple they were packed at: a replay must pack what was recorded, and any other multiple is
+refused by the replay's own launch check.
+
+Reads parsed arguments only: imports nothing from megatron, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Optional
+
+from ...config import SparseBalanceConfig, flag_name
+
+VARIABLE_MULTIPLE = 128
+"""What 'auto' rounds a variable-length micro-batch up to (before the padding and sequence-
+parallel constraints): one 128-token attention tile, a multiple of what FP8 GEMMs need (16);
+the simulator's packer comparison runs at it."""
+
+
+def _one_token_total(path: str) -> Optional[bool]:
+    """Whether the latency table at ``path`` was profiled at one token total (None: unreadable;
+    the table's own launch check names that)."""
+    try:
+        with open(path) as f:
+            totals = (json.load(f).get("profile") or {}).get("token_totals") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    return len(totals) == 1
+
+
+def _recorded_multiple(path: str) -> Optional[int]:
+    """The length multiple of the first step recorded in ``path`` (None: unreadable; the
+    replay's own launch check names that)."""
+    from ...batching.replay import RecordedPlans, ReplayError
+
+    try:
+        recorded = RecordedPlans.read(path)
+    except ReplayError:
+        return None
+    return int(recorded.steps[min(recorded.steps)]["shape"].length_multiple)
+
+
+def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
+                            hybrid: bool = False) -> tuple[int, Optional[str]]:
+    """(the micro-batches' length multiple, why 'auto' chose it; None when a number was
+    given): the module docstring's rule."""
+    given = sb.microbatch_multiple_value
+    if given is not None:
+        return given, None
+    flag = f"{flag_name('microbatch_multiple')} auto"
+    if not plugin_data:
+        return 0, None                       # Megatron's data path: the flag sizes nothing
+    recorded = _recorded_multiple(sb.replay_plans) if sb.replay_plans else None
+    if recorded is not None:
+        kind = f"multiples of {recorded} tokens" if recorded else "fixed --seq-length"
+        return recorded, (f"{kind} micro-batches ({flag}: as the plans of "
+                          f"{flag_name('replay_plans')} were packed)")
+    fixed = None
+    if sb.sparse_attention_enabled:
+        fixed = "sparse attention (its kernels are verified at fixed lengths)"
+    elif sb.packing_method != "sab":
+        fixed = f"{sb.packing_method} packing (Megatron's fixed shapes)"
+    elif hybrid:
+        fixed = "a HybridModel"
+    elif str(getattr(args, "cuda_graph_impl", "none") or "none") != "none" \
+            or getattr(args, "enable_cuda_graph", False) \
+            or getattr(args, "external_cuda_graph", False):
+        fixed = "CUDA graphs (fixed shapes)"
+    elif sb.latency_table and _one_token_total(sb.latency_table) is not False:
+        fixed = (f"--sb-latency-table {sb.latency_table} profiled at one token total (it cannot "
+                 f"price shorter micro-batches)")
+    if fixed is not None:
+        return 0, f"fixed --seq-length micro-batches ({flag}: {fixed})"
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    k = math.lcm(VARIABLE_MULTIPLE, sb.pad_multiple(cp))
+    if getattr(args, "sequence_parallel", False) and tp > 1:
+        k = math.lcm(k, tp * cp)
+    return k, (f"variable-length micro-batches, multiples of {k} tokens ({flag}: SAB with dense "
+               f"attention pays no fill; {flag_name('microbatch_multiple')} 0 keeps "
+               f"--seq-length shapes)")
+
+
+def apply_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
+                          hybrid: bool = False) -> tuple[SparseBalanceConfig, Optional[str]]:
+    """Resolve 'auto' into ``args`` (every later ``config_from_args`` reads the number, the
+    planner process and the profiler's command line included) and return the config built
+    from it, with the launch line's note (None when a number was given)."""
+    from ...arguments import config_from_args
+    from ...config import dest_name
+
+    k, why = resolve_length_multiple(args, sb, plugin_data=plugin_data, hybrid=hybrid)
+    if sb.microbatch_multiple_value is None:
+        setattr(args, dest_name("microbatch_multiple"), str(k))
+        sb = config_from_args(args)
+    return sb, why
