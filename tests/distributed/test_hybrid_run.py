@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import HYBRID_ENTRY, TINY_MODEL, read_metrics, run_entry
-from tests.distributed.test_sparse_balance_run import (MEASURED_STRAGGLER,
+from tests.distributed.test_sparse_balance_run import (ITERS, MEASURED_STRAGGLER, RESUME_AT,
                                                       assert_measured_resume,
                                                       assert_resumed_like_uninterrupted,
                                                       assert_sensitivity_signs)
@@ -34,25 +34,25 @@ def _common(pattern, data, table):
 
 @pytest.mark.reliability(area="resume", case="PP=2 x DP=2 HybridModel checkpoint, DST on, "
                          "measured timings (DP rank 1's stage 1 a 3x straggler), evaluation, "
-                         "resumed at iteration 2 of 3", expect="the saved calibration (per rank "
+                         "resumed at iteration 3 of 4", expect="the saved calibration (per rank "
                          "and stage) restored exactly; the resumed step's plan, prediction and "
                          "loss equal the uninterrupted run's")
 def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl,
                                                            tiny_latency_table_pp2):
-    """The run saves at iteration 2 and a second run resumes it for step 3 (issue 34: every
+    """The run saves at iteration 3 and a second run resumes it for step 4 (issue 34: every
     PP >= 2 checkpoint was refused), with measured timings as in a user's run: the checks of
     ``assert_measured_resume``, the sensitivity signal's signs, and the straggler's stage
     learned as the slow one. (The GPT entry's twin of this resume runs with SB_SLOW_TESTS=1.)"""
     common = [*_common("*-*-", small_jsonl, tiny_latency_table_pp2), *MEASURED_STRAGGLER,
-              "--sb-straggler-stage", "1", "--train-iters", "3"]
+              "--sb-straggler-stage", "1", "--train-iters", str(ITERS)]
     proc = run_entry(4, [*common, "--eval-interval", "3", "--eval-iters", "1",
-                         "--save", tmp_path / "ckpt", "--save-interval", "2",
+                         "--save", tmp_path / "ckpt", "--save-interval", str(RESUME_AT),
                          "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path,
                      entry=HYBRID_ENTRY)
     out = proc.stdout
     assert "in the 2 attention layers of HybridModel '*-*-'" in out and "DST on" in out
     assert "packing sab" in out and "validation loss at iteration 3" in out
-    run_entry(4, [*common, "--eval-iters", "0", "--load", tmp_path / "ckpt", "--ckpt-step", "2",
+    run_entry(4, [*common, "--eval-iters", "0", "--load", tmp_path / "ckpt", "--ckpt-step", str(RESUME_AT),
                   "--save", tmp_path / "again", "--save-interval", "100",
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path,
               entry=HYBRID_ENTRY)

@@ -203,7 +203,7 @@ def assert_resumed_like_uninterrupted(full: list, resumed: list) -> None:
 # DP=2 resume (the same data-loader hook and checks, these sensitivity signs included) and the GPT
 # interleaved PP=2 x DP=2 resume below (the GPT entry, the plugin's file written at save)
 @pytest.mark.reliability(area="resume", case="PP=2 x DP=2 GPT checkpoint, DST on, measured "
-                         "timings (DP rank 1 a 3x straggler), resumed at iteration 2 of 3",
+                         "timings (DP rank 1 a 3x straggler), resumed at iteration 3 of 4",
                          expect="the saved calibration (per rank and stage) restored exactly; "
                          "the resumed step's plan, prediction and loss equal the uninterrupted "
                          "run's")
@@ -212,12 +212,12 @@ def test_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
     """Every PP >= 2 checkpoint was refused on resume (issue 34: numpy stage corrections under
     ``weights_only``). Measured timings, as in a user's run (``assert_measured_resume``)."""
     common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2", "--data-path",
-              small_jsonl, "--global-batch-size", "4", "--train-iters", "3",
+              small_jsonl, "--global-batch-size", "4", "--train-iters", str(ITERS),
               "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
               *MEASURED_STRAGGLER]
-    run_entry(4, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
+    run_entry(4, [*common, "--save", tmp_path / "ckpt", "--save-interval", str(RESUME_AT),
                   "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
-    run_entry(4, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
+    run_entry(4, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", str(RESUME_AT),
                   "--save", tmp_path / "again", "--save-interval", "100",
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
     assert_sensitivity_signs(assert_measured_resume(tmp_path),
@@ -234,7 +234,7 @@ def assert_sensitivity_signs(full: list, resumed: list) -> None:
 
 @pytest.mark.reliability(area="resume", case="interleaved-schedule PP=2 (2 model chunks per "
                          "rank) x DP=2 checkpoint, DST on, measured timings (DP rank 1 a 3x "
-                         "straggler), resumed at iteration 2 of 3 without --sb-fresh-state",
+                         "straggler), resumed at iteration 3 of 4 without --sb-fresh-state",
                          expect="the plugin state written at Megatron's save, one file per DP "
                          "rank; the saved calibration restored exactly; the resumed step's plan, "
                          "prediction and loss equal the uninterrupted run's")
@@ -247,19 +247,19 @@ def test_interleaved_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, s
 
     common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2",
               "--num-virtual-stages-per-pipeline-rank", "2", "--data-path", small_jsonl,
-              "--global-batch-size", "4", "--train-iters", "3",
+              "--global-batch-size", "4", "--train-iters", str(ITERS),
               "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
               *MEASURED_STRAGGLER]
-    run_entry(4, [*common, "--save", tmp_path / "ckpt", "--save-interval", "2",
+    run_entry(4, [*common, "--save", tmp_path / "ckpt", "--save-interval", str(RESUME_AT),
                   "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path)
-    run_entry(4, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", "2",
+    run_entry(4, [*common, "--load", tmp_path / "ckpt", "--ckpt-step", str(RESUME_AT),
                   "--save", tmp_path / "again", "--save-interval", "100",
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path)
     full = assert_measured_resume(tmp_path)
     assert all(r["layers_per_stage"] == [1, 1, 1, 1] for r in full)   # 4 virtual stages
     assert all(len(r["density_per_stage"]) == 4 for r in full)
     # Megatron's layout: one file per DP rank in the TP 0 / PP 0 folder, nothing else left
-    for ckpt, it in (("ckpt", 2), ("again", 3)):
+    for ckpt, it in (("ckpt", RESUME_AT), ("again", ITERS)):
         folder = tmp_path / ckpt / f"iter_{it:07d}" / "mp_rank_00_000"
         names = sorted(p.name for p in folder.iterdir() if "dataloader" in p.name)
         assert names == ["train_dataloader_dprank000.pt", "train_dataloader_dprank001.pt"]
@@ -270,34 +270,40 @@ def test_interleaved_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, s
 # Measured timings with a straggler that shows in them: DP rank 1 sleeps in its forward so
 # that its fwd+bwd take 3x as long, and DST balances by density within 2 %: it acts on any
 # machine.
+# The measured resumes save at RESUME_AT and resume for the last step, ITERS: planned ahead (the
+# default), step n is drafted from the state after step n - 2 and the first step is a warm-up
+# without a latency sample, so step 4 is the first whose plan the measured straggler reaches:
+# DST acting there does not depend on the latency table profiled on the machine.
+RESUME_AT, ITERS = 3, 4
 MEASURED_STRAGGLER = ["--sb-timing-source", "measured", "--sb-straggler-rank", "1",
                       "--sb-straggler-slowdown", "3", "--sb-dst-objective", "density",
                       "--sb-tolerance", "0.02"]
 
 
 def assert_measured_resume(tmp_path) -> list:
-    """A PP=2 x DP=2 run with measured timings saved at iteration 2 of 3 (``ckpt``, metrics
-    ``full.jsonl``) and resumed for step 3, saving again at its end (``again``, metrics
+    """A PP=2 x DP=2 run with measured timings saved at iteration 3 of 4 (``ckpt``, metrics
+    ``full.jsonl``) and resumed for step 4, saving again at its end (``again``, metrics
     ``resumed.jsonl``). What DST decides depends on the machine, but the plan of the first
     resumed step is made from the saved state alone, so it must equal the uninterrupted run's
-    step 3 whatever it is; and the resumed run's first step is its warm-up (no latency sample),
+    step 4 whatever it is; and the resumed run's first step is its warm-up (no latency sample),
     so the state it saves at its end holds the calibration it restored, which must be the saved
     one. Returns the uninterrupted run's metrics rows."""
     from sparsebalance_megatron.megatron.step.state import read_state_file
 
     name = "mp_rank_00_000/train_dataloader_dprank000.pt"
-    saved = read_state_file(tmp_path / "ckpt" / "iter_0000002" / name)
-    restored = read_state_file(tmp_path / "again" / "iter_0000003" / name)
+    saved = read_state_file(tmp_path / "ckpt" / f"iter_{RESUME_AT:07d}" / name)
+    restored = read_state_file(tmp_path / "again" / f"iter_{ITERS:07d}" / name)
     stages = saved["latency"]["stage_corrections"]
     assert sorted(stages) == ["0,0", "0,1", "1,0", "1,1"]           # (DP rank, pipeline rank)
     measured = [*saved["latency"]["corrections"].values(), *stages.values()]
     assert len(measured) == 6 and 1.0 not in measured                # timings reached them
     assert restored["latency"] == saved["latency"]
     full, resumed = read_metrics(tmp_path / "full.jsonl"), read_metrics(tmp_path / "resumed.jsonl")
-    assert [r["step"] for r in full] == [1, 2, 3] and [r["step"] for r in resumed] == [3]
-    assert full[1]["calibration"] == [saved["latency"]["corrections"][r] for r in "01"]
+    assert [r["step"] for r in full] == list(range(1, ITERS + 1))
+    assert [r["step"] for r in resumed] == [ITERS]
+    assert full[RESUME_AT - 1]["calibration"] == [saved["latency"]["corrections"][r] for r in "01"]
     assert any(r["units_cut"] or r["units_raised"] for r in full), "DST never moved a unit"
-    a, b = full[2], resumed[0]
+    a, b = full[-1], resumed[0]
     for key in ("tokens", "densities", "predicted_step_s", "predicted_static_s",
                 "raise_headroom", "units_cut", "units_raised", "dst_stood_down",
                 "stood_down_total"):
