@@ -2,13 +2,22 @@
 Megatron's sequential fill and token-balanced packing, paired step by step over several seeds.
 
 Runs the README's job (``examples/run_cpu_demo.sh``: the tiny GPT, ``torchrun``, PP=2 x DP=2,
-gloo, one thread per process) with dense attention and no sparse call, once per (seed, packing):
+gloo, one thread per process; ``--pp 1``: PP=1 x DP=2, two processes) with dense attention and no
+sparse call, once per (seed, packing):
 
-- ``sequential``: ``--sb-packing sequential`` (Megatron's fill of the plugin's data path);
-- ``token_balanced``: ``--sb-packing token_balanced`` (balance token counts);
+- ``sequential``: ``--sb-packing sequential`` (Megatron's fill of the plugin's data path), fixed
+  ``--seq-length`` micro-batches (padding fills what the documents leave);
+- ``sequential_var``: the same with variable-length micro-batches (``--sb-microbatch-multiple
+  128``: no fill, as Megatron's ``dp_balanced`` packer sends them);
+- ``token_balanced``: ``--sb-packing token_balanced`` (balance token counts), fixed length;
 - ``sab``: ``--sb-batching`` alone, as shipped: SAB packs by the dense kernel's predicted time and
   stands down to sequential packing in a step where it is predicted no faster
-  (``--sb-stand-down``, default).
+  (``--sb-stand-down``, default); ``--sb-microbatch-multiple auto`` makes its micro-batches
+  variable-length (multiples of 128 tokens);
+- ``sab_fixed``: SAB at fixed length (``--sb-microbatch-multiple 0``).
+
+So sequential / sab_fixed and sequential_var / sab are SAB's balance at equal padding (fixed,
+and none), and sequential / sab the shipped default's whole gain, the fill included.
 
 Every run of a seed trains on the same documents in the same steps (the plugin's sampler cuts the
 global batches before any packing; ``--sb-seed`` and ``--seed`` are the seed), so step k of one
@@ -28,12 +37,14 @@ stands it down in most steps there.
 
 CPU attention costs are not GPU costs: the figure shows the mechanism works end to end in
 Megatron's loop (the plugin's packing, its stand-down, its timers), not what a GPU would gain.
-The four processes need four free cores: on fewer they time-share, a step's wall time follows the
-total work (the same for every packing of the same documents) rather than the slowest rank, and
-the balance SAB buys hardly shows; the study says so when the machine has fewer cores
-(``cores`` in the JSON), and a loaded machine's figures are noise.
+Every process needs a free core (four at PP=2 x DP=2): on fewer they time-share, a step's wall
+time follows the total work (the same for every packing of the same documents) rather than the
+slowest rank, and the balance SAB buys hardly shows; the study says so when the machine has fewer
+cores (``cores`` in the JSON), and a loaded machine's figures are noise. On a 2-core machine
+``--pp 1`` (DP=2, two processes) is the form whose balance shows.
 
     .venv/bin/python scripts/bench.py dense_sab_run --json docs/results/dense_sab_run_cpu.json
+    .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --json docs/results/dense_sab_run_cpu_dp2.json
 """
 
 from __future__ import annotations
@@ -45,10 +56,15 @@ import tempfile
 from ._demo import UNTIMED_STEPS, add_steps_arg, check_steps, run_demo
 from .common import parser, write_result
 
-PROCESSES = 4          # the README job: PP=2 x DP=2
+DP = 2                 # the README job: PP=2 x DP=2 (``--pp 1``: DP=2 alone)
 PACKINGS = {"sequential": ["--sb-packing", "sequential"],
+            "sequential_var": ["--sb-packing", "sequential", "--sb-microbatch-multiple", "128"],
             "token_balanced": ["--sb-packing", "token_balanced"],
-            "sab": ["--sb-batching"]}
+            "sab": ["--sb-batching"],
+            "sab_fixed": ["--sb-batching", "--sb-microbatch-multiple", "0"]}
+# (a, b) step-time ratios the summary pairs, step by step: > 1 where b is faster
+RATIOS = (("sequential", "sab"), ("sequential_var", "sab"), ("token_balanced", "sab"),
+          ("sequential", "sab_fixed"))
 
 
 def run(packing: str, seed: int, args, out: str) -> dict:
@@ -58,10 +74,12 @@ def run(packing: str, seed: int, args, out: str) -> dict:
              "--sb-doc-unit", args.doc_unit, "--sb-tokenizer", "byte", "--eval-iters", "0",
              "--seed", str(seed), "--sb-seed", str(seed)]
     rows, times, _ = run_demo(extra, out, f"{packing} seed {seed}", args.steps,
-                              SB_FLAGS=" ".join(PACKINGS[packing]))
+                              SB_FLAGS=" ".join(PACKINGS[packing]), NPROC=DP * args.pp,
+                              PP=args.pp)
     return {"packing": packing, "seed": seed, "step_times_s": times,
             "step_time_s_median": statistics.median(times),
             "tokens": [r["tokens"] for r in rows[UNTIMED_STEPS:]],
+            "positions": [r.get("positions") for r in rows[UNTIMED_STEPS:]],
             "packed_as": [r.get("packing") for r in rows[UNTIMED_STEPS:]],
             "sab_stood_down_steps": sum(int(r.get("sab_stood_down", 0))
                                         for r in rows[UNTIMED_STEPS:]),
@@ -78,23 +96,25 @@ def paired(runs: dict, a: str, b: str) -> list:
 
 
 def summarize(per_seed: dict) -> dict:
-    """Per seed and over every paired step: the median ratios of sequential and token-balanced
-    step times to SAB's, and each seed's sign (SAB faster in that seed's median or not)."""
-    out, all_seq, all_tb = {"seeds": {}}, [], []
+    """Per seed and over every paired step: the median ratio of each ``RATIOS`` pair whose runs
+    are there (``<a>_over_<b>_paired`` / ``_median``), and each seed's sign (SAB faster than
+    sequential in that seed's median, or not; SAB at fixed length where SAB did not run)."""
+    out, pooled = {"seeds": {}}, {}
     for seed, runs in per_seed.items():
-        seq, tb = paired(runs, "sequential", "sab"), paired(runs, "token_balanced", "sab")
-        all_seq += seq
-        all_tb += tb
-        med = statistics.median(seq)
-        out["seeds"][seed] = {
-            "sequential_over_sab_paired": seq, "token_balanced_over_sab_paired": tb,
-            "sequential_over_sab_median": med,
-            "token_balanced_over_sab_median": statistics.median(tb),
-            "sab_faster_than_sequential": med > 1.0,
-            "steps_sab_faster": sum(x > 1.0 for x in seq), "steps": len(seq),
-            "sab_stood_down_steps": runs["sab"]["sab_stood_down_steps"]}
-    out["sequential_over_sab_median"] = statistics.median(all_seq)
-    out["token_balanced_over_sab_median"] = statistics.median(all_tb)
+        r = {}
+        for a, b in RATIOS:
+            if a in runs and b in runs:
+                ratios = paired(runs, a, b)
+                pooled.setdefault(f"{a}_over_{b}", []).extend(ratios)
+                r[f"{a}_over_{b}_paired"] = ratios
+                r[f"{a}_over_{b}_median"] = statistics.median(ratios)
+        seq = r.get("sequential_over_sab_paired", r.get("sequential_over_sab_fixed_paired", []))
+        r.update(sab_faster_than_sequential=bool(seq) and statistics.median(seq) > 1.0,
+                 steps_sab_faster=sum(x > 1.0 for x in seq), steps=len(seq),
+                 sab_stood_down_steps=runs.get("sab", {}).get("sab_stood_down_steps"))
+        out["seeds"][seed] = r
+    for key, ratios in pooled.items():
+        out[f"{key}_median"] = statistics.median(ratios)
     out["seed_signs"] = {s: ("+" if r["sab_faster_than_sequential"] else "-")
                          for s, r in out["seeds"].items()}
     return out
@@ -109,18 +129,26 @@ def main(argv=None) -> int:
                     help="the built-in corpus's documents: sections (default) or whole files")
     ap.add_argument("--global-batch-size", type=int, default=8,
                     help="micro-batches per step over the 2 DP ranks (8: 4 per rank)")
+    ap.add_argument("--pp", type=int, choices=(1, 2), default=2,
+                    help="pipeline stages: 2 (the README job, PP=2 x DP=2, 4 processes) or 1 "
+                         "(DP=2, 2 processes: what a 2-core machine can time without sharing)")
+    ap.add_argument("--packings", nargs="+", choices=list(PACKINGS), default=list(PACKINGS),
+                    help="the runs of each seed (default: all; the summary pairs what is there)")
     add_steps_arg(ap, 8)
     args = ap.parse_args(argv)
     check_steps(ap, args.steps)
+    if "sab" not in args.packings and "sab_fixed" not in args.packings:
+        ap.error(f"--packings {' '.join(args.packings)}: expected sab or sab_fixed among them "
+                 f"(every ratio is against SAB)")
     if args.global_batch_size < 4 or args.global_batch_size % 2:
         ap.error(f"--global-batch-size {args.global_batch_size}: expected an even number >= 4 "
-                 f"(2 DP ranks, at least 2 micro-batches each for PP=2)")
-    cores = os.cpu_count() or 1
-    if cores < PROCESSES:
-        print(f"warning: {cores} CPU cores for {PROCESSES} training processes: the ranks "
+                 f"(2 DP ranks, at least 2 micro-batches each)")
+    cores, processes = os.cpu_count() or 1, DP * args.pp
+    if cores < processes:
+        print(f"warning: {cores} CPU cores for {processes} training processes: the ranks "
               f"time-share the cores, so the balance between them hardly changes a step's wall "
-              f"time; run on >= {PROCESSES} free cores for a figure of SAB's balance")
-    names = list(PACKINGS)
+              f"time; run on >= {processes} free cores for a figure of SAB's balance")
+    names = [p for p in PACKINGS if p in args.packings]
     per_seed = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, seed in enumerate(args.seeds):
@@ -128,25 +156,27 @@ def main(argv=None) -> int:
             per_seed[seed] = {p: run(p, seed, args, os.path.join(tmp, f"{p}_{seed}"))
                               for p in order}
     s = summarize(per_seed)
-    print(f"dense attention, PP=2 x DP=2 (gloo, 1 thread/process), seq {args.seq_length}, "
-          f"global batch {args.global_batch_size}, {args.doc_unit}s, byte tokenizer, {args.steps} "
-          f"steps ({UNTIMED_STEPS} untimed); CPU attention costs are not GPU costs")
-    print("| seed | sequential s | token-balanced s | SAB s | seq / SAB (paired median) | "
-          "token-bal. / SAB | steps SAB faster | SAB stood down | sign |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    pairs = [f"{a}_over_{b}" for a, b in RATIOS if a in names and b in names]
+    print(f"dense attention, PP={args.pp} x DP={DP} (gloo, 1 thread/process), seq "
+          f"{args.seq_length}, global batch {args.global_batch_size}, {args.doc_unit}s, byte "
+          f"tokenizer, {args.steps} steps ({UNTIMED_STEPS} untimed); CPU attention costs are not "
+          f"GPU costs. Step seconds (median of the timed steps), then paired medians")
+    print("| seed | " + " | ".join(f"{p} s" for p in names) + " | "
+          + " | ".join(k.replace("_over_", " / ") for k in pairs)
+          + " | steps SAB faster than sequential | SAB stood down | sign |")
+    print("|---|" + "---:|" * (len(names) + len(pairs) + 2) + "---|")
     for seed, r in s["seeds"].items():
         runs = per_seed[seed]
-        print(f"| {seed} | {runs['sequential']['step_time_s_median']:.2f} | "
-              f"{runs['token_balanced']['step_time_s_median']:.2f} | "
-              f"{runs['sab']['step_time_s_median']:.2f} | "
-              f"{r['sequential_over_sab_median']:.3f} | "
-              f"{r['token_balanced_over_sab_median']:.3f} | {r['steps_sab_faster']}/{r['steps']} "
-              f"| {r['sab_stood_down_steps']}/{r['steps']} | {s['seed_signs'][seed]} |")
-    print(f"paired median over every step: sequential / SAB {s['sequential_over_sab_median']:.3f}"
-          f", token-balanced / SAB {s['token_balanced_over_sab_median']:.3f}; seed signs "
-          f"{' '.join(f'{k}:{v}' for k, v in s['seed_signs'].items())}")
+        print(f"| {seed} | " + " | ".join(f"{runs[p]['step_time_s_median']:.2f}" for p in names)
+              + " | " + " | ".join(f"{r[k + '_median']:.3f}" for k in pairs)
+              + f" | {r['steps_sab_faster']}/{r['steps']} | {r['sab_stood_down_steps']}/"
+              f"{r['steps']} | {s['seed_signs'][seed]} |")
+    print("paired medians over every step: " + ", ".join(
+        f"{k.replace('_over_', ' / ')} {s[k + '_median']:.3f}" for k in pairs)
+          + "; seed signs (SAB vs sequential) "
+          + " ".join(f"{k}:{v}" for k, v in s["seed_signs"].items()))
     write_result(args.json, {"config": {k: v for k, v in vars(args).items() if k != "json"},
-                             "cores": cores, "processes": PROCESSES,
+                             "cores": cores, "processes": processes,
                              "runs": {str(k): v for k, v in per_seed.items()},
                              "summary": {**s, "seeds": {str(k): v for k, v in s["seeds"].items()},
                                          "seed_signs": {str(k): v for k, v in
