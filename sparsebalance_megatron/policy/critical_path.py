@@ -110,7 +110,10 @@ class _Step:
         return ranks, col, out
 
     def simulate(self, dur):
-        """(earliest finishes [E, cols], makespans [cols]) of event durations [E, cols]."""
+        """(earliest finishes [E, cols], makespans [cols]) of event durations [E, cols] (no
+        simulator call for no columns: no DP rank holds a moved unit)."""
+        if not dur.shape[1]:
+            return dur.copy(), np.zeros(0)
         ef = self.graph.earliest_finish(dur, self.p2p)
         return ef, self.graph.makespan(ef)
 
@@ -136,7 +139,7 @@ class _Step:
 
 
 def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-            raise_headroom: float, meets, rounds: int = ROUNDS):
+            raise_headroom: float, meets, rounds: int = ROUNDS, floors=None):
     """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
     docstring); ``meets(densities)`` says whether a plan keeps the floors. Returns (grid
     indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster.
@@ -144,12 +147,17 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
     Only what a round can change is searched and simulated: a unit off every path longer
     than T' keeps its density under every cut fraction (its own time is its threshold), and
     a unit whose next grid density does not fit under the largest raise fraction keeps it
-    under every fraction; a DP rank none of whose units moves keeps its simulation."""
-    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds)[:2]
+    under every fraction; a DP rank none of whose units moves keeps its simulation.
+    ``floors(densities)`` (optional) is a part of ``meets`` that no raise can break (true of a
+    plan, true of every plan at or above it unit by unit, as mean-density floors are): a round
+    whose largest raise fails it is given up before its raises are simulated, as the round
+    would be after (its plan is at or below that one)."""
+    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds,
+                    floors)[:2]
 
 
 def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-             raise_headroom: float, meets, rounds: int):
+             raise_headroom: float, meets, rounds: int, floors=None):
     """``descend``, and the DP ranks' makespans [dp] of the plan it returns."""
     st = _Step(costs, p2p_s)
     dp = costs.shape[0]
@@ -209,6 +217,12 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
                 <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
         moved = st.highest_within(up, t1[up] + RAISE_FRACTIONS[:, None] * cap[up], lo[up],
                                   i_max)
+        if floors is not None:          # the round's best plan is below it: nothing will do
+            top = cut.copy()
+            np.put(top, up, moved[0])
+            if not floors(costs.densities[top]):
+                eta /= 2
+                continue
         ranks, col, dur_r = st.candidates(dur1, up, moved)
         ef_r, mk_r = st.simulate(dur_r)
         mk_r = mk_r.reshape(RAISE_FRACTIONS.size, ranks.size)
@@ -245,11 +259,13 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
     w, dense = costs.weights(), costs.dense_work
     mean_floor = max(float(density_floor), NEUTRAL_DENSITY) * d0
 
-    def meets(dens) -> bool:
-        return (weighted_mean_density(dens, w, dense) >= mean_floor - 1e-12
+    def floors(dens) -> bool:              # non-decreasing in every density: rounding is
+        return (weighted_mean_density(dens, w, dense) >= mean_floor - 1e-12    # monotone
                 and float(np.min(stage_mean_densities(dens, w, dense)))
-                >= stage_density_floor * d0 - 1e-12
-                and (quality is None or quality.plan_cost(dens) <= 1e-12))
+                >= stage_density_floor * d0 - 1e-12)
+
+    def meets(dens) -> bool:
+        return floors(dens) and (quality is None or quality.plan_cost(dens) <= 1e-12)
 
     r = plan.report
     start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
@@ -257,7 +273,8 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
-    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds)
+    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds,
+                             floors)
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
         return plan
     dens = costs.densities[idx]
