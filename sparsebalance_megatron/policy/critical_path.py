@@ -47,7 +47,7 @@ import numpy as np
 
 from ..sim.pipeline import FWD, event_graph
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
-from .slack import floats_from
+from .slack import unit_floats_from
 
 ROUNDS = 8                                   # descent rounds per plan
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
@@ -61,7 +61,7 @@ class _Step:
     """Times, simulations and floats of plans (grid indices [..., dp, m, nv], or a subset of
     the DP ranks) on costs: a simulation keeps its event durations and earliest finishes, so
     the floats of a plan already simulated cost only the backward pass
-    (``slack.floats_from``)."""
+    (``slack.unit_floats_from``)."""
 
     def __init__(self, costs: UnitCosts, p2p_s: float):
         self.c, self.p2p = costs, float(p2p_s)
@@ -72,9 +72,8 @@ class _Step:
         self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * self.g
         self.fwd, self.bwd = costs.fwd_s.reshape(-1), costs.bwd_s.reshape(-1)
         self.t_flat = costs.total_s.reshape(-1)
-        rows = np.empty(self.graph.size, dtype=np.int64)      # event row of each (kind, unit)
-        rows[self.graph.unit_rows] = np.arange(self.graph.size)
-        self.fwd_row, self.bwd_row = rows.reshape(2, m * nv)[FWD], rows.reshape(2, m * nv)[1 - FWD]
+        rows = self.graph.unit_events                           # event row of each (kind, unit)
+        self.fwd_row, self.bwd_row = rows[FWD], rows[1 - FWD]
         self.per_rank = m * nv
 
     def times(self, idx):
@@ -127,8 +126,8 @@ class _Step:
         np.put(b, flat_units, self.bwd.take(at))
 
     def floats(self, dur, ef, deadline):
-        ff, fb = floats_from(self.graph, dur, ef, deadline, self.p2p, self.c.shape)
-        return np.minimum(ff, fb)
+        """[cols, m * nv] the smaller float of every unit's forward and backward."""
+        return unit_floats_from(self.graph, dur, ef, deadline, self.p2p).T
 
     def highest_within(self, flat_units, thr, lo, hi) -> np.ndarray:
         """Per unit (flat unit ids ``flat_units`` [n]), the highest grid index i in [lo, hi]

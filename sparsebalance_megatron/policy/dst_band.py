@@ -20,7 +20,7 @@ from ..sim.pipeline import event_graph
 from .costs import UnitCosts, check_density_bounds, stage_mean_densities, weighted_mean_density
 from .dst_moves import (GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
-from .slack import floats_from
+from .slack import unit_floats_from
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 _REL_EPS = 1e-9           # float slack when comparing makespans
@@ -185,8 +185,8 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     busy1 = t1.sum(axis=1)                                          # [k * dp, pp]
     overhead = mk1 - busy1.max(axis=1)                              # fill/drain
     slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
-    float_f, float_b = floats_from(graph, dur1, ef1, target, p2p_s, (k * dp, m, nv))
-    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0).reshape(k * dp, slots, pp)
+    cap_full = np.maximum(unit_floats_from(graph, dur1, ef1, target, p2p_s).T,
+                          0.0).reshape(k * dp, slots, pp)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
     # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)

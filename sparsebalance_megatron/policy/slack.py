@@ -48,6 +48,17 @@ def floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s, p2p_
     return out[FWD], out[1 - FWD]
 
 
+def unit_floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s,
+                     p2p_s: float) -> np.ndarray:
+    """The smaller of every unit's forward and backward float (what a unit may grow by), as
+    ``floats_from`` gives them, [m * nv, cols] (unit mb x nv + v; ``.T`` is [cols, m * nv]):
+    gathered from the event rows, not scattered into a [2, cols, m, nv] array first."""
+    fl = latest_finish(g, dur, deadline_s, p2p_s)
+    fl -= ef                                                       # [E, cols]
+    ev = g.unit_events
+    return np.minimum(fl.take(ev[FWD], axis=0), fl.take(ev[1 - FWD], axis=0))
+
+
 def latest_finish(g: EventGraph, dur: np.ndarray, deadline_s, p2p_s: float) -> np.ndarray:
     """[E, cols] latest finish of every event with every rank's last event due at
     ``deadline_s`` [cols]: before the next event on its rank starts, and before the event that

@@ -172,8 +172,10 @@ class EventGraph:
     event e is (kind, micro-batch, virtual stage) ``(kinds[e], mbs[e], vs[e])`` on ``ranks[e]``;
     ``prev[e]`` the event before it on its rank, ``dep[e]`` the event it waits for (its data) and
     ``cross[e]`` whether that wait crosses ranks (p2p latency on the edge); ``nxt[e]`` and
-    ``succ[e]`` the reverse edges (-1 where none); ``last[r]`` rank r's last event. Built once
-    per (m, pp, vp); what the simulator and the float pass (``policy.slack``) step through."""
+    ``succ[e]`` the reverse edges (-1 where none); ``last[r]`` rank r's last event;
+    ``unit_events[kind]`` [m * nv] the event of every (micro-batch, virtual stage) unit's forward
+    and backward. Built once per (m, pp, vp); what the simulator and the float pass
+    (``policy.slack``) step through."""
 
     ranks: np.ndarray
     kinds: np.ndarray
@@ -187,6 +189,7 @@ class EventGraph:
     last: np.ndarray
     unit_rows: np.ndarray           # [E] row of each event in a [2 * m * nv] (kind, mb, v) table
     steps: tuple                    # (e, prev, dep, cross) of every event, in order
+    unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
 
     @property
     def size(self) -> int:
@@ -253,9 +256,12 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     succ[dep[has]] = np.flatnonzero(has)
     prev_t, dep_t, cross_t = tuple(prev.tolist()), tuple(dep.tolist()), \
         tuple(bool(x) for x in crosses)
+    unit_rows = (kinds * m + mbs) * (pp * vp) + vs
+    unit_events = np.empty(n, dtype=np.int64)
+    unit_events[unit_rows] = np.arange(n)
     return EventGraph(ranks, kinds, mbs, vs, prev_t, dep_t, cross_t, tuple(nxt.tolist()),
-                      tuple(succ.tolist()), last, (kinds * m + mbs) * (pp * vp) + vs,
-                      tuple(zip(range(n), prev_t, dep_t, cross_t)))
+                      tuple(succ.tolist()), last, unit_rows,
+                      tuple(zip(range(n), prev_t, dep_t, cross_t)), unit_events.reshape(2, -1))
 
 
 def _run(f, b, p, record, pp=None):
