@@ -26,6 +26,9 @@ from typing import Optional
 
 import numpy as np
 
+from .waves import WAVE_COLS, Waves, build_waves
+from .waves import earliest_finish as _earliest_finish_by_waves
+
 FWD, BWD = 0, 1
 
 
@@ -190,6 +193,7 @@ class EventGraph:
     unit_rows: np.ndarray           # [E] row of each event in a [2 * m * nv] (kind, mb, v) table
     steps: tuple                    # (e, prev, dep, cross) of every event, in order
     unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
+    waves: Waves                    # the events by depth, for the passes over few columns
 
     @property
     def size(self) -> int:
@@ -207,8 +211,11 @@ class EventGraph:
                         start: Optional[np.ndarray] = None) -> np.ndarray:
         """[E, cols] earliest finish of every event (durations ``dur`` [E, cols]): an event
         starts when its rank's previous event and its dependency (+ p2p when it crosses ranks)
-        have finished. Rows are written in place, a few numpy calls per event; ``start``
-        ([E, cols], optional) receives every event's start."""
+        have finished. Rows are written in place, a few numpy calls per event (a few per wave
+        of independent events, ``sim.waves``, with at most ``WAVE_COLS`` columns: the same
+        numbers); ``start`` ([E, cols], optional) receives every event's start."""
+        if dur.shape[1] <= WAVE_COLS:
+            return _earliest_finish_by_waves(self.waves, dur, p2p_s, start)
         end = np.empty_like(dur)
         rows, durs = list(end), list(dur)          # row views made once, not per use
         p = float(p2p_s)
@@ -261,7 +268,8 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     unit_events[unit_rows] = np.arange(n)
     return EventGraph(ranks, kinds, mbs, vs, prev_t, dep_t, cross_t, tuple(nxt.tolist()),
                       tuple(succ.tolist()), last, unit_rows,
-                      tuple(zip(range(n), prev_t, dep_t, cross_t)), unit_events.reshape(2, -1))
+                      tuple(zip(range(n), prev_t, dep_t, cross_t)), unit_events.reshape(2, -1),
+                      build_waves(prev, dep, crosses, nxt, succ))
 
 
 def _run(f, b, p, record, pp=None):
