@@ -5,7 +5,8 @@ Output: the step time (max over DP ranks of each rank's pipeline makespan), busy
 (dp rank, stage), bubble fraction and imbalance. DST and SAB call ``pipeline_makespan_s`` inside
 their planning loops, so the work is vectorised over the DP axis: the event order of 1F1B does not
 depend on the durations, so it is computed once per (m, pp) and every event is one numpy step over
-``[dp]`` arrays.
+``[dp]`` arrays (with few columns every wave of events that wait for none of each other,
+``sim/waves.py``: the same numbers).
 
 Schedule (megatron/core/pipeline_parallel/schedules.py,
 ``forward_backward_pipelining_without_interleaving``), stage s of pp, m micro-batches:
@@ -15,7 +16,8 @@ bwd(i, s+1) ended + p2p; a stage runs its own events in order, one at a time. Se
 asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient all-reduce,
 optimizer and data loading are outside the model.
 
-Pure numpy; must not import torch, megatron or anything else from this package.
+Pure numpy; must not import torch, megatron or anything else from this package but
+``sim.waves`` (its passes by waves, pure numpy too).
 """
 
 from __future__ import annotations
