@@ -198,10 +198,10 @@ def _finish(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
                                 for rank in mbs_idx_or_segs])
     else:
         mbs = mbs_idx_or_segs
-        pos = {}
-        for k, sg in enumerate(segs):
-            pos.setdefault(sg, []).append(k)
-        rank_cost = np.asarray([sum(cost[pos[sg][0]] for mb in rank for sg in mb)
+        # a segment's cost at its first position, as numpy scalars: sum() adds those one by
+        # one (Python floats it would sum compensated, another rounding)
+        first = dict(zip(reversed(segs), reversed(list(cost))))
+        rank_cost = np.asarray([sum(map(first.__getitem__, chain.from_iterable(rank)))
                                 for rank in mbs])
     return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
 

@@ -77,13 +77,15 @@ class BatchPlan:
         micro-batch holds them (``data.padding_lengths``). Computed once, vectorised."""
         key = ("csr", bool(with_padding))
         if key not in self._cache:
-            mbs = self.micro_batches
-            counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
-            lengths = np.fromiter((e - s for rank in mbs for mb in rank for _, s, e in mb),
-                                  dtype=np.int64, count=int(counts.sum()))
-            if with_padding:
-                lengths, counts = _with_padding(lengths, counts, self.max_tokens,
+            if with_padding:            # the plain CSR's lengths, padded (one pass over them)
+                plain, lengths = self.unit_csr(False)
+                lengths, counts = _with_padding(lengths, np.diff(plain), self.max_tokens,
                                                 self.length_multiple)
+            else:
+                mbs = self.micro_batches
+                counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
+                lengths = np.fromiter((e - s for rank in mbs for mb in rank for _, s, e in mb),
+                                      dtype=np.int64, count=int(counts.sum()))
             offsets = np.zeros(counts.size + 1, dtype=np.int64)
             np.cumsum(counts, out=offsets[1:])
             self._cache[key] = (offsets, lengths)

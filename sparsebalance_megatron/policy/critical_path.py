@@ -47,7 +47,7 @@ import numpy as np
 
 from ..sim.pipeline import FWD, event_graph
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
-from .slack import floats_from
+from .slack import unit_floats_from
 
 ROUNDS = 8                                   # descent rounds per plan
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
@@ -61,7 +61,7 @@ class _Step:
     """Times, simulations and floats of plans (grid indices [..., dp, m, nv], or a subset of
     the DP ranks) on costs: a simulation keeps its event durations and earliest finishes, so
     the floats of a plan already simulated cost only the backward pass
-    (``slack.floats_from``)."""
+    (``slack.unit_floats_from``)."""
 
     def __init__(self, costs: UnitCosts, p2p_s: float):
         self.c, self.p2p = costs, float(p2p_s)
@@ -72,9 +72,8 @@ class _Step:
         self.units = np.arange(dp * m * nv).reshape(dp, m, nv) * self.g
         self.fwd, self.bwd = costs.fwd_s.reshape(-1), costs.bwd_s.reshape(-1)
         self.t_flat = costs.total_s.reshape(-1)
-        rows = np.empty(self.graph.size, dtype=np.int64)      # event row of each (kind, unit)
-        rows[self.graph.unit_rows] = np.arange(self.graph.size)
-        self.fwd_row, self.bwd_row = rows.reshape(2, m * nv)[FWD], rows.reshape(2, m * nv)[1 - FWD]
+        rows = self.graph.unit_events                           # event row of each (kind, unit)
+        self.fwd_row, self.bwd_row = rows[FWD], rows[1 - FWD]
         self.per_rank = m * nv
 
     def times(self, idx):
@@ -110,7 +109,10 @@ class _Step:
         return ranks, col, out
 
     def simulate(self, dur):
-        """(earliest finishes [E, cols], makespans [cols]) of event durations [E, cols]."""
+        """(earliest finishes [E, cols], makespans [cols]) of event durations [E, cols] (no
+        simulator call for no columns: no DP rank holds a moved unit)."""
+        if not dur.shape[1]:
+            return dur.copy(), np.zeros(0)
         ef = self.graph.earliest_finish(dur, self.p2p)
         return ef, self.graph.makespan(ef)
 
@@ -124,8 +126,8 @@ class _Step:
         np.put(b, flat_units, self.bwd.take(at))
 
     def floats(self, dur, ef, deadline):
-        ff, fb = floats_from(self.graph, dur, ef, deadline, self.p2p, self.c.shape)
-        return np.minimum(ff, fb)
+        """[cols, m * nv] the smaller float of every unit's forward and backward."""
+        return unit_floats_from(self.graph, dur, ef, deadline, self.p2p).T
 
     def highest_within(self, flat_units, thr, lo, hi) -> np.ndarray:
         """Per unit (flat unit ids ``flat_units`` [n]), the highest grid index i in [lo, hi]
@@ -136,7 +138,7 @@ class _Step:
 
 
 def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-            raise_headroom: float, meets, rounds: int = ROUNDS):
+            raise_headroom: float, meets, rounds: int = ROUNDS, floors=None):
     """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
     docstring); ``meets(densities)`` says whether a plan keeps the floors. Returns (grid
     indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster.
@@ -144,12 +146,17 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
     Only what a round can change is searched and simulated: a unit off every path longer
     than T' keeps its density under every cut fraction (its own time is its threshold), and
     a unit whose next grid density does not fit under the largest raise fraction keeps it
-    under every fraction; a DP rank none of whose units moves keeps its simulation."""
-    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds)[:2]
+    under every fraction; a DP rank none of whose units moves keeps its simulation.
+    ``floors(densities)`` (optional) is a part of ``meets`` that no raise can break (true of a
+    plan, true of every plan at or above it unit by unit, as mean-density floors are): a round
+    whose largest raise fails it is given up before its raises are simulated, as the round
+    would be after (its plan is at or below that one)."""
+    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds,
+                    floors)[:2]
 
 
 def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-             raise_headroom: float, meets, rounds: int):
+             raise_headroom: float, meets, rounds: int, floors=None):
     """``descend``, and the DP ranks' makespans [dp] of the plan it returns."""
     st = _Step(costs, p2p_s)
     dp = costs.shape[0]
@@ -209,6 +216,12 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
                 <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
         moved = st.highest_within(up, t1[up] + RAISE_FRACTIONS[:, None] * cap[up], lo[up],
                                   i_max)
+        if floors is not None:          # the round's best plan is below it: nothing will do
+            top = cut.copy()
+            np.put(top, up, moved[0])
+            if not floors(costs.densities[top]):
+                eta /= 2
+                continue
         ranks, col, dur_r = st.candidates(dur1, up, moved)
         ef_r, mk_r = st.simulate(dur_r)
         mk_r = mk_r.reshape(RAISE_FRACTIONS.size, ranks.size)
@@ -245,11 +258,13 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
     w, dense = costs.weights(), costs.dense_work
     mean_floor = max(float(density_floor), NEUTRAL_DENSITY) * d0
 
-    def meets(dens) -> bool:
-        return (weighted_mean_density(dens, w, dense) >= mean_floor - 1e-12
+    def floors(dens) -> bool:              # non-decreasing in every density: rounding is
+        return (weighted_mean_density(dens, w, dense) >= mean_floor - 1e-12    # monotone
                 and float(np.min(stage_mean_densities(dens, w, dense)))
-                >= stage_density_floor * d0 - 1e-12
-                and (quality is None or quality.plan_cost(dens) <= 1e-12))
+                >= stage_density_floor * d0 - 1e-12)
+
+    def meets(dens) -> bool:
+        return floors(dens) and (quality is None or quality.plan_cost(dens) <= 1e-12)
 
     r = plan.report
     start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
@@ -257,7 +272,8 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
-    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds)
+    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds,
+                             floors)
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
         return plan
     dens = costs.densities[idx]

@@ -84,7 +84,9 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     plan): 4^rounds sub-intervals, as fine as ``2 x rounds`` bisection steps in half the passes.
     The resolution matters: near the floor, speed falls steeply as the band widens (a 5^2 grid
     instead of 4^3 lost 4% of the step at 64 DP x 16 x PP4). The static plan's simulation is
-    shared by the passes (and by both objectives' plans).
+    shared by the passes (and by both objectives' plans), and the two objectives' searches run
+    in lock-step, each pass of one the same ``plan_dst_candidates`` call as the other's
+    (``_search_bands``).
 
     ``quality`` (a ``policy.quality.StageQuality``: ``--sb-dst-objective quality``): cuts and
     raises by quality water-filling (where density buys the most predicted quality per second),
@@ -95,14 +97,18 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     density objective's plan competes too: of the two, the one with the lower predicted quality
     cost among those within ``SPEED_TIE`` of the faster one's step time is returned.
     """
-    kw = dict(anchor=anchor, tolerance=tolerance, p2p_s=p2p_s, density_floor=density_floor,
-              search_steps=search_steps, raise_headroom=raise_headroom,
-              stage_density_floor=stage_density_floor, raise_to=raise_to,
-              static={},                    # the static plan's simulation, shared by all passes
-              narrow=straggler_present(rank_scale, tolerance))
-    ordered = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, guard=quality, **kw)
+    static: dict = {}                       # the static plan's simulation, shared by all passes
+    band = dict(anchor=anchor, tolerance=tolerance, density_floor=density_floor,
+                search_steps=search_steps, stage_density_floor=stage_density_floor,
+                narrow=straggler_present(rank_scale, tolerance))
+    searches = [(_band_search(d0, guard=quality, **band), False)]
     if quality is not None:
-        filled = _plan_with_floor(costs, sensitivity, d0, d_min, d_max, quality=quality, **kw)
+        searches.append((_band_search(d0, quality=quality, **band), True))
+    ordered, *filled = _search_bands(costs, sensitivity, d0, d_min, d_max, searches,
+                                     p2p_s=p2p_s, raise_headroom=raise_headroom,
+                                     raise_to=raise_to, static=static, quality=quality)
+    if quality is not None:
+        filled = filled[0]
         ordered.report.quality_cost = quality.plan_cost(ordered.densities)
         fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
         fastest = min(p.report.step_time_planned_s for p in fair)
@@ -122,15 +128,49 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
     """``plan_dst_with_floor`` for one objective (``quality`` None: density order); ``static``:
     the ``_static`` cache of ``plan_dst_candidates`` (the same costs); ``guard``: the quality
     cost a narrower band's density-order plan must not lose against (``policy.bands``)."""
+    search = _band_search(d0, anchor=anchor, tolerance=tolerance, density_floor=density_floor,
+                          search_steps=search_steps, stage_density_floor=stage_density_floor,
+                          narrow=narrow, quality=quality, guard=guard)
+    return _search_bands(costs, sensitivity, d0, d_min, d_max, [(search, quality is not None)],
+                         p2p_s=p2p_s, raise_headroom=raise_headroom, raise_to=raise_to,
+                         static=static, quality=quality)[0]
 
-    def plans(cands):
-        found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, cands, p2p_s,
-                                    raise_headroom, raise_to, _static=static, quality=quality)
-        if quality is not None:
-            for p in found:
-                p.report.quality_cost = quality.plan_cost(p.densities)
-        return found
 
+def _search_bands(costs: UnitCosts, sensitivity, d0: float, d_min: float, d_max: float,
+                  searches: list, *, p2p_s: float, raise_headroom: float, raise_to: str,
+                  static: dict, quality) -> list:
+    """The plans of ``searches`` ((``_band_search`` generator, whether it water-fills by
+    ``quality``) pairs), run in lock-step: every round's candidates of all of them are rows of
+    one ``plan_dst_candidates`` pass (a row's plan does not depend on the others', so each
+    search gets the plans it would get alone, in half the passes for two)."""
+    pending, out = {}, [None] * len(searches)
+    for i, (search, _) in enumerate(searches):
+        pending[i] = next(search)
+    while pending:
+        owner = [i for i, cands in pending.items() for _ in cands]
+        found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max,
+                                    [c for cands in pending.values() for c in cands], p2p_s,
+                                    raise_headroom, raise_to, _static=static, quality=quality,
+                                    water=[searches[i][1] for i in owner])
+        for i in list(pending):
+            mine = [p for p, o in zip(found, owner) if o == i]
+            if searches[i][1]:
+                for p in mine:
+                    p.report.quality_cost = quality.plan_cost(p.densities)
+            try:
+                pending[i] = searches[i][0].send(mine)
+            except StopIteration as done:
+                out[i] = done.value
+                del pending[i]
+    return out
+
+
+def _band_search(d0: float, *, anchor: str, tolerance: float, density_floor: float,
+                 search_steps: int, stage_density_floor: float, narrow: bool = False,
+                 quality=None, guard=None):
+    """``_plan_with_floor``'s band search as a generator: it yields each pass's candidates,
+    is sent their plans (quality costs set for the quality objective) and returns the plan
+    kept (``_search_bands`` drives it)."""
     floor = density_floor * d0 - 1e-12
     stage_floor = stage_density_floor * d0 - 1e-12
 
@@ -139,7 +179,8 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
         return (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
                 and not r.quality_cost > 1e-12)
 
-    best, *narrower = plans(band_ladder(anchor, tolerance) if narrow else [(anchor, tolerance)])
+    best, *narrower = yield (band_ladder(anchor, tolerance) if narrow
+                             else [(anchor, tolerance)])
     if guard is not None and quality is None:       # a narrower band must not lose quality
         for p in narrower:
             p.report.quality_cost = guard.plan_cost(p.densities)
@@ -153,7 +194,7 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
     for rnd in range(max(search_steps // 2, 1)):
         ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
         cands = [(anchor, float(t)) for t in ts]
-        found = plans(([("max", tolerance)] if rnd == 0 else []) + cands)
+        found = yield ([("max", tolerance)] if rnd == 0 else []) + cands
         if rnd == 0:
             ok.append(found.pop(0))                                  # no cuts: always meets
         hits = [i for i, p in enumerate(found) if meets(p)]

@@ -20,7 +20,7 @@ from ..sim.pipeline import event_graph
 from .costs import UnitCosts, check_density_bounds, stage_mean_densities, weighted_mean_density
 from .dst_moves import (GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
-from .slack import floats_from
+from .slack import unit_floats_from
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 _REL_EPS = 1e-9           # float slack when comparing makespans
@@ -95,13 +95,16 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
 def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
                         d_min: float, d_max: float, candidates, p2p_s: float = 0.0,
                         raise_headroom: float = 0.0, raise_to: str = "bottleneck",
-                        _static: Optional[dict] = None, quality=None) -> list[DSTPlan]:
+                        _static: Optional[dict] = None, quality=None,
+                        water=None) -> list[DSTPlan]:
     """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
     copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
     calls (a plan's rows never interact with another candidate's), so K plans cost far less than
     K calls. ``_static``: a dict the caller keeps between passes over the same costs (the static
     plan's simulation is computed once). ``quality`` (a ``policy.quality.StageQuality``): cuts
-    and raises by quality water-filling (``water_fill``) instead of sensitivity order."""
+    and raises by quality water-filling (``water_fill``) instead of sensitivity order; with
+    ``water`` (one bool per candidate) only the candidates marked True do, the others take
+    sensitivity order, so both objectives' bands share one pass (``dst.plan_dst_with_floor``)."""
     for anchor, tolerance in candidates:
         check_anchor_tolerance(anchor, tolerance)
     check_raise_headroom(raise_headroom)
@@ -115,6 +118,11 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     pp, vp = costs.pipeline_ranks, costs.vp
     slots = m * vp
     k = len(candidates)
+    water = np.array([quality is not None] * k if water is None else water, dtype=bool)
+    if water.shape != (k,) or (water.any() and quality is None):
+        raise ValueError(f"water={water.tolist()!r}: expected one bool per candidate ({k}), "
+                         f"True only with a quality cost")
+    wrow = np.repeat(water, dp)                                     # [k * dp] row by row
     sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     t_grid = costs.total_s                                          # [dp, m, nv, g]
@@ -123,7 +131,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])  # [dp, m*vp, pp]
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
-    if quality is not None:
+    if water.any():
         gains = GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp)
         span = costs.densities[i_max] - costs.densities[i_min]
         b_rows = np.tile(((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
@@ -163,14 +171,19 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     excess[~np.repeat(cuts, dp)] = 0.0
     idx_start = np.tile(idx0, (k, 1, 1))
     if np.any(excess > 0):
-        if quality is not None:
-            base_s = lookup(t_grid, all_units, idx_start).sum(axis=1)
-            idx_cut = water_fill(t_grid, all_units, gains, b_rows,
-                                  np.full_like(idx_start, i_min),
-                                  idx_start, np.where(excess > 0, base_s - excess, np.inf))
-        else:
-            order = np.tile(np.argsort(sens, axis=1, kind="stable"), (k, 1, 1))
-            idx_cut = cut_densities(t_grid, all_units, idx_start, np.maximum(excess, 0.0), order, i_min)
+        # every row is cut alone (rows never interact), its objective's way
+        idx_cut = np.empty_like(idx_start)
+        if wrow.any():
+            q, ex = all_units[wrow], excess[wrow]
+            base_s = lookup(t_grid, q, idx_start[wrow]).sum(axis=1)
+            idx_cut[wrow] = water_fill(t_grid, q, gains, b_rows[wrow],
+                                       np.full_like(idx_start[wrow], i_min), idx_start[wrow],
+                                       np.where(ex > 0, base_s - ex, np.inf))
+        if not wrow.all():
+            d = ~wrow
+            order = np.tile(np.argsort(sens, axis=1, kind="stable"), (int(d.sum()) // dp, 1, 1))
+            idx_cut[d] = cut_densities(t_grid, all_units[d], idx_start[d],
+                                       np.maximum(excess[d], 0.0), order, i_min)
         mk1, f1, b1, dur1, ef1 = simulate(all_units, idx_cut)
     else:
         idx_cut, mk1 = idx_start, np.tile(mk0, k)
@@ -185,8 +198,8 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     busy1 = t1.sum(axis=1)                                          # [k * dp, pp]
     overhead = mk1 - busy1.max(axis=1)                              # fill/drain
     slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
-    float_f, float_b = floats_from(graph, dur1, ef1, target, p2p_s, (k * dp, m, nv))
-    cap_full = np.maximum(np.minimum(float_f, float_b), 0.0).reshape(k * dp, slots, pp)
+    cap_full = np.maximum(unit_floats_from(graph, dur1, ef1, target, p2p_s).T,
+                          0.0).reshape(k * dp, slots, pp)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
     # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
@@ -199,16 +212,21 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         def try_raise(rows, alpha):
             """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
             units = all_units[rows]
-            if quality is not None:
-                cur = idx_cut[rows]
-                t_cur = lookup(t_grid, units, cur)
-                top = highest_index_within(t_grid, units, t_cur + alpha[:, None, None] *
-                                            cap_full[rows], cur, i_max)
-                trial = water_fill(t_grid, units, gains, b_rows[rows], cur, top,
-                                    t_cur.sum(axis=1) + alpha[:, None] * slack_full[rows])
-            else:
-                trial = raise_densities(t_grid, units, idx_cut[rows], alpha[:, None] * slack_full[rows],
-                               alpha[:, None, None] * cap_full[rows], order[rows], i_max)
+            trial = np.empty_like(units)
+            w = wrow[rows]
+            if w.any():                 # each row its objective's way, alone
+                q, a = rows[w], alpha[w]
+                cur = idx_cut[q]
+                t_cur = lookup(t_grid, units[w], cur)
+                top = highest_index_within(t_grid, units[w], t_cur + a[:, None, None] *
+                                            cap_full[q], cur, i_max)
+                trial[w] = water_fill(t_grid, units[w], gains, b_rows[q], cur, top,
+                                      t_cur.sum(axis=1) + a[:, None] * slack_full[q])
+            if not w.all():
+                d, a = rows[~w], alpha[~w]
+                trial[~w] = raise_densities(t_grid, units[~w], idx_cut[d],
+                                            a[:, None] * slack_full[d],
+                                            a[:, None, None] * cap_full[d], order[d], i_max)
             mk = simulate(units, trial)[0]
             return trial, mk, mk <= limit[rows]
 

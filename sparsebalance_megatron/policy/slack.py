@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..sim.waves import WAVE_COLS
+from ..sim.waves import latest_finish as _latest_finish_by_waves
 from ..sim.pipeline import FWD, EventGraph, event_graph
 
 
@@ -48,11 +50,24 @@ def floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s, p2p_
     return out[FWD], out[1 - FWD]
 
 
+def unit_floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s,
+                     p2p_s: float) -> np.ndarray:
+    """The smaller of every unit's forward and backward float (what a unit may grow by), as
+    ``floats_from`` gives them, [m * nv, cols] (unit mb x nv + v; ``.T`` is [cols, m * nv]):
+    gathered from the event rows, not scattered into a [2, cols, m, nv] array first."""
+    fl = latest_finish(g, dur, deadline_s, p2p_s)
+    fl -= ef                                                       # [E, cols]
+    ev = g.unit_events
+    return np.minimum(fl.take(ev[FWD], axis=0), fl.take(ev[1 - FWD], axis=0))
+
+
 def latest_finish(g: EventGraph, dur: np.ndarray, deadline_s, p2p_s: float) -> np.ndarray:
     """[E, cols] latest finish of every event with every rank's last event due at
     ``deadline_s`` [cols]: before the next event on its rank starts, and before the event that
     waits for it starts (less p2p when that wait crosses ranks)."""
     deadline = np.asarray(deadline_s, dtype=np.float64)
+    if dur.shape[1] <= WAVE_COLS:           # a few numpy calls per wave, the same numbers
+        return _latest_finish_by_waves(g.waves, dur, deadline, p2p_s)
     lf = np.empty_like(dur)
     ls = np.empty_like(dur)                          # latest start: lf - dur
     lfs, lss, durs = list(lf), list(ls), list(dur)   # row views made once

@@ -5,7 +5,8 @@ Output: the step time (max over DP ranks of each rank's pipeline makespan), busy
 (dp rank, stage), bubble fraction and imbalance. DST and SAB call ``pipeline_makespan_s`` inside
 their planning loops, so the work is vectorised over the DP axis: the event order of 1F1B does not
 depend on the durations, so it is computed once per (m, pp) and every event is one numpy step over
-``[dp]`` arrays.
+``[dp]`` arrays (with few columns every wave of events that wait for none of each other,
+``sim/waves.py``: the same numbers).
 
 Schedule (megatron/core/pipeline_parallel/schedules.py,
 ``forward_backward_pipelining_without_interleaving``), stage s of pp, m micro-batches:
@@ -15,7 +16,8 @@ bwd(i, s+1) ended + p2p; a stage runs its own events in order, one at a time. Se
 asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient all-reduce,
 optimizer and data loading are outside the model.
 
-Pure numpy; must not import torch, megatron or anything else from this package.
+Pure numpy; must not import torch, megatron or anything else from this package but
+``sim.waves`` (its passes by waves, pure numpy too).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from functools import lru_cache
 from typing import Optional
 
 import numpy as np
+
+from .waves import WAVE_COLS, Waves, build_waves
+from .waves import earliest_finish as _earliest_finish_by_waves
 
 FWD, BWD = 0, 1
 
@@ -172,8 +177,10 @@ class EventGraph:
     event e is (kind, micro-batch, virtual stage) ``(kinds[e], mbs[e], vs[e])`` on ``ranks[e]``;
     ``prev[e]`` the event before it on its rank, ``dep[e]`` the event it waits for (its data) and
     ``cross[e]`` whether that wait crosses ranks (p2p latency on the edge); ``nxt[e]`` and
-    ``succ[e]`` the reverse edges (-1 where none); ``last[r]`` rank r's last event. Built once
-    per (m, pp, vp); what the simulator and the float pass (``policy.slack``) step through."""
+    ``succ[e]`` the reverse edges (-1 where none); ``last[r]`` rank r's last event;
+    ``unit_events[kind]`` [m * nv] the event of every (micro-batch, virtual stage) unit's forward
+    and backward. Built once per (m, pp, vp); what the simulator and the float pass
+    (``policy.slack``) step through."""
 
     ranks: np.ndarray
     kinds: np.ndarray
@@ -187,6 +194,8 @@ class EventGraph:
     last: np.ndarray
     unit_rows: np.ndarray           # [E] row of each event in a [2 * m * nv] (kind, mb, v) table
     steps: tuple                    # (e, prev, dep, cross) of every event, in order
+    unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
+    waves: Waves                    # the events by depth, for the passes over few columns
 
     @property
     def size(self) -> int:
@@ -204,8 +213,11 @@ class EventGraph:
                         start: Optional[np.ndarray] = None) -> np.ndarray:
         """[E, cols] earliest finish of every event (durations ``dur`` [E, cols]): an event
         starts when its rank's previous event and its dependency (+ p2p when it crosses ranks)
-        have finished. Rows are written in place, a few numpy calls per event; ``start``
-        ([E, cols], optional) receives every event's start."""
+        have finished. Rows are written in place, a few numpy calls per event (a few per wave
+        of independent events, ``sim.waves``, with at most ``WAVE_COLS`` columns: the same
+        numbers); ``start`` ([E, cols], optional) receives every event's start."""
+        if dur.shape[1] <= WAVE_COLS:
+            return _earliest_finish_by_waves(self.waves, dur, p2p_s, start)
         end = np.empty_like(dur)
         rows, durs = list(end), list(dur)          # row views made once, not per use
         p = float(p2p_s)
@@ -253,9 +265,13 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     succ[dep[has]] = np.flatnonzero(has)
     prev_t, dep_t, cross_t = tuple(prev.tolist()), tuple(dep.tolist()), \
         tuple(bool(x) for x in crosses)
+    unit_rows = (kinds * m + mbs) * (pp * vp) + vs
+    unit_events = np.empty(n, dtype=np.int64)
+    unit_events[unit_rows] = np.arange(n)
     return EventGraph(ranks, kinds, mbs, vs, prev_t, dep_t, cross_t, tuple(nxt.tolist()),
-                      tuple(succ.tolist()), last, (kinds * m + mbs) * (pp * vp) + vs,
-                      tuple(zip(range(n), prev_t, dep_t, cross_t)))
+                      tuple(succ.tolist()), last, unit_rows,
+                      tuple(zip(range(n), prev_t, dep_t, cross_t)), unit_events.reshape(2, -1),
+                      build_waves(prev, dep, crosses, nxt, succ))
 
 
 def _run(f, b, p, record, pp=None):

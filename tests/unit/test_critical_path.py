@@ -181,7 +181,8 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
 def test_descend_plans_exactly_what_the_plain_descent_plans():
     """``descend`` searches and simulates only what a round can change and reuses searches
     across rounds; its plans and step times are the plain descent's, bit for bit (plain and
-    interleaved pipelines, p2p latency, raise headroom, floors that reject some rounds)."""
+    interleaved pipelines, p2p latency, raise headroom, floors that reject some rounds, with
+    and without ``floors``)."""
     from sparsebalance_megatron.policy import UnitCosts
 
     rng = np.random.default_rng(11)
@@ -210,5 +211,9 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
         want, want_step = _plain_descend(costs, start, i_min, i_max, meets=meets, **kw)
         np.testing.assert_array_equal(got, want)
         assert step == want_step
+        # a round given up before its raises are simulated (the floor is monotone): the same
+        early, early_step = descend(costs, start, i_min, i_max, meets=meets, floors=meets, **kw)
+        np.testing.assert_array_equal(early, want)
+        assert early_step == want_step
         accepted += not np.array_equal(got, start)
     assert accepted >= 8                                  # the descent did move plans

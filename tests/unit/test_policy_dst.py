@@ -336,6 +336,34 @@ def test_floor_search_passes_share_the_static_simulation_exactly():
             assert p.report == want.report
 
 
+def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
+    """``water`` marks the candidates that water-fill by quality; a pass mixing both objectives
+    (what ``plan_dst_with_floor``'s lock-step band searches send) gives every candidate the
+    plan, bit for bit, of a pass of its objective alone (interleaved too, p2p, headroom)."""
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.policy.dst import plan_dst_candidates
+
+    for case, (dp, m, ranks, vp) in enumerate([(4, 6, 3, 1), (3, 4, 2, 2), (5, 8, 4, 1)]):
+        costs = synthetic_costs(dp, m, ranks * vp, seed=40 + case, lm_head=2.0)
+        if vp > 1:
+            costs = UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s, costs.attn_work,
+                              pipeline_ranks=ranks)
+        sens = np.random.default_rng(case).random((dp, m))
+        q = _quality(ranks * vp)
+        mine = [("mean", 0.1), ("mean", 0.4), ("median", 0.0)]
+        theirs = [("max", 0.1), ("mean", 0.1), ("mean", 1.5)]
+        kw = dict(p2p_s=1e-3 * case, raise_headroom=0.05)
+        mixed = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, mine + theirs, quality=q,
+                                    water=[True] * 3 + [False] * 3, **kw)
+        alone = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, mine, quality=q, **kw) + \
+            plan_dst_candidates(costs, sens, D0, DMIN, DMAX, theirs, **kw)
+        for got, want in zip(mixed, alone):
+            np.testing.assert_array_equal(got.densities, want.densities)
+            assert got.report == want.report
+    with pytest.raises(ValueError, match="water"):
+        plan_dst_candidates(costs, sens, D0, DMIN, DMAX, mine, water=[True] * 3)
+
+
 def _quality(pp):
     """A convex, measured-looking quality cost (deeper layers a little more sensitive)."""
     from sparsebalance_megatron.policy.quality import QualityCost, StageQuality

@@ -10,6 +10,7 @@ Plain Python and numpy: no torch.distributed, no megatron.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -20,15 +21,17 @@ from ...plan import BudgetPlan
 
 def check_assignment(segments, batch: BatchPlan, capacity: int) -> None:
     """The packer used every segment of the step exactly once and respected the capacity."""
-    used = sorted(batch.segments())
-    if used != sorted(tuple(s) for s in segments):
+    if Counter(batch.segments()) != Counter(map(tuple, segments)):     # as multisets
         raise RuntimeError("packer dropped or duplicated segments of the global batch")
-    for r, rank in enumerate(batch.micro_batches):
-        for j, mb in enumerate(rank):
-            n = sum(e - s for _, s, e in mb)
-            if n > capacity:
-                raise RuntimeError(f"packer put {n} tokens in micro-batch ({r}, {j}), "
-                                   f"capacity {capacity}")
+    offsets, lengths = batch.unit_csr()
+    ends = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=ends[1:])
+    tokens = ends[offsets[1:]] - ends[offsets[:-1]]               # [dp * m], rank-major
+    over = np.flatnonzero(tokens > capacity)
+    if over.size:
+        r, j = divmod(int(over[0]), batch.num_microbatches)
+        raise RuntimeError(f"packer put {int(tokens[over[0]])} tokens in micro-batch ({r}, {j}), "
+                           f"capacity {capacity}")
 
 
 def fingerprint(batch: BatchPlan) -> int:
