@@ -29,10 +29,12 @@ The denominator: the simulator's static step at d0 (every unit at 0.5) for the Q
 shape at 32K tokens per micro-batch on the analytic table's best static layout (TP 1: the table
 prices one GPU per stage; with TP 8 this 0.5B model's step would be shorter, which the
 ``share_if_tp_scaled`` column shows). The critical path at the default ``--sb-planner
-process``: the control plane, the after-step work and the draft's excess over the step (a draft
-that outlasts the step is waited for); in-line planning adds the whole draft. The handoff to the
-planner process and its effect on a launch-bound training thread are ``planner_cost``'s
-(``plan_ahead.handoff_ms``, ``launch_slowdown``).
+process``: the control plane, the handoff to the planner process (the step's segments and the
+tracker's updates sent, the draft read back: training-thread CPU, measured with a planner process
+at each measured shape), the after-step work and the draft's excess over the step (a draft that
+outlasts the step is waited for); in-line planning adds the whole draft instead of the handoff.
+The planner's effect on a launch-bound training thread is ``planner_cost``'s
+(``launch_slowdown``).
 
 JSON: ``table`` (every shape: bytes and seconds of both paths, the planner's draft and
 after-step work, the critical path and its share of the step), ``rows`` (for the simulated
@@ -281,9 +283,14 @@ def docs_per_dp_rank(dp: int, m: int) -> int:
     return max(len(s) for s in doc_slots(plan.micro_batches))
 
 
+WORK = ("draft_s", "after_step_s", "handoff_s")   # a planner point's measured parts
+
+
 def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     """Measured at one shape (thread CPU time, medians): the draft (SAB, features and unit
-    costs, sensitivity and DST, as ``planner_cost`` times the runtime's calls), the after-step
+    costs, sensitivity and DST, as ``planner_cost`` times the runtime's calls), the handoff of
+    the same drafts to a planner process (``planner_cost._submit``: what the training thread
+    spends sending and reading back), the after-step
     work (the latency model's calibration of every DP rank, the tracker's update with every
     document, the reports' ``unit_work`` and ``kept_work``, ``busy_s``), and the static step
     the simulator predicts at d0 (best static layout)."""
@@ -294,7 +301,9 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    from .planner_cost import _drafter, committed
+    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
+
+    from .planner_cost import _drafter, _submit, committed
 
     sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=SEQ, layout="best", pp=pp)
@@ -302,8 +311,19 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
     drafter = _drafter(lm, sb, dp, SEQ)               # the runtime's draft (step/drafting.py)
     tracker = drafter.tracker
-    drafts, after, steps = [], [], []
+    drafts, after, steps, handoffs = [], [], [], []
     rng = np.random.default_rng(0)
+    proc = PlannerProcess(_drafter(lm, sb, dp, SEQ))   # a copy before any draft, as at launch
+    try:
+        for k, segs in enumerate(corpus.segments):    # the handoff: send, then read back
+            c0 = time.thread_time()
+            pending = _submit("process", drafter, proc, k, segs, m)
+            send = time.thread_time() - c0
+            pending.result()
+            if k:
+                handoffs.append(send + getattr(pending, "recv_s", 0.0))
+    finally:
+        proc.close()
     for k, segs in enumerate(corpus.segments):
         d = drafter.draft(k, 0, segs, m, with_dst=True)
         batch, units, dens = committed(d)
@@ -330,7 +350,7 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
             after.append(t1 - t0)
     return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(),
             "draft_s": statistics.median(drafts), "after_step_s": statistics.median(after),
-            "static_step_s": statistics.median(steps)}
+            "handoff_s": statistics.median(handoffs), "static_step_s": statistics.median(steps)}
 
 
 def power_fit(x, y) -> dict:
@@ -454,12 +474,11 @@ def main(argv=None) -> int:
     points += [planner_point(dps[-1], m, 8) for m in ms]
     four = [q for q in points if q["pp"] == 4]
     units = [q["dp"] * q["m"] for q in four]
-    fits = {"draft_s": power_fit(units, [q["draft_s"] for q in four]),
-            "after_step_s": power_fit(units, [q["after_step_s"] for q in four])}
+    fits = {k: power_fit(units, [q[k] for q in four]) for k in WORK}
     measured_at = {(q["dp"], q["m"], q["pp"]): q for q in points}
     step_by = {(q["m"], q["pp"]): q for q in points if q["dp"] == dps[-1]}
     pp_ratio = {k: statistics.median(measured_at[dps[-1], m, 8][k] / measured_at[dps[-1], m, 4][k]
-                                     for m in ms) for k in ("draft_s", "after_step_s")}
+                                     for m in ms) for k in WORK}
 
     rows = []
     for m in ms:
@@ -477,20 +496,20 @@ def main(argv=None) -> int:
                        cpu_s=oldc["cpu_s"], total_s=old["network_s"] + oldc["cpu_s"])
             q = measured_at.get((dp, m, pp))
             work = {k: q[k] if q else fits[k]["coefficient"] * (dp * m) ** fits[k]["exponent"]
-                    * (pp_ratio[k] if pp == 8 else 1.0) for k in ("draft_s", "after_step_s")}
-            draft, after = work["draft_s"], work["after_step_s"]
+                    * (pp_ratio[k] if pp == 8 else 1.0) for k in WORK}
+            draft, after, handoff = work["draft_s"], work["after_step_s"], work["handoff_s"]
             # the static step of this shape where measured, else of the largest measured DP
             step_s = (q or step_by[m, pp])["static_step_s"]
             row = {"tp": tp, "pp": pp, "dp": dp, "m": m, "world": tp * pp * dp,
                    "docs_per_dp_rank": docs, "tensor": new, "pickled": old,
                    "planner": {"draft_s": draft, "after_step_s": after,
-                               "measured": q is not None},
+                               "handoff_s": handoff, "measured": q is not None},
                    "step_s": step_s}
-            ahead = new["total_s"] + after + max(0.0, draft - step_s)
+            ahead = new["total_s"] + handoff + after + max(0.0, draft - step_s)
             row["critical_path_s"] = {"plan_ahead": ahead,
                                       "in_line": new["total_s"] + after + draft}
             row["critical_path_parts_s"] = {"control_plane": new["total_s"],
-                                            "after_step": after,
+                                            "handoff": handoff, "after_step": after,
                                             "draft_past_the_step": max(0.0, draft - step_s)}
             row["share_of_step"] = {k: v / step_s for k, v in row["critical_path_s"].items()}
             row["share_if_tp_scaled"] = ahead / (step_s / tp)
@@ -508,6 +527,7 @@ def main(argv=None) -> int:
         "critical_path_plan_ahead_s": power_fit(
             [r["dp"] * r["m"] for r in sub], [r["critical_path_s"]["plan_ahead"] for r in sub]),
         "planner_draft_s": fits["draft_s"], "after_step_s": fits["after_step_s"],
+        "handoff_s": fits["handoff_s"],
         "variable": "DP x micro-batches (TP 8, PP 4; planner: PP 4, measured points)"}
     for name, pick, var in (("in_dp_at_m16", lambda r: r["m"] == 16, "dp"),
                             ("in_m_at_dp32", lambda r: r["dp"] == 32, "m")):
@@ -555,7 +575,8 @@ def _print(rows, ms, growth, target, gloo, points) -> None:
               f"{'-' if share is None else f'{100 * share:.3f}':>7}")
     print("\nplanner and after-step work (measured, best static layout, thread CPU):")
     for q in points:
-        print(f"  DP {q['dp']:>3} x m {q['m']:>3} x PP {q['pp']}: draft {q['draft_s'] * 1e3:8.1f} ms, after "
+        print(f"  DP {q['dp']:>3} x m {q['m']:>3} x PP {q['pp']}: draft "
+              f"{q['draft_s'] * 1e3:8.1f} ms, handoff {q['handoff_s'] * 1e3:5.1f} ms, after "
               f"the step {q['after_step_s'] * 1e3:6.1f} ms, static step {q['static_step_s']:.3f}"
               f" s ({q['layout']})")
     print("\ngrowth exponents in DP x micro-batches (TP 8, PP 4): " + ", ".join(
@@ -574,7 +595,7 @@ def _print(rows, ms, growth, target, gloo, points) -> None:
               f"{t['critical_path_s']['plan_ahead'] * 1e3:.2f} ms = "
               f"{100 * t['share_of_step']['plan_ahead']:.3f}% of the simulated {t['step_s']:.2f} s "
               f"step (control plane {t['critical_path_parts_s']['control_plane'] * 1e3:.2f} ms, "
-              f"after the step {t['critical_path_parts_s']['after_step'] * 1e3:.2f} ms; target <= {100 * TARGET_SHARE:.1f}%: "
+              f"handoff {t['critical_path_parts_s']['handoff'] * 1e3:.2f} ms, after the step {t['critical_path_parts_s']['after_step'] * 1e3:.2f} ms; target <= {100 * TARGET_SHARE:.1f}%: "
               f"{'met' if t['share_of_step']['plan_ahead'] <= TARGET_SHARE else 'NOT met'}); "
               f"in-line planning {100 * t['share_of_step']['in_line']:.2f}%; with TP 8 scaling "
               f"the step 8x: {100 * t['share_if_tp_scaled']:.3f}%")
