@@ -290,20 +290,17 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     """Measured at one shape (thread CPU time, medians): the draft (SAB, features and unit
     costs, sensitivity and DST, as ``planner_cost`` times the runtime's calls), the handoff of
     the same drafts to a planner process (``planner_cost._submit``: what the training thread
-    spends sending and reading back), the after-step
-    work (the latency model's calibration of every DP rank, the tracker's update with every
-    document, the reports' ``unit_work`` and ``kept_work``, ``busy_s``), and the static step
-    the simulator predicts at d0 (best static layout)."""
+    spends sending and reading back), the after-step work (``planner_cost.after_step``: the
+    calibration's prediction and every DP rank's update, the tracker's update with every
+    document, the reports' weights), and the static step the simulator predicts at d0 (best
+    static layout)."""
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from sparsebalance_megatron.megatron.step.record import doc_slots
-    from sparsebalance_megatron.megatron.step.reporting import kept_work, unit_work
+    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
-
-    from .planner_cost import _drafter, _submit, committed
+    from .planner_cost import _drafter, _submit, after_step, committed
 
     sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=SEQ, layout="best", pp=pp)
@@ -331,23 +328,10 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
         idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
         f, b = costs.at(idx)
         steps.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
-        uniq = np.unique(np.concatenate(doc_slots(batch.micro_batches)))
-        noise = rng.uniform(0.9, 1.1, (dp, lm.layout.pp))
-        signal = rng.uniform(1, 6, uniq.size)
-        t0 = time.thread_time()                        # end_step's work, in its order
-        predicted = lm.busy_s(units, dens)
-        measured = predicted * noise
-        for r in range(dp):
-            lm.calibrate(r, predicted[r], measured[r])
-            lm.calibrate_stages(r, predicted[r], measured[r])
-        lengths = {s[0]: s[2] - s[1] for s in batch.segments()}
-        tracker.update(uniq, [lengths[i] for i in uniq.tolist()], signal)
-        unit_work(batch, sb, units=units)
-        kept_work(batch, sb, dens, units=units)
-        t1 = time.thread_time()
+        a = after_step(lm, sb, d, tracker, rng) / 1e3   # end_step's work, as it runs it
         if k:                                          # the first is a warm-up
             drafts.append(d.cpu_s)
-            after.append(t1 - t0)
+            after.append(a)
     return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(),
             "draft_s": statistics.median(drafts), "after_step_s": statistics.median(after),
             "handoff_s": statistics.median(handoffs), "static_step_s": statistics.median(steps)}
@@ -595,7 +579,9 @@ def _print(rows, ms, growth, target, gloo, points) -> None:
               f"{t['critical_path_s']['plan_ahead'] * 1e3:.2f} ms = "
               f"{100 * t['share_of_step']['plan_ahead']:.3f}% of the simulated {t['step_s']:.2f} s "
               f"step (control plane {t['critical_path_parts_s']['control_plane'] * 1e3:.2f} ms, "
-              f"handoff {t['critical_path_parts_s']['handoff'] * 1e3:.2f} ms, after the step {t['critical_path_parts_s']['after_step'] * 1e3:.2f} ms; target <= {100 * TARGET_SHARE:.1f}%: "
+              f"handoff {t['critical_path_parts_s']['handoff'] * 1e3:.2f} ms, after the step "
+              f"{t['critical_path_parts_s']['after_step'] * 1e3:.2f} ms; target <= "
+              f"{100 * TARGET_SHARE:.1f}%: "
               f"{'met' if t['share_of_step']['plan_ahead'] <= TARGET_SHARE else 'NOT met'}); "
               f"in-line planning {100 * t['share_of_step']['in_line']:.2f}%; with TP 8 scaling "
               f"the step 8x: {100 * t['share_if_tp_scaled']:.3f}%")

@@ -44,7 +44,8 @@ cores (``cores`` in the JSON), and a loaded machine's figures are noise. On a 2-
 ``--pp 1`` (DP=2, two processes) is the form whose balance shows.
 
     .venv/bin/python scripts/bench.py dense_sab_run --json docs/results/dense_sab_run_cpu.json
-    .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --json docs/results/dense_sab_run_cpu_dp2.json
+    .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --seeds 1 2 3 4 \
+        --json docs/results/dense_sab_run_cpu_dp2.json
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def run(packing: str, seed: int, args, out: str) -> dict:
             "step_time_s_median": statistics.median(times),
             "tokens": [r["tokens"] for r in rows[UNTIMED_STEPS:]],
             "positions": [r.get("positions") for r in rows[UNTIMED_STEPS:]],
+            "measured_imbalance": [r.get("measured_imbalance") for r in rows[UNTIMED_STEPS:]],
             "packed_as": [r.get("packing") for r in rows[UNTIMED_STEPS:]],
             "sab_stood_down_steps": sum(int(r.get("sab_stood_down", 0))
                                         for r in rows[UNTIMED_STEPS:]),

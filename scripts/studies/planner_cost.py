@@ -119,14 +119,30 @@ def committed(draft) -> tuple:
     return batch, units, np.asarray(densities)
 
 
-def after_step(lm, sb, draft) -> float:
-    """Thread CPU ms of the after-step work on the training thread: the calibration's
-    prediction (``busy_s``) and the reports' density weights and kept work."""
+def after_step(lm, sb, draft, tracker=None, rng=None) -> float:
+    """Thread CPU ms of the after-step work on the training thread, as ``end_step`` runs it:
+    the calibration's prediction (``busy_s``) and every DP rank's calibration update (against a
+    stand-in measurement: the prediction x 0.9-1.1 noise), the sensitivity tracker's update with
+    every document of the step (``tracker``; a stand-in signal), and the reports' density
+    weights and kept work. ``tracker``: a ``SensitivityTracker`` (None: a fresh one)."""
+    from sparsebalance_megatron.batching import SensitivityTracker
+    from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.megatron.step.reporting import kept_work, unit_work
 
     batch, units, densities = committed(draft)
-    t0 = time.thread_time()
-    lm.busy_s(units, densities)
+    tracker = SensitivityTracker() if tracker is None else tracker
+    rng = np.random.default_rng(0) if rng is None else rng
+    uniq = np.unique(np.concatenate(doc_slots(batch.micro_batches)))
+    noise = rng.uniform(0.9, 1.1, (len(batch.micro_batches), lm.layout.pp))
+    signal = rng.uniform(1, 6, uniq.size)
+    t0 = time.thread_time()                            # end_step's work, in its order
+    predicted = lm.busy_s(units, densities)
+    measured = predicted * noise
+    for r in range(predicted.shape[0]):
+        lm.calibrate(r, predicted[r], measured[r])
+        lm.calibrate_stages(r, predicted[r], measured[r])
+    lengths = {s[0]: s[2] - s[1] for s in batch.segments()}
+    tracker.update(uniq, [lengths[i] for i in uniq.tolist()], signal)
     routing = lm.dense_below_tokens or 0                 # the reports' routing: the model's
     unit_work(batch, sb, routing, units=units)
     kept_work(batch, sb, densities, routing, units=units)
@@ -147,13 +163,16 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     lm, batches = corpus.lm, corpus.segments
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
     drafter, tracker = _drafter(lm, sb, dp, seq), SensitivityTracker()
+    after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
+    # the last name is the key earlier JSONs used (experiments/plugin_cost.py reads it); the
+    # part now holds the calibration updates and the tracker's update as well (``after_step``)
     names = ("sab_plan", "features + UnitCosts.from_latency", "sensitivity + DST",
              "after the step: busy_s + unit_work")
     parts, drafts, step_s, searched, stood = {k: [] for k in names}, [], [], [], []
     for k, segs in enumerate(batches):
         got = _parts(lm, sb, grid, tracker, segs, dp, m, seq)
         d = drafter.draft(k, 0, segs, m, with_dst=True)
-        got.append(after_step(lm, sb, d))
+        got.append(after_step(lm, sb, d, after_tracker, after_rng))
         if k == 0:
             continue                                          # warm-up
         for name, v in zip(names, got):
@@ -200,9 +219,11 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
     the GIL released); on the training thread: sending the inputs and reading the draft back
     (``handoff_ms``, thread CPU), the wait at the join (wall), and the after-step work (thread
     CPU). What a launch-bound training thread loses to a planner beside it: ``launch_slowdown``."""
+    from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
 
     drafter = _drafter(lm, sb, dp, seq)
+    after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     proc = PlannerProcess(drafter) if planner == "process" else None
     try:
         sends, waits, recvs, after, drafts = [], [], [], [], []
@@ -213,7 +234,7 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
             send = (time.thread_time() - c0) * 1e3
             time.sleep(step_s)                          # the step trains (GIL released)
             nxt = pending.result()                      # end_step: join the next step's draft
-            a = after_step(lm, sb, current)
+            a = after_step(lm, sb, current, after_tracker, after_rng)
             if k:
                 sends.append(send)
                 waits.append(pending.wait_s * 1e3)
