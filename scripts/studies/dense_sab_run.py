@@ -44,7 +44,7 @@ cores (``cores`` in the JSON), and a loaded machine's figures are noise. On a 2-
 ``--pp 1`` (DP=2, two processes) is the form whose balance shows.
 
     .venv/bin/python scripts/bench.py dense_sab_run --json docs/results/dense_sab_run_cpu.json
-    .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --seeds 1 2 3 4 \
+    .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --seeds 1 2 3 4 \\
         --json docs/results/dense_sab_run_cpu_dp2.json
 """
 
