@@ -57,6 +57,16 @@ def path_fields(kind: str) -> list[str]:
             if f.metadata.get("path") == kind]
 
 
+def _auto_or_count(v) -> Optional[int]:
+    """A field that is 'auto' or a count >= 0 (an int, or digits as the flag parser gives them):
+    the count, or None for 'auto' or a value out of that domain (``validate`` names those)."""
+    if isinstance(v, bool) or v == "auto":
+        return None
+    if isinstance(v, str) and v.isascii() and v.isdigit():
+        return int(v)
+    return v if isinstance(v, int) and v >= 0 else None
+
+
 def flag_name(field_name: str) -> str:
     """CLI flag of a config field: ``sparse_balance`` -> ``--sparse-balance``, else ``--sb-<name>``."""
     if field_name == "sparse_balance":
@@ -342,12 +352,7 @@ class SparseBalanceConfig:
     @property
     def dense_below_tokens_value(self) -> Optional[int]:
         """The fixed routing threshold, or None for 'auto' (or a value out of its domain)."""
-        v = self.dense_below_tokens
-        if isinstance(v, bool) or v == "auto":
-            return None
-        if isinstance(v, str) and v.isascii() and v.isdigit():
-            return int(v)
-        return v if isinstance(v, int) and v >= 0 else None
+        return _auto_or_count(self.dense_below_tokens)
 
     def routing_threshold(self, table_crossover: Optional[int]) -> int:
         """Documents shorter than this many tokens run dense: --sb-dense-below-tokens when a
@@ -362,12 +367,7 @@ class SparseBalanceConfig:
     def microbatch_multiple_value(self) -> Optional[int]:
         """--sb-microbatch-multiple as a number, or None for 'auto' (or a value out of its
         domain)."""
-        v = self.microbatch_multiple
-        if isinstance(v, bool) or v == "auto":
-            return None
-        if isinstance(v, str) and v.isascii() and v.isdigit():
-            return int(v)
-        return v if isinstance(v, int) and v >= 0 else None
+        return _auto_or_count(self.microbatch_multiple)
 
     @property
     def length_multiple(self) -> int:
