@@ -18,7 +18,7 @@ What is read back (``cuobjdump`` of the triton wheel, ``triton/backends/nvidia/b
 block; ``-sass`` the opcode counts (``OPCODES``: STL/LDL spill traffic, HGMMA wgmma vs HMMA
 mma.sync, REDG/RED/ATOMG/ATOM atomics, UTMALDG/LDGSTS tile loads); ``metadata.shared`` the
 dynamic shared memory a launch asks for. Imports torch (stand-in tensors) and triton; must not
-import megatron.
+depend on the Megatron adapter or on Megatron itself.
 """
 
 from __future__ import annotations
