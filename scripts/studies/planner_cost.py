@@ -137,10 +137,7 @@ def after_step(lm, sb, draft, tracker=None, rng=None) -> float:
     signal = rng.uniform(1, 6, uniq.size)
     t0 = time.thread_time()                            # end_step's work, in its order
     predicted = lm.busy_s(units, densities)
-    measured = predicted * noise
-    for r in range(predicted.shape[0]):
-        lm.calibrate(r, predicted[r], measured[r])
-        lm.calibrate_stages(r, predicted[r], measured[r])
+    lm.calibrate_ranks(predicted, predicted * noise)
     lengths = {s[0]: s[2] - s[1] for s in batch.segments()}
     tracker.update(uniq, [lengths[i] for i in uniq.tolist()], signal)
     routing = lm.dense_below_tokens or 0                 # the reports' routing: the model's

@@ -87,6 +87,18 @@ class Calibration:
         self._errors.append(abs(old * ps - ms) / ms)
         self._correction[int(rank)] = (1.0 - w) * old + w * clipped
 
+    def calibrate_ranks(self, predicted_s, measured_s) -> None:
+        """One step's calibration of every DP rank: ``predicted_s``, ``measured_s`` [dp, pp]
+        uncorrected predicted and measured busy seconds per (DP rank, pipeline rank). Each DP
+        rank's factor by ``calibrate`` (a row with a missing or NaN time keeps it) and its
+        pipeline ranks' by ``calibrate_stages``."""
+        predicted = np.asarray(predicted_s, dtype=np.float64)
+        measured = np.asarray(measured_s, dtype=np.float64)
+        for r in range(predicted.shape[0]):
+            ok = np.isfinite(measured[r]).all()      # missing/NaN: keep the previous factor
+            self.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
+            self.calibrate_stages(r, predicted[r], measured[r])
+
     def stage_correction(self, rank: Optional[int], stage: int) -> float:
         """The factor of pipeline rank ``stage`` relative to DP rank ``rank``'s (1: no news)."""
         return 1.0 if rank is None else self._stage_correction.get((int(rank), int(stage)), 1.0)

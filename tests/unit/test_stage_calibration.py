@@ -62,3 +62,22 @@ def test_stage_factors_reach_the_planned_costs_and_survive_a_resume(lm):
 def test_straggler_stage_flag_is_checked():
     with pytest.raises(ConfigError, match="--sb-straggler-stage=-2: expected -1 or a pipeline"):
         SparseBalanceConfig(straggler_rank=0, straggler_stage=-2)
+
+
+def test_calibrate_ranks_is_every_ranks_update_and_keeps_a_rank_without_a_time(lm):
+    """One step's calibration of every DP rank (what the runtime's end of step calls) updates
+    exactly as the per-rank calls do; a DP rank whose measured row has a NaN keeps its factor
+    (and its stage factors), the others move."""
+    ref = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=4096), pp=2)
+    predicted = np.array([[1.0, 2.0], [1.5, 1.0], [2.0, 2.0]])
+    measured = predicted * np.array([[1.2, 1.0], [0.9, 1.1], [1.0, np.nan]])
+    with pytest.warns(UserWarning, match="unusable measurement"):
+        lm.calibrate_ranks(predicted, measured)
+    with pytest.warns(UserWarning, match="unusable measurement"):
+        for r in range(3):
+            ok = np.isfinite(measured[r]).all()
+            ref.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
+            ref.calibrate_stages(r, predicted[r], measured[r])
+    assert lm.calibration_state() == ref.calibration_state()
+    assert lm.correction(2) == 1.0 and lm.correction(0) != 1.0 and lm.correction(1) != 1.0
+    assert lm.correction_grid(3, 2)[2].tolist() == [1.0, 1.0]

@@ -327,10 +327,7 @@ class SparseBalanceCallback(StepPlanning):
         PP, each pipeline rank's share of it too (one slow GPU of a pipeline)."""
         predicted = self._predicted_busy(step)
         corrected = predicted * self.latency.correction_grid(*predicted.shape)
-        for r in range(self.dp):
-            ok = np.isfinite(measured[r]).all()  # missing/NaN: keep the previous factor
-            self.latency.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
-            self.latency.calibrate_stages(r, predicted[r], measured[r])
+        self.latency.calibrate_ranks(predicted, measured)
         busy = measured.sum(axis=1)
         err = np.abs(corrected.sum(axis=1) - busy) / np.maximum(busy, 1e-12)
         return {"predicted_busy_s": corrected.sum(axis=1).tolist(),
