@@ -287,13 +287,14 @@ WORK = ("draft_s", "after_step_s", "handoff_s")   # a planner point's measured p
 
 
 def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
-    """Measured at one shape (thread CPU time, medians): the draft (SAB, features and unit
-    costs, sensitivity and DST, as ``planner_cost`` times the runtime's calls), the handoff of
-    the same drafts to a planner process (``planner_cost._submit``: what the training thread
-    spends sending and reading back), the after-step work (``planner_cost.after_step``: the
-    calibration's prediction and every DP rank's update, the tracker's update with every
-    document, the reports' weights), and the static step the simulator predicts at d0 (best
-    static layout)."""
+    """Measured at one shape (thread CPU time, medians), each step run as the default flags run
+    it: the draft (SAB, features and unit costs, sensitivity and DST) made by a planner process
+    from the calibration the training side sends (``planner_cost._submit``), the handoff (the
+    training thread's CPU sending the step and reading the draft back), the after-step work
+    (``planner_cost.after_step``: the calibration's prediction and every DP rank's update, the
+    tracker's update with every document, the reports' weights), and the static step the
+    simulator predicts at d0 (best static layout)."""
+    from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
@@ -306,32 +307,28 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=SEQ, layout="best", pp=pp)
     lm = corpus.lm
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    drafter = _drafter(lm, sb, dp, SEQ)               # the runtime's draft (step/drafting.py)
-    tracker = drafter.tracker
+    drafter = _drafter(lm, sb, dp, SEQ)               # the training process's state
+    tracker, rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     drafts, after, steps, handoffs = [], [], [], []
-    rng = np.random.default_rng(0)
     proc = PlannerProcess(_drafter(lm, sb, dp, SEQ))   # a copy before any draft, as at launch
     try:
-        for k, segs in enumerate(corpus.segments):    # the handoff: send, then read back
+        for k, segs in enumerate(corpus.segments):    # as the default flags run a step:
             c0 = time.thread_time()
-            pending = _submit("process", drafter, proc, k, segs, m)
+            pending = _submit("process", drafter, proc, k, segs, m)   # hand the step over
             send = time.thread_time() - c0
-            pending.result()
-            if k:
-                handoffs.append(send + getattr(pending, "recv_s", 0.0))
+            d = pending.result()                      # read its draft back
+            batch, units, dens = committed(d)
+            costs = UnitCosts.from_latency(lm, units, dp, m, grid)
+            idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
+            f, b = costs.at(idx)
+            steps.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
+            a = after_step(lm, sb, d, tracker, rng) / 1e3   # end_step's work, as it runs it
+            if k:                                      # the first is a warm-up
+                drafts.append(d.cpu_s)                 # the planner process's thread CPU
+                handoffs.append(send + pending.recv_s)
+                after.append(a)
     finally:
         proc.close()
-    for k, segs in enumerate(corpus.segments):
-        d = drafter.draft(k, 0, segs, m, with_dst=True)
-        batch, units, dens = committed(d)
-        costs = UnitCosts.from_latency(lm, units, dp, m, grid)
-        idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
-        f, b = costs.at(idx)
-        steps.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
-        a = after_step(lm, sb, d, tracker, rng) / 1e3   # end_step's work, as it runs it
-        if k:                                          # the first is a warm-up
-            drafts.append(d.cpu_s)
-            after.append(a)
     return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(),
             "draft_s": statistics.median(drafts), "after_step_s": statistics.median(after),
             "handoff_s": statistics.median(handoffs), "static_step_s": statistics.median(steps)}
