@@ -49,6 +49,13 @@ class BatchPlan:
     # derived arrays (unit_csr, flat_lengths), computed once: a plan is not changed once made
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __getstate__(self) -> dict:
+        """Pickled without ``_cache``: derived arrays, several times the plan's own size, that
+        the planner process would otherwise send back with every draft."""
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)``."""
         if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) \

@@ -74,6 +74,24 @@ class UnitFeatures:
     def num_units(self) -> int:
         return self.offsets.size - 1
 
+    def __getstate__(self) -> dict:
+        """Pickled without what ``offsets`` and ``lengths`` give back cheaply (the sparse path's
+        block counts and units, the chunked layout): half the bytes the planner process sends
+        back with each draft. The document runs stay: rebuilding them costs more than their
+        bytes."""
+        state = dict(self.__dict__)
+        state["doc_blocks"] = state["doc_unit"] = state["_blocks"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        doc_unit = np.repeat(np.arange(self.num_units, dtype=np.int64), np.diff(self.offsets))
+        nb = num_blocks(self.lengths, self.block_size)
+        if self.dense_below_tokens:
+            long = self.lengths >= self.dense_below_tokens
+            nb, doc_unit = nb[long], doc_unit[long]
+        self.doc_blocks, self.doc_unit = nb, doc_unit
+
     @classmethod
     def build(cls, mb_doc_lengths, block_size: int, sink_blocks: int = 1,
               local_blocks: int = 0, work_mode: str = "kept",

@@ -1,6 +1,8 @@
 """SAB and its baselines: every sample used exactly once, capacity, determinism, cost balance,
 sensitivity grouping, long samples, bad input, fallback and planning time."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -245,6 +247,11 @@ def test_unit_csr_is_the_padded_lengths_and_computed_once():
             assert plan.unit_csr(with_padding=pad) is plan.unit_csr(with_padding=pad)
             assert [x.tolist() for x in plan.flat_lengths(pad)] == [x.tolist() for x in got]
         assert (plan.tokens() == 2048).any()
+        # pickled (the planner process's draft) without the cache, which it computes again
+        back = pickle.loads(pickle.dumps(plan))
+        assert back._cache == {} and back.micro_batches == plan.micro_batches
+        assert [np.array_equal(a, b) for a, b in zip(back.unit_csr(True), plan.unit_csr(True))] \
+            == [True, True]
 
 
 def test_variable_length_plans_pad_each_micro_batch_to_its_multiple_only():

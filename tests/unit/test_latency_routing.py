@@ -52,6 +52,28 @@ def test_features_follow_the_two_kernels(work_mode):
     np.testing.assert_array_equal(f.dense_calls, [1, 0, 1])
 
 
+@pytest.mark.parametrize("work_mode", ["kept", "chunked"])
+@pytest.mark.parametrize("routing", [0, N])
+def test_features_pickle_small_and_come_back_equal(work_mode, routing):
+    """The planner process sends a step's features back pickled: without the arrays offsets and
+    lengths give back (half the bytes), which unpickling rebuilds equal, routing included."""
+    import pickle
+
+    f = UnitFeatures.build(UNITS * 50, BS, 1, 1, work_mode, 4, dense_below_tokens=routing)
+    f.work_grid([0.25, 1.0])                               # the caches a draft fills
+    g = pickle.loads(pickle.dumps(f))
+    for name, a in vars(f).items():
+        if isinstance(a, np.ndarray):
+            b = getattr(g, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    for d in (0.25, 0.5, 1.0):
+        np.testing.assert_array_equal(g.work_grid([d]), f.work_grid([d]))
+        np.testing.assert_array_equal(g.attention_work(d), f.attention_work(d))
+    np.testing.assert_array_equal(g.sparse_calls, f.sparse_calls)
+    # the per-document block counts and units are not sent
+    assert len(pickle.dumps(f)) < len(pickle.dumps(dict(vars(f)))) - f.doc_unit.nbytes
+
+
 def test_no_routing_keeps_the_features_as_they_were():
     a = UnitFeatures.build(UNITS, BS, 1, 0)
     b = UnitFeatures.build(UNITS, BS, 1, 0, dense_below_tokens=0)
