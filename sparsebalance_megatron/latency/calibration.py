@@ -94,10 +94,52 @@ class Calibration:
         pipeline ranks' by ``calibrate_stages``."""
         predicted = np.asarray(predicted_s, dtype=np.float64)
         measured = np.asarray(measured_s, dtype=np.float64)
+        if self._calibrate_all(predicted, measured):
+            return
         for r in range(predicted.shape[0]):
             ok = np.isfinite(measured[r]).all()      # missing/NaN: keep the previous factor
             self.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
             self.calibrate_stages(r, predicted[r], measured[r])
+
+    def _calibrate_all(self, p: np.ndarray, m: np.ndarray) -> bool:
+        """``calibrate_ranks`` as array operations over every DP rank, for the common step where
+        every time is usable and no update needs a warning: the same operations per element in
+        the same order as ``calibrate`` and ``calibrate_stages``, so the factors and errors are
+        the loop's, bit for bit (a unit test compares them). False, with nothing changed, where
+        the loop must decide (an unusable time, a first clipped update)."""
+        if p.ndim != 2 or p.shape != m.shape or p.shape[0] == 0 or p.shape[1] == 0:
+            return False
+        if not (np.isfinite(p).all() and np.isfinite(m).all() and (m >= 0).all()):
+            return False
+        ps, ms = p.sum(axis=1), m.sum(axis=1)
+        if not ((ps > 0).all() and (ms > 0).all()):
+            return False
+        dp, pp = p.shape
+        old = np.array([self._correction.get(r, 1.0) for r in range(dp)], dtype=np.float64)
+        ratio = ms / ps
+        clipped = np.minimum(np.maximum(ratio, old / CALIBRATION_CLIP), old * CALIBRATION_CLIP)
+        if not self._warned_clipped and (clipped != ratio).any():
+            return False
+        w = self.calibration_ema
+        stage_rows = np.zeros(dp, dtype=bool)
+        if pp >= 2:
+            stage_rows = (p > 0).all(axis=1) & (m > 0).all(axis=1)
+            rows = np.flatnonzero(stage_rows)
+            s_old = np.array([[self._stage_correction.get((int(r), s), 1.0) for s in range(pp)]
+                              for r in rows], dtype=np.float64).reshape(rows.size, pp)
+            overall = ms[rows] / ps[rows]
+            s_ratio = (m[rows] / p[rows]) / overall[:, None]
+            s_ratio = np.minimum(np.maximum(s_ratio, s_old / CALIBRATION_CLIP),
+                                 s_old * CALIBRATION_CLIP)
+            s_new = ((1.0 - w) * s_old + w * s_ratio).tolist()
+        self._errors.extend((np.abs(old * ps - ms) / ms).tolist())
+        for r, f in enumerate(((1.0 - w) * old + w * clipped).tolist()):
+            self._correction[r] = f
+        if stage_rows.any():
+            for r, row in zip(rows.tolist(), s_new):
+                for s, f in enumerate(row):
+                    self._stage_correction[r, s] = f
+        return True
 
     def stage_correction(self, rank: Optional[int], stage: int) -> float:
         """The factor of pipeline rank ``stage`` relative to DP rank ``rank``'s (1: no news)."""

@@ -81,3 +81,38 @@ def test_calibrate_ranks_is_every_ranks_update_and_keeps_a_rank_without_a_time(l
     assert lm.calibration_state() == ref.calibration_state()
     assert lm.correction(2) == 1.0 and lm.correction(0) != 1.0 and lm.correction(1) != 1.0
     assert lm.correction_grid(3, 2)[2].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4, 7, 16])
+def test_calibrate_ranks_as_arrays_is_the_per_rank_loop_bit_for_bit(pp):
+    """Every DP rank at once (``_calibrate_all``, the runtime's common step) moves every factor
+    and records every error exactly as the per-rank calls do, over steps that start from
+    learned factors, with a zero-time stage (no stage update for that rank) and with clipped
+    updates after the first clip warned; a step the array form cannot take (an unusable time)
+    falls back to the loop."""
+    import warnings
+
+    shape = ModelShape(num_layers=8, seq_length=4096)
+    fast, ref = LatencyModel.analytic(shape, pp=2), LatencyModel.analytic(shape, pp=2)
+    rng = np.random.default_rng(pp)
+    dp = 9
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(8):
+            predicted = rng.uniform(0.5, 3.0, (dp, pp))
+            measured = predicted * rng.uniform(0.7, 1.4, (dp, pp))
+            if step == 3:
+                measured[2, 0] = 0.0              # one stage took no time: rank 2's stages keep
+            if step in (4, 6):
+                measured[5] *= 50.0               # clipped (warned at the first)
+            if step == 7:
+                measured[1, -1] = np.nan          # the loop's case
+            fast.calibrate_ranks(predicted, measured)
+            for r in range(dp):
+                ok = np.isfinite(measured[r]).all()
+                ref.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
+                ref.calibrate_stages(r, predicted[r], measured[r])
+            assert fast.calibration_state() == ref.calibration_state(), f"step {step}"
+    took = LatencyModel.analytic(shape, pp=2)
+    ok = np.ones((3, pp))
+    assert took._calibrate_all(ok, ok * 1.1) and not took._calibrate_all(ok, ok * np.nan)
