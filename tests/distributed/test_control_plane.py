@@ -49,8 +49,9 @@ def _plan():
     report.update(raise_headroom=0.05, unit_sensitivity=rng.uniform(size=(DP, M)).tolist(),
                   stand_down={"dst_stood_down": False, "sab_stood_down": True,
                               "packing_index": 1, "predicted_step_s": [1.0, 0.95],
-                              "predicted_static_s": 1.0, "predicted_dst_s": 0.8})
-    return (rng.uniform(0.2, 1, (DP, M, PP)), report), PlanShape(DP, M, PP, 2, True)
+                              "predicted_static_s": 1.0, "predicted_dst_s": 0.8},
+                  predicted_busy_s=rng.uniform(1, 2, (DP, PP)).tolist())
+    return (rng.uniform(0.2, 1, (DP, M, PP)), report), PlanShape(DP, M, PP, 2, True, PP)
 
 
 def _shape():

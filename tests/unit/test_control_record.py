@@ -187,7 +187,7 @@ def _choose(stand_down: str = "sequential"):
     n = 2 if choice.wants_baseline_packing(sb, lm) else 1
     dens, report, _ = choice.choose(sb, lm, options[:n], 2, tracker=SensitivityTracker(),
                                     dst=True, raise_headroom=0.05, stage_layers=[2, 2])
-    return dens, report, PlanShape(2, 2, 2, options=n, sensitivity=True)
+    return dens, report, PlanShape(2, 2, 2, options=n, sensitivity=True, ranks=2)
 
 
 @pytest.mark.parametrize("stand_down", ["sequential", "off"])
@@ -197,6 +197,8 @@ def test_a_real_plan_round_trips_exactly(stand_down):
     assert buf.shape == (shape.words,) and buf.dtype == np.float64
     got_d, got = decode_plan(buf, shape)
     assert got_d.tolist() == dens
+    # the planner's prediction every rank calibrates against: the committed plan's, exactly
+    assert np.shape(report["predicted_busy_s"]) == (2, 2)
     assert set(got) == set(report)
     for k, v in report.items():       # the same values and the same JSON (int stays int)
         w = tuple(v) if k == "density_per_stage" and v is not None else v
@@ -212,6 +214,8 @@ def test_optional_report_entries_travel_as_none():
     _, got = decode_plan(encode_plan(dens, report, shape), shape)
     assert got["density_per_stage"] is None and got["unit_sensitivity"] is None
     assert got["raise_headroom"] is None
+    _, got = decode_plan(encode_plan(dens, dict(report, predicted_busy_s=None), shape), shape)
+    assert got["predicted_busy_s"] is None
     assert got["stand_down"]["sab_stood_down"] is None
     assert got["stand_down"]["predicted_dst_s"] is None
 
@@ -219,7 +223,7 @@ def test_optional_report_entries_travel_as_none():
 def test_plans_that_do_not_fit_their_layout_are_refused():
     dens, report, shape = _choose()
     with pytest.raises(ValueError, match=r"densities of shape \(2, 2, 2\): expected .*\(3, 2, 2\)"):
-        encode_plan(dens, report, PlanShape(3, 2, 2, 2, True))
+        encode_plan(dens, report, PlanShape(3, 2, 2, 2, True, 2))
     with pytest.raises(ValueError, match=r"entry 'surprise' has no slot"):
         encode_plan(dens, dict(report, surprise=1.0), shape)
     with pytest.raises(ValueError, match=r"units_cut=2.5: expected an integer"):
@@ -227,15 +231,20 @@ def test_plans_that_do_not_fit_their_layout_are_refused():
     with pytest.raises(ValueError, match=r"unit_sensitivity of shape \(1, 2\)"):
         encode_plan(dens, dict(report, unit_sensitivity=[[0.1, 0.2]]), shape)
     with pytest.raises(ValueError, match=r"predicted_step_s: 2 values, the record has 1"):
-        encode_plan(dens, report, PlanShape(2, 2, 2, 1, True))
+        encode_plan(dens, report, PlanShape(2, 2, 2, 1, True, 2))
+    with pytest.raises(ValueError, match=r"predicted_busy_s of shape \(2, 2\): expected .*"
+                                         r"\(2, 4\)"):
+        encode_plan(dens, report, PlanShape(2, 2, 2, 2, True, 4))
     buf = encode_plan(dens, report, shape)
     with pytest.raises(ValueError, match=r"expected float64"):
         decode_plan(buf[:-1], shape)
     with pytest.raises(ValueError, match=r"header .* does not match"):
-        decode_plan(buf, PlanShape(2, 2, 2, 2, False))
+        decode_plan(buf, PlanShape(2, 2, 2, 2, False, 2))
     for bad in (dict(dp=0), dict(microbatches=-1), dict(stages=True), dict(options=1.0)):
         with pytest.raises(ValueError, match=r"expected an integer >= 1"):
             PlanShape(**{**dict(dp=2, microbatches=2, stages=2), **bad})
+    with pytest.raises(ValueError, match=r"ranks=-1: expected an integer >= 0"):
+        PlanShape(2, 2, 2, ranks=-1)
     with pytest.raises(ValueError, match=r"over the 64 MiB"):
         PlanShape(1024, 1024, 8)
 

@@ -68,12 +68,17 @@ def _learn(lm, tracker, step: int):
     return ids, lengths, losses
 
 
-def _plain(d: Draft) -> bytes:
-    """A draft's content (not its CPU time or basis) as bytes to compare: its packing, the
-    packing it commits (the baseline's where SAB stood down) and its plan."""
-    stand = (d.payload[1] if d.payload else {}).get("stand_down") or d.stand_down
-    batch, units = d.baseline if stand and stand["packing_index"] == 1 else (d.batch, d.units)
-    return pickle.dumps((d.iteration, d.first_bin, d.batch.micro_batches, d.payload,
+def _index(d: Draft, plan_of: Draft) -> int:
+    """The packing the step commits, as the broadcast of ``plan_of``'s plan says."""
+    stand = (plan_of.payload[1] if plan_of.payload else {}).get("stand_down") or d.stand_down
+    return 1 if stand and stand["packing_index"] == 1 else 0
+
+
+def _plain(d: Draft, plan_of: Draft = None) -> bytes:
+    """A draft's content (not its CPU time or basis) as bytes to compare: the packing it commits
+    (the baseline's where SAB stood down), its features and its plan."""
+    batch, units = d.packing(_index(d, plan_of or d))
+    return pickle.dumps((d.iteration, d.first_bin, d.num_microbatches, d.payload,
                          batch.micro_batches, d.stand_down,
                          units.work_grid(np.array([0.25, 0.5, 1.0]))))
 
@@ -101,9 +106,21 @@ def test_inline_thread_and_process_draft_the_same_plan(steps, objective):
                                 basis={"k": k}).result()
             assert ahead.basis == {"k": k} and ahead.cpu_s > 0
             assert inline.payload is not None and inline.baseline is not None
-            if not ahead.payload[1]["stand_down"]["packing_index"]:
-                assert ahead.baseline is None      # not sent back: the plan commits SAB's
+            # only the packing the plan commits comes back
+            index = ahead.payload[1]["stand_down"]["packing_index"]
+            assert (ahead.baseline is None) == (index == 0) and ahead.fetch is None
+            assert (ahead.batch is None) == (index == 1)
             assert _plain(inline) == _plain(thread) == _plain(ahead), f"step {k}"
+            # the committed plan's busy seconds travel with it: what calibration would predict
+            units = inline.packing(index)[1]
+            assert inline.payload[1]["predicted_busy_s"] == \
+                lm.busy_s(units, np.asarray(inline.payload[0])).tolist()
+            # a rank that does not plan DST fetches the packing rank 0's plan commits
+            other = proc.submit(k, 100 * k, segs, M, with_dst=False, latency_state=None,
+                                tracker_sync=("updates", []), basis={}).result()
+            assert other.batch is other.baseline is None and other.fetch is not None
+            ref = drafter.draft(k, 100 * k, segs, M, with_dst=False)
+            assert _plain(other, ahead) == _plain(ref, ahead), f"step {k}"
         # the learned state moved the plans: the last step differs from a fresh drafter's
         fresh = _drafter(copy.deepcopy(steps.lm), SensitivityTracker(),
                          dst_objective=objective).draft(2, 200, steps.segments[2], M,
@@ -132,7 +149,7 @@ def test_the_planner_process_raises_the_drafts_error_and_its_own_death(steps):
         # the process survives a draft's error and answers the next request
         ok = proc.submit(0, 0, steps.segments[0], M, with_dst=False, latency_state=None,
                          tracker_sync=None, basis={}).result()
-        assert ok.payload is None and ok.batch.dp == DP
+        assert ok.payload is None and ok.packing(0)[0].dp == DP
         proc.proc.kill()                         # killed (out of memory, a signal)
         proc.proc.wait()
         with pytest.raises(PlannerProcessError, match="exit code -9.*--sb-planner thread"):
@@ -198,27 +215,31 @@ def test_the_saved_basis_is_the_state_each_draft_started_from():
     assert cb._updates == 12 and len(cb._basis_log) <= 4     # the copy stays one draft behind
 
 
-def test_a_dropped_baseline_keeps_the_plan_records_size():
-    """The rank that plans DST drops the baseline packing SAB did not need
-    (``without_unused_baseline``); the others keep it until rank 0's broadcast says. The plan
-    record's size (``PlanShape.options``) must still be the same on every rank, or the broadcast
-    of the plan would disagree in size."""
-    from sparsebalance_megatron.megatron.step.ahead import without_unused_baseline
+def test_what_the_planner_process_sends_back_keeps_the_plan_records_size():
+    """The rank that plans DST gets back the packing its plan commits only; the others get
+    neither, and fetch the one rank 0's broadcast names (``ahead.reply``). The plan record's size
+    (``PlanShape.options``) must still be the same on every rank, or the broadcast of the plan
+    would disagree in size."""
+    from sparsebalance_megatron.megatron.step.ahead import reply
 
-    report = {"stand_down": {"packing_index": 0}}
-    planner = Draft(3, 0, batch=None, units=None, payload=([[0.5]], report),
-                    baseline=("batch", "units"), options=2)
-    other = Draft(3, 0, batch=None, units=None, payload=None,
-                  baseline=("batch", "units"), options=2)
-    assert without_unused_baseline(planner).baseline is None
-    assert without_unused_baseline(other).baseline is not None
-    assert planner.options == other.options == 2
+    sab, base = ("sab batch", "sab units"), ("base batch", "base units")
+    for index in (0, 1):
+        report = {"stand_down": {"packing_index": index}}
+        planner, held = reply(Draft(3, 0, *sab, payload=([[0.5]], report), baseline=base,
+                                    options=2, num_microbatches=4))
+        assert held == {} and planner.packing(index) == (sab, base)[index]
+        with pytest.raises(RuntimeError, match="not kept"):
+            planner.packing(1 - index)
+    other, held = reply(Draft(3, 0, *sab, payload=None, baseline=base, options=2,
+                              num_microbatches=4))
+    assert other.batch is other.units is other.baseline is None
+    assert {i: pickle.loads(b)[1] for i, b in held.items()} == {0: sab, 1: base}
+    one, held = reply(Draft(3, 0, *sab, payload=None, options=1, num_microbatches=4))
+    assert held == {} and one.packing(0) == sab
     from types import SimpleNamespace
 
     from sparsebalance_megatron.megatron.step.planning import StepPlanning
 
-    batch = SimpleNamespace(num_microbatches=4)
-    planner.batch = other.batch = batch
-    rank = SimpleNamespace(dp=2, layout=SimpleNamespace(num_stages=2), tracker=None)
+    rank = SimpleNamespace(dp=2, layout=SimpleNamespace(num_stages=2, pp=2), tracker=None)
     assert StepPlanning._plan_shape(rank, planner) == StepPlanning._plan_shape(rank, other)
     assert StepPlanning._plan_shape(rank, planner).options == 2

@@ -5,8 +5,10 @@ the GIL most of the time, so a training thread that launches many small kernels 
 forward and backward) runs slower while it drafts. ``PlannerProcess`` drafts in a process of its
 own (one per rank, started at the first draft): the training thread only sends the draft's
 inputs (the step's segments, the latency calibration, the sensitivity updates since the last
-draft) and reads the draft back, both small, plain and pickled; waiting for the draft releases
-the GIL.
+draft) and reads the draft back, both plain and pickled; waiting for the draft releases the GIL.
+What it reads back is what it uses: of the two packings a step may draft (SAB's and the
+do-no-harm baseline's), the one the step commits, fetched after rank 0's broadcast where only
+the broadcast says which (``reply``); packings and features are pickled without their caches.
 
 The process holds a copy of the rank's ``Drafter`` (config, latency model, tracker) made when it
 starts, and before each draft sets its latency calibration to the one sent and replays the
@@ -134,11 +136,31 @@ class PlannerProcess:
         self._wait("while drafting")
         t1, c1 = time.perf_counter(), time.thread_time()
         try:
+            draft = self._answer("while sending its draft")
+        finally:
+            pending.wait_s, pending.recv_s = t1 - t0, time.thread_time() - c1
+            self._pending = None
+        if draft.fetch is None and (draft.batch is None and draft.baseline is None):
+            draft.fetch = lambda index: self._fetch(pending, index)
+        return draft
+
+    def _fetch(self, pending: "PendingDraft", index: int) -> tuple:
+        """The draft's packing ``index``, kept in the process until the broadcast said which
+        one the step commits (``reply``); its thread CPU counts in ``pending.recv_s``."""
+        c0 = time.thread_time()
+        try:
+            self._send(("packing", int(index)))
+            self._wait("while sending a packing")
+            return self._answer("while sending a packing")
+        finally:
+            pending.recv_s += time.thread_time() - c0
+
+    def _answer(self, when: str):
+        """The process's next answer: its value, or its error raised here."""
+        try:
             kind, *rest = self._in.recv()
         except EOFError:
-            raise self._died("while sending its draft") from None
-        pending.wait_s, pending.recv_s = t1 - t0, time.thread_time() - c1
-        self._pending = None
+            raise self._died(when) from None
         if kind == "error":
             err, text = rest
             if not isinstance(err, BaseException):
@@ -205,17 +227,35 @@ def sync_state(drafter: Drafter, latency_state: Optional[dict], tracker_sync) ->
                 drafter.tracker.update(ids, lengths, values)
 
 
-def without_unused_baseline(draft: Draft) -> Draft:
-    """The draft less its baseline packing where this rank already knows SAB's packing is
-    committed (its own stand-down choice, or as the rank that plans DST, the plan's), so that
-    what the training thread reads back is smaller; a rank that learns the choice from rank 0's
-    broadcast keeps it."""
+def committed_index(draft: Draft) -> Optional[int]:
+    """Which packing this rank knows the step commits (0 SAB's, 1 the baseline's), or None where
+    it learns it from rank 0's broadcast: its own stand-down choice, or as the rank that plans
+    DST, the plan's."""
     stand = draft.stand_down
     if draft.payload is not None:
         stand = draft.payload[1].get("stand_down")
-    if draft.baseline is not None and stand is not None and stand["packing_index"] == 0:
+    if draft.options < 2:
+        return 0
+    return None if stand is None else int(stand["packing_index"])
+
+
+def reply(draft: Draft) -> tuple:
+    """(what the planner process sends back, the packings it keeps as pickled replies by
+    index). A rank that knows which packing the step commits gets that one only; a rank that
+    learns it from rank 0's broadcast gets the draft without packings and fetches the committed
+    one after the broadcast (``Draft.packing``), so no rank reads back a packing it does not
+    use."""
+    index = committed_index(draft)
+    if index == 0:
         draft.baseline = None
-    return draft
+        return draft, {}
+    options = {0: (draft.batch, draft.units), 1: draft.baseline}
+    draft.batch = draft.units = None
+    if index == 1:
+        return draft, {}
+    draft.baseline = None
+    return draft, {i: pickle.dumps(("ok", o), protocol=pickle.HIGHEST_PROTOCOL)
+                   for i, o in options.items()}
 
 
 def _import_draft_modules() -> None:
@@ -230,6 +270,7 @@ def serve(inp: Connection, out: Connection) -> None:
     """The planner process's loop: ``init`` (the Drafter), ``draft`` requests answered in
     order, until ``stop`` or the training process's end (EOF)."""
     drafter: Optional[Drafter] = None
+    held: dict = {}                       # the last draft's packings not yet sent, by index
     while True:
         try:
             msg = inp.recv()
@@ -237,26 +278,38 @@ def serve(inp: Connection, out: Connection) -> None:
             return
         if msg[0] == "stop":
             return
+        if msg[0] == "packing":
+            data = held.pop(msg[1], None)
+            try:
+                if data is None:
+                    out.send(("error", None, f"the planner process holds no packing {msg[1]!r} "
+                                             f"of its last draft"))
+                else:
+                    out.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                return
+            continue
         if msg[0] == "init":
             drafter = msg[1]
             _import_draft_modules()
             out.send(("ready",))
             continue
-        req = msg[1]
+        req, held = msg[1], {}
         try:
             sync_state(drafter, req["latency"], req["tracker"])
             draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
                                   req["num_microbatches"], with_dst=req["with_dst"])
-            reply = ("ok", without_unused_baseline(draft))
+            draft, held = reply(draft)
+            answer = ("ok", draft)
         except Exception as e:                             # raised on the training thread
             text = traceback.format_exc()
             try:
                 pickle.dumps(e)
             except Exception:
                 e = None
-            reply = ("error", e, text)
+            answer = ("error", e, text)
         try:
-            out.send(reply)
+            out.send(answer)
         except (BrokenPipeError, OSError):
             return
 

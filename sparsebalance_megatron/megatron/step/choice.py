@@ -70,9 +70,13 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     if not dst:
         return None, None, record
     out = choice.outcome
+    # the committed plan's uncorrected busy seconds, which every rank calibrates against after
+    # the step: predicted once here, off the training thread, and broadcast with the plan
+    busy = latency.busy_s(options[choice.index][1], out.densities)
     report = dict(out.plan.report.as_dict(), raise_headroom=raise_headroom,
                   unit_sensitivity=None if sens[choice.index] is None
-                  else np.round(sens[choice.index], 6).tolist(), stand_down=record)
+                  else np.round(sens[choice.index], 6).tolist(),
+                  predicted_busy_s=busy.tolist(), stand_down=record)
     if out.dst_stood_down:      # the report describes the committed plan: the static one
         report.update(step_time_planned_s=out.step_s, speedup=1.0, units_cut=0,
                       units_raised=0, ranks_reverted=0, quality_cost=0.0,

@@ -2,10 +2,12 @@
 sends it down the process groups in place of a pickled object).
 
 A plan is ``(densities [dp][m][stages], report)`` as ``step/choice.py``'s ``choose`` returns it:
-the report is ``DSTReport``'s fields, ``raise_headroom``, ``unit_sensitivity`` [dp][m] (or None)
-and the do-no-harm record ``stand_down``. Its layout (``PlanShape``) is sized from what every
-rank knows before the broadcast: DP ranks, micro-batches, stages, how many packings were
-candidates, whether a sensitivity tracker runs. ``DSTReport``'s fields are read from the dataclass
+the report is ``DSTReport``'s fields, ``raise_headroom``, ``unit_sensitivity`` [dp][m] (or None),
+``predicted_busy_s`` [dp][pipeline ranks] (the planner's uncorrected prediction of the committed
+plan, which every rank calibrates against, or None) and the do-no-harm record ``stand_down``. Its
+layout (``PlanShape``) is sized from what every rank knows before the broadcast: DP ranks,
+micro-batches, stages, pipeline ranks, how many packings were candidates, whether a sensitivity
+tracker runs. ``DSTReport``'s fields are read from the dataclass
 (an ``int``, ``float`` or ``tuple`` of per-stage floats each), so a field added there travels
 without a change here; a report entry with no slot, or a value that does not fit its slot, is
 refused with a ValueError naming it. Decoding gives back the same keys with Python ``int``,
@@ -28,12 +30,12 @@ import numpy as np
 
 from ...policy.dst_band import DSTReport
 
-MAGIC = 0x5342_504C_4E01        # "SBPLN" v1
+MAGIC = 0x5342_504C_4E02        # "SBPLN" v2 (v1 had no predicted_busy_s)
 MAX_BYTES = 64 << 20
 HEADER = 6
 STAND_DOWN = ("dst_stood_down", "sab_stood_down", "packing_index", "predicted_step_s",
               "predicted_static_s", "predicted_dst_s")
-EXTRAS = ("raise_headroom", "unit_sensitivity", "stand_down")
+EXTRAS = ("raise_headroom", "unit_sensitivity", "predicted_busy_s", "stand_down")
 
 
 def _report_fields() -> list:
@@ -54,19 +56,24 @@ def _report_fields() -> list:
 class PlanShape:
     """The size of a step's plan: ``dp`` x ``microbatches`` x ``stages`` densities, ``options``
     candidate packings (1, or 2 with the do-no-harm baseline), ``sensitivity``: whether the report
-    carries a [dp, m] unit sensitivity (a tracker runs)."""
+    carries a [dp, m] unit sensitivity (a tracker runs), ``ranks``: the pipeline ranks of the
+    report's [dp, ranks] predicted busy seconds (0: the record has no room for them)."""
 
     dp: int
     microbatches: int
     stages: int
     options: int = 1
     sensitivity: bool = False
+    ranks: int = 0
 
     def __post_init__(self):
         for name in ("dp", "microbatches", "stages", "options"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"plan shape: {name}={v!r}: expected an integer >= 1")
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, (int, np.integer)) \
+                or self.ranks < 0:
+            raise ValueError(f"plan shape: ranks={self.ranks!r}: expected an integer >= 0")
         if not isinstance(self.sensitivity, (bool, np.bool_)):
             raise ValueError(f"plan shape: sensitivity={self.sensitivity!r}: expected a bool")
         if self.nbytes > MAX_BYTES:
@@ -82,6 +89,7 @@ class PlanShape:
         sizes = {"int": 1, "float": 2, "stages": 1 + self.stages}
         report = sum(sizes[k] for _, k in _report_fields())
         extras = 2 + 1 + self.dp * self.microbatches      # raise_headroom, unit_sensitivity
+        extras += 1 + self.dp * self.ranks                 # predicted_busy_s
         stand = 1 + 1 + 1 + 1 + (1 + self.options) + 2 + 2   # present, flags, index, times
         return HEADER + self.units + report + extras + stand
 
@@ -187,6 +195,11 @@ def encode_plan(densities, report: dict, shape: PlanShape) -> np.ndarray:
     if sens is not None and not shape.sensitivity:
         raise ValueError("plan report carries a unit_sensitivity, the plan shape none")
     w.floats(sens, shape.dp * shape.microbatches, "unit_sensitivity")
+    busy = report.get("predicted_busy_s")
+    if busy is not None and np.shape(busy) != (shape.dp, shape.ranks):
+        raise ValueError(f"plan report predicted_busy_s of shape {np.shape(busy)}: expected "
+                         f"(dp, pipeline ranks) = {(shape.dp, shape.ranks)}")
+    w.floats(busy, shape.dp * shape.ranks, "predicted_busy_s")
     stand = report.get("stand_down") or {}
     if set(stand) - set(STAND_DOWN) or (stand and set(stand) != set(STAND_DOWN)):
         raise ValueError(f"plan report stand_down keys {sorted(stand)}: expected "
@@ -225,6 +238,9 @@ def decode_plan(buf: np.ndarray, shape: PlanShape) -> tuple:
     sens = r.floats(shape.dp * shape.microbatches)
     report["unit_sensitivity"] = None if sens is None else \
         np.asarray(sens).reshape(shape.dp, shape.microbatches).tolist()
+    busy = r.floats(shape.dp * shape.ranks)
+    report["predicted_busy_s"] = None if busy is None else \
+        np.asarray(busy).reshape(shape.dp, shape.ranks).tolist()
     has_stand = r.int()
     stand = {"dst_stood_down": r.flag(), "sab_stood_down": r.flag(),
              "packing_index": r.int(), "predicted_step_s": r.floats(shape.options),

@@ -94,9 +94,9 @@ class StepPlanning:
                                                              self._plan_shape(draft))
             plan = BudgetPlan(draft.iteration, np.asarray(densities))
             stand = report.get("stand_down")
-        batch, units = draft.batch, draft.units
-        if stand is not None and stand["packing_index"] == 1:    # SAB stood down
-            batch, units = draft.baseline
+        # SAB's packing, or the baseline's where SAB stood down
+        batch, units = draft.packing(1 if stand is not None and stand["packing_index"] == 1
+                                     else 0)
         if plan is None and sb.sparse_attention_enabled:
             plan = BudgetPlan.static(draft.iteration, sb.density, self.dp,
                                      batch.num_microbatches, self.layout.num_stages)
@@ -110,9 +110,9 @@ class StepPlanning:
 
     def _plan_shape(self, draft: Draft) -> PlanShape:
         """The size of the draft's plan record, known on every rank (``step/plan_record.py``)."""
-        return PlanShape(self.dp, draft.batch.num_microbatches, self.layout.num_stages,
-                         options=draft.options,
-                         sensitivity=self.tracker is not None)
+        return PlanShape(self.dp, draft.num_microbatches, self.layout.num_stages,
+                         options=draft.options, sensitivity=self.tracker is not None,
+                         ranks=self.layout.pp)
 
     def _planning_state(self) -> dict:
         """The state plans are made from: latency calibration and sensitivities."""
