@@ -128,12 +128,13 @@ def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> 
 def record_shapes(dp: int, pp: int, m: int, docs: int):
     """(cell RecordShape, line RecordShape, PlanShape) of a step, as the runtime sizes them at
     the default flags (no per-interval detail: no --sb-metrics-file; a tracker: documents and
-    unit sensitivity travel; the do-no-harm baseline: two candidate packings)."""
+    unit sensitivity travel; the do-no-harm baseline: two candidate packings; the planner's
+    predicted busy seconds per (DP rank, pipeline rank))."""
     from sparsebalance_megatron.megatron.step.plan_record import PlanShape
     from sparsebalance_megatron.megatron.step.record import RecordShape
 
     cell = RecordShape(1, m, 0, docs)
-    return cell, cell.with_stages(pp), PlanShape(dp, m, pp, 2, True)
+    return cell, cell.with_stages(pp), PlanShape(dp, m, pp, 2, True, pp)
 
 
 def tensor_path(dp: int, pp: int, tp: int, m: int, docs: int) -> dict:
@@ -290,7 +291,8 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     """Measured at one shape (thread CPU time, medians), each step run as the default flags run
     it: the draft (SAB, features and unit costs, sensitivity and DST) made by a planner process
     from the calibration the training side sends (``planner_cost._submit``), the handoff (the
-    training thread's CPU sending the step and reading the draft back), the after-step work
+    training thread's CPU sending the step and reading the draft back: the slower of rank 0,
+    which plans DST, and a rank that fetches its packing after the broadcast), the after-step work
     (``planner_cost.after_step``: the calibration's prediction and every DP rank's update, the
     tracker's update with every document, the reports' weights), and the static step the
     simulator predicts at d0 (best static layout)."""
@@ -311,13 +313,18 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     tracker, rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     drafts, after, steps, handoffs = [], [], [], []
     proc = PlannerProcess(_drafter(lm, sb, dp, SEQ))   # a copy before any draft, as at launch
+    other = PlannerProcess(_drafter(lm, sb, dp, SEQ))  # a rank that does not plan DST
     try:
         for k, segs in enumerate(corpus.segments):    # as the default flags run a step:
             c0 = time.thread_time()
             pending = _submit("process", drafter, proc, k, segs, m)   # hand the step over
             send = time.thread_time() - c0
+            c1 = time.thread_time()
+            pend_other = _submit("process", drafter, other, k, segs, m, with_dst=False)
+            send_other = time.thread_time() - c1
             d = pending.result()                      # read its draft back
             batch, units, dens = committed(d)
+            pend_other.result().packing(d.payload[1]["stand_down"]["packing_index"])
             costs = UnitCosts.from_latency(lm, units, dp, m, grid)
             idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
             f, b = costs.at(idx)
@@ -325,10 +332,11 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
             a = after_step(lm, sb, d, tracker, rng) / 1e3   # end_step's work, as it runs it
             if k:                                      # the first is a warm-up
                 drafts.append(d.cpu_s)                 # the planner process's thread CPU
-                handoffs.append(send + pending.recv_s)
+                handoffs.append(max(send + pending.recv_s, send_other + pend_other.recv_s))
                 after.append(a)
     finally:
         proc.close()
+        other.close()
     return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(),
             "draft_s": statistics.median(drafts), "after_step_s": statistics.median(after),
             "handoff_s": statistics.median(handoffs), "static_step_s": statistics.median(steps)}

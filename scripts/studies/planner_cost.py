@@ -114,8 +114,7 @@ def committed(draft) -> tuple:
     """(batch, units, densities) the draft commits: SAB's packing, or the baseline's where SAB
     stood down (do no harm)."""
     densities, report = draft.payload
-    batch, units = draft.baseline if report["stand_down"]["packing_index"] == 1 else \
-        (draft.batch, draft.units)
+    batch, units = draft.packing(report["stand_down"]["packing_index"])
     return batch, units, np.asarray(densities)
 
 
@@ -198,13 +197,14 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     return out
 
 
-def _submit(planner: str, drafter, proc, k: int, segs, m: int):
-    """Start the draft of step ``k`` on ``planner`` ('process': ``proc``, a PlannerProcess)."""
+def _submit(planner: str, drafter, proc, k: int, segs, m: int, with_dst: bool = True):
+    """Start the draft of step ``k`` on ``planner`` ('process': ``proc``, a PlannerProcess);
+    ``with_dst``: as the rank that plans DST (else as any other rank)."""
     from sparsebalance_megatron.megatron.step.ahead import Planner
 
     if planner == "thread":
-        return Planner(lambda: drafter.draft(k, 0, segs, m, with_dst=True), basis={})
-    return proc.submit(k, 0, segs, m, with_dst=True,
+        return Planner(lambda: drafter.draft(k, 0, segs, m, with_dst=with_dst), basis={})
+    return proc.submit(k, 0, segs, m, with_dst=with_dst,
                        latency_state=drafter.latency.calibration_state(),
                        tracker_sync=("updates", []) if k else
                        ("reset", drafter.tracker.state_dict()), basis={})
@@ -215,37 +215,53 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
     while the training thread stands in for a GPU-bound step (blocked ``step_s`` seconds with
     the GIL released); on the training thread: sending the inputs and reading the draft back
     (``handoff_ms``, thread CPU), the wait at the join (wall), and the after-step work (thread
-    CPU). What a launch-bound training thread loses to a planner beside it: ``launch_slowdown``."""
+    CPU). Rank 0 plans DST and reads back the packing its plan commits; every other rank drafts
+    both packings without DST and reads back the one rank 0's plan names after the broadcast
+    (``handoff_other_ms``: a second planner, beside the first, as on a node of several ranks).
+    The critical path is the slower rank's. What a launch-bound training thread loses to a
+    planner beside it: ``launch_slowdown``."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
 
-    drafter = _drafter(lm, sb, dp, seq)
+    drafter, other = _drafter(lm, sb, dp, seq), _drafter(lm, sb, dp, seq)
     after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
-    proc = PlannerProcess(drafter) if planner == "process" else None
+    procs = [PlannerProcess(d) for d in (drafter, other)] if planner == "process" \
+        else [None, None]
     try:
-        sends, waits, recvs, after, drafts = [], [], [], [], []
+        sends, waits, recvs, after, drafts, others = [], [], [], [], [], []
         current = drafter.draft(0, 0, batches[0], m, with_dst=True)
-        for k, segs in enumerate(batches, start=0):    # step 0: the planner's warm-up
+        for k, segs in enumerate(batches, start=0):    # step 0: the planners' warm-up
             c0 = time.thread_time()
-            pending = _submit(planner, drafter, proc, k, segs, m)
+            pending = _submit(planner, drafter, procs[0], k, segs, m)
             send = (time.thread_time() - c0) * 1e3
+            c1 = time.thread_time()
+            pend_other = _submit(planner, other, procs[1], k, segs, m, with_dst=False)
+            send_other = (time.thread_time() - c1) * 1e3
             time.sleep(step_s)                          # the step trains (GIL released)
             nxt = pending.result()                      # end_step: join the next step's draft
+            nxt_other = pend_other.result()
             a = after_step(lm, sb, current, after_tracker, after_rng)
+            index = nxt.payload[1]["stand_down"]["packing_index"]   # rank 0's broadcast
+            committed(nxt)                              # the commit: each rank's packing
+            nxt_other.packing(index)
             if k:
                 sends.append(send)
-                waits.append(pending.wait_s * 1e3)
+                waits.append(max(pending.wait_s, pend_other.wait_s) * 1e3)
                 recvs.append(getattr(pending, "recv_s", 0.0) * 1e3)
+                others.append(send_other + getattr(pend_other, "recv_s", 0.0) * 1e3)
                 after.append(a)
                 drafts.append(nxt.cpu_s * 1e3)
             current = nxt
     finally:
-        if proc is not None:
-            proc.close()
+        for proc in procs:
+            if proc is not None:
+                proc.close()
     handoff = float(np.median(sends) + np.median(recvs))
-    on_path = handoff + float(np.median(waits) + np.median(after))
+    handoff_other = float(np.median(others))
+    on_path = max(handoff, handoff_other) + float(np.median(waits) + np.median(after))
     return {"planner": planner, "stand_in_step_s": step_s,
             "draft_cpu_ms": float(np.median(drafts)), "handoff_ms": handoff,
+            "handoff_other_ms": handoff_other,
             "join_wait_ms": float(np.median(waits)), "after_step_ms": float(np.median(after)),
             "critical_path_ms": on_path, "share_of_step": on_path / (1e3 * step_s)}
 
@@ -374,7 +390,8 @@ def main(argv=None) -> int:
         print(f"{tag} {step['layout']}: simulated step {step['step_s']:.2f} s; in-line "
               f"{100 * step['inline_share_of_step']:.2f}%, ahead in a process "
               f"{100 * step['plan_ahead']['share_of_step']:.3f}% (handoff "
-              f"{step['plan_ahead']['handoff_ms']:.1f} ms, join wait "
+              f"{step['plan_ahead']['handoff_ms']:.1f} ms on rank 0, "
+              f"{step['plan_ahead']['handoff_other_ms']:.1f} ms on the others, join wait "
               f"{step['plan_ahead']['join_wait_ms']:.1f} ms, after-step "
               f"{step['plan_ahead']['after_step_ms']:.1f} ms), on a thread "
               f"{100 * step['plan_ahead_thread']['share_of_step']:.3f}% (target <= "

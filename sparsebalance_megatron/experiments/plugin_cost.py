@@ -125,8 +125,8 @@ def _stages_of(layout: str, pp: int) -> int:
 @dataclass(frozen=True)
 class AheadCost:
     """What one ahead planner (``--sb-planner process`` or ``thread``) left on the training
-    thread per step at the measured shape (ms): the handoff (inputs sent, draft read back), the
-    wait at the join, the after-step work."""
+    thread per step at the measured shape (ms): the handoff (inputs sent, draft read back; the
+    slower of rank 0's and the other ranks'), the wait at the join, the after-step work."""
 
     handoff_ms: float
     join_wait_ms: float
@@ -176,8 +176,9 @@ class PlannerCost:
             # before --sb-planner the study's only ahead planner was a thread (--sb-plan-ahead)
             form = a.get("planner", "process" if key == "plan_ahead" and "planner" in data
                          else "thread")
-            ahead.setdefault(form, AheadCost(
-                float(a.get("handoff_ms", 0.0)), float(a.get("join_wait_ms", 0.0)),
+            ahead.setdefault(form, AheadCost(     # the slower rank's handoff
+                max(float(a.get("handoff_ms", 0.0)), float(a.get("handoff_other_ms", 0.0))),
+                float(a.get("join_wait_ms", 0.0)),
                 float(a.get("after_step_ms", step["parts_ms"][PARTS["calibration"]]))))
         return cls(source=_named(path), shape=Shape(dp, m, pp, stages, seq),
                    parts_ms={k: float(step["parts_ms"][v]) for k, v in PARTS.items()},
