@@ -291,8 +291,8 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     """Measured at one shape (thread CPU time, medians), each step run as the default flags run
     it: the draft (SAB, features and unit costs, sensitivity and DST) made by a planner process
     from the calibration the training side sends (``planner_cost._submit``), the handoff (the
-    training thread's CPU sending the step and reading the draft back: the slower of rank 0,
-    which plans DST, and a rank that fetches its packing after the broadcast), the after-step work
+    training thread's CPU sending the step: the slower of rank 0, which plans DST, and a rank
+    without DST; the draft is read back by a reader thread while the step trains), the after-step work
     (``planner_cost.after_step``: the calibration's prediction and every DP rank's update, the
     tracker's update with every document, the reports' weights), and the static step the
     simulator predicts at d0 (best static layout)."""
@@ -332,7 +332,7 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
             a = after_step(lm, sb, d, tracker, rng) / 1e3   # end_step's work, as it runs it
             if k:                                      # the first is a warm-up
                 drafts.append(d.cpu_s)                 # the planner process's thread CPU
-                handoffs.append(max(send + pending.recv_s, send_other + pend_other.recv_s))
+                handoffs.append(max(send, send_other))
                 after.append(a)
     finally:
         proc.close()

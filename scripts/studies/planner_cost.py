@@ -19,8 +19,9 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
 - Planning ahead (``--sb-planner process``, the default, and ``thread``): each step's draft made
   by the runtime's planner while a stand-in step runs (``time.sleep`` of the simulated step:
   the GIL released, as in CUDA synchronisation and NCCL waits), and what stays on the training
-  thread's critical path: sending the draft's inputs, the wait at the join, reading the draft
-  back, and the after-step work. Target: <= 0.5% of the step.
+  thread's critical path: sending the draft's inputs, the wait at the join, and the after-step
+  work (the draft is read back by a reader thread while the step trains), on rank 0 (DST) and
+  on a rank without DST. Target: <= 0.5% of the step.
 - The training thread's slowdown: a launch-bound stand-in (small torch ops one after another,
   as a GPU step's kernel launches hold the GIL between kernels) runs step windows with no
   planner, then with each planner drafting the next step beside it (64 DP x 16 x PP4, best
@@ -120,7 +121,8 @@ def committed(draft) -> tuple:
 
 def after_step(lm, sb, draft, tracker=None, rng=None) -> float:
     """Thread CPU ms of the after-step work on the training thread, as ``end_step`` runs it:
-    the calibration's prediction (``busy_s``) and every DP rank's calibration update (against a
+    the calibration's prediction (the plan's own, ``predicted_busy_s``, read from the broadcast
+    report) and every DP rank's calibration update (against a
     stand-in measurement: the prediction x 0.9-1.1 noise), the sensitivity tracker's update with
     every document of the step (``tracker``; a stand-in signal), and the reports' density
     weights and kept work. ``tracker``: a ``SensitivityTracker`` (None: a fresh one)."""
@@ -135,7 +137,7 @@ def after_step(lm, sb, draft, tracker=None, rng=None) -> float:
     noise = rng.uniform(0.9, 1.1, (len(batch.micro_batches), lm.layout.pp))
     signal = rng.uniform(1, 6, uniq.size)
     t0 = time.thread_time()                            # end_step's work, in its order
-    predicted = lm.busy_s(units, densities)
+    predicted = np.array(draft.payload[1]["predicted_busy_s"], dtype=np.float64)
     lm.calibrate_ranks(predicted, predicted * noise)
     lengths = {s[0]: s[2] - s[1] for s in batch.segments()}
     tracker.update(uniq, [lengths[i] for i in uniq.tolist()], signal)
@@ -213,13 +215,14 @@ def _submit(planner: str, drafter, proc, k: int, segs, m: int, with_dst: bool = 
 def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str) -> dict:
     """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner
     while the training thread stands in for a GPU-bound step (blocked ``step_s`` seconds with
-    the GIL released); on the training thread: sending the inputs and reading the draft back
-    (``handoff_ms``, thread CPU), the wait at the join (wall), and the after-step work (thread
-    CPU). Rank 0 plans DST and reads back the packing its plan commits; every other rank drafts
-    both packings without DST and reads back the one rank 0's plan names after the broadcast
-    (``handoff_other_ms``: a second planner, beside the first, as on a node of several ranks).
-    The critical path is the slower rank's. What a launch-bound training thread loses to a
-    planner beside it: ``launch_slowdown``."""
+    the GIL released); on the training thread: sending the inputs (``handoff_ms``, thread CPU),
+    the wait at the join (wall), and the after-step work (thread CPU). The planner process's
+    draft is read back by a reader thread while the step trains (``reader_ms``, its thread CPU:
+    off the critical path; what its GIL costs a launch-bound training thread is in
+    ``launch_slowdown``). Rank 0 plans DST and reads back the packing its plan commits; every
+    other rank drafts both packings without DST and reads both back (``handoff_other_ms``,
+    ``reader_other_ms``: a second planner beside the first, as on a node of several ranks). The
+    critical path is the slower rank's."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
 
@@ -227,8 +230,9 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
     after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     procs = [PlannerProcess(d) for d in (drafter, other)] if planner == "process" \
         else [None, None]
+    got = {k: [] for k in ("send", "send_other", "wait", "reader", "reader_other", "after",
+                           "draft")}
     try:
-        sends, waits, recvs, after, drafts, others = [], [], [], [], [], []
         current = drafter.draft(0, 0, batches[0], m, with_dst=True)
         for k, segs in enumerate(batches, start=0):    # step 0: the planners' warm-up
             c0 = time.thread_time()
@@ -241,28 +245,26 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
             nxt = pending.result()                      # end_step: join the next step's draft
             nxt_other = pend_other.result()
             a = after_step(lm, sb, current, after_tracker, after_rng)
-            index = nxt.payload[1]["stand_down"]["packing_index"]   # rank 0's broadcast
             committed(nxt)                              # the commit: each rank's packing
-            nxt_other.packing(index)
+            nxt_other.packing(nxt.payload[1]["stand_down"]["packing_index"])   # the broadcast's
             if k:
-                sends.append(send)
-                waits.append(max(pending.wait_s, pend_other.wait_s) * 1e3)
-                recvs.append(getattr(pending, "recv_s", 0.0) * 1e3)
-                others.append(send_other + getattr(pend_other, "recv_s", 0.0) * 1e3)
-                after.append(a)
-                drafts.append(nxt.cpu_s * 1e3)
+                for key, v in (("send", send), ("send_other", send_other), ("after", a),
+                               ("wait", max(pending.wait_s, pend_other.wait_s) * 1e3),
+                               ("reader", getattr(pending, "recv_s", 0.0) * 1e3),
+                               ("reader_other", getattr(pend_other, "recv_s", 0.0) * 1e3),
+                               ("draft", nxt.cpu_s * 1e3)):
+                    got[key].append(v)
             current = nxt
     finally:
         for proc in procs:
             if proc is not None:
                 proc.close()
-    handoff = float(np.median(sends) + np.median(recvs))
-    handoff_other = float(np.median(others))
-    on_path = max(handoff, handoff_other) + float(np.median(waits) + np.median(after))
-    return {"planner": planner, "stand_in_step_s": step_s,
-            "draft_cpu_ms": float(np.median(drafts)), "handoff_ms": handoff,
-            "handoff_other_ms": handoff_other,
-            "join_wait_ms": float(np.median(waits)), "after_step_ms": float(np.median(after)),
+    med = {k: float(np.median(v)) for k, v in got.items()}
+    on_path = max(med["send"], med["send_other"]) + med["wait"] + med["after"]
+    return {"planner": planner, "stand_in_step_s": step_s, "draft_cpu_ms": med["draft"],
+            "handoff_ms": med["send"], "handoff_other_ms": med["send_other"],
+            "reader_ms": med["reader"], "reader_other_ms": med["reader_other"],
+            "join_wait_ms": med["wait"], "after_step_ms": med["after"],
             "critical_path_ms": on_path, "share_of_step": on_path / (1e3 * step_s)}
 
 
@@ -391,7 +393,9 @@ def main(argv=None) -> int:
               f"{100 * step['inline_share_of_step']:.2f}%, ahead in a process "
               f"{100 * step['plan_ahead']['share_of_step']:.3f}% (handoff "
               f"{step['plan_ahead']['handoff_ms']:.1f} ms on rank 0, "
-              f"{step['plan_ahead']['handoff_other_ms']:.1f} ms on the others, join wait "
+              f"{step['plan_ahead']['handoff_other_ms']:.1f} ms on the others; read back off "
+              f"the path in {step['plan_ahead']['reader_ms']:.1f} / "
+              f"{step['plan_ahead']['reader_other_ms']:.1f} ms; join wait "
               f"{step['plan_ahead']['join_wait_ms']:.1f} ms, after-step "
               f"{step['plan_ahead']['after_step_ms']:.1f} ms), on a thread "
               f"{100 * step['plan_ahead_thread']['share_of_step']:.3f}% (target <= "

@@ -108,17 +108,17 @@ def test_inline_thread_and_process_draft_the_same_plan(steps, objective):
             assert inline.payload is not None and inline.baseline is not None
             # only the packing the plan commits comes back
             index = ahead.payload[1]["stand_down"]["packing_index"]
-            assert (ahead.baseline is None) == (index == 0) and ahead.fetch is None
+            assert (ahead.baseline is None) == (index == 0)
             assert (ahead.batch is None) == (index == 1)
             assert _plain(inline) == _plain(thread) == _plain(ahead), f"step {k}"
             # the committed plan's busy seconds travel with it: what calibration would predict
             units = inline.packing(index)[1]
             assert inline.payload[1]["predicted_busy_s"] == \
                 lm.busy_s(units, np.asarray(inline.payload[0])).tolist()
-            # a rank that does not plan DST fetches the packing rank 0's plan commits
+            # a rank that does not plan DST gets both packings: rank 0's broadcast says which
             other = proc.submit(k, 100 * k, segs, M, with_dst=False, latency_state=None,
                                 tracker_sync=("updates", []), basis={}).result()
-            assert other.batch is other.baseline is None and other.fetch is not None
+            assert other.batch is not None and other.baseline is not None
             ref = drafter.draft(k, 100 * k, segs, M, with_dst=False)
             assert _plain(other, ahead) == _plain(ref, ahead), f"step {k}"
         # the learned state moved the plans: the last step differs from a fresh drafter's
@@ -216,8 +216,8 @@ def test_the_saved_basis_is_the_state_each_draft_started_from():
 
 
 def test_what_the_planner_process_sends_back_keeps_the_plan_records_size():
-    """The rank that plans DST gets back the packing its plan commits only; the others get
-    neither, and fetch the one rank 0's broadcast names (``ahead.reply``). The plan record's size
+    """The rank that plans DST gets back the packing its plan commits only; the others get both
+    until rank 0's broadcast names one (``ahead.reply``). The plan record's size
     (``PlanShape.options``) must still be the same on every rank, or the broadcast of the plan
     would disagree in size."""
     from sparsebalance_megatron.megatron.step.ahead import reply
@@ -225,17 +225,18 @@ def test_what_the_planner_process_sends_back_keeps_the_plan_records_size():
     sab, base = ("sab batch", "sab units"), ("base batch", "base units")
     for index in (0, 1):
         report = {"stand_down": {"packing_index": index}}
-        planner, held = reply(Draft(3, 0, *sab, payload=([[0.5]], report), baseline=base,
-                                    options=2, num_microbatches=4))
-        assert held == {} and planner.packing(index) == (sab, base)[index]
+        planner = reply(Draft(3, 0, *sab, payload=([[0.5]], report), baseline=base,
+                              options=2, num_microbatches=4))
+        assert planner.packing(index) == (sab, base)[index]
         with pytest.raises(RuntimeError, match="not kept"):
             planner.packing(1 - index)
-    other, held = reply(Draft(3, 0, *sab, payload=None, baseline=base, options=2,
-                              num_microbatches=4))
-    assert other.batch is other.units is other.baseline is None
-    assert {i: pickle.loads(b)[1] for i, b in held.items()} == {0: sab, 1: base}
-    one, held = reply(Draft(3, 0, *sab, payload=None, options=1, num_microbatches=4))
-    assert held == {} and one.packing(0) == sab
+    other = reply(Draft(3, 0, *sab, payload=None, baseline=base, options=2,
+                        num_microbatches=4))
+    assert (other.packing(0), other.packing(1)) == (sab, base)
+    one = reply(Draft(3, 0, *sab, payload=None, options=1, num_microbatches=4))
+    assert one.packing(0) == sab
+    with pytest.raises(ValueError, match="the draft has 1 packing"):
+        one.packing(1)
     from types import SimpleNamespace
 
     from sparsebalance_megatron.megatron.step.planning import StepPlanning
@@ -243,3 +244,23 @@ def test_what_the_planner_process_sends_back_keeps_the_plan_records_size():
     rank = SimpleNamespace(dp=2, layout=SimpleNamespace(num_stages=2, pp=2), tracker=None)
     assert StepPlanning._plan_shape(rank, planner) == StepPlanning._plan_shape(rank, other)
     assert StepPlanning._plan_shape(rank, planner).options == 2
+
+
+def test_the_draft_is_read_back_before_the_step_ends(steps):
+    """The planner process's draft is read by a reader thread as soon as it is made, while the
+    step trains: ``result`` at the step's end only joins it (nothing left to read)."""
+    from sparsebalance_megatron.batching import SensitivityTracker
+
+    proc = PlannerProcess(_drafter(copy.deepcopy(steps.lm), SensitivityTracker()))
+    try:
+        pending = proc.submit(0, 0, steps.segments[0], M, with_dst=True, latency_state=None,
+                              tracker_sync=None, basis={})
+        pending._thread.join(timeout=120)          # the step trains; no result() asked yet
+        assert not pending._thread.is_alive() and pending._draft is not None
+        assert pending.recv_s > 0
+        with pytest.raises(RuntimeError, match="still pending"):
+            proc.submit(1, 0, steps.segments[1], M, with_dst=True, latency_state=None,
+                        tracker_sync=None, basis={})
+        assert pending.result() is pending._draft
+    finally:
+        proc.close()

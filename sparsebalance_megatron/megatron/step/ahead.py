@@ -5,10 +5,11 @@ the GIL most of the time, so a training thread that launches many small kernels 
 forward and backward) runs slower while it drafts. ``PlannerProcess`` drafts in a process of its
 own (one per rank, started at the first draft): the training thread only sends the draft's
 inputs (the step's segments, the latency calibration, the sensitivity updates since the last
-draft) and reads the draft back, both plain and pickled; waiting for the draft releases the GIL.
-What it reads back is what it uses: of the two packings a step may draft (SAB's and the
-do-no-harm baseline's), the one the step commits, fetched after rank 0's broadcast where only
-the broadcast says which (``reply``); packings and features are pickled without their caches.
+draft). A reader thread waits for the draft (without the GIL) and reads it back as soon as it is
+made, while the step still trains, so that the step's end only joins it. What comes back is
+what the rank may use: of the two packings a step may draft (SAB's and the do-no-harm
+baseline's), the one the step commits where the rank knows it (``reply``), both where rank 0's
+broadcast will say; packings and features are pickled without their caches.
 
 The process holds a copy of the rank's ``Drafter`` (config, latency model, tracker) made when it
 starts, and before each draft sets its latency calibration to the one sent and replays the
@@ -131,30 +132,6 @@ class PlannerProcess:
         except (BrokenPipeError, OSError):
             raise self._died("before it was sent a draft") from None
 
-    def _receive(self, pending: "PendingDraft") -> Draft:
-        t0 = time.perf_counter()
-        self._wait("while drafting")
-        t1, c1 = time.perf_counter(), time.thread_time()
-        try:
-            draft = self._answer("while sending its draft")
-        finally:
-            pending.wait_s, pending.recv_s = t1 - t0, time.thread_time() - c1
-            self._pending = None
-        if draft.fetch is None and (draft.batch is None and draft.baseline is None):
-            draft.fetch = lambda index: self._fetch(pending, index)
-        return draft
-
-    def _fetch(self, pending: "PendingDraft", index: int) -> tuple:
-        """The draft's packing ``index``, kept in the process until the broadcast said which
-        one the step commits (``reply``); its thread CPU counts in ``pending.recv_s``."""
-        c0 = time.thread_time()
-        try:
-            self._send(("packing", int(index)))
-            self._wait("while sending a packing")
-            return self._answer("while sending a packing")
-        finally:
-            pending.recv_s += time.thread_time() - c0
-
     def _answer(self, when: str):
         """The process's next answer: its value, or its error raised here."""
         try:
@@ -181,18 +158,41 @@ class PlannerProcess:
 
 
 class PendingDraft:
-    """A draft the planner process is making: ``result`` waits for it (``Planner``'s API).
-    ``send_s``, ``recv_s``: the training thread's CPU seconds pickling the inputs and reading the
-    draft back (its own work); ``wait_s``: wall seconds blocked waiting for the draft."""
+    """A draft the planner process is making: a reader thread waits for it (the GIL released)
+    and reads it back as soon as it is made, while the step trains; ``result`` joins it
+    (``Planner``'s API) and raises what the draft or the process raised. ``send_s``: the
+    training thread's CPU seconds pickling the inputs; ``recv_s``: the reader thread's reading
+    the draft back (off the critical path; it holds the GIL while it unpickles, which a
+    launch-bound training thread beside it pays: ``planner_cost``'s slowdown study); ``wait_s``:
+    wall seconds the training thread waited at the join."""
 
     def __init__(self, planner: PlannerProcess, basis: dict, send_s: float):
         self._planner, self.basis = planner, basis
         self.send_s, self.recv_s, self.wait_s = send_s, 0.0, 0.0
+        self._draft: Optional[Draft] = None
+        self._err: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._read, daemon=True,
+                                        name="sparsebalance-planner-reader")
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            self._planner._wait("while drafting")
+            c0 = time.thread_time()
+            self._draft = self._planner._answer("while sending its draft")
+            self.recv_s = time.thread_time() - c0
+        except BaseException as e:          # raised on the training thread by result()
+            self._err = e
 
     def result(self) -> Draft:
-        draft = self._planner._receive(self)
-        draft.basis = self.basis
-        return draft
+        t0 = time.perf_counter()
+        self._thread.join()
+        self.wait_s = time.perf_counter() - t0
+        self._planner._pending = None
+        if self._err is not None:
+            raise self._err
+        self._draft.basis = self.basis
+        return self._draft
 
 
 def _stop(proc, out: Connection, inp: Connection) -> None:
@@ -239,23 +239,15 @@ def committed_index(draft: Draft) -> Optional[int]:
     return None if stand is None else int(stand["packing_index"])
 
 
-def reply(draft: Draft) -> tuple:
-    """(what the planner process sends back, the packings it keeps as pickled replies by
-    index). A rank that knows which packing the step commits gets that one only; a rank that
-    learns it from rank 0's broadcast gets the draft without packings and fetches the committed
-    one after the broadcast (``Draft.packing``), so no rank reads back a packing it does not
-    use."""
+def reply(draft: Draft) -> Draft:
+    """The draft as the planner process sends it back: without the packing a rank knows it
+    will not commit (both stay where rank 0's broadcast will say which)."""
     index = committed_index(draft)
     if index == 0:
         draft.baseline = None
-        return draft, {}
-    options = {0: (draft.batch, draft.units), 1: draft.baseline}
-    draft.batch = draft.units = None
-    if index == 1:
-        return draft, {}
-    draft.baseline = None
-    return draft, {i: pickle.dumps(("ok", o), protocol=pickle.HIGHEST_PROTOCOL)
-                   for i, o in options.items()}
+    elif index == 1:
+        draft.batch = draft.units = None
+    return draft
 
 
 def _import_draft_modules() -> None:
@@ -270,7 +262,6 @@ def serve(inp: Connection, out: Connection) -> None:
     """The planner process's loop: ``init`` (the Drafter), ``draft`` requests answered in
     order, until ``stop`` or the training process's end (EOF)."""
     drafter: Optional[Drafter] = None
-    held: dict = {}                       # the last draft's packings not yet sent, by index
     while True:
         try:
             msg = inp.recv()
@@ -278,29 +269,17 @@ def serve(inp: Connection, out: Connection) -> None:
             return
         if msg[0] == "stop":
             return
-        if msg[0] == "packing":
-            data = held.pop(msg[1], None)
-            try:
-                if data is None:
-                    out.send(("error", None, f"the planner process holds no packing {msg[1]!r} "
-                                             f"of its last draft"))
-                else:
-                    out.send_bytes(data)
-            except (BrokenPipeError, OSError):
-                return
-            continue
         if msg[0] == "init":
             drafter = msg[1]
             _import_draft_modules()
             out.send(("ready",))
             continue
-        req, held = msg[1], {}
+        req = msg[1]
         try:
             sync_state(drafter, req["latency"], req["tracker"])
             draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
                                   req["num_microbatches"], with_dst=req["with_dst"])
-            draft, held = reply(draft)
-            answer = ("ok", draft)
+            answer = ("ok", reply(draft))
         except Exception as e:                             # raised on the training thread
             text = traceback.format_exc()
             try:

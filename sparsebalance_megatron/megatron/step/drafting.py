@@ -15,8 +15,8 @@ imports it alone).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from ...batching.plan import BatchPlan
 from .checks import check_assignment
@@ -40,24 +40,15 @@ class Draft:
     stand_down: Optional[dict] = None  # without DST: every rank's own packing choice
     options: int = 1               # packings drafted (2: SAB and the baseline), on every rank
                                    # alike: the plan record's size, even where the planner
-                                   # process sends one of them or none back (``ahead.reply``)
+                                   # process sends one of them back (``ahead.reply``)
     num_microbatches: int = 0      # the step's micro-batches per DP rank
-    # a draft of the planner process whose packings it kept: fetch(index) -> (batch, units)
-    fetch: Optional[Callable] = field(default=None, repr=False, compare=False)
 
     def packing(self, index: int) -> tuple:
         """(batch, units) of candidate packing ``index``: 0 SAB's (or the only one), 1 the
-        baseline's. A planner process's draft that left its packings in the process fetches the
-        one asked for, once; the other is never sent."""
+        baseline's (the planner process leaves out the one a rank knows it will not commit)."""
         if index not in (0, 1) or index >= self.options:
             raise ValueError(f"packing {index!r}: the draft has {self.options} packing(s)")
         have = (self.batch, self.units) if index == 0 else self.baseline
-        if (have is None or have[0] is None) and self.fetch is not None:
-            have = self.fetch(index)
-            if index == 0:
-                self.batch, self.units = have
-            else:
-                self.baseline = have
         if have is None or have[0] is None:
             raise RuntimeError(f"iteration {self.iteration}: packing {index} of the draft was "
                                f"not kept")
