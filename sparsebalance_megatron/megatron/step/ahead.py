@@ -73,6 +73,21 @@ class PlannerProcessError(RuntimeError):
     """The planner process ended without answering (killed, crashed, out of memory)."""
 
 
+PIPE_BYTES = 1 << 20     # the draft pipe's capacity where Linux allows (its default maximum)
+
+
+def _widen(fd: int) -> None:
+    """Let the draft pipe hold a whole draft (at 64 DP x 16, 0.5-1 MB), so that the planner
+    process writes it in one call and the reader thread reads it in one: each read of a
+    64 KB pipe takes the GIL back from the training thread once more. Left as it is where the
+    system refuses (another OS, a lower limit)."""
+    try:
+        import fcntl
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
 class PlannerProcess:
     """The rank's planner process: ``submit`` a step's inputs, ``PendingDraft.result`` its
     draft. One draft in flight at a time."""
@@ -80,6 +95,7 @@ class PlannerProcess:
     def __init__(self, drafter: Drafter):
         r_child, w_parent = os.pipe()
         r_parent, w_child = os.pipe()
+        _widen(r_parent)
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         try:
