@@ -269,7 +269,7 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
 
 
 def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
-                    window_s: float = 2.0, rounds: int = 3, ops: int = 200) -> dict:
+                    window_s: float = 2.0, rounds: int = 6, ops: int = 200) -> dict:
     """The training thread's speed beside each planner: a launch-bound stand-in (``ops`` small
     torch ops per burst, bursts back to back) runs step windows of ``window_s`` seconds; as in
     the runtime, each window starts the planner's draft of the next step (``dp`` x ``m`` x PP4,
