@@ -131,7 +131,8 @@ def versions() -> dict:
 
 def provenance() -> dict:
     """Command, commit (and whether the tree had changes), versions and device."""
-    status = _git("status", "--porcelain")
+    # the result files themselves (a study rewriting the one it re-runs) are not code changes
+    status = _git("status", "--porcelain", "--", ".", ":(exclude)docs/results")
     return {"command": command(), "commit": _git("rev-parse", "HEAD"),
             "dirty": None if status is None else bool(status), "versions": versions(),
             "device": device()}
