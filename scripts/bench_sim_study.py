@@ -136,7 +136,9 @@ def provenance() -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
+    # the result files themselves (a study rewriting the one it re-runs) are not code changes
+    dirty = git("status", "--porcelain", "--", "..", ":(exclude)../docs/results")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(dirty),
             "python": platform.python_version(), "numpy": np.__version__,
             "sparsebalance_megatron": __version__}
 
