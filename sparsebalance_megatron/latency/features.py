@@ -85,12 +85,9 @@ class UnitFeatures:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        doc_unit = np.repeat(np.arange(self.num_units, dtype=np.int64), np.diff(self.offsets))
-        nb = num_blocks(self.lengths, self.block_size)
-        if self.dense_below_tokens:
-            long = self.lengths >= self.dense_below_tokens
-            nb, doc_unit = nb[long], doc_unit[long]
-        self.doc_blocks, self.doc_unit = nb, doc_unit
+        nb, doc_unit, short = _doc_blocks(self.offsets, self.lengths, self.block_size,
+                                          self.dense_below_tokens)
+        self.doc_blocks, self.doc_unit = nb[~short], doc_unit[~short]
 
     @classmethod
     def build(cls, mb_doc_lengths, block_size: int, sink_blocks: int = 1,
@@ -128,12 +125,10 @@ class UnitFeatures:
             lengths = as_doc_lengths(np.concatenate(parts) if parts else np.zeros(0, np.int64),
                                      "mb_doc_lengths (all units)")
         n = offsets.size - 1
-        doc_unit = np.repeat(np.arange(n, dtype=np.int64), np.diff(offsets))
-        nb = num_blocks(lengths, block_size)
+        nb, doc_unit, short = _doc_blocks(offsets, lengths, block_size, dense_below_tokens)
         tokens = np.bincount(doc_unit, weights=lengths, minlength=n).astype(np.float64)
         dense_work = np.zeros(n)
         if dense_below_tokens:
-            short = lengths < dense_below_tokens
             dense_work = np.bincount(doc_unit[short], weights=nb[short] * (nb[short] + 1) / 2,
                                      minlength=n).astype(np.float64)
             nb, doc_unit = nb[~short], doc_unit[~short]
@@ -242,6 +237,16 @@ class UnitFeatures:
                 "sparse_calls": lambda: self.sparse_calls,
                 "dense_calls": lambda: self.dense_calls}
         return np.stack([cols[name]() for name in features], axis=1)
+
+
+def _doc_blocks(offsets: np.ndarray, lengths: np.ndarray, block_size: int,
+                dense_below_tokens: int) -> tuple:
+    """(blocks, unit, routed dense) of every document of a CSR (``UnitFeatures.build`` and
+    unpickling both read the sparse path's documents from it)."""
+    doc_unit = np.repeat(np.arange(offsets.size - 1, dtype=np.int64), np.diff(offsets))
+    short = lengths < dense_below_tokens if dense_below_tokens else \
+        np.zeros(lengths.size, dtype=bool)
+    return num_blocks(lengths, block_size), doc_unit, short
 
 
 def features_of(mb_doc_lengths: Union["UnitFeatures", Sequence, tuple], block_size: int,
