@@ -42,23 +42,25 @@ def floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s, p2p_
     """``event_float_s`` from a simulation already run: durations ``dur`` and earliest
     finishes ``ef`` [E, cols] (``EventGraph.earliest_finish``), so a caller that simulated the
     plan pays only the backward pass. Returns the forward and backward floats [cols, m, nv]."""
-    fl = latest_finish(g, dur, deadline_s, p2p_s)
-    fl -= ef                                                       # [E, cols]
-    dp, m, nv = shape
-    out = np.empty((2, dp, m, nv))
-    out[g.kinds, :, g.mbs, g.vs] = fl
-    return out[FWD], out[1 - FWD]
+    _, m, nv = shape
+    return tuple(f.T.reshape(-1, m, nv)
+                 for f in _unit_event_floats(g, dur, ef, deadline_s, p2p_s))
 
 
 def unit_floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s,
                      p2p_s: float) -> np.ndarray:
     """The smaller of every unit's forward and backward float (what a unit may grow by), as
-    ``floats_from`` gives them, [m * nv, cols] (unit mb x nv + v; ``.T`` is [cols, m * nv]):
-    gathered from the event rows, not scattered into a [2, cols, m, nv] array first."""
+    ``floats_from`` gives them, [m * nv, cols] (unit mb x nv + v; ``.T`` is [cols, m * nv])."""
+    return np.minimum(*_unit_event_floats(g, dur, ef, deadline_s, p2p_s))
+
+
+def _unit_event_floats(g: EventGraph, dur, ef, deadline_s, p2p_s: float) -> tuple:
+    """Forward and backward float of every unit, each [m * nv, cols], gathered from the event
+    rows (``EventGraph.unit_events``)."""
     fl = latest_finish(g, dur, deadline_s, p2p_s)
     fl -= ef                                                       # [E, cols]
     ev = g.unit_events
-    return np.minimum(fl.take(ev[FWD], axis=0), fl.take(ev[1 - FWD], axis=0))
+    return fl.take(ev[FWD], axis=0), fl.take(ev[1 - FWD], axis=0)
 
 
 def latest_finish(g: EventGraph, dur: np.ndarray, deadline_s, p2p_s: float) -> np.ndarray:
