@@ -7,7 +7,11 @@ pipeline rank) calibration carries it into the costs) sits inside that band, so 
 and the whole step waits for it.
 
 So when the calibration says a GPU is persistently slower than its peers by more than half the
-band (``straggler_present`` on the [dp, pp] compute-time factors the costs were scaled by),
+band (``straggler_present`` on the [dp, pp] compute-time factors the costs were scaled by), and
+by more than the factors' own noise could make one of them (per-step timing noise leaves every
+factor a little off, and the largest of thousands of noisy factors is well above the median:
+at a spread of 2.4%, as the planner-cost study's stand-in timings give, the largest of 256 is
+6-7% up, and planning the narrow bands there would cut density for noise),
 ``plan_dst_with_floor`` plans the configured band and ``NARROW_FRACTIONS`` of it (p/2, p/4 and
 0: cut everything above the anchor) in the same batched pass (``plan_dst_candidates``; the
 candidates are rows of the same vectorised calls), and keeps a narrower band's plan only when it
@@ -23,23 +27,36 @@ Pure; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
 
 NARROW_FRACTIONS = (0.5, 0.25, 0.0)   # narrower bands planned beside p, as fractions of p
 NARROW_MARGIN = 2e-3                  # a narrower band must be predicted this much faster
+NOISE_MARGIN = 1.5                    # sigmas a straggler stands above where the largest
+#                                       of N noisy factors lies, sqrt(2 ln N) sigmas up
 
 
 def straggler_present(rank_scale: Optional[np.ndarray], tolerance: float) -> bool:
-    """Some (DP rank, pipeline rank) computes more than (1 + p/2) x the median one's time
-    (``rank_scale``: [dp, pp] factors, the calibration's ``correction_grid``; None: unknown)."""
+    """Some (DP rank, pipeline rank) computes more than (1 + p/2) x the median one's time, and
+    stands out of the factors' noise: its excess over the median is more than
+    (sqrt(2 ln N) + ``NOISE_MARGIN``) x their spread (1.4826 x the median absolute deviation, a
+    standard deviation that the few slow GPUs themselves do not inflate; sqrt(2 ln N) is about
+    where the largest of N normal draws lies). Noise-free factors (a spread of 0) need only the
+    half band. ``rank_scale``: [dp, pp] factors, the calibration's ``correction_grid``; None:
+    unknown."""
     if rank_scale is None:
         return False
     s = np.asarray(rank_scale, dtype=np.float64)
     if s.size == 0 or not np.all(np.isfinite(s)) or np.any(s <= 0):
         raise ValueError(f"rank_scale must be positive finite [dp, pp] factors, got {s.tolist()}")
-    return bool(s.max() > np.median(s) * (1.0 + float(tolerance) / 2.0))
+    median = float(np.median(s))
+    excess = float(s.max()) - median
+    if not excess > median * float(tolerance) / 2.0:
+        return False
+    spread = 1.4826 * float(np.median(np.abs(s - median)))
+    return excess > spread * (math.sqrt(2.0 * math.log(s.size)) + NOISE_MARGIN)
 
 
 def band_ladder(anchor: str, tolerance: float) -> list[tuple[str, float]]:
