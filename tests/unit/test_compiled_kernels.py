@@ -1,0 +1,90 @@
+"""The planner's compiled loops (``sim.compiled``, numba) give the numpy paths' numbers bit for
+bit: the simulator's earliest finishes and starts, the float pass's latest finishes and the grid
+look-up ``highest_at_most``, on plain and interleaved graphs, with p2p latency or none, NaN
+durations, deadlines per column or one for all; and a whole DST plan (band search, quality
+water-filling, critical-path descent) is the same whichever path runs, so a plan does not depend
+on whether numba is installed."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.policy import costs as costs_mod
+from sparsebalance_megatron.policy import UnitCosts, plan_dst_with_floor, slack
+from sparsebalance_megatron.sim import compiled, waves
+from sparsebalance_megatron.sim.pipeline import event_graph
+
+from test_policy_dst import D0, DMAX, DMIN, _quality, synthetic_costs
+
+pytestmark = pytest.mark.skipif(not compiled.ENABLED, reason="numba is not installed")
+
+
+@pytest.fixture
+def numpy_paths(monkeypatch):
+    """Call ``fn`` with the compiled kernels off (the numpy paths the callers fall back to)."""
+    def run(fn, *args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(compiled, "ENABLED", False)
+            return fn(*args, **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("m, pp, vp", [(16, 4, 2), (16, 4, 1), (5, 3, 1), (1, 2, 1), (12, 4, 3),
+                                       (4, 1, 1)])
+@pytest.mark.parametrize("cols", [1, 7, waves.WAVE_COLS + 5])
+def test_simulator_and_float_pass_are_the_numpy_paths_numbers(numpy_paths, m, pp, vp, cols):
+    g = event_graph(m, pp, vp)
+    rng = np.random.default_rng(m * 100 + pp * 10 + vp + cols)
+    for p in (0.0, 2.5e-3):
+        dur = rng.random((g.size, cols)) * (rng.random((g.size, cols)) > 0.1)
+        if cols > 1:
+            dur[rng.integers(g.size), 0] = np.nan               # NaN spreads as np.maximum's
+        want_start, got_start = np.empty_like(dur), np.empty_like(dur)
+        want = numpy_paths(g.earliest_finish, dur, p, want_start)
+        got = g.earliest_finish(dur, p, got_start)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got_start, want_start)
+        np.testing.assert_array_equal(g.earliest_finish(np.asfortranarray(dur), p), want)
+        top = np.nanmax(want)
+        for deadline in (want.max(axis=0), float(top), rng.random(cols) * top):
+            want_lf = numpy_paths(slack.latest_finish, g, dur, deadline, p)
+            np.testing.assert_array_equal(slack.latest_finish(g, dur, deadline, p), want_lf)
+
+
+def test_highest_at_most_is_the_binary_liftings_answer(numpy_paths):
+    rng = np.random.default_rng(5)
+    g = 57
+    table = np.sort(rng.random((40, g)), axis=1)              # non-decreasing rows
+    table[3] = 0.5                                            # flat rows tie everywhere
+    units = rng.integers(0, 40, (6, 50)) * g
+    lo = rng.integers(0, g, (6, 50))
+    hi = np.minimum(lo + rng.integers(0, g, (6, 50)), g - 1)
+    limit = rng.random((6, 50)) * 1.2 - 0.1
+    limit[0, :5] = (np.nan, np.inf, -np.inf, 0.5, 0.0)
+    for args in ((units, limit, lo, hi), (units, limit, 0, g - 1), (units[0], 0.3, lo, hi),
+                 (units, limit, lo, lo), (units[:0], limit[:0], lo[:0], hi[:0])):
+        want = numpy_paths(costs_mod.highest_at_most, table, *args)
+        got = costs_mod.highest_at_most(table, *args)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    rough = rng.random((40, g))                               # not monotone: the same schedule
+    np.testing.assert_array_equal(costs_mod.highest_at_most(rough, units, limit, lo, hi),
+                                  numpy_paths(costs_mod.highest_at_most, rough, units, limit,
+                                              lo, hi))
+
+
+@pytest.mark.parametrize("quality", [False, True])
+def test_a_whole_dst_plan_is_the_same_with_the_kernels_or_without(numpy_paths, quality):
+    rng = np.random.default_rng(11)
+    for case in range(3):
+        dp, m = int(rng.integers(2, 9)), 4 * int(rng.integers(1, 3))
+        flat = synthetic_costs(dp, m, 8, seed=900 + case, lm_head=float(rng.uniform(0.5, 2)))
+        costs = UnitCosts(flat.densities, flat.fwd_s, flat.bwd_s, flat.attn_work,
+                          pipeline_ranks=4)               # 4 ranks x 2 chunks: interleaved
+        sens = rng.random((dp, m))
+        kw = dict(quality=_quality(8) if quality else None, density_floor=0.9,
+                  stage_density_floor=0.75, raise_headroom=0.02, p2p_s=1e-4,
+                  rank_scale=np.where(np.arange(dp * 4).reshape(dp, 4) == 5, 1.2, 1.0))
+        want = numpy_paths(plan_dst_with_floor, costs, sens, D0, DMIN, DMAX, **kw)
+        got = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
+        np.testing.assert_array_equal(got.densities, want.densities)
+        assert got.report.as_dict() == want.report.as_dict()
