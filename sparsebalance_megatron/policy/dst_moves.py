@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..sim import compiled
 from .costs import highest_at_most, level_search
 
 
@@ -113,12 +114,7 @@ def water_fill(t_grid, units, gains, b, lo, hi, limit_s):
         return out
     u, b, lo, hi = (np.ascontiguousarray(a[rows, :, stages].T) for a in (units, b, lo, hi))
     limit = limit_s[rows, stages]                                   # [n]
-    best_index = gains.for_stages(stages)
-
-    def at(log_lam):                    # clip(best_index, lo, hi), in place
-        i = best_index(np.exp(log_lam) * b)
-        np.maximum(i, lo, out=i)
-        return np.minimum(i, hi, out=i)
+    at = gains.for_stages(stages, b, lo, hi)     # at(log lambda): each unit's grid index
 
     def total(idx):
         return flat.take(u + idx).sum(axis=0)
@@ -159,23 +155,31 @@ class GainIndex:
                      + np.arange(nv)[:, None] * self.width).reshape(-1)
         self.stage = (np.arange(slots) % vp)[:, None] * pp + np.arange(pp)[None, :]
 
-    def for_stages(self, ranks: np.ndarray):
-        """best_index(x) -> [slots, n] for x [slots, n]: column j a unit of pipeline rank
-        ``ranks[j]``."""
+    def for_stages(self, ranks: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+        """at(log_lam) -> [slots, n]: per unit clip(best_index(exp(log_lam) x b), lo, hi), for
+        log_lam [n] (one per column), b, lo, hi [slots, n]: column j units of pipeline rank
+        ``ranks[j]`` (one compiled loop where ``sim.compiled`` runs: the same numbers)."""
         stage = self.stage[:, ranks]
         shift, first = stage * self.width, stage * self.g + 1
         low, high = self.low, self.high
 
-        def best_index(x):
-            q = np.negative(x)                      # clip(-x, low, high) + shift, in place
+        if compiled.ENABLED:
+            def at(log_lam):
+                return compiled.fill_index(self.flat, np.exp(log_lam), b, shift, first, lo, hi,
+                                           low, high)
+            return at
+
+        def at(log_lam):
+            q = np.negative(np.exp(log_lam) * b)    # clip(-x, low, high) + shift, in place
             np.maximum(q, low, out=q)
             np.minimum(q, high, out=q)
             q += shift
             i = np.searchsorted(self.flat, q, side="right")
             i -= first
-            return i
+            np.maximum(i, lo, out=i)
+            return np.minimum(i, hi, out=i)
 
-        return best_index
+        return at
 
 
 def broadcast_sensitivity(sensitivity, shape) -> np.ndarray:

@@ -112,6 +112,39 @@ def _highest_at_most(flat, first, last, limit, step):
     return out
 
 
+@_jit
+def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
+    slots, n = b.shape
+    out = np.empty((slots, n), dtype=np.int64)
+    size = flat.size
+    for s in range(slots):
+        for j in range(n):
+            q = -(e[j] * b[s, j])
+            if q < low:                          # np.maximum(q, low) (NaN stays NaN)
+                q = low
+            if q > high:                         # np.minimum(q, high)
+                q = high
+            q += shift[s, j]
+            if q != q:                           # searchsorted puts NaN after everything
+                i = size
+            else:                                # side="right": entries <= q
+                a, z = 0, size
+                while a < z:
+                    mid = (a + z) >> 1
+                    if flat[mid] <= q:
+                        a = mid + 1
+                    else:
+                        z = mid
+                i = a
+            i -= first[s, j]
+            if i < lo[s, j]:
+                i = lo[s, j]
+            if i > hi[s, j]:
+                i = hi[s, j]
+            out[s, j] = i
+    return out
+
+
 def _c(a, dtype):
     return np.ascontiguousarray(a, dtype=dtype)
 
@@ -147,3 +180,15 @@ def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit
     2``, ... 1 from first - 1 (the numpy path's schedule)."""
     return _highest_at_most(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
                             _c(limit, np.float64), int(step))
+
+
+def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray,
+               first: np.ndarray, lo: np.ndarray, hi: np.ndarray, low: float,
+               high: float) -> np.ndarray:
+    """[slots, n] grid indices of ``policy.dst_moves.water_fill`` at one lambda per column
+    (``e`` [n], exp of its log): per unit clip(-(e x b), low, high) + shift searched (side
+    right) in the stages' gain tables laid end to end (``flat``, ``GainIndex``), less the
+    stage's first entry, clipped to [lo, hi]; every array [slots, n] but ``flat`` and ``e``."""
+    return _fill_index(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
+                       _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64),
+                       _c(hi, np.int64), float(low), float(high))

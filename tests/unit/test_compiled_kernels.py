@@ -88,3 +88,27 @@ def test_a_whole_dst_plan_is_the_same_with_the_kernels_or_without(numpy_paths, q
         got = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
         np.testing.assert_array_equal(got.densities, want.densities)
         assert got.report.as_dict() == want.report.as_dict()
+
+
+def test_water_fill_grid_index_is_the_numpy_paths(numpy_paths):
+    """``GainIndex.for_stages``'s look-up (clip(-(e x b), low, high) + shift searched in the
+    stages' gain tables, clipped to [lo, hi]) at lambdas from far below to far above every
+    gain, on an interleaved layout (4 ranks x 2 chunks)."""
+    from sparsebalance_megatron.policy.dst_moves import GainIndex
+
+    rng = np.random.default_rng(2)
+    slots, pp, vp, g = 8, 4, 2, 57
+    marg = np.sort(rng.random((pp * vp, g)) * 0.3, axis=1)[:, ::-1].copy()
+    marg[:, 0] = np.inf
+    marg[3, 10:20] = marg[3, 10]                              # a segment of equal gains
+    gains = GainIndex(marg, slots, pp, vp)
+    ranks = rng.integers(0, pp, 30)
+    b = rng.random((slots, 30)) * 2
+    b[0, :3] = 0.0
+    lo = rng.integers(0, g, (slots, 30))
+    hi = np.minimum(lo + rng.integers(0, g, (slots, 30)), g - 1)
+    got_at = gains.for_stages(ranks, b, lo, hi)
+    want_at = numpy_paths(gains.for_stages, ranks, b, lo, hi)
+    for log_lam in (np.full(30, -20.0), np.full(30, 20.0), rng.uniform(-20, 20, 30),
+                    np.linspace(-5, 2, 30)):
+        np.testing.assert_array_equal(got_at(log_lam), want_at(log_lam))
