@@ -45,6 +45,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..sim import compiled
 from ..sim.pipeline import FWD, event_graph
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
 from .slack import unit_floats_from
@@ -89,21 +90,28 @@ class _Step:
         ef = self.graph.earliest_finish(dur, self.p2p)
         return dur, ef, self.graph.makespan(ef).reshape(f.shape[:-2])
 
+    def holders(self, flat_units: np.ndarray):
+        """(ranks, column of each unit's rank among them [n], each rank's units
+        ``seg[j]:seg[j + 1]`` [r + 1], unit within its rank [n]) of the DP ranks that hold a
+        unit of ``flat_units`` [n] (ascending)."""
+        rank_of = flat_units // self.per_rank              # ascending: units come sorted
+        first = np.ones(rank_of.size, dtype=bool)
+        first[1:] = rank_of[1:] != rank_of[:-1]
+        starts = np.flatnonzero(first)
+        return (rank_of[starts], np.cumsum(first) - 1, np.append(starts, rank_of.size),
+                flat_units % self.per_rank)
+
     def candidates(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray):
         """(ranks, column of each unit's rank among them [n], event durations [E, k x r]) of
         the DP ranks that hold a unit of ``flat_units`` [n] (ascending): the plan simulated
         as ``dur`` [E, dp] with those units at grid indices ``moved`` [k, n] (column c x r + j:
         candidate c of rank ``ranks[j]``). Only the moved units' seconds are looked up; the
         other events keep the plan's durations (the same seconds)."""
-        rank_of = flat_units // self.per_rank              # ascending: units come sorted
-        first = np.ones(rank_of.size, dtype=bool)
-        first[1:] = rank_of[1:] != rank_of[:-1]
-        ranks, col = rank_of[first], np.cumsum(first) - 1
+        ranks, col, _, local = self.holders(flat_units)
         k, r = moved.shape[0], ranks.size
         out = np.tile(dur[:, ranks], (1, k))
         cols = np.arange(k)[:, None] * r + col
         at = flat_units * self.g + moved                            # [k, n] table offsets
-        local = flat_units % self.per_rank
         out[self.fwd_row[local], cols] = self.fwd.take(at)
         out[self.bwd_row[local], cols] = self.bwd.take(at)
         return ranks, col, out
@@ -115,6 +123,30 @@ class _Step:
             return dur.copy(), np.zeros(0)
         ef = self.graph.earliest_finish(dur, self.p2p)
         return ef, self.graph.makespan(ef)
+
+    def first_fit(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray,
+                  limit: np.ndarray) -> tuple:
+        """Of the plan simulated as ``dur`` [E, dp] with units ``flat_units`` (ascending) at
+        one of the candidates ``moved`` [k, n], per DP rank that holds one of them: the first
+        candidate whose makespan is <= ``limit`` [dp] (makespans never rise from one candidate
+        to the next: each moves every unit no higher than the one before). Returns (ranks, column
+        of each unit's rank [n], whether one fits [r], its index (0 where none) [r], its
+        makespan [r], its durations and earliest finishes [E, r]). One compiled binary search
+        per rank where ``sim.compiled`` runs; else every candidate simulated (``candidates``)
+        and the first kept: the same numbers."""
+        ranks, col, seg, local = self.holders(flat_units)
+        if compiled.ENABLED:
+            return (ranks, col) + compiled.first_fit(
+                self.graph.links, self.graph.last, dur, self.p2p, ranks, seg,
+                self.fwd_row[local], self.bwd_row[local], self.fwd, self.bwd,
+                flat_units * self.g + moved, limit[ranks])
+        k, r = moved.shape[0], ranks.size
+        _, _, dur_k = self.candidates(dur, flat_units, moved)
+        ef_k, mk_k = self.simulate(dur_k)
+        ok = mk_k.reshape(k, r) <= limit[ranks]
+        pick, j = np.argmax(ok, axis=0), np.arange(r)
+        sel = pick * r + j
+        return ranks, col, ok.any(axis=0), pick, mk_k[sel], dur_k[:, sel], ef_k[:, sel]
 
     def moves(self, plan, f, b, flat_units, moved, pick):
         """Plan ``plan`` [dp, m, nv] and its seconds ``f``, ``b`` with units ``flat_units`` at
@@ -194,19 +226,16 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
         on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
         moved, known = cuts_of(on, known)
-        ranks, col, dur_k = st.candidates(dur, on, moved)           # [E, k x r]
-        ef_k, mk_k = st.simulate(dur_k)                              # one call, k x r columns
-        mk_k = mk_k.reshape(CUT_FRACTIONS.size, ranks.size)
-        ok = mk_k <= target * (1 + _REL_EPS)
-        if not ok.any(axis=0).all():                                 # T' out of reach: ask less
+        ranks, col, fits, pick, mk_p, dur_p, ef_p = st.first_fit(    # smallest alpha that fits
+            dur, on, moved, np.full(dp, target * (1 + _REL_EPS)))
+        if not fits.all():                                           # T' out of reach: ask less
             eta /= 2
             continue
-        pick, r = np.argmax(ok, axis=0), np.arange(ranks.size)      # smallest alpha that fits
         cut, f1, b1, mk_cut, dur1, ef1 = idx.copy(), f.copy(), b.copy(), mk.copy(), \
             dur.copy(), ef.copy()
         st.moves(cut, f1, b1, on, moved, pick[col])
-        mk_cut[ranks] = mk_k[pick, r]
-        dur1[:, ranks], ef1[:, ranks] = dur_k[:, pick * r.size + r], ef_k[:, pick * r.size + r]
+        mk_cut[ranks] = mk_p
+        dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = np.full(dp, target * (1.0 - raise_headroom))
         cap = np.maximum(st.floats(dur1, ef1, deadline), 0.0).reshape(-1)
@@ -222,18 +251,15 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             if not floors(costs.densities[top]):
                 eta /= 2
                 continue
-        ranks, col, dur_r = st.candidates(dur1, up, moved)
-        ef_r, mk_r = st.simulate(dur_r)
-        mk_r = mk_r.reshape(RAISE_FRACTIONS.size, ranks.size)
-        limit = np.maximum(deadline[ranks], mk_cut[ranks]) * (1 + _REL_EPS) + 1e-15
-        pick, r = np.argmax(mk_r <= limit, axis=0), np.arange(ranks.size)   # beta 0 holds
+        ranks, col, _, pick, mk_p, dur_p, ef_p = st.first_fit(       # largest beta: 0 holds
+            dur1, up, moved, np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15)
         new, mk_new = cut.copy(), mk_cut.copy()
         np.put(new, up, moved[pick[col], np.arange(up.size)])
-        mk_new[ranks] = mk_r[pick, r]
+        mk_new[ranks] = mk_p
         new_step = float(mk_new.max())
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
             st.moves(cut, f1, b1, up, moved, pick[col])     # cut becomes new; f1, b1 its times
-            dur1[:, ranks], ef1[:, ranks] = dur_r[:, pick * r.size + r], ef_r[:, pick * r.size + r]
+            dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
             seen, cuts = known                  # the units whose density changed: unknown
             kept = new.reshape(-1)[seen] == idx.reshape(-1)[seen]
             known = (seen[kept], cuts[:, kept])

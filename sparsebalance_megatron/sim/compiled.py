@@ -145,6 +145,66 @@ def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     return out
 
 
+@_jit
+def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, at, c,
+            buf, end):
+    # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end
+    n = dur.shape[0]
+    for e in range(n):
+        buf[e] = dur[e, col]
+    for u in range(lo, hi):
+        buf[rows_f[u]] = fwd[at[c, u]]
+        buf[rows_b[u]] = bwd[at[c, u]]
+    for e in range(n):
+        d, pr = dep[e], prev[e]
+        if d >= 0:
+            v = end[d] + p if (cross[e] != 0 and p != 0.0) else end[d]
+            if pr >= 0:
+                x = end[pr]
+                if x > v or x != x:
+                    v = x
+        elif pr >= 0:
+            v = end[pr]
+        else:
+            v = 0.0
+        end[e] = v + buf[e]
+    mk = end[last[0]]
+    for i in range(1, last.size):                # np.max over the ranks' last events
+        x = end[last[i]]
+        if x > mk or x != x:
+            mk = x
+    return mk
+
+
+@_jit
+def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, at,
+               limit, dur_out, ef_out):
+    k, r = at.shape[0], ranks.size
+    n = dur.shape[0]
+    fits = np.empty(r, dtype=np.bool_)
+    pick = np.empty(r, dtype=np.int64)
+    mk = np.empty(r)
+    buf, end = np.empty(n), np.empty(n)
+    for j in range(r):
+        a, z = 0, k                              # makespans fall with c: the first that fits
+        while a < z:
+            mid = (a + z) >> 1
+            if _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
+                       rows_b, fwd, bwd, at, mid, buf, end) <= limit[j]:
+                z = mid
+            else:
+                a = mid + 1
+        fits[j] = a < k
+        c = a if a < k else 0                    # none fits: the first, as np.argmax gives
+        mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
+                        rows_b, fwd, bwd, at, c, buf, end)
+        pick[j] = c
+        for e in range(n):
+            dur_out[e, j] = buf[e]
+            ef_out[e, j] = end[e]
+    return fits, pick, mk
+
+
 def _c(a, dtype):
     return np.ascontiguousarray(a, dtype=dtype)
 
@@ -192,3 +252,23 @@ def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray
     return _fill_index(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
                        _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64),
                        _c(hi, np.int64), float(low), float(high))
+
+
+def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
+              ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
+              fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray) -> tuple:
+    """Per DP rank ``ranks[j]`` (a column of ``dur`` [E, dp]), the first candidate c of ``at``
+    [k, n] whose makespan is <= ``limit[j]``, the makespans falling with c (a binary search:
+    a few simulated columns, not k): the rank's units ``seg[j]:seg[j + 1]`` take their
+    durations ``fwd[at[c]]`` / ``bwd[at[c]]`` at event rows ``rows_f`` / ``rows_b``. Returns
+    (fits [r], pick [r] (0 where none fits), makespan [r], durations and earliest finishes
+    [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives."""
+    d = _c(dur, np.float64)
+    r = ranks.size
+    dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
+    fits, pick, mk = _first_fit(links[0], links[1], links[2], _c(last, np.int64),
+                                float(p2p_s), d, _c(ranks, np.int64), _c(seg, np.int64),
+                                _c(rows_f, np.int64), _c(rows_b, np.int64),
+                                _c(fwd, np.float64), _c(bwd, np.float64), _c(at, np.int64),
+                                _c(limit, np.float64), dur_out, ef_out)
+    return fits, pick, mk, dur_out, ef_out

@@ -112,3 +112,33 @@ def test_water_fill_grid_index_is_the_numpy_paths(numpy_paths):
     for log_lam in (np.full(30, -20.0), np.full(30, 20.0), rng.uniform(-20, 20, 30),
                     np.linspace(-5, 2, 30)):
         np.testing.assert_array_equal(got_at(log_lam), want_at(log_lam))
+
+
+def test_descent_first_fit_is_every_candidate_simulated(numpy_paths):
+    """``_Step.first_fit`` (a compiled binary search per DP rank) picks what simulating every
+    candidate and taking the first that fits picks, with its makespan, durations and finishes,
+    where some ranks fit at once, some late and some never."""
+    from sparsebalance_megatron.policy.critical_path import CUT_FRACTIONS, _Step
+
+    rng = np.random.default_rng(4)
+    flat = synthetic_costs(6, 8, 8, seed=31)
+    costs = UnitCosts(flat.densities, flat.fwd_s, flat.bwd_s, flat.attn_work, pipeline_ranks=4)
+    st = _Step(costs, 1e-4)
+    idx = np.full(costs.shape, 40)
+    f, b = st.times(idx)
+    dur, _, mk = st.run(f, b)
+    units = np.sort(rng.choice(idx.size, 150, replace=False))
+    units = units[units // st.per_rank != 2]                  # a rank that holds none
+    cuts = np.minimum.accumulate(np.sort(rng.integers(0, 41, (CUT_FRACTIONS.size, units.size)),
+                                         axis=0)[::-1], axis=0)  # each candidate no higher
+    checked = set()
+    for limit in (mk * 0.97, mk * 1.01, np.full(mk.size, mk.min() * 0.5),
+                  np.where(np.arange(mk.size) % 2, mk * 0.9, mk)):
+        want = numpy_paths(st.first_fit, dur, units, cuts, limit)
+        got = st.first_fit(dur, units, cuts, limit)
+        assert len(got) == len(want) == 7
+        for a, w in zip(got, want):
+            np.testing.assert_array_equal(a, w)
+        fits = got[2]
+        checked.update(fits.tolist())
+    assert checked == {True, False}                           # both outcomes were tested
