@@ -263,6 +263,10 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     at once: steps of 2^j down to 1 from lo - 1, each kept where the row at the probe (clamped
     to hi) still fits; one gather per step, no per-element bookkeeping."""
     flat = table.reshape(-1)
+    if compiled.ENABLED:
+        rows = _highest_rows(flat, units, limit, lo, hi)
+        if rows is not None:
+            return rows
     units, limit, lo, hi = np.broadcast_arrays(units, limit, lo, hi)
     shape = units.shape
     first = (units + lo).ravel()                                   # flat index of lo
@@ -281,6 +285,27 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     np.minimum(pos, last, out=pos)                                 # past hi: hi fits
     np.maximum(pos, first, out=pos)                                # none fits: lo
     return (pos - units.ravel()).reshape(shape)
+
+
+def _highest_rows(flat, units, limit, lo, hi):
+    """``highest_at_most``'s common case in one compiled loop without broadcasting: limits
+    [k, n] (a row per candidate) over n units, their offsets and bounds [n] or scalars; the
+    same step schedule (the largest hi - lo of the n units is that of the k x n elements).
+    None for any other shape."""
+    limit = np.asarray(limit)
+    units, lo, hi = (np.asarray(a) for a in (units, lo, hi))
+    if limit.ndim != 2 or not limit.size or limit.dtype != np.float64 \
+            or units.dtype != np.int64 or any(
+                a.ndim > 1 or (a.ndim == 1 and a.shape[0] != limit.shape[1])
+                or a.dtype.kind not in "iu" for a in (units, lo, hi)):
+        return None
+    n = limit.shape[1]
+    units = np.broadcast_to(units, (n,))
+    first = np.broadcast_to(units + lo, (n,))
+    last = np.broadcast_to(units + hi, (n,))
+    span = int((last - first).max()) + 1
+    step = 1 << (span.bit_length() - 1) if span > 0 else 0
+    return compiled.highest_rows(flat, first, last, limit, step) - units
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

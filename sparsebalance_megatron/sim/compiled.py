@@ -113,6 +113,29 @@ def _highest_at_most(flat, first, last, limit, step):
 
 
 @_jit
+def _highest_rows(flat, first, last, limit, step):
+    k, n = limit.shape
+    out = np.empty((k, n), dtype=np.int64)
+    for j in range(n):                           # unit by unit: its row stays in cache
+        lo, top = first[j], last[j]
+        for c in range(k):
+            pos, lim, s = lo - 1, limit[c, j], step
+            while s:
+                probe = pos + s
+                if probe > top:
+                    probe = top
+                if flat[probe] <= lim:
+                    pos += s
+                s >>= 1
+            if pos > top:
+                pos = top
+            if pos < lo:
+                pos = lo
+            out[c, j] = pos
+    return out
+
+
+@_jit
 def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     slots, n = b.shape
     out = np.empty((slots, n), dtype=np.int64)
@@ -240,6 +263,14 @@ def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit
     2``, ... 1 from first - 1 (the numpy path's schedule)."""
     return _highest_at_most(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
                             _c(limit, np.float64), int(step))
+
+
+def highest_rows(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
+                 step: int) -> np.ndarray:
+    """``highest_at_most`` for limits [k, n] over the same n units (``first``, ``last`` [n]):
+    [k, n] flat positions, unit by unit."""
+    return _highest_rows(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
+                         _c(limit, np.float64), int(step))
 
 
 def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray,

@@ -61,7 +61,9 @@ def test_highest_at_most_is_the_binary_liftings_answer(numpy_paths):
     limit = rng.random((6, 50)) * 1.2 - 0.1
     limit[0, :5] = (np.nan, np.inf, -np.inf, 0.5, 0.0)
     for args in ((units, limit, lo, hi), (units, limit, 0, g - 1), (units[0], 0.3, lo, hi),
-                 (units, limit, lo, lo), (units[:0], limit[:0], lo[:0], hi[:0])):
+                 (units, limit, lo, lo), (units[:0], limit[:0], lo[:0], hi[:0]),
+                 (units[0], limit, lo[0], hi[0]), (units[0], limit, 3, hi[0]),   # [k, n] rows
+                 (units[0, :0], limit[:, :0], lo[0, :0], 0)):
         want = numpy_paths(costs_mod.highest_at_most, table, *args)
         got = costs_mod.highest_at_most(table, *args)
         assert got.shape == want.shape and got.dtype == want.dtype
