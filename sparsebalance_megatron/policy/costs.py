@@ -263,7 +263,7 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     at once: steps of 2^j down to 1 from lo - 1, each kept where the row at the probe (clamped
     to hi) still fits; one gather per step, no per-element bookkeeping."""
     flat = table.reshape(-1)
-    if compiled.ENABLED:
+    if compiled.enabled():
         rows = _highest_rows(flat, units, limit, lo, hi)
         if rows is not None:
             return rows
@@ -275,7 +275,7 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     pos = first - 1
     span = int((last - first).max()) + 1 if pos.size else 0
     step = 1 << (span.bit_length() - 1) if span > 0 else 0
-    if compiled.ENABLED and pos.size:      # the same steps, one compiled loop
+    if compiled.enabled() and pos.size:      # the same steps, one compiled loop
         return (compiled.highest_at_most(flat, first, last, limit, step)
                 - units.ravel()).reshape(shape)
     while step:

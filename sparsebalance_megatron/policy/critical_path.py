@@ -135,7 +135,7 @@ class _Step:
         per rank where ``sim.compiled`` runs; else every candidate simulated (``candidates``)
         and the first kept: the same numbers."""
         ranks, col, seg, local = self.holders(flat_units)
-        if compiled.ENABLED:
+        if compiled.enabled():
             return (ranks, col) + compiled.first_fit(
                 self.graph.links, self.graph.last, dur, self.p2p, ranks, seg,
                 self.fwd_row[local], self.bwd_row[local], self.fwd, self.bwd,

@@ -163,7 +163,7 @@ class GainIndex:
         shift, first = stage * self.width, stage * self.g + 1
         low, high = self.low, self.high
 
-        if compiled.ENABLED:
+        if compiled.enabled():
             def at(log_lam):
                 return compiled.fill_index(self.flat, np.exp(log_lam), b, shift, first, lo, hi,
                                            low, high)

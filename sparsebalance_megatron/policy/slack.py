@@ -69,7 +69,7 @@ def latest_finish(g: EventGraph, dur: np.ndarray, deadline_s, p2p_s: float) -> n
     ``deadline_s`` [cols]: before the next event on its rank starts, and before the event that
     waits for it starts (less p2p when that wait crosses ranks)."""
     deadline = np.asarray(deadline_s, dtype=np.float64)
-    if compiled.ENABLED:                    # one compiled loop, the same numbers
+    if compiled.enabled():                    # one compiled loop, the same numbers
         return compiled.latest_finish(g.links, dur, deadline, p2p_s)
     if dur.shape[1] <= WAVE_COLS:           # a few numpy calls per wave, the same numbers
         return _latest_finish_by_waves(g.waves, dur, deadline, p2p_s)

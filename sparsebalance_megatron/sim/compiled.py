@@ -16,8 +16,8 @@ Every kernel does the numpy path's floating point operations, on the same operan
 order (maxima, minima, one add or subtract, comparisons: each exact given its operands), and
 propagates NaN as ``np.maximum`` / ``np.minimum`` do, so the results are the numpy path's bit for
 bit (``tests/unit/test_compiled_kernels.py`` compares them) and a plan does not depend on
-whether numba is installed. Without numba (or with ``SB_PLANNER_JIT=0``) ``ENABLED`` is False
-and the callers run their numpy paths. Kernels compile on first use and are cached on disk
+whether numba is installed. Without numba (or with ``SB_PLANNER_JIT=0``) ``enabled()`` is
+False and the callers run their numpy paths. Kernels compile on first use and are cached on disk
 (numba's ``cache=True``); they release the GIL.
 
 Pure numpy and numba; must not import torch, megatron or anything else from this package.
@@ -29,22 +29,48 @@ import os
 
 import numpy as np
 
-try:
+_STATE: dict = {}
+_KERNELS: dict = {}
+_CALLS = {"_first_fit": ("_column",)}   # kernels a kernel calls: compiled before it
+
+
+def enabled() -> bool:
+    """Whether the compiled kernels run: numba importable and not turned off by
+    ``SB_PLANNER_JIT=0``. numba is imported on the first call, not with this module (it takes
+    a few tenths of a second that a run without a planner need not pay)."""
+    on = _STATE.get("on")
+    if on is None:
+        on = _STATE["on"] = _load()
+    return on
+
+
+def _load() -> bool:
     if os.environ.get("SB_PLANNER_JIT", "1").strip() == "0":
-        raise ImportError("SB_PLANNER_JIT=0")
-    import numba
-except ImportError:          # the numpy paths run instead: the same numbers, slower
-    numba = None
-
-ENABLED = numba is not None
-"""Whether the compiled kernels run (numba importable and not turned off)."""
-
-
-def _jit(fn):
-    return numba.njit(cache=True, nogil=True)(fn) if numba is not None else fn
+        return False
+    try:
+        import numba
+    except ImportError:          # the numpy paths run instead: the same numbers, slower
+        return False
+    _STATE["numba"] = numba
+    return True
 
 
-@_jit
+def _kernel(name: str):
+    """The compiled form of this module's function ``name`` (compiled on first use, cached on
+    disk where numba finds a writable place, else compiled once per process)."""
+    k = _KERNELS.get(name)
+    if k is None:
+        for dep in _CALLS.get(name, ()):
+            _kernel(dep)
+        numba, fn = _STATE["numba"], _PLAIN[name]
+        try:
+            k = numba.njit(cache=True, nogil=True)(fn)
+        except RuntimeError:     # no writable cache directory: compile in this process only
+            k = numba.njit(nogil=True)(fn)
+        _KERNELS[name] = globals()[name] = k      # what a kernel calling it resolves
+    return k
+
+
 def _earliest_finish(prev, dep, cross, dur, p, start, record):
     n, cols = dur.shape
     end = np.empty((n, cols))
@@ -68,7 +94,6 @@ def _earliest_finish(prev, dep, cross, dur, p, start, record):
     return end
 
 
-@_jit
 def _latest_finish(nxt, succ, cross, dur, deadline, p):
     n, cols = dur.shape
     lf = np.empty((n, cols))
@@ -91,7 +116,6 @@ def _latest_finish(nxt, succ, cross, dur, deadline, p):
     return lf
 
 
-@_jit
 def _highest_at_most(flat, first, last, limit, step):
     n = first.size
     out = np.empty(n, dtype=np.int64)
@@ -112,7 +136,6 @@ def _highest_at_most(flat, first, last, limit, step):
     return out
 
 
-@_jit
 def _highest_rows(flat, first, last, limit, step):
     k, n = limit.shape
     out = np.empty((k, n), dtype=np.int64)
@@ -135,7 +158,6 @@ def _highest_rows(flat, first, last, limit, step):
     return out
 
 
-@_jit
 def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     slots, n = b.shape
     out = np.empty((slots, n), dtype=np.int64)
@@ -168,7 +190,6 @@ def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     return out
 
 
-@_jit
 def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, at, c,
             buf, end):
     # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end
@@ -199,7 +220,6 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
     return mk
 
 
-@_jit
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, at,
                limit, dur_out, ef_out):
     k, r = at.shape[0], ranks.size
@@ -228,6 +248,11 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     return fits, pick, mk
 
 
+_PLAIN = {name: globals()[name] for name in (
+    "_earliest_finish", "_latest_finish", "_highest_at_most", "_highest_rows", "_column",
+    "_first_fit", "_fill_index")}
+
+
 def _c(a, dtype):
     return np.ascontiguousarray(a, dtype=dtype)
 
@@ -242,7 +267,7 @@ def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None
     d = _c(dur, np.float64)
     rec = start is not None
     buf = np.empty(d.shape) if rec else _NO_START
-    end = _earliest_finish(links[0], links[1], links[2], d, float(p2p_s), buf, rec)
+    end = _kernel("_earliest_finish")(links[0], links[1], links[2], d, float(p2p_s), buf, rec)
     if rec:
         start[...] = buf
     return end
@@ -253,7 +278,7 @@ def latest_finish(links: np.ndarray, dur: np.ndarray, deadline, p2p_s: float) ->
     scalar), as ``policy.slack.latest_finish``."""
     d = _c(dur, np.float64)
     dl = _c(np.broadcast_to(np.asarray(deadline, dtype=np.float64), (d.shape[1],)), np.float64)
-    return _latest_finish(links[3], links[4], links[2], d, dl, float(p2p_s))
+    return _kernel("_latest_finish")(links[3], links[4], links[2], d, dl, float(p2p_s))
 
 
 def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
@@ -261,16 +286,16 @@ def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit
     """Flat positions [n] of ``policy.costs.highest_at_most``: per element the highest position
     in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
     2``, ... 1 from first - 1 (the numpy path's schedule)."""
-    return _highest_at_most(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
-                            _c(limit, np.float64), int(step))
+    return _kernel("_highest_at_most")(_c(flat, np.float64), _c(first, np.int64),
+                                       _c(last, np.int64), _c(limit, np.float64), int(step))
 
 
 def highest_rows(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
                  step: int) -> np.ndarray:
     """``highest_at_most`` for limits [k, n] over the same n units (``first``, ``last`` [n]):
     [k, n] flat positions, unit by unit."""
-    return _highest_rows(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
-                         _c(limit, np.float64), int(step))
+    return _kernel("_highest_rows")(_c(flat, np.float64), _c(first, np.int64),
+                                    _c(last, np.int64), _c(limit, np.float64), int(step))
 
 
 def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray,
@@ -280,9 +305,10 @@ def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray
     (``e`` [n], exp of its log): per unit clip(-(e x b), low, high) + shift searched (side
     right) in the stages' gain tables laid end to end (``flat``, ``GainIndex``), less the
     stage's first entry, clipped to [lo, hi]; every array [slots, n] but ``flat`` and ``e``."""
-    return _fill_index(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
-                       _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64),
-                       _c(hi, np.int64), float(low), float(high))
+    fill = _kernel("_fill_index")
+    return fill(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
+                _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64), _c(hi, np.int64),
+                float(low), float(high))
 
 
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
@@ -297,9 +323,9 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
-    fits, pick, mk = _first_fit(links[0], links[1], links[2], _c(last, np.int64),
-                                float(p2p_s), d, _c(ranks, np.int64), _c(seg, np.int64),
-                                _c(rows_f, np.int64), _c(rows_b, np.int64),
-                                _c(fwd, np.float64), _c(bwd, np.float64), _c(at, np.int64),
-                                _c(limit, np.float64), dur_out, ef_out)
+    fit = _kernel("_first_fit")
+    fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
+                         _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
+                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
+                         _c(at, np.int64), _c(limit, np.float64), dur_out, ef_out)
     return fits, pick, mk, dur_out, ef_out

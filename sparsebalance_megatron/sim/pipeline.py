@@ -218,7 +218,7 @@ class EventGraph:
         have finished. Rows are written in place, a few numpy calls per event (a few per wave
         of independent events, ``sim.waves``, with at most ``WAVE_COLS`` columns: the same
         numbers); ``start`` ([E, cols], optional) receives every event's start."""
-        if compiled.ENABLED:                   # one compiled loop: the same numbers
+        if compiled.enabled():                   # one compiled loop: the same numbers
             return compiled.earliest_finish(self.links, dur, p2p_s, start)
         if dur.shape[1] <= WAVE_COLS:
             return _earliest_finish_by_waves(self.waves, dur, p2p_s, start)

@@ -15,7 +15,7 @@ from sparsebalance_megatron.sim.pipeline import event_graph
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, synthetic_costs
 
-pytestmark = pytest.mark.skipif(not compiled.ENABLED, reason="numba is not installed")
+pytestmark = pytest.mark.skipif(not compiled.enabled(), reason="numba is not installed")
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def numpy_paths(monkeypatch):
     """Call ``fn`` with the compiled kernels off (the numpy paths the callers fall back to)."""
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as m:
-            m.setattr(compiled, "ENABLED", False)
+            m.setattr(compiled, "enabled", lambda: False)
             return fn(*args, **kwargs)
     return run
 
