@@ -198,6 +198,9 @@ class UnitCosts:
         for out, fixed, per_pair in parts:
             # (work x per_pair + fixed) x correction, every stage at once: the same three
             # operations per element as one stage at a time (x 1.0 is exact: left out)
+            if compiled.enabled():                  # one compiled pass, the same operations
+                compiled.unit_tables(work, per_pair, fixed, corr, not uncorrected, out)
+                continue
             np.multiply(work[:, None, :], per_pair[None, :, None], out=out)
             out += fixed[:, :, None]
             if not uncorrected:

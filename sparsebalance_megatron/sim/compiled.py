@@ -248,9 +248,22 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     return fits, pick, mk
 
 
+def _unit_tables(work, per_pair, fixed, corr, scale, out):
+    n, pp, g = out.shape
+    for i in range(n):
+        for s in range(pp):
+            pr, fx, c = per_pair[s], fixed[i, s], corr[i, s]
+            for j in range(g):
+                v = work[i, j] * pr
+                v = v + fx
+                if scale:
+                    v = v * c
+                out[i, s, j] = v
+
+
 _PLAIN = {name: globals()[name] for name in (
     "_earliest_finish", "_latest_finish", "_highest_at_most", "_highest_rows", "_column",
-    "_first_fit", "_fill_index")}
+    "_first_fit", "_fill_index", "_unit_tables")}
 
 
 def _c(a, dtype):
@@ -329,3 +342,12 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
                          _c(at, np.int64), _c(limit, np.float64), dur_out, ef_out)
     return fits, pick, mk, dur_out, ef_out
+
+
+def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr: np.ndarray,
+                scale: bool, out: np.ndarray) -> None:
+    """``out`` [n, stages, g] = (work [n, g] x per_pair [stages] + fixed [n, stages]) x corr
+    [n, stages] (the last factor only with ``scale``), in place: ``UnitCosts.from_latency``'s
+    three passes as one (each element the same multiply, add and multiply)."""
+    _kernel("_unit_tables")(_c(work, np.float64), _c(per_pair, np.float64),
+                            _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out)

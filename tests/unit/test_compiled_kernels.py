@@ -144,3 +144,25 @@ def test_descent_first_fit_is_every_candidate_simulated(numpy_paths):
         fits = got[2]
         checked.update(fits.tolist())
     assert checked == {True, False}                           # both outcomes were tested
+
+
+def test_unit_cost_tables_are_the_numpy_paths(numpy_paths):
+    """``UnitCosts.from_latency``'s tables, (work x per pair + fixed) x correction, in one
+    compiled pass: equal to the numpy passes, uncalibrated and with per-(DP rank, pipeline
+    rank) corrections."""
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.policy import density_grid
+
+    lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
+    rng = np.random.default_rng(8)
+    dp, m = 3, 4
+    lengths = [rng.integers(100, 2000, rng.integers(1, 6)) for _ in range(dp * m)]
+    grid = density_grid(0.5, 0.125, 1.0)
+    for step in range(2):
+        want = numpy_paths(UnitCosts.from_latency, lm, lengths, dp, m, grid)
+        got = UnitCosts.from_latency(lm, lengths, dp, m, grid)
+        np.testing.assert_array_equal(got.fwd_s, want.fwd_s)
+        np.testing.assert_array_equal(got.bwd_s, want.bwd_s)
+        busy = rng.uniform(1.0, 2.0, (dp, 4))
+        lm.calibrate_ranks(busy, busy * rng.uniform(0.8, 1.2, (dp, 4)))   # now corrected
+    assert not np.all(lm.correction_grid(dp, 4) == 1.0)
