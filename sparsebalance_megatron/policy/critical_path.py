@@ -148,14 +148,27 @@ class _Step:
         sel = pick * r + j
         return ranks, col, ok.any(axis=0), pick, mk_k[sel], dur_k[:, sel], ef_k[:, sel]
 
-    def moves(self, plan, f, b, flat_units, moved, pick):
+    def put(self, plan, f, b, flat_units, i):
         """Plan ``plan`` [dp, m, nv] and its seconds ``f``, ``b`` with units ``flat_units`` at
-        ``moved[pick, i]`` (``pick`` [n]: each unit's candidate), in place."""
-        i = moved[pick, np.arange(flat_units.size)]
+        grid indices ``i`` [n], in place."""
         at = flat_units * self.g + i
         np.put(plan, flat_units, i)
         np.put(f, flat_units, self.fwd.take(at))
         np.put(b, flat_units, self.bwd.take(at))
+
+    def cut_fit(self, dur, on, t_on, t_min, hi, i_min: int, limit) -> tuple:
+        """``first_fit`` of the cut fractions (``CUT_FRACTIONS``) of units ``on`` (ascending;
+        seconds ``t_on``, at d_min ``t_min``, grid indices ``hi`` [n]), each unit's cut searched
+        only at the fractions its rank tries (compiled; ``sim.compiled``). Returns
+        ``first_fit``'s and the picked grid index of every unit [n]."""
+        ranks, col, seg, local = self.holders(on)
+        u = on * self.g
+        at = np.full((CUT_FRACTIONS.size, on.size), -1, dtype=np.int64)
+        out = compiled.first_fit(
+            self.graph.links, self.graph.last, dur, self.p2p, ranks, seg, self.fwd_row[local],
+            self.bwd_row[local], self.fwd, self.bwd, at, limit[ranks],
+            cuts=(self.t_flat, u, t_on, t_min, hi, i_min, CUT_FRACTIONS, 1 + _REL_EPS))
+        return (ranks, col) + out + (at[out[1][col], np.arange(on.size)] - u,)
 
     def floats(self, dur, ef, deadline):
         """[cols, m * nv] the smaller float of every unit's forward and backward."""
@@ -225,15 +238,21 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         target = step * (1.0 - eta)
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
         on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
-        moved, known = cuts_of(on, known)
-        ranks, col, fits, pick, mk_p, dur_p, ef_p = st.first_fit(    # smallest alpha that fits
-            dur, on, moved, np.full(dp, target * (1 + _REL_EPS)))
+        fit_limit = np.full(dp, target * (1 + _REL_EPS))            # smallest alpha that fits
+        if compiled.enabled():          # each unit's cuts searched at the fractions tried
+            ranks, col, fits, pick, mk_p, dur_p, ef_p, cut_i = st.cut_fit(
+                dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], i_min,
+                fit_limit)
+        else:
+            moved, known = cuts_of(on, known)
+            ranks, col, fits, pick, mk_p, dur_p, ef_p = st.first_fit(dur, on, moved, fit_limit)
+            cut_i = moved[pick[col], np.arange(on.size)]
         if not fits.all():                                           # T' out of reach: ask less
             eta /= 2
             continue
         cut, f1, b1, mk_cut, dur1, ef1 = idx.copy(), f.copy(), b.copy(), mk.copy(), \
             dur.copy(), ef.copy()
-        st.moves(cut, f1, b1, on, moved, pick[col])
+        st.put(cut, f1, b1, on, cut_i)
         mk_cut[ranks] = mk_p
         dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
@@ -254,11 +273,12 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         ranks, col, _, pick, mk_p, dur_p, ef_p = st.first_fit(       # largest beta: 0 holds
             dur1, up, moved, np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15)
         new, mk_new = cut.copy(), mk_cut.copy()
-        np.put(new, up, moved[pick[col], np.arange(up.size)])
+        raised = moved[pick[col], np.arange(up.size)]
+        np.put(new, up, raised)
         mk_new[ranks] = mk_p
         new_step = float(mk_new.max())
         if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
-            st.moves(cut, f1, b1, up, moved, pick[col])     # cut becomes new; f1, b1 its times
+            st.put(cut, f1, b1, up, raised)                 # cut becomes new; f1, b1 its times
             dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
             seen, cuts = known                  # the units whose density changed: unknown
             kept = new.reshape(-1)[seen] == idx.reshape(-1)[seen]

@@ -31,7 +31,7 @@ import numpy as np
 
 _STATE: dict = {}
 _KERNELS: dict = {}
-_CALLS = {"_first_fit": ("_column",)}   # kernels a kernel calls: compiled before it
+_CALLS = {"_first_fit": ("_column",), "_column": ("_lift",)}   # kernels a kernel calls
 
 
 def enabled() -> bool:
@@ -190,15 +190,45 @@ def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     return out
 
 
+def _lift(flat, first, last, lim):
+    # highest position in [first, last] with flat <= lim (first if none), rows non-decreasing
+    span = last - first + 1
+    s = 1
+    while s * 2 <= span:
+        s *= 2
+    if span <= 0:
+        s = 0
+    pos = first - 1
+    while s:
+        probe = pos + s
+        if probe > last:
+            probe = last
+        if flat[probe] <= lim:
+            pos += s
+        s >>= 1
+    if pos > last:
+        pos = last
+    if pos < first:
+        pos = first
+    return pos
+
+
 def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, at, c,
-            buf, end):
-    # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end
+            buf, end, lazy_t, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale):
+    # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end;
+    # a candidate not given (at < 0) is a cut: fraction fracs[c] of the unit's cuttable time
     n = dur.shape[0]
     for e in range(n):
         buf[e] = dur[e, col]
     for u in range(lo, hi):
-        buf[rows_f[u]] = fwd[at[c, u]]
-        buf[rows_b[u]] = bwd[at[c, u]]
+        a = at[c, u]
+        if a < 0:
+            t = lazy_on[u]
+            lim = (t - fracs[c] * (t - lazy_min[u])) * scale + 1e-15
+            a = _lift(lazy_t, lazy_u[u] + lazy_lo, lazy_u[u] + lazy_hi[u], lim)
+            at[c, u] = a
+        buf[rows_f[u]] = fwd[a]
+        buf[rows_b[u]] = bwd[a]
     for e in range(n):
         d, pr = dep[e], prev[e]
         if d >= 0:
@@ -221,7 +251,8 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
 
 
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, at,
-               limit, dur_out, ef_out):
+               limit, dur_out, ef_out, lazy_t, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo,
+               fracs, scale):
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
     fits = np.empty(r, dtype=np.bool_)
@@ -233,14 +264,16 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         while a < z:
             mid = (a + z) >> 1
             if _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                       rows_b, fwd, bwd, at, mid, buf, end) <= limit[j]:
+                       rows_b, fwd, bwd, at, mid, buf, end, lazy_t, lazy_u, lazy_on, lazy_min,
+                       lazy_hi, lazy_lo, fracs, scale) <= limit[j]:
                 z = mid
             else:
                 a = mid + 1
         fits[j] = a < k
         c = a if a < k else 0                    # none fits: the first, as np.argmax gives
         mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, at, c, buf, end)
+                        rows_b, fwd, bwd, at, c, buf, end, lazy_t, lazy_u, lazy_on, lazy_min,
+                        lazy_hi, lazy_lo, fracs, scale)
         pick[j] = c
         for e in range(n):
             dur_out[e, j] = buf[e]
@@ -262,8 +295,8 @@ def _unit_tables(work, per_pair, fixed, corr, scale, out):
 
 
 _PLAIN = {name: globals()[name] for name in (
-    "_earliest_finish", "_latest_finish", "_highest_at_most", "_highest_rows", "_column",
-    "_first_fit", "_fill_index", "_unit_tables")}
+    "_earliest_finish", "_latest_finish", "_highest_at_most", "_highest_rows", "_lift",
+    "_column", "_first_fit", "_fill_index", "_unit_tables")}
 
 
 def _c(a, dtype):
@@ -326,21 +359,36 @@ def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray
 
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
               ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
-              fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray) -> tuple:
+              fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray,
+              cuts: tuple = None) -> tuple:
     """Per DP rank ``ranks[j]`` (a column of ``dur`` [E, dp]), the first candidate c of ``at``
     [k, n] whose makespan is <= ``limit[j]``, the makespans falling with c (a binary search:
     a few simulated columns, not k): the rank's units ``seg[j]:seg[j + 1]`` take their
     durations ``fwd[at[c]]`` / ``bwd[at[c]]`` at event rows ``rows_f`` / ``rows_b``. Returns
     (fits [r], pick [r] (0 where none fits), makespan [r], durations and earliest finishes
-    [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives."""
+    [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives.
+
+    ``cuts`` (optional): (table t [units x g], unit offsets [n], unit seconds [n], seconds at
+    the lowest grid index [n], grid indices [n], lowest grid index, fractions [k], scale): an
+    entry of ``at`` < 0 (int64, written in place) is then found when a candidate is tried, as
+    the critical-path descent's cut: the highest grid index in [lowest, the unit's] whose
+    seconds are <= (t - fraction x (t - t_lowest)) x scale + 1e-15 (``highest_at_most``)."""
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
+    if cuts is None:
+        none_f, none_i = np.zeros(0), np.zeros(0, dtype=np.int64)
+        cuts = (none_f, none_i, none_f, none_f, none_i, 0, none_f, 1.0)
+    t, u, on, low, hi, lo, fracs, scale = cuts
+    if at.dtype != np.int64 or not at.flags.c_contiguous:
+        raise ValueError("first_fit: at must be a C-contiguous int64 array (written in place)")
     fit = _kernel("_first_fit")
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
-                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
-                         _c(at, np.int64), _c(limit, np.float64), dur_out, ef_out)
+                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64), at,
+                         _c(limit, np.float64), dur_out, ef_out, _c(t, np.float64),
+                         _c(u, np.int64), _c(on, np.float64), _c(low, np.float64),
+                         _c(hi, np.int64), int(lo), _c(fracs, np.float64), float(scale))
     return fits, pick, mk, dur_out, ef_out
 
 
