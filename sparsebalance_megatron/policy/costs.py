@@ -22,6 +22,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from ..sim import compiled
+from . import grid_kernels
 
 GRID_STEP = 1.0 / 64
 
@@ -199,7 +200,7 @@ class UnitCosts:
             # (work x per_pair + fixed) x correction, every stage at once: the same three
             # operations per element as one stage at a time (x 1.0 is exact: left out)
             if compiled.enabled():                  # one compiled pass, the same operations
-                compiled.unit_tables(work, per_pair, fixed, corr, not uncorrected, out)
+                grid_kernels.unit_tables(work, per_pair, fixed, corr, not uncorrected, out)
                 continue
             np.multiply(work[:, None, :], per_pair[None, :, None], out=out)
             out += fixed[:, :, None]
@@ -279,7 +280,7 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     span = int((last - first).max()) + 1 if pos.size else 0
     step = 1 << (span.bit_length() - 1) if span > 0 else 0
     if compiled.enabled() and pos.size:      # the same steps, one compiled loop
-        return (compiled.highest_at_most(flat, first, last, limit, step)
+        return (grid_kernels.highest_at_most(flat, first, last, limit, step)
                 - units.ravel()).reshape(shape)
     while step:
         probe = np.minimum(pos + step, last)
@@ -308,7 +309,7 @@ def _highest_rows(flat, units, limit, lo, hi):
     last = np.broadcast_to(units + hi, (n,))
     span = int((last - first).max()) + 1
     step = 1 << (span.bit_length() - 1) if span > 0 else 0
-    return compiled.highest_rows(flat, first, last, limit, step) - units
+    return grid_kernels.highest_rows(flat, first, last, limit, step) - units
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

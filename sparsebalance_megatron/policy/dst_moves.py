@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..sim import compiled
+from . import grid_kernels
 from .costs import highest_at_most, level_search
 
 
@@ -165,7 +166,7 @@ class GainIndex:
 
         if compiled.enabled():
             def at(log_lam):
-                return compiled.fill_index(self.flat, np.exp(log_lam), b, shift, first, lo, hi,
+                return grid_kernels.fill_index(self.flat, np.exp(log_lam), b, shift, first, lo, hi,
                                            low, high)
             return at
 

@@ -1,16 +1,17 @@
 """Compiled forms of the planner's innermost loops, when numba is installed (``pip install
-sparsebalance-megatron[fast]``; NGC's PyTorch containers ship it).
+sparsebalance-megatron[fast]``; NGC's PyTorch containers ship it), and the loader the other
+kernels (``policy.grid_kernels``) compile with.
 
 The planner steps through a step's event graph hundreds of times per draft (the 1F1B simulator,
-the float pass) and looks densities up on the cost grid (``policy.costs.highest_at_most``). In
-numpy those are a few calls per event, or a gather per bisection step, and at the planner's
-sizes (a few hundred events, tens to hundreds of columns) the calls are most of the time. Here
-each is one compiled loop:
+the float pass, the critical-path descent's candidates). In numpy those are a few calls per
+event, and at the planner's sizes (a few hundred events, tens to hundreds of columns) the calls
+are most of the time. Here each is one compiled loop:
 
 - ``earliest_finish``: ``max(dep + p2p, prev) + duration`` per event and column, in event order;
 - ``latest_finish``: ``min(deadline, next's start, successor's start - p2p)`` and its start;
-- ``highest_at_most``: the binary lifting of ``policy.costs.highest_at_most``, per element, with
-  the same step schedule.
+- ``first_fit``: per DP rank, the first of the descent's candidates (cut or raise fractions)
+  whose makespan fits, by a binary search that simulates a few columns instead of all of them
+  (the makespans never rise from one candidate to the next, so the first is the same).
 
 Every kernel does the numpy path's floating point operations, on the same operands, in the same
 order (maxima, minima, one add or subtract, comparisons: each exact given its operands), and
@@ -31,7 +32,6 @@ import numpy as np
 
 _STATE: dict = {}
 _KERNELS: dict = {}
-_CALLS = {"_first_fit": ("_column",), "_column": ("_lift",)}   # kernels a kernel calls
 
 
 def enabled() -> bool:
@@ -55,19 +55,23 @@ def _load() -> bool:
     return True
 
 
-def _kernel(name: str):
-    """The compiled form of this module's function ``name`` (compiled on first use, cached on
-    disk where numba finds a writable place, else compiled once per process)."""
-    k = _KERNELS.get(name)
+def kernel(fn, calls=()):
+    """The compiled form of ``fn``, a module-level function written in numba's subset (compiled
+    on first use, cached on disk where numba finds a writable place, else compiled once per
+    process). ``calls``: the kernels ``fn`` calls, compiled first and bound in their module
+    in place of the plain functions, so that ``fn`` resolves the compiled ones."""
+    key = (fn.__module__, fn.__qualname__)
+    k = _KERNELS.get(key)
     if k is None:
-        for dep in _CALLS.get(name, ()):
-            _kernel(dep)
-        numba, fn = _STATE["numba"], _PLAIN[name]
+        for dep in calls:
+            fn.__globals__[dep.__name__] = kernel(dep)
+        numba = _STATE["numba"]
+        plain = getattr(fn, "py_func", fn)
         try:
-            k = numba.njit(cache=True, nogil=True)(fn)
+            k = numba.njit(cache=True, nogil=True)(plain)
         except RuntimeError:     # no writable cache directory: compile in this process only
-            k = numba.njit(nogil=True)(fn)
-        _KERNELS[name] = globals()[name] = k      # what a kernel calling it resolves
+            k = numba.njit(nogil=True)(plain)
+        _KERNELS[key] = k
     return k
 
 
@@ -114,80 +118,6 @@ def _latest_finish(nxt, succ, cross, dur, deadline, p):
             lf[e, c] = v
             ls[e, c] = v - dur[e, c]
     return lf
-
-
-def _highest_at_most(flat, first, last, limit, step):
-    n = first.size
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        pos, top, lim, s = first[i] - 1, last[i], limit[i], step
-        while s:
-            probe = pos + s
-            if probe > top:
-                probe = top
-            if flat[probe] <= lim:
-                pos += s
-            s >>= 1
-        if pos > top:                            # past hi: hi fits
-            pos = top
-        if pos < first[i]:                       # none fits: lo
-            pos = first[i]
-        out[i] = pos
-    return out
-
-
-def _highest_rows(flat, first, last, limit, step):
-    k, n = limit.shape
-    out = np.empty((k, n), dtype=np.int64)
-    for j in range(n):                           # unit by unit: its row stays in cache
-        lo, top = first[j], last[j]
-        for c in range(k):
-            pos, lim, s = lo - 1, limit[c, j], step
-            while s:
-                probe = pos + s
-                if probe > top:
-                    probe = top
-                if flat[probe] <= lim:
-                    pos += s
-                s >>= 1
-            if pos > top:
-                pos = top
-            if pos < lo:
-                pos = lo
-            out[c, j] = pos
-    return out
-
-
-def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
-    slots, n = b.shape
-    out = np.empty((slots, n), dtype=np.int64)
-    size = flat.size
-    for s in range(slots):
-        for j in range(n):
-            q = -(e[j] * b[s, j])
-            if q < low:                          # np.maximum(q, low) (NaN stays NaN)
-                q = low
-            if q > high:                         # np.minimum(q, high)
-                q = high
-            q += shift[s, j]
-            if q != q:                           # searchsorted puts NaN after everything
-                i = size
-            else:                                # side="right": entries <= q
-                a, z = 0, size
-                while a < z:
-                    mid = (a + z) >> 1
-                    if flat[mid] <= q:
-                        a = mid + 1
-                    else:
-                        z = mid
-                i = a
-            i -= first[s, j]
-            if i < lo[s, j]:
-                i = lo[s, j]
-            if i > hi[s, j]:
-                i = hi[s, j]
-            out[s, j] = i
-    return out
 
 
 def _lift(flat, first, last, lim):
@@ -281,24 +211,6 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     return fits, pick, mk
 
 
-def _unit_tables(work, per_pair, fixed, corr, scale, out):
-    n, pp, g = out.shape
-    for i in range(n):
-        for s in range(pp):
-            pr, fx, c = per_pair[s], fixed[i, s], corr[i, s]
-            for j in range(g):
-                v = work[i, j] * pr
-                v = v + fx
-                if scale:
-                    v = v * c
-                out[i, s, j] = v
-
-
-_PLAIN = {name: globals()[name] for name in (
-    "_earliest_finish", "_latest_finish", "_highest_at_most", "_highest_rows", "_lift",
-    "_column", "_first_fit", "_fill_index", "_unit_tables")}
-
-
 def _c(a, dtype):
     return np.ascontiguousarray(a, dtype=dtype)
 
@@ -313,7 +225,7 @@ def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None
     d = _c(dur, np.float64)
     rec = start is not None
     buf = np.empty(d.shape) if rec else _NO_START
-    end = _kernel("_earliest_finish")(links[0], links[1], links[2], d, float(p2p_s), buf, rec)
+    end = kernel(_earliest_finish)(links[0], links[1], links[2], d, float(p2p_s), buf, rec)
     if rec:
         start[...] = buf
     return end
@@ -324,37 +236,7 @@ def latest_finish(links: np.ndarray, dur: np.ndarray, deadline, p2p_s: float) ->
     scalar), as ``policy.slack.latest_finish``."""
     d = _c(dur, np.float64)
     dl = _c(np.broadcast_to(np.asarray(deadline, dtype=np.float64), (d.shape[1],)), np.float64)
-    return _kernel("_latest_finish")(links[3], links[4], links[2], d, dl, float(p2p_s))
-
-
-def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
-                    step: int) -> np.ndarray:
-    """Flat positions [n] of ``policy.costs.highest_at_most``: per element the highest position
-    in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
-    2``, ... 1 from first - 1 (the numpy path's schedule)."""
-    return _kernel("_highest_at_most")(_c(flat, np.float64), _c(first, np.int64),
-                                       _c(last, np.int64), _c(limit, np.float64), int(step))
-
-
-def highest_rows(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
-                 step: int) -> np.ndarray:
-    """``highest_at_most`` for limits [k, n] over the same n units (``first``, ``last`` [n]):
-    [k, n] flat positions, unit by unit."""
-    return _kernel("_highest_rows")(_c(flat, np.float64), _c(first, np.int64),
-                                    _c(last, np.int64), _c(limit, np.float64), int(step))
-
-
-def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray,
-               first: np.ndarray, lo: np.ndarray, hi: np.ndarray, low: float,
-               high: float) -> np.ndarray:
-    """[slots, n] grid indices of ``policy.dst_moves.water_fill`` at one lambda per column
-    (``e`` [n], exp of its log): per unit clip(-(e x b), low, high) + shift searched (side
-    right) in the stages' gain tables laid end to end (``flat``, ``GainIndex``), less the
-    stage's first entry, clipped to [lo, hi]; every array [slots, n] but ``flat`` and ``e``."""
-    fill = _kernel("_fill_index")
-    return fill(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
-                _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64), _c(hi, np.int64),
-                float(low), float(high))
+    return kernel(_latest_finish)(links[3], links[4], links[2], d, dl, float(p2p_s))
 
 
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
@@ -382,7 +264,8 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     t, u, on, low, hi, lo, fracs, scale = cuts
     if at.dtype != np.int64 or not at.flags.c_contiguous:
         raise ValueError("first_fit: at must be a C-contiguous int64 array (written in place)")
-    fit = _kernel("_first_fit")
+    kernel(_column, calls=(_lift,))
+    fit = kernel(_first_fit, calls=(_column,))
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64), at,
@@ -390,12 +273,3 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
                          _c(u, np.int64), _c(on, np.float64), _c(low, np.float64),
                          _c(hi, np.int64), int(lo), _c(fracs, np.float64), float(scale))
     return fits, pick, mk, dur_out, ef_out
-
-
-def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr: np.ndarray,
-                scale: bool, out: np.ndarray) -> None:
-    """``out`` [n, stages, g] = (work [n, g] x per_pair [stages] + fixed [n, stages]) x corr
-    [n, stages] (the last factor only with ``scale``), in place: ``UnitCosts.from_latency``'s
-    three passes as one (each element the same multiply, add and multiply)."""
-    _kernel("_unit_tables")(_c(work, np.float64), _c(per_pair, np.float64),
-                            _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out)

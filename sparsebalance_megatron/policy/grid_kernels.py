@@ -1,0 +1,142 @@
+"""Compiled forms of the planner's grid look-ups (``sim.compiled``'s loader; numba when
+installed): ``policy.costs.highest_at_most`` (general and the [k, n] rows of the descent's and
+DST's candidates), ``policy.dst_moves.GainIndex``'s water-filling index and
+``UnitCosts.from_latency``'s tables. Each does the numpy path's operations per element (the
+binary lifting's schedule, a multiply, an add, comparisons), so the results are the numpy
+path's bit for bit (``tests/unit/test_compiled_kernels.py``). Callers check
+``compiled.enabled()`` first.
+
+Pure numpy and numba; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sim.compiled import _c, kernel
+
+
+def _highest_at_most(flat, first, last, limit, step):
+    n = first.size
+    out = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        pos, top, lim, s = first[i] - 1, last[i], limit[i], step
+        while s:
+            probe = pos + s
+            if probe > top:
+                probe = top
+            if flat[probe] <= lim:
+                pos += s
+            s >>= 1
+        if pos > top:                            # past hi: hi fits
+            pos = top
+        if pos < first[i]:                       # none fits: lo
+            pos = first[i]
+        out[i] = pos
+    return out
+
+
+def _highest_rows(flat, first, last, limit, step):
+    k, n = limit.shape
+    out = np.empty((k, n), dtype=np.int64)
+    for j in range(n):                           # unit by unit: its row stays in cache
+        lo, top = first[j], last[j]
+        for c in range(k):
+            pos, lim, s = lo - 1, limit[c, j], step
+            while s:
+                probe = pos + s
+                if probe > top:
+                    probe = top
+                if flat[probe] <= lim:
+                    pos += s
+                s >>= 1
+            if pos > top:
+                pos = top
+            if pos < lo:
+                pos = lo
+            out[c, j] = pos
+    return out
+
+
+def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
+    slots, n = b.shape
+    out = np.empty((slots, n), dtype=np.int64)
+    size = flat.size
+    for s in range(slots):
+        for j in range(n):
+            q = -(e[j] * b[s, j])
+            if q < low:                          # np.maximum(q, low) (NaN stays NaN)
+                q = low
+            if q > high:                         # np.minimum(q, high)
+                q = high
+            q += shift[s, j]
+            if q != q:                           # searchsorted puts NaN after everything
+                i = size
+            else:                                # side="right": entries <= q
+                a, z = 0, size
+                while a < z:
+                    mid = (a + z) >> 1
+                    if flat[mid] <= q:
+                        a = mid + 1
+                    else:
+                        z = mid
+                i = a
+            i -= first[s, j]
+            if i < lo[s, j]:
+                i = lo[s, j]
+            if i > hi[s, j]:
+                i = hi[s, j]
+            out[s, j] = i
+    return out
+
+
+def _unit_tables(work, per_pair, fixed, corr, scale, out):
+    n, pp, g = out.shape
+    for i in range(n):
+        for s in range(pp):
+            pr, fx, c = per_pair[s], fixed[i, s], corr[i, s]
+            for j in range(g):
+                v = work[i, j] * pr
+                v = v + fx
+                if scale:
+                    v = v * c
+                out[i, s, j] = v
+
+
+def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
+                    step: int) -> np.ndarray:
+    """Flat positions [n] of ``policy.costs.highest_at_most``: per element the highest position
+    in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
+    2``, ... 1 from first - 1 (the numpy path's schedule)."""
+    return kernel(_highest_at_most)(_c(flat, np.float64), _c(first, np.int64),
+                                       _c(last, np.int64), _c(limit, np.float64), int(step))
+
+
+def highest_rows(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
+                 step: int) -> np.ndarray:
+    """``highest_at_most`` for limits [k, n] over the same n units (``first``, ``last`` [n]):
+    [k, n] flat positions, unit by unit."""
+    return kernel(_highest_rows)(_c(flat, np.float64), _c(first, np.int64),
+                                    _c(last, np.int64), _c(limit, np.float64), int(step))
+
+
+def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray,
+               first: np.ndarray, lo: np.ndarray, hi: np.ndarray, low: float,
+               high: float) -> np.ndarray:
+    """[slots, n] grid indices of ``policy.dst_moves.water_fill`` at one lambda per column
+    (``e`` [n], exp of its log): per unit clip(-(e x b), low, high) + shift searched (side
+    right) in the stages' gain tables laid end to end (``flat``, ``GainIndex``), less the
+    stage's first entry, clipped to [lo, hi]; every array [slots, n] but ``flat`` and ``e``."""
+    fill = kernel(_fill_index)
+    return fill(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
+                _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64), _c(hi, np.int64),
+                float(low), float(high))
+
+
+def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr: np.ndarray,
+                scale: bool, out: np.ndarray) -> None:
+    """``out`` [n, stages, g] = (work [n, g] x per_pair [stages] + fixed [n, stages]) x corr
+    [n, stages] (the last factor only with ``scale``), in place: ``UnitCosts.from_latency``'s
+    three passes as one (each element the same multiply, add and multiply)."""
+    kernel(_unit_tables)(_c(work, np.float64), _c(per_pair, np.float64),
+                            _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out)
