@@ -22,7 +22,7 @@ from importlib import metadata
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Set by scripts/bench.py to the command line that ran the study (`python scripts/bench.py NAME ...`).
 COMMAND: list[str] | None = None
-DISTRIBUTIONS = ("torch", "numpy", "megatron-core", "sparsebalance_megatron", "triton")
+DISTRIBUTIONS = ("torch", "numpy", "numba", "megatron-core", "sparsebalance_megatron", "triton")
 
 
 def command() -> str:
@@ -130,11 +130,15 @@ def versions() -> dict:
 
 
 def provenance() -> dict:
-    """Command, commit (and whether the tree had changes), versions and device."""
+    """Command, commit (and whether the tree had changes), versions, whether the planner's
+    compiled kernels ran (``sim.compiled``) and device."""
     # the result files themselves (a study rewriting the one it re-runs) are not code changes
     status = _git("status", "--porcelain", "--", ".", ":(exclude)docs/results")
+    from sparsebalance_megatron.sim import compiled
+
     return {"command": command(), "commit": _git("rev-parse", "HEAD"),
             "dirty": None if status is None else bool(status), "versions": versions(),
+            "planner_kernels": "numba" if compiled.enabled() else "numpy",
             "device": device()}
 
 
