@@ -125,21 +125,22 @@ class _Step:
         return ef, self.graph.makespan(ef)
 
     def first_fit(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray,
-                  limit: np.ndarray) -> tuple:
+                  limit: np.ndarray, probe_first: bool = False) -> tuple:
         """Of the plan simulated as ``dur`` [E, dp] with units ``flat_units`` (ascending) at
         one of the candidates ``moved`` [k, n], per DP rank that holds one of them: the first
         candidate whose makespan is <= ``limit`` [dp] (makespans never rise from one candidate
         to the next: each moves every unit no higher than the one before). Returns (ranks, column
         of each unit's rank [n], whether one fits [r], its index (0 where none) [r], its
         makespan [r], its durations and earliest finishes [E, r]). One compiled binary search
-        per rank where ``sim.compiled`` runs; else every candidate simulated (``candidates``)
-        and the first kept: the same numbers."""
+        per rank where ``sim.compiled`` runs (``probe_first``: the first candidate tried alone
+        before the search, where it usually fits); else every candidate simulated
+        (``candidates``) and the first kept: the same numbers."""
         ranks, col, seg, local = self.holders(flat_units)
         if compiled.enabled():
             return (ranks, col) + compiled.first_fit(
                 self.graph.links, self.graph.last, dur, self.p2p, ranks, seg,
                 self.fwd_row[local], self.bwd_row[local], self.fwd, self.bwd,
-                flat_units * self.g + moved, limit[ranks])
+                flat_units * self.g + moved, limit[ranks], probe_first=probe_first)
         k, r = moved.shape[0], ranks.size
         _, _, dur_k = self.candidates(dur, flat_units, moved)
         ef_k, mk_k = self.simulate(dur_k)
@@ -271,7 +272,8 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
                 eta /= 2
                 continue
         ranks, col, _, pick, mk_p, dur_p, ef_p = st.first_fit(       # largest beta: 0 holds
-            dur1, up, moved, np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15)
+            dur1, up, moved, np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15,
+            probe_first=True)                       # most ranks take the whole float
         new, mk_new = cut.copy(), mk_cut.copy()
         raised = moved[pick[col], np.arange(up.size)]
         np.put(new, up, raised)

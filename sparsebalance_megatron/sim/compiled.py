@@ -182,7 +182,7 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
 
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, at,
                limit, dur_out, ef_out, lazy_t, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo,
-               fracs, scale):
+               fracs, scale, probe_first):
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
     fits = np.empty(r, dtype=np.bool_)
@@ -190,24 +190,43 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     mk = np.empty(r)
     buf, end = np.empty(n), np.empty(n)
     for j in range(r):
-        a, z = 0, k                              # makespans fall with c: the first that fits
+        # makespans fall with c: every candidate below a is over, every one from z fits
+        a, z = 0, k
+        if probe_first and k > 1:                # where the first usually fits: try it alone
+            t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
+                        rows_b, fwd, bwd, at, 0, buf, end, lazy_t, lazy_u, lazy_on,
+                        lazy_min, lazy_hi, lazy_lo, fracs, scale)
+            if t <= limit[j]:
+                z = 0
+                mk[j] = t
+                for e in range(n):
+                    dur_out[e, j] = buf[e]
+                    ef_out[e, j] = end[e]
+            else:
+                a = 1
         while a < z:
             mid = (a + z) >> 1
-            if _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                       rows_b, fwd, bwd, at, mid, buf, end, lazy_t, lazy_u, lazy_on, lazy_min,
-                       lazy_hi, lazy_lo, fracs, scale) <= limit[j]:
+            t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
+                        rows_b, fwd, bwd, at, mid, buf, end, lazy_t, lazy_u, lazy_on,
+                        lazy_min, lazy_hi, lazy_lo, fracs, scale)
+            if t <= limit[j]:                    # the last that fits is the first that fits
                 z = mid
+                mk[j] = t
+                for e in range(n):
+                    dur_out[e, j] = buf[e]
+                    ef_out[e, j] = end[e]
             else:
                 a = mid + 1
         fits[j] = a < k
-        c = a if a < k else 0                    # none fits: the first, as np.argmax gives
-        mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, at, c, buf, end, lazy_t, lazy_u, lazy_on, lazy_min,
-                        lazy_hi, lazy_lo, fracs, scale)
-        pick[j] = c
-        for e in range(n):
-            dur_out[e, j] = buf[e]
-            ef_out[e, j] = end[e]
+        if a >= k:                               # none fits: the first, as np.argmax gives
+            a = 0
+            mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1],
+                            rows_f, rows_b, fwd, bwd, at, 0, buf, end, lazy_t, lazy_u,
+                            lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale)
+            for e in range(n):
+                dur_out[e, j] = buf[e]
+                ef_out[e, j] = end[e]
+        pick[j] = a
     return fits, pick, mk
 
 
@@ -242,7 +261,7 @@ def latest_finish(links: np.ndarray, dur: np.ndarray, deadline, p2p_s: float) ->
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
               ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
               fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray,
-              cuts: tuple = None) -> tuple:
+              cuts: tuple = None, probe_first: bool = False) -> tuple:
     """Per DP rank ``ranks[j]`` (a column of ``dur`` [E, dp]), the first candidate c of ``at``
     [k, n] whose makespan is <= ``limit[j]``, the makespans falling with c (a binary search:
     a few simulated columns, not k): the rank's units ``seg[j]:seg[j + 1]`` take their
@@ -254,7 +273,9 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     the lowest grid index [n], grid indices [n], lowest grid index, fractions [k], scale): an
     entry of ``at`` < 0 (int64, written in place) is then found when a candidate is tried, as
     the critical-path descent's cut: the highest grid index in [lowest, the unit's] whose
-    seconds are <= (t - fraction x (t - t_lowest)) x scale + 1e-15 (``highest_at_most``)."""
+    seconds are <= (t - fraction x (t - t_lowest)) x scale + 1e-15 (``highest_at_most``).
+    ``probe_first``: try the first candidate alone before the search (where it usually fits:
+    one simulated column instead of a search's three); the same answer."""
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
@@ -271,5 +292,6 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64), at,
                          _c(limit, np.float64), dur_out, ef_out, _c(t, np.float64),
                          _c(u, np.int64), _c(on, np.float64), _c(low, np.float64),
-                         _c(hi, np.int64), int(lo), _c(fracs, np.float64), float(scale))
+                         _c(hi, np.int64), int(lo), _c(fracs, np.float64), float(scale),
+                         bool(probe_first))
     return fits, pick, mk, dur_out, ef_out

@@ -137,12 +137,12 @@ def test_descent_first_fit_is_every_candidate_simulated(numpy_paths):
     for limit in (mk * 0.97, mk * 1.01, np.full(mk.size, mk.min() * 0.5),
                   np.where(np.arange(mk.size) % 2, mk * 0.9, mk)):
         want = numpy_paths(st.first_fit, dur, units, cuts, limit)
-        got = st.first_fit(dur, units, cuts, limit)
-        assert len(got) == len(want) == 7
-        for a, w in zip(got, want):
-            np.testing.assert_array_equal(a, w)
-        fits = got[2]
-        checked.update(fits.tolist())
+        for probe_first in (False, True):                     # the first alone, then search
+            got = st.first_fit(dur, units, cuts, limit, probe_first=probe_first)
+            assert len(got) == len(want) == 7
+            for a, w in zip(got, want):
+                np.testing.assert_array_equal(a, w)
+        checked.update(got[2].tolist())
     assert checked == {True, False}                           # both outcomes were tested
 
 
