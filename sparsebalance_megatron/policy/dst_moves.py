@@ -115,6 +115,12 @@ def water_fill(t_grid, units, gains, b, lo, hi, limit_s):
         return out
     u, b, lo, hi = (np.ascontiguousarray(a[rows, :, stages].T) for a in (units, b, lo, hi))
     limit = limit_s[rows, stages]                                   # [n]
+    if compiled.enabled() and rows.size >= 2:    # the whole search per column, compiled
+        shift, first = gains.columns(stages)
+        out[rows, :, stages] = grid_kernels.water_fill(
+            flat, u, b, lo, hi, limit, gains.flat, shift, first, gains.low, gains.high,
+            FILL_ITERS).T
+        return out
     at = gains.for_stages(stages, b, lo, hi)     # at(log lambda): each unit's grid index
 
     def total(idx):
@@ -156,12 +162,17 @@ class GainIndex:
                      + np.arange(nv)[:, None] * self.width).reshape(-1)
         self.stage = (np.arange(slots) % vp)[:, None] * pp + np.arange(pp)[None, :]
 
+    def columns(self, ranks: np.ndarray) -> tuple:
+        """(shift, first entry) [slots, n] of units of pipeline rank ``ranks[j]`` in column j:
+        where their stage's table sits in ``flat``."""
+        stage = self.stage[:, ranks]
+        return stage * self.width, stage * self.g + 1
+
     def for_stages(self, ranks: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray):
         """at(log_lam) -> [slots, n]: per unit clip(best_index(exp(log_lam) x b), lo, hi), for
         log_lam [n] (one per column), b, lo, hi [slots, n]: column j units of pipeline rank
         ``ranks[j]`` (one compiled loop where ``sim.compiled`` runs: the same numbers)."""
-        stage = self.stage[:, ranks]
-        shift, first = stage * self.width, stage * self.g + 1
+        shift, first = self.columns(ranks)
         low, high = self.low, self.high
 
         if compiled.enabled():

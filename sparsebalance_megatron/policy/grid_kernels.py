@@ -58,36 +58,92 @@ def _highest_rows(flat, first, last, limit, step):
     return out
 
 
+def _gain_index(flat, x, shift, first, lo, hi, low, high):
+    # GainIndex's grid index of one unit at x = lambda x b: clip(-x, low, high) + shift searched
+    # (side right) in the stages' tables, less the stage's first entry, clipped to [lo, hi]
+    q = -x
+    if q < low:                                  # np.maximum(q, low) (NaN stays NaN)
+        q = low
+    if q > high:                                 # np.minimum(q, high)
+        q = high
+    q += shift
+    if q != q:                                   # searchsorted puts NaN after everything
+        i = flat.size
+    else:                                        # side="right": entries <= q
+        a, z = 0, flat.size
+        while a < z:
+            mid = (a + z) >> 1
+            if flat[mid] <= q:
+                a = mid + 1
+            else:
+                z = mid
+        i = a
+    i -= first
+    if i < lo:
+        i = lo
+    if i > hi:
+        i = hi
+    return i
+
+
 def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     slots, n = b.shape
     out = np.empty((slots, n), dtype=np.int64)
-    size = flat.size
     for s in range(slots):
         for j in range(n):
-            q = -(e[j] * b[s, j])
-            if q < low:                          # np.maximum(q, low) (NaN stays NaN)
-                q = low
-            if q > high:                         # np.minimum(q, high)
-                q = high
-            q += shift[s, j]
-            if q != q:                           # searchsorted puts NaN after everything
-                i = size
-            else:                                # side="right": entries <= q
-                a, z = 0, size
-                while a < z:
-                    mid = (a + z) >> 1
-                    if flat[mid] <= q:
-                        a = mid + 1
-                    else:
-                        z = mid
-                i = a
-            i -= first[s, j]
-            if i < lo[s, j]:
-                i = lo[s, j]
-            if i > hi[s, j]:
-                i = hi[s, j]
-            out[s, j] = i
+            out[s, j] = _gain_index(flat, e[j] * b[s, j], shift[s, j], first[s, j], lo[s, j],
+                                    hi[s, j], low, high)
     return out
+
+
+def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, iters, out):
+    # per column j (a (row, stage) pair): the bisection on log lambda over the grid
+    # -20 + 40 k / 4096 (exps[k] its exp), then the common level; totals summed over the
+    # slots in order from the first, as numpy sums a [slots, n >= 2] array over axis 0
+    slots, n = u.shape
+    fit = np.empty(slots, dtype=np.int64)
+    over = np.empty(slots, dtype=np.int64)
+    for j in range(n):
+        a, z = 0, exps.size - 1                  # log lambda = -20 and 20
+        for _ in range(iters):
+            mid = (a + z) // 2
+            e = exps[mid]
+            tot = 0.0
+            for s in range(slots):
+                i = _gain_index(flat, e * b[s, j], shift[s, j], first[s, j], lo[s, j],
+                                hi[s, j], low, high)
+                v = t[u[s, j] + i]
+                tot = v if s == 0 else tot + v
+            if tot <= limit[j]:
+                z = mid
+            else:
+                a = mid
+        lo_l, hi_l = 1 << 62, -(1 << 62)
+        for s in range(slots):
+            fit[s] = _gain_index(flat, exps[z] * b[s, j], shift[s, j], first[s, j], lo[s, j],
+                                 hi[s, j], low, high)
+            over[s] = _gain_index(flat, exps[a] * b[s, j], shift[s, j], first[s, j],
+                                  lo[s, j], hi[s, j], low, high)
+            if fit[s] < lo_l:
+                lo_l = fit[s]
+            if over[s] > hi_l:
+                hi_l = over[s]
+        while lo_l < hi_l:                       # level_search: the highest level that fits
+            mid = (lo_l + hi_l + 1) // 2
+            tot = 0.0
+            for s in range(slots):
+                i = over[s] if over[s] < mid else mid
+                if fit[s] > i:
+                    i = fit[s]
+                v = t[u[s, j] + i]
+                tot = v if s == 0 else tot + v
+            if tot <= limit[j]:
+                lo_l = mid
+            else:
+                hi_l = mid - 1
+        for s in range(slots):
+            i = over[s] if over[s] < lo_l else lo_l
+            out[s, j] = fit[s] if fit[s] > i else i
 
 
 def _unit_tables(work, per_pair, fixed, corr, scale, out):
@@ -127,7 +183,7 @@ def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray
     (``e`` [n], exp of its log): per unit clip(-(e x b), low, high) + shift searched (side
     right) in the stages' gain tables laid end to end (``flat``, ``GainIndex``), less the
     stage's first entry, clipped to [lo, hi]; every array [slots, n] but ``flat`` and ``e``."""
-    fill = kernel(_fill_index)
+    fill = kernel(_fill_index, calls=(_gain_index,))
     return fill(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
                 _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64), _c(hi, np.int64),
                 float(low), float(high))
@@ -140,3 +196,29 @@ def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr:
     three passes as one (each element the same multiply, add and multiply)."""
     kernel(_unit_tables)(_c(work, np.float64), _c(per_pair, np.float64),
                             _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out)
+
+
+FILL_GRID = 4096
+"""water-filling's bisection on log lambda in [-20, 20] visits -20 + 40 k / FILL_GRID only"""
+_EXPS: list = []
+
+
+def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int) -> np.ndarray:
+    """``policy.dst_moves.water_fill``'s search for n >= 2 (row, stage) columns, [slots, n]
+    arrays (``u`` the units' table offsets, ``b`` their seconds per unit of density, ``lo`` /
+    ``hi`` their grid bounds; ``flat``, ``shift``, ``first``, ``low``, ``high``: ``GainIndex``'s
+    search), limits [n]: ``iters`` bisection steps, then the common level. The lambdas' exps are
+    numpy's (one table of the grid's); totals are summed as numpy sums the [slots, n] gather
+    over axis 0 (in order from the first slot; with n = 1 numpy sums pairwise: not here)."""
+    if u.shape[1] < 2 or not 0 <= iters <= FILL_GRID.bit_length() - 1:
+        raise ValueError(f"water_fill kernel: {u.shape[1]} columns and {iters} steps, expected "
+                         f">= 2 columns and at most {FILL_GRID.bit_length() - 1} steps (the "
+                         f"bisection's lambdas must stay on the grid)")
+    if not _EXPS:
+        _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
+    out = np.empty(u.shape, dtype=np.int64)
+    fill = kernel(_water_fill, calls=(_gain_index,))
+    fill(_c(t, np.float64), _c(u, np.int64), _c(b, np.float64), _c(lo, np.int64),
+         _c(hi, np.int64), _c(limit, np.float64), _c(flat, np.float64), _c(shift, np.float64),
+         _c(first, np.int64), float(low), float(high), _EXPS[0], int(iters), out)
+    return out

@@ -166,3 +166,35 @@ def test_unit_cost_tables_are_the_numpy_paths(numpy_paths):
         busy = rng.uniform(1.0, 2.0, (dp, 4))
         lm.calibrate_ranks(busy, busy * rng.uniform(0.8, 1.2, (dp, 4)))   # now corrected
     assert not np.all(lm.correction_grid(dp, 4) == 1.0)
+
+
+@pytest.mark.parametrize("m, vp, rows", [(16, 2, 6), (4, 1, 1), (40, 4, 3), (8, 2, 40)])
+def test_water_filling_is_the_numpy_paths(numpy_paths, m, vp, rows):
+    """``dst_moves.water_fill`` with the compiled search (every (row, stage) column's bisection
+    and common level in one loop, numpy's exps of the grid) gives the numpy path's grid indices:
+    limits between all-at-lo and all-at-hi, a few below everything and above everything, one
+    column (numpy's path: it sums one column pairwise), 160 slots (beyond numpy's block of 128),
+    stages with a segment of equal gains."""
+    from sparsebalance_megatron.policy.dst_moves import GainIndex, water_fill
+
+    rng = np.random.default_rng(m * vp + rows)
+    pp, g = 4, 57
+    slots, nv = m * vp, 4 * vp
+    marg = np.sort(rng.random((nv, g)) * 0.3, axis=1)[:, ::-1].copy()
+    marg[:, 0] = np.inf
+    marg[1, 20:40] = marg[1, 20]
+    gains = GainIndex(marg, slots, pp, vp)
+    t_grid = np.sort(rng.random((rows, slots, pp, g)), axis=-1) * rng.uniform(0.5, 2.0,
+                                                                                (rows, 1, 1, 1))
+    units = ((np.arange(rows)[:, None, None] * slots + np.arange(slots)[None, :, None]) * pp
+             + np.arange(pp)[None, None, :]) * g
+    b = rng.random((rows, slots, pp)) * 3
+    lo = rng.integers(0, 20, (rows, slots, pp))
+    hi = np.minimum(lo + rng.integers(0, 40, (rows, slots, pp)), g - 1)
+    flat = t_grid.reshape(-1)
+    at_lo, at_hi = flat.take(units + lo).sum(axis=1), flat.take(units + hi).sum(axis=1)
+    limit = at_lo + rng.uniform(-0.1, 1.1, (rows, pp)) * (at_hi - at_lo)
+    want = numpy_paths(water_fill, t_grid, units, gains, b, lo, hi, limit)
+    got = water_fill(t_grid, units, gains, b, lo, hi, limit)
+    np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(want, hi)                       # some columns were searched
