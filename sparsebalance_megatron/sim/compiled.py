@@ -120,31 +120,19 @@ def _latest_finish(nxt, succ, cross, dur, deadline, p):
     return lf
 
 
-def _lift(flat, first, last, lim):
-    # highest position in [first, last] with flat <= lim (first if none), rows non-decreasing
-    span = last - first + 1
-    s = 1
-    while s * 2 <= span:
-        s *= 2
-    if span <= 0:
-        s = 0
-    pos = first - 1
-    while s:
-        probe = pos + s
-        if probe > last:
-            probe = last
-        if flat[probe] <= lim:
-            pos += s
-        s >>= 1
-    if pos > last:
-        pos = last
-    if pos < first:
-        pos = first
+def _lift(fwd, bwd, first, last, lim):
+    # highest position in [first, last] with fwd + bwd <= lim (first if none): the sum is
+    # UnitCosts.total_s's element for element, and its rows are non-decreasing (UnitCosts makes
+    # them so), so the first from the top that fits is the one highest_at_most's lifting finds;
+    # a cut mostly moves a few grid steps, so walking down beats the lifting's scattered probes
+    pos = last
+    while pos > first and not fwd[pos] + bwd[pos] <= lim:
+        pos -= 1
     return pos
 
 
 def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, at, c,
-            buf, end, lazy_t, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale):
+            buf, end, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale):
     # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end;
     # a candidate not given (at < 0) is a cut: fraction fracs[c] of the unit's cuttable time
     n = dur.shape[0]
@@ -155,7 +143,7 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
         if a < 0:
             t = lazy_on[u]
             lim = (t - fracs[c] * (t - lazy_min[u])) * scale + 1e-15
-            a = _lift(lazy_t, lazy_u[u] + lazy_lo, lazy_u[u] + lazy_hi[u], lim)
+            a = _lift(fwd, bwd, lazy_u[u] + lazy_lo, lazy_u[u] + lazy_hi[u], lim)
             at[c, u] = a
         buf[rows_f[u]] = fwd[a]
         buf[rows_b[u]] = bwd[a]
@@ -181,7 +169,7 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
 
 
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, at,
-               limit, dur_out, ef_out, lazy_t, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo,
+               limit, dur_out, ef_out, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo,
                fracs, scale, probe_first):
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
@@ -194,7 +182,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         a, z = 0, k
         if probe_first and k > 1:                # where the first usually fits: try it alone
             t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, at, 0, buf, end, lazy_t, lazy_u, lazy_on,
+                        rows_b, fwd, bwd, at, 0, buf, end, lazy_u, lazy_on,
                         lazy_min, lazy_hi, lazy_lo, fracs, scale)
             if t <= limit[j]:
                 z = 0
@@ -207,7 +195,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         while a < z:
             mid = (a + z) >> 1
             t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, at, mid, buf, end, lazy_t, lazy_u, lazy_on,
+                        rows_b, fwd, bwd, at, mid, buf, end, lazy_u, lazy_on,
                         lazy_min, lazy_hi, lazy_lo, fracs, scale)
             if t <= limit[j]:                    # the last that fits is the first that fits
                 z = mid
@@ -221,7 +209,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         if a >= k:                               # none fits: the first, as np.argmax gives
             a = 0
             mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1],
-                            rows_f, rows_b, fwd, bwd, at, 0, buf, end, lazy_t, lazy_u,
+                            rows_f, rows_b, fwd, bwd, at, 0, buf, end, lazy_u,
                             lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale)
             for e in range(n):
                 dur_out[e, j] = buf[e]
@@ -269,11 +257,12 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     (fits [r], pick [r] (0 where none fits), makespan [r], durations and earliest finishes
     [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives.
 
-    ``cuts`` (optional): (table t [units x g], unit offsets [n], unit seconds [n], seconds at
-    the lowest grid index [n], grid indices [n], lowest grid index, fractions [k], scale): an
-    entry of ``at`` < 0 (int64, written in place) is then found when a candidate is tried, as
-    the critical-path descent's cut: the highest grid index in [lowest, the unit's] whose
-    seconds are <= (t - fraction x (t - t_lowest)) x scale + 1e-15 (``highest_at_most``).
+    ``cuts`` (optional): (unit offsets [n], unit seconds [n], seconds at the lowest grid index
+    [n], grid indices [n], lowest grid index, fractions [k], scale): an entry of ``at`` < 0
+    (int64, written in place) is then found when a candidate is tried, as the critical-path
+    descent's cut: the highest grid index in [lowest, the unit's] whose seconds (fwd + bwd, the
+    cost table's total) are <= (t - fraction x (t - t_lowest)) x scale + 1e-15
+    (``highest_at_most``; the tables are non-decreasing along the grid).
     ``probe_first``: try the first candidate alone before the search (where it usually fits:
     one simulated column instead of a search's three); the same answer."""
     d = _c(dur, np.float64)
@@ -281,8 +270,8 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
     if cuts is None:
         none_f, none_i = np.zeros(0), np.zeros(0, dtype=np.int64)
-        cuts = (none_f, none_i, none_f, none_f, none_i, 0, none_f, 1.0)
-    t, u, on, low, hi, lo, fracs, scale = cuts
+        cuts = (none_i, none_f, none_f, none_i, 0, none_f, 1.0)
+    u, on, low, hi, lo, fracs, scale = cuts
     if at.dtype != np.int64 or not at.flags.c_contiguous:
         raise ValueError("first_fit: at must be a C-contiguous int64 array (written in place)")
     kernel(_column, calls=(_lift,))
@@ -290,8 +279,7 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64), at,
-                         _c(limit, np.float64), dur_out, ef_out, _c(t, np.float64),
-                         _c(u, np.int64), _c(on, np.float64), _c(low, np.float64),
-                         _c(hi, np.int64), int(lo), _c(fracs, np.float64), float(scale),
-                         bool(probe_first))
+                         _c(limit, np.float64), dur_out, ef_out, _c(u, np.int64),
+                         _c(on, np.float64), _c(low, np.float64), _c(hi, np.int64), int(lo),
+                         _c(fracs, np.float64), float(scale), bool(probe_first))
     return fits, pick, mk, dur_out, ef_out
