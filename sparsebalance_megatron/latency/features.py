@@ -69,6 +69,7 @@ class UnitFeatures:
     dense_below_tokens: int = 0   # documents shorter than this run dense (0: none)
     _blocks: tuple | None = None  # chunked mode: (block_local, block_unit, chunk_starts, chunk_unit)
     _runs: tuple | None = None    # kept mode: runs of equal documents (block count, unit, n)
+    _sparse_calls: np.ndarray | None = None   # ``sparse_calls``, once (every stage asks)
 
     @property
     def num_units(self) -> int:
@@ -81,6 +82,7 @@ class UnitFeatures:
         bytes."""
         state = dict(self.__dict__)
         state["doc_blocks"] = state["doc_unit"] = state["_blocks"] = None
+        state["_sparse_calls"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -139,8 +141,12 @@ class UnitFeatures:
 
     @property
     def sparse_calls(self) -> np.ndarray:
-        """[n] 1.0 where the unit has a document on the sparse path (one sparse call), else 0."""
-        return (np.bincount(self.doc_unit, minlength=self.num_units) > 0).astype(np.float64)
+        """[n] 1.0 where the unit has a document on the sparse path (one sparse call), else 0
+        (computed once: every stage's terms read it)."""
+        if self._sparse_calls is None:
+            self._sparse_calls = (np.bincount(self.doc_unit, minlength=self.num_units)
+                                  > 0).astype(np.float64)
+        return self._sparse_calls
 
     @property
     def dense_calls(self) -> np.ndarray:
