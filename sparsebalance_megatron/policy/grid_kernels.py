@@ -222,3 +222,24 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
          _c(hi, np.int64), _c(limit, np.float64), _c(flat, np.float64), _c(shift, np.float64),
          _c(first, np.int64), float(low), float(high), _EXPS[0], int(iters), out)
     return out
+
+
+def warm_up() -> None:
+    """``sim.compiled.warm_up`` for this module's kernels: each compiled (or loaded from the
+    disk cache) with the argument types the planner passes, on one or two units."""
+    from ..sim import compiled
+
+    if not compiled.enabled():
+        return
+    i64 = np.int64
+    flat, zero = np.arange(4.0), np.zeros(1, dtype=i64)
+    highest_at_most(flat, zero, np.array([3], dtype=i64), np.array([1.5]), 2)
+    highest_rows(flat, zero, np.array([3], dtype=i64), np.array([[1.5]]), 2)
+    cols = dict(b=np.ones((1, 2)), shift=np.zeros((1, 2)), first=np.ones((1, 2), dtype=i64),
+                lo=np.zeros((1, 2), dtype=i64), hi=np.ones((1, 2), dtype=i64))
+    fill_index(flat, np.ones(2), cols["b"], cols["shift"], cols["first"], cols["lo"],
+               cols["hi"], 0.0, 1.0)
+    water_fill(flat, np.zeros((1, 2), dtype=i64), cols["b"], cols["lo"], cols["hi"],
+               np.ones(2), flat, cols["shift"], cols["first"], 0.0, 1.0, 12)
+    unit_tables(np.ones((1, 2)), np.ones(1), np.ones((1, 1)), np.ones((1, 1)), True,
+                np.empty((1, 1, 2)))

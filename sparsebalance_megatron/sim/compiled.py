@@ -219,7 +219,9 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
 
 
 def _c(a, dtype):
-    return np.ascontiguousarray(a, dtype=dtype)
+    """``a`` as a C-contiguous, writable array of ``dtype`` (numba compiles a read-only array,
+    e.g. a ``broadcast_to`` view, as another type: one signature per kernel, the warm-up's)."""
+    return np.require(a, dtype=dtype, requirements="CW")
 
 
 _NO_START = np.empty((0, 0))
@@ -283,3 +285,23 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
                          _c(on, np.float64), _c(low, np.float64), _c(hi, np.int64), int(lo),
                          _c(fracs, np.float64), float(scale), bool(probe_first))
     return fits, pick, mk, dur_out, ef_out
+
+
+def warm_up() -> None:
+    """Compile this module's kernels (or load them from numba's disk cache) with the argument
+    types a draft passes, on a two-event graph: the planner process does it before it says it
+    is ready, so a run pays it at start-up, not in its first step's draft. Nothing without
+    numba."""
+    if not enabled():
+        return
+    i64 = np.int64
+    links = np.array([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], dtype=i64)  # e0 -> e1
+    dur, one, none = np.ones((2, 2)), np.ones(1), np.zeros(1, dtype=i64)
+    earliest_finish(links, dur, 0.0)
+    earliest_finish(links, dur, 0.0, np.empty((2, 2)))
+    latest_finish(links, dur, np.ones(2), 0.0)
+    args = (links, np.array([1], dtype=i64), dur, 0.0, none, np.array([0, 1], dtype=i64), none,
+            np.array([1], dtype=i64), np.ones(2), np.ones(2))
+    first_fit(*args, np.zeros((1, 1), dtype=i64), one, probe_first=True)
+    first_fit(*args, np.full((1, 1), -1, dtype=i64), one,
+              cuts=(none, one, one, none, 0, one, 1.0))

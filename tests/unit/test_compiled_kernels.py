@@ -198,3 +198,48 @@ def test_water_filling_is_the_numpy_paths(numpy_paths, m, vp, rows):
     got = water_fill(t_grid, units, gains, b, lo, hi, limit)
     np.testing.assert_array_equal(got, want)
     assert not np.array_equal(want, hi)                       # some columns were searched
+
+
+WARM_CHECK = r"""
+import numpy as np
+from sparsebalance_megatron.latency import LatencyModel, ModelShape
+from sparsebalance_megatron.policy import UnitCosts, density_grid, grid_kernels
+from sparsebalance_megatron.policy import plan_dst_with_floor
+from sparsebalance_megatron.sim import compiled
+import sys
+sys.path.insert(0, "tests/unit")
+from test_policy_dst import _quality
+
+compiled.warm_up()
+grid_kernels.warm_up()
+def signatures():
+    return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
+            if not k[1] in ("_column", "_lift", "_gain_index")}
+before = signatures()
+lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
+rng = np.random.default_rng(1)
+lengths = [rng.integers(200, 3000, rng.integers(1, 5)) for _ in range(6 * 8)]
+grid = density_grid(0.5, 0.125, 1.0)
+costs = UnitCosts.from_latency(lm, lengths, 6, 8, grid)
+plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality(4),
+                    density_floor=0.9, stage_density_floor=0.75, raise_headroom=0.02)
+lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
+UnitCosts.from_latency(lm, lengths, 6, 8, grid)
+after = signatures()
+assert before == after and len(after) == 8, (before, after)
+print("ok")
+"""
+
+
+def test_warm_up_compiles_what_a_plan_runs():
+    """The planner process warms the kernels up before it says it is ready: afterwards a plan
+    (unit costs, the band search with water-filling, the descent) compiles nothing more, so
+    no step's draft pays numba's compilation (a fresh interpreter: nothing compiled before)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", WARM_CHECK], cwd=repo, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

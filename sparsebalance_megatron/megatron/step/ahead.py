@@ -268,10 +268,15 @@ def reply(draft: Draft) -> Draft:
 
 def _import_draft_modules() -> None:
     """What a draft imports on first use (packing, DST, the quality cost), imported at start-up
-    instead of during the first draft."""
+    instead of during the first draft, and the planner's compiled kernels made ready (numba's
+    import and compilation, or its disk cache: seconds the first time, not in a step)."""
     from ...batching import packing  # noqa: F401
-    from ...policy import critical_path, dst, quality  # noqa: F401
+    from ...policy import critical_path, dst, grid_kernels, quality  # noqa: F401
+    from ...sim import compiled
     from . import choice  # noqa: F401
+
+    compiled.warm_up()
+    grid_kernels.warm_up()
 
 
 def serve(inp: Connection, out: Connection) -> None:
