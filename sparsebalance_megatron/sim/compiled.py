@@ -44,6 +44,17 @@ def enabled() -> bool:
     return on
 
 
+def disable(why: str) -> None:
+    """Turn the kernels off in this process (the numpy paths run: the same plans, more CPU),
+    with one warning saying ``why``."""
+    import warnings
+
+    if _STATE.get("on"):
+        warnings.warn(f"sparsebalance: the planner's compiled kernels are off ({why}); its "
+                      f"numpy paths run instead (the same plans, more CPU)", stacklevel=2)
+    _STATE["on"] = False
+
+
 def _load() -> bool:
     if os.environ.get("SB_PLANNER_JIT", "1").strip() == "0":
         return False

@@ -243,3 +243,18 @@ def test_warm_up_compiles_what_a_plan_runs():
     done = subprocess.run([sys.executable, "-c", WARM_CHECK], cwd=repo, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_numpy(monkeypatch):
+    """A numba that cannot compile on this machine must not stop a run: the warm-up turns the
+    kernels off with one warning and the numpy paths run (the same plans)."""
+    from sparsebalance_megatron.megatron.step.ahead import warm_up_kernels
+
+    def broken():
+        raise RuntimeError("LLVM said no")
+
+    monkeypatch.setitem(compiled._STATE, "on", True)
+    monkeypatch.setattr(compiled, "warm_up", broken)
+    with pytest.warns(UserWarning, match="compiled kernels are off.*LLVM said no"):
+        warm_up_kernels()
+    assert not compiled.enabled()

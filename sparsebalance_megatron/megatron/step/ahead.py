@@ -266,17 +266,30 @@ def reply(draft: Draft) -> Draft:
     return draft
 
 
+def warm_up_kernels() -> None:
+    """The planner's compiled kernels made ready in this process (numba's import, and its
+    compilation or its disk cache: seconds the first time in an environment), at start-up
+    instead of in a step: the planner process before it says ready, the training process
+    before its first step (its reports and layout check simulate too). Nothing without
+    numba."""
+    from ...policy import grid_kernels
+    from ...sim import compiled
+
+    try:
+        compiled.warm_up()
+        grid_kernels.warm_up()
+    except Exception as e:      # a numba that cannot compile here: numpy, the same plans
+        compiled.disable(f"{type(e).__name__}: {e}")
+
+
 def _import_draft_modules() -> None:
     """What a draft imports on first use (packing, DST, the quality cost), imported at start-up
-    instead of during the first draft, and the planner's compiled kernels made ready (numba's
-    import and compilation, or its disk cache: seconds the first time, not in a step)."""
+    instead of during the first draft, and the compiled kernels made ready."""
     from ...batching import packing  # noqa: F401
-    from ...policy import critical_path, dst, grid_kernels, quality  # noqa: F401
-    from ...sim import compiled
+    from ...policy import critical_path, dst, quality  # noqa: F401
     from . import choice  # noqa: F401
 
-    compiled.warm_up()
-    grid_kernels.warm_up()
+    warm_up_kernels()
 
 
 def serve(inp: Connection, out: Connection) -> None:

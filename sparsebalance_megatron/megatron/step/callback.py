@@ -51,7 +51,7 @@ from ..model.budget import BudgetContext
 from ..runtime import comm
 from .checks import (budget_error, budget_violations, fingerprint, min_kept, recall_sums,
                      sum_by_doc, unit_order)
-from .ahead import PlannerProcess
+from .ahead import PlannerProcess, warm_up_kernels
 from .exchange import ExchangeGroups, StepExchange
 from .planning import PreparedStep, StepPlanning
 from .record import RankReport, StepSummary, step_record_shape
@@ -170,6 +170,7 @@ class SparseBalanceCallback(StepPlanning):
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             if args.iteration + 1 < args.train_iters:
                 self.start_planner()         # starts while the first step is prepared
+            warm_up_kernels()                # numba's kernels here too, before the first step
             self.prepare_step(args.iteration, get_num_microbatches())
             if ahead:
                 self.load_state_dict(state)      # validated above as part of the same file
