@@ -277,8 +277,7 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     last = (units + hi).ravel()
     limit = limit.ravel()
     pos = first - 1
-    span = int((last - first).max()) + 1 if pos.size else 0
-    step = 1 << (span.bit_length() - 1) if span > 0 else 0
+    step = _lift_step(first, last)
     if compiled.enabled() and pos.size:      # the same steps, one compiled loop
         return (grid_kernels.highest_at_most(flat, first, last, limit, step)
                 - units.ravel()).reshape(shape)
@@ -307,9 +306,14 @@ def _highest_rows(flat, units, limit, lo, hi):
     units = np.broadcast_to(units, (n,))
     first = np.broadcast_to(units + lo, (n,))
     last = np.broadcast_to(units + hi, (n,))
-    span = int((last - first).max()) + 1
-    step = 1 << (span.bit_length() - 1) if span > 0 else 0
-    return grid_kernels.highest_rows(flat, first, last, limit, step) - units
+    return grid_kernels.highest_rows(flat, first, last, limit, _lift_step(first, last)) - units
+
+
+def _lift_step(first: np.ndarray, last: np.ndarray) -> int:
+    """The binary lifting's first step: the largest power of two <= the widest [first, last]
+    span (0 for none)."""
+    span = int((last - first).max()) + 1 if first.size else 0
+    return 1 << (span.bit_length() - 1) if span > 0 else 0
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

@@ -16,23 +16,29 @@ import numpy as np
 from ..sim.compiled import _c, kernel
 
 
+def _lifted(flat, first, last, lim, step):
+    # highest_at_most's binary lifting of one element: steps of step, step / 2, ... 1 from
+    # first - 1, each kept where the entry at the probe (clamped to last) is <= lim; then
+    # clamped to [first, last]
+    pos, s = first - 1, step
+    while s:
+        probe = pos + s
+        if probe > last:
+            probe = last
+        if flat[probe] <= lim:
+            pos += s
+        s >>= 1
+    if pos > last:                               # past hi: hi fits
+        pos = last
+    if pos < first:                              # none fits: lo
+        pos = first
+    return pos
+
+
 def _highest_at_most(flat, first, last, limit, step):
-    n = first.size
-    out = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        pos, top, lim, s = first[i] - 1, last[i], limit[i], step
-        while s:
-            probe = pos + s
-            if probe > top:
-                probe = top
-            if flat[probe] <= lim:
-                pos += s
-            s >>= 1
-        if pos > top:                            # past hi: hi fits
-            pos = top
-        if pos < first[i]:                       # none fits: lo
-            pos = first[i]
-        out[i] = pos
+    out = np.empty(first.size, dtype=np.int64)
+    for i in range(first.size):
+        out[i] = _lifted(flat, first[i], last[i], limit[i], step)
     return out
 
 
@@ -40,21 +46,8 @@ def _highest_rows(flat, first, last, limit, step):
     k, n = limit.shape
     out = np.empty((k, n), dtype=np.int64)
     for j in range(n):                           # unit by unit: its row stays in cache
-        lo, top = first[j], last[j]
         for c in range(k):
-            pos, lim, s = lo - 1, limit[c, j], step
-            while s:
-                probe = pos + s
-                if probe > top:
-                    probe = top
-                if flat[probe] <= lim:
-                    pos += s
-                s >>= 1
-            if pos > top:
-                pos = top
-            if pos < lo:
-                pos = lo
-            out[c, j] = pos
+            out[c, j] = _lifted(flat, first[j], last[j], limit[c, j], step)
     return out
 
 
@@ -164,16 +157,18 @@ def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit
     """Flat positions [n] of ``policy.costs.highest_at_most``: per element the highest position
     in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
     2``, ... 1 from first - 1 (the numpy path's schedule)."""
-    return kernel(_highest_at_most)(_c(flat, np.float64), _c(first, np.int64),
-                                       _c(last, np.int64), _c(limit, np.float64), int(step))
+    lift = kernel(_highest_at_most, calls=(_lifted,))
+    return lift(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
+                _c(limit, np.float64), int(step))
 
 
 def highest_rows(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
                  step: int) -> np.ndarray:
     """``highest_at_most`` for limits [k, n] over the same n units (``first``, ``last`` [n]):
     [k, n] flat positions, unit by unit."""
-    return kernel(_highest_rows)(_c(flat, np.float64), _c(first, np.int64),
-                                    _c(last, np.int64), _c(limit, np.float64), int(step))
+    lift = kernel(_highest_rows, calls=(_lifted,))
+    return lift(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
+                _c(limit, np.float64), int(step))
 
 
 def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray,

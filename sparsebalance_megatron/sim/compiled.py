@@ -86,6 +86,17 @@ def kernel(fn, calls=()):
     return k
 
 
+def _start(vd, vpr, d, pr, add, p):
+    # an event's start: max(its dependency's finish (+ p2p when it crosses ranks), its rank's
+    # previous event's finish), as np.maximum (NaN wins); 0 with neither (-1: none)
+    if d >= 0:
+        v = vd + p if add else vd
+        if pr >= 0 and (vpr > v or vpr != vpr):
+            v = vpr
+        return v
+    return vpr if pr >= 0 else 0.0
+
+
 def _earliest_finish(prev, dep, cross, dur, p, start, record):
     n, cols = dur.shape
     end = np.empty((n, cols))
@@ -93,16 +104,8 @@ def _earliest_finish(prev, dep, cross, dur, p, start, record):
         d, pr = dep[e], prev[e]
         add = cross[e] != 0 and p != 0.0
         for j in range(cols):
-            if d >= 0:
-                v = end[d, j] + p if add else end[d, j]
-                if pr >= 0:
-                    x = end[pr, j]
-                    if x > v or x != x:          # np.maximum: NaN wins
-                        v = x
-            elif pr >= 0:
-                v = end[pr, j]
-            else:
-                v = 0.0
+            v = _start(end[d, j] if d >= 0 else 0.0, end[pr, j] if pr >= 0 else 0.0, d, pr,
+                       add, p)
             if record:
                 start[e, j] = v
             end[e, j] = v + dur[e, j]
@@ -160,23 +163,21 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
         buf[rows_b[u]] = bwd[a]
     for e in range(n):
         d, pr = dep[e], prev[e]
-        if d >= 0:
-            v = end[d] + p if (cross[e] != 0 and p != 0.0) else end[d]
-            if pr >= 0:
-                x = end[pr]
-                if x > v or x != x:
-                    v = x
-        elif pr >= 0:
-            v = end[pr]
-        else:
-            v = 0.0
-        end[e] = v + buf[e]
+        end[e] = _start(end[d] if d >= 0 else 0.0, end[pr] if pr >= 0 else 0.0, d, pr,
+                        cross[e] != 0 and p != 0.0, p) + buf[e]
     mk = end[last[0]]
     for i in range(1, last.size):                # np.max over the ranks' last events
         x = end[last[i]]
         if x > mk or x != x:
             mk = x
     return mk
+
+
+def _keep(buf, end, dur_out, ef_out, j):
+    # a simulated column's durations and finishes into column j of the outputs
+    for e in range(buf.size):
+        dur_out[e, j] = buf[e]
+        ef_out[e, j] = end[e]
 
 
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, at,
@@ -189,42 +190,29 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     mk = np.empty(r)
     buf, end = np.empty(n), np.empty(n)
     for j in range(r):
-        # makespans fall with c: every candidate below a is over, every one from z fits
-        a, z = 0, k
-        if probe_first and k > 1:                # where the first usually fits: try it alone
-            t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, at, 0, buf, end, lazy_u, lazy_on,
-                        lazy_min, lazy_hi, lazy_lo, fracs, scale)
-            if t <= limit[j]:
-                z = 0
-                mk[j] = t
-                for e in range(n):
-                    dur_out[e, j] = buf[e]
-                    ef_out[e, j] = end[e]
-            else:
-                a = 1
+        # makespans fall with c: every candidate below a is over, every one from z fits; the
+        # first tried is the middle, or candidate 0 with probe_first (where it usually fits)
+        a, z, mid = 0, k, 0 if probe_first else -1
         while a < z:
-            mid = (a + z) >> 1
+            if mid < 0:
+                mid = (a + z) >> 1
             t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, at, mid, buf, end, lazy_u, lazy_on,
-                        lazy_min, lazy_hi, lazy_lo, fracs, scale)
+                        rows_b, fwd, bwd, at, mid, buf, end, lazy_u, lazy_on, lazy_min,
+                        lazy_hi, lazy_lo, fracs, scale)
             if t <= limit[j]:                    # the last that fits is the first that fits
                 z = mid
                 mk[j] = t
-                for e in range(n):
-                    dur_out[e, j] = buf[e]
-                    ef_out[e, j] = end[e]
+                _keep(buf, end, dur_out, ef_out, j)
             else:
                 a = mid + 1
+            mid = -1
         fits[j] = a < k
         if a >= k:                               # none fits: the first, as np.argmax gives
             a = 0
             mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1],
-                            rows_f, rows_b, fwd, bwd, at, 0, buf, end, lazy_u,
-                            lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale)
-            for e in range(n):
-                dur_out[e, j] = buf[e]
-                ef_out[e, j] = end[e]
+                            rows_f, rows_b, fwd, bwd, at, 0, buf, end, lazy_u, lazy_on,
+                            lazy_min, lazy_hi, lazy_lo, fracs, scale)
+            _keep(buf, end, dur_out, ef_out, j)
         pick[j] = a
     return fits, pick, mk
 
@@ -236,6 +224,8 @@ def _c(a, dtype):
 
 
 _NO_START = np.empty((0, 0))
+_NO_CUTS = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), 0,
+            np.zeros(0), 1.0)                    # first_fit with every candidate given
 
 
 def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None) -> np.ndarray:
@@ -245,7 +235,8 @@ def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None
     d = _c(dur, np.float64)
     rec = start is not None
     buf = np.empty(d.shape) if rec else _NO_START
-    end = kernel(_earliest_finish)(links[0], links[1], links[2], d, float(p2p_s), buf, rec)
+    run = kernel(_earliest_finish, calls=(_start,))
+    end = run(links[0], links[1], links[2], d, float(p2p_s), buf, rec)
     if rec:
         start[...] = buf
     return end
@@ -281,14 +272,11 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
-    if cuts is None:
-        none_f, none_i = np.zeros(0), np.zeros(0, dtype=np.int64)
-        cuts = (none_i, none_f, none_f, none_i, 0, none_f, 1.0)
-    u, on, low, hi, lo, fracs, scale = cuts
+    u, on, low, hi, lo, fracs, scale = _NO_CUTS if cuts is None else cuts
     if at.dtype != np.int64 or not at.flags.c_contiguous:
         raise ValueError("first_fit: at must be a C-contiguous int64 array (written in place)")
-    kernel(_column, calls=(_lift,))
-    fit = kernel(_first_fit, calls=(_column,))
+    kernel(_column, calls=(_lift, _start))
+    fit = kernel(_first_fit, calls=(_column, _keep))
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64), at,
