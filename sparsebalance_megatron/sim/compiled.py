@@ -274,7 +274,8 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
     u, on, low, hi, lo, fracs, scale = _NO_CUTS if cuts is None else cuts
     if at.dtype != np.int64 or not at.flags.c_contiguous:
-        raise ValueError("first_fit: at must be a C-contiguous int64 array (written in place)")
+        raise ValueError(f"first_fit: at is {at.dtype}, C-contiguous {at.flags.c_contiguous}: "
+                         f"expected a C-contiguous int64 array (it is written in place)")
     kernel(_column, calls=(_lift, _start))
     fit = kernel(_first_fit, calls=(_column, _keep))
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
