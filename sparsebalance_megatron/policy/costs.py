@@ -79,6 +79,9 @@ class UnitCosts:
     # the tables are already known finite, >= 0 and non-decreasing (``from_latency`` proves it
     # from its inputs, a few thousand numbers, instead of the tables' millions)
     tables_checked: bool = field(default=False, repr=False, compare=False)
+    # fwd_s + bwd_s, where the maker has it already (``from_latency``'s compiled pass); only
+    # with tables_checked (the tables are kept as given, so the sum stays theirs)
+    _total: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         g = np.asarray(self.densities, dtype=np.float64)
@@ -107,7 +110,11 @@ class UnitCosts:
         self.densities = g
         self.fwd_s = f if self.tables_checked else _non_decreasing(f)
         self.bwd_s = b if self.tables_checked else _non_decreasing(b)
-        self.total_s = self.fwd_s + self.bwd_s                       # [dp, m, pp, g]
+        if self._total is not None and self.tables_checked and self._total.shape == f.shape:
+            self.total_s = self._total
+        else:
+            self.total_s = self.fwd_s + self.bwd_s                   # [dp, m, pp, g]
+        self._total = None
         for name in ("attn_work", "dense_work"):
             if getattr(self, name) is not None:
                 w = np.asarray(getattr(self, name), dtype=np.float64)
@@ -189,38 +196,42 @@ class UnitCosts:
             else np.ones((dp, ranks))
         corr = np.repeat(corr, m, axis=0)[:, np.arange(pp) % ranks]  # [n, stages] unit's rank
         terms = [model.unit_terms(feats, s) for s in range(pp)]
-        f = np.empty((n, pp, g.size))
-        b = np.empty((n, pp, g.size))
-        parts = [(f, np.stack([t.fwd_fixed_s for t in terms], axis=1),
-                  np.asarray([t.fwd_attn_s_per_pair for t in terms], np.float64)),
-                 (b, np.stack([t.bwd_fixed_s for t in terms], axis=1),
-                  np.asarray([t.bwd_attn_s_per_pair for t in terms], np.float64))]
+        fixed = np.stack([np.stack([t.fwd_fixed_s for t in terms], axis=1),
+                          np.stack([t.bwd_fixed_s for t in terms], axis=1)])   # [2, n, stages]
+        per_pair = np.asarray([[t.fwd_attn_s_per_pair for t in terms],
+                               [t.bwd_attn_s_per_pair for t in terms]], np.float64)
         uncorrected = bool(np.all(corr == 1.0))
-        for out, fixed, per_pair in parts:
-            # (work x per_pair + fixed) x correction, every stage at once: the same three
-            # operations per element as one stage at a time (x 1.0 is exact: left out)
-            if compiled.enabled():                  # one compiled pass, the same operations
-                grid_kernels.unit_tables(work, per_pair, fixed, corr, not uncorrected, out)
-                continue
-            np.multiply(work[:, None, :], per_pair[None, :, None], out=out)
-            out += fixed[:, :, None]
-            if not uncorrected:
-                out *= corr[:, :, None]
+        fb, total = np.empty((2, n, pp, g.size)), None
+        if compiled.enabled():          # one compiled pass, the same operations, and the total
+            total = np.empty((n, pp, g.size))
+            grid_kernels.unit_tables(work, per_pair, fixed, corr, not uncorrected, fb, total)
+        else:
+            for out, fx, pr in zip(fb, fixed, per_pair):
+                # (work x per_pair + fixed) x correction, every stage at once: the same three
+                # operations per element as one stage at a time (x 1.0 is exact: left out)
+                np.multiply(work[:, None, :], pr[None, :, None], out=out)
+                out += fx[:, :, None]
+                if not uncorrected:
+                    out *= corr[:, :, None]
+        f, b = fb
         # finite, >= 0 and non-decreasing along the grid when every factor is finite and >= 0
         # and the work is non-decreasing (rounding is monotone); the largest entry is the last
         checked = bool(np.all(work[:, 1:] >= work[:, :-1]) and np.all(work >= 0)
                        and np.all(np.isfinite(corr)) and np.all(corr >= 0)
                        and all(np.all(np.isfinite(x)) and np.all(x >= 0)
-                               for _, fixed, per_pair in parts for x in (fixed, per_pair))
+                               for x in (fixed, per_pair))
                        and np.all(np.isfinite(f[..., -1])) and np.all(np.isfinite(b[..., -1])))
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
+        if total is not None:
+            total = total.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
             feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
-                   pipeline_ranks=model.layout.pp, dense_work=routed, tables_checked=checked)
+                   pipeline_ranks=model.layout.pp, dense_work=routed, tables_checked=checked,
+                   _total=total if checked else None)
 
     @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,

@@ -168,7 +168,7 @@ class _Step:
         out = compiled.first_fit(
             self.graph.links, self.graph.last, dur, self.p2p, ranks, seg, self.fwd_row[local],
             self.bwd_row[local], self.fwd, self.bwd, at, limit[ranks],
-            cuts=(u, t_on, t_min, hi, i_min, CUT_FRACTIONS, 1 + _REL_EPS))
+            cuts=(self.t_flat, u, t_on, t_min, hi, i_min, CUT_FRACTIONS, 1 + _REL_EPS))
         return (ranks, col) + out + (at[out[1][col], np.arange(on.size)] - u,)
 
     def floats(self, dur, ef, deadline):

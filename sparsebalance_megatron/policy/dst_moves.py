@@ -16,6 +16,8 @@ from ..sim import compiled
 from . import grid_kernels
 from .costs import highest_at_most, level_search
 
+_NO_CAP = np.zeros((1, 1, 1))          # the compiled cut reads no float caps
+
 
 def anchor_s(busy_s: np.ndarray, anchor: str) -> float:
     if anchor == "mean":
@@ -58,6 +60,9 @@ def cut_densities(t_grid, units, cur_i, excess_s, order, i_min):
 
     t_grid [dp, m, pp, g] seconds; units [k, m, pp] flat unit ids; cur_i [k, m, pp] grid indices.
     """
+    if compiled.enabled():              # one compiled loop, the same numbers
+        return grid_kernels.sensitivity_moves(t_grid.reshape(-1), units, cur_i, excess_s,
+                                              _NO_CAP, order, i_min, False)
     t_cur = lookup(t_grid, units, cur_i)                        # [k, m, pp]
     save_full = t_cur - lookup(t_grid, units, i_min)
     perm = perm_along_m(order)
@@ -76,6 +81,9 @@ def raise_densities(t_grid, units, cur_i, slack_s, cap_s, order, i_max):
     """Raise densities while each (rank, stage) stays within ``slack_s`` [k, pp] extra seconds
     and each unit within its own float ``cap_s`` [k, m, pp], micro-batches in ``order`` (most
     sensitive first), each at most up to d_max."""
+    if compiled.enabled():              # one compiled loop, the same numbers
+        return grid_kernels.sensitivity_moves(t_grid.reshape(-1), units, cur_i, slack_s,
+                                              cap_s, order, i_max, True)
     t_cur = lookup(t_grid, units, cur_i)
     gain_full = np.minimum(lookup(t_grid, units, i_max) - t_cur, cap_s)
     perm = perm_along_m(order)

@@ -89,34 +89,92 @@ def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     return out
 
 
+def _gain_q(x, shift, low, high):
+    # _gain_index's search key: clip(-x, low, high) + shift
+    q = -x
+    if q < low:
+        q = low
+    if q > high:
+        q = high
+    return q + shift
+
+
+def _position(flat, q, a, z):
+    # searchsorted(flat, q, side="right") within [a, z], which holds it
+    while a < z:
+        mid = (a + z) >> 1
+        if flat[mid] <= q:
+            a = mid + 1
+        else:
+            z = mid
+    return a
+
+
+def _clipped(pos, first, lo, hi):
+    i = pos - first
+    if i < lo:
+        i = lo
+    if i > hi:
+        i = hi
+    return i
+
+
 def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, iters, out):
     # per column j (a (row, stage) pair): the bisection on log lambda over the grid
     # -20 + 40 k / 4096 (exps[k] its exp), then the common level; totals summed over the
-    # slots in order from the first, as numpy sums a [slots, n >= 2] array over axis 0
+    # slots in order from the first, as numpy sums a [slots, n >= 2] array over axis 0.
+    # Each unit's search position falls as lambda grows (b >= 0), so a column whose b are all
+    # >= 0 searches each unit only between its positions at the bisection's two ends
     slots, n = u.shape
     fit = np.empty(slots, dtype=np.int64)
     over = np.empty(slots, dtype=np.int64)
+    pos_a = np.empty(slots, dtype=np.int64)
+    pos_z = np.empty(slots, dtype=np.int64)
+    cur = np.empty(slots, dtype=np.int64)
     for j in range(n):
         a, z = 0, exps.size - 1                  # log lambda = -20 and 20
+        bracket = True
+        for s in range(slots):
+            if not b[s, j] >= 0.0:               # negative or NaN: searched in full
+                bracket = False
+        if bracket:
+            for s in range(slots):
+                pos_a[s] = _position(flat, _gain_q(exps[a] * b[s, j], shift[s, j], low, high),
+                                     0, flat.size)
+                pos_z[s] = _position(flat, _gain_q(exps[z] * b[s, j], shift[s, j], low, high),
+                                     0, pos_a[s])
         for _ in range(iters):
             mid = (a + z) // 2
             e = exps[mid]
             tot = 0.0
             for s in range(slots):
-                i = _gain_index(flat, e * b[s, j], shift[s, j], first[s, j], lo[s, j],
-                                hi[s, j], low, high)
+                if bracket:
+                    cur[s] = _position(flat, _gain_q(e * b[s, j], shift[s, j], low, high),
+                                       pos_z[s], pos_a[s])
+                    i = _clipped(cur[s], first[s, j], lo[s, j], hi[s, j])
+                else:
+                    i = _gain_index(flat, e * b[s, j], shift[s, j], first[s, j], lo[s, j],
+                                    hi[s, j], low, high)
                 v = t[u[s, j] + i]
                 tot = v if s == 0 else tot + v
             if tot <= limit[j]:
                 z = mid
+                if bracket:
+                    pos_z[:] = cur
             else:
                 a = mid
+                if bracket:
+                    pos_a[:] = cur
         lo_l, hi_l = 1 << 62, -(1 << 62)
         for s in range(slots):
-            fit[s] = _gain_index(flat, exps[z] * b[s, j], shift[s, j], first[s, j], lo[s, j],
-                                 hi[s, j], low, high)
-            over[s] = _gain_index(flat, exps[a] * b[s, j], shift[s, j], first[s, j],
-                                  lo[s, j], hi[s, j], low, high)
+            if bracket:                          # the ends' positions, searched already
+                fit[s] = _clipped(pos_z[s], first[s, j], lo[s, j], hi[s, j])
+                over[s] = _clipped(pos_a[s], first[s, j], lo[s, j], hi[s, j])
+            else:
+                fit[s] = _gain_index(flat, exps[z] * b[s, j], shift[s, j], first[s, j],
+                                     lo[s, j], hi[s, j], low, high)
+                over[s] = _gain_index(flat, exps[a] * b[s, j], shift[s, j], first[s, j],
+                                      lo[s, j], hi[s, j], low, high)
             if fit[s] < lo_l:
                 lo_l = fit[s]
             if over[s] > hi_l:
@@ -139,17 +197,79 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
             out[s, j] = fit[s] if fit[s] > i else i
 
 
-def _unit_tables(work, per_pair, fixed, corr, scale, out):
-    n, pp, g = out.shape
+def _unit_tables(work, per_pair, fixed, corr, scale, out, total):
+    # out[k] (k = 0 forward, 1 backward) as the numpy passes make it, and total = out[0] + out[1]
+    n, pp, g = out.shape[1:]
     for i in range(n):
         for s in range(pp):
-            pr, fx, c = per_pair[s], fixed[i, s], corr[i, s]
+            c = corr[i, s]
             for j in range(g):
-                v = work[i, j] * pr
-                v = v + fx
+                w = work[i, j]
+                v = w * per_pair[0, s]
+                v = v + fixed[0, i, s]
+                u = w * per_pair[1, s]
+                u = u + fixed[1, i, s]
                 if scale:
                     v = v * c
-                out[i, s, j] = v
+                    u = u * c
+                out[0, i, s, j] = v
+                out[1, i, s, j] = u
+                total[i, s, j] = v + u
+
+
+def _sensitivity_moves(flat, units, cur, budget, cap, order, bound, raising, out):
+    # dst_moves.cut_densities (raising False: budget the seconds to shed, bound i_min) and
+    # raise_densities (True: budget the slack, cap each unit's float, bound i_max), per
+    # (row, stage): the micro-batches in ``order``, the running sum as np.cumsum makes it
+    # (c_0 = x_0, c_j = c_(j-1) + x_j) less the unit's own, minima as np.minimum (NaN wins);
+    # a unit that moves takes the highest grid index whose seconds fit (a row's seconds are
+    # non-decreasing: the ones that fit are a prefix, so a short walk finds its end)
+    k, m, pp = units.shape
+    for r in range(k):
+        for p in range(pp):
+            cum = 0.0
+            for jj in range(m):
+                j = order[r, jj, p]
+                u, c = units[r, j, p], cur[r, j, p]
+                t_cur = flat[u + c]
+                out[r, j, p] = c
+                if raising:
+                    x = flat[u + bound] - t_cur
+                    cp = cap[r, j, p]
+                    if cp < x or cp != cp:
+                        x = cp
+                else:
+                    x = t_cur - flat[u + bound]
+                cum = x if jj == 0 else cum + x
+                left = budget[r, p] - (cum - x)
+                if raising:
+                    if cp < left or cp != cp:
+                        left = cp
+                if not (left > 0 and x > 0):
+                    continue
+                if raising:
+                    lim = t_cur + left
+                    i = c
+                    while i < bound and flat[u + i + 1] <= lim:
+                        i += 1
+                else:
+                    lim = t_cur - left
+                    i = c
+                    while i > bound and not flat[u + i] <= lim:
+                        i -= 1
+                out[r, j, p] = i
+
+
+def sensitivity_moves(flat, units, cur, budget, cap, order, bound: int, raising: bool
+                      ) -> np.ndarray:
+    """``policy.dst_moves``' cut (``raising`` False) or raise in sensitivity order, in one
+    compiled loop: [k, m, pp] grid indices (``units``, ``cur``, ``cap``, ``order`` [k, m, pp];
+    ``budget`` [k, pp]; ``bound`` i_min or i_max)."""
+    out = np.empty(units.shape, dtype=np.int64)
+    kernel(_sensitivity_moves)(_c(flat, np.float64), _c(units, np.int64), _c(cur, np.int64),
+                               _c(budget, np.float64), _c(cap, np.float64),
+                               _c(order, np.int64), int(bound), bool(raising), out)
+    return out
 
 
 def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
@@ -185,12 +305,13 @@ def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray
 
 
 def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr: np.ndarray,
-                scale: bool, out: np.ndarray) -> None:
-    """``out`` [n, stages, g] = (work [n, g] x per_pair [stages] + fixed [n, stages]) x corr
-    [n, stages] (the last factor only with ``scale``), in place: ``UnitCosts.from_latency``'s
-    three passes as one (each element the same multiply, add and multiply)."""
+                scale: bool, out: np.ndarray, total: np.ndarray) -> None:
+    """``out`` [2, n, stages, g] = (work [n, g] x per_pair [2, stages] + fixed [2, n, stages])
+    x corr [n, stages] (the last factor only with ``scale``), forward then backward, and
+    ``total`` [n, stages, g] = forward + backward, in place: ``UnitCosts.from_latency``'s
+    passes and the costs' total as one (each element the same multiply, add, multiply, add)."""
     kernel(_unit_tables)(_c(work, np.float64), _c(per_pair, np.float64),
-                            _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out)
+                         _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out, total)
 
 
 FILL_GRID = 4096
@@ -212,7 +333,7 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
     if not _EXPS:
         _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
     out = np.empty(u.shape, dtype=np.int64)
-    fill = kernel(_water_fill, calls=(_gain_index,))
+    fill = kernel(_water_fill, calls=(_gain_index, _gain_q, _position, _clipped))
     fill(_c(t, np.float64), _c(u, np.int64), _c(b, np.float64), _c(lo, np.int64),
          _c(hi, np.int64), _c(limit, np.float64), _c(flat, np.float64), _c(shift, np.float64),
          _c(first, np.int64), float(low), float(high), _EXPS[0], int(iters), out)
@@ -222,10 +343,12 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
 def warm_up() -> None:
     """``sim.compiled.warm_up`` for this module's kernels: each compiled (or loaded from the
     disk cache) with the argument types the planner passes, on one or two units."""
+    from ..latency import features
     from ..sim import compiled
 
     if not compiled.enabled():
         return
+    features.warm_up()                           # from_latency's work grid
     i64 = np.int64
     flat, zero = np.arange(4.0), np.zeros(1, dtype=i64)
     highest_at_most(flat, zero, np.array([3], dtype=i64), np.array([1.5]), 2)
@@ -236,5 +359,9 @@ def warm_up() -> None:
                cols["hi"], 0.0, 1.0)
     water_fill(flat, np.zeros((1, 2), dtype=i64), cols["b"], cols["lo"], cols["hi"],
                np.ones(2), flat, cols["shift"], cols["first"], 0.0, 1.0, 12)
-    unit_tables(np.ones((1, 2)), np.ones(1), np.ones((1, 1)), np.ones((1, 1)), True,
-                np.empty((1, 1, 2)))
+    for raising in (False, True):
+        sensitivity_moves(flat, np.zeros((1, 1, 1), dtype=i64), np.ones((1, 1, 1), dtype=i64),
+                          np.ones((1, 1)), np.ones((1, 1, 1)), np.zeros((1, 1, 1), dtype=i64),
+                          3 if raising else 0, raising)
+    unit_tables(np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True,
+                np.empty((2, 1, 1, 2)), np.empty((1, 1, 2)))

@@ -134,30 +134,33 @@ def _latest_finish(nxt, succ, cross, dur, deadline, p):
     return lf
 
 
-def _lift(fwd, bwd, first, last, lim):
-    # highest position in [first, last] with fwd + bwd <= lim (first if none): the sum is
-    # UnitCosts.total_s's element for element, and its rows are non-decreasing (UnitCosts makes
-    # them so), so the first from the top that fits is the one highest_at_most's lifting finds;
-    # a cut mostly moves a few grid steps, so walking down beats the lifting's scattered probes
+def _lift(tot, first, last, lim):
+    # highest position in [first, last] with tot <= lim (first if none): ``tot`` is
+    # UnitCosts.total_s, whose rows are non-decreasing (UnitCosts makes them so), so the first
+    # from the top that fits is the one highest_at_most's lifting finds; a cut mostly moves a
+    # few grid steps, so walking down beats the lifting's scattered probes
     pos = last
-    while pos > first and not fwd[pos] + bwd[pos] <= lim:
+    while pos > first and not tot[pos] <= lim:
         pos -= 1
     return pos
 
 
-def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, at, c,
-            buf, end, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale):
-    # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end;
-    # a candidate not given (at < 0) is a cut: fraction fracs[c] of the unit's cuttable time
+def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, tot, at,
+            c, buf, end, fresh, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale):
+    # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end
+    # (``fresh``: buf holds another column; a candidate rewrites only its units' rows, so a
+    # rank's tries copy its column once); a candidate not given (at < 0) is a cut: fraction
+    # fracs[c] of the unit's cuttable time
     n = dur.shape[0]
-    for e in range(n):
-        buf[e] = dur[e, col]
+    if fresh:
+        for e in range(n):
+            buf[e] = dur[e, col]
     for u in range(lo, hi):
         a = at[c, u]
         if a < 0:
             t = lazy_on[u]
             lim = (t - fracs[c] * (t - lazy_min[u])) * scale + 1e-15
-            a = _lift(fwd, bwd, lazy_u[u] + lazy_lo, lazy_u[u] + lazy_hi[u], lim)
+            a = _lift(tot, lazy_u[u] + lazy_lo, lazy_u[u] + lazy_hi[u], lim)
             at[c, u] = a
         buf[rows_f[u]] = fwd[a]
         buf[rows_b[u]] = bwd[a]
@@ -180,8 +183,8 @@ def _keep(buf, end, dur_out, ef_out, j):
         ef_out[e, j] = end[e]
 
 
-def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, at,
-               limit, dur_out, ef_out, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo,
+def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
+               at, limit, dur_out, ef_out, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo,
                fracs, scale, probe_first):
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
@@ -192,13 +195,14 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     for j in range(r):
         # makespans fall with c: every candidate below a is over, every one from z fits; the
         # first tried is the middle, or candidate 0 with probe_first (where it usually fits)
-        a, z, mid = 0, k, 0 if probe_first else -1
+        a, z, mid, fresh = 0, k, 0 if probe_first else -1, True
         while a < z:
             if mid < 0:
                 mid = (a + z) >> 1
             t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, at, mid, buf, end, lazy_u, lazy_on, lazy_min,
-                        lazy_hi, lazy_lo, fracs, scale)
+                        rows_b, fwd, bwd, tot, at, mid, buf, end, fresh, lazy_u, lazy_on,
+                        lazy_min, lazy_hi, lazy_lo, fracs, scale)
+            fresh = False
             if t <= limit[j]:                    # the last that fits is the first that fits
                 z = mid
                 mk[j] = t
@@ -210,8 +214,8 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         if a >= k:                               # none fits: the first, as np.argmax gives
             a = 0
             mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1],
-                            rows_f, rows_b, fwd, bwd, at, 0, buf, end, lazy_u, lazy_on,
-                            lazy_min, lazy_hi, lazy_lo, fracs, scale)
+                            rows_f, rows_b, fwd, bwd, tot, at, 0, buf, end, fresh, lazy_u,
+                            lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale)
             _keep(buf, end, dur_out, ef_out, j)
         pick[j] = a
     return fits, pick, mk
@@ -224,8 +228,8 @@ def _c(a, dtype):
 
 
 _NO_START = np.empty((0, 0))
-_NO_CUTS = (np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0), np.zeros(0, dtype=np.int64), 0,
-            np.zeros(0), 1.0)                    # first_fit with every candidate given
+_NO_CUTS = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
+            np.zeros(0, dtype=np.int64), 0, np.zeros(0), 1.0)  # first_fit, every candidate given
 
 
 def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None) -> np.ndarray:
@@ -261,18 +265,19 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     (fits [r], pick [r] (0 where none fits), makespan [r], durations and earliest finishes
     [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives.
 
-    ``cuts`` (optional): (unit offsets [n], unit seconds [n], seconds at the lowest grid index
-    [n], grid indices [n], lowest grid index, fractions [k], scale): an entry of ``at`` < 0
-    (int64, written in place) is then found when a candidate is tried, as the critical-path
-    descent's cut: the highest grid index in [lowest, the unit's] whose seconds (fwd + bwd, the
-    cost table's total) are <= (t - fraction x (t - t_lowest)) x scale + 1e-15
-    (``highest_at_most``; the tables are non-decreasing along the grid).
+    ``cuts`` (optional): (the cost table's totals, fwd + bwd (``UnitCosts.total_s``), flat
+    like ``fwd``; unit offsets [n], unit seconds [n], seconds at the lowest grid index [n],
+    grid indices [n], lowest grid index, fractions [k], scale): an entry of ``at`` < 0 (int64,
+    written in place) is then found when a candidate is tried, as the critical-path descent's
+    cut: the highest grid index in [lowest, the unit's] whose total is <= (t - fraction x
+    (t - t_lowest)) x scale + 1e-15 (``highest_at_most``; the tables are non-decreasing along
+    the grid).
     ``probe_first``: try the first candidate alone before the search (where it usually fits:
     one simulated column instead of a search's three); the same answer."""
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
-    u, on, low, hi, lo, fracs, scale = _NO_CUTS if cuts is None else cuts
+    tot, u, on, low, hi, lo, fracs, scale = _NO_CUTS if cuts is None else cuts
     if at.dtype != np.int64 or not at.flags.c_contiguous:
         raise ValueError(f"first_fit: at is {at.dtype}, C-contiguous {at.flags.c_contiguous}: "
                          f"expected a C-contiguous int64 array (it is written in place)")
@@ -280,10 +285,11 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     fit = kernel(_first_fit, calls=(_column, _keep))
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
-                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64), at,
-                         _c(limit, np.float64), dur_out, ef_out, _c(u, np.int64),
-                         _c(on, np.float64), _c(low, np.float64), _c(hi, np.int64), int(lo),
-                         _c(fracs, np.float64), float(scale), bool(probe_first))
+                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
+                         _c(tot, np.float64), at, _c(limit, np.float64), dur_out, ef_out,
+                         _c(u, np.int64), _c(on, np.float64), _c(low, np.float64),
+                         _c(hi, np.int64), int(lo), _c(fracs, np.float64), float(scale),
+                         bool(probe_first))
     return fits, pick, mk, dur_out, ef_out
 
 
@@ -304,4 +310,4 @@ def warm_up() -> None:
             np.array([1], dtype=i64), np.ones(2), np.ones(2))
     first_fit(*args, np.zeros((1, 1), dtype=i64), one, probe_first=True)
     first_fit(*args, np.full((1, 1), -1, dtype=i64), one,
-              cuts=(none, one, one, none, 0, one, 1.0))
+              cuts=(np.ones(2), none, one, one, none, 0, one, 1.0))

@@ -163,18 +163,73 @@ def test_unit_cost_tables_are_the_numpy_paths(numpy_paths):
         got = UnitCosts.from_latency(lm, lengths, dp, m, grid)
         np.testing.assert_array_equal(got.fwd_s, want.fwd_s)
         np.testing.assert_array_equal(got.bwd_s, want.bwd_s)
+        np.testing.assert_array_equal(got.total_s, want.total_s)     # the kernel's own sum
+        np.testing.assert_array_equal(got.total_s, got.fwd_s + got.bwd_s)
         busy = rng.uniform(1.0, 2.0, (dp, 4))
         lm.calibrate_ranks(busy, busy * rng.uniform(0.8, 1.2, (dp, 4)))   # now corrected
     assert not np.all(lm.correction_grid(dp, 4) == 1.0)
 
 
-@pytest.mark.parametrize("m, vp, rows", [(16, 2, 6), (4, 1, 1), (40, 4, 3), (8, 2, 40)])
-def test_water_filling_is_the_numpy_paths(numpy_paths, m, vp, rows):
+@pytest.mark.parametrize("k, m, pp", [(6, 16, 4), (1, 1, 1), (3, 40, 2)])
+def test_sensitivity_order_moves_are_the_numpy_paths(numpy_paths, k, m, pp):
+    """DST's cut and raise in sensitivity order (the density objective's rows), one compiled
+    loop per (row, stage): the numpy path's running sums (np.cumsum less the unit's own), minima
+    and grid look-ups, bit for bit; budgets from nothing to everything, zero and NaN floats."""
+    from sparsebalance_megatron.policy.dst_moves import cut_densities, raise_densities
+
+    rng = np.random.default_rng(k * m + pp)
+    g, i_min, i_max = 57, 0, 56
+    t_grid = np.sort(rng.random((k, m, pp, g)), axis=-1) * rng.uniform(0.5, 2.0, (k, 1, 1, 1))
+    units = ((np.arange(k)[:, None, None] * m + np.arange(m)[None, :, None]) * pp
+             + np.arange(pp)[None, None, :]) * g
+    order = np.argsort(rng.random((k, m, pp)), axis=1)
+    cur = rng.integers(0, g, (k, m, pp))
+    total = t_grid.sum(axis=(1, 3)) / g
+    budget = total * rng.uniform(-0.1, 1.5, (k, pp))
+    cap = rng.random((k, m, pp)) * rng.uniform(0.0, 0.5)
+    cap.reshape(-1)[:: 7] = 0.0
+    if cap.size > 3:
+        cap.reshape(-1)[3] = np.nan
+    for fn, args in ((cut_densities, (t_grid, units, cur, budget, order, i_min)),
+                     (raise_densities, (t_grid, units, cur, budget, cap, order, i_max))):
+        want = numpy_paths(fn, *args)
+        got = fn(*args)
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype
+        if k * m > 4:
+            assert np.any(got != cur)                         # some units moved
+
+
+@pytest.mark.parametrize("work_mode", ["kept", "chunked"])
+def test_work_grid_is_the_numpy_paths(numpy_paths, work_mode):
+    """``UnitFeatures.work_grid`` (kept block pairs of every unit on a density grid) summed per
+    run of equal documents in one compiled loop: the numpy path's gather and segmented sums,
+    bit for bit, with padding runs, empty units and routed short documents."""
+    from sparsebalance_megatron.latency.features import UnitFeatures
+
+    rng = np.random.default_rng(5)
+    units = [np.r_[rng.integers(50, 9000, rng.integers(0, 6)), [128] * rng.integers(0, 9)]
+             .astype(np.int64) for _ in range(40)]
+    grid = np.r_[np.linspace(0.125, 1.0, 57), 1.0]
+    for dense_below in (0, 1024):
+        feats = UnitFeatures.build(units, 64, 1, 2, work_mode, 16, dense_below)
+        want = numpy_paths(feats.work_grid, grid)
+        got = feats.work_grid(grid)
+        np.testing.assert_array_equal(got, want)
+        assert got.shape == (40, 58) and np.all(got[:, -1] >= got[:, 0])
+    assert np.any(want[:, 0] == 0) and np.any(want[:, 0] > 0)
+
+
+@pytest.mark.parametrize("m, vp, rows, negative", [(16, 2, 6, False), (4, 1, 1, False),
+                                                   (40, 4, 3, False), (8, 2, 40, False),
+                                                   (16, 2, 6, True)])
+def test_water_filling_is_the_numpy_paths(numpy_paths, m, vp, rows, negative):
     """``dst_moves.water_fill`` with the compiled search (every (row, stage) column's bisection
     and common level in one loop, numpy's exps of the grid) gives the numpy path's grid indices:
     limits between all-at-lo and all-at-hi, a few below everything and above everything, one
     column (numpy's path: it sums one column pairwise), 160 slots (beyond numpy's block of 128),
-    stages with a segment of equal gains."""
+    stages with a segment of equal gains; ``negative``: a column with seconds per density
+    below 0, which the kernel searches in full instead of between the bisection's ends."""
     from sparsebalance_megatron.policy.dst_moves import GainIndex, water_fill
 
     rng = np.random.default_rng(m * vp + rows)
@@ -189,6 +244,8 @@ def test_water_filling_is_the_numpy_paths(numpy_paths, m, vp, rows):
     units = ((np.arange(rows)[:, None, None] * slots + np.arange(slots)[None, :, None]) * pp
              + np.arange(pp)[None, None, :]) * g
     b = rng.random((rows, slots, pp)) * 3
+    if negative:
+        b[0, :3, 1] *= -1
     lo = rng.integers(0, 20, (rows, slots, pp))
     hi = np.minimum(lo + rng.integers(0, 40, (rows, slots, pp)), g - 1)
     flat = t_grid.reshape(-1)
@@ -214,7 +271,8 @@ compiled.warm_up()
 grid_kernels.warm_up()
 def signatures():
     return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
-            if not k[1] in ("_column", "_lift", "_gain_index", "_start", "_keep", "_lifted")}
+            if not k[1] in ("_column", "_lift", "_gain_index", "_start", "_keep", "_lifted",
+                            "_gain_q", "_position", "_clipped")}
 before = signatures()
 lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
 rng = np.random.default_rng(1)
@@ -226,7 +284,7 @@ plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()
-assert before == after and len(after) == 8, (before, after)
+assert before == after and len(after) == 10, (before, after)
 print("ok")
 """
 
