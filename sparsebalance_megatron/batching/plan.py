@@ -17,6 +17,7 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -173,6 +174,9 @@ def as_segment_array(samples) -> tuple[list, np.ndarray]:
             a = None
         if a is not None and a.ndim == 2 and a.shape[1] == 3 \
                 and bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
+            if set(map(type, samples)) == {tuple} \
+                    and set(map(type, chain.from_iterable(samples))) == {int}:
+                return list(samples), a          # already triples of Python ints (the sampler's)
             return list(map(tuple, a.tolist())), a
     out = []
     for k, seg in enumerate(samples):

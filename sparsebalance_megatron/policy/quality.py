@@ -228,9 +228,15 @@ class StageQuality:
             raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
                                    f"{len(self.groups)}] (one per stage)")
         out = np.empty_like(d)
-        for s, g in enumerate(self.groups):
-            out[..., s] = self.scale[s] * (g.cost(d[..., s]) - g.cost(self.d0))
+        for s, (g, at_d0) in enumerate(zip(self.groups, self._at_d0)):
+            out[..., s] = self.scale[s] * (g.cost(d[..., s]) - at_d0)
         return out
+
+    @functools.cached_property
+    def _at_d0(self) -> tuple:
+        """Every stage's Q_s(d0), computed once (the planner asks for plan costs many times a
+        step): the same values each ``g.cost(self.d0)`` call gives."""
+        return tuple(g.cost(self.d0) for g in self.groups)
 
     def grid_table(self, grid: np.ndarray) -> np.ndarray:
         """[nv, g] ``unit_costs`` of a unit at every density of the grid, per stage."""

@@ -19,9 +19,12 @@ from ...batching.plan import BatchPlan
 from ...plan import BudgetPlan
 
 
-def check_assignment(segments, batch: BatchPlan, capacity: int) -> None:
-    """The packer used every segment of the step exactly once and respected the capacity."""
-    if Counter(batch.segments()) != Counter(map(tuple, segments)):     # as multisets
+def check_assignment(segments, batch: BatchPlan, capacity: int, given=None) -> None:
+    """The packer used every segment of the step exactly once and respected the capacity;
+    ``given``: ``segment_counts(segments)`` where the caller has it (one per step, whatever
+    the packings checked against it)."""
+    want = segment_counts(segments) if given is None else given
+    if Counter(batch.segments()) != want:                             # as multisets
         raise RuntimeError("packer dropped or duplicated segments of the global batch")
     offsets, lengths = batch.unit_csr()
     ends = np.zeros(lengths.size + 1, dtype=np.int64)
@@ -32,6 +35,11 @@ def check_assignment(segments, batch: BatchPlan, capacity: int) -> None:
         r, j = divmod(int(over[0]), batch.num_microbatches)
         raise RuntimeError(f"packer put {int(tokens[over[0]])} tokens in micro-batch ({r}, {j}), "
                            f"capacity {capacity}")
+
+
+def segment_counts(segments) -> Counter:
+    """The step's segments as a multiset (``check_assignment``)."""
+    return Counter(map(tuple, segments))
 
 
 def fingerprint(batch: BatchPlan) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...batching.plan import BatchPlan
-from .checks import check_assignment
+from .checks import check_assignment, segment_counts
 from .choice import wants_baseline_packing
 
 
@@ -77,9 +77,10 @@ class Drafter:
             batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
             options = [self.checked(segments, batch)]
         else:
-            options = [self._packed(segments, num_microbatches)]
+            given = segment_counts(segments)                 # checked against every packing
+            options = [self._packed(segments, num_microbatches, given=given)]
             if wants_baseline_packing(sb, self.latency):      # do no harm: SAB vs baseline
-                options.append(self._packed(segments, num_microbatches, sb.stand_down))
+                options.append(self._packed(segments, num_microbatches, sb.stand_down, given))
             if sb.dst_enabled:
                 if with_dst:
                     densities, report, _ = self.choose(options, dst=True)
@@ -113,12 +114,14 @@ class Drafter:
         # variable-length micro-batches: the planner's units end where the packed tensors do
         return plan.with_length_multiple(sb.length_multiple)
 
-    def _packed(self, segments, num_microbatches: int, method: Optional[str] = None) -> tuple:
-        return self.checked(segments, self.pack(segments, num_microbatches, method))
+    def _packed(self, segments, num_microbatches: int, method: Optional[str] = None,
+                given=None) -> tuple:
+        return self.checked(segments, self.pack(segments, num_microbatches, method), given)
 
-    def checked(self, segments, batch: BatchPlan) -> tuple:
-        """(batch, its latency features), once the batch is checked to hold ``segments``."""
-        check_assignment(segments, batch, self.capacity)
+    def checked(self, segments, batch: BatchPlan, given=None) -> tuple:
+        """(batch, its latency features), once the batch is checked to hold ``segments``
+        (``given``: their ``segment_counts``, where the caller has them)."""
+        check_assignment(segments, batch, self.capacity, given)
         return batch, self.units(batch)
 
     def units(self, batch: BatchPlan):
