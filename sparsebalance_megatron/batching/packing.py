@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..data.packing import sequential_pack
+from . import packing_kernels
 from .plan import (BatchingError, BatchPlan, _with_padding, as_segment_array, as_segments,
                    check_fits, check_long_sample_policy, check_shape_args, split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
@@ -174,18 +175,48 @@ def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
     ``key`` and cut into m bins. None if some rank does not fit."""
     tie = np.random.default_rng(seed).permutation(sizes.size)
     order = np.lexsort((tie, -cost))                   # cost descending, seeded ties
-    rank_of = _lpt_ranks(cost, sizes, order, dp, m * max_tokens)
+    fast = packing_kernels.usable()                    # compiled: the same decisions
+    rank_of = (packing_kernels.lpt_ranks if fast else _lpt_ranks)(cost, sizes, order, dp,
+                                                                  m * max_tokens)
     if rank_of is None:
         return None
     by_rank = np.lexsort((tie, key, rank_of))          # by rank, then key, then seeded ties
-    per_rank = np.split(by_rank, np.cumsum(np.bincount(rank_of, minlength=dp))[:-1])
+    ends = np.cumsum(np.bincount(rank_of, minlength=dp))
     size, cost_l = sizes.tolist(), cost.tolist()
+    if fast:
+        return _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens,
+                              balance_bins)
     out = []
-    for items in per_rank:
+    for items in np.split(by_rank, ends[:-1]):
         bins = _pack_rank(items.tolist(), size, cost_l, m, max_tokens, balance_bins)
         if bins is None:
             return None
         out.append(_order_slots(bins, cost_l))
+    return out
+
+
+def _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens, balance_bins):
+    """``_balanced``'s per-rank bins and slots by ``packing_kernels.rank_bins``; a rank whose
+    contiguous cuts do not fit takes the first-fit-decreasing fallback here, as
+    ``_pack_rank`` does."""
+    starts = np.r_[0, ends]
+    bin_of, slot_of, ok = packing_kernels.rank_bins(by_rank, starts, sizes, cost, m,
+                                                    max_tokens, balance_bins)
+    dp = ends.size
+    # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends
+    cut = np.r_[0, np.cumsum(np.bincount(np.repeat(np.arange(dp), np.diff(starts)) * m
+                                         + bin_of, minlength=dp * m))].tolist()
+    items, slots, starts = by_rank.tolist(), slot_of.tolist(), starts.tolist()
+    out = []
+    for r in range(dp):
+        if not ok[r]:
+            bins = _first_fit_decreasing(items[starts[r]:starts[r + 1]], size, m, max_tokens)
+            if bins is None:
+                return None
+            out.append(_order_slots(bins, cost_l))
+            continue
+        u = r * m
+        out.append([items[cut[u + j]:cut[u + j + 1]] for j in slots[r]])
     return out
 
 

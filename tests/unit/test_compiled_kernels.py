@@ -267,24 +267,31 @@ import sys
 sys.path.insert(0, "tests/unit")
 from test_policy_dst import _quality
 
+from sparsebalance_megatron.batching import packing_kernels, sab_plan
+from sparsebalance_megatron.batching.packing import latency_sample_cost_fn
 compiled.warm_up()
 grid_kernels.warm_up()
+packing_kernels.warm_up()
 def signatures():
     return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
             if not k[1] in ("_column", "_lift", "_gain_index", "_start", "_keep", "_lifted",
-                            "_gain_q", "_position", "_clipped")}
+                            "_gain_q", "_position", "_clipped", "_before", "_sift_up",
+                            "_sift_down", "_py_sum", "_bins")}
 before = signatures()
 lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
 rng = np.random.default_rng(1)
 lengths = [rng.integers(200, 3000, rng.integers(1, 5)) for _ in range(6 * 8)]
 grid = density_grid(0.5, 0.125, 1.0)
+segs = [(i, 0, int(x)) for i, x in enumerate(np.concatenate(lengths))]
+sab_plan(segs, dp=6, num_microbatches=8, max_tokens=8192,
+         cost_fn=latency_sample_cost_fn(lm, 0.5))
 costs = UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality(4),
                     density_floor=0.9, stage_density_floor=0.75, raise_headroom=0.02)
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()
-assert before == after and len(after) == 10, (before, after)
+assert before == after and len(after) == 12, (before, after)
 print("ok")
 """
 

@@ -272,12 +272,14 @@ def warm_up_kernels() -> None:
     instead of in a step: the planner process before it says ready, the training process
     before its first step (its reports and layout check simulate too). Nothing without
     numba."""
+    from ...batching import packing_kernels
     from ...policy import grid_kernels
     from ...sim import compiled
 
     try:
         compiled.warm_up()
         grid_kernels.warm_up()
+        packing_kernels.warm_up()
     except Exception as e:      # a numba that cannot compile here: numpy, the same plans
         compiled.disable(f"{type(e).__name__}: {e}")
 

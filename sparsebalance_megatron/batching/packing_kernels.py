@@ -1,0 +1,209 @@
+"""Compiled forms of SAB's per-segment loops (``batching.packing``), where numba is installed
+(``sim.compiled``'s loader): the LPT assignment of segments to DP ranks, each rank's cut into
+contiguous micro-batches and the cheapest two micro-batches' slots.
+
+They are the Python loops' decisions, step for step: the LPT takes the least loaded rank with
+token room (ties to the lowest rank, as the heap of (load, rank) pairs does), loads and bin costs
+are the same float additions, and every ``sum()`` of costs is CPython's (3.12+: Neumaier's
+compensated sum, ``_py_sum``), so a plan does not depend on whether numba is installed
+(``tests/unit/test_packing_kernels.py`` compares them). A rank whose contiguous cuts do not fit
+is left to the Python first-fit-decreasing fallback (``packing._first_fit_decreasing``).
+
+Pure numpy and numba; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ..sim import compiled
+from ..sim.compiled import _c, kernel
+
+__all__ = ["lpt_ranks", "rank_bins", "usable"]
+
+
+def usable() -> bool:
+    """Whether the kernels run: numba importable and on (``sim.compiled.enabled``), and a
+    Python whose ``sum()`` of floats is Neumaier's (3.12+), which ``_py_sum`` reproduces."""
+    return sys.version_info >= (3, 12) and compiled.enabled()
+
+
+def _py_sum(x, idx, lo, hi):
+    # CPython 3.12's sum() of floats x[idx[lo:hi]] from the int 0: Neumaier's compensated sum,
+    # the compensation added only where non-zero and finite
+    s, c = 0.0, 0.0
+    for k in range(lo, hi):
+        v = x[idx[k]]
+        t = s + v
+        if abs(s) >= abs(v):
+            c += (s - t) + v
+        else:
+            c += (v - t) + s
+        s = t
+    if c != 0.0 and abs(c) < np.inf:
+        return s + c
+    return s
+
+
+def _before(la, ra, lb, rb):
+    # (load a, rank a) < (load b, rank b), as Python compares the heap's tuples
+    return la < lb or (la == lb and ra < rb)
+
+
+def _sift_up(load, rank, k):
+    while k > 0:
+        p = (k - 1) >> 1
+        if not _before(load[k], rank[k], load[p], rank[p]):
+            break
+        load[k], load[p] = load[p], load[k]
+        rank[k], rank[p] = rank[p], rank[k]
+        k = p
+
+
+def _sift_down(load, rank, k, n):
+    while True:
+        a, b, m = 2 * k + 1, 2 * k + 2, k
+        if a < n and _before(load[a], rank[a], load[m], rank[m]):
+            m = a
+        if b < n and _before(load[b], rank[b], load[m], rank[m]):
+            m = b
+        if m == k:
+            return
+        load[k], load[m] = load[m], load[k]
+        rank[k], rank[m] = rank[m], rank[k]
+        k = m
+
+
+def _lpt(cost, size, order, dp, cap, rank_of):
+    # items in ``order`` to the least loaded rank with token room; False if one fits nowhere
+    load = np.zeros(dp)
+    rank = np.arange(dp)
+    used = np.zeros(dp, dtype=np.int64)
+    skip_l = np.empty(dp)
+    skip_r = np.empty(dp, dtype=np.int64)
+    n = dp
+    for i in order:
+        k = 0
+        while n > 0 and used[rank[0]] + size[i] > cap:      # pop the ranks without room
+            skip_l[k], skip_r[k] = load[0], rank[0]
+            k += 1
+            n -= 1
+            load[0], rank[0] = load[n], rank[n]
+            _sift_down(load, rank, 0, n)
+        if n == 0:
+            return False
+        r = rank[0]
+        rank_of[i] = r
+        used[r] += size[i]
+        load[0] = load[0] + cost[i]
+        _sift_down(load, rank, 0, n)
+        for j in range(k):                                   # and put them back
+            load[n], rank[n] = skip_l[j], skip_r[j]
+            _sift_up(load, rank, n)
+            n += 1
+    return True
+
+
+def _bins(items, lo, hi, size, cost, m, cap, balance, bin_of):
+    # packing._contiguous_bins of items[lo:hi]: each item's bin in bin_of[lo:hi]; False if
+    # it does not fit in m bins
+    target = _py_sum(cost, items, lo, hi) / m if balance else np.inf
+    nb, count, tok, cc = 0, 0, 0, 0.0
+    left = hi - lo
+    for k in range(lo, hi):
+        i = items[k]
+        bins_left = m - nb
+        full = tok + size[i] > cap
+        at_target = (cc >= target or cost[i] >= target) and bins_left > 1
+        must_spread = left <= bins_left - 1
+        if count > 0 and (full or at_target or must_spread):
+            nb += 1
+            count, tok, cc = 0, 0, 0.0
+            if nb >= m:
+                return False
+        bin_of[k] = nb
+        count += 1
+        tok += size[i]
+        cc += cost[i]
+        left -= 1
+    return True
+
+
+def _rank_bins(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
+    # per rank (items[starts[r]:starts[r + 1]], by sensitivity): the bins (balanced, else
+    # unbalanced; ok[r] False: neither fits) and the slot of every bin, the cheapest first and
+    # the second cheapest last (packing._order_slots; bin costs as sum() adds them)
+    dp = starts.size - 1
+    c = np.empty(m)
+    for r in range(dp):
+        lo, hi = starts[r], starts[r + 1]
+        fit = _bins(items, lo, hi, size, cost, m, cap, balance, bin_of)
+        if not fit and balance:
+            fit = _bins(items, lo, hi, size, cost, m, cap, False, bin_of)
+        ok[r] = fit
+        if not fit:                  # left to the fallback: its positions in bin 0
+            for k in range(lo, hi):
+                bin_of[k] = 0
+            continue
+        k = lo
+        for j in range(m):                                   # bin j's items: a run of bin_of
+            e = k
+            while e < hi and bin_of[e] == j:
+                e += 1
+            c[j] = _py_sum(cost, items, k, e)
+            k = e
+        for j in range(m):
+            slot_of[r, j] = j
+        if m < 3:
+            continue
+        first = 0
+        for j in range(1, m):
+            if c[j] < c[first]:
+                first = j
+        last = -1
+        for j in range(m):
+            if j != first and (last < 0 or c[j] < c[last]):
+                last = j
+        s = 1                                                # the others keep their order
+        slot_of[r, 0] = first
+        for j in range(m):
+            if j != first and j != last:
+                slot_of[r, s] = j
+                s += 1
+        slot_of[r, m - 1] = last
+
+
+def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
+              cap_tokens: int):
+    """``packing._lpt_ranks`` compiled: the rank of every item [n], or None."""
+    rank_of = np.zeros(cost.size, dtype=np.int64)
+    fn = kernel(_lpt, calls=(_before, _sift_up, _sift_down))
+    ok = fn(_c(cost, np.float64), _c(size, np.int64), _c(order, np.int64), int(dp),
+            int(cap_tokens), rank_of)
+    return rank_of if ok else None
+
+
+def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.ndarray,
+              m: int, cap: int, balance: bool) -> tuple:
+    """Every rank's contiguous bins and their slots, compiled (``packing._pack_rank`` without
+    its first-fit-decreasing fallback, then ``packing._order_slots``): (bin of every position
+    of ``items`` [n], bin of every (rank, slot) [dp, m], whether the rank's cut fits [dp])."""
+    dp = starts.size - 1
+    bin_of = np.zeros(items.size, dtype=np.int64)
+    slot_of = np.zeros((dp, m), dtype=np.int64)
+    ok = np.zeros(dp, dtype=np.bool_)
+    fn = kernel(_rank_bins, calls=(_py_sum, _bins))
+    fn(_c(items, np.int64), _c(starts, np.int64), _c(size, np.int64), _c(cost, np.float64),
+       int(m), int(cap), bool(balance), bin_of, slot_of, ok)
+    return bin_of, slot_of, ok
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the kernels with a draft's argument types."""
+    if not usable():
+        return
+    one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
+    lpt_ranks(one, i1, np.arange(2), 2, 4)
+    rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
