@@ -71,6 +71,7 @@ class UnitFeatures:
     _blocks: tuple | None = None  # chunked mode: (block_local, block_unit, chunk_starts, chunk_unit)
     _runs: tuple | None = None    # kept mode: runs of equal documents (block count, unit, n)
     _sparse_calls: np.ndarray | None = None   # ``sparse_calls``, once (every stage asks)
+    _grid: tuple | None = None    # the last ``work_grid``: (its densities, [n, g] work)
 
     @property
     def num_units(self) -> int:
@@ -83,7 +84,7 @@ class UnitFeatures:
         bytes."""
         state = dict(self.__dict__)
         state["doc_blocks"] = state["doc_unit"] = state["_blocks"] = None
-        state["_sparse_calls"] = None
+        state["_sparse_calls"] = state["_grid"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -193,6 +194,11 @@ class UnitFeatures:
             raise ValueError(f"densities has {d.size} entries: expected 1 or one per unit ({n})")
         if self.doc_blocks.size == 0:
             return np.zeros(n)
+        if self._grid is not None:          # every density on the last work grid: look up
+            grid, table = self._grid        # (integer pair counts: the same numbers)
+            idx = np.minimum(np.searchsorted(grid, d), grid.size - 1)
+            if np.array_equal(grid[idx], d):
+                return table[np.arange(n), idx]
         if self.work_mode == "chunked":
             return self._chunked_work(d)
         uniq, inv = np.unique(d, return_inverse=True)
@@ -202,8 +208,16 @@ class UnitFeatures:
         return np.bincount(unit, weights=table[inv[unit], blocks] * count, minlength=n)
 
     def work_grid(self, density_grid) -> np.ndarray:
-        """[n, g] kept block pairs of every unit at every density of the grid."""
+        """[n, g] kept block pairs of every unit at every density of the grid (kept for
+        ``attention_work`` at densities on the grid: DST's plans are)."""
         grid = check_densities(density_grid).reshape(-1)
+        out = self._work_grid(grid)
+        if grid.size and np.all(np.diff(grid) >= 0):        # searchable
+            out.flags.writeable = False
+            self._grid = (grid.copy(), out)
+        return out
+
+    def _work_grid(self, grid: np.ndarray) -> np.ndarray:
         n = self.num_units
         if self.doc_blocks.size == 0:
             return np.zeros((n, grid.size))

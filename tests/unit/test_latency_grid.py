@@ -141,3 +141,31 @@ def test_a_variable_length_run_profiles_its_own_grid_and_cache_entry(tmp_path):
     expect = {"model": {"num_layers": 2}, "sparsebalance_megatron": "x", "megatron_core": "y",
               "torch": "z", "execution": {}}
     assert cached_table_path(args, var, expect) != cached_table_path(args, fixed, expect)
+
+
+@pytest.mark.parametrize("work_mode", ["kept", "chunked"])
+def test_attention_work_on_the_last_work_grid_is_the_computed_work(work_mode):
+    """``attention_work`` at per-unit densities that lie on the last ``work_grid`` (DST's plans
+    do) reads that grid instead of counting again: the same numbers (integer pair counts), with
+    a grid that ends in a repeated 1.0 (``UnitCosts.from_latency``'s); a density off the grid
+    counts as before, and the grid is not pickled."""
+    import pickle
+
+    rng = np.random.default_rng(2)
+    units = [rng.integers(30, 6000, rng.integers(0, 5)) for _ in range(24)]
+    grid = np.append(np.linspace(0.125, 1.0, 15), 1.0)
+
+    def fresh():
+        return UnitFeatures.build(units, 64, 1, 1, work_mode, 16)
+
+    f = fresh()
+    f.work_grid(grid)
+    for dens in (grid[rng.integers(0, grid.size, 24)], np.full(24, 1.0),
+                 np.r_[grid[rng.integers(0, grid.size, 23)], 0.3]):
+        want = fresh().attention_work(dens)
+        np.testing.assert_array_equal(f.attention_work(dens), want)
+    on_grid = grid[rng.integers(0, grid.size, 24)]
+    f._grid = (grid, np.zeros((24, grid.size)))      # proof the table is what is read
+    assert not f.attention_work(on_grid).any()
+    assert fresh().attention_work(on_grid).any()
+    assert pickle.loads(pickle.dumps(f))._grid is None
