@@ -51,46 +51,9 @@ def _highest_rows(flat, first, last, limit, step):
     return out
 
 
-def _gain_index(flat, x, shift, first, lo, hi, low, high):
-    # GainIndex's grid index of one unit at x = lambda x b: clip(-x, low, high) + shift searched
-    # (side right) in the stages' tables, less the stage's first entry, clipped to [lo, hi]
-    q = -x
-    if q < low:                                  # np.maximum(q, low) (NaN stays NaN)
-        q = low
-    if q > high:                                 # np.minimum(q, high)
-        q = high
-    q += shift
-    if q != q:                                   # searchsorted puts NaN after everything
-        i = flat.size
-    else:                                        # side="right": entries <= q
-        a, z = 0, flat.size
-        while a < z:
-            mid = (a + z) >> 1
-            if flat[mid] <= q:
-                a = mid + 1
-            else:
-                z = mid
-        i = a
-    i -= first
-    if i < lo:
-        i = lo
-    if i > hi:
-        i = hi
-    return i
-
-
-def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
-    slots, n = b.shape
-    out = np.empty((slots, n), dtype=np.int64)
-    for s in range(slots):
-        for j in range(n):
-            out[s, j] = _gain_index(flat, e[j] * b[s, j], shift[s, j], first[s, j], lo[s, j],
-                                    hi[s, j], low, high)
-    return out
-
-
 def _gain_q(x, shift, low, high):
-    # _gain_index's search key: clip(-x, low, high) + shift
+    # _gain_index's search key: clip(-x, low, high) + shift, as np.maximum / np.minimum clip
+    # (NaN stays NaN)
     q = -x
     if q < low:
         q = low
@@ -117,6 +80,27 @@ def _clipped(pos, first, lo, hi):
     if i > hi:
         i = hi
     return i
+
+
+def _gain_index(flat, x, shift, first, lo, hi, low, high):
+    # GainIndex's grid index of one unit at x = lambda x b: clip(-x, low, high) + shift searched
+    # (side right) in the stages' tables, less the stage's first entry, clipped to [lo, hi];
+    # searchsorted puts NaN after everything
+    q = _gain_q(x, shift, low, high)
+    return _clipped(flat.size if q != q else _position(flat, q, 0, flat.size), first, lo, hi)
+
+
+_GAIN_CALLS = (_gain_q, _position, _clipped, _gain_index)   # compiled in this order
+
+
+def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
+    slots, n = b.shape
+    out = np.empty((slots, n), dtype=np.int64)
+    for s in range(slots):
+        for j in range(n):
+            out[s, j] = _gain_index(flat, e[j] * b[s, j], shift[s, j], first[s, j], lo[s, j],
+                                    hi[s, j], low, high)
+    return out
 
 
 def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, iters, out):
@@ -298,7 +282,7 @@ def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray
     (``e`` [n], exp of its log): per unit clip(-(e x b), low, high) + shift searched (side
     right) in the stages' gain tables laid end to end (``flat``, ``GainIndex``), less the
     stage's first entry, clipped to [lo, hi]; every array [slots, n] but ``flat`` and ``e``."""
-    fill = kernel(_fill_index, calls=(_gain_index,))
+    fill = kernel(_fill_index, calls=_GAIN_CALLS)
     return fill(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
                 _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64), _c(hi, np.int64),
                 float(low), float(high))
@@ -333,7 +317,7 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
     if not _EXPS:
         _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
     out = np.empty(u.shape, dtype=np.int64)
-    fill = kernel(_water_fill, calls=(_gain_index, _gain_q, _position, _clipped))
+    fill = kernel(_water_fill, calls=_GAIN_CALLS)
     fill(_c(t, np.float64), _c(u, np.int64), _c(b, np.float64), _c(lo, np.int64),
          _c(hi, np.int64), _c(limit, np.float64), _c(flat, np.float64), _c(shift, np.float64),
          _c(first, np.int64), float(low), float(high), _EXPS[0], int(iters), out)

@@ -52,6 +52,8 @@ def unit_floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s,
                      p2p_s: float) -> np.ndarray:
     """The smaller of every unit's forward and backward float (what a unit may grow by), as
     ``floats_from`` gives them, [m * nv, cols] (unit mb x nv + v; ``.T`` is [cols, m * nv])."""
+    if compiled.enabled():                    # one compiled call, the same numbers
+        return compiled.unit_floats(g.links, dur, ef, deadline_s, p2p_s, g.unit_events).T
     return np.minimum(*_unit_event_floats(g, dur, ef, deadline_s, p2p_s))
 
 

@@ -134,6 +134,21 @@ def _latest_finish(nxt, succ, cross, dur, deadline, p):
     return lf
 
 
+def _unit_floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
+    # every unit's smaller float, min(lf - ef) of its forward and backward events, as
+    # np.minimum gives it (NaN wins), [cols, units]
+    lf = _latest_finish(nxt, succ, cross, dur, deadline, p)
+    cols, n = dur.shape[1], ev_f.size
+    out = np.empty((cols, n))
+    for u in range(n):
+        a, b = ev_f[u], ev_b[u]
+        for c in range(cols):
+            x = lf[a, c] - ef[a, c]
+            y = lf[b, c] - ef[b, c]
+            out[c, u] = x if (x < y or x != x) else y
+    return out
+
+
 def _lift(tot, first, last, lim):
     # highest position in [first, last] with tot <= lim (first if none): ``tot`` is
     # UnitCosts.total_s, whose rows are non-decreasing (UnitCosts makes them so), so the first
@@ -160,7 +175,12 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
         if a < 0:
             t = lazy_on[u]
             lim = (t - fracs[c] * (t - lazy_min[u])) * scale + 1e-15
-            a = _lift(tot, lazy_u[u] + lazy_lo, lazy_u[u] + lazy_hi[u], lim)
+            top = lazy_u[u] + lazy_hi[u]         # a smaller fraction's cut bounds this one's
+            for c2 in range(c - 1, -1, -1):
+                if at[c2, u] >= 0:
+                    top = at[c2, u]
+                    break
+            a = _lift(tot, lazy_u[u] + lazy_lo, top, lim)
             at[c, u] = a
         buf[rows_f[u]] = fwd[a]
         buf[rows_b[u]] = bwd[a]
@@ -254,6 +274,19 @@ def latest_finish(links: np.ndarray, dur: np.ndarray, deadline, p2p_s: float) ->
     return kernel(_latest_finish)(links[3], links[4], links[2], d, dl, float(p2p_s))
 
 
+def unit_floats(links: np.ndarray, dur: np.ndarray, ef: np.ndarray, deadline, p2p_s: float,
+                unit_events: np.ndarray) -> np.ndarray:
+    """[cols, units] the smaller of every unit's forward and backward float, lf - ef, with
+    every rank's last event due at ``deadline`` ([cols] or a scalar): ``latest_finish`` and
+    ``policy.slack.unit_floats_from``'s gather in one call (``unit_events``: [2, units] the
+    event rows of each unit's forward and backward, ``EventGraph.unit_events``)."""
+    d = _c(dur, np.float64)
+    dl = _c(np.broadcast_to(np.asarray(deadline, dtype=np.float64), (d.shape[1],)), np.float64)
+    run = kernel(_unit_floats, calls=(_latest_finish,))
+    return run(links[3], links[4], links[2], d, _c(ef, np.float64), dl, float(p2p_s),
+               _c(unit_events[0], np.int64), _c(unit_events[1], np.int64))
+
+
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
               ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
               fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray,
@@ -306,6 +339,7 @@ def warm_up() -> None:
     earliest_finish(links, dur, 0.0)
     earliest_finish(links, dur, 0.0, np.empty((2, 2)))
     latest_finish(links, dur, np.ones(2), 0.0)
+    unit_floats(links, dur, dur, np.ones(2), 0.0, np.array([[0], [1]], dtype=i64))
     args = (links, np.array([1], dtype=i64), dur, 0.0, none, np.array([0, 1], dtype=i64), none,
             np.array([1], dtype=i64), np.ones(2), np.ones(2))
     first_fit(*args, np.zeros((1, 1), dtype=i64), one, probe_first=True)

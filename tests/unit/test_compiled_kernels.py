@@ -48,6 +48,10 @@ def test_simulator_and_float_pass_are_the_numpy_paths_numbers(numpy_paths, m, pp
         for deadline in (want.max(axis=0), float(top), rng.random(cols) * top):
             want_lf = numpy_paths(slack.latest_finish, g, dur, deadline, p)
             np.testing.assert_array_equal(slack.latest_finish(g, dur, deadline, p), want_lf)
+            want_u = numpy_paths(slack.unit_floats_from, g, dur, want, deadline, p)
+            got_u = slack.unit_floats_from(g, dur, want, deadline, p)
+            assert got_u.shape == want_u.shape == (m * pp * vp, cols)
+            np.testing.assert_array_equal(got_u, want_u)
 
 
 def test_highest_at_most_is_the_binary_liftings_answer(numpy_paths):
@@ -291,7 +295,7 @@ plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()
-assert before == after and len(after) == 12, (before, after)
+assert before == after and len(after) == 13, (before, after)
 print("ok")
 """
 
