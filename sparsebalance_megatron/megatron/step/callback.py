@@ -168,9 +168,11 @@ class SparseBalanceCallback(StepPlanning):
                 raise LaunchError(errors[0])
         if args.iteration < args.train_iters:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
+            # numba's kernels, before the first step and before the planner process starts (a
+            # first run compiles them here once; the planner then loads numba's disk cache)
+            warm_up_kernels()
             if args.iteration + 1 < args.train_iters:
                 self.start_planner()         # starts while the first step is prepared
-            warm_up_kernels()                # numba's kernels here too, before the first step
             self.prepare_step(args.iteration, get_num_microbatches())
             if ahead:
                 self.load_state_dict(state)      # validated above as part of the same file
