@@ -327,12 +327,10 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
 def warm_up() -> None:
     """``sim.compiled.warm_up`` for this module's kernels: each compiled (or loaded from the
     disk cache) with the argument types the planner passes, on one or two units."""
-    from ..latency import features
     from ..sim import compiled
 
     if not compiled.enabled():
         return
-    features.warm_up()                           # from_latency's work grid
     i64 = np.int64
     flat, zero = np.arange(4.0), np.zeros(1, dtype=i64)
     highest_at_most(flat, zero, np.array([3], dtype=i64), np.array([1.5]), 2)

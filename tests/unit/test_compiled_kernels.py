@@ -264,18 +264,17 @@ def test_water_filling_is_the_numpy_paths(numpy_paths, m, vp, rows, negative):
 WARM_CHECK = r"""
 import numpy as np
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
-from sparsebalance_megatron.policy import UnitCosts, density_grid, grid_kernels
+from sparsebalance_megatron.policy import UnitCosts, density_grid
 from sparsebalance_megatron.policy import plan_dst_with_floor
 from sparsebalance_megatron.sim import compiled
 import sys
 sys.path.insert(0, "tests/unit")
 from test_policy_dst import _quality
 
-from sparsebalance_megatron.batching import packing_kernels, sab_plan
+from sparsebalance_megatron.batching import sab_plan
 from sparsebalance_megatron.batching.packing import latency_sample_cost_fn
-compiled.warm_up()
-grid_kernels.warm_up()
-packing_kernels.warm_up()
+from sparsebalance_megatron.megatron.step.ahead import warm_up_kernels
+warm_up_kernels()                      # what the planner and training processes call
 def signatures():
     return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
             if not k[1] in ("_column", "_lift", "_gain_index", "_start", "_keep", "_lifted",

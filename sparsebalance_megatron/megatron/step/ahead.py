@@ -273,13 +273,13 @@ def warm_up_kernels() -> None:
     before its first step (its reports and layout check simulate too). Nothing without
     numba."""
     from ...batching import packing_kernels
+    from ...latency import features
     from ...policy import grid_kernels
     from ...sim import compiled
 
     try:
-        compiled.warm_up()
-        grid_kernels.warm_up()
-        packing_kernels.warm_up()
+        for module in (compiled, grid_kernels, features, packing_kernels):
+            module.warm_up()
     except Exception as e:      # a numba that cannot compile here: numpy, the same plans
         compiled.disable(f"{type(e).__name__}: {e}")
 
