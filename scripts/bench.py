@@ -24,6 +24,8 @@ STUDIES = {
                   "BENCHMARKS.md headline, robustness, do no harm, CP"),
     "planner_cost": ("planning overhead (thread CPU) of SAB + DST at 64 DP x 16 x PP 4",
                      "BENCHMARKS.md headline"),
+    "planner_ab": ("the planner's draft CPU and plans, this checkout against another, "
+                   "alternated", "BENCHMARKS.md the planner's own cost"),
     "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 4,096 ranks",
                       "BENCHMARKS.md control plane"),
     "plugin_cost": ("the plugin's own per-step cost as the simulator charges it, by part and "
