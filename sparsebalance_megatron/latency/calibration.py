@@ -147,8 +147,17 @@ class Calibration:
 
     def correction_grid(self, dp: int, pp: int) -> np.ndarray:
         """[dp, pp] correction of every (DP rank, pipeline rank): rank factor x stage factor."""
-        return np.array([[self.correction(r) * self.stage_correction(r, s) for s in range(pp)]
-                         for r in range(dp)], dtype=np.float64)
+        # one pass over the learned factors, not two look-ups per cell: the planner asks for
+        # the grid a dozen times per draft (the same float64 products as correction(r) x
+        # stage_correction(r, s); a factor never learned is 1)
+        rank, stage = np.ones(dp), np.ones((dp, pp))
+        for r, f in self._correction.items():
+            if 0 <= r < dp:
+                rank[r] = f
+        for (r, s), f in self._stage_correction.items():
+            if 0 <= r < dp and 0 <= s < pp:
+                stage[r, s] = f
+        return rank[:, None] * stage
 
     def calibrate_stages(self, rank: int, predicted_s, measured_s) -> None:
         """EMA update of each pipeline rank's factor of DP rank ``rank`` toward its measured /

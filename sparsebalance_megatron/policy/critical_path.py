@@ -312,7 +312,8 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
                 >= stage_density_floor * d0 - 1e-12)
 
     def meets(dens) -> bool:
-        return floors(dens) and (quality is None or quality.plan_cost(dens) <= 1e-12)
+        return floors(dens) and (quality is None
+                                 or quality.plan_cost(dens, costs.densities) <= 1e-12)
 
     r = plan.report
     start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
@@ -331,5 +332,6 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
         mean_density=weighted_mean_density(dens, w, dense),
         units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()), ranks_reverted=0,
         density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, w, dense)),
-        quality_cost=quality.plan_cost(dens) if quality is not None else r.quality_cost)
+        quality_cost=quality.plan_cost(dens, costs.densities) if quality is not None
+        else r.quality_cost)
     return replace(plan, densities=dens, report=report)

@@ -96,3 +96,26 @@ def test_missing_or_non_json_file(tmp_path):
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(QualityCostError, match="not JSON"):
         QualityCost.load(str(tmp_path / "x.json"))
+
+
+def test_a_plans_cost_looked_up_on_its_grid_is_the_interpolated_one():
+    # DST passes its density grid: a plan on it is costed from a table, bit for bit the
+    # interpolation's sum (below the data, inside it, flat above); a plan off the grid, or a
+    # grid of another planner, falls back to the interpolation
+    from sparsebalance_megatron.policy.costs import density_grid
+    from sparsebalance_megatron.policy.quality import StageQuality
+
+    q = StageQuality.from_cost(QualityCost.from_dict(doc()), [3, 5, 4], 0.25)
+    grid = density_grid(0.25, 0.0625, 1.0)
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        d = grid[rng.integers(0, grid.size, (4, 6, 3))]
+        assert q.plan_cost(d, grid) == q.plan_cost(d)
+        off = d.copy()
+        off[0, 0, 0] = 0.3
+        assert q.plan_cost(off, grid) == q.plan_cost(off)
+    other = density_grid(0.25, 0.125, 0.5)
+    d = other[rng.integers(0, other.size, (2, 6, 3))]
+    assert q.plan_cost(d, other) == q.plan_cost(d) and q.plan_cost(d, grid) == q.plan_cost(d)
+    with pytest.raises(QualityCostError, match="one per stage"):
+        q.plan_cost(np.full((2, 6, 2), 0.25), grid)

@@ -116,3 +116,19 @@ def test_calibrate_ranks_as_arrays_is_the_per_rank_loop_bit_for_bit(pp):
     took = LatencyModel.analytic(shape, pp=2)
     ok = np.ones((3, pp))
     assert took._calibrate_all(ok, ok * 1.1) and not took._calibrate_all(ok, ok * np.nan)
+
+
+def test_the_grid_is_every_cells_rank_times_stage_factor(lm):
+    # the one-pass grid against the per-cell look-ups it replaced, bit for bit, with factors
+    # learned for some cells only and one DP rank outside the grid asked for
+    rng = np.random.default_rng(3)
+    for r in range(4):
+        p = rng.random(2) + 0.5
+        lm.calibrate(r, p, p * rng.uniform(0.7, 1.4, 2))
+        if r % 2:
+            lm.calibrate_stages(r, p, p * rng.uniform(0.7, 1.4, 2))
+    for dp, pp in ((3, 2), (5, 3)):
+        cells = np.array([[lm.correction(r) * lm.stage_correction(r, s) for s in range(pp)]
+                          for r in range(dp)])
+        assert np.array_equal(lm.correction_grid(dp, pp), cells)
+    assert lm.correction_grid(5, 3)[4].tolist() == [1.0, 1.0, 1.0]
