@@ -161,10 +161,32 @@ def as_segments(samples) -> list:
     return as_segment_array(samples)[0]
 
 
+class CheckedSegments(list):
+    """A step's segments as ``as_segment_array`` returns them (a list of (sample_id, start,
+    end) triples of Python ints), checked once, with their [n, 3] int64 array (``array``):
+    every packing of the step takes them without converting and checking again. Made by
+    ``checked_segments``; not to be modified (the array would no longer match)."""
+
+    array: np.ndarray
+
+
+def checked_segments(samples) -> CheckedSegments:
+    """``samples`` checked and converted once (``as_segment_array``; its errors)."""
+    if type(samples) is CheckedSegments:
+        return samples
+    segs, arr = as_segment_array(samples)
+    out = CheckedSegments(segs)
+    out.array = arr
+    return out
+
+
 def as_segment_array(samples) -> tuple[list, np.ndarray]:
     """``as_segments`` and the same segments as an [n, 3] int64 array. A well-formed list of
     triples (the sampler's) is checked in one vectorised pass; anything else goes through the
-    per-item path, whose errors name the offending sample."""
+    per-item path, whose errors name the offending sample. ``CheckedSegments`` are returned as
+    they were checked."""
+    if type(samples) is CheckedSegments:
+        return list(samples), samples.array
     if isinstance(samples, np.ndarray) and samples.ndim == 1:
         samples = [(i, 0, int(n)) for i, n in enumerate(samples.tolist())]
     if len(samples):

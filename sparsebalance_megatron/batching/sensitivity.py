@@ -93,7 +93,8 @@ class SensitivityTracker:
             self._all = x if self._all is None else (1 - self.ema) * self._all + self.ema * x
         return None
 
-    def _sensitivity(self, value: float) -> float:
+    def _sensitivity(self, value):
+        """Sensitivity of a measured value (a float or an array of them)."""
         return 1.0 - value if self.signal == "recall" else -value
 
     def estimate(self, sample_ids: Sequence[int], lengths) -> np.ndarray:
@@ -107,17 +108,23 @@ class SensitivityTracker:
         out = prior_sensitivity(L)
         if self.signal == "loss" and self._all is not None:
             out[:] = self._sensitivity(self._all)
+        # per distinct bucket, then the samples' values in one assignment (the planner asks
+        # for thousands of segments a draft): the same floats as per-segment look-ups
         if self._bucket:
-            for j, b in enumerate(length_bucket(L).tolist()):
-                r = self._bucket.get(b)
-                if r is not None:
-                    out[j] = self._sensitivity(r)
+            buckets, at = np.unique(length_bucket(L), return_inverse=True)
+            self._fill(out, at, [self._bucket.get(b) for b in buckets.tolist()])
         if self._sample:
-            got = [self._sample.get(i) for i in ids.tolist()]
-            for j, r in enumerate(got):
-                if r is not None:
-                    out[j] = self._sensitivity(r)
+            self._fill(out, np.arange(ids.size), list(map(self._sample.get, ids.tolist())))
         return out
+
+    def _fill(self, out: np.ndarray, at: np.ndarray, got: list) -> None:
+        """out[j] = sensitivity of got[at[j]] wherever that is not None."""
+        hit = np.fromiter((g is not None for g in got), dtype=bool, count=len(got))
+        if hit.any():
+            vals = np.zeros(len(got))
+            vals[hit] = [g for g in got if g is not None]
+            rows = hit[at]
+            out[rows] = self._sensitivity(vals[at[rows]])
 
     def state_dict(self) -> dict:
         return {"ema": self.ema, "signal": self.signal, "all": self._all,

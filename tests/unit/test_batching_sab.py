@@ -113,6 +113,29 @@ def test_sensitivity_tracker_prefers_sample_then_bucket_then_prior():
     assert np.array_equal(t2.estimate([1, 9], [1000, 1020]), t.estimate([1, 9], [1000, 1020]))
 
 
+@pytest.mark.parametrize("signal", ["loss", "recall"])
+def test_estimates_are_the_per_segment_look_ups(signal):
+    # the estimate looks buckets and samples up in bulk: bit for bit the per-segment rule
+    # (sample, else bucket, else the mean over all (loss), else the length prior)
+    from sparsebalance_megatron.batching.sensitivity import length_bucket, prior_sensitivity
+
+    rng = np.random.default_rng(4)
+    t = SensitivityTracker(signal=signal)
+    ids, lengths = rng.integers(0, 400, 300), rng.integers(1, 40_000, 300)
+    t.update(ids[:150], lengths[:150], rng.random(150))
+    q_ids, q_len = rng.integers(0, 400, 500), rng.integers(1, 80_000, 500)
+    want = []
+    for i, n in zip(q_ids.tolist(), q_len.tolist()):
+        v = t._sample.get(i, t._bucket.get(int(length_bucket([n])[0])))
+        if v is None and signal == "loss":
+            v = t._all
+        want.append(float(prior_sensitivity([n])[0]) if v is None else
+                    (1.0 - v if signal == "recall" else -v))
+    got = t.estimate(q_ids, q_len)
+    assert got.tolist() == want
+    assert len(set(got.tolist())) > 50                  # samples, buckets and priors all hit
+
+
 def test_loss_signal_lower_loss_is_more_sensitive_and_unmeasured_take_the_mean():
     """The default signal: minus a document's mean training loss (well-predicted text loses most
     when sparsified); unmeasured documents take their bucket, else the EMA over all documents,
@@ -297,6 +320,31 @@ def test_segments_from_any_accepted_form_are_int_tuples(samples):
     segs, arr = as_segment_array(samples)
     assert segs == as_segments(samples) and arr.tolist() == [list(x) for x in segs]
     assert all(type(x) is tuple and all(type(v) is int for v in x) for x in segs)
+
+
+@pytest.mark.parametrize("samples", [
+    [(3, 0, 5), (1, 2, 9)],
+    [[3, 0, 5], [1, 2, 9]],
+    [5, (1, 2, 9)],
+    np.asarray([5, 7]),
+])
+def test_checked_segments_are_converted_once_and_pack_the_same(samples):
+    # the runtime's draft converts a step's segments once (checked_segments) for its two
+    # packings and their checks: the same segments, array and plans as the raw input gives
+    from sparsebalance_megatron.batching.plan import as_segment_array, checked_segments
+
+    once = checked_segments(samples)
+    assert checked_segments(once) is once
+    segs, arr = as_segment_array(once)
+    want_segs, want_arr = as_segment_array(samples)
+    assert segs == want_segs == list(once) and np.array_equal(arr, want_arr)
+    segs.append((9, 0, 1))                            # a caller's list is its own
+    assert len(once) == len(want_segs)
+    kw = dict(dp=2, num_microbatches=1, max_tokens=64)
+    assert sab_plan(once, **kw).micro_batches == sab_plan(samples, **kw).micro_batches
+    assert sequential_plan(once, **kw).micro_batches == sequential_plan(samples, **kw).micro_batches
+    with pytest.raises(ValueError, match="sample 1: segment"):
+        checked_segments([(0, 0, 5), (1, 4, 4)])
 
 
 @pytest.mark.parametrize("samples, needle", [

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ...batching.plan import BatchPlan
+from ...batching.plan import BatchPlan, checked_segments
 from .checks import check_assignment, segment_counts
 from .choice import wants_baseline_packing
 
@@ -77,6 +77,7 @@ class Drafter:
             batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
             options = [self.checked(segments, batch)]
         else:
+            segments = checked_segments(segments)            # converted once for every packing
             given = segment_counts(segments)                 # checked against every packing
             options = [self._packed(segments, num_microbatches, given=given)]
             if wants_baseline_packing(sb, self.latency):      # do no harm: SAB vs baseline
