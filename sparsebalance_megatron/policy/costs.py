@@ -142,7 +142,14 @@ class UnitCosts:
 
     def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
-        i = np.asarray(idx)[..., None]
+        i = np.asarray(idx)
+        g = self.densities.size
+        if i.shape == self.shape and i.dtype.kind in "iu" and i.size and 0 <= i.min() \
+                and i.max() < g and self.fwd_s.flags.c_contiguous \
+                and self.bwd_s.flags.c_contiguous:     # one flat gather per table
+            at = np.arange(0, i.size * g, g).reshape(i.shape) + i
+            return self.fwd_s.reshape(-1).take(at), self.bwd_s.reshape(-1).take(at)
+        i = i[..., None]
         return (np.take_along_axis(self.fwd_s, i, axis=-1)[..., 0],
                 np.take_along_axis(self.bwd_s, i, axis=-1)[..., 0])
 

@@ -226,3 +226,19 @@ def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
                                                           density=D0), lm, options, 2, dst=False)
     assert record["dst_stood_down"] is None and record["sab_stood_down"] in (True, False)
     assert record["packing_index"] == int(record["sab_stood_down"])
+
+
+def test_unit_costs_at_grid_indices_gathers_like_take_along_axis():
+    # the flat gather (the rule's step times) against numpy's take_along_axis, and the
+    # shapes and indices the flat path leaves to it (broadcast rows, negative indices)
+    rng = np.random.default_rng(8)
+    costs = affine(rng.random((3, 4, 2)), rng.random((3, 4, 2)))
+    g = costs.densities.size
+    for idx in (rng.integers(0, g, costs.shape), rng.integers(-g, g, costs.shape),
+                rng.integers(0, g, (3, 4, 1))):
+        want = [np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
+                for t in (costs.fwd_s, costs.bwd_s)]
+        got = costs.at(idx)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(IndexError):
+        costs.at(np.full(costs.shape, g))
