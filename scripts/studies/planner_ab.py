@@ -7,9 +7,10 @@ A VM's speed moves within a day (the study's reference computation took 12.8 ms 
 and 10.2 ms that evening), so a draft measured in one sitting is compared with another checkout
 measured in the same sitting, not with an earlier run. Each round runs, in a subprocess per
 checkout, ``--steps`` drafts at 64 DP x 16 x PP4 (built-in corpus, live calibration between
-steps, ``planner_cost``'s drafter and after-step work), then optionally ``planner_cost``'s
-``launch_slowdown``. The first draft of a loop is left out of the times (numba's kernels load on
-it). Reported per checkout: every draft's ms, the median, and the plans' hash; ``same_plans``
+steps, ``planner_cost``'s drafter and after-step work), then optionally ``launch_slowdown``
+(this checkout's ``studies/_slowdown.py``, the same estimates for both checkouts: the whole
+windows' speed and the local one). The first draft of a loop is left out of the times (numba's
+kernels load on it). Reported per checkout: every draft's ms, the median, and the plans' hash; ``same_plans``
 says whether the two checkouts planned the same densities and reports bit for bit.
 
 ``--other`` is a checkout of another commit (``git worktree add /tmp/old <commit>``): its package
@@ -60,11 +61,20 @@ def draft_loop(steps: int = 6, dp: int = 64, m: int = 16, layout: str = "best") 
     return {"draft_ms": ms[1:], "plans_sha256": digest.hexdigest()[:16]}
 
 
-def _slowdown() -> float:
-    from sparsebalance_megatron.config import SparseBalanceConfig
-    from studies.planner_cost import launch_slowdown
+def _slowdown() -> dict:
+    """This checkout's ``studies/_slowdown.py`` (the same estimator for both checkouts) beside
+    the process planner of the package on the path."""
+    import importlib.util
 
-    return launch_slowdown(SparseBalanceConfig(sparse_balance=True))["process"]["slowdown"]
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    spec = importlib.util.spec_from_file_location(
+        "studies._slowdown", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         "_slowdown.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.launch_slowdown(SparseBalanceConfig(sparse_balance=True))["process"]
+    return {"slowdown": out["slowdown"], "local": out["local"]}
 
 
 def _run(tree: str, what: str, steps: int, dp: int = 64) -> dict:
@@ -76,7 +86,7 @@ def _run(tree: str, what: str, steps: int, dp: int = 64) -> dict:
             f"{os.path.abspath(__file__)!r}); ab = importlib.util.module_from_spec(spec); "
             f"sys.modules[spec.name] = ab; spec.loader.exec_module(ab); "
             f"print(json.dumps(ab.draft_loop({steps}, dp={dp}) if {what!r} == 'draft' "
-            f"else {{'slowdown': ab._slowdown()}}))")
+            f"else ab._slowdown()))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=900)
     if done.returncode != 0:
@@ -91,7 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds per checkout")
     p.add_argument("--steps", type=int, default=6, help="drafts per loop (the first left out)")
     p.add_argument("--slowdown", action="store_true",
-                   help="also planner_cost's launch_slowdown per round (about 30 s each)")
+                   help="also the training thread's slowdown per round (studies/_slowdown.py, "
+                        "about 30 s each)")
     args = p.parse_args(argv)
     other = os.path.abspath(args.other)
     if not os.path.isdir(os.path.join(other, "sparsebalance_megatron")):
@@ -100,23 +111,26 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.steps < 2:
         p.error(f"--rounds {args.rounds} / --steps {args.steps}: expected >= 1 / >= 2")
     trees = {"this": ROOT, "other": other}
-    out = {name: {"draft_ms": [], "hashes": [], "slowdown": []} for name in trees}
+    out = {name: {"draft_ms": [], "hashes": [], "slowdown": [], "local": []} for name in trees}
     for r in range(args.rounds):
         for name, tree in trees.items():
             loop = _run(tree, "draft", args.steps)
             out[name]["draft_ms"] += loop["draft_ms"]
             out[name]["hashes"].append(loop["plans_sha256"])
             if args.slowdown:
-                out[name]["slowdown"].append(_run(tree, "slowdown", args.steps)["slowdown"])
+                slow = _run(tree, "slowdown", args.steps)
+                out[name]["slowdown"].append(slow["slowdown"])
+                out[name]["local"].append(slow["local"])
             print(f"round {r + 1} {name:5s}: draft ms {[round(x) for x in loop['draft_ms']]}"
                   f" plans {loop['plans_sha256']}"
-                  + (f" slowdown {100 * out[name]['slowdown'][-1]:.2f}%" if args.slowdown
-                     else ""))
+                  + (f" slowdown {100 * out[name]['slowdown'][-1]:.2f}% (local "
+                     f"{100 * out[name]['local'][-1]:.3f}%)" if args.slowdown else ""))
     for name in trees:
         o = out[name]
         o["draft_ms_median"] = statistics.median(o["draft_ms"])
         if o["slowdown"]:
             o["slowdown_median"] = statistics.median(o["slowdown"])
+            o["local_median"] = statistics.median(o["local"])
     same = set(out["this"]["hashes"]) == set(out["other"]["hashes"]) and \
         len(set(out["this"]["hashes"])) == 1
     ratio = out["this"]["draft_ms_median"] / out["other"]["draft_ms_median"]
@@ -125,7 +139,8 @@ def main(argv=None) -> int:
     for name in trees:
         if out[name]["slowdown"]:
             print(f"slowdown beside the planner process, median: {name} "
-                  f"{100 * out[name]['slowdown_median']:.2f}%")
+                  f"{100 * out[name]['slowdown_median']:.2f}% (local "
+                  f"{100 * out[name]['local_median']:.3f}%)")
     write_result(args.json, {"other": other, "rounds": args.rounds, "steps": args.steps,
                              "shape": "64 DP x 16 micro-batches x PP4, best layout",
                              "this": out["this"], "other_checkout": out["other"],

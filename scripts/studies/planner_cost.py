@@ -22,12 +22,14 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
   thread's critical path: sending the draft's inputs, the wait at the join, and the after-step
   work (the draft is read back by a reader thread while the step trains), on rank 0 (DST) and
   on a rank without DST. Target: <= 0.5% of the step.
-- The training thread's slowdown: a launch-bound stand-in (small torch ops one after another,
-  as a GPU step's kernel launches hold the GIL between kernels) runs step windows with no
-  planner, then with each planner drafting the next step beside it (64 DP x 16 x PP4, best
-  layout); reported: its ops per second against the no-planner windows (target: <= 0.5%
-  slower). It needs a core for the planner process: on a machine whose cores are all busy the
-  process's draft takes CPU time from the training thread like any other process.
+- The training thread's slowdown (``studies/_slowdown.py``): a launch-bound stand-in (small
+  torch ops one after another, as a GPU step's kernel launches hold the GIL between kernels)
+  runs step windows with no planner, then with each planner drafting the next step beside it
+  (64 DP x 16 x PP4, best layout); reported: its ops per second against the no-planner
+  windows, and the local estimate (the bursts during the draft against those after it in the
+  same window, net of a no-planner control) (target: <= 0.5% slower). It needs a core for
+  the planner process: on a machine whose cores are all busy the process's draft takes CPU
+  time from the training thread like any other process.
 - The draft's CPU time over a fixed reference computation's (numpy and Python, run in the same
   process): a machine-independent figure a planner twice as slow doubles.
 
@@ -44,6 +46,7 @@ import numpy as np
 from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
 
 from .common import parser, write_result
+from ._slowdown import launch_slowdown
 
 TARGET_SHARE = 0.005          # issue 44: the plugin's critical-path cost, share of the step
 SHAPES = (("64x16", 64, 16, ("even", "best")), ("4x16", 4, 16, ("best",)))
@@ -268,64 +271,6 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
             "critical_path_ms": on_path, "share_of_step": on_path / (1e3 * step_s)}
 
 
-def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
-                    window_s: float = 2.0, rounds: int = 6, ops: int = 200) -> dict:
-    """The training thread's speed beside each planner: a launch-bound stand-in (``ops`` small
-    torch ops per burst, bursts back to back) runs step windows of ``window_s`` seconds; as in
-    the runtime, each window starts the planner's draft of the next step (``dp`` x ``m`` x PP4,
-    ``layout``, the built-in corpus) and ends by joining it. The no-planner windows alternate
-    with the planners' (``rounds`` each) so that a load change on the machine falls on all.
-    Returns ops per second in the windows and each planner's slowdown against none."""
-    import torch
-
-    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
-
-    corpus = corpus_steps(dp, m, sb.density, 3, seq=seq, layout=layout, pp=4)
-    a, b, c = torch.randn(64), torch.randn(64), torch.empty(64)
-
-    def window(planner, drafter, proc, k) -> tuple[float, float]:
-        """(ops/s during the window, training-thread ms at its join)."""
-        pending = _submit(planner, drafter, proc, k, corpus.segments[k % 3], m) \
-            if planner else None
-        n, t0 = 0, time.perf_counter()
-        t_end = t0 + window_s
-        while time.perf_counter() < t_end:
-            for _ in range(ops):
-                torch.add(a, b, out=c)
-            n += ops
-        rate = n / (time.perf_counter() - t0)
-        t1 = time.perf_counter()
-        if pending is not None:
-            pending.result()
-        return rate, (time.perf_counter() - t1) * 1e3
-
-    drafter = _drafter(corpus.lm, sb, dp, seq)
-    proc = PlannerProcess(drafter)
-    rates = {None: [], "thread": [], "process": []}
-    joins = {"thread": [], "process": []}
-    try:
-        window(None, None, None, 0)                     # warm-up: torch's first calls ...
-        window("process", drafter, proc, 0)             # ... and the process's first draft
-        for r in range(rounds):
-            for planner in (None, "thread", None, "process"):
-                rate, join_ms = window(planner, drafter, proc, r + 1)
-                rates[planner].append(rate)
-                if planner:
-                    joins[planner].append(join_ms)
-    finally:
-        proc.close()
-    base = float(np.median(rates[None]))
-    out = {"window_s": window_s, "ops_per_burst": ops, "rounds": rounds,
-           "shape": f"{dp} DP x {m} micro-batches x PP4, {layout} layout",
-           "baseline_ops_per_s": base}
-    for planner in ("thread", "process"):
-        rate = float(np.median(rates[planner]))
-        out[planner] = {"ops_per_s": rate, "slowdown": 1.0 - rate / base,
-                        "join_ms": float(np.median(joins[planner]))}
-    return out
-
-
 def main(argv=None) -> int:
     from sparsebalance_megatron.latency import LatencyModel
     from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
@@ -407,7 +352,10 @@ def main(argv=None) -> int:
             print(f"launch-bound training thread beside the {planner} planner: "
                   f"{100 * s['slowdown']:.2f}% slower ({s['ops_per_s']:.0f} vs "
                   f"{slow['baseline_ops_per_s']:.0f} ops/s in {slow['window_s']:.1f} s steps, "
-                  f"{s['join_ms']:.1f} ms at the join; target <= {100 * TARGET_SHARE:.1f}%)")
+                  f"{s['join_ms']:.1f} ms at the join), local {100 * s['local']:.3f}% (the "
+                  f"{s['draft_wall_ms']:.0f} ms draft's bursts against the window's others, net "
+                  f"of the control's {100 * slow['control_local']:.3f}%); target <= "
+                  f"{100 * TARGET_SHARE:.1f}%")
     if args.json:
         write_result(args.json, {
             "machine": platform.processor() or platform.machine(),

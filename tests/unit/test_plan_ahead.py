@@ -24,7 +24,9 @@ def test_planner_returns_the_draft_with_its_basis():
         seen.append(threading.current_thread().name)
         return Draft(iteration=3, first_bin=12, batch=None, units=None, payload=None)
 
-    out = Planner(draft, basis={"latency": {"errors": [0.1]}}).result()
+    planner = Planner(draft, basis={"latency": {"errors": [0.1]}})
+    out = planner.result()
+    assert planner.done()                                  # made: result() would not wait
     assert (out.iteration, out.first_bin) == (3, 12)
     assert out.basis == {"latency": {"errors": [0.1]}}
     assert seen == ["sparsebalance-planner"]
@@ -116,8 +118,10 @@ def test_inline_thread_and_process_draft_the_same_plan(steps, objective):
             assert inline.payload[1]["predicted_busy_s"] == \
                 lm.busy_s(units, np.asarray(inline.payload[0])).tolist()
             # a rank that does not plan DST gets both packings: rank 0's broadcast says which
-            other = proc.submit(k, 100 * k, segs, M, with_dst=False, latency_state=None,
-                                tracker_sync=("updates", []), basis={}).result()
+            pending = proc.submit(k, 100 * k, segs, M, with_dst=False, latency_state=None,
+                                  tracker_sync=("updates", []), basis={})
+            other = pending.result()
+            assert pending.done()
             assert other.batch is not None and other.baseline is not None
             ref = drafter.draft(k, 100 * k, segs, M, with_dst=False)
             assert _plain(other, ahead) == _plain(ref, ahead), f"step {k}"

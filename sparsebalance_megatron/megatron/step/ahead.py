@@ -59,6 +59,10 @@ class Planner:
         except BaseException as e:           # re-raised on the training thread by result()
             self._err = e
 
+    def done(self) -> bool:
+        """Whether the draft is made (``result`` would not wait)."""
+        return not self._thread.is_alive()
+
     def result(self) -> Draft:
         t0 = time.perf_counter()
         self._thread.join()
@@ -199,6 +203,10 @@ class PendingDraft:
             self.recv_s = time.thread_time() - c0
         except BaseException as e:          # raised on the training thread by result()
             self._err = e
+
+    def done(self) -> bool:
+        """Whether the draft is read back (``result`` would not wait)."""
+        return not self._thread.is_alive()
 
     def result(self) -> Draft:
         t0 = time.perf_counter()
