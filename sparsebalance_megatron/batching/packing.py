@@ -76,11 +76,38 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     """Megatron's default packing (see the module docstring)."""
     segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
                                     long_sample_policy)
+    if cost_fn is None:            # priced in tokens: the bins by their first segments
+        return _sequential_by_tokens(segs, sizes, dp, num_microbatches, max_tokens, n_split)
     try:
         mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
     return _finish(mbs, "sequential", max_tokens, n_split, False, segs, _costs(sizes, cost_fn))
+
+
+def _sequential_by_tokens(segs, sizes, dp: int, m: int, max_tokens: int, n_split: int
+                         ) -> BatchPlan:
+    """``sequential_pack``'s bins (fill in order, a new bin when the next segment does not
+    fit; bin k x dp + r is rank r's micro-batch k) as slices of ``segs``, and each rank's
+    tokens as its cost: the plan ``_finish`` makes of them (the costs are whole numbers of
+    tokens, so their sums are exact in any order), without a tuple and a look-up per segment
+    (the baseline packing of every draft)."""
+    starts, free = [], 0
+    for i, size in enumerate(sizes.tolist()):
+        if size > free:
+            starts.append(i)
+            free = max_tokens
+        free -= size
+    if len(starts) > dp * m:
+        raise BatchingError(f"sequential packing: {len(segs)} segments ({int(sizes.sum())} "
+                            f"tokens) need {len(starts)} micro-batches of {max_tokens} tokens; "
+                            f"expected at most dp x m = {dp * m}")
+    ends = starts[1:] + [len(segs)]
+    bins = [segs[a:b] for a, b in zip(starts, ends)] + [[] for _ in range(dp * m - len(starts))]
+    bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
+    rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
+    mbs = [[bins[k * dp + r] for k in range(m)] for r in range(dp)]
+    return BatchPlan(mbs, "sequential", max_tokens, n_split, False, rank_cost)
 
 
 def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:

@@ -2,6 +2,7 @@
 sensitivity grouping, long samples, bad input, fallback and planning time."""
 
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -372,3 +373,36 @@ def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
     # without such a segment the cut is by the mean cost alone
     assert _contiguous_bins(list(range(6)), [100] * 6, [1.0] * 6, 3, 1024, balance=True) == \
         [[0, 1], [2, 3], [4, 5]]
+
+
+def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
+    # the tokens-priced sequential plan (the draft's baseline) slices the segments into bins:
+    # the same micro-batches and rank costs as sequential_pack + _finish, empty bins at the
+    # end, and the same refusal when the fill needs more micro-batches than dp x m
+    from sparsebalance_megatron.batching.packing import _costs, _finish, _prepare
+    from sparsebalance_megatron.data.packing import sequential_pack
+
+    rng = np.random.default_rng(6)
+    seen = {"planned": 0, "overflow": 0}
+    for case in range(60):
+        dp, m, cap = int(rng.integers(1, 5)), int(rng.integers(1, 5)), 64
+        n = int(rng.integers(dp, dp * m * 3 // 2 + 2))  # every rank gets a segment
+        samples = [(int(i), 0, int(x)) for i, x in enumerate(rng.integers(1, cap, n))]
+        try:
+            segs, sizes, _ = _prepare(samples, dp, m, cap, "split")
+        except BatchingError:                           # more tokens than dp x m hold
+            continue
+        try:
+            mbs = sequential_pack(segs, capacity=cap, dp=dp, num_microbatches=m)
+        except ValueError as e:
+            with pytest.raises(BatchingError, match=re.escape(f"sequential packing: {e}")):
+                sequential_plan(samples, dp=dp, num_microbatches=m, max_tokens=cap)
+            seen["overflow"] += 1
+            continue
+        seen["planned"] += 1
+        want = _finish(mbs, "sequential", cap, 0, False, segs, _costs(sizes, None))
+        got = sequential_plan(samples, dp=dp, num_microbatches=m, max_tokens=cap)
+        assert got.micro_batches == want.micro_batches, case
+        assert np.array_equal(got.predicted_rank_cost_s, want.predicted_rank_cost_s)
+        assert got.predicted_rank_cost_s.dtype == want.predicted_rank_cost_s.dtype
+    assert seen["planned"] >= 10 and seen["overflow"] >= 3, seen
