@@ -162,14 +162,31 @@ class _Step:
         seconds ``t_on``, at d_min ``t_min``, grid indices ``hi`` [n]), each unit's cut searched
         only at the fractions its rank tries (compiled; ``sim.compiled``). Returns
         ``first_fit``'s and the picked grid index of every unit [n]."""
-        ranks, col, seg, local = self.holders(on)
-        u = on * self.g
         at = np.full((CUT_FRACTIONS.size, on.size), -1, dtype=np.int64)
+        return self._lazy_fit(dur, on, at, t_on, t_min - t_on, hi,
+                              np.full(on.size, i_min, dtype=np.int64), CUT_FRACTIONS, limit,
+                              False)
+
+    def raise_fit(self, dur, up, first, t_up, cap, lo, i_max: int, limit) -> tuple:
+        """``first_fit`` of the raise fractions (``RAISE_FRACTIONS``) of units ``up``
+        (ascending; seconds ``t_up``, floats ``cap``, grid indices ``lo`` [n]), the largest
+        fraction's grid indices ``first`` given and the others looked up only where a rank
+        tries them (compiled), the first fraction tried alone first. Returns ``first_fit``'s and
+        the picked grid index of every unit [n]."""
+        at = np.full((RAISE_FRACTIONS.size, up.size), -1, dtype=np.int64)
+        at[0] = up * self.g + first
+        return self._lazy_fit(dur, up, at, t_up, cap, np.full(up.size, i_max, dtype=np.int64),
+                              lo, RAISE_FRACTIONS, limit, True)
+
+    def _lazy_fit(self, dur, units, at, t, delta, top, bottom, fracs, limit, probe_first):
+        ranks, col, seg, local = self.holders(units)
+        u = units * self.g
         out = compiled.first_fit(
             self.graph.links, self.graph.last, dur, self.p2p, ranks, seg, self.fwd_row[local],
             self.bwd_row[local], self.fwd, self.bwd, at, limit[ranks],
-            cuts=(self.t_flat, u, t_on, t_min, hi, i_min, CUT_FRACTIONS, 1 + _REL_EPS))
-        return (ranks, col) + out + (at[out[1][col], np.arange(on.size)] - u,)
+            lazy=(self.t_flat, u, t, delta, top, bottom, fracs, 1 + _REL_EPS),
+            probe_first=probe_first)
+        return (ranks, col) + out + (at[out[1][col], np.arange(units.size)] - u,)
 
     def floats(self, dur, ef, deadline):
         """[cols, m * nv] the smaller float of every unit's forward and backward."""
@@ -263,19 +280,24 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         up = np.flatnonzero(lo < i_max)
         up = up[st.t_flat.take(up * st.g + lo[up] + 1)
                 <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
-        moved = st.highest_within(up, t1[up] + RAISE_FRACTIONS[:, None] * cap[up], lo[up],
-                                  i_max)
+        lazy = compiled.enabled()       # the smaller fractions looked up where a rank tries them
+        fractions = RAISE_FRACTIONS[:1, None] if lazy else RAISE_FRACTIONS[:, None]
+        moved = st.highest_within(up, t1[up] + fractions * cap[up], lo[up], i_max)
         if floors is not None:          # the round's best plan is below it: nothing will do
             top = cut.copy()
             np.put(top, up, moved[0])
             if not floors(costs.densities[top]):
                 eta /= 2
                 continue
-        ranks, col, _, pick, mk_p, dur_p, ef_p = st.first_fit(       # largest beta: 0 holds
-            dur1, up, moved, np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15,
-            probe_first=True)                       # most ranks take the whole float
+        raise_limit = np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15  # beta 0 holds
+        if lazy:                                    # most ranks take the whole float
+            ranks, col, _, pick, mk_p, dur_p, ef_p, raised = st.raise_fit(
+                dur1, up, moved[0], t1[up], cap[up], lo[up], i_max, raise_limit)
+        else:
+            ranks, col, _, pick, mk_p, dur_p, ef_p = st.first_fit(
+                dur1, up, moved, raise_limit, probe_first=True)
+            raised = moved[pick[col], np.arange(up.size)]
         new, mk_new = cut.copy(), mk_cut.copy()
-        raised = moved[pick[col], np.arange(up.size)]
         np.put(new, up, raised)
         mk_new[ranks] = mk_p
         new_step = float(mk_new.max())

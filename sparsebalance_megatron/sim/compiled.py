@@ -161,11 +161,12 @@ def _lift(tot, first, last, lim):
 
 
 def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, tot, at,
-            c, buf, end, fresh, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale):
+            c, buf, end, fresh, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale):
     # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end
     # (``fresh``: buf holds another column; a candidate rewrites only its units' rows, so a
-    # rank's tries copy its column once); a candidate not given (at < 0) is a cut: fraction
-    # fracs[c] of the unit's cuttable time
+    # rank's tries copy its column once); a candidate not given (at < 0) is looked up: the
+    # unit's seconds moved by fracs[c] x its delta (a cut: minus its cuttable time; a raise:
+    # its float)
     n = dur.shape[0]
     if fresh:
         for e in range(n):
@@ -173,14 +174,13 @@ def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bw
     for u in range(lo, hi):
         a = at[c, u]
         if a < 0:
-            t = lazy_on[u]
-            lim = (t - fracs[c] * (t - lazy_min[u])) * scale + 1e-15
-            top = lazy_u[u] + lazy_hi[u]         # a smaller fraction's cut bounds this one's
+            lim = (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
+            top = lazy_u[u] + lazy_hi[u]         # an earlier candidate's bounds this one's
             for c2 in range(c - 1, -1, -1):
                 if at[c2, u] >= 0:
                     top = at[c2, u]
                     break
-            a = _lift(tot, lazy_u[u] + lazy_lo, top, lim)
+            a = _lift(tot, lazy_u[u] + lazy_lo[u], top, lim)
             at[c, u] = a
         buf[rows_f[u]] = fwd[a]
         buf[rows_b[u]] = bwd[a]
@@ -204,7 +204,7 @@ def _keep(buf, end, dur_out, ef_out, j):
 
 
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
-               at, limit, dur_out, ef_out, lazy_u, lazy_on, lazy_min, lazy_hi, lazy_lo,
+               at, limit, dur_out, ef_out, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo,
                fracs, scale, probe_first):
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
@@ -221,7 +221,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
                 mid = (a + z) >> 1
             t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
                         rows_b, fwd, bwd, tot, at, mid, buf, end, fresh, lazy_u, lazy_on,
-                        lazy_min, lazy_hi, lazy_lo, fracs, scale)
+                        lazy_delta, lazy_hi, lazy_lo, fracs, scale)
             fresh = False
             if t <= limit[j]:                    # the last that fits is the first that fits
                 z = mid
@@ -235,7 +235,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
             a = 0
             mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1],
                             rows_f, rows_b, fwd, bwd, tot, at, 0, buf, end, fresh, lazy_u,
-                            lazy_on, lazy_min, lazy_hi, lazy_lo, fracs, scale)
+                            lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale)
             _keep(buf, end, dur_out, ef_out, j)
         pick[j] = a
     return fits, pick, mk
@@ -249,7 +249,8 @@ def _c(a, dtype):
 
 _NO_START = np.empty((0, 0))
 _NO_CUTS = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
-            np.zeros(0, dtype=np.int64), 0, np.zeros(0), 1.0)  # first_fit, every candidate given
+            np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
+            1.0)                                 # first_fit, every candidate given
 
 
 def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None) -> np.ndarray:
@@ -290,7 +291,7 @@ def unit_floats(links: np.ndarray, dur: np.ndarray, ef: np.ndarray, deadline, p2
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
               ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
               fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray,
-              cuts: tuple = None, probe_first: bool = False) -> tuple:
+              lazy: tuple = None, probe_first: bool = False) -> tuple:
     """Per DP rank ``ranks[j]`` (a column of ``dur`` [E, dp]), the first candidate c of ``at``
     [k, n] whose makespan is <= ``limit[j]``, the makespans falling with c (a binary search:
     a few simulated columns, not k): the rank's units ``seg[j]:seg[j + 1]`` take their
@@ -298,19 +299,20 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     (fits [r], pick [r] (0 where none fits), makespan [r], durations and earliest finishes
     [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives.
 
-    ``cuts`` (optional): (the cost table's totals, fwd + bwd (``UnitCosts.total_s``), flat
-    like ``fwd``; unit offsets [n], unit seconds [n], seconds at the lowest grid index [n],
-    grid indices [n], lowest grid index, fractions [k], scale): an entry of ``at`` < 0 (int64,
-    written in place) is then found when a candidate is tried, as the critical-path descent's
-    cut: the highest grid index in [lowest, the unit's] whose total is <= (t - fraction x
-    (t - t_lowest)) x scale + 1e-15 (``highest_at_most``; the tables are non-decreasing along
-    the grid).
+    ``lazy`` (optional): (the cost table's totals, fwd + bwd (``UnitCosts.total_s``), flat
+    like ``fwd``; unit offsets [n], unit seconds t [n], deltas [n], highest grid indices [n],
+    lowest grid indices [n], fractions [k], scale): an entry of ``at`` < 0 (int64, written in
+    place) is then looked up when its candidate is tried, as the critical-path descent's cut
+    (delta: t at the lowest index less t) or raise (delta: the unit's float): the highest grid
+    index in [lowest, highest] whose total is <= (t + fraction x delta) x scale + 1e-15
+    (``highest_at_most``; the tables are non-decreasing along the grid), searched down from an
+    earlier candidate's where one is known (the fractions make the limits fall with c).
     ``probe_first``: try the first candidate alone before the search (where it usually fits:
     one simulated column instead of a search's three); the same answer."""
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
-    tot, u, on, low, hi, lo, fracs, scale = _NO_CUTS if cuts is None else cuts
+    tot, u, on, delta, hi, lo, fracs, scale = _NO_CUTS if lazy is None else lazy
     if at.dtype != np.int64 or not at.flags.c_contiguous:
         raise ValueError(f"first_fit: at is {at.dtype}, C-contiguous {at.flags.c_contiguous}: "
                          f"expected a C-contiguous int64 array (it is written in place)")
@@ -320,8 +322,9 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
                          _c(tot, np.float64), at, _c(limit, np.float64), dur_out, ef_out,
-                         _c(u, np.int64), _c(on, np.float64), _c(low, np.float64),
-                         _c(hi, np.int64), int(lo), _c(fracs, np.float64), float(scale),
+                         _c(u, np.int64), _c(on, np.float64), _c(delta, np.float64),
+                         _c(hi, np.int64), _c(lo, np.int64), _c(fracs, np.float64),
+                         float(scale),
                          bool(probe_first))
     return fits, pick, mk, dur_out, ef_out
 
@@ -344,4 +347,4 @@ def warm_up() -> None:
             np.array([1], dtype=i64), np.ones(2), np.ones(2))
     first_fit(*args, np.zeros((1, 1), dtype=i64), one, probe_first=True)
     first_fit(*args, np.full((1, 1), -1, dtype=i64), one,
-              cuts=(np.ones(2), none, one, one, none, 0, one, 1.0))
+              lazy=(np.ones(2), none, one, one, none, none, one, 1.0))
