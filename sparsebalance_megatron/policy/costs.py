@@ -82,6 +82,12 @@ class UnitCosts:
     # fwd_s + bwd_s, where the maker has it already (``from_latency``'s compiled pass); only
     # with tables_checked (the tables are kept as given, so the sum stays theirs)
     _total: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    # the tables' own formula, where the maker has it (``from_latency``'s compiled pass):
+    # (work [n, g], per_pair [2, stages], fixed [2, n, stages], correction [n, stages], scaled),
+    # fwd = (work x per_pair[0] + fixed[0]) x correction (the factor only where scaled), bwd
+    # likewise; the planner's kernels evaluate it (a few small arrays that stay in the cache)
+    # instead of reading the tables; only with tables_checked (the tables are kept as made)
+    _formula: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         g = np.asarray(self.densities, dtype=np.float64)
@@ -115,6 +121,8 @@ class UnitCosts:
         else:
             self.total_s = self.fwd_s + self.bwd_s                   # [dp, m, pp, g]
         self._total = None
+        self.formula = self._formula if self.tables_checked else None
+        self._formula = None
         for name in ("attn_work", "dense_work"):
             if getattr(self, name) is not None:
                 w = np.asarray(getattr(self, name), dtype=np.float64)
@@ -195,7 +203,7 @@ class UnitCosts:
         if n != dp * m:
             raise ValueError(f"{n} micro-batches given: expected dp x m = {dp} x {m} = {dp * m}")
         with_dense = feats.work_grid(np.append(g, 1.0))              # [n, g + 1]
-        work, dense = with_dense[:, :-1], with_dense[:, -1]
+        work, dense = np.ascontiguousarray(with_dense[:, :-1]), with_dense[:, -1]
         ranks = model.layout.pp
         grid_fn = getattr(model, "correction_grid", None)
         corr = (grid_fn(dp, ranks) if grid_fn is not None else np.array(
@@ -238,7 +246,9 @@ class UnitCosts:
             feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
                    pipeline_ranks=model.layout.pp, dense_work=routed, tables_checked=checked,
-                   _total=total if checked else None)
+                   _total=total if checked else None,
+                   _formula=(work, per_pair, fixed, corr, not uncorrected)
+                   if checked and total is not None else None)
 
     @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,

@@ -45,7 +45,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..sim import compiled
+from ..sim import compiled, fit_kernels
 from ..sim.pipeline import FWD, event_graph
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
 from .slack import unit_floats_from
@@ -137,7 +137,7 @@ class _Step:
         (``candidates``) and the first kept: the same numbers."""
         ranks, col, seg, local = self.holders(flat_units)
         if compiled.enabled():
-            return (ranks, col) + compiled.first_fit(
+            return (ranks, col) + fit_kernels.first_fit(
                 self.graph.links, self.graph.last, dur, self.p2p, ranks, seg,
                 self.fwd_row[local], self.bwd_row[local], self.fwd, self.bwd,
                 flat_units * self.g + moved, limit[ranks], probe_first=probe_first)
@@ -181,11 +181,11 @@ class _Step:
     def _lazy_fit(self, dur, units, at, t, delta, top, bottom, fracs, limit, probe_first):
         ranks, col, seg, local = self.holders(units)
         u = units * self.g
-        out = compiled.first_fit(
+        out = fit_kernels.first_fit(
             self.graph.links, self.graph.last, dur, self.p2p, ranks, seg, self.fwd_row[local],
             self.bwd_row[local], self.fwd, self.bwd, at, limit[ranks],
             lazy=(self.t_flat, u, t, delta, top, bottom, fracs, 1 + _REL_EPS),
-            probe_first=probe_first)
+            probe_first=probe_first, formula=self.c.formula)
         return (ranks, col) + out + (at[out[1][col], np.arange(units.size)] - u,)
 
     def floats(self, dur, ef, deadline):

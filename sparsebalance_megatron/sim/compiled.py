@@ -9,9 +9,8 @@ are most of the time. Here each is one compiled loop:
 
 - ``earliest_finish``: ``max(dep + p2p, prev) + duration`` per event and column, in event order;
 - ``latest_finish``: ``min(deadline, next's start, successor's start - p2p)`` and its start;
-- ``first_fit``: per DP rank, the first of the descent's candidates (cut or raise fractions)
-  whose makespan fits, by a binary search that simulates a few columns instead of all of them
-  (the makespans never rise from one candidate to the next, so the first is the same).
+- ``unit_floats``: the latest finishes and every unit's smaller float in one pass;
+- the descent's search for the first cut or raise fraction that fits: ``sim.fit_kernels``.
 
 Every kernel does the numpy path's floating point operations, on the same operands, in the same
 order (maxima, minima, one add or subtract, comparisons: each exact given its operands), and
@@ -149,98 +148,6 @@ def _unit_floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
     return out
 
 
-def _lift(tot, first, last, lim):
-    # highest position in [first, last] with tot <= lim (first if none): ``tot`` is
-    # UnitCosts.total_s, whose rows are non-decreasing (UnitCosts makes them so), so the first
-    # from the top that fits is the one highest_at_most's lifting finds; a cut mostly moves a
-    # few grid steps, so walking down beats the lifting's scattered probes
-    pos = last
-    while pos > first and not tot[pos] <= lim:
-        pos -= 1
-    return pos
-
-
-def _column(prev, dep, cross, last, p, dur, col, lo, hi, rows_f, rows_b, fwd, bwd, tot, at,
-            c, buf, end, fresh, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale):
-    # column ``col`` of dur with units lo:hi at their candidate c, simulated into buf / end
-    # (``fresh``: buf holds another column; a candidate rewrites only its units' rows, so a
-    # rank's tries copy its column once); a candidate not given (at < 0) is looked up: the
-    # unit's seconds moved by fracs[c] x its delta (a cut: minus its cuttable time; a raise:
-    # its float)
-    n = dur.shape[0]
-    if fresh:
-        for e in range(n):
-            buf[e] = dur[e, col]
-    for u in range(lo, hi):
-        a = at[c, u]
-        if a < 0:
-            lim = (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
-            top = lazy_u[u] + lazy_hi[u]         # an earlier candidate's bounds this one's
-            for c2 in range(c - 1, -1, -1):
-                if at[c2, u] >= 0:
-                    top = at[c2, u]
-                    break
-            a = _lift(tot, lazy_u[u] + lazy_lo[u], top, lim)
-            at[c, u] = a
-        buf[rows_f[u]] = fwd[a]
-        buf[rows_b[u]] = bwd[a]
-    for e in range(n):
-        d, pr = dep[e], prev[e]
-        end[e] = _start(end[d] if d >= 0 else 0.0, end[pr] if pr >= 0 else 0.0, d, pr,
-                        cross[e] != 0 and p != 0.0, p) + buf[e]
-    mk = end[last[0]]
-    for i in range(1, last.size):                # np.max over the ranks' last events
-        x = end[last[i]]
-        if x > mk or x != x:
-            mk = x
-    return mk
-
-
-def _keep(buf, end, dur_out, ef_out, j):
-    # a simulated column's durations and finishes into column j of the outputs
-    for e in range(buf.size):
-        dur_out[e, j] = buf[e]
-        ef_out[e, j] = end[e]
-
-
-def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
-               at, limit, dur_out, ef_out, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo,
-               fracs, scale, probe_first):
-    k, r = at.shape[0], ranks.size
-    n = dur.shape[0]
-    fits = np.empty(r, dtype=np.bool_)
-    pick = np.empty(r, dtype=np.int64)
-    mk = np.empty(r)
-    buf, end = np.empty(n), np.empty(n)
-    for j in range(r):
-        # makespans fall with c: every candidate below a is over, every one from z fits; the
-        # first tried is the middle, or candidate 0 with probe_first (where it usually fits)
-        a, z, mid, fresh = 0, k, 0 if probe_first else -1, True
-        while a < z:
-            if mid < 0:
-                mid = (a + z) >> 1
-            t = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1], rows_f,
-                        rows_b, fwd, bwd, tot, at, mid, buf, end, fresh, lazy_u, lazy_on,
-                        lazy_delta, lazy_hi, lazy_lo, fracs, scale)
-            fresh = False
-            if t <= limit[j]:                    # the last that fits is the first that fits
-                z = mid
-                mk[j] = t
-                _keep(buf, end, dur_out, ef_out, j)
-            else:
-                a = mid + 1
-            mid = -1
-        fits[j] = a < k
-        if a >= k:                               # none fits: the first, as np.argmax gives
-            a = 0
-            mk[j] = _column(prev, dep, cross, last, p, dur, ranks[j], seg[j], seg[j + 1],
-                            rows_f, rows_b, fwd, bwd, tot, at, 0, buf, end, fresh, lazy_u,
-                            lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale)
-            _keep(buf, end, dur_out, ef_out, j)
-        pick[j] = a
-    return fits, pick, mk
-
-
 def _c(a, dtype):
     """``a`` as a C-contiguous, writable array of ``dtype`` (numba compiles a read-only array,
     e.g. a ``broadcast_to`` view, as another type: one signature per kernel, the warm-up's)."""
@@ -248,11 +155,6 @@ def _c(a, dtype):
 
 
 _NO_START = np.empty((0, 0))
-_NO_CUTS = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
-            np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
-            1.0)                                 # first_fit, every candidate given
-
-
 def earliest_finish(links: np.ndarray, dur: np.ndarray, p2p_s: float, start=None) -> np.ndarray:
     """[E, cols] earliest finishes of an event graph (``links``: [5, E] int64 rows prev, dep,
     cross, next, successor, ``EventGraph.links``) with durations ``dur`` [E, cols]; ``start``
@@ -288,47 +190,6 @@ def unit_floats(links: np.ndarray, dur: np.ndarray, ef: np.ndarray, deadline, p2
                _c(unit_events[0], np.int64), _c(unit_events[1], np.int64))
 
 
-def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
-              ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
-              fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray,
-              lazy: tuple = None, probe_first: bool = False) -> tuple:
-    """Per DP rank ``ranks[j]`` (a column of ``dur`` [E, dp]), the first candidate c of ``at``
-    [k, n] whose makespan is <= ``limit[j]``, the makespans falling with c (a binary search:
-    a few simulated columns, not k): the rank's units ``seg[j]:seg[j + 1]`` take their
-    durations ``fwd[at[c]]`` / ``bwd[at[c]]`` at event rows ``rows_f`` / ``rows_b``. Returns
-    (fits [r], pick [r] (0 where none fits), makespan [r], durations and earliest finishes
-    [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives.
-
-    ``lazy`` (optional): (the cost table's totals, fwd + bwd (``UnitCosts.total_s``), flat
-    like ``fwd``; unit offsets [n], unit seconds t [n], deltas [n], highest grid indices [n],
-    lowest grid indices [n], fractions [k], scale): an entry of ``at`` < 0 (int64, written in
-    place) is then looked up when its candidate is tried, as the critical-path descent's cut
-    (delta: t at the lowest index less t) or raise (delta: the unit's float): the highest grid
-    index in [lowest, highest] whose total is <= (t + fraction x delta) x scale + 1e-15
-    (``highest_at_most``; the tables are non-decreasing along the grid), searched down from an
-    earlier candidate's where one is known (the fractions make the limits fall with c).
-    ``probe_first``: try the first candidate alone before the search (where it usually fits:
-    one simulated column instead of a search's three); the same answer."""
-    d = _c(dur, np.float64)
-    r = ranks.size
-    dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
-    tot, u, on, delta, hi, lo, fracs, scale = _NO_CUTS if lazy is None else lazy
-    if at.dtype != np.int64 or not at.flags.c_contiguous:
-        raise ValueError(f"first_fit: at is {at.dtype}, C-contiguous {at.flags.c_contiguous}: "
-                         f"expected a C-contiguous int64 array (it is written in place)")
-    kernel(_column, calls=(_lift, _start))
-    fit = kernel(_first_fit, calls=(_column, _keep))
-    fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
-                         _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
-                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
-                         _c(tot, np.float64), at, _c(limit, np.float64), dur_out, ef_out,
-                         _c(u, np.int64), _c(on, np.float64), _c(delta, np.float64),
-                         _c(hi, np.int64), _c(lo, np.int64), _c(fracs, np.float64),
-                         float(scale),
-                         bool(probe_first))
-    return fits, pick, mk, dur_out, ef_out
-
-
 def warm_up() -> None:
     """Compile this module's kernels (or load them from numba's disk cache) with the argument
     types a draft passes, on a two-event graph: the planner process does it before it says it
@@ -338,13 +199,8 @@ def warm_up() -> None:
         return
     i64 = np.int64
     links = np.array([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], dtype=i64)  # e0 -> e1
-    dur, one, none = np.ones((2, 2)), np.ones(1), np.zeros(1, dtype=i64)
+    dur = np.ones((2, 2))
     earliest_finish(links, dur, 0.0)
     earliest_finish(links, dur, 0.0, np.empty((2, 2)))
     latest_finish(links, dur, np.ones(2), 0.0)
     unit_floats(links, dur, dur, np.ones(2), 0.0, np.array([[0], [1]], dtype=i64))
-    args = (links, np.array([1], dtype=i64), dur, 0.0, none, np.array([0, 1], dtype=i64), none,
-            np.array([1], dtype=i64), np.ones(2), np.ones(2))
-    first_fit(*args, np.zeros((1, 1), dtype=i64), one, probe_first=True)
-    first_fit(*args, np.full((1, 1), -1, dtype=i64), one,
-              lazy=(np.ones(2), none, one, one, none, none, one, 1.0))

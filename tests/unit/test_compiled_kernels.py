@@ -150,6 +150,43 @@ def test_descent_first_fit_is_every_candidate_simulated(numpy_paths):
     assert checked == {True, False}                           # both outcomes were tested
 
 
+def test_the_descent_on_the_tables_formula_plans_what_it_plans_on_the_tables():
+    """``UnitCosts.from_latency`` keeps its tables' formula (``formula``), which the descent's
+    kernels evaluate instead of reading the tables: the formula gives the tables' entries bit
+    for bit, and the descent plans the same with it and without it, uncalibrated and with
+    per-(DP rank, pipeline rank) corrections."""
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.policy import density_grid
+    from sparsebalance_megatron.policy.critical_path import descend
+
+    lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
+    rng = np.random.default_rng(12)
+    dp, m = 4, 8
+    lengths = [rng.integers(100, 2500, rng.integers(1, 6)) for _ in range(dp * m)]
+    grid = density_grid(0.25, 0.125, 1.0)
+    moved = 0
+    for step in range(2):
+        costs = UnitCosts.from_latency(lm, lengths, dp, m, grid)
+        assert costs.formula is not None and costs.formula[4] == (step == 1)
+        work, per_pair, fixed, corr, scaled = costs.formula
+        for k, table in enumerate((costs.fwd_s, costs.bwd_s)):
+            t = work[:, None, :] * per_pair[k][None, :, None] + fixed[k][:, :, None]
+            if scaled:
+                t = t * corr[:, :, None]
+            np.testing.assert_array_equal(t.reshape(table.shape), table)
+        i_min, i_max = costs.index_of(0.125), costs.index_of(1.0)
+        start = np.full(costs.shape, costs.index_of(0.25))
+        got = descend(costs, start, i_min, i_max, 1e-4, 0.02, meets=lambda d: True)
+        costs.formula = None
+        want = descend(costs, start, i_min, i_max, 1e-4, 0.02, meets=lambda d: True)
+        np.testing.assert_array_equal(got[0], want[0])
+        assert got[1] == want[1]
+        moved += int((got[0] != start).sum())
+        busy = rng.uniform(1.0, 2.0, (dp, 4))
+        lm.calibrate_ranks(busy, busy * rng.uniform(0.8, 1.2, (dp, 4)))   # now corrected
+    assert moved > 0
+
+
 def test_unit_cost_tables_are_the_numpy_paths(numpy_paths):
     """``UnitCosts.from_latency``'s tables, (work x per pair + fixed) x correction, in one
     compiled pass: equal to the numpy passes, uncalibrated and with per-(DP rank, pipeline
@@ -277,9 +314,10 @@ from sparsebalance_megatron.megatron.step.ahead import warm_up_kernels
 warm_up_kernels()                      # what the planner and training processes call
 def signatures():
     return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
-            if not k[1] in ("_column", "_lift", "_gain_index", "_start", "_keep", "_lifted",
-                            "_gain_q", "_position", "_clipped", "_before", "_sift_up",
-                            "_sift_down", "_py_sum", "_bins")}
+            if not k[1] in ("_set_units", "_set_units_formula", "_simulate", "_lift",
+                            "_gain_index", "_start", "_keep", "_lifted", "_gain_q",
+                            "_position", "_clipped", "_before", "_sift_up", "_sift_down",
+                            "_py_sum", "_bins")}
 before = signatures()
 lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
 rng = np.random.default_rng(1)

@@ -1,0 +1,273 @@
+"""The critical-path descent's search, compiled (``sim.compiled``'s loader): per DP rank, the
+first of the descent's candidates (cut or raise fractions) whose makespan fits, by a binary
+search that simulates a few columns instead of all of them (the makespans never rise from one
+candidate to the next, so the first is the same), the ranks' searches stepped together so that
+each step simulates their columns side by side; each unit's cut or raise looked up only at the
+candidates its rank tries, and its seconds computed from the tables' formula where the costs
+have it (``UnitCosts.formula``) instead of read from the tables.
+
+The same floating point operations on the same operands as the numpy path
+(``policy.critical_path._Step``; ``tests/unit/test_compiled_kernels.py`` and
+``tests/unit/test_critical_path.py`` compare them). Pure numpy and numba; must not import torch,
+megatron or anything else from this package but ``sim.compiled``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .compiled import _c, _start, enabled, kernel
+
+__all__ = ["first_fit", "warm_up"]
+
+
+def _lift(tot, first, last, lim):
+    # highest position in [first, last] with tot <= lim (first if none): ``tot`` is
+    # UnitCosts.total_s, whose rows are non-decreasing (UnitCosts makes them so), so the first
+    # from the top that fits is the one highest_at_most's lifting finds; a cut mostly moves a
+    # few grid steps, so walking down beats the lifting's scattered probes
+    pos = last
+    while pos > first and not tot[pos] <= lim:
+        pos -= 1
+    return pos
+
+
+def _set_units(j, c, lo, hi, rows_f, rows_b, fwd, bwd, tot, at, buf, lazy_u, lazy_on,
+               lazy_delta, lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr,
+               scaled):
+    # column j of buf with units lo:hi at their candidate c (a candidate rewrites only its
+    # units' rows, so a rank's tries copy its column once); a candidate not given (at < 0) is
+    # looked up: the unit's seconds moved by fracs[c] x its delta (a cut: minus its cuttable
+    # time; a raise: its float). With the tables' formula (work given), every second is
+    # computed from it as the tables were, instead of read from the tables
+    if work.shape[0] > 0:
+        _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, lazy_delta,
+                           lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr, scaled)
+        return
+    for u in range(lo, hi):
+        a = at[c, u]
+        if a < 0:
+            lim = (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
+            top = lazy_u[u] + lazy_hi[u]         # an earlier candidate's bounds this one's
+            for c2 in range(c - 1, -1, -1):
+                if at[c2, u] >= 0:
+                    top = at[c2, u]
+                    break
+            a = _lift(tot, lazy_u[u] + lazy_lo[u], top, lim)
+            at[c, u] = a
+        buf[rows_f[u], j] = fwd[a]
+        buf[rows_b[u], j] = bwd[a]
+
+
+def _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, lazy_delta,
+                       lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr, scaled):
+    # _set_units with each unit's seconds at grid index i computed as UnitCosts.from_latency's
+    # kernel made its tables (grid_kernels._unit_tables: the same operations in the same
+    # order), from its micro-batch's work row (unit = micro-batch x stages + stage)
+    g, nv = work.shape[1], per_pair.shape[1]
+    for u in range(lo, hi):
+        base = lazy_u[u]
+        q = base // g
+        mb = q // nv
+        s = q - mb * nv
+        p0, p1 = per_pair[0, s], per_pair[1, s]
+        f0, f1, cc = fixed[0, mb, s], fixed[1, mb, s], corr[mb, s]
+        a = at[c, u]
+        if a < 0:
+            lim = (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
+            top = base + lazy_hi[u]              # an earlier candidate's bounds this one's
+            for c2 in range(c - 1, -1, -1):
+                if at[c2, u] >= 0:
+                    top = at[c2, u]
+                    break
+            first = base + lazy_lo[u]
+            a = top                              # _lift's walk down, on computed totals
+            while a > first:
+                w = work[mb, a - base]
+                v = w * p0
+                v = v + f0
+                x = w * p1
+                x = x + f1
+                if scaled:
+                    v = v * cc
+                    x = x * cc
+                if v + x <= lim:
+                    break
+                a -= 1
+            at[c, u] = a
+        w = work[mb, a - base]
+        v = w * p0
+        v = v + f0
+        x = w * p1
+        x = x + f1
+        if scaled:
+            v = v * cc
+            x = x * cc
+        buf[rows_f[u], j] = v
+        buf[rows_b[u], j] = x
+
+
+def _simulate(prev, dep, cross, last, p, buf, end, cols, na, mk):
+    # columns cols[:na] of buf simulated into end, side by side (each column's events in
+    # order; the columns are independent, so a step runs over all of them at once), and
+    # their makespans into mk[cols[:na]] (np.max over the ranks' last events, NaN wins)
+    n = buf.shape[0]
+    for e in range(n):
+        d, pr = dep[e], prev[e]
+        add = cross[e] != 0 and p != 0.0
+        for q in range(na):
+            j = cols[q]
+            end[e, j] = _start(end[d, j] if d >= 0 else 0.0, end[pr, j] if pr >= 0 else 0.0,
+                               d, pr, add, p) + buf[e, j]
+    for q in range(na):
+        j = cols[q]
+        x = end[last[0], j]
+        for i in range(1, last.size):
+            y = end[last[i], j]
+            if y > x or y != y:
+                x = y
+        mk[j] = x
+
+
+def _keep(buf, end, dur_out, ef_out, j):
+    # a simulated column's durations and finishes into column j of the outputs
+    for e in range(buf.shape[0]):
+        dur_out[e, j] = buf[e, j]
+        ef_out[e, j] = end[e, j]
+
+
+def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
+               at, limit, dur_out, ef_out, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo,
+               fracs, scale, probe_first, work, per_pair, fixed, corr, scaled):
+    # per rank a binary search over the candidates (makespans fall with c: every candidate
+    # below a is over, every one from z fits; the first tried is the middle, or candidate 0
+    # with probe_first, where it usually fits), the ranks' searches stepped together: each
+    # step simulates every searching rank's next candidate side by side
+    k, r = at.shape[0], ranks.size
+    n = dur.shape[0]
+    fits = np.empty(r, dtype=np.bool_)
+    pick = np.empty(r, dtype=np.int64)
+    mk = np.empty(r)
+    t = np.empty(r)
+    buf, end = np.empty((n, r)), np.empty((n, r))
+    for e in range(n):
+        for j in range(r):
+            buf[e, j] = dur[e, ranks[j]]
+    a, z = np.zeros(r, dtype=np.int64), np.full(r, k, dtype=np.int64)
+    mid, cols = np.empty(r, dtype=np.int64), np.empty(r, dtype=np.int64)
+    first = probe_first
+    while True:
+        na = 0
+        for j in range(r):
+            if a[j] < z[j]:
+                mid[j] = 0 if first else (a[j] + z[j]) >> 1
+                _set_units(j, mid[j], seg[j], seg[j + 1], rows_f, rows_b, fwd, bwd, tot, at,
+                           buf, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale,
+                           work, per_pair, fixed, corr, scaled)
+                cols[na] = j
+                na += 1
+        first = False
+        if na == 0:
+            break
+        _simulate(prev, dep, cross, last, p, buf, end, cols, na, t)
+        for q in range(na):
+            j = cols[q]
+            if t[j] <= limit[j]:                 # the last that fits is the first that fits
+                z[j] = mid[j]
+                mk[j] = t[j]
+                _keep(buf, end, dur_out, ef_out, j)
+            else:
+                a[j] = mid[j] + 1
+    na = 0
+    for j in range(r):
+        fits[j] = a[j] < k
+        pick[j] = a[j] if a[j] < k else 0
+        if a[j] >= k:                            # none fits: the first, as np.argmax gives
+            _set_units(j, 0, seg[j], seg[j + 1], rows_f, rows_b, fwd, bwd, tot, at, buf,
+                       lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale, work,
+                       per_pair, fixed, corr, scaled)
+            cols[na] = j
+            na += 1
+    if na:
+        _simulate(prev, dep, cross, last, p, buf, end, cols, na, t)
+        for q in range(na):
+            j = cols[q]
+            mk[j] = t[j]
+            _keep(buf, end, dur_out, ef_out, j)
+    return fits, pick, mk
+
+
+_NO_CUTS = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
+            np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
+            1.0)                                 # first_fit, every candidate given
+
+
+_NO_FORMULA = (np.zeros((0, 0)), np.zeros((2, 0)), np.zeros((2, 0, 0)), np.zeros((0, 0)), False)
+
+
+def _formula_args(formula) -> tuple:
+    if formula is None:
+        return _NO_FORMULA
+    work, per_pair, fixed, corr, scaled = formula
+    return (_c(work, np.float64), _c(per_pair, np.float64), _c(fixed, np.float64),
+            _c(corr, np.float64), bool(scaled))
+
+
+def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
+              ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
+              fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray,
+              lazy: tuple = None, probe_first: bool = False, formula: tuple = None) -> tuple:
+    """Per DP rank ``ranks[j]`` (a column of ``dur`` [E, dp]), the first candidate c of ``at``
+    [k, n] whose makespan is <= ``limit[j]``, the makespans falling with c (a binary search:
+    a few simulated columns, not k): the rank's units ``seg[j]:seg[j + 1]`` take their
+    durations ``fwd[at[c]]`` / ``bwd[at[c]]`` at event rows ``rows_f`` / ``rows_b``. Returns
+    (fits [r], pick [r] (0 where none fits), makespan [r], durations and earliest finishes
+    [E, r] of each rank's pick), what simulating every candidate and taking np.argmax gives.
+
+    ``lazy`` (optional): (the cost table's totals, fwd + bwd (``UnitCosts.total_s``), flat
+    like ``fwd``; unit offsets [n], unit seconds t [n], deltas [n], highest grid indices [n],
+    lowest grid indices [n], fractions [k], scale): an entry of ``at`` < 0 (int64, written in
+    place) is then looked up when its candidate is tried, as the critical-path descent's cut
+    (delta: t at the lowest index less t) or raise (delta: the unit's float): the highest grid
+    index in [lowest, highest] whose total is <= (t + fraction x delta) x scale + 1e-15
+    (``highest_at_most``; the tables are non-decreasing along the grid), searched down from an
+    earlier candidate's where one is known (the fractions make the limits fall with c).
+    ``probe_first``: try the first candidate alone before the search (where it usually fits:
+    one simulated column instead of a search's three); the same answer.
+    ``formula`` (optional, with ``lazy``): the tables' formula (``UnitCosts.formula``), which
+    gives every unit's seconds as the tables hold them, computed from a few small arrays
+    instead of read from three large tables (``lazy``'s unit offsets say which unit)."""
+    d = _c(dur, np.float64)
+    r = ranks.size
+    dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
+    tot, u, on, delta, hi, lo, fracs, scale = _NO_CUTS if lazy is None else lazy
+    if at.dtype != np.int64 or not at.flags.c_contiguous:
+        raise ValueError(f"first_fit: at is {at.dtype}, C-contiguous {at.flags.c_contiguous}: "
+                         f"expected a C-contiguous int64 array (it is written in place)")
+    kernel(_set_units, calls=(_lift, _set_units_formula))
+    kernel(_simulate, calls=(_start,))
+    fit = kernel(_first_fit, calls=(_set_units, _simulate, _keep))
+    fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
+                         _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
+                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
+                         _c(tot, np.float64), at, _c(limit, np.float64), dur_out, ef_out,
+                         _c(u, np.int64), _c(on, np.float64), _c(delta, np.float64),
+                         _c(hi, np.int64), _c(lo, np.int64), _c(fracs, np.float64),
+                         float(scale),
+                         bool(probe_first), *_formula_args(formula if lazy is not None else None))
+    return fits, pick, mk, dur_out, ef_out
+
+
+def warm_up() -> None:
+    """``sim.compiled.warm_up`` for this module's search: compiled (or loaded from numba's
+    disk cache) with the argument types a draft passes, on a two-event graph."""
+    if not enabled():
+        return
+    i64 = np.int64
+    links = np.array([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], dtype=i64)  # e0 -> e1
+    dur, one, none = np.ones((2, 2)), np.ones(1), np.zeros(1, dtype=i64)
+    args = (links, np.array([1], dtype=i64), dur, 0.0, none, np.array([0, 1], dtype=i64), none,
+            np.array([1], dtype=i64), np.ones(2), np.ones(2))
+    first_fit(*args, np.zeros((1, 1), dtype=i64), one, probe_first=True)
+    first_fit(*args, np.full((1, 1), -1, dtype=i64), one,
+              lazy=(np.ones(2), none, one, one, none, none, one, 1.0))
