@@ -197,6 +197,9 @@ class _Step:
         with t(i) <= thr (lo if none), thr [k, n] (a candidate per row), lo / hi [n] or
         scalars; t non-decreasing along the grid (``UnitCosts``)."""
         limit = np.asarray(thr, dtype=np.float64) * (1 + _REL_EPS) + 1e-15
+        if self.c.formula is not None and compiled.enabled() and limit.ndim == 2 \
+                and limit.shape[1] == flat_units.size:     # the totals computed, not read
+            return fit_kernels.highest_formula(self.c.formula, flat_units, lo, hi, limit)
         return highest_at_most(self.t_flat, flat_units * self.g, limit, lo, hi)
 
 

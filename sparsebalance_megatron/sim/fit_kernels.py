@@ -18,7 +18,7 @@ import numpy as np
 
 from .compiled import _c, _start, enabled, kernel
 
-__all__ = ["first_fit", "warm_up"]
+__all__ = ["first_fit", "highest_formula", "warm_up"]
 
 
 def _lift(tot, first, last, lim):
@@ -197,6 +197,55 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     return fits, pick, mk
 
 
+def _highest_formula(work, per_pair, fixed, corr, scaled, units, lo, hi, limit, out):
+    # per element k: the highest grid index in [lo, hi] of unit units[k] whose total, computed
+    # as _set_units_formula computes it, is <= limit[k] (lo if none), by bisection (the rows
+    # are non-decreasing, so the answer is highest_at_most's)
+    nv = per_pair.shape[1]
+    for k in range(units.size):
+        mb = units[k] // nv
+        s = units[k] - mb * nv
+        p0, p1 = per_pair[0, s], per_pair[1, s]
+        f0, f1, cc = fixed[0, mb, s], fixed[1, mb, s], corr[mb, s]
+        a, b, lim = lo[k], hi[k], limit[k]
+        while a < b:
+            mid = (a + b + 1) >> 1
+            w = work[mb, mid]
+            v = w * p0
+            v = v + f0
+            x = w * p1
+            x = x + f1
+            if scaled:
+                v = v * cc
+                x = x * cc
+            if v + x <= lim:
+                a = mid
+            else:
+                b = mid - 1
+        out[k] = a
+
+
+def highest_formula(formula: tuple, units: np.ndarray, lo, hi, limit: np.ndarray) -> np.ndarray:
+    """``policy.costs.highest_at_most`` on the totals of ``UnitCosts.formula`` (the same
+    numbers as the table's): per unit ``units`` [n] (flat unit ids) and limit ``limit`` [k, n],
+    the highest grid index in [lo, hi] whose total is <= the limit (lo if none); ``lo``, ``hi``
+    [n] or scalars. [k, n] grid indices."""
+    work, per_pair, fixed, corr, scaled = _formula_args(formula)
+    lim = np.asarray(limit, dtype=np.float64)
+    n = units.size
+    lo_n, hi_n = (_c(np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)), np.int64)
+                  for x in (lo, hi))
+    u = _c(units, np.int64)
+    run = kernel(_highest_formula)
+    out = np.empty(lim.shape, dtype=np.int64)
+    if not out.size:
+        return out
+    for row_lim, row_out in zip(lim.reshape(-1, n), out.reshape(-1, n)):
+        run(work, per_pair, fixed, corr, scaled, u, lo_n, hi_n, _c(row_lim, np.float64),
+            row_out)
+    return out
+
+
 _NO_CUTS = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
             np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
             1.0)                                 # first_fit, every candidate given
@@ -271,3 +320,7 @@ def warm_up() -> None:
     first_fit(*args, np.zeros((1, 1), dtype=i64), one, probe_first=True)
     first_fit(*args, np.full((1, 1), -1, dtype=i64), one,
               lazy=(np.ones(2), none, one, one, none, none, one, 1.0))
+    formula = (np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True)
+    first_fit(*args, np.full((1, 1), -1, dtype=i64), one,
+              lazy=(np.ones(2), none, one, one, none, none, one, 1.0), formula=formula)
+    highest_formula(formula, none, 0, 1, np.ones((1, 1)))

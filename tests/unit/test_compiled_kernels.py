@@ -157,7 +157,9 @@ def test_the_descent_on_the_tables_formula_plans_what_it_plans_on_the_tables():
     per-(DP rank, pipeline rank) corrections."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.policy import density_grid
+    from sparsebalance_megatron.policy.costs import highest_at_most
     from sparsebalance_megatron.policy.critical_path import descend
+    from sparsebalance_megatron.sim import fit_kernels
 
     lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
     rng = np.random.default_rng(12)
@@ -175,6 +177,13 @@ def test_the_descent_on_the_tables_formula_plans_what_it_plans_on_the_tables():
                 t = t * corr[:, :, None]
             np.testing.assert_array_equal(t.reshape(table.shape), table)
         i_min, i_max = costs.index_of(0.125), costs.index_of(1.0)
+        units = np.sort(rng.choice(costs.fwd_s[..., 0].size, 40, replace=False))
+        lo = rng.integers(0, grid.size, units.size)
+        t = costs.total_s.reshape(-1, grid.size)[units]
+        limit = rng.uniform(t.min(), t.max(), (3, units.size))
+        np.testing.assert_array_equal(
+            fit_kernels.highest_formula(costs.formula, units, lo, i_max, limit),
+            highest_at_most(costs.total_s, units * grid.size, limit, lo, i_max))
         start = np.full(costs.shape, costs.index_of(0.25))
         got = descend(costs, start, i_min, i_max, 1e-4, 0.02, meets=lambda d: True)
         costs.formula = None
@@ -332,7 +341,7 @@ plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()
-assert before == after and len(after) == 13, (before, after)
+assert before == after and len(after) == 14, (before, after)
 print("ok")
 """
 
