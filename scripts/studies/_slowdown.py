@@ -107,12 +107,13 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
     base, control = median(None, "rate"), median(None, "local")
     out = {"window_s": window_s, "ops_per_burst": ops, "rounds": rounds,
            "shape": f"{dp} DP x {m} micro-batches x PP4, {layout} layout",
-           "baseline_ops_per_s": base, "control_local": control,
-           "control_local_each": [w["local"] for w in runs[None]]}
+           "baseline_ops_per_s": base, "baseline_ops_per_s_each": [w["rate"] for w in runs[None]],
+           "control_local": control, "control_local_each": [w["local"] for w in runs[None]]}
     for planner in ("thread", "process"):
         out[planner] = {"ops_per_s": median(planner, "rate"),
                         "slowdown": 1.0 - median(planner, "rate") / base,
                         "local": median(planner, "local") - control,
+                        "ops_per_s_each": [w["rate"] for w in runs[planner]],
                         "local_each": [w["local"] for w in runs[planner]],
                         "draft_wall_ms": 1e3 * median(planner, "draft_s"),
                         "join_ms": median(planner, "join_ms")}
