@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..sim.compiled import _c, kernel
+from ..sim.fit_kernels import _unit_seconds
 
 
 def _lifted(flat, first, last, lim, step):
@@ -188,14 +189,8 @@ def _unit_tables(work, per_pair, fixed, corr, scale, out, total):
         for s in range(pp):
             c = corr[i, s]
             for j in range(g):
-                w = work[i, j]
-                v = w * per_pair[0, s]
-                v = v + fixed[0, i, s]
-                u = w * per_pair[1, s]
-                u = u + fixed[1, i, s]
-                if scale:
-                    v = v * c
-                    u = u * c
+                v, u = _unit_seconds(work[i, j], per_pair[0, s], per_pair[1, s],
+                                     fixed[0, i, s], fixed[1, i, s], c, scale)
                 out[0, i, s, j] = v
                 out[1, i, s, j] = u
                 total[i, s, j] = v + u
@@ -294,7 +289,7 @@ def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr:
     x corr [n, stages] (the last factor only with ``scale``), forward then backward, and
     ``total`` [n, stages, g] = forward + backward, in place: ``UnitCosts.from_latency``'s
     passes and the costs' total as one (each element the same multiply, add, multiply, add)."""
-    kernel(_unit_tables)(_c(work, np.float64), _c(per_pair, np.float64),
+    kernel(_unit_tables, calls=(_unit_seconds,))(_c(work, np.float64), _c(per_pair, np.float64),
                          _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out, total)
 
 

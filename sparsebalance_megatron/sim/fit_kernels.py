@@ -21,6 +21,34 @@ from .compiled import _c, _start, enabled, kernel
 __all__ = ["first_fit", "highest_formula", "warm_up"]
 
 
+def _unit_seconds(w, p0, p1, f0, f1, c, scaled):
+    # (forward, backward) seconds of a unit whose attention work is w: the cost tables' own
+    # formula, (w x per pair + fixed) x correction (the factor only where scaled), each
+    # operation as policy.grid_kernels._unit_tables makes the tables (it calls this)
+    v = w * p0
+    v = v + f0
+    x = w * p1
+    x = x + f1
+    if scaled:
+        v = v * c
+        x = x * c
+    return v, x
+
+
+def _limit(lazy_on, lazy_delta, fracs, scale, c, u):
+    # the total a unit's look-up at candidate c must stay within
+    return (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
+
+
+def _top(at, c, u, top):
+    # where a unit's look-up at candidate c starts: an earlier candidate's position where one
+    # is known (the limits fall with c), else ``top``
+    for c2 in range(c - 1, -1, -1):
+        if at[c2, u] >= 0:
+            return at[c2, u]
+    return top
+
+
 def _lift(tot, first, last, lim):
     # highest position in [first, last] with tot <= lim (first if none): ``tot`` is
     # UnitCosts.total_s, whose rows are non-decreasing (UnitCosts makes them so), so the first
@@ -47,13 +75,8 @@ def _set_units(j, c, lo, hi, rows_f, rows_b, fwd, bwd, tot, at, buf, lazy_u, laz
     for u in range(lo, hi):
         a = at[c, u]
         if a < 0:
-            lim = (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
-            top = lazy_u[u] + lazy_hi[u]         # an earlier candidate's bounds this one's
-            for c2 in range(c - 1, -1, -1):
-                if at[c2, u] >= 0:
-                    top = at[c2, u]
-                    break
-            a = _lift(tot, lazy_u[u] + lazy_lo[u], top, lim)
+            a = _lift(tot, lazy_u[u] + lazy_lo[u], _top(at, c, u, lazy_u[u] + lazy_hi[u]),
+                      _limit(lazy_on, lazy_delta, fracs, scale, c, u))
             at[c, u] = a
         buf[rows_f[u], j] = fwd[a]
         buf[rows_b[u], j] = bwd[a]
@@ -73,36 +96,17 @@ def _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, l
         p0, p1 = per_pair[0, s], per_pair[1, s]
         f0, f1, cc = fixed[0, mb, s], fixed[1, mb, s], corr[mb, s]
         a = at[c, u]
-        if a < 0:
-            lim = (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
-            top = base + lazy_hi[u]              # an earlier candidate's bounds this one's
-            for c2 in range(c - 1, -1, -1):
-                if at[c2, u] >= 0:
-                    top = at[c2, u]
-                    break
+        if a < 0:                                # _lift's walk down, on computed totals
+            lim = _limit(lazy_on, lazy_delta, fracs, scale, c, u)
             first = base + lazy_lo[u]
-            a = top                              # _lift's walk down, on computed totals
+            a = _top(at, c, u, base + lazy_hi[u])
             while a > first:
-                w = work[mb, a - base]
-                v = w * p0
-                v = v + f0
-                x = w * p1
-                x = x + f1
-                if scaled:
-                    v = v * cc
-                    x = x * cc
+                v, x = _unit_seconds(work[mb, a - base], p0, p1, f0, f1, cc, scaled)
                 if v + x <= lim:
                     break
                 a -= 1
             at[c, u] = a
-        w = work[mb, a - base]
-        v = w * p0
-        v = v + f0
-        x = w * p1
-        x = x + f1
-        if scaled:
-            v = v * cc
-            x = x * cc
+        v, x = _unit_seconds(work[mb, a - base], p0, p1, f0, f1, cc, scaled)
         buf[rows_f[u], j] = v
         buf[rows_b[u], j] = x
 
@@ -210,14 +214,7 @@ def _highest_formula(work, per_pair, fixed, corr, scaled, units, lo, hi, limit, 
         a, b, lim = lo[k], hi[k], limit[k]
         while a < b:
             mid = (a + b + 1) >> 1
-            w = work[mb, mid]
-            v = w * p0
-            v = v + f0
-            x = w * p1
-            x = x + f1
-            if scaled:
-                v = v * cc
-                x = x * cc
+            v, x = _unit_seconds(work[mb, mid], p0, p1, f0, f1, cc, scaled)
             if v + x <= lim:
                 a = mid
             else:
@@ -236,7 +233,7 @@ def highest_formula(formula: tuple, units: np.ndarray, lo, hi, limit: np.ndarray
     lo_n, hi_n = (_c(np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)), np.int64)
                   for x in (lo, hi))
     u = _c(units, np.int64)
-    run = kernel(_highest_formula)
+    run = kernel(_highest_formula, calls=(_unit_seconds,))
     out = np.empty(lim.shape, dtype=np.int64)
     if not out.size:
         return out
@@ -246,7 +243,7 @@ def highest_formula(formula: tuple, units: np.ndarray, lo, hi, limit: np.ndarray
     return out
 
 
-_NO_CUTS = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
+_NO_LAZY = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
             np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
             1.0)                                 # first_fit, every candidate given
 
@@ -289,11 +286,12 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
-    tot, u, on, delta, hi, lo, fracs, scale = _NO_CUTS if lazy is None else lazy
+    tot, u, on, delta, hi, lo, fracs, scale = _NO_LAZY if lazy is None else lazy
     if at.dtype != np.int64 or not at.flags.c_contiguous:
         raise ValueError(f"first_fit: at is {at.dtype}, C-contiguous {at.flags.c_contiguous}: "
                          f"expected a C-contiguous int64 array (it is written in place)")
-    kernel(_set_units, calls=(_lift, _set_units_formula))
+    kernel(_set_units_formula, calls=(_unit_seconds, _limit, _top))
+    kernel(_set_units, calls=(_lift, _limit, _top, _set_units_formula))
     kernel(_simulate, calls=(_start,))
     fit = kernel(_first_fit, calls=(_set_units, _simulate, _keep))
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
@@ -303,7 +301,8 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
                          _c(u, np.int64), _c(on, np.float64), _c(delta, np.float64),
                          _c(hi, np.int64), _c(lo, np.int64), _c(fracs, np.float64),
                          float(scale),
-                         bool(probe_first), *_formula_args(formula if lazy is not None else None))
+                         bool(probe_first),
+                         *_formula_args(formula if lazy is not None else None))
     return fits, pick, mk, dur_out, ef_out
 
 

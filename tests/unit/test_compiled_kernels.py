@@ -324,6 +324,7 @@ warm_up_kernels()                      # what the planner and training processes
 def signatures():
     return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
             if not k[1] in ("_set_units", "_set_units_formula", "_simulate", "_lift",
+                            "_unit_seconds", "_limit", "_top",
                             "_gain_index", "_start", "_keep", "_lifted", "_gain_q",
                             "_position", "_clipped", "_before", "_sift_up", "_sift_down",
                             "_py_sum", "_bins")}
