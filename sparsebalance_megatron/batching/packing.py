@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..data.packing import sequential_pack
+from ..data.packing import sequential_bins, check_bin_count, sequential_pack
 from . import packing_kernels
 from .plan import (BatchingError, BatchPlan, _with_padding, as_segment_array, as_segments,
                    check_fits, check_long_sample_policy, check_shape_args, split_long)
@@ -92,16 +92,12 @@ def _sequential_by_tokens(segs, sizes, dp: int, m: int, max_tokens: int, n_split
     tokens as its cost: the plan ``_finish`` makes of them (the costs are whole numbers of
     tokens, so their sums are exact in any order), without a tuple and a look-up per segment
     (the baseline packing of every draft)."""
-    starts, free = [], 0
-    for i, size in enumerate(sizes.tolist()):
-        if size > free:
-            starts.append(i)
-            free = max_tokens
-        free -= size
-    if len(starts) > dp * m:
-        raise BatchingError(f"sequential packing: {len(segs)} segments ({int(sizes.sum())} "
-                            f"tokens) need {len(starts)} micro-batches of {max_tokens} tokens; "
-                            f"expected at most dp x m = {dp * m}")
+    size = sizes.tolist()
+    try:                                  # Megatron's fill rule, as sequential_pack applies it
+        starts = [b[0] for b in sequential_bins(size, max_tokens)]
+        check_bin_count(len(starts), size, max_tokens, dp, m)
+    except ValueError as e:
+        raise BatchingError(f"sequential packing: {e}") from None
     ends = starts[1:] + [len(segs)]
     bins = [segs[a:b] for a, b in zip(starts, ends)] + [[] for _ in range(dp * m - len(starts))]
     bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))

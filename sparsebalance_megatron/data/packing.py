@@ -79,7 +79,7 @@ def _check_positive_int(name: str, value) -> int:
     return int(value)
 
 
-def _sequential_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+def sequential_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     """Indices of ``sizes`` per bin: fill in order, open a new bin when the next one does not fit."""
     bins: list[list[int]] = []
     free = 0
@@ -94,6 +94,14 @@ def _sequential_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def check_bin_count(n_bins: int, sizes: Sequence[int], capacity: int, dp: int, m: int) -> None:
+    """ValueError when the sequential fill of segments of ``sizes`` tokens needs more
+    micro-batches (``n_bins``) than dp x m."""
+    if n_bins > dp * m:
+        raise ValueError(f"{len(sizes)} segments ({sum(sizes)} tokens) need {n_bins} "
+                         f"micro-batches of {capacity} tokens; expected at most dp x m = {dp * m}")
+
+
 def sequential_pack(segments: Sequence[Segment], *, capacity: int, dp: int,
                     num_microbatches: int) -> list[list[list[Segment]]]:
     """``[dp][num_microbatches]`` lists of segments: Megatron's default, fill in order.
@@ -104,10 +112,8 @@ def sequential_pack(segments: Sequence[Segment], *, capacity: int, dp: int,
     dp = _check_positive_int("dp", dp)
     m = _check_positive_int("num_microbatches", num_microbatches)
     sizes = [int(e) - int(s) for _, s, e in segments]
-    bins = _sequential_bins(sizes, capacity)
-    if len(bins) > dp * m:
-        raise ValueError(f"{len(segments)} segments ({sum(sizes)} tokens) need {len(bins)} "
-                         f"micro-batches of {capacity} tokens; expected at most dp x m = {dp * m}")
+    bins = sequential_bins(sizes, capacity)
+    check_bin_count(len(bins), sizes, capacity, dp, m)
     bins += [[] for _ in range(dp * m - len(bins))]
     return [[[tuple(segments[i]) for i in bins[k * dp + r]] for k in range(m)] for r in range(dp)]
 
