@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..data.packing import sequential_bins, check_bin_count, sequential_pack
+from ..data.packing import check_bin_count, sequential_bins, sequential_pack
 from . import packing_kernels
 from .plan import (BatchingError, BatchPlan, _with_padding, as_segment_array, as_segments,
                    check_fits, check_long_sample_policy, check_shape_args, split_long)
