@@ -16,9 +16,11 @@ from typing import Optional
 import numpy as np
 
 from ..config import ANCHORS, MAX_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
+from ..sim import compiled
 from ..sim.pipeline import event_graph
-from .costs import UnitCosts, check_density_bounds, stage_mean_densities, weighted_mean_density
-from .dst_moves import (GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
+from . import band_kernels
+from .costs import UnitCosts, check_density_bounds, weighted_mean_density
+from .dst_moves import (FILL_ITERS, GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
 from .slack import unit_floats_from
 
@@ -132,10 +134,17 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
     if water.any():
-        gains = GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp)
-        span = costs.densities[i_max] - costs.densities[i_min]
-        b_rows = np.tile(((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
-                          / span) if span > 0 else np.zeros(rank_units.shape), (k, 1, 1))
+        # the water-filling's index and the units' seconds per unit of density depend on the
+        # costs and the quality cost only: made once per ``_static`` (the passes of one search)
+        have = _static.get("water") if _static is not None else None
+        if have is None or have[0] is not quality:
+            span = costs.densities[i_max] - costs.densities[i_min]
+            have = (quality, GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp),
+                    ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
+                     / span) if span > 0 else np.zeros(rank_units.shape))
+            if _static is not None:
+                _static["water"] = have
+        gains, b_rows = have[1], np.tile(have[2], (k, 1, 1))
 
     graph = event_graph(m, pp, vp)
 
@@ -170,7 +179,14 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     cuts = np.array([a != "max" for a, _ in candidates])
     excess[~np.repeat(cuts, dp)] = 0.0
     idx_start = np.tile(idx0, (k, 1, 1))
-    if np.any(excess > 0):
+    fused = None
+    if compiled.enabled() and pp >= 2:        # each phase one compiled loop per row
+        fused = band_kernels.BandPass(costs, all_units, dp, graph, p2p_s, sens,
+                                      *((gains, have[2]) if water.any() else ()))
+    cut = fused.cut(idx_start, excess, wrow, i_min, FILL_ITERS) if fused else None
+    if cut is not None:                       # the same numbers as the numpy path's
+        idx_cut, mk1, dur1, ef1, busy1 = cut
+    elif np.any(excess > 0):
         # every row is cut alone (rows never interact), its objective's way
         idx_cut = np.empty_like(idx_start)
         if wrow.any():
@@ -188,14 +204,14 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     else:
         idx_cut, mk1 = idx_start, np.tile(mk0, k)
         _, f1, b1, dur1, ef1 = simulate(all_units, idx_cut)
-    t1 = f1 + b1
+    if cut is None:
+        busy1 = (f1 + b1).sum(axis=1)                               # [k * dp, pp]
     step1 = per_candidate(mk1).max(axis=1)                          # [k]
 
     # 3. raise below the new bottleneck, most sensitive first; verify with the simulator.
     #    Ranks are independent pipelines, so a rank that overshoots is re-planned alone.
     targets = (np.full(k, step0) if raise_to == "static" else step1) * (1.0 - raise_headroom)
     target = np.repeat(targets, dp)                                 # [k * dp] T1'
-    busy1 = t1.sum(axis=1)                                          # [k * dp, pp]
     overhead = mk1 - busy1.max(axis=1)                              # fill/drain
     slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
     cap_full = np.maximum(unit_floats_from(graph, dur1, ef1, target, p2p_s).T,
@@ -211,6 +227,11 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
 
         def try_raise(rows, alpha):
             """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
+            got = fused.raise_try(idx_cut, cap_full, slack_full, rows, alpha, wrow, i_max,
+                                  FILL_ITERS) if fused else None
+            if got is not None:         # one compiled loop per row, the same numbers
+                trial, mk = got
+                return trial, mk, mk <= limit[rows]
             units = all_units[rows]
             trial = np.empty_like(units)
             w = wrow[rows]
@@ -248,9 +269,14 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     mk_c, idx_c, rev_c = per_candidate(mk_final), idx.reshape(k, dp, slots, pp), \
         per_candidate(reverted)
     imb0 = float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0
+    dens_c = costs.densities[idx_c].reshape(k, dp, m, nv)
+    mean_c, stage_c = _density_stats(dens_c, weights, costs.dense_work)
+    mean_static = float(d0) if costs.dense_work is None else \
+        weighted_mean_density(np.full(dens_c.shape[1:], float(d0)), weights, costs.dense_work)
+    flat_c = idx_c.reshape(k, -1)
+    cut_c, raised_c = (flat_c < i0).sum(axis=1).tolist(), (flat_c > i0).sum(axis=1).tolist()
     for c, (_, tolerance) in enumerate(candidates):
         mk_end = mk_c[c]
-        dens = costs.densities[idx_c[c]].reshape(dp, m, nv)
         report = DSTReport(
             step_time_static_s=step0, step_time_cut_s=float(step1[c]),
             step_time_planned_s=float(mk_end.max()),
@@ -258,12 +284,33 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
             imbalance_before=imb0,
             imbalance_after=float(mk_end.max() / mk_end.mean()) if mk_end.mean() > 0 else 1.0,
             anchor_s=float(anchors[c]), band_s=float(bands[c]),
-            mean_density_static=float(d0) if costs.dense_work is None else
-            weighted_mean_density(np.full(dens.shape, float(d0)), weights, costs.dense_work),
-            mean_density=weighted_mean_density(dens, weights, costs.dense_work),
-            units_cut=int((idx_c[c] < i0).sum()), units_raised=int((idx_c[c] > i0).sum()),
+            mean_density_static=mean_static, mean_density=mean_c[c],
+            units_cut=cut_c[c], units_raised=raised_c[c],
             ranks_reverted=int(rev_c[c].sum()), tolerance_used=float(tolerance),
-            density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, weights,
-                                                                            costs.dense_work)))
-        plans.append(DSTPlan(dens, report))
+            density_per_stage=stage_c[c])
+        plans.append(DSTPlan(dens_c[c], report))
     return plans
+
+
+def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
+    """``weighted_mean_density`` and ``stage_mean_densities`` (as a tuple of floats) of every
+    candidate's densities ``dens`` [k, dp, m, pp] in one pass: each sum is numpy's over the same
+    elements in the same order as the per-candidate calls' (a [k, ...] sum over the trailing
+    axes sums each candidate as the call sums its array), so the floats are theirs."""
+    k = dens.shape[0]
+    w = np.asarray(weights, dtype=np.float64)
+    kept_all = dens * w
+    tot, kept = float(w.sum()), kept_all.reshape(k, -1).sum(axis=1).tolist()
+    tot_s, kept_s = w.sum(axis=(0, 1)), kept_all.sum(axis=(1, 2))           # [pp], [k, pp]
+    if dense_work is not None:
+        dw = np.asarray(dense_work, dtype=np.float64)
+        if dw.shape != w.shape:
+            raise ValueError(f"dense_weights {dw.shape} must have the densities' shape "
+                             f"{w.shape}")
+        dense, dense_s = float(dw.sum()), dw.sum(axis=(0, 1))
+        tot, kept = tot + dense, [x + dense for x in kept]
+        tot_s, kept_s = tot_s + dense_s, kept_s + dense_s
+    mean = [x / tot for x in kept] if tot > 0 else dens.reshape(k, -1).mean(axis=1).tolist()
+    stage = np.where(tot_s > 0, kept_s / np.where(tot_s > 0, tot_s, 1.0),
+                     dens.mean(axis=(1, 2)))
+    return mean, [tuple(row) for row in stage.tolist()]

@@ -96,6 +96,60 @@ def test_a_whole_dst_plan_is_the_same_with_the_kernels_or_without(numpy_paths, q
         assert got.report.as_dict() == want.report.as_dict()
 
 
+@pytest.mark.parametrize("pp, vp", [(2, 1), (3, 1), (4, 2), (1, 1)])
+def test_a_band_pass_is_the_numpy_paths_pass(numpy_paths, pp, vp):
+    """``policy.band_kernels``' cut and raise tries (one compiled loop per row) plan every
+    candidate of a band pass as the numpy path does, rows of both objectives mixed, with p2p
+    latency and raise headroom; pp = 1 keeps the numpy path (it sums a stage pairwise)."""
+    from sparsebalance_megatron.policy.dst_band import plan_dst_candidates
+
+    rng = np.random.default_rng(40 + pp * 10 + vp)
+    cands = [("mean", t) for t in (0.0, 0.03, 0.2, 1.5)] + [("max", 0.1), ("median", 0.05)]
+    raised = 0
+    for case in range(3):
+        dp, m = int(rng.integers(2, 7)), pp * int(rng.integers(1, 4))
+        flat = synthetic_costs(dp, m, pp * vp, seed=70 + case,
+                               lm_head=float(rng.uniform(0.2, 2)))
+        costs = UnitCosts(flat.densities, flat.fwd_s, flat.bwd_s, flat.attn_work,
+                          pipeline_ranks=pp)
+        sens = rng.random((dp, m))
+        water = [bool(x) for x in rng.integers(0, 2, len(cands))]
+        kw = dict(_static=None, quality=_quality(pp * vp), water=water)
+        args = (costs, sens, D0, DMIN, DMAX, cands, 1e-4 * case, 0.02 * case)
+        want = numpy_paths(plan_dst_candidates, *args, **kw)
+        got = plan_dst_candidates(*args, **kw)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g.densities, w.densities)
+            assert g.report.as_dict() == w.report.as_dict()
+        raised += sum(p.report.units_raised for p in want)
+    assert raised > 0                                             # the raise ran
+
+
+def test_a_raise_try_with_one_searched_column_is_left_to_numpy():
+    """numpy sums a water-filled column's slots pairwise when the whole try searches one
+    column: the compiled try reports that instead of answering (the caller runs numpy's)."""
+    from sparsebalance_megatron.policy import band_kernels
+    from sparsebalance_megatron.policy.dst_moves import GainIndex, unit_base
+    from types import SimpleNamespace
+
+    g = 3
+    t = np.tile(np.arange(1.0, g + 1), (1, 2, 2, 1))
+    costs = SimpleNamespace(total_s=2.0 * t, fwd_s=t, bwd_s=t.copy())
+    units = unit_base((1, 2, 2), np.arange(1), g)
+    marg = np.array([[np.inf, 2.0, 1.0], [np.inf, 3.0, 1.0]])
+    band = band_kernels.BandPass(costs, units, 1, event_graph(2, 2, 1), 0.0,
+                                 np.zeros((1, 2, 2)), GainIndex(marg, 2, 2, 1),
+                                 np.ones((1, 2, 2)))
+    cur, cap, water = np.zeros((1, 2, 2), dtype=np.int64), np.full((1, 2, 2), 9.0), \
+        np.array([True])
+    one = band.raise_try(cur, cap, np.array([[0.5, 99.0]]), np.arange(1), np.ones(1), water,
+                         g - 1, 12)
+    two = band.raise_try(cur, cap, np.array([[0.5, 0.5]]), np.arange(1), np.ones(1), water,
+                         g - 1, 12)
+    assert one is None and two is not None
+    assert two[0].shape == (1, 2, 2) and np.all(two[1] > 0)
+
+
 def test_water_fill_grid_index_is_the_numpy_paths(numpy_paths):
     """``GainIndex.for_stages``'s look-up (clip(-(e x b), low, high) + shift searched in the
     stages' gain tables, clipped to [lo, hi]) at lambdas from far below to far above every
@@ -327,7 +381,8 @@ def signatures():
                             "_unit_seconds", "_limit", "_top",
                             "_gain_index", "_start", "_keep", "_lifted", "_gain_q",
                             "_position", "_clipped", "_before", "_sift_up", "_sift_down",
-                            "_py_sum", "_bins")}
+                            "_py_sum", "_bins", "_row_makespan", "_fill_searched",
+                            "_lift_step", "_simulate_rows")}
 before = signatures()
 lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
 rng = np.random.default_rng(1)
@@ -342,7 +397,7 @@ plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()
-assert before == after and len(after) == 14, (before, after)
+assert before == after and len(after) == 16, (before, after)
 print("ok")
 """
 

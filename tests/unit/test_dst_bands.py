@@ -152,3 +152,26 @@ def test_straggler_present_ignores_the_largest_of_many_noisy_factors():
     assert straggler_present(quiet, 0.1)
     quiet[7, 1] = 1.04
     assert not straggler_present(quiet, 0.1)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_pass_reports_each_candidates_density_as_the_per_plan_functions_do(dense):
+    """``plan_dst_candidates`` reports every candidate's mean and per-stage density from one
+    [k, ...] pass (``dst_band._density_stats``): the floats of ``weighted_mean_density`` and
+    ``stage_mean_densities`` on that candidate alone, routed dense work or none, zero weights
+    (the plain mean) included."""
+    from sparsebalance_megatron.policy.costs import stage_mean_densities, weighted_mean_density
+    from sparsebalance_megatron.policy.dst_band import _density_stats
+
+    rng = np.random.default_rng(8)
+    for k, dp, m, pp in ((6, 64, 16, 4), (3, 2, 5, 3), (1, 4, 8, 1)):
+        dens = rng.choice(density_grid(0.5, 0.125, 1.0), (k, dp, m, pp))
+        w = rng.random((dp, m, pp)) * (rng.random((dp, m, pp)) > 0.2)
+        w[..., -1] = 0.0                                       # a stage without weight
+        dw = rng.random((dp, m, pp)) * 0.1 if dense else None
+        mean, stage = _density_stats(dens, w, dw)
+        for c in range(k):
+            assert mean[c] == weighted_mean_density(dens[c], w, dw)
+            assert stage[c] == tuple(float(x) for x in stage_mean_densities(dens[c], w, dw))
+        zero_mean, _ = _density_stats(dens, np.zeros_like(w), None)
+        assert zero_mean == [weighted_mean_density(d, np.zeros_like(w)) for d in dens]

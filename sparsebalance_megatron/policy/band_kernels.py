@@ -1,0 +1,335 @@
+"""Compiled forms of a DST band pass's phases (``policy.dst_band.plan_dst_candidates``), when
+numba is installed: one raise try of a batch of DP-rank rows (each row its objective's way:
+quality water-filling or sensitivity order), its 1F1B simulation and makespan, in one loop per
+row instead of a dozen numpy passes over the whole batch.
+
+The numpy path gathers, sums and scatters every row's [slots, pp] units several times per try;
+at 64 DP x 16 x PP4 a band pass holds up to 512 rows, and those passes, not the arithmetic, were
+most of the band search's time. Each function here composes the kernels the numpy path's calls
+run (``grid_kernels``' lifting, water-filling and sensitivity moves, ``sim.compiled``'s event
+start), on the same operands in the same order: sums over a row's slots are sequential, as
+numpy sums a [rows, slots, pp >= 2] array over its slots (with pp = 1 numpy sums pairwise: the
+callers keep the numpy path there), and a try whose water-filling searches one column in all
+(numpy sums that one pairwise too) is reported, not run, so the caller runs its numpy path. So
+a plan is the same bit for bit whichever runs (``tests/unit/test_compiled_kernels.py``).
+
+Pure numpy and numba; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sim.compiled import _c, _start, kernel
+from ..sim.pipeline import FWD
+from .grid_kernels import _GAIN_CALLS, _EXPS, FILL_GRID, _lifted, _sensitivity_moves, \
+    _water_fill
+
+assert FWD == 0, "the row simulation below puts forward seconds first"
+
+
+def _row_makespan(fwd, bwd, u, idx, unit_rows, prev, dep, cross, last, p, both, end):
+    # one row's 1F1B makespan (units ``u`` at grid indices ``idx``, [slots, pp]): its units'
+    # forward and backward seconds ([2, m * nv] in ``both``, as ``EventGraph.durations`` lays
+    # them out), every event's earliest finish (``sim.compiled._earliest_finish`` on one
+    # column), the latest of the ranks' last events (np.max: NaN wins)
+    slots, pp = u.shape
+    n = slots * pp
+    for s in range(slots):
+        for q in range(pp):
+            j = s * pp + q
+            f = u[s, q] + idx[s, q]
+            both[j] = fwd[f]
+            both[n + j] = bwd[f]
+    add_p = p != 0.0
+    for e in range(unit_rows.size):
+        d, pr = dep[e], prev[e]
+        v = _start(end[d] if d >= 0 else 0.0, end[pr] if pr >= 0 else 0.0, d, pr,
+                   cross[e] != 0 and add_p, p)
+        end[e] = v + both[unit_rows[e]]
+    mk = end[last[0]]
+    for i in range(1, last.size):
+        x = end[last[i]]
+        if x > mk or x != x:
+            mk = x
+    return mk
+
+
+def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, gflat,
+                   shift_sp, first_sp, low, high, exps, iters):
+    # dst_moves.water_fill's compiled search of the n (row, stage) columns marked in
+    # ``search`` [rows, pp] (the ones that do not fit at their ``hi``), gathered as its
+    # [slots, n] arrays in row-major order; the answers written over ``hi`` ([rows, slots,
+    # pp]; ``lo``: by the pass's row (``by_row``: lo[rows[i]]) or by the try's (lo[i]))
+    slots, pp = units.shape[1], units.shape[2]
+    u2 = np.empty((slots, n), dtype=np.int64)
+    b2 = np.empty((slots, n))
+    lo2 = np.empty((slots, n), dtype=np.int64)
+    hi2 = np.empty((slots, n), dtype=np.int64)
+    sh2 = np.empty((slots, n))
+    fi2 = np.empty((slots, n), dtype=np.int64)
+    lim2 = np.empty(n)
+    out2 = np.empty((slots, n), dtype=np.int64)
+    j = 0
+    for i in range(rows.size):
+        r = rows[i]
+        for q in range(pp):
+            if search[i, q]:
+                for s in range(slots):
+                    u2[s, j] = units[r, s, q]
+                    b2[s, j] = brow[r % dp, s, q]
+                    lo2[s, j] = lo[r, s, q] if by_row else lo[i, s, q]
+                    hi2[s, j] = hi[i, s, q]
+                    sh2[s, j] = shift_sp[s, q]
+                    fi2[s, j] = first_sp[s, q]
+                lim2[j] = limit[i, q]
+                j += 1
+    _water_fill(t, u2, b2, lo2, hi2, lim2, gflat, sh2, fi2, low, high, exps, iters, out2)
+    j = 0
+    for i in range(rows.size):
+        for q in range(pp):
+            if search[i, q]:
+                for s in range(slots):
+                    hi[i, s, q] = out2[s, j]
+                j += 1
+
+
+def _lift_step(cur, rows, water, bound):
+    # costs._lift_step over the try's water units' [cur, bound] spans: the largest power of
+    # two <= the widest (0 for none)
+    span = 0
+    for i in range(rows.size):
+        r = rows[i]
+        if water[r]:
+            for s in range(cur.shape[1]):
+                for q in range(cur.shape[2]):
+                    w = bound - cur[r, s, q] + 1
+                    if w > span:
+                        span = w
+    step = 0
+    if span > 0:
+        step = 1
+        while step * 2 <= span:
+            step *= 2
+    return step
+
+
+def _simulate_rows(fwd, bwd, units, idx, rows, unit_rows, prev, dep, cross, last, p, mk,
+                   record, dur, ef, busy):
+    # every row's makespan at idx[i] (units[rows[i]]); with ``record`` also its event
+    # durations and earliest finishes (columns of [E, rows]) and its stages' busy seconds
+    # (forward + backward summed over the slots in order)
+    slots, pp = units.shape[1], units.shape[2]
+    both = np.empty(2 * slots * pp)
+    end = np.empty(unit_rows.size)
+    for i in range(rows.size):
+        mk[i] = _row_makespan(fwd, bwd, units[rows[i]], idx[i], unit_rows, prev, dep, cross,
+                              last, p, both, end)
+        if record:
+            n = slots * pp
+            for e in range(unit_rows.size):
+                dur[e, i] = both[unit_rows[e]]
+                ef[e, i] = end[e]
+            for q in range(pp):
+                acc = 0.0
+                for s in range(slots):
+                    v = both[s * pp + q] + both[n + s * pp + q]
+                    acc = v if s == 0 else acc + v
+                busy[i, q] = acc
+
+
+def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_min, gflat,
+              shift_sp, first_sp, low, high, exps, iters, unit_rows, prev, dep, cross, last,
+              p, out, mk, dur, ef, busy):
+    # dst_band's cut of every row (water rows: water-filled within [i_min, cur] to their
+    # seconds at cur less the excess, where positive; the others: the sensitivity-order cut
+    # of max(excess, 0)), then the rows simulated; returns the number of columns the
+    # water-filling searched, or -1 (one column: nothing run)
+    nr, slots, pp = rows.size, units.shape[1], units.shape[2]
+    limit = np.empty((nr, pp))
+    search = np.zeros((nr, pp), dtype=np.bool_)
+    lo = np.full((nr, slots, pp), i_min, dtype=np.int64)
+    n = 0
+    for i in range(nr):
+        r = rows[i]
+        out[i] = cur[r]
+        if not water[r]:
+            continue
+        for q in range(pp):
+            base = 0.0
+            for s in range(slots):
+                v = t[units[r, s, q] + cur[r, s, q]]
+                base = v if s == 0 else base + v
+            ex = excess[r, q]
+            limit[i, q] = base - ex if ex > 0 else np.inf
+            if not base <= limit[i, q]:
+                search[i, q] = True
+                n += 1
+    if n == 1:
+        return -1
+    if n:
+        _fill_searched(t, units, rows, brow, lo, False, out, limit, search, n, dp, gflat,
+                       shift_sp, first_sp, low, high, exps, iters)
+    one = np.empty((1, slots, pp), dtype=np.int64)
+    budget = np.empty((1, pp))
+    for i in range(nr):
+        r = rows[i]
+        if water[r]:
+            continue
+        for q in range(pp):
+            budget[0, q] = excess[r, q] if excess[r, q] > 0.0 else 0.0
+        o = r % dp
+        _sensitivity_moves(t, units[r:r + 1], cur[r:r + 1], budget, _NO_CAP, order[o:o + 1],
+                           i_min, False, one)
+        out[i] = one[0]
+    _simulate_rows(fwd, bwd, units, out, rows, unit_rows, prev, dep, cross, last, p, mk, True,
+                   dur, ef, busy)
+    return n
+
+
+def _raise_try(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, brow, dp,
+               i_max, gflat, shift_sp, first_sp, low, high, exps, iters,
+               unit_rows, prev, dep, cross, last, p, trial, mk):
+    # dst_band's try_raise for rows ``rows`` (indices into the pass's [k * dp] arrays) with
+    # slack x alpha; returns the number of columns the water-filling searched, or -1 (one
+    # column: nothing run, the caller's numpy path runs the try)
+    nr, slots, pp = rows.size, units.shape[1], units.shape[2]
+    # water rows: each unit's top (the highest index within cur's seconds + alpha x its float,
+    # by binary lifting with the step of the widest span of the try's water units), the
+    # (row, stage) limits (their seconds at cur, summed over the slots, + alpha x slack), and
+    # the columns that do not fit at the tops
+    step = _lift_step(cur, rows, water, i_max)
+    limit = np.empty((nr, pp))
+    search = np.zeros((nr, pp), dtype=np.bool_)
+    n = 0
+    for i in range(nr):
+        r = rows[i]
+        if not water[r]:
+            continue
+        a = alpha[i]
+        for q in range(pp):
+            tot = 0.0
+            at_top = 0.0
+            for s in range(slots):
+                u, c = units[r, s, q], cur[r, s, q]
+                t_cur = t[u + c]
+                top = _lifted(t, u + c, u + i_max, t_cur + a * cap[r, s, q], step) - u
+                trial[i, s, q] = top
+                tot = t_cur if s == 0 else tot + t_cur
+                v = t[u + top]
+                at_top = v if s == 0 else at_top + v
+            limit[i, q] = tot + a * slack[r, q]
+            if not at_top <= limit[i, q]:
+                search[i, q] = True
+                n += 1
+    if n == 1:
+        return -1
+    if n:
+        _fill_searched(t, units, rows, brow, cur, True, trial, limit, search, n, dp, gflat,
+                       shift_sp, first_sp, low, high, exps, iters)
+    # sensitivity-order rows: the raise's moves with slack and floats x alpha
+    one = np.empty((1, slots, pp), dtype=np.int64)
+    for i in range(nr):
+        r = rows[i]
+        if water[r]:
+            continue
+        a, o = alpha[i], r % dp
+        _sensitivity_moves(t, units[r:r + 1], cur[r:r + 1], a * slack[r:r + 1],
+                           a * cap[r:r + 1], order[o:o + 1], i_max, True, one)
+        trial[i] = one[0]
+    _simulate_rows(fwd, bwd, units, trial, rows, unit_rows, prev, dep, cross, last, p, mk,
+                   False, np.empty((1, 1)), np.empty((1, 1)), np.empty((1, 1)))
+    return n
+
+
+_NO_CAP = np.zeros((1, 1, 1))
+_CALLS = (_lifted, _sensitivity_moves, _water_fill, _start, _row_makespan, _fill_searched,
+          _lift_step, _simulate_rows) + _GAIN_CALLS
+
+
+class BandPass:
+    """What the compiled phases of one ``plan_dst_candidates`` pass read: the cost tables
+    (flat), the rows' units [k * dp, slots, pp], the event graph's links, the rank-level
+    sensitivity orders (cut: ascending, raise: descending; [dp, slots, pp]) and, with the
+    quality objective, the water-filling's index and seconds per unit of density ``b``
+    [dp, slots, pp]. ``usable`` is False where the numpy path must run (pp = 1: numpy sums a
+    stage's slots pairwise there)."""
+
+    def __init__(self, costs, units, dp: int, graph, p2p_s: float, sens, gains=None, b=None):
+        k, slots, pp = units.shape
+        self.usable = pp >= 2
+        if not _EXPS:
+            _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
+        self.t, self.fwd, self.bwd = (_c(a.reshape(-1), np.float64)
+                                      for a in (costs.total_s, costs.fwd_s, costs.bwd_s))
+        self.units, self.dp, self.p2p = _c(units, np.int64), int(dp), float(p2p_s)
+        links = graph.links
+        self.events = tuple(_c(a, np.int64) for a in (graph.unit_rows, links[0], links[1],
+                                                      links[2], graph.last))
+        self.up = _c(np.argsort(-sens, axis=1, kind="stable"), np.int64)
+        self.down = _c(np.argsort(sens, axis=1, kind="stable"), np.int64)
+        if gains is None:
+            self.fill = (np.zeros(1), np.zeros((slots, pp)), np.zeros((slots, pp), np.int64),
+                         0.0, 0.0, _EXPS[0])
+            self.b = np.zeros((1, 1, 1))
+        else:
+            stage = gains.stage
+            self.fill = (_c(gains.flat, np.float64), _c(stage * gains.width, np.float64),
+                         _c(stage * gains.g + 1, np.int64), float(gains.low),
+                         float(gains.high), _EXPS[0])
+            self.b = _c(b, np.float64)
+
+    def cut(self, cur, excess, water, i_min: int, iters: int):
+        """(cut grid indices, makespans, event durations and earliest finishes [E, rows], busy
+        seconds [rows, pp]) of every row, or None (the numpy path runs it)."""
+        rows = np.arange(self.units.shape[0])
+        n_ev = self.events[0].size
+        out = np.empty(self.units.shape, dtype=np.int64)
+        mk, busy = np.empty(rows.size), np.empty((rows.size, self.units.shape[2]))
+        dur, ef = np.empty((n_ev, rows.size)), np.empty((n_ev, rows.size))
+        gflat, shift, first, low, high, exps = self.fill
+        n = kernel(_cut_rows, calls=_CALLS)(
+            self.t, self.fwd, self.bwd, self.units, _c(cur, np.int64), _c(excess, np.float64),
+            rows, _c(water, np.bool_), self.down, self.b, self.dp, int(i_min), gflat, shift,
+            first, low, high, exps, int(iters), *self.events, self.p2p, out, mk, dur, ef, busy)
+        return None if n < 0 else (out, mk, dur, ef, busy)
+
+    def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int):
+        """(trial grid indices [rows, slots, pp], makespans [rows]) of ``dst_band``'s raise
+        try of ``rows`` with ``alpha`` [rows] x slack and floats: water rows water-filled below
+        their tops, the others raised in sensitivity order, every row simulated; None where
+        the numpy path must run it (one water-filled column in the whole try)."""
+        trial = np.empty((rows.size,) + self.units.shape[1:], dtype=np.int64)
+        mk = np.empty(rows.size)
+        gflat, shift, first, low, high, exps = self.fill
+        n = kernel(_raise_try, calls=_CALLS)(
+            self.t, self.fwd, self.bwd, self.units, _c(cur, np.int64), _c(cap, np.float64),
+            _c(slack, np.float64), _c(rows, np.int64), _c(alpha, np.float64),
+            _c(water, np.bool_), self.up, self.b, self.dp, int(i_max), gflat, shift, first,
+            low, high, exps, int(iters), *self.events, self.p2p, trial, mk)
+        return None if n < 0 else (trial, mk)
+
+
+def warm_up() -> None:
+    """``sim.compiled.warm_up`` for this module's kernels: the cut and a raise try of one
+    quality and one sensitivity-order row of a two-stage, two-micro-batch pass, with the
+    argument types a draft passes. Nothing without numba."""
+    from types import SimpleNamespace
+
+    from ..sim import compiled
+    from ..sim.pipeline import event_graph
+    from .dst_moves import GainIndex, unit_base
+
+    if not compiled.enabled():
+        return
+    g = 3
+    t = np.tile(np.arange(1.0, g + 1), (1, 2, 2, 1))               # [dp, m, pp, g]
+    costs = SimpleNamespace(total_s=2.0 * t, fwd_s=t, bwd_s=t.copy())
+    units = np.tile(unit_base((1, 2, 2), np.arange(1), g), (2, 1, 1))
+    marg = np.array([[np.inf, 2.0, 1.0], [np.inf, 3.0, 1.0]])
+    band = BandPass(costs, units, 1, event_graph(2, 2, 1), 0.0, np.zeros((1, 2, 2)),
+                    GainIndex(marg, 2, 2, 1), np.ones((1, 2, 2)))
+    cur, water = np.ones((2, 2, 2), dtype=np.int64), np.array([True, False])
+    band.cut(cur, np.ones((2, 2)), water, 0, 12)
+    band.raise_try(cur, np.ones((2, 2, 2)), np.ones((2, 2)), np.arange(2), np.ones(2), water,
+                   g - 1, 12)
