@@ -22,8 +22,7 @@ import numpy as np
 
 from ..sim.compiled import _c, _start, kernel
 from ..sim.pipeline import FWD
-from .grid_kernels import _GAIN_CALLS, _EXPS, FILL_GRID, _lifted, _sensitivity_moves, \
-    _water_fill
+from .grid_kernels import _GAIN_CALLS, _EXPS, FILL_GRID, _lifted, _water_fill
 
 assert FWD == 0, "the row simulation below puts forward seconds first"
 
@@ -117,7 +116,7 @@ def _lift_step(cur, rows, water, bound):
 def _simulate_rows(fwd, bwd, units, idx, rows, unit_rows, prev, dep, cross, last, p, mk,
                    record, dur, ef, busy):
     # every row's makespan at idx[i] (units[rows[i]]); with ``record`` also its event
-    # durations and earliest finishes (columns of [E, rows]) and its stages' busy seconds
+    # durations and earliest finishes (rows of [rows, E]) and its stages' busy seconds
     # (forward + backward summed over the slots in order)
     slots, pp = units.shape[1], units.shape[2]
     both = np.empty(2 * slots * pp)
@@ -128,14 +127,87 @@ def _simulate_rows(fwd, bwd, units, idx, rows, unit_rows, prev, dep, cross, last
         if record:
             n = slots * pp
             for e in range(unit_rows.size):
-                dur[e, i] = both[unit_rows[e]]
-                ef[e, i] = end[e]
+                dur[i, e] = both[unit_rows[e]]
+                ef[i, e] = end[e]
             for q in range(pp):
                 acc = 0.0
                 for s in range(slots):
                     v = both[s * pp + q] + both[n + s * pp + q]
                     acc = v if s == 0 else acc + v
                 busy[i, q] = acc
+
+
+def _moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
+    # grid_kernels._sensitivity_moves on one row ([slots, pp]) with budget x a and cap x a
+    # (the numpy path's products): a unit that moves takes the highest grid index whose
+    # seconds fit, found by bisection (a row's seconds are non-decreasing, ``UnitCosts``: the
+    # walk's answer and highest_at_most's)
+    slots, pp = u.shape
+    for p in range(pp):
+        cum = 0.0
+        bud = budget[p] * a
+        for jj in range(slots):
+            j = order[jj, p]
+            uu, c = u[j, p], cur[j, p]
+            t_cur = flat[uu + c]
+            out[j, p] = c
+            cp = 0.0
+            if raising:
+                x = flat[uu + bound] - t_cur
+                cp = a * cap[j, p]
+                if cp < x or cp != cp:
+                    x = cp
+            else:
+                x = t_cur - flat[uu + bound]
+            cum = x if jj == 0 else cum + x
+            left = bud - (cum - x)
+            if raising:
+                if cp < left or cp != cp:
+                    left = cp
+            if not (left > 0 and x > 0):
+                continue
+            if raising:
+                lim = t_cur + left
+                lo, hi = c, bound
+            else:
+                lim = t_cur - left
+                lo, hi = bound, c
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if flat[uu + mid] <= lim:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[j, p] = lo
+
+
+def _floats_rows(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b, cap):
+    # sim.compiled._unit_floats per row (rows of [rows, E] durations and earliest finishes,
+    # every rank's last event due at deadline[row]): every unit's smaller float, then
+    # np.maximum(float, 0) (NaN stays), into cap [rows, units]
+    n_ev = dur.shape[1]
+    ls = np.empty(n_ev)
+    lf = np.empty(n_ev)
+    for r in range(dur.shape[0]):
+        for e in range(n_ev - 1, -1, -1):
+            j, k = nxt[e], succ[e]
+            v = deadline[r]
+            if j >= 0:
+                x = ls[j]
+                if x < v or x != x:
+                    v = x
+            if k >= 0:
+                x = ls[k] - p if cross[k] != 0 and p != 0.0 else ls[k]
+                if x < v or x != x:
+                    v = x
+            lf[e] = v
+            ls[e] = v - dur[r, e]
+        for u in range(ev_f.size):
+            a, b = ev_f[u], ev_b[u]
+            x = lf[a] - ef[r, a]
+            y = lf[b] - ef[r, b]
+            m = x if (x < y or x != x) else y
+            cap[r, u] = m if (m >= 0.0 or m != m) else 0.0
 
 
 def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_min, gflat,
@@ -170,7 +242,6 @@ def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_m
     if n:
         _fill_searched(t, units, rows, brow, lo, False, out, limit, search, n, dp, gflat,
                        shift_sp, first_sp, low, high, exps, iters)
-    one = np.empty((1, slots, pp), dtype=np.int64)
     budget = np.empty((1, pp))
     for i in range(nr):
         r = rows[i]
@@ -179,9 +250,8 @@ def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_m
         for q in range(pp):
             budget[0, q] = excess[r, q] if excess[r, q] > 0.0 else 0.0
         o = r % dp
-        _sensitivity_moves(t, units[r:r + 1], cur[r:r + 1], budget, _NO_CAP, order[o:o + 1],
-                           i_min, False, one)
-        out[i] = one[0]
+        _moves_row(t, units[r], cur[r], budget[0], brow[0], 1.0, order[o], i_min, False,
+                   out[i])
     _simulate_rows(fwd, bwd, units, out, rows, unit_rows, prev, dep, cross, last, p, mk, True,
                    dur, ef, busy)
     return n
@@ -228,22 +298,18 @@ def _raise_try(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, b
         _fill_searched(t, units, rows, brow, cur, True, trial, limit, search, n, dp, gflat,
                        shift_sp, first_sp, low, high, exps, iters)
     # sensitivity-order rows: the raise's moves with slack and floats x alpha
-    one = np.empty((1, slots, pp), dtype=np.int64)
     for i in range(nr):
         r = rows[i]
         if water[r]:
             continue
         a, o = alpha[i], r % dp
-        _sensitivity_moves(t, units[r:r + 1], cur[r:r + 1], a * slack[r:r + 1],
-                           a * cap[r:r + 1], order[o:o + 1], i_max, True, one)
-        trial[i] = one[0]
+        _moves_row(t, units[r], cur[r], slack[r], cap[r], a, order[o], i_max, True, trial[i])
     _simulate_rows(fwd, bwd, units, trial, rows, unit_rows, prev, dep, cross, last, p, mk,
                    False, np.empty((1, 1)), np.empty((1, 1)), np.empty((1, 1)))
     return n
 
 
-_NO_CAP = np.zeros((1, 1, 1))
-_CALLS = (_lifted, _sensitivity_moves, _water_fill, _start, _row_makespan, _fill_searched,
+_CALLS = (_moves_row, _lifted, _water_fill, _start, _row_makespan, _fill_searched,
           _lift_step, _simulate_rows) + _GAIN_CALLS
 
 
@@ -266,6 +332,9 @@ class BandPass:
         links = graph.links
         self.events = tuple(_c(a, np.int64) for a in (graph.unit_rows, links[0], links[1],
                                                       links[2], graph.last))
+        self.backward = tuple(_c(a, np.int64) for a in (links[3], links[4], links[2],
+                                                        graph.unit_events[0],
+                                                        graph.unit_events[1]))
         self.up = _c(np.argsort(-sens, axis=1, kind="stable"), np.int64)
         self.down = _c(np.argsort(sens, axis=1, kind="stable"), np.int64)
         if gains is None:
@@ -280,19 +349,29 @@ class BandPass:
             self.b = _c(b, np.float64)
 
     def cut(self, cur, excess, water, i_min: int, iters: int):
-        """(cut grid indices, makespans, event durations and earliest finishes [E, rows], busy
+        """(cut grid indices, makespans, event durations and earliest finishes [rows, E], busy
         seconds [rows, pp]) of every row, or None (the numpy path runs it)."""
         rows = np.arange(self.units.shape[0])
         n_ev = self.events[0].size
         out = np.empty(self.units.shape, dtype=np.int64)
         mk, busy = np.empty(rows.size), np.empty((rows.size, self.units.shape[2]))
-        dur, ef = np.empty((n_ev, rows.size)), np.empty((n_ev, rows.size))
+        dur, ef = np.empty((rows.size, n_ev)), np.empty((rows.size, n_ev))
         gflat, shift, first, low, high, exps = self.fill
         n = kernel(_cut_rows, calls=_CALLS)(
             self.t, self.fwd, self.bwd, self.units, _c(cur, np.int64), _c(excess, np.float64),
             rows, _c(water, np.bool_), self.down, self.b, self.dp, int(i_min), gflat, shift,
             first, low, high, exps, int(iters), *self.events, self.p2p, out, mk, dur, ef, busy)
         return None if n < 0 else (out, mk, dur, ef, busy)
+
+    def floats(self, dur, ef, deadline):
+        """[rows, slots, pp] every unit's smaller float, at least 0 (NaN stays), with every
+        rank's last event of row r due at ``deadline[r]``: ``slack.unit_floats_from``'s
+        floats of the cut's rows (``dur``, ``ef`` [rows, E]) as ``dst_band`` takes them."""
+        nxt, succ, cross, ev_f, ev_b = self.backward
+        cap = np.empty((dur.shape[0], ev_f.size))
+        kernel(_floats_rows)(nxt, succ, cross, dur, ef, _c(deadline, np.float64), self.p2p,
+                             ev_f, ev_b, cap)
+        return cap.reshape(self.units.shape)
 
     def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int):
         """(trial grid indices [rows, slots, pp], makespans [rows]) of ``dst_band``'s raise
@@ -330,6 +409,7 @@ def warm_up() -> None:
     band = BandPass(costs, units, 1, event_graph(2, 2, 1), 0.0, np.zeros((1, 2, 2)),
                     GainIndex(marg, 2, 2, 1), np.ones((1, 2, 2)))
     cur, water = np.ones((2, 2, 2), dtype=np.int64), np.array([True, False])
-    band.cut(cur, np.ones((2, 2)), water, 0, 12)
+    _, _, dur, ef, _ = band.cut(cur, np.ones((2, 2)), water, 0, 12)
+    band.floats(dur, ef, np.ones(2))
     band.raise_try(cur, np.ones((2, 2, 2)), np.ones((2, 2)), np.arange(2), np.ones(2), water,
                    g - 1, 12)

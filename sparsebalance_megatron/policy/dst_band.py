@@ -214,8 +214,9 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     target = np.repeat(targets, dp)                                 # [k * dp] T1'
     overhead = mk1 - busy1.max(axis=1)                              # fill/drain
     slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
-    cap_full = np.maximum(unit_floats_from(graph, dur1, ef1, target, p2p_s).T,
-                          0.0).reshape(k * dp, slots, pp)
+    cap_full = fused.floats(dur1, ef1, target) if cut is not None else \
+        np.maximum(unit_floats_from(graph, dur1, ef1, target, p2p_s).T,
+                   0.0).reshape(k * dp, slots, pp)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
     # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
