@@ -150,7 +150,13 @@ def _unit_floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
 
 def _c(a, dtype):
     """``a`` as a C-contiguous, writable array of ``dtype`` (numba compiles a read-only array,
-    e.g. a ``broadcast_to`` view, as another type: one signature per kernel, the warm-up's)."""
+    e.g. a ``broadcast_to`` view, as another type: one signature per kernel, the warm-up's).
+    An array that already is one is returned as it is (most are: np.require's checks cost
+    more than many kernels' work)."""
+    if type(a) is np.ndarray and a.dtype == dtype:
+        flags = a.flags
+        if flags.c_contiguous and flags.writeable:
+            return a
     return np.require(a, dtype=dtype, requirements="CW")
 
 
