@@ -6,8 +6,9 @@ row instead of a dozen numpy passes over the whole batch.
 The numpy path gathers, sums and scatters every row's [slots, pp] units several times per try;
 at 64 DP x 16 x PP4 a band pass holds up to 512 rows, and those passes, not the arithmetic, were
 most of the band search's time. Each function here composes the kernels the numpy path's calls
-run (``grid_kernels``' lifting, water-filling and sensitivity moves, ``sim.compiled``'s event
-start), on the same operands in the same order: sums over a row's slots are sequential, as
+run (``grid_kernels``' lifting and water-filling, its sensitivity moves with a bisection for the
+walk (a row's seconds are non-decreasing: the same index), the row-wise simulation and floats of
+``sim.row_kernels``), on the same operands in the same order: sums over a row's slots are sequential, as
 numpy sums a [rows, slots, pp >= 2] array over its slots (with pp = 1 numpy sums pairwise: the
 callers keep the numpy path there), and a try whose water-filling searches one column in all
 (numpy sums that one pairwise too) is reported, not run, so the caller runs its numpy path. So
@@ -21,37 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..sim.compiled import _c, _start, kernel
-from ..sim.pipeline import FWD
+from ..sim.row_kernels import _floats_rows, _row_makespan, _simulate_rows
 from .grid_kernels import _GAIN_CALLS, _EXPS, FILL_GRID, _lifted, _water_fill
-
-assert FWD == 0, "the row simulation below puts forward seconds first"
-
-
-def _row_makespan(fwd, bwd, u, idx, unit_rows, prev, dep, cross, last, p, both, end):
-    # one row's 1F1B makespan (units ``u`` at grid indices ``idx``, [slots, pp]): its units'
-    # forward and backward seconds ([2, m * nv] in ``both``, as ``EventGraph.durations`` lays
-    # them out), every event's earliest finish (``sim.compiled._earliest_finish`` on one
-    # column), the latest of the ranks' last events (np.max: NaN wins)
-    slots, pp = u.shape
-    n = slots * pp
-    for s in range(slots):
-        for q in range(pp):
-            j = s * pp + q
-            f = u[s, q] + idx[s, q]
-            both[j] = fwd[f]
-            both[n + j] = bwd[f]
-    add_p = p != 0.0
-    for e in range(unit_rows.size):
-        d, pr = dep[e], prev[e]
-        v = _start(end[d] if d >= 0 else 0.0, end[pr] if pr >= 0 else 0.0, d, pr,
-                   cross[e] != 0 and add_p, p)
-        end[e] = v + both[unit_rows[e]]
-    mk = end[last[0]]
-    for i in range(1, last.size):
-        x = end[last[i]]
-        if x > mk or x != x:
-            mk = x
-    return mk
 
 
 def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, gflat,
@@ -113,30 +85,6 @@ def _lift_step(cur, rows, water, bound):
     return step
 
 
-def _simulate_rows(fwd, bwd, units, idx, rows, unit_rows, prev, dep, cross, last, p, mk,
-                   record, dur, ef, busy):
-    # every row's makespan at idx[i] (units[rows[i]]); with ``record`` also its event
-    # durations and earliest finishes (rows of [rows, E]) and its stages' busy seconds
-    # (forward + backward summed over the slots in order)
-    slots, pp = units.shape[1], units.shape[2]
-    both = np.empty(2 * slots * pp)
-    end = np.empty(unit_rows.size)
-    for i in range(rows.size):
-        mk[i] = _row_makespan(fwd, bwd, units[rows[i]], idx[i], unit_rows, prev, dep, cross,
-                              last, p, both, end)
-        if record:
-            n = slots * pp
-            for e in range(unit_rows.size):
-                dur[i, e] = both[unit_rows[e]]
-                ef[i, e] = end[e]
-            for q in range(pp):
-                acc = 0.0
-                for s in range(slots):
-                    v = both[s * pp + q] + both[n + s * pp + q]
-                    acc = v if s == 0 else acc + v
-                busy[i, q] = acc
-
-
 def _moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
     # grid_kernels._sensitivity_moves on one row ([slots, pp]) with budget x a and cap x a
     # (the numpy path's products): a unit that moves takes the highest grid index whose
@@ -179,35 +127,6 @@ def _moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
                 else:
                     hi = mid - 1
             out[j, p] = lo
-
-
-def _floats_rows(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b, cap):
-    # sim.compiled._unit_floats per row (rows of [rows, E] durations and earliest finishes,
-    # every rank's last event due at deadline[row]): every unit's smaller float, then
-    # np.maximum(float, 0) (NaN stays), into cap [rows, units]
-    n_ev = dur.shape[1]
-    ls = np.empty(n_ev)
-    lf = np.empty(n_ev)
-    for r in range(dur.shape[0]):
-        for e in range(n_ev - 1, -1, -1):
-            j, k = nxt[e], succ[e]
-            v = deadline[r]
-            if j >= 0:
-                x = ls[j]
-                if x < v or x != x:
-                    v = x
-            if k >= 0:
-                x = ls[k] - p if cross[k] != 0 and p != 0.0 else ls[k]
-                if x < v or x != x:
-                    v = x
-            lf[e] = v
-            ls[e] = v - dur[r, e]
-        for u in range(ev_f.size):
-            a, b = ev_f[u], ev_b[u]
-            x = lf[a] - ef[r, a]
-            y = lf[b] - ef[r, b]
-            m = x if (x < y or x != x) else y
-            cap[r, u] = m if (m >= 0.0 or m != m) else 0.0
 
 
 def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_min, gflat,
@@ -369,7 +288,7 @@ class BandPass:
         floats of the cut's rows (``dur``, ``ef`` [rows, E]) as ``dst_band`` takes them."""
         nxt, succ, cross, ev_f, ev_b = self.backward
         cap = np.empty((dur.shape[0], ev_f.size))
-        kernel(_floats_rows)(nxt, succ, cross, dur, ef, _c(deadline, np.float64), self.p2p,
+        kernel(_floats_rows, calls=_CALLS)(nxt, succ, cross, dur, ef, _c(deadline, np.float64), self.p2p,
                              ev_f, ev_b, cap)
         return cap.reshape(self.units.shape)
 

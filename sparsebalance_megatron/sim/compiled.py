@@ -68,13 +68,20 @@ def _load() -> bool:
 def kernel(fn, calls=()):
     """The compiled form of ``fn``, a module-level function written in numba's subset (compiled
     on first use, cached on disk where numba finds a writable place, else compiled once per
-    process). ``calls``: the kernels ``fn`` calls, compiled first and bound in their module
-    in place of the plain functions, so that ``fn`` resolves the compiled ones."""
+    process). ``calls``: the kernels ``fn`` calls, directly or through one another, compiled
+    first and bound in place of the plain functions in ``fn``'s module and in each one's own
+    module, so that every kernel resolves the compiled ones (whichever compiles first)."""
     key = (fn.__module__, fn.__qualname__)
     k = _KERNELS.get(key)
     if k is None:
         for dep in calls:
             fn.__globals__[dep.__name__] = kernel(dep)
+        for dep in calls:       # a kernel of another module calls its own module's names:
+            names = getattr(dep, "py_func", dep).__globals__    # bound there too, whichever
+            for other in calls:                                  # kernel compiles first
+                plain = getattr(other, "py_func", other)
+                if names.get(plain.__name__) is plain:
+                    names[plain.__name__] = kernel(plain)
         numba = _STATE["numba"]
         plain = getattr(fn, "py_func", fn)
         try:
