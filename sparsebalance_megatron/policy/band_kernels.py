@@ -1,18 +1,18 @@
 """Compiled forms of a DST band pass's phases (``policy.dst_band.plan_dst_candidates``), when
-numba is installed: one raise try of a batch of DP-rank rows (each row its objective's way:
-quality water-filling or sensitivity order), its 1F1B simulation and makespan, in one loop per
-row instead of a dozen numpy passes over the whole batch.
+numba is installed: the cut of every DP-rank row, its floats, and each raise try (each row its
+objective's way: quality water-filling or sensitivity order), 1F1B simulation included, in one
+loop per row instead of a dozen numpy passes over the whole batch.
 
 The numpy path gathers, sums and scatters every row's [slots, pp] units several times per try;
 at 64 DP x 16 x PP4 a band pass holds up to 512 rows, and those passes, not the arithmetic, were
 most of the band search's time. Each function here composes the kernels the numpy path's calls
-run (``grid_kernels``' lifting and water-filling, its sensitivity moves with a bisection for the
-walk (a row's seconds are non-decreasing: the same index), the row-wise simulation and floats of
-``sim.row_kernels``), on the same operands in the same order: sums over a row's slots are sequential, as
-numpy sums a [rows, slots, pp >= 2] array over its slots (with pp = 1 numpy sums pairwise: the
-callers keep the numpy path there), and a try whose water-filling searches one column in all
-(numpy sums that one pairwise too) is reported, not run, so the caller runs its numpy path. So
-a plan is the same bit for bit whichever runs (``tests/unit/test_compiled_kernels.py``).
+run (``grid_kernels``' lifting, water-filling and sensitivity moves, ``sim.row_kernels``'
+simulation and floats of one row), on the same operands in the same order: sums over a row's
+slots are sequential, as numpy sums a [rows, slots, pp >= 2] array over its slots (with pp = 1
+numpy sums pairwise: the callers keep the numpy path there), and a try whose water-filling
+searches one column in all (numpy sums that one pairwise too) is reported, not run, so the
+caller runs its numpy path. So a plan is the same bit for bit whichever runs
+(``tests/unit/test_compiled_kernels.py``).
 
 Pure numpy and numba; must not import torch or megatron.
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from ..sim.compiled import _c, _start, kernel
 from ..sim.row_kernels import _floats_rows, _row_makespan, _simulate_rows
-from .grid_kernels import _GAIN_CALLS, _EXPS, FILL_GRID, _lifted, _water_fill
+from .grid_kernels import _GAIN_CALLS, _lifted, _moves_row, _water_fill, fill_exps
 
 
 def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, gflat,
@@ -83,50 +83,6 @@ def _lift_step(cur, rows, water, bound):
         while step * 2 <= span:
             step *= 2
     return step
-
-
-def _moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
-    # grid_kernels._sensitivity_moves on one row ([slots, pp]) with budget x a and cap x a
-    # (the numpy path's products): a unit that moves takes the highest grid index whose
-    # seconds fit, found by bisection (a row's seconds are non-decreasing, ``UnitCosts``: the
-    # walk's answer and highest_at_most's)
-    slots, pp = u.shape
-    for p in range(pp):
-        cum = 0.0
-        bud = budget[p] * a
-        for jj in range(slots):
-            j = order[jj, p]
-            uu, c = u[j, p], cur[j, p]
-            t_cur = flat[uu + c]
-            out[j, p] = c
-            cp = 0.0
-            if raising:
-                x = flat[uu + bound] - t_cur
-                cp = a * cap[j, p]
-                if cp < x or cp != cp:
-                    x = cp
-            else:
-                x = t_cur - flat[uu + bound]
-            cum = x if jj == 0 else cum + x
-            left = bud - (cum - x)
-            if raising:
-                if cp < left or cp != cp:
-                    left = cp
-            if not (left > 0 and x > 0):
-                continue
-            if raising:
-                lim = t_cur + left
-                lo, hi = c, bound
-            else:
-                lim = t_cur - left
-                lo, hi = bound, c
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if flat[uu + mid] <= lim:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[j, p] = lo
 
 
 def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_min, gflat,
@@ -237,14 +193,11 @@ class BandPass:
     (flat), the rows' units [k * dp, slots, pp], the event graph's links, the rank-level
     sensitivity orders (cut: ascending, raise: descending; [dp, slots, pp]) and, with the
     quality objective, the water-filling's index and seconds per unit of density ``b``
-    [dp, slots, pp]. ``usable`` is False where the numpy path must run (pp = 1: numpy sums a
-    stage's slots pairwise there)."""
+    [dp, slots, pp]. For pp >= 2 only (with one stage numpy sums a stage's slots pairwise:
+    the caller runs its numpy path there)."""
 
     def __init__(self, costs, units, dp: int, graph, p2p_s: float, sens, gains=None, b=None):
-        k, slots, pp = units.shape
-        self.usable = pp >= 2
-        if not _EXPS:
-            _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
+        slots, pp = units.shape[1:]
         self.t, self.fwd, self.bwd = (_c(a.reshape(-1), np.float64)
                                       for a in (costs.total_s, costs.fwd_s, costs.bwd_s))
         self.units, self.dp, self.p2p = _c(units, np.int64), int(dp), float(p2p_s)
@@ -258,13 +211,13 @@ class BandPass:
         self.down = _c(np.argsort(sens, axis=1, kind="stable"), np.int64)
         if gains is None:
             self.fill = (np.zeros(1), np.zeros((slots, pp)), np.zeros((slots, pp), np.int64),
-                         0.0, 0.0, _EXPS[0])
+                         0.0, 0.0, fill_exps())
             self.b = np.zeros((1, 1, 1))
         else:
             stage = gains.stage
             self.fill = (_c(gains.flat, np.float64), _c(stage * gains.width, np.float64),
                          _c(stage * gains.g + 1, np.int64), float(gains.low),
-                         float(gains.high), _EXPS[0])
+                         float(gains.high), fill_exps())
             self.b = _c(b, np.float64)
 
     def cut(self, cur, excess, water, i_min: int, iters: int):
@@ -288,7 +241,7 @@ class BandPass:
         floats of the cut's rows (``dur``, ``ef`` [rows, E]) as ``dst_band`` takes them."""
         nxt, succ, cross, ev_f, ev_b = self.backward
         cap = np.empty((dur.shape[0], ev_f.size))
-        kernel(_floats_rows, calls=_CALLS)(nxt, succ, cross, dur, ef, _c(deadline, np.float64), self.p2p,
+        kernel(_floats_rows)(nxt, succ, cross, dur, ef, _c(deadline, np.float64), self.p2p,
                              ev_f, ev_b, cap)
         return cap.reshape(self.units.shape)
 

@@ -196,47 +196,58 @@ def _unit_tables(work, per_pair, fixed, corr, scale, out, total):
                 total[i, s, j] = v + u
 
 
+def _moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
+    # _sensitivity_moves on one row ([slots, pp]; budget [pp]) with budget x a and cap x a
+    # (the numpy path's products; a = 1 leaves them as they are): the micro-batches in
+    # ``order``, the running sum as np.cumsum makes it (c_0 = x_0, c_j = c_(j-1) + x_j) less
+    # the unit's own, minima as np.minimum (NaN wins); a unit that moves takes the highest
+    # grid index whose seconds fit, by bisection (a row's seconds are non-decreasing,
+    # ``UnitCosts``: highest_at_most's answer)
+    slots, pp = u.shape
+    for p in range(pp):
+        cum = 0.0
+        bud = budget[p] * a
+        for jj in range(slots):
+            j = order[jj, p]
+            uu, c = u[j, p], cur[j, p]
+            t_cur = flat[uu + c]
+            out[j, p] = c
+            cp = 0.0
+            if raising:
+                x = flat[uu + bound] - t_cur
+                cp = a * cap[j, p]
+                if cp < x or cp != cp:
+                    x = cp
+            else:
+                x = t_cur - flat[uu + bound]
+            cum = x if jj == 0 else cum + x
+            left = bud - (cum - x)
+            if raising:
+                if cp < left or cp != cp:
+                    left = cp
+            if not (left > 0 and x > 0):
+                continue
+            if raising:
+                lim = t_cur + left
+                lo, hi = c, bound
+            else:
+                lim = t_cur - left
+                lo, hi = bound, c
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if flat[uu + mid] <= lim:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[j, p] = lo
+
+
 def _sensitivity_moves(flat, units, cur, budget, cap, order, bound, raising, out):
     # dst_moves.cut_densities (raising False: budget the seconds to shed, bound i_min) and
-    # raise_densities (True: budget the slack, cap each unit's float, bound i_max), per
-    # (row, stage): the micro-batches in ``order``, the running sum as np.cumsum makes it
-    # (c_0 = x_0, c_j = c_(j-1) + x_j) less the unit's own, minima as np.minimum (NaN wins);
-    # a unit that moves takes the highest grid index whose seconds fit (a row's seconds are
-    # non-decreasing: the ones that fit are a prefix, so a short walk finds its end)
-    k, m, pp = units.shape
-    for r in range(k):
-        for p in range(pp):
-            cum = 0.0
-            for jj in range(m):
-                j = order[r, jj, p]
-                u, c = units[r, j, p], cur[r, j, p]
-                t_cur = flat[u + c]
-                out[r, j, p] = c
-                if raising:
-                    x = flat[u + bound] - t_cur
-                    cp = cap[r, j, p]
-                    if cp < x or cp != cp:
-                        x = cp
-                else:
-                    x = t_cur - flat[u + bound]
-                cum = x if jj == 0 else cum + x
-                left = budget[r, p] - (cum - x)
-                if raising:
-                    if cp < left or cp != cp:
-                        left = cp
-                if not (left > 0 and x > 0):
-                    continue
-                if raising:
-                    lim = t_cur + left
-                    i = c
-                    while i < bound and flat[u + i + 1] <= lim:
-                        i += 1
-                else:
-                    lim = t_cur - left
-                    i = c
-                    while i > bound and not flat[u + i] <= lim:
-                        i -= 1
-                out[r, j, p] = i
+    # raise_densities (True: budget the slack, cap each unit's float, bound i_max), row by row
+    for r in range(units.shape[0]):
+        _moves_row(flat, units[r], cur[r], budget[r], cap[r] if raising else cap[0], 1.0,
+                   order[r], bound, raising, out[r])
 
 
 def sensitivity_moves(flat, units, cur, budget, cap, order, bound: int, raising: bool
@@ -245,9 +256,9 @@ def sensitivity_moves(flat, units, cur, budget, cap, order, bound: int, raising:
     compiled loop: [k, m, pp] grid indices (``units``, ``cur``, ``cap``, ``order`` [k, m, pp];
     ``budget`` [k, pp]; ``bound`` i_min or i_max)."""
     out = np.empty(units.shape, dtype=np.int64)
-    kernel(_sensitivity_moves)(_c(flat, np.float64), _c(units, np.int64), _c(cur, np.int64),
-                               _c(budget, np.float64), _c(cap, np.float64),
-                               _c(order, np.int64), int(bound), bool(raising), out)
+    moves = kernel(_sensitivity_moves, calls=(_moves_row,))
+    moves(_c(flat, np.float64), _c(units, np.int64), _c(cur, np.int64), _c(budget, np.float64),
+          _c(cap, np.float64), _c(order, np.int64), int(bound), bool(raising), out)
     return out
 
 
@@ -298,6 +309,14 @@ FILL_GRID = 4096
 _EXPS: list = []
 
 
+def fill_exps() -> np.ndarray:
+    """exp of every log lambda on water-filling's bisection grid, -20 + 40 k / FILL_GRID (made
+    once per process)."""
+    if not _EXPS:
+        _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
+    return _EXPS[0]
+
+
 def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int) -> np.ndarray:
     """``policy.dst_moves.water_fill``'s search for n >= 2 (row, stage) columns, [slots, n]
     arrays (``u`` the units' table offsets, ``b`` their seconds per unit of density, ``lo`` /
@@ -309,13 +328,11 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
         raise ValueError(f"water_fill kernel: {u.shape[1]} columns and {iters} steps, expected "
                          f">= 2 columns and at most {FILL_GRID.bit_length() - 1} steps (the "
                          f"bisection's lambdas must stay on the grid)")
-    if not _EXPS:
-        _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
     out = np.empty(u.shape, dtype=np.int64)
     fill = kernel(_water_fill, calls=_GAIN_CALLS)
     fill(_c(t, np.float64), _c(u, np.int64), _c(b, np.float64), _c(lo, np.int64),
          _c(hi, np.int64), _c(limit, np.float64), _c(flat, np.float64), _c(shift, np.float64),
-         _c(first, np.int64), float(low), float(high), _EXPS[0], int(iters), out)
+         _c(first, np.int64), float(low), float(high), fill_exps(), int(iters), out)
     return out
 
 
