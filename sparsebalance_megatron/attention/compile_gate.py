@@ -16,7 +16,8 @@ the compile's arguments, the triton version and the worker's source) is in a cac
 - a default or pinned config (and every fixed-config kernel) fails on any problem: a spill
   (stack bytes, STL/LDL), more than ``SHARED_LIMIT`` bytes of shared memory (227 KB: it
   compiles and cannot launch on an H100), or a GEMM of the forward or dK/dV/dQ main loop off
-  wgmma (any HMMA, or no HGMMA);
+  wgmma (any HMMA, or no HGMMA), except a pinned config whose HMMA ``triton_launch.HMMA_KEPT``
+  justifies with a device measurement (a default never: it runs where nothing was measured);
 - an autotune candidate fails when it cannot launch or does not compile, and when it spills
   unless ``triton_launch.SPILL_KEPT`` states why it stays; HMMA is reported, not refused;
 - a fixed-config kernel (selection, lists, ``bwd_pre``/``bwd_post``) is judged as a default,
@@ -240,8 +241,10 @@ def problems(kernel: str, res: dict) -> List[str]:
 
 def verdict(c: Compile, found: List[str]) -> str:
     """``pass`` or ``fail: <why>`` (module docstring: the rules per role)."""
-    from .triton_launch import SPILL_KEPT
+    from .triton_launch import HMMA_KEPT, SPILL_KEPT
     strict = any(r in ("default", "pinned") for r in c.roles)
+    if "default" not in c.roles and (c.target, c.name, c.label()) in HMMA_KEPT:
+        found = [p for p in found if not p.startswith("GEMMs off wgmma")]   # measured faster
     if "fixed" in c.roles:      # a fixed-config kernel's spill stays only with a stated reason
         found = [p for p in found if not (p.startswith("spills") and (
             c.target, c.name, c.label()) in SPILL_KEPT)]

@@ -97,7 +97,8 @@ def test_the_rules_fail_what_they_must(monkeypatch):
     fails only when it cannot launch, or spills without a stated reason."""
     items = gate.compiles(targets=[(8, 2, 128, 128)])
     default = next(c for c in items if c.name == "dkv_kernel" and "default" in c.roles)
-    cand = next(c for c in items if c.name == "dkv_kernel" and "default" not in c.roles)
+    cand = next(c for c in items if c.name == "dkv_kernel"
+                and not {"default", "pinned"} & set(c.roles))
     spill = _result(stack=64, STL=3, LDL=5)
     big = _result(shared=257 * 1024)
     hmma = _result(HMMA=32, HGMMA=20)
@@ -121,6 +122,28 @@ def test_the_rules_fail_what_they_must(monkeypatch):
     assert gate.problems("fwd_kernel", _result(HGMMA=0)) != []
     assert gate.problems("fwd_kernel", dict(ok=False, error="boom"))[0].startswith(
         "does not compile")
+
+
+def test_a_pinned_hmma_config_stays_only_with_the_device_measurement(monkeypatch):
+    """A pinned backward whose dQ GEMM runs on mma.sync passes the gate only while
+    ``HMMA_KEPT`` names the device measurement that chose it; every ``HMMA_KEPT`` entry is a
+    pinned compile (no stale reason), and HMMA in a default still fails."""
+    from sparsebalance_megatron.attention import triton_launch
+    items = gate.compiles(targets=list(gate.TARGETS))
+    pinned = {(c.target, c.name, c.label()): c for c in items if "pinned" in c.roles}
+    assert set(triton_launch.HMMA_KEPT) <= set(pinned)
+    hmma = gate.problems("dkv_kernel", _result(HMMA=32, HGMMA=20))
+    for key in list(triton_launch.HMMA_KEPT):
+        c = pinned[key]
+        assert gate.verdict(c, hmma) == "pass"
+        assert gate.verdict(c, gate.problems("dkv_kernel", _result(stack=64, STL=1)))\
+            .startswith("fail")                       # the reason excuses HMMA, nothing else
+        monkeypatch.delitem(triton_launch.HMMA_KEPT, key)
+        assert gate.verdict(c, hmma).startswith("fail")
+    default = next(c for c in items if c.name == "dkv_kernel" and "default" in c.roles)
+    monkeypatch.setitem(triton_launch.HMMA_KEPT, (default.target, default.name,
+                                                  default.label()), "a stated reason")
+    assert gate.verdict(default, hmma).startswith("fail")
 
 
 def test_cuobjdump_parsing():
