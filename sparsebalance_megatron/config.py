@@ -246,8 +246,9 @@ class SparseBalanceConfig:
         "document padding (2 x CP) and, with sequence parallelism, of TP x CP. 'auto': "
         "variable (a multiple of 128 that meets those) where SAB packs for dense attention on "
         "the plugin's data path (dense attention takes any length, as Megatron's own "
-        "dp_balanced packer feeds it), else 0: with sparse attention (a kernel compile per "
-        "length), a HybridModel, CUDA graphs (fixed shapes), or a --sb-latency-table profiled "
+        "dp_balanced packer feeds it) and for sparse attention through the triton backend "
+        "(its kernels take any length), else 0: with sparse attention through any other "
+        "backend ('auto' may pick flex, a kernel compile per length), a HybridModel, CUDA graphs (fixed shapes), or a --sb-latency-table profiled "
         "at one token total (it cannot price shorter micro-batches); with --sb-replay-plans, "
         "the multiple the plans were packed at. The launch line says which and why.")
     tokenizer: str = _f(

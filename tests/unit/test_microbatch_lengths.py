@@ -56,6 +56,21 @@ def test_auto_is_variable_for_sab_with_dense_attention():
     assert resolve(["--sb-batching", "--sb-seq-pad-multiple", "3"])[0] == 384
 
 
+def test_auto_is_variable_for_sparse_attention_through_triton():
+    """The triton kernel takes any length: sparse attention through it packs as dense SAB does;
+    'auto' (which may become flex, a compile per length) and flex keep fixed shapes."""
+    k, why = resolve(["--sparse-balance", "--sb-attention-backend", "triton"])
+    assert k == VARIABLE_MULTIPLE and "the triton kernel takes any length" in why
+    for backend in ("auto", "flex", "torch"):
+        k, why = resolve(["--sparse-balance", "--sb-attention-backend", backend])
+        assert k == 0 and f"through the {backend} backend" in why
+        assert "--sb-attention-backend triton takes any length" in why
+    # what else needs fixed shapes still does
+    assert resolve(["--sparse-balance", "--sb-attention-backend", "triton"], hybrid=True)[0] == 0
+    assert resolve(["--sparse-balance", "--sb-attention-backend", "triton", "--sb-packing",
+                    "token_balanced"])[0] == 0
+
+
 @pytest.mark.parametrize("flags, kw, named", [
     (["--sparse-balance"], {}, "sparse attention"),
     (["--sb-batching", "--sb-sparse-attention"], {}, "sparse attention"),

@@ -10,8 +10,9 @@ needs fixed shapes, and to 0 (fixed) otherwise; the launch line says which and w
 given is kept as given (the launch checks judge it).
 
 Variable where all hold: the plugin's data path, SAB packing, dense attention (Megatron's own
-attention takes any THD length, as its packing scheduler feeds it; the sparse kernels compile
-per length and are verified at fixed length only on GPU), no HybridModel (its Mamba layers'
+attention takes any THD length, as its packing scheduler feeds it) or a sparse backend that
+takes any length (``LENGTH_FREE_BACKENDS``: triton; flex compiles per length, and 'auto' may
+resolve to it after the lengths are fixed, at the start-up profile), no HybridModel (its Mamba layers'
 packed path is not verified here), no CUDA graphs (they capture fixed shapes), and a latency
 table that prices shorter micro-batches (the start-up profile is taken at several token totals;
 a given table profiled at one total cannot tell token work from per-micro-batch costs). The
@@ -30,6 +31,14 @@ import math
 from typing import Optional
 
 from ...config import SparseBalanceConfig, flag_name
+
+LENGTH_FREE_BACKENDS = ("triton",)
+"""Sparse backends whose kernels take any micro-batch length without compiling again (triton:
+the per-micro-batch sizes are not specialised on; ``sparse_triton_kernels``), so 'auto' packs
+variable-length micro-batches for them as for dense attention. On an H200 the fixed length
+cost the sparse runs of the long-document data set 30% padding (2026-11-26,
+``docs/results/gpu_check_h200_run1_train.json``: 45,780 real tokens of 65,536 positions per
+step on average)."""
 
 VARIABLE_MULTIPLE = 128
 """What 'auto' rounds a variable-length micro-batch up to (before the padding and sequence-
@@ -76,8 +85,10 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         return recorded, (f"{kind} micro-batches ({flag}: as the plans of "
                           f"{flag_name('replay_plans')} were packed)")
     fixed = None
-    if sb.sparse_attention_enabled:
-        fixed = "sparse attention (its kernels are verified at fixed lengths)"
+    if sb.sparse_attention_enabled and sb.attention_backend not in LENGTH_FREE_BACKENDS:
+        fixed = (f"sparse attention through the {sb.attention_backend} backend (flex compiles "
+                 f"a kernel per length and 'auto' may pick it; "
+                 f"{flag_name('attention_backend')} triton takes any length)")
     elif sb.packing_method != "sab":
         fixed = f"{sb.packing_method} packing (Megatron's fixed shapes)"
     elif hybrid:
@@ -96,9 +107,10 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
     k = math.lcm(VARIABLE_MULTIPLE, sb.pad_multiple(cp))
     if getattr(args, "sequence_parallel", False) and tp > 1:
         k = math.lcm(k, tp * cp)
-    return k, (f"variable-length micro-batches, multiples of {k} tokens ({flag}: SAB with dense "
-               f"attention pays no fill; {flag_name('microbatch_multiple')} 0 keeps "
-               f"--seq-length shapes)")
+    what = ("the triton kernel takes any length" if sb.sparse_attention_enabled
+            else "SAB with dense attention pays no fill")
+    return k, (f"variable-length micro-batches, multiples of {k} tokens ({flag}: {what}; "
+               f"{flag_name('microbatch_multiple')} 0 keeps --seq-length shapes)")
 
 
 def apply_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
