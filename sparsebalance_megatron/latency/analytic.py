@@ -35,7 +35,10 @@ Published figures behind ``DeviceProfile.h100_sxm`` (approximate, stated in the 
 The other figures are assumptions from published numbers, not measurements: the output says so.
 
 Routing (``routing_density``): the table's ``dense_crossover_tokens`` is derived from its own cost
-terms, per layer, forward + backward, as the profiler measures it (one document alone): a
+terms, per layer, forward + backward, one document alone (the profiler measured so until
+2026-11-26; it now times packed micro-batches of equal documents, ``megatron/launch/
+crossover.py``, which shares the per-call costs: this derivation is not yet changed to match, so
+the simulated studies' routing stays as they were computed): a
 document of n blocks costs ``sparse_call + pair x kept(n, d0) + select x n^2`` sparse and
 ``dense_call + dense x n (n + 1) / 2`` dense, and ``crossover.crossover_tokens`` picks the
 length from which sparse stays cheaper (above every length: all documents dense). Every table

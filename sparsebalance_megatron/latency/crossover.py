@@ -2,9 +2,9 @@
 
 Routing (``attention.routing``) sends documents shorter than the crossover through one dense
 varlen call. The crossover is a property of the device, the kernels and the head shape, so it is
-measured (``megatron/launch/crossover.py`` times single documents of increasing block counts, dense vs
-sparse at the base density, forward + backward) or derived from an analytic table's own cost
-terms (``analytic.py``), and stored with the latency table:
+measured (``megatron/launch/crossover.py`` times packed micro-batches of equal documents of
+increasing block counts, dense vs sparse at the base density, forward + backward) or derived
+from an analytic table's own cost terms (``analytic.py``), and stored with the latency table:
 
 - ``dense_crossover_tokens``: the crossover (0: no routing; a table without it routes nothing);
 - ``dense_crossover``: what it was measured with and the times (kernels, head shape, dtype,

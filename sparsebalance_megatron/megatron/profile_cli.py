@@ -65,10 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--analytic", action="store_true",
                    help="write the analytic H100 table of the given shape instead of measuring")
     r.add_argument("--dense-crossover", choices=("auto", "measure", "off"), default="auto",
-                   help="measure the dense/sparse crossover (single documents, both kernels, at "
-                   "--sb-density) and route the grid's short documents dense at it; 'auto': on "
-                   "CUDA and for --analytic (the CPU kernels are functional stand-ins whose "
-                   "crossover would route every document dense)")
+                   help="measure the dense/sparse crossover (packed micro-batches of equal "
+                   "documents, both kernels, at --sb-density) and route the grid's short "
+                   "documents dense at it; 'auto': on CUDA and for --analytic (the CPU kernels "
+                   "are functional stand-ins whose crossover would route every document dense)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--no-resume", action="store_true",
                    help="measure every sample anew, replacing any OUT.partial.jsonl left by a "

@@ -1,11 +1,18 @@
 """Measure this device's dense/sparse crossover for the profiler (``profile.profile_table``).
 
-Single documents of 1, 2, 3, 4, 6, 8, 12, ... blocks, up to the micro-batch length
-(``latency.crossover.crossover_lengths``), are timed forward + backward through the run's two
-kernels: ``dense_varlen_attention`` with ``--sb-dense-kernel``, and ``block_sparse_attention`` at
-the base density ``--sb-density`` with ``--sb-attention-backend`` and the run's selection knobs,
-laid out as a routed micro-batch's long documents are: padded as the whole micro-batch
-(``pad_to_tokens``), so flex runs the one compiled shape the profiled grid and training use.
+For documents of 1, 2, 3, 4, 6, 8, 12, ... blocks, up to the micro-batch length
+(``latency.crossover.crossover_lengths``), one packed micro-batch of as many such documents as
+fit (``packed_counts``) is timed forward + backward through the run's two kernels:
+``dense_varlen_attention`` with ``--sb-dense-kernel``, and ``block_sparse_attention`` at the base
+density ``--sb-density`` with ``--sb-attention-backend`` and the run's selection knobs, padded as
+the whole micro-batch (``pad_to_tokens``), so flex runs the one compiled shape the profiled grid
+and training use. Packed, not one document per call: routing moves a document between two calls
+that a micro-batch makes anyway, so what decides is each kernel's cost per document with the
+per-call costs (launches, the selection's fixed work) shared by a micro-batch's documents. One
+short document per call charged the sparse call's whole fixed cost to it: on an H200 that put the
+crossover at 12,288 tokens (triton, density 0.5, 14 / 2 heads x 64), while packed 32K micro-batches
+of 30-77 documents of at most 4,513-15,459 tokens ran 0.41-0.92x the dense varlen call unrouted
+and 0.97-1.05x routed (``docs/results/attention_gpu_h200_run1.json``).
 The head shape is the profiled model's (TP = 1), the dtype that of its stage (bfloat16 on CUDA,
 float32 on CPU). Repeats are passes over all lengths (a burst of load spoils one sample of many
 points); the median is kept. ``latency.crossover.crossover_tokens`` turns the times into the
@@ -46,15 +53,17 @@ def _time_fwd_bwd(fn, inputs, w, device) -> float:
     return time.perf_counter() - t0
 
 
-def _sparse_fn(sb: SparseBalanceConfig, tokens: int, backend: str, pad_to_tokens=None):
-    """``f(q, k, v) -> out``: the run's sparse attention of one ``tokens``-token document
-    through ``backend`` (``f.backend``), with a cache of its own: one micro-batch, the layout
-    built once, as in training."""
+def _sparse_fn(sb: SparseBalanceConfig, tokens, backend: str, pad_to_tokens=None):
+    """``f(q, k, v) -> out``: the run's sparse attention of one ``tokens``-token document (or
+    of the documents between the boundaries ``tokens``, a list) through ``backend``
+    (``f.backend``), with a cache of its own: one micro-batch, the layout built once, as in
+    training."""
     cache = {}
+    bounds = list(tokens) if isinstance(tokens, (list, tuple)) else [0, int(tokens)]
 
     def sparse(q, k, v):
         return block_sparse_attention(
-            q, k, v, [0, tokens], sb.density, block_size=sb.block_size,
+            q, k, v, bounds, sb.density, block_size=sb.block_size,
             sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
             selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
             min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
@@ -64,27 +73,35 @@ def _sparse_fn(sb: SparseBalanceConfig, tokens: int, backend: str, pad_to_tokens
     return sparse
 
 
+def packed_counts(lengths, max_tokens: int) -> list[int]:
+    """How many documents of each length one micro-batch of ``max_tokens`` holds (at least 1)."""
+    return [max(1, int(max_tokens) // int(n)) for n in lengths]
+
+
 def measure_crossover(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int,
                       head_dim: int, max_tokens: int, device, dtype: torch.dtype,
                       repeats: int = 3, warmup: int = 1, seed: int = 0) -> dict:
-    """The crossover record of this device (kernels, head shape, dtype, density, lengths, median
-    seconds of each kernel, ``tokens``: the crossover; ``latency.crossover.crossover_entries``
-    makes it table entries)."""
+    """The crossover record of this device (kernels, head shape, dtype, density, lengths, the
+    documents per timed micro-batch, median seconds of each kernel per micro-batch, ``tokens``:
+    the crossover; ``latency.crossover.crossover_entries`` makes it table entries)."""
     device = torch.device(device)
     lengths = crossover_lengths(sb.block_size, max_tokens)
+    counts = packed_counts(lengths, max_tokens)
     g = torch.Generator(device="cpu").manual_seed(seed)
     cases = []
-    for n in lengths:
-        q, k, v = (torch.randn(n, h, head_dim, generator=g).to(device, dtype).requires_grad_()
+    for n, count in zip(lengths, counts):
+        t = n * count
+        q, k, v = (torch.randn(t, h, head_dim, generator=g).to(device, dtype).requires_grad_()
                    for h in (num_heads, num_groups, num_groups))
-        w = torch.randn(n, num_heads, head_dim, generator=g).to(device)
-        docs = packed_docs([0, n], n, device)
+        w = torch.randn(t, num_heads, head_dim, generator=g).to(device)
+        bounds = [i * n for i in range(count + 1)]
+        docs = packed_docs(bounds, t, device)
 
         def dense(q_, k_, v_, docs=docs):
             return dense_varlen_attention(q_, k_, v_, docs, kernel=sb.dense_kernel)
 
         cases.append(((q, k, v), w, dense,
-                      _sparse_fn(sb, n, sb.attention_backend, pad_to_tokens=max_tokens)))
+                      _sparse_fn(sb, bounds, sb.attention_backend, pad_to_tokens=max_tokens)))
     samples = np.zeros((repeats, len(lengths), 2))
     for r in range(warmup + repeats):
         for j, (inputs, w, dense, sparse) in enumerate(cases):
@@ -98,7 +115,8 @@ def measure_crossover(sb: SparseBalanceConfig, *, num_heads: int, num_groups: in
             "num_attention_heads": num_heads, "num_query_groups": num_groups,
             "head_dim": head_dim, "dtype": str(dtype).replace("torch.", ""),
             "block_size": sb.block_size, "density": sb.density, "repeats": repeats,
-            "lengths": lengths, "dense_s": dense_s, "sparse_s": sparse_s,
+            "layout": "packed", "lengths": lengths, "docs_per_call": counts,
+            "dense_s": dense_s, "sparse_s": sparse_s,
             "tokens": crossover_tokens(lengths, dense_s, sparse_s)}
 
 
