@@ -61,8 +61,8 @@ SHAPE = ["--num-layers", "8", "--hidden-size", "896", "--ffn-hidden-size", "4864
          "--num-attention-heads", "14", "--num-query-groups", "2", "--kv-channels", "64",
          "--seq-length", "32768"]
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
-LIMIT_S = {"env": 40, "smoke": 110, "bench": 280, "tests": 170, "autotune": 220,
-           "recompile": 180, "latency": 200, "train": 260}
+LIMIT_S = {"env": 20, "smoke": 110, "bench": 220, "tests": 110, "autotune": 70,
+           "recompile": 180, "latency": 90, "train": 255}
 GPU_PATH_MODULES = ("sparsebalance_megatron.attention.dense", "sparsebalance_megatron.attention.flex",
                     "sparsebalance_megatron.attention.sparse_triton",
                     "sparsebalance_megatron.attention.block_lists",
@@ -73,7 +73,7 @@ LONG_DOC_TOKENS = 16384     # the end-to-end data set of long documents: 16K tok
 TRAIN_VARIANTS = {"dense": [], "dense_sab": ["--sb-batching"],
                   "sb_d0.5": ["--sparse-balance", "--sb-density", "0.5"],
                   "sb_d0.25": ["--sparse-balance", "--sb-density", "0.25"]}
-TRAIN_STEPS, TRAIN_WARMUP = 8, 3
+TRAIN_STEPS, TRAIN_WARMUP = 10, 3
 
 
 def _run(cmd, log_path, limit_s, env=None):
@@ -307,12 +307,21 @@ def _train_cmd(py, impl, metrics, table, variant_flags, data_flags, backend):
 
 
 def train_summary(records):
-    """Per run: median tokens/s after the warm-up steps, the losses of every step, the last
-    step's work-weighted mean density and per-stage densities."""
+    """Per run, after the warm-up steps: tokens/s as all their tokens over all their seconds
+    (each step's global batch holds different documents, so one step's tokens/s swings with its
+    padding: the H200 run of 2026-11-26 read 33-107K tokens/s in one run), the median step's
+    tokens/s beside it, and each step's seconds (``step_s``, for the paired comparison of
+    ``paired_speedup``); the losses of every step; the last step's work-weighted mean density
+    and per-stage densities. Records without ``tokens``/``step_time_s`` give the median."""
     steady = [r for r in records if r.get("step", 0) > TRAIN_WARMUP and r.get("tokens_per_s")]
+    median = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2] if steady else None
+    timed = steady and all(r.get("tokens") and r.get("step_time_s") for r in steady)
     out = {"steps": len(records), "losses": [r.get("loss") for r in records],
-           "tokens_per_s": (sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2]
-                            if steady else None),
+           "tokens_per_s": (sum(r["tokens"] for r in steady)
+                            / sum(r["step_time_s"] for r in steady)) if timed else median,
+           "median_step_tokens_per_s": median,
+           "step_s": {str(r["step"]): r["step_time_s"] for r in steady
+                      if r.get("step_time_s")},
            "mean_density": records[-1].get("mean_density") if records else None,
            "density_per_stage": records[-1].get("density_per_stage") if records else None}
     return out
@@ -364,8 +373,20 @@ def step_train(out_dir, table, limit, env, backend):
                 run["speedup_vs_dense"] = run["tokens_per_s"] / dense
             if best_dense and run.get("tokens_per_s") and not variant.startswith("dense"):
                 run["speedup_vs_best_dense"] = run["tokens_per_s"] / best_dense
+                best = res["runs"][f"{data_name}/" + ("dense" if best_dense == dense
+                                                      else "dense_sab")]
+                run["paired_speedup_vs_best_dense"] = paired_speedup(best, run)
     res["seconds"] = time.time() - t0
     return res
+
+
+def paired_speedup(base, run):
+    """The median over the steady steps both runs timed of base seconds / run seconds: the same
+    step number is the same global batch in every variant (one seed, one data order), so each
+    ratio compares like with like; None without common steps."""
+    a, b = base.get("step_s") or {}, run.get("step_s") or {}
+    ratios = sorted(a[k] / b[k] for k in a.keys() & b.keys() if b[k] > 0)
+    return ratios[len(ratios) // 2] if ratios else None
 
 
 def _te_available(env):
@@ -446,6 +467,10 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None):
             rc, sec, tail = _run([py, "-m", "sparsebalance_megatron.megatron.profile_cli",
                                   "--quick", "--warmup", "1", "--no-progress", *SHAPE,
                                   "--sb-attention-backend", train_backend,
+                                  # triton trains variable-length micro-batches ('auto' in
+                                  # launch/lengths.py): a table of several token totals
+                                  *(["--sb-microbatch-multiple", "128"]
+                                    if train_backend == "triton" else []),
                                   "--sb-block-size", "128", "--out", table], log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "profile_seconds": sec}
             if rc == 0:

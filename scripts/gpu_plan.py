@@ -5,10 +5,12 @@ the carry arithmetic; the wheels packed here into checksummed pieces and unpacke
 The GPU machine takes at most 64 MiB with each command (the working tree, tracked and untracked
 files that git does not ignore, plus the carried folders), at most 8 carried folders, runs one
 command at most 10 minutes, returns at most 8 files of what the command writes under ``$OUT``
-(2 folders down), may come back bare for the next command, and gives a session 30 minutes of
-device time. So every call unpacks its own wheels, carries at most ``CARRY_LIMIT`` (60 MiB, a
-margin under 64), stops starting work before its own deadline, and the plan's timeouts add up to
-at most ``PLAN_LIMIT_S`` (25 minutes, the rest is the machine's start).
+(2 folders down), may come back bare for the next command, and gives a session 15 minutes of
+device time, the machine's start (about 40 s on 2026-11-26) and its idle wait after each call
+(30 s, unless given back) included. So every call unpacks its own wheels, carries at most
+``CARRY_LIMIT`` (60 MiB, a margin under 64), stops starting work before its own deadline, and
+the plan's timeouts add up to at most ``PLAN_LIMIT_S`` (13.5 minutes): two calls, run back to
+back (a second call within 30 s finds the machine warm), then ``give_back``.
 
     python scripts/gpu_plan.py show                      # the calls, as docs/GPU.md lists them
     python scripts/gpu_plan.py check .whl                # the tree + these folders vs 60 MiB
@@ -34,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
 CARRY_LIMIT = 60 * MIB          # the machine's 64 MiB less a margin for files added later
 CALL_LIMIT_S = 600
-PLAN_LIMIT_S = 25 * 60
+PLAN_LIMIT_S = 810
 MAX_CARRY_PATHS = 8
 MAX_OUT_FILES = 8
 MANIFEST = "SHA256SUMS"
@@ -48,23 +50,25 @@ class Call:
     timeout_s: int               # the device call's timeout_s
     budget_s: int                # gpu_check.py --budget-s: no step starts after it
     carry: Tuple[str, ...] = (".whl",)
+    train_backend: str = "auto"  # gpu_check.py --train-backend
     outputs: Tuple[str, ...] = ("gpu_check.json", "bundle.tar.gz")
     what: str = ""
 
 
 PLAN: Tuple[Call, ...] = (
-    Call("smoke", ("env", "smoke"), 170, 150,
-         outputs=("gpu_check.json", "smoke_rows.jsonl", "bundle.tar.gz"),
-         what="versions, imports, signatures; one 32K document per backend vs dense"),
-    Call("table", ("bench", "tests"), 480, 460,
+    # step times of the 2026-11-26 H200 run: env 13 s, bench 251 s (cut by its deadline; the
+    # rows that decide the targets come first), tests 84 s, autotune 29 s (the gate's compiles
+    # reused), each pretrain() run 27-66 s (37 s of it the start-up profile, which a run given
+    # the latency step's table skips)
+    Call("table", ("env", "bench", "tests", "autotune"), 440, 420,
          outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz"),
-         what="the kernel table at the target shape first; pytest tests/gpu (bf16)"),
-    Call("autotune", ("autotune",), 240, 225,
-         what="the triton backend's launch settings, timed only over the candidates that "
-              "pass the sm_90a compile gate (attention/compile_gate.py, the device's triton); "
-              "the pins to paste into triton_launch.PINNED"),
-    Call("e2e", ("latency", "train"), 480, 465,
-         what="the GPU latency table and its held-out error; pretrain() dense vs sparse"),
+         what="versions, imports, signatures; the kernel table at the target shape first; "
+              "pytest tests/gpu (bf16); the triton backend's launch settings, timed only over "
+              "the candidates that pass the sm_90a compile gate (attention/compile_gate.py, "
+              "the device's triton): the pins to paste into triton_launch.PINNED"),
+    Call("e2e", ("latency", "train"), 360, 345, train_backend="triton",
+         what="the GPU latency table and its held-out error; pretrain() dense, dense + SAB and "
+              "--sparse-balance through triton (variable-length micro-batches)"),
 )
 
 PREAMBLE = ("python3 scripts/gpu_plan.py unpack .whl || exit 3; "
@@ -74,8 +78,9 @@ PREAMBLE = ("python3 scripts/gpu_plan.py unpack .whl || exit 3; "
 
 def command(call: Call) -> str:
     """The device command of ``call`` (the ``run`` tool's ``command``)."""
+    backend = "" if call.train_backend == "auto" else f"--train-backend {call.train_backend} "
     return (PREAMBLE + f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
-            f"--budget-s {call.budget_s} --bundle --out-dir $OUT/{call.name}")
+            f"--budget-s {call.budget_s} {backend}--bundle --out-dir $OUT/{call.name}")
 
 
 def plan_problems(plan: Sequence[Call] = PLAN) -> List[str]:
