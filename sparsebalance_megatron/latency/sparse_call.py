@@ -232,7 +232,8 @@ def triton_estimate(device=None) -> SparseCallPrice:
     ours = work_model.attention_flops(1, nq, block, hd)
     flex = work_model.attention_flops(1, nq, block, hd, one_pass_backward=False)
     s_per_flop = FLEX_H100.tile_s / flex["total"]
-    # the backward's key tile as launched (64 of a 128 block at hn 128: dQ added twice a tile)
+    # the backward's key tile as launched (the default's 64 of a 128 block at hn 128 adds dQ
+    # twice a tile; the H200's pin takes the whole block)
     key_tile = launch_config(hd, block, nq // REF_KV_HEADS).bwd_block_n
     dq_bytes = work_model.dq_traffic(1, nq, block, hd, key_tile)["atomic"]
     tile = ours["fwd"] * s_per_flop + max(ours["bwd"] * s_per_flop,
