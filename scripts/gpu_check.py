@@ -427,6 +427,8 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None):
     py = sys.executable
     table = os.path.join(work, "latency_gpu.json")
     from sparsebalance_megatron.attention.api import backend_missing
+    from sparsebalance_megatron.megatron.launch.lengths import (LENGTH_FREE_BACKENDS,
+                                                                 VARIABLE_MULTIPLE)
     bench_backends = [b for b in ("triton", "fa4", "flex", "flash")
                       if backend_missing(b, "cuda") is None]
     for name in steps:
@@ -467,10 +469,10 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None):
             rc, sec, tail = _run([py, "-m", "sparsebalance_megatron.megatron.profile_cli",
                                   "--quick", "--warmup", "1", "--no-progress", *SHAPE,
                                   "--sb-attention-backend", train_backend,
-                                  # triton trains variable-length micro-batches ('auto' in
-                                  # launch/lengths.py): a table of several token totals
-                                  *(["--sb-microbatch-multiple", "128"]
-                                    if train_backend == "triton" else []),
+                                  # such a backend trains variable-length micro-batches
+                                  # ('auto' in launch/lengths.py): several token totals
+                                  *(["--sb-microbatch-multiple", str(VARIABLE_MULTIPLE)]
+                                    if train_backend in LENGTH_FREE_BACKENDS else []),
                                   "--sb-block-size", "128", "--out", table], log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "profile_seconds": sec}
             if rc == 0:

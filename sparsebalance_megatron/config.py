@@ -248,9 +248,10 @@ class SparseBalanceConfig:
         "the plugin's data path (dense attention takes any length, as Megatron's own "
         "dp_balanced packer feeds it) and for sparse attention through the triton backend "
         "(its kernels take any length), else 0: with sparse attention through any other "
-        "backend ('auto' may pick flex, a kernel compile per length), a HybridModel, CUDA graphs (fixed shapes), or a --sb-latency-table profiled "
-        "at one token total (it cannot price shorter micro-batches); with --sb-replay-plans, "
-        "the multiple the plans were packed at. The launch line says which and why.")
+        "backend ('auto' may pick flex, a kernel compile per length), a HybridModel, CUDA "
+        "graphs (fixed shapes), or a --sb-latency-table profiled at one token total (it "
+        "cannot price shorter micro-batches); with --sb-replay-plans, the multiple the plans "
+        "were packed at. The launch line says which and why.")
     tokenizer: str = _f(
         "qwen", "Tokenizer of the built-in real-text corpus and of .jsonl data: 'qwen' "
         "(Qwen2 BPE via tiktoken), 'gpt2', or 'byte'.", choices=TOKENIZERS)

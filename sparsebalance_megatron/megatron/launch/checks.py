@@ -31,6 +31,7 @@ from ...config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ...latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
 from ..errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
 from .data_checks import data_conflicts, packer_conflicts
+from .lengths import LENGTH_FREE_BACKENDS
 from .preflight import attention_dropout_conflicts, config_problems
 
 
@@ -227,12 +228,13 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
                    f"{tp if getattr(args, 'sequence_parallel', False) else 1} sequence-"
                    f"parallel ranks)")
     kernel = _gpu_kernel(sb)
-    if kernel in ("flex", "flash", "fa4"):   # triton compiles nothing per length: not refused
+    if kernel and kernel not in LENGTH_FREE_BACKENDS:   # the one list 'auto' packs by too
         # FA4's kernels take the length at run time; flex compiles one kernel per length
         compiles = "" if kernel == "fa4" else "each micro-batch length would compile its own " \
             "kernel; "
         out.append(f"{flag} with the {kernel} attention backend ({compiles}verified with "
-                   f"the torch backend only so far: add {flag_name('attention_backend')} torch)")
+                   f"the torch backend only so far: add {flag_name('attention_backend')} torch, "
+                   f"or triton on a GPU, whose kernels take any length)")
     if str(getattr(args, "cuda_graph_impl", "none") or "none") != "none" \
             or getattr(args, "enable_cuda_graph", False) \
             or getattr(args, "external_cuda_graph", False):

@@ -53,13 +53,11 @@ def _time_fwd_bwd(fn, inputs, w, device) -> float:
     return time.perf_counter() - t0
 
 
-def _sparse_fn(sb: SparseBalanceConfig, tokens, backend: str, pad_to_tokens=None):
-    """``f(q, k, v) -> out``: the run's sparse attention of one ``tokens``-token document (or
-    of the documents between the boundaries ``tokens``, a list) through ``backend``
-    (``f.backend``), with a cache of its own: one micro-batch, the layout built once, as in
-    training."""
+def _sparse_fn(sb: SparseBalanceConfig, bounds, backend: str, pad_to_tokens=None):
+    """``f(q, k, v) -> out``: the run's sparse attention of the documents between the token
+    boundaries ``bounds`` (``[0, ..., t]``) through ``backend`` (``f.backend``), with a cache of
+    its own: one micro-batch, the layout built once, as in training."""
     cache = {}
-    bounds = list(tokens) if isinstance(tokens, (list, tuple)) else [0, int(tokens)]
 
     def sparse(q, k, v):
         return block_sparse_attention(
@@ -143,7 +141,7 @@ def fastest_backend(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int,
         if why is not None:
             failed[backend] = why
             continue
-        sparse = _sparse_fn(sb, tokens, backend)
+        sparse = _sparse_fn(sb, [0, tokens], backend)
         try:
             times = [_time_fwd_bwd(sparse, (q, k, v), w, device)
                      for _ in range(warmup + repeats)][warmup:]

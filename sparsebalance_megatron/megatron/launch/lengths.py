@@ -12,8 +12,8 @@ given is kept as given (the launch checks judge it).
 Variable where all hold: the plugin's data path, SAB packing, dense attention (Megatron's own
 attention takes any THD length, as its packing scheduler feeds it) or a sparse backend that
 takes any length (``LENGTH_FREE_BACKENDS``: triton; flex compiles per length, and 'auto' may
-resolve to it after the lengths are fixed, at the start-up profile), no HybridModel (its Mamba layers'
-packed path is not verified here), no CUDA graphs (they capture fixed shapes), and a latency
+resolve to it after the lengths are fixed, at the start-up profile), no HybridModel (its Mamba
+layers' packed path is not verified here), no CUDA graphs (they capture fixed shapes), and a latency
 table that prices shorter micro-batches (the start-up profile is taken at several token totals;
 a given table profiled at one total cannot tell token work from per-micro-batch costs). The
 multiple is ``VARIABLE_MULTIPLE`` raised to what the document padding (2 x CP) and sequence
