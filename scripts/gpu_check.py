@@ -309,7 +309,7 @@ def _train_cmd(py, impl, metrics, table, variant_flags, data_flags, backend):
 def train_summary(records):
     """Per run, after the warm-up steps: tokens/s as all their tokens over all their seconds
     (each step's global batch holds different documents, so one step's tokens/s swings with its
-    padding: the H200 run of 2026-11-26 read 33-107K tokens/s in one run), the median step's
+    padding: the H200 run of 2026-11-26 read 35-101K tokens/s in one run), the median step's
     tokens/s beside it, and each step's seconds (``step_s``, for the paired comparison of
     ``paired_speedup``); the losses of every step; the last step's work-weighted mean density
     and per-stage densities. Records without ``tokens``/``step_time_s`` give the median."""
