@@ -217,13 +217,15 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
     plan, true of every plan at or above it unit by unit, as mean-density floors are): a round
     whose largest raise fails it is given up before its raises are simulated, as the round
     would be after (its plan is at or below that one)."""
-    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds,
-                    floors)[:2]
+    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom,
+                    lambda i: meets(costs.densities[i]), rounds,
+                    None if floors is None else lambda i: floors(costs.densities[i]))[:2]
 
 
 def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-             raise_headroom: float, meets, rounds: int, floors=None):
-    """``descend``, and the DP ranks' makespans [dp] of the plan it returns."""
+             raise_headroom: float, meets_at, rounds: int, floors_at=None):
+    """``descend``, and the DP ranks' makespans [dp] of the plan it returns; ``meets_at`` and
+    ``floors_at`` take a plan's grid indices (``descend``'s take its densities)."""
     st = _Step(costs, p2p_s)
     dp = costs.shape[0]
     t_min = costs.total_s[..., i_min].reshape(-1)
@@ -286,10 +288,10 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         lazy = compiled.enabled()       # the smaller fractions looked up where a rank tries them
         fractions = RAISE_FRACTIONS[:1, None] if lazy else RAISE_FRACTIONS[:, None]
         moved = st.highest_within(up, t1[up] + fractions * cap[up], lo[up], i_max)
-        if floors is not None:          # the round's best plan is below it: nothing will do
+        if floors_at is not None:       # the round's best plan is below it: nothing will do
             top = cut.copy()
             np.put(top, up, moved[0])
-            if not floors(costs.densities[top]):
+            if not floors_at(top):
                 eta /= 2
                 continue
         raise_limit = np.maximum(deadline, mk_cut) * (1 + _REL_EPS) + 1e-15  # beta 0 holds
@@ -304,7 +306,7 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         np.put(new, up, raised)
         mk_new[ranks] = mk_p
         new_step = float(mk_new.max())
-        if new_step < step * (1 - _REL_EPS) and meets(costs.densities[new]):
+        if new_step < step * (1 - _REL_EPS) and meets_at(new):
             st.put(cut, f1, b1, up, raised)                 # cut becomes new; f1, b1 its times
             dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
             seen, cuts = known                  # the units whose density changed: unknown
@@ -328,35 +330,86 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
     d0) instead."""
     if rounds <= 0:
         return plan
-    w, dense = costs.weights(), costs.dense_work
-    mean_floor = max(float(density_floor), NEUTRAL_DENSITY) * d0
-
-    def floors(dens) -> bool:              # non-decreasing in every density: rounding is
-        return (weighted_mean_density(dens, w, dense) >= mean_floor - 1e-12    # monotone
-                and float(np.min(stage_mean_densities(dens, w, dense)))
-                >= stage_density_floor * d0 - 1e-12)
-
-    def meets(dens) -> bool:
-        return floors(dens) and (quality is None
-                                 or quality.plan_cost(dens, costs.densities) <= 1e-12)
-
+    check = _FloorCheck(costs, max(float(density_floor), NEUTRAL_DENSITY) * d0,
+                        stage_density_floor * d0, quality)
+    meets = check.meets
     r = plan.report
     start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
     if r.step_time_planned_s > r.step_time_static_s or not meets(start):
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
-    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, meets, rounds,
-                             floors)
+    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, check.meets_at,
+                             rounds, check.floors_at)
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
         return plan
     dens = costs.densities[idx]
+    w, dense = costs.weights(), costs.dense_work
     report = replace(
         r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
         imbalance_after=float(mk.max() / mk.mean()) if mk.mean() > 0 else 1.0,
         mean_density=weighted_mean_density(dens, w, dense),
         units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()), ranks_reverted=0,
         density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, w, dense)),
-        quality_cost=quality.plan_cost(dens, costs.densities) if quality is not None
+        quality_cost=quality.plan_cost_at(idx, costs.densities) if quality is not None
         else r.quality_cost)
-    return replace(plan, densities=dens, report=report)
+    return replace(plan, densities=dens, report=report, grid_index=idx)
+
+
+class _FloorCheck:
+    """``refine_plan``'s floors on a plan (its densities, or its grid indices: ``*_at``): the
+    work-weighted mean density >= ``mean_floor``, every stage's >= ``stage_floor`` (each less
+    1e-12) and, with ``quality``, no predicted loss against uniform d0. The floats
+    ``weighted_mean_density``, ``stage_mean_densities`` and ``StageQuality.plan_cost`` give:
+    the same sums of the same products, with what does not depend on the plan (the weights'
+    totals, the routed work) summed once, not on every check of a descent's rounds."""
+
+    def __init__(self, costs: UnitCosts, mean_floor: float, stage_floor: float, quality):
+        self.grid, self.quality = costs.densities, quality
+        self.w = np.asarray(costs.weights(), dtype=np.float64)
+        self.mean_floor, self.stage_floor = mean_floor - 1e-12, stage_floor - 1e-12
+        self.tot, self.tot_s = float(self.w.sum()), self.w.sum(axis=(0, 1))
+        dense = costs.dense_work
+        if dense is not None:
+            dw = np.asarray(dense, dtype=np.float64)
+            if dw.shape != self.w.shape:
+                raise ValueError(f"dense_weights {dw.shape} must have the densities' shape "
+                                 f"{self.w.shape}")
+            self.dense, self.dense_s = float(dw.sum()), dw.sum(axis=(0, 1))
+            self.tot, self.tot_s = self.tot + self.dense, self.tot_s + self.dense_s
+        else:
+            self.dense = self.dense_s = None
+        self.stage_ok = self.tot_s > 0
+
+    def floors_at(self, idx: np.ndarray) -> bool:
+        """The density floors of the plan at grid indices ``idx`` (non-decreasing in every
+        density: rounding is monotone)."""
+        return self._floors(self.grid.take(idx))
+
+    def meets_at(self, idx: np.ndarray) -> bool:
+        """``floors_at`` and the quality rule."""
+        return self.floors_at(idx) and (self.quality is None or
+                                        self.quality.plan_cost_at(idx, self.grid) <= 1e-12)
+
+    def meets(self, dens: np.ndarray) -> bool:
+        """``meets_at`` of a plan given by its densities."""
+        return self._floors(np.asarray(dens, dtype=np.float64)) and (
+            self.quality is None or self.quality.plan_cost(dens, self.grid) <= 1e-12)
+
+    def _floors(self, d: np.ndarray) -> bool:
+        kept_all = d * self.w
+        kept = float(kept_all.sum())
+        if self.dense is not None:
+            kept = kept + self.dense
+        mean = kept / self.tot if self.tot > 0 else float(d.mean())
+        if not mean >= self.mean_floor:
+            return False
+        kept_s = kept_all.sum(axis=(0, 1))
+        if self.dense_s is not None:
+            kept_s = kept_s + self.dense_s
+        if self.stage_ok.all():
+            stage = kept_s / self.tot_s
+        else:
+            stage = np.where(self.stage_ok, kept_s / np.where(self.stage_ok, self.tot_s, 1.0),
+                             d.mean(axis=(0, 1)))
+        return float(np.min(stage)) >= self.stage_floor

@@ -109,7 +109,7 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                                      raise_to=raise_to, static=static, quality=quality)
     if quality is not None:
         filled = filled[0]
-        ordered.report.quality_cost = quality.plan_cost(ordered.densities, costs.densities)
+        ordered.report.quality_cost = ordered.quality_cost(quality, costs.densities)
         fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
         fastest = min(p.report.step_time_planned_s for p in fair)
         ordered = min((p for p in fair if p.report.step_time_planned_s
@@ -156,7 +156,7 @@ def _search_bands(costs: UnitCosts, sensitivity, d0: float, d_min: float, d_max:
             mine = [p for p, o in zip(found, owner) if o == i]
             if searches[i][1]:
                 for p in mine:
-                    p.report.quality_cost = quality.plan_cost(p.densities, costs.densities)
+                    p.report.quality_cost = p.quality_cost(quality, costs.densities)
             try:
                 pending[i] = searches[i][0].send(mine)
             except StopIteration as done:

@@ -58,6 +58,14 @@ class DSTReport:
 class DSTPlan:
     densities: np.ndarray   # [dp, m, stages] planned density of every unit (virtual stages)
     report: DSTReport
+    grid_index: Optional[np.ndarray] = None   # the densities' indices on the costs' grid
+
+    def quality_cost(self, quality, grid: np.ndarray) -> float:
+        """``quality.plan_cost`` of the plan (a ``StageQuality``) on the costs' ``grid``: from
+        the grid indices where the plan has them (the same floats, without the search)."""
+        if self.grid_index is not None:
+            return quality.plan_cost_at(self.grid_index, grid)
+        return quality.plan_cost(self.densities, grid)
 
 
 def check_raise_headroom(h: float) -> None:
@@ -289,7 +297,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
             units_cut=cut_c[c], units_raised=raised_c[c],
             ranks_reverted=int(rev_c[c].sum()), tolerance_used=float(tolerance),
             density_per_stage=stage_c[c])
-        plans.append(DSTPlan(dens_c[c], report))
+        plans.append(DSTPlan(dens_c[c], report, idx_c[c].reshape(dp, m, nv)))
     return plans
 
 

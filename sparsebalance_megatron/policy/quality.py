@@ -270,6 +270,14 @@ class StageQuality:
                 return float(flat.take(idx + np.arange(d.shape[2]) * g.size).sum(axis=2).mean())
         return float(self.unit_costs(d).sum(axis=2).mean())
 
+    def plan_cost_at(self, idx: np.ndarray, grid: np.ndarray) -> float:
+        """``plan_cost`` of the plan at grid indices ``idx`` [dp, m, nv] of ``grid`` (sorted,
+        distinct): the floats ``plan_cost(grid[idx], grid)`` gives (its search finds ``idx``
+        again), without the search. The planner's checks hold indices already."""
+        g = np.asarray(grid, dtype=np.float64)
+        flat = self._grid_table(g).reshape(-1)
+        return float(flat.take(idx + np.arange(idx.shape[2]) * g.size).sum(axis=2).mean())
+
     def _grid_table(self, grid: np.ndarray) -> np.ndarray:
         key = grid.tobytes()
         cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field

@@ -119,3 +119,7 @@ def test_a_plans_cost_looked_up_on_its_grid_is_the_interpolated_one():
     assert q.plan_cost(d, other) == q.plan_cost(d) and q.plan_cost(d, grid) == q.plan_cost(d)
     with pytest.raises(QualityCostError, match="one per stage"):
         q.plan_cost(np.full((2, 6, 2), 0.25), grid)
+    # the planner's checks hold grid indices: the same floats without the search
+    for _ in range(20):
+        i = rng.integers(0, grid.size, (3, 5, 3))
+        assert q.plan_cost_at(i, grid) == q.plan_cost(grid[i], grid) == q.plan_cost(grid[i])
