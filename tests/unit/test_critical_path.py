@@ -10,7 +10,8 @@ from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (density_grid, plan_dst_from_config,
                                            plan_dst_with_floor, weighted_mean_density)
 from sparsebalance_megatron.policy.costs import stage_mean_densities
-from sparsebalance_megatron.policy.critical_path import _FloorCheck, descend
+from sparsebalance_megatron.policy.critical_path import descend
+from sparsebalance_megatron.policy.floors import FloorCheck
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
 
@@ -221,7 +222,7 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
 
 def test_the_descents_floor_check_is_the_floors_functions_bit_for_bit():
     """The descent checks its rounds' plans by grid index with the weights' totals summed once
-    (``_FloorCheck``): the same verdicts as the mean and per-stage density functions and the
+    (``FloorCheck``): the same verdicts as the mean and per-stage density functions and the
     quality cost on the plan's densities, with routed work and with a stage without work."""
     rng = np.random.default_rng(11)
     for case in range(12):
@@ -235,7 +236,7 @@ def test_the_descents_floor_check_is_the_floors_functions_bit_for_bit():
         q = _quality(pp) if case % 2 else None
         w, dense, g = costs.weights(), costs.dense_work, costs.densities
         mean_floor, stage_floor = float(rng.uniform(0.8, 1.1)) * D0, 0.75 * D0
-        check = _FloorCheck(costs, mean_floor, stage_floor, q)
+        check = FloorCheck(costs, mean_floor, stage_floor, q)
         for _ in range(25):
             i = rng.integers(0, g.size, costs.shape)
             d = g[i]
