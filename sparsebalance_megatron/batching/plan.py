@@ -122,6 +122,15 @@ class BatchPlan:
         """All segments, rank-major then slot order."""
         return [seg for rank in self.micro_batches for mb in rank for seg in mb]
 
+    def segment_array(self) -> np.ndarray:
+        """``segments()`` as an [n, 3] int64 array (sample id, start, end), computed once."""
+        if "segments" not in self._cache:
+            n = int(self.unit_csr()[0][-1])
+            flat = np.fromiter(chain.from_iterable(self.segments()), dtype=np.int64,
+                               count=3 * n)
+            self._cache["segments"] = flat.reshape(n, 3)
+        return self._cache["segments"]
+
 
 def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
                   length_multiple: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -142,6 +142,20 @@ class SensitivityTracker:
         self._bucket = {int(k): float(v) for k, v in state["bucket"].items()}
 
 
+def batch_sensitivity(batch, tracker: SensitivityTracker) -> np.ndarray:
+    """``unit_sensitivity`` of a ``BatchPlan``'s micro-batches, from its cached segment array
+    and CSR offsets (the same numbers: the same ids, lengths and counts, as arrays)."""
+    dp, m = batch.dp, batch.num_microbatches
+    segs = batch.segment_array()
+    if not segs.shape[0]:
+        return np.zeros((dp, m))
+    est = tracker.estimate(segs[:, 0], segs[:, 2] - segs[:, 1])
+    counts = np.diff(batch.unit_csr()[0])
+    unit = np.repeat(np.arange(dp * m), counts)
+    sums = np.bincount(unit, weights=est, minlength=dp * m)
+    return (sums / np.maximum(counts, 1)).reshape(dp, m)
+
+
 def unit_sensitivity(micro_batches, tracker: SensitivityTracker) -> np.ndarray:
     """[dp, m] mean sensitivity of each micro-batch's segments (0 for an empty micro-batch):
     the per-unit sensitivity DST takes."""

@@ -92,6 +92,11 @@ def test_micro_batches_group_similar_sensitivity():
     assert np.all(np.minimum(np.abs(unit - 0.05), np.abs(unit - 0.45)) < 0.11), unit
     seq = sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)
     assert unit.std() > unit_sensitivity(seq.micro_batches, tracker).std()
+    # the planner's form, from the plan's cached arrays: the same floats
+    from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
+    for p in (plan, seq):
+        assert np.array_equal(batch_sensitivity(p, tracker),
+                              unit_sensitivity(p.micro_batches, tracker))
 
 
 def test_sensitivity_tracker_prefers_sample_then_bucket_then_prior():

@@ -268,3 +268,34 @@ def test_the_draft_is_read_back_before_the_step_ends(steps):
         assert pending.result() is pending._draft
     finally:
         proc.close()
+
+
+def test_the_assignment_check_catches_a_dropped_duplicated_or_moved_segment():
+    """``check_assignment`` compares the packing's segments with the step's as multisets
+    (sorted rows): a packing that drops, duplicates or changes a segment, or overfills a
+    micro-batch, is refused; a reordered one is not."""
+    from sparsebalance_megatron.batching.packing import sequential_plan
+    from sparsebalance_megatron.batching.plan import BatchPlan, checked_segments
+    from sparsebalance_megatron.megatron.step.checks import check_assignment, segment_counts
+
+    segs = [(k, 0, 100 + 7 * k) for k in range(24)] + [(3, 200, 260)]
+    plan = sequential_plan(segs, dp=2, num_microbatches=3, max_tokens=1024)
+    for given in (None, segment_counts(segs), segment_counts(checked_segments(segs))):
+        check_assignment(segs, plan, 1024, given)
+    mbs = [[list(mb) for mb in rank] for rank in plan.micro_batches]
+    mbs[0][0], mbs[1][2] = mbs[1][2], mbs[0][0]                  # reordered: still the step's
+    check_assignment(segs, BatchPlan(mbs, "sequential", 1024), 1024)
+    r, j = next((r, j) for r in range(2) for j in range(3) if mbs[r][j])
+    first = mbs[r][j][0]
+    for change in ("drop", "duplicate", "move"):
+        bad = [[list(mb) for mb in rank] for rank in mbs]
+        if change == "drop":
+            bad[r][j].pop(0)
+        elif change == "duplicate":
+            bad[1 - r][0].append(first)
+        else:
+            bad[r][j][0] = (first[0], first[1] + 1, first[2])
+        with pytest.raises(RuntimeError, match="dropped or duplicated"):
+            check_assignment(segs, BatchPlan(bad, "sequential", 1024), 1024)
+    with pytest.raises(RuntimeError, match="capacity 200"):
+        check_assignment(segs, plan, 200)

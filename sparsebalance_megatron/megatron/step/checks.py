@@ -10,7 +10,6 @@ Plain Python and numpy: no torch.distributed, no megatron.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -24,7 +23,7 @@ def check_assignment(segments, batch: BatchPlan, capacity: int, given=None) -> N
     ``given``: ``segment_counts(segments)`` where the caller has it (one per step, whatever
     the packings checked against it)."""
     want = segment_counts(segments) if given is None else given
-    if Counter(batch.segments()) != want:                             # as multisets
+    if not np.array_equal(_sorted_rows(batch.segment_array()), want):     # as multisets
         raise RuntimeError("packer dropped or duplicated segments of the global batch")
     offsets, lengths = batch.unit_csr()
     ends = np.zeros(lengths.size + 1, dtype=np.int64)
@@ -37,9 +36,17 @@ def check_assignment(segments, batch: BatchPlan, capacity: int, given=None) -> N
                            f"capacity {capacity}")
 
 
-def segment_counts(segments) -> Counter:
-    """The step's segments as a multiset (``check_assignment``)."""
-    return Counter(map(tuple, segments))
+def segment_counts(segments) -> np.ndarray:
+    """The step's segments as a multiset (``check_assignment``): their (sample id, start, end)
+    rows sorted, [n, 3] int64."""
+    arr = getattr(segments, "array", None)             # CheckedSegments: converted already
+    if arr is None:
+        arr = np.asarray(list(map(tuple, segments)), dtype=np.int64).reshape(-1, 3)
+    return _sorted_rows(arr)
+
+
+def _sorted_rows(a: np.ndarray) -> np.ndarray:
+    return a[np.lexsort((a[:, 2], a[:, 1], a[:, 0]))] if a.shape[0] > 1 else a
 
 
 def fingerprint(batch: BatchPlan) -> int:

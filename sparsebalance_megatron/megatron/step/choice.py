@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ...batching.sensitivity import unit_sensitivity
+from ...batching.sensitivity import batch_sensitivity
 from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
 from ...policy.costs import UnitCosts, density_grid
 from ...policy.stand_down import choose_step
@@ -52,7 +52,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
     costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid)
              for batch, units in options]
-    sens = [unit_sensitivity(batch.micro_batches, tracker) if tracker is not None else None
+    sens = [batch_sensitivity(batch, tracker) if tracker is not None else None
             for batch, _ in options]
     plan_fn = None
     if dst:
