@@ -18,6 +18,8 @@ and its ``scripts/studies/planner_cost.py`` helpers are used for its loops.
 
     .venv/bin/python scripts/bench.py planner_ab --other /tmp/old --rounds 3 --slowdown \\
         --json docs/results/planner_ab.json
+
+``--layout even`` times Megatron's even split instead of the best static layout.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _slowdown() -> dict:
     return {"slowdown": out["slowdown"], "local": out["local"]}
 
 
-def _run(tree: str, what: str, steps: int, dp: int = 64) -> dict:
+def _run(tree: str, what: str, steps: int, dp: int = 64, layout: str = "best") -> dict:
     """One loop in a subprocess with ``tree``'s package and study helpers (its stdout: JSON)."""
     env = dict(os.environ, PYTHONPATH=tree)
     code = (f"import sys, json, importlib.util; sys.path.insert(0, "
@@ -85,7 +87,8 @@ def _run(tree: str, what: str, steps: int, dp: int = 64) -> dict:
             f"spec = importlib.util.spec_from_file_location('studies.planner_ab', "
             f"{os.path.abspath(__file__)!r}); ab = importlib.util.module_from_spec(spec); "
             f"sys.modules[spec.name] = ab; spec.loader.exec_module(ab); "
-            f"print(json.dumps(ab.draft_loop({steps}, dp={dp}) if {what!r} == 'draft' "
+            f"print(json.dumps(ab.draft_loop({steps}, dp={dp}, layout={layout!r}) "
+            f"if {what!r} == 'draft' "
             f"else ab._slowdown()))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -100,6 +103,9 @@ def main(argv=None) -> int:
                    help="a checkout of the commit to compare with (git worktree add DIR REV)")
     p.add_argument("--rounds", type=int, default=3, help="alternated rounds per checkout")
     p.add_argument("--steps", type=int, default=6, help="drafts per loop (the first left out)")
+    p.add_argument("--layout", choices=("best", "even"), default="best",
+                   help="the pipeline layout of the 64 DP x 16 x PP4 step: the best static one "
+                        "(interleaved) or Megatron's even split")
     p.add_argument("--slowdown", action="store_true",
                    help="also the training thread's slowdown per round (studies/_slowdown.py, "
                         "about 30 s each)")
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
     out = {name: {"draft_ms": [], "hashes": [], "slowdown": [], "local": []} for name in trees}
     for r in range(args.rounds):
         for name, tree in trees.items():
-            loop = _run(tree, "draft", args.steps)
+            loop = _run(tree, "draft", args.steps, layout=args.layout)
             out[name]["draft_ms"] += loop["draft_ms"]
             out[name]["hashes"].append(loop["plans_sha256"])
             if args.slowdown:
@@ -142,7 +148,7 @@ def main(argv=None) -> int:
                   f"{100 * out[name]['slowdown_median']:.2f}% (local "
                   f"{100 * out[name]['local_median']:.3f}%)")
     write_result(args.json, {"other": other, "rounds": args.rounds, "steps": args.steps,
-                             "shape": "64 DP x 16 micro-batches x PP4, best layout",
+                             "shape": f"64 DP x 16 micro-batches x PP4, {args.layout} layout",
                              "this": out["this"], "other_checkout": out["other"],
                              "draft_ratio": ratio, "same_plans": same})
     return 0

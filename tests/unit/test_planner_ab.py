@@ -29,6 +29,10 @@ def test_a_checkouts_subprocess_loop_plans_what_this_process_plans():
     out = planner_ab._run(str(REPO), "draft", 2, dp=4)
     assert len(out["draft_ms"]) == 1
     assert out["plans_sha256"] == planner_ab.draft_loop(steps=2, dp=4)["plans_sha256"]
+    even = planner_ab._run(str(REPO), "draft", 2, dp=4, layout="even")   # --layout even
+    assert even["plans_sha256"] == planner_ab.draft_loop(steps=2, dp=4,
+                                                         layout="even")["plans_sha256"]
+    assert even["plans_sha256"] != out["plans_sha256"]
 
 
 @pytest.mark.reliability(area="benchmarks", case="planner_ab --other that is no checkout",
