@@ -144,16 +144,10 @@ class SensitivityTracker:
 
 def batch_sensitivity(batch, tracker: SensitivityTracker) -> np.ndarray:
     """``unit_sensitivity`` of a ``BatchPlan``'s micro-batches, from its cached segment array
-    and CSR offsets (the same numbers: the same ids, lengths and counts, as arrays)."""
-    dp, m = batch.dp, batch.num_microbatches
+    and CSR offsets (the same ids, lengths and counts, as arrays)."""
     segs = batch.segment_array()
-    if not segs.shape[0]:
-        return np.zeros((dp, m))
-    est = tracker.estimate(segs[:, 0], segs[:, 2] - segs[:, 1])
-    counts = np.diff(batch.unit_csr()[0])
-    unit = np.repeat(np.arange(dp * m), counts)
-    sums = np.bincount(unit, weights=est, minlength=dp * m)
-    return (sums / np.maximum(counts, 1)).reshape(dp, m)
+    return _unit_means(tracker, segs[:, 0], segs[:, 2] - segs[:, 1],
+                       np.diff(batch.unit_csr()[0]), batch.dp, batch.num_microbatches)
 
 
 def unit_sensitivity(micro_batches, tracker: SensitivityTracker) -> np.ndarray:
@@ -162,10 +156,16 @@ def unit_sensitivity(micro_batches, tracker: SensitivityTracker) -> np.ndarray:
     dp = len(micro_batches)
     m = len(micro_batches[0]) if dp else 0
     segs = [seg for rank in micro_batches for mb in rank for seg in mb]
-    if not segs:
-        return np.zeros((dp, m))
-    est = tracker.estimate([s[0] for s in segs], [s[2] - s[1] for s in segs])
     counts = np.asarray([len(mb) for rank in micro_batches for mb in rank])
+    return _unit_means(tracker, [s[0] for s in segs], [s[2] - s[1] for s in segs], counts,
+                       dp, m)
+
+
+def _unit_means(tracker, ids, lengths, counts, dp: int, m: int) -> np.ndarray:
+    # each unit's mean of its segments' estimates (segments in unit order, ``counts`` a unit)
+    if not len(ids):
+        return np.zeros((dp, m))
+    est = tracker.estimate(ids, lengths)
     unit = np.repeat(np.arange(dp * m), counts)
     sums = np.bincount(unit, weights=est, minlength=dp * m)
     return (sums / np.maximum(counts, 1)).reshape(dp, m)

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..sim import compiled
 from . import grid_kernels
+from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 
 GRID_STEP = 1.0 / 64
 
@@ -350,43 +351,3 @@ def _non_decreasing(a: np.ndarray) -> np.ndarray:
     if a.shape[-1] < 2 or bool(np.all(a[..., 1:] >= a[..., :-1])):
         return a
     return np.maximum.accumulate(a, axis=-1)
-
-
-def stage_mean_densities(densities: np.ndarray, weights: np.ndarray,
-                         dense_weights: Optional[np.ndarray] = None) -> np.ndarray:
-    """[pp] work-weighted mean density of every (virtual) pipeline stage (over its ranks and
-    micro-batches; a stage's layers all run at its units' densities); ``dense_weights``
-    [dp, m, pp]: work of documents routed dense, at density 1."""
-    d = np.asarray(densities, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
-    if d.shape != w.shape or d.ndim != 3:
-        raise ValueError(f"densities {d.shape} and weights {w.shape} must both be [dp, m, pp]")
-    tot = w.sum(axis=(0, 1))
-    plain = d.mean(axis=(0, 1))
-    kept = (d * w).sum(axis=(0, 1))
-    if dense_weights is not None:
-        dense = _dense_weights(dense_weights, d.shape).sum(axis=(0, 1))
-        tot, kept = tot + dense, kept + dense
-    return np.where(tot > 0, kept / np.where(tot > 0, tot, 1.0), plain)
-
-
-def weighted_mean_density(densities: np.ndarray, weights: np.ndarray,
-                          dense_weights: Optional[np.ndarray] = None) -> float:
-    """Mean of densities [dp, m, pp] weighted by attention work [dp, m, pp] (plain mean if all
-    weights are zero); ``dense_weights``: work of documents routed dense, at density 1."""
-    d = np.asarray(densities, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
-    if d.shape != w.shape:
-        raise ValueError(f"densities {d.shape} and weights {w.shape} must have the same shape")
-    tot, kept = float(w.sum()), float((d * w).sum())
-    if dense_weights is not None:
-        dense = float(_dense_weights(dense_weights, d.shape).sum())
-        tot, kept = tot + dense, kept + dense
-    return kept / tot if tot > 0 else float(d.mean())
-
-
-def _dense_weights(dense_weights, shape) -> np.ndarray:
-    w = np.asarray(dense_weights, dtype=np.float64)
-    if w.shape != shape:
-        raise ValueError(f"dense_weights {w.shape} must have the densities' shape {shape}")
-    return w

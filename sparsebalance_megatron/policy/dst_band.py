@@ -20,6 +20,7 @@ from ..sim import compiled
 from ..sim.pipeline import event_graph
 from . import band_kernels
 from .costs import UnitCosts, check_density_bounds, weighted_mean_density
+from .density_means import WeightTotals
 from .dst_moves import (FILL_ITERS, GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
 from .slack import unit_floats_from
@@ -307,19 +308,9 @@ def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
     elements in the same order as the per-candidate calls' (a [k, ...] sum over the trailing
     axes sums each candidate as the call sums its array), so the floats are theirs."""
     k = dens.shape[0]
-    w = np.asarray(weights, dtype=np.float64)
-    kept_all = dens * w
-    tot, kept = float(w.sum()), kept_all.reshape(k, -1).sum(axis=1).tolist()
-    tot_s, kept_s = w.sum(axis=(0, 1)), kept_all.sum(axis=(1, 2))           # [pp], [k, pp]
-    if dense_work is not None:
-        dw = np.asarray(dense_work, dtype=np.float64)
-        if dw.shape != w.shape:
-            raise ValueError(f"dense_weights {dw.shape} must have the densities' shape "
-                             f"{w.shape}")
-        dense, dense_s = float(dw.sum()), dw.sum(axis=(0, 1))
-        tot, kept = tot + dense, [x + dense for x in kept]
-        tot_s, kept_s = tot_s + dense_s, kept_s + dense_s
-    mean = [x / tot for x in kept] if tot > 0 else dens.reshape(k, -1).mean(axis=1).tolist()
-    stage = np.where(tot_s > 0, kept_s / np.where(tot_s > 0, tot_s, 1.0),
-                     dens.mean(axis=(1, 2)))
+    totals = WeightTotals(weights, dense_work)
+    kept_all = dens * totals.w
+    mean = [totals.mean(x, lambda c=c: float(dens[c].reshape(-1).mean()))
+            for c, x in enumerate(kept_all.reshape(k, -1).sum(axis=1).tolist())]
+    stage = totals.stage(kept_all.sum(axis=(1, 2)), lambda: dens.mean(axis=(1, 2)))
     return mean, [tuple(row) for row in stage.tolist()]
