@@ -299,3 +299,8 @@ def test_the_assignment_check_catches_a_dropped_duplicated_or_moved_segment():
             check_assignment(segs, BatchPlan(bad, "sequential", 1024), 1024)
     with pytest.raises(RuntimeError, match="capacity 200"):
         check_assignment(segs, plan, 200)
+    with pytest.raises(ValueError, match=r"\(0, 100\).*expected \(sample_id, start, end\)"):
+        segment_counts([(0, 100)] + segs)
+    with pytest.raises(ValueError, match="expected \\(sample_id, start, end\\)"):
+        segment_counts([(0, 100), (1, 50), (2, 70)])               # six numbers, no triple
+    assert segment_counts([]).shape == (0, 3)

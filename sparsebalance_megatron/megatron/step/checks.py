@@ -41,7 +41,15 @@ def segment_counts(segments) -> np.ndarray:
     rows sorted, [n, 3] int64."""
     arr = getattr(segments, "array", None)             # CheckedSegments: converted already
     if arr is None:
-        arr = np.asarray(list(map(tuple, segments)), dtype=np.int64).reshape(-1, 3)
+        rows = list(map(tuple, segments))
+        try:
+            arr = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1) if rows \
+                else np.zeros((0, 3), dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            arr = None
+        if arr is None or arr.shape[1] != 3:
+            raise ValueError(f"the step's segments {rows[:3]!r}...: expected (sample_id, "
+                             f"start, end) triples of integers")
     return _sorted_rows(arr)
 
 
