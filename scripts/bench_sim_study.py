@@ -29,9 +29,11 @@ plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`
 no slower than best_static's with the lowest predicted loss, the densest under the density
 objective: the "free accuracy" row).
 Do no harm (issue 27, ``--stand-down``): every SAB run stands down to the best static
-configuration's packing in a step where SAB is predicted no faster, and every DST plan to the
-static plan where it is predicted slower (``policy.stand_down``); the ``dst_sd`` / ``sab_sd``
-columns are the fractions of steps that stood down. ``--stand-down off`` is the ablation.
+configuration's packing in a step where SAB is predicted no faster (``--stand-down-compare``:
+on the packings' static plans, the runtime's default, or on DST's plans of both), and every DST
+plan to the static plan where it is predicted slower (``policy.stand_down``); the ``dst_sd`` /
+``sab_sd`` columns are the fractions of steps that stood down. ``--stand-down off`` is the
+ablation.
 DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and the runtime's default
 ``--sb-dst-objective`` unless ``--dst-objective`` names one; the JSON's config records which).
 Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
@@ -99,7 +101,8 @@ from dataclasses import replace
 import numpy as np
 
 from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, MAX_RAISE_HEADROOM,
-                                       PLANNERS, ConfigError, SparseBalanceConfig)
+                                           PLANNERS, STAND_DOWN_COMPARES, ConfigError,
+                                           SparseBalanceConfig)
 from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
@@ -227,6 +230,10 @@ def parse_args(argv=None):
                    help="do no harm (issue 27, --sb-stand-down): SAB runs stand down to the best "
                         "static configuration's packing and DST plans to the static plan when "
                         "predicted no faster (best_static), or never (off: the ablation)")
+    p.add_argument("--stand-down-compare", choices=STAND_DOWN_COMPARES, default=None,
+                   help="--sb-stand-down-compare of the SAB runs (default: the runtime's, "
+                        f"{SparseBalanceConfig().stand_down_compare}): the packings' static "
+                        "plans, DST planning the one chosen, or DST's plans of both ('planned')")
     p.add_argument("--packers-only", action="store_true",
                    help="dense attention by packing alone (sequential, token-balanced, "
                         "dp_balanced, SAB, each on its own best layout; the SAB vs dp_balanced "
@@ -313,6 +320,7 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
             "best_static_packing": best_static.variant, "best_dense_packing": best_dense.variant,
             "best_dense_net": {"run": best_dense_net, "step_time_net_s": net_of[best_dense_net]},
             "stand_down": cfg.stand_down, "dense_stand_down": cfg.dense_stand_down,
+            "stand_down_compare": cfg.policy().stand_down_compare,
             # steps Megatron's own dp_balanced stops on (the rows give it empty micro-batches)
             "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
             "space": found["space"],
@@ -480,6 +488,7 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
                           dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
                           microbatch_multiple=args.microbatch_multiple,
                           stand_down="off" if args.stand_down == "off" else None,
+                          stand_down_compare=args.stand_down_compare,
                           device_memory_gib=args.device_memory_gib,
                           planner=None if args.planner == "default" else args.planner,
                           plugin_cost=args.plugin_cost_model)

@@ -25,6 +25,7 @@ DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 RAISE_TARGETS = ("bottleneck", "static")
 STAND_DOWNS = ("sequential", "token_balanced", "off")   # policy/stand_down.py
+STAND_DOWN_COMPARES = ("static", "planned")   # policy/stand_down.py: what the packings race
 DST_OBJECTIVES = ("density", "quality")
 DST_DESCENTS = ("critical_path", "off")   # policy/critical_path.py
 TIMING_SOURCES = ("measured", "model")
@@ -168,10 +169,17 @@ class SparseBalanceConfig:
         "sequential", "Do no harm, every step: a DST plan predicted slower than the static plan "
         "(every unit at --sb-density) of the same micro-batches is not committed (the static "
         "plan is), and SAB's packing is replaced by this baseline packing ('sequential': "
-        "Megatron's fill; 'token_balanced') unless the latency model predicts SAB's step faster, "
-        "each under the plan DST would make for it; 'off': commit SAB and DST as planned (an "
+        "Megatron's fill; 'token_balanced') unless the latency model predicts SAB's step faster "
+        "(on the plans --sb-stand-down-compare names); 'off': commit SAB and DST as planned (an "
         "ablation). The metrics and the [sparsebalance] line count the stand-downs.",
         choices=STAND_DOWNS)
+    stand_down_compare: str = _f(
+        "static", "What --sb-stand-down compares SAB's packing with the baseline's on: 'static' "
+        "(the default: each packing's static plan, every unit at --sb-density; DST then plans "
+        "the packing chosen, once per step) or 'planned' (DST plans both packings and their "
+        "plans are compared: the choice also weighs what DST recovers of the baseline's "
+        "imbalance, for twice DST's planning CPU). Either way the committed step is predicted "
+        "no slower than the baseline packing's static plan.", choices=STAND_DOWN_COMPARES)
     dst_objective: str = _f(
         "quality", "What DST keeps while it balances: 'quality' (the default: cuts and raises "
         "go where density buys the most predicted quality per attention-second under the "

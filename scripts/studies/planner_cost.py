@@ -43,7 +43,8 @@ import time
 
 import numpy as np
 
-from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
+from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, STAND_DOWN_COMPARES,
+                                           SparseBalanceConfig)
 
 from .common import parser, write_result
 from ._slowdown import launch_slowdown
@@ -190,6 +191,8 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
            "dp": dp, "microbatches": m, "pp": pp, "seq_length": seq,
            "virtual_stages": lm.layout.num_stages, "layout": lm.layout.describe(),
            "candidates": 2 if drafter.sb.stand_down != "off" else 1,
+           "dst_candidates": 2 if drafter.sb.stand_down != "off"
+           and drafter.sb.stand_down_compare == "planned" else 1,
            "parts_ms": med, "draft_ms": float(np.median(drafts)),
            "total_ms": float(np.median(drafts)) + after,
            "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
@@ -281,6 +284,9 @@ def main(argv=None) -> int:
                    help="DST's objective in the per-step rows (--sb-dst-objective)")
     p.add_argument("--dst-descent", default=defaults.dst_descent, choices=DST_DESCENTS,
                    help="DST's critical-path descent in the per-step rows (--sb-dst-descent)")
+    p.add_argument("--stand-down-compare", default=defaults.stand_down_compare,
+                   choices=STAND_DOWN_COMPARES, help="--sb-stand-down-compare of the drafts "
+                   "('planned': DST plans both packings)")
     p.add_argument("--repeats", type=int, default=5, help="steps timed per shape (after one "
                    "warm-up step)")
     p.add_argument("--slowdown-window-s", type=float, default=None,
@@ -290,7 +296,8 @@ def main(argv=None) -> int:
                    help="skip the training-thread slowdown test")
     args = p.parse_args(argv)
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective=args.dst_objective,
-                             dst_descent=args.dst_descent)
+                             dst_descent=args.dst_descent,
+                             stand_down_compare=args.stand_down_compare)
 
     rng = np.random.default_rng(7)
     grid = density_grid(0.5, 0.125, 1.0)
@@ -321,7 +328,8 @@ def main(argv=None) -> int:
         tag = f"{tag} {step['layout']}"
         budget = TARGET_SHARE * step["step_s"] * 1e3
         rows += [(f"{tag}: {k}", v, None) for k, v in step["parts_ms"].items()]
-        rows.append((f"{tag}: draft ({step['candidates']} packings; "
+        rows.append((f"{tag}: draft ({step['candidates']} packings, DST on "
+                     f"{step['dst_candidates']}; "
                      f"{step['draft_over_reference']:.1f} x ref)", step["draft_ms"], 50.0))
         rows.append((f"{tag}: --sb-planner inline, critical path", step["total_ms"], budget))
         for key in ("plan_ahead", "plan_ahead_thread"):
@@ -360,7 +368,8 @@ def main(argv=None) -> int:
         write_result(args.json, {
             "machine": platform.processor() or platform.machine(),
             "clock": "thread CPU time", "dst_objective": args.dst_objective,
-            "dst_descent": args.dst_descent, "planner": sb.planner, "reference_ms": ref_ms,
+            "dst_descent": args.dst_descent, "stand_down_compare": args.stand_down_compare,
+            "planner": sb.planner, "reference_ms": ref_ms,
             "steps": steps, "shapes": shapes, "launch_slowdown": slow,
             "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]})
     return 0

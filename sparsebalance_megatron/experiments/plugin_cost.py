@@ -5,8 +5,10 @@ time (issue 44): every speedup a study states is net of it, at the flags its row
 
 - **planning**, by ``--sb-planner``: ``inline``, the draft's CPU time on rank 0 (SAB packing, the
   latency features and unit costs, DST: the runtime's draft, ``megatron/step/drafting.py``)
-  while every rank waits for the plan's broadcast; the do-no-harm rule drafts every candidate
-  packing (SAB's and the baseline's: features and DST twice). ``process`` (the default) and
+  while every rank waits for the plan's broadcast; the do-no-harm rule packs every candidate
+  (SAB's and the baseline's: features twice) and DST plans the packing it chooses (once, with
+  ``--sb-stand-down-compare static``, the default) or both (``planned``). ``process`` (the
+  default) and
   ``thread``: the step is planned ahead while the one before trains, and only what stays on the
   critical path is charged: handing the draft's inputs over and reading it back, and the wait at
   the join (a thread planner's GIL share of the training thread is not priced here; the
@@ -24,9 +26,11 @@ newer measurement replaces an older one without a code change:
   JSON, its ``steps.best``: the best static layout, the configuration the studies compare with);
   fields read: ``parts_ms`` (``sab_plan``, ``features + UnitCosts.from_latency``,
   ``sensitivity + DST``, ``after the step: busy_s + unit_work``: one packing's parts, which the
-  charge counts once per candidate packing), ``draft_ms`` (the runtime's whole draft: where
-  present, the in-line parts are scaled so that SAB + DST with the stand-down at the measured
-  shape costs exactly it), per ahead planner ``plan_ahead`` (the ``planner`` it names, else a
+  charge counts once per candidate packing, DST once per packing it plans), ``draft_ms`` (the
+  runtime's whole draft: where present, the in-line parts are scaled so that SAB + DST with the
+  stand-down at the measured shape costs exactly it; ``candidates`` and ``dst_candidates`` say
+  how many packings that draft packed and planned, ``candidates`` both where the file has no
+  ``dst_candidates``), per ahead planner ``plan_ahead`` (the ``planner`` it names, else a
   thread: the study before ``--sb-planner``) and ``plan_ahead_thread``, each with
   ``join_wait_ms``, ``handoff_ms`` (0 when absent) and ``after_step_ms``, and the shape
   (``shape``/``layout`` text, or ``dp``, ``microbatches``, ``pp``, ``virtual_stages``,
@@ -64,7 +68,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import PLANNERS
+from ..config import PLANNERS, STAND_DOWN_COMPARES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "docs", "results")
@@ -145,7 +149,9 @@ class PlannerCost:
     draft_ms: Optional[float] = None
     """The runtime's whole draft (every candidate packing), where the file has it."""
     candidates: int = 2
-    """Packings the measured draft planned (2 with the do-no-harm rule)."""
+    """Packings the measured draft packed (2 with the do-no-harm rule)."""
+    dst_candidates: int = 2
+    """Packings the measured draft's DST planned (1 with ``--sb-stand-down-compare static``)."""
 
     @classmethod
     def load(cls, path: str, layout: str = "best") -> "PlannerCost":
@@ -184,7 +190,8 @@ class PlannerCost:
                    parts_ms={k: float(step["parts_ms"][v]) for k, v in PARTS.items()},
                    ahead=ahead,
                    draft_ms=float(step["draft_ms"]) if "draft_ms" in step else None,
-                   candidates=int(step.get("candidates", 2)))
+                   candidates=int(step.get("candidates", 2)),
+                   dst_candidates=int(step.get("dst_candidates", step.get("candidates", 2))))
 
     def ahead_of(self, planner: str) -> tuple[AheadCost, str]:
         """(the ahead cost of ``planner``, a note when another form's measurement stands in)."""
@@ -198,13 +205,14 @@ class PlannerCost:
                                    f"measurement")
 
     def draft_scale(self) -> float:
-        """The measured draft over the parts' sum for SAB + DST with every candidate (1 where
-        the file has no draft): what the draft spends beyond its parts (the baseline's packing,
-        the stand-down's predictions)."""
+        """The measured draft over the parts' sum for SAB + DST as it was measured (every
+        candidate packed, DST on ``dst_candidates`` of them; 1 where the file has no draft):
+        what the draft spends beyond its parts (the baseline's packing, the stand-down's
+        predictions)."""
         if self.draft_ms is None:
             return 1.0
-        p, c = self.parts_ms, self.candidates
-        parts = p["packing"] + c * (p["features"] + p["dst"])
+        p = self.parts_ms
+        parts = p["packing"] + self.candidates * p["features"] + self.dst_candidates * p["dst"]
         return self.draft_ms / parts if parts > 0 else 1.0
 
 
@@ -292,22 +300,26 @@ class PluginCost:
                    notes, f"--sb-dst-objective {dst_objective} --sb-dst-descent {dst_descent}")
 
     def charge(self, shape: Shape, *, sab: bool, dst: bool, planner: str,
-               stand_down: bool) -> Optional[RunCharge]:
+               stand_down: bool, compare: str = "static") -> Optional[RunCharge]:
         """The per-step cost of one run at ``shape`` with SAB packing (``sab``) and / or DST
         (``dst``) planned by ``planner`` (``--sb-planner``: process, thread or inline) under
-        these flags; None for a run with neither (a baseline pays nothing)."""
+        these flags (``compare``: ``--sb-stand-down-compare``); None for a run with neither (a
+        baseline pays nothing)."""
         if planner not in PLANNERS:
             raise ValueError(f"planner={planner!r}: expected one of {PLANNERS}")
+        if compare not in STAND_DOWN_COMPARES:
+            raise ValueError(f"compare={compare!r}: expected one of {STAND_DOWN_COMPARES}")
         if not (sab or dst):
             return None
-        cand = 2 if sab and stand_down else 1         # the draft plans each candidate packing
+        cand = 2 if sab and stand_down else 1         # the draft packs each candidate packing
+        planned = cand if compare == "planned" else 1   # and DST plans one, or each
         m = self.planner.shape
         units, tokens = shape.units / m.units, shape.tokens / m.tokens
         p = self.planner.parts_ms
         scale = self.planner.draft_scale()
         planning = {"packing": p["packing"] * tokens * scale if sab else 0.0,
                     "features": p["features"] * units * cand * scale,
-                    "dst": p["dst"] * units * cand * scale if dst else 0.0}
+                    "dst": p["dst"] * units * planned * scale if dst else 0.0}
         gather, bcast = self.control.at(shape.world_size, shape.microbatches)
         note = ""
         if planner == "inline":
@@ -318,7 +330,8 @@ class PluginCost:
             calib = ahead.after_step_ms * units
         parts = {"planning": plan_ms, "gather": gather, "broadcast": bcast if dst else 0.0,
                  "calibration": calib}
-        flags = (f"--sb-planner {planner}, stand-down {'on' if stand_down else 'off'}, "
+        sd = ("on" + (f" ({compare})" if sab else "")) if stand_down else "off"
+        flags = (f"--sb-planner {planner}, stand-down {sd}, "
                  f"{shape.world_size} ranks "
                  f"({shape.dp} DP x {shape.pp} PP{f' x {shape.cp} CP' if shape.cp > 1 else ''}"
                  f"{f' x {shape.tp} TP' if shape.tp > 1 else ''})"

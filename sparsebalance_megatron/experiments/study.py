@@ -32,9 +32,10 @@ a ``SparseBalanceConfig`` (``StudyConfig.policy``). Every run of a study is (var
 the same global batches and packings are timed on each run's layout. Do no harm (issue 27) is the
 runtime's rule too (``policy.stand_down.choose_step``, ``--sb-stand-down``): a DST plan predicted
 slower than the static plan of its micro-batches is replaced by it, and a SAB run packs the
-baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster; the rows say in what
-fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; the tables'
-``dst_sd`` / ``sab_sd`` columns).
+baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster (on the packings'
+static plans by default, on DST's plans of both with ``stand_down_compare`` 'planned'); the rows
+say in what fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; the
+tables' ``dst_sd`` / ``sab_sd`` columns).
 
 Net of the plugin's own cost (issue 44, ``StudyConfig.plugin_cost``: ``plugin_cost.PluginCost``):
 every run of SparseBalance's pays its critical-path cost per step at the flags the row names
@@ -120,6 +121,9 @@ class StudyConfig:
     stand_down: Optional[str] = None
     """--sb-stand-down of the runs (None: the runtime's default): the baseline packing SAB's runs
     stand down to when SAB is predicted no faster, 'off': no stand-down (``policy.stand_down``)."""
+    stand_down_compare: Optional[str] = None
+    """--sb-stand-down-compare of the runs (None: the runtime's default): what SAB's packing
+    and the baseline's are compared on (``policy.stand_down.choose_step``)."""
     dense_stand_down: Optional[str] = None
     """--sb-stand-down of the ``dense_sab`` runs (None: sequential; off with ``stand_down``)."""
     microbatch_multiple: int = 0
@@ -147,7 +151,7 @@ class StudyConfig:
                   max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
                   raise_to=raise_to)
         for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective",
-                  "dst_descent", "stand_down", "planner"):
+                  "dst_descent", "stand_down", "stand_down_compare", "planner"):
             if getattr(self, k) is not None:
                 kw[k] = getattr(self, k)
         return SparseBalanceConfig(**kw)
@@ -256,6 +260,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     cost_fns = {k: latency_sample_cost_fn(models[k[0] == "sab_dense", k[1]],
                                           1.0 if k[0] == "sab_dense" else d0)
                 for k in needed if isinstance(k, tuple)}
+    compare = cfg.policy().stand_down_compare    # what the packings are compared on
     fallback = cfg.policy().stand_down          # the packing SAB's runs stand down to
     fallback = None if fallback == "off" else fallback
     if cfg.dense_stand_down not in (None, "sequential", "token_balanced"):
@@ -328,7 +333,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                       quality=quality[lay])
                 continue
             t = time.perf_counter()
-            choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None)
+            choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None,
+                                 compare=compare)
             charged = a.charge.plan_s if a.charge is not None else 0.0
             if a.gate is not None:
                 a.gate.planned(choice, charged)
@@ -361,7 +367,8 @@ def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int,
         a = acc[name]
         a.charge = cfg.plugin_cost.charge(shape, sab=_plan_key(variant) in ("sab", "sab_dense"),
                                           dst=dst_anchor_of(variant) is not None,
-                                          planner=pol.planner, stand_down=stand_down)
+                                          planner=pol.planner, stand_down=stand_down,
+                                          compare=pol.stand_down_compare)
         if a.charge is not None and stand_down:
             a.gate = NetGate()
 

@@ -10,13 +10,21 @@ costs stepped through the pipeline simulator, ``sim.pipeline.pipeline_makespan_s
   raised into idle time (``--sb-raise-to static``) may equal the static step time, never exceed
   it.
 - SAB: the step is predicted with SAB's packing and with the baseline packing (``--sb-stand-down``:
-  Megatron's sequential fill, or token-balanced), each under the plan DST would commit for it (the
-  static plan without DST); unless SAB's is predicted faster (beyond ``REL_EPS``), the baseline
-  packing is used. Both packings come from the same global batch of documents, so the data a step
-  trains on is the same either way; only the micro-batches differ.
+  Megatron's sequential fill, or token-balanced); unless SAB's is predicted faster (beyond
+  ``REL_EPS``), the baseline packing is used. Both packings come from the same global batch of
+  documents, so the data a step trains on is the same either way; only the micro-batches differ.
+  What is predicted (``--sb-stand-down-compare``): ``static`` (the default) races the packings'
+  static plans and DST then plans the packing chosen, once per step; ``planned`` races the plans
+  DST would commit for each (DST plans both: twice its planning CPU, issue 44's draft). The two
+  choose differently only where DST recovers more of the baseline's imbalance than the static
+  gap between the packings: SAB's packing is kept although the baseline's, planned too, would
+  have been predicted a little faster (0.2-0.3% in 2 of 24 steps at DP 4 x PP 4, none at 64 DP
+  on the built-in corpus; BENCHMARKS.md, "The planner's own cost").
 
-So every committed step is predicted no slower than the baseline packing at d0. The choice is a
-pure function of the costs: every rank, and a resumed run, makes the same one.
+Either way every committed step is predicted no slower than the baseline packing at d0 (with
+``static``: the committed plan is no slower than its packing's static plan, which is faster than
+the baseline's). The choice is a pure function of the costs: every rank, and a resumed run,
+makes the same one.
 
 Net of the plugin's own cost (issue 44, ``NetGate``): planning, the control plane and calibration
 are paid before the choice above, so they cannot enter it; whether to plan at all is decided
@@ -32,6 +40,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..config import STAND_DOWN_COMPARES
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts
 
@@ -107,18 +116,30 @@ def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
 
 def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
                 plan_fn: Optional[Callable[[int, UnitCosts], tuple]] = None,
-                enabled: bool = True) -> StepChoice:
+                enabled: bool = True, compare: str = "static") -> StepChoice:
     """The do-no-harm choice of one step.
 
     costs: the unit costs of each candidate packing of the same documents, the preferred one
     (SAB's) first and the baseline second (one entry: no packing choice); plan_fn(i, costs_i) ->
     (densities [dp, m, stages], payload) is DST's plan for candidate i (None: static runs).
-    The first candidate is committed only if predicted faster than the second after each went
-    through the DST rule; ``enabled`` False commits the first candidate and DST's plan as they
-    are (the ablation), still reporting what the rule would have predicted.
+    ``compare`` (``--sb-stand-down-compare``): ``static``, the first candidate is committed only
+    if its static plan is predicted faster than the second's, and only the committed candidate
+    is planned (the other's ``step_s`` is its static plan's); ``planned``, each candidate is
+    planned and goes through the DST rule, and the first is committed only if then predicted
+    faster. ``enabled`` False commits the first candidate and DST's plan as they are (the
+    ablation), still reporting what the rule would have predicted (both candidates planned).
     """
     if not costs:
         raise ValueError("choose_step needs at least one candidate packing")
+    if compare not in STAND_DOWN_COMPARES:
+        raise ValueError(f"compare={compare!r}: expected one of {', '.join(STAND_DOWN_COMPARES)}")
+    if enabled and compare == "static" and len(costs) > 1:
+        static = [plan_step_time_s(c, np.full(c.shape, float(d0)), p2p_s) for c in costs]
+        i = 0 if slower(static[1], static[0]) else 1        # SAB's static plan strictly faster
+        plan, payload = plan_fn(i, costs[i]) if plan_fn is not None else (None, None)
+        out = dst_outcome(costs[i], d0, p2p_s, plan, enabled, payload)
+        times = static[:i] + [out.step_s] + static[i + 1:]
+        return StepChoice(i, out, i != 0, times, static[-1])
     outs = []
     for i, c in enumerate(costs):
         plan, payload = plan_fn(i, c) if plan_fn is not None else (None, None)

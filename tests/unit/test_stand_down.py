@@ -115,25 +115,60 @@ def test_sab_packs_the_baseline_way_unless_predicted_faster():
     assert one.index == 0 and one.sab_stood_down is None and one.dst_stood_down is None
 
 
-def test_each_packing_is_judged_under_the_plan_dst_would_commit_for_it():
-    """SAB's packing is slower at d0 but DST balances it below the baseline's best: SAB stays.
-    The plan function sees each candidate's own costs."""
-    costs = _two_packings(True)
-    seen = []
-
+def _cut_sab_heavy_rank(seen):
     def plan_fn(i, c):
         seen.append(i)
         d = np.full(c.shape, D0)
         if i == 0:
             d[0] = 0.125                     # cut the heavy rank
         return d, f"plan{i}"
+    return plan_fn
 
-    ch = choose_step(costs, D0, plan_fn=plan_fn)
+
+def test_planned_judges_each_packing_under_the_plan_dst_would_commit_for_it():
+    """--sb-stand-down-compare planned: SAB's packing is slower at d0 but DST balances it below
+    the baseline's best, so SAB stays. The plan function sees each candidate's own costs."""
+    seen = []
+    ch = choose_step(_two_packings(True), D0, plan_fn=_cut_sab_heavy_rank(seen),
+                     compare="planned")
     assert seen == [0, 1]
     assert ch.index == 0 and ch.sab_stood_down is False and ch.dst_stood_down is False
     assert ch.outcome.plan == "plan0" and ch.step_s[0] < ch.step_s[1]
     d = ch.as_dict()
     assert d["sab_stood_down"] is False and d["packing_index"] == 0
+
+
+def test_static_races_the_static_plans_and_plans_only_the_packing_chosen():
+    """--sb-stand-down-compare static (the default): the same case, but the packings race at
+    d0, where SAB's is slower, so the baseline is chosen and only it is planned; the record
+    keeps SAB's static step and the baseline's committed one. Where SAB's static plan is the
+    faster, only SAB's packing is planned and the baseline's static step is recorded."""
+    costs = _two_packings(True)
+    seen = []
+    ch = choose_step(costs, D0, plan_fn=_cut_sab_heavy_rank(seen))
+    static = [plan_step_time_s(c, np.full(c.shape, D0)) for c in costs]
+    assert static[0] > static[1]
+    assert seen == [1] and ch.index == 1 and ch.sab_stood_down is True
+    assert ch.outcome.plan == "plan1" and ch.step_s == [static[0], ch.outcome.step_s]
+    assert ch.baseline_s == static[1]
+    seen.clear()
+    good = choose_step(_two_packings(False), D0, plan_fn=_cut_sab_heavy_rank(seen))
+    static = [plan_step_time_s(c, np.full(c.shape, D0)) for c in _two_packings(False)]
+    assert static[0] < static[1]
+    assert seen == [0] and good.index == 0 and good.sab_stood_down is False
+    assert good.step_s == [good.outcome.step_s, static[1]] and good.baseline_s == static[1]
+    assert good.outcome.step_s <= static[0] * (1 + 1e-9)
+    # without a plan function the two comparisons are the same one
+    for flag in ("static", "planned"):
+        for sab_heavy in (True, False):
+            a = choose_step(_two_packings(sab_heavy), D0, compare=flag)
+            assert a.index == (1 if sab_heavy else 0)
+    # the ablation plans both packings whatever is compared
+    seen.clear()
+    off = choose_step(costs, D0, plan_fn=_cut_sab_heavy_rank(seen), enabled=False)
+    assert seen == [0, 1] and off.index == 0
+    with pytest.raises(ValueError, match="compare='both'"):
+        choose_step(costs, D0, compare="both")
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -150,11 +185,12 @@ def test_runtime_dst_under_the_rule_is_never_slower_than_the_baseline_at_d0(seed
         p = plan_dst_from_config(cfg, c, None, stage_layers=[2] * pp)
         return p.densities, p
 
-    ch = choose_step(cands, D0, plan_fn=plan_fn)
     base_static = plan_step_time_s(cands[1], np.full((dp, m, pp), D0))
-    assert ch.outcome.step_s <= base_static * (1 + 1e-9)
-    assert ch.outcome.step_s == pytest.approx(plan_step_time_s(cands[ch.index],
-                                                               ch.outcome.densities))
+    for compare in ("static", "planned"):
+        ch = choose_step(cands, D0, plan_fn=plan_fn, compare=compare)
+        assert ch.outcome.step_s <= base_static * (1 + 1e-9)
+        assert ch.outcome.step_s == pytest.approx(plan_step_time_s(cands[ch.index],
+                                                                   ch.outcome.densities))
 
 
 def test_counts_describe_and_round_trip():
@@ -242,3 +278,43 @@ def test_unit_costs_at_grid_indices_gathers_like_take_along_axis():
         assert all(np.array_equal(a, b) for a, b in zip(got, want))
     with pytest.raises(IndexError):
         costs.at(np.full(costs.shape, g))
+
+
+def test_runtime_plans_dst_once_by_default_and_on_both_packings_when_planned(monkeypatch):
+    """The runtime's choice under ``--sb-stand-down-compare``: by default DST plans only the
+    packing whose static plan won (the same packing the no-DST choice takes), with 'planned' it
+    plans both; either way the committed step is no slower than the baseline's static one."""
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.megatron.step import choice as step_choice
+    from sparsebalance_megatron.policy import dst
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
+    lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])
+    options = _runtime_options(lm, lengths)
+    real, calls = dst.plan_dst_from_config, []
+
+    def counted(config, costs, *a, **kw):
+        calls.append(costs.shape)
+        return real(config, costs, *a, **kw)
+
+    monkeypatch.setattr(dst, "plan_dst_from_config", counted)
+    records = {}
+    for compare, planned in (("static", 1), ("planned", 2)):
+        calls.clear()
+        sb = SparseBalanceConfig(sparse_balance=True, density=D0, dst_objective="density",
+                                 stand_down_compare=compare)
+        _, report, record = step_choice.choose(sb, lm, options, 2, dst=True,
+                                               raise_headroom=0.05, stage_layers=[2, 2])
+        assert len(calls) == planned, compare
+        assert record["predicted_step_s"][record["packing_index"]] == \
+            report["step_time_planned_s"]
+        records[compare] = record
+    _, _, no_dst = step_choice.choose(SparseBalanceConfig(batching=True, sparse_attention=True,
+                                                          density=D0), lm, options, 2, dst=False)
+    assert records["static"]["packing_index"] == no_dst["packing_index"]
+    grid = np.array([D0])
+    base_static = plan_step_time_s(UnitCosts.from_latency(
+        lm, options[1][1], 2, options[1][0].num_microbatches, grid),
+        np.full((2, options[1][0].num_microbatches, 2), D0))
+    for record in records.values():
+        assert record["predicted_step_s"][record["packing_index"]] <= base_static * (1 + 1e-9)

@@ -1,9 +1,10 @@
 """The runtime's per-step plan under the do-no-harm rule (issue 27, ``policy.stand_down``).
 
 ``SparseBalanceCallback`` packs a step's documents with SAB and, when the rule is on
-(``--sb-stand-down`` not ``off``), also the baseline's way; ``choose`` then plans DST for each
-packing (rank 0: the plan is broadcast) or, without DST, compares the static plans (every rank:
-the latency model and the packings are identical on every rank, so is the choice), and returns
+(``--sb-stand-down`` not ``off``), also the baseline's way; ``choose`` then races the packings
+(``--sb-stand-down-compare``: their static plans, DST planning the one chosen, or DST's plans of
+both; rank 0: the plan is broadcast) or, without DST, compares the static plans (every rank: the
+latency model and the packings are identical on every rank, so is the choice), and returns
 what to commit: the densities, DST's report describing the *committed* plan, and the stand-down
 record the metrics count. The same ``choose_step`` decides in the simulated study.
 
@@ -65,7 +66,8 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
             return p.densities, p
     elif len(options) < 2:
         return None, None, None
-    choice = choose_step(costs, d0, latency.p2p_s, plan_fn, enabled=sb.stand_down != "off")
+    choice = choose_step(costs, d0, latency.p2p_s, plan_fn, enabled=sb.stand_down != "off",
+                         compare=sb.stand_down_compare)
     record = choice.as_dict()
     if not dst:
         return None, None, record
