@@ -84,6 +84,7 @@ class StepChoice:
     outcome: PackingOutcome          # its plan
     sab_stood_down: Optional[bool]   # None: one candidate only (no SAB, or the rule is off)
     step_s: list                     # predicted step time of every candidate, after the DST rule
+                                     # (compare 'static': the candidate not planned, its static)
     baseline_s: Optional[float] = None  # the static plan of the last candidate (the baseline)
 
     @property
