@@ -30,7 +30,7 @@ no slower than best_static's with the lowest predicted loss, the densest under t
 objective: the "free accuracy" row).
 Do no harm (issue 27, ``--stand-down``): every SAB run stands down to the best static
 configuration's packing in a step where SAB is predicted no faster (``--stand-down-compare``:
-on the packings' static plans, the runtime's default, or on DST's plans of both), and every DST
+on DST's plans of both, the runtime's default, or on the packings' static plans), and every DST
 plan to the static plan where it is predicted slower (``policy.stand_down``); the ``dst_sd`` /
 ``sab_sd`` columns are the fractions of steps that stood down. ``--stand-down off`` is the
 ablation.
@@ -232,8 +232,9 @@ def parse_args(argv=None):
                         "predicted no faster (best_static), or never (off: the ablation)")
     p.add_argument("--stand-down-compare", choices=STAND_DOWN_COMPARES, default=None,
                    help="--sb-stand-down-compare of the SAB runs (default: the runtime's, "
-                        f"{SparseBalanceConfig().stand_down_compare}): the packings' static "
-                        "plans, DST planning the one chosen, or DST's plans of both ('planned')")
+                        f"{SparseBalanceConfig().stand_down_compare}): DST's plans of both "
+                        "packings, or their static plans, DST planning the one chosen "
+                        "('static')")
     p.add_argument("--packers-only", action="store_true",
                    help="dense attention by packing alone (sequential, token-balanced, "
                         "dp_balanced, SAB, each on its own best layout; the SAB vs dp_balanced "

@@ -174,11 +174,12 @@ class SparseBalanceConfig:
         "ablation). The metrics and the [sparsebalance] line count the stand-downs.",
         choices=STAND_DOWNS)
     stand_down_compare: str = _f(
-        "static", "What --sb-stand-down compares SAB's packing with the baseline's on: 'static' "
-        "(the default: each packing's static plan, every unit at --sb-density; DST then plans "
-        "the packing chosen, once per step) or 'planned' (DST plans both packings and their "
-        "plans are compared: the choice also weighs what DST recovers of the baseline's "
-        "imbalance, for twice DST's planning CPU). Either way the committed step is predicted "
+        "planned", "What --sb-stand-down compares SAB's packing with the baseline's on: "
+        "'planned' (the default: DST plans both packings and their plans are compared, so the "
+        "choice also weighs what DST recovers of the baseline's imbalance) or 'static' (each "
+        "packing's static plan, every unit at --sb-density; DST then plans only the packing "
+        "chosen: half the planner's DST work, for steps up to 1% slower where DST would have "
+        "made the baseline's packing the faster). Either way the committed step is predicted "
         "no slower than the baseline packing's static plan.", choices=STAND_DOWN_COMPARES)
     dst_objective: str = _f(
         "quality", "What DST keeps while it balances: 'quality' (the default: cuts and raises "

@@ -286,7 +286,7 @@ def main(argv=None) -> int:
                    help="DST's critical-path descent in the per-step rows (--sb-dst-descent)")
     p.add_argument("--stand-down-compare", default=defaults.stand_down_compare,
                    choices=STAND_DOWN_COMPARES, help="--sb-stand-down-compare of the drafts "
-                   "('planned': DST plans both packings)")
+                   "('static': DST plans only the packing the static plans chose)")
     p.add_argument("--repeats", type=int, default=5, help="steps timed per shape (after one "
                    "warm-up step)")
     p.add_argument("--slowdown-window-s", type=float, default=None,

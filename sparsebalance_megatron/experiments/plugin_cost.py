@@ -6,9 +6,8 @@ time (issue 44): every speedup a study states is net of it, at the flags its row
 - **planning**, by ``--sb-planner``: ``inline``, the draft's CPU time on rank 0 (SAB packing, the
   latency features and unit costs, DST: the runtime's draft, ``megatron/step/drafting.py``)
   while every rank waits for the plan's broadcast; the do-no-harm rule packs every candidate
-  (SAB's and the baseline's: features twice) and DST plans the packing it chooses (once, with
-  ``--sb-stand-down-compare static``, the default) or both (``planned``). ``process`` (the
-  default) and
+  (SAB's and the baseline's: features twice) and DST plans both (``--sb-stand-down-compare
+  planned``, the default) or the packing it chooses (``static``). ``process`` (the default) and
   ``thread``: the step is planned ahead while the one before trains, and only what stays on the
   critical path is charged: handing the draft's inputs over and reading it back, and the wait at
   the join (a thread planner's GIL share of the training thread is not priced here; the
@@ -300,7 +299,7 @@ class PluginCost:
                    notes, f"--sb-dst-objective {dst_objective} --sb-dst-descent {dst_descent}")
 
     def charge(self, shape: Shape, *, sab: bool, dst: bool, planner: str,
-               stand_down: bool, compare: str = "static") -> Optional[RunCharge]:
+               stand_down: bool, compare: str = "planned") -> Optional[RunCharge]:
         """The per-step cost of one run at ``shape`` with SAB packing (``sab``) and / or DST
         (``dst``) planned by ``planner`` (``--sb-planner``: process, thread or inline) under
         these flags (``compare``: ``--sb-stand-down-compare``); None for a run with neither (a

@@ -32,8 +32,8 @@ a ``SparseBalanceConfig`` (``StudyConfig.policy``). Every run of a study is (var
 the same global batches and packings are timed on each run's layout. Do no harm (issue 27) is the
 runtime's rule too (``policy.stand_down.choose_step``, ``--sb-stand-down``): a DST plan predicted
 slower than the static plan of its micro-batches is replaced by it, and a SAB run packs the
-baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster (on the packings'
-static plans by default, on DST's plans of both with ``stand_down_compare`` 'planned'); the rows
+baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster (on DST's plans of
+both by default, on the packings' static plans with ``stand_down_compare`` 'static'); the rows
 say in what fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; the
 tables' ``dst_sd`` / ``sab_sd`` columns).
 

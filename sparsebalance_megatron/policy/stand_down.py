@@ -13,13 +13,13 @@ costs stepped through the pipeline simulator, ``sim.pipeline.pipeline_makespan_s
   Megatron's sequential fill, or token-balanced); unless SAB's is predicted faster (beyond
   ``REL_EPS``), the baseline packing is used. Both packings come from the same global batch of
   documents, so the data a step trains on is the same either way; only the micro-batches differ.
-  What is predicted (``--sb-stand-down-compare``): ``static`` (the default) races the packings'
-  static plans and DST then plans the packing chosen, once per step; ``planned`` races the plans
-  DST would commit for each (DST plans both: twice its planning CPU, issue 44's draft). The two
+  What is predicted (``--sb-stand-down-compare``): ``planned`` (the default) races the plans DST
+  would commit for each packing (DST plans both); ``static`` races the packings' static plans and
+  DST then plans only the packing chosen (half the planner's DST work, issue 44's draft). The two
   choose differently only where DST recovers more of the baseline's imbalance than the static
-  gap between the packings: SAB's packing is kept although the baseline's, planned too, would
-  have been predicted a little faster (0.2-0.3% in 2 of 24 steps at DP 4 x PP 4, none at 64 DP
-  on the built-in corpus; BENCHMARKS.md, "The planner's own cost").
+  gap between the packings: ``static`` then keeps SAB's packing although the baseline's, planned
+  too, is predicted faster (0.1-0.9% slower steps in 4 of the 10 ``sab_dst`` rows of the 32 DP
+  and 128K headline studies; BENCHMARKS.md, "The planner's own cost").
 
 Either way every committed step is predicted no slower than the baseline packing at d0 (with
 ``static``: the committed plan is no slower than its packing's static plan, which is faster than
@@ -117,17 +117,17 @@ def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
 
 def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
                 plan_fn: Optional[Callable[[int, UnitCosts], tuple]] = None,
-                enabled: bool = True, compare: str = "static") -> StepChoice:
+                enabled: bool = True, compare: str = "planned") -> StepChoice:
     """The do-no-harm choice of one step.
 
     costs: the unit costs of each candidate packing of the same documents, the preferred one
     (SAB's) first and the baseline second (one entry: no packing choice); plan_fn(i, costs_i) ->
     (densities [dp, m, stages], payload) is DST's plan for candidate i (None: static runs).
-    ``compare`` (``--sb-stand-down-compare``): ``static``, the first candidate is committed only
-    if its static plan is predicted faster than the second's, and only the committed candidate
-    is planned (the other's ``step_s`` is its static plan's); ``planned``, each candidate is
-    planned and goes through the DST rule, and the first is committed only if then predicted
-    faster. ``enabled`` False commits the first candidate and DST's plan as they are (the
+    ``compare`` (``--sb-stand-down-compare``): ``planned``, each candidate is planned and goes
+    through the DST rule, and the first is committed only if then predicted faster;
+    ``static``, the first candidate is committed only if its static plan is predicted faster
+    than the second's, and only the committed candidate is planned (the other's ``step_s`` is
+    its static plan's). ``enabled`` False commits the first candidate and DST's plan as they are (the
     ablation), still reporting what the rule would have predicted (both candidates planned).
     """
     if not costs:

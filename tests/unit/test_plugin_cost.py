@@ -44,17 +44,17 @@ def test_the_charge_is_the_named_measurements_scaled_to_the_row(tmp_path):
     assert cost.planner.shape == Shape(4, 2, 2, 2, 8192)
     same = Shape(dp=4, microbatches=4, pp=2, virtual_stages=2, seq_length=8192)   # 8 ranks
     ch = cost.charge(same, sab=True, dst=True, planner="inline", stand_down=True)
-    # packing x2 (tokens), features and DST x2 (units); features x2 (both candidate packings),
-    # DST x1 (the packing the static plans chose, --sb-stand-down-compare static)
-    assert ch.parts_ms == pytest.approx({"planning": 3.0 * 2 + (2.0 * 2 + 10.0) * 2,
+    # packing x2 (tokens), features and DST x2 (units) x2 (both candidate packings, DST on both:
+    # --sb-stand-down-compare planned, the default)
+    assert ch.parts_ms == pytest.approx({"planning": 3.0 * 2 + (2.0 + 10.0) * 2 * 2,
                                          "gather": 3.0, "broadcast": 0.7,
                                          "calibration": 1.0 * 2})
     assert ch.plan_s == pytest.approx(sum(ch.parts_ms.values()) * 1e-3)
-    assert "stand-down on (static)" in ch.flags
-    both = cost.charge(same, sab=True, dst=True, planner="inline", stand_down=True,
-                       compare="planned")                  # DST on both packings
-    assert both.parts_ms["planning"] == pytest.approx(3.0 * 2 + (2.0 + 10.0) * 2 * 2)
-    assert "stand-down on (planned)" in both.flags
+    assert "stand-down on (planned)" in ch.flags
+    once = cost.charge(same, sab=True, dst=True, planner="inline", stand_down=True,
+                       compare="static")     # DST x1: the packing the static plans chose
+    assert once.parts_ms["planning"] == pytest.approx(3.0 * 2 + (2.0 * 2 + 10.0) * 2)
+    assert "stand-down on (static)" in once.flags
     with pytest.raises(ValueError, match="compare='both': expected one of"):
         cost.charge(same, sab=True, dst=True, planner="inline", stand_down=True,
                     compare="both")
@@ -157,16 +157,16 @@ def test_do_no_harm_compares_net_times(tmp_path):
         first["dst"]["step_time_s"] + 3 * static["step_time_s"] - first["static"]["step_time_s"],
         rel=1e-12)
     # without the gate (stand-down off: the ablation, one candidate packing) every step pays
-    # the 1,000 s; with it the first step pays 1,000 s (DST on the packing the static plans
-    # chose) and no other, or 2,000 s with DST on both packings (--sb-stand-down-compare planned)
+    # the 1,000 s; with it the first step pays 2,000 s (DST on both packings) and no other, or
+    # 1,000 s with DST on the packing the static plans chose (--sb-stand-down-compare static)
     off = _study(cost, stand_down="off", planner="inline")["sab_dst"]
     assert "net_stood_down" not in off
     assert off["plugin_cost_parts_ms"]["planning"] == pytest.approx(1e6, rel=1e-3)
-    assert rows["sab_dst"]["plugin_cost_parts_ms"]["planning"] == pytest.approx(1e6 / 3,
+    assert rows["sab_dst"]["plugin_cost_parts_ms"]["planning"] == pytest.approx(2e6 / 3,
                                                                                rel=1e-3)
-    both = _study(cost, planner="inline", stand_down_compare="planned")["sab_dst"]
-    assert both["plugin_cost_parts_ms"]["planning"] == pytest.approx(2e6 / 3, rel=1e-3)
-    assert both["net_stood_down"] == pytest.approx(2 / 3)
+    once = _study(cost, planner="inline", stand_down_compare="static")["sab_dst"]
+    assert once["plugin_cost_parts_ms"]["planning"] == pytest.approx(1e6 / 3, rel=1e-3)
+    assert once["net_stood_down"] == pytest.approx(2 / 3)
     assert static["step_time_net_s"] == static["step_time_s"]
 
 
@@ -230,18 +230,18 @@ def test_the_planner_studys_draft_prices_inline_planning_and_each_ahead_form(tmp
     cost = _cost(tmp_path, planner=new)
     assert cost.planner.draft_scale() == pytest.approx(2.0)
     measured = Shape(dp=4, microbatches=2, pp=2, virtual_stages=2, seq_length=8192)
-    inline = cost.charge(measured, sab=True, dst=True, planner="inline", stand_down=True,
-                         compare="planned")
+    inline = cost.charge(measured, sab=True, dst=True, planner="inline", stand_down=True)
     assert inline.parts_ms["planning"] == pytest.approx(54.0)
-    # the default plans DST once: the draft less one DST part, at the same scale
-    once = cost.charge(measured, sab=True, dst=True, planner="inline", stand_down=True)
+    # --sb-stand-down-compare static plans DST once: the draft less one DST part, same scale
+    once = cost.charge(measured, sab=True, dst=True, planner="inline", stand_down=True,
+                       compare="static")
     assert once.parts_ms["planning"] == pytest.approx(54.0 - 2.0 * 10.0)
-    # a file measured with the default says so: its draft spent DST once
+    # a file measured with 'static' says so: its draft spent DST once
     step.update(draft_ms=34.0, dst_candidates=1)      # parts: 3 + 2 x 2 + 10 = 17: x2
     now = _cost(tmp_path, planner=new)
     assert now.planner.draft_scale() == pytest.approx(2.0)
-    assert now.charge(measured, sab=True, dst=True, planner="inline",
-                      stand_down=True).parts_ms["planning"] == pytest.approx(34.0)
+    assert now.charge(measured, sab=True, dst=True, planner="inline", stand_down=True,
+                      compare="static").parts_ms["planning"] == pytest.approx(34.0)
     twice = Shape(dp=8, microbatches=2, pp=2, virtual_stages=2, seq_length=8192)   # 2x units
     proc = cost.charge(twice, sab=True, dst=True, planner="process", stand_down=True)
     assert proc.parts_ms["planning"] == pytest.approx(0.5 + 0.2 * 2)

@@ -126,11 +126,10 @@ def _cut_sab_heavy_rank(seen):
 
 
 def test_planned_judges_each_packing_under_the_plan_dst_would_commit_for_it():
-    """--sb-stand-down-compare planned: SAB's packing is slower at d0 but DST balances it below
+    """--sb-stand-down-compare planned (the default): SAB's packing is slower at d0 but DST balances it below
     the baseline's best, so SAB stays. The plan function sees each candidate's own costs."""
     seen = []
-    ch = choose_step(_two_packings(True), D0, plan_fn=_cut_sab_heavy_rank(seen),
-                     compare="planned")
+    ch = choose_step(_two_packings(True), D0, plan_fn=_cut_sab_heavy_rank(seen))
     assert seen == [0, 1]
     assert ch.index == 0 and ch.sab_stood_down is False and ch.dst_stood_down is False
     assert ch.outcome.plan == "plan0" and ch.step_s[0] < ch.step_s[1]
@@ -139,20 +138,21 @@ def test_planned_judges_each_packing_under_the_plan_dst_would_commit_for_it():
 
 
 def test_static_races_the_static_plans_and_plans_only_the_packing_chosen():
-    """--sb-stand-down-compare static (the default): the same case, but the packings race at
+    """--sb-stand-down-compare static: the same case, but the packings race at
     d0, where SAB's is slower, so the baseline is chosen and only it is planned; the record
     keeps SAB's static step and the baseline's committed one. Where SAB's static plan is the
     faster, only SAB's packing is planned and the baseline's static step is recorded."""
     costs = _two_packings(True)
     seen = []
-    ch = choose_step(costs, D0, plan_fn=_cut_sab_heavy_rank(seen))
+    ch = choose_step(costs, D0, plan_fn=_cut_sab_heavy_rank(seen), compare="static")
     static = [plan_step_time_s(c, np.full(c.shape, D0)) for c in costs]
     assert static[0] > static[1]
     assert seen == [1] and ch.index == 1 and ch.sab_stood_down is True
     assert ch.outcome.plan == "plan1" and ch.step_s == [static[0], ch.outcome.step_s]
     assert ch.baseline_s == static[1]
     seen.clear()
-    good = choose_step(_two_packings(False), D0, plan_fn=_cut_sab_heavy_rank(seen))
+    good = choose_step(_two_packings(False), D0, plan_fn=_cut_sab_heavy_rank(seen),
+                       compare="static")
     static = [plan_step_time_s(c, np.full(c.shape, D0)) for c in _two_packings(False)]
     assert static[0] < static[1]
     assert seen == [0] and good.index == 0 and good.sab_stood_down is False
@@ -165,7 +165,8 @@ def test_static_races_the_static_plans_and_plans_only_the_packing_chosen():
             assert a.index == (1 if sab_heavy else 0)
     # the ablation plans both packings whatever is compared
     seen.clear()
-    off = choose_step(costs, D0, plan_fn=_cut_sab_heavy_rank(seen), enabled=False)
+    off = choose_step(costs, D0, plan_fn=_cut_sab_heavy_rank(seen), enabled=False,
+                      compare="static")
     assert seen == [0, 1] and off.index == 0
     with pytest.raises(ValueError, match="compare='both'"):
         choose_step(costs, D0, compare="both")
@@ -280,10 +281,11 @@ def test_unit_costs_at_grid_indices_gathers_like_take_along_axis():
         costs.at(np.full(costs.shape, g))
 
 
-def test_runtime_plans_dst_once_by_default_and_on_both_packings_when_planned(monkeypatch):
-    """The runtime's choice under ``--sb-stand-down-compare``: by default DST plans only the
-    packing whose static plan won (the same packing the no-DST choice takes), with 'planned' it
-    plans both; either way the committed step is no slower than the baseline's static one."""
+def test_runtime_plans_dst_on_both_packings_by_default_and_once_when_static(monkeypatch):
+    """The runtime's choice under ``--sb-stand-down-compare``: by default ('planned') DST plans
+    both packings, with 'static' only the packing whose static plan won (the same packing the
+    no-DST choice takes); either way the committed step is no slower than the baseline's static
+    one."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.megatron.step import choice as step_choice
     from sparsebalance_megatron.policy import dst
@@ -312,6 +314,7 @@ def test_runtime_plans_dst_once_by_default_and_on_both_packings_when_planned(mon
     _, _, no_dst = step_choice.choose(SparseBalanceConfig(batching=True, sparse_attention=True,
                                                           density=D0), lm, options, 2, dst=False)
     assert records["static"]["packing_index"] == no_dst["packing_index"]
+    assert SparseBalanceConfig().stand_down_compare == "planned"
     grid = np.array([D0])
     base_static = plan_step_time_s(UnitCosts.from_latency(
         lm, options[1][1], 2, options[1][0].num_microbatches, grid),
