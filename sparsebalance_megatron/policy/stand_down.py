@@ -127,8 +127,8 @@ def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
     through the DST rule, and the first is committed only if then predicted faster;
     ``static``, the first candidate is committed only if its static plan is predicted faster
     than the second's, and only the committed candidate is planned (the other's ``step_s`` is
-    its static plan's). ``enabled`` False commits the first candidate and DST's plan as they are (the
-    ablation), still reporting what the rule would have predicted (both candidates planned).
+    its static plan's). ``enabled`` False commits the first candidate and DST's plan as they
+    are (the ablation), still reporting what the rule would have predicted (both planned).
     """
     if not costs:
         raise ValueError("choose_step needs at least one candidate packing")

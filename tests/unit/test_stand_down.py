@@ -126,8 +126,9 @@ def _cut_sab_heavy_rank(seen):
 
 
 def test_planned_judges_each_packing_under_the_plan_dst_would_commit_for_it():
-    """--sb-stand-down-compare planned (the default): SAB's packing is slower at d0 but DST balances it below
-    the baseline's best, so SAB stays. The plan function sees each candidate's own costs."""
+    """--sb-stand-down-compare planned (the default): SAB's packing is slower at d0 but DST
+    balances it below the baseline's best, so SAB stays. The plan function sees each
+    candidate's own costs."""
     seen = []
     ch = choose_step(_two_packings(True), D0, plan_fn=_cut_sab_heavy_rank(seen))
     assert seen == [0, 1]
