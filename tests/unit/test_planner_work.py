@@ -7,8 +7,8 @@ on fixed steps of the built-in corpus, and what its time goes into is counted: t
 and the float pass's Python steps over events (``EventGraph.earliest_finish``,
 ``slack.latest_finish``: events x calls, or waves x calls for the passes that go a wave at a
 time, ``sim.waves``), the cells they write (events x columns) and the grid searches' gathered
-elements (``highest_at_most``, ``level_search``). Each must stay within [0.5, 1.5] x ``REFERENCE``: a change that doubles the
-work fails; one that halves it fails too, and then ``REFERENCE`` is updated with the figures
+elements (``highest_at_most``, ``level_search``). Each must stay within [0.5, 1.5] x
+``REFERENCE``: a change that doubles the work fails; one that halves it fails too, and then ``REFERENCE`` is updated with the figures
 the failure prints (the drop is worth a commit message). The counts are taken on the numpy
 paths (``sim.compiled`` off): the planning algorithm's work, event by event, which the compiled
 kernels do in fewer steps and the same numbers. Wall-clock figures of the same draft are
