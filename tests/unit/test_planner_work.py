@@ -3,16 +3,16 @@ twice as slow (issue 44), which a wall-clock test on a shared machine cannot be.
 
 The runtime's draft (``step/drafting.py``: SAB's and the baseline's packing, their features, DST
 under the do-no-harm rule with the default flags, and with DST on the chosen packing only) is run
-on fixed steps of the built-in corpus, and what its time goes into is counted: the simulator's
-and the float pass's Python steps over events (``EventGraph.earliest_finish``,
-``slack.latest_finish``: events x calls, or waves x calls for the passes that go a wave at a
-time, ``sim.waves``), the cells they write (events x columns) and the grid searches' gathered
-elements (``highest_at_most``, ``level_search``). Each must stay within [0.5, 1.5] x
-``REFERENCE``: a change that doubles the work fails; one that halves it fails too, and then ``REFERENCE`` is updated with the figures
-the failure prints (the drop is worth a commit message). The counts are taken on the numpy
-paths (``sim.compiled`` off): the planning algorithm's work, event by event, which the compiled
-kernels do in fewer steps and the same numbers. Wall-clock figures of the same draft are
-``scripts/bench.py planner_cost``'s.
+on fixed steps of the built-in corpus, and what its time goes into is counted: the simulator's and
+the float pass's Python steps over events (``EventGraph.earliest_finish``, ``slack.latest_finish``:
+events x calls, or waves x calls for the passes that go a wave at a time, ``sim.waves``), the cells
+they write (events x columns) and the grid searches' gathered elements (``highest_at_most``,
+``level_search``). Each must stay within [0.5, 1.5] x ``REFERENCE``: a change that doubles the work
+fails; one that halves it fails too, and then ``REFERENCE`` is updated with the figures the failure
+prints (the drop is worth a commit message). The counts are taken on the numpy paths
+(``sim.compiled`` off): the planning algorithm's work, event by event, which the compiled kernels
+do in fewer steps and the same numbers. Wall-clock figures of the same draft are ``scripts/bench.py
+planner_cost``'s.
 """
 
 from __future__ import annotations
