@@ -99,13 +99,15 @@ class StepChoice:
 
 
 def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
-                plan: Optional[np.ndarray] = None, enabled: bool = True, payload=None
-                ) -> PackingOutcome:
+                plan: Optional[np.ndarray] = None, enabled: bool = True, payload=None,
+                static_s: Optional[float] = None) -> PackingOutcome:
     """The DST rule on one packing: ``plan`` (DST's densities, None: static run) is kept unless
     it is predicted slower than the static plan of the same micro-batches (``enabled`` False:
-    always kept, the ablation)."""
+    always kept, the ablation); ``static_s``: that static plan's step time where the caller
+    has predicted it already."""
     static = np.full(costs.shape, float(d0))
-    static_s = plan_step_time_s(costs, static, p2p_s)
+    if static_s is None:
+        static_s = plan_step_time_s(costs, static, p2p_s)
     if plan is None:
         return PackingOutcome(static, static_s, static_s, None, None, payload)
     plan = np.asarray(plan, dtype=np.float64)
@@ -138,7 +140,7 @@ def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
         static = [plan_step_time_s(c, np.full(c.shape, float(d0)), p2p_s) for c in costs]
         i = 0 if slower(static[1], static[0]) else 1        # SAB's static plan strictly faster
         plan, payload = plan_fn(i, costs[i]) if plan_fn is not None else (None, None)
-        out = dst_outcome(costs[i], d0, p2p_s, plan, enabled, payload)
+        out = dst_outcome(costs[i], d0, p2p_s, plan, enabled, payload, static[i])
         times = static[:i] + [out.step_s] + static[i + 1:]
         return StepChoice(i, out, i != 0, times, static[-1])
     outs = []

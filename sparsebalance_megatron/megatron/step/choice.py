@@ -53,13 +53,20 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
     costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid)
              for batch, units in options]
-    sens = [batch_sensitivity(batch, tracker) if tracker is not None else None
-            for batch, _ in options]
+    sens = {}
+
+    def sensitivity(i):
+        """Packing i's unit sensitivities, estimated once and only for a packing DST plans
+        (ranks that draft without DST, and 'static' comparisons, need none for the other)."""
+        if i not in sens:
+            sens[i] = batch_sensitivity(options[i][0], tracker) if tracker is not None else None
+        return sens[i]
+
     plan_fn = None
     if dst:
         def plan_fn(i, c):
             grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
-            p = plan_dst_from_config(sb, c, sens[i], latency.p2p_s,
+            p = plan_dst_from_config(sb, c, sensitivity(i), latency.p2p_s,
                                      raise_headroom=raise_headroom, stage_layers=stage_layers,
                                      rank_scale=grid_fn(dp, c.pipeline_ranks) if grid_fn
                                      else None)
@@ -75,9 +82,9 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     # the committed plan's uncorrected busy seconds, which every rank calibrates against after
     # the step: predicted once here, off the training thread, and broadcast with the plan
     busy = latency.busy_s(options[choice.index][1], out.densities)
+    chosen = sensitivity(choice.index)
     report = dict(out.plan.report.as_dict(), raise_headroom=raise_headroom,
-                  unit_sensitivity=None if sens[choice.index] is None
-                  else np.round(sens[choice.index], 6).tolist(),
+                  unit_sensitivity=None if chosen is None else np.round(chosen, 6).tolist(),
                   predicted_busy_s=busy.tolist(), stand_down=record)
     if out.dst_stood_down:      # the report describes the committed plan: the static one
         report.update(step_time_planned_s=out.step_s, speedup=1.0, units_cut=0,
