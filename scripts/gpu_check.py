@@ -61,7 +61,7 @@ SHAPE = ["--num-layers", "8", "--hidden-size", "896", "--ffn-hidden-size", "4864
          "--num-attention-heads", "14", "--num-query-groups", "2", "--kv-channels", "64",
          "--seq-length", "32768"]
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
-LIMIT_S = {"env": 20, "smoke": 110, "bench": 220, "tests": 110, "autotune": 70,
+LIMIT_S = {"env": 20, "smoke": 110, "bench": 200, "tests": 150, "autotune": 50,
            "recompile": 180, "latency": 90, "train": 255}
 GPU_PATH_MODULES = ("sparsebalance_megatron.attention.dense", "sparsebalance_megatron.attention.flex",
                     "sparsebalance_megatron.attention.sparse_triton",
@@ -562,9 +562,23 @@ def targets(results):
     return t
 
 
+_PROVENANCE = {}
+
+
+def _provenance():
+    """Commit, versions and the device's name, in every call's JSON (a call without the ``env``
+    step named no device before); taken once per process."""
+    if not _PROVENANCE:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        from studies.common import gpu_provenance
+        _PROVENANCE.update(gpu_provenance())
+    return _PROVENANCE
+
+
 def _write(results, out_dir):
-    doc = {"device": results.get("env", {}).get("device"), "steps": results,
-           "targets": targets(results), "attention_share_dense_files_est":
+    prov = _provenance()
+    doc = {**prov, "device": results.get("env", {}).get("device") or prov["device"],
+           "steps": results, "targets": targets(results), "attention_share_dense_files_est":
            attention_share(results), "command": " ".join(sys.argv)}
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as fh:
         json.dump(doc, fh, indent=1)

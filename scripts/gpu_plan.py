@@ -56,10 +56,11 @@ class Call:
 
 
 PLAN: Tuple[Call, ...] = (
-    # step times of the 2026-11-26 H200 run: env 13 s, bench 251 s (cut by its deadline; the
-    # rows that decide the targets come first), tests 84 s, autotune 29 s (the gate's compiles
-    # reused), each pretrain() run 27-66 s (37 s of it the start-up profile, which a run given
-    # the latency step's table skips)
+    # step times of the two H200 runs (2026-11-26): env 13-14 s, bench 195-251 s (cut by its
+    # deadline; the rows that decide the targets come first), tests 84 s, then more than 110 s
+    # (cut at its last test: the tests step now has 150 s), autotune 28-29 s (the gate's
+    # compiles reused), latency 84 s, each pretrain() run 27-68 s (37 s of it the start-up
+    # profile, which a run given the latency step's table skips)
     Call("table", ("env", "bench", "tests", "autotune"), 440, 420,
          outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz"),
          what="versions, imports, signatures; the kernel table at the target shape first; "

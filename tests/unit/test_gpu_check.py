@@ -200,6 +200,27 @@ def test_autotune_step_says_when_its_script_is_missing(monkeypatch, tmp_path):
     assert not got["ok"] and "autotune_triton.py" in got["missing"]
 
 
+def test_every_call_names_its_device_commit_and_versions(tmp_path):
+    """The e2e call runs no ``env`` step; its JSON still names the device and the versions."""
+    gc = _script("gpu_check")
+    doc = gc._write({"latency": {"ok": True}}, str(tmp_path))
+    for key in ("commit", "torch", "triton", "cuda", "versions", "device"):
+        assert key in doc, key
+    gc._PROVENANCE["device"] = "NVIDIA H200"
+    assert gc._write({"latency": {"ok": True}}, str(tmp_path))["device"] == "NVIDIA H200"
+    got = gc._write({"env": {"ok": True, "device": "NVIDIA H100"}}, str(tmp_path))
+    assert got["device"] == "NVIDIA H100"
+
+
+def test_the_guide_states_each_steps_limit_as_the_script_has_it():
+    import re
+    gc = _script("gpu_check")
+    text = (REPO / "docs/GPU.md").read_text()
+    stated = {m.group(1): int(m.group(2))
+              for m in re.finditer(r"^\| `(\w+)` \| .* \| (\d+) s \|$", text, re.M)}
+    assert stated == gc.LIMIT_S
+
+
 # --- the device plan and the carries (scripts/gpu_plan.py) ------------------------------------
 
 def test_the_device_plan_fits_the_machine():
