@@ -62,7 +62,7 @@ SHAPE = ["--num-layers", "8", "--hidden-size", "896", "--ffn-hidden-size", "4864
          "--seq-length", "32768"]
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
 LIMIT_S = {"env": 20, "smoke": 110, "bench": 200, "tests": 150, "autotune": 50,
-           "recompile": 180, "latency": 90, "train": 255}
+           "recompile": 180, "latency": 110, "train": 235}
 GPU_PATH_MODULES = ("sparsebalance_megatron.attention.dense", "sparsebalance_megatron.attention.flex",
                     "sparsebalance_megatron.attention.sparse_triton",
                     "sparsebalance_megatron.attention.block_lists",

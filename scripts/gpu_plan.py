@@ -59,7 +59,8 @@ PLAN: Tuple[Call, ...] = (
     # step times of the two H200 runs (2026-11-26): env 13-14 s, bench 195-251 s (cut by its
     # deadline; the rows that decide the targets come first), tests 84 s, then more than 110 s
     # (cut at its last test: the tests step now has 150 s), autotune 28-29 s (the gate's
-    # compiles reused), latency 84 s, each pretrain() run 27-68 s (37 s of it the start-up
+    # compiles reused), latency 84 s (a quick grid of 5 mixes; 7 since, about 17 s more: the
+    # step has 110 s and train 235 s), each pretrain() run 27-68 s (37 s of it the start-up
     # profile, which a run given the latency step's table skips)
     Call("table", ("env", "bench", "tests", "autotune"), 440, 420,
          outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz"),

@@ -124,13 +124,14 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from .launch.profile import default_mixes, fit_report, profile_table
+    from .launch.profile import QUICK_MIXES, default_mixes, fit_report, profile_table
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
     densities = args.densities or ([0.25, 1.0] if args.quick
                                    else [0.125, 0.25, 0.5, 0.75, 1.0])
-    mixes = default_mixes(args.seq_length, args.mixes or (5 if args.quick else 10), seed=sb.seed,
+    count = args.mixes or (QUICK_MIXES if args.quick else 10)
+    mixes = default_mixes(args.seq_length, count, seed=sb.seed,
                           block_size=sb.block_size, length_multiple=sb.length_multiple)
     repeats = args.repeats or (2 if args.quick else 5)
     # On CUDA a new shape compiles the flex kernel: one untimed run per point keeps any compile

@@ -7,7 +7,8 @@ import pytest
 
 from sparsebalance_megatron.data.packing import PAD_SEQ_TOKENS
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, UnitFeatures, analytic_table
-from sparsebalance_megatron.megatron.launch.profile import default_mixes, padded_length_warning
+from sparsebalance_megatron.megatron.launch.profile import (QUICK_MIXES, default_mixes,
+                                                            padded_length_warning)
 
 
 @pytest.mark.parametrize("seq_length,block_size", [(16384, 128), (32768, 128), (4096, 128),
@@ -30,13 +31,17 @@ def test_default_mixes_pad_like_training_and_vary_the_documents():
     t = 16384
     mixes = default_mixes(t, 10, seed=1234, block_size=128)
     assert default_mixes(t, 10, seed=1234) == mixes      # nothing overflows at 16K / 128
-    # the quick grid (first five): 1, 4, 16 documents, half a micro-batch plus its padding in
-    # pieces of PAD_SEQ_TOKENS (as data.packing pads), 64 short sequences
-    assert [len(m) for m in mixes[:5]] == [1, 4, 16, 1 + (t // 2) // PAD_SEQ_TOKENS, 64]
+    # the quick grid (first seven): 1, 4, 16 documents, half a micro-batch plus its padding in
+    # pieces of PAD_SEQ_TOKENS (as data.packing pads), 64 short sequences, half a micro-batch
+    # beside 64 documents of t / 128 tokens, 128 of those
+    assert QUICK_MIXES == 7
+    assert [len(m) for m in mixes[:7]] == [1, 4, 16, 1 + (t // 2) // PAD_SEQ_TOKENS, 64, 65,
+                                           128]
     assert mixes[3] == [t // 2] + [PAD_SEQ_TOKENS] * ((t // 2) // PAD_SEQ_TOKENS)
-    assert mixes[6] == [3 * t // 8] * 2 + [PAD_SEQ_TOKENS] * ((t // 4) // PAD_SEQ_TOKENS)
+    assert mixes[5] == [t // 2] + [t // 128] * 64 and mixes[6] == [t // 128] * 128
+    assert mixes[8] == [3 * t // 8] * 2 + [PAD_SEQ_TOKENS] * ((t // 4) // PAD_SEQ_TOKENS)
     # random cuts keep their documents (the earlier grid's), now padded to t
-    assert mixes[9][:5] == [5226, 69, 2784, 2468, 1741] and set(mixes[9][5:]) == {PAD_SEQ_TOKENS}
+    assert mixes[9][:5] == [859, 108, 169, 266, 578] and set(mixes[9][-3:]) == {PAD_SEQ_TOKENS}
     longest = {max(m) for m in mixes}
     assert {t, t // 2, t // 4, t // 16, PAD_SEQ_TOKENS} <= longest
 
@@ -169,3 +174,43 @@ def test_attention_work_on_the_last_work_grid_is_the_computed_work(work_mode):
     assert not f.attention_work(on_grid).any()
     assert fresh().attention_work(on_grid).any()
     assert pickle.loads(pickle.dumps(f))._grid is None
+
+
+def test_quick_grid_tells_a_per_document_cost_from_routed_dense_work():
+    """The H200's quick profile routed documents under 4,096 tokens dense and had one grid point
+    of many short documents, so the backward's per-document cost (Megatron's unfused packed
+    RoPE) went into the dense work and micro-batches of 100+ short documents were predicted
+    16-26% short. The quick grid's last two mixes (short documents of another length, alone and
+    beside a long one) make every cost term identifiable: the fit recovers them all and such a
+    micro-batch is predicted right."""
+    from sparsebalance_megatron.latency.features import MODEL_FEATURES
+
+    t, bs, k, cross = 8192, 64, 64, 1024
+    quick = default_mixes(t, QUICK_MIXES, seed=3, block_size=bs, length_multiple=k)
+    table = analytic_table(ModelShape(num_layers=2, seq_length=t), block_size=bs)
+    table["dense_crossover_tokens"] = cross
+    # const, tokens, attention_work, selection_work, sequences, dense_work, sparse / dense call
+    cf = np.array([2e-3, 3e-7, 5e-6, 1e-8, 2.9e-3, 4e-6, 1e-3, 5e-4])
+    cb = np.array([3e-3, 6e-7, 1.1e-5, 0.0, 2.1e-3, 9e-6, 2e-3, 8e-4])
+    assert len(cf) == len(MODEL_FEATURES)
+
+    def x_of(mixes, dens):
+        return UnitFeatures.build(mixes, bs, 1, 0, "kept", 16, cross).matrix(
+            np.asarray(dens), MODEL_FEATURES)
+
+    rows = [(m, d) for m in quick for d in (0.25, 1.0)]
+    x = x_of([m for m, _ in rows], [d for _, d in rows])
+    table["measurements"] = [{"kind": "only", "doc_lengths": m, "density": d,
+                              "fwd_s": float(r @ cf), "bwd_s": float(r @ cb)}
+                             for (m, d), r in zip(rows, x)]
+    del table["coefficients"]
+    m = LatencyModel.fit(table)
+    held = [1000, 500] + [64] * 100
+    want = x_of([held], [0.4])[0]
+    assert m.predict(held, 0.4, 0) == pytest.approx(float(want @ cf + want @ cb), rel=1e-6)
+    for part, c in (("fwd", cf), ("bwd", cb)):
+        np.testing.assert_allclose(m.coef["only"][part], c[:5], rtol=1e-6, atol=1e-12)
+    # without the last mix, or the last two, some term cannot be told apart
+    assert np.linalg.matrix_rank(x) == len(MODEL_FEATURES)
+    for drop in (slice(0, 10), slice(0, 12)):
+        assert np.linalg.matrix_rank(x[drop]) < len(MODEL_FEATURES)

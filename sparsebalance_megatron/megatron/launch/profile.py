@@ -156,6 +156,10 @@ def _recompute_config(granularity: str) -> dict:
             "recompute_num_layers": 1}
 
 
+QUICK_MIXES = 7
+"""How many of ``default_mixes`` the quick profile (``profile_cli --quick``) times."""
+
+
 def default_mixes(seq_length: int, count: int, seed: int = 0,
                   block_size: Optional[int] = None,
                   length_multiple: int = 0) -> list[list[int]]:
@@ -185,11 +189,19 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     blocks would overflow the padded length of ``seq_length`` tokens
     (``attention.blocks.fixed_padded_blocks``: another compiled shape) is left out or drawn again.
 
-    The first five (the --quick grid) vary the document count and the longest document: one
-    document, 4 and 16 equal ones, half a micro-batch of one document plus padding, and 64 short
-    sequences (a fully padded micro-batch; sequences of one block each when ``seq_length / 64``
-    is shorter than a block). The others: two equal documents with and without padding, then
-    random cuts of 100%, 75% or 50% of the tokens into 2-15 documents, padded.
+    The first seven (the --quick grid, ``QUICK_MIXES``) vary the document count and the longest
+    document: one document, 4 and 16 equal ones, half a micro-batch of one document plus
+    padding, 64 short sequences (a fully padded micro-batch; sequences of one block each when
+    ``seq_length / 64`` is shorter than a block), half a micro-batch of one document beside 64
+    documents of ``seq_length / 128`` tokens (at least a block each), and a micro-batch of those
+    short documents alone. With short documents routed dense, the last three are what tell a
+    per-document cost from the dense kernel's work (short documents of two lengths) and the
+    dense and sparse calls' fixed costs from each other (a micro-batch with both calls): with
+    only the 64 short sequences, the H200's quick profile put the backward's per-document cost
+    into the dense work (``docs/results/latency_gpu_h200_run2.json``) and predicted
+    micro-batches of 100+ documents 16-26% short. The others: two equal documents with and
+    without padding, then random cuts of 100%, 75% or 50% of the tokens into 2-15 documents,
+    padded.
     """
     from ...attention.blocks import fixed_padded_blocks
 
@@ -206,11 +218,15 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
                 == fixed_padded_blocks(t, -(-t // block_size), block_size))
 
     short = max(t // 64, block_size or 1)
-    fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [short] * (t // short), [t // 2] * 2,
-             [3 * t // 8] * 2]
+    # short documents of a second length (t/128 tokens): all of a micro-batch, and beside half a
+    # micro-batch of one document (a long document and short ones in the same micro-batch)
+    tiny = max(t // 128, block_size or 1)
+    mixed = [t // 2] + [tiny] * ((t - t // 2) // tiny)
+    fixed = [[t], [t // 4] * 4, [t // 16] * 16, [t // 2], [short] * (t // short), mixed,
+             [tiny] * (t // tiny), [t // 2] * 2, [3 * t // 8] * 2]
     if length_multiple:          # the quick grid spans three token totals: t, t/2, t/4
-        fixed = [[t], [t // 4] * 4, [t // 2], [t // 4], [short] * (t // short),
-                 [t // 16] * 16, [t // 2] * 2, [3 * t // 8] * 2]
+        fixed = [[t], [t // 4] * 4, [t // 2], [t // 4], [short] * (t // short), mixed,
+                 [tiny] * (t // tiny), [t // 16] * 16, [t // 2] * 2, [3 * t // 8] * 2]
     out = [m for m in (packed(m) for m in fixed if m and all(x > 0 for x in m))
            if one_shape(m)][:count]
     rng = np.random.default_rng(seed)
