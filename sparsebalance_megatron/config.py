@@ -129,9 +129,11 @@ class SparseBalanceConfig:
         "experimental, not yet run on a GPU here), 'fa4' (FlashAttention-4's block-sparse CuTe "
         "kernels called directly: Hopper, block 128, bf16/fp16, flash-attn-4 installed; "
         "experimental, not yet run on a GPU), 'triton' (the plugin's own Triton "
-        "block-sparse FlashAttention, CUDA; not yet timed on a GPU), 'torch' (blockwise "
-        "PyTorch), 'reference' "
-        "(dense masked SDPA oracle), or 'auto' (on CUDA the backend the latency profile measured fastest, flex where none was measured; torch on CPU).",
+        "block-sparse FlashAttention, CUDA; timed on an H200; takes any micro-batch length), "
+        "'torch' (blockwise PyTorch), 'reference' (dense masked SDPA oracle), or 'auto' (on "
+        "CUDA triton where it serves the model and the micro-batches are variable-length "
+        "(--sb-microbatch-multiple auto), else the backend the latency profile measured "
+        "fastest, flex where none was measured; torch on CPU).",
         choices=BACKENDS)
     query_chunk_blocks: int = _f(
         16, "Query blocks processed at once by the torch kernel; bounds its memory.")
@@ -256,8 +258,9 @@ class SparseBalanceConfig:
         "variable (a multiple of 128 that meets those) where SAB packs for dense attention on "
         "the plugin's data path (dense attention takes any length, as Megatron's own "
         "dp_balanced packer feeds it) and for sparse attention through the triton backend "
-        "(its kernels take any length), else 0: with sparse attention through any other "
-        "backend ('auto' may pick flex, a kernel compile per length), a HybridModel, CUDA "
+        "(its kernels take any length; 'auto' on CUDA runs it where it serves the model), else "
+        "0: with sparse attention through any other backend (flex compiles a kernel per "
+        "length), a HybridModel, CUDA "
         "graphs (fixed shapes), or a --sb-latency-table profiled at one token total (it "
         "cannot price shorter micro-batches); with --sb-replay-plans, the multiple the plans "
         "were packed at. The launch line says which and why.")

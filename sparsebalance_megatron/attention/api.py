@@ -17,8 +17,8 @@ and shared through ``cache``; the per-layer path then reads nothing back from th
   no recompiles across lengths;
 - ``torch``: blockwise PyTorch with autograd (CPU and portable fallback);
 - ``reference``: dense SDPA with the expanded boolean mask (the oracle, O(t^2) memory);
-- ``auto``: on CUDA the kernel this device's profile measured fastest (flex before any
-  measurement), torch elsewhere (``auto_backend``).
+- ``auto``: on CUDA triton for variable-length micro-batches, else the kernel this device's
+  profile measured fastest (flex before any measurement), torch elsewhere (``auto_backend``).
 
 Layouts: q ``[t, np, hn]``, k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``; query head h
 uses key/value head ``h // (np // ng)``), out ``[t, np, hn]``.
@@ -57,11 +57,13 @@ from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
 # ``megatron/crossover.fastest_backend`` times every kernel that can run (at profiling, and
 # records it in the latency table as ``attention.backend``); whoever measures or loads that pick
 # registers it here (``set_auto_backend``) and every later ``auto`` (the layers, the launch
-# checks, the benchmark, a direct API call) runs it. With no measurement in this process it is
-# AUTO_UNMEASURED, ``flex``: the one sparse kernel verified on a GPU so far (outputs, gradients,
-# graphs and syncs on an H100, docs/GPU.md); ``triton``, ``fa4`` and ``flash`` have not run on
-# one. Off CUDA ``auto`` is ``torch`` (the only sparse kernel that runs there without the
-# Triton interpreter).
+# checks, the benchmark, a direct API call) runs it. A launch with variable-length micro-batches
+# registers ``triton``, the kernel that takes any length (``megatron/launch/lengths.py``), and
+# its profile times only that one. With no registration in this process it is AUTO_UNMEASURED,
+# ``flex``: verified on an H100 (outputs, gradients, graphs and syncs, docs/GPU.md) and timed on
+# an H200 beside ``triton``, which beat it at the training shape (BENCHMARKS.md, "On a GPU");
+# ``fa4`` and ``flash`` have not run on a GPU. Off CUDA ``auto`` is ``torch`` (the only sparse
+# kernel that runs there without the Triton interpreter).
 AUTO_UNMEASURED = "flex"
 _AUTO_MEASURED: dict = {}        # device type -> (backend, where the measurement came from)
 

@@ -155,3 +155,43 @@ def test_a_replay_takes_the_multiple_its_plans_were_packed_at(tmp_path):
     # an unreadable file: the usual rule (the replay's own launch check names the file)
     assert resolve(["--sb-batching", "--sb-replay-plans", str(tmp_path / "none.jsonl")])[0] \
         == VARIABLE_MULTIPLE
+
+
+def test_auto_on_a_gpu_runs_triton_at_variable_lengths(monkeypatch):
+    """On CUDA, where the triton kernel serves the model, 'auto' runs it and packs variable
+    lengths (the H200: fixed-length sparse runs paid 30% padding); where triton cannot run
+    (here: a head dim it does not take) 'auto' keeps fixed shapes and its measured pick. The
+    start-up profile then times only length-free kernels."""
+    import torch
+
+    from sparsebalance_megatron.attention import api
+    from sparsebalance_megatron.megatron.launch.crossover import (AUTO_CANDIDATES,
+                                                                  auto_candidates)
+    from sparsebalance_megatron.megatron.launch.lengths import auto_takes_any_length
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    asked = []
+
+    def missing(backend, device, *, dtype=None, head_dim=None, block_size=None):
+        asked.append((backend, dtype, head_dim, block_size))
+        return None if head_dim in (None, 64, 128) else f"head dim {head_dim}"
+    monkeypatch.setattr(api, "backend_missing", missing)
+    model = dict(hidden_size=896, num_attention_heads=14, kv_channels=64, bf16=True)
+    k, why = resolve(["--sparse-balance"], **model)
+    assert k == VARIABLE_MULTIPLE and "--sb-attention-backend auto runs the triton kernel" in why
+    assert asked[-1] == ("triton", torch.bfloat16, 64, 64)
+    args = launch_args(["--sparse-balance"], **model)
+    try:
+        sb, _ = apply_length_multiple(args, config_from_args(args), plugin_data=True)
+        assert sb.length_multiple == VARIABLE_MULTIPLE
+        assert api.auto_backend("cuda")[0] == "triton" and auto_candidates(sb) == ("triton",)
+    finally:
+        api.set_auto_backend(None, "")
+    assert auto_candidates(SparseBalanceConfig(microbatch_multiple=0)) == AUTO_CANDIDATES
+    # a head dim triton does not take: fixed shapes, and 'auto' is left to the profile
+    k, why = resolve(["--sparse-balance"], hidden_size=768, num_attention_heads=8, bf16=True)
+    assert k == 0 and "through the auto backend" in why and asked[-1][2] == 96
+    # without the model's sizes (a namespace lacking them) the head dim is not judged
+    assert auto_takes_any_length(launch_args(["--sparse-balance"]), SparseBalanceConfig())
+    # an explicit backend is not 'auto': flex keeps fixed shapes on a GPU too
+    assert resolve(["--sparse-balance", "--sb-attention-backend", "flex"], **model)[0] == 0

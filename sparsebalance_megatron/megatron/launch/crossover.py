@@ -122,20 +122,28 @@ AUTO_CANDIDATES = ("triton", "fa4", "flex", "flash")
 """What ``--sb-attention-backend auto`` chooses among on CUDA: each one that can run here."""
 
 
+def auto_candidates(sb: SparseBalanceConfig) -> tuple:
+    """The kernels 'auto' chooses among: the length-free ones for variable-length micro-batches
+    (``lengths.LENGTH_FREE_BACKENDS``: a kernel compiled per length is no choice there), else
+    every one (``AUTO_CANDIDATES``)."""
+    from .lengths import LENGTH_FREE_BACKENDS
+    return LENGTH_FREE_BACKENDS if sb.length_multiple else AUTO_CANDIDATES
+
+
 def fastest_backend(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int, head_dim: int,
                     tokens: int, device, dtype: torch.dtype, repeats: int = 3,
-                    warmup: int = 1, seed: int = 0) -> dict:
+                    warmup: int = 1, seed: int = 0, candidates=AUTO_CANDIDATES) -> dict:
     """``{"chosen": backend, "seconds": {backend: median fwd+bwd s}, "tokens", "density"}``:
-    every candidate that can run here timed on one document of ``tokens`` tokens at the base
-    density (the long documents the sparse kernel is for); a candidate that fails is recorded
-    with its error and not chosen."""
+    every one of ``candidates`` that can run here timed on one document of ``tokens`` tokens
+    at the base density (the long documents the sparse kernel is for); a candidate that fails
+    is recorded with its error and not chosen."""
     device = torch.device(device)
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(tokens, h, head_dim, generator=g).to(device, dtype).requires_grad_()
                for h in (num_heads, num_groups, num_groups))
     w = torch.randn(tokens, num_heads, head_dim, generator=g).to(device)
     seconds, failed = {}, {}
-    for backend in AUTO_CANDIDATES:
+    for backend in candidates:
         why = backend_missing(backend, device, dtype=dtype, head_dim=head_dim,
                               block_size=sb.block_size)
         if why is not None:
@@ -166,7 +174,8 @@ def choose_backend(shape, sb: SparseBalanceConfig, repeats: int, warmup: int):
     choice = fastest_backend(sb, num_heads=shape.num_attention_heads,
                              num_groups=shape.num_query_groups, head_dim=shape.head_dim,
                              tokens=shape.seq_length, device="cuda", dtype=torch.bfloat16,
-                             repeats=repeats, warmup=max(warmup, 1))
+                             repeats=repeats, warmup=max(warmup, 1),
+                             candidates=auto_candidates(sb))
     set_auto_backend(choice["chosen"], "timed at profiling by crossover.fastest_backend")
     return dataclasses.replace(sb, attention_backend=choice["chosen"]), choice
 

@@ -11,8 +11,9 @@ given is kept as given (the launch checks judge it).
 
 Variable where all hold: the plugin's data path, SAB packing, dense attention (Megatron's own
 attention takes any THD length, as its packing scheduler feeds it) or a sparse backend that
-takes any length (``LENGTH_FREE_BACKENDS``: triton; flex compiles per length, and 'auto' may
-resolve to it after the lengths are fixed, at the start-up profile), no HybridModel (its Mamba
+takes any length (``LENGTH_FREE_BACKENDS``: triton; flex compiles per length; 'auto' on CUDA
+where triton serves the model, ``auto_takes_any_length``: it then runs triton, and the
+start-up profile times only length-free kernels), no HybridModel (its Mamba
 layers' packed path is not verified here), no CUDA graphs (they capture fixed shapes), and a latency
 table that prices shorter micro-batches (the start-up profile is taken at several token totals;
 a given table profiled at one total cannot tell token work from per-micro-batch costs). The
@@ -85,9 +86,12 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         return recorded, (f"{kind} micro-batches ({flag}: as the plans of "
                           f"{flag_name('replay_plans')} were packed)")
     fixed = None
-    if sb.sparse_attention_enabled and sb.attention_backend not in LENGTH_FREE_BACKENDS:
+    auto_triton = sb.sparse_attention_enabled and sb.attention_backend == "auto" \
+        and auto_takes_any_length(args, sb)
+    if sb.sparse_attention_enabled and sb.attention_backend not in LENGTH_FREE_BACKENDS \
+            and not auto_triton:
         fixed = (f"sparse attention through the {sb.attention_backend} backend (flex compiles "
-                 f"a kernel per length and 'auto' may pick it; "
+                 f"a kernel per length and 'auto' may pick it where triton cannot run; "
                  f"{flag_name('attention_backend')} triton takes any length)")
     elif sb.packing_method != "sab":
         fixed = f"{sb.packing_method} packing (Megatron's fixed shapes)"
@@ -109,8 +113,33 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         k = math.lcm(k, tp * cp)
     what = ("the triton kernel takes any length" if sb.sparse_attention_enabled
             else "SAB with dense attention pays no fill")
+    if auto_triton:
+        what = f"{flag_name('attention_backend')} auto runs the triton kernel, which " \
+               f"takes any length"
     return k, (f"variable-length micro-batches, multiples of {k} tokens ({flag}: {what}; "
                f"{flag_name('microbatch_multiple')} 0 keeps --seq-length shapes)")
+
+
+def auto_takes_any_length(args, sb: SparseBalanceConfig) -> bool:
+    """Whether ``--sb-attention-backend auto`` runs a length-free kernel in this launch: on CUDA
+    where the triton kernel serves the model's head dim, dtype and block size. 'auto' then runs
+    triton and packs variable-length micro-batches (``apply_length_multiple`` registers it);
+    the fastest kernel on one document may be flex, but its fixed shapes cost the padding
+    (the H200's two runs of 2026-11-26: 0.52x dense + SAB at fixed length, 1.04x variable).
+    Off CUDA, or where triton cannot run, 'auto' keeps fixed shapes and its measured pick."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    from ...attention.api import backend_missing
+
+    heads = getattr(args, "num_attention_heads", None)
+    head_dim = getattr(args, "kv_channels", None) or (
+        args.hidden_size // heads if heads and getattr(args, "hidden_size", None) else None)
+    dtype = (torch.bfloat16 if getattr(args, "bf16", False)
+             else torch.float16 if getattr(args, "fp16", False) else torch.float32)
+    return backend_missing("triton", "cuda", dtype=dtype, head_dim=head_dim,
+                           block_size=sb.block_size) is None
 
 
 def apply_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
@@ -125,4 +154,8 @@ def apply_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
     if sb.microbatch_multiple_value is None:
         setattr(args, dest_name("microbatch_multiple"), str(k))
         sb = config_from_args(args)
+    if k and sb.sparse_attention_enabled and sb.attention_backend == "auto":
+        from ...attention.api import set_auto_backend    # variable lengths: the length-free one
+        set_auto_backend(LENGTH_FREE_BACKENDS[0], f"{flag_name('microbatch_multiple')} {k}: "
+                         f"variable-length micro-batches take the length-free kernel")
     return sb, why
