@@ -431,6 +431,13 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None):
                                                                  VARIABLE_MULTIPLE)
     bench_backends = [b for b in ("triton", "fa4", "flex", "flash")
                       if backend_missing(b, "cuda") is None]
+    # the train runs' micro-batches are variable-length through triton, and through 'auto' where
+    # triton serves the model (launch/lengths.auto_takes_any_length): the profile's grid then
+    # spans several token totals, as such a run's table must
+    import torch
+    variable = train_backend in LENGTH_FREE_BACKENDS or (
+        train_backend == "auto" and backend_missing("triton", "cuda", dtype=torch.bfloat16,
+                                                    head_dim=64, block_size=128) is None)
     for name in steps:
         left = deadline - time.time()
         if left < 30:
@@ -469,10 +476,8 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None):
             rc, sec, tail = _run([py, "-m", "sparsebalance_megatron.megatron.profile_cli",
                                   "--quick", "--warmup", "1", "--no-progress", *SHAPE,
                                   "--sb-attention-backend", train_backend,
-                                  # such a backend trains variable-length micro-batches
-                                  # ('auto' in launch/lengths.py): several token totals
                                   *(["--sb-microbatch-multiple", str(VARIABLE_MULTIPLE)]
-                                    if train_backend in LENGTH_FREE_BACKENDS else []),
+                                    if variable else []),
                                   "--sb-block-size", "128", "--out", table], log, limit, env)
             res = {"ok": rc == 0, "rc": rc, "profile_seconds": sec}
             if rc == 0:

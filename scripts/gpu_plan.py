@@ -68,9 +68,10 @@ PLAN: Tuple[Call, ...] = (
               "pytest tests/gpu (bf16); the triton backend's launch settings, timed only over "
               "the candidates that pass the sm_90a compile gate (attention/compile_gate.py, "
               "the device's triton): the pins to paste into triton_launch.PINNED"),
-    Call("e2e", ("latency", "train"), 360, 345, train_backend="triton",
+    Call("e2e", ("latency", "train"), 360, 345,
          what="the GPU latency table and its held-out error; pretrain() dense, dense + SAB and "
-              "--sparse-balance through triton (variable-length micro-batches)"),
+              "--sparse-balance at the default --sb-attention-backend auto (triton at "
+              "variable lengths where it serves the model)"),
 )
 
 PREAMBLE = ("python3 scripts/gpu_plan.py unpack .whl || exit 3; "
