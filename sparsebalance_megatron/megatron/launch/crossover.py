@@ -132,18 +132,18 @@ def auto_candidates(sb: SparseBalanceConfig) -> tuple:
 
 def fastest_backend(sb: SparseBalanceConfig, *, num_heads: int, num_groups: int, head_dim: int,
                     tokens: int, device, dtype: torch.dtype, repeats: int = 3,
-                    warmup: int = 1, seed: int = 0, candidates=AUTO_CANDIDATES) -> dict:
+                    warmup: int = 1, seed: int = 0, candidates=None) -> dict:
     """``{"chosen": backend, "seconds": {backend: median fwd+bwd s}, "tokens", "density"}``:
-    every one of ``candidates`` that can run here timed on one document of ``tokens`` tokens
-    at the base density (the long documents the sparse kernel is for); a candidate that fails
-    is recorded with its error and not chosen."""
+    every one of ``candidates`` (None: ``AUTO_CANDIDATES``) that can run here timed on one
+    document of ``tokens`` tokens at the base density (the long documents the sparse kernel is
+    for); a candidate that fails is recorded with its error and not chosen."""
     device = torch.device(device)
     g = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(tokens, h, head_dim, generator=g).to(device, dtype).requires_grad_()
                for h in (num_heads, num_groups, num_groups))
     w = torch.randn(tokens, num_heads, head_dim, generator=g).to(device)
     seconds, failed = {}, {}
-    for backend in candidates:
+    for backend in AUTO_CANDIDATES if candidates is None else candidates:
         why = backend_missing(backend, device, dtype=dtype, head_dim=head_dim,
                               block_size=sb.block_size)
         if why is not None:
