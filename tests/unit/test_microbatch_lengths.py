@@ -193,5 +193,11 @@ def test_auto_on_a_gpu_runs_triton_at_variable_lengths(monkeypatch):
     assert k == 0 and "through the auto backend" in why and asked[-1][2] == 96
     # without the model's sizes (a namespace lacking them) the head dim is not judged
     assert auto_takes_any_length(launch_args(["--sparse-balance"]), SparseBalanceConfig())
+    # a number given with 'auto' where triton cannot run: nothing registered (the launch
+    # check names the kernel 'auto' measured, which cannot take the lengths)
+    args = launch_args(["--sparse-balance", "--sb-microbatch-multiple", "128"],
+                       hidden_size=768, num_attention_heads=8, bf16=True)
+    apply_length_multiple(args, config_from_args(args), plugin_data=True)
+    assert api.auto_backend("cuda")[0] == api.AUTO_UNMEASURED
     # an explicit backend is not 'auto': flex keeps fixed shapes on a GPU too
     assert resolve(["--sparse-balance", "--sb-attention-backend", "flex"], **model)[0] == 0

@@ -154,7 +154,8 @@ def apply_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
     if sb.microbatch_multiple_value is None:
         setattr(args, dest_name("microbatch_multiple"), str(k))
         sb = config_from_args(args)
-    if k and sb.sparse_attention_enabled and sb.attention_backend == "auto":
+    if k and sb.sparse_attention_enabled and sb.attention_backend == "auto" \
+            and auto_takes_any_length(args, sb):
         from ...attention.api import set_auto_backend    # variable lengths: the length-free one
         set_auto_backend(LENGTH_FREE_BACKENDS[0], f"{flag_name('microbatch_multiple')} {k}: "
                          f"variable-length micro-batches take the length-free kernel")
