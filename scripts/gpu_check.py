@@ -432,12 +432,14 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None):
     bench_backends = [b for b in ("triton", "fa4", "flex", "flash")
                       if backend_missing(b, "cuda") is None]
     # the train runs' micro-batches are variable-length through triton, and through 'auto' where
-    # triton serves the model (launch/lengths.auto_takes_any_length): the profile's grid then
-    # spans several token totals, as such a run's table must
-    import torch
-    variable = train_backend in LENGTH_FREE_BACKENDS or (
-        train_backend == "auto" and backend_missing("triton", "cuda", dtype=torch.bfloat16,
-                                                    head_dim=64, block_size=128) is None)
+    # triton serves the model (the launch's own rule, for SHAPE's head dim in bf16 at block
+    # 128): the profile's grid then spans several token totals, as such a run's table must
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.launch.lengths import auto_takes_any_length
+    variable = train_backend in LENGTH_FREE_BACKENDS or (train_backend == "auto" and (
+        auto_takes_any_length(argparse.Namespace(
+            kv_channels=int(SHAPE[SHAPE.index("--kv-channels") + 1]), bf16=True),
+            SparseBalanceConfig(block_size=128))))
     for name in steps:
         left = deadline - time.time()
         if left < 30:

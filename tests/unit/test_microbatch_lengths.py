@@ -170,6 +170,7 @@ def test_auto_on_a_gpu_runs_triton_at_variable_lengths(monkeypatch):
     from sparsebalance_megatron.megatron.launch.lengths import auto_takes_any_length
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(api, "_AUTO_MEASURED", {})      # what a launch registers is undone
     asked = []
 
     def missing(backend, device, *, dtype=None, head_dim=None, block_size=None):
