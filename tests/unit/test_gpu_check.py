@@ -316,3 +316,17 @@ def test_end_to_end_targets_count_against_the_faster_dense_baseline():
     t = gc.targets({"train": train})
     assert t["train_long_docs/sb_d0.5>=1.3x_dense"] is False      # 1.23x the dense+SAB run
     assert t["train_never_below_dense"] is True
+
+
+def test_the_train_step_runs_every_comparison_before_megatrons_fixed_micro_batch_dense():
+    """Run 3 (H100) spent the train step's budget on the two fixed-micro-batch dense runs before
+    the whole-file sparse runs could start; the comparisons the targets count come first."""
+    gc = _script("gpu_check")
+    order = gc.train_order({"long_docs": [], "files": []})
+    assert sorted(order) == sorted((d, v) for d in ("long_docs", "files")
+                                   for v in gc.TRAIN_VARIANTS)
+    first_dense = order.index(("long_docs", "dense"))
+    assert {v for _, v in order[:first_dense]} == set(gc.TRAIN_VARIANTS) - {"dense"}
+    assert {d for d, _ in order[:first_dense]} == {"long_docs", "files"}
+    assert order[0] == ("long_docs", "dense_sab")          # the target's data and baseline first
+    assert gc.train_order({"files": []})[-1] == ("files", "dense")
