@@ -144,7 +144,8 @@ class SparseBalanceConfig:
         "and stored in the latency table (no routing without a table or when the table has "
         "none); 0: never route; N > 0: documents under N tokens.")
     dense_kernel: str = _f(
-        "auto", "Dense kernel of routed documents on CUDA in float16/bfloat16: 'varlen' (one "
+        "auto", "Dense kernel on CUDA in float16/bfloat16, of routed documents and of dense "
+        "runs on the local spec (--sb-batching without sparse attention): 'varlen' (one "
         "FlashAttention varlen call over the packed documents), 'sdpa' (one cuDNN SDPA call over "
         "the documents padded to the longest) or 'auto' (varlen); elsewhere the exact "
         "per-document SDPA loop.", choices=DENSE_KERNELS)

@@ -228,9 +228,9 @@ def _install(args, model_cfg, packed_data):
     core = None
     if sb.sparse_attention_enabled:
         core = sparse_core_attention_spec(sb, _run.budget)
-    elif args.transformer_impl == "local":
-        from .model.dense_attention import DenseVarlenCoreAttention   # local DotProductAttention: no THD
-        core = DenseVarlenCoreAttention
+    elif args.transformer_impl == "local":            # local DotProductAttention: no THD
+        from .model.spec import dense_core_attention_spec
+        core = dense_core_attention_spec(sb)
     install_attention_spec(model_cfg, core, spec_flag=args.spec)
     if plugin_data:
         from .step.data import check_vocab, load_data, megatron_text_tokenizer
@@ -258,6 +258,8 @@ def _install(args, model_cfg, packed_data):
              f"{sb.attention_backend}" if sb.sparse_attention_enabled else
              "dense attention (no sparse call; SAB packs by the dense kernel's predicted time)"
              if sb.batching_enabled else "dense attention"]
+    if not sb.sparse_attention_enabled and core is not None:
+        parts[0] += f", dense kernel {sb.dense_kernel} (--sb-dense-kernel; CUDA bf16/fp16)"
     if hybrid:
         p = args.hybrid_layer_pattern
         parts[0] += f" in the {p.count('*')} attention layers of HybridModel {p!r}"

@@ -3,7 +3,8 @@ pretrain(), on gloo: the plugin's packing gain for a run that keeps dense attent
 
 The run must make no sparse-attention call (a tripwire replaces ``block_sparse_attention`` in the
 training processes: any call stops the run), pack every step by SAB (``--sb-stand-down off``, so
-SAB's packing is committed even when predicted no faster), and say so at launch; with
+SAB's packing is committed even when predicted no faster), and say so at launch, with the
+dense kernel ``--sb-dense-kernel`` gives its core attention; with
 ``--sb-microbatch-multiple`` left at 'auto' its micro-batches are variable-length (multiples of
 128 tokens: no fill for dense attention), and the launch line says so and why.
 """
@@ -53,12 +54,14 @@ def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_js
                          "--sb-tokenizer", "byte", "--sb-block-size", "32",
                          "--sb-latency-table", table, "--sb-latency-table-force",
                          "--sb-timing-source", "model", "--data-path", small_jsonl,
+                         "--sb-dense-kernel", "sdpa",
                          "--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "0",
                          "--sb-metrics-file", metrics, "--sb-data-cache-dir", tmp_path / "c"],
                      cwd=tmp_path)
     out = proc.stdout
     assert "dense attention (no sparse call; SAB packs by the dense kernel's predicted time)" \
         in out and "packing sab" in out
+    assert "dense kernel sdpa (--sb-dense-kernel; CUDA bf16/fp16)" in out   # taken, and said
     assert "SB_TEST_FORBID_SPARSE" not in out
     assert "variable-length micro-batches, multiples of 128 tokens (--sb-microbatch-multiple " \
         "auto: SAB with dense attention pays no fill" in out

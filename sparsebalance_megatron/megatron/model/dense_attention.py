@@ -3,9 +3,10 @@
 megatron-core's local ``DotProductAttention`` refuses packed sequences, and transformer-engine
 (whose attention accepts them) is unavailable on CPU. Dense runs therefore swap in this module:
 exact causal softmax attention within documents, same contract as ``DotProductAttention``, through
-``attention.dense.dense_varlen_attention``: on CUDA in half precision ONE fused varlen call over
-the packed documents (what a transformer-engine user gets), elsewhere the exact per-document
-SDPA loop. The documents are read on the host once per micro-batch (``sb_cache``).
+``attention.dense.dense_varlen_attention``: on CUDA in half precision ONE fused call over the
+packed documents (``dense_kernel``, ``--sb-dense-kernel``: torch's varlen call, or cuDNN SDPA over
+the documents padded to the longest, closer to a transformer-engine user's cuDNN call where a
+micro-batch holds few documents), elsewhere the exact per-document SDPA loop. The documents are read on the host once per micro-batch (``sb_cache``).
 Packed input goes through ``context_parallel.attend_whole_documents`` like the sparse attention's:
 padded sequences (``cu_seqlens_q_padded``) leave their padding out, and with context parallelism
 (``--cp-comm-type a2a``) the documents are gathered whole for this rank's heads.
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ...attention.dense import dense_varlen_attention, packed_docs
+from ...config import DENSE_KERNELS
 from .context_parallel import attend_whole_documents, cp_group_of
 
 
@@ -27,8 +29,12 @@ class DenseVarlenCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
-                 **kwargs):
+                 dense_kernel="auto", **kwargs):
         super().__init__(config=config)
+        if dense_kernel not in DENSE_KERNELS:
+            raise ValueError(f"dense_kernel={dense_kernel!r}: expected one of "
+                             f"{', '.join(DENSE_KERNELS)}")
+        self.dense_kernel = dense_kernel
         self.layer_number = layer_number
         hn = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(hn)
@@ -52,7 +58,8 @@ class DenseVarlenCoreAttention(MegatronModule):
 
         def attend(q_, k_, v_, cu, _):                 # whole documents, natural order
             docs = packed_docs(cu, q_.shape[0], q_.device, cache)
-            return dense_varlen_attention(q_, k_, v_, docs, self.softmax_scale)
+            return dense_varlen_attention(q_, k_, v_, docs, self.softmax_scale,
+                                          kernel=self.dense_kernel)
 
         out = attend_whole_documents(q, k, v, packed_seq_params, self.cp_group, attend, cache)
         return out.reshape(out.shape[0], -1)

@@ -51,6 +51,17 @@ def sparse_core_attention_spec(sb_config: SparseBalanceConfig,
                                                           "budget": budget})
 
 
+def dense_core_attention_spec(sb_config: SparseBalanceConfig) -> ModuleSpec:
+    """``ModuleSpec(DenseVarlenCoreAttention, params={"dense_kernel": ...})``: the dense runs'
+    core attention on the local spec, through ``--sb-dense-kernel`` (varlen or cuDNN SDPA)."""
+    if not isinstance(sb_config, SparseBalanceConfig):
+        raise ValueError(f"sb_config={sb_config!r}: expected a SparseBalanceConfig")
+    from .dense_attention import DenseVarlenCoreAttention
+
+    return ModuleSpec(module=DenseVarlenCoreAttention,
+                      params={"dense_kernel": sb_config.dense_kernel})
+
+
 def swap_core_attention(spec: ModuleSpec, core, what: str = "the layer spec") -> ModuleSpec:
     """A copy of ``spec`` whose ``self_attention.core_attention`` is ``core``; nothing else changes."""
     attention = getattr(getattr(spec, "submodules", None), "self_attention", None)
