@@ -61,7 +61,8 @@ PLAN: Tuple[Call, ...] = (
     # (cut at its last test: the tests step now has 150 s), autotune 28-29 s (the gate's
     # compiles reused), latency 84 s (a quick grid of 5 mixes; 7 since, about 17 s more: the
     # step has 110 s and train 235 s), each pretrain() run 27-68 s (37 s of it the start-up
-    # profile, which a run given the latency step's table skips)
+    # profile, which a run given the latency step's table skips). The H100 run 3: env 16 s,
+    # bench 173 s, tests 111 s, autotune 26 s; latency 103 s (7 mixes), pretrain() runs 33-64 s
     Call("table", ("env", "bench", "tests", "autotune"), 440, 420,
          outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz"),
          what="versions, imports, signatures; the kernel table at the target shape first; "
@@ -69,9 +70,10 @@ PLAN: Tuple[Call, ...] = (
               "the candidates that pass the sm_90a compile gate (attention/compile_gate.py, "
               "the device's triton): the pins to paste into triton_launch.PINNED"),
     Call("e2e", ("latency", "train"), 360, 345,
-         what="the GPU latency table and its held-out error; pretrain() dense, dense + SAB and "
-              "--sparse-balance at the default --sb-attention-backend auto (triton at "
-              "variable lengths where it serves the model)"),
+         what="the GPU latency table and its held-out error; pretrain() dense, dense + SAB "
+              "(torch's varlen call; cuDNN SDPA on long documents) and --sparse-balance at the "
+              "default --sb-attention-backend auto (triton at variable lengths where it serves "
+              "the model)"),
 )
 
 PREAMBLE = ("python3 scripts/gpu_plan.py unpack .whl || exit 3; "

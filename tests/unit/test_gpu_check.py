@@ -324,9 +324,37 @@ def test_the_train_step_runs_every_comparison_before_megatrons_fixed_micro_batch
     gc = _script("gpu_check")
     order = gc.train_order({"long_docs": [], "files": []})
     assert sorted(order) == sorted((d, v) for d in ("long_docs", "files")
-                                   for v in gc.TRAIN_VARIANTS)
+                                   for v in gc.TRAIN_VARIANTS if (d, v) not in gc.TRAIN_SKIP)
+    assert ("files", "sb_d0.5") in order and ("files", "dense") in order
     first_dense = order.index(("long_docs", "dense"))
     assert {v for _, v in order[:first_dense]} == set(gc.TRAIN_VARIANTS) - {"dense"}
+    assert order[first_dense:] == [("long_docs", "dense"), ("files", "dense")]
     assert {d for d, _ in order[:first_dense]} == {"long_docs", "files"}
     assert order[0] == ("long_docs", "dense_sab")          # the target's data and baseline first
     assert gc.train_order({"files": []})[-1] == ("files", "dense")
+
+
+def test_sparse_runs_count_against_the_fastest_dense_run_whichever_its_kernel():
+    """Dense + SAB through cuDNN SDPA (``--sb-dense-kernel sdpa``) joins plain dense and dense +
+    SAB through the varlen call: a sparse run is compared with the fastest, step for step too."""
+    gc = _script("gpu_check")
+    assert gc.TRAIN_VARIANTS["dense_sab_sdpa"] == ["--sb-batching", "--sb-dense-kernel", "sdpa"]
+    steps = {"4": 1.0, "5": 1.0}
+    runs = {"long_docs/dense": {"tokens_per_s": 50.0, "step_s": {"4": 4.0, "5": 4.0}},
+            "long_docs/dense_sab": {"tokens_per_s": 80.0, "step_s": {"4": 1.25, "5": 1.25}},
+            "long_docs/dense_sab_sdpa": {"tokens_per_s": 100.0, "step_s": steps},
+            "long_docs/sb_d0.5": {"tokens_per_s": 110.0, "step_s": {"4": 0.8, "5": 0.8}},
+            "files/dense_sab": {"tokens_per_s": 70.0},
+            "files/sb_d0.5": {"tokens_per_s": 77.0}}
+    gc.compare_with_dense(runs, "long_docs")
+    gc.compare_with_dense(runs, "files")
+    sb = runs["long_docs/sb_d0.5"]
+    assert sb["best_dense"] == "dense_sab_sdpa"
+    assert sb["speedup_vs_best_dense"] == pytest.approx(1.1)
+    assert sb["paired_speedup_vs_best_dense"] == pytest.approx(1.25)
+    assert sb["speedup_vs_dense"] == pytest.approx(2.2)
+    assert "speedup_vs_best_dense" not in runs["long_docs/dense_sab_sdpa"]
+    files = runs["files/sb_d0.5"]           # no plain dense run: the best is dense + SAB
+    assert files["best_dense"] == "dense_sab" and "speedup_vs_dense" not in files
+    assert files["speedup_vs_best_dense"] == pytest.approx(1.1)
+    assert gc.targets({"train": {"runs": runs}})["train_long_docs/sb_d0.5>=1.3x_dense"] is False
