@@ -46,7 +46,7 @@ TOKENS = 32768
 """Tokens of the one document whose sizes fill the specialised integer arguments."""
 SHARED_LIMIT = 227 * 1024
 """Shared memory an H100 thread block may use (bytes)."""
-WGMMA_KERNELS = ("fwd_kernel", "dkv_kernel")
+WGMMA_KERNELS = ("fwd_kernel", "dkv_kernel", "dq_kernel")
 """Kernels whose list loop is GEMMs that must run on wgmma (HGMMA) at the target shapes."""
 _PKG = "sparsebalance_megatron.attention"
 WORKER = f"{_PKG}.compile_gate_worker"
@@ -125,7 +125,8 @@ def _kernel_specs(nh: int, ng: int, hn: int, bs: int) -> List[Compile]:
 
 
 def _attention(nh, ng, hn, bs, cfg, role) -> List[Compile]:
-    """The forward and dK/dV/dQ compiles of one ``LaunchConfig`` (as ``sparse_triton`` launches)."""
+    """The forward and backward compiles of one ``LaunchConfig`` (as ``sparse_triton`` launches
+    them): dK/dV/dQ in one pass, or the split's dK/dV and dQ kernels."""
     rep, nb = nh // ng, TOKENS // bs
     tgt = f"{nh}/{ng}/{hn}@{bs}"
     bf, f32, i32 = _t("bfloat16"), _t("float32"), _t("int32")
@@ -139,9 +140,16 @@ def _attention(nh, ng, hn, bs, cfg, role) -> List[Compile]:
                   (bf, bf, bf, bf, f32, f32, f32, f32, f32, i32, i32, i32, i32, ("i", nb),
                    ("i", nb - 1), ("i", 16), ("f", 0.1), ("f", 0.1)),
                   shape + (("BLOCK_N", cfg.bwd_block_n), ("BLOCK_M", cfg.bwd_block_m),
-                           ("PREC", "tf32")),
+                           ("PREC", "tf32"), ("ONE_PASS", not cfg.dq_block_m)),
                   cfg.bwd_warps, cfg.bwd_stages, (role,))
-    return [fwd, dkv]
+    if not cfg.dq_block_m:
+        return [fwd, dkv]
+    dq = Compile(f"{mod}:dq_kernel", tgt,
+                 (bf, bf, bf, bf, f32, f32, f32, i32, i32, i32, i32, ("i", nb), ("i", 7),
+                  ("f", 0.1), ("f", 0.1)),
+                 shape + (("BLOCK_M", cfg.dq_block_m), ("PREC", "tf32"), ("PADDED", False)),
+                 cfg.bwd_warps, cfg.bwd_stages, (role,))
+    return [fwd, dkv, dq]
 
 
 def compiles(targets: Iterable[Tuple[int, int, int, int]] = TARGETS) -> List[Compile]:

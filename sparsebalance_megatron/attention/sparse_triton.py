@@ -39,13 +39,15 @@ Design (``sparse_triton_kernels`` has the kernels, ``work_model`` their cost):
 - backward, 3 launches: ``bwd_pre`` (``delta = rowsum(dO * O)`` and the float32 dQ/dK/dV
   accumulators zeroed), ``dkv`` (the whole backward, 5 GEMMs per kept tile: one program per
   key tile over a chunk of its transposed list, one flattened loop over entry x row tile, dQ by
-  float32 atomic adds), ``bwd_post`` (the accumulators cast to the input dtype). A column longer
+  float32 atomic adds), ``bwd_post`` (the accumulators cast to the input dtype); with a launch
+  config's ``dq_block_m`` (the split), 4: ``dkv`` without dQ, then ``dq`` over the forward's
+  lists (3 GEMMs per kept tile, dQ stored once). A column longer
   than ``kv_chunk`` entries (a document's sink) is split over several programs that add their
   dK/dV atomically; no program walks a whole sink column.
 - launch settings (tiles, warps, stages, ``kv_chunk``) per (head dim, block, GQA ratio) from
   ``triton_launch.launch_config``: pinned by the device's autotune
   (``scripts/autotune_triton.py``), register-sized defaults until then.
-- per call: forward 1 launch, backward 3; no host sync, no per-length recompile (one kernel
+- per call: forward 1 launch, backward 3 (4 split); no host sync, no per-length recompile (one kernel
   per head dim, block size, GQA ratio, dtype and launch config). The whole per-layer call on
   the unpadded tokens, selection included, is ``sparse_triton_select.triton_block_sparse``
   (7 launches forward with the maxkey estimator, 3 backward).
@@ -184,8 +186,14 @@ if HAVE_TRITON:
             q, k, v, dout, dq_acc, dk_acc, dv_acc, lse, delta, kv_num, kv_idx, block_len,
             block_start, nb, kv_idx.shape[-1], c.kv_chunk, scale * _k.LOG2E.value, scale,
             NP=nh, NG=ng, REP=rep, HN=hn, BS=block_size, BLOCK_N=c.bwd_block_n,
-            BLOCK_M=c.bwd_block_m, PREC=_prec(q), num_warps=c.bwd_warps,
-            num_stages=c.bwd_stages)
+            BLOCK_M=c.bwd_block_m, PREC=_prec(q), ONE_PASS=not c.dq_block_m,
+            num_warps=c.bwd_warps, num_stages=c.bwd_stages)
+        if c.dq_block_m:                   # the split: dQ over the forward's lists
+            _k.dq_kernel[(triton.cdiv(rep * block_size, c.dq_block_m), ng, nb)](
+                q, k, v, dout, dq_acc, lse, delta, q_num, q_idx, block_len, block_start, nb,
+                q_idx.shape[-1], scale * _k.LOG2E.value, scale, NP=nh, NG=ng, REP=rep, HN=hn,
+                BS=block_size, BLOCK_M=c.dq_block_m, PREC=_prec(q), PADDED=padded,
+                num_warps=c.bwd_warps, num_stages=c.bwd_stages)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _k.bwd_post_kernel[(triton.cdiv(q.numel(), _POST_BLOCK),)](
             dq_acc, dk_acc, dv_acc, dq, dk, dv, q.numel(), k.numel(), BLOCK=_POST_BLOCK)

@@ -23,7 +23,11 @@ GEMMs per kept (query block, key block) tile, declared in ``GEMMS_PER_TILE`` and
 test in the kernels' source: forward 2 (S = Q K^T, O += P V); backward 5, in ONE pass over the
 transposed lists (``dkv_kernel``): S^T = K Q^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q and
 dQ += dS K, the last added into a float32 dQ accumulator with ``tl.atomic_add`` (why atomics and
-not a reduction buffer: ``work_model``). The former separate dQ pass recomputed S and dP: 7.
+not a reduction buffer: ``work_model``). The split (``ONE_PASS=False``, a launch config with
+``dq_block_m``): ``dkv_kernel`` without the dQ GEMM (4) and ``dq_kernel`` over the forward's lists
+(S, dP, dQ: 3), FlashAttention-2's two kernels, 7 GEMMs and no atomic dQ; every GEMM of both has
+at least 64 rows on the M side, so none is left on mma.sync by a 32-row tile. Which is faster
+is the device's to say (the autotune times both).
 
 The per-micro-batch sizes (``NB``, list widths) are not specialised on (``do_not_specialize``):
 one compiled kernel per head dim, block size, GQA ratio, dtype and launch config serves every
@@ -39,8 +43,27 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)   # the kernels' exp2/log2 base change
 
-GEMMS_PER_TILE = {"fwd_kernel": 2, "dkv_kernel": 5}
-"""``tl.dot`` calls per kept tile in each kernel's list loop (``work_model`` prices them)."""
+GEMMS_PER_TILE = {"fwd_kernel": 2, "dkv_kernel": 5, "dq_kernel": 3}
+"""``tl.dot`` calls per kept tile in each kernel's list loop (``work_model`` prices them);
+``dkv_kernel`` does 4 of its 5 when the split's ``dq_kernel`` takes dQ."""
+
+
+@triton.jit
+def _query_tile(BLEN, BSTART, NB, NP: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr,
+                BS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The stacked query rows of a (m tile, group, query block) program, as the forward and
+    ``dq_kernel`` take them: group g, block i (the latest first), rows m, their tokens t and
+    heads, the block's real length and first token, which rows are real, their offsets."""
+    g = tl.program_id(1)
+    i = NB - 1 - tl.program_id(2)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = m % BS
+    head = g * REP + m // BS
+    blen = tl.load(BLEN + i)
+    start_i = tl.load(BSTART + i)
+    real = (m < REP * BS) & (t < blen)
+    q_off = ((start_i + t) * NP + head)[:, None] * HN + tl.arange(0, HN)[None, :]
+    return g, i, m, t, head, blen, start_i, real, q_off
 
 
 @triton.jit(do_not_specialize=["NB", "WQ"])
@@ -50,17 +73,10 @@ def fwd_kernel(Q, K, V, O, LSE, Q_NUM, Q_IDX, BLEN, BSTART, NB, WQ, qk_scale,
                PADDED: tl.constexpr):
     """Grid (m tiles of the stacked rows, ng, NB): output and lse of one tile of query block i
     (the latest blocks first: their lists are the longest)."""
-    g = tl.program_id(1)
-    i = NB - 1 - tl.program_id(2)
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = m % BS
-    head = g * REP + m // BS
+    g, i, m, t, head, blen, start_i, real, q_off = _query_tile(BLEN, BSTART, NB, NP, REP, HN,
+                                                               BS, BLOCK_M)
     d = tl.arange(0, HN)
     n = tl.arange(0, BS)
-    blen = tl.load(BLEN + i)
-    start_i = tl.load(BSTART + i)
-    real = (m < REP * BS) & (t < blen)
-    q_off = ((start_i + t) * NP + head)[:, None] * HN + d[None, :]
     q = tl.load(Q + q_off, mask=real[:, None], other=0.0)
     kv_cols = (n * NG + g)[:, None] * HN + d[None, :]     # block j's tile: + BSTART[j]*NG*HN
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -140,14 +156,15 @@ def bwd_post_kernel(DQ_ACC, DK_ACC, DV_ACC, DQ, DK, DV, N_Q, N_KV, BLOCK: tl.con
 def dkv_kernel(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, BSTART, NB, WK,
                CHUNK, qk_scale, scale, NP: tl.constexpr, NG: tl.constexpr,
                REP: tl.constexpr, HN: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+               BLOCK_M: tl.constexpr, PREC: tl.constexpr, ONE_PASS: tl.constexpr):
     """Grid (chunks x key sub-tiles, ng, NB): the whole backward of ``BLOCK_N`` keys of key
     block j (the whole block where registers allow) against at most ``CHUNK`` entries of its
     transposed list (chunk c: entries ``[c * CHUNK, (c + 1) * CHUNK)``; chunk 0 also takes the
     diagonal, first), in ONE flattened loop over (entry x row tile of the stacked rows): the
     software pipeline runs across entries instead of restarting per entry, and Q/dO rows are
     read once per key tile. dQ of every row tile goes out by float32 atomic adds; dK/dV are
-    stored once at the end (atomically where the column is split over several programs)."""
+    stored once at the end (atomically where the column is split over several programs).
+    ``ONE_PASS=False``: dK and dV only (``dq_kernel`` makes dQ)."""
     NSUB: tl.constexpr = BS // BLOCK_N
     MT: tl.constexpr = (REP * BS + BLOCK_M - 1) // BLOCK_M     # row tiles per query block
     c = tl.program_id(0) // NSUB
@@ -188,8 +205,9 @@ def dkv_kernel(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, BSTART
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
             dst = (pt * (dpt - delta[None, :])).to(q.dtype)      # dS^T
             dk = tl.dot(dst, q, dk, input_precision=PREC)
-            dq = tl.dot(tl.trans(dst), k, input_precision=PREC)
-            tl.atomic_add(DQ + q_off, dq * scale, mask=real[:, None], sem="relaxed")
+            if ONE_PASS:
+                dq = tl.dot(tl.trans(dst), k, input_precision=PREC)
+                tl.atomic_add(DQ + q_off, dq * scale, mask=real[:, None], sem="relaxed")
         dk = dk * scale
         if num > CHUNK:
             tl.atomic_add(DK + kv_off, dk, mask=key_ok[:, None], sem="relaxed")
@@ -197,3 +215,47 @@ def dkv_kernel(Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KV_NUM, KV_IDX, BLEN, BSTART
         else:
             tl.store(DK + kv_off, dk, mask=key_ok[:, None])
             tl.store(DV + kv_off, dv, mask=key_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["NB", "WQ"])
+def dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, Q_NUM, Q_IDX, BLEN, BSTART, NB, WQ, qk_scale, scale,
+              NP: tl.constexpr, NG: tl.constexpr, REP: tl.constexpr, HN: tl.constexpr,
+              BS: tl.constexpr, BLOCK_M: tl.constexpr, PREC: tl.constexpr,
+              PADDED: tl.constexpr):
+    """Grid (m tiles of the stacked rows, ng, NB), the split backward's second kernel: dQ of one
+    tile of query block i over its forward list (full blocks, unmasked), then the diagonal
+    (causal, real keys only); 3 GEMMs per kept tile (S, dP, dQ), dQ stored once in float32
+    (scaled; no atomics: the tile's rows are this program's alone). A padding row (``lse =
+    +inf``) gets dQ = 0."""
+    g, i, m, t, head, blen, start_i, real, q_off = _query_tile(BLEN, BSTART, NB, NP, REP, HN,
+                                                               BS, BLOCK_M)
+    d = tl.arange(0, HN)
+    n = tl.arange(0, BS)
+    q = tl.load(Q + q_off, mask=real[:, None], other=0.0)
+    do = tl.load(DO + q_off, mask=real[:, None], other=0.0)
+    stat = head * (NB * BS) + i * BS + t
+    lse2 = tl.load(LSE + stat, mask=real, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + stat, mask=real, other=0.0)
+    kv_cols = (n * NG + g)[:, None] * HN + d[None, :]
+    dq = tl.zeros([BLOCK_M, HN], tl.float32)
+    entries = Q_IDX + (g * NB + i) * WQ
+    for e in range(0, tl.load(Q_NUM + g * NB + i)):       # full blocks: no mask
+        kv_off = tl.load(BSTART + tl.load(entries + e)) * (NG * HN) + kv_cols
+        k = tl.load(K + kv_off)
+        v = tl.load(V + kv_off)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+                         - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dq = tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, input_precision=PREC)
+    # the diagonal block: causal, and only its real keys
+    kv_off = start_i * (NG * HN) + kv_cols
+    k = tl.load(K + kv_off, mask=(n < blen)[:, None], other=0.0)
+    v = tl.load(V + kv_off, mask=(n < blen)[:, None], other=0.0)
+    p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
+    p = tl.where((n[None, :] <= t[:, None]) & (n[None, :] < blen), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    dq = tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, input_precision=PREC)
+    if PADDED:      # the padding slots of the block get 0
+        tl.store(DQ + q_off, dq * scale, mask=(m < REP * BS)[:, None])
+    else:
+        tl.store(DQ + q_off, dq * scale, mask=real[:, None])

@@ -24,7 +24,7 @@ def _pow2(x: int) -> int:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tiles and launch settings of the forward and the one-pass backward."""
+    """Tiles and launch settings of the forward and the backward (one pass, or split)."""
 
     fwd_block_m: int
     """Stacked query rows (GQA heads x tokens of one query block) per forward program."""
@@ -43,17 +43,23 @@ class LaunchConfig:
     kv_chunk: int
     """Entries of a key block's transposed list one backward program takes (longer columns,
     the document sinks, are split and their dK/dV added atomically)."""
+    dq_block_m: int = 0
+    """0: the one-pass backward (dQ inside the dK/dV loop, float32 atomic adds). N > 0: the
+    split, a separate dQ kernel over the forward's lists with N stacked query rows per program
+    (``bwd_warps``, ``bwd_stages``), and dK/dV without the dQ GEMM."""
 
     def check(self, block_size: int) -> "LaunchConfig":
         """This config, or a ``ValueError`` naming the field the kernels cannot take."""
         for name, value in asdict(self).items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LaunchConfig.{name}={value!r}: expected an integer >= 1")
-        for name in ("fwd_block_m", "bwd_block_m", "bwd_block_n", "fwd_warps", "bwd_warps"):
+            low = 0 if name == "dq_block_m" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"LaunchConfig.{name}={value!r}: expected an integer >= {low}")
+        for name in ("fwd_block_m", "bwd_block_m", "bwd_block_n", "fwd_warps", "bwd_warps",
+                     "dq_block_m"):
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"LaunchConfig.{name}={value}: expected a power of two")
-        for name in ("fwd_block_m", "bwd_block_m"):
+        for name in ("fwd_block_m", "bwd_block_m") + (("dq_block_m",) if self.dq_block_m else ()):
             if getattr(self, name) < 16:
                 raise ValueError(f"LaunchConfig.{name}={getattr(self, name)}: expected >= 16 "
                                  f"(tl.dot's smallest tile)")
@@ -101,7 +107,10 @@ def refused(cfg: LaunchConfig, head_dim: int) -> Optional[str]:
         return "backward at 4 warps, hn 128: spills at every tile"
     if head_dim >= 128 and cfg.bwd_block_m * cfg.bwd_block_n > 64 * 64 and \
             cfg.bwd_block_m >= 64:
-        return "backward 64 rows x 128 keys, hn 128: spills 40-56 B"
+        return ("backward 64 rows x 128 keys, hn 128: spills 40-56 B (the split's dK/dV too, "
+                "56 B on triton 3.6.0)")
+    if cfg.dq_block_m > 128:
+        return "split dQ tiles of more than 128 rows: not compiled by the gate"
     if head_dim >= 64 and cfg.bwd_warps < 8 and cfg.bwd_block_m * cfg.bwd_block_n > 64 * 64:
         return "backward 64 rows x 128 keys at 4 warps, hn 64: spills"
     return None
@@ -144,10 +153,11 @@ def launch_config(head_dim: int, block_size: int, rep: int) -> LaunchConfig:
 
 
 def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
-    """What the autotune sweeps at one key: the default first, then tiles x warps x stages
-    (each valid for the block and not ``refused``; at most a few dozen, so one device step
-    covers them), backward and forward candidates interleaved. Candidates whose dQ GEMM runs on
-    mma.sync (32 rows) stay: they compile clean, and the device says whether they lose."""
+    """What the autotune sweeps at one key: the default first, then the split backward's
+    tiles, then tiles x warps x stages of the one pass (each valid for the block and not
+    ``refused``; at most a few dozen, so one device step covers them), backward and forward
+    candidates interleaved. Candidates whose dQ GEMM runs on mma.sync (32 rows, one pass) stay:
+    they compile clean, and the device says whether they lose."""
     base = default_config(head_dim, block_size, rep)
     rows = _pow2(rep * block_size)
     fwd, bwd = [], []
@@ -169,7 +179,16 @@ def candidates(head_dim: int, block_size: int, rep: int) -> List[LaunchConfig]:
     # nearest the default's tiles first: the whole key block before its halves
     bwd.sort(key=lambda c: (c.bwd_block_n != base.bwd_block_n, c.bwd_block_m != base.bwd_block_m,
                             c.kv_chunk != base.kv_chunk))
-    out = [base]
+    # the split backward (dK/dV over the whole key block without dQ, then dQ tiles of 64 or
+    # 128 rows): every GEMM on wgmma, no spill at the targets (compile gate, triton 3.6.0 and
+    # 3.7.1; 64 rows x 128 keys at hn 128 refused above); swept right after the default, so a
+    # sweep cut by its deadline has timed it
+    whole = min(block_size, 128)
+    split = [LaunchConfig(base.fwd_block_m, base.fwd_warps, base.fwd_stages, bwd_m, whole, 8, 2,
+                          base.kv_chunk, dq_m)
+             for bwd_m in sorted({min(rows, m) for m in (32, 64)})
+             for dq_m in sorted({min(rows, m) for m in (64, 128)})]
+    out = [base] + [c for c in split if refused(c, head_dim) is None]
     for n in range(max(len(bwd), 2 * len(fwd))):
         out += bwd[n:n + 1] + (fwd[n // 2:n // 2 + 1] if n % 2 == 0 else [])
     seen, uniq = set(), []

@@ -36,7 +36,13 @@ The one pass is the default: the targets are priced on tensor-core work (fwd+bwd
 0.35x of a dense kernel's time needs 71% of that kernel's FLOP rate with the one pass and 92%
 with the split, diagonal and selection aside), it needs no second kernel, and the traffic it
 adds is L2-resident (a query block's Q/dO rows are read by the two programs of a key block);
-the device decides whether the adds bind.
+the device decides whether the adds bind. It has not ruled for the one pass: the fastest
+backward it measured keeps the whole 128-key block with 32 rows (dQ on mma.sync) and runs at
+about half the forward's FLOP rate (backward 4.5-4.7x the forward's time for 2.5x its GEMMs,
+H200 and H100, 2026-11-26), and flex's split backward beat it at 8/2/128. So the split is built
+too (``dq_block_m`` of a launch config: ``dkv_kernel`` with ``ONE_PASS=False``, ``dq_kernel``),
+where dK/dV of the whole key block without dQ fit 64 rows at head dim 128 with every GEMM on
+wgmma, and the autotune times both.
 
 ``sparse_triton_kernels.GEMMS_PER_TILE`` declares the kernels' counts; a unit test counts the
 ``tl.dot`` calls in their list loops and checks them against ``GEMMS_PER_TILE`` here.

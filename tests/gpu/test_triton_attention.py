@@ -1,6 +1,7 @@
 """The Triton block-sparse FlashAttention (backend ``triton``) on CUDA: output and gradients
 against the dense reference on the same selection (bf16 at block 128, head dims 64 and 128;
-float32 tightly), the sink column split over several dK/dV programs, no host sync per layer;
+float32 tightly), the sink column split over several dK/dV programs, the split backward's
+candidates (a dQ kernel of its own), no host sync per layer;
 the fused per-layer call on unpadded tokens (``sparse_triton_select``) the same way in bf16."""
 
 import pytest
@@ -59,6 +60,34 @@ def test_triton_matches_reference(dtype, nh, ng, hn, cu, density):
     low = _grads(ref, (q, k, v), w)                        # the reference in bf16: error bar
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, exact, low):
         assert _rel(a, b) <= max(2 * _rel(c, b), 1e-2), (name, _rel(a, b), _rel(c, b))
+
+
+@pytest.mark.parametrize("nh,ng,hn", [(8, 2, 128), (14, 2, 64)])
+def test_split_backward_candidates_match_the_reference(monkeypatch, nh, ng, hn):
+    """The first split-backward autotune candidate (``dq_block_m``: dQ in a kernel of its own)
+    at the target shapes, bf16, pinned as the autotune would pin it: the same error bar as the
+    one pass (one per shape: the tests step has 150 s; the autotune checks every candidate it
+    times against the default's gradients)."""
+    from sparsebalance_megatron.attention import triton_launch
+    cu = [0, 1000, 1001, 2500, 4096]
+    q, k, v, w = _inputs(cu[-1], nh, ng, hn, torch.bfloat16, seed=2)
+    key = (hn, 128, nh // ng)
+    split = [c for c in triton_launch.candidates(*key) if c.dq_block_m][:1]
+    assert split
+    for cfg in split:
+        monkeypatch.setitem(triton_launch.PINNED, key, cfg)
+        sel = {}
+
+        def triton_fn(q, k, v):
+            out, sel["s"] = block_sparse_attention(q, k, v, cu, 0.3, backend="triton",
+                                                   block_size=128, sink_blocks=1)
+            return out
+
+        got = _grads(triton_fn, (q, k, v), w)
+        ref = lambda q, k, v: reference_attention(q, k, v, sel["s"], hn ** -0.5)  # noqa: E731
+        exact, low = _grads(ref, (q, k, v), w, torch.float32), _grads(ref, (q, k, v), w)
+        for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, exact, low):
+            assert _rel(a, b) <= max(2 * _rel(c, b), 1e-2), (cfg, name, _rel(a, b), _rel(c, b))
 
 
 def test_triton_per_layer_path_syncs_nothing():

@@ -363,9 +363,19 @@ def test_list_builder_equals_a_torch_construction(interp, density, sink, local, 
          tokens=True, bs=128, cu=CU_128, tiles_of=[64, 128, 7], dtype="float16", tol=3e-3),
     dict(nh=8, ng=2, hn=32, density=0.25, sink_blocks=1, local_blocks=0, kv_chunk=2,
          tokens=True, bs=64, cu=CU_128, tiles_of=[128, 64, 4]),
+    # the split backward (dQ in a kernel of its own over the forward's lists, dK/dV without
+    # it): the padded space and its tail, GQA 3 (masked stacked rows), dQ tiles of 32 rows
+    # spanning two heads and the padding slots' dQ = 0; then the unpadded tokens in half
+    # precision, GQA 7, the sink column split, dQ tiles of 16 rows
+    dict(nh=6, ng=2, hn=16, density=0.5, sink_blocks=1, local_blocks=1, kv_chunk=2,
+         config=dict(dq_block_m=32, bwd_block_m=32)),
+    dict(nh=7, ng=1, hn=32, density=[1.0, 0.25, 0.125, 0.5], sink_blocks=1, local_blocks=0,
+         kv_chunk=2, tokens=True, dtype="float16", tol=3e-3,
+         config=dict(dq_block_m=16, bwd_block_m=16)),
 ], ids=["gqa-split-tail", "mha-per-doc-api", "rep3-nosink-mass", "fp16-api", "tokens-rep7",
         "tokens-fp16-rep3", "block32-key-subtiles", "default-tiles-8-2-128-b128",
-        "default-tiles-14-2-64-b128-fp16", "default-tiles-8-2-128-b64"])
+        "default-tiles-14-2-64-b128-fp16", "default-tiles-8-2-128-b64", "split-dq-padded-rep3",
+        "split-dq-tokens-fp16-rep7"])
 def test_forward_and_backward_equal_the_reference(interp, case):
     interp("check_attention", **case)
 
@@ -434,7 +444,9 @@ def _loop_dots(fn):
 def test_kernels_do_the_gemms_the_work_model_counts():
     """The backward is one pass of 5 GEMMs per kept tile (dQ inside the dK/dV loop), the
     forward 2: counted in the kernels' source, as the kernel module declares and the work model
-    prices them. No other backward kernel has a GEMM (no second pass recomputing S and dP)."""
+    prices them. The split (a launch config's ``dq_block_m``) turns the loop's dQ GEMM off
+    (``ONE_PASS``) and recomputes S and dP in ``dq_kernel``: 4 + 3 = 7, the work model's
+    separate-dQ count. No other backward kernel has a GEMM."""
     import ast
 
     from sparsebalance_megatron.attention import work_model
@@ -444,14 +456,19 @@ def test_kernels_do_the_gemms_the_work_model_counts():
     declared = ast.literal_eval(next(
         n.value for n in tree.body if isinstance(n, ast.Assign)
         and getattr(n.targets[0], "id", "") == "GEMMS_PER_TILE"))
-    assert declared == {"fwd_kernel": 2, "dkv_kernel": 5}
+    assert declared == {"fwd_kernel": 2, "dkv_kernel": 5, "dq_kernel": 3}
     assert work_model.GEMMS_PER_TILE == {"fwd": declared["fwd_kernel"],
                                          "bwd": declared["dkv_kernel"]}
     assert _loop_dots(fns["fwd_kernel"])[0] == 2
     assert _loop_dots(fns["dkv_kernel"]) == (5, 5)          # all of them in its one loop
-    bwd = [name for name in fns if name.startswith("bwd_") or name == "dkv_kernel"]
-    assert sorted(bwd) == ["bwd_post_kernel", "bwd_pre_kernel", "dkv_kernel"]
-    assert sum(_loop_dots(fns[name])[1] for name in bwd) == 5
+    one_pass_only = [n for n in ast.walk(fns["dkv_kernel"]) if isinstance(n, ast.If)
+                     and getattr(n.test, "id", "") == "ONE_PASS"]
+    assert len(one_pass_only) == 1 and _loop_dots(one_pass_only[0])[1] == 1
+    assert _loop_dots(fns["dq_kernel"]) == (3, 6)           # the list loop, then the diagonal
+    assert 5 - 1 + declared["dq_kernel"] == work_model.GEMMS_PER_TILE_SEPARATE_DQ["bwd"]
+    bwd = [name for name in fns if name.startswith(("bwd_", "dkv_", "dq_"))]
+    assert sorted(bwd) == ["bwd_post_kernel", "bwd_pre_kernel", "dkv_kernel", "dq_kernel"]
+    assert sum(_loop_dots(fns[name])[1] for name in bwd) == 5 + 6
     # fwd+bwd: 7 GEMMs per tile where a separate dQ pass made it 9
     new = work_model.attention_flops(1000, 8, 128, 128)
     old = work_model.attention_flops(1000, 8, 128, 128, one_pass_backward=False)

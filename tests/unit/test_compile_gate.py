@@ -71,15 +71,18 @@ def test_every_kernel_compiles_clean_for_the_h100():
 
 
 def _jit_kernels():
-    """Names of every function of the package decorated as a Triton kernel."""
+    """Names of every function of the package decorated as a Triton kernel and launched as one:
+    a jit function another jit function of its module calls (``_query_tile``) is a device
+    function, compiled inside its callers."""
     out = set()
     for path in (ROOT / "sparsebalance_megatron").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef):
-                for d in node.decorator_list:
-                    text = ast.unparse(d)
-                    if text.startswith(("triton.jit", "_kernel")):
-                        out.add(node.name)
+        jit = [node for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.FunctionDef)
+               and any(ast.unparse(d).startswith(("triton.jit", "_kernel"))
+                       for d in node.decorator_list)]
+        called = {c.func.id for fn in jit for c in ast.walk(fn)
+                  if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        out.update(fn.name for fn in jit if fn.name not in called)
     return out
 
 

@@ -42,6 +42,16 @@ def test_defaults_until_pinned_and_the_sweep_is_valid(monkeypatch):
     assert all(c.bwd_block_m <= 64 for c in cands)
     assert not any(c.bwd_block_m == 64 and c.bwd_block_n == 128 for c in cands)
     assert not any(c.fwd_block_m == 128 and c.fwd_warps == 4 for c in cands)
+    # the split backward comes right after the default: 32 rows over the whole key block
+    # at hn 128 (64 x 128 spills on triton 3.6, split or not), 32 and 64 at hn 64; dQ tiles of
+    # 64 and 128 rows
+    split = [(c.bwd_block_m, c.bwd_block_n, c.dq_block_m) for c in cands[1:3]]
+    assert split == [(32, 128, 64), (32, 128, 128)]
+    assert all(c.dq_block_m == 0 for c in cands[3:]) and cands[0].dq_block_m == 0
+    split64 = [(c.bwd_block_m, c.dq_block_m) for c in candidates(64, 128, 7) if c.dq_block_m]
+    assert split64 == [(32, 64), (32, 128), (64, 64), (64, 128)]
+    # 3 heads x block 16: 48 stacked rows, so one dQ tile size (64: the rows past 48 masked)
+    assert {c.dq_block_m for c in candidates(16, 16, 3) if c.dq_block_m} == {64}
 
 
 @pytest.mark.reliability(area="attention", case="a triton launch config the kernels cannot "
@@ -52,6 +62,9 @@ def test_defaults_until_pinned_and_the_sweep_is_valid(monkeypatch):
     ("fwd_block_m", 8, "fwd_block_m=8: expected >= 16"),
     ("bwd_warps", 6, "bwd_warps=6: expected a power of two"),
     ("kv_chunk", 0, "kv_chunk=0: expected an integer >= 1"),
+    ("dq_block_m", -1, "dq_block_m=-1: expected an integer >= 0"),
+    ("dq_block_m", 96, "dq_block_m=96: expected a power of two"),
+    ("dq_block_m", 8, "dq_block_m=8: expected >= 16"),
 ])
 def test_bad_config_is_named(field, value, needle):
     with pytest.raises(ValueError, match=needle):
