@@ -367,7 +367,9 @@ def step_train(out_dir, table, limit, env, backend):
         name = f"{data_name}/{variant}"
         if left < 30:
             res["runs"][name] = {"ok": False, "skipped": "out of time"}
-            res["ok"] = False
+            # Megatron's fixed-micro-batch dense runs come last and inform only: the step
+            # fails for a comparison the targets count, not for them
+            res["ok"] = res["ok"] and variant == "dense"
             continue
         metrics = os.path.join(out_dir, f"train_{data_name}_{variant}.jsonl")
         if os.path.exists(metrics):

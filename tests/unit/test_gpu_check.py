@@ -2,6 +2,7 @@
 (scripts/bench_attention_gpu.py), and how gpu_check turns step results into targets."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -358,3 +359,31 @@ def test_sparse_runs_count_against_the_fastest_dense_run_whichever_its_kernel():
     assert files["best_dense"] == "dense_sab" and "speedup_vs_dense" not in files
     assert files["speedup_vs_best_dense"] == pytest.approx(1.1)
     assert gc.targets({"train": {"runs": runs}})["train_long_docs/sb_d0.5>=1.3x_dense"] is False
+
+
+@pytest.mark.parametrize("limit, ok", [(250, True), (200, False)])
+def test_the_train_step_fails_for_a_comparison_cut_short_not_for_plain_dense(monkeypatch,
+                                                                             tmp_path, limit,
+                                                                             ok):
+    """Every run takes 40 s of a fake clock: at 250 s the six comparison runs fit and the two
+    plain-dense runs that come last are skipped (the step passes); at 200 s the whole-file
+    d0 0.5 run is skipped too (it fails)."""
+    gc = _script("gpu_check")
+    now = [0.0]
+    ran = []
+
+    def fake_run(cmd, log, left, env):
+        ran.append(os.path.basename(log))
+        now[0] += 40
+        return 0, 40.0, ""
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    monkeypatch.setattr(gc, "_te_available", lambda env: False)
+    monkeypatch.setattr(gc, "long_docs_prefix", lambda out: (str(tmp_path / "long"), 70))
+    monkeypatch.setattr(gc.time, "time", lambda: now[0])
+    res = gc.step_train(str(tmp_path), str(tmp_path / "none.json"), limit, {}, "auto")
+    assert res["ok"] is ok
+    assert ran[:4] == ["train_long_docs_dense_sab.log", "train_long_docs_dense_sab_sdpa.log",
+                       "train_long_docs_sb_d0.5.log", "train_long_docs_sb_d0.25.log"]
+    assert res["runs"]["long_docs/dense"] == {"ok": False, "skipped": "out of time"}
+    assert ("train_files_sb_d0.5.log" in ran) is ok
