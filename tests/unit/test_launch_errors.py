@@ -58,6 +58,10 @@ def test_a_good_launch_passes():
                              num_layers_per_virtual_pipeline_stage=1), FULL, plugin_data=True)
     check_launch(launch_args(seq_length=64), SPARSE, plugin_data=True)  # exactly one block
     check_launch(launch_args(seq_length=16), SparseBalanceConfig(), plugin_data=True)  # dense
+    check_launch(launch_args(), SparseBalanceConfig(batching=True, dense_kernel="sdpa"),
+                 plugin_data=True)                              # dense + SAB, local spec
+    check_launch(launch_args(), SparseBalanceConfig(sparse_attention=True, dense_kernel="sdpa"),
+                 plugin_data=False)                             # routed documents
 
 
 @pytest.mark.parametrize("kw, sb, plugin_data, needle", [
@@ -105,6 +109,8 @@ def test_a_good_launch_passes():
     _case(dict(use_distributed_optimizer=True), SPARSE, True, "--use-distributed-optimizer on CPU"),
     _case(dict(distributed_backend="nccl"), SPARSE, True, "--distributed-backend nccl on CPU"),
     _case(dict(transformer_impl="transformer_engine"), SPARSE, True, "transformer-engine is not installed"),
+    _case(dict(transformer_impl="transformer_engine"), SparseBalanceConfig(batching=True, dense_kernel="sdpa"), True, "--sb-dense-kernel sdpa with --transformer-impl transformer_engine: Transformer Engine's attention runs the dense layers"),
+    _case(dict(), SparseBalanceConfig(dense_kernel="varlen"), False, "--sb-dense-kernel varlen without sparse attention or --sb-batching"),
 ])
 def test_refused_settings_name_the_flag(kw, sb, plugin_data, needle):
     assert needle in refused(launch_args(**kw), sb, plugin_data)

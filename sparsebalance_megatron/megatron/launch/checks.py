@@ -32,7 +32,7 @@ from ...latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, Pipel
 from ..errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
 from .data_checks import data_conflicts, packer_conflicts
 from .lengths import LENGTH_FREE_BACKENDS
-from .preflight import attention_dropout_conflicts, config_problems
+from .preflight import attention_dropout_conflicts, config_problems, dense_kernel_conflicts
 
 
 # dest -> value on a CPU-only machine (Megatron's flag in the comment)
@@ -392,5 +392,6 @@ def check_launch(args, sb: SparseBalanceConfig, *, plugin_data: bool,
     bad += _layout_problems(args, sb, plugin_data)
     bad += config_problems(sb)   # the files the flags name (checked at parse too)
     bad += attention_dropout_conflicts(args, sb, plugin_data)
+    bad += dense_kernel_conflicts(args, sb, plugin_data)
     if bad:
         raise LaunchError("cannot launch: " + "; ".join(bad))

@@ -298,6 +298,19 @@ def attention_dropout_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
             f"pass --attention-dropout 0 (the default with the plugin's attention)"]
 
 
+def dense_kernel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """``--sb-dense-kernel`` picks the plugin's dense kernel (sparse attention's routed
+    documents, the dense per-document attention): where neither runs it would be ignored."""
+    if sb.dense_kernel == "auto" or plugin_core_attention(args, sb, plugin_data) is not None:
+        return []
+    impl = getattr(args, "transformer_impl", "local")
+    return [f"{flag_name('dense_kernel')} {sb.dense_kernel} " + (
+        f"with --transformer-impl {impl}: Transformer Engine's attention runs the dense layers"
+        if plugin_data else "without sparse attention or --sb-batching: Megatron's own "
+        "attention runs the dense layers") + " (the flag serves sparse attention's routed "
+        "documents and dense + SAB on --transformer-impl local)"]
+
+
 def _plugin_attention(args, sb: SparseBalanceConfig, plugin_data: bool) -> bool:
     return plugin_core_attention(args, sb, plugin_data) is not None
 
