@@ -70,6 +70,7 @@ def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_js
     for r in rows:
         assert r["packing"] == "sab" and r["plan"]["length_multiple"] == 128
         assert "mean_density" not in r              # no density plan: nothing sparse
+        assert "kernel_compiles" not in r           # nor a sparse kernel to compile
         assert math.isfinite(r["loss"])
 
 

@@ -387,3 +387,28 @@ def test_the_train_step_fails_for_a_comparison_cut_short_not_for_plain_dense(mon
                        "train_long_docs_sb_d0.5.log", "train_long_docs_sb_d0.25.log"]
     assert res["runs"]["long_docs/dense"] == {"ok": False, "skipped": "out of time"}
     assert ("train_files_sb_d0.5.log" in ran) is ok
+
+
+def test_steps_that_paid_a_triton_compile_are_reported_and_left_out_beside():
+    """A sparse run's records say which steps compiled a Triton kernel: the summary keeps its
+    rates and adds the same without those steps (run 3's forward spikes of 0.3-0.5 s)."""
+    gc = _script("gpu_check")
+    recs = [dict(step=n, tokens=1000, step_time_s=t, tokens_per_s=1000 / t, kernel_compiles=c,
+                 kernel_compile_s=0.5 * c) for n, t, c in
+            ((1, 3.0, 9), (2, 1.0, 1), (3, 1.0, 0), (4, 1.5, 1), (5, 1.0, 0), (6, 1.0, 0))]
+    out = gc.train_summary(recs)
+    assert out["compile_steps"] == {"1": 4.5, "2": 0.5, "4": 0.5}
+    assert out["step_s_no_compile"] == {"5": 1.0, "6": 1.0}
+    assert out["tokens_per_s"] == pytest.approx(3000 / 3.5)
+    assert out["tokens_per_s_no_compile"] == pytest.approx(1000.0)
+    dense = gc.train_summary([dict(r, kernel_compiles=None) for r in recs])
+    assert "compile_steps" in dense and dense["compile_steps"] == {}
+    plain = gc.train_summary([{k: v for k, v in r.items() if not k.startswith("kernel")}
+                              for r in recs])
+    assert "compile_steps" not in plain             # a dense run records none
+    runs = {"x/dense_sab": {"tokens_per_s": 800.0, "step_s": {"4": 1.25, "5": 1.25, "6": 1.25}},
+            "x/sb_d0.5": out}
+    gc.compare_with_dense(runs, "x")
+    assert out["speedup_vs_best_dense_no_compile"] == pytest.approx(1.25)
+    assert out["paired_speedup_vs_best_dense_no_compile"] == pytest.approx(1.25)
+    assert out["paired_speedup_vs_best_dense"] == pytest.approx(1.25)   # median of 0.83, 1.25 x2

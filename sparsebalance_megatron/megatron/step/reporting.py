@@ -243,6 +243,9 @@ class StepReporter:
         self.history: list = []   # records of this process (tests, scripts in the same process)
         self.doc_positions = doc_positions
         self.pad_multiple = pad_multiple
+        from .compile_watch import WATCH        # Triton compiles per step (sparse attention)
+        self.compiles = WATCH if sb.sparse_attention_enabled and (
+            WATCH.available or WATCH.install()) else None
         self.stood = StandDownCounts()   # cumulative over the run (checkpointed by the callback)
 
     def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
@@ -260,6 +263,8 @@ class StepReporter:
                           doc_positions=self.doc_positions, dense_work=dense, kept=kept)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
+        if self.compiles is not None:     # this rank's, since the last step
+            rec["kernel_compiles"], rec["kernel_compile_s"] = self.compiles.take()
         self.history.append(rec)
         self.stood.add(rec.get("dst_stood_down"), rec.get("sab_stood_down"))
         if self.stood.dst_steps or self.stood.sab_steps:
