@@ -47,9 +47,10 @@ Design (``sparse_triton_kernels`` has the kernels, ``work_model`` their cost):
 - launch settings (tiles, warps, stages, ``kv_chunk``) per (head dim, block, GQA ratio) from
   ``triton_launch.launch_config``: pinned by the device's autotune
   (``scripts/autotune_triton.py``), register-sized defaults until then.
-- per call: forward 1 launch, backward 3 (4 split); no host sync, no per-length recompile (one kernel
-  per head dim, block size, GQA ratio, dtype and launch config). The whole per-layer call on
-  the unpadded tokens, selection included, is ``sparse_triton_select.triton_block_sparse``
+- per call: forward 1 launch, backward 3 (4 split); no host sync, no per-length recompile
+  (one kernel per head dim, block size, GQA ratio, dtype and launch config). The whole
+  per-layer call on the unpadded tokens, selection included, is
+  ``sparse_triton_select.triton_block_sparse``
   (7 launches forward with the maxkey estimator, 3 backward).
 
 Registered with ``torch.library.custom_op`` (fake implementations for tracing) and its autograd;

@@ -109,8 +109,6 @@ def refused(cfg: LaunchConfig, head_dim: int) -> Optional[str]:
             cfg.bwd_block_m >= 64:
         return ("backward 64 rows x 128 keys, hn 128: spills 40-56 B (the split's dK/dV too, "
                 "56 B on triton 3.6.0)")
-    if cfg.dq_block_m > 128:
-        return "split dQ tiles of more than 128 rows: not compiled by the gate"
     if head_dim >= 64 and cfg.bwd_warps < 8 and cfg.bwd_block_m * cfg.bwd_block_n > 64 * 64:
         return "backward 64 rows x 128 keys at 4 warps, hn 64: spills"
     return None

@@ -4,6 +4,7 @@
 import importlib.util
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -380,7 +381,7 @@ def test_the_train_step_fails_for_a_comparison_cut_short_not_for_plain_dense(mon
     monkeypatch.setattr(gc, "_run", fake_run)
     monkeypatch.setattr(gc, "_te_available", lambda env: False)
     monkeypatch.setattr(gc, "long_docs_prefix", lambda out: (str(tmp_path / "long"), 70))
-    monkeypatch.setattr(gc.time, "time", lambda: now[0])
+    monkeypatch.setattr(gc, "time", types.SimpleNamespace(time=lambda: now[0]))  # its clock only
     res = gc.step_train(str(tmp_path), str(tmp_path / "none.json"), limit, {}, "auto")
     assert res["ok"] is ok
     assert ran[:4] == ["train_long_docs_dense_sab.log", "train_long_docs_dense_sab_sdpa.log",

@@ -63,7 +63,6 @@ class CompileWatch:
         return prev(**kw) if prev is not None else None
 
     def _after(self, **kw):
-        start = None
         with self._lock:
             start = self._started.pop((threading.get_ident(), kw.get("key")), None)
             if start is not None:
