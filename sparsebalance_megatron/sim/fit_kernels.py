@@ -62,7 +62,7 @@ def _lift(tot, first, last, lim):
 
 def _set_units(j, c, lo, hi, rows_f, rows_b, fwd, bwd, tot, at, buf, lazy_u, lazy_on,
                lazy_delta, lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr,
-               scaled):
+               scaled, mb_of, st_of):
     # column j of buf with units lo:hi at their candidate c (a candidate rewrites only its
     # units' rows, so a rank's tries copy its column once); a candidate not given (at < 0) is
     # looked up: the unit's seconds moved by fracs[c] x its delta (a cut: minus its cuttable
@@ -70,7 +70,8 @@ def _set_units(j, c, lo, hi, rows_f, rows_b, fwd, bwd, tot, at, buf, lazy_u, laz
     # computed from it as the tables were, instead of read from the tables
     if work.shape[0] > 0:
         _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, lazy_delta,
-                           lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr, scaled)
+                           lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr, scaled,
+                           mb_of, st_of)
         return
     for u in range(lo, hi):
         a = at[c, u]
@@ -83,16 +84,16 @@ def _set_units(j, c, lo, hi, rows_f, rows_b, fwd, bwd, tot, at, buf, lazy_u, laz
 
 
 def _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, lazy_delta,
-                       lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr, scaled):
+                       lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr, scaled,
+                       mb_of, st_of):
     # _set_units with each unit's seconds at grid index i computed as UnitCosts.from_latency's
     # kernel made its tables (grid_kernels._unit_tables: the same operations in the same
-    # order), from its micro-batch's work row (unit = micro-batch x stages + stage)
-    g, nv = work.shape[1], per_pair.shape[1]
+    # order), from its micro-batch's work row (``mb_of``, ``st_of``: each unit's micro-batch
+    # and stage, ``_unit_places``)
     for u in range(lo, hi):
         base = lazy_u[u]
-        q = base // g
-        mb = q // nv
-        s = q - mb * nv
+        mb = mb_of[u]
+        s = st_of[u]
         p0, p1 = per_pair[0, s], per_pair[1, s]
         f0, f1, cc = fixed[0, mb, s], fixed[1, mb, s], corr[mb, s]
         a = at[c, u]
@@ -109,6 +110,23 @@ def _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, l
         v, x = _unit_seconds(work[mb, a - base], p0, p1, f0, f1, cc, scaled)
         buf[rows_f[u], j] = v
         buf[rows_b[u], j] = x
+
+
+def _unit_places(lazy_u, work, per_pair):
+    # every unit's micro-batch and stage (its table offset lazy_u = (micro-batch x stages +
+    # stage) x grid), worked out once per search instead of at every candidate it is tried at
+    # (two integer divisions per unit and try were a tenth of the search); empty without the
+    # formula
+    n = lazy_u.size if work.shape[0] > 0 else 0
+    mb_of = np.empty(n, dtype=np.int64)
+    st_of = np.empty(n, dtype=np.int64)
+    if n:
+        g, nv = work.shape[1], per_pair.shape[1]
+        for u in range(n):
+            q = lazy_u[u] // g
+            mb_of[u] = q // nv
+            st_of[u] = q - mb_of[u] * nv
+    return mb_of, st_of
 
 
 def _simulate(prev, dep, cross, last, p, buf, end, cols, na, mk):
@@ -149,6 +167,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     # step simulates every searching rank's next candidate side by side
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
+    mb_of, st_of = _unit_places(lazy_u, work, per_pair)
     fits = np.empty(r, dtype=np.bool_)
     pick = np.empty(r, dtype=np.int64)
     mk = np.empty(r)
@@ -167,7 +186,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
                 mid[j] = 0 if first else (a[j] + z[j]) >> 1
                 _set_units(j, mid[j], seg[j], seg[j + 1], rows_f, rows_b, fwd, bwd, tot, at,
                            buf, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale,
-                           work, per_pair, fixed, corr, scaled)
+                           work, per_pair, fixed, corr, scaled, mb_of, st_of)
                 cols[na] = j
                 na += 1
         first = False
@@ -189,7 +208,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         if a[j] >= k:                            # none fits: the first, as np.argmax gives
             _set_units(j, 0, seg[j], seg[j + 1], rows_f, rows_b, fwd, bwd, tot, at, buf,
                        lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale, work,
-                       per_pair, fixed, corr, scaled)
+                       per_pair, fixed, corr, scaled, mb_of, st_of)
             cols[na] = j
             na += 1
     if na:
@@ -293,7 +312,7 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     kernel(_set_units_formula, calls=(_unit_seconds, _limit, _top))
     kernel(_set_units, calls=(_lift, _limit, _top, _set_units_formula))
     kernel(_simulate, calls=(_start,))
-    fit = kernel(_first_fit, calls=(_set_units, _simulate, _keep))
+    fit = kernel(_first_fit, calls=(_set_units, _simulate, _keep, _unit_places))
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),

@@ -382,7 +382,7 @@ def signatures():
                             "_gain_index", "_start", "_keep", "_lifted", "_gain_q",
                             "_position", "_clipped", "_before", "_sift_up", "_sift_down",
                             "_py_sum", "_bins", "_row_makespan", "_fill_searched",
-                            "_lift_step", "_simulate_rows", "_moves_row")}
+                            "_lift_step", "_simulate_rows", "_moves_row", "_unit_places")}
 before = signatures()
 lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
 rng = np.random.default_rng(1)
