@@ -47,6 +47,7 @@ import numpy as np
 
 from ..sim import compiled, fit_kernels
 from ..sim.pipeline import FWD, event_graph
+from . import descent_kernels
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
 from .floors import FloorCheck
 from .slack import unit_floats_from
@@ -229,7 +230,7 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
     ``floors_at`` take a plan's grid indices (``descend``'s take its densities)."""
     st = _Step(costs, p2p_s)
     dp = costs.shape[0]
-    t_min = costs.total_s[..., i_min].reshape(-1)
+    t_min = np.ascontiguousarray(costs.total_s[..., i_min]).reshape(-1)
     f, b = st.times(idx)
     dur, ef, mk = st.run(f, b)
     step = float(mk.max())
@@ -256,39 +257,52 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             idx.reshape(-1)[miss])
         return moved, (on, moved)
 
+    fused = descent_kernels.Round.of(st, i_min, i_max)     # both phases compiled whole
     for _ in range(rounds):
         if eta < ETA_MIN:
             break
         target = step * (1.0 - eta)
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
-        on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
-        fit_limit = np.full(dp, target * (1 + _REL_EPS))            # smallest alpha that fits
-        if compiled.enabled():          # each unit's cuts searched at the fractions tried
-            ranks, col, fits, pick, mk_p, dur_p, ef_p, cut_i = st.cut_fit(
-                dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], i_min,
-                fit_limit)
+        if fused is not None:
+            on, ranks, col, fits, mk_p, dur_p, ef_p, cut_i = fused.cut(
+                dur, ef, f, b, idx, t_min, target, target * (1 + _REL_EPS), CUT_FRACTIONS,
+                1 + _REL_EPS)
         else:
-            moved, known = cuts_of(on, known)
-            ranks, col, fits, pick, mk_p, dur_p, ef_p = st.first_fit(dur, on, moved, fit_limit)
-            cut_i = moved[pick[col], np.arange(on.size)]
+            on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
+            fit_limit = np.full(dp, target * (1 + _REL_EPS))        # smallest alpha that fits
+            if compiled.enabled():      # each unit's cuts searched at the fractions tried
+                ranks, col, fits, pick, mk_p, dur_p, ef_p, cut_i = st.cut_fit(
+                    dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], i_min,
+                    fit_limit)
+            else:
+                moved, known = cuts_of(on, known)
+                ranks, col, fits, pick, mk_p, dur_p, ef_p = st.first_fit(dur, on, moved,
+                                                                         fit_limit)
+                cut_i = moved[pick[col], np.arange(on.size)]
         if not fits.all():                                           # T' out of reach: ask less
             eta /= 2
             continue
-        cut, f1, b1, mk_cut, dur1, ef1 = idx.copy(), f.copy(), b.copy(), mk.copy(), \
-            dur.copy(), ef.copy()
-        st.put(cut, f1, b1, on, cut_i)
-        mk_cut[ranks] = mk_p
-        dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = np.full(dp, target * (1.0 - raise_headroom))
-        cap = np.maximum(st.floats(dur1, ef1, deadline), 0.0).reshape(-1)
-        t1, lo = (f1 + b1).reshape(-1), cut.reshape(-1)
-        up = np.flatnonzero(lo < i_max)
-        up = up[st.t_flat.take(up * st.g + lo[up] + 1)
-                <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
         lazy = compiled.enabled()       # the smaller fractions looked up where a rank tries them
-        fractions = RAISE_FRACTIONS[:1, None] if lazy else RAISE_FRACTIONS[:, None]
-        moved = st.highest_within(up, t1[up] + fractions * cap[up], lo[up], i_max)
+        if fused is not None:
+            cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = fused.after_cut(
+                idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p,
+                target * (1.0 - raise_headroom), 1 + _REL_EPS)
+            lo, moved = cut.reshape(-1), first[None]
+        else:
+            cut, f1, b1, mk_cut, dur1, ef1 = idx.copy(), f.copy(), b.copy(), mk.copy(), \
+                dur.copy(), ef.copy()
+            st.put(cut, f1, b1, on, cut_i)
+            mk_cut[ranks] = mk_p
+            dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
+            cap = np.maximum(st.floats(dur1, ef1, deadline), 0.0).reshape(-1)
+            t1, lo = (f1 + b1).reshape(-1), cut.reshape(-1)
+            up = np.flatnonzero(lo < i_max)
+            up = up[st.t_flat.take(up * st.g + lo[up] + 1)
+                    <= (t1[up] + RAISE_FRACTIONS[0] * cap[up]) * (1 + _REL_EPS) + 1e-15]
+            fractions = RAISE_FRACTIONS[:1, None] if lazy else RAISE_FRACTIONS[:, None]
+            moved = st.highest_within(up, t1[up] + fractions * cap[up], lo[up], i_max)
         if floors_at is not None:       # the round's best plan is below it: nothing will do
             top = cut.copy()
             np.put(top, up, moved[0])

@@ -220,6 +220,54 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
     assert accepted >= 8                                  # the descent did move plans
 
 
+def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypatch):
+    """With the tables' formula (costs from a latency model, as every draft's) each round's cut
+    and raise preparation run as compiled phases (``descent_kernels``): the plans and step
+    times are still the plain descent's, bit for bit, calibrated (per-rank factors) or not,
+    1F1B and interleaved, with p2p latency and raise headroom."""
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.policy import descent_kernels
+    from sparsebalance_megatron.sim import compiled
+
+    if not compiled.enabled():
+        pytest.skip("numba is not installed: the compiled phases do not run")
+    calls = []
+    real = descent_kernels.Round.cut
+    monkeypatch.setattr(descent_kernels.Round, "cut",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    rng = np.random.default_rng(5)
+    grid = density_grid(D0, DMIN, DMAX)
+    accepted = 0
+    for case in range(12):
+        pp, vp = 2 + 2 * (case % 2), 1 + (case % 4 == 1)   # vp 2: 4 stages on 2 ranks
+        dp, m = int(rng.integers(2, 9)), pp * int(rng.integers(2, 5))
+        lm = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=8192), pp=pp)
+        if case % 4 > 1:                                   # learned per-GPU factors
+            lm.calibrate_ranks(np.ones((dp, pp)), rng.uniform(0.9, 1.2, (dp, pp)))
+        lengths = [rng.integers(100, 4000, rng.integers(1, 4)) for _ in range(dp * m)]
+        costs = UnitCosts.from_latency(lm, lengths, dp, m, grid)
+        assert costs.formula is not None
+        if vp > 1:
+            costs = UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s, costs.attn_work,
+                              pipeline_ranks=pp // vp, _formula=costs.formula,
+                              tables_checked=True)
+        i_min, i_max = costs.index_of(DMIN), costs.index_of(DMAX)
+        start = np.full(costs.shape, costs.index_of(D0))
+        w = costs.weights()
+
+        def meets(d):
+            return weighted_mean_density(d, w) >= 0.5 * D0
+
+        kw = dict(p2p_s=0.002 * (case % 2), raise_headroom=0.05 * (case % 4 == 3))
+        got, step = descend(costs, start, i_min, i_max, meets=meets, floors=meets, **kw)
+        want, want_step = _plain_descend(costs, start, i_min, i_max, meets=meets, **kw)
+        np.testing.assert_array_equal(got, want)
+        assert step == want_step
+        accepted += not np.array_equal(got, start)
+    assert calls and accepted >= 4
+
+
 def test_the_descents_floor_check_is_the_floors_functions_bit_for_bit():
     """The descent checks its rounds' plans by grid index with the weights' totals summed once
     (``FloorCheck``): the same verdicts as the mean and per-stage density functions and the

@@ -1,0 +1,238 @@
+"""Compiled phases of a critical-path descent round (``policy.critical_path._descent``), when
+numba is installed and the costs carry their tables' formula (``UnitCosts.formula``): the cut
+(which units lie on a path longer than the round's target, and per DP rank the first cut
+fraction that fits: ``sim.fit_kernels``' search) and what the raise needs from it (the cut plan
+and its simulation, every unit's float at the raise's deadline, the units the largest raise
+fraction moves and where to).
+
+The numpy path runs the same steps as a dozen array operations per phase, each a pass over the
+step's units (64 DP x 16 x 8 virtual stages: 8,192) with its own gather, copy and allocation;
+those passes, not the searches, were half of a descent. Here each phase is one compiled call
+that composes the kernels the numpy path's calls run (``sim.compiled``'s latest finishes and
+floats, ``sim.fit_kernels``' search and formula bisection) on the same operands in the same
+order, so a descent's plan is the same bit for bit whichever runs
+(``tests/unit/test_critical_path.py``).
+
+Pure numpy and numba; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sim import fit_kernels
+from ..sim.compiled import _c, _latest_finish, _start, enabled, kernel
+from ..sim.fit_kernels import (_first_fit, _highest_formula, _keep, _lift, _limit, _set_units,
+                               _set_units_formula, _simulate, _top, _unit_places,
+                               _unit_seconds)
+
+_CALLS = (_latest_finish, _first_fit, _highest_formula, _set_units, _set_units_formula,
+          _simulate, _keep, _unit_places, _unit_seconds, _limit, _top, _lift, _start)
+
+
+def _floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
+    # every unit's smaller float, rank by rank ([cols x units], flat): compiled._unit_floats's
+    # numbers (np.minimum of its forward and backward float, NaN winning), all due at deadline
+    cols, n = dur.shape[1], ev_f.size
+    lf = _latest_finish(nxt, succ, cross, dur, np.full(cols, deadline), p)
+    out = np.empty(cols * n)
+    for c in range(cols):
+        for u in range(n):
+            a, b = ev_f[u], ev_b[u]
+            x = lf[a, c] - ef[a, c]
+            y = lf[b, c] - ef[b, c]
+            out[c * n + u] = x if (x < y or x != x) else y
+    return out
+
+
+def _seconds(q, i, nv, work, per_pair, fixed, corr, scaled):
+    # unit q's (forward, backward) seconds at grid index i, as its tables hold them (the
+    # tables' own formula, computed from arrays a cache holds instead of read from three large
+    # tables: fit_kernels._set_units_formula's numbers)
+    row = q // nv
+    s = q - row * nv
+    return _unit_seconds(work[row, i], per_pair[0, s], per_pair[1, s], fixed[0, row, s],
+                         fixed[1, row, s], corr[row, s], scaled)
+
+
+def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, idx, t_min,
+               target, limit, i_min, g, fwd, bwd, tot, fracs, scale, work, per_pair, fixed,
+               corr, scaled):
+    # the descent's cut at ``target``: the units whose float is negative (ascending flat ids),
+    # the DP ranks holding one, each unit's rank column, and _Step.cut_fit's search of them
+    # (fits, picks, makespans, durations and finishes of the picks, each unit's grid index)
+    per_rank = ev_f.size
+    fl = _floats(nxt, succ, cross, dur, ef, target, p, ev_f, ev_b)
+    n = 0
+    for q in range(fl.size):
+        if fl[q] < 0:
+            n += 1
+    on = np.empty(n, dtype=np.int64)
+    j = 0
+    for q in range(fl.size):
+        if fl[q] < 0:
+            on[j] = q
+            j += 1
+    col = np.empty(n, dtype=np.int64)
+    r = 0
+    for j in range(n):                      # _Step.holders: ranks in order of their units
+        if j == 0 or on[j] // per_rank != on[j - 1] // per_rank:
+            r += 1
+        col[j] = r - 1
+    ranks = np.empty(r, dtype=np.int64)
+    seg = np.empty(r + 1, dtype=np.int64)
+    seg[r] = n
+    rows_f = np.empty(n, dtype=np.int64)
+    rows_b = np.empty(n, dtype=np.int64)
+    u = np.empty(n, dtype=np.int64)
+    t = np.empty(n)
+    delta = np.empty(n)
+    hi = np.empty(n, dtype=np.int64)
+    lo = np.full(n, i_min, dtype=np.int64)
+    for j in range(n):
+        q = on[j]
+        if j == 0 or col[j] != col[j - 1]:
+            ranks[col[j]] = q // per_rank
+            seg[col[j]] = j
+        local = q - (q // per_rank) * per_rank
+        rows_f[j], rows_b[j] = ev_f[local], ev_b[local]
+        u[j] = q * g
+        t[j] = f[q] + b[q]
+        delta[j] = t_min[q] - t[j]
+        hi[j] = idx[q]
+    at = np.full((fracs.size, n), -1, dtype=np.int64)
+    dur_p, ef_p = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
+    fits, pick, mk = _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd,
+                                bwd, tot, at, np.full(r, limit), dur_p, ef_p, u, t, delta, hi,
+                                lo, fracs, scale, False, work, per_pair, fixed, corr, scaled)
+    cut_i = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        cut_i[j] = at[pick[col[j]], j] - u[j]
+    return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
+
+
+def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p,
+               dur_p, ef_p, deadline, g, i_max, fwd, bwd, tot, scale, work, per_pair, fixed,
+               corr, scaled):
+    # the cut plan (_Step.put of the cut, the picks' columns), every unit's float at the raise's
+    # deadline (at least 0, np.maximum's NaN kept), the units the largest raise fraction can move
+    # (a grid step up fits under their seconds + their whole float) and the highest grid index
+    # each may take (_Step.highest_within on the formula)
+    nv = per_pair.shape[1]
+    cut, f1, b1 = idx.copy(), f.copy(), b.copy()
+    for j in range(on.size):
+        q, i = on[j], cut_i[j]
+        cut[q] = i
+        f1[q], b1[q] = _seconds(q, i, nv, work, per_pair, fixed, corr, scaled)
+    mk_cut, dur1, ef1 = mk.copy(), dur.copy(), ef.copy()
+    for c in range(ranks.size):
+        mk_cut[ranks[c]] = mk_p[c]
+        for e in range(dur.shape[0]):
+            dur1[e, ranks[c]] = dur_p[e, c]
+            ef1[e, ranks[c]] = ef_p[e, c]
+    cap = _floats(nxt, succ, cross, dur1, ef1, deadline, p, ev_f, ev_b)
+    t1 = np.empty(cap.size)
+    lim = np.empty(cap.size)
+    moves = np.empty(cap.size, dtype=np.bool_)
+    n = 0
+    for q in range(cap.size):
+        x = cap[q]
+        cap[q] = x if (x > 0.0 or x != x) else 0.0                # np.maximum(x, 0.0)
+        t1[q] = f1[q] + b1[q]
+        lim[q] = (t1[q] + 1.0 * cap[q]) * scale + 1e-15
+        moves[q] = False
+        if cut[q] < i_max:
+            v, x = _seconds(q, cut[q] + 1, nv, work, per_pair, fixed, corr, scaled)
+            if v + x <= lim[q]:
+                moves[q] = True
+                n += 1
+    up = np.empty(n, dtype=np.int64)
+    j = 0
+    for q in range(cap.size):
+        if moves[q]:
+            up[j] = q
+            j += 1
+    lo, limit, first = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
+    for j in range(n):
+        lo[j], limit[j] = cut[up[j]] + 1, lim[up[j]]      # cut + 1 fits: the filter's test
+    _highest_formula(work, per_pair, fixed, corr, scaled, up, lo, np.full(n, i_max), limit,
+                     first)
+    return cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
+
+
+_CALLS_HERE = _CALLS + (_floats, _seconds)
+
+
+class Round:
+    """A descent's compiled round phases on one ``_Step`` (``st``), or None where they cannot
+    run (``of``)."""
+
+    def __init__(self, st, i_min: int, i_max: int):
+        links = st.graph.links
+        ev = st.graph.unit_events
+        self.graph = (links[0], links[1], links[2], _c(st.graph.last, np.int64), links[3],
+                      links[4], _c(ev[0], np.int64), _c(ev[1], np.int64), st.p2p)
+        self.tables = (_c(st.fwd, np.float64), _c(st.bwd, np.float64),
+                       _c(st.t_flat, np.float64))
+        self.formula = fit_kernels._formula_args(st.c.formula)
+        self.g, self.i_min, self.i_max = st.g, int(i_min), int(i_max)
+        self.shape = st.c.shape
+
+    @classmethod
+    def of(cls, st, i_min: int, i_max: int):
+        return cls(st, i_min, i_max) if enabled() and st.c.formula is not None else None
+
+    def cut(self, dur, ef, f, b, idx, t_min, target: float, limit: float, fracs, scale: float):
+        """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
+        each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
+        index): ``_descent``'s floats and ``cut_fit``."""
+        return kernel(_cut_round, calls=_CALLS_HERE)(
+            *self.graph[:6], *self.graph[6:8], self.graph[8], _c(dur, np.float64),
+            _c(ef, np.float64), f.reshape(-1), b.reshape(-1), idx.reshape(-1), t_min,
+            float(target), float(limit), self.i_min, self.g, *self.tables, _c(fracs, np.float64),
+            float(scale), *self.formula)
+
+    def after_cut(self, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p,
+                  deadline: float, scale: float) -> tuple:
+        """(cut grid indices, its fwd and bwd seconds [dp, m, nv], makespans, durations and
+        finishes, every unit's float at ``deadline`` (>= 0) and its seconds (flat), the units
+        the largest raise fraction moves, the grid index each moves to)."""
+        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = kernel(_after_cut, calls=_CALLS_HERE)(
+            self.graph[4], self.graph[5], self.graph[2], self.graph[6], self.graph[7],
+            self.graph[8], idx.reshape(-1), f.reshape(-1), b.reshape(-1), dur, ef, mk, on, cut_i,
+            ranks, mk_p, dur_p, ef_p, float(deadline), self.g, self.i_max, *self.tables,
+            float(scale), *self.formula)
+        return (cut.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape), mk_cut,
+                dur1, ef1, cap, t1, up, first)
+
+
+def warm_up() -> None:
+    """``sim.compiled.warm_up`` for this module's phases: compiled (or loaded from numba's disk
+    cache) with the argument types a draft passes, on a two-rank, two-micro-batch, two-stage
+    step. Nothing without numba."""
+    from types import SimpleNamespace
+
+    from ..sim.pipeline import FWD, event_graph
+
+    if not enabled():
+        return
+    dp, m, pp, g = 2, 2, 2, 3
+    work = np.tile(np.arange(1.0, g + 1), (dp * m, 1))
+    formula = (work, np.ones((2, pp)), np.ones((2, dp * m, pp)), np.ones((dp * m, pp)), True)
+    t = np.tile(2.0 * np.arange(2.0, g + 2), (dp, m, pp, 1))
+    graph = event_graph(m, pp, 1)
+    rows = graph.unit_events
+    st = SimpleNamespace(graph=graph, fwd=t.reshape(-1) / 2, bwd=t.reshape(-1) / 2,
+                         t_flat=t.reshape(-1), g=g, p2p=0.0,
+                         c=SimpleNamespace(formula=formula, shape=(dp, m, pp)),
+                         fwd_row=rows[FWD], bwd_row=rows[1 - FWD])
+    rnd = Round(st, 0, g - 1)
+    idx = np.ones((dp, m, pp), dtype=np.int64)
+    f = np.full((dp, m, pp), 2.0)
+    dur = graph.durations(f, f)
+    ef = graph.earliest_finish(dur, 0.0)
+    mk = graph.makespan(ef)
+    t_min = np.full(dp * m * pp, 2.0)
+    on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(dur, ef, f, f, idx, t_min, 1.0, 1.0,
+                                                        np.array([0.5, 1.0]), 1.0)
+    rnd.after_cut(idx, f, f, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p, 1.0, 1.0)
