@@ -127,7 +127,7 @@ class _Step:
         return ef, self.graph.makespan(ef)
 
     def first_fit(self, dur: np.ndarray, flat_units: np.ndarray, moved: np.ndarray,
-                  limit: np.ndarray, probe_first: bool = False) -> tuple:
+                  limit: np.ndarray, probe_first: bool = False, fits_from=None) -> tuple:
         """Of the plan simulated as ``dur`` [E, dp] with units ``flat_units`` (ascending) at
         one of the candidates ``moved`` [k, n], per DP rank that holds one of them: the first
         candidate whose makespan is <= ``limit`` [dp] (makespans never rise from one candidate
@@ -135,14 +135,16 @@ class _Step:
         of each unit's rank [n], whether one fits [r], its index (0 where none) [r], its
         makespan [r], its durations and earliest finishes [E, r]). One compiled binary search
         per rank where ``sim.compiled`` runs (``probe_first``: the first candidate tried alone
-        before the search, where it usually fits); else every candidate simulated
-        (``candidates``) and the first kept: the same numbers."""
+        before the search, where it usually fits; ``fits_from`` [r]: per rank a candidate known
+        to fit, where its search starts); else every candidate simulated (``candidates``) and
+        the first kept: the same numbers."""
         ranks, col, seg, local = self.holders(flat_units)
         if compiled.enabled():
             return (ranks, col) + fit_kernels.first_fit(
                 self.graph.links, self.graph.last, dur, self.p2p, ranks, seg,
                 self.fwd_row[local], self.bwd_row[local], self.fwd, self.bwd,
-                flat_units * self.g + moved, limit[ranks], probe_first=probe_first)
+                flat_units * self.g + moved, limit[ranks], probe_first=probe_first,
+                fits_from=fits_from)
         k, r = moved.shape[0], ranks.size
         _, _, dur_k = self.candidates(dur, flat_units, moved)
         ef_k, mk_k = self.simulate(dur_k)
@@ -329,6 +331,8 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             known = (seen[kept], cuts[:, kept])
             idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new
             eta = min(eta * 1.5, ETA_MAX)
+            if fused is not None:
+                fused.plan_changed()
         else:
             eta /= 2
     return idx, step, mk

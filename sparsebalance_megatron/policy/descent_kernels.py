@@ -57,10 +57,14 @@ def _seconds(q, i, nv, work, per_pair, fixed, corr, scaled):
 
 def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, idx, t_min,
                target, limit, i_min, g, fwd, bwd, tot, fracs, scale, work, per_pair, fixed,
-               corr, scaled):
+               corr, scaled, was_on, was_at, was_pick):
     # the descent's cut at ``target``: the units whose float is negative (ascending flat ids),
     # the DP ranks holding one, each unit's rank column, and _Step.cut_fit's search of them
-    # (fits, picks, makespans, durations and finishes of the picks, each unit's grid index)
+    # (fits, picks, makespans, durations and finishes of the picks, each unit's grid index;
+    # and what the next round on the same plan reuses: the search's look-ups, every rank's
+    # pick). ``was_on``, ``was_at``, ``was_pick`` [dp] (-1: none): the last round's, on the
+    # same plan at a lower target (empty: none), whose look-ups are this round's (a unit's cut
+    # depends on the plan alone) and whose picks fit here too (``Round``)
     per_rank = ev_f.size
     fl = _floats(nxt, succ, cross, dur, ef, target, p, ev_f, ev_b)
     n = 0
@@ -101,14 +105,30 @@ def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, 
         delta[j] = t_min[q] - t[j]
         hi[j] = idx[q]
     at = np.full((fracs.size, n), -1, dtype=np.int64)
+    i = 0
+    for j in range(n):                     # this round's units are among the last round's
+        while i < was_on.size and was_on[i] < on[j]:
+            i += 1
+        if i < was_on.size and was_on[i] == on[j]:
+            for c in range(fracs.size):
+                at[c, j] = was_at[c, i]
+    z0 = np.full(r, fracs.size, dtype=np.int64)
+    if was_on.size:
+        for c in range(r):
+            if was_pick[ranks[c]] >= 0:
+                z0[c] = was_pick[ranks[c]]
     dur_p, ef_p = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
     fits, pick, mk = _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd,
                                 bwd, tot, at, np.full(r, limit), dur_p, ef_p, u, t, delta, hi,
-                                lo, fracs, scale, False, work, per_pair, fixed, corr, scaled)
+                                lo, fracs, scale, False, work, per_pair, fixed, corr, scaled, z0)
     cut_i = np.empty(n, dtype=np.int64)
     for j in range(n):
         cut_i[j] = at[pick[col[j]], j] - u[j]
-    return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
+    by_rank = np.full(dur.shape[1], -1, dtype=np.int64)
+    for c in range(r):
+        if fits[c]:
+            by_rank[ranks[c]] = pick[c]
+    return on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank
 
 
 def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p,
@@ -176,7 +196,14 @@ class Round:
                        _c(st.t_flat, np.float64))
         self.formula = fit_kernels._formula_args(st.c.formula)
         self.g, self.i_min, self.i_max = st.g, int(i_min), int(i_max)
-        self.shape = st.c.shape
+        self.shape, self.st = st.c.shape, st
+        self.plan_changed()
+
+    def plan_changed(self) -> None:
+        """Forget the last cut's search (a round was kept: its look-ups and picks were of
+        another plan)."""
+        self._was = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
+                     np.zeros(0, dtype=np.int64))
 
     @classmethod
     def of(cls, st, i_min: int, i_max: int):
@@ -185,12 +212,20 @@ class Round:
     def cut(self, dur, ef, f, b, idx, t_min, target: float, limit: float, fracs, scale: float):
         """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
         each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
-        index): ``_descent``'s floats and ``cut_fit``."""
-        return kernel(_cut_round, calls=_CALLS_HERE)(
+        index): ``_descent``'s floats and ``cut_fit``. Until ``plan_changed``, the next call
+        is on the same plan at a higher target (a round given up lowers its eta): it starts
+        from this one's look-ups, and each rank's search from its pick here, which fits there
+        too (a unit on a path longer than the higher target is on one here, and cuts the same
+        way; the makespans fall with the fraction), so its answers are those of a search from
+        scratch."""
+        on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = kernel(
+            _cut_round, calls=_CALLS_HERE)(
             *self.graph[:6], *self.graph[6:8], self.graph[8], _c(dur, np.float64),
             _c(ef, np.float64), f.reshape(-1), b.reshape(-1), idx.reshape(-1), t_min,
             float(target), float(limit), self.i_min, self.g, *self.tables, _c(fracs, np.float64),
-            float(scale), *self.formula)
+            float(scale), *self.formula, *self._was)
+        self._was = (on, at, by_rank)
+        return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
 
     def after_cut(self, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p,
                   deadline: float, scale: float) -> tuple:

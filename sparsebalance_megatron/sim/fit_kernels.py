@@ -160,11 +160,13 @@ def _keep(buf, end, dur_out, ef_out, j):
 
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
                at, limit, dur_out, ef_out, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo,
-               fracs, scale, probe_first, work, per_pair, fixed, corr, scaled):
+               fracs, scale, probe_first, work, per_pair, fixed, corr, scaled, z0):
     # per rank a binary search over the candidates (makespans fall with c: every candidate
     # below a is over, every one from z fits; the first tried is the middle, or candidate 0
     # with probe_first, where it usually fits), the ranks' searches stepped together: each
-    # step simulates every searching rank's next candidate side by side
+    # step simulates every searching rank's next candidate side by side. z0 [r]: where each
+    # rank's search starts its z (a candidate known to fit; k: none known); a rank whose first
+    # fit is its z0 simulates it at the end
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
     mb_of, st_of = _unit_places(lazy_u, work, per_pair)
@@ -176,7 +178,8 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     for e in range(n):
         for j in range(r):
             buf[e, j] = dur[e, ranks[j]]
-    a, z = np.zeros(r, dtype=np.int64), np.full(r, k, dtype=np.int64)
+    a, z = np.zeros(r, dtype=np.int64), z0.copy()
+    kept = np.zeros(r, dtype=np.bool_)
     mid, cols = np.empty(r, dtype=np.int64), np.empty(r, dtype=np.int64)
     first = probe_first
     while True:
@@ -198,6 +201,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
             if t[j] <= limit[j]:                 # the last that fits is the first that fits
                 z[j] = mid[j]
                 mk[j] = t[j]
+                kept[j] = True
                 _keep(buf, end, dur_out, ef_out, j)
             else:
                 a[j] = mid[j] + 1
@@ -205,8 +209,9 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     for j in range(r):
         fits[j] = a[j] < k
         pick[j] = a[j] if a[j] < k else 0
-        if a[j] >= k:                            # none fits: the first, as np.argmax gives
-            _set_units(j, 0, seg[j], seg[j + 1], rows_f, rows_b, fwd, bwd, tot, at, buf,
+        if not kept[j]:                          # none fits: the first, as np.argmax gives;
+            # or the first fit is the z0 given (known to fit, not simulated here)
+            _set_units(j, pick[j], seg[j], seg[j + 1], rows_f, rows_b, fwd, bwd, tot, at, buf,
                        lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale, work,
                        per_pair, fixed, corr, scaled, mb_of, st_of)
             cols[na] = j
@@ -281,7 +286,8 @@ def _formula_args(formula) -> tuple:
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
               ranks: np.ndarray, seg: np.ndarray, rows_f: np.ndarray, rows_b: np.ndarray,
               fwd: np.ndarray, bwd: np.ndarray, at: np.ndarray, limit: np.ndarray,
-              lazy: tuple = None, probe_first: bool = False, formula: tuple = None) -> tuple:
+              lazy: tuple = None, probe_first: bool = False, formula: tuple = None,
+              fits_from: np.ndarray = None) -> tuple:
     """Per DP rank ``ranks[j]`` (a column of ``dur`` [E, dp]), the first candidate c of ``at``
     [k, n] whose makespan is <= ``limit[j]``, the makespans falling with c (a binary search:
     a few simulated columns, not k): the rank's units ``seg[j]:seg[j + 1]`` take their
@@ -301,7 +307,9 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     one simulated column instead of a search's three); the same answer.
     ``formula`` (optional, with ``lazy``): the tables' formula (``UnitCosts.formula``), which
     gives every unit's seconds as the tables hold them, computed from a few small arrays
-    instead of read from three large tables (``lazy``'s unit offsets say which unit)."""
+    instead of read from three large tables (``lazy``'s unit offsets say which unit).
+    ``fits_from`` (optional, [r]): per rank a candidate known to fit (k: none), where its
+    search starts (a narrower search, the same answer: candidates past a fit fit too)."""
     d = _c(dur, np.float64)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
@@ -321,7 +329,9 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
                          _c(hi, np.int64), _c(lo, np.int64), _c(fracs, np.float64),
                          float(scale),
                          bool(probe_first),
-                         *_formula_args(formula if lazy is not None else None))
+                         *_formula_args(formula if lazy is not None else None),
+                         np.full(r, at.shape[0], dtype=np.int64) if fits_from is None
+                         else _c(fits_from, np.int64))
     return fits, pick, mk, dur_out, ef_out
 
 

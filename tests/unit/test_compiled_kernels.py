@@ -195,8 +195,12 @@ def test_descent_first_fit_is_every_candidate_simulated(numpy_paths):
     for limit in (mk * 0.97, mk * 1.01, np.full(mk.size, mk.min() * 0.5),
                   np.where(np.arange(mk.size) % 2, mk * 0.9, mk)):
         want = numpy_paths(st.first_fit, dur, units, cuts, limit)
-        for probe_first in (False, True):                     # the first alone, then search
-            got = st.first_fit(dur, units, cuts, limit, probe_first=probe_first)
+        k = CUT_FRACTIONS.size                                # a fit known: where it starts
+        tight = np.where(want[2], want[3], k)
+        loose = np.where(want[2], rng.integers(want[3], k), k)
+        for probe_first, known in ((False, None), (True, None), (False, tight), (False, loose)):
+            got = st.first_fit(dur, units, cuts, limit, probe_first=probe_first,
+                               fits_from=known)
             assert len(got) == len(want) == 7
             for a, w in zip(got, want):
                 np.testing.assert_array_equal(a, w)

@@ -234,8 +234,23 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
         pytest.skip("numba is not installed: the compiled phases do not run")
     calls = []
     real = descent_kernels.Round.cut
-    monkeypatch.setattr(descent_kernels.Round, "cut",
-                        lambda self, *a: calls.append(1) or real(self, *a))
+
+    def checked_cut(self, dur, ef, f, b, idx, t_min, target, limit, fracs, scale):
+        """Every cut, also the ones that start from the last round's search, is the search
+        from scratch's (``_Step.cut_fit`` on the on-path units)."""
+        warm = self._was[0].size > 0
+        got = real(self, dur, ef, f, b, idx, t_min, target, limit, fracs, scale)
+        st = self.st
+        on = np.flatnonzero(st.floats(dur, ef, np.full(dur.shape[1], target)).reshape(-1) < 0)
+        ranks, col, fits, _, mk, dur_p, ef_p, cut_i = st.cut_fit(
+            dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], st.c.index_of(DMIN),
+            np.full(dur.shape[1], limit))
+        for x, y in zip(got, (on, ranks, col, fits, mk, dur_p, ef_p, cut_i)):
+            np.testing.assert_array_equal(x, y)
+        calls.append(warm)
+        return got
+
+    monkeypatch.setattr(descent_kernels.Round, "cut", checked_cut)
     rng = np.random.default_rng(5)
     grid = density_grid(D0, DMIN, DMAX)
     accepted = 0
@@ -256,8 +271,8 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
         start = np.full(costs.shape, costs.index_of(D0))
         w = costs.weights()
 
-        def meets(d):
-            return weighted_mean_density(d, w) >= 0.5 * D0
+        def meets(d, floor=(1.0 if case % 3 else 0.5) * D0):     # d0: the descent's own
+            return weighted_mean_density(d, w) >= floor
 
         kw = dict(p2p_s=0.002 * (case % 2), raise_headroom=0.05 * (case % 4 == 3))
         got, step = descend(costs, start, i_min, i_max, meets=meets, floors=meets, **kw)
@@ -265,7 +280,7 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
         np.testing.assert_array_equal(got, want)
         assert step == want_step
         accepted += not np.array_equal(got, start)
-    assert calls and accepted >= 4
+    assert sum(calls) >= 10 and accepted >= 4         # warm starts among the cuts checked
 
 
 def test_the_descents_floor_check_is_the_floors_functions_bit_for_bit():
