@@ -26,10 +26,6 @@ from ..sim.fit_kernels import (_first_fit, _highest_formula, _keep, _lift, _limi
                                _set_units_formula, _simulate, _top, _unit_places,
                                _unit_seconds)
 
-_CALLS = (_latest_finish, _first_fit, _highest_formula, _set_units, _set_units_formula,
-          _simulate, _keep, _unit_places, _unit_seconds, _limit, _top, _lift, _start)
-
-
 def _floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
     # every unit's smaller float, rank by rank ([cols x units], flat): compiled._unit_floats's
     # numbers (np.minimum of its forward and backward float, NaN winning), all due at deadline
@@ -132,8 +128,7 @@ def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, 
 
 
 def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p,
-               dur_p, ef_p, deadline, g, i_max, fwd, bwd, tot, scale, work, per_pair, fixed,
-               corr, scaled):
+               dur_p, ef_p, deadline, i_max, scale, work, per_pair, fixed, corr, scaled):
     # the cut plan (_Step.put of the cut, the picks' columns), every unit's float at the raise's
     # deadline (at least 0, np.maximum's NaN kept), the units the largest raise fraction can move
     # (a grid step up fits under their seconds + their whole float) and the highest grid index
@@ -180,7 +175,10 @@ def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_
     return cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
 
 
-_CALLS_HERE = _CALLS + (_floats, _seconds)
+# every kernel the phases call, directly or through one another (``sim.compiled.kernel``)
+_CALLS = (_latest_finish, _first_fit, _highest_formula, _set_units, _set_units_formula,
+          _simulate, _keep, _unit_places, _unit_seconds, _limit, _top, _lift, _start, _floats,
+          _seconds)
 
 
 class Round:
@@ -219,7 +217,7 @@ class Round:
         way; the makespans fall with the fraction), so its answers are those of a search from
         scratch."""
         on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = kernel(
-            _cut_round, calls=_CALLS_HERE)(
+            _cut_round, calls=_CALLS)(
             *self.graph[:6], *self.graph[6:8], self.graph[8], _c(dur, np.float64),
             _c(ef, np.float64), f.reshape(-1), b.reshape(-1), idx.reshape(-1), t_min,
             float(target), float(limit), self.i_min, self.g, *self.tables, _c(fracs, np.float64),
@@ -232,11 +230,10 @@ class Round:
         """(cut grid indices, its fwd and bwd seconds [dp, m, nv], makespans, durations and
         finishes, every unit's float at ``deadline`` (>= 0) and its seconds (flat), the units
         the largest raise fraction moves, the grid index each moves to)."""
-        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = kernel(_after_cut, calls=_CALLS_HERE)(
+        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = kernel(_after_cut, calls=_CALLS)(
             self.graph[4], self.graph[5], self.graph[2], self.graph[6], self.graph[7],
             self.graph[8], idx.reshape(-1), f.reshape(-1), b.reshape(-1), dur, ef, mk, on, cut_i,
-            ranks, mk_p, dur_p, ef_p, float(deadline), self.g, self.i_max, *self.tables,
-            float(scale), *self.formula)
+            ranks, mk_p, dur_p, ef_p, float(deadline), self.i_max, float(scale), *self.formula)
         return (cut.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape), mk_cut,
                 dur1, ef1, cap, t1, up, first)
 
