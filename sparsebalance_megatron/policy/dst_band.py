@@ -233,7 +233,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     limit = np.maximum(target, mk1) * (1.0 + _REL_EPS) + 1e-15      # [k * dp]
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
     if i_max > i_min and ranks.size:
-        order = np.tile(np.argsort(-sens, axis=1, kind="stable"), (k, 1, 1))
+        order = []          # the rows' sensitivity order, made only where the numpy path runs
 
         def try_raise(rows, alpha):
             """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
@@ -254,10 +254,12 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                 trial[w] = water_fill(t_grid, units[w], gains, b_rows[q], cur, top,
                                       t_cur.sum(axis=1) + a[:, None] * slack_full[q])
             if not w.all():
+                if not order:
+                    order.append(np.tile(np.argsort(-sens, axis=1, kind="stable"), (k, 1, 1)))
                 d, a = rows[~w], alpha[~w]
                 trial[~w] = raise_densities(t_grid, units[~w], idx_cut[d],
                                             a[:, None] * slack_full[d],
-                                            a[:, None, None] * cap_full[d], order[d], i_max)
+                                            a[:, None, None] * cap_full[d], order[0][d], i_max)
             mk = simulate(units, trial)[0]
             return trial, mk, mk <= limit[rows]
 
