@@ -21,24 +21,16 @@ from __future__ import annotations
 import numpy as np
 
 from ..sim import fit_kernels
-from ..sim.compiled import _c, _latest_finish, _start, enabled, kernel
+from ..sim.compiled import _c, _latest_finish, _start, _unit_floats, enabled, kernel
 from ..sim.fit_kernels import (_first_fit, _highest_formula, _keep, _lift, _limit, _set_units,
                                _set_units_formula, _simulate, _top, _unit_places,
                                _unit_seconds)
 
+
 def _floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
-    # every unit's smaller float, rank by rank ([cols x units], flat): compiled._unit_floats's
-    # numbers (np.minimum of its forward and backward float, NaN winning), all due at deadline
-    cols, n = dur.shape[1], ev_f.size
-    lf = _latest_finish(nxt, succ, cross, dur, np.full(cols, deadline), p)
-    out = np.empty(cols * n)
-    for c in range(cols):
-        for u in range(n):
-            a, b = ev_f[u], ev_b[u]
-            x = lf[a, c] - ef[a, c]
-            y = lf[b, c] - ef[b, c]
-            out[c * n + u] = x if (x < y or x != x) else y
-    return out
+    # every unit's smaller float, rank by rank ([cols x units], flat), all due at deadline
+    return _unit_floats(nxt, succ, cross, dur, ef, np.full(dur.shape[1], deadline), p, ev_f,
+                        ev_b).reshape(-1)
 
 
 def _seconds(q, i, nv, work, per_pair, fixed, corr, scaled):
@@ -63,16 +55,8 @@ def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, 
     # depends on the plan alone) and whose picks fit here too (``Round``)
     per_rank = ev_f.size
     fl = _floats(nxt, succ, cross, dur, ef, target, p, ev_f, ev_b)
-    n = 0
-    for q in range(fl.size):
-        if fl[q] < 0:
-            n += 1
-    on = np.empty(n, dtype=np.int64)
-    j = 0
-    for q in range(fl.size):
-        if fl[q] < 0:
-            on[j] = q
-            j += 1
+    on = np.flatnonzero(fl < 0)
+    n = on.size
     col = np.empty(n, dtype=np.int64)
     r = 0
     for j in range(n):                      # _Step.holders: ranks in order of their units
@@ -148,25 +132,19 @@ def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_
     cap = _floats(nxt, succ, cross, dur1, ef1, deadline, p, ev_f, ev_b)
     t1 = np.empty(cap.size)
     lim = np.empty(cap.size)
-    moves = np.empty(cap.size, dtype=np.bool_)
+    up = np.empty(cap.size, dtype=np.int64)
     n = 0
     for q in range(cap.size):
         x = cap[q]
         cap[q] = x if (x > 0.0 or x != x) else 0.0                # np.maximum(x, 0.0)
         t1[q] = f1[q] + b1[q]
         lim[q] = (t1[q] + 1.0 * cap[q]) * scale + 1e-15
-        moves[q] = False
         if cut[q] < i_max:
             v, x = _seconds(q, cut[q] + 1, nv, work, per_pair, fixed, corr, scaled)
             if v + x <= lim[q]:
-                moves[q] = True
+                up[n] = q
                 n += 1
-    up = np.empty(n, dtype=np.int64)
-    j = 0
-    for q in range(cap.size):
-        if moves[q]:
-            up[j] = q
-            j += 1
+    up = up[:n].copy()
     lo, limit, first = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
         lo[j], limit[j] = cut[up[j]] + 1, lim[up[j]]      # cut + 1 fits: the filter's test
@@ -176,9 +154,9 @@ def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_
 
 
 # every kernel the phases call, directly or through one another (``sim.compiled.kernel``)
-_CALLS = (_latest_finish, _first_fit, _highest_formula, _set_units, _set_units_formula,
-          _simulate, _keep, _unit_places, _unit_seconds, _limit, _top, _lift, _start, _floats,
-          _seconds)
+_CALLS = (_latest_finish, _unit_floats, _first_fit, _highest_formula, _set_units,
+          _set_units_formula, _simulate, _keep, _unit_places, _unit_seconds, _limit, _top, _lift,
+          _start, _floats, _seconds)
 
 
 class Round:
