@@ -132,8 +132,8 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
     if cap > max_tokens:
         raise ValueError(f"max_seqlen_per_dp_cp_rank={cap}: expected at most max_tokens "
                          f"{max_tokens} (a micro-batch's positions)")
-    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
-                                    long_sample_policy)
+    segs, sizes, n_split, _ = _prepare(samples, dp, num_microbatches, max_tokens,
+                                       long_sample_policy)
     if int(sizes.max()) > cap:               # Megatron's cap below the micro-batch's positions
         segs, more = split_long(segs, cap, long_sample_policy)
         sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)

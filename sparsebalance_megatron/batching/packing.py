@@ -44,7 +44,7 @@ CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] secon
 
 
 def _prepare(samples, dp, m, max_tokens, long_sample_policy):
-    """(segments, their sizes [n] int64, number of samples split), checked."""
+    """(segments, their sizes [n] int64, samples split, the segments' [n, 3] array), checked."""
     check_shape_args(dp, m, max_tokens)
     segs, arr = as_segment_array(samples)
     if not segs:
@@ -54,9 +54,10 @@ def _prepare(samples, dp, m, max_tokens, long_sample_policy):
     n_split = 0
     if int(sizes.max()) > max_tokens:
         segs, n_split = split_long(segs, max_tokens, long_sample_policy)
-        sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)
+        arr = np.asarray(segs, dtype=np.int64).reshape(-1, 3)
+        sizes = arr[:, 2] - arr[:, 1]
     check_fits(segs, dp, m, max_tokens, sizes=sizes)
-    return segs, sizes, n_split
+    return segs, sizes, n_split, arr
 
 
 def _costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> np.ndarray:
@@ -74,10 +75,10 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                     long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None
                     ) -> BatchPlan:
     """Megatron's default packing (see the module docstring)."""
-    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
-                                    long_sample_policy)
+    segs, sizes, n_split, arr = _prepare(samples, dp, num_microbatches, max_tokens,
+                                         long_sample_policy)
     if cost_fn is None:            # priced in tokens: the bins by their first segments
-        return _sequential_by_tokens(segs, sizes, dp, num_microbatches, max_tokens, n_split)
+        return _sequential_by_tokens(segs, sizes, arr, dp, num_microbatches, max_tokens, n_split)
     try:
         mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
     except ValueError as e:
@@ -85,7 +86,7 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     return _finish(mbs, "sequential", max_tokens, n_split, False, segs, _costs(sizes, cost_fn))
 
 
-def _sequential_by_tokens(segs, sizes, dp: int, m: int, max_tokens: int, n_split: int
+def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_split: int
                          ) -> BatchPlan:
     """``sequential_pack``'s bins (fill in order, a new bin when the next segment does not
     fit; bin k x dp + r is rank r's micro-batch k) as slices of ``segs``, and each rank's
@@ -103,7 +104,9 @@ def _sequential_by_tokens(segs, sizes, dp: int, m: int, max_tokens: int, n_split
     bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     mbs = [[bins[k * dp + r] for k in range(m)] for r in range(dp)]
-    return BatchPlan(mbs, "sequential", max_tokens, n_split, False, rank_cost)
+    unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
+    return BatchPlan(mbs, "sequential", max_tokens, n_split, False, rank_cost).primed(
+        np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m), arr, sizes)
 
 
 def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
@@ -244,19 +247,21 @@ def _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens, bala
 
 
 def _finish(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
-            indices: bool = False) -> BatchPlan:
+            indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
+    """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
+    ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
     if indices:
         get, cost_l = segs.__getitem__, cost.tolist()
         mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
         rank_cost = np.asarray([sum(map(cost_l.__getitem__, chain.from_iterable(rank)))
                                 for rank in mbs_idx_or_segs])
-    else:
-        mbs = mbs_idx_or_segs
-        # a segment's cost at its first position, as numpy scalars: sum() adds those one by
-        # one (Python floats it would sum compensated, another rounding)
-        first = dict(zip(reversed(segs), reversed(list(cost))))
-        rank_cost = np.asarray([sum(map(first.__getitem__, chain.from_iterable(rank)))
-                                for rank in mbs])
+        plan = BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
+        return plan if arr is None else plan.primed_bins(mbs_idx_or_segs, arr)
+    mbs = mbs_idx_or_segs
+    # a segment's cost at its first position, as numpy scalars: sum() adds those one by one
+    # (Python floats it would sum compensated, another rounding)
+    first = dict(zip(reversed(segs), reversed(list(cost))))
+    rank_cost = np.asarray([sum(map(first.__getitem__, chain.from_iterable(rank))) for rank in mbs])
     return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
 
 
@@ -264,8 +269,8 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
                         long_sample_policy: str = "split", seed: int = 0,
                         cost_fn: Optional[CostFn] = None) -> BatchPlan:
     """Length-aware baseline: balance token counts over ranks and micro-batches."""
-    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
-                                    long_sample_policy)
+    segs, sizes, n_split, arr = _prepare(samples, dp, num_microbatches, max_tokens,
+                                         long_sample_policy)
     tokens = sizes.astype(np.float64)
     plan = _balanced(sizes, tokens, np.zeros(len(segs)), dp, num_microbatches, max_tokens, seed)
     cost = _costs(sizes, cost_fn)
@@ -274,7 +279,8 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
                               max_tokens=max_tokens)
         out = _finish(seq.micro_batches, "token_balanced", max_tokens, n_split, True, segs, cost)
         return out
-    return _finish(plan, "token_balanced", max_tokens, n_split, False, segs, cost, indices=True)
+    return _finish(plan, "token_balanced", max_tokens, n_split, False, segs, cost, indices=True,
+                   arr=arr)
 
 
 def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -293,8 +299,8 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     micro-batches between ranks on the simulated pipeline (``batching.slots``; False: cheapest
     micro-batches first and last, the others as cut).
     """
-    segs, sizes, n_split = _prepare(samples, dp, num_microbatches, max_tokens,
-                                    long_sample_policy)
+    segs, sizes, n_split, arr = _prepare(samples, dp, num_microbatches, max_tokens,
+                                         long_sample_policy)
     cost = _costs(sizes, cost_fn)
     ids = [i for i, _, _ in segs]
     lengths = sizes
@@ -310,8 +316,8 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         plan = _fallback_bins(segs, cost, dp, num_microbatches, max_tokens)
     if arrange and isinstance(cost_fn, LatencyCost):
         plan = _arranged(plan, cost_fn, sizes, max_tokens, length_multiple)
-    return _finish(plan, "sab", max_tokens, n_split, fallback, segs, cost,
-                   indices=True).with_length_multiple(length_multiple)
+    return _finish(plan, "sab", max_tokens, n_split, fallback, segs, cost, indices=True,
+                   arr=arr).with_length_multiple(length_multiple)
 
 
 def _arranged(per_rank, cost_fn: LatencyCost, sizes, max_tokens: int,

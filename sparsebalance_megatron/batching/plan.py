@@ -58,11 +58,36 @@ class BatchPlan:
         return state
 
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
-        """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)``."""
+        """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
+        derived arrays that do not depend on the padding come along)."""
         if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) \
                 or multiple < 0:
             raise ValueError(f"length multiple {multiple!r}: expected an integer >= 0")
-        return replace(self, length_multiple=int(multiple))
+        out = replace(self, length_multiple=int(multiple))
+        out._cache.update((k, v) for k, v in self._cache.items() if k in _UNPADDED)
+        return out
+
+    def primed(self, items: np.ndarray, counts: np.ndarray, segments: np.ndarray,
+               sizes: np.ndarray) -> "BatchPlan":
+        """This plan, which a packer made from item indices: ``items`` [n] the segments'
+        indices rank-major in slot order, ``counts`` [dp * m] how many each micro-batch holds,
+        ``segments`` [N, 3] and ``sizes`` [N] the array and lengths of the segments indexed.
+        ``segment_array`` and ``unit_csr`` are then gathered from them instead of walked out
+        of the micro-batches' tuples (the same numbers: the micro-batches are those indices'
+        segments; ``tests/unit/test_packing.py`` checks each packer's)."""
+        offsets = np.zeros(counts.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        self._cache[("csr", False)] = (offsets, sizes[items])
+        self._cache["segments"] = segments[items]
+        return self
+
+    def primed_bins(self, bins: list, segments: np.ndarray) -> "BatchPlan":
+        """``primed`` from the packer's [dp][m] lists of item indices (``segments``: the
+        [N, 3] array they index)."""
+        flat = list(chain.from_iterable(bins))
+        items = np.fromiter(chain.from_iterable(flat), dtype=np.int64)
+        counts = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
+        return self.primed(items, counts, segments, segments[:, 2] - segments[:, 1])
 
     @property
     def dp(self) -> int:
@@ -130,6 +155,9 @@ class BatchPlan:
                                count=3 * n)
             self._cache["segments"] = flat.reshape(n, 3)
         return self._cache["segments"]
+
+
+_UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding
 
 
 def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,

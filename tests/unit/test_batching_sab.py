@@ -283,6 +283,44 @@ def test_unit_csr_is_the_padded_lengths_and_computed_once():
             == [True, True]
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_packers_primed_arrays_are_their_micro_batches(split):
+    """A packer that works on item indices hands its plan the segment array and the plain CSR
+    gathered from them (``BatchPlan.primed``): equal to what the micro-batches' tuples give,
+    for every packer, SAB's fallback, split long samples, empty micro-batches and a length
+    multiple (whose plan keeps them; the padded CSR is still computed)."""
+    from sparsebalance_megatron.batching.dp_balanced import dp_balanced_plan
+
+    segs = global_batch(5, 3, 4, 2048) + ([(10_000, 0, 5000)] if split else [])
+    kw = dict(dp=3, num_microbatches=5, max_tokens=2048)
+    plans = [f(segs, **kw) for f in PLANNERS.values()]
+    from sparsebalance_megatron.latency import LatencyModel
+    lm = LatencyModel.analytic(pp=2)
+    plans += [sab_plan(segs, cost_fn=latency_sample_cost_fn(lm, 0.5), seed=1,
+                       length_multiple=64, **kw),
+              sequential_plan(segs, **kw).with_length_multiple(128),
+              dp_balanced_plan(segs, **kw)]
+    # SAB's fallback (the cost-aware cut does not fit: the sequential bins by LPT)
+    tight = [(0, 0, 60), (1, 0, 40), (2, 0, 70), (3, 0, 30), (4, 0, 55), (5, 0, 45),
+             (6, 0, 80), (7, 0, 20)]
+    plans.append(sab_plan(tight, cost_fn=quad_cost, dp=2, num_microbatches=2, max_tokens=100))
+    assert plans[-1].fallback
+    primed = 0
+    for plan in plans:
+        have = dict(plan._cache)
+        walked = type(plan)(plan.micro_batches, plan.method, plan.max_tokens,
+                            length_multiple=plan.length_multiple)
+        assert walked._cache == {}
+        if ("csr", False) in have:
+            primed += 1
+            assert np.array_equal(have["segments"], walked.segment_array())
+            for a, b in zip(have[("csr", False)], walked.unit_csr()):
+                assert a.dtype == b.dtype and np.array_equal(a, b)
+        for a, b in zip(plan.unit_csr(True), walked.unit_csr(True)):
+            assert np.array_equal(a, b)
+    assert primed == len(plans) - 1                   # all but dp_balanced
+
+
 def test_variable_length_plans_pad_each_micro_batch_to_its_multiple_only():
     """``with_length_multiple(k)``: each unit's padding ends at its tokens rounded up to k (at
     least k, at most max_tokens), the same definition ``materialize`` packs; the documents and
@@ -394,7 +432,7 @@ def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
         n = int(rng.integers(dp, dp * m * 3 // 2 + 2))  # every rank gets a segment
         samples = [(int(i), 0, int(x)) for i, x in enumerate(rng.integers(1, cap, n))]
         try:
-            segs, sizes, _ = _prepare(samples, dp, m, cap, "split")
+            segs, sizes, *_ = _prepare(samples, dp, m, cap, "split")
         except BatchingError:                           # more tokens than dp x m hold
             continue
         try:
