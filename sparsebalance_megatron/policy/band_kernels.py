@@ -19,6 +19,8 @@ Pure numpy and numba; must not import torch or megatron.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from ..sim.compiled import _c, _start, kernel
@@ -219,6 +221,13 @@ class BandPass:
                          _c(stage * gains.g + 1, np.int64), float(gains.low),
                          float(gains.high), fill_exps())
             self.b = _c(b, np.float64)
+
+    def with_units(self, units) -> "BandPass":
+        """This pass's tables, graph, orders and water-filling index for rows ``units``
+        [rows, slots, pp] (a search's passes differ in their rows only)."""
+        out = copy.copy(self)
+        out.units = _c(units, np.int64)
+        return out
 
     def cut(self, cur, excess, water, i_min: int, iters: int):
         """(cut grid indices, makespans, event durations and earliest finishes [rows, E], busy

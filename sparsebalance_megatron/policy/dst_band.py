@@ -111,8 +111,9 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
     copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
     calls (a plan's rows never interact with another candidate's), so K plans cost far less than
-    K calls. ``_static``: a dict the caller keeps between passes over the same costs (the static
-    plan's simulation is computed once). ``quality`` (a ``policy.quality.StageQuality``): cuts
+    K calls. ``_static``: a dict the caller keeps between passes over the same costs,
+    sensitivity and bounds (the static plan's simulation, the anchors, the compiled pass's
+    tables and orders are made once). ``quality`` (a ``policy.quality.StageQuality``): cuts
     and raises by quality water-filling (``water_fill``) instead of sensitivity order; with
     ``water`` (one bool per candidate) only the candidates marked True do, the others take
     sensitivity order, so both objectives' bands share one pass (``dst.plan_dst_with_floor``)."""
@@ -134,26 +135,33 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         raise ValueError(f"water={water.tolist()!r}: expected one bool per candidate ({k}), "
                          f"True only with a quality cost")
     wrow = np.repeat(water, dp)                                     # [k * dp] row by row
-    sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
-    i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     t_grid = costs.total_s                                          # [dp, m, nv, g]
     weights = costs.weights()
-
-    rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])  # [dp, m*vp, pp]
+    # what depends on the costs, the sensitivity and the bounds only: made once per
+    # ``_static`` (the passes of one search, which share all three)
+    shared = _static if _static is not None else {}
+    if "sens" not in shared:
+        shared.update(
+            sens=broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp),
+            bounds=(costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)),
+            rank_units=unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1]),
+            anchors={})
+    sens, rank_units = shared["sens"], shared["rank_units"]          # [dp, m * vp, pp]
+    i0, i_min, i_max = shared["bounds"]
     # row = candidate c x dp + rank: every candidate's copy of the step
     all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
     if water.any():
         # the water-filling's index and the units' seconds per unit of density depend on the
         # costs and the quality cost only: made once per ``_static`` (the passes of one search)
-        have = _static.get("water") if _static is not None else None
+        have = shared.get("water")
         if have is None or have[0] is not quality:
             span = costs.densities[i_max] - costs.densities[i_min]
             have = (quality, GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp),
                     ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
                      / span) if span > 0 else np.zeros(rank_units.shape))
-            if _static is not None:
-                _static["water"] = have
-        gains, b_rows = have[1], np.tile(have[2], (k, 1, 1))
+            shared["water"] = have
+            shared.pop(("band", True), None)          # its compiled pass holds the index
+        gains = have[1]
 
     graph = event_graph(m, pp, vp)
 
@@ -171,16 +179,15 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
 
     # 1. static plan (the same for every candidate)
     idx0 = np.full((dp, slots, pp), i0, dtype=np.int64)
-    if _static is not None and "mk0" in _static:
-        mk0, t0 = _static["mk0"], _static["t0"]
-    else:
+    if "mk0" not in shared:
         mk0, f0, b0, _, _ = simulate(rank_units, idx0)
-        t0 = f0 + b0
-        if _static is not None:
-            _static.update(mk0=mk0, t0=t0)
+        shared.update(mk0=mk0, busy0=(f0 + b0).sum(axis=1))        # busy0: [dp, pp]
+    mk0, busy0, anchor_of = shared["mk0"], shared["busy0"], shared["anchors"]
     step0 = float(mk0.max())
-    busy0 = t0.sum(axis=1)                                          # [dp, pp]
-    anchors = np.array([anchor_s(busy0, a) for a, _ in candidates])
+    for a, _ in candidates:
+        if a not in anchor_of:
+            anchor_of[a] = anchor_s(busy0, a)
+    anchors = np.array([anchor_of[a] for a, _ in candidates])
     bands = np.array([(1.0 + t) for _, t in candidates]) * anchors  # [k]
 
     # 2. cut stragglers, least sensitive first (stable sort: ties keep micro-batch order)
@@ -190,8 +197,19 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     idx_start = np.tile(idx0, (k, 1, 1))
     fused = None
     if compiled.enabled() and pp >= 2:        # each phase one compiled loop per row
-        fused = band_kernels.BandPass(costs, all_units, dp, graph, p2p_s, sens,
-                                      *((gains, have[2]) if water.any() else ()))
+        kind = ("band", bool(water.any()))    # the pass's tables and orders, once per search
+        if kind not in shared:
+            shared[kind] = band_kernels.BandPass(costs, rank_units, dp, graph, p2p_s, sens,
+                                                 *((gains, have[2]) if water.any() else ()))
+        fused = shared[kind].with_units(all_units)
+    tiled = []
+
+    def b_rows():
+        """[k * dp, slots, pp] the water-filling's seconds per unit of density, row by row
+        (made where the numpy path runs)."""
+        if not tiled:
+            tiled.append(np.tile(have[2], (k, 1, 1)))
+        return tiled[0]
     cut = fused.cut(idx_start, excess, wrow, i_min, FILL_ITERS) if fused else None
     if cut is not None:                       # the same numbers as the numpy path's
         idx_cut, mk1, dur1, ef1, busy1 = cut
@@ -201,7 +219,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         if wrow.any():
             q, ex = all_units[wrow], excess[wrow]
             base_s = lookup(t_grid, q, idx_start[wrow]).sum(axis=1)
-            idx_cut[wrow] = water_fill(t_grid, q, gains, b_rows[wrow],
+            idx_cut[wrow] = water_fill(t_grid, q, gains, b_rows()[wrow],
                                        np.full_like(idx_start[wrow], i_min), idx_start[wrow],
                                        np.where(ex > 0, base_s - ex, np.inf))
         if not wrow.all():
@@ -251,7 +269,7 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
                 t_cur = lookup(t_grid, units[w], cur)
                 top = highest_index_within(t_grid, units[w], t_cur + a[:, None, None] *
                                             cap_full[q], cur, i_max)
-                trial[w] = water_fill(t_grid, units[w], gains, b_rows[q], cur, top,
+                trial[w] = water_fill(t_grid, units[w], gains, b_rows()[q], cur, top,
                                       t_cur.sum(axis=1) + a[:, None] * slack_full[q])
             if not w.all():
                 if not order:
