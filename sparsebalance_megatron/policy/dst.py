@@ -53,12 +53,14 @@ from .dst_band import (DSTPlan, DSTReport, check_anchor_tolerance, plan_dst,  # 
                        plan_dst_candidates)
 
 SPEED_TIE = 1e-3          # quality objective: plans within 0.1% of the fastest count as as fast
+BAND_STEPS = 6            # the band search's steps (rounds x 2) where its plan is the final one
+BAND_STEPS_DESCENT = 4    # ... and where the critical-path descent refines it (plan_dst_with_floor)
 
 
 def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
                         d_min: float, d_max: float, anchor: str = "mean",
                         tolerance: float = 0.1, p2p_s: float = 0.0,
-                        density_floor: float = 0.0, search_steps: int = 6,
+                        density_floor: float = 0.0, search_steps: Optional[int] = None,
                         raise_headroom: float = 0.0,
                         stage_density_floor: float = 0.0,
                         raise_to: str = "bottleneck", quality=None,
@@ -78,12 +80,18 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     ``rank_scale`` ([dp, pp] calibrated compute-time factors): where one GPU is persistently slow
     (``policy.bands``: it sits inside the band otherwise), narrower bands
     (p/2, p/4, 0) are planned in the first pass too, one kept only if it meets the floors and
-    quality and is clearly faster. The band is searched between ``tolerance`` and 10 in ``search_steps // 2``
-    rounds, each one batched pass (``plan_dst_candidates``) of 3 tolerances spaced geometrically
+    quality and is clearly faster. The band is searched between ``tolerance`` and 10 in
+    ``search_steps // 2`` rounds, each one batched pass (``plan_dst_candidates``) of 3 tolerances spaced geometrically
     inside the interval where the floors start to hold (the first pass also plans the no-cut
     plan): 4^rounds sub-intervals, as fine as ``2 x rounds`` bisection steps in half the passes.
-    The resolution matters: near the floor, speed falls steeply as the band widens (a 5^2 grid
-    instead of 4^3 lost 4% of the step at 64 DP x 16 x PP4). The static plan's simulation is
+    The resolution matters where the band plan is the final one: near the floor, speed falls
+    steeply as the band widens (a 5^2 grid instead of 4^3 lost 4% of the step at 64 DP x 16 x
+    PP4, before the descent). Where the descent refines the plan (``descent`` on, the default
+    flags), its plan no longer follows the band's last digits, and ``search_steps`` None takes
+    2 rounds (``BAND_STEPS_DESCENT``) instead of 3 (``BAND_STEPS``): on the net studies at 8
+    and 32 DP and at 128K (BENCHMARKS.md, "The planner's own cost") ``sab_dst`` was as fast in 9
+    of 14 rows, faster in 4 (up to 0.3%) and 0.04% slower in one, for a quarter less band
+    search (3 of the 8 passes of a plan on the even split). The static plan's simulation is
     shared by the passes (and by both objectives' plans), and the two objectives' searches run
     in lock-step, each pass of one the same ``plan_dst_candidates`` call as the other's
     (``_search_bands``).
@@ -98,6 +106,9 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     cost among those within ``SPEED_TIE`` of the faster one's step time is returned.
     """
     static: dict = {}                       # the static plan's simulation, shared by all passes
+    descend = descent and raise_to == "bottleneck" and anchor != "max" and density_floor > 0
+    if search_steps is None:
+        search_steps = BAND_STEPS_DESCENT if descend else BAND_STEPS
     band = dict(anchor=anchor, tolerance=tolerance, density_floor=density_floor,
                 search_steps=search_steps, stage_density_floor=stage_density_floor,
                 narrow=straggler_present(rank_scale, tolerance))
@@ -114,7 +125,6 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         fastest = min(p.report.step_time_planned_s for p in fair)
         ordered = min((p for p in fair if p.report.step_time_planned_s
                        <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
-    descend = descent and raise_to == "bottleneck" and anchor != "max" and density_floor > 0
     return refine_plan(ordered, costs, d0, d_min, d_max, p2p_s, density_floor=density_floor,
                        stage_density_floor=stage_density_floor, raise_headroom=raise_headroom,
                        quality=quality, margin=SPEED_TIE, rounds=ROUNDS if descend else 0)

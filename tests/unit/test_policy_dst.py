@@ -320,20 +320,56 @@ def test_raise_to_static_spends_the_balance_gain_on_density():
 
 
 def test_floor_search_passes_share_the_static_simulation_exactly():
-    """The floor search's passes reuse the static plan's simulation: each candidate's plan is
-    the one a fresh ``plan_dst`` gives."""
+    """The floor search's passes share what depends on the costs, sensitivity and bounds (the
+    static plan's simulation, anchors, the compiled pass's tables and orders, the quality
+    water-filling's index): each candidate's plan is the one a fresh pass gives, for either
+    objective and for passes that mix them."""
     from sparsebalance_megatron.policy.dst import plan_dst_candidates
 
     costs = synthetic_costs(4, 6, 3, seed=7, lm_head=2.0)
     sens = np.random.default_rng(7).random((4, 6))
-    shared: dict = {}
-    for cands in ([("mean", 0.1)], [("max", 0.1), ("mean", 0.3), ("median", 1.0)]):
-        got = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, cands, 1e-3, 0.1, _static=shared)
-        assert "mk0" in shared
-        for (anchor, tol), p in zip(cands, got):
-            want = plan_dst(costs, sens, D0, DMIN, DMAX, anchor, tol, 1e-3, 0.1)
-            np.testing.assert_array_equal(p.densities, want.densities)
-            assert p.report == want.report
+    q = _quality(3)
+    for water in (None, [True], [False, True, True, False]):
+        shared: dict = {}
+        for cands in ([("mean", 0.1)], [("max", 0.1), ("mean", 0.3), ("median", 1.0),
+                                        ("mean", 0.1)]):
+            w = None if water is None else (water * 4)[:len(cands)]
+            kw = dict(quality=None if water is None else q, water=w)
+            got = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, cands, 1e-3, 0.1,
+                                      _static=shared, **kw)
+            assert "mk0" in shared
+            for c, p in enumerate(got):
+                alone = dict(quality=kw["quality"], water=None if w is None else [w[c]])
+                want = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, [cands[c]], 1e-3, 0.1,
+                                           **alone)[0]
+                np.testing.assert_array_equal(p.densities, want.densities)
+                assert p.report == want.report
+
+
+def test_the_band_search_takes_two_rounds_where_the_descent_refines_its_plan():
+    """Default ``search_steps``: 2 rounds of the band search (3 passes after the first) where the
+    critical-path descent follows, 3 rounds where the band plan is the final one (descent off,
+    raise target static); ``search_steps`` given is kept."""
+    import sparsebalance_megatron.policy.dst as dst
+
+    costs = synthetic_costs(3, 6, 3, seed=5, lm_head=3.0)
+    sens = np.random.default_rng(5).random((3, 6))
+    passes = []
+    real = dst.plan_dst_candidates
+
+    def counted(*a, **k):
+        passes.append(len(a[5]))
+        return real(*a, **k)
+
+    kw = dict(density_floor=0.999, stage_density_floor=0.999)   # never met below the widest
+    for extra, rounds in ((dict(), 2), (dict(descent=False), 3),
+                          (dict(raise_to="static"), 3), (dict(search_steps=6), 3),
+                          (dict(descent=False, search_steps=2), 1)):
+        passes.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dst, "plan_dst_candidates", counted)
+            dst.plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw, **extra)
+        assert len(passes) == 1 + rounds, (extra, passes)
 
 
 def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
