@@ -200,13 +200,13 @@ def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
     """LPT of segments (sizes [n]) over ranks by ``cost``, then each rank's segments sorted by
     ``key`` and cut into m bins. None if some rank does not fit."""
     tie = np.random.default_rng(seed).permutation(sizes.size)
-    order = np.lexsort((tie, -cost))                   # cost descending, seeded ties
+    order = packing_kernels.seeded_order(tie, -cost)   # cost descending, seeded ties
     fast = packing_kernels.usable()                    # compiled: the same decisions
     rank_of = (packing_kernels.lpt_ranks if fast else _lpt_ranks)(cost, sizes, order, dp,
                                                                   m * max_tokens)
     if rank_of is None:
         return None
-    by_rank = np.lexsort((tie, key, rank_of))          # by rank, then key, then seeded ties
+    by_rank = packing_kernels.seeded_order(tie, key, rank_of)  # by rank, key, seeded ties
     ends = np.cumsum(np.bincount(rank_of, minlength=dp))
     size, cost_l = sizes.tolist(), cost.tolist()
     if fast:

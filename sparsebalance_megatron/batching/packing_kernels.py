@@ -21,7 +21,19 @@ import numpy as np
 from ..sim import compiled
 from ..sim.compiled import _c, kernel
 
-__all__ = ["lpt_ranks", "rank_bins", "usable"]
+__all__ = ["lpt_ranks", "rank_bins", "seeded_order", "usable"]
+
+
+def seeded_order(tie: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """``np.lexsort((tie,) + keys)`` where ``tie`` is a permutation of 0..n-1 (the seeded tie
+    break): the items by ``keys[-1]``, then ``keys[-2]``, ..., then ``tie``. The same order
+    from one stable argsort per key, starting from the items in tie order, instead of a stable
+    sort per key and one for ``tie`` (about twice as fast at a step's 4,500 segments)."""
+    p = np.empty(tie.size, dtype=np.int64)
+    p[tie] = np.arange(tie.size)
+    for key in keys:
+        p = p[np.argsort(key[p], kind="stable")]
+    return p
 
 
 def usable() -> bool:

@@ -449,3 +449,18 @@ def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
         assert np.array_equal(got.predicted_rank_cost_s, want.predicted_rank_cost_s)
         assert got.predicted_rank_cost_s.dtype == want.predicted_rank_cost_s.dtype
     assert seen["planned"] >= 10 and seen["overflow"] >= 3, seen
+
+
+def test_seeded_order_is_the_lexsort_it_replaces():
+    """``seeded_order(tie, *keys)`` is ``np.lexsort((tie,) + keys)`` for a permutation ``tie``:
+    float keys with many equal values (and -0.0 beside 0.0), integer keys, one key or two."""
+    from sparsebalance_megatron.batching.packing_kernels import seeded_order
+
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 7, 300, 4500):
+        tie = rng.permutation(n)
+        cost = rng.choice(np.array([0.0, -0.0, 1.5, 2.25, 3.0]), n) \
+            if n < 300 else np.round(rng.random(n), 2)
+        key, rank = rng.choice(np.array([0.0, 0.5, 1.0]), n), rng.integers(0, 8, n)
+        for keys in ((-cost,), (key, rank), (cost, key, rank)):
+            np.testing.assert_array_equal(seeded_order(tie, *keys), np.lexsort((tie,) + keys))
