@@ -93,10 +93,10 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
     tokens as its cost: the plan ``_finish`` makes of them (the costs are whole numbers of
     tokens, so their sums are exact in any order), without a tuple and a look-up per segment
     (the baseline packing of every draft)."""
-    size = sizes.tolist()
     try:                                  # Megatron's fill rule, as sequential_pack applies it
-        starts = [b[0] for b in sequential_bins(size, max_tokens)]
-        check_bin_count(len(starts), size, max_tokens, dp, m)
+        starts = packing_kernels.sequential_starts(sizes, max_tokens) \
+            or [b[0] for b in sequential_bins(sizes.tolist(), max_tokens)]
+        check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
     ends = starts[1:] + [len(segs)]

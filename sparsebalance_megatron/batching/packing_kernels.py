@@ -21,7 +21,7 @@ import numpy as np
 from ..sim import compiled
 from ..sim.compiled import _c, kernel
 
-__all__ = ["lpt_ranks", "rank_bins", "seeded_order", "usable"]
+__all__ = ["lpt_ranks", "rank_bins", "seeded_order", "sequential_starts", "usable"]
 
 
 def seeded_order(tie: np.ndarray, *keys: np.ndarray) -> np.ndarray:
@@ -187,6 +187,33 @@ def _rank_bins(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
         slot_of[r, m - 1] = last
 
 
+def _seq_starts(size, cap, starts):
+    # data.packing.sequential_bins' fill: the first segment of every bin (a new bin where the
+    # next segment does not fit what is free), their count; -(i + 1): segment i is over cap
+    n, free = 0, 0
+    for i in range(size.size):
+        if size[i] > cap:
+            return -(i + 1)
+        if size[i] > free:
+            starts[n] = i
+            n += 1
+            free = cap
+        free -= size[i]
+    return n
+
+
+def sequential_starts(size: np.ndarray, cap: int):
+    """``[b[0] for b in data.packing.sequential_bins(size, cap)]`` compiled (its ValueError
+    for a segment over ``cap``), or None where the kernels do not run."""
+    if not usable():
+        return None
+    starts = np.empty(size.size, dtype=np.int64)
+    n = kernel(_seq_starts)(_c(size, np.int64), int(cap), starts)
+    if n < 0:
+        raise ValueError(f"segment {-n - 1} has {int(size[-n - 1])} tokens > capacity {cap}")
+    return starts[:n].tolist()
+
+
 def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
               cap_tokens: int):
     """``packing._lpt_ranks`` compiled: the rank of every item [n], or None."""
@@ -219,3 +246,4 @@ def warm_up() -> None:
     one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
     lpt_ranks(one, i1, np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
+    sequential_starts(i1, 4)

@@ -375,7 +375,7 @@ import sys
 sys.path.insert(0, "tests/unit")
 from test_policy_dst import _quality
 
-from sparsebalance_megatron.batching import sab_plan
+from sparsebalance_megatron.batching import sab_plan, sequential_plan
 from sparsebalance_megatron.batching.packing import latency_sample_cost_fn
 from sparsebalance_megatron.megatron.step.ahead import warm_up_kernels
 warm_up_kernels()                      # what the planner and training processes call
@@ -396,13 +396,14 @@ grid = density_grid(0.5, 0.125, 1.0)
 segs = [(i, 0, int(x)) for i, x in enumerate(np.concatenate(lengths))]
 sab_plan(segs, dp=6, num_microbatches=8, max_tokens=8192,
          cost_fn=latency_sample_cost_fn(lm, 0.5))
+sequential_plan(segs, dp=6, num_microbatches=8, max_tokens=8192)
 costs = UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality(4),
                     density_floor=0.9, stage_density_floor=0.75, raise_headroom=0.02)
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()
-assert before == after and len(after) == 19, (before, after)
+assert before == after and len(after) == 20, (before, after)
 print("ok")
 """
 

@@ -126,3 +126,24 @@ def test_lpt_and_bins_match_the_python_loops_step_by_step(python_paths):
 def test_the_kernels_warm_up():
     packing_kernels.warm_up()
     assert {"_lpt", "_rank_bins"} <= {k[1] for k in compiled._KERNELS}
+
+
+def test_sequential_starts_are_megatrons_fill():
+    """The compiled fill opens a bin exactly where ``data.packing.sequential_bins`` does (exact
+    fits, a segment of the whole capacity, one segment), and names a segment over it alike."""
+    from sparsebalance_megatron.batching.packing_kernels import sequential_starts
+    from sparsebalance_megatron.data.packing import sequential_bins
+
+    rng = np.random.default_rng(4)
+    for case in range(60):
+        cap = int(rng.integers(1, 300))
+        size = rng.integers(1, cap + 1, int(rng.integers(1, 400)))
+        if case % 3 == 0:                   # runs that fill a bin exactly
+            size = np.repeat(np.array([cap // 2, cap - cap // 2, cap]), 50)[:size.size]
+            size = np.maximum(size, 1)
+        want = [b[0] for b in sequential_bins(size.tolist(), cap)]
+        assert sequential_starts(size, cap) == want
+    with pytest.raises(ValueError, match="segment 2 has 9 tokens > capacity 8"):
+        sequential_starts(np.array([3, 4, 9, 1]), 8)
+    with pytest.raises(ValueError, match="segment 2 has 9 tokens > capacity 8"):
+        sequential_bins([3, 4, 9, 1], 8)
