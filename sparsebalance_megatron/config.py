@@ -188,10 +188,10 @@ class SparseBalanceConfig:
         "quality", "What DST keeps while it balances: 'quality' (the default: cuts and raises "
         "go where density buys the most predicted quality per attention-second under the "
         "measured convex quality cost --sb-quality-cost, and a plan may not lose predicted LM "
-        "loss against uniform --sb-density; the density objective's plan competes and the one "
-        "the quality cost prefers at the same speed is kept; the floors still apply; plans "
-        "1.5-4x slower, off the critical path with the default --sb-planner process) or "
-        "'density' (only the "
+        "loss against uniform --sb-density; where the critical-path descent does not follow "
+        "(--sb-dst-descent off) the density objective's plan competes and the one the quality "
+        "cost prefers at the same speed is kept; the floors still apply; plans 1.5-4x slower, "
+        "off the critical path with the default --sb-planner process) or 'density' (only the "
         "mean and per-stage density floors; cuts take the least sensitive micro-batches "
         "first).", choices=DST_OBJECTIVES)
     dst_descent: str = _f(

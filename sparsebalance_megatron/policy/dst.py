@@ -81,20 +81,15 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     (``policy.bands``: it sits inside the band otherwise), narrower bands
     (p/2, p/4, 0) are planned in the first pass too, one kept only if it meets the floors and
     quality and is clearly faster. The band is searched between ``tolerance`` and 10 in
-    ``search_steps // 2`` rounds, each one batched pass (``plan_dst_candidates``) of 3 tolerances spaced geometrically
-    inside the interval where the floors start to hold (the first pass also plans the no-cut
-    plan): 4^rounds sub-intervals, as fine as ``2 x rounds`` bisection steps in half the passes.
-    The resolution matters where the band plan is the final one: near the floor, speed falls
-    steeply as the band widens (a 5^2 grid instead of 4^3 lost 4% of the step at 64 DP x 16 x
-    PP4, before the descent). Where the descent refines the plan (``descent`` on, the default
-    flags), its plan no longer follows the band's last digits, and ``search_steps`` None takes
-    2 rounds (``BAND_STEPS_DESCENT``) instead of 3 (``BAND_STEPS``): on the net studies at 8
-    and 32 DP and at 128K (BENCHMARKS.md, "The planner's own cost") ``sab_dst`` was as fast in 9
-    of 14 rows, faster in 4 (up to 0.3%) and 0.04% slower in one, for a quarter less band
-    search (3 of the 8 passes of a plan on the even split). The static plan's simulation is
-    shared by the passes (and by both objectives' plans), and the two objectives' searches run
-    in lock-step, each pass of one the same ``plan_dst_candidates`` call as the other's
-    (``_search_bands``).
+    ``search_steps // 2`` rounds, each one batched pass (``plan_dst_candidates``) of 3
+    tolerances spaced geometrically inside the interval where the floors start to hold (the
+    first pass also plans the no-cut plan): 4^rounds sub-intervals, as fine as ``2 x rounds``
+    bisection steps in half the passes. The resolution matters where the band plan is the
+    final one: near the floor, speed falls steeply as the band widens (a 5^2 grid instead of
+    4^3 lost 4% of the step at 64 DP x 16 x PP4, before the descent). The static plan's
+    simulation is shared by the passes (and by both objectives' plans), and the two objectives'
+    searches run in lock-step, each pass of one the same ``plan_dst_candidates`` call as the
+    other's (``_search_bands``).
 
     ``quality`` (a ``policy.quality.StageQuality``: ``--sb-dst-objective quality``): cuts and
     raises by quality water-filling (where density buys the most predicted quality per second),
@@ -104,6 +99,14 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     floats (a cut spread over many micro-batches can leave less room to raise elsewhere), so the
     density objective's plan competes too: of the two, the one with the lower predicted quality
     cost among those within ``SPEED_TIE`` of the faster one's step time is returned.
+
+    Where the descent refines the plan (``descent``, the default flags), the band plan is where
+    it starts, not the step's plan, and the descent's result does not follow the band's last
+    digits: ``search_steps`` None takes 2 rounds (``BAND_STEPS_DESCENT``) instead of 3
+    (``BAND_STEPS``), and with ``quality`` the water-filling search runs alone (the density
+    objective's plan does not compete): half the band search of the even split's plans. On the
+    net studies (BENCHMARKS.md, "The planner's own cost") ``sab_dst`` was as fast or faster in
+    all rows but one (0.04% slower).
     """
     static: dict = {}                       # the static plan's simulation, shared by all passes
     descend = descent and raise_to == "bottleneck" and anchor != "max" and density_floor > 0
@@ -112,13 +115,14 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     band = dict(anchor=anchor, tolerance=tolerance, density_floor=density_floor,
                 search_steps=search_steps, stage_density_floor=stage_density_floor,
                 narrow=straggler_present(rank_scale, tolerance))
-    searches = [(_band_search(d0, guard=quality, **band), False)]
+    searches = [] if quality is not None and descend else \
+        [(_band_search(d0, guard=quality, **band), False)]       # the density objective's
     if quality is not None:
         searches.append((_band_search(d0, quality=quality, **band), True))
     ordered, *filled = _search_bands(costs, sensitivity, d0, d_min, d_max, searches,
                                      p2p_s=p2p_s, raise_headroom=raise_headroom,
                                      raise_to=raise_to, static=static, quality=quality)
-    if quality is not None:
+    if filled:                              # both objectives: the quality cost chooses
         filled = filled[0]
         ordered.report.quality_cost = ordered.quality_cost(quality, costs.densities)
         fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]

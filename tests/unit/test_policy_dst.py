@@ -539,3 +539,30 @@ def test_the_default_objective_is_quality_and_density_stays_selectable():
         assert np.isnan(dens.report.quality_cost)             # no quality cost was evaluated
         moved += not np.array_equal(got.densities, dens.densities)
     assert moved >= 1, "the two objectives planned alike in every case: nothing was compared"
+
+
+def test_with_the_descent_the_quality_objective_searches_its_band_alone():
+    """Where the critical-path descent refines the band plan, the quality objective's
+    water-filling search runs alone (every row of every pass water-fills); without the descent
+    the density objective's search runs beside it (half the rows) and its plan competes."""
+    import sparsebalance_megatron.policy.dst as dst
+
+    costs = synthetic_costs(3, 6, 3, seed=8, lm_head=3.0)
+    sens, q = np.random.default_rng(8).random((3, 6)), _quality(3)
+    water = []
+    real = dst.plan_dst_candidates
+
+    def seen(*a, **k):
+        water.append(list(k["water"]))
+        return real(*a, **k)
+
+    kw = dict(density_floor=0.9, stage_density_floor=0.75, quality=q)
+    for extra, both in ((dict(), False), (dict(descent=False), True),
+                        (dict(raise_to="static"), True)):
+        water.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dst, "plan_dst_candidates", seen)
+            plan = dst.plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw, **extra)
+        assert water and all(any(w) for w in water)
+        assert all(not all(w) for w in water) == both, (extra, water)
+        assert plan.report.quality_cost <= 1e-12
