@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from ..sim.pipeline import pipeline_makespan_s
+from . import slot_kernels
 
 ROUNDS = 8
 """Local-search rounds on the critical rank (each: one batched simulation), at most."""
@@ -87,6 +88,10 @@ def arrange_slots(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None, *,
     span = t[np.arange(dp), pick]
     if m < 2 and dp < 2:
         return slots, span
+    ins, nb = _moves(m)
+    if slot_kernels.search(fu, bu, sc, cost, slots, span, ins, nb, p2p_s, nv if pp is None
+                           else pp, rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN):
+        return slots, span                                    # compiled: the same rounds
     for _ in range(rounds):
         r = int(span.argmax())
         rows, ranks, pair = _candidates(slots, span, cost, r)

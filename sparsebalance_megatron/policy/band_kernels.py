@@ -24,7 +24,7 @@ import copy
 import numpy as np
 
 from ..sim.compiled import _c, _start, kernel
-from ..sim.row_kernels import _floats_rows, _row_makespan, _simulate_rows
+from ..sim.row_kernels import _events_makespan, _floats_rows, _row_makespan, _simulate_rows
 from .grid_kernels import _GAIN_CALLS, _lifted, _moves_row, _water_fill, fill_exps
 
 
@@ -186,8 +186,8 @@ def _raise_try(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, b
     return n
 
 
-_CALLS = (_moves_row, _lifted, _water_fill, _start, _row_makespan, _fill_searched,
-          _lift_step, _simulate_rows) + _GAIN_CALLS
+_CALLS = (_moves_row, _lifted, _water_fill, _start, _events_makespan, _row_makespan,
+          _fill_searched, _lift_step, _simulate_rows) + _GAIN_CALLS
 
 
 class BandPass:

@@ -32,6 +32,13 @@ def _row_makespan(fwd, bwd, u, idx, unit_rows, prev, dep, cross, last, p, both, 
             f = u[s, q] + idx[s, q]
             both[j] = fwd[f]
             both[n + j] = bwd[f]
+    return _events_makespan(both, unit_rows, prev, dep, cross, last, p, end)
+
+
+def _events_makespan(both, unit_rows, prev, dep, cross, last, p, end):
+    # _row_makespan's events: every event's earliest finish from the row's seconds ``both``
+    # ([2, m * nv] as EventGraph.durations lays them out) and the latest of the ranks' last
+    # events (np.max: NaN wins)
     add_p = p != 0.0
     for e in range(unit_rows.size):
         d, pr = dep[e], prev[e]

@@ -160,3 +160,46 @@ def test_the_segment_cost_counts_every_virtual_stage():
     want = sum(lm.without_call_costs().predict_many((np.arange(4), lengths), 0.5, s)
                - lm.without_call_costs().predict_many(empty, 0.5, s)[0] for s in range(8))
     np.testing.assert_allclose(cost(lengths), want, rtol=1e-12)
+
+
+def test_the_compiled_search_makes_the_numpy_rounds_moves(monkeypatch):
+    """Where numba runs, the local search is one compiled loop (``slot_kernels``): the same
+    slots and makespans as the numpy rounds, bit for bit, for 1F1B and interleaved layouts,
+    with and without the calibration's scale and p2p, equal micro-batches (ties), one rank,
+    and rounds that stop early or run out."""
+    from sparsebalance_megatron.batching import slot_kernels
+    from sparsebalance_megatron.sim import compiled
+
+    if not compiled.enabled():
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(12)
+    cases = 0
+    for dp, m, ranks, vp in [(4, 8, 4, 1), (3, 6, 2, 2), (5, 8, 4, 2), (1, 5, 3, 1),
+                             (6, 4, 2, 1), (2, 2, 2, 1)]:
+        for trial in range(4):
+            f, b = _costs(dp, m, ranks * vp, seed=100 * dp + trial)
+            if trial == 1:                      # ties: micro-batches of three costs only
+                f = rng.choice([1.0, 2.0, 3.0], (dp, m, 1)) * f[:1, :1]
+                b = 2.0 * f
+            scale = rng.uniform(0.8, 1.3, (dp, ranks * vp)) if trial >= 2 else None
+            kw = dict(p2p_s=0.01 * trial, pp=ranks if vp > 1 else None, scale=scale,
+                      rounds=(8, 1, 30, 8)[trial])
+            got = arrange_slots(f, b, **kw)
+            with monkeypatch.context() as mp:
+                mp.setattr(compiled, "enabled", lambda: False)
+                assert not slot_kernels.search(*([None] * 8), 0.0, 1, 1, 1, 1, 0.0)
+                want = arrange_slots(f, b, **kw)
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+            cases += 1
+    assert cases == 24
+    rng = np.random.default_rng(0)
+    for case in range(120):                     # more ties: which equal one moves first
+        dp, m, nv = int(rng.integers(2, 5)), int(rng.integers(3, 8)), int(rng.integers(2, 5))
+        f = rng.choice([1.0, 2.0, 3.0], (dp, m, 1)) * rng.uniform(0.8, 1.2, (1, 1, nv))
+        got = arrange_slots(f, 2.0 * f)
+        with monkeypatch.context() as mp:
+            mp.setattr(compiled, "enabled", lambda: False)
+            want = arrange_slots(f, 2.0 * f)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])

@@ -1,0 +1,155 @@
+"""The local search of ``batching.slots.arrange_slots`` compiled, where numba is installed
+(``sim.compiled``'s loader): every round's candidate rows (the critical rank's heaviest
+micro-batches moved, neighbouring slots swapped, swaps with the least loaded ranks), their
+makespans and the move taken, in one loop instead of a dozen numpy calls per round.
+
+The candidates are ``slots._candidates``' rows in the same order (stable orders: ties to the
+lower index), a row's seconds are the same products (a micro-batch's per-stage seconds times its
+rank's scale) laid out as ``EventGraph.durations`` lays them out, and the makespan is the
+simulator's (``sim.row_kernels``: ``sim.compiled``'s event loop on one column), so the slots and
+makespans are the numpy path's bit for bit (``tests/unit/test_batching_slots.py``).
+
+Pure numpy and numba; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sim import compiled
+from ..sim.compiled import _c, _start, kernel
+from ..sim.pipeline import event_graph
+from ..sim.row_kernels import _events_makespan
+
+
+def _row_span(fu, bu, sc, row, rank, unit_rows, prev, dep, cross, last, p, both, end):
+    # pipeline_makespan_s of micro-batches ``row`` [m] (rows of fu, bu [dp * m, nv]) on rank
+    # ``rank`` (their seconds x sc[rank])
+    m, nv = row.size, fu.shape[1]
+    n = m * nv
+    for s in range(m):
+        for v in range(nv):
+            both[s * nv + v] = fu[row[s], v] * sc[rank, v]
+            both[n + s * nv + v] = bu[row[s], v] * sc[rank, v]
+    return _events_makespan(both, unit_rows, prev, dep, cross, last, p, end)
+
+
+def _heaviest(cost, own, k, out):
+    # np.argsort(-cost[own], kind="stable")[:k]: the k heaviest slots, ties to the lower slot
+    m = own.size
+    taken = np.zeros(m, dtype=np.bool_)
+    n = min(k, m)
+    for h in range(n):
+        best = -1
+        for j in range(m):
+            if not taken[j] and (best < 0 or cost[own[j]] > cost[own[best]]):
+                best = j
+        taken[best] = True
+        out[h] = best
+    return n
+
+
+def _rounds(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, partners, min_gain,
+            unit_rows, prev, dep, cross, last, p):
+    # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place
+    dp, m = slots.shape
+    n_max = heavy_moves * (m - 1) + (m - 1) + 2 * partners * m
+    rows = np.empty((n_max, m), dtype=np.int64)
+    ranks = np.empty(n_max, dtype=np.int64)
+    mate = np.full(n_max, -1, dtype=np.int64)       # a swap's other row
+    got = np.empty(n_max)
+    heavy = np.empty(heavy_moves, dtype=np.int64)
+    both = np.empty(2 * m * fu.shape[1])
+    end = np.empty(unit_rows.size)
+    for _ in range(rounds):
+        r = 0
+        for i in range(1, dp):                   # np.argmax: the first largest
+            if span[i] > span[r]:
+                r = i
+        own = slots[r]
+        k = 0
+        for h in range(_heaviest(cost, own, heavy_moves, heavy)):
+            for j in range(m - 1):
+                for s in range(m):
+                    rows[k, s] = own[ins[heavy[h], j, s]]
+                ranks[k], mate[k] = r, -1
+                k += 1
+        for j in range(m - 1):
+            for s in range(m):
+                rows[k, s] = own[nb[j, s]]
+            ranks[k], mate[k] = r, -1
+            k += 1
+        done = np.zeros(dp, dtype=np.bool_)      # partners: least loaded first, ties to the lower
+        done[r] = True
+        for _ in range(min(partners, dp - 1)):
+            q = -1
+            for i in range(dp):
+                if not done[i] and (q < 0 or span[i] < span[q]):
+                    q = i
+            done[q] = True
+            theirs = slots[q]
+            light = 0
+            for s in range(1, m):                # np.argmin: the first smallest
+                if cost[theirs[s]] < cost[theirs[light]]:
+                    light = s
+            for js in range(m):
+                if not cost[own[js]] > cost[theirs[light]]:
+                    continue
+                for s in range(m):
+                    rows[k, s] = own[s]
+                    rows[k + 1, s] = theirs[s]
+                rows[k, js] = theirs[light]
+                rows[k + 1, light] = own[js]
+                ranks[k], ranks[k + 1] = r, q
+                mate[k], mate[k + 1] = k + 1, k
+                k += 2
+        if k == 0:
+            break
+        for i in range(k):
+            got[i] = _row_span(fu, bu, sc, rows[i], ranks[i], unit_rows, prev, dep, cross,
+                               last, p, both, end)
+        best, best_v = 0, 0.0
+        for i in range(k):                       # a swap is worth the larger of its makespans
+            v = got[i]
+            if mate[i] >= 0 and got[mate[i]] > v:
+                v = got[mate[i]]
+            if i == 0 or v < best_v:
+                best, best_v = i, v
+        if not best_v < span[r] * (1.0 - min_gain):
+            break
+        for i in (best, mate[best]):
+            if i >= 0:
+                for s in range(m):
+                    slots[ranks[i], s] = rows[i, s]
+                span[ranks[i]] = got[i]
+
+
+def search(fu, bu, sc, cost, slots, span, ins, nb, p2p_s: float, pp: int, rounds: int,
+           heavy_moves: int, partners: int, min_gain: float) -> bool:
+    """``arrange_slots``' local search compiled, on ``slots`` [dp, m] and ``span`` [dp] in
+    place (the other arguments as ``arrange_slots`` makes them); False where the kernels do not
+    run (nothing done: the caller runs its numpy rounds)."""
+    if not compiled.enabled():
+        return False
+    m, nv = slots.shape[1], fu.shape[1]
+    g = event_graph(m, pp, nv // pp)
+    links = g.links
+    kernel(_rounds, calls=(_start, _events_makespan, _row_span, _heaviest))(
+        _c(fu, np.float64), _c(bu, np.float64), _c(sc, np.float64), _c(cost, np.float64),
+        slots, span, _c(ins, np.int64), _c(nb, np.int64), int(rounds), int(heavy_moves),
+        int(partners), float(min_gain), _c(g.unit_rows, np.int64), links[0], links[1],
+        links[2], _c(g.last, np.int64), float(p2p_s))
+    return True
+
+
+def warm_up() -> None:
+    """``sim.compiled.warm_up`` for this module: one round on two ranks of three micro-batches
+    and two stages, with a draft's argument types. Nothing without numba."""
+    from .slots import _moves
+
+    if not compiled.enabled():
+        return
+    f = np.arange(1.0, 13.0).reshape(6, 2)
+    ins, nb = _moves(3)
+    search(f, f.copy(), np.ones((2, 2)), f.sum(axis=1), np.arange(6).reshape(2, 3),
+           np.array([2.0, 1.0]), ins, nb, 0.0, 2, 1, 2, 2, 1e-3)
