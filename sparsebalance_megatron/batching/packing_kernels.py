@@ -1,6 +1,7 @@
 """Compiled forms of SAB's per-segment loops (``batching.packing``), where numba is installed
 (``sim.compiled``'s loader): the LPT assignment of segments to DP ranks, each rank's cut into
-contiguous micro-batches and the cheapest two micro-batches' slots.
+contiguous micro-batches and the cheapest two micro-batches' slots; and the baseline's
+sequential fill (``sequential_starts``). Also SAB's seeded sorts (``seeded_order``, numpy).
 
 They are the Python loops' decisions, step for step: the LPT takes the least loaded rank with
 token room (ties to the lowest rank, as the heap of (load, rank) pairs does), loads and bin costs

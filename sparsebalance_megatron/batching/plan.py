@@ -74,7 +74,7 @@ class BatchPlan:
         ``segments`` [N, 3] and ``sizes`` [N] the array and lengths of the segments indexed.
         ``segment_array`` and ``unit_csr`` are then gathered from them instead of walked out
         of the micro-batches' tuples (the same numbers: the micro-batches are those indices'
-        segments; ``tests/unit/test_packing.py`` checks each packer's)."""
+        segments; ``tests/unit/test_batching_sab.py`` checks each packer's)."""
         offsets = np.zeros(counts.size + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])
         self._cache[("csr", False)] = (offsets, sizes[items])
