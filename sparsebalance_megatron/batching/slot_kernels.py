@@ -144,12 +144,10 @@ def search(fu, bu, sc, cost, slots, span, ins, nb, p2p_s: float, pp: int, rounds
 
 def warm_up() -> None:
     """``sim.compiled.warm_up`` for this module: one round on two ranks of three micro-batches
-    and two stages, with a draft's argument types. Nothing without numba."""
-    from .slots import _moves
-
+    and two stages, with a draft's argument types (identity moves). Nothing without numba."""
     if not compiled.enabled():
         return
     f = np.arange(1.0, 13.0).reshape(6, 2)
-    ins, nb = _moves(3)
+    ins, nb = np.tile(np.arange(3), (3, 2, 1)), np.tile(np.arange(3), (2, 1))
     search(f, f.copy(), np.ones((2, 2)), f.sum(axis=1), np.arange(6).reshape(2, 3),
            np.array([2.0, 1.0]), ins, nb, 0.0, 2, 1, 2, 2, 1e-3)
