@@ -94,8 +94,7 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
     tokens, so their sums are exact in any order), without a tuple and a look-up per segment
     (the baseline packing of every draft)."""
     try:                                  # Megatron's fill rule, as sequential_pack applies it
-        starts = packing_kernels.sequential_starts(sizes, max_tokens) \
-            or [b[0] for b in sequential_bins(sizes.tolist(), max_tokens)]
+        starts = _fill_starts(sizes, max_tokens)
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
@@ -107,6 +106,12 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
     return BatchPlan(mbs, "sequential", max_tokens, n_split, False, rank_cost).primed(
         np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m), arr, sizes)
+
+
+def _fill_starts(sizes: np.ndarray, cap: int) -> list:
+    """Where ``data.packing.sequential_bins`` opens each bin: compiled where the kernels run."""
+    starts = packing_kernels.sequential_starts(sizes, cap)
+    return starts if starts is not None else [b[0] for b in sequential_bins(sizes.tolist(), cap)]
 
 
 def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
@@ -313,7 +318,7 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     plan = _balanced(sizes, cost, sens, dp, num_microbatches, max_tokens, seed)
     fallback = plan is None
     if fallback:
-        plan = _fallback_bins(segs, cost, dp, num_microbatches, max_tokens)
+        plan = _fallback_bins(sizes, cost, dp, num_microbatches, max_tokens)
     if arrange and isinstance(cost_fn, LatencyCost):
         plan = _arranged(plan, cost_fn, sizes, max_tokens, length_multiple)
     return _finish(plan, "sab", max_tokens, n_split, fallback, segs, cost, indices=True,
@@ -339,19 +344,13 @@ def _arranged(per_rank, cost_fn: LatencyCost, sizes, max_tokens: int,
     return [[bins[u] for u in row] for row in src.tolist()]
 
 
-def _fallback_bins(segs, cost, dp, m, max_tokens) -> list:
+def _fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
     """Sequential bins (they fit whenever the baseline fits), assigned to ranks by LPT on cost
     with exactly m bins per rank."""
-    size = [e - s for _, s, e in segs]
-    bins, free = [], 0
-    for i, n in enumerate(size):
-        if n > free:
-            bins.append([])
-            free = max_tokens
-        bins[-1].append(i)
-        free -= n
+    starts = _fill_starts(sizes, max_tokens)
+    bins = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [sizes.size])]
     if len(bins) > dp * m:
-        raise BatchingError(f"{len(segs)} segments need {len(bins)} micro-batches of "
+        raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
                             f"{max_tokens} tokens even packed in order; expected at most "
                             f"dp x m = {dp * m}")
     bins += [[] for _ in range(dp * m - len(bins))]
