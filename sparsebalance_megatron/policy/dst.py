@@ -53,14 +53,12 @@ from .dst_band import (DSTPlan, DSTReport, check_anchor_tolerance, plan_dst,  # 
                        plan_dst_candidates)
 
 SPEED_TIE = 1e-3          # quality objective: plans within 0.1% of the fastest count as as fast
-BAND_STEPS = 6            # the band search's steps (rounds x 2) where its plan is the final one
-BAND_STEPS_DESCENT = 4    # ... and where the critical-path descent refines it (plan_dst_with_floor)
 
 
 def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
                         d_min: float, d_max: float, anchor: str = "mean",
                         tolerance: float = 0.1, p2p_s: float = 0.0,
-                        density_floor: float = 0.0, search_steps: Optional[int] = None,
+                        density_floor: float = 0.0, search_steps: int = 6,
                         raise_headroom: float = 0.0,
                         stage_density_floor: float = 0.0,
                         raise_to: str = "bottleneck", quality=None,
@@ -84,9 +82,11 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     ``search_steps // 2`` rounds, each one batched pass (``plan_dst_candidates``) of 3
     tolerances spaced geometrically inside the interval where the floors start to hold (the
     first pass also plans the no-cut plan): 4^rounds sub-intervals, as fine as ``2 x rounds``
-    bisection steps in half the passes. The resolution matters where the band plan is the
-    final one: near the floor, speed falls steeply as the band widens (a 5^2 grid instead of
-    4^3 lost 4% of the step at 64 DP x 16 x PP4, before the descent). The static plan's
+    bisection steps in half the passes. The resolution matters: near the floor, speed falls
+    steeply as the band widens (a 5^2 grid instead of 4^3 lost 4% of the step at 64 DP x 16 x
+    PP4, before the descent), and the descent, which spends no density, does not make up a
+    straggler's cut a coarser band search missed (2 rounds left a 3x-slow GPU uncut in most
+    steps of a real PP 2 x DP 2 run, ``tests/distributed/test_hybrid_run.py``). The static plan's
     simulation is shared by the passes (and by both objectives' plans), and the two objectives'
     searches run in lock-step, each pass of one the same ``plan_dst_candidates`` call as the
     other's (``_search_bands``).
@@ -101,17 +101,12 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     cost among those within ``SPEED_TIE`` of the faster one's step time is returned.
 
     Where the descent refines the plan (``descent``, the default flags), the band plan is where
-    it starts, not the step's plan, and the descent's result does not follow the band's last
-    digits: ``search_steps`` None takes 2 rounds (``BAND_STEPS_DESCENT``) instead of 3
-    (``BAND_STEPS``), and with ``quality`` the water-filling search runs alone (the density
-    objective's plan does not compete): half the band search of the even split's plans. On the
-    net studies (BENCHMARKS.md, "The planner's own cost") ``sab_dst`` was as fast or faster in
-    all rows but one (0.04% slower).
+    it starts, and with ``quality`` the water-filling search runs alone (the density
+    objective's plan does not compete): half the band search. On the net studies (BENCHMARKS.md,
+    "The planner's own cost") ``sab_dst`` was as fast or faster in every row but one.
     """
     static: dict = {}                       # the static plan's simulation, shared by all passes
     descend = descent and raise_to == "bottleneck" and anchor != "max" and density_floor > 0
-    if search_steps is None:
-        search_steps = BAND_STEPS_DESCENT if descend else BAND_STEPS
     band = dict(anchor=anchor, tolerance=tolerance, density_floor=density_floor,
                 search_steps=search_steps, stage_density_floor=stage_density_floor,
                 narrow=straggler_present(rank_scale, tolerance))

@@ -346,32 +346,6 @@ def test_floor_search_passes_share_the_static_simulation_exactly():
                 assert p.report == want.report
 
 
-def test_the_band_search_takes_two_rounds_where_the_descent_refines_its_plan():
-    """Default ``search_steps``: 2 rounds of the band search (3 passes after the first) where the
-    critical-path descent follows, 3 rounds where the band plan is the final one (descent off,
-    raise target static); ``search_steps`` given is kept."""
-    import sparsebalance_megatron.policy.dst as dst
-
-    costs = synthetic_costs(3, 6, 3, seed=5, lm_head=3.0)
-    sens = np.random.default_rng(5).random((3, 6))
-    passes = []
-    real = dst.plan_dst_candidates
-
-    def counted(*a, **k):
-        passes.append(len(a[5]))
-        return real(*a, **k)
-
-    kw = dict(density_floor=0.999, stage_density_floor=0.999)   # never met below the widest
-    for extra, rounds in ((dict(), 2), (dict(descent=False), 3),
-                          (dict(raise_to="static"), 3), (dict(search_steps=6), 3),
-                          (dict(descent=False, search_steps=2), 1)):
-        passes.clear()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(dst, "plan_dst_candidates", counted)
-            dst.plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw, **extra)
-        assert len(passes) == 1 + rounds, (extra, passes)
-
-
 def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
     """``water`` marks the candidates that water-fill by quality; a pass mixing both objectives
     (what ``plan_dst_with_floor``'s lock-step band searches send) gives every candidate the
