@@ -22,7 +22,7 @@ import numpy as np
 
 from ..sim import fit_kernels
 from ..sim.compiled import _c, _latest_finish, _start, _unit_floats, enabled, kernel
-from ..sim.fit_kernels import (_first_fit, _highest_formula, _keep, _lift, _limit, _set_units,
+from ..sim.fit_kernels import (_first_fit, _highest_formula, _lift, _limit, _set_units,
                                _set_units_formula, _simulate, _top, _unit_places,
                                _unit_seconds)
 
@@ -155,7 +155,7 @@ def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_
 
 # every kernel the phases call, directly or through one another (``sim.compiled.kernel``)
 _CALLS = (_latest_finish, _unit_floats, _first_fit, _highest_formula, _set_units,
-          _set_units_formula, _simulate, _keep, _unit_places, _unit_seconds, _limit, _top, _lift,
+          _set_units_formula, _simulate, _unit_places, _unit_seconds, _limit, _top, _lift,
           _start, _floats, _seconds)
 
 

@@ -151,22 +151,18 @@ def _simulate(prev, dep, cross, last, p, buf, end, cols, na, mk):
         mk[j] = x
 
 
-def _keep(buf, end, dur_out, ef_out, j):
-    # a simulated column's durations and finishes into column j of the outputs
-    for e in range(buf.shape[0]):
-        dur_out[e, j] = buf[e, j]
-        ef_out[e, j] = end[e, j]
-
-
 def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
-               at, limit, dur_out, ef_out, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo,
+               at, limit, buf, end, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo,
                fracs, scale, probe_first, work, per_pair, fixed, corr, scaled, z0):
     # per rank a binary search over the candidates (makespans fall with c: every candidate
     # below a is over, every one from z fits; the first tried is the middle, or candidate 0
     # with probe_first, where it usually fits), the ranks' searches stepped together: each
-    # step simulates every searching rank's next candidate side by side. z0 [r]: where each
-    # rank's search starts its z (a candidate known to fit; k: none known); a rank whose first
-    # fit is its z0 simulates it at the end
+    # step simulates every searching rank's next candidate side by side, in column j of buf
+    # (durations) and end (finishes), [E, r], which end as the picks' (the outputs). z0 [r]:
+    # where each rank's search starts its z (a candidate known to fit; k: none known). A
+    # rank whose column does not hold its pick when the search ends (its last try did not
+    # fit, or its first fit is the z0 given, or none fits) is set and simulated again at
+    # its pick: copying every fitting try aside cost more than that
     k, r = at.shape[0], ranks.size
     n = dur.shape[0]
     mb_of, st_of = _unit_places(lazy_u, work, per_pair)
@@ -174,12 +170,11 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
     pick = np.empty(r, dtype=np.int64)
     mk = np.empty(r)
     t = np.empty(r)
-    buf, end = np.empty((n, r)), np.empty((n, r))
     for e in range(n):
         for j in range(r):
             buf[e, j] = dur[e, ranks[j]]
     a, z = np.zeros(r, dtype=np.int64), z0.copy()
-    kept = np.zeros(r, dtype=np.bool_)
+    held = np.zeros(r, dtype=np.bool_)          # column j holds candidate z[j], simulated
     mid, cols = np.empty(r, dtype=np.int64), np.empty(r, dtype=np.int64)
     first = probe_first
     while True:
@@ -201,16 +196,15 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
             if t[j] <= limit[j]:                 # the last that fits is the first that fits
                 z[j] = mid[j]
                 mk[j] = t[j]
-                kept[j] = True
-                _keep(buf, end, dur_out, ef_out, j)
+                held[j] = True
             else:
                 a[j] = mid[j] + 1
+                held[j] = False
     na = 0
     for j in range(r):
         fits[j] = a[j] < k
         pick[j] = a[j] if a[j] < k else 0
-        if not kept[j]:                          # none fits: the first, as np.argmax gives;
-            # or the first fit is the z0 given (known to fit, not simulated here)
+        if not held[j]:                          # none fits: the first, as np.argmax gives
             _set_units(j, pick[j], seg[j], seg[j + 1], rows_f, rows_b, fwd, bwd, tot, at, buf,
                        lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo, fracs, scale, work,
                        per_pair, fixed, corr, scaled, mb_of, st_of)
@@ -221,7 +215,6 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         for q in range(na):
             j = cols[q]
             mk[j] = t[j]
-            _keep(buf, end, dur_out, ef_out, j)
     return fits, pick, mk
 
 
@@ -320,7 +313,7 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     kernel(_set_units_formula, calls=(_unit_seconds, _limit, _top))
     kernel(_set_units, calls=(_lift, _limit, _top, _set_units_formula))
     kernel(_simulate, calls=(_start,))
-    fit = kernel(_first_fit, calls=(_set_units, _simulate, _keep, _unit_places))
+    fit = kernel(_first_fit, calls=(_set_units, _simulate, _unit_places))
     fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
                          _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
                          _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
