@@ -85,6 +85,8 @@ class UnitFeatures:
         state = dict(self.__dict__)
         state["doc_blocks"] = state["doc_unit"] = state["_blocks"] = None
         state["_sparse_calls"] = state["_grid"] = None
+        state.pop("_terms_memo", None)      # the latency model's terms (``unit_terms``)
+        state.pop("_x_stack", None)
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -432,16 +432,25 @@ class LatencyModel(Calibration):
         self.kind_of(stage)
         c = self._stage_coef[stage]
         corr = self.correction(rank) if rank is not None else 1.0
-        x = np.stack([np.ones(f.num_units), f.tokens, f.selection_work, f.sequences],
-                     axis=1)                                                   # [n, 4]
+        # the stages of one kind share their coefficients: their terms of the same features are
+        # the same arrays, computed once per features object (a step's tables ask every stage)
+        memo = f.__dict__.setdefault("_terms_memo", {})
+        key = (c["fwd"].tobytes(), c["bwd"].tobytes(), float(corr))
+        if key in memo:
+            return memo[key]
+        x = f.__dict__.get("_x_stack")
+        if x is None:
+            x = f.__dict__["_x_stack"] = np.stack(
+                [np.ones(f.num_units), f.tokens, f.selection_work, f.sequences], axis=1)  # [n, 4]
         # dense work and the calls are density-independent: fixed time (+ 0.0 exactly without
         # routing and without call costs)
         sc, dc = f.sparse_calls, f.dense_calls
         fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]] + c[p][5] * f.dense_work + c[p][6] * sc
                                + c[p][7] * dc, 0.0) * corr
                  for p in ("fwd", "bwd")}
-        return UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
-                         float(c["bwd"][2]) * corr)
+        memo[key] = UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
+                              float(c["bwd"][2]) * corr)
+        return memo[key]
 
     def predict_many_fwd_bwd(self, mb_doc_lengths, densities, stage: int,
                              rank: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:

@@ -91,6 +91,53 @@ def test_unit_terms_closed_form_equals_predict_many():
         m.predict(units[0], 0.5, 2)
 
 
+def test_unit_terms_are_computed_once_per_features_coefficients_and_correction():
+    """A step's tables ask every stage for its terms of the same features: stages that share
+    their coefficients share the arrays, each the numbers a fresh features object gives; a new
+    correction or other coefficients are computed anew, and a pickled features object carries
+    none of it."""
+    import copy
+    import pickle
+
+    m = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=8192), pp=4)
+    rng = np.random.default_rng(3)
+    units = [np.diff(np.r_[0, np.sort(rng.choice(8191, 4, replace=False) + 1), 8192])
+             for _ in range(12)]
+    f = m.unit_features(units)
+    same = [s for s in range(1, 4) if all(np.array_equal(m._stage_coef[s][p],
+                                                         m._stage_coef[1][p])
+                                          for p in ("fwd", "bwd"))]
+    assert len(same) >= 2                       # the middle stages share their coefficients
+    assert m.unit_terms(f, same[0]) is m.unit_terms(f, same[1])
+    for stage in range(4):
+        for rank in (None, 2):
+            got, fresh = m.unit_terms(f, stage, rank), m.unit_terms(units, stage, rank)
+            assert got is not fresh
+            for a, b in ((got.fwd_fixed_s, fresh.fwd_fixed_s),
+                         (got.bwd_fixed_s, fresh.bwd_fixed_s)):
+                assert np.array_equal(a, b)
+            assert (got.fwd_attn_s_per_pair, got.bwd_attn_s_per_pair) == \
+                (fresh.fwd_attn_s_per_pair, fresh.bwd_attn_s_per_pair)
+    before = m.unit_terms(f, 0, rank=2)
+    m.calibrate(2, 1.0, 2.0)                    # a new factor: new terms, scaled by it
+    after = m.unit_terms(f, 0, rank=2)
+    assert after is not before
+    np.testing.assert_allclose(after.fwd_fixed_s, before.fwd_fixed_s * m.correction(2))
+    assert m.unit_terms(f, 0) is m.unit_terms(f, 0)
+    assert m.unit_terms(f, 0) is not m.unit_terms(f, 3)   # the last stage's own coefficients
+    other = copy.copy(m)                        # a stage whose backward alone differs
+    other._stage_coef = list(m._stage_coef)
+    other._stage_coef[same[1]] = dict(m._stage_coef[same[0]],
+                                      bwd=m._stage_coef[same[0]]["bwd"] * 1.5)
+    assert np.array_equal(other.unit_terms(f, same[1]).bwd_fixed_s,
+                          other.unit_terms(units, same[1]).bwd_fixed_s)
+    assert not np.array_equal(other.unit_terms(f, same[1]).bwd_fixed_s,
+                              m.unit_terms(f, same[0]).bwd_fixed_s)
+    back = pickle.loads(pickle.dumps(f))
+    assert "_terms_memo" not in back.__dict__ and "_x_stack" not in back.__dict__
+    assert np.array_equal(m.unit_terms(back, 1).fwd_fixed_s, m.unit_terms(f, 1).fwd_fixed_s)
+
+
 def test_calibration_ema_and_bad_measurements():
     m = LatencyModel.analytic(ModelShape(num_layers=2, seq_length=4096), calibration_ema=0.5)
     base = m.predict([4096], 0.5, 0)
