@@ -32,29 +32,29 @@ def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, g
                    shift_sp, first_sp, low, high, exps, iters):
     # dst_moves.water_fill's compiled search of the n (row, stage) columns marked in
     # ``search`` [rows, pp] (the ones that do not fit at their ``hi``), gathered as its
-    # [slots, n] arrays in row-major order; the answers written over ``hi`` ([rows, slots,
+    # [n, slots] arrays in row-major order; the answers written over ``hi`` ([rows, slots,
     # pp]; ``lo``: by the pass's row (``by_row``: lo[rows[i]]) or by the try's (lo[i]))
     slots, pp = units.shape[1], units.shape[2]
-    u2 = np.empty((slots, n), dtype=np.int64)
-    b2 = np.empty((slots, n))
-    lo2 = np.empty((slots, n), dtype=np.int64)
-    hi2 = np.empty((slots, n), dtype=np.int64)
-    sh2 = np.empty((slots, n))
-    fi2 = np.empty((slots, n), dtype=np.int64)
+    u2 = np.empty((n, slots), dtype=np.int64)
+    b2 = np.empty((n, slots))
+    lo2 = np.empty((n, slots), dtype=np.int64)
+    hi2 = np.empty((n, slots), dtype=np.int64)
+    sh2 = np.empty((n, slots))
+    fi2 = np.empty((n, slots), dtype=np.int64)
     lim2 = np.empty(n)
-    out2 = np.empty((slots, n), dtype=np.int64)
+    out2 = np.empty((n, slots), dtype=np.int64)
     j = 0
     for i in range(rows.size):
         r = rows[i]
         for q in range(pp):
             if search[i, q]:
                 for s in range(slots):
-                    u2[s, j] = units[r, s, q]
-                    b2[s, j] = brow[r % dp, s, q]
-                    lo2[s, j] = lo[r, s, q] if by_row else lo[i, s, q]
-                    hi2[s, j] = hi[i, s, q]
-                    sh2[s, j] = shift_sp[s, q]
-                    fi2[s, j] = first_sp[s, q]
+                    u2[j, s] = units[r, s, q]
+                    b2[j, s] = brow[r % dp, s, q]
+                    lo2[j, s] = lo[r, s, q] if by_row else lo[i, s, q]
+                    hi2[j, s] = hi[i, s, q]
+                    sh2[j, s] = shift_sp[s, q]
+                    fi2[j, s] = first_sp[s, q]
                 lim2[j] = limit[i, q]
                 j += 1
     _water_fill(t, u2, b2, lo2, hi2, lim2, gflat, sh2, fi2, low, high, exps, iters, out2)
@@ -63,7 +63,7 @@ def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, g
         for q in range(pp):
             if search[i, q]:
                 for s in range(slots):
-                    hi[i, s, q] = out2[s, j]
+                    hi[i, s, q] = out2[j, s]
                 j += 1
 
 

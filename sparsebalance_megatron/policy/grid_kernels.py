@@ -107,10 +107,15 @@ def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
 def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, iters, out):
     # per column j (a (row, stage) pair): the bisection on log lambda over the grid
     # -20 + 40 k / 4096 (exps[k] its exp), then the common level; totals summed over the
-    # slots in order from the first, as numpy sums a [slots, n >= 2] array over axis 0.
+    # slots in order from the first, as numpy sums a [slots, n >= 2] array over axis 0. The
+    # per-unit arrays (u, b, lo, hi, shift, first, out) are [n, slots]: a column's slots lie
+    # side by side (laid [slots, n], every slot of a column was another cache line, re-read on
+    # each of the bisection's steps: most of the search's time).
     # Each unit's search position falls as lambda grows (b >= 0), so a column whose b are all
-    # >= 0 searches each unit only between its positions at the bisection's two ends
-    slots, n = u.shape
+    # >= 0 searches each unit only between its positions at the bisection's two ends, and not
+    # at all once both ends clip to the same grid index (the clip is monotone: every position
+    # between gives that index; most units' [lo, hi] are a few grid steps)
+    n, slots = u.shape
     fit = np.empty(slots, dtype=np.int64)
     over = np.empty(slots, dtype=np.int64)
     pos_a = np.empty(slots, dtype=np.int64)
@@ -120,13 +125,13 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
         a, z = 0, exps.size - 1                  # log lambda = -20 and 20
         bracket = True
         for s in range(slots):
-            if not b[s, j] >= 0.0:               # negative or NaN: searched in full
+            if not b[j, s] >= 0.0:               # negative or NaN: searched in full
                 bracket = False
         if bracket:
             for s in range(slots):
-                pos_a[s] = _position(flat, _gain_q(exps[a] * b[s, j], shift[s, j], low, high),
+                pos_a[s] = _position(flat, _gain_q(exps[a] * b[j, s], shift[j, s], low, high),
                                      0, flat.size)
-                pos_z[s] = _position(flat, _gain_q(exps[z] * b[s, j], shift[s, j], low, high),
+                pos_z[s] = _position(flat, _gain_q(exps[z] * b[j, s], shift[j, s], low, high),
                                      0, pos_a[s])
         for _ in range(iters):
             mid = (a + z) // 2
@@ -134,13 +139,18 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
             tot = 0.0
             for s in range(slots):
                 if bracket:
-                    cur[s] = _position(flat, _gain_q(e * b[s, j], shift[s, j], low, high),
-                                       pos_z[s], pos_a[s])
-                    i = _clipped(cur[s], first[s, j], lo[s, j], hi[s, j])
+                    i = _clipped(pos_z[s], first[j, s], lo[j, s], hi[j, s])
+                    if i == _clipped(pos_a[s], first[j, s], lo[j, s], hi[j, s]):
+                        cur[s] = pos_z[s]        # every position between clips to i: the
+                        # search is skipped (the bracket stays on positions that clip to i)
+                    else:
+                        cur[s] = _position(flat, _gain_q(e * b[j, s], shift[j, s], low,
+                                                         high), pos_z[s], pos_a[s])
+                        i = _clipped(cur[s], first[j, s], lo[j, s], hi[j, s])
                 else:
-                    i = _gain_index(flat, e * b[s, j], shift[s, j], first[s, j], lo[s, j],
-                                    hi[s, j], low, high)
-                v = t[u[s, j] + i]
+                    i = _gain_index(flat, e * b[j, s], shift[j, s], first[j, s], lo[j, s],
+                                    hi[j, s], low, high)
+                v = t[u[j, s] + i]
                 tot = v if s == 0 else tot + v
             if tot <= limit[j]:
                 z = mid
@@ -153,13 +163,13 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
         lo_l, hi_l = 1 << 62, -(1 << 62)
         for s in range(slots):
             if bracket:                          # the ends' positions, searched already
-                fit[s] = _clipped(pos_z[s], first[s, j], lo[s, j], hi[s, j])
-                over[s] = _clipped(pos_a[s], first[s, j], lo[s, j], hi[s, j])
+                fit[s] = _clipped(pos_z[s], first[j, s], lo[j, s], hi[j, s])
+                over[s] = _clipped(pos_a[s], first[j, s], lo[j, s], hi[j, s])
             else:
-                fit[s] = _gain_index(flat, exps[z] * b[s, j], shift[s, j], first[s, j],
-                                     lo[s, j], hi[s, j], low, high)
-                over[s] = _gain_index(flat, exps[a] * b[s, j], shift[s, j], first[s, j],
-                                      lo[s, j], hi[s, j], low, high)
+                fit[s] = _gain_index(flat, exps[z] * b[j, s], shift[j, s], first[j, s],
+                                     lo[j, s], hi[j, s], low, high)
+                over[s] = _gain_index(flat, exps[a] * b[j, s], shift[j, s], first[j, s],
+                                      lo[j, s], hi[j, s], low, high)
             if fit[s] < lo_l:
                 lo_l = fit[s]
             if over[s] > hi_l:
@@ -171,7 +181,7 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
                 i = over[s] if over[s] < mid else mid
                 if fit[s] > i:
                     i = fit[s]
-                v = t[u[s, j] + i]
+                v = t[u[j, s] + i]
                 tot = v if s == 0 else tot + v
             if tot <= limit[j]:
                 lo_l = mid
@@ -179,7 +189,7 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
                 hi_l = mid - 1
         for s in range(slots):
             i = over[s] if over[s] < lo_l else lo_l
-            out[s, j] = fit[s] if fit[s] > i else i
+            out[j, s] = fit[s] if fit[s] > i else i
 
 
 def _unit_tables(work, per_pair, fixed, corr, scale, out, total):
@@ -328,12 +338,15 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
         raise ValueError(f"water_fill kernel: {u.shape[1]} columns and {iters} steps, expected "
                          f">= 2 columns and at most {FILL_GRID.bit_length() - 1} steps (the "
                          f"bisection's lambdas must stay on the grid)")
-    out = np.empty(u.shape, dtype=np.int64)
+    out = np.empty(u.shape[::-1], dtype=np.int64)                  # the kernel's [n, slots]
     fill = kernel(_water_fill, calls=_GAIN_CALLS)
-    fill(_c(t, np.float64), _c(u, np.int64), _c(b, np.float64), _c(lo, np.int64),
-         _c(hi, np.int64), _c(limit, np.float64), _c(flat, np.float64), _c(shift, np.float64),
-         _c(first, np.int64), float(low), float(high), fill_exps(), int(iters), out)
-    return out
+    fill(_c(t, np.float64), *(np.ascontiguousarray(a.T, dtype=d) for a, d in (
+         (u, np.int64), (b, np.float64), (lo, np.int64), (hi, np.int64))),
+         _c(limit, np.float64), _c(flat, np.float64),
+         *(np.ascontiguousarray(a.T, dtype=d) for a, d in ((shift, np.float64),
+                                                           (first, np.int64))),
+         float(low), float(high), fill_exps(), int(iters), out)
+    return out.T
 
 
 def warm_up() -> None:
