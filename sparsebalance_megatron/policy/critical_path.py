@@ -327,12 +327,12 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             st.put(cut, f1, b1, up, raised)                 # cut becomes new; f1, b1 its times
             dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
             seen, cuts = known                  # the units whose density changed: unknown
-            kept = new.reshape(-1)[seen] == idx.reshape(-1)[seen]
-            known = (seen[kept], cuts[:, kept])
+            same = new.reshape(-1) == idx.reshape(-1)
+            known = (seen[same[seen]], cuts[:, same[seen]])
             idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new
             eta = min(eta * 1.5, ETA_MAX)
             if fused is not None:
-                fused.plan_changed()
+                fused.plan_changed(same)
         else:
             eta /= 2
     return idx, step, mk
