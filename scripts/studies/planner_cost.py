@@ -171,20 +171,34 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     names = ("sab_plan", "features + UnitCosts.from_latency", "sensitivity + DST",
              "after the step: busy_s + unit_work")
     parts, drafts, step_s, searched, stood = {k: [] for k in names}, [], [], [], []
+    # the drafts back to back, as the planner process makes them (with the after-step work
+    # between, which moves the calibration as end_step does), then the parts at each draft's
+    # calibration: timed between the drafts, the parts' own tables and searches evicted the
+    # draft's from the caches (the draft read 8-10% slower there than in a loop of its own)
+    states, done = [], []
     for k, segs in enumerate(batches):
-        got = _parts(lm, sb, grid, tracker, segs, dp, m, seq)
+        states.append(lm.calibration_state())
         d = drafter.draft(k, 0, segs, m, with_dst=True)
-        got.append(after_step(lm, sb, d, after_tracker, after_rng))
+        done.append((d, after_step(lm, sb, d, after_tracker, after_rng)))
+    final = lm.calibration_state()
+    for k, segs in enumerate(batches):
+        lm.load_calibration_state(states[k])
+        got = _parts(lm, sb, grid, tracker, segs, dp, m, seq) + [done[k][1]]
         if k == 0:
             continue                                          # warm-up
         for name, v in zip(names, got):
             parts[name].append(v)
+    for k, (d, _) in enumerate(done):
+        if k == 0:
+            continue
         drafts.append(d.cpu_s * 1e3)
+        lm.load_calibration_state(states[k + 1] if k + 1 < len(states) else final)
         _, units, densities = committed(d)
         step_s.append(plan_step_time_s(UnitCosts.from_latency(lm, units, dp, m, grid),
                                        densities, lm.p2p_s))
         searched.append(d.payload[1]["tolerance_used"] != sb.tolerance)
         stood.append(bool(d.payload[1]["stand_down"]["sab_stood_down"]))
+    lm.load_calibration_state(final)
     med = {k: float(np.median(v)) for k, v in parts.items()}
     after = med[names[-1]]
     out = {"shape": f"{dp} DP x {m} micro-batches x PP{pp}, {seq} tokens",
