@@ -388,7 +388,7 @@ def signatures():
                             "_py_sum", "_bins", "_row_makespan", "_fill_searched",
                             "_lift_step", "_simulate_rows", "_moves_row", "_unit_places",
                             "_floats", "_seconds", "_events_makespan", "_row_span",
-                            "_heaviest")}
+                            "_heaviest", "_verdict_of")}
 before = signatures()
 lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)
 rng = np.random.default_rng(1)
@@ -404,7 +404,7 @@ plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()
-assert before == after and len(after) == 21, (before, after)
+assert before == after and len(after) == 23, (before, after)
 print("ok")
 """
 

@@ -282,12 +282,12 @@ def warm_up_kernels() -> None:
     numba."""
     from ...batching import packing_kernels, slot_kernels
     from ...latency import features
-    from ...policy import band_kernels, descent_kernels, grid_kernels
+    from ...policy import band_kernels, descent_kernels, floors, grid_kernels
     from ...sim import compiled, fit_kernels
 
     try:
         for module in (compiled, fit_kernels, grid_kernels, band_kernels, descent_kernels,
-                       features, packing_kernels, slot_kernels):
+                       floors, features, packing_kernels, slot_kernels):
             module.warm_up()
     except Exception as e:      # a numba that cannot compile here: numpy, the same plans
         compiled.disable(f"{type(e).__name__}: {e}")

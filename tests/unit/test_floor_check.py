@@ -1,0 +1,117 @@
+"""The descent's floor check (``policy.floors.FloorCheck``) decides by the compiled sums only
+where no summation order can change the verdict, and is numpy's verdict everywhere."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.policy.costs import stage_mean_densities, weighted_mean_density
+from sparsebalance_megatron.policy.floors import FloorCheck
+
+from test_policy_dst import _quality, synthetic_costs
+
+
+def test_the_floor_checks_compiled_sums_decide_only_what_no_summation_order_can_change(
+        monkeypatch):
+    """With numba, a check by grid index sums the plan in a compiled pass of its own order and
+    decides from it only where every order's sum falls on the same side of the floor (a bound
+    on the difference): a plan whose mean or stage density is the floor itself, or within
+    rounding of it, is checked with numpy's sums; one clearly off it is decided by the
+    compiled sums alone; every verdict is numpy's (with routed work, and with a stage without
+    work, whose density is its plain mean)."""
+    from sparsebalance_megatron.sim import compiled
+
+    if not compiled.enabled():
+        pytest.skip("numba is not installed: every check is numpy's")
+    numpy_checks = []
+    real = FloorCheck._floors
+
+    def counted(self, d):
+        numpy_checks.append(1)
+        return real(self, d)
+
+    monkeypatch.setattr(FloorCheck, "_floors", counted)
+    rng = np.random.default_rng(12)
+    decided = fell_back = 0
+    for case in range(16):
+        dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 6)), int(rng.integers(2, 5))
+        costs = synthetic_costs(dp, m, pp, seed=950 + case)
+        if case % 4 == 1:
+            costs.dense_work = rng.random(costs.shape) * 0.3
+        if case % 4 == 3:                     # no work on stage 0: its plain mean density,
+            costs.attn_work = costs.weights().copy()          # the lowest
+            costs.attn_work[..., 0] = 0.0
+        w, dense, g = costs.weights(), costs.dense_work, costs.densities
+        i = rng.integers(0, g.size, costs.shape)
+        if case % 4 == 3:
+            i[..., 0] = rng.integers(0, 3, i[..., 0].shape)
+        d = g[i]
+        mean = weighted_mean_density(d, w, dense)
+        low = float(np.min(stage_mean_densities(d, w, dense)))
+        for k, (mean_floor, stage_floor) in enumerate((
+                (mean + 1e-12, 0.0),                          # the mean is the floor
+                (np.nextafter(mean + 1e-12, 2.0), 0.0),       # within rounding of it
+                (0.0, low + 1e-12),                           # the lowest stage is its floor
+                (0.0, np.nextafter(low + 1e-12, 2.0)),
+                (mean + 1e-12 - 1e-9 * mean, 0.0),            # clear either way
+                (mean + 1e-12 + 1e-9 * mean, 0.0))):
+            check = FloorCheck(costs, mean_floor, stage_floor, None)
+            want = (weighted_mean_density(d, w, dense) >= mean_floor - 1e-12
+                    and float(np.min(stage_mean_densities(d, w, dense)))
+                    >= stage_floor - 1e-12)
+            before = len(numpy_checks)
+            assert check.floors_at(i) == want, (case, k)
+            used_numpy = len(numpy_checks) > before
+            if k < 4:
+                fell_back += used_numpy
+            else:
+                decided += not used_numpy
+    assert fell_back == 64 and decided == 32          # ties to numpy, clear cases not
+
+
+def test_the_quality_checks_compiled_sum_decides_only_what_no_summation_order_can_change(
+        monkeypatch):
+    """The quality rule (no predicted loss over 1e-12) by grid index: a plan whose mean cost is
+    1e-12 itself, or within rounding of it, is checked with numpy's sums; one clearly off it
+    by the compiled sum alone; every verdict is ``plan_cost_at``'s."""
+    from sparsebalance_megatron.policy.quality import StageQuality
+    from sparsebalance_megatron.sim import compiled
+
+    if not compiled.enabled():
+        pytest.skip("numba is not installed: every check is numpy's")
+    numpy_checks = []
+    real = StageQuality.plan_cost_at
+
+    def counted(self, idx, grid):
+        numpy_checks.append(1)
+        return real(self, idx, grid)
+
+    monkeypatch.setattr(StageQuality, "plan_cost_at", counted)
+    rng = np.random.default_rng(13)
+    decided = fell_back = 0
+    for case in range(8):
+        dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 6)), int(rng.integers(2, 5))
+        costs = synthetic_costs(dp, m, pp, seed=990 + case)
+        g = costs.densities
+        q = _quality(pp)
+        table = rng.uniform(-1e-3, 1e-3, (pp, g.size))       # mixed signs: gains and losses
+        table[:, 0] = 0.0
+        q.__dict__["_tables"] = {np.asarray(g, dtype=np.float64).tobytes(): table}
+        idx = np.zeros(costs.shape, dtype=np.int64)
+        one = (int(rng.integers(0, dp)), int(rng.integers(0, m)), int(rng.integers(0, pp)))
+        cell = int(rng.integers(1, g.size))
+        idx[one] = cell
+        rows = dp * m
+        for k, value in enumerate((1e-12 * rows, np.nextafter(1e-12 * rows, 1.0),
+                                   np.nextafter(1e-12 * rows, -1.0),
+                                   1e-12 * rows * (1 - 1e-6), 1e-12 * rows * (1 + 1e-6))):
+            table[one[2], cell] = value
+            check = FloorCheck(costs, 0.0, 0.0, q)
+            want = real(q, idx, g) <= 1e-12
+            before = len(numpy_checks)
+            assert check.meets_at(idx) == want, (case, k)
+            used_numpy = len(numpy_checks) > before
+            if k < 3:
+                fell_back += used_numpy
+            else:
+                decided += not used_numpy
+    assert fell_back == 24 and decided == 16
