@@ -201,6 +201,9 @@ class QualityCost:
         return cls.from_dict(d, where=path)
 
 
+_FROM_COST: dict = {}      # StageQuality.from_cost's: (id(cost), layers, d0) -> (cost, quality)
+
+
 @dataclass(frozen=True)
 class StageQuality:
     """A quality cost mapped onto a pipeline's (virtual) stages: stage s's layers run at a
@@ -215,11 +218,21 @@ class StageQuality:
     @classmethod
     def from_cost(cls, cost: "QualityCost", stage_layers: Sequence[int], d0: float
                   ) -> "StageQuality":
+        """The stages' quality of ``cost``; the same object for the same cost object, layers
+        and d0 (DST asks every step: its grid tables, ``_grid_table``, are then made once)."""
+        key = (id(cost), tuple(float(x) for x in stage_layers), float(d0))
+        hit = _FROM_COST.get(key)
+        if hit is not None and hit[0] is cost:
+            return hit[1]
         groups = cost.stage_costs(stage_layers)
         layers = np.asarray(stage_layers, dtype=np.float64)
         share = layers / layers.sum()
         width = np.asarray([g.depth[1] - g.depth[0] for g in groups])
-        return cls(tuple(groups), share / width, float(d0))
+        out = cls(tuple(groups), share / width, float(d0))
+        if len(_FROM_COST) >= 16:
+            _FROM_COST.clear()
+        _FROM_COST[key] = (cost, out)          # the cost held: its id is not reused meanwhile
+        return out
 
     def unit_costs(self, densities: np.ndarray) -> np.ndarray:
         """[dp, m, nv] predicted loss change of every unit against uniform d0."""
@@ -249,7 +262,7 @@ class StageQuality:
         one below (+inf at index 0), non-increasing along the grid (the cost is convex): what
         DST's quality water-filling weighs against attention seconds."""
         g = np.asarray(grid, dtype=np.float64)
-        q = self.grid_table(g)
+        q = self._grid_table(g)
         out = np.full(q.shape, np.inf)
         out[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(g), 0.0)
         return np.minimum.accumulate(out, axis=1)
@@ -281,10 +294,12 @@ class StageQuality:
     def _grid_table(self, grid: np.ndarray) -> np.ndarray:
         key = grid.tobytes()
         cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
-        if key not in cache:
+        got = cache.get(key)            # one read: a planner thread and a report may share it
+        if got is None:
+            got = self.grid_table(grid)
             cache.clear()                                   # one grid per planner config
-            cache[key] = self.grid_table(grid)
-        return cache[key]
+            cache[key] = got
+        return got
 
 
 DEFAULT_QUALITY_COST = os.path.join(os.path.dirname(__file__), "quality_cost_smollm2.json")

@@ -123,3 +123,30 @@ def test_a_plans_cost_looked_up_on_its_grid_is_the_interpolated_one():
     for _ in range(20):
         i = rng.integers(0, grid.size, (3, 5, 3))
         assert q.plan_cost_at(i, grid) == q.plan_cost(grid[i], grid) == q.plan_cost(grid[i])
+
+
+def test_stage_quality_is_made_once_per_cost_layers_and_d0():
+    """DST asks for the stages' quality every step: the same cost object, layers and d0 give
+    the same object (its grid tables made once), equal to a fresh one; another cost object,
+    other layers or another d0 give another; a cost object freed and another loaded is never
+    taken for it."""
+    from sparsebalance_megatron.policy.costs import density_grid
+    from sparsebalance_megatron.policy.quality import StageQuality
+
+    cost = QualityCost.from_dict(doc())
+    q = StageQuality.from_cost(cost, [3, 5, 4], 0.25)
+    assert StageQuality.from_cost(cost, (3, 5, 4), 0.25) is q
+    assert StageQuality.from_cost(cost, np.array([3, 5, 4]), 0.25) is q
+    fresh = StageQuality(*(getattr(q, f) for f in ("groups", "scale", "d0")))
+    grid = density_grid(0.25, 0.0625, 1.0)
+    assert np.array_equal(q.marginal_gain(grid), fresh.marginal_gain(grid))
+    assert np.array_equal(q.grid_table(grid), fresh.grid_table(grid))
+    for other in (StageQuality.from_cost(cost, [3, 5, 5], 0.25),
+                  StageQuality.from_cost(cost, [3, 5, 4], 0.5),
+                  StageQuality.from_cost(QualityCost.from_dict(doc()), [3, 5, 4], 0.25)):
+        assert other is not q
+    changed = doc()
+    changed["groups"][0]["delta_loss"] = [0.6, 0.16, -0.02, -0.024]
+    for _ in range(4):                          # ids of freed costs may come back
+        got = StageQuality.from_cost(QualityCost.from_dict(changed), [3, 5, 4], 0.25)
+        assert got.groups[0].delta_loss == (0.6, 0.16, -0.02, -0.024)
