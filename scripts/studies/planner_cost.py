@@ -208,6 +208,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
            "dst_candidates": 2 if drafter.sb.stand_down != "off"
            and drafter.sb.stand_down_compare == "planned" else 1,
            "parts_ms": med, "draft_ms": float(np.median(drafts)),
+           "draft_ms_each": [round(x, 2) for x in drafts],
            "total_ms": float(np.median(drafts)) + after,
            "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
            "sab_stood_down_steps": int(sum(stood)), "steps": len(step_s)}
