@@ -31,7 +31,10 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
   the planner process: on a machine whose cores are all busy the process's draft takes CPU
   time from the training thread like any other process.
 - The draft's CPU time over a fixed reference computation's (numpy and Python, run in the same
-  process): a machine-independent figure a planner twice as slow doubles.
+  process, just before and just after each shape's drafts: this VM's speed drifts by 10% and
+  more within minutes): a machine-independent figure a planner twice as slow doubles. The
+  drafts are timed back to back, as the planner process makes them; the parts in a pass of
+  their own.
 
     .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost_quality_descent.json
 """
@@ -176,10 +179,12 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     # calibration: timed between the drafts, the parts' own tables and searches evicted the
     # draft's from the caches (the draft read 8-10% slower there than in a loop of its own)
     states, done = [], []
+    ref_before = reference_ms()         # this VM's speed drifts: measured around the drafts
     for k, segs in enumerate(batches):
         states.append(lm.calibration_state())
         d = drafter.draft(k, 0, segs, m, with_dst=True)
         done.append((d, after_step(lm, sb, d, after_tracker, after_rng)))
+    ref_around = (ref_before + reference_ms()) / 2
     final = lm.calibration_state()
     for k, segs in enumerate(batches):
         lm.load_calibration_state(states[k])
@@ -209,6 +214,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
            and drafter.sb.stand_down_compare == "planned" else 1,
            "parts_ms": med, "draft_ms": float(np.median(drafts)),
            "draft_ms_each": [round(x, 2) for x in drafts],
+           "reference_ms_around": ref_around,
            "total_ms": float(np.median(drafts)) + after,
            "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
            "sab_stood_down_steps": int(sum(stood)), "steps": len(step_s)}
@@ -332,7 +338,7 @@ def main(argv=None) -> int:
     for name, dp, m, layouts in SHAPES:
         for lay in layouts:
             out = step_overhead(sb, dp=dp, m=m, layout=lay, repeats=args.repeats)
-            out["draft_over_reference"] = out["draft_ms"] / ref_ms
+            out["draft_over_reference"] = out["draft_ms"] / out["reference_ms_around"]
             shapes[f"{name} {lay}"] = out
             if name == "64x16":
                 steps[lay] = out            # the keys earlier results used
