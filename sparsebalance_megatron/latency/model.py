@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -433,11 +434,18 @@ class LatencyModel(Calibration):
         c = self._stage_coef[stage]
         corr = self.correction(rank) if rank is not None else 1.0
         # the stages of one kind share their coefficients: their terms of the same features are
-        # the same arrays, computed once per features object (a step's tables ask every stage)
+        # the same arrays, computed once per features object (a step's tables ask every stage).
+        # The memo holds the arrays and only a weak reference to the terms, which refer to the
+        # features: a strong one would make a cycle that only the garbage collector frees
         memo = f.__dict__.setdefault("_terms_memo", {})
         key = (c["fwd"].tobytes(), c["bwd"].tobytes(), float(corr))
-        if key in memo:
-            return memo[key]
+        hit = memo.get(key)
+        if hit is not None:
+            terms = hit[0]()
+            if terms is None:                  # the last one was freed: the same arrays again
+                terms = UnitTerms(f, *hit[1:])
+                memo[key] = (weakref.ref(terms),) + hit[1:]
+            return terms
         x = f.__dict__.get("_x_stack")
         if x is None:
             x = f.__dict__["_x_stack"] = np.stack(
@@ -448,9 +456,10 @@ class LatencyModel(Calibration):
         fixed = {p: np.maximum(x @ c[p][[0, 1, 3, 4]] + c[p][5] * f.dense_work + c[p][6] * sc
                                + c[p][7] * dc, 0.0) * corr
                  for p in ("fwd", "bwd")}
-        memo[key] = UnitTerms(f, fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr,
-                              float(c["bwd"][2]) * corr)
-        return memo[key]
+        parts = (fixed["fwd"], fixed["bwd"], float(c["fwd"][2]) * corr, float(c["bwd"][2]) * corr)
+        terms = UnitTerms(f, *parts)
+        memo[key] = (weakref.ref(terms),) + parts
+        return terms
 
     def predict_many_fwd_bwd(self, mb_doc_lengths, densities, stage: int,
                              rank: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:

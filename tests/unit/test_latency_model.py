@@ -228,3 +228,24 @@ def test_busy_s_sums_every_ranks_units_and_chunks(layout):
     np.testing.assert_allclose(got, want, rtol=1e-12)
     with pytest.raises(ValueError, match=r"densities shape \(3, 4\): expected \[dp, m, "):
         lm.busy_s(units, dens[..., 0])
+
+
+def test_memoised_terms_do_not_keep_their_features_alive():
+    """The terms memo lives on the features object but refers to the terms only weakly: a
+    step's features are freed when the step drops them, not at the next full collection."""
+    import gc
+    import weakref
+
+    m = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=8192), pp=4)
+    f = m.unit_features([np.array([100, 200, 3000])] * 6)
+    terms = [m.unit_terms(f, s) for s in range(4)]
+    assert m.unit_terms(f, 1) is terms[1]
+    gone = weakref.ref(f)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del f, terms
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
