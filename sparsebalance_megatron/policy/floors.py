@@ -18,6 +18,9 @@ from ..sim.compiled import enabled, kernel
 from .costs import UnitCosts
 from .density_means import WeightTotals
 
+_EPS = float(np.finfo(np.float64).eps)   # the kernels' bounds (numba reads it as a constant)
+
+
 def _verdict_of(value, bound, floor):
     # value >= floor as every summation order within ``bound`` of ``value`` decides it (1 or
     # 0), or -1 where the orders may disagree (NaN: -1)
@@ -37,7 +40,6 @@ def _floors_verdict(grid, idx, w, nv, tot, dense, tot_s, dense_s, mean_floor, st
     # any order is within (n - 1) eps x the sum of the exact one, two orders within twice
     # that, and adding the routed work and dividing by the total round once each. ``sums``
     # [2 nv]: scratch
-    eps = 2.220446049250313e-16
     for k in range(sums.size):
         sums[k] = 0.0
     s = 0
@@ -58,7 +60,7 @@ def _floors_verdict(grid, idx, w, nv, tot, dense, tot_s, dense_s, mean_floor, st
     n = idx.size
     kept += dense
     mean = kept / tot
-    got = _verdict_of(mean, 6.0 * n * eps * kept / tot + 4.0 * eps * mean, mean_floor)
+    got = _verdict_of(mean, 6.0 * n * _EPS * kept / tot + 4.0 * _EPS * mean, mean_floor)
     if got != 1:
         return got
     per = n // nv
@@ -68,7 +70,7 @@ def _floors_verdict(grid, idx, w, nv, tot, dense, tot_s, dense_s, mean_floor, st
         if not t_s > 0:                             # no work: the plain mean of densities
             k_s, t_s = sums[nv + s], float(per)
         value = k_s / t_s
-        got = _verdict_of(value, 6.0 * per * eps * k_s / t_s + 4.0 * eps * value,
+        got = _verdict_of(value, 6.0 * per * _EPS * k_s / t_s + 4.0 * _EPS * value,
                           stage_floor)
         if got == 0:
             return 0
@@ -82,7 +84,6 @@ def _quality_verdict(flat, idx, g, nv):
     # their stages' costs (flat[stage x g + index]) <= 1e-12 (1, 0; -1: numpy's sums must
     # decide), from the sum in an order of its own and its terms' magnitudes (numpy sums each
     # row's stages, then the rows: within (n + rows) eps x the magnitudes of any order's)
-    eps = 2.220446049250313e-16
     total, mag, base = 0.0, 0.0, 0
     for u in range(idx.size):
         j = idx[u]
@@ -96,8 +97,8 @@ def _quality_verdict(flat, idx, g, nv):
             base = 0
     rows = max(idx.size // nv, 1)
     mean = total / rows
-    return _verdict_of(1e-12, 2.0 * (idx.size + rows) * eps * mag / rows
-                       + 4.0 * eps * abs(mean), mean)      # 1e-12 >= mean
+    return _verdict_of(1e-12, 2.0 * (idx.size + rows) * _EPS * mag / rows
+                       + 4.0 * _EPS * abs(mean), mean)      # 1e-12 >= mean
 
 
 class FloorCheck:

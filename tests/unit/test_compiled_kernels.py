@@ -383,7 +383,7 @@ def signatures():
     return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
             if not k[1] in ("_set_units", "_set_units_formula", "_simulate", "_lift",
                             "_unit_seconds", "_limit", "_top",
-                            "_gain_index", "_start", "_keep", "_lifted", "_gain_q",
+                            "_gain_index", "_start", "_lifted", "_gain_q",
                             "_position", "_clipped", "_before", "_sift_up", "_sift_down",
                             "_py_sum", "_bins", "_row_makespan", "_fill_searched",
                             "_lift_step", "_simulate_rows", "_moves_row", "_unit_places",
