@@ -10,6 +10,23 @@ from sparsebalance_megatron.policy.floors import FloorCheck
 from test_policy_dst import _quality, synthetic_costs
 
 
+def _counting(monkeypatch, cls, name: str) -> tuple:
+    """(calls, the method as it was): ``cls.name`` patched to count its calls, the numba
+    kernels' fall-back to numpy's sums; skipped without numba (every check is numpy's)."""
+    from sparsebalance_megatron.sim import compiled
+
+    if not compiled.enabled():
+        pytest.skip("numba is not installed: every check is numpy's")
+    calls, real = [], getattr(cls, name)
+
+    def counted(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls, real
+
+
 def test_the_floor_checks_compiled_sums_decide_only_what_no_summation_order_can_change(
         monkeypatch):
     """With numba, a check by grid index sums the plan in a compiled pass of its own order and
@@ -18,18 +35,7 @@ def test_the_floor_checks_compiled_sums_decide_only_what_no_summation_order_can_
     rounding of it, is checked with numpy's sums; one clearly off it is decided by the
     compiled sums alone; every verdict is numpy's (with routed work, and with a stage without
     work, whose density is its plain mean)."""
-    from sparsebalance_megatron.sim import compiled
-
-    if not compiled.enabled():
-        pytest.skip("numba is not installed: every check is numpy's")
-    numpy_checks = []
-    real = FloorCheck._floors
-
-    def counted(self, d):
-        numpy_checks.append(1)
-        return real(self, d)
-
-    monkeypatch.setattr(FloorCheck, "_floors", counted)
+    numpy_checks, _ = _counting(monkeypatch, FloorCheck, "_floors")
     rng = np.random.default_rng(12)
     decided = fell_back = 0
     for case in range(16):
@@ -74,18 +80,8 @@ def test_the_quality_checks_compiled_sum_decides_only_what_no_summation_order_ca
     1e-12 itself, or within rounding of it, is checked with numpy's sums; one clearly off it
     by the compiled sum alone; every verdict is ``plan_cost_at``'s."""
     from sparsebalance_megatron.policy.quality import StageQuality
-    from sparsebalance_megatron.sim import compiled
 
-    if not compiled.enabled():
-        pytest.skip("numba is not installed: every check is numpy's")
-    numpy_checks = []
-    real = StageQuality.plan_cost_at
-
-    def counted(self, idx, grid):
-        numpy_checks.append(1)
-        return real(self, idx, grid)
-
-    monkeypatch.setattr(StageQuality, "plan_cost_at", counted)
+    numpy_checks, real = _counting(monkeypatch, StageQuality, "plan_cost_at")
     rng = np.random.default_rng(13)
     decided = fell_back = 0
     for case in range(8):
