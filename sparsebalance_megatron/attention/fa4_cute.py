@@ -1,18 +1,33 @@
 """FlashAttention-4's CuTe DSL block-sparse kernels called directly (backend ``fa4``; Hopper).
 
-Targets ``flash-attn-4`` 4.0.0b8 (the wheels ``scripts/gpu_wheels.sh`` packs for torch 2.11):
-``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd`` with ``block_sparse_tensors``
-and a causal ``mask_mod``. Its public ``flash_attn_func`` is not used: in 4.0.0b8 its backward
-drops the block-sparse tensors and the mask_mod (dense, non-causal gradients). Neither block-sparse
-kernel takes ``cu_seqlens`` in 4.0.0b8 (the forward refuses varlen; newer ones take it in the
-forward only), so a packed micro-batch runs as one sequence in the block layout: documents start
-on block boundaries, the kernel sees the ``NB * B`` rows of the layout's blocks, the block ids
-are global. The sequence length is a run-time value of FA4's compiled kernels (its compile key
-holds no length), so no fixed padded length is needed.
+Targets ``flash-attn-4`` 4.0.0b36 with ``nvidia-cutlass-dsl`` 4.8.1 (the wheels
+``scripts/gpu_wheels.sh`` packs for torch 2.11): ``flash_attn.cute.interface._flash_attn_fwd`` /
+``_flash_attn_bwd`` with ``block_sparse_tensors`` and a causal ``mask_mod``. Its public
+``flash_attn_func`` is not used: it is an autograd Function, not the ``custom_op`` pair below
+(the forward writes into our ``out`` and hands back its log-sum-exp for our backward), and
+4.0.0b8's dropped the block-sparse tensors and the mask_mod in the backward (4.0.0b36 takes them,
+``block_sparse_tensors_bwd``). The block-sparse backward refuses ``cu_seqlens`` (4.0.0b36:
+"Varlen backward with block sparsity is not yet supported"; the forward takes varlen lists), so
+a packed micro-batch runs as one sequence in the block layout: documents start on block
+boundaries, the kernel sees the ``NB * B`` rows of the layout's blocks, the block ids are global.
+The sequence length is a run-time value of FA4's compiled kernels (its compile key holds no
+length), so no fixed padded length is needed.
+
+From 4.0.0b8 to 4.0.0b36: ``_flash_attn_fwd`` returns five values (out, lse and three MLA-only
+ones), so the log-sum-exp is taken by position; the arguments passed here kept their names and
+meaning, ``BlockSparseTensorsTorch`` its first four fields (then varlen offsets, ``block_size``,
+deterministic-backward write orders), and the lists their layout. What this backend relies on
+since: the Hopper block-sparse backward waits for its preprocess (4.0.0b26, PR #2756; before it,
+gradients were now and then garbage or NaN), and its head-dim-64 gradients were confirmed right
+on 4.0.0b11 when given the transposed lists, as here (issue #2623, wrong gradients through
+4.0.0b5's public function, which gave the backward none).
 
 GQA without copies: the KV groups are FA4's *batch* (q ``[ng, T, rep, hn]``, k/v ``[ng, T, 1,
 hn]``, views of ``[T, heads, hn]``), so a block list per group is FA4's ``[B=ng, H=1, ...]``
-list, broadcast over the group's query heads (FA4's ``pack_gqa`` needs ``H == 1``).
+list, broadcast over the group's query heads. The forward packs the group's heads into its row
+tiles (``pack_gqa``, which FA4 keeps only for lists with ``H == 1``; a packed tile maps to the
+sparse block of its tokens); the backward never packs and sums dK/dV over the group's heads
+in float32 before the cast.
 
 The lists. For query block i the diagonal block i is the only partial block: documents start on
 block boundaries, so it holds its own document's tokens then padding, and causality by position
@@ -20,12 +35,16 @@ block boundaries, so it holds its own document's tokens then padding, and causal
 after all its real queries. Padding query rows compute values that ``layout.unpad`` drops and get
 a zero output gradient, so they add nothing to dK/dV. Every other kept block (sinks, window,
 selection) is full. Forward: partial = the diagonal, full = ``q_idx``; backward (FA4 walks key
-blocks): partial = the diagonal, full = ``kv_idx``.
+blocks and takes the transposed lists as given, ``[B, H, key blocks, W]``; it derives none):
+partial = the diagonal, full = ``kv_idx``.
 
-FA4 wants 128x128 sparse blocks on Hopper: the KV block must equal its 128-column tile at head
-dim <= 128 (wider heads get narrower tiles), the query block a multiple of its 128- or 64-row
-tiles. Blackwell's forward runs two 128-row Q tiles per CTA (256-row sparse blocks), so only
-compute capability 9.x is accepted.
+FA4 wants 128x128 sparse blocks on Hopper (4.0.0b36 as 4.0.0b8): the KV block must equal its key
+tile (no KV sub-tiles on Hopper), which is 128 columns at head dim <= 128 (the backward's 96 / 64
+beyond; 4.0.0b36's forward narrows its tiles to a smaller block, its backward does not, so block
+64 is refused there); the query block a multiple of its row tile, 128 forward (the 192-row tile
+at head dim <= 96 does not divide 128, so FA4 takes 128), 128 backward at head dim <= 64 and 64
+above (two row tiles per block). Blackwell's forward runs two 128-row Q tiles per CTA (256-row
+sparse blocks), so only compute capability 9.x is accepted.
 
 Contract (T = NB * B tokens of the block layout, B = 128, ``rep = np / ng``; every tensor on
 one CUDA device; bf16/fp: bfloat16 or float16):
@@ -49,7 +68,8 @@ The lists are ``block_lists.build_block_lists(selection)`` (one Triton kernel on
 host sync; the ``triton`` backend reads the same lists), handed over as they are: same widths
 (``Wq = max(1, K - 1)``, ``Wk = max(1, longest document's blocks - 1)``), int32, contiguous,
 ascending. Its entries past a count hold the row's own block, which is in ``[0, NB)``; FA4 reads
-none of them (4.0.0b8 ``block_sparse_utils.py``: every loop over a list stops at its count).
+none of them (4.0.0b36 ``block_sparse_utils.py``: every loop over a list stops at its count; its
+``block_sparsity.py`` takes lists narrower than the block count, "compact block sparse indices").
 Importing this module needs neither flash-attn-4, triton nor a GPU; ``fa4_missing`` says what is
 missing. Pure torch (triton through ``block_lists``, imported when the lists are built); must
 not import megatron or torch.distributed.
@@ -67,8 +87,8 @@ from .selection import BlockSelection
 
 FA4_BLOCK = 128                      # the sparse block FA4's Hopper tiles accept (see above)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
-INSTALL_HINT = ("pip install --pre 'flash-attn-4[cu13]' (4.0.0b8 with nvidia-cutlass-dsl "
-                "4.4.2: scripts/gpu_wheels.sh, docs/GPU.md)")
+INSTALL_HINT = ("pip install --pre 'flash-attn-4[cu13]' (4.0.0b36 with nvidia-cutlass-dsl "
+                "4.8.1: scripts/gpu_wheels.sh, docs/GPU.md)")
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,7 +102,8 @@ def have_fa4() -> bool:
 
 def fa4_missing(device) -> Optional[str]:
     """Why the ``fa4`` backend cannot run on ``device`` (None when it can): CUDA, a Hopper GPU
-    (compute capability 9.x), flash-attn-4 and triton (the lists' builder)."""
+    (compute capability 9.x), flash-attn-4, CuTe DSL's ``cutlass`` and triton (the lists'
+    builder)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return "it needs a CUDA device"
     major, minor = torch.cuda.get_device_capability(torch.device(device))
@@ -91,6 +112,10 @@ def fa4_missing(device) -> Optional[str]:
                 f"FA4's block-sparse tiles take 128-token blocks there only")
     if not have_fa4():
         return f"flash-attn-4 is not installed ({INSTALL_HINT})"
+    if importlib.util.find_spec("cutlass") is None:
+        return ("CuTe DSL's cutlass package is not importable: nvidia-cutlass-dsl 4.8.1 keeps it "
+                "in nvidia_cutlass_dsl/dsl_packages, which its .pth file puts on sys.path; a pip "
+                "--target folder on PYTHONPATH reads no .pth file, so add that folder too")
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (the block lists are built by a Triton kernel)"
     return None
@@ -174,10 +199,10 @@ def forward_kernel(q, k, v, q_num, q_idx, block_size: int, softmax_scale: float)
     ng = k.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
-    _, lse = interface._flash_attn_fwd(
+    lse = interface._flash_attn_fwd(
         _groups(q, ng), _groups(k, ng), _groups(v, ng), softmax_scale=softmax_scale,
         mask_mod=_causal_mask_mod(), return_lse=True, out=_groups(out, ng),
-        block_sparse_tensors=_sparse(fa4_sparse_tensors(q_num, q_idx), block_size))
+        block_sparse_tensors=_sparse(fa4_sparse_tensors(q_num, q_idx), block_size))[1]
     return out, lse
 
 

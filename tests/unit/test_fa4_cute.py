@@ -14,6 +14,7 @@ engine) on our lists, tile sizes and GQA layout (docs/GPU.md says how to install
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -226,18 +227,49 @@ def test_refusals_name_the_backend_and_value(interp):
     interp("check_list_refusals_name_the_tensor")
 
 
+def test_missing_cutlass_names_the_dsl_packages_folder():
+    """flash-attn-4 found but not CuTe DSL's ``cutlass``: a ``pip --target`` install on
+    PYTHONPATH, whose ``.pth`` file adding ``nvidia_cutlass_dsl/dsl_packages`` is not read."""
+    from sparsebalance_megatron.attention import fa4_cute
+    find_spec = importlib.util.find_spec
+
+    def spec(name, *args):
+        return None if name == "cutlass" else find_spec(name, *args)
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(torch.cuda, "get_device_capability", return_value=(9, 0)), \
+            mock.patch.object(fa4_cute, "have_fa4", return_value=True), \
+            mock.patch.object(importlib.util, "find_spec", spec):
+        why = fa4_cute.fa4_missing("cuda")
+    assert "cutlass package is not importable" in why and "nvidia_cutlass_dsl/dsl_packages" in why
+
+
 # --- compile-only check of FA4's Hopper kernels (needs flash_attn.cute, not a GPU) -------------
 
 def compile_check(shapes) -> None:
     """Compile FA4's sm_90 forward and backward on our lists for each ``(np, ng, hn)``: a
     FakeTensorMode (FA4 compiles and skips the launch) and ``cute.compile`` without its JIT
     engine (which needs a CUDA driver). Run in a fresh process: the arch variables are read
-    when CuTe DSL loads (and TRITON_INTERPRET=1: the lists are built on CPU)."""
+    when CuTe DSL loads (and TRITON_INTERPRET=1: the lists are built on CPU). Prints the tiles
+    FA4 chose for each kernel it built."""
     import cutlass.cute as cute
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from flash_attn.cute import interface
+    from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, interface
     from sparsebalance_megatron.attention import fa4_cute
 
+    tiles = []
+
+    def record(init):
+        def wrapped(self, *args, **kw):
+            init(self, *args, **kw)
+            tiles.append(f"{type(self).__name__[len('FlashAttention'):]} "
+                         f"{self.tile_m}x{self.tile_n}"
+                         f"{' pack_gqa' if getattr(self, 'pack_gqa', False) else ''}")
+        return wrapped
+
+    for cls in (flash_fwd_sm90.FlashAttentionForwardSm90,
+                flash_bwd_sm90.FlashAttentionBackwardSm90):
+        cls.__init__ = record(cls.__init__)
     compile_og = cute.compile
 
     class NoJit:
@@ -262,14 +294,18 @@ def compile_check(shapes) -> None:
             assert lse.shape == (ng, nh // ng, t)
             fa4_cute.backward_kernel(torch.empty_like(out), q, k, v, out, lse, kv_num, kv_idx,
                                      128, hn ** -0.5)
-        print(f"compiled fwd+bwd np={nh} ng={ng} hn={hn}", flush=True)
+        print(f"compiled fwd+bwd np={nh} ng={ng} hn={hn}: {', '.join(tiles)}", flush=True)
+        tiles.clear()
 
 
 def test_fa4_compiles_our_lists_for_hopper():
     pytest.importorskip("flash_attn.cute", reason="flash-attn-4 is not installed (docs/GPU.md: "
                         "the FA4 wheels and PYTHONPATH for the compile-only check)")
+    # FA4 takes the SM count it plans for from FLASH_ATTENTION_NUM_SMS when no GPU of the
+    # target arch is there (132: H100 SXM and H200)
     env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a",
-               TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
+               FLASH_ATTENTION_NUM_SMS="132", TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), *sys.path]))
     code = ("from tests.unit.test_fa4_cute import compile_check; "
             "compile_check([(14, 2, 64), (32, 8, 128)])")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
