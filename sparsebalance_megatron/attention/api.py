@@ -273,14 +273,14 @@ def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_
                      fixed_length=flex_kernel is not None, pad_tokens=pad_tokens)
     density_doc, density_host = _density(layout, density)
     budget = dict(budget, density_host=density_host)
-    if backend == "triton":     # unpadded tokens, fused selection: 7 launches fwd, 3 bwd
+    if backend in ("triton", "fa4"):    # fused selection and lists, then the kernel
         from .sparse_triton_select import triton_block_sparse
         return triton_block_sparse(q, k, v, layout, density_doc, estimator=estimator,
                                    softmax_scale=softmax_scale, reduce_shares=reduce_shares,
-                                   **budget)
+                                   kernel=backend, **budget)
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
-    if flex_kernel is not None or backend == "fa4":
+    if flex_kernel is not None:
         with torch.no_grad():
             qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
             keys = k_pad.detach()[:layout.num_blocks * block_size].permute(1, 0, 2)
@@ -288,13 +288,9 @@ def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_
             if reduce_shares is not None:
                 shares = reduce_shares(shares)
         selection = select_from_shares(shares, layout, density_doc, **budget)
-        if backend == "fa4":     # the layout's own blocks: FA4 takes the length at run time
-            from .fa4_cute import fa4_attention_padded
-            out = fa4_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale)
-        else:
-            from .flex import flex_attention_padded
-            out = flex_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale,
-                                        compile_backend, flex_kernel)
+        from .flex import flex_attention_padded
+        out = flex_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale,
+                                    compile_backend, flex_kernel)
         return layout.unpad(out), selection
 
     q_blk = to_blocks_q(q_pad, num_groups, block_size)       # [ng, NB, rep, B, hn]

@@ -64,15 +64,16 @@ returned    [T, np, hn]             as q     attention output (contiguous)
 (saved)     lse [ng, rep, T]        float32  log-sum-exp per row, for the backward only
 ==========  ======================  =======  ==============================================
 
-The lists are ``block_lists.build_block_lists(selection)`` (one Triton kernel on the device, no
-host sync; the ``triton`` backend reads the same lists), handed over as they are: same widths
+The lists are the ``triton`` backend's, made by its fused selection
+(``sparse_triton_select.triton_block_sparse(kernel="fa4")``: ``block_lists.lists_from_ranking``
+with the selection, or ``build_block_lists(selection)`` for the generic one; on the device, no
+host sync), handed over as they are: same widths
 (``Wq = max(1, K - 1)``, ``Wk = max(1, longest document's blocks - 1)``), int32, contiguous,
 ascending. Its entries past a count hold the row's own block, which is in ``[0, NB)``; FA4 reads
 none of them (4.0.0b36 ``block_sparse_utils.py``: every loop over a list stops at its count; its
 ``block_sparsity.py`` takes lists narrower than the block count, "compact block sparse indices").
 Importing this module needs neither flash-attn-4, triton nor a GPU; ``fa4_missing`` says what is
-missing. Pure torch (triton through ``block_lists``, imported when the lists are built); must
-not import megatron or torch.distributed.
+missing. Pure torch; must not import megatron or torch.distributed.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .selection import BlockSelection
 
 FA4_BLOCK = 128                      # the sparse block FA4's Hopper tiles accept (see above)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
@@ -284,16 +284,3 @@ def fa4_block_sparse_attention(q, k, v, q_num, q_idx, kv_num, kv_idx, *, block_s
     check_lists(q_num, q_idx, kv_num, kv_idx, ng, t // block_size)
     out, _ = _fwd_op(q, k, v, q_num, q_idx, kv_num, kv_idx, block_size, float(softmax_scale))
     return out
-
-
-def fa4_attention_padded(q_pad, k_pad, v_pad, selection: BlockSelection,
-                         softmax_scale: float) -> torch.Tensor:
-    """q_pad ``[NB * B, np, hn]``, k/v_pad ``[NB * B, ng, hn]`` (the layout's blocks, no tail)
-    -> ``[NB * B, np, hn]`` through FA4 on the selection's lists (``build_block_lists``: one
-    kernel per call, forward and transposed lists together, on the device)."""
-    from .block_lists import build_block_lists
-    lists = build_block_lists(selection)
-    return fa4_block_sparse_attention(q_pad, k_pad, v_pad, lists.q_num, lists.q_idx,
-                                      lists.kv_num, lists.kv_idx,
-                                      block_size=selection.layout.block_size,
-                                      softmax_scale=softmax_scale)

@@ -172,25 +172,37 @@ def check_list_refusals_name_the_tensor():
                                    block_size=128, softmax_scale=0.125)
 
 
-def check_backend_hands_build_block_lists_to_fa4():
-    """The runtime path (``fa4_attention_padded``, what ``backend='fa4'`` calls) passes FA4 the
-    four tensors of ``build_block_lists`` in the contract's order, with the layout's block."""
-    from sparsebalance_megatron.attention import fa4_cute
-    sel = _selection([0, 300, 1024], 4, 2, 16, 128, 0.5, sink_blocks=1)
+def check_backend_hands_the_fused_lists_to_fa4():
+    """The runtime path (``triton_block_sparse(kernel="fa4")``, what ``backend='fa4'`` calls)
+    passes FA4 the layout's block-aligned tokens and the fused selection's four lists, equal to
+    ``build_block_lists`` of the selection it returns, in the contract's order, with the
+    layout's block; FA4's output comes back unpadded."""
+    from sparsebalance_megatron.attention import build_layout, fa4_cute
+    from sparsebalance_megatron.attention.blocks import check_density
+    from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
+    cu, t = [0, 300, 1024], 1024
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, h, 64, generator=g).half() for h in (4, 2, 2))
+    lay = build_layout(cu, t, 128, "cpu")
+    dens, host = check_density(0.5, lay.num_docs, "cpu")
     seen = {}
 
-    def record(q, k, v, *lists, block_size, softmax_scale):
-        seen.update(lists=lists, block_size=block_size, softmax_scale=softmax_scale)
-        return q
+    def record(qp, kp, vp, *lists, block_size, softmax_scale):
+        seen.update(rows=qp.shape[0], lists=lists, block_size=block_size,
+                    softmax_scale=softmax_scale, q=qp)
+        return qp * 2
 
-    t = sel.layout.padded_tokens
     with mock.patch.object(fa4_cute, "fa4_block_sparse_attention", record):
-        fa4_cute.fa4_attention_padded(torch.empty(t, 4, 64), torch.empty(t, 2, 64),
-                                      torch.empty(t, 2, 64), sel, 0.125)
+        out, sel = triton_block_sparse(
+            q, k, v, lay, dens, density_host=host, estimator="pooled", softmax_scale=0.125,
+            sink_blocks=1, local_blocks=0, selection_mode="density", mass_threshold=0.9,
+            min_density=0.125, max_density=1.0, kernel="fa4")
     assert seen["block_size"] == 128 and seen["softmax_scale"] == 0.125
+    assert seen["rows"] == lay.num_blocks * 128 and torch.equal(seen["q"], lay.pad(q))
     for got, want in zip(seen["lists"], _lists(sel), strict=True):
         assert torch.equal(got, want)
     assert int(seen["lists"][2][0, 3]) == 5             # the second document's sink column
+    assert torch.equal(out, q * 2)                      # unpadded: each token its own row
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -209,8 +221,8 @@ def test_custom_op_autograd_on_fake_tensors(interp):
     interp("check_custom_op_autograd_on_fake_tensors")
 
 
-def test_backend_hands_build_block_lists_to_fa4(interp):
-    interp("check_backend_hands_build_block_lists_to_fa4")
+def test_backend_hands_the_fused_lists_to_fa4(interp):
+    interp("check_backend_hands_the_fused_lists_to_fa4")
 
 
 def test_refusals_name_the_backend_and_value(interp):

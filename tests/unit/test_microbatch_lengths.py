@@ -56,15 +56,17 @@ def test_auto_is_variable_for_sab_with_dense_attention():
     assert resolve(["--sb-batching", "--sb-seq-pad-multiple", "3"])[0] == 384
 
 
-def test_auto_is_variable_for_sparse_attention_through_triton():
-    """The triton kernel takes any length: sparse attention through it packs as dense SAB does;
-    'auto' (which may become flex, a compile per length) and flex keep fixed shapes."""
-    k, why = resolve(["--sparse-balance", "--sb-attention-backend", "triton"])
-    assert k == VARIABLE_MULTIPLE and "the triton kernel takes any length" in why
+def test_auto_is_variable_for_sparse_attention_through_triton_or_fa4():
+    """The triton and fa4 kernels take any length: sparse attention through them packs as
+    dense SAB does; 'auto' off a GPU (which may become flex, a compile per length) and flex keep
+    fixed shapes."""
+    for backend in ("triton", "fa4"):
+        k, why = resolve(["--sparse-balance", "--sb-attention-backend", backend])
+        assert k == VARIABLE_MULTIPLE and f"the {backend} kernel takes any length" in why
     for backend in ("auto", "flex", "torch"):
         k, why = resolve(["--sparse-balance", "--sb-attention-backend", backend])
         assert k == 0 and f"through the {backend} backend" in why
-        assert "--sb-attention-backend triton takes any length" in why
+        assert "--sb-attention-backend fa4 or triton takes any length" in why
     # what else needs fixed shapes still does
     assert resolve(["--sparse-balance", "--sb-attention-backend", "triton"], hybrid=True)[0] == 0
     assert resolve(["--sparse-balance", "--sb-attention-backend", "triton", "--sb-packing",
@@ -157,11 +159,12 @@ def test_a_replay_takes_the_multiple_its_plans_were_packed_at(tmp_path):
         == VARIABLE_MULTIPLE
 
 
-def test_auto_on_a_gpu_runs_triton_at_variable_lengths(monkeypatch):
-    """On CUDA, where the triton kernel serves the model, 'auto' runs it and packs variable
-    lengths (the H200: fixed-length sparse runs paid 30% padding); where triton cannot run
-    (here: a head dim it does not take) 'auto' keeps fixed shapes and its measured pick. The
-    start-up profile then times only length-free kernels."""
+def test_auto_on_a_gpu_runs_a_length_free_kernel_at_variable_lengths(monkeypatch):
+    """On CUDA, where a length-free kernel serves the model, 'auto' runs the first (fa4 where
+    flash-attn-4 is installed, else triton) and packs variable lengths (the H200: fixed-length
+    sparse runs paid 30% padding); where none can run (here: a head dim they do not take)
+    'auto' keeps fixed shapes and its measured pick. The start-up profile then times only
+    length-free kernels."""
     import torch
 
     from sparsebalance_megatron.attention import api
@@ -173,8 +176,12 @@ def test_auto_on_a_gpu_runs_triton_at_variable_lengths(monkeypatch):
     monkeypatch.setattr(api, "_AUTO_MEASURED", {})      # what a launch registers is undone
     asked = []
 
+    fa4 = [False]
+
     def missing(backend, device, *, dtype=None, head_dim=None, block_size=None):
         asked.append((backend, dtype, head_dim, block_size))
+        if backend == "fa4" and not fa4[0]:
+            return "flash-attn-4 is not installed"
         return None if head_dim in (None, 64, 128) else f"head dim {head_dim}"
     monkeypatch.setattr(api, "backend_missing", missing)
     model = dict(hidden_size=896, num_attention_heads=14, kv_channels=64, bf16=True)
@@ -185,7 +192,15 @@ def test_auto_on_a_gpu_runs_triton_at_variable_lengths(monkeypatch):
     try:
         sb, _ = apply_length_multiple(args, config_from_args(args), plugin_data=True)
         assert sb.length_multiple == VARIABLE_MULTIPLE
-        assert api.auto_backend("cuda")[0] == "triton" and auto_candidates(sb) == ("triton",)
+        assert api.auto_backend("cuda")[0] == "triton"
+        assert auto_candidates(sb) == ("fa4", "triton")   # the profile times both that run
+        fa4[0] = True                                    # flash-attn-4 installed: fa4 first
+        k, why = resolve(["--sparse-balance"], **model)
+        assert "--sb-attention-backend auto runs the fa4 kernel" in why
+        args = launch_args(["--sparse-balance"], **model)
+        apply_length_multiple(args, config_from_args(args), plugin_data=True)
+        assert api.auto_backend("cuda")[0] == "fa4"
+        fa4[0] = False
     finally:
         api.set_auto_backend(None, "")
     assert auto_candidates(SparseBalanceConfig(microbatch_multiple=0)) == AUTO_CANDIDATES

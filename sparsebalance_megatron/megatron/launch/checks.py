@@ -229,12 +229,10 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
                    f"parallel ranks)")
     kernel = _gpu_kernel(sb)
     if kernel and kernel not in LENGTH_FREE_BACKENDS:   # the one list 'auto' packs by too
-        # FA4's kernels take the length at run time; flex compiles one kernel per length
-        compiles = "" if kernel == "fa4" else "each micro-batch length would compile its own " \
-            "kernel; "
-        out.append(f"{flag} with the {kernel} attention backend ({compiles}verified with "
-                   f"the torch backend only so far: add {flag_name('attention_backend')} torch, "
-                   f"or triton on a GPU, whose kernels take any length)")
+        out.append(f"{flag} with the {kernel} attention backend (each micro-batch length "
+                   f"would compile its own kernel: add {flag_name('attention_backend')} "
+                   f"{' or '.join(LENGTH_FREE_BACKENDS)} on a GPU, whose kernels take any "
+                   f"length, or torch)")
     if str(getattr(args, "cuda_graph_impl", "none") or "none") != "none" \
             or getattr(args, "enable_cuda_graph", False) \
             or getattr(args, "external_cuda_graph", False):

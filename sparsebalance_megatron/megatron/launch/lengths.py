@@ -11,9 +11,9 @@ given is kept as given (the launch checks judge it).
 
 Variable where all hold: the plugin's data path, SAB packing, dense attention (Megatron's own
 attention takes any THD length, as its packing scheduler feeds it) or a sparse backend that
-takes any length (``LENGTH_FREE_BACKENDS``: triton; flex compiles per length; 'auto' on CUDA
-where triton serves the model, ``auto_takes_any_length``: it then runs triton, and the
-start-up profile times only length-free kernels), no HybridModel (its Mamba
+takes any length (``LENGTH_FREE_BACKENDS``: fa4 and triton; flex compiles per length; 'auto'
+on CUDA where one of them serves the model, ``auto_takes_any_length``: it then runs one, and
+the start-up profile times only length-free kernels), no HybridModel (its Mamba
 layers' packed path is not verified here), no CUDA graphs (they capture fixed shapes), and a latency
 table that prices shorter micro-batches (the start-up profile is taken at several token totals;
 a given table profiled at one total cannot tell token work from per-micro-batch costs). The
@@ -33,12 +33,15 @@ from typing import Optional
 
 from ...config import SparseBalanceConfig, flag_name
 
-LENGTH_FREE_BACKENDS = ("triton",)
-"""Sparse backends whose kernels take any micro-batch length without compiling again (triton:
-the per-micro-batch sizes are not specialised on; ``sparse_triton_kernels``), so 'auto' packs
-variable-length micro-batches for them as for dense attention. On an H200 the fixed length
-cost the sparse runs of the long-document data set 30% padding (2026-11-26,
-``docs/results/gpu_check_h200_run1_train.json``: 45,780 real tokens of 65,536 positions per
+LENGTH_FREE_BACKENDS = ("fa4", "triton")
+"""Sparse backends whose kernels take any micro-batch length without compiling again (fa4: no
+length in FlashAttention-4's compile keys, 4.0.0b36; triton: the per-micro-batch sizes are not
+specialised on, ``sparse_triton_kernels``), so 'auto' packs variable-length micro-batches for
+them as for dense attention; in the order 'auto' prefers them before its start-up profile times
+them (fa4 first: the H200's kernel table of 2026-11-26, one 32K document, fwd+bwd against cuDNN:
+0.46x / 0.39x at density 0.25 where triton took 0.70x / 0.53x, 8/2/128 and 14/2/64). On an
+H200 the fixed length cost the sparse runs of the long-document data set 30% padding
+(``docs/results/gpu_check_h200_run1_train.json``: 45,780 real tokens of 65,536 positions per
 step on average)."""
 
 VARIABLE_MULTIPLE = 128
@@ -86,13 +89,14 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         return recorded, (f"{kind} micro-batches ({flag}: as the plans of "
                           f"{flag_name('replay_plans')} were packed)")
     fixed = None
-    auto_triton = sb.sparse_attention_enabled and sb.attention_backend == "auto" \
-        and auto_takes_any_length(args, sb)
+    auto_free = length_free_backend(args, sb) if sb.sparse_attention_enabled \
+        and sb.attention_backend == "auto" else None
+    free_names = " or ".join(LENGTH_FREE_BACKENDS)
     if sb.sparse_attention_enabled and sb.attention_backend not in LENGTH_FREE_BACKENDS \
-            and not auto_triton:
+            and auto_free is None:
         fixed = (f"sparse attention through the {sb.attention_backend} backend (flex compiles "
-                 f"a kernel per length and 'auto' may pick it where triton cannot run; "
-                 f"{flag_name('attention_backend')} triton takes any length)")
+                 f"a kernel per length and 'auto' may pick it where {free_names} cannot run; "
+                 f"{flag_name('attention_backend')} {free_names} takes any length)")
     elif sb.packing_method != "sab":
         fixed = f"{sb.packing_method} packing (Megatron's fixed shapes)"
     elif hybrid:
@@ -111,26 +115,22 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
     k = math.lcm(VARIABLE_MULTIPLE, sb.pad_multiple(cp))
     if getattr(args, "sequence_parallel", False) and tp > 1:
         k = math.lcm(k, tp * cp)
-    what = ("the triton kernel takes any length" if sb.sparse_attention_enabled
+    what = (f"the {sb.attention_backend} kernel takes any length" if sb.sparse_attention_enabled
             else "SAB with dense attention pays no fill")
-    if auto_triton:
-        what = f"{flag_name('attention_backend')} auto runs the triton kernel, which " \
+    if auto_free is not None:
+        what = f"{flag_name('attention_backend')} auto runs the {auto_free} kernel, which " \
                f"takes any length"
     return k, (f"variable-length micro-batches, multiples of {k} tokens ({flag}: {what}; "
                f"{flag_name('microbatch_multiple')} 0 keeps --seq-length shapes)")
 
 
-def auto_takes_any_length(args, sb: SparseBalanceConfig) -> bool:
-    """Whether ``--sb-attention-backend auto`` runs a length-free kernel in this launch: on CUDA
-    where the triton kernel serves the model's head dim, dtype and block size. 'auto' then runs
-    triton and packs variable-length micro-batches (``apply_length_multiple`` registers it);
-    the fastest kernel on one document may be flex, but its fixed shapes cost the padding
-    (the H200's two runs of 2026-11-26: 0.52x dense + SAB at fixed length, 1.04x variable).
-    Off CUDA, or where triton cannot run, 'auto' keeps fixed shapes and its measured pick."""
+def length_free_backend(args, sb: SparseBalanceConfig) -> Optional[str]:
+    """The first of ``LENGTH_FREE_BACKENDS`` that serves the model's head dim, dtype and block
+    size on this machine's CUDA device (None off CUDA or where none does)."""
     import torch
 
     if not torch.cuda.is_available():
-        return False
+        return None
     from ...attention.api import backend_missing
 
     heads = getattr(args, "num_attention_heads", None)
@@ -138,8 +138,20 @@ def auto_takes_any_length(args, sb: SparseBalanceConfig) -> bool:
         args.hidden_size // heads if heads and getattr(args, "hidden_size", None) else None)
     dtype = (torch.bfloat16 if getattr(args, "bf16", False)
              else torch.float16 if getattr(args, "fp16", False) else torch.float32)
-    return backend_missing("triton", "cuda", dtype=dtype, head_dim=head_dim,
-                           block_size=sb.block_size) is None
+    return next((b for b in LENGTH_FREE_BACKENDS
+                 if backend_missing(b, "cuda", dtype=dtype, head_dim=head_dim,
+                                    block_size=sb.block_size) is None), None)
+
+
+def auto_takes_any_length(args, sb: SparseBalanceConfig) -> bool:
+    """Whether ``--sb-attention-backend auto`` runs a length-free kernel in this launch: on CUDA
+    where one of them serves the model (``length_free_backend``). 'auto' then runs it and packs
+    variable-length micro-batches (``apply_length_multiple`` registers it; the start-up profile
+    times every length-free one and keeps the fastest); the fastest kernel on one document may
+    be flex, but its fixed shapes cost the padding (the H200's two runs of 2026-11-26: 0.52x
+    dense + SAB at fixed length, 1.04x variable). Off CUDA, or where none can run, 'auto' keeps
+    fixed shapes and its measured pick."""
+    return length_free_backend(args, sb) is not None
 
 
 def apply_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
@@ -154,9 +166,10 @@ def apply_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
     if sb.microbatch_multiple_value is None:
         setattr(args, dest_name("microbatch_multiple"), str(k))
         sb = config_from_args(args)
-    if k and sb.sparse_attention_enabled and sb.attention_backend == "auto" \
-            and auto_takes_any_length(args, sb):
-        from ...attention.api import set_auto_backend    # variable lengths: the length-free one
-        set_auto_backend(LENGTH_FREE_BACKENDS[0], f"{flag_name('microbatch_multiple')} {k}: "
-                         f"variable-length micro-batches take the length-free kernel")
+    free = length_free_backend(args, sb) if k and sb.sparse_attention_enabled \
+        and sb.attention_backend == "auto" else None
+    if free is not None:
+        from ...attention.api import set_auto_backend    # variable lengths: a length-free one
+        set_auto_backend(free, f"{flag_name('microbatch_multiple')} {k}: variable-length "
+                         f"micro-batches take a length-free kernel")
     return sb, why
