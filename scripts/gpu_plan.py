@@ -284,7 +284,7 @@ def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pi
     """There: verify each folder, then install its wheels into ``site`` (``--no-deps``; a piece
     is staged until its set is complete). Returns what was installed, in words. ``complete``:
     a set whose other pieces are not staged is a ValueError (the machine came back bare)."""
-    wheels = []
+    wheels, waiting = [], []
     for folder in folders:
         verify(folder)
         names = os.listdir(folder)
@@ -301,7 +301,8 @@ def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pi
                 if complete:
                     raise ValueError(f"{folder}: the other pieces are not in {stage} (a bare "
                                      f"machine: the call that carries them must run first)")
-                return f"{folder}: staged; waiting for the other pieces in {stage}"
+                waiting.append(f"{folder}: staged; waiting for the other pieces in {stage}")
+                continue
             wheels += [os.path.join(joined, n) for n in os.listdir(joined) if n.endswith(".whl")]
         else:
             wheels += [os.path.join(folder, n) for n in names if n.endswith(".whl")]
@@ -309,7 +310,7 @@ def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pi
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                         "--no-compile", "--no-cache-dir", "--upgrade", "--target", site,
                         *sorted(wheels)], check=True)
-    return f"installed {len(wheels)} wheels into {site}"
+    return "; ".join([f"installed {len(wheels)} wheels into {site}"] + waiting)
 
 
 def main(argv=None) -> int:

@@ -540,3 +540,30 @@ def test_steps_that_paid_a_triton_compile_are_reported_and_left_out_beside():
     assert out["speedup_vs_best_dense_no_compile"] == pytest.approx(1.25)
     assert out["paired_speedup_vs_best_dense_no_compile"] == pytest.approx(1.25)
     assert out["paired_speedup_vs_best_dense"] == pytest.approx(1.25)   # median of 0.83, 1.25 x2
+
+
+def test_unpack_installs_plain_wheels_beside_a_staged_piece(tmp_path, monkeypatch):
+    """A call that carries .whl and the first FA4 piece installs .whl's wheels and stages the
+    piece; the next, with the second piece, installs the joined set; --complete refuses a
+    machine that came back bare."""
+    import random
+    gp = _script("gpu_plan")
+    plain, src = tmp_path / "plain", tmp_path / "src"
+    plain.mkdir()
+    src.mkdir()
+    (plain / "a-1-py3-none-any.whl").write_bytes(b"a")
+    gp.write_manifest(str(plain))
+    import zipfile
+    with zipfile.ZipFile(src / "b-1-py3-none-any.whl", "w") as z:
+        z.writestr("b/__init__.py", random.Random(1).randbytes(30000))
+    first, second = gp.pack(str(src), str(tmp_path / "pieces"), 20000)
+    installed = []
+    monkeypatch.setattr(gp.subprocess, "run", lambda cmd, check: installed.append(
+        sorted(os.path.basename(c) for c in cmd if c.endswith(".whl"))))
+    stage = str(tmp_path / "stage")
+    said = gp.unpack([str(plain), first], site=str(tmp_path / "site"), stage=stage)
+    assert installed == [["a-1-py3-none-any.whl"]] and "staged; waiting" in said
+    with pytest.raises(ValueError, match="the other pieces are not in"):
+        gp.unpack([second], stage=str(tmp_path / "bare"), complete=True)
+    gp.unpack([second], site=str(tmp_path / "site"), stage=stage, complete=True)
+    assert installed[-1] == ["b-1-py3-none-any.whl"]
