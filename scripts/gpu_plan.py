@@ -95,13 +95,27 @@ ENV = (f"export PYTHONPATH={SITE}:{SITE}/nvidia_cutlass_dsl/dsl_packages:$PWD "
        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1; ")
 
 
+def head_commit(root: str = ROOT) -> str:
+    """The commit the device command runs (the machine's copy of the tree carries git metadata
+    of the session's start, so provenance there reads ``SPARSEBALANCE_COMMIT``); ``+dirty``
+    where tracked files differ from it."""
+    git = ["git", "-C", root]
+    head = subprocess.run(git + ["rev-parse", "--short=10", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
 def command(call: Call) -> str:
-    """The device command of ``call`` (the ``run`` tool's ``command``)."""
+    """The device command of ``call`` (the ``run`` tool's ``command``), naming the commit it
+    runs (``head_commit``)."""
     unpack = "unpack --complete" if call.complete else "unpack"
     backend = "" if call.train_backend == "auto" else f"--train-backend {call.train_backend} "
     bench = (f"--bench-backends {' '.join(call.bench_backends)} " if call.bench_backends
              else "")
     return (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
+            + f"export SPARSEBALANCE_COMMIT={head_commit()}; "
             + f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
             f"--budget-s {call.budget_s} {backend}{bench}--bundle --out-dir $OUT/{call.name}")
 

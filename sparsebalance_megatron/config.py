@@ -125,15 +125,15 @@ class SparseBalanceConfig:
         "or 'pooled' (pooled query x pooled key).", choices=ESTIMATORS)
     attention_backend: str = _f(
         "auto", "Sparse kernel: 'flex' (FlexAttention's Triton kernel, CUDA), 'flash' "
-        "(FlexAttention's FlashAttention-4 kernel: Hopper or newer with flash-attn-4 installed; "
-        "experimental, not yet run on a GPU here), 'fa4' (FlashAttention-4's block-sparse CuTe "
-        "kernels called directly: Hopper, block 128, bf16/fp16, flash-attn-4 installed; "
-        "experimental, not yet run on a GPU), 'triton' (the plugin's own Triton "
-        "block-sparse FlashAttention, CUDA; timed on an H200; takes any micro-batch length), "
-        "'torch' (blockwise PyTorch), 'reference' (dense masked SDPA oracle), or 'auto' (on "
-        "CUDA triton where it serves the model and the micro-batches are variable-length "
-        "(--sb-microbatch-multiple auto), else the backend the latency profile measured "
-        "fastest, flex where none was measured; torch on CPU).",
+        "(FlexAttention's FlashAttention-4 kernel: Hopper or newer with flash-attn-4 "
+        "installed), 'fa4' (FlashAttention-4's block-sparse CuTe kernels called directly: "
+        "Hopper, block 128, bf16/fp16, flash-attn-4 installed; the fastest measured, takes any "
+        "micro-batch length), 'triton' (the plugin's own Triton block-sparse FlashAttention, "
+        "CUDA; takes any micro-batch length), 'torch' (blockwise PyTorch), 'reference' (dense "
+        "masked SDPA oracle), or 'auto' (on CUDA with variable-length micro-batches "
+        "(--sb-microbatch-multiple auto) the faster of fa4 and triton that serves the model, "
+        "as the latency profile measures them; else the backend it measured fastest, flex "
+        "where none was measured; torch on CPU).",
         choices=BACKENDS)
     query_chunk_blocks: int = _f(
         16, "Query blocks processed at once by the torch kernel; bounds its memory.")

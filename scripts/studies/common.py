@@ -136,7 +136,11 @@ def provenance() -> dict:
     status = _git("status", "--porcelain", "--", ".", ":(exclude)docs/results")
     from sparsebalance_megatron.sim import compiled
 
-    return {"command": command(), "commit": _git("rev-parse", "HEAD"),
+    commit = _git("rev-parse", "HEAD")
+    given = os.environ.get("SPARSEBALANCE_COMMIT")
+    if given:       # a device call: its copy's git metadata is not the tree it ran (gpu_plan)
+        commit, status = given, None
+    return {"command": command(), "commit": commit,
             "dirty": None if status is None else bool(status), "versions": versions(),
             "planner_kernels": "numba" if compiled.enabled() else "numpy",
             "device": device()}

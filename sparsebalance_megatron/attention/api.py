@@ -58,12 +58,13 @@ from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
 # records it in the latency table as ``attention.backend``); whoever measures or loads that pick
 # registers it here (``set_auto_backend``) and every later ``auto`` (the layers, the launch
 # checks, the benchmark, a direct API call) runs it. A launch with variable-length micro-batches
-# registers ``triton``, the kernel that takes any length (``megatron/launch/lengths.py``), and
-# its profile times only that one. With no registration in this process it is AUTO_UNMEASURED,
-# ``flex``: verified on an H100 (outputs, gradients, graphs and syncs, docs/GPU.md) and timed on
-# an H200 beside ``triton``, which beat it at the training shape (BENCHMARKS.md, "On a GPU");
-# ``fa4`` and ``flash`` have not run on a GPU. Off CUDA ``auto`` is ``torch`` (the only sparse
-# kernel that runs there without the Triton interpreter).
+# registers the first length-free kernel that serves the model (``fa4`` where flash-attn-4 is
+# installed on Hopper, else ``triton``: ``megatron/launch/lengths.py``), and its profile times
+# only the length-free ones and keeps the faster. With no registration in this process it is
+# AUTO_UNMEASURED, ``flex``: verified on an H100 (outputs, gradients, graphs and syncs,
+# docs/GPU.md); on an H200 ``fa4``, ``flash`` and ``triton`` beat it (BENCHMARKS.md, "On a
+# GPU"), but each needs what flex does not (flash-attn-4; triton's head dims). Off CUDA
+# ``auto`` is ``torch`` (the only sparse kernel that runs there without the Triton interpreter).
 AUTO_UNMEASURED = "flex"
 _AUTO_MEASURED: dict = {}        # device type -> (backend, where the measurement came from)
 

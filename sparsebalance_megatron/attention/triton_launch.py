@@ -116,24 +116,25 @@ def refused(cfg: LaunchConfig, head_dim: int) -> Optional[str]:
 
 PINNED: Dict[Tuple[int, int, int], LaunchConfig] = {
     # (head_dim, block_size, rep): LaunchConfig(...), pasted from scripts/autotune_triton.py's
-    # JSON ("pinned"), with the command, commit, versions and device above the entry.
-    # python scripts/gpu_check.py --steps autotune train --budget-s 460 (its autotune step:
-    # scripts/autotune_triton.py --deadline-s 200), 2026-11-26, NVIDIA H200, triton 3.6.0,
-    # torch 2.11.0+cu130, commit 795cbdaeb9: 23.1 ms against the default's 28.4 ms (fwd+bwd,
-    # 32K, densities 0.25 + 0.5); docs/results/autotune_triton_h200_run1.json.
+    # JSON ("pinned") or the kernel table's kernel rows, with the command, commit, versions and
+    # device above the entry.
+    # python scripts/gpu_check.py --steps env bench --bench-backends triton (the kernel table,
+    # scripts/bench_attention_gpu.py, pass by pass), 2026-11-26, NVIDIA H200, triton 3.6.0,
+    # torch 2.11.0+cu130, commit 93ea910: the split backward (dQ in its own 128-row kernel)
+    # against the one pass pinned before (32x128 w8 s2, dQ by atomics), one 32K document:
+    # backward 5.44 / 10.09 / 19.66 / 3.34 ms against 6.80 / 12.62 / 24.26 / 4.03 at densities
+    # 0.25 / 0.5 / 1 / 0.125, a packed 32K micro-batch 2.01 against 2.69 ms at 0.25; the same
+    # forward; docs/results/kernel_table_h200_triton.json.
     (128, 128, 4): LaunchConfig(fwd_block_m=128, fwd_warps=8, fwd_stages=2, bwd_block_m=32,
-                                bwd_block_n=128, bwd_warps=8, bwd_stages=2, kv_chunk=32),
+                                bwd_block_n=128, bwd_warps=8, bwd_stages=2, kv_chunk=16,
+                                dq_block_m=128),
 }
 
 
 HMMA_KEPT: Dict[Tuple[str, str, str], str] = {
     # ("np/ng/hn@block", kernel, "tiles wW sS") -> the device measurement for which a PINNED
     # config whose main loop runs GEMMs on mma.sync (HMMA) stays (compile_gate): the gate
-    # cannot time, the device can.
-    ("8/2/128@128", "dkv_kernel", "32x128 w8 s2"):
-        "dQ's GEMM on mma.sync (32 rows), yet the fastest backward the device measured: "
-        "23.1 ms fwd+bwd against 28.4 ms for the all-wgmma default (64x64 w8 s2), NVIDIA H200, "
-        "triton 3.6.0 (docs/results/autotune_triton_h200_run1.json)",
+    # cannot time, the device can. Empty: the pinned split backward runs every GEMM on wgmma.
 }
 
 

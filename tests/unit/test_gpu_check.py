@@ -319,6 +319,22 @@ def test_every_call_names_its_device_commit_and_versions(tmp_path):
     assert got["device"] == "NVIDIA H100"
 
 
+def test_a_device_call_names_the_commit_it_ran(monkeypatch):
+    """The machine's copy of the tree carries git metadata of the session's start: the plan's
+    command names the local commit, and provenance takes it from there (dirty: unknown)."""
+    gp = _script("gpu_plan")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from studies import common
+    head = gp.head_commit()
+    assert head.split("+")[0] and all(f"SPARSEBALANCE_COMMIT={head};" in gp.command(c)
+                                      for c in gp.PLAN)
+    monkeypatch.setenv("SPARSEBALANCE_COMMIT", "abc123")
+    p = common.provenance()
+    assert p["commit"] == "abc123" and p["dirty"] is None
+    monkeypatch.delenv("SPARSEBALANCE_COMMIT")
+    assert common.provenance()["commit"] != "abc123"
+
+
 def test_the_guide_states_each_steps_limit_as_the_script_has_it():
     import re
     gc = _script("gpu_check")
