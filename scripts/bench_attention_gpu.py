@@ -4,7 +4,7 @@
 What a Megatron user runs today is dense attention in one fused cuDNN call per packed
 micro-batch (Transformer Engine). This table says, per shape and density, what a kept tile of
 each of our kernels costs against a tile of cuDNN's, in the forward and in the backward apart,
-and what the whole per-layer call costs against the dense one (``studies/kernel_passes.py``:
+and what the whole per-layer call costs against the dense one (``studies/_kernel_passes.py``:
 how each pass is timed, ``e``, the tile count):
 
 - **rows** (``kind``): ``dense`` (cuDNN's kernel alone, ``cudnn``; the dense calls ``sdpa`` and
@@ -52,7 +52,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies.common import gpu_provenance  # noqa: E402
-from studies.kernel_passes import (Case, Lists, call_fn, check, dense_passes,  # noqa: E402
+from studies._kernel_passes import (Case, Lists, call_fn, check, dense_passes,  # noqa: E402
                                    e_against, kernel_fn, parse_shape, pass_times, rates)
 DENSITIES = (0.25, 0.5, 1.0, 0.125)
 SINGLE_LENGTHS = (32768,)

@@ -257,7 +257,7 @@ def check_kernel_table_runs_on_cpu():
 def check_the_correctness_check_fails_a_wrong_kernel():
     import torch
     sys.path.insert(0, str(REPO / "scripts"))
-    from studies.kernel_passes import Case, Lists, check, kernel_fn
+    from studies._kernel_passes import Case, Lists, check, kernel_fn
     case = Case("check", (130, 1, 60, 65), "2/1/32", device="cpu", dtype=torch.float16)
     lists = Lists(case, 0.3)
     right = kernel_fn("triton", lists, case)
