@@ -30,7 +30,8 @@ DST_OBJECTIVES = ("density", "quality")
 DST_DESCENTS = ("critical_path", "off")   # policy/critical_path.py
 TIMING_SOURCES = ("measured", "model")
 PLANNERS = ("process", "thread", "inline")   # megatron/step/ahead.py
-FAULT_KINDS = ("raise", "hang", "kill", "exit")
+FAULT_KINDS = ("raise", "hang", "kill", "exit", "planner-kill-idle", "planner-kill-drafting",
+               "planner-stop")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
@@ -293,9 +294,13 @@ class SparseBalanceConfig:
         choices=TIMING_SOURCES)
 
     fault: Optional[str] = _f(
-        None, "Testing: inject a fault 'RANK:STEP:KIND' into global rank RANK's forward step of "
+        None, "Testing: inject a fault 'RANK:STEP:KIND' (several: comma-separated) into global "
+        "rank RANK's forward step of "
         "iteration STEP (1-based); KIND is raise (an exception), hang (the rank stops "
-        "answering), kill (the process dies) or exit (the process leaves with os._exit(0)).")
+        "answering), kill (the process dies) or exit (the process leaves with os._exit(0)); or "
+        "into its planner process as it is asked for iteration STEP's draft: planner-kill-idle "
+        "(killed before it is asked), planner-kill-drafting (killed once asked) or "
+        "planner-stop (stopped with SIGSTOP: it stalls).")
     watchdog_seconds: str = _f(
         "auto", "Name the hung rank: a rank that has waited this many seconds in one collective "
         "reads every rank's heartbeat (published every few seconds on the job's store) and "
@@ -322,7 +327,16 @@ class SparseBalanceConfig:
         "uses the state after the step before the previous one); all three are deterministic "
         "and resume exactly. With numba installed (pip extra [fast]) the planner's inner loops "
         "run compiled, about half the CPU, the same plans bit for bit (SB_PLANNER_JIT=0 turns "
-        "them off).", choices=PLANNERS)
+        "them off). A planner process that dies or stalls costs one draft on the training "
+        "thread, never the job: the same step is drafted there from the same inputs (the same "
+        "plan), and a new process starts after 1, 2 and 4 such steps (then the training thread "
+        "drafts every step); each event is one warning line and the sparsebalance/planner "
+        "scalars count them.", choices=PLANNERS)
+    planner_timeout: float = _f(
+        30.0, "With --sb-planner process: seconds after it was asked for that a draft counts "
+        "as stalled at the least (also 10x the recent drafts' median, and at most half the "
+        "distributed timeout in effect); the rank then kills its planner process and drafts "
+        "the step itself. A draft takes milliseconds to a few tenths of a second.")
     fresh_state: bool = _f(
         False, "On --load of a checkpoint whose SparseBalance state is missing (one written "
         "without the plugin's data path) or damaged (truncated, unreadable, another version), "
@@ -398,18 +412,24 @@ class SparseBalanceConfig:
         return self.seq_pad_multiple or (2 * cp_size if cp_size > 1 else 1)
 
     @property
-    def fault_spec(self) -> Optional[tuple[int, int, str]]:
-        """(rank, iteration, kind) of --sb-fault, or None."""
-        if not self.fault:
-            return None
-        parts = str(self.fault).split(":")
-        if len(parts) != 3 or parts[2] not in FAULT_KINDS:
-            return None
-        try:
-            rank, step = int(parts[0]), int(parts[1])
-        except ValueError:
-            return None
-        return (rank, step, parts[2]) if rank >= 0 and step >= 1 else None
+    def fault_specs(self) -> Optional[list[tuple[int, int, str]]]:
+        """[(rank, iteration, kind)] of --sb-fault (comma-separated), [] without one, None where
+        one of them is not RANK:STEP:KIND."""
+        out = []
+        for spec in str(self.fault or "").split(","):
+            if not spec:
+                continue
+            parts = spec.split(":")
+            if len(parts) != 3 or parts[2] not in FAULT_KINDS:
+                return None
+            try:
+                rank, step = int(parts[0]), int(parts[1])
+            except ValueError:
+                return None
+            if rank < 0 or step < 1:
+                return None
+            out.append((rank, step, parts[2]))
+        return out
 
     @property
     def watchdog_seconds_value(self) -> Optional[float]:
@@ -512,9 +532,12 @@ class SparseBalanceConfig:
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")
-        if self.fault and self.fault_spec is None:
-            bad("fault", self.fault, "RANK:STEP:KIND with RANK >= 0, STEP >= 1 and KIND one of "
-                + ", ".join(FAULT_KINDS))
+        pt = self.planner_timeout
+        if isinstance(pt, bool) or not isinstance(pt, (int, float)) or not (0 < pt < float("inf")):
+            bad("planner_timeout", pt, "a number of seconds > 0")
+        if self.fault and not self.fault_specs:
+            bad("fault", self.fault, "RANK:STEP:KIND (comma-separated for several) with RANK "
+                ">= 0, STEP >= 1 and KIND one of " + ", ".join(FAULT_KINDS))
         if self.watchdog_seconds != "auto" and self.watchdog_seconds_value is None:
             bad("watchdog_seconds", self.watchdog_seconds,
                 "'auto' (the distributed timeout less a margin), 0 (off) or a number of seconds "

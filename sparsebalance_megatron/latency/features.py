@@ -277,7 +277,7 @@ def _run_sums(table_t, blocks, unit, count, out):
 
 def warm_up() -> None:
     """``work_grid``'s kernel compiled (or loaded from numba's disk cache) with the argument
-    types a draft passes (``megatron.step.ahead.warm_up_kernels`` calls it). Nothing without numba."""
+    types a draft passes (``megatron.step.planner_worker.warm_up_kernels`` calls it). Nothing without numba."""
     if compiled.enabled():
         compiled.kernel(_run_sums)(np.ones((2, 2)), np.zeros(1, dtype=np.int64),
                                    np.zeros(1, dtype=np.int64), np.ones(1), np.zeros((1, 2)))

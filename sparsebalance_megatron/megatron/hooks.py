@@ -309,6 +309,7 @@ def _on_model_built(model: list) -> list:
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
     from .runtime.watchdog_megatron import start_for_megatron, watch_megatron_phases
     _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
+    _run.callback.watchdog = _run.watchdog              # a wait for the planner is a phase
     _run.timers = _run.callback.timers = MicrobatchTimers()
     _install_timers_tee(_run.timers)
     if args.save and _interleaved(args) and ps.get_pipeline_model_parallel_rank() == 0 and \
@@ -497,7 +498,8 @@ def _forward_step(data_iterator, model, return_schedule_plan: bool = False):
         _run.watchdog.tick(step, "evaluation" if step is None or index is None else
                            f"forward step, iteration {step + 1}, micro-batch {index}")
     if sb.fault is not None:
-        _inject_fault(sb.fault_spec, mb["packed_seq_params"])
+        for spec in sb.fault_specs:
+            _inject_fault(spec, mb["packed_seq_params"])
     t0 = time.perf_counter()
     output = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"],
                    loss_mask=mb["loss_mask"], packed_seq_params=mb["packed_seq_params"])
@@ -521,8 +523,9 @@ def _inject_fault(spec, psp) -> None:
     import signal
 
     rank, step, kind = spec
-    if comm.rank() != rank or psp.sb_step != step - 1 or psp.sb_microbatch != 0:
-        return
+    if kind.startswith("planner-") or comm.rank() != rank or psp.sb_step != step - 1 \
+            or psp.sb_microbatch != 0:
+        return     # (the planner's faults: step/planning.py)
     print(f"[sparsebalance] --sb-fault: injecting '{kind}' on rank {rank} at iteration {step}",
           flush=True)
     if kind == "raise":

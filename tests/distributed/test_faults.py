@@ -11,11 +11,13 @@ that timeout strikes: tests/distributed/test_watchdog.py has its cases)."""
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 import pytest
 
-from tests.conftest import TINY_MODEL, run_entry
+from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
@@ -67,3 +69,73 @@ def test_a_hung_rank_is_named_before_the_users_timeout(tmp_path, small_jsonl):
     assert "in _inject_fault" in proc.stdout and "rank 1 ends itself" in proc.stdout
     assert "exitcode  : 3" in proc.stdout   # torchrun's root cause: the hung rank
     assert wall < BOUND_S, wall
+    assert _planner_orphans() == []        # every rank's planner process died with it
+
+
+def _planner_orphans(wait_s: float = 30.0) -> list:
+    """Planner processes whose rank is gone (reparented to pid 1), after the kernel had
+    ``wait_s`` to deliver their SIGKILL (``PR_SET_PDEATHSIG`` acts asynchronously)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                state, ppid = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if b"sparsebalance_megatron.megatron.step.planner_worker" in cmd and state != "Z" \
+                    and ppid == "1":
+                found.append(int(pid))
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+PLANNER_FAULTS = "1:3:planner-kill-idle,2:4:planner-kill-drafting,3:5:planner-stop"
+
+
+@pytest.mark.reliability(area="fault", case="PP=2 x DP=2, SAB + DST: rank 1's planner process "
+                         "killed while idle (iteration 3's draft), rank 2's while drafting (4), "
+                         "rank 3's stopped with SIGSTOP (5; --sb-planner-timeout 5)",
+                         expect="the run finishes; one warning line per event naming the rank, "
+                         "pid, phase and signal; every step's plan and loss equal the "
+                         "uninterrupted run's; TensorBoard counts the events; no process left")
+def test_a_dead_or_stalled_planner_costs_a_step_not_the_job(tmp_path, small_jsonl,
+                                                            tiny_latency_table_pp2):
+    """Modelled timings (a 2x straggler), so the plans depend on nothing measured: the faulty
+    run must plan every step as the uninterrupted one did, each failed draft redone on the
+    training thread from the same inputs."""
+    common = [*TINY_MODEL, "--sparse-balance", "--sb-density", "0.5", "--sb-min-density",
+              "0.25", "--sb-block-size", "32", "--sb-tokenizer", "byte", "--eval-iters", "0",
+              "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+              "--train-iters", "6", "--data-path", small_jsonl,
+              "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
+              "--sb-timing-source", "model", "--sb-straggler-rank", "1",
+              "--sb-straggler-slowdown", "2"]
+    run_entry(4, [*common, "--sb-metrics-file", tmp_path / "base.jsonl"], cwd=tmp_path)
+    proc = run_entry(4, [*common, "--sb-fault", PLANNER_FAULTS, "--sb-planner-timeout", "5",
+                         "--sb-metrics-file", tmp_path / "faulty.jsonl",
+                         "--tensorboard-dir", tmp_path / "tb"], cwd=tmp_path)
+    out = proc.stdout
+    warnings = re.findall(r"warning: rank (\d): the SparseBalance planner process \(pid \d+\) "
+                          r"(.*?); the training thread drafts", out)
+    said = {int(r): what for r, what in warnings}
+    assert "ended while idle after" in said[1] and "with signal 9 (SIGKILL)" in said[1]
+    assert said[2] == "ended while drafting iteration 4 with signal 9 (SIGKILL)"
+    assert said[3].startswith("stalled: iteration 5's draft was not made")
+    assert "restart 1 of 3" in out and "the new planner process (pid" in out
+    base, faulty = read_metrics(tmp_path / "base.jsonl"), read_metrics(tmp_path / "faulty.jsonl")
+    assert [r["step"] for r in faulty] == [r["step"] for r in base] == list(range(1, 7))
+    assert any(r["units_cut"] or r["units_raised"] for r in base), "DST never moved a unit"
+    for a, b in zip(base, faulty):
+        for key in ("tokens", "densities", "predicted_step_s", "predicted_static_s",
+                    "units_cut", "units_raised", "dst_stood_down"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["step"], a["loss"],
+                                                                     b["loss"])
+    # every event counted once, over every rank (a loaded machine may add a true stall)
+    assert faulty[-1]["planner_events_total"] == len(warnings) >= 3
+    total = read_scalars(tmp_path / "tb")["sparsebalance/planner/events_total"]
+    assert total[max(total)] == len(warnings)
+    assert _planner_orphans() == []

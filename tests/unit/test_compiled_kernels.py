@@ -377,7 +377,7 @@ from test_policy_dst import _quality
 
 from sparsebalance_megatron.batching import sab_plan, sequential_plan
 from sparsebalance_megatron.batching.packing import latency_sample_cost_fn
-from sparsebalance_megatron.megatron.step.ahead import warm_up_kernels
+from sparsebalance_megatron.megatron.step.planner_worker import warm_up_kernels
 warm_up_kernels()                      # what the planner and training processes call
 def signatures():
     return {k[1]: len(v.signatures) for k, v in compiled._KERNELS.items()
@@ -426,7 +426,7 @@ def test_warm_up_compiles_what_a_plan_runs():
 def test_a_kernel_that_fails_to_compile_falls_back_to_numpy(monkeypatch):
     """A numba that cannot compile on this machine must not stop a run: the warm-up turns the
     kernels off with one warning and the numpy paths run (the same plans)."""
-    from sparsebalance_megatron.megatron.step.ahead import warm_up_kernels
+    from sparsebalance_megatron.megatron.step.planner_worker import warm_up_kernels
 
     def broken():
         raise RuntimeError("LLVM said no")

@@ -96,6 +96,20 @@ def test_a_violation_and_a_different_packing_reach_every_rank():
     assert s.examples == ["(dp 2, stage 1, micro-batch 3): kept 0.2000 of the blocks, plan 0.5"]
 
 
+def test_every_ranks_planner_events_are_counted_once():
+    """A TP rank's, another stage's and another DP rank's planner deaths or stalls: summed over
+    the cell, the pipeline and the data-parallel group, the same count on every rank."""
+    import dataclasses
+    rng = np.random.default_rng(2)
+    reports, shape, slots = _job(rng)
+    assert _exchange(reports, shape, slots).planner_events == 0
+    for key, n in (((0, 0, 1), 1), ((1, 1, 0), 2), ((2, 0, 0), 1)):
+        reports[key] = dataclasses.replace(reports[key], planner_events=n)
+    assert _exchange(reports, shape, slots).planner_events == 4
+    with pytest.raises(ValueError, match="planner_events=-1"):
+        encode_rank(dataclasses.replace(reports[0, 0, 0], planner_events=-1), shape, slots[0])
+
+
 def test_budget_violations_are_found_locally_in_unit_order():
     plan = BudgetPlan(0, np.array([[[0.5], [0.25]]]))
     bad = budget_violations(plan, 0, {(1, 0): 0.3, (0, 0): 0.5}, {(0, 0): 0.1, (1, 0): 0.25})
@@ -121,13 +135,13 @@ def test_one_rank_round_trips_exactly():
 
 
 def test_record_size_is_set_by_the_step_shape_not_the_world():
-    """A rank's or cell's record: 6 + 14 words, 4 per timed interval where they travel, 2 per
+    """A rank's or cell's record: 6 + 15 words, 4 per timed interval where they travel, 2 per
     document slot; a DP rank's line has a block per stage and one set of document slots. At 64
     micro-batches and 1,000 document slots a cell's record stays under 20 KB, at any DP size."""
     shape = RecordShape(1, 64, 0, 1000)
-    assert shape.words == 6 + 14 + 2 * 1000 and shape.nbytes < 20_000
-    assert RecordShape(1, 64, 64, 10).words == 6 + 14 + 4 * 64 + 20
-    assert shape.with_stages(8).words == 6 + 8 * 14 + 2 * 1000
+    assert shape.words == 6 + 15 + 2 * 1000 and shape.nbytes < 20_000
+    assert RecordShape(1, 64, 64, 10).words == 6 + 15 + 4 * 64 + 20
+    assert shape.with_stages(8).words == 6 + 8 * 15 + 2 * 1000
 
 
 @pytest.mark.parametrize("kw, match", [

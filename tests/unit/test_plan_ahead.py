@@ -156,11 +156,81 @@ def test_the_planner_process_raises_the_drafts_error_and_its_own_death(steps):
         assert ok.payload is None and ok.packing(0)[0].dp == DP
         proc.proc.kill()                         # killed (out of memory, a signal)
         proc.proc.wait()
-        with pytest.raises(PlannerProcessError, match="exit code -9.*--sb-planner thread"):
+        with pytest.raises(PlannerProcessError, match=r"ended while idle after 1 draft\(s\), "
+                           r"before it was sent iteration 2's with signal 9 \(SIGKILL\)") as e:
             proc.submit(1, 0, steps.segments[1], M, with_dst=True, latency_state=None,
                         tracker_sync=None, basis={}).result()
+        assert (e.value.phase, e.value.iteration, e.value.code) == ("idle", 1, -9)
     finally:
         proc.close()
+
+
+@pytest.mark.reliability(area="fault", case="the planner process killed while drafting, or "
+                         "stopped (SIGSTOP) past its deadline", expect="each named with its "
+                         "phase, iteration and signal; the request kept for the training "
+                         "thread; a stopped one killed, none left")
+def test_a_planner_killed_while_drafting_or_stalled_is_named_and_its_request_kept(steps):
+    from sparsebalance_megatron.batching import SensitivityTracker
+
+    drafter = _drafter(copy.deepcopy(steps.lm), SensitivityTracker())
+    for kind in ("drafting", "stalled"):
+        proc = PlannerProcess(drafter, timeout_s=0.05)
+        try:
+            proc.wait_ready()
+            proc.stop_for_test()                 # it can answer nothing from here on
+            pending = proc.submit(2, 7, steps.segments[2], M, with_dst=True,
+                                  latency_state=None, tracker_sync=None, basis={})
+            if kind == "drafting":
+                proc.kill()
+                want = r"ended while drafting iteration 3 with signal 9 \(SIGKILL\)"
+            else:
+                want = (r"stalled: iteration 3's draft was not made [0-9.]+ s after it was "
+                        r"asked for \(its deadline 0.1 s; .*\); killed")
+            with pytest.raises(PlannerProcessError, match=want) as e:
+                pending.result()                 # stalled: waits its 0.05 s deadline at most
+            assert e.value.phase == kind and e.value.iteration == 2
+            assert proc.proc.poll() == -9        # the stopped process killed and reaped
+            assert pending.request == dict(iteration=2, first_bin=7, segments=steps.segments[2],
+                                           num_microbatches=M, with_dst=True)
+        finally:
+            proc.close()
+    # the deadline follows the recent drafts: 10x their median, never under the floor
+    proc = PlannerProcess(drafter, timeout_s=1.0)
+    try:
+        assert proc.deadline_s() == 1.0
+        proc._walls.extend([0.2, 0.3, 5.0])
+        assert proc.deadline_s() == pytest.approx(3.0)
+    finally:
+        proc.close()
+
+
+def test_a_planner_process_dies_with_its_rank():
+    """However the rank ends (``os._exit``, as the watchdog ends a stalled rank), its planner
+    process gets SIGKILL from the kernel (``PR_SET_PDEATHSIG``), a stopped one too: no orphan."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, sys\n"
+            "from sparsebalance_megatron.megatron.step.ahead import PlannerProcess\n"
+            "p = PlannerProcess(None)\n"
+            "p.wait_ready()\n"                   # past its PR_SET_PDEATHSIG
+            "p.stop_for_test()\n"
+            "print(p.pid, flush=True)\n"
+            "os._exit(3)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 3, out.stderr
+    pid = int(out.stdout.split()[-1])
+    for _ in range(600):                      # the kernel's SIGKILL is asynchronous
+        if not os.path.exists(f"/proc/{pid}") or \
+                open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        pytest.fail(f"the planner process {pid} outlived its rank")
 
 
 def test_the_planner_process_imports_no_torch():
@@ -170,10 +240,10 @@ def test_the_planner_process_imports_no_torch():
     import sys
 
     code = ("import sys\n"
-            "from sparsebalance_megatron.megatron.step import ahead\n"
+            "from sparsebalance_megatron.megatron.step import planner_worker\n"
             "from sparsebalance_megatron.latency import LatencyModel\n"
             "from sparsebalance_megatron.batching import SensitivityTracker\n"
-            "ahead._import_draft_modules()\n"
+            "planner_worker._import_draft_modules()\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron'))\n"
             "print(bad)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -190,12 +260,12 @@ def test_the_planner_process_freezes_what_it_holds_before_it_says_ready(monkeypa
     import os
     from multiprocessing.connection import Connection
 
-    from sparsebalance_megatron.megatron.step import ahead
+    from sparsebalance_megatron.megatron.step import planner_worker
 
-    monkeypatch.setattr(ahead, "_import_draft_modules", lambda: None)
+    monkeypatch.setattr(planner_worker, "_import_draft_modules", lambda: None)
     (r_in, w_in), (r_out, w_out) = os.pipe(), os.pipe()
     to_child, from_child = Connection(w_in, readable=False), Connection(r_out, writable=False)
-    worker = threading.Thread(target=ahead.serve, args=(Connection(r_in, writable=False),
+    worker = threading.Thread(target=planner_worker.serve, args=(Connection(r_in, writable=False),
                                                         Connection(w_out, readable=False)))
     gc.unfreeze()
     worker.start()
@@ -250,10 +320,10 @@ def test_the_saved_basis_is_the_state_each_draft_started_from():
 
 def test_what_the_planner_process_sends_back_keeps_the_plan_records_size():
     """The rank that plans DST gets back the packing its plan commits only; the others get both
-    until rank 0's broadcast names one (``ahead.reply``). The plan record's size
+    until rank 0's broadcast names one (``planner_worker.reply``). The plan record's size
     (``PlanShape.options``) must still be the same on every rank, or the broadcast of the plan
     would disagree in size."""
-    from sparsebalance_megatron.megatron.step.ahead import reply
+    from sparsebalance_megatron.megatron.step.planner_worker import reply
 
     sab, base = ("sab batch", "sab units"), ("base batch", "base units")
     for index in (0, 1):
@@ -333,3 +403,83 @@ def test_the_assignment_check_catches_a_dropped_duplicated_or_moved_segment():
     with pytest.raises(ValueError, match="expected \\(sample_id, start, end\\)"):
         segment_counts([(0, 100), (1, 50), (2, 70)])               # six numbers, no triple
     assert segment_counts([]).shape == (0, 3)
+
+
+@pytest.mark.reliability(area="fault", case="a rank's planner process dies or stalls again and "
+                         "again", expect="each time the step drafted on the training thread from "
+                         "the same request; a new process after 1, 2 and 4 steps, then the "
+                         "training thread for good; one warning line each, counted")
+def test_a_failed_planner_costs_a_step_and_restarts_with_backoff(capsys):
+    """``StepPlanning``'s policy (``join_ahead``, ``_planner_failed``, ``_planner_up``) on fake
+    processes: the failed draft's request is drafted in line with its basis, and the k-th new
+    process is due ``2 ** (k - 1)`` steps after the k-th failure."""
+    import types
+    from types import SimpleNamespace
+
+    from sparsebalance_megatron.megatron.step import planning
+    from sparsebalance_megatron.megatron.step.ahead import PendingDraft
+    from sparsebalance_megatron.megatron.step.planning import PLANNER_RESTARTS, StepPlanning
+
+    class Fake:
+        started = 0
+
+        def __init__(self, *a, **k):
+            Fake.started += 1
+            self.pid, self.killed, self.ready, self._pending = 1000 + Fake.started, False, True, None
+
+        def ready_now(self):
+            return self.ready
+
+        def kill(self):
+            self.killed = True
+
+        def close(self):
+            pass
+
+    drafted = []
+    drafter = SimpleNamespace(draft=lambda **req: drafted.append(req) or SimpleNamespace(
+        basis=None, iteration=req["iteration"]))
+    cb = SimpleNamespace(sb=SimpleNamespace(planner="process", planner_timeout=30.0),
+                         args=SimpleNamespace(distributed_timeout_minutes=10),
+                         _process=None, _planner=None, _failures=planning.PlannerFailures(),
+                         _tracker_synced=True, drafter=lambda: drafter, watchdog=None)
+    for name in ("join_ahead", "_planner_failed", "_planner_up", "start_planner",
+                 "_start_process", "_planner_timeout_s"):
+        setattr(cb, name, types.MethodType(getattr(StepPlanning, name), cb))
+    original = planning.PlannerProcess
+    planning.PlannerProcess = Fake
+    try:
+        assert cb._planner_up(0) and Fake.started == 1          # the first start
+        up, failures = [], []
+        for it in range(1, 30):
+            if it in (3, 6, 11, 20):                             # the process fails here
+                request = dict(iteration=it, first_bin=it, segments=[], num_microbatches=1,
+                               with_dst=True)
+                err = PlannerProcessError(f"died at {it}", pid=cb._process.pid,
+                                          phase="drafting", iteration=it, code=-9)
+                cb._planner = PendingDraft(cb._process, {"b": it}, request, 0.0, error=err)
+                dead = cb._process
+                draft = cb.join_ahead()
+                assert draft.basis == {"b": it} and drafted[-1] == request and dead.killed
+                failures.append(it)
+                continue
+            up.append(cb._planner_up(it))
+        assert cb._failures.take() == 4 and cb._failures.count == PLANNER_RESTARTS + 1
+        assert cb._failures.unreported == 0
+        # a new process for the draft 1 step after the failure at 3, 2 after 6, 4 after 11;
+        # none after 20
+        down = [it for it, u in zip([i for i in range(1, 30) if i not in failures], up) if not u]
+        assert down == [7, 12, 13, 14] + list(range(21, 30))
+        assert Fake.started == 4
+    finally:
+        planning.PlannerProcess = original
+    lines = [x for x in capsys.readouterr().out.splitlines() if "warning: rank 0" in x]
+    assert len(lines) == 4 and "died at 3" in lines[0] and "restart 1 of 3" in lines[0]
+    assert "a new planner process starts for iteration 9's draft (restart 2 of 3)" in lines[1]
+    assert "every step from now on" in lines[3]
+    # a restarted process not yet ready: its steps drafted on the training thread meanwhile
+    cb._process, cb._failures.restarting = Fake(), True
+    cb._process.ready = False
+    assert not cb._planner_up(40)
+    cb._process.ready = True
+    assert cb._planner_up(41) and not cb._failures.restarting

@@ -209,16 +209,11 @@ def _die_with(parent: int) -> None:
     """In the forked Manager server: default SIGTERM, and SIGKILL when the rank that forked it
     ends, however it ends (``os._exit`` runs no finaliser; torchrun signals only live ranks):
     an orphaned server would hold the job's output open."""
-    import ctypes
     import signal
 
+    from ..runtime.children import die_with_parent
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:                  # it ended before the line above
-        os._exit(0)
+    die_with_parent(parent)
 
 
 def _fork_checkpoint_results_queue() -> None:

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 from ...latency.partial import partial_path, read_progress
 from ..runtime import comm
+from ..runtime.children import die_with_parent
 
 PROGRESS_INTERVAL_S = 30.0
 """Seconds between two progress lines of a rank waiting for (or running) the profile."""
@@ -41,17 +42,6 @@ def progress_line(path: str, elapsed_s: float) -> str:
     return f"profiling latency: {done}{elapsed_s:.0f} s"
 
 
-def _die_with_parent() -> None:
-    """Linux: the profiler is killed with the rank that launched it (a rank killed by torchrun
-    must not leave a profiler writing its partial profile into the next run's)."""
-    try:
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def run_profiler(cmd: list[str], path: str, *, env: Optional[dict] = None,
                  interval_s: float = PROGRESS_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -63,7 +53,7 @@ def run_profiler(cmd: list[str], path: str, *, env: Optional[dict] = None,
     t0 = last = clock()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=None, text=True, env=env,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
         try:
             while proc.poll() is None:
                 time.sleep(min(1.0, interval_s))

@@ -1,12 +1,14 @@
 """The adapter's ``runtime`` room: the process group (``comm``: the only module that touches
-torch.distributed) and the watchdog that reports a stalled or dead rank (its rules in
-``watchdog_judgement``, its wiring into Megatron in ``watchdog_megatron``).
+torch.distributed), the watchdog that reports a stalled or dead rank (its rules in
+``watchdog_judgement``, its wiring into Megatron in ``watchdog_megatron``), and ``children``:
+processes a rank starts die with it.
 
-Modules: ``comm``, ``watchdog``, ``watchdog_judgement``, ``watchdog_megatron``. May import:
+Modules: ``children``, ``comm``, ``watchdog``, ``watchdog_judgement``, ``watchdog_megatron``. May import:
 ``errors`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its
 public pieces, the names code outside the room imports, are exported lazily: importing the room
 imports none of its modules, so a light entry point stays light.
 
+- ``children``: ``die_with_parent``
 - ``comm``: ``say``
 - ``watchdog``: ``watchdog_problems``
 - ``watchdog_megatron``: ``start_for_megatron``, ``watch_megatron_phases``
@@ -15,6 +17,7 @@ imports none of its modules, so a light entry point stays light.
 from .. import lazy_exports
 
 _PUBLIC = {
+    "die_with_parent": "children",
     "say": "comm",
     "watchdog_problems": "watchdog",
     "start_for_megatron": "watchdog_megatron",

@@ -50,6 +50,12 @@ def say(msg: str) -> None:
         print(f"[sparsebalance] {msg}", flush=True)
 
 
+def say_rank(msg: str) -> None:
+    """One ``[sparsebalance]`` line on the console from this rank: what happened to it alone (a
+    helper process of its own that died, say)."""
+    print(f"[sparsebalance] {msg}", flush=True)
+
+
 def say_error(line: str) -> None:
     """An error every rank meets alike (a resume state, a setting), on stderr from global rank
     0 only: the user reads it once, not once per rank."""

@@ -16,22 +16,28 @@ starts, and before each draft sets its latency calibration to the one sent and r
 tracker's updates in order (or replaces its state when the training process loaded a state), so
 it drafts from exactly the state the training process holds when it asks: the same function on
 the same inputs as the in-line planner (a unit test compares the three). It ends when the
-training process closes the pipe (its exit included, a crash too); a draft's error is raised on
-the training thread, and so is the process's death, naming its exit code.
+training process closes the pipe (its exit included, a crash too), and with its rank however the
+rank ends (``runtime.children.die_with_parent``: SIGKILL when the rank that started it ends). A
+draft's error is raised on the training thread. The process's death or stall is a
+``PlannerProcessError`` that says what it was doing (``idle``, ``drafting``, ``sending`` its
+draft, ``stalled``), for which iteration, and its exit code or signal; the request stays with the
+``PendingDraft``, so the training thread can draft the same step itself
+(``step/planning.py`` decides what the run does then). A draft counts as stalled when it is not
+read back ``PlannerProcess.deadline_s`` after it was asked for.
 
-The worker side (``python -m sparsebalance_megatron.megatron.step.ahead FD_IN FD_OUT``) imports
-numpy and the package's pure layers only: no torch, no megatron.
+The worker side is ``step/planner_worker.py``.
 """
 
 from __future__ import annotations
 
+import collections
 import os
-import pickle
+import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
-import traceback
 import weakref
 from multiprocessing.connection import Connection
 from typing import Optional
@@ -40,6 +46,9 @@ from .drafting import Draft, Drafter
 
 POLL_S = 1.0            # how often a wait for the planner process checks that it is alive
 STOP_WAIT_S = 5.0       # how long a closing training process waits for its planner to end
+STALL_FACTOR = 10       # a draft is stalled after this many times the recent drafts' median
+RECENT_DRAFTS = 8       # the drafts that median is taken over
+WORKER = __name__.rsplit(".", 1)[0] + ".planner_worker"   # what the process runs
 
 
 class Planner:
@@ -74,7 +83,27 @@ class Planner:
 
 
 class PlannerProcessError(RuntimeError):
-    """The planner process ended without answering (killed, crashed, out of memory)."""
+    """The planner process ended or stalled without answering (killed, crashed, out of memory,
+    stopped): its ``pid``, its ``phase`` (``starting``, ``idle``: before it was sent the draft,
+    ``drafting``, ``sending``: its answer begun, ``stalled``), the draft's ``iteration`` (0-based,
+    None while starting) and its exit ``code`` (minus the signal that ended it; None alive)."""
+
+    def __init__(self, message: str, *, pid: int, phase: str, iteration: Optional[int],
+                 code: Optional[int]):
+        super().__init__(message)
+        self.pid, self.phase, self.iteration, self.code = pid, phase, iteration, code
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """``exit code 1``, ``signal 9 (SIGKILL)``, or ``still running``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 PIPE_BYTES = 1 << 20     # the draft pipe's capacity where Linux allows (its default maximum)
@@ -94,21 +123,25 @@ def _widen(fd: int) -> None:
 
 class PlannerProcess:
     """The rank's planner process: ``submit`` a step's inputs, ``PendingDraft.result`` its
-    draft. One draft in flight at a time."""
+    draft. One draft in flight at a time. ``timeout_s``: the least time a draft may take before
+    it counts as stalled (``deadline_s``)."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, timeout_s: float = 30.0):
         r_child, w_parent = os.pipe()
         r_parent, w_child = os.pipe()
         _widen(r_parent)
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+                   MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(r_child), str(w_child)],
+                [sys.executable, "-m", WORKER, str(r_child), str(w_child), str(os.getpid())],
                 pass_fds=(r_child, w_child), stdin=subprocess.DEVNULL, env=env)
         finally:
             os.close(r_child)
             os.close(w_child)
+        self.timeout_s = float(timeout_s)
+        self.drafts = 0                                   # drafts it answered
+        self._walls = collections.deque(maxlen=RECENT_DRAFTS)   # their seconds, asked to read
         self._out = Connection(w_parent, readable=False)
         self._in = Connection(r_parent, writable=False)
         self._pending: Optional[PendingDraft] = None
@@ -116,62 +149,111 @@ class PlannerProcess:
         self._finalize = weakref.finalize(self, _stop, self.proc, self._out, self._in)
         self._out.send(("init", drafter))
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def deadline_s(self) -> float:
+        """How long after it was asked for a draft may take before it counts as stalled:
+        ``STALL_FACTOR`` x the median of the recent drafts, at least ``timeout_s``."""
+        if not self._walls:
+            return self.timeout_s
+        return max(self.timeout_s, STALL_FACTOR * statistics.median(self._walls))
+
     def wait_ready(self) -> None:
         """Wait until the process has read its Drafter and imported what a draft uses, so that
         its start-up costs no CPU during a training step (``submit`` waits for it too)."""
         if not self._ready:
-            self._wait("while starting")
-            if self._in.recv() != ("ready",):
-                raise PlannerProcessError("the SparseBalance planner process answered its "
-                                          "start-up with something else than ready")
-            self._ready = True
+            self._wait("starting", None)
+            self._take_ready()
 
-    def _wait(self, when: str) -> None:
-        while not self._in.poll(POLL_S):                 # waits without the GIL
+    def ready_now(self) -> bool:
+        """Whether the process is ready, without waiting (a restarted one starts while the
+        training thread drafts); PlannerProcessError where it ended while starting."""
+        if not self._ready and (self._in.poll(0) or self.proc.poll() is not None):
+            self._take_ready()
+        return self._ready
+
+    def _take_ready(self) -> None:
+        if self._message("starting", None) != ("ready",):
+            raise self._error("starting", None, "answered its start-up with something else "
+                              "than ready")
+        self._ready = True
+
+    def _wait(self, phase: str, iteration: Optional[int]) -> None:
+        """Until the process has something to read (waiting without the GIL)."""
+        while not self._in.poll(POLL_S):
             if self.proc.poll() is not None:
-                raise self._died(when)
+                raise self._died(phase, iteration)
+
+    def _message(self, phase: str, iteration: Optional[int]):
+        try:
+            return self._in.recv()
+        except (EOFError, OSError):
+            raise self._died(phase, iteration) from None
 
     def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
                with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict
                ) -> "PendingDraft":
         """Start the draft of ``iteration`` from these inputs; ``tracker_sync``: None (no
-        tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...])."""
+        tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]). A process that
+        ended gives a draft whose ``result`` raises that (the request kept for the caller)."""
         if self._pending is not None:
             raise RuntimeError("a draft of the planner process is still pending")
-        self.wait_ready()
-        c0 = time.thread_time()
-        self._send(("draft", dict(iteration=iteration, first_bin=first_bin, segments=segments,
-                                  num_microbatches=num_microbatches, with_dst=with_dst,
-                                  latency=latency_state, tracker=tracker_sync)))
-        self._pending = PendingDraft(self, basis, send_s=time.thread_time() - c0)
+        request = dict(iteration=iteration, first_bin=first_bin, segments=segments,
+                       num_microbatches=num_microbatches, with_dst=with_dst)
+        c0, err = time.thread_time(), None
+        try:
+            self.wait_ready()
+            if self.proc.poll() is not None:
+                raise self._died("idle", iteration)
+            self._out.send(("draft", dict(request, latency=latency_state,
+                                          tracker=tracker_sync)))
+        except (BrokenPipeError, OSError):
+            err = self._died("idle", iteration)
+        except PlannerProcessError as e:
+            err = e
+        self._pending = PendingDraft(self, basis, request, send_s=time.thread_time() - c0,
+                                     error=err)
         return self._pending
 
-    def _send(self, msg) -> None:
-        try:
-            self._out.send(msg)
-        except (BrokenPipeError, OSError):
-            raise self._died("before it was sent a draft") from None
-
-    def _answer(self, when: str):
-        """The process's next answer: its value, or its error raised here."""
-        try:
-            kind, *rest = self._in.recv()
-        except EOFError:
-            raise self._died(when) from None
+    def _answer(self, msg):
+        """An answer's value, or its error raised here."""
+        kind, *rest = msg
         if kind == "error":
             err, text = rest
             if not isinstance(err, BaseException):
-                raise PlannerProcessError(text)
-            err.add_note(f"in the planner process (pid {self.proc.pid}):\n{text}")
+                raise RuntimeError(text)
+            err.add_note(f"in the planner process (pid {self.pid}):\n{text}")
             raise err
         return rest[0]
 
-    def _died(self, when: str) -> PlannerProcessError:
-        code = self.proc.wait()
-        return PlannerProcessError(f"the SparseBalance planner process (pid {self.proc.pid}) "
-                                   f"ended {when} with exit code {code}; its error, if any, "
-                                   f"is above. Plan on the training process instead with "
-                                   f"--sb-planner thread or inline")
+    def _died(self, phase: str, iteration: Optional[int]) -> PlannerProcessError:
+        """What ended the process (it is reaped here), as the error a caller handles."""
+        what = {"starting": "while starting",
+                "idle": f"while idle after {self.drafts} draft(s), before it was sent "
+                        f"iteration {None if iteration is None else iteration + 1}'s",
+                "drafting": f"while drafting iteration "
+                            f"{None if iteration is None else iteration + 1}",
+                "sending": f"while sending its draft of iteration "
+                           f"{None if iteration is None else iteration + 1}"}[phase]
+        return self._error(phase, iteration, f"ended {what} with "
+                           f"{describe_exit(self.proc.wait())}")
+
+    def _error(self, phase: str, iteration: Optional[int], what: str) -> PlannerProcessError:
+        return PlannerProcessError(f"the SparseBalance planner process (pid {self.pid}) {what}",
+                                   pid=self.pid, phase=phase, iteration=iteration,
+                                   code=self.proc.poll())
+
+    def stop_for_test(self) -> None:
+        """--sb-fault: stop the process (SIGSTOP): it answers nothing until killed."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def kill(self) -> None:
+        """End the process now (SIGKILL: a stopped one too) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
     def close(self) -> None:
         self._finalize()
@@ -180,41 +262,93 @@ class PlannerProcess:
 class PendingDraft:
     """A draft the planner process is making: a reader thread waits for it (the GIL released)
     and reads it back as soon as it is made, while the step trains; ``result`` joins it
-    (``Planner``'s API) and raises what the draft or the process raised. ``send_s``: the
-    training thread's CPU seconds pickling the inputs; ``recv_s``: the reader thread's reading
-    the draft back (off the critical path; it holds the GIL while it unpickles, which a
-    launch-bound training thread beside it pays: ``planner_cost``'s slowdown study); ``wait_s``:
-    wall seconds the training thread waited at the join."""
+    (``Planner``'s API) and raises what the draft or the process raised. ``request``: the
+    draft's inputs (what the training thread drafts from where the process fails); ``send_s``:
+    the training thread's CPU seconds pickling the inputs; ``recv_s``: the reader thread's
+    reading the draft back (off the critical path; it holds the GIL while it unpickles, which a
+    launch-bound training thread beside it pays: ``planner_cost``'s slowdown study);
+    ``wait_s``: wall seconds the training thread waited at the join."""
 
-    def __init__(self, planner: PlannerProcess, basis: dict, send_s: float):
-        self._planner, self.basis = planner, basis
+    def __init__(self, planner: PlannerProcess, basis: dict, request: dict, send_s: float,
+                 error: Optional[PlannerProcessError] = None):
+        self._planner, self.basis, self.request = planner, basis, request
         self.send_s, self.recv_s, self.wait_s = send_s, 0.0, 0.0
+        self.asked = time.monotonic()
+        self.phase = "drafting"       # then "sending" once the process says its draft is made
         self._draft: Optional[Draft] = None
-        self._err: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._read, daemon=True,
-                                        name="sparsebalance-planner-reader")
-        self._thread.start()
+        self._err: Optional[BaseException] = error
+        self._thread = None
+        if error is None:
+            self._thread = threading.Thread(target=self._read, daemon=True,
+                                            name="sparsebalance-planner-reader")
+            self._thread.start()
+
+    @property
+    def pid(self) -> int:
+        return self._planner.pid
 
     def _read(self) -> None:
+        planner, it = self._planner, self.request["iteration"]
         try:
-            self._planner._wait("while drafting")
+            planner._wait("drafting", it)
+            msg = planner._message("drafting", it)
+            if msg == ("drafted",):
+                self.phase = "sending"
+                msg = planner._message("sending", it)
             c0 = time.thread_time()
-            self._draft = self._planner._answer("while sending its draft")
+            self._draft = planner._answer(msg)
             self.recv_s = time.thread_time() - c0
+            planner.drafts += 1
+            planner._walls.append(time.monotonic() - self.asked)
         except BaseException as e:          # raised on the training thread by result()
             self._err = e
 
     def done(self) -> bool:
         """Whether the draft is read back (``result`` would not wait)."""
-        return not self._thread.is_alive()
+        return self._thread is None or not self._thread.is_alive()
 
-    def result(self) -> Draft:
+    def result(self, timeout: Optional[float] = None) -> Draft:
+        """The draft; ``timeout``: seconds to wait at most (None: ``deadline_s`` from when it
+        was asked for), after which the process is killed and PlannerProcessError raised
+        (``stalled``)."""
         t0 = time.perf_counter()
-        self._thread.join()
+        if self._thread is not None:
+            if timeout is None:
+                timeout = self.asked + self._planner.deadline_s() - time.monotonic()
+            self._thread.join(max(0.0, timeout))
+            if self._thread.is_alive():
+                self._stalled(time.perf_counter() - t0)
         self.wait_s = time.perf_counter() - t0
         self._planner._pending = None
         if self._err is not None:
             raise self._err
+        self._draft.basis = self.basis
+        return self._draft
+
+    def _stalled(self, waited: float) -> None:
+        planner, it = self._planner, self.request["iteration"]
+        made = "sent" if self.phase == "sending" else "made"
+        planner.kill()
+        self._thread.join()
+        self._err = planner._error(
+            "stalled", it, f"stalled: iteration {it + 1}'s draft was not {made} "
+                           f"{time.monotonic() - self.asked:.1f} s after it was asked for "
+                           f"(its deadline {planner.deadline_s():.1f} s; waited {waited:.1f} s "
+                           f"at the step's end); killed")
+
+
+class Drafted:
+    """A draft already made on the training thread (the planner process down after a
+    failure), with ``Planner``'s API: the same inputs give the same plan."""
+
+    def __init__(self, draft: Draft, basis):
+        self._draft, self.basis = draft, basis
+        self.wait_s = 0.0
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> Draft:
         self._draft.basis = self.basis
         return self._draft
 
@@ -235,128 +369,3 @@ def _stop(proc, out: Connection, inp: Connection) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-# --- the planner process ------------------------------------------------------------------
-def sync_state(drafter: Drafter, latency_state: Optional[dict], tracker_sync) -> None:
-    """Bring ``drafter``'s latency calibration and tracker to the training process's state."""
-    if latency_state is not None and drafter.latency is not None:
-        drafter.latency.load_calibration_state(latency_state)
-    if tracker_sync is not None and drafter.tracker is not None:
-        kind, value = tracker_sync
-        if kind == "reset":
-            drafter.tracker.load_state_dict(value)
-        else:
-            for ids, lengths, values in value:
-                drafter.tracker.update(ids, lengths, values)
-
-
-def committed_index(draft: Draft) -> Optional[int]:
-    """Which packing this rank knows the step commits (0 SAB's, 1 the baseline's), or None where
-    it learns it from rank 0's broadcast: its own stand-down choice, or as the rank that plans
-    DST, the plan's."""
-    stand = draft.stand_down
-    if draft.payload is not None:
-        stand = draft.payload[1].get("stand_down")
-    if draft.options < 2:
-        return 0
-    return None if stand is None else int(stand["packing_index"])
-
-
-def reply(draft: Draft) -> Draft:
-    """The draft as the planner process sends it back: without the packing a rank knows it
-    will not commit (both stay where rank 0's broadcast will say which)."""
-    index = committed_index(draft)
-    if index == 0:
-        draft.baseline = None
-    elif index == 1:
-        draft.batch = draft.units = None
-    return draft
-
-
-def warm_up_kernels() -> None:
-    """The planner's compiled kernels made ready in this process (numba's import, and its
-    compilation or its disk cache: seconds the first time in an environment), at start-up
-    instead of in a step: the planner process before it says ready, the training process
-    before its first step (its reports and layout check simulate too). Nothing without
-    numba."""
-    from ...batching import packing_kernels, slot_kernels
-    from ...latency import features
-    from ...policy import band_kernels, descent_kernels, floors, grid_kernels
-    from ...sim import compiled, fit_kernels
-
-    try:
-        for module in (compiled, fit_kernels, grid_kernels, band_kernels, descent_kernels,
-                       floors, features, packing_kernels, slot_kernels):
-            module.warm_up()
-    except Exception as e:      # a numba that cannot compile here: numpy, the same plans
-        compiled.disable(f"{type(e).__name__}: {e}")
-
-
-def _import_draft_modules() -> None:
-    """What a draft imports on first use (packing, DST, the quality cost), imported at start-up
-    instead of during the first draft, and the compiled kernels made ready."""
-    from ...batching import packing  # noqa: F401
-    from ...policy import critical_path, dst, quality  # noqa: F401
-    from . import choice  # noqa: F401
-
-    warm_up_kernels()
-
-
-def _settle() -> None:
-    """What the process holds once it is ready (its modules, numba's, the Drafter: about 100,000
-    objects) moved out of the garbage collector's reach (``gc.freeze``): a draft's own objects
-    survive into the oldest generation often enough that every few drafts a full collection
-    walked all of them, 20-40 ms inside a draft of 60 (thread CPU, 64 DP x 16 x PP 4); frozen,
-    the collections a draft pays walk only what drafts made. What is frozen is never freed, and
-    it is held for the process's life anyway."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
-def serve(inp: Connection, out: Connection) -> None:
-    """The planner process's loop: ``init`` (the Drafter), ``draft`` requests answered in
-    order, until ``stop`` or the training process's end (EOF)."""
-    drafter: Optional[Drafter] = None
-    while True:
-        try:
-            msg = inp.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "stop":
-            return
-        if msg[0] == "init":
-            drafter = msg[1]
-            _import_draft_modules()
-            _settle()
-            out.send(("ready",))
-            continue
-        req = msg[1]
-        try:
-            sync_state(drafter, req["latency"], req["tracker"])
-            draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
-                                  req["num_microbatches"], with_dst=req["with_dst"])
-            answer = ("ok", reply(draft))
-        except Exception as e:                             # raised on the training thread
-            text = traceback.format_exc()
-            try:
-                pickle.dumps(e)
-            except Exception:
-                e = None
-            answer = ("error", e, text)
-        try:
-            out.send(answer)
-        except (BrokenPipeError, OSError):
-            return
-
-
-def main(argv=None) -> int:
-    fd_in, fd_out = (int(x) for x in (argv or sys.argv[1:]))
-    serve(Connection(fd_in, writable=False), Connection(fd_out, readable=False))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

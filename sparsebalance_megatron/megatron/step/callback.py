@@ -51,9 +51,9 @@ from ..model.budget import BudgetContext
 from ..runtime import comm
 from .checks import (budget_error, budget_violations, fingerprint, min_kept, recall_sums,
                      sum_by_doc, unit_order)
-from .ahead import PlannerProcess, warm_up_kernels
+from .planner_worker import warm_up_kernels
 from .exchange import ExchangeGroups, StepExchange
-from .planning import PreparedStep, StepPlanning
+from .planning import PlannerFailures, PreparedStep, StepPlanning
 from .record import RankReport, StepSummary, step_record_shape
 from .state import STATE_VERSION, plain_state
 
@@ -68,8 +68,7 @@ class SparseBalanceCallback(StepPlanning):
 
         self.args, self.sb, self.budget, self.data, self.device = args, sb, budget, data, device
         self.corpus = data.corpus
-        self.dp = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.pp, self.pp_rank = args.pipeline_model_parallel_size, \
             ps.get_pipeline_model_parallel_rank()
         self.capacity = args.seq_length * args.micro_batch_size
@@ -111,8 +110,7 @@ class SparseBalanceCallback(StepPlanning):
                                                               dtype=np.int64) + 1,
                                      dense_below_tokens=routing,
                                      pad_multiple=self.mb_args["pad_multiple"])
-        self.timers = None                      # hooks installs the MicrobatchTimers
-        self.sampler = None
+        self.timers = self.sampler = None       # hooks installs the timers, train_iterator it
         self.steps_done = 0                     # steps this process ran (the first is warm-up)
         self._ready: Optional[PreparedStep] = None
         self._current: Optional[PreparedStep] = None
@@ -128,9 +126,11 @@ class SparseBalanceCallback(StepPlanning):
         self._ready_basis: Optional[dict] = None   # the state the prepared step was planned from
         self._ahead_s = 0.0                        # CPU seconds of the last background draft
         self._drafter = None                       # what drafts read (StepPlanning.drafter)
-        self._process: Optional[PlannerProcess] = None   # --sb-planner process
+        self._process = None                       # --sb-planner process: its PlannerProcess
         self._tracker_log: list = []               # tracker updates the process has not seen
         self._tracker_synced = False               # the process's tracker is this one's
+        self._failures = PlannerFailures()         # its deaths and stalls
+        self.watchdog = None                       # hooks: the rank's watchdog (a wait's phase)
         self._updates = 0                          # tracker updates so far
         self._basis_tracker = None                 # the tracker as of the prepared step's basis
         self._basis_log: list = []                 # updates since then
@@ -268,8 +268,7 @@ class SparseBalanceCallback(StepPlanning):
             # The first step of a process pays for warm-up (allocations, lazy init): no sample.
             warm = self.steps_done > 0
         # The next step's draft read the state this step is about to change: join it first.
-        draft, self._planner = (self._planner.result() if self._planner is not None
-                                else None), None
+        draft = self.join_ahead()
         calib = {}
         if self.latency is not None and step.plan is not None and warm:
             calib = self._calibrate(step, measured)
@@ -367,7 +366,8 @@ class SparseBalanceCallback(StepPlanning):
                           fwd_s=timings.get("fwd_s", []), bwd_s=timings.get("bwd_s", []),
                           units=unit_order(self._fwd_order, self.layout, self.pp_rank),
                           step_s=timings.get("step_s"), loss=loss, violations=bad,
-                          doc_values=docs if self.signal is not None else {})
+                          doc_values=docs if self.signal is not None else {},
+                          planner_events=self._failures.take())
 
     def _update_sensitivity(self, step: PreparedStep, summary: StepSummary) -> None:
         """The tracker learns every document's mean signal this step (sum / count over every

@@ -40,7 +40,7 @@ class Draft:
     stand_down: Optional[dict] = None  # without DST: every rank's own packing choice
     options: int = 1               # packings drafted (2: SAB and the baseline), on every rank
                                    # alike: the plan record's size, even where the planner
-                                   # process sends one of them back (``ahead.reply``)
+                                   # process sends one of them back (``planner_worker.reply``)
     num_microbatches: int = 0      # the step's micro-batches per DP rank
 
     def packing(self, index: int) -> tuple:

@@ -14,6 +14,7 @@ No torch.distributed outside ``comm``; megatron only through the callback.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -24,8 +25,29 @@ from ...batching.plan import BatchPlan
 from ...plan import BudgetPlan
 from ..runtime import comm
 from .plan_record import PlanShape
-from .ahead import Planner, PlannerProcess
+from .ahead import Drafted, PendingDraft, Planner, PlannerProcess, PlannerProcessError
 from .drafting import Draft, Drafter  # noqa: F401  (Draft: the planners' result type)
+
+PLANNER_RESTARTS = 3
+"""New planner processes a rank starts after its planner dies or stalls, the k-th for the draft
+``2 ** (k - 1)`` steps after the k-th failure's (the training thread drafts those between);
+after that it drafts on the training thread for the rest of the run (the same plans: a draft is
+one function of the same inputs, wherever it is made)."""
+
+
+@dataclass
+class PlannerFailures:
+    """A rank's planner process deaths and stalls (``StepPlanning._planner_failed``)."""
+
+    count: int = 0                 # so far
+    down_until: float = 0.0        # after one: the iteration whose draft a new process takes
+    restarting: bool = False       # a new process started, not yet ready
+    unreported: int = 0            # since the last step's report (the step's gather counts them)
+
+    def take(self) -> int:
+        """The unreported ones, now reported."""
+        n, self.unreported = self.unreported, 0
+        return n
 
 
 @dataclass
@@ -162,7 +184,8 @@ class StepPlanning:
 
     def _plan_ahead(self) -> None:
         """--sb-planner process/thread: start drafting the step after the prepared one, from
-        the current state (which nothing changes until ``end_step`` joins the draft)."""
+        the current state (which nothing changes until ``end_step`` joins the draft). Where the
+        planner process is down after a failure, the training thread drafts it now."""
         step = self._ready
         if not self.sb.plan_ahead or step is None or step.iteration + 1 >= self.args.train_iters:
             return
@@ -171,19 +194,119 @@ class StepPlanning:
         if self.sb.planner == "thread":
             self._planner = Planner(lambda: self._draft(it, m), basis)
             return
-        self.start_planner()
+        if not self._planner_up(it):
+            self._planner = Drafted(self._draft(it, m), basis)
+            return
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * m)
+        fault = self._planner_fault(it)
+        if fault in ("planner-stop", "planner-kill-drafting"):
+            self._process.stop_for_test()    # it can answer nothing now
+        elif fault == "planner-kill-idle":
+            self._process.kill()
         self._planner = self._process.submit(
             it, first_bin, segments, m, with_dst=comm.rank() == 0,
             latency_state=basis.latency, tracker_sync=self._tracker_sync(), basis=basis)
+        if fault == "planner-kill-drafting":
+            self._process.kill()
 
     def start_planner(self) -> None:
         """--sb-planner process: start this rank's planner process (once; it reads its copy of
         the Drafter and imports while the first step is prepared, before training starts)."""
-        if self.sb.planner == "process" and self._process is None:
-            self._process = PlannerProcess(self.drafter())
-            self._tracker_synced = False
+        if self.sb.planner == "process" and self._process is None and not self._failures.count:
+            self._start_process()
+
+    def _start_process(self) -> None:
+        self._process = PlannerProcess(self.drafter(), timeout_s=self._planner_timeout_s())
+        self._tracker_synced = False
+
+    def _planner_timeout_s(self) -> float:
+        """--sb-planner-timeout, at most half the distributed timeout in effect: the peers of a
+        rank that waits for its planner wait in a collective meanwhile."""
+        from ..runtime.watchdog_judgement import distributed_timeouts_s
+        limit = self.sb.planner_timeout
+        if getattr(self.args, "distributed_timeout_minutes", None) is not None:
+            limit = min([limit] + [0.5 * t for t in distributed_timeouts_s(self.args) if t])
+        return limit
+
+    def _planner_up(self, iteration: int) -> bool:
+        """Whether ``iteration`` goes to the planner process: it runs, or after a failure a new
+        one is due (started now; it drafts once ready, the training thread until then)."""
+        if self._process is None:
+            if not self._failures.count:
+                self.start_planner()
+                return True
+            if iteration < self._failures.down_until:
+                return False
+            self._start_process()
+            self._failures.restarting = True
+        if self._failures.restarting:
+            try:
+                if not self._process.ready_now():
+                    return False
+            except PlannerProcessError as e:
+                self._planner_failed(e, iteration)
+                return False
+            self._failures.restarting = False
+            comm.say_rank(f"rank {comm.rank()}: the new planner process (pid "
+                          f"{self._process.pid}) drafts from iteration {iteration + 1} on")
+        return True
+
+    def join_ahead(self) -> Optional[Draft]:
+        """The next step's draft made while this one trained (None: none was started). Where
+        the planner process died or stalled, the training thread drafts the same step from the
+        same inputs (the state the draft read has not changed since it was asked for), and the
+        rank goes on as ``_planner_failed`` says."""
+        planner, self._planner = self._planner, None
+        if planner is None:
+            return None
+        if not isinstance(planner, PendingDraft):
+            return planner.result()
+        waiting = f"waiting for the planner process (pid {planner.pid})"
+        watchdog = None if planner.done() else getattr(self, "watchdog", None)
+        if watchdog is not None:
+            watchdog.enter(waiting)
+        try:
+            return planner.result()
+        except PlannerProcessError as e:
+            self._planner_failed(e, planner.request["iteration"])
+            draft = self.drafter().draft(**planner.request)
+            draft.basis = planner.basis
+            return draft
+        finally:
+            if watchdog is not None:
+                watchdog.leave(waiting)
+
+    def _planner_failed(self, err: PlannerProcessError, iteration: int) -> None:
+        """One line naming the rank, the process, what ended it and what the run does now; the
+        process ended and reaped; the next one due ``PLANNER_RESTARTS`` says when."""
+        self._process.kill()
+        self._process.close()
+        self._process, self._failures.restarting = None, False
+        self._failures.count += 1
+        self._failures.unreported += 1
+        n = self._failures.count
+        if n <= PLANNER_RESTARTS:
+            wait = 2 ** (n - 1)
+            self._failures.down_until = iteration + wait
+            now = (f"the training thread drafts iteration {iteration + 1} from the same inputs "
+                   f"(the same plan), and a new planner process starts for iteration "
+                   f"{iteration + wait + 1}'s draft (restart {n} of {PLANNER_RESTARTS})")
+        else:
+            self._failures.down_until = math.inf
+            now = (f"the training thread drafts every step from now on (the same plans; "
+                   f"{PLANNER_RESTARTS} restarts used)")
+        comm.say_rank(f"warning: rank {comm.rank()}: {err}; {now}")
+
+    def _planner_fault(self, iteration: int) -> Optional[str]:
+        """--sb-fault RANK:STEP:planner-* (tests): the kind, at the draft of iteration STEP on
+        global rank RANK."""
+        for rank, step, kind in self.sb.fault_specs or ():
+            if kind.startswith("planner-") and comm.rank() == rank and iteration + 1 == step:
+                comm.say_rank(f"--sb-fault: injecting '{kind}' on rank {rank} at iteration "
+                              f"{step}'s draft (planner process pid {self._process.pid})")
+                return kind
+        return None
 
     def _tracker_sync(self):
         """What brings the planner process's tracker to this one's: its whole state after a

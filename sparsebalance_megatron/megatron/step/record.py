@@ -40,7 +40,7 @@ MAX_BYTES = 64 << 20            # a control record this large is a wrong shape, 
 HEADER = ("magic", "dp", "stages", "timed", "units", "docs")
 # One stage's block: integers (int64 bits) first, then floats.
 INT_FIELDS = ("pp", "fingerprint", "fingerprints_differ", "ranks", "violations", "bad_kind",
-              "bad_stage", "bad_microbatch")
+              "bad_stage", "bad_microbatch", "planner_events")
 FLOAT_FIELDS = ("busy_s", "step_s", "loss_sum", "loss_tokens", "bad_value", "bad_want")
 BLOCK_FIELDS = len(INT_FIELDS) + len(FLOAT_FIELDS)
 UNIT_WORDS = 4                  # fwd s, bwd s (float); micro-batch, virtual stage (int)
@@ -110,6 +110,7 @@ class RankReport:
     loss: tuple = (0.0, 0.0)             # (loss sum, tokens) of its micro-batches
     violations: Sequence[Violation] = ()  # ``checks.budget_violations``
     doc_values: Mapping[int, tuple] = field(default_factory=dict)  # {doc: (sum, count)}
+    planner_events: int = 0              # its planner process's deaths and stalls since the last
 
 
 @dataclass
@@ -128,6 +129,7 @@ class StepSummary:
     unit_times: dict = field(default_factory=dict)  # {(dp, pp): (units, fwd_s, bwd_s)}
     comm_s: float = 0.0                  # this rank's seconds in the gather's collectives
     bytes_received: int = 0              # what the gather brought this rank
+    planner_events: int = 0              # every rank's planner deaths and stalls since the last
 
 
 def doc_slots(micro_batches) -> list:
@@ -188,6 +190,7 @@ def encode_rank(report: RankReport, shape: RecordShape, slots: np.ndarray) -> np
         int(report.fingerprint), 1
     bad = list(report.violations)
     i[_I["violations"]] = len(bad)
+    i[_I["planner_events"]] = _count("planner_events", report.planner_events)
     f[_F["bad_value"]] = f[_F["bad_want"]] = np.nan
     if bad:
         v = bad[0]
@@ -248,6 +251,7 @@ def combine_cell(records: np.ndarray, shape: RecordShape) -> np.ndarray:
                                            or len(set(ints[:, _I["fingerprint"]].tolist())) > 1)
     io[0, _I["ranks"]] = ints[:, _I["ranks"]].sum()
     io[0, _I["violations"]] = ints[:, _I["violations"]].sum()
+    io[0, _I["planner_events"]] = ints[:, _I["planner_events"]].sum()
     first = np.flatnonzero(ints[:, _I["bad_kind"]])
     if first.size:
         k = first[0]
@@ -337,7 +341,8 @@ def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence) -> StepS
                        loss=(float(loss[0]), float(loss[1])), doc_ids=ids, doc_sums=sums,
                        fingerprints_agree=bool(agree),
                        violations=int(ib[:, :, _I["violations"]].sum()), examples=examples,
-                       unit_times=unit_times)
+                       unit_times=unit_times,
+                       planner_events=int(ib[:, :, _I["planner_events"]].sum()))
 
 
 def _doc_sums(docs: np.ndarray, slots: Sequence) -> tuple:

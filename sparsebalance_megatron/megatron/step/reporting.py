@@ -177,6 +177,7 @@ SCALARS = (
     ("overhead_s", "sb_overhead_s"), ("overhead/own_s", "sb_own_s"),
     ("overhead/wait_s", "sb_wait_s"), ("planned_ahead_s", "sb_planned_ahead_s"),
     ("dst_stood_down", "dst_stood_down"), ("sab_stood_down", "sab_stood_down"),
+    ("planner/events", "planner_events"), ("planner/events_total", "planner_events_total"),
 )
 
 
@@ -247,6 +248,7 @@ class StepReporter:
         self.compiles = WATCH if sb.sparse_attention_enabled and (
             WATCH.available or WATCH.install()) else None
         self.stood = StandDownCounts()   # cumulative over the run (checkpointed by the callback)
+        self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
 
     def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
                own_s: Optional[float] = None, planned_ahead_s: Optional[float] = None):
@@ -263,6 +265,11 @@ class StepReporter:
                           doc_positions=self.doc_positions, dense_work=dense, kept=kept)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
+        # every rank's planner process deaths and stalls, reported with the step after them
+        self.planner_events_total += summary.planner_events
+        if self.planner_events_total:
+            rec["planner_events"] = summary.planner_events
+            rec["planner_events_total"] = self.planner_events_total
         if self.compiles is not None:     # this rank's, since the last step
             rec["kernel_compiles"], rec["kernel_compile_s"] = self.compiles.take()
         self.history.append(rec)
