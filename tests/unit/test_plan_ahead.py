@@ -477,6 +477,27 @@ def test_a_failed_planner_costs_a_step_and_restarts_with_backoff(capsys):
     assert len(lines) == 4 and "died at 3" in lines[0] and "restart 1 of 3" in lines[0]
     assert "a new planner process starts for iteration 9's draft (restart 2 of 3)" in lines[1]
     assert "every step from now on" in lines[3]
+    # a wait at the join is the watchdog's phase, named with the planner's pid
+    phases = []
+    cb.watchdog = SimpleNamespace(enter=lambda p: phases.append(("enter", p)),
+                                  leave=lambda p: phases.append(("leave", p)))
+
+    class Waiting(PendingDraft):                 # not in yet, then stalled
+        def done(self):
+            return False
+
+        def result(self, timeout=None):
+            raise PlannerProcessError("stalled", pid=self.pid, phase="stalled", iteration=50,
+                                      code=-9)
+
+    cb._process = Fake()
+    request = dict(iteration=50, first_bin=0, segments=[], num_microbatches=1, with_dst=True)
+    cb._planner = Waiting(cb._process, {}, request, 0.0, error=PlannerProcessError(
+        "x", pid=0, phase="idle", iteration=50, code=-9))
+    assert cb.join_ahead().iteration == 50
+    waiting = f"waiting for the planner process (pid {Fake.started + 1000})"
+    assert phases == [("enter", waiting), ("leave", waiting)]
+    cb.watchdog = None
     # a restarted process not yet ready: its steps drafted on the training thread meanwhile
     cb._process, cb._failures.restarting = Fake(), True
     cb._process.ready = False
