@@ -265,6 +265,13 @@ def block_sparse_attention(
     return sparse(q, k, v, cu_seqlens, density, cache, pad_tokens=pad_to_tokens)
 
 
+def _fused_selection(q: torch.Tensor, block_size: int) -> bool:
+    """Whether triton's fused selection (``sparse_triton_select``) takes these inputs: its
+    tiles need a power-of-two head dim (fa4 takes any multiple of 8 up to 128)."""
+    from .sparse_triton import missing
+    return missing(q.device, q.dtype, q.shape[-1], block_size) is None
+
+
 def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_size, backend,
                       estimator, softmax_scale, query_chunk_blocks, compile_backend,
                       reduce_shares, budget, pad_tokens=None):
@@ -274,14 +281,14 @@ def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_
                      fixed_length=flex_kernel is not None, pad_tokens=pad_tokens)
     density_doc, density_host = _density(layout, density)
     budget = dict(budget, density_host=density_host)
-    if backend in ("triton", "fa4"):    # fused selection and lists, then the kernel
-        from .sparse_triton_select import triton_block_sparse
+    if backend == "triton" or (backend == "fa4" and _fused_selection(q, block_size)):
+        from .sparse_triton_select import triton_block_sparse   # fused selection and lists
         return triton_block_sparse(q, k, v, layout, density_doc, estimator=estimator,
                                    softmax_scale=softmax_scale, reduce_shares=reduce_shares,
                                    kernel=backend, **budget)
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
-    if flex_kernel is not None:
+    if flex_kernel is not None or backend == "fa4":
         with torch.no_grad():
             qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
             keys = k_pad.detach()[:layout.num_blocks * block_size].permute(1, 0, 2)
@@ -289,9 +296,17 @@ def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_
             if reduce_shares is not None:
                 shares = reduce_shares(shares)
         selection = select_from_shares(shares, layout, density_doc, **budget)
-        from .flex import flex_attention_padded
-        out = flex_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale,
-                                    compile_backend, flex_kernel)
+        if backend == "fa4":     # a head dim the fused selection's tiles do not take (96, 80)
+            from .block_lists import build_block_lists
+            from .fa4_cute import fa4_block_sparse_attention
+            lists = build_block_lists(selection)
+            out = fa4_block_sparse_attention(q_pad, k_pad, v_pad, lists.q_num, lists.q_idx,
+                                             lists.kv_num, lists.kv_idx,
+                                             block_size=block_size, softmax_scale=softmax_scale)
+        else:
+            from .flex import flex_attention_padded
+            out = flex_attention_padded(q_pad, k_pad, v_pad, selection, softmax_scale,
+                                        compile_backend, flex_kernel)
         return layout.unpad(out), selection
 
     q_blk = to_blocks_q(q_pad, num_groups, block_size)       # [ng, NB, rep, B, hn]

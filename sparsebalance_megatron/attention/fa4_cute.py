@@ -66,8 +66,9 @@ returned    [T, np, hn]             as q     attention output (contiguous)
 
 The lists are the ``triton`` backend's, made by its fused selection
 (``sparse_triton_select.triton_block_sparse(kernel="fa4")``: ``block_lists.lists_from_ranking``
-with the selection, or ``build_block_lists(selection)`` for the generic one; on the device, no
-host sync), handed over as they are: same widths
+with the selection) where its tiles take the head dim (a power of two), else by the generic
+selection and ``build_block_lists(selection)`` (``api._sparse_attention``); on the device, no
+host sync; handed over as they are: same widths
 (``Wq = max(1, K - 1)``, ``Wk = max(1, longest document's blocks - 1)``), int32, contiguous,
 ascending. Its entries past a count hold the row's own block, which is in ``[0, NB)``; FA4 reads
 none of them (4.0.0b36 ``block_sparse_utils.py``: every loop over a list stops at its count; its

@@ -205,6 +205,43 @@ def check_backend_hands_the_fused_lists_to_fa4():
     assert torch.equal(out, q * 2)                      # unpadded: each token its own row
 
 
+def check_fa4_takes_the_generic_selection_where_the_fused_one_cannot():
+    """``backend='fa4'`` takes triton's fused selection where its tiles serve the head dim (a
+    power of two), the generic selection at head dims FA4 takes and they do not (96): FA4
+    gets the block-aligned tokens and ``build_block_lists`` of the selection either way."""
+    from sparsebalance_megatron.attention import api, fa4_cute
+    from sparsebalance_megatron.attention import sparse_triton_select as fused
+    cu, t = [0, 300, 1024], 1024
+    budget = dict(sink_blocks=1, local_blocks=0, selection_mode="density", mass_threshold=0.9,
+                  min_density=0.125, max_density=1.0)
+    for hn, want_fused in ((64, True), (96, False)):
+        g = torch.Generator().manual_seed(hn)
+        q, k, v = (torch.randn(t, h, hn, generator=g).half() for h in (4, 2, 2))
+        seen, fused_calls = {}, []
+
+        def record(qp, kp, vp, *lists, block_size, softmax_scale):
+            seen.update(rows=qp.shape[0], lists=lists, q=qp)
+            return qp * 2
+
+        real = fused.triton_block_sparse
+
+        def spy(*a, **kw):
+            fused_calls.append(kw["kernel"])
+            return real(*a, **kw)
+
+        with mock.patch.object(fa4_cute, "fa4_block_sparse_attention", record), \
+                mock.patch.object(fused, "triton_block_sparse", spy):
+            out, sel = api._sparse_attention(
+                q, k, v, cu, 0.5, None, num_groups=2, block_size=128, backend="fa4",
+                estimator="pooled", softmax_scale=0.1, query_chunk_blocks=16,
+                compile_backend=None, reduce_shares=None, budget=budget)
+        assert fused_calls == (["fa4"] if want_fused else []), hn
+        assert seen["rows"] == sel.layout.num_blocks * 128
+        assert torch.equal(seen["q"], sel.layout.pad(q)) and torch.equal(out, q * 2)
+        for got, want in zip(seen["lists"], _lists(sel), strict=True):
+            assert torch.equal(got, want)
+
+
 # --- tests -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -223,6 +260,10 @@ def test_custom_op_autograd_on_fake_tensors(interp):
 
 def test_backend_hands_the_fused_lists_to_fa4(interp):
     interp("check_backend_hands_the_fused_lists_to_fa4")
+
+
+def test_fa4_takes_the_generic_selection_where_the_fused_one_cannot(interp):
+    interp("check_fa4_takes_the_generic_selection_where_the_fused_one_cannot")
 
 
 def test_refusals_name_the_backend_and_value(interp):
