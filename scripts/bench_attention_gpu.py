@@ -251,6 +251,18 @@ def run_checks(log, backend: str, shapes) -> bool:
     return ok
 
 
+def _timed(table: Table, row: dict, label: str, make_fn, case):
+    """The pass times of ``make_fn()`` on ``case`` under the table's clock, or None where making
+    or running it failed (``row`` then says why: a kernel that fails here is a row)."""
+    try:
+        return table.clock.timed(lambda: pass_times(make_fn(), [case.q, case.k, case.v],
+                                                    case.g, table.reps))
+    except Exception as e:  # noqa: BLE001
+        row["failed"] = _failed(e)
+        print(f"  {label}: failed: {row['failed']}", file=sys.stderr)
+        return None
+
+
 def run_backend(table: Table, job, backend: str, densities, crossover=None) -> bool:
     """``backend``'s rows on one micro-batch: per density its kernel rows (kernel backends)
     then its call rows (unrouted; routed too where ``crossover`` {(backend, density): tokens
@@ -259,7 +271,6 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
     if not clock.can_start():
         return False
     case, dense = table.case(job)
-    inputs = [case.q, case.k, case.v]
     # e against cuDNN's kernel (the dense sdpa call where it refused the shape), on single
     # documents only: cuDNN runs a packed micro-batch padded to its longest document
     e_ref = "cudnn" if "fwd_ms" in dense.get("cudnn", {}) else "sdpa"
@@ -278,9 +289,10 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
                 if cfg is not None:
                     from dataclasses import asdict
                     row["config"] = asdict(cfg)
-                try:
-                    t = clock.timed(lambda: pass_times(kernel_fn(backend, lists, case, cfg),
-                                                       inputs, case.g, table.reps))
+                label = f"{case.name} {case.shape} {backend} {variant} d={d}"
+                t = _timed(table, row, label, lambda: kernel_fn(backend, lists, case, cfg),
+                           case)
+                if t is not None:
                     row.update(t, **rates(t, lists.tiles, case.hn),
                                **e_against(t, e_pass, lists.kept_fraction), e_ref=e_ref,
                                kernel_ms=t["fwd_ms"] + t["bwd_ms"])
@@ -288,14 +300,9 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
                         row["ratio_vs_cudnn"] = row["kernel_ms"] / dense["dense_cudnn_ms"]
                     if kernel_fwd is None:
                         kernel_fwd = t["fwd_ms"]
-                    print(f"  {case.name} {case.shape} {backend} {variant} d={d}: fwd "
-                          f"{t['fwd_ms']:.2f} bwd {t['bwd_ms']:.2f} ms, e "
+                    print(f"  {label}: fwd {t['fwd_ms']:.2f} bwd {t['bwd_ms']:.2f} ms, e "
                           f"{row.get('e_fwd', float('nan')):.2f} / "
                           f"{row.get('e_bwd', float('nan')):.2f}", file=sys.stderr)
-                except Exception as e:  # noqa: BLE001 - a kernel that fails here is a row
-                    row["failed"] = _failed(e)
-                    print(f"  {case.name} {case.shape} {backend} {variant} d={d}: failed: "
-                          f"{row['failed']}", file=sys.stderr)
                 log.add(row)
         routings = [("none", 0)]
         if crossover is not None:
@@ -308,9 +315,9 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
                        routing=routing, dense_below_tokens=below,
                        **{k: dense[k] for k in ("dense_ms", "dense_cudnn_ms", "dense_sdpa_ms",
                                                 "dense_varlen_ms")})
-            try:
-                t = clock.timed(lambda: pass_times(call_fn(backend, case, d, below), inputs,
-                                                   case.g, table.reps))
+            label = f"{case.name} {case.shape} {backend} call d={d} {routing}"
+            t = _timed(table, row, label, lambda: call_fn(backend, case, d, below), case)
+            if t is not None:
                 ms = t["fwd_ms"] + t["bwd_ms"]
                 row.update(call_fwd_ms=t["fwd_ms"], call_bwd_ms=t["bwd_ms"],
                            bwd_method=t["bwd_method"], ours_ms=ms)
@@ -320,12 +327,8 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
                         row[f"ratio_vs_{name}"] = ms / dense[ref]
                 if kernel_fwd is not None and routing == "none":
                     row["select_ms"] = t["fwd_ms"] - kernel_fwd
-                print(f"  {case.name} {case.shape} {backend} call d={d} {routing}: {ms:.2f} ms "
-                      f"({row.get('ratio_vs_cudnn', float('nan')):.3f}x cuDNN)", file=sys.stderr)
-            except Exception as e:  # noqa: BLE001 - a call that fails here is a row
-                row["failed"] = _failed(e)
-                print(f"  {case.name} {case.shape} {backend} call d={d}: failed: "
-                      f"{row['failed']}", file=sys.stderr)
+                print(f"  {label}: {ms:.2f} ms ({row.get('ratio_vs_cudnn', float('nan')):.3f}x "
+                      f"cuDNN)", file=sys.stderr)
             log.add(row)
     return True
 

@@ -77,16 +77,9 @@ class Case:
         return self.bounds[-1]
 
     def causal_tiles(self) -> int:
-        """Dense causal tiles, all query heads: ``sum n (n + 1) / 2`` over the documents."""
-        per_head = sum(n * (n + 1) // 2 for n in (-(-d // BLOCK) for d in self.doc_lens))
-        return per_head * self.nh
-
-
-def tile_flops(tiles: int, hn: int) -> dict:
-    """FLOPs of ``tiles`` (query head x tile) per pass (``work_model``'s GEMMs per tile)."""
-    from sparsebalance_megatron.attention.work_model import attention_flops
-    f = attention_flops(int(tiles), 1, BLOCK, hn)
-    return {"fwd": f["fwd"], "bwd": f["bwd"]}
+        """Dense causal tiles, all query heads: ``n (n + 1) / 2`` per document of n blocks."""
+        from sparsebalance_megatron.attention.work_model import causal_kept_tiles
+        return self.nh * sum(causal_kept_tiles(-(-d // BLOCK), 1.0) for d in self.doc_lens)
 
 
 def pass_times(fn, inputs, g, reps) -> dict:
@@ -104,26 +97,23 @@ def pass_times(fn, inputs, g, reps) -> dict:
 
 
 def rates(times: dict, tiles: int, hn: int) -> dict:
-    """TFLOP/s of each timed pass of ``tiles``."""
-    f = tile_flops(tiles, hn)
+    """TFLOP/s of each timed pass of ``tiles`` (query head x tile; ``work_model``'s GEMMs per
+    tile)."""
+    from sparsebalance_megatron.attention.work_model import attention_flops
+    f = attention_flops(int(tiles), 1, BLOCK, hn)
     return {f"{p}_tflops": f[p] / times[f"{p}_ms"] / 1e9 for p in ("fwd", "bwd")
             if times.get(f"{p}_ms")}
 
 
 def _cudnn_layout(case: Case):
     """q, k, v, g as cuDNN's ``[docs, heads, longest, hn]`` leaves (KV heads expanded, padding
-    zero), laid out once outside the timing."""
-    n, b = max(case.doc_lens), len(case.doc_lens)
-    rep = case.nh // case.ng
+    zero: ``PackedDocs.pad``), laid out once outside the timing."""
+    from sparsebalance_megatron.attention.dense import packed_docs
+    docs, rep = packed_docs(case.bounds, case.tokens, case.q.device), case.nh // case.ng
 
     def lay(x, expand):
         x = x.detach()
-        if expand:
-            x = x.repeat_interleave(rep, dim=1)
-        out = x.new_zeros(b, n, x.shape[1], x.shape[2])
-        for i, (s, e) in enumerate(zip(case.bounds[:-1], case.bounds[1:])):
-            out[i, :e - s] = x[s:e]
-        return out.transpose(1, 2).contiguous()
+        return docs.pad(x.repeat_interleave(rep, dim=1) if expand else x).contiguous()
 
     q, k, v = lay(case.q, False), lay(case.k, True), lay(case.v, True)
     return [t.requires_grad_(True) for t in (q, k, v)], lay(case.g, False)
@@ -250,5 +240,5 @@ def e_against(ours: dict, cudnn: dict, kept_fraction: float) -> dict:
 
 
 __all__ = ["BLOCK", "Case", "Lists", "call_fn", "check", "dense_passes", "e_against",
-           "kernel_fn", "parse_shape", "pass_times", "rates", "tile_flops"]
+           "kernel_fn", "parse_shape", "pass_times", "rates"]
 

@@ -81,6 +81,14 @@ class PackedDocs:
         return self.memo["slots"]
 
 
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[t, heads, hn]`` -> ``[docs, heads, max_len, hn]``: every document from position 0,
+        zeros after it (the layout of a padded SDPA call; differentiable)."""
+        b, n = self.num_docs, self.max_len
+        out = x.new_zeros((b * n,) + tuple(x.shape[1:])).index_copy(0, self.slots(), x)
+        return out.view(b, n, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
 def packed_docs(cu_seqlens, num_tokens: int, device, cache: Optional[dict] = None) -> PackedDocs:
     """``cu_seqlens`` (tensor or sequence, validated like the sparse path's) as ``PackedDocs``;
     a device tensor is read back here, once: with ``cache`` (a per-micro-batch dict) later calls
@@ -149,13 +157,9 @@ def _padded_sdpa(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
-    slots, b, n = docs.slots(), docs.num_docs, docs.max_len
-
-    def pad(x):                                        # [t, h, hn] -> [b, h, n, hn]
-        out = x.new_zeros((b * n,) + tuple(x.shape[1:])).index_copy(0, slots, x)
-        return out.view(b, n, x.shape[1], x.shape[2]).transpose(1, 2)
-
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                       SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
-        o = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, scale=scale)
-    return o.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[2]).index_select(0, slots)
+        o = F.scaled_dot_product_attention(docs.pad(q), docs.pad(k), docs.pad(v),
+                                           is_causal=True, scale=scale)
+    n = docs.num_docs * docs.max_len
+    return o.transpose(1, 2).reshape(n, q.shape[1], q.shape[2]).index_select(0, docs.slots())
