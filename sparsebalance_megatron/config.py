@@ -30,6 +30,7 @@ DST_OBJECTIVES = ("density", "quality")
 DST_DESCENTS = ("critical_path", "off")   # policy/critical_path.py
 TIMING_SOURCES = ("measured", "model")
 PLANNERS = ("process", "thread", "inline")   # megatron/step/ahead.py
+PLANNER_TIMEOUT_S = 30.0   # --sb-planner-timeout's default (megatron/step/ahead.py)
 FAULT_KINDS = ("raise", "hang", "kill", "exit", "planner-kill-idle", "planner-kill-drafting",
                "planner-stop")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
@@ -333,7 +334,7 @@ class SparseBalanceConfig:
         "drafts every step); each event is one warning line and the sparsebalance/planner "
         "scalars count them.", choices=PLANNERS)
     planner_timeout: float = _f(
-        30.0, "With --sb-planner process: seconds after it was asked for that a draft counts "
+        PLANNER_TIMEOUT_S, "With --sb-planner process: seconds after it was asked for that a draft counts "
         "as stalled at the least (also 10x the recent drafts' median, and at most half the "
         "distributed timeout in effect); the rank then kills its planner process and drafts "
         "the step itself. A draft takes milliseconds to a few tenths of a second.")
@@ -415,10 +416,10 @@ class SparseBalanceConfig:
     def fault_specs(self) -> Optional[list[tuple[int, int, str]]]:
         """[(rank, iteration, kind)] of --sb-fault (comma-separated), [] without one, None where
         one of them is not RANK:STEP:KIND."""
+        if not self.fault:
+            return []
         out = []
-        for spec in str(self.fault or "").split(","):
-            if not spec:
-                continue
+        for spec in str(self.fault).split(","):
             parts = spec.split(":")
             if len(parts) != 3 or parts[2] not in FAULT_KINDS:
                 return None

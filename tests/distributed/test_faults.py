@@ -120,11 +120,16 @@ def test_a_dead_or_stalled_planner_costs_a_step_not_the_job(tmp_path, small_json
     out = proc.stdout
     warnings = re.findall(r"warning: rank (\d): the SparseBalance planner process \(pid \d+\) "
                           r"(.*?); the training thread drafts", out)
-    said = {int(r): what for r, what in warnings}
-    assert "ended while idle after" in said[1] and "with signal 9 (SIGKILL)" in said[1]
-    assert said[2] == "ended while drafting iteration 4 with signal 9 (SIGKILL)"
-    assert said[3].startswith("stalled: iteration 5's draft was not made")
-    assert "restart 1 of 3" in out and "the new planner process (pid" in out
+    said = {}                      # every warning of each rank (a loaded machine may add one)
+    for r, what in warnings:
+        said.setdefault(int(r), []).append(what)
+    assert any("ended while idle after" in w and "with signal 9 (SIGKILL)" in w
+               for w in said[1])
+    assert "ended while drafting iteration 4 with signal 9 (SIGKILL)" in said[2]
+    assert any(w.startswith("stalled: iteration 5's draft was not made") for w in said[3])
+    # (whether a restarted process is ready before the run's last draft depends on the
+    # machine: the restart itself is tested on fake processes, tests/unit/test_plan_ahead.py)
+    assert "restart 1 of 3" in out
     base, faulty = read_metrics(tmp_path / "base.jsonl"), read_metrics(tmp_path / "faulty.jsonl")
     assert [r["step"] for r in faulty] == [r["step"] for r in base] == list(range(1, 7))
     assert any(r["units_cut"] or r["units_raised"] for r in base), "DST never moved a unit"

@@ -486,7 +486,7 @@ def test_a_failed_planner_costs_a_step_and_restarts_with_backoff(capsys):
         def done(self):
             return False
 
-        def result(self, timeout=None):
+        def result(self):
             raise PlannerProcessError("stalled", pid=self.pid, phase="stalled", iteration=50,
                                       code=-9)
 

@@ -120,6 +120,9 @@ CASES = [
     _case(["--sb-query-chunk-blocks", "0"], "--sb-query-chunk-blocks=0: expected an integer >= 1"),
     _case(["--sb-microbatch-multiple", "-4"], "--sb-microbatch-multiple='-4': expected 'auto' or an integer >= 0"),
     _case(["--sb-fault", "1:0:explode"], "--sb-fault='1:0:explode': expected RANK:STEP:KIND"),
+    _case(["--sb-fault", "1:3:kill,"], "--sb-fault='1:3:kill,': expected RANK:STEP:KIND"),
+    _case(["--sb-planner-timeout", "0"], "--sb-planner-timeout=0.0: expected a number of "
+          "seconds > 0"),
     _case(["--sb-watchdog-seconds", "-1"], "--sb-watchdog-seconds='-1': expected 'auto'"),
     _case(["--sb-watchdog-seconds", "600"], "--sb-watchdog-seconds=600: expected fewer seconds "
           "than the distributed timeout (600 s, --distributed-timeout-minutes)"),

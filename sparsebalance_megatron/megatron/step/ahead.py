@@ -42,6 +42,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Optional
 
+from ...config import PLANNER_TIMEOUT_S
 from .drafting import Draft, Drafter
 
 POLL_S = 1.0            # how often a wait for the planner process checks that it is alive
@@ -126,7 +127,7 @@ class PlannerProcess:
     draft. One draft in flight at a time. ``timeout_s``: the least time a draft may take before
     it counts as stalled (``deadline_s``)."""
 
-    def __init__(self, drafter: Drafter, timeout_s: float = 30.0):
+    def __init__(self, drafter: Drafter, timeout_s: float = PLANNER_TIMEOUT_S):
         r_child, w_parent = os.pipe()
         r_parent, w_child = os.pipe()
         _widen(r_parent)
@@ -307,15 +308,12 @@ class PendingDraft:
         """Whether the draft is read back (``result`` would not wait)."""
         return self._thread is None or not self._thread.is_alive()
 
-    def result(self, timeout: Optional[float] = None) -> Draft:
-        """The draft; ``timeout``: seconds to wait at most (None: ``deadline_s`` from when it
-        was asked for), after which the process is killed and PlannerProcessError raised
-        (``stalled``)."""
+    def result(self) -> Draft:
+        """The draft, waiting at most until ``deadline_s`` after it was asked for; past that
+        the process is killed and PlannerProcessError raised (``stalled``)."""
         t0 = time.perf_counter()
         if self._thread is not None:
-            if timeout is None:
-                timeout = self.asked + self._planner.deadline_s() - time.monotonic()
-            self._thread.join(max(0.0, timeout))
+            self._thread.join(max(0.0, self.asked + self._planner.deadline_s() - time.monotonic()))
             if self._thread.is_alive():
                 self._stalled(time.perf_counter() - t0)
         self.wait_s = time.perf_counter() - t0

@@ -263,7 +263,7 @@ class StepPlanning:
         if not isinstance(planner, PendingDraft):
             return planner.result()
         waiting = f"waiting for the planner process (pid {planner.pid})"
-        watchdog = None if planner.done() else getattr(self, "watchdog", None)
+        watchdog = None if planner.done() else self.watchdog
         if watchdog is not None:
             watchdog.enter(waiting)
         try:
