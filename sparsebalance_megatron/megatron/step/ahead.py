@@ -325,6 +325,9 @@ class PendingDraft:
 
     def _stalled(self, waited: float) -> None:
         planner, it = self._planner, self.request["iteration"]
+        if planner.proc.poll() is not None:    # it ended, not stalled: the reader names how
+            self._thread.join()
+            return
         made = "sent" if self.phase == "sending" else "made"
         planner.kill()
         self._thread.join()
