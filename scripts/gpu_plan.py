@@ -58,6 +58,7 @@ class Call:
     what: str = ""
     bench_backends: Tuple[str, ...] = ()   # gpu_check.py --bench-backends (): every one)
     complete: bool = False       # unpack --complete: every piece of a carried set must be here
+    latency_table: str = ""      # gpu_check.py --latency-table (a committed table of the kind)
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
@@ -79,12 +80,15 @@ PLAN: Tuple[Call, ...] = (
          what="FlashAttention-4 (the pieces joined): fa4 checked against float64 (5 calls "
               "each, NaNs and run-to-run differences), then its rows and flex's flash kernel's "
               "on the same grid, dense re-timed beside them"),
-    Call("e2e", ("latency", "train"), 360, 345,
-         what="the GPU latency table and its held-out error; pretrain() dense, dense + SAB "
-              "(torch's varlen call; cuDNN SDPA on long documents) and --sparse-balance at the "
-              "default --sb-attention-backend auto (a length-free kernel at variable lengths: "
-              "fa4 where the kernel calls left it installed, else triton; the profile times "
-              "both and keeps the faster)"),
+    # The end-to-end call takes the latency table the H200 profiled with fa4 on 2026-11-26
+    # (its latency step, 84-103 s, buys the 64K runs' time); on an H100 give it the latency
+    # step back (steps ("latency", "train"))
+    Call("e2e", ("train",), 455, 440, latency_table="docs/results/latency_gpu_h200_fa4.json",
+         what="pretrain() on documents of 16K+ tokens in 32K and 64K micro-batches, and whole "
+              "files: dense + SAB through cuDNN (a long document alone in its call) and "
+              "through torch's varlen call, --sparse-balance at d0 0.5 and 0.25 at the default "
+              "--sb-attention-backend auto (fa4 where the kernel calls left it installed, else "
+              "triton), Megatron's own dense last; the H200's fa4 latency table"),
 )
 
 # CuTe DSL (nvidia-cutlass-dsl >= 4.5) keeps its ``cutlass`` package in dsl_packages, which its
@@ -114,6 +118,8 @@ def command(call: Call) -> str:
     backend = "" if call.train_backend == "auto" else f"--train-backend {call.train_backend} "
     bench = (f"--bench-backends {' '.join(call.bench_backends)} " if call.bench_backends
              else "")
+    if call.latency_table:
+        bench += f"--latency-table {call.latency_table} "
     return (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
             + f"export SPARSEBALANCE_COMMIT={head_commit()}; "
             + f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "

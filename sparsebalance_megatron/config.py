@@ -148,8 +148,9 @@ class SparseBalanceConfig:
     dense_kernel: str = _f(
         "auto", "Dense kernel on CUDA in float16/bfloat16, of routed documents and of dense "
         "runs on the local spec (--sb-batching without sparse attention): 'varlen' (one "
-        "FlashAttention varlen call over the packed documents), 'sdpa' (one cuDNN SDPA call over "
-        "the documents padded to the longest) or 'auto' (varlen); elsewhere the exact "
+        "FlashAttention varlen call over the packed documents), 'sdpa' (cuDNN SDPA over the "
+        "documents grouped by length: one call per long document, short ones padded together) "
+        "or 'auto' (varlen); elsewhere the exact "
         "per-document SDPA loop.", choices=DENSE_KERNELS)
 
     # --- DST ------------------------------------------------------------------------------

@@ -4,10 +4,11 @@ Each pass is timed apart: the **forward** with autograd recording (it saves what
 needs, as in training), the **backward** replayed from one retained graph (a call whose graph
 cannot be retained, compiled flex, gets ``(fwd + bwd) - fwd``; ``bwd_method`` says which).
 
-- **dense**: ``cudnn`` is cuDNN's fused SDPA kernel alone (``SDPBackend.CUDNN_ATTENTION`` only)
-  on inputs laid out outside the timing (documents padded to the longest, KV heads expanded):
+- **dense**: ``cudnn`` is cuDNN's fused SDPA kernel alone on a single document laid out outside
+  the timing (``dense.cudnn_call``: GQA native where cuDNN takes it, else KV heads expanded):
   the pass a Transformer Engine user pays, the reference of ``e``; ``sdpa`` and ``varlen`` are
-  ``dense_varlen_attention``'s whole calls (copies included; ``varlen`` is torch's
+  ``dense_varlen_attention``'s whole calls (copies included; ``sdpa`` is cuDNN over documents
+  grouped by length, the cuDNN row of a packed micro-batch; ``varlen`` is torch's
   ``varlen_attn``, a second reference).
 - **kernel**: our block-sparse kernels alone on one selection's lists (``build_block_lists``,
   made once per case and density and shared by every kernel, so each computes the same tiles):
@@ -106,34 +107,26 @@ def rates(times: dict, tiles: int, hn: int) -> dict:
 
 
 def _cudnn_layout(case: Case):
-    """q, k, v, g as cuDNN's ``[docs, heads, longest, hn]`` leaves (KV heads expanded, padding
-    zero: ``PackedDocs.pad``), laid out once outside the timing."""
-    from sparsebalance_megatron.attention.dense import packed_docs
-    docs, rep = packed_docs(case.bounds, case.tokens, case.q.device), case.nh // case.ng
+    """q, k, v, g of a single-document case as cuDNN's ``[1, heads, L, hn]`` leaves, laid out
+    once outside the timing; None for a packed micro-batch (its cuDNN row is ``sdpa``'s)."""
+    if len(case.doc_lens) != 1:
+        return None, None
 
-    def lay(x, expand):
-        x = x.detach()
-        return docs.pad(x.repeat_interleave(rep, dim=1) if expand else x).contiguous()
+    def lay(x):
+        return x.detach().transpose(0, 1).unsqueeze(0).contiguous()
 
-    q, k, v = lay(case.q, False), lay(case.k, True), lay(case.v, True)
-    return [t.requires_grad_(True) for t in (q, k, v)], lay(case.g, False)
+    q, k, v = lay(case.q), lay(case.k), lay(case.v)
+    return [t.requires_grad_(True) for t in (q, k, v)], lay(case.g)
 
 
 def dense_passes(case: Case, reps: int) -> dict:
     """{kernel: pass times and TFLOP/s (or ``failed``)} for ``cudnn``, ``sdpa``, ``varlen``."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from sparsebalance_megatron.attention.dense import dense_varlen_attention
+    from sparsebalance_megatron.attention.dense import cudnn_call, dense_varlen_attention
     tiles = case.causal_tiles()
     out = {}
     cin, cg = _cudnn_layout(case)
-
-    def cudnn(q, k, v):
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=case.scale)
-
-    runs = {"cudnn": (cudnn, cin, cg)}
+    runs = ({"cudnn": (lambda q, k, v: cudnn_call(q, k, v, case.scale, cudnn_only=True),
+                      cin, cg)} if cin else {})
     for kernel in ("sdpa", "varlen"):
         runs[kernel] = (lambda q, k, v, kernel=kernel: dense_varlen_attention(
             q, k, v, case.cu, None, kernel=kernel), [case.q, case.k, case.v], case.g)

@@ -10,11 +10,14 @@ k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``), causal inside every docu
   GQA goes in through whatever this torch release takes (``torch_compat.varlen_attention``:
   ``enable_gqa`` from torch 2.13; on 2.11 K/V with their ``ng`` heads straight to the flash
   kernel, which shares each among its query heads; K/V repeated only where a kernel refuses).
-- ``sdpa``: ONE ``scaled_dot_product_attention`` call over the documents padded to the longest
-  (``[ndoc, np, Lmax, hn]``, padding on the right, which a causal query never reads), cuDNN
-  first, then flash, then memory-efficient. K/V are expanded to ``np`` heads: whether cuDNN
-  takes GQA is not relied on. It computes ``ndoc x Lmax^2`` pairs instead of ``sum L^2``: meant
-  for many short documents of similar lengths.
+- ``sdpa``: cuDNN's fused SDPA kernel (then flash, then memory-efficient) over the documents
+  grouped by length: sorted longest first, a document joins the group of the longest while the
+  group's padded work (``n x Lmax^2``) stays within ``SDPA_PAD_SLACK`` of its documents' own
+  (``sum L^2``); each group is ONE call over its documents padded on the right (which a causal
+  query never reads), a lone document is its own call with no padding. Long documents thus get
+  the call a Transformer Engine user's THD cuDNN call makes of them, many short ones a few
+  calls. GQA through cuDNN's ``enable_gqa`` where this torch takes it, else K/V expanded to
+  ``np`` heads (decided at the first call, ``sdpa_gqa_mode``).
 - ``auto``: ``varlen``. Which of the two is faster is a device measurement (the profiler
   records the dense kernel it timed next to the crossover, ``megatron/launch/crossover.py``).
 
@@ -40,6 +43,8 @@ from ..config import DENSE_KERNELS
 from .blocks import check_cu_seqlens, check_qkv, check_softmax_scale
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
+SDPA_PAD_SLACK = 1.1      # a padded group's work at most 1.1x its documents' causal work
+_SDPA_GQA: dict = {}      # device type -> "enable_gqa" or "expand", once its first GQA call decided
 
 
 @dataclass
@@ -68,25 +73,54 @@ class PackedDocs:
             self.memo["cu"] = torch.tensor(self.bounds, dtype=torch.int32, device=self.device)
         return self.memo["cu"]
 
-    def slots(self) -> torch.Tensor:
-        """``[t]`` long: token ``j`` of document ``i`` -> ``i * max_len + j`` (padded layout)."""
-        if "slots" not in self.memo:
-            lens = torch.tensor([b - a for a, b in zip(self.bounds[:-1], self.bounds[1:])],
-                                dtype=torch.long, device=self.device)
-            starts = torch.tensor(self.bounds[:-1], dtype=torch.long, device=self.device)
-            doc = torch.repeat_interleave(torch.arange(self.num_docs, device=self.device), lens,
-                                          output_size=self.num_tokens)
-            pos = torch.arange(self.num_tokens, device=self.device) - starts[doc]
-            self.memo["slots"] = doc * self.max_len + pos
-        return self.memo["slots"]
+    def sdpa_groups(self) -> List[tuple]:
+        """The ``sdpa`` kernel's calls (module docstring): per group ``(tokens, slots, n, Lmax)``,
+        ``tokens`` the group's token indices (``[tg]`` long on the device, None for a lone
+        document that is a slice) and ``slots`` their places in the group's padded
+        ``[n * Lmax]`` layout (None for a lone document); memoised with the permutation back
+        to token order (``sdpa_order``)."""
+        if "groups" not in self.memo:
+            docs = sorted(range(self.num_docs), key=lambda i: self.bounds[i] - self.bounds[i + 1])
+            lens = [self.bounds[i + 1] - self.bounds[i] for i in range(self.num_docs)]
+            groups, cur, work = [], [], 0
+            for i in docs:
+                top = lens[cur[0]] if cur else lens[i]
+                if cur and (len(cur) + 1) * top * top > SDPA_PAD_SLACK * (work + lens[i] ** 2):
+                    groups.append(cur)
+                    cur, work = [], 0
+                cur.append(i)
+                work += lens[i] ** 2
+            groups.append(cur)
+            out, order = [], []
+            for g in groups:
+                top = lens[g[0]]
+                order += [t for i in g for t in range(self.bounds[i], self.bounds[i + 1])]
+                if len(g) == 1:
+                    out.append((None, None, 1, top))
+                    continue
+                idx = [t for i in g for t in range(self.bounds[i], self.bounds[i + 1])]
+                slots = [j * top + p for j, i in enumerate(g) for p in range(lens[i])]
+                out.append((torch.tensor(idx, dtype=torch.long, device=self.device),
+                            torch.tensor(slots, dtype=torch.long, device=self.device),
+                            len(g), top))
+            self.memo["groups"] = out
+            self.memo["lone"] = [self.bounds[g[0]] for g in groups if len(g) == 1]
+            inverse = [0] * self.num_tokens
+            for at, t in enumerate(order):
+                inverse[t] = at
+            self.memo["order"] = (None if order == list(range(self.num_tokens)) else
+                                  torch.tensor(inverse, dtype=torch.long, device=self.device))
+        return self.memo["groups"]
 
+    def sdpa_order(self) -> Optional[torch.Tensor]:
+        """``[t]`` long: token ``i``'s row in the groups' concatenated outputs (None: in order)."""
+        self.sdpa_groups()
+        return self.memo["order"]
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``[t, heads, hn]`` -> ``[docs, heads, max_len, hn]``: every document from position 0,
-        zeros after it (the layout of a padded SDPA call; differentiable)."""
-        b, n = self.num_docs, self.max_len
-        out = x.new_zeros((b * n,) + tuple(x.shape[1:])).index_copy(0, self.slots(), x)
-        return out.view(b, n, x.shape[1], x.shape[2]).transpose(1, 2)
+    def sdpa_starts(self) -> List[int]:
+        """The first token of each lone document's group, in group order."""
+        self.sdpa_groups()
+        return self.memo["lone"]
 
 
 def packed_docs(cu_seqlens, num_tokens: int, device, cache: Optional[dict] = None) -> PackedDocs:
@@ -131,7 +165,7 @@ def dense_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     run = resolve_dense_kernel(kernel, q.device, q.dtype)
     if run == "loop":
         return causal_per_document(q, k, v, docs.bounds, scale)
-    return _padded_sdpa(q, k, v, docs, scale) if run == "sdpa" else _varlen(q, k, v, docs, scale)
+    return _grouped_sdpa(q, k, v, docs, scale) if run == "sdpa" else _varlen(q, k, v, docs, scale)
 
 
 def causal_per_document(q, k, v, bounds: Sequence[int], softmax_scale: float) -> torch.Tensor:
@@ -151,15 +185,53 @@ def _varlen(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
     return varlen_attention(q, k, v, docs.cu(), docs.max_len, scale)
 
 
-def _padded_sdpa(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
+def cudnn_call(q, k, v, scale: float, *, cudnn_only: bool = False) -> torch.Tensor:
+    """One causal SDPA call on ``[n, heads, L, hn]``, cuDNN first (``cudnn_only``: no other
+    backend); GQA through ``enable_gqa`` if cuDNN takes it on this device type (tried once per
+    process), else with K/V expanded to q's heads."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    rep = q.shape[1] // k.shape[1]
+    rep, dev = q.shape[1] // k.shape[1], q.device.type
+    if rep > 1 and _SDPA_GQA.get(dev, "enable_gqa") == "enable_gqa":
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                     enable_gqa=True)
+            _SDPA_GQA[dev] = "enable_gqa"
+            return out
+        except (RuntimeError, TypeError):
+            _SDPA_GQA[dev] = "expand"
     if rep > 1:
         k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                      SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
-        o = F.scaled_dot_product_attention(docs.pad(q), docs.pad(k), docs.pad(v),
-                                           is_causal=True, scale=scale)
-    n = docs.num_docs * docs.max_len
-    return o.transpose(1, 2).reshape(n, q.shape[1], q.shape[2]).index_select(0, docs.slots())
+    backends = [SDPBackend.CUDNN_ATTENTION] + ([] if cudnn_only else [
+        SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    with sdpa_kernel(backends, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def sdpa_gqa_mode(device_type: str = "cuda") -> Optional[str]:
+    """How ``cudnn_call`` gave GQA to SDPA on ``device_type`` in this process: ``enable_gqa``,
+    ``expand`` or None (no GQA call yet)."""
+    return _SDPA_GQA.get(device_type)
+
+
+def _grouped_sdpa(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
+    outs, lone = [], iter(docs.sdpa_starts())
+    for tokens, slots, n, top in docs.sdpa_groups():
+        if tokens is None:                      # a lone document: a slice, no padding
+            a = next(lone)
+            o = cudnn_call(*(x[a:a + top].transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
+                            scale)
+            outs.append(o[0].transpose(0, 1))
+            continue
+        padded = []
+        for x in (q, k, v):
+            flat = x.new_zeros((n * top,) + tuple(x.shape[1:]))
+            flat = flat.index_copy(0, slots, x.index_select(0, tokens))
+            padded.append(flat.view(n, top, x.shape[1], x.shape[2]).transpose(1, 2))
+        o = cudnn_call(*padded, scale)
+        outs.append(o.transpose(1, 2).reshape(n * top, q.shape[1], q.shape[2])
+                    .index_select(0, slots))
+    out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    order = docs.sdpa_order()
+    return out if order is None else out.index_select(0, order)

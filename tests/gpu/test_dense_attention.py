@@ -1,5 +1,5 @@
-"""Dense varlen attention on CUDA: the fused kernels (one ``varlen_attn`` call; one padded cuDNN
-SDPA call) equal the exact per-document loop in bf16, outputs and gradients, with GQA; and the
+"""Dense varlen attention on CUDA: the fused kernels (one ``varlen_attn`` call; cuDNN SDPA over
+documents grouped by length, lone and padded groups) equal the exact per-document loop in bf16, outputs and gradients, with GQA; and the
 routed block-sparse attention equals its unrouted computation at density 1 on short documents."""
 
 import pytest
@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CU = [0, 100, 1124, 1125, 2048, 2560]
+GROUPED = [0, 500, 1012, 1524, 2048, 2560]      # 500, 512, 512, 524, 512: one padded call
 
 
 def _inputs(nh, ng, hn, seed=0):
@@ -30,14 +31,16 @@ def _run(fn, q, k, v, w):
     return [out.float()] + [x.grad.float() for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("kernel", ["varlen", "sdpa"])
+@pytest.mark.parametrize("kernel,cu", [("varlen", CU), ("sdpa", CU), ("sdpa", GROUPED)])
 @pytest.mark.parametrize("nh,ng,hn", [(8, 8, 64), (8, 2, 128), (14, 2, 64)])
-def test_fused_kernel_equals_the_loop_in_bf16(kernel, nh, ng, hn):
+def test_fused_kernel_equals_the_loop_in_bf16(kernel, cu, nh, ng, hn):
     q, k, v, w = _inputs(nh, ng, hn)
-    docs = packed_docs(CU, CU[-1], "cuda")
+    docs = packed_docs(cu, cu[-1], "cuda")
+    if kernel == "sdpa":
+        assert len(docs.sdpa_groups()) == (5 if cu is CU else 1)
     got = _run(lambda a, b, c: dense_varlen_attention(a, b, c, docs, 0.1, kernel=kernel),
                q, k, v, w)
-    want = _run(lambda a, b, c: causal_per_document(a, b, c, CU, 0.1), q, k, v, w)
+    want = _run(lambda a, b, c: causal_per_document(a, b, c, cu, 0.1), q, k, v, w)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         scale = b.abs().max().item()
         assert (a - b).abs().max().item() <= 3e-2 * max(scale, 1.0), (kernel, name)

@@ -1,11 +1,11 @@
-"""Dense varlen attention (``attention/dense.py``) on CPU: the exact loop and the padded SDPA
-layout against a float64 masked softmax written here, input checks, and one host read per
+"""Dense varlen attention (``attention/dense.py``) on CPU: the exact loop and the ``sdpa`` kernel's
+grouped, padded layout against a float64 masked softmax written here, input checks, and one host read per
 micro-batch. The fused CUDA kernels are compared in tests/gpu/test_dense_attention.py."""
 
 import pytest
 import torch
 
-from sparsebalance_megatron.attention.dense import (DENSE_KERNELS, _padded_sdpa,
+from sparsebalance_megatron.attention.dense import (DENSE_KERNELS, _grouped_sdpa,
                                                     dense_varlen_attention, packed_docs)
 
 CU = [0, 7, 40, 41, 90]
@@ -51,18 +51,35 @@ def test_loop_gradients_equal_the_float64_reference():
         torch.testing.assert_close(a, b)
 
 
-def test_padded_sdpa_layout_equals_the_reference():
-    """The ``sdpa`` kernel's padding (documents padded on the right to the longest) is exact:
-    run on CPU in float64 here, it takes whatever SDPA backend the CPU has."""
-    q, k, v = _qkv(dtype=torch.float64)
-    docs = packed_docs(CU, 90, "cpu")
-    out = _padded_sdpa(q, k, v, docs, 0.3)
-    torch.testing.assert_close(out, masked_reference(q, k, v, CU, 0.3))
-    w = torch.randn(90, 4, 8, dtype=torch.float64)
+# lengths 7, 33, 1, 49, 32, 31, 5: 49 alone (49+33 padded is 1.4x their work), 33 with 32 and 31
+# (within 1.1x), 7 with 5 (98 vs 74: not), so 7, 5 and 1 alone
+GROUPED = [0, 7, 40, 41, 90, 122, 153, 158]
+
+
+@pytest.mark.parametrize("cu", [CU, GROUPED, [0, 90]])
+def test_grouped_sdpa_equals_the_reference(cu):
+    """The ``sdpa`` kernel's grouping (lone documents as slices, groups padded on the right,
+    outputs put back in token order) is exact: run on CPU in float64 here, it takes whatever
+    SDPA backend the CPU has."""
+    t = cu[-1]
+    q, k, v = _qkv(t=t, dtype=torch.float64)
+    docs = packed_docs(cu, t, "cpu")
+    out = _grouped_sdpa(q, k, v, docs, 0.3)
+    torch.testing.assert_close(out, masked_reference(q, k, v, cu, 0.3))
+    w = torch.randn(t, 4, 8, dtype=torch.float64)
     got = torch.autograd.grad((out * w).sum(), (q, k, v))
-    want = torch.autograd.grad((masked_reference(q, k, v, CU, 0.3) * w).sum(), (q, k, v))
+    want = torch.autograd.grad((masked_reference(q, k, v, cu, 0.3) * w).sum(), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_sdpa_groups_pad_within_the_slack():
+    """Longest first; a document joins while n x Lmax^2 <= 1.1 x sum L^2; one document alone."""
+    docs = packed_docs(GROUPED, 158, "cpu")
+    sizes = [(n, top) for _, _, n, top in docs.sdpa_groups()]
+    assert sizes == [(1, 49), (3, 33), (1, 7), (1, 5), (1, 1)]
+    assert docs.sdpa_starts() == [41, 0, 153, 40]
+    assert packed_docs([0, 90], 90, "cpu").sdpa_order() is None     # one document: in order
 
 
 def test_packed_docs_reads_cu_seqlens_once_per_micro_batch():

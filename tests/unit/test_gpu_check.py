@@ -364,6 +364,9 @@ def test_the_device_plan_fits_the_machine():
     assert sum(c.timeout_s for c in gp.PLAN) <= 15 * 60 - 90
     # the end-to-end runs measure the default backend ('auto': triton at variable lengths)
     assert "--train-backend" not in gp.command(e2e) and e2e.carry == (".whl",)
+    # its latency table is a committed one (the latency step's time goes to the 64K runs)
+    assert e2e.steps == ("train",) and (REPO / e2e.latency_table).is_file()
+    assert f"--latency-table {e2e.latency_table} " in gp.command(e2e)
     for c in gp.PLAN:
         assert set(c.steps) <= set(gc.STEPS)
         # the call's steps, at their limits, end inside its budget
@@ -475,7 +478,7 @@ def test_the_train_step_runs_every_comparison_before_megatrons_fixed_micro_batch
     assert {v for _, v in order[:first_dense]} == set(gc.TRAIN_VARIANTS) - {"dense"}
     assert order[first_dense:] == [("long_docs", "dense"), ("files", "dense")]
     assert {d for d, _ in order[:first_dense]} == {"long_docs", "files"}
-    assert order[0] == ("long_docs", "dense_sab")          # the target's data and baseline first
+    assert order[0] == ("long_docs", "dense_sab_sdpa")     # the target's data and baseline first
     assert gc.train_order({"files": []})[-1] == ("files", "dense")
 
 
@@ -505,13 +508,14 @@ def test_sparse_runs_count_against_the_fastest_dense_run_whichever_its_kernel():
     assert gc.targets({"train": {"runs": runs}})["train_long_docs/sb_d0.5>=1.3x_dense"] is False
 
 
-@pytest.mark.parametrize("limit, ok", [(250, True), (200, False)])
+@pytest.mark.parametrize("limit, ok", [(420, True), (380, False)])
 def test_the_train_step_fails_for_a_comparison_cut_short_not_for_plain_dense(monkeypatch,
                                                                              tmp_path, limit,
                                                                              ok):
-    """Every run takes 40 s of a fake clock: at 250 s the six comparison runs fit and the two
-    plain-dense runs that come last are skipped (the step passes); at 200 s the whole-file
-    d0 0.5 run is skipped too (it fails)."""
+    """Every run takes 40 s of a fake clock: at 420 s the ten comparison runs (long documents
+    in 32K and 64K micro-batches, whole files) fit and the two plain-dense runs that come last
+    are skipped (the step passes); at 380 s the whole-file d0 0.5 run is skipped too (it
+    fails)."""
     gc = _script("gpu_check")
     now = [0.0]
     ran = []
@@ -527,8 +531,10 @@ def test_the_train_step_fails_for_a_comparison_cut_short_not_for_plain_dense(mon
     monkeypatch.setattr(gc, "time", types.SimpleNamespace(time=lambda: now[0]))  # its clock only
     res = gc.step_train(str(tmp_path), str(tmp_path / "none.json"), limit, {}, "auto")
     assert res["ok"] is ok
-    assert ran[:4] == ["train_long_docs_dense_sab.log", "train_long_docs_dense_sab_sdpa.log",
+    assert ran[:4] == ["train_long_docs_dense_sab_sdpa.log", "train_long_docs_dense_sab.log",
                        "train_long_docs_sb_d0.5.log", "train_long_docs_sb_d0.25.log"]
+    assert ran[4:8] == [f"train_long_docs_64k_{v}.log" for v in
+                        ("dense_sab_sdpa", "dense_sab", "sb_d0.5", "sb_d0.25")]
     assert res["runs"]["long_docs/dense"] == {"ok": False, "skipped": "out of time"}
     assert ("train_files_sb_d0.5.log" in ran) is ok
 

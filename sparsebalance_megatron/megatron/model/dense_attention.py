@@ -5,8 +5,8 @@ megatron-core's local ``DotProductAttention`` refuses packed sequences, and tran
 exact causal softmax attention within documents, same contract as ``DotProductAttention``, through
 ``attention.dense.dense_varlen_attention``: on CUDA in half precision ONE fused call over the
 packed documents (``dense_kernel``, ``--sb-dense-kernel``: torch's varlen call, or cuDNN SDPA over
-the documents padded to the longest, closer to a transformer-engine user's cuDNN call where a
-micro-batch holds few documents), elsewhere the exact per-document SDPA loop. The documents are read on the host once per micro-batch (``sb_cache``).
+the documents grouped by length, a long document alone in its call as in a transformer-engine
+user's THD cuDNN call), elsewhere the exact per-document SDPA loop. The documents are read on the host once per micro-batch (``sb_cache``).
 Packed input goes through ``context_parallel.attend_whole_documents`` like the sparse attention's:
 padded sequences (``cu_seqlens_q_padded``) leave their padding out, and with context parallelism
 (``--cp-comm-type a2a``) the documents are gathered whole for this rank's heads.
