@@ -24,7 +24,11 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
   in 32K ones. Dense with SAB packing (``--sb-batching`` alone) through cuDNN (``--sb-dense-kernel
   sdpa``, a long document alone in its call, as a Transformer Engine user's) and through torch's
   varlen call, ``--sparse-balance`` at d0 0.5 and 0.25 (each against the fastest dense of its
-  data), Megatron's own dense last, with the ``latency`` step's table (or ``--latency-table``):
+  data), Megatron's own dense last, with the ``latency`` step's table (or ``--latency-table``).
+  torch's cuDNN SDPA builds a cuDNN graph for every new document length, which a fixed-shape
+  kernel table never sees (the H200's dense + SAB through it: 0.65x the varlen call's tokens/s,
+  2026-11-26), so the step first times cuDNN's kernel and the varlen call per tile at 32K and
+  64K (``dense_tile_costs``) and re-prices dense + SAB at cuDNN's kernel (``cudnn_priced``):
   tokens/s, the
   loss over the same steps, densities and attention's share of the step (from the fitted
   latency model); Transformer Engine if importable, else the local implementation.
@@ -338,6 +342,11 @@ def train_summary(records):
            "median_step_tokens_per_s": median,
            "step_s": {str(r["step"]): r["step_time_s"] for r in steady
                       if r.get("step_time_s")},
+           "step_tokens": {str(r["step"]): r["tokens"] for r in steady if r.get("tokens")},
+           # causal (query block, key block) pairs of the step's documents (``dense_work``):
+           # what ``cudnn_priced`` re-prices the dense attention by
+           "step_dense_work": {str(r["step"]): sum(map(sum, r["dense_work"])) for r in steady
+                               if r.get("dense_work")},
            "mean_density": records[-1].get("mean_density") if records else None,
            "density_per_stage": records[-1].get("density_per_stage") if records else None}
     # steps that paid a Triton compile (``kernel_compiles``, sparse runs): a long run amortises
@@ -365,8 +374,9 @@ def train_order(data):
             + [(d, "dense") for d in data if (d, "dense") not in TRAIN_SKIP])
 
 
-def step_train(out_dir, table, limit, env, backend):
-    """Dense vs --sparse-balance (d0 0.5, 0.25) on whole files and on long documents."""
+def step_train(out_dir, table, limit, env, backend, tile_costs=None):
+    """Dense vs --sparse-balance (d0 0.5, 0.25) on whole files and on long documents; with
+    ``tile_costs`` (``dense_tile_costs``), dense + SAB re-priced at cuDNN's kernel too."""
     py = sys.executable
     impl = (["--transformer-impl", "transformer_engine"] if _te_available(env) else
             ["--transformer-impl", "local", "--no-persist-layer-norm",
@@ -406,8 +416,78 @@ def step_train(out_dir, table, limit, env, backend):
         res["runs"][name] = run
     for data_name in data:
         compare_with_dense(res["runs"], data_name)
+    if tile_costs:
+        res["dense_tile_us"] = tile_costs
+        for data_name in data:
+            cudnn_priced(res["runs"], data_name, tile_costs)
     res["seconds"] = time.time() - t0
     return res
+
+
+def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
+    """Microseconds per causal (query block, key block) pair of one layer's attention, fwd+bwd,
+    for torch's varlen call and for cuDNN's kernel alone (contiguous inputs, the kernel table's
+    reference), on one document of each length at the train step's heads: what a Transformer
+    Engine user's cuDNN THD call costs a tile, without torch's cuDNN graph built per new
+    document length. {} where no CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        return {}
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from studies._kernel_passes import BLOCK, Case, dense_passes
+    nh = int(shape[shape.index("--num-attention-heads") + 1])
+    ng = int(shape[shape.index("--num-query-groups") + 1])
+    hn = int(shape[shape.index("--kv-channels") + 1])
+    out = {}
+    for n in seq_lens:
+        case = Case("single", [n], f"{nh}/{ng}/{hn}")
+        rows = dense_passes(case, reps)
+        pairs = case.causal_tiles() / nh
+        out[str(n)] = {k: 1000 * (rows[k]["fwd_ms"] + rows[k]["bwd_ms"]) / pairs
+                       for k in ("cudnn", "varlen") if "fwd_ms" in rows.get(k, {})}
+        out[str(n)]["block"] = BLOCK
+        del case
+        torch.cuda.empty_cache()
+    return out
+
+
+def cudnn_priced(runs, data_name, tile_us, layers=None):
+    """Dense + SAB through the varlen call (``dense_sab``) re-priced as cuDNN's kernel would run
+    it: each steady step less ``layers x dense work x (varlen - cuDNN) us per tile`` (the tile
+    costs of the longest length measured at most the micro-batch's), then every sparse run of
+    ``data_name`` against it (``vs_cudnn_priced``: all steady steps; ``_no_compile``: without
+    the steps that compiled a Triton kernel; ``paired_vs_cudnn_priced``: the median step ratio).
+    The dense run gets ``cudnn_priced_tokens_per_s``."""
+    base = runs.get(f"{data_name}/dense_sab", {})
+    work, secs, toks = (base.get(k) or {} for k in ("step_dense_work", "step_s", "step_tokens"))
+    costs = [(int(n), c) for n, c in tile_us.items() if "cudnn" in c and "varlen" in c]
+    if not (work and secs and toks and costs):
+        return
+    seq = 65536 if data_name.endswith("_64k") else 32768
+    fit = [c for n, c in sorted(costs) if n <= seq] or [min(costs)[1]]
+    per_tile = (fit[-1]["varlen"] - fit[-1]["cudnn"]) / 1e6
+    layers = layers or int(SHAPE[SHAPE.index("--num-layers") + 1])
+    priced = {k: secs[k] - layers * work[k] * per_tile for k in secs if k in work and k in toks}
+    if not priced:
+        return
+    rate = sum(toks[k] for k in priced) / sum(priced.values())
+    base["cudnn_priced_tokens_per_s"] = rate
+    for variant in TRAIN_VARIANTS:
+        run = runs.get(f"{data_name}/{variant}", {})
+        if variant.startswith("dense") or not run.get("step_s"):
+            continue
+        mine = {k: v for k, v in run["step_s"].items() if k in priced}
+        clean = {k: v for k, v in (run.get("step_s_no_compile") or mine).items() if k in priced}
+        if not mine:
+            continue
+
+        def ratio(steps):
+            return (sum(run["step_tokens"][k] for k in steps) / sum(steps.values())) / rate \
+                if steps and run.get("step_tokens") else None
+
+        paired = sorted(priced[k] / v for k, v in mine.items() if v > 0)
+        run.update(vs_cudnn_priced=ratio(mine), vs_cudnn_priced_no_compile=ratio(clean),
+                   paired_vs_cudnn_priced=paired[len(paired) // 2] if paired else None)
 
 
 def compare_with_dense(runs, data_name):
@@ -529,7 +609,9 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
             if rc != 0:
                 res["tail"] = tail[-1500:]
         elif name == "train":
-            res = step_train(work, table, limit, env, train_backend)
+            t0 = time.time()
+            costs = dense_tile_costs()          # ~15 s on the H200, before the runs
+            res = step_train(work, table, limit - (time.time() - t0), env, train_backend, costs)
             res["latency_table"] = latency_table or ("the latency step's" if
                                                      os.path.exists(table) else None)
         results[name] = res
@@ -595,6 +677,10 @@ def targets(results):
           if speedup(v) is not None and not k.split("/")[-1].startswith("dense")]
     if sp:
         t["train_never_below_dense"] = min(sp) >= 1.0
+    priced = [v["vs_cudnn_priced_no_compile"] for v in runs.values()
+              if v.get("vs_cudnn_priced_no_compile") is not None]
+    if priced:        # against dense + SAB at cuDNN's kernel, Triton's compile steps left out
+        t["train_never_below_cudnn_priced_dense"] = min(priced) >= 1.0
     return t
 
 

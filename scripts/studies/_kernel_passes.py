@@ -5,7 +5,7 @@ needs, as in training), the **backward** replayed from one retained graph (a cal
 cannot be retained, compiled flex, gets ``(fwd + bwd) - fwd``; ``bwd_method`` says which).
 
 - **dense**: ``cudnn`` is cuDNN's fused SDPA kernel alone on a single document laid out outside
-  the timing (``dense.cudnn_call``: GQA native where cuDNN takes it, else KV heads expanded):
+  the timing (contiguous ``[1, heads, L, hn]``, KV heads expanded; ``dense.cudnn_call``):
   the pass a Transformer Engine user pays, the reference of ``e``; ``sdpa`` and ``varlen`` are
   ``dense_varlen_attention``'s whole calls (copies included; ``sdpa`` is cuDNN over documents
   grouped by length, the cuDNN row of a packed micro-batch; ``varlen`` is torch's
@@ -112,10 +112,11 @@ def _cudnn_layout(case: Case):
     if len(case.doc_lens) != 1:
         return None, None
 
-    def lay(x):
-        return x.detach().transpose(0, 1).unsqueeze(0).contiguous()
+    def lay(x, rep=1):
+        return x.detach().repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
 
-    q, k, v = lay(case.q), lay(case.k), lay(case.v)
+    rep = case.nh // case.ng
+    q, k, v = lay(case.q), lay(case.k, rep), lay(case.v, rep)
     return [t.requires_grad_(True) for t in (q, k, v)], lay(case.g)
 
 

@@ -589,3 +589,36 @@ def test_unpack_installs_plain_wheels_beside_a_staged_piece(tmp_path, monkeypatc
         gp.unpack([second], stage=str(tmp_path / "bare"), complete=True)
     gp.unpack([second], site=str(tmp_path / "site"), stage=stage, complete=True)
     assert installed[-1] == ["b-1-py3-none-any.whl"]
+
+
+def test_dense_sab_is_re_priced_at_cudnns_kernel_and_each_sparse_run_compared():
+    """Dense + SAB's steps less 8 layers x dense work x (varlen - cuDNN) per tile; a sparse run
+    against it over all steady steps, without its compile steps, and step for step."""
+    gc = _script("gpu_check")
+    tiles = {"32768": {"cudnn": 0.5, "varlen": 0.75, "block": 128},
+             "65536": {"cudnn": 0.25, "varlen": 1.25, "block": 128}}
+    # 8 layers x 10,000 tiles x 0.25 us = 0.02 s off each 0.1 s dense step (32K micro-batches)
+    runs = {"long_docs/dense_sab": {"step_s": {"4": 0.1, "5": 0.1},
+                                    "step_tokens": {"4": 1000, "5": 1000},
+                                    "step_dense_work": {"4": 10000, "5": 10000}},
+            "long_docs/sb_d0.5": {"step_s": {"4": 0.05, "5": 0.1},
+                                  "step_s_no_compile": {"4": 0.05},
+                                  "step_tokens": {"4": 1000, "5": 1000}}}
+    gc.cudnn_priced(runs, "long_docs", tiles)
+    assert runs["long_docs/dense_sab"]["cudnn_priced_tokens_per_s"] == pytest.approx(2000 / 0.16)
+    sb = runs["long_docs/sb_d0.5"]
+    assert sb["vs_cudnn_priced"] == pytest.approx((2000 / 0.15) / (2000 / 0.16))
+    assert sb["vs_cudnn_priced_no_compile"] == pytest.approx((1000 / 0.05) / (2000 / 0.16))
+    assert sb["paired_vs_cudnn_priced"] == pytest.approx(0.08 / 0.05)   # the upper median
+    assert gc.targets({"train": {"runs": runs}})["train_never_below_cudnn_priced_dense"] is True
+    # 64K micro-batches take the 64K tile costs: 8 x 10,000 x 1.0 us = 0.08 s off
+    runs64 = {f"long_docs_64k/{k[len('long_docs/'):]}": dict(v) for k, v in runs.items()}
+    gc.cudnn_priced(runs64, "long_docs_64k", tiles)
+    assert runs64["long_docs_64k/dense_sab"]["cudnn_priced_tokens_per_s"] == \
+        pytest.approx(2000 / 0.04)
+    assert gc.dense_tile_costs() == {} or torch_cuda()              # {} without CUDA
+
+
+def torch_cuda():
+    import torch
+    return torch.cuda.is_available()
