@@ -418,6 +418,7 @@ def step_train(out_dir, table, limit, env, backend, tile_costs=None):
         compare_with_dense(res["runs"], data_name)
     if tile_costs:
         res["dense_tile_us"] = tile_costs
+    if tile_costs and "failed" not in tile_costs:
         for data_name in data:
             cudnn_priced(res["runs"], data_name, tile_costs)
     res["seconds"] = time.time() - t0
@@ -610,7 +611,10 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
                 res["tail"] = tail[-1500:]
         elif name == "train":
             t0 = time.time()
-            costs = dense_tile_costs()          # ~15 s on the H200, before the runs
+            try:
+                costs = dense_tile_costs()      # ~15 s on the H200, before the runs
+            except Exception as e:  # noqa: BLE001 - the runs go ahead, not re-priced
+                costs = {"failed": f"{type(e).__name__}: {str(e)[:300]}"}
             res = step_train(work, table, limit - (time.time() - t0), env, train_backend, costs)
             res["latency_table"] = latency_table or ("the latency step's" if
                                                      os.path.exists(table) else None)
