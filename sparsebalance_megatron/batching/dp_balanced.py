@@ -115,7 +115,8 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
                      long_sample_policy: str = "split", order: str = "megatron",
                      micro_batch_size: int = 1,
                      max_seqlen_per_dp_cp_rank: Optional[int] = None,
-                     cost_fn: Optional[CostFn] = None, empty_groups: bool = False) -> BatchPlan:
+                     cost_fn: Optional[CostFn] = None, empty_groups: bool = False,
+                     microbatch_group_size_per_vp_stage: Optional[int] = None) -> BatchPlan:
     """Megatron's dp_balanced packing of one global batch (module docstring).
 
     samples: (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
@@ -124,6 +125,9 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
     Megatron's flag (default ``max_tokens``, what Megatron-LM sets from ``--seq-length``);
     empty_groups: as in ``dp_balanced_groups`` (the plan's ``fallback`` is then True where they
     were needed: a step Megatron itself would stop on).
+    microbatch_group_size_per_vp_stage: what Megatron passes under VPP (``wrap_data_iterator``:
+    the config's value, which defaults to pp): the group count becomes a multiple of
+    dp x it, so every step interleaves; None without VPP.
     """
     if order not in ORDERS:
         raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
@@ -140,8 +144,9 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
         n_split += more
     idx = megatron_order(len(segs), dp, micro_batch_size) if order == "megatron" \
         else np.arange(len(segs))
-    groups = dp_balanced_groups(sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=cap, dp=dp,
-                                empty_groups=empty_groups)
+    groups = dp_balanced_groups(
+        sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=cap, dp=dp, empty_groups=empty_groups,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
     stops = any(not g for mb in groups for g in mb)
     per_rank = [[idx[groups[i][r]].tolist() for i in range(len(groups))] for r in range(dp)]
     plan = _finish(per_rank, "dp_balanced", max_tokens, n_split, stops, segs,

@@ -196,11 +196,19 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                                        ("sab", lm, "sab", cfg.density),
                                        *((v, dense_lm, DENSE_PACKINGS[v], 1.0)
                                          for v in dense_packings)):
-            say(f"packing {cfg.steps} global batches ({packing}) for the {key} layout search")
-            ev = StepEvaluator(model, packed_features(model, lengths, cfg, dp, packing), dp,
-                               cfg.microbatches, d, arrange=packing in ("sab", "sab_dense"))
+            evs = {}
             space[key] = {}
             for vp in vps:
+                # dp_balanced under VPP: Megatron's packer makes a multiple of dp x pp groups
+                group = pp if packing == "dp_balanced" and vp > 1 else None
+                if group not in evs:
+                    say(f"packing {cfg.steps} global batches ({packing}"
+                        f"{f', groups of dp x {group}' if group else ''}) for the {key} "
+                        f"layout search")
+                    evs[group] = StepEvaluator(
+                        model, packed_features(model, lengths, cfg, dp, packing, group), dp,
+                        cfg.microbatches, d, arrange=packing in ("sab", "sab_dense"))
+                ev = evs[group]
                 say(f"searching the {key} layouts, vp={vp}")
                 res = search_space(ev, n, pp, vp, fits=fits)
                 say(f"searched the {key} layouts, vp={vp}: {res.evaluated} simulated, best "

@@ -45,10 +45,12 @@ from ..policy import UnitCosts
 from ..sim.pipeline import interleaved_refusal, pipeline_makespan_s
 
 
-def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
+def packed_features(lm, lengths, cfg, dp: int, packing: str,
+                    vpp_group: Optional[int] = None) -> list:
     """Unit features of every step's micro-batches under ``packing`` (sequential,
     token_balanced, dp_balanced, sab, or sab_dense: SAB by the dense kernel's costs), cut exactly
-    as ``study.run_study`` cuts and packs them."""
+    as ``study.run_study`` cuts and packs them. ``vpp_group``: dp_balanced's
+    ``microbatch_group_size_per_vp_stage`` (Megatron passes pp under VPP)."""
     from ..batching import (SensitivityTracker, dp_balanced_plan, latency_sample_cost_fn,
                             sab_plan, sequential_plan, token_balanced_plan)
     from ..data import GlobalBatchSampler
@@ -72,7 +74,8 @@ def packed_features(lm, lengths, cfg, dp: int, packing: str) -> list:
                             length_multiple=cfg.microbatch_multiple)
         elif packing == "dp_balanced":
             plan = dp_balanced_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
-                                    empty_groups=True)
+                                    empty_groups=True,
+                                    microbatch_group_size_per_vp_stage=vpp_group)
         else:
             raise ValueError(f"packing {packing!r}: expected sequential, token_balanced, "
                              f"dp_balanced, sab or sab_dense")

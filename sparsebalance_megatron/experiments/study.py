@@ -196,10 +196,25 @@ def _plan_key(variant: str) -> str:
 
 
 def _layout_plan_key(variant: str, layout):
-    """``_plan_key``, with the layout for SAB's packings: SAB arranges its micro-batches on the
-    run's own pipeline."""
+    """``_plan_key``, with the layout for SAB's packings (SAB arranges its micro-batches on the
+    run's own pipeline) and for dp_balanced under VPP (``dp_balanced_key``)."""
     key = _plan_key(variant)
+    if key == "dp_balanced":
+        return dp_balanced_key(layout)
     return (key, layout) if key in ("sab", "sab_dense") else key
+
+
+def dp_balanced_key(layout) -> str:
+    """dp_balanced's plan key on ``layout``: under VPP Megatron passes
+    ``microbatch_group_size_per_vp_stage`` (default pp) to its packer, which then makes a
+    multiple of dp x pp groups (``dp_balanced_vpp_group``)."""
+    vp = getattr(layout, "vp", 1) or 1
+    return f"dp_balanced/vpp{layout.pp}" if vp > 1 else "dp_balanced"
+
+
+def dp_balanced_vpp_group(key: str):
+    """The ``microbatch_group_size_per_vp_stage`` of a dp_balanced plan key (None: no VPP)."""
+    return int(key.split("/vpp")[1]) if "/vpp" in key else None
 
 
 def check_variant(variant: str) -> None:
@@ -284,9 +299,11 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         if "token_balanced" in needed:
             plans["token_balanced"] = token_balanced_plan(segs, dp=dp, num_microbatches=m,
                                                           max_tokens=cap, seed=cfg.seed)
-        if "dp_balanced" in needed:      # its own lengths (no fill) unless every run's vary
-            plans["dp_balanced"] = dp_balanced_plan(segs, dp=dp, num_microbatches=m,
-                                                    max_tokens=cap, empty_groups=True)
+        for key in needed:      # dp_balanced: its own lengths (no fill) unless every run's vary
+            if isinstance(key, str) and key.startswith("dp_balanced"):
+                plans[key] = dp_balanced_plan(
+                    segs, dp=dp, num_microbatches=m, max_tokens=cap, empty_groups=True,
+                    microbatch_group_size_per_vp_stage=dp_balanced_vpp_group(key))
         plans = {k: p.with_length_multiple(cfg.microbatch_multiple or p.length_multiple)
                  for k, p in plans.items()}
         feats = {(k, dense): (lm_dense if dense else lm).unit_features(

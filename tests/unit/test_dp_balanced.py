@@ -143,3 +143,29 @@ def test_where_megatrons_rule_stops_the_study_gets_empty_groups_and_is_told():
     ok = dp_balanced_plan(np.asarray([100] * 16), dp=8, num_microbatches=1, max_tokens=4096,
                           empty_groups=True)
     assert not ok.fallback
+
+
+def test_under_vpp_the_plan_interleaves_as_megatron_makes_it():
+    """Megatron's ``wrap_data_iterator`` passes ``microbatch_group_size_per_vp_stage`` (default
+    pp) under VPP, and its packer then makes a multiple of dp x that many groups: 18 sequences of
+    5 at cap 10 fill 9 groups; dp 2 alone makes 10 (5 micro-batches a rank, which the interleaved
+    schedule refuses at pp 4), dp 2 x pp 4 makes 16 (8 a rank, which it runs). The study keys
+    the plan by the layout's vp."""
+    from sparsebalance_megatron.experiments.study import dp_balanced_key, dp_balanced_vpp_group
+    from sparsebalance_megatron.latency.layout import PipelineLayout
+    from sparsebalance_megatron.sim.pipeline import interleaved_refusal
+    segs = np.full(18, 5)
+    plain = dp_balanced_plan(segs, dp=2, num_microbatches=5, max_tokens=10, order="sampler")
+    vpp = dp_balanced_plan(segs, dp=2, num_microbatches=5, max_tokens=10, order="sampler",
+                           microbatch_group_size_per_vp_stage=4)
+    assert plain.num_microbatches == 5 and interleaved_refusal(5, 4)
+    assert vpp.num_microbatches == 8 and interleaved_refusal(8, 4) is None
+    check_plan_covers(vpp, segs, 10)
+    groups = dp_balanced_groups([5] * 18, max_seqlen_per_dp_cp_rank=10, dp=2,
+                                microbatch_group_size_per_vp_stage=4)
+    flat = [g for mb in groups for g in mb]
+    assert flat[:2] == [[0, 1], [2, 3]] and all(len(g) == 1 for g in flat[2:])
+    assert dp_balanced_key(PipelineLayout(4, 2, (1,) * 8)) == "dp_balanced/vpp4"
+    assert dp_balanced_key(PipelineLayout(4, 1, (2,) * 4)) == "dp_balanced"
+    assert dp_balanced_vpp_group("dp_balanced/vpp4") == 4
+    assert dp_balanced_vpp_group("dp_balanced") is None

@@ -151,3 +151,29 @@ def test_sabs_layout_search_runs_its_micro_batches_in_the_slots_sab_gives_them(l
         assert arranged.step_s(lay) <= plain.step_s(lay) * (1 + 1e-12)
     assert plain.lower_bound_s(24, 4, 1) is not None
     assert arranged.lower_bound_s(24, 4, 1) is None
+
+
+def test_dp_balanced_interleaves_as_megatron_packs_it_under_vpp(lm, lengths):
+    """Without Megatron's VPP rule, dp_balanced's step-to-step micro-batch counts include one
+    the interleaved schedule refuses (5 at dp 4, pp 4); packed with
+    ``microbatch_group_size_per_vp_stage`` = pp, as Megatron packs under VPP, every count is a
+    multiple of pp and vp=2 is searched."""
+    from sparsebalance_megatron.sim.pipeline import interleaved_refusal
+    plain = StepEvaluator(lm, packed_features(lm, lengths, CFG, 4, "dp_balanced"), 4, 4, 0.5)
+    vpp = StepEvaluator(lm, packed_features(lm, lengths, CFG, 4, "dp_balanced", 4), 4, 4, 0.5)
+    assert search_space(plain, 8, 4, 2, max_evaluations=20).refused_microbatches == (5,)
+    counts = {vpp.microbatches(s) for s in range(len(vpp.feats))}
+    assert all(m % 4 == 0 and interleaved_refusal(m, 4) is None for m in counts)
+    res = search_space(vpp, 8, 4, 2, max_evaluations=20)
+    assert res.ranked and not res.refused_microbatches
+
+
+def test_the_study_runs_dp_balanced_interleaved_where_megatron_does(lm, lengths):
+    """run_study packs dp_balanced per layout: on a vp=2 layout with Megatron's VPP rule, the
+    run is timed, not refused, and its micro-batch counts are multiples of pp."""
+    from sparsebalance_megatron.experiments.study import run_study
+    lay2, lay1 = L(4, 2, (1,) * 8), L(4, 1, (2,) * 4)
+    rows = run_study(4, CFG, lm, lengths, {"vpp": ("dp_balanced", lay2),
+                                           "plain": ("dp_balanced", lay1)})
+    assert not rows["vpp"].get("refused") and rows["vpp"]["step_time_s"] > 0
+    assert rows["vpp"]["step_time_s"] != rows["plain"]["step_time_s"]
