@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
+# make test's pytest-xdist workers (0: one process, as make reliability runs)
+TEST_WORKERS ?= 2
 
 # A working python3.12/python3.13 on PATH, else pyenv's interpreter (pyenv shims may refuse).
 FIND_PYTHON = for c in python3.13 python3.12 \
@@ -42,7 +44,7 @@ demo-resume: $(STAMP)   # continue `make demo`'s checkpoint (TRAIN_ITERS: 10 mor
 	RESUME=1 bash examples/run_cpu_demo.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 test-slow: $(STAMP)   # the larger end-to-end forms (SB_SLOW_TESTS=1), beside the cheap ones make test runs
 	SB_SLOW_TESTS=1 $(PY) -m pytest -q -m slow tests

@@ -38,8 +38,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "dev": ["pytest>=8", "matplotlib>=3.8", "tensorboard", "pybind11", *FAST_EXTRA,
-                *EVAL_EXTRA],
+        # pytest-xdist: `make test` runs the suite on 2 workers (issue 64: about a third of its
+        # wall time is processes importing megatron-core, which overlap)
+        "dev": ["pytest>=8", "pytest-xdist>=3", "matplotlib>=3.8", "tensorboard", "pybind11",
+                *FAST_EXTRA, *EVAL_EXTRA],
         # The planner's innermost loops compiled (sim/compiled.py): the same plans, bit for bit,
         # in less CPU time; without numba they run as numpy. NGC's PyTorch containers have it.
         "fast": FAST_EXTRA,
