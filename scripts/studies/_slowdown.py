@@ -53,7 +53,7 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
-    from studies.planner_cost import _drafter, _submit
+    from studies._drafts import make_drafter, submit_draft
 
     corpus = corpus_steps(dp, m, sb.density, 3, seq=seq, layout=layout, pp=4)
     a, b, c = torch.randn(64), torch.randn(64), torch.empty(64)
@@ -61,7 +61,7 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
     def window(planner, drafter, proc, k, split_s: float) -> dict:
         """One window: its ops/s, the join's ms, the draft's wall s and the local excess share
         (a no-planner window is split at ``split_s``)."""
-        pending = _submit(planner, drafter, proc, k, corpus.segments[k % 3], m) \
+        pending = submit_draft(planner, drafter, proc, k, corpus.segments[k % 3], m) \
             if planner else None
         n, t0 = 0, time.perf_counter()
         t_end, last, split = t0 + window_s, t0, None
@@ -86,7 +86,7 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
         return {"rate": rate, "join_ms": join_ms, "draft_s": split if split is not None
                 else last - t0, "local": local_share(during, after, last - t0)}
 
-    drafter = _drafter(corpus.lm, sb, dp, seq)
+    drafter = make_drafter(corpus.lm, sb, dp, seq)
     proc = PlannerProcess(drafter)
     runs = {None: [], "thread": [], "process": []}
     try:

@@ -290,7 +290,7 @@ WORK = ("draft_s", "after_step_s", "handoff_s")   # a planner point's measured p
 def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     """Measured at one shape (thread CPU time, medians), each step run as the default flags run
     it: the draft (SAB, features and unit costs, sensitivity and DST) made by a planner process
-    from the calibration the training side sends (``planner_cost._submit``), the handoff (the
+    from the calibration the training side sends (``_drafts.submit_draft``), the handoff (the
     training thread's CPU sending the step: the slower of rank 0, which plans DST, and a rank
     without DST; the draft is read back by a reader thread while the step trains), the after-step work
     (``planner_cost.after_step``: the calibration's prediction and every DP rank's update, the
@@ -303,24 +303,25 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    from .planner_cost import _drafter, _submit, after_step, committed
+    from ._drafts import make_drafter, submit_draft
+    from .planner_cost import after_step, committed
 
     sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=SEQ, layout="best", pp=pp)
     lm = corpus.lm
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    drafter = _drafter(lm, sb, dp, SEQ)               # the training process's state
+    drafter = make_drafter(lm, sb, dp, SEQ)               # the training process's state
     tracker, rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     drafts, after, steps, handoffs = [], [], [], []
-    proc = PlannerProcess(_drafter(lm, sb, dp, SEQ))   # a copy before any draft, as at launch
-    other = PlannerProcess(_drafter(lm, sb, dp, SEQ))  # a rank that does not plan DST
+    proc = PlannerProcess(make_drafter(lm, sb, dp, SEQ))   # a copy before any draft, as at launch
+    other = PlannerProcess(make_drafter(lm, sb, dp, SEQ))  # a rank that does not plan DST
     try:
         for k, segs in enumerate(corpus.segments):    # as the default flags run a step:
             c0 = time.thread_time()
-            pending = _submit("process", drafter, proc, k, segs, m)   # hand the step over
+            pending = submit_draft("process", drafter, proc, k, segs, m)   # hand the step over
             send = time.thread_time() - c0
             c1 = time.thread_time()
-            pend_other = _submit("process", drafter, other, k, segs, m, with_dst=False)
+            pend_other = submit_draft("process", drafter, other, k, segs, m, with_dst=False)
             send_other = time.thread_time() - c1
             d = pending.result()                      # read its draft back
             batch, units, dens = committed(d)

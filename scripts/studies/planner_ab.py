@@ -44,13 +44,14 @@ def draft_loop(steps: int = 6, dp: int = 64, m: int = 16, layout: str = "best") 
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from studies.planner_cost import _drafter, after_step
+    from studies._drafts import make_drafter
+    from studies.planner_cost import after_step
 
     if steps < 2:
         raise ValueError(f"steps={steps}: expected at least 2 (the first is left out)")
     sb = SparseBalanceConfig(sparse_balance=True)
     corpus = corpus_steps(dp, m, sb.density, steps, seq=32768, layout=layout, pp=4)
-    drafter = _drafter(corpus.lm, sb, dp, 32768)
+    drafter = make_drafter(corpus.lm, sb, dp, 32768)
     tracker, rng = SensitivityTracker(), np.random.default_rng(0)
     digest, ms = hashlib.sha256(), []
     for k in range(steps):

@@ -51,6 +51,7 @@ from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, STAND_D
 
 from .common import parser, write_result
 from ._slowdown import launch_slowdown
+from ._drafts import make_drafter, submit_draft
 
 TARGET_SHARE = 0.005          # issue 44: the plugin's critical-path cost, share of the step
 SHAPES = (("64x16", 64, 16, ("even", "best")), ("4x16", 4, 16, ("best",)))
@@ -88,14 +89,6 @@ def reference_ms(repeats: int = 5) -> float:
         np.sort(rng.permutation(keys))
 
     return _median_ms(work, repeats)
-
-
-def _drafter(lm, sb, dp: int, seq: int):
-    from sparsebalance_megatron.batching import SensitivityTracker
-    from sparsebalance_megatron.megatron.step.drafting import Drafter
-
-    return Drafter(sb, lm, SensitivityTracker(signal=sb.sensitivity_signal), dp=dp,
-                   capacity=seq, attention_layers=lm.layout.attention_layers)
 
 
 def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
@@ -167,7 +160,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout, pp=pp)
     lm, batches = corpus.lm, corpus.segments
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    drafter, tracker = _drafter(lm, sb, dp, seq), SensitivityTracker()
+    drafter, tracker = make_drafter(lm, sb, dp, seq), SensitivityTracker()
     after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     # the last name is the key earlier JSONs used (experiments/plugin_cost.py reads it); the
     # part now holds the calibration updates and the tracker's update as well (``after_step``)
@@ -226,19 +219,6 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     return out
 
 
-def _submit(planner: str, drafter, proc, k: int, segs, m: int, with_dst: bool = True):
-    """Start the draft of step ``k`` on ``planner`` ('process': ``proc``, a PlannerProcess);
-    ``with_dst``: as the rank that plans DST (else as any other rank)."""
-    from sparsebalance_megatron.megatron.step.ahead import Planner
-
-    if planner == "thread":
-        return Planner(lambda: drafter.draft(k, 0, segs, m, with_dst=with_dst), basis={})
-    return proc.submit(k, 0, segs, m, with_dst=with_dst,
-                       latency_state=drafter.latency.calibration_state(),
-                       tracker_sync=("updates", []) if k else
-                       ("reset", drafter.tracker.state_dict()), basis={})
-
-
 def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str) -> dict:
     """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner
     while the training thread stands in for a GPU-bound step (blocked ``step_s`` seconds with
@@ -253,7 +233,7 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
 
-    drafter, other = _drafter(lm, sb, dp, seq), _drafter(lm, sb, dp, seq)
+    drafter, other = make_drafter(lm, sb, dp, seq), make_drafter(lm, sb, dp, seq)
     after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     procs = [PlannerProcess(d) for d in (drafter, other)] if planner == "process" \
         else [None, None]
@@ -263,10 +243,10 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
         current = drafter.draft(0, 0, batches[0], m, with_dst=True)
         for k, segs in enumerate(batches, start=0):    # step 0: the planners' warm-up
             c0 = time.thread_time()
-            pending = _submit(planner, drafter, procs[0], k, segs, m)
+            pending = submit_draft(planner, drafter, procs[0], k, segs, m)
             send = (time.thread_time() - c0) * 1e3
             c1 = time.thread_time()
-            pend_other = _submit(planner, other, procs[1], k, segs, m, with_dst=False)
+            pend_other = submit_draft(planner, other, procs[1], k, segs, m, with_dst=False)
             send_other = (time.thread_time() - c1) * 1e3
             time.sleep(step_s)                          # the step trains (GIL released)
             nxt = pending.result()                      # end_step: join the next step's draft
