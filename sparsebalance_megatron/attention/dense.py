@@ -77,37 +77,37 @@ class PackedDocs:
         return self.memo["cu"]
 
     def sdpa_groups(self) -> List[tuple]:
-        """The ``sdpa`` kernel's calls (module docstring): per group ``(tokens, slots, n, Lmax)``,
-        ``tokens`` the group's token indices (``[tg]`` long on the device, None for a lone
-        document, which is a slice from ``sdpa_starts``) and ``slots`` their places in the
-        group's padded ``[n * Lmax]`` layout (None for a lone document); memoised with the
-        permutation back to token order (``sdpa_order``). Host work is per document."""
+        """The ``sdpa`` kernel's calls (module docstring): per group ``(start, tokens, slots, n,
+        Lmax)``. A lone document: its first token ``start``, no ``tokens`` / ``slots`` (a
+        slice). A padded group: ``tokens``, its token indices (``[tg]`` long on the device), and
+        ``slots``, their places in its ``[n * Lmax]`` layout. Memoised with the permutation back
+        to token order (``sdpa_order``); host work is per document."""
         if "groups" not in self.memo:
             bounds = np.asarray(self.bounds, dtype=np.int64)
             lens = np.diff(bounds)
             groups, cur, work = [], [], 0
             for i in np.argsort(-lens, kind="stable").tolist():
-                top = int(lens[cur[0]]) if cur else int(lens[i])
-                if cur and (len(cur) + 1) * top * top > SDPA_PAD_SLACK * (work + int(lens[i]) ** 2):
+                n = int(lens[i])
+                top = int(lens[cur[0]]) if cur else n
+                if cur and (len(cur) + 1) * top * top > SDPA_PAD_SLACK * (work + n * n):
                     groups.append(cur)
                     cur, work = [], 0
                 cur.append(i)
-                work += int(lens[i]) ** 2
+                work += n * n
             groups.append(cur)
             out, order = [], []
             for g in groups:
                 idx = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in g])
                 order.append(idx)
-                if len(g) == 1:
-                    out.append((None, None, 1, int(lens[g[0]])))
-                    continue
                 top = int(lens[g[0]])
+                if len(g) == 1:
+                    out.append((int(bounds[g[0]]), None, None, 1, top))
+                    continue
                 slots = np.concatenate([j * top + np.arange(lens[i]) for j, i in enumerate(g)])
-                out.append((torch.from_numpy(idx).to(self.device),
+                out.append((None, torch.from_numpy(idx).to(self.device),
                             torch.from_numpy(slots).to(self.device), len(g), top))
             order = np.concatenate(order)
             self.memo["groups"] = out
-            self.memo["lone"] = [self.bounds[g[0]] for g in groups if len(g) == 1]
             if np.array_equal(order, np.arange(self.num_tokens)):
                 self.memo["order"] = None
             else:
@@ -120,11 +120,6 @@ class PackedDocs:
         """``[t]`` long: token ``i``'s row in the groups' concatenated outputs (None: in order)."""
         self.sdpa_groups()
         return self.memo["order"]
-
-    def sdpa_starts(self) -> List[int]:
-        """The first token of each lone document's group, in group order."""
-        self.sdpa_groups()
-        return self.memo["lone"]
 
 
 def packed_docs(cu_seqlens, num_tokens: int, device, cache: Optional[dict] = None) -> PackedDocs:
@@ -220,10 +215,9 @@ def sdpa_gqa_mode(device_type: str = "cuda") -> Optional[str]:
 
 
 def _grouped_sdpa(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
-    outs, lone = [], iter(docs.sdpa_starts())
-    for tokens, slots, n, top in docs.sdpa_groups():
+    outs = []
+    for a, tokens, slots, n, top in docs.sdpa_groups():
         if tokens is None:                      # a lone document: a view, no padding
-            a = next(lone)
             o = cudnn_call(*(x[a:a + top].transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
                            scale)
             outs.append(o[0].transpose(0, 1))

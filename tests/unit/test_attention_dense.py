@@ -76,9 +76,9 @@ def test_grouped_sdpa_equals_the_reference(cu):
 def test_sdpa_groups_pad_within_the_slack():
     """Longest first; a document joins while n x Lmax^2 <= 1.1 x sum L^2; one document alone."""
     docs = packed_docs(GROUPED, 158, "cpu")
-    sizes = [(n, top) for _, _, n, top in docs.sdpa_groups()]
-    assert sizes == [(1, 49), (3, 33), (1, 7), (1, 5), (1, 1)]
-    assert docs.sdpa_starts() == [41, 0, 153, 40]
+    groups = docs.sdpa_groups()
+    assert [(n, top) for *_, n, top in groups] == [(1, 49), (3, 33), (1, 7), (1, 5), (1, 1)]
+    assert [g[0] for g in groups] == [41, None, 0, 153, 40]      # a lone document's first token
     assert packed_docs([0, 90], 90, "cpu").sdpa_order() is None     # one document: in order
 
 
