@@ -66,6 +66,9 @@ STUDIES = {
                      "QUALITY.md"),
     "quality_comparison": ("dense vs sparse vs SparseBalance training from one checkpoint",
                            "QUALITY.md"),
+    "trained_quality": ("dense, static sparse, --sparse-balance, DST (density objective) "
+                        "trained from scratch on CPU: held-out loss, retrieval by depth",
+                        "QUALITY.md"),
 }
 # studies that are still scripts of their own in scripts/ (run as they are)
 EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",

@@ -1,0 +1,68 @@
+"""The trained-quality study's quick form (issue 62, ``scripts/bench.py trained_quality --quick``):
+every arm (dense, static sparse, --sparse-balance, DST with the density objective) trains a few
+steps in Megatron's pretrain() under torchrun (DP 2, gloo), saves its checkpoint, is evaluated
+from it, and the one JSON holds every field with finite numbers. What the numbers say is not
+checked: three steps of a 2-layer model mean nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.distributed
+
+ARMS = ("dense", "static", "sparse_balance", "dst_density")
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_quick_study_writes_a_complete_result(tmp_path):
+    out = tmp_path / "tq.json"
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "trained_quality", "--quick",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    for key in ("command", "commit", "versions", "device", "config", "runs", "paired",
+                "density_match", "heldout", "wall_s"):
+        assert key in doc, key
+    assert doc["command"].startswith("python scripts/bench.py trained_quality --quick")
+    assert doc["timing_source"] == "model" and doc["same_tokens_every_step"] is True
+    seeds, depths = doc["config"]["seeds"], [f"{d:g}" for d in doc["config"]["depths"]]
+    assert set(doc["runs"]) == set(ARMS)
+    for arm in ARMS:
+        for s in seeds:
+            run = doc["runs"][arm][str(s)]
+            tr = run["train"]
+            assert tr["steps"] == doc["config"]["steps"]
+            for k in ("final_train_loss", "mean_kept_density", "mean_planned_density"):
+                assert finite(tr[k]), (arm, k, tr[k])
+            assert 0 < tr["mean_kept_density"] <= 1
+            for k in ("dst_steps_cut", "dst_steps_raised", "dst_units_cut", "dst_units_raised"):
+                assert isinstance(tr[k], int) and tr[k] >= 0, (arm, k)
+            assert run["primary"] in run["eval"]
+            assert set(run["eval"]) == {"1", f"{doc['config']['density']:g}"}
+            for ev in run["eval"].values():
+                for k in ("heldout_loss", "accuracy", "token_accuracy",
+                          "eval_kept_density"):
+                    assert finite(ev[k]), (arm, k, ev[k])
+                assert set(ev["accuracy_by_depth"]) == set(depths)
+                assert all(finite(v["accuracy"]) and v["n"] > 0
+                           for v in ev["accuracy_by_depth"].values())
+    assert doc["runs"]["dense"][str(seeds[0])]["train"]["mean_kept_density"] == 1.0
+    assert set(doc["paired"]) == {"sparse_balance-static", "dst_density-static",
+                                  "sparse_balance-dst_density", "static-dense",
+                                  "sparse_balance-dense"}
+    for pair in doc["paired"].values():
+        for k in ("heldout_loss", "accuracy", "mean_kept_density",
+                  *(f"accuracy@depth{d}" for d in depths)):
+            assert finite(pair[k]["mean"]) and len(pair[k]["per_seed"]) == len(seeds), k
+    assert set(doc["density_match"]) == {"sparse_balance", "dst_density"}
