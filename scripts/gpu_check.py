@@ -489,9 +489,8 @@ def cudnn_priced(runs, data_name, tile_us, layers=None):
             return (sum(run["step_tokens"][k] for k in steps) / sum(steps.values())) / rate \
                 if steps and run.get("step_tokens") else None
 
-        paired = sorted(priced[k] / v for k, v in mine.items() if v > 0)
         run.update(vs_cudnn_priced=ratio(mine), vs_cudnn_priced_no_compile=ratio(clean),
-                   paired_vs_cudnn_priced=paired[len(paired) // 2] if paired else None)
+                   paired_vs_cudnn_priced=paired_speedup({"step_s": priced}, run))
 
 
 def compare_with_dense(runs, data_name):

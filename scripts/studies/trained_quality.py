@@ -275,20 +275,10 @@ def checkpoint_arch(args, ckpt: str):
 
 
 def load_model(args, ckpt: str, sb):
-    from megatron.core import dist_checkpointing
-
     from sparsebalance_megatron.megatron.model import hf_convert
 
-    arch = checkpoint_arch(args, ckpt)
-    model = hf_convert.build_gpt_model(arch, "sparse", sb)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()},
-                                    hf_convert.checkpoint_subdir(ckpt))
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise SystemExit(f"error: {ckpt}: weights not loaded {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}")
-    return model.eval().requires_grad_(False)
+    model, _ = hf_convert.load_checkpoint(ckpt, "sparse", sb, expected=checkpoint_arch(args, ckpt))
+    return model.requires_grad_(False)
 
 
 def evaluate(args, ckpt: str, held: list, densities) -> dict:

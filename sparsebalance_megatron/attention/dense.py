@@ -208,12 +208,6 @@ def cudnn_call(q, k, v, scale: float, *, cudnn_only: bool = False) -> torch.Tens
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def sdpa_gqa_mode(device_type: str = "cuda") -> Optional[str]:
-    """How ``cudnn_call`` gave GQA to SDPA on ``device_type`` in this process: ``enable_gqa``,
-    ``expand`` or None (no GQA call yet)."""
-    return _SDPA_GQA.get(device_type)
-
-
 def _grouped_sdpa(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
     outs = []
     for a, tokens, slots, n, top in docs.sdpa_groups():

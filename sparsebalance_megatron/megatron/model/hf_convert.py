@@ -330,7 +330,11 @@ def load_checkpoint(directory: str, spec: str = "local", sb_config=None,
     if not os.path.isdir(sub):
         raise ValueError(f"{directory!r}: checkpoint directory {sub!r} is missing")
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, sub)
-    model.load_state_dict(state["model"], strict=False)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:      # nothing silently left at its initial value
+        raise ValueError(f"{directory!r}: weights not in the checkpoint {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}: expected the weights of {spec!r}")
     return model.eval(), arch
 
 
