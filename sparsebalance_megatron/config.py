@@ -149,7 +149,8 @@ class SparseBalanceConfig:
         "auto", "Dense kernel on CUDA in float16/bfloat16, of routed documents and of dense "
         "runs on the local spec (--sb-batching without sparse attention): 'varlen' (one "
         "FlashAttention varlen call over the packed documents), 'sdpa' (cuDNN SDPA over the "
-        "documents grouped by length: one call per long document, short ones padded together) "
+        "documents grouped by length, padded to a bounded set of lengths so torch builds few "
+        "cuDNN graphs) "
         "or 'auto' (varlen); elsewhere the exact "
         "per-document SDPA loop.", choices=DENSE_KERNELS)
 

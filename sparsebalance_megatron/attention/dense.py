@@ -11,15 +11,23 @@ k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``), causal inside every docu
   ``enable_gqa`` from torch 2.13; on 2.11 K/V with their ``ng`` heads straight to the flash
   kernel, which shares each among its query heads; K/V repeated only where a kernel refuses).
 - ``sdpa``: cuDNN's fused SDPA kernel (then flash, then memory-efficient) over the documents
-  grouped by length: sorted longest first, a document joins the group of the longest while the
-  group's padded work (``n x Lmax^2``) stays within ``SDPA_PAD_SLACK`` of its documents' own
-  (``sum L^2``); each group is ONE call over its documents padded on the right (which a causal
-  query never reads), a lone document is its own call with no padding. Long documents thus get
-  the call a Transformer Engine user's THD cuDNN call makes of them, many short ones a few
-  calls. A lone document goes in as a view, no copy: on the H200 (2026-11-26) that ran within
-  3% of cuDNN alone on contiguous inputs, at 32K and 64K, Megatron's fused-QKV strides
-  included, where contiguous copies cost 4-10% in the forward. GQA through ``enable_gqa``
-  where cuDNN takes it (tried once per device type), else K/V expanded to ``np`` heads.
+  grouped by length, at a bounded set of shapes: torch builds a cuDNN graph for every new
+  ``[n, heads, L, hn]`` it meets, so a graph per document length would be built all through a
+  run. Every call pads its documents to ``B(L) = sdpa_padded_len(L)``, a multiple of 128 and
+  of 1/16 of the next power of two (16 lengths up to 2K, then 8 per octave: 48 up to 32K, 56
+  up to 64K), and runs ``n``, a power of two, of them. Documents, sorted longest first, join
+  the group of the longest while its padded work (``n x B(Lmax)^2``) stays within
+  ``SDPA_PAD_SLACK`` of theirs at their own lengths (``sum B(L)^2``); a group runs as calls of
+  the powers of two that sum to its ``n`` (longest first), each at its own longest
+  document's ``B``. Padding sits at the END of each document, where a causal query never
+  reads: real outputs are exact, padded rows' outputs are dropped and pass no gradient.
+  Added work: a group's calls do at most ``SDPA_PAD_SLACK x sum B(L)^2`` of its documents,
+  and ``B(L) - L < max(128, L / 8)``: at most 1.1 x 1.27 x ``sum L^2`` for documents of 1K+
+  tokens. A call of one document is a view of the packed tokens, no copy, where the ``B(L)``
+  rows from its first token lie inside the micro-batch (the rows past the document are the
+  next documents' tokens, padding like any other); a copy costs 4-10% of the forward. Other
+  calls are padded copies. GQA through ``enable_gqa`` where cuDNN takes it (tried once per
+  device type), else K/V expanded to ``np`` heads.
 - ``auto``: ``varlen``. Which of the two is faster is a device measurement (the profiler
   records the dense kernel it timed next to the crossover, ``megatron/launch/crossover.py``).
 
@@ -36,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Union
+from typing import List, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -46,8 +54,31 @@ from ..config import DENSE_KERNELS
 from .blocks import check_cu_seqlens, check_qkv, check_softmax_scale
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
-SDPA_PAD_SLACK = 1.1      # a padded group's work at most 1.1x its documents' causal work
+SDPA_PAD_SLACK = 1.1      # a group's padded work at most 1.1x its documents' at their own B(L)
+SDPA_LEN_MIN = 128        # padded lengths are multiples of 128 ...
+SDPA_LEN_STEPS = 16       # ... and of 1/16 of the next power of two (sdpa_padded_len)
 _SDPA_GQA: dict = {}      # device type -> "enable_gqa" or "expand", once its first GQA call decided
+
+
+def sdpa_padded_len(length: int) -> int:
+    """The length a document of ``length`` tokens is padded to in an ``sdpa`` call: up to a
+    multiple of ``SDPA_LEN_MIN`` and of ``1/SDPA_LEN_STEPS`` of the next power of two (a power
+    of two of 128+ stays as it is); ``sdpa_padded_len(L) - L < max(128, L / 8)``."""
+    p = 1 << max(0, (int(length) - 1).bit_length())
+    step = max(SDPA_LEN_MIN, p // SDPA_LEN_STEPS)
+    return -(-int(length) // step) * step
+
+
+class SdpaCall(NamedTuple):
+    """One cuDNN SDPA call of the ``sdpa`` kernel: ``n`` documents at ``length`` positions
+    each (``[n, heads, length, hn]``), outputs ``rows`` real tokens."""
+
+    n: int                              # documents (a power of two)
+    length: int                         # each padded to this (``sdpa_padded_len``)
+    start: Optional[int]                # one document as a view: its first token, else None
+    rows: int                           # real tokens (the view's first ``rows`` outputs)
+    tokens: Optional[torch.Tensor]      # a padded copy: [rows] long token indices ...
+    slots: Optional[torch.Tensor]       # ... and their places in its [n * length] layout
 
 
 @dataclass
@@ -76,36 +107,41 @@ class PackedDocs:
             self.memo["cu"] = torch.tensor(self.bounds, dtype=torch.int32, device=self.device)
         return self.memo["cu"]
 
-    def sdpa_groups(self) -> List[tuple]:
-        """The ``sdpa`` kernel's calls (module docstring): per group ``(start, tokens, slots, n,
-        Lmax)``. A lone document: its first token ``start``, no ``tokens`` / ``slots`` (a
-        slice). A padded group: ``tokens``, its token indices (``[tg]`` long on the device), and
-        ``slots``, their places in its ``[n * Lmax]`` layout. Memoised with the permutation back
-        to token order (``sdpa_order``); host work is per document."""
+    def sdpa_groups(self) -> List["SdpaCall"]:
+        """The ``sdpa`` kernel's calls (module docstring), in the order their outputs are
+        concatenated; memoised with the permutation back to token order (``sdpa_order``).
+        Host work is per document."""
         if "groups" not in self.memo:
             bounds = np.asarray(self.bounds, dtype=np.int64)
             lens = np.diff(bounds)
+            padded = [sdpa_padded_len(int(n)) for n in lens]
             groups, cur, work = [], [], 0
             for i in np.argsort(-lens, kind="stable").tolist():
-                n = int(lens[i])
-                top = int(lens[cur[0]]) if cur else n
-                if cur and (len(cur) + 1) * top * top > SDPA_PAD_SLACK * (work + n * n):
+                b = padded[i]
+                top = padded[cur[0]] if cur else b
+                if cur and (len(cur) + 1) * top * top > SDPA_PAD_SLACK * (work + b * b):
                     groups.append(cur)
                     cur, work = [], 0
                 cur.append(i)
-                work += n * n
+                work += b * b
             groups.append(cur)
             out, order = [], []
             for g in groups:
-                idx = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in g])
-                order.append(idx)
-                top = int(lens[g[0]])
-                if len(g) == 1:
-                    out.append((int(bounds[g[0]]), None, None, 1, top))
-                    continue
-                slots = np.concatenate([j * top + np.arange(lens[i]) for j, i in enumerate(g)])
-                out.append((None, torch.from_numpy(idx).to(self.device),
-                            torch.from_numpy(slots).to(self.device), len(g), top))
+                while g:                      # the powers of two of len(g), longest first
+                    n = 1 << (len(g).bit_length() - 1)
+                    chunk, g = g[:n], g[n:]
+                    top = padded[chunk[0]]
+                    idx = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in chunk])
+                    order.append(idx)
+                    a = int(bounds[chunk[0]])
+                    if n == 1 and a + top <= self.num_tokens:     # a view, no copy
+                        out.append(SdpaCall(1, top, a, int(lens[chunk[0]]), None, None))
+                        continue
+                    slots = np.concatenate([j * top + np.arange(lens[i])
+                                            for j, i in enumerate(chunk)])
+                    out.append(SdpaCall(n, top, None, len(idx),
+                                        torch.from_numpy(idx).to(self.device),
+                                        torch.from_numpy(slots).to(self.device)))
             order = np.concatenate(order)
             self.memo["groups"] = out
             if np.array_equal(order, np.arange(self.num_tokens)):
@@ -210,20 +246,20 @@ def cudnn_call(q, k, v, scale: float, *, cudnn_only: bool = False) -> torch.Tens
 
 def _grouped_sdpa(q, k, v, docs: PackedDocs, scale: float) -> torch.Tensor:
     outs = []
-    for a, tokens, slots, n, top in docs.sdpa_groups():
-        if tokens is None:                      # a lone document: a view, no padding
-            o = cudnn_call(*(x[a:a + top].transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
-                           scale)
-            outs.append(o[0].transpose(0, 1))
+    for c in docs.sdpa_groups():
+        if c.tokens is None:        # one document: a view of ``length`` rows from its start
+            o = cudnn_call(*(x[c.start:c.start + c.length].transpose(0, 1).unsqueeze(0)
+                             for x in (q, k, v)), scale)
+            outs.append(o[0, :, :c.rows].transpose(0, 1))
             continue
         padded = []
         for x in (q, k, v):
-            flat = x.new_zeros((n * top,) + tuple(x.shape[1:]))
-            flat = flat.index_copy(0, slots, x.index_select(0, tokens))
-            padded.append(flat.view(n, top, x.shape[1], x.shape[2]).transpose(1, 2))
+            flat = x.new_zeros((c.n * c.length,) + tuple(x.shape[1:]))
+            flat = flat.index_copy(0, c.slots, x.index_select(0, c.tokens))
+            padded.append(flat.view(c.n, c.length, x.shape[1], x.shape[2]).transpose(1, 2))
         o = cudnn_call(*padded, scale)
-        outs.append(o.transpose(1, 2).reshape(n * top, q.shape[1], q.shape[2])
-                    .index_select(0, slots))
+        outs.append(o.transpose(1, 2).reshape(c.n * c.length, q.shape[1], q.shape[2])
+                    .index_select(0, c.slots))
     out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
     order = docs.sdpa_order()
     return out if order is None else out.index_select(0, order)

@@ -1,6 +1,7 @@
 """Dense varlen attention on CUDA: the fused kernels (one ``varlen_attn`` call; cuDNN SDPA over
-documents grouped by length, lone and padded groups) equal the exact per-document loop in bf16, outputs and gradients, with GQA; and the
-routed block-sparse attention equals its unrouted computation at density 1 on short documents."""
+documents grouped by length at padded lengths: views, padded copies, power-of-two groups) equal
+the exact per-document loop in bf16, outputs and gradients, with GQA; and the routed
+block-sparse attention equals its unrouted computation at density 1 on short documents."""
 
 import pytest
 import torch
@@ -12,8 +13,13 @@ from sparsebalance_megatron.attention.dense import (causal_per_document, dense_v
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+# calls (n, padded length): 1024 and 923 (2, 1024), 512 a view (1, 512), 100 and 1 (2, 128)
 CU = [0, 100, 1124, 1125, 2048, 2560]
-GROUPED = [0, 500, 1012, 1524, 2048, 2560]      # 500, 512, 512, 524, 512: one padded call
+# 524 a view of 640 rows (1, 640), 500, 512, 512, 512 (4, 512)
+GROUPED = [0, 500, 1012, 1524, 2048, 2560]
+# 2000 a view of 2048 rows, 560 a padded copy of 640 (its 640 rows would pass the end)
+ENDS = [0, 2000, 2560]
+CALLS = {tuple(CU): 3, tuple(GROUPED): 2, tuple(ENDS): 2}
 
 
 def _inputs(nh, ng, hn, seed=0):
@@ -31,13 +37,14 @@ def _run(fn, q, k, v, w):
     return [out.float()] + [x.grad.float() for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("kernel,cu", [("varlen", CU), ("sdpa", CU), ("sdpa", GROUPED)])
+@pytest.mark.parametrize("kernel,cu", [("varlen", CU), ("sdpa", CU), ("sdpa", GROUPED),
+                                       ("sdpa", ENDS)])
 @pytest.mark.parametrize("nh,ng,hn", [(8, 8, 64), (8, 2, 128), (14, 2, 64)])
 def test_fused_kernel_equals_the_loop_in_bf16(kernel, cu, nh, ng, hn):
     q, k, v, w = _inputs(nh, ng, hn)
     docs = packed_docs(cu, cu[-1], "cuda")
     if kernel == "sdpa":
-        assert len(docs.sdpa_groups()) == (5 if cu is CU else 1)
+        assert len(docs.sdpa_groups()) == CALLS[tuple(cu)]
     got = _run(lambda a, b, c: dense_varlen_attention(a, b, c, docs, 0.1, kernel=kernel),
                q, k, v, w)
     want = _run(lambda a, b, c: causal_per_document(a, b, c, cu, 0.1), q, k, v, w)

@@ -2,6 +2,7 @@
 grouped, padded layout against a float64 masked softmax written here, input checks, and one host read per
 micro-batch. The fused CUDA kernels are compared in tests/gpu/test_dense_attention.py."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,35 +52,111 @@ def test_loop_gradients_equal_the_float64_reference():
         torch.testing.assert_close(a, b)
 
 
-# lengths 7, 33, 1, 49, 32, 31, 5: 49 alone (49+33 padded is 1.4x their work), 33 with 32 and 31
-# (within 1.1x), 7 with 5 (98 vs 74: not), so 7, 5 and 1 alone
+# lengths 7, 33, 1, 49, 32, 31, 5: every one padded to 128, so one group of 7 (no padded work
+# beyond each document's own 128), run as calls of 4 (49, 33, 32, 31), 2 (7, 5) and 1 (the
+# 1-token document at 40: its 128 rows would run past the micro-batch, so a padded copy)
 GROUPED = [0, 7, 40, 41, 90, 122, 153, 158]
+# lengths 1100, 300, 290, 280, 140, 60, 560: 1100 alone at 1152, a view (its 1152 rows from 0
+# lie inside the micro-batch); 300, 290, 280 one group (all at 384), run as 2 (a padded copy)
+# and 1 (280, a view); 140 alone at 256 and 60 alone at 128, views; 560 alone at 640, a padded
+# copy (the micro-batch ends 560 tokens after its start)
+LONG = [0, 1100, 1400, 1690, 1970, 2110, 2170, 2730]
+
+
+def _sdpa_run_and_grads(cu, reference):
+    t = cu[-1]
+    q, k, v = _qkv(t=t, dtype=torch.float64)
+    out = _grouped_sdpa(q, k, v, packed_docs(cu, t, "cpu"), 0.3)
+    want = reference(q, k, v, cu, 0.3)
+    torch.testing.assert_close(out, want)
+    w = torch.randn(t, 4, 8, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref = torch.autograd.grad((want * w).sum(), (q, k, v))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("cu", [CU, GROUPED, [0, 90]])
 def test_grouped_sdpa_equals_the_reference(cu):
-    """The ``sdpa`` kernel's grouping (lone documents as slices, groups padded on the right,
-    outputs put back in token order) is exact: run on CPU in float64 here, it takes whatever
-    SDPA backend the CPU has."""
-    t = cu[-1]
-    q, k, v = _qkv(t=t, dtype=torch.float64)
-    docs = packed_docs(cu, t, "cpu")
-    out = _grouped_sdpa(q, k, v, docs, 0.3)
-    torch.testing.assert_close(out, masked_reference(q, k, v, cu, 0.3))
-    w = torch.randn(t, 4, 8, dtype=torch.float64)
-    got = torch.autograd.grad((out * w).sum(), (q, k, v))
-    want = torch.autograd.grad((masked_reference(q, k, v, cu, 0.3) * w).sum(), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    """The ``sdpa`` kernel's calls (views, padded copies, outputs put back in token order) are
+    exact, outputs and gradients: run on CPU in float64 here, they take whatever SDPA backend
+    the CPU has."""
+    _sdpa_run_and_grads(cu, masked_reference)
 
 
-def test_sdpa_groups_pad_within_the_slack():
-    """Longest first; a document joins while n x Lmax^2 <= 1.1 x sum L^2; one document alone."""
-    docs = packed_docs(GROUPED, 158, "cpu")
-    groups = docs.sdpa_groups()
-    assert [(n, top) for *_, n, top in groups] == [(1, 49), (3, 33), (1, 7), (1, 5), (1, 1)]
-    assert [g[0] for g in groups] == [41, None, 0, 153, 40]      # a lone document's first token
+def test_grouped_sdpa_with_padded_lengths_equals_the_exact_loop():
+    """Documents padded at their end to ``sdpa_padded_len`` (zeros in a copy, the next
+    documents' tokens in a view) give the exact outputs and gradients: padded keys are never
+    read by a real query, padded outputs are dropped (the exact loop, itself checked against the
+    masked float64 softmax above, is the reference at this length)."""
+    from sparsebalance_megatron.attention.dense import causal_per_document
+    assert [(c.n, c.length, c.start is not None) for c in
+            packed_docs(LONG, LONG[-1], "cpu").sdpa_groups()] == \
+        [(1, 1152, True), (1, 640, False), (2, 384, False), (1, 384, True), (1, 256, True),
+         (1, 128, True)]
+    _sdpa_run_and_grads(LONG, causal_per_document)
+
+
+def test_sdpa_groups_pad_to_bounded_lengths_within_the_slack():
+    """Longest first; a document joins while n x B(Lmax)^2 <= 1.1 x sum B(L)^2; a group runs
+    as power-of-two calls, a lone document as a view where its padded rows fit."""
+    groups = packed_docs(GROUPED, 158, "cpu").sdpa_groups()
+    assert [(c.n, c.length, c.start, c.rows) for c in groups] == \
+        [(4, 128, None, 145), (2, 128, None, 12), (1, 128, None, 1)]
     assert packed_docs([0, 90], 90, "cpu").sdpa_order() is None     # one document: in order
+    view = packed_docs([0, 256, 300], 300, "cpu").sdpa_groups()[0]
+    assert (view.n, view.length, view.start, view.rows, view.tokens) == (1, 256, 0, 256, None)
+
+
+def test_sdpa_padded_len_is_a_small_set_within_an_eighth():
+    """Multiples of 128 and of 1/16 of the next power of two: 48 lengths up to 32K, 56 up to
+    64K; never shorter, and less than max(128, L / 8) longer."""
+    from sparsebalance_megatron.attention.dense import sdpa_padded_len
+    got = [sdpa_padded_len(n) for n in range(1, 65537)]
+    assert len(set(got[:32768])) == 48 and len(set(got)) == 56
+    assert all(b % 128 == 0 and n <= b < n + max(128, n / 8) for n, b in enumerate(got, 1))
+    assert [sdpa_padded_len(n) for n in (1, 128, 129, 2048, 2049, 16385, 32768)] == \
+        [128, 128, 256, 2048, 2304, 18432, 32768]
+
+
+def _random_bounds(rng, t=32768, low=1):
+    """A packed micro-batch of ``t`` tokens: log-uniform document lengths from ``low`` tokens
+    to all of them (a remainder under ``low`` joins the last document)."""
+    bounds = [0]
+    while bounds[-1] < t:
+        n = int(np.exp(rng.uniform(np.log(low), np.log(t))))
+        end = bounds[-1] + n
+        if t - end < low:
+            end = t
+        bounds.append(end)
+    return bounds
+
+
+def test_sdpa_shapes_stay_bounded_and_padding_within_the_bound_over_many_micro_batches():
+    """Over 400 random 32K micro-batches: every call's (n, length) is one of the bounded set
+    (n a power of two up to 128, length one of the 48), far fewer than the document lengths; each
+    micro-batch's padded work is within SDPA_PAD_SLACK of its documents' at their own padded
+    lengths, and within 1.1 x 1.27 of their causal work where every document has 1K+ tokens."""
+    from sparsebalance_megatron.attention.dense import SDPA_PAD_SLACK, sdpa_padded_len
+    rng = np.random.default_rng(0)
+    shapes, lengths, long_only = set(), set(), 0
+    allowed = {sdpa_padded_len(n) for n in range(1, 32769)}
+    for i in range(400):
+        bounds = _random_bounds(rng, low=1 if i % 2 else 1024)
+        lens = np.diff(bounds)
+        calls = packed_docs(bounds, bounds[-1], "cpu").sdpa_groups()
+        assert sum(c.rows for c in calls) == bounds[-1]
+        shapes |= {(c.n, c.length) for c in calls}
+        lengths |= set(lens.tolist())
+        padded = sum(c.n * c.length ** 2 for c in calls)
+        assert padded <= SDPA_PAD_SLACK * sum(sdpa_padded_len(n) ** 2 for n in lens)
+        if lens.min() >= 1024:
+            long_only += 1
+            assert padded <= SDPA_PAD_SLACK * 1.125 ** 2 * float((lens ** 2).sum())
+    assert all(n & (n - 1) == 0 and length in allowed for n, length in shapes)
+    assert len({length for _, length in shapes}) <= 48 and len({n for n, _ in shapes}) <= 8
+    # 94 shapes (of the 48 x 8 possible) for 2,087 document lengths
+    assert len(shapes) < len(lengths) // 10 and long_only >= 200, (len(shapes), len(lengths))
 
 
 def test_packed_docs_reads_cu_seqlens_once_per_micro_batch():
