@@ -87,7 +87,9 @@ class BlockLists:
 
 
 if HAVE_TRITON:
-    @triton.jit(do_not_specialize=["WQ", "WK", "K"])
+    # the strides and widths follow each micro-batch's block count and selection width: not
+    # specialised on, so only the constexpr widths make new compiles (triton_warmup compiles them)
+    @triton.jit(do_not_specialize=["s_sel_g", "s_sel_i", "s_num_g", "WQ", "WK", "K"])
     def _lists_kernel(SEL, SEL_NUM, DOC_START, DOC_END, Q_NUM, Q_IDX, KV_NUM, KV_IDX,
                       KEPT, SHARES, RECALL, s_sel_g, s_sel_i, s_num_g, WQ, WK, K,
                       KP: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr,

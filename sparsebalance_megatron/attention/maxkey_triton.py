@@ -40,7 +40,7 @@ def usable(keys: torch.Tensor, block_size: int) -> bool:
 
 
 if HAVE_TRITON:
-    @triton.jit
+    @triton.jit(do_not_specialize=["R", "NB", "so_g", "so_r"])   # per micro-batch: one compile
     def _maxkey_kernel(Q, K, LEN, START, DOC, OUT, R, REP, NB, scale,
                        sq_g, sq_i, sq_j, sk_g, sk_t, so_g, so_r,
                        HN: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,

@@ -72,7 +72,7 @@ def _block_sums_kernel(X, START, LEN, OUT, H: tl.constexpr, HN: tl.constexpr,
     tl.store(OUT + (i * H + h) * HN + d, tl.sum(x, 0))
 
 
-@_kernel(do_not_specialize=["NB"])
+@_kernel(do_not_specialize=["NB", "s_g", "s_i", "s_r"])     # per micro-batch: one compile
 def _shares_kernel(S, DOC_START, SH, PRI, NB, s_g, s_i, s_r, SINK, LOCAL,
                    REP: tl.constexpr, RP: tl.constexpr, BLOCK_J: tl.constexpr):
     """Grid (NB, ng): row (g, i) of the shares (softmax over i's causal in-document key

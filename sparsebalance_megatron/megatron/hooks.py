@@ -80,6 +80,7 @@ class _Integration:
     timers = None
     watchdog = None
     model_built = False   # the post-wrap hook ran: pretrain() built the model install() changed
+    warmed = False        # the selection's Triton kernels were compiled (once per process)
 
 
 _run = _Integration()
@@ -220,7 +221,7 @@ def _install(args, model_cfg, packed_data):
     if plugin_data:
         from .launch.latency_setup import check_given_table
         check_given_table(args, sb)       # the validated model's sizes (padded vocabulary, ...)
-    _run.sb, _run.plugin_data, _run.model_built = sb, plugin_data, False
+    _run.sb, _run.plugin_data, _run.model_built, _run.warmed = sb, plugin_data, False, False
     if not (sb.sparse_attention_enabled or plugin_data):
         return model_cfg
     compat.skip_prebuilt_helpers_compile()
@@ -281,7 +282,26 @@ def _interleaved(args) -> bool:
 
 def _on_model_built(model: list) -> list:
     """Post-wrap hook (process groups and the model exist): the check that every layer the plan
-    budgets runs our attention, then the step callback, the finalize hook and the timers tee."""
+    budgets runs our attention, then the step callback, the finalize hook and the timers tee;
+    last, once the backend 'auto' runs is known (the callback's latency table sets it), the
+    fused selection's Triton kernels compiled for every width the run can meet
+    (``model/selection_warmup.py``), so that no training step pays a compile."""
+    model = _build_runtime(model)
+    if _run.sb is not None and _run.sb.sparse_attention_enabled and not _run.warmed:
+        from ..attention.api import resolve_backend
+        from .launch.compat import device
+        from .model.selection_warmup import warm_up
+
+        _run.warmed = True
+        dev = device()
+        line = warm_up(_megatron_args(), _run.sb, resolve_backend(
+            _run.budget.attention_backend or _run.sb.attention_backend, dev), dev)
+        if line:
+            comm.say(line)
+    return model
+
+
+def _build_runtime(model: list) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config

@@ -6,7 +6,9 @@ rounded up to powers of two, follow each micro-batch's longest document and sele
 and the divisibility of the integer arguments it does not exempt. With variable-length
 micro-batches a new power of two can first appear many steps into a run; that step then pays
 a compile (a fraction of a second on an H100), a cost that a long run amortises and a
-ten-step benchmark does not. ``CompileWatch`` counts the compiles (and loads from triton's disk
+ten-step benchmark does not. The post-wrap hook compiles every width of the fused selection
+at start-up (``model/selection_warmup.py``), so a count here after the first step is a kernel
+that warm-up missed. ``CompileWatch`` counts the compiles (and loads from triton's disk
 cache into this process) through triton's JIT hooks, ``knobs.runtime.jit_cache_hook`` (before)
 and ``jit_post_compile_hook`` (after), chained with any hooks already set. ``take()`` returns
 and clears the count and seconds since the last call: the step record's ``kernel_compiles``
