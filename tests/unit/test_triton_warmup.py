@@ -143,8 +143,10 @@ def _key_check(out_path):
                                 local_blocks=0, mass_threshold=0.9,
                                 selection_mode="density" if n < 40 else "mass",
                                 min_density=0.0, max_density=1.0)
+    import triton
     with open(out_path, "w") as fh:
-        json.dump({p: {k: sorted(v) for k, v in d.items()} for p, d in keys.items()}, fh)
+        json.dump({"triton": triton.__version__,
+                   **{p: {k: sorted(v) for k, v in d.items()} for p, d in keys.items()}}, fh)
 
 
 def test_the_warm_up_compiles_every_kernel_real_calls_launch(tmp_path):
@@ -154,7 +156,8 @@ def test_the_warm_up_compiles_every_kernel_real_calls_launch(tmp_path):
     training step. The real calls meet several list widths, and one key of each other kernel;
     10 more in ``mass`` mode meet the generic list kernel's, which ``lists="generic"`` warms."""
     out = tmp_path / "keys.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(     # this process's triton first
+        p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p))
     env.pop("TRITON_INTERPRET", None)
     code = ("import importlib.util, sys; "
             f"spec = importlib.util.spec_from_file_location('t', {str(__file__)!r}); "
@@ -164,6 +167,8 @@ def test_the_warm_up_compiles_every_kernel_real_calls_launch(tmp_path):
                        timeout=600, cwd=str(REPO))
     assert p.returncode == 0, p.stderr[-3000:]
     keys = json.loads(out.read_text())
+    import triton
+    assert keys["triton"] == triton.__version__         # the triton of this process
     for mode in ("", "_mass"):
         warm, real = keys["warm" + mode], keys["real" + mode]
         for name in ("block_sums", "maxkey", "shares", "lists"):
