@@ -93,6 +93,29 @@ def test_the_run_shape_follows_megatrons_flags():
         assert warm_up(args, sb, "fa4", "cpu") is None
 
 
+def test_the_warm_up_line_says_what_it_compiled_and_a_failure_does_not_stop_the_run(
+        monkeypatch):
+    from argparse import Namespace
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.model import selection_warmup as sw
+    args = Namespace(bf16=True, fp16=False, kv_channels=64, tensor_model_parallel_size=1,
+                     context_parallel_size=1, num_attention_heads=14, num_query_groups=2,
+                     group_query_attention=True, seq_length=32768)
+    sb = SparseBalanceConfig(block_size=128)
+    monkeypatch.setattr(sw, "warm_selection", lambda shape, dev: dict(
+        compiles=48, widths=45, seconds=3.25, parallel=True))
+    assert sw.warm_up(args, sb, "fa4", "cuda") == (
+        "Triton selection warm-up (fa4): 48 kernels, 45 list widths up to 32768 tokens at "
+        "block 128, in 3.2 s (parallel)")
+
+    def broken(shape, dev):
+        raise RuntimeError("ptxas died")
+    monkeypatch.setattr(sw, "warm_selection", broken)
+    line = sw.warm_up(args, sb, "triton", "cuda")
+    assert "warm-up failed (RuntimeError: ptxas died)" in line and "compile in the steps" in line
+
+
 # --- the warm-up compiles what real calls launch ------------------------------------------------
 
 def _key_check(out_path):
