@@ -14,7 +14,7 @@ k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``), causal inside every docu
   grouped by length, at a bounded set of shapes: torch builds a cuDNN graph for every new
   ``[n, heads, L, hn]`` it meets, so a graph per document length would be built all through a
   run. Every call pads its documents to ``B(L) = sdpa_padded_len(L)``, a multiple of 128 and
-  of 1/16 of the next power of two (16 lengths up to 2K, then 8 per octave: 48 up to 32K, 56
+  of 1/32 of the next power of two (32 lengths up to 4K, then 16 per octave: 80 up to 32K, 96
   up to 64K), and runs ``n``, a power of two, of them. Documents, sorted longest first, join
   the group of the longest while its padded work (``n x B(Lmax)^2``) stays within
   ``SDPA_PAD_SLACK`` of theirs at their own lengths (``sum B(L)^2``); a group runs as calls of
@@ -22,8 +22,9 @@ k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``), causal inside every docu
   document's ``B``. Padding sits at the END of each document, where a causal query never
   reads: real outputs are exact, padded rows' outputs are dropped and pass no gradient.
   Added work: a group's calls do at most ``SDPA_PAD_SLACK x sum B(L)^2`` of its documents,
-  and ``B(L) - L < max(128, L / 8)``: at most 1.1 x 1.27 x ``sum L^2`` for documents of 1K+
-  tokens. A call of one document is a view of the packed tokens, no copy, where the ``B(L)``
+  and ``B(L) - L < max(128, L / 16)``: at most 1.1 x 1.13 x ``sum L^2`` for documents of 2K+
+  tokens (1/32 rather than 1/16: half the padding for twice the lengths, each length's graph
+  built once in a run while its padding is paid at every step). A call of one document is a view of the packed tokens, no copy, where the ``B(L)``
   rows from its first token lie inside the micro-batch (the rows past the document are the
   next documents' tokens, padding like any other); a copy costs 4-10% of the forward. Other
   calls are padded copies. GQA through ``enable_gqa`` where cuDNN takes it (tried once per
@@ -56,14 +57,14 @@ from .blocks import check_cu_seqlens, check_qkv, check_softmax_scale
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 SDPA_PAD_SLACK = 1.1      # a group's padded work at most 1.1x its documents' at their own B(L)
 SDPA_LEN_MIN = 128        # padded lengths are multiples of 128 ...
-SDPA_LEN_STEPS = 16       # ... and of 1/16 of the next power of two (sdpa_padded_len)
+SDPA_LEN_STEPS = 32       # ... and of 1/32 of the next power of two (sdpa_padded_len)
 _SDPA_GQA: dict = {}      # device type -> "enable_gqa" or "expand", once its first GQA call decided
 
 
 def sdpa_padded_len(length: int) -> int:
     """The length a document of ``length`` tokens is padded to in an ``sdpa`` call: up to a
     multiple of ``SDPA_LEN_MIN`` and of ``1/SDPA_LEN_STEPS`` of the next power of two (a power
-    of two of 128+ stays as it is); ``sdpa_padded_len(L) - L < max(128, L / 8)``."""
+    of two of 128+ stays as it is); ``sdpa_padded_len(L) - L < max(128, L / 16)``."""
     p = 1 << max(0, (int(length) - 1).bit_length())
     step = max(SDPA_LEN_MIN, p // SDPA_LEN_STEPS)
     return -(-int(length) // step) * step

@@ -108,15 +108,15 @@ def test_sdpa_groups_pad_to_bounded_lengths_within_the_slack():
     assert (view.n, view.length, view.start, view.rows, view.tokens) == (1, 256, 0, 256, None)
 
 
-def test_sdpa_padded_len_is_a_small_set_within_an_eighth():
-    """Multiples of 128 and of 1/16 of the next power of two: 48 lengths up to 32K, 56 up to
-    64K; never shorter, and less than max(128, L / 8) longer."""
+def test_sdpa_padded_len_is_a_small_set_within_a_sixteenth():
+    """Multiples of 128 and of 1/32 of the next power of two: 80 lengths up to 32K, 96 up to
+    64K; never shorter, and less than max(128, L / 16) longer."""
     from sparsebalance_megatron.attention.dense import sdpa_padded_len
     got = [sdpa_padded_len(n) for n in range(1, 65537)]
-    assert len(set(got[:32768])) == 48 and len(set(got)) == 56
-    assert all(b % 128 == 0 and n <= b < n + max(128, n / 8) for n, b in enumerate(got, 1))
-    assert [sdpa_padded_len(n) for n in (1, 128, 129, 2048, 2049, 16385, 32768)] == \
-        [128, 128, 256, 2048, 2304, 18432, 32768]
+    assert len(set(got[:32768])) == 80 and len(set(got)) == 96
+    assert all(b % 128 == 0 and n <= b < n + max(128, n / 16) for n, b in enumerate(got, 1))
+    assert [sdpa_padded_len(n) for n in (1, 128, 129, 2048, 2049, 4097, 16385, 32768)] == \
+        [128, 128, 256, 2048, 2176, 4352, 17408, 32768]
 
 
 def _random_bounds(rng, t=32768, low=1):
@@ -134,15 +134,15 @@ def _random_bounds(rng, t=32768, low=1):
 
 def test_sdpa_shapes_stay_bounded_and_padding_within_the_bound_over_many_micro_batches():
     """Over 400 random 32K micro-batches: every call's (n, length) is one of the bounded set
-    (n a power of two up to 128, length one of the 48), far fewer than the document lengths; each
+    (n a power of two up to 128, length one of the 80), far fewer than the document lengths; each
     micro-batch's padded work is within SDPA_PAD_SLACK of its documents' at their own padded
-    lengths, and within 1.1 x 1.27 of their causal work where every document has 1K+ tokens."""
+    lengths, and within 1.1 x 1.13 of their causal work where every document has 2K+ tokens."""
     from sparsebalance_megatron.attention.dense import SDPA_PAD_SLACK, sdpa_padded_len
     rng = np.random.default_rng(0)
     shapes, lengths, long_only = set(), set(), 0
     allowed = {sdpa_padded_len(n) for n in range(1, 32769)}
     for i in range(400):
-        bounds = _random_bounds(rng, low=1 if i % 2 else 1024)
+        bounds = _random_bounds(rng, low=1 if i % 2 else 2048)
         lens = np.diff(bounds)
         calls = packed_docs(bounds, bounds[-1], "cpu").sdpa_groups()
         assert sum(c.rows for c in calls) == bounds[-1]
@@ -150,12 +150,12 @@ def test_sdpa_shapes_stay_bounded_and_padding_within_the_bound_over_many_micro_b
         lengths |= set(lens.tolist())
         padded = sum(c.n * c.length ** 2 for c in calls)
         assert padded <= SDPA_PAD_SLACK * sum(sdpa_padded_len(n) ** 2 for n in lens)
-        if lens.min() >= 1024:
+        if lens.min() >= 2048:
             long_only += 1
-            assert padded <= SDPA_PAD_SLACK * 1.125 ** 2 * float((lens ** 2).sum())
+            assert padded <= SDPA_PAD_SLACK * 1.0625 ** 2 * float((lens ** 2).sum())
     assert all(n & (n - 1) == 0 and length in allowed for n, length in shapes)
-    assert len({length for _, length in shapes}) <= 48 and len({n for n, _ in shapes}) <= 8
-    # 94 shapes (of the 48 x 8 possible) for 2,087 document lengths
+    assert len({length for _, length in shapes}) <= 80 and len({n for n, _ in shapes}) <= 8
+    # 147 shapes (of the 80 x 8 possible) for 1,967 document lengths
     assert len(shapes) < len(lengths) // 10 and long_only >= 200, (len(shapes), len(lengths))
 
 
