@@ -85,7 +85,8 @@ PLAN: Tuple[Call, ...] = (
     # step back (steps ("latency", "train"))
     Call("e2e", ("train",), 455, 440, latency_table="docs/results/latency_gpu_h200_fa4.json",
          what="pretrain() on documents of 16K+ tokens in 32K and 64K micro-batches, and whole "
-              "files: dense + SAB through cuDNN (a long document alone in its call) and "
+              "files: dense + SAB through cuDNN (a long document alone in its call, at padded "
+              "lengths from a bounded set: the measured baseline, re-priced beside it) and "
               "through torch's varlen call, --sparse-balance at d0 0.5 and 0.25 at the default "
               "--sb-attention-backend auto (fa4 where the kernel calls left it installed, else "
               "triton), Megatron's own dense last; the H200's fa4 latency table"),
