@@ -23,12 +23,13 @@ k/v ``[t, ng, hn]`` (GQA: ``np`` a multiple of ``ng``), causal inside every docu
   reads: real outputs are exact, padded rows' outputs are dropped and pass no gradient.
   Added work: a group's calls do at most ``SDPA_PAD_SLACK x sum B(L)^2`` of its documents,
   and ``B(L) - L < max(128, L / 16)``: at most 1.1 x 1.13 x ``sum L^2`` for documents of 2K+
-  tokens (1/32 rather than 1/16: half the padding for twice the lengths, each length's graph
-  built once in a run while its padding is paid at every step). A call of one document is a view of the packed tokens, no copy, where the ``B(L)``
-  rows from its first token lie inside the micro-batch (the rows past the document are the
-  next documents' tokens, padding like any other); a copy costs 4-10% of the forward. Other
-  calls are padded copies. GQA through ``enable_gqa`` where cuDNN takes it (tried once per
-  device type), else K/V expanded to ``np`` heads.
+  tokens (1/32 rather than 1/16: half the padding for twice the lengths, as a length's graph
+  is built once in a run and its padding paid at every step). A call of one document is a
+  view of the packed tokens, no copy, where the ``B(L)`` rows from its first token lie inside
+  the micro-batch (the rows past the document are the next documents' tokens, padding like
+  any other; a contiguous copy cost 4-10% of the forward on the H200). Other calls are padded
+  copies. GQA through ``enable_gqa`` where cuDNN takes it (tried once per device type), else
+  K/V expanded to ``np`` heads.
 - ``auto``: ``varlen``. Which of the two is faster is a device measurement (the profiler
   records the dense kernel it timed next to the crossover, ``megatron/launch/crossover.py``).
 

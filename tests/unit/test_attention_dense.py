@@ -1,6 +1,7 @@
-"""Dense varlen attention (``attention/dense.py``) on CPU: the exact loop and the ``sdpa`` kernel's
-grouped, padded layout against a float64 masked softmax written here, input checks, and one host read per
-micro-batch. The fused CUDA kernels are compared in tests/gpu/test_dense_attention.py."""
+"""Dense varlen attention (``attention/dense.py``) on CPU: the exact loop and the ``sdpa``
+kernel's grouped layout at padded lengths against a float64 masked softmax written here, its
+bounded set of shapes and its padding bound over many micro-batches, input checks, and one host
+read per micro-batch. The fused CUDA kernels are compared in tests/gpu/test_dense_attention.py."""
 
 import numpy as np
 import pytest
