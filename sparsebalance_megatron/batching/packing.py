@@ -34,9 +34,10 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..data.packing import check_bin_count, sequential_bins, sequential_pack
-from . import packing_kernels
+from .. import kernels
 from .plan import (BatchingError, BatchPlan, _with_padding, as_segment_array, as_segments,
-                   check_fits, check_long_sample_policy, check_shape_args, split_long)
+                   check_fits, check_long_sample_policy, check_shape_args, seeded_order,
+                   split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -110,8 +111,9 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
 
 def _fill_starts(sizes: np.ndarray, cap: int) -> list:
     """Where ``data.packing.sequential_bins`` opens each bin: compiled where the kernels run."""
-    starts = packing_kernels.sequential_starts(sizes, cap)
-    return starts if starts is not None else [b[0] for b in sequential_bins(sizes.tolist(), cap)]
+    if kernels.packing_enabled():
+        return kernels.packing.sequential_starts(sizes, cap)
+    return [b[0] for b in sequential_bins(sizes.tolist(), cap)]
 
 
 def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
@@ -205,13 +207,13 @@ def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
     """LPT of segments (sizes [n]) over ranks by ``cost``, then each rank's segments sorted by
     ``key`` and cut into m bins. None if some rank does not fit."""
     tie = np.random.default_rng(seed).permutation(sizes.size)
-    order = packing_kernels.seeded_order(tie, -cost)   # cost descending, seeded ties
-    fast = packing_kernels.usable()                    # compiled: the same decisions
-    rank_of = (packing_kernels.lpt_ranks if fast else _lpt_ranks)(cost, sizes, order, dp,
+    order = seeded_order(tie, -cost)                   # cost descending, seeded ties
+    fast = kernels.packing_enabled()                   # compiled: the same decisions
+    rank_of = (kernels.packing.lpt_ranks if fast else _lpt_ranks)(cost, sizes, order, dp,
                                                                   m * max_tokens)
     if rank_of is None:
         return None
-    by_rank = packing_kernels.seeded_order(tie, key, rank_of)  # by rank, key, seeded ties
+    by_rank = seeded_order(tie, key, rank_of)          # by rank, key, seeded ties
     ends = np.cumsum(np.bincount(rank_of, minlength=dp))
     size, cost_l = sizes.tolist(), cost.tolist()
     if fast:
@@ -227,11 +229,11 @@ def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
 
 
 def _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens, balance_bins):
-    """``_balanced``'s per-rank bins and slots by ``packing_kernels.rank_bins``; a rank whose
+    """``_balanced``'s per-rank bins and slots by ``kernels.packing.rank_bins``; a rank whose
     contiguous cuts do not fit takes the first-fit-decreasing fallback here, as
     ``_pack_rank`` does."""
     starts = np.r_[0, ends]
-    bin_of, slot_of, ok = packing_kernels.rank_bins(by_rank, starts, sizes, cost, m,
+    bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m,
                                                     max_tokens, balance_bins)
     dp = ends.size
     # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends

@@ -21,8 +21,7 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from ..sim import compiled
-from . import grid_kernels
+from .. import kernels
 from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 
 GRID_STEP = 1.0 / 64
@@ -218,9 +217,9 @@ class UnitCosts:
                                [t.bwd_attn_s_per_pair for t in terms]], np.float64)
         uncorrected = bool(np.all(corr == 1.0))
         fb, total = np.empty((2, n, pp, g.size)), None
-        if compiled.enabled():          # one compiled pass, the same operations, and the total
+        if kernels.enabled():          # one compiled pass, the same operations, and the total
             total = np.empty((n, pp, g.size))
-            grid_kernels.unit_tables(work, per_pair, fixed, corr, not uncorrected, fb, total)
+            kernels.grid.unit_tables(work, per_pair, fixed, corr, not uncorrected, fb, total)
         else:
             for out, fx, pr in zip(fb, fixed, per_pair):
                 # (work x per_pair + fixed) x correction, every stage at once: the same three
@@ -296,7 +295,7 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     at once: steps of 2^j down to 1 from lo - 1, each kept where the row at the probe (clamped
     to hi) still fits; one gather per step, no per-element bookkeeping."""
     flat = table.reshape(-1)
-    if compiled.enabled():
+    if kernels.enabled():
         rows = _highest_rows(flat, units, limit, lo, hi)
         if rows is not None:
             return rows
@@ -307,8 +306,8 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     limit = limit.ravel()
     pos = first - 1
     step = _lift_step(first, last)
-    if compiled.enabled() and pos.size:      # the same steps, one compiled loop
-        return (grid_kernels.highest_at_most(flat, first, last, limit, step)
+    if kernels.enabled() and pos.size:      # the same steps, one compiled loop
+        return (kernels.grid.highest_at_most(flat, first, last, limit, step)
                 - units.ravel()).reshape(shape)
     while step:
         probe = np.minimum(pos + step, last)
@@ -335,7 +334,7 @@ def _highest_rows(flat, units, limit, lo, hi):
     units = np.broadcast_to(units, (n,))
     first = np.broadcast_to(units + lo, (n,))
     last = np.broadcast_to(units + hi, (n,))
-    return grid_kernels.highest_rows(flat, first, last, limit, _lift_step(first, last)) - units
+    return kernels.grid.highest_rows(flat, first, last, limit, _lift_step(first, last)) - units
 
 
 def _lift_step(first: np.ndarray, last: np.ndarray) -> int:

@@ -45,9 +45,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..sim import compiled, fit_kernels
+from .. import kernels
 from ..sim.pipeline import FWD, event_graph
-from . import descent_kernels
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
 from .floors import FloorCheck
 from .slack import unit_floats_from
@@ -134,13 +133,13 @@ class _Step:
         to the next: each moves every unit no higher than the one before). Returns (ranks, column
         of each unit's rank [n], whether one fits [r], its index (0 where none) [r], its
         makespan [r], its durations and earliest finishes [E, r]). One compiled binary search
-        per rank where ``sim.compiled`` runs (``probe_first``: the first candidate tried alone
+        per rank where ``kernels`` run (``probe_first``: the first candidate tried alone
         before the search, where it usually fits; ``fits_from`` [r]: per rank a candidate known
         to fit, where its search starts); else every candidate simulated (``candidates``) and
         the first kept: the same numbers."""
         ranks, col, seg, local = self.holders(flat_units)
-        if compiled.enabled():
-            return (ranks, col) + fit_kernels.first_fit(
+        if kernels.enabled():
+            return (ranks, col) + kernels.fit.first_fit(
                 self.graph.links, self.graph.last, dur, self.p2p, ranks, seg,
                 self.fwd_row[local], self.bwd_row[local], self.fwd, self.bwd,
                 flat_units * self.g + moved, limit[ranks], probe_first=probe_first,
@@ -164,7 +163,7 @@ class _Step:
     def cut_fit(self, dur, on, t_on, t_min, hi, i_min: int, limit) -> tuple:
         """``first_fit`` of the cut fractions (``CUT_FRACTIONS``) of units ``on`` (ascending;
         seconds ``t_on``, at d_min ``t_min``, grid indices ``hi`` [n]), each unit's cut searched
-        only at the fractions its rank tries (compiled; ``sim.compiled``). Returns
+        only at the fractions its rank tries (compiled; ``kernels.fit``). Returns
         ``first_fit``'s and the picked grid index of every unit [n]."""
         at = np.full((CUT_FRACTIONS.size, on.size), -1, dtype=np.int64)
         return self._lazy_fit(dur, on, at, t_on, t_min - t_on, hi,
@@ -185,7 +184,7 @@ class _Step:
     def _lazy_fit(self, dur, units, at, t, delta, top, bottom, fracs, limit, probe_first):
         ranks, col, seg, local = self.holders(units)
         u = units * self.g
-        out = fit_kernels.first_fit(
+        out = kernels.fit.first_fit(
             self.graph.links, self.graph.last, dur, self.p2p, ranks, seg, self.fwd_row[local],
             self.bwd_row[local], self.fwd, self.bwd, at, limit[ranks],
             lazy=(self.t_flat, u, t, delta, top, bottom, fracs, 1 + _REL_EPS),
@@ -201,9 +200,9 @@ class _Step:
         with t(i) <= thr (lo if none), thr [k, n] (a candidate per row), lo / hi [n] or
         scalars; t non-decreasing along the grid (``UnitCosts``)."""
         limit = np.asarray(thr, dtype=np.float64) * (1 + _REL_EPS) + 1e-15
-        if self.c.formula is not None and compiled.enabled() and limit.ndim == 2 \
+        if self.c.formula is not None and kernels.enabled() and limit.ndim == 2 \
                 and limit.shape[1] == flat_units.size:     # the totals computed, not read
-            return fit_kernels.highest_formula(self.c.formula, flat_units, lo, hi, limit)
+            return kernels.fit.highest_formula(self.c.formula, flat_units, lo, hi, limit)
         return highest_at_most(self.t_flat, flat_units * self.g, limit, lo, hi)
 
 
@@ -259,7 +258,8 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             idx.reshape(-1)[miss])
         return moved, (on, moved)
 
-    fused = descent_kernels.Round.of(st, i_min, i_max)     # both phases compiled whole
+    fused = kernels.descent.Round(st, i_min, i_max) if kernels.enabled() and \
+        st.c.formula is not None else None                  # both phases compiled whole
     for _ in range(rounds):
         if eta < ETA_MIN:
             break
@@ -272,7 +272,7 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         else:
             on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
             fit_limit = np.full(dp, target * (1 + _REL_EPS))        # smallest alpha that fits
-            if compiled.enabled():      # each unit's cuts searched at the fractions tried
+            if kernels.enabled():      # each unit's cuts searched at the fractions tried
                 ranks, col, fits, pick, mk_p, dur_p, ef_p, cut_i = st.cut_fit(
                     dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], i_min,
                     fit_limit)
@@ -286,7 +286,7 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             continue
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = np.full(dp, target * (1.0 - raise_headroom))
-        lazy = compiled.enabled()       # the smaller fractions looked up where a rank tries them
+        lazy = kernels.enabled()       # the smaller fractions looked up where a rank tries them
         if fused is not None:
             cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = fused.after_cut(
                 idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p,

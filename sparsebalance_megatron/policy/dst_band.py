@@ -16,9 +16,8 @@ from typing import Optional
 import numpy as np
 
 from ..config import ANCHORS, MAX_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
-from ..sim import compiled
+from .. import kernels
 from ..sim.pipeline import event_graph
-from . import band_kernels
 from .costs import UnitCosts, check_density_bounds, weighted_mean_density
 from .density_means import WeightTotals
 from .dst_moves import (FILL_ITERS, GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
@@ -196,10 +195,10 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     excess[~np.repeat(cuts, dp)] = 0.0
     idx_start = np.tile(idx0, (k, 1, 1))
     fused = None
-    if compiled.enabled() and pp >= 2:        # each phase one compiled loop per row
+    if kernels.enabled() and pp >= 2:        # each phase one compiled loop per row
         kind = ("band", bool(water.any()))    # the pass's tables and orders, once per search
         if kind not in shared:
-            shared[kind] = band_kernels.BandPass(costs, rank_units, dp, graph, p2p_s, sens,
+            shared[kind] = kernels.band.BandPass(costs, rank_units, dp, graph, p2p_s, sens,
                                                  *((gains, have[2]) if water.any() else ()))
         fused = shared[kind].with_units(all_units)
     tiled = []

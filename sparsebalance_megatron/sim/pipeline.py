@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import compiled
+from .. import kernels
 from .waves import WAVE_COLS, Waves, build_waves
 from .waves import earliest_finish as _earliest_finish_by_waves
 
@@ -197,7 +197,7 @@ class EventGraph:
     steps: tuple                    # (e, prev, dep, cross) of every event, in order
     unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
     waves: Waves                    # the events by depth, for the passes over few columns
-    links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ (``sim.compiled``)
+    links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ (``kernels.graph``)
 
     @property
     def size(self) -> int:
@@ -218,8 +218,8 @@ class EventGraph:
         have finished. Rows are written in place, a few numpy calls per event (a few per wave
         of independent events, ``sim.waves``, with at most ``WAVE_COLS`` columns: the same
         numbers); ``start`` ([E, cols], optional) receives every event's start."""
-        if compiled.enabled():                   # one compiled loop: the same numbers
-            return compiled.earliest_finish(self.links, dur, p2p_s, start)
+        if kernels.enabled():                    # one compiled loop: the same numbers
+            return kernels.graph.earliest_finish(self.links, dur, p2p_s, start)
         if dur.shape[1] <= WAVE_COLS:
             return _earliest_finish_by_waves(self.waves, dur, p2p_s, start)
         end = np.empty_like(dur)

@@ -454,7 +454,7 @@ def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
 def test_seeded_order_is_the_lexsort_it_replaces():
     """``seeded_order(tie, *keys)`` is ``np.lexsort((tie,) + keys)`` for a permutation ``tie``:
     float keys with many equal values (and -0.0 beside 0.0), integer keys, one key or two."""
-    from sparsebalance_megatron.batching.packing_kernels import seeded_order
+    from sparsebalance_megatron.batching.plan import seeded_order
 
     rng = np.random.default_rng(3)
     for n in (1, 2, 7, 300, 4500):

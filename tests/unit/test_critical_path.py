@@ -222,18 +222,17 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
 
 def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypatch):
     """With the tables' formula (costs from a latency model, as every draft's) each round's cut
-    and raise preparation run as compiled phases (``descent_kernels``): the plans and step
+    and raise preparation run as compiled phases (``kernels.descent``): the plans and step
     times are still the plain descent's, bit for bit, calibrated (per-rank factors) or not,
     1F1B and interleaved, with p2p latency and raise headroom."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy import descent_kernels
-    from sparsebalance_megatron.sim import compiled
+    from sparsebalance_megatron import kernels
 
-    if not compiled.enabled():
+    if not kernels.enabled():
         pytest.skip("numba is not installed: the compiled phases do not run")
     calls = []
-    real = descent_kernels.Round.cut
+    real = kernels.descent.Round.cut
 
     def checked_cut(self, dur, ef, f, b, idx, t_min, target, limit, fracs, scale):
         """Every cut, also the ones that start from the last round's search, is the search
@@ -250,7 +249,7 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
         calls.append(warm)
         return got
 
-    monkeypatch.setattr(descent_kernels.Round, "cut", checked_cut)
+    monkeypatch.setattr(kernels.descent.Round, "cut", checked_cut)
     rng = np.random.default_rng(5)
     grid = density_grid(D0, DMIN, DMAX)
     accepted = 0

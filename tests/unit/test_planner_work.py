@@ -10,7 +10,7 @@ they write (events x columns) and the grid searches' gathered elements (``highes
 ``level_search``). Each must stay within [0.5, 1.5] x ``REFERENCE``: a change that doubles the work
 fails; one that halves it fails too, and then ``REFERENCE`` is updated with the figures the failure
 prints (the drop is worth a commit message). The counts are taken on the numpy paths
-(``sim.compiled`` off): the planning algorithm's work, event by event, which the compiled kernels
+(``kernels`` off): the planning algorithm's work, event by event, which the compiled kernels
 do in fewer steps and the same numbers. Wall-clock figures of the same draft are ``scripts/bench.py
 planner_cost``'s.
 """
@@ -22,7 +22,8 @@ import pytest
 
 from sparsebalance_megatron.policy import costs as costs_mod
 from sparsebalance_megatron.policy import critical_path, dst_moves, slack
-from sparsebalance_megatron.sim import compiled, pipeline, waves
+from sparsebalance_megatron import kernels
+from sparsebalance_megatron.sim import pipeline, waves
 
 # (dp, m, layout, --sb-stand-down-compare) -> counts per step (the mean over STEPS steps) of the
 # draft with the default flags otherwise; the default compare ('planned') plans DST on both
@@ -71,7 +72,7 @@ def _count(monkeypatch) -> dict:
             return ok(mid)
         return ls(lo, hi, counted)
 
-    monkeypatch.setattr(compiled, "enabled", lambda: False)      # the algorithm's own steps
+    monkeypatch.setattr(kernels, "enabled", lambda: False)      # the algorithm's own steps
     monkeypatch.setattr(pipeline.EventGraph, "earliest_finish", earliest_finish)
     monkeypatch.setattr(slack, "latest_finish", latest_finish)
     for mod in (critical_path, dst_moves):

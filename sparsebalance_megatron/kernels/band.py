@@ -6,7 +6,7 @@ loop per row instead of a dozen numpy passes over the whole batch.
 The numpy path gathers, sums and scatters every row's [slots, pp] units several times per try;
 at 64 DP x 16 x PP4 a band pass holds up to 512 rows, and those passes, not the arithmetic, were
 most of the band search's time. Each function here composes the kernels the numpy path's calls
-run (``grid_kernels``' lifting, water-filling and sensitivity moves, ``sim.row_kernels``'
+run (``kernels.grid``' lifting, water-filling and sensitivity moves, ``kernels.graph``'
 simulation and floats of one row), on the same operands in the same order: sums over a row's
 slots are sequential, as numpy sums a [rows, slots, pp >= 2] array over its slots (with pp = 1
 numpy sums pairwise: the callers keep the numpy path there), and a try whose water-filling
@@ -14,7 +14,9 @@ searches one column in all (numpy sums that one pairwise too) is reported, not r
 caller runs its numpy path. So a plan is the same bit for bit whichever runs
 (``tests/unit/test_compiled_kernels.py``).
 
-Pure numpy and numba; must not import torch or megatron.
+Pure numpy and numba; must not import torch, megatron or anything else from this package but
+``kernels`` (its warm-up builds a draft's own objects: ``sim.pipeline``'s graph,
+``policy.dst_moves``' gain index).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import copy
 
 import numpy as np
 
-from ..sim.compiled import _c, _start, kernel
-from ..sim.row_kernels import _events_makespan, _floats_rows, _row_makespan, _simulate_rows
-from .grid_kernels import _GAIN_CALLS, _lifted, _moves_row, _water_fill, fill_exps
+from . import f64, i64, jit
+from .graph import floats_rows, simulate_rows
+from .grid import fill_exps, lifted, moves_row, water_fill_pass
 
 
+@jit
 def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, gflat,
                    shift_sp, first_sp, low, high, exps, iters):
     # dst_moves.water_fill's compiled search of the n (row, stage) columns marked in
@@ -57,7 +60,7 @@ def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, g
                     fi2[j, s] = first_sp[s, q]
                 lim2[j] = limit[i, q]
                 j += 1
-    _water_fill(t, u2, b2, lo2, hi2, lim2, gflat, sh2, fi2, low, high, exps, iters, out2)
+    water_fill_pass(t, u2, b2, lo2, hi2, lim2, gflat, sh2, fi2, low, high, exps, iters, out2)
     j = 0
     for i in range(rows.size):
         for q in range(pp):
@@ -67,6 +70,7 @@ def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, g
                 j += 1
 
 
+@jit
 def _lift_step(cur, rows, water, bound):
     # costs._lift_step over the try's water units' [cur, bound] spans: the largest power of
     # two <= the widest (0 for none)
@@ -87,7 +91,8 @@ def _lift_step(cur, rows, water, bound):
     return step
 
 
-def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_min, gflat,
+@jit
+def cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_min, gflat,
               shift_sp, first_sp, low, high, exps, iters, unit_rows, prev, dep, cross, last,
               p, out, mk, dur, ef, busy):
     # dst_band's cut of every row (water rows: water-filled within [i_min, cur] to their
@@ -127,14 +132,15 @@ def _cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_m
         for q in range(pp):
             budget[0, q] = excess[r, q] if excess[r, q] > 0.0 else 0.0
         o = r % dp
-        _moves_row(t, units[r], cur[r], budget[0], brow[0], 1.0, order[o], i_min, False,
+        moves_row(t, units[r], cur[r], budget[0], brow[0], 1.0, order[o], i_min, False,
                    out[i])
-    _simulate_rows(fwd, bwd, units, out, rows, unit_rows, prev, dep, cross, last, p, mk, True,
+    simulate_rows(fwd, bwd, units, out, rows, unit_rows, prev, dep, cross, last, p, mk, True,
                    dur, ef, busy)
     return n
 
 
-def _raise_try(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, brow, dp,
+@jit
+def raise_try_rows(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, brow, dp,
                i_max, gflat, shift_sp, first_sp, low, high, exps, iters,
                unit_rows, prev, dep, cross, last, p, trial, mk):
     # dst_band's try_raise for rows ``rows`` (indices into the pass's [k * dp] arrays) with
@@ -160,7 +166,7 @@ def _raise_try(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, b
             for s in range(slots):
                 u, c = units[r, s, q], cur[r, s, q]
                 t_cur = t[u + c]
-                top = _lifted(t, u + c, u + i_max, t_cur + a * cap[r, s, q], step) - u
+                top = lifted(t, u + c, u + i_max, t_cur + a * cap[r, s, q], step) - u
                 trial[i, s, q] = top
                 tot = t_cur if s == 0 else tot + t_cur
                 v = t[u + top]
@@ -180,14 +186,10 @@ def _raise_try(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, b
         if water[r]:
             continue
         a, o = alpha[i], r % dp
-        _moves_row(t, units[r], cur[r], slack[r], cap[r], a, order[o], i_max, True, trial[i])
-    _simulate_rows(fwd, bwd, units, trial, rows, unit_rows, prev, dep, cross, last, p, mk,
-                   False, np.empty((1, 1)), np.empty((1, 1)), np.empty((1, 1)))
+        moves_row(t, units[r], cur[r], slack[r], cap[r], a, order[o], i_max, True, trial[i])
+    simulate_rows(fwd, bwd, units, trial, rows, unit_rows, prev, dep, cross, last, p, mk,
+                  False, np.empty((1, 1)), np.empty((1, 1)), np.empty((1, 1)))
     return n
-
-
-_CALLS = (_moves_row, _lifted, _water_fill, _start, _events_makespan, _row_makespan,
-          _fill_searched, _lift_step, _simulate_rows) + _GAIN_CALLS
 
 
 class BandPass:
@@ -200,33 +202,31 @@ class BandPass:
 
     def __init__(self, costs, units, dp: int, graph, p2p_s: float, sens, gains=None, b=None):
         slots, pp = units.shape[1:]
-        self.t, self.fwd, self.bwd = (_c(a.reshape(-1), np.float64)
+        self.t, self.fwd, self.bwd = (f64(a.reshape(-1))
                                       for a in (costs.total_s, costs.fwd_s, costs.bwd_s))
-        self.units, self.dp, self.p2p = _c(units, np.int64), int(dp), float(p2p_s)
+        self.units, self.dp, self.p2p = i64(units), int(dp), float(p2p_s)
         links = graph.links
-        self.events = tuple(_c(a, np.int64) for a in (graph.unit_rows, links[0], links[1],
-                                                      links[2], graph.last))
-        self.backward = tuple(_c(a, np.int64) for a in (links[3], links[4], links[2],
-                                                        graph.unit_events[0],
-                                                        graph.unit_events[1]))
-        self.up = _c(np.argsort(-sens, axis=1, kind="stable"), np.int64)
-        self.down = _c(np.argsort(sens, axis=1, kind="stable"), np.int64)
+        self.events = tuple(i64(a) for a in (graph.unit_rows, links[0], links[1], links[2],
+                                             graph.last))
+        self.backward = tuple(i64(a) for a in (links[3], links[4], links[2],
+                                               graph.unit_events[0], graph.unit_events[1]))
+        self.up = i64(np.argsort(-sens, axis=1, kind="stable"))
+        self.down = i64(np.argsort(sens, axis=1, kind="stable"))
         if gains is None:
             self.fill = (np.zeros(1), np.zeros((slots, pp)), np.zeros((slots, pp), np.int64),
                          0.0, 0.0, fill_exps())
             self.b = np.zeros((1, 1, 1))
         else:
             stage = gains.stage
-            self.fill = (_c(gains.flat, np.float64), _c(stage * gains.width, np.float64),
-                         _c(stage * gains.g + 1, np.int64), float(gains.low),
-                         float(gains.high), fill_exps())
-            self.b = _c(b, np.float64)
+            self.fill = (f64(gains.flat), f64(stage * gains.width), i64(stage * gains.g + 1),
+                         float(gains.low), float(gains.high), fill_exps())
+            self.b = f64(b)
 
     def with_units(self, units) -> "BandPass":
         """This pass's tables, graph, orders and water-filling index for rows ``units``
         [rows, slots, pp] (a search's passes differ in their rows only)."""
         out = copy.copy(self)
-        out.units = _c(units, np.int64)
+        out.units = i64(units)
         return out
 
     def cut(self, cur, excess, water, i_min: int, iters: int):
@@ -238,10 +238,10 @@ class BandPass:
         mk, busy = np.empty(rows.size), np.empty((rows.size, self.units.shape[2]))
         dur, ef = np.empty((rows.size, n_ev)), np.empty((rows.size, n_ev))
         gflat, shift, first, low, high, exps = self.fill
-        n = kernel(_cut_rows, calls=_CALLS)(
-            self.t, self.fwd, self.bwd, self.units, _c(cur, np.int64), _c(excess, np.float64),
-            rows, _c(water, np.bool_), self.down, self.b, self.dp, int(i_min), gflat, shift,
-            first, low, high, exps, int(iters), *self.events, self.p2p, out, mk, dur, ef, busy)
+        n = cut_rows(
+            self.t, self.fwd, self.bwd, self.units, i64(cur), f64(excess),
+            rows, _bools(water), self.down, self.b, self.dp, int(i_min), gflat, shift, first,
+            low, high, exps, int(iters), *self.events, self.p2p, out, mk, dur, ef, busy)
         return None if n < 0 else (out, mk, dur, ef, busy)
 
     def floats(self, dur, ef, deadline):
@@ -250,8 +250,7 @@ class BandPass:
         floats of the cut's rows (``dur``, ``ef`` [rows, E]) as ``dst_band`` takes them."""
         nxt, succ, cross, ev_f, ev_b = self.backward
         cap = np.empty((dur.shape[0], ev_f.size))
-        kernel(_floats_rows)(nxt, succ, cross, dur, ef, _c(deadline, np.float64), self.p2p,
-                             ev_f, ev_b, cap)
+        floats_rows(nxt, succ, cross, dur, ef, f64(deadline), self.p2p, ev_f, ev_b, cap)
         return cap.reshape(self.units.shape)
 
     def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int):
@@ -262,26 +261,27 @@ class BandPass:
         trial = np.empty((rows.size,) + self.units.shape[1:], dtype=np.int64)
         mk = np.empty(rows.size)
         gflat, shift, first, low, high, exps = self.fill
-        n = kernel(_raise_try, calls=_CALLS)(
-            self.t, self.fwd, self.bwd, self.units, _c(cur, np.int64), _c(cap, np.float64),
-            _c(slack, np.float64), _c(rows, np.int64), _c(alpha, np.float64),
-            _c(water, np.bool_), self.up, self.b, self.dp, int(i_max), gflat, shift, first,
+        n = raise_try_rows(
+            self.t, self.fwd, self.bwd, self.units, i64(cur), f64(cap),
+            f64(slack), i64(rows), f64(alpha),
+            _bools(water), self.up, self.b, self.dp, int(i_max), gflat, shift, first,
             low, high, exps, int(iters), *self.events, self.p2p, trial, mk)
         return None if n < 0 else (trial, mk)
 
 
+def _bools(a) -> np.ndarray:
+    return np.require(a, dtype=np.bool_, requirements="CW")
+
+
 def warm_up() -> None:
-    """``sim.compiled.warm_up`` for this module's kernels: the cut and a raise try of one
+    """``kernels.warm_up`` for this room's kernels: the cut and a raise try of one
     quality and one sensitivity-order row of a two-stage, two-micro-batch pass, with the
-    argument types a draft passes. Nothing without numba."""
+    argument types a draft passes."""
     from types import SimpleNamespace
 
-    from ..sim import compiled
+    from ..policy.dst_moves import GainIndex, unit_base
     from ..sim.pipeline import event_graph
-    from .dst_moves import GainIndex, unit_base
 
-    if not compiled.enabled():
-        return
     g = 3
     t = np.tile(np.arange(1.0, g + 1), (1, 2, 2, 1))               # [dp, m, pp, g]
     costs = SimpleNamespace(total_s=2.0 * t, fwd_s=t, bwd_s=t.copy())

@@ -1,49 +1,51 @@
 """Compiled phases of a critical-path descent round (``policy.critical_path._descent``), when
 numba is installed and the costs carry their tables' formula (``UnitCosts.formula``): the cut
 (which units lie on a path longer than the round's target, and per DP rank the first cut
-fraction that fits: ``sim.fit_kernels``' search) and what the raise needs from it (the cut plan
+fraction that fits: ``kernels.fit``' search) and what the raise needs from it (the cut plan
 and its simulation, every unit's float at the raise's deadline, the units the largest raise
 fraction moves and where to).
 
 The numpy path runs the same steps as a dozen array operations per phase, each a pass over the
 step's units (64 DP x 16 x 8 virtual stages: 8,192) with its own gather, copy and allocation;
 those passes, not the searches, were half of a descent. Here each phase is one compiled call
-that composes the kernels the numpy path's calls run (``sim.compiled``'s latest finishes and
-floats, ``sim.fit_kernels``' search and formula bisection) on the same operands in the same
+that composes the kernels the numpy path's calls run (``kernels.graph``' latest finishes and
+floats, ``kernels.fit``' search and formula bisection) on the same operands in the same
 order, so a descent's plan is the same bit for bit whichever runs
 (``tests/unit/test_critical_path.py``).
 
-Pure numpy and numba; must not import torch or megatron.
+Pure numpy and numba; must not import torch, megatron or anything else from this package but
+``kernels`` (its warm-up builds a draft's own event graph: ``sim.pipeline``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..sim import fit_kernels
-from ..sim.compiled import _c, _latest_finish, _start, _unit_floats, enabled, kernel
-from ..sim.fit_kernels import (_first_fit, _highest_formula, _lift, _limit, _set_units,
-                               _set_units_formula, _simulate, _top, _unit_places,
-                               _unit_seconds)
+from . import f64, i64, jit
+from .fit import first_fit_search, formula_args, highest_formula_search, unit_seconds
+from .graph import unit_floats_pass
 
 
+@jit
 def _floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
     # every unit's smaller float, rank by rank ([cols x units], flat), all due at deadline
-    return _unit_floats(nxt, succ, cross, dur, ef, np.full(dur.shape[1], deadline), p, ev_f,
+    return unit_floats_pass(nxt, succ, cross, dur, ef, np.full(dur.shape[1], deadline), p, ev_f,
                         ev_b).reshape(-1)
 
 
+@jit
 def _seconds(q, i, nv, work, per_pair, fixed, corr, scaled):
     # unit q's (forward, backward) seconds at grid index i, as its tables hold them (the
     # tables' own formula, computed from arrays a cache holds instead of read from three large
-    # tables: fit_kernels._set_units_formula's numbers)
+    # tables: ``kernels.fit``'s formula numbers)
     row = q // nv
     s = q - row * nv
-    return _unit_seconds(work[row, i], per_pair[0, s], per_pair[1, s], fixed[0, row, s],
+    return unit_seconds(work[row, i], per_pair[0, s], per_pair[1, s], fixed[0, row, s],
                          fixed[1, row, s], corr[row, s], scaled)
 
 
-def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, idx, t_min,
+@jit
+def cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, idx, t_min,
                target, limit, i_min, g, fwd, bwd, tot, fracs, scale, work, per_pair, fixed,
                corr, scaled, was_on, was_at, was_pick):
     # the descent's cut at ``target``: the units whose float is negative (ascending flat ids),
@@ -98,9 +100,10 @@ def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, 
             if was_pick[ranks[c]] >= 0:
                 z0[c] = was_pick[ranks[c]]
     dur_p, ef_p = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
-    fits, pick, mk = _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd,
-                                bwd, tot, at, np.full(r, limit), dur_p, ef_p, u, t, delta, hi,
-                                lo, fracs, scale, False, work, per_pair, fixed, corr, scaled, z0)
+    fits, pick, mk = first_fit_search(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b,
+                                      fwd, bwd, tot, at, np.full(r, limit), dur_p, ef_p, u, t,
+                                      delta, hi, lo, fracs, scale, False, work, per_pair, fixed,
+                                      corr, scaled, z0)
     cut_i = np.empty(n, dtype=np.int64)
     for j in range(n):
         cut_i[j] = at[pick[col[j]], j] - u[j]
@@ -111,7 +114,8 @@ def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, 
     return on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank
 
 
-def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p,
+@jit
+def after_cut_round(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p,
                dur_p, ef_p, deadline, i_max, scale, work, per_pair, fixed, corr, scaled):
     # the cut plan (_Step.put of the cut, the picks' columns), every unit's float at the raise's
     # deadline (at least 0, np.maximum's NaN kept), the units the largest raise fraction can move
@@ -148,29 +152,23 @@ def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_
     lo, limit, first = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
         lo[j], limit[j] = cut[up[j]] + 1, lim[up[j]]      # cut + 1 fits: the filter's test
-    _highest_formula(work, per_pair, fixed, corr, scaled, up, lo, np.full(n, i_max), limit,
+    highest_formula_search(work, per_pair, fixed, corr, scaled, up, lo, np.full(n, i_max), limit,
                      first)
     return cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
 
 
-# every kernel the phases call, directly or through one another (``sim.compiled.kernel``)
-_CALLS = (_latest_finish, _unit_floats, _first_fit, _highest_formula, _set_units,
-          _set_units_formula, _simulate, _unit_places, _unit_seconds, _limit, _top, _lift,
-          _start, _floats, _seconds)
-
-
 class Round:
-    """A descent's compiled round phases on one ``_Step`` (``st``), or None where they cannot
-    run (``of``)."""
+    """A descent's compiled round phases on one ``_Step`` (``st``), whose costs carry their
+    tables' formula (``UnitCosts.formula``)."""
 
     def __init__(self, st, i_min: int, i_max: int):
         links = st.graph.links
         ev = st.graph.unit_events
-        self.graph = (links[0], links[1], links[2], _c(st.graph.last, np.int64), links[3],
-                      links[4], _c(ev[0], np.int64), _c(ev[1], np.int64), st.p2p)
-        self.tables = (_c(st.fwd, np.float64), _c(st.bwd, np.float64),
-                       _c(st.t_flat, np.float64))
-        self.formula = fit_kernels._formula_args(st.c.formula)
+        self.graph = (links[0], links[1], links[2], i64(st.graph.last), links[3],
+                      links[4], i64(ev[0]), i64(ev[1]), st.p2p)
+        self.tables = (f64(st.fwd), f64(st.bwd),
+                       f64(st.t_flat))
+        self.formula = formula_args(st.c.formula)
         self.g, self.i_min, self.i_max = st.g, int(i_min), int(i_max)
         self.shape, self.st = st.c.shape, st
         self.plan_changed()
@@ -190,10 +188,6 @@ class Round:
             on, at = on[keep], np.ascontiguousarray(at[:, keep])
         self._was = (on, at, np.full(self.shape[0], -1, dtype=np.int64))   # no pick known
 
-    @classmethod
-    def of(cls, st, i_min: int, i_max: int):
-        return cls(st, i_min, i_max) if enabled() and st.c.formula is not None else None
-
     def cut(self, dur, ef, f, b, idx, t_min, target: float, limit: float, fracs, scale: float):
         """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
         each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
@@ -204,11 +198,10 @@ class Round:
         way; the makespans fall with the fraction), so its answers are those of a search from
         scratch. After ``plan_changed`` it starts from the look-ups of the units whose grid
         index the kept round left alone, and every rank's search from scratch."""
-        on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = kernel(
-            _cut_round, calls=_CALLS)(
-            *self.graph[:6], *self.graph[6:8], self.graph[8], _c(dur, np.float64),
-            _c(ef, np.float64), f.reshape(-1), b.reshape(-1), idx.reshape(-1), t_min,
-            float(target), float(limit), self.i_min, self.g, *self.tables, _c(fracs, np.float64),
+        on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = cut_round(
+            *self.graph[:6], *self.graph[6:8], self.graph[8], f64(dur),
+            f64(ef), f.reshape(-1), b.reshape(-1), idx.reshape(-1), t_min,
+            float(target), float(limit), self.i_min, self.g, *self.tables, f64(fracs),
             float(scale), *self.formula, *self._was)
         self._was = (on, at, by_rank)
         return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
@@ -218,7 +211,7 @@ class Round:
         """(cut grid indices, its fwd and bwd seconds [dp, m, nv], makespans, durations and
         finishes, every unit's float at ``deadline`` (>= 0) and its seconds (flat), the units
         the largest raise fraction moves, the grid index each moves to)."""
-        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = kernel(_after_cut, calls=_CALLS)(
+        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = after_cut_round(
             self.graph[4], self.graph[5], self.graph[2], self.graph[6], self.graph[7],
             self.graph[8], idx.reshape(-1), f.reshape(-1), b.reshape(-1), dur, ef, mk, on, cut_i,
             ranks, mk_p, dur_p, ef_p, float(deadline), self.i_max, float(scale), *self.formula)
@@ -227,15 +220,13 @@ class Round:
 
 
 def warm_up() -> None:
-    """``sim.compiled.warm_up`` for this module's phases: compiled (or loaded from numba's disk
+    """``kernels.warm_up`` for this room's phases: compiled (or loaded from numba's disk
     cache) with the argument types a draft passes, on a two-rank, two-micro-batch, two-stage
-    step. Nothing without numba."""
+    step."""
     from types import SimpleNamespace
 
     from ..sim.pipeline import FWD, event_graph
 
-    if not enabled():
-        return
     dp, m, pp, g = 2, 2, 2, 3
     work = np.tile(np.arange(1.0, g + 1), (dp * m, 1))
     formula = (work, np.ones((2, pp)), np.ones((2, dp * m, pp)), np.ones((dp * m, pp)), True)

@@ -1,4 +1,4 @@
-"""The critical-path descent's search, compiled (``sim.compiled``'s loader): per DP rank, the
+"""The critical-path descent's search, compiled: per DP rank, the
 first of the descent's candidates (cut or raise fractions) whose makespan fits, by a binary
 search that simulates a few columns instead of all of them (the makespans never rise from one
 candidate to the next, so the first is the same), the ranks' searches stepped together so that
@@ -9,22 +9,25 @@ have it (``UnitCosts.formula``) instead of read from the tables.
 The same floating point operations on the same operands as the numpy path
 (``policy.critical_path._Step``; ``tests/unit/test_compiled_kernels.py`` and
 ``tests/unit/test_critical_path.py`` compare them). Pure numpy and numba; must not import torch,
-megatron or anything else from this package but ``sim.compiled``.
+megatron or anything else from this package but ``kernels``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .compiled import _c, _start, enabled, kernel
+from . import contiguous, f64, i64, jit
+from .graph import event_start
 
-__all__ = ["first_fit", "highest_formula", "warm_up"]
+__all__ = ["first_fit", "first_fit_search", "formula_args", "highest_formula",
+           "highest_formula_search", "unit_seconds", "warm_up"]
 
 
-def _unit_seconds(w, p0, p1, f0, f1, c, scaled):
+@jit
+def unit_seconds(w, p0, p1, f0, f1, c, scaled):
     # (forward, backward) seconds of a unit whose attention work is w: the cost tables' own
     # formula, (w x per pair + fixed) x correction (the factor only where scaled), each
-    # operation as policy.grid_kernels._unit_tables makes the tables (it calls this)
+    # operation as policy.kernels.grid.unit_tables_pass makes the tables (it calls this)
     v = w * p0
     v = v + f0
     x = w * p1
@@ -35,11 +38,13 @@ def _unit_seconds(w, p0, p1, f0, f1, c, scaled):
     return v, x
 
 
+@jit
 def _limit(lazy_on, lazy_delta, fracs, scale, c, u):
     # the total a unit's look-up at candidate c must stay within
     return (lazy_on[u] + fracs[c] * lazy_delta[u]) * scale + 1e-15
 
 
+@jit
 def _top(at, c, u, top):
     # where a unit's look-up at candidate c starts: an earlier candidate's position where one
     # is known (the limits fall with c), else ``top``
@@ -49,6 +54,7 @@ def _top(at, c, u, top):
     return top
 
 
+@jit
 def _lift(tot, first, last, lim):
     # highest position in [first, last] with tot <= lim (first if none): ``tot`` is
     # UnitCosts.total_s, whose rows are non-decreasing (UnitCosts makes them so), so the first
@@ -60,6 +66,7 @@ def _lift(tot, first, last, lim):
     return pos
 
 
+@jit
 def _set_units(j, c, lo, hi, rows_f, rows_b, fwd, bwd, tot, at, buf, lazy_u, lazy_on,
                lazy_delta, lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr,
                scaled, mb_of, st_of):
@@ -83,11 +90,12 @@ def _set_units(j, c, lo, hi, rows_f, rows_b, fwd, bwd, tot, at, buf, lazy_u, laz
         buf[rows_b[u], j] = bwd[a]
 
 
+@jit
 def _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, lazy_delta,
                        lazy_hi, lazy_lo, fracs, scale, work, per_pair, fixed, corr, scaled,
                        mb_of, st_of):
     # _set_units with each unit's seconds at grid index i computed as UnitCosts.from_latency's
-    # kernel made its tables (grid_kernels._unit_tables: the same operations in the same
+    # kernel made its tables (kernels.grid.unit_tables_pass: the same operations in the same
     # order), from its micro-batch's work row (``mb_of``, ``st_of``: each unit's micro-batch
     # and stage, ``_unit_places``)
     for u in range(lo, hi):
@@ -102,16 +110,17 @@ def _set_units_formula(j, c, lo, hi, rows_f, rows_b, at, buf, lazy_u, lazy_on, l
             first = base + lazy_lo[u]
             a = _top(at, c, u, base + lazy_hi[u])
             while a > first:
-                v, x = _unit_seconds(work[mb, a - base], p0, p1, f0, f1, cc, scaled)
+                v, x = unit_seconds(work[mb, a - base], p0, p1, f0, f1, cc, scaled)
                 if v + x <= lim:
                     break
                 a -= 1
             at[c, u] = a
-        v, x = _unit_seconds(work[mb, a - base], p0, p1, f0, f1, cc, scaled)
+        v, x = unit_seconds(work[mb, a - base], p0, p1, f0, f1, cc, scaled)
         buf[rows_f[u], j] = v
         buf[rows_b[u], j] = x
 
 
+@jit
 def _unit_places(lazy_u, work, per_pair):
     # every unit's micro-batch and stage (its table offset lazy_u = (micro-batch x stages +
     # stage) x grid), worked out once per search instead of at every candidate it is tried at
@@ -129,7 +138,8 @@ def _unit_places(lazy_u, work, per_pair):
     return mb_of, st_of
 
 
-def _simulate(prev, dep, cross, last, p, buf, end, cols, na, mk):
+@jit
+def simulate_columns(prev, dep, cross, last, p, buf, end, cols, na, mk):
     # columns cols[:na] of buf simulated into end, side by side (each column's events in
     # order; the columns are independent, so a step runs over all of them at once), and
     # their makespans into mk[cols[:na]] (np.max over the ranks' last events, NaN wins)
@@ -139,7 +149,7 @@ def _simulate(prev, dep, cross, last, p, buf, end, cols, na, mk):
         add = cross[e] != 0 and p != 0.0
         for q in range(na):
             j = cols[q]
-            end[e, j] = _start(end[d, j] if d >= 0 else 0.0, end[pr, j] if pr >= 0 else 0.0,
+            end[e, j] = event_start(end[d, j] if d >= 0 else 0.0, end[pr, j] if pr >= 0 else 0.0,
                                d, pr, add, p) + buf[e, j]
     for q in range(na):
         j = cols[q]
@@ -151,7 +161,8 @@ def _simulate(prev, dep, cross, last, p, buf, end, cols, na, mk):
         mk[j] = x
 
 
-def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
+@jit
+def first_fit_search(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, bwd, tot,
                at, limit, buf, end, lazy_u, lazy_on, lazy_delta, lazy_hi, lazy_lo,
                fracs, scale, probe_first, work, per_pair, fixed, corr, scaled, z0):
     # per rank a binary search over the candidates (makespans fall with c: every candidate
@@ -190,7 +201,7 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
         first = False
         if na == 0:
             break
-        _simulate(prev, dep, cross, last, p, buf, end, cols, na, t)
+        simulate_columns(prev, dep, cross, last, p, buf, end, cols, na, t)
         for q in range(na):
             j = cols[q]
             if t[j] <= limit[j]:                 # the last that fits is the first that fits
@@ -211,14 +222,15 @@ def _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd, 
             cols[na] = j
             na += 1
     if na:
-        _simulate(prev, dep, cross, last, p, buf, end, cols, na, t)
+        simulate_columns(prev, dep, cross, last, p, buf, end, cols, na, t)
         for q in range(na):
             j = cols[q]
             mk[j] = t[j]
     return fits, pick, mk
 
 
-def _highest_formula(work, per_pair, fixed, corr, scaled, units, lo, hi, limit, out):
+@jit
+def highest_formula_search(work, per_pair, fixed, corr, scaled, units, lo, hi, limit, out):
     # per element k: the highest grid index in [lo, hi] of unit units[k] whose total, computed
     # as _set_units_formula computes it, is <= limit[k] (lo if none), by bisection (the rows
     # are non-decreasing, so the answer is highest_at_most's)
@@ -231,7 +243,7 @@ def _highest_formula(work, per_pair, fixed, corr, scaled, units, lo, hi, limit, 
         a, b, lim = lo[k], hi[k], limit[k]
         while a < b:
             mid = (a + b + 1) >> 1
-            v, x = _unit_seconds(work[mb, mid], p0, p1, f0, f1, cc, scaled)
+            v, x = unit_seconds(work[mb, mid], p0, p1, f0, f1, cc, scaled)
             if v + x <= lim:
                 a = mid
             else:
@@ -244,19 +256,18 @@ def highest_formula(formula: tuple, units: np.ndarray, lo, hi, limit: np.ndarray
     numbers as the table's): per unit ``units`` [n] (flat unit ids) and limit ``limit`` [k, n],
     the highest grid index in [lo, hi] whose total is <= the limit (lo if none); ``lo``, ``hi``
     [n] or scalars. [k, n] grid indices."""
-    work, per_pair, fixed, corr, scaled = _formula_args(formula)
+    work, per_pair, fixed, corr, scaled = formula_args(formula)
     lim = np.asarray(limit, dtype=np.float64)
     n = units.size
-    lo_n, hi_n = (_c(np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)), np.int64)
+    lo_n, hi_n = (i64(np.broadcast_to(np.asarray(x, dtype=np.int64), (n,)))
                   for x in (lo, hi))
-    u = _c(units, np.int64)
-    run = kernel(_highest_formula, calls=(_unit_seconds,))
+    u = i64(units)
     out = np.empty(lim.shape, dtype=np.int64)
     if not out.size:
         return out
     for row_lim, row_out in zip(lim.reshape(-1, n), out.reshape(-1, n)):
-        run(work, per_pair, fixed, corr, scaled, u, lo_n, hi_n, _c(row_lim, np.float64),
-            row_out)
+        highest_formula_search(work, per_pair, fixed, corr, scaled, u, lo_n, hi_n,
+                               f64(row_lim), row_out)
     return out
 
 
@@ -268,12 +279,11 @@ _NO_LAZY = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
 _NO_FORMULA = (np.zeros((0, 0)), np.zeros((2, 0)), np.zeros((2, 0, 0)), np.zeros((0, 0)), False)
 
 
-def _formula_args(formula) -> tuple:
+def formula_args(formula) -> tuple:
     if formula is None:
         return _NO_FORMULA
     work, per_pair, fixed, corr, scaled = formula
-    return (_c(work, np.float64), _c(per_pair, np.float64), _c(fixed, np.float64),
-            _c(corr, np.float64), bool(scaled))
+    return f64(work), f64(per_pair), f64(fixed), f64(corr), bool(scaled)
 
 
 def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float,
@@ -303,36 +313,25 @@ def first_fit(links: np.ndarray, last: np.ndarray, dur: np.ndarray, p2p_s: float
     instead of read from three large tables (``lazy``'s unit offsets say which unit).
     ``fits_from`` (optional, [r]): per rank a candidate known to fit (k: none), where its
     search starts (a narrower search, the same answer: candidates past a fit fit too)."""
-    d = _c(dur, np.float64)
+    d = f64(dur)
     r = ranks.size
     dur_out, ef_out = np.empty((d.shape[0], r)), np.empty((d.shape[0], r))
     tot, u, on, delta, hi, lo, fracs, scale = _NO_LAZY if lazy is None else lazy
     if at.dtype != np.int64 or not at.flags.c_contiguous:
         raise ValueError(f"first_fit: at is {at.dtype}, C-contiguous {at.flags.c_contiguous}: "
                          f"expected a C-contiguous int64 array (it is written in place)")
-    kernel(_set_units_formula, calls=(_unit_seconds, _limit, _top))
-    kernel(_set_units, calls=(_lift, _limit, _top, _set_units_formula))
-    kernel(_simulate, calls=(_start,))
-    fit = kernel(_first_fit, calls=(_set_units, _simulate, _unit_places))
-    fits, pick, mk = fit(links[0], links[1], links[2], _c(last, np.int64), float(p2p_s), d,
-                         _c(ranks, np.int64), _c(seg, np.int64), _c(rows_f, np.int64),
-                         _c(rows_b, np.int64), _c(fwd, np.float64), _c(bwd, np.float64),
-                         _c(tot, np.float64), at, _c(limit, np.float64), dur_out, ef_out,
-                         _c(u, np.int64), _c(on, np.float64), _c(delta, np.float64),
-                         _c(hi, np.int64), _c(lo, np.int64), _c(fracs, np.float64),
-                         float(scale),
-                         bool(probe_first),
-                         *_formula_args(formula if lazy is not None else None),
-                         np.full(r, at.shape[0], dtype=np.int64) if fits_from is None
-                         else _c(fits_from, np.int64))
+    fits, pick, mk = first_fit_search(
+        links[0], links[1], links[2], i64(last), float(p2p_s), d, i64(ranks), i64(seg),
+        i64(rows_f), i64(rows_b), f64(fwd), f64(bwd), f64(tot), at, f64(limit), dur_out, ef_out,
+        i64(u), f64(on), f64(delta), i64(hi), i64(lo), f64(fracs), float(scale),
+        bool(probe_first), *formula_args(formula if lazy is not None else None),
+        np.full(r, at.shape[0], dtype=np.int64) if fits_from is None else i64(fits_from))
     return fits, pick, mk, dur_out, ef_out
 
 
 def warm_up() -> None:
-    """``sim.compiled.warm_up`` for this module's search: compiled (or loaded from numba's
-    disk cache) with the argument types a draft passes, on a two-event graph."""
-    if not enabled():
-        return
+    """``kernels.warm_up`` for this room's search: compiled (or loaded from numba's disk
+    cache) with the argument types a draft passes, on a two-event graph."""
     i64 = np.int64
     links = np.array([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], dtype=i64)  # e0 -> e1
     dur, one, none = np.ones((2, 2)), np.ones(1), np.zeros(1, dtype=i64)
