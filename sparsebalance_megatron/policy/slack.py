@@ -19,8 +19,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
-from ..sim.waves import WAVE_COLS
-from ..sim.waves import latest_finish as _latest_finish_by_waves
 from ..sim.pipeline import FWD, EventGraph, event_graph
 
 
@@ -73,8 +71,6 @@ def latest_finish(g: EventGraph, dur: np.ndarray, deadline_s, p2p_s: float) -> n
     deadline = np.asarray(deadline_s, dtype=np.float64)
     if kernels.enabled():                     # one compiled loop, the same numbers
         return kernels.graph.latest_finish(g.links, dur, deadline, p2p_s)
-    if dur.shape[1] <= WAVE_COLS:           # a few numpy calls per wave, the same numbers
-        return _latest_finish_by_waves(g.waves, dur, deadline, p2p_s)
     lf = np.empty_like(dur)
     ls = np.empty_like(dur)                          # latest start: lf - dur
     lfs, lss, durs = list(lf), list(ls), list(dur)   # row views made once
