@@ -9,7 +9,9 @@ makespan), ``fit`` (the descent's first fitting candidate, the cost formula's lo
 ``grid`` (grid look-ups, water-filling, sensitivity moves, unit tables), ``band`` (a DST band
 pass's cut and raise rows), ``descent`` (a critical-path round's cut and raise preparation),
 ``floors`` (the descent's floor verdicts), ``packing`` and ``slots`` (SAB's loops),
-``features`` (the latency features' run sums).
+``features`` (the latency features' run sums). ``records`` holds the typed records
+(``Graph``, ``Tables``, ``Formula``, ``Lookup``, ``Tries``) the kernels take instead of long
+positional lists.
 
 Every kernel is a module-level function compiled where it is defined (``jit``): a kernel that
 calls another imports it by name, so numba resolves the compiled callee; nothing rebinds
