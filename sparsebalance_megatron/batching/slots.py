@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
+from ..kernels.records import Graph
 from ..sim.pipeline import event_graph, pipeline_makespan_s
 
 ROUNDS = 8
@@ -91,9 +92,9 @@ def arrange_slots(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None, *,
     ins, nb = _moves(m)
     if kernels.enabled():                                     # compiled: the same rounds
         ranks = nv if pp is None else pp
-        kernels.slots.search(fu, bu, sc, cost, slots, span, ins, nb, p2p_s,
-                             event_graph(m, ranks, nv // ranks), rounds, HEAVY_MOVES, PARTNERS,
-                             MIN_GAIN)
+        kernels.slots.search(Graph.of(event_graph(m, ranks, nv // ranks), p2p_s), fu, bu, sc,
+                             cost, slots, span, (ins, nb),
+                             (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
         return slots, span
     for _ in range(rounds):
         r = int(span.argmax())

@@ -25,19 +25,39 @@ import copy
 
 import numpy as np
 
+from typing import NamedTuple
+
 from . import f64, i64, jit
 from .graph import floats_rows, simulate_rows
-from .grid import fill_exps, lifted, moves_row, water_fill_pass
+from .grid import lifted, moves_row, water_fill_pass
+from .records import Fill, Graph, Tables, fill_exps
+
+
+class Rows(NamedTuple):
+    """A band pass's rows: their units' table offsets [k x dp, slots, pp], the rank-level
+    sensitivity order of the pass's moves [dp, slots, pp] (cut: ascending, raise: descending)
+    and, with the quality objective, each unit's seconds per unit of density ``b`` [dp, slots,
+    pp]; the DP ranks."""
+
+    units: np.ndarray
+    order: np.ndarray
+    b: np.ndarray
+    dp: int
 
 
 @jit
-def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, gflat,
-                   shift_sp, first_sp, low, high, exps, iters):
-    # dst_moves.water_fill's compiled search of the n (row, stage) columns marked in
-    # ``search`` [rows, pp] (the ones that do not fit at their ``hi``), gathered as its
-    # [n, slots] arrays in row-major order; the answers written over ``hi`` ([rows, slots,
-    # pp]; ``lo``: by the pass's row (``by_row``: lo[rows[i]]) or by the try's (lo[i]))
+def _fill_searched(t, rows_of, fill, rows, lo, by_row, hi, limit, search, iters):
+    # dst_moves.water_fill's compiled search of the (row, stage) columns marked in ``search``
+    # [rows, pp] (the ones that do not fit at their ``hi``), gathered as its [n, slots] arrays
+    # in row-major order; the answers written over ``hi`` ([rows, slots, pp]; ``lo``: by the
+    # pass's row (``by_row``: lo[rows[i]]) or by the try's (lo[i]))
+    units, brow, dp = rows_of.units, rows_of.b, rows_of.dp
     slots, pp = units.shape[1], units.shape[2]
+    n = 0
+    for i in range(rows.size):
+        for q in range(pp):
+            if search[i, q]:
+                n += 1
     u2 = np.empty((n, slots), dtype=np.int64)
     b2 = np.empty((n, slots))
     lo2 = np.empty((n, slots), dtype=np.int64)
@@ -56,11 +76,12 @@ def _fill_searched(t, units, rows, brow, lo, by_row, hi, limit, search, n, dp, g
                     b2[j, s] = brow[r % dp, s, q]
                     lo2[j, s] = lo[r, s, q] if by_row else lo[i, s, q]
                     hi2[j, s] = hi[i, s, q]
-                    sh2[j, s] = shift_sp[s, q]
-                    fi2[j, s] = first_sp[s, q]
+                    sh2[j, s] = fill.shift[s, q]
+                    fi2[j, s] = fill.first[s, q]
                 lim2[j] = limit[i, q]
                 j += 1
-    water_fill_pass(t, u2, b2, lo2, hi2, lim2, gflat, sh2, fi2, low, high, exps, iters, out2)
+    water_fill_pass(t, u2, b2, lo2, hi2, lim2,
+                    Fill(fill.flat, sh2, fi2, fill.low, fill.high, fill.exps), iters, out2)
     j = 0
     for i in range(rows.size):
         for q in range(pp):
@@ -92,13 +113,15 @@ def _lift_step(cur, rows, water, bound):
 
 
 @jit
-def cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_min, gflat,
-              shift_sp, first_sp, low, high, exps, iters, unit_rows, prev, dep, cross, last,
-              p, out, mk, dur, ef, busy):
+def cut_rows(graph, tables, rows_of, fill, cur, excess, water, i_min, iters, out):
     # dst_band's cut of every row (water rows: water-filled within [i_min, cur] to their
     # seconds at cur less the excess, where positive; the others: the sensitivity-order cut
-    # of max(excess, 0)), then the rows simulated; returns the number of columns the
+    # of max(excess, 0)), then the rows simulated into ``out`` (grid indices, makespans,
+    # durations, earliest finishes, busy seconds); returns the number of columns the
     # water-filling searched, or -1 (one column: nothing run)
+    idx, mk, dur, ef, busy = out
+    t, units, order, brow, dp = tables.tot, rows_of.units, rows_of.order, rows_of.b, rows_of.dp
+    rows = np.arange(units.shape[0])
     nr, slots, pp = rows.size, units.shape[1], units.shape[2]
     limit = np.empty((nr, pp))
     search = np.zeros((nr, pp), dtype=np.bool_)
@@ -106,7 +129,7 @@ def cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_mi
     n = 0
     for i in range(nr):
         r = rows[i]
-        out[i] = cur[r]
+        idx[i] = cur[r]
         if not water[r]:
             continue
         for q in range(pp):
@@ -122,8 +145,7 @@ def cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_mi
     if n == 1:
         return -1
     if n:
-        _fill_searched(t, units, rows, brow, lo, False, out, limit, search, n, dp, gflat,
-                       shift_sp, first_sp, low, high, exps, iters)
+        _fill_searched(t, rows_of, fill, rows, lo, False, idx, limit, search, iters)
     budget = np.empty((1, pp))
     for i in range(nr):
         r = rows[i]
@@ -133,19 +155,20 @@ def cut_rows(t, fwd, bwd, units, cur, excess, rows, water, order, brow, dp, i_mi
             budget[0, q] = excess[r, q] if excess[r, q] > 0.0 else 0.0
         o = r % dp
         moves_row(t, units[r], cur[r], budget[0], brow[0], 1.0, order[o], i_min, False,
-                   out[i])
-    simulate_rows(fwd, bwd, units, out, rows, unit_rows, prev, dep, cross, last, p, mk, True,
-                   dur, ef, busy)
+                  idx[i])
+    simulate_rows(graph, tables, units, idx, rows, mk, True, dur, ef, busy)
     return n
 
 
 @jit
-def raise_try_rows(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, order, brow, dp,
-               i_max, gflat, shift_sp, first_sp, low, high, exps, iters,
-               unit_rows, prev, dep, cross, last, p, trial, mk):
-    # dst_band's try_raise for rows ``rows`` (indices into the pass's [k * dp] arrays) with
-    # slack x alpha; returns the number of columns the water-filling searched, or -1 (one
+def raise_try_rows(graph, tables, rows_of, fill, cut, rows, alpha, water, i_max, iters, out):
+    # dst_band's try_raise for rows ``rows`` (indices into the pass's [k * dp] arrays) of the
+    # cut ``cut`` (grid indices, floats, slack) with slack x alpha, into ``out`` (grid indices,
+    # makespans); returns the number of columns the water-filling searched, or -1 (one
     # column: nothing run, the caller's numpy path runs the try)
+    cur, cap, slack = cut
+    trial, mk = out
+    t, units, order, brow, dp = tables.tot, rows_of.units, rows_of.order, rows_of.b, rows_of.dp
     nr, slots, pp = rows.size, units.shape[1], units.shape[2]
     # water rows: each unit's top (the highest index within cur's seconds + alpha x its float,
     # by binary lifting with the step of the widest span of the try's water units), the
@@ -178,8 +201,7 @@ def raise_try_rows(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, orde
     if n == 1:
         return -1
     if n:
-        _fill_searched(t, units, rows, brow, cur, True, trial, limit, search, n, dp, gflat,
-                       shift_sp, first_sp, low, high, exps, iters)
+        _fill_searched(t, rows_of, fill, rows, cur, True, trial, limit, search, iters)
     # sensitivity-order rows: the raise's moves with slack and floats x alpha
     for i in range(nr):
         r = rows[i]
@@ -187,8 +209,8 @@ def raise_try_rows(t, fwd, bwd, units, cur, cap, slack, rows, alpha, water, orde
             continue
         a, o = alpha[i], r % dp
         moves_row(t, units[r], cur[r], slack[r], cap[r], a, order[o], i_max, True, trial[i])
-    simulate_rows(fwd, bwd, units, trial, rows, unit_rows, prev, dep, cross, last, p, mk,
-                  False, np.empty((1, 1)), np.empty((1, 1)), np.empty((1, 1)))
+    simulate_rows(graph, tables, units, trial, rows, mk, False, np.empty((1, 1)),
+                  np.empty((1, 1)), np.empty((1, 1)))
     return n
 
 
@@ -202,55 +224,49 @@ class BandPass:
 
     def __init__(self, costs, units, dp: int, graph, p2p_s: float, sens, gains=None, b=None):
         slots, pp = units.shape[1:]
-        self.t, self.fwd, self.bwd = (f64(a.reshape(-1))
-                                      for a in (costs.total_s, costs.fwd_s, costs.bwd_s))
-        self.units, self.dp, self.p2p = i64(units), int(dp), float(p2p_s)
-        links = graph.links
-        self.events = tuple(i64(a) for a in (graph.unit_rows, links[0], links[1], links[2],
-                                             graph.last))
-        self.backward = tuple(i64(a) for a in (links[3], links[4], links[2],
-                                               graph.unit_events[0], graph.unit_events[1]))
-        self.up = i64(np.argsort(-sens, axis=1, kind="stable"))
-        self.down = i64(np.argsort(sens, axis=1, kind="stable"))
+        self.tables = Tables(*(f64(a.reshape(-1)) for a in (costs.fwd_s, costs.bwd_s,
+                                                            costs.total_s)),
+                             int(costs.total_s.shape[-1]))
+        self.graph = Graph.of(graph, p2p_s)
+        b = np.zeros((1, 1, 1)) if gains is None else f64(b)
+        units = i64(units)
+        self.down = Rows(units, i64(np.argsort(sens, axis=1, kind="stable")), b, int(dp))
+        self.up = self.down._replace(order=i64(np.argsort(-sens, axis=1, kind="stable")))
         if gains is None:
-            self.fill = (np.zeros(1), np.zeros((slots, pp)), np.zeros((slots, pp), np.int64),
-                         0.0, 0.0, fill_exps())
-            self.b = np.zeros((1, 1, 1))
+            self.fill = Fill(np.zeros(1), np.zeros((slots, pp)), np.zeros((slots, pp), np.int64),
+                             0.0, 0.0, fill_exps())
         else:
-            stage = gains.stage
-            self.fill = (f64(gains.flat), f64(stage * gains.width), i64(stage * gains.g + 1),
-                         float(gains.low), float(gains.high), fill_exps())
-            self.b = f64(b)
+            self.fill = Fill.of(gains.flat, gains.stage * gains.width,
+                                gains.stage * gains.g + 1, gains.low, gains.high)
+
+    @property
+    def units(self) -> np.ndarray:
+        return self.down.units
 
     def with_units(self, units) -> "BandPass":
         """This pass's tables, graph, orders and water-filling index for rows ``units``
         [rows, slots, pp] (a search's passes differ in their rows only)."""
         out = copy.copy(self)
-        out.units = i64(units)
+        out.down, out.up = self.down._replace(units=i64(units)), self.up._replace(units=i64(units))
         return out
 
     def cut(self, cur, excess, water, i_min: int, iters: int):
         """(cut grid indices, makespans, event durations and earliest finishes [rows, E], busy
         seconds [rows, pp]) of every row, or None (the numpy path runs it)."""
-        rows = np.arange(self.units.shape[0])
-        n_ev = self.events[0].size
-        out = np.empty(self.units.shape, dtype=np.int64)
-        mk, busy = np.empty(rows.size), np.empty((rows.size, self.units.shape[2]))
-        dur, ef = np.empty((rows.size, n_ev)), np.empty((rows.size, n_ev))
-        gflat, shift, first, low, high, exps = self.fill
-        n = cut_rows(
-            self.t, self.fwd, self.bwd, self.units, i64(cur), f64(excess),
-            rows, _bools(water), self.down, self.b, self.dp, int(i_min), gflat, shift, first,
-            low, high, exps, int(iters), *self.events, self.p2p, out, mk, dur, ef, busy)
-        return None if n < 0 else (out, mk, dur, ef, busy)
+        rows, n_ev = self.units.shape[0], self.graph.unit_rows.size
+        out = (np.empty(self.units.shape, dtype=np.int64), np.empty(rows),
+               np.empty((rows, n_ev)), np.empty((rows, n_ev)),
+               np.empty((rows, self.units.shape[2])))
+        n = cut_rows(self.graph, self.tables, self.down, self.fill, i64(cur), f64(excess),
+                     _bools(water), int(i_min), int(iters), out)
+        return None if n < 0 else out
 
     def floats(self, dur, ef, deadline):
         """[rows, slots, pp] every unit's smaller float, at least 0 (NaN stays), with every
         rank's last event of row r due at ``deadline[r]``: ``slack.unit_floats_from``'s
         floats of the cut's rows (``dur``, ``ef`` [rows, E]) as ``dst_band`` takes them."""
-        nxt, succ, cross, ev_f, ev_b = self.backward
-        cap = np.empty((dur.shape[0], ev_f.size))
-        floats_rows(nxt, succ, cross, dur, ef, f64(deadline), self.p2p, ev_f, ev_b, cap)
+        cap = np.empty((dur.shape[0], self.graph.ev_f.size))
+        floats_rows(self.graph, dur, ef, f64(deadline), cap)
         return cap.reshape(self.units.shape)
 
     def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int):
@@ -258,15 +274,12 @@ class BandPass:
         try of ``rows`` with ``alpha`` [rows] x slack and floats: water rows water-filled below
         their tops, the others raised in sensitivity order, every row simulated; None where
         the numpy path must run it (one water-filled column in the whole try)."""
-        trial = np.empty((rows.size,) + self.units.shape[1:], dtype=np.int64)
-        mk = np.empty(rows.size)
-        gflat, shift, first, low, high, exps = self.fill
-        n = raise_try_rows(
-            self.t, self.fwd, self.bwd, self.units, i64(cur), f64(cap),
-            f64(slack), i64(rows), f64(alpha),
-            _bools(water), self.up, self.b, self.dp, int(i_max), gflat, shift, first,
-            low, high, exps, int(iters), *self.events, self.p2p, trial, mk)
-        return None if n < 0 else (trial, mk)
+        out = (np.empty((rows.size,) + self.units.shape[1:], dtype=np.int64),
+               np.empty(rows.size))
+        n = raise_try_rows(self.graph, self.tables, self.up, self.fill,
+                           (i64(cur), f64(cap), f64(slack)), i64(rows), f64(alpha),
+                           _bools(water), int(i_max), int(iters), out)
+        return None if n < 0 else out
 
 
 def _bools(a) -> np.ndarray:

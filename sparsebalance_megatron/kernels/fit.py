@@ -315,7 +315,7 @@ def warm_up() -> None:
     i = np.int64
     links = np.array([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], dtype=i)  # e0 -> e1
     g = SimpleNamespace(links=links, last=np.array([1], dtype=i),
-                        unit_events=np.array([[0], [1]], dtype=i))
+                        unit_events=np.array([[0], [1]], dtype=i), unit_rows=np.arange(2))
     graph, dur, one, none = Graph.of(g, 0.0), np.ones((2, 2)), np.ones(1), np.zeros(1, dtype=i)
     tables = Tables(np.ones(2), np.ones(2), np.ones(2), 2)
     lookup = Lookup(none, one, one, none, none, one, 1.0)

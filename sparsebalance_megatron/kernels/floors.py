@@ -29,9 +29,9 @@ def _verdict_of(value, bound, floor):
 
 @jit
 def floors_verdict(grid, idx, w, nv, tot, dense, tot_s, dense_s, mean_floor, stage_floor,
-                    plain, sums):
-    # ``policy.floors.FloorCheck._floors``' verdict on the plan at grid indices idx (1, 0; -1: numpy's sums must
-    # decide): the kept work grid[idx] x w summed per stage (unit u's stage: u mod nv) and,
+                   plain, sums):
+    # ``policy.floors.FloorCheck._floors``' verdict on the plan at grid indices idx (1, 0;
+    # -1: numpy's sums must decide): the kept work grid[idx] x w summed per stage (unit u's stage: u mod nv) and,
     # with ``plain`` (a stage without work: its plain mean), the densities, in an order of
     # their own. Every term is >= 0 (FloorCheck runs this only then), so a sum of n of them in
     # any order is within (n - 1) eps x the sum of the exact one, two orders within twice

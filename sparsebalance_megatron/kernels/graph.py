@@ -104,10 +104,13 @@ def unit_floats_pass(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
 
 
 @jit
-def events_makespan(both, unit_rows, prev, dep, cross, last, p, end):
+def events_makespan(graph, both, end):
     """One row's makespan: every event's earliest finish (into ``end`` [E]) from the row's
-    seconds ``both`` ([2, m * nv] as ``EventGraph.durations`` lays them out, forward first)
-    and the latest of the ranks' last events (np.max: NaN wins)."""
+    seconds ``both`` ([2, m * nv] as ``EventGraph.durations`` lays them out, forward first;
+    ``graph.unit_rows``: each event's entry) and the latest of the ranks' last events (np.max:
+    NaN wins)."""
+    unit_rows, prev, dep, cross, last, p = (graph.unit_rows, graph.prev, graph.dep,
+                                            graph.cross, graph.last, graph.p2p)
     add_p = p != 0.0
     for e in range(unit_rows.size):
         d, pr = dep[e], prev[e]
@@ -123,32 +126,31 @@ def events_makespan(both, unit_rows, prev, dep, cross, last, p, end):
 
 
 @jit
-def row_makespan(fwd, bwd, u, idx, unit_rows, prev, dep, cross, last, p, both, end):
+def row_makespan(graph, tables, u, idx, both, end):
     """One row's 1F1B makespan, its units ``u`` at grid indices ``idx`` ([slots, pp]) read
-    from the flat tables ``fwd`` / ``bwd`` into ``both`` (``events_makespan``'s layout)."""
+    from the flat tables (``Tables``) into ``both`` (``events_makespan``'s layout)."""
     slots, pp = u.shape
     n = slots * pp
     for s in range(slots):
         for q in range(pp):
             j = s * pp + q
             f = u[s, q] + idx[s, q]
-            both[j] = fwd[f]
-            both[n + j] = bwd[f]
-    return events_makespan(both, unit_rows, prev, dep, cross, last, p, end)
+            both[j] = tables.fwd[f]
+            both[n + j] = tables.bwd[f]
+    return events_makespan(graph, both, end)
 
 
 @jit
-def simulate_rows(fwd, bwd, units, idx, rows, unit_rows, prev, dep, cross, last, p, mk,
-                  record, dur, ef, busy):
+def simulate_rows(graph, tables, units, idx, rows, mk, record, dur, ef, busy):
     """Every row's makespan at idx[i] (units[rows[i]]) into ``mk``; with ``record`` also its
     event durations and earliest finishes (rows of [rows, E]) and its stages' busy seconds
     (forward + backward summed over the slots in order)."""
     slots, pp = units.shape[1], units.shape[2]
+    unit_rows = graph.unit_rows
     both = np.empty(2 * slots * pp)
     end = np.empty(unit_rows.size)
     for i in range(rows.size):
-        mk[i] = row_makespan(fwd, bwd, units[rows[i]], idx[i], unit_rows, prev, dep, cross,
-                             last, p, both, end)
+        mk[i] = row_makespan(graph, tables, units[rows[i]], idx[i], both, end)
         if record:
             n = slots * pp
             for e in range(unit_rows.size):
@@ -163,10 +165,12 @@ def simulate_rows(fwd, bwd, units, idx, rows, unit_rows, prev, dep, cross, last,
 
 
 @jit
-def floats_rows(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b, cap):
+def floats_rows(graph, dur, ef, deadline, cap):
     """``unit_floats_pass`` per row (rows of [rows, E] durations and earliest finishes, every
     rank's last event due at deadline[row]): every unit's smaller float, then
     np.maximum(float, 0) (NaN stays), into cap [rows, units]."""
+    nxt, succ, cross, p, ev_f, ev_b = (graph.nxt, graph.succ, graph.cross, graph.p2p,
+                                       graph.ev_f, graph.ev_b)
     n_ev = dur.shape[1]
     ls = np.empty(n_ev)
     lf = np.empty(n_ev)

@@ -1,8 +1,8 @@
 """Compiled forms of the planner's grid look-ups: ``policy.costs.highest_at_most`` (general
 and the [k, n] rows of the descent's and DST's candidates), ``policy.dst_moves.GainIndex``'s
-water-filling index and ``UnitCosts.from_latency``'s tables. Each does the numpy path's operations per element (the
-binary lifting's schedule, a multiply, an add, comparisons), so the results are the numpy
-path's bit for bit (``tests/unit/test_compiled_kernels.py``). Callers check
+water-filling index and ``UnitCosts.from_latency``'s tables. Each does the numpy path's
+operations per element (the binary lifting's schedule, a multiply, an add, comparisons), so
+the results are the numpy path's bit for bit (``tests/unit/test_compiled_kernels.py``). Callers check
 ``kernels.enabled()`` first.
 
 Pure numpy and numba; must not import torch, megatron or anything else from this package but
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import f64, i64, jit
+from .records import FILL_GRID, Fill
 from .fit import unit_seconds
 
 
@@ -112,7 +113,7 @@ def fill_index_pass(flat, e, b, shift, first, lo, hi, low, high):
 
 
 @jit
-def water_fill_pass(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, iters, out):
+def water_fill_pass(t, u, b, lo, hi, limit, fill, iters, out):
     # per column j (a (row, stage) pair): the bisection on log lambda over the grid
     # -20 + 40 k / 4096 (exps[k] its exp), then the common level; totals summed over the
     # slots in order from the first, as numpy sums a [slots, n >= 2] array over axis 0. The
@@ -123,6 +124,7 @@ def water_fill_pass(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps,
     # >= 0 searches each unit only between its positions at the bisection's two ends, and not
     # at all once both ends clip to the same grid index (the clip is monotone: every position
     # between gives that index; most units' [lo, hi] are a few grid steps)
+    flat, shift, first, low, high, exps = fill
     n, slots = u.shape
     fit = np.empty(slots, dtype=np.int64)
     over = np.empty(slots, dtype=np.int64)
@@ -317,24 +319,11 @@ def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr:
     unit_tables_pass(f64(work), f64(per_pair), f64(fixed), f64(corr), bool(scale), out, total)
 
 
-FILL_GRID = 4096
-"""water-filling's bisection on log lambda in [-20, 20] visits -20 + 40 k / FILL_GRID only"""
-_EXPS: list = []
-
-
-def fill_exps() -> np.ndarray:
-    """exp of every log lambda on water-filling's bisection grid, -20 + 40 k / FILL_GRID (made
-    once per process)."""
-    if not _EXPS:
-        _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
-    return _EXPS[0]
-
-
-def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int) -> np.ndarray:
+def water_fill(t, u, b, lo, hi, limit, fill: Fill, iters: int) -> np.ndarray:
     """``policy.dst_moves.water_fill``'s search for n >= 2 (row, stage) columns, [slots, n]
     arrays (``u`` the units' table offsets, ``b`` their seconds per unit of density, ``lo`` /
-    ``hi`` their grid bounds; ``flat``, ``shift``, ``first``, ``low``, ``high``: ``GainIndex``'s
-    search), limits [n]: ``iters`` bisection steps, then the common level. The lambdas' exps are
+    ``hi`` their grid bounds; ``fill``: ``GainIndex``'s search, its shift and first [slots,
+    n]), limits [n]: ``iters`` bisection steps, then the common level. The lambdas' exps are
     numpy's (one table of the grid's); totals are summed as numpy sums the [slots, n] gather
     over axis 0 (in order from the first slot; with n = 1 numpy sums pairwise: not here)."""
     if u.shape[1] < 2 or not 0 <= iters <= FILL_GRID.bit_length() - 1:
@@ -342,12 +331,9 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
                          f">= 2 columns and at most {FILL_GRID.bit_length() - 1} steps (the "
                          f"bisection's lambdas must stay on the grid)")
     out = np.empty(u.shape[::-1], dtype=np.int64)                  # the kernel's [n, slots]
-    water_fill_pass(f64(t), *(np.ascontiguousarray(a.T, dtype=d) for a, d in (
-        (u, np.int64), (b, np.float64), (lo, np.int64), (hi, np.int64))),
-        f64(limit), f64(flat),
-        *(np.ascontiguousarray(a.T, dtype=d) for a, d in ((shift, np.float64),
-                                                          (first, np.int64))),
-        float(low), float(high), fill_exps(), int(iters), out)
+    cols = fill._replace(shift=f64(fill.shift.T), first=i64(fill.first.T))
+    water_fill_pass(f64(t), i64(u.T), f64(b.T), i64(lo.T), i64(hi.T), f64(limit), cols,
+                    int(iters), out)
     return out.T
 
 
@@ -363,7 +349,7 @@ def warm_up() -> None:
     fill_index(flat, np.ones(2), cols["b"], cols["shift"], cols["first"], cols["lo"],
                cols["hi"], 0.0, 1.0)
     water_fill(flat, np.zeros((1, 2), dtype=i64), cols["b"], cols["lo"], cols["hi"],
-               np.ones(2), flat, cols["shift"], cols["first"], 0.0, 1.0, 12)
+               np.ones(2), Fill.of(flat, cols["shift"], cols["first"], 0.0, 1.0), 12)
     for raising in (False, True):
         sensitivity_moves(flat, np.zeros((1, 1, 1), dtype=i64), np.ones((1, 1, 1), dtype=i64),
                           np.ones((1, 1)), np.ones((1, 1, 1)), np.zeros((1, 1, 1), dtype=i64),

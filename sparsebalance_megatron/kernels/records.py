@@ -36,14 +36,17 @@ class Graph(NamedTuple):
     last: np.ndarray
     ev_f: np.ndarray
     ev_b: np.ndarray
+    unit_rows: np.ndarray
     p2p: float
 
     @classmethod
     def of(cls, g, p2p_s: float) -> "Graph":
-        """The record of an ``EventGraph`` ``g`` (``links``, ``last``, ``unit_events``)."""
+        """The record of an ``EventGraph`` ``g`` (``links``, ``last``, ``unit_events``,
+        ``unit_rows``: each event's row in a [2 x units] table of forward then backward
+        seconds)."""
         links, ev = g.links, g.unit_events
         return cls(*(_i(a) for a in (links[0], links[1], links[2], links[3], links[4], g.last,
-                                     ev[0], ev[1])), float(p2p_s))
+                                     ev[0], ev[1], g.unit_rows)), float(p2p_s))
 
 
 class Formula(NamedTuple):
@@ -96,6 +99,37 @@ class Lookup(NamedTuple):
 
 NO_LOOKUP = Lookup(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
                    np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0), 1.0)
+
+
+FILL_GRID = 4096
+"""water-filling's bisection on log lambda in [-20, 20] visits -20 + 40 k / FILL_GRID only"""
+_EXPS: list = []
+
+
+def fill_exps() -> np.ndarray:
+    """exp of every log lambda on water-filling's bisection grid, -20 + 40 k / FILL_GRID (made
+    once per process)."""
+    if not _EXPS:
+        _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
+    return _EXPS[0]
+
+
+class Fill(NamedTuple):
+    """Water-filling's search (``policy.dst_moves.GainIndex``): the stages' gain tables laid
+    end to end (``flat``), each unit's shift into them and its stage's first entry (arrays
+    laid as the kernel's columns), the gains' clip ``low`` / ``high``, and the exps of the
+    bisection's grid (``fill_exps``)."""
+
+    flat: np.ndarray
+    shift: np.ndarray
+    first: np.ndarray
+    low: float
+    high: float
+    exps: np.ndarray
+
+    @classmethod
+    def of(cls, flat, shift, first, low: float, high: float) -> "Fill":
+        return cls(_f(flat), _f(shift), _i(first), float(low), float(high), fill_exps())
 
 
 class Tries(NamedTuple):

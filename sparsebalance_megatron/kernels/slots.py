@@ -1,6 +1,7 @@
 """The local search of ``batching.slots.arrange_slots`` compiled: every round's candidate rows
-(the critical rank's heaviest micro-batches moved, neighbouring slots swapped, swaps with the least loaded ranks), their
-makespans and the move taken, in one loop instead of a dozen numpy calls per round.
+(the critical rank's heaviest micro-batches moved, neighbouring slots swapped, swaps with the
+least loaded ranks), their makespans and the move taken, in one loop instead of a dozen numpy
+calls per round.
 
 The candidates are ``slots._candidates``' rows in the same order (stable orders: ties to the
 lower index), a row's seconds are the same products (a micro-batch's per-stage seconds times its
@@ -18,10 +19,11 @@ import numpy as np
 
 from . import f64, i64, jit
 from .graph import events_makespan
+from .records import Graph
 
 
 @jit
-def _row_span(fu, bu, sc, row, rank, unit_rows, prev, dep, cross, last, p, both, end):
+def _row_span(graph, fu, bu, sc, row, rank, both, end):
     # pipeline_makespan_s of micro-batches ``row`` [m] (rows of fu, bu [dp * m, nv]) on rank
     # ``rank`` (their seconds x sc[rank])
     m, nv = row.size, fu.shape[1]
@@ -30,7 +32,7 @@ def _row_span(fu, bu, sc, row, rank, unit_rows, prev, dep, cross, last, p, both,
         for v in range(nv):
             both[s * nv + v] = fu[row[s], v] * sc[rank, v]
             both[n + s * nv + v] = bu[row[s], v] * sc[rank, v]
-    return events_makespan(both, unit_rows, prev, dep, cross, last, p, end)
+    return events_makespan(graph, both, end)
 
 
 @jit
@@ -50,9 +52,11 @@ def _heaviest(cost, own, k, out):
 
 
 @jit
-def rounds_pass(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, partners, min_gain,
-            unit_rows, prev, dep, cross, last, p):
-    # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place
+def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
+    # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place (``moves``:
+    # its insertion and neighbour tables; ``rules``: rounds, heavy moves, partners, min gain)
+    ins, nb = moves
+    rounds, heavy_moves, partners, min_gain = rules
     dp, m = slots.shape
     n_max = heavy_moves * (m - 1) + (m - 1) + 2 * partners * m
     rows = np.empty((n_max, m), dtype=np.int64)
@@ -61,7 +65,7 @@ def rounds_pass(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, par
     got = np.empty(n_max)
     heavy = np.empty(heavy_moves, dtype=np.int64)
     both = np.empty(2 * m * fu.shape[1])
-    end = np.empty(unit_rows.size)
+    end = np.empty(graph.unit_rows.size)
     for _ in range(rounds):
         r = 0
         for i in range(1, dp):                   # np.argmax: the first largest
@@ -107,8 +111,7 @@ def rounds_pass(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, par
         if k == 0:
             break
         for i in range(k):
-            got[i] = _row_span(fu, bu, sc, rows[i], ranks[i], unit_rows, prev, dep, cross,
-                               last, p, both, end)
+            got[i] = _row_span(graph, fu, bu, sc, rows[i], ranks[i], both, end)
         best, best_v = 0, 0.0
         for i in range(k):                       # a swap is worth the larger of its makespans
             v = got[i]
@@ -125,16 +128,15 @@ def rounds_pass(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, par
                 span[ranks[i]] = got[i]
 
 
-def search(fu, bu, sc, cost, slots, span, ins, nb, p2p_s: float, graph, rounds: int,
-           heavy_moves: int, partners: int, min_gain: float) -> None:
+def search(graph: Graph, fu, bu, sc, cost, slots, span, moves: tuple, rules: tuple) -> None:
     """``arrange_slots``' local search compiled, on ``slots`` [dp, m] and ``span`` [dp] in
-    place (``graph``: the ``EventGraph`` of a rank's m micro-batches; the other arguments as
+    place (``graph``: the ``Graph`` record of a rank's m micro-batches; ``moves``: (insertions,
+    neighbours); ``rules``: (rounds, heavy moves, partners, min gain); the others as
     ``arrange_slots`` makes them)."""
-    links = graph.links
-    rounds_pass(f64(fu), f64(bu), f64(sc), f64(cost), slots, span, i64(ins), i64(nb),
-                int(rounds), int(heavy_moves), int(partners), float(min_gain),
-                i64(graph.unit_rows), links[0], links[1], links[2], i64(graph.last),
-                float(p2p_s))
+    ins, nb = moves
+    rounds, heavy_moves, partners, min_gain = rules
+    rounds_pass(graph, f64(fu), f64(bu), f64(sc), f64(cost), slots, span, (i64(ins), i64(nb)),
+                (int(rounds), int(heavy_moves), int(partners), float(min_gain)))
 
 
 def warm_up() -> None:
@@ -144,5 +146,5 @@ def warm_up() -> None:
 
     f = np.arange(1.0, 13.0).reshape(6, 2)
     ins, nb = np.tile(np.arange(3), (3, 2, 1)), np.tile(np.arange(3), (2, 1))
-    search(f, f.copy(), np.ones((2, 2)), f.sum(axis=1), np.arange(6).reshape(2, 3),
-           np.array([2.0, 1.0]), ins, nb, 0.0, event_graph(3, 2, 1), 1, 2, 2, 1e-3)
+    search(Graph.of(event_graph(3, 2, 1), 0.0), f, f.copy(), np.ones((2, 2)), f.sum(axis=1),
+           np.arange(6).reshape(2, 3), np.array([2.0, 1.0]), (ins, nb), (1, 2, 2, 1e-3))

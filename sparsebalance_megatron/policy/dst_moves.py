@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..kernels.records import Fill
 from .costs import highest_at_most, level_search
 
 _NO_CAP = np.zeros((1, 1, 1))          # the compiled cut reads no float caps
@@ -125,7 +126,7 @@ def water_fill(t_grid, units, gains, b, lo, hi, limit_s):
     if kernels.enabled() and rows.size >= 2:    # the whole search per column, compiled
         shift, first = gains.columns(stages)
         out[rows, :, stages] = kernels.grid.water_fill(
-            flat, u, b, lo, hi, limit, gains.flat, shift, first, gains.low, gains.high,
+            flat, u, b, lo, hi, limit, Fill.of(gains.flat, shift, first, gains.low, gains.high),
             FILL_ITERS).T
         return out
     at = gains.for_stages(stages, b, lo, hi)     # at(log lambda): each unit's grid index
