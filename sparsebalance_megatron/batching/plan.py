@@ -112,8 +112,8 @@ class BatchPlan:
         if key not in self._cache:
             if with_padding:            # the plain CSR's lengths, padded (one pass over them)
                 plain, lengths = self.unit_csr(False)
-                lengths, counts = _with_padding(lengths, np.diff(plain), self.max_tokens,
-                                                self.length_multiple)
+                lengths, counts = padded_lengths(lengths, np.diff(plain), self.max_tokens,
+                                                 self.length_multiple)
             else:
                 mbs = self.micro_batches
                 counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
@@ -160,8 +160,8 @@ class BatchPlan:
 _UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding
 
 
-def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
-                  length_multiple: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def padded_lengths(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
+                   length_multiple: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Every unit's lengths followed by ``padding_lengths(its packed length - its tokens)``:
     full padding sequences of ``PAD_SEQ_TOKENS``, the last one shorter."""
     n = counts.size
