@@ -114,7 +114,7 @@ def test_a_band_pass_is_the_numpy_paths_pass(numpy_paths, pp, vp):
                           pipeline_ranks=pp)
         sens = rng.random((dp, m))
         water = [bool(x) for x in rng.integers(0, 2, len(cands))]
-        kw = dict(_static=None, quality=_quality(pp * vp), water=water)
+        kw = dict(cache=None, quality=_quality(pp * vp), water=water)
         args = (costs, sens, D0, DMIN, DMAX, cands, 1e-4 * case, 0.02 * case)
         want = numpy_paths(plan_dst_candidates, *args, **kw)
         got = plan_dst_candidates(*args, **kw)
