@@ -17,11 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import f64, i64, jit
-from .graph import event_start
+from .graph import simulate_columns
 from .records import NO_LOOKUP, Formula, Graph, Lookup, Tables, Tries
 
 __all__ = ["first_fit", "first_fit_search", "highest_formula", "highest_formula_search",
-           "simulate_columns", "tries", "unit_seconds", "warm_up"]
+           "tries", "unit_seconds", "warm_up"]
 
 
 @jit
@@ -133,30 +133,6 @@ def _unit_places(offsets, formula):
             mb_of[u] = q // nv
             st_of[u] = q - mb_of[u] * nv
     return mb_of, st_of
-
-
-@jit
-def simulate_columns(graph, buf, end, cols, na, mk):
-    # columns cols[:na] of buf simulated into end, side by side (each column's events in
-    # order; the columns are independent, so a step runs over all of them at once), and
-    # their makespans into mk[cols[:na]] (np.max over the ranks' last events, NaN wins)
-    prev, dep, cross, last, p = graph.prev, graph.dep, graph.cross, graph.last, graph.p2p
-    n = buf.shape[0]
-    for e in range(n):
-        d, pr = dep[e], prev[e]
-        add = cross[e] != 0 and p != 0.0
-        for q in range(na):
-            j = cols[q]
-            end[e, j] = event_start(end[d, j] if d >= 0 else 0.0,
-                                    end[pr, j] if pr >= 0 else 0.0, d, pr, add, p) + buf[e, j]
-    for q in range(na):
-        j = cols[q]
-        x = end[last[0], j]
-        for i in range(1, last.size):
-            y = end[last[i], j]
-            if y > x or y != y:
-                x = y
-        mk[j] = x
 
 
 @jit

@@ -13,8 +13,14 @@ are most of the time. Here each is one compiled loop:
   (``policy.slack.latest_finish``);
 - ``unit_floats``: the latest finishes and every unit's smaller float in one pass
   (``policy.slack.unit_floats_from``);
+- ``simulate_columns``: the earliest finishes and makespans of a few columns (the descent's
+  search, ``kernels.fit``);
 - ``row_makespan`` / ``simulate_rows`` / ``floats_rows``: the same on one column per row, with
   a row's seconds laid out as ``EventGraph.durations`` lays them out (forward first).
+
+Every earliest-finish loop takes an event's start from ``event_start`` and every latest-finish
+loop its latest finish from ``event_deadline``: one body per rule, the loops differing only in
+the layout they walk (all columns, a few columns, one row).
 
 Every kernel does the numpy path's floating point operations, on the same operands, in the same
 order (maxima, minima, one add or subtract, comparisons: each exact given its operands), and
@@ -46,6 +52,22 @@ def event_start(vd, vpr, d, pr, add, p):
 
 
 @jit
+def event_deadline(v, ls_next, ls_succ, j, k, sub, p):
+    """An event's latest finish: min(``v`` (its deadline), its rank's next event's latest
+    start ``ls_next``, its successor's latest start ``ls_succ`` (- p2p ``p`` when ``sub``: the
+    wait crosses ranks)), as np.minimum (NaN wins); ``j``, ``k`` -1: no next event, no
+    successor."""
+    if j >= 0:
+        if ls_next < v or ls_next != ls_next:
+            v = ls_next
+    if k >= 0:
+        x = ls_succ - p if sub else ls_succ
+        if x < v or x != x:
+            v = x
+    return v
+
+
+@jit
 def earliest_finish_pass(prev, dep, cross, dur, p, start, record):
     """[E, cols] earliest finishes, column by column in event order (``start`` receives the
     starts where ``record``)."""
@@ -64,6 +86,31 @@ def earliest_finish_pass(prev, dep, cross, dur, p, start, record):
 
 
 @jit
+def simulate_columns(graph, buf, end, cols, na, mk):
+    """Columns cols[:na] of durations ``buf`` [E, *] simulated into ``end``, side by side
+    (each column's events in order; the columns are independent, so a step runs over all of
+    them at once), and their makespans into mk[cols[:na]] (np.max over the ranks' last
+    events, NaN wins): ``earliest_finish_pass`` on a few columns (the descent's search)."""
+    prev, dep, cross, last, p = graph.prev, graph.dep, graph.cross, graph.last, graph.p2p
+    n = buf.shape[0]
+    for e in range(n):
+        d, pr = dep[e], prev[e]
+        add = cross[e] != 0 and p != 0.0
+        for q in range(na):
+            j = cols[q]
+            end[e, j] = event_start(end[d, j] if d >= 0 else 0.0,
+                                    end[pr, j] if pr >= 0 else 0.0, d, pr, add, p) + buf[e, j]
+    for q in range(na):
+        j = cols[q]
+        x = end[last[0], j]
+        for i in range(1, last.size):
+            y = end[last[i], j]
+            if y > x or y != y:
+                x = y
+        mk[j] = x
+
+
+@jit
 def latest_finish_pass(nxt, succ, cross, dur, deadline, p):
     """[E, cols] latest finishes, every rank's last event due at ``deadline`` [cols]."""
     n, cols = dur.shape
@@ -73,15 +120,8 @@ def latest_finish_pass(nxt, succ, cross, dur, deadline, p):
         j, k = nxt[e], succ[e]
         sub = k >= 0 and cross[k] != 0 and p != 0.0
         for c in range(cols):
-            v = deadline[c]
-            if j >= 0:
-                x = ls[j, c]
-                if x < v or x != x:              # np.minimum: NaN wins
-                    v = x
-            if k >= 0:
-                x = ls[k, c] - p if sub else ls[k, c]
-                if x < v or x != x:
-                    v = x
+            v = event_deadline(deadline[c], ls[j, c] if j >= 0 else 0.0,
+                               ls[k, c] if k >= 0 else 0.0, j, k, sub, p)
             lf[e, c] = v
             ls[e, c] = v - dur[e, c]
     return lf
@@ -177,15 +217,8 @@ def floats_rows(graph, dur, ef, deadline, cap):
     for r in range(dur.shape[0]):
         for e in range(n_ev - 1, -1, -1):
             j, k = nxt[e], succ[e]
-            v = deadline[r]
-            if j >= 0:
-                x = ls[j]
-                if x < v or x != x:
-                    v = x
-            if k >= 0:
-                x = ls[k] - p if cross[k] != 0 and p != 0.0 else ls[k]
-                if x < v or x != x:
-                    v = x
+            v = event_deadline(deadline[r], ls[j] if j >= 0 else 0.0, ls[k] if k >= 0 else 0.0,
+                               j, k, k >= 0 and cross[k] != 0 and p != 0.0, p)
             lf[e] = v
             ls[e] = v - dur[r, e]
         for u in range(ev_f.size):
