@@ -35,7 +35,7 @@ class _Removed(argparse.Action):
         parser.error(f"{option_string} was replaced by {REMOVED_FLAGS[option_string]}")
 
 
-def _field_type(f: dataclasses.Field):
+def field_type(f: dataclasses.Field):
     try:
         return _TYPES[f.type if isinstance(f.type, str) else f.type.__name__]
     except (KeyError, AttributeError):
@@ -46,7 +46,7 @@ def add_sparsebalance_args(parser: argparse.ArgumentParser) -> argparse.Argument
     """Add one flag per ``SparseBalanceConfig`` field; usable as Megatron's extra_args_provider."""
     group = parser.add_argument_group("sparsebalance", "SparseBalance (arXiv 2604.13847)")
     for f in dataclasses.fields(SparseBalanceConfig):
-        typ = _field_type(f)
+        typ = field_type(f)
         # argparse %-formats help strings: a field's plain "10%" must not break --help
         kw = dict(dest=dest_name(f.name), default=f.default,
                   help=f.metadata["help"].replace("%", "%%"))

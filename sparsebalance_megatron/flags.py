@@ -14,7 +14,7 @@ import inspect
 import re
 
 from . import config
-from .arguments import _field_type, add_sparsebalance_args
+from .arguments import field_type, add_sparsebalance_args
 from .config import SparseBalanceConfig, flag_name
 
 HEADER = """# Flags
@@ -42,7 +42,7 @@ def _sections() -> dict[str, str]:
 
 
 def _describe(f: dataclasses.Field) -> str:
-    typ = _field_type(f).__name__
+    typ = field_type(f).__name__
     if typ == "bool":
         kind = "switch"
     else:

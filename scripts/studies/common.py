@@ -131,10 +131,10 @@ def versions() -> dict:
 
 def provenance() -> dict:
     """Command, commit (and whether the tree had changes), versions, whether the planner's
-    compiled kernels ran (``sim.compiled``) and device."""
+    compiled kernels ran (``kernels``) and device."""
     # the result files themselves (a study rewriting the one it re-runs) are not code changes
     status = _git("status", "--porcelain", "--", ".", ":(exclude)docs/results")
-    from sparsebalance_megatron.sim import compiled
+    from sparsebalance_megatron import kernels
 
     commit = _git("rev-parse", "HEAD")
     given = os.environ.get("SPARSEBALANCE_COMMIT")
@@ -142,7 +142,7 @@ def provenance() -> dict:
         commit, status = given, None
     return {"command": command(), "commit": commit,
             "dirty": None if status is None else bool(status), "versions": versions(),
-            "planner_kernels": "numba" if compiled.enabled() else "numpy",
+            "planner_kernels": "numba" if kernels.enabled() else "numpy",
             "device": device()}
 
 

@@ -33,8 +33,8 @@ def main(argv=None) -> int:
     from sparsebalance_megatron.experiments.layout_search import layout_gap
     from sparsebalance_megatron.latency.layout import PipelineLayout
     from sparsebalance_megatron.policy import UnitCosts, density_grid
-    from sparsebalance_megatron.policy.dst import (DEFAULT_RAISE_HEADROOM, _plan_with_floor,
-                                                   plan_dst_from_config)
+    from sparsebalance_megatron.policy.dst import (DEFAULT_RAISE_HEADROOM, BandCache,
+                                                   _plan_with_floor, plan_dst_from_config)
     from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                                 density_floor=c.density_floor, search_steps=6,
                                 raise_headroom=DEFAULT_RAISE_HEADROOM,
                                 stage_density_floor=c.stage_density_floor, raise_to=c.raise_to,
-                                static={}, quality=q).densities
+                                static=BandCache(), quality=q).densities
         cells = [f"{step(lm, costs, d) / t_best:.3f} {q.plan_cost(d):+.4f}"
                  for d in (dens, fill, qual)]
         print(f"{text:>9} " + " ".join(f"{x:>18}" for x in cells))

@@ -35,7 +35,7 @@ import numpy as np
 from sparsebalance_megatron.latency import LatencyModel, read_table
 from sparsebalance_megatron.latency.crossover import table_crossover
 from sparsebalance_megatron.latency.features import FEATURES, MODEL_FEATURES, UnitFeatures
-from sparsebalance_megatron.latency.model import _fit_nonneg
+from sparsebalance_megatron.latency.model import fit_nonneg
 from sparsebalance_megatron.latency.table import measured_kinds
 
 from .common import parser, write_result
@@ -80,7 +80,7 @@ class Fitter:
 
     def fit(self, rows, extras=()):
         x = self.design(rows, extras)
-        return {p: _fit_nonneg(x, np.asarray([r[p + "_s"] for r in rows])) for p in ("fwd", "bwd")}
+        return {p: fit_nonneg(x, np.asarray([r[p + "_s"] for r in rows])) for p in ("fwd", "bwd")}
 
     def predict(self, coef, rows, extras=()):
         x = self.design(rows, extras)

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .packing import CostFn, _costs, _finish, _prepare
+from .packing import CostFn, finish_plan, prepare_samples, sample_costs
 from .plan import BatchingError, BatchPlan, split_long
 
 ORDERS = ("megatron", "sampler")
@@ -136,8 +136,8 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
     if cap > max_tokens:
         raise ValueError(f"max_seqlen_per_dp_cp_rank={cap}: expected at most max_tokens "
                          f"{max_tokens} (a micro-batch's positions)")
-    segs, sizes, n_split, _ = _prepare(samples, dp, num_microbatches, max_tokens,
-                                       long_sample_policy)
+    segs, sizes, n_split, _ = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                              long_sample_policy)
     if int(sizes.max()) > cap:               # Megatron's cap below the micro-batch's positions
         segs, more = split_long(segs, cap, long_sample_policy)
         sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)
@@ -149,6 +149,6 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
     stops = any(not g for mb in groups for g in mb)
     per_rank = [[idx[groups[i][r]].tolist() for i in range(len(groups))] for r in range(dp)]
-    plan = _finish(per_rank, "dp_balanced", max_tokens, n_split, stops, segs,
-                   _costs(sizes, cost_fn), indices=True)
+    plan = finish_plan(per_rank, "dp_balanced", max_tokens, n_split, stops, segs,
+                       sample_costs(sizes, cost_fn), indices=True)
     return plan.with_length_multiple(1)

@@ -34,16 +34,17 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..data.packing import check_bin_count, sequential_bins, sequential_pack
-from . import packing_kernels
-from .plan import (BatchingError, BatchPlan, _with_padding, as_segment_array, as_segments,
-                   check_fits, check_long_sample_policy, check_shape_args, split_long)
+from .. import kernels
+from .plan import (BatchingError, BatchPlan, as_segment_array, as_segments, check_fits,
+                   check_long_sample_policy, check_shape_args, padded_lengths, seeded_order,
+                   split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
 CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] seconds
 
 
-def _prepare(samples, dp, m, max_tokens, long_sample_policy):
+def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
     """(segments, their sizes [n] int64, samples split, the segments' [n, 3] array), checked."""
     check_shape_args(dp, m, max_tokens)
     segs, arr = as_segment_array(samples)
@@ -60,7 +61,7 @@ def _prepare(samples, dp, m, max_tokens, long_sample_policy):
     return segs, sizes, n_split, arr
 
 
-def _costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> np.ndarray:
+def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> np.ndarray:
     sizes = np.asarray(sizes, dtype=np.float64)
     if cost_fn is None:
         return sizes
@@ -75,22 +76,23 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                     long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None
                     ) -> BatchPlan:
     """Megatron's default packing (see the module docstring)."""
-    segs, sizes, n_split, arr = _prepare(samples, dp, num_microbatches, max_tokens,
-                                         long_sample_policy)
+    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
+                                                max_tokens, long_sample_policy)
     if cost_fn is None:            # priced in tokens: the bins by their first segments
         return _sequential_by_tokens(segs, sizes, arr, dp, num_microbatches, max_tokens, n_split)
     try:
         mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
-    return _finish(mbs, "sequential", max_tokens, n_split, False, segs, _costs(sizes, cost_fn))
+    return finish_plan(mbs, "sequential", max_tokens, n_split, False, segs,
+                       sample_costs(sizes, cost_fn))
 
 
 def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_split: int
                          ) -> BatchPlan:
     """``sequential_pack``'s bins (fill in order, a new bin when the next segment does not
     fit; bin k x dp + r is rank r's micro-batch k) as slices of ``segs``, and each rank's
-    tokens as its cost: the plan ``_finish`` makes of them (the costs are whole numbers of
+    tokens as its cost: the plan ``finish_plan`` makes of them (the costs are whole numbers of
     tokens, so their sums are exact in any order), without a tuple and a look-up per segment
     (the baseline packing of every draft)."""
     try:                                  # Megatron's fill rule, as sequential_pack applies it
@@ -110,8 +112,8 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
 
 def _fill_starts(sizes: np.ndarray, cap: int) -> list:
     """Where ``data.packing.sequential_bins`` opens each bin: compiled where the kernels run."""
-    starts = packing_kernels.sequential_starts(sizes, cap)
-    return starts if starts is not None else [b[0] for b in sequential_bins(sizes.tolist(), cap)]
+    return kernels.packing.sequential_starts(sizes, cap) if kernels.packing_enabled() else \
+        [b[0] for b in sequential_bins(sizes.tolist(), cap)]
 
 
 def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
@@ -205,13 +207,13 @@ def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
     """LPT of segments (sizes [n]) over ranks by ``cost``, then each rank's segments sorted by
     ``key`` and cut into m bins. None if some rank does not fit."""
     tie = np.random.default_rng(seed).permutation(sizes.size)
-    order = packing_kernels.seeded_order(tie, -cost)   # cost descending, seeded ties
-    fast = packing_kernels.usable()                    # compiled: the same decisions
-    rank_of = (packing_kernels.lpt_ranks if fast else _lpt_ranks)(cost, sizes, order, dp,
+    order = seeded_order(tie, -cost)                   # cost descending, seeded ties
+    fast = kernels.packing_enabled()                   # compiled: the same decisions
+    rank_of = (kernels.packing.lpt_ranks if fast else _lpt_ranks)(cost, sizes, order, dp,
                                                                   m * max_tokens)
     if rank_of is None:
         return None
-    by_rank = packing_kernels.seeded_order(tie, key, rank_of)  # by rank, key, seeded ties
+    by_rank = seeded_order(tie, key, rank_of)          # by rank, key, seeded ties
     ends = np.cumsum(np.bincount(rank_of, minlength=dp))
     size, cost_l = sizes.tolist(), cost.tolist()
     if fast:
@@ -227,11 +229,11 @@ def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
 
 
 def _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens, balance_bins):
-    """``_balanced``'s per-rank bins and slots by ``packing_kernels.rank_bins``; a rank whose
+    """``_balanced``'s per-rank bins and slots by ``kernels.packing.rank_bins``; a rank whose
     contiguous cuts do not fit takes the first-fit-decreasing fallback here, as
     ``_pack_rank`` does."""
     starts = np.r_[0, ends]
-    bin_of, slot_of, ok = packing_kernels.rank_bins(by_rank, starts, sizes, cost, m,
+    bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m,
                                                     max_tokens, balance_bins)
     dp = ends.size
     # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends
@@ -251,8 +253,8 @@ def _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens, bala
     return out
 
 
-def _finish(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
-            indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
+def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
+                indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
     """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
     ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
     if indices:
@@ -274,18 +276,18 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
                         long_sample_policy: str = "split", seed: int = 0,
                         cost_fn: Optional[CostFn] = None) -> BatchPlan:
     """Length-aware baseline: balance token counts over ranks and micro-batches."""
-    segs, sizes, n_split, arr = _prepare(samples, dp, num_microbatches, max_tokens,
-                                         long_sample_policy)
+    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
+                                                max_tokens, long_sample_policy)
     tokens = sizes.astype(np.float64)
     plan = _balanced(sizes, tokens, np.zeros(len(segs)), dp, num_microbatches, max_tokens, seed)
-    cost = _costs(sizes, cost_fn)
+    cost = sample_costs(sizes, cost_fn)
     if plan is None:
         seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
-        out = _finish(seq.micro_batches, "token_balanced", max_tokens, n_split, True, segs, cost)
-        return out
-    return _finish(plan, "token_balanced", max_tokens, n_split, False, segs, cost, indices=True,
-                   arr=arr)
+        return finish_plan(seq.micro_batches, "token_balanced", max_tokens, n_split, True,
+                           segs, cost)
+    return finish_plan(plan, "token_balanced", max_tokens, n_split, False, segs, cost,
+                       indices=True, arr=arr)
 
 
 def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -304,9 +306,9 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     micro-batches between ranks on the simulated pipeline (``batching.slots``; False: cheapest
     micro-batches first and last, the others as cut).
     """
-    segs, sizes, n_split, arr = _prepare(samples, dp, num_microbatches, max_tokens,
-                                         long_sample_policy)
-    cost = _costs(sizes, cost_fn)
+    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
+                                                max_tokens, long_sample_policy)
+    cost = sample_costs(sizes, cost_fn)
     ids = [i for i, _, _ in segs]
     lengths = sizes
     tracker = sensitivity if sensitivity is not None else SensitivityTracker()
@@ -321,7 +323,7 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         plan = _fallback_bins(sizes, cost, dp, num_microbatches, max_tokens)
     if arrange and isinstance(cost_fn, LatencyCost):
         plan = _arranged(plan, cost_fn, sizes, max_tokens, length_multiple)
-    return _finish(plan, "sab", max_tokens, n_split, fallback, segs, cost, indices=True,
+    return finish_plan(plan, "sab", max_tokens, n_split, fallback, segs, cost, indices=True,
                    arr=arr).with_length_multiple(length_multiple)
 
 
@@ -336,7 +338,7 @@ def _arranged(per_rank, cost_fn: LatencyCost, sizes, max_tokens: int,
     counts = np.fromiter(map(len, bins), dtype=np.int64, count=dp * m)
     lengths = sizes[np.fromiter(chain.from_iterable(bins), dtype=np.int64,
                                 count=int(counts.sum()))]
-    lengths, counts = _with_padding(lengths, counts, max_tokens, length_multiple)
+    lengths, counts = padded_lengths(lengths, counts, max_tokens, length_multiple)
     f, b = cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
     nv = f.shape[1]
     src, _ = arrange_slots(f.reshape(dp, m, nv), b.reshape(dp, m, nv), cost_fn.p2p_s,

@@ -112,8 +112,8 @@ class BatchPlan:
         if key not in self._cache:
             if with_padding:            # the plain CSR's lengths, padded (one pass over them)
                 plain, lengths = self.unit_csr(False)
-                lengths, counts = _with_padding(lengths, np.diff(plain), self.max_tokens,
-                                                self.length_multiple)
+                lengths, counts = padded_lengths(lengths, np.diff(plain), self.max_tokens,
+                                                 self.length_multiple)
             else:
                 mbs = self.micro_batches
                 counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
@@ -160,8 +160,8 @@ class BatchPlan:
 _UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding
 
 
-def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
-                  length_multiple: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def padded_lengths(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
+                   length_multiple: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Every unit's lengths followed by ``padding_lengths(its packed length - its tokens)``:
     full padding sequences of ``PAD_SEQ_TOKENS``, the last one shorter."""
     n = counts.size
@@ -183,6 +183,18 @@ def _with_padding(lengths: np.ndarray, counts: np.ndarray, max_tokens: int,
     out[starts[punit] + counts[punit] + plocal] = np.where(plocal < full[punit], PAD_SEQ_TOKENS,
                                                           rest[punit])
     return out, new_counts
+
+
+def seeded_order(tie: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """``np.lexsort((tie,) + keys)`` where ``tie`` is a permutation of 0..n-1 (the seeded tie
+    break): the items by ``keys[-1]``, then ``keys[-2]``, ..., then ``tie``. The same order
+    from one stable argsort per key, starting from the items in tie order, instead of a stable
+    sort per key and one for ``tie`` (about twice as fast at a step's 4,500 segments)."""
+    p = np.empty(tie.size, dtype=np.int64)
+    p[tie] = np.arange(tie.size)
+    for key in keys:
+        p = p[np.argsort(key[p], kind="stable")]
+    return p
 
 
 def check_shape_args(dp: int, num_microbatches: int, max_tokens: int) -> None:

@@ -33,8 +33,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..sim.pipeline import pipeline_makespan_s
-from . import slot_kernels
+from .. import kernels
+from ..kernels.records import Graph
+from ..sim.pipeline import event_graph, pipeline_makespan_s
 
 ROUNDS = 8
 """Local-search rounds on the critical rank (each: one batched simulation), at most."""
@@ -89,9 +90,12 @@ def arrange_slots(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None, *,
     if m < 2 and dp < 2:
         return slots, span
     ins, nb = _moves(m)
-    if slot_kernels.search(fu, bu, sc, cost, slots, span, ins, nb, p2p_s, nv if pp is None
-                           else pp, rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN):
-        return slots, span                                    # compiled: the same rounds
+    if kernels.enabled():                                     # compiled: the same rounds
+        ranks = nv if pp is None else pp
+        kernels.slots.search(Graph.of(event_graph(m, ranks, nv // ranks), p2p_s), fu, bu, sc,
+                             cost, slots, span, (ins, nb),
+                             (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
+        return slots, span
     for _ in range(rounds):
         r = int(span.argmax())
         rows, ranks, pair = _candidates(slots, span, cost, r)

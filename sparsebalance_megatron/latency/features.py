@@ -26,7 +26,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from ..sim import compiled
+from .. import kernels
 from .work import (as_doc_lengths, block_kept, check_block_params, check_densities,
                    cumulative_work_table, num_blocks)
 
@@ -232,9 +232,9 @@ class UnitFeatures:
         # (runs are in unit order). Exact: integer pair counts, so the sums do not depend on
         # their order, and a run's row of the transposed table is one contiguous gather.
         blocks, unit, count = self._doc_runs()
-        if compiled.enabled():          # one compiled pass over the runs: the same sums
+        if kernels.enabled():           # one compiled pass over the runs: the same sums
             out = np.zeros((n, grid.size))
-            compiled.kernel(_run_sums)(np.ascontiguousarray(table.T), blocks, unit, count, out)
+            kernels.features.run_sums(np.ascontiguousarray(table.T), blocks, unit, count, out)
             return out
         per_run = np.ascontiguousarray(table.T)[blocks] * count[:, None]   # [runs, g]
         out = np.zeros((n, grid.size))
@@ -264,23 +264,6 @@ class UnitFeatures:
                 "sparse_calls": lambda: self.sparse_calls,
                 "dense_calls": lambda: self.dense_calls}
         return np.stack([cols[name]() for name in features], axis=1)
-
-
-def _run_sums(table_t, blocks, unit, count, out):
-    # out[unit[r]] += table_t[blocks[r]] x count[r] over the runs (``work_grid``, compiled):
-    # integer pair counts, so the sums are exact in any order
-    for r in range(blocks.size):
-        u, b, c = unit[r], blocks[r], count[r]
-        for j in range(out.shape[1]):
-            out[u, j] += table_t[b, j] * c
-
-
-def warm_up() -> None:
-    """``work_grid``'s kernel compiled (or loaded from numba's disk cache) with the argument
-    types a draft passes (``megatron.step.planner_worker.warm_up_kernels`` calls it). Nothing without numba."""
-    if compiled.enabled():
-        compiled.kernel(_run_sums)(np.ones((2, 2)), np.zeros(1, dtype=np.int64),
-                                   np.zeros(1, dtype=np.int64), np.ones(1), np.zeros((1, 2)))
 
 
 def _doc_blocks(offsets: np.ndarray, lengths: np.ndarray, block_size: int,

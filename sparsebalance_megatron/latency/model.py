@@ -62,7 +62,7 @@ from .table import (FORMAT_VERSION, LatencyTableError, check_coefficients, check
                     measured_kinds, read_table, table_layout, validate_table, write_table)
 
 
-def _fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares on relative error (rows scaled by 1/y), dropping features whose coefficient
     comes out negative (a cost cannot shrink with more work); the intercept may stay negative
     only if nothing else fits.
@@ -171,7 +171,7 @@ class LatencyModel(Calibration):
                                        int(att.get("query_chunk_blocks", 16)),
                                        table_crossover(table))
             x = feats.matrix(np.asarray([m["density"] for m in rows]), MODEL_FEATURES)
-            fitted = {p: _fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows]))
+            fitted = {p: fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows]))
                       for p in ("fwd", "bwd")}
             coef[kind] = {p: c[:nf].tolist() for p, c in fitted.items()}
             # the dense kernel's own coefficient, where the grid has routed documents that price
@@ -356,7 +356,7 @@ class LatencyModel(Calibration):
     def _folded_tokens(self) -> Optional[int]:
         """The grid's one token total when the table was profiled at a single one (the profiler's
         grid since 2026-11-23): its ``tokens`` coefficient is then 0 and the token-proportional
-        work sits in the intercept (``_fit_nonneg``); None for a table with several totals."""
+        work sits in the intercept (``fit_nonneg``); None for a table with several totals."""
         totals = self.table.get("profile", {}).get("token_totals") or []
         return int(totals[0]) if len(totals) == 1 and totals[0] > 0 else None
 

@@ -21,8 +21,8 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
-from ..sim import compiled
-from . import grid_kernels
+from .. import kernels
+from ..config import ANCHORS, MAX_RAISE_HEADROOM, ConfigError
 from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 
 GRID_STEP = 1.0 / 64
@@ -50,6 +50,23 @@ def check_density_bounds(d0: float, d_min: float, d_max: float) -> None:
     if not (d_min <= d0 <= d_max):
         raise ValueError(f"--sb-density={d0!r}: expected d_min <= d0 <= d_max with "
                          f"--sb-min-density={d_min!r}, --sb-max-density={d_max!r}")
+
+
+def check_raise_headroom(h: float) -> None:
+    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
+    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
+        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
+                          f"[0, {MAX_RAISE_HEADROOM}]")
+
+
+def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
+    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
+    if anchor not in ANCHORS:
+        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
+    t = tolerance
+    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
+            or t < 0 or t > 10):
+        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
 
 
 @dataclass
@@ -218,9 +235,9 @@ class UnitCosts:
                                [t.bwd_attn_s_per_pair for t in terms]], np.float64)
         uncorrected = bool(np.all(corr == 1.0))
         fb, total = np.empty((2, n, pp, g.size)), None
-        if compiled.enabled():          # one compiled pass, the same operations, and the total
+        if kernels.enabled():          # one compiled pass, the same operations, and the total
             total = np.empty((n, pp, g.size))
-            grid_kernels.unit_tables(work, per_pair, fixed, corr, not uncorrected, fb, total)
+            kernels.grid.unit_tables(work, per_pair, fixed, corr, not uncorrected, fb, total)
         else:
             for out, fx, pr in zip(fb, fixed, per_pair):
                 # (work x per_pair + fixed) x correction, every stage at once: the same three
@@ -296,7 +313,7 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     at once: steps of 2^j down to 1 from lo - 1, each kept where the row at the probe (clamped
     to hi) still fits; one gather per step, no per-element bookkeeping."""
     flat = table.reshape(-1)
-    if compiled.enabled():
+    if kernels.enabled():
         rows = _highest_rows(flat, units, limit, lo, hi)
         if rows is not None:
             return rows
@@ -307,8 +324,8 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     limit = limit.ravel()
     pos = first - 1
     step = _lift_step(first, last)
-    if compiled.enabled() and pos.size:      # the same steps, one compiled loop
-        return (grid_kernels.highest_at_most(flat, first, last, limit, step)
+    if kernels.enabled() and pos.size:      # the same steps, one compiled loop
+        return (kernels.grid.highest_at_most(flat, first, last, limit, step)
                 - units.ravel()).reshape(shape)
     while step:
         probe = np.minimum(pos + step, last)
@@ -335,7 +352,7 @@ def _highest_rows(flat, units, limit, lo, hi):
     units = np.broadcast_to(units, (n,))
     first = np.broadcast_to(units + lo, (n,))
     last = np.broadcast_to(units + hi, (n,))
-    return grid_kernels.highest_rows(flat, first, last, limit, _lift_step(first, last)) - units
+    return kernels.grid.highest_rows(flat, first, last, limit, _lift_step(first, last)) - units
 
 
 def _lift_step(first: np.ndarray, last: np.ndarray) -> int:

@@ -45,9 +45,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..sim import compiled, fit_kernels
+from .. import kernels
+from ..kernels.records import Graph, Lookup, Tables
 from ..sim.pipeline import FWD, event_graph
-from . import descent_kernels
 from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
 from .floors import FloorCheck
 from .slack import unit_floats_from
@@ -78,6 +78,16 @@ class _Step:
         rows = self.graph.unit_events                           # event row of each (kind, unit)
         self.fwd_row, self.bwd_row = rows[FWD], rows[1 - FWD]
         self.per_rank = m * nv
+        self._records = None
+
+    def records(self) -> tuple:
+        """The compiled search's records of this step's graph and tables (``kernels.records``:
+        ``Graph``, ``Tables``), made on first use."""
+        if self._records is None:
+            self._records = (Graph.of(self.graph, self.p2p),
+                             Tables(*(np.require(a, np.float64, "CW")
+                                      for a in (self.fwd, self.bwd, self.t_flat)), self.g))
+        return self._records
 
     def times(self, idx):
         """fwd, bwd seconds of the plan ``idx`` [dp, m, nv]."""
@@ -134,17 +144,18 @@ class _Step:
         to the next: each moves every unit no higher than the one before). Returns (ranks, column
         of each unit's rank [n], whether one fits [r], its index (0 where none) [r], its
         makespan [r], its durations and earliest finishes [E, r]). One compiled binary search
-        per rank where ``sim.compiled`` runs (``probe_first``: the first candidate tried alone
+        per rank where ``kernels`` run (``probe_first``: the first candidate tried alone
         before the search, where it usually fits; ``fits_from`` [r]: per rank a candidate known
         to fit, where its search starts); else every candidate simulated (``candidates``) and
         the first kept: the same numbers."""
         ranks, col, seg, local = self.holders(flat_units)
-        if compiled.enabled():
-            return (ranks, col) + fit_kernels.first_fit(
-                self.graph.links, self.graph.last, dur, self.p2p, ranks, seg,
-                self.fwd_row[local], self.bwd_row[local], self.fwd, self.bwd,
-                flat_units * self.g + moved, limit[ranks], probe_first=probe_first,
-                fits_from=fits_from)
+        if kernels.enabled():
+            graph, tables = self.records()
+            tries = kernels.fit.tries(ranks, seg, self.fwd_row[local], self.bwd_row[local],
+                                      limit[ranks], moved.shape[0], fits_from)
+            return (ranks, col) + kernels.fit.first_fit(
+                graph, dur, tries, tables, flat_units * self.g + moved,
+                probe_first=probe_first)
         k, r = moved.shape[0], ranks.size
         _, _, dur_k = self.candidates(dur, flat_units, moved)
         ef_k, mk_k = self.simulate(dur_k)
@@ -164,7 +175,7 @@ class _Step:
     def cut_fit(self, dur, on, t_on, t_min, hi, i_min: int, limit) -> tuple:
         """``first_fit`` of the cut fractions (``CUT_FRACTIONS``) of units ``on`` (ascending;
         seconds ``t_on``, at d_min ``t_min``, grid indices ``hi`` [n]), each unit's cut searched
-        only at the fractions its rank tries (compiled; ``sim.compiled``). Returns
+        only at the fractions its rank tries (compiled; ``kernels.fit``). Returns
         ``first_fit``'s and the picked grid index of every unit [n]."""
         at = np.full((CUT_FRACTIONS.size, on.size), -1, dtype=np.int64)
         return self._lazy_fit(dur, on, at, t_on, t_min - t_on, hi,
@@ -185,11 +196,14 @@ class _Step:
     def _lazy_fit(self, dur, units, at, t, delta, top, bottom, fracs, limit, probe_first):
         ranks, col, seg, local = self.holders(units)
         u = units * self.g
-        out = fit_kernels.first_fit(
-            self.graph.links, self.graph.last, dur, self.p2p, ranks, seg, self.fwd_row[local],
-            self.bwd_row[local], self.fwd, self.bwd, at, limit[ranks],
-            lazy=(self.t_flat, u, t, delta, top, bottom, fracs, 1 + _REL_EPS),
-            probe_first=probe_first, formula=self.c.formula)
+        graph, tables = self.records()
+        tries = kernels.fit.tries(ranks, seg, self.fwd_row[local], self.bwd_row[local],
+                                  limit[ranks], at.shape[0])
+        lookup = Lookup(*(np.require(a, d, "CW") for a, d in (
+            (u, np.int64), (t, np.float64), (delta, np.float64), (top, np.int64),
+            (bottom, np.int64), (fracs, np.float64))), 1 + _REL_EPS)
+        out = kernels.fit.first_fit(graph, dur, tries, tables, at, lookup, self.c.formula,
+                                    probe_first)
         return (ranks, col) + out + (at[out[1][col], np.arange(units.size)] - u,)
 
     def floats(self, dur, ef, deadline):
@@ -201,9 +215,9 @@ class _Step:
         with t(i) <= thr (lo if none), thr [k, n] (a candidate per row), lo / hi [n] or
         scalars; t non-decreasing along the grid (``UnitCosts``)."""
         limit = np.asarray(thr, dtype=np.float64) * (1 + _REL_EPS) + 1e-15
-        if self.c.formula is not None and compiled.enabled() and limit.ndim == 2 \
+        if self.c.formula is not None and kernels.enabled() and limit.ndim == 2 \
                 and limit.shape[1] == flat_units.size:     # the totals computed, not read
-            return fit_kernels.highest_formula(self.c.formula, flat_units, lo, hi, limit)
+            return kernels.fit.highest_formula(self.c.formula, flat_units, lo, hi, limit)
         return highest_at_most(self.t_flat, flat_units * self.g, limit, lo, hi)
 
 
@@ -259,20 +273,22 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             idx.reshape(-1)[miss])
         return moved, (on, moved)
 
-    fused = descent_kernels.Round.of(st, i_min, i_max)     # both phases compiled whole
+    fused = None
+    if kernels.enabled() and st.c.formula is not None:      # both phases compiled whole
+        fused = kernels.descent.Round(*st.records(), st.c.formula, st.c.shape, i_min, i_max)
     for _ in range(rounds):
         if eta < ETA_MIN:
             break
         target = step * (1.0 - eta)
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
         if fused is not None:
+            now = fused.plan(dur, ef, f, b, idx)
             on, ranks, col, fits, mk_p, dur_p, ef_p, cut_i = fused.cut(
-                dur, ef, f, b, idx, t_min, target, target * (1 + _REL_EPS), CUT_FRACTIONS,
-                1 + _REL_EPS)
+                now, t_min, target, target * (1 + _REL_EPS), CUT_FRACTIONS, 1 + _REL_EPS)
         else:
             on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
             fit_limit = np.full(dp, target * (1 + _REL_EPS))        # smallest alpha that fits
-            if compiled.enabled():      # each unit's cuts searched at the fractions tried
+            if kernels.enabled():      # each unit's cuts searched at the fractions tried
                 ranks, col, fits, pick, mk_p, dur_p, ef_p, cut_i = st.cut_fit(
                     dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], i_min,
                     fit_limit)
@@ -286,10 +302,10 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
             continue
         # raise: every unit grows by a fraction of its float at (1 - h) x T'
         deadline = np.full(dp, target * (1.0 - raise_headroom))
-        lazy = compiled.enabled()       # the smaller fractions looked up where a rank tries them
+        lazy = kernels.enabled()       # the smaller fractions looked up where a rank tries them
         if fused is not None:
             cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = fused.after_cut(
-                idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p,
+                now, mk, kernels.descent.Cut(on, cut_i, ranks, mk_p, dur_p, ef_p),
                 target * (1.0 - raise_headroom), 1 + _REL_EPS)
             lo, moved = cut.reshape(-1), first[None]
         else:

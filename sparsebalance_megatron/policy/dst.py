@@ -47,9 +47,9 @@ import numpy as np
 
 from ..config import DEFAULT_RAISE_HEADROOM
 from .bands import band_ladder, pick_band, straggler_present
-from .costs import UnitCosts
+from .costs import UnitCosts, check_anchor_tolerance  # noqa: F401 (re-exported)
 from .critical_path import ROUNDS, refine_plan
-from .dst_band import (DSTPlan, DSTReport, check_anchor_tolerance, plan_dst,  # noqa: F401
+from .dst_band import (BandCache, DSTPlan, DSTReport, plan_dst,  # noqa: F401
                        plan_dst_candidates)
 
 SPEED_TIE = 1e-3          # quality objective: plans within 0.1% of the fastest count as as fast
@@ -105,7 +105,7 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     objective's plan does not compete): half the band search. On the net studies (BENCHMARKS.md,
     "The planner's own cost") ``sab_dst`` was as fast or faster in every row but one.
     """
-    static: dict = {}                       # the static plan's simulation, shared by all passes
+    static = BandCache()                    # the static plan's simulation, shared by all passes
     descend = descent and raise_to == "bottleneck" and anchor != "max" and density_floor > 0
     band = dict(anchor=anchor, tolerance=tolerance, density_floor=density_floor,
                 search_steps=search_steps, stage_density_floor=stage_density_floor,
@@ -133,9 +133,10 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
                      d_min: float, d_max: float, *, anchor: str, tolerance: float,
                      p2p_s: float, density_floor: float, search_steps: int,
                      raise_headroom: float, stage_density_floor: float, raise_to: str,
-                     static: dict, narrow: bool = False, quality=None, guard=None) -> DSTPlan:
+                     static: BandCache, narrow: bool = False, quality=None,
+                     guard=None) -> DSTPlan:
     """``plan_dst_with_floor`` for one objective (``quality`` None: density order); ``static``:
-    the ``_static`` cache of ``plan_dst_candidates`` (the same costs); ``guard``: the quality
+    the ``cache`` of ``plan_dst_candidates`` (the same costs); ``guard``: the quality
     cost a narrower band's density-order plan must not lose against (``policy.bands``)."""
     search = _band_search(d0, anchor=anchor, tolerance=tolerance, density_floor=density_floor,
                           search_steps=search_steps, stage_density_floor=stage_density_floor,
@@ -147,7 +148,7 @@ def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: fl
 
 def _search_bands(costs: UnitCosts, sensitivity, d0: float, d_min: float, d_max: float,
                   searches: list, *, p2p_s: float, raise_headroom: float, raise_to: str,
-                  static: dict, quality) -> list:
+                  static: BandCache, quality) -> list:
     """The plans of ``searches`` ((``_band_search`` generator, whether it water-fills by
     ``quality``) pairs), run in lock-step: every round's candidates of all of them are rows of
     one ``plan_dst_candidates`` pass (a row's plan does not depend on the others', so each
@@ -159,7 +160,7 @@ def _search_bands(costs: UnitCosts, sensitivity, d0: float, d_min: float, d_max:
         owner = [i for i, cands in pending.items() for _ in cands]
         found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max,
                                     [c for cands in pending.values() for c in cands], p2p_s,
-                                    raise_headroom, raise_to, _static=static, quality=quality,
+                                    raise_headroom, raise_to, cache=static, quality=quality,
                                     water=[searches[i][1] for i in owner])
         for i in list(pending):
             mine = [p for p, o in zip(found, owner) if o == i]

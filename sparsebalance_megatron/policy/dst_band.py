@@ -4,22 +4,22 @@ Steps 1-4 of the rule in ``policy/dst.py``'s docstring: the static plan simulate
 cut of the load units above the band, the raise below the new bottleneck checked with the 1F1B
 simulator (a rank that overshoots is re-planned with less slack, or reverted to its cuts). The
 grid moves themselves are ``dst_moves.py``'s; the band search under density floors, the quality
-objective and the config entry are ``dst.py``'s. Also the plan's types and argument checks.
+objective and the config entry are ``dst.py``'s. Also the plan's types.
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from ..config import ANCHORS, MAX_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
-from ..sim import compiled
+from ..config import RAISE_TARGETS, ConfigError
+from .. import kernels
 from ..sim.pipeline import event_graph
-from . import band_kernels
-from .costs import UnitCosts, check_density_bounds, weighted_mean_density
+from .costs import (UnitCosts, check_anchor_tolerance, check_density_bounds,
+                    check_raise_headroom, weighted_mean_density)
 from .density_means import WeightTotals
 from .dst_moves import (FILL_ITERS, GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
@@ -69,23 +69,6 @@ class DSTPlan:
         return quality.plan_cost(self.densities, grid)
 
 
-def check_raise_headroom(h: float) -> None:
-    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
-    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
-        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
-                          f"[0, {MAX_RAISE_HEADROOM}]")
-
-
-def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
-    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
-    if anchor not in ANCHORS:
-        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
-    t = tolerance
-    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
-            or t < 0 or t > 10):
-        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
-
-
 def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_min: float,
              d_max: float, anchor: str = "mean", tolerance: float = 0.1,
              p2p_s: float = 0.0, raise_headroom: float = 0.0,
@@ -103,201 +86,276 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
                                p2p_s, raise_headroom, raise_to)[0]
 
 
+@dataclass
+class BandCache:
+    """What the passes of one band search share (``plan_dst_candidates``' ``cache``): they
+    plan the same costs, sensitivity and bounds, so each of these is made by the first pass
+    that needs it."""
+
+    sens: Optional[np.ndarray] = None        # [dp, slots, pp] sensitivity by load unit
+    bounds: tuple = ()                       # grid indices of d0, d_min, d_max
+    rank_units: Optional[np.ndarray] = None  # [dp, slots, pp] every rank's units' table offsets
+    anchors: dict = field(default_factory=dict)   # anchor -> seconds, over the static plan
+    mk0: Optional[np.ndarray] = None         # [dp] the static plan's makespans
+    busy0: Optional[np.ndarray] = None       # [dp, pp] its busy seconds
+    water: Optional[tuple] = None            # (quality cost, GainIndex, b [dp, slots, pp])
+    band: dict = field(default_factory=dict)  # water-filled? -> its compiled pass (BandPass)
+
+
+@dataclass
+class _Pass:
+    """One pass over k candidates: the costs, the rows (candidate c x dp + rank: every
+    candidate's copy of the step), which rows water-fill, the event graph and the compiled
+    pass where it runs (``fused``)."""
+
+    costs: UnitCosts
+    cache: BandCache
+    k: int
+    wrow: np.ndarray                         # [k * dp] rows cut and raised by water-filling
+    all_units: np.ndarray                    # [k * dp, slots, pp]
+    graph: object
+    p2p_s: float
+    fused: object = None
+    gains: object = None
+    _b_rows: list = field(default_factory=list)
+
+    @property
+    def dp(self) -> int:
+        return self.costs.shape[0]
+
+    def simulate(self, units, idx):
+        """(makespan [rows], fwd, bwd [rows, m * vp, pp], event durations and earliest
+        finishes [E, rows]) of the rows' units at grid idx (the costs are checked already)."""
+        _, m, nv = self.costs.shape
+        f, b = lookup(self.costs.fwd_s, units, idx), lookup(self.costs.bwd_s, units, idx)
+        n = f.shape[0]
+        dur = self.graph.durations(f.reshape(n, m, nv), b.reshape(n, m, nv))
+        ef = self.graph.earliest_finish(dur, self.p2p_s)
+        return self.graph.makespan(ef), f, b, dur, ef
+
+    def b_rows(self) -> np.ndarray:
+        """[k * dp, slots, pp] the water-filling's seconds per unit of density, row by row
+        (made where the numpy path runs)."""
+        if not self._b_rows:
+            self._b_rows.append(np.tile(self.cache.water[2], (self.k, 1, 1)))
+        return self._b_rows[0]
+
+
 def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
                         d_min: float, d_max: float, candidates, p2p_s: float = 0.0,
                         raise_headroom: float = 0.0, raise_to: str = "bottleneck",
-                        _static: Optional[dict] = None, quality=None,
+                        cache: Optional[BandCache] = None, quality=None,
                         water=None) -> list[DSTPlan]:
     """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
     copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
     calls (a plan's rows never interact with another candidate's), so K plans cost far less than
-    K calls. ``_static``: a dict the caller keeps between passes over the same costs,
-    sensitivity and bounds (the static plan's simulation, the anchors, the compiled pass's
-    tables and orders are made once). ``quality`` (a ``policy.quality.StageQuality``): cuts
-    and raises by quality water-filling (``water_fill``) instead of sensitivity order; with
-    ``water`` (one bool per candidate) only the candidates marked True do, the others take
-    sensitivity order, so both objectives' bands share one pass (``dst.plan_dst_with_floor``)."""
+    K calls. ``cache``: a ``BandCache`` the caller keeps between passes over the same costs,
+    sensitivity and bounds. ``quality`` (a ``policy.quality.StageQuality``): cuts and raises by
+    quality water-filling (``water_fill``) instead of sensitivity order; with ``water`` (one
+    bool per candidate) only the candidates marked True do, the others take sensitivity
+    order, so both objectives' bands share one pass (``dst.plan_dst_with_floor``).
+
+    Phases: the band (the static plan, its anchors and the bands, ``_band``), the cut of the
+    units above it (``_cut``), the raise below the new bottleneck (``_raise``) and the
+    reports (``_plans``)."""
     for anchor, tolerance in candidates:
         check_anchor_tolerance(anchor, tolerance)
     check_raise_headroom(raise_headroom)
     if raise_to not in RAISE_TARGETS:
         raise ConfigError(f"--sb-raise-to={raise_to!r}: expected one of {', '.join(RAISE_TARGETS)}")
     check_density_bounds(d0, d_min, d_max)
-    dp, m, nv = costs.shape
-    # The load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
-    # model chunks: its units are then the (micro-batch, chunk) pairs, so every array below is
-    # [rows, m * vp, pp] (the same memory as [rows, m, nv], since v = chunk * pp + rank).
-    pp, vp = costs.pipeline_ranks, costs.vp
-    slots = m * vp
     k = len(candidates)
     water = np.array([quality is not None] * k if water is None else water, dtype=bool)
     if water.shape != (k,) or (water.any() and quality is None):
         raise ValueError(f"water={water.tolist()!r}: expected one bool per candidate ({k}), "
                          f"True only with a quality cost")
-    wrow = np.repeat(water, dp)                                     # [k * dp] row by row
+    ps = _pass(costs, sensitivity, (d0, d_min, d_max), k, water, quality, p2p_s,
+               BandCache() if cache is None else cache)
+    step0, anchors, bands = _band(ps, candidates)
+    step1, cut = _cut(ps, candidates, bands)
+    idx, mk_final, reverted = _raise(ps, cut, step0, step1, raise_headroom, raise_to)
+    return _plans(ps, candidates, d0, (step0, step1, anchors, bands), (idx, mk_final, reverted))
+
+
+def _pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
+          cache: BandCache) -> _Pass:
+    """The pass's rows and what the cache holds for them (made where it does not yet). The
+    load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
+    model chunks: its units are then the (micro-batch, chunk) pairs, so every array is
+    [rows, m * vp, pp] (the same memory as [rows, m, nv], since v = chunk * pp + rank)."""
+    dp, m, nv = costs.shape
+    pp, vp = costs.pipeline_ranks, costs.vp
+    slots = m * vp
     t_grid = costs.total_s                                          # [dp, m, nv, g]
-    weights = costs.weights()
-    # what depends on the costs, the sensitivity and the bounds only: made once per
-    # ``_static`` (the passes of one search, which share all three)
-    shared = _static if _static is not None else {}
-    if "sens" not in shared:
-        shared.update(
-            sens=broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp),
-            bounds=(costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)),
-            rank_units=unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1]),
-            anchors={})
-    sens, rank_units = shared["sens"], shared["rank_units"]          # [dp, m * vp, pp]
-    i0, i_min, i_max = shared["bounds"]
-    # row = candidate c x dp + rank: every candidate's copy of the step
-    all_units = np.tile(rank_units, (k, 1, 1))                      # [k * dp, m * vp, pp]
+    if cache.sens is None:
+        cache.sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
+        cache.bounds = tuple(costs.index_of(d) for d in bounds)
+        cache.rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])
+    rank_units = cache.rank_units
+    _, i_min, i_max = cache.bounds
+    gains = None
     if water.any():
         # the water-filling's index and the units' seconds per unit of density depend on the
-        # costs and the quality cost only: made once per ``_static`` (the passes of one search)
-        have = shared.get("water")
-        if have is None or have[0] is not quality:
+        # costs and the quality cost only: made once per cache (the passes of one search)
+        if cache.water is None or cache.water[0] is not quality:
             span = costs.densities[i_max] - costs.densities[i_min]
-            have = (quality, GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp),
-                    ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
-                     / span) if span > 0 else np.zeros(rank_units.shape))
-            shared["water"] = have
-            shared.pop(("band", True), None)          # its compiled pass holds the index
-        gains = have[1]
-
+            cache.water = (
+                quality, GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp),
+                ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
+                 / span) if span > 0 else np.zeros(rank_units.shape))
+            cache.band.pop(True, None)                # its compiled pass holds the index
+        gains = cache.water[1]
     graph = event_graph(m, pp, vp)
+    ps = _Pass(costs, cache, k, np.repeat(water, dp), np.tile(rank_units, (k, 1, 1)), graph,
+               p2p_s, gains=gains)
+    if kernels.enabled() and pp >= 2:        # each phase one compiled loop per row
+        kind = bool(water.any())              # the pass's tables and orders, once per search
+        if kind not in cache.band:
+            cache.band[kind] = kernels.band.BandPass(
+                costs, rank_units, dp, graph, p2p_s, cache.sens,
+                *((gains, cache.water[2]) if water.any() else ()))
+        ps.fused = cache.band[kind].with_units(ps.all_units)
+    return ps
 
-    def simulate(units, idx):
-        """(makespan [rows], fwd, bwd [rows, m * vp, pp], event durations and earliest
-        finishes [E, rows]) of the rows' units at grid idx (the costs are checked already)."""
-        f, b = lookup(costs.fwd_s, units, idx), lookup(costs.bwd_s, units, idx)
-        n = f.shape[0]
-        dur = graph.durations(f.reshape(n, m, nv), b.reshape(n, m, nv))
-        ef = graph.earliest_finish(dur, p2p_s)
-        return graph.makespan(ef), f, b, dur, ef
 
-    def per_candidate(x):
-        return np.asarray(x).reshape(k, dp)
-
-    # 1. static plan (the same for every candidate)
-    idx0 = np.full((dp, slots, pp), i0, dtype=np.int64)
-    if "mk0" not in shared:
-        mk0, f0, b0, _, _ = simulate(rank_units, idx0)
-        shared.update(mk0=mk0, busy0=(f0 + b0).sum(axis=1))        # busy0: [dp, pp]
-    mk0, busy0, anchor_of = shared["mk0"], shared["busy0"], shared["anchors"]
-    step0 = float(mk0.max())
+def _band(ps: _Pass, candidates) -> tuple:
+    """Step 1: the static plan (the same for every candidate, simulated once per cache), its
+    anchors and the candidates' bands (1 + tolerance) x anchor: (its step time, anchors [k],
+    bands [k])."""
+    c = ps.cache
+    if c.mk0 is None:
+        idx0 = np.full(c.rank_units.shape, c.bounds[0], dtype=np.int64)
+        mk0, f0, b0, _, _ = ps.simulate(c.rank_units, idx0)
+        c.mk0, c.busy0 = mk0, (f0 + b0).sum(axis=1)                # busy0: [dp, pp]
     for a, _ in candidates:
-        if a not in anchor_of:
-            anchor_of[a] = anchor_s(busy0, a)
-    anchors = np.array([anchor_of[a] for a, _ in candidates])
-    bands = np.array([(1.0 + t) for _, t in candidates]) * anchors  # [k]
+        if a not in c.anchors:
+            c.anchors[a] = anchor_s(c.busy0, a)
+    anchors = np.array([c.anchors[a] for a, _ in candidates])
+    return float(c.mk0.max()), anchors, np.array([(1.0 + t) for _, t in candidates]) * anchors
 
-    # 2. cut stragglers, least sensitive first (stable sort: ties keep micro-batch order)
-    excess = np.tile(busy0, (k, 1)) - np.repeat(bands, dp)[:, None]  # [k * dp, pp]
+
+def _cut(ps: _Pass, candidates, bands) -> tuple:
+    """Step 2: every row's units above its band cut, least sensitive first (stable sort: ties
+    keep micro-batch order), or by water-filling: (the cut's step time per candidate [k],
+    (grid indices, makespans, event durations and earliest finishes, busy seconds, and
+    whether the compiled pass ran))."""
+    c, k, dp, wrow = ps.cache, ps.k, ps.dp, ps.wrow
+    i0, i_min, _ = c.bounds
+    t_grid, units = ps.costs.total_s, ps.all_units
+    excess = np.tile(c.busy0, (k, 1)) - np.repeat(bands, dp)[:, None]  # [k * dp, pp]
     cuts = np.array([a != "max" for a, _ in candidates])
     excess[~np.repeat(cuts, dp)] = 0.0
-    idx_start = np.tile(idx0, (k, 1, 1))
-    fused = None
-    if compiled.enabled() and pp >= 2:        # each phase one compiled loop per row
-        kind = ("band", bool(water.any()))    # the pass's tables and orders, once per search
-        if kind not in shared:
-            shared[kind] = band_kernels.BandPass(costs, rank_units, dp, graph, p2p_s, sens,
-                                                 *((gains, have[2]) if water.any() else ()))
-        fused = shared[kind].with_units(all_units)
-    tiled = []
-
-    def b_rows():
-        """[k * dp, slots, pp] the water-filling's seconds per unit of density, row by row
-        (made where the numpy path runs)."""
-        if not tiled:
-            tiled.append(np.tile(have[2], (k, 1, 1)))
-        return tiled[0]
-    cut = fused.cut(idx_start, excess, wrow, i_min, FILL_ITERS) if fused else None
+    idx_start = np.full(units.shape, i0, dtype=np.int64)
+    cut = ps.fused.cut(idx_start, excess, wrow, i_min, FILL_ITERS) if ps.fused else None
     if cut is not None:                       # the same numbers as the numpy path's
         idx_cut, mk1, dur1, ef1, busy1 = cut
-    elif np.any(excess > 0):
-        # every row is cut alone (rows never interact), its objective's way
-        idx_cut = np.empty_like(idx_start)
-        if wrow.any():
-            q, ex = all_units[wrow], excess[wrow]
-            base_s = lookup(t_grid, q, idx_start[wrow]).sum(axis=1)
-            idx_cut[wrow] = water_fill(t_grid, q, gains, b_rows()[wrow],
-                                       np.full_like(idx_start[wrow], i_min), idx_start[wrow],
-                                       np.where(ex > 0, base_s - ex, np.inf))
-        if not wrow.all():
-            d = ~wrow
-            order = np.tile(np.argsort(sens, axis=1, kind="stable"), (int(d.sum()) // dp, 1, 1))
-            idx_cut[d] = cut_densities(t_grid, all_units[d], idx_start[d],
-                                       np.maximum(excess[d], 0.0), order, i_min)
-        mk1, f1, b1, dur1, ef1 = simulate(all_units, idx_cut)
     else:
-        idx_cut, mk1 = idx_start, np.tile(mk0, k)
-        _, f1, b1, dur1, ef1 = simulate(all_units, idx_cut)
-    if cut is None:
+        if np.any(excess > 0):                # every row is cut alone, its objective's way
+            idx_cut = np.empty_like(idx_start)
+            if wrow.any():
+                q, ex = units[wrow], excess[wrow]
+                base_s = lookup(t_grid, q, idx_start[wrow]).sum(axis=1)
+                idx_cut[wrow] = water_fill(t_grid, q, ps.gains, ps.b_rows()[wrow],
+                                           np.full_like(idx_start[wrow], i_min),
+                                           idx_start[wrow], np.where(ex > 0, base_s - ex,
+                                                                     np.inf))
+            if not wrow.all():
+                d = ~wrow
+                order = np.tile(np.argsort(c.sens, axis=1, kind="stable"),
+                                (int(d.sum()) // dp, 1, 1))
+                idx_cut[d] = cut_densities(t_grid, units[d], idx_start[d],
+                                           np.maximum(excess[d], 0.0), order, i_min)
+            mk1, f1, b1, dur1, ef1 = ps.simulate(units, idx_cut)
+        else:
+            idx_cut, mk1 = idx_start, np.tile(c.mk0, k)
+            _, f1, b1, dur1, ef1 = ps.simulate(units, idx_cut)
         busy1 = (f1 + b1).sum(axis=1)                               # [k * dp, pp]
-    step1 = per_candidate(mk1).max(axis=1)                          # [k]
+    step1 = np.asarray(mk1).reshape(k, dp).max(axis=1)              # [k]
+    return step1, (idx_cut, mk1, dur1, ef1, busy1, cut is not None)
 
-    # 3. raise below the new bottleneck, most sensitive first; verify with the simulator.
-    #    Ranks are independent pipelines, so a rank that overshoots is re-planned alone.
+
+def _raise(ps: _Pass, cut, step0: float, step1, raise_headroom: float, raise_to: str) -> tuple:
+    """Step 3: every row raised below the new bottleneck, most sensitive first (or by
+    water-filling), checked with the simulator; a rank that overshoots is re-planned alone
+    with half the slack, then a quarter, ... (ranks are independent pipelines), and one that
+    clears none keeps its cut. Returns (grid indices, makespans, reverted) [k * dp]."""
+    c, k, dp, wrow, fused = ps.cache, ps.k, ps.dp, ps.wrow, ps.fused
+    _, i_min, i_max = c.bounds
+    t_grid, units_all = ps.costs.total_s, ps.all_units
+    idx_cut, mk1, dur1, ef1, busy1, compiled = cut
     targets = (np.full(k, step0) if raise_to == "static" else step1) * (1.0 - raise_headroom)
     target = np.repeat(targets, dp)                                 # [k * dp] T1'
     overhead = mk1 - busy1.max(axis=1)                              # fill/drain
     slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
-    cap_full = fused.floats(dur1, ef1, target) if cut is not None else \
-        np.maximum(unit_floats_from(graph, dur1, ef1, target, p2p_s).T,
-                   0.0).reshape(k * dp, slots, pp)
+    cap_full = fused.floats(dur1, ef1, target) if compiled else \
+        np.maximum(unit_floats_from(ps.graph, dur1, ef1, target, ps.p2p_s).T,
+                   0.0).reshape(units_all.shape)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
     # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
     # may only fill stages off its critical path, whose slack above is already short by h x T1.
     limit = np.maximum(target, mk1) * (1.0 + _REL_EPS) + 1e-15      # [k * dp]
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
-    if i_max > i_min and ranks.size:
-        order = []          # the rows' sensitivity order, made only where the numpy path runs
+    if not (i_max > i_min and ranks.size):
+        return idx, mk_final, reverted
+    order = []              # the rows' sensitivity order, made only where the numpy path runs
 
-        def try_raise(rows, alpha):
-            """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
-            got = fused.raise_try(idx_cut, cap_full, slack_full, rows, alpha, wrow, i_max,
-                                  FILL_ITERS) if fused else None
-            if got is not None:         # one compiled loop per row, the same numbers
-                trial, mk = got
-                return trial, mk, mk <= limit[rows]
-            units = all_units[rows]
-            trial = np.empty_like(units)
-            w = wrow[rows]
-            if w.any():                 # each row its objective's way, alone
-                q, a = rows[w], alpha[w]
-                cur = idx_cut[q]
-                t_cur = lookup(t_grid, units[w], cur)
-                top = highest_index_within(t_grid, units[w], t_cur + a[:, None, None] *
-                                            cap_full[q], cur, i_max)
-                trial[w] = water_fill(t_grid, units[w], gains, b_rows()[q], cur, top,
-                                      t_cur.sum(axis=1) + a[:, None] * slack_full[q])
-            if not w.all():
-                if not order:
-                    order.append(np.tile(np.argsort(-sens, axis=1, kind="stable"), (k, 1, 1)))
-                d, a = rows[~w], alpha[~w]
-                trial[~w] = raise_densities(t_grid, units[~w], idx_cut[d],
-                                            a[:, None] * slack_full[d],
-                                            a[:, None, None] * cap_full[d], order[0][d], i_max)
-            mk = simulate(units, trial)[0]
+    def try_raise(rows, alpha):
+        """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
+        got = fused.raise_try(idx_cut, cap_full, slack_full, rows, alpha, wrow, i_max,
+                              FILL_ITERS) if fused else None
+        if got is not None:         # one compiled loop per row, the same numbers
+            trial, mk = got
             return trial, mk, mk <= limit[rows]
+        units = units_all[rows]
+        trial = np.empty_like(units)
+        w = wrow[rows]
+        if w.any():                 # each row its objective's way, alone
+            q, a = rows[w], alpha[w]
+            cur = idx_cut[q]
+            t_cur = lookup(t_grid, units[w], cur)
+            top = highest_index_within(t_grid, units[w], t_cur + a[:, None, None] *
+                                       cap_full[q], cur, i_max)
+            trial[w] = water_fill(t_grid, units[w], ps.gains, ps.b_rows()[q], cur, top,
+                                  t_cur.sum(axis=1) + a[:, None] * slack_full[q])
+        if not w.all():
+            if not order:
+                order.append(np.tile(np.argsort(-c.sens, axis=1, kind="stable"), (k, 1, 1)))
+            d, a = rows[~w], alpha[~w]
+            trial[~w] = raise_densities(t_grid, units[~w], idx_cut[d],
+                                        a[:, None] * slack_full[d],
+                                        a[:, None, None] * cap_full[d], order[0][d], i_max)
+        mk = ps.simulate(units, trial)[0]
+        return trial, mk, mk <= limit[rows]
 
-        trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
+    trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
+    idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
+    ranks = ranks[~ok]
+    # The overshooting rows again with half the slack, then a quarter, ...: a row keeps the
+    # largest alpha that clears (most clear at the first halvings, so only the rows still
+    # over are re-planned); one that clears none keeps its cut-only densities.
+    for alpha in 0.5 ** np.arange(1, RAISE_ROUNDS + 1):
+        if not ranks.size:
+            break
+        trial, mk, ok = try_raise(ranks, np.full(ranks.size, alpha))
         idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
         ranks = ranks[~ok]
-        # The overshooting rows again with half the slack, then a quarter, ...: a row keeps the
-        # largest alpha that clears (most clear at the first halvings, so only the rows still
-        # over are re-planned); one that clears none keeps its cut-only densities.
-        for alpha in 0.5 ** np.arange(1, RAISE_ROUNDS + 1):
-            if not ranks.size:
-                break
-            trial, mk, ok = try_raise(ranks, np.full(ranks.size, alpha))
-            idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
-            ranks = ranks[~ok]
-        reverted[ranks] = True
+    reverted[ranks] = True
+    return idx, mk_final, reverted
 
+
+def _plans(ps: _Pass, candidates, d0: float, band: tuple, raised: tuple) -> list[DSTPlan]:
+    """Step 4: every candidate's plan and report, from the band (static step time, cut step
+    times [k], anchors, bands) and the raise (grid indices, makespans, reverted)."""
+    costs, k, dp, mk0 = ps.costs, ps.k, ps.dp, ps.cache.mk0
+    step0, step1, anchors, bands = band
+    idx, mk_final, reverted = raised
+    _, m, nv = costs.shape
+    i0 = ps.cache.bounds[0]
     plans = []
-    mk_c, idx_c, rev_c = per_candidate(mk_final), idx.reshape(k, dp, slots, pp), \
-        per_candidate(reverted)
+    weights = costs.weights()
+    mk_c, idx_c, rev_c = mk_final.reshape(k, dp), idx.reshape((k, dp) + idx.shape[1:]), \
+        reverted.reshape(k, dp)
     imb0 = float(mk0.max() / mk0.mean()) if mk0.mean() > 0 else 1.0
     dens_c = costs.densities[idx_c].reshape(k, dp, m, nv)
     mean_c, stage_c = _density_stats(dens_c, weights, costs.dense_work)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sim import compiled
-from . import grid_kernels
+from .. import kernels
+from ..kernels.records import Fill
 from .costs import highest_at_most, level_search
 
 _NO_CAP = np.zeros((1, 1, 1))          # the compiled cut reads no float caps
@@ -60,8 +60,8 @@ def cut_densities(t_grid, units, cur_i, excess_s, order, i_min):
 
     t_grid [dp, m, pp, g] seconds; units [k, m, pp] flat unit ids; cur_i [k, m, pp] grid indices.
     """
-    if compiled.enabled():              # one compiled loop, the same numbers
-        return grid_kernels.sensitivity_moves(t_grid.reshape(-1), units, cur_i, excess_s,
+    if kernels.enabled():              # one compiled loop, the same numbers
+        return kernels.grid.sensitivity_moves(t_grid.reshape(-1), units, cur_i, excess_s,
                                               _NO_CAP, order, i_min, False)
     t_cur = lookup(t_grid, units, cur_i)                        # [k, m, pp]
     save_full = t_cur - lookup(t_grid, units, i_min)
@@ -81,8 +81,8 @@ def raise_densities(t_grid, units, cur_i, slack_s, cap_s, order, i_max):
     """Raise densities while each (rank, stage) stays within ``slack_s`` [k, pp] extra seconds
     and each unit within its own float ``cap_s`` [k, m, pp], micro-batches in ``order`` (most
     sensitive first), each at most up to d_max."""
-    if compiled.enabled():              # one compiled loop, the same numbers
-        return grid_kernels.sensitivity_moves(t_grid.reshape(-1), units, cur_i, slack_s,
+    if kernels.enabled():              # one compiled loop, the same numbers
+        return kernels.grid.sensitivity_moves(t_grid.reshape(-1), units, cur_i, slack_s,
                                               cap_s, order, i_max, True)
     t_cur = lookup(t_grid, units, cur_i)
     gain_full = np.minimum(lookup(t_grid, units, i_max) - t_cur, cap_s)
@@ -123,10 +123,10 @@ def water_fill(t_grid, units, gains, b, lo, hi, limit_s):
         return out
     u, b, lo, hi = (np.ascontiguousarray(a[rows, :, stages].T) for a in (units, b, lo, hi))
     limit = limit_s[rows, stages]                                   # [n]
-    if compiled.enabled() and rows.size >= 2:    # the whole search per column, compiled
+    if kernels.enabled() and rows.size >= 2:    # the whole search per column, compiled
         shift, first = gains.columns(stages)
-        out[rows, :, stages] = grid_kernels.water_fill(
-            flat, u, b, lo, hi, limit, gains.flat, shift, first, gains.low, gains.high,
+        out[rows, :, stages] = kernels.grid.water_fill(
+            flat, u, b, lo, hi, limit, Fill.of(gains.flat, shift, first, gains.low, gains.high),
             FILL_ITERS).T
         return out
     at = gains.for_stages(stages, b, lo, hi)     # at(log lambda): each unit's grid index
@@ -179,13 +179,13 @@ class GainIndex:
     def for_stages(self, ranks: np.ndarray, b: np.ndarray, lo: np.ndarray, hi: np.ndarray):
         """at(log_lam) -> [slots, n]: per unit clip(best_index(exp(log_lam) x b), lo, hi), for
         log_lam [n] (one per column), b, lo, hi [slots, n]: column j units of pipeline rank
-        ``ranks[j]`` (one compiled loop where ``sim.compiled`` runs: the same numbers)."""
+        ``ranks[j]`` (one compiled loop where ``kernels`` run: the same numbers)."""
         shift, first = self.columns(ranks)
         low, high = self.low, self.high
 
-        if compiled.enabled():
+        if kernels.enabled():
             def at(log_lam):
-                return grid_kernels.fill_index(self.flat, np.exp(log_lam), b, shift, first, lo, hi,
+                return kernels.grid.fill_index(self.flat, np.exp(log_lam), b, shift, first, lo, hi,
                                            low, high)
             return at
 

@@ -2,7 +2,7 @@
 mean and per-stage density floors and the quality rule, with what does not change between the
 checks computed once.
 
-Where numba runs (``sim.compiled``), a check by grid index first sums the plan's kept work and
+Where numba runs (``kernels.floors``), a check by grid index first sums the plan's kept work and
 quality cost in one compiled pass, in its own order, with a bound on how far any order's sum
 can be from it; only a plan whose sums lie within that bound of a floor is checked again with
 numpy's sums. The verdicts are numpy's either way (a check returns a verdict, never a sum).
@@ -14,92 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sim.compiled import enabled, kernel
+from .. import kernels
 from .costs import UnitCosts
 from .density_means import WeightTotals
-
-_EPS = float(np.finfo(np.float64).eps)   # the kernels' bounds (numba reads it as a constant)
-
-
-def _verdict_of(value, bound, floor):
-    # value >= floor as every summation order within ``bound`` of ``value`` decides it (1 or
-    # 0), or -1 where the orders may disagree (NaN: -1)
-    if value - bound >= floor:
-        return 1
-    if value + bound < floor:
-        return 0
-    return -1
-
-
-def _floors_verdict(grid, idx, w, nv, tot, dense, tot_s, dense_s, mean_floor, stage_floor,
-                    plain, sums):
-    # FloorCheck._floors' verdict on the plan at grid indices idx (1, 0; -1: numpy's sums must
-    # decide): the kept work grid[idx] x w summed per stage (unit u's stage: u mod nv) and,
-    # with ``plain`` (a stage without work: its plain mean), the densities, in an order of
-    # their own. Every term is >= 0 (FloorCheck runs this only then), so a sum of n of them in
-    # any order is within (n - 1) eps x the sum of the exact one, two orders within twice
-    # that, and adding the routed work and dividing by the total round once each. ``sums``
-    # [2 nv]: scratch
-    for k in range(sums.size):
-        sums[k] = 0.0
-    s = 0
-    for u in range(idx.size):
-        j = idx[u]
-        if j < 0 or j >= grid.size:                 # numpy's take raises: left to it
-            return -1
-        d = grid[j]
-        sums[s] += d * w[u]
-        if plain:
-            sums[nv + s] += d
-        s += 1
-        if s == nv:
-            s = 0
-    kept = 0.0
-    for s in range(nv):
-        kept += sums[s]
-    n = idx.size
-    kept += dense
-    mean = kept / tot
-    got = _verdict_of(mean, 6.0 * n * _EPS * kept / tot + 4.0 * _EPS * mean, mean_floor)
-    if got != 1:
-        return got
-    per = n // nv
-    out = 1
-    for s in range(nv):
-        k_s, t_s = sums[s] + dense_s[s], tot_s[s]
-        if not t_s > 0:                             # no work: the plain mean of densities
-            k_s, t_s = sums[nv + s], float(per)
-        value = k_s / t_s
-        got = _verdict_of(value, 6.0 * per * _EPS * k_s / t_s + 4.0 * _EPS * value,
-                          stage_floor)
-        if got == 0:
-            return 0
-        if got < 0:
-            out = -1
-    return out
-
-
-def _quality_verdict(flat, idx, g, nv):
-    # the quality rule's verdict on the plan at grid indices idx, mean over the units' rows of
-    # their stages' costs (flat[stage x g + index]) <= 1e-12 (1, 0; -1: numpy's sums must
-    # decide), from the sum in an order of its own and its terms' magnitudes (numpy sums each
-    # row's stages, then the rows: within (n + rows) eps x the magnitudes of any order's)
-    total, mag, base = 0.0, 0.0, 0
-    for u in range(idx.size):
-        j = idx[u]
-        if j < 0 or j >= g:                         # numpy's take raises: left to it
-            return -1
-        x = flat[base + j]
-        total += x
-        mag += abs(x)
-        base += g
-        if base == nv * g:
-            base = 0
-    rows = max(idx.size // nv, 1)
-    mean = total / rows
-    return _verdict_of(1e-12, 2.0 * (idx.size + rows) * _EPS * mag / rows
-                       + 4.0 * _EPS * abs(mean), mean)      # 1e-12 >= mean
-
 
 class FloorCheck:
     """The critical-path descent's floors (``critical_path.refine_plan``) on a plan, given by
@@ -117,7 +34,7 @@ class FloorCheck:
         self.totals = WeightTotals(costs.weights(), costs.dense_work)
         self.mean_floor, self.stage_floor = mean_floor - 1e-12, stage_floor - 1e-12
         t = self.totals
-        self._fast = enabled() and t.tot > 0 and bool(np.all(t.w >= 0)) and bool(
+        self._fast = kernels.enabled() and t.tot > 0 and bool(np.all(t.w >= 0)) and bool(
             np.all(self.grid > 0)) and (t.dense is None or bool(np.all(t.dense_s >= 0)))
         if self._fast:
             self._w = np.ascontiguousarray(self.totals.w.reshape(-1), dtype=np.float64)
@@ -158,12 +75,12 @@ class FloorCheck:
         return float(np.min(stage)) >= self.stage_floor
 
     def _floors_fast(self, idx: np.ndarray):
-        """``_floors``' verdict from the compiled sums (``_floors_verdict``), or None where
+        """``_floors``' verdict from the compiled sums (``kernels.floors``), or None where
         it needs numpy's."""
         i = np.asarray(idx).reshape(-1)
         if i.dtype != np.int64 or i.size != self._w.size:
             return None
-        got = kernel(_floors_verdict, calls=(_verdict_of,))(
+        got = kernels.floors.floors_verdict(
             self._g, i, self._w, self._nv, self.totals.tot, self._dense, self._tot_s,
             self._dense_s, self.mean_floor, self.stage_floor, self._plain, self._sums)
         return None if got < 0 else bool(got)
@@ -174,19 +91,8 @@ class FloorCheck:
         if self._fast and self._costs is not None:
             i = np.asarray(idx).reshape(-1)
             if i.dtype == np.int64 and i.size == self._w.size:
-                got = kernel(_quality_verdict, calls=(_verdict_of,))(
+                got = kernels.floors.quality_verdict(
                     self._costs, i, self._g.size, self._nv)
                 if got >= 0:
                     return bool(got)
         return self.quality.plan_cost_at(idx, self.grid) <= 1e-12
-
-
-def warm_up() -> None:
-    """``sim.compiled.warm_up`` for this module's sums: compiled (or loaded from numba's disk
-    cache) with the argument types a check passes. Nothing without numba."""
-    if not enabled():
-        return
-    grid, idx, ones = np.array([0.5, 1.0]), np.array([0, 1], dtype=np.int64), np.ones(2)
-    kernel(_floors_verdict, calls=(_verdict_of,))(grid, idx, ones, 2, 2.0, 0.0, ones,
-                                                  np.zeros(2), 0.5, 0.5, True, np.empty(4))
-    kernel(_quality_verdict, calls=(_verdict_of,))(np.zeros(4), idx, 2, 2)

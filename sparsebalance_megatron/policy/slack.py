@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sim import compiled
-from ..sim.waves import WAVE_COLS
-from ..sim.waves import latest_finish as _latest_finish_by_waves
+from .. import kernels
 from ..sim.pipeline import FWD, EventGraph, event_graph
 
 
@@ -52,8 +50,8 @@ def unit_floats_from(g: EventGraph, dur: np.ndarray, ef: np.ndarray, deadline_s,
                      p2p_s: float) -> np.ndarray:
     """The smaller of every unit's forward and backward float (what a unit may grow by), as
     ``floats_from`` gives them, [m * nv, cols] (unit mb x nv + v; ``.T`` is [cols, m * nv])."""
-    if compiled.enabled():                    # one compiled call, the same numbers
-        return compiled.unit_floats(g.links, dur, ef, deadline_s, p2p_s, g.unit_events).T
+    if kernels.enabled():                     # one compiled call, the same numbers
+        return kernels.graph.unit_floats(g.links, dur, ef, deadline_s, p2p_s, g.unit_events).T
     return np.minimum(*_unit_event_floats(g, dur, ef, deadline_s, p2p_s))
 
 
@@ -71,10 +69,8 @@ def latest_finish(g: EventGraph, dur: np.ndarray, deadline_s, p2p_s: float) -> n
     ``deadline_s`` [cols]: before the next event on its rank starts, and before the event that
     waits for it starts (less p2p when that wait crosses ranks)."""
     deadline = np.asarray(deadline_s, dtype=np.float64)
-    if compiled.enabled():                    # one compiled loop, the same numbers
-        return compiled.latest_finish(g.links, dur, deadline, p2p_s)
-    if dur.shape[1] <= WAVE_COLS:           # a few numpy calls per wave, the same numbers
-        return _latest_finish_by_waves(g.waves, dur, deadline, p2p_s)
+    if kernels.enabled():                     # one compiled loop, the same numbers
+        return kernels.graph.latest_finish(g.links, dur, deadline, p2p_s)
     lf = np.empty_like(dur)
     ls = np.empty_like(dur)                          # latest start: lf - dur
     lfs, lss, durs = list(lf), list(ls), list(dur)   # row views made once

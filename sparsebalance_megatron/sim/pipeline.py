@@ -5,8 +5,7 @@ Output: the step time (max over DP ranks of each rank's pipeline makespan), busy
 (dp rank, stage), bubble fraction and imbalance. DST and SAB call ``pipeline_makespan_s`` inside
 their planning loops, so the work is vectorised over the DP axis: the event order of 1F1B does not
 depend on the durations, so it is computed once per (m, pp) and every event is one numpy step over
-``[dp]`` arrays (with few columns every wave of events that wait for none of each other,
-``sim/waves.py``: the same numbers).
+``[dp]`` arrays: the reference of the compiled pass (``kernels.graph``, the same numbers).
 
 Schedule (megatron/core/pipeline_parallel/schedules.py,
 ``forward_backward_pipelining_without_interleaving``), stage s of pp, m micro-batches:
@@ -17,7 +16,7 @@ asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gr
 optimizer and data loading are outside the model.
 
 Pure numpy; must not import torch, megatron or anything else from this package but
-``sim.waves`` (its passes by waves, pure numpy too).
+``kernels`` (the compiled pass, where numba runs).
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import compiled
-from .waves import WAVE_COLS, Waves, build_waves
-from .waves import earliest_finish as _earliest_finish_by_waves
+from .. import kernels
 
 FWD, BWD = 0, 1
 
@@ -196,8 +193,7 @@ class EventGraph:
     unit_rows: np.ndarray           # [E] row of each event in a [2 * m * nv] (kind, mb, v) table
     steps: tuple                    # (e, prev, dep, cross) of every event, in order
     unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
-    waves: Waves                    # the events by depth, for the passes over few columns
-    links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ (``sim.compiled``)
+    links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ (``kernels.graph``)
 
     @property
     def size(self) -> int:
@@ -215,13 +211,11 @@ class EventGraph:
                         start: Optional[np.ndarray] = None) -> np.ndarray:
         """[E, cols] earliest finish of every event (durations ``dur`` [E, cols]): an event
         starts when its rank's previous event and its dependency (+ p2p when it crosses ranks)
-        have finished. Rows are written in place, a few numpy calls per event (a few per wave
-        of independent events, ``sim.waves``, with at most ``WAVE_COLS`` columns: the same
-        numbers); ``start`` ([E, cols], optional) receives every event's start."""
-        if compiled.enabled():                   # one compiled loop: the same numbers
-            return compiled.earliest_finish(self.links, dur, p2p_s, start)
-        if dur.shape[1] <= WAVE_COLS:
-            return _earliest_finish_by_waves(self.waves, dur, p2p_s, start)
+        have finished. One compiled loop where the kernels run (``kernels.graph``), else this
+        reference: rows written in place, a few numpy calls per event (the same numbers);
+        ``start`` ([E, cols], optional) receives every event's start."""
+        if kernels.enabled():                    # one compiled loop: the same numbers
+            return kernels.graph.earliest_finish(self.links, dur, p2p_s, start)
         end = np.empty_like(dur)
         rows, durs = list(end), list(dur)          # row views made once, not per use
         p = float(p2p_s)
@@ -275,7 +269,6 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     return EventGraph(ranks, kinds, mbs, vs, prev_t, dep_t, cross_t, tuple(nxt.tolist()),
                       tuple(succ.tolist()), last, unit_rows,
                       tuple(zip(range(n), prev_t, dep_t, cross_t)), unit_events.reshape(2, -1),
-                      build_waves(prev, dep, crosses, nxt, succ),
                       np.stack([prev, dep, np.asarray(crosses, dtype=np.int64), nxt, succ]))
 
 

@@ -420,9 +420,9 @@ def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
 
 def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
     # the tokens-priced sequential plan (the draft's baseline) slices the segments into bins:
-    # the same micro-batches and rank costs as sequential_pack + _finish, empty bins at the
+    # the same micro-batches and rank costs as sequential_pack + finish_plan, empty bins at the
     # end, and the same refusal when the fill needs more micro-batches than dp x m
-    from sparsebalance_megatron.batching.packing import _costs, _finish, _prepare
+    from sparsebalance_megatron.batching.packing import finish_plan, prepare_samples, sample_costs
     from sparsebalance_megatron.data.packing import sequential_pack
 
     rng = np.random.default_rng(6)
@@ -432,7 +432,7 @@ def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
         n = int(rng.integers(dp, dp * m * 3 // 2 + 2))  # every rank gets a segment
         samples = [(int(i), 0, int(x)) for i, x in enumerate(rng.integers(1, cap, n))]
         try:
-            segs, sizes, *_ = _prepare(samples, dp, m, cap, "split")
+            segs, sizes, *_ = prepare_samples(samples, dp, m, cap, "split")
         except BatchingError:                           # more tokens than dp x m hold
             continue
         try:
@@ -443,7 +443,7 @@ def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
             seen["overflow"] += 1
             continue
         seen["planned"] += 1
-        want = _finish(mbs, "sequential", cap, 0, False, segs, _costs(sizes, None))
+        want = finish_plan(mbs, "sequential", cap, 0, False, segs, sample_costs(sizes, None))
         got = sequential_plan(samples, dp=dp, num_microbatches=m, max_tokens=cap)
         assert got.micro_batches == want.micro_batches, case
         assert np.array_equal(got.predicted_rank_cost_s, want.predicted_rank_cost_s)
@@ -454,7 +454,7 @@ def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
 def test_seeded_order_is_the_lexsort_it_replaces():
     """``seeded_order(tie, *keys)`` is ``np.lexsort((tie,) + keys)`` for a permutation ``tie``:
     float keys with many equal values (and -0.0 beside 0.0), integer keys, one key or two."""
-    from sparsebalance_megatron.batching.packing_kernels import seeded_order
+    from sparsebalance_megatron.batching.plan import seeded_order
 
     rng = np.random.default_rng(3)
     for n in (1, 2, 7, 300, 4500):

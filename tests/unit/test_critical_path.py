@@ -222,35 +222,36 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
 
 def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypatch):
     """With the tables' formula (costs from a latency model, as every draft's) each round's cut
-    and raise preparation run as compiled phases (``descent_kernels``): the plans and step
+    and raise preparation run as compiled phases (``kernels.descent``): the plans and step
     times are still the plain descent's, bit for bit, calibrated (per-rank factors) or not,
     1F1B and interleaved, with p2p latency and raise headroom."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy import descent_kernels
-    from sparsebalance_megatron.sim import compiled
+    from sparsebalance_megatron import kernels
 
-    if not compiled.enabled():
+    if not kernels.enabled():
         pytest.skip("numba is not installed: the compiled phases do not run")
-    calls = []
-    real = descent_kernels.Round.cut
+    from sparsebalance_megatron.policy.critical_path import _Step
 
-    def checked_cut(self, dur, ef, f, b, idx, t_min, target, limit, fracs, scale):
+    calls, now = [], {}
+    real = kernels.descent.Round.cut
+
+    def checked_cut(self, plan, t_min, target, limit, fracs, scale):
         """Every cut, also the ones that start from the last round's search, is the search
         from scratch's (``_Step.cut_fit`` on the on-path units)."""
         warm = self._was[0].size > 0
-        got = real(self, dur, ef, f, b, idx, t_min, target, limit, fracs, scale)
-        st = self.st
+        got = real(self, plan, t_min, target, limit, fracs, scale)
+        st, dur, ef = now["step"], plan.dur, plan.ef
         on = np.flatnonzero(st.floats(dur, ef, np.full(dur.shape[1], target)).reshape(-1) < 0)
         ranks, col, fits, _, mk, dur_p, ef_p, cut_i = st.cut_fit(
-            dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], st.c.index_of(DMIN),
+            dur, on, (plan.f + plan.b)[on], t_min[on], plan.idx[on], st.c.index_of(DMIN),
             np.full(dur.shape[1], limit))
         for x, y in zip(got, (on, ranks, col, fits, mk, dur_p, ef_p, cut_i)):
             np.testing.assert_array_equal(x, y)
         calls.append(warm)
         return got
 
-    monkeypatch.setattr(descent_kernels.Round, "cut", checked_cut)
+    monkeypatch.setattr(kernels.descent.Round, "cut", checked_cut)
     rng = np.random.default_rng(5)
     grid = density_grid(D0, DMIN, DMAX)
     accepted = 0
@@ -275,6 +276,7 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
             return weighted_mean_density(d, w) >= floor
 
         kw = dict(p2p_s=0.002 * (case % 2), raise_headroom=0.05 * (case % 4 == 3))
+        now["step"] = _Step(costs, kw["p2p_s"])
         got, step = descend(costs, start, i_min, i_max, meets=meets, floors=meets, **kw)
         want, want_step = _plain_descend(costs, start, i_min, i_max, meets=meets, **kw)
         np.testing.assert_array_equal(got, want)

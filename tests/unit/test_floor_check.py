@@ -13,9 +13,9 @@ from test_policy_dst import _quality, synthetic_costs
 def _counting(monkeypatch, cls, name: str) -> tuple:
     """(calls, the method as it was): ``cls.name`` patched to count its calls, the numba
     kernels' fall-back to numpy's sums; skipped without numba (every check is numpy's)."""
-    from sparsebalance_megatron.sim import compiled
+    from sparsebalance_megatron import kernels
 
-    if not compiled.enabled():
+    if not kernels.enabled():
         pytest.skip("numba is not installed: every check is numpy's")
     calls, real = [], getattr(cls, name)
 

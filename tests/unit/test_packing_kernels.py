@@ -1,4 +1,4 @@
-"""SAB's compiled packing loops (``batching.packing_kernels``) make the Python loops' decisions:
+"""SAB's compiled packing loops (``kernels.packing``) make the Python loops' decisions:
 the same LPT ranks, contiguous bins, slots and compensated sums, so a plan does not depend on
 whether numba is installed."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.batching import packing, packing_kernels
+from sparsebalance_megatron import kernels
+from sparsebalance_megatron.batching import packing
 from sparsebalance_megatron.batching.packing import sab_plan, token_balanced_plan
-from sparsebalance_megatron.sim import compiled
 
-pytestmark = pytest.mark.skipif(not packing_kernels.usable(),
+pytestmark = pytest.mark.skipif(not kernels.packing_enabled(),
                                 reason="numba is not installed (or Python < 3.12)")
 
 
@@ -20,8 +20,8 @@ def python_paths(monkeypatch):
     """Call ``fn`` with the compiled kernels off (the Python loops)."""
     def run(fn, *args, **kwargs):
         with monkeypatch.context() as m:
-            m.setattr(compiled, "enabled", lambda: False)
-            assert not packing_kernels.usable()
+            m.setattr(kernels, "enabled", lambda: False)
+            assert not kernels.packing_enabled()
             return fn(*args, **kwargs)
     return run
 
@@ -30,7 +30,7 @@ def test_compensated_sum_is_pythons_sum():
     """``_py_sum`` is CPython's sum() of floats (Neumaier's compensation, added only where
     non-zero and finite): on sums whose plain left-to-right total differs, magnitudes far
     apart, cancellations and an overflow."""
-    fn = compiled.kernel(packing_kernels._py_sum)
+    fn = kernels.packing.py_sum
     rng = np.random.default_rng(0)
     differ = 0
     for case in range(300):
@@ -98,14 +98,14 @@ def test_lpt_and_bins_match_the_python_loops_step_by_step(python_paths):
         ties += case % 2
         order = np.lexsort((rng.permutation(n), -cost))
         want = packing._lpt_ranks(cost, size, order, dp, m * cap)
-        got = packing_kernels.lpt_ranks(cost, size, order, dp, m * cap)
+        got = kernels.packing.lpt_ranks(cost, size, order, dp, m * cap)
         assert (got is None) == (want is None), case
         if want is None:
             continue
         np.testing.assert_array_equal(got, want)
         by_rank = np.lexsort((rng.random(n), want))
         starts = np.r_[0, np.cumsum(np.bincount(want, minlength=dp))]
-        bin_of, slot_of, ok = packing_kernels.rank_bins(by_rank, starts, size, cost, m, cap,
+        bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, size, cost, m, cap,
                                                         True)
         for r in range(dp):
             items = by_rank[starts[r]:starts[r + 1]].tolist()
@@ -124,14 +124,14 @@ def test_lpt_and_bins_match_the_python_loops_step_by_step(python_paths):
 
 
 def test_the_kernels_warm_up():
-    packing_kernels.warm_up()
-    assert {"_lpt", "_rank_bins"} <= {k[1] for k in compiled._KERNELS}
+    kernels.packing.warm_up()
+    assert all(kernels.packing.__dict__[k].signatures for k in ("lpt_pass", "rank_bins_pass"))
 
 
 def test_sequential_starts_are_megatrons_fill():
     """The compiled fill opens a bin exactly where ``data.packing.sequential_bins`` does (exact
     fits, a segment of the whole capacity, one segment), and names a segment over it alike."""
-    from sparsebalance_megatron.batching.packing_kernels import sequential_starts
+    from sparsebalance_megatron.kernels.packing import sequential_starts
     from sparsebalance_megatron.data.packing import sequential_bins
 
     rng = np.random.default_rng(4)

@@ -5,12 +5,12 @@ The runtime's draft (``step/drafting.py``: SAB's and the baseline's packing, the
 under the do-no-harm rule with the default flags, and with DST on the chosen packing only) is run
 on fixed steps of the built-in corpus, and what its time goes into is counted: the simulator's and
 the float pass's Python steps over events (``EventGraph.earliest_finish``, ``slack.latest_finish``:
-events x calls, or waves x calls for the passes that go a wave at a time, ``sim.waves``), the cells
+events x calls), the cells
 they write (events x columns) and the grid searches' gathered elements (``highest_at_most``,
 ``level_search``). Each must stay within [0.5, 1.5] x ``REFERENCE``: a change that doubles the work
 fails; one that halves it fails too, and then ``REFERENCE`` is updated with the figures the failure
 prints (the drop is worth a commit message). The counts are taken on the numpy paths
-(``sim.compiled`` off): the planning algorithm's work, event by event, which the compiled kernels
+(``kernels`` off): the planning algorithm's work, event by event, which the compiled kernels
 do in fewer steps and the same numbers. Wall-clock figures of the same draft are ``scripts/bench.py
 planner_cost``'s.
 """
@@ -22,16 +22,17 @@ import pytest
 
 from sparsebalance_megatron.policy import costs as costs_mod
 from sparsebalance_megatron.policy import critical_path, dst_moves, slack
-from sparsebalance_megatron.sim import compiled, pipeline, waves
+from sparsebalance_megatron import kernels
+from sparsebalance_megatron.sim import pipeline
 
 # (dp, m, layout, --sb-stand-down-compare) -> counts per step (the mean over STEPS steps) of the
 # draft with the default flags otherwise; the default compare ('planned') plans DST on both
 # packings, 'static' on one (about half the work)
 REFERENCE = {
-    (16, 16, "even", "planned"): {"event_steps": 5047, "cells": 601024, "searched": 54940},
-    (16, 16, "best", "planned"): {"event_steps": 5397, "cells": 499840, "searched": 36642},
-    (16, 16, "even", "static"): {"event_steps": 2693, "cells": 318656, "searched": 23168},
-    (16, 16, "best", "static"): {"event_steps": 3029, "cells": 284032, "searched": 19500},
+    (16, 16, "even", "planned"): {"event_steps": 11392, "cells": 460288, "searched": 41977},
+    (16, 16, "best", "planned"): {"event_steps": 14848, "cells": 478208, "searched": 35811},
+    (16, 16, "even", "static"): {"event_steps": 5760, "cells": 249024, "searched": 19102},
+    (16, 16, "best", "static"): {"event_steps": 6400, "cells": 271744, "searched": 19500},
 }
 STEPS = 2
 
@@ -41,18 +42,15 @@ def _count(monkeypatch) -> dict:
 
     ef = pipeline.EventGraph.earliest_finish
 
-    def steps(g, dur):
-        return len(g.waves.steps) if dur.shape[1] <= waves.WAVE_COLS else g.size
-
     def earliest_finish(self, dur, p2p_s, start=None):
-        n["event_steps"] += steps(self, dur)
+        n["event_steps"] += self.size
         n["cells"] += dur.size
         return ef(self, dur, p2p_s, start)
 
     lf = slack.latest_finish
 
     def latest_finish(g, dur, deadline_s, p2p_s):
-        n["event_steps"] += steps(g, dur)
+        n["event_steps"] += g.size
         n["cells"] += dur.size
         return lf(g, dur, deadline_s, p2p_s)
 
@@ -71,7 +69,7 @@ def _count(monkeypatch) -> dict:
             return ok(mid)
         return ls(lo, hi, counted)
 
-    monkeypatch.setattr(compiled, "enabled", lambda: False)      # the algorithm's own steps
+    monkeypatch.setattr(kernels, "enabled", lambda: False)      # the algorithm's own steps
     monkeypatch.setattr(pipeline.EventGraph, "earliest_finish", earliest_finish)
     monkeypatch.setattr(slack, "latest_finish", latest_finish)
     for mod in (critical_path, dst_moves):

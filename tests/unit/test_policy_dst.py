@@ -324,20 +324,20 @@ def test_floor_search_passes_share_the_static_simulation_exactly():
     static plan's simulation, anchors, the compiled pass's tables and orders, the quality
     water-filling's index): each candidate's plan is the one a fresh pass gives, for either
     objective and for passes that mix them."""
-    from sparsebalance_megatron.policy.dst import plan_dst_candidates
+    from sparsebalance_megatron.policy.dst import BandCache, plan_dst_candidates
 
     costs = synthetic_costs(4, 6, 3, seed=7, lm_head=2.0)
     sens = np.random.default_rng(7).random((4, 6))
     q = _quality(3)
     for water in (None, [True], [False, True, True, False]):
-        shared: dict = {}
+        shared = BandCache()
         for cands in ([("mean", 0.1)], [("max", 0.1), ("mean", 0.3), ("median", 1.0),
                                         ("mean", 0.1)]):
             w = None if water is None else (water * 4)[:len(cands)]
             kw = dict(quality=None if water is None else q, water=w)
             got = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, cands, 1e-3, 0.1,
-                                      _static=shared, **kw)
-            assert "mk0" in shared
+                                      cache=shared, **kw)
+            assert shared.mk0 is not None
             for c, p in enumerate(got):
                 alone = dict(quality=kw["quality"], water=None if w is None else [w[c]])
                 want = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, [cands[c]], 1e-3, 0.1,
@@ -351,7 +351,7 @@ def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
     (what ``plan_dst_with_floor``'s lock-step band searches send) gives every candidate the
     plan, bit for bit, of a pass of its objective alone (interleaved too, p2p, headroom)."""
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy.dst import plan_dst_candidates
+    from sparsebalance_megatron.policy.dst import BandCache, plan_dst_candidates
 
     for case, (dp, m, ranks, vp) in enumerate([(4, 6, 3, 1), (3, 4, 2, 2), (5, 8, 4, 1)]):
         costs = synthetic_costs(dp, m, ranks * vp, seed=40 + case, lm_head=2.0)
@@ -392,7 +392,7 @@ def test_quality_water_filling_spreads_cuts_over_equal_micro_batches():
     """Four identical micro-batches on a heavy last stage: the order rule cuts the least
     sensitive ones to d_min and leaves the rest; quality water-filling cuts all of them to
     about the same density (convex cost: no starved micro-batch) and sheds the same excess."""
-    from sparsebalance_megatron.policy.dst import plan_dst_candidates
+    from sparsebalance_megatron.policy.dst import BandCache, plan_dst_candidates
     g = density_grid(D0, DMIN, DMAX)
     fixed = np.ones((1, 4, 2))
     fixed[..., 1] += 0.6                                   # LM-head stage
@@ -441,7 +441,7 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
     less room to raise the other stages than the order rule's concentrated cut: then the
     quality objective returns the order plan, which the quality cost prefers."""
     from sparsebalance_megatron.policy import plan_dst_with_floor
-    from sparsebalance_megatron.policy.dst import _plan_with_floor
+    from sparsebalance_megatron.policy.dst import BandCache, _plan_with_floor
     rng = np.random.default_rng(11)
     swapped = 0
     for case in range(40):
@@ -450,7 +450,8 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
         sens, q = rng.random((dp, m)), _quality(pp)
         kw = dict(anchor="mean", tolerance=0.1, p2p_s=0.0, density_floor=0.9, search_steps=6,
                   raise_headroom=0.0, stage_density_floor=0.75, raise_to="static")
-        filled = _plan_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, static={}, **kw)
+        filled = _plan_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, static=BandCache(),
+                                  **kw)
         order = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
         plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
         c_f, c_o = q.plan_cost(filled.densities), q.plan_cost(order.densities)

@@ -68,17 +68,12 @@ def warm_up_kernels() -> None:
     instead of in a step: the planner process before it says ready, the training process
     before its first step (its reports and layout check simulate too). Nothing without
     numba."""
-    from ...batching import packing_kernels, slot_kernels
-    from ...latency import features
-    from ...policy import band_kernels, descent_kernels, floors, grid_kernels
-    from ...sim import compiled, fit_kernels
+    from ... import kernels
 
     try:
-        for module in (compiled, fit_kernels, grid_kernels, band_kernels, descent_kernels,
-                       floors, features, packing_kernels, slot_kernels):
-            module.warm_up()
+        kernels.warm_up()
     except Exception as e:      # a numba that cannot compile here: numpy, the same plans
-        compiled.disable(f"{type(e).__name__}: {e}")
+        kernels.disable(f"{type(e).__name__}: {e}")
 
 
 def _import_draft_modules() -> None:

@@ -1,23 +1,25 @@
-"""Compiled forms of the planner's grid look-ups (``sim.compiled``'s loader; numba when
-installed): ``policy.costs.highest_at_most`` (general and the [k, n] rows of the descent's and
-DST's candidates), ``policy.dst_moves.GainIndex``'s water-filling index and
-``UnitCosts.from_latency``'s tables. Each does the numpy path's operations per element (the
-binary lifting's schedule, a multiply, an add, comparisons), so the results are the numpy
-path's bit for bit (``tests/unit/test_compiled_kernels.py``). Callers check
-``compiled.enabled()`` first.
+"""Compiled forms of the planner's grid look-ups: ``policy.costs.highest_at_most`` (general
+and the [k, n] rows of the descent's and DST's candidates), ``policy.dst_moves.GainIndex``'s
+water-filling index and ``UnitCosts.from_latency``'s tables. Each does the numpy path's
+operations per element (the binary lifting's schedule, a multiply, an add, comparisons), so
+the results are the numpy path's bit for bit (``tests/unit/test_compiled_kernels.py``). Callers check
+``kernels.enabled()`` first.
 
-Pure numpy and numba; must not import torch or megatron.
+Pure numpy and numba; must not import torch, megatron or anything else from this package but
+``kernels``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..sim.compiled import _c, kernel
-from ..sim.fit_kernels import _unit_seconds
+from . import f64, i64, jit
+from .records import FILL_GRID, Fill
+from .fit import unit_seconds
 
 
-def _lifted(flat, first, last, lim, step):
+@jit
+def lifted(flat, first, last, lim, step):
     # highest_at_most's binary lifting of one element: steps of step, step / 2, ... 1 from
     # first - 1, each kept where the entry at the probe (clamped to last) is <= lim; then
     # clamped to [first, last]
@@ -36,22 +38,25 @@ def _lifted(flat, first, last, lim, step):
     return pos
 
 
-def _highest_at_most(flat, first, last, limit, step):
+@jit
+def highest_at_most_pass(flat, first, last, limit, step):
     out = np.empty(first.size, dtype=np.int64)
     for i in range(first.size):
-        out[i] = _lifted(flat, first[i], last[i], limit[i], step)
+        out[i] = lifted(flat, first[i], last[i], limit[i], step)
     return out
 
 
-def _highest_rows(flat, first, last, limit, step):
+@jit
+def highest_rows_pass(flat, first, last, limit, step):
     k, n = limit.shape
     out = np.empty((k, n), dtype=np.int64)
     for j in range(n):                           # unit by unit: its row stays in cache
         for c in range(k):
-            out[c, j] = _lifted(flat, first[j], last[j], limit[c, j], step)
+            out[c, j] = lifted(flat, first[j], last[j], limit[c, j], step)
     return out
 
 
+@jit
 def _gain_q(x, shift, low, high):
     # _gain_index's search key: clip(-x, low, high) + shift, as np.maximum / np.minimum clip
     # (NaN stays NaN)
@@ -63,6 +68,7 @@ def _gain_q(x, shift, low, high):
     return q + shift
 
 
+@jit
 def _position(flat, q, a, z):
     # searchsorted(flat, q, side="right") within [a, z], which holds it
     while a < z:
@@ -74,6 +80,7 @@ def _position(flat, q, a, z):
     return a
 
 
+@jit
 def _clipped(pos, first, lo, hi):
     i = pos - first
     if i < lo:
@@ -83,6 +90,7 @@ def _clipped(pos, first, lo, hi):
     return i
 
 
+@jit
 def _gain_index(flat, x, shift, first, lo, hi, low, high):
     # GainIndex's grid index of one unit at x = lambda x b: clip(-x, low, high) + shift searched
     # (side right) in the stages' tables, less the stage's first entry, clipped to [lo, hi];
@@ -91,10 +99,10 @@ def _gain_index(flat, x, shift, first, lo, hi, low, high):
     return _clipped(flat.size if q != q else _position(flat, q, 0, flat.size), first, lo, hi)
 
 
-_GAIN_CALLS = (_gain_q, _position, _clipped, _gain_index)   # compiled in this order
 
 
-def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
+@jit
+def fill_index_pass(flat, e, b, shift, first, lo, hi, low, high):
     slots, n = b.shape
     out = np.empty((slots, n), dtype=np.int64)
     for s in range(slots):
@@ -104,7 +112,8 @@ def _fill_index(flat, e, b, shift, first, lo, hi, low, high):
     return out
 
 
-def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, iters, out):
+@jit
+def water_fill_pass(t, u, b, lo, hi, limit, fill, iters, out):
     # per column j (a (row, stage) pair): the bisection on log lambda over the grid
     # -20 + 40 k / 4096 (exps[k] its exp), then the common level; totals summed over the
     # slots in order from the first, as numpy sums a [slots, n >= 2] array over axis 0. The
@@ -115,6 +124,7 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
     # >= 0 searches each unit only between its positions at the bisection's two ends, and not
     # at all once both ends clip to the same grid index (the clip is monotone: every position
     # between gives that index; most units' [lo, hi] are a few grid steps)
+    flat, shift, first, low, high, exps = fill
     n, slots = u.shape
     fit = np.empty(slots, dtype=np.int64)
     over = np.empty(slots, dtype=np.int64)
@@ -192,22 +202,24 @@ def _water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, exps, ite
             out[j, s] = fit[s] if fit[s] > i else i
 
 
-def _unit_tables(work, per_pair, fixed, corr, scale, out, total):
+@jit
+def unit_tables_pass(work, per_pair, fixed, corr, scale, out, total):
     # out[k] (k = 0 forward, 1 backward) as the numpy passes make it, and total = out[0] + out[1]
     n, pp, g = out.shape[1:]
     for i in range(n):
         for s in range(pp):
             c = corr[i, s]
             for j in range(g):
-                v, u = _unit_seconds(work[i, j], per_pair[0, s], per_pair[1, s],
+                v, u = unit_seconds(work[i, j], per_pair[0, s], per_pair[1, s],
                                      fixed[0, i, s], fixed[1, i, s], c, scale)
                 out[0, i, s, j] = v
                 out[1, i, s, j] = u
                 total[i, s, j] = v + u
 
 
-def _moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
-    # _sensitivity_moves on one row ([slots, pp]; budget [pp]) with budget x a and cap x a
+@jit
+def moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
+    # sensitivity_moves_pass on one row ([slots, pp]; budget [pp]) with budget x a and cap x a
     # (the numpy path's products; a = 1 leaves them as they are): the micro-batches in
     # ``order``, the running sum as np.cumsum makes it (c_0 = x_0, c_j = c_(j-1) + x_j) less
     # the unit's own, minima as np.minimum (NaN wins); a unit that moves takes the highest
@@ -252,11 +264,12 @@ def _moves_row(flat, u, cur, budget, cap, a, order, bound, raising, out):
             out[j, p] = lo
 
 
-def _sensitivity_moves(flat, units, cur, budget, cap, order, bound, raising, out):
+@jit
+def sensitivity_moves_pass(flat, units, cur, budget, cap, order, bound, raising, out):
     # dst_moves.cut_densities (raising False: budget the seconds to shed, bound i_min) and
     # raise_densities (True: budget the slack, cap each unit's float, bound i_max), row by row
     for r in range(units.shape[0]):
-        _moves_row(flat, units[r], cur[r], budget[r], cap[r] if raising else cap[0], 1.0,
+        moves_row(flat, units[r], cur[r], budget[r], cap[r] if raising else cap[0], 1.0,
                    order[r], bound, raising, out[r])
 
 
@@ -266,9 +279,8 @@ def sensitivity_moves(flat, units, cur, budget, cap, order, bound: int, raising:
     compiled loop: [k, m, pp] grid indices (``units``, ``cur``, ``cap``, ``order`` [k, m, pp];
     ``budget`` [k, pp]; ``bound`` i_min or i_max)."""
     out = np.empty(units.shape, dtype=np.int64)
-    moves = kernel(_sensitivity_moves, calls=(_moves_row,))
-    moves(_c(flat, np.float64), _c(units, np.int64), _c(cur, np.int64), _c(budget, np.float64),
-          _c(cap, np.float64), _c(order, np.int64), int(bound), bool(raising), out)
+    sensitivity_moves_pass(f64(flat), i64(units), i64(cur), f64(budget), f64(cap), i64(order),
+                           int(bound), bool(raising), out)
     return out
 
 
@@ -277,18 +289,14 @@ def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit
     """Flat positions [n] of ``policy.costs.highest_at_most``: per element the highest position
     in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
     2``, ... 1 from first - 1 (the numpy path's schedule)."""
-    lift = kernel(_highest_at_most, calls=(_lifted,))
-    return lift(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
-                _c(limit, np.float64), int(step))
+    return highest_at_most_pass(f64(flat), i64(first), i64(last), f64(limit), int(step))
 
 
 def highest_rows(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
                  step: int) -> np.ndarray:
     """``highest_at_most`` for limits [k, n] over the same n units (``first``, ``last`` [n]):
     [k, n] flat positions, unit by unit."""
-    lift = kernel(_highest_rows, calls=(_lifted,))
-    return lift(_c(flat, np.float64), _c(first, np.int64), _c(last, np.int64),
-                _c(limit, np.float64), int(step))
+    return highest_rows_pass(f64(flat), i64(first), i64(last), f64(limit), int(step))
 
 
 def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray,
@@ -298,10 +306,8 @@ def fill_index(flat: np.ndarray, e: np.ndarray, b: np.ndarray, shift: np.ndarray
     (``e`` [n], exp of its log): per unit clip(-(e x b), low, high) + shift searched (side
     right) in the stages' gain tables laid end to end (``flat``, ``GainIndex``), less the
     stage's first entry, clipped to [lo, hi]; every array [slots, n] but ``flat`` and ``e``."""
-    fill = kernel(_fill_index, calls=_GAIN_CALLS)
-    return fill(_c(flat, np.float64), _c(e, np.float64), _c(b, np.float64),
-                _c(shift, np.float64), _c(first, np.int64), _c(lo, np.int64), _c(hi, np.int64),
-                float(low), float(high))
+    return fill_index_pass(f64(flat), f64(e), f64(b), f64(shift), i64(first), i64(lo), i64(hi),
+                           float(low), float(high))
 
 
 def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr: np.ndarray,
@@ -310,28 +316,14 @@ def unit_tables(work: np.ndarray, per_pair: np.ndarray, fixed: np.ndarray, corr:
     x corr [n, stages] (the last factor only with ``scale``), forward then backward, and
     ``total`` [n, stages, g] = forward + backward, in place: ``UnitCosts.from_latency``'s
     passes and the costs' total as one (each element the same multiply, add, multiply, add)."""
-    kernel(_unit_tables, calls=(_unit_seconds,))(_c(work, np.float64), _c(per_pair, np.float64),
-                         _c(fixed, np.float64), _c(corr, np.float64), bool(scale), out, total)
+    unit_tables_pass(f64(work), f64(per_pair), f64(fixed), f64(corr), bool(scale), out, total)
 
 
-FILL_GRID = 4096
-"""water-filling's bisection on log lambda in [-20, 20] visits -20 + 40 k / FILL_GRID only"""
-_EXPS: list = []
-
-
-def fill_exps() -> np.ndarray:
-    """exp of every log lambda on water-filling's bisection grid, -20 + 40 k / FILL_GRID (made
-    once per process)."""
-    if not _EXPS:
-        _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
-    return _EXPS[0]
-
-
-def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int) -> np.ndarray:
+def water_fill(t, u, b, lo, hi, limit, fill: Fill, iters: int) -> np.ndarray:
     """``policy.dst_moves.water_fill``'s search for n >= 2 (row, stage) columns, [slots, n]
     arrays (``u`` the units' table offsets, ``b`` their seconds per unit of density, ``lo`` /
-    ``hi`` their grid bounds; ``flat``, ``shift``, ``first``, ``low``, ``high``: ``GainIndex``'s
-    search), limits [n]: ``iters`` bisection steps, then the common level. The lambdas' exps are
+    ``hi`` their grid bounds; ``fill``: ``GainIndex``'s search, its shift and first [slots,
+    n]), limits [n]: ``iters`` bisection steps, then the common level. The lambdas' exps are
     numpy's (one table of the grid's); totals are summed as numpy sums the [slots, n] gather
     over axis 0 (in order from the first slot; with n = 1 numpy sums pairwise: not here)."""
     if u.shape[1] < 2 or not 0 <= iters <= FILL_GRID.bit_length() - 1:
@@ -339,23 +331,15 @@ def water_fill(t, u, b, lo, hi, limit, flat, shift, first, low, high, iters: int
                          f">= 2 columns and at most {FILL_GRID.bit_length() - 1} steps (the "
                          f"bisection's lambdas must stay on the grid)")
     out = np.empty(u.shape[::-1], dtype=np.int64)                  # the kernel's [n, slots]
-    fill = kernel(_water_fill, calls=_GAIN_CALLS)
-    fill(_c(t, np.float64), *(np.ascontiguousarray(a.T, dtype=d) for a, d in (
-         (u, np.int64), (b, np.float64), (lo, np.int64), (hi, np.int64))),
-         _c(limit, np.float64), _c(flat, np.float64),
-         *(np.ascontiguousarray(a.T, dtype=d) for a, d in ((shift, np.float64),
-                                                           (first, np.int64))),
-         float(low), float(high), fill_exps(), int(iters), out)
+    cols = fill._replace(shift=f64(fill.shift.T), first=i64(fill.first.T))
+    water_fill_pass(f64(t), i64(u.T), f64(b.T), i64(lo.T), i64(hi.T), f64(limit), cols,
+                    int(iters), out)
     return out.T
 
 
 def warm_up() -> None:
-    """``sim.compiled.warm_up`` for this module's kernels: each compiled (or loaded from the
-    disk cache) with the argument types the planner passes, on one or two units."""
-    from ..sim import compiled
-
-    if not compiled.enabled():
-        return
+    """``kernels.warm_up`` for this room's kernels: each compiled (or loaded from the disk
+    cache) with the argument types the planner passes, on one or two units."""
     i64 = np.int64
     flat, zero = np.arange(4.0), np.zeros(1, dtype=i64)
     highest_at_most(flat, zero, np.array([3], dtype=i64), np.array([1.5]), 2)
@@ -365,7 +349,7 @@ def warm_up() -> None:
     fill_index(flat, np.ones(2), cols["b"], cols["shift"], cols["first"], cols["lo"],
                cols["hi"], 0.0, 1.0)
     water_fill(flat, np.zeros((1, 2), dtype=i64), cols["b"], cols["lo"], cols["hi"],
-               np.ones(2), flat, cols["shift"], cols["first"], 0.0, 1.0, 12)
+               np.ones(2), Fill.of(flat, cols["shift"], cols["first"], 0.0, 1.0), 12)
     for raising in (False, True):
         sensitivity_moves(flat, np.zeros((1, 1, 1), dtype=i64), np.ones((1, 1, 1), dtype=i64),
                           np.ones((1, 1)), np.ones((1, 1, 1)), np.zeros((1, 1, 1), dtype=i64),

@@ -1,28 +1,29 @@
-"""The local search of ``batching.slots.arrange_slots`` compiled, where numba is installed
-(``sim.compiled``'s loader): every round's candidate rows (the critical rank's heaviest
-micro-batches moved, neighbouring slots swapped, swaps with the least loaded ranks), their
-makespans and the move taken, in one loop instead of a dozen numpy calls per round.
+"""The local search of ``batching.slots.arrange_slots`` compiled: every round's candidate rows
+(the critical rank's heaviest micro-batches moved, neighbouring slots swapped, swaps with the
+least loaded ranks), their makespans and the move taken, in one loop instead of a dozen numpy
+calls per round.
 
 The candidates are ``slots._candidates``' rows in the same order (stable orders: ties to the
 lower index), a row's seconds are the same products (a micro-batch's per-stage seconds times its
 rank's scale) laid out as ``EventGraph.durations`` lays them out, and the makespan is the
-simulator's (``sim.row_kernels``: ``sim.compiled``'s event loop on one column), so the slots and
+simulator's (``kernels.graph.events_makespan``: the event loop on one column), so the slots and
 makespans are the numpy path's bit for bit (``tests/unit/test_batching_slots.py``).
 
-Pure numpy and numba; must not import torch or megatron.
+Pure numpy and numba; must not import torch, megatron or anything else from this package but
+``kernels`` (its warm-up builds a draft's own event graph: ``sim.pipeline``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..sim import compiled
-from ..sim.compiled import _c, _start, kernel
-from ..sim.pipeline import event_graph
-from ..sim.row_kernels import _events_makespan
+from . import f64, i64, jit
+from .graph import events_makespan
+from .records import Graph
 
 
-def _row_span(fu, bu, sc, row, rank, unit_rows, prev, dep, cross, last, p, both, end):
+@jit
+def _row_span(graph, fu, bu, sc, row, rank, both, end):
     # pipeline_makespan_s of micro-batches ``row`` [m] (rows of fu, bu [dp * m, nv]) on rank
     # ``rank`` (their seconds x sc[rank])
     m, nv = row.size, fu.shape[1]
@@ -31,9 +32,10 @@ def _row_span(fu, bu, sc, row, rank, unit_rows, prev, dep, cross, last, p, both,
         for v in range(nv):
             both[s * nv + v] = fu[row[s], v] * sc[rank, v]
             both[n + s * nv + v] = bu[row[s], v] * sc[rank, v]
-    return _events_makespan(both, unit_rows, prev, dep, cross, last, p, end)
+    return events_makespan(graph, both, end)
 
 
+@jit
 def _heaviest(cost, own, k, out):
     # np.argsort(-cost[own], kind="stable")[:k]: the k heaviest slots, ties to the lower slot
     m = own.size
@@ -49,9 +51,12 @@ def _heaviest(cost, own, k, out):
     return n
 
 
-def _rounds(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, partners, min_gain,
-            unit_rows, prev, dep, cross, last, p):
-    # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place
+@jit
+def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
+    # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place (``moves``:
+    # its insertion and neighbour tables; ``rules``: rounds, heavy moves, partners, min gain)
+    ins, nb = moves
+    rounds, heavy_moves, partners, min_gain = rules
     dp, m = slots.shape
     n_max = heavy_moves * (m - 1) + (m - 1) + 2 * partners * m
     rows = np.empty((n_max, m), dtype=np.int64)
@@ -60,7 +65,7 @@ def _rounds(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, partner
     got = np.empty(n_max)
     heavy = np.empty(heavy_moves, dtype=np.int64)
     both = np.empty(2 * m * fu.shape[1])
-    end = np.empty(unit_rows.size)
+    end = np.empty(graph.unit_rows.size)
     for _ in range(rounds):
         r = 0
         for i in range(1, dp):                   # np.argmax: the first largest
@@ -106,8 +111,7 @@ def _rounds(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, partner
         if k == 0:
             break
         for i in range(k):
-            got[i] = _row_span(fu, bu, sc, rows[i], ranks[i], unit_rows, prev, dep, cross,
-                               last, p, both, end)
+            got[i] = _row_span(graph, fu, bu, sc, rows[i], ranks[i], both, end)
         best, best_v = 0, 0.0
         for i in range(k):                       # a swap is worth the larger of its makespans
             v = got[i]
@@ -124,30 +128,23 @@ def _rounds(fu, bu, sc, cost, slots, span, ins, nb, rounds, heavy_moves, partner
                 span[ranks[i]] = got[i]
 
 
-def search(fu, bu, sc, cost, slots, span, ins, nb, p2p_s: float, pp: int, rounds: int,
-           heavy_moves: int, partners: int, min_gain: float) -> bool:
+def search(graph: Graph, fu, bu, sc, cost, slots, span, moves: tuple, rules: tuple) -> None:
     """``arrange_slots``' local search compiled, on ``slots`` [dp, m] and ``span`` [dp] in
-    place (the other arguments as ``arrange_slots`` makes them); False where the kernels do not
-    run (nothing done: the caller runs its numpy rounds)."""
-    if not compiled.enabled():
-        return False
-    m, nv = slots.shape[1], fu.shape[1]
-    g = event_graph(m, pp, nv // pp)
-    links = g.links
-    kernel(_rounds, calls=(_start, _events_makespan, _row_span, _heaviest))(
-        _c(fu, np.float64), _c(bu, np.float64), _c(sc, np.float64), _c(cost, np.float64),
-        slots, span, _c(ins, np.int64), _c(nb, np.int64), int(rounds), int(heavy_moves),
-        int(partners), float(min_gain), _c(g.unit_rows, np.int64), links[0], links[1],
-        links[2], _c(g.last, np.int64), float(p2p_s))
-    return True
+    place (``graph``: the ``Graph`` record of a rank's m micro-batches; ``moves``: (insertions,
+    neighbours); ``rules``: (rounds, heavy moves, partners, min gain); the others as
+    ``arrange_slots`` makes them)."""
+    ins, nb = moves
+    rounds, heavy_moves, partners, min_gain = rules
+    rounds_pass(graph, f64(fu), f64(bu), f64(sc), f64(cost), slots, span, (i64(ins), i64(nb)),
+                (int(rounds), int(heavy_moves), int(partners), float(min_gain)))
 
 
 def warm_up() -> None:
-    """``sim.compiled.warm_up`` for this module: one round on two ranks of three micro-batches
-    and two stages, with a draft's argument types (identity moves). Nothing without numba."""
-    if not compiled.enabled():
-        return
+    """``kernels.warm_up`` for this room: one round on two ranks of three micro-batches and
+    two stages, with a draft's argument types (identity moves)."""
+    from ..sim.pipeline import event_graph
+
     f = np.arange(1.0, 13.0).reshape(6, 2)
     ins, nb = np.tile(np.arange(3), (3, 2, 1)), np.tile(np.arange(3), (2, 1))
-    search(f, f.copy(), np.ones((2, 2)), f.sum(axis=1), np.arange(6).reshape(2, 3),
-           np.array([2.0, 1.0]), ins, nb, 0.0, 2, 1, 2, 2, 1e-3)
+    search(Graph.of(event_graph(3, 2, 1), 0.0), f, f.copy(), np.ones((2, 2)), f.sum(axis=1),
+           np.arange(6).reshape(2, 3), np.array([2.0, 1.0]), (ins, nb), (1, 2, 2, 1e-3))

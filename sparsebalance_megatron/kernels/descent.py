@@ -1,60 +1,91 @@
 """Compiled phases of a critical-path descent round (``policy.critical_path._descent``), when
 numba is installed and the costs carry their tables' formula (``UnitCosts.formula``): the cut
 (which units lie on a path longer than the round's target, and per DP rank the first cut
-fraction that fits: ``sim.fit_kernels``' search) and what the raise needs from it (the cut plan
+fraction that fits: ``kernels.fit``' search) and what the raise needs from it (the cut plan
 and its simulation, every unit's float at the raise's deadline, the units the largest raise
 fraction moves and where to).
 
 The numpy path runs the same steps as a dozen array operations per phase, each a pass over the
 step's units (64 DP x 16 x 8 virtual stages: 8,192) with its own gather, copy and allocation;
 those passes, not the searches, were half of a descent. Here each phase is one compiled call
-that composes the kernels the numpy path's calls run (``sim.compiled``'s latest finishes and
-floats, ``sim.fit_kernels``' search and formula bisection) on the same operands in the same
+that composes the kernels the numpy path's calls run (``kernels.graph``' latest finishes and
+floats, ``kernels.fit``' search and formula bisection) on the same operands in the same
 order, so a descent's plan is the same bit for bit whichever runs
 (``tests/unit/test_critical_path.py``).
 
-Pure numpy and numba; must not import torch or megatron.
+Pure numpy and numba; must not import torch, megatron or anything else from this package but
+``kernels`` (its warm-up builds a draft's own event graph: ``sim.pipeline``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..sim import fit_kernels
-from ..sim.compiled import _c, _latest_finish, _start, _unit_floats, enabled, kernel
-from ..sim.fit_kernels import (_first_fit, _highest_formula, _lift, _limit, _set_units,
-                               _set_units_formula, _simulate, _top, _unit_places,
-                               _unit_seconds)
+from typing import NamedTuple
+
+from . import f64, jit
+from .fit import first_fit_search, highest_formula_search, unit_seconds
+from .graph import unit_floats_pass
+from .records import Formula, Lookup, Tables, Tries
 
 
-def _floats(nxt, succ, cross, dur, ef, deadline, p, ev_f, ev_b):
+class Plan(NamedTuple):
+    """A plan and its simulation, as a round reads it: event durations and earliest finishes
+    [E, dp], and every unit's forward and backward seconds and grid index [dp x m x nv]."""
+
+    dur: np.ndarray
+    ef: np.ndarray
+    f: np.ndarray
+    b: np.ndarray
+    idx: np.ndarray
+
+
+class Cut(NamedTuple):
+    """A round's cut (``cut_round``): the units on a path longer than the target, their cut
+    grid indices, the ranks holding them, and each rank's pick's makespan, durations and
+    earliest finishes."""
+
+    on: np.ndarray
+    cut_i: np.ndarray
+    ranks: np.ndarray
+    mk: np.ndarray
+    dur: np.ndarray
+    ef: np.ndarray
+
+
+@jit
+def _floats(graph, dur, ef, deadline):
     # every unit's smaller float, rank by rank ([cols x units], flat), all due at deadline
-    return _unit_floats(nxt, succ, cross, dur, ef, np.full(dur.shape[1], deadline), p, ev_f,
-                        ev_b).reshape(-1)
+    return unit_floats_pass(graph.nxt, graph.succ, graph.cross, dur, ef,
+                            np.full(dur.shape[1], deadline), graph.p2p, graph.ev_f,
+                            graph.ev_b).reshape(-1)
 
 
-def _seconds(q, i, nv, work, per_pair, fixed, corr, scaled):
+@jit
+def _seconds(q, i, formula):
     # unit q's (forward, backward) seconds at grid index i, as its tables hold them (the
     # tables' own formula, computed from arrays a cache holds instead of read from three large
-    # tables: fit_kernels._set_units_formula's numbers)
-    row = q // nv
-    s = q - row * nv
-    return _unit_seconds(work[row, i], per_pair[0, s], per_pair[1, s], fixed[0, row, s],
-                         fixed[1, row, s], corr[row, s], scaled)
+    # tables: ``kernels.fit``'s formula numbers)
+    work, per_pair, fixed, corr, scaled = formula
+    row = q // per_pair.shape[1]
+    s = q - row * per_pair.shape[1]
+    return unit_seconds(work[row, i], per_pair[0, s], per_pair[1, s], fixed[0, row, s],
+                        fixed[1, row, s], corr[row, s], scaled)
 
 
-def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, idx, t_min,
-               target, limit, i_min, g, fwd, bwd, tot, fracs, scale, work, per_pair, fixed,
-               corr, scaled, was_on, was_at, was_pick):
+@jit
+def cut_round(graph, tables, formula, plan, t_min, target, limit, i_min, fracs, scale, was):
     # the descent's cut at ``target``: the units whose float is negative (ascending flat ids),
     # the DP ranks holding one, each unit's rank column, and _Step.cut_fit's search of them
     # (fits, picks, makespans, durations and finishes of the picks, each unit's grid index;
     # and what the next round on the same plan reuses: the search's look-ups, every rank's
-    # pick). ``was_on``, ``was_at``, ``was_pick`` [dp] (-1: none): the last round's, on the
-    # same plan at a lower target (empty: none), whose look-ups are this round's (a unit's cut
-    # depends on the plan alone) and whose picks fit here too (``Round``)
+    # pick). ``was``: (on, at, pick [dp] (-1: none)) the last round's, on the same plan at a
+    # lower target (empty: none), whose look-ups are this round's (a unit's cut depends on the
+    # plan alone) and whose picks fit here too (``Round``)
+    was_on, was_at, was_pick = was
+    ev_f, ev_b, g = graph.ev_f, graph.ev_b, tables.g
     per_rank = ev_f.size
-    fl = _floats(nxt, succ, cross, dur, ef, target, p, ev_f, ev_b)
+    fl = _floats(graph, plan.dur, plan.ef, target)
     on = np.flatnonzero(fl < 0)
     n = on.size
     col = np.empty(n, dtype=np.int64)
@@ -81,9 +112,9 @@ def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, 
         local = q - (q // per_rank) * per_rank
         rows_f[j], rows_b[j] = ev_f[local], ev_b[local]
         u[j] = q * g
-        t[j] = f[q] + b[q]
+        t[j] = plan.f[q] + plan.b[q]
         delta[j] = t_min[q] - t[j]
-        hi[j] = idx[q]
+        hi[j] = plan.idx[q]
     at = np.full((fracs.size, n), -1, dtype=np.int64)
     i = 0
     for j in range(n):                     # this round's units are among the last round's
@@ -97,39 +128,39 @@ def _cut_round(prev, dep, cross, last, nxt, succ, ev_f, ev_b, p, dur, ef, f, b, 
         for c in range(r):
             if was_pick[ranks[c]] >= 0:
                 z0[c] = was_pick[ranks[c]]
-    dur_p, ef_p = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
-    fits, pick, mk = _first_fit(prev, dep, cross, last, p, dur, ranks, seg, rows_f, rows_b, fwd,
-                                bwd, tot, at, np.full(r, limit), dur_p, ef_p, u, t, delta, hi,
-                                lo, fracs, scale, False, work, per_pair, fixed, corr, scaled, z0)
+    dur_p, ef_p = np.empty((plan.dur.shape[0], r)), np.empty((plan.dur.shape[0], r))
+    fits, pick, mk = first_fit_search(
+        graph, plan.dur, Tries(ranks, seg, rows_f, rows_b, np.full(r, limit), z0), tables,
+        Lookup(u, t, delta, hi, lo, fracs, scale), formula, at, False, dur_p, ef_p)
     cut_i = np.empty(n, dtype=np.int64)
     for j in range(n):
         cut_i[j] = at[pick[col[j]], j] - u[j]
-    by_rank = np.full(dur.shape[1], -1, dtype=np.int64)
+    by_rank = np.full(plan.dur.shape[1], -1, dtype=np.int64)
     for c in range(r):
         if fits[c]:
             by_rank[ranks[c]] = pick[c]
     return on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank
 
 
-def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p,
-               dur_p, ef_p, deadline, i_max, scale, work, per_pair, fixed, corr, scaled):
+@jit
+def after_cut_round(graph, formula, plan, mk, cut, deadline, i_max, scale):
     # the cut plan (_Step.put of the cut, the picks' columns), every unit's float at the raise's
     # deadline (at least 0, np.maximum's NaN kept), the units the largest raise fraction can move
     # (a grid step up fits under their seconds + their whole float) and the highest grid index
     # each may take (_Step.highest_within on the formula)
-    nv = per_pair.shape[1]
-    cut, f1, b1 = idx.copy(), f.copy(), b.copy()
-    for j in range(on.size):
-        q, i = on[j], cut_i[j]
-        cut[q] = i
-        f1[q], b1[q] = _seconds(q, i, nv, work, per_pair, fixed, corr, scaled)
+    dur, ef, ranks = plan.dur, plan.ef, cut.ranks
+    idx, f1, b1 = plan.idx.copy(), plan.f.copy(), plan.b.copy()
+    for j in range(cut.on.size):
+        q, i = cut.on[j], cut.cut_i[j]
+        idx[q] = i
+        f1[q], b1[q] = _seconds(q, i, formula)
     mk_cut, dur1, ef1 = mk.copy(), dur.copy(), ef.copy()
     for c in range(ranks.size):
-        mk_cut[ranks[c]] = mk_p[c]
+        mk_cut[ranks[c]] = cut.mk[c]
         for e in range(dur.shape[0]):
-            dur1[e, ranks[c]] = dur_p[e, c]
-            ef1[e, ranks[c]] = ef_p[e, c]
-    cap = _floats(nxt, succ, cross, dur1, ef1, deadline, p, ev_f, ev_b)
+            dur1[e, ranks[c]] = cut.dur[e, c]
+            ef1[e, ranks[c]] = cut.ef[e, c]
+    cap = _floats(graph, dur1, ef1, deadline)
     t1 = np.empty(cap.size)
     lim = np.empty(cap.size)
     up = np.empty(cap.size, dtype=np.int64)
@@ -139,40 +170,27 @@ def _after_cut(nxt, succ, cross, ev_f, ev_b, p, idx, f, b, dur, ef, mk, on, cut_
         cap[q] = x if (x > 0.0 or x != x) else 0.0                # np.maximum(x, 0.0)
         t1[q] = f1[q] + b1[q]
         lim[q] = (t1[q] + 1.0 * cap[q]) * scale + 1e-15
-        if cut[q] < i_max:
-            v, x = _seconds(q, cut[q] + 1, nv, work, per_pair, fixed, corr, scaled)
+        if idx[q] < i_max:
+            v, x = _seconds(q, idx[q] + 1, formula)
             if v + x <= lim[q]:
                 up[n] = q
                 n += 1
     up = up[:n].copy()
     lo, limit, first = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
-        lo[j], limit[j] = cut[up[j]] + 1, lim[up[j]]      # cut + 1 fits: the filter's test
-    _highest_formula(work, per_pair, fixed, corr, scaled, up, lo, np.full(n, i_max), limit,
-                     first)
-    return cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
-
-
-# every kernel the phases call, directly or through one another (``sim.compiled.kernel``)
-_CALLS = (_latest_finish, _unit_floats, _first_fit, _highest_formula, _set_units,
-          _set_units_formula, _simulate, _unit_places, _unit_seconds, _limit, _top, _lift,
-          _start, _floats, _seconds)
+        lo[j], limit[j] = idx[up[j]] + 1, lim[up[j]]      # cut + 1 fits: the filter's test
+    highest_formula_search(formula, up, lo, np.full(n, i_max), limit, first)
+    return idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
 
 
 class Round:
-    """A descent's compiled round phases on one ``_Step`` (``st``), or None where they cannot
-    run (``of``)."""
+    """A descent's compiled round phases on one step's graph and cost tables
+    (``policy.critical_path._Step.records``) whose costs carry their formula
+    (``UnitCosts.formula``), for plans of ``shape`` [dp, m, nv]."""
 
-    def __init__(self, st, i_min: int, i_max: int):
-        links = st.graph.links
-        ev = st.graph.unit_events
-        self.graph = (links[0], links[1], links[2], _c(st.graph.last, np.int64), links[3],
-                      links[4], _c(ev[0], np.int64), _c(ev[1], np.int64), st.p2p)
-        self.tables = (_c(st.fwd, np.float64), _c(st.bwd, np.float64),
-                       _c(st.t_flat, np.float64))
-        self.formula = fit_kernels._formula_args(st.c.formula)
-        self.g, self.i_min, self.i_max = st.g, int(i_min), int(i_max)
-        self.shape, self.st = st.c.shape, st
+    def __init__(self, graph, tables: Tables, formula, shape: tuple, i_min: int, i_max: int):
+        self.graph, self.tables, self.formula = graph, tables, Formula.of(formula)
+        self.shape, self.i_min, self.i_max = shape, int(i_min), int(i_max)
         self.plan_changed()
 
     def plan_changed(self, same=None) -> None:
@@ -190,11 +208,13 @@ class Round:
             on, at = on[keep], np.ascontiguousarray(at[:, keep])
         self._was = (on, at, np.full(self.shape[0], -1, dtype=np.int64))   # no pick known
 
-    @classmethod
-    def of(cls, st, i_min: int, i_max: int):
-        return cls(st, i_min, i_max) if enabled() and st.c.formula is not None else None
+    @staticmethod
+    def plan(dur, ef, f, b, idx) -> Plan:
+        """The ``Plan`` record of a plan's grid indices ``idx`` and seconds ``f``, ``b``
+        [dp, m, nv] simulated as ``dur``, ``ef`` [E, dp]."""
+        return Plan(f64(dur), f64(ef), f.reshape(-1), b.reshape(-1), idx.reshape(-1))
 
-    def cut(self, dur, ef, f, b, idx, t_min, target: float, limit: float, fracs, scale: float):
+    def cut(self, plan: Plan, t_min, target: float, limit: float, fracs, scale: float):
         """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
         each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
         index): ``_descent``'s floats and ``cut_fit``. Until ``plan_changed``, the next call
@@ -204,55 +224,41 @@ class Round:
         way; the makespans fall with the fraction), so its answers are those of a search from
         scratch. After ``plan_changed`` it starts from the look-ups of the units whose grid
         index the kept round left alone, and every rank's search from scratch."""
-        on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = kernel(
-            _cut_round, calls=_CALLS)(
-            *self.graph[:6], *self.graph[6:8], self.graph[8], _c(dur, np.float64),
-            _c(ef, np.float64), f.reshape(-1), b.reshape(-1), idx.reshape(-1), t_min,
-            float(target), float(limit), self.i_min, self.g, *self.tables, _c(fracs, np.float64),
-            float(scale), *self.formula, *self._was)
+        on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = cut_round(
+            self.graph, self.tables, self.formula, plan, t_min, float(target), float(limit),
+            self.i_min, f64(fracs), float(scale), self._was)
         self._was = (on, at, by_rank)
         return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
 
-    def after_cut(self, idx, f, b, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p,
-                  deadline: float, scale: float) -> tuple:
+    def after_cut(self, plan: Plan, mk, cut: Cut, deadline: float, scale: float) -> tuple:
         """(cut grid indices, its fwd and bwd seconds [dp, m, nv], makespans, durations and
         finishes, every unit's float at ``deadline`` (>= 0) and its seconds (flat), the units
         the largest raise fraction moves, the grid index each moves to)."""
-        cut, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = kernel(_after_cut, calls=_CALLS)(
-            self.graph[4], self.graph[5], self.graph[2], self.graph[6], self.graph[7],
-            self.graph[8], idx.reshape(-1), f.reshape(-1), b.reshape(-1), dur, ef, mk, on, cut_i,
-            ranks, mk_p, dur_p, ef_p, float(deadline), self.i_max, float(scale), *self.formula)
-        return (cut.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape), mk_cut,
-                dur1, ef1, cap, t1, up, first)
+        idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = after_cut_round(
+            self.graph, self.formula, plan, mk, cut, float(deadline), self.i_max, float(scale))
+        return (idx.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape),
+                mk_cut, dur1, ef1, cap, t1, up, first)
 
 
 def warm_up() -> None:
-    """``sim.compiled.warm_up`` for this module's phases: compiled (or loaded from numba's disk
+    """``kernels.warm_up`` for this room's phases: compiled (or loaded from numba's disk
     cache) with the argument types a draft passes, on a two-rank, two-micro-batch, two-stage
-    step. Nothing without numba."""
-    from types import SimpleNamespace
+    step."""
+    from ..sim.pipeline import event_graph
+    from .records import Graph
 
-    from ..sim.pipeline import FWD, event_graph
-
-    if not enabled():
-        return
     dp, m, pp, g = 2, 2, 2, 3
     work = np.tile(np.arange(1.0, g + 1), (dp * m, 1))
     formula = (work, np.ones((2, pp)), np.ones((2, dp * m, pp)), np.ones((dp * m, pp)), True)
-    t = np.tile(2.0 * np.arange(2.0, g + 2), (dp, m, pp, 1))
+    t = np.tile(2.0 * np.arange(2.0, g + 2), (dp, m, pp, 1)).reshape(-1)
     graph = event_graph(m, pp, 1)
-    rows = graph.unit_events
-    st = SimpleNamespace(graph=graph, fwd=t.reshape(-1) / 2, bwd=t.reshape(-1) / 2,
-                         t_flat=t.reshape(-1), g=g, p2p=0.0,
-                         c=SimpleNamespace(formula=formula, shape=(dp, m, pp)),
-                         fwd_row=rows[FWD], bwd_row=rows[1 - FWD])
-    rnd = Round(st, 0, g - 1)
+    rnd = Round(Graph.of(graph, 0.0), Tables(t / 2, t / 2, t, g), formula, (dp, m, pp), 0,
+                g - 1)
     idx = np.ones((dp, m, pp), dtype=np.int64)
     f = np.full((dp, m, pp), 2.0)
     dur = graph.durations(f, f)
     ef = graph.earliest_finish(dur, 0.0)
-    mk = graph.makespan(ef)
-    t_min = np.full(dp * m * pp, 2.0)
-    on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(dur, ef, f, f, idx, t_min, 1.0, 1.0,
-                                                        np.array([0.5, 1.0]), 1.0)
-    rnd.after_cut(idx, f, f, dur, ef, mk, on, cut_i, ranks, mk_p, dur_p, ef_p, 1.0, 1.0)
+    plan = Round.plan(dur, ef, f, f, idx)
+    on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(plan, np.full(dp * m * pp, 2.0), 1.0,
+                                                        1.0, np.array([0.5, 1.0]), 1.0)
+    rnd.after_cut(plan, graph.makespan(ef), Cut(on, cut_i, ranks, mk_p, dur_p, ef_p), 1.0, 1.0)

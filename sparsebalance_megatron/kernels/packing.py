@@ -1,49 +1,30 @@
-"""Compiled forms of SAB's per-segment loops (``batching.packing``), where numba is installed
-(``sim.compiled``'s loader): the LPT assignment of segments to DP ranks, each rank's cut into
-contiguous micro-batches and the cheapest two micro-batches' slots; and the baseline's
-sequential fill (``sequential_starts``). Also SAB's seeded sorts (``seeded_order``, numpy).
+"""Compiled forms of SAB's per-segment loops (``batching.packing``): the LPT assignment of
+segments to DP ranks, each rank's cut into contiguous micro-batches and the cheapest two
+micro-batches' slots; and the baseline's sequential fill (``sequential_starts``).
+``kernels.packing_enabled`` says where they run.
 
 They are the Python loops' decisions, step for step: the LPT takes the least loaded rank with
 token room (ties to the lowest rank, as the heap of (load, rank) pairs does), loads and bin costs
 are the same float additions, and every ``sum()`` of costs is CPython's (3.12+: Neumaier's
-compensated sum, ``_py_sum``), so a plan does not depend on whether numba is installed
+compensated sum, ``py_sum``), so a plan does not depend on whether numba is installed
 (``tests/unit/test_packing_kernels.py`` compares them). A rank whose contiguous cuts do not fit
 is left to the Python first-fit-decreasing fallback (``packing._first_fit_decreasing``).
 
-Pure numpy and numba; must not import torch or megatron.
+Pure numpy and numba; must not import torch, megatron or anything else from this package but
+``kernels``.
 """
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
-from ..sim import compiled
-from ..sim.compiled import _c, kernel
+from . import f64, i64, jit
 
-__all__ = ["lpt_ranks", "rank_bins", "seeded_order", "sequential_starts", "usable"]
-
-
-def seeded_order(tie: np.ndarray, *keys: np.ndarray) -> np.ndarray:
-    """``np.lexsort((tie,) + keys)`` where ``tie`` is a permutation of 0..n-1 (the seeded tie
-    break): the items by ``keys[-1]``, then ``keys[-2]``, ..., then ``tie``. The same order
-    from one stable argsort per key, starting from the items in tie order, instead of a stable
-    sort per key and one for ``tie`` (about twice as fast at a step's 4,500 segments)."""
-    p = np.empty(tie.size, dtype=np.int64)
-    p[tie] = np.arange(tie.size)
-    for key in keys:
-        p = p[np.argsort(key[p], kind="stable")]
-    return p
+__all__ = ["lpt_ranks", "py_sum", "rank_bins", "sequential_starts"]
 
 
-def usable() -> bool:
-    """Whether the kernels run: numba importable and on (``sim.compiled.enabled``), and a
-    Python whose ``sum()`` of floats is Neumaier's (3.12+), which ``_py_sum`` reproduces."""
-    return sys.version_info >= (3, 12) and compiled.enabled()
-
-
-def _py_sum(x, idx, lo, hi):
+@jit
+def py_sum(x, idx, lo, hi):
     # CPython 3.12's sum() of floats x[idx[lo:hi]] from the int 0: Neumaier's compensated sum,
     # the compensation added only where non-zero and finite
     s, c = 0.0, 0.0
@@ -60,11 +41,13 @@ def _py_sum(x, idx, lo, hi):
     return s
 
 
+@jit
 def _before(la, ra, lb, rb):
     # (load a, rank a) < (load b, rank b), as Python compares the heap's tuples
     return la < lb or (la == lb and ra < rb)
 
 
+@jit
 def _sift_up(load, rank, k):
     while k > 0:
         p = (k - 1) >> 1
@@ -75,6 +58,7 @@ def _sift_up(load, rank, k):
         k = p
 
 
+@jit
 def _sift_down(load, rank, k, n):
     while True:
         a, b, m = 2 * k + 1, 2 * k + 2, k
@@ -89,7 +73,8 @@ def _sift_down(load, rank, k, n):
         k = m
 
 
-def _lpt(cost, size, order, dp, cap, rank_of):
+@jit
+def lpt_pass(cost, size, order, dp, cap, rank_of):
     # items in ``order`` to the least loaded rank with token room; False if one fits nowhere
     load = np.zeros(dp)
     rank = np.arange(dp)
@@ -119,10 +104,11 @@ def _lpt(cost, size, order, dp, cap, rank_of):
     return True
 
 
+@jit
 def _bins(items, lo, hi, size, cost, m, cap, balance, bin_of):
     # packing._contiguous_bins of items[lo:hi]: each item's bin in bin_of[lo:hi]; False if
     # it does not fit in m bins
-    target = _py_sum(cost, items, lo, hi) / m if balance else np.inf
+    target = py_sum(cost, items, lo, hi) / m if balance else np.inf
     nb, count, tok, cc = 0, 0, 0, 0.0
     left = hi - lo
     for k in range(lo, hi):
@@ -144,7 +130,8 @@ def _bins(items, lo, hi, size, cost, m, cap, balance, bin_of):
     return True
 
 
-def _rank_bins(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
+@jit
+def rank_bins_pass(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
     # per rank (items[starts[r]:starts[r + 1]], by sensitivity): the bins (balanced, else
     # unbalanced; ok[r] False: neither fits) and the slot of every bin, the cheapest first and
     # the second cheapest last (packing._order_slots; bin costs as sum() adds them)
@@ -165,7 +152,7 @@ def _rank_bins(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
             e = k
             while e < hi and bin_of[e] == j:
                 e += 1
-            c[j] = _py_sum(cost, items, k, e)
+            c[j] = py_sum(cost, items, k, e)
             k = e
         for j in range(m):
             slot_of[r, j] = j
@@ -188,7 +175,8 @@ def _rank_bins(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
         slot_of[r, m - 1] = last
 
 
-def _seq_starts(size, cap, starts):
+@jit
+def seq_starts_pass(size, cap, starts):
     # data.packing.sequential_bins' fill: the first segment of every bin (a new bin where the
     # next segment does not fit what is free), their count; -(i + 1): segment i is over cap
     n, free = 0, 0
@@ -203,13 +191,11 @@ def _seq_starts(size, cap, starts):
     return n
 
 
-def sequential_starts(size: np.ndarray, cap: int):
+def sequential_starts(size: np.ndarray, cap: int) -> list:
     """``[b[0] for b in data.packing.sequential_bins(size, cap)]`` compiled (its ValueError
-    for a segment over ``cap``), or None where the kernels do not run."""
-    if not usable():
-        return None
+    for a segment over ``cap``)."""
     starts = np.empty(size.size, dtype=np.int64)
-    n = kernel(_seq_starts)(_c(size, np.int64), int(cap), starts)
+    n = seq_starts_pass(i64(size), int(cap), starts)
     if n < 0:
         raise ValueError(f"segment {-n - 1} has {int(size[-n - 1])} tokens > capacity {cap}")
     return starts[:n].tolist()
@@ -219,9 +205,7 @@ def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
               cap_tokens: int):
     """``packing._lpt_ranks`` compiled: the rank of every item [n], or None."""
     rank_of = np.zeros(cost.size, dtype=np.int64)
-    fn = kernel(_lpt, calls=(_before, _sift_up, _sift_down))
-    ok = fn(_c(cost, np.float64), _c(size, np.int64), _c(order, np.int64), int(dp),
-            int(cap_tokens), rank_of)
+    ok = lpt_pass(f64(cost), i64(size), i64(order), int(dp), int(cap_tokens), rank_of)
     return rank_of if ok else None
 
 
@@ -234,16 +218,14 @@ def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.
     bin_of = np.zeros(items.size, dtype=np.int64)
     slot_of = np.zeros((dp, m), dtype=np.int64)
     ok = np.zeros(dp, dtype=np.bool_)
-    fn = kernel(_rank_bins, calls=(_py_sum, _bins))
-    fn(_c(items, np.int64), _c(starts, np.int64), _c(size, np.int64), _c(cost, np.float64),
-       int(m), int(cap), bool(balance), bin_of, slot_of, ok)
+    rank_bins_pass(i64(items), i64(starts), i64(size), f64(cost), int(m), int(cap),
+                   bool(balance), bin_of, slot_of, ok)
     return bin_of, slot_of, ok
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's disk cache) the kernels with a draft's argument types."""
-    if not usable():
-        return
+    """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with a
+    draft's argument types."""
     one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
     lpt_ranks(one, i1, np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)

@@ -1,0 +1,107 @@
+"""The critical-path descent's floor verdicts, compiled (``policy.floors.FloorCheck``): a plan's
+kept work and quality cost summed in one pass, in an order of its own, with a bound on how far
+any order's sum can be from it; a verdict within that bound of a floor is left to numpy's sums
+(-1), so the verdicts are numpy's either way (``tests/unit/test_floor_check.py``).
+
+Pure numpy and numba; must not import torch, megatron or anything else from this package but
+``kernels``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import jit
+
+_EPS = float(np.finfo(np.float64).eps)   # the kernels' bounds (numba reads it as a constant)
+
+
+@jit
+def _verdict_of(value, bound, floor):
+    # value >= floor as every summation order within ``bound`` of ``value`` decides it (1 or
+    # 0), or -1 where the orders may disagree (NaN: -1)
+    if value - bound >= floor:
+        return 1
+    if value + bound < floor:
+        return 0
+    return -1
+
+
+@jit
+def floors_verdict(grid, idx, w, nv, tot, dense, tot_s, dense_s, mean_floor, stage_floor,
+                   plain, sums):
+    # ``policy.floors.FloorCheck._floors``' verdict on the plan at grid indices idx (1, 0;
+    # -1: numpy's sums must decide): the kept work grid[idx] x w summed per stage (unit u's stage: u mod nv) and,
+    # with ``plain`` (a stage without work: its plain mean), the densities, in an order of
+    # their own. Every term is >= 0 (FloorCheck runs this only then), so a sum of n of them in
+    # any order is within (n - 1) eps x the sum of the exact one, two orders within twice
+    # that, and adding the routed work and dividing by the total round once each. ``sums``
+    # [2 nv]: scratch
+    for k in range(sums.size):
+        sums[k] = 0.0
+    s = 0
+    for u in range(idx.size):
+        j = idx[u]
+        if j < 0 or j >= grid.size:                 # numpy's take raises: left to it
+            return -1
+        d = grid[j]
+        sums[s] += d * w[u]
+        if plain:
+            sums[nv + s] += d
+        s += 1
+        if s == nv:
+            s = 0
+    kept = 0.0
+    for s in range(nv):
+        kept += sums[s]
+    n = idx.size
+    kept += dense
+    mean = kept / tot
+    got = _verdict_of(mean, 6.0 * n * _EPS * kept / tot + 4.0 * _EPS * mean, mean_floor)
+    if got != 1:
+        return got
+    per = n // nv
+    out = 1
+    for s in range(nv):
+        k_s, t_s = sums[s] + dense_s[s], tot_s[s]
+        if not t_s > 0:                             # no work: the plain mean of densities
+            k_s, t_s = sums[nv + s], float(per)
+        value = k_s / t_s
+        got = _verdict_of(value, 6.0 * per * _EPS * k_s / t_s + 4.0 * _EPS * value,
+                          stage_floor)
+        if got == 0:
+            return 0
+        if got < 0:
+            out = -1
+    return out
+
+
+@jit
+def quality_verdict(flat, idx, g, nv):
+    # the quality rule's verdict on the plan at grid indices idx, mean over the units' rows of
+    # their stages' costs (flat[stage x g + index]) <= 1e-12 (1, 0; -1: numpy's sums must
+    # decide), from the sum in an order of its own and its terms' magnitudes (numpy sums each
+    # row's stages, then the rows: within (n + rows) eps x the magnitudes of any order's)
+    total, mag, base = 0.0, 0.0, 0
+    for u in range(idx.size):
+        j = idx[u]
+        if j < 0 or j >= g:                         # numpy's take raises: left to it
+            return -1
+        x = flat[base + j]
+        total += x
+        mag += abs(x)
+        base += g
+        if base == nv * g:
+            base = 0
+    rows = max(idx.size // nv, 1)
+    mean = total / rows
+    return _verdict_of(1e-12, 2.0 * (idx.size + rows) * _EPS * mag / rows
+                       + 4.0 * _EPS * abs(mean), mean)      # 1e-12 >= mean
+
+
+def warm_up() -> None:
+    """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with the
+    argument types a check passes."""
+    grid, idx, ones = np.array([0.5, 1.0]), np.array([0, 1], dtype=np.int64), np.ones(2)
+    floors_verdict(grid, idx, ones, 2, 2.0, 0.0, ones, np.zeros(2), 0.5, 0.5, True, np.empty(4))
+    quality_verdict(np.zeros(4), idx, 2, 2)

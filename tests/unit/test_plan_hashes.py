@@ -1,0 +1,88 @@
+"""The planner's plans, bit for bit, on a fixed set of drafts: each configuration's digest of
+two consecutive drafts (the runtime's ``Drafter`` on the built-in corpus, the calibration and
+sensitivity tracker updated between them as ``end_step`` does, ``planner_ab.draft_loop``'s
+digest: every plan's densities and report) must equal the one recorded when the digests were
+first taken (commit 959136a), with numba's kernels and with the numpy paths
+(``SB_PLANNER_JIT=0``).
+
+A refactor of the planner (its kernels, its passes, its phases) keeps these: a change that moves
+a single float of a plan fails here. A change meant to change plans records new digests and says
+why in its commit message.
+
+The configurations cover both pipeline layouts (Megatron's even split, 1F1B; the best static
+layout, interleaved), both DST objectives, the critical-path descent on and off, every
+stand-down packing and compare, and ``raise_to static``. Each subprocess plans every
+configuration in a few seconds (plus numba's compilation when its disk cache is cold).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# (dp, micro-batches, pp, layout, SparseBalanceConfig fields) -> digest at 959136a
+PLANS = [
+    ((4, 8, 4, "even", {}), "8de65ed09b4860e4"),
+    ((4, 8, 4, "best", {}), "2c5d0c6fffc9558b"),
+    ((4, 8, 4, "even", {"dst_objective": "density"}), "a8526ddcdbfb4637"),
+    ((4, 8, 4, "best", {"dst_objective": "density"}), "3f5c1abe49abbeef"),
+    ((2, 8, 2, "best", {}), "08ac10c975c5053d"),
+    ((8, 8, 4, "best", {"dst_objective": "density", "stand_down": "off"}), "f7bdac5bcc11ddd8"),
+    ((4, 8, 4, "best", {"stand_down_compare": "static"}), "85aaa2d51aa1d1fe"),
+    ((4, 8, 4, "even", {"dst_descent": "off"}), "bb5fd427c7adab4c"),
+    ((4, 8, 4, "best", {"dst_descent": "off", "dst_objective": "density"}), "068f91cd6dab329a"),
+    ((2, 4, 2, "even", {"stand_down": "token_balanced"}), "ba43855084fdc3d2"),
+    ((8, 8, 4, "even", {"raise_to": "static"}), "70f88dcaceefe193"),
+]
+
+DIGESTS = r"""
+import hashlib, json, sys
+import numpy as np
+sys.path.insert(0, "scripts")
+from sparsebalance_megatron.batching import SensitivityTracker
+from sparsebalance_megatron.config import SparseBalanceConfig
+from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
+from studies._drafts import make_drafter
+from studies.planner_cost import after_step
+
+out = []
+for dp, m, pp, layout, kw in json.loads(sys.argv[1]):
+    sb = SparseBalanceConfig(sparse_balance=True, **kw)
+    corpus = corpus_steps(dp, m, sb.density, 2, seq=32768, layout=layout, pp=pp)
+    drafter = make_drafter(corpus.lm, sb, dp, 32768)
+    tracker, rng = SensitivityTracker(), np.random.default_rng(0)
+    h = hashlib.sha256()
+    for k in range(2):
+        d = drafter.draft(k, 0, corpus.segments[k], m, with_dst=True)
+        h.update(np.asarray(d.payload[0]).tobytes())
+        h.update(repr(sorted(d.payload[1].items())).encode())
+        after_step(corpus.lm, sb, d, tracker, rng)
+    out.append(h.hexdigest()[:16])
+print(json.dumps(out))
+"""
+
+
+def _numba() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("jit", ["1", "0"], ids=["numba", "numpy"])
+def test_plans_are_the_recorded_ones(jit):
+    if jit == "1" and not _numba():
+        pytest.skip("numba is not installed: the numpy run checks the plans")
+    env = dict(os.environ, SB_PLANNER_JIT=jit, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", DIGESTS, json.dumps([c for c, _ in PLANS])],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    changed = [(cfg, want, have) for (cfg, want), have in zip(PLANS, got) if want != have]
+    assert not changed, f"plans changed (config, recorded, now): {changed}"
