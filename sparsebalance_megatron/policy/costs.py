@@ -66,6 +66,10 @@ class UnitCosts:
     proportional to that when time is affine in kept block pairs.
     dense_work: optional [dp, m, pp] work (same unit as attn_work) of the documents routed to the
     dense kernel: counted at density 1 in every mean density (None: no routing).
+    kept_grid: optional [dp, m, g] block pairs the attention keeps of each micro-batch at each
+    grid density (``UnitFeatures.kept_grid``), non-decreasing along the grid; where two
+    densities of a unit keep as many, they keep the same blocks at the same cost. With it a
+    plan's densities are its effective ones (``effective_index``); None: taken as given.
 
     Costs are made non-decreasing in density (a running max over the grid), so that cutting can
     never make a unit slower; a latency table's interpolation noise would otherwise break that.
@@ -77,6 +81,7 @@ class UnitCosts:
     attn_work: Optional[np.ndarray] = None
     pipeline_ranks: Optional[int] = None
     dense_work: Optional[np.ndarray] = None
+    kept_grid: Optional[np.ndarray] = None
     # the tables are already known finite, >= 0 and non-decreasing (``from_latency`` proves it
     # from its inputs, a few thousand numbers, instead of the tables' millions)
     tables_checked: bool = field(default=False, repr=False, compare=False)
@@ -131,6 +136,13 @@ class UnitCosts:
                     raise ValueError(f"{name} must be [dp, m, pp]={f.shape[:3]} finite >= 0, "
                                      f"got shape {w.shape}")
                 setattr(self, name, w)
+        if self.kept_grid is not None:
+            k = np.asarray(self.kept_grid, dtype=np.float64)
+            if k.shape != f.shape[:2] + (g.size,) or not np.all(np.isfinite(k)) \
+                    or np.any(np.diff(k, axis=-1) < 0):
+                raise ValueError(f"kept_grid must be [dp, m, g]={f.shape[:2] + (g.size,)} "
+                                 f"finite and non-decreasing along the grid, got shape {k.shape}")
+            self.kept_grid = k
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -148,6 +160,32 @@ class UnitCosts:
             raise ValueError(f"density {density!r} is not on the cost grid "
                              f"[{self.densities[0]}, ..., {self.densities[-1]}]")
         return i
+
+    def effective_index(self, idx: np.ndarray, i0: int) -> np.ndarray:
+        """Grid indices ``idx`` [..., dp, m, pp] of plans, each unit moved to the index nearest
+        ``i0`` (d0's) that keeps the blocks ``idx`` keeps (``kept_grid``) at the same seconds:
+        a raise to the lowest density that keeps its blocks, a cut to the highest, and a move
+        that keeps what d0 keeps back to d0. Why: a unit's kept blocks change only where
+        ``ceil(d x available)`` passes an integer above its forced sink and diagonal blocks
+        (a micro-batch of documents of at most 7 blocks keeps the same blocks at every density
+        from 0.25 to 2/7); a move inside such a step buys no block and no second, and counted
+        at its nominal density in the floors it would pay for a real cut. ``idx`` itself
+        without ``kept_grid``."""
+        idx = np.asarray(idx)
+        if self.kept_grid is None:
+            return idx
+        g = self.densities.size
+        rows = np.broadcast_to(self.kept_grid[:, :, None, :], idx.shape + (g,))
+        kept = np.take_along_axis(rows, idx[..., None], axis=-1)    # [..., 1]
+        lowest = np.maximum((rows < kept).sum(axis=-1), i0)         # first to keep as many
+        highest = np.minimum((rows <= kept).sum(axis=-1) - 1, i0)   # last to keep as many
+        out = np.where(idx > i0, lowest, np.where(idx < i0, highest, idx))
+        for table in (self.fwd_s, self.bwd_s):      # the same seconds, or the move stays
+            tab = np.broadcast_to(table, idx.shape + (g,))
+            same = (np.take_along_axis(tab, out[..., None], axis=-1)
+                    == np.take_along_axis(tab, idx[..., None], axis=-1))[..., 0]
+            out = np.where(same, out, idx)
+        return out
 
     def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
@@ -245,8 +283,10 @@ class UnitCosts:
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
             feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
+        kept = work if feats.work_mode == "kept" else feats.kept_grid(g)   # [n, g]
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
-                   pipeline_ranks=model.layout.pp, dense_work=routed, tables_checked=checked,
+                   pipeline_ranks=model.layout.pp, dense_work=routed,
+                   kept_grid=kept.reshape(dp, m, g.size), tables_checked=checked,
                    _total=total if checked else None,
                    _formula=(work, per_pair, fixed, corr, not uncorrected)
                    if checked and total is not None else None)

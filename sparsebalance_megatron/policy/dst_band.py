@@ -295,6 +295,9 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
             ranks = ranks[~ok]
         reverted[ranks] = True
 
+    # every unit at its effective density: a move that keeps no other block is none, and
+    # counts as none in the floors (the same seconds, so the makespans stand)
+    idx = costs.effective_index(idx.reshape(k, dp, m, nv), i0).reshape(idx.shape)
     plans = []
     mk_c, idx_c, rev_c = per_candidate(mk_final), idx.reshape(k, dp, slots, pp), \
         per_candidate(reverted)
