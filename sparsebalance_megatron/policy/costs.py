@@ -82,6 +82,8 @@ class UnitCosts:
     pipeline_ranks: Optional[int] = None
     dense_work: Optional[np.ndarray] = None
     kept_grid: Optional[np.ndarray] = None
+    # ``effective_index``'s tables by d0's grid index, made on first use
+    _effective: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # the tables are already known finite, >= 0 and non-decreasing (``from_latency`` proves it
     # from its inputs, a few thousand numbers, instead of the tables' millions)
     tables_checked: bool = field(default=False, repr=False, compare=False)
@@ -168,24 +170,38 @@ class UnitCosts:
         that keeps what d0 keeps back to d0. Why: a unit's kept blocks change only where
         ``ceil(d x available)`` passes an integer above its forced sink and diagonal blocks
         (a micro-batch of documents of at most 7 blocks keeps the same blocks at every density
-        from 0.25 to 2/7); a move inside such a step buys no block and no second, and counted
+        from 0.125 to 2/7); a move inside such a step buys no block and no second, and counted
         at its nominal density in the floors it would pay for a real cut. ``idx`` itself
-        without ``kept_grid``."""
+        without ``kept_grid``. One gather from a table made once per ``i0``."""
         idx = np.asarray(idx)
         if self.kept_grid is None:
             return idx
-        g = self.densities.size
-        rows = np.broadcast_to(self.kept_grid[:, :, None, :], idx.shape + (g,))
-        kept = np.take_along_axis(rows, idx[..., None], axis=-1)    # [..., 1]
-        lowest = np.maximum((rows < kept).sum(axis=-1), i0)         # first to keep as many
-        highest = np.minimum((rows <= kept).sum(axis=-1) - 1, i0)   # last to keep as many
-        out = np.where(idx > i0, lowest, np.where(idx < i0, highest, idx))
-        for table in (self.fwd_s, self.bwd_s):      # the same seconds, or the move stays
-            tab = np.broadcast_to(table, idx.shape + (g,))
-            same = (np.take_along_axis(tab, out[..., None], axis=-1)
-                    == np.take_along_axis(tab, idx[..., None], axis=-1))[..., 0]
-            out = np.where(same, out, idx)
-        return out
+        if i0 not in self._effective:
+            self._effective[i0] = self._effective_table(int(i0))
+        table, base = self._effective[i0]
+        return table.take(base + idx)
+
+    def _effective_table(self, i0: int) -> tuple:
+        """(``effective_index`` of every unit at every grid index, flat [dp * m * pp * g],
+        the units' offsets in it [dp, m, pp])."""
+        k = self.kept_grid                                          # [dp, m, g]
+        g = k.shape[-1]
+        at = np.arange(g, dtype=np.int64)
+        new = np.ones(k.shape, dtype=bool)                          # a run of equal counts starts
+        new[..., 1:] = k[..., 1:] != k[..., :-1]
+        first = np.maximum.accumulate(np.where(new, at, 0), axis=-1)
+        end = np.ones(k.shape, dtype=bool)                          # ... or ends
+        end[..., :-1] = new[..., 1:]
+        last = np.minimum.accumulate(np.where(end, at, g - 1)[..., ::-1], axis=-1)[..., ::-1]
+        near = np.where(at > i0, np.maximum(first, i0), np.where(at < i0, np.minimum(last, i0), at))
+        table = np.array(np.broadcast_to(near[:, :, None, :], self.fwd_s.shape)).reshape(-1)
+        moved = np.flatnonzero(table != np.tile(at, table.size // g))
+        to = moved - moved % g + table[moved]
+        for t in (self.fwd_s, self.bwd_s):      # the same seconds, or the unit stays
+            flat = t.reshape(-1)
+            stay = moved[flat[to] != flat[moved]]
+            table[stay] = stay % g
+        return table, np.arange(0, table.size, g, dtype=np.int64).reshape(self.shape)
 
     def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
