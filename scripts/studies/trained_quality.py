@@ -64,13 +64,16 @@ What runs (every choice is a flag; the defaults are what the committed result us
   it); how often DST cut or raised (steps with any unit cut / raised, units in all, and units
   whose move kept no other block of a document: ``dst_moves``). Arms count as matched when
   their documents' kept density is within ``--match-tolerance`` of static's
-  (``density_match``). ``--densities-only`` prints these of the runs already in ``--out``.
+  (``density_match``). ``--densities-only`` prints these of the runs already in ``--out``;
+  with ``--replan`` also those of the DST runs' recorded steps planned again by the planner as
+  it is now (``replanned``).
 - **Paired differences** (``PAIRS``): per seed, arm a minus arm b of every metric; over seeds the
   mean and a 95% t interval (seeds are the replicates; with 2 seeds it is wide, with 1 absent).
 
     .venv/bin/python scripts/bench.py trained_quality --json docs/results/trained_quality_cpu.json
     .venv/bin/python scripts/bench.py trained_quality --quick --json /tmp/tq.json   # a smoke run
-    .venv/bin/python scripts/bench.py trained_quality --out runs/trained_quality --densities-only
+    .venv/bin/python scripts/bench.py trained_quality --out runs/trained_quality --densities-only \
+        --replan
 """
 
 from __future__ import annotations
@@ -284,6 +287,52 @@ def document_densities(rows: list, block_size: int, d0: float) -> dict:
             "dst_moves": moves}
 
 
+def replanned(run_dir: str, table: str, args, objective: str) -> dict:
+    """``train_summary`` of a DST run's recorded steps re-planned by the planner as it is now:
+    each step's committed packing, unit sensitivities and raise headroom, the study's latency
+    table, timings modelled (no calibration), DST's plan of that packing (the stand-down's
+    choices are not re-made: a step where DST stood down keeps its static plan).
+    ``plans_as_recorded`` of ``dst_plans``: the steps DST planned whose plan is the run's (the
+    sensitivities are recorded to 6 decimals: a near tie may order units otherwise)."""
+    import numpy as np
+
+    from sparsebalance_megatron.batching.replay import RecordedPlans
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency.model import LatencyModel
+    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
+    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+
+    rows, path = read_metrics(run_dir), os.path.join(run_dir, "metrics.jsonl")
+    steps = RecordedPlans.read(path).steps
+    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                             block_size=args.block_size, dst_objective=objective,
+                             dense_below_tokens="0")                 # as the runs (train_cmd)
+    lm = LatencyModel.load(table, force=True)
+    lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
+    grid = density_grid(sb.density, sb.min_density, sb.max_density)
+    out, same, gain = [], 0, []
+    for r in rows:
+        if r.get("dst_stood_down"):
+            out.append(r)
+            continue
+        batch = steps[r["step"]]["batch"]
+        costs = UnitCosts.from_latency(lm, batch.flat_lengths(with_padding=True), batch.dp,
+                                       batch.num_microbatches, grid, calibrated=False)
+        sens = r.get("unit_sensitivity")
+        p = plan_dst_from_config(sb, costs, None if sens is None else np.asarray(sens),
+                                 lm.p2p_s, raise_headroom=r.get("raise_headroom") or 0.0,
+                                 stage_layers=r["layers_per_stage"])
+        same += bool(np.array_equal(p.densities, np.asarray(r["densities"])))
+        gain.append(p.report.step_time_planned_s / p.report.step_time_static_s)
+        out.append(dict(r, densities=p.densities.tolist(), units_cut=p.report.units_cut,
+                        units_raised=p.report.units_raised))
+    # the metrics' figures with padding are the recorded plans': not these
+    return {**train_summary(out, args.block_size, args.density), "plans_as_recorded": same,
+            "dst_plans": len(gain), "predicted_step_vs_static": sum(gain) / max(len(gain), 1),
+            "mean_kept_density": None,
+            "mean_planned_density": None}
+
+
 def read_metrics(run_dir: str) -> list:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(x) for x in f if x.strip()]
@@ -407,10 +456,13 @@ def density_rows(runs: dict, seeds: list) -> list:
         tr = [per[str(s)]["train"] for s in seeds]
         if "doc_kept_density" not in tr[0]:
             continue
-        row = {"arm": arm, **{k: sum(t[k] for t in tr) / len(tr) for k in (
-            "doc_planned_density", "doc_kept_density", "doc_kept_d0_density",
-            "mean_planned_density", "mean_kept_density")}}
+        row = {"arm": arm, **{k: None if tr[0][k] is None else sum(t[k] for t in tr) / len(tr)
+                              for k in ("doc_planned_density", "doc_kept_density",
+                                        "doc_kept_d0_density", "mean_planned_density",
+                                        "mean_kept_density")}}
         row.update({k: sum(t["dst_moves"][k] for t in tr) for k in tr[0]["dst_moves"]})
+        row.update({k: sum(t[k] for t in tr) / len(tr) for k in (
+            "plans_as_recorded", "dst_plans", "predicted_step_vs_static") if k in tr[0]})
         out.append(row)
     return out
 
@@ -420,12 +472,19 @@ def print_densities(rows: list) -> None:
           "| raised (kept no block) | cut (kept no block) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        padded = "-" if r["mean_kept_density"] is None else \
+            f"{r['mean_planned_density']:.4f} / {r['mean_kept_density']:.4f}"
         print(f"| {r['arm']} | {r['doc_planned_density']:.4f} | {r['doc_kept_density']:.4f} | "
               f"{r['doc_kept_d0_density']:.4f} | "
               f"{r['doc_kept_density'] - r['doc_kept_d0_density']:+.4f} | "
-              f"{r['mean_planned_density']:.4f} / {r['mean_kept_density']:.4f} | "
+              f"{padded} | "
               f"{r['raised']} ({r['raised_keeping_no_block']}) | "
               f"{r['cut']} ({r['cut_keeping_no_block']}) |")
+    for r in rows:
+        if "plans_as_recorded" in r:
+            print(f"{r['arm']}: predicted step / static {r['predicted_step_vs_static']:.4f}, "
+                  f"plans as recorded {r['plans_as_recorded']:.0f} of {r['dst_plans']:.0f} "
+                  f"a seed")
 
 
 def interval(xs: list) -> dict:
@@ -530,6 +589,9 @@ def parse_args(argv=None):
                     help="only the documents' planned and kept densities and DST's moves of the "
                          "runs already in --out (their metrics files; nothing trained or "
                          "evaluated)")
+    ap.add_argument("--replan", action="store_true",
+                    help="with --densities-only: also re-plan the DST runs' recorded steps "
+                         "with the planner as it is now (``replanned``)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 2 layers, 256 tokens, 3 steps, 1 seed, 2 documents per "
                          "depth (what the test runs; its numbers mean nothing)")
@@ -556,6 +618,12 @@ def main(argv=None) -> int:
         runs = {arm: {str(seed): {"train": train_summary(
             read_metrics(os.path.join(args.out, f"{arm}_s{seed}")), args.block_size,
             args.density)} for seed in args.seeds} for arm in args.arms}
+        if args.replan:
+            objective = {"sparse_balance": "quality", "dst_density": "density"}
+            table = os.path.join(args.out, "latency.json")
+            runs.update({f"{arm} re-planned": {str(seed): {"train": replanned(
+                os.path.join(args.out, f"{arm}_s{seed}"), table, args, objective[arm])}
+                for seed in args.seeds} for arm in args.arms if arm in objective})
         rows = density_rows(runs, args.seeds)
         write_result(args.json, {"config": {k: v for k, v in vars(args).items() if k != "json"},
                                  "densities": rows})

@@ -26,9 +26,10 @@ def finite(x) -> bool:
 
 def test_quick_study_writes_a_complete_result(tmp_path):
     out = tmp_path / "tq.json"
+    runs = tmp_path / "runs"
     proc = subprocess.run([sys.executable, "scripts/bench.py", "trained_quality", "--quick",
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                           "--out", str(runs), "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     for key in ("command", "commit", "versions", "device", "config", "runs", "paired",
@@ -77,3 +78,15 @@ def test_quick_study_writes_a_complete_result(tmp_path):
     assert [r["arm"] for r in doc["densities"]] == ["static", "sparse_balance", "dst_density"]
     static = doc["densities"][0]
     assert static["doc_kept_density"] == static["doc_kept_d0_density"]
+    # the recorded steps re-planned by the same planner: the plans the runs committed
+    again = tmp_path / "replan.json"
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "trained_quality", "--quick",
+                           "--out", str(runs), "--densities-only", "--replan",
+                           "--json", str(again)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["arm"]: r for r in json.loads(again.read_text())["densities"]}
+    for arm in ("sparse_balance", "dst_density"):
+        got = rows[f"{arm} re-planned"]
+        assert got["plans_as_recorded"] == got["dst_plans"], (arm, got)
+        assert got["doc_kept_density"] == rows[arm]["doc_kept_density"], arm
