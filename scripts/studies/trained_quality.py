@@ -177,8 +177,12 @@ def build_data(args, out: str) -> tuple:
 
 
 def latency_table(args, out: str) -> str:
-    """One table for every sparse run: analytic (default) or profiled on this CPU."""
+    """One table for every sparse run: analytic (default) or profiled on this CPU; an ``--out``
+    that already holds one keeps it, as it keeps its finished runs (re-running some arms then
+    plans them from the table the others were planned with)."""
     path = os.path.join(out, "latency.json")
+    if os.path.exists(path):
+        return path
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--out", path,
            "--no-progress", *model_flags(args, profile=True),
            "--sb-block-size", str(args.block_size), "--sb-density", str(args.density)]
