@@ -56,15 +56,24 @@ What runs (every choice is a flag; the defaults are what the committed result us
   retrieval (the argmax after the query marker is the key, teacher-forced), by depth. The arm's own density is d0 for
   the sparse arms and 1 for dense (``primary`` in the JSON); the other is reported beside it.
 - **Densities reported**: per run, the mean over steps of the layer-weighted kept density of the
-  plan (the metrics' ``kept_density``: kept key blocks over causal key blocks, forced sink and
-  diagonal blocks included) and of the planned density (``mean_density``); how often DST cut or
-  raised (steps with any unit cut / raised, and units in all). Arms count as matched when their
-  mean kept density is within ``--match-tolerance`` of static's; ``density_match`` says so.
+  plan's documents (``doc_kept_density``: kept key blocks over causal key blocks by the
+  selection's rule, forced sink and diagonal blocks included), of their planned density
+  (``doc_planned_density``) and of what they keep at d0 (``doc_kept_d0_density``), from the
+  recorded plans with the padding pieces left out (the metrics' ``kept_density`` and
+  ``mean_density``, kept beside them, count padding like documents, and the packings differ in
+  it); how often DST cut or raised (steps with any unit cut / raised, units in all, and units
+  whose move kept no other block of a document: ``dst_moves``). Arms count as matched when
+  their documents' kept density is within ``--match-tolerance`` of static's
+  (``density_match``). ``--densities-only`` prints these of the runs already in ``--out``;
+  with ``--replan`` also those of the DST runs' recorded steps planned again by the planner as
+  it is now (``replanned``).
 - **Paired differences** (``PAIRS``): per seed, arm a minus arm b of every metric; over seeds the
   mean and a 95% t interval (seeds are the replicates; with 2 seeds it is wide, with 1 absent).
 
     .venv/bin/python scripts/bench.py trained_quality --json docs/results/trained_quality_cpu.json
     .venv/bin/python scripts/bench.py trained_quality --quick --json /tmp/tq.json   # a smoke run
+    .venv/bin/python scripts/bench.py trained_quality --out runs/trained_quality --densities-only \
+        --replan
 """
 
 from __future__ import annotations
@@ -168,8 +177,12 @@ def build_data(args, out: str) -> tuple:
 
 
 def latency_table(args, out: str) -> str:
-    """One table for every sparse run: analytic (default) or profiled on this CPU."""
+    """One table for every sparse run: analytic (default) or profiled on this CPU; an ``--out``
+    that already holds one keeps it, as it keeps its finished runs (re-running some arms then
+    plans them from the table the others were planned with)."""
     path = os.path.join(out, "latency.json")
+    if os.path.exists(path):
+        return path
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--out", path,
            "--no-progress", *model_flags(args, profile=True),
            "--sb-block-size", str(args.block_size), "--sb-density", str(args.density)]
@@ -236,7 +249,100 @@ def run(cmd: list, log_path: str) -> float:
     return time.perf_counter() - t0
 
 
-def train_summary(rows: list) -> dict:
+def document_densities(rows: list, block_size: int, d0: float) -> dict:
+    """Planned and kept density of the documents alone, from the recorded plans: the metrics'
+    ``mean_density`` and ``kept_density`` weigh the padding pieces that fill each micro-batch
+    (256-token pseudo-documents, whose blocks no loss reads) like documents, and how much
+    padding a step has depends on the packing, so static (sequential) and SAB differ in it.
+    Per step, weighted by causal block pairs as the metrics are: ``planned``, ``kept`` (the
+    selection's rule, ``latency/work.py``) and ``kept_d0`` (what the same documents keep at
+    d0); per DST move, whether it kept any other block of a document than d0 does."""
+    import numpy as np
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency.features import UnitFeatures
+
+    sb = SparseBalanceConfig()
+    per = {"planned": [], "kept": [], "kept_d0": []}
+    moves = {"raised": 0, "raised_keeping_no_block": 0, "cut": 0, "cut_keeping_no_block": 0}
+    for r in rows:
+        if r.get("densities") is None or r.get("plan") is None:
+            return {}
+        d = np.asarray(r["densities"], dtype=np.float64)                 # [dp, m, stages]
+        layers = np.asarray(r.get("attention_layers_per_stage") or [1] * d.shape[2], float)
+        lens = [np.diff(np.asarray(mb, dtype=np.int64).reshape(-1, 3)[:, 1:], axis=1)[:, 0]
+                for rank in r["plan"]["micro_batches"] for mb in rank]
+        f = UnitFeatures.build(lens, block_size, sb.sink_blocks, sb.local_blocks)
+        w, k0 = f.attention_work(1.0), f.attention_work(d0)              # [dp * m]
+        num = {"planned": 0.0, "kept": 0.0, "kept_d0": 0.0}
+        for s in range(d.shape[2]):
+            ds = d[:, :, s].reshape(-1)
+            k = f.attention_work(ds)
+            num["planned"] += layers[s] * float((ds * w).sum())
+            num["kept"] += layers[s] * float(k.sum())
+            num["kept_d0"] += layers[s] * float(k0.sum())
+            for name, moved in (("raised", ds > d0 + 1e-12), ("cut", ds < d0 - 1e-12)):
+                moves[name] += int(moved.sum())
+                moves[f"{name}_keeping_no_block"] += int((moved & (k == k0)).sum())
+        den = float(layers.sum() * w.sum())
+        for key in per:
+            per[key].append(num[key] / den)
+    return {**{f"doc_{key}_density": sum(v) / len(v) for key, v in per.items()},
+            "dst_moves": moves}
+
+
+def replanned(run_dir: str, table: str, args, objective: str) -> dict:
+    """``train_summary`` of a DST run's recorded steps re-planned by the planner as it is now:
+    each step's committed packing, unit sensitivities and raise headroom, the study's latency
+    table, timings modelled (no calibration), DST's plan of that packing (the stand-down's
+    choices are not re-made: a step where DST stood down keeps its static plan).
+    ``plans_as_recorded`` of ``dst_plans``: the steps DST planned whose plan is the run's (the
+    sensitivities are recorded to 6 decimals: a near tie may order units otherwise)."""
+    import numpy as np
+
+    from sparsebalance_megatron.batching.replay import RecordedPlans
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency.model import LatencyModel
+    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
+    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+
+    rows, path = read_metrics(run_dir), os.path.join(run_dir, "metrics.jsonl")
+    steps = RecordedPlans.read(path).steps
+    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                             block_size=args.block_size, dst_objective=objective,
+                             dense_below_tokens="0")                 # as the runs (train_cmd)
+    lm = LatencyModel.load(table, force=True)
+    lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
+    grid = density_grid(sb.density, sb.min_density, sb.max_density)
+    out, same, gain = [], 0, []
+    for r in rows:
+        if r.get("dst_stood_down"):
+            out.append(r)
+            continue
+        batch = steps[r["step"]]["batch"]
+        costs = UnitCosts.from_latency(lm, batch.flat_lengths(with_padding=True), batch.dp,
+                                       batch.num_microbatches, grid, calibrated=False)
+        sens = r.get("unit_sensitivity")
+        p = plan_dst_from_config(sb, costs, None if sens is None else np.asarray(sens),
+                                 lm.p2p_s, raise_headroom=r.get("raise_headroom") or 0.0,
+                                 stage_layers=r["layers_per_stage"])
+        same += bool(np.array_equal(p.densities, np.asarray(r["densities"])))
+        gain.append(p.report.step_time_planned_s / p.report.step_time_static_s)
+        out.append(dict(r, densities=p.densities.tolist(), units_cut=p.report.units_cut,
+                        units_raised=p.report.units_raised))
+    # the metrics' figures with padding are the recorded plans': not these
+    return {**train_summary(out, args.block_size, args.density), "plans_as_recorded": same,
+            "dst_plans": len(gain), "predicted_step_vs_static": sum(gain) / max(len(gain), 1),
+            "mean_kept_density": None,
+            "mean_planned_density": None}
+
+
+def read_metrics(run_dir: str) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
     """What the table needs of a run's per-step metrics."""
     def mean(key):
         xs = [r[key] for r in rows if r.get(key) is not None]
@@ -253,7 +359,7 @@ def train_summary(rows: list) -> dict:
             "dst_units_cut": sum(cut), "dst_units_raised": sum(raised),
             "dst_stood_down": sum(int(r.get("dst_stood_down") or 0) for r in rows),
             "sab_stood_down": sum(int(r.get("sab_stood_down") or 0) for r in rows),
-            "tokens": [r["tokens"] for r in rows]}
+            "tokens": [r["tokens"] for r in rows], **document_densities(rows, block_size, d0)}
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
@@ -335,9 +441,54 @@ def metrics_of(run: dict) -> dict:
     p = run["eval"][run["primary"]]
     out = {"heldout_loss": p["heldout_loss"], "accuracy": p["accuracy"],
            "token_accuracy": p["token_accuracy"],
-           "mean_kept_density": run["train"]["mean_kept_density"]}
+           "doc_kept_density": kept_of(run["train"])}
     out.update({f"accuracy@depth{k}": v["accuracy"] for k, v in p["accuracy_by_depth"].items()})
     return out
+
+
+def kept_of(train: dict) -> float:
+    """A run's kept density of its documents (padding left out: ``document_densities``); 1
+    for a dense run."""
+    return train.get("doc_kept_density", 1.0)
+
+
+def density_rows(runs: dict, seeds: list) -> list:
+    """Per arm, means over seeds of the documents' planned, kept and d0-kept densities, and the
+    DST moves summed over seeds, with how many kept no other block of a document."""
+    out = []
+    for arm, per in runs.items():
+        tr = [per[str(s)]["train"] for s in seeds]
+        if "doc_kept_density" not in tr[0]:
+            continue
+        row = {"arm": arm, **{k: None if tr[0][k] is None else sum(t[k] for t in tr) / len(tr)
+                              for k in ("doc_planned_density", "doc_kept_density",
+                                        "doc_kept_d0_density", "mean_planned_density",
+                                        "mean_kept_density")}}
+        row.update({k: sum(t["dst_moves"][k] for t in tr) for k in tr[0]["dst_moves"]})
+        row.update({k: sum(t[k] for t in tr) / len(tr) for k in (
+            "plans_as_recorded", "dst_plans", "predicted_step_vs_static") if k in tr[0]})
+        out.append(row)
+    return out
+
+
+def print_densities(rows: list) -> None:
+    print("\n| arm | planned | kept | kept at d0 | kept - at d0 | with padding: planned / kept "
+          "| raised (kept no block) | cut (kept no block) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        padded = "-" if r["mean_kept_density"] is None else \
+            f"{r['mean_planned_density']:.4f} / {r['mean_kept_density']:.4f}"
+        print(f"| {r['arm']} | {r['doc_planned_density']:.4f} | {r['doc_kept_density']:.4f} | "
+              f"{r['doc_kept_d0_density']:.4f} | "
+              f"{r['doc_kept_density'] - r['doc_kept_d0_density']:+.4f} | "
+              f"{padded} | "
+              f"{r['raised']} ({r['raised_keeping_no_block']}) | "
+              f"{r['cut']} ({r['cut_keeping_no_block']}) |")
+    for r in rows:
+        if "plans_as_recorded" in r:
+            print(f"{r['arm']}: predicted step / static {r['predicted_step_vs_static']:.4f}, "
+                  f"plans as recorded {r['plans_as_recorded']:.0f} of {r['dst_plans']:.0f} "
+                  f"a seed")
 
 
 def interval(xs: list) -> dict:
@@ -368,12 +519,12 @@ def paired(runs: dict, seeds: list) -> dict:
 def density_match(runs: dict, seeds: list, tol: float) -> dict:
     if "static" not in runs:
         return {}
-    ref = {s: runs["static"][s]["train"]["mean_kept_density"] for s in seeds}
+    ref = {s: kept_of(runs["static"][s]["train"]) for s in seeds}
     out = {}
     for arm in runs:
         if arm in ("static", "dense"):
             continue
-        gaps = [runs[arm][s]["train"]["mean_kept_density"] - ref[s] for s in seeds]
+        gaps = [kept_of(runs[arm][s]["train"]) - ref[s] for s in seeds]
         out[arm] = {"kept_minus_static": gaps, "matched": all(abs(g) <= tol for g in gaps)}
     return out
 
@@ -383,7 +534,7 @@ def print_table(doc: dict) -> None:
     depths = [f"{d:g}" for d in doc["config"]["depths"]]
     print("\n| arm | eval density | held-out loss | accuracy | "
           + " | ".join(f"acc @{d}" for d in depths)
-          + " | train kept density | DST steps cut / raised |")
+          + " | train kept density (documents) | DST steps cut / raised |")
     print("|---|---:|---:|---:|" + "---:|" * len(depths) + "---:|---:|")
     for arm, per in runs.items():
         ms = [metrics_of(per[str(s)]) for s in seeds]
@@ -394,7 +545,7 @@ def print_table(doc: dict) -> None:
         print(f"| {arm} | {per[str(seeds[0])]['primary']} | {m('heldout_loss'):.4f} | "
               f"{m('accuracy'):.3f} | " + " | ".join(f"{m('accuracy@depth' + d):.2f}"
                                                      for d in depths)
-              + f" | {sum(t['mean_kept_density'] for t in tr) / len(tr):.3f} | "
+              + f" | {sum(kept_of(t) for t in tr) / len(tr):.3f} | "
               f"{sum(t['dst_steps_cut'] for t in tr)} / {sum(t['dst_steps_raised'] for t in tr)}"
               f" |")
     print(f"(means over seeds {seeds}; DST steps summed over seeds)\n")
@@ -402,7 +553,8 @@ def print_table(doc: dict) -> None:
         print(f"{pair}: " + ", ".join(
             f"{k} {v['mean']:+.4f}" + (f" [{v['ci95'][0]:+.4f}, {v['ci95'][1]:+.4f}]"
                                        if v["ci95"] else "")
-            for k, v in ms.items() if k in ("heldout_loss", "accuracy", "mean_kept_density")))
+            for k, v in ms.items() if k in ("heldout_loss", "accuracy", "doc_kept_density")))
+    print_densities(doc.get("densities") or [])
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -437,6 +589,13 @@ def parse_args(argv=None):
                          "(default) or analytic (H100 FLOPs; --quick); timings modelled either way")
     ap.add_argument("--match-tolerance", type=float, default=0.01,
                     help="|kept density - static's| that counts as matched")
+    ap.add_argument("--densities-only", action="store_true",
+                    help="only the documents' planned and kept densities and DST's moves of the "
+                         "runs already in --out (their metrics files; nothing trained or "
+                         "evaluated)")
+    ap.add_argument("--replan", action="store_true",
+                    help="with --densities-only: also re-plan the DST runs' recorded steps "
+                         "with the planner as it is now (``replanned``)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 2 layers, 256 tokens, 3 steps, 1 seed, 2 documents per "
                          "depth (what the test runs; its numbers mean nothing)")
@@ -457,6 +616,23 @@ ENV = dict(os.environ)
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
+    if args.densities_only:
+        if args.out is None:
+            raise SystemExit("error: --densities-only reads the runs in --out: give --out DIR")
+        runs = {arm: {str(seed): {"train": train_summary(
+            read_metrics(os.path.join(args.out, f"{arm}_s{seed}")), args.block_size,
+            args.density)} for seed in args.seeds} for arm in args.arms}
+        if args.replan:
+            objective = {"sparse_balance": "quality", "dst_density": "density"}
+            table = os.path.join(args.out, "latency.json")
+            runs.update({f"{arm} re-planned": {str(seed): {"train": replanned(
+                os.path.join(args.out, f"{arm}_s{seed}"), table, args, objective[arm])}
+                for seed in args.seeds} for arm in args.arms if arm in objective})
+        rows = density_rows(runs, args.seeds)
+        write_result(args.json, {"config": {k: v for k, v in vars(args).items() if k != "json"},
+                                 "densities": rows})
+        print_densities(rows)
+        return 0
     out = args.out or tempfile.mkdtemp(prefix="trained_quality_")
     os.makedirs(out, exist_ok=True)
     try:
@@ -496,10 +672,10 @@ def study(args, out: str) -> dict:
         runs[arm] = {}
         for seed in args.seeds:
             run_dir = os.path.join(out, f"{arm}_s{seed}")
-            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-                rows = [json.loads(x) for x in f if x.strip()]
+            rows = read_metrics(run_dir)
             ev = evaluate(args, os.path.join(run_dir, "ckpt"), held, [1.0, args.density])
-            runs[arm][seed] = {"train": train_summary(rows), "eval": ev,
+            runs[arm][seed] = {"train": train_summary(rows, args.block_size, args.density),
+                               "eval": ev,
                                "primary": "1" if arm == "dense" else f"{args.density:g}"}
             print(f"evaluated {arm} seed {seed}: " + ", ".join(
                 f"d {d}: loss {e['heldout_loss']:.4f} acc {e['accuracy']:.3f}"
@@ -515,5 +691,7 @@ def study(args, out: str) -> dict:
             "same_tokens_every_step": same_data,
             "runs": {a: {str(s): r for s, r in per.items()} for a, per in runs.items()},
             "paired": paired(runs, args.seeds),
+            "densities": density_rows({a: {str(s): r for s, r in per.items()}
+                                       for a, per in runs.items()}, args.seeds),
             "density_match": density_match(runs, args.seeds, args.match_tolerance),
             "train_wall_s": runs_wall, "eval_wall_s": round(time.perf_counter() - t_eval, 1)}

@@ -225,6 +225,18 @@ class UnitFeatures:
             return np.zeros((n, grid.size))
         if self.work_mode == "chunked":
             return np.stack([self._chunked_work(np.full(n, d)) for d in grid], axis=1)
+        return self.kept_grid(grid)
+
+    def kept_grid(self, grid: np.ndarray) -> np.ndarray:
+        """[n, g] kept block pairs of every unit at every density of the ascending ``grid`` by
+        the selection's rule (``work.py``), whatever ``work_mode`` prices: what the attention
+        keeps, non-decreasing along the grid in every query block (DST's
+        ``UnitCosts.kept_grid``: two densities of a unit keep the same blocks where they keep
+        as many)."""
+        n = self.num_units
+        grid = np.asarray(grid, dtype=np.float64)
+        if self.doc_blocks.size == 0:
+            return np.zeros((n, grid.size))
         table = cumulative_work_table(grid, self._max_blocks(), self.sink_blocks,
                                       self.local_blocks)          # [g, N + 1]
         # A document's work depends only on its block count, and a packed micro-batch's padding

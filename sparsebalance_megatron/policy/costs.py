@@ -83,6 +83,10 @@ class UnitCosts:
     proportional to that when time is affine in kept block pairs.
     dense_work: optional [dp, m, pp] work (same unit as attn_work) of the documents routed to the
     dense kernel: counted at density 1 in every mean density (None: no routing).
+    kept_grid: optional [dp, m, g] block pairs the attention keeps of each micro-batch at each
+    grid density (``UnitFeatures.kept_grid``), non-decreasing along the grid; where two
+    densities of a unit keep as many, they keep the same blocks at the same cost. With it a
+    plan's densities are its effective ones (``effective_index``); None: taken as given.
 
     Costs are made non-decreasing in density (a running max over the grid), so that cutting can
     never make a unit slower; a latency table's interpolation noise would otherwise break that.
@@ -94,6 +98,9 @@ class UnitCosts:
     attn_work: Optional[np.ndarray] = None
     pipeline_ranks: Optional[int] = None
     dense_work: Optional[np.ndarray] = None
+    kept_grid: Optional[np.ndarray] = None
+    # ``effective_index``'s tables by d0's grid index, made on first use
+    _effective: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # the tables are already known finite, >= 0 and non-decreasing (``from_latency`` proves it
     # from its inputs, a few thousand numbers, instead of the tables' millions)
     tables_checked: bool = field(default=False, repr=False, compare=False)
@@ -148,6 +155,13 @@ class UnitCosts:
                     raise ValueError(f"{name} must be [dp, m, pp]={f.shape[:3]} finite >= 0, "
                                      f"got shape {w.shape}")
                 setattr(self, name, w)
+        if self.kept_grid is not None:
+            k = np.asarray(self.kept_grid, dtype=np.float64)
+            if k.shape != f.shape[:2] + (g.size,) or not np.all(np.isfinite(k)) \
+                    or np.any(np.diff(k, axis=-1) < 0):
+                raise ValueError(f"kept_grid must be [dp, m, g]={f.shape[:2] + (g.size,)} "
+                                 f"finite and non-decreasing along the grid, got shape {k.shape}")
+            self.kept_grid = k
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -165,6 +179,46 @@ class UnitCosts:
             raise ValueError(f"density {density!r} is not on the cost grid "
                              f"[{self.densities[0]}, ..., {self.densities[-1]}]")
         return i
+
+    def effective_index(self, idx: np.ndarray, i0: int) -> np.ndarray:
+        """Grid indices ``idx`` [..., dp, m, pp] of plans, each unit moved to the index nearest
+        ``i0`` (d0's) that keeps the blocks ``idx`` keeps (``kept_grid``) at the same seconds:
+        a raise to the lowest density that keeps its blocks, a cut to the highest, and a move
+        that keeps what d0 keeps back to d0. Why: a unit's kept blocks change only where
+        ``ceil(d x available)`` passes an integer above its forced sink and diagonal blocks
+        (a micro-batch of documents of at most 7 blocks keeps the same blocks at every density
+        from 0.125 to 2/7); a move inside such a step buys no block and no second, and counted
+        at its nominal density in the floors it would pay for a real cut. ``idx`` itself
+        without ``kept_grid``. One gather from a table made once per ``i0``."""
+        idx = np.asarray(idx)
+        if self.kept_grid is None:
+            return idx
+        if i0 not in self._effective:
+            self._effective[i0] = self._effective_table(int(i0))
+        table, base = self._effective[i0]
+        return table.take(base + idx)
+
+    def _effective_table(self, i0: int) -> tuple:
+        """(``effective_index`` of every unit at every grid index, flat [dp * m * pp * g],
+        the units' offsets in it [dp, m, pp])."""
+        k = self.kept_grid                                          # [dp, m, g]
+        g = k.shape[-1]
+        at = np.arange(g, dtype=np.int64)
+        new = np.ones(k.shape, dtype=bool)                          # a run of equal counts starts
+        new[..., 1:] = k[..., 1:] != k[..., :-1]
+        first = np.maximum.accumulate(np.where(new, at, 0), axis=-1)
+        end = np.ones(k.shape, dtype=bool)                          # ... or ends
+        end[..., :-1] = new[..., 1:]
+        last = np.minimum.accumulate(np.where(end, at, g - 1)[..., ::-1], axis=-1)[..., ::-1]
+        near = np.where(at > i0, np.maximum(first, i0), np.where(at < i0, np.minimum(last, i0), at))
+        table = np.array(np.broadcast_to(near[:, :, None, :], self.fwd_s.shape)).reshape(-1)
+        moved = np.flatnonzero(table != np.tile(at, table.size // g))
+        to = moved - moved % g + table[moved]
+        for t in (self.fwd_s, self.bwd_s):      # the same seconds, or the unit stays
+            flat = t.reshape(-1)
+            stay = moved[flat[to] != flat[moved]]
+            table[stay] = stay % g
+        return table, np.arange(0, table.size, g, dtype=np.int64).reshape(self.shape)
 
     def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
@@ -262,8 +316,10 @@ class UnitCosts:
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
             feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
+        kept = work if feats.work_mode == "kept" else feats.kept_grid(g)   # [n, g]
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
-                   pipeline_ranks=model.layout.pp, dense_work=routed, tables_checked=checked,
+                   pipeline_ranks=model.layout.pp, dense_work=routed,
+                   kept_grid=kept.reshape(dp, m, g.size), tables_checked=checked,
                    _total=total if checked else None,
                    _formula=(work, per_pair, fixed, corr, not uncorrected)
                    if checked and total is not None else None)

@@ -374,10 +374,13 @@ def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
     i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
-    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom, check.meets_at,
-                             rounds, check.floors_at)
+    # the floors weigh every unit at its effective density (``UnitCosts.effective_index``)
+    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom,
+                             lambda i: check.meets_at(costs.effective_index(i, i0)), rounds,
+                             lambda i: check.floors_at(costs.effective_index(i, i0)))
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
         return plan
+    idx = costs.effective_index(idx, i0)
     dens = costs.densities[idx]
     w, dense = costs.weights(), costs.dense_work
     report = replace(

@@ -352,6 +352,9 @@ def _plans(ps: _Pass, candidates, d0: float, band: tuple, raised: tuple) -> list
     idx, mk_final, reverted = raised
     _, m, nv = costs.shape
     i0 = ps.cache.bounds[0]
+    # every unit at its effective density: a move that keeps no other block is none, and
+    # counts as none in the floors (the same seconds, so the makespans stand)
+    idx = costs.effective_index(idx.reshape(k, dp, m, nv), i0).reshape(idx.shape)
     plans = []
     weights = costs.weights()
     mk_c, idx_c, rev_c = mk_final.reshape(k, dp), idx.reshape((k, dp) + idx.shape[1:]), \

@@ -26,9 +26,10 @@ def finite(x) -> bool:
 
 def test_quick_study_writes_a_complete_result(tmp_path):
     out = tmp_path / "tq.json"
+    runs = tmp_path / "runs"
     proc = subprocess.run([sys.executable, "scripts/bench.py", "trained_quality", "--quick",
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+                           "--out", str(runs), "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     for key in ("command", "commit", "versions", "device", "config", "runs", "paired",
@@ -48,6 +49,14 @@ def test_quick_study_writes_a_complete_result(tmp_path):
             assert 0 < tr["mean_kept_density"] <= 1
             for k in ("dst_steps_cut", "dst_steps_raised", "dst_units_cut", "dst_units_raised"):
                 assert isinstance(tr[k], int) and tr[k] >= 0, (arm, k)
+            if arm != "dense":      # the documents' densities, padding left out
+                for k in ("doc_planned_density", "doc_kept_density", "doc_kept_d0_density"):
+                    assert finite(tr[k]) and 0 < tr[k] <= 1, (arm, k, tr[k])
+                moves = tr["dst_moves"]
+                assert moves["raised"] == tr["dst_units_raised"]
+                assert moves["cut"] == tr["dst_units_cut"]
+                assert 0 <= moves["raised_keeping_no_block"] <= moves["raised"]
+                assert 0 <= moves["cut_keeping_no_block"] <= moves["cut"]
             assert run["primary"] in run["eval"]
             assert set(run["eval"]) == {"1", f"{doc['config']['density']:g}"}
             for ev in run["eval"].values():
@@ -62,7 +71,22 @@ def test_quick_study_writes_a_complete_result(tmp_path):
                                   "sparse_balance-dst_density", "static-dense",
                                   "sparse_balance-dense"}
     for pair in doc["paired"].values():
-        for k in ("heldout_loss", "accuracy", "mean_kept_density",
+        for k in ("heldout_loss", "accuracy", "doc_kept_density",
                   *(f"accuracy@depth{d}" for d in depths)):
             assert finite(pair[k]["mean"]) and len(pair[k]["per_seed"]) == len(seeds), k
     assert set(doc["density_match"]) == {"sparse_balance", "dst_density"}
+    assert [r["arm"] for r in doc["densities"]] == ["static", "sparse_balance", "dst_density"]
+    static = doc["densities"][0]
+    assert static["doc_kept_density"] == static["doc_kept_d0_density"]
+    # the recorded steps re-planned by the same planner: the plans the runs committed
+    again = tmp_path / "replan.json"
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "trained_quality", "--quick",
+                           "--out", str(runs), "--densities-only", "--replan",
+                           "--json", str(again)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["arm"]: r for r in json.loads(again.read_text())["densities"]}
+    for arm in ("sparse_balance", "dst_density"):
+        got = rows[f"{arm} re-planned"]
+        assert got["plans_as_recorded"] == got["dst_plans"], (arm, got)
+        assert got["doc_kept_density"] == rows[arm]["doc_kept_density"], arm

@@ -1,0 +1,102 @@
+"""A planned density becomes a kept block count by ``ceil(d x available)`` per query block, never
+below the forced sink and diagonal blocks; on short documents most densities keep the same
+blocks. DST plans at effective densities (``UnitCosts.effective_index``): a move that keeps no
+other block is no move, and cannot pay for a real cut in the density floors (issue 62)."""
+
+import numpy as np
+import torch
+
+from sparsebalance_megatron.attention.api import block_sparse_attention
+from sparsebalance_megatron.latency.features import UnitFeatures
+from sparsebalance_megatron.latency.work import attention_work
+from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
+from sparsebalance_megatron.policy.dst import plan_dst_with_floor
+
+BLOCK = 32
+
+
+def _kernel_kept(blocks: list, density: float) -> list:
+    """Kept key blocks of each document as the attention's selection keeps them."""
+    torch.manual_seed(0)
+    lens = [BLOCK * n for n in blocks]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], 2, 8)
+    k, v = torch.randn(cu[-1], 1, 8), torch.randn(cu[-1], 1, 8)
+    _, sel = block_sparse_attention(q, k, v, cu, density, block_size=BLOCK, backend="torch")
+    causal = torch.tensor([n * (n + 1) / 2 for n in blocks])
+    return (sel.density_kept.double() * causal).round().long().tolist()
+
+
+def test_kept_blocks_per_document_at_d0_and_above():
+    # (blocks, kept at 0.125, 0.25, 0.28, 0.30, 0.5): the selection's counts, the latency
+    # model's, and the figures QUALITY.md quotes
+    want = {4: (7, 7, 7, 7, 7), 7: (13, 13, 13, 14, 17), 8: (15, 15, 16, 17, 21),
+            12: (23, 27, 30, 31, 43), 16: (31, 43, 48, 50, 73)}
+    densities = (0.125, 0.25, 0.28, 0.30, 0.5)
+    for j, d in enumerate(densities):
+        got = _kernel_kept(list(want), d)
+        assert got == [w[j] for w in want.values()], d
+        assert got == [attention_work([BLOCK * n], d, BLOCK) for n in want]
+    # a document of up to 7 blocks keeps its forced blocks (1 + 2 x (n - 1)) at every density
+    # from 0.125 to 2/7: raising or cutting it from d0 = 0.25 inside that keeps no other block
+    for n in range(1, 8):
+        kept = {attention_work([BLOCK * n], d, BLOCK) for d in np.arange(0.125, 2 / 7, 1 / 64)}
+        assert kept == {float(min(n * (n + 1) // 2, 2 * n - 1))}
+
+
+def test_kept_grid_is_the_selection_rule_whatever_the_work_mode():
+    lens = [[96, 96, 64], [512], [224, 288]]
+    grid = density_grid(0.25, 0.125, 1.0)
+    for mode in ("kept", "chunked"):
+        feats = UnitFeatures.build(lens, BLOCK, work_mode=mode)
+        want = [[attention_work(u, d, BLOCK) for d in grid] for u in lens]
+        assert np.array_equal(feats.kept_grid(grid), want)
+
+
+def _costs(kept_grid: bool) -> UnitCosts:
+    """Rank 0: one 16-block document (a straggler); rank 1: ten 3-block documents, which keep
+    their forced blocks at every density up to 2/3. Seconds affine in kept pairs."""
+    grid = density_grid(0.25, 0.125, 0.6)
+    kept = np.array([[[attention_work([BLOCK * 16], d, BLOCK) for d in grid]],
+                     [[attention_work([BLOCK * 3] * 10, d, BLOCK) for d in grid]]])  # [2, 1, g]
+    t = np.array([3.0, 1.0])[:, None, None, None] + 0.05 * kept[:, :, None, :]
+    work = np.array([136.0, 60.0])[:, None, None]                  # causal pairs
+    return UnitCosts(grid, t / 3, 2 * t / 3, work, kept_grid=kept if kept_grid else None)
+
+
+def test_a_raise_that_keeps_no_block_pays_for_no_cut():
+    plan = {}
+    for kept_grid in (False, True):
+        costs = _costs(kept_grid)
+        p = plan_dst_with_floor(costs, None, 0.25, 0.125, 0.6, density_floor=1.0,
+                                stage_density_floor=0.0)
+        kept = [attention_work([BLOCK * 16], p.densities[0, 0, 0], BLOCK),
+                attention_work([BLOCK * 3] * 10, p.densities[1, 0, 0], BLOCK)]
+        plan[kept_grid] = (p.densities.reshape(-1).tolist(), kept, p.report.mean_density)
+    # at nominal densities the free raise of rank 1 (no block kept) met the floor for a real
+    # cut of the straggler: planned density up, kept blocks down (43 + 50 -> fewer + 50)
+    dens, kept, mean = plan[False]
+    assert dens[1] > 0.25 and dens[0] < 0.25 and mean >= 0.25
+    assert kept[1] == 50 and kept[0] < 43
+    # at effective densities the raise is none and the floor allows no cut
+    dens, kept, mean = plan[True]
+    assert dens == [0.25, 0.25] and kept == [43, 50] and mean == 0.25
+
+
+def test_effective_index_moves_to_the_nearest_index_keeping_as_many():
+    grid = np.array([0.125, 0.25, 0.375, 0.5, 0.75, 1.0])
+    kept = np.array([[[5.0, 5.0, 5.0, 7.0, 7.0, 9.0]]])             # [1, 1, g]
+    t = 1.0 + kept[:, :, None, :]
+    costs = UnitCosts(grid, t, t, kept_grid=kept)
+    i0 = 1
+    got = [int(costs.effective_index(np.array([[[i]]]), i0)[0, 0, 0]) for i in range(6)]
+    # 0 and 2 keep what d0 keeps: back to d0; 4 keeps what 3 does (the lowest); 5 stays
+    assert got == [1, 1, 1, 3, 3, 5]
+    # where the seconds differ the move stays (a table whose cost is not the kept blocks')
+    t2 = t.copy()
+    t2[..., 2] += 0.5
+    costs = UnitCosts(grid, t2, t2, kept_grid=kept)
+    assert int(costs.effective_index(np.array([[[2]]]), i0)[0, 0, 0]) == 2
+    assert np.array_equal(UnitCosts(grid, t, t).effective_index(np.array([[[4]]]), i0), [[[4]]])
