@@ -222,7 +222,7 @@ def highest_formula_search(formula, units, lo, hi, limit, out):
 
 
 def highest_formula(formula: tuple, units: np.ndarray, lo, hi, limit: np.ndarray) -> np.ndarray:
-    """``policy.costs.highest_at_most`` on the totals of ``UnitCosts.formula`` (the same
+    """``policy.grid_search.highest_at_most`` on the totals of ``UnitCosts.formula`` (the same
     numbers as the table's): per unit ``units`` [n] (flat unit ids) and limit ``limit`` [k, n],
     the highest grid index in [lo, hi] whose total is <= the limit (lo if none); ``lo``, ``hi``
     [n] or scalars. [k, n] grid indices."""

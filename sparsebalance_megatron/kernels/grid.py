@@ -1,4 +1,4 @@
-"""Compiled forms of the planner's grid look-ups: ``policy.costs.highest_at_most`` (general
+"""Compiled forms of the planner's grid look-ups: ``policy.grid_search.highest_at_most`` (general
 and the [k, n] rows of the descent's and DST's candidates), ``policy.dst_moves.GainIndex``'s
 water-filling index and ``UnitCosts.from_latency``'s tables. Each does the numpy path's
 operations per element (the binary lifting's schedule, a multiply, an add, comparisons), so
@@ -286,7 +286,7 @@ def sensitivity_moves(flat, units, cur, budget, cap, order, bound: int, raising:
 
 def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
                     step: int) -> np.ndarray:
-    """Flat positions [n] of ``policy.costs.highest_at_most``: per element the highest position
+    """Flat positions [n] of ``policy.grid_search.highest_at_most``: per element the highest position
     in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
     2``, ... 1 from first - 1 (the numpy path's schedule)."""
     return highest_at_most_pass(f64(flat), i64(first), i64(last), f64(limit), int(step))

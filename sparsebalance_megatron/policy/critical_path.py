@@ -48,7 +48,8 @@ import numpy as np
 from .. import kernels
 from ..kernels.records import Graph, Lookup, Tables
 from ..sim.pipeline import FWD, event_graph
-from .costs import UnitCosts, highest_at_most, stage_mean_densities, weighted_mean_density
+from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
+from .grid_search import highest_at_most
 from .floors import FloorCheck
 from .slack import unit_floats_from
 

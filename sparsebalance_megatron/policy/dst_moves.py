@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels.records import Fill
-from .costs import highest_at_most, level_search
+from .grid_search import highest_at_most, level_search
 
 _NO_CAP = np.zeros((1, 1, 1))          # the compiled cut reads no float caps
 

@@ -8,7 +8,7 @@ on whether numba is installed."""
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import costs as costs_mod
+from sparsebalance_megatron.policy import grid_search
 from sparsebalance_megatron.policy import UnitCosts, plan_dst_with_floor, slack
 from sparsebalance_megatron import kernels
 from sparsebalance_megatron.sim.pipeline import event_graph
@@ -68,13 +68,13 @@ def test_highest_at_most_is_the_binary_liftings_answer(numpy_paths):
                  (units, limit, lo, lo), (units[:0], limit[:0], lo[:0], hi[:0]),
                  (units[0], limit, lo[0], hi[0]), (units[0], limit, 3, hi[0]),   # [k, n] rows
                  (units[0, :0], limit[:, :0], lo[0, :0], 0)):
-        want = numpy_paths(costs_mod.highest_at_most, table, *args)
-        got = costs_mod.highest_at_most(table, *args)
+        want = numpy_paths(grid_search.highest_at_most, table, *args)
+        got = grid_search.highest_at_most(table, *args)
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
     rough = rng.random((40, g))                               # not monotone: the same schedule
-    np.testing.assert_array_equal(costs_mod.highest_at_most(rough, units, limit, lo, hi),
-                                  numpy_paths(costs_mod.highest_at_most, rough, units, limit,
+    np.testing.assert_array_equal(grid_search.highest_at_most(rough, units, limit, lo, hi),
+                                  numpy_paths(grid_search.highest_at_most, rough, units, limit,
                                               lo, hi))
 
 
@@ -214,7 +214,7 @@ def test_the_descent_on_the_tables_formula_plans_what_it_plans_on_the_tables():
     per-(DP rank, pipeline rank) corrections."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.policy import density_grid
-    from sparsebalance_megatron.policy.costs import highest_at_most
+    from sparsebalance_megatron.policy.grid_search import highest_at_most
     from sparsebalance_megatron.policy.critical_path import descend
 
     lm = LatencyModel.analytic(ModelShape(seq_length=8192), pp=4)

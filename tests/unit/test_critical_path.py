@@ -117,7 +117,7 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
     searches every unit under every fraction, looks up every candidate plan whole and
     simulates every DP rank (a plain binary search, ``level_search``, for the grid)."""
     from sparsebalance_megatron.policy import critical_path as cp
-    from sparsebalance_megatron.policy.costs import level_search
+    from sparsebalance_megatron.policy.grid_search import level_search
     from sparsebalance_megatron.policy.slack import floats_from
     from sparsebalance_megatron.sim.pipeline import event_graph
 

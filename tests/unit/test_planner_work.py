@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import costs as costs_mod
+from sparsebalance_megatron.policy import grid_search
 from sparsebalance_megatron.policy import critical_path, dst_moves, slack
 from sparsebalance_megatron import kernels
 from sparsebalance_megatron.sim import pipeline
@@ -54,14 +54,14 @@ def _count(monkeypatch) -> dict:
         n["cells"] += dur.size
         return lf(g, dur, deadline_s, p2p_s)
 
-    ham = costs_mod.highest_at_most
+    ham = grid_search.highest_at_most
 
     def highest_at_most(table, units, limit, lo, hi):
         out = ham(table, units, limit, lo, hi)
         n["searched"] += out.size
         return out
 
-    ls = costs_mod.level_search
+    ls = grid_search.level_search
 
     def level_search(lo, hi, ok):
         def counted(mid):
