@@ -189,18 +189,32 @@ class UnitCosts:
         (a micro-batch of documents of at most 7 blocks keeps the same blocks at every density
         from 0.125 to 2/7); a move inside such a step buys no block and no second, and counted
         at its nominal density in the floors it would pay for a real cut. ``idx`` itself
-        without ``kept_grid``. One gather from a table made once per ``i0``."""
+        without ``kept_grid``. A gather from a [dp, m, g] table made once per ``i0``, and the
+        moved units' seconds compared."""
         idx = np.asarray(idx)
         if self.kept_grid is None:
             return idx
         if i0 not in self._effective:
-            self._effective[i0] = self._effective_table(int(i0))
-        table, base = self._effective[i0]
-        return table.take(base + idx)
+            self._effective[i0] = self._nearest_same_blocks(int(i0))
+        near, rows = self._effective[i0]
+        to = near.take(rows + idx)                   # [..., dp, m, pp] like idx
+        flat_to, flat_idx = to.reshape(-1), np.broadcast_to(idx, to.shape).reshape(-1)
+        moved = np.flatnonzero(flat_to != flat_idx)
+        if moved.size:                               # the same seconds, or the unit stays
+            n = self.fwd_s.size // self.densities.size           # units: dp x m x pp
+            unit = (moved % n) * self.densities.size             # each one's row, flat
+            old, new = flat_idx.take(moved), flat_to.take(moved)
+            differ = np.zeros(moved.size, dtype=bool)
+            for t in (self.fwd_s, self.bwd_s):
+                flat = t.reshape(-1)
+                differ |= flat.take(unit + new) != flat.take(unit + old)
+            flat_to[moved[differ]] = old[differ]
+        return to
 
-    def _effective_table(self, i0: int) -> tuple:
-        """(``effective_index`` of every unit at every grid index, flat [dp * m * pp * g],
-        the units' offsets in it [dp, m, pp])."""
+    def _nearest_same_blocks(self, i0: int) -> tuple:
+        """(flat [dp * m * g]: for each (DP rank, micro-batch) and grid index, the index nearest
+        ``i0`` that keeps as many blocks, the (DP rank, micro-batch) rows' offsets in it
+        [dp, m, 1])."""
         k = self.kept_grid                                          # [dp, m, g]
         g = k.shape[-1]
         at = np.arange(g, dtype=np.int64)
@@ -211,14 +225,8 @@ class UnitCosts:
         end[..., :-1] = new[..., 1:]
         last = np.minimum.accumulate(np.where(end, at, g - 1)[..., ::-1], axis=-1)[..., ::-1]
         near = np.where(at > i0, np.maximum(first, i0), np.where(at < i0, np.minimum(last, i0), at))
-        table = np.array(np.broadcast_to(near[:, :, None, :], self.fwd_s.shape)).reshape(-1)
-        moved = np.flatnonzero(table != np.tile(at, table.size // g))
-        to = moved - moved % g + table[moved]
-        for t in (self.fwd_s, self.bwd_s):      # the same seconds, or the unit stays
-            flat = t.reshape(-1)
-            stay = moved[flat[to] != flat[moved]]
-            table[stay] = stay % g
-        return table, np.arange(0, table.size, g, dtype=np.int64).reshape(self.shape)
+        return np.ascontiguousarray(near, dtype=np.int64).reshape(-1), \
+            np.arange(0, near.size, g, dtype=np.int64).reshape(k.shape[:2] + (1,))
 
     def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
