@@ -182,6 +182,7 @@ def latency_table(args, out: str) -> str:
     plans them from the table the others were planned with)."""
     path = os.path.join(out, "latency.json")
     if os.path.exists(path):
+        print(f"latency table: {path} (kept from an earlier run in this --out)", flush=True)
         return path
     cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--out", path,
            "--no-progress", *model_flags(args, profile=True),
@@ -662,6 +663,8 @@ def study(args, out: str) -> dict:
                     train_cmd(args, arm, seed, data, table, run_dir),
                     os.path.join(run_dir, "train.log")), 1)
                 print(f"trained {arm} seed {seed} in {runs_wall[f'{arm}_s{seed}']} s", flush=True)
+            else:
+                print(f"kept {arm} seed {seed}: its checkpoint is in {run_dir}", flush=True)
     import torch
 
     from sparsebalance_megatron.megatron.launch.profile import init_single_process
