@@ -106,6 +106,22 @@ TINY_MODEL = [
 ]
 
 
+LAUNCHER = os.environ.get("SB_TEST_LAUNCHER", "fork")
+if LAUNCHER not in ("fork", "torchrun"):
+    raise ValueError(f"SB_TEST_LAUNCHER={LAUNCHER!r}: expected 'fork' or 'torchrun'")
+_SERVER = None
+
+
+def _forked_ranks():
+    """This pytest process's server of forked ranks (tests/forked_ranks.py), started on first use."""
+    global _SERVER
+    from tests.forked_ranks import Server
+
+    if _SERVER is None:
+        _SERVER = Server()
+    return _SERVER
+
+
 @pytest.fixture(scope="session")
 def tiny_latency_table(tmp_path_factory) -> Path:
     """A quick latency table for TINY_MODEL (the profiler CLI, as a user would run it)."""
@@ -144,23 +160,51 @@ def _profile_tiny(out: Path, pp: int) -> Path:
            "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",
            "--pipeline-model-parallel-size", str(pp),
            "--mixes", "3", "--densities", "0.25", "1.0", "--repeats", "1"]
-    subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if LAUNCHER == "fork":      # the same command, in a process forked from the server
+        proc = _forked_ranks().run(" ".join(cmd[1:3]), cmd[3:], 0, REPO,
+                                   dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+        if proc.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd[1:])} failed:\n{proc.stdout[-4000:]}")
+    else:
+        subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return out
 
 
 def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: bool = True,
-              entry: Path = ENTRY, env: dict = None):
-    """torchrun the training entry (the GPT one unless ``entry``: also a patched Megatron-LM
-    ``pretrain_*.py``); returns the CompletedProcess (stdout+stderr merged). ``env``: variables
-    set on top of this process's (e.g. a ``PATH`` with stand-in tools)."""
+              entry: Path = ENTRY, env: dict = None, launcher: str = None):
+    """Run the training entry (the GPT one unless ``entry``: also a patched Megatron-LM
+    ``pretrain_*.py``) on ``nproc`` ranks; returns the CompletedProcess (stdout+stderr merged).
+    ``env``: variables set on top of this process's (e.g. a ``PATH`` with stand-in tools).
+    ``launcher``: ``"fork"`` (ranks forked from a process that imported megatron-core once:
+    tests/forked_ranks.py) or ``"torchrun"``, for what only torchrun does (its failure summary,
+    its error file); SB_TEST_LAUNCHER sets the default."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(entry), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    if (launcher or LAUNCHER) == "fork":
+        proc = _forked_ranks().run(entry, list(args), nproc, cwd, env, timeout)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(entry), *map(str, args)]
+        proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
+        raise AssertionError(f"{proc.args[0]} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-6000:]}")
     return proc
+
+
+def script_launch_env() -> dict:
+    """Variables for a script that starts its own runs (``scripts/studies/common.py``
+    ``torchrun``): under the fork launcher, its ranks are forked by this process's server."""
+    if LAUNCHER != "fork":
+        return {}
+    server = _forked_ranks()
+    server.start()
+    return {"SB_TORCHRUN": str(REPO / "tests" / "forked_ranks.py"), "SB_FORKED_RANKS": server.path}
+
+
+def pytest_unconfigure(config):
+    if _SERVER is not None:
+        _SERVER.close()
 
 
 def close(a: float, b: float, rtol: float) -> bool:

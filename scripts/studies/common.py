@@ -36,6 +36,16 @@ def command() -> str:
     return " ".join(["python", *sys.argv])
 
 
+def torchrun(nproc: int) -> list[str]:
+    """The command that starts ``nproc`` ranks of a script on this machine, before the script:
+    torchrun (``--standalone``), or the torchrun-compatible launcher script that
+    ``SB_TORCHRUN`` names, run with this Python (the test suite's ``tests/forked_ranks.py``)."""
+    launcher = os.environ.get("SB_TORCHRUN")
+    head = [sys.executable, launcher] if launcher else [sys.executable, "-m",
+                                                         "torch.distributed.run"]
+    return [*head, "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def parser(doc: str | None, name: str, json_arg: bool = True,
            json_required: bool = False) -> argparse.ArgumentParser:
     """A study's parser: its docstring's first paragraph as the description, and ``--json PATH``

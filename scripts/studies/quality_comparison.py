@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from .common import parser, write_result
+from .common import parser, torchrun, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("dense", "static", "sparse_balance")
@@ -141,9 +141,7 @@ def train_cmd(args, arch: dict, variant: str, init_dir: str, data: str, out_dir:
         flags += ["--sb-sparse-attention", "--sb-density", args.density]
     elif variant == "sparse_balance":
         flags += ["--sparse-balance", "--sb-density", args.density]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={args.nproc}", "examples/pretrain_gpt_sparsebalance.py",
-            *map(str, flags)]
+    return [*torchrun(args.nproc), "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
 
 
 def read_losses(path: str) -> list:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import parser, write_result
+from .common import parser, torchrun, write_result
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
@@ -48,8 +48,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", str(ENTRY), *rest,
+        cmd = [*torchrun(args.nproc), str(ENTRY), *rest,
                "--sb-metrics-file", str(metrics)]
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:

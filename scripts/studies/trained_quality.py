@@ -88,7 +88,7 @@ import sys
 import tempfile
 import time
 
-from .common import parser, write_result
+from .common import parser, torchrun, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARMS = {"dense": [],
@@ -233,8 +233,7 @@ def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str) ->
                   "--sb-attention-backend", "torch", "--sb-dense-below-tokens", "0",
                   "--sb-timing-source", "model", "--sb-latency-table", table,
                   "--sb-latency-table-force"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node=2", "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
+    return [*torchrun(2), "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
 
 
 def run(cmd: list, log_path: str) -> float:

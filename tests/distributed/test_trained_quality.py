@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, script_launch_env
 
 pytestmark = pytest.mark.distributed
 
@@ -29,7 +30,8 @@ def test_quick_study_writes_a_complete_result(tmp_path):
     runs = tmp_path / "runs"
     proc = subprocess.run([sys.executable, "scripts/bench.py", "trained_quality", "--quick",
                            "--out", str(runs), "--json", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, **script_launch_env()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     for key in ("command", "commit", "versions", "device", "config", "runs", "paired",
