@@ -44,10 +44,10 @@ demo-resume: $(STAMP)   # continue `make demo`'s checkpoint (TRAIN_ITERS: 10 mor
 	RESUME=1 bash examples/run_cpu_demo.sh
 
 # numba's disk cache of the planner's kernels (next to their sources) is empty in a fresh clone:
-# compiled once here (about 36 s of one core), the suite's planner processes load it instead of
-# each compiling them (about 36 s of CPU apiece, several at once, until one has written it)
+# compiled once here (about 50 s of one core, in two processes), the suite's planner processes
+# load it instead of each compiling them (about 36 s of CPU apiece, several at once)
 test: $(STAMP)
-	$(PY) -c "from sparsebalance_megatron import kernels; kernels.warm_up()"
+	$(PY) -m sparsebalance_megatron.kernels --jobs 2
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 test-slow: $(STAMP)   # the larger end-to-end forms (SB_SLOW_TESTS=1), beside the cheap ones make test runs
