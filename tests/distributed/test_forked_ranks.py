@@ -1,0 +1,80 @@
+"""The suite's launcher (tests/forked_ranks.py) does what torchrun does for the tests that use it:
+torchrun's variables on every rank, a process group that forms, one failed rank ending the job
+with exit status 1 and the others stopped, a timeout that kills the job, the torchrun-style
+command line for scripts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, _forked_ranks
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = '''
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = __import__("torch").tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(t)
+print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} "
+      f"sum {t.item():g} argv {sys.argv[1:]} name {__name__}", flush=True)
+if sys.argv[1:] == ["fail"]:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 fails")
+    time.sleep(300)
+if sys.argv[1:] == ["hang"]:
+    time.sleep(300)
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "job.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _run(script, arg, timeout=120):
+    return _forked_ranks().run(script, [arg], 2, script.parent,
+                               dict(os.environ, OMP_NUM_THREADS="1"), timeout)
+
+
+def test_ranks_get_torchruns_variables_and_form_a_group(script):
+    proc = _run(script, "ok")
+    assert proc.returncode == 0, proc.stdout
+    for r in (0, 1):
+        assert f"rank {r} of 2 local {r} sum 3 argv ['ok'] name __main__" in proc.stdout
+
+
+def test_a_failed_rank_ends_the_job_and_stops_the_others(script):
+    t0 = time.monotonic()
+    proc = _run(script, "fail")
+    assert proc.returncode == 1
+    assert "RuntimeError: rank 1 fails" in proc.stdout
+    assert "forked_ranks: rank 1 exited with 1; stopping the other ranks" in proc.stdout
+    assert time.monotonic() - t0 < 60      # rank 0 sleeps 300 s unless stopped
+
+
+def test_a_job_past_its_timeout_is_killed(script):
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run(script, "hang", timeout=8)
+    proc = _run(script, "ok")              # the server takes the next job
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_a_script_launches_with_torchruns_command_line(script):
+    server = _forked_ranks()
+    server.start()
+    env = dict(os.environ, OMP_NUM_THREADS="1", SB_FORKED_RANKS=server.path)
+    proc = subprocess.run([sys.executable, "tests/forked_ranks.py", "--standalone",
+                           "--nproc_per_node=2", str(script), "ok"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 1 of 2 local 1 sum 3" in proc.stdout
