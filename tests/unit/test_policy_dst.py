@@ -5,7 +5,7 @@ the cut/raise behaviour on hand-built cases, validation and large plans."""
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import (UnitCosts, density_grid, plan_dst,
+from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid, plan_dst,
                                            weighted_mean_density)
 from sparsebalance_megatron.policy.dst import SPEED_TIE
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
@@ -128,6 +128,30 @@ def test_bad_anchor_or_tolerance_names_the_flag(kw, flag):
     costs = synthetic_costs(2, 2, 2, seed=0)
     with pytest.raises(ValueError, match=flag):
         plan_dst(costs, None, D0, DMIN, DMAX, **kw)
+
+
+@pytest.mark.parametrize("kw, named", [
+    (dict(density_floor=1.5), "--sb-density-floor=1.5"),
+    (dict(stage_density_floor=-0.1), "--sb-stage-density-floor=-0.1"),
+    (dict(p2p_s=float("nan")), "p2p_s=nan"),
+    (dict(search_steps=0), "search_steps=0"),
+    (dict(raise_to="later"), "--sb-raise-to='later'"),
+])
+def test_bad_settings_are_named_where_the_record_is_made(kw, named):
+    with pytest.raises(ValueError, match=named):
+        DSTSettings(D0, DMIN, DMAX, **kw)
+
+
+def test_settings_from_config_are_the_configs_knobs():
+    from sparsebalance_megatron.config import DEFAULT_RAISE_HEADROOM, SparseBalanceConfig
+    cfg = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="median",
+                              tolerance=0.3, density_floor=0.8, stage_density_floor=0.5,
+                              raise_to="static", dst_descent="off")
+    assert DSTSettings.from_config(cfg, p2p_s=1e-3) == DSTSettings(
+        0.25, 0.125, 0.5, anchor="median", tolerance=0.3, p2p_s=1e-3, density_floor=0.8,
+        stage_density_floor=0.5, raise_headroom=DEFAULT_RAISE_HEADROOM, raise_to="static",
+        descent=False)
+    assert DSTSettings.from_config(cfg, raise_headroom=0.2).raise_headroom == 0.2
 
 
 def test_bad_bounds_and_shapes():

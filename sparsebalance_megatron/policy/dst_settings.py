@@ -1,0 +1,80 @@
+"""DST's settings as one frozen record (``DSTSettings``), made from a ``SparseBalanceConfig``
+in one place (``DSTSettings.from_config``).
+
+Every layer of the planner (the band search, one band pass, the critical-path descent) reads
+the same bounds, band, floors and raise rule; one record passed down instead of a dozen loose
+arguments keeps their signatures short and checks the values once, where the record is made.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..config import DEFAULT_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
+from .costs import check_anchor_tolerance, check_density_bounds, check_raise_headroom
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) and v == v
+
+
+@dataclass(frozen=True)
+class DSTSettings:
+    """What DST plans by: d0 and its bounds [d_min, d_max]; the band (``anchor``,
+    ``tolerance``); the p2p latency between stages (seconds); the mean and per-stage density
+    floors (fractions of d0); the band search's ``search_steps``; the raise headroom h and
+    target (``raise_to``); whether the critical-path descent refines the band plan
+    (``descent``). A bad value raises where the record is made, naming it."""
+
+    d0: float
+    d_min: float
+    d_max: float
+    _: KW_ONLY
+    anchor: str = "mean"
+    tolerance: float = 0.1
+    p2p_s: float = 0.0
+    density_floor: float = 0.0
+    stage_density_floor: float = 0.0
+    search_steps: int = 6
+    raise_headroom: float = 0.0
+    raise_to: str = "bottleneck"
+    descent: bool = True
+
+    def __post_init__(self):
+        check_anchor_tolerance(self.anchor, self.tolerance)
+        check_raise_headroom(self.raise_headroom)
+        if self.raise_to not in RAISE_TARGETS:
+            raise ConfigError(f"--sb-raise-to={self.raise_to!r}: expected one of "
+                              f"{', '.join(RAISE_TARGETS)}")
+        check_density_bounds(self.d0, self.d_min, self.d_max)
+        for flag, v in (("--sb-density-floor", self.density_floor),
+                        ("--sb-stage-density-floor", self.stage_density_floor)):
+            if not _number(v) or not 0.0 <= v <= 1.0:
+                raise ConfigError(f"{flag}={v!r}: expected a number in [0, 1]")
+        if not _number(self.p2p_s) or not 0.0 <= self.p2p_s < float("inf"):
+            raise ValueError(f"p2p_s={self.p2p_s!r}: expected a time in seconds >= 0")
+        if isinstance(self.search_steps, bool) or not isinstance(self.search_steps, int) \
+                or self.search_steps < 1:
+            raise ValueError(f"search_steps={self.search_steps!r}: expected an integer >= 1")
+
+    @classmethod
+    def from_config(cls, config, p2p_s: float = 0.0,
+                    raise_headroom: Optional[float] = None) -> "DSTSettings":
+        """The settings of a ``SparseBalanceConfig``; ``raise_headroom`` overrides the config's
+        (the runtime passes the measured error when the config says 'auto'; 'auto' without one
+        is ``DEFAULT_RAISE_HEADROOM``)."""
+        if raise_headroom is None:
+            raise_headroom = config.raise_headroom_value
+        if raise_headroom is None:
+            raise_headroom = DEFAULT_RAISE_HEADROOM
+        return cls(config.density, config.min_density, config.max_density,
+                   anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
+                   density_floor=config.density_floor,
+                   stage_density_floor=config.stage_density_floor,
+                   raise_headroom=raise_headroom, raise_to=config.raise_to,
+                   descent=config.dst_descent != "off")
