@@ -32,9 +32,9 @@ def main(argv=None) -> int:
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.experiments.layout_search import layout_gap
     from sparsebalance_megatron.latency.layout import PipelineLayout
-    from sparsebalance_megatron.policy import UnitCosts, density_grid
-    from sparsebalance_megatron.policy.dst import (DEFAULT_RAISE_HEADROOM, BandCache,
-                                                   _plan_with_floor, plan_dst_from_config)
+    from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid
+    from sparsebalance_megatron.policy.dst import (BandCache, _plan_with_floor,
+                                                   plan_dst_from_config)
     from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
@@ -69,12 +69,7 @@ def main(argv=None) -> int:
                                     stage_layers=lay.layers).densities
         qual = plan_dst_from_config(cfg["quality"], costs, sens, lm.p2p_s,
                                     stage_layers=lay.layers).densities
-        c = cfg["quality"]
-        fill = _plan_with_floor(costs, sens, d0, c.min_density, c.max_density, anchor=c.anchor,
-                                tolerance=c.tolerance, p2p_s=lm.p2p_s,
-                                density_floor=c.density_floor, search_steps=6,
-                                raise_headroom=DEFAULT_RAISE_HEADROOM,
-                                stage_density_floor=c.stage_density_floor, raise_to=c.raise_to,
+        fill = _plan_with_floor(costs, sens, DSTSettings.from_config(cfg["quality"], lm.p2p_s),
                                 static=BandCache(), quality=q).densities
         cells = [f"{step(lm, costs, d) / t_best:.3f} {q.plan_cost(d):+.4f}"
                  for d in (dens, fill, qual)]

@@ -49,6 +49,7 @@ from .. import kernels
 from ..kernels.records import Graph, Lookup, Tables
 from ..sim.pipeline import FWD, event_graph
 from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
+from .dst_settings import DSTSettings
 from .grid_search import highest_at_most
 from .floors import FloorCheck
 from .slack import unit_floats_from
@@ -355,28 +356,28 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
     return idx, step, mk
 
 
-def refine_plan(plan, costs: UnitCosts, d0: float, d_min: float, d_max: float, p2p_s: float, *,
-                density_floor: float, stage_density_floor: float, raise_headroom: float,
-                quality=None, margin: float = 1e-3, rounds: int = ROUNDS):
+def refine_plan(plan, costs: UnitCosts, settings: DSTSettings, *, quality=None,
+                margin: float = 1e-3, rounds: int = ROUNDS):
     """``plan`` (a ``dst.DSTPlan``), or the critical-path descent from it when that is predicted
-    faster by more than ``margin`` (relative) and meets the floors: the work-weighted mean
-    density >= max(density_floor, ``NEUTRAL_DENSITY``) x d0, every stage's >=
+    faster by more than ``margin`` (relative) and meets the floors of ``settings``: the
+    work-weighted mean density >= max(density_floor, ``NEUTRAL_DENSITY``) x d0, every stage's >=
     stage_density_floor x d0, and with ``quality`` (a ``StageQuality``) no predicted loss against
     uniform d0. A plan that does not meet them is refined from the static plan (every unit at
     d0) instead."""
     if rounds <= 0:
         return plan
-    check = FloorCheck(costs, max(float(density_floor), NEUTRAL_DENSITY) * d0,
-                        stage_density_floor * d0, quality)
+    d0 = settings.d0
+    check = FloorCheck(costs, max(float(settings.density_floor), NEUTRAL_DENSITY) * d0,
+                        settings.stage_density_floor * d0, quality)
     meets = check.meets
     r = plan.report
     start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
     if r.step_time_planned_s > r.step_time_static_s or not meets(start):
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
-    i0, i_min, i_max = costs.index_of(d0), costs.index_of(d_min), costs.index_of(d_max)
+    i0, i_min, i_max = (costs.index_of(d) for d in (d0, settings.d_min, settings.d_max))
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
     # the floors weigh every unit at its effective density (``UnitCosts.effective_index``)
-    idx, step, mk = _descent(costs, idx0, i_min, i_max, p2p_s, raise_headroom,
+    idx, step, mk = _descent(costs, idx0, i_min, i_max, settings.p2p_s, settings.raise_headroom,
                              lambda i: check.meets_at(costs.effective_index(i, i0)), rounds,
                              lambda i: check.floors_at(costs.effective_index(i, i0)))
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):

@@ -45,26 +45,22 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import DEFAULT_RAISE_HEADROOM
+from ..config import DEFAULT_RAISE_HEADROOM  # noqa: F401 (re-exported)
 from .bands import band_ladder, pick_band, straggler_present
 from .costs import UnitCosts, check_anchor_tolerance  # noqa: F401 (re-exported)
 from .critical_path import ROUNDS, refine_plan
 from .dst_band import (BandCache, DSTPlan, DSTReport, plan_dst,  # noqa: F401
                        plan_dst_candidates)
+from .dst_settings import DSTSettings
 
 SPEED_TIE = 1e-3          # quality objective: plans within 0.1% of the fastest count as as fast
 
 
-def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
-                        d_min: float, d_max: float, anchor: str = "mean",
-                        tolerance: float = 0.1, p2p_s: float = 0.0,
-                        density_floor: float = 0.0, search_steps: int = 6,
-                        raise_headroom: float = 0.0,
-                        stage_density_floor: float = 0.0,
-                        raise_to: str = "bottleneck", quality=None,
-                        rank_scale=None, descent: bool = True) -> DSTPlan:
-    """``plan_dst``, but the plan keeps its work-weighted mean density >= density_floor x d0 and
-    every pipeline stage's work-weighted density >= stage_density_floor x d0.
+def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray],
+                        settings: DSTSettings, *, quality=None, rank_scale=None) -> DSTPlan:
+    """``plan_dst`` by ``settings`` (a ``DSTSettings``), but the plan keeps its work-weighted mean
+    density >= density_floor x d0 and every pipeline stage's work-weighted density >=
+    stage_density_floor x d0.
 
     When the cuts of the tolerance band would take more attention budget than the raises give
     back (e.g. a stage made heavy by the LM head, whose units can only be cut), or concentrate the
@@ -106,17 +102,16 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     "The planner's own cost") ``sab_dst`` was as fast or faster in every row but one.
     """
     static = BandCache()                    # the static plan's simulation, shared by all passes
-    descend = descent and raise_to == "bottleneck" and anchor != "max" and density_floor > 0
-    band = dict(anchor=anchor, tolerance=tolerance, density_floor=density_floor,
-                search_steps=search_steps, stage_density_floor=stage_density_floor,
-                narrow=straggler_present(rank_scale, tolerance))
+    s = settings
+    descend = s.descent and s.raise_to == "bottleneck" and s.anchor != "max" \
+        and s.density_floor > 0
+    narrow = straggler_present(rank_scale, s.tolerance)
     searches = [] if quality is not None and descend else \
-        [(_band_search(d0, guard=quality, **band), False)]       # the density objective's
+        [(_band_search(s, narrow=narrow, guard=quality), False)]   # the density objective's
     if quality is not None:
-        searches.append((_band_search(d0, quality=quality, **band), True))
-    ordered, *filled = _search_bands(costs, sensitivity, d0, d_min, d_max, searches,
-                                     p2p_s=p2p_s, raise_headroom=raise_headroom,
-                                     raise_to=raise_to, static=static, quality=quality)
+        searches.append((_band_search(s, narrow=narrow, quality=quality), True))
+    ordered, *filled = _search_bands(costs, sensitivity, s, searches, static=static,
+                                     quality=quality)
     if filled:                              # both objectives: the quality cost chooses
         filled = filled[0]
         ordered.report.quality_cost = ordered.quality_cost(quality, costs.densities)
@@ -124,30 +119,22 @@ def plan_dst_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
         fastest = min(p.report.step_time_planned_s for p in fair)
         ordered = min((p for p in fair if p.report.step_time_planned_s
                        <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
-    return refine_plan(ordered, costs, d0, d_min, d_max, p2p_s, density_floor=density_floor,
-                       stage_density_floor=stage_density_floor, raise_headroom=raise_headroom,
-                       quality=quality, margin=SPEED_TIE, rounds=ROUNDS if descend else 0)
+    return refine_plan(ordered, costs, s, quality=quality, margin=SPEED_TIE,
+                       rounds=ROUNDS if descend else 0)
 
 
-def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
-                     d_min: float, d_max: float, *, anchor: str, tolerance: float,
-                     p2p_s: float, density_floor: float, search_steps: int,
-                     raise_headroom: float, stage_density_floor: float, raise_to: str,
-                     static: BandCache, narrow: bool = False, quality=None,
-                     guard=None) -> DSTPlan:
+def _plan_with_floor(costs: UnitCosts, sensitivity: Optional[np.ndarray],
+                     settings: DSTSettings, *, static: BandCache, narrow: bool = False,
+                     quality=None, guard=None) -> DSTPlan:
     """``plan_dst_with_floor`` for one objective (``quality`` None: density order); ``static``:
     the ``cache`` of ``plan_dst_candidates`` (the same costs); ``guard``: the quality
     cost a narrower band's density-order plan must not lose against (``policy.bands``)."""
-    search = _band_search(d0, anchor=anchor, tolerance=tolerance, density_floor=density_floor,
-                          search_steps=search_steps, stage_density_floor=stage_density_floor,
-                          narrow=narrow, quality=quality, guard=guard)
-    return _search_bands(costs, sensitivity, d0, d_min, d_max, [(search, quality is not None)],
-                         p2p_s=p2p_s, raise_headroom=raise_headroom, raise_to=raise_to,
+    search = _band_search(settings, narrow=narrow, quality=quality, guard=guard)
+    return _search_bands(costs, sensitivity, settings, [(search, quality is not None)],
                          static=static, quality=quality)[0]
 
 
-def _search_bands(costs: UnitCosts, sensitivity, d0: float, d_min: float, d_max: float,
-                  searches: list, *, p2p_s: float, raise_headroom: float, raise_to: str,
+def _search_bands(costs: UnitCosts, sensitivity, settings: DSTSettings, searches: list, *,
                   static: BandCache, quality) -> list:
     """The plans of ``searches`` ((``_band_search`` generator, whether it water-fills by
     ``quality``) pairs), run in lock-step: every round's candidates of all of them are rows of
@@ -158,9 +145,9 @@ def _search_bands(costs: UnitCosts, sensitivity, d0: float, d_min: float, d_max:
         pending[i] = next(search)
     while pending:
         owner = [i for i, cands in pending.items() for _ in cands]
-        found = plan_dst_candidates(costs, sensitivity, d0, d_min, d_max,
-                                    [c for cands in pending.values() for c in cands], p2p_s,
-                                    raise_headroom, raise_to, cache=static, quality=quality,
+        found = plan_dst_candidates(costs, sensitivity, settings,
+                                    [c for cands in pending.values() for c in cands],
+                                    cache=static, quality=quality,
                                     water=[searches[i][1] for i in owner])
         for i in list(pending):
             mine = [p for p, o in zip(found, owner) if o == i]
@@ -175,14 +162,14 @@ def _search_bands(costs: UnitCosts, sensitivity, d0: float, d_min: float, d_max:
     return out
 
 
-def _band_search(d0: float, *, anchor: str, tolerance: float, density_floor: float,
-                 search_steps: int, stage_density_floor: float, narrow: bool = False,
-                 quality=None, guard=None):
+def _band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, guard=None):
     """``_plan_with_floor``'s band search as a generator: it yields each pass's candidates,
     is sent their plans (quality costs set for the quality objective) and returns the plan
     kept (``_search_bands`` drives it)."""
-    floor = density_floor * d0 - 1e-12
-    stage_floor = stage_density_floor * d0 - 1e-12
+    anchor, tolerance = settings.anchor, settings.tolerance
+    density_floor, stage_density_floor = settings.density_floor, settings.stage_density_floor
+    floor = density_floor * settings.d0 - 1e-12
+    stage_floor = stage_density_floor * settings.d0 - 1e-12
 
     def meets(p: DSTPlan) -> bool:
         r = p.report
@@ -201,7 +188,7 @@ def _band_search(d0: float, *, anchor: str, tolerance: float, density_floor: flo
         return pick_band([best] + ok)
     lo, hi = max(float(tolerance), 1e-3), 10.0
     per_round = 3
-    for rnd in range(max(search_steps // 2, 1)):
+    for rnd in range(max(settings.search_steps // 2, 1)):
         ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
         cands = [(anchor, float(t)) for t in ts]
         found = yield ([("max", tolerance)] if rnd == 0 else []) + cands
@@ -226,7 +213,8 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
                          stage_layers=None, rank_scale=None) -> DSTPlan:
     """``plan_dst_with_floor`` with d0, bounds, anchor, tolerance, the mean-density floor
     (``--sb-density-floor``), the per-stage floor (``--sb-stage-density-floor``), the raise
-    target (``--sb-raise-to``) and the raise headroom from a ``SparseBalanceConfig``; the
+    target (``--sb-raise-to``) and the raise headroom from a ``SparseBalanceConfig``
+    (``DSTSettings.from_config``); the
     costs must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``. ``raise_headroom`` overrides the config's (the runtime passes the
     measured error when the config says 'auto'; 'auto' without one is
@@ -235,10 +223,6 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
     cost onto the stages: without it the call raises ``ValueError`` (no silent fall-back to the
     density objective); ``dst_objective="density"`` needs none. ``rank_scale``: the
     calibration's [dp, pp] factors (``correction_grid``; narrower bands for a slow GPU)."""
-    if raise_headroom is None:
-        raise_headroom = config.raise_headroom_value
-    if raise_headroom is None:
-        raise_headroom = DEFAULT_RAISE_HEADROOM
     quality = None
     if config.dst_objective == "quality":
         from .quality import StageQuality, load_quality_cost
@@ -249,9 +233,6 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
                              f"--sb-dst-objective density, which needs none")
         quality = StageQuality.from_cost(load_quality_cost(config.quality_cost), stage_layers,
                                          config.density)
-    return plan_dst_with_floor(
-        costs, sensitivity, config.density, config.min_density, config.max_density,
-        anchor=config.anchor, tolerance=config.tolerance, p2p_s=p2p_s,
-        density_floor=config.density_floor, raise_headroom=raise_headroom,
-        stage_density_floor=config.stage_density_floor, raise_to=config.raise_to,
-        quality=quality, rank_scale=rank_scale, descent=config.dst_descent != "off")
+    settings = DSTSettings.from_config(config, p2p_s=p2p_s, raise_headroom=raise_headroom)
+    return plan_dst_with_floor(costs, sensitivity, settings, quality=quality,
+                               rank_scale=rank_scale)

@@ -15,14 +15,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import RAISE_TARGETS, ConfigError
 from .. import kernels
 from ..sim.pipeline import event_graph
-from .costs import (UnitCosts, check_anchor_tolerance, check_density_bounds,
-                    check_raise_headroom, weighted_mean_density)
+from .costs import UnitCosts, check_anchor_tolerance, weighted_mean_density
 from .density_means import WeightTotals
 from .dst_moves import (FILL_ITERS, GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
                         highest_index_within, lookup, raise_densities, unit_base, water_fill)
+from .dst_settings import DSTSettings
 from .slack import unit_floats_from
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
@@ -82,8 +81,9 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_m
     target, the cut plan's step time (``bottleneck``) or the static plan's (``static``: what
     balancing saved is spent on density instead of speed).
     """
-    return plan_dst_candidates(costs, sensitivity, d0, d_min, d_max, [(anchor, tolerance)],
-                               p2p_s, raise_headroom, raise_to)[0]
+    settings = DSTSettings(d0, d_min, d_max, anchor=anchor, tolerance=tolerance, p2p_s=p2p_s,
+                           raise_headroom=raise_headroom, raise_to=raise_to)
+    return plan_dst_candidates(costs, sensitivity, settings, [(anchor, tolerance)])[0]
 
 
 @dataclass
@@ -141,15 +141,14 @@ class _Pass:
         return self._b_rows[0]
 
 
-def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float,
-                        d_min: float, d_max: float, candidates, p2p_s: float = 0.0,
-                        raise_headroom: float = 0.0, raise_to: str = "bottleneck",
-                        cache: Optional[BandCache] = None, quality=None,
-                        water=None) -> list[DSTPlan]:
+def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray],
+                        settings: DSTSettings, candidates, cache: Optional[BandCache] = None,
+                        quality=None, water=None) -> list[DSTPlan]:
     """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
     copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
     calls (a plan's rows never interact with another candidate's), so K plans cost far less than
-    K calls. ``cache``: a ``BandCache`` the caller keeps between passes over the same costs,
+    K calls. ``settings``: the bounds, p2p latency and raise rule (its band is the
+    candidates'). ``cache``: a ``BandCache`` the caller keeps between passes over the same costs,
     sensitivity and bounds. ``quality`` (a ``policy.quality.StageQuality``): cuts and raises by
     quality water-filling (``water_fill``) instead of sensitivity order; with ``water`` (one
     bool per candidate) only the candidates marked True do, the others take sensitivity
@@ -160,21 +159,19 @@ def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0:
     reports (``_plans``)."""
     for anchor, tolerance in candidates:
         check_anchor_tolerance(anchor, tolerance)
-    check_raise_headroom(raise_headroom)
-    if raise_to not in RAISE_TARGETS:
-        raise ConfigError(f"--sb-raise-to={raise_to!r}: expected one of {', '.join(RAISE_TARGETS)}")
-    check_density_bounds(d0, d_min, d_max)
+    s = settings
     k = len(candidates)
     water = np.array([quality is not None] * k if water is None else water, dtype=bool)
     if water.shape != (k,) or (water.any() and quality is None):
         raise ValueError(f"water={water.tolist()!r}: expected one bool per candidate ({k}), "
                          f"True only with a quality cost")
-    ps = _pass(costs, sensitivity, (d0, d_min, d_max), k, water, quality, p2p_s,
+    ps = _pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), k, water, quality, s.p2p_s,
                BandCache() if cache is None else cache)
     step0, anchors, bands = _band(ps, candidates)
     step1, cut = _cut(ps, candidates, bands)
-    idx, mk_final, reverted = _raise(ps, cut, step0, step1, raise_headroom, raise_to)
-    return _plans(ps, candidates, d0, (step0, step1, anchors, bands), (idx, mk_final, reverted))
+    idx, mk_final, reverted = _raise(ps, cut, step0, step1, s.raise_headroom, s.raise_to)
+    return _plans(ps, candidates, s.d0, (step0, step1, anchors, bands),
+                  (idx, mk_final, reverted))
 
 
 def _pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,

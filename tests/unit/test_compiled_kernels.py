@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.policy import grid_search
-from sparsebalance_megatron.policy import UnitCosts, plan_dst_with_floor, slack
+from sparsebalance_megatron.policy import DSTSettings, UnitCosts, plan_dst_with_floor, slack
 from sparsebalance_megatron import kernels
 from sparsebalance_megatron.sim.pipeline import event_graph
 
@@ -87,11 +87,12 @@ def test_a_whole_dst_plan_is_the_same_with_the_kernels_or_without(numpy_paths, q
         costs = UnitCosts(flat.densities, flat.fwd_s, flat.bwd_s, flat.attn_work,
                           pipeline_ranks=4)               # 4 ranks x 2 chunks: interleaved
         sens = rng.random((dp, m))
-        kw = dict(quality=_quality(8) if quality else None, density_floor=0.9,
-                  stage_density_floor=0.75, raise_headroom=0.02, p2p_s=1e-4,
+        settings = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
+                               raise_headroom=0.02, p2p_s=1e-4)
+        kw = dict(quality=_quality(8) if quality else None,
                   rank_scale=np.where(np.arange(dp * 4).reshape(dp, 4) == 5, 1.2, 1.0))
-        want = numpy_paths(plan_dst_with_floor, costs, sens, D0, DMIN, DMAX, **kw)
-        got = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
+        want = numpy_paths(plan_dst_with_floor, costs, sens, settings, **kw)
+        got = plan_dst_with_floor(costs, sens, settings, **kw)
         np.testing.assert_array_equal(got.densities, want.densities)
         assert got.report.as_dict() == want.report.as_dict()
 
@@ -115,7 +116,8 @@ def test_a_band_pass_is_the_numpy_paths_pass(numpy_paths, pp, vp):
         sens = rng.random((dp, m))
         water = [bool(x) for x in rng.integers(0, 2, len(cands))]
         kw = dict(cache=None, quality=_quality(pp * vp), water=water)
-        args = (costs, sens, D0, DMIN, DMAX, cands, 1e-4 * case, 0.02 * case)
+        args = (costs, sens, DSTSettings(D0, DMIN, DMAX, p2p_s=1e-4 * case,
+                                         raise_headroom=0.02 * case), cands)
         want = numpy_paths(plan_dst_candidates, *args, **kw)
         got = plan_dst_candidates(*args, **kw)
         for g, w in zip(got, want):
@@ -367,7 +369,7 @@ WARM_CHECK = r"""
 import numpy as np
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 from sparsebalance_megatron.policy import UnitCosts, density_grid
-from sparsebalance_megatron.policy import plan_dst_with_floor
+from sparsebalance_megatron.policy import DSTSettings, plan_dst_with_floor
 from sparsebalance_megatron import kernels
 import sys
 sys.path.insert(0, "tests/unit")
@@ -395,8 +397,9 @@ sab_plan(segs, dp=6, num_microbatches=8, max_tokens=8192,
          cost_fn=latency_sample_cost_fn(lm, 0.5))
 sequential_plan(segs, dp=6, num_microbatches=8, max_tokens=8192)
 costs = UnitCosts.from_latency(lm, lengths, 6, 8, grid)
-plan_dst_with_floor(costs, rng.random((6, 8)), 0.5, 0.125, 1.0, quality=_quality(4),
-                    density_floor=0.9, stage_density_floor=0.75, raise_headroom=0.02)
+plan_dst_with_floor(costs, rng.random((6, 8)), DSTSettings(
+    0.5, 0.125, 1.0, density_floor=0.9, stage_density_floor=0.75, raise_headroom=0.02),
+    quality=_quality(4))
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
 after = signatures()

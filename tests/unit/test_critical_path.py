@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
-from sparsebalance_megatron.policy import (density_grid, plan_dst_from_config,
+from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst_from_config,
                                            plan_dst_with_floor, weighted_mean_density)
 from sparsebalance_megatron.policy.costs import stage_mean_densities
 from sparsebalance_megatron.policy.critical_path import descend
@@ -26,9 +26,9 @@ def test_descent_never_slower_keeps_the_floors_and_quality():
         costs = synthetic_costs(dp, m, pp, seed=700 + case, lm_head=float(rng.uniform(0.3, 3)))
         sens = rng.random((dp, m))
         q = _quality(pp) if case % 2 else None
-        band = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, descent=False,
-                                   **FLOORS)
-        plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **FLOORS)
+        band = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, descent=False,
+                                                            **FLOORS), quality=q)
+        plan = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, **FLOORS), quality=q)
         d, r = plan.densities, plan.report
         t, t_band = step_time_of(costs, d), step_time_of(costs, band.densities)
         assert t <= t_band * (1 + 1e-12)                      # never slower than the band plan
@@ -54,11 +54,11 @@ def test_descent_only_under_a_floor_a_cut_and_the_bottleneck_target():
     raise target are left as they were."""
     costs = synthetic_costs(3, 6, 4, seed=1)
     for kw in (dict(), dict(anchor="max", **FLOORS), dict(raise_to="static", **FLOORS)):
-        on = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, **kw)
-        off = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, descent=False, **kw)
+        on = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, **kw))
+        off = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **kw))
         np.testing.assert_array_equal(on.densities, off.densities)
-    on = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, **FLOORS)
-    off = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, descent=False, **FLOORS)
+    on = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, **FLOORS))
+    off = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS))
     assert on.report.step_time_planned_s < off.report.step_time_planned_s * 0.99
 
 
@@ -80,8 +80,8 @@ def test_config_flag_switches_the_descent_and_names_itself_on_bad_values():
               dst_objective="density", raise_headroom="0.05")
     on = plan_dst_from_config(SparseBalanceConfig(**kw), costs, None)
     off = plan_dst_from_config(SparseBalanceConfig(dst_descent="off", **kw), costs, None)
-    ref = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, raise_headroom=0.05, descent=False,
-                              **FLOORS)
+    ref = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, raise_headroom=0.05,
+                                                       descent=False, **FLOORS))
     np.testing.assert_array_equal(off.densities, ref.densities)
     assert on.report.step_time_planned_s < off.report.step_time_planned_s
 

@@ -8,12 +8,13 @@ meaning."""
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import (UnitCosts, density_grid, plan_dst,
+from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid, plan_dst,
                                            plan_dst_with_floor)
 from sparsebalance_megatron.policy.bands import (NARROW_MARGIN, band_ladder, pick_band,
                                                  straggler_present)
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
+BAND = DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
 
 
 def _scale(dp=4, pp=2, slow_rank=1, factor=1.1):
@@ -67,10 +68,9 @@ def test_ten_percent_slow_rank_is_cut_under_the_default_tolerance():
     alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     assert (alone.densities[1] < D0).sum() == 0
     assert alone.report.speedup == pytest.approx(1.0)
-    unknown = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    unknown = plan_dst_with_floor(costs, None, BAND)
     np.testing.assert_array_equal(unknown.densities, alone.densities)   # no calibration: as set
-    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
-                               rank_scale=_scale())
+    plan = plan_dst_with_floor(costs, None, BAND, rank_scale=_scale())
     rep, d = plan.report, plan.densities
     assert rep.tolerance_used < 0.1
     assert (d[1] < D0).sum() > 0                     # the slow rank is cut ...
@@ -85,13 +85,14 @@ def test_slow_rank_is_absorbed_under_the_default_floors_and_quality_objective():
     from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
     costs = _slow_rank_costs()
     q = StageQuality.from_cost(load_quality_cost(None), [12, 12], D0)
-    kw = dict(anchor="mean", tolerance=0.1, density_floor=0.9, stage_density_floor=0.75)
-    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, quality=q, rank_scale=_scale(), **kw)
+    floors = DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1, density_floor=0.9,
+                         stage_density_floor=0.75)
+    plan = plan_dst_with_floor(costs, None, floors, quality=q, rank_scale=_scale())
     assert plan.report.speedup > 1.03
     assert plan.report.quality_cost <= 1e-12
     assert plan.report.mean_density >= 0.9 * D0
-    uniform = plan_dst_with_floor(_slow_rank_costs(factor=1.0), None, D0, DMIN, DMAX,
-                                  quality=q, rank_scale=_scale(factor=1.0), **kw)
+    uniform = plan_dst_with_floor(_slow_rank_costs(factor=1.0), None, floors,
+                                  quality=q, rank_scale=_scale(factor=1.0))
     assert uniform.report.speedup == pytest.approx(1.0)      # nothing to absorb
 
 
@@ -99,8 +100,7 @@ def test_uniform_ranks_keep_the_configured_band():
     """No straggler: no narrower band is meaningfully faster, so the plan is the configured
     band's, as before the ladder."""
     costs = _slow_rank_costs(factor=1.0)
-    plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
-                               rank_scale=_scale(factor=1.0))
+    plan = plan_dst_with_floor(costs, None, BAND, rank_scale=_scale(factor=1.0))
     alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     assert plan.report.tolerance_used == 0.1
     np.testing.assert_array_equal(plan.densities, alone.densities)
@@ -114,13 +114,11 @@ def test_a_heavier_stage_inside_the_band_stays_uncut_without_a_slow_gpu():
     costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, np.full((2, 4, 2), 1.2))
     alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     for scale in (None, np.ones((2, 2)), np.array([[1.0, 1.04], [1.0, 1.0]])):
-        plan = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
-                                   rank_scale=scale)
+        plan = plan_dst_with_floor(costs, None, BAND, rank_scale=scale)
         np.testing.assert_array_equal(plan.densities, alone.densities)
         assert plan.report.units_cut == 0
     # the same costs with a GPU the calibration says is slow: the narrower band cuts that stage
-    slow = plan_dst_with_floor(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
-                               rank_scale=np.array([[1.0, 1.2], [1.0, 1.0]]))
+    slow = plan_dst_with_floor(costs, None, BAND, rank_scale=np.array([[1.0, 1.2], [1.0, 1.0]]))
     assert slow.report.units_cut > 0 and slow.report.tolerance_used < 0.1
 
 

@@ -11,6 +11,7 @@ from sparsebalance_megatron.latency.features import UnitFeatures
 from sparsebalance_megatron.latency.work import attention_work
 from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
 from sparsebalance_megatron.policy.dst import plan_dst_with_floor
+from sparsebalance_megatron.policy.dst_settings import DSTSettings
 
 BLOCK = 32
 
@@ -70,8 +71,8 @@ def test_a_raise_that_keeps_no_block_pays_for_no_cut():
     plan = {}
     for kept_grid in (False, True):
         costs = _costs(kept_grid)
-        p = plan_dst_with_floor(costs, None, 0.25, 0.125, 0.6, density_floor=1.0,
-                                stage_density_floor=0.0)
+        p = plan_dst_with_floor(costs, None, DSTSettings(0.25, 0.125, 0.6, density_floor=1.0,
+                                                         stage_density_floor=0.0))
         kept = [attention_work([BLOCK * 16], p.densities[0, 0, 0], BLOCK),
                 attention_work([BLOCK * 3] * 10, p.densities[1, 0, 0], BLOCK)]
         plan[kept_grid] = (p.densities.reshape(-1).tolist(), kept, p.report.mean_density)

@@ -277,8 +277,8 @@ def test_density_floor_keeps_the_mean_budget_and_the_step_time():
         sens = rng.random((dp, m))
         raw = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
         # the band search alone (the critical-path descent has its own tests)
-        floored = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, anchor="mean",
-                                      tolerance=0.1, density_floor=0.9, descent=False)
+        floored = plan_dst_with_floor(costs, sens, DSTSettings(
+            D0, DMIN, DMAX, anchor="mean", tolerance=0.1, density_floor=0.9, descent=False))
         static = step_time_of(costs, np.full((dp, m, pp), D0))
         mean = weighted_mean_density(floored.densities, costs.weights())
         assert mean >= 0.9 * D0 - 1e-9
@@ -306,9 +306,9 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
         costs = synthetic_costs(dp, m, pp, seed=300 + case, lm_head=float(rng.uniform(0.5, 3)))
         sens = rng.random((dp, m))
         w = costs.weights()
-        raw = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9)
-        fed = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
-                                  stage_density_floor=0.75)
+        raw = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9))
+        fed = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9,
+                                                           stage_density_floor=0.75))
         per_stage = stage_mean_densities(fed.densities, w)
         assert np.all(per_stage >= 0.75 * D0 - 1e-9), (case, per_stage)
         assert np.allclose(fed.report.density_per_stage, per_stage)
@@ -353,19 +353,18 @@ def test_floor_search_passes_share_the_static_simulation_exactly():
     costs = synthetic_costs(4, 6, 3, seed=7, lm_head=2.0)
     sens = np.random.default_rng(7).random((4, 6))
     q = _quality(3)
+    settings = DSTSettings(D0, DMIN, DMAX, p2p_s=1e-3, raise_headroom=0.1)
     for water in (None, [True], [False, True, True, False]):
         shared = BandCache()
         for cands in ([("mean", 0.1)], [("max", 0.1), ("mean", 0.3), ("median", 1.0),
                                         ("mean", 0.1)]):
             w = None if water is None else (water * 4)[:len(cands)]
             kw = dict(quality=None if water is None else q, water=w)
-            got = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, cands, 1e-3, 0.1,
-                                      cache=shared, **kw)
+            got = plan_dst_candidates(costs, sens, settings, cands, cache=shared, **kw)
             assert shared.mk0 is not None
             for c, p in enumerate(got):
                 alone = dict(quality=kw["quality"], water=None if w is None else [w[c]])
-                want = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, [cands[c]], 1e-3, 0.1,
-                                           **alone)[0]
+                want = plan_dst_candidates(costs, sens, settings, [cands[c]], **alone)[0]
                 np.testing.assert_array_equal(p.densities, want.densities)
                 assert p.report == want.report
 
@@ -386,16 +385,16 @@ def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
         q = _quality(ranks * vp)
         mine = [("mean", 0.1), ("mean", 0.4), ("median", 0.0)]
         theirs = [("max", 0.1), ("mean", 0.1), ("mean", 1.5)]
-        kw = dict(p2p_s=1e-3 * case, raise_headroom=0.05)
-        mixed = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, mine + theirs, quality=q,
-                                    water=[True] * 3 + [False] * 3, **kw)
-        alone = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, mine, quality=q, **kw) + \
-            plan_dst_candidates(costs, sens, D0, DMIN, DMAX, theirs, **kw)
+        settings = DSTSettings(D0, DMIN, DMAX, p2p_s=1e-3 * case, raise_headroom=0.05)
+        mixed = plan_dst_candidates(costs, sens, settings, mine + theirs, quality=q,
+                                    water=[True] * 3 + [False] * 3)
+        alone = plan_dst_candidates(costs, sens, settings, mine, quality=q) + \
+            plan_dst_candidates(costs, sens, settings, theirs)
         for got, want in zip(mixed, alone):
             np.testing.assert_array_equal(got.densities, want.densities)
             assert got.report == want.report
     with pytest.raises(ValueError, match="water"):
-        plan_dst_candidates(costs, sens, D0, DMIN, DMAX, mine, water=[True] * 3)
+        plan_dst_candidates(costs, sens, settings, mine, water=[True] * 3)
 
 
 def _quality(pp):
@@ -423,7 +422,8 @@ def test_quality_water_filling_spreads_cuts_over_equal_micro_batches():
     costs = UnitCosts.affine(g, fixed, np.full((1, 4, 2), 1.0))
     sens = np.asarray([[0.1, 0.2, 0.3, 0.4]])
     q = _quality(2)
-    fill = plan_dst_candidates(costs, sens, D0, DMIN, DMAX, [("mean", 0.0)], quality=q)[0]
+    fill = plan_dst_candidates(costs, sens, DSTSettings(D0, DMIN, DMAX), [("mean", 0.0)],
+                               quality=q)[0]
     order = plan_dst(costs, sens, D0, DMIN, DMAX, tolerance=0.0)
     last_fill, last_order = fill.densities[0, :, 1], order.densities[0, :, 1]
     assert np.ptp(last_fill) <= 1.0 / 64 + 1e-12 and last_fill.max() < D0
@@ -443,14 +443,14 @@ def test_quality_objective_keeps_predicted_quality_and_speed():
         q = _quality(pp)
         # the choice between the objectives' plans (each descended alone would end elsewhere:
         # tests/unit/test_critical_path.py)
-        plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
-                                   stage_density_floor=0.75, quality=q, descent=False)
+        floors = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
+                             descent=False)
+        plan = plan_dst_with_floor(costs, sens, floors, quality=q)
         assert plan.report.quality_cost == pytest.approx(q.plan_cost(plan.densities))
         assert plan.report.quality_cost <= 1e-12
         static = step_time_of(costs, np.full((dp, m, pp), D0))
         assert step_time_of(costs, plan.densities) <= static * (1 + 1e-9)
-        dens = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, density_floor=0.9,
-                                   stage_density_floor=0.75, descent=False)
+        dens = plan_dst_with_floor(costs, sens, floors)
         cheaper += q.plan_cost(plan.densities) < q.plan_cost(dens.densities) - 1e-9
         # never slower (beyond the tie) and costlier than the density objective's plan
         t_q, t_d = step_time_of(costs, plan.densities), step_time_of(costs, dens.densities)
@@ -472,12 +472,12 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
         dp, m, pp = int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(2, 5))
         costs = synthetic_costs(dp, m, pp, seed=900 + case, lm_head=float(rng.uniform(0.3, 3)))
         sens, q = rng.random((dp, m)), _quality(pp)
-        kw = dict(anchor="mean", tolerance=0.1, p2p_s=0.0, density_floor=0.9, search_steps=6,
-                  raise_headroom=0.0, stage_density_floor=0.75, raise_to="static")
-        filled = _plan_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, static=BandCache(),
-                                  **kw)
-        order = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw)
-        plan = plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, quality=q, **kw)
+        settings = DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1, p2p_s=0.0,
+                               density_floor=0.9, search_steps=6, raise_headroom=0.0,
+                               stage_density_floor=0.75, raise_to="static")
+        filled = _plan_with_floor(costs, sens, settings, quality=q, static=BandCache())
+        order = plan_dst_with_floor(costs, sens, settings)
+        plan = plan_dst_with_floor(costs, sens, settings, quality=q)
         c_f, c_o = q.plan_cost(filled.densities), q.plan_cost(order.densities)
         t_f, t_o = filled.report.step_time_planned_s, order.report.step_time_planned_s
         if c_o > 1e-12 or t_o > t_f * (1 + SPEED_TIE):      # order plan not eligible / slower
@@ -532,9 +532,9 @@ def test_the_default_objective_is_quality_and_density_stays_selectable():
         assert got.report.quality_cost <= 1e-12               # predicted no worse than uniform d0
         density = SparseBalanceConfig(sparse_balance=True, dst_objective="density")
         dens = plan_dst_from_config(density, costs, sens)     # needs no layer counts
-        assert np.array_equal(dens.densities, plan_dst_with_floor(
-            costs, sens, D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
-            raise_headroom=DEFAULT_RAISE_HEADROOM).densities)
+        assert np.array_equal(dens.densities, plan_dst_with_floor(costs, sens, DSTSettings(
+            D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
+            raise_headroom=DEFAULT_RAISE_HEADROOM)).densities)
         assert np.isnan(dens.report.quality_cost)             # no quality cost was evaluated
         moved += not np.array_equal(got.densities, dens.densities)
     assert moved >= 1, "the two objectives planned alike in every case: nothing was compared"
@@ -555,13 +555,14 @@ def test_with_the_descent_the_quality_objective_searches_its_band_alone():
         water.append(list(k["water"]))
         return real(*a, **k)
 
-    kw = dict(density_floor=0.9, stage_density_floor=0.75, quality=q)
     for extra, both in ((dict(), False), (dict(descent=False), True),
                         (dict(raise_to="static"), True)):
         water.clear()
+        settings = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
+                               **extra)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(dst, "plan_dst_candidates", seen)
-            plan = dst.plan_dst_with_floor(costs, sens, D0, DMIN, DMAX, **kw, **extra)
+            plan = dst.plan_dst_with_floor(costs, sens, settings, quality=q)
         assert water and all(any(w) for w in water)
         assert all(not all(w) for w in water) == both, (extra, water)
         assert plan.report.quality_cost <= 1e-12
