@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,7 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.training",
            "megatron.training.arguments", "megatron.training.argument_utils",
            "sparsebalance_megatron.megatron.hooks")
 STOP_GRACE_S = 5.0   # a failed job's other ranks: SIGTERM, then SIGKILL after this long
+PARENT_POLL_S = 5.0  # how often an idle server checks that the process that started it lives
 
 
 # --- server side ---------------------------------------------------------------------------------
@@ -161,9 +163,17 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(4)
+    listener.settimeout(PARENT_POLL_S)
+    parent = os.getppid()
     print("ready", flush=True)
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:      # the pytest worker is gone (killed, interrupted)
+                return
+            continue
+        conn.settimeout(None)
         with conn:
             msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
             while not msg.endswith(b"\n"):
@@ -265,6 +275,8 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=30)
+        if self.path is not None:
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
 
 def main(argv: list) -> int:

@@ -78,3 +78,23 @@ def test_a_script_launches_with_torchruns_command_line(script):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 1 of 2 local 1 sum 3" in proc.stdout
+
+
+def test_a_server_whose_parent_is_gone_ends_itself(tmp_path):
+    """An interrupted pytest worker leaves no server behind holding megatron-core's memory."""
+    code = ("import sys, time; sys.path.insert(0, %r)\n"
+            "from tests.forked_ranks import Server\n"
+            "s = Server(); s.start(); print(s.proc.pid, flush=True)\n"
+            "import os; os._exit(0)\n") % str(REPO)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    pid = int(out.stdout.split()[0])
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    os.kill(pid, 9)
+    raise AssertionError(f"the server {pid} outlived its parent by 30 s")
