@@ -154,19 +154,20 @@ def analytic_latency_table_pp2(tmp_path_factory) -> Path:
 
 
 def _profile_tiny(out: Path, pp: int) -> Path:
-    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
-           "--no-progress", "--out", str(out), "--num-layers", "4", "--hidden-size", "64",
-           "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
-           "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",
-           "--pipeline-model-parallel-size", str(pp),
-           "--mixes", "3", "--densities", "0.25", "1.0", "--repeats", "1"]
-    if LAUNCHER == "fork":      # the same command, in a process forked from the server
-        proc = _forked_ranks().run(" ".join(cmd[1:3]), cmd[3:], 0, REPO,
+    module = "sparsebalance_megatron.megatron.profile_cli"
+    args = ["--quick", "--no-progress", "--out", str(out), "--num-layers", "4", "--hidden-size",
+            "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups",
+            "2", "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",
+            "--pipeline-model-parallel-size", str(pp),
+            "--mixes", "3", "--densities", "0.25", "1.0", "--repeats", "1"]
+    if LAUNCHER == "fork":      # `python -m module args`, in a process forked from the server
+        proc = _forked_ranks().run(f"-m {module}", args, 0, REPO,
                                    dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
         if proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd[1:])} failed:\n{proc.stdout[-4000:]}")
+            raise AssertionError(f"-m {module} failed:\n{proc.stdout[-4000:]}")
     else:
-        subprocess.run(cmd, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.run([sys.executable, "-m", module, *args], check=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return out
 
 
