@@ -60,6 +60,7 @@ TARGET_SHAPE = "8/2/128"
 SHAPES = (TARGET_SHAPE, "14/2/64")
 BACKENDS = ("triton", "fa4", "flex", "flash")
 KERNEL_BACKENDS = ("triton", "fa4")         # callable alone on lists (kernel rows, checks)
+SPLIT = ("host", "gpu", "held")              # pass_times' host / GPU-alone keys (fwd_host_ms, ...)
 MIXES_PATH = os.path.join(ROOT, "docs", "results", "packed_mixes_32k.json")
 MIX_TOKENS = 32768
 # Targets of issue 61 (one 32K document, fwd+bwd, the whole call against cuDNN's kernel)
@@ -296,10 +297,13 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
                     if dense["dense_cudnn_ms"]:
                         row["ratio_vs_cudnn"] = row["kernel_ms"] / dense["dense_cudnn_ms"]
                     if kernel_fwd is None:
-                        kernel_fwd = t["fwd_ms"]
+                        kernel_fwd = t
+                    split = "".join(f", {p} host {t[p + '_host_ms']:.2f} gpu "
+                                    f"{t[p + '_gpu_ms']:.2f}" for p in ("fwd", "bwd")
+                                    if p + "_gpu_ms" in t)
                     print(f"  {label}: fwd {t['fwd_ms']:.2f} bwd {t['bwd_ms']:.2f} ms, e "
                           f"{row.get('e_fwd', float('nan')):.2f} / "
-                          f"{row.get('e_bwd', float('nan')):.2f}", file=sys.stderr)
+                          f"{row.get('e_bwd', float('nan')):.2f}{split}", file=sys.stderr)
                 log.add(row)
         routings = [("none", 0)]
         if crossover is not None:
@@ -317,13 +321,17 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
             if t is not None:
                 ms = t["fwd_ms"] + t["bwd_ms"]
                 row.update(call_fwd_ms=t["fwd_ms"], call_bwd_ms=t["bwd_ms"],
-                           bwd_method=t["bwd_method"], ours_ms=ms)
+                           bwd_method=t["bwd_method"], ours_ms=ms,
+                           **{f"call_{k}": v for k, v in t.items() if k.split("_")[1] in SPLIT})
                 for name, ref in (("dense", "dense_ms"), ("cudnn", "dense_cudnn_ms"),
                                   ("varlen", "dense_varlen_ms")):
                     if dense[ref]:
                         row[f"ratio_vs_{name}"] = ms / dense[ref]
                 if kernel_fwd is not None and routing == "none":
-                    row["select_ms"] = t["fwd_ms"] - kernel_fwd
+                    row["select_ms"] = t["fwd_ms"] - kernel_fwd["fwd_ms"]
+                    if "fwd_gpu_ms" in t and "fwd_gpu_ms" in kernel_fwd:
+                        row["select_gpu_ms"] = t["fwd_gpu_ms"] - kernel_fwd["fwd_gpu_ms"]
+                        row["select_host_ms"] = t["fwd_host_ms"] - kernel_fwd["fwd_host_ms"]
                 print(f"  {label}: {ms:.2f} ms ({row.get('ratio_vs_cudnn', float('nan')):.3f}x "
                       f"cuDNN)", file=sys.stderr)
             log.add(row)

@@ -3,6 +3,9 @@
 Each pass is timed apart: the **forward** with autograd recording (it saves what the backward
 needs, as in training), the **backward** replayed from one retained graph (a call whose graph
 cannot be retained, compiled flex, gets ``(fwd + bwd) - fwd``; ``bwd_method`` says which).
+On a GPU each pass is also split into its host time (nothing awaited) and its GPU time alone
+(queued behind a sleep kernel: ``common.host_and_gpu_ms``), which tells a fixed cost per call
+apart as the host's (Python, launches) or the kernels'.
 
 - **dense**: ``cudnn`` is cuDNN's fused SDPA kernel alone on a single document laid out outside
   the timing (contiguous ``[1, heads, L, hn]``, KV heads expanded; ``dense.cudnn_call``):
@@ -35,7 +38,7 @@ import sys
 
 import torch
 
-from .common import median_ms
+from .common import host_and_gpu_ms, median_ms
 
 BLOCK = 128
 
@@ -84,17 +87,25 @@ class Case:
 
 
 def pass_times(fn, inputs, g, reps) -> dict:
-    """``fwd_ms`` (autograd recording), ``bwd_ms`` and ``bwd_method`` of ``out = fn(*inputs)``."""
-    fwd = median_ms(lambda: fn(*inputs), reps)
+    """``fwd_ms`` (autograd recording), ``bwd_ms`` and ``bwd_method`` of ``out = fn(*inputs)``;
+    on a GPU also each pass's host and GPU-alone times (``common.host_and_gpu_ms``:
+    ``fwd_host_ms``, ``fwd_gpu_ms``, ``fwd_held``, and the same for a replayable backward), so
+    that a cost per call is told apart as the host's or the kernels'."""
+    call = lambda: fn(*inputs)  # noqa: E731
+    out = {"fwd_ms": median_ms(call, reps)}
+    split = {"fwd": host_and_gpu_ms(call, reps)}
     try:
-        out = fn(*inputs)
-        torch.autograd.grad(out, inputs, g, retain_graph=True)
-        bwd = median_ms(lambda: torch.autograd.grad(out, inputs, g, retain_graph=True), reps)
-        method = "retained graph"
+        y = fn(*inputs)
+        back = lambda: torch.autograd.grad(y, inputs, g, retain_graph=True)  # noqa: E731
+        back()
+        out.update(bwd_ms=median_ms(back, reps), bwd_method="retained graph")
+        split["bwd"] = host_and_gpu_ms(back, reps)
     except RuntimeError:            # a graph that cannot be replayed: the difference
         both = median_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, g), reps)
-        bwd, method = both - fwd, "(fwd+bwd) - fwd"
-    return {"fwd_ms": fwd, "bwd_ms": bwd, "bwd_method": method}
+        out.update(bwd_ms=both - out["fwd_ms"], bwd_method="(fwd+bwd) - fwd")
+    for p, times in split.items():
+        out.update({f"{p}_{k}": v for k, v in times.items() if k != "reps"})
+    return out
 
 
 def rates(times: dict, tiles: int, hn: int) -> dict:

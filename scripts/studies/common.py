@@ -106,6 +106,49 @@ def median_ms(fn, reps: int, warmup: int = 2, cuda: bool | None = None) -> float
     return statistics.median(times)
 
 
+SLEEP_MS = 20.0      # the GPU's head start in host_and_gpu_ms: longer than any call's host work
+
+
+def host_and_gpu_ms(fn, reps: int, sleep_ms: float = SLEEP_MS) -> dict:
+    """Where a call's time goes on a GPU (``{}`` without one): ``host_ms``, the median wall time
+    of ``fn()`` on the host with nothing awaited (Python, argument checks, launches), and
+    ``gpu_ms``, the median time of its work on the GPU alone: its start and end events are
+    queued behind a ``sleep_ms`` sleep kernel, so the GPU never waits for the host between
+    them. ``held`` counts the calls whose host time reached the sleep: the host waited for the
+    GPU inside ``fn`` (a device-to-host read), so those calls' ``gpu_ms`` counts host time too.
+    ``median_ms`` of a synchronised call counts both where they do not overlap: a cost per call
+    that shows in ``host_ms`` is the host's, one in ``gpu_ms`` the kernels'."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return {}
+    if reps < 1:
+        raise ValueError(f"reps={reps}: expected at least one timed call")
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe = 1_000_000
+    fn()
+    torch.cuda.synchronize()
+    a.record()
+    torch.cuda._sleep(probe)
+    b.record()
+    torch.cuda.synchronize()
+    cycles = int(probe * sleep_ms / max(a.elapsed_time(b), 1e-3))
+    host, gpu, held = [], [], 0
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        b.record()
+        torch.cuda.synchronize()
+        gpu.append(a.elapsed_time(b))
+        held += host[-1] >= 0.9 * sleep_ms
+    return {"host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu), "held": held,
+            "reps": reps}
+
+
 def _git(*args) -> str | None:
     try:
         p = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)

@@ -195,7 +195,9 @@ def test_rows_are_written_as_measured_and_the_deadline_stops_new_rows(tmp_path, 
     def timed(fn, inputs, g, reps):
         on_disk.append(len(jsonl.read_text().splitlines()))   # rows before this one
         now.t += 10
-        return {"fwd_ms": 1.0, "bwd_ms": 3.0, "bwd_method": "retained graph"}
+        split = {f"{p}_{k}": v for p in ("fwd", "bwd")
+                 for k, v in (("host_ms", 0.25), ("gpu_ms", 0.75), ("held", 0))}
+        return {"fwd_ms": 1.0, "bwd_ms": 3.0, "bwd_method": "retained graph", **split}
     monkeypatch.setattr(kt, "Case", FakeCase)
     monkeypatch.setattr(kt, "Lists", FakeLists)
     monkeypatch.setattr(kt, "dense_passes", dense)
@@ -224,6 +226,10 @@ def test_rows_are_written_as_measured_and_the_deadline_stops_new_rows(tmp_path, 
     # the call's forward less the first (pinned) kernel's: selection and lists
     assert c["ours_ms"] == 4.0 and c["select_ms"] == 0.0 and c["ratio_vs_cudnn"] == 0.5
     assert "ratio_vs_varlen" not in c
+    # each pass's host and GPU-alone times, kept on kernel rows and (prefixed) on call rows
+    assert k["bwd_host_ms"] == 0.25 and k["fwd_gpu_ms"] == 0.75 and k["bwd_held"] == 0
+    assert c["call_fwd_host_ms"] == 0.25 and c["call_bwd_gpu_ms"] == 0.75
+    assert c["select_gpu_ms"] == 0.0 and c["select_host_ms"] == 0.0
 
 
 def check_kernel_table_runs_on_cpu():
@@ -251,6 +257,7 @@ def check_kernel_table_runs_on_cpu():
     assert "failed" in dense["cudnn"] and dense["dense_ms"] > 0    # no cuDNN on a CPU
     assert kern["tiles"] > 0 and 0 < kern["kept_fraction"] <= 1
     assert kern["fwd_ms"] > 0 and kern["bwd_ms"] > 0 and kern["bwd_method"] == "retained graph"
+    assert "fwd_host_ms" not in kern and "select_gpu_ms" not in call  # no GPU: no split
     assert call["ours_ms"] == call["call_fwd_ms"] + call["call_bwd_ms"] and "select_ms" in call
 
 
@@ -658,3 +665,19 @@ def test_the_measured_cudnn_run_is_the_baseline_and_the_re_priced_one_its_check(
 def torch_cuda():
     import torch
     return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_and_gpu_ms_tells_the_hosts_cost_from_the_kernels():
+    """A call that only sleeps on the host shows its time in ``host_ms`` and none on the GPU; a
+    call that reads a device value waits for the sleep kernel and is counted ``held``."""
+    import time
+
+    import torch
+    sys.path.insert(0, str(REPO / "scripts"))
+    from studies.common import host_and_gpu_ms
+    x = torch.ones(1, device="cuda")
+    host = host_and_gpu_ms(lambda: (time.sleep(0.004), x.add_(1)), reps=3)
+    assert host["host_ms"] >= 4.0 and host["gpu_ms"] < 4.0 and host["held"] == 0
+    synced = host_and_gpu_ms(lambda: x.add_(1).item(), reps=3, sleep_ms=10.0)
+    assert synced["held"] == 3 and synced["host_ms"] >= 9.0
