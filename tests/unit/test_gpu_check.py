@@ -55,7 +55,8 @@ def test_summary_checks_the_issue_targets():
     micro-batches' worst call (routed rows where there are any), the fastest per density."""
     kt = _script("bench_attention_gpu")
     rows = [_row("flex", 32768, 6.6), _row("triton", 32768, 2.9, select=0.25),
-            _row("triton", 32768, 6.0, d=0.5, select=0.35),
+            dict(_row("triton", 32768, 6.0, d=0.5, select=0.35), select_gpu_ms=0.2,
+                 select_host_ms=0.4),
             _row("triton", 32768, 12.0, d=1.0), _row("fa4", 32768, 2.8, shape="14/2/64"),
             _row("triton", 32768, 10.1, case="file#0", routing="crossover"),
             _row("triton", 32768, 10.5, case="file#0", routing="none"),   # routed rows judged
@@ -75,6 +76,7 @@ def test_summary_checks_the_issue_targets():
     assert big["e"]["triton"] == {"fwd": 0.91, "bwd": 0.92, "met": True}
     assert big["e"]["fa4"]["met"] is False
     assert big["select_ms"] == {"triton": 0.35}                # the upper median of two
+    assert big["select_gpu_ms"] == {"triton": 0.2} and big["select_host_ms"] == {"triton": 0.4}
     assert big["packed_worst_vs_dense"] == {"triton": pytest.approx(1.01), "fa4": 0.9}
     assert big["fastest"] == {"0.25": "triton", "0.5": "triton", "1.0": "dense"}
     assert s["shapes"]["14/2/64"]["32k_d0.25"]["backend"] == "fa4"
