@@ -321,7 +321,8 @@ def replanned(run_dir: str, table: str, args, objective: str) -> dict:
             continue
         batch = steps[r["step"]]["batch"]
         costs = UnitCosts.from_latency(lm, batch.flat_lengths(with_padding=True), batch.dp,
-                                       batch.num_microbatches, grid, calibrated=False)
+                                       batch.num_microbatches, grid, calibrated=False,
+                                       kept_units=batch.unit_csr())        # as choice.choose
         sens = r.get("unit_sensitivity")
         p = plan_dst_from_config(sb, costs, None if sens is None else np.asarray(sens),
                                  lm.p2p_s, raise_headroom=r.get("raise_headroom") or 0.0,

@@ -84,4 +84,4 @@ def scale_costs(costs, slow: Sequence[SlowRank]):
     pp = costs.pipeline_ranks
     s = rank_scale(slow, dp, pp)[:, None, np.arange(nv) % pp, None]     # [dp, 1, nv, 1]
     return UnitCosts(costs.densities, costs.fwd_s * s, costs.bwd_s * s, costs.attn_work,
-                     pipeline_ranks=pp, dense_work=costs.dense_work)
+                     pipeline_ranks=pp, dense_work=costs.dense_work, kept_grid=costs.kept_grid)

@@ -320,7 +320,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                 if (k, dense, lay) not in costs:
                     costs[k, dense, lay] = scale_costs(UnitCosts.from_latency(
                         models[dense, lay], feats[k, dense], dp, plans[k].num_microbatches,
-                        grid), cfg.slow_ranks)
+                        grid, kept_units=plans[k].unit_csr()), cfg.slow_ranks)
             cs = [costs[k, dense, lay] for k in cands]
             anchor = dst_anchor_of(variant)
             if anchor is None and len(cs) == 1:      # a baseline, or SAB with no stand-down

@@ -189,8 +189,10 @@ class UnitCosts:
         (a micro-batch of documents of at most 7 blocks keeps the same blocks at every density
         from 0.125 to 2/7); a move inside such a step buys no block and no second, and counted
         at its nominal density in the floors it would pay for a real cut. ``idx`` itself
-        without ``kept_grid``. A gather from a [dp, m, g] table made once per ``i0``, and the
-        moved units' seconds compared."""
+        without ``kept_grid``. A move toward d0 from above costs no more seconds (the tables
+        are non-decreasing); one from below is made only where its seconds are the same (a cut
+        that keeps as many document blocks but less padding saves time: it stays). A gather
+        from a [dp, m, g] table made once per ``i0``, and the moved units' seconds compared."""
         idx = np.asarray(idx)
         if self.kept_grid is None:
             return idx
@@ -200,7 +202,7 @@ class UnitCosts:
         to = near.take(rows + idx)                   # [..., dp, m, pp] like idx
         flat_to, flat_idx = to.reshape(-1), np.broadcast_to(idx, to.shape).reshape(-1)
         moved = np.flatnonzero(flat_to != flat_idx)
-        if moved.size:                               # the same seconds, or the unit stays
+        if moved.size:               # a raise lowered, or the same seconds, or the unit stays
             n = self.fwd_s.size // self.densities.size           # units: dp x m x pp
             unit = (moved % n) * self.densities.size             # each one's row, flat
             old, new = flat_idx.take(moved), flat_to.take(moved)
@@ -208,6 +210,7 @@ class UnitCosts:
             for t in (self.fwd_s, self.bwd_s):
                 flat = t.reshape(-1)
                 differ |= flat.take(unit + new) != flat.take(unit + old)
+            differ &= new > old
             flat_to[moved[differ]] = old[differ]
         return to
 
@@ -264,11 +267,16 @@ class UnitCosts:
 
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
-                     densities: np.ndarray, calibrated: bool = True) -> "UnitCosts":
+                     densities: np.ndarray, calibrated: bool = True,
+                     kept_units=None) -> "UnitCosts":
         """Tabulate a ``latency.LatencyModel`` for one step.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
-        ``UnitFeatures`` of them; every stage sees the same micro-batches. The stage axis is the
+        ``UnitFeatures`` of them; every stage sees the same micro-batches. ``kept_units``: the
+        same units' documents without the padding that fills them (``BatchPlan.unit_csr()``),
+        whose kept blocks make ``kept_grid``: padding costs time (it is in ``mb_doc_lengths``)
+        but a density move that keeps more padding blocks and no document block buys nothing.
+        None: ``mb_doc_lengths``' own blocks. The stage axis is the
         model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
         model's online correction of rank r, and by that of its pipeline rank where the model
         has learned one (``correction_grid``: virtual stage v runs on pipeline rank v mod pp).
@@ -324,7 +332,14 @@ class UnitCosts:
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
             feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
-        kept = work if feats.work_mode == "kept" else feats.kept_grid(g)   # [n, g]
+        if kept_units is not None:
+            docs = model.unit_features(kept_units)
+            if docs.num_units != n:
+                raise ValueError(f"kept_units has {docs.num_units} micro-batches: expected "
+                                 f"{n}, those of mb_doc_lengths")
+            kept = docs.kept_grid(g)                                 # [n, g] documents only
+        else:
+            kept = work if feats.work_mode == "kept" else feats.kept_grid(g)
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
                    pipeline_ranks=model.layout.pp, dense_work=routed,
                    kept_grid=kept.reshape(dp, m, g.size), tables_checked=checked,

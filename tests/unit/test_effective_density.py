@@ -4,6 +4,7 @@ blocks. DST plans at effective densities (``UnitCosts.effective_index``): a move
 other block is no move, and cannot pay for a real cut in the density floors (issue 62)."""
 
 import numpy as np
+import pytest
 import torch
 
 from sparsebalance_megatron.attention.api import block_sparse_attention
@@ -95,9 +96,38 @@ def test_effective_index_moves_to_the_nearest_index_keeping_as_many():
     got = [int(costs.effective_index(np.array([[[i]]]), i0)[0, 0, 0]) for i in range(6)]
     # 0 and 2 keep what d0 keeps: back to d0; 4 keeps what 3 does (the lowest); 5 stays
     assert got == [1, 1, 1, 3, 3, 5]
-    # where the seconds differ the move stays (a table whose cost is not the kept blocks')
+    # where the seconds differ (a table whose cost is not the kept blocks': padding) a raise
+    # still comes down, as it costs no more, and a cut stays, as it saves time
     t2 = t.copy()
+    t2[..., 0] -= 0.5
     t2[..., 2] += 0.5
     costs = UnitCosts(grid, t2, t2, kept_grid=kept)
-    assert int(costs.effective_index(np.array([[[2]]]), i0)[0, 0, 0]) == 2
+    assert int(costs.effective_index(np.array([[[2]]]), i0)[0, 0, 0]) == 1
+    assert int(costs.effective_index(np.array([[[0]]]), i0)[0, 0, 0]) == 0
     assert np.array_equal(UnitCosts(grid, t, t).effective_index(np.array([[[4]]]), i0), [[[4]]])
+
+
+def test_a_raise_that_keeps_only_padding_blocks_pays_for_no_cut():
+    """A micro-batch's padding runs through the attention as pieces of its own, so it costs
+    time at every density; its kept blocks are no document's. ``from_latency`` tabulates the
+    seconds with the padding and ``kept_grid`` from the documents alone (``kept_units``): rank
+    1 (a 3-block document, then 125 blocks of padding in pieces of 16) keeps no other document
+    block at any density up to 2/3, so raising it pays for no cut of rank 0's 128-block
+    document (analytic model, block 64: rank 0 is the straggler)."""
+    from sparsebalance_megatron.latency import LatencyModel
+    b = 64
+    lm = LatencyModel.analytic(pp=1, block_size=b)
+    grid = density_grid(0.25, 0.125, 0.6)
+    padded = [np.array([b * 128]), np.array([b * 3] + [b * 16] * 7 + [b * 13])]
+    docs = [np.array([b * 128]), np.array([b * 3])]
+    settings = DSTSettings(0.25, 0.125, 0.6, density_floor=1.0, stage_density_floor=0.0)
+    plans = {}
+    for name, kept_units in (("padding counted", None), ("documents", docs)):
+        costs = UnitCosts.from_latency(lm, padded, 2, 1, grid, kept_units=kept_units)
+        plans[name] = plan_dst_with_floor(costs, None, settings).densities.reshape(-1)
+    # counted with its padding, rank 1's raise keeps more blocks and lets rank 0 be cut
+    assert plans["padding counted"][1] > 0.25 and plans["padding counted"][0] < 0.25
+    # with the documents' blocks the raise keeps nothing more: no raise, no cut
+    assert plans["documents"].tolist() == [0.25, 0.25]
+    with pytest.raises(ValueError, match="kept_units has 1 micro-batches"):
+        UnitCosts.from_latency(lm, padded, 2, 1, grid, kept_units=docs[:1])

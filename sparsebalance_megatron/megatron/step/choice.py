@@ -51,7 +51,8 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
 
     d0 = sb.density if sb.sparse_attention_enabled else 1.0
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
-    costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid)
+    costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid,
+                                    kept_units=batch.unit_csr() if dst else None)
              for batch, units in options]
     sens = {}
 
