@@ -1,9 +1,9 @@
 """Compiled phases of a critical-path descent round (``policy.critical_path._descent``), when
-numba is installed and the costs carry their tables' formula (``UnitCosts.formula``): the cut
-(which units lie on a path longer than the round's target, and per DP rank the first cut
-fraction that fits: ``kernels.fit``' search) and what the raise needs from it (the cut plan
-and its simulation, every unit's float at the raise's deadline, the units the largest raise
-fraction moves and where to).
+numba is installed: the cut (which units lie on a path longer than the round's target, and per
+DP rank the first cut fraction that fits: ``kernels.fit``' search) and what the raise needs
+from it (the cut plan and its simulation, every unit's float at the raise's deadline, the units
+the largest raise fraction moves and where to). A unit's seconds are computed by the tables'
+formula where the costs carry one (``UnitCosts.formula``), else read from the tables.
 
 The numpy path runs the same steps as a dozen array operations per phase, each a pass over the
 step's units (64 DP x 16 x 8 virtual stages: 8,192) with its own gather, copy and allocation;
@@ -62,15 +62,47 @@ def _floats(graph, dur, ef, deadline):
 
 
 @jit
-def _seconds(q, i, formula):
-    # unit q's (forward, backward) seconds at grid index i, as its tables hold them (the
-    # tables' own formula, computed from arrays a cache holds instead of read from three large
-    # tables: ``kernels.fit``'s formula numbers)
+def _seconds(q, i, formula, tables):
+    # unit q's (forward, backward) seconds at grid index i, as its tables hold them: computed
+    # by the tables' own formula where the costs have one (from arrays a cache holds instead
+    # of read from three large tables: ``kernels.fit``'s formula numbers), else read
+    if formula.work.shape[0] == 0:
+        at = q * tables.g + i
+        return tables.fwd[at], tables.bwd[at]
     work, per_pair, fixed, corr, scaled = formula
     row = q // per_pair.shape[1]
     s = q - row * per_pair.shape[1]
     return unit_seconds(work[row, i], per_pair[0, s], per_pair[1, s], fixed[0, row, s],
                         fixed[1, row, s], corr[row, s], scaled)
+
+
+@jit
+def _total(q, i, formula, tables):
+    # unit q's forward + backward seconds at grid index i: the formula's sum, or the tables'
+    # totals (``UnitCosts.total_s``, what the numpy path compares)
+    if formula.work.shape[0] == 0:
+        return tables.tot[q * tables.g + i]
+    v, x = _seconds(q, i, formula, tables)
+    return v + x
+
+
+@jit
+def _highest(formula, tables, units, lo, hi, limit, out):
+    # per element k: the highest grid index in [lo, hi] whose total is <= limit[k] (lo if
+    # none), by bisection over the formula's totals or the tables' (the rows are
+    # non-decreasing, so the answer is ``grid_search.highest_at_most``'s)
+    if formula.work.shape[0] > 0:
+        highest_formula_search(formula, units, lo, hi, limit, out)
+        return
+    for k in range(units.size):
+        a, b, lim, row = lo[k], hi[k], limit[k], units[k] * tables.g
+        while a < b:
+            mid = (a + b + 1) >> 1
+            if tables.tot[row + mid] <= lim:
+                a = mid
+            else:
+                b = mid - 1
+        out[k] = a
 
 
 @jit
@@ -143,17 +175,17 @@ def cut_round(graph, tables, formula, plan, t_min, target, limit, i_min, fracs, 
 
 
 @jit
-def after_cut_round(graph, formula, plan, mk, cut, deadline, i_max, scale):
+def after_cut_round(graph, tables, formula, plan, mk, cut, deadline, i_max, scale):
     # the cut plan (_Step.put of the cut, the picks' columns), every unit's float at the raise's
     # deadline (at least 0, np.maximum's NaN kept), the units the largest raise fraction can move
     # (a grid step up fits under their seconds + their whole float) and the highest grid index
-    # each may take (_Step.highest_within on the formula)
+    # each may take (_Step.highest_within)
     dur, ef, ranks = plan.dur, plan.ef, cut.ranks
     idx, f1, b1 = plan.idx.copy(), plan.f.copy(), plan.b.copy()
     for j in range(cut.on.size):
         q, i = cut.on[j], cut.cut_i[j]
         idx[q] = i
-        f1[q], b1[q] = _seconds(q, i, formula)
+        f1[q], b1[q] = _seconds(q, i, formula, tables)
     mk_cut, dur1, ef1 = mk.copy(), dur.copy(), ef.copy()
     for c in range(ranks.size):
         mk_cut[ranks[c]] = cut.mk[c]
@@ -171,22 +203,22 @@ def after_cut_round(graph, formula, plan, mk, cut, deadline, i_max, scale):
         t1[q] = f1[q] + b1[q]
         lim[q] = (t1[q] + 1.0 * cap[q]) * scale + 1e-15
         if idx[q] < i_max:
-            v, x = _seconds(q, idx[q] + 1, formula)
-            if v + x <= lim[q]:
+            if _total(q, idx[q] + 1, formula, tables) <= lim[q]:
                 up[n] = q
                 n += 1
     up = up[:n].copy()
     lo, limit, first = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
         lo[j], limit[j] = idx[up[j]] + 1, lim[up[j]]      # cut + 1 fits: the filter's test
-    highest_formula_search(formula, up, lo, np.full(n, i_max), limit, first)
+    _highest(formula, tables, up, lo, np.full(n, i_max), limit, first)
     return idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
 
 
 class Round:
     """A descent's compiled round phases on one step's graph and cost tables
-    (``policy.critical_path._Step.records``) whose costs carry their formula
-    (``UnitCosts.formula``), for plans of ``shape`` [dp, m, nv]."""
+    (``policy.critical_path._Step.records``), their seconds computed by the costs' formula
+    where they carry one (``UnitCosts.formula``; None: read from the tables), for plans of
+    ``shape`` [dp, m, nv]."""
 
     def __init__(self, graph, tables: Tables, formula, shape: tuple, i_min: int, i_max: int):
         self.graph, self.tables, self.formula = graph, tables, Formula.of(formula)
@@ -235,7 +267,8 @@ class Round:
         finishes, every unit's float at ``deadline`` (>= 0) and its seconds (flat), the units
         the largest raise fraction moves, the grid index each moves to)."""
         idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = after_cut_round(
-            self.graph, self.formula, plan, mk, cut, float(deadline), self.i_max, float(scale))
+            self.graph, self.tables, self.formula, plan, mk, cut, float(deadline), self.i_max,
+            float(scale))
         return (idx.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape),
                 mk_cut, dur1, ef1, cap, t1, up, first)
 
@@ -252,13 +285,15 @@ def warm_up() -> None:
     formula = (work, np.ones((2, pp)), np.ones((2, dp * m, pp)), np.ones((dp * m, pp)), True)
     t = np.tile(2.0 * np.arange(2.0, g + 2), (dp, m, pp, 1)).reshape(-1)
     graph = event_graph(m, pp, 1)
-    rnd = Round(Graph.of(graph, 0.0), Tables(t / 2, t / 2, t, g), formula, (dp, m, pp), 0,
-                g - 1)
     idx = np.ones((dp, m, pp), dtype=np.int64)
     f = np.full((dp, m, pp), 2.0)
     dur = graph.durations(f, f)
     ef = graph.earliest_finish(dur, 0.0)
     plan = Round.plan(dur, ef, f, f, idx)
-    on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(plan, np.full(dp * m * pp, 2.0), 1.0,
-                                                        1.0, np.array([0.5, 1.0]), 1.0)
-    rnd.after_cut(plan, graph.makespan(ef), Cut(on, cut_i, ranks, mk_p, dur_p, ef_p), 1.0, 1.0)
+    for form in (formula, None):            # seconds by the formula, and read from the tables
+        rnd = Round(Graph.of(graph, 0.0), Tables(t / 2, t / 2, t, g), form, (dp, m, pp), 0,
+                    g - 1)
+        on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(
+            plan, np.full(dp * m * pp, 2.0), 1.0, 1.0, np.array([0.5, 1.0]), 1.0)
+        rnd.after_cut(plan, graph.makespan(ef), Cut(on, cut_i, ranks, mk_p, dur_p, ef_p), 1.0,
+                      1.0)

@@ -174,16 +174,6 @@ class _Step:
         np.put(f, flat_units, self.fwd.take(at))
         np.put(b, flat_units, self.bwd.take(at))
 
-    def cut_fit(self, dur, on, t_on, t_min, hi, i_min: int, limit) -> tuple:
-        """``first_fit`` of the cut fractions (``CUT_FRACTIONS``) of units ``on`` (ascending;
-        seconds ``t_on``, at d_min ``t_min``, grid indices ``hi`` [n]), each unit's cut searched
-        only at the fractions its rank tries (compiled; ``kernels.fit``). Returns
-        ``first_fit``'s and the picked grid index of every unit [n]."""
-        at = np.full((CUT_FRACTIONS.size, on.size), -1, dtype=np.int64)
-        return self._lazy_fit(dur, on, at, t_on, t_min - t_on, hi,
-                              np.full(on.size, i_min, dtype=np.int64), CUT_FRACTIONS, limit,
-                              False)
-
     def raise_fit(self, dur, up, first, t_up, cap, lo, i_max: int, limit) -> tuple:
         """``first_fit`` of the raise fractions (``RAISE_FRACTIONS``) of units ``up``
         (ascending; seconds ``t_up``, floats ``cap``, grid indices ``lo`` [n]), the largest
@@ -276,7 +266,7 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
         return moved, (on, moved)
 
     fused = None
-    if kernels.enabled() and st.c.formula is not None:      # both phases compiled whole
+    if kernels.enabled():           # both phases compiled whole
         fused = kernels.descent.Round(*st.records(), st.c.formula, st.c.shape, i_min, i_max)
     for _ in range(rounds):
         if eta < ETA_MIN:
@@ -289,16 +279,10 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
                 now, t_min, target, target * (1 + _REL_EPS), CUT_FRACTIONS, 1 + _REL_EPS)
         else:
             on = np.flatnonzero(st.floats(dur, ef, np.full(dp, target)).reshape(-1) < 0)
-            fit_limit = np.full(dp, target * (1 + _REL_EPS))        # smallest alpha that fits
-            if kernels.enabled():      # each unit's cuts searched at the fractions tried
-                ranks, col, fits, pick, mk_p, dur_p, ef_p, cut_i = st.cut_fit(
-                    dur, on, (f + b).reshape(-1)[on], t_min[on], idx.reshape(-1)[on], i_min,
-                    fit_limit)
-            else:
-                moved, known = cuts_of(on, known)
-                ranks, col, fits, pick, mk_p, dur_p, ef_p = st.first_fit(dur, on, moved,
-                                                                         fit_limit)
-                cut_i = moved[pick[col], np.arange(on.size)]
+            moved, known = cuts_of(on, known)
+            ranks, col, fits, pick, mk_p, dur_p, ef_p = st.first_fit(
+                dur, on, moved, np.full(dp, target * (1 + _REL_EPS)))   # smallest alpha that fits
+            cut_i = moved[pick[col], np.arange(on.size)]
         if not fits.all():                                           # T' out of reach: ask less
             eta /= 2
             continue

@@ -221,8 +221,9 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
 
 
 def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypatch):
-    """With the tables' formula (costs from a latency model, as every draft's) each round's cut
-    and raise preparation run as compiled phases (``kernels.descent``): the plans and step
+    """With numba each round's cut and raise preparation run as compiled phases
+    (``kernels.descent``), their seconds computed by the tables' formula (costs from a latency
+    model, as every draft's) or read from the tables (costs without one): the plans and step
     times are still the plain descent's, bit for bit, calibrated (per-rank factors) or not,
     1F1B and interleaved, with p2p latency and raise headroom."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
@@ -238,15 +239,13 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
 
     def checked_cut(self, plan, t_min, target, limit, fracs, scale):
         """Every cut, also the ones that start from the last round's search, is the search
-        from scratch's (``_Step.cut_fit`` on the on-path units)."""
+        from scratch's (a new ``Round`` on the same step)."""
         warm = self._was[0].size > 0
         got = real(self, plan, t_min, target, limit, fracs, scale)
-        st, dur, ef = now["step"], plan.dur, plan.ef
-        on = np.flatnonzero(st.floats(dur, ef, np.full(dur.shape[1], target)).reshape(-1) < 0)
-        ranks, col, fits, _, mk, dur_p, ef_p, cut_i = st.cut_fit(
-            dur, on, (plan.f + plan.b)[on], t_min[on], plan.idx[on], st.c.index_of(DMIN),
-            np.full(dur.shape[1], limit))
-        for x, y in zip(got, (on, ranks, col, fits, mk, dur_p, ef_p, cut_i)):
+        st = now["step"]
+        cold = kernels.descent.Round(*st.records(), st.c.formula, st.c.shape, self.i_min,
+                                     self.i_max)
+        for x, y in zip(got, real(cold, plan, t_min, target, limit, fracs, scale)):
             np.testing.assert_array_equal(x, y)
         calls.append(warm)
         return got
@@ -264,9 +263,10 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
         lengths = [rng.integers(100, 4000, rng.integers(1, 4)) for _ in range(dp * m)]
         costs = UnitCosts.from_latency(lm, lengths, dp, m, grid)
         assert costs.formula is not None
-        if vp > 1:
+        if vp > 1 or case % 3 == 2:                        # every third: tables only
             costs = UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s, costs.attn_work,
-                              pipeline_ranks=pp // vp, _formula=costs.formula,
+                              pipeline_ranks=pp // vp,
+                              _formula=None if case % 3 == 2 else costs.formula,
                               tables_checked=True)
         i_min, i_max = costs.index_of(DMIN), costs.index_of(DMAX)
         start = np.full(costs.shape, costs.index_of(D0))
