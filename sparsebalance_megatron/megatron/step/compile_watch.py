@@ -12,7 +12,9 @@ that warm-up missed. ``CompileWatch`` counts the compiles (and loads from triton
 cache into this process) through triton's JIT hooks, ``knobs.runtime.jit_cache_hook`` (before)
 and ``jit_post_compile_hook`` (after), chained with any hooks already set. ``take()`` returns
 and clears the count and seconds since the last call: the step record's ``kernel_compiles``
-and ``kernel_compile_s``, this rank's (the rest of the record is the same on every rank).
+and ``kernel_compile_s``, this rank's (the rest of the record is the same on every rank). The
+seconds are summed over compiles: the start-up warm-up compiles in parallel, so the first
+step's figure can be many times the wall time it took (run 5: 74 s summed, 2.9 s of wall).
 Where triton or its hooks are missing, nothing is counted (``available`` False). What goes
 through ``triton.jit`` is counted (the ``triton`` backend, the selection and list kernels);
 torch inductor's compiles (``flex``) take another path and are not.
