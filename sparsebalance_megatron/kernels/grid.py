@@ -1,5 +1,5 @@
-"""Compiled forms of the planner's grid look-ups: ``policy.grid_search.highest_at_most`` (general
-and the [k, n] rows of the descent's and DST's candidates), ``policy.dst_moves.GainIndex``'s
+"""Compiled forms of the planner's grid look-ups: ``policy.grid_search.highest_at_most`` (as
+[k, n] rows: the descent's and DST's candidates, or any elements as one row), ``policy.dst_moves.GainIndex``'s
 water-filling index and ``UnitCosts.from_latency``'s tables. Each does the numpy path's
 operations per element (the binary lifting's schedule, a multiply, an add, comparisons), so
 the results are the numpy path's bit for bit (``tests/unit/test_compiled_kernels.py``). Callers check
@@ -36,14 +36,6 @@ def lifted(flat, first, last, lim, step):
     if pos < first:                              # none fits: lo
         pos = first
     return pos
-
-
-@jit
-def highest_at_most_pass(flat, first, last, limit, step):
-    out = np.empty(first.size, dtype=np.int64)
-    for i in range(first.size):
-        out[i] = lifted(flat, first[i], last[i], limit[i], step)
-    return out
 
 
 @jit
@@ -284,18 +276,13 @@ def sensitivity_moves(flat, units, cur, budget, cap, order, bound: int, raising:
     return out
 
 
-def highest_at_most(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
-                    step: int) -> np.ndarray:
-    """Flat positions [n] of ``policy.grid_search.highest_at_most``: per element the highest position
-    in [first, last] whose table entry is <= limit (first if none), by steps ``step``, ``step /
-    2``, ... 1 from first - 1 (the numpy path's schedule)."""
-    return highest_at_most_pass(f64(flat), i64(first), i64(last), f64(limit), int(step))
-
-
 def highest_rows(flat: np.ndarray, first: np.ndarray, last: np.ndarray, limit: np.ndarray,
                  step: int) -> np.ndarray:
-    """``highest_at_most`` for limits [k, n] over the same n units (``first``, ``last`` [n]):
-    [k, n] flat positions, unit by unit."""
+    """Flat positions [k, n] of ``policy.grid_search.highest_at_most`` for limits [k, n] over
+    the same n units (``first``, ``last`` [n]; any elements as one row, k = 1): per element the
+    highest position in [first, last] whose table entry is <= its limit (first if none), by
+    steps ``step``, ``step / 2``, ... 1 from first - 1 (the numpy path's schedule), unit by
+    unit."""
     return highest_rows_pass(f64(flat), i64(first), i64(last), f64(limit), int(step))
 
 
@@ -342,7 +329,6 @@ def warm_up() -> None:
     cache) with the argument types the planner passes, on one or two units."""
     i64 = np.int64
     flat, zero = np.arange(4.0), np.zeros(1, dtype=i64)
-    highest_at_most(flat, zero, np.array([3], dtype=i64), np.array([1.5]), 2)
     highest_rows(flat, zero, np.array([3], dtype=i64), np.array([[1.5]]), 2)
     cols = dict(b=np.ones((1, 2)), shift=np.zeros((1, 2)), first=np.ones((1, 2), dtype=i64),
                 lo=np.zeros((1, 2), dtype=i64), hi=np.ones((1, 2), dtype=i64))

@@ -50,8 +50,8 @@ def highest_at_most(table: np.ndarray, units, limit, lo, hi) -> np.ndarray:
     limit = limit.ravel()
     pos = first - 1
     step = _lift_step(first, last)
-    if kernels.enabled() and pos.size:      # the same steps, one compiled loop
-        return (kernels.grid.highest_at_most(flat, first, last, limit, step)
+    if kernels.enabled() and pos.size:      # the same steps, one compiled loop: one row
+        return (kernels.grid.highest_rows(flat, first, last, limit.reshape(1, -1), step)[0]
                 - units.ravel()).reshape(shape)
     while step:
         probe = np.minimum(pos + step, last)
