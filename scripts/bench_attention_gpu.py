@@ -176,9 +176,17 @@ def plan_cases(args, mixes):
 
 
 def variants(backend: str, case) -> list:
-    """``[(variant, LaunchConfig or None)]`` of a kernel backend: triton at the settings it
-    trains with (``launch_config``: pinned, else the default), then every split backward the
-    autotune sweeps (a dQ kernel of its own); fa4 as it is."""
+    """``[(variant, config or None)]`` of a kernel backend: triton at the settings it trains
+    with (``launch_config``: pinned, else the default), then every split backward the autotune
+    sweeps (a dQ kernel of its own); fa4 as it is, then its backward on K/V repeated per query
+    head (``fa4_cute.BWD_PER_HEAD``'s other form) where the shape has GQA."""
+    if backend == "fa4":
+        out = [("fa4", None)]
+        if case.nh > case.ng:
+            from sparsebalance_megatron.attention import fa4_cute
+            out.append(("bwd per head" if not fa4_cute.BWD_PER_HEAD else "bwd accumulated",
+                        {"bwd_per_head": not fa4_cute.BWD_PER_HEAD}))
+        return out
     if backend != "triton":
         return [(backend, None)]
     from sparsebalance_megatron.attention.triton_launch import candidates, launch_config
@@ -287,8 +295,8 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
                 row = dict(kind="kernel", **Table.base(case), backend=backend, variant=variant,
                            density=d, tiles=lists.tiles, kept_fraction=lists.kept_fraction)
                 if cfg is not None:
-                    from dataclasses import asdict
-                    row["config"] = asdict(cfg)
+                    from dataclasses import asdict, is_dataclass
+                    row["config"] = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
                 label = f"{case.name} {case.shape} {backend} {variant} d={d}"
                 t = _timed(table, row, label, lambda: kernel_fn(backend, lists, case, cfg),
                            case)

@@ -73,13 +73,15 @@ PLAN: Tuple[Call, ...] = (
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
          what="versions, imports, signatures; the kernel table (bench_attention_gpu.py) pass by "
-              "pass against cuDNN: triton (pinned one-pass and every split backward) first, "
-              "then flex; each kernel checked against float64 first; FA4's first piece staged"),
+              "pass against cuDNN, each pass's host and GPU time apart: triton (pinned one-pass "
+              "and every split backward) first, then flex; each kernel checked against float64 "
+              "first; FA4's first piece staged"),
     Call("kernel-fa4", ("bench",), 170, 155, carry=(".whl-fa4/2",),
          bench_backends=("fa4", "flash"), outputs=KERNEL_OUTPUTS, complete=True,
          what="FlashAttention-4 (the pieces joined): fa4 checked against float64 (5 calls "
-              "each, NaNs and run-to-run differences), then its rows and flex's flash kernel's "
-              "on the same grid, dense re-timed beside them"),
+              "each, NaNs and run-to-run differences), its backward both ways (GQA accumulated, "
+              "and per query head), then their rows and flex's flash kernel's on the same grid, "
+              "each pass's host and GPU time apart, dense re-timed beside them"),
     # The end-to-end call takes the latency table the H200 profiled with fa4 on 2026-11-26
     # (its latency step, 84-103 s, buys the 64K runs' time); on an H100 give it the latency
     # step back (steps ("latency", "train"))

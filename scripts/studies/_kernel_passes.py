@@ -173,7 +173,8 @@ class Lists:
 
 def kernel_fn(backend: str, lists: Lists, case: Case, config=None):
     """``fn(q, k, v) -> out`` running ``backend``'s kernel alone on ``lists`` (``config``: the
-    triton ``LaunchConfig``; None: the pinned one)."""
+    triton ``LaunchConfig``, None: the pinned one; fa4's ``{"bwd_per_head": bool}``, None: its
+    default)."""
     lay, li, scale = lists.layout, lists.lists, case.scale
     if backend == "triton":
         from sparsebalance_megatron.attention.sparse_triton import sparse_attention
@@ -181,10 +182,12 @@ def kernel_fn(backend: str, lists: Lists, case: Case, config=None):
     if backend == "fa4":
         from sparsebalance_megatron.attention.fa4_cute import fa4_block_sparse_attention
 
+        per_head = (config or {}).get("bwd_per_head")
+
         def fa4(q, k, v):
             out = fa4_block_sparse_attention(
                 lay.pad(q), lay.pad(k), lay.pad(v), li.q_num, li.q_idx, li.kv_num, li.kv_idx,
-                block_size=BLOCK, softmax_scale=scale)
+                block_size=BLOCK, softmax_scale=scale, bwd_per_head=per_head)
             return lay.unpad(out)
         return fa4
     raise ValueError(f"backend {backend!r}: expected 'triton' or 'fa4' (kernels callable alone)")

@@ -27,7 +27,13 @@ hn]``, views of ``[T, heads, hn]``), so a block list per group is FA4's ``[B=ng,
 list, broadcast over the group's query heads. The forward packs the group's heads into its row
 tiles (``pack_gqa``, which FA4 keeps only for lists with ``H == 1``; a packed tile maps to the
 sparse block of its tokens); the backward never packs and sums dK/dV over the group's heads
-in float32 before the cast.
+in float32 before the cast: every (key block, query head) program adds its dK/dV tile to a
+float32 accumulator (atomics, then a conversion pass), work per key block and head whatever
+the density. ``bwd_per_head`` (``BWD_PER_HEAD`` by default) instead hands the backward K and V
+repeated per query head (one KV head per query head: each program stores its own dK/dV tile,
+no accumulator), then sums the group's heads in float32; it costs the copies of K and V and
+rounds each head's dK/dV to the input dtype before the sum. Which is faster is the device's to
+say: the kernel table times both (``scripts/bench_attention_gpu.py``, variant ``bwd per head``).
 
 The lists. For query block i the diagonal block i is the only partial block: documents start on
 block boundaries, so it holds its own document's tokens then padding, and causality by position
@@ -87,6 +93,7 @@ import torch
 
 
 FA4_BLOCK = 128                      # the sparse block FA4's Hopper tiles accept (see above)
+BWD_PER_HEAD = False                 # the backward on K/V repeated per query head (see above)
 FA4_DTYPES = (torch.bfloat16, torch.float16)
 INSTALL_HINT = ("pip install --pre 'flash-attn-4[cu13]' (4.0.0b36 with nvidia-cutlass-dsl "
                 "4.8.1: scripts/gpu_wheels.sh, docs/GPU.md)")
@@ -208,30 +215,41 @@ def forward_kernel(q, k, v, q_num, q_idx, block_size: int, softmax_scale: float)
 
 
 def backward_kernel(dout, q, k, v, out, lse, kv_num, kv_idx, block_size: int,
-                    softmax_scale: float):
-    """FA4's block-sparse backward on the transposed lists -> (dq, dk, dv), contiguous."""
+                    softmax_scale: float, per_head: bool = False):
+    """FA4's block-sparse backward on the transposed lists -> (dq, dk, dv), contiguous; with
+    ``per_head`` on K/V repeated per query head, the group's dK/dV summed after (module
+    docstring)."""
     from flash_attn.cute import interface
+    t, nh, hn = q.shape
     ng = k.shape[1]
+    rep = nh // ng
+    per_head = per_head and rep > 1
     dout = dout.contiguous()
+    if per_head:                 # query head g * rep + r reads KV head g: repeated in place
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     interface._flash_attn_bwd(
         _groups(q, ng), _groups(k, ng), _groups(v, ng), _groups(out, ng), _groups(dout, ng),
         lse, softmax_scale=softmax_scale, mask_mod=_causal_mask_mod(),
         block_sparse_tensors=_sparse(fa4_sparse_tensors(kv_num, kv_idx), block_size),
         dq=_groups(dq, ng), dk=_groups(dk, ng), dv=_groups(dv, ng))
+    if per_head:
+        dk, dv = (x.view(t, ng, rep, hn).sum(dim=2, dtype=torch.float32).to(q.dtype)
+                  for x in (dk, dv))
     return dq, dk, dv
 
 
 @torch.library.custom_op("sparsebalance::fa4_block_sparse_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_num: torch.Tensor,
             q_idx: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor, block_size: int,
-            softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    # kv_num / kv_idx are inputs so that setup_context can save them for the backward
+            softmax_scale: float, bwd_per_head: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    # kv_num / kv_idx / bwd_per_head are inputs so that setup_context keeps them for the
+    # backward
     return forward_kernel(q, k, v, q_num, q_idx, block_size, softmax_scale)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, q_num, q_idx, kv_num, kv_idx, block_size, softmax_scale):
+def _(q, k, v, q_num, q_idx, kv_num, kv_idx, block_size, softmax_scale, bwd_per_head):
     t, nh, _ = q.shape
     ng = k.shape[1]
     return q.new_empty(q.shape), q.new_empty((ng, nh // ng, t), dtype=torch.float32)
@@ -240,40 +258,43 @@ def _(q, k, v, q_num, q_idx, kv_num, kv_idx, block_size, softmax_scale):
 @torch.library.custom_op("sparsebalance::fa4_block_sparse_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, kv_num: torch.Tensor, kv_idx: torch.Tensor,
-            block_size: int, softmax_scale: float
+            block_size: int, softmax_scale: float, per_head: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return backward_kernel(dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse,
-                           kv_num, kv_idx, block_size, softmax_scale)
+                           kv_num, kv_idx, block_size, softmax_scale, per_head)
 
 
 @_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, kv_num, kv_idx, block_size, softmax_scale):
+def _(dout, q, k, v, out, lse, kv_num, kv_idx, block_size, softmax_scale, per_head):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, _, _, kv_num, kv_idx, block_size, softmax_scale = inputs
+    q, k, v, _, _, kv_num, kv_idx, block_size, softmax_scale, bwd_per_head = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx)
-    ctx.block_size, ctx.softmax_scale = block_size, softmax_scale
+    ctx.block_size, ctx.softmax_scale, ctx.per_head = block_size, softmax_scale, bwd_per_head
 
 
 def _backward(ctx, dout, _dlse):
     # lse is internal (fa4_block_sparse_attention returns out only): its gradient is ignored
     q, k, v, out, lse, kv_num, kv_idx = ctx.saved_tensors
     dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, kv_num, kv_idx, ctx.block_size,
-                         ctx.softmax_scale)
-    return dq, dk, dv, None, None, None, None, None, None
+                         ctx.softmax_scale, ctx.per_head)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fa4_block_sparse_attention(q, k, v, q_num, q_idx, kv_num, kv_idx, *, block_size: int,
-                               softmax_scale: float) -> torch.Tensor:
+                               softmax_scale: float,
+                               bwd_per_head: Optional[bool] = None) -> torch.Tensor:
     """Block-sparse causal attention of one block-aligned sequence on our lists (module
-    docstring's contract) -> out ``[T, np, hn]``; differentiable in q, k and v. Shapes, dtypes
-    and the block size are checked here (ValueError naming the value); the device is not."""
+    docstring's contract) -> out ``[T, np, hn]``; differentiable in q, k and v.
+    ``bwd_per_head``: the backward's GQA form (module docstring; None: ``BWD_PER_HEAD``).
+    Shapes, dtypes and the block size are checked here (ValueError naming the value); the
+    device is not."""
     t, nh, hn = q.shape
     ng = k.shape[1]
     why = fa4_shape_problem(q.dtype, hn, block_size)
@@ -283,5 +304,7 @@ def fa4_block_sparse_attention(q, k, v, q_num, q_idx, kv_num, kv_idx, *, block_s
         raise ValueError(f"q has {t} rows: expected a multiple of block_size={block_size} "
                          f"(the block layout's blocks)")
     check_lists(q_num, q_idx, kv_num, kv_idx, ng, t // block_size)
-    out, _ = _fwd_op(q, k, v, q_num, q_idx, kv_num, kv_idx, block_size, float(softmax_scale))
+    per_head = BWD_PER_HEAD if bwd_per_head is None else bool(bwd_per_head)
+    out, _ = _fwd_op(q, k, v, q_num, q_idx, kv_num, kv_idx, block_size, float(softmax_scale),
+                     per_head)
     return out

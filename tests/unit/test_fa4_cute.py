@@ -345,8 +345,9 @@ def compile_check(shapes) -> None:
                     for _ in range(2))
             out, lse = fa4_cute.forward_kernel(q, k, v, q_num, q_idx, 128, hn ** -0.5)
             assert lse.shape == (ng, nh // ng, t)
-            fa4_cute.backward_kernel(torch.empty_like(out), q, k, v, out, lse, kv_num, kv_idx,
-                                     128, hn ** -0.5)
+            for per_head in (False, True):       # GQA accumulated, and per query head
+                fa4_cute.backward_kernel(torch.empty_like(out), q, k, v, out, lse, kv_num,
+                                         kv_idx, 128, hn ** -0.5, per_head=per_head)
         print(f"compiled fwd+bwd np={nh} ng={ng} hn={hn}: {', '.join(tiles)}", flush=True)
         tiles.clear()
 
@@ -365,3 +366,61 @@ def test_fa4_compiles_our_lists_for_hopper():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("compiled fwd+bwd") == 2, r.stdout
+
+
+def _reference_fa4_bwd(q, k, v, out, dout, lse, *, softmax_scale, mask_mod,
+                       block_sparse_tensors, dq, dk, dv):
+    """FA4's ``_flash_attn_bwd`` as its GQA contract reads (q ``[B, T, Hq, d]``, k/v ``[B, T,
+    Hk, d]``, query head h on KV head ``h // (Hq / Hk)``, gradients written into dq/dk/dv, dK/dV
+    summed over a KV head's query heads), dense causal in float64: the lists do not matter to
+    what the wrapper does around it."""
+    rep = q.shape[2] // k.shape[2]
+    x = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    kk, vv = (t.repeat_interleave(rep, dim=2) for t in x[1:])
+    s = torch.einsum("bqhd,bkhd->bhqk", x[0], kk) * softmax_scale
+    n = s.shape[-1]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
+    grads = torch.autograd.grad(o, x, dout.double())
+    for dst, g in zip((dq, dk, dv), grads):
+        dst.copy_(g)
+
+
+def test_the_backward_per_query_head_gives_the_accumulated_gradients():
+    """``bwd_per_head`` hands FA4's backward K and V repeated per query head (no GQA
+    accumulation in the kernel) and sums the group's dK/dV after: the same gradients as the
+    accumulated form, for 2 KV groups of 3 query heads (a reference backward in FA4's place)."""
+    import types
+    from sparsebalance_megatron.attention import fa4_cute
+    cute = types.SimpleNamespace(jit=lambda f: f)
+    modules = {"cutlass": types.SimpleNamespace(cute=cute), "cutlass.cute": cute,
+               "flash_attn": types.ModuleType("flash_attn"),
+               "flash_attn.cute": types.SimpleNamespace(interface=types.SimpleNamespace(
+                   _flash_attn_bwd=_reference_fa4_bwd)),
+               "flash_attn.cute.block_sparsity": types.SimpleNamespace(
+                   BlockSparseTensorsTorch=lambda *a, block_size: (a, block_size))}
+    calls = []
+
+    def spy(q, k, v, *a, **kw):
+        calls.append((q.shape, k.shape))
+        return _reference_fa4_bwd(q, k, v, *a, **kw)
+    modules["flash_attn.cute"].interface._flash_attn_bwd = spy
+    g = torch.Generator().manual_seed(3)
+    t, ng, rep, hn = 64, 2, 3, 8
+    q, dout, out = (torch.randn(t, ng * rep, hn, generator=g) for _ in range(3))
+    k, v = (torch.randn(t, ng, hn, generator=g) for _ in range(2))
+    lists = (torch.zeros(ng, 2, dtype=torch.int32), torch.zeros(ng, 2, 1, dtype=torch.int32))
+    fa4_cute._causal_mask_mod.cache_clear()
+    try:
+        with mock.patch.dict(sys.modules, modules):
+            acc, per_head = (fa4_cute.backward_kernel(dout, q, k, v, out, None, *lists, 32,
+                                                      0.3, per_head=p) for p in (False, True))
+            acc, per_head = list(acc), list(per_head)
+    finally:
+        fa4_cute._causal_mask_mod.cache_clear()
+    # the accumulated form: one KV head per group; per head: a KV head per query head
+    assert calls == [((ng, t, rep, hn), (ng, t, 1, hn)), ((ng, t, rep, hn), (ng, t, rep, hn))]
+    torch.testing.assert_close(per_head[0], acc[0], rtol=0, atol=0)            # dQ as it was
+    for a, b in zip(per_head[1:], acc[1:]):
+        assert a.shape == (t, ng, hn)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
