@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
+from .records import Floors
 
 _EPS = float(np.finfo(np.float64).eps)   # the kernels' bounds (numba reads it as a constant)
 
@@ -28,15 +29,15 @@ def _verdict_of(value, bound, floor):
 
 
 @jit
-def floors_verdict(grid, idx, w, nv, tot, dense, tot_s, dense_s, mean_floor, stage_floor,
-                   plain, sums):
+def floors_verdict(grid, idx, floors, sums):
     # ``policy.floors.FloorCheck._floors``' verdict on the plan at grid indices idx (1, 0;
-    # -1: numpy's sums must decide): the kept work grid[idx] x w summed per stage (unit u's stage: u mod nv) and,
-    # with ``plain`` (a stage without work: its plain mean), the densities, in an order of
-    # their own. Every term is >= 0 (FloorCheck runs this only then), so a sum of n of them in
-    # any order is within (n - 1) eps x the sum of the exact one, two orders within twice
-    # that, and adding the routed work and dividing by the total round once each. ``sums``
-    # [2 nv]: scratch
+    # -1: numpy's sums must decide): the kept work grid[idx] x w summed per stage (unit u's
+    # stage: u mod nv) and, with ``plain`` (a stage without work: its plain mean), the
+    # densities, in an order of their own (``floors``: a ``records.Floors``). Every term is
+    # >= 0 (FloorCheck runs this only then), so a sum of n of them in any order is within
+    # (n - 1) eps x the sum of the exact one, two orders within twice that, and adding the
+    # routed work and dividing by the total round once each. ``sums`` [2 nv]: scratch
+    w, nv, tot, dense, tot_s, dense_s, mean_floor, stage_floor, plain = floors
     for k in range(sums.size):
         sums[k] = 0.0
     s = 0
@@ -103,5 +104,6 @@ def warm_up() -> None:
     """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with the
     argument types a check passes."""
     grid, idx, ones = np.array([0.5, 1.0]), np.array([0, 1], dtype=np.int64), np.ones(2)
-    floors_verdict(grid, idx, ones, 2, 2.0, 0.0, ones, np.zeros(2), 0.5, 0.5, True, np.empty(4))
+    floors_verdict(grid, idx, Floors(ones, 2, 2.0, 0.0, ones, np.zeros(2), 0.5, 0.5, True),
+                   np.empty(4))
     quality_verdict(np.zeros(4), idx, 2, 2)

@@ -49,6 +49,23 @@ class Graph(NamedTuple):
                                      ev[0], ev[1], g.unit_rows)), float(p2p_s))
 
 
+class Floors(NamedTuple):
+    """What a floor verdict weighs a plan's densities by (``policy.floors.FloorCheck``): per
+    unit its weight [units], the stages (unit u's: u mod nv), the weights' total and the
+    routed work's, the same per stage [nv], the mean and per-stage floors, and whether a stage
+    without work takes its plain mean of densities."""
+
+    w: np.ndarray
+    nv: int
+    tot: float
+    dense: float
+    tot_s: np.ndarray
+    dense_s: np.ndarray
+    mean_floor: float
+    stage_floor: float
+    plain: bool
+
+
 class Formula(NamedTuple):
     """The cost tables' formula (``UnitCosts.formula``): a unit's seconds at grid index i are
     (work[mb, i] x per_pair[k, stage] + fixed[k, mb, stage]) x corr[mb, stage] (the factor

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..kernels.records import Floors
 from .costs import UnitCosts
 from .density_means import WeightTotals
 
@@ -41,11 +42,13 @@ class FloorCheck:
             self._g = np.ascontiguousarray(self.grid, dtype=np.float64)
             self._nv = int(self.totals.w.shape[-1])
             self._sums = np.empty(2 * self._nv)
-            self._plain = not bool(np.all(t.tot_s > 0))
-            self._dense = 0.0 if t.dense is None else float(t.dense)
-            self._tot_s = np.ascontiguousarray(t.tot_s, dtype=np.float64)
-            self._dense_s = np.zeros(self._nv) if t.dense is None else \
-                np.ascontiguousarray(t.dense_s, dtype=np.float64)
+            self._record = Floors(
+                self._w, self._nv, float(t.tot), 0.0 if t.dense is None else float(t.dense),
+                np.ascontiguousarray(t.tot_s, dtype=np.float64),
+                np.zeros(self._nv) if t.dense is None else np.ascontiguousarray(
+                    t.dense_s, dtype=np.float64),
+                float(self.mean_floor), float(self.stage_floor),
+                not bool(np.all(t.tot_s > 0)))
             self._costs = None if quality is None else np.ascontiguousarray(
                 quality._grid_table(self._g).reshape(-1), dtype=np.float64)
 
@@ -80,9 +83,7 @@ class FloorCheck:
         i = np.asarray(idx).reshape(-1)
         if i.dtype != np.int64 or i.size != self._w.size:
             return None
-        got = kernels.floors.floors_verdict(
-            self._g, i, self._w, self._nv, self.totals.tot, self._dense, self._tot_s,
-            self._dense_s, self.mean_floor, self.stage_floor, self._plain, self._sums)
+        got = kernels.floors.floors_verdict(self._g, i, self._record, self._sums)
         return None if got < 0 else bool(got)
 
     def _no_loss_at(self, idx: np.ndarray) -> bool:
