@@ -108,7 +108,7 @@ def _highest(formula, tables, units, lo, hi, limit, out):
 @jit
 def cut_round(graph, tables, formula, plan, t_min, target, limit, i_min, fracs, scale, was):
     # the descent's cut at ``target``: the units whose float is negative (ascending flat ids),
-    # the DP ranks holding one, each unit's rank column, and _Step.cut_fit's search of them
+    # the DP ranks holding one, each unit's rank column, and the lazy first-fit search of them
     # (fits, picks, makespans, durations and finishes of the picks, each unit's grid index;
     # and what the next round on the same plan reuses: the search's look-ups, every rank's
     # pick). ``was``: (on, at, pick [dp] (-1: none)) the last round's, on the same plan at a
@@ -249,7 +249,7 @@ class Round:
     def cut(self, plan: Plan, t_min, target: float, limit: float, fracs, scale: float):
         """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
         each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
-        index): ``_descent``'s floats and ``cut_fit``. Until ``plan_changed``, the next call
+        index): ``_descent``'s floats and its cut's first-fit search. Until ``plan_changed``, the next call
         is on the same plan at a higher target (a round given up lowers its eta): it starts
         from this one's look-ups, and each rank's search from its pick here, which fits there
         too (a unit on a path longer than the higher target is on one here, and cuts the same
