@@ -249,12 +249,12 @@ class Round:
     def cut(self, plan: Plan, t_min, target: float, limit: float, fracs, scale: float):
         """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
         each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
-        index): ``_descent``'s floats and its cut's first-fit search. Until ``plan_changed``, the next call
-        is on the same plan at a higher target (a round given up lowers its eta): it starts
-        from this one's look-ups, and each rank's search from its pick here, which fits there
-        too (a unit on a path longer than the higher target is on one here, and cuts the same
-        way; the makespans fall with the fraction), so its answers are those of a search from
-        scratch. After ``plan_changed`` it starts from the look-ups of the units whose grid
+        index): ``_descent``'s floats and its cut's first-fit search. Until ``plan_changed``,
+        the next call is on the same plan at a higher target (a round given up lowers its eta):
+        it starts from this one's look-ups, and each rank's search from its pick here, which
+        fits there too (a unit on a path longer than the higher target is on one here, and cuts
+        the same way; the makespans fall with the fraction), so its answers are those of a
+        search from scratch. After ``plan_changed`` it starts from the look-ups of the units whose grid
         index the kept round left alone, and every rank's search from scratch."""
         on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = cut_round(
             self.graph, self.tables, self.formula, plan, t_min, float(target), float(limit),
