@@ -201,17 +201,17 @@ class UnitCosts:
         near, rows = self._effective[i0]
         to = near.take(rows + idx)                   # [..., dp, m, pp] like idx
         flat_to, flat_idx = to.reshape(-1), np.broadcast_to(idx, to.shape).reshape(-1)
-        moved = np.flatnonzero(flat_to != flat_idx)
-        if moved.size:               # a raise lowered, or the same seconds, or the unit stays
+        # a raise comes down as it is (it costs no more); a cut goes up only to the same seconds
+        up = np.flatnonzero(flat_to > flat_idx)
+        if up.size:
             n = self.fwd_s.size // self.densities.size           # units: dp x m x pp
-            unit = (moved % n) * self.densities.size             # each one's row, flat
-            old, new = flat_idx.take(moved), flat_to.take(moved)
-            differ = np.zeros(moved.size, dtype=bool)
+            unit = (up % n) * self.densities.size                # each one's row, flat
+            old, new = flat_idx.take(up), flat_to.take(up)
+            differ = np.zeros(up.size, dtype=bool)
             for t in (self.fwd_s, self.bwd_s):
                 flat = t.reshape(-1)
                 differ |= flat.take(unit + new) != flat.take(unit + old)
-            differ &= new > old
-            flat_to[moved[differ]] = old[differ]
+            flat_to[up[differ]] = old[differ]
         return to
 
     def _nearest_same_blocks(self, i0: int) -> tuple:
