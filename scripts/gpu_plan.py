@@ -87,11 +87,13 @@ PLAN: Tuple[Call, ...] = (
     # step back (steps ("latency", "train"))
     Call("e2e", ("train",), 455, 440, latency_table="docs/results/latency_gpu_h200_fa4.json",
          what="pretrain() on documents of 16K+ tokens in 32K and 64K micro-batches, and whole "
-              "files: dense + SAB through cuDNN (a long document alone in its call, at padded "
-              "lengths from a bounded set: the measured baseline, re-priced beside it) and "
-              "through torch's varlen call, --sparse-balance at d0 0.5 and 0.25 at the default "
-              "--sb-attention-backend auto (fa4 where the kernel calls left it installed, else "
-              "triton), Megatron's own dense last; the H200's fa4 latency table"),
+              "files: dense + SAB through cuDNN at 32K (a long document alone in its call, at "
+              "padded lengths from a bounded set) and through torch's varlen call, re-priced at "
+              "cuDNN's kernel (the baseline), --sparse-balance at d0 0.5 and 0.25 at the "
+              "default --sb-attention-backend auto (fa4 where the kernel calls left it "
+              "installed, else triton), Megatron's own dense last; a warm-up step of the 32K "
+              "dense + SAB and d0 0.25 runs profiled (how busy the GPU is); the H200's fa4 "
+              "latency table"),
 )
 
 # CuTe DSL (nvidia-cutlass-dsl >= 4.5) keeps its ``cutlass`` package in dsl_packages, which its

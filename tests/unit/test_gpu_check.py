@@ -683,3 +683,68 @@ def test_host_and_gpu_ms_tells_the_hosts_cost_from_the_kernels():
     assert host["host_ms"] >= 4.0 and host["gpu_ms"] < 4.0 and host["held"] == 0
     synced = host_and_gpu_ms(lambda: x.add_(1).item(), reps=3, sleep_ms=10.0)
     assert synced["held"] == 3 and synced["host_ms"] >= 9.0
+
+
+def test_a_profiled_steps_trace_says_how_busy_the_gpu_was(tmp_path):
+    """``_gpu_trace.summarize_trace``: kernels summed, their union as the GPU's busy time
+    (overlapping streams once) against the span from the first to the last, the recorded
+    step's host time, the costliest kernels; a CPU trace has no kernel, a broken one says so."""
+    import gzip
+    import json
+    sys.path.insert(0, str(REPO / "scripts"))
+    from studies._gpu_trace import profile_flags, summarize_trace, trace_path
+    events = [{"ph": "X", "cat": "cpu_op", "name": "ProfilerStep#2", "ts": 0, "dur": 10_000},
+              {"ph": "X", "cat": "kernel", "name": "flash_bwd", "ts": 1_000, "dur": 3_000},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 2_000, "dur": 1_000},  # overlaps
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 6_000, "dur": 1_000},
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset", "ts": 8_000, "dur": 1_000},
+              {"ph": "i", "cat": "kernel", "name": "marker", "ts": 9_500}]           # not a span
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = summarize_trace(str(path))
+    assert got["kernels"] == 4 and got["host_step_ms"] == 10.0
+    assert got["kernel_ms"] == 6.0 and got["gpu_busy_ms"] == 5.0 and got["gpu_span_ms"] == 8.0
+    assert got["busy_fraction"] == 5.0 / 8.0
+    assert got["top"][0] == {"name": "flash_bwd", "ms": 3.0, "count": 1}
+    assert got["top"][1] == {"name": "gemm", "ms": 2.0, "count": 2}
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps({"traceEvents": events[:1]}))
+    assert summarize_trace(str(cpu)) == {"kernels": 0, "host_step_ms": 10.0}
+    assert "failed" in summarize_trace(str(tmp_path / "none.json.gz"))
+    flags = profile_flags(str(tmp_path / "run"))
+    assert flags[:2] == ["--profile", "--use-pytorch-profiler"]
+    tb = flags[flags.index("--tensorboard-dir") + 1]       # Megatron writes beside it
+    assert trace_path(str(tmp_path / "run")) == os.path.join(
+        os.path.dirname(tb), "torch_profile", "rank-0.json.gz")
+
+
+def test_the_train_step_profiles_the_32k_dense_and_sparse_runs(monkeypatch, tmp_path):
+    """The two profiled runs get Megatron's profiler flags and their trace's summary; the
+    others neither."""
+    gc = _script("gpu_check")
+    cmds = {}
+
+    def fake_run(cmd, log, left, env):
+        name = os.path.basename(log)[len("train_"):-len(".log")]
+        cmds[name] = cmd
+        if "--profile" in cmd:
+            tb = cmd[cmd.index("--tensorboard-dir") + 1]
+            out = os.path.join(os.path.dirname(tb), "torch_profile")
+            os.makedirs(out)
+            with open(os.path.join(out, "rank-0.json.gz"), "wb") as f:
+                import gzip
+                f.write(gzip.compress(b'{"traceEvents": []}'))
+        return 0, 1.0, ""
+
+    monkeypatch.setattr(gc, "_run", fake_run)
+    monkeypatch.setattr(gc, "_te_available", lambda env: False)
+    monkeypatch.setattr(gc, "long_docs_prefix", lambda out: (str(tmp_path / "long"), 70))
+    res = gc.step_train(str(tmp_path), str(tmp_path / "none.json"), 1000, {}, "auto")
+    profiled = {n for n, c in cmds.items() if "--profile" in c}
+    assert profiled == {f"{d}_{v}" for d, v in gc.TRAIN_PROFILED} == \
+        {"long_docs_dense_sab", "long_docs_sb_d0.25"}
+    assert res["runs"]["long_docs/sb_d0.25"]["gpu_profile"] == {"kernels": 0,
+                                                                "host_step_ms": None}
+    assert "gpu_profile" not in res["runs"]["long_docs/sb_d0.5"]
+    assert not any(p.startswith("profile_") for p in os.listdir(tmp_path))   # traces removed
