@@ -182,9 +182,10 @@ def rows_of(jsonl):
     return rows
 
 
-def step_bench(py, out_dir, work, limit, env, backends, smoke=False):
+def step_bench(py, out_dir, work, limit, env, backends, smoke=False, lengths=None):
     """The kernel table (or the smoke rows): rows to ``out_dir`` as measured, a deadline 10 s
-    under ``limit``; the summary from the rows that finished, even when the run was cut."""
+    under ``limit``; the summary from the rows that finished, even when the run was cut.
+    ``lengths``: the single documents' token counts (None: the table's default, 32K)."""
     name = "smoke" if smoke else "kernel"
     if not backends:
         return {"ok": False, "rows": 0, "skipped": "no sparse backend can run here"}
@@ -194,7 +195,8 @@ def step_bench(py, out_dir, work, limit, env, backends, smoke=False):
         if os.path.exists(f):
             os.remove(f)     # never stale rows
     cmd = [py, "scripts/bench_attention_gpu.py", "--jsonl", jsonl, "--json", path,
-           "--deadline-s", str(max(10, limit - 10)), "--backends", *backends]
+           "--deadline-s", str(max(10, limit - 10)), "--backends", *backends,
+           *(["--lengths", *map(str, lengths)] if lengths and not smoke else [])]
     smoke_args = ["--cases", "single", "--shapes", "8/2/128", "--densities", "0.25",
                   "--no-check", "--reps", "3"]
     rc, sec, tail = _run(cmd + (smoke_args if smoke else []),
@@ -585,11 +587,12 @@ def _te_available(env):
 
 
 def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_backends=None,
-              latency_table=None):
+              latency_table=None, bench_lengths=None):
     """The steps in the given order, each under ``min(LIMIT_S, time left)``; a step with less
     than 30 s left is skipped. Summary (``gpu_check.json``) and, with ``work`` (``--bundle``),
     ``bundle.tar.gz`` of everything else, rewritten after each step. ``latency_table``: the
-    train step's table, profiled earlier on this device kind (no ``latency`` step needed)."""
+    train step's table, profiled earlier on this device kind (no ``latency`` step needed);
+    ``bench_lengths``: the kernel table's single-document lengths."""
     results = {}
     work = work or out_dir
     env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
@@ -631,7 +634,7 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
                    "summary": summary[-1] if summary else tail[-300:]}
         elif name in ("smoke", "bench"):
             res = step_bench(py, out_dir, work, limit, env, bench_backends,
-                             smoke=name == "smoke")
+                             smoke=name == "smoke", lengths=bench_lengths)
         elif name == "autotune":
             res = step_autotune(py, work, limit, env)
         elif name == "recompile":
@@ -784,6 +787,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bench-backends", nargs="+", choices=("triton", "fa4", "flex", "flash"),
                     help="the bench step's backends, in the order they run (default: every "
                          "one that can run here)")
+    ap.add_argument("--bench-lengths", type=int, nargs="+", metavar="TOKENS",
+                    help="the bench step's single-document lengths (default: the kernel "
+                         "table's, 32K); two or more give each backend a price per call, per "
+                         "token and per tile (latency/sparse_call.py) for the simulator")
     ap.add_argument("--latency-table", metavar="JSON",
                     help="the train step's latency table, profiled earlier on this device kind "
                          "(instead of the latency step's)")
@@ -815,7 +822,8 @@ def main(argv=None) -> int:
         ap.error(f"--latency-table {args.latency_table}: no such file; expected a latency "
                  f"table JSON profiled on this device kind")
     results = run_steps(args.steps, args.out_dir, time.time() + args.budget_s,
-                        args.train_backend, work, args.bench_backends, args.latency_table)
+                        args.train_backend, work, args.bench_backends, args.latency_table,
+                        args.bench_lengths)
     doc = _write(results, args.out_dir)
     print(json.dumps({"device": doc["device"], "targets": doc["targets"],
                       "failed": [k for k, v in results.items() if not v.get("ok")]}, indent=1))

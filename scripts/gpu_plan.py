@@ -59,6 +59,7 @@ class Call:
     bench_backends: Tuple[str, ...] = ()   # gpu_check.py --bench-backends (): every one)
     complete: bool = False       # unpack --complete: every piece of a carried set must be here
     latency_table: str = ""      # gpu_check.py --latency-table (a committed table of the kind)
+    bench_lengths: Tuple[int, ...] = ()    # gpu_check.py --bench-lengths (): the table's own)
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
@@ -78,10 +79,12 @@ PLAN: Tuple[Call, ...] = (
               "first; FA4's first piece staged"),
     Call("kernel-fa4", ("bench",), 170, 155, carry=(".whl-fa4/2",),
          bench_backends=("fa4", "flash"), outputs=KERNEL_OUTPUTS, complete=True,
+         bench_lengths=(32768, 16384),
          what="FlashAttention-4 (the pieces joined): fa4 checked against float64 (5 calls "
               "each, NaNs and run-to-run differences), its backward both ways (GQA accumulated, "
-              "and per query head), then their rows and flex's flash kernel's on the same grid, "
-              "each pass's host and GPU time apart, dense re-timed beside them"),
+              "and per query head), then their rows and flex's flash kernel's on the same grid "
+              "(one document of 32K and of 16K: a price per call, token and tile for the "
+              "simulator), each pass's host and GPU time apart, dense re-timed beside them"),
     # The end-to-end call takes the latency table the H200 profiled with fa4 on 2026-11-26
     # (its latency step, 84-103 s, buys the 64K runs' time); on an H100 give it the latency
     # step back (steps ("latency", "train"))
@@ -123,6 +126,8 @@ def command(call: Call) -> str:
     backend = "" if call.train_backend == "auto" else f"--train-backend {call.train_backend} "
     bench = (f"--bench-backends {' '.join(call.bench_backends)} " if call.bench_backends
              else "")
+    if call.bench_lengths:
+        bench += f"--bench-lengths {' '.join(map(str, call.bench_lengths))} "
     if call.latency_table:
         bench += f"--latency-table {call.latency_table} "
     return (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
