@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from . import f64, jit
 from .fit import first_fit_search, highest_formula_search, unit_seconds
+from .grid import lifted
 from .graph import unit_floats_pass
 from .records import Formula, Lookup, Tables, Tries
 
@@ -78,20 +79,18 @@ def _seconds(q, i, formula):
 @jit
 def _highest(formula, tables, units, lo, hi, limit, out):
     # per element k: the highest grid index in [lo, hi] whose total is <= limit[k] (lo if
-    # none), by bisection over the formula's totals or the tables' (the rows are
-    # non-decreasing, so the answer is ``grid_search.highest_at_most``'s)
+    # none): the formula's bisection, or ``grid_search.highest_at_most``'s binary lifting on
+    # the tables' totals (``kernels.grid.lifted``; the rows are non-decreasing, so both give
+    # that answer)
     if formula.work.shape[0] > 0:
         highest_formula_search(formula, units, lo, hi, limit, out)
         return
+    step = 1
+    while step * 2 <= tables.g:                 # >= every span hi - lo + 1 (at most g)
+        step *= 2
     for k in range(units.size):
-        a, b, lim, row = lo[k], hi[k], limit[k], units[k] * tables.g
-        while a < b:
-            mid = (a + b + 1) >> 1
-            if tables.tot[row + mid] <= lim:
-                a = mid
-            else:
-                b = mid - 1
-        out[k] = a
+        row = units[k] * tables.g
+        out[k] = lifted(tables.tot, row + lo[k], row + hi[k], limit[k], step) - row
 
 
 @jit
