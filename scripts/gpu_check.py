@@ -65,12 +65,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies import _gpu_trace as gpu_trace  # noqa: E402  (pure Python: profiled runs' traces)
+from studies._train_report import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
+                                   cudnn_measured, cudnn_priced, paired_speedup, train_summary)
 STEPS = ("env", "smoke", "bench", "tests", "autotune", "recompile", "latency", "train")
-# reduced Qwen2.5-0.5B: 8 of 24 layers at its 32K tokens; heads, widths, vocabulary and RoPE as
-# the model (fewer layers give the LM head a larger share: the end-to-end ratios understate)
-SHAPE = ["--num-layers", "8", "--hidden-size", "896", "--ffn-hidden-size", "4864",
-         "--num-attention-heads", "14", "--num-query-groups", "2", "--kv-channels", "64",
-         "--seq-length", "32768"]
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
 LIMIT_S = {"env": 20, "smoke": 110, "bench": 150, "tests": 150, "autotune": 50,
            "recompile": 180, "latency": 110, "train": 430}
@@ -101,7 +98,7 @@ LONG_64K = ["--seq-length", "65536", "--max-position-embeddings", "65536"]
 # 52 s and came out at 1.01x the varlen run; the re-priced dense stands for cuDNN there)
 TRAIN_SKIP = {("files", "dense_sab_sdpa"), ("files", "sb_d0.25"), ("long_docs_64k", "dense"),
               ("long_docs_64k", "dense_sab_sdpa")}
-TRAIN_STEPS, TRAIN_WARMUP = 10, 3
+TRAIN_STEPS = 10
 # runs whose second (warm-up) step Megatron's PyTorch profiler records (``studies._gpu_trace``):
 # how busy the GPU is in a 32K step, dense and sparse (run 5: d0 0.25 ran as fast as 0.5)
 TRAIN_PROFILED = {("long_docs", "dense_sab"), ("long_docs", "sb_d0.25")}
@@ -340,43 +337,6 @@ def _train_cmd(py, impl, metrics, table, variant_flags, data_flags, backend):
             "--sb-metrics-file", metrics, *data_flags, *sparse]
 
 
-def train_summary(records):
-    """Per run, after the warm-up steps: tokens/s as all their tokens over all their seconds
-    (each step's global batch holds different documents, so one step's tokens/s swings with its
-    padding: the H200 run of 2026-11-26 read 35-101K tokens/s in one run), the median step's
-    tokens/s beside it, and each step's seconds (``step_s``, for the paired comparison of
-    ``paired_speedup``); the losses of every step; the last step's work-weighted mean density
-    and per-stage densities. Records without ``tokens``/``step_time_s`` give the median."""
-    steady = [r for r in records if r.get("step", 0) > TRAIN_WARMUP and r.get("tokens_per_s")]
-    median = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2] if steady else None
-    timed = steady and all(r.get("tokens") and r.get("step_time_s") for r in steady)
-    out = {"steps": len(records), "losses": [r.get("loss") for r in records],
-           "tokens_per_s": (sum(r["tokens"] for r in steady)
-                            / sum(r["step_time_s"] for r in steady)) if timed else median,
-           "median_step_tokens_per_s": median,
-           "step_s": {str(r["step"]): r["step_time_s"] for r in steady
-                      if r.get("step_time_s")},
-           "step_tokens": {str(r["step"]): r["tokens"] for r in steady if r.get("tokens")},
-           # causal (query block, key block) pairs of the step's documents (``dense_work``):
-           # what ``cudnn_priced`` re-prices the dense attention by
-           "step_dense_work": {str(r["step"]): sum(map(sum, r["dense_work"])) for r in steady
-                               if r.get("dense_work")},
-           "mean_density": records[-1].get("mean_density") if records else None,
-           "density_per_stage": records[-1].get("density_per_stage") if records else None}
-    # steps that paid a Triton compile (``kernel_compiles``, sparse runs): a long run amortises
-    # them, ten steps do not, so the rates without them go beside the others
-    compiled = {str(r["step"]): r.get("kernel_compile_s") for r in records
-                if r.get("kernel_compiles")}
-    if any("kernel_compiles" in r for r in records):
-        clean = [r for r in steady if str(r["step"]) not in compiled]
-        out.update(compile_steps=compiled, step_s_no_compile={
-            k: v for k, v in out["step_s"].items() if k not in compiled},
-            tokens_per_s_no_compile=(sum(r["tokens"] for r in clean)
-                                     / sum(r["step_time_s"] for r in clean))
-            if timed and clean else None)
-    return out
-
-
 def train_order(data):
     """(data set, variant) in the order the train step runs them: the dense + SAB and sparse runs
     of every data set first (the comparisons the targets count), Megatron's fixed-micro-batch
@@ -458,7 +418,6 @@ def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
     import torch
     if not torch.cuda.is_available():
         return {}
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from studies._kernel_passes import BLOCK, Case, dense_passes
     nh = int(shape[shape.index("--num-attention-heads") + 1])
     ng = int(shape[shape.index("--num-query-groups") + 1])
@@ -474,111 +433,6 @@ def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
         del case
         torch.cuda.empty_cache()
     return out
-
-
-def cudnn_priced(runs, data_name, tile_us, layers=None):
-    """Dense + SAB through the varlen call (``dense_sab``) re-priced as cuDNN's kernel would run
-    it: each steady step less ``layers x dense work x (varlen - cuDNN) us per tile`` (the tile
-    costs of the longest length measured at most the micro-batch's), then every sparse run of
-    ``data_name`` against it (``vs_cudnn_priced``: all steady steps; ``_no_compile``: without
-    the steps that compiled a Triton kernel; ``paired_vs_cudnn_priced``: the median step ratio).
-    The dense run gets ``cudnn_priced_tokens_per_s``; the measured cuDNN run
-    (``cudnn_measured``) ``vs_cudnn_priced``, its tokens/s over the priced rate: the check of
-    the one against the other (below 1 by its padding and by steps that built a cuDNN graph)."""
-    base = runs.get(f"{data_name}/dense_sab", {})
-    work, secs, toks = (base.get(k) or {} for k in ("step_dense_work", "step_s", "step_tokens"))
-    costs = [(int(n), c) for n, c in tile_us.items() if "cudnn" in c and "varlen" in c]
-    if not (work and secs and toks and costs):
-        return
-    seq = 65536 if data_name.endswith("_64k") else 32768
-    fit = [c for n, c in sorted(costs) if n <= seq] or [min(costs)[1]]
-    per_tile = (fit[-1]["varlen"] - fit[-1]["cudnn"]) / 1e6
-    layers = layers or int(SHAPE[SHAPE.index("--num-layers") + 1])
-    priced = {k: secs[k] - layers * work[k] * per_tile for k in secs if k in work and k in toks}
-    if not priced:
-        return
-    rate = sum(toks[k] for k in priced) / sum(priced.values())
-    base["cudnn_priced_tokens_per_s"] = rate
-    measured = runs.get(f"{data_name}/dense_sab_sdpa", {})
-    if measured.get("tokens_per_s"):
-        measured["vs_cudnn_priced"] = measured["tokens_per_s"] / rate
-    for variant in TRAIN_VARIANTS:
-        run = runs.get(f"{data_name}/{variant}", {})
-        if variant.startswith("dense") or not run.get("step_s"):
-            continue
-        mine = {k: v for k, v in run["step_s"].items() if k in priced}
-        clean = {k: v for k, v in (run.get("step_s_no_compile") or mine).items() if k in priced}
-        if not mine:
-            continue
-
-        def ratio(steps):
-            return (sum(run["step_tokens"][k] for k in steps) / sum(steps.values())) / rate \
-                if steps and run.get("step_tokens") else None
-
-        run.update(vs_cudnn_priced=ratio(mine), vs_cudnn_priced_no_compile=ratio(clean),
-                   paired_vs_cudnn_priced=paired_speedup({"step_s": priced}, run))
-
-
-def cudnn_measured(runs, data_name):
-    """Every sparse run of ``data_name`` against the measured dense + SAB run through cuDNN
-    (``dense_sab_sdpa``, its calls at padded lengths from a bounded set): ``vs_cudnn_dense``
-    (all steady steps), ``vs_cudnn_dense_no_compile`` (without the steps that compiled a
-    Triton kernel), ``paired_vs_cudnn_dense`` (the median step ratio). The cuDNN run gets
-    ``cudnn_graph_steps``: its steady steps over 1.25x the median of its step-for-step ratio
-    to the varlen run (the same global batch: where torch most likely built a cuDNN graph for
-    a new padded shape), and ``tokens_per_s_no_graph`` without them."""
-    base = runs.get(f"{data_name}/dense_sab_sdpa", {})
-    rate = base.get("tokens_per_s")
-    if not rate:
-        return
-    secs, toks = base.get("step_s") or {}, base.get("step_tokens") or {}
-    varlen = runs.get(f"{data_name}/dense_sab", {}).get("step_s") or {}
-    ratio = {k: secs[k] / varlen[k] for k in secs.keys() & varlen.keys() if varlen[k] > 0}
-    if ratio and toks:
-        med = sorted(ratio.values())[len(ratio) // 2]
-        base["cudnn_graph_steps"] = {k: secs[k] for k, r in ratio.items() if r > 1.25 * med}
-        kept = [k for k in secs if k not in base["cudnn_graph_steps"] and k in toks]
-        base["tokens_per_s_no_graph"] = (sum(toks[k] for k in kept)
-                                         / sum(secs[k] for k in kept)) if kept else None
-    for variant in TRAIN_VARIANTS:
-        run = runs.get(f"{data_name}/{variant}", {})
-        if variant.startswith("dense") or not run.get("tokens_per_s"):
-            continue
-        clean = run.get("tokens_per_s_no_compile")
-        run.update(vs_cudnn_dense=run["tokens_per_s"] / rate,
-                   vs_cudnn_dense_no_compile=clean / rate if clean else None,
-                   paired_vs_cudnn_dense=paired_speedup(base, run))
-
-
-def compare_with_dense(runs, data_name):
-    """Each run of ``data_name`` against plain dense (``speedup_vs_dense``) and each sparse run
-    against the fastest dense run of the data set, whichever kernel and packing it had
-    (``speedup_vs_best_dense``, ``paired_speedup_vs_best_dense``, ``best_dense``)."""
-    mine = {v: runs[f"{data_name}/{v}"] for v in TRAIN_VARIANTS if f"{data_name}/{v}" in runs}
-    dense = mine.get("dense", {}).get("tokens_per_s")
-    timed = [v for v in mine if v.startswith("dense") and mine[v].get("tokens_per_s")]
-    best = max(timed, key=lambda v: mine[v]["tokens_per_s"]) if timed else None
-    for variant, run in mine.items():
-        if dense and run.get("tokens_per_s"):
-            run["speedup_vs_dense"] = run["tokens_per_s"] / dense
-        if best and run.get("tokens_per_s") and not variant.startswith("dense"):
-            run["best_dense"] = best
-            run["speedup_vs_best_dense"] = run["tokens_per_s"] / mine[best]["tokens_per_s"]
-            run["paired_speedup_vs_best_dense"] = paired_speedup(mine[best], run)
-            if run.get("tokens_per_s_no_compile"):
-                run["speedup_vs_best_dense_no_compile"] = (run["tokens_per_s_no_compile"]
-                                                           / mine[best]["tokens_per_s"])
-                run["paired_speedup_vs_best_dense_no_compile"] = paired_speedup(
-                    mine[best], {"step_s": run["step_s_no_compile"]})
-
-
-def paired_speedup(base, run):
-    """The median over the steady steps both runs timed of base seconds / run seconds: the same
-    step number is the same global batch in every variant (one seed, one data order), so each
-    ratio compares like with like; None without common steps."""
-    a, b = base.get("step_s") or {}, run.get("step_s") or {}
-    ratios = sorted(a[k] / b[k] for k in a.keys() & b.keys() if b[k] > 0)
-    return ratios[len(ratios) // 2] if ratios else None
 
 
 def _te_available(env):
@@ -759,7 +613,6 @@ def _provenance():
     """Commit, versions and the device's name, in every call's JSON (a call without the ``env``
     step named no device before); taken once per process."""
     if not _PROVENANCE:
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))
         from studies.common import gpu_provenance
         _PROVENANCE.update(gpu_provenance())
     return _PROVENANCE
@@ -807,7 +660,6 @@ def main(argv=None) -> int:
             json.dump(step_recompile(args.child_backend), fh, indent=1)
         return 0
     if args.plan:
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))
         import gpu_plan
         return gpu_plan.main(["show"])
     os.makedirs(args.out_dir, exist_ok=True)
