@@ -398,6 +398,8 @@ def summarize(rows):
             best = min(at, key=lambda r: r["ours_ms"])
             fastest[str(d)] = best["backend"] if best["ours_ms"] < best["dense_ms"] else "dense"
         s["fastest"] = fastest
+        s["fixed_ms"] = fixed_costs([r for r in ok if r["kind"] == "kernel"
+                                     and r["shape"] == shape])
     for key, name in ((f"32k_d{d}", f"32k_d{d}<={t}x_cudnn") for d, t in TARGET_32K.items()):
         got = [s[key]["met"] for s in out.values() if key in s]
         if got:
@@ -413,6 +415,33 @@ def summarize(rows):
     if packs:
         targets[f"packed<={TARGET_PACKED}x_dense"] = max(packs) <= TARGET_PACKED
     return {"shapes": out, "targets": targets}
+
+
+def fixed_costs(kernel_rows) -> dict:
+    """{"backend variant case tokens": {"fwd": ms, "bwd": ms}}: where a least-squares line
+    through each pass's time against the kept fraction, at densities >= 0.25, crosses zero
+    kept tiles (the kernels' cost per call, whatever their tiles; run 5: 1.2-1.6 ms in FA4's
+    backward). A kernel and micro-batch need three such densities."""
+    out = {}
+    by = {}
+    for r in kernel_rows:
+        if r["density"] >= 0.25 and r.get("fwd_ms") and r.get("bwd_ms"):
+            key = f"{r['backend']} {r['variant']} {r['case']} {r['tokens']}"
+            by.setdefault(key, []).append(r)
+    for name, rows in sorted(by.items()):
+        if len({r["density"] for r in rows}) < 3:
+            continue
+        x = [r["kept_fraction"] for r in rows]
+        mx = sum(x) / len(x)
+        sxx = sum((a - mx) ** 2 for a in x)
+        fit = {}
+        for p in ("fwd", "bwd"):
+            y = [r[f"{p}_ms"] for r in rows]
+            my = sum(y) / len(y)
+            slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
+            fit[p] = my - slope * mx
+        out[name] = fit
+    return out
 
 
 def usable_backends(requested):
@@ -471,7 +500,14 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no row later than this many seconds minus a margin")
     ap.add_argument("--make-mixes", metavar="PATH", help="write the packed mixes (CPU) and exit")
+    ap.add_argument("--summarize", metavar="JSON",
+                    help="print the summary (targets, fixed costs per call) of a table this "
+                         "script wrote, and exit (CPU)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(json.dumps(summarize(json.load(f)["rows"]), indent=1))
+        return 0
     if args.make_mixes:
         make_mixes(args.make_mixes)
         return 0

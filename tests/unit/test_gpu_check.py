@@ -764,3 +764,17 @@ def test_the_fa4_kernel_call_times_two_lengths_for_the_simulators_price(monkeypa
                   lengths=[32768, 16384])
     assert cmds[0][cmds[0].index("--lengths") + 1:][:2] == ["32768", "16384"]
     assert "--lengths" not in cmds[1]
+
+
+def test_the_summary_names_each_kernels_fixed_cost_per_call():
+    """``fixed_costs``: a line through each pass's time against the kept fraction (densities
+    >= 0.25) crosses zero kept tiles at the cost per call; below three densities, none."""
+    kt = _script("bench_attention_gpu")
+    rows = [dict(kind="kernel", backend="fa4", variant="fa4", case="single", tokens=32768,
+                 density=d, kept_fraction=d + 0.01, fwd_ms=0.3 + 4.0 * (d + 0.01),
+                 bwd_ms=1.4 + 8.0 * (d + 0.01)) for d in (0.125, 0.25, 0.5, 1.0)]
+    rows[0]["bwd_ms"] = 99.0                       # below 0.25: not in the line
+    got = kt.fixed_costs(rows)
+    assert list(got) == ["fa4 fa4 single 32768"]
+    assert got["fa4 fa4 single 32768"] == {"fwd": pytest.approx(0.3), "bwd": pytest.approx(1.4)}
+    assert kt.fixed_costs(rows[:3]) == {}          # two densities >= 0.25 only
