@@ -44,10 +44,12 @@ measured on an H100: dense cuDNN, and the sparse call of the kernel ``--sb-atten
 runs, ``latency/sparse_call.py``; its micro-batch is --seq-length tokens), another model's shape
 (--model), or --table (a device latency table: its own measured kernel prices everything).
 ``--sparse-kernel``: which sparse kernel prices the analytic table (auto: flex, the only one
-timed on a GPU and auto's choice before any measurement; triton: the plugin's own kernel, an
-ESTIMATE from attention/work_model.py until a device times it); ``--kernel-table PATH``: a
-device kernel table (scripts/bench_attention_gpu.py) whose measurements replace the committed
-one and the estimate. Every row names the kernel that priced it (``attention_kernel``, the
+timed on a GPU at two lengths and auto's choice before any measurement; with
+``--microbatch-multiple`` > 0, auto chooses among the length-free kernels only, as the runtime
+does, and flex's figure stands in, labelled, until a kernel table times one; triton: the
+plugin's own kernel, an ESTIMATE from attention/work_model.py until a device times it);
+``--kernel-table PATH...``: device kernel tables (scripts/bench_attention_gpu.py) whose
+measurements replace the committed one and the estimate. Every row names the kernel that priced it (``attention_kernel``, the
 tables' ``kernel`` column; ``attention_priced_by`` in full).
 
 Net of the plugin's own cost (issue 44, default ``--plugin-cost on``): every SparseBalance row
@@ -190,9 +192,10 @@ def parse_args(argv=None):
                    help="analytic table only: the sparse kernel that prices the sparse call "
                         "(auto: what --sb-attention-backend auto runs, measured; triton: the "
                         "plugin's own kernel, an estimate until a device measures it)")
-    p.add_argument("--kernel-table", default=None,
-                   help="analytic table only: a device kernel table (scripts/"
-                        "bench_attention_gpu.py JSON) whose rows price the sparse kernels")
+    p.add_argument("--kernel-table", nargs="+", default=None, metavar="PATH",
+                   help="analytic table only: device kernel tables (scripts/"
+                        "bench_attention_gpu.py JSONs, e.g. a run's two calls) whose rows price "
+                        "the sparse kernels")
     p.add_argument("--plugin-cost", choices=("on", "off"), default="on",
                    help="on: every SparseBalance row pays the plugin's own per-step cost "
                         "(net figures beside the gross); off: gross only")
@@ -253,6 +256,10 @@ def parse_args(argv=None):
     if args.table and (args.sparse_kernel != "auto" or args.kernel_table):
         p.error("--sparse-kernel / --kernel-table: only with the analytic table (a --table is "
                 "priced by its own measured kernel)")
+    if args.sparse_kernel == "flex" and args.microbatch_multiple:
+        p.error(f"--sparse-kernel flex with --microbatch-multiple {args.microbatch_multiple}: the "
+                f"runtime refuses variable lengths with flex (a kernel compile per length); "
+                f"auto prices a length-free kernel there")
     if args.raise_headroom is not None:
         try:
             SparseBalanceConfig(raise_headroom=args.raise_headroom)
@@ -391,9 +398,11 @@ def main(argv=None):
         source = f"table {args.table} ({lm0.table.get('device')})"
     else:
         shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
-        args.price = price_named(args.sparse_kernel, kernel_rows(args.kernel_table)
-                                 if args.kernel_table else None,
-                                 microbatch_tokens=args.seq_length, density=args.densities[0])
+        rows = [r for path in args.kernel_table for r in kernel_rows(path)] \
+            if args.kernel_table else None
+        args.price = price_named(args.sparse_kernel, rows, microbatch_tokens=args.seq_length,
+                                 density=args.densities[0],
+                                 length_free=args.microbatch_multiple > 0)
         lm0 = LatencyModel.analytic(shape, pp=args.pp, sparse_price=args.price)
         source = (f"ANALYTIC {args.model} / {args.seq_length // 1024}K / H100 table (published "
                   f"throughputs for the GEMMs, not measured; dense attention measured: cuDNN on "

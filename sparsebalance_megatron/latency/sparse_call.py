@@ -40,7 +40,7 @@ Pure Python + numpy; must not import torch or megatron (``triton_estimate`` impo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -58,6 +58,16 @@ HBM_BYTES_PER_S = 3.35e12
 """H100 SXM HBM3 bandwidth (datasheet); ``analytic.DeviceProfile``'s default."""
 SINK_BLOCKS = 1
 """The sink setting of the priced rows (the studies' and the runtime's default)."""
+LENGTH_FREE_BACKENDS = ("fa4", "triton")
+"""Sparse backends whose kernels take any micro-batch length without compiling again (fa4: no
+length in FlashAttention-4's compile keys, 4.0.0b36; triton: the per-micro-batch sizes are not
+specialised on, ``sparse_triton_kernels``), so 'auto' packs variable-length micro-batches for
+them as for dense attention; in the order 'auto' prefers them before its start-up profile times
+them (fa4 first: the H200's kernel table of 2026-11-26, one 32K document, fwd+bwd against cuDNN:
+0.46x / 0.39x at density 0.25 where triton took 0.70x / 0.53x, 8/2/128 and 14/2/64). On an
+H200 the fixed length cost the sparse runs of the long-document data set 30% padding
+(``docs/results/gpu_check_h200_run1_train.json``: 45,780 real tokens of 65,536 positions per
+step on average)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,9 @@ class SparseCallPrice:
     """The call's figures include the block selection (measured end to end)."""
     tile_bwd_share: float = TILE_BWD_SHARE
     """The backward's share of a tile's fwd+bwd seconds."""
+    stands_in_for: str = ""
+    """Where this kernel's figures price another kernel's calls (the length-free kernels
+    ``auto`` runs at variable lengths, before a device times them at two lengths): its names."""
 
     def __post_init__(self):
         for name in ("call_s", "call_s_per_token", "tile_s"):
@@ -111,7 +124,9 @@ class SparseCallPrice:
     def describe(self) -> str:
         """'flex (measured: ...)' / 'triton (ESTIMATE: ...)': what prices a row."""
         kind = "measured" if self.measured else "ESTIMATE"
-        return (f"{self.backend} ({kind}: {self.call_s * 1e3:.2f} ms + "
+        stand = (f"STANDING IN for {self.stands_in_for}, the length-free kernels auto runs at "
+                 f"variable lengths, not yet timed at two lengths: " if self.stands_in_for else "")
+        return (f"{self.backend} ({stand}{kind}: {self.call_s * 1e3:.2f} ms + "
                 f"{self.call_s_per_token * 32768 * 1e3:.2f} ms per 32K tokens per call, "
                 f"{self.tile_s * 1e6:.3f} us per kept tile at {self.ref_q_heads} q heads x "
                 f"{self.ref_head_dim}, block {self.ref_block}; {self.source})")
@@ -132,16 +147,25 @@ FLEX_H100 = SparseCallPrice(
 
 
 def auto_price(rows: Optional[list] = None, *, microbatch_tokens: int = 32768,
-               density: float = 0.5) -> SparseCallPrice:
+               density: float = 0.5, length_free: bool = False) -> SparseCallPrice:
     """The price of the kernel ``auto`` runs: without a device kernel table (``rows`` None),
-    ``FLEX_H100`` (the only kernel timed on a GPU, and ``auto``'s choice where nothing was
-    measured); with ``kernel_rows(path)``, every backend's fitted price and the fastest of them
-    on one document of ``microbatch_tokens`` at ``density`` (what ``fastest_backend`` times)."""
+    ``FLEX_H100`` (the only kernel timed on a GPU at two lengths, and ``auto``'s choice where
+    nothing was measured); with ``kernel_rows(path)``, every backend's fitted price and the
+    fastest of them on one document of ``microbatch_tokens`` at ``density`` (what
+    ``fastest_backend`` times). ``length_free``: the micro-batches vary in length, so ``auto``
+    chooses among ``LENGTH_FREE_BACKENDS`` only (``crossover.auto_candidates``); without rows,
+    flex's figure then stands in for them, and its ``source`` says so."""
     if rows is None:
-        return FLEX_H100
+        if not length_free:
+            return FLEX_H100
+        return replace(FLEX_H100, stands_in_for=" or ".join(LENGTH_FREE_BACKENDS))
     prices = fit_prices(rows)
+    if length_free:
+        prices = {b: p for b, p in prices.items() if b in LENGTH_FREE_BACKENDS}
     if not prices:
-        raise ValueError("kernel table: no backend has rows at two lengths to price it from "
+        which = (f"no length-free backend ({', '.join(LENGTH_FREE_BACKENDS)}: what auto runs at "
+                 f"variable lengths)" if length_free else "no backend")
+        raise ValueError(f"kernel table: {which} has rows at two lengths to price it from "
                          f"(expected single-document rows of {REFERENCE_SHAPE}, sink {SINK_BLOCKS})")
     kept = {p.backend: attention_work([microbatch_tokens], density, p.ref_block, SINK_BLOCKS)
             for p in prices.values()}
@@ -297,7 +321,8 @@ def kernel_labels(table: dict) -> dict:
     'cudnn') and the whole description (``table_sparse_kernel``)."""
     rec = table.get("sparse_call")
     if rec is not None:
-        short = rec["backend"] + ("" if rec.get("measured") else " est.")
+        short = rec["backend"] + ("" if rec.get("measured") else " est.") + \
+            (" stand-in" if rec.get("stands_in_for") else "")
     else:
         att = table.get("attention") or {}
         short = att.get("backend", "auto")

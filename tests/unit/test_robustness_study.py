@@ -78,7 +78,9 @@ def test_robustness_mode_runs_mixes_seeds_and_a_slow_rank(tmp_path, capsys):
     (["--slow-rank", "7"], "--slow-rank '7': expected RANK:FACTOR"),
     (["--slow-rank", "7:0.5"], "factor 0.5: expected a number in [1, 100]"),
     (["--raise-headroom", "0.9"], "--raise-headroom '0.9': expected 'auto' or a number in"),
-    (["--device-memory-gib", "0"], "--device-memory-gib 0.0: expected a number of GiB > 0")])
+    (["--device-memory-gib", "0"], "--device-memory-gib 0.0: expected a number of GiB > 0"),
+    (["--sparse-kernel", "flex", "--microbatch-multiple", "128"],
+     "--sparse-kernel flex with --microbatch-multiple 128: the runtime refuses variable lengths")])
 def test_bad_flags_are_named(argv, needle, capsys):
     with pytest.raises(SystemExit):
         _script().parse_args(argv)

@@ -11,7 +11,8 @@ import pytest
 
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, analytic_table
 from sparsebalance_megatron.latency.features import FEATURES
-from sparsebalance_megatron.latency.sparse_call import (FLEX_H100, HBM_BYTES_PER_S, auto_price,
+from sparsebalance_megatron.latency.sparse_call import (FLEX_H100, HBM_BYTES_PER_S,
+                                                        LENGTH_FREE_BACKENDS, auto_price,
                                                         fit_price, kernel_labels, kernel_rows,
                                                         price_named, table_sparse_kernel,
                                                         triton_estimate)
@@ -71,6 +72,31 @@ def test_a_device_kernel_table_prices_each_backend_and_auto_takes_the_fastest(tm
     # a slow triton loses to flex: auto is flex again
     slow = {k: 10 * v + 20 for k, v in fast.items()}
     assert auto_price(_device_rows(tmp_path, slow)).backend == "flex"
+
+
+def test_at_variable_lengths_auto_prices_only_a_length_free_kernel(tmp_path):
+    """--sb-microbatch-multiple K > 0: the runtime's auto chooses among the length-free kernels
+    only (``crossover.auto_candidates``), flex compiling per length. So does the simulator: a
+    faster flex is passed over, and with no table flex's figure stands in, labelled."""
+    from sparsebalance_megatron.megatron.launch.crossover import auto_candidates
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    assert auto_candidates(SparseBalanceConfig(microbatch_multiple="128")) == \
+        LENGTH_FREE_BACKENDS
+    slow = {(t, d): 20 + 10 * (0.1 + 0.3e-3 * attention_work([t], d, 128, 1))
+            for t in (8192, 32768) for d in (1.0, 0.5, 0.25)}
+    rows = _device_rows(tmp_path, slow)
+    assert auto_price(rows).backend == "flex"                       # fixed lengths: fastest
+    assert auto_price(rows, length_free=True).backend == "triton"    # variable: length-free
+    assert price_named("auto", rows, length_free=True).backend == "triton"
+    flex_only = [r for r in rows if r["backend"] == "flex"]
+    with pytest.raises(ValueError, match=r"no length-free backend \(fa4, triton"):
+        auto_price(flex_only, length_free=True)
+    stand = auto_price(length_free=True)
+    assert stand.stands_in_for == "fa4 or triton" and not FLEX_H100.stands_in_for
+    assert (stand.call_s, stand.tile_s) == (FLEX_H100.call_s, FLEX_H100.tile_s)
+    assert stand.describe().startswith("flex (STANDING IN for fa4 or triton")
+    table = analytic_table(ModelShape(seq_length=8192), pp=2, sparse_price=stand)
+    assert kernel_labels(table)["sparse"][0] == "flex stand-in"
 
 
 def test_a_backend_with_too_few_rows_is_not_priced(tmp_path):

@@ -32,17 +32,7 @@ import math
 from typing import Optional
 
 from ...config import SparseBalanceConfig, flag_name
-
-LENGTH_FREE_BACKENDS = ("fa4", "triton")
-"""Sparse backends whose kernels take any micro-batch length without compiling again (fa4: no
-length in FlashAttention-4's compile keys, 4.0.0b36; triton: the per-micro-batch sizes are not
-specialised on, ``sparse_triton_kernels``), so 'auto' packs variable-length micro-batches for
-them as for dense attention; in the order 'auto' prefers them before its start-up profile times
-them (fa4 first: the H200's kernel table of 2026-11-26, one 32K document, fwd+bwd against cuDNN:
-0.46x / 0.39x at density 0.25 where triton took 0.70x / 0.53x, 8/2/128 and 14/2/64). On an
-H200 the fixed length cost the sparse runs of the long-document data set 30% padding
-(``docs/results/gpu_check_h200_run1_train.json``: 45,780 real tokens of 65,536 positions per
-step on average)."""
+from ...latency.sparse_call import LENGTH_FREE_BACKENDS
 
 VARIABLE_MULTIPLE = 128
 """What 'auto' rounds a variable-length micro-batch up to (before the padding and sequence-
