@@ -124,9 +124,10 @@ AUTO_CANDIDATES = ("triton", "fa4", "flex", "flash")
 
 def auto_candidates(sb: SparseBalanceConfig) -> tuple:
     """The kernels 'auto' chooses among: the length-free ones for variable-length micro-batches
-    (``lengths.LENGTH_FREE_BACKENDS``: a kernel compiled per length is no choice there), else
-    every one (``AUTO_CANDIDATES``)."""
-    from .lengths import LENGTH_FREE_BACKENDS
+    (``latency.sparse_call.LENGTH_FREE_BACKENDS``: a kernel compiled per length is no choice
+    there; the simulator's ``auto_price(length_free=True)`` chooses among the same), else every
+    one (``AUTO_CANDIDATES``)."""
+    from ...latency.sparse_call import LENGTH_FREE_BACKENDS
     return LENGTH_FREE_BACKENDS if sb.length_multiple else AUTO_CANDIDATES
 
 
