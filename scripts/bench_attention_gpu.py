@@ -414,7 +414,20 @@ def summarize(rows):
              if s.get("packed_worst_vs_dense")]
     if packs:
         targets[f"packed<={TARGET_PACKED}x_dense"] = max(packs) <= TARGET_PACKED
-    return {"shapes": out, "targets": targets}
+    return {"shapes": out, "targets": targets, "prices": call_prices(ok)}
+
+
+def call_prices(rows) -> dict:
+    """{backend: {call_ms, per_32k_tokens_ms, tile_us}}: the simulator's price of each backend's
+    whole call (``latency.sparse_call.fit_price``: per call + per token + per kept tile, fwd+bwd,
+    at the reference shape), where the table timed one document at two lengths (the kernel-fa4
+    call's 32K and 16K); what ``bench_sim_study.py --kernel-table`` will price the rows with."""
+    from sparsebalance_megatron.latency.sparse_call import fit_prices, price_rows
+
+    return {b: {"call_ms": p.call_s * 1e3, "per_32k_tokens_ms": p.call_s_per_token * 32768e3,
+                "tile_us": p.tile_s * 1e6}
+            for b, p in fit_prices(price_rows([r for r in rows if r.get("kind") == "call"]),
+                                   "kernel table").items()}
 
 
 def fixed_costs(kernel_rows) -> dict:

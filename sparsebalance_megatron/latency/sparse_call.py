@@ -193,13 +193,16 @@ def kernel_rows(path: str) -> list:
                                 density=float(r["density"]), ms=float(r["ours_ms"]),
                                 block_size=int(r.get("block_size", 128))))
         return out
-    for r in data.get("rows", []):
-        if r.get("case") == "single" and r.get("shape") == REFERENCE_SHAPE and "ours_ms" in r \
-                and r.get("routing", "none") == "none":
-            out.append(dict(backend=r["backend"], tokens=int(r["tokens"]),
-                            density=float(r["density"]), ms=float(r["ours_ms"]),
-                            block_size=int(r.get("block_size", 128))))
-    return out
+    return price_rows(data.get("rows", []))
+
+
+def price_rows(rows: list) -> list:
+    """``kernel_rows``' rows from a kernel table's own (``scripts/bench_attention_gpu.py``): one
+    document of the reference shape, no routing, the whole call timed (``ours_ms``)."""
+    return [dict(backend=r["backend"], tokens=int(r["tokens"]), density=float(r["density"]),
+                 ms=float(r["ours_ms"]), block_size=int(r.get("block_size", 128)))
+            for r in rows if r.get("case") == "single" and r.get("shape") == REFERENCE_SHAPE
+            and "ours_ms" in r and r.get("routing", "none") == "none"]
 
 
 def fit_price(rows: list, backend: str, source: str) -> SparseCallPrice:

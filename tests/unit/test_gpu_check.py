@@ -85,6 +85,25 @@ def test_summary_checks_the_issue_targets():
                             "packed<=1.02x_dense": True}
 
 
+def test_the_summary_prices_each_call_for_the_simulator_where_two_lengths_were_timed():
+    """``call_prices``: fa4 timed on one document at 16K and 32K (the kernel-fa4 call) gets the
+    simulator's price (``sparse_call.fit_price``); triton at one length gets none; other shapes
+    and packed micro-batches do not count."""
+    from sparsebalance_megatron.latency.work import attention_work
+    kt = _script("bench_attention_gpu")
+
+    def ms(t, d):          # 0.9 ms a call + 0.02 ms per 1K tokens + 0.2 us per kept tile
+        return 0.9 + 0.02 * t / 1024 + 0.2e-3 * attention_work([t], d, 128, 1)
+
+    rows = [_row("fa4", t, ms(t, d), d=d) for t in (16384, 32768) for d in (0.25, 0.5, 1.0)]
+    rows += [_row("triton", 32768, 5.0, d=d) for d in (0.25, 0.5)]
+    rows += [_row("fa4", 16384, 99.0, shape="14/2/64"), _row("fa4", 32768, 99.0, case="file#0")]
+    got = kt.summarize(rows)["prices"]
+    assert list(got) == ["fa4"]
+    assert got["fa4"] == {"call_ms": pytest.approx(0.9), "per_32k_tokens_ms": pytest.approx(0.64),
+                          "tile_us": pytest.approx(0.2)}
+
+
 def test_shape_argument_is_checked():
     kt = _script("bench_attention_gpu")
     assert kt.parse_shape("14/2/64") == (14, 2, 64)
