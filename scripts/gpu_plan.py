@@ -73,10 +73,12 @@ PLAN: Tuple[Call, ...] = (
     # latency step's table skips). The H100 run 3: latency 103 s, pretrain() runs 33-64 s
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
+         bench_lengths=(32768, 16384),
          what="versions, imports, signatures; the kernel table (bench_attention_gpu.py) pass by "
               "pass against cuDNN, each pass's host and GPU time apart: triton (pinned one-pass "
               "and every split backward) first, then flex; each kernel checked against float64 "
-              "first; FA4's first piece staged"),
+              "first; one document of 32K and of 16K (triton's price for the simulator, the "
+              "other length-free kernel auto runs); FA4's first piece staged"),
     Call("kernel-fa4", ("bench",), 170, 155, carry=(".whl-fa4/2",),
          bench_backends=("fa4", "flash"), outputs=KERNEL_OUTPUTS, complete=True,
          bench_lengths=(32768, 16384),

@@ -769,12 +769,14 @@ def test_the_train_step_profiles_the_32k_dense_and_sparse_runs(monkeypatch, tmp_
     assert not any(p.startswith("profile_") for p in os.listdir(tmp_path))   # traces removed
 
 
-def test_the_fa4_kernel_call_times_two_lengths_for_the_simulators_price(monkeypatch, tmp_path):
-    """The plan's kernel-fa4 call asks for single documents of 32K and 16K (``fit_price`` needs
-    rows at two lengths); gpu_check hands them to the kernel table, the smoke rows keep theirs."""
+def test_the_kernel_calls_time_two_lengths_for_the_simulators_price(monkeypatch, tmp_path):
+    """Both kernel calls ask for single documents of 32K and 16K (``fit_price`` needs rows at
+    two lengths: fa4's and triton's prices, the length-free kernels ``auto`` runs at variable
+    lengths); gpu_check hands them to the kernel table, the smoke rows keep theirs."""
     gc, plan = _script("gpu_check"), _script("gpu_plan")
-    call = next(c for c in plan.PLAN if c.name == "kernel-fa4")
-    assert "--bench-lengths 32768 16384 " in plan.command(call)
+    for name in ("kernel", "kernel-fa4"):
+        call = next(c for c in plan.PLAN if c.name == name)
+        assert "--bench-lengths 32768 16384 " in plan.command(call)
     cmds = []
     monkeypatch.setattr(gc, "_run", lambda cmd, log, limit, env: (cmds.append(cmd), (0, 1, ""))[1])
     monkeypatch.setattr(gc, "rows_of", lambda path: [])
