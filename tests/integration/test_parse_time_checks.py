@@ -186,11 +186,9 @@ def test_megatrons_packer_alone_is_left_alone(monkeypatch):
 def test_the_gpt_entry_names_a_mistake_before_megatrons_arguments(tmp_path):
     """examples/pretrain_gpt_sparsebalance.py as a process: the hybrid pattern is named in one
     line, with nothing of Megatron's validation (its arguments, padded vocabulary) before it."""
-    from tests.conftest import ENTRY
+    from tests.conftest import run_entry      # one rank, forked: megatron-core imported once
 
-    proc = subprocess.run([sys.executable, str(ENTRY), *MODEL, "--hybrid-layer-pattern", "*-*-"],
-                          cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_entry(1, [*MODEL, "--hybrid-layer-pattern", "*-*-"], cwd=tmp_path, check=False)
     assert proc.returncode != 0
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("error: cannot launch:")]
     assert len(lines) == 1 and "--hybrid-layer-pattern '*-*-' with a GPT model" in lines[0], \

@@ -89,13 +89,14 @@ def test_bad_flags_are_named(argv, needle, capsys):
 
 def test_do_no_harm_holds_where_dp_balanced_is_the_best_static_at_the_gpus_lengths(tmp_path):
     """Issue 64: short documents where Megatron's ``dp_balanced`` (its micro-batches hold their
-    documents only, interleaved as Megatron packs them under VPP) is the best static configuration
-    at fixed length, and ``sab_dst``, whose micro-batches are filled to --seq-length there, loses
-    to it. At the lengths ``--sb-microbatch-multiple auto`` packs on a GPU where fa4 or triton
-    serves the model (variable, multiples of 128) the fill is gone from every run and SAB + DST
-    is at least the best static configuration, ``dp_balanced`` included, net of its own cost."""
+    documents only) is the best static configuration, and at fixed length ``sab_dst``, whose
+    micro-batches are filled to --seq-length there, loses to it. At the lengths
+    ``--sb-microbatch-multiple auto`` packs on a GPU where fa4 or triton serves the model
+    (variable, multiples of 128) the fill is gone from every run and SAB + DST is at least the
+    best static configuration, ``dp_balanced`` (still the best static here), net of its own
+    cost. One stage split (vp 1): 2 s; Megatron's VPP rule has its own tests."""
     argv = ["--mixes", "lognormal_short", "--seeds", "1", "--ranks", "2", "--densities", "0.5",
-            "--steps", "1", "--pp", "2", "--vp", "1", "2", "--microbatches", "4",
+            "--steps", "1", "--pp", "2", "--vp", "1", "--microbatches", "2",
             "--seq-length", "8192", "--total-tokens", "300000"]
     got = {}
     for multiple in (0, 128):
@@ -108,4 +109,4 @@ def test_do_no_harm_holds_where_dp_balanced_is_the_best_static_at_the_gpus_lengt
     rows = variable["rows"]
     assert rows["sab_dst"]["speedup_vs_static_net"] >= 1.0
     assert rows["sab_dst"]["step_time_net_s"] <= rows["dp_balanced"]["step_time_s"]
-    assert rows["dp_balanced"]["microbatches_per_rank"] == 4    # run, not refused
+    assert rows["dp_balanced"]["microbatches_per_rank"] == 2    # run, not refused
