@@ -400,6 +400,7 @@ def summarize(rows):
         s["fastest"] = fastest
         s["fixed_ms"] = fixed_costs([r for r in ok if r["kind"] == "kernel"
                                      and r["shape"] == shape])
+        s["backward"] = backward_choice(kern)
     for key, name in ((f"32k_d{d}", f"32k_d{d}<={t}x_cudnn") for d, t in TARGET_32K.items()):
         got = [s[key]["met"] for s in out.values() if key in s]
         if got:
@@ -415,6 +416,25 @@ def summarize(rows):
     if packs:
         targets[f"packed<={TARGET_PACKED}x_dense"] = max(packs) <= TARGET_PACKED
     return {"shapes": out, "targets": targets, "prices": call_prices(ok)}
+
+
+def backward_choice(kernel_rows) -> dict:
+    """{backend: {"bwd_ms": {variant: {density: ms}}, "fastest_everywhere": variant or None}}
+    for each backend timed in more than one form on the same document: which backward is the
+    faster at every density (triton: a split backward to pin, ``triton_launch.PINNED``; fa4:
+    ``fa4_cute.BWD_PER_HEAD``'s two forms). None where none wins at every density."""
+    out = {}
+    for b in sorted({r["backend"] for r in kernel_rows}):
+        ms = {}
+        for r in (r for r in kernel_rows if r["backend"] == b and r.get("bwd_ms")):
+            ms.setdefault(r["variant"], {})[r["density"]] = r["bwd_ms"]
+        if len(ms) < 2:
+            continue
+        densities = set.intersection(*(set(v) for v in ms.values()))
+        win = [v for v in ms if densities and all(
+            ms[v][d] <= min(m[d] for m in ms.values()) for d in densities)]
+        out[b] = {"bwd_ms": ms, "fastest_everywhere": win[0] if win else None}
+    return out
 
 
 def call_prices(rows) -> dict:

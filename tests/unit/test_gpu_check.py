@@ -85,6 +85,28 @@ def test_summary_checks_the_issue_targets():
                             "packed<=1.02x_dense": True}
 
 
+def test_the_summary_names_the_backward_that_is_faster_at_every_density():
+    """``backward_choice``: fa4's two backward forms (``BWD_PER_HEAD``) on the 32K document; the
+    per-head form wins at every density here, so the summary names it; where each form wins
+    somewhere, none; a backend timed in one form is not listed."""
+    kt = _script("bench_attention_gpu")
+
+    def k(variant, d, bwd, backend="fa4"):
+        return dict(kind="kernel", case="single", shape="8/2/128", tokens=32768, backend=backend,
+                    variant=variant, density=d, e_fwd=1.0, e_bwd=1.0, bwd_ms=bwd, fwd_ms=1.0,
+                    kept_fraction=d)
+
+    rows = [k("fa4", d, 1.5 + 8 * d) for d in (0.25, 0.5, 1.0)]
+    rows += [k("bwd per head", d, 0.4 + 8.2 * d) for d in (0.25, 0.5, 1.0)]
+    rows += [k("pinned", 0.25, 3.0, backend="triton")]
+    got = kt.summarize(rows)["shapes"]["8/2/128"]["backward"]
+    assert list(got) == ["fa4"] and got["fa4"]["fastest_everywhere"] == "bwd per head"
+    assert got["fa4"]["bwd_ms"]["fa4"][0.5] == pytest.approx(5.5)
+    rows[-2]["bwd_ms"] = 20.0                       # per head loses at d 1: no form wins everywhere
+    assert kt.summarize(rows)["shapes"]["8/2/128"]["backward"]["fa4"]["fastest_everywhere"] \
+        is None
+
+
 def test_the_summary_prices_each_call_for_the_simulator_where_two_lengths_were_timed():
     """``call_prices``: fa4 timed on one document at 16K and 32K (the kernel-fa4 call) gets the
     simulator's price (``sparse_call.fit_price``); triton at one length gets none; other shapes
