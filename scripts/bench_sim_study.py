@@ -49,8 +49,8 @@ timed on a GPU at two lengths and auto's choice before any measurement; with
 does, and flex's figure stands in, labelled, until a kernel table times one; triton: the
 plugin's own kernel, an ESTIMATE from attention/work_model.py until a device times it);
 ``--kernel-table PATH...``: device kernel tables (scripts/bench_attention_gpu.py) whose
-measurements replace the committed one and the estimate. Every row names the kernel that priced it (``attention_kernel``, the
-tables' ``kernel`` column; ``attention_priced_by`` in full).
+measurements replace the committed one and the estimate. Every row names the kernel that priced
+it (``attention_kernel``, the tables' ``kernel`` column; ``attention_priced_by`` in full).
 
 Net of the plugin's own cost (issue 44, default ``--plugin-cost on``): every SparseBalance row
 pays its per-step critical-path cost (``experiments/plugin_cost.py``: planning as ``--planner``

@@ -154,7 +154,7 @@ def auto_price(rows: Optional[list] = None, *, microbatch_tokens: int = 32768,
     fastest of them on one document of ``microbatch_tokens`` at ``density`` (what
     ``fastest_backend`` times). ``length_free``: the micro-batches vary in length, so ``auto``
     chooses among ``LENGTH_FREE_BACKENDS`` only (``crossover.auto_candidates``); without rows,
-    flex's figure then stands in for them, and its ``source`` says so."""
+    flex's figure then stands in for them, and its ``stands_in_for`` says so."""
     if rows is None:
         if not length_free:
             return FLEX_H100
