@@ -309,7 +309,10 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
             "sab": ("sab", plain), "dst": ("dst", plain),
             "sab_dst": ("sab_dst", best_sb.layout),
             "sab_dst_max": ("sab_dst_max", plain),
-            "sab_dst_acc": ("sab_dst_acc", best_acc.layout)}
+            "sab_dst_acc": ("sab_dst_acc", best_acc.layout),
+            # the decomposition's steps, on sab_dst's own layout (gain_parts)
+            "static_on_sab_dst_layout": (best_static.variant, best_sb.layout),
+            "sab_on_sab_dst_layout": ("sab", best_sb.layout)}
     rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_static")
     # net, the best dense run is the fastest dense packing after its own cost (dense_sab pays
     # the plugin's; the others nothing), which can differ from the fastest gross
@@ -321,10 +324,11 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
         if "step_time_net_s" in r:
             r["speedup_vs_dense_net"] = net_of[best_dense_net] / r["step_time_net_s"]
     layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
+    gain = gain_parts(rows)
     extra = {} if not slow else {"slow_rank": {s.describe(): same_layout_slow_rank(
         lm, lengths, cfg, dp, best_static.layout, [s]) for s in slow}}
     lb = found["static_lower_bound_s"]
-    return {"rows": rows, "layouts": layouts, **extra,
+    return {"rows": rows, "layouts": layouts, **extra, "gain_parts": gain,
             "best_static_packing": best_static.variant, "best_dense_packing": best_dense.variant,
             "best_dense_net": {"run": best_dense_net, "step_time_net_s": net_of[best_dense_net]},
             "stand_down": cfg.stand_down, "dense_stand_down": cfg.dense_stand_down,
@@ -342,6 +346,21 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
             "search_s": search_s,
             "static_top5": [c.as_dict() for c in found["static"][:5]],
             "sparsebalance_top5": [c.as_dict() for c in found["sparsebalance"][:5]]}
+
+
+def gain_parts(rows: dict) -> dict:
+    """Which part of ``sab_dst``'s net speedup over the best static configuration is the layout,
+    the packing, DST and the plugin's own cost: the best static configuration, then its packing
+    on ``sab_dst``'s layout (``layout``), SAB's packing there at the static density
+    (``packing``), DST's plans on it (``dst``: ``sab_dst`` gross) and what the plugin costs a
+    step (``plugin_cost``, <= 1). Ratios of step times; their product is the net speedup."""
+    t = {k: rows[k]["step_time_s"] for k in ("best_static", "static_on_sab_dst_layout",
+                                             "sab_on_sab_dst_layout", "sab_dst")}
+    net = rows["sab_dst"].get("step_time_net_s", t["sab_dst"])
+    return {"layout": t["best_static"] / t["static_on_sab_dst_layout"],
+            "packing": t["static_on_sab_dst_layout"] / t["sab_on_sab_dst_layout"],
+            "dst": t["sab_on_sab_dst_layout"] / t["sab_dst"],
+            "plugin_cost": t["sab_dst"] / net, "net": t["best_static"] / net}
 
 
 def packers_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps,
@@ -540,6 +559,10 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
             st = " ".join(f"{x:.2f}" for x in r["rows"]["sab_dst"]["density_per_stage"])
             ib = r["idle_bound"]
             gap = r["static_gap_vs_bound"]
+            g = r["gain_parts"]
+            print(f"{dp:>6} sab_dst vs best static, net {g['net']:.3f}x = layout "
+                  f"{g['layout']:.3f} x packing {g['packing']:.3f} x DST {g['dst']:.3f} x "
+                  f"the plugin's cost {g['plugin_cost']:.4f}")
             print(f"{dp:>6} layouts: {lay}; best static packing "
                   f"{r['best_static']['variant']}; sab_dst per stage {st}; "
                   f"search {r['search_s']:.1f} s; static lower bound "

@@ -110,3 +110,8 @@ def test_do_no_harm_holds_where_dp_balanced_is_the_best_static_at_the_gpus_lengt
     assert rows["sab_dst"]["speedup_vs_static_net"] >= 1.0
     assert rows["sab_dst"]["step_time_net_s"] <= rows["dp_balanced"]["step_time_s"]
     assert rows["dp_balanced"]["microbatches_per_rank"] == 2    # run, not refused
+    # which part of the gain is layout, packing, DST and the plugin's cost: a product of ratios
+    g = variable["gain_parts"]
+    assert g["layout"] * g["packing"] * g["dst"] * g["plugin_cost"] == pytest.approx(g["net"])
+    assert g["net"] == pytest.approx(rows["sab_dst"]["speedup_vs_static_net"])
+    assert g["plugin_cost"] <= 1.0 and g["packing"] > 1.0       # SAB's packing is the gain here
