@@ -87,7 +87,8 @@ def test_a_server_whose_parent_is_gone_ends_itself(tmp_path):
             "s = Server(); s.start(); print(s.proc.pid, flush=True)\n"
             "import os; os._exit(0)\n") % str(REPO)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                               SB_FORKED_RANKS_LIGHT="1"))
     pid = int(out.stdout.split()[0])
     end = time.monotonic() + 30
     while time.monotonic() < end:
