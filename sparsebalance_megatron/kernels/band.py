@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from . import f64, i64, jit
 from .graph import floats_rows, simulate_rows
-from .grid import lifted, moves_row, water_fill_pass
+from .grid import lift_step, lifted, moves_row, water_fill_pass
 from .records import Fill, Graph, Tables, fill_exps
 
 
@@ -104,12 +104,7 @@ def _lift_step(cur, rows, water, bound):
                     w = bound - cur[r, s, q] + 1
                     if w > span:
                         span = w
-    step = 0
-    if span > 0:
-        step = 1
-        while step * 2 <= span:
-            step *= 2
-    return step
+    return lift_step(span)
 
 
 @jit

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from . import f64, jit
 from .fit import first_fit_search, highest_formula_search, unit_seconds
-from .grid import lifted
+from .grid import lift_step, lifted
 from .graph import unit_floats_pass
 from .records import Formula, Lookup, Tables, Tries
 
@@ -85,9 +85,7 @@ def _highest(formula, tables, units, lo, hi, limit, out):
     if formula.work.shape[0] > 0:
         highest_formula_search(formula, units, lo, hi, limit, out)
         return
-    step = 1
-    while step * 2 <= tables.g:                 # >= every span hi - lo + 1 (at most g)
-        step *= 2
+    step = lift_step(tables.g)                  # >= every span hi - lo + 1 (at most g)
     for k in range(units.size):
         row = units[k] * tables.g
         out[k] = lifted(tables.tot, row + lo[k], row + hi[k], limit[k], step) - row

@@ -19,6 +19,18 @@ from .fit import unit_seconds
 
 
 @jit
+def lift_step(span):
+    # the binary lifting's first step for spans of at most ``span`` entries: the largest power
+    # of two <= span (0 for none; ``policy.grid_search._lift_step``'s, compiled)
+    step = 0
+    if span > 0:
+        step = 1
+        while step * 2 <= span:
+            step *= 2
+    return step
+
+
+@jit
 def lifted(flat, first, last, lim, step):
     # highest_at_most's binary lifting of one element: steps of step, step / 2, ... 1 from
     # first - 1, each kept where the entry at the probe (clamped to last) is <= lim; then
