@@ -49,6 +49,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -462,18 +463,10 @@ def fixed_costs(kernel_rows) -> dict:
             key = f"{r['backend']} {r['variant']} {r['case']} {r['tokens']}"
             by.setdefault(key, []).append(r)
     for name, rows in sorted(by.items()):
-        if len({r["density"] for r in rows}) < 3:
-            continue
-        x = [r["kept_fraction"] for r in rows]
-        mx = sum(x) / len(x)
-        sxx = sum((a - mx) ** 2 for a in x)
-        fit = {}
-        for p in ("fwd", "bwd"):
-            y = [r[f"{p}_ms"] for r in rows]
-            my = sum(y) / len(y)
-            slope = sum((a - mx) * (b - my) for a, b in zip(x, y)) / sxx
-            fit[p] = my - slope * mx
-        out[name] = fit
+        if len({r["density"] for r in rows}) >= 3:
+            x = [r["kept_fraction"] for r in rows]
+            out[name] = {p: float(np.polyfit(x, [r[f"{p}_ms"] for r in rows], 1)[1])
+                         for p in ("fwd", "bwd")}
     return out
 
 
