@@ -58,6 +58,18 @@ def pytest_report_header(config):
                f"(SB_MEGATRON_CORE_020)"
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (registered in ``sys.modules``: dataclasses look their
+    module up there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / f"scripts/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def stdlib_texts(n: int, max_chars: int = 6000) -> list[str]:
     """Real text with varied lengths: the first ``n`` CPython stdlib modules, in sorted order."""
     root = Path(sysconfig.get_paths()["stdlib"])
