@@ -266,6 +266,18 @@ def parse_args(argv=None):
         except ConfigError:
             p.error(f"--raise-headroom {args.raise_headroom!r}: expected 'auto' or a number in "
                     f"[0, {MAX_RAISE_HEADROOM}]")
+    if args.quick:
+        args.ranks, args.densities, args.mixes, args.steps = [8], [0.5], ["file"], 1
+    args.price = None
+    if not args.table:      # the analytic table's sparse price, from the kernel tables if given
+        try:
+            rows = [r for path in args.kernel_table for r in kernel_rows(path)] \
+                if args.kernel_table else None
+            args.price = price_named(args.sparse_kernel, rows, microbatch_tokens=args.seq_length,
+                                     density=args.densities[0],
+                                     length_free=args.microbatch_multiple > 0)
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--kernel-table {' '.join(args.kernel_table or [])}: {e}")
     return args
 
 
@@ -410,18 +422,11 @@ def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.quick:
-        args.ranks, args.densities, args.mixes, args.steps = [8], [0.5], ["file"], 1
     if args.table:
         lm0 = LatencyModel.load(args.table, force=args.table_force)
         source = f"table {args.table} ({lm0.table.get('device')})"
     else:
         shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
-        rows = [r for path in args.kernel_table for r in kernel_rows(path)] \
-            if args.kernel_table else None
-        args.price = price_named(args.sparse_kernel, rows, microbatch_tokens=args.seq_length,
-                                 density=args.densities[0],
-                                 length_free=args.microbatch_multiple > 0)
         lm0 = LatencyModel.analytic(shape, pp=args.pp, sparse_price=args.price)
         source = (f"ANALYTIC {args.model} / {args.seq_length // 1024}K / H100 table (published "
                   f"throughputs for the GEMMs, not measured; dense attention measured: cuDNN on "

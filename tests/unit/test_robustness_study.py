@@ -2,24 +2,17 @@
 comparison on one layout, the summary (every row, worst, median, rows meeting the target) and the
 JSON's provenance. A small analytic model, one step: seconds, deterministic."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from sparsebalance_megatron.experiments.robustness import (MEDIAN_TARGET, ROW_TARGET,
                                                            format_summary, summarize)
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO, load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_sim_study",
-                                                  REPO / "scripts/bench_sim_study.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_sim_study")
 
 
 def _row(speedup):
@@ -80,7 +73,11 @@ def test_robustness_mode_runs_mixes_seeds_and_a_slow_rank(tmp_path, capsys):
     (["--raise-headroom", "0.9"], "--raise-headroom '0.9': expected 'auto' or a number in"),
     (["--device-memory-gib", "0"], "--device-memory-gib 0.0: expected a number of GiB > 0"),
     (["--sparse-kernel", "flex", "--microbatch-multiple", "128"],
-     "--sparse-kernel flex with --microbatch-multiple 128: the runtime refuses variable lengths")])
+     "--sparse-kernel flex with --microbatch-multiple 128: the runtime refuses variable lengths"),
+    (["--kernel-table", "no/such.json"], "--kernel-table no/such.json: [Errno 2]"),
+    (["--microbatch-multiple", "128", "--kernel-table",
+      str(REPO / "docs/results/kernel_table_h200_run5_fa4_flash.json")],
+     "no length-free backend (fa4, triton: what auto runs at variable lengths) has rows at two")])
 def test_bad_flags_are_named(argv, needle, capsys):
     with pytest.raises(SystemExit):
         _script().parse_args(argv)

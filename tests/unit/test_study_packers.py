@@ -90,14 +90,11 @@ def test_dp_balanced_pays_no_fill_unless_every_run_varies(lm, lengths):
 def test_packers_only_mode_runs_the_dense_rows_of_the_full_study(tmp_path):
     """``bench_sim_study.py --packers-only``: the full study's dense rows exactly (the same
     layout searches, so the same candidates), without its other runs, and the packer table."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "scripts/bench_sim_study.py"
-    spec = importlib.util.spec_from_file_location("bench_sim_study", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from tests.conftest import load_script
+
+    script = load_script("bench_sim_study")
     argv = ["--mixes", "long_tail", "--seeds", "0", "--ranks", "2", "--densities", "0.5",
             "--steps", "1", "--pp", "2", "--vp", "1", "--microbatches", "2", "--seq-length",
             "8192", "--total-tokens", "200000"]
