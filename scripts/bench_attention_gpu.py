@@ -530,6 +530,9 @@ def main(argv=None) -> int:
                     help="print the summary (targets, fixed costs per call) of a table this "
                          "script wrote, and exit (CPU)")
     args = ap.parse_args(argv)
+    bad = [n for n in args.lengths if n < 128]
+    if bad:
+        ap.error(f"--lengths {bad[0]}: expected token counts >= 128 (one attention block)")
     if args.summarize:
         with open(args.summarize) as f:
             print(json.dumps(summarize(json.load(f)["rows"]), indent=1))

@@ -662,6 +662,9 @@ def main(argv=None) -> int:
     if args.plan:
         import gpu_plan
         return gpu_plan.main(["show"])
+    bad = [n for n in args.bench_lengths or () if n < 128]
+    if bad:
+        ap.error(f"--bench-lengths {bad[0]}: expected token counts >= 128 (one attention block)")
     os.makedirs(args.out_dir, exist_ok=True)
     work = None
     if args.bundle:

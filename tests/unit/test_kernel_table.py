@@ -311,3 +311,14 @@ def test_gpu_check_reads_the_rows_of_a_cut_run(tmp_path):
     p.write_text(json.dumps(_row("triton", 32768, 3)) + "\n" + '{"case": "sing')
     assert [r["ours_ms"] for r in gc.rows_of(str(p))] == [3]
     assert gc.rows_of(str(tmp_path / "none.jsonl")) == []
+
+
+@pytest.mark.parametrize("script, argv, needle", [
+    ("bench_attention_gpu", ["--lengths", "32768", "64"], "--lengths 64: expected token counts"),
+    ("gpu_check", ["--bench-lengths", "0"], "--bench-lengths 0: expected token counts >= 128")])
+def test_a_length_under_one_block_is_named_before_any_work(script, argv, needle, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        _script(script).main([*argv, *(["--out-dir", str(tmp_path / "o")]
+                                       if script == "gpu_check" else [])])
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
