@@ -5,9 +5,14 @@ into a megatron-core dist_checkpointing checkpoint, and check logits parity on t
     python scripts/convert_hf_to_megatron.py --hf-dir path/to/hf_model --save ckpt/x
     python scripts/convert_hf_to_megatron.py --split parts/ [--part-mb 45]  # GGUF -> parts
     python scripts/convert_hf_to_megatron.py --join parts/ --gguf out.gguf  # parts -> GGUF
+    python scripts/convert_hf_to_megatron.py --pack packed/ [--num-layers 2]  # GGUF -> packed
+    python scripts/convert_hf_to_megatron.py --packed packed/ --save ckpt/x  # there: torch only
 
 The GGUF (98 MB) can be split into parts with a sha256 manifest, for machines with a transfer
-limit, and rebuilt there with --join (verified against the manifest).
+limit, and rebuilt there with --join (verified against the manifest). ``--pack`` stores the
+GGUF's tensors as they are (``gguf_weights``: 92 MiB, no tokenizer) for a machine without
+transformers or gguf; ``--packed`` converts them there with torch alone (no parity check: no
+Hugging Face model exists there; the tests compare the packed weights with transformers' here).
 """
 
 from __future__ import annotations
@@ -99,6 +104,12 @@ def main(argv=None) -> int:
     ap.add_argument("--part-mb", type=float, default=45.0)
     ap.add_argument("--join", default=None, metavar="DIR",
                     help="rebuild the GGUF from DIR's parts into --gguf")
+    ap.add_argument("--pack", default=None, metavar="DIR",
+                    help="store the GGUF's tensors in DIR (gguf_weights.pack_gguf)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="with --pack: keep the first N layers (a cut-down model)")
+    ap.add_argument("--packed", default=None, metavar="DIR",
+                    help="convert --pack's DIR (torch alone: no transformers, no gguf)")
     args = ap.parse_args(argv)
 
     from sparsebalance_megatron.megatron.model import hf_convert
@@ -114,14 +125,29 @@ def main(argv=None) -> int:
         names = split_file(src, args.split, args.part_mb)
         print(f"split {src} into {len(names)} parts in {args.split}")
         return 0
+    if args.pack:
+        from sparsebalance_megatron.megatron.model import gguf_weights
+        doc = gguf_weights.pack_gguf(args.gguf or hf_convert.smollm2_gguf_path(), args.pack,
+                                     args.num_layers)
+        print(f"packed {len(doc['tensors'])} tensors into {args.pack}")
+        return 0
     if not args.save:
-        ap.error("nothing to do: give --save DIR (or --split / --join)")
+        ap.error("nothing to do: give --save DIR (or --split / --join / --pack)")
 
     from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
     from sparsebalance_megatron.megatron.launch.profile import init_single_process
     activate_cpu_shims()
     init_single_process()
     t0 = time.perf_counter()
+    if args.packed:
+        from sparsebalance_megatron.megatron.model import gguf_weights
+        hf_sd, arch = gguf_weights.load_packed(args.packed)
+        mg = hf_convert.build_gpt_model(arch)
+        hf_convert.load_converted_weights(mg, hf_convert.convert_hf_state_dict(hf_sd, arch))
+        print(f"converted the packed weights in {time.perf_counter() - t0:.1f} s: {arch}")
+        hf_convert.save_checkpoint(mg, arch, args.save)
+        print("saved", args.save)
+        return 0
     if args.hf_dir:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32).eval()

@@ -1,9 +1,10 @@
 """The adapter's ``model`` room: what Megatron builds with the plugin: layer and hybrid stack specs,
 the sparse and dense core attentions, the budget context they read (``budget``), context parallel
-attention, the loss, the check that the built model runs our attention, Hugging Face conversion.
+attention, the loss, the check that the built model runs our attention, Hugging Face conversion
+(and a GGUF's tensors packed for a machine without the GGUF reader: ``gguf_weights``).
 
 Modules: ``attention_check``, ``budget``, ``context_parallel``, ``core_attention``,
-``dense_attention``, ``hf_convert``, ``hybrid``, ``loss``, ``spec``. May import: ``errors``,
+``dense_attention``, ``gguf_weights``, ``hf_convert``, ``hybrid``, ``loss``, ``spec``. May import: ``errors``,
 ``runtime`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2).
 Its public pieces, the names code outside the room imports, are exported lazily: importing the room
 imports none of its modules, so a light entry point stays light.
