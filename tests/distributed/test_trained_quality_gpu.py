@@ -1,0 +1,59 @@
+"""The trained-quality study's GPU form (``scripts/bench.py trained_quality_gpu``) on the CPU, at
+its cheapest: a bundle of a 2-layer cut of SmolLM2 prepared here (how the device plan carries a
+bundle in pieces: ``test_gpu_check.py``), and the study run from it: the packed weights
+converted to a release checkpoint,
+one arm (``--sparse-balance``) continued for a step by two ranks over gloo with
+``--local-rank 0`` (what shares one GPU there), evaluated at density 1 and d0, the JSON complete.
+The other arms' flags are the CPU study's (its quick form trains all four). What the numbers say
+is not checked."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import REPO, script_launch_env
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+
+def test_gpu_form_runs_from_the_carried_bundle(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from studies import trained_quality as tq
+    from studies import trained_quality_gpu as tqg
+    bundle = tmp_path / "bundle"
+    assert tqg.main(["--prepare", str(bundle), "--num-layers", "2", "--seq-length", "384",
+                     "--min-doc", "128", "--train-docs", "12", "--eval-lengths", "256",
+                     "--depths", "0.2", "0.8", "--eval-samples", "1", "--tasks",
+                     "needle_single", "variable_tracking", "--block-size", "32"]) == 0
+    made = json.loads((bundle / "bundle.json").read_text())
+    assert made["architecture"]["num_layers"] == 2 and made["heldout"] == 4
+    for k, v in script_launch_env().items():     # the study's ranks: the suite's forked ones
+        monkeypatch.setenv(k, v)
+        monkeypatch.setitem(tq.ENV, k, v)
+    out = tmp_path / "q.json"
+    assert tqg.main(["--bundle", str(bundle), "--out", str(tmp_path / "runs"), "--device", "cpu",
+                     "--steps", "1", "--global-batch-size", "2", "--arms", "sparse_balance",
+                     "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    for key in ("command", "commit", "versions", "config", "bundle", "runs", "paired",
+                "densities", "train_wall_s", "eval_wall_s", "wall_s"):
+        assert key in doc, key
+    assert doc["dp"] == 2 and "dp2_error" not in doc and doc["left_out"] == []
+    assert doc["timing_source"] == "model" and doc["evaluated"] == ["sparse_balance"]
+    run = doc["runs"]["sparse_balance"]["1"]
+    assert run["train"]["steps"] == 1 and run["primary"] == "0.25"
+    assert 0 < run["train"]["doc_kept_density"] <= 1
+    assert set(run["eval"]) == {"1", "0.25"}
+    for ev in run["eval"].values():
+        assert all(math.isfinite(ev[k]) for k in ("heldout_loss", "accuracy",
+                                                    "token_accuracy", "eval_kept_density"))
+        assert set(ev["accuracy_by_task_length"]) == {"needle_single@256",
+                                                      "variable_tracking@256"}
+        assert set(ev["accuracy_by_depth"]) == {"0.2", "0.8"}
+    # dense attention keeps every causal block; d0 keeps fewer
+    assert run["eval"]["0.25"]["eval_kept_density"] < run["eval"]["1"]["eval_kept_density"]
