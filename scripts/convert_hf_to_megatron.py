@@ -26,15 +26,9 @@ import time
 
 import torch
 
+from sparsebalance_megatron.megatron.model.gguf_weights import sha256_file
+
 MANIFEST = "manifest.json"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def split_file(path: str, out_dir: str, part_mb: float) -> list[str]:
@@ -57,7 +51,7 @@ def split_file(path: str, out_dir: str, part_mb: float) -> list[str]:
                           "sha256": hashlib.sha256(data).hexdigest()})
             i += 1
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
-        json.dump({"file": os.path.basename(path), "sha256": _sha256(path), "parts": parts},
+        json.dump({"file": os.path.basename(path), "sha256": sha256_file(path), "parts": parts},
                   f, indent=1)
     return [p["name"] for p in parts]
 
@@ -77,7 +71,7 @@ def join_parts(parts_dir: str, out_path: str) -> str:
             if hashlib.sha256(data).hexdigest() != p["sha256"]:
                 raise ValueError(f"part {p['name']!r} is corrupt: sha256 differs from manifest")
             out.write(data)
-    if _sha256(tmp) != man["sha256"]:
+    if sha256_file(tmp) != man["sha256"]:
         os.remove(tmp)
         raise ValueError(f"joined file sha256 differs from manifest {man['sha256']}")
     os.replace(tmp, out_path)

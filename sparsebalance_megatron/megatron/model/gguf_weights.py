@@ -64,7 +64,8 @@ def expected_nbytes(name: str, kind: str, shape) -> int:
     return math.prod(shape) // per_block * block_bytes
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+    """A file's sha256, hex (read in 4 MiB chunks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -154,7 +155,7 @@ def pack_gguf(gguf_path: str, out_dir: str, num_layers: Optional[int] = None) ->
             f.write(b"\0" * (off - f.tell()))
             f.write(data.tobytes())
     record = {"format": FORMAT, "architecture": arch.to_dict(),
-              "source": {"file": os.path.basename(gguf_path), "sha256": _sha256(gguf_path)},
+              "source": {"file": os.path.basename(gguf_path), "sha256": sha256_file(gguf_path)},
               "tensors": entries}
     with open(os.path.join(out_dir, JSON_FILE), "w") as f:
         json.dump(record, f, indent=1)
