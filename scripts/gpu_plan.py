@@ -425,6 +425,9 @@ def main(argv=None) -> int:
                   f"$OUT/{c.name}/{{{', '.join(c.outputs)}}}\n   {command(c)}")
         print(f"total {sum(c.timeout_s for c in plan)} s; problems: "
               f"{plan_problems(plan) or 'none'}")
+        others = [n for n in PLANS if n != name]
+        print(f"other plans: {', '.join(others)} (python scripts/gpu_plan.py show NAME; "
+              f"docs/GPU.md); quality replaces e2e in a session that runs issue 62's study")
         return 1 if plan_problems(plan) else 0
     if verb == "pack-quality":
         src = argv[0] if argv else os.path.join(QUALITY, "bundle")

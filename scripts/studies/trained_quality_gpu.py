@@ -28,10 +28,12 @@ decoding would emit), and the held-out loss is the mean next-token loss over the
 
 The sparse arms: block ``--block-size`` (128, what fa4 and triton run), every document sparse at
 its planned density whatever its length (``--sb-dense-below-tokens 0``, as in the CPU study, in
-training and evaluation alike), the default ``--sb-attention-backend auto`` in training (fa4
-where the kernel calls left it installed, else triton). The evaluation runs triton on the GPU
-(any length without a compile per length; auto, with no measurement in that process, would pick
-flex, which compiles per shape), torch on the CPU. The JSON is written after each evaluated arm,
+training and evaluation alike), the plugin's triton kernel on the GPU in training and evaluation
+(torch on the CPU): it takes any micro-batch length, so SAB's arms pack variable-length
+micro-batches (``--sb-microbatch-multiple auto``), and it runs on every device the plan may get
+(``auto`` would choose from a measured table; the bundle's is analytic, and with no measurement
+it picks flex, which compiles a kernel per shape). The dense arm runs cuDNN SDPA
+(``--sb-dense-kernel sdpa``). The JSON is written after each evaluated arm,
 so a call cut at its limit keeps what it finished.
 
 What a device session's six minutes buy: one seed, ``--steps`` 20 of ``--global-batch-size`` 4 x
@@ -174,9 +176,8 @@ def train_cmd(args, arch: dict, arm: str, dp: int, bundle: str, init: str, run_d
         flags += ["--sb-density", args.density, "--sb-block-size", args.block_size,
                   "--sb-dense-below-tokens", "0", "--sb-timing-source", "model",
                   "--sb-latency-table", os.path.join(bundle, "latency.json"),
-                  "--sb-latency-table-force"]
-        if not cuda:
-            flags += ["--sb-attention-backend", "torch"]
+                  "--sb-latency-table-force",
+                  "--sb-attention-backend", "triton" if cuda else "torch"]
     return [*torchrun(dp), "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
 
 

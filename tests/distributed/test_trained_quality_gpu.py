@@ -57,3 +57,32 @@ def test_gpu_form_runs_from_the_carried_bundle(tmp_path, monkeypatch):
         assert set(ev["accuracy_by_depth"]) == {"0.2", "0.8"}
     # dense attention keeps every causal block; d0 keeps fewer
     assert run["eval"]["0.25"]["eval_kept_density"] < run["eval"]["1"]["eval_kept_density"]
+
+
+def test_gpu_flags_of_each_arm(monkeypatch):
+    """On the GPU: bf16, the sparse arms on triton at any length with modelled timings, the
+    dense arm through cuDNN, two ranks on one device over gloo (DP 1: NCCL)."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from studies import trained_quality_gpu as tqg
+    args = tqg.parse_args(["--prepare", "x"])
+    arch = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 192,
+            "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16,
+            "rotary_base": 1e4, "layernorm_epsilon": 1e-5, "tie_embeddings": True}
+
+    def flags(arm, dp):
+        cmd = tqg.train_cmd(args, arch, arm, dp, "B", "I", "R")
+        return dict(zip(cmd, cmd[1:])), cmd
+    for arm in ("dense", "static", "sparse_balance", "dst_density"):
+        f, cmd = flags(arm, 2)
+        assert f["--distributed-backend"] == "gloo" and f["--local-rank"] == "0", arm
+        assert "--bf16" in cmd and f["--sb-dense-kernel"] == "sdpa", arm
+        assert "--untie-embeddings-and-output-weights" not in cmd
+        if arm == "dense":
+            assert "--sb-density" not in f and "--sb-attention-backend" not in f
+        else:
+            assert f["--sb-attention-backend"] == "triton" and f["--sb-density"] == "0.25"
+            assert f["--sb-timing-source"] == "model" and f["--sb-dense-below-tokens"] == "0"
+            assert f["--sb-block-size"] == "128"
+    assert flags("static", 1)[0]["--distributed-backend"] == "nccl"
+    assert "--sparse-balance" in flags("sparse_balance", 2)[1]
+    assert flags("dst_density", 2)[0]["--sb-dst-objective"] == "density"
