@@ -21,7 +21,7 @@ pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
 
-def test_gpu_form_runs_from_the_carried_bundle(tmp_path, monkeypatch):
+def test_gpu_form_runs_on_cpu_from_a_prepared_bundle(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     from studies import trained_quality as tq
     from studies import trained_quality_gpu as tqg
