@@ -124,14 +124,57 @@ def prepare(args) -> dict:
     from sparsebalance_megatron.megatron import profile_cli   # --analytic: no megatron import
     profile_cli.main(["--out", os.path.join(out, "latency.json"), "--no-progress", "--analytic",
                       *map(str, profile_flags(arch, args))])
+    probe = dst_probe(out, args, [len(d) for d in train], arch["num_layers"])
     doc = {"gguf": os.path.basename(gguf), "architecture": arch, "train_docs": len(train),
-           "train_tokens": n_tok, "heldout": len(held),
+           "train_tokens": n_tok, "heldout": len(held), "dst_probe": probe,
            "config": {k: v for k, v in vars(args).items() if k not in ("json", "bundle")}}
     with open(os.path.join(out, "bundle.json"), "w") as f:
         json.dump(doc, f, indent=1)
     print(f"bundle {out}: {len(train)} training documents ({n_tok} tokens), {len(held)} "
-          f"held-out samples, {arch['num_layers']} layers")
+          f"held-out samples, {arch['num_layers']} layers; DST on its first steps: {probe}")
     return doc
+
+
+def dst_probe(bundle: str, args, lengths: list, layers: int, steps: int = 20) -> dict:
+    """What DST would do with the bundle's documents before a device sees them: the documents
+    in order, packed sequentially into ``--seq-length`` micro-batches (static's packing; SAB
+    packs otherwise), 2 ranks x 2 micro-batches a step, each step planned from the bundle's
+    table with modelled, uncalibrated timings and uniform sensitivity (the quality objective's
+    start). Steps with a cut, with a raise, the planned densities' range and the predicted step
+    time over static's: a probe
+    that finds nothing to move says the DST arms would train as static does."""
+    import numpy as np
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency.model import LatencyModel
+    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
+    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+
+    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                             block_size=args.block_size, dense_below_tokens="0")
+    lm = LatencyModel.load(os.path.join(bundle, "latency.json"), force=True)
+    lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
+    grid = density_grid(sb.density, sb.min_density, sb.max_density)
+    units, cur = [], []
+    for n in lengths:
+        if cur and sum(cur) + n > args.seq_length:
+            units.append(cur + [args.seq_length - sum(cur)] * (sum(cur) < args.seq_length))
+            cur = []
+        cur.append(n)
+    cut = raised = 0
+    ratio, dens = [], []
+    for k in range(min(steps, len(units) // 4)):
+        lens = [np.asarray(u, dtype=np.int64) for u in units[4 * k:4 * k + 4]]
+        costs = UnitCosts.from_latency(lm, lens, 2, 2, grid, calibrated=False)
+        plan = plan_dst_from_config(sb, costs, np.ones((2, 2)), lm.p2p_s, raise_headroom=0.0,
+                                    stage_layers=[layers])
+        cut += plan.report.units_cut > 0
+        raised += plan.report.units_raised > 0
+        ratio.append(plan.report.step_time_planned_s / plan.report.step_time_static_s)
+        dens += np.asarray(plan.densities, dtype=float).ravel().tolist()
+    return {"steps": len(ratio), "steps_cut": cut, "steps_raised": raised,
+            "density_range": [round(min(dens, default=0), 4), round(max(dens, default=0), 4)],
+            "predicted_step_vs_static": round(sum(ratio) / max(1, len(ratio)), 4)}
 
 
 def profile_flags(arch: dict, args) -> list:

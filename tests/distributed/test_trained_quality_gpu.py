@@ -32,6 +32,9 @@ def test_gpu_form_runs_on_cpu_from_a_prepared_bundle(tmp_path, monkeypatch):
                      "needle_single", "variable_tracking", "--block-size", "32"]) == 0
     made = json.loads((bundle / "bundle.json").read_text())
     assert made["architecture"]["num_layers"] == 2 and made["heldout"] == 4
+    probe = made["dst_probe"]                   # DST on the bundle's steps, before any device
+    assert probe["steps"] >= 1 and 0 <= probe["steps_cut"] <= probe["steps"]
+    assert 0 < probe["predicted_step_vs_static"] <= 1.0
     for k, v in script_launch_env().items():     # the study's ranks: the suite's forked ones
         monkeypatch.setenv(k, v)
         monkeypatch.setitem(tq.ENV, k, v)
