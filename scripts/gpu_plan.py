@@ -296,8 +296,8 @@ def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
     """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside,
     which xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70
     MiB) cut into pieces: the fewest equal ones of at most ``piece_bytes``, or, given a list of
-    sizes, consecutive pieces of those sizes (the last holding the rest; the room each call of
-    a plan has). ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of its
+    sizes (the room each call of a plan has), one piece per size, each in proportion to it, so
+    that every call of the plan carries its piece. ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of its
     piece and of the whole archive (``all.tar.xz``), checked on the machine before anything is
     unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
     buf = io.BytesIO()
@@ -316,15 +316,12 @@ def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
         n = max(1, -(-len(data) // piece_bytes))
         sizes = [-(-len(data) // n)] * n
     else:
-        sizes, left = [], len(data)
-        for room in piece_bytes:
-            if left <= 0:
-                break
-            sizes.append(min(room, left))
-            left -= sizes[-1]
-        if left > 0:
+        room = sum(piece_bytes)
+        if len(data) > room:
             raise ValueError(f"{src}: {len(data) / MIB:.1f} MiB compressed, more than the "
-                             f"{sum(piece_bytes) / MIB:.1f} MiB the pieces can hold")
+                             f"{room / MIB:.1f} MiB the pieces can hold")
+        ends = [len(data) * sum(piece_bytes[:i + 1]) // room for i in range(len(piece_bytes))]
+        sizes = [b - a for a, b in zip([0] + ends, ends)]
     n, at, folders = len(sizes), 0, []
     for i, size in enumerate(sizes):
         folder = os.path.join(dest, str(i + 1))

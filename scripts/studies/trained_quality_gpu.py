@@ -77,8 +77,8 @@ ANSWER_ROOM = 64        # tokens a sample's answer and end-of-text may take beyo
 
 def _write_indexed(prefix: str, docs: list, vocab_size: int) -> int:
     """Megatron indexed data set of ``docs`` (token id lists), plus one 16-token document of
-    id ``vocab_size - 1`` (the trainer reads ids as they are; it pins the vocabulary at the
-    model's rows, as ``quality_comparison`` does). Returns the tokens written."""
+    id ``vocab_size - 1`` (the trainer reads ids as they are and sizes the vocabulary by the
+    largest: this pins it at the model's rows). Returns the tokens written."""
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

@@ -148,6 +148,7 @@ def test_the_quality_plan_fits_the_machine_and_keeps_the_kernel_calls():
         assert gp.command(c).replace(f" {c.carry[-1]} ||", " ||") == gp.command(kernels_call)
     pieces = [p for c in plan for p in c.carry if p.startswith(gp.QUALITY + "/")]
     assert pieces == [f"{gp.QUALITY}/{i}" for i in range(1, 6)]
+    assert len(gp.quality_rooms(20 * gp.MIB)) == len(pieces)     # pack-quality: one piece each
     study = plan[-1]
     cmd = gp.command(study)
     # the last piece must complete the bundle (a bare machine stops here, exit 3)
@@ -173,17 +174,20 @@ def test_pieces_of_given_sizes_carry_a_folder_tree(tmp_path, monkeypatch):
         (src / name).write_bytes(data)
     with pytest.raises(ValueError, match="more than the"):
         gp.pack(str(src), str(tmp_path / "small"), [10000, 10000])
-    folders = gp.pack(str(src), str(tmp_path / ".set"), [8000, 30000, 30000, 30000])
+    rooms = [8000, 30000, 30000, 30000]
+    folders = gp.pack(str(src), str(tmp_path / ".set"), rooms)
     sizes = [sum(p.stat().st_size for p in Path(f).glob("piece.*")) for f in folders]
-    assert len(folders) == 3 and sizes[:2] == [8000, 30000] and 0 < sizes[2] <= 30000
+    # a piece for every call, each within its room and in proportion to it
+    assert len(folders) == 4 and all(0 < s <= r for s, r in zip(sizes, rooms))
+    assert abs(sizes[1] / sizes[0] - 30000 / 8000) < 0.01 and sizes[1] == sizes[2]
     monkeypatch.setattr(gp.subprocess, "run", lambda *a, **k: None)
     stage = tmp_path / "stage"
     said = gp.unpack(folders[:1], stage=str(stage))
     assert "staged; waiting" in said and (stage / ".set" / "piece.00").exists()
-    gp.unpack(folders[1:2], stage=str(stage), complete=[])    # another set's --complete
+    gp.unpack(folders[1:3], stage=str(stage), complete=[])    # another set's --complete
     with pytest.raises(ValueError, match="the other pieces are not in"):
-        gp.unpack(folders[2:], stage=str(tmp_path / "bare"), complete=[folders[2]])
-    said = gp.unpack(folders[2:], stage=str(stage), complete=[folders[2]])
+        gp.unpack(folders[3:], stage=str(tmp_path / "bare"), complete=[folders[3]])
+    said = gp.unpack(folders[3:], stage=str(stage), complete=[folders[3]])
     out = stage / ".set" / "files"
     assert "unpacked into" in said
     assert {n: (out / n).read_bytes() for n in files} == files
