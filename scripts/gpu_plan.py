@@ -124,8 +124,8 @@ QUALITY_PLAN: Tuple[Call, ...] = (
     Call("quality", (), 380, 260, carry=(f"{QUALITY}/5", ".whl"), complete=True,
          run=QUALITY_RUN, outputs=("trained_quality_gpu.json", "logs.tar.gz"),
          what="the trained-quality study (scripts/studies/trained_quality_gpu.py): SmolLM2-135M "
-              "continued at 16K, dense, static d0 0.25, --sparse-balance and DST (density "
-              "objective), DP 2 on the one GPU over gloo, then every checkpoint scored on the "
+              "continued at 16K, static d0 0.25, --sparse-balance, dense and DST (density "
+              "objective) in that order, DP 2 on the one GPU over gloo, then every checkpoint scored on the "
               "held-out RULER-style samples; no arm starts that would end after 260 s"),
 )
 PLANS = {"kernels": PLAN, "quality": QUALITY_PLAN}

@@ -12,7 +12,8 @@ most 64 MiB a call (docs/GPU.md):
   data set), the held-out samples as token ids, and an analytic latency table of the model's
   shape. ``scripts/gpu_plan.py`` packs it into pieces for the plan's calls.
 - ``--bundle BUNDLE`` (there) converts the weights to a release checkpoint
-  (``convert_hf_to_megatron.py --packed``), trains the arms from it in order, each a torchrun
+  (``convert_hf_to_megatron.py --packed``), trains the arms from it in order (``ARM_ORDER``:
+  static and --sparse-balance first, the pair the targets compare), each a torchrun
   job of ``--dp`` ranks, evaluates every trained checkpoint at density 1 and at d0, and writes
   one JSON. No arm starts once ``--budget-s`` would be passed by a run as long as the longest
   so far; the JSON says which were left.
@@ -71,6 +72,9 @@ from .common import parser, torchrun, write_result
 ROOT = tq.ROOT
 TASKS = ("needle_single", "needle_multikey", "variable_tracking")
 ANSWER_ROOM = 64        # tokens a sample's answer and end-of-text may take beyond its prompt
+# the arms in the order they train: where the budget leaves the last out, the pair the targets
+# compare (--sparse-balance against static) and then dense have run
+ARM_ORDER = ("static", "sparse_balance", "dense", "dst_density")
 
 
 # ---- here: the bundle ----------------------------------------------------------------------------
@@ -368,7 +372,8 @@ def parse_args(argv=None):
     g.add_argument("--eval-samples", type=int, default=4, help="per task, length and depth")
     g.add_argument("--data-seed", type=int, default=0)
     r = ap.add_argument_group("the runs (--bundle)")
-    r.add_argument("--arms", nargs="+", choices=list(tq.ARMS), default=list(tq.ARMS))
+    r.add_argument("--arms", nargs="+", choices=list(tq.ARMS), default=list(ARM_ORDER),
+                   help="in this order (the budget may leave the last out)")
     r.add_argument("--dp", type=int, choices=(1, 2), default=2,
                    help="ranks of each run (2: both on the one GPU, over gloo)")
     r.add_argument("--steps", type=int, default=20)

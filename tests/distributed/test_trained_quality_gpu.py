@@ -68,6 +68,8 @@ def test_gpu_flags_of_each_arm(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     from studies import trained_quality_gpu as tqg
     args = tqg.parse_args(["--prepare", "x"])
+    # the pair the targets compare trains first: the budget may leave the last arm out
+    assert args.arms == ["static", "sparse_balance", "dense", "dst_density"]
     arch = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 192,
             "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16,
             "rotary_base": 1e4, "layernorm_epsilon": 1e-5, "tie_embeddings": True}
