@@ -217,8 +217,10 @@ def train_cmd(args, arch: dict, arm: str, dp: int, bundle: str, init: str, run_d
         *tq.ARMS[arm]]
     if not arch["tie_embeddings"]:
         flags.append("--untie-embeddings-and-output-weights")
-    if cuda:
-        flags += ["--bf16", "--sb-dense-kernel", "sdpa"]
+    if cuda:     # no transformer-engine or apex there: the local layers, as gpu_check's runs
+        flags += ["--bf16", "--sb-dense-kernel", "sdpa", "--transformer-impl", "local",
+                  "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+                  "--no-rope-fusion"]
     if arm != "dense":
         flags += ["--sb-density", args.density, "--sb-block-size", args.block_size,
                   "--sb-dense-below-tokens", "0", "--sb-timing-source", "model",

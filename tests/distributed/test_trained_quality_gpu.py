@@ -81,6 +81,7 @@ def test_gpu_flags_of_each_arm(monkeypatch):
         f, cmd = flags(arm, 2)
         assert f["--distributed-backend"] == "gloo" and f["--local-rank"] == "0", arm
         assert "--bf16" in cmd and f["--sb-dense-kernel"] == "sdpa", arm
+        assert f["--transformer-impl"] == "local" and "--no-rope-fusion" in cmd, arm
         assert "--untie-embeddings-and-output-weights" not in cmd
         if arm == "dense":
             assert "--sb-density" not in f and "--sb-attention-backend" not in f
@@ -91,3 +92,38 @@ def test_gpu_flags_of_each_arm(monkeypatch):
     assert flags("static", 1)[0]["--distributed-backend"] == "nccl"
     assert "--sparse-balance" in flags("sparse_balance", 2)[1]
     assert flags("dst_density", 2)[0]["--sb-dst-objective"] == "density"
+
+
+def test_gpu_flags_pass_the_entrys_launch_checks_on_a_cuda_machine(tmp_path, monkeypatch):
+    """Each arm's GPU command line, parsed by the entry's parser (Megatron's and the plugin's
+    flags) as on the device (CUDA, no transformer-engine, no apex): no launch check refuses it,
+    at parse time or after (``check_launch``). Without ``--transformer-impl local`` and the
+    fusions off, the device would stop every arm at launch."""
+    import shutil
+
+    import torch
+    from megatron.training.arguments import parse_args
+
+    from sparsebalance_megatron.arguments import config_from_args
+    from sparsebalance_megatron.megatron import hooks
+    from sparsebalance_megatron.megatron.launch.checks import check_launch
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from studies import trained_quality_gpu as tqg
+    bundle, run_dir = tmp_path / "bundle", tmp_path / "run"
+    bundle.mkdir()
+    run_dir.mkdir()
+    shutil.copy(REPO / "docs/results/latency_gpu_h200_fa4.json", bundle / "latency.json")
+    args = tqg.parse_args(["--prepare", "x"])
+    arch = {"num_layers": 30, "hidden_size": 576, "ffn_hidden_size": 1536,
+            "num_attention_heads": 9, "num_query_groups": 3, "kv_channels": 64,
+            "rotary_base": 1e5, "layernorm_epsilon": 1e-5, "tie_embeddings": True}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for arm in tqg.ARM_ORDER:
+        cmd = tqg.train_cmd(args, arch, arm, 2, str(bundle), str(tmp_path / "init"),
+                            str(run_dir))
+        flags = cmd[cmd.index("examples/pretrain_gpt_sparsebalance.py") + 1:]
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt_sparsebalance.py", *flags])
+        parsed = parse_args(extra_args_provider=hooks.extra_args_provider(packed_data=True,
+                                                                          model="gpt"))
+        assert parsed.transformer_impl == "local" and not parsed.apply_rope_fusion, arm
+        check_launch(parsed, config_from_args(parsed), plugin_data=True)
