@@ -141,41 +141,42 @@ def prepare(args) -> dict:
 
 def dst_probe(bundle: str, args, lengths: list, layers: int, steps: int = 20) -> dict:
     """What DST would do with the bundle's documents before a device sees them: the documents
-    in order, packed sequentially into ``--seq-length`` micro-batches (static's packing; SAB
-    packs otherwise), 2 ranks x 2 micro-batches a step, each step planned from the bundle's
-    table with modelled, uncalibrated timings and uniform sensitivity (the quality objective's
-    start). Steps with a cut, with a raise, the planned densities' range and the predicted step
-    time over static's: a probe
-    that finds nothing to move says the DST arms would train as static does."""
+    in order, each step's 2 ranks x 2 micro-batches packed as Megatron does
+    (``batching.packing.sequential_plan``: static's packing; SAB packs otherwise) and planned by
+    the runtime's own ``step.choice.choose`` from the bundle's table (modelled, uncalibrated
+    timings; no sensitivity tracker yet). Steps with a cut, with a raise, the planned densities'
+    range and the predicted step time over static's: a probe that finds nothing to move says
+    the DST arms would train as static does."""
     import numpy as np
 
+    from sparsebalance_megatron.batching.packing import sequential_plan
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.latency.model import LatencyModel
-    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
-    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+    from sparsebalance_megatron.megatron.step.choice import choose
 
-    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
-                             block_size=args.block_size, dense_below_tokens="0")
+    sb = SparseBalanceConfig(sparse_balance=True, density=args.density,
+                             block_size=args.block_size, dense_below_tokens="0",
+                             raise_headroom="0")
     lm = LatencyModel.load(os.path.join(bundle, "latency.json"), force=True)
     lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
-    grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    units, cur = [], []
+    bins, cur = [], []            # Megatron's fill rule: a new bin when the next one does not fit
     for n in lengths:
         if cur and sum(cur) + n > args.seq_length:
-            units.append(cur + [args.seq_length - sum(cur)] * (sum(cur) < args.seq_length))
+            bins.append(cur)
             cur = []
         cur.append(n)
     cut = raised = 0
     ratio, dens = [], []
-    for k in range(min(steps, len(units) // 4)):
-        lens = [np.asarray(u, dtype=np.int64) for u in units[4 * k:4 * k + 4]]
-        costs = UnitCosts.from_latency(lm, lens, 2, 2, grid, calibrated=False)
-        plan = plan_dst_from_config(sb, costs, np.ones((2, 2)), lm.p2p_s, raise_headroom=0.0,
-                                    stage_layers=[layers])
-        cut += plan.report.units_cut > 0
-        raised += plan.report.units_raised > 0
-        ratio.append(plan.report.step_time_planned_s / plan.report.step_time_static_s)
-        dens += np.asarray(plan.densities, dtype=float).ravel().tolist()
+    for k in range(min(steps, len(bins) // 4)):
+        batch = sequential_plan(np.asarray(sum(bins[4 * k:4 * k + 4], []), dtype=np.int64),
+                                dp=2, num_microbatches=2, max_tokens=args.seq_length)
+        densities, report, _ = choose(sb, lm, [(batch, lm.unit_features(
+            batch.flat_lengths(with_padding=True)))], 2, dst=True, raise_headroom=0.0,
+            stage_layers=[layers])
+        cut += report["units_cut"] > 0
+        raised += report["units_raised"] > 0
+        ratio.append(report["step_time_planned_s"] / report["step_time_static_s"])
+        dens += np.asarray(densities, dtype=float).ravel().tolist()
     return {"steps": len(ratio), "steps_cut": cut, "steps_raised": raised,
             "density_range": [round(min(dens, default=0), 4), round(max(dens, default=0), 4)],
             "predicted_step_vs_static": round(sum(ratio) / max(1, len(ratio)), 4)}
