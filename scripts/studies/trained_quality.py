@@ -416,6 +416,35 @@ def score_docs(model, budget, docs: list) -> list:
     return rows
 
 
+def score_densities(model, budget, sb, docs: list, densities, depths, group=None) -> dict:
+    """Per density (the budget's and ``sb``'s default, set in turn): held-out LM loss, answer
+    accuracy (exact and per token) overall and by ``depths`` (each doc's ``depth``), and kept
+    density; ``group``: a key of the docs whose values get their own accuracy
+    (``accuracy_by_<group>``). The GPU form scores with it too."""
+    out = {}
+    for d in densities:
+        sb.density = budget.default_density = d
+        rows = score_docs(model, budget, docs)
+        by_depth = {}
+        for depth in depths:
+            rs = [r for r, doc in zip(rows, docs) if doc["depth"] == depth]
+            by_depth[f"{depth:g}"] = {"accuracy": sum(r["exact"] for r in rs) / len(rs),
+                                      "token_accuracy": sum(r["token_accuracy"] for r in rs)
+                                      / len(rs), "n": len(rs)}
+        out[f"{d:g}"] = {"heldout_loss": sum(r["nll"] for r in rows)
+                         / sum(r["tokens"] for r in rows),
+                         "accuracy": sum(r["exact"] for r in rows) / len(rows),
+                         "token_accuracy": sum(r["token_accuracy"] for r in rows) / len(rows),
+                         "accuracy_by_depth": by_depth,
+                         "eval_kept_density": sum(r["kept"] for r in rows) / len(rows)}
+        if group is not None:
+            rs = {}
+            for r, doc in zip(rows, docs):
+                rs.setdefault(doc[group], []).append(r["exact"])
+            out[f"{d:g}"][f"accuracy_by_{group}"] = {g: sum(x) / len(x) for g, x in rs.items()}
+    return out
+
+
 def evaluate(args, ckpt: str, held: list, densities) -> dict:
     """Held-out LM loss, answer accuracy by depth and kept density, per density."""
     from sparsebalance_megatron.config import SparseBalanceConfig
@@ -426,24 +455,8 @@ def evaluate(args, ckpt: str, held: list, densities) -> dict:
     model = load_model(args, ckpt, sb)
     budget = model.decoder.layers[0].self_attention.core_attention.budget
     docs = [{"ids": list(d["text"].encode("ascii")), "answer_at": d["answer_at"],
-             "answer_len": KEY_LEN} for d in held]
-    out = {}
-    for d in densities:
-        sb.density = budget.default_density = d
-        rows = score_docs(model, budget, docs)
-        by_depth = {}
-        for depth in args.depths:
-            rs = [r for r, doc in zip(rows, held) if doc["target_depth"] == depth]
-            by_depth[f"{depth:g}"] = {"accuracy": sum(r["exact"] for r in rs) / len(rs),
-                                      "token_accuracy": sum(r["token_accuracy"] for r in rs)
-                                      / len(rs), "n": len(rs)}
-        out[f"{d:g}"] = {"heldout_loss": sum(r["nll"] for r in rows)
-                         / sum(r["tokens"] for r in rows),
-                         "accuracy": sum(r["exact"] for r in rows) / len(rows),
-                         "token_accuracy": sum(r["token_accuracy"] for r in rows) / len(rows),
-                         "accuracy_by_depth": by_depth,
-                         "eval_kept_density": sum(r["kept"] for r in rows) / len(rows)}
-    return out
+             "answer_len": KEY_LEN, "depth": d["target_depth"]} for d in held]
+    return score_densities(model, budget, sb, docs, densities, args.depths)
 
 
 # ---- summary -------------------------------------------------------------------------------------

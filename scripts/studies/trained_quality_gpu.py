@@ -233,7 +233,7 @@ def train_cmd(args, arch: dict, arm: str, dp: int, bundle: str, init: str, run_d
 
 def evaluate(args, arch, ckpt: str, held: list) -> dict:
     """Held-out loss, answer accuracy by task, length and depth, kept density, at density 1
-    and at d0 (``trained_quality.score_docs``, the CPU study's scoring)."""
+    and at d0 (``trained_quality.score_densities``, the CPU study's scoring)."""
     import torch
 
     from sparsebalance_megatron.config import SparseBalanceConfig
@@ -246,34 +246,13 @@ def evaluate(args, arch, ckpt: str, held: list) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = model.to(args.device, dtype).requires_grad_(False)
     budget = model.decoder.layers[0].self_attention.core_attention.budget
-    out = {}
-    for d in (1.0, args.density):
-        sb.density = budget.default_density = d
-        rows = tq.score_docs(model, budget, held)
-        by_depth = {}
-        for depth in args.depths:
-            rs = [r for r, h in zip(rows, held) if h["depth"] == depth]
-            by_depth[f"{depth:g}"] = {"accuracy": _mean(r["exact"] for r in rs),
-                                      "token_accuracy": _mean(r["token_accuracy"] for r in rs),
-                                      "n": len(rs)}
-        by_task = {f"{t}@{n}": _mean(r["exact"] for r, h in zip(rows, held)
-                                     if h["task"] == t and h["length"] == n)
-                   for t in args.tasks for n in args.eval_lengths}
-        out[f"{d:g}"] = {"heldout_loss": sum(r["nll"] for r in rows) / sum(r["tokens"]
-                                                                            for r in rows),
-                         "accuracy": _mean(r["exact"] for r in rows),
-                         "token_accuracy": _mean(r["token_accuracy"] for r in rows),
-                         "accuracy_by_depth": by_depth, "accuracy_by_task_length": by_task,
-                         "eval_kept_density": _mean(r["kept"] for r in rows)}
+    docs = [dict(h, task_length=f"{h['task']}@{h['length']}") for h in held]
+    out = tq.score_densities(model, budget, sb, docs, (1.0, args.density), args.depths,
+                             group="task_length")
     del model
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return out
-
-
-def _mean(xs) -> float:
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def study(args) -> dict:
