@@ -41,6 +41,7 @@ def test_gpu_form_runs_on_cpu_from_a_prepared_bundle(tmp_path, monkeypatch):
     out = tmp_path / "q.json"
     assert tqg.main(["--bundle", str(bundle), "--out", str(tmp_path / "runs"), "--device", "cpu",
                      "--steps", "1", "--global-batch-size", "2", "--arms", "sparse_balance",
+                     "--budget-s", "86400",      # no arm left out however loaded the machine
                      "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     for key in ("command", "commit", "versions", "config", "bundle", "runs", "paired",
