@@ -297,6 +297,8 @@ def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
     that every call of the plan carries its piece. ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of its
     piece and of the whole archive (``all.tar.xz``), checked on the machine before anything is
     unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
+    if not os.path.isdir(src) or not os.listdir(src):
+        raise ValueError(f"{src}: expected a folder of files to pack")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for d, dirs, files in sorted(os.walk(src)):
@@ -425,6 +427,10 @@ def main(argv=None) -> int:
         return 1 if plan_problems(plan) else 0
     if verb == "pack-quality":
         src = argv[0] if argv else os.path.join(QUALITY, "bundle")
+        if not os.path.exists(os.path.join(src, "bundle.json")):
+            print(f"pack-quality {src}: no bundle.json there: expected the folder "
+                  f"'trained_quality_gpu --prepare' writes", file=sys.stderr)
+            return 2
         for i in range(1, 10):
             shutil.rmtree(os.path.join(ROOT, QUALITY, str(i)), ignore_errors=True)
         for f in pack(src, os.path.join(ROOT, QUALITY), quality_rooms(tree_bytes())):

@@ -101,9 +101,9 @@ def prepare(args) -> dict:
     out = args.prepare
     if os.path.exists(out) and os.listdir(out):
         raise SystemExit(f"error: --prepare {out!r}: expected a new or empty directory")
-    os.makedirs(os.path.join(out, "data"), exist_ok=True)
     gguf = args.gguf or hf_convert.smollm2_gguf_path()
     packed = gguf_weights.pack_gguf(gguf, os.path.join(out, "weights"), args.num_layers)
+    os.makedirs(os.path.join(out, "data"), exist_ok=True)     # (the packing checked its input)
     arch = packed["architecture"]
     _, tok = hf_convert.load_hf_gguf(gguf, with_model=False)
 
@@ -384,7 +384,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.prepare:
-        prepare(args)
+        try:
+            prepare(args)
+        except ValueError as e:     # a GGUF or layer count the packing refuses; a package missing
+            raise SystemExit(f"error: {e}") from None
         return 0
     doc = study(args)
     if doc.get("runs"):

@@ -172,6 +172,9 @@ def test_pieces_of_given_sizes_carry_a_folder_tree(tmp_path, monkeypatch):
              "bundle.json": b"{}"}
     for name, data in files.items():
         (src / name).write_bytes(data)
+    assert gp.main(["pack-quality", str(tmp_path / "nowhere")]) == 2      # one line, no work
+    with pytest.raises(ValueError, match="expected a folder of files to pack"):
+        gp.pack(str(tmp_path / "nowhere"), str(tmp_path / "x"), [1000])
     with pytest.raises(ValueError, match="more than the"):
         gp.pack(str(src), str(tmp_path / "small"), [10000, 10000])
     rooms = [8000, 30000, 30000, 30000]
