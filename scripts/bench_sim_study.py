@@ -69,7 +69,7 @@ scheme, the assumed NVLink all-to-all bandwidth of ``DeviceProfile``); DP and PP
 each CP size uses CP times the GPUs. The query heads must split over every size (Qwen2.5-0.5B's 14
 do only for 2: use ``--model llama3.2-1b``, 32 query / 8 KV heads).
 
-    python scripts/bench_sim_study.py --json docs/results/sim_study.json
+    python scripts/bench_sim_study.py --json runs/sim_study.json
 
 Robustness (issue 27): ``--mixes`` also takes the seeded families of ``experiments.mixes``
 (``lognormal_short``, ``long_tail``, ``both``) and ``--seeds 0 1 2`` repeats every mix with each
@@ -85,7 +85,7 @@ how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON
     python scripts/bench_sim_study.py --mixes file section lognormal_short long_tail both \
         --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
         --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
-        --json docs/results/sim_study_robustness.json
+        --json runs/sim_study_robustness.json
 
 ``--packers-only``: that dense table alone (issue 41's SAB vs dp_balanced): the same layout
 searches, so the same candidate layouts and the same four dense rows as the full study, without

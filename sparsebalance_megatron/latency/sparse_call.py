@@ -66,8 +66,8 @@ them as for dense attention; in the order 'auto' prefers them before its start-u
 them (fa4 first: the H200's kernel table of 2026-11-26, one 32K document, fwd+bwd against cuDNN:
 0.46x / 0.39x at density 0.25 where triton took 0.70x / 0.53x, 8/2/128 and 14/2/64). On an
 H200 the fixed length cost the sparse runs of the long-document data set 30% padding
-(``docs/results/gpu_check_h200_run1_train.json``: 45,780 real tokens of 65,536 positions per
-step on average)."""
+(``docs/results/gpu_check_h200_run1_train.json`` at a63cdd4: 45,780 real tokens of 65,536
+positions per step on average)."""
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     per-document cost from the dense kernel's work (short documents of two lengths) and the
     dense and sparse calls' fixed costs from each other (a micro-batch with both calls): with
     only the 64 short sequences, the H200's quick profile put the backward's per-document cost
-    into the dense work (``docs/results/latency_gpu_h200_run2.json``) and predicted
+    into the dense work (``docs/results/latency_gpu_h200_run2.json`` at a63cdd4) and predicted
     micro-batches of 100+ documents 16-26% short. The others: two equal documents with and
     without padding, then random cuts of 100%, 75% or 50% of the tokens into 2-15 documents,
     padded.
