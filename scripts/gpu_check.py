@@ -243,7 +243,7 @@ def step_recompile(backend="flex"):
     from torch._dynamo.utils import counters
 
     from sparsebalance_megatron.attention import block_sparse_attention
-    from sparsebalance_megatron.megatron.launch.profile import default_mixes
+    from sparsebalance_megatron.megatron.launch.profile_grid import default_mixes
     t, bs, nh, ng, hn = 16384, 128, 14, 2, 64
     mixes = default_mixes(t, 24, seed=0, block_size=bs)
     mixes = [m + [t - sum(m)] if sum(m) < t else m for m in mixes]   # every batch holds t tokens

@@ -69,7 +69,7 @@ def fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
     A feature that does not vary over the grid cannot be told apart from the intercept: it gets
     0 and its cost stays in the intercept. A profiled grid has one token count (that of training's
-    micro-batches, ``megatron/profile.default_mixes``), so ``tokens`` is such a feature there, and
+    micro-batches, ``megatron/launch/profile_grid.default_mixes``), so ``tokens`` is such a feature there, and
     so is ``selection_work`` when every document fills whole blocks."""
     w = 1.0 / np.maximum(y, 1e-12)
     active = list(range(x.shape[1]))

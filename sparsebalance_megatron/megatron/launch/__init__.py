@@ -2,10 +2,10 @@
 (``checks``, ``preflight``), Megatron compatibility shims, the latency model's set-up and the
 start-up profile, the profiler, the recorded plans of ``--sb-replay-plans``.
 
-Modules: ``checks``, ``compat``, ``crossover``, ``latency_setup``, ``preflight``, ``profile``,
-``replay``, ``startup_profile``. May import: ``errors``, ``runtime``, ``model`` (and megatron and
-the pure layers); never a room after it (docs/DESIGN.md section 2). Its exports: ``_PUBLIC``
-(``lazy_exports``).
+Modules: ``checks``, ``compat``, ``crossover``, ``latency_setup``, ``preflight``, ``profile``
+(and the grid it times, ``profile_grid``), ``replay``, ``startup_profile``. May import:
+``errors``, ``runtime``, ``model`` (and megatron and the pure layers); never a room after it
+(docs/DESIGN.md section 2). Its exports: ``_PUBLIC`` (``lazy_exports``).
 """
 
 from .. import lazy_exports
@@ -24,7 +24,7 @@ _PUBLIC = {
     "checked_config": "preflight",
     "uses_plugin_data": "preflight",
     "build_stage": "profile",
-    "default_mixes": "profile",
+    "default_mixes": "profile_grid",
     "device_name": "profile",
     "fit_report": "profile",
     "init_single_process": "profile",
