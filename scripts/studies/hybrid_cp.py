@@ -41,9 +41,8 @@ from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
 from sparsebalance_megatron.experiments import StudyConfig, run_study
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 
+from ._sim_study_runs import MODELS  # the same model shapes as the layout study
 from .common import parser, write_result
-
-from bench_sim_study import MODELS  # noqa: E402  (the same model shapes as the layout study)
 
 
 class _Group:
