@@ -399,8 +399,8 @@ def summarize(rows):
             best = min(at, key=lambda r: r["ours_ms"])
             fastest[str(d)] = best["backend"] if best["ours_ms"] < best["dense_ms"] else "dense"
         s["fastest"] = fastest
-        s["fixed_ms"] = fixed_costs([r for r in ok if r["kind"] == "kernel"
-                                     and r["shape"] == shape])
+        s["fixed_ms"] = fixed_costs(ok, shape)
+        s["prices"] = call_prices(ok, shape)
         s["backward"] = backward_choice(kern)
     for key, name in ((f"32k_d{d}", f"32k_d{d}<={t}x_cudnn") for d, t in TARGET_32K.items()):
         got = [s[key]["met"] for s in out.values() if key in s]
@@ -438,35 +438,38 @@ def backward_choice(kernel_rows) -> dict:
     return out
 
 
-def call_prices(rows) -> dict:
-    """{backend: {call_ms, per_32k_tokens_ms, tile_us}}: the simulator's price of each backend's
-    whole call (``latency.sparse_call.fit_price``: per call + per token + per kept tile, fwd+bwd,
-    at the reference shape), where the table timed one document at two lengths (the kernel-fa4
-    call's 32K and 16K); what ``bench_sim_study.py --kernel-table`` will price the rows with."""
-    from sparsebalance_megatron.latency.sparse_call import fit_prices, price_rows
+def call_prices(rows, shape=None) -> dict:
+    """{backend: the simulator's price of its whole call, fwd+bwd (``latency.sparse_call.
+    fit_price``: per call + per token + per kept tile, each pass apart), fitted on every
+    micro-batch the table timed at ``shape`` (default the reference shape), one document and
+    packed: call_ms (and its backward's share), per_32k_tokens_ms, tile_us, the lengths}.
+    ``bench_sim_study.py --kernel-table`` prices the rows with the same fit."""
+    from sparsebalance_megatron.latency.sparse_call import REFERENCE_SHAPE, fit_prices, price_rows
 
+    shape = shape or REFERENCE_SHAPE
     return {b: {"call_ms": p.call_s * 1e3, "per_32k_tokens_ms": p.call_s_per_token * 32768e3,
-                "tile_us": p.tile_s * 1e6}
-            for b, p in fit_prices(price_rows([r for r in rows if r.get("kind") == "call"]),
-                                   "kernel table").items()}
+                "tile_us": p.tile_s * 1e6, "call_bwd_share": p.call_bwd_share,
+                "tile_bwd_share": p.tile_bwd_share, "lengths": list(p.lengths)}
+            for b, p in fit_prices(price_rows(rows, shape), "kernel table",
+                                   shape=shape).items()}
 
 
-def fixed_costs(kernel_rows) -> dict:
-    """{"backend variant case tokens": {"fwd": ms, "bwd": ms}}: where a least-squares line
-    through each pass's time against the kept fraction, at densities >= 0.25, crosses zero
-    kept tiles (the kernels' cost per call, whatever their tiles; run 5: 1.2-1.6 ms in FA4's
-    backward). A kernel and micro-batch need three such densities."""
+def fixed_costs(rows, shape: str) -> dict:
+    """{"backend variant case tokens": {"fwd": ms, "bwd": ms}}: each kernel's cost per call on
+    one micro-batch, whatever its tiles: the call term of its price (``latency.sparse_call.
+    fit_price``, the simulator's fit, each pass apart) over that micro-batch's densities (run
+    5: 1.2-1.6 ms in FA4's backward). A kernel and micro-batch need three densities."""
+    from sparsebalance_megatron.latency.sparse_call import fit_price, price_rows
+
+    priced = price_rows(rows, shape, kind="kernel")
     out = {}
-    by = {}
-    for r in kernel_rows:
-        if r["density"] >= 0.25 and r.get("fwd_ms") and r.get("bwd_ms"):
-            key = f"{r['backend']} {r['variant']} {r['case']} {r['tokens']}"
-            by.setdefault(key, []).append(r)
-    for name, rows in sorted(by.items()):
-        if len({r["density"] for r in rows}) >= 3:
-            x = [r["kept_fraction"] for r in rows]
-            out[name] = {p: float(np.polyfit(x, [r[f"{p}_ms"] for r in rows], 1)[1])
-                         for p in ("fwd", "bwd")}
+    for key in sorted({(r["backend"], r["variant"], r["case"], r["tokens"]) for r in priced}):
+        mine = [r for r in priced if (r["backend"], r["variant"], r["case"], r["tokens"]) == key]
+        try:
+            p = fit_price(mine, key[0], "kernel table", variant=key[1], shape=shape)
+        except ValueError:
+            continue
+        out[" ".join(map(str, key))] = {k: round(v, 4) for k, v in p.pass_ms(key[3], 0).items()}
     return out
 
 

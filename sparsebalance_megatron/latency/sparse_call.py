@@ -31,7 +31,17 @@ a model: tiles by FLOPs (query heads x head dim, block area), the per-token part
 x head dim, the per-call constant not at all (launches). A measured call includes the block
 selection (``selection_in_call``: the latency model's ``selection_work`` is then 0); an
 estimate prices the selection by FLOPs instead. Split into passes like the dense kernel's
-(``analytic``): tiles 1 : 2.5, calls 1 : 2.
+(``analytic``): tiles 1 : 2.5, calls 1 : 2, unless the price was fitted from rows that timed the
+passes apart (a device kernel table, ``bench_attention_gpu.py``), whose shares it then carries
+(``tile_bwd_share``, ``call_bwd_share``: on the H200, run 5, FA4's backward holds 60-70% of
+its fixed cost per call).
+
+The fixed cost per call is the price's ``call_s`` (and ``call_s_per_token``), fitted with the
+tiles by the one fitter (``fit.fit_nonneg``, per pass) from the whole call's rows of every
+micro-batch the table timed (one document, and packed micro-batches whose kept tiles the
+kernel rows count): the kernel table's summary reports it per kernel (``fixed_ms``) from the
+same fit, no line of its own. Rows at one length price that length only: the per-token part
+is then not identifiable and sits in ``call_s`` (``lengths`` says which were timed).
 
 Pure Python + numpy; must not import torch or megatron (``triton_estimate`` imports
 ``attention.work_model`` lazily: importing the attention package loads torch).
@@ -45,6 +55,7 @@ from typing import Optional
 
 import numpy as np
 
+from .fit import fit_nonneg
 from .work import attention_work
 
 TILE_BWD_SHARE = 2.5 / 3.5
@@ -96,9 +107,14 @@ class SparseCallPrice:
     stands_in_for: str = ""
     """Where this kernel's figures price another kernel's calls (the length-free kernels
     ``auto`` runs at variable lengths, before a device times them at two lengths): its names."""
+    call_bwd_share: float = CALL_BWD_SHARE
+    """The backward's share of a call's fixed seconds (measured where the passes were timed
+    apart, else the launches' 2 : 1)."""
+    lengths: tuple = ()
+    """Micro-batch lengths (tokens) the price was fitted at; one length prices that one only."""
 
     def __post_init__(self):
-        for name in ("call_s", "call_s_per_token", "tile_s"):
+        for name in ("call_s", "call_s_per_token", "tile_s", "call_bwd_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) \
                     or v < 0:
@@ -116,23 +132,40 @@ class SparseCallPrice:
         width = q_heads * head_dim / (self.ref_q_heads * self.ref_head_dim)
         pair = self.tile_s * width * (block_size / self.ref_block) ** 2
         call = self.call_s + self.call_s_per_token * microbatch_tokens * width
-        t = self.tile_bwd_share
+        t, c = self.tile_bwd_share, self.call_bwd_share
         return {p: {"call": share_c * call, "pair": share_t * pair}
-                for p, share_c, share_t in (("fwd", 1 - CALL_BWD_SHARE, 1 - t),
-                                            ("bwd", CALL_BWD_SHARE, t))}
+                for p, share_c, share_t in (("fwd", 1 - c, 1 - t), ("bwd", c, t))}
 
     def describe(self) -> str:
         """'flex (measured: ...)' / 'triton (ESTIMATE: ...)': what prices a row."""
         kind = "measured" if self.measured else "ESTIMATE"
         stand = (f"STANDING IN for {self.stands_in_for}, the length-free kernels auto runs at "
                  f"variable lengths, not yet timed at two lengths: " if self.stands_in_for else "")
+        at = (f" at {self.lengths[0]} tokens only" if len(self.lengths) == 1 else "")
         return (f"{self.backend} ({stand}{kind}: {self.call_s * 1e3:.2f} ms + "
-                f"{self.call_s_per_token * 32768 * 1e3:.2f} ms per 32K tokens per call, "
+                f"{self.call_s_per_token * 32768 * 1e3:.2f} ms per 32K tokens per call{at}, "
                 f"{self.tile_s * 1e6:.3f} us per kept tile at {self.ref_q_heads} q heads x "
                 f"{self.ref_head_dim}, block {self.ref_block}; {self.source})")
 
     def as_dict(self) -> dict:
         return dict(asdict(self), described=self.describe())
+
+    @classmethod
+    def from_dict(cls, rec: dict) -> "SparseCallPrice":
+        """The price an ``as_dict`` record holds (a latency table's ``sparse_call``)."""
+        names = {f for f in cls.__dataclass_fields__}
+        out = {k: v for k, v in rec.items() if k in names}
+        out["lengths"] = tuple(out.get("lengths", ()))
+        return cls(**out)
+
+    def pass_ms(self, tokens: int, kept_tiles: float) -> dict:
+        """{fwd, bwd: ms} of one call at the reference shape (the fixed part and the tiles
+        split by the price's shares)."""
+        call = self.call_s + self.call_s_per_token * tokens
+        tile = self.tile_s * kept_tiles
+        c, t = self.call_bwd_share, self.tile_bwd_share
+        return {"fwd": 1e3 * ((1 - c) * call + (1 - t) * tile),
+                "bwd": 1e3 * (c * call + t * tile)}
 
 
 # Fitted by ``fit_price`` on docs/results/attention_gpu_h100_run2.json (H100, torch 2.11, bf16,
@@ -166,7 +199,7 @@ def auto_price(rows: Optional[list] = None, *, microbatch_tokens: int = 32768,
         which = (f"no length-free backend ({', '.join(LENGTH_FREE_BACKENDS)}: what auto runs at "
                  f"variable lengths)" if length_free else "no backend")
         raise ValueError(f"kernel table: {which} has rows at two lengths to price it from "
-                         f"(expected single-document rows of {REFERENCE_SHAPE}, sink {SINK_BLOCKS})")
+                         f"(expected rows of {REFERENCE_SHAPE} at 2 densities, sink {SINK_BLOCKS})")
     kept = {p.backend: attention_work([microbatch_tokens], density, p.ref_block, SINK_BLOCKS)
             for p in prices.values()}
     return min(prices.values(),
@@ -196,48 +229,88 @@ def kernel_rows(path: str) -> list:
     return price_rows(data.get("rows", []))
 
 
-def price_rows(rows: list) -> list:
-    """``kernel_rows``' rows from a kernel table's own (``scripts/bench_attention_gpu.py``): one
-    document of the reference shape, no routing, the whole call timed (``ours_ms``)."""
-    return [dict(backend=r["backend"], tokens=int(r["tokens"]), density=float(r["density"]),
-                 ms=float(r["ours_ms"]), block_size=int(r.get("block_size", 128)))
-            for r in rows if r.get("case") == "single" and r.get("shape") == REFERENCE_SHAPE
-            and "ours_ms" in r and r.get("routing", "none") == "none"]
+def price_rows(rows: list, shape: str = REFERENCE_SHAPE, kind: str = "call") -> list:
+    """``kernel_rows``' rows from a kernel table's own (``scripts/bench_attention_gpu.py``) at
+    ``shape``, no routing: ``kind`` "call" (the whole call: ``ours_ms``, its passes
+    ``call_fwd_ms`` / ``call_bwd_ms``) or "kernel" (a kernel alone: ``fwd_ms`` / ``bwd_ms``, its
+    ``variant``). Kept tiles per row: the kernel rows' count of the same micro-batch and density
+    (``tiles`` over the query heads), else, for one document, ``attention_work``; a packed row
+    with no count is left out. Each row: backend, variant, case, tokens, density, kept,
+    longest, ms and, where timed, fwd_ms and bwd_ms."""
+    heads = int(shape.split("/")[0])
+    counted = {(r.get("case"), r.get("shape"), r.get("tokens"), r.get("density")):
+               r["tiles"] / heads for r in rows if r.get("kind") == "kernel" and r.get("tiles")}
+    out = []
+    for r in rows:
+        if r.get("shape") != shape or r.get("routing", "none") != "none":
+            continue
+        if kind == "call" and r.get("kind", "call") == "call" and "ours_ms" in r:
+            ms, fwd, bwd = r["ours_ms"], r.get("call_fwd_ms"), r.get("call_bwd_ms")
+        elif kind == "kernel" and r.get("kind") == "kernel" and r.get("fwd_ms") \
+                and r.get("bwd_ms"):
+            ms, fwd, bwd = r["fwd_ms"] + r["bwd_ms"], r["fwd_ms"], r["bwd_ms"]
+        else:
+            continue
+        tokens, d = int(r["tokens"]), float(r["density"])
+        kept = counted.get((r.get("case"), shape, r["tokens"], r["density"]))
+        block = int(r.get("block_size", 128))
+        if kept is None and r.get("case") == "single":
+            kept = attention_work([tokens], d, block, SINK_BLOCKS)
+        if kept is None:
+            continue
+        row = dict(backend=r["backend"], variant=r.get("variant") or r["backend"],
+                   case=r.get("case", "single"), tokens=tokens, density=d, kept=float(kept),
+                   longest=int(r.get("longest", tokens)), ms=float(ms), block_size=block)
+        if fwd and bwd:
+            row.update(fwd_ms=float(fwd), bwd_ms=float(bwd))
+        out.append(row)
+    return out
 
 
-def fit_price(rows: list, backend: str, source: str) -> SparseCallPrice:
-    """``backend``'s price from its kernel rows: ``ms = call + per_token x tokens + tile x
-    kept`` (kept by ``latency.work.attention_work``, the simulator's own count), least squares
-    on relative error, no coefficient below 0 (one that comes out negative is dropped)."""
-    mine = [r for r in rows if r["backend"] == backend]
-    if len({r["tokens"] for r in mine}) < 2 or len(mine) < 3:
-        raise ValueError(f"backend {backend!r}: {len(mine)} rows at "
-                         f"{len({r['tokens'] for r in mine})} lengths: expected at least 3 rows "
-                         f"at 2 lengths to tell the per-call, per-token and per-tile costs apart")
-    block = mine[0]["block_size"]
-    x = np.array([[1.0, r["tokens"], attention_work([r["tokens"]], r["density"], block,
-                                                    SINK_BLOCKS)] for r in mine])
-    y = np.array([r["ms"] * 1e-3 for r in mine])
-    w = 1.0 / y
-    active = [0, 1, 2]
-    while True:
-        c, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        if (c >= 0).all() or len(active) == 1:
-            break
-        del active[int(np.argmin(c))]
-    coef = np.zeros(3)
-    coef[active] = np.maximum(c, 0.0)
-    return SparseCallPrice(backend=backend, source=source, measured=True, call_s=float(coef[0]),
-                           call_s_per_token=float(coef[1]), tile_s=float(coef[2]),
-                           ref_block=block)
+def price_design(rows: list) -> np.ndarray:
+    """[n, 3] the price's features of ``rows``: a call, its tokens, its kept tiles."""
+    return np.array([[1.0, r["tokens"], r["kept"] if "kept" in r else attention_work(
+        [r["tokens"]], r["density"], r.get("block_size", 128), SINK_BLOCKS)] for r in rows])
 
 
-def fit_prices(rows: list, source: str = "device kernel table") -> dict:
+def fit_price(rows: list, backend: str, source: str, *, variant: Optional[str] = None,
+              shape: str = REFERENCE_SHAPE) -> SparseCallPrice:
+    """``backend``'s (and ``variant``'s) price from its rows (``price_rows``): ``ms = call +
+    per_token x tokens + tile x kept`` by ``fit.fit_nonneg`` (relative error, no work cost
+    below 0), per pass where every row timed the passes apart (the shares then measured),
+    else on the whole call. At one length the per-token part is not identifiable and stays in
+    the call's cost (``lengths`` records it)."""
+    mine = [r for r in rows if r["backend"] == backend
+            and (variant is None or r.get("variant", backend) == variant)]
+    lengths = tuple(sorted({r["tokens"] for r in mine}))
+    if len(mine) < 3 or len({r["density"] for r in mine}) < 2:
+        raise ValueError(f"backend {backend!r}: {len(mine)} rows at {len(lengths)} lengths: "
+                         f"expected at least 3 rows at 2 densities to tell the per-call cost "
+                         f"from the per-tile one (two lengths add the per-token one)")
+    x = price_design(mine)
+    parts = ("fwd", "bwd") if all("fwd_ms" in r for r in mine) else ("ms",)
+    coef = {p: fit_nonneg(x, np.array([r[p if p == "ms" else p + "_ms"] * 1e-3 for r in mine]))
+            for p in parts}
+    total = sum(coef.values())
+    shares = {}
+    if parts == ("fwd", "bwd"):
+        def share(j, default):
+            return float(coef["bwd"][j] / total[j]) if total[j] > 0 else default
+        shares = dict(call_bwd_share=share(0, CALL_BWD_SHARE),
+                      tile_bwd_share=share(2, TILE_BWD_SHARE))
+    nq, _, hd = (int(v) for v in shape.split("/"))
+    return SparseCallPrice(backend=backend, source=source, measured=True,
+                           call_s=float(max(total[0], 0.0)), call_s_per_token=float(total[1]),
+                           tile_s=float(total[2]), ref_q_heads=nq, ref_head_dim=hd,
+                           ref_block=mine[0]["block_size"], lengths=lengths, **shares)
+
+
+def fit_prices(rows: list, source: str = "device kernel table", **kw) -> dict:
     """{backend: price} for every backend of ``rows`` with enough of them (``fit_price``)."""
     out = {}
     for b in sorted({r["backend"] for r in rows}):
         try:
-            out[b] = fit_price(rows, b, source)
+            out[b] = fit_price(rows, b, source, **kw)
         except ValueError:
             continue
     return out
@@ -340,3 +413,17 @@ def kernel_labels(table: dict) -> dict:
         name = cross.get("dense_kernel") or "dense"
         dense = (name.split()[0], f"{name} (measured: {table.get('device', '?')} latency table)")
     return {"sparse": (short, table_sparse_kernel(table)), "dense": dense}
+
+
+def attach_price(table: dict, price: SparseCallPrice) -> dict:
+    """A copy of a profiled latency table that carries ``price`` (a measured one, from a device
+    kernel table of the same device), without its stored coefficients: ``LatencyModel.fit``
+    then prices its sparse calls by it and fits the rest (``model``'s docstring)."""
+    if table.get("source") != "profiled" or not price.measured:
+        raise ValueError(f"attach_price: a {table.get('source')!r} table and "
+                         f"{'a measured' if price.measured else 'an estimated'} price: expected a "
+                         f"profiled table and a price measured on its device")
+    out = {k: v for k, v in table.items() if k not in ("coefficients", "call_coefficients",
+                                                       "dense_coefficients")}
+    out["sparse_call"] = price.as_dict()
+    return out

@@ -185,7 +185,7 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     38.0-44.9 ms; the held-out micro-batches, all of 16K tokens, matched the earlier state to
     0.1 ms): the held-out bias of docs/benchmarks/attention-gpu.md "GPU latency model (H100)".
     With one token count the ``tokens`` feature is constant; the fit folds it into the intercept
-    (``latency/model.fit_nonneg``). With ``block_size``, a mix whose documents' short last
+    (``latency/fit.fit_nonneg``). With ``block_size``, a mix whose documents' short last
     blocks would overflow the padded length of ``seq_length`` tokens
     (``attention.blocks.fixed_padded_blocks``: another compiled shape) is left out or drawn again.
 
