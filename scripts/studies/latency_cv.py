@@ -321,9 +321,12 @@ def main(argv=None) -> int:
                  f"/{m.get('kv_channels') or m['hidden_size'] // m['num_attention_heads']}")
         backend = (table["attention"].get("backend_choice") or {}).get("chosen") or \
             table["attention"].get("backend")
-        price = price_heldout(kt, backend, shape)
-        priced = attach_price(table, fit_price(price_rows(kt["rows"], shape), backend,
-                                               args.kernel_table, shape=shape))
+        try:
+            price = price_heldout(kt, backend, shape)
+            priced = attach_price(table, fit_price(price_rows(kt["rows"], shape), backend,
+                                                   args.kernel_table, shape=shape))
+        except ValueError as e:
+            p.error(f"--kernel-table {args.kernel_table}: {e}")
         results.append(evaluate_model(priced, held, f"priced ({backend} {shape})"))
     few = lambda v: "" if v is None else f"{100 * v:6.2f}%"   # noqa: E731
     print(f"{'features':32s} {'grid':>6s} {'LOMO-CV':>8s} {'CV max':>7s} {'CV few':>7s} "
