@@ -151,20 +151,11 @@ class UnitTimer:
         return self.cache[key]
 
     def _time(self, kind, lengths, density, dense, reps):
-        from sparsebalance_megatron.megatron.model.budget import SparsePackedSeqParams
+        from sparsebalance_megatron.megatron.launch.profile import microbatch_inputs
         from sparsebalance_megatron.plan import BudgetPlan
-        torch, dev = self.torch, self.dev
+        torch = self.torch
         net, budget = self.models[kind]
-        t = int(sum(lengths))
-        cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device=dev)
-        psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                    max_seqlen_q=int(max(lengths)),
-                                    max_seqlen_kv=int(max(lengths)), sb_step=0, sb_microbatch=0)
-        g = torch.Generator(device="cpu").manual_seed(t)
-        tokens = torch.randint(0, self.shape.vocab_size, (1, t), generator=g).to(dev)
-        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(dev)
-        dtype = next(net.parameters()).dtype
-        hidden = torch.randn(t, 1, self.shape.hidden_size, generator=g).to(dev, dtype)
+        psp, tokens, pos, hidden = microbatch_inputs(net, self.dev, self.shape, lengths)
         budget.set_routing(DENSE_ALL if dense else 0)
         budget.set_plan(BudgetPlan.static(0, float(density), 1, 1, 1), dp_rank=0, stage=0)
         fwd, bwd = [], []
