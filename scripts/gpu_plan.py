@@ -140,7 +140,7 @@ QUALITY_PLAN: Tuple[Call, ...] = (
               "held-out RULER-style samples; no arm starts that would end after 260 s"),
 )
 PLANS = {"issue74": PLAN, "quality": QUALITY_PLAN, "kernels": KERNEL_CALLS}
-PLAN_NOTES = {"issue74": "the open work of issue 74 (and 61's kernels): the default",
+PLAN_NOTES = {"issue74": "the open work of issue 74 (fa4's kernel table inside): the default",
               "quality": "issue 62's trained-quality study; replaces issue 74's plan in a "
                          "session that runs it",
               "kernels": "issue 61's two kernel calls alone (triton and flex, then fa4 and "
