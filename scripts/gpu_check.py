@@ -78,7 +78,7 @@ LIMIT_S = {"env": 20, "smoke": 110, "pieces": 40, "bench": 75, "tests": 150, "au
            "recompile": 180, "latency": 110, "dst": 90, "train": 375}
 def price_table(table_path, kernel_table, shape="14/2/64"):
     """Rewrite a profiled latency table to carry the sparse call's price of its backend at
-    ``shape`` from ``kernel_table`` (``sparse_call.attach_price``: ``LatencyModel.fit`` then
+    ``shape`` from ``kernel_table`` (``price_fit.attach_price``: ``LatencyModel.fit`` then
     prices its sparse calls); the price's description, or why not."""
     from sparsebalance_megatron.latency.sparse_call import attach_price, fit_price, price_rows
     from sparsebalance_megatron.latency.table import read_table, write_table

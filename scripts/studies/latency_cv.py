@@ -12,7 +12,7 @@ coefficients >= 0), it reports:
   model plus each candidate feature of ``CANDIDATES`` (computed here from the documents, not part
   of the model), so a new term is judged by cross-validation and held-out rows together;
 - with ``--kernel-table`` (a device kernel table of the same device, ``bench_attention_gpu.py``):
-  the same checks of the model fitted *priced* (``sparse_call.attach_price``: the sparse calls
+  the same checks of the model fitted *priced* (``price_fit.attach_price``: the sparse calls
   at the table's layers x the kernel table's price of the table's backend and head shape, the
   rest fitted), and the price's own held-out error (``price_heldout``: each density of the
   kernel table left out in turn, per pass);

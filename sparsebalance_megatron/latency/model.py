@@ -17,13 +17,11 @@ per-pair cost (``crossover.dense_coefficient``). The routing threshold is the ta
 fixed cost: the table's ``call_coefficients`` (fitted where the grid tells them from ``const``,
 i.e. where some units make a call that others do not), else 0 (``const`` holds them).
 
-A profiled table that carries a measured sparse call price (``sparse_call``, from a device
-kernel table: ``sparse_call.attach_price``) is fitted *priced*: the stage's sparse calls cost
-its layers x the price's terms (its fixed cost per call on ``sparse_calls``, its tiles on
-``attention_work``, the selection inside the call), and only the rest (tokens, sequences, the
-dense kernel and its call, the constant) is fitted to what the measurements leave. The price,
-timed per call with CUDA events over many repeats, then carries the density's effect, which a
-grid of a few noisy micro-batches cannot pin down (issue 74: the H200's fa4 table).
+A profiled table that carries a measured sparse call price (``price_fit.attach_price``) is
+fitted *priced*: its sparse calls cost the stage's layers x the price's terms (the fixed cost
+per call on ``sparse_calls``, the tiles on ``attention_work``, the selection inside the call);
+only the rest is fitted to what the measurements leave. The price, timed per call over many
+repeats, carries the density's effect, which a few noisy micro-batches cannot pin down.
 
 A stage of another layer count than the table's (Megatron's uneven splits, layout strings and
 the interleaved schedule's model chunks: ``layout.PipelineLayout``) is its kind's coefficients
@@ -70,12 +68,12 @@ from .table import (FORMAT_VERSION, LatencyTableError, check_coefficients, check
 
 def _priced_terms(table: dict):
     """``f(kind, pass) -> {MODEL_FEATURES column: seconds per unit}`` of the sparse call's
-    measured price a profiled table carries (``sparse_call.attach_price``), for a stage of
+    measured price a profiled table carries (``price_fit.attach_price``), for a stage of
     that kind's layers at the table's model and micro-batch; None without one."""
     rec = table.get("sparse_call")
     if table.get("source") != "profiled" or not rec or not rec.get("measured"):
         return None
-    from .sparse_call import SparseCallPrice
+    from .price import SparseCallPrice
     price = SparseCallPrice.from_dict(rec)
     m, lay = table["model"], table_layout(table)
     heads = int(m["num_attention_heads"])
