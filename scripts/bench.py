@@ -42,6 +42,10 @@ STUDIES = {
                      "BENCHMARKS.md latency model, docs/GPU.md"),
     "latency_cv": ("offline cross-validation of a stored latency table",
                    "BENCHMARKS.md attention on GPU, docs/GPU.md"),
+    "full_depth": ("the end-to-end call's 24-layer model: memory and seconds per step and run, "
+                   "from run 5's 8-layer figures", "BENCHMARKS.md on a GPU, docs/GPU.md"),
+    "dst_gpu": ("DST with GPU timings: a PP x DP step's units timed on one device, composed "
+                "by the simulator; DST, static and dense + SAB", "BENCHMARKS.md on a GPU"),
     "sim_validation": ("the 1F1B simulator against a real torchrun run's step times",
                        "BENCHMARKS.md latency model"),
     "mask_memory": ("BlockMask bytes per layer call against a dense mask",

@@ -34,10 +34,12 @@ float32 atomics in FA4's backward and triton's one pass: its order, so its last 
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
 
+from ._kernel_summary import MIX_TOKENS
 from .common import host_and_gpu_ms, median_ms
 
 BLOCK = 128
@@ -247,6 +249,35 @@ def e_against(ours: dict, cudnn: dict, kept_fraction: float) -> dict:
     return out
 
 
+def make_mixes(path: str, per_mix: int = 4) -> None:
+    """Sequence lengths of ``per_mix`` sequentially packed 32K micro-batches of the built-in
+    corpus, as whole files and as sections, exactly as training packs them: documents + EOD (a
+    document longer than a micro-batch split), then padding sequences up to 32K
+    (``data.packing.padding_lengths``)."""
+    import numpy as np
+
+    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
+    from sparsebalance_megatron.data.packing import padding_lengths
+    out = {"tokens": MIX_TOKENS, "command": " ".join(sys.argv), "mixes": {}}
+    for unit in ("file", "section"):
+        lengths = np.asarray(load_corpus(tokenizer="qwen", doc_unit=unit).lengths)
+        # one bin more than kept: the sampler's last bin may be part-filled
+        sampler = GlobalBatchSampler(lengths, capacity=MIX_TOKENS, num_microbatches=per_mix + 1,
+                                     seed=0)
+        bins, free = [], 0
+        for _doc, start, end in sampler.next_global_batch():
+            if end - start > free:
+                bins.append([])
+                free = MIX_TOKENS
+            bins[-1].append(int(end - start))
+            free -= end - start
+        out["mixes"][unit] = [b + padding_lengths(MIX_TOKENS - sum(b)) for b in bins[:per_mix]]
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"wrote {path}: " + ", ".join(f"{k}: {[len(b) for b in v]} documents"
+                                        for k, v in out["mixes"].items()))
+
+
 __all__ = ["BLOCK", "Case", "Lists", "call_fn", "check", "dense_passes", "e_against",
-           "kernel_fn", "parse_shape", "pass_times", "rates"]
+           "kernel_fn", "make_mixes", "parse_shape", "pass_times", "rates"]
 

@@ -5,7 +5,7 @@ all of it) is built as a megatron-core ``GPTModel`` with ``pre_process`` / ``pos
 the stage's layer count, with the SparseBalance layer spec (``spec.get_sparsebalance_layer_spec``)
 on a 1-process gloo group. Packed (THD) micro-batches over a grid of document-length mixes x
 densities are timed with warm-up and repeats (each mix ``seq_length`` tokens packed as training
-packs them, padding included: ``profile_grid.default_mixes``); the median goes into a latency table
+packs them, padding included: ``default_mixes``); the median goes into a latency table
 (``latency/table.py``) whose coefficients are fitted by ``LatencyModel.fit``.
 The stage is built with the run's transformer implementation and activation recomputation, and
 the table records them with the tensor-parallel size (its ``execution`` section). Only TP = 1 can
@@ -16,9 +16,8 @@ table (and then predicts TP = 1 times, which the online calibration can only sca
 Not for use inside a running training job (it initialises its own 1-process model-parallel state).
 Imports megatron; ``megatron/profile_cli.py`` is the thin command-line front end.
 
-Building a stage, timing its micro-batches and writing the table share the one-process set-up
-and the table's identity; what is timed (the grid of mixes) is ``profile_grid.py``, the command
-line ``profile_cli.py``.
+Why this is long: building a stage, timing its micro-batches and writing the table share the
+one-process set-up and the table's identity; the command line is already apart (``profile_cli.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from ...latency.shape import ModelShape
 from ...latency.table import FORMAT, FORMAT_VERSION, stage_kinds_for
 from ...plan import BudgetPlan
 from ..model.budget import BudgetContext, SparsePackedSeqParams
-from .profile_grid import padded_length_warning
+from .profile_grid import QUICK_MIXES, default_mixes, padded_length_warning  # noqa: F401
 
 
 def device_name() -> str:
@@ -162,11 +161,9 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def time_microbatch(model, dev, kind: str, shape: ModelShape, doc_lengths: Sequence[int],
-                    density: float, repeats: int, warmup: int, statistic: str = "median"
-                    ) -> tuple[float, float]:
-    """Median (or min) (fwd_s, bwd_s) over ``repeats`` runs of one packed micro-batch."""
-    stat = {"median": np.median, "min": np.min}[statistic]
+def microbatch_inputs(model, dev, shape: ModelShape, doc_lengths: Sequence[int]) -> tuple:
+    """(packed-sequence params, token ids [1, t], positions [1, t], a stage input [t, 1, h]) of
+    one packed micro-batch of ``doc_lengths``, random, seeded by its token count."""
     t = int(sum(doc_lengths))
     cu = torch.tensor([0] + np.cumsum(doc_lengths).tolist(), dtype=torch.int32, device=dev)
     psp = SparsePackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -177,6 +174,15 @@ def time_microbatch(model, dev, kind: str, shape: ModelShape, doc_lengths: Seque
     pos = torch.cat([torch.arange(n) for n in doc_lengths]).unsqueeze(0).to(dev)
     dtype = next(model.parameters()).dtype
     hidden = torch.randn(t, 1, shape.hidden_size, generator=g).to(dev, dtype)  # [s, b, h]
+    return psp, tokens, pos, hidden
+
+
+def time_microbatch(model, dev, kind: str, shape: ModelShape, doc_lengths: Sequence[int],
+                    density: float, repeats: int, warmup: int, statistic: str = "median"
+                    ) -> tuple[float, float]:
+    """Median (or min) (fwd_s, bwd_s) over ``repeats`` runs of one packed micro-batch."""
+    stat = {"median": np.median, "min": np.min}[statistic]
+    psp, tokens, pos, hidden = microbatch_inputs(model, dev, shape, doc_lengths)
     budget = _budget_of(model)
     budget.set_plan(BudgetPlan.static(0, density, 1, 1, 1), dp_rank=0, stage=0)
     fwd, bwd = [], []

@@ -1,7 +1,8 @@
-"""What the start-up profile times: the grid of document-length mixes (``default_mixes``), each
-packed as training packs it, and the check that a CUDA grid keeps the one compiled kernel shape a
-run uses (``padded_length_warning``). Pure: numpy and the package's packing and block rules;
-``profile.py`` builds the stages and times these mixes on them.
+"""The profile's grid: the document-length mixes the profiler times (``default_mixes``, the quick
+grid's ``QUICK_MIXES``) and the warning for a grid whose micro-batches would compile flex's
+kernel at several padded lengths (``padded_length_warning``). ``profile.py`` times them.
+
+Pure Python + numpy (the attention blocks' padded length is imported lazily).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ...data.packing import packed_length, padding_lengths
-
 
 QUICK_MIXES = 7
 """How many of ``default_mixes`` the quick profile (``profile_cli --quick``) times."""
@@ -42,7 +42,7 @@ def default_mixes(seq_length: int, count: int, seed: int = 0,
     38.0-44.9 ms; the held-out micro-batches, all of 16K tokens, matched the earlier state to
     0.1 ms): the held-out bias of docs/benchmarks/attention-gpu.md "GPU latency model (H100)".
     With one token count the ``tokens`` feature is constant; the fit folds it into the intercept
-    (``latency/model.fit_nonneg``). With ``block_size``, a mix whose documents' short last
+    (``latency/fit.fit_nonneg``). With ``block_size``, a mix whose documents' short last
     blocks would overflow the padded length of ``seq_length`` tokens
     (``attention.blocks.fixed_padded_blocks``: another compiled shape) is left out or drawn again.
 
