@@ -42,6 +42,7 @@ from .block_lists import build_block_lists, lists_from_ranking
 from .selection import (BlockSelection, _block_len_f, _budget_tensors, _disallowed,
                         kept_bounds, select_from_shares)
 from .block_tables import block_tables
+from .blocks import doc_bounds
 from .sparse_triton import aligned, sparse_attention
 
 try:
@@ -117,12 +118,10 @@ def _tables(layout, ng: int):
     """(document's first block per block int32, recall weights [ndoc, ng * NB] float32)."""
     key = ("triton_select", ng)
     if key not in layout.memo:
-        dev, nb = layout.block_doc.device, layout.num_blocks
-        bounds = torch.tensor(layout.doc_block_start, dtype=torch.int32, device=dev)
-        doc_start = bounds[:-1][layout.block_doc]
-        nblk = torch.tensor([b - a for a, b in zip(layout.doc_block_start[:-1],
-                                                   layout.doc_block_start[1:])],
-                            dtype=torch.float32, device=dev)
+        dev = layout.block_doc.device
+        starts = doc_bounds(layout)[0]                       # uploaded with the layout
+        doc_start = starts[:-1].to(torch.int32)[layout.block_doc]
+        nblk = (starts[1:] - starts[:-1]).to(torch.float32)
         onehot = (layout.block_doc[None, :] == torch.arange(layout.num_docs, device=dev)[:, None])
         w = (onehot.float() / (nblk[:, None] * ng)).repeat(1, ng)
         layout.memo[key] = (doc_start, w)
