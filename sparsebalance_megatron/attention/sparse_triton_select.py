@@ -40,7 +40,7 @@ import torch
 from . import maxkey_triton
 from .block_lists import build_block_lists, lists_from_ranking
 from .selection import (BlockSelection, _block_len_f, _budget_tensors, _disallowed,
-                        kept_bounds, select_from_shares)
+                        kept_bounds, select_from_shares, selection_range)
 from .block_tables import block_tables
 from .blocks import doc_bounds
 from .sparse_triton import aligned, sparse_attention
@@ -175,7 +175,7 @@ def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layou
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
                   selection_mode=selection_mode, min_density=min_density,
                   max_density=max_density)
-    with torch.no_grad():
+    with torch.no_grad(), selection_range():
         scores = block_scores(q.detach(), k.detach(), layout, estimator, softmax_scale)
         if selection_mode == "density" and reduce_shares is None:
             bounds = kept_bounds(layout, density_host, **budget)
