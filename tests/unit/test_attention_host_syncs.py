@@ -87,6 +87,22 @@ def test_counter_sees_what_the_python_calls_hide():
     assert calls.reads == ["__getitem__[bool]"]
 
 
+def test_the_setup_uploads_its_tables_in_one_copy_of_aligned_views():
+    from sparsebalance_megatron.attention.blocks import build_layout, doc_bounds, upload
+    with HostSyncCounter() as c:
+        a, b, e = upload([[1, 2, 3], range(5), []], "cpu")
+    assert c.events() == dict(NONE, writes=["aten.lift_fresh"])
+    assert a.tolist() == [1, 2, 3] and b.tolist() == [0, 1, 2, 3, 4] and e.numel() == 0
+    assert a.dtype == torch.int64 and a.untyped_storage().data_ptr() == \
+        b.untyped_storage().data_ptr()
+    assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+    lay = build_layout(CU_16, CU_16[-1], 16, "cpu")
+    blocks, tokens = doc_bounds(lay)
+    assert blocks.tolist() == lay.doc_block_start and tokens.tolist() == CU_16
+    lay.memo.clear()                           # a layout built elsewhere: uploaded once here
+    assert doc_bounds(lay)[1].tolist() == CU_16 and doc_bounds(lay) is doc_bounds(lay)
+
+
 # --- torch and flex (no interpreter) -----------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["torch", "flex", "flex-split"])
