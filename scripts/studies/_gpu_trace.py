@@ -35,8 +35,9 @@ time into what the issue's table names:
 A kernel is tied to its launch by the profiler's ``correlation`` (runtime / driver launch
 events), and the launch to the CPU ops and annotations open on its thread at that moment.
 ``step_bound(non_attention_ms, cudnn_attention_ms, density)`` is a step's bound (its
-non-attention time plus ``d`` x cuDNN's attention time), ``bound_record`` the e2e JSON's
-entry beside a measured step. Pure Python; reads a file, imports neither torch nor megatron.
+non-attention time plus ``d`` x cuDNN's attention time), ``dense_split`` those two times from a
+dense cuDNN run's profiled step, ``bound_record`` the e2e JSON's entry beside a measured step.
+Pure Python; reads a file, imports neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -311,20 +312,25 @@ def step_bound(non_attention_ms: float, cudnn_attention_ms: float, density: floa
     return non_attention_ms + density * cudnn_attention_ms
 
 
-def bound_record(dense_step: dict, density: float, measured_ms: float) -> dict:
-    """The e2e JSON's bound beside a measured sparse step: from the dense cuDNN run's steady
-    step (``summarize_step``: its step time less its attention kernels is the non-attention
-    time, its attention kernels cuDNN's attention time), ``density`` (the kept density) and the
-    sparse step's measured time; ``over_bound`` is ``measured / bound - 1``."""
+def dense_split(dense_step: dict):
+    """(non-attention ms, attention ms) of a dense cuDNN run's profiled step
+    (``summarize_step``): its attention kernels, and the rest of its host step time (the other
+    kernels, copies and the GPU's idle); None where the trace held no accounted GPU event."""
     if "ms" not in dense_step:
-        return {"failed": "the dense step's trace holds no accounted GPU events"}
+        return None
     attn = dense_step["ms"]["attention"]
-    non_attention = dense_step["host_step_ms"] - attn
-    bound = step_bound(max(non_attention, 0.0), attn, density)
+    return max(dense_step["host_step_ms"] - attn, 0.0), attn
+
+
+def bound_record(non_attention_ms: float, cudnn_attention_ms: float, density: float,
+                 measured_ms: float) -> dict:
+    """The e2e JSON's bound beside a measured sparse step (``step_bound``; ``density``: the kept
+    density), and ``over_bound = measured / bound - 1``: the distance that is our overhead."""
+    bound = step_bound(non_attention_ms, cudnn_attention_ms, density)
     return {"bound_ms": bound, "measured_ms": measured_ms, "density": density,
-            "non_attention_ms": non_attention, "cudnn_attention_ms": attn,
+            "non_attention_ms": non_attention_ms, "cudnn_attention_ms": cudnn_attention_ms,
             "over_bound": measured_ms / bound - 1 if bound > 0 else None}
 
 
-__all__ = ["account", "attention_kind", "bound_record", "profile_flags", "step_bound",
-           "summarize_step", "summarize_trace", "trace_path"]
+__all__ = ["account", "attention_kind", "bound_record", "dense_split", "profile_flags",
+           "step_bound", "summarize_step", "summarize_trace", "trace_path"]

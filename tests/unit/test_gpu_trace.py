@@ -210,10 +210,11 @@ def test_a_steps_bound_is_its_non_attention_time_and_d_times_cudnns_attention():
         with pytest.raises(ValueError, match=match):
             gt.step_bound(*bad)
     dense = {"host_step_ms": 3000.0, "ms": {"attention": 1000.0}}
-    rec = gt.bound_record(dense, 0.25, 2695.0)
+    assert gt.dense_split(dense) == (2000.0, 1000.0)
+    assert gt.dense_split({"kernels": 0, "host_step_ms": 5.0}) is None
+    rec = gt.bound_record(*gt.dense_split(dense), 0.25, 2695.0)
     assert rec["bound_ms"] == 2250.0 and rec["non_attention_ms"] == 2000.0
     assert rec["over_bound"] == pytest.approx(2695.0 / 2250.0 - 1)
-    assert "failed" in gt.bound_record({"kernels": 0}, 0.25, 1.0)
 
 
 def test_fa4_pieces_row_sums_the_side_passes_and_the_hosts_lead():
