@@ -7,7 +7,8 @@ worker process started with ``TRITON_INTERPRET=1`` (the ``interp`` fixture of
 ``tests/unit/conftest.py``; whatever this process imported before is untouched). The worker
 imports this file and runs its ``check_*`` functions; each test sends one and fails with the
 worker's traceback. Shapes are tiny (block 16, head dims 16/32, ~13 blocks): the interpreter
-runs every program in Python.
+runs every program in Python. The per-layer call (launches, alignment, what the setup builds
+once) is ``test_attention_triton_call.py``; its host round trips ``test_attention_host_syncs.py``.
 """
 
 import os
