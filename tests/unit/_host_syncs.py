@@ -1,7 +1,8 @@
 """Host round trips of a piece of torch code, counted on CPU as a CUDA device would make them.
 
 A host round trip is anything that makes the host wait for the device or move data between
-them: a device value read back (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``int(t)``;
+them: a device value read back (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``int(t)``,
+``np.asarray(t)``, printing or formatting a tensor;
 ops whose output size is data: ``nonzero``, ``masked_select``, boolean indexing, ``unique``,
 ``repeat_interleave`` without ``output_size``, ``bincount``; ``torch.equal``, ``allclose``), host
 data made a tensor (``torch.tensor``, ``as_tensor``, ``from_numpy``: on a GPU an upload from
@@ -34,7 +35,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 T = torch.Tensor
-_READS = {T.item, T.tolist, T.cpu, T.numpy, T.__bool__, T.__int__, T.__float__, T.__index__,
+_READS = {T.item, T.tolist, T.cpu, T.numpy, T.__array__, T.__repr__, T.__format__,
+          T.__bool__, T.__int__, T.__float__, T.__index__,
           T.nonzero, torch.nonzero, T.unique, torch.unique, torch.masked_select,
           T.masked_select, torch.bincount, T.bincount}
 _WRITES = {torch.tensor, torch.as_tensor, torch.from_numpy}

@@ -87,6 +87,15 @@ def test_counter_sees_what_the_python_calls_hide():
     assert calls.reads == ["__getitem__[bool]"]
 
 
+def test_counter_sees_printing_and_numpy_arrays():
+    import numpy as np
+    x = torch.arange(4.0)
+    with HostSyncCounter() as c:
+        np.asarray(x)
+        f"{x[0]:.1f} {x}"
+    assert c.reads == ["__array__", "__format__", "__format__"] and c.count == 3
+
+
 def test_the_setup_uploads_its_tables_in_one_copy_of_aligned_views():
     from sparsebalance_megatron.attention.blocks import build_layout, doc_bounds, upload
     with HostSyncCounter() as c:
