@@ -46,6 +46,11 @@ class SparsePackedSeqParams(PackedSeqParams):
     sb_cp_size: int = 1
     """Context-parallel ranks the micro-batch's tokens are split over (Megatron's per-document
     zigzag order); the ``cu_seqlens*`` fields describe the whole micro-batch, as in Megatron."""
+    sb_cu_seqlens_host: Optional[tuple] = None
+    """``cu_seqlens_q`` as the data path built it on the host (None: unknown, read back once per
+    micro-batch from the device tensor): the sparse attention's setup then waits for nothing."""
+    sb_cu_seqlens_padded_host: Optional[tuple] = None
+    """``cu_seqlens_q_padded`` on the host, likewise (None with no padded boundaries)."""
 
     def local_cu_seqlens(self) -> torch.Tensor:
         """Sequence boundaries of this rank's tokens ``[n_seq + 1]``: a sequence's two CP chunks

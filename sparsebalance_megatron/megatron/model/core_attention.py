@@ -36,7 +36,9 @@ all ranks route alike. Dense documents report kept density and recall 1.0.
 What depends only on the micro-batch's documents (the chosen ``cu_seqlens``, the route, the block
 layout and everything derived from it) is computed by the first layer and kept in
 ``packed_seq_params.sb_cache``, so the other layers and the recomputed forward read nothing back
-from the device (no host synchronisation in the per-layer path).
+from the device (no host synchronisation in the per-layer path). The first layer itself reads
+``cu_seqlens`` once (not at all where ``SparsePackedSeqParams.sb_cu_seqlens_host`` holds the data
+path's host copy) and sends its tables to the device in one non-blocking upload.
 Attention dropout is not applied (the sparse kernels have none); a nonzero
 ``config.attention_dropout`` is logged once and ignored.
 Part of the megatron adapter layer; CP's collectives go through ``comm`` (TP/PP need none here).

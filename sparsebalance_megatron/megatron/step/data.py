@@ -196,7 +196,11 @@ def microbatch_inputs(segments, corpus, capacity: int, device, *, step: Optional
                                 max_seqlen_q=max_len, max_seqlen_kv=max_len, sb_step=step,
                                 sb_microbatch=index,
                                 sb_doc_ids=tuple(int(d) for d, _, _ in segments),
-                                sb_cp_size=int(cp_size))
+                                sb_cp_size=int(cp_size),
+                                sb_cu_seqlens_host=tuple(int(x) for x in (
+                                    mb.cu_seqlens if real is None else mb.cu_seqlens_real)),
+                                sb_cu_seqlens_padded_host=None if real is None else
+                                tuple(int(x) for x in mb.cu_seqlens))
     keep = zigzag_positions(mb.cu_seqlens, cp_size, cp_rank) if cp_size > 1 else slice(None)
 
     def t(a, dtype):
