@@ -336,10 +336,14 @@ class SparseBalanceConfig:
         "drafts every step); each event is one warning line and the sparsebalance/planner "
         "scalars count them.", choices=PLANNERS)
     planner_timeout: float = _f(
-        PLANNER_TIMEOUT_S, "With --sb-planner process: seconds after it was asked for that a draft counts "
-        "as stalled at the least (also 10x the recent drafts' median, and at most half the "
-        "distributed timeout in effect); the rank then kills its planner process and drafts "
-        "the step itself. A draft takes milliseconds to a few tenths of a second.")
+        PLANNER_TIMEOUT_S, "With --sb-planner process: the most seconds after it was asked for "
+        "that a draft may take (at most half the distributed timeout in effect, too). Its "
+        "deadline is 3x the recent drafts' median, at least 0.5 s, within that cap; past it "
+        "the rank drafts the step itself from the same inputs (the same plan), so a stall "
+        "costs a step about one draft: a planner process that cannot answer (stopped, state "
+        "T) is killed, one that still runs is left to finish and its late draft dropped "
+        "(killed if it is still not back at the next draft). A draft takes milliseconds to a "
+        "few tenths of a second.")
     fresh_state: bool = _f(
         False, "On --load of a checkpoint whose SparseBalance state is missing (one written "
         "without the plugin's data path) or damaged (truncated, unreadable, another version), "

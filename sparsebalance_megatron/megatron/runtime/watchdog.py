@@ -42,6 +42,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from .children import launcher_store_gone, process_state  # noqa: F401  (process_state: API)
 from .watchdog_judgement import (ContinuousWait, WatchdogTiming, classify, culprits, saving,
                                  should_act, torchrun_error, watchdog_problems)
 
@@ -85,32 +86,6 @@ def _where(frame) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
 
-def _agent_store_gone_check() -> Callable[[], bool]:
-    """Whether the launcher that hosts the job's store has exited: under torchrun's agent store
-    (``TORCHELASTIC_USE_AGENT_STORE``), this process's parent is that launcher, and a new parent
-    means it is gone (SIGKILLed); elsewhere (the store in rank 0) never."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return lambda: False
-    parent = os.getppid()
-    return lambda: os.getppid() != parent
-
-
-def process_state(pid: int) -> Optional[str]:
-    """The state letter of a local process (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``
-    zombie), or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return "?"
-        return "?"   # alive, no /proc (not Linux)
-
-
 class Watchdog:
     """One rank's heartbeat thread and judge. ``tick`` is called by the main thread at every
     progress point, ``enter``/``leave`` around every progress phase; ``stop`` at a normal end."""
@@ -143,7 +118,7 @@ class Watchdog:
         self._prev_excepthook = None
         # torchrun hosts the job's store in its own process (TORCHELASTIC_USE_AGENT_STORE):
         # once it is gone (this process reparented), so is every record; nothing to publish
-        self.launcher_gone = launcher_gone or _agent_store_gone_check()
+        self.launcher_gone = launcher_gone or launcher_store_gone()
         self._store_gone = False
 
     # --- main thread ----------------------------------------------------------------------------
