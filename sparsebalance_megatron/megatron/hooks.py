@@ -242,6 +242,10 @@ def _build_runtime(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
+    from .model.backend_fallback import stand_in_for_faults
+    line = stand_in_for_faults(_run.budget, _run.sb.fault_specs, comm.rank())
+    if line:                                            # --sb-fault ...-fails (tests)
+        comm.say(line)
     from .runtime.watchdog_megatron import start_for_megatron, watch_megatron_phases
     _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.callback.watchdog = _run.watchdog              # a wait for the planner is a phase
@@ -422,9 +426,9 @@ def _inject_fault(spec, psp) -> None:
     import signal
 
     rank, step, kind = spec
-    if kind.startswith("planner-") or comm.rank() != rank or psp.sb_step != step - 1 \
-            or psp.sb_microbatch != 0:
-        return     # (the planner's faults: step/planning.py)
+    if kind.startswith("planner-") or kind.endswith("-fails") or comm.rank() != rank \
+            or psp.sb_step != step - 1 or psp.sb_microbatch != 0:
+        return     # (the planner's faults: step/planning.py; the kernels': backend_fallback)
     print(f"[sparsebalance] --sb-fault: injecting '{kind}' on rank {rank} at iteration {step}",
           flush=True)
     if kind == "raise":

@@ -95,3 +95,43 @@ def test_bad_inputs_are_said_once_per_job(tmp_path, small_jsonl):
         assert proc.returncode == 1 and len(said) == 1 and said[0].startswith(line), \
             proc.stdout[-3000:]
         assert "Traceback" not in proc.stdout and "iteration        1/" not in proc.stdout
+
+
+@pytest.mark.reliability(area="attention", case="PP=2 x DP=2: the fa4 kernel (auto's pick, the "
+                         "kernels standing in on the CPU) fails to compile on rank 1 from "
+                         "iteration 2 (injected)", expect="rank 1 falls back to triton with one "
+                         "warning naming the kernel, shape and error; every rank runs triton from "
+                         "the next step, the latency model re-priced by the table's timings; the "
+                         "run completes and its metrics name the fallback")
+def test_a_failing_attention_kernel_falls_back_and_the_run_completes(tmp_path, small_jsonl,
+                                                                      analytic_latency_table_pp2):
+    from tests.conftest import read_metrics, run_entry
+
+    table = json.loads(Path(analytic_latency_table_pp2).read_text())
+    table["attention"]["backend_choice"] = {"chosen": "fa4", "seconds": {
+        "fa4": 1.0e-3, "triton": 1.5e-3, "flex": 2.0e-3}}
+    path = tmp_path / "lat.json"
+    path.write_text(json.dumps(table))
+    proc = run_entry(4, [*TINY_MODEL, "--sparse-balance", "--sb-density", "0.5",
+                         "--sb-min-density", "0.25", "--sb-block-size", "32", "--sb-tokenizer",
+                         "byte", "--eval-iters", "0", "--pipeline-model-parallel-size", "2",
+                         "--global-batch-size", "4", "--train-iters", "4", "--data-path",
+                         small_jsonl, "--sb-latency-table", path, "--sb-latency-table-force",
+                         "--sb-timing-source", "model", "--sb-fault", "1:2:fa4-fails",
+                         "--sb-metrics-file", tmp_path / "m.jsonl"], cwd=tmp_path)
+    out = proc.stdout
+    failed = [ln for ln in out.splitlines() if "attention kernel failed on" in ln]
+    assert len(failed) == 1 and failed[0].startswith(
+        "[sparsebalance] warning: the fa4 attention kernel failed on q ["), failed
+    assert "(RuntimeError: --sb-fault: injected compile failure of the fa4 kernel on a new " \
+           "shape (rank 1, iteration 2)); falling back to triton" in failed[0]
+    follow = [ln for ln in out.splitlines() if "attention kernel fallback:" in ln]
+    assert follow == ["[sparsebalance] warning: attention kernel fallback: every rank runs "
+                      "triton from iteration 3 on (it replaces fa4, which failed on a rank: its "
+                      "warning above); the latency model re-priced x1.50 (the table's profile: "
+                      "fa4 1.00 ms, triton 1.50 ms)"], follow
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "attention_fallback" not in rows[0]
+    assert all(r["attention_fallback"] == "fa4 -> triton" and r["attention_backend"] == "triton"
+               for r in rows[1:]), [r.get("attention_fallback") for r in rows]
