@@ -77,9 +77,10 @@ BAD_INPUTS = [(["--sb-density", "0"], "error: --sb-density=0.0"),
 
 
 @pytest.mark.reliability(area="launch", case="three bad inputs (density 0, planner timeout nan, "
-                         "a corrupt latency table) on PP=2 x DP=2 forked ranks (no torchrun "
-                         "store)", expect="each refused in one line said once (rank 0), the job "
-                         "exits 1 before any training")
+                         "a corrupt latency table) on PP=2 x DP=2 forked ranks (their leader "
+                         "hosts the job's store, as torchrun does)",
+                         expect="each refused in one line said once (the first rank to meet "
+                         "it), the job exits 1 before any training")
 def test_bad_inputs_are_said_once_per_job(tmp_path, small_jsonl):
     from tests.conftest import run_entry
 

@@ -61,8 +61,8 @@ def test_the_error_file_makes_the_line_torchruns_root_cause(monkeypatch, tmp_pat
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     monkeypatch.setattr(comm, "is_initialized", lambda: False)
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")                     # no store: rank 0 says it
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "1")                     # one process: rank 0 would say it
     e = refusal.say_refusal(LINE)
     assert e.code == 1 and capsys.readouterr().err == ""
     assert "rank 1 refused the launch as well" in \
@@ -73,9 +73,10 @@ def test_the_error_file_makes_the_line_torchruns_root_cause(monkeypatch, tmp_pat
     assert json.loads((tmp_path / "error.json").read_text())["message"] == LINE
 
 
-@pytest.mark.parametrize("rank,says", [("0", True), ("3", False)])
-def test_without_a_store_rank_0_says_it(monkeypatch, rank, says):
-    """Another launcher, before the process group: no store to claim on."""
+@pytest.mark.parametrize("rank,says", [("0", True), ("3", True)])
+def test_without_a_store_every_rank_says_it(monkeypatch, rank, says):
+    """Another launcher, before the process group: no store to claim on, and rank 0 alone could
+    be stopped by the launcher before it says it (a silent rank left first): every rank."""
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", rank)

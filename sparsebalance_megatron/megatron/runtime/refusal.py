@@ -20,8 +20,10 @@ group):
   A rank that never meets it (a refusal of one rank's own, a file only its node lacks) is not
   waited for past ``ALL_MET_S``.
 
-Without a store (another launcher, before the process group) rank 0 says it, and each rank
-leaves as Python does. A single process keeps the plain form: ``refusal`` returns a
+Without a store (another launcher, before the process group) every rank that meets it says it
+(rank 0 alone could be stopped by its launcher before it says it, as soon as a silent rank has
+left), and each rank leaves as Python does. A single process keeps the plain form: ``refusal``
+returns a
 ``SystemExit`` carrying the line (Python prints it as the process ends), ``say_refusal`` prints
 it now and returns the code. The store comes from ``comm`` (the one module that touches
 torch.distributed).
@@ -59,17 +61,17 @@ def _refuse(line: str) -> bool:
     """Whether this rank says ``line`` (left to the caller: a single process, no store). With
     a store the job agrees on, this rank says it or not and leaves with the others here."""
     world = _world_size()
-    store = None
-    if world > 1:
-        try:
-            store = _store()
-        except Exception:                       # noqa: BLE001 - unreachable: say it here
-            _leave_error_file(line, True)
-            return True
-    if store is None:
+    if world <= 1:
         said = _rank() == 0
         _leave_error_file(line, said)
         return said
+    try:
+        store = _store()
+    except Exception:                           # noqa: BLE001 - unreachable: say it here
+        store = None
+    if store is None:           # nothing to agree on: said by every rank, never by none
+        _leave_error_file(line, True)
+        return True
     key = (f"sparsebalance/refusal/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
            f"{hashlib.sha1(line.encode()).hexdigest()[:16]}")
     try:
