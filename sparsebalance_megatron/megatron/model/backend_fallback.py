@@ -101,7 +101,8 @@ class BackendFallback:
         detached copies, so that a backward kernel that cannot compile fails here, where the
         forward falls back, and not in the step's backward, where nothing can."""
         key = (backend, tuple(q.shape[1:]), tuple(k.shape[1:]), q.dtype, block_size)
-        if key in self._probed or not (torch.is_grad_enabled() and q.requires_grad):
+        if key in self._probed or not (torch.is_grad_enabled() and q.requires_grad) \
+                or _in_backward():       # activation recomputation: probed at a plain forward
             return
         self._probed.add(key)
         qd, kd, vd = (x.detach().requires_grad_() for x in (q, k, v))
@@ -150,6 +151,14 @@ class BackendFallback:
             if b not in self._failed and missing(b, q) is None:
                 return b
         return None
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside a backward pass (activation recomputation's forward)."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:
+        return False
 
 
 def _stderr(line: str) -> None:
