@@ -1,7 +1,7 @@
 """A GPU attention kernel that fails falls back to the next one ``auto`` picks
 (``megatron/model/backend_fallback.py``), tested on the CPU with injected failures: the call's
 kernels are fakes that raise where told; the real kernels' fallback on a GPU is
-tests/gpu/test_backend_fallback.py, the whole run's (every rank follows, the latency model
+tests/gpu/test_backend_fallback_gpu.py, the whole run's (every rank follows, the latency model
 re-priced, the metrics) tests/distributed/test_edges.py."""
 
 from __future__ import annotations
