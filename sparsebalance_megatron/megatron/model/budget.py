@@ -28,6 +28,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...config import BACKENDS
 from ...plan import BudgetPlan
+from .backend_fallback import BackendFallback
 
 
 @dataclass
@@ -74,6 +75,7 @@ class BudgetContext:
         self.dense_below_tokens = 0
         self.set_routing(dense_below_tokens)
         self.attention_backend: Optional[str] = None   # the latency table's pick for 'auto'
+        self.fallback = BackendFallback()              # a failing GPU kernel's successor
         self.plan: Optional[BudgetPlan] = None
         self.dp_rank, self.stage = 0, 0
         self.layer_stages: Optional[tuple] = None

@@ -265,3 +265,22 @@ class EvalIterator:
                                num_microbatches=1)[self.dp_rank]
         return microbatch_inputs(rank[0], self.corpus, self.capacity, self.device,
                                  **self.mb_args)
+
+
+def plugin_datasets(cb, data, sb, args, vp_stage):
+    """The plugin's train, valid and test iterators for ``hooks.datasets_provider`` (every rank
+    builds its own): the callback's train iterator of model chunk ``vp_stage``, and evaluation
+    iterators over the valid and test splits."""
+    from megatron.core import parallel_state as ps
+
+    train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
+    evals = []
+    for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
+        sampler = data.sampler(split, capacity=cb.capacity, seed=sb.seed,
+                               long_sample_policy=sb.long_sample_policy,
+                               pad_multiple=cb.mb_args["pad_multiple"])
+        evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
+            sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(), device=cb.device,
+            consumed_samples=consumed, mb_args=cb.mb_args))
+    return train, evals[0], evals[1]
