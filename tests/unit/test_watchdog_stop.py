@@ -26,7 +26,7 @@ class GoneStore:
     set = get = check = add = _call
 
 
-@pytest.mark.reliability(area="watchdog", case="the launcher SIGKILLed; the run finishes and "
+@pytest.mark.reliability(area="fault", case="the launcher SIGKILLed; the run finishes and "
                          "stops its watchdog (the job's store gone)",
                          expect="stop() returns, no exception, the rank is finished")
 def test_stop_without_the_store_ends_quietly():
