@@ -8,11 +8,12 @@ with ``torch.profiler`` (``--profile --use-pytorch-profiler``; Megatron writes t
 whose time it adds to. Step 2 (the default) is a warm-up step; a steady step (``step`` past the
 warm-ups) costs the step after it the export, so a run's rates should leave that step out.
 
-``summarize_trace(path)`` reads a whole trace: the GPU's kernels (and copies and fills) summed,
-the time the GPU was busy (their union: streams that overlap count once) against the span from
-the first to the last, the recorded step's host time (``ProfilerStep#``), the kernels that took
-the most time, and the ``account`` below. A busy fraction well under 1 means the GPU waited for
-the host: a faster kernel does not make such a step faster.
+``summarize_trace(path)`` reads a whole trace (a probe's: ``fa4_pieces``' passes): the GPU's
+kernels (and copies and fills) summed, the time the GPU was busy (their union: streams that
+overlap count once) against the span from the first to the last, the recorded step's host time
+(``ProfilerStep#``), the kernels that took the most time, and the ``account`` below. A busy
+fraction well under 1 means the GPU waited for the host: a faster kernel does not make such a
+step faster.
 
 ``summarize_step(path, step=None)`` is the same for one ``ProfilerStep#`` (the last one by
 default): the GPU events launched inside it. ``account(gpu_events, cpu_ranges)`` splits kernel
