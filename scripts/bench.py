@@ -38,8 +38,9 @@ STUDIES = {
                      "BENCHMARKS.md attention kernel, docs/GPU.md"),
     "attention_gpu": ("the GPU kernel table: every backend against dense, crossover",
                       "BENCHMARKS.md attention on GPU, docs/GPU.md"),
-    "fa4_pieces": ("FA4's fixed cost per call apart: host time, side passes, selection (GPU)",
-                   "issue 74's device plan, docs/GPU.md"),
+    "fa4_pieces": ("where one sparse call's time goes, kernel by kernel, host and GPU apart: "
+                   "FA4's side passes, both GQA backward forms, selection, copies (GPU)",
+                   "issue 74's device plan (gpu_check.py --steps pieces), docs/GPU.md"),
     "latency_eval": ("a latency table's held-out error on real micro-batches",
                      "BENCHMARKS.md latency model, docs/GPU.md"),
     "latency_cv": ("offline cross-validation of a stored latency table",

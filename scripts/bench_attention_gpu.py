@@ -32,17 +32,14 @@ lists (the call's forward less the kernel's) <= 0.3 ms, held to the synchronised
 and host parts, ``select_gpu_ms`` / ``select_host_ms``, beside it); no packed micro-batch above
 1.02x dense.
 
-``--pieces``: instead of the table, where one call's time goes: each kernel of the kernel alone
-and of the whole call, forward and backward apart (``_kernel_passes.pieces``: a profiler's
-trace, the kernels' GPU time by name per call), one document at each shape and density (FA4's
-side passes, our selection and lists, copies and fills). The summary (``--summarize``) is
+Where one call's time goes kernel by kernel (FA4's side passes, our selection and lists, host
+and GPU apart) is ``scripts/bench.py fa4_pieces``'s. The summary (``--summarize``) is
 ``studies/_kernel_summary.py``'s.
 
     python scripts/bench_attention_gpu.py --json runs/kernel_table.json --jsonl runs/rows.jsonl \
         --deadline-s 200
     python scripts/bench_attention_gpu.py --backends fa4 flash --deadline-s 150
     python scripts/bench_attention_gpu.py --lengths 8192 16384 32768 --cases single file section
-    python scripts/bench_attention_gpu.py --pieces --backends fa4 --densities 0.25 1.0
     python scripts/bench_attention_gpu.py --make-mixes docs/results/packed_mixes_32k.json  # CPU
 """
 
@@ -59,9 +56,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies.common import gpu_provenance  # noqa: E402
-from studies._kernel_passes import (Case, Lists, call_fn, check, dense_passes,  # noqa: E402
-                                   e_against, kernel_fn, make_mixes, parse_shape, pass_times,
-                                   rates)
+from studies._kernel_passes import (Case, Clock, Lists, RowLog, call_fn,  # noqa: E402
+                                   check, dense_passes, e_against, kernel_fn, make_mixes,
+                                   parse_shape, pass_times, rates)
 from studies._kernel_summary import (MIX_TOKENS, TARGET_32K, call_prices,  # noqa: E402,F401
                                      crossover_of, fixed_costs, print_table, summarize)
 DENSITIES = (0.25, 0.5, 1.0, 0.125)
@@ -76,47 +73,6 @@ MIXES_PATH = os.path.join(ROOT, "docs", "results", "packed_mixes_32k.json")
 CHECK_LENS = (1000, 1, 1499, 1596)
 CHECK_DENSITY = 0.3
 FA4_REPEATS = 5
-
-
-class Clock:
-    """The call's deadline: no row starts unless ``margin`` seconds (at least 15, and 1.5x the
-    longest row so far, compiles included) are left. ``deadline_s=None``: no deadline."""
-
-    def __init__(self, deadline_s=None, now=time.monotonic):
-        self.now, self.t0 = now, now()
-        self.end = None if deadline_s is None else self.t0 + deadline_s
-        self.longest = 0.0
-
-    def can_start(self) -> bool:
-        return self.end is None or self.end - self.now() >= max(15.0, 1.5 * self.longest)
-
-    def timed(self, fn):
-        t = self.now()
-        try:
-            return fn()
-        finally:
-            self.longest = max(self.longest, self.now() - t)
-
-
-class RowLog:
-    """Rows in memory and, with ``path``, appended to a JSONL file as each is measured (flushed
-    and synced: a call cut at its limit keeps every finished row)."""
-
-    def __init__(self, path=None):
-        self.rows, self.path = [], path
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            open(path, "w").close()
-
-    def add(self, row):
-        self.rows.append(row)
-        if self.path:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-
-
 
 
 def plan_cases(args, mixes):
@@ -363,9 +319,6 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="start no row later than this many seconds minus a margin")
     ap.add_argument("--make-mixes", metavar="PATH", help="write the packed mixes (CPU) and exit")
-    ap.add_argument("--pieces", action="store_true",
-                    help="instead of the table: each call's kernels by name, forward and "
-                         "backward, from a profiler trace (one document per shape, density)")
     ap.add_argument("--summarize", metavar="JSON",
                     help="print the summary (targets, fixed costs per call) of a table this "
                          "script wrote, and exit (CPU)")
@@ -399,11 +352,7 @@ def main(argv=None) -> int:
     if any(c != "single" for c in args.cases):
         with open(args.mixes) as fh:
             mixes = json.load(fh)["mixes"]
-    if args.pieces:
-        from studies._kernel_pieces import run_pieces
-        finished = run_pieces(args, backends, log, clock, sys.modules[__name__])
-    else:
-        finished = run(args, backends, log, clock, mixes)
+    finished = run(args, backends, log, clock, mixes)
     rows = log.rows
     single = [r for r in rows if r.get("kind") == "call" and r["case"] == "single"
               and "ours_ms" in r]

@@ -16,8 +16,10 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
   across the DST range, 14 query / 2 KV heads, hn 64, block 128): per micro-batch a setup layer,
   two layers forward+backward and a recomputed forward under no_grad; counts Dynamo graphs after
   warm-up and host syncs (``torch.cuda.set_sync_debug_mode``) after each setup;
-- ``pieces``: where one FA4 call's time goes (``bench_attention_gpu.py --pieces``: each kernel
-  of the call, forward and backward, from a profiler trace, and the host's time beside);
+- ``pieces``: where one sparse call's time goes (``scripts/bench.py fa4_pieces``: FA4's kernel
+  in both GQA backward forms and its whole call, and triton's call, each pass's host and GPU
+  time apart and its kernels from a profiler trace: FA4's side passes, our selection and lists,
+  copies and fills);
 - ``latency``: a GPU latency table (``profile_cli --quick``, the train step's model) and its
   held-out MAPE (``scripts/eval_latency_model.py``), priced by the sparse call's price of this
   call's kernel table (``--kernel-table``, or the ``bench`` step's) where there is one
@@ -32,7 +34,10 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
   The step first times cuDNN's kernel and the varlen call per tile at 32K and 64K
   (``dense_tile_costs``), re-prices dense + SAB at cuDNN's kernel (``cudnn_priced``) and states
   each step's bound beside its time (``step_bounds``: non-attention time + d x cuDNN's
-  attention time); Transformer Engine if importable, else the local implementation.
+  attention time); the 32K and 64K runs of dense + SAB and d0 0.5 / 0.25 record their steady
+  step 6 with the PyTorch profiler, summarised kernel by kernel (``gpu_profile``) with the
+  bound's cross-check on it (``profiled_bound``); Transformer Engine if importable, else the
+  local implementation.
 
 Targets checked: the kernel table's (issue 61: 32K one document, the fastest call fwd+bwd
 <= 0.30x cuDNN at density 0.25 and 0.58x at 0.5, e >= 0.9 per pass, selection and lists <= 0.3
@@ -75,7 +80,7 @@ STEPS = ("env", "smoke", "pieces", "bench", "tests", "autotune", "recompile", "l
          "train")
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
 LIMIT_S = {"env": 20, "smoke": 110, "pieces": 40, "bench": 75, "tests": 150, "autotune": 50,
-           "recompile": 180, "latency": 110, "dst": 90, "train": 375}
+           "recompile": 180, "latency": 110, "dst": 90, "train": 385}
 def price_table(table_path, kernel_table, shape="14/2/64"):
     """Rewrite a profiled latency table to carry the sparse call's price of its backend at
     ``shape`` from ``kernel_table`` (``price_fit.attach_price``: ``LatencyModel.fit`` then

@@ -88,11 +88,11 @@ KERNEL_CALLS: Tuple[Call, ...] = (
 )
 # Issue 74's plan, ONE for all its open work, the decisive measurement first: (1) stages FA4's
 # first piece (the tree, 21.9 MiB on 2026-11-27, leaves no room beside it for megatron-core's
-# .whl, 10.1 MiB); (2) FA4's pieces, kernel by kernel (and the selection's and lists', through
-# triton's call), then FA4's price at two lengths; (3) the full-depth model's steady steps,
-# profiled, at 32K and 64K against dense + SAB priced at cuDNN's kernel and measured through
-# cuDNN SDPA, each step beside its bound, then DST with GPU timings (PP 4 x DP 4). 720 s of
-# device time with the start and the transfers (``DEVICE_S``)
+# .whl, 10.1 MiB); (2) FA4's pieces, kernel by kernel, host and GPU apart (and the selection's
+# and lists', through triton's call: ``fa4_pieces``), then FA4's price at two lengths; (3) the
+# full-depth model's steady steps, profiled, at 32K and 64K against dense + SAB priced at
+# cuDNN's kernel and measured through cuDNN SDPA, each step beside its bound, then DST with GPU
+# timings (PP 4 x DP 4). 720 s of device time with the start and the transfers (``DEVICE_S``)
 PLAN: Tuple[Call, ...] = (
     Call("stage", ("env",), 35, 25, carry=(".whl-fa4/1",), outputs=("gpu_check.json",),
          what="versions, imports, signatures, which backends can run; FA4's first piece staged "
@@ -100,17 +100,19 @@ PLAN: Tuple[Call, ...] = (
     Call("fa4", ("pieces", "bench"), 125, 115, carry=(".whl-fa4/2",), complete=True,
          bench_backends=("fa4",), bench_lengths=(32768, 16384),
          outputs=KERNEL_OUTPUTS + ("pieces_rows.jsonl",),
-         what="FlashAttention-4 (the pieces joined): where one call's time goes, kernel by "
-              "kernel, forward and backward (its side passes, our selection and lists: fa4 and "
-              "triton's call, 32K, 8/2 x 128 and 14/2 x 64, d 0.25 and 1), then fa4 checked "
-              "against float64 and its kernel table at 32K and 16K, one document and a packed "
-              "micro-batch: the price per call, token and tile, each pass apart"),
+         what="FlashAttention-4 (the pieces joined): where one call's time goes (scripts/bench.py "
+              "fa4_pieces: FA4's kernel in both GQA backward forms and its call, triton's call; "
+              "32K, 8/2 x 128 and 14/2 x 64, d 0.25 and 1; per pass host and GPU apart and the "
+              "kernels from a trace: FA4's side passes, our selection and lists, copies), then "
+              "fa4 checked against float64 and its kernel table at 32K and 16K, one document "
+              "and a packed micro-batch: the price per call, token and tile, each pass apart"),
     Call("e2e", ("train", "dst"), 490, 475, carry=(".whl",),
          what="pretrain() of the full-depth Qwen2.5-0.5B (24 layers) on documents of 16K+ "
               "tokens: dense + SAB and --sparse-balance d0 0.25 / 0.5 at 32K, dense + SAB and "
               "d0 0.25 at 64K (full recomputation where only that fits the device), dense + "
-              "SAB through cuDNN SDPA at 32K (measured), a warm-up step of each profiled (the "
-              "steady step's time by kernel), each step beside its bound; then DST with GPU "
+              "SAB through cuDNN SDPA at 32K (measured), steady step 6 of each profiled and "
+              "summarised kernel by kernel, each step beside its bound (per step, and on the "
+              "profiled step as the cross-check); then DST with GPU "
               "timings (scripts/bench.py dst_gpu: PP 4 x DP 4 x 4 micro-batches of 32K, the "
               "units timed with CUDA events, composed by the simulator: DST, static, dense + "
               "SAB)"),

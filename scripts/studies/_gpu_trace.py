@@ -8,11 +8,12 @@ with ``torch.profiler`` (``--profile --use-pytorch-profiler``; Megatron writes t
 whose time it adds to. Step 2 (the default) is a warm-up step; a steady step (``step`` past the
 warm-ups) costs the step after it the export, so a run's rates should leave that step out.
 
-``summarize_trace(path)`` reads a whole trace: the GPU's kernels (and copies and fills) summed,
-the time the GPU was busy (their union: streams that overlap count once) against the span from
-the first to the last, the recorded step's host time (``ProfilerStep#``), the kernels that took
-the most time, and the ``account`` below. A busy fraction well under 1 means the GPU waited for
-the host: a faster kernel does not make such a step faster.
+``summarize_trace(path)`` reads a whole trace (a probe's: ``fa4_pieces``' passes): the GPU's
+kernels (and copies and fills) summed, the time the GPU was busy (their union: streams that
+overlap count once) against the span from the first to the last, the recorded step's host time
+(``ProfilerStep#``), the kernels that took the most time, and the ``account`` below. A busy
+fraction well under 1 means the GPU waited for the host: a faster kernel does not make such a
+step faster.
 
 ``summarize_step(path, step=None)`` is the same for one ``ProfilerStep#`` (the last one by
 default): the GPU events launched inside it. ``account(gpu_events, cpu_ranges)`` splits kernel
@@ -35,9 +36,11 @@ time into what the issue's table names:
 A kernel is tied to its launch by the profiler's ``correlation`` (runtime / driver launch
 events), and the launch to the CPU ops and annotations open on its thread at that moment.
 ``step_bound(non_attention_ms, cudnn_attention_ms, density)`` is a step's bound (its
-non-attention time plus ``d`` x cuDNN's attention time), ``dense_split`` those two times from a
-dense cuDNN run's profiled step, ``bound_record`` the e2e JSON's entry beside a measured step.
-Pure Python; reads a file, imports neither torch nor megatron.
+non-attention time plus ``d`` x cuDNN's attention time), the one body of it: the train step's
+headline bound per steady step (``_train_report.step_bounds``) calls it, and so does its
+cross-check on the profiled step (``_train_report.profiled_bounds``), whose inputs
+``dense_split`` takes from a dense run's profiled step and ``bound_record`` states beside the
+measured step. Pure Python; reads a file, imports neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -313,9 +316,9 @@ def step_bound(non_attention_ms: float, cudnn_attention_ms: float, density: floa
 
 
 def dense_split(dense_step: dict):
-    """(non-attention ms, attention ms) of a dense cuDNN run's profiled step
-    (``summarize_step``): its attention kernels, and the rest of its host step time (the other
-    kernels, copies and the GPU's idle); None where the trace held no accounted GPU event."""
+    """(non-attention ms, attention ms) of a dense run's profiled step (``summarize_step``): its
+    attention kernels, and the rest of its host step time (the other kernels, copies and the
+    GPU's idle); None where the trace held no accounted GPU event."""
     if "ms" not in dense_step:
         return None
     attn = dense_step["ms"]["attention"]
@@ -324,8 +327,9 @@ def dense_split(dense_step: dict):
 
 def bound_record(non_attention_ms: float, cudnn_attention_ms: float, density: float,
                  measured_ms: float) -> dict:
-    """The e2e JSON's bound beside a measured sparse step (``step_bound``; ``density``: the kept
-    density), and ``over_bound = measured / bound - 1``: the distance that is our overhead."""
+    """The e2e JSON's cross-check bound beside a measured step (``step_bound``; ``density``: the
+    kept density, 1 for a dense step), and ``over_bound = measured / bound - 1``: the distance
+    that is our overhead."""
     bound = step_bound(non_attention_ms, cudnn_attention_ms, density)
     return {"bound_ms": bound, "measured_ms": measured_ms, "density": density,
             "non_attention_ms": non_attention_ms, "cudnn_attention_ms": cudnn_attention_ms,

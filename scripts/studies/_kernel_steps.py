@@ -1,8 +1,8 @@
 """gpu_check's kernel-side steps (``scripts/gpu_check.py``): ``env`` (versions, imports, the torch
 signatures every GPU path calls), ``bench`` / ``smoke`` (the kernel table,
 ``bench_attention_gpu.py``, its rows as measured), ``pieces`` (one call's kernels from a
-profiler trace), ``autotune`` and the ``recompile`` child (graphs and host syncs of
-training-shaped calls).
+profiler trace, host and GPU apart: ``fa4_pieces``), ``autotune`` and the ``recompile`` child
+(graphs and host syncs of training-shaped calls).
 
 Each returns the step's record for ``gpu_check.json``; torch and the package are imported inside.
 """
@@ -192,19 +192,23 @@ def step_recompile(backend="flex"):
 
 
 def step_pieces(py, out_dir, work, limit, env):
-    """Where one call's time goes, kernel by kernel (``bench_attention_gpu.py --pieces``): fa4
-    (its kernel both ways, its whole call) and triton's call (the same fused selection and
-    lists), at both shapes, densities 0.25 and 1, one 32K document."""
+    """Where one sparse call's time goes (``scripts/bench.py fa4_pieces``, its defaults): fa4's
+    kernel in both GQA backward forms and its whole call, then triton's call, at 8/2 x 128 and
+    14/2 x 64, densities 0.25 and 1, one 32K document; each pass's host and GPU time apart and
+    its kernels from a profiler trace. Rows to ``out_dir`` as measured, the JSON to ``work``,
+    a deadline 10 s under ``limit``."""
     jsonl = os.path.join(out_dir, "pieces_rows.jsonl")
-    if os.path.exists(jsonl):
-        os.remove(jsonl)
-    rc, sec, tail = _run([py, "scripts/bench_attention_gpu.py", "--pieces", "--backends", "fa4",
-                          "triton",
-                          "--densities", "0.25", "1.0", "--cases", "single", "--no-check",
-                          "--jsonl", jsonl, "--deadline-s", str(max(10, limit - 10))],
+    path = os.path.join(work, "fa4_pieces.json")
+    for f in (jsonl, path):
+        if os.path.exists(f):
+            os.remove(f)     # never stale rows
+    rc, sec, tail = _run([py, "scripts/bench.py", "fa4_pieces", "--jsonl", jsonl, "--json", path,
+                          "--deadline-s", str(max(10, limit - 10))],
                          os.path.join(work, "pieces.log"), limit, env)
     rows = rows_of(jsonl)
-    res = {"ok": rc == 0 and bool(rows), "rc": rc, "seconds": sec, "rows": len(rows)}
+    res = {"ok": rc == 0 and bool(rows), "rc": rc, "seconds": sec, "rows": len(rows),
+           "failed_rows": [f"{r['backend']} {r['what']} {r['shape']} d={r['density']}: "
+                           f"{r['failed'][:160]}" for r in rows if "failed" in r][:8]}
     if rc != 0:
         res["tail"] = tail[-1500:]
     return res

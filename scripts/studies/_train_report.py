@@ -2,14 +2,26 @@
 from its per-step metrics (``train_summary``), and each sparse run of a data set against its
 dense runs: the fastest of them (``compare_with_dense``), dense + SAB measured through cuDNN
 (``cudnn_measured``) and dense + SAB re-priced at cuDNN's kernel per tile (``cudnn_priced``),
-step for step where both ran the same global batch (``paired_speedup``); and every run's steps
-beside their bound (``step_bounds``: the step's non-attention time plus d x cuDNN's attention
-time, the distance to it being the plugin's overhead).
+step for step where both ran the same global batch (``paired_speedup``).
+
+Every run's steps beside their bound (``_gpu_trace.step_bound``, the one body of it: the step's
+non-attention time plus d x cuDNN's attention time, the distance to it being the plugin's
+overhead), from two inputs:
+
+- ``step_bounds``, **the e2e JSON's headline bound** (``bound_s``, ``vs_bound``: the issue-74
+  target "within 5% of its bound"): every steady step of every run, its non-attention time
+  dense + SAB's through the varlen call less its attention priced per tile, cuDNN's attention
+  the same tiles at cuDNN's price;
+- ``profiled_bounds``, **the cross-check** (``profiled_bound``): the one profiled step of each
+  profiled run, from the kernels its trace holds (``_gpu_trace.dense_split``,
+  ``bound_record``).
 
 Pure Python; imports neither torch nor megatron.
 """
 
 from __future__ import annotations
+
+from ._gpu_trace import bound_record, dense_split, step_bound
 
 # Qwen2.5-0.5B at full depth (24 layers; issue 74: the reduced 8-layer model's LM head hid the
 # attention, 33-38% of its cuDNN-priced dense step), its heads, widths, vocabulary and RoPE
@@ -25,14 +37,17 @@ def runs_of(runs: dict, data_name: str) -> dict:
     return {k[len(head):]: r for k, r in runs.items() if k.startswith(head)}
 
 
-def train_summary(records):
+def train_summary(records, left_out=()):
     """Per run, after the warm-up steps: tokens/s as all their tokens over all their seconds
     (each step's global batch holds different documents, so one step's tokens/s swings with its
     padding: the H200 run of 2026-11-26 read 35-101K tokens/s in one run), the median step's
     tokens/s beside it, and each step's seconds (``step_s``, for the paired comparison of
     ``paired_speedup``); the losses of every step; the last step's work-weighted mean density
-    and per-stage densities. Records without ``tokens``/``step_time_s`` give the median."""
-    steady = [r for r in records if r.get("step", 0) > TRAIN_WARMUP and r.get("tokens_per_s")]
+    and per-stage densities. Records without ``tokens``/``step_time_s`` give the median.
+    ``left_out``: step numbers no rate counts (a profiled run's step after the profiled one,
+    which pays the trace's export), named in ``left_out_steps`` with their seconds."""
+    steady = [r for r in records if r.get("step", 0) > TRAIN_WARMUP and r.get("tokens_per_s")
+              and r.get("step") not in left_out]
     median = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2] if steady else None
     timed = steady and all(r.get("tokens") and r.get("step_time_s") for r in steady)
     out = {"steps": len(records), "losses": [r.get("loss") for r in records],
@@ -51,6 +66,9 @@ def train_summary(records):
                             if r.get("mean_density") is not None},
            "mean_density": records[-1].get("mean_density") if records else None,
            "density_per_stage": records[-1].get("density_per_stage") if records else None}
+    if left_out:
+        out["left_out_steps"] = {str(r["step"]): r.get("step_time_s") for r in records
+                                 if r.get("step") in left_out}
     # steps that paid a Triton compile (``kernel_compiles``, sparse runs): a long run amortises
     # them, ten steps do not, so the rates without them go beside the others
     compiled = {str(r["step"]): r.get("kernel_compile_s") for r in records
@@ -117,21 +135,16 @@ def _tile_seconds(tile_us, data_name):
     return fit[-1]["varlen"] / 1e6, fit[-1]["cudnn"] / 1e6
 
 
-def step_bound(nonattention_s: float, attention_cudnn_s: float, density: float) -> float:
-    """A step's bound: its non-attention seconds plus ``density`` x cuDNN's attention seconds
-    (what a kernel that costs d x cuDNN's would leave: the issue-74 target is a steady step
-    within 5% of it)."""
-    return nonattention_s + density * attention_cudnn_s
-
-
 def step_bounds(runs, data_name, tile_us, layers=None):
-    """Each run of ``data_name`` beside its bound, step by step (``step_bound``): a step's
-    non-attention seconds are dense + SAB's through the varlen call (``dense_sab``, the same
-    global batch) less its attention (``layers`` x the step's causal tiles x varlen's seconds
-    per tile), cuDNN's attention the same tiles at cuDNN's; ``d`` is the step's kept density
-    (``step_density``; 1 for a dense run). Each run gets ``bound_s`` per step, ``vs_bound``
-    (its seconds over the bound's over the steps both have: 1.0 is at the bound) and
-    ``nonattention_s``; nothing where dense + SAB or the tile costs were not measured."""
+    """The e2e JSON's headline bound (module docstring): each run of ``data_name`` beside its
+    bound step by step (``step_bound``): a step's non-attention seconds are dense + SAB's
+    through the varlen call (``dense_sab``, the same global batch) less its attention
+    (``layers`` x the step's causal tiles x varlen's seconds per tile), cuDNN's attention the
+    same tiles at cuDNN's; ``d`` is the step's kept density (``step_density``; 1 for a dense
+    run). Each run gets ``bound_s`` per step, ``vs_bound`` (its seconds over the bound's over
+    the steps both have: 1.0 is at the bound) and ``nonattention_s``; nothing where dense + SAB
+    or the tile costs were not measured. A step the bound refuses (non-attention priced below
+    zero, no kept density) is named in ``bound_refused`` instead."""
     base = runs.get(f"{data_name}/dense_sab", {})
     work, secs = base.get("step_dense_work") or {}, base.get("step_s") or {}
     per_tile = _tile_seconds(tile_us or {}, data_name)
@@ -144,12 +157,64 @@ def step_bounds(runs, data_name, tile_us, layers=None):
         mine = run.get("step_s") or {}
         dens = run.get("step_density") or {}
         dense = variant.startswith("dense")
-        bound = {k: step_bound(rest[k], layers * work[k] * cudnn, 1.0 if dense else dens[k])
-                 for k in mine if k in rest and (dense or k in dens)}
+        bound, refused = {}, {}
+        for k in mine:
+            if k not in rest or not (dense or k in dens):
+                continue
+            try:          # step_bound takes milliseconds
+                bound[k] = step_bound(1e3 * rest[k], 1e3 * layers * work[k] * cudnn,
+                                      1.0 if dense else dens[k]) / 1e3
+            except ValueError as e:
+                refused[k] = str(e)
+        if refused:
+            run["bound_refused"] = refused
         if not bound:
             continue
         run.update(bound_s=bound, nonattention_s={k: rest[k] for k in bound},
                    vs_bound=sum(mine[k] for k in bound) / sum(bound.values()))
+
+
+def profiled_bounds(runs, data_name, tile_us, step: int):
+    """The cross-check of ``step_bounds`` (module docstring) on the profiled step ``step``, the
+    same global batch in every run: each profiled run of ``data_name`` (``gpu_profile``, the
+    trace's ``_gpu_trace.summarize_step``) gets ``profiled_bound`` (``bound_record``: the bound
+    beside the step's host time in its trace, ``measured_ms``, and ``over_bound``), with the
+    step's seconds in the metrics beside (``metrics_step_s``) and where each input came from.
+    Non-attention: dense + SAB's profiled step through the varlen call less its attention
+    kernels (``dense_split``: its other kernels, copies and GPU idle). cuDNN's attention: the
+    measured cuDNN run's attention kernels in its profiled step (``dense_sab_sdpa``: a long
+    document alone in its call, at 32K), else dense + SAB's attention kernels priced at cuDNN's
+    seconds per tile over varlen's (64K: no measured cuDNN run; the trace's kernels count a
+    recomputed forward too). Nothing where dense + SAB's step was not profiled."""
+    base = runs.get(f"{data_name}/dense_sab", {}).get("gpu_profile") or {}
+    split = dense_split(base)
+    if split is None:
+        return
+    non_attention, varlen_ms = split
+    cudnn = dense_split(runs.get(f"{data_name}/dense_sab_sdpa", {}).get("gpu_profile") or {})
+    tiles = _tile_seconds(tile_us or {}, data_name)
+    if cudnn is not None:
+        attention, source = cudnn[1], "measured: dense_sab_sdpa's attention kernels"
+    elif tiles:
+        attention = varlen_ms * tiles[1] / tiles[0]
+        source = "priced: dense_sab's attention kernels x cuDNN's / varlen's seconds per tile"
+    else:
+        return
+    for variant, run in runs_of(runs, data_name).items():
+        prof = run.get("gpu_profile") or {}
+        if not prof.get("host_step_ms"):
+            continue
+        dense = variant.startswith("dense")
+        d = 1.0 if dense else (run.get("step_density") or {}).get(str(step))
+        try:
+            rec = bound_record(non_attention, attention, d, prof["host_step_ms"])
+        except ValueError as e:
+            run["profiled_bound"] = {"refused": str(e)}
+            continue
+        run["profiled_bound"] = dict(
+            rec, step=step, metrics_step_s=(run.get("step_s") or {}).get(str(step)),
+            non_attention_from="dense_sab's profiled step less its attention kernels",
+            cudnn_attention_from=source)
 
 
 def cudnn_measured(runs, data_name):

@@ -2,8 +2,9 @@
 attention per pass with FA4's side passes apart, selection and lists, copies and fills, GPU idle),
 on synthetic CUDA events named as the real kernels are (cuDNN SDPA, FA4's CuTe kernels, our
 Triton kernels, cuBLAS GEMMs, memcpy / memset, fills) and on a real CPU profiler trace of the
-sparse attention with GPU events attached to its real launch points; the step's bound; the FA4
-pieces probe's row (``fa4_pieces.pieces_row``)."""
+sparse attention with GPU events attached to its real launch points; the step's bound; the
+pieces probe (``fa4_pieces``): its row, a trace's summary per call, the gpu_check step that
+runs it."""
 
 import gzip
 import json
@@ -235,3 +236,79 @@ def test_fa4_pieces_says_why_it_cannot_run(capsys):
     from studies import fa4_pieces
     assert fa4_pieces.main([]) == 2
     assert "the fa4 backend cannot run here: it needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_pieces_trace_is_stated_per_call_pass_by_pass():
+    """``fa4_pieces``: each pass profiled over several calls (no GPU event on a CPU), its
+    summary per call (kernels, milliseconds and the costliest kernels divided, the busy
+    fraction as it is), and the passes' accounts summed into the row's pieces."""
+    import torch
+    from studies import fa4_pieces as fp
+    x = torch.randn(64, 64, requires_grad=True)
+    got = fp.pass_kernels(lambda a: (a @ a).tanh(), [x], torch.ones(64, 64), calls=2)
+    for p in ("fwd", "bwd"):
+        assert got[p]["kernels"] == 0 and got[p]["top"] == [] and got[p]["ms"] == {}
+    summary = {"kernels": 4, "kernel_ms": 3.5, "busy_fraction": 0.8,
+               "top": [{"name": "flash_bwd", "ms": 3.0, "count": 2}],
+               "account": {"ms": {"attention": 3.0, "copies": 0.5},
+                           "attention_passes": {"bwd": 3.0}, "attention_by_kernel": {"fa4": 3.0}}}
+    k = fp.per_call(summary, 2)
+    assert k["kernel_ms"] == pytest.approx(1.75) and k["kernels"] == 2 and k["busy_fraction"] == 0.8
+    assert k["top"][0] == {"name": "flash_bwd", "ms": 1.5, "count": 1.0}
+    assert k["ms"] == {"attention": 1.5, "copies": 0.25}
+    with pytest.raises(ValueError, match="calls=0: expected at least one"):
+        fp.per_call(summary, 0)
+    both = fp.summed([k, {"ms": {"selection": 0.2}, "attention_passes": {"fwd": 0.5}}])
+    assert both["ms"] == {"attention": 1.5, "copies": 0.25, "selection": 0.2}
+    assert both["attention_passes"] == {"bwd": 1.5, "fwd": 0.5}
+    row = fp.pieces_row({"fwd": {}, "bwd": {}}, both)
+    assert row["fwd_kernel_ms"] == 0.5 and row["bwd_kernel_ms"] == 1.5
+    assert row["selection_ms"] == 0.2 and row["copies_ms"] == 0.25
+
+
+def test_gpu_checks_pieces_step_runs_the_one_probe(monkeypatch, tmp_path):
+    """gpu_check's ``pieces`` step (the device plan's fa4 call, first) runs ``scripts/bench.py
+    fa4_pieces`` at its defaults (fa4 then triton, both shapes, d 0.25 then 1, one 32K
+    document), rows to the call's ``$OUT`` as measured, a deadline under the step's limit."""
+    import importlib
+    import json
+    ks = importlib.import_module("studies._kernel_steps")
+    from studies import fa4_pieces as fp
+    assert (fp.BACKENDS, fp.SHAPES, fp.DENSITIES, fp.TOKENS) == (
+        ("fa4", "triton"), ("8/2/128", "14/2/64"), (0.25, 1.0), 32768)
+    cmds = []
+
+    def fake_run(cmd, log, limit, env):
+        cmds.append(cmd)
+        with open(cmd[cmd.index("--jsonl") + 1], "w") as f:
+            f.write(json.dumps({"backend": "fa4", "what": "call", "shape": "8/2/128",
+                                "density": 0.25, "failed": "RuntimeError: x"}) + "\n")
+        return 1, 2.0, "tail"
+
+    monkeypatch.setattr(ks, "_run", fake_run)
+    got = ks.step_pieces("py", str(tmp_path), str(tmp_path), 40, {})
+    assert cmds[0][1:3] == ["scripts/bench.py", "fa4_pieces"]
+    assert cmds[0][cmds[0].index("--deadline-s") + 1] == "30"
+    assert cmds[0][cmds[0].index("--jsonl") + 1] == str(tmp_path / "pieces_rows.jsonl")
+    assert got["rows"] == 1 and not got["ok"]
+    assert got["failed_rows"] == ["fa4 call 8/2/128 d=0.25: RuntimeError: x"]
+
+
+def test_a_pieces_row_is_measured_end_to_end_on_cpu(monkeypatch):
+    """``fa4_pieces.measure`` through the torch backend's whole call on CPU (the probe's path
+    without a device: no host/GPU split, no GPU kernel): one row per call with its pass times,
+    pieces and per-pass kernels; a clock out of time starts none."""
+    import torch
+    from studies import _kernel_passes as kp
+    from studies import fa4_pieces as fp
+    init = kp.Case.__init__
+    monkeypatch.setattr(kp.Case, "__init__", lambda self, *a, **k: init(
+        self, *a, **dict(k, device="cpu", dtype=torch.float32)))
+    log = kp.RowLog(None)
+    assert fp.measure("torch", "4/2/32", 512, [0.5], 1, kp.Clock(None), log)
+    (row,) = log.rows
+    assert (row["kind"], row["what"], row["density"]) == ("pieces", "call", 0.5)
+    assert row["fwd_ms"] > 0 and row["bwd_method"] == "retained graph" and "failed" not in row
+    assert row["bwd_side_ms"] == 0.0 and set(row["kernels"]) == {"fwd", "bwd"}
+    late = kp.Clock(deadline_s=1.0)
+    assert not fp.measure("torch", "4/2/32", 512, [0.5], 1, late, kp.RowLog(None))

@@ -117,6 +117,10 @@ def test_the_full_depth_estimate_fits_each_data_set_to_the_device():
     gc = _script("gpu_check")
     total = sum(est[d]["runs"][v]["run_s"] for d, v in ts.TARGET_RUNS[:5])
     assert total + 20 < gc.LIMIT_S["train"]
+    # all six with the tile costs first (15 s) and what each profiled one adds
+    six = sum(est[d]["runs"][v]["run_s"] + (ts.PROFILE_S if (d, v) in ts.TRAIN_PROFILED else 0)
+              for d, v in ts.TARGET_RUNS)
+    assert six + 15 <= gc.LIMIT_S["train"]
 
 
 def test_each_step_is_stated_beside_its_bound():
@@ -138,7 +142,7 @@ def test_each_step_is_stated_beside_its_bound():
                              "5": pytest.approx(0.22 + 0.5 * 0.12)}
     assert sb["vs_bound"] == pytest.approx(0.5 / (0.15 + 0.28))
     assert runs["long_docs/dense_sab_sdpa"]["bound_s"]["4"] == pytest.approx(0.24)
-    assert tr.step_bound(1.0, 2.0, 0.25) == 1.5
+    assert _studies("_gpu_trace").step_bound(1.0, 2.0, 0.25) == 1.5   # the one body
     gc = _script("gpu_check")
     t = gc.targets({"train": {"runs": runs}})
     assert t["train_long_docs/sb_d0.25_within_5%_of_bound"] is False
@@ -231,21 +235,31 @@ def test_the_measured_cudnn_run_is_the_baseline_and_the_re_priced_one_its_check(
 
 
 def test_the_train_step_profiles_the_steady_steps_at_32k_and_64k(monkeypatch, tmp_path):
-    """The profiled runs get Megatron's profiler flags and their trace's summary; the others
-    neither."""
+    """The profiled runs (dense + SAB both ways, d0 0.5 and 0.25, at 32K and 64K) get
+    Megatron's profiler flags for step 6 and their step's summary; the step after it (the
+    trace's export) counts in no rate; the others get neither."""
     ts = _studies("_train_step")
     cmds = {}
 
     def fake_run(cmd, log, left, env):
+        import gzip
+        import json
         name = os.path.basename(log)[len("train_"):-len(".log")]
         cmds[name] = cmd
+        metrics = cmd[cmd.index("--sb-metrics-file") + 1]
+        with open(metrics, "w") as f:
+            for step in range(1, 11):
+                f.write(json.dumps({"step": step, "tokens": 1000, "tokens_per_s": 1000.0,
+                                    "step_time_s": 9.0 if step == 7 else 1.0}) + "\n")
         if "--profile" in cmd:
+            assert cmd[cmd.index("--profile-step-start") + 1] == str(ts.PROFILE_STEP) == "6"
             tb = cmd[cmd.index("--tensorboard-dir") + 1]
             out = os.path.join(os.path.dirname(tb), "torch_profile")
             os.makedirs(out)
             with open(os.path.join(out, "rank-0.json.gz"), "wb") as f:
-                import gzip
-                f.write(gzip.compress(b'{"traceEvents": []}'))
+                f.write(gzip.compress(json.dumps({"traceEvents": [
+                    {"ph": "X", "cat": "cpu_op", "name": f"ProfilerStep#{s}", "ts": 1e6 * s,
+                     "dur": 1000.0 * s} for s in (5, 6)]}).encode()))
         return 0, 1.0, ""
 
     monkeypatch.setattr(ts, "run_logged", fake_run)
@@ -256,11 +270,53 @@ def test_the_train_step_profiles_the_steady_steps_at_32k_and_64k(monkeypatch, tm
     profiled = {n for n, c in cmds.items() if "--profile" in c}
     assert profiled == {f"{d}_{v}" for d, v in ts.TRAIN_PROFILED} == {
         "long_docs_dense_sab", "long_docs_sb_d0.25", "long_docs_sb_d0.5",
-        "long_docs_64k_dense_sab", "long_docs_64k_sb_d0.25"}
-    assert res["runs"]["long_docs/sb_d0.25"]["gpu_profile"] == {"kernels": 0,
-                                                                "host_step_ms": None}
-    assert "gpu_profile" not in res["runs"]["long_docs_64k/sb_d0.5"]
+        "long_docs_dense_sab_sdpa", "long_docs_64k_dense_sab", "long_docs_64k_sb_d0.25",
+        "long_docs_64k_sb_d0.5"}
+    run = res["runs"]["long_docs/sb_d0.25"]
+    assert run["gpu_profile"] == {"step": "ProfilerStep#6", "host_step_ms": 6.0, "kernels": 0}
+    assert "7" not in run["step_s"] and run["left_out_steps"] == {"7": 9.0}
+    assert run["tokens_per_s"] == 1000.0                      # step 7's 9 s left out
+    files = res["runs"]["files/dense_sab"]
+    assert "gpu_profile" not in files and "7" in files["step_s"]
     assert not any(p.startswith("profile_") for p in os.listdir(tmp_path))   # traces removed
+
+
+def test_the_profiled_step_cross_checks_the_bound():
+    """``profiled_bounds``: the profiled step's non-attention time is dense + SAB's host step
+    less its attention kernels; cuDNN's attention is the measured cuDNN run's kernels (32K) or
+    dense + SAB's priced at cuDNN's per tile over varlen's (64K); each profiled run's host step
+    beside it, with its kept density (1 for dense)."""
+    tr = _studies("_train_report")
+    tiles = {"32768": {"cudnn": 0.5, "varlen": 0.75, "block": 128}}
+
+    def prof(host, attention):
+        return {"step": "ProfilerStep#6", "host_step_ms": host, "kernels": 9,
+                "ms": {"attention": attention, "non_attention": 1.0}}
+
+    runs = {"long_docs/dense_sab": {"gpu_profile": prof(3000.0, 1200.0)},
+            "long_docs/dense_sab_sdpa": {"gpu_profile": prof(2900.0, 700.0)},
+            "long_docs/sb_d0.25": {"gpu_profile": prof(2100.0, 300.0), "step_s": {"6": 2.0},
+                                   "step_density": {"6": 0.25}},
+            "long_docs/sb_d0.5": {"step_s": {"6": 2.5}}}              # not profiled
+    tr.profiled_bounds(runs, "long_docs", tiles, 6)
+    sb = runs["long_docs/sb_d0.25"]["profiled_bound"]
+    assert sb["non_attention_ms"] == 1800.0 and sb["cudnn_attention_ms"] == 700.0
+    assert sb["bound_ms"] == 1800.0 + 0.25 * 700.0 and sb["metrics_step_s"] == 2.0
+    assert sb["over_bound"] == pytest.approx(2100.0 / 1975.0 - 1)
+    assert sb["cudnn_attention_from"].startswith("measured")
+    assert runs["long_docs/dense_sab"]["profiled_bound"]["bound_ms"] == 2500.0
+    assert "profiled_bound" not in runs["long_docs/sb_d0.5"]
+    runs64 = {"long_docs_64k/dense_sab": {"gpu_profile": prof(3000.0, 1200.0)},
+              "long_docs_64k/sb_d0.5": {"gpu_profile": prof(2400.0, 500.0),
+                                        "step_density": {"6": 0.5}}}
+    tr.profiled_bounds(runs64, "long_docs_64k", tiles, 6)      # 64K: the 32K tile costs
+    got = runs64["long_docs_64k/sb_d0.5"]["profiled_bound"]
+    assert got["cudnn_attention_ms"] == pytest.approx(800.0)   # 1200 x 0.5 / 0.75
+    assert got["bound_ms"] == pytest.approx(1800.0 + 400.0)
+    assert got["cudnn_attention_from"].startswith("priced")
+    none = {"long_docs_64k/sb_d0.5": {"gpu_profile": prof(2400.0, 500.0)}}
+    tr.profiled_bounds(none, "long_docs_64k", tiles, 6)        # no dense profile: nothing
+    assert "profiled_bound" not in none["long_docs_64k/sb_d0.5"]
 
 
 def test_dst_with_device_timings_composes_the_measured_units_on_a_tiny_model(tmp_path):

@@ -358,26 +358,3 @@ def test_a_length_under_one_block_is_named_before_any_work(script, argv, needle,
                                        if script == "gpu_check" else [])])
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
-
-
-def test_a_calls_pieces_are_its_passes_kernels_by_name():
-    """``_kernel_pieces.pieces`` (``--pieces``): each pass run under the profiler, per call its
-    wall time and its GPU kernels by name (none on a CPU); the summary of a trace's events."""
-    _script("bench_attention_gpu")                       # scripts/ on sys.path
-    import torch
-    from studies._kernel_pieces import _kernels, pieces
-    x = torch.randn(64, 64, requires_grad=True)
-    got = pieces(lambda a: (a @ a).tanh(), [x], torch.ones(64, 64), reps=2)
-    for p in ("fwd", "bwd"):
-        assert got[p]["wall_ms"] > 0 and got[p]["kernels"] == 0 and got[p]["top"] == []
-
-    class Ev:
-        def __init__(self, key, us, count):
-            self.key, self.self_device_time_total, self.count = key, us, count
-
-    class Prof:
-        def key_averages(self):
-            return [Ev("flash_bwd", 3000.0, 2), Ev("aten::mm", 0.0, 4), Ev("fill", 500.0, 6)]
-    k = _kernels(Prof(), 2)
-    assert k["gpu_ms"] == pytest.approx(1.75) and k["kernels"] == 4
-    assert k["top"][0] == {"name": "flash_bwd", "ms": 1.5, "count": 1.0}
