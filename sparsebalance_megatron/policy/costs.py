@@ -22,6 +22,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from .. import kernels
+from ..kernels import f64
 from ..config import ANCHORS, MAX_RAISE_HEADROOM, ConfigError
 from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 
@@ -107,11 +108,11 @@ class UnitCosts:
     # fwd_s + bwd_s, where the maker has it already (``from_latency``'s compiled pass); only
     # with tables_checked (the tables are kept as given, so the sum stays theirs)
     _total: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
-    # the tables' own formula, where the maker has it (``from_latency``'s compiled pass):
-    # (work [n, g], per_pair [2, stages], fixed [2, n, stages], correction [n, stages], scaled),
-    # fwd = (work x per_pair[0] + fixed[0]) x correction (the factor only where scaled), bwd
-    # likewise; the planner's kernels evaluate it (a few small arrays that stay in the cache)
-    # instead of reading the tables; only with tables_checked (the tables are kept as made)
+    # the tables' own formula, where the maker has it (``from_latency``): (work [n, g],
+    # per_pair [2, stages], fixed [2, n, stages], correction [n, stages], scaled),
+    # ``kernels.grid.unit_seconds``' operands; the descent computes a unit's seconds from it (a
+    # few small arrays that stay in the cache) instead of reading the tables; only with
+    # tables_checked (the tables are kept as made)
     _formula: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -303,19 +304,10 @@ class UnitCosts:
                           np.stack([t.bwd_fixed_s for t in terms], axis=1)])   # [2, n, stages]
         per_pair = np.asarray([[t.fwd_attn_s_per_pair for t in terms],
                                [t.bwd_attn_s_per_pair for t in terms]], np.float64)
-        uncorrected = bool(np.all(corr == 1.0))
-        fb, total = np.empty((2, n, pp, g.size)), None
-        if kernels.enabled():          # one compiled pass, the same operations, and the total
-            total = np.empty((n, pp, g.size))
-            kernels.grid.unit_tables(work, per_pair, fixed, corr, not uncorrected, fb, total)
-        else:
-            for out, fx, pr in zip(fb, fixed, per_pair):
-                # (work x per_pair + fixed) x correction, every stage at once: the same three
-                # operations per element as one stage at a time (x 1.0 is exact: left out)
-                np.multiply(work[:, None, :], pr[None, :, None], out=out)
-                out += fx[:, :, None]
-                if not uncorrected:
-                    out *= corr[:, :, None]
+        fb, total = np.empty((2, n, pp, g.size)), np.empty((n, pp, g.size))
+        # (work x per_pair + fixed) x correction (x 1.0 is exact: left out), and their total
+        formula = (work, f64(per_pair), f64(fixed), f64(corr), not bool(np.all(corr == 1.0)))
+        kernels.grid.unit_tables(*formula, fb, total)
         f, b = fb
         # finite, >= 0 and non-decreasing along the grid when every factor is finite and >= 0
         # and the work is non-decreasing (rounding is monotone); the largest entry is the last
@@ -326,8 +318,6 @@ class UnitCosts:
                        and np.all(np.isfinite(f[..., -1])) and np.all(np.isfinite(b[..., -1])))
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
-        if total is not None:
-            total = total.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
@@ -343,9 +333,8 @@ class UnitCosts:
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
                    pipeline_ranks=model.layout.pp, dense_work=routed,
                    kept_grid=kept.reshape(dp, m, g.size), tables_checked=checked,
-                   _total=total if checked else None,
-                   _formula=(work, per_pair, fixed, corr, not uncorrected)
-                   if checked and total is not None else None)
+                   _total=total.reshape(dp, m, pp, g.size) if checked else None,
+                   _formula=formula if checked else None)
 
     @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,

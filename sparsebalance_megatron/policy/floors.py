@@ -2,10 +2,11 @@
 mean and per-stage density floors and the quality rule, with what does not change between the
 checks computed once.
 
-Where numba runs (``kernels.floors``), a check by grid index first sums the plan's kept work and
-quality cost in one compiled pass, in its own order, with a bound on how far any order's sum
-can be from it; only a plan whose sums lie within that bound of a floor is checked again with
-numpy's sums. The verdicts are numpy's either way (a check returns a verdict, never a sum).
+A check by grid index first sums the plan's kept work and quality cost in one compiled pass
+(``kernels.floors``), in its own order, with a bound on how far any order's sum can be from
+it; only a plan whose sums lie within that bound of a floor is checked again with the floors'
+own sums (``density_means``). The verdicts are theirs either way (a check returns a verdict,
+never a sum), and the rule itself lives in ``density_means`` alone.
 
 Pure numpy and numba; must not import torch, megatron or torch.distributed.
 """
@@ -35,7 +36,7 @@ class FloorCheck:
         self.totals = WeightTotals(costs.weights(), costs.dense_work)
         self.mean_floor, self.stage_floor = mean_floor - 1e-12, stage_floor - 1e-12
         t = self.totals
-        self._fast = kernels.enabled() and t.tot > 0 and bool(np.all(t.w >= 0)) and bool(
+        self._fast = t.tot > 0 and bool(np.all(t.w >= 0)) and bool(
             np.all(self.grid > 0)) and (t.dense is None or bool(np.all(t.dense_s >= 0)))
         if self._fast:
             self._w = np.ascontiguousarray(self.totals.w.reshape(-1), dtype=np.float64)

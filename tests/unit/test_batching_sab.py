@@ -407,15 +407,18 @@ def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
     """SAB's cut of a rank's segments: one whose cost alone reaches the rank's mean cost per
     micro-batch is not packed with the segments before it (with variable-length micro-batches
     that costs no fill)."""
-    from sparsebalance_megatron.batching.packing import _contiguous_bins
+    from sparsebalance_megatron.kernels.packing import rank_bins
 
-    size = [100, 100, 900, 100, 100, 100]
-    cost = [1.0, 1.0, 9.0, 1.0, 1.0, 1.0]         # mean per bin of 3: 4.67
-    bins = _contiguous_bins(list(range(6)), size, cost, 3, 1024, balance=True)
-    assert bins == [[0, 1], [2], [3, 4, 5]]
+    def bins(size, cost):
+        bin_of, slot_of, ok = rank_bins(np.arange(6), np.array([0, 6]), np.array(size),
+                                        np.array(cost), 3, 1024, True)
+        return [np.flatnonzero(bin_of == j).tolist() for j in range(3)]
+
+    # mean per bin of 3: 4.67
+    assert bins([100, 100, 900, 100, 100, 100], [1.0, 1.0, 9.0, 1.0, 1.0, 1.0]) == \
+        [[0, 1], [2], [3, 4, 5]]
     # without such a segment the cut is by the mean cost alone
-    assert _contiguous_bins(list(range(6)), [100] * 6, [1.0] * 6, 3, 1024, balance=True) == \
-        [[0, 1], [2, 3], [4, 5]]
+    assert bins([100] * 6, [1.0] * 6) == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
