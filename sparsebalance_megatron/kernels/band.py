@@ -221,13 +221,14 @@ def _simulate(graph, tables, units, idx, rows, mk, dur, ef):
 
 
 @jit
-def cut_rows(graph, tables, rows_of, fill, cur, excess, water, i_min, iters, out):
-    # every row's cut from grid indices ``cur`` of the seconds ``excess`` [rows, pp] its
-    # stages are above its band (water rows: water-filled within [i_min, cur] to their seconds
-    # at cur less the excess, where positive; the others: moves_row's cut of max(excess, 0)),
-    # then simulated into ``out`` (grid indices, makespans, durations and earliest finishes
+def cut_rows(graph, tables, rows_of, fill, cur, busy, band, water, i_min, iters, out):
+    # every row's cut from grid indices ``cur``: each load unit (the row's rank r mod dp, a
+    # stage q) sheds the seconds its busy time ``busy[r mod dp, q]`` is above the row's band
+    # ``band[r]`` (water rows: water-filled within [i_min, cur] to their seconds at cur less
+    # that excess, where positive; the others: moves_row's cut of it, at least 0), then every
+    # row simulated into ``out`` (grid indices, makespans, durations and earliest finishes
     # [E, rows], busy seconds [rows, pp])
-    idx, mk, dur, ef, busy = out
+    idx, mk, dur, ef, busy1 = out
     t, units, order, dp = tables.tot, rows_of.units, rows_of.order, rows_of.dp
     nr, slots, pp = units.shape
     rows = np.arange(nr)
@@ -237,7 +238,7 @@ def cut_rows(graph, tables, rows_of, fill, cur, excess, water, i_min, iters, out
     for r in range(nr):
         idx[r] = cur[r]
         for q in range(pp):
-            ex = excess[r, q]
+            ex = busy[r % dp, q] - band[r]
             budget[q] = ex if ex > 0.0 else 0.0
             if water[r]:
                 base = 0.0
@@ -259,7 +260,7 @@ def cut_rows(graph, tables, rows_of, fill, cur, excess, water, i_min, iters, out
                 f = units[r, s, q] + idx[r, s, q]
                 v = tables.fwd[f] + tables.bwd[f]
                 acc = v if s == 0 else acc + v
-            busy[r, q] = acc
+            busy1[r, q] = acc
 
 
 @jit
@@ -322,14 +323,15 @@ class BandPass:
                             up=self.up._replace(units=i64(units)))
         return out
 
-    def cut(self, cur, excess, water, i_min: int, iters: int) -> tuple:
+    def cut(self, cur, busy, band, water, i_min: int, iters: int) -> tuple:
         """(cut grid indices [rows, slots, pp], makespans [rows], event durations and earliest
-        finishes [E, rows], busy seconds [rows, pp]) of every row (``cut_rows``)."""
+        finishes [E, rows], busy seconds [rows, pp]) of every row (``cut_rows``: the load units'
+        busy seconds ``busy`` [dp, pp] above the rows' bands ``band`` [rows] shed)."""
         units = self.down.units
         rows, n_ev = units.shape[0], self.graph.prev.size
         out = (np.empty(units.shape, dtype=np.int64), np.empty(rows), np.empty((n_ev, rows)),
                np.empty((n_ev, rows)), np.empty((rows, units.shape[2])))
-        cut_rows(self.graph, self.tables, self.down, self.fill, i64(cur), f64(excess),
+        cut_rows(self.graph, self.tables, self.down, self.fill, i64(cur), f64(busy), f64(band),
                  _bools(water), int(i_min), int(iters), out)
         return out
 
@@ -367,7 +369,7 @@ def warm_up() -> None:
                     Fill.of(np.arange(4.0), np.zeros((1, 1)), np.ones((1, 1)), 0.0, 1.0),
                     np.ones((1, 1, 1)))
     cur, water = np.ones((2, 1, 1), dtype=np.int64), np.array([True, False])
-    _, _, dur, ef, _ = band.cut(cur, np.ones((2, 1)), water, 0, 12)
+    _, _, dur, ef, _ = band.cut(cur, np.ones((1, 1)), np.zeros(2), water, 0, 12)
     band.floats(dur, ef, np.ones(2))
     band.raise_try(cur, np.ones((2, 1, 1)), np.ones((2, 1)), np.arange(2), np.ones(2), water,
                    g - 1, 12)

@@ -193,7 +193,7 @@ def _band(ps: _Pass, candidates) -> tuple:
     if c.mk0 is None:                         # every unit at d0: a cut of nothing
         _, c.mk0, _, _, c.busy0 = ps.fused.with_units(c.rank_units).cut(
             np.full(c.rank_units.shape, c.bounds[0]), np.zeros((dp, c.rank_units.shape[2])),
-            np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)
+            np.full(dp, np.inf), np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)
     for a, _ in candidates:
         if a not in c.anchors:
             c.anchors[a] = anchor_s(c.busy0, a)
@@ -202,16 +202,15 @@ def _band(ps: _Pass, candidates) -> tuple:
 
 
 def _cut(ps: _Pass, candidates, bands) -> tuple:
-    """Step 2: every row's units above its band cut, least sensitive first (stable sort: ties
-    keep micro-batch order), or by water-filling: (the cut's step time per candidate [k],
-    (grid indices, makespans, event durations and earliest finishes, busy seconds))."""
+    """Step 2: every row's load units above its band cut (``kernels.band.cut_rows``): least
+    sensitive micro-batch first (stable sort: ties keep micro-batch order), or by
+    water-filling: (the cut's step time per candidate [k], (grid indices, makespans, event
+    durations and earliest finishes, busy seconds))."""
     c, k, dp = ps.cache, ps.k, ps.dp
     i0, i_min, _ = c.bounds
-    excess = np.tile(c.busy0, (k, 1)) - np.repeat(bands, dp)[:, None]  # [k * dp, pp]
-    cuts = np.array([a != "max" for a, _ in candidates])
-    excess[~np.repeat(cuts, dp)] = 0.0
-    idx_start = np.full((k * dp,) + c.rank_units.shape[1:], i0, dtype=np.int64)
-    cut = ps.fused.cut(idx_start, excess, ps.wrow, i_min, FILL_ITERS)
+    band = np.where([a == "max" for a, _ in candidates], np.inf, bands)   # max: never cut
+    cut = ps.fused.cut(np.full((k * dp,) + c.rank_units.shape[1:], i0), c.busy0,
+                       np.repeat(band, dp), ps.wrow, i_min, FILL_ITERS)
     step1 = cut[1].reshape(k, dp).max(axis=1)                       # [k]
     return step1, cut
 

@@ -186,11 +186,13 @@ def test_a_band_pass_is_its_rows_moved_and_simulated(pp, vp):
     t, units, rows = bp.tables.tot, bp.down.units, 2 * dp
     water = np.arange(rows) % 2 == 0
     cur = np.full(units.shape, 5, dtype=np.int64)
-    busy0 = t.take(units + cur).sum(axis=1)
-    excess = busy0 - rng.uniform(0.5, 1.1, (rows, 1)) * busy0.mean()
-    got = bp.cut(cur, excess, water, 0, FILL_ITERS)
+    busy0 = t.take(units[:dp] + cur[:dp]).sum(axis=1)                # [dp, pp]
+    bands = rng.uniform(0.5, 1.1, rows) * busy0.mean()
+    bands[-1] = np.inf                                                  # a band that cuts none
+    excess = busy0[np.arange(rows) % dp] - bands[:, None]
+    got = bp.cut(cur, busy0, bands, water, 0, FILL_ITERS)
     py = tuple(np.empty_like(x) for x in got)
-    band.cut_rows.py_func(bp.graph, bp.tables, bp.down, bp.fill, cur, excess, water, 0,
+    band.cut_rows.py_func(bp.graph, bp.tables, bp.down, bp.fill, cur, busy0, bands, water, 0,
                           FILL_ITERS, py)
     want = cur.copy()
     for r in range(rows):
