@@ -102,7 +102,8 @@ def test_issue27_long_tail_interleaved_case_gains_what_the_band_leaves():
     lay = PipelineLayout.from_string("Et*3|t*3|t*3|t*2|t*4|t*5|t*4|L", pp=4)  # [3+4]/[3+5]/..
     rows = {}
     for descent in ("off", "critical_path"):
-        cfg = StudyConfig(steps=1, seed=0, dst_descent=descent)
+        cfg = StudyConfig(steps=1, seed=0, sb=SparseBalanceConfig(sparse_balance=True,
+                                                                  dst_descent=descent))
         rows[descent] = run_study(4, cfg, lm, lengths, {"static": ("static", lay),
                                                         "dst": ("dst", lay)})["dst"]
     assert rows["off"]["speedup_vs_static"] < 1.02
