@@ -105,7 +105,7 @@ def fill_exps() -> np.ndarray:
 
 
 class Fill(NamedTuple):
-    """Water-filling's search (``policy.dst_moves.gain_fill``): the stages' gain tables laid
+    """Water-filling's search (``policy.dst_band.gain_fill``): the stages' gain tables laid
     end to end (``flat``), each unit's shift into them and its stage's first entry, the gains'
     clip ``low`` / ``high``, and the exps of the bisection's grid (``fill_exps``)."""
 

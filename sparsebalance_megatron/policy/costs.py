@@ -17,7 +17,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -254,17 +254,6 @@ class UnitCosts:
         if span <= 0:
             return np.ones(self.shape)
         return (t[..., -1] - t[..., 0]) / span
-
-    @classmethod
-    def from_function(cls, cost_fn: Callable[[float], Tuple[np.ndarray, np.ndarray]],
-                      densities: np.ndarray, attn_work: Optional[np.ndarray] = None
-                      ) -> "UnitCosts":
-        """Tabulate ``cost_fn(density) -> (fwd_s [dp, m, pp], bwd_s [dp, m, pp])`` on a grid."""
-        g = np.asarray(densities, dtype=np.float64)
-        pairs = [cost_fn(float(d)) for d in g]
-        f = np.stack([np.asarray(p[0], dtype=np.float64) for p in pairs], axis=-1)
-        b = np.stack([np.asarray(p[1], dtype=np.float64) for p in pairs], axis=-1)
-        return cls(g, f, b, attn_work)
 
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,

@@ -3,8 +3,10 @@
 Steps 1-4 of the rule in ``policy/dst.py``'s docstring: the static plan simulated, the anchor, the
 cut of the load units above the band, the raise below the new bottleneck checked with the 1F1B
 simulator (a rank that overshoots is re-planned with less slack, or reverted to its cuts). The
-moves and their simulation are ``kernels.band``'s, compiled; the band search under density
-floors, the quality objective and the config entry are ``dst.py``'s. Also the plan's types.
+moves and their simulation are ``kernels.band``'s, compiled; here what they are made of (the
+units' table offsets, the anchor, the sensitivities by unit, the quality objective's gain
+tables); the band search under density floors, the quality objective and the config entry are
+``dst.py``'s. Also the plan's types.
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -16,14 +18,14 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
-from ..kernels.records import Tables
+from ..kernels.records import Fill, Tables
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts, check_anchor_tolerance, weighted_mean_density
 from .density_means import WeightTotals
-from .dst_moves import FILL_ITERS, anchor_s, broadcast_sensitivity, gain_fill, lookup, unit_base
 from .dst_settings import DSTSettings
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
+FILL_ITERS = 12           # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
 _REL_EPS = 1e-9           # float slack when comparing makespans
 
 
@@ -302,3 +304,59 @@ def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
             for c, x in enumerate(kept_all.reshape(k, -1).sum(axis=1).tolist())]
     stage = totals.stage(kept_all.sum(axis=(1, 2)), lambda: dens.mean(axis=(1, 2)))
     return mean, [tuple(row) for row in stage.tolist()]
+
+
+def anchor_s(busy_s: np.ndarray, anchor: str) -> float:
+    if anchor == "mean":
+        return float(busy_s.mean())
+    if anchor == "median":
+        return float(np.median(busy_s))
+    if anchor == "min":
+        return float(busy_s.min())
+    return float(busy_s.max())
+
+
+def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:
+    """[k, m, pp] offsets of the units of DP ranks ``rows`` in a flat [dp, m, pp, g] table
+    (flat unit id x g): "units" below always means these offsets."""
+    _, m, pp = shape
+    return ((rows[:, None, None] * m + np.arange(m)[None, :, None]) * pp
+            + np.arange(pp)[None, None, :]) * g
+
+
+def lookup(a: np.ndarray, units: np.ndarray, idx) -> np.ndarray:
+    """a[unit, idx] for a [dp, m, pp, g] table, unit offsets (``unit_base``) and grid indices."""
+    return a.reshape(-1).take(units + idx)
+
+
+def gain_fill(marg: np.ndarray, slots: int, pp: int, vp: int) -> Fill:
+    """Quality water-filling's gain tables (``kernels.band.water_fill``) for units laid
+    [slots, pp]: per unit the highest grid index whose marginal quality gain ``marg[v, i]``
+    ([nv, g], non-increasing in i, +inf at 0) is >= x is found by one search over the stages'
+    negated tables laid end to end, each shifted into its own band (``flat``), a unit's key
+    shifted into its stage's (virtual stage v = chunk x pp + rank; slot = micro-batch x vp +
+    chunk) and its answer less its stage's first entry."""
+    nv, g = marg.shape
+    neg = -np.asarray(marg, dtype=np.float64)                  # ascending, -inf at 0
+    finite = neg[np.isfinite(neg)]
+    low = (float(finite.min()) if finite.size else 0.0) - 1.0   # below every entry
+    high = max(float(finite.max()) if finite.size else 0.0, 0.0) + 0.5
+    width = high - low + 1.0
+    flat = (np.clip(neg, low, None) + np.arange(nv)[:, None] * width).reshape(-1)
+    stage = (np.arange(slots) % vp)[:, None] * pp + np.arange(pp)[None, :]
+    return Fill.of(flat, stage * width, stage * g + 1, low, high)
+
+
+def broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
+    dp, m, pp = shape
+    if sensitivity is None:
+        return np.zeros(shape)
+    s = np.asarray(sensitivity, dtype=np.float64)
+    if s.shape == (dp, m):
+        s = np.broadcast_to(s[:, :, None], shape)
+    if s.shape != shape:
+        raise ValueError(f"sensitivity must be [dp, m]={(dp, m)} or [dp, m, pp]={shape}, "
+                         f"got {s.shape}")
+    if not np.all(np.isfinite(s)):
+        raise ValueError("sensitivity must be finite")
+    return s

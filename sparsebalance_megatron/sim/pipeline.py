@@ -335,20 +335,7 @@ def _check_interleaved(shape, pp) -> None:
 
 def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, record: bool = False) -> StepSimulation:
     """Simulate one step; fwd_s, bwd_s: [dp, m, pp] seconds per (dp_rank, micro-batch, stage)."""
-    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
-    dp, m, pp = f.shape
-    rank_time, start, end = _run(f, b, p, record)
-    busy = (f + b).sum(axis=1)                   # [dp, pp]
-    step = float(rank_time.max())
-    mean = float(rank_time.mean())
-    bubble = 1.0 - float(busy.sum()) / (step * dp * pp) if step > 0 else 0.0
-    imbalance = step / mean if mean > 0 else 1.0
-    sim = StepSimulation(step, rank_time, busy, bubble, imbalance)
-    if record:
-        # [2, m, pp, dp] -> [dp, m, pp, 2]
-        sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
-        sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
-    return sim
+    return _simulate(fwd_s, bwd_s, p2p_s, record, None)
 
 
 def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
@@ -356,17 +343,23 @@ def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
     """Megatron's interleaved 1F1B (virtual pipeline, ``microbatch_group_size_per_vp_stage`` =
     pp). fwd_s, bwd_s: [dp, m, pp * vp] seconds per virtual stage ``v = chunk * pp + rank``;
     busy_s is per (dp rank, physical rank); start_s/end_s are [dp, m, pp * vp, 2]."""
+    return _simulate(fwd_s, bwd_s, p2p_s, record, pp)
+
+
+def _simulate(fwd_s, bwd_s, p2p_s, record: bool, pp) -> StepSimulation:
     f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
     dp, m, nv = f.shape
-    _check_interleaved(f.shape, pp)
+    if pp is not None:
+        _check_interleaved(f.shape, pp)
+    ranks = nv if pp is None else pp
     rank_time, start, end = _run(f, b, p, record, pp)
-    busy = (f + b).sum(axis=1).reshape(dp, nv // pp, pp).sum(axis=1)   # [dp, pp]
+    busy = (f + b).sum(axis=1).reshape(dp, nv // ranks, ranks).sum(axis=1)   # [dp, ranks]
     step = float(rank_time.max())
     mean = float(rank_time.mean())
     sim = StepSimulation(step, rank_time, busy,
-                         1.0 - float(busy.sum()) / (step * dp * pp) if step > 0 else 0.0,
+                         1.0 - float(busy.sum()) / (step * dp * ranks) if step > 0 else 0.0,
                          step / mean if mean > 0 else 1.0)
-    if record:
+    if record:                                  # [2, m, nv, dp] -> [dp, m, nv, 2]
         sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
         sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
     return sim

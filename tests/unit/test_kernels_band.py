@@ -10,7 +10,7 @@ import pytest
 
 from sparsebalance_megatron.kernels import band
 from sparsebalance_megatron.kernels.records import FILL_GRID, Tables, fill_exps
-from sparsebalance_megatron.policy.dst_moves import FILL_ITERS, gain_fill, unit_base
+from sparsebalance_megatron.policy.dst_band import FILL_ITERS, gain_fill, unit_base
 from sparsebalance_megatron.sim.pipeline import event_graph
 
 FORMS = pytest.mark.parametrize("form", ["python", "compiled"])
