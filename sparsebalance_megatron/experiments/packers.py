@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from ..batching import dp_balanced_plan
 from ..data import GlobalBatchSampler
 from .study_rows import summary_stats

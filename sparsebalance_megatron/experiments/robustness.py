@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-import numpy as np
-
 from .study import StudyConfig, run_study
 from .study_rows import summary_stats
 
