@@ -214,7 +214,7 @@ def parse_args(argv=None):
     p.add_argument("--raise-headroom", default=None,
                    help="--sb-raise-headroom of every DST plan: a fraction in [0, 0.5] or 'auto' "
                         "(default: the runtime's; 'auto' is its pre-measurement value here)")
-    p.add_argument("--tolerance", type=float, default=StudyConfig.tolerance,
+    p.add_argument("--tolerance", type=float, default=SparseBalanceConfig().tolerance,
                    help="--sb-tolerance p of every DST plan (units above (1 + p) x the anchor "
                         "are cut)")
     p.add_argument("--microbatch-multiple", type=int, default=0,

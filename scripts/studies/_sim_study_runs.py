@@ -8,8 +8,8 @@ script.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
+from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.layout_search import stand_down_config
@@ -89,7 +89,7 @@ def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
     return {"rows": rows, "layouts": layouts, **extra, "gain_parts": gain,
             "best_static_packing": best_static.variant, "best_dense_packing": best_dense.variant,
             "best_dense_net": {"run": best_dense_net, "step_time_net_s": net_of[best_dense_net]},
-            "stand_down": cfg.stand_down, "dense_stand_down": cfg.dense_stand_down,
+            "stand_down": cfg.sb.stand_down, "dense_stand_down": cfg.dense_stand_down,
             "stand_down_compare": cfg.policy().stand_down_compare,
             # steps Megatron's own dp_balanced stops on (the rows give it empty micro-batches)
             "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
@@ -150,8 +150,8 @@ def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) 
     best static configuration found for this (mix, d0, dp)."""
     best = found["best_static"]
     static_layout = PipelineLayout.from_dict(best["layout"])
-    if cfg.stand_down != "off":   # stand down as the study's runs did (the best static's packing)
-        cfg = replace(cfg, stand_down=found.get("stand_down") or packing_of(best["variant"]))
+    if cfg.sb.stand_down != "off":   # stand down as the study's runs did (the best static's one)
+        cfg = cfg.with_flags(stand_down=found.get("stand_down") or packing_of(best["variant"]))
     sb_layout = PipelineLayout.from_dict(found["best_sparsebalance"]["layout"])
     even = PipelineLayout.even(static_layout.num_layers, pp)
     out = {}
@@ -159,7 +159,7 @@ def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) 
                       (f"best {sb_layout.describe()}", sb_layout)):
         out[name] = {}
         for f in floors:
-            c = replace(cfg, stage_density_floor=float(f))
+            c = cfg.with_flags(stage_density_floor=float(f))
             rows = run_study(dp, c, lm, lengths, {"base": (best["variant"], static_layout),
                                                   "sb": ("sab_dst", lay)}, baseline="base")
             out[name][str(f)] = rows["sb"]
@@ -186,16 +186,18 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
     for d0 in args.densities[:1] if args.packers_only else args.densities:
         if args.routing == "derived":      # the crossover depends on d0
             lm = routed_model(lm, args, d0, cp)
+        flags = dict(density=d0, min_density=args.min_density, max_density=args.max_density,
+                     dst_objective=args.dst_objective, tolerance=args.tolerance,
+                     dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
+                     stand_down="off" if args.stand_down == "off" else None,
+                     stand_down_compare=args.stand_down_compare,
+                     planner=None if args.planner == "default" else args.planner)
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
-                          density=d0, min_density=args.min_density,
-                          max_density=args.max_density, steps=args.steps, seed=seed,
-                          dst_objective=args.dst_objective, tolerance=args.tolerance,
-                          dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
+                          steps=args.steps, seed=seed, sb=SparseBalanceConfig(
+                              sparse_balance=True,
+                              **{k: v for k, v in flags.items() if v is not None}),
                           microbatch_multiple=args.microbatch_multiple,
-                          stand_down="off" if args.stand_down == "off" else None,
-                          stand_down_compare=args.stand_down_compare,
                           device_memory_gib=args.device_memory_gib,
-                          planner=None if args.planner == "default" else args.planner,
                           plugin_cost=args.plugin_cost_model)
         res = {}
         if args.packers_only:

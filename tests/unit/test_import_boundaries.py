@@ -129,15 +129,17 @@ def import_edges(path: Path, known: set) -> list[tuple[str, int]]:
     return [(m, line) for m, line in out if m is not None and m != name]
 
 
-def import_circles(paths, groups: list = None) -> list[list[tuple[str, int]]]:
+def import_circles(paths, groups: list = None, edges=None) -> list[list[tuple[str, int]]]:
     """One import circle per group of modules that import each other (a strongly connected
     component), the shortest through the group's first module, each as [(module, line of its
     import of the next one), ...], the last importing the first. ``groups`` (a list) receives
-    each group's modules: fixing one circle may leave another in the same group."""
+    each group's modules: fixing one circle may leave another in the same group. ``edges``:
+    the (module, line) imports of a path (default ``import_edges``; ``test_floors`` adds
+    importlib's loads)."""
     files = {module_name(p): p for p in paths}
     graph = {name: {} for name in files}
     for name, path in files.items():
-        for mod, line in import_edges(path, set(files)):
+        for mod, line in (edges or import_edges)(path, set(files)):
             graph[name].setdefault(mod, line)
     index, low, stack, on_stack, found = {}, {}, [], set(), []
     for root in sorted(graph):                       # Tarjan's algorithm, without recursion

@@ -67,14 +67,10 @@ def warm_up_kernels() -> None:
     """The planner's compiled kernels made ready in this process (numba's import, and its
     compilation or its disk cache: seconds the first time in an environment), at start-up
     instead of in a step: the planner process before it says ready, the training process
-    before its first step (its reports and layout check simulate too). Nothing without
-    numba."""
+    before its first step (its reports and layout check simulate too)."""
     from ... import kernels
 
-    try:
-        kernels.warm_up()
-    except Exception as e:      # a numba that cannot compile here: numpy, the same plans
-        kernels.disable(f"{type(e).__name__}: {e}")
+    kernels.warm_up()
 
 
 def _import_draft_modules() -> None:
