@@ -67,6 +67,7 @@ SEQ = 32768
 D0 = 0.5
 TARGET_SHARE = 0.005          # issue 44: <= 0.5% of a 32K step at 1,024 GPUs
 TARGET = dict(dp=32, pp=4, tp=8, m=16)
+DRAFT_DEADLINE_S = 1800.0     # the planner processes' stall deadline in this study (wall clock)
 
 
 # --- corpus, planner, after-step work ------------------------------------------------------------
@@ -122,8 +123,10 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     drafter = make_drafter(lm, sb, dp, SEQ)               # the training process's state
     tracker, rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     drafts, after, steps, handoffs = [], [], [], []
-    proc = PlannerProcess(make_drafter(lm, sb, dp, SEQ))   # a copy before any draft, as at launch
-    other = PlannerProcess(make_drafter(lm, sb, dp, SEQ))  # a rank that does not plan DST
+    # a copy before any draft, as at launch, and a rank that does not plan DST; the deadline
+    # long (a draft at DP 4,096 takes tens of seconds of wall clock on a loaded 2-core machine)
+    proc = PlannerProcess(make_drafter(lm, sb, dp, SEQ), timeout_s=DRAFT_DEADLINE_S)
+    other = PlannerProcess(make_drafter(lm, sb, dp, SEQ), timeout_s=DRAFT_DEADLINE_S)
     try:
         for k, segs in enumerate(corpus.segments):    # as the default flags run a step:
             c0 = time.thread_time()

@@ -115,6 +115,8 @@ AFTER_PHASES = (
      [P + "batching.sensitivity:SensitivityTracker.update"]),
     ("after.reports", "the reports' weights and kept work",
      [P + "megatron.step.reporting:unit_work", P + "megatron.step.reporting:kept_work"]),
+    ("after.documents", "the step's documents and their lengths (every segment)",
+     [P + "batching.plan:BatchPlan.segments"]),
 )
 EXTRA = (("gc", "garbage collector's pauses"), ("other", "in the draft, outside every phase"))
 SERIAL = ("handoff", "reply_pickle", "reply_unpickle", "plan_encode", "plan_decode")
@@ -248,6 +250,11 @@ def _summary(steps: list, pick) -> dict:
     return out
 
 
+def _after(key: str) -> str:
+    """An after-step phase's name in ``growth`` (its gc and other apart from the draft's)."""
+    return key if key.startswith("after.") else f"after.{key}"
+
+
 def growth(points: list) -> dict:
     """Per figure: the exponent k and coefficient of ``c x DP^k`` fitted to the minima over
     the points' DPs (figures under 0.05 ms at every DP are left out: clock noise)."""
@@ -262,7 +269,8 @@ def growth(points: list) -> dict:
               "after_step": [q["min"]["after_s"] for q in points]}
     for group in ("phases_s", "after_phases_s", "serial_s"):
         for k in points[0]["min"][group]:
-            series[k] = [q["min"][group][k] for q in points]
+            series[_after(k) if group == "after_phases_s" else k] = \
+                [q["min"][group][k] for q in points]
     for k in points[0]["serial_bytes"]:
         series[f"{k}_bytes"] = [q["serial_bytes"][k] for q in points]
     for tp in points[0]["gather_bytes_per_rank"]:
@@ -321,8 +329,8 @@ def _print(points: list, fits: dict) -> None:
     row("  of which system (min)", "draft_sys", [1e3 * q["min"]["draft_sys_s"] for q in points])
     print(f"{'  page faults (min)':<28}" + "".join(f"{q['min']['draft_faults']:>9.0f}"
                                                    for q in points))
-    for key in [k for k, _, _ in AFTER_PHASES]:
-        row(key, key, [1e3 * q["min"]["after_phases_s"][key] for q in points])
+    for key in [k for k, _, _ in AFTER_PHASES] + [k for k, _ in EXTRA]:
+        row(_after(key), _after(key), [1e3 * q["min"]["after_phases_s"][key] for q in points])
     row("after-step work", "after_step", [1e3 * q["min"]["after_s"] for q in points])
     for key in SERIAL:
         row(key, key, [1e3 * q["min"]["serial_s"][key] for q in points])
