@@ -26,8 +26,10 @@ STUDIES = {
                      "BENCHMARKS.md headline"),
     "planner_ab": ("the planner's draft CPU and plans, this checkout against another, "
                    "alternated", "BENCHMARKS.md the planner's own cost"),
-    "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 4,096 ranks",
+    "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 16,384 ranks",
                       "BENCHMARKS.md control plane"),
+    "planner_phases": ("the draft, handoff, after-step work and gather by phase, DP 32 to 4,096 "
+                       "(thread CPU; growth in DP)", "BENCHMARKS.md control plane"),
     "plugin_cost": ("the plugin's own per-step cost as the simulator charges it, by part and "
                     "planner form", "BENCHMARKS.md headline (net figures)"),
     "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",
