@@ -392,6 +392,12 @@ class SparseBalanceConfig:
         return self.packing
 
     @property
+    def varies_microbatch_count(self) -> bool:
+        """Whether a step may commit a packing with its own micro-batch count and lengths: SAB
+        standing down to Megatron's dp_balanced (``megatron/step/microbatches.py``)."""
+        return self.packing_method == "sab" and self.stand_down == "dp_balanced"
+
+    @property
     def dense_below_tokens_value(self) -> Optional[int]:
         """The fixed routing threshold, or None for 'auto' (or a value out of its domain)."""
         return _auto_or_count(self.dense_below_tokens)

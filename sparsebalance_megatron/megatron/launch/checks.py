@@ -209,14 +209,19 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
 
 
 def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
-    """``--sb-microbatch-multiple K``: what variable-length micro-batches need."""
+    """``--sb-microbatch-multiple K``: what variable-length micro-batches need; at fixed length
+    also ``--sb-stand-down dp_balanced``, whose micro-batches hold their documents only."""
     k = sb.length_multiple
-    if not k:
+    if not k and not (plugin_data and sb.varies_microbatch_count):
         return []
-    flag = f"{flag_name('microbatch_multiple')} {k}"
+    flag = f"{flag_name('microbatch_multiple')} {k}" if k else \
+        f"{flag_name('stand_down')} dp_balanced (micro-batches of their documents only)"
     if not plugin_data:
         return [f"{flag} on Megatron's data path (it sizes the plugin's packed micro-batches)"]
     out = []
+    if sb.varies_microbatch_count and sb.replay_plans:
+        out.append(f"{flag_name('stand_down')} dp_balanced with {flag_name('replay_plans')} (a "
+                   f"replay packs the recorded micro-batch count of every step)")
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     need = sb.pad_multiple(cp)
