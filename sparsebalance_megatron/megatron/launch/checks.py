@@ -19,7 +19,6 @@ Imports nothing from megatron at module level; no torch.distributed.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from typing import Optional
 
@@ -31,7 +30,7 @@ from ...config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ...latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
 from ..errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
 from .data_checks import data_conflicts, packer_conflicts
-from .lengths import LENGTH_FREE_BACKENDS
+from .lengths import LENGTH_FREE_BACKENDS, length_need
 from .preflight import attention_dropout_conflicts, config_problems, dense_kernel_conflicts
 
 
@@ -224,9 +223,7 @@ def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: boo
                    f"replay packs the recorded micro-batch count of every step)")
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    need = sb.pad_multiple(cp)
-    if getattr(args, "sequence_parallel", False) and tp > 1:
-        need = math.lcm(need, tp * cp)
+    need = length_need(args, sb)
     if k % need:
         out.append(f"{flag}: expected a multiple of {need} (documents are padded to multiples "
                    f"of {sb.pad_multiple(cp)}; each of {cp} CP ranks' share must split over "

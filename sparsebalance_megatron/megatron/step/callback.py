@@ -93,7 +93,7 @@ class SparseBalanceCallback(StepPlanning):
                             length_multiple=sb.length_multiple)
         # a micro-batch of its documents only (dp_balanced's at fixed length) still splits
         # over the CP ranks and, with sequence parallelism, the TP ranks
-        self.own_length_multiple = own_length_multiple(args, sb, cp)
+        self.own_length_multiple = own_length_multiple(args, sb)
         self.latency = self.tracker = None
         if sb.dst_enabled or sb.batching_enabled:
             from ..launch.latency_setup import load_latency_model, table_backend

@@ -26,20 +26,14 @@ dp_balanced installs the wrapper: every other run keeps Megatron's calculator as
 
 from __future__ import annotations
 
-import math
 
-
-def own_length_multiple(args, sb, cp: int) -> int:
+def own_length_multiple(args, sb) -> int:
     """What a micro-batch of its documents only (Megatron's dp_balanced) is rounded up to: the
     run's ``--sb-microbatch-multiple`` where it varies lengths, else what the document padding
-    (2 x CP) and sequence parallelism (TP x CP) need, as ``launch/lengths.py`` rounds."""
-    if sb.length_multiple:
-        return int(sb.length_multiple)
-    k = sb.pad_multiple(cp)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    if getattr(args, "sequence_parallel", False) and tp > 1:
-        k = math.lcm(k, tp * cp)
-    return int(k)
+    and sequence parallelism need (``launch.lengths.length_need``)."""
+    from ..launch.lengths import length_need
+
+    return int(sb.length_multiple or length_need(args, sb))
 
 
 def megatron_count() -> int:
