@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...batching.plan import BatchPlan, checked_segments
+from ...policy.costs import TableLease
 from .checks import check_assignment, segment_counts
 from .choice import wants_baseline_packing
 
@@ -65,6 +66,7 @@ class Drafter:
         self.sb, self.latency, self.tracker, self.replay = sb, latency, tracker, replay
         self.dp, self.capacity = int(dp), int(capacity)
         self.attention_layers = tuple(attention_layers)
+        self._tables = TableLease()     # the cost tables' memory, kept from draft to draft
 
     def draft(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
               with_dst: bool) -> Draft:
@@ -137,6 +139,7 @@ class Drafter:
         under the do-no-harm rule (``step_choice.choose``)."""
         from .choice import choose, raise_headroom
 
-        return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
-                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                      if dst else None, stage_layers=self.attention_layers)
+        with self._tables.lease() as tables:   # nothing made in them outlives the block
+            return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
+                          dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
+                          if dst else None, stage_layers=self.attention_layers, tables=tables)
