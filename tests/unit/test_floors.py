@@ -9,8 +9,7 @@ any other. Lazy imports count too (``test_import_boundaries``' edges).
 2. No circle between the package's modules (a package's ``__init__`` loading its own children
    is how packages work, as in ``test_import_boundaries``), and none between its rooms (a
    subpackage or a top-level module): every room stands above all it imports, so no import
-   runs back up a floor. The one sanctioned lazy import of the adapter
-   (``LAZY_ADAPTER_IMPORTS``) is left out.
+   runs back up a floor, lazy imports included.
 3. Every ``import_module`` call the walk cannot resolve is one of ``DYNAMIC``, with why it
    stays on its floor: a new one is read, not passed over.
 """
@@ -19,7 +18,7 @@ from __future__ import annotations
 
 import ast
 
-from test_import_boundaries import (LAZY_ADAPTER_IMPORTS, MODULES, PKG, describe,
+from test_import_boundaries import (MODULES, PKG, describe,
                                     import_circles, import_edges, module_name, rel)
 
 DYNAMIC = {
@@ -106,10 +105,9 @@ def test_no_circle_and_no_room_importing_back_up():
         "; ".join(describe(c) for c in circles)
     rooms: dict = {}
     for p in MODULES:
-        lazy = LAZY_ADAPTER_IMPORTS.get(rel(p))
         for m, line in all_edges(p, set(NAMES)):
             a, b = _room(module_name(p)), _room(m)
-            if a != b and not (lazy and m.startswith(lazy)):
+            if a != b:
                 rooms.setdefault(a, {}).setdefault(b, f"{rel(p)} line {line}")
     floor: dict = {}
 

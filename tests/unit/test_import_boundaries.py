@@ -2,9 +2,8 @@
 package with ``ast``.
 
 1. Only ``sparsebalance_megatron/megatron/`` imports ``megatron``, and no other module imports our
-   ``.megatron`` subpackage at module level. The one allowed exception is a lazy import inside a
-   function of ``sparsebalance_megatron/data/corpus.py`` of ``..megatron.indexed_data`` (reading a
-   user's Megatron indexed data set needs Megatron's reader; the pure corpus code does not).
+   ``.megatron`` subpackage, at module level or inside a function (a Megatron indexed data set is
+   parsed with numpy, ``data/indexed.py``).
 2. Only ``sparsebalance_megatron/megatron/runtime/comm.py`` imports ``torch.distributed`` (other adapter
    modules may use Megatron's own distributed helpers), and only it touches ``torch.distributed.*``.
 3. ``import sparsebalance_megatron`` and every pure subpackage (every one but ``megatron``) with all
@@ -37,9 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "sparsebalance_megatron"
 ADAPTER = PKG / "megatron"
 COMM = ADAPTER / "runtime/comm.py"
-# (file, the one module it may import lazily inside a function)
-LAZY_ADAPTER_IMPORTS = {"sparsebalance_megatron/data/corpus.py":
-                        "sparsebalance_megatron.megatron.step.indexed_data"}
 KNOWN_VIOLATIONS: dict = {}
 ROOM_ORDER = ["errors", "runtime", "model", "launch", "step"]   # each imports only those before
 
@@ -217,24 +213,18 @@ def test_the_walk_sees_the_package():
     names = {rel(p) for p in MODULES}
     assert "sparsebalance_megatron/config.py" in names and rel(COMM) in names
     assert any(_is(m, "torch.distributed") for m, _, _ in imports(COMM)), "comm.py changed?"
-    corpus_lazy = [(m, f) for m, _, f in imports(PKG / "data" / "corpus.py")
-                   if _is(m, "sparsebalance_megatron.megatron")]
-    assert all(f for _, f in corpus_lazy), "the corpus exception must stay lazy"
 
 
 @pytest.mark.parametrize("path", [_param("megatron", p) for p in MODULES
                                   if ADAPTER not in p.parents])
 def test_only_the_adapter_imports_megatron(path):
-    allowed_lazy = LAZY_ADAPTER_IMPORTS.get(rel(path))
     bad = []
     for mod, line, in_func in imports(path):
         if _is(mod, "megatron"):
             bad.append(f"line {line}: imports {mod}")
         elif _is(mod, "sparsebalance_megatron.megatron"):
-            if not in_func:
-                bad.append(f"line {line}: imports {mod} at module level")
-            elif allowed_lazy is None or not _is(mod, allowed_lazy):
-                bad.append(f"line {line}: imports {mod} inside a function")
+            bad.append(f"line {line}: imports {mod}" + (" inside a function" if in_func else
+                                                         " at module level"))
     assert not bad, f"{rel(path)}: " + "; ".join(bad)
 
 

@@ -3,7 +3,7 @@ choice, timers, metrics, data iterator and resume state.
 
 Modules: ``ahead`` (the planner process and thread) and ``planner_worker`` (the process's own side),
 ``callback``, ``checks``, ``choice``, ``data``, ``drafting``, ``exchange`` (the per-step gather and
-plan broadcast), ``indexed_data``, ``plan_record`` and ``record`` (their fixed-size records),
+plan broadcast), ``plan_record`` and ``record`` (their fixed-size records),
 ``planning``, ``reporting``, ``state``, ``timing``. May import: ``errors``, ``runtime``, ``model``,
 ``launch`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its
 exports: ``_PUBLIC`` (``lazy_exports``).
@@ -17,7 +17,6 @@ _PUBLIC = {
     "check_vocab": "data",
     "load_data": "data",
     "megatron_text_tokenizer": "data",
-    "read_indexed_documents": "indexed_data",
     "Planner": "ahead",
     "PlannerProcess": "ahead",
     "Drafter": "drafting",
