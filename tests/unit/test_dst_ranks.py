@@ -98,3 +98,36 @@ def test_what_is_not_decomposed_says_so():
     with pytest.raises(ValueError, match="without the descent"):
         plan_dst_decomposed(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS),
                             quality=_quality(2))
+
+
+def test_a_slow_gpu_narrows_the_band_alike():
+    """The slow-GPU verdict (``narrow``) is agreed: the narrower bands are candidates of every
+    rank, and the band plan is the central one (a 10% slow rank, cut under the default band)."""
+    from test_dst_bands import BAND, _scale, _slow_rank_costs
+
+    costs = _slow_rank_costs()
+    central = plan_dst_with_floor(costs, None, BAND, rank_scale=_scale())
+    dec = plan_dst_decomposed(costs, None, BAND, rank_scale=_scale())
+    np.testing.assert_array_equal(dec.densities, central.densities)
+    assert (dec.densities[1] < D0).sum() > 0                 # the slow rank is cut
+
+
+def test_routed_work_counts_in_the_agreed_densities():
+    """Documents routed dense (``dense_work``) count at density 1 in the floors: the agreed
+    sums carry them, and the band plan is the central one."""
+    from sparsebalance_megatron.policy import UnitCosts
+
+    rng = np.random.default_rng(41)
+    for dp in (2, 4):
+        c, sens, _ = _case(rng, dp)
+        costs = UnitCosts(c.densities, c.fwd_s, c.bwd_s, c.attn_work,
+                          pipeline_ranks=c.pipeline_ranks,
+                          dense_work=c.weights() * rng.uniform(0, 0.5, c.shape))
+        s = DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS)
+        central = plan_dst_with_floor(costs, sens, s)
+        dec = plan_dst_decomposed(costs, sens, s)
+        np.testing.assert_array_equal(dec.densities, central.densities)
+        assert dec.report.mean_density == pytest.approx(central.report.mean_density, rel=1e-12)
+        full = plan_dst_decomposed(costs, sens, DSTSettings(D0, DMIN, DMAX, **FLOORS))
+        w = costs.weights()
+        assert weighted_mean_density(full.densities, w, costs.dense_work) >= 0.9 * D0 - 1e-9
