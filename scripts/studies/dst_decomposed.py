@@ -145,7 +145,7 @@ def measure(dp: int, m: int, pp: int, steps: int, repeat: int, seq: int = 32768)
     ratios = [r["ratio"] for r in rows]
     per = [x["ratio"] for r in rows for x in r["packings"]]
     cpu = [x["rank_cpu_s"]["max"] for r in rows for x in r["packings"]]
-    return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(), "steps": rows,
+    return {"dp": dp, "m": m, "pp": pp, "seq": seq, "layout": lm.layout.describe(), "steps": rows,
             "ratio_max": max(ratios), "ratio_median": statistics.median(ratios),
             "packing_ratio_max": max(per), "packing_ratio_min": min(per),
             "rank_cpu_max_s": max(cpu)}
@@ -158,10 +158,11 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="global batches per DP")
     p.add_argument("--repeat", type=int, default=3, help="runs per plan (CPU: the min)")
+    p.add_argument("--seq", type=int, default=32768, help="tokens per micro-batch")
     a = p.parse_args(argv)
     points = []
     for dp in (int(x) for x in a.dp.split(",")):
-        pt = measure(dp, a.microbatches, a.pp, a.steps, a.repeat)
+        pt = measure(dp, a.microbatches, a.pp, a.steps, a.repeat, a.seq)
         points.append(pt)
         for k, r in enumerate(pt["steps"]):
             pk = r["packings"]

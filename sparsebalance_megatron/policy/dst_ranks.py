@@ -32,8 +32,8 @@ last, spending at most the whole global slack as if alone (``RankDST.probe``); A
 probe's kept work and quality cost and takes its step (a max), and every rank keeps the fastest
 probe that meets the global floors (``RankDST.pick``), the band plan where none is faster by
 ``dst.SPEED_TIE``. A rank stops at each probe (``_descent``'s ``goal``), so it spends no slack
-below a step another rank sets. Where plans differ: a probe is 0.01-10% below the start (a finer
-step the probe grid misses), and a rank's descent sees only its own floats (the central rounds'
+below a step another rank sets. Where plans differ: a probe is 0.005-20% below the start (a
+step between probes is missed), and a rank's descent sees only its own floats (the central rounds'
 raises on other ranks can pay a critical rank's cuts). At DP 1 every reduction is the identity
 and the rank runs ``refine_plan`` itself: the plan is the central plan bit for bit
 (``tests/unit/test_dst_ranks.py``). Five reductions a step (AR1, AR2, AR3, AR3b, AR4), the
@@ -68,8 +68,8 @@ from .dst_band import BandCache, DSTPlan, DSTReport, _band, _cut, _pass, _plans,
 from .dst_settings import DSTSettings
 
 ANCHORS = ("mean", "min", "max")
-PROBES = 32               # the decomposed descent's probe steps ...
-PROBE_SPAN = 0.1          # ... over the 10% below the start's step (``probe_steps``)         # a rank's share of the slack: its makespan's excess over the mean, ^
+PROBES = 64               # the decomposed descent's probe steps ...
+PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
 
 
 def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
@@ -363,9 +363,10 @@ class RankDST:
 
 def probe_steps(step: float) -> np.ndarray:
     """The descent's probe steps below the start's agreed ``step``: ``PROBES`` steps over the
-    ``PROBE_SPAN`` below it, quadratically spaced (the first 0.01% below, the last 10%; 32
-    evenly spaced missed the 0.3% a descent finds on well-balanced drafts): the resolution the
-    decomposed descent gives up against the central one."""
+    ``PROBE_SPAN`` below it, quadratically spaced (the first 0.005% below, the last 20%; evenly
+    spaced ones missed the 0.3% a descent finds on well-balanced drafts, and a 10% span the
+    20-30% it finds on the baseline packing at 128K; ``scripts/bench.py dst_decomposed``): the
+    resolution the decomposed descent gives up against the central one."""
     return step * (1.0 - PROBE_SPAN * (np.arange(1, PROBES + 1) / PROBES) ** 2)
 
 
