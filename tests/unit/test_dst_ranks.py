@@ -131,3 +131,24 @@ def test_routed_work_counts_in_the_agreed_densities():
         full = plan_dst_decomposed(costs, sens, DSTSettings(D0, DMIN, DMAX, **FLOORS))
         w = costs.weights()
         assert weighted_mean_density(full.densities, w, costs.dense_work) >= 0.9 * D0 - 1e-9
+
+
+def test_the_study_runs_on_the_runtimes_drafts():
+    """``scripts/bench.py dst_decomposed`` on tiny drafts: DP 1 passes its bit-for-bit check,
+    every row has both plans and a rank's CPU."""
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    from studies import dst_decomposed
+
+    for dp in (1, 2):
+        pt = dst_decomposed.measure(dp, 4, 2, steps=1, repeat=1, seq=8192)
+        assert pt["dp"] == dp and len(pt["steps"]) == 1
+        for x in pt["steps"][0]["packings"]:
+            assert x["decomposed_s"] <= x["static_s"] * (1 + 1e-12)
+            assert x["rank_cpu_s"]["max"] > 0
+        if dp == 1:
+            assert pt["ratio_max"] == 1.0 and pt["packing_ratio_max"] == 1.0
