@@ -17,7 +17,9 @@ Per packing: both predicted steps (the simulator's, ``plan_step_time_s``), their
 work-weighted mean density and quality cost of each; per draft the do-no-harm choice (the faster
 packing, each no slower than its static plan) of each. CPU: the thread CPU of the central plan
 and of every rank's own part (its slice's band search and descent; the slice itself, which a rank
-would tabulate from its own units, is not counted), each the min of ``--repeat`` runs, with the
+would tabulate from its own units, is not counted; and, as the ranks wait for each other at
+every reduction, the phases' maxima over ranks summed: the draft's DST wall time less the
+reductions'), each the min of ``--repeat`` runs, with the
 garbage collector paused (in a run every rank is its own process: a collection here would walk
 every other rank's objects too). At DP 1 the decomposed plan must be the central plan bit for bit
 (checked: the study stops otherwise).
@@ -52,14 +54,14 @@ def timed_min(f, repeat: int):
 
 
 def decomposed(costs, sens, settings, quality, rank_scale, repeat: int) -> tuple:
-    """``policy.dst_ranks.plan_dst_decomposed``'s plan and every rank's thread CPU [dp] (the
-    min of ``repeat`` runs, rank by rank)."""
-    from sparsebalance_megatron.policy.dst_ranks import plan_dst_decomposed
+    """``policy.dst_ranks.plan_dst_decomposed``'s plan and every rank's thread CPU by phase
+    [dp, phases] (the min of ``repeat`` runs, rank by rank and phase by phase)."""
+    from sparsebalance_megatron.policy.dst_ranks import PHASES, plan_dst_decomposed
 
-    cpu = np.full(costs.shape[0], np.inf)
+    cpu = np.full((costs.shape[0], len(PHASES)), np.inf)
 
     def timer(r, s):
-        cpu[r] = min(cpu[r], s)
+        cpu[r] = np.minimum(cpu[r], s)
 
     plan = None
     gc.collect()
@@ -100,7 +102,8 @@ def compare(sb, lm, drafter, options, repeat: int) -> dict:
         central, central_cpu = timed_min(
             lambda: plan_dst_from_config(sb, costs, sens, lm.p2p_s, raise_headroom=h,
                                          stage_layers=layers, rank_scale=scale), repeat)
-        dec, cpu = decomposed(costs, sens, settings, quality, scale, repeat)
+        dec, phases = decomposed(costs, sens, settings, quality, scale, repeat)
+        cpu = phases.sum(axis=1)
         dens = dec.densities
         if dp == 1 and not (np.array_equal(dens, central.densities)
                             and dec.report == central.report):
@@ -115,7 +118,8 @@ def compare(sb, lm, drafter, options, repeat: int) -> dict:
                "decomposed_density": weighted_mean_density(dens, w, dw),
                "central_cpu_s": central_cpu,
                "rank_cpu_s": {"max": float(cpu.max()), "median": float(np.median(cpu)),
-                              "p90": float(np.quantile(cpu, 0.9))}}
+                              "p90": float(np.quantile(cpu, 0.9)),
+                              "phase_max_sum": float(phases.max(axis=0).sum())}}
         row["ratio"] = row["decomposed_s"] / row["central_s"]
         if quality is not None:
             row["central_quality"] = quality.plan_cost(central.densities, grid)
@@ -148,7 +152,9 @@ def measure(dp: int, m: int, pp: int, steps: int, repeat: int, seq: int = 32768)
     return {"dp": dp, "m": m, "pp": pp, "seq": seq, "layout": lm.layout.describe(), "steps": rows,
             "ratio_max": max(ratios), "ratio_median": statistics.median(ratios),
             "packing_ratio_max": max(per), "packing_ratio_min": min(per),
-            "rank_cpu_max_s": max(cpu)}
+            "rank_cpu_max_s": max(cpu),
+            "phase_max_sum_s": max(x["rank_cpu_s"]["phase_max_sum"] for r in rows
+                                   for x in r["packings"])}
 
 
 def main(argv=None) -> int:
@@ -177,6 +183,7 @@ def main(argv=None) -> int:
     for pt in points:
         print(f"DP {pt['dp']:5d}: per packing decomposed / central {pt['packing_ratio_min']:.4f}"
               f" .. {pt['packing_ratio_max']:.4f}; chosen max {pt['ratio_max']:.4f}; a rank's "
-              f"CPU max {1e3 * pt['rank_cpu_max_s']:.1f} ms")
+              f"CPU max {1e3 * pt['rank_cpu_max_s']:.1f} ms, phases' maxima summed "
+              f"{1e3 * pt['phase_max_sum_s']:.1f} ms")
     write_result(a.json, {"points": points})
     return 0

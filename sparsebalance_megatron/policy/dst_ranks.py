@@ -68,6 +68,7 @@ from .dst_band import BandCache, DSTPlan, DSTReport, _band, _cut, _pass, _plans,
 from .dst_settings import DSTSettings
 
 ANCHORS = ("mean", "min", "max")
+PHASES = ("static", "cut", "raise", "choose", "descent", "pick")   # between the reductions
 PROBES = 64               # the decomposed descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
 
@@ -405,27 +406,29 @@ def plan_dst_decomposed(costs: UnitCosts, sensitivity, settings: DSTSettings, *,
     """The decomposed plan of ``costs`` [dp, m, stages] (module docstring), every rank's part
     made here and the reductions made in-process. At DP 1: ``dst.plan_dst_with_floor``'s plan
     bit for bit. ``timer`` (optional): called as ``timer(rank, seconds)`` with the thread CPU of
-    every rank's own parts (its slice excluded)."""
+    every rank's own parts (its slice excluded), by the ``PHASES`` between the reductions (a
+    [6] array: the draft's wall time is their maxima over ranks, summed, plus the
+    reductions')."""
     dp = costs.shape[0]
     narrow = straggler_present(rank_scale, settings.tolerance)
-    cpu = np.zeros(dp)
+    cpu = np.zeros((dp, len(PHASES)))
 
-    def timed(r, f, *args, **kw):
+    def timed(r, phase, f, *args, **kw):
         c0 = time.thread_time()
         out = f(*args, **kw)
-        cpu[r] += time.thread_time() - c0
+        cpu[r, phase] += time.thread_time() - c0
         return out
 
     slices = [rank_slice(costs, r) for r in range(dp)]
     sens = [None if sensitivity is None else np.asarray(sensitivity)[r:r + 1] for r in range(dp)]
-    ranks = [timed(r, lambda r=r: RankDST(slices[r], sens[r], settings, quality=quality,
+    ranks = [timed(r, 0, lambda r=r: RankDST(slices[r], sens[r], settings, quality=quality,
                                           narrow=narrow)) for r in range(dp)]
-    a1 = agree1([timed(r, ranks[r].ar1) for r in range(dp)])
-    p2 = [timed(r, ranks[r].cut, a1) for r in range(dp)]
+    a1 = agree1([timed(r, 0, ranks[r].ar1) for r in range(dp)])
+    p2 = [timed(r, 1, ranks[r].cut, a1) for r in range(dp)]
     a2 = {**_reduce([p["sum"] for p in p2], "sum"), **_reduce([p["max"] for p in p2], "max")}
-    p3 = [timed(r, ranks[r].raise_, a2) for r in range(dp)]
+    p3 = [timed(r, 2, ranks[r].raise_, a2) for r in range(dp)]
     a3 = {**_reduce([p["sum"] for p in p3], "sum"), **_reduce([p["max"] for p in p3], "max")}
-    ks = {timed(r, ranks[r].choose, a3) for r in range(dp)}
+    ks = {timed(r, 3, ranks[r].choose, a3) for r in range(dp)}
     assert len(ks) == 1, ks                        # every rank keeps the same candidate
     k = ks.pop()
     idx = np.concatenate([rk.plans[k].grid_index for rk in ranks])
@@ -433,13 +436,13 @@ def plan_dst_decomposed(costs: UnitCosts, sensitivity, settings: DSTSettings, *,
     if ranks[0].descend_on:
         if dp == 1:                                 # the one rank's floors are the global ones
             band = DSTPlan(ranks[0].plans[k].densities, report, idx)
-            plan = timed(0, refine_plan, band, costs, settings, quality=quality,
+            plan = timed(0, 4, refine_plan, band, costs, settings, quality=quality,
                          margin=SPEED_TIE, rounds=ROUNDS)
             _report_cpu(timer, cpu)
             return plan
-        agreed = _agree([timed(r, ranks[r].descent_start, a3) for r in range(dp)])  # AR3b
-        a4 = _agree([timed(r, ranks[r].probe, agreed) for r in range(dp)])          # AR4
-        js = {timed(r, ranks[r].pick, a4) for r in range(dp)}
+        agreed = _agree([timed(r, 3, ranks[r].descent_start, a3) for r in range(dp)])  # AR3b
+        a4 = _agree([timed(r, 4, ranks[r].probe, agreed) for r in range(dp)])          # AR4
+        js = {timed(r, 5, ranks[r].pick, a4) for r in range(dp)}
         assert len(js) == 1, js
         j = js.pop()
         step = float(a4["mk"][j]) if j >= 0 else float("inf")
@@ -461,7 +464,7 @@ def _agree(parts: list) -> dict:
 def _report_cpu(timer, cpu):
     if timer is not None:
         for r, c in enumerate(cpu):
-            timer(r, float(c))
+            timer(r, c.copy())
 
 
 def _descended_report(r: DSTReport, costs: UnitCosts, idx, mk: np.ndarray, quality,
