@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...batching.plan import BatchingError, BatchPlan, checked_segments
+from ...policy.costs import TableLease
 from .checks import check_assignment, segment_counts
 from .choice import wants_baseline_packing
 
@@ -71,6 +72,7 @@ class Drafter:
         # wrap_data_iterator passes it) and, at fixed length, the multiple its micro-batches
         # (their documents only) are rounded up to (what CP and sequence parallelism need)
         self.vpp_group, self.own_length_multiple = vpp_group, int(own_length_multiple)
+        self._tables = TableLease()     # the cost tables' memory, kept from draft to draft
 
     def draft(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
               with_dst: bool) -> Draft:
@@ -155,6 +157,7 @@ class Drafter:
         under the do-no-harm rule (``step_choice.choose``)."""
         from .choice import choose, raise_headroom
 
-        return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
-                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                      if dst else None, stage_layers=self.attention_layers)
+        with self._tables.lease() as tables:   # nothing made in them outlives the block
+            return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
+                          dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
+                          if dst else None, stage_layers=self.attention_layers, tables=tables)
