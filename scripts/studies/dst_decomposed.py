@@ -7,7 +7,7 @@ packings (SAB's and the baseline's), the cost tables the central draft plans (``
 are planned twice:
 
 - **central**: ``plan_dst_from_config`` over all DP ranks (today's draft);
-- **decomposed**: ``dst_ranks.plan_dst_decomposed``: every DP rank plans its own [1, m, stages]
+- **decomposed**: ``dst_ranks_local.plan_dst_decomposed``: every DP rank plans its own [1, m, stages]
   slice, the ranks coupled only by fixed-size sums and maxima (reduced in-process here; in a run,
   all-reduces): the band search's every candidate planned at once and chosen on the agreed
   verdicts, then each rank's critical-path descent toward ``PROBES`` agreed probe steps, the
@@ -54,9 +54,10 @@ def timed_min(f, repeat: int):
 
 
 def decomposed(costs, sens, settings, quality, rank_scale, repeat: int) -> tuple:
-    """``policy.dst_ranks.plan_dst_decomposed``'s plan and every rank's thread CPU by phase
+    """``policy.dst_ranks_local.plan_dst_decomposed``'s plan and every rank's thread CPU by phase
     [dp, phases] (the min of ``repeat`` runs, rank by rank and phase by phase)."""
-    from sparsebalance_megatron.policy.dst_ranks import PHASES, plan_dst_decomposed
+    from sparsebalance_megatron.policy.dst_ranks import PHASES
+    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
 
     cpu = np.full((costs.shape[0], len(PHASES)), np.inf)
 

@@ -7,8 +7,8 @@ import pytest
 
 from sparsebalance_megatron.policy import DSTSettings, plan_dst_with_floor, weighted_mean_density
 from sparsebalance_megatron.policy.costs import stage_mean_densities
-from sparsebalance_megatron.policy.dst_ranks import (candidate_tree, plan_dst_decomposed,
-                                                     rank_slice)
+from sparsebalance_megatron.policy.dst_ranks import candidate_tree, rank_slice
+from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
 

@@ -209,7 +209,7 @@ def test_reported_density_counts_routed_documents_at_one():
     batch = sequential_plan([(0, 0, 40), (1, 0, 200), (2, 0, 200)], dp=2, num_microbatches=1,
                             max_tokens=256)
     step = SimpleNamespace(batch=batch, plan=BudgetPlan.static(0, 0.5, 2, 1, 1), report=None,
-                           first_bin=0)
+                           first_bin=0, consumed_samples=2)
     from sparsebalance_megatron.megatron.step.record import StepSummary
 
     gathered = StepSummary(loss=(1.0, 1.0))

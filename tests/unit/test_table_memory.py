@@ -1,4 +1,5 @@
-"""The cost tables' memory kept between drafts (``policy.costs.TableMemory``, ``TableLease``):
+"""The cost tables' memory kept between drafts (``policy.table_memory``: ``TableMemory``,
+``TableLease``):
 tables written into kept memory are the fresh ones bit for bit whatever the memory held before
 (a larger step's tables, garbage), and a draft made while another holds the lease gets fresh
 arrays instead of sharing them."""
@@ -8,7 +9,8 @@ import pickle
 import numpy as np
 
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
-from sparsebalance_megatron.policy.costs import TableLease, TableMemory, UnitCosts, density_grid
+from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
+from sparsebalance_megatron.policy.table_memory import TableLease, TableMemory
 
 
 def _costs(rng, dp, m, out=None):

@@ -122,9 +122,8 @@ def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool,
         out.append(f"--context-parallel-size {cp} with a HybridModel (verified with GPT "
                    f"only so far)")
     if plugin_data and sb.varies_microbatch_count:
-        out.append(f"{flag_name('stand_down')} dp_balanced with a HybridModel (its micro-batches "
-                   f"vary in length and count; a HybridModel is verified at fixed lengths only: "
-                   f"use sequential or token_balanced)")
+        out.append(f"{flag_name('stand_down')} dp_balanced with a HybridModel (verified at fixed "
+                   f"lengths only: use sequential or token_balanced)")
     return out
 
 

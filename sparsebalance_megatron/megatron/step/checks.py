@@ -4,7 +4,8 @@ Each rank checks its own part before the step's record goes out: the attention u
 plan (``budget_violations``: what it asked for and what it kept, per (micro-batch, stage)); the
 record (``step/record.py``) carries the count and the first violation, and every rank raises alike
 from the gathered summary. Also here: the packing's fingerprint every rank compares, the order of a
-pipeline rank's timed units, and the per-document sums the sensitivity tracker reads.
+pipeline rank's timed units, the per-document sums the sensitivity tracker reads, and the line that
+warns of a slower pipeline layout than another split.
 Plain Python and numpy: no torch.distributed, no megatron.
 """
 
@@ -160,3 +161,21 @@ def recall_sums(stats: list) -> dict:
                 acc[0] += float(r)
                 acc[1] += 1
     return out
+
+
+def layout_warning(latency, units, dp: int, num_microbatches: int, layout,
+                   density: float) -> Optional[str]:
+    """The line that warns when the run's pipeline ``layout`` is predicted well slower (static,
+    at d0, this step's data) than another split Megatron's flags allow; None otherwise."""
+    from ...experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
+    from ...latency.layout import LayoutError
+    try:
+        gap, best = layout_gap(latency, units, dp, num_microbatches, layout, density)
+    except LayoutError:
+        return None   # a table that knows only its own layout: nothing to compare
+    if gap <= LAYOUT_GAP_WARN:
+        return None
+    return (f"warning: the pipeline layout {layout.describe()} is predicted {gap:.2f}x slower "
+            f"(static, d0, this step's data) than {best.describe()} "
+            f"({' '.join(best.megatron_flags())}); see sparsebalance-layout")
+

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...batching.plan import BatchingError, BatchPlan, checked_segments
-from ...policy.costs import TableLease
+from ...policy.table_memory import TableLease
 from .checks import check_assignment, segment_counts
 from .choice import wants_baseline_packing
 

@@ -7,8 +7,8 @@ callback's sampler, latency model, sensitivity tracker, replay, layout and capac
 is first a ``Draft`` (``step/drafting.py``: no collective, the same function in-line, on the planner
 thread or in the planner process, ``step/ahead.py``), then ``_commit`` makes it the
 ``PreparedStep`` (collective: rank 0's DST plan is broadcast as a fixed-size tensor,
-``step/exchange.py``). Each packing is committed only where
-predicted no slower than the static baseline (do no harm, ``step/choice.py``).
+``step/exchange.py``). Each packing is committed only where predicted no slower than the static
+baseline (do no harm, ``step/choice.py``).
 No torch.distributed outside ``comm``; megatron only through the callback.
 """
 
@@ -25,6 +25,7 @@ from ...batching.plan import BatchPlan
 from ...plan import BudgetPlan
 from ..runtime import comm
 from .plan_record import PlanShape
+from .checks import layout_warning
 from .ahead import Drafted, PendingDraft, Planner, PlannerProcess, PlannerProcessError
 from .planner_boot import PlannerPackageMismatch
 from .drafting import Draft, Drafter  # noqa: F401  (Draft: the planners' result type)
@@ -390,20 +391,10 @@ class StepPlanning:
         return self.drafter().units(batch)
 
     def _check_layout(self, batch: BatchPlan, units) -> None:
-        """Once, on rank 0: warn when the run's pipeline layout is predicted well slower (static,
-        at d0, this step's data) than another split Megatron's flags allow."""
+        """Once, on rank 0: ``checks.layout_warning``'s line, if any (GPT layer splits only)."""
         if comm.rank() != 0 or self.latency is None or self.layout.pp < 2 \
                 or self.layout.pattern is not None:   # the search splits GPT layers only
             return
-        from ...experiments.layout_search import LAYOUT_GAP_WARN, layout_gap
-        from ...latency.layout import LayoutError
-        try:
-            gap, best = layout_gap(self.latency, units, self.dp,
-                                   batch.num_microbatches, self.layout, self.sb.density)
-        except LayoutError:
-            return   # a table that knows only its own layout: nothing to compare
-        if gap > LAYOUT_GAP_WARN:
-            comm.say(f"warning: the pipeline layout {self.layout.describe()} is predicted "
-                     f"{gap:.2f}x slower (static, d0, this step's data) than "
-                     f"{best.describe()} ({' '.join(best.megatron_flags())}); see "
-                     f"sparsebalance-layout")
+        if line := layout_warning(self.latency, units, self.dp, batch.num_microbatches,
+                                  self.layout, self.sb.density):
+            comm.say(line)
