@@ -216,7 +216,10 @@ def model_flags(args, profile: bool = False) -> list:
         "--attention-dropout", "0", "--hidden-dropout", "0"]]
 
 
-def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str) -> list:
+def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str, *,
+              arm_flags=None, density=None, extra=()) -> list:
+    """The torchrun command of one run; ``arm_flags`` (default ``ARMS[arm]``), ``density``
+    (default d0) and ``extra`` flags for ``continued_quality``'s arms."""
     flags = [*model_flags(args), "--micro-batch-size", "1",
              "--global-batch-size", args.global_batch_size, "--lr", args.lr,
              "--min-lr", args.lr / 10, "--lr-decay-style", "cosine",
@@ -227,9 +230,11 @@ def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str) ->
              "--seed", seed, "--sb-seed", seed, "--data-path", data, "--sb-tokenizer", "byte",
              "--save", os.path.join(run_dir, "ckpt"), "--save-interval", args.steps,
              "--ckpt-format", "torch_dist",
-             "--sb-metrics-file", os.path.join(run_dir, "metrics.jsonl"), *ARMS[arm]]
+             "--sb-metrics-file", os.path.join(run_dir, "metrics.jsonl"),
+             *(ARMS[arm] if arm_flags is None else arm_flags), *extra]
     if arm != "dense":
-        flags += ["--sb-density", args.density, "--sb-block-size", args.block_size,
+        flags += ["--sb-density", args.density if density is None else density,
+                  "--sb-block-size", args.block_size,
                   "--sb-attention-backend", "torch", "--sb-dense-below-tokens", "0",
                   "--sb-timing-source", "model", "--sb-latency-table", table,
                   "--sb-latency-table-force"]
@@ -389,11 +394,13 @@ def load_model(args, ckpt: str, sb):
 
 
 def score_docs(model, budget, docs: list) -> list:
-    """Per document (``ids``, the answer's ``answer_at`` and ``answer_len``), run alone on the
-    model's device: the summed next-token loss and its token count, whether every answer token
-    is the teacher-forced argmax (``exact``: what greedy decoding emits) and the share that is,
-    and the kept density the sparse attention reported (grad mode on, though no weight needs
-    grad: the budget then records what it kept). The GPU form scores with it too."""
+    """Per document (``ids``, the answer's ``answer_at`` and ``answer_len``, or its
+    ``answer_positions`` where the answer is not one run of tokens), run alone on the model's
+    device: the summed next-token loss and its token count, the answer tokens' mean NLL
+    (``answer_nll``), whether every answer token is the teacher-forced argmax (``exact``: what
+    greedy decoding emits) and the share that is, and the kept density the sparse attention
+    reported (grad mode on, though no weight needs grad: the budget then records what it
+    kept). The GPU form and ``continued_quality`` score with it too."""
     import torch
     import torch.nn.functional as F
 
@@ -406,12 +413,14 @@ def score_docs(model, budget, docs: list) -> list:
         with torch.enable_grad():
             logits = model(ids, pos, attention_mask=None)[0].float()     # [s, V]
         stats = budget.pop_stats()
-        a, n = doc["answer_at"], doc["answer_len"]
-        pred = logits[a - 1:a - 1 + n].argmax(-1).tolist()
-        right = [p == w for p, w in zip(pred, doc["ids"][a:a + n])]
+        at = doc.get("answer_positions") or range(doc["answer_at"],
+                                                  doc["answer_at"] + doc["answer_len"])
+        at = torch.tensor(list(at), device=dev)
+        right = (logits[at - 1].argmax(-1) == ids[0, at]).tolist()
         rows.append({"nll": float(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")),
                      "tokens": ids.shape[1] - 1, "exact": float(all(right)),
-                     "token_accuracy": sum(right) / n,
+                     "answer_nll": float(F.cross_entropy(logits[at - 1], ids[0, at])),
+                     "token_accuracy": sum(right) / len(right),
                      "kept": sum(st[3][0] for st in stats) / max(1, len(stats))})
     return rows
 

@@ -1,0 +1,408 @@
+"""Pretrained-model inference quality (issue 73): SmolLM2-135M in Megatron scored on RULER-style
+samples under DST's planned densities against uniform density at the same kept density, with a
+positive control, a margin fixed by a pilot before the main run, and a verdict that can fail.
+
+What runs (every choice is a flag; the defaults are the committed study's):
+
+- **Samples**: ``--tasks`` (needle_single, needle_multikey alternating: a 7-digit answer) of
+  ``--lengths`` 2048-4096 tokens (uniform), the needle at a depth uniform in [0.1, 0.9], seeds
+  ``--seed-base`` + i (the pilot's from 100000: no main-run sample is a pilot's).
+- **Packed and planned as the runtime would**: consecutive samples fill ``--dp`` x
+  ``--microbatches`` micro-batches of ``--seq-length`` tokens (Megatron's fill rule); each such
+  step goes through the runtime's own ``step.drafting.Drafter.draft`` (SAB's packing and the
+  sequential baseline's, raced under do-no-harm, DST on the committed one) with
+  ``--sparse-balance``'s defaults at d0 (``--sb-dense-below-tokens 0``: no document is routed
+  to dense attention), a fresh sensitivity tracker (no training loss seen yet) and the analytic
+  H100 latency table of this model on ``--pp`` stages (modelled timings). A sample's density in
+  decoder layer l is its micro-batch's density in l's stage. Each sample is then scored alone:
+  the plugin's attention selects per document, so a document scores as it does packed.
+- **Arms** (``ARMS``), per sample, with densities set per layer through the attention's own
+  budget: ``uniform`` d0; ``dst`` (DST's densities); ``matched`` (uniform at the density whose
+  kept density over the study's documents equals DST's, chosen from the plans before any
+  forward); ``shuffled`` (DST's per-document densities permuted across documents: does DST's
+  assignment matter, beyond its distribution); ``control`` (uniform ``--control-factor`` x d0,
+  the positive control: a known small harm the study must detect); ``dense`` (density 1).
+- **Scores** (one teacher-forced forward per arm; the LM head on the answer's positions and on
+  every ``--loss-stride``-th position only): ``answer_nll`` (mean over the answer's tokens),
+  ``exact`` (greedy exact match), ``token_accuracy``, ``loss`` (the document's next-token loss on
+  the strided positions: held-out loss, unbiased at 1/stride of the head's cost), and the kept
+  density the kernel reported, layer-mean.
+- **Verdict** (``eval.verdict``, paired one-sided t over samples): dst - matched on answer NLL
+  and on loss within the margin, the control (control - uniform) detected, kept densities
+  matched within ``--match-tolerance``. ``--pilot`` fixes the margin (``--margin-fraction`` of
+  the control's mean harm per metric) and the n the power calculation asks for, and writes them
+  in its JSON; the main run reads them (``--margin-from``) before its first forward.
+- One thread (``--threads``): on this 2-core machine two threads ran a 3K forward 4x slower
+  under other jobs' load.
+
+    .venv/bin/python scripts/bench.py inference_quality --pilot --samples 30 \
+        --json docs/results/inference_quality_pilot.json
+    .venv/bin/python scripts/bench.py inference_quality --samples N \
+        --margin-from docs/results/inference_quality_pilot.json \
+        --json docs/results/inference_quality_cpu.json
+    .venv/bin/python scripts/bench.py inference_quality --quick --json /tmp/iq.json   # smoke
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+
+import numpy as np
+
+from .common import parser, write_result
+
+ARMS = ("uniform", "dst", "matched", "shuffled", "control", "dense")
+PAIRS = (("dst", "matched"), ("dst", "uniform"), ("shuffled", "dst"), ("matched", "uniform"),
+         ("control", "uniform"), ("uniform", "dense"))
+METRICS = ("answer_nll", "loss")                   # the verdict's (lower is better)
+SCORES = METRICS + ("exact", "token_accuracy", "kept")
+PILOT_SEED_BASE = 100_000
+
+
+def parse_args(argv=None):
+    ap = parser(__doc__, "inference_quality")
+    ap.add_argument("--samples", type=int, default=100)
+    ap.add_argument("--pilot", action="store_true",
+                    help="fix the margin and the n for the main run (seeds from 100000)")
+    ap.add_argument("--margin-from", default=None, metavar="PILOT.json",
+                    help="the pilot's JSON: its margin and settings (the main run)")
+    ap.add_argument("--margin-fraction", type=float, default=0.5,
+                    help="the pilot's margin: this share of the control's mean harm")
+    ap.add_argument("--tasks", nargs="+", default=["needle_single", "needle_multikey"])
+    ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
+    ap.add_argument("--seed-base", type=int, default=None)
+    ap.add_argument("--density", type=float, default=0.5, help="d0")
+    ap.add_argument("--control-factor", type=float, default=0.9)
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--pp", type=int, default=3)
+    ap.add_argument("--seq-length", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--match-tolerance", type=float, default=0.005)
+    ap.add_argument("--loss-stride", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None, help="a cut of the model (--quick: 2)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 2 layers, 256-512 tokens, 6 samples, block 16, DP 2 x 2 x PP 2 of "
+                         "1K (what the test runs; its numbers mean nothing)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.lengths, args.samples = 2, [256, 512], 6
+        args.dp, args.microbatches, args.pp, args.seq_length = 2, 2, 2, 1024
+        args.loss_stride, args.pilot, args.block_size = 4, args.margin_from is None, 16
+    if args.seed_base is None:
+        args.seed_base = PILOT_SEED_BASE if args.pilot else 0
+    if args.pilot == (args.margin_from is not None):
+        ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
+    if not 0 < args.control_factor < 1 or not 0 < args.density <= 1:
+        ap.error(f"--control-factor {args.control_factor} and --density {args.density}: "
+                 f"expected in (0, 1)")
+    if args.samples < 2 or not 0 < args.lengths[0] <= args.lengths[1]:
+        ap.error("--samples >= 2 and --lengths LO <= HI expected")
+    return args
+
+
+# ---- samples and plans ---------------------------------------------------------------------------
+
+def make_samples(args, encode) -> list:
+    from sparsebalance_megatron.eval import make_sample
+
+    rng = random.Random(args.seed_base)
+    return [make_sample(args.tasks[i % len(args.tasks)], rng.randint(*args.lengths),
+                        round(rng.uniform(0.1, 0.9), 3), args.seed_base + i, encode)
+            for i in range(args.samples)]
+
+
+def sb_config(args):
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    return SparseBalanceConfig(sparse_balance=True, density=args.density,
+                               block_size=args.block_size, dense_below_tokens="0",
+                               raise_headroom="0")
+
+
+def latency_model(args, arch):
+    from sparsebalance_megatron.latency import LatencyModel
+    from sparsebalance_megatron.latency.shape import ModelShape
+
+    shape = ModelShape(num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                       ffn_hidden_size=arch.ffn_hidden_size,
+                       num_attention_heads=arch.num_attention_heads,
+                       num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
+                       vocab_size=arch.vocab_size, seq_length=args.seq_length)
+    return LatencyModel.analytic(shape, pp=args.pp, block_size=args.block_size)
+
+
+def plan(args, arch, lengths: list) -> dict:
+    """Per sample, its micro-batch's density per stage as the runtime's draft commits it, and
+    per step what DST did; samples fill the steps in order (a last partial step is planned with
+    the micro-batches it fills)."""
+    from sparsebalance_megatron.batching.sensitivity import SensitivityTracker
+    from sparsebalance_megatron.megatron.step.drafting import Drafter
+
+    sb, lm = sb_config(args), latency_model(args, arch)
+    lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
+    bins, cur = [], []                 # Megatron's fill rule: a new bin when the next one does not fit
+    for i, n in enumerate(lengths):
+        if cur and sum(lengths[j] for j in cur) + n > args.seq_length:
+            bins.append(cur)
+            cur = []
+        cur.append(i)
+    bins.append(cur)
+    per_step = args.dp * args.microbatches
+    stages = np.full((len(lengths), args.pp), np.nan)
+    unit, steps = [None] * len(lengths), []
+    for k in range(0, len(bins), per_step):
+        ids = sum(bins[k:k + per_step], [])
+        m = min(args.microbatches, -(-len(bins[k:k + per_step]) // args.dp))
+        drafter = Drafter(sb, lm, SensitivityTracker(signal=sb.sensitivity_signal), dp=args.dp,
+                          capacity=args.seq_length, attention_layers=lm.layout.layers)
+        draft = drafter.draft(len(steps), 0, [(i, 0, lengths[i]) for i in ids], m,
+                              with_dst=True)
+        dens, report = draft.payload
+        index = (report.get("stand_down") or {}).get("packing_index", 0)
+        batch = draft.packing(index)[0]
+        for r, rank in enumerate(batch.micro_batches):
+            for mb, segs in enumerate(rank):
+                for sid, _, _ in segs:
+                    stages[sid] = dens[r][mb]
+                    unit[sid] = [len(steps), r, mb]
+        steps.append({"samples": len(ids), "micro_batches": m, "packing": batch.method,
+                      "units_cut": report["units_cut"], "units_raised": report["units_raised"],
+                      "predicted_step_vs_static": report["step_time_planned_s"]
+                      / report["step_time_static_s"]})
+    if np.isnan(stages).any():
+        raise RuntimeError("a sample was left out of every micro-batch of its step's plan")
+    return {"stage_densities": stages, "unit": unit, "steps": steps,
+            "stage_layers": list(lm.layout.layers)}
+
+
+def layer_stage(stage_layers) -> list:
+    return [s for s, n in enumerate(stage_layers) for _ in range(n)]
+
+
+def kept_share(tokens: int, d: float, args) -> float:
+    """The share of one document's causal block pairs the selection keeps at density d (the
+    forced sink and diagonal blocks included): the latency model's count."""
+    from sparsebalance_megatron.latency.work import attention_work
+
+    return attention_work([tokens], d, args.block_size) / attention_work([tokens], 1.0,
+                                                                         args.block_size)
+
+
+def study_kept(tokens: list, layer_dens: list, args) -> float:
+    """Kept density over the study's documents: per document the layer-mean kept share,
+    weighted by its causal block pairs (a long document counts as its attention work does)."""
+    from sparsebalance_megatron.latency.work import attention_work
+
+    w = [attention_work([t], 1.0, args.block_size) for t in tokens]
+    k = [np.mean([kept_share(t, d, args) for d in ld]) for t, ld in zip(tokens, layer_dens)]
+    return float(np.dot(w, k) / np.sum(w))
+
+
+def arm_densities(args, planned: dict, tokens: list, n_layers: int) -> dict:
+    """{arm: per sample, its per-layer densities}, the matched density and the kept densities
+    the plans predict (before any forward)."""
+    st = layer_stage(planned["stage_layers"])
+    dst = [[float(row[st[j]]) for j in range(n_layers)] for row in planned["stage_densities"]]
+    perm = np.random.RandomState(args.seed).permutation(len(dst))
+    uni = lambda d: [[d] * n_layers for _ in tokens]            # noqa: E731
+    target = study_kept(tokens, dst, args)
+    lo, hi = args.density * 0.25, 1.0           # the smallest uniform density keeping >= DST's
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if study_kept(tokens, uni(mid), args) < target else (lo, mid)
+    matched = min((lo, hi), key=lambda d: abs(study_kept(tokens, uni(d), args) - target))
+    out = {"uniform": uni(args.density), "dst": dst, "matched": uni(matched),
+           "shuffled": [dst[p] for p in perm], "control": uni(args.control_factor * args.density),
+           "dense": uni(1.0)}
+    return {"layers": out, "matched_density": matched, "perm": perm.tolist(),
+            "kept_planned": {a: study_kept(tokens, v, args) for a, v in out.items()},
+            "planned": {a: float(np.mean(v)) for a, v in out.items()}}
+
+
+# ---- the model and its scores --------------------------------------------------------------------
+
+def load(args):
+    """(SmolLM2 with the plugin's sparse attention, its budget, tokenizer, architecture), from
+    the GGUF's tensors as stored (``gguf_weights``; ``--layers``: the first N layers)."""
+    import torch
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
+    from sparsebalance_megatron.megatron.model import gguf_weights, hf_convert
+
+    activate_cpu_shims()
+    init_single_process()
+    torch.set_num_threads(args.threads)
+    gguf = hf_convert.smollm2_gguf_path()
+    _, tok = hf_convert.load_hf_gguf(gguf, with_model=False)
+    with tempfile.TemporaryDirectory(prefix="iq_weights_") as tmp:
+        gguf_weights.pack_gguf(gguf, tmp, args.layers)
+        hf_sd, arch = gguf_weights.load_packed(tmp)
+    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                             block_size=args.block_size, dense_below_tokens="0",
+                             attention_backend="torch")          # sink and local as planned
+    model = hf_convert.build_gpt_model(arch, "sparse", sb)
+    hf_convert.load_converted_weights(model, hf_convert.convert_hf_state_dict(hf_sd, arch))
+    model.eval().requires_grad_(False)
+    return model, model.decoder.layers[0].self_attention.core_attention.budget, tok, arch
+
+
+def score(model, budget, sample, layer_dens: list, stride: int) -> dict:
+    """One teacher-forced forward of prompt + answer with ``layer_dens`` (one density a decoder
+    layer): the answer's mean NLL, exact match and token accuracy, the loss of every
+    ``stride``-th position's next token (prompt and answer), and the layer-mean kept density the
+    kernel reported."""
+    import torch
+
+    full = sample.input_ids + sample.answer_ids
+    ids, n = full[:-1], len(sample.answer_ids)
+    pos = list(range(0, len(ids) - n, stride)) + list(range(len(ids) - n, len(ids)))
+    at = torch.tensor(pos)
+
+    def keep(_module, _inp, out):                   # the LM head on these positions only
+        h = out[0] if isinstance(out, tuple) else out                  # [s, b, h]
+        return (h[at],) + tuple(out[1:]) if isinstance(out, tuple) else h[at]
+
+    budget.set_layer_densities({j + 1: d for j, d in enumerate(layer_dens)})
+    budget.pop_stats()
+    handle = model.decoder.register_forward_hook(keep)
+    try:
+        with torch.enable_grad():                  # the kernel reports its kept densities
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None],
+                           attention_mask=None)[0].float()              # [len(pos), V]
+    finally:
+        handle.remove()
+    kept = {}
+    for _, _, layer, k, _ in budget.pop_stats():
+        kept.setdefault(layer, []).extend(k)
+    nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(full)[at + 1][:, None])[:, 0]
+    right = (logits[-n:].argmax(-1) == torch.tensor(sample.answer_ids)).tolist()
+    return {"answer_nll": float(nll[-n:].mean()), "exact": float(all(right)),
+            "token_accuracy": sum(right) / n, "loss": float(nll.mean()),
+            "kept": float(np.mean([np.mean(v) for v in kept.values()]))}
+
+
+# ---- summary -------------------------------------------------------------------------------------
+
+def summarize(doc: dict, args, margin=None) -> dict:
+    """Per arm the means and kept densities; per pair the paired bound; the verdicts."""
+    from sparsebalance_megatron.eval import verdict as V
+    from sparsebalance_megatron.latency.work import attention_work
+
+    rows = doc["samples"]
+    if len(rows) < 2:
+        return {}
+    w = np.asarray([attention_work([r["tokens"]], 1.0, args.block_size) for r in rows])
+    arms = {a: {k: float(np.mean([r["arms"][a][k] for r in rows])) for k in SCORES}
+            for a in ARMS}
+    for a in ARMS:
+        arms[a]["kept"] = float(np.dot(w, [r["arms"][a]["kept"] for r in rows]) / w.sum())
+    diff = {f"{a}-{b}": {k: [r["arms"][a][k] - r["arms"][b][k] for r in rows] for k in SCORES}
+            for a, b in PAIRS}
+    pairs = {p: {k: V.paired_bound(v) for k, v in d.items()} for p, d in diff.items()}
+    out = {"n": len(rows), "arms": arms, "pairs": pairs}
+    margin = margin or {}
+    out["verdicts"] = {k: V.verdict(diff["dst-matched"][k], diff["control-uniform"][k],
+                                    margin[k], kept=arms["dst"]["kept"],
+                                    kept_reference=arms["matched"]["kept"],
+                                    tolerance=args.match_tolerance)
+                       for k in METRICS if margin.get(k)}
+    return out
+
+
+def pilot_plan(summary: dict, args, sample_s: float) -> dict:
+    """The margin (``--margin-fraction`` of the control's harm, per metric) and the n the power
+    calculation asks for: the control detected and an equal arm found non-inferior, each at 80%
+    power, from the pilot's SDs."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    out = {"margin": {}, "n_needed": {}}
+    for k in METRICS:
+        ctl, cmp = summary["pairs"]["control-uniform"][k], summary["pairs"]["dst-matched"][k]
+        harm = ctl["mean"]
+        out["margin"][k] = args.margin_fraction * harm if harm > 0 else None
+        if harm > 0 and ctl["sd"] and cmp["sd"]:
+            out["n_needed"][k] = {"control": V.n_needed(ctl["sd"], harm),
+                                  "non_inferior": V.n_needed(cmp["sd"], out["margin"][k])}
+    out["seconds_per_sample"] = sample_s
+    out["samples_in_2h"] = int(7200 / sample_s) if sample_s else None
+    return out
+
+
+SAME = ("tasks", "lengths", "density", "control_factor", "dp", "microbatches", "pp",
+        "seq_length", "block_size", "loss_stride", "layers", "match_tolerance")
+
+
+def read_margin(args) -> dict:
+    with open(args.margin_from) as f:
+        pilot = json.load(f)
+    if not (pilot.get("config") or {}).get("pilot") or not pilot.get("margin"):
+        raise SystemExit(f"error: --margin-from {args.margin_from}: not a pilot's JSON with a "
+                         f"margin (run --pilot first)")
+    differ = [k for k in SAME if pilot["config"].get(k) != getattr(args, k)]
+    if differ:
+        raise SystemExit(f"error: --margin-from {args.margin_from}: the pilot ran with other "
+                         f"{', '.join(differ)}: a margin holds for the setting it was fixed in")
+    return {"margin": pilot["margin"], "margin_source": {
+        "path": args.margin_from, "commit": pilot.get("commit"), "n": pilot["summary"]["n"],
+        "control_harm": {k: pilot["summary"]["pairs"]["control-uniform"][k]["mean"]
+                         for k in METRICS}, "fraction": pilot["config"]["margin_fraction"]}}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    fixed = read_margin(args) if args.margin_from else {}     # before any forward
+    model, budget, tok, arch = load(args)
+    samples = make_samples(args, lambda s: tok(s, add_special_tokens=False)["input_ids"])
+    tokens = [len(s.input_ids) + len(s.answer_ids) - 1 for s in samples]
+    planned = plan(args, arch, [t + 1 for t in tokens])
+    dens = arm_densities(args, planned, tokens, arch.num_layers)
+    doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, **fixed,
+           "arms": {"uniform": args.density, "dst": "DST's plan (per stage)",
+                    "matched": dens["matched_density"], "shuffled": "DST's, permuted",
+                    "control": args.control_factor * args.density, "dense": 1.0},
+           "stage_layers": planned["stage_layers"], "steps": planned["steps"],
+           "planned_density": dens["planned"], "kept_density_planned": dens["kept_planned"],
+           "matched_planned": abs(dens["kept_planned"]["dst"] - dens["kept_planned"]["matched"])
+           <= args.match_tolerance, "samples": [], "complete": False}
+    print(f"model and {len(samples)} samples ready in {time.perf_counter() - t0:.0f} s; "
+          f"{len(planned['steps'])} steps planned: " + ", ".join(
+              f"cut {s['units_cut']} raised {s['units_raised']}" for s in planned["steps"])
+          + f"; matched density {dens['matched_density']:.4f}, kept planned " + ", ".join(
+              f"{a} {v:.4f}" for a, v in dens["kept_planned"].items()), flush=True)
+    t_scored = time.perf_counter()
+    for i, s in enumerate(samples):
+        t1 = time.perf_counter()
+        res = {a: score(model, budget, s, dens["layers"][a][i], args.loss_stride) for a in ARMS}
+        doc["samples"].append({
+            "task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed,
+            "tokens": tokens[i], "unit": planned["unit"][i],
+            "dst_stage_densities": planned["stage_densities"][i].tolist(),
+            "shuffled_from": dens["perm"][i], "arms": res})
+        print(f"[{i + 1}/{len(samples)}] {s.task} {s.length} depth {s.depth}: " + " ".join(
+            f"{a} {r['answer_nll']:.3f}/{r['exact']:.0f}" for a, r in res.items())
+              + f" ({time.perf_counter() - t1:.0f} s)", flush=True)
+        doc["summary"] = summarize(doc, args, fixed.get("margin"))
+        doc["wall_s"] = round(time.perf_counter() - t0, 1)
+        if args.pilot and doc["summary"]:
+            doc.update(pilot_plan(doc["summary"], args, (time.perf_counter() - t_scored)
+                                  / (i + 1)))
+        write_result(args.json, doc)
+    doc["complete"] = True
+    write_result(args.json, doc)
+    for k, v in (doc["summary"].get("verdicts") or {}).items():
+        from sparsebalance_megatron.eval.verdict import one_line
+        print(f"{k}: {one_line(v)}")
+    if args.pilot:
+        print(f"margin {doc['margin']}, n needed {doc['n_needed']}, "
+              f"{doc['seconds_per_sample']:.0f} s a sample")
+    return 0
