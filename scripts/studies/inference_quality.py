@@ -88,11 +88,11 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
     ap.add_argument("--quick", action="store_true",
-                    help="a smoke run: 2 layers, 256-512 tokens, 6 samples, block 16, DP 2 x 2 x PP 2 of "
+                    help="a smoke run: 2 layers, 256-512 tokens, 4 samples, block 16, DP 2 x 2 x PP 2 of "
                          "1K (what the test runs; its numbers mean nothing)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.layers, args.lengths, args.samples = 2, [256, 512], 6
+        args.layers, args.lengths, args.samples = 2, [256, 512], 4
         args.dp, args.microbatches, args.pp, args.seq_length = 2, 2, 2, 1024
         args.loss_stride, args.pilot, args.block_size = 4, args.margin_from is None, 16
     if args.seed_base is None:
@@ -318,7 +318,7 @@ def summarize(doc: dict, args, margin=None) -> dict:
     return out
 
 
-def pilot_plan(summary: dict, args, sample_s: float) -> dict:
+def pilot_plan(summary: dict, args, arch, sample_s: float) -> dict:
     """The margin (``--margin-fraction`` of the control's harm, per metric) and the n the power
     calculation asks for: the control detected and an equal arm found non-inferior, each at 80%
     power, from the pilot's SDs."""
@@ -332,8 +332,41 @@ def pilot_plan(summary: dict, args, sample_s: float) -> dict:
         if harm > 0 and ctl["sd"] and cmp["sd"]:
             out["n_needed"][k] = {"control": V.n_needed(ctl["sd"], harm),
                                   "non_inferior": V.n_needed(cmp["sd"], out["margin"][k])}
+    out["gpu_form"] = gpu_form_size(summary, args, arch)
     out["seconds_per_sample"] = sample_s
     out["samples_in_2h"] = int(7200 / sample_s) if sample_s else None
+    return out
+
+
+def gpu_form_size(summary: dict, args, arch, call_s: float = 420.0, setup_s: float = 150.0,
+                  slack: float = 2.0) -> dict:
+    """The GPU form's power calculation (issue 73 item 5): per length (16K, 32K), the samples
+    one device call of ``call_s`` holds after ``setup_s`` of loading, each arm's forward priced
+    by the analytic H100 table of this model (times ``slack``: the torch path is not TE), and
+    what that n detects with the pilot's SDs (assumed to hold at these lengths) against the n
+    the margin and the control ask for."""
+    from sparsebalance_megatron.eval import verdict as V
+    from sparsebalance_megatron.latency import LatencyModel
+    from sparsebalance_megatron.latency.shape import ModelShape
+
+    out = {"call_s": call_s, "setup_s": setup_s, "slack": slack, "lengths": {}}
+    for length in (16384, 32768):
+        shape = ModelShape(num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                           ffn_hidden_size=arch.ffn_hidden_size,
+                           num_attention_heads=arch.num_attention_heads,
+                           num_query_groups=arch.num_query_groups,
+                           kv_channels=arch.kv_channels, vocab_size=arch.vocab_size,
+                           seq_length=length)
+        lm = LatencyModel.analytic(shape, pp=1, block_size=args.block_size)
+        dens = [args.density, 0.65, 0.65, 0.65, args.control_factor * args.density, 1.0]
+        sample_s = slack * sum(lm.predict_fwd_bwd([length], d, 0)[0] for d in dens)
+        n = int((call_s - setup_s) / sample_s)
+        row = {"sample_s": sample_s, "samples": n}
+        for k in METRICS:
+            cmp = summary["pairs"]["dst-matched"][k]
+            if cmp["sd"]:
+                row[f"{k}_detectable"] = V.detectable_effect(cmp["sd"], n)
+        out["lengths"][str(length)] = row
     return out
 
 
@@ -394,7 +427,7 @@ def main(argv=None) -> int:
         doc["summary"] = summarize(doc, args, fixed.get("margin"))
         doc["wall_s"] = round(time.perf_counter() - t0, 1)
         if args.pilot and doc["summary"]:
-            doc.update(pilot_plan(doc["summary"], args, (time.perf_counter() - t_scored)
+            doc.update(pilot_plan(doc["summary"], args, arch, (time.perf_counter() - t_scored)
                                   / (i + 1)))
         write_result(args.json, doc)
     doc["complete"] = True
