@@ -18,6 +18,7 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 from studies import _continued_report as cr  # noqa: E402
+from studies import _inference_report as ir  # noqa: E402
 from studies import continued_quality as cq  # noqa: E402
 from studies import inference_quality as iq  # noqa: E402
 
@@ -65,13 +66,13 @@ def test_a_margin_fixed_in_another_setting_is_refused(tmp_path):
     pilot.write_text(json.dumps({"config": vars(args), "margin": {"answer_nll": 0.01},
                                  "summary": {"n": 30, "pairs": {"control-uniform": {
                                      k: {"mean": 0.02} for k in iq.METRICS}}}}))
-    fixed = iq.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
+    fixed = ir.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
     assert fixed["margin"] == {"answer_nll": 0.01} and fixed["margin_source"]["n"] == 30
     with pytest.raises(SystemExit, match="density"):
-        iq.read_margin(iq.parse_args(["--margin-from", str(pilot), "--density", "0.25"]))
+        ir.read_margin(iq.parse_args(["--margin-from", str(pilot), "--density", "0.25"]))
     pilot.write_text(json.dumps({"config": dict(vars(args), pilot=False)}))
     with pytest.raises(SystemExit, match="not a pilot"):
-        iq.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
+        ir.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
     cpilot = tmp_path / "cpilot.json"
     cargs = cq.parse_args(["--pilot", "--out", str(tmp_path)])
     cpilot.write_text(json.dumps({"config": vars(cargs), "margin": {"answer_nll": 0.01},
@@ -120,9 +121,9 @@ def test_inference_summary_states_the_verdicts_with_the_fixed_margin():
             arms["dst"][k] += noise[k]
             arms["control"][k] += 0.02 + rng.gauss(0, 0.005)
         samples.append({"tokens": 3000 + i, "arms": arms})
-    out = iq.summarize({"samples": samples}, args, {"answer_nll": 0.01, "loss": 0.01})
+    out = ir.summarize({"samples": samples}, args, {"answer_nll": 0.01, "loss": 0.01})
     assert out["n"] == 60 and set(out["pairs"]) == {f"{a}-{b}" for a, b in iq.PAIRS}
     for k in iq.METRICS:
         v = out["verdicts"][k]
         assert v["verdict"] == "non-inferior" and v["control"]["detected"], v["reason"]
-    assert iq.summarize({"samples": samples}, args)["verdicts"] == {}   # no margin, no verdict
+    assert ir.summarize({"samples": samples}, args)["verdicts"] == {}   # no margin, no verdict
