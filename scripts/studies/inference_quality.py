@@ -45,6 +45,7 @@ What runs (every choice is a flag; the defaults are the committed study's):
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
@@ -86,6 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="a cut of the model (--quick: 2)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
+    ap.add_argument("--gpu-form-from", default=None, metavar="PILOT.json",
+                    help="only the GPU form's power calculation from a pilot's JSON (no forward)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 2 layers, 256-512 tokens, 4 samples, block 16, DP 2 x 2 x PP 2 of "
                          "1K (what the test runs; its numbers mean nothing)")
@@ -96,6 +99,8 @@ def parse_args(argv=None):
         args.loss_stride, args.pilot, args.block_size = 4, args.margin_from is None, 16
     if args.seed_base is None:
         args.seed_base = PILOT_SEED_BASE if args.pilot else 0
+    if args.gpu_form_from:
+        return args
     if args.pilot == (args.margin_from is not None):
         ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
     if not 0 < args.control_factor < 1 or not 0 < args.density <= 1:
@@ -291,10 +296,40 @@ def score(model, budget, sample, layer_dens: list, stride: int) -> dict:
             "kept": float(np.mean([np.mean(v) for v in kept.values()]))}
 
 
+def smollm2_arch():
+    """SmolLM2-135M's architecture from its GGUF's config (no weights read)."""
+    from transformers import AutoConfig
+
+    from sparsebalance_megatron.megatron.model import hf_convert
+
+    d, name = os.path.split(hf_convert.smollm2_gguf_path())
+    return hf_convert.arch_from_hf_config(AutoConfig.from_pretrained(d, gguf_file=name))
+
+
+def gpu_form_only(args, rep) -> int:
+    """The GPU form's size from a pilot's SDs, in the pilot's setting."""
+    with open(args.gpu_form_from) as f:
+        pilot = json.load(f)
+    for k, v in pilot["config"].items():
+        if k in ("density", "control_factor", "block_size"):
+            setattr(args, k, v)
+    size = rep.gpu_form_size(pilot["summary"], args, smollm2_arch())
+    write_result(args.json, {"pilot": args.gpu_form_from, "pilot_n": pilot["summary"]["n"],
+                             "gpu_form": size})
+    for length, row in size["lengths"].items():
+        print(f"{length} tokens: {row['samples']} samples in one {size['call_s']:.0f} s call "
+              f"({row['sample_s']:.2f} s a sample, every arm); at 80% power they detect "
+              + ", ".join(f"{k} {row[k + '_detectable']:.4f}" for k in METRICS
+                          if k + "_detectable" in row))
+    return 0
+
+
 def main(argv=None) -> int:
     from . import _inference_report as rep
 
     args = parse_args(argv)
+    if args.gpu_form_from:
+        return gpu_form_only(args, rep)
     t0 = time.perf_counter()
     fixed = rep.read_margin(args) if args.margin_from else {}     # before any forward
     model, budget, tok, arch = load(args)
