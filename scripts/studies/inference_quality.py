@@ -211,6 +211,25 @@ def study_kept(tokens: list, layer_dens: list, args) -> float:
     return float(np.dot(w, k) / np.sum(w))
 
 
+def balanced_order(tokens: list, dst: list, matched: list, args) -> list:
+    """The order the samples are scored in: each next one the sample that brings the scored
+    ones' kept density under DST closest to theirs under the matched arm (weighted as
+    ``study_kept``), so that a run cut short is still about matched. From the plans alone."""
+    from sparsebalance_megatron.latency.work import attention_work
+
+    gap = [attention_work([t], 1.0, args.block_size) * (
+        np.mean([kept_share(t, d, args) for d in a]) - np.mean([kept_share(t, d, args)
+                                                                for d in b]))
+        for t, a, b in zip(tokens, dst, matched)]
+    left, order, run = set(range(len(tokens))), [], 0.0
+    while left:
+        i = min(left, key=lambda j: (abs(run + gap[j]), j))
+        order.append(i)
+        left.remove(i)
+        run += gap[i]
+    return order
+
+
 def arm_densities(args, planned: dict, tokens: list, n_layers: int) -> dict:
     """{arm: per sample, its per-layer densities}, the matched density and the kept densities
     the plans predict (before any forward)."""
@@ -351,22 +370,25 @@ def main(argv=None) -> int:
           + f"; matched density {dens['matched_density']:.4f}, kept planned " + ", ".join(
               f"{a} {v:.4f}" for a, v in dens["kept_planned"].items()), flush=True)
     t_scored = time.perf_counter()
-    for i, s in enumerate(samples):
+    order = balanced_order(tokens, dens["layers"]["dst"], dens["layers"]["matched"], args)
+    doc["scoring_order"] = order
+    for n, i in enumerate(order):
+        s = samples[i]
         t1 = time.perf_counter()
         res = {a: score(model, budget, s, dens["layers"][a][i], args.loss_stride) for a in ARMS}
         doc["samples"].append({
-            "task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed,
+            "index": i, "task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed,
             "tokens": tokens[i], "unit": planned["unit"][i],
             "dst_stage_densities": planned["stage_densities"][i].tolist(),
             "shuffled_from": dens["perm"][i], "arms": res})
-        print(f"[{i + 1}/{len(samples)}] {s.task} {s.length} depth {s.depth}: " + " ".join(
+        print(f"[{n + 1}/{len(samples)}] {s.task} {s.length} depth {s.depth}: " + " ".join(
             f"{a} {r['answer_nll']:.3f}/{r['exact']:.0f}" for a, r in res.items())
               + f" ({time.perf_counter() - t1:.0f} s)", flush=True)
         doc["summary"] = rep.summarize(doc, args, fixed.get("margin"))
         doc["wall_s"] = round(time.perf_counter() - t0, 1)
         if args.pilot and doc["summary"]:
             doc.update(rep.pilot_plan(doc["summary"], args, arch, (time.perf_counter() - t_scored)
-                                  / (i + 1)))
+                                      / (n + 1)))
         write_result(args.json, doc)
     doc["complete"] = True
     write_result(args.json, doc)

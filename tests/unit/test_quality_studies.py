@@ -127,3 +127,18 @@ def test_inference_summary_states_the_verdicts_with_the_fixed_margin():
         v = out["verdicts"][k]
         assert v["verdict"] == "non-inferior" and v["control"]["detected"], v["reason"]
     assert ir.summarize({"samples": samples}, args)["verdicts"] == {}   # no margin, no verdict
+
+
+def test_scoring_order_keeps_a_cut_run_about_matched(planned):
+    """Scored in ``balanced_order``, every prefix of 20 or more samples keeps DST's kept density
+    within 0.01 of the matched arm's, so a run cut short still compares like with like."""
+    args, tokens, p = planned
+    d = iq.arm_densities(args, p, tokens, 30)
+    order = iq.balanced_order(tokens, d["layers"]["dst"], d["layers"]["matched"], args)
+    assert sorted(order) == list(range(len(tokens)))
+    for k in range(20, len(order) + 1):
+        sub = order[:k]
+        gap = iq.study_kept([tokens[i] for i in sub], [d["layers"]["dst"][i] for i in sub],
+                            args) - iq.study_kept([tokens[i] for i in sub],
+                                                  [d["layers"]["matched"][i] for i in sub], args)
+        assert abs(gap) <= 0.01, (k, gap)
