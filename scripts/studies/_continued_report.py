@@ -10,7 +10,7 @@ SHOWN = METRICS + ("token_accuracy", "exact", "train_kept")
 # settings a pilot's margin holds for: the main run refuses a pilot that ran with others
 SAME = ("density", "control_factor", "needles", "block_size", "num_layers", "hidden_size",
         "heads", "seq_length", "global_batch_size", "continue_lr", "base_steps", "steps",
-        "train_docs", "min_doc", "heldout", "data_seed", "table")
+        "train_docs", "min_doc", "base_min_doc", "heldout", "data_seed", "table")
 
 
 def per_seed(run: dict) -> dict:

@@ -8,15 +8,17 @@ What runs (every choice is a flag; ``trained_quality``'s model, training and eva
 - **Task** (``make_document``): sections of the built-in corpus cut to lengths log-uniform in
   [``--min-doc``, ``--seq-length`` - 1] = [512, 1023] bytes, i.e. 32-64 key blocks of
   ``--block-size`` 16, with ``--needles`` 3 needles at random depths, each a marker byte (0x01,
-  0x03, 0x04) and a key (one of 16 control bytes) on its own line; at the end the query marker
-  0x02 and, for each needle in turn, its marker and key. The answer is the 3 keys (their
-  positions: ``answer_positions``), scored as their mean NLL, their token accuracy (chance 1/16)
-  and exact match of all 3 (chance 1/4096). Each key is a one-hop lookup of its marker, the task
-  the earlier study's dense model learned; three needles at three depths make the last query
-  block need three distant blocks, so the selection matters. The product's sink block (1) and
-  no local block (``--sb-local-blocks`` default 0) are kept.
+  0x03, 0x04) and a key (one of its own alphabet of 8 control bytes) on its own line; at the
+  end the query marker 0x02 and, for each needle in turn, its marker and key. The answer is the
+  3 keys (their positions: ``answer_positions``), scored as their mean NLL, their token
+  accuracy (chance 1/8) and exact match of all 3 (chance 1/512). Each key is a one-hop content
+  lookup (the one byte of its alphabet in the document), the kind of task the earlier study's
+  dense model learned; three needles at three depths make the last query block need three
+  distant blocks, so the selection matters. The product's sink block (1) and no local block
+  (``--sb-local-blocks`` default 0) are kept.
 - **Base**: the 2-layer GPT of ``trained_quality`` trained dense from scratch for
-  ``--base-steps`` on documents no held-out one shares a section with.
+  ``--base-steps`` on documents of [``--base-min-doc``, 1023] bytes (64 up: short ones teach
+  the lookup at short range first) that no held-out one shares a section with.
 - **Arms** (``ARMS``), each continuing the base for ``--steps`` with ``--seeds`` (data order:
   ``--seed`` and ``--sb-seed``): ``static`` (``--sb-sparse-attention`` at d0, sequential
   packing); ``sparse_balance`` (``--sparse-balance``: SAB + DST); ``sab`` (SAB packing alone,
@@ -60,14 +62,18 @@ PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static")
          ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
 METRICS = ("answer_nll", "heldout_loss")
 MARKERS = ("\x01", "\x03", "\x04")
-KEYS = "".join(map(chr, range(0x10, 0x20)))
+# one alphabet of 8 control bytes per needle (none occurs in the corpus): the key of needle j
+# is the one byte of alphabet j in the document, a content lookup one attention layer can make
+# (three keys from one alphabet need an induction circuit, which the base did not learn)
+ALPHABETS = ("".join(map(chr, range(0x10, 0x18))), "".join(map(chr, range(0x18, 0x20))),
+             "\x05\x06\x07\x08\x0b\x0c\x0e\x0f")
 QUERY = "\x02"
 
 
 def make_document(rng: random.Random, text: str, length: int, needles: int) -> dict:
     """``text`` cut so that the document is ``length`` characters: ``needles`` needles (marker,
     key, newline) at random line starts, then the query marker and each marker with its key."""
-    keys = [rng.choice(KEYS) for _ in range(needles)]
+    keys = [rng.choice(ALPHABETS[j]) for j in range(needles)]
     query = "\n" + QUERY + "".join(m + k for m, k in zip(MARKERS, keys))
     hay = list(text[:length - len(query) - 3 * needles])
     starts = [i + 1 for i, c in enumerate(hay) if c == "\n"] or [0]
@@ -82,23 +88,27 @@ def make_document(rng: random.Random, text: str, length: int, needles: int) -> d
 
 
 def build_data(args, out: str) -> tuple:
-    """``out/train.jsonl`` and the held-out documents (sections split: none shared)."""
+    """``out/base.jsonl`` (the base's documents, from ``--base-min-doc``: short ones teach the
+    lookup at short range first), ``out/train.jsonl`` (the continued phase's, from
+    ``--min-doc``) and the held-out documents (sections split: none shared)."""
     rng = random.Random(args.data_seed)
     secs = tq.corpus_sections(args.min_doc)
     rng.shuffle(secs)
     held_secs, train_secs = secs[:len(secs) // 5], secs[len(secs) // 5:]
-    lo, hi = math.log(args.min_doc), math.log(args.seq_length - 1)
+    hi = math.log(args.seq_length - 1)
 
-    def docs(pool, n):
+    def docs(pool, n, shortest=args.min_doc):
+        lo = math.log(shortest)
         for _ in range(n):
             length = int(math.exp(rng.uniform(lo, hi)))
             text = next(t for t in (rng.choice(pool) for _ in range(1000)) if len(t) >= length)
             yield make_document(rng, text, length, args.needles)
-    path = os.path.join(out, "train.jsonl")
-    with open(path, "w") as f:
-        for d in docs(train_secs, args.train_docs):
-            f.write(json.dumps({"text": d["text"]}) + "\n")
-    return path, list(docs(held_secs, args.heldout))
+    paths = [os.path.join(out, name) for name in ("base.jsonl", "train.jsonl")]
+    for path, shortest in zip(paths, (args.base_min_doc, args.min_doc)):
+        with open(path, "w") as f:
+            for d in docs(train_secs, args.train_docs, shortest):
+                f.write(json.dumps({"text": d["text"]}) + "\n")
+    return paths, list(docs(held_secs, args.heldout))
 
 
 def run_once(args, out: str, name: str, cmd: list, walls: dict) -> str:
@@ -163,7 +173,7 @@ def parse_args(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="continued-phase seeds (main: 1-10; pilot: 101-103)")
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=None)
-    ap.add_argument("--base-steps", type=int, default=1500)
+    ap.add_argument("--base-steps", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=150, help="continued-phase steps")
     ap.add_argument("--density", type=float, default=0.5, help="d0")
     ap.add_argument("--control-factor", type=float, default=0.9)
@@ -179,6 +189,7 @@ def parse_args(argv=None):
     ap.add_argument("--init-std", type=float, default=0.08)
     ap.add_argument("--train-docs", type=int, default=30000)
     ap.add_argument("--min-doc", type=int, default=512)
+    ap.add_argument("--base-min-doc", type=int, default=64)
     ap.add_argument("--heldout", type=int, default=1000)
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--table", choices=("analytic", "profile"), default="profile")
@@ -189,6 +200,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.seq_length, args.min_doc, args.block_size, args.train_docs = 256, 128, 8, 200
+        args.base_min_doc = 32
         args.base_steps, args.steps, args.heldout, args.table = 3, 2, 8, "analytic"
         args.seeds = args.seeds or [1]
         args.pilot = args.margin_from is None
@@ -206,7 +218,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     fixed = rep.read_margin(args) if args.margin_from else {}
     os.makedirs(args.out, exist_ok=True)
-    data, held = build_data(args, args.out)
+    (base_data, data), held = build_data(args, args.out)
     docs = [{"ids": list(d["text"].encode("ascii")), "answer_positions": d["answer_positions"],
              "answer_at": d["answer_positions"][0], "answer_len": args.needles}
             for d in held]
@@ -215,7 +227,7 @@ def main(argv=None) -> int:
     base_args = copy.copy(args)
     base_args.steps = args.base_steps
     base = run_once(args, args.out, "base", lambda d: tq.train_cmd(
-        base_args, "dense", 1000, data, None, d), walls)
+        base_args, "dense", 1000, base_data, None, d), walls)
     cont = copy.copy(args)
     cont.lr = args.continue_lr
     load = ["--load", os.path.join(base, "ckpt"), "--finetune", "--no-load-optim",
@@ -263,7 +275,8 @@ def main(argv=None) -> int:
     doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, **fixed,
            "arms": {a: {"flags": ARMS[a], "eval_density": d_eval.get(a)} for a in runs
                     if a != "base"},
-           "chance": {"token_accuracy": 1 / len(KEYS), "exact": len(KEYS) ** -args.needles},
+           "chance": {"token_accuracy": 1 / len(ALPHABETS[0]),
+                      "exact": len(ALPHABETS[0]) ** -args.needles},
            "runs": runs, "train_wall_s": walls}
     doc.update(rep.summarize(doc, args))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -100,10 +100,11 @@ def test_training_documents_hold_three_needles_and_their_answer_positions():
         doc, ans = d["text"], d["answer_positions"]
         assert len(doc) == length and ans == [length - 5, length - 3, length - 1]
         assert doc[length - 7] == cq.QUERY
-        for marker, p in zip(cq.MARKERS, ans):
+        for marker, alphabet, p in zip(cq.MARKERS, cq.ALPHABETS, ans):
             assert doc[p - 1] == marker and doc.count(marker) == 2
             needle = doc.index(marker)             # the needle: the same key after its marker
             assert doc[needle + 1] == doc[p] and doc[needle + 2] == "\n"
+            assert doc[p] in alphabet and sum(doc.count(c) for c in alphabet) == 2
 
 
 def test_inference_summary_states_the_verdicts_with_the_fixed_margin():
