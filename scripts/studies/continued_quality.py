@@ -75,10 +75,10 @@ def make_document(rng: random.Random, text: str, length: int, needles: int) -> d
     key, newline) at random line starts, then the query marker and each marker with its key."""
     keys = [rng.choice(ALPHABETS[j]) for j in range(needles)]
     query = "\n" + QUERY + "".join(m + k for m, k in zip(MARKERS, keys))
-    hay = list(text[:length - len(query) - 3 * needles])
+    hay = list(text[:max(0, length - len(query) - 3 * needles)])
     starts = [i + 1 for i, c in enumerate(hay) if c == "\n"] or [0]
     at = sorted(rng.sample(starts, needles) if len(starts) >= needles else
-                rng.sample(range(len(hay)), needles))
+                [rng.randint(0, len(hay)) for _ in range(needles)])   # a short document
     for j in reversed(range(needles)):        # back to front: earlier positions stay valid
         hay[at[j]:at[j]] = list(MARKERS[j] + keys[j] + "\n")
     doc = "".join(hay) + query
@@ -206,6 +206,9 @@ def parse_args(argv=None):
         args.pilot = args.margin_from is None
     if args.pilot == (args.margin_from is not None):
         ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
+    if min(args.base_min_doc, args.min_doc) < 5 * args.needles + 2:
+        ap.error(f"--base-min-doc / --min-doc: {args.needles} needles and their query take "
+                 f"{5 * args.needles + 2} bytes: expected at least that")
     args.seeds = args.seeds or ([101, 102, 103] if args.pilot else list(range(1, 11)))
     args.arms = args.arms or (["static", "control"] if args.pilot else list(ARMS))
     return args

@@ -95,7 +95,7 @@ def test_pilot_or_margin_not_both_nor_neither():
 def test_training_documents_hold_three_needles_and_their_answer_positions():
     rng = random.Random(1)
     text = "".join(f"line {i} of the haystack\n" for i in range(200))
-    for length in (512, 700, 1023):
+    for length in (17, 40, 512, 700, 1023):          # 17: no haystack left, needles alone
         d = cq.make_document(rng, text, length, 3)
         doc, ans = d["text"], d["answer_positions"]
         assert len(doc) == length and ans == [length - 5, length - 3, length - 1]
