@@ -66,7 +66,7 @@ STUDIES = {
                      "QUALITY.md"),
     "trained_quality": ("dense, static sparse, --sparse-balance, DST (density objective) "
                         "trained from scratch on CPU: held-out loss, retrieval by depth",
-                        "QUALITY.md"),
+                        "docs/history/QUALITY-2026-11-27-trained-from-scratch.md"),
     "trained_quality_gpu": ("the same four arms continuing SmolLM2-135M at 16K on one GPU, "
                             "scored on RULER-style tasks (--prepare here, --bundle there)",
                             "QUALITY.md"),

@@ -70,7 +70,8 @@ What runs (every choice is a flag; the defaults are what the committed result us
 - **Paired differences** (``PAIRS``): per seed, arm a minus arm b of every metric; over seeds the
   mean and a 95% t interval (seeds are the replicates; with 2 seeds it is wide, with 1 absent).
 
-    .venv/bin/python scripts/bench.py trained_quality --json docs/results/trained_quality_cpu.json
+    .venv/bin/python scripts/bench.py trained_quality --json /tmp/tq_cpu.json   # the results of
+        # record: docs/history/results/trained_quality_cpu*.json
     .venv/bin/python scripts/bench.py trained_quality --quick --json /tmp/tq.json   # a smoke run
     .venv/bin/python scripts/bench.py trained_quality --out runs/trained_quality --densities-only \
         --replan
