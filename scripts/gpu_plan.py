@@ -8,9 +8,11 @@ command at most 10 minutes, returns at most 8 files of what the command writes u
 (2 folders down), may come back bare for the next command, and gives a session 15 minutes of
 device time, the machine's start (about 40 s on 2026-11-26) and its idle wait after each call
 (30 s, unless given back) included. So every call unpacks its own wheels, carries at most
-``CARRY_LIMIT`` (60 MiB, a margin under 64), stops starting work before its own deadline, and
-the plan's timeouts add up to at most ``PLAN_LIMIT_S`` (13.5 minutes): two calls, run back to
-back (a second call within 30 s finds the machine warm), then ``give_back``.
+``CARRY_LIMIT`` (60 MiB, a margin under 64), stops starting work before its own deadline, and a
+plan's timeouts, the machine's start (``START_S``) and each call's transfers (``TRANSFER_S``) add
+up to at most its device time (``DEVICE_S``: 12 minutes for issue 74's plan, the 15 of the
+session for the others): the calls run back to back (a call within 30 s finds the machine
+warm), then ``give_back``. The pieces themselves: ``studies/_pieces.py``.
 
     python scripts/gpu_plan.py show [quality]            # the calls, as docs/GPU.md lists them
     python scripts/gpu_plan.py pack-quality .sb-quality/bundle   # the quality plan's pieces
@@ -25,27 +27,26 @@ back (a second call within 30 s finds the machine warm), then ``give_back``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import io
-import lzma
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
-import zipfile
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MIB = 1 << 20
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from studies._pieces import (MANIFEST, MIB, SITE, STAGE, join_pieces, pack,  # noqa: E402,F401
+                             read_manifest, sha256_file, unpack, verify, write_manifest)
+
 CARRY_LIMIT = 60 * MIB          # the machine's 64 MiB less a margin for files added later
 CALL_LIMIT_S = 600
-PLAN_LIMIT_S = 810
+START_S = 40                    # the machine's start (35-40 s on 2026-11-26)
+TRANSFER_S = 10                 # a call's copies there and back
+DEVICE_S = {"issue74": 720, "quality": 900, "kernels": 900}
+PLAN_LIMIT_S = 810              # the calls' timeouts of a 15-minute session (start and waits out)
 MAX_CARRY_PATHS = 8
 MAX_OUT_FILES = 8
-MANIFEST = "SHA256SUMS"
-SITE = "/tmp/site"
 
 
 @dataclass(frozen=True)
@@ -66,42 +67,55 @@ class Call:
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
-PLAN: Tuple[Call, ...] = (
-    # The kernel call (issue 61), in two calls because FlashAttention-4's wheels (96 MiB) come
-    # in two pieces: the first times every kernel that needs no FA4 and stages the first
-    # piece; the second, at once on the warm machine, joins the pieces and times FA4. Neither
-    # carries megatron-core. Step times of the H200 runs (2026-11-26): env 13-14 s; the old
-    # kernel table (fwd+bwd, 5 backends x 9 cases) 195-251 s cut by its deadline; latency 84 s,
-    # each pretrain() run 27-68 s (37 s of it the start-up profile, which a run given the
-    # latency step's table skips). The H100 run 3: latency 103 s, pretrain() runs 33-64 s
+# Issue 61's kernel calls (FlashAttention-4's wheels, 96 MiB, come in two pieces: the first
+# call times every kernel that needs no FA4 and stages the first piece; the second, at once on
+# the warm machine, joins them and times FA4). The kernels plan, and the quality plan's first
+# two calls. Measured on the H200 (runs 4-5): 75-99 s each with the start
+KERNEL_CALLS: Tuple[Call, ...] = (
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
          bench_lengths=(32768, 16384),
          what="versions, imports, signatures; the kernel table (bench_attention_gpu.py) pass by "
               "pass against cuDNN, each pass's host and GPU time apart: triton (pinned one-pass "
               "and every split backward) first, then flex; each kernel checked against float64 "
-              "first; one document of 32K and of 16K (triton's price for the simulator, the "
-              "other length-free kernel auto runs); FA4's first piece staged"),
+              "first; one document of 32K and of 16K; FA4's first piece staged"),
     Call("kernel-fa4", ("bench",), 170, 155, carry=(".whl-fa4/2",),
          bench_backends=("fa4", "flash"), outputs=KERNEL_OUTPUTS, complete=True,
          bench_lengths=(32768, 16384),
-         what="FlashAttention-4 (the pieces joined): fa4 checked against float64 (5 calls "
-              "each, NaNs and run-to-run differences), its backward both ways (GQA accumulated, "
-              "and per query head), then their rows and flex's flash kernel's on the same grid "
-              "(one document of 32K and of 16K: a price per call, token and tile for the "
-              "simulator), each pass's host and GPU time apart, dense re-timed beside them"),
-    # The end-to-end call takes the latency table the H200 profiled with fa4 on 2026-11-26
-    # (its latency step, 84-103 s, buys the 64K runs' time); on an H100 give it the latency
-    # step back (steps ("latency", "train"))
-    Call("e2e", ("train",), 455, 440, latency_table="docs/results/latency_gpu_h200_fa4.json",
-         what="pretrain() on documents of 16K+ tokens in 32K and 64K micro-batches, and whole "
-              "files: dense + SAB through cuDNN at 32K (a long document alone in its call, at "
-              "padded lengths from a bounded set) and through torch's varlen call, re-priced at "
-              "cuDNN's kernel (the baseline), --sparse-balance at d0 0.5 and 0.25 at the "
-              "default --sb-attention-backend auto (fa4 where the kernel calls left it "
-              "installed, else triton), Megatron's own dense last; a warm-up step of the 32K "
-              "dense + SAB and d0 0.25 runs profiled (how busy the GPU is); the H200's fa4 "
-              "latency table"),
+         what="FlashAttention-4 (the pieces joined): fa4 checked against float64, its backward "
+              "both ways, then its rows and flex's flash kernel's (one document of 32K and of "
+              "16K), each pass's host and GPU time apart"),
+)
+# Issue 74's plan, ONE for all its open work, the decisive measurement first: (1) stages FA4's
+# first piece (the tree, 21.9 MiB on 2026-11-27, leaves no room beside it for megatron-core's
+# .whl, 10.1 MiB); (2) FA4's pieces, kernel by kernel, host and GPU apart (and the selection's
+# and lists', through triton's call: ``fa4_pieces``), then FA4's price at two lengths; (3) the
+# full-depth model's steady steps, profiled, at 32K and 64K against dense + SAB priced at
+# cuDNN's kernel and measured through cuDNN SDPA, each step beside its bound, then DST with GPU
+# timings (PP 4 x DP 4). 720 s of device time with the start and the transfers (``DEVICE_S``)
+PLAN: Tuple[Call, ...] = (
+    Call("stage", ("env",), 35, 25, carry=(".whl-fa4/1",), outputs=("gpu_check.json",),
+         what="versions, imports, signatures, which backends can run; FA4's first piece staged "
+              "(no room beside it for megatron-core)"),
+    Call("fa4", ("pieces", "bench"), 125, 115, carry=(".whl-fa4/2",), complete=True,
+         bench_backends=("fa4",), bench_lengths=(32768, 16384),
+         outputs=KERNEL_OUTPUTS + ("pieces_rows.jsonl",),
+         what="FlashAttention-4 (the pieces joined): where one call's time goes (scripts/bench.py "
+              "fa4_pieces: FA4's kernel in both GQA backward forms and its call, triton's call; "
+              "32K, 8/2 x 128 and 14/2 x 64, d 0.25 and 1; per pass host and GPU apart and the "
+              "kernels from a trace: FA4's side passes, our selection and lists, copies), then "
+              "fa4 checked against float64 and its kernel table at 32K and 16K, one document "
+              "and a packed micro-batch: the price per call, token and tile, each pass apart"),
+    Call("e2e", ("train", "dst"), 490, 475, carry=(".whl",),
+         what="pretrain() of the full-depth Qwen2.5-0.5B (24 layers) on documents of 16K+ "
+              "tokens: dense + SAB and --sparse-balance d0 0.25 / 0.5 at 32K, dense + SAB and "
+              "d0 0.25 at 64K (full recomputation where only that fits the device), dense + "
+              "SAB through cuDNN SDPA at 32K (measured), steady step 6 of each profiled and "
+              "summarised kernel by kernel, each step beside its bound (per step, and on the "
+              "profiled step as the cross-check); then DST with GPU "
+              "timings (scripts/bench.py dst_gpu: PP 4 x DP 4 x 4 micro-batches of 32K, the "
+              "units timed with CUDA events, composed by the simulator: DST, static, dense + "
+              "SAB)"),
 )
 
 # The quality plan (issue 62's GPU form): the kernel calls as above, each also staging a piece
@@ -109,14 +123,13 @@ PLAN: Tuple[Call, ...] = (
 # 90 MiB compressed), two calls that only stage pieces, then the study. It replaces the
 # end-to-end call in a session that runs it: 795 s of the 810
 QUALITY = ".sb-quality"
-STAGE = "/tmp/wheel_pieces"
 QUALITY_RUN = ("mkdir -p {out}; python3 scripts/bench.py trained_quality_gpu --bundle "
                f"{STAGE}/{QUALITY}/files --out /tmp/tq --budget-s {{budget_s}} "
                "--json {out}/trained_quality_gpu.json; rc=$?; tar czf {out}/logs.tar.gz "
                "-C /tmp/tq --exclude=ckpt --exclude=init . ; exit $rc")
 QUALITY_PLAN: Tuple[Call, ...] = (
-    dataclasses.replace(PLAN[0], carry=PLAN[0].carry + (f"{QUALITY}/1",)),
-    dataclasses.replace(PLAN[1], carry=PLAN[1].carry + (f"{QUALITY}/2",)),
+    dataclasses.replace(KERNEL_CALLS[0], carry=KERNEL_CALLS[0].carry + (f"{QUALITY}/1",)),
+    dataclasses.replace(KERNEL_CALLS[1], carry=KERNEL_CALLS[1].carry + (f"{QUALITY}/2",)),
     Call("stage-3", (), 30, 20, carry=(f"{QUALITY}/3",), run="echo staged", outputs=(),
          what="stages the bundle's third piece"),
     Call("stage-4", (), 30, 20, carry=(f"{QUALITY}/4",), run="echo staged", outputs=(),
@@ -128,7 +141,12 @@ QUALITY_PLAN: Tuple[Call, ...] = (
               "objective) in that order, DP 2 on the one GPU over gloo, then every checkpoint scored on the "
               "held-out RULER-style samples; no arm starts that would end after 260 s"),
 )
-PLANS = {"kernels": PLAN, "quality": QUALITY_PLAN}
+PLANS = {"issue74": PLAN, "quality": QUALITY_PLAN, "kernels": KERNEL_CALLS}
+PLAN_NOTES = {"issue74": "the open work of issue 74 (fa4's kernel table inside): the default",
+              "quality": "issue 62's trained-quality study; replaces issue 74's plan in a "
+                         "session that runs it",
+              "kernels": "issue 61's two kernel calls alone (triton and flex, then fa4 and "
+                         "flash), after a kernel changes"}
 
 # CuTe DSL (nvidia-cutlass-dsl >= 4.5) keeps its ``cutlass`` package in dsl_packages, which its
 # .pth file puts on sys.path; a --target folder on PYTHONPATH reads no .pth file. FA4's compiled
@@ -170,12 +188,23 @@ def command(call: Call) -> str:
                    f"--out-dir $OUT/{call.name}")
 
 
-def plan_problems(plan: Sequence[Call] = PLAN) -> List[str]:
-    """What in ``plan`` breaks the machine's limits (empty: none)."""
+def device_s(plan: Sequence[Call]) -> int:
+    """The device time ``plan`` may take: its timeouts, the start and each call's transfers."""
+    return sum(c.timeout_s for c in plan) + START_S + TRANSFER_S * len(plan)
+
+
+def plan_problems(plan: Sequence[Call] = PLAN, limit_s: int = None) -> List[str]:
+    """What in ``plan`` breaks the machine's limits (empty: none); ``limit_s``: its device time
+    (default: the plan's own in ``DEVICE_S``, else a session's 15 minutes)."""
     out = []
+    name = next((n for n, p in PLANS.items() if tuple(p) == tuple(plan)), None)
+    limit = limit_s or DEVICE_S.get(name, 900)
     total = sum(c.timeout_s for c in plan)
     if total > PLAN_LIMIT_S:
         out.append(f"the calls' timeouts add up to {total} s: expected at most {PLAN_LIMIT_S}")
+    if device_s(plan) > limit:
+        out.append(f"the calls with the start and the transfers take {device_s(plan)} s of "
+                   f"device time: expected at most {limit}")
     for c in plan:
         if not 0 < c.budget_s < c.timeout_s <= CALL_LIMIT_S:
             out.append(f"{c.name}: budget {c.budget_s} s, timeout {c.timeout_s} s: expected "
@@ -229,171 +258,6 @@ def piece_bytes_for(tree: int, others: int = 0, limit: int = CARRY_LIMIT) -> int
     return room
 
 
-# --- pieces ----------------------------------------------------------------------------------
-
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
-def write_manifest(folder: str, extra: Dict[str, str] = ()) -> str:
-    """``folder/SHA256SUMS``: ``sha256  name`` per file (sha256sum's format), plus ``extra``."""
-    lines = {n: sha256_file(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
-             if n != MANIFEST and os.path.isfile(os.path.join(folder, n))}
-    lines.update(dict(extra))
-    path = os.path.join(folder, MANIFEST)
-    with open(path, "w") as fh:
-        fh.writelines(f"{h}  {n}\n" for n, h in lines.items())
-    return path
-
-
-def read_manifest(folder: str) -> Dict[str, str]:
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        raise ValueError(f"{folder}: no {MANIFEST}: expected the folder gpu_wheels.sh made")
-    out = {}
-    for line in open(path):
-        if line.strip():
-            h, name = line.split(None, 1)
-            out[name.strip()] = h
-    return out
-
-
-def verify(folder: str, names=None) -> None:
-    """Every file of ``folder``'s manifest (or ``names`` of it) has its sha256, else ValueError."""
-    want = read_manifest(folder)
-    stray = [n for n in os.listdir(folder) if (n.endswith(".whl") or n.startswith("piece."))
-             and n not in want]
-    if stray:
-        raise ValueError(f"{folder}: {', '.join(sorted(stray))} not in {MANIFEST}")
-    for name in (names if names is not None else
-                 [n for n in want if os.path.exists(os.path.join(folder, n))]):
-        path = os.path.join(folder, name)
-        if name not in want or not os.path.exists(path):
-            raise ValueError(f"{path}: missing or not in {MANIFEST}")
-        got = sha256_file(path)
-        if got != want[name]:
-            raise ValueError(f"{path}: sha256 {got[:16]}..., expected {want[name][:16]}... "
-                             f"(a broken or mixed carry)")
-
-
-def _stored(path: str) -> bytes:
-    """A wheel (a zip) rewritten with its members stored, not deflated, so that xz sees the
-    files themselves: the same wheel to pip (RECORD hashes the members, not the archive)."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            data = src.read(info)
-            info.compress_type = zipfile.ZIP_STORED
-            dst.writestr(info, data)
-    return out.getvalue()
-
-
-def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
-    """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside,
-    which xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70
-    MiB) cut into pieces: the fewest equal ones of at most ``piece_bytes``, or, given a list of
-    sizes (the room each call of a plan has), one piece per size, each in proportion to it, so
-    that every call of the plan carries its piece. ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of its
-    piece and of the whole archive (``all.tar.xz``), checked on the machine before anything is
-    unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
-    if not os.path.isdir(src) or not os.listdir(src):
-        raise ValueError(f"{src}: expected a folder of files to pack")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for d, dirs, files in sorted(os.walk(src)):
-            dirs.sort()
-            for name in sorted(files):
-                path = os.path.join(d, name)
-                data = _stored(path) if name.endswith(".whl") else open(path, "rb").read()
-                info = tarfile.TarInfo(os.path.relpath(path, src))
-                info.size, info.mtime, info.mode = len(data), 0, 0o644
-                tar.addfile(info, io.BytesIO(data))
-    data = lzma.compress(buf.getvalue(), preset=preset)
-    whole = hashlib.sha256(data).hexdigest()
-    if isinstance(piece_bytes, int):
-        n = max(1, -(-len(data) // piece_bytes))
-        sizes = [-(-len(data) // n)] * n
-    else:
-        room = sum(piece_bytes)
-        if len(data) > room:
-            raise ValueError(f"{src}: {len(data) / MIB:.1f} MiB compressed, more than the "
-                             f"{room / MIB:.1f} MiB the pieces can hold")
-        ends = [len(data) * sum(piece_bytes[:i + 1]) // room for i in range(len(piece_bytes))]
-        sizes = [b - a for a, b in zip([0] + ends, ends)]
-    n, at, folders = len(sizes), 0, []
-    for i, size in enumerate(sizes):
-        folder = os.path.join(dest, str(i + 1))
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"piece.{i:02d}"), "wb") as fh:
-            fh.write(data[at:at + size])
-        at += size
-        write_manifest(folder, {"all.tar.xz": whole, f"pieces.{n}": "0" * 64})
-        folders.append(folder)
-    return folders
-
-
-def join_pieces(stage: str, out_dir: str) -> bool:
-    """Unpack the archive whose pieces sit in ``stage`` (their manifests copied alongside) into
-    ``out_dir`` when all have come; False while some are missing. Checks the whole archive's
-    sha256 before decompressing or extracting anything."""
-    man = read_manifest(stage)
-    n = int(next(k for k in man if k.startswith("pieces.")).split(".")[1])
-    names = [f"piece.{i:02d}" for i in range(n)]
-    if not all(os.path.exists(os.path.join(stage, p)) for p in names):
-        return False
-    h, data = hashlib.sha256(), bytearray()
-    for p in names:
-        chunk = open(os.path.join(stage, p), "rb").read()
-        h.update(chunk)
-        data += chunk
-    if h.hexdigest() != man["all.tar.xz"]:
-        raise ValueError(f"{stage}: the joined pieces' sha256 differs from the manifest's "
-                         f"all.tar.xz")
-    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(bytes(data)))) as tar:
-        tar.extractall(out_dir, filter="data")
-    return True
-
-
-def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
-           complete=False) -> str:
-    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``). A piece
-    is staged in ``stage/<its set>`` (the folder above it: ``.whl-fa4``, ``.sb-quality``) until
-    its set is complete; a complete set is unpacked into ``stage/<set>/files``, and the wheels
-    among its files are installed. Returns what was done, in words. ``complete`` (True: every
-    folder; or the folders it names): a set of those whose other pieces are not staged is a
-    ValueError (the machine came back bare)."""
-    wheels, waiting, unpacked = [], [], []
-    for folder in folders:
-        verify(folder)
-        names = os.listdir(folder)
-        if any(n.startswith("piece.") for n in names):
-            where = os.path.join(stage, os.path.basename(os.path.dirname(os.path.abspath(folder))))
-            os.makedirs(where, exist_ok=True)
-            for n in names:
-                if n.startswith("piece."):
-                    shutil.copyfile(os.path.join(folder, n), os.path.join(where, n))
-            with open(os.path.join(folder, MANIFEST)) as src, \
-                    open(os.path.join(where, MANIFEST), "w") as dst:
-                dst.write(src.read())
-            joined = os.path.join(where, "files")
-            if not join_pieces(where, joined):
-                if complete is True or folder in (complete or ()):
-                    raise ValueError(f"{folder}: the other pieces are not in {where} (a bare "
-                                     f"machine: the calls that carry them must run first)")
-                waiting.append(f"{folder}: staged; waiting for the other pieces in {where}")
-                continue
-            unpacked.append(f"{folder}: its set unpacked into {joined}")
-            wheels += [os.path.join(joined, n) for n in os.listdir(joined) if n.endswith(".whl")]
-        else:
-            wheels += [os.path.join(folder, n) for n in names if n.endswith(".whl")]
-    if wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", site,
-                        *sorted(wheels)], check=True)
-    return "; ".join([f"installed {len(wheels)} wheels into {site}"] + unpacked + waiting)
-
-
 def quality_rooms(tree: int) -> List[int]:
     """Per call of the quality plan that carries a piece of its bundle, the room it has beside
     the tree and the call's other carries (a MiB of slack, as ``piece_bytes_for``; none left:
@@ -411,7 +275,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verb = argv.pop(0) if argv else "show"
     if verb == "show":
-        name = argv[0] if argv else "kernels"
+        name = argv[0] if argv else "issue74"
         if name not in PLANS:
             print(f"unknown plan {name!r}: expected one of {sorted(PLANS)}", file=sys.stderr)
             return 2
@@ -419,11 +283,11 @@ def main(argv=None) -> int:
         for i, c in enumerate(plan, 1):
             print(f"{i}. {c.name}: {c.what}\n   timeout_s {c.timeout_s}, carry {list(c.carry)}, "
                   f"$OUT/{c.name}/{{{', '.join(c.outputs)}}}\n   {command(c)}")
-        print(f"total {sum(c.timeout_s for c in plan)} s; problems: "
-              f"{plan_problems(plan) or 'none'}")
-        others = [n for n in PLANS if n != name]
-        print(f"other plans: {', '.join(others)} (python scripts/gpu_plan.py show NAME; "
-              f"docs/GPU.md); quality replaces e2e in a session that runs issue 62's study")
+        print(f"total {sum(c.timeout_s for c in plan)} s of timeouts, {device_s(plan)} s of "
+              f"device time with the start and the transfers (at most "
+              f"{DEVICE_S.get(name, 900)}); problems: {plan_problems(plan) or 'none'}")
+        print("other plans (python scripts/gpu_plan.py show NAME; docs/GPU.md): " + "; ".join(
+            f"{n}: {PLAN_NOTES[n]}" for n in PLANS if n != name))
         return 1 if plan_problems(plan) else 0
     if verb == "pack-quality":
         src = argv[0] if argv else os.path.join(QUALITY, "bundle")

@@ -32,7 +32,7 @@ TIMING_SOURCES = ("measured", "model")
 PLANNERS = ("process", "thread", "inline")   # megatron/step/ahead.py
 PLANNER_TIMEOUT_S = 30.0   # --sb-planner-timeout's default (megatron/step/ahead.py)
 FAULT_KINDS = ("raise", "hang", "kill", "exit", "planner-kill-idle", "planner-kill-drafting",
-               "planner-stop")
+               "planner-stop", "fa4-fails", "triton-fails")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
@@ -303,7 +303,11 @@ class SparseBalanceConfig:
         "answering), kill (the process dies) or exit (the process leaves with os._exit(0)); or "
         "into its planner process as it is asked for iteration STEP's draft: planner-kill-idle "
         "(killed before it is asked), planner-kill-drafting (killed once asked) or "
-        "planner-stop (stopped with SIGSTOP: it stalls).")
+        "planner-stop (stopped with SIGSTOP: it stalls); or into the attention kernels: "
+        "fa4-fails / triton-fails (that kernel raises on rank RANK from iteration STEP on, as a "
+        "compile failure on a new shape; the run's kernels then stand in for the GPU ones: "
+        "auto's pick is fa4 and fa4, triton and flex each compute with the torch kernel under "
+        "their own name, so that the fallback runs on a CPU).")
     watchdog_seconds: str = _f(
         "auto", "Name the hung rank: a rank that has waited this many seconds in one collective "
         "reads every rank's heartbeat (published every few seconds on the job's store) and "
@@ -328,18 +332,20 @@ class SparseBalanceConfig:
         "step, on its critical path, from the state the step just left. With 'process' and "
         "'thread' calibration and sensitivities reach the plans one step later (a step's plan "
         "uses the state after the step before the previous one); all three are deterministic "
-        "and resume exactly. With numba installed (pip extra [fast]) the planner's inner loops "
-        "run compiled, about half the CPU, the same plans bit for bit (SB_PLANNER_JIT=0 turns "
-        "them off). A planner process that dies or stalls costs one draft on the training "
+        "and resume exactly. The planner's inner loops run compiled (numba). A planner process that dies or stalls costs one draft on the training "
         "thread, never the job: the same step is drafted there from the same inputs (the same "
         "plan), and a new process starts after 1, 2 and 4 such steps (then the training thread "
         "drafts every step); each event is one warning line and the sparsebalance/planner "
         "scalars count them.", choices=PLANNERS)
     planner_timeout: float = _f(
-        PLANNER_TIMEOUT_S, "With --sb-planner process: seconds after it was asked for that a draft counts "
-        "as stalled at the least (also 10x the recent drafts' median, and at most half the "
-        "distributed timeout in effect); the rank then kills its planner process and drafts "
-        "the step itself. A draft takes milliseconds to a few tenths of a second.")
+        PLANNER_TIMEOUT_S, "With --sb-planner process: the most seconds after it was asked for "
+        "that a draft may take (at most half the distributed timeout in effect, too). Its "
+        "deadline is 3x the recent drafts' median, at least 0.5 s, within that cap; past it "
+        "the rank drafts the step itself from the same inputs (the same plan), so a stall "
+        "costs a step about one draft: a planner process that cannot answer (stopped, state "
+        "T) is killed, one that still runs is left to finish and its late draft dropped "
+        "(killed if it is still not back at the next draft). A draft takes milliseconds to a "
+        "few tenths of a second.")
     fresh_state: bool = _f(
         False, "On --load of a checkpoint whose SparseBalance state is missing (one written "
         "without the plugin's data path) or damaged (truncated, unreadable, another version), "

@@ -140,6 +140,7 @@ def _space_line(vp, r: dict) -> str:
 def main(argv: Optional[list] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from .config import SparseBalanceConfig
     from .data import load_corpus
     from .experiments import StudyConfig, best_layouts
     from .latency import LatencyModel, LatencyTableError, LayoutError, ModelShape
@@ -178,9 +179,10 @@ def main(argv: Optional[list] = None) -> int:
                               dtype=np.int64))
     except ValueError as e:
         parser.error(str(e))
-    cfg = StudyConfig(microbatches=args.microbatches, seq_length=seq, density=args.density,
-                      min_density=args.min_density, max_density=args.max_density,
-                      steps=args.steps, seed=args.seed)
+    cfg = StudyConfig(microbatches=args.microbatches, seq_length=seq, steps=args.steps,
+                      seed=args.seed, sb=SparseBalanceConfig(
+                          sparse_balance=True, density=args.density,
+                          min_density=args.min_density, max_density=args.max_density))
     t0 = time.perf_counter()
     try:
         res = best_layouts(lm, lengths, cfg, args.dp, pp=args.pp, num_layers=num_layers,

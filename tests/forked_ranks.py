@@ -5,9 +5,11 @@ Importing megatron-core costs about 8-10 s of CPU per process (it imports dynamo
 which was half of the suite's CPU when every rank of every launch paid it. Here one server
 process per pytest worker imports it once; each launch forks a job leader, which forks the ranks.
 A rank sets the variables torchrun would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``, ...), then runs the entry script as ``__main__`` with ``runpy``:
-everything from the argument parser on is the code a torchrun rank runs. As torchrun does, the
-leader stops the other ranks when one fails and exits 1.
+``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``, ...), then runs the entry
+script as ``__main__`` with ``runpy``: everything from the argument parser on is the code a
+torchrun rank runs. As torchrun does, the leader hosts the job's store (the ranks connect to it
+before any process group: a refusal is claimed there, and the process group and the watchdog use
+it), stops the other ranks when one fails and exits 1.
 
 What only torchrun gives (its failure summary, ``TORCHELASTIC_ERROR_FILE``, its signal
 forwarding) is tested with torchrun itself: ``run_entry(..., launcher="torchrun")``, and
@@ -69,7 +71,7 @@ def _run_rank(req: dict, rank: int | None, port: int) -> None:
                           ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(n), ROLE_NAME="default",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                          TORCHELASTIC_RUN_ID="forked_ranks")
+                          TORCHELASTIC_RUN_ID="forked_ranks", TORCHELASTIC_USE_AGENT_STORE="True")
     entry, module = req.get("entry"), req.get("module")
     if module:
         sys.argv = ["-m", *req["args"]]
@@ -110,6 +112,17 @@ def _signal(pids, sig) -> None:
             pass
 
 
+def _agent_store(port: int):
+    """The job's store, hosted by the leader as torchrun's agent hosts it
+    (``TORCHELASTIC_USE_AGENT_STORE``: the ranks connect as clients; they retry until it is up)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=300))
+
+
 def _lead(req: dict, out_fd: int, err_fd: int) -> None:
     """In the forked job leader: its own session, the client's stdout and stderr, the ranks
     forked and watched; exits 0, or 1 when a rank failed (as torchrun does)."""
@@ -130,6 +143,7 @@ def _lead(req: dict, out_fd: int, err_fd: int) -> None:
         if pid == 0:
             _run_rank(req, rank, port)
         ranks[pid] = 0 if rank is None else rank
+    store = _agent_store(port) if req["nproc"] else None   # after the forks: its thread is ours
     failed, kill_at = None, None
     while ranks:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -148,6 +162,7 @@ def _lead(req: dict, out_fd: int, err_fd: int) -> None:
             _signal(ranks, signal.SIGTERM)
             kill_at = time.monotonic() + STOP_GRACE_S
     sys.stderr.flush()
+    del store
     os._exit(0 if failed is None else 1)
 
 

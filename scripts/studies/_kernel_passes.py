@@ -30,17 +30,63 @@ Correctness (``check``): bf16 output and gradients of every kernel against
 ``max(2 x the bf16 reference's own, 1e-2)``; ``repeats`` calls must hold no NaN or inf, give the
 same output bit for bit, and gradients within that bar of the first call's (dQ is summed by
 float32 atomics in FA4's backward and triton's one pass: its order, so its last bits, vary).
+
+``Clock`` and ``RowLog``: a call's deadline and its rows written as measured, for the kernel
+table and for ``fa4_pieces`` (where one call's time goes, kernel by kernel).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 
 import torch
 
+from ._kernel_summary import MIX_TOKENS
 from .common import host_and_gpu_ms, median_ms
 
 BLOCK = 128
+
+
+class Clock:
+    """A call's deadline: no row starts unless ``margin`` seconds (at least 15, and 1.5x the
+    longest row so far, compiles included) are left. ``deadline_s=None``: no deadline."""
+
+    def __init__(self, deadline_s=None, now=time.monotonic):
+        self.now, self.t0 = now, now()
+        self.end = None if deadline_s is None else self.t0 + deadline_s
+        self.longest = 0.0
+
+    def can_start(self) -> bool:
+        return self.end is None or self.end - self.now() >= max(15.0, 1.5 * self.longest)
+
+    def timed(self, fn):
+        t = self.now()
+        try:
+            return fn()
+        finally:
+            self.longest = max(self.longest, self.now() - t)
+
+
+class RowLog:
+    """Rows in memory and, with ``path``, appended to a JSONL file as each is measured (flushed
+    and synced: a call cut at its limit keeps every finished row)."""
+
+    def __init__(self, path=None):
+        self.rows, self.path = [], path
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            open(path, "w").close()
+
+    def add(self, row):
+        self.rows.append(row)
+        if self.path:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
 
 
 def parse_shape(text: str):
@@ -247,6 +293,34 @@ def e_against(ours: dict, cudnn: dict, kept_fraction: float) -> dict:
     return out
 
 
-__all__ = ["BLOCK", "Case", "Lists", "call_fn", "check", "dense_passes", "e_against",
-           "kernel_fn", "parse_shape", "pass_times", "rates"]
+def make_mixes(path: str, per_mix: int = 4) -> None:
+    """Sequence lengths of ``per_mix`` sequentially packed 32K micro-batches of the built-in
+    corpus, as whole files and as sections, exactly as training packs them: documents + EOD (a
+    document longer than a micro-batch split), then padding sequences up to 32K
+    (``data.packing.padding_lengths``)."""
+    import numpy as np
 
+    from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
+    from sparsebalance_megatron.data.packing import padding_lengths
+    out = {"tokens": MIX_TOKENS, "command": " ".join(sys.argv), "mixes": {}}
+    for unit in ("file", "section"):
+        lengths = np.asarray(load_corpus(tokenizer="qwen", doc_unit=unit).lengths)
+        # one bin more than kept: the sampler's last bin may be part-filled
+        sampler = GlobalBatchSampler(lengths, capacity=MIX_TOKENS, num_microbatches=per_mix + 1,
+                                     seed=0)
+        bins, free = [], 0
+        for _doc, start, end in sampler.next_global_batch():
+            if end - start > free:
+                bins.append([])
+                free = MIX_TOKENS
+            bins[-1].append(int(end - start))
+            free -= end - start
+        out["mixes"][unit] = [b + padding_lengths(MIX_TOKENS - sum(b)) for b in bins[:per_mix]]
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"wrote {path}: " + ", ".join(f"{k}: {[len(b) for b in v]} documents"
+                                        for k, v in out["mixes"].items()))
+
+
+__all__ = ["BLOCK", "Case", "Clock", "Lists", "RowLog", "call_fn", "check", "dense_passes",
+           "e_against", "kernel_fn", "make_mixes", "parse_shape", "pass_times", "rates"]

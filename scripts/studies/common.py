@@ -183,19 +183,16 @@ def versions() -> dict:
 
 
 def provenance() -> dict:
-    """Command, commit (and whether the tree had changes), versions, whether the planner's
-    compiled kernels ran (``kernels``) and device."""
+    """Command, commit (and whether the tree had changes), versions (numba's: the planner's
+    kernels) and device."""
     # the result files themselves (a study rewriting the one it re-runs) are not code changes
     status = _git("status", "--porcelain", "--", ".", ":(exclude)docs/results")
-    from sparsebalance_megatron import kernels
-
     commit = _git("rev-parse", "HEAD")
     given = os.environ.get("SPARSEBALANCE_COMMIT")
     if given:       # a device call: its copy's git metadata is not the tree it ran (gpu_plan)
         commit, status = given, None
     return {"command": command(), "commit": commit,
             "dirty": None if status is None else bool(status), "versions": versions(),
-            "planner_kernels": "numba" if kernels.enabled() else "numpy",
             "device": device()}
 
 

@@ -1,6 +1,7 @@
 """The plugin's per-step control plane as the job grows: bytes per rank and seconds of the step's
-gather and plan broadcast, old pickled path against the fixed-size tensor path, from 8 to 4,096
-ranks, with the planner's time beside it and the share of a 32K step on the critical path.
+gather and plan broadcast, old pickled path against the fixed-size tensor path, from 8 to 16,384
+ranks (TP 8, 4 and 1 x PP 4 and 8), with the planner's time beside it and the share of a 32K step
+on the critical path (issue 77's target: <= 0.5% at 16,384 GPUs, TP 1 and TP 8 x PP 4).
 
 Four parts:
 
@@ -14,16 +15,21 @@ Four parts:
 - **Time under an alpha-beta model with NCCL's constants**: each collective is a ring all-gather
   or broadcast priced as NCCL's tuner prices it (``ncclTopoTuneModel`` in NVIDIA/nccl
   ``src/graph/tuning.cc``, ``ncclTunerConstantsDefaults``: latencies in us, LL and Simple
-  protocols, the cheaper taken) on DGX H100 nodes of 8 GPUs (``MODEL`` below says every constant
-  and where it comes from), plus the host CPU work measured here in this process: encoding,
+  protocols, the cheaper taken) on DGX H100 nodes of 8 GPUs (``_exchange_paths.MODEL`` says every
+  constant and where it comes from), plus the host CPU work measured here in this process: encoding,
   combining and decoding the records (tensor path), pickling and unpickling (pickled path).
 - **Planner and after-step work** (measured here, thread CPU time): the step's draft (SAB
   packing, latency features, unit costs, DST: ``planner_cost``'s runtime calls) and the in-line
   work after the step (calibration, the sensitivity tracker's update, the reports' weights) on
   the built-in corpus, Qwen2.5-0.5B analytic table, best static layout; fitted as a power of
-  DP x micro-batches and extrapolated past what runs here (marked so).
+  DP x micro-batches where not measured (marked so; ``--planner-dp`` up to 4,096 measures
+  every PP 4 row of 16 micro-batches to 16,384 GPUs at TP 1). Where its time goes by phase:
+  ``planner_phases``.
 - **gloo, measured**: spawned processes on this machine (TP 2 x PP 2 x DP n), both paths end to
   end, the slowest rank's median seconds per step.
+
+The two paths are priced in ``_exchange_paths.py`` (sizes, the network model, host CPU, gloo);
+this module measures the planner's side, builds the table and writes the JSON.
 
 The denominator: the simulator's static step at d0 (every unit at 0.5) for the Qwen2.5-0.5B
 shape at 32K tokens per micro-batch on the analytic table's best static layout (TP 1: the table
@@ -47,217 +53,21 @@ exponents), ``target_row``, ``planner_points``, ``step_time``, ``gloo``, ``model
 
 from __future__ import annotations
 
-import math
-import pickle
 import statistics
-import tempfile
 import time
-from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
 
+from ._exchange_paths import (MODEL, gloo_point, pickled_cpu, pickled_path, tensor_cpu_s,
+                              tensor_path)
 from .common import parser, write_result
 
 SEQ = 32768
 D0 = 0.5
-GPUS_PER_NODE = 8
 TARGET_SHARE = 0.005          # issue 44: <= 0.5% of a 32K step at 1,024 GPUs
 TARGET = dict(dp=32, pp=4, tp=8, m=16)
-
-# NCCL's tuner, NVIDIA/nccl src/graph/tuning.cc (ncclTunerConstantsDefaults, ncclTopoTuneModel,
-# getNetOverhead; latencies in us). Bandwidths: DGX H100, NVLink 4 (450 GB/s a direction, ~360
-# GB/s of ring bus bandwidth in nccl-tests) and one 400 Gb/s NDR InfiniBand port per GPU (50
-# GB/s line rate, ~45 GB/s bus bandwidth); LL caps at llMaxBws (Hopper one node 141, several
-# nodes of Intel x86 20.4 GB/s). ``host_us``: copying a small record to the GPU and back and
-# waiting for it (two cudaMemcpy of a few KB, ~10 us each: an assumption, not measured here).
-MODEL = {
-    "source": "NVIDIA/nccl src/graph/tuning.cc: ncclTunerConstantsDefaults, ncclTopoTuneModel",
-    "base_lat_us": {"LL": 6.6, "Simple": 8.4},             # baseLatencies, Ring
-    "nvlink_lat_us": {"LL": 0.6, "Simple": 3.4},           # hwLatencies NVLINK, Ring
-    "net_ring_lat_us": {"LL": 2.7, "Simple": 14.0},        # hwLatencies NET, Ring
-    "net_tree_lat_us": {"LL": 5.0, "Simple": 14.0},        # NET, Tree: inter latency at 1 GPU/node
-    "net_overhead_us": 1.0,                                # getNetOverhead, x86 Intel (x3 Simple)
-    "bus_gbps": {"intra": 360.0, "inter": 45.0},           # Simple ring bus bandwidth
-    "ll_max_gbps": {"intra": 141.0, "inter": 20.4},        # llMaxBws: Hopper N1, Intel N4
-    "ll_bw_factor": 0.5,                                   # Ring/LL: busBw * .5
-    "host_us": 20.0,
-    "gpus_per_node": GPUS_PER_NODE,
-}
-
-
-# --- the alpha-beta model ----------------------------------------------------------------------
-
-def _placement(n: int, stride: int) -> tuple:
-    """(nodes, GPUs per node) of a group of ``n`` ranks ``stride`` apart in Megatron's order."""
-    per = max(1, min(n, GPUS_PER_NODE // stride)) if stride < GPUS_PER_NODE else 1
-    return math.ceil(n / per), per
-
-
-def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> float:
-    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it) or
-    ``broadcast`` (``nbytes``: the message) over ``n`` ranks ``stride`` apart, as NCCL's tuner
-    prices it (the cheaper of LL and Simple), plus the host's copies."""
-    if n <= 1:
-        return 0.0
-    nodes, ppn = _placement(n, stride)
-    best = math.inf
-    for p in ("LL", "Simple"):
-        intra = model["nvlink_lat_us"][p]
-        inter = (model["net_tree_lat_us"] if ppn == 1 else model["net_ring_lat_us"])[p]
-        if nodes > 1:
-            over = model["net_overhead_us"] * (3 if p == "Simple" else 1)
-            intra = max(intra, over)
-        where = "inter" if nodes > 1 else "intra"
-        bus = model["bus_gbps"][where]
-        if p == "LL":
-            bus = min(model["ll_max_gbps"][where], bus * model["ll_bw_factor"])
-        if kind == "allgather":
-            steps, inter_steps = n - 1, nodes - 1
-            lat = model["base_lat_us"][p] + (steps - inter_steps) * intra + inter_steps * inter
-            alg = bus * n / steps
-        elif kind == "broadcast":      # a chain: every hop's latency (ring, not sameChannels)
-            lat = model["base_lat_us"][p] + n * (inter if nodes > 1 else intra)
-            alg = bus
-        else:
-            raise ValueError(f"collective {kind!r}: expected allgather or broadcast")
-        best = min(best, lat * 1e-6 + nbytes / (alg * 1e9))
-    return best + model["host_us"] * 1e-6
-
-
-def record_shapes(dp: int, pp: int, m: int, docs: int):
-    """(cell RecordShape, line RecordShape, PlanShape) of a step, as the runtime sizes them at
-    the default flags (no per-interval detail: no --sb-metrics-file; a tracker: documents and
-    unit sensitivity travel; the do-no-harm baseline: two candidate packings; the planner's
-    predicted busy seconds per (DP rank, pipeline rank))."""
-    from sparsebalance_megatron.megatron.step.plan_record import PlanShape
-    from sparsebalance_megatron.megatron.step.record import RecordShape
-
-    cell = RecordShape(1, m, 0, docs)
-    return cell, cell.with_stages(pp), PlanShape(dp, m, pp, 2, True, pp)
-
-
-def tensor_path(dp: int, pp: int, tp: int, m: int, docs: int) -> dict:
-    """Bytes each rank receives and modelled network seconds of the tensor path's six
-    collectives (three gathers, three plan broadcasts)."""
-    cell, line, plan = record_shapes(dp, pp, m, docs)
-    levels = [("allgather", tp, 1, tp * cell.nbytes), ("allgather", pp, tp * dp, pp * cell.nbytes),
-              ("allgather", dp, tp, dp * line.nbytes), ("broadcast", pp, tp * dp, plan.nbytes),
-              ("broadcast", dp, tp, plan.nbytes), ("broadcast", tp, 1, plan.nbytes)]
-    received = (tp - 1) * cell.nbytes + (pp - 1) * cell.nbytes + (dp - 1) * line.nbytes \
-        + plan.nbytes * ((pp > 1) + (dp > 1) + (tp > 1))
-    return {"bytes_per_rank": int(received), "record_bytes": {"cell": cell.nbytes,
-                                                              "line": line.nbytes,
-                                                              "plan": plan.nbytes},
-            "gather_network_s": sum(collective_s(*lv) for lv in levels[:3]),
-            "broadcast_network_s": sum(collective_s(*lv) for lv in levels[3:])}
-
-
-def pickled_path(world: int, record_bytes: int, plan_bytes: int) -> dict:
-    """The same for the pickled path: ``all_gather_object`` (sizes, then every rank's pickle
-    padded to the largest) and ``broadcast_object_list`` (size, then the pickle) over the world."""
-    levels = [("allgather", world, 1, 8 * world), ("allgather", world, 1, record_bytes * world),
-              ("broadcast", world, 1, 8), ("broadcast", world, 1, plan_bytes)]
-    return {"bytes_per_rank": int((world - 1) * (record_bytes + 8) + plan_bytes + 8),
-            "network_s": sum(collective_s(k, n, s, b) for k, n, s, b in levels)}
-
-
-# --- host CPU of both paths, measured ------------------------------------------------------------
-
-def _median_s(fn, repeats: int) -> float:
-    """Median thread CPU seconds of ``fn`` after a warm-up call (CPU time: a loaded machine's
-    waits for a core are not the work's)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        fn()
-        out.append(time.thread_time() - t0)
-    return statistics.median(out)
-
-
-def _synthetic_step(dp: int, pp: int, tp: int, m: int, docs: int, rng):
-    """A rank's RankReport, every DP rank's document slots, and rank 0's plan payload of the
-    step's shape (random values: sizes and layout matter here, not the numbers)."""
-    from sparsebalance_megatron.megatron.step.record import RankReport
-    from sparsebalance_megatron.policy.dst_band import DSTReport
-
-    slots = [np.arange(r * docs, (r + 1) * docs) for r in range(dp)]
-    report = RankReport(0, pp - 1, 12345, fwd_s=rng.uniform(0, 1, m).tolist(),
-                        bwd_s=rng.uniform(0, 1, m).tolist(), units=[(j, pp - 1) for j in range(m)],
-                        step_s=2.0, loss=(1.0, 2.0),
-                        doc_values={int(d): (1.0, 2.0) for d in slots[0]})
-    dst = DSTReport(1.0, 0.9, 0.8, 1.25, 1.3, 1.1, 0.5, 0.55, 0.5, 0.49, 3, 2, 0,
-                    density_per_stage=tuple(rng.uniform(0.3, 1, pp)), quality_cost=0.01).as_dict()
-    dst.update(raise_headroom=0.05, unit_sensitivity=np.round(rng.uniform(size=(dp, m)),
-                                                              6).tolist(),
-               stand_down={"dst_stood_down": False, "sab_stood_down": False, "packing_index": 0,
-                           "predicted_step_s": [2.0, 2.1], "predicted_static_s": 2.1,
-                           "predicted_dst_s": 2.0})
-    return report, slots, (rng.uniform(0.25, 1, (dp, m, pp)).tolist(), dst)
-
-
-def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> dict:
-    """One rank's host seconds of the tensor path on the critical path: ``gather_s`` (encode,
-    combine its cell's TP records, join its pipeline, decode every DP rank's line) and
-    ``broadcast_s`` (rank 0 encodes the plan, every rank decodes it)."""
-    from sparsebalance_megatron.megatron.step.plan_record import decode_plan, encode_plan
-    from sparsebalance_megatron.megatron.step.record import (combine_cell, decode_step,
-                                                              encode_rank, join_pipeline)
-
-    cell_shape, line_shape, plan_shape = record_shapes(dp, pp, m, docs)
-    report, slots, payload = _synthetic_step(dp, pp, tp, m, docs, np.random.default_rng(0))
-
-    def cell_of(r: int, s: int) -> np.ndarray:
-        rep = replace(report, dp=r, pp=s, doc_values={int(d): (1.0, 2.0) for d in slots[r]})
-        return combine_cell(np.stack([encode_rank(rep, cell_shape, slots[r])] * tp), cell_shape)
-
-    cells = np.stack([cell_of(0, s) for s in range(pp)])
-    lines = np.stack([join_pipeline(np.stack([cell_of(r, s) for s in range(pp)]), cell_shape)
-                      for r in range(dp)])
-    plan = encode_plan(*payload, plan_shape)
-
-    def gather():
-        combine_cell(np.stack([encode_rank(report, cell_shape, slots[0])] * tp), cell_shape)
-        join_pipeline(cells, cell_shape)
-        decode_step(lines, line_shape, slots)
-
-    def broadcast():
-        encode_plan(*payload, plan_shape)
-        decode_plan(plan, plan_shape)
-
-    return {"gather_s": _median_s(gather, repeats), "broadcast_s": _median_s(broadcast, repeats)}
-
-
-def _old_rank_dict(pp_rank: int, pp: int, m: int, docs: int, rng) -> dict:
-    """A rank's dict as the pickled path's ``end_step`` filled it (loss signal: per-document
-    losses on the last stage only)."""
-    return dict(dp=0, pp=pp_rank, fwd_s=rng.uniform(0, 1, m).tolist(),
-                bwd_s=rng.uniform(0, 1, m).tolist(), step_s=2.0, stats={},
-                served={(j, pp_rank): 0.5 for j in range(m)},
-                used={(j, pp_rank): float(rng.uniform(0.5, 1)) for j in range(m)},
-                units=[(j, pp_rank) for j in range(m)], fingerprint=hash(("x", m)),
-                loss=(1.0, 2.0),
-                doc_loss={int(d): [float(rng.uniform(1, 9)), 40.0] for d in range(docs)}
-                if pp_rank == pp - 1 else {})
-
-
-@lru_cache(maxsize=None)
-def pickled_cpu(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> dict:
-    """Pickled sizes and one rank's host seconds of the pickled path: pickling its dict, then
-    unpickling the world's (every stage's dict, measured once each, times the ranks that send
-    it), pickling (rank 0) and unpickling the plan."""
-    rng = np.random.default_rng(0)
-    world = dp * pp * tp
-    dicts = [_old_rank_dict(s, pp, m, docs, rng) for s in range(pp)]
-    blobs = [pickle.dumps(d) for d in dicts]
-    _, _, payload = _synthetic_step(dp, pp, tp, m, docs, rng)
-    plan_blob = pickle.dumps(payload)
-    loads = [_median_s(lambda b=b: pickle.loads(b), 5 * repeats) for b in blobs]
-    cpu = (_median_s(lambda: pickle.dumps(dicts[-1]), repeats) + world / pp * sum(loads)
-           + _median_s(lambda: pickle.dumps(payload), repeats)
-           + _median_s(lambda: pickle.loads(plan_blob), repeats))
-    return {"record_bytes": max(map(len, blobs)), "plan_bytes": len(plan_blob), "cpu_s": cpu}
+DRAFT_DEADLINE_S = 1800.0     # the planner processes' stall deadline in this study (wall clock)
 
 
 # --- corpus, planner, after-step work ------------------------------------------------------------
@@ -313,8 +123,10 @@ def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
     drafter = make_drafter(lm, sb, dp, SEQ)               # the training process's state
     tracker, rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
     drafts, after, steps, handoffs = [], [], [], []
-    proc = PlannerProcess(make_drafter(lm, sb, dp, SEQ))   # a copy before any draft, as at launch
-    other = PlannerProcess(make_drafter(lm, sb, dp, SEQ))  # a rank that does not plan DST
+    # a copy before any draft, as at launch, and a rank that does not plan DST; the deadline
+    # long (a draft at DP 4,096 takes tens of seconds of wall clock on a loaded 2-core machine)
+    proc = PlannerProcess(make_drafter(lm, sb, dp, SEQ), timeout_s=DRAFT_DEADLINE_S)
+    other = PlannerProcess(make_drafter(lm, sb, dp, SEQ), timeout_s=DRAFT_DEADLINE_S)
     try:
         for k, segs in enumerate(corpus.segments):    # as the default flags run a step:
             c0 = time.thread_time()
@@ -350,74 +162,14 @@ def power_fit(x, y) -> dict:
     return {"exponent": float(k), "coefficient": float(np.exp(logc))}
 
 
-# --- gloo, measured --------------------------------------------------------------------------------
-
-def _gloo_worker(rank: int, world: int, tp: int, pp: int, dp: int, m: int, docs: int,
-                 repeats: int, init_file: str, out):
-    import torch.distributed as dist
-
-    from sparsebalance_megatron.megatron.runtime import comm
-    from sparsebalance_megatron.megatron.step.exchange import ExchangeGroups, StepExchange
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    (r_dp, r_pp, _), groups = ExchangeGroups.for_layout(tp, pp, dp)
-    ex = StepExchange(groups)
-    cell_shape, _, plan_shape = record_shapes(dp, pp, m, docs)
-    rng = np.random.default_rng(rank)
-    report, slots, payload = _synthetic_step(dp, pp, tp, m, docs, np.random.default_rng(0))
-    report.dp, report.pp = r_dp, r_pp
-    report.doc_values = {int(d): (1.0, 2.0) for d in slots[r_dp]}
-    mine = _old_rank_dict(r_pp, pp, m, docs, rng)
-
-    def old():
-        comm.all_gather_object(mine)
-        comm.broadcast_object(payload if rank == 0 else None, src=0)
-
-    def new():
-        ex.gather(report, cell_shape, slots)
-        ex.broadcast_plan(payload if rank == 0 else None, plan_shape)
-
-    times = {}
-    for name, fn in (("pickled", old), ("tensor", new)) * 2:   # interleaved, twice
-        got = []
-        for _ in range(repeats):
-            comm.barrier()
-            t0 = time.perf_counter()
-            fn()
-            got.append(time.perf_counter() - t0)
-        times.setdefault(name, []).extend(got)
-    out[rank] = times
-    dist.destroy_process_group()
-
-
-def gloo_point(tp: int, pp: int, dp: int, m: int, repeats: int) -> dict:
-    """Both paths end to end on ``tp x pp x dp`` spawned gloo processes: per repetition the
-    slowest rank's seconds, the median over repetitions."""
-    import torch.multiprocessing as mp
-
-    world = tp * pp * dp
-    docs = docs_per_dp_rank(dp, m)
-    with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
-        out = manager.dict()
-        mp.spawn(_gloo_worker, args=(world, tp, pp, dp, m, docs, repeats, f"{tmp}/rdv", out),
-                 nprocs=world, join=True)
-        ranks = [dict(out[r]) for r in range(world)]
-    row = {"tp": tp, "pp": pp, "dp": dp, "world": world, "m": m, "docs_per_dp_rank": docs}
-    for name in ("pickled", "tensor"):
-        slowest = np.max(np.array([r[name] for r in ranks]), axis=0)
-        row[f"{name}_s"] = float(np.median(slowest))
-    return row
-
-
 # --- the study ---------------------------------------------------------------------------------
 
-def ladder(max_world: int) -> list:
-    """(tp, pp, dp) of the table: TP 8 x PP 4 or 8 x DP 1..128 and TP 1 x PP 4 or 8 x DP 1..1024,
-    within ``max_world`` ranks."""
+def ladder(max_world: int, tps=(8, 4, 1)) -> list:
+    """(tp, pp, dp) of the table: TP 8, 4 and 1 x PP 4 or 8 x DP 1, 2, 4, ... within
+    ``max_world`` ranks."""
     out = []
-    for tp, pps in ((8, (4, 8)), (1, (4, 8))):
-        for pp in pps:
+    for tp in tps:
+        for pp in (4, 8):
             dp = 1
             while tp * pp * dp <= max_world:
                 out.append((tp, pp, dp))
@@ -443,9 +195,13 @@ def main(argv=None) -> int:
     p = parser(__doc__, "control_plane")
     p.add_argument("--microbatches", default="16,32,64",
                    help="micro-batches per step of the table (comma-separated)")
-    p.add_argument("--max-world", type=int, default=4096)
+    p.add_argument("--max-world", type=int, default=16384)
     p.add_argument("--planner-dp", default="4,8,16,32,64",
                    help="DP sizes the planner and after-step work are measured at (PP 4)")
+    p.add_argument("--planner-side-dp", type=int, default=None,
+                   help="the DP the planner is also measured at with PP 8 and at the "
+                        "micro-batch counts not in --planner-m (default: the largest of "
+                        "--planner-dp); the other rows there are fitted")
     p.add_argument("--planner-m", default="16,64",
                    help="micro-batches the planner is measured at")
     p.add_argument("--gloo-dp", default="1,2",
@@ -455,20 +211,24 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     ms = [int(x) for x in args.microbatches.split(",")]
 
-    # planner and after-step work: measured at PP 4, fitted in DP x micro-batches; at PP 8 the
-    # largest DP of each m (its step time, and how the work scales from PP 4 to 8)
+    # planner and after-step work: measured at PP 4, fitted in DP x micro-batches; at PP 8 and
+    # the other micro-batch counts at one DP (its step time, and how the work scales to PP 8)
     dps = [int(x) for x in args.planner_dp.split(",")]
-    pm = sorted(set([int(x) for x in args.planner_m.split(",")] + ms))
-    points = [planner_point(dp, m, 4) for m in pm
-              for dp in (dps if m in [int(x) for x in args.planner_m.split(",")] else dps[-1:])]
-    points += [planner_point(dps[-1], m, 8) for m in ms]
+    side = args.planner_side_dp or dps[-1]
+    pm = [int(x) for x in args.planner_m.split(",")]
+    points = [planner_point(dp, m, 4) for m in sorted(set(pm + ms))
+              for dp in (dps if m in pm else [side])]
+    points += [planner_point(side, m, 8) for m in ms]
     four = [q for q in points if q["pp"] == 4]
     units = [q["dp"] * q["m"] for q in four]
     fits = {k: power_fit(units, [q[k] for q in four]) for k in WORK}
     measured_at = {(q["dp"], q["m"], q["pp"]): q for q in points}
-    step_by = {(q["m"], q["pp"]): q for q in points if q["dp"] == dps[-1]}
-    pp_ratio = {k: statistics.median(measured_at[dps[-1], m, 8][k] / measured_at[dps[-1], m, 4][k]
-                                     for m in ms) for k in WORK}
+    step_by = {}             # (m, pp) -> the point of the largest DP measured there
+    for q in sorted(points, key=lambda q: q["dp"]):
+        step_by[q["m"], q["pp"]] = q
+    pairs = [(q, measured_at[q["dp"], q["m"], 4]) for q in points
+             if q["pp"] == 8 and (q["dp"], q["m"], 4) in measured_at]
+    pp_ratio = {k: statistics.median(a[k] / b[k] for a, b in pairs) for k in WORK}
 
     rows = []
     for m in ms:
@@ -528,12 +288,21 @@ def main(argv=None) -> int:
                                          ("critical_path_plan_ahead_s",
                                           lambda r: r["critical_path_s"]["plan_ahead"]))}
     target = next((r for r in rows if all(r[k] == v for k, v in TARGET.items())), None)
+    widest = [r for r in rows if r["world"] == args.max_world and r["pp"] == 4 and r["m"] == 16]
 
     gloo = []
     for dp in (int(x) for x in args.gloo_dp.split(",") if int(x) > 0):
-        gloo.append(gloo_point(2, 2, dp, 16, args.gloo_repeats))
+        gloo.append(gloo_point(2, 2, dp, 16, docs_per_dp_rank(dp, 16), args.gloo_repeats))
 
     _print(rows, ms, growth, target, gloo, points)
+    for r in widest:
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["critical_path_parts_s"].items())
+        print(f"{r['world']} GPUs, TP {r['tp']} x PP 4 x DP {r['dp']}: critical path "
+              f"{r['critical_path_s']['plan_ahead'] * 1e3:.1f} ms = "
+              f"{100 * r['share_of_step']['plan_ahead']:.2f}% of the {r['step_s']:.2f} s step "
+              f"({parts}; draft {r['planner']['draft_s'] * 1e3:.0f} ms, "
+              f"{'measured' if r['planner']['measured'] else 'fitted'}; target <= "
+              f"{100 * TARGET_SHARE:.1f}%)")
     if args.json:
         write_result(args.json, {
             "model": MODEL, "seq": SEQ, "d0": D0, "target": dict(TARGET, share=TARGET_SHARE),
@@ -543,6 +312,9 @@ def main(argv=None) -> int:
             "planner_points": points, "growth": growth, "table": rows,
             "rows": simulator_rows(rows),
             "target_row": target, "gloo": gloo,
+            "widest": [{k: r[k] for k in ("tp", "pp", "dp", "world", "step_s", "critical_path_s",
+                                          "critical_path_parts_s", "share_of_step", "planner")}
+                       for r in widest],
             "clock": "host work: thread CPU time (codec, pickle, planner, after-step work); "
                      "network: NCCL's alpha-beta model (MODEL); gloo: wall clock"})
     return 0

@@ -37,13 +37,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
 from sparsebalance_megatron.experiments import StudyConfig, run_study
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 
+from ._sim_study_runs import MODELS  # the same model shapes as the layout study
 from .common import parser, write_result
-
-from bench_sim_study import MODELS  # noqa: E402  (the same model shapes as the layout study)
 
 
 class _Group:
@@ -122,8 +122,9 @@ def main(argv=None):
     shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
     lm0 = LatencyModel.analytic(shape, pp=1)
     d0 = args.density
-    cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length, density=d0,
-                      steps=args.steps, seed=args.seed)
+    cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
+                      steps=args.steps, seed=args.seed,
+                      sb=SparseBalanceConfig(sparse_balance=True, density=d0))
     out = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "results": {}}
     print(f"ANALYTIC {args.model} H100 table, PP=1, {args.seq_length} tokens per micro-batch, "
           f"DP={args.dp}, m={args.microbatches}, d0={d0}, {args.steps} steps; CP all-to-all at "

@@ -1,6 +1,7 @@
 """Offline checks of a profiled latency table (and its held-out evaluation): no device needed.
 
-    python scripts/bench.py latency_cv --table T.json [--eval E.json] [--json out.json]
+    python scripts/bench.py latency_cv --table T.json [--eval E.json] [--json out.json] \
+        [--kernel-table K.json]
 
 For every stage kind, fitted as ``LatencyModel.fit`` fits (relative least squares, work
 coefficients >= 0), it reports:
@@ -10,6 +11,16 @@ coefficients >= 0), it reports:
   of ``scripts/bench.py latency_eval``), the held-out MAPE of the refit model; the same for the
   model plus each candidate feature of ``CANDIDATES`` (computed here from the documents, not part
   of the model), so a new term is judged by cross-validation and held-out rows together;
+- with ``--kernel-table`` (a device kernel table of the same device, ``bench_attention_gpu.py``):
+  the same checks of the model fitted *priced* (``price_fit.attach_price``: the sparse calls
+  at the table's layers x the kernel table's price of the table's backend and head shape, the
+  rest fitted), and the price's own held-out error (``price_heldout``: each density of the
+  kernel table left out in turn, per pass);
+- every error also over the micro-batches of at most ``FEW`` sequences (``cv_mape_few``,
+  ``heldout_mape_few``): the regime of long documents that the end-to-end runs train on, where a
+  grid's many-sequence points (host-bound on the H200) say little;
+- the repeats' own spread (``repeat_spread``: each point's passes against their median,
+  averaged): no model predicts a point closer than its samples agree;
 - drift between the repeats: each pass over the grid against the median of the other passes,
   forward and backward. Repeats are passes over the whole grid, so a change of state in the
   middle of the profile (a recompiled kernel, a throttled clock) shows as a first pass that
@@ -29,13 +40,14 @@ the grid.
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 
 from sparsebalance_megatron.latency import LatencyModel, read_table
 from sparsebalance_megatron.latency.crossover import table_crossover
 from sparsebalance_megatron.latency.features import FEATURES, MODEL_FEATURES, UnitFeatures
-from sparsebalance_megatron.latency.model import fit_nonneg
+from sparsebalance_megatron.latency.fit import fit_nonneg
 from sparsebalance_megatron.latency.table import measured_kinds
 
 from .common import parser, write_result
@@ -59,6 +71,8 @@ def dense_pairs(rows, block_size):
 
 
 CANDIDATES = {"longest_sequence_blocks": longest_sequence_blocks, "dense_pairs": dense_pairs}
+FEW = 4
+"""Sequences of a micro-batch in the regime the end-to-end runs train (documents of 8K+)."""
 
 
 class Fitter:
@@ -121,12 +135,95 @@ def evaluate(table: dict, held: list, extras=()) -> dict:
                             / np.array([r["measured_s"] for r in hrows]))
     g, c = np.concatenate(grid_err), np.concatenate(cv_err)
     out = {"features": "+".join(("model",) + tuple(extras)), "grid_mape": float(g.mean()),
-           "cv_mape": float(c.mean()), "cv_max": float(c.max()), "coefficients": coefs}
+           "cv_mape": float(c.mean()), "cv_max": float(c.max()), "coefficients": coefs,
+           "cv_mape_few": _few(c, [m for k in kinds_of(table)
+                                   for m in table["measurements"] if m["kind"] == k])}
     if held_err:
         h = np.concatenate(held_err)
         out.update(heldout_mape=float(np.abs(h).mean()), heldout_max=float(np.abs(h).max()),
-                   heldout_signed=[float(v) for v in h])
+                   heldout_signed=[float(v) for v in h],
+                   heldout_mape_few=_few(np.abs(h), held))
     return out
+
+
+def kinds_of(table: dict) -> list:
+    """The stage kinds whose rows ``evaluate`` scores, in its order."""
+    return [k for k in measured_kinds(table) if k in table["pipeline"]["stage_kinds"]]
+
+
+def _few(err, rows):
+    """Mean of ``err`` over the rows of at most ``FEW`` sequences (None: no such row)."""
+    few = [e for e, r in zip(err, rows) if len(r["doc_lengths"]) <= FEW]
+    return float(np.mean(few)) if few else None
+
+
+def evaluate_model(table: dict, held: list, name: str) -> dict:
+    """``evaluate``'s grid, leave-one-mix-out and held-out errors of ``LatencyModel.fit`` itself
+    (priced where the table carries a price): the model as the runtime fits it."""
+    def fit(rows):
+        return LatencyModel.fit(dict(table, measurements=rows))
+
+    kinds = table["pipeline"]["stage_kinds"]
+    rows = [m for m in table["measurements"] if m["kind"] in kinds]
+    whole = fit(table["measurements"])
+
+    def err(model, rs):
+        meas = np.array([r["fwd_s"] + r["bwd_s"] if "fwd_s" in r else r["measured_s"]
+                         for r in rs])
+        pred = np.array([model.predict(r["doc_lengths"], r["density"],
+                                       kinds.index(r.get("kind", kinds[0]))) for r in rs])
+        return (pred - meas) / meas
+    keys = [(m["kind"], tuple(m["doc_lengths"])) for m in rows]
+    cv = np.zeros(len(rows))
+    for k in dict.fromkeys(keys):
+        out = [i for i, kk in enumerate(keys) if kk == k]
+        model = fit([m for m in table["measurements"]
+                     if (m["kind"], tuple(m["doc_lengths"])) != k])
+        cv[out] = np.abs(err(model, [rows[i] for i in out]))
+    g = np.abs(err(whole, rows))
+    res = {"features": name, "grid_mape": float(g.mean()), "cv_mape": float(cv.mean()),
+           "cv_max": float(cv.max()), "cv_mape_few": _few(cv, rows),
+           "coefficients": whole.table["coefficients"],
+           "call_coefficients": whole.table.get("call_coefficients")}
+    if held:
+        h = err(whole, held)
+        res.update(heldout_mape=float(np.abs(h).mean()), heldout_max=float(np.abs(h).max()),
+                   heldout_signed=[float(v) for v in h], heldout_mape_few=_few(np.abs(h), held))
+    return res
+
+
+def repeat_spread(table: dict) -> Optional[float]:
+    """Mean over the grid of |a pass's fwd+bwd - the point's median| / median."""
+    out = []
+    for m in table["measurements"]:
+        s = np.asarray(m.get("samples_s") or [], dtype=np.float64)
+        if s.ndim == 2 and s.shape[0] >= 2:
+            tot = s.sum(axis=1)
+            out += list(np.abs(tot - np.median(tot)) / np.median(tot))
+    return float(np.mean(out)) if out else None
+
+
+def price_heldout(kernel_table: dict, backend: str, shape: str) -> dict:
+    """The sparse call price's own held-out error: fitted on a kernel table's whole-call rows of
+    ``backend`` at ``shape`` (one document and packed micro-batches, ``sparse_call.price_rows``)
+    with one density left out at a time, each left-out row's fwd and bwd against its passes."""
+    from sparsebalance_megatron.latency.sparse_call import fit_price, price_rows
+
+    rows = [r for r in price_rows(kernel_table["rows"], shape) if r["backend"] == backend]
+    whole = fit_price(rows, backend, "kernel table", shape=shape)
+    errs = {"fwd": [], "bwd": [], "call": []}
+    for d in sorted({r["density"] for r in rows}):
+        price = fit_price([r for r in rows if r["density"] != d], backend, "kernel table",
+                          shape=shape)
+        for r in (r for r in rows if r["density"] == d):
+            ms = price.pass_ms(r["tokens"], r["kept"])
+            for p in ("fwd", "bwd"):
+                errs[p].append(abs(ms[p] - r[p + "_ms"]) / r[p + "_ms"])
+            errs["call"].append(abs(ms["fwd"] + ms["bwd"] - r["ms"]) / r["ms"])
+    return {"backend": backend, "shape": shape, "rows": len(rows),
+            "cases": sorted({r["case"] for r in rows}), "price": whole.as_dict(),
+            **{f"lodo_mape_{p}": float(np.mean(v)) for p, v in errs.items()},
+            **{f"lodo_max_{p}": float(np.max(v)) for p, v in errs.items()}}
 
 
 def pass_drift(table: dict) -> list[dict]:
@@ -202,6 +299,8 @@ def main(argv=None) -> int:
     p = parser(__doc__, "latency_cv")
     p.add_argument("--table", required=True, help="a profiled latency table (JSON)")
     p.add_argument("--eval", help="held-out rows: the JSON of scripts/bench.py latency_eval")
+    p.add_argument("--kernel-table", help="a device kernel table (bench_attention_gpu.py's JSON) "
+                   "whose price of the table's backend at its head shape prices the sparse call")
     args = p.parse_args(argv)
 
     table = read_table(args.table)
@@ -213,13 +312,38 @@ def main(argv=None) -> int:
             assert np.allclose(c[part][:len(FEATURES)], ref.coef[kind][part], rtol=1e-9,
                                atol=0), (kind, part)
     results = [base] + [evaluate(table, held, (name,)) for name in CANDIDATES]
-    print(f"{'features':32s} {'grid':>6s} {'LOMO-CV':>8s} {'CV max':>7s} {'held-out':>9s} "
-          f"{'max':>6s}")
+    price = None
+    if args.kernel_table:
+        from sparsebalance_megatron.latency.sparse_call import attach_price, fit_price, price_rows
+        kt = json.load(open(args.kernel_table, encoding="utf-8"))
+        m = table["model"]
+        shape = (f"{m['num_attention_heads']}/{m.get('num_query_groups') or m['num_attention_heads']}"
+                 f"/{m.get('kv_channels') or m['hidden_size'] // m['num_attention_heads']}")
+        backend = (table["attention"].get("backend_choice") or {}).get("chosen") or \
+            table["attention"].get("backend")
+        try:
+            price = price_heldout(kt, backend, shape)
+            priced = attach_price(table, fit_price(price_rows(kt["rows"], shape), backend,
+                                                   args.kernel_table, shape=shape))
+        except ValueError as e:
+            p.error(f"--kernel-table {args.kernel_table}: {e}")
+        results.append(evaluate_model(priced, held, f"priced ({backend} {shape})"))
+    few = lambda v: "" if v is None else f"{100 * v:6.2f}%"   # noqa: E731
+    print(f"{'features':32s} {'grid':>6s} {'LOMO-CV':>8s} {'CV max':>7s} {'CV few':>7s} "
+          f"{'held-out':>9s} {'max':>6s} {'few':>7s}")
     for r in results:
-        h = (f"{100 * r['heldout_mape']:8.2f}% {100 * r['heldout_max']:5.1f}%"
-             if "heldout_mape" in r else "")
+        h = (f"{100 * r['heldout_mape']:8.2f}% {100 * r['heldout_max']:5.1f}% "
+             f"{few(r.get('heldout_mape_few'))}" if "heldout_mape" in r else "")
         print(f"{r['features']:32s} {100 * r['grid_mape']:5.2f}% {100 * r['cv_mape']:7.2f}% "
-              f"{100 * r['cv_max']:6.1f}% {h}")
+              f"{100 * r['cv_max']:6.1f}% {few(r.get('cv_mape_few')):>7s} {h}")
+    spread = repeat_spread(table)
+    if spread is not None:
+        print(f"repeats: each pass {100 * spread:.1f}% from its point's median, on average")
+    if price:
+        print(f"price ({price['backend']} {price['shape']}, {price['rows']} rows: "
+              f"{', '.join(price['cases'])}), each density left out: fwd "
+              f"{100 * price['lodo_mape_fwd']:.1f}%, bwd {100 * price['lodo_mape_bwd']:.1f}%, "
+              f"call {100 * price['lodo_mape_call']:.1f}% (max {100 * price['lodo_max_call']:.1f}%)")
     drift = pass_drift(table)
     if drift:
         n = len(drift[0]["bwd"])
@@ -248,7 +372,8 @@ def main(argv=None) -> int:
                   f"{1e3 * s['grid_fwd_s']:6.1f} {1e3 * s['grid_bwd_s']:6.1f}{extra}")
     if args.json:
         write_result(args.json, {
-            "table": args.table, "eval": args.eval, "fits": results, "pass_drift": drift,
+            "table": args.table, "eval": args.eval, "kernel_table": args.kernel_table,
+            "fits": results, "repeat_spread": spread, "price": price, "pass_drift": drift,
             "change_points": [change_point(table, p) for p in ("fwd", "bwd", "total")]
             if drift else [], "same_mix": same})
     return 0

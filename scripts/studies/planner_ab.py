@@ -17,7 +17,7 @@ says whether the two checkouts planned the same densities and reports bit for bi
 and its ``scripts/studies/planner_cost.py`` helpers are used for its loops.
 
     .venv/bin/python scripts/bench.py planner_ab --other /tmp/old --rounds 3 --slowdown \\
-        --json docs/results/planner_ab.json
+        --json runs/planner_ab.json
 
 ``--layout even`` times Megatron's even split instead of the best static layout.
 """

@@ -50,7 +50,8 @@ from .kernels import (blockwise_attention, from_blocks_q, reference_attention, t
                       to_blocks_q)
 from .routing import RoutedSelection, attend_routed, route_of
 from .selection import (ESTIMATORS, BlockSelection, estimate_block_shares,
-                        query_block_sums_padded, select_from_shares, shares_from_block_sums)
+                        query_block_sums_padded, select_from_shares, selection_range,
+                        shares_from_block_sums)
 
 
 # ``auto``, in one place. On CUDA it is the sparse kernel this device's profile measured fastest:
@@ -289,17 +290,18 @@ def _sparse_attention(q, k, v, cu_seqlens, density, cache, *, num_groups, block_
 
     q_pad, k_pad, v_pad = layout.pad(q), layout.pad(k), layout.pad(v)
     if flex_kernel is not None or backend == "fa4":
-        with torch.no_grad():
+        with torch.no_grad(), selection_range():
             qsum = query_block_sums_padded(q_pad.detach(), layout, num_groups)  # [ng,NB,rep,hn]
             keys = k_pad.detach()[:layout.num_blocks * block_size].permute(1, 0, 2)
             shares = shares_from_block_sums(qsum, keys, layout, estimator, softmax_scale)
             if reduce_shares is not None:
                 shares = reduce_shares(shares)
-        selection = select_from_shares(shares, layout, density_doc, **budget)
-        if backend == "fa4":     # a head dim the fused selection's tiles do not take (96, 80)
-            from .block_lists import build_block_lists
+            selection = select_from_shares(shares, layout, density_doc, **budget)
+            if backend == "fa4":   # a head dim the fused selection's tiles do not take (96, 80)
+                from .block_lists import build_block_lists
+                lists = build_block_lists(selection)
+        if backend == "fa4":
             from .fa4_cute import fa4_block_sparse_attention
-            lists = build_block_lists(selection)
             out = fa4_block_sparse_attention(q_pad, k_pad, v_pad, lists.q_num, lists.q_idx,
                                              lists.kv_num, lists.kv_idx,
                                              block_size=block_size, softmax_scale=softmax_scale)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .blocks import doc_bounds
 from .selection import BlockSelection
 
 try:
@@ -142,8 +143,7 @@ def _doc_span(layout):
     """[NB] int32 first block and one past the last block of each block's document (memoised
     on the layout)."""
     if "lists_doc_span" not in layout.memo:
-        dev = layout.block_doc.device
-        bounds = torch.tensor(layout.doc_block_start, dtype=torch.int32, device=dev)
+        bounds = doc_bounds(layout)[0].to(torch.int32)
         layout.memo["lists_doc_span"] = (bounds[:-1][layout.block_doc],
                                          bounds[1:][layout.block_doc])
     return layout.memo["lists_doc_span"]

@@ -5,7 +5,8 @@ the row of its first token, in the padded token space (``i * B``, ``layout.pad``
 micro-batch's own tokens (a document's blocks follow each other from its first token; its last
 block may be short). Built once per micro-batch (memoised on the layout) and read by
 ``sparse_triton``, ``sparse_triton_select`` and ``maxkey_triton``, so a kernel can mask a
-block's real length instead of reading a padded copy. A leaf: imports nothing of the package.
+block's real length instead of reading a padded copy; derived on the device from the tables
+the layout uploaded (no host data sent). Imports only ``blocks``.
 Pure torch; must not import megatron.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+
+from .blocks import doc_bounds
 
 
 def block_tables(layout, padded: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -24,10 +27,7 @@ def block_tables(layout, padded: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         if padded:
             start = torch.arange(layout.num_blocks, dtype=torch.int32, device=dev) * bs
         else:
-            doc_tok = [0]
-            for n in layout.doc_lens[:-1]:
-                doc_tok.append(doc_tok[-1] + n)
-            first = torch.tensor(doc_tok, dtype=torch.long, device=dev)
+            first = doc_bounds(layout)[1][:-1]                  # each document's first token
             start = (first[layout.block_doc] + layout.block_local * bs).to(torch.int32)
         layout.memo[key] = (layout.block_len.to(torch.int32), start)
     return layout.memo[key]

@@ -254,6 +254,36 @@ def fixed_padded_blocks(num_tokens: int, num_blocks: int, block_size: int) -> in
     return -(-(base + slack) // 8) * 8
 
 
+def upload(arrays, device) -> List[torch.Tensor]:
+    """Host integer sequences -> int64 tensors on ``device``, in ONE copy: on CUDA from pinned
+    memory without blocking (the host does not wait for the stream), elsewhere a plain copy.
+    Each tensor is a view of the one buffer, 16-byte aligned (Triton specialises its launches
+    on pointer alignment). What a micro-batch's setup sends to the device goes through here."""
+    device = torch.device(device)
+    host = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    offsets = np.cumsum([0] + [-(-a.size // 2) * 2 for a in host])        # 2 x 8 bytes
+    buf = np.zeros(int(offsets[-1]), dtype=np.int64)
+    for a, o in zip(host, offsets):
+        buf[o:o + a.size] = a
+    dev = torch.from_numpy(buf)
+    if device.type == "cuda":
+        dev = dev.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        dev = dev.to(device)
+    return [dev[int(o):int(o) + a.size] for a, o in zip(host, offsets)]
+
+
+def doc_bounds(layout: BlockLayout):
+    """``(first block, first token)`` of every document and one past the last, ``[ndoc + 1]``
+    int64 on the layout's device: uploaded with the layout (none for a layout built
+    elsewhere: then uploaded here, once)."""
+    if "doc_bounds" not in layout.memo:
+        tok = np.concatenate([[0], np.cumsum(layout.doc_lens)])
+        layout.memo["doc_bounds"] = tuple(upload([layout.doc_block_start, tok],
+                                                 layout.block_doc.device))
+    return layout.memo["doc_bounds"]
+
+
 def build_layout(cu_seqlens, num_tokens: int, block_size: int, device,
                  fixed_length: bool = False, pad_tokens: Optional[int] = None) -> BlockLayout:
     """Split every document into blocks (last one may be short) and number them globally.
@@ -270,9 +300,9 @@ def build_layout(cu_seqlens, num_tokens: int, block_size: int, device,
     starts = [0]
     for n in nblocks:
         starts.append(starts[-1] + n)
-    lens_t = torch.tensor(doc_lens, dtype=torch.long, device=device)
-    nblk_t = torch.tensor(nblocks, dtype=torch.long, device=device)
-    start_t = torch.tensor(starts[:-1], dtype=torch.long, device=device)
+    # the one upload of the micro-batch's setup: every later table is derived on the device
+    lens_t, nblk_t, starts_t, cu_t = upload([doc_lens, nblocks, starts, cu], device)
+    start_t = starts_t[:-1]
     ndoc, nb = len(doc_lens), starts[-1]
     block_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), nblk_t,
                                         output_size=nb)
@@ -280,12 +310,14 @@ def build_layout(cu_seqlens, num_tokens: int, block_size: int, device,
     block_len = torch.clamp(lens_t[block_doc] - block_local * block_size, max=block_size)
     token_slot = None
     if any(n % block_size for n in doc_lens[:-1]):
-        cu_t = torch.tensor(cu[:-1], dtype=torch.long, device=device)
         token_doc = torch.repeat_interleave(torch.arange(ndoc, device=device), lens_t,
                                             output_size=num_tokens)
         token_slot = start_t[token_doc] * block_size + (
-            torch.arange(num_tokens, device=device) - cu_t[token_doc])
+            torch.arange(num_tokens, device=device) - cu_t[:-1][token_doc])
     padded = fixed_padded_blocks(max(num_tokens, pad_tokens or 0), nb, block_size) \
         if fixed_length else nb
-    return BlockLayout(block_size, doc_lens, starts, num_tokens, block_doc, block_local,
-                       block_len, token_slot, padded)
+    layout = BlockLayout(block_size, doc_lens, starts, num_tokens, block_doc, block_local,
+                         block_len, token_slot, padded)
+    layout.memo["doc_bounds"] = (starts_t, cu_t)
+    return layout
+

@@ -157,12 +157,26 @@ def check_lists(q_num, q_idx, kv_num, kv_idx, num_groups: int, num_blocks: int) 
             raise ValueError(f"{name} has width {x.shape[2]}: expected 1 to {num_blocks}")
 
 
+_DIAGONALS: dict = {}                 # (block count, device) -> the diagonal lists
+_DIAGONALS_KEPT = 16
+
+
 def _diagonal(num_blocks: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """The partial lists, one entry per block (its own): ``[1, 1, NB]`` ones and ``[1, 1, NB,
-    1]`` block ids, broadcast by FA4 over groups and heads. Built per call (two small fills): a
-    cache would keep fake tensors from a compile check."""
+    1]`` block ids, broadcast by FA4 over groups and heads. Built once per block count and
+    device (two fills), then read by every layer's forward and backward of every micro-batch of
+    that many blocks (the last ``_DIAGONALS_KEPT`` counts are kept); under a fake mode (FA4's
+    compile-only check) built each time: fake tensors hold nothing to keep."""
+    from torch._guards import detect_fake_mode
+    key = (num_blocks, str(torch.device(device)))
+    if detect_fake_mode() is None and key in _DIAGONALS:
+        return _DIAGONALS[key]
     cnt = torch.ones(1, 1, num_blocks, dtype=torch.int32, device=device)
     idx = torch.arange(num_blocks, dtype=torch.int32, device=device).view(1, 1, num_blocks, 1)
+    if detect_fake_mode() is None:
+        if len(_DIAGONALS) >= _DIAGONALS_KEPT:
+            _DIAGONALS.pop(next(iter(_DIAGONALS)))
+        _DIAGONALS[key] = (cnt, idx)
     return cnt, idx
 
 

@@ -25,7 +25,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from .blocks import check_cu_seqlens, check_density
+from .blocks import check_cu_seqlens, check_density, upload
 from .dense import PackedDocs, dense_varlen_attention
 from .selection import BlockSelection
 
@@ -95,8 +95,7 @@ def build_route(cu_seqlens, num_tokens: int, dense_below_tokens: int, device) ->
         perm_h = np.concatenate([np.arange(cu[i], cu[i + 1]) for i in long + short])
         inverse_h = np.empty_like(perm_h)
         inverse_h[perm_h] = np.arange(num_tokens)
-        perm, inverse, sparse_docs = (torch.as_tensor(x, dtype=torch.long).to(device)
-                                      for x in (perm_h, inverse_h, np.asarray(long)))
+        perm, inverse, sparse_docs = upload([perm_h, inverse_h, long], device)   # one copy
     return Route(cu, short, sparse_bounds, dense, perm, inverse, sparse_docs, ones)
 
 

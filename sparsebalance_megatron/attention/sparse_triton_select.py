@@ -40,8 +40,9 @@ import torch
 from . import maxkey_triton
 from .block_lists import build_block_lists, lists_from_ranking
 from .selection import (BlockSelection, _block_len_f, _budget_tensors, _disallowed,
-                        kept_bounds, select_from_shares)
+                        kept_bounds, select_from_shares, selection_range)
 from .block_tables import block_tables
+from .blocks import doc_bounds
 from .sparse_triton import aligned, sparse_attention
 
 try:
@@ -117,12 +118,10 @@ def _tables(layout, ng: int):
     """(document's first block per block int32, recall weights [ndoc, ng * NB] float32)."""
     key = ("triton_select", ng)
     if key not in layout.memo:
-        dev, nb = layout.block_doc.device, layout.num_blocks
-        bounds = torch.tensor(layout.doc_block_start, dtype=torch.int32, device=dev)
-        doc_start = bounds[:-1][layout.block_doc]
-        nblk = torch.tensor([b - a for a, b in zip(layout.doc_block_start[:-1],
-                                                   layout.doc_block_start[1:])],
-                            dtype=torch.float32, device=dev)
+        dev = layout.block_doc.device
+        starts = doc_bounds(layout)[0]                       # uploaded with the layout
+        doc_start = starts[:-1].to(torch.int32)[layout.block_doc]
+        nblk = (starts[1:] - starts[:-1]).to(torch.float32)
         onehot = (layout.block_doc[None, :] == torch.arange(layout.num_docs, device=dev)[:, None])
         w = (onehot.float() / (nblk[:, None] * ng)).repeat(1, ng)
         layout.memo[key] = (doc_start, w)
@@ -176,7 +175,7 @@ def triton_block_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layou
     budget = dict(sink_blocks=sink_blocks, local_blocks=local_blocks,
                   selection_mode=selection_mode, min_density=min_density,
                   max_density=max_density)
-    with torch.no_grad():
+    with torch.no_grad(), selection_range():
         scores = block_scores(q.detach(), k.detach(), layout, estimator, softmax_scale)
         if selection_mode == "density" and reduce_shares is None:
             bounds = kept_bounds(layout, density_host, **budget)

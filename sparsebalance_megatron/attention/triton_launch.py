@@ -124,7 +124,7 @@ PINNED: Dict[Tuple[int, int, int], LaunchConfig] = {
     # against the one pass pinned before (32x128 w8 s2, dQ by atomics), one 32K document:
     # backward 5.44 / 10.09 / 19.66 / 3.34 ms against 6.80 / 12.62 / 24.26 / 4.03 at densities
     # 0.25 / 0.5 / 1 / 0.125, a packed 32K micro-batch 2.01 against 2.69 ms at 0.25; the same
-    # forward; docs/results/kernel_table_h200_triton.json.
+    # forward; docs/results/kernel_table_h200_triton.json at a63cdd4.
     (128, 128, 4): LaunchConfig(fwd_block_m=128, fwd_warps=8, fwd_stages=2, bwd_block_m=32,
                                 bwd_block_n=128, bwd_warps=8, bwd_stages=2, kv_chunk=16,
                                 dq_block_m=128),

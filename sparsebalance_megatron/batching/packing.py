@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..data.packing import check_bin_count, sequential_bins, sequential_pack
+from ..data.packing import check_bin_count, sequential_pack
 from .. import kernels
 from .plan import (BatchingError, BatchPlan, as_segment_array, as_segments, check_fits,
                    check_long_sample_policy, check_shape_args, padded_lengths, seeded_order,
@@ -111,65 +111,8 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
 
 
 def _fill_starts(sizes: np.ndarray, cap: int) -> list:
-    """Where ``data.packing.sequential_bins`` opens each bin: compiled where the kernels run."""
-    return kernels.packing.sequential_starts(sizes, cap) if kernels.packing_enabled() else \
-        [b[0] for b in sequential_bins(sizes.tolist(), cap)]
-
-
-def _lpt_ranks(cost, size, order, dp, cap_tokens) -> Optional[np.ndarray]:
-    """Rank of every item: items in ``order`` go to the least loaded rank with token room."""
-    heap = [(0.0, r) for r in range(dp)]
-    used = [0] * dp
-    rank_of = [0] * len(cost)
-    cost_l, size_l = cost.tolist(), size.tolist()
-    replace = heapq.heapreplace
-    for i in order.tolist():
-        load, r = heap[0]                              # fast path: the least loaded rank fits
-        if used[r] + size_l[i] <= cap_tokens:
-            rank_of[i] = r
-            used[r] += size_l[i]
-            replace(heap, (load + cost_l[i], r))
-            continue
-        skipped = []
-        while heap:
-            load, r = heapq.heappop(heap)
-            if used[r] + size_l[i] <= cap_tokens:
-                break
-            skipped.append((load, r))
-        else:
-            return None
-        rank_of[i] = r
-        used[r] += size_l[i]
-        heapq.heappush(heap, (load + cost_l[i], r))
-        for x in skipped:
-            heapq.heappush(heap, x)
-    return np.asarray(rank_of, dtype=np.int64)
-
-
-def _contiguous_bins(items, size, cost, m, cap, balance: bool) -> Optional[list]:
-    """Cut ``items`` (in order) into at most m bins of <= cap tokens; with ``balance``, close a
-    bin once it reaches the rank's mean cost per bin, and give an item that alone reaches it (a
-    long document) a bin of its own. Keeps every bin non-empty when there are at least m
-    items. None if it does not fit."""
-    target = sum(cost[i] for i in items) / m if balance else float("inf")
-    bins, cur, cur_tok, cur_cost = [], [], 0, 0.0
-    n_left = len(items)
-    for i in items:
-        bins_left = m - len(bins)                      # including the open one
-        full = cur_tok + size[i] > cap
-        at_target = (cur_cost >= target or cost[i] >= target) and bins_left > 1
-        must_spread = n_left <= bins_left - 1          # leave one item per remaining bin
-        if cur and (full or at_target or must_spread):
-            bins.append(cur)
-            cur, cur_tok, cur_cost = [], 0, 0.0
-            if len(bins) >= m:
-                return None
-        cur.append(i)
-        cur_tok += size[i]
-        cur_cost += cost[i]
-        n_left -= 1
-    bins.append(cur)
-    return bins + [[] for _ in range(m - len(bins))]
+    """Where ``data.packing.sequential_bins`` opens each bin (``kernels.packing``)."""
+    return kernels.packing.sequential_starts(sizes, cap)
 
 
 def _first_fit_decreasing(items, size, m, cap) -> Optional[list]:
@@ -185,61 +128,31 @@ def _first_fit_decreasing(items, size, m, cap) -> Optional[list]:
     return bins
 
 
-def _pack_rank(items, size, cost, m, cap, balance=True) -> Optional[list]:
-    return (_contiguous_bins(items, size, cost, m, cap, balance)
-            or (_contiguous_bins(items, size, cost, m, cap, False) if balance else None)
-            or _first_fit_decreasing(items, size, m, cap))
-
-
 def _order_slots(bins, cost) -> list:
     """Cheapest bin to the first slot, second cheapest to the last: they bound 1F1B's fill and
-    drain. The others keep their order."""
-    if len(bins) < 3:
-        return bins
-    c = [sum(map(cost.__getitem__, b)) for b in bins]
-    order = sorted(range(len(bins)), key=lambda j: (c[j], j))
-    first, last = order[0], order[1]
-    mid = [b for j, b in enumerate(bins) if j not in (first, last)]
-    return [bins[first]] + mid + [bins[last]]
+    drain (``kernels.packing.slot_order``). The others keep their order."""
+    c = np.array([sum(map(cost.__getitem__, b)) for b in bins])
+    return [bins[j] for j in kernels.packing.slot_order(c)]
 
 
 def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
     """LPT of segments (sizes [n]) over ranks by ``cost``, then each rank's segments sorted by
-    ``key`` and cut into m bins. None if some rank does not fit."""
+    ``key`` and cut into m contiguous bins (``kernels.packing``); a rank whose cuts do not fit
+    takes the first-fit-decreasing bins. None if some rank does not fit."""
     tie = np.random.default_rng(seed).permutation(sizes.size)
     order = seeded_order(tie, -cost)                   # cost descending, seeded ties
-    fast = kernels.packing_enabled()                   # compiled: the same decisions
-    rank_of = (kernels.packing.lpt_ranks if fast else _lpt_ranks)(cost, sizes, order, dp,
-                                                                  m * max_tokens)
+    rank_of = kernels.packing.lpt_ranks(cost, sizes, order, dp, m * max_tokens)
     if rank_of is None:
         return None
     by_rank = seeded_order(tie, key, rank_of)          # by rank, key, seeded ties
-    ends = np.cumsum(np.bincount(rank_of, minlength=dp))
-    size, cost_l = sizes.tolist(), cost.tolist()
-    if fast:
-        return _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens,
-                              balance_bins)
-    out = []
-    for items in np.split(by_rank, ends[:-1]):
-        bins = _pack_rank(items.tolist(), size, cost_l, m, max_tokens, balance_bins)
-        if bins is None:
-            return None
-        out.append(_order_slots(bins, cost_l))
-    return out
-
-
-def _compiled_bins(by_rank, ends, sizes, cost, size, cost_l, m, max_tokens, balance_bins):
-    """``_balanced``'s per-rank bins and slots by ``kernels.packing.rank_bins``; a rank whose
-    contiguous cuts do not fit takes the first-fit-decreasing fallback here, as
-    ``_pack_rank`` does."""
-    starts = np.r_[0, ends]
+    starts = np.r_[0, np.cumsum(np.bincount(rank_of, minlength=dp))]
     bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m,
                                                     max_tokens, balance_bins)
-    dp = ends.size
     # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends
     cut = np.r_[0, np.cumsum(np.bincount(np.repeat(np.arange(dp), np.diff(starts)) * m
                                          + bin_of, minlength=dp * m))].tolist()
     items, slots, starts = by_rank.tolist(), slot_of.tolist(), starts.tolist()
+    size, cost_l = sizes.tolist(), cost.tolist()
     out = []
     for r in range(dp):
         if not ok[r]:

@@ -34,7 +34,6 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
-from ..kernels.records import Graph
 from ..sim.pipeline import event_graph, pipeline_makespan_s
 
 ROUNDS = 8
@@ -89,28 +88,9 @@ def arrange_slots(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None, *,
     span = t[np.arange(dp), pick]
     if m < 2 and dp < 2:
         return slots, span
-    ins, nb = _moves(m)
-    if kernels.enabled():                                     # compiled: the same rounds
-        ranks = nv if pp is None else pp
-        kernels.slots.search(Graph.of(event_graph(m, ranks, nv // ranks), p2p_s), fu, bu, sc,
-                             cost, slots, span, (ins, nb),
-                             (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
-        return slots, span
-    for _ in range(rounds):
-        r = int(span.argmax())
-        rows, ranks, pair = _candidates(slots, span, cost, r)
-        if not len(rows):
-            break
-        got = makespans(rows, ranks)
-        value = got.copy()
-        for i, j in pair:            # a swap is worth the larger of its two ranks' makespans
-            value[i] = value[j] = max(got[i], got[j])
-        best = int(value.argmin())
-        if not value[best] < span[r] * (1.0 - MIN_GAIN):
-            break
-        for i in (best, *(j for a, j in pair if a == best), *(a for a, j in pair if j == best)):
-            slots[ranks[i]] = rows[i]
-            span[ranks[i]] = got[i]
+    ranks = nv if pp is None else pp
+    kernels.slots.search(event_graph(m, ranks, nv // ranks).record(p2p_s), fu, bu, sc, cost,
+                         slots, span, _moves(m), (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
     return slots, span
 
 
@@ -127,34 +107,3 @@ def _moves(m: int) -> tuple[np.ndarray, np.ndarray]:
     for i in range(m - 1):
         nb[i, i], nb[i, i + 1] = i + 1, i
     return ins, nb
-
-
-def _candidates(slots: np.ndarray, span: np.ndarray, cost: np.ndarray, r: int):
-    """The critical rank r's candidate slot rows [k, m]: its heaviest micro-batches moved,
-    neighbouring slots swapped, and swaps with the least loaded ranks (two rows each, the
-    pairs' row indices in ``pair``); and the rank of every row."""
-    dp, m = slots.shape
-    own = slots[r]
-    ins, nb = _moves(m)
-    heavy = np.argsort(-cost[own], kind="stable")[:HEAVY_MOVES]
-    parts = [own[ins[heavy].reshape(-1, m)], own[nb]]
-    ranks = [np.full(len(parts[0]) + len(parts[1]), r)]
-    pair = []
-    n = ranks[0].size
-    for p in [int(x) for x in np.argsort(span, kind="stable") if x != r][:PARTNERS]:
-        theirs = slots[p]
-        q = int(np.argmin(cost[theirs]))                      # the partner's lightest
-        js = np.flatnonzero(cost[own] > cost[theirs[q]])
-        if not js.size:
-            continue
-        mine = np.repeat(own[None, :], js.size, axis=0)
-        mine[np.arange(js.size), js] = theirs[q]
-        other = np.repeat(theirs[None, :], js.size, axis=0)
-        other[:, q] = own[js]
-        rows = np.empty((2 * js.size, m), dtype=np.int64)
-        rows[0::2], rows[1::2] = mine, other
-        parts.append(rows)
-        ranks.append(np.tile([r, p], js.size))
-        pair += [(n + 2 * k, n + 2 * k + 1) for k in range(js.size)]
-        n += 2 * js.size
-    return np.concatenate(parts), np.concatenate(ranks), pair

@@ -1,7 +1,7 @@
 """Real-data pipeline: offline tokenizers, the cached document corpus, sampling and packing.
 
-Pure: numpy and tokenizers only; no torch.distributed, no megatron (the Megatron indexed data set
-reader lives in ``sparsebalance_megatron/megatron/step/indexed_data.py`` and is imported lazily).
+Pure: numpy and tokenizers only; no torch.distributed, no megatron (a Megatron indexed data set
+is parsed with numpy, ``indexed.py``).
 """
 
 from .corpus import (DataError, DataFileNotFoundError, DocumentCorpus, format_stats,

@@ -6,11 +6,11 @@ Three kinds of input, one ``DocumentCorpus`` out:
   Offline: a source that is not on disk is an error naming the set-up command that fetches it.
 - ``*.jsonl``: one document per line, its ``"text"`` field; tokenized once and cached.
 - anything else: a Megatron indexed data set prefix (``PREFIX.bin`` + ``PREFIX.idx``), read in
-  place through ``sparsebalance_megatron.megatron.step.indexed_data`` (the only megatron import).
+  place by ``indexed.py`` (Megatron's on-disk format, parsed with numpy).
 Cache builds are atomic (built in a temporary directory, then ``os.replace``) and serialized by a
 file lock, so two torchrun ranks racing on first use build once and never read a half-written
 cache. Documents are stored without EOD; packing appends it.
-Must not depend on torch, torch.distributed or megatron (except the lazy indexed-data import).
+Must not depend on torch, torch.distributed or megatron.
 
 Why this is long: the three kinds of input share one cache format and one atomic,
 file-locked build; split, the build's guarantees would be stated in two places.
@@ -30,6 +30,7 @@ import numpy as np
 
 from ..config import DOC_UNITS
 from . import sources as _sources
+from .indexed import read_indexed_documents
 from .tokenizers import TOKENIZER_NAMES, TextTokenizer, get_tokenizer
 
 CACHE_VERSION = 1
@@ -330,8 +331,6 @@ def _load_indexed(prefix: str, tok, *, min_doc_tokens: int, compact_vocab: bool)
         raise DataFileNotFoundError(
             f"--data-path {prefix!r}: Megatron indexed data set is incomplete: "
             f"{idx_path if not have_idx else bin_path} is missing")
-    from ..megatron.step.indexed_data import read_indexed_documents
-
     flat, starts, lengths = read_indexed_documents(prefix)
     # Documents preprocessed with --append-eod end with EOD; packing appends its own.
     if lengths.size and flat.size:

@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .. import kernels
 from ..config import LONG_SAMPLE_POLICIES
 from .context_parallel import padded_length
 
@@ -80,18 +81,10 @@ def _check_positive_int(name: str, value) -> int:
 
 
 def sequential_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices of ``sizes`` per bin: fill in order, open a new bin when the next one does not fit."""
-    bins: list[list[int]] = []
-    free = 0
-    for i, size in enumerate(sizes):
-        if size > capacity:
-            raise ValueError(f"segment {i} has {size} tokens > capacity {capacity}")
-        if size > free:
-            bins.append([])
-            free = capacity
-        bins[-1].append(i)
-        free -= size
-    return bins
+    """Indices of ``sizes`` per bin: fill in order, open a new bin when the next one does not
+    fit (``kernels.packing.sequential_starts``)."""
+    starts = kernels.packing.sequential_starts(np.asarray(sizes, dtype=np.int64), capacity)
+    return [list(range(a, b)) for a, b in zip(starts, starts[1:] + [len(sizes)])]
 
 
 def check_bin_count(n_bins: int, sizes: Sequence[int], capacity: int, dp: int, m: int) -> None:

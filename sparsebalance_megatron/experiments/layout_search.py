@@ -90,7 +90,7 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
                          f"{list(vps)} (the interleaved schedule needs >= pp micro-batches)")
     runs = {_name(v, c): (v, c) for c in candidates for v in variants}
     rows = run_study(dp, cfg, lm, lengths, runs)
-    floor = cfg.policy().stage_density_floor * cfg.density
+    floor = cfg.sb.stage_density_floor * cfg.sb.density
     out = []
     for name, (variant, lay) in runs.items():
         r = rows[name]
@@ -102,7 +102,7 @@ def search_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
             # dense work in every run alike, so it must not make up for density cut elsewhere
             # (NaN: every document routed dense, no sparse path to keep)
             sd = r.get("sparse_density", np.nan)
-            ok = ((r["mean_density"] if np.isnan(sd) else sd) >= cfg.density - 1e-9
+            ok = ((r["mean_density"] if np.isnan(sd) else sd) >= cfg.sb.density - 1e-9
                   and r["min_stage_density"] >= floor - 1e-9)
         out.append(LayoutChoice(lay, variant, r["step_time_s"], r, ok))
     out.sort(key=lambda c: (not c.qualifies, c.step_time_s))
@@ -117,14 +117,14 @@ def stand_down_config(cfg: StudyConfig, best_static: LayoutChoice,
     run without SparseBalance), and whose dense_sab runs to the best dense one's; where that is
     Megatron's dp_balanced, which the runtime cannot pack, the fastest of ``static`` (``dense``)
     whose packing it can. Unchanged when the stand-down is off."""
-    if cfg.policy().stand_down == "off":
+    if cfg.sb.stand_down == "off":
         return cfg
 
     def runtime_packing(choices):
         return next((packing_of(c.variant) for c in choices
                      if packing_of(c.variant) in STAND_DOWN_PACKINGS), None)
 
-    out = replace(cfg, stand_down=runtime_packing([best_static, *static]) or "sequential")
+    out = cfg.with_flags(stand_down=runtime_packing([best_static, *static]) or "sequential")
     if dense:
         out = replace(out, dense_stand_down=runtime_packing(dense) or "sequential")
     return out
@@ -190,10 +190,10 @@ def best_layouts(lm, lengths, cfg: StudyConfig, dp: int, *, pp: int,
     if whole_space:
         cands, dense_cands = {}, {}
         dense_lm = lm.with_routing(1 << 40)
-        for key, model, packing, d in (("static", lm, "sequential", cfg.density),
-                                       ("token_balanced", lm, "token_balanced", cfg.density),
-                                       ("dp_balanced", lm, "dp_balanced", cfg.density),
-                                       ("sab", lm, "sab", cfg.density),
+        for key, model, packing, d in (("static", lm, "sequential", cfg.sb.density),
+                                       ("token_balanced", lm, "token_balanced", cfg.sb.density),
+                                       ("dp_balanced", lm, "dp_balanced", cfg.sb.density),
+                                       ("sab", lm, "sab", cfg.sb.density),
                                        *((v, dense_lm, DENSE_PACKINGS[v], 1.0)
                                          for v in dense_packings)):
             evs = {}

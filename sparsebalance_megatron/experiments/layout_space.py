@@ -67,7 +67,7 @@ def packed_features(lm, lengths, cfg, dp: int, packing: str,
             plan = token_balanced_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap,
                                        seed=cfg.seed)
         elif packing in ("sab", "sab_dense"):
-            cost_fn = latency_sample_cost_fn(lm, cfg.density) if packing == "sab" else \
+            cost_fn = latency_sample_cost_fn(lm, cfg.sb.density) if packing == "sab" else \
                 latency_sample_cost_fn(lm.all_dense(), 1.0)
             plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap, cost_fn=cost_fn,
                             sensitivity=SensitivityTracker(), seed=cfg.seed,

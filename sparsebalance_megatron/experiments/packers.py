@@ -17,23 +17,14 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
-
 from ..batching import dp_balanced_plan
 from ..data import GlobalBatchSampler
+from .study_rows import summary_stats
 
 TARGET_VS_DP_BALANCED = 1.15
 DENSE_ROWS = {"sequential": "dense_sequential", "token_balanced": "dense_token_balanced",
               "dp_balanced": "dense_dp_balanced", "sab": "dense_sab"}
 """Packing -> the study row of dense attention with it, each on its own best layout."""
-
-
-def _stats(values, target: float) -> dict:
-    v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        return {"rows": 0}
-    return {"rows": int(v.size), "worst": float(v.min()), "median": float(np.median(v)),
-            "best": float(v.max()), "met": int(np.sum(v >= target - 1e-12)), "target": target}
 
 
 def dp_balanced_stops(lengths, cfg, dp: int) -> int:
@@ -84,7 +75,7 @@ def packer_summary(results: dict) -> dict:
     for k in ("sab_vs_dp_balanced", "sab_vs_best_seq_tb", "sab_vs_dp_balanced_net",
               "sab_vs_best_seq_tb_net"):
         if rows and all(k in x for x in rows):
-            out[k] = _stats([x[k] for x in rows], 1.0)
+            out[k] = summary_stats([x[k] for x in rows], 1.0)
     return out
 
 

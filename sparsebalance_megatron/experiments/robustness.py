@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-import numpy as np
-
 from .study import StudyConfig, run_study
+from .study_rows import summary_stats
 
 ROW_TARGET = 1.00
 MEDIAN_TARGET = 1.05
@@ -53,14 +52,6 @@ def same_layout_slow_rank(lm, lengths, cfg: StudyConfig, dp: int, layout, slow: 
             "sab_dst_slowdown": t(slowed, "sab_dst") / t(uniform, "sab_dst")}
 
 
-def _stats(values, target: float) -> dict:
-    v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        return {"rows": 0}
-    return {"rows": int(v.size), "worst": float(v.min()), "median": float(np.median(v)),
-            "best": float(v.max()), "met": int(np.sum(v >= target - 1e-12)), "target": target}
-
-
 def summarize(results: dict) -> dict:
     """Summary of a study's ``results`` ({key: study_one's result}): every row's sab_dst speedup
     over the best static configuration, its worst / median / best, how many rows meet
@@ -75,10 +66,10 @@ def summarize(results: dict) -> dict:
                 if "speedup_vs_static_net" in r["rows"]["sab_dst"] else {})}
             for k, r in results.items()]
     out = {"rows": rows,
-           "sab_dst_vs_best_static": _stats([r["sab_dst_vs_best_static"] for r in rows],
+           "sab_dst_vs_best_static": summary_stats([r["sab_dst_vs_best_static"] for r in rows],
                                             ROW_TARGET)}
     if rows and all("sab_dst_vs_best_static_net" in r for r in rows):   # net of its own cost
-        out["sab_dst_vs_best_static_net"] = _stats(
+        out["sab_dst_vs_best_static_net"] = summary_stats(
             [r["sab_dst_vs_best_static_net"] for r in rows], ROW_TARGET)
     for key in ("sab_dst_vs_best_static", "sab_dst_vs_best_static_net"):
         s = out.get(key, {})
@@ -95,13 +86,13 @@ def summarize(results: dict) -> dict:
                                            "dst_vs_static_net", "dst_vs_static_uniform_net")
                          if x in h}}
                      for k, h in het],
-            "dst_vs_static": _stats([h["dst_vs_static"] for _, h in het], SLOW_RANK_TARGET),
-            **({"dst_vs_static_net": _stats([h["dst_vs_static_net"] for _, h in het],
+            "dst_vs_static": summary_stats([h["dst_vs_static"] for _, h in het], SLOW_RANK_TARGET),
+            **({"dst_vs_static_net": summary_stats([h["dst_vs_static_net"] for _, h in het],
                                             SLOW_RANK_TARGET)}
                if all("dst_vs_static_net" in h for _, h in het) else {}),
             # where the slow GPU holds the static step back at all (elsewhere it idles in the
             # slack of another GPU's critical path and there is nothing to win back)
-            "dst_vs_static_where_it_costs": _stats(
+            "dst_vs_static_where_it_costs": summary_stats(
                 [h["dst_vs_static"] for _, h in het if h["static_slowdown"] > 1.0 + 1e-6],
                 SLOW_RANK_TARGET)}
     return out

@@ -28,11 +28,11 @@ schedule for a layout with vp > 1). Variants (names are what the tables print):
   to the static plan's step time: what balancing saved becomes density ("free accuracy").
 
 DST is the runtime's own call, ``plan_dst_from_config`` with the floors and the raise headroom of
-a ``SparseBalanceConfig`` (``StudyConfig.policy``). Every run of a study is (variant, layout):
+a ``SparseBalanceConfig`` (``StudyConfig.sb``, ``StudyConfig.policy``). Every run of a study is (variant, layout):
 the same global batches and packings are timed on each run's layout. Do no harm (issue 27) is the
 runtime's rule too (``policy.stand_down.choose_step``, ``--sb-stand-down``): a DST plan predicted
 slower than the static plan of its micro-batches is replaced by it, and a SAB run packs the
-baseline's way (``StudyConfig.stand_down``) when SAB is predicted no faster (on DST's plans of
+baseline's way (``StudyConfig.sb.stand_down``) when SAB is predicted no faster (on DST's plans of
 both by default, on the packings' static plans with ``stand_down_compare`` 'static'); the rows
 say in what fraction of the steps each stood down (``dst_stood_down``, ``sab_stood_down``; the
 tables' ``dst_sd`` / ``sab_sd`` columns).
@@ -62,7 +62,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -95,35 +95,15 @@ class StudyConfig:
     """Micro-batches per DP rank per step."""
     seq_length: int = 32768
     """Tokens per micro-batch (the packing capacity)."""
-    density: float = 0.5
-    """d0: the density of static sparse attention and the base of DST."""
-    min_density: float = 0.125
-    """d_min: the lowest density DST may cut to."""
-    max_density: float = 1.0
-    """d_max: the highest density DST may raise to."""
-    tolerance: float = 0.1
-    """DST tolerance p."""
     steps: int = 3
     """Global batches per configuration."""
     seed: int = 1234
     """Seed of the sampler and of SAB."""
-    density_floor: Optional[float] = None
-    """--sb-density-floor of the plans (None: the runtime's default)."""
-    stage_density_floor: Optional[float] = None
-    """--sb-stage-density-floor of the plans (None: the runtime's default)."""
-    raise_headroom: Optional[str] = None
-    """--sb-raise-headroom of the plans (None: the runtime's default, 'auto', which is
-    ``DEFAULT_RAISE_HEADROOM`` without a measured error, as in a simulation)."""
-    dst_objective: Optional[str] = None
-    """--sb-dst-objective of the plans (None: the runtime's default)."""
-    dst_descent: Optional[str] = None
-    """--sb-dst-descent of the plans (None: the runtime's default)."""
-    stand_down: Optional[str] = None
-    """--sb-stand-down of the runs (None: the runtime's default): the baseline packing SAB's runs
-    stand down to when SAB is predicted no faster, 'off': no stand-down (``policy.stand_down``)."""
-    stand_down_compare: Optional[str] = None
-    """--sb-stand-down-compare of the runs (None: the runtime's default): what SAB's packing
-    and the baseline's are compared on (``policy.stand_down.choose_step``)."""
+    sb: SparseBalanceConfig = field(default_factory=lambda: SparseBalanceConfig(
+        sparse_balance=True))
+    """The runs' flags (d0 = ``--sb-density``, the bounds, band, floors, raise headroom, DST's
+    objective and descent, the stand-down packing and compare, the planner): the runtime's
+    defaults unless given; ``--sb-stand-down off``: no stand-down (``policy.stand_down``)."""
     dense_stand_down: Optional[str] = None
     """--sb-stand-down of the ``dense_sab`` runs (None: sequential; off with ``stand_down``)."""
     microbatch_multiple: int = 0
@@ -137,9 +117,6 @@ class StudyConfig:
     device_memory_gib: Optional[float] = None
     """The layout search's device-memory limit (``latency.memory``'s estimate of the fullest
     rank, GiB); None: no limit."""
-    planner: Optional[str] = None
-    """--sb-planner the runs assume (None: the runtime's default, planning ahead in a process);
-    prices their planning."""
     plugin_cost: object = None
     """``plugin_cost.PluginCost``: every SparseBalance run pays its own per-step cost (module
     docstring); None: gross step times only."""
@@ -147,14 +124,11 @@ class StudyConfig:
     def policy(self, anchor: str = "mean", raise_to: str = "bottleneck"
                ) -> SparseBalanceConfig:
         """The ``SparseBalanceConfig`` a run with these settings would plan with."""
-        kw = dict(sparse_balance=True, density=self.density, min_density=self.min_density,
-                  max_density=self.max_density, tolerance=self.tolerance, anchor=anchor,
-                  raise_to=raise_to)
-        for k in ("density_floor", "stage_density_floor", "raise_headroom", "dst_objective",
-                  "dst_descent", "stand_down", "stand_down_compare", "planner"):
-            if getattr(self, k) is not None:
-                kw[k] = getattr(self, k)
-        return SparseBalanceConfig(**kw)
+        return replace(self.sb, anchor=anchor, raise_to=raise_to)
+
+    def with_flags(self, **flags) -> "StudyConfig":
+        """This configuration with ``SparseBalanceConfig`` fields ``flags`` changed."""
+        return replace(self, sb=replace(self.sb, **flags))
 
 
 def _base(variant: str) -> str:
@@ -248,8 +222,8 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     baseline = next(iter(runs)) if baseline is None else baseline
     if baseline not in runs:
         raise ValueError(f"baseline {baseline!r}: expected one of the runs {list(runs)}")
-    m, cap, d0 = cfg.microbatches, cfg.seq_length, cfg.density
-    grid = density_grid(d0, cfg.min_density, cfg.max_density)
+    m, cap, d0 = cfg.microbatches, cfg.seq_length, cfg.sb.density
+    grid = density_grid(d0, cfg.sb.min_density, cfg.sb.max_density)
     if any(is_dense(v) for v, _ in runs.values()) and grid[-1] < 1.0:
         grid = np.append(grid, 1.0)  # above d_max: DST never plans there, dense reads it
     models, quality = {}, {}

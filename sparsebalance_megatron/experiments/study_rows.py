@@ -5,7 +5,7 @@ step here (``VariantAccumulator.add``); ``row`` is what the study returns per ru
 speedup, imbalance, bubble fraction, densities (overall, the sparse path's, per stage),
 micro-batches per rank, predicted loss, planning time, the do-no-harm counts, and with the
 plugin's own cost (issue 44) the net step time and speedup beside the gross. ``format_table``
-prints rows as the studies' tables.
+prints rows as the studies' tables, and ``summary_stats`` sums a column of speedups up.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -155,3 +155,13 @@ def format_table(title: str, results: dict) -> str:
                          f"{r['bubble_fraction']:>7.3f} {r['mean_density']:>8.3f} "
                          f"{r['min_stage_density']:>7.3f} {pl:>8} {pm:>8} {sd}{vd}{nt}")
     return "\n".join(lines)
+
+
+def summary_stats(values, target: float) -> dict:
+    """A column of speedups summed up: its rows, worst, median and best, and how many meet
+    ``target``."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return {"rows": 0}
+    return {"rows": int(v.size), "worst": float(v.min()), "median": float(np.median(v)),
+            "best": float(v.max()), "met": int(np.sum(v >= target - 1e-12)), "target": target}

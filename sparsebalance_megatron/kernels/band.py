@@ -1,36 +1,25 @@
-"""Compiled forms of a DST band pass's phases (``policy.dst_band.plan_dst_candidates``), when
-numba is installed: the cut of every DP-rank row, its floats, and each raise try (each row its
-objective's way: quality water-filling or sensitivity order), 1F1B simulation included, in one
-loop per row instead of a dozen numpy passes over the whole batch.
+"""One DST band pass, compiled (``policy.dst_band.plan_dst_candidates``): every DP-rank row's
+cut of the load units above its band (``cut_rows``), the floats of its cut plan, and each raise
+try below the new bottleneck (``raise_try_rows``), each row its objective's way: the quality
+objective's water-filling (``water_fill``) or the density objective's moves in sensitivity
+order (``moves_row``); every row then simulated (``kernels.graph``).
 
-The numpy path gathers, sums and scatters every row's [slots, pp] units several times per try;
-at 64 DP x 16 x PP4 a band pass holds up to 512 rows, and those passes, not the arithmetic, were
-most of the band search's time. Each function here composes the kernels the numpy path's calls
-run (``kernels.grid``' lifting, water-filling and sensitivity moves, ``kernels.graph``'
-simulation and floats of one row), on the same operands in the same order: sums over a row's
-slots are sequential, as numpy sums a [rows, slots, pp >= 2] array over its slots (with pp = 1
-numpy sums pairwise: the callers keep the numpy path there), and a try whose water-filling
-searches one column in all (numpy sums that one pairwise too) is reported, not run, so the
-caller runs its numpy path. So a plan is the same bit for bit whichever runs
-(``tests/unit/test_compiled_kernels.py``).
+A band pass plans K candidate bands over the step's DP ranks, so it holds K x dp rows (up to
+512 at 64 DP x 16 x PP4); a row's plan never reads another's.
 
-Pure numpy and numba; must not import torch, megatron or anything else from this package but
-``kernels`` (its warm-up builds a draft's own objects: ``sim.pipeline``'s graph,
-``policy.dst_moves``' gain index).
+Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations
 
-import copy
+from typing import NamedTuple
 
 import numpy as np
 
-from typing import NamedTuple
-
 from . import f64, i64, jit
-from .graph import floats_rows, simulate_rows
-from .grid import lift_step, lifted, moves_row, water_fill_pass
-from .records import Fill, Graph, Tables, fill_exps
+from .graph import earliest_finish, makespan, put_units, unit_floats
+from .grid import highest_within, row_of
+from .records import Fill, Graph, Tables
 
 
 class Rows(NamedTuple):
@@ -46,26 +35,155 @@ class Rows(NamedTuple):
 
 
 @jit
-def _fill_searched(t, rows_of, fill, rows, lo, by_row, hi, limit, search, iters):
-    # dst_moves.water_fill's compiled search of the (row, stage) columns marked in ``search``
-    # [rows, pp] (the ones that do not fit at their ``hi``), gathered as its [n, slots] arrays
-    # in row-major order; the answers written over ``hi`` ([rows, slots, pp]; ``lo``: by the
-    # pass's row (``by_row``: lo[rows[i]]) or by the try's (lo[i]))
+def moves_row(tables, u, cur, budget, cap, a, order, bound, raising, out):
+    """One DP rank's cut (``raising`` False: each stage sheds ``budget[q]`` x a seconds, down
+    to grid index ``bound`` = d_min) or raise (True: each stage grows by at most ``budget[q]`` x
+    a, each unit by at most its float ``cap`` x a, up to ``bound`` = d_max), the micro-batches
+    of every stage in ``order`` (cut: least sensitive first; raise: most), into ``out``
+    ([slots, pp] like ``u``, ``cur``): a unit moves by what the stage still needs after the
+    units before it moved all they could (the running sum of their moves, less its own), to
+    the highest grid index whose seconds fit."""
+    t, work = tables.tot, tables.work
+    slots, pp = u.shape
+    for p in range(pp):
+        cum = 0.0
+        bud = budget[p] * a
+        for jj in range(slots):
+            j = order[jj, p]
+            uu, c = u[j, p], cur[j, p]
+            t_cur = t[uu + c]
+            out[j, p] = c
+            cp = 0.0
+            if raising:
+                x = t[uu + bound] - t_cur
+                cp = a * cap[j, p]
+                if cp < x or cp != cp:
+                    x = cp
+            else:
+                x = t_cur - t[uu + bound]
+            cum = x if jj == 0 else cum + x
+            left = bud - (cum - x)
+            if raising and (cp < left or cp != cp):
+                left = cp
+            if left > 0 and x > 0:
+                if raising:
+                    out[j, p] = highest_within(t, work, row_of(uu), c, bound, t_cur + left)
+                else:
+                    out[j, p] = highest_within(t, work, row_of(uu), bound, c, t_cur - left)
+
+
+@jit
+def _position(flat, low, high, x, shift, a, z):
+    # where x = lambda x b falls in the gain tables ``flat``: its key clip(-x, low, high) +
+    # shift searched (side right) within [a, z], which holds it (NaN: after everything)
+    q = -x
+    if q < low:
+        q = low
+    if q > high:
+        q = high
+    q += shift
+    if q != q:
+        return flat.size
+    while a < z:
+        mid = (a + z) >> 1
+        if flat[mid] <= q:
+            a = mid + 1
+        else:
+            z = mid
+    return a
+
+
+@jit
+def _clipped(pos, first, lo, hi):
+    i = pos - first
+    return lo if i < lo else (hi if i > hi else i)
+
+
+@jit
+def water_fill(t, u, b, lo, hi, limit, fill, iters, out):
+    """Quality water-filling of n (row, stage) columns ([n, slots] arrays, a column's slots
+    side by side) into ``out``: unit s takes the highest grid index in [lo, hi] whose marginal
+    quality gain per unit of density is still worth its attention seconds, gain >= lambda x b
+    (b: its seconds per unit of density), lambda the smallest that keeps the column's seconds
+    (summed over its slots in order) within ``limit[j]``: a bisection of ``iters`` steps on log
+    lambda in [-20, 20] (on ``records.fill_exps``' grid), then the common level between the
+    last lambda that does not fit and the first that does (a piecewise-linear cost has equal
+    gains along a segment, so units cross it together): the highest level that fits. A unit's
+    index at lambda: its position in its stage's gain table (``fill``: the stages' tables laid
+    end to end, ``records.Fill``), less the stage's first entry, clipped to [lo, hi].
+
+    A unit's position falls as lambda grows where b >= 0, so a column whose b all are searches
+    each unit only between its positions at the bisection's two ends, and not at all once both
+    ends clip to the same grid index (every position between gives it)."""
+    exps, first, shift, flat, low, high = fill.exps, fill.first, fill.shift, fill.flat, \
+        fill.low, fill.high
+    n, slots = u.shape
+    top = flat.size
+    pos_a, pos_z = np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64)
+    cur, fit = np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64)
+    for j in range(n):
+        a, z = 0, exps.size - 1                  # log lambda = -20 and 20
+        sign = True                              # every b >= 0 (NaN: not)
+        for s in range(slots):
+            sign = sign and b[j, s] >= 0.0
+        for s in range(slots):
+            pos_a[s] = _position(flat, low, high, exps[a] * b[j, s], shift[j, s], 0, top)
+            pos_z[s] = _position(flat, low, high, exps[z] * b[j, s], shift[j, s], 0,
+                                 pos_a[s] if sign else top)
+        for _ in range(iters):
+            mid = (a + z) // 2
+            tot = 0.0
+            for s in range(slots):
+                i = _clipped(pos_z[s], first[j, s], lo[j, s], hi[j, s])
+                if sign and i == _clipped(pos_a[s], first[j, s], lo[j, s], hi[j, s]):
+                    cur[s] = pos_z[s]
+                else:
+                    cur[s] = _position(flat, low, high, exps[mid] * b[j, s], shift[j, s],
+                                       pos_z[s] if sign else 0, pos_a[s] if sign else top)
+                    i = _clipped(cur[s], first[j, s], lo[j, s], hi[j, s])
+                v = t[u[j, s] + i]
+                tot = v if s == 0 else tot + v
+            if tot <= limit[j]:
+                z = mid
+                pos_z[:] = cur
+            else:
+                a = mid
+                pos_a[:] = cur
+        lo_l, hi_l = 1 << 62, -(1 << 62)
+        for s in range(slots):
+            fit[s] = _clipped(pos_z[s], first[j, s], lo[j, s], hi[j, s])
+            pos_a[s] = _clipped(pos_a[s], first[j, s], lo[j, s], hi[j, s])   # over the limit
+            lo_l = min(lo_l, fit[s])
+            hi_l = max(hi_l, pos_a[s])
+        while lo_l < hi_l:                       # the highest common level that fits
+            mid = (lo_l + hi_l + 1) // 2
+            tot = 0.0
+            for s in range(slots):
+                v = t[u[j, s] + max(fit[s], min(pos_a[s], mid))]
+                tot = v if s == 0 else tot + v
+            if tot <= limit[j]:
+                lo_l = mid
+            else:
+                hi_l = mid - 1
+        for s in range(slots):
+            out[j, s] = max(fit[s], min(pos_a[s], lo_l))
+
+
+@jit
+def _fill_columns(t, rows_of, fill, rows, lo, by_row, hi, limit, search, iters):
+    # water_fill of the (row, stage) columns marked in ``search`` [rows, pp] (those that do not
+    # fit at their ``hi``), gathered as its [n, slots] arrays in row-major order, the answers
+    # written over ``hi`` ([rows, slots, pp]); ``lo``: by the pass's row (``by_row``:
+    # lo[rows[i]]) or by the try's (lo[i])
     units, brow, dp = rows_of.units, rows_of.b, rows_of.dp
     slots, pp = units.shape[1], units.shape[2]
     n = 0
     for i in range(rows.size):
         for q in range(pp):
-            if search[i, q]:
-                n += 1
-    u2 = np.empty((n, slots), dtype=np.int64)
-    b2 = np.empty((n, slots))
-    lo2 = np.empty((n, slots), dtype=np.int64)
-    hi2 = np.empty((n, slots), dtype=np.int64)
-    sh2 = np.empty((n, slots))
-    fi2 = np.empty((n, slots), dtype=np.int64)
-    lim2 = np.empty(n)
-    out2 = np.empty((n, slots), dtype=np.int64)
+            n += search[i, q]
+    u2, lo2 = np.empty((n, slots), dtype=np.int64), np.empty((n, slots), dtype=np.int64)
+    hi2, fi2 = np.empty((n, slots), dtype=np.int64), np.empty((n, slots), dtype=np.int64)
+    b2, sh2, lim2 = np.empty((n, slots)), np.empty((n, slots)), np.empty(n)
     j = 0
     for i in range(rows.size):
         r = rows[i]
@@ -80,201 +198,160 @@ def _fill_searched(t, rows_of, fill, rows, lo, by_row, hi, limit, search, iters)
                     fi2[j, s] = fill.first[s, q]
                 lim2[j] = limit[i, q]
                 j += 1
-    water_fill_pass(t, u2, b2, lo2, hi2, lim2,
-                    Fill(fill.flat, sh2, fi2, fill.low, fill.high, fill.exps), iters, out2)
+    out2 = np.empty((n, slots), dtype=np.int64)
+    water_fill(t, u2, b2, lo2, hi2, lim2, Fill(fill.flat, sh2, fi2, fill.low, fill.high,
+                                              fill.exps), iters, out2)
     j = 0
     for i in range(rows.size):
         for q in range(pp):
             if search[i, q]:
-                for s in range(slots):
-                    hi[i, s, q] = out2[j, s]
+                hi[i, :, q] = out2[j]
                 j += 1
 
 
 @jit
-def _lift_step(cur, rows, water, bound):
-    # costs._lift_step over the try's water units' [cur, bound] spans: the largest power of
-    # two <= the widest (0 for none)
-    span = 0
+def _simulate(graph, tables, units, idx, rows, mk, dur, ef):
+    # the rows' units at grid indices idx[i] (units[rows[i]]) simulated into columns i of dur
+    # and ef [E, rows], their makespans into mk
     for i in range(rows.size):
-        r = rows[i]
-        if water[r]:
-            for s in range(cur.shape[1]):
-                for q in range(cur.shape[2]):
-                    w = bound - cur[r, s, q] + 1
-                    if w > span:
-                        span = w
-    return lift_step(span)
+        put_units(graph, tables, units[rows[i]], idx[i], dur, i)
+    earliest_finish(graph, dur, np.arange(rows.size), ef, np.empty((0, 0)))
+    for i in range(rows.size):
+        mk[i] = makespan(graph.last, ef, i)
 
 
 @jit
-def cut_rows(graph, tables, rows_of, fill, cur, excess, water, i_min, iters, out):
-    # dst_band's cut of every row (water rows: water-filled within [i_min, cur] to their
-    # seconds at cur less the excess, where positive; the others: the sensitivity-order cut
-    # of max(excess, 0)), then the rows simulated into ``out`` (grid indices, makespans,
-    # durations, earliest finishes, busy seconds); returns the number of columns the
-    # water-filling searched, or -1 (one column: nothing run)
-    idx, mk, dur, ef, busy = out
-    t, units, order, brow, dp = tables.tot, rows_of.units, rows_of.order, rows_of.b, rows_of.dp
-    rows = np.arange(units.shape[0])
-    nr, slots, pp = rows.size, units.shape[1], units.shape[2]
+def cut_rows(graph, tables, rows_of, fill, cur, busy, band, water, i_min, iters, out):
+    # every row's cut from grid indices ``cur``: each load unit (the row's rank r mod dp, a
+    # stage q) sheds the seconds its busy time ``busy[r mod dp, q]`` is above the row's band
+    # ``band[r]`` (water rows: water-filled within [i_min, cur] to their seconds at cur less
+    # that excess, where positive; the others: moves_row's cut of it, at least 0), then every
+    # row simulated into ``out`` (grid indices, makespans, durations and earliest finishes
+    # [E, rows], busy seconds [rows, pp])
+    idx, mk, dur, ef, busy1 = out
+    t, units, order, dp = tables.tot, rows_of.units, rows_of.order, rows_of.dp
+    nr, slots, pp = units.shape
+    rows = np.arange(nr)
     limit = np.empty((nr, pp))
     search = np.zeros((nr, pp), dtype=np.bool_)
-    lo = np.full((nr, slots, pp), i_min, dtype=np.int64)
-    n = 0
-    for i in range(nr):
-        r = rows[i]
-        idx[i] = cur[r]
+    budget = np.empty(pp)
+    for r in range(nr):
+        idx[r] = cur[r]
+        for q in range(pp):
+            ex = busy[r % dp, q] - band[r]
+            budget[q] = ex if ex > 0.0 else 0.0
+            if water[r]:
+                base = 0.0
+                for s in range(slots):
+                    v = t[units[r, s, q] + cur[r, s, q]]
+                    base = v if s == 0 else base + v
+                limit[r, q] = base - ex if ex > 0 else np.inf
+                search[r, q] = not base <= limit[r, q]
         if not water[r]:
-            continue
+            moves_row(tables, units[r], cur[r], budget, rows_of.b[0], 1.0, order[r % dp], i_min,
+                      False, idx[r])
+    _fill_columns(t, rows_of, fill, rows, np.full((nr, slots, pp), i_min), False, idx, limit,
+                  search, iters)
+    _simulate(graph, tables, units, idx, rows, mk, dur, ef)
+    for r in range(nr):
         for q in range(pp):
-            base = 0.0
+            acc = 0.0
             for s in range(slots):
-                v = t[units[r, s, q] + cur[r, s, q]]
-                base = v if s == 0 else base + v
-            ex = excess[r, q]
-            limit[i, q] = base - ex if ex > 0 else np.inf
-            if not base <= limit[i, q]:
-                search[i, q] = True
-                n += 1
-    if n == 1:
-        return -1
-    if n:
-        _fill_searched(t, rows_of, fill, rows, lo, False, idx, limit, search, iters)
-    budget = np.empty((1, pp))
-    for i in range(nr):
-        r = rows[i]
-        if water[r]:
-            continue
-        for q in range(pp):
-            budget[0, q] = excess[r, q] if excess[r, q] > 0.0 else 0.0
-        o = r % dp
-        moves_row(t, units[r], cur[r], budget[0], brow[0], 1.0, order[o], i_min, False,
-                  idx[i])
-    simulate_rows(graph, tables, units, idx, rows, mk, True, dur, ef, busy)
-    return n
+                f = units[r, s, q] + idx[r, s, q]
+                v = tables.fwd[f] + tables.bwd[f]
+                acc = v if s == 0 else acc + v
+            busy1[r, q] = acc
 
 
 @jit
 def raise_try_rows(graph, tables, rows_of, fill, cut, rows, alpha, water, i_max, iters, out):
-    # dst_band's try_raise for rows ``rows`` (indices into the pass's [k * dp] arrays) of the
-    # cut ``cut`` (grid indices, floats, slack) with slack x alpha, into ``out`` (grid indices,
-    # makespans); returns the number of columns the water-filling searched, or -1 (one
-    # column: nothing run, the caller's numpy path runs the try)
+    # the raise try of rows ``rows`` (of the pass's rows) from the cut ``cut`` (grid indices,
+    # floats [rows, slots, pp], slack [rows, pp]) with slack and floats x alpha [rows], into
+    # ``out`` (grid indices, makespans): water rows water-filled within [cur, top] (top: the
+    # highest index within a unit's seconds + alpha x its float) to their seconds at cur +
+    # alpha x slack; the others moves_row's raise
     cur, cap, slack = cut
     trial, mk = out
-    t, units, order, brow, dp = tables.tot, rows_of.units, rows_of.order, rows_of.b, rows_of.dp
+    t, work, units, order, dp = tables.tot, tables.work, rows_of.units, rows_of.order, \
+        rows_of.dp
     nr, slots, pp = rows.size, units.shape[1], units.shape[2]
-    # water rows: each unit's top (the highest index within cur's seconds + alpha x its float,
-    # by binary lifting with the step of the widest span of the try's water units), the
-    # (row, stage) limits (their seconds at cur, summed over the slots, + alpha x slack), and
-    # the columns that do not fit at the tops
-    step = _lift_step(cur, rows, water, i_max)
     limit = np.empty((nr, pp))
     search = np.zeros((nr, pp), dtype=np.bool_)
-    n = 0
     for i in range(nr):
-        r = rows[i]
+        r, a = rows[i], alpha[i]
         if not water[r]:
+            moves_row(tables, units[r], cur[r], slack[r], cap[r], a, order[r % dp], i_max, True,
+                      trial[i])
             continue
-        a = alpha[i]
         for q in range(pp):
-            tot = 0.0
-            at_top = 0.0
+            tot, at_top = 0.0, 0.0
             for s in range(slots):
                 u, c = units[r, s, q], cur[r, s, q]
                 t_cur = t[u + c]
-                top = lifted(t, u + c, u + i_max, t_cur + a * cap[r, s, q], step) - u
+                top = highest_within(t, work, row_of(u), c, i_max, t_cur + a * cap[r, s, q])
                 trial[i, s, q] = top
                 tot = t_cur if s == 0 else tot + t_cur
-                v = t[u + top]
-                at_top = v if s == 0 else at_top + v
+                at_top = t[u + top] if s == 0 else at_top + t[u + top]
             limit[i, q] = tot + a * slack[r, q]
-            if not at_top <= limit[i, q]:
-                search[i, q] = True
-                n += 1
-    if n == 1:
-        return -1
-    if n:
-        _fill_searched(t, rows_of, fill, rows, cur, True, trial, limit, search, iters)
-    # sensitivity-order rows: the raise's moves with slack and floats x alpha
-    for i in range(nr):
-        r = rows[i]
-        if water[r]:
-            continue
-        a, o = alpha[i], r % dp
-        moves_row(t, units[r], cur[r], slack[r], cap[r], a, order[o], i_max, True, trial[i])
-    simulate_rows(graph, tables, units, trial, rows, mk, False, np.empty((1, 1)),
-                  np.empty((1, 1)), np.empty((1, 1)))
-    return n
+            search[i, q] = not at_top <= limit[i, q]
+    _fill_columns(t, rows_of, fill, rows, cur, True, trial, limit, search, iters)
+    n_ev = graph.prev.size
+    _simulate(graph, tables, units, trial, rows, mk, np.empty((n_ev, nr)), np.empty((n_ev, nr)))
 
 
 class BandPass:
     """What the compiled phases of one ``plan_dst_candidates`` pass read: the cost tables
-    (flat), the rows' units [k * dp, slots, pp], the event graph's links, the rank-level
-    sensitivity orders (cut: ascending, raise: descending; [dp, slots, pp]) and, with the
-    quality objective, the water-filling's index and seconds per unit of density ``b``
-    [dp, slots, pp]. For pp >= 2 only (with one stage numpy sums a stage's slots pairwise:
-    the caller runs its numpy path there)."""
+    (``Tables``), the event graph (``Graph``), the rows (``Rows``: units, the rank-level
+    sensitivity orders of the cut and the raise) and, with the quality objective, the
+    water-filling's gain tables (``Fill``, its shift and first laid [slots, pp]) and seconds
+    per unit of density ``b`` [dp, slots, pp]."""
 
-    def __init__(self, costs, units, dp: int, graph, p2p_s: float, sens, gains=None, b=None):
-        slots, pp = units.shape[1:]
-        self.tables = Tables(*(f64(a.reshape(-1)) for a in (costs.fwd_s, costs.bwd_s,
-                                                            costs.total_s)),
-                             int(costs.total_s.shape[-1]))
-        self.graph = Graph.of(graph, p2p_s)
-        b = np.zeros((1, 1, 1)) if gains is None else f64(b)
-        units = i64(units)
+    def __init__(self, tables: Tables, graph: Graph, units, dp: int, sens, fill: Fill = None,
+                 b=None):
+        self.tables, self.graph = tables, graph
+        units, b = i64(units), np.zeros((1, 1, 1)) if fill is None else f64(b)
         self.down = Rows(units, i64(np.argsort(sens, axis=1, kind="stable")), b, int(dp))
         self.up = self.down._replace(order=i64(np.argsort(-sens, axis=1, kind="stable")))
-        if gains is None:
-            self.fill = Fill(np.zeros(1), np.zeros((slots, pp)), np.zeros((slots, pp), np.int64),
-                             0.0, 0.0, fill_exps())
-        else:
-            self.fill = Fill.of(gains.flat, gains.stage * gains.width,
-                                gains.stage * gains.g + 1, gains.low, gains.high)
-
-    @property
-    def units(self) -> np.ndarray:
-        return self.down.units
+        self.fill = fill if fill is not None else Fill.of(
+            np.zeros(1), np.zeros(units.shape[1:]), np.zeros(units.shape[1:]), 0.0, 0.0)
 
     def with_units(self, units) -> "BandPass":
-        """This pass's tables, graph, orders and water-filling index for rows ``units``
-        [rows, slots, pp] (a search's passes differ in their rows only)."""
-        out = copy.copy(self)
-        out.down, out.up = self.down._replace(units=i64(units)), self.up._replace(units=i64(units))
+        """This pass for rows ``units`` [rows, slots, pp] (a search's passes differ in their
+        rows only)."""
+        out = object.__new__(BandPass)
+        out.__dict__.update(self.__dict__, down=self.down._replace(units=i64(units)),
+                            up=self.up._replace(units=i64(units)))
         return out
 
-    def cut(self, cur, excess, water, i_min: int, iters: int):
-        """(cut grid indices, makespans, event durations and earliest finishes [rows, E], busy
-        seconds [rows, pp]) of every row, or None (the numpy path runs it)."""
-        rows, n_ev = self.units.shape[0], self.graph.unit_rows.size
-        out = (np.empty(self.units.shape, dtype=np.int64), np.empty(rows),
-               np.empty((rows, n_ev)), np.empty((rows, n_ev)),
-               np.empty((rows, self.units.shape[2])))
-        n = cut_rows(self.graph, self.tables, self.down, self.fill, i64(cur), f64(excess),
-                     _bools(water), int(i_min), int(iters), out)
-        return None if n < 0 else out
+    def cut(self, cur, busy, band, water, i_min: int, iters: int) -> tuple:
+        """(cut grid indices [rows, slots, pp], makespans [rows], event durations and earliest
+        finishes [E, rows], busy seconds [rows, pp]) of every row (``cut_rows``: the load units'
+        busy seconds ``busy`` [dp, pp] above the rows' bands ``band`` [rows] shed)."""
+        units = self.down.units
+        rows, n_ev = units.shape[0], self.graph.prev.size
+        out = (np.empty(units.shape, dtype=np.int64), np.empty(rows), np.empty((n_ev, rows)),
+               np.empty((n_ev, rows)), np.empty((rows, units.shape[2])))
+        cut_rows(self.graph, self.tables, self.down, self.fill, i64(cur), f64(busy), f64(band),
+                 _bools(water), int(i_min), int(iters), out)
+        return out
 
-    def floats(self, dur, ef, deadline):
-        """[rows, slots, pp] every unit's smaller float, at least 0 (NaN stays), with every
-        rank's last event of row r due at ``deadline[r]``: ``slack.unit_floats_from``'s
-        floats of the cut's rows (``dur``, ``ef`` [rows, E]) as ``dst_band`` takes them."""
-        cap = np.empty((dur.shape[0], self.graph.ev_f.size))
-        floats_rows(self.graph, dur, ef, f64(deadline), cap)
-        return cap.reshape(self.units.shape)
+    def floats(self, dur, ef, deadline) -> np.ndarray:
+        """[rows, slots, pp] every unit's smaller float, at least 0 (NaN stays), of the cut's
+        rows (``dur``, ``ef`` [E, rows]), every rank's last event of row r due at
+        ``deadline[r]``."""
+        cap = np.empty((dur.shape[1], self.graph.ev_f.size))
+        unit_floats(self.graph, dur, ef, f64(deadline), cap)
+        return np.maximum(cap, 0.0, out=cap).reshape(self.down.units.shape)
 
-    def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int):
-        """(trial grid indices [rows, slots, pp], makespans [rows]) of ``dst_band``'s raise
-        try of ``rows`` with ``alpha`` [rows] x slack and floats: water rows water-filled below
-        their tops, the others raised in sensitivity order, every row simulated; None where
-        the numpy path must run it (one water-filled column in the whole try)."""
-        out = (np.empty((rows.size,) + self.units.shape[1:], dtype=np.int64),
-               np.empty(rows.size))
-        n = raise_try_rows(self.graph, self.tables, self.up, self.fill,
-                           (i64(cur), f64(cap), f64(slack)), i64(rows), f64(alpha),
-                           _bools(water), int(i_max), int(iters), out)
-        return None if n < 0 else out
+    def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int) -> tuple:
+        """(trial grid indices [rows, slots, pp], makespans [rows]) of the raise try of
+        ``rows`` with ``alpha`` [rows] x their slack and floats (``raise_try_rows``)."""
+        units = self.up.units
+        out = (np.empty((rows.size,) + units.shape[1:], dtype=np.int64), np.empty(rows.size))
+        raise_try_rows(self.graph, self.tables, self.up, self.fill,
+                       (i64(cur), f64(cap), f64(slack)), i64(rows), f64(alpha), _bools(water),
+                       int(i_max), int(iters), out)
+        return out
 
 
 def _bools(a) -> np.ndarray:
@@ -282,23 +359,17 @@ def _bools(a) -> np.ndarray:
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room's kernels: the cut and a raise try of one
-    quality and one sensitivity-order row of a two-stage, two-micro-batch pass, with the
-    argument types a draft passes."""
-    from types import SimpleNamespace
+    """``kernels.warm_up`` for this room: the cut, floats and a raise try of one quality and one
+    sensitivity-order row on ``records.SAMPLE``'s one-unit graph, with a draft's argument
+    types."""
+    from .records import SAMPLE
 
-    from ..policy.dst_moves import GainIndex, unit_base
-    from ..sim.pipeline import event_graph
-
-    g = 3
-    t = np.tile(np.arange(1.0, g + 1), (1, 2, 2, 1))               # [dp, m, pp, g]
-    costs = SimpleNamespace(total_s=2.0 * t, fwd_s=t, bwd_s=t.copy())
-    units = np.tile(unit_base((1, 2, 2), np.arange(1), g), (2, 1, 1))
-    marg = np.array([[np.inf, 2.0, 1.0], [np.inf, 3.0, 1.0]])
-    band = BandPass(costs, units, 1, event_graph(2, 2, 1), 0.0, np.zeros((1, 2, 2)),
-                    GainIndex(marg, 2, 2, 1), np.ones((1, 2, 2)))
-    cur, water = np.ones((2, 2, 2), dtype=np.int64), np.array([True, False])
-    _, _, dur, ef, _ = band.cut(cur, np.ones((2, 2)), water, 0, 12)
+    g, units = SAMPLE.tables.g, np.zeros((2, 1, 1), dtype=np.int64)
+    band = BandPass(SAMPLE.tables, SAMPLE.graph, units, 1, np.zeros((1, 1, 1)),
+                    Fill.of(np.arange(4.0), np.zeros((1, 1)), np.ones((1, 1)), 0.0, 1.0),
+                    np.ones((1, 1, 1)))
+    cur, water = np.ones((2, 1, 1), dtype=np.int64), np.array([True, False])
+    _, _, dur, ef, _ = band.cut(cur, np.ones((1, 1)), np.zeros(2), water, 0, 12)
     band.floats(dur, ef, np.ones(2))
-    band.raise_try(cur, np.ones((2, 2, 2)), np.ones((2, 2)), np.arange(2), np.ones(2), water,
+    band.raise_try(cur, np.ones((2, 1, 1)), np.ones((2, 1)), np.arange(2), np.ones(2), water,
                    g - 1, 12)

@@ -1,33 +1,32 @@
-"""Compiled phases of a critical-path descent round (``policy.critical_path._descent``), when
-numba is installed: the cut (which units lie on a path longer than the round's target, and per
-DP rank the first cut fraction that fits: ``kernels.fit``' search) and what the raise needs
-from it (the cut plan and its simulation, every unit's float at the raise's deadline, the units
-the largest raise fraction moves and where to). A unit's seconds are computed by the tables'
-formula where the costs carry one (``UnitCosts.formula``), else read from the tables.
+"""A critical-path descent round, compiled (``policy.critical_path.descend`` runs the rounds):
+the cut (the units on a path longer than the round's target shed a fraction of their cuttable
+time, per DP rank the smallest of ``CUT_FRACTIONS`` that brings it within the target), what the
+raise needs from it (the cut plan simulated, every unit's float at the raise's deadline, the
+units the largest raise fraction moves and where to), and the raise (every such unit grows by
+a fraction of its float, per rank the largest of ``RAISE_FRACTIONS`` that fits).
 
-The numpy path runs the same steps as a dozen array operations per phase, each a pass over the
-step's units (64 DP x 16 x 8 virtual stages: 8,192) with its own gather, copy and allocation;
-those passes, not the searches, were half of a descent. Here each phase is one compiled call
-that composes the kernels the numpy path's calls run (``kernels.graph``' latest finishes and
-floats, ``kernels.fit``' search and formula bisection) on the same operands in the same
-order, so a descent's plan is the same bit for bit whichever runs
-(``tests/unit/test_critical_path.py``).
+Both phases pick per DP rank the first candidate fraction whose makespan fits
+(``first_fit``): a binary search over the candidates (the makespans never rise from one
+candidate to the next), the ranks' searches stepped together so that each step simulates their
+columns side by side, each unit's grid index looked up only at the candidates its rank tries.
 
-Pure numpy and numba; must not import torch, megatron or anything else from this package but
-``kernels`` (its warm-up builds a draft's own event graph: ``sim.pipeline``).
+Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import NamedTuple
 
+import numpy as np
+
 from . import f64, jit
-from .fit import first_fit_search, highest_formula_search, unit_seconds
-from .grid import lift_step, lifted
-from .graph import unit_floats_pass
-from .records import Formula, Lookup, Tables, Tries
+from .graph import earliest_finish, makespan, unit_floats
+from .grid import highest_within, seconds, source, total
+from .records import NO_START, Graph, Tables
+
+CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
+RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
+SCALE = 1.0 + 1e-9           # a limit's float slack: seconds within it fit
 
 
 class Plan(NamedTuple):
@@ -41,182 +40,261 @@ class Plan(NamedTuple):
     idx: np.ndarray
 
 
-class Cut(NamedTuple):
-    """A round's cut (``cut_round``): the units on a path longer than the target, their cut
-    grid indices, the ranks holding them, and each rank's pick's makespan, durations and
-    earliest finishes."""
+class Search(NamedTuple):
+    """A first-fit search over the units ``units`` (flat unit ids, ascending; their micro-batch
+    and stage ``mb``, ``st`` where the tables carry a formula, ``mb`` -1: read the tables) of
+    the ranks ``ranks`` (rank j's units ``seg[j]:seg[j + 1]``, at event rows ``rows_f`` /
+    ``rows_b``):
+    a unit's grid index at candidate c is the highest in [lo, hi] whose seconds are within
+    (on + fracs[c] x delta) x ``SCALE`` (a cut: delta < 0; a raise: its float); rank j's
+    makespan must be <= ``limit[j]``; ``z0[j]`` a candidate known to fit (the candidates'
+    count: none)."""
 
-    on: np.ndarray
-    cut_i: np.ndarray
+    units: np.ndarray
+    mb: np.ndarray
+    st: np.ndarray
     ranks: np.ndarray
-    mk: np.ndarray
-    dur: np.ndarray
-    ef: np.ndarray
+    seg: np.ndarray
+    rows_f: np.ndarray
+    rows_b: np.ndarray
+    on: np.ndarray
+    delta: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    fracs: np.ndarray
+    limit: np.ndarray
+    z0: np.ndarray
+
+
+@jit
+def _search(graph, tables, units, on, delta, lo, hi, fracs, limit_s):
+    # the Search of units ``units`` (ascending), all ranks' makespans limited to limit_s [dp],
+    # and each unit's rank column
+    per_rank, nv = graph.ev_f.size, tables.per_pair.shape[1]
+    n = units.size
+    mb, st = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    if tables.work.shape[0] > 0:                   # worked out once, not at every try
+        for j in range(n):
+            mb[j], st[j] = units[j] // nv, units[j] % nv
+    col = np.empty(n, dtype=np.int64)
+    r = 0
+    for j in range(n):
+        if j == 0 or units[j] // per_rank != units[j - 1] // per_rank:
+            r += 1
+        col[j] = r - 1
+    ranks, seg = np.empty(r, dtype=np.int64), np.empty(r + 1, dtype=np.int64)
+    rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    seg[r] = n
+    for j in range(n):
+        if j == 0 or col[j] != col[j - 1]:
+            ranks[col[j]] = units[j] // per_rank
+            seg[col[j]] = j
+        local = units[j] % per_rank
+        rows_f[j], rows_b[j] = graph.ev_f[local], graph.ev_b[local]
+    limit = np.empty(r)
+    for j in range(r):
+        limit[j] = limit_s[ranks[j]]
+    return Search(units, mb, st, ranks, seg, rows_f, rows_b, on, delta, lo, hi, fracs, limit,
+                  np.full(r, fracs.size, dtype=np.int64)), col
+
+
+@jit
+def _set_units(j, c, sr, tables, at, buf):
+    # column j of buf with rank j's units at candidate c (a candidate rewrites only its units'
+    # rows); a unit's grid index not looked up yet (at < 0) is searched down from an earlier
+    # candidate's where one is known (the limits fall with c); its seconds computed by the
+    # tables' formula where they carry one (``grid.source``)
+    fwd, bwd, tot, g, work, per_pair, fixed, corr, scaled = tables
+    units, mb, st, rows_f, rows_b, on, delta, lo, hi = sr.units, sr.mb, sr.st, sr.rows_f, \
+        sr.rows_b, sr.on, sr.delta, sr.lo, sr.hi
+    frac = sr.fracs[c]
+    for u in range(sr.seg[j], sr.seg[j + 1]):
+        src, a = source(per_pair, fixed, corr, scaled, units[u] * g, mb[u], st[u]), at[c, u]
+        if a < 0:
+            top = hi[u]
+            for c2 in range(c - 1, -1, -1):
+                if at[c2, u] >= 0:
+                    top = at[c2, u]
+                    break
+            a = highest_within(tot, work, src, lo[u], top,
+                               (on[u] + frac * delta[u]) * SCALE + 1e-15)
+            at[c, u] = a
+        buf[rows_f[u], j], buf[rows_b[u], j] = seconds(fwd, bwd, work, src, a)
+
+
+@jit
+def first_fit(graph, tables, dur, sr, at, probe_first, buf, end):
+    # per rank j of ``sr`` the first candidate whose makespan is <= its limit, by a binary
+    # search (every candidate below a is over, every one from z fits; the first tried is the
+    # middle, or candidate 0 with probe_first, where it usually fits), the ranks' searches
+    # stepped together; ``at`` [k, units]: each unit's grid index at each candidate (-1: not
+    # looked up, filled in place). Returns (fits, pick (0 where none fits), makespans);
+    # columns j of buf / end [E, r]: the picks' durations and earliest finishes
+    ranks, limit = sr.ranks, sr.limit
+    k, r = at.shape[0], ranks.size
+    fits, pick, mk, t = np.empty(r, dtype=np.bool_), np.empty(r, dtype=np.int64), \
+        np.empty(r), np.empty(r)
+    for e in range(dur.shape[0]):
+        for j in range(r):
+            buf[e, j] = dur[e, ranks[j]]
+    a, z = np.zeros(r, dtype=np.int64), sr.z0.copy()
+    held = np.zeros(r, dtype=np.bool_)          # column j holds candidate z[j], simulated
+    mid, cols = np.empty(r, dtype=np.int64), np.empty(r, dtype=np.int64)
+    first = probe_first
+    while True:
+        na = 0
+        for j in range(r):
+            if a[j] < z[j]:
+                mid[j] = 0 if first else (a[j] + z[j]) >> 1
+                _set_units(j, mid[j], sr, tables, at, buf)
+                cols[na] = j
+                na += 1
+        first = False
+        if na == 0:
+            break
+        earliest_finish(graph, buf, cols[:na], end, np.empty((0, 0)))
+        for j in cols[:na]:
+            t[j] = makespan(graph.last, end, j)
+            if t[j] <= limit[j]:                 # the last that fits is the first that fits
+                z[j], mk[j], held[j] = mid[j], t[j], True
+            else:
+                a[j], held[j] = mid[j] + 1, False
+    na = 0
+    for j in range(r):                           # a column not holding its pick: set again
+        fits[j] = a[j] < k
+        pick[j] = a[j] if a[j] < k else 0
+        if not held[j]:
+            _set_units(j, pick[j], sr, tables, at, buf)
+            cols[na] = j
+            na += 1
+    earliest_finish(graph, buf, cols[:na], end, np.empty((0, 0)))
+    for j in cols[:na]:
+        mk[j] = makespan(graph.last, end, j)
+    return fits, pick, mk
 
 
 @jit
 def _floats(graph, dur, ef, deadline):
-    # every unit's smaller float, rank by rank ([cols x units], flat), all due at deadline
-    return unit_floats_pass(graph.nxt, graph.succ, graph.cross, dur, ef,
-                            np.full(dur.shape[1], deadline), graph.p2p, graph.ev_f,
-                            graph.ev_b).reshape(-1)
+    # every unit's smaller float, rank by rank ([dp x units], flat), all due at deadline
+    out = np.empty((dur.shape[1], graph.ev_f.size))
+    unit_floats(graph, dur, ef, np.full(dur.shape[1], deadline), out)
+    return out.reshape(-1)
 
 
 @jit
-def _seconds(q, i, formula):
-    # unit q's (forward, backward) seconds at grid index i, as its tables hold them (the
-    # tables' own formula, computed from arrays a cache holds instead of read from three large
-    # tables: ``kernels.fit``'s formula numbers). Callers read the tables themselves where the
-    # costs have no formula: with that branch in here, and the tables passed to it per unit,
-    # after_cut_round took 4.4 ms a call instead of 0.8 (64 DP x 16 x 8 stages)
-    work, per_pair, fixed, corr, scaled = formula
-    row = q // per_pair.shape[1]
-    s = q - row * per_pair.shape[1]
-    return unit_seconds(work[row, i], per_pair[0, s], per_pair[1, s], fixed[0, row, s],
-                        fixed[1, row, s], corr[row, s], scaled)
-
-
-@jit
-def _highest(formula, tables, units, lo, hi, limit, out):
-    # per element k: the highest grid index in [lo, hi] whose total is <= limit[k] (lo if
-    # none): the formula's bisection, or ``grid_search.highest_at_most``'s binary lifting on
-    # the tables' totals (``kernels.grid.lifted``; the rows are non-decreasing, so both give
-    # that answer)
-    if formula.work.shape[0] > 0:
-        highest_formula_search(formula, units, lo, hi, limit, out)
-        return
-    step = lift_step(tables.g)                  # >= every span hi - lo + 1 (at most g)
-    for k in range(units.size):
-        row = units[k] * tables.g
-        out[k] = lifted(tables.tot, row + lo[k], row + hi[k], limit[k], step) - row
-
-
-@jit
-def cut_round(graph, tables, formula, plan, t_min, target, limit, i_min, fracs, scale, was):
-    # the descent's cut at ``target``: the units whose float is negative (ascending flat ids),
-    # the DP ranks holding one, each unit's rank column, and the lazy first-fit search of them
-    # (fits, picks, makespans, durations and finishes of the picks, each unit's grid index;
-    # and what the next round on the same plan reuses: the search's look-ups, every rank's
-    # pick). ``was``: (on, at, pick [dp] (-1: none)) the last round's, on the same plan at a
-    # lower target (empty: none), whose look-ups are this round's (a unit's cut depends on the
-    # plan alone) and whose picks fit here too (``Round``)
+def cut_round(graph, tables, plan, t_min, target, i_min, was):
+    # the cut at ``target``: the units whose float is negative (ascending flat ids), each
+    # searched between d_min and its grid index with limit t + fraction x (t_min - t) (``was``:
+    # the last round's units and look-ups on the same plan at a lower target, whose look-ups
+    # are this round's, and per DP rank its pick (-1: none), which fits here too). Returns
+    # (units, ranks, unit's rank column, fits, makespans, the picks' durations and finishes,
+    # each unit's cut grid index, and this round's look-ups and picks for the next)
     was_on, was_at, was_pick = was
-    ev_f, ev_b, g = graph.ev_f, graph.ev_b, tables.g
-    per_rank = ev_f.size
+    dp = plan.dur.shape[1]
     fl = _floats(graph, plan.dur, plan.ef, target)
     on = np.flatnonzero(fl < 0)
     n = on.size
-    col = np.empty(n, dtype=np.int64)
-    r = 0
-    for j in range(n):                      # _Step.holders: ranks in order of their units
-        if j == 0 or on[j] // per_rank != on[j - 1] // per_rank:
-            r += 1
-        col[j] = r - 1
-    ranks = np.empty(r, dtype=np.int64)
-    seg = np.empty(r + 1, dtype=np.int64)
-    seg[r] = n
-    rows_f = np.empty(n, dtype=np.int64)
-    rows_b = np.empty(n, dtype=np.int64)
-    u = np.empty(n, dtype=np.int64)
-    t = np.empty(n)
-    delta = np.empty(n)
-    hi = np.empty(n, dtype=np.int64)
-    lo = np.full(n, i_min, dtype=np.int64)
+    t, delta, hi = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     for j in range(n):
         q = on[j]
-        if j == 0 or col[j] != col[j - 1]:
-            ranks[col[j]] = q // per_rank
-            seg[col[j]] = j
-        local = q - (q // per_rank) * per_rank
-        rows_f[j], rows_b[j] = ev_f[local], ev_b[local]
-        u[j] = q * g
         t[j] = plan.f[q] + plan.b[q]
         delta[j] = t_min[q] - t[j]
         hi[j] = plan.idx[q]
-    at = np.full((fracs.size, n), -1, dtype=np.int64)
+    sr, col = _search(graph, tables, on, t, delta, np.full(n, i_min, dtype=np.int64), hi,
+                      CUT_FRACTIONS, np.full(dp, target * SCALE))
+    k = CUT_FRACTIONS.size
+    at = np.full((k, n), -1, dtype=np.int64)
     i = 0
     for j in range(n):                     # this round's units are among the last round's
         while i < was_on.size and was_on[i] < on[j]:
             i += 1
         if i < was_on.size and was_on[i] == on[j]:
-            for c in range(fracs.size):
-                at[c, j] = was_at[c, i]
-    z0 = np.full(r, fracs.size, dtype=np.int64)
+            at[:, j] = was_at[:, i]
+    r = sr.ranks.size
     if was_on.size:
         for c in range(r):
-            if was_pick[ranks[c]] >= 0:
-                z0[c] = was_pick[ranks[c]]
+            if was_pick[sr.ranks[c]] >= 0:
+                sr.z0[c] = was_pick[sr.ranks[c]]
     dur_p, ef_p = np.empty((plan.dur.shape[0], r)), np.empty((plan.dur.shape[0], r))
-    fits, pick, mk = first_fit_search(
-        graph, plan.dur, Tries(ranks, seg, rows_f, rows_b, np.full(r, limit), z0), tables,
-        Lookup(u, t, delta, hi, lo, fracs, scale), formula, at, False, dur_p, ef_p)
+    fits, pick, mk = first_fit(graph, tables, plan.dur, sr, at, False, dur_p, ef_p)
     cut_i = np.empty(n, dtype=np.int64)
     for j in range(n):
-        cut_i[j] = at[pick[col[j]], j] - u[j]
-    by_rank = np.full(plan.dur.shape[1], -1, dtype=np.int64)
+        cut_i[j] = at[pick[col[j]], j]
+    by_rank = np.full(dp, -1, dtype=np.int64)
     for c in range(r):
         if fits[c]:
-            by_rank[ranks[c]] = pick[c]
-    return on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank
+            by_rank[sr.ranks[c]] = pick[c]
+    return on, sr.ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank
 
 
 @jit
-def after_cut_round(graph, tables, formula, plan, mk, cut, deadline, i_max, scale):
-    # the cut plan (_Step.put of the cut, the picks' columns), every unit's float at the raise's
-    # deadline (at least 0, np.maximum's NaN kept), the units the largest raise fraction can move
-    # (a grid step up fits under their seconds + their whole float) and the highest grid index
-    # each may take (_Step.highest_within)
-    dur, ef, ranks = plan.dur, plan.ef, cut.ranks
-    read, g = formula.work.shape[0] == 0, tables.g       # no formula: the tables' numbers
+def after_cut_round(graph, tables, plan, mk, cut, deadline, i_max):
+    # the cut plan (the picks' columns), every unit's float at the raise's deadline (at least
+    # 0, NaN kept), the units the largest raise fraction can move (a grid step up fits under
+    # their seconds + their whole float) and the highest grid index each may take
+    on, cut_i, ranks, mk_p, dur_p, ef_p = cut
+    fwd, bwd, tot, g, work, per_pair, fixed, corr, scaled = tables
+    nv, formula = per_pair.shape[1], work.shape[0] > 0
     idx, f1, b1 = plan.idx.copy(), plan.f.copy(), plan.b.copy()
-    for j in range(cut.on.size):
-        q, i = cut.on[j], cut.cut_i[j]
+    for j in range(on.size):
+        q, i = on[j], cut_i[j]
         idx[q] = i
-        if read:
-            f1[q], b1[q] = tables.fwd[q * g + i], tables.bwd[q * g + i]
-        else:
-            f1[q], b1[q] = _seconds(q, i, formula)
-    mk_cut, dur1, ef1 = mk.copy(), dur.copy(), ef.copy()
+        f1[q], b1[q] = seconds(fwd, bwd, work, source(per_pair, fixed, corr, scaled, q * g,
+                                                      q // nv if formula else -1, q % nv), i)
+    mk_cut, dur1, ef1 = mk.copy(), plan.dur.copy(), plan.ef.copy()
     for c in range(ranks.size):
-        mk_cut[ranks[c]] = cut.mk[c]
-        for e in range(dur.shape[0]):
-            dur1[e, ranks[c]] = cut.dur[e, c]
-            ef1[e, ranks[c]] = cut.ef[e, c]
+        mk_cut[ranks[c]] = mk_p[c]
+        dur1[:, ranks[c]] = dur_p[:, c]
+        ef1[:, ranks[c]] = ef_p[:, c]
     cap = _floats(graph, dur1, ef1, deadline)
-    t1 = np.empty(cap.size)
-    lim = np.empty(cap.size)
-    up = np.empty(cap.size, dtype=np.int64)
+    t1, lim = np.empty(cap.size), np.empty(cap.size)
+    up, first = np.empty(cap.size, dtype=np.int64), np.empty(cap.size, dtype=np.int64)
     n = 0
     for q in range(cap.size):
         x = cap[q]
-        cap[q] = x if (x > 0.0 or x != x) else 0.0                # np.maximum(x, 0.0)
+        cap[q] = x if (x > 0.0 or x != x) else 0.0
         t1[q] = f1[q] + b1[q]
-        lim[q] = (t1[q] + 1.0 * cap[q]) * scale + 1e-15
-        if idx[q] < i_max:
-            if read:                                    # UnitCosts.total_s, as numpy compares
-                tot = tables.tot[q * g + idx[q] + 1]
-            else:
-                fw, bw = _seconds(q, idx[q] + 1, formula)
-                tot = fw + bw
-            if tot <= lim[q]:
-                up[n] = q
-                n += 1
-    up = up[:n].copy()
-    lo, limit, first = np.empty(n, dtype=np.int64), np.empty(n), np.empty(n, dtype=np.int64)
-    for j in range(n):
-        lo[j], limit[j] = idx[up[j]] + 1, lim[up[j]]      # cut + 1 fits: the filter's test
-    _highest(formula, tables, up, lo, np.full(n, i_max), limit, first)
+        lim[q] = (t1[q] + RAISE_FRACTIONS[0] * cap[q]) * SCALE + 1e-15
+        src = source(per_pair, fixed, corr, scaled, q * g, q // nv if formula else -1, q % nv)
+        if idx[q] < i_max and total(tot, work, src, idx[q] + 1) <= lim[q]:
+            up[n] = q                            # cut + 1 fits: the filter's test
+            first[n] = highest_within(tot, work, src, idx[q] + 1, i_max, lim[q])
+            n += 1
+    up, first = up[:n].copy(), first[:n].copy()
     return idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first
 
 
-class Round:
-    """A descent's compiled round phases on one step's graph and cost tables
-    (``policy.critical_path._Step.records``), their seconds computed by the costs' formula
-    where they carry one (``UnitCosts.formula``; None: read from the tables), for plans of
-    ``shape`` [dp, m, nv]."""
+@jit
+def raise_round(graph, tables, dur, up, first, t1, cap, lo, i_max, limit_s):
+    # the raise of units ``up`` (ascending): the largest of RAISE_FRACTIONS whose plan fits
+    # each rank's limit, the first (the whole float, grid indices ``first``) tried alone
+    # first. Returns (ranks, each unit's rank column, makespans, the picks' durations and
+    # finishes, each unit's raised grid index)
+    n = up.size
+    t, c, lo_u = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
+    for j in range(n):
+        t[j], c[j], lo_u[j] = t1[up[j]], cap[up[j]], lo[up[j]]
+    sr, col = _search(graph, tables, up, t, c, lo_u, np.full(n, i_max, dtype=np.int64),
+                      RAISE_FRACTIONS, limit_s)
+    at = np.full((RAISE_FRACTIONS.size, n), -1, dtype=np.int64)
+    for j in range(n):
+        at[0, j] = first[j]
+    r = sr.ranks.size
+    dur_p, ef_p = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
+    _, pick, mk = first_fit(graph, tables, dur, sr, at, True, dur_p, ef_p)
+    raised = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        raised[j] = at[pick[col[j]], j]
+    return sr.ranks, col, mk, dur_p, ef_p, raised
 
-    def __init__(self, graph, tables: Tables, formula, shape: tuple, i_min: int, i_max: int):
-        self.graph, self.tables, self.formula = graph, tables, Formula.of(formula)
+
+class Round:
+    """A descent's compiled round phases on one step's graph and cost tables (a unit's seconds
+    computed by their formula where they carry one), for plans of ``shape`` [dp, m, nv] within
+    grid indices [i_min, i_max]."""
+
+    def __init__(self, graph: Graph, tables: Tables, shape: tuple, i_min: int, i_max: int):
+        self.graph, self.tables = graph, tables
         self.shape, self.i_min, self.i_max = shape, int(i_min), int(i_max)
         self.plan_changed()
 
@@ -225,8 +303,7 @@ class Round:
         target), and its look-ups of every unit whose grid index changed; ``same`` [units]
         (flat, optional: none kept without it) says which did not. A unit's look-ups depend on
         its own grid index alone (its seconds there and at d_min, the fractions), so those
-        of the units a round left alone are the next cut's (the numpy path keeps them too:
-        ``critical_path._descent``'s ``known``); about three in four look-ups were of them."""
+        of the units a round left alone are the next cut's (about three in four)."""
         on, at, _ = getattr(self, "_was", (np.zeros(0, dtype=np.int64),) * 3)
         if same is None or not on.size:
             on, at = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
@@ -241,54 +318,51 @@ class Round:
         [dp, m, nv] simulated as ``dur``, ``ef`` [E, dp]."""
         return Plan(f64(dur), f64(ef), f.reshape(-1), b.reshape(-1), idx.reshape(-1))
 
-    def cut(self, plan: Plan, t_min, target: float, limit: float, fracs, scale: float):
+    def cut(self, plan: Plan, t_min, target: float) -> tuple:
         """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
         each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
-        index): ``_descent``'s floats and its cut's first-fit search. Until ``plan_changed``,
-        the next call is on the same plan at a higher target (a round given up lowers its eta):
-        it starts from this one's look-ups, and each rank's search from its pick here, which
-        fits there too (a unit on a path longer than the higher target is on one here, and cuts
-        the same way; the makespans fall with the fraction), so its answers are those of a
-        search from scratch. After ``plan_changed`` it starts from the look-ups of the units whose grid
-        index the kept round left alone, and every rank's search from scratch."""
+        index). Until ``plan_changed``, the next call is on the same plan at a higher target
+        (a round given up lowers its eta): it starts from this one's look-ups, and each rank's
+        search from its pick here, which fits there too (a unit on a path longer than the
+        higher target is on one here, and cuts the same way; the makespans fall with the
+        fraction): the answers of a search from scratch."""
         on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = cut_round(
-            self.graph, self.tables, self.formula, plan, t_min, float(target), float(limit),
-            self.i_min, f64(fracs), float(scale), self._was)
+            self.graph, self.tables, plan, t_min, float(target), self.i_min, self._was)
         self._was = (on, at, by_rank)
         return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
 
-    def after_cut(self, plan: Plan, mk, cut: Cut, deadline: float, scale: float) -> tuple:
+    def after_cut(self, plan: Plan, mk, cut: tuple, deadline: float) -> tuple:
         """(cut grid indices, its fwd and bwd seconds [dp, m, nv], makespans, durations and
         finishes, every unit's float at ``deadline`` (>= 0) and its seconds (flat), the units
         the largest raise fraction moves, the grid index each moves to)."""
         idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = after_cut_round(
-            self.graph, self.tables, self.formula, plan, mk, cut, float(deadline), self.i_max,
-            float(scale))
+            self.graph, self.tables, plan, mk, cut, float(deadline), self.i_max)
         return (idx.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape),
                 mk_cut, dur1, ef1, cap, t1, up, first)
 
+    def raise_fit(self, dur, up, first, t1, cap, lo, limit) -> tuple:
+        """(ranks, each unit's rank column, makespans, durations and finishes of the picks,
+        each unit's raised grid index) of units ``up`` (their largest fraction's grid indices
+        ``first``), the ranks' makespans limited to ``limit`` [dp]."""
+        return raise_round(self.graph, self.tables, f64(dur), up, first, t1, cap, lo,
+                           self.i_max, f64(limit))
+
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room's phases: compiled (or loaded from numba's disk
-    cache) with the argument types a draft passes, on a two-rank, two-micro-batch, two-stage
-    step."""
-    from ..sim.pipeline import event_graph
-    from .records import Graph
+    """``kernels.warm_up`` for this room: a round's phases compiled (or loaded from numba's
+    disk cache) with a draft's argument types, on ``records.SAMPLE``'s one-unit graph, its
+    tables with a formula and without."""
+    from .records import SAMPLE
 
-    dp, m, pp, g = 2, 2, 2, 3
-    work = np.tile(np.arange(1.0, g + 1), (dp * m, 1))
-    formula = (work, np.ones((2, pp)), np.ones((2, dp * m, pp)), np.ones((dp * m, pp)), True)
-    t = np.tile(2.0 * np.arange(2.0, g + 2), (dp, m, pp, 1)).reshape(-1)
-    graph = event_graph(m, pp, 1)
-    idx = np.ones((dp, m, pp), dtype=np.int64)
-    f = np.full((dp, m, pp), 2.0)
-    dur = graph.durations(f, f)
-    ef = graph.earliest_finish(dur, 0.0)
-    plan = Round.plan(dur, ef, f, f, idx)
-    for form in (formula, None):            # seconds by the formula, and read from the tables
-        rnd = Round(Graph.of(graph, 0.0), Tables(t / 2, t / 2, t, g), form, (dp, m, pp), 0,
-                    g - 1)
-        on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(
-            plan, np.full(dp * m * pp, 2.0), 1.0, 1.0, np.array([0.5, 1.0]), 1.0)
-        rnd.after_cut(plan, graph.makespan(ef), Cut(on, cut_i, ranks, mk_p, dur_p, ef_p), 1.0,
-                      1.0)
+    graph, t = SAMPLE.graph, SAMPLE.tables
+    dur, one = np.ones((2, 1)), np.ones(1, dtype=np.int64)
+    end = np.empty((2, 1))
+    earliest_finish(graph, dur, np.arange(1), end, NO_START)
+    plan = Round.plan(dur, end, np.ones(1), np.ones(1), one)
+    formula = (np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True)
+    for tables in (t, Tables.of(t.fwd, t.bwd, t.tot, formula)):
+        rnd = Round(graph, tables, (1, 1, 1), 0, tables.g - 1)
+        on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(plan, np.ones(1), 1.0)
+        cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
+            plan, np.ones(1), (on, cut_i, ranks, mk_p, dur_p, ef_p), 1.0)
+        rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), np.ones(1))

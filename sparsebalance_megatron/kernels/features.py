@@ -1,9 +1,6 @@
 """The latency features' work table summed per unit, compiled (``latency.features``'
-``UnitFeatures.work_grid``): one pass over the runs of equal documents instead of a gather and
-segmented sums. Integer pair counts, so the sums are exact in any order.
-
-Pure numpy and numba; must not import torch, megatron or anything else from this package but
-``kernels``.
+``UnitFeatures.work_grid``): one pass over the runs of equal documents (integer pair counts:
+exact in any order). Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations

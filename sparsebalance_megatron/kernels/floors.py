@@ -1,10 +1,8 @@
 """The critical-path descent's floor verdicts, compiled (``policy.floors.FloorCheck``): a plan's
 kept work and quality cost summed in one pass, in an order of its own, with a bound on how far
-any order's sum can be from it; a verdict within that bound of a floor is left to numpy's sums
-(-1), so the verdicts are numpy's either way (``tests/unit/test_floor_check.py``).
-
-Pure numpy and numba; must not import torch, megatron or anything else from this package but
-``kernels``.
+any order's sum can be from it; a verdict within that bound of a floor is left to the floors'
+own sums (-1), so the verdicts are theirs either way (``tests/unit/test_floor_check.py``).
+Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations

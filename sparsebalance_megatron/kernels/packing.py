@@ -1,17 +1,14 @@
-"""Compiled forms of SAB's per-segment loops (``batching.packing``): the LPT assignment of
-segments to DP ranks, each rank's cut into contiguous micro-batches and the cheapest two
-micro-batches' slots; and the baseline's sequential fill (``sequential_starts``).
-``kernels.packing_enabled`` says where they run.
+"""SAB's per-segment loops, compiled (``batching.packing``): the LPT assignment of segments to
+DP ranks (the least loaded rank with token room, ties to the lowest rank), each rank's cut into
+contiguous micro-batches, the micro-batches' slots (the cheapest two first and last), and the
+baseline's sequential fill (``sequential_starts``, ``data.packing.sequential_bins``).
 
-They are the Python loops' decisions, step for step: the LPT takes the least loaded rank with
-token room (ties to the lowest rank, as the heap of (load, rank) pairs does), loads and bin costs
-are the same float additions, and every ``sum()`` of costs is CPython's (3.12+: Neumaier's
-compensated sum, ``py_sum``), so a plan does not depend on whether numba is installed
-(``tests/unit/test_packing_kernels.py`` compares them). A rank whose contiguous cuts do not fit
-is left to the Python first-fit-decreasing fallback (``packing._first_fit_decreasing``).
+Every sum of costs is CPython's ``sum()`` of floats (3.12+: Neumaier's compensated sum,
+``py_sum``), so the Python fallbacks around them (``packing._first_fit_decreasing``'s bins, the
+sequential bins' slots) weigh bins as these do. A rank whose contiguous cuts do not fit is left
+to the first-fit-decreasing fallback.
 
-Pure numpy and numba; must not import torch, megatron or anything else from this package but
-``kernels``.
+Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations
@@ -106,8 +103,11 @@ def lpt_pass(cost, size, order, dp, cap, rank_of):
 
 @jit
 def _bins(items, lo, hi, size, cost, m, cap, balance, bin_of):
-    # packing._contiguous_bins of items[lo:hi]: each item's bin in bin_of[lo:hi]; False if
-    # it does not fit in m bins
+    # a rank's contiguous cut of items[lo:hi] into at most m bins of <= cap tokens, each
+    # item's bin into bin_of[lo:hi]: a bin closes where the next item does not fit, where
+    # (``balance``) it reached the rank's mean cost per bin or the next item alone reaches it
+    # (a long document gets a bin of its own), or where the items left are needed one per bin
+    # left; False if it does not fit
     target = py_sum(cost, items, lo, hi) / m if balance else np.inf
     nb, count, tok, cc = 0, 0, 0, 0.0
     left = hi - lo
@@ -131,10 +131,36 @@ def _bins(items, lo, hi, size, cost, m, cap, balance, bin_of):
 
 
 @jit
+def _slot_order(c, out):
+    # the bins' slots by their costs c [m]: the cheapest first, the second cheapest last (ties
+    # to the lower bin), the others in their order
+    m = c.size
+    for j in range(m):
+        out[j] = j
+    if m < 3:
+        return
+    first = 0
+    for j in range(1, m):
+        if c[j] < c[first]:
+            first = j
+    last = -1
+    for j in range(m):
+        if j != first and (last < 0 or c[j] < c[last]):
+            last = j
+    s = 1
+    out[0] = first
+    for j in range(m):
+        if j != first and j != last:
+            out[s] = j
+            s += 1
+    out[m - 1] = last
+
+
+@jit
 def rank_bins_pass(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
     # per rank (items[starts[r]:starts[r + 1]], by sensitivity): the bins (balanced, else
     # unbalanced; ok[r] False: neither fits) and the slot of every bin, the cheapest first and
-    # the second cheapest last (packing._order_slots; bin costs as sum() adds them)
+    # the second cheapest last (``_slot_order``; bin costs as sum() adds them)
     dp = starts.size - 1
     c = np.empty(m)
     for r in range(dp):
@@ -154,25 +180,7 @@ def rank_bins_pass(items, starts, size, cost, m, cap, balance, bin_of, slot_of, 
                 e += 1
             c[j] = py_sum(cost, items, k, e)
             k = e
-        for j in range(m):
-            slot_of[r, j] = j
-        if m < 3:
-            continue
-        first = 0
-        for j in range(1, m):
-            if c[j] < c[first]:
-                first = j
-        last = -1
-        for j in range(m):
-            if j != first and (last < 0 or c[j] < c[last]):
-                last = j
-        s = 1                                                # the others keep their order
-        slot_of[r, 0] = first
-        for j in range(m):
-            if j != first and j != last:
-                slot_of[r, s] = j
-                s += 1
-        slot_of[r, m - 1] = last
+        _slot_order(c, slot_of[r])
 
 
 @jit
@@ -201,9 +209,16 @@ def sequential_starts(size: np.ndarray, cap: int) -> list:
     return starts[:n].tolist()
 
 
+def slot_order(c: np.ndarray) -> list:
+    """The bins in slot order by their costs ``c`` [m] (``_slot_order``)."""
+    out = np.empty(c.size, dtype=np.int64)
+    _slot_order(f64(c), out)
+    return out.tolist()
+
+
 def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
               cap_tokens: int):
-    """``packing._lpt_ranks`` compiled: the rank of every item [n], or None."""
+    """The LPT's rank of every item [n] (``lpt_pass``), or None where one fits nowhere."""
     rank_of = np.zeros(cost.size, dtype=np.int64)
     ok = lpt_pass(f64(cost), i64(size), i64(order), int(dp), int(cap_tokens), rank_of)
     return rank_of if ok else None
@@ -211,9 +226,9 @@ def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
 
 def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.ndarray,
               m: int, cap: int, balance: bool) -> tuple:
-    """Every rank's contiguous bins and their slots, compiled (``packing._pack_rank`` without
-    its first-fit-decreasing fallback, then ``packing._order_slots``): (bin of every position
-    of ``items`` [n], bin of every (rank, slot) [dp, m], whether the rank's cut fits [dp])."""
+    """Every rank's contiguous bins (balanced, else unbalanced) and their slots
+    (``rank_bins_pass``): (bin of every position of ``items`` [n], bin of every (rank, slot)
+    [dp, m], whether the rank's cut fits [dp])."""
     dp = starts.size - 1
     bin_of = np.zeros(items.size, dtype=np.int64)
     slot_of = np.zeros((dp, m), dtype=np.int64)
@@ -230,3 +245,4 @@ def warm_up() -> None:
     lpt_ranks(one, i1, np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
+    slot_order(np.ones(3))

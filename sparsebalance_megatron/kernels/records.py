@@ -1,10 +1,11 @@
-"""The typed records the kernels take instead of long positional lists: an event graph's links
-(``Graph``), the cost tables (``Tables``) and their formula (``Formula``), the descent's
-look-ups of a candidate's grid index (``Lookup``) and the ranks a search tries (``Tries``).
-numba passes a ``NamedTuple`` of arrays by value and reads its fields by name, so a kernel's
+"""The typed records the kernels take instead of long positional lists: an event graph
+(``Graph``), the cost tables and their formula (``Tables``), water-filling's gain tables
+(``Fill``) and a floor check's weights (``Floors``); and the inputs the warm-ups compile with
+(``SAMPLE``). numba
+passes a ``NamedTuple`` of arrays by value and reads its fields by name, so a kernel's
 signature says what it reads, not thirty arrays in a row.
 
-Pure numpy; must not import torch, megatron or anything else from this package.
+Pure numpy; imports nothing of this package.
 """
 
 from __future__ import annotations
@@ -36,17 +37,13 @@ class Graph(NamedTuple):
     last: np.ndarray
     ev_f: np.ndarray
     ev_b: np.ndarray
-    unit_rows: np.ndarray
     p2p: float
 
     @classmethod
-    def of(cls, g, p2p_s: float) -> "Graph":
-        """The record of an ``EventGraph`` ``g`` (``links``, ``last``, ``unit_events``,
-        ``unit_rows``: each event's row in a [2 x units] table of forward then backward
-        seconds)."""
-        links, ev = g.links, g.unit_events
-        return cls(*(_i(a) for a in (links[0], links[1], links[2], links[3], links[4], g.last,
-                                     ev[0], ev[1], g.unit_rows)), float(p2p_s))
+    def of(cls, links, last, unit_events, p2p_s: float = 0.0) -> "Graph":
+        """The record of an event graph's ``links`` ([5, E]: prev, dep, cross, next,
+        successor), ``last`` [ranks] and ``unit_events`` [2, units] (forward, backward)."""
+        return cls(*(_i(a) for a in (*links, last, *unit_events)), float(p2p_s))
 
 
 class Floors(NamedTuple):
@@ -66,11 +63,17 @@ class Floors(NamedTuple):
     plain: bool
 
 
-class Formula(NamedTuple):
-    """The cost tables' formula (``UnitCosts.formula``): a unit's seconds at grid index i are
-    (work[mb, i] x per_pair[k, stage] + fixed[k, mb, stage]) x corr[mb, stage] (the factor
-    only where ``scaled``), forward (k = 0) and backward (1). Empty: no formula."""
+class Tables(NamedTuple):
+    """The cost tables, flat [units x g]: forward, backward and total seconds, and g, the
+    grid's length; and their formula where the costs carry one (``UnitCosts.formula``;
+    ``kernels.grid.unit_seconds``): unit (micro-batch mb, stage s)'s seconds at grid index i
+    are (work[mb, i] x per_pair[k, s] + fixed[k, mb, s]) x corr[mb, s] (the factor only where
+    ``scaled``), forward (k = 0) and backward (1); ``work`` without rows: none."""
 
+    fwd: np.ndarray
+    bwd: np.ndarray
+    tot: np.ndarray
+    g: int
     work: np.ndarray
     per_pair: np.ndarray
     fixed: np.ndarray
@@ -78,44 +81,14 @@ class Formula(NamedTuple):
     scaled: bool
 
     @classmethod
-    def of(cls, formula) -> "Formula":
-        if formula is None:
-            return NO_FORMULA
-        work, per_pair, fixed, corr, scaled = formula
-        return cls(_f(work), _f(per_pair), _f(fixed), _f(corr), bool(scaled))
-
-
-NO_FORMULA = Formula(np.zeros((0, 0)), np.zeros((2, 0)), np.zeros((2, 0, 0)), np.zeros((0, 0)),
-                     False)
-
-
-class Tables(NamedTuple):
-    """The cost tables, flat [units x g]: forward, backward and total seconds, and g, the
-    grid's length."""
-
-    fwd: np.ndarray
-    bwd: np.ndarray
-    tot: np.ndarray
-    g: int
-
-
-class Lookup(NamedTuple):
-    """How a candidate's grid index is looked up where not given (``kernels.fit.first_fit``):
-    per unit its table offset ``u``, seconds ``on``, delta, highest and lowest grid indices;
-    per candidate its fraction; the scale. The limit at candidate c is (on + fracs[c] x delta)
-    x scale + 1e-15."""
-
-    u: np.ndarray
-    on: np.ndarray
-    delta: np.ndarray
-    hi: np.ndarray
-    lo: np.ndarray
-    fracs: np.ndarray
-    scale: float
-
-
-NO_LOOKUP = Lookup(np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0),
-                   np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0), 1.0)
+    def of(cls, fwd, bwd, tot, formula=None) -> "Tables":
+        """The record of tables [..., g] and their formula (work, per_pair, fixed, corr,
+        scaled), or None."""
+        work, per_pair, fixed, corr, scaled = formula if formula is not None else (
+            np.zeros((0, 0)), np.zeros((2, 1)), np.zeros((2, 0, 1)), np.zeros((0, 1)), False)
+        return cls(_f(fwd.reshape(-1)), _f(bwd.reshape(-1)), _f(tot.reshape(-1)),
+                   int(tot.shape[-1]), _f(work), _f(per_pair), _f(fixed), _f(corr),
+                   bool(scaled))
 
 
 FILL_GRID = 4096
@@ -132,10 +105,9 @@ def fill_exps() -> np.ndarray:
 
 
 class Fill(NamedTuple):
-    """Water-filling's search (``policy.dst_moves.GainIndex``): the stages' gain tables laid
-    end to end (``flat``), each unit's shift into them and its stage's first entry (arrays
-    laid as the kernel's columns), the gains' clip ``low`` / ``high``, and the exps of the
-    bisection's grid (``fill_exps``)."""
+    """Water-filling's search (``policy.dst_band.gain_fill``): the stages' gain tables laid
+    end to end (``flat``), each unit's shift into them and its stage's first entry, the gains'
+    clip ``low`` / ``high``, and the exps of the bisection's grid (``fill_exps``)."""
 
     flat: np.ndarray
     shift: np.ndarray
@@ -149,14 +121,17 @@ class Fill(NamedTuple):
         return cls(_f(flat), _f(shift), _i(first), float(low), float(high), fill_exps())
 
 
-class Tries(NamedTuple):
-    """The ranks a first-fit search tries: rank j is column ``ranks[j]`` of the durations, its
-    units ``seg[j]:seg[j + 1]`` sit at event rows ``rows_f`` / ``rows_b``, its makespan must be
-    <= ``limit[j]``, and ``z0[j]`` is a candidate known to fit (the candidates' count: none)."""
+NO_START = np.empty((0, 0))
+"""``graph.earliest_finish``'s ``start`` where the starts are not kept"""
 
-    ranks: np.ndarray
-    seg: np.ndarray
-    rows_f: np.ndarray
-    rows_b: np.ndarray
-    limit: np.ndarray
-    z0: np.ndarray
+
+class Sample(NamedTuple):
+    """The inputs the warm-ups compile with (``kernels.warm_up``): a one-unit graph (its
+    forward, then its backward, on one rank) and its cost tables on a two-point grid."""
+
+    graph: Graph
+    tables: Tables
+
+
+SAMPLE = Sample(Graph.of([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], [1], [[0], [1]]),
+                Tables.of(np.ones(2), np.ones(2), np.full(2, 2.0)))

@@ -1,16 +1,10 @@
-"""The local search of ``batching.slots.arrange_slots`` compiled: every round's candidate rows
-(the critical rank's heaviest micro-batches moved, neighbouring slots swapped, swaps with the
-least loaded ranks), their makespans and the move taken, in one loop instead of a dozen numpy
-calls per round.
+"""The local search of ``batching.slots.arrange_slots``, compiled: every round's candidate
+rows (the critical rank's heaviest micro-batches moved, neighbouring slots swapped, swaps with
+the least loaded ranks; stable orders, ties to the lower index), their makespans (a
+micro-batch's per-stage seconds times its rank's scale, simulated by ``kernels.graph``) and the
+move taken.
 
-The candidates are ``slots._candidates``' rows in the same order (stable orders: ties to the
-lower index), a row's seconds are the same products (a micro-batch's per-stage seconds times its
-rank's scale) laid out as ``EventGraph.durations`` lays them out, and the makespan is the
-simulator's (``kernels.graph.events_makespan``: the event loop on one column), so the slots and
-makespans are the numpy path's bit for bit (``tests/unit/test_batching_slots.py``).
-
-Pure numpy and numba; must not import torch, megatron or anything else from this package but
-``kernels`` (its warm-up builds a draft's own event graph: ``sim.pipeline``).
+Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations
@@ -18,21 +12,19 @@ from __future__ import annotations
 import numpy as np
 
 from . import f64, i64, jit
-from .graph import events_makespan
+from .graph import earliest_finish, makespan
 from .records import Graph
 
 
 @jit
-def _row_span(graph, fu, bu, sc, row, rank, both, end):
-    # pipeline_makespan_s of micro-batches ``row`` [m] (rows of fu, bu [dp * m, nv]) on rank
+def _put_row(graph, fu, bu, sc, row, rank, dur, i):
+    # column i of durations: micro-batches ``row`` [m] (rows of fu, bu [dp * m, nv]) on rank
     # ``rank`` (their seconds x sc[rank])
-    m, nv = row.size, fu.shape[1]
-    n = m * nv
-    for s in range(m):
+    nv = fu.shape[1]
+    for s in range(row.size):
         for v in range(nv):
-            both[s * nv + v] = fu[row[s], v] * sc[rank, v]
-            both[n + s * nv + v] = bu[row[s], v] * sc[rank, v]
-    return events_makespan(graph, both, end)
+            dur[graph.ev_f[s * nv + v], i] = fu[row[s], v] * sc[rank, v]
+            dur[graph.ev_b[s * nv + v], i] = bu[row[s], v] * sc[rank, v]
 
 
 @jit
@@ -64,8 +56,7 @@ def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
     mate = np.full(n_max, -1, dtype=np.int64)       # a swap's other row
     got = np.empty(n_max)
     heavy = np.empty(heavy_moves, dtype=np.int64)
-    both = np.empty(2 * m * fu.shape[1])
-    end = np.empty(graph.unit_rows.size)
+    dur, end = np.empty((graph.prev.size, n_max)), np.empty((graph.prev.size, n_max))
     for _ in range(rounds):
         r = 0
         for i in range(1, dp):                   # np.argmax: the first largest
@@ -111,7 +102,10 @@ def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
         if k == 0:
             break
         for i in range(k):
-            got[i] = _row_span(graph, fu, bu, sc, rows[i], ranks[i], both, end)
+            _put_row(graph, fu, bu, sc, rows[i], ranks[i], dur, i)
+        earliest_finish(graph, dur, np.arange(k), end, np.empty((0, 0)))
+        for i in range(k):
+            got[i] = makespan(graph.last, end, i)
         best, best_v = 0, 0.0
         for i in range(k):                       # a swap is worth the larger of its makespans
             v = got[i]
@@ -140,11 +134,11 @@ def search(graph: Graph, fu, bu, sc, cost, slots, span, moves: tuple, rules: tup
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: one round on two ranks of three micro-batches and
-    two stages, with a draft's argument types (identity moves)."""
-    from ..sim.pipeline import event_graph
+    """``kernels.warm_up`` for this room: one round on two ranks of one micro-batch of
+    ``records.SAMPLE``'s one-unit graph, with a draft's argument types."""
+    from .records import SAMPLE
 
-    f = np.arange(1.0, 13.0).reshape(6, 2)
-    ins, nb = np.tile(np.arange(3), (3, 2, 1)), np.tile(np.arange(3), (2, 1))
-    search(Graph.of(event_graph(3, 2, 1), 0.0), f, f.copy(), np.ones((2, 2)), f.sum(axis=1),
-           np.arange(6).reshape(2, 3), np.array([2.0, 1.0]), (ins, nb), (1, 2, 2, 1e-3))
+    f = np.array([[2.0], [1.0]])
+    search(SAMPLE.graph, f, f.copy(), np.ones((2, 1)), f[:, 0].copy(), np.arange(2).reshape(2, 1),
+           np.array([2.0, 1.0]), (np.zeros((1, 0, 1), dtype=np.int64),
+                                  np.zeros((0, 1), dtype=np.int64)), (1, 2, 2, 1e-3))

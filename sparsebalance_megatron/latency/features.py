@@ -244,14 +244,8 @@ class UnitFeatures:
         # (runs are in unit order). Exact: integer pair counts, so the sums do not depend on
         # their order, and a run's row of the transposed table is one contiguous gather.
         blocks, unit, count = self._doc_runs()
-        if kernels.enabled():           # one compiled pass over the runs: the same sums
-            out = np.zeros((n, grid.size))
-            kernels.features.run_sums(np.ascontiguousarray(table.T), blocks, unit, count, out)
-            return out
-        per_run = np.ascontiguousarray(table.T)[blocks] * count[:, None]   # [runs, g]
         out = np.zeros((n, grid.size))
-        has = np.bincount(unit, minlength=n) > 0
-        out[has] = np.add.reduceat(per_run, np.searchsorted(unit, np.flatnonzero(has)), axis=0)
+        kernels.features.run_sums(np.ascontiguousarray(table.T), blocks, unit, count, out)
         return out
 
     def _doc_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -16,7 +16,13 @@ counts the same terms; TP = 1, no recomputation, flash/flex attention: no s^2 sc
   activations stored by forwards not yet freed by their backwards; the embedding's output
   (``2 * tokens * hidden``) travels with virtual stage 0's;
 - logits: the LM head's rank holds one micro-batch's inputs to the output layer and the loss,
-  ``4 * tokens * (hidden + vocab)`` bytes (Megatron's count), while its loss runs.
+  ``logit_bytes * tokens * (hidden + vocab)`` bytes while its loss runs: 4, Megatron's count
+  (fp32 logits); 6 where the bf16 logits and their fp32 copy live together, as in
+  megatron-core 0.19's cross entropy (``vocab_parallel_cross_entropy`` takes ``.float()`` of
+  the output layer's bf16 logits and keeps it for its backward);
+- full activation recomputation (``recompute_granularity == "full"``, one layer per checkpoint):
+  a layer keeps only its input (``2 * tokens * hidden``), and the rank holds one layer's whole
+  activations besides while it recomputes it in the backward.
 
 Allocator fragmentation, communication buffers and the CUDA context are not counted: give the
 search a limit below the device's size (``--device-memory-gib``) to leave room for them.
@@ -43,6 +49,7 @@ class MemoryModel:
 
     shape: ModelShape
     bytes_per_param: float = MEGATRON_BYTES_PER_PARAM
+    logit_bytes: float = 4.0
 
     @classmethod
     def from_table_model(cls, model: dict, bytes_per_param: float = MEGATRON_BYTES_PER_PARAM
@@ -65,13 +72,18 @@ class MemoryModel:
         h, f = self.shape.hidden_size, self.shape.ffn_hidden_size
         return tokens * (h * (18.0 + 4.0 * f / h) + (2.0 * f if self.shape.swiglu else 0.0))
 
+    @property
+    def recomputes(self) -> bool:
+        return self.shape.recompute_granularity == "full"
+
     def rank_bytes(self, layout: PipelineLayout, tokens: int, num_microbatches: int) -> list:
         """[pp] estimated bytes of every pipeline rank (see the module docstring)."""
         from ..sim.pipeline import FWD, stage_order_1f1b, stage_order_interleaved
 
         pp, vp, nv = layout.pp, layout.vp, layout.num_stages
-        per_layer_act = self.layer_activation_bytes(tokens)
+        whole_layer = self.layer_activation_bytes(tokens)
         h, vocab = self.shape.hidden_size, self.shape.vocab_size
+        per_layer_act = 2.0 * tokens * h if self.recomputes else whole_layer
         embed_act = 2.0 * tokens * h
         out = []
         for r in range(pp):
@@ -91,8 +103,9 @@ class MemoryModel:
             for kind, _, c in order:
                 held += act[c] if kind == FWD else -act[c]
                 peak = max(peak, held)
-            logits = 4.0 * tokens * (h + vocab) if nv - 1 in stages else 0.0
-            out.append(params * self.bytes_per_param + peak + logits)
+            logits = self.logit_bytes * tokens * (h + vocab) if nv - 1 in stages else 0.0
+            out.append(params * self.bytes_per_param + peak + logits
+                       + (whole_layer if self.recomputes else 0.0))
         return out
 
     def peak_gib(self, layout: PipelineLayout, tokens: int, num_microbatches: int) -> float:

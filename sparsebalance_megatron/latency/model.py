@@ -17,6 +17,12 @@ per-pair cost (``crossover.dense_coefficient``). The routing threshold is the ta
 fixed cost: the table's ``call_coefficients`` (fitted where the grid tells them from ``const``,
 i.e. where some units make a call that others do not), else 0 (``const`` holds them).
 
+A profiled table that carries a measured sparse call price (``price_fit.attach_price``) is
+fitted *priced*: its sparse calls cost the stage's layers x the price's terms (the fixed cost
+per call on ``sparse_calls``, the tiles on ``attention_work``, the selection inside the call);
+only the rest is fitted to what the measurements leave. The price, timed per call over many
+repeats, carries the density's effect, which a few noisy micro-batches cannot pin down.
+
 A stage of another layer count than the table's (Megatron's uneven splits, layout strings and
 the interleaved schedule's model chunks: ``layout.PipelineLayout``) is its kind's coefficients
 plus (its layers - the table's layers of that kind) x one layer's, where one layer is the
@@ -33,9 +39,7 @@ factor so that one outlier timing cannot throw a rank's factor off; unusable sam
 
 Pure numpy; must not import torch or megatron.
 
-Why this is long: the fit, the layouts, context parallelism and the prediction read the same
-coefficient layout (the table's features, dense work, the two calls); apart, a change to the
-layout would have to be made in step in several files.
+The layouts and context parallelism are ``model_layouts.LayoutsMixin``'s.
 """
 
 from __future__ import annotations
@@ -54,38 +58,36 @@ ALL_DENSE_TOKENS = 1 << 40
 
 # CALIBRATION_CLIP lived here before calibration.py: callers still import it from this module
 from .calibration import CALIBRATION_CLIP, Calibration  # noqa: F401
-from .context_parallel import ContextParallelCost
 from .crossover import call_coefficient, dense_coefficient, table_crossover
 from .features import CALL_FEATURES, FEATURES, MODEL_FEATURES, UnitFeatures, features_of
-from .layout import LayoutError, PipelineLayout
+from .fit import fit_nonneg
+from .model_layouts import LayoutsMixin
 from .table import (FORMAT_VERSION, LatencyTableError, check_coefficients, check_compatible,
                     measured_kinds, read_table, table_layout, validate_table, write_table)
 
 
-def fit_nonneg(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares on relative error (rows scaled by 1/y), dropping features whose coefficient
-    comes out negative (a cost cannot shrink with more work); the intercept may stay negative
-    only if nothing else fits.
+def _priced_terms(table: dict):
+    """``f(kind, pass) -> {MODEL_FEATURES column: seconds per unit}`` of the sparse call's
+    measured price a profiled table carries (``price_fit.attach_price``), for a stage of
+    that kind's layers at the table's model and micro-batch; None without one."""
+    rec = table.get("sparse_call")
+    if table.get("source") != "profiled" or not rec or not rec.get("measured"):
+        return None
+    from .price import SparseCallPrice
+    price = SparseCallPrice.from_dict(rec)
+    m, lay = table["model"], table_layout(table)
+    heads = int(m["num_attention_heads"])
+    head_dim = int(m.get("kv_channels") or int(m["hidden_size"]) // heads)
+    terms = price.layer_terms(heads, head_dim, int(table["attention"]["block_size"]),
+                              int(m["seq_length"]))
+    kinds = lay.kinds()
+    cols = [MODEL_FEATURES.index(n) for n in ("attention_work", "selection_work",
+                                              "sparse_calls")]
 
-    A feature that does not vary over the grid cannot be told apart from the intercept: it gets
-    0 and its cost stays in the intercept. A profiled grid has one token count (that of training's
-    micro-batches, ``megatron/profile.default_mixes``), so ``tokens`` is such a feature there, and
-    so is ``selection_work`` when every document fills whole blocks."""
-    w = 1.0 / np.maximum(y, 1e-12)
-    active = list(range(x.shape[1]))
-    # features constant on this grid (zero, or one value for every micro-batch): unidentifiable
-    active = [j for j in active if j == 0 or np.ptp(x[:, j]) > 0]
-    while True:
-        a = x[:, active] * w[:, None]
-        c, *_ = np.linalg.lstsq(a, y * w, rcond=None)
-        neg = [j for j, v in zip(active, c) if v < 0 and j != 0]
-        if not neg:
-            break
-        worst = min(neg, key=lambda j: c[active.index(j)])
-        active.remove(worst)
-    out = np.zeros(x.shape[1])
-    out[active] = c
-    return out
+    def known(kind: str, part: str) -> dict:
+        n = lay.layers[kinds.index(kind)] if kind in kinds else max(lay.layers)
+        return dict(zip(cols, (n * terms[part]["pair"], 0.0, n * terms[part]["call"])))
+    return known
 
 
 @dataclass
@@ -120,7 +122,7 @@ class UnitTerms:
         return self.fixed_s[:, None] + self.attn_s_per_pair * self.features.work_grid(density_grid)
 
 
-class LatencyModel(Calibration):
+class LatencyModel(LayoutsMixin, Calibration):
     """Fitted per-stage-kind linear model over the work features, with per-rank calibration."""
 
     def __init__(self, table: dict, coefficients: dict, *, calibration_ema: float = 0.3,
@@ -151,18 +153,20 @@ class LatencyModel(Calibration):
         self.table_layout = table_layout(table)
         self.layout = self.table_layout
         self._stage_coef = [self._coef_full[k] for k in self.layout.kinds()]
-        self.context_parallel: Optional[ContextParallelCost] = None
+        self.context_parallel = None      # a ContextParallelCost (with_context_parallel)
         self.init_calibration(calibration_ema)
 
     # --- construction ---------------------------------------------------------------------
     @classmethod
     def fit(cls, table: dict, *, calibration_ema: float = 0.3, where: str = "<table>"
             ) -> "LatencyModel":
-        """Least squares per stage kind on the table's measurements (ignores stored coefficients)."""
+        """Least squares per stage kind on the table's measurements (ignores stored
+        coefficients); priced where the table carries a measured price (module docstring)."""
         validate_table(table, where)
         att = table["attention"]
         coef, dense, calls = {}, {}, {}
         nf, nd = len(FEATURES), len(FEATURES) + 1
+        priced = _priced_terms(table)
         for kind in measured_kinds(table):
             rows = [m for m in table["measurements"] if m["kind"] == kind]
             feats = UnitFeatures.build([m["doc_lengths"] for m in rows], att["block_size"],
@@ -171,8 +175,17 @@ class LatencyModel(Calibration):
                                        int(att.get("query_chunk_blocks", 16)),
                                        table_crossover(table))
             x = feats.matrix(np.asarray([m["density"] for m in rows]), MODEL_FEATURES)
-            fitted = {p: fit_nonneg(x, np.asarray([m[p + "_s"] for m in rows]))
-                      for p in ("fwd", "bwd")}
+            y = {p: np.asarray([m[p + "_s"] for m in rows]) for p in ("fwd", "bwd")}
+            if priced is None:
+                fitted = {p: fit_nonneg(x, y[p]) for p in y}
+            else:
+                known = {p: priced(kind, p) for p in y}       # {column: seconds per unit}
+                rest = x.copy()
+                rest[:, list(known["fwd"])] = 0.0             # not fitted: unidentifiable
+                fitted = {p: fit_nonneg(rest, y[p] - x[:, list(known[p])] @ np.array(
+                    list(known[p].values())), scale=y[p]) for p in y}
+                for p in y:
+                    fitted[p][list(known[p])] = list(known[p].values())
             coef[kind] = {p: c[:nf].tolist() for p, c in fitted.items()}
             # the dense kernel's own coefficient, where the grid has routed documents that price
             # it (else the sparse kernel's per-pair cost stands in: crossover.dense_coefficient)
@@ -277,117 +290,6 @@ class LatencyModel(Calibration):
         out._stage_coef = [{p: np.r_[c[p][:n], np.zeros(len(c[p]) - n)] for p in c}
                            for c in self._stage_coef]
         return out
-
-    # --- layouts ---------------------------------------------------------------------------
-    def layer_coefficients(self) -> dict:
-        """{fwd, bwd: [len(MODEL_FEATURES)]} of ONE decoder layer: the measured middle stage over
-        its layers. ``LayoutError`` when the table has no middle stage (a pp=1 table, or a pp=2 one
-        profiled before the profiler measured a middle stage at pp = 2)."""
-        if "middle" not in self.coef:
-            raise LayoutError(
-                f"latency table ({self.table.get('device')}, pp={self.table_layout.pp}, stage "
-                f"kinds {sorted(self.coef)}) has no middle-stage measurement, so one layer's cost "
-                f"is unknown and only its own layout {self.table_layout.describe()} can be "
-                f"predicted: profile again with sparsebalance-profile "
-                f"--pipeline-model-parallel-size 2 or more (it measures a middle stage)")
-        n = self._kind_layers("middle")
-        return {p: self._coef_full["middle"][p] / n for p in ("fwd", "bwd")}
-
-    def _kind_layers(self, kind: str) -> int:
-        lay = self.table_layout
-        kinds = lay.kinds()
-        return lay.layers[kinds.index(kind)] if kind in kinds else max(lay.layers)
-
-    def with_layout(self, layout: PipelineLayout) -> "LatencyModel":
-        """This model for a run with ``layout`` (per virtual stage); calibration is shared.
-
-        ``LayoutError`` when the table cannot predict it (see ``layer_coefficients``)."""
-        kinds = layout.kinds()
-        missing = sorted(set(kinds) - set(self.coef))
-        if missing:
-            raise LayoutError(
-                f"latency table (stage kinds {sorted(self.coef)}, pp={self.table_layout.pp}) "
-                f"cannot predict the {'x'.join(str(v) for v in (layout.pp, layout.vp) if v > 1) or 1}"
-                f"-stage layout {layout.describe()}: it lacks stage kind(s) {missing} (profile "
-                f"with --pipeline-model-parallel-size >= 2 for a pipelined run)")
-        # a HybridModel's stages hold attention and MLP layers, not GPT layers (hybrid.py)
-        stage_coef = self._gpt_stage_coef(layout) if layout.pattern is None \
-            else self._hybrid_stage_coef(layout)
-        out = copy.copy(self)
-        out.layout = layout
-        cp = self.context_parallel
-        out._stage_coef = stage_coef if cp is None else [
-            cp.stage_coefficients(c, n, folded_tokens=self._folded_tokens())
-            for c, n in zip(stage_coef, layout.layers)]
-        return out
-
-    def _gpt_stage_coef(self, layout: PipelineLayout) -> list:
-        stage_coef = []
-        per_layer = None
-        for kind, n in zip(layout.kinds(), layout.layers):
-            base = self._coef_full[kind]
-            dn = n - self._kind_layers(kind)
-            if dn == 0:
-                stage_coef.append(base)
-                continue
-            if per_layer is None:
-                per_layer = self.layer_coefficients()
-            c = {p: base[p] + dn * per_layer[p] for p in ("fwd", "bwd")}
-            for p in c:           # a stage with fewer layers cannot have negative work costs
-                c[p][1:] = np.maximum(c[p][1:], 0.0)
-            stage_coef.append(c)
-        return stage_coef
-
-    def _hybrid_stage_coef(self, layout: PipelineLayout) -> list:
-        """Stage coefficients of a HybridModel layout (``hybrid.py``). A one-stage table has no
-        middle stage: its layers' mean (embedding and LM head spread over them) stands for one
-        layer there, as nothing else says what a layer costs."""
-        from .hybrid import hybrid_stage_coefficients
-
-        if "middle" not in self.coef and self.table_layout.num_stages == 1:
-            only = self._coef_full[self.table_layout.kinds()[0]]
-            per_layer = {p: only[p] / self.table_layout.num_layers for p in ("fwd", "bwd")}
-        else:
-            per_layer = self.layer_coefficients()
-        return hybrid_stage_coefficients(self._coef_full,
-                                         {k: self._kind_layers(k) for k in self.coef},
-                                         per_layer, self.table["model"], layout)
-
-    def _folded_tokens(self) -> Optional[int]:
-        """The grid's one token total when the table was profiled at a single one (the profiler's
-        grid since 2026-11-23): its ``tokens`` coefficient is then 0 and the token-proportional
-        work sits in the intercept (``fit_nonneg``); None for a table with several totals."""
-        totals = self.table.get("profile", {}).get("token_totals") or []
-        return int(totals[0]) if len(totals) == 1 and totals[0] > 0 else None
-
-    def with_context_parallel(self, size: int, *, tensor_model_parallel_size: int = 1,
-                              a2a_bytes_per_s: Optional[float] = None,
-                              collective_latency_s: Optional[float] = None) -> "LatencyModel":
-        """This model for one rank of a CP group of ``size`` ranks (``--cp-comm-type a2a``,
-        ``context_parallel.py``), on this model's layout; calibration is shared. The table stays
-        a CP=1 one. The interconnect defaults to the table's device profile (an analytic table),
-        else ``DeviceProfile``'s assumed NVLink figures. ``size=1`` is this model unchanged."""
-        from .analytic import DeviceProfile
-
-        tp = tensor_model_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
-            raise ValueError(f"tensor_model_parallel_size={tp!r}: expected an integer >= 1")
-        m = self.table["model"]
-        nh, ng = int(m["num_attention_heads"]), int(m.get("num_query_groups") or
-                                                    m["num_attention_heads"])
-        if nh % tp or ng % tp:
-            raise ValueError(f"tensor_model_parallel_size={tp}: expected a divisor of the "
-                             f"{nh} query heads and {ng} KV groups")
-        prof = {**DeviceProfile().__dict__, **self.table.get("device_profile", {})}
-        cp = ContextParallelCost(
-            size, nh // tp, ng // tp, int(m.get("kv_channels") or
-                                          int(m["hidden_size"]) // nh),
-            prof["a2a_bytes_per_s"] if a2a_bytes_per_s is None else a2a_bytes_per_s,
-            prof["collective_latency_s"] if collective_latency_s is None
-            else collective_latency_s)
-        base = copy.copy(self)
-        base.context_parallel = None if cp.size == 1 else cp
-        return base.with_layout(self.layout)
 
     # --- prediction -----------------------------------------------------------------------
     @property

@@ -31,7 +31,20 @@ a model: tiles by FLOPs (query heads x head dim, block area), the per-token part
 x head dim, the per-call constant not at all (launches). A measured call includes the block
 selection (``selection_in_call``: the latency model's ``selection_work`` is then 0); an
 estimate prices the selection by FLOPs instead. Split into passes like the dense kernel's
-(``analytic``): tiles 1 : 2.5, calls 1 : 2.
+(``analytic``): tiles 1 : 2.5, calls 1 : 2, unless the price was fitted from rows that timed the
+passes apart (a device kernel table, ``bench_attention_gpu.py``), whose shares it then carries
+(``tile_bwd_share``, ``call_bwd_share``: on the H200, run 5, FA4's backward holds 60-70% of
+its fixed cost per call).
+
+The fixed cost per call is the price's ``call_s`` (and ``call_s_per_token``), fitted with the
+tiles by the one fitter (``fit.fit_nonneg``, per pass) from the whole call's rows of every
+micro-batch the table timed (one document, and packed micro-batches whose kept tiles the
+kernel rows count): the kernel table's summary reports it per kernel (``fixed_ms``) from the
+same fit, no line of its own. Rows at one length price that length only: the per-token part
+is then not identifiable and sits in ``call_s`` (``lengths`` says which were timed).
+
+The price itself is ``price.SparseCallPrice``; its fit from a device kernel table is
+``price_fit.py``'s (both re-exported here).
 
 Pure Python + numpy; must not import torch or megatron (``triton_estimate`` imports
 ``attention.work_model`` lazily: importing the attention package loads torch).
@@ -39,25 +52,13 @@ Pure Python + numpy; must not import torch or megatron (``triton_estimate`` impo
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
-import numpy as np
-
+from .price import (CALL_BWD_SHARE, HBM_BYTES_PER_S, REFERENCE_SHAPE,  # noqa: F401
+                    SINK_BLOCKS, TILE_BWD_SHARE, SparseCallPrice)
 from .work import attention_work
 
-TILE_BWD_SHARE = 2.5 / 3.5
-"""Backward share of a kept tile's fwd+bwd time (2 forward GEMMs, 5 backward)."""
-CALL_BWD_SHARE = 2 / 3
-"""Backward share of a call's fixed cost (about twice the forward's launches)."""
-REFERENCE_SHAPE = "8/2/128"
-"""The head shape every H100 kernel figure of the project was measured at (query / KV heads,
-head dim), block 128."""
-HBM_BYTES_PER_S = 3.35e12
-"""H100 SXM HBM3 bandwidth (datasheet); ``analytic.DeviceProfile``'s default."""
-SINK_BLOCKS = 1
-"""The sink setting of the priced rows (the studies' and the runtime's default)."""
 LENGTH_FREE_BACKENDS = ("fa4", "triton")
 """Sparse backends whose kernels take any micro-batch length without compiling again (fa4: no
 length in FlashAttention-4's compile keys, 4.0.0b36; triton: the per-micro-batch sizes are not
@@ -66,73 +67,8 @@ them as for dense attention; in the order 'auto' prefers them before its start-u
 them (fa4 first: the H200's kernel table of 2026-11-26, one 32K document, fwd+bwd against cuDNN:
 0.46x / 0.39x at density 0.25 where triton took 0.70x / 0.53x, 8/2/128 and 14/2/64). On an
 H200 the fixed length cost the sparse runs of the long-document data set 30% padding
-(``docs/results/gpu_check_h200_run1_train.json``: 45,780 real tokens of 65,536 positions per
-step on average)."""
-
-
-@dataclass(frozen=True)
-class SparseCallPrice:
-    """One sparse kernel's cost per layer call, fwd+bwd, at its reference head shape."""
-
-    backend: str
-    """The kernel (a ``--sb-attention-backend`` value)."""
-    source: str
-    """Where the figures come from (a file and device, or 'ESTIMATE: ...')."""
-    measured: bool
-    """True: timed on a device; False: an estimate (said so in every row it prices)."""
-    call_s: float
-    """Seconds per call, constant part."""
-    call_s_per_token: float
-    """Seconds per call per token of the micro-batch the call is laid out in."""
-    tile_s: float
-    """Seconds per kept tile (query block x key block, every query head)."""
-    ref_q_heads: int = 8
-    ref_head_dim: int = 128
-    ref_block: int = 128
-    selection_in_call: bool = True
-    """The call's figures include the block selection (measured end to end)."""
-    tile_bwd_share: float = TILE_BWD_SHARE
-    """The backward's share of a tile's fwd+bwd seconds."""
-    stands_in_for: str = ""
-    """Where this kernel's figures price another kernel's calls (the length-free kernels
-    ``auto`` runs at variable lengths, before a device times them at two lengths): its names."""
-
-    def __post_init__(self):
-        for name in ("call_s", "call_s_per_token", "tile_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) \
-                    or v < 0:
-                raise ValueError(f"{name}={v!r}: expected finite seconds >= 0")
-
-    def call_fwd_bwd_s(self, tokens: int, kept_tiles: float) -> float:
-        """fwd+bwd seconds of one call at the reference shape: ``tokens`` in the micro-batch,
-        ``kept_tiles`` kept (block ``ref_block``)."""
-        return self.call_s + self.call_s_per_token * tokens + self.tile_s * kept_tiles
-
-    def layer_terms(self, q_heads: int, head_dim: int, block_size: int,
-                    microbatch_tokens: int) -> dict:
-        """{fwd, bwd: {"call": s, "pair": s}} of one layer of a model with these heads, at
-        ``block_size`` and micro-batches of ``microbatch_tokens`` (module docstring)."""
-        width = q_heads * head_dim / (self.ref_q_heads * self.ref_head_dim)
-        pair = self.tile_s * width * (block_size / self.ref_block) ** 2
-        call = self.call_s + self.call_s_per_token * microbatch_tokens * width
-        t = self.tile_bwd_share
-        return {p: {"call": share_c * call, "pair": share_t * pair}
-                for p, share_c, share_t in (("fwd", 1 - CALL_BWD_SHARE, 1 - t),
-                                            ("bwd", CALL_BWD_SHARE, t))}
-
-    def describe(self) -> str:
-        """'flex (measured: ...)' / 'triton (ESTIMATE: ...)': what prices a row."""
-        kind = "measured" if self.measured else "ESTIMATE"
-        stand = (f"STANDING IN for {self.stands_in_for}, the length-free kernels auto runs at "
-                 f"variable lengths, not yet timed at two lengths: " if self.stands_in_for else "")
-        return (f"{self.backend} ({stand}{kind}: {self.call_s * 1e3:.2f} ms + "
-                f"{self.call_s_per_token * 32768 * 1e3:.2f} ms per 32K tokens per call, "
-                f"{self.tile_s * 1e6:.3f} us per kept tile at {self.ref_q_heads} q heads x "
-                f"{self.ref_head_dim}, block {self.ref_block}; {self.source})")
-
-    def as_dict(self) -> dict:
-        return dict(asdict(self), described=self.describe())
+(``docs/results/gpu_check_h200_run1_train.json`` at a63cdd4: 45,780 real tokens of 65,536
+positions per step on average)."""
 
 
 # Fitted by ``fit_price`` on docs/results/attention_gpu_h100_run2.json (H100, torch 2.11, bf16,
@@ -160,87 +96,18 @@ def auto_price(rows: Optional[list] = None, *, microbatch_tokens: int = 32768,
             return FLEX_H100
         return replace(FLEX_H100, stands_in_for=" or ".join(LENGTH_FREE_BACKENDS))
     prices = fit_prices(rows)
-    if length_free:
-        prices = {b: p for b, p in prices.items() if b in LENGTH_FREE_BACKENDS}
+    if length_free:   # variable lengths: a price for every length, so timed at two
+        prices = {b: p for b, p in prices.items()
+                  if b in LENGTH_FREE_BACKENDS and len(p.lengths) >= 2}
     if not prices:
         which = (f"no length-free backend ({', '.join(LENGTH_FREE_BACKENDS)}: what auto runs at "
                  f"variable lengths)" if length_free else "no backend")
         raise ValueError(f"kernel table: {which} has rows at two lengths to price it from "
-                         f"(expected single-document rows of {REFERENCE_SHAPE}, sink {SINK_BLOCKS})")
+                         f"(expected rows of {REFERENCE_SHAPE} at 2 densities, sink {SINK_BLOCKS})")
     kept = {p.backend: attention_work([microbatch_tokens], density, p.ref_block, SINK_BLOCKS)
             for p in prices.values()}
     return min(prices.values(),
                key=lambda p: p.call_fwd_bwd_s(microbatch_tokens, kept[p.backend]))
-
-
-def kernel_rows(path: str) -> list:
-    """Single-document rows ``{backend, tokens, density, ms, block_size}`` of a device kernel
-    table at the reference shape, sink 1: ``scripts/bench_attention_gpu.py``'s JSON (``rows``
-    with ``case`` / ``shape`` / ``backend``, the whole call in ``ours_ms``; runs 1-3 kept them
-    under ``results``) or the older one of run2 (``results``, the flex path only)."""
-    with open(path) as f:
-        data = json.load(f)
-    out = []
-    results = data.get("results") or []
-    if "rows" not in data and results and "case" in results[0]:
-        data = {"rows": results}   # the per-backend table of runs 1-3, its rows in "results"
-    elif "results" in data:        # scripts/bench_attention_gpu.py before the backends column
-        if list(data.get("heads", [])) != [8, 2, 128]:
-            raise ValueError(f"{path}: heads {data.get('heads')}: expected [8, 2, 128]")
-        for r in data["results"]:
-            if r.get("sink_blocks", SINK_BLOCKS) == SINK_BLOCKS and "ours_ms" in r:
-                out.append(dict(backend=r.get("backend", "flex"), tokens=int(r["seq_len"]),
-                                density=float(r["density"]), ms=float(r["ours_ms"]),
-                                block_size=int(r.get("block_size", 128))))
-        return out
-    return price_rows(data.get("rows", []))
-
-
-def price_rows(rows: list) -> list:
-    """``kernel_rows``' rows from a kernel table's own (``scripts/bench_attention_gpu.py``): one
-    document of the reference shape, no routing, the whole call timed (``ours_ms``)."""
-    return [dict(backend=r["backend"], tokens=int(r["tokens"]), density=float(r["density"]),
-                 ms=float(r["ours_ms"]), block_size=int(r.get("block_size", 128)))
-            for r in rows if r.get("case") == "single" and r.get("shape") == REFERENCE_SHAPE
-            and "ours_ms" in r and r.get("routing", "none") == "none"]
-
-
-def fit_price(rows: list, backend: str, source: str) -> SparseCallPrice:
-    """``backend``'s price from its kernel rows: ``ms = call + per_token x tokens + tile x
-    kept`` (kept by ``latency.work.attention_work``, the simulator's own count), least squares
-    on relative error, no coefficient below 0 (one that comes out negative is dropped)."""
-    mine = [r for r in rows if r["backend"] == backend]
-    if len({r["tokens"] for r in mine}) < 2 or len(mine) < 3:
-        raise ValueError(f"backend {backend!r}: {len(mine)} rows at "
-                         f"{len({r['tokens'] for r in mine})} lengths: expected at least 3 rows "
-                         f"at 2 lengths to tell the per-call, per-token and per-tile costs apart")
-    block = mine[0]["block_size"]
-    x = np.array([[1.0, r["tokens"], attention_work([r["tokens"]], r["density"], block,
-                                                    SINK_BLOCKS)] for r in mine])
-    y = np.array([r["ms"] * 1e-3 for r in mine])
-    w = 1.0 / y
-    active = [0, 1, 2]
-    while True:
-        c, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        if (c >= 0).all() or len(active) == 1:
-            break
-        del active[int(np.argmin(c))]
-    coef = np.zeros(3)
-    coef[active] = np.maximum(c, 0.0)
-    return SparseCallPrice(backend=backend, source=source, measured=True, call_s=float(coef[0]),
-                           call_s_per_token=float(coef[1]), tile_s=float(coef[2]),
-                           ref_block=block)
-
-
-def fit_prices(rows: list, source: str = "device kernel table") -> dict:
-    """{backend: price} for every backend of ``rows`` with enough of them (``fit_price``)."""
-    out = {}
-    for b in sorted({r["backend"] for r in rows}):
-        try:
-            out[b] = fit_price(rows, b, source)
-        except ValueError:
-            continue
-    return out
 
 
 def triton_estimate(device=None) -> SparseCallPrice:
@@ -340,3 +207,8 @@ def kernel_labels(table: dict) -> dict:
         name = cross.get("dense_kernel") or "dense"
         dense = (name.split()[0], f"{name} (measured: {table.get('device', '?')} latency table)")
     return {"sparse": (short, table_sparse_kernel(table)), "dense": dense}
+
+
+# the fit from a device kernel table (price_fit.py), here for the callers that import it here
+from .price_fit import (attach_price, fit_price, fit_prices, kernel_rows,  # noqa: E402,F401
+                        price_design, price_rows)

@@ -37,14 +37,15 @@ from . import moved
 
 
 def lazy_exports(package: str, public: dict):
-    """A room's module ``__getattr__``: ``public`` ({name: module of the room}) imported on first
-    use, so that importing the room imports none of its modules (a light entry point stays
-    light). Every room's ``__init__`` sets ``__getattr__ = lazy_exports(__name__, _PUBLIC)``."""
+    """A room's front page: ``(__all__, __getattr__)`` for ``public`` ({name: the room's module
+    that defines it}, the names code outside the room imports). Each name is imported on first
+    use, so importing the room imports none of its modules and a light entry point stays light.
+    Every room's ``__init__`` ends ``__all__, __getattr__ = lazy_exports(__name__, _PUBLIC)``."""
     def __getattr__(name: str):
         if name in public:
             return getattr(import_module(f"{package}.{public[name]}"), name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    return __getattr__
+    return sorted(public), __getattr__
 
 
 # name -> its module, relative to this package (each a room's module; the rooms export them too)
@@ -68,8 +69,8 @@ PUBLIC = {
     "check_launch": "launch.checks",
     "LaunchError": "errors",
 }
-__all__ = sorted([*PUBLIC, "hooks"])
-_exports = lazy_exports(__name__, PUBLIC)
+_names, _exports = lazy_exports(__name__, PUBLIC)
+__all__ = sorted([*_names, "hooks"])
 
 
 def __getattr__(name: str):

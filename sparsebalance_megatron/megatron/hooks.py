@@ -21,7 +21,10 @@ passes it on: ``pretrain_cfg_container_from_args(args, model_cfg)``.
 
 Why this is long: it is the one module Megatron's side calls, and each of the six calls above is
 short glue over the rooms (launch, model, step, runtime); splitting it would give an entry point a
-reader must assemble from several files, which is what a single integration module avoids.
+reader must assemble from several files, which is what a single integration module avoids. The
+two parse-time calls (``extra_args_provider``, ``args_defaults``) live in ``hooks_flags`` and are
+exported here: they run before anything else of the plugin and share nothing with the rest.
+Every refusal, here and in the rooms, is said once per job (``runtime.refusal``).
 
 What enters where:
 - flags: ``extra_args_provider`` (our ``--sparse-balance``/``--sb-*`` after the script's own; on a
@@ -54,20 +57,20 @@ With none of the plugin's switches on, ``install`` changes nothing: the run is s
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import functools
 import gc
-import sys
 import time
 from typing import Callable, Optional
 
-from ..arguments import add_sparsebalance_args, config_from_args
+from ..arguments import config_from_args
 from ..config import ConfigError, SparseBalanceConfig
+from .hooks_flags import MODELS, args_defaults, extra_args_provider  # noqa: F401  (the hooks)
 from .launch import compat
-from .launch.checks import LaunchError, check_launch, cpu_parser_defaults, flag_conflicts
-from .launch.preflight import OneLineParser, check_after_parse, checked_config, uses_plugin_data
+from .launch.checks import LaunchError, check_launch
+from .launch.preflight import uses_plugin_data
 from .runtime import comm
+from .runtime.refusal import refusal, say_refusal
 
 class _Integration:
     """What ``install`` set up in this process (one training run per process)."""
@@ -86,94 +89,6 @@ class _Integration:
 _run = _Integration()
 
 
-# --- flags -----------------------------------------------------------------------------------
-
-MODELS = ("gpt", "hybrid")
-
-
-def extra_args_provider(base: Optional[Callable] = None, *, packed_data: Optional[bool] = None,
-                        model: Optional[str] = None) -> Callable:
-    """Megatron ``extra_args_provider``: ``base``'s flags (if any), then ours; without CUDA also
-    the CPU defaults, and the CPU shims (``validate_args`` already queries the device). The
-    parser it returns checks the plugin's settings and the launch conflicts of Megatron's flags
-    as soon as it has parsed them, before Megatron validates and prints the flags or builds the
-    tokenizer (``preflight.check_parsed``; with the plugin's attention the default
-    ``--attention-dropout`` becomes 0). ``packed_data`` as for ``install``; ``model``: the
-    script's model, ``"gpt"`` or ``"hybrid"`` (the checks of a pattern against the model run at
-    parse; None: they wait for ``install``)."""
-    if model not in (None, *MODELS):
-        raise ValueError(f"model={model!r}: expected one of {MODELS} or None")
-    conflicts = functools.partial(flag_conflicts, hybrid=None if model is None
-                                  else model == "hybrid")
-
-    def provider(parser):
-        if base is not None:
-            parser = base(parser)
-        compat.activate_cpu_shims()
-        compat.warn_untested_versions()
-        cpu_parser_defaults(parser)
-        _escape_help_percent(parser)
-        add_sparsebalance_args(parser)
-        check_after_parse(parser, packed_data, conflicts)
-        return parser
-
-    return provider
-
-
-def _escape_help_percent(parser) -> None:
-    """megatron-core 0.19.2 has a stray '%' in --moe-paged-stash-buffer-size-factor-cuda's help,
-    which makes ``--help`` crash; escape lone '%'."""
-    import re
-
-    for action in parser._actions:
-        if action.help:
-            action.help = re.sub(r"%%|%\(\w+\)[a-z]|%",
-                                 lambda m: m.group(0) if len(m.group(0)) > 1 else "%%",
-                                 action.help)
-
-
-def args_defaults(base: Optional[dict] = None, *, packed_data: Optional[bool] = None,
-                  argv=None) -> dict:
-    """``args_defaults`` for ``parse_and_validate_args``: ``base``, except that with the plugin's
-    data path and its tokenizer (Megatron's ``NullTokenizer``, the default there) the vocabulary
-    size is the data's, so ``--vocab-size`` need not be given."""
-    out = dict(base or {})
-    parser = OneLineParser(add_help=False, allow_abbrev=False)
-    add_sparsebalance_args(parser)
-    for flag in ("--tokenizer-type", "--split", "--seed"):
-        parser.add_argument(flag)
-    parser.add_argument("--vocab-size", type=int)
-    parser.add_argument("--data-path", nargs="*")
-    try:
-        # The plugin's flags first of all (this runs before Megatron parses anything): one line
-        # naming the flag and value, before Megatron's tokenizer or data would trip over it.
-        ns, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-        sb = checked_config(ns)
-    except (ConfigError, LaunchError) as e:
-        raise SystemExit(f"error: {e}") from None
-    if not uses_plugin_data(sb, packed_data):
-        return out
-    out.setdefault("eval_interval", 1000)   # Megatron's sample count needs one; its old default
-    if ns.tokenizer_type not in (None, "NullTokenizer"):
-        return out   # a Megatron text tokenizer: it decides the vocabulary
-    out["tokenizer_type"] = "NullTokenizer"
-    if ns.vocab_size is not None:
-        return out
-    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
-        return out   # argparse prints the help and exits before any default is read
-    from .step.data import load_data
-
-    try:
-        data = load_data(argparse.Namespace(data_path=ns.data_path, tokenizer_type=None,
-                                             split=ns.split), sb)
-    except (ValueError, OSError) as e:
-        # Megatron's parse would fail next on NullTokenizer without a vocabulary size, hiding
-        # the cause: say it here.
-        raise SystemExit(f"error: {e}") from None
-    out.update(tokenizer_type="NullTokenizer", vocab_size=int(data.corpus.vocab_size))
-    return out
-
-
 # --- model, data, callback ----------------------------------------------------------------------
 
 def install(args, model_cfg, *, packed_data: Optional[bool] = None):
@@ -186,7 +101,7 @@ def install(args, model_cfg, *, packed_data: Optional[bool] = None):
     try:
         return _install(args, model_cfg, packed_data)
     except (ConfigError, LaunchError, ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise refusal(f"error: {e}") from None
 
 
 def model_config(args, build: Callable, *, packed_data: Optional[bool] = None):
@@ -200,7 +115,7 @@ def model_config(args, build: Callable, *, packed_data: Optional[bool] = None):
     try:
         sb = config_from_args(args)
     except ConfigError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise refusal(f"error: {e}") from None
     if not (sb.sparse_attention_enabled or uses_plugin_data(sb, packed_data)):
         return install(args, None, packed_data=packed_data)
     return install(args, build(args), packed_data=packed_data)
@@ -314,12 +229,12 @@ def _build_runtime(model: list) -> list:
         try:
             check_sparse_attention(model, _megatron_args(), ps.get_pipeline_model_parallel_rank())
         except LaunchError as e:
-            raise SystemExit(f"error: {e}") from None
+            raise refusal(f"error: {e}") from None
     if not _run.plugin_data or _run.callback is not None:
         return model
     from .launch.compat import device
     from .step.callback import SparseBalanceCallback
-    from .step.timing import MicrobatchTimers
+    from .step.timing import MicrobatchTimers, install_timers_tee
 
     args = _megatron_args()
     if ps.get_context_parallel_rank() != 0:
@@ -327,11 +242,15 @@ def _build_runtime(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
+    from .model.backend_fallback import stand_in_for_faults
+    line = stand_in_for_faults(_run.budget, _run.sb.fault_specs, comm.rank())
+    if line:                                            # --sb-fault ...-fails (tests)
+        comm.say(line)
     from .runtime.watchdog_megatron import start_for_megatron, watch_megatron_phases
     _run.watchdog = start_for_megatron(args, _run.sb)   # watches from the first micro-batch
     _run.callback.watchdog = _run.watchdog              # a wait for the planner is a phase
     _run.timers = _run.callback.timers = MicrobatchTimers()
-    _install_timers_tee(_run.timers)
+    install_timers_tee(_run.timers)
     if args.save and _interleaved(args) and ps.get_pipeline_model_parallel_rank() == 0 and \
             ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
         # the ranks Megatron's data loader hook writes on, one file per DP rank (step/state.py)
@@ -352,7 +271,7 @@ def _check_one_packer(config) -> None:
     the flag checks) would repack the plugin's micro-batches (``data_checks.packer_conflicts``)."""
     scheduler = getattr(config, "sequence_packing_scheduler", None)
     if scheduler is not None:
-        raise SystemExit(f"error: cannot launch: the model config's sequence_packing_scheduler "
+        raise refusal(f"error: cannot launch: the model config's sequence_packing_scheduler "
                          f"{scheduler!r} with the plugin's packing: two packers, Megatron's would "
                          f"repack the micro-batches the plugin packed; leave it None (SAB packs) "
                          f"or drop the plugin's packing")
@@ -362,27 +281,6 @@ def _megatron_args():
     from megatron.training.global_vars import get_args
 
     return get_args()
-
-
-def _install_timers_tee(ours) -> None:
-    """Megatron's global ``Timers`` -> ``TeeTimers(Timers, ours)``.
-
-    ``train()`` sets ``config.timers = get_timers()`` and ``evaluate()`` restores it from there,
-    so the tee is seen by every schedule. Targets megatron-core >=0.19.2,<0.21
-    (``megatron.training.global_vars._GLOBAL_TIMERS``); idempotent; a test fails if the
-    attribute disappears.
-    """
-    from megatron.training import global_vars
-
-    from .step.timing import TeeTimers
-
-    current = global_vars._GLOBAL_TIMERS
-    if current is None:
-        raise RuntimeError("Megatron's timers are not set up (parse_and_validate_args first)")
-    if isinstance(current, TeeTimers):
-        current.ours = ours
-        return
-    global_vars._GLOBAL_TIMERS = TeeTimers(current, ours)
 
 
 def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
@@ -402,8 +300,7 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
             try:
                 _check_installed() if _run.sb is None else _check_model_built()
             except LaunchError as e:
-                comm.say_error(f"error: {e}")
-                raise SystemExit(1) from None
+                raise say_refusal(f"error: {e}") from None
             return megatron_provider(*args, **kwargs)
 
         return checked
@@ -413,8 +310,7 @@ def datasets_provider(megatron_provider: Optional[Callable] = None) -> Callable:
             return _datasets(vp_stage)
         except LaunchError as e:   # a resume without the plugin's state: the callback made
             # every rank raise the same one; said once
-            comm.say_error(f"error: {e}")
-            raise SystemExit(1) from None
+            raise say_refusal(f"error: {e}") from None
 
     provider.is_distributed = True   # every rank builds its own (identical) iterators
     return provider
@@ -456,23 +352,10 @@ def _check_model_built() -> None:
 
 def _datasets(vp_stage):
     """The plugin's train, valid and test iterators (every rank builds its own)."""
-    from megatron.core import parallel_state as ps
-
-    from .step.data import EvalIterator
+    from .step.data import plugin_datasets
 
     _check_model_built()
-    cb, args = _run.callback, _megatron_args()
-    train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
-    evals = []
-    for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
-        sampler = _run.data.sampler(split, capacity=cb.capacity, seed=_run.sb.seed,
-                                    long_sample_policy=_run.sb.long_sample_policy,
-                                    pad_multiple=cb.mb_args["pad_multiple"])
-        evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
-            sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(), device=cb.device,
-            consumed_samples=consumed, mb_args=cb.mb_args))
-    return train, evals[0], evals[1]
+    return plugin_datasets(_run.callback, _run.data, _run.sb, _megatron_args(), vp_stage)
 
 
 def finish() -> None:
@@ -543,9 +426,9 @@ def _inject_fault(spec, psp) -> None:
     import signal
 
     rank, step, kind = spec
-    if kind.startswith("planner-") or comm.rank() != rank or psp.sb_step != step - 1 \
-            or psp.sb_microbatch != 0:
-        return     # (the planner's faults: step/planning.py)
+    if kind.startswith("planner-") or kind.endswith("-fails") or comm.rank() != rank \
+            or psp.sb_step != step - 1 or psp.sb_microbatch != 0:
+        return     # (the planner's faults: step/planning.py; the kernels': backend_fallback)
     print(f"[sparsebalance] --sb-fault: injecting '{kind}' on rank {rank} at iteration {step}",
           flush=True)
     if kind == "raise":

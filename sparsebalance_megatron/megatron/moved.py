@@ -35,8 +35,7 @@ MOVED = {
     "latency_setup": "launch.latency_setup", "preflight": "launch.preflight",
     "profile": "launch.profile", "replay": "launch.replay",
     "startup_profile": "launch.startup_profile",
-    "callback": "step.callback", "data": "step.data", "indexed_data": "step.indexed_data",
-    "reporting": "step.reporting", "state": "step.state", "timing": "step.timing",
+    "callback": "step.callback", "data": "step.data", "reporting": "step.reporting", "state": "step.state", "timing": "step.timing",
     "step_checks": "step.checks", "step_choice": "step.choice", "step_planning": "step.planning",
 }
 

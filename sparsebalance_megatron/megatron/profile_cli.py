@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from .launch.profile import QUICK_MIXES, default_mixes, fit_report, profile_table
+    from .launch.profile import fit_report, profile_table
+    from .launch.profile_grid import QUICK_MIXES, default_mixes
     if not torch.cuda.is_available():
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")

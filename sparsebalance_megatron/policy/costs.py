@@ -17,11 +17,12 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
 from .. import kernels
+from ..kernels import f64
 from ..config import ANCHORS, MAX_RAISE_HEADROOM, ConfigError
 from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 
@@ -107,11 +108,11 @@ class UnitCosts:
     # fwd_s + bwd_s, where the maker has it already (``from_latency``'s compiled pass); only
     # with tables_checked (the tables are kept as given, so the sum stays theirs)
     _total: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
-    # the tables' own formula, where the maker has it (``from_latency``'s compiled pass):
-    # (work [n, g], per_pair [2, stages], fixed [2, n, stages], correction [n, stages], scaled),
-    # fwd = (work x per_pair[0] + fixed[0]) x correction (the factor only where scaled), bwd
-    # likewise; the planner's kernels evaluate it (a few small arrays that stay in the cache)
-    # instead of reading the tables; only with tables_checked (the tables are kept as made)
+    # the tables' own formula, where the maker has it (``from_latency``): (work [n, g],
+    # per_pair [2, stages], fixed [2, n, stages], correction [n, stages], scaled),
+    # ``kernels.grid.unit_seconds``' operands; the descent computes a unit's seconds from it (a
+    # few small arrays that stay in the cache) instead of reading the tables; only with
+    # tables_checked (the tables are kept as made)
     _formula: Optional[tuple] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -255,17 +256,6 @@ class UnitCosts:
         return (t[..., -1] - t[..., 0]) / span
 
     @classmethod
-    def from_function(cls, cost_fn: Callable[[float], Tuple[np.ndarray, np.ndarray]],
-                      densities: np.ndarray, attn_work: Optional[np.ndarray] = None
-                      ) -> "UnitCosts":
-        """Tabulate ``cost_fn(density) -> (fwd_s [dp, m, pp], bwd_s [dp, m, pp])`` on a grid."""
-        g = np.asarray(densities, dtype=np.float64)
-        pairs = [cost_fn(float(d)) for d in g]
-        f = np.stack([np.asarray(p[0], dtype=np.float64) for p in pairs], axis=-1)
-        b = np.stack([np.asarray(p[1], dtype=np.float64) for p in pairs], axis=-1)
-        return cls(g, f, b, attn_work)
-
-    @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
                      densities: np.ndarray, calibrated: bool = True,
                      kept_units=None) -> "UnitCosts":
@@ -303,19 +293,10 @@ class UnitCosts:
                           np.stack([t.bwd_fixed_s for t in terms], axis=1)])   # [2, n, stages]
         per_pair = np.asarray([[t.fwd_attn_s_per_pair for t in terms],
                                [t.bwd_attn_s_per_pair for t in terms]], np.float64)
-        uncorrected = bool(np.all(corr == 1.0))
-        fb, total = np.empty((2, n, pp, g.size)), None
-        if kernels.enabled():          # one compiled pass, the same operations, and the total
-            total = np.empty((n, pp, g.size))
-            kernels.grid.unit_tables(work, per_pair, fixed, corr, not uncorrected, fb, total)
-        else:
-            for out, fx, pr in zip(fb, fixed, per_pair):
-                # (work x per_pair + fixed) x correction, every stage at once: the same three
-                # operations per element as one stage at a time (x 1.0 is exact: left out)
-                np.multiply(work[:, None, :], pr[None, :, None], out=out)
-                out += fx[:, :, None]
-                if not uncorrected:
-                    out *= corr[:, :, None]
+        fb, total = np.empty((2, n, pp, g.size)), np.empty((n, pp, g.size))
+        # (work x per_pair + fixed) x correction (x 1.0 is exact: left out), and their total
+        formula = (work, f64(per_pair), f64(fixed), f64(corr), not bool(np.all(corr == 1.0)))
+        kernels.grid.unit_tables(*formula, fb, total)
         f, b = fb
         # finite, >= 0 and non-decreasing along the grid when every factor is finite and >= 0
         # and the work is non-decreasing (rounding is monotone); the largest entry is the last
@@ -326,8 +307,6 @@ class UnitCosts:
                        and np.all(np.isfinite(f[..., -1])) and np.all(np.isfinite(b[..., -1])))
         f = f.reshape(dp, m, pp, g.size)
         b = b.reshape(dp, m, pp, g.size)
-        if total is not None:
-            total = total.reshape(dp, m, pp, g.size)
         dense = dense.reshape(dp, m)
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
@@ -343,9 +322,8 @@ class UnitCosts:
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
                    pipeline_ranks=model.layout.pp, dense_work=routed,
                    kept_grid=kept.reshape(dp, m, g.size), tables_checked=checked,
-                   _total=total if checked else None,
-                   _formula=(work, per_pair, fixed, corr, not uncorrected)
-                   if checked and total is not None else None)
+                   _total=total.reshape(dp, m, pp, g.size) if checked else None,
+                   _formula=formula if checked else None)
 
     @classmethod
     def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,

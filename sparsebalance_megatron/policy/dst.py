@@ -33,7 +33,7 @@ The rule (docs/DESIGN.md section 5, issue 4):
 
 Costs come as ``UnitCosts`` (a density grid), so every step of the rule is a vectorised table
 look-up; a 64 x 16 x 4 plan takes a few milliseconds. Where it is: one band's plan (steps 1-4)
-in ``dst_band.py``, its grid moves in ``dst_moves.py``; here the band search under the density
+in ``dst_band.py`` (its moves compiled in ``kernels.band``); here the band search under the density
 floors, the quality objective, and the entry from the config (``plan_dst_from_config``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.

@@ -3,8 +3,10 @@
 Steps 1-4 of the rule in ``policy/dst.py``'s docstring: the static plan simulated, the anchor, the
 cut of the load units above the band, the raise below the new bottleneck checked with the 1F1B
 simulator (a rank that overshoots is re-planned with less slack, or reverted to its cuts). The
-grid moves themselves are ``dst_moves.py``'s; the band search under density floors, the quality
-objective and the config entry are ``dst.py``'s. Also the plan's types.
+moves and their simulation are ``kernels.band``'s, compiled; here what they are made of (the
+units' table offsets, the anchor, the sensitivities by unit, the quality objective's gain
+tables); the band search under density floors, the quality objective and the config entry are
+``dst.py``'s. Also the plan's types.
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -16,15 +18,14 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
+from ..kernels.records import Fill, Tables
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts, check_anchor_tolerance, weighted_mean_density
 from .density_means import WeightTotals
-from .dst_moves import (FILL_ITERS, GainIndex, anchor_s, broadcast_sensitivity, cut_densities,
-                        highest_index_within, lookup, raise_densities, unit_base, water_fill)
 from .dst_settings import DSTSettings
-from .slack import unit_floats_from
 
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
+FILL_ITERS = 12           # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
 _REL_EPS = 1e-9           # float slack when comparing makespans
 
 
@@ -98,61 +99,39 @@ class BandCache:
     anchors: dict = field(default_factory=dict)   # anchor -> seconds, over the static plan
     mk0: Optional[np.ndarray] = None         # [dp] the static plan's makespans
     busy0: Optional[np.ndarray] = None       # [dp, pp] its busy seconds
-    water: Optional[tuple] = None            # (quality cost, GainIndex, b [dp, slots, pp])
+    water: Optional[tuple] = None            # (quality cost, its Fill, b [dp, slots, pp])
     band: dict = field(default_factory=dict)  # water-filled? -> its compiled pass (BandPass)
 
 
 @dataclass
 class _Pass:
     """One pass over k candidates: the costs, the rows (candidate c x dp + rank: every
-    candidate's copy of the step), which rows water-fill, the event graph and the compiled
-    pass where it runs (``fused``)."""
+    candidate's copy of the step), which rows water-fill, and the compiled pass
+    (``kernels.band.BandPass``)."""
 
     costs: UnitCosts
     cache: BandCache
     k: int
     wrow: np.ndarray                         # [k * dp] rows cut and raised by water-filling
-    all_units: np.ndarray                    # [k * dp, slots, pp]
-    graph: object
-    p2p_s: float
-    fused: object = None
-    gains: object = None
-    _b_rows: list = field(default_factory=list)
+    fused: object
 
     @property
     def dp(self) -> int:
         return self.costs.shape[0]
-
-    def simulate(self, units, idx):
-        """(makespan [rows], fwd, bwd [rows, m * vp, pp], event durations and earliest
-        finishes [E, rows]) of the rows' units at grid idx (the costs are checked already)."""
-        _, m, nv = self.costs.shape
-        f, b = lookup(self.costs.fwd_s, units, idx), lookup(self.costs.bwd_s, units, idx)
-        n = f.shape[0]
-        dur = self.graph.durations(f.reshape(n, m, nv), b.reshape(n, m, nv))
-        ef = self.graph.earliest_finish(dur, self.p2p_s)
-        return self.graph.makespan(ef), f, b, dur, ef
-
-    def b_rows(self) -> np.ndarray:
-        """[k * dp, slots, pp] the water-filling's seconds per unit of density, row by row
-        (made where the numpy path runs)."""
-        if not self._b_rows:
-            self._b_rows.append(np.tile(self.cache.water[2], (self.k, 1, 1)))
-        return self._b_rows[0]
 
 
 def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray],
                         settings: DSTSettings, candidates, cache: Optional[BandCache] = None,
                         quality=None, water=None) -> list[DSTPlan]:
     """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
-    copies of the DP ranks are stacked as rows of the same vectorised cut, raise and simulator
+    copies of the DP ranks are stacked as rows of the same compiled cut, raise and simulator
     calls (a plan's rows never interact with another candidate's), so K plans cost far less than
     K calls. ``settings``: the bounds, p2p latency and raise rule (its band is the
     candidates'). ``cache``: a ``BandCache`` the caller keeps between passes over the same costs,
     sensitivity and bounds. ``quality`` (a ``policy.quality.StageQuality``): cuts and raises by
-    quality water-filling (``water_fill``) instead of sensitivity order; with ``water`` (one
-    bool per candidate) only the candidates marked True do, the others take sensitivity
-    order, so both objectives' bands share one pass (``dst.plan_dst_with_floor``).
+    quality water-filling (``kernels.band.water_fill``) instead of sensitivity order; with
+    ``water`` (one bool per candidate) only the candidates marked True do, the others take
+    sensitivity order, so both objectives' bands share one pass (``dst.plan_dst_with_floor``).
 
     Phases: the band (the static plan, its anchors and the bands, ``_band``), the cut of the
     units above it (``_cut``), the raise below the new bottleneck (``_raise``) and the
@@ -190,40 +169,33 @@ def _pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
         cache.rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])
     rank_units = cache.rank_units
     _, i_min, i_max = cache.bounds
-    gains = None
-    if water.any():
-        # the water-filling's index and the units' seconds per unit of density depend on the
-        # costs and the quality cost only: made once per cache (the passes of one search)
-        if cache.water is None or cache.water[0] is not quality:
-            span = costs.densities[i_max] - costs.densities[i_min]
-            cache.water = (
-                quality, GainIndex(quality.marginal_gain(costs.densities), slots, pp, vp),
-                ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
-                 / span) if span > 0 else np.zeros(rank_units.shape))
-            cache.band.pop(True, None)                # its compiled pass holds the index
-        gains = cache.water[1]
-    graph = event_graph(m, pp, vp)
-    ps = _Pass(costs, cache, k, np.repeat(water, dp), np.tile(rank_units, (k, 1, 1)), graph,
-               p2p_s, gains=gains)
-    if kernels.enabled() and pp >= 2:        # each phase one compiled loop per row
-        kind = bool(water.any())              # the pass's tables and orders, once per search
-        if kind not in cache.band:
-            cache.band[kind] = kernels.band.BandPass(
-                costs, rank_units, dp, graph, p2p_s, cache.sens,
-                *((gains, cache.water[2]) if water.any() else ()))
-        ps.fused = cache.band[kind].with_units(ps.all_units)
-    return ps
+    kind = bool(water.any())
+    if kind and (cache.water is None or cache.water[0] is not quality):
+        # the water-filling's gain tables and the units' seconds per unit of density depend on
+        # the costs and the quality cost only: made once per cache (the passes of one search)
+        span = costs.densities[i_max] - costs.densities[i_min]
+        cache.water = (
+            quality, gain_fill(quality.marginal_gain(costs.densities), slots, pp, vp),
+            ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
+             / span) if span > 0 else np.zeros(rank_units.shape))
+        cache.band.pop(True, None)                    # its compiled pass holds the tables
+    if kind not in cache.band:                        # the pass's tables and orders
+        cache.band[kind] = kernels.band.BandPass(
+            Tables.of(costs.fwd_s, costs.bwd_s, t_grid), event_graph(m, pp, vp).record(p2p_s),
+            rank_units, dp, cache.sens, *(cache.water[1:] if kind else ()))
+    return _Pass(costs, cache, k, np.repeat(water, dp),
+                 cache.band[kind].with_units(np.tile(rank_units, (k, 1, 1))))
 
 
 def _band(ps: _Pass, candidates) -> tuple:
     """Step 1: the static plan (the same for every candidate, simulated once per cache), its
     anchors and the candidates' bands (1 + tolerance) x anchor: (its step time, anchors [k],
     bands [k])."""
-    c = ps.cache
-    if c.mk0 is None:
-        idx0 = np.full(c.rank_units.shape, c.bounds[0], dtype=np.int64)
-        mk0, f0, b0, _, _ = ps.simulate(c.rank_units, idx0)
-        c.mk0, c.busy0 = mk0, (f0 + b0).sum(axis=1)                # busy0: [dp, pp]
+    c, dp = ps.cache, ps.dp
+    if c.mk0 is None:                         # every unit at d0: a cut of nothing
+        _, c.mk0, _, _, c.busy0 = ps.fused.with_units(c.rank_units).cut(
+            np.full(c.rank_units.shape, c.bounds[0]), np.zeros((dp, c.rank_units.shape[2])),
+            np.full(dp, np.inf), np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)
     for a, _ in candidates:
         if a not in c.anchors:
             c.anchors[a] = anchor_s(c.busy0, a)
@@ -232,43 +204,17 @@ def _band(ps: _Pass, candidates) -> tuple:
 
 
 def _cut(ps: _Pass, candidates, bands) -> tuple:
-    """Step 2: every row's units above its band cut, least sensitive first (stable sort: ties
-    keep micro-batch order), or by water-filling: (the cut's step time per candidate [k],
-    (grid indices, makespans, event durations and earliest finishes, busy seconds, and
-    whether the compiled pass ran))."""
-    c, k, dp, wrow = ps.cache, ps.k, ps.dp, ps.wrow
+    """Step 2: every row's load units above its band cut (``kernels.band.cut_rows``): least
+    sensitive micro-batch first (stable sort: ties keep micro-batch order), or by
+    water-filling: (the cut's step time per candidate [k], (grid indices, makespans, event
+    durations and earliest finishes, busy seconds))."""
+    c, k, dp = ps.cache, ps.k, ps.dp
     i0, i_min, _ = c.bounds
-    t_grid, units = ps.costs.total_s, ps.all_units
-    excess = np.tile(c.busy0, (k, 1)) - np.repeat(bands, dp)[:, None]  # [k * dp, pp]
-    cuts = np.array([a != "max" for a, _ in candidates])
-    excess[~np.repeat(cuts, dp)] = 0.0
-    idx_start = np.full(units.shape, i0, dtype=np.int64)
-    cut = ps.fused.cut(idx_start, excess, wrow, i_min, FILL_ITERS) if ps.fused else None
-    if cut is not None:                       # the same numbers as the numpy path's
-        idx_cut, mk1, dur1, ef1, busy1 = cut
-    else:
-        if np.any(excess > 0):                # every row is cut alone, its objective's way
-            idx_cut = np.empty_like(idx_start)
-            if wrow.any():
-                q, ex = units[wrow], excess[wrow]
-                base_s = lookup(t_grid, q, idx_start[wrow]).sum(axis=1)
-                idx_cut[wrow] = water_fill(t_grid, q, ps.gains, ps.b_rows()[wrow],
-                                           np.full_like(idx_start[wrow], i_min),
-                                           idx_start[wrow], np.where(ex > 0, base_s - ex,
-                                                                     np.inf))
-            if not wrow.all():
-                d = ~wrow
-                order = np.tile(np.argsort(c.sens, axis=1, kind="stable"),
-                                (int(d.sum()) // dp, 1, 1))
-                idx_cut[d] = cut_densities(t_grid, units[d], idx_start[d],
-                                           np.maximum(excess[d], 0.0), order, i_min)
-            mk1, f1, b1, dur1, ef1 = ps.simulate(units, idx_cut)
-        else:
-            idx_cut, mk1 = idx_start, np.tile(c.mk0, k)
-            _, f1, b1, dur1, ef1 = ps.simulate(units, idx_cut)
-        busy1 = (f1 + b1).sum(axis=1)                               # [k * dp, pp]
-    step1 = np.asarray(mk1).reshape(k, dp).max(axis=1)              # [k]
-    return step1, (idx_cut, mk1, dur1, ef1, busy1, cut is not None)
+    band = np.where([a == "max" for a, _ in candidates], np.inf, bands)   # max: never cut
+    cut = ps.fused.cut(np.full((k * dp,) + c.rank_units.shape[1:], i0), c.busy0,
+                       np.repeat(band, dp), ps.wrow, i_min, FILL_ITERS)
+    step1 = cut[1].reshape(k, dp).max(axis=1)                       # [k]
+    return step1, cut
 
 
 def _raise(ps: _Pass, cut, step0: float, step1, raise_headroom: float, raise_to: str) -> tuple:
@@ -276,17 +222,14 @@ def _raise(ps: _Pass, cut, step0: float, step1, raise_headroom: float, raise_to:
     water-filling), checked with the simulator; a rank that overshoots is re-planned alone
     with half the slack, then a quarter, ... (ranks are independent pipelines), and one that
     clears none keeps its cut. Returns (grid indices, makespans, reverted) [k * dp]."""
-    c, k, dp, wrow, fused = ps.cache, ps.k, ps.dp, ps.wrow, ps.fused
-    _, i_min, i_max = c.bounds
-    t_grid, units_all = ps.costs.total_s, ps.all_units
-    idx_cut, mk1, dur1, ef1, busy1, compiled = cut
+    k, dp, fused = ps.k, ps.dp, ps.fused
+    _, i_min, i_max = ps.cache.bounds
+    idx_cut, mk1, dur1, ef1, busy1 = cut
     targets = (np.full(k, step0) if raise_to == "static" else step1) * (1.0 - raise_headroom)
     target = np.repeat(targets, dp)                                 # [k * dp] T1'
     overhead = mk1 - busy1.max(axis=1)                              # fill/drain
     slack_full = np.maximum(target[:, None] - overhead[:, None] - busy1, 0.0)
-    cap_full = fused.floats(dur1, ef1, target) if compiled else \
-        np.maximum(unit_floats_from(ps.graph, dur1, ef1, target, ps.p2p_s).T,
-                   0.0).reshape(units_all.shape)
+    cap_full = fused.floats(dur1, ef1, target)
     idx, mk_final = idx_cut.copy(), mk1.copy()
     reverted = np.zeros(k * dp, dtype=bool)
     # A rank may grow up to T1'; one already above it (the bottleneck rank itself, in a pipeline)
@@ -295,46 +238,15 @@ def _raise(ps: _Pass, cut, step0: float, step1, raise_headroom: float, raise_to:
     ranks = np.flatnonzero((slack_full.max(axis=1) > 0) & (cap_full.max(axis=(1, 2)) > 0))
     if not (i_max > i_min and ranks.size):
         return idx, mk_final, reverted
-    order = []              # the rows' sensitivity order, made only where the numpy path runs
-
-    def try_raise(rows, alpha):
-        """Raise rows ``rows`` with slack x alpha; accept those the simulator clears."""
-        got = fused.raise_try(idx_cut, cap_full, slack_full, rows, alpha, wrow, i_max,
-                              FILL_ITERS) if fused else None
-        if got is not None:         # one compiled loop per row, the same numbers
-            trial, mk = got
-            return trial, mk, mk <= limit[rows]
-        units = units_all[rows]
-        trial = np.empty_like(units)
-        w = wrow[rows]
-        if w.any():                 # each row its objective's way, alone
-            q, a = rows[w], alpha[w]
-            cur = idx_cut[q]
-            t_cur = lookup(t_grid, units[w], cur)
-            top = highest_index_within(t_grid, units[w], t_cur + a[:, None, None] *
-                                       cap_full[q], cur, i_max)
-            trial[w] = water_fill(t_grid, units[w], ps.gains, ps.b_rows()[q], cur, top,
-                                  t_cur.sum(axis=1) + a[:, None] * slack_full[q])
-        if not w.all():
-            if not order:
-                order.append(np.tile(np.argsort(-c.sens, axis=1, kind="stable"), (k, 1, 1)))
-            d, a = rows[~w], alpha[~w]
-            trial[~w] = raise_densities(t_grid, units[~w], idx_cut[d],
-                                        a[:, None] * slack_full[d],
-                                        a[:, None, None] * cap_full[d], order[0][d], i_max)
-        mk = ps.simulate(units, trial)[0]
-        return trial, mk, mk <= limit[rows]
-
-    trial, mk, ok = try_raise(ranks, np.ones(ranks.size))
-    idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
-    ranks = ranks[~ok]
-    # The overshooting rows again with half the slack, then a quarter, ...: a row keeps the
-    # largest alpha that clears (most clear at the first halvings, so only the rows still
-    # over are re-planned); one that clears none keeps its cut-only densities.
-    for alpha in 0.5 ** np.arange(1, RAISE_ROUNDS + 1):
+    # The rows with the whole slack, then the overshooting ones again with half the slack, a
+    # quarter, ...: a row keeps the largest alpha that clears (most clear at once, so only the
+    # rows still over are re-planned); one that clears none keeps its cut-only densities.
+    for alpha in 0.5 ** np.arange(RAISE_ROUNDS + 1):
         if not ranks.size:
             break
-        trial, mk, ok = try_raise(ranks, np.full(ranks.size, alpha))
+        trial, mk = fused.raise_try(idx_cut, cap_full, slack_full, ranks,
+                                    np.full(ranks.size, alpha), ps.wrow, i_max, FILL_ITERS)
+        ok = mk <= limit[ranks]
         idx[ranks[ok]], mk_final[ranks[ok]] = trial[ok], mk[ok]
         ranks = ranks[~ok]
     reverted[ranks] = True
@@ -392,3 +304,59 @@ def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
             for c, x in enumerate(kept_all.reshape(k, -1).sum(axis=1).tolist())]
     stage = totals.stage(kept_all.sum(axis=(1, 2)), lambda: dens.mean(axis=(1, 2)))
     return mean, [tuple(row) for row in stage.tolist()]
+
+
+def anchor_s(busy_s: np.ndarray, anchor: str) -> float:
+    if anchor == "mean":
+        return float(busy_s.mean())
+    if anchor == "median":
+        return float(np.median(busy_s))
+    if anchor == "min":
+        return float(busy_s.min())
+    return float(busy_s.max())
+
+
+def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:
+    """[k, m, pp] offsets of the units of DP ranks ``rows`` in a flat [dp, m, pp, g] table
+    (flat unit id x g): "units" below always means these offsets."""
+    _, m, pp = shape
+    return ((rows[:, None, None] * m + np.arange(m)[None, :, None]) * pp
+            + np.arange(pp)[None, None, :]) * g
+
+
+def lookup(a: np.ndarray, units: np.ndarray, idx) -> np.ndarray:
+    """a[unit, idx] for a [dp, m, pp, g] table, unit offsets (``unit_base``) and grid indices."""
+    return a.reshape(-1).take(units + idx)
+
+
+def gain_fill(marg: np.ndarray, slots: int, pp: int, vp: int) -> Fill:
+    """Quality water-filling's gain tables (``kernels.band.water_fill``) for units laid
+    [slots, pp]: per unit the highest grid index whose marginal quality gain ``marg[v, i]``
+    ([nv, g], non-increasing in i, +inf at 0) is >= x is found by one search over the stages'
+    negated tables laid end to end, each shifted into its own band (``flat``), a unit's key
+    shifted into its stage's (virtual stage v = chunk x pp + rank; slot = micro-batch x vp +
+    chunk) and its answer less its stage's first entry."""
+    nv, g = marg.shape
+    neg = -np.asarray(marg, dtype=np.float64)                  # ascending, -inf at 0
+    finite = neg[np.isfinite(neg)]
+    low = (float(finite.min()) if finite.size else 0.0) - 1.0   # below every entry
+    high = max(float(finite.max()) if finite.size else 0.0, 0.0) + 0.5
+    width = high - low + 1.0
+    flat = (np.clip(neg, low, None) + np.arange(nv)[:, None] * width).reshape(-1)
+    stage = (np.arange(slots) % vp)[:, None] * pp + np.arange(pp)[None, :]
+    return Fill.of(flat, stage * width, stage * g + 1, low, high)
+
+
+def broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
+    dp, m, pp = shape
+    if sensitivity is None:
+        return np.zeros(shape)
+    s = np.asarray(sensitivity, dtype=np.float64)
+    if s.shape == (dp, m):
+        s = np.broadcast_to(s[:, :, None], shape)
+    if s.shape != shape:
+        raise ValueError(f"sensitivity must be [dp, m]={(dp, m)} or [dp, m, pp]={shape}, "
+                         f"got {s.shape}")
+    if not np.all(np.isfinite(s)):
+        raise ValueError("sensitivity must be finite")
+    return s

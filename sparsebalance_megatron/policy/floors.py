@@ -2,10 +2,11 @@
 mean and per-stage density floors and the quality rule, with what does not change between the
 checks computed once.
 
-Where numba runs (``kernels.floors``), a check by grid index first sums the plan's kept work and
-quality cost in one compiled pass, in its own order, with a bound on how far any order's sum
-can be from it; only a plan whose sums lie within that bound of a floor is checked again with
-numpy's sums. The verdicts are numpy's either way (a check returns a verdict, never a sum).
+A check by grid index first sums the plan's kept work and quality cost in one compiled pass
+(``kernels.floors``), in its own order, with a bound on how far any order's sum can be from
+it; only a plan whose sums lie within that bound of a floor is checked again with the floors'
+own sums (``density_means``). The verdicts are theirs either way (a check returns a verdict,
+never a sum), and the rule itself lives in ``density_means`` alone.
 
 Pure numpy and numba; must not import torch, megatron or torch.distributed.
 """
@@ -15,9 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import kernels
+from ..kernels import f64
 from ..kernels.records import Floors
 from .costs import UnitCosts
 from .density_means import WeightTotals
+
 
 class FloorCheck:
     """The critical-path descent's floors (``critical_path.refine_plan``) on a plan, given by
@@ -35,22 +38,17 @@ class FloorCheck:
         self.totals = WeightTotals(costs.weights(), costs.dense_work)
         self.mean_floor, self.stage_floor = mean_floor - 1e-12, stage_floor - 1e-12
         t = self.totals
-        self._fast = kernels.enabled() and t.tot > 0 and bool(np.all(t.w >= 0)) and bool(
+        self._fast = t.tot > 0 and bool(np.all(t.w >= 0)) and bool(
             np.all(self.grid > 0)) and (t.dense is None or bool(np.all(t.dense_s >= 0)))
         if self._fast:
-            self._w = np.ascontiguousarray(self.totals.w.reshape(-1), dtype=np.float64)
-            self._g = np.ascontiguousarray(self.grid, dtype=np.float64)
-            self._nv = int(self.totals.w.shape[-1])
+            self._w, self._g, self._nv = f64(t.w.reshape(-1)), f64(self.grid), t.w.shape[-1]
             self._sums = np.empty(2 * self._nv)
             self._record = Floors(
-                self._w, self._nv, float(t.tot), 0.0 if t.dense is None else float(t.dense),
-                np.ascontiguousarray(t.tot_s, dtype=np.float64),
-                np.zeros(self._nv) if t.dense is None else np.ascontiguousarray(
-                    t.dense_s, dtype=np.float64),
-                float(self.mean_floor), float(self.stage_floor),
-                not bool(np.all(t.tot_s > 0)))
-            self._costs = None if quality is None else np.ascontiguousarray(
-                quality._grid_table(self._g).reshape(-1), dtype=np.float64)
+                self._w, self._nv, float(t.tot), float(t.dense or 0.0), f64(t.tot_s),
+                np.zeros(self._nv) if t.dense is None else f64(t.dense_s),
+                float(self.mean_floor), float(self.stage_floor), not bool(np.all(t.tot_s > 0)))
+            self._costs = None if quality is None else f64(
+                quality._grid_table(self._g).reshape(-1))
 
     def floors_at(self, idx: np.ndarray) -> bool:
         """The density floors of the plan at grid indices ``idx`` (non-decreasing in every

@@ -2,10 +2,9 @@
 
 Input: forward and backward seconds per (dp_rank, micro-batch, stage) and a point-to-point latency.
 Output: the step time (max over DP ranks of each rank's pipeline makespan), busy time per
-(dp rank, stage), bubble fraction and imbalance. DST and SAB call ``pipeline_makespan_s`` inside
-their planning loops, so the work is vectorised over the DP axis: the event order of 1F1B does not
-depend on the durations, so it is computed once per (m, pp) and every event is one numpy step over
-``[dp]`` arrays: the reference of the compiled pass (``kernels.graph``, the same numbers).
+(dp rank, stage), bubble fraction and imbalance, and every event's float (``EventGraph``).
+The event order of 1F1B does not depend on the durations, so it is computed once per (m, pp,
+vp) (``event_graph``); the passes over it, vectorised over the DP axis, are ``kernels.graph``'s.
 
 Schedule (megatron/core/pipeline_parallel/schedules.py,
 ``forward_backward_pipelining_without_interleaving``), stage s of pp, m micro-batches:
@@ -15,8 +14,7 @@ bwd(i, s+1) ended + p2p; a stage runs its own events in order, one at a time. Se
 asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient all-reduce,
 optimizer and data loading are outside the model.
 
-Pure numpy; must not import torch, megatron or anything else from this package but
-``kernels`` (the compiled pass, where numba runs).
+Pure numpy; imports nothing else of this package but ``kernels``.
 """
 
 from __future__ import annotations
@@ -28,6 +26,8 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
+from ..kernels import f64
+from ..kernels.records import NO_START, Graph
 
 FWD, BWD = 0, 1
 
@@ -171,33 +171,41 @@ def _check_times(fwd_s, bwd_s, p2p_s):
 
 @dataclass(frozen=True)
 class EventGraph:
-    """The events of one step in ``_global_order``'s topological order, as flat index arrays:
-    event e is (kind, micro-batch, virtual stage) ``(kinds[e], mbs[e], vs[e])`` on ``ranks[e]``;
-    ``prev[e]`` the event before it on its rank, ``dep[e]`` the event it waits for (its data) and
-    ``cross[e]`` whether that wait crosses ranks (p2p latency on the edge); ``nxt[e]`` and
-    ``succ[e]`` the reverse edges (-1 where none); ``last[r]`` rank r's last event;
-    ``unit_events[kind]`` [m * nv] the event of every (micro-batch, virtual stage) unit's forward
-    and backward. Built once per (m, pp, vp); what the simulator and the float pass
-    (``policy.slack``) step through."""
+    """The events of one step in ``_global_order``'s topological order: event e is (kind,
+    micro-batch, virtual stage) ``(kinds[e], mbs[e], vs[e])`` on ``ranks[e]``; ``links`` [5, E]
+    per event the one before it on its rank, the one it waits for (its data), whether that wait
+    crosses ranks (p2p latency on the edge), and the reverse edges (-1 where none); ``last[r]``
+    rank r's last event; ``unit_events[kind]`` [m * nv] the event of every (micro-batch,
+    virtual stage) unit's forward and backward, ``unit_rows`` its inverse. Built once per (m,
+    pp, vp); the passes over it are ``kernels.graph``'s.
+
+    Float (slack): how much an event may grow before the step does, ``latest finish -
+    earliest finish`` with every rank's last event due at a common deadline (DST raises a unit
+    by at most the smaller float of its forward and backward: its forward precedes its
+    backward, so both lie on one path). A stage's busy time is a coarser guide: in 1F1B the
+    first stage's first forward and last backward open and close the pipeline, so growing them
+    grows the step whatever the other stages do."""
 
     ranks: np.ndarray
     kinds: np.ndarray
     mbs: np.ndarray
     vs: np.ndarray
-    prev: tuple
-    dep: tuple
-    cross: tuple
-    nxt: tuple
-    succ: tuple
     last: np.ndarray
     unit_rows: np.ndarray           # [E] row of each event in a [2 * m * nv] (kind, mb, v) table
-    steps: tuple                    # (e, prev, dep, cross) of every event, in order
     unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
-    links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ (``kernels.graph``)
+    links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ
 
     @property
     def size(self) -> int:
-        return len(self.prev)
+        return self.ranks.size
+
+    def record(self, p2p_s: float = 0.0) -> Graph:
+        """The ``kernels.records.Graph`` of this graph with p2p latency ``p2p_s``."""
+        rec = self.__dict__.get("_record")
+        if rec is None:
+            rec = Graph.of(self.links, self.last, self.unit_events)
+            object.__setattr__(self, "_record", rec)
+        return rec._replace(p2p=float(p2p_s))
 
     def durations(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
         """[E, cols] duration of every event from fwd/bwd seconds [cols, m, nv]."""
@@ -211,35 +219,41 @@ class EventGraph:
                         start: Optional[np.ndarray] = None) -> np.ndarray:
         """[E, cols] earliest finish of every event (durations ``dur`` [E, cols]): an event
         starts when its rank's previous event and its dependency (+ p2p when it crosses ranks)
-        have finished. One compiled loop where the kernels run (``kernels.graph``), else this
-        reference: rows written in place, a few numpy calls per event (the same numbers);
-        ``start`` ([E, cols], optional) receives every event's start."""
-        if kernels.enabled():                    # one compiled loop: the same numbers
-            return kernels.graph.earliest_finish(self.links, dur, p2p_s, start)
-        end = np.empty_like(dur)
-        rows, durs = list(end), list(dur)          # row views made once, not per use
-        p = float(p2p_s)
-        for e, pr, d, c in self.steps:
-            row = rows[e]
-            if d >= 0:
-                if c and p:
-                    np.add(rows[d], p, out=row)
-                else:
-                    row[...] = rows[d]
-                if pr >= 0:
-                    np.maximum(row, rows[pr], out=row)
-            elif pr >= 0:
-                row[...] = rows[pr]
-            else:
-                row[...] = 0.0
-            if start is not None:
-                start[e] = row
-            row += durs[e]
+        have finished; ``start`` ([E, cols] float64, C order, optional) receives every
+        event's start."""
+        d = f64(dur)
+        end = np.empty(d.shape)
+        kernels.graph.earliest_finish(self.record(p2p_s), d, np.arange(d.shape[1]), end,
+                                      NO_START if start is None else start)
         return end
 
     def makespan(self, end: np.ndarray) -> np.ndarray:
         """[cols] makespan: the latest of the ranks' last events."""
         return end[self.last].max(axis=0)
+
+    def latest_finish(self, dur: np.ndarray, deadline_s, p2p_s: float) -> np.ndarray:
+        """[E, cols] latest finish of every event with every rank's last event due at
+        ``deadline_s`` ([cols] or one for all): before the next event on its rank starts, and
+        before the event that waits for it starts (less p2p when that wait crosses ranks)."""
+        d = f64(dur)
+        lf = np.empty(d.shape)
+        kernels.graph.latest_finish(self.record(p2p_s), d, _deadlines(deadline_s, d.shape[1]),
+                                    lf)
+        return lf
+
+    def unit_floats(self, dur: np.ndarray, ef: np.ndarray, deadline_s, p2p_s: float
+                    ) -> np.ndarray:
+        """[cols, m * nv] the smaller of every unit's forward and backward float (what it may
+        grow by) of a simulation already run (``dur``, ``ef`` [E, cols])."""
+        d = f64(dur)
+        out = np.empty((d.shape[1], self.unit_events.shape[1]))
+        kernels.graph.unit_floats(self.record(p2p_s), d, f64(ef),
+                                  _deadlines(deadline_s, d.shape[1]), out)
+        return out
+
+
+def _deadlines(deadline, cols: int) -> np.ndarray:
+    return f64(np.broadcast_to(np.asarray(deadline, dtype=np.float64), (cols,)))
 
 
 @lru_cache(maxsize=256)
@@ -261,15 +275,25 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     succ = np.full(n, -1, dtype=np.int64)
     has = dep >= 0
     succ[dep[has]] = np.flatnonzero(has)
-    prev_t, dep_t, cross_t = tuple(prev.tolist()), tuple(dep.tolist()), \
-        tuple(bool(x) for x in crosses)
     unit_rows = (kinds * m + mbs) * (pp * vp) + vs
     unit_events = np.empty(n, dtype=np.int64)
     unit_events[unit_rows] = np.arange(n)
-    return EventGraph(ranks, kinds, mbs, vs, prev_t, dep_t, cross_t, tuple(nxt.tolist()),
-                      tuple(succ.tolist()), last, unit_rows,
-                      tuple(zip(range(n), prev_t, dep_t, cross_t)), unit_events.reshape(2, -1),
+    return EventGraph(ranks, kinds, mbs, vs, last, unit_rows, unit_events.reshape(2, -1),
                       np.stack([prev, dep, np.asarray(crosses, dtype=np.int64), nxt, succ]))
+
+
+def event_float_s(fwd_s: np.ndarray, bwd_s: np.ndarray, deadline_s, p2p_s: float = 0.0,
+                  pp=None) -> tuple:
+    """Float of every forward and backward event: two arrays [dp, m, stages] of seconds (>= 0
+    where the rank meets ``deadline_s`` [dp]); ``fwd_s``, ``bwd_s`` [dp, m, stages] seconds
+    (with ``pp`` smaller than the stage axis, the interleaved schedule's virtual stages)."""
+    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
+    dp, m, nv = f.shape
+    ranks = nv if pp is None else int(pp)
+    g = event_graph(m, ranks, nv // ranks)
+    dur = g.durations(f, b)                                        # [E, dp]
+    fl = g.latest_finish(dur, deadline_s, p) - g.earliest_finish(dur, p)
+    return tuple(fl.take(ev, axis=0).T.reshape(dp, m, nv) for ev in g.unit_events)
 
 
 def _run(f, b, p, record, pp=None):
@@ -311,20 +335,7 @@ def _check_interleaved(shape, pp) -> None:
 
 def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, record: bool = False) -> StepSimulation:
     """Simulate one step; fwd_s, bwd_s: [dp, m, pp] seconds per (dp_rank, micro-batch, stage)."""
-    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
-    dp, m, pp = f.shape
-    rank_time, start, end = _run(f, b, p, record)
-    busy = (f + b).sum(axis=1)                   # [dp, pp]
-    step = float(rank_time.max())
-    mean = float(rank_time.mean())
-    bubble = 1.0 - float(busy.sum()) / (step * dp * pp) if step > 0 else 0.0
-    imbalance = step / mean if mean > 0 else 1.0
-    sim = StepSimulation(step, rank_time, busy, bubble, imbalance)
-    if record:
-        # [2, m, pp, dp] -> [dp, m, pp, 2]
-        sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
-        sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
-    return sim
+    return _simulate(fwd_s, bwd_s, p2p_s, record, None)
 
 
 def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
@@ -332,17 +343,23 @@ def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
     """Megatron's interleaved 1F1B (virtual pipeline, ``microbatch_group_size_per_vp_stage`` =
     pp). fwd_s, bwd_s: [dp, m, pp * vp] seconds per virtual stage ``v = chunk * pp + rank``;
     busy_s is per (dp rank, physical rank); start_s/end_s are [dp, m, pp * vp, 2]."""
+    return _simulate(fwd_s, bwd_s, p2p_s, record, pp)
+
+
+def _simulate(fwd_s, bwd_s, p2p_s, record: bool, pp) -> StepSimulation:
     f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
     dp, m, nv = f.shape
-    _check_interleaved(f.shape, pp)
+    if pp is not None:
+        _check_interleaved(f.shape, pp)
+    ranks = nv if pp is None else pp
     rank_time, start, end = _run(f, b, p, record, pp)
-    busy = (f + b).sum(axis=1).reshape(dp, nv // pp, pp).sum(axis=1)   # [dp, pp]
+    busy = (f + b).sum(axis=1).reshape(dp, nv // ranks, ranks).sum(axis=1)   # [dp, ranks]
     step = float(rank_time.max())
     mean = float(rank_time.mean())
     sim = StepSimulation(step, rank_time, busy,
-                         1.0 - float(busy.sum()) / (step * dp * pp) if step > 0 else 0.0,
+                         1.0 - float(busy.sum()) / (step * dp * ranks) if step > 0 else 0.0,
                          step / mean if mean > 0 else 1.0)
-    if record:
+    if record:                                  # [2, m, nv, dp] -> [dp, m, nv, 2]
         sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
         sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
     return sim

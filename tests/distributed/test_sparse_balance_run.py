@@ -236,15 +236,20 @@ def assert_sensitivity_signs(full: list, resumed: list) -> None:
 
 @pytest.mark.reliability(area="resume", case="interleaved-schedule PP=2 (2 model chunks per "
                          "rank) x DP=2 checkpoint, DST on, measured timings (DP rank 1 a 3x "
-                         "straggler), resumed at iteration 3 of 4 without --sb-fresh-state",
+                         "straggler), resumed at iteration 3 of 4 without --sb-fresh-state; then "
+                         "resumed on DP 1, on PP 1 and without virtual stages",
                          expect="the plugin state written at Megatron's save, one file per DP "
                          "rank; the saved calibration restored exactly; the resumed step's plan, "
-                         "prediction and loss equal the uninterrupted run's")
+                         "prediction and loss equal the uninterrupted run's; on another layout "
+                         "the run goes on, one line says what the balancer kept and dropped, "
+                         "and it kept exactly that")
 def test_interleaved_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, small_jsonl,
-                                                                     tiny_latency_table_pp2):
+                                                                     tiny_latency_table_pp2,
+                                                                     tiny_latency_table):
     """Megatron's data loader hook cannot save with model chunks (it takes one iterator,
     ``train()`` passes one per chunk); the plugin writes the same file at the start of
-    Megatron's save instead, and the resume reads it as a PP=2 one."""
+    Megatron's save instead, and the resume reads it as a PP=2 one. The same checkpoint then
+    resumes on three other layouts (``resume_on_other_layouts``)."""
     from sparsebalance_megatron.megatron.step.state import read_state_file
 
     common = [*TINY_MODEL, *SB, "--pipeline-model-parallel-size", "2",
@@ -267,6 +272,50 @@ def test_interleaved_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, s
         assert names == ["train_dataloader_dprank000.pt", "train_dataloader_dprank001.pt"]
         assert read_state_file(folder / names[0]) == read_state_file(folder / names[1])
         assert not [p for p in folder.iterdir() if ".tmp" in p.name]
+    resume_on_other_layouts(tmp_path, small_jsonl, tiny_latency_table_pp2, tiny_latency_table)
+
+
+def resume_on_other_layouts(tmp_path, small_jsonl, table_pp2, table_pp1) -> None:
+    """The PP=2 x DP=2 x 2 virtual stages checkpoint at RESUME_AT resumed for one step on DP 1
+    (the same pipeline: DP rank 0's calibration kept, rank 1's dropped), on PP 1 (DP 2) and
+    without virtual stages (DP 1 x PP 2: another pipeline, the calibration dropped); the
+    sensitivities kept. The
+    first step of a process is its warm-up (no latency sample), so the state each saves at its
+    end holds what it restored."""
+    from sparsebalance_megatron.megatron.step.state import read_state_file
+
+    saved = read_state_file(tmp_path / "ckpt" / f"iter_{RESUME_AT:07d}" / "mp_rank_00_000" /
+                            "train_dataloader_dprank000.pt")
+    base = [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "4",
+            "--train-iters", str(ITERS), "--sb-latency-table-force", "--sb-timing-source",
+            "measured", "--sb-dst-objective", "density", "--load", tmp_path / "ckpt",
+            "--ckpt-step", str(RESUME_AT), "--save-interval", "100"]
+    pp2 = ["--pipeline-model-parallel-size", "2", "--sb-latency-table", table_pp2]
+    keep0 = {"corrections": {"0": saved["latency"]["corrections"]["0"]},
+             "errors": saved["latency"]["errors"],
+             "stage_corrections": {k: v for k, v in saved["latency"]["stage_corrections"].items()
+                                   if k.startswith("0,")}}
+    for name, ranks, flags, folder, latency, said in (
+            ("dp1", 2, [*pp2, "--num-virtual-stages-per-pipeline-rank", "2"], "mp_rank_00_000",
+             keep0, "drops the calibration of DP rank(s) 1 (gone: 1 factor(s), 2 stage "
+                    "factor(s))"),
+            ("pp1", 2, ["--sb-latency-table", table_pp1], "mp_rank_00", None,
+             "drops the whole latency calibration (2 DP rank factor(s), 4 stage factor(s)"),
+            ("novpp", 2, pp2, "mp_rank_00_000", None,        # DP 1 too: 2 ranks
+             "drops the whole latency calibration (2 DP rank factor(s), 4 stage factor(s)")):
+        proc = run_entry(ranks, [*base, *flags, "--save", tmp_path / name], cwd=tmp_path)
+        lines = [ln for ln in proc.stdout.splitlines() if "resuming on another layout" in ln]
+        assert len(lines) == 1 and said in lines[0], (name, lines)
+        assert "keeps the sensitivities" in lines[0]
+        again = read_state_file(tmp_path / name / f"iter_{ITERS:07d}" / folder /
+                                "train_dataloader_dprank000.pt")
+        for part in ("sample", "bucket"):         # kept (and the resumed step's added)
+            assert set(saved["sensitivity"][part]) <= set(again["sensitivity"][part]), name
+        if latency is not None:
+            assert again["latency"] == latency, (name, again["latency"])
+        else:          # dropped: its first step is a warm-up, nothing learned again yet
+            assert not again["latency"]["corrections"] and not again["latency"]["errors"]
+            assert not again["latency"].get("stage_corrections"), name
 
 
 # Measured timings with a straggler that shows in them: DP rank 1 sleeps in its forward so

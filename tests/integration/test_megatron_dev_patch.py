@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_megatron_patch import (BUILD_ARGS, _megatron_args, parse_patch,
-                                                   pre_image, run_script)
+from tests.integration.test_megatron_hooks import BUILD_ARGS, _megatron_args
+from tests.integration.test_megatron_patch import parse_patch, pre_image, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "patches"

@@ -7,7 +7,8 @@ worker process started with ``TRITON_INTERPRET=1`` (the ``interp`` fixture of
 ``tests/unit/conftest.py``; whatever this process imported before is untouched). The worker
 imports this file and runs its ``check_*`` functions; each test sends one and fails with the
 worker's traceback. Shapes are tiny (block 16, head dims 16/32, ~13 blocks): the interpreter
-runs every program in Python.
+runs every program in Python. The per-layer call (launches, alignment, what the setup builds
+once) is ``test_attention_triton_call.py``; its host round trips ``test_attention_host_syncs.py``.
 """
 
 import os
@@ -248,27 +249,6 @@ def check_refusals_and_fake_op():
         assert out.shape == (t, nh, hn) and lse.shape == (nh, 5 * BS) and lse.dtype == torch.float32
 
 
-def check_no_host_syncs_per_layer():
-    """After the micro-batch's first layer, the triton backend's layers (selection, lists,
-    kernels; forward and backward) read nothing back from the device and copy nothing to it."""
-    import importlib.util
-
-    from sparsebalance_megatron.attention import block_sparse_attention
-    spec = importlib.util.spec_from_file_location(
-        "gpu_path_checks", Path(__file__).with_name("test_attention_gpu_path.py"))
-    gpu_path = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_path)
-    q, k, v, _ = _inputs(4, 2, 16, seed=6)
-    x = [t.requires_grad_(True) for t in (q, k, v)]
-    cu = torch.tensor(CU)                     # a tensor, as Megatron hands it over
-    kw = dict(block_size=BS, backend="triton", cache={}, local_blocks=1, estimator="pooled")
-    block_sparse_attention(*x, cu, 0.4, **kw)                      # layer 1: the set-up
-    with gpu_path.HostSyncCounter() as c:
-        out, _ = block_sparse_attention(*x, cu, 0.4, **kw)
-        out.sum().backward()
-    assert c.reads == [] and c.writes == [], (c.reads, c.writes)
-
-
 def _odd(x):
     """``x``'s values as a contiguous view one element into a fresh buffer (differentiable):
     ``.contiguous()`` returns it uncopied and its data pointer is not 16-byte aligned."""
@@ -276,43 +256,6 @@ def _odd(x):
     assert y.is_contiguous() and y.contiguous().data_ptr() == y.data_ptr()
     assert y.data_ptr() % 16 != 0
     return y
-
-
-def check_misaligned_inputs_are_copied():
-    """q, k, v and dO at an offset that is not 16-byte aligned: every kernel launch (selection,
-    lists, forward, backward) still gets aligned pointers (the compile gate judged only the
-    aligned build), and the results equal the float64 reference."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from sparsebalance_megatron.attention import block_sparse_attention
-    from sparsebalance_megatron.attention.kernels import reference_attention
-    q, k, v, w = _inputs(4, 2, 16, seed=8)
-    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    seen = []
-    run = InterpretedFunction.run
-
-    def record(self, *a, **kw):
-        seen.extend((self.fn.__name__, x.data_ptr() % 16) for x in a
-                    if isinstance(x, torch.Tensor))
-        return run(self, *a, **kw)
-
-    InterpretedFunction.run = record
-    try:
-        out, sel = block_sparse_attention(*(_odd(t) for t in leaves), CU, 0.5, block_size=BS,
-                                          backend="triton", estimator="maxkey",
-                                          softmax_scale=0.25, cache={})
-        grads = torch.autograd.grad(out, leaves, _odd(w))
-    finally:
-        InterpretedFunction.run = run
-    names = {n for n, _ in seen}
-    assert {"fwd_kernel", "dkv_kernel", "bwd_pre_kernel", "_maxkey_kernel"} <= names, names
-    assert [x for x in seen if x[1]] == [], [x for x in seen if x[1]]
-    x64 = [t.double().requires_grad_(True) for t in (q, k, v)]
-    ref = reference_attention(*x64, sel, 0.25)
-    ref_grads = torch.autograd.grad(ref, x64, w.double())
-    for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
-        err = float((a.double() - b).abs().max() / b.abs().max())
-        assert err < 1e-4, f"{name}: max error {err:.2e} relative to the largest entry"
 
 
 # --- tests -------------------------------------------------------------------------------------
@@ -389,14 +332,6 @@ def test_target_shapes_default_configs_equal_the_reference(interp, nh, hn, bs, d
     """The larger form of the ``default-tiles-*`` cases: the target shapes themselves."""
     interp("check_attention", nh=nh, ng=2, hn=hn, density=0.25, sink_blocks=1, local_blocks=0,
            kv_chunk=2, tokens=True, bs=bs, cu=CU_128, dtype=dtype, tol=tol)
-
-
-def test_per_layer_path_makes_no_host_syncs(interp):
-    interp("check_no_host_syncs_per_layer")
-
-
-def test_misaligned_inputs_are_copied_before_any_launch(interp):
-    interp("check_misaligned_inputs_are_copied")
 
 
 def test_aligned_copies_only_what_needs_it():
@@ -490,124 +425,3 @@ def test_kernels_do_the_gemms_the_work_model_counts():
     assert d["split"]["flops"] * 5 == d["one_pass"]["flops"] * 7
     assert d["one_pass"]["atomic_bytes"] == 2 * 4 * 128 * 128 and d["split"]["atomic_bytes"] == 0
     assert d["one_pass"]["load_bytes"] == d["split"]["load_bytes"] == 4 * 128 * 128 * 2
-
-
-# --- the per-layer call: launches counted -----------------------------------------------------
-
-# aten ops that launch nothing (views, allocations, metadata)
-_FREE_OPS = {"view", "_unsafe_view", "permute", "expand", "slice", "select", "as_strided", "t",
-             "transpose", "unsqueeze", "squeeze", "alias", "detach", "empty", "empty_like",
-             "new_empty", "empty_strided", "new_empty_strided", "lift_fresh", "unbind",
-             "split", "reshape", "diagonal", "_reshape_alias", "unflatten", "flatten"}
-
-
-def _count_launches(fn):
-    """Kernel launches of ``fn()``: every Triton kernel launch plus every aten op that is not a
-    view or an allocation (each is a kernel on a GPU), with their names."""
-    import collections
-
-    from torch._library.custom_ops import _maybe_get_opdef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from triton.runtime.interpreter import InterpretedFunction
-
-    seen, inside = collections.Counter(), []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name.startswith("sparse_attn"):     # our custom ops: count what they run
-                with Ops():
-                    return _maybe_get_opdef(func)._init_fn(*args, **(kwargs or {}))
-            if not inside and name not in _FREE_OPS:
-                seen["aten." + name] += 1
-            return func(*args, **(kwargs or {}))
-
-    run = InterpretedFunction.run
-
-    def counted(self, *a, **kw):         # the interpreter's own copies are not launches
-        seen["triton." + self.fn.__name__] += 1
-        inside.append(1)
-        try:
-            return run(self, *a, **kw)
-        finally:
-            inside.pop()
-
-    InterpretedFunction.run = counted
-    try:
-        with Ops():
-            fn()
-    finally:
-        InterpretedFunction.run = run
-    return seen
-
-
-def check_fused_path_and_launches(estimator, nh, ng):
-    """``sparse_triton_select.triton_block_sparse`` (the unpadded per-layer call) gives the
-    padded API path's selection and output (the generic selection too: mass mode with a share
-    reduction), and a layer call (after the micro-batch's first) costs 7 launches forward and
-    3 backward (maxkey), with no host sync, where the padded path made 29 + 16."""
-    from sparsebalance_megatron.attention import block_sparse_attention, build_layout
-    from sparsebalance_megatron.attention.blocks import check_density
-    import importlib.util
-
-    from sparsebalance_megatron.attention.sparse_triton_select import triton_block_sparse
-    q, k, v, w = _inputs(nh, ng, 32, seed=7)
-    budget = dict(sink_blocks=1, local_blocks=1, selection_mode="density", mass_threshold=0.9,
-                  min_density=0.125, max_density=1.0)
-    kw = dict(estimator=estimator, softmax_scale=0.2, **budget)
-    x = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    api_kw = dict(block_size=BS, backend="triton", cache={}, **kw)
-    ref, rsel = block_sparse_attention(*x, CU, 0.4, **api_kw)
-    ref_grads = torch.autograd.grad(ref, x, w)
-    lay = build_layout(CU, CU[-1], BS, "cpu")
-    dens, host = check_density(0.4, lay.num_docs, "cpu")
-    out, sel = triton_block_sparse(*x, lay, dens, density_host=host, **kw)   # layer 1: set-up
-    grads = torch.autograd.grad(out, x, w)
-    assert bool((sel.kv_indices == rsel.kv_indices).all())
-    assert bool((sel.kv_num == rsel.kv_num).all())
-    assert float((sel.shares - rsel.shares).abs().max()) < 1e-6
-    assert float((sel.recall - rsel.recall).abs().max()) < 1e-6
-    assert bool((sel.density_kept == rsel.density_kept).all())
-    for a, b in zip((out, *grads), (ref, *ref_grads)):
-        assert float((a - b).abs().max()) < 1e-5
-    res = {}
-    spec = importlib.util.spec_from_file_location(
-        "gpu_path_checks", Path(__file__).with_name("test_attention_gpu_path.py"))
-    gpu_path = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_path)
-    with gpu_path.HostSyncCounter() as syncs:
-        fwd = _count_launches(lambda: res.update(out=triton_block_sparse(
-            *x, lay, dens, density_host=host, **kw)[0]))
-        bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
-    assert syncs.reads == [] and syncs.writes == [], (syncs.reads, syncs.writes)
-    want_fwd = {"triton._block_sums_kernel": 1, "triton._shares_kernel": 1,
-                "aten.topk": 1, "triton._lists_kernel": 1, "aten.mv": 1,
-                "triton.fwd_kernel": 1}
-    want_fwd.update({"triton._maxkey_kernel": 1} if estimator == "maxkey" else
-                    {"triton._block_sums_kernel": 2, "aten.div": 2, "aten.bmm": 1,
-                     "aten.mul": 1})
-    assert dict(fwd) == want_fwd, dict(fwd)
-    assert dict(bwd) == {"triton.bwd_pre_kernel": 1, "triton.dkv_kernel": 1,
-                         "triton.bwd_post_kernel": 1}, dict(bwd)
-    # mass mode with a share reduction takes the generic selection on the same scores
-    mass = dict(kw, selection_mode="mass", mass_threshold=0.6)
-    ref, rsel = block_sparse_attention(*x, CU, 0.4, reduce_shares=lambda s: s * 1.0,
-                                       **dict(api_kw, **mass))
-    out, sel = triton_block_sparse(*x, lay, dens, density_host=host,
-                                   reduce_shares=lambda s: s * 1.0, **mass)
-    assert bool((sel.kv_indices == rsel.kv_indices).all()) and bool((sel.kv_num != 1).any())
-    assert float((out - ref).abs().max()) < 1e-5
-    # the API's triton backend is this fused call: the same kernels, and the same backward
-    api_fwd = _count_launches(lambda: res.update(out=block_sparse_attention(*x, CU, 0.4,
-                                                                            **api_kw)[0]))
-    api_bwd = _count_launches(lambda: torch.autograd.grad(res["out"], x, w))
-    kernels = lambda c: {n: m for n, m in c.items() if n.startswith("triton.")}
-    assert kernels(api_fwd) == kernels(fwd), (dict(api_fwd), dict(fwd))
-    assert dict(api_bwd) == dict(bwd), dict(api_bwd)
-    print("LAUNCHES", estimator, sum(fwd.values()), sum(bwd.values()),
-          sum(api_fwd.values()), sum(api_bwd.values()), dict(api_fwd), dict(api_bwd))
-
-
-@pytest.mark.parametrize("estimator,nh,ng", [("maxkey", 6, 2), ("pooled", 4, 1)])
-def test_fused_per_layer_call_matches_and_its_launches_are_pinned(interp, estimator, nh, ng):
-    interp("check_fused_path_and_launches", estimator=estimator, nh=nh, ng=ng)

@@ -135,13 +135,14 @@ def test_one_rank_round_trips_exactly():
 
 
 def test_record_size_is_set_by_the_step_shape_not_the_world():
-    """A rank's or cell's record: 6 + 15 words, 4 per timed interval where they travel, 2 per
-    document slot; a DP rank's line has a block per stage and one set of document slots. At 64
-    micro-batches and 1,000 document slots a cell's record stays under 20 KB, at any DP size."""
+    """A rank's or cell's record: 6 + 16 words (the 16th since issue 76: the attention kernel a
+    fallback put in place), 4 per timed interval where they travel, 2 per document slot; a DP
+    rank's line has a block per stage and one set of document slots. At 64 micro-batches and
+    1,000 document slots a cell's record stays under 20 KB, at any DP size."""
     shape = RecordShape(1, 64, 0, 1000)
-    assert shape.words == 6 + 15 + 2 * 1000 and shape.nbytes < 20_000
-    assert RecordShape(1, 64, 64, 10).words == 6 + 15 + 4 * 64 + 20
-    assert shape.with_stages(8).words == 6 + 8 * 15 + 2 * 1000
+    assert shape.words == 6 + 16 + 2 * 1000 and shape.nbytes < 20_000
+    assert RecordShape(1, 64, 64, 10).words == 6 + 16 + 4 * 64 + 20
+    assert shape.with_stages(8).words == 6 + 8 * 16 + 2 * 1000
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -271,3 +272,17 @@ def test_recall_sums_count_training_forwards_only():
              (1, (7,), 1, [0.5], [0.6]),
              (None, (99,), 1, [1.0], [0.1])]                      # an evaluation forward
     assert recall_sums(stats) == {5: [0.9 + 0.8, 2], 6: [0.7, 1], 7: [0.6, 1]}
+
+
+def test_the_furthest_attention_fallback_of_any_rank_reaches_every_rank():
+    """Each rank reports the kernel it runs after its own fallbacks (1 + its place in the chain,
+    0: none); the step's summary holds the furthest, the same on every rank."""
+    slots = [np.array([4]), np.array([4])]
+    shape = RecordShape(1, 1, 0, 1)
+    lines = []
+    for dp, backend in ((0, 0), (1, 2)):
+        cell = combine_cell(np.stack([encode_rank(RankReport(dp, 0, fingerprint=1,
+                                                             backend=b), shape, slots[dp])
+                                      for b in (0, backend)]), shape)
+        lines.append(join_pipeline(cell[None], shape))
+    assert decode_step(np.stack(lines), shape, slots).backend == 2

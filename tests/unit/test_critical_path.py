@@ -102,7 +102,8 @@ def test_issue27_long_tail_interleaved_case_gains_what_the_band_leaves():
     lay = PipelineLayout.from_string("Et*3|t*3|t*3|t*2|t*4|t*5|t*4|L", pp=4)  # [3+4]/[3+5]/..
     rows = {}
     for descent in ("off", "critical_path"):
-        cfg = StudyConfig(steps=1, seed=0, dst_descent=descent)
+        cfg = StudyConfig(steps=1, seed=0, sb=SparseBalanceConfig(sparse_balance=True,
+                                                                  dst_descent=descent))
         rows[descent] = run_study(4, cfg, lm, lengths, {"static": ("static", lay),
                                                         "dst": ("dst", lay)})["dst"]
     assert rows["off"]["speedup_vs_static"] < 1.02
@@ -115,22 +116,22 @@ def test_issue27_long_tail_interleaved_case_gains_what_the_band_leaves():
 def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, rounds=8):
     """The descent as its module docstring states it, with nothing skipped: every round
     searches every unit under every fraction, looks up every candidate plan whole and
-    simulates every DP rank (a plain binary search, ``level_search``, for the grid)."""
+    simulates every DP rank (every grid index tried for the grid search)."""
     from sparsebalance_megatron.policy import critical_path as cp
-    from sparsebalance_megatron.policy.grid_search import level_search
-    from sparsebalance_megatron.policy.slack import floats_from
     from sparsebalance_megatron.sim.pipeline import event_graph
 
     dp, m, nv = costs.shape
     g = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
-    t_grid, rows, eps = costs.total_s, np.arange(dp), cp._REL_EPS
+    t_grid, rows, eps = costs.total_s, np.arange(dp), 1e-9
 
     def highest(thr, lo, hi):
         lo, hi = np.broadcast_arrays(lo, hi, thr)[:2]
         limit = thr * (1 + eps) + 1e-15
         at = np.broadcast_to(t_grid, thr.shape + (t_grid.shape[-1],))
-        return level_search(lo, hi, lambda i: np.take_along_axis(
-            at, i[..., None], axis=-1)[..., 0] <= limit)
+        out = lo.copy()
+        for i in range(t_grid.shape[-1]):                 # the highest that fits wins
+            out = np.where((at[..., i] <= limit) & (lo <= i) & (i <= hi), i, out)
+        return out
 
     def sim(i):
         k = i.reshape(-1, dp, m, nv)
@@ -142,7 +143,7 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
             g.makespan(ef).reshape(i.shape[:-3] + (dp,))
 
     def floats(dur, ef, deadline):
-        return np.minimum(*floats_from(g, dur, ef, deadline, p2p_s, (dp, m, nv)))
+        return g.unit_floats(dur, ef, deadline, p2p_s).reshape(-1, m, nv)
 
     f, b, dur, ef, mk = sim(idx)
     step, eta = float(mk.max()), cp.ETA_START
@@ -220,32 +221,24 @@ def test_descend_plans_exactly_what_the_plain_descent_plans():
     assert accepted >= 8                                  # the descent did move plans
 
 
-def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypatch):
-    """With numba each round's cut and raise preparation run as compiled phases
-    (``kernels.descent``), their seconds computed by the tables' formula (costs from a latency
-    model, as every draft's) or read from the tables (costs without one): the plans and step
-    times are still the plain descent's, bit for bit, calibrated (per-rank factors) or not,
-    1F1B and interleaved, with p2p latency and raise headroom."""
+def test_a_round_from_the_last_rounds_search_plans_what_a_cold_search_plans(monkeypatch):
+    """Each round's cut starts from the last round's look-ups and picks on the same plan
+    (``kernels.descent.Round``): every cut equals a search from scratch, and the plans and
+    step times are the plain descent's, bit for bit, on costs from a latency model (calibrated
+    per rank or not), 1F1B and interleaved, with p2p latency and raise headroom."""
+    from sparsebalance_megatron import kernels
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron import kernels
 
-    if not kernels.enabled():
-        pytest.skip("numba is not installed: the compiled phases do not run")
-    from sparsebalance_megatron.policy.critical_path import _Step
-
-    calls, now = [], {}
+    calls = []
     real = kernels.descent.Round.cut
 
-    def checked_cut(self, plan, t_min, target, limit, fracs, scale):
-        """Every cut, also the ones that start from the last round's search, is the search
-        from scratch's (a new ``Round`` on the same step)."""
+    def checked_cut(self, plan, t_min, target):
         warm = self._was[0].size > 0
-        got = real(self, plan, t_min, target, limit, fracs, scale)
-        st = now["step"]
-        cold = kernels.descent.Round(*st.records(), st.c.formula, st.c.shape, self.i_min,
+        got = real(self, plan, t_min, target)
+        cold = kernels.descent.Round(self.graph, self.tables, self.shape, self.i_min,
                                      self.i_max)
-        for x, y in zip(got, real(cold, plan, t_min, target, limit, fracs, scale)):
+        for x, y in zip(got, real(cold, plan, t_min, target)):
             np.testing.assert_array_equal(x, y)
         calls.append(warm)
         return got
@@ -262,12 +255,9 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
             lm.calibrate_ranks(np.ones((dp, pp)), rng.uniform(0.9, 1.2, (dp, pp)))
         lengths = [rng.integers(100, 4000, rng.integers(1, 4)) for _ in range(dp * m)]
         costs = UnitCosts.from_latency(lm, lengths, dp, m, grid)
-        assert costs.formula is not None
-        if vp > 1 or case % 3 == 2:                        # every third: tables only
+        if vp > 1:
             costs = UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s, costs.attn_work,
-                              pipeline_ranks=pp // vp,
-                              _formula=None if case % 3 == 2 else costs.formula,
-                              tables_checked=True)
+                              pipeline_ranks=pp // vp, tables_checked=True)
         i_min, i_max = costs.index_of(DMIN), costs.index_of(DMAX)
         start = np.full(costs.shape, costs.index_of(D0))
         w = costs.weights()
@@ -276,7 +266,6 @@ def test_the_compiled_round_plans_exactly_what_the_plain_descent_plans(monkeypat
             return weighted_mean_density(d, w) >= floor
 
         kw = dict(p2p_s=0.002 * (case % 2), raise_headroom=0.05 * (case % 4 == 3))
-        now["step"] = _Step(costs, kw["p2p_s"])
         got, step = descend(costs, start, i_min, i_max, meets=meets, floors=meets, **kw)
         want, want_step = _plain_descend(costs, start, i_min, i_max, meets=meets, **kw)
         np.testing.assert_array_equal(got, want)

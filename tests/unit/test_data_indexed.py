@@ -57,8 +57,6 @@ def test_indexed_round_trip(tmp_path, sentences):
             assert mb.tokens.shape == (128,) and mb.cu_seqlens[-1] == 128
 
 
-# megatron's IndexedDataset.__del__ complains about the half-built object left by a bad index.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_indexed_compact_vocab_and_errors(tmp_path):
     prefix = str(tmp_path / "d")
     docs = [[5, 9, 5, 200] * 5, [9, 9, 7] * 6]
@@ -72,3 +70,28 @@ def test_indexed_compact_vocab_and_errors(tmp_path):
     (tmp_path / "d.idx").write_bytes(b"garbage, not an index")
     with pytest.raises(ValueError, match="not a readable Megatron indexed data set"):
         load_corpus(prefix, tokenizer="byte", cache_dir=str(tmp_path))
+
+
+def test_indexed_bad_headers_are_named(tmp_path):
+    """The reader is numpy alone: each way an index can be wrong is named with the prefix."""
+    import struct
+    from sparsebalance_megatron.data.indexed import HEADER, read_indexed_documents
+    prefix = str(tmp_path / "d")
+    write_indexed(prefix, [[1, 2, 3] * 4, [4, 5] * 7])
+    flat, starts, lengths = read_indexed_documents(prefix)
+    assert lengths.tolist() == [12, 14] and flat[starts[1]:starts[1] + 2].tolist() == [4, 5]
+    good = (tmp_path / "d.idx").read_bytes()
+    cases = {
+        "version 2, expected 1": good[:9] + struct.pack("<Q", 2) + good[17:],
+        "dtype code 99": good[:17] + bytes([99]) + good[18:],
+        "need": good[:40],
+    }
+    for why, data in cases.items():
+        (tmp_path / "d.idx").write_bytes(data)
+        with pytest.raises(ValueError, match=f"'{prefix}'.*{why}"):
+            read_indexed_documents(prefix)
+    (tmp_path / "d.idx").write_bytes(good)
+    (tmp_path / "d.bin").write_bytes((tmp_path / "d.bin").read_bytes()[:20])
+    with pytest.raises(ValueError, match="do not match"):
+        read_indexed_documents(prefix)
+    assert HEADER == good[:9]

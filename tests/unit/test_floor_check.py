@@ -2,7 +2,6 @@
 where no summation order can change the verdict, and is numpy's verdict everywhere."""
 
 import numpy as np
-import pytest
 
 from sparsebalance_megatron.policy.costs import stage_mean_densities, weighted_mean_density
 from sparsebalance_megatron.policy.floors import FloorCheck
@@ -11,12 +10,8 @@ from test_policy_dst import _quality, synthetic_costs
 
 
 def _counting(monkeypatch, cls, name: str) -> tuple:
-    """(calls, the method as it was): ``cls.name`` patched to count its calls, the numba
-    kernels' fall-back to numpy's sums; skipped without numba (every check is numpy's)."""
-    from sparsebalance_megatron import kernels
-
-    if not kernels.enabled():
-        pytest.skip("numba is not installed: every check is numpy's")
+    """(calls, the method as it was): ``cls.name`` patched to count its calls, the compiled
+    check's fall-back to numpy's sums."""
     calls, real = [], getattr(cls, name)
 
     def counted(self, *args):
@@ -29,7 +24,7 @@ def _counting(monkeypatch, cls, name: str) -> tuple:
 
 def test_the_floor_checks_compiled_sums_decide_only_what_no_summation_order_can_change(
         monkeypatch):
-    """With numba, a check by grid index sums the plan in a compiled pass of its own order and
+    """A check by grid index sums the plan in a compiled pass of its own order and
     decides from it only where every order's sum falls on the same side of the floor (a bound
     on the difference): a plan whose mean or stage density is the floor itself, or within
     rounding of it, is checked with numpy's sums; one clearly off it is decided by the

@@ -2,9 +2,8 @@
 package with ``ast``.
 
 1. Only ``sparsebalance_megatron/megatron/`` imports ``megatron``, and no other module imports our
-   ``.megatron`` subpackage at module level. The one allowed exception is a lazy import inside a
-   function of ``sparsebalance_megatron/data/corpus.py`` of ``..megatron.indexed_data`` (reading a
-   user's Megatron indexed data set needs Megatron's reader; the pure corpus code does not).
+   ``.megatron`` subpackage, at module level or inside a function (a Megatron indexed data set is
+   parsed with numpy, ``data/indexed.py``).
 2. Only ``sparsebalance_megatron/megatron/runtime/comm.py`` imports ``torch.distributed`` (other adapter
    modules may use Megatron's own distributed helpers), and only it touches ``torch.distributed.*``.
 3. ``import sparsebalance_megatron`` and every pure subpackage (every one but ``megatron``) with all
@@ -37,9 +36,6 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "sparsebalance_megatron"
 ADAPTER = PKG / "megatron"
 COMM = ADAPTER / "runtime/comm.py"
-# (file, the one module it may import lazily inside a function)
-LAZY_ADAPTER_IMPORTS = {"sparsebalance_megatron/data/corpus.py":
-                        "sparsebalance_megatron.megatron.step.indexed_data"}
 KNOWN_VIOLATIONS: dict = {}
 ROOM_ORDER = ["errors", "runtime", "model", "launch", "step"]   # each imports only those before
 
@@ -129,15 +125,17 @@ def import_edges(path: Path, known: set) -> list[tuple[str, int]]:
     return [(m, line) for m, line in out if m is not None and m != name]
 
 
-def import_circles(paths, groups: list = None) -> list[list[tuple[str, int]]]:
+def import_circles(paths, groups: list = None, edges=None) -> list[list[tuple[str, int]]]:
     """One import circle per group of modules that import each other (a strongly connected
     component), the shortest through the group's first module, each as [(module, line of its
     import of the next one), ...], the last importing the first. ``groups`` (a list) receives
-    each group's modules: fixing one circle may leave another in the same group."""
+    each group's modules: fixing one circle may leave another in the same group. ``edges``:
+    the (module, line) imports of a path (default ``import_edges``; ``test_floors`` adds
+    importlib's loads)."""
     files = {module_name(p): p for p in paths}
     graph = {name: {} for name in files}
     for name, path in files.items():
-        for mod, line in import_edges(path, set(files)):
+        for mod, line in (edges or import_edges)(path, set(files)):
             graph[name].setdefault(mod, line)
     index, low, stack, on_stack, found = {}, {}, [], set(), []
     for root in sorted(graph):                       # Tarjan's algorithm, without recursion
@@ -215,24 +213,18 @@ def test_the_walk_sees_the_package():
     names = {rel(p) for p in MODULES}
     assert "sparsebalance_megatron/config.py" in names and rel(COMM) in names
     assert any(_is(m, "torch.distributed") for m, _, _ in imports(COMM)), "comm.py changed?"
-    corpus_lazy = [(m, f) for m, _, f in imports(PKG / "data" / "corpus.py")
-                   if _is(m, "sparsebalance_megatron.megatron")]
-    assert all(f for _, f in corpus_lazy), "the corpus exception must stay lazy"
 
 
 @pytest.mark.parametrize("path", [_param("megatron", p) for p in MODULES
                                   if ADAPTER not in p.parents])
 def test_only_the_adapter_imports_megatron(path):
-    allowed_lazy = LAZY_ADAPTER_IMPORTS.get(rel(path))
     bad = []
     for mod, line, in_func in imports(path):
         if _is(mod, "megatron"):
             bad.append(f"line {line}: imports {mod}")
         elif _is(mod, "sparsebalance_megatron.megatron"):
-            if not in_func:
-                bad.append(f"line {line}: imports {mod} at module level")
-            elif allowed_lazy is None or not _is(mod, allowed_lazy):
-                bad.append(f"line {line}: imports {mod} inside a function")
+            bad.append(f"line {line}: imports {mod}" + (" inside a function" if in_func else
+                                                         " at module level"))
     assert not bad, f"{rel(path)}: " + "; ".join(bad)
 
 

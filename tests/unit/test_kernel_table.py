@@ -99,8 +99,8 @@ def test_the_summary_names_the_backward_that_is_faster_at_every_density():
 
 def test_the_summary_prices_each_call_for_the_simulator_where_two_lengths_were_timed():
     """``call_prices``: fa4 timed on one document at 16K and 32K (the kernel-fa4 call) gets the
-    simulator's price (``sparse_call.fit_price``); triton at one length gets none; other shapes
-    and packed micro-batches do not count."""
+    simulator's price (``sparse_call.fit_price``); triton at two densities gets none; other
+    shapes do not count, nor packed micro-batches whose kept tiles no kernel row counts."""
     from sparsebalance_megatron.latency.work import attention_work
     kt = _script("bench_attention_gpu")
 
@@ -112,8 +112,43 @@ def test_the_summary_prices_each_call_for_the_simulator_where_two_lengths_were_t
     rows += [_row("fa4", 16384, 99.0, shape="14/2/64"), _row("fa4", 32768, 99.0, case="file#0")]
     got = kt.summarize(rows)["prices"]
     assert list(got) == ["fa4"]
-    assert got["fa4"] == {"call_ms": pytest.approx(0.9), "per_32k_tokens_ms": pytest.approx(0.64),
-                          "tile_us": pytest.approx(0.2)}
+    # (issue 74: the price also says the lengths it was fitted at and each pass's share, the
+    # 2 : 1 and 2.5 : 1 defaults where the rows did not time the passes apart)
+    assert {k: got["fa4"][k] for k in ("call_ms", "per_32k_tokens_ms", "tile_us")} == {
+        "call_ms": pytest.approx(0.9), "per_32k_tokens_ms": pytest.approx(0.64),
+        "tile_us": pytest.approx(0.2)}
+    assert got["fa4"]["lengths"] == [16384, 32768]
+    assert got["fa4"]["call_bwd_share"] == pytest.approx(2 / 3)
+
+
+def test_the_price_is_fitted_pass_by_pass_on_every_micro_batch_the_table_timed():
+    """One length is priced at that length (its per-token part in the call's cost); the passes
+    timed apart give the price its shares; a packed micro-batch counts with the kept tiles its
+    kernel rows counted (``tiles`` over the query heads); ``fixed_ms`` per micro-batch is the
+    same fit's call term (no line of its own)."""
+    kt = _script("bench_attention_gpu")
+
+    def passes(kept):            # fwd 0.3 ms + 0.1 us a tile, bwd 1.2 ms + 0.25 us a tile
+        return 0.3 + 0.1e-3 * kept, 1.2 + 0.25e-3 * kept
+
+    rows = []
+    for case, kept in (("single", {0.25: 8323, 0.5: 16513, 1.0: 32896}),
+                       ("file#0", {0.25: 2446, 0.5: 4680, 1.0: 9169})):
+        for d, k in kept.items():
+            f, b = passes(k)
+            rows.append(dict(_row("fa4", 32768, f + b, d=d, case=case), call_fwd_ms=f,
+                             call_bwd_ms=b))
+            rows.append(dict(_kernel("fa4", "fa4", d, 0.9, 0.9), case=case, tiles=8 * k,
+                             fwd_ms=f - 0.1, bwd_ms=b))
+    s = kt.summarize(rows)
+    got = s["prices"]["fa4"]
+    assert got["call_ms"] == pytest.approx(1.5) and got["tile_us"] == pytest.approx(0.35)
+    assert got["per_32k_tokens_ms"] == 0.0 and got["lengths"] == [32768]
+    assert got["call_bwd_share"] == pytest.approx(0.8)
+    assert got["tile_bwd_share"] == pytest.approx(0.25 / 0.35)
+    assert s["shapes"]["8/2/128"]["fixed_ms"] == {
+        "fa4 fa4 file#0 32768": {"fwd": pytest.approx(0.2), "bwd": pytest.approx(1.2)},
+        "fa4 fa4 single 32768": {"fwd": pytest.approx(0.2), "bwd": pytest.approx(1.2)}}
 
 
 def test_shape_argument_is_checked():
@@ -291,17 +326,18 @@ def test_the_correctness_check_fails_a_wrong_kernel(interp):
 
 
 def test_the_summary_names_each_kernels_fixed_cost_per_call():
-    """``fixed_costs``: a line through each pass's time against the kept fraction (densities
-    >= 0.25) crosses zero kept tiles at the cost per call; below three densities, none."""
+    """``fixed_costs``: each kernel's price on one micro-batch (``sparse_call.fit_price``, the
+    simulator's fit; issue 74: one body, no line of its own) crosses zero kept tiles at its cost
+    per call, every density in; below three rows, none."""
     kt = _script("bench_attention_gpu")
-    rows = [dict(kind="kernel", backend="fa4", variant="fa4", case="single", tokens=32768,
-                 density=d, kept_fraction=d + 0.01, fwd_ms=0.3 + 4.0 * (d + 0.01),
-                 bwd_ms=1.4 + 8.0 * (d + 0.01)) for d in (0.125, 0.25, 0.5, 1.0)]
-    rows[0]["bwd_ms"] = 99.0                       # below 0.25: not in the line
-    got = kt.fixed_costs(rows)
+    rows = [dict(kind="kernel", shape="8/2/128", backend="fa4", variant="fa4", case="single",
+                 tokens=32768, density=d, tiles=8 * k, fwd_ms=0.3 + 0.1e-3 * k,
+                 bwd_ms=1.4 + 0.25e-3 * k)
+            for d, k in ((0.125, 4231), (0.25, 8323), (0.5, 16513), (1.0, 32896))]
+    got = kt.fixed_costs(rows, "8/2/128")
     assert list(got) == ["fa4 fa4 single 32768"]
     assert got["fa4 fa4 single 32768"] == {"fwd": pytest.approx(0.3), "bwd": pytest.approx(1.4)}
-    assert kt.fixed_costs(rows[:3]) == {}          # two densities >= 0.25 only
+    assert kt.fixed_costs(rows[:2], "8/2/128") == {}           # two rows only
 
 
 def test_gpu_check_reads_the_rows_of_a_cut_run(tmp_path):

@@ -7,8 +7,8 @@ import pytest
 
 from sparsebalance_megatron.data.packing import PAD_SEQ_TOKENS
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, UnitFeatures, analytic_table
-from sparsebalance_megatron.megatron.launch.profile import (QUICK_MIXES, default_mixes,
-                                                            padded_length_warning)
+from sparsebalance_megatron.megatron.launch.profile_grid import (QUICK_MIXES, default_mixes,
+                                                                 padded_length_warning)
 
 
 @pytest.mark.parametrize("seq_length,block_size", [(16384, 128), (32768, 128), (4096, 128),

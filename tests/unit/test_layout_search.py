@@ -65,10 +65,10 @@ def test_sparse_balance_layouts_keep_every_stage_above_the_floor(result):
     sb = result["sparsebalance"]
     assert all(c.variant == "sab_dst" for c in sb)
     assert {c.layout.vp for c in sb} == {1, 2}          # DST plans the interleaved schedule too
-    floor = CFG.policy().stage_density_floor * CFG.density
+    floor = CFG.sb.stage_density_floor * CFG.sb.density
     for c in sb:
         if c.qualifies:
-            assert c.row["mean_density"] >= CFG.density - 1e-9
+            assert c.row["mean_density"] >= CFG.sb.density - 1e-9
             assert c.row["min_stage_density"] >= floor - 1e-9
     assert sb[0].qualifies
 
@@ -87,13 +87,12 @@ def test_study_reports_the_predicted_loss_of_both_objectives(lm, lengths):
     d0 on its layout: 0 for static d0, never above 0 for the default (quality) objective's plans
     (a plan may not lose predicted quality), and defined for the density objective too, so the
     two compare on one measure; the default objective plans what an explicit quality one does."""
-    from dataclasses import replace
     lay = PipelineLayout.even(8, 4)
     runs = {"static": ("static", lay), "sb": ("sab_dst", lay), "acc": ("sab_dst_acc", lay)}
     default = run_study(4, CFG, lm, lengths, runs, baseline="static")
-    quality = run_study(4, replace(CFG, dst_objective="quality"), lm, lengths, runs,
+    quality = run_study(4, CFG.with_flags(dst_objective="quality"), lm, lengths, runs,
                         baseline="static")
-    density = run_study(4, replace(CFG, dst_objective="density"), lm, lengths, runs,
+    density = run_study(4, CFG.with_flags(dst_objective="density"), lm, lengths, runs,
                         baseline="static")
     for name in runs:
         assert default[name]["predicted_loss"] == quality[name]["predicted_loss"]
@@ -161,8 +160,7 @@ def test_free_accuracy_layouts_are_no_slower_than_the_best_static(result):
 
 
 def test_free_accuracy_layouts_under_the_density_objective_are_densest_first(lm, lengths):
-    import dataclasses
-    cfg = dataclasses.replace(CFG, dst_objective="density")
+    cfg = CFG.with_flags(dst_objective="density")
     acc = best_layouts(lm, lengths, cfg, 4, pp=4, vps=(1,))["accuracy"]
     assert len(acc) >= 2
     dens = [c.row["mean_density"] for c in acc]

@@ -9,7 +9,7 @@ import pytest
 from sparsebalance_megatron.latency import (LatencyModel, LayoutError, ModelShape,
                                             PipelineLayout, analytic_table, candidate_layouts)
 from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
-from sparsebalance_megatron.policy.slack import event_float_s
+from sparsebalance_megatron.sim.pipeline import event_float_s
 from sparsebalance_megatron.sim.pipeline import (pipeline_makespan_s, simulate_1f1b,
                                                  simulate_interleaved_1f1b)
 

@@ -1,9 +1,9 @@
 """The planner's plans, bit for bit, on a fixed set of drafts: each configuration's digest of
 two consecutive drafts (the runtime's ``Drafter`` on the built-in corpus, the calibration and
 sensitivity tracker updated between them as ``end_step`` does, ``planner_ab.draft_loop``'s
-digest: every plan's densities and report) must equal the one recorded here, with numba's
-kernels and with the numpy paths (``SB_PLANNER_JIT=0``). Recorded at 959136a, before the
-planner's kernels moved into ``kernels/`` (which kept all 11); recorded again when DST began to
+digest: every plan's densities and report) must equal the one recorded here. Recorded at
+959136a, before the planner's kernels moved into ``kernels/`` (which kept all 11, as did the
+numpy paths' removal: every rule written once, compiled); recorded again when DST began to
 plan at effective densities (issue 62: a move that keeps no other block is no move), which
 changed 9 of them by design and left the two whose drafts made no such move; and again when
 the blocks a move keeps became the documents' alone (``UnitCosts.from_latency``'s
@@ -24,8 +24,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,19 +69,8 @@ print(json.dumps(out))
 """
 
 
-def _numba() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.parametrize("jit", ["1", "0"], ids=["numba", "numpy"])
-def test_plans_are_the_recorded_ones(jit):
-    if jit == "1" and not _numba():
-        pytest.skip("numba is not installed: the numpy run checks the plans")
-    env = dict(os.environ, SB_PLANNER_JIT=jit, PYTHONPATH=str(REPO))
+def test_plans_are_the_recorded_ones():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     done = subprocess.run([sys.executable, "-c", DIGESTS, json.dumps([c for c, _ in PLANS])],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

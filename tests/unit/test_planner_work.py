@@ -3,15 +3,13 @@ twice as slow (issue 44), which a wall-clock test on a shared machine cannot be.
 
 The runtime's draft (``step/drafting.py``: SAB's and the baseline's packing, their features, DST
 under the do-no-harm rule with the default flags, and with DST on the chosen packing only) is run
-on fixed steps of the built-in corpus, and what its time goes into is counted: the simulator's and
-the float pass's Python steps over events (``EventGraph.earliest_finish``, ``slack.latest_finish``:
-events x calls), the cells
-they write (events x columns) and the grid searches' gathered elements (``highest_at_most``,
-``level_search``). Each must stay within [0.5, 1.5] x ``REFERENCE``: a change that doubles the work
-fails; one that halves it fails too, and then ``REFERENCE`` is updated with the figures the failure
-prints (the drop is worth a commit message). The counts are taken on the numpy paths
-(``kernels`` off): the planning algorithm's work, event by event, which the compiled kernels
-do in fewer steps and the same numbers. Wall-clock figures of the same draft are ``scripts/bench.py
+on fixed steps of the built-in corpus, and what its time goes into is counted at the compiled
+kernels' doors: the event passes' cells (events x columns: ``EventGraph``'s earliest and
+latest finishes, a band pass's rows cut, their floats and every raise try's rows), the band
+pass's rows, and the units the descent's rounds search (its cuts' and raises'). Each must stay
+within [0.5, 1.5] x ``REFERENCE``: a change that doubles the work fails; one that halves it
+fails too, and then ``REFERENCE`` is updated with the figures the failure prints (the drop is
+worth a commit message). Wall-clock figures of the same draft are ``scripts/bench.py
 planner_cost``'s.
 """
 
@@ -20,8 +18,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import grid_search
-from sparsebalance_megatron.policy import critical_path, dst_moves, slack
 from sparsebalance_megatron import kernels
 from sparsebalance_megatron.sim import pipeline
 
@@ -29,52 +25,45 @@ from sparsebalance_megatron.sim import pipeline
 # draft with the default flags otherwise; the default compare ('planned') plans DST on both
 # packings, 'static' on one (about half the work)
 REFERENCE = {
-    (16, 16, "even", "planned"): {"event_steps": 11392, "cells": 460288, "searched": 41977},
-    (16, 16, "best", "planned"): {"event_steps": 14848, "cells": 478208, "searched": 35811},
-    (16, 16, "even", "static"): {"event_steps": 5760, "cells": 249024, "searched": 19102},
-    (16, 16, "best", "static"): {"event_steps": 6400, "cells": 271744, "searched": 19500},
+    (16, 16, "even", "planned"): {"cells": 163264, "rows": 780, "searched": 5178},
+    (16, 16, "best", "planned"): {"cells": 65408, "rows": 80, "searched": 10974},
+    (16, 16, "even", "static"): {"cells": 83968, "rows": 368, "searched": 2592},
+    (16, 16, "best", "static"): {"cells": 40960, "rows": 32, "searched": 6550},
 }
 STEPS = 2
 
 
 def _count(monkeypatch) -> dict:
-    n = {"event_steps": 0, "cells": 0, "searched": 0}
+    n = {"cells": 0, "rows": 0, "searched": 0}
 
-    ef = pipeline.EventGraph.earliest_finish
+    def counted(cls, name, count):
+        real = getattr(cls, name)
 
-    def earliest_finish(self, dur, p2p_s, start=None):
-        n["event_steps"] += self.size
-        n["cells"] += dur.size
-        return ef(self, dur, p2p_s, start)
+        def wrapped(self, *args, **kwargs):
+            out = real(self, *args, **kwargs)
+            count(self, args, out)
+            return out
+        monkeypatch.setattr(cls, name, wrapped)
 
-    lf = slack.latest_finish
+    def cells(k):
+        return lambda self, args, out: n.__setitem__("cells", n["cells"] + k(self, args, out))
 
-    def latest_finish(g, dur, deadline_s, p2p_s):
-        n["event_steps"] += g.size
-        n["cells"] += dur.size
-        return lf(g, dur, deadline_s, p2p_s)
+    for name in ("earliest_finish", "latest_finish", "unit_floats"):
+        counted(pipeline.EventGraph, name, cells(lambda g, args, out: np.size(args[0])))
+    band = kernels.band.BandPass
 
-    ham = grid_search.highest_at_most
-
-    def highest_at_most(table, units, limit, lo, hi):
-        out = ham(table, units, limit, lo, hi)
-        n["searched"] += out.size
-        return out
-
-    ls = grid_search.level_search
-
-    def level_search(lo, hi, ok):
-        def counted(mid):
-            n["searched"] += np.size(mid)
-            return ok(mid)
-        return ls(lo, hi, counted)
-
-    monkeypatch.setattr(kernels, "enabled", lambda: False)      # the algorithm's own steps
-    monkeypatch.setattr(pipeline.EventGraph, "earliest_finish", earliest_finish)
-    monkeypatch.setattr(slack, "latest_finish", latest_finish)
-    for mod in (critical_path, dst_moves):
-        monkeypatch.setattr(mod, "highest_at_most", highest_at_most)
-    monkeypatch.setattr(dst_moves, "level_search", level_search)
+    def rows(self, args, out):
+        r = out[1].size
+        n["rows"] += r
+        n["cells"] += r * self.graph.prev.size
+    counted(band, "cut", rows)
+    counted(band, "raise_try", rows)
+    counted(band, "floats", cells(lambda self, args, out: np.size(args[0])))
+    rnd = kernels.descent.Round
+    counted(rnd, "cut", lambda self, args, out: n.__setitem__("searched",
+                                                              n["searched"] + out[0].size))
+    counted(rnd, "raise_fit", lambda self, args, out: n.__setitem__("searched",
+                                                                    n["searched"] + args[1].size))
     return n
 
 

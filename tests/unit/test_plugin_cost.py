@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.experiments import StudyConfig, run_study
 from sparsebalance_megatron.experiments.plugin_cost import (AheadCost, ControlPlaneCost,
                                                             PlannerCost, PluginCost, Shape)
@@ -99,7 +100,8 @@ def test_a_bad_measurement_is_refused_naming_what_is_missing(tmp_path):
 def _study(cost, steps=3, **kw):
     lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=8192), pp=2)
     lengths = np.random.default_rng(0).integers(200, 8000, size=300)
-    cfg = StudyConfig(microbatches=4, seq_length=8192, steps=steps, plugin_cost=cost, **kw)
+    cfg = StudyConfig(microbatches=4, seq_length=8192, steps=steps, plugin_cost=cost,
+                      sb=SparseBalanceConfig(sparse_balance=True, **kw))
     runs = {"static": ("static", None), "sab_dst": ("sab_dst", None), "dst": ("dst", None),
             "dense_sab": ("dense_sab", None), "dense": ("dense", None)}
     return run_study(2, cfg, lm, lengths, runs, baseline="static")

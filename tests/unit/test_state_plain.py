@@ -34,7 +34,7 @@ from sparsebalance_megatron.policy.stand_down import StandDownCounts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "landed_state_pp2"
 FIELDS = {"version", "iteration", "latency", "sensitivity", "timing_source", "stand_down",
-          "ahead_basis"}
+          "ahead_basis", "layout"}
 PLAIN = (type(None), bool, int, float, str)
 
 
@@ -54,7 +54,8 @@ def _callback(load_dir=".", *, pp=2, fresh=False):
                          sb=SparseBalanceConfig(sparse_balance=True, fresh_state=fresh,
                                                 planner="process"),
                          latency=lm, tracker=SensitivityTracker(signal="loss"),
-                         reporter=SimpleNamespace(stood=StandDownCounts()), _ready_basis=None)
+                         reporter=SimpleNamespace(stood=StandDownCounts()), _ready_basis=None,
+                         dp=2, pp=pp, vp=1, _ready=None)
     for name in ("state_dict", "load_state_dict", "_planning_state", "_state_basis",
                  "_tracker_loaded", "ahead_basis"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))
@@ -141,6 +142,7 @@ def _expected(cb) -> dict:
                             "sample": {int(i): float(v) for i, v in tr._sample.items()},
                             "bucket": {int(b): float(v) for b, v in tr._bucket.items()}},
             "timing_source": "measured",
+            "layout": {"dp": 2, "pp": 2, "vp": 1, "microbatches": None},   # issue 76
             "stand_down": {k: int(getattr(st, k)) for k in ("dst_steps", "dst_stood_down",
                                                             "sab_steps", "sab_stood_down")},
             "ahead_basis": {"latency": dict(basis["latency"],

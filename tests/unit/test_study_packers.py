@@ -34,7 +34,7 @@ def test_every_dense_packing_and_dp_balanced_run_on_the_same_batches(lm, lengths
                      baseline="static")
     for v in DENSE:       # every document routed dense: no sparse path at all
         assert rows[v]["mean_density"] == 1.0 and np.isnan(rows[v]["sparse_density"])
-    assert rows["dp_balanced"]["mean_density"] == CFG.density
+    assert rows["dp_balanced"]["mean_density"] == CFG.sb.density
     # Megatron's order needs more micro-batches than the sampler's fill of dp x m
     assert rows["dense_dp_balanced"]["microbatches_per_rank"] > CFG.microbatches
     assert rows["dense"]["microbatches_per_rank"] == CFG.microbatches
@@ -56,7 +56,7 @@ def test_sab_packs_on_each_runs_own_layout_as_the_runtime_does(lm, lengths):
     from sparsebalance_megatron.sim.pipeline import pipeline_makespan_s
 
     vp2 = PipelineLayout(4, 2, (1, 1, 1, 1, 1, 1, 1, 1))
-    cfg = replace(CFG, stand_down="off")
+    cfg = CFG.with_flags(stand_down="off")
     rows = run_study(4, cfg, lm, lengths, {"a": ("dense_sab", LAYOUT), "b": ("dense_sab", vp2)})
     sampler = GlobalBatchSampler(lengths, capacity=cfg.seq_length, dp=4,
                                  num_microbatches=cfg.microbatches, seed=cfg.seed,
@@ -123,9 +123,9 @@ def test_the_stand_down_never_names_a_packing_the_runtime_cannot_pack():
     dense = [choice("dense_dp_balanced", 2.0), choice("dense", 2.1),
              choice("dense_token_balanced", 2.2)]
     cfg = stand_down_config(CFG, static[0], static, dense)
-    assert (cfg.stand_down, cfg.dense_stand_down) == ("token_balanced", "sequential")
-    assert stand_down_config(replace(CFG, stand_down="off"), static[0], static, dense) == \
-        replace(CFG, stand_down="off")
+    assert (cfg.sb.stand_down, cfg.dense_stand_down) == ("token_balanced", "sequential")
+    assert stand_down_config(CFG.with_flags(stand_down="off"), static[0], static, dense) == \
+        CFG.with_flags(stand_down="off")
 
 
 def test_the_packer_table_has_one_dense_row_per_mix_and_dp():

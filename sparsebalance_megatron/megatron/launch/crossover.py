@@ -12,7 +12,7 @@ per-call costs (launches, the selection's fixed work) shared by a micro-batch's 
 short document per call charged the sparse call's whole fixed cost to it: on an H200 that put the
 crossover at 12,288 tokens (triton, density 0.5, 14 / 2 heads x 64), while packed 32K micro-batches
 of 30-77 documents of at most 4,513-15,459 tokens ran 0.41-0.92x the dense varlen call unrouted
-and 0.97-1.05x routed (``docs/results/attention_gpu_h200_run1.json``).
+and 0.97-1.05x routed (``docs/results/attention_gpu_h200_run1.json`` at a63cdd4).
 The head shape is the profiled model's (TP = 1), the dtype that of its stage (bfloat16 on CUDA,
 float32 on CPU). Repeats are passes over all lengths (a burst of load spoils one sample of many
 points); the median is kept. ``latency.crossover.crossover_tokens`` turns the times into the

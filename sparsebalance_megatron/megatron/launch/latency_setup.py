@@ -17,6 +17,7 @@ from typing import Optional
 
 from ...config import SparseBalanceConfig
 from ..runtime import comm
+from ..runtime.refusal import refusal
 
 def table_expectation(args, sb: SparseBalanceConfig) -> dict:
     """What a latency table must have been measured on to be used by this run: device,
@@ -157,7 +158,7 @@ def load_latency_model(args, sb: SparseBalanceConfig):
         model = LatencyModel.load(path, expect=expect, force=sb.latency_table_force,
                                   calibration_ema=sb.calibration_ema)
     except (LatencyTableError, OSError) as e:
-        raise SystemExit(f"error: --sb-latency-table: {e}")
+        raise refusal(f"error: --sb-latency-table: {e}") from None
     if sb.length_multiple and model._folded_tokens():
         from ...config import flag_name
         comm.say(f"warning: --sb-latency-table {path} was profiled at one token total "
@@ -176,7 +177,7 @@ def load_latency_model(args, sb: SparseBalanceConfig):
     try:
         return model_for_run(model, args)
     except LayoutError as e:
-        raise SystemExit(f"error: --sb-latency-table {path}: {e}")
+        raise refusal(f"error: --sb-latency-table {path}: {e}") from None
 
 
 def table_backend(table: dict, sb: SparseBalanceConfig):

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 from ...arguments import config_and_problems
 from ...config import ConfigError, SparseBalanceConfig, flag_name, path_fields
 from ..errors import LaunchError
+from ..runtime.refusal import refusal
 from ..runtime.watchdog import watchdog_problems
 
 
@@ -269,7 +270,7 @@ def check_after_parse(parser, packed_data: Optional[bool],
             check_parsed(ns, packed_data=packed_data, attention_dropout_default=dropout_default,
                          conflicts=conflicts)
         except (ConfigError, LaunchError) as e:
-            raise SystemExit(f"error: {e}") from None
+            raise refusal(f"error: {e}") from None
         return ns, rest
 
     parse_known_args._sparsebalance = True

@@ -4,19 +4,9 @@ attention, the loss, the check that the built model runs our attention, Hugging 
 (and a GGUF's tensors packed for a machine without the GGUF reader: ``gguf_weights``).
 
 Modules: ``attention_check``, ``budget``, ``context_parallel``, ``core_attention``,
-``dense_attention``, ``gguf_weights``, ``hf_convert``, ``hybrid``, ``loss``, ``spec``. May import: ``errors``,
-``runtime`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2).
-Its public pieces, the names code outside the room imports, are exported lazily: importing the room
-imports none of its modules, so a light entry point stays light.
-
-- ``attention_check``: ``check_sparse_attention``
-- ``budget``: ``BudgetContext``, ``SparsePackedSeqParams``
-- ``core_attention``: ``SparseCoreAttention``
-- ``dense_attention``: ``DenseVarlenCoreAttention``
-- ``hf_convert``: ``load_hf_gguf``
-- ``hybrid``: ``install_attention_spec``, ``is_hybrid_config``
-- ``loss``: ``loss_func``
-- ``spec``: ``get_sparsebalance_layer_spec``, ``sparse_core_attention_spec``
+``dense_attention``, ``gguf_weights``, ``hf_convert``, ``hybrid``, ``loss``, ``spec``. May import:
+``errors``, ``runtime`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md
+section 2). Its exports: ``_PUBLIC`` (``lazy_exports``).
 """
 
 from .. import lazy_exports
@@ -34,5 +24,4 @@ _PUBLIC = {
     "get_sparsebalance_layer_spec": "spec",
     "sparse_core_attention_spec": "spec",
 }
-__all__ = sorted(_PUBLIC)
-__getattr__ = lazy_exports(__name__, _PUBLIC)
+__all__, __getattr__ = lazy_exports(__name__, _PUBLIC)

@@ -28,6 +28,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from ...config import BACKENDS
 from ...plan import BudgetPlan
+from .backend_fallback import BackendFallback
 
 
 @dataclass
@@ -46,6 +47,11 @@ class SparsePackedSeqParams(PackedSeqParams):
     sb_cp_size: int = 1
     """Context-parallel ranks the micro-batch's tokens are split over (Megatron's per-document
     zigzag order); the ``cu_seqlens*`` fields describe the whole micro-batch, as in Megatron."""
+    sb_cu_seqlens_host: Optional[tuple] = None
+    """``cu_seqlens_q`` as the data path built it on the host (None: unknown, read back once per
+    micro-batch from the device tensor): the sparse attention's setup then waits for nothing."""
+    sb_cu_seqlens_padded_host: Optional[tuple] = None
+    """``cu_seqlens_q_padded`` on the host, likewise (None with no padded boundaries)."""
 
     def local_cu_seqlens(self) -> torch.Tensor:
         """Sequence boundaries of this rank's tokens ``[n_seq + 1]``: a sequence's two CP chunks
@@ -69,6 +75,7 @@ class BudgetContext:
         self.dense_below_tokens = 0
         self.set_routing(dense_below_tokens)
         self.attention_backend: Optional[str] = None   # the latency table's pick for 'auto'
+        self.fallback = BackendFallback()              # a failing GPU kernel's successor
         self.plan: Optional[BudgetPlan] = None
         self.dp_rank, self.stage = 0, 0
         self.layer_stages: Optional[tuple] = None

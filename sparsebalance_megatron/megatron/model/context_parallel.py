@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ...attention.blocks import upload
 from ...config import CP_COMM_TYPES
 from ...data.context_parallel import gather_index
 from ..runtime import comm
@@ -69,16 +70,30 @@ def kv_per_rank(num_groups: int, cp_size: int) -> int:
     return max(num_groups // cp_size, 1)
 
 
+def _host_bounds(psp):
+    """(real, padded) sequence boundaries as host lists: the data path's host copies where
+    ``SparsePackedSeqParams`` carries them, else read back from the device (one read each)."""
+    real = psp.cu_seqlens_q
+    padded = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else real
+    real_h = getattr(psp, "sb_cu_seqlens_host", None)
+    padded_h = getattr(psp, "sb_cu_seqlens_padded_host", None) \
+        if psp.cu_seqlens_q_padded is not None else real_h
+    if real_h is None:
+        real_h = real.tolist() if torch.is_tensor(real) else real
+    if padded_h is None:
+        padded_h = real_h if padded is real else \
+            (padded.tolist() if torch.is_tensor(padded) else padded)
+    return [int(x) for x in real_h], [int(x) for x in padded_h]
+
+
 def _layout(psp, num_local: int, cp_size: int, device, cache: Optional[dict]):
-    """(index ``[T_real]`` or None, cu_seqlens of the real tokens): where every real token lies
-    in the gathered tensor, in natural order. One host read per micro-batch (cached)."""
+    """(index ``[T_real]`` or None, host cu_seqlens of the real tokens): where every real token
+    lies in the gathered tensor, in natural order. Built once per micro-batch (cached): at most
+    one host read (none where the data path gave the host bounds) and one upload."""
     key = ("cp", cp_size, num_local)
     if cache is not None and key in cache:
         return cache[key]
-    real = psp.cu_seqlens_q
-    padded = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else real
-    real_h = [int(x) for x in (real.tolist() if torch.is_tensor(real) else real)]
-    padded_h = [int(x) for x in (padded.tolist() if torch.is_tensor(padded) else padded)]
+    real_h, padded_h = _host_bounds(psp)
     total = num_local * cp_size
     if padded_h[-1] != total:
         what = "cu_seqlens_q_padded" if psp.cu_seqlens_q_padded is not None else "cu_seqlens_q"
@@ -86,10 +101,10 @@ def _layout(psp, num_local: int, cp_size: int, device, cache: Optional[dict]):
                          f"{num_local} x context-parallel size {cp_size} = {total}: expected the "
                          f"whole micro-batch's boundaries (split for CP by the data path)")
     if cp_size == 1 and real_h == padded_h:
-        out = (None, real)                       # no padding: attend in place, as without CP
+        out = (None, real_h)                     # no padding: attend in place, as without CP
     else:
-        index = torch.from_numpy(gather_index(real_h, padded_h, cp_size)).to(device)
-        out = (index, torch.tensor(real_h, dtype=torch.int32, device=device))
+        index, = upload([gather_index(real_h, padded_h, cp_size)], device)
+        out = (index, real_h)
     if cache is not None:
         cache[key] = out
     return out

@@ -36,7 +36,9 @@ all ranks route alike. Dense documents report kept density and recall 1.0.
 What depends only on the micro-batch's documents (the chosen ``cu_seqlens``, the route, the block
 layout and everything derived from it) is computed by the first layer and kept in
 ``packed_seq_params.sb_cache``, so the other layers and the recomputed forward read nothing back
-from the device (no host synchronisation in the per-layer path).
+from the device (no host synchronisation in the per-layer path). The first layer itself reads
+``cu_seqlens`` once (not at all where ``SparsePackedSeqParams.sb_cu_seqlens_host`` holds the data
+path's host copy) and sends its tables to the device in one non-blocking upload.
 Attention dropout is not applied (the sparse kernels have none); a nonzero
 ``config.attention_dropout`` is logged once and ignored.
 Part of the megatron adapter layer; CP's collectives go through ``comm`` (TP/PP need none here).
@@ -102,14 +104,22 @@ class SparseCoreAttention(MegatronModule):
     def _attend(self, q, k, v, cu_seqlens, packed_seq_params=None, cache=None,
                 reduce_shares=None):
         sb = self.sb_config
-        out, sel = block_sparse_attention(
-            q, k, v, cu_seqlens, self.budget.density(packed_seq_params, self.layer_number),
-            block_size=sb.block_size, sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
-            selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
-            min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
-            backend=self.budget.attention_backend or sb.attention_backend,
-            softmax_scale=self.softmax_scale, query_chunk_blocks=sb.query_chunk_blocks, cache=cache, reduce_shares=reduce_shares,
-            dense_below_tokens=self.budget.dense_below_tokens, dense_kernel=sb.dense_kernel)
+        density = self.budget.density(packed_seq_params, self.layer_number)
+
+        def call(backend, q, k, v):   # a GPU kernel that fails falls back (backend_fallback)
+            return block_sparse_attention(
+                q, k, v, cu_seqlens, density,
+                block_size=sb.block_size, sink_blocks=sb.sink_blocks, local_blocks=sb.local_blocks,
+                selection_mode=sb.selection_mode, mass_threshold=sb.mass_threshold,
+                min_density=sb.min_density, max_density=sb.max_density, estimator=sb.estimator,
+                backend=backend,
+                softmax_scale=self.softmax_scale, query_chunk_blocks=sb.query_chunk_blocks,
+                cache=cache, reduce_shares=reduce_shares, dense_below_tokens=self.budget.dense_below_tokens, dense_kernel=sb.dense_kernel)
+
+        out, sel = self.budget.fallback.run(self.budget, sb.attention_backend, q, k, v, call,
+                                            block_size=sb.block_size,
+                                            documents=len(cu_seqlens) - 1,
+                                            probe=reduce_shares is None)
         if torch.is_grad_enabled():
             self.budget.record(self.layer_number, packed_seq_params, sel.density_kept, sel.recall)
         return out                                                # [t, np, hn]

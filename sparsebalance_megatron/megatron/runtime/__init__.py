@@ -3,15 +3,9 @@ torch.distributed), the watchdog that reports a stalled or dead rank (its rules 
 ``watchdog_judgement``, its wiring into Megatron in ``watchdog_megatron``), and ``children``:
 processes a rank starts die with it.
 
-Modules: ``children``, ``comm``, ``watchdog``, ``watchdog_judgement``, ``watchdog_megatron``. May import:
-``errors`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its
-public pieces, the names code outside the room imports, are exported lazily: importing the room
-imports none of its modules, so a light entry point stays light.
-
-- ``children``: ``die_with_parent``
-- ``comm``: ``say``
-- ``watchdog``: ``watchdog_problems``
-- ``watchdog_megatron``: ``start_for_megatron``, ``watch_megatron_phases``
+Modules: ``children``, ``comm``, ``watchdog``, ``watchdog_judgement``, ``watchdog_megatron``.
+May import: ``errors`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md
+section 2). Its exports: ``_PUBLIC`` (``lazy_exports``).
 """
 
 from .. import lazy_exports
@@ -23,5 +17,4 @@ _PUBLIC = {
     "start_for_megatron": "watchdog_megatron",
     "watch_megatron_phases": "watchdog_megatron",
 }
-__all__ = sorted(_PUBLIC)
-__getattr__ = lazy_exports(__name__, _PUBLIC)
+__all__, __getattr__ = lazy_exports(__name__, _PUBLIC)

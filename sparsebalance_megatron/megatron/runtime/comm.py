@@ -56,14 +56,6 @@ def say_rank(msg: str) -> None:
     print(f"[sparsebalance] {msg}", flush=True)
 
 
-def say_error(line: str) -> None:
-    """An error every rank meets alike (a resume state, a setting), on stderr from global rank
-    0 only: the user reads it once, not once per rank."""
-    if launch_rank() == 0:
-        import sys
-        print(line, file=sys.stderr, flush=True)
-
-
 def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
@@ -211,6 +203,23 @@ def all_reduce_sum_(x: torch.Tensor, group) -> torch.Tensor:
     """In-place sum of ``x`` over ``group`` (not differentiated)."""
     dist.all_reduce(x, group=group)
     return x
+
+
+def job_store(timeout_s: float = 10.0):
+    """The job's key-value store: the process group's once it exists; before it, torchrun's
+    agent store (``TORCHELASTIC_USE_AGENT_STORE``: torchrun hosts it at ``MASTER_ADDR:
+    MASTER_PORT`` before any rank starts), a client connected within ``timeout_s``; else None
+    (another launcher: rank 0 hosts the store once the process group starts)."""
+    import os
+    from datetime import timedelta
+
+    if is_initialized():
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def watchdog_store():

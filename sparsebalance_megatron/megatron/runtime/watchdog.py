@@ -42,6 +42,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from .children import launcher_store_gone, process_state  # noqa: F401  (process_state: API)
 from .watchdog_judgement import (ContinuousWait, WatchdogTiming, classify, culprits, saving,
                                  should_act, torchrun_error, watchdog_problems)
 
@@ -85,22 +86,6 @@ def _where(frame) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
 
-def process_state(pid: int) -> Optional[str]:
-    """The state letter of a local process (``R``, ``S``, ``T`` stopped, ``t`` traced, ``Z``
-    zombie), or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            return "?"
-        return "?"   # alive, no /proc (not Linux)
-
-
 class Watchdog:
     """One rank's heartbeat thread and judge. ``tick`` is called by the main thread at every
     progress point, ``enter``/``leave`` around every progress phase; ``stop`` at a normal end."""
@@ -110,7 +95,7 @@ class Watchdog:
                  wall: Callable[[], float] = time.time, out=None,
                  main_frame: Optional[Callable] = None, proc_state=process_state,
                  kill=os.kill, exit=os._exit, pid: Optional[int] = None,
-                 host: Optional[str] = None):
+                 host: Optional[str] = None, launcher_gone: Optional[Callable[[], bool]] = None):
         self.store, self.rank, self.world_size, self.timing = store, rank, world_size, timing
         self.coords = dict(coords or {})
         self.clock, self.wall, self.out = clock, wall, out
@@ -131,6 +116,10 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._halt = threading.Event()
         self._prev_excepthook = None
+        # torchrun hosts the job's store in its own process (TORCHELASTIC_USE_AGENT_STORE):
+        # once it is gone (this process reparented), so is every record; nothing to publish
+        self.launcher_gone = launcher_gone or launcher_store_gone()
+        self._store_gone = False
 
     # --- main thread ----------------------------------------------------------------------------
 
@@ -172,18 +161,24 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """A normal end (every rank reached it): peers no longer judge this one."""
+        """A normal end (every rank reached it): peers no longer judge this one. Guarded as
+        ``_atexit`` is: where the job's store is gone (its launcher was killed: torchrun hosts
+        it), the finished rank has nobody left to tell, and its run still ends normally."""
         self._halt.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         self._wait.clear()
         self.state = "finished"
-        self.publish()
+        if not self._store_gone:
+            try:
+                self.publish()
+            except Exception:           # the store is gone with the launcher: nothing to tell
+                self._store_gone = True
         if self._prev_excepthook is not None and sys.excepthook == self._excepthook:
             sys.excepthook = self._prev_excepthook
 
     def _atexit(self) -> None:
-        if self.state == "running":     # left before the job's end (sys.exit, a return)
+        if self.state == "running" and not self._store_gone:   # left before the job's end
             self.state = "exited"
             try:
                 self.publish()
@@ -192,7 +187,7 @@ class Watchdog:
 
     def _excepthook(self, etype, value, tb) -> None:
         (self._prev_excepthook or sys.__excepthook__)(etype, value, tb)
-        if self.state != "running":
+        if self.state != "running" or self._store_gone:
             return
         self.state = "failed"
         self.phase = f"{self.phase} ({etype.__name__})"
@@ -215,6 +210,11 @@ class Watchdog:
 
     def _loop(self) -> None:
         while not self._halt.wait(self.timing().interval_s):
+            if self.launcher_gone():
+                self._store_gone = True
+                self._say(f"rank {self.rank}: the launcher has exited and the job's store with "
+                          "it: not watching any more (the run goes on)")
+                return
             try:
                 self.poll()
             except Exception as e:   # never take the rank down; say it once

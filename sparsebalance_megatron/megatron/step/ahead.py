@@ -20,17 +20,23 @@ training process closes the pipe (its exit included, a crash too), and with its 
 rank ends (``runtime.children.die_with_parent``: SIGKILL when the rank that started it ends). A
 draft's error is raised on the training thread. The process's death or stall is a
 ``PlannerProcessError`` that says what it was doing (``idle``, ``drafting``, ``sending`` its
-draft, ``stalled``), for which iteration, and its exit code or signal; the request stays with the
-``PendingDraft``, so the training thread can draft the same step itself
-(``step/planning.py`` decides what the run does then). A draft counts as stalled when it is not
-read back ``PlannerProcess.deadline_s`` after it was asked for.
+draft, ``stalled``, ``late``), for which iteration, and its exit code or signal; the request stays
+with the ``PendingDraft``, so the training thread can draft the same step itself
+(``step/planning.py`` decides what the run does then). A draft is overdue when it is not read
+back ``PlannerProcess.deadline_s`` after it was asked for (3x the recent drafts' median, at least
+``STALL_FLOOR_S``, at most ``--sb-planner-timeout`` capped at half the distributed timeout): a
+process that cannot answer (stopped, state T) is then killed (``stalled``), one that runs is left
+to finish and its draft dropped (``late``).
 
-The worker side is ``step/planner_worker.py``.
+The process starts from the rank's ``sys.path`` and says which package it imported before
+anything else; another copy than the rank's is refused (``step/planner_boot.py``). The worker
+side is ``step/planner_worker.py``.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import statistics
@@ -43,44 +49,25 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 from ...config import PLANNER_TIMEOUT_S
+from ..runtime.children import process_state
 from .drafting import Draft, Drafter
+from .planner_boot import (BOOT, PlannerPackageMismatch, describe_exit, package_identity,
+                           package_mismatch, stop_process, widen_pipe)
+from .planner_thread import Drafted, Planner  # noqa: F401  (this module's API, one body there)
 
 POLL_S = 1.0            # how often a wait for the planner process checks that it is alive
-STOP_WAIT_S = 5.0       # how long a closing training process waits for its planner to end
-STALL_FACTOR = 10       # a draft is stalled after this many times the recent drafts' median
+STALL_FACTOR = 3        # a draft is late after this many times the recent drafts' median ...
+STALL_FLOOR_S = 0.5
+"""... and at least this long. A draft is asked for as its step starts and is normally back long
+before the step ends; its wall time is what CPU the planner gets. Three times the recent median
+follows a steady load (the median is of the drafts' wall times, load included); the floor covers
+what a median of short drafts does not see: the process drafts at nice 5, so beside a busy
+training thread on one core it gets about a quarter of it (CFS weights 335 : 1024), and on a
+loaded host a runnable process waits tens of milliseconds per scheduling round. 0.5 s is 10x the
+50 ms a draft may take at 64 DP (BENCHMARKS.md, "Where the next step is planned": 47 ms), so a
+healthy draft is not late, and a stall costs a step at most this plus one draft on the training
+thread: not the 30 s of ``--sb-planner-timeout``, which now only caps the deadline."""
 RECENT_DRAFTS = 8       # the drafts that median is taken over
-WORKER = __name__.rsplit(".", 1)[0] + ".planner_worker"   # what the process runs
-
-
-class Planner:
-    """One background draft on a daemon thread (``--sb-planner thread``): its result or
-    exception."""
-
-    def __init__(self, fn, basis: dict):
-        self.basis, self._out, self._err = basis, None, None
-        self.wait_s = 0.0                    # training thread's seconds blocked in ``result``
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
-                                        name="sparsebalance-planner")
-        self._thread.start()
-
-    def _run(self, fn) -> None:
-        try:
-            self._out = fn()
-        except BaseException as e:           # re-raised on the training thread by result()
-            self._err = e
-
-    def done(self) -> bool:
-        """Whether the draft is made (``result`` would not wait)."""
-        return not self._thread.is_alive()
-
-    def result(self) -> Draft:
-        t0 = time.perf_counter()
-        self._thread.join()
-        self.wait_s = time.perf_counter() - t0
-        if self._err is not None:
-            raise self._err
-        self._out.basis = self.basis
-        return self._out
 
 
 class PlannerProcessError(RuntimeError):
@@ -95,91 +82,108 @@ class PlannerProcessError(RuntimeError):
         self.pid, self.phase, self.iteration, self.code = pid, phase, iteration, code
 
 
-def describe_exit(code: Optional[int]) -> str:
-    """``exit code 1``, ``signal 9 (SIGKILL)``, or ``still running``."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"signal {-code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
-PIPE_BYTES = 1 << 20     # the draft pipe's capacity where Linux allows (its default maximum)
-
-
-def _widen(fd: int) -> None:
-    """Let the draft pipe hold a whole draft (at 64 DP x 16, 0.5-1 MB), so that the planner
-    process writes it in one call and the reader thread reads it in one: each read of a
-    64 KB pipe takes the GIL back from the training thread once more. Left as it is where the
-    system refuses (another OS, a lower limit)."""
-    try:
-        import fcntl
-        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-    except (ImportError, AttributeError, OSError):
-        pass
-
-
 class PlannerProcess:
     """The rank's planner process: ``submit`` a step's inputs, ``PendingDraft.result`` its
-    draft. One draft in flight at a time. ``timeout_s``: the least time a draft may take before
-    it counts as stalled (``deadline_s``)."""
+    draft. One draft in flight at a time. ``timeout_s``: the most time a draft may take before
+    it counts as late (``deadline_s``). ``sys_path``: where it imports from (the rank's
+    ``sys.path``; a test passes another)."""
 
-    def __init__(self, drafter: Drafter, timeout_s: float = PLANNER_TIMEOUT_S):
+    def __init__(self, drafter: Drafter, timeout_s: float = PLANNER_TIMEOUT_S, *,
+                 sys_path: Optional[list] = None):
         r_child, w_parent = os.pipe()
         r_parent, w_child = os.pipe()
-        _widen(r_parent)
+        widen_pipe(r_parent)
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", NUMBA_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        path = [p or os.getcwd() for p in (sys.path if sys_path is None else sys_path)]
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", WORKER, str(r_child), str(w_child), str(os.getpid())],
+                [sys.executable, "-c", BOOT, json.dumps(path), str(r_child), str(w_child),
+                 str(os.getpid())],
                 pass_fds=(r_child, w_child), stdin=subprocess.DEVNULL, env=env)
         finally:
             os.close(r_child)
             os.close(w_child)
         self.timeout_s = float(timeout_s)
         self.drafts = 0                                   # drafts it answered
-        self._walls = collections.deque(maxlen=RECENT_DRAFTS)   # their seconds, asked to read
+        self._walls = collections.deque(maxlen=RECENT_DRAFTS)   # recent drafts' wall seconds
         self._out = Connection(w_parent, readable=False)
         self._in = Connection(r_parent, writable=False)
         self._pending: Optional[PendingDraft] = None
+        self._late: Optional[PendingDraft] = None         # a late draft, dropped when it comes
         self._ready = False
-        self._finalize = weakref.finalize(self, _stop, self.proc, self._out, self._in)
+        self._identity: Optional[tuple] = None            # what it said it imported
+        self._finalize = weakref.finalize(self, stop_process, self.proc, self._out, self._in)
         self._out.send(("init", drafter))
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    def note_draft_s(self, wall_s: float) -> None:
+        """A draft's wall seconds (the process's, from asked to read back, or one the training
+        thread made): the recent drafts ``deadline_s`` is taken from."""
+        self._walls.append(float(wall_s))
+
     def deadline_s(self) -> float:
-        """How long after it was asked for a draft may take before it counts as stalled:
-        ``STALL_FACTOR`` x the median of the recent drafts, at least ``timeout_s``."""
+        """How long after it was asked for a draft may take before it counts as late:
+        ``STALL_FACTOR`` x the median of the recent drafts, at least ``STALL_FLOOR_S``, at most
+        ``timeout_s`` (--sb-planner-timeout, at most half the distributed timeout); before any
+        draft was timed, ``timeout_s``."""
         if not self._walls:
             return self.timeout_s
-        return max(self.timeout_s, STALL_FACTOR * statistics.median(self._walls))
+        return min(self.timeout_s, max(STALL_FLOOR_S,
+                                       STALL_FACTOR * statistics.median(self._walls)))
+
+    def describe_deadline(self) -> str:
+        """``deadline_s`` and where it comes from, in words (the late and stalled lines)."""
+        d = self.deadline_s()
+        if not self._walls:
+            return f"its deadline {d:.2f} s: no draft timed yet"
+        med = statistics.median(self._walls)
+        return (f"its deadline {d:.2f} s: {STALL_FACTOR}x the recent drafts' median "
+                f"{med:.3f} s, at least {STALL_FLOOR_S:g} s, at most {self.timeout_s:g} s")
+
+    def still_late(self) -> Optional["PendingDraft"]:
+        """The late draft (``PendingDraft.result`` gave up on it) while it is still not back;
+        None once it came (its answer dropped) or where none was late."""
+        if self._late is not None and self._late.done():
+            self._late = None
+        return self._late
 
     def wait_ready(self) -> None:
         """Wait until the process has read its Drafter and imported what a draft uses, so that
-        its start-up costs no CPU during a training step (``submit`` waits for it too)."""
-        if not self._ready:
-            self._wait("starting", None)
-            self._take_ready()
+        its start-up costs no CPU during a training step (``submit`` waits for it too).
+        ``PlannerPackageMismatch`` where it imported another copy of the package."""
+        self._take_ready(wait=True)
 
     def ready_now(self) -> bool:
         """Whether the process is ready, without waiting (a restarted one starts while the
         training thread drafts); PlannerProcessError where it ended while starting."""
-        if not self._ready and (self._in.poll(0) or self.proc.poll() is not None):
-            self._take_ready()
+        self._take_ready(wait=False)
         return self._ready
 
-    def _take_ready(self) -> None:
-        if self._message("starting", None) != ("ready",):
-            raise self._error("starting", None, "answered its start-up with something else "
-                              "than ready")
-        self._ready = True
+    def _take_ready(self, wait: bool) -> None:
+        """Its start-up messages: first the package it imported (checked against the rank's),
+        then ``ready``."""
+        while not self._ready:
+            if wait:
+                self._wait("starting", None)
+            elif not self._in.poll(0) and self.proc.poll() is None:
+                return
+            msg = self._message("starting", None)
+            if self._identity is None:         # its first word: which package it imported
+                said = tuple(msg[1:]) if msg[0] == "package" else None
+                problem = package_mismatch(package_identity(), said)
+                if problem is not None:
+                    self.kill()
+                    raise PlannerPackageMismatch(problem)
+                self._identity = said
+                continue
+            if msg != ("ready",):
+                raise self._error("starting", None, "answered its start-up with something "
+                                  "else than ready")
+            self._ready = True
 
     def _wait(self, phase: str, iteration: Optional[int]) -> None:
         """Until the process has something to read (waiting without the GIL)."""
@@ -276,6 +280,7 @@ class PendingDraft:
         self.send_s, self.recv_s, self.wait_s = send_s, 0.0, 0.0
         self.asked = time.monotonic()
         self.phase = "drafting"       # then "sending" once the process says its draft is made
+        self.dropped = False          # late: the training thread drafted it instead
         self._draft: Optional[Draft] = None
         self._err: Optional[BaseException] = error
         self._thread = None
@@ -300,7 +305,9 @@ class PendingDraft:
             self._draft = planner._answer(msg)
             self.recv_s = time.thread_time() - c0
             planner.drafts += 1
-            planner._walls.append(time.monotonic() - self.asked)
+            planner.note_draft_s(time.monotonic() - self.asked)
+            if self.dropped:                    # the training thread drafted it: not needed
+                self._draft = None
         except BaseException as e:          # raised on the training thread by result()
             self._err = e
 
@@ -308,14 +315,30 @@ class PendingDraft:
         """Whether the draft is read back (``result`` would not wait)."""
         return self._thread is None or not self._thread.is_alive()
 
+    def still_stalled(self) -> PlannerProcessError:
+        """A late draft still not back when the next is due: the process is killed (its
+        reader ends) and named as stalled."""
+        planner, it = self._planner, self.request["iteration"]
+        state = process_state(planner.pid)
+        planner.kill()
+        self._thread.join()
+        planner._late = None
+        return planner._error("stalled", it, f"stalled: iteration {it + 1}'s draft, late at "
+                                             f"its step's end, was still not back "
+                                             f"{time.monotonic() - self.asked:.2f} s after it "
+                                             f"was asked for (it ran, state {state}); killed")
+
     def result(self) -> Draft:
-        """The draft, waiting at most until ``deadline_s`` after it was asked for; past that
-        the process is killed and PlannerProcessError raised (``stalled``)."""
+        """The draft, waiting at most until ``deadline_s`` after it was asked for. Past that,
+        PlannerProcessError: ``stalled`` where the process is stopped (state T) or otherwise
+        cannot answer (it is killed), ``late`` where it still runs (it is left to finish: its
+        draft is read and dropped, ``PlannerProcess.still_late``); either way the training
+        thread drafts the request itself."""
         t0 = time.perf_counter()
         if self._thread is not None:
             self._thread.join(max(0.0, self.asked + self._planner.deadline_s() - time.monotonic()))
             if self._thread.is_alive():
-                self._stalled(time.perf_counter() - t0)
+                self._overdue(time.perf_counter() - t0)
         self.wait_s = time.perf_counter() - t0
         self._planner._pending = None
         if self._err is not None:
@@ -323,50 +346,25 @@ class PendingDraft:
         self._draft.basis = self.basis
         return self._draft
 
-    def _stalled(self, waited: float) -> None:
+    def _overdue(self, waited: float) -> None:
         planner, it = self._planner, self.request["iteration"]
         if planner.proc.poll() is not None:    # it ended, not stalled: the reader names how
             self._thread.join()
             return
+        state = process_state(planner.pid)
         made = "sent" if self.phase == "sending" else "made"
+        what = (f"iteration {it + 1}'s draft was not {made} "
+                f"{time.monotonic() - self.asked:.2f} s after it was asked for "
+                f"({planner.describe_deadline()}; waited {waited:.2f} s at the step's end)")
+        if state in ("R", "S", "D"):           # it runs: leave it, drop its draft when it comes
+            self.dropped = True
+            planner._late = self
+            self._err = planner._error("late", it, f"is late: {what}; it runs (state "
+                                                   f"{state}), its draft is dropped when it "
+                                                   f"comes")
+            return
+        how = {"T": "stopped (state T)", "t": "stopped by a tracer (state t)",
+               "Z": "a zombie (state Z)", None: "gone"}.get(state, f"in state {state}")
         planner.kill()
         self._thread.join()
-        self._err = planner._error(
-            "stalled", it, f"stalled: iteration {it + 1}'s draft was not {made} "
-                           f"{time.monotonic() - self.asked:.1f} s after it was asked for "
-                           f"(its deadline {planner.deadline_s():.1f} s; waited {waited:.1f} s "
-                           f"at the step's end); killed")
-
-
-class Drafted:
-    """A draft already made on the training thread (the planner process down after a
-    failure), with ``Planner``'s API: the same inputs give the same plan."""
-
-    def __init__(self, draft: Draft, basis):
-        self._draft, self.basis = draft, basis
-        self.wait_s = 0.0
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> Draft:
-        self._draft.basis = self.basis
-        return self._draft
-
-
-def _stop(proc, out: Connection, inp: Connection) -> None:
-    """Ask the planner process to end, close the pipes (its EOF), and reap it."""
-    try:
-        out.send(("stop",))
-    except (OSError, ValueError):
-        pass
-    for c in (out, inp):
-        try:
-            c.close()
-        except OSError:
-            pass
-    try:
-        proc.wait(timeout=STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        self._err = planner._error("stalled", it, f"stalled: {what}; it was {how}; killed")

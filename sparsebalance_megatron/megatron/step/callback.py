@@ -36,6 +36,11 @@ So a step's plan always uses the state after the step before the previous one, a
 also holds that older state (``ahead_basis``): a resumed run re-plans its first step from it and
 repeats the uninterrupted run. ``--sb-planner inline`` plans after the step, on its critical
 path, from the state the step left.
+
+Why this is long: it is the one object Megatron's hooks reach in a step, and ``end_step`` reads in
+order what the step's gather brought (checks, calibration, sensitivities, the planner's draft, an
+attention kernel's fallback, the report); its parts live in the room's modules (planning, checks,
+record, reporting, state, fallback_sync), what is left here is their order.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ from .checks import (budget_error, budget_violations, fingerprint, min_kept, rec
 from .planner_worker import warm_up_kernels
 from .exchange import ExchangeGroups, StepExchange
 from .planning import PlannerFailures, PreparedStep, StepPlanning
+from .fallback_sync import follow, reported
 from .record import RankReport, StepSummary, step_record_shape
+from .relayout import layout_record
 from .state import STATE_VERSION, plain_state
 
 
@@ -78,8 +85,7 @@ class SparseBalanceCallback(StepPlanning):
             raise RuntimeError(f"Megatron's pipeline and data-parallel groups have "
                                f"{self.exchange.sizes[1:]} ranks, expected (pp, dp) = "
                                f"{(self.pp, self.dp)}")
-        # How micro-batches are built (data.microbatch_inputs): CP ranks of a DP rank read the
-        # same micro-batches, each its share of the tokens; lengths fixed or variable.
+        # How micro-batches are built (data.microbatch_inputs): a DP rank's CP ranks split them
         cp = ps.get_context_parallel_world_size()
         self.mb_args = dict(pad_multiple=sb.pad_multiple(cp), cp_size=cp,
                             cp_rank=ps.get_context_parallel_rank(),
@@ -208,7 +214,6 @@ class SparseBalanceCallback(StepPlanning):
         if torch.is_grad_enabled():
             self._doc_losses.append((tuple(doc_ids), loss_sums.detach(), tokens.detach()))
 
-
     def step_for_chunk(self, chunk: int) -> PreparedStep:
         """The step the data iterator of model chunk ``chunk`` reads next: the current one if
         another chunk took it already, else the prepared one (``take_step``)."""
@@ -269,6 +274,7 @@ class SparseBalanceCallback(StepPlanning):
             warm = self.steps_done > 0
         # The next step's draft read the state this step is about to change: join it first.
         draft = self.join_ahead()
+        self.reporter.fallback = follow(self, summary.backend, iteration) or self.reporter.fallback
         calib = {}
         if self.latency is not None and step.plan is not None and warm:
             calib = self._calibrate(step, measured)
@@ -367,7 +373,7 @@ class SparseBalanceCallback(StepPlanning):
                           units=unit_order(self._fwd_order, self.layout, self.pp_rank),
                           step_s=timings.get("step_s"), loss=loss, violations=bad,
                           doc_values=docs if self.signal is not None else {},
-                          planner_events=self._failures.take())
+                          planner_events=self._failures.take(), backend=reported(self.budget))
 
     def _update_sensitivity(self, step: PreparedStep, summary: StepSummary) -> None:
         """The tracker learns every document's mean signal this step (sum / count over every
@@ -384,7 +390,8 @@ class SparseBalanceCallback(StepPlanning):
         place that converts numpy/torch numbers and refuses what ``weights_only`` cannot read)."""
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
                **self._planning_state(), "timing_source": self.sb.timing_source,
-               "stand_down": self.reporter.stood.state_dict()}
+               "stand_down": self.reporter.stood.state_dict(), "layout": layout_record(
+                   self.dp, self.pp, self.vp, self._ready and self._ready.batch.num_microbatches)}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self.ahead_basis()
         return plain_state(out)

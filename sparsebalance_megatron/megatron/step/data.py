@@ -196,7 +196,11 @@ def microbatch_inputs(segments, corpus, capacity: int, device, *, step: Optional
                                 max_seqlen_q=max_len, max_seqlen_kv=max_len, sb_step=step,
                                 sb_microbatch=index,
                                 sb_doc_ids=tuple(int(d) for d, _, _ in segments),
-                                sb_cp_size=int(cp_size))
+                                sb_cp_size=int(cp_size),
+                                sb_cu_seqlens_host=tuple(int(x) for x in (
+                                    mb.cu_seqlens if real is None else mb.cu_seqlens_real)),
+                                sb_cu_seqlens_padded_host=None if real is None else
+                                tuple(int(x) for x in mb.cu_seqlens))
     keep = zigzag_positions(mb.cu_seqlens, cp_size, cp_rank) if cp_size > 1 else slice(None)
 
     def t(a, dtype):
@@ -261,3 +265,22 @@ class EvalIterator:
                                num_microbatches=1)[self.dp_rank]
         return microbatch_inputs(rank[0], self.corpus, self.capacity, self.device,
                                  **self.mb_args)
+
+
+def plugin_datasets(cb, data, sb, args, vp_stage):
+    """The plugin's train, valid and test iterators for ``hooks.datasets_provider`` (every rank
+    builds its own): the callback's train iterator of model chunk ``vp_stage``, and evaluation
+    iterators over the valid and test splits."""
+    from megatron.core import parallel_state as ps
+
+    train = cb.train_iterator(chunk=vp_stage or 0) if args.train_iters else None
+    evals = []
+    for split, consumed in (("valid", args.consumed_valid_samples), ("test", 0)):
+        sampler = data.sampler(split, capacity=cb.capacity, seed=sb.seed,
+                               long_sample_policy=sb.long_sample_policy,
+                               pad_multiple=cb.mb_args["pad_multiple"])
+        evals.append(None if sampler is None or not args.eval_iters else EvalIterator(
+            sampler, cb.corpus, capacity=cb.capacity, dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(), device=cb.device,
+            consumed_samples=consumed, mb_args=cb.mb_args))
+    return train, evals[0], evals[1]

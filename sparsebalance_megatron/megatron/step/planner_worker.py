@@ -1,7 +1,8 @@
-"""The planner process's side of ``step/ahead.py``: ``python -m
-sparsebalance_megatron.megatron.step.planner_worker FD_IN FD_OUT PARENT``.
+"""The planner process's side of ``step/ahead.py``: ``python -c ahead.BOOT SYS_PATH FD_IN FD_OUT
+PARENT`` (the rank's ``sys.path``, so that it imports the package its rank imported).
 
-It reads its copy of the rank's ``Drafter`` (``init``), imports what a draft uses and makes the
+It first says which package it imported (``("package", version, path)``: the rank refuses
+another), then reads its copy of the rank's ``Drafter`` (``init``), imports what a draft uses and makes the
 planner's compiled kernels ready before it says ``ready``, then answers ``draft`` requests in
 order: the training process's latency calibration and tracker updates applied first
 (``sync_state``), then ``("drafted",)`` once the draft is made and the draft itself (``reply``:
@@ -66,14 +67,10 @@ def warm_up_kernels() -> None:
     """The planner's compiled kernels made ready in this process (numba's import, and its
     compilation or its disk cache: seconds the first time in an environment), at start-up
     instead of in a step: the planner process before it says ready, the training process
-    before its first step (its reports and layout check simulate too). Nothing without
-    numba."""
+    before its first step (its reports and layout check simulate too)."""
     from ... import kernels
 
-    try:
-        kernels.warm_up()
-    except Exception as e:      # a numba that cannot compile here: numpy, the same plans
-        kernels.disable(f"{type(e).__name__}: {e}")
+    kernels.warm_up()
 
 
 def _import_draft_modules() -> None:
@@ -143,13 +140,20 @@ def main(argv=None) -> int:
     dies with it, and drafts at a lower priority than it trains)."""
     from ..runtime.children import die_with_parent
 
+    from .planner_boot import package_identity
+
     fd_in, fd_out, parent = (int(x) for x in (argv or sys.argv[1:]))
     die_with_parent(parent)
     try:
         os.nice(NICE)
     except OSError:
         pass
-    serve(Connection(fd_in, writable=False), Connection(fd_out, readable=False))
+    out = Connection(fd_out, readable=False)
+    try:
+        out.send(("package", *package_identity()))
+    except (BrokenPipeError, OSError):
+        return 0
+    serve(Connection(fd_in, writable=False), out)
     return 0
 
 

@@ -26,6 +26,7 @@ from ...plan import BudgetPlan
 from ..runtime import comm
 from .plan_record import PlanShape
 from .ahead import Drafted, PendingDraft, Planner, PlannerProcess, PlannerProcessError
+from .planner_boot import PlannerPackageMismatch
 from .drafting import Draft, Drafter  # noqa: F401  (Draft: the planners' result type)
 
 PLANNER_RESTARTS = 3
@@ -103,8 +104,17 @@ class StepPlanning:
         (rank 0) DST plan; no collective (safe on the planner thread)."""
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * num_microbatches)
-        return self.drafter().draft(iteration, first_bin, segments, num_microbatches,
-                                    with_dst=comm.rank() == 0)
+        return self._timed_draft(iteration=iteration, first_bin=first_bin, segments=segments,
+                                 num_microbatches=num_microbatches, with_dst=comm.rank() == 0)
+
+    def _timed_draft(self, **request) -> Draft:
+        """A draft made here; its wall time joins the planner process's recent drafts (the
+        first step's is what its first deadline is taken from)."""
+        t0 = time.perf_counter()
+        draft = self.drafter().draft(**request)
+        if self._process is not None:
+            self._process.note_draft_s(time.perf_counter() - t0)
+        return draft
 
     def _commit(self, draft: Draft) -> None:
         """The draft becomes the prepared step (collective: rank 0's DST plan is broadcast)."""
@@ -197,6 +207,11 @@ class StepPlanning:
         if not self._planner_up(it):
             self._planner = Drafted(self._draft(it, m), basis)
             return
+        late = self._process.still_late()
+        if late is not None:        # late at the last step's end and still not back: stalled
+            self._planner_failed(late.still_stalled(), it)
+            self._planner = Drafted(self._draft(it, m), basis)
+            return
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * m)
         fault = self._planner_fault(it)
@@ -247,6 +262,13 @@ class StepPlanning:
             except PlannerProcessError as e:
                 self._planner_failed(e, iteration)
                 return False
+            except PlannerPackageMismatch as e:   # the package changed on disk mid-run
+                self._process.close()
+                self._process, self._failures.restarting = None, False
+                self._failures.down_until = math.inf
+                comm.say_rank(f"warning: rank {comm.rank()}: {e}; the training thread drafts "
+                              f"every step from now on (the rank's own code)")
+                return False
             self._failures.restarting = False
             comm.say_rank(f"rank {comm.rank()}: the new planner process (pid "
                           f"{self._process.pid}) drafts from iteration {iteration + 1} on")
@@ -269,8 +291,11 @@ class StepPlanning:
         try:
             return planner.result()
         except PlannerProcessError as e:
-            self._planner_failed(e, planner.request["iteration"])
-            draft = self.drafter().draft(**planner.request)
+            if e.phase == "late":               # it runs: left to finish, its draft dropped
+                self._planner_late(e, planner.request["iteration"])
+            else:
+                self._planner_failed(e, planner.request["iteration"])
+            draft = self._timed_draft(**planner.request)
             draft.basis = planner.basis
             return draft
         finally:
@@ -297,6 +322,14 @@ class StepPlanning:
             now = (f"the training thread drafts every step from now on (the same plans; "
                    f"{PLANNER_RESTARTS} restarts used)")
         comm.say_rank(f"warning: rank {comm.rank()}: {err}; {now}")
+
+    def _planner_late(self, err: PlannerProcessError, iteration: int) -> None:
+        """A draft past its deadline from a process that still runs: the training thread drafts
+        it (one line, counted as an event); the process goes on and its draft is dropped when it
+        comes. Still not back at the next draft, it counts as stalled (``_plan_ahead``)."""
+        self._failures.unreported += 1
+        comm.say_rank(f"warning: rank {comm.rank()}: {err}; the training thread drafts "
+                      f"iteration {iteration + 1} from the same inputs (the same plan)")
 
     def _planner_fault(self, iteration: int) -> Optional[str]:
         """--sb-fault RANK:STEP:planner-* (tests): the kind, at the draft of iteration STEP on

@@ -40,7 +40,7 @@ MAX_BYTES = 64 << 20            # a control record this large is a wrong shape, 
 HEADER = ("magic", "dp", "stages", "timed", "units", "docs")
 # One stage's block: integers (int64 bits) first, then floats.
 INT_FIELDS = ("pp", "fingerprint", "fingerprints_differ", "ranks", "violations", "bad_kind",
-              "bad_stage", "bad_microbatch", "planner_events")
+              "bad_stage", "bad_microbatch", "planner_events", "backend")
 FLOAT_FIELDS = ("busy_s", "step_s", "loss_sum", "loss_tokens", "bad_value", "bad_want")
 BLOCK_FIELDS = len(INT_FIELDS) + len(FLOAT_FIELDS)
 UNIT_WORDS = 4                  # fwd s, bwd s (float); micro-batch, virtual stage (int)
@@ -111,6 +111,7 @@ class RankReport:
     violations: Sequence[Violation] = ()  # ``checks.budget_violations``
     doc_values: Mapping[int, tuple] = field(default_factory=dict)  # {doc: (sum, count)}
     planner_events: int = 0              # its planner process's deaths and stalls since the last
+    backend: int = 0                     # 1 + its attention kernel's place in the fallback CHAIN
 
 
 @dataclass
@@ -130,6 +131,7 @@ class StepSummary:
     comm_s: float = 0.0                  # this rank's seconds in the gather's collectives
     bytes_received: int = 0              # what the gather brought this rank
     planner_events: int = 0              # every rank's planner deaths and stalls since the last
+    backend: int = 0                     # the furthest attention fallback of any rank (0: none)
 
 
 def doc_slots(micro_batches) -> list:
@@ -191,6 +193,7 @@ def encode_rank(report: RankReport, shape: RecordShape, slots: np.ndarray) -> np
     bad = list(report.violations)
     i[_I["violations"]] = len(bad)
     i[_I["planner_events"]] = _count("planner_events", report.planner_events)
+    i[_I["backend"]] = _count("backend", report.backend)
     f[_F["bad_value"]] = f[_F["bad_want"]] = np.nan
     if bad:
         v = bad[0]
@@ -252,6 +255,7 @@ def combine_cell(records: np.ndarray, shape: RecordShape) -> np.ndarray:
     io[0, _I["ranks"]] = ints[:, _I["ranks"]].sum()
     io[0, _I["violations"]] = ints[:, _I["violations"]].sum()
     io[0, _I["planner_events"]] = ints[:, _I["planner_events"]].sum()
+    io[0, _I["backend"]] = ints[:, _I["backend"]].max()
     first = np.flatnonzero(ints[:, _I["bad_kind"]])
     if first.size:
         k = first[0]
@@ -342,7 +346,8 @@ def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence) -> StepS
                        fingerprints_agree=bool(agree),
                        violations=int(ib[:, :, _I["violations"]].sum()), examples=examples,
                        unit_times=unit_times,
-                       planner_events=int(ib[:, :, _I["planner_events"]].sum()))
+                       planner_events=int(ib[:, :, _I["planner_events"]].sum()),
+                       backend=int(ib[:, :, _I["backend"]].max()))
 
 
 def _doc_sums(docs: np.ndarray, slots: Sequence) -> tuple:

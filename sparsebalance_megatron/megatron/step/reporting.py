@@ -249,6 +249,7 @@ class StepReporter:
             WATCH.available or WATCH.install()) else None
         self.stood = StandDownCounts()   # cumulative over the run (checkpointed by the callback)
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
+        self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
 
     def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
                own_s: Optional[float] = None, planned_ahead_s: Optional[float] = None):
@@ -270,6 +271,9 @@ class StepReporter:
         if self.planner_events_total:
             rec["planner_events"] = summary.planner_events
             rec["planner_events_total"] = self.planner_events_total
+        if self.fallback is not None:     # the kernel every rank runs after a fallback
+            rec["attention_backend"] = self.fallback["to"]
+            rec["attention_fallback"] = f"{self.fallback['from']} -> {self.fallback['to']}"
         if self.compiles is not None:     # this rank's, since the last step
             rec["kernel_compiles"], rec["kernel_compile_s"] = self.compiles.take()
         self.history.append(rec)

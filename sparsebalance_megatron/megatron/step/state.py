@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from typing import Optional
 
 import numpy as np
 import torch
@@ -51,9 +52,14 @@ def state_file_path(checkpoint_dir: str, iteration: int, *, pipeline_parallel: b
 
 
 def plugin_state_path(args, load_dir: str, iteration: int) -> str:
-    """The state file a resume reads (DP rank 0's: every rank holds the same state)."""
-    return state_file_path(load_dir, iteration,
-                           pipeline_parallel=args.pipeline_model_parallel_size > 1, dp_rank=0)
+    """The state file a resume reads (DP rank 0's: every rank holds the same state). Its folder
+    is named by the pipeline of the run that saved it (``mp_rank_00`` or ``mp_rank_00_000``):
+    a resume on another pipeline (``step/relayout.py``) reads the other where this run's is
+    missing."""
+    pp = args.pipeline_model_parallel_size > 1
+    path = state_file_path(load_dir, iteration, pipeline_parallel=pp, dp_rank=0)
+    other = state_file_path(load_dir, iteration, pipeline_parallel=not pp, dp_rank=0)
+    return other if not os.path.exists(path) and os.path.exists(other) else path
 
 
 def write_state_file(path: str, state: dict) -> None:
@@ -257,7 +263,8 @@ def restore_saved_state(cb):
     args = cb.args
     if cb.latency is None and cb.tracker is None:
         return None, False                       # nothing to restore
-    state = load_plugin_state(args, args.load, args.iteration, fresh=cb.sb.fresh_state)
+    state = _relayout(cb, load_plugin_state(args, args.load, args.iteration,
+                                            fresh=cb.sb.fresh_state))
     ahead = bool(cb.sb.plan_ahead and state is not None and state.get("ahead_basis"))
     path, fresh = plugin_state_path(args, args.load, args.iteration), cb._state_basis()
     try:
@@ -272,3 +279,23 @@ def restore_saved_state(cb):
         note_missing_parts(state, latency=cb.latency is not None,
                            sensitivity=cb.tracker is not None, path=path)
     return state, ahead
+
+
+def _relayout(cb, state: Optional[dict]) -> Optional[dict]:
+    """``state`` kept where it applies to this run's layout (``step/relayout.py``), said in one
+    line (rank 0) where the layout changed."""
+    if state is None:
+        return None
+    from ..runtime.comm import say
+    from .relayout import layout_record, relayout
+
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        m = get_num_microbatches()
+    except (ImportError, AttributeError):        # no calculator set up: not compared
+        m = None
+    state, line = relayout(state, layout_record(cb.dp, cb.pp, cb.vp, m),
+                           latency=cb.latency is not None, sensitivity=cb.tracker is not None)
+    if line:
+        say(line)
+    return state

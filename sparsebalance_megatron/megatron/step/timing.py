@@ -132,3 +132,22 @@ class TeeTimers:
 
     def __getattr__(self, name):
         return getattr(self.megatron_timers, name)
+
+
+def install_timers_tee(ours) -> None:
+    """Megatron's global ``Timers`` -> ``TeeTimers(Timers, ours)``.
+
+    ``train()`` sets ``config.timers = get_timers()`` and ``evaluate()`` restores it from there,
+    so the tee is seen by every schedule. Targets megatron-core >=0.19.2,<0.21
+    (``megatron.training.global_vars._GLOBAL_TIMERS``); idempotent; a test fails if the
+    attribute disappears.
+    """
+    from megatron.training import global_vars
+
+    current = global_vars._GLOBAL_TIMERS
+    if current is None:
+        raise RuntimeError("Megatron's timers are not set up (parse_and_validate_args first)")
+    if isinstance(current, TeeTimers):
+        current.ours = ours
+        return
+    global_vars._GLOBAL_TIMERS = TeeTimers(current, ours)
