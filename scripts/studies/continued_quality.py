@@ -17,7 +17,7 @@ What runs (every choice is a flag; ``trained_quality``'s model, training and eva
   distant blocks, so the selection matters. The product's sink block (1) and no local block
   (``--sb-local-blocks`` default 0) are kept.
 - **Base**: the 2-layer GPT of ``trained_quality`` trained dense from scratch for
-  ``--base-steps`` on documents of [``--base-min-doc``, 1023] bytes (64 up: short ones teach
+  ``--base-steps`` on documents of [``--base-min-doc``, 1023] bytes (17 up: short ones teach
   the lookup at short range first) that no held-out one shares a section with.
 - **Arms** (``ARMS``), each continuing the base for ``--steps`` with ``--seeds`` (data order:
   ``--seed`` and ``--sb-seed``): ``static`` (``--sb-sparse-attention`` at d0, sequential
@@ -40,7 +40,7 @@ What runs (every choice is a flag; ``trained_quality``'s model, training and eva
         --json docs/results/continued_quality_pilot.json
     .venv/bin/python scripts/bench.py continued_quality --out runs/cq \
         --margin-from docs/results/continued_quality_pilot.json \
-        --json docs/results/continued_quality_cpu.json
+        --json runs/continued_quality_cpu.json          # the main run: 10 seeds, five arms
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def parse_args(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="continued-phase seeds (main: 1-10; pilot: 101-103)")
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=None)
-    ap.add_argument("--base-steps", type=int, default=2000)
+    ap.add_argument("--base-steps", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=150, help="continued-phase steps")
     ap.add_argument("--density", type=float, default=0.5, help="d0")
     ap.add_argument("--control-factor", type=float, default=0.9)
@@ -189,7 +189,9 @@ def parse_args(argv=None):
     ap.add_argument("--init-std", type=float, default=0.08)
     ap.add_argument("--train-docs", type=int, default=30000)
     ap.add_argument("--min-doc", type=int, default=512)
-    ap.add_argument("--base-min-doc", type=int, default=64)
+    ap.add_argument("--base-min-doc", type=int, default=17,
+                    help="the base's shortest document (17: three needles and their query "
+                         "alone, the shortest teach the lookup first)")
     ap.add_argument("--heldout", type=int, default=1000)
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--table", choices=("analytic", "profile"), default="profile")
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
             "--no-load-rng"]
     d_train = {"static": args.density, "sab": args.density, "sparse_balance": args.density,
                "control": args.control_factor * args.density}
-    train, d_eval = {}, dict(d_train)
+    train, dirs, d_eval = {}, {}, dict(d_train)
     for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
         d = d_train[arm]
         for s in args.seeds:
@@ -245,6 +247,7 @@ def main(argv=None) -> int:
                           tq.train_cmd(cont, arm, s, data, table, r, arm_flags=ARMS[arm],
                                        density=d, extra=load), walls)
             train[(arm, s)] = tq.read_metrics(rd)
+            dirs[(arm, s)] = rd
     if "sparse_balance" in args.arms and "matched" in args.arms:
         target = sum(tq.train_summary(train[("sparse_balance", s)], args.block_size,
                                       args.density)["doc_kept_density"]
@@ -252,11 +255,12 @@ def main(argv=None) -> int:
         d_m = matched_density([train[("static", s)] for s in args.seeds], target, args)
         d_eval.update(matched=d_m, sparse_balance=d_m)
         d_train["matched"] = d_m
-        for s in args.seeds:
-            rd = run_once(args, args.out, f"matched_s{s}", lambda r, s=s: tq.train_cmd(
+        for s in args.seeds:            # named by density: other seeds give another one
+            rd = run_once(args, args.out, f"matched{d_m:.4f}_s{s}", lambda r, s=s: tq.train_cmd(
                 cont, "matched", s, data, table, r, arm_flags=ARMS["matched"], density=d_m,
                 extra=load), walls)
             train[("matched", s)] = tq.read_metrics(rd)
+            dirs[("matched", s)] = rd
     import torch
 
     from sparsebalance_megatron.megatron.launch.profile import init_single_process
@@ -269,7 +273,7 @@ def main(argv=None) -> int:
         runs.setdefault(arm, {})[str(s)] = {
             "train": {k: v for k, v in summary.items() if k not in ("tokens", "train_losses")},
             "eval_density": d_eval[arm],
-            "eval": evaluate(args, os.path.join(args.out, f"{arm}_s{s}", "ckpt"), docs,
+            "eval": evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
                              [d_eval[arm], 1.0])}
         print(f"evaluated {arm} seed {s}: " + ", ".join(
             f"d {d}: answer NLL {e['answer_nll']:.4f} token acc {e['token_accuracy']:.3f} "
