@@ -85,17 +85,22 @@ SAME = ("tasks", "lengths", "density", "control_factor", "dp", "microbatches", "
         "seq_length", "block_size", "loss_stride", "layers", "match_tolerance")
 
 
-def read_margin(args) -> dict:
+def read_margin(args, ignore=()) -> dict:
+    """The pilot's margin, refused if the pilot is not one or ran in another setting
+    (``ignore``: settings the caller may change, recorded as changed: the GPU form's lengths)."""
     with open(args.margin_from) as f:
         pilot = json.load(f)
     if not (pilot.get("config") or {}).get("pilot") or not pilot.get("margin"):
         raise SystemExit(f"error: --margin-from {args.margin_from}: not a pilot's JSON with a "
                          f"margin (run --pilot first)")
-    differ = [k for k in SAME if pilot["config"].get(k) != getattr(args, k)]
+    differ = [k for k in SAME if k not in ignore and pilot["config"].get(k) != getattr(args, k)]
     if differ:
         raise SystemExit(f"error: --margin-from {args.margin_from}: the pilot ran with other "
                          f"{', '.join(differ)}: a margin holds for the setting it was fixed in")
     return {"margin": pilot["margin"], "margin_source": {
         "path": args.margin_from, "commit": pilot.get("commit"), "n": pilot["summary"]["n"],
         "control_harm": {k: pilot["summary"]["pairs"]["control-uniform"][k]["mean"]
-                         for k in METRICS}, "fraction": pilot["config"]["margin_fraction"]}}
+                         for k in METRICS}, "fraction": pilot["config"]["margin_fraction"],
+        **({"changed_since_pilot": {k: [pilot["config"].get(k), getattr(args, k)] for k in ignore
+                                    if pilot["config"].get(k) != getattr(args, k)}}
+           if ignore else {})}}

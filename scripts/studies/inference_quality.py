@@ -89,6 +89,13 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
     ap.add_argument("--gpu-form-from", default=None, metavar="PILOT.json",
                     help="only the GPU form's power calculation from a pilot's JSON (no forward)")
+    g = ap.add_argument_group("the GPU form (_inference_bundle)")
+    g.add_argument("--prepare", default=None, metavar="DIR",
+                   help="here: write the device's bundle (samples, plans, packed weights)")
+    g.add_argument("--bundle", default=None, metavar="DIR", help="there: score this bundle")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--budget-s", type=float, default=None,
+                   help="no sample starts after this many seconds (the JSON says how many ran)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 2 layers, 256-512 tokens, 4 samples, block 16, DP 2 x 2 x PP 2 of "
                          "1K (what the test runs; its numbers mean nothing)")
@@ -99,9 +106,11 @@ def parse_args(argv=None):
         args.loss_stride, args.pilot, args.block_size = 4, args.margin_from is None, 16
     if args.seed_base is None:
         args.seed_base = PILOT_SEED_BASE if args.pilot else 0
-    if args.gpu_form_from:
+    if args.gpu_form_from or args.bundle:
         return args
-    if args.pilot == (args.margin_from is not None):
+    if args.prepare and args.pilot:
+        ap.error("--prepare: the GPU form reads a pilot's margin (--margin-from), it is none")
+    if args.pilot == (args.margin_from is not None) and not args.prepare:
         ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
     if not 0 < args.control_factor < 1 or not 0 < args.density <= 1:
         ap.error(f"--control-factor {args.control_factor} and --density {args.density}: "
@@ -287,10 +296,11 @@ def score(model, budget, sample, layer_dens: list, stride: int) -> dict:
     kernel reported."""
     import torch
 
+    dev = next(model.parameters()).device
     full = sample.input_ids + sample.answer_ids
     ids, n = full[:-1], len(sample.answer_ids)
     pos = list(range(0, len(ids) - n, stride)) + list(range(len(ids) - n, len(ids)))
-    at = torch.tensor(pos)
+    at = torch.tensor(pos, device=dev)
 
     def keep(_module, _inp, out):                   # the LM head on these positions only
         h = out[0] if isinstance(out, tuple) else out                  # [s, b, h]
@@ -301,15 +311,17 @@ def score(model, budget, sample, layer_dens: list, stride: int) -> dict:
     handle = model.decoder.register_forward_hook(keep)
     try:
         with torch.enable_grad():                  # the kernel reports its kept densities
-            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None],
+            logits = model(torch.tensor([ids], device=dev),
+                           torch.arange(len(ids), device=dev)[None],
                            attention_mask=None)[0].float()              # [len(pos), V]
     finally:
         handle.remove()
     kept = {}
     for _, _, layer, k, _ in budget.pop_stats():
         kept.setdefault(layer, []).extend(k)
-    nll = -torch.log_softmax(logits, -1).gather(1, torch.tensor(full)[at + 1][:, None])[:, 0]
-    right = (logits[-n:].argmax(-1) == torch.tensor(sample.answer_ids)).tolist()
+    target = torch.tensor(full, device=dev)[at + 1]
+    nll = -torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
+    right = (logits[-n:].argmax(-1) == torch.tensor(sample.answer_ids, device=dev)).tolist()
     return {"answer_nll": float(nll[-n:].mean()), "exact": float(all(right)),
             "token_accuracy": sum(right) / n, "loss": float(nll.mean()),
             "kept": float(np.mean([np.mean(v) for v in kept.values()]))}
@@ -343,12 +355,69 @@ def gpu_form_only(args, rep) -> int:
     return 0
 
 
+def study_doc(args, fixed: dict, planned: dict, dens: dict) -> dict:
+    """The JSON's head: the setting, the margin, the arms and the plans (before any forward)."""
+    return {"config": {k: v for k, v in vars(args).items() if k != "json"}, **fixed,
+            "arms": {"uniform": args.density, "dst": "DST's plan (per stage)",
+                     "matched": dens["matched_density"], "shuffled": "DST's, permuted",
+                     "control": args.control_factor * args.density, "dense": 1.0},
+            "stage_layers": planned["stage_layers"], "steps": planned["steps"],
+            "planned_density": dens["planned"], "kept_density_planned": dens["kept_planned"],
+            "matched_planned": abs(dens["kept_planned"]["dst"] - dens["kept_planned"]["matched"])
+            <= args.match_tolerance, "samples": [], "complete": False}
+
+
+def score_all(args, model, budget, arch, samples, tokens, planned, dens, order, doc, t0):
+    """Each sample under every arm in ``order``, the JSON written after each (a run cut short
+    keeps what it scored); no sample starts after ``--budget-s``."""
+    from . import _inference_report as rep
+
+    fixed_margin = doc.get("margin")
+    t_scored = time.perf_counter()
+    doc["scoring_order"] = order
+    for n, i in enumerate(order):
+        if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
+            doc["stopped_by_budget_s"] = args.budget_s
+            print(f"--budget-s {args.budget_s:g}: stopped after {n} samples", flush=True)
+            break
+        s = samples[i]
+        t1 = time.perf_counter()
+        res = {a: score(model, budget, s, dens["layers"][a][i], args.loss_stride) for a in ARMS}
+        doc["samples"].append({
+            "index": i, "task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed,
+            "tokens": tokens[i], "unit": planned["unit"][i],
+            "dst_stage_densities": list(map(float, planned["stage_densities"][i])),
+            "shuffled_from": dens["perm"][i], "arms": res})
+        print(f"[{n + 1}/{len(samples)}] {s.task} {s.length} depth {s.depth}: " + " ".join(
+            f"{a} {r['answer_nll']:.3f}/{r['exact']:.0f}" for a, r in res.items())
+              + f" ({time.perf_counter() - t1:.0f} s)", flush=True)
+        doc["summary"] = rep.summarize(doc, args, fixed_margin)
+        doc["wall_s"] = round(time.perf_counter() - t0, 1)
+        if args.pilot and doc["summary"]:
+            doc.update(rep.pilot_plan(doc["summary"], args, arch, (time.perf_counter() - t_scored)
+                                      / (n + 1)))
+        write_result(args.json, doc)
+    doc["complete"] = len(doc["samples"]) == len(order)
+    write_result(args.json, doc)
+    for k, v in ((doc.get("summary") or {}).get("verdicts") or {}).items():
+        from sparsebalance_megatron.eval.verdict import one_line
+        print(f"{k}: {one_line(v)}")
+    if args.pilot:
+        print(f"margin {doc['margin']}, n needed {doc['n_needed']}, "
+              f"{doc['seconds_per_sample']:.0f} s a sample")
+
+
 def main(argv=None) -> int:
+    from . import _inference_bundle as bundle
     from . import _inference_report as rep
 
     args = parse_args(argv)
     if args.gpu_form_from:
         return gpu_form_only(args, rep)
+    if args.prepare:
+        return bundle.prepare(args)
+    if args.bundle:
+        return bundle.run(args)
     t0 = time.perf_counter()
     fixed = rep.read_margin(args) if args.margin_from else {}     # before any forward
     model, budget, tok, arch = load(args)
@@ -356,46 +425,12 @@ def main(argv=None) -> int:
     tokens = [len(s.input_ids) + len(s.answer_ids) - 1 for s in samples]
     planned = plan(args, arch, [t + 1 for t in tokens])
     dens = arm_densities(args, planned, tokens, arch.num_layers)
-    doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, **fixed,
-           "arms": {"uniform": args.density, "dst": "DST's plan (per stage)",
-                    "matched": dens["matched_density"], "shuffled": "DST's, permuted",
-                    "control": args.control_factor * args.density, "dense": 1.0},
-           "stage_layers": planned["stage_layers"], "steps": planned["steps"],
-           "planned_density": dens["planned"], "kept_density_planned": dens["kept_planned"],
-           "matched_planned": abs(dens["kept_planned"]["dst"] - dens["kept_planned"]["matched"])
-           <= args.match_tolerance, "samples": [], "complete": False}
+    doc = study_doc(args, fixed, planned, dens)
     print(f"model and {len(samples)} samples ready in {time.perf_counter() - t0:.0f} s; "
           f"{len(planned['steps'])} steps planned: " + ", ".join(
               f"cut {s['units_cut']} raised {s['units_raised']}" for s in planned["steps"])
           + f"; matched density {dens['matched_density']:.4f}, kept planned " + ", ".join(
               f"{a} {v:.4f}" for a, v in dens["kept_planned"].items()), flush=True)
-    t_scored = time.perf_counter()
     order = balanced_order(tokens, dens["layers"]["dst"], dens["layers"]["matched"], args)
-    doc["scoring_order"] = order
-    for n, i in enumerate(order):
-        s = samples[i]
-        t1 = time.perf_counter()
-        res = {a: score(model, budget, s, dens["layers"][a][i], args.loss_stride) for a in ARMS}
-        doc["samples"].append({
-            "index": i, "task": s.task, "length": s.length, "depth": s.depth, "seed": s.seed,
-            "tokens": tokens[i], "unit": planned["unit"][i],
-            "dst_stage_densities": planned["stage_densities"][i].tolist(),
-            "shuffled_from": dens["perm"][i], "arms": res})
-        print(f"[{n + 1}/{len(samples)}] {s.task} {s.length} depth {s.depth}: " + " ".join(
-            f"{a} {r['answer_nll']:.3f}/{r['exact']:.0f}" for a, r in res.items())
-              + f" ({time.perf_counter() - t1:.0f} s)", flush=True)
-        doc["summary"] = rep.summarize(doc, args, fixed.get("margin"))
-        doc["wall_s"] = round(time.perf_counter() - t0, 1)
-        if args.pilot and doc["summary"]:
-            doc.update(rep.pilot_plan(doc["summary"], args, arch, (time.perf_counter() - t_scored)
-                                      / (n + 1)))
-        write_result(args.json, doc)
-    doc["complete"] = True
-    write_result(args.json, doc)
-    for k, v in (doc["summary"].get("verdicts") or {}).items():
-        from sparsebalance_megatron.eval.verdict import one_line
-        print(f"{k}: {one_line(v)}")
-    if args.pilot:
-        print(f"margin {doc['margin']}, n needed {doc['n_needed']}, "
-              f"{doc['seconds_per_sample']:.0f} s a sample")
+    score_all(args, model, budget, arch, samples, tokens, planned, dens, order, doc, t0)
     return 0

@@ -64,3 +64,36 @@ def test_main_run_reads_the_pilots_margin(pilot, tmp_path):   # plumbing without
         assert v["verdict"] in ("non-inferior", "inferior", "uninformative", "not matched"), k
         assert v["margin"] == p["margin"][k]
     assert "answer_nll:" in out.stdout or "loss:" in out.stdout
+
+
+def test_gpu_form_bundle_scores_on_the_cpu_as_the_study_does(pilot, tmp_path):
+    """The GPU form (item 5): ``--prepare`` writes the samples, plans, arms' densities and packed
+    weights with the pilot's margin; ``--bundle`` (no tokenizer or GGUF reader used) scores them
+    in the bundle's order, here on the CPU, and stops starting samples at ``--budget-s``."""
+    p = json.loads(pilot.read_text())
+    if not any(p["margin"].values()):
+        pytest.skip("the quick pilot's control did no harm: no margin to prepare with")
+    b = tmp_path / "bundle"
+    study("--margin-from", str(pilot), "--prepare", str(b), "--json", str(tmp_path / "x.json"))
+    made = json.loads((b / "bundle.json").read_text())
+    assert (b / "ids.npz").exists() and (b / "weights" / "weights.json").exists()
+    assert made["fixed"]["margin"] == p["margin"]
+    assert made["fixed"]["margin_source"]["changed_since_pilot"] == {}     # the same lengths
+    assert sorted(made["order"]) == list(range(made["config"]["samples"]))
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "inference_quality", "--bundle",
+                           str(b), "--device", "cpu", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    g = json.loads(out.read_text())
+    assert g["complete"] and g["bundle"]["device"] == "cpu"
+    assert [s["index"] for s in g["samples"]] == made["order"]
+    assert g["margin"] == p["margin"] and g["config"]["lengths"] == p["config"]["lengths"]
+    assert all(set(s["arms"]) == set(ARMS) for s in g["samples"])
+    assert g["arms"]["matched"] == made["dens"]["matched_density"]
+    cut = tmp_path / "cut.json"
+    subprocess.run([sys.executable, "scripts/bench.py", "inference_quality", "--bundle", str(b),
+                    "--budget-s", "0", "--json", str(cut)], cwd=REPO, check=True,
+                   capture_output=True, timeout=600)
+    c = json.loads(cut.read_text())
+    assert c["samples"] == [] and not c["complete"] and c["stopped_by_budget_s"] == 0

@@ -70,6 +70,16 @@ def test_a_margin_fixed_in_another_setting_is_refused(tmp_path):
     assert fixed["margin"] == {"answer_nll": 0.01} and fixed["margin_source"]["n"] == 30
     with pytest.raises(SystemExit, match="density"):
         ir.read_margin(iq.parse_args(["--margin-from", str(pilot), "--density", "0.25"]))
+    # the GPU form (--prepare) may lengthen the samples, and says so; nothing else
+    longer = ["--margin-from", str(pilot), "--lengths", "16384", "16384", "--seq-length", "16384"]
+    with pytest.raises(SystemExit, match="lengths, seq_length"):
+        ir.read_margin(iq.parse_args(longer))
+    fixed = ir.read_margin(iq.parse_args(longer), ignore=("lengths", "seq_length"))
+    assert fixed["margin_source"]["changed_since_pilot"] == {
+        "lengths": [[2048, 4096], [16384, 16384]], "seq_length": [8192, 16384]}
+    with pytest.raises(SystemExit, match="density"):
+        ir.read_margin(iq.parse_args(longer + ["--density", "0.25"]), ignore=("lengths",
+                                                                               "seq_length"))
     pilot.write_text(json.dumps({"config": dict(vars(args), pilot=False)}))
     with pytest.raises(SystemExit, match="not a pilot"):
         ir.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
