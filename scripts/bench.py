@@ -30,6 +30,9 @@ STUDIES = {
                       "BENCHMARKS.md control plane"),
     "planner_phases": ("the draft, handoff, after-step work and gather by phase, DP 32 to 4,096 "
                        "(thread CPU; growth in DP)", "BENCHMARKS.md control plane"),
+    "dst_decomposed": ("DST planned per DP rank (agreed anchor and step) against the central "
+                       "plan: predicted steps, densities, a rank's CPU", "BENCHMARKS.md control "
+                       "plane"),
     "plugin_cost": ("the plugin's own per-step cost as the simulator charges it, by part and "
                     "planner form", "BENCHMARKS.md headline (net figures)"),
     "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",

@@ -24,7 +24,7 @@ TOKENIZERS = ("qwen", "gpt2", "byte")
 DOC_UNITS = ("file", "section")
 PACKINGS = ("auto", "sequential", "token_balanced", "sab")
 RAISE_TARGETS = ("bottleneck", "static")
-STAND_DOWNS = ("sequential", "token_balanced", "off")   # policy/stand_down.py
+STAND_DOWNS = ("sequential", "token_balanced", "dp_balanced", "off")   # policy/stand_down.py
 STAND_DOWN_COMPARES = ("static", "planned")   # policy/stand_down.py: what the packings race
 DST_OBJECTIVES = ("density", "quality")
 DST_DESCENTS = ("critical_path", "off")   # policy/critical_path.py
@@ -176,8 +176,10 @@ class SparseBalanceConfig:
         "sequential", "Do no harm, every step: a DST plan predicted slower than the static plan "
         "(every unit at --sb-density) of the same micro-batches is not committed (the static "
         "plan is), and SAB's packing is replaced by this baseline packing ('sequential': "
-        "Megatron's fill; 'token_balanced') unless the latency model predicts SAB's step faster "
-        "(on the plans --sb-stand-down-compare names); 'off': commit SAB and DST as planned (an "
+        "Megatron's fill; 'token_balanced'; 'dp_balanced': Megatron's dp_balanced packer, its "
+        "own micro-batch count per step, micro-batches of their documents only) unless the "
+        "latency model predicts SAB's step faster (on the plans --sb-stand-down-compare "
+        "names); 'off': commit SAB and DST as planned (an "
         "ablation). The metrics and the [sparsebalance] line count the stand-downs.",
         choices=STAND_DOWNS)
     stand_down_compare: str = _f(
@@ -388,6 +390,12 @@ class SparseBalanceConfig:
         if self.packing == "auto":
             return "sab" if self.batching_enabled else "sequential"
         return self.packing
+
+    @property
+    def varies_microbatch_count(self) -> bool:
+        """Whether a step may commit a packing with its own micro-batch count and lengths: SAB
+        standing down to Megatron's dp_balanced (``megatron/step/microbatches.py``)."""
+        return self.packing_method == "sab" and self.stand_down == "dp_balanced"
 
     @property
     def dense_below_tokens_value(self) -> Optional[int]:

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..latency.layout import LayoutError, PipelineLayout, candidate_layouts
-from .study import StudyConfig, packing_of, run_study
+from .study import STAND_DOWN_PACKINGS, StudyConfig, packing_of, run_study
 
 STATIC_VARIANTS = ("static", "token_balanced", "dp_balanced")
 DENSE_VARIANT = "dense"
@@ -42,9 +42,6 @@ DENSE_PACKINGS = {"dense": "sequential", "dense_token_balanced": "token_balanced
                   "dense_dp_balanced": "dp_balanced", "dense_sab": "sab_dense"}
 """The dense variants the dense search runs, and the packing each one's layouts are searched
 with."""
-STAND_DOWN_PACKINGS = ("sequential", "token_balanced")
-"""What --sb-stand-down can stand down to (the runtime packs these; not Megatron's dp_balanced,
-whose micro-batch count varies by step)."""
 SPARSE_VARIANT = "sab_dst"
 ACCURACY_VARIANT = "sab_dst_acc"
 
@@ -114,9 +111,10 @@ def stand_down_config(cfg: StudyConfig, best_static: LayoutChoice,
                       dense: Sequence[LayoutChoice] = ()) -> StudyConfig:
     """``cfg`` whose SAB runs stand down to the packing of the best static configuration
     (``--sb-stand-down``, issue 27: the baseline a run must not lose to is what the user would
-    run without SparseBalance), and whose dense_sab runs to the best dense one's; where that is
-    Megatron's dp_balanced, which the runtime cannot pack, the fastest of ``static`` (``dense``)
-    whose packing it can. Unchanged when the stand-down is off."""
+    run without SparseBalance), and whose dense_sab runs to the best dense one's (Megatron's
+    dp_balanced included: the runtime commits its packing with its own micro-batch count); where
+    that packing is none the runtime packs, the fastest of ``static`` (``dense``) whose packing
+    it can. Unchanged when the stand-down is off."""
     if cfg.sb.stand_down == "off":
         return cfg
 

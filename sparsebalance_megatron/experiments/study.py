@@ -69,7 +69,7 @@ import numpy as np
 
 from ..batching import (SensitivityTracker, dp_balanced_plan, latency_sample_cost_fn, sab_plan,
                         sequential_plan, token_balanced_plan, unit_sensitivity)
-from ..config import SparseBalanceConfig
+from ..config import STAND_DOWNS, SparseBalanceConfig
 from ..data import GlobalBatchSampler
 from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
@@ -85,6 +85,9 @@ _PACKING = {"dense": "sequential", "dense_sab": "sab", "static": "sequential",
             "dense_dp_balanced": "dp_balanced"}
 DENSE_VARIANTS = ("dense", "dense_sab", "dense_token_balanced", "dense_dp_balanced")
 """Variants with dense attention: every document through the dense kernel."""
+STAND_DOWN_PACKINGS = tuple(s for s in STAND_DOWNS if s != "off")
+"""What --sb-stand-down can stand down to: Megatron's sequential fill, token-balanced packing,
+or Megatron's dp_balanced (its own micro-batch count per step, as the runtime commits it)."""
 
 
 @dataclass
@@ -105,7 +108,8 @@ class StudyConfig:
     objective and descent, the stand-down packing and compare, the planner): the runtime's
     defaults unless given; ``--sb-stand-down off``: no stand-down (``policy.stand_down``)."""
     dense_stand_down: Optional[str] = None
-    """--sb-stand-down of the ``dense_sab`` runs (None: sequential; off with ``stand_down``)."""
+    """--sb-stand-down of the ``dense_sab`` runs (one of ``STAND_DOWN_PACKINGS``; None:
+    sequential; off with ``stand_down``)."""
     microbatch_multiple: int = 0
     """--sb-microbatch-multiple: 0 fixed-length micro-batches (the fill is padding every run
     pays), k > 0 each micro-batch its documents rounded up to a multiple of k tokens; every
@@ -252,17 +256,22 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
     compare = cfg.policy().stand_down_compare    # what the packings are compared on
     fallback = cfg.policy().stand_down          # the packing SAB's runs stand down to
     fallback = None if fallback == "off" else fallback
-    if cfg.dense_stand_down not in (None, "sequential", "token_balanced"):
+    if cfg.dense_stand_down not in (None, *STAND_DOWN_PACKINGS):
         raise ValueError(f"dense_stand_down={cfg.dense_stand_down!r}: expected one of "
-                         f"sequential, token_balanced")
+                         f"{', '.join(STAND_DOWN_PACKINGS)}")
     dense_fallback = None if fallback is None else (cfg.dense_stand_down or "sequential")
-    for v, _ in runs.values():
-        if fallback and _plan_key(v) == "sab":
-            needed.add(fallback)
-            needed_feats.add((fallback, False))
-        if dense_fallback and _plan_key(v) == "sab_dense":
-            needed.add(dense_fallback)
-            needed_feats.add((dense_fallback, True))
+
+    def fallback_key(variant, layout):
+        """The plan key SAB's run of ``variant`` on ``layout`` stands down to (None: none);
+        dp_balanced's is the layout's (Megatron's VPP rule, ``dp_balanced_key``)."""
+        back = {"sab": fallback, "sab_dense": dense_fallback}.get(_plan_key(variant))
+        return dp_balanced_key(layout) if back == "dp_balanced" else back
+
+    for v, lay in runs.values():
+        back = fallback_key(v, lay)
+        if back:
+            needed.add(back)
+            needed_feats.add((back, is_dense(v)))
     for _ in range(cfg.steps):
         segs = sampler.next_global_batch()
         plans = {"sequential": sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap)}
@@ -288,7 +297,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         for name, (variant, lay) in runs.items():
             packing, dense = _layout_plan_key(variant, lay), is_dense(variant)
             # do no harm: SAB's packing competes with the baseline's (policy.stand_down)
-            back = {"sab": fallback, "sab_dense": dense_fallback}.get(_plan_key(variant))
+            back = fallback_key(variant, lay)
             cands = [packing] + ([back] if back else [])
             for k in cands:
                 if (k, dense, lay) not in costs:

@@ -163,7 +163,7 @@ def _install(args, model_cfg, packed_data):
         # Packed micro-batches hold different numbers of real tokens: normalise per token.
         args.calculate_per_token_loss = True
         model_cfg.calculate_per_token_loss = True
-        if sb.length_multiple:
+        if sb.length_multiple or sb.varies_microbatch_count:
             # Variable-length micro-batches: Megatron's pipeline stages exchange each tensor's
             # shape before sending it (its dataloader-set flag; validate_args clears it).
             args.variable_seq_lengths = True
@@ -242,6 +242,9 @@ def _build_runtime(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
+    from .step import microbatches
+    if _run.sb.varies_microbatch_count:      # dp_balanced's own count reaches the schedule
+        microbatches.install(_run.callback)
     from .model.backend_fallback import stand_in_for_faults
     line = stand_in_for_faults(_run.budget, _run.sb.fault_specs, comm.rank())
     if line:                                            # --sb-fault ...-fails (tests)

@@ -16,6 +16,8 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -258,7 +260,7 @@ class UnitCosts:
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
                      densities: np.ndarray, calibrated: bool = True,
-                     kept_units=None) -> "UnitCosts":
+                     kept_units=None, out: Optional["TableMemory"] = None) -> "UnitCosts":
         """Tabulate a ``latency.LatencyModel`` for one step.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
@@ -266,7 +268,8 @@ class UnitCosts:
         same units' documents without the padding that fills them (``BatchPlan.unit_csr()``),
         whose kept blocks make ``kept_grid``: padding costs time (it is in ``mb_doc_lengths``)
         but a density move that keeps more padding blocks and no document block buys nothing.
-        None: ``mb_doc_lengths``' own blocks. The stage axis is the
+        None: ``mb_doc_lengths``' own blocks. ``out``: memory the tables are written into
+        (``TableMemory``; None: fresh arrays). The stage axis is the
         model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
         model's online correction of rank r, and by that of its pipeline rank where the model
         has learned one (``correction_grid``: virtual stage v runs on pipeline rank v mod pp).
@@ -293,7 +296,7 @@ class UnitCosts:
                           np.stack([t.bwd_fixed_s for t in terms], axis=1)])   # [2, n, stages]
         per_pair = np.asarray([[t.fwd_attn_s_per_pair for t in terms],
                                [t.bwd_attn_s_per_pair for t in terms]], np.float64)
-        fb, total = np.empty((2, n, pp, g.size)), np.empty((n, pp, g.size))
+        fb, total = (TableMemory() if out is None else out).arrays(n, pp, g.size)
         # (work x per_pair + fixed) x correction (x 1.0 is exact: left out), and their total
         formula = (work, f64(per_pair), f64(fixed), f64(corr), not bool(np.all(corr == 1.0)))
         kernels.grid.unit_tables(*formula, fb, total)
@@ -342,6 +345,62 @@ class UnitCosts:
         t = fixed[..., None] + attn[..., None] * g                  # [dp, m, pp, g]
         w = attn if attn_work is None else attn_work
         return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, w)
+
+
+class TableMemory:
+    """Memory for one ``UnitCosts.from_latency``'s tables, kept from one step to the next: a
+    drafter prices its packings every step, and fresh arrays of that size (240 MB each at DP
+    4,096 x 16 micro-batches x 8 virtual stages) are fresh pages every step, whose faults cost
+    the draft as much system time as all its work (BENCHMARKS.md, "Control plane"). The tables
+    are written whole (``kernels.grid.unit_tables``), so what the memory held before does not
+    matter; a ``UnitCosts`` made in it is valid until the memory is used again. Pickled
+    empty."""
+
+    def __init__(self):
+        self._flat = None
+
+    def arrays(self, n: int, stages: int, g: int) -> Tuple[np.ndarray, np.ndarray]:
+        """(forward and backward [2, n, stages, g], total [n, stages, g]), views of the kept
+        memory (grown where it is too small)."""
+        size = 3 * n * stages * g
+        if self._flat is None or self._flat.size < size:
+            self._flat = np.empty(size)
+        fb = self._flat[:2 * n * stages * g].reshape(2, n, stages, g)
+        return fb, self._flat[2 * n * stages * g:size].reshape(n, stages, g)
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self._flat = None
+
+
+class TableLease:
+    """A drafter's ``TableMemory`` per packing option, lent to one draft at a time
+    (``lease``): a draft made while another holds it (the training thread beside a planner
+    thread) gets fresh arrays instead. Pickled empty."""
+
+    def __init__(self, options: int = 2):
+        self._options, self._lock = options, threading.Lock()
+        self._memory = [TableMemory() for _ in range(options)]
+
+    @contextmanager
+    def lease(self):
+        """The options' memories for the length of the block (None where held elsewhere: the
+        caller makes fresh arrays); every ``UnitCosts`` made in them is dropped by its end."""
+        if not self._lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            yield self._memory
+        finally:
+            self._lock.release()
+
+    def __getstate__(self):
+        return {"options": self._options}
+
+    def __setstate__(self, state):
+        self.__init__(state["options"])
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

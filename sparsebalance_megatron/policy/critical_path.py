@@ -79,10 +79,12 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
 
 
 def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-             raise_headroom: float, meets_at, rounds: int, floors_at=None):
+             raise_headroom: float, meets_at, rounds: int, floors_at=None, goal: float = 0.0):
     """``descend``, and the DP ranks' makespans [dp] of the plan it returns; ``meets_at`` and
     ``floors_at`` take a plan's grid indices (``descend``'s take its densities). Each round's
-    phases are ``kernels.descent.Round``'s."""
+    phases are ``kernels.descent.Round``'s. ``goal``: no round asks for a step below it, and
+    the descent stops there (``dst_ranks``: a DP rank's descent to each of the agreed probe
+    steps); 0: none."""
     dp, m, nv = costs.shape
     graph = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
     tables = Tables.of(costs.fwd_s, costs.bwd_s, costs.total_s, costs.formula)
@@ -94,9 +96,9 @@ def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: f
     mk = graph.makespan(ef)
     step, eta = float(mk.max()), ETA_START
     for _ in range(rounds):
-        if eta < ETA_MIN:
+        if eta < ETA_MIN or step <= goal:
             break
-        target = step * (1.0 - eta)
+        target = max(step * (1.0 - eta), goal)
         # cut: every unit on a path longer than T' sheds a fraction of its cuttable time
         now = rnd.plan(dur, ef, f, b, idx)
         on, ranks, col, fits, mk_p, dur_p, ef_p, cut_i = rnd.cut(now, t_min, target)

@@ -124,6 +124,8 @@ def test_install_puts_the_swapped_local_stack_spec_where_the_hybrid_builder_read
     (["--hybrid-layer-pattern", "E-E-"], None, "has no attention layer ('*')"),
     (["--hybrid-layer-pattern", "*-*-", "--context-parallel-size", "2"], None,
      "--context-parallel-size 2 with a HybridModel"),
+    (["--hybrid-layer-pattern", "*-*-", "--sb-batching", "--sb-stand-down", "dp_balanced"], None,
+     "--sb-stand-down dp_balanced with a HybridModel"),
 ])
 def test_install_refuses_a_hybrid_launch_in_one_line(argv, spec, needle):
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec

@@ -92,6 +92,8 @@ def test_a_good_launch_passes():
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flash", microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with the flash attention backend"),
     _case(dict(), SparseBalanceConfig(sparse_attention=True, attention_backend="flash", block_size=128, microbatch_multiple=128), True, "--sb-microbatch-multiple 128 with the flash attention backend (each micro-batch length would compile its own kernel: add --sb-attention-backend fa4 or triton on a GPU"),
     _case(dict(cuda_graph_impl="local"), SparseBalanceConfig(sparse_attention=True, microbatch_multiple=64), True, "--sb-microbatch-multiple 64 with CUDA graphs"),
+    _case(dict(), SparseBalanceConfig(sparse_attention=True, batching=True, attention_backend="flex", stand_down="dp_balanced"), True, "--sb-stand-down dp_balanced (micro-batches of their documents only) with the flex attention backend"),
+    _case(dict(cuda_graph_impl="local"), SparseBalanceConfig(sparse_attention=True, batching=True, stand_down="dp_balanced"), True, "--sb-stand-down dp_balanced (micro-batches of their documents only) with CUDA graphs"),
     _case(dict(virtual_pipeline_model_parallel_size=2), SPARSE, True, "vp=2 needs pp >= 2"),
     _case(dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=3), FULL, True, "pipeline rank 0 holds 2 layers: not divisible by the 3 virtual stages per rank"),
     _case(dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ett|tmL"), FULL, True, "multi-token prediction layers ('m') are not supported"),

@@ -62,6 +62,8 @@ def test_the_search_stands_down_to_the_best_static_configurations_packing():
 
     assert stand_down_config(CFG, choice("token_balanced")).sb.stand_down == "token_balanced"
     assert stand_down_config(CFG, choice("static")).sb.stand_down == "sequential"
+    # Megatron's dp_balanced too: the runtime commits its packing with its own micro-batch count
+    assert stand_down_config(CFG, choice("dp_balanced")).sb.stand_down == "dp_balanced"
     off = CFG.with_flags(stand_down="off")
     assert stand_down_config(off, choice("token_balanced")) is off
     with pytest.raises(ValueError, match="--sb-stand-down='sab'"):

@@ -19,7 +19,6 @@ Imports nothing from megatron at module level; no torch.distributed.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 from typing import Optional
 
@@ -31,7 +30,7 @@ from ...config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ...latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
 from ..errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
 from .data_checks import data_conflicts, packer_conflicts
-from .lengths import LENGTH_FREE_BACKENDS
+from .lengths import LENGTH_FREE_BACKENDS, length_need
 from .preflight import attention_dropout_conflicts, config_problems, dense_kernel_conflicts
 
 
@@ -122,6 +121,10 @@ def _hybrid_conflicts(args, sb: SparseBalanceConfig, hybrid: bool,
     if cp > 1:
         out.append(f"--context-parallel-size {cp} with a HybridModel (verified with GPT "
                    f"only so far)")
+    if plugin_data and sb.varies_microbatch_count:
+        out.append(f"{flag_name('stand_down')} dp_balanced with a HybridModel (its micro-batches "
+                   f"vary in length and count; a HybridModel is verified at fixed lengths only: "
+                   f"use sequential or token_balanced)")
     return out
 
 
@@ -209,19 +212,22 @@ def _context_parallel_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool
 
 
 def _microbatch_length_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
-    """``--sb-microbatch-multiple K``: what variable-length micro-batches need."""
+    """``--sb-microbatch-multiple K``: what variable-length micro-batches need; at fixed length
+    also ``--sb-stand-down dp_balanced``, whose micro-batches hold their documents only."""
     k = sb.length_multiple
-    if not k:
+    if not k and not (plugin_data and sb.varies_microbatch_count):
         return []
-    flag = f"{flag_name('microbatch_multiple')} {k}"
+    flag = f"{flag_name('microbatch_multiple')} {k}" if k else \
+        f"{flag_name('stand_down')} dp_balanced (micro-batches of their documents only)"
     if not plugin_data:
         return [f"{flag} on Megatron's data path (it sizes the plugin's packed micro-batches)"]
     out = []
+    if sb.varies_microbatch_count and sb.replay_plans:
+        out.append(f"{flag_name('stand_down')} dp_balanced with {flag_name('replay_plans')} (a "
+                   f"replay packs the recorded micro-batch count of every step)")
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    need = sb.pad_multiple(cp)
-    if getattr(args, "sequence_parallel", False) and tp > 1:
-        need = math.lcm(need, tp * cp)
+    need = length_need(args, sb)
     if k % need:
         out.append(f"{flag}: expected a multiple of {need} (documents are padded to multiples "
                    f"of {sb.pad_multiple(cp)}; each of {cp} CP ranks' share must split over "

@@ -100,11 +100,7 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
                  f"price shorter micro-batches)")
     if fixed is not None:
         return 0, f"fixed --seq-length micro-batches ({flag}: {fixed})"
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    k = math.lcm(VARIABLE_MULTIPLE, sb.pad_multiple(cp))
-    if getattr(args, "sequence_parallel", False) and tp > 1:
-        k = math.lcm(k, tp * cp)
+    k = math.lcm(VARIABLE_MULTIPLE, length_need(args, sb))
     what = (f"the {sb.attention_backend} kernel takes any length" if sb.sparse_attention_enabled
             else "SAB with dense attention pays no fill")
     if auto_free is not None:
@@ -112,6 +108,17 @@ def resolve_length_multiple(args, sb: SparseBalanceConfig, *, plugin_data: bool,
                f"takes any length"
     return k, (f"variable-length micro-batches, multiples of {k} tokens ({flag}: {what}; "
                f"{flag_name('microbatch_multiple')} 0 keeps --seq-length shapes)")
+
+
+def length_need(args, sb: SparseBalanceConfig) -> int:
+    """What every packed micro-batch's length must be a multiple of: the document padding
+    (2 x CP) and, with sequence parallelism, TP x CP (each CP rank's share splits over TP)."""
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    need = sb.pad_multiple(cp)
+    if getattr(args, "sequence_parallel", False) and tp > 1:
+        need = math.lcm(need, tp * cp)
+    return need
 
 
 def length_free_backend(args, sb: SparseBalanceConfig) -> Optional[str]:

@@ -4,7 +4,8 @@ choice, timers, metrics, data iterator and resume state.
 Modules: ``ahead`` (the planner process and thread) and ``planner_worker`` (the process's own side),
 ``callback``, ``checks``, ``choice``, ``data``, ``drafting``, ``exchange`` (the per-step gather and
 plan broadcast), ``plan_record`` and ``record`` (their fixed-size records),
-``planning``, ``reporting``, ``state``, ``timing``. May import: ``errors``, ``runtime``, ``model``,
+``microbatches`` (a step's own micro-batch count through Megatron's calculator), ``planning``,
+``reporting``, ``state``, ``timing``. May import: ``errors``, ``runtime``, ``model``,
 ``launch`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its
 exports: ``_PUBLIC`` (``lazy_exports``).
 """

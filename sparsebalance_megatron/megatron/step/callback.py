@@ -62,6 +62,7 @@ from .planning import PlannerFailures, PreparedStep, StepPlanning
 from .fallback_sync import follow, reported
 from .record import RankReport, StepSummary, step_record_shape
 from .relayout import layout_record
+from .microbatches import megatron_count, own_length_multiple
 from .state import STATE_VERSION, plain_state
 
 
@@ -90,6 +91,9 @@ class SparseBalanceCallback(StepPlanning):
         self.mb_args = dict(pad_multiple=sb.pad_multiple(cp), cp_size=cp,
                             cp_rank=ps.get_context_parallel_rank(),
                             length_multiple=sb.length_multiple)
+        # a micro-batch of its documents only (dp_balanced's at fixed length) still splits
+        # over the CP ranks and, with sequence parallelism, the TP ranks
+        self.own_length_multiple = own_length_multiple(args, sb)
         self.latency = self.tracker = None
         if sb.dst_enabled or sb.batching_enabled:
             from ..launch.latency_setup import load_latency_model, table_backend
@@ -224,6 +228,15 @@ class SparseBalanceCallback(StepPlanning):
         self._chunks_read = {chunk}
         return step
 
+    def microbatches_at(self, consumed_samples: int) -> Optional[int]:
+        """Micro-batches per DP rank of the committed packing of the step that starts at
+        ``consumed_samples`` (what Megatron's schedule runs: ``step/microbatches.py``), None
+        where no such step is prepared or running."""
+        for step in (self._current, self._ready):
+            if step is not None and step.first_bin == consumed_samples:
+                return step.batch.num_microbatches
+        return None
+
     def note_forward(self, microbatch: int, chunk: int) -> None:
         """A training forward of (micro-batch, model chunk) begins (Megatron's schedule order);
         maps the step's timer intervals to plan units."""
@@ -254,6 +267,13 @@ class SparseBalanceCallback(StepPlanning):
         if step is None:
             raise RuntimeError(f"iteration {iteration} finished without reading the plugin's "
                                f"data iterator")
+        ran = len(self._fwd_order) // max(len(self._chunks_read), 1)
+        if ran != step.batch.num_microbatches:
+            raise RuntimeError(f"iteration {iteration}: Megatron's schedule ran {ran} "
+                               f"micro-batches, the committed packing ({step.batch.method}) has "
+                               f"{step.batch.num_microbatches} per DP rank (the step's count "
+                               f"reaches the schedule through Megatron's micro-batch "
+                               f"calculator, step/microbatches.py)")
         loss = (torch.stack([x[0].float() for x in self._losses]).sum().item(),
                 torch.stack([x[1].float() for x in self._losses]).sum().item()) \
             if self._losses else (0.0, 0.0)
@@ -303,10 +323,10 @@ class SparseBalanceCallback(StepPlanning):
         consumed samples the next step will start from)."""
         from megatron.core import num_microbatches_calculator as nmc
 
-        consumed = step.first_bin + self.dp * step.batch.num_microbatches
+        consumed = step.consumed_samples
         args = self.args
         if args.step_batch_size_schedule is None:
-            return nmc.get_num_microbatches()
+            return megatron_count()
         calc = nmc.StepBatchsizeNumMicroBatchesCalculator(
             micro_batch_size=args.micro_batch_size, data_parallel_size=self.dp,
             decrease_batch_size_if_needed=args.decrease_batch_size_if_needed, rank=-1,
@@ -391,7 +411,7 @@ class SparseBalanceCallback(StepPlanning):
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict(), "layout": layout_record(
-                   self.dp, self.pp, self.vp, self._ready and self._ready.batch.num_microbatches)}
+                   self.dp, self.pp, self.vp, self._ready and self._ready.samples // self.dp)}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self.ahead_basis()
         return plain_state(out)

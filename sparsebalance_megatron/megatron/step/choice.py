@@ -40,20 +40,23 @@ def raise_headroom(sb: SparseBalanceConfig, latency, dp: int) -> float:
 
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
            tracker=None, dst: bool, raise_headroom: Optional[float] = None,
-           stage_layers=None) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
+           stage_layers=None, tables=None
+           ) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
     """(densities [dp][m][stages] or None, DST report or None, stand-down record or None).
 
     options: (BatchPlan, UnitFeatures) of SAB's packing and, if packed, the baseline's, SAB's
     first; dst: plan with DST (rank 0), else the static plans are compared (d0 with sparse
     attention, density 1 without). The stand-down record is ``StepChoice.as_dict()``:
-    ``packing_index`` says which option to commit."""
+    ``packing_index`` says which option to commit. tables: a ``TableMemory`` per option, the
+    cost tables' memory kept between steps (None: fresh arrays)."""
     from ...policy.dst import plan_dst_from_config
 
     d0 = sb.density if sb.sparse_attention_enabled else 1.0
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
     costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid,
-                                    kept_units=batch.unit_csr() if dst else None)
-             for batch, units in options]
+                                    kept_units=batch.unit_csr() if dst else None,
+                                    out=None if tables is None else tables[i])
+             for i, (batch, units) in enumerate(options)]
     sens = {}
 
     def sensitivity(i):

@@ -237,9 +237,11 @@ class TrainIterator:
         j = self._next
         self._next += 1
         cb.note_forward(j, self.chunk)
-        segments = self._step.batch.micro_batches[cb.dp_rank][j]
-        return microbatch_inputs(segments, cb.corpus, cb.capacity, self.device,
-                                 step=self._step.iteration, index=j, **cb.mb_args)
+        batch = self._step.batch
+        # the packing's own lengths (Megatron's dp_balanced: its documents only, at any length)
+        return microbatch_inputs(batch.micro_batches[cb.dp_rank][j], cb.corpus, cb.capacity,
+                                 self.device, step=self._step.iteration, index=j,
+                                 **dict(cb.mb_args, length_multiple=batch.length_multiple))
 
     def save_state(self) -> dict:
         return self.callback.state_dict()

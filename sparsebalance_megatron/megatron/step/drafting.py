@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ...batching.plan import BatchPlan, checked_segments
+from ...batching.plan import BatchingError, BatchPlan, checked_segments
+from ...policy.costs import TableLease
 from .checks import check_assignment, segment_counts
 from .choice import wants_baseline_packing
 
@@ -41,7 +42,9 @@ class Draft:
     options: int = 1               # packings drafted (2: SAB and the baseline), on every rank
                                    # alike: the plan record's size, even where the planner
                                    # process sends one of them back (``planner_worker.reply``)
-    num_microbatches: int = 0      # the step's micro-batches per DP rank
+    num_microbatches: int = 0      # Megatron's micro-batches per DP rank (its samples per rank)
+    counts: tuple = ()             # each packing's own micro-batches per DP rank (dp_balanced's
+                                   # varies by step), kept where the packing itself is not
 
     def packing(self, index: int) -> tuple:
         """(batch, units) of candidate packing ``index``: 0 SAB's (or the only one), 1 the
@@ -61,10 +64,15 @@ class Drafter:
     ``launch.replay.PlanReplay`` or None. Picklable: the planner process gets a copy."""
 
     def __init__(self, sb, latency, tracker, *, dp: int, capacity: int, attention_layers,
-                 replay=None):
+                 replay=None, vpp_group: Optional[int] = None, own_length_multiple: int = 1):
         self.sb, self.latency, self.tracker, self.replay = sb, latency, tracker, replay
         self.dp, self.capacity = int(dp), int(capacity)
         self.attention_layers = tuple(attention_layers)
+        # Megatron's dp_balanced: its group multiple under VPP (the pipeline size, as
+        # wrap_data_iterator passes it) and, at fixed length, the multiple its micro-batches
+        # (their documents only) are rounded up to (what CP and sequence parallelism need)
+        self.vpp_group, self.own_length_multiple = vpp_group, int(own_length_multiple)
+        self._tables = TableLease()     # the cost tables' memory, kept from draft to draft
 
     def draft(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
               with_dst: bool) -> Draft:
@@ -81,7 +89,11 @@ class Drafter:
             given = segment_counts(segments)                 # checked against every packing
             options = [self._packed(segments, num_microbatches, given=given)]
             if wants_baseline_packing(sb, self.latency):      # do no harm: SAB vs baseline
-                options.append(self._packed(segments, num_microbatches, sb.stand_down, given))
+                try:
+                    options.append(self._packed(segments, num_microbatches, sb.stand_down,
+                                                given))
+                except BatchingError:   # dp_balanced's rule has no packing (Megatron stops):
+                    pass                # every rank alike, SAB's is the only candidate
             if sb.dst_enabled:
                 if with_dst:
                     densities, report, _ = self.choose(options, dst=True)
@@ -91,11 +103,14 @@ class Drafter:
         return Draft(iteration, first_bin, *options[0], payload, replayed,
                      cpu_s=time.thread_time() - t0,
                      baseline=options[1] if len(options) > 1 else None, stand_down=stand,
-                     options=len(options), num_microbatches=options[0][0].num_microbatches)
+                     options=len(options), num_microbatches=int(num_microbatches),
+                     counts=tuple(b.num_microbatches for b, _ in options))
 
     def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
         """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
-        token_balanced, SAB."""
+        token_balanced, SAB, or (a stand-down's baseline) Megatron's dp_balanced: its own
+        micro-batch count, each micro-batch its documents only (``own_length_multiple`` at
+        fixed length), as Megatron's packer makes them."""
         from ...batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
                                          token_balanced_plan)
 
@@ -110,6 +125,11 @@ class Drafter:
         elif method == "token_balanced":
             plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
                                        seed=sb.seed, **kw)
+        elif method == "dp_balanced":
+            from ...batching.dp_balanced import dp_balanced_plan
+            plan = dp_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
+                                    microbatch_group_size_per_vp_stage=self.vpp_group, **kw)
+            return plan.with_length_multiple(sb.length_multiple or self.own_length_multiple)
         else:
             plan = sequential_plan(segments, **kw)
         # variable-length micro-batches: the planner's units end where the packed tensors do
@@ -137,6 +157,7 @@ class Drafter:
         under the do-no-harm rule (``step_choice.choose``)."""
         from .choice import choose, raise_headroom
 
-        return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
-                      raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                      if dst else None, stage_layers=self.attention_layers)
+        with self._tables.lease() as tables:   # nothing made in them outlives the block
+            return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
+                          dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
+                          if dst else None, stage_layers=self.attention_layers, tables=tables)

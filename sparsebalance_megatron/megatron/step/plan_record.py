@@ -6,7 +6,9 @@ the report is ``DSTReport``'s fields, ``raise_headroom``, ``unit_sensitivity`` [
 ``predicted_busy_s`` [dp][pipeline ranks] (the planner's uncorrected prediction of the committed
 plan, which every rank calibrates against, or None) and the do-no-harm record ``stand_down``. Its
 layout (``PlanShape``) is sized from what every rank knows before the broadcast: DP ranks,
-micro-batches, stages, pipeline ranks, how many packings were candidates, whether a sensitivity
+micro-batches (each candidate packing's: Megatron's dp_balanced makes its own count, so the
+densities' room is the largest and the committed packing's ``packing_index`` says how much of it
+is filled), stages, pipeline ranks, how many packings were candidates, whether a sensitivity
 tracker runs. ``DSTReport``'s fields are read from the dataclass
 (an ``int``, ``float`` or ``tuple`` of per-stage floats each), so a field added there travels
 without a change here; a report entry with no slot, or a value that does not fit its slot, is
@@ -57,7 +59,9 @@ class PlanShape:
     """The size of a step's plan: ``dp`` x ``microbatches`` x ``stages`` densities, ``options``
     candidate packings (1, or 2 with the do-no-harm baseline), ``sensitivity``: whether the report
     carries a [dp, m] unit sensitivity (a tracker runs), ``ranks``: the pipeline ranks of the
-    report's [dp, ranks] predicted busy seconds (0: the record has no room for them)."""
+    report's [dp, ranks] predicted busy seconds (0: the record has no room for them),
+    ``option_microbatches``: each candidate's micro-batches per DP rank where they differ
+    (the first is ``microbatches``; empty: every candidate has ``microbatches``)."""
 
     dp: int
     microbatches: int
@@ -65,6 +69,7 @@ class PlanShape:
     options: int = 1
     sensitivity: bool = False
     ranks: int = 0
+    option_microbatches: tuple = ()
 
     def __post_init__(self):
         for name in ("dp", "microbatches", "stages", "options"):
@@ -76,19 +81,37 @@ class PlanShape:
             raise ValueError(f"plan shape: ranks={self.ranks!r}: expected an integer >= 0")
         if not isinstance(self.sensitivity, (bool, np.bool_)):
             raise ValueError(f"plan shape: sensitivity={self.sensitivity!r}: expected a bool")
+        m = self.option_microbatches
+        if m and (len(m) != self.options or m[0] != self.microbatches or any(
+                isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+                for v in m)):
+            raise ValueError(f"plan shape: option_microbatches={m!r}: expected {self.options} "
+                             f"integers >= 1, the first microbatches={self.microbatches}")
         if self.nbytes > MAX_BYTES:
             raise ValueError(f"plan shape {self}: {self.nbytes} bytes, over the "
                              f"{MAX_BYTES >> 20} MiB a step's plan may take")
 
     @property
+    def room(self) -> int:
+        """Micro-batches per DP rank the record has room for: the most of any candidate."""
+        return max(self.option_microbatches or (self.microbatches,))
+
+    def microbatches_of(self, index: int) -> int:
+        """Micro-batches per DP rank of candidate packing ``index``."""
+        if not 0 <= index < self.options:
+            raise ValueError(f"plan record packing_index {index}: the plan has {self.options} "
+                             f"candidate packing(s)")
+        return (self.option_microbatches or (self.microbatches,) * self.options)[index]
+
+    @property
     def units(self) -> int:
-        return self.dp * self.microbatches * self.stages
+        return self.dp * self.room * self.stages
 
     @property
     def words(self) -> int:
         sizes = {"int": 1, "float": 2, "stages": 1 + self.stages}
         report = sum(sizes[k] for _, k in _report_fields())
-        extras = 2 + 1 + self.dp * self.microbatches      # raise_headroom, unit_sensitivity
+        extras = 2 + 1 + self.dp * self.room              # raise_headroom, unit_sensitivity
         extras += 1 + self.dp * self.ranks                 # predicted_busy_s
         stand = 1 + 1 + 1 + 1 + (1 + self.options) + 2 + 2   # present, flags, index, times
         return HEADER + self.units + report + extras + stand
@@ -163,9 +186,11 @@ def _int(v, name: str) -> int:
 def encode_plan(densities, report: dict, shape: PlanShape) -> np.ndarray:
     """``(densities, report)`` of ``choose`` as a plan record of ``shape``."""
     d = np.asarray(densities, dtype=np.float64)
-    if d.shape != (shape.dp, shape.microbatches, shape.stages):
+    stand = report.get("stand_down") or {}
+    m = shape.microbatches_of(_int(stand.get("packing_index", 0), "packing_index"))
+    if d.shape != (shape.dp, m, shape.stages):
         raise ValueError(f"plan densities of shape {d.shape}: expected (dp, m, stages) = "
-                         f"{(shape.dp, shape.microbatches, shape.stages)}")
+                         f"{(shape.dp, m, shape.stages)}")
     fields = _report_fields()
     extra = set(report) - {n for n, _ in fields} - set(EXTRAS)
     if extra:
@@ -175,8 +200,10 @@ def encode_plan(densities, report: dict, shape: PlanShape) -> np.ndarray:
     for v in (MAGIC, shape.dp, shape.microbatches, shape.stages, shape.options,
               int(shape.sensitivity)):
         w.int(v)
-    w.f[w.k:w.k + d.size] = d.reshape(-1)
-    w.k += d.size
+    area = np.zeros((shape.dp, shape.room, shape.stages))
+    area[:, :m] = d
+    w.f[w.k:w.k + area.size] = area.reshape(-1)
+    w.k += area.size
     for name, kind in fields:
         if name not in report:
             raise ValueError(f"plan report has no {name!r} (a DSTReport field)")
@@ -189,18 +216,17 @@ def encode_plan(densities, report: dict, shape: PlanShape) -> np.ndarray:
             w.floats(v, shape.stages, name)
     w.float(report.get("raise_headroom"), "raise_headroom")
     sens = report.get("unit_sensitivity")
-    if sens is not None and np.shape(sens) != (shape.dp, shape.microbatches):
+    if sens is not None and np.shape(sens) != (shape.dp, m):
         raise ValueError(f"plan report unit_sensitivity of shape {np.shape(sens)}: expected "
-                         f"(dp, m) = {(shape.dp, shape.microbatches)}")
+                         f"(dp, m) = {(shape.dp, m)}")
     if sens is not None and not shape.sensitivity:
         raise ValueError("plan report carries a unit_sensitivity, the plan shape none")
-    w.floats(sens, shape.dp * shape.microbatches, "unit_sensitivity")
+    w.floats(sens, shape.dp * shape.room, "unit_sensitivity")
     busy = report.get("predicted_busy_s")
     if busy is not None and np.shape(busy) != (shape.dp, shape.ranks):
         raise ValueError(f"plan report predicted_busy_s of shape {np.shape(busy)}: expected "
                          f"(dp, pipeline ranks) = {(shape.dp, shape.ranks)}")
     w.floats(busy, shape.dp * shape.ranks, "predicted_busy_s")
-    stand = report.get("stand_down") or {}
     if set(stand) - set(STAND_DOWN) or (stand and set(stand) != set(STAND_DOWN)):
         raise ValueError(f"plan report stand_down keys {sorted(stand)}: expected "
                          f"{list(STAND_DOWN)}")
@@ -228,16 +254,14 @@ def decode_plan(buf: np.ndarray, shape: PlanShape) -> tuple:
             int(shape.sensitivity))
     if head != want:
         raise ValueError(f"plan record header {head} does not match {shape}")
-    d = buf[r.k:r.k + shape.units].reshape(shape.dp, shape.microbatches, shape.stages).copy()
+    area = buf[r.k:r.k + shape.units].reshape(shape.dp, shape.room, shape.stages)
     r.k += shape.units
     report: dict = {}
     for name, kind in _report_fields():
         report[name] = r.int() if kind == "int" else r.float() if kind == "float" \
             else (lambda v: None if v is None else tuple(v))(r.floats(shape.stages))
     report["raise_headroom"] = r.float()
-    sens = r.floats(shape.dp * shape.microbatches)
-    report["unit_sensitivity"] = None if sens is None else \
-        np.asarray(sens).reshape(shape.dp, shape.microbatches).tolist()
+    report["unit_sensitivity"] = r.floats(shape.dp * shape.room)   # shaped below
     busy = r.floats(shape.dp * shape.ranks)
     report["predicted_busy_s"] = None if busy is None else \
         np.asarray(busy).reshape(shape.dp, shape.ranks).tolist()
@@ -246,4 +270,8 @@ def decode_plan(buf: np.ndarray, shape: PlanShape) -> tuple:
              "packing_index": r.int(), "predicted_step_s": r.floats(shape.options),
              "predicted_static_s": r.float(), "predicted_dst_s": r.float()}
     report["stand_down"] = stand if has_stand else None
-    return d, report
+    m = shape.microbatches_of(stand["packing_index"])      # the committed packing's count
+    sens = report["unit_sensitivity"]
+    report["unit_sensitivity"] = None if sens is None else \
+        np.asarray(sens).reshape(shape.dp, m).tolist()
+    return area[:, :m].copy(), report

@@ -71,6 +71,13 @@ class PreparedStep:
     report: Optional[dict]         # DST's report (None: static plan)
     units: object = None           # the latency model's UnitFeatures of the batch (padded)
     stand_down: Optional[dict] = None  # do-no-harm record (step_choice.choose); None: no choice
+    samples: int = 0               # Megatron's samples the step consumes (dp x its micro-batch
+                                   # count); 0: the batch's own (dp_balanced's count may differ)
+
+    @property
+    def consumed_samples(self) -> int:
+        """Megatron's consumed samples after the step."""
+        return self.first_bin + (self.samples or self.batch.dp * self.batch.num_microbatches)
 
 
 class StepPlanning:
@@ -82,7 +89,9 @@ class StepPlanning:
             self._drafter = Drafter(self.sb, self.latency, self.tracker, dp=self.dp,
                                     capacity=self.capacity,
                                     attention_layers=self.layout.attention_layers,
-                                    replay=self.replay)
+                                    replay=self.replay,
+                                    vpp_group=self.layout.pp if self.vp > 1 else None,
+                                    own_length_multiple=self.own_length_multiple)
         return self._drafter
 
     def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
@@ -133,7 +142,7 @@ class StepPlanning:
             plan = BudgetPlan.static(draft.iteration, sb.density, self.dp,
                                      batch.num_microbatches, self.layout.num_stages)
         self._ready = PreparedStep(draft.iteration, draft.first_bin, batch, plan, report,
-                                   units, stand)
+                                   units, stand, self.dp * draft.num_microbatches)
         self._advance_basis(draft.basis)
         self._ready_basis = draft.basis
         if not self._layout_checked:
@@ -142,9 +151,10 @@ class StepPlanning:
 
     def _plan_shape(self, draft: Draft) -> PlanShape:
         """The size of the draft's plan record, known on every rank (``step/plan_record.py``)."""
-        return PlanShape(self.dp, draft.num_microbatches, self.layout.num_stages,
+        counts = draft.counts or (draft.num_microbatches,) * draft.options
+        return PlanShape(self.dp, counts[0], self.layout.num_stages,
                          options=draft.options, sensitivity=self.tracker is not None,
-                         ranks=self.layout.pp)
+                         ranks=self.layout.pp, option_microbatches=tuple(counts))
 
     def _planning_state(self) -> dict:
         """The state plans are made from: latency calibration and sensitivities."""

@@ -107,10 +107,11 @@ def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict
     loss_sum, loss_tokens = summary.loss
     step_s = summary.step_s
     tokens = document_tokens(batch, doc_positions)
-    samples = batch.dp * batch.num_microbatches
+    # Megatron's samples: the bins the documents came from (dp_balanced packs its own count)
+    samples = step.consumed_samples - step.first_bin
     rec = {"step": iteration, "tokens": tokens, "positions": int(batch.packed_lengths().sum()),
-           "samples": samples,
-           "consumed_samples": step.first_bin + samples,
+           "samples": samples, "microbatches": batch.num_microbatches,
+           "consumed_samples": step.consumed_samples,
            "loss": loss_sum / loss_tokens if loss_tokens else None,
            "step_time_s": step_s, "tokens_per_s": tokens / step_s if step_s else None,
            "packing": batch.method, "split_docs": int(batch.num_split_samples),

@@ -1,0 +1,485 @@
+"""DST planned by every DP rank on its own units (issue 77 items 2-3; docs/DESIGN.md section 6,
+"DST and SAB at scale"): ``dst.plan_dst_with_floor``'s band search made by each DP rank on its
+[1, m, stages] slice of the costs, the ranks coupled only by fixed-size vectors that a caller
+reduces across the DP group (``plan_dst_decomposed`` reduces them in-process: the study and the
+tests; in a run they would be the adapter's all-reduces, not wired yet).
+
+Why the band search decomposes: a band's plan (``dst_band.plan_dst_candidates``) is planned per
+DP rank except for three numbers, the anchor (the mean of the static busy seconds [dp, pp]), the
+static step T0 and the raise target T1 (the largest cut makespan); the search's verdicts read the
+plan's step (a max), its work-weighted densities and its quality cost (sums). And the search's
+candidates are known before any verdict (``candidate_tree``: 3 tolerances a round inside one of
+4 sub-intervals, ``search_steps // 2`` rounds), so a rank plans all of them in one batched pass
+of DP-1 rows (a rank's plan of one candidate never reads another's) and three reductions agree
+everything:
+
+1. ``RankDST.__init__``: the rank's static plan; AR1 = (sum: busy seconds, weight totals by
+   stage; max: static makespan) gives the anchor and T0;
+2. ``RankDST.cut``: every candidate's cut; AR2 = (max: cut makespans [K]) gives every T1;
+3. ``RankDST.raise_``: every candidate's raise toward (1 - h) x T1 (re-planned with less slack
+   where it overshoots, as today); AR3 = (max: makespans [K]; sum: kept work and per-stage kept
+   work [K, 1 + stages], quality cost [K]);
+4. ``RankDST.choose``: ``dst._band_search`` (the same generator) driven by the agreed verdicts:
+   every rank keeps the same candidate; the rank's part of that plan.
+
+So up to the band the decomposed plan is the central plan (the same densities; a mean of
+per-rank sums rounds differently from one sum, so a verdict on a floor's very edge could differ).
+What differs is the critical-path descent (``critical_path.refine_plan``), each of whose rounds
+is a global verdict. Here it is probed: after AR3b (the start's sums and step: the band plan where
+it meets the descent's neutral floors, else the static plan, as ``refine_plan``), every rank
+descends toward each of ``PROBES`` agreed steps below the start's (``probe_steps``), each from the
+last, spending at most the whole global slack as if alone (``RankDST.probe``); AR4 sums every
+probe's kept work and quality cost and takes its step (a max), and every rank keeps the fastest
+probe that meets the global floors (``RankDST.pick``), the band plan where none is faster by
+``dst.SPEED_TIE``. A rank stops at each probe (``_descent``'s ``goal``), so it spends no slack
+below a step another rank sets. Where plans differ: a probe is 0.005-20% below the start (a
+step between probes is missed), and a rank's descent sees only its own floats (the central rounds'
+raises on other ranks can pay a critical rank's cuts). At DP 1 every reduction is the identity
+and the rank runs ``refine_plan`` itself: the plan is the central plan bit for bit
+(``tests/unit/test_dst_ranks.py``). Five reductions a step (AR1, AR2, AR3, AR3b, AR4), the
+largest AR3's K x (2 stages + 6) floats (K = 65 candidates at the default 6 search steps: 11 KB
+at 8 virtual stages), none growing with DP; a rank's work is a DP-1 pass of K candidates and a
+descent through P = ``PROBES`` probes. The design (DESIGN.md) asked for two: the band search's
+verdicts and the descent's probes each need their own.
+
+Covered: the default flags (quality objective with the descent: the water-filling search alone)
+and the density objective; the mean, min and max anchors (the median is no sum: a sketch would
+do). Not covered (ValueError): the quality objective without the descent (its density-order plan
+competes under a quality guard computed on the whole plan). The slow-GPU test
+(``bands.straggler_present``, a median over all ranks' factors) is an agreed boolean the caller
+passes (``narrow``).
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import time
+
+import numpy as np
+
+from .bands import band_ladder, straggler_present
+from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
+from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent, refine_plan
+from .dst import SPEED_TIE, _band_search
+from .dst_band import BandCache, DSTPlan, DSTReport, _band, _cut, _pass, _plans, _raise
+from .dst_settings import DSTSettings
+
+ANCHORS = ("mean", "min", "max")
+PHASES = ("static", "cut", "raise", "choose", "descent", "pick")   # between the reductions
+PROBES = 64               # the decomposed descent's probe steps ...
+PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
+
+
+def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
+    """DP rank ``r``'s [1, m, stages] slice of ``costs``: the same tables' rows (their
+    formula's rows where they carry one)."""
+    sl, m = slice(r, r + 1), costs.shape[1]
+    formula = None
+    if costs.formula is not None:
+        work, per_pair, fixed, corr, scaled = costs.formula
+        rows = slice(r * m, (r + 1) * m)
+        formula = (np.ascontiguousarray(work[rows]), per_pair,
+                   np.ascontiguousarray(fixed[:, rows]), np.ascontiguousarray(corr[rows]), scaled)
+
+    def cut(a):
+        return None if a is None else np.ascontiguousarray(a[sl])
+
+    return UnitCosts(costs.densities, cut(costs.fwd_s), cut(costs.bwd_s), cut(costs.attn_work),
+                     pipeline_ranks=costs.pipeline_ranks, dense_work=cut(costs.dense_work),
+                     kept_grid=cut(costs.kept_grid), tables_checked=formula is not None,
+                     _total=cut(costs.total_s) if formula is not None else None,
+                     _formula=formula)
+
+
+def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
+    """Every (anchor, tolerance) ``dst._band_search`` can ask for, in its order: the configured
+    band (and the narrower ones with ``narrow``), the no-cut plan, then every round's 3
+    tolerances in each of the 4 sub-intervals the previous round can leave."""
+    anchor, tol = settings.anchor, settings.tolerance
+    out = list(band_ladder(anchor, tol) if narrow else [(anchor, tol)])
+    out.append(("max", tol))
+    per_round = 3
+    level = [(max(float(tol), 1e-3), 10.0)]
+    for _ in range(max(settings.search_steps // 2, 1)):
+        nxt = []
+        for lo, hi in level:
+            ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
+            out += [(anchor, float(t)) for t in ts]
+            edges = [lo] + [float(t) for t in ts]
+            nxt += [(edges[i], float(ts[i])) for i in range(per_round)] + [(float(ts[-1]), hi)]
+        level = nxt
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return uniq
+
+
+@dataclass
+class Agreed1:
+    """AR1's results: the anchors (mean, min, max), the static step T0 and the weight totals
+    (every rank's)."""
+    anchors: dict
+    t0: float
+    tot: float                  # work-weighted mean's denominator (routed work included)
+    tot_s: np.ndarray           # [stages]
+    dense: float                # routed work at density 1 (0 without routing)
+    dense_s: np.ndarray         # [stages]
+    units: int                  # micro-batches over all ranks (the quality cost's mean)
+    dp: int = 1                 # DP ranks
+    mk0_mean: float = 0.0       # the static makespans' mean
+
+
+class RankDST:
+    """One DP rank's part of the decomposed band search (module docstring). ``costs``: the
+    rank's [1, m, stages] slice (``rank_slice``); ``sensitivity``: its [1, m(, stages)] rows;
+    ``narrow``: the agreed slow-GPU verdict (``bands.straggler_present`` of all ranks)."""
+
+    def __init__(self, costs: UnitCosts, sensitivity, settings: DSTSettings, *, quality=None,
+                 narrow: bool = False):
+        s = settings
+        if costs.shape[0] != 1:
+            raise ValueError(f"a rank's costs are [1, m, stages], got {costs.shape}")
+        if s.anchor not in ANCHORS:
+            raise ValueError(f"anchor {s.anchor!r}: the decomposed planner agrees the "
+                             f"{'/'.join(ANCHORS)} anchors (a median is no sum)")
+        self.descend_on = s.descent and s.raise_to == "bottleneck" and s.anchor != "max" \
+            and s.density_floor > 0
+        if quality is not None and not self.descend_on:
+            raise ValueError("the quality objective without the descent (both objectives' "
+                             "searches) is not decomposed")
+        self.costs, self.settings, self.quality, self.narrow = costs, s, quality, narrow
+        self.cands = candidate_tree(s, narrow)
+        k = len(self.cands)
+        self.cache = BandCache()
+        self.ps = _pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), k,
+                        np.full(k, quality is not None), quality, s.p2p_s, self.cache)
+        _band(self.ps, [])                                  # the static plan: mk0, busy0
+        w = costs.weights()
+        self.w = w
+        dw = costs.dense_work
+        self.dense_w = None if dw is None else np.asarray(dw, dtype=np.float64)
+
+    def ar1(self) -> dict:
+        """The rank's AR1 parts: sums and maxima."""
+        c = self.cache
+        dw = self.dense_w
+        pp = self.w.shape[2]
+        return {"sum": {"busy": float(c.busy0.sum()), "busy_n": c.busy0.size,
+                        "tot_s": self.w.sum(axis=(0, 1)),
+                        "dense_s": np.zeros(pp) if dw is None else dw.sum(axis=(0, 1)),
+                        "units": self.w.shape[1], "ranks": 1,
+                        "mk0_sum": float(c.mk0.max())},
+                "max": {"mk0": float(c.mk0.max()), "busy_max": float(c.busy0.max()),
+                        "busy_min_neg": -float(c.busy0.min())}}
+
+    def cut(self, a1: Agreed1) -> dict:
+        """Every candidate's cut under the agreed anchor: AR2's parts, the cut makespans [K]
+        (max)."""
+        self.a1 = a1
+        ps, cands = self.ps, self.cands
+        for a in {a for a, _ in cands}:            # 'max' (the no-cut plan): the report's only
+            self.cache.anchors[a] = a1.anchors[a]
+        anchors = np.array([self.cache.anchors[a] for a, _ in cands])
+        self.bands = np.array([(1.0 + t) for _, t in cands]) * anchors
+        self.anchors = anchors
+        _, self.cut_rows = _cut(ps, cands, self.bands)
+        return {"max": {"mk1": self.cut_rows[1].reshape(len(cands))}, "sum": {}}
+
+    def raise_(self, a2: dict) -> dict:
+        """Every candidate's raise toward (1 - h) x its agreed T1 [K] (AR2's ``mk1``): AR3's
+        parts."""
+        s, ps = self.settings, self.ps
+        self.t1 = np.asarray(a2["mk1"], dtype=np.float64)
+        raised = _raise(ps, self.cut_rows, self.a1.t0, self.t1, s.raise_headroom, s.raise_to)
+        self.plans = _plans(ps, self.cands, s.d0, (self.a1.t0, self.t1, self.anchors,
+                                                   self.bands), raised)
+        idx = np.stack([p.grid_index for p in self.plans])       # [K, 1, m, nv]
+        dens = self.costs.densities[idx]
+        kept_s = (dens * self.w).sum(axis=(1, 2))                # [K, nv]
+        plain_s = dens.sum(axis=(1, 2))                          # where a stage weighs 0
+        q = np.zeros(len(self.plans))
+        if self.quality is not None:
+            q = np.array([self._quality_sum(i) for i in idx])
+            for p in self.plans:            # the rank's own (at DP 1 the verdicts read it)
+                p.report.quality_cost = p.quality_cost(self.quality, self.costs.densities)
+        mk = np.array([p.report.step_time_planned_s for p in self.plans])
+        self.kept_s, self.q, self.mk = kept_s, q, mk
+        counts = np.array([[p.report.units_cut, p.report.units_raised,
+                            p.report.ranks_reverted] for p in self.plans], dtype=np.int64)
+        return {"sum": {"kept_s": kept_s, "plain_s": plain_s, "quality": q, "mk_sum": mk,
+                        "counts": counts},
+                "max": {"mk": mk}}
+
+    def _quality_sum(self, idx: np.ndarray) -> float:
+        """The quality cost's sum over the rank's micro-batches (``plan_cost_at`` x m)."""
+        g = self.costs.densities
+        flat = self.quality._grid_table(g).reshape(-1)
+        return float(flat.take(idx + np.arange(idx.shape[2]) * g.size).sum(axis=2).sum())
+
+    def global_report(self, k: int, a3: dict) -> DSTReport:
+        """Candidate k's report with the agreed step, densities, quality cost and counts (at
+        DP 1 the rank's own: the world's, the central report's floats)."""
+        a1, p = self.a1, self.plans[k]
+        if a1.dp == 1:
+            return p.report
+        kept_s = a3["kept_s"][k] + a1.dense_s
+        plain_s = a3["plain_s"][k] / a1.units           # a stage's plain mean density
+        mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else \
+            float(plain_s.sum() / plain_s.size)
+        ok = a1.tot_s > 0
+        stage = tuple(float(x) for x in np.where(ok, kept_s / np.where(ok, a1.tot_s, 1.0),
+                                                 plain_s))
+        step, mean_mk = float(a3["mk"][k]), float(a3["mk_sum"][k]) / a1.dp
+        cut, raised, reverted = (int(x) for x in a3["counts"][k])
+        return replace(p.report, step_time_planned_s=step, speedup=a1.t0 / step if step > 0
+                       else 1.0, imbalance_before=a1.t0 / a1.mk0_mean if a1.mk0_mean > 0
+                       else 1.0, imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
+                       units_cut=cut, units_raised=raised, ranks_reverted=reverted,
+                       step_time_cut_s=float(self.t1[k]), mean_density=mean,
+                       density_per_stage=stage,
+                       quality_cost=float(a3["quality"][k]) / a1.units
+                       if self.quality is not None else float("nan"))
+
+    def choose(self, a3: dict) -> int:
+        """The band search replayed on the agreed verdicts (AR3's sums and maxima): the index
+        of the candidate every rank keeps; the rank's band plan is ``self.plans[k]``."""
+        s = self.settings
+        index = {c: i for i, c in enumerate(self.cands)}
+        search = _band_search(s, narrow=self.narrow, quality=self.quality)
+        views = {}
+
+        def view(c):
+            i = index[c]                # a KeyError: the tree missed a candidate (a bug)
+            if i not in views:
+                views[i] = DSTPlan(self.plans[i].densities, self.global_report(i, a3),
+                                   self.plans[i].grid_index)
+                views[i].k = i
+            return views[i]
+
+        asked = next(search)
+        while True:
+            try:
+                asked = search.send([view(c) for c in asked])
+            except StopIteration as done:
+                self.chosen = done.value.k
+                self.chosen_report = done.value.report
+                return self.chosen
+
+    def descent_start(self, a3: dict) -> dict:
+        """After ``choose``: the descent's start, the band plan where it meets the descent's
+        neutral floors globally (AR3's verdict: the same on every rank), else the static plan,
+        as ``refine_plan``; the rank's parts of the start's sums (``parts``)."""
+        s, r, k = self.settings, self.chosen_report, self.chosen
+        floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0 - 1e-12
+        stage_floor = s.stage_density_floor * s.d0 - 1e-12
+        ok = (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
+              and not (self.quality is not None and r.quality_cost > 1e-12)
+              and not r.step_time_planned_s > r.step_time_static_s)
+        self.from_band = ok
+        if ok:
+            self.cur = (self.plans[k].grid_index, float(self.mk[k]), self.kept_s[k],
+                        float(self.q[k]))
+        else:
+            i0 = self.costs.index_of(s.d0)
+            self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.cache.mk0.max()),
+                        s.d0 * self.w.sum(axis=(0, 1)), 0.0)
+        return self.parts()
+
+    def parts(self) -> dict:
+        """The rank's parts of its current plan's agreed numbers: kept work by stage and
+        quality sum (sums), makespan (max)."""
+        _, mk, kept_s, q = self.cur
+        return {"sum": {"kept_s": kept_s, "quality": q}, "max": {"mk": mk}}
+
+    def probe(self, agreed: dict) -> dict:
+        """The rank's descent toward every probe step (``probe_steps`` of the start's agreed
+        step), each from the last (``critical_path._descent`` with the probe as its goal),
+        under the global floors with the other ranks held at the start (the rank may spend the
+        whole slack; the sums decide): AR4's parts, its makespans [P] (max) and kept work by
+        stage [P, stages] and quality sums [P] (sums) at every probe. A rank already at or
+        below a probe keeps its plan there."""
+        s, costs, a1, g, w = self.settings, self.costs, self.a1, self.costs.densities, self.w
+        i0, i_min, i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
+        idx, mk, kept_r, q_r = self.cur
+        floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0
+        stage_floor = s.stage_density_floor * s.d0
+        kept_all, q_all = agreed["kept_s"], float(agreed["quality"])
+        min_kept = float(kept_r.sum()) - (float(kept_all.sum()) + a1.dense - floor * a1.tot)
+        min_kept_s = kept_r - (kept_all + a1.dense_s - stage_floor * a1.tot_s)
+        max_q = q_r + (1e-12 * a1.units - q_all)
+
+        def floors_at(i):
+            kept = (g.take(costs.effective_index(i, i0)) * w).sum(axis=(0, 1))
+            return bool(float(kept.sum()) >= min_kept and np.all(kept >= min_kept_s))
+
+        def meets_at(i):
+            return floors_at(i) and (self.quality is None or
+                                     self._quality_sum(costs.effective_index(i, i0)) <= max_q)
+
+        self.start_step = float(agreed["mk"])
+        steps = probe_steps(self.start_step)
+        p = steps.size
+        out_mk, out_kept, out_q = np.empty(p), np.empty((p, kept_r.size)), np.empty(p)
+        self.probes = []
+        stuck = False
+        for j, goal in enumerate(steps):
+            if mk > goal and not stuck:
+                new, step, _ = _descent(costs, idx, i_min, i_max, s.p2p_s, s.raise_headroom,
+                                        meets_at, ROUNDS, floors_at, goal=float(goal))
+                if step < mk:
+                    idx = costs.effective_index(new, i0)
+                    mk, kept_r = float(step), (g.take(idx) * w).sum(axis=(0, 1))
+                    q_r = self._quality_sum(idx) if self.quality is not None else 0.0
+                stuck = mk > goal * (1.0 + 1e-9)   # deeper probes would start from here too
+            self.probes.append((idx, mk, kept_r, q_r))
+            out_mk[j], out_kept[j], out_q[j] = mk, kept_r, q_r
+        return {"sum": {"kept_s": out_kept, "quality": out_q}, "max": {"mk": out_mk}}
+
+    def pick(self, a4: dict) -> int:
+        """The probe every rank keeps (AR4's sums and maxima): the fastest that meets the
+        neutral floors globally, the shallowest of equal steps; -1: none is faster than the
+        start. The rank's plan becomes its part of it."""
+        s, a1 = self.settings, self.a1
+        floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0 - 1e-12
+        stage_floor = s.stage_density_floor * s.d0 - 1e-12
+        best, best_step = -1, self.start_step
+        for j in range(a4["mk"].size):
+            kept_s = a4["kept_s"][j] + a1.dense_s
+            ok_s = a1.tot_s > 0
+            mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else 1.0
+            stage = np.where(ok_s, kept_s / np.where(ok_s, a1.tot_s, 1.0), np.inf)
+            meets = (mean >= floor and float(stage.min()) >= stage_floor
+                     and not (self.quality is not None and a4["quality"][j] / a1.units > 1e-12))
+            if meets and float(a4["mk"][j]) < best_step:
+                best, best_step = j, float(a4["mk"][j])
+        if best >= 0:
+            self.cur = self.probes[best]
+        return best
+
+
+def probe_steps(step: float) -> np.ndarray:
+    """The descent's probe steps below the start's agreed ``step``: ``PROBES`` steps over the
+    ``PROBE_SPAN`` below it, quadratically spaced (the first 0.005% below, the last 20%; evenly
+    spaced ones missed the 0.3% a descent finds on well-balanced drafts, and a 10% span the
+    20-30% it finds on the baseline packing at 128K; ``scripts/bench.py dst_decomposed``): the
+    resolution the decomposed descent gives up against the central one."""
+    return step * (1.0 - PROBE_SPAN * (np.arange(1, PROBES + 1) / PROBES) ** 2)
+
+
+def _reduce(parts: list, how: str):
+    """The caller's all-reduce, in-process: sum or max of every rank's part, key by key."""
+    out = {}
+    for key in parts[0]:
+        vals = [p[key] for p in parts]
+        if how == "sum":
+            acc = vals[0]
+            for v in vals[1:]:
+                acc = acc + v
+            out[key] = acc
+        else:
+            out[key] = np.maximum.reduce([np.asarray(v, dtype=np.float64) for v in vals]) \
+                if np.ndim(vals[0]) else max(vals)
+    return out
+
+
+def agree1(parts: list) -> Agreed1:
+    """AR1's reduction of every rank's ``RankDST.ar1()``."""
+    s = _reduce([p["sum"] for p in parts], "sum")
+    m = _reduce([p["max"] for p in parts], "max")
+    anchors = {"mean": float(s["busy"] / s["busy_n"]), "min": -float(m["busy_min_neg"]),
+               "max": float(m["busy_max"])}
+    tot_s = s["tot_s"] + s["dense_s"]
+    dense = float(s["dense_s"].sum())
+    return Agreed1(anchors=anchors, t0=float(m["mk0"]),
+                   tot=float(s["tot_s"].sum()) + dense, tot_s=tot_s, dense=dense,
+                   dense_s=s["dense_s"], units=int(s["units"]), dp=int(s["ranks"]),
+                   mk0_mean=float(s["mk0_sum"]) / int(s["ranks"]))
+
+
+def plan_dst_decomposed(costs: UnitCosts, sensitivity, settings: DSTSettings, *, quality=None,
+                        rank_scale=None, timer=None) -> DSTPlan:
+    """The decomposed plan of ``costs`` [dp, m, stages] (module docstring), every rank's part
+    made here and the reductions made in-process. At DP 1: ``dst.plan_dst_with_floor``'s plan
+    bit for bit. ``timer`` (optional): called as ``timer(rank, seconds)`` with the thread CPU of
+    every rank's own parts (its slice excluded), by the ``PHASES`` between the reductions (a
+    [6] array: the draft's wall time is their maxima over ranks, summed, plus the
+    reductions')."""
+    dp = costs.shape[0]
+    narrow = straggler_present(rank_scale, settings.tolerance)
+    cpu = np.zeros((dp, len(PHASES)))
+
+    def timed(r, phase, f, *args, **kw):
+        c0 = time.thread_time()
+        out = f(*args, **kw)
+        cpu[r, phase] += time.thread_time() - c0
+        return out
+
+    slices = [rank_slice(costs, r) for r in range(dp)]
+    sens = [None if sensitivity is None else np.asarray(sensitivity)[r:r + 1] for r in range(dp)]
+    ranks = [timed(r, 0, lambda r=r: RankDST(slices[r], sens[r], settings, quality=quality,
+                                          narrow=narrow)) for r in range(dp)]
+    a1 = agree1([timed(r, 0, ranks[r].ar1) for r in range(dp)])
+    p2 = [timed(r, 1, ranks[r].cut, a1) for r in range(dp)]
+    a2 = {**_reduce([p["sum"] for p in p2], "sum"), **_reduce([p["max"] for p in p2], "max")}
+    p3 = [timed(r, 2, ranks[r].raise_, a2) for r in range(dp)]
+    a3 = {**_reduce([p["sum"] for p in p3], "sum"), **_reduce([p["max"] for p in p3], "max")}
+    ks = {timed(r, 3, ranks[r].choose, a3) for r in range(dp)}
+    assert len(ks) == 1, ks                        # every rank keeps the same candidate
+    k = ks.pop()
+    idx = np.concatenate([rk.plans[k].grid_index for rk in ranks])
+    report = ranks[0].chosen_report
+    if ranks[0].descend_on:
+        if dp == 1:                                 # the one rank's floors are the global ones
+            band = DSTPlan(ranks[0].plans[k].densities, report, idx)
+            plan = timed(0, 4, refine_plan, band, costs, settings, quality=quality,
+                         margin=SPEED_TIE, rounds=ROUNDS)
+            _report_cpu(timer, cpu)
+            return plan
+        agreed = _agree([timed(r, 3, ranks[r].descent_start, a3) for r in range(dp)])  # AR3b
+        a4 = _agree([timed(r, 4, ranks[r].probe, agreed) for r in range(dp)])          # AR4
+        js = {timed(r, 5, ranks[r].pick, a4) for r in range(dp)}
+        assert len(js) == 1, js
+        j = js.pop()
+        step = float(a4["mk"][j]) if j >= 0 else float("inf")
+        base = min(report.step_time_planned_s, report.step_time_static_s)
+        if step < base * (1.0 - SPEED_TIE):         # else the band plan, as ``refine_plan``
+            idx = np.concatenate([rk.cur[0] for rk in ranks])
+            mk = np.array([rk.cur[1] for rk in ranks])
+            report = _descended_report(report, costs, idx, mk, quality, settings.d0)
+    _report_cpu(timer, cpu)
+    return DSTPlan(costs.densities[idx], report, idx)
+
+
+def _agree(parts: list) -> dict:
+    """One reduction of every rank's ``parts``: sums and maxima."""
+    return {**_reduce([p["sum"] for p in parts], "sum"),
+            **_reduce([p["max"] for p in parts], "max")}
+
+
+def _report_cpu(timer, cpu):
+    if timer is not None:
+        for r, c in enumerate(cpu):
+            timer(r, c.copy())
+
+
+def _descended_report(r: DSTReport, costs: UnitCosts, idx, mk: np.ndarray, quality,
+                      d0: float) -> DSTReport:
+    """The report of the descended plan (the whole plan's numbers: what the study reads; a run
+    would ride its sums on the next AR1)."""
+    dens = costs.densities[idx]
+    w, dense = costs.weights(), costs.dense_work
+    step = float(mk.max())
+    return replace(
+        r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
+        imbalance_after=float(mk.max() / mk.mean()) if mk.mean() > 0 else 1.0,
+        mean_density=weighted_mean_density(dens, w, dense),
+        units_cut=int((idx < costs.index_of(d0)).sum()),
+        units_raised=int((idx > costs.index_of(d0)).sum()), ranks_reverted=0,
+        density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, w, dense)),
+        quality_cost=quality.plan_cost_at(idx, costs.densities) if quality is not None
+        else r.quality_cost)

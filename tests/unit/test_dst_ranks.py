@@ -1,0 +1,154 @@
+"""DST planned per DP rank (policy/dst_ranks.py, issue 77): at DP 1 the central plan bit for bit;
+above, the same band search on the agreed verdicts, a descent per rank that keeps the global
+floors, and a predicted step close to the central plan's."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.policy import DSTSettings, plan_dst_with_floor, weighted_mean_density
+from sparsebalance_megatron.policy.costs import stage_mean_densities
+from sparsebalance_megatron.policy.dst_ranks import (candidate_tree, plan_dst_decomposed,
+                                                     rank_slice)
+
+from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
+
+FLOORS = dict(density_floor=0.9, stage_density_floor=0.75)
+
+
+def _case(rng, dp):
+    m, pp = int(rng.integers(2, 9)), int(rng.integers(2, 5))
+    costs = synthetic_costs(dp, m, pp, seed=int(rng.integers(1 << 30)),
+                            lm_head=float(rng.uniform(0.3, 3)))
+    return costs, rng.random((dp, m)), pp
+
+
+@pytest.mark.parametrize("objective", ["quality", "density"])
+def test_dp1_is_the_central_plan_bit_for_bit(objective):
+    rng = np.random.default_rng(11 if objective == "quality" else 12)
+    for _ in range(8):
+        costs, sens, pp = _case(rng, 1)
+        q = _quality(pp) if objective == "quality" else None
+        for kw in (FLOORS, dict(FLOORS, descent=False)) if q is None else (FLOORS,):
+            s = DSTSettings(D0, DMIN, DMAX, **kw)
+            central = plan_dst_with_floor(costs, sens, s, quality=q)
+            dec = plan_dst_decomposed(costs, sens, s, quality=q)
+            np.testing.assert_array_equal(dec.densities, central.densities)
+            assert dec.report == central.report
+
+
+def test_the_band_search_is_the_central_one():
+    """Without the descent the decomposed plan is the central band plan: every candidate's
+    plan is per rank but for the agreed anchor, T0 and T1, and the verdicts are replayed."""
+    rng = np.random.default_rng(21)
+    for dp in (2, 3, 4, 6):
+        costs, sens, _ = _case(rng, dp)
+        s = DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS)
+        central = plan_dst_with_floor(costs, sens, s)
+        dec = plan_dst_decomposed(costs, sens, s)
+        np.testing.assert_array_equal(dec.densities, central.densities)
+        assert dec.report.step_time_planned_s == central.report.step_time_planned_s
+        assert dec.report.mean_density == pytest.approx(central.report.mean_density, rel=1e-12)
+
+
+@pytest.mark.parametrize("objective", ["quality", "density"])
+def test_the_decomposed_plan_keeps_the_floors_and_is_close(objective):
+    rng = np.random.default_rng(31 if objective == "quality" else 32)
+    ratios = []
+    for case in range(10):
+        dp = int(rng.integers(2, 7))
+        costs, sens, pp = _case(rng, dp)
+        q = _quality(pp) if objective == "quality" else None
+        s = DSTSettings(D0, DMIN, DMAX, **FLOORS)
+        central = plan_dst_with_floor(costs, sens, s, quality=q)
+        dec = plan_dst_decomposed(costs, sens, s, quality=q)
+        d, w = dec.densities, costs.weights()
+        t = step_time_of(costs, d)
+        assert t == pytest.approx(dec.report.step_time_planned_s, rel=1e-12)
+        assert t <= step_time_of(costs, np.full(d.shape, D0)) * (1 + 1e-12)
+        assert np.all((d >= DMIN - 1e-12) & (d <= DMAX + 1e-12))
+        assert weighted_mean_density(d, w) >= 0.9 * D0 - 1e-9
+        assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
+        if q is not None:
+            assert q.plan_cost(d) <= 1e-12
+        ratios.append(t / step_time_of(costs, central.densities))
+    # the study (scripts/bench.py dst_decomposed) measures the runtime's drafts; on 40 such
+    # cases a side run found the ratio in [0.994, 1.004], median 1.0001
+    assert max(ratios) <= 1.01 and np.median(ratios) <= 1.003, ratios
+
+
+def test_the_tree_holds_every_candidate_the_search_asks_for():
+    s = DSTSettings(D0, DMIN, DMAX, **FLOORS)
+    tree = candidate_tree(s, narrow=False)
+    assert len(tree) == 2 + 3 * (1 + 4 + 16)           # the band, no cut, 3 rounds' tolerances
+    assert len(candidate_tree(s, narrow=True)) == len(tree) + 3
+
+
+def test_a_rank_slice_is_the_ranks_rows():
+    costs = synthetic_costs(3, 4, 2, seed=5)
+    c = rank_slice(costs, 1)
+    assert c.shape == (1, 4, 2)
+    np.testing.assert_array_equal(c.total_s[0], costs.total_s[1])
+    np.testing.assert_array_equal(c.weights()[0], costs.weights()[1])
+
+
+def test_what_is_not_decomposed_says_so():
+    costs = synthetic_costs(2, 4, 2, seed=6)
+    with pytest.raises(ValueError, match="median"):
+        plan_dst_decomposed(costs, None, DSTSettings(D0, DMIN, DMAX, anchor="median", **FLOORS))
+    with pytest.raises(ValueError, match="without the descent"):
+        plan_dst_decomposed(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS),
+                            quality=_quality(2))
+
+
+def test_a_slow_gpu_narrows_the_band_alike():
+    """The slow-GPU verdict (``narrow``) is agreed: the narrower bands are candidates of every
+    rank, and the band plan is the central one (a 10% slow rank, cut under the default band)."""
+    from test_dst_bands import BAND, _scale, _slow_rank_costs
+
+    costs = _slow_rank_costs()
+    central = plan_dst_with_floor(costs, None, BAND, rank_scale=_scale())
+    dec = plan_dst_decomposed(costs, None, BAND, rank_scale=_scale())
+    np.testing.assert_array_equal(dec.densities, central.densities)
+    assert (dec.densities[1] < D0).sum() > 0                 # the slow rank is cut
+
+
+def test_routed_work_counts_in_the_agreed_densities():
+    """Documents routed dense (``dense_work``) count at density 1 in the floors: the agreed
+    sums carry them, and the band plan is the central one."""
+    from sparsebalance_megatron.policy import UnitCosts
+
+    rng = np.random.default_rng(41)
+    for dp in (2, 4):
+        c, sens, _ = _case(rng, dp)
+        costs = UnitCosts(c.densities, c.fwd_s, c.bwd_s, c.attn_work,
+                          pipeline_ranks=c.pipeline_ranks,
+                          dense_work=c.weights() * rng.uniform(0, 0.5, c.shape))
+        s = DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS)
+        central = plan_dst_with_floor(costs, sens, s)
+        dec = plan_dst_decomposed(costs, sens, s)
+        np.testing.assert_array_equal(dec.densities, central.densities)
+        assert dec.report.mean_density == pytest.approx(central.report.mean_density, rel=1e-12)
+        full = plan_dst_decomposed(costs, sens, DSTSettings(D0, DMIN, DMAX, **FLOORS))
+        w = costs.weights()
+        assert weighted_mean_density(full.densities, w, costs.dense_work) >= 0.9 * D0 - 1e-9
+
+
+def test_the_study_runs_on_the_runtimes_drafts():
+    """``scripts/bench.py dst_decomposed`` on tiny drafts: DP 1 passes its bit-for-bit check,
+    every row has both plans and a rank's CPU."""
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    from studies import dst_decomposed
+
+    for dp in (1, 2):
+        pt = dst_decomposed.measure(dp, 4, 2, steps=1, repeat=1, seq=8192)
+        assert pt["dp"] == dp and len(pt["steps"]) == 1
+        for x in pt["steps"][0]["packings"]:
+            assert x["decomposed_s"] <= x["static_s"] * (1 + 1e-12)
+            assert x["rank_cpu_s"]["max"] > 0
+        if dp == 1:
+            assert pt["ratio_max"] == 1.0 and pt["packing_ratio_max"] == 1.0
