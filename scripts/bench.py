@@ -78,10 +78,16 @@ STUDIES = {
                      "QUALITY.md"),
     "trained_quality": ("dense, static sparse, --sparse-balance, DST (density objective) "
                         "trained from scratch on CPU: held-out loss, retrieval by depth",
-                        "QUALITY.md"),
+                        "docs/history/QUALITY-2026-11-27-trained-from-scratch.md"),
     "trained_quality_gpu": ("the same four arms continuing SmolLM2-135M at 16K on one GPU, "
                             "scored on RULER-style tasks (--prepare here, --bundle there)",
                             "QUALITY.md"),
+    "continued_quality": ("a dense-trained base continued under static, --sparse-balance, SAB "
+                          "alone, matched static and a 0.9 x d0 control on CPU: a verdict",
+                          "QUALITY.md"),
+    "inference_quality": ("SmolLM2-135M scored under DST's densities against uniform at matched "
+                          "kept density, with a positive control and a pilot's margin: a verdict",
+                          "QUALITY.md"),
 }
 # studies that are still scripts of their own in scripts/ (run as they are)
 EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",

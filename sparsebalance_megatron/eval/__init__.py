@@ -1,6 +1,7 @@
 """Long-context quality eval: RULER-style task generator and scoring (issue 7).
 
-The generator and scoring are pure Python (no torch); ``recall.py`` (mass recall of block
+The generator, scoring and the quality studies' verdict (``verdict.py``: non-inferiority at
+matched kept density with a positive control, issue 73) are pure Python (no torch); ``recall.py`` (mass recall of block
 selections against exact attention) needs torch and is imported explicitly. Nothing here may import
 megatron or transformers: conversion lives in ``megatron/model/hf_convert.py``, the Megatron forward
 and its attention hooks in ``scripts/bench.py long_context``.

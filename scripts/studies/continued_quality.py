@@ -1,0 +1,292 @@
+"""Continued-training quality on CPU (issue 73): a dense-trained base continued under static
+sparsity, --sparse-balance, SAB alone, static at DST's kept density (the matched control) and
+static at 0.9 x d0 (the positive control), seeds of the continued phase paired, and a verdict
+fixed in advance (``eval.verdict``).
+
+What runs (every choice is a flag; ``trained_quality``'s model, training and evaluation code):
+
+- **Task** (``make_document``): sections of the built-in corpus cut to lengths log-uniform in
+  [``--min-doc``, ``--seq-length`` - 1] = [512, 1023] bytes, i.e. 32-64 key blocks of
+  ``--block-size`` 16, with ``--needles`` 3 needles at random depths, each a marker byte (0x01,
+  0x03, 0x04) and a key (one of its own alphabet of 8 control bytes) on its own line; at the
+  end the query marker 0x02 and, for each needle in turn, its marker and key. The answer is the
+  3 keys (their positions: ``answer_positions``), scored as their mean NLL, their token
+  accuracy (chance 1/8) and exact match of all 3 (chance 1/512). Each key is a one-hop content
+  lookup (the one byte of its alphabet in the document), the kind of task the earlier study's
+  dense model learned; three needles at three depths make the last query block need three
+  distant blocks, so the selection matters. The product's sink block (1) and no local block
+  (``--sb-local-blocks`` default 0) are kept.
+- **Base**: the 2-layer GPT of ``trained_quality`` trained dense from scratch for
+  ``--base-steps`` on documents of [``--base-min-doc``, 1023] bytes (17 up: short ones teach
+  the lookup at short range first) that no held-out one shares a section with.
+- **Arms** (``ARMS``), each continuing the base for ``--steps`` with ``--seeds`` (data order:
+  ``--seed`` and ``--sb-seed``): ``static`` (``--sb-sparse-attention`` at d0, sequential
+  packing); ``sparse_balance`` (``--sparse-balance``: SAB + DST); ``sab`` (SAB packing alone,
+  ``--sb-batching``, at d0); ``matched`` (static at the density whose kept density on the
+  static runs' documents equals sparse_balance's, found after the sparse_balance runs); and
+  ``control`` (static at ``--control-factor`` x d0). DST and SAB plan with modelled timings
+  from one latency table profiled on this CPU, as in ``trained_quality``.
+- **Evaluation**: ``--heldout`` documents (1,000), each scored alone at the uniform density whose
+  kept density is the arm's training one (static and sab at d0, control at 0.9 x d0, matched and
+  sparse_balance at the matched density) and at density 1; the per-sample answer NLLs are kept.
+- **Verdict**: per seed, sparse_balance - matched on answer NLL and held-out loss, the
+  control's harm (control - static) detected, training kept densities matched within
+  ``--match-tolerance``, the margin the pilot fixed (``--margin-from``); SAB alone (sab -
+  static) and DST apart (sparse_balance - sab) beside it. ``--pilot`` runs base, static and
+  control for its seeds (from 101: none is a main-run seed), reports static's accuracy against
+  chance and writes the margin and the seeds the power calculation asks for.
+
+    .venv/bin/python scripts/bench.py continued_quality --pilot --out runs/cq \
+        --json docs/results/continued_quality_pilot.json
+    .venv/bin/python scripts/bench.py continued_quality --out runs/cq \
+        --margin-from docs/results/continued_quality_pilot.json \
+        --json runs/continued_quality_cpu.json          # the main run: 10 seeds, five arms
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import time
+
+from . import trained_quality as tq
+from .common import parser, write_result
+
+ARMS = {"static": ["--sb-sparse-attention"], "sparse_balance": ["--sparse-balance"],
+        "sab": ["--sb-sparse-attention", "--sb-batching"],
+        "matched": ["--sb-sparse-attention"], "control": ["--sb-sparse-attention"]}
+PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
+         ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
+METRICS = ("answer_nll", "heldout_loss")
+MARKERS = ("\x01", "\x03", "\x04")
+# one alphabet of 8 control bytes per needle (none occurs in the corpus): the key of needle j
+# is the one byte of alphabet j in the document, a content lookup one attention layer can make
+# (three keys from one alphabet need an induction circuit, which the base did not learn)
+ALPHABETS = ("".join(map(chr, range(0x10, 0x18))), "".join(map(chr, range(0x18, 0x20))),
+             "\x05\x06\x07\x08\x0b\x0c\x0e\x0f")
+QUERY = "\x02"
+
+
+def make_document(rng: random.Random, text: str, length: int, needles: int) -> dict:
+    """``text`` cut so that the document is ``length`` characters: ``needles`` needles (marker,
+    key, newline) at random line starts, then the query marker and each marker with its key."""
+    keys = [rng.choice(ALPHABETS[j]) for j in range(needles)]
+    query = "\n" + QUERY + "".join(m + k for m, k in zip(MARKERS, keys))
+    hay = list(text[:max(0, length - len(query) - 3 * needles)])
+    starts = [i + 1 for i, c in enumerate(hay) if c == "\n"] or [0]
+    at = sorted(rng.sample(starts, needles) if len(starts) >= needles else
+                [rng.randint(0, len(hay)) for _ in range(needles)])   # a short document
+    for j in reversed(range(needles)):        # back to front: earlier positions stay valid
+        hay[at[j]:at[j]] = list(MARKERS[j] + keys[j] + "\n")
+    doc = "".join(hay) + query
+    ans = [len(doc) - 2 * needles + 2 * j + 1 for j in range(needles)]
+    assert all(doc[p] == k for p, k in zip(ans, keys))
+    return {"text": doc, "answer_positions": ans, "depth": at[0] / max(1, len(hay))}
+
+
+def build_data(args, out: str) -> tuple:
+    """``out/base.jsonl`` (the base's documents, from ``--base-min-doc``: short ones teach the
+    lookup at short range first), ``out/train.jsonl`` (the continued phase's, from
+    ``--min-doc``) and the held-out documents (sections split: none shared)."""
+    rng = random.Random(args.data_seed)
+    secs = tq.corpus_sections(args.min_doc)
+    rng.shuffle(secs)
+    held_secs, train_secs = secs[:len(secs) // 5], secs[len(secs) // 5:]
+    hi = math.log(args.seq_length - 1)
+
+    def docs(pool, n, shortest=args.min_doc):
+        lo = math.log(shortest)
+        for _ in range(n):
+            length = int(math.exp(rng.uniform(lo, hi)))
+            text = next(t for t in (rng.choice(pool) for _ in range(1000)) if len(t) >= length)
+            yield make_document(rng, text, length, args.needles)
+    paths = [os.path.join(out, name) for name in ("base.jsonl", "train.jsonl")]
+    for path, shortest in zip(paths, (args.base_min_doc, args.min_doc)):
+        with open(path, "w") as f:
+            for d in docs(train_secs, args.train_docs, shortest):
+                f.write(json.dumps({"text": d["text"]}) + "\n")
+    return paths, list(docs(held_secs, args.heldout))
+
+
+def run_once(args, out: str, name: str, cmd: list, walls: dict) -> str:
+    """Train ``name`` unless its checkpoint is in ``out``; its run directory."""
+    import shutil
+
+    run_dir = os.path.join(out, name)
+    if os.path.exists(os.path.join(run_dir, "ckpt", "latest_checkpointed_iteration.txt")):
+        print(f"kept {name}: its checkpoint is in {run_dir}", flush=True)
+        return run_dir
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    walls[name] = round(tq.run(cmd(run_dir), os.path.join(run_dir, "train.log")), 1)
+    print(f"trained {name} in {walls[name]} s", flush=True)
+    return run_dir
+
+
+def kept_at(rows: list, args, density: float) -> float:
+    """The documents' kept density of a run's recorded plans at a uniform ``density``."""
+    return tq.document_densities(rows, args.block_size, density)["doc_kept_d0_density"]
+
+
+def matched_density(static_rows: list, target: float, args) -> float:
+    """The uniform density whose kept density on the static runs' documents is ``target``."""
+    lo, hi = 0.05, 1.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        kept = sum(kept_at(r, args, mid) for r in static_rows) / len(static_rows)
+        lo, hi = (mid, hi) if kept < target else (lo, mid)
+    return min((lo, hi), key=lambda d: abs(
+        sum(kept_at(r, args, d) for r in static_rows) / len(static_rows) - target))
+
+
+def evaluate(args, ckpt: str, docs: list, densities) -> dict:
+    """Per density, the per-document scores and their means (``trained_quality.score_docs``)."""
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                             block_size=args.block_size, attention_backend="torch",
+                             dense_below_tokens="0")
+    model = tq.load_model(args, ckpt, sb)
+    budget = model.decoder.layers[0].self_attention.core_attention.budget
+    out = {}
+    for d in densities:
+        sb.density = budget.default_density = d
+        rows = tq.score_docs(model, budget, docs)
+        out[f"{d:g}"] = {
+            "heldout_loss": sum(r["nll"] for r in rows) / sum(r["tokens"] for r in rows),
+            **{k: sum(r[k] for r in rows) / len(rows)
+               for k in ("answer_nll", "exact", "token_accuracy", "kept")},
+            "per_sample_answer_nll": [round(r["answer_nll"], 4) for r in rows]}
+    return out
+
+
+def parse_args(argv=None):
+    ap = parser(__doc__, "continued_quality")
+    ap.add_argument("--out", required=True, help="runs, data and checkpoints (kept: a run "
+                    "whose checkpoint is there is not trained again)")
+    ap.add_argument("--pilot", action="store_true")
+    ap.add_argument("--margin-from", default=None, metavar="PILOT.json")
+    ap.add_argument("--margin-fraction", type=float, default=0.5)
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="continued-phase seeds (main: 1-10; pilot: 101-103)")
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=None)
+    ap.add_argument("--base-steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=150, help="continued-phase steps")
+    ap.add_argument("--density", type=float, default=0.5, help="d0")
+    ap.add_argument("--control-factor", type=float, default=0.9)
+    ap.add_argument("--needles", type=int, default=3, choices=(1, 2, 3))
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-length", type=int, default=1024)
+    ap.add_argument("--global-batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--continue-lr", type=float, default=1e-3)
+    ap.add_argument("--init-std", type=float, default=0.08)
+    ap.add_argument("--train-docs", type=int, default=30000)
+    ap.add_argument("--min-doc", type=int, default=512)
+    ap.add_argument("--base-min-doc", type=int, default=17,
+                    help="the base's shortest document (17: three needles and their query "
+                         "alone, the shortest teach the lookup first)")
+    ap.add_argument("--heldout", type=int, default=1000)
+    ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--table", choices=("analytic", "profile"), default="profile")
+    ap.add_argument("--match-tolerance", type=float, default=0.01)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 256 tokens, block 8, 3 base and 2 continued steps, 1 "
+                         "seed, 8 held-out documents (what the test runs)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seq_length, args.min_doc, args.block_size, args.train_docs = 256, 128, 8, 200
+        args.base_min_doc = 32
+        args.base_steps, args.steps, args.heldout, args.table = 3, 2, 8, "analytic"
+        args.seeds = args.seeds or [1]
+        args.pilot = args.margin_from is None
+    if args.pilot == (args.margin_from is not None):
+        ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
+    if min(args.base_min_doc, args.min_doc) < 5 * args.needles + 2:
+        ap.error(f"--base-min-doc / --min-doc: {args.needles} needles and their query take "
+                 f"{5 * args.needles + 2} bytes: expected at least that")
+    args.seeds = args.seeds or ([101, 102, 103] if args.pilot else list(range(1, 11)))
+    args.arms = args.arms or (["static", "control"] if args.pilot else list(ARMS))
+    return args
+
+
+def main(argv=None) -> int:
+    from . import _continued_report as rep
+
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    fixed = rep.read_margin(args) if args.margin_from else {}
+    os.makedirs(args.out, exist_ok=True)
+    (base_data, data), held = build_data(args, args.out)
+    docs = [{"ids": list(d["text"].encode("ascii")), "answer_positions": d["answer_positions"],
+             "answer_at": d["answer_positions"][0], "answer_len": args.needles}
+            for d in held]
+    table = tq.latency_table(args, args.out)
+    walls = {}
+    base_args = copy.copy(args)
+    base_args.steps = args.base_steps
+    base = run_once(args, args.out, "base", lambda d: tq.train_cmd(
+        base_args, "dense", 1000, base_data, None, d), walls)
+    cont = copy.copy(args)
+    cont.lr = args.continue_lr
+    load = ["--load", os.path.join(base, "ckpt"), "--finetune", "--no-load-optim",
+            "--no-load-rng"]
+    d_train = {"static": args.density, "sab": args.density, "sparse_balance": args.density,
+               "control": args.control_factor * args.density}
+    train, dirs, d_eval = {}, {}, dict(d_train)
+    for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
+        d = d_train[arm]
+        for s in args.seeds:
+            rd = run_once(args, args.out, f"{arm}_s{s}", lambda r, arm=arm, s=s, d=d:
+                          tq.train_cmd(cont, arm, s, data, table, r, arm_flags=ARMS[arm],
+                                       density=d, extra=load), walls)
+            train[(arm, s)] = tq.read_metrics(rd)
+            dirs[(arm, s)] = rd
+    if "sparse_balance" in args.arms and "matched" in args.arms:
+        target = sum(tq.train_summary(train[("sparse_balance", s)], args.block_size,
+                                      args.density)["doc_kept_density"]
+                     for s in args.seeds) / len(args.seeds)
+        d_m = matched_density([train[("static", s)] for s in args.seeds], target, args)
+        d_eval.update(matched=d_m, sparse_balance=d_m)
+        d_train["matched"] = d_m
+        for s in args.seeds:            # named by density: other seeds give another one
+            rd = run_once(args, args.out, f"matched{d_m:.4f}_s{s}", lambda r, s=s: tq.train_cmd(
+                cont, "matched", s, data, table, r, arm_flags=ARMS["matched"], density=d_m,
+                extra=load), walls)
+            train[("matched", s)] = tq.read_metrics(rd)
+            dirs[("matched", s)] = rd
+    import torch
+
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
+    torch.set_num_threads(1)
+    init_single_process()
+    runs = {"base": {"eval": evaluate(args, os.path.join(base, "ckpt"), docs,
+                                      [1.0, args.density])}}
+    for (arm, s), rows in train.items():
+        summary = tq.train_summary(rows, args.block_size, d_train[arm])
+        runs.setdefault(arm, {})[str(s)] = {
+            "train": {k: v for k, v in summary.items() if k not in ("tokens", "train_losses")},
+            "eval_density": d_eval[arm],
+            "eval": evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
+                             [d_eval[arm], 1.0])}
+        print(f"evaluated {arm} seed {s}: " + ", ".join(
+            f"d {d}: answer NLL {e['answer_nll']:.4f} token acc {e['token_accuracy']:.3f} "
+            f"loss {e['heldout_loss']:.4f}" for d, e in runs[arm][str(s)]["eval"].items()),
+            flush=True)
+    doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, **fixed,
+           "arms": {a: {"flags": ARMS[a], "eval_density": d_eval.get(a)} for a in runs
+                    if a != "base"},
+           "chance": {"token_accuracy": 1 / len(ALPHABETS[0]),
+                      "exact": len(ALPHABETS[0]) ** -args.needles},
+           "runs": runs, "train_wall_s": walls}
+    doc.update(rep.summarize(doc, args))
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    write_result(args.json, doc)
+    rep.print_summary(doc)
+    return 0

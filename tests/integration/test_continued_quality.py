@@ -1,0 +1,41 @@
+"""The continued-training quality study's quick form (issue 73, ``scripts/bench.py
+continued_quality --quick``): the pilot (base, static, control) writes its margin; the main form
+reads it, keeps the pilot's checkpoints, trains the other arms and the matched arm under a name
+that carries its density (other seeds give another density: no stale run is reused), and states
+a verdict. What the numbers say is not checked: two steps learn nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def study(*argv) -> str:
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "continued_quality", "--quick",
+                           *argv], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow   # about 90 s: seven short pretrain() runs
+def test_quick_pilot_then_main_run(tmp_path):
+    out, pilot, main = tmp_path / "runs", tmp_path / "pilot.json", tmp_path / "main.json"
+    study("--out", str(out), "--json", str(pilot))
+    p = json.loads(pilot.read_text())
+    assert p["config"]["pilot"] and set(p["runs"]) == {"base", "static", "control"}
+    assert set(p["margin"]) == {"answer_nll", "heldout_loss"}
+    if not any(p["margin"].values()):
+        pytest.skip("the quick pilot's control did no harm: no margin to run the main form with")
+    log = study("--out", str(out), "--margin-from", str(pilot), "--json", str(main))
+    assert "kept static_s1" in log and "kept control_s1" in log        # the pilot's runs reused
+    m = json.loads(main.read_text())
+    d_m = m["arms"]["matched"]["eval_density"]
+    assert (out / f"matched{d_m:.4f}_s1" / "ckpt").exists()
+    assert m["margin"] == p["margin"] and set(m["verdicts"]) <= {"answer_nll", "heldout_loss"}
+    for v in m["verdicts"].values():
+        assert v["verdict"] in ("non-inferior", "inferior", "uninformative", "not matched")
