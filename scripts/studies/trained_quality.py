@@ -71,7 +71,7 @@ What runs (every choice is a flag; the defaults are what the committed result us
   mean and a 95% t interval (seeds are the replicates; with 2 seeds it is wide, with 1 absent).
 
     .venv/bin/python scripts/bench.py trained_quality --json /tmp/tq_cpu.json   # the results of
-        # record: docs/history/results/trained_quality_cpu*.json
+        # record: docs/history/results/trained_quality_cpu*.json at a6ec5bf
     .venv/bin/python scripts/bench.py trained_quality --quick --json /tmp/tq.json   # a smoke run
     .venv/bin/python scripts/bench.py trained_quality --out runs/trained_quality --densities-only \
         --replan
