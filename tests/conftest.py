@@ -149,23 +149,33 @@ def tiny_latency_table_pp2(tmp_path_factory) -> Path:
     return _profile_tiny(tmp_path_factory.mktemp("lat") / "lat_pp2.json", pp=2)
 
 
-@pytest.fixture(scope="session")
-def analytic_latency_table_pp2(tmp_path_factory) -> Path:
-    """A deterministic pp=2 table of TINY_MODEL's shape (the analytic model, not a measurement):
-    for tests whose assertions depend on what DST decides, which a table profiled on a loaded
-    machine would make vary from run to run."""
+def _analytic_table(tmp_path_factory, pp: int) -> Path:
     from sparsebalance_megatron.latency.analytic import analytic_table, ideal_price
     from sparsebalance_megatron.latency.shape import ModelShape
     from sparsebalance_megatron.latency.table import write_table
 
     shape = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                       num_query_groups=2, vocab_size=8192, seq_length=256, pp=2)
-    out = tmp_path_factory.mktemp("lat") / "analytic_pp2.json"
+                       num_query_groups=2, vocab_size=8192, seq_length=256, pp=pp)
+    out = tmp_path_factory.mktemp("lat") / f"analytic_pp{pp}.json"
     # the ideal FLOP-priced kernel these runs' assertions were made with (the price is not
     # their subject: latency/sparse_call.py's tests are)
-    write_table(analytic_table(shape, pp=2, block_size=32, transformer_impl="local",
+    write_table(analytic_table(shape, pp=pp, block_size=32, transformer_impl="local",
                                sparse_price=ideal_price()), str(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def analytic_latency_table_pp2(tmp_path_factory) -> Path:
+    """A deterministic pp=2 table of TINY_MODEL's shape (the analytic model, not a measurement):
+    for tests whose assertions depend on what DST decides, which a table profiled on a loaded
+    machine would make vary from run to run."""
+    return _analytic_table(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="session")
+def analytic_latency_table_pp1(tmp_path_factory) -> Path:
+    """The same on one pipeline stage."""
+    return _analytic_table(tmp_path_factory, 1)
 
 
 def _profile_tiny(out: Path, pp: int) -> Path:

@@ -21,21 +21,6 @@ from tests.conftest import TINY_MODEL, read_metrics, read_scalars, run_entry
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture(scope="module")
-def analytic_latency_table_pp1(tmp_path_factory):
-    """The analytic (deterministic) table of TINY_MODEL's shape on one pipeline stage."""
-    from sparsebalance_megatron.latency.analytic import analytic_table, ideal_price
-    from sparsebalance_megatron.latency.shape import ModelShape
-    from sparsebalance_megatron.latency.table import write_table
-
-    shape = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                       num_query_groups=2, vocab_size=8192, seq_length=256, pp=1)
-    out = tmp_path_factory.mktemp("lat") / "analytic_pp1.json"
-    write_table(analytic_table(shape, pp=1, block_size=32, transformer_impl="local",
-                               sparse_price=ideal_price()), str(out))
-    return out
-
-
 @pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])   # pp 2: 60 s
 def test_a_step_with_dp_balanceds_own_microbatch_count_trains(pp, tmp_path, short_docs_jsonl,
                                                                request):
