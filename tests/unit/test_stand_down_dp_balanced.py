@@ -57,6 +57,14 @@ def test_dp_balanceds_own_count_is_committed_only_where_predicted_faster(seed, l
     assert draft.num_microbatches == M            # Megatron's samples stay dp x m bins
 
 
+def test_a_step_dp_balanceds_rule_cannot_pack_keeps_sabs_alone():
+    """Three whole-bin documents cannot make a multiple of dp x m groups by Megatron's rule (it
+    would stop): the stand-down has no baseline for that step and SAB's packing is the one
+    candidate, on every rank alike."""
+    draft = _drafter().draft(1, 0, [(i, 0, CAP - 96) for i in range(3)], M, with_dst=False)
+    assert draft.options == 1 and draft.counts == (M,) and draft.packing(0)[0].method == "sab"
+
+
 def test_the_plan_record_carries_each_candidates_count():
     draft = _drafter(SensitivityTracker(), dst=True).draft(1, 0, _step(5), M, with_dst=True)
     dens, report = draft.payload

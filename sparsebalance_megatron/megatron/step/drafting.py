@@ -93,7 +93,8 @@ class Drafter:
                     options.append(self._packed(segments, num_microbatches, sb.stand_down,
                                                 given))
                 except BatchingError:   # dp_balanced's rule has no packing (Megatron stops):
-                    pass                # every rank alike, SAB's is the only candidate
+                    if sb.stand_down != "dp_balanced":  # every rank alike, SAB's the only
+                        raise                           # candidate; any other packer's is a bug
             if sb.dst_enabled:
                 if with_dst:
                     densities, report, _ = self.choose(options, dst=True)
