@@ -108,6 +108,17 @@ def all_gather_tensor(x: torch.Tensor, group) -> torch.Tensor:
     return out.reshape(n, *x.shape).cpu()
 
 
+def all_reduce_tensor(x: torch.Tensor, group, op: str) -> torch.Tensor:
+    """``x`` summed (``op`` "sum") or maximised ("max") element-wise over ``group``, on the host
+    (every rank passes the same shape and dtype; None or a group of one: ``x``)."""
+    if group_size(group) == 1:
+        return x
+    buf = x.detach().to(_device(group)).contiguous()
+    dist.all_reduce(buf, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op],
+                    group=group)
+    return buf.cpu()
+
+
 def broadcast_tensor(x: torch.Tensor, group, group_src: int = 0) -> torch.Tensor:
     """Rank ``group_src``'s ``x`` (a rank of ``group``, by its rank there) on every rank of
     ``group``, on the host; the others pass a tensor of the same shape and dtype to fill."""

@@ -1,0 +1,180 @@
+"""One DP rank's decomposed DST as the rounds it takes (issue 77; ``dst_ranks`` says why it
+decomposes): ``rank_rounds`` is a generator that yields the rank's parts of each reduction and
+is sent back what the DP group agreed. Whoever reduces drives the same generator: the in-process
+driver of the study and the tests (``dst_ranks_local.plan_dst_decomposed``: every rank's
+generator in lockstep) and a run's all-reduces over the data-parallel group (``run_rounds`` with
+the adapter's reducer). So a rank's plan does not depend on who reduced its parts.
+
+The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
+float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
+one dict of every key, sums summed and maxima taken over the DP ranks. The rounds: AR1 (the
+static plans), AR2 (every candidate's cut), AR3 (every candidate's raise), then with the
+descent AR3b (its start) and AR4 (its probes), and, where a probe is kept, AR5 (the kept plan's
+report sums: they decide nothing; in a run they can ride the next step's AR1). At DP 1 the rank
+runs ``refine_plan`` itself after AR3: the central plan bit for bit. No round grows with DP.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Generator
+
+import numpy as np
+
+from .critical_path import ROUNDS, refine_plan
+from .dst import SPEED_TIE
+from .dst_band import DSTPlan, DSTReport
+from .dst_ranks import PHASES, Agreed1, RankDST
+from .dst_settings import DSTSettings
+
+Parts = dict          # {"sum": {key: value}, "max": {key: value}}: one rank's part of a round
+
+
+@dataclass
+class RankPlan:
+    """A rank's decomposed plan: its own units' grid indices [1, m, stages] and the step's
+    report (the agreed numbers, every rank's alike)."""
+
+    grid_index: np.ndarray
+    report: DSTReport
+    candidate: int                 # the band search's kept candidate (every rank's alike)
+    probe: int                     # the descent's kept probe (-1: none, or no descent)
+    cpu_s: np.ndarray              # [len(PHASES)] the rank's thread CPU by phase
+
+
+def agreed1(a: dict) -> Agreed1:
+    """AR1's agreed sums and maxima (``RankDST.ar1``'s keys) as the numbers the rounds read."""
+    anchors = {"mean": float(a["busy"] / a["busy_n"]), "min": -float(a["busy_min_neg"]),
+               "max": float(a["busy_max"])}
+    dense_s = np.asarray(a["dense_s"], dtype=np.float64)
+    dense = float(dense_s.sum())
+    return Agreed1(anchors=anchors, t0=float(a["mk0"]),
+                   tot=float(np.asarray(a["tot_s"]).sum()) + dense, tot_s=a["tot_s"] + dense_s,
+                   dense=dense, dense_s=dense_s, units=int(a["units"]), dp=int(a["ranks"]),
+                   mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]))
+
+
+def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
+                narrow: bool = False) -> Generator[Parts, dict, RankPlan]:
+    """The rank's rounds (module docstring). ``costs``: the rank's [1, m, stages] slice
+    (``dst_ranks.rank_slice``); ``sensitivity``: its rows; ``narrow``: the agreed slow-GPU
+    verdict."""
+    cpu = np.zeros(len(PHASES))
+
+    def timed(phase, f, *args, **kw):
+        c0 = time.thread_time()
+        out = f(*args, **kw)
+        cpu[phase] += time.thread_time() - c0
+        return out
+
+    rk = timed(0, RankDST, costs, sensitivity, settings, quality=quality, narrow=narrow)
+    a1 = agreed1((yield timed(0, rk.ar1)))
+    a2 = yield timed(1, rk.cut, a1)
+    a3 = yield timed(2, rk.raise_, a2)
+    k = timed(3, rk.choose, a3)
+    idx, report, j = rk.plans[k].grid_index, rk.chosen_report, -1
+    if not rk.descend_on:
+        return RankPlan(idx, report, k, j, cpu)
+    if a1.dp == 1:                      # the one rank's floors are the global ones
+        band = DSTPlan(rk.plans[k].densities, report, idx)
+        plan = timed(4, refine_plan, band, costs, settings, quality=quality, margin=SPEED_TIE,
+                     rounds=ROUNDS)
+        return RankPlan(plan.grid_index, plan.report, k, j, cpu)
+    start = yield timed(3, rk.descent_start, a3)                # AR3b
+    a4 = yield timed(4, rk.probe, start)                        # AR4
+    j = timed(5, rk.pick, a4)
+    step = float(a4["mk"][j]) if j >= 0 else float("inf")
+    if step < min(report.step_time_planned_s, report.step_time_static_s) * (1.0 - SPEED_TIE):
+        idx = rk.cur[0]
+        a5 = yield timed(5, report_parts, rk)                   # AR5: the report's sums
+        report = descended_report(report, a1, a5, quality is not None)
+    else:                                # the band plan, as ``refine_plan``
+        j = -1
+    return RankPlan(idx, report, k, j, cpu)
+
+
+def report_parts(rk: RankDST) -> Parts:
+    """AR5: the rank's part of its kept plan's report: kept and plain density by stage, the
+    quality sum, its makespan (sum, for the mean; max, the step) and the units cut and raised."""
+    idx, mk, kept_s, q = rk.cur
+    i0 = rk.costs.index_of(rk.settings.d0)
+    dens = rk.costs.densities[idx]
+    counts = np.array([(idx < i0).sum(), (idx > i0).sum()], dtype=np.int64)
+    return {"sum": {"kept_s": kept_s, "plain_s": dens.sum(axis=(0, 1)), "quality": q,
+                    "mk_sum": mk, "counts": counts, "units": idx.shape[1]},
+            "max": {"mk": mk}}
+
+
+def descended_report(r: DSTReport, a1: Agreed1, a5: dict, quality: bool) -> DSTReport:
+    """The report of the descended plan from AR5's agreed sums (the band report ``r``'s other
+    fields kept)."""
+    mean, stage = agreed_densities(a1, a5["kept_s"], a5["plain_s"] / a5["units"])
+    step, mean_mk = float(a5["mk"]), float(a5["mk_sum"]) / a1.dp
+    cut, raised = (int(x) for x in a5["counts"])
+    return replace(r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
+                   imbalance_after=step / mean_mk if mean_mk > 0 else 1.0, mean_density=mean,
+                   units_cut=cut, units_raised=raised, ranks_reverted=0,
+                   density_per_stage=stage,
+                   quality_cost=float(a5["quality"]) / a1.units if quality else r.quality_cost)
+
+
+def agreed_densities(a1: Agreed1, kept_s: np.ndarray, plain_s: np.ndarray) -> tuple:
+    """(mean, per-stage) work-weighted density of a plan whose agreed kept work by stage is
+    ``kept_s`` (routed work added here); ``plain_s``: its plain mean density by stage, read
+    where the weights are zero."""
+    kept_s = np.asarray(kept_s, dtype=np.float64) + a1.dense_s
+    mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else float(plain_s.sum() / plain_s.size)
+    ok = a1.tot_s > 0
+    stage = np.where(ok, kept_s / np.where(ok, a1.tot_s, 1.0), plain_s)
+    return mean, tuple(float(x) for x in stage)
+
+
+def run_rounds(rounds: Generator[Parts, dict, RankPlan],
+               reduce: Callable[[Parts], dict]) -> RankPlan:
+    """One rank's generator driven by ``reduce`` (its part of a round -> the agreed dict), as a
+    run drives it with the DP group's all-reduces."""
+    try:
+        parts = next(rounds)
+        while True:
+            parts = rounds.send(reduce(parts))
+    except StopIteration as done:
+        return done.value
+
+
+def reduce_in_process(parts: list) -> dict:
+    """The DP group's reduction of every rank's ``parts`` made in one process: sums (in rank
+    order) and maxima, key by key."""
+    out = {}
+    for key in parts[0]["sum"]:
+        acc = parts[0]["sum"][key]
+        for p in parts[1:]:
+            acc = acc + p["sum"][key]
+        out[key] = acc
+    for key in parts[0]["max"]:
+        vals = [p["max"][key] for p in parts]
+        out[key] = np.maximum.reduce([np.asarray(v, dtype=np.float64) for v in vals]) \
+            if np.ndim(vals[0]) else max(vals)
+    return out
+
+
+def plan_rounds_in_process(rounds: list) -> list:
+    """Every rank's generator driven in lockstep, the reductions in-process: their
+    ``RankPlan``s, in rank order."""
+    parts = [next(g) for g in rounds]
+    while True:
+        agreed = reduce_in_process(parts)
+        out, nxt = [], []
+        for g in rounds:
+            try:
+                nxt.append(g.send(agreed))
+            except StopIteration as done:
+                out.append(done.value)
+        if out:
+            if nxt:
+                raise RuntimeError(f"the ranks' rounds disagree: {len(out)} ended where "
+                                   f"{len(nxt)} yielded another part")
+            return out
+        parts = nxt
