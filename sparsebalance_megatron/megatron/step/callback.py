@@ -411,7 +411,7 @@ class SparseBalanceCallback(StepPlanning):
         out = {"version": STATE_VERSION, "iteration": int(self.args.curr_iteration) + 1,
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict(), "layout": layout_record(
-                   self.dp, self.pp, self.vp, self._ready and self._ready.samples // self.dp)}
+                   self.dp, self.pp, self.vp, self._ready and self._ready.megatron_samples // self.dp)}
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self.ahead_basis()
         return plain_state(out)

@@ -76,9 +76,14 @@ class PreparedStep:
                                    # count); 0: the batch's own (dp_balanced's count may differ)
 
     @property
+    def megatron_samples(self) -> int:
+        """Megatron's samples the step consumes (``samples``, or the batch's own)."""
+        return self.samples or self.batch.dp * self.batch.num_microbatches
+
+    @property
     def consumed_samples(self) -> int:
         """Megatron's consumed samples after the step."""
-        return self.first_bin + (self.samples or self.batch.dp * self.batch.num_microbatches)
+        return self.first_bin + self.megatron_samples
 
 
 class StepPlanning:
@@ -94,11 +99,6 @@ class StepPlanning:
                                     vpp_group=self.layout.pp if self.vp > 1 else None,
                                     own_length_multiple=self.own_length_multiple)
         return self._drafter
-
-    def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
-        """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
-        token_balanced, SAB."""
-        return self.drafter().pack(segments, num_microbatches, method)
 
     def prepare_step(self, iteration: int, num_microbatches: int) -> None:
         """Documents, packing and budgets of ``iteration`` (collective: DST plan broadcast)."""
