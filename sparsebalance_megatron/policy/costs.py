@@ -259,7 +259,8 @@ class UnitCosts:
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
                      densities: np.ndarray, calibrated: bool = True,
-                     kept_units=None, out: Optional[TableMemory] = None) -> "UnitCosts":
+                     kept_units=None, out: Optional[TableMemory] = None,
+                     rank: Optional[int] = None) -> "UnitCosts":
         """Tabulate a ``latency.LatencyModel`` for one step.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
@@ -268,7 +269,9 @@ class UnitCosts:
         whose kept blocks make ``kept_grid``: padding costs time (it is in ``mb_doc_lengths``)
         but a density move that keeps more padding blocks and no document block buys nothing.
         None: ``mb_doc_lengths``' own blocks. ``out``: memory the tables are written into
-        (``TableMemory``; None: fresh arrays). The stage axis is the
+        (``TableMemory``; None: fresh arrays). ``rank``: DP rank r's [1, m, stages] costs alone
+        (its units of the dp x m given, calibrated as rank r: what a rank that plans its own
+        units tabulates, at a cost that does not grow with dp). The stage axis is the
         model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
         model's online correction of rank r, and by that of its pipeline rank where the model
         has learned one (``correction_grid``: virtual stage v runs on pipeline rank v mod pp).
@@ -278,9 +281,17 @@ class UnitCosts:
         path's documents, and ``dense_work`` that of the routed ones.
         """
         g = np.asarray(densities, dtype=np.float64)
+        m, rows = int(num_microbatches), dp
+        if rank is not None:
+            if not 0 <= rank < dp:
+                raise ValueError(f"rank {rank!r}: expected a DP rank in [0, {dp})")
+            mb_doc_lengths = _unit_rows(mb_doc_lengths, rank * m, (rank + 1) * m, dp * m)
+            kept_units = None if kept_units is None else \
+                _unit_rows(kept_units, rank * m, (rank + 1) * m, dp * m)
+            rows = 1
         feats = model.unit_features(mb_doc_lengths)
-        n, m, pp = feats.num_units, int(num_microbatches), model.num_stages
-        if n != dp * m:
+        n, pp = feats.num_units, model.num_stages
+        if n != rows * m:
             raise ValueError(f"{n} micro-batches given: expected dp x m = {dp} x {m} = {dp * m}")
         with_dense = feats.work_grid(np.append(g, 1.0))              # [n, g + 1]
         work, dense = np.ascontiguousarray(with_dense[:, :-1]), with_dense[:, -1]
@@ -289,6 +300,8 @@ class UnitCosts:
         corr = (grid_fn(dp, ranks) if grid_fn is not None else np.array(
             [[model.correction(r)] * ranks for r in range(dp)])) if calibrated \
             else np.ones((dp, ranks))
+        if rank is not None:
+            corr = corr[rank:rank + 1]
         corr = np.repeat(corr, m, axis=0)[:, np.arange(pp) % ranks]  # [n, stages] unit's rank
         terms = [model.unit_terms(feats, s) for s in range(pp)]
         fixed = np.stack([np.stack([t.fwd_fixed_s for t in terms], axis=1),
@@ -307,12 +320,12 @@ class UnitCosts:
                        and all(np.all(np.isfinite(x)) and np.all(x >= 0)
                                for x in (fixed, per_pair))
                        and np.all(np.isfinite(f[..., -1])) and np.all(np.isfinite(b[..., -1])))
-        f = f.reshape(dp, m, pp, g.size)
-        b = b.reshape(dp, m, pp, g.size)
-        dense = dense.reshape(dp, m)
+        f = f.reshape(rows, m, pp, g.size)
+        b = b.reshape(rows, m, pp, g.size)
+        dense = dense.reshape(rows, m)
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
-            feats.dense_work.reshape(dp, m)[:, :, None] * layers[None, None, :]
+            feats.dense_work.reshape(rows, m)[:, :, None] * layers[None, None, :]
         if kept_units is not None:
             docs = model.unit_features(kept_units)
             if docs.num_units != n:
@@ -323,8 +336,8 @@ class UnitCosts:
             kept = work if feats.work_mode == "kept" else feats.kept_grid(g)
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
                    pipeline_ranks=model.layout.pp, dense_work=routed,
-                   kept_grid=kept.reshape(dp, m, g.size), tables_checked=checked,
-                   _total=total.reshape(dp, m, pp, g.size) if checked else None,
+                   kept_grid=kept.reshape(rows, m, g.size), tables_checked=checked,
+                   _total=total.reshape(rows, m, pp, g.size) if checked else None,
                    _formula=formula if checked else None)
 
     @classmethod
@@ -352,3 +365,20 @@ def _non_decreasing(a: np.ndarray) -> np.ndarray:
     if a.shape[-1] < 2 or bool(np.all(a[..., 1:] >= a[..., :-1])):
         return a
     return np.maximum.accumulate(a, axis=-1)
+
+
+def _unit_rows(units, lo: int, hi: int, n: int) -> tuple:
+    """Units ``lo:hi`` of ``n`` (a ``UnitFeatures``, an (offsets, lengths) CSR or a list of length
+    arrays) as a CSR of their own."""
+    if isinstance(units, tuple) and len(units) == 2 and np.ndim(units[0]) == 1 \
+            and len(units[0]) == n + 1:
+        offsets, lengths = units
+    elif hasattr(units, "offsets") and hasattr(units, "lengths"):
+        offsets, lengths = units.offsets, units.lengths
+    else:
+        return (np.r_[0, np.cumsum([len(x) for x in units[lo:hi]])].astype(np.int64),
+                np.concatenate([np.asarray(x, dtype=np.int64) for x in units[lo:hi]]))
+    if len(offsets) != n + 1:
+        raise ValueError(f"{len(offsets) - 1} micro-batches given: expected {n}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    return offsets[lo:hi + 1] - offsets[lo], np.asarray(lengths)[offsets[lo]:offsets[hi]]

@@ -46,3 +46,34 @@ def test_ranks_whose_rounds_do_not_line_up_are_named():
 
     with pytest.raises(RuntimeError, match="1 ended where 1 yielded another part"):
         plan_rounds_in_process([short(), long()])
+
+
+@pytest.mark.parametrize("as_", ["lists", "csr", "features"])
+def test_a_ranks_own_costs_are_its_rows_of_the_steps(as_):
+    """``UnitCosts.from_latency(rank=r)``: DP rank r's units alone, calibrated as rank r (a slow
+    GPU learned on rank 1), are its rows of the whole step's costs, bit for bit."""
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.policy.dst_ranks import rank_slice
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=4096), pp=2)
+    for _ in range(30):
+        lm.calibrate(1, [1.0, 1.0], [1.0, 1.2])
+        lm.calibrate_stages(1, [1.0, 1.0], [1.0, 1.2])
+    rng = np.random.default_rng(5)
+    dp, m = 3, 4
+    lens = [rng.integers(64, 1500, size=int(rng.integers(1, 5))) for _ in range(dp * m)]
+    offsets = np.r_[0, np.cumsum([len(x) for x in lens])].astype(np.int64)
+    csr = (offsets, np.concatenate(lens).astype(np.int64))
+    units = {"lists": lens, "csr": csr, "features": lm.unit_features(csr)}[as_]
+    kept = (offsets, np.maximum(csr[1] - 32, 1))            # the documents without padding
+    grid = np.array([0.25, 0.5, 1.0])
+    whole = UnitCosts.from_latency(lm, units, dp, m, grid, kept_units=kept)
+    for r in range(dp):
+        own = UnitCosts.from_latency(lm, units, dp, m, grid, kept_units=kept, rank=r)
+        ref = rank_slice(whole, r)
+        assert own.shape == (1, m, 2)
+        for name in ("fwd_s", "bwd_s", "attn_work", "kept_grid", "total_s"):
+            np.testing.assert_array_equal(getattr(own, name), getattr(ref, name), err_msg=name)
+    with pytest.raises(ValueError, match="rank 3: expected a DP rank in"):
+        UnitCosts.from_latency(lm, units, dp, m, grid, rank=3)
