@@ -285,9 +285,9 @@ class UnitCosts:
         if rank is not None:
             if not 0 <= rank < dp:
                 raise ValueError(f"rank {rank!r}: expected a DP rank in [0, {dp})")
-            mb_doc_lengths = _unit_rows(mb_doc_lengths, rank * m, (rank + 1) * m, dp * m)
+            mb_doc_lengths = unit_rows(mb_doc_lengths, rank * m, (rank + 1) * m, dp * m)
             kept_units = None if kept_units is None else \
-                _unit_rows(kept_units, rank * m, (rank + 1) * m, dp * m)
+                unit_rows(kept_units, rank * m, (rank + 1) * m, dp * m)
             rows = 1
         feats = model.unit_features(mb_doc_lengths)
         n, pp = feats.num_units, model.num_stages
@@ -367,7 +367,7 @@ def _non_decreasing(a: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(a, axis=-1)
 
 
-def _unit_rows(units, lo: int, hi: int, n: int) -> tuple:
+def unit_rows(units, lo: int, hi: int, n: int) -> tuple:
     """Units ``lo:hi`` of ``n`` (a ``UnitFeatures``, an (offsets, lengths) CSR or a list of length
     arrays) as a CSR of their own."""
     if isinstance(units, tuple) and len(units) == 2 and np.ndim(units[0]) == 1 \

@@ -223,16 +223,24 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
     cost onto the stages: without it the call raises ``ValueError`` (no silent fall-back to the
     density objective); ``dst_objective="density"`` needs none. ``rank_scale``: the
     calibration's [dp, pp] factors (``correction_grid``; narrower bands for a slow GPU)."""
+    settings, quality = dst_inputs(config, costs.shape[2], p2p_s, raise_headroom, stage_layers)
+    return plan_dst_with_floor(costs, sensitivity, settings, quality=quality,
+                               rank_scale=rank_scale)
+
+
+def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
+               stage_layers=None) -> tuple:
+    """(``DSTSettings``, the quality objective's ``StageQuality`` or None) of a
+    ``SparseBalanceConfig`` for costs of ``stages`` (virtual) stages (``plan_dst_from_config``
+    says what each argument means)."""
     quality = None
     if config.dst_objective == "quality":
         from .quality import StageQuality, load_quality_cost
-        if stage_layers is None or len(stage_layers) != costs.shape[2]:
+        if stage_layers is None or len(stage_layers) != stages:
             raise ValueError(f"--sb-dst-objective quality (the default) needs the decoder "
-                             f"layers of each of the {costs.shape[2]} stages, got "
+                             f"layers of each of the {stages} stages, got "
                              f"{stage_layers!r}; pass stage_layers, or plan with "
                              f"--sb-dst-objective density, which needs none")
         quality = StageQuality.from_cost(load_quality_cost(config.quality_cost), stage_layers,
                                          config.density)
-    settings = DSTSettings.from_config(config, p2p_s=p2p_s, raise_headroom=raise_headroom)
-    return plan_dst_with_floor(costs, sensitivity, settings, quality=quality,
-                               rank_scale=rank_scale)
+    return DSTSettings.from_config(config, p2p_s=p2p_s, raise_headroom=raise_headroom), quality

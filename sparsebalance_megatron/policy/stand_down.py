@@ -127,18 +127,18 @@ class StepChoice:
 
 def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
                 plan: Optional[np.ndarray] = None, enabled: bool = True, payload=None,
-                static_s: Optional[float] = None) -> PackingOutcome:
+                static_s: Optional[float] = None, step_max=float) -> PackingOutcome:
     """The DST rule on one packing: ``plan`` (DST's densities, None: static run) is kept unless
     it is predicted slower than the static plan of the same micro-batches (``enabled`` False:
     always kept, the ablation); ``static_s``: that static plan's step time where the caller
-    has predicted it already."""
+    has predicted it already; ``step_max``: as in ``choose_step``."""
     static = np.full(costs.shape, float(d0))
     if static_s is None:
-        static_s = _static_time_s(costs, d0, p2p_s)
+        static_s = step_max(_static_time_s(costs, d0, p2p_s))
     if plan is None:
         return PackingOutcome(static, static_s, static_s, None, None, payload)
     plan = np.asarray(plan, dtype=np.float64)
-    planned_s = _planned_time_s(costs, plan, p2p_s, payload)
+    planned_s = step_max(_planned_time_s(costs, plan, p2p_s, payload))
     if enabled and slower(planned_s, static_s):
         return PackingOutcome(static, static_s, static_s, planned_s, True, payload)
     return PackingOutcome(plan, planned_s, static_s, planned_s, False, payload)
@@ -146,7 +146,7 @@ def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
 
 def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
                 plan_fn: Optional[Callable[[int, UnitCosts], tuple]] = None,
-                enabled: bool = True, compare: str = "planned") -> StepChoice:
+                enabled: bool = True, compare: str = "planned", step_max=float) -> StepChoice:
     """The do-no-harm choice of one step.
 
     costs: the unit costs of each candidate packing of the same documents, the preferred one
@@ -158,22 +158,25 @@ def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
     than the second's, and only the committed candidate is planned (the other's ``step_s`` is
     its static plan's). ``enabled`` False commits the first candidate and DST's plan as they
     are (the ablation), still reporting what the rule would have predicted (both planned).
+    ``step_max``: a DP rank that holds only its own [1, m, stages] costs passes the DP group's
+    maximum of a step time (an all-reduce), so its choice is every rank's: each step time the
+    rule reads is a maximum over DP ranks (float: the costs are the whole step's).
     """
     if not costs:
         raise ValueError("choose_step needs at least one candidate packing")
     if compare not in STAND_DOWN_COMPARES:
         raise ValueError(f"compare={compare!r}: expected one of {', '.join(STAND_DOWN_COMPARES)}")
     if enabled and compare == "static" and len(costs) > 1:
-        static = [_static_time_s(c, d0, p2p_s) for c in costs]
+        static = [step_max(_static_time_s(c, d0, p2p_s)) for c in costs]
         i = 0 if slower(static[1], static[0]) else 1        # SAB's static plan strictly faster
         plan, payload = plan_fn(i, costs[i]) if plan_fn is not None else (None, None)
-        out = dst_outcome(costs[i], d0, p2p_s, plan, enabled, payload, static[i])
+        out = dst_outcome(costs[i], d0, p2p_s, plan, enabled, payload, static[i], step_max)
         times = static[:i] + [out.step_s] + static[i + 1:]
         return StepChoice(i, out, i != 0, times, static[-1])
     outs = []
     for i, c in enumerate(costs):
         plan, payload = plan_fn(i, c) if plan_fn is not None else (None, None)
-        outs.append(dst_outcome(c, d0, p2p_s, plan, enabled, payload))
+        outs.append(dst_outcome(c, d0, p2p_s, plan, enabled, payload, step_max=step_max))
     times = [o.step_s for o in outs]
     if len(outs) == 1:
         return StepChoice(0, outs[0], None, times, outs[0].static_s)

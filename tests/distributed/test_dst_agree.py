@@ -30,6 +30,43 @@ def _costs(dp: int):
     return costs, sens, settings, _quality(PP)
 
 
+def _step(dp: int, objective: str):
+    """A step's two packings (SAB's, Megatron's sequential) of long-tailed documents on an
+    analytic PP 2 latency model, with a sensitivity tracker that has seen them: every rank
+    builds the same."""
+    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
+                                                 sab_plan, sequential_plan)
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=8192), pp=2)
+    rng = np.random.default_rng(dp)
+    lengths = np.minimum(rng.pareto(1.1, size=40 * dp) * 600 + 64, 8000).astype(np.int64)
+    lengths = lengths[np.cumsum(lengths) <= 0.6 * dp * 4 * 8192]    # sequential fill fits too
+    kw = dict(dp=dp, num_microbatches=4, max_tokens=8192)
+    sb = SparseBalanceConfig(sparse_balance=True, density=0.5, dst_objective=objective)
+    packings = [sab_plan(lengths, cost_fn=latency_sample_cost_fn(lm, 0.5), **kw),
+                sequential_plan(lengths, **kw)]
+    tracker = SensitivityTracker()
+    segs = packings[0].segment_array()
+    tracker.update(segs[:, 0], segs[:, 2] - segs[:, 1], rng.uniform(1, 3, len(segs)))
+    options = [(b, lm.unit_features(b.unit_csr(with_padding=True))) for b in packings]
+    return sb, lm, tracker, options
+
+
+def _choices(rank: int, group, dp: int) -> dict:
+    from sparsebalance_megatron.megatron.step.choice import choose
+    from sparsebalance_megatron.megatron.step.dst_agree import DPReducer
+
+    out = {}
+    for objective in ("quality", "density"):
+        sb, lm, tracker, options = _step(dp, objective)
+        out[objective] = choose(sb, lm, options, dp, tracker=tracker, dst=True,
+                                raise_headroom=0.05, stage_layers=[4, 4], rank=rank,
+                                agree=DPReducer(group))
+    return out
+
+
 def _worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as dist
 
@@ -49,20 +86,26 @@ def _worker(rank: int, init_file: str, out_dir: str):
         plan, reducer = plan_rank(rank_slice(costs, r), sens[r:r + 1], settings, group,
                                   quality=quality)
         out[name] = dict(dp_rank=r, index=plan.grid_index, report=plan.report,
-                         candidate=plan.candidate, probe=plan.probe, sent=reducer.sent)
+                         candidate=plan.candidate, probe=plan.probe, sent=reducer.sent,
+                         choices=_choices(r, group, dp))
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
     dist.destroy_process_group()
 
 
-def test_the_rounds_over_the_dp_group_make_the_in_process_plan(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """What every one of the 4 processes planned (one spawn for the module's tests)."""
     import torch.multiprocessing as mp
 
+    tmp = tmp_path_factory.mktemp("dst_agree")
+    mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
+    return [pickle.loads((tmp / f"{r}.pkl").read_bytes()) for r in range(WORLD)]
+
+
+def test_the_rounds_over_the_dp_group_make_the_in_process_plan(runs):
     from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
 
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=WORLD,
-             join=True)
-    runs = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(WORLD)]
     probes = []
     for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
         costs, sens, settings, quality = _costs(dp)
@@ -89,3 +132,47 @@ def test_the_rounds_over_the_dp_group_make_the_in_process_plan(tmp_path):
     a, b = runs[0]["pp2_dp2"]["sent"], runs[0]["dp4"]["sent"]
     n = min(len(a), len(b))
     assert n >= 5 and a[:n] == b[:n], (a, b)
+
+
+def _choice_in_process(dp: int, objective: str):
+    """The same step chosen in one process: the whole step's costs, the do-no-harm rule on
+    them, each packing's DST made by the in-process driver (the same rounds)."""
+    from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
+    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
+    from sparsebalance_megatron.policy.dst import dst_inputs
+    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
+    from sparsebalance_megatron.policy.stand_down import choose_step
+
+    sb, lm, tracker, options = _step(dp, objective)
+    grid = density_grid(sb.density, sb.min_density, sb.max_density)
+    costs = [UnitCosts.from_latency(lm, u, dp, b.num_microbatches, grid,
+                                    kept_units=b.unit_csr()) for b, u in options]
+    settings, quality = dst_inputs(sb, 2, lm.p2p_s, 0.05, [4, 4])
+
+    def plan_fn(i, c):
+        p = plan_dst_decomposed(c, batch_sensitivity(options[i][0], tracker), settings,
+                                quality=quality, rank_scale=lm.correction_grid(dp, 2))
+        return p.densities, p
+    return choose_step(costs, sb.density, lm.p2p_s, plan_fn, compare=sb.stand_down_compare)
+
+
+def test_a_ranks_choice_over_the_dp_group_is_the_whole_steps(runs):
+    """``choice.choose`` with a rank and the DP group's reductions: the rank prices and plans
+    only its own units, and every rank ends with the whole step's choice (packing, plan,
+    do-no-harm verdicts) as one process makes it from every rank's costs."""
+    moved = 0
+    for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
+        for objective in ("quality", "density"):
+            want = _choice_in_process(dp, objective)
+            for run in runs:
+                dens, report, record = run[name]["choices"][objective]
+                assert record["packing_index"] == want.index
+                assert record["dst_stood_down"] == want.outcome.dst_stood_down
+                assert record["predicted_step_s"] == pytest.approx(want.step_s, rel=1e-12)
+                np.testing.assert_array_equal(np.asarray(dens), want.outcome.densities)
+                assert report["step_time_planned_s"] == pytest.approx(want.outcome.step_s,
+                                                                      rel=1e-12)
+                assert np.shape(report["predicted_busy_s"]) == (dp, 2)
+                assert np.shape(report["unit_sensitivity"]) == (dp, 4)
+                moved += report["units_cut"] + report["units_raised"]
+    assert moved > 0                            # DST moved densities: the plans say something

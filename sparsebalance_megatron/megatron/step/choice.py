@@ -19,7 +19,7 @@ import numpy as np
 
 from ...batching.sensitivity import batch_sensitivity
 from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
-from ...policy.costs import UnitCosts, density_grid
+from ...policy.costs import UnitCosts, density_grid, unit_rows
 from ...policy.stand_down import choose_step
 
 
@@ -40,53 +40,85 @@ def raise_headroom(sb: SparseBalanceConfig, latency, dp: int) -> float:
 
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
            tracker=None, dst: bool, raise_headroom: Optional[float] = None,
-           stage_layers=None, tables=None
+           stage_layers=None, tables=None, rank: Optional[int] = None, agree=None
            ) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
     """(densities [dp][m][stages] or None, DST report or None, stand-down record or None).
 
     options: (BatchPlan, UnitFeatures) of SAB's packing and, if packed, the baseline's, SAB's
-    first; dst: plan with DST (rank 0), else the static plans are compared (d0 with sparse
-    attention, density 1 without). The stand-down record is ``StepChoice.as_dict()``:
+    first; dst: plan with DST, else the static plans are compared (d0 with sparse attention,
+    density 1 without). Without ``rank`` the whole step is planned here (rank 0's draft, the
+    plan broadcast). With ``rank`` and ``agree`` (a ``dst_agree.DPReducer`` over the DP group:
+    collective) this rank plans only its own units with the decomposed DST
+    (``policy.dst_rounds``), every step time and sum the choice reads agreed over the group,
+    and the ranks' rows gathered into the whole plan (issue 77: built and tested on process
+    groups, not yet what a run calls). The stand-down record is ``StepChoice.as_dict()``:
     ``packing_index`` says which option to commit. tables: a ``TableMemory`` per option, the
     cost tables' memory kept between steps (None: fresh arrays)."""
-    from ...policy.dst import plan_dst_from_config
+    from ...policy.bands import straggler_present
+    from ...policy.dst import dst_inputs, plan_dst_from_config
+    from ...policy.dst_rounds import rank_rounds, run_rounds
 
+    own = rank is not None and agree is not None and dst
     d0 = sb.density if sb.sparse_attention_enabled else 1.0
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
     costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid,
                                     kept_units=batch.unit_csr() if dst else None,
-                                    out=None if tables is None else tables[i])
+                                    out=None if tables is None else tables[i],
+                                    rank=rank if own else None)
              for i, (batch, units) in enumerate(options)]
     sens = {}
 
     def sensitivity(i):
-        """Packing i's unit sensitivities, estimated once and only for a packing DST plans
-        (ranks that draft without DST, and 'static' comparisons, need none for the other)."""
+        """Packing i's unit sensitivities (this rank's rows where it plans its own), estimated
+        once and only for a packing DST plans."""
         if i not in sens:
             sens[i] = batch_sensitivity(options[i][0], tracker) if tracker is not None else None
-        return sens[i]
+        return sens[i] if sens[i] is None or not own else sens[i][rank:rank + 1]
 
     plan_fn = None
     if dst:
-        def plan_fn(i, c):
-            grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
-            p = plan_dst_from_config(sb, c, sensitivity(i), latency.p2p_s,
-                                     raise_headroom=raise_headroom, stage_layers=stage_layers,
-                                     rank_scale=grid_fn(dp, c.pipeline_ranks) if grid_fn
-                                     else None)
-            return p.densities, p
+        grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
+        scale = grid_fn(dp, costs[0].pipeline_ranks) if grid_fn else None
+        if own:
+            settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s,
+                                           raise_headroom, stage_layers)
+            narrow = straggler_present(scale, settings.tolerance)
+
+        def plan_dst(i, c):
+            if not own:
+                p = plan_dst_from_config(sb, c, sensitivity(i), latency.p2p_s,
+                                         raise_headroom=raise_headroom,
+                                         stage_layers=stage_layers, rank_scale=scale)
+                return p.densities, p
+            p = run_rounds(rank_rounds(c, sensitivity(i), settings, quality=quality,
+                                       narrow=narrow), agree)
+            return c.densities[p.grid_index], p
+        plan_fn = plan_dst
     elif len(options) < 2:
         return None, None, None
     choice = choose_step(costs, d0, latency.p2p_s, plan_fn, enabled=sb.stand_down != "off",
-                         compare=sb.stand_down_compare)
+                         compare=sb.stand_down_compare,
+                         step_max=agree.max if own else float)
     record = choice.as_dict()
     if not dst:
         return None, None, record
     out = choice.outcome
+    units = options[choice.index][1]
+    densities = out.densities
     # the committed plan's uncorrected busy seconds, which every rank calibrates against after
-    # the step: predicted once here, off the training thread, and broadcast with the plan
-    busy = latency.busy_s(options[choice.index][1], out.densities)
-    chosen = sensitivity(choice.index)
+    # the step: predicted once here, with the plan
+    if own:
+        m, pp = densities.shape[1:]
+        busy = latency.busy_s(unit_rows(units, rank * m, (rank + 1) * m, dp * m), densities)
+        chosen = sensitivity(choice.index)
+        rows = agree.gather(np.concatenate([densities.reshape(-1), busy.reshape(-1)] + (
+            [] if chosen is None else [np.asarray(chosen, dtype=np.float64).reshape(-1)])))
+        densities = rows[:, :m * pp].reshape(dp, m, pp)
+        busy = rows[:, m * pp:m * pp + busy.shape[1]]
+        chosen = None if chosen is None else rows[:, m * pp + busy.shape[1]:]
+    else:
+        busy = latency.busy_s(units, densities)
+        chosen = sensitivity(choice.index)
     report = dict(out.plan.report.as_dict(), raise_headroom=raise_headroom,
                   unit_sensitivity=None if chosen is None else np.round(chosen, 6).tolist(),
                   predicted_busy_s=busy.tolist(), stand_down=record)
@@ -95,4 +127,4 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
                       units_raised=0, ranks_reverted=0, quality_cost=0.0,
                       imbalance_after=report["imbalance_before"],
                       mean_density=report["mean_density_static"], density_per_stage=None)
-    return out.densities.tolist(), report, record
+    return densities.tolist(), report, record

@@ -153,12 +153,14 @@ class Drafter:
             return None
         return self.latency.unit_features(batch.unit_csr(with_padding=True))
 
-    def choose(self, options: list, *, dst: bool):
+    def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None):
         """(densities, DST report, stand-down record) of the step: DST on each packing option,
-        under the do-no-harm rule (``step_choice.choose``)."""
+        under the do-no-harm rule (``step_choice.choose``); with ``rank`` and ``agree`` (the
+        DP group's reductions: collective) this rank plans its own units."""
         from .choice import choose, raise_headroom
 
         with self._tables.lease() as tables:   # nothing made in them outlives the block
             return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
                           dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                          if dst else None, stage_layers=self.attention_layers, tables=tables)
+                          if dst else None, stage_layers=self.attention_layers, tables=tables,
+                          rank=rank, agree=agree)

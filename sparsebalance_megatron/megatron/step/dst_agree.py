@@ -1,7 +1,10 @@
 """The decomposed DST's reductions over a data-parallel group (issue 77): ``DPReducer`` turns one
 round of ``policy.dst_rounds.rank_rounds`` (a rank's sums and maxima) into at most two
 all-reduces of one float64 vector each, so a rank sends and receives the same few kilobytes a
-round whatever the DP size, and ``plan_rank`` drives a rank's rounds with it.
+round whatever the DP size, and ``plan_rank`` drives a rank's rounds with it. The do-no-harm
+rule's step times are its maxima (``max``), and the committed plan's rows are gathered
+(``gather``: [DP, m x stages + ...] floats, what rank 0's broadcast of the whole plan moved
+before; the plan's consumers read every rank's rows).
 
 Every rank of a DP rank's pipeline (and its TP/CP peers) plans the same rounds on the same slice,
 so the reductions may run over any of the DP groups Megatron lays out: each holds one rank of
@@ -45,6 +48,20 @@ class DPReducer:
                 out[k] = _like(part[k], got[pos:pos + f.size])
                 pos += f.size
         return out
+
+
+    def max(self, x: float) -> float:
+        """The group's maximum of ``x`` (a step time this rank predicted for its pipeline)."""
+        self.sent.append(8)
+        return float(comm.all_reduce_tensor(torch.tensor([float(x)], dtype=torch.float64),
+                                            self.group, "max")[0])
+
+    def gather(self, row: np.ndarray) -> np.ndarray:
+        """[DP, len(row)]: every DP rank's ``row`` (the same length on every rank), in the
+        group's rank order (DP order)."""
+        row = np.asarray(row, dtype=np.float64).reshape(-1)
+        self.sent.append(row.size * 8)
+        return comm.all_gather_tensor(torch.from_numpy(row), self.group).numpy()
 
 
 def _like(value, flat: np.ndarray):
