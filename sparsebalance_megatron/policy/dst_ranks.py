@@ -42,12 +42,10 @@ at 8 virtual stages), none growing with DP; a rank's work is a DP-1 pass of K ca
 descent through P = ``PROBES`` probes. The design (docs/DESIGN.md) asked for two: the band search's
 verdicts and the descent's probes each need their own.
 
-Covered: the default flags (quality objective with the descent: the water-filling search alone)
-and the density objective; the mean, min and max anchors (the median is no sum: a sketch would
-do). Not covered (ValueError): the quality objective without the descent (its density-order plan
-competes under a quality guard computed on the whole plan). The slow-GPU test
-(``bands.straggler_present``, a median over all ranks' factors) is an agreed boolean the caller
-passes (``narrow``).
+Covered: both objectives, with and without the descent (the quality objective without it runs
+both band searches, every row of both planned at once: 2K rows); the mean, min and max anchors
+(the median is no sum: ValueError). The slow-GPU test (``bands.straggler_present``) is an agreed
+boolean the caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -55,13 +53,14 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 
 from .bands import band_ladder
 from .costs import UnitCosts
 from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent
-from .dst import _band_search
+from .dst import SPEED_TIE, _band_search
 from .dst_band import BandCache, DSTPlan, DSTReport, _band, _cut, _pass, _plans, _raise
 from .dst_settings import DSTSettings
 
@@ -147,15 +146,18 @@ class RankDST:
                              f"{'/'.join(ANCHORS)} anchors (a median is no sum)")
         self.descend_on = s.descent and s.raise_to == "bottleneck" and s.anchor != "max" \
             and s.density_floor > 0
-        if quality is not None and not self.descend_on:
-            raise ValueError("the quality objective without the descent (both objectives' "
-                             "searches) is not decomposed")
         self.costs, self.settings, self.quality, self.narrow = costs, s, quality, narrow
         self.cands = candidate_tree(s, narrow)
         k = len(self.cands)
+        # the quality objective without the descent: both objectives' searches, as the central
+        # planner runs them (the density order's rows first, then the water-filling's)
+        self.both = quality is not None and not self.descend_on
+        self.rows = self.cands * 2 if self.both else self.cands
+        self.water = np.array([False] * k + [True] * k if self.both
+                              else [quality is not None] * k)
         self.cache = BandCache()
-        self.ps = _pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), k,
-                        np.full(k, quality is not None), quality, s.p2p_s, self.cache)
+        self.ps = _pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), len(self.rows),
+                        self.water, quality, s.p2p_s, self.cache)
         _band(self.ps, [])                                  # the static plan: mk0, busy0
         w = costs.weights()
         self.w = w
@@ -179,7 +181,7 @@ class RankDST:
         """Every candidate's cut under the agreed anchor: AR2's parts, the cut makespans [K]
         (max)."""
         self.a1 = a1
-        ps, cands = self.ps, self.cands
+        ps, cands = self.ps, self.rows
         for a in {a for a, _ in cands}:            # 'max' (the no-cut plan): the report's only
             self.cache.anchors[a] = a1.anchors[a]
         anchors = np.array([self.cache.anchors[a] for a, _ in cands])
@@ -194,8 +196,8 @@ class RankDST:
         s, ps = self.settings, self.ps
         self.t1 = np.asarray(a2["mk1"], dtype=np.float64)
         raised = _raise(ps, self.cut_rows, self.a1.t0, self.t1, s.raise_headroom, s.raise_to)
-        self.plans = _plans(ps, self.cands, s.d0, (self.a1.t0, self.t1, self.anchors,
-                                                   self.bands), raised)
+        self.plans = _plans(ps, self.rows, s.d0, (self.a1.t0, self.t1, self.anchors,
+                                                  self.bands), raised)
         idx = np.stack([p.grid_index for p in self.plans])       # [K, 1, m, nv]
         dens = self.costs.densities[idx]
         kept_s = (dens * self.w).sum(axis=(1, 2))                # [K, nv]
@@ -203,8 +205,9 @@ class RankDST:
         q = np.zeros(len(self.plans))
         if self.quality is not None:
             q = np.array([self._quality_sum(i) for i in idx])
-            for p in self.plans:            # the rank's own (at DP 1 the verdicts read it)
-                p.report.quality_cost = p.quality_cost(self.quality, self.costs.densities)
+            for p, w in zip(self.plans, self.water):   # the rank's own (at DP 1 the verdicts
+                if w:                                   # read it): the water-filling rows'
+                    p.report.quality_cost = p.quality_cost(self.quality, self.costs.densities)
         mk = np.array([p.report.step_time_planned_s for p in self.plans])
         self.kept_s, self.q, self.mk = kept_s, q, mk
         counts = np.array([[p.report.units_cut, p.report.units_raised,
@@ -241,32 +244,59 @@ class RankDST:
                        step_time_cut_s=float(self.t1[k]), mean_density=mean,
                        density_per_stage=stage,
                        quality_cost=float(a3["quality"][k]) / a1.units
-                       if self.quality is not None else float("nan"))
+                       if self.quality is not None and self.water[k] else float("nan"))
 
     def choose(self, a3: dict) -> int:
         """The band search replayed on the agreed verdicts (AR3's sums and maxima): the index
-        of the candidate every rank keeps; the rank's band plan is ``self.plans[k]``."""
-        s = self.settings
-        index = {c: i for i, c in enumerate(self.cands)}
-        search = _band_search(s, narrow=self.narrow, quality=self.quality)
+        of the row every rank keeps; the rank's band plan is ``self.plans[k]``. Both
+        objectives' searches (``both``) end as the central planner's: the plan the quality
+        cost prefers among those within ``SPEED_TIE`` of the faster."""
+        s, q = self.settings, self.quality
+        index = {(c, bool(w)): i for i, (c, w) in enumerate(zip(self.rows, self.water))}
         views = {}
 
-        def view(c):
-            i = index[c]                # a KeyError: the tree missed a candidate (a bug)
+        def view(i):
             if i not in views:
                 views[i] = DSTPlan(self.plans[i].densities, self.global_report(i, a3),
                                    self.plans[i].grid_index)
                 views[i].k = i
             return views[i]
 
-        asked = next(search)
-        while True:
-            try:
-                asked = search.send([view(c) for c in asked])
-            except StopIteration as done:
-                self.chosen = done.value.k
-                self.chosen_report = done.value.report
-                return self.chosen
+        def agreed_cost(p) -> float:
+            """A row's quality cost, the whole step's (at DP 1 the central call itself)."""
+            if self.a1.dp == 1:
+                return p.quality_cost(q, self.costs.densities)
+            return float(a3["quality"][p.k]) / self.a1.units
+
+        if self.both:
+            # the guard of a narrower band (given the plan's densities: the rank's rows alone)
+            guard = q if self.a1.dp == 1 else SimpleNamespace(plan_cost=lambda d: agreed_cost(
+                next(p for p in views.values() if p.densities is d)))
+            searches = [(_band_search(s, narrow=self.narrow, guard=guard), False),
+                        (_band_search(s, narrow=self.narrow, quality=q), True)]
+        else:
+            searches = [(_band_search(s, narrow=self.narrow, quality=q), q is not None)]
+        pending = {n: next(g) for n, (g, _) in enumerate(searches)}
+        out = [None] * len(searches)
+        while pending:
+            for n in list(pending):
+                g, w = searches[n]
+                try:               # a KeyError: the tree missed a candidate (a bug)
+                    pending[n] = g.send([view(index[c, w]) for c in pending[n]])
+                except StopIteration as done:
+                    out[n] = done.value
+                    del pending[n]
+        kept = out[0]
+        if self.both:                  # as ``dst.plan_dst_with_floor``
+            ordered, filled = out
+            ordered.report.quality_cost = agreed_cost(ordered)
+            fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] \
+                or [filled]
+            fastest = min(p.report.step_time_planned_s for p in fair)
+            kept = min((p for p in fair if p.report.step_time_planned_s
+                        <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
+        self.chosen, self.chosen_report = kept.k, kept.report
+        return self.chosen
 
     def descent_start(self, a3: dict) -> dict:
         """After ``choose``: the descent's start, the band plan where it meets the descent's
@@ -367,3 +397,4 @@ def probe_steps(step: float) -> np.ndarray:
     20-30% it finds on the baseline packing at 128K; ``scripts/bench.py dst_decomposed``): the
     resolution the decomposed descent gives up against the central one."""
     return step * (1.0 - PROBE_SPAN * (np.arange(1, PROBES + 1) / PROBES) ** 2)
+

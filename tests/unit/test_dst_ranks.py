@@ -95,9 +95,6 @@ def test_what_is_not_decomposed_says_so():
     costs = synthetic_costs(2, 4, 2, seed=6)
     with pytest.raises(ValueError, match="median"):
         plan_dst_decomposed(costs, None, DSTSettings(D0, DMIN, DMAX, anchor="median", **FLOORS))
-    with pytest.raises(ValueError, match="without the descent"):
-        plan_dst_decomposed(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS),
-                            quality=_quality(2))
 
 
 def test_a_slow_gpu_narrows_the_band_alike():

@@ -77,3 +77,47 @@ def test_a_ranks_own_costs_are_its_rows_of_the_steps(as_):
             np.testing.assert_array_equal(getattr(own, name), getattr(ref, name), err_msg=name)
     with pytest.raises(ValueError, match="rank 3: expected a DP rank in"):
         UnitCosts.from_latency(lm, units, dp, m, grid, rank=3)
+
+
+@pytest.mark.parametrize("flags", [dict(descent=False), dict(anchor="max"),
+                                   dict(raise_to="static"), dict(density_floor=0.0)])
+def test_the_quality_objective_without_the_descent_is_the_central_plan(flags):
+    """Where no descent follows (descent off, the max anchor, raise to static, no density
+    floor), the quality objective runs both objectives' band searches and keeps the one the
+    quality cost prefers at the same speed: decomposed, every candidate of both planned at
+    once and the verdicts replayed on the agreed sums, the central plan at every DP."""
+    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
+
+    rng = np.random.default_rng(17)
+    for dp in (1, 2, 3, 5):
+        m, pp = int(rng.integers(2, 8)), int(rng.integers(2, 5))
+        costs = synthetic_costs(dp, m, pp, seed=int(rng.integers(1 << 30)),
+                                lm_head=float(rng.uniform(0.3, 3)))
+        sens, q = rng.random((dp, m)), _quality(pp)
+        s = DSTSettings(D0, DMIN, DMAX, **dict(FLOORS, **flags))
+        central = plan_dst_with_floor(costs, sens, s, quality=q)
+        dec = plan_dst_decomposed(costs, sens, s, quality=q)
+        np.testing.assert_array_equal(dec.densities, central.densities)
+        if dp == 1:
+            assert dec.report == central.report
+        else:
+            assert dec.report.quality_cost == pytest.approx(central.report.quality_cost,
+                                                            rel=1e-9, abs=1e-15)
+
+
+def test_a_slow_gpus_narrower_bands_are_guarded_by_the_agreed_quality_cost():
+    """With a slow GPU the density order's narrower bands must not lose quality: the guard
+    reads the whole step's agreed cost (a rank's rows alone would misjudge it)."""
+    from dataclasses import replace
+
+    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
+    from test_dst_bands import BAND, _scale, _slow_rank_costs
+
+    costs = _slow_rank_costs()
+    q = _quality(costs.shape[2])
+    for flags in (dict(descent=False), {}):
+        s = replace(BAND, **flags)
+        central = plan_dst_with_floor(costs, None, s, quality=q, rank_scale=_scale())
+        dec = plan_dst_decomposed(costs, None, s, quality=q, rank_scale=_scale())
+        np.testing.assert_array_equal(dec.densities, central.densities)
+        assert dec.report.quality_cost == pytest.approx(central.report.quality_cost, rel=1e-9)
