@@ -27,8 +27,9 @@ schedule for a layout with vp > 1). Variants (names are what the tables print):
 - any DST variant + ``_acc`` (e.g. ``sab_dst_acc``): ``--sb-raise-to static``, the raises go up
   to the static plan's step time: what balancing saved becomes density ("free accuracy").
 
-DST is the runtime's own call, ``plan_dst_from_config`` with the floors and the raise headroom of
-a ``SparseBalanceConfig`` (``StudyConfig.sb``, ``StudyConfig.policy``). Every run of a study is (variant, layout):
+DST is the runtime's own planner (``dst_ranks_local.plan_dst_decomposed``: every DP rank's
+rounds, reduced in-process) with the floors and the raise headroom of a ``SparseBalanceConfig``
+(``StudyConfig.sb``, ``StudyConfig.policy``). Every run of a study is (variant, layout):
 the same global batches and packings are timed on each run's layout. Do no harm (issue 27) is the
 runtime's rule too (``policy.stand_down.choose_step``, ``--sb-stand-down``): a DST plan predicted
 slower than the static plan of its micro-batches is replaced by it, and a SAB run packs the
@@ -73,7 +74,8 @@ from ..config import STAND_DOWNS, SparseBalanceConfig
 from ..data import GlobalBatchSampler
 from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
-from ..policy.dst import plan_dst_from_config
+from ..policy.dst import dst_inputs
+from ..policy.dst_ranks_local import plan_dst_decomposed
 from ..policy.quality import StageQuality, load_quality_cost
 from ..policy.stand_down import NetGate, choose_step
 from .heterogeneous import rank_scale, scale_costs
@@ -319,12 +321,13 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                     policies[pkey] = cfg.policy(*pkey)
 
                 def plan_fn(i, c, pol=policies[pkey], layers=models[False, lay].layout.layers):
-                    plan = plan_dst_from_config(pol, c, sens[cands[i]], p2p_s=lm.p2p_s,
-                                                stage_layers=layers,
-                                                # the factors the runtime's calibration learns
-                                                rank_scale=rank_scale(cfg.slow_ranks, dp,
-                                                                      c.pipeline_ranks)
-                                                if cfg.slow_ranks else None)
+                    settings, q = dst_inputs(pol, c.shape[2], lm.p2p_s, None, layers)
+                    # every DP rank's rounds, as the runtime's ranks make them; the slow GPUs'
+                    # factors as the runtime's calibration learns them
+                    plan = plan_dst_decomposed(c, sens[cands[i]], settings, quality=q,
+                                               rank_scale=rank_scale(cfg.slow_ranks, dp,
+                                                                     c.pipeline_ranks)
+                                               if cfg.slow_ranks else None)
                     return plan.densities, plan
             a = acc[name]
             if a.gate is not None and not a.gate.plans():   # do no harm, net: the baseline

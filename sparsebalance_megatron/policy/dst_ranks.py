@@ -43,8 +43,8 @@ descent through P = ``PROBES`` probes. The design (docs/DESIGN.md) asked for two
 verdicts and the descent's probes each need their own.
 
 Covered: both objectives, with and without the descent (the quality objective without it runs
-both band searches, every row of both planned at once: 2K rows); the mean, min and max anchors
-(the median is no sum: ValueError). The slow-GPU test (``bands.straggler_present``) is an agreed
+both band searches, every row of both planned at once: 2K rows); every anchor (the median's
+AR1 gathers the static busy seconds, dp x pp floats: the one part that grows with DP). The slow-GPU test (``bands.straggler_present``) is an agreed
 boolean the caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
@@ -64,7 +64,6 @@ from .dst import SPEED_TIE, _band_search
 from .dst_band import BandCache, DSTPlan, DSTReport, _band, _cut, _pass, _plans, _raise
 from .dst_settings import DSTSettings
 
-ANCHORS = ("mean", "min", "max")
 PHASES = ("static", "cut", "raise", "choose", "descent", "pick")   # between the reductions
 PROBES = 64               # the decomposed descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
@@ -141,9 +140,6 @@ class RankDST:
         s = settings
         if costs.shape[0] != 1:
             raise ValueError(f"a rank's costs are [1, m, stages], got {costs.shape}")
-        if s.anchor not in ANCHORS:
-            raise ValueError(f"anchor {s.anchor!r}: the decomposed planner agrees the "
-                             f"{'/'.join(ANCHORS)} anchors (a median is no sum)")
         self.descend_on = s.descent and s.raise_to == "bottleneck" and s.anchor != "max" \
             and s.density_floor > 0
         self.costs, self.settings, self.quality, self.narrow = costs, s, quality, narrow
@@ -165,7 +161,7 @@ class RankDST:
         self.dense_w = None if dw is None else np.asarray(dw, dtype=np.float64)
 
     def ar1(self) -> dict:
-        """The rank's AR1 parts: sums and maxima."""
+        """The rank's AR1 parts: sums and maxima (and for the median anchor its busy seconds)."""
         c = self.cache
         dw = self.dense_w
         pp = self.w.shape[2]
@@ -175,7 +171,9 @@ class RankDST:
                         "units": self.w.shape[1], "ranks": 1,
                         "mk0_sum": float(c.mk0.max())},
                 "max": {"mk0": float(c.mk0.max()), "busy_max": float(c.busy0.max()),
-                        "busy_min_neg": -float(c.busy0.min())}}
+                        "busy_min_neg": -float(c.busy0.min())},
+                "cat": {"busy_all": c.busy0.reshape(-1)}        # the median: every rank's
+                if self.settings.anchor == "median" else {}}
 
     def cut(self, a1: Agreed1) -> dict:
         """Every candidate's cut under the agreed anchor: AR2's parts, the cut makespans [K]

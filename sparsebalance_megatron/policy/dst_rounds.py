@@ -7,7 +7,8 @@ the adapter's reducer). So a rank's plan does not depend on who reduced its part
 
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
-one dict of every key, sums summed and maxima taken over the DP ranks. The rounds: AR1 (the
+one dict of every key, sums summed and maxima taken over the DP ranks; an optional ``"cat"``
+part is gathered (every rank's array, in rank order: the median anchor's busy seconds only). The rounds: AR1 (the
 static plans), AR2 (every candidate's cut), AR3 (every candidate's raise), then with the
 descent AR3b (its start) and AR4 (its probes), and, where a probe is kept, AR5 (the kept plan's
 report sums: they decide nothing; in a run they can ride the next step's AR1). At DP 1 the rank
@@ -49,6 +50,8 @@ def agreed1(a: dict) -> Agreed1:
     """AR1's agreed sums and maxima (``RankDST.ar1``'s keys) as the numbers the rounds read."""
     anchors = {"mean": float(a["busy"] / a["busy_n"]), "min": -float(a["busy_min_neg"]),
                "max": float(a["busy_max"])}
+    if "busy_all" in a:                     # every rank's, in rank order
+        anchors["median"] = float(np.median(a["busy_all"]))
     dense_s = np.asarray(a["dense_s"], dtype=np.float64)
     dense = float(dense_s.sum())
     return Agreed1(anchors=anchors, t0=float(a["mk0"]),
@@ -157,6 +160,8 @@ def reduce_in_process(parts: list) -> dict:
         vals = [p["max"][key] for p in parts]
         out[key] = np.maximum.reduce([np.asarray(v, dtype=np.float64) for v in vals]) \
             if np.ndim(vals[0]) else max(vals)
+    for key in parts[0].get("cat", ()):
+        out[key] = np.concatenate([np.asarray(p["cat"][key]).reshape(-1) for p in parts])
     return out
 
 

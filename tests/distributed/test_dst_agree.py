@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 WORLD, M, PP = 4, 6, 3
 
 
-def _costs(dp: int):
+def _costs(dp: int, anchor: str = "mean"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     from test_policy_dst import D0, DMAX, DMIN, _quality, synthetic_costs
 
@@ -26,7 +26,8 @@ def _costs(dp: int):
 
     costs = synthetic_costs(dp, M, PP, seed=7 + dp, lm_head=2.0)
     sens = np.random.default_rng(dp).random((dp, M))
-    settings = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75)
+    settings = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
+                           anchor=anchor)
     return costs, sens, settings, _quality(PP)
 
 
@@ -81,13 +82,13 @@ def _worker(rank: int, init_file: str, out_dir: str):
     world = dist.new_group(list(range(WORLD)), backend="gloo")
     out = {}
     for name, dp, r, group in (("pp2_dp2", 2, rank % 2, stages[rank // 2]),
-                               ("dp4", 4, rank, world)):
-        costs, sens, settings, quality = _costs(dp)
+                               ("dp4", 4, rank, world), ("dp4_median", 4, rank, world)):
+        costs, sens, settings, quality = _costs(dp, "median" if "median" in name else "mean")
         plan, reducer = plan_rank(rank_slice(costs, r), sens[r:r + 1], settings, group,
                                   quality=quality)
         out[name] = dict(dp_rank=r, index=plan.grid_index, report=plan.report,
                          candidate=plan.candidate, probe=plan.probe, sent=reducer.sent,
-                         choices=_choices(r, group, dp))
+                         choices=_choices(r, group, dp) if "median" not in name else None)
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
     dist.destroy_process_group()
@@ -107,8 +108,8 @@ def test_the_rounds_over_the_dp_group_make_the_in_process_plan(runs):
     from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
 
     probes = []
-    for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
-        costs, sens, settings, quality = _costs(dp)
+    for name, dp in (("pp2_dp2", 2), ("dp4", 4), ("dp4_median", 4)):
+        costs, sens, settings, quality = _costs(dp, "median" if "median" in name else "mean")
         want = plan_dst_decomposed(costs, sens, settings, quality=quality)
         got = {}
         for run in runs:

@@ -46,16 +46,16 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
 
     options: (BatchPlan, UnitFeatures) of SAB's packing and, if packed, the baseline's, SAB's
     first; dst: plan with DST, else the static plans are compared (d0 with sparse attention,
-    density 1 without). Without ``rank`` the whole step is planned here (rank 0's draft, the
-    plan broadcast). With ``rank`` and ``agree`` (a ``dst_agree.DPReducer`` over the DP group:
-    collective) this rank plans only its own units with the decomposed DST
-    (``policy.dst_rounds``), every step time and sum the choice reads agreed over the group,
-    and the ranks' rows gathered into the whole plan (issue 77: built and tested on process
-    groups, not yet what a run calls). The stand-down record is ``StepChoice.as_dict()``:
+    density 1 without). DST is the decomposed planner (``policy.dst_rounds``): with ``rank``
+    and ``agree`` (a ``dst_agree.DPReducer`` over the DP group: collective) this rank plans
+    only its own units, every step time and sum the choice reads agreed over the group, and
+    the ranks' rows are gathered into the whole plan (a run); without them every DP rank's
+    rounds are made here in lockstep (the studies and tests: the same plan). The stand-down record is ``StepChoice.as_dict()``:
     ``packing_index`` says which option to commit. tables: a ``TableMemory`` per option, the
     cost tables' memory kept between steps (None: fresh arrays)."""
     from ...policy.bands import straggler_present
-    from ...policy.dst import dst_inputs, plan_dst_from_config
+    from ...policy.dst import dst_inputs
+    from ...policy.dst_ranks_local import plan_dst_decomposed
     from ...policy.dst_rounds import rank_rounds, run_rounds
 
     own = rank is not None and agree is not None and dst
@@ -79,19 +79,17 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     if dst:
         grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
         scale = grid_fn(dp, costs[0].pipeline_ranks) if grid_fn else None
-        if own:
-            settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s,
-                                           raise_headroom, stage_layers)
-            narrow = straggler_present(scale, settings.tolerance)
+        settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s, raise_headroom,
+                                       stage_layers)
 
         def plan_dst(i, c):
-            if not own:
-                p = plan_dst_from_config(sb, c, sensitivity(i), latency.p2p_s,
-                                         raise_headroom=raise_headroom,
-                                         stage_layers=stage_layers, rank_scale=scale)
+            if not own:                 # every rank's rounds here, in lockstep
+                p = plan_dst_decomposed(c, sensitivity(i), settings, quality=quality,
+                                        rank_scale=scale)
                 return p.densities, p
             p = run_rounds(rank_rounds(c, sensitivity(i), settings, quality=quality,
-                                       narrow=narrow), agree)
+                                       narrow=straggler_present(scale, settings.tolerance)),
+                           agree)
             return c.densities[p.grid_index], p
         plan_fn = plan_dst
     elif len(options) < 2:

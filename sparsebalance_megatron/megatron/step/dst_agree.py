@@ -47,6 +47,8 @@ class DPReducer:
             for k, f in zip(keys, flat):
                 out[k] = _like(part[k], got[pos:pos + f.size])
                 pos += f.size
+        for k, value in sorted(parts.get("cat", {}).items()):   # every rank's, in DP order
+            out[k] = self.gather(value).reshape(-1)
         return out
 
 
