@@ -147,9 +147,11 @@ def test_a_failed_planner_costs_a_step_and_restarts_with_backoff(capsys):
     cb = SimpleNamespace(sb=SimpleNamespace(planner="process", planner_timeout=30.0),
                          args=SimpleNamespace(distributed_timeout_minutes=10),
                          _process=None, _planner=None, _failures=planning.PlannerFailures(),
-                         _tracker_synced=True, drafter=lambda: drafter, watchdog=None)
+                         _tracker_synced=True, drafter=lambda: drafter, watchdog=None,
+                         _agreeing=lambda: False)      # no DST: nothing to agree
     for name in ("join_ahead", "_planner_failed", "_planner_late", "_planner_up",
-                 "start_planner", "_start_process", "_planner_timeout_s", "_timed_draft"):
+                 "start_planner", "_start_process", "_planner_timeout_s", "_timed_draft",
+                 "_agreed", "_joined"):
         setattr(cb, name, types.MethodType(getattr(StepPlanning, name), cb))
     original = planning.PlannerProcess
     planning.PlannerProcess = Fake
@@ -275,6 +277,41 @@ def test_a_stalled_planner_costs_its_deadline_not_the_timeout(steps):
         proc.close()
 
 
+@pytest.mark.reliability(area="fault", case="DST's rounds over the DP group, with a draft back "
+                         "in time and with a late one", expect="the reader thread agrees a draft "
+                         "back in time, once; a late one, claimed by the training thread (which "
+                         "agrees its own draft), is never agreed: the rounds run once a step")
+def test_the_rounds_run_once_on_the_reader_thread_or_not_at_all(steps):
+    import threading
+
+    from sparsebalance_megatron.batching import SensitivityTracker
+
+    calls = []
+
+    def agree(draft):
+        calls.append(threading.current_thread().name)
+        return "densities", "report"
+
+    for timeout_s, late in ((30.0, False), (1e-3, True)):     # 1 ms: every draft is late
+        calls.clear()
+        proc = PlannerProcess(_drafter(copy.deepcopy(steps.lm), SensitivityTracker()),
+                              timeout_s=timeout_s)
+        try:
+            proc.wait_ready()
+            pending = proc.submit(0, 0, steps.segments[0], M, with_dst=False,
+                                  latency_state=None, tracker_sync=None, basis={}, agree=agree)
+            if not late:
+                assert pending.result().agreed == ("densities", "report")
+                assert calls == ["sparsebalance-planner-reader"]
+                continue
+            with pytest.raises(PlannerProcessError, match="is late"):
+                pending.result()
+            pending._thread.join(timeout=120)           # it comes back: dropped, not agreed
+            assert not pending._thread.is_alive() and pending._draft is None and calls == []
+        finally:
+            proc.close()
+
+
 @pytest.mark.reliability(area="fault", case="the planner process runs but its draft is past "
                          "its deadline", expect="the training thread drafts the step; the "
                          "process is left running and its late draft dropped; still not back at "
@@ -330,8 +367,9 @@ def test_a_late_draft_is_drafted_here_and_the_process_kept():
     drafter = SimpleNamespace(draft=lambda **req: drafted.append(req) or SimpleNamespace(
         basis=None, iteration=req["iteration"]))
     cb = SimpleNamespace(_process=process, _failures=planning.PlannerFailures(),
-                         drafter=lambda: drafter, watchdog=None)
-    for name in ("join_ahead", "_planner_failed", "_planner_late", "_timed_draft"):
+                         drafter=lambda: drafter, watchdog=None, _agreeing=lambda: False)
+    for name in ("join_ahead", "_planner_failed", "_planner_late", "_timed_draft", "_agreed",
+                 "_joined"):
         setattr(cb, name, types.MethodType(getattr(StepPlanning, name), cb))
     request = dict(iteration=60, first_bin=0, segments=[], num_microbatches=1, with_dst=True)
     err = PlannerProcessError("the SparseBalance planner process (pid 4242) is late: ...",

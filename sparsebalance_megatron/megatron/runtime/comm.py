@@ -139,10 +139,28 @@ def new_gloo_group(timeout):
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-def new_group(ranks) -> object:
-    """A group of the global ``ranks`` on the default backend (collective: every rank of the job
-    calls it, for every group, in the same order)."""
-    return dist.new_group(sorted(int(r) for r in ranks))
+def new_group(ranks, backend: Optional[str] = None) -> object:
+    """A group of the global ``ranks`` on ``backend`` (None: the default; collective: every rank
+    of the job calls it, for every group, in the same order)."""
+    return dist.new_group(sorted(int(r) for r in ranks), backend=backend)
+
+
+def gloo_copy(group) -> object:
+    """A gloo group of ``group``'s ranks, for collectives a thread makes beside the training
+    thread's (which keep ``group``): collective over the job, every rank's group copied in the
+    same order on every rank. None where every such group has one rank (or no process group)."""
+    if not is_initialized():
+        return None
+    mine = tuple(dist.get_process_group_ranks(group)) if group is not None else (rank(),)
+    every = sorted({tuple(g) for g in all_gather_object(mine)})
+    if all(len(g) == 1 for g in every):
+        return None
+    out = None
+    for ranks in every:
+        made = new_group(ranks, backend="gloo")
+        if ranks == mine:
+            out = made
+    return out
 
 
 def destroy_group(group) -> None:

@@ -198,11 +198,13 @@ class PlannerProcess:
             raise self._died(phase, iteration) from None
 
     def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
-               with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict
-               ) -> "PendingDraft":
+               with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict,
+               agree=None) -> "PendingDraft":
         """Start the draft of ``iteration`` from these inputs; ``tracker_sync``: None (no
-        tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]). A process that
-        ended gives a draft whose ``result`` raises that (the request kept for the caller)."""
+        tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]); ``agree``:
+        what the reader thread runs on the draft once read (DST's rounds over the DP group),
+        its result the draft's ``agreed``. A process that ended gives a draft whose ``result``
+        raises that (the request kept for the caller)."""
         if self._pending is not None:
             raise RuntimeError("a draft of the planner process is still pending")
         request = dict(iteration=iteration, first_bin=first_bin, segments=segments,
@@ -219,7 +221,7 @@ class PlannerProcess:
         except PlannerProcessError as e:
             err = e
         self._pending = PendingDraft(self, basis, request, send_s=time.thread_time() - c0,
-                                     error=err)
+                                     error=err, agree=agree)
         return self._pending
 
     def _answer(self, msg):
@@ -275,8 +277,13 @@ class PendingDraft:
     ``wait_s``: wall seconds the training thread waited at the join."""
 
     def __init__(self, planner: PlannerProcess, basis: dict, request: dict, send_s: float,
-                 error: Optional[PlannerProcessError] = None):
+                 error: Optional[PlannerProcessError] = None, agree=None):
         self._planner, self.basis, self.request = planner, basis, request
+        # the rounds run once per step and rank: by the reader thread where the draft comes
+        # before the training thread gives up on it (``_overdue`` claims it), else by the
+        # training thread on its own draft (``_lock`` orders the two decisions)
+        self._agree, self._lock = agree, threading.Lock()
+        self._claimed = self._agreeing = False
         self.send_s, self.recv_s, self.wait_s = send_s, 0.0, 0.0
         self.asked = time.monotonic()
         self.phase = "drafting"       # then "sending" once the process says its draft is made
@@ -308,6 +315,11 @@ class PendingDraft:
             planner.note_draft_s(time.monotonic() - self.asked)
             if self.dropped:                    # the training thread drafted it: not needed
                 self._draft = None
+            if self._agree is not None and self._draft is not None:
+                with self._lock:
+                    self._agreeing = not self._claimed
+                if self._agreeing:
+                    self._draft.agreed = self._agree(self._draft)
         except BaseException as e:          # raised on the training thread by result()
             self._err = e
 
@@ -348,6 +360,11 @@ class PendingDraft:
 
     def _overdue(self, waited: float) -> None:
         planner, it = self._planner, self.request["iteration"]
+        with self._lock:
+            self._claimed = not self._agreeing
+        if not self._claimed:                   # the draft came: its rounds wait for peers
+            self._thread.join()
+            return
         if planner.proc.poll() is not None:    # it ended, not stalled: the reader names how
             self._thread.join()
             return

@@ -45,6 +45,8 @@ class Draft:
     num_microbatches: int = 0      # Megatron's micro-batches per DP rank (its samples per rank)
     counts: tuple = ()             # each packing's own micro-batches per DP rank (dp_balanced's
                                    # varies by step), kept where the packing itself is not
+    agreed: Optional[tuple] = None  # the run's (densities, report): this rank's DST rounds
+                                   # agreed over the DP group (``StepPlanning._agree``)
 
     def packing(self, index: int) -> tuple:
         """(batch, units) of candidate packing ``index``: 0 SAB's (or the only one), 1 the

@@ -43,14 +43,18 @@ class ExchangeGroups:
     cell: object = None        # tensor x context parallel: the ranks of this rank's cell
     pipeline: object = None    # the pipeline stages of this DP rank (stage order)
     data: object = None        # the DP ranks at this rank's stage and TP/CP place (DP order)
+    rounds: object = None      # a gloo copy of ``data``: DST's rounds, beside the training
+                               # thread (``step/dst_agree.py``)
 
     @classmethod
     def from_megatron(cls) -> "ExchangeGroups":
-        """Megatron's groups of this rank (``parallel_state``, once initialised)."""
+        """Megatron's groups of this rank (``parallel_state``, once initialised), and the gloo
+        copy of its DP group (collective)."""
         from megatron.core import parallel_state as ps
 
+        data = ps.get_data_parallel_group()
         return cls(ps.get_tensor_and_context_parallel_group(),
-                   ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group())
+                   ps.get_pipeline_model_parallel_group(), data, comm.gloo_copy(data))
 
 
     @classmethod
@@ -70,6 +74,7 @@ class ExchangeGroups:
                 group = comm.new_group(ranks)
                 if tuple(mine[i] for i in same) == key:
                     found[name] = group
+        found["rounds"] = comm.gloo_copy(found["data"])
         return mine, cls(**found)
 
 

@@ -5,10 +5,12 @@ before the step runs, and the planner that drafts the next one while a step trai
 callback's sampler, latency model, sensitivity tracker, replay, layout and capacity
 (``step/callback.py`` sets them) and write the prepared step the callback's ``take_step`` reads. A step
 is first a ``Draft`` (``step/drafting.py``: no collective, the same function in-line, on the planner
-thread or in the planner process, ``step/ahead.py``), then ``_commit`` makes it the
-``PreparedStep`` (collective: rank 0's DST plan is broadcast as a fixed-size tensor,
-``step/exchange.py``). Each packing is committed only where predicted no slower than the static
-baseline (do no harm, ``step/choice.py``).
+thread or in the planner process, ``step/ahead.py``), whose DST every rank then plans for its own
+units, agreed with the other DP ranks in a few small all-reduces over a gloo copy of the DP group
+(``_agree``: on the planner's reader thread while the step trains, else on the training thread
+before the step's end changes what the draft read); ``_commit`` makes it the ``PreparedStep``.
+Each packing is committed only where predicted no slower than the static baseline (do no harm,
+``step/choice.py``). What a plan is made from: ``step/plan_basis.py``.
 No torch.distributed outside ``comm``; megatron only through the callback.
 """
 
@@ -24,11 +26,12 @@ import numpy as np
 from ...batching.plan import BatchPlan
 from ...plan import BudgetPlan
 from ..runtime import comm
-from .plan_record import PlanShape
 from .checks import layout_warning
 from .ahead import Drafted, PendingDraft, Planner, PlannerProcess, PlannerProcessError
 from .planner_boot import PlannerPackageMismatch
 from .drafting import Draft, Drafter  # noqa: F401  (Draft: the planners' result type)
+from .dst_agree import DPReducer
+from .plan_basis import LaggedBasis, PlanBasis  # noqa: F401  (LaggedBasis: its API)
 
 PLANNER_RESTARTS = 3
 """New planner processes a rank starts after its planner dies or stalls, the k-th for the draft
@@ -50,15 +53,6 @@ class PlannerFailures:
         """The unreported ones, now reported."""
         n, self.unreported = self.unreported, 0
         return n
-
-
-@dataclass
-class LaggedBasis:
-    """A plan-ahead draft's basis without a copy of the tracker (``StepPlanning._lagged_basis``):
-    the latency calibration as it was, and how many tracker updates the draft saw."""
-
-    latency: Optional[dict]
-    mark: int
 
 
 @dataclass
@@ -86,7 +80,7 @@ class PreparedStep:
         return self.first_bin + self.megatron_samples
 
 
-class StepPlanning:
+class StepPlanning(PlanBasis):
     """Packing, drafting and committing a step's plan (a base of ``SparseBalanceCallback``)."""
 
     def drafter(self) -> Drafter:
@@ -115,7 +109,7 @@ class StepPlanning:
         first_bin = self.sampler.bins
         segments = self.sampler.next_bins(self.dp * num_microbatches)
         return self._timed_draft(iteration=iteration, first_bin=first_bin, segments=segments,
-                                 num_microbatches=num_microbatches, with_dst=comm.rank() == 0)
+                                 num_microbatches=num_microbatches, with_dst=False)
 
     def _timed_draft(self, **request) -> Draft:
         """A draft made here; its wall time joins the planner process's recent drafts (the
@@ -131,9 +125,8 @@ class StepPlanning:
         plan, report, sb, stand = None, None, self.sb, draft.stand_down
         if self.replay is not None and sb.sparse_attention_enabled:   # every rank read it
             plan = BudgetPlan(draft.iteration, draft.replayed)
-        elif sb.dst_enabled:
-            densities, report = self.exchange.broadcast_plan(draft.payload,
-                                                             self._plan_shape(draft))
+        elif sb.dst_enabled:              # in-line: agreed here, after the calibration
+            densities, report = draft.agreed or self._agree(draft)
             plan = BudgetPlan(draft.iteration, np.asarray(densities))
             stand = report.get("stand_down")
         # SAB's packing, or the baseline's where SAB stood down
@@ -150,58 +143,18 @@ class StepPlanning:
             self._layout_checked = True
             self._check_layout(batch, units)
 
-    def _plan_shape(self, draft: Draft) -> PlanShape:
-        """The size of the draft's plan record, known on every rank (``step/plan_record.py``)."""
-        counts = draft.counts or (draft.num_microbatches,) * draft.options
-        return PlanShape(self.dp, counts[0], self.layout.num_stages,
-                         options=draft.options, sensitivity=self.tracker is not None,
-                         ranks=self.layout.pp, option_microbatches=tuple(counts))
+    def _agree(self, draft: Draft) -> tuple:
+        """(densities, report) of ``draft``'s step: this rank's DST of its own units, agreed
+        with the other DP ranks' over the DP group's gloo copy (collective: every rank, once a
+        step, on the reader or planner thread while the step trains, else on the training
+        thread before the step's end changes the state the draft read)."""
+        densities, report, _ = self.drafter().choose(
+            [draft.packing(i) for i in range(draft.options)], dst=True, rank=self.dp_rank,
+            agree=DPReducer(self.exchange.groups.rounds))
+        return densities, report
 
-    def _planning_state(self) -> dict:
-        """The state plans are made from: latency calibration and sensitivities."""
-        return {"latency": self.latency.calibration_state() if self.latency else None,
-                "sensitivity": self.tracker.state_dict() if self.tracker else None}
-
-    def _state_basis(self) -> dict:
-        """``_planning_state`` as it is now, unchanged by later steps: its containers are built
-        fresh by ``calibration_state`` / ``state_dict`` and hold only numbers and strings, so no
-        deep copy is needed."""
-        return self._planning_state()
-
-    def _lagged_basis(self) -> "LaggedBasis":
-        """The state a draft starting now is planned from, without copying the tracker: its
-        latency calibration, and the number of tracker updates so far. A copy of the tracker
-        follows the live one up to the prepared step's basis (``_commit``), read only when a
-        checkpoint is saved (``ahead_basis``)."""
-        if self.tracker is not None and self._basis_tracker is None:
-            self._basis_tracker = type(self.tracker)(ema=self.tracker.ema,
-                                                     signal=self.tracker.signal)
-            self._basis_tracker.load_state_dict(self.tracker.state_dict())
-            self._basis_log, self._basis_mark = [], self._updates
-        return LaggedBasis(self.latency.calibration_state() if self.latency else None,
-                           self._updates)
-
-    def _advance_basis(self, basis) -> None:
-        """The tracker's copy brought to ``basis`` (a ``LaggedBasis`` being committed)."""
-        if not isinstance(basis, LaggedBasis) or self._basis_tracker is None:
-            return
-        n = basis.mark - self._basis_mark
-        if n < 0:
-            raise RuntimeError(f"plan-ahead basis at update {basis.mark} is older than the "
-                               f"tracker copy's ({self._basis_mark})")
-        for update in self._basis_log[:n]:
-            self._basis_tracker.update(*update)
-        del self._basis_log[:n]
-        self._basis_mark = basis.mark
-
-    def ahead_basis(self) -> Optional[dict]:
-        """The state the prepared step was planned from, as saved (``ahead_basis``), or None."""
-        basis = self._ready_basis
-        if isinstance(basis, LaggedBasis):
-            return {"latency": basis.latency,
-                    "sensitivity": None if self._basis_tracker is None
-                    else self._basis_tracker.state_dict()}
-        return basis
+    def _agreeing(self) -> bool:
+        return self.sb.dst_enabled and self.replay is None
 
     def _plan_ahead(self) -> None:
         """--sb-planner process/thread: start drafting the step after the prepared one, from
@@ -213,7 +166,7 @@ class StepPlanning:
         m, it = self._num_microbatches_next(step), step.iteration + 1
         basis = self._lagged_basis()
         if self.sb.planner == "thread":
-            self._planner = Planner(lambda: self._draft(it, m), basis)
+            self._planner = Planner(lambda: self._agreed(self._draft(it, m)), basis)
             return
         if not self._planner_up(it):
             self._planner = Drafted(self._draft(it, m), basis)
@@ -231,8 +184,9 @@ class StepPlanning:
         elif fault == "planner-kill-idle":
             self._process.kill()
         self._planner = self._process.submit(
-            it, first_bin, segments, m, with_dst=comm.rank() == 0,
-            latency_state=basis.latency, tracker_sync=self._tracker_sync(), basis=basis)
+            it, first_bin, segments, m, with_dst=False, latency_state=basis.latency,
+            tracker_sync=self._tracker_sync(), basis=basis,
+            agree=self._agree if self._agreeing() else None)
         if fault == "planner-kill-drafting":
             self._process.kill()
 
@@ -289,10 +243,20 @@ class StepPlanning:
         """The next step's draft made while this one trained (None: none was started). Where
         the planner process died or stalled, the training thread drafts the same step from the
         same inputs (the state the draft read has not changed since it was asked for), and the
-        rank goes on as ``_planner_failed`` says."""
+        rank goes on as ``_planner_failed`` says. Its DST is agreed before the step's end
+        changes that state (collective, where no planner thread agreed it already)."""
         planner, self._planner = self._planner, None
         if planner is None:
             return None
+        return self._agreed(self._joined(planner))
+
+    def _agreed(self, draft: Draft) -> Draft:
+        """``draft`` with its DST agreed (``_agree``) where it is not yet."""
+        if self._agreeing() and draft.agreed is None:
+            draft.agreed = self._agree(draft)
+        return draft
+
+    def _joined(self, planner) -> Draft:
         if not isinstance(planner, PendingDraft):
             return planner.result()
         waiting = f"waiting for the planner process (pid {planner.pid})"
@@ -351,33 +315,6 @@ class StepPlanning:
                               f"{step}'s draft (planner process pid {self._process.pid})")
                 return kind
         return None
-
-    def _tracker_sync(self):
-        """What brings the planner process's tracker to this one's: its whole state after a
-        load (or at the start), else the updates since the last draft, in order."""
-        if self.tracker is None:
-            return None
-        log, self._tracker_log = self._tracker_log, []
-        if not self._tracker_synced:
-            self._tracker_synced = True
-            return ("reset", self.tracker.state_dict())
-        return ("updates", log)
-
-    def _track(self, ids, lengths, values) -> None:
-        """Update the sensitivity tracker with a step's measurements (and log them for the
-        planner process's copy and the plan-ahead basis's)."""
-        self.tracker.update(ids, lengths, values)
-        self._updates += 1
-        if self._process is not None:
-            self._tracker_log.append((ids, lengths, values))
-        if self._basis_tracker is not None:
-            self._basis_log.append((ids, lengths, values))
-
-    def _tracker_loaded(self) -> None:
-        """The tracker's state was replaced (a resume): the next draft sends it whole, and the
-        basis's copy starts again from it."""
-        self._tracker_synced, self._tracker_log = False, []
-        self._basis_tracker, self._basis_log = None, []
 
     def close_planner(self) -> None:
         """End the planner process, if one runs (its exit also ends it)."""
