@@ -39,65 +39,57 @@ def py_sum(x, idx, lo, hi):
 
 
 @jit
-def _before(la, ra, lb, rb):
-    # (load a, rank a) < (load b, rank b), as Python compares the heap's tuples
-    return la < lb or (la == lb and ra < rb)
-
-
-@jit
-def _sift_up(load, rank, k):
-    while k > 0:
-        p = (k - 1) >> 1
-        if not _before(load[k], rank[k], load[p], rank[p]):
-            break
-        load[k], load[p] = load[p], load[k]
-        rank[k], rank[p] = rank[p], rank[k]
-        k = p
-
-
-@jit
-def _sift_down(load, rank, k, n):
-    while True:
-        a, b, m = 2 * k + 1, 2 * k + 2, k
-        if a < n and _before(load[a], rank[a], load[m], rank[m]):
-            m = a
-        if b < n and _before(load[b], rank[b], load[m], rank[m]):
-            m = b
-        if m == k:
-            return
-        load[k], load[m] = load[m], load[k]
-        rank[k], rank[m] = rank[m], rank[k]
-        k = m
+def _replay(key, rank, leaf, value):
+    # a winner tree (node k: the (load, rank) that wins its subtree, k's children 2k, 2k + 1):
+    # ``leaf`` set to ``value``, the winners on its path to the root replayed against their
+    # siblings, ties to the lower rank (as Python compares (load, rank) tuples)
+    k = leaf
+    wk, wr = value, rank[leaf]
+    key[k] = wk
+    while k > 1:
+        sk, sr = key[k ^ 1], rank[k ^ 1]
+        if sk < wk or (sk == wk and sr < wr):
+            wk, wr = sk, sr
+        k >>= 1
+        key[k], rank[k] = wk, wr
 
 
 @jit
 def lpt_pass(cost, size, order, dp, cap, rank_of):
-    # items in ``order`` to the least loaded rank with token room; False if one fits nowhere
+    # items in ``order`` to the least loaded rank with token room (ties to the lower rank);
+    # False if one fits nowhere. The ranks' (load, rank) in a winner tree: an item costs one
+    # path of log2(dp) comparisons; a rank without room for it leaves (its load infinite)
+    # until the item is placed
+    leaves = 1
+    while leaves < dp:
+        leaves <<= 1
+    key = np.full(2 * leaves, np.inf)          # padding leaves never win over a rank
+    rank = np.empty(2 * leaves, dtype=np.int64)
+    for k in range(leaves):
+        rank[leaves + k] = k
+    for k in range(dp):
+        _replay(key, rank, leaves + k, 0.0)
     load = np.zeros(dp)
-    rank = np.arange(dp)
     used = np.zeros(dp, dtype=np.int64)
-    skip_l = np.empty(dp)
-    skip_r = np.empty(dp, dtype=np.int64)
-    n = dp
+    skip = np.empty(dp, dtype=np.int64)
     for i in order:
+        c, z = cost[i], size[i]
         k = 0
-        while n > 0 and used[rank[0]] + size[i] > cap:      # pop the ranks without room
-            skip_l[k], skip_r[k] = load[0], rank[0]
+        while True:
+            r = rank[1]
+            if key[1] == np.inf:                        # no rank left with room
+                return False
+            if used[r] + z <= cap:
+                break
+            skip[k] = r                                 # a rank without room leaves the tree
             k += 1
-            n -= 1
-            load[0], rank[0] = load[n], rank[n]
-            _sift_down(load, rank, 0, n)
-        if n == 0:
-            return False
-        r = rank[0]
+            _replay(key, rank, leaves + r, np.inf)
         rank_of[i] = r
-        used[r] += size[i]
-        load[0] = load[0] + cost[i]
-        _sift_down(load, rank, 0, n)
-        for j in range(k):                                   # and put them back
-            load[n], rank[n] = skip_l[j], skip_r[j]
-            _sift_up(load, rank, n)
-            n += 1
+        used[r] += z
+        load[r] = load[r] + c
+        _replay(key, rank, leaves + r, load[r])
+        for j in range(k):                              # and comes back
+            _replay(key, rank, leaves + skip[j], load[skip[j]])
     return True
 
 
