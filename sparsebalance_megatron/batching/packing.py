@@ -141,10 +141,13 @@ def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, co
     """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
     ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
     if indices:
-        get, cost_l = segs.__getitem__, cost.tolist()
+        get = segs.__getitem__
         mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
-        rank_cost = np.asarray([sum(map(cost_l.__getitem__, chain.from_iterable(rank)))
-                                for rank in mbs_idx_or_segs])
+        counts = [sum(map(len, rank)) for rank in mbs_idx_or_segs]
+        items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
+                            dtype=np.int64, count=sum(counts))
+        # every rank's sum() of its segments' costs in slot order, compiled (py_sum)
+        rank_cost = kernels.packing.run_sums(cost, items, np.r_[0, np.cumsum(counts)])
         plan = BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
         return plan if arr is None else plan.primed_bins(mbs_idx_or_segs, arr)
     mbs = mbs_idx_or_segs

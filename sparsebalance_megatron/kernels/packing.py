@@ -17,7 +17,7 @@ import numpy as np
 
 from . import f64, i64, jit
 
-__all__ = ["lpt_ranks", "py_sum", "rank_bins", "sequential_starts"]
+__all__ = ["lpt_ranks", "py_sum", "rank_bins", "run_sums", "sequential_starts"]
 
 
 @jit
@@ -36,6 +36,13 @@ def py_sum(x, idx, lo, hi):
     if c != 0.0 and abs(c) < np.inf:
         return s + c
     return s
+
+
+@jit
+def run_sums_pass(x, idx, offsets, out):
+    # every run's py_sum: out[r] = sum of x[idx[offsets[r]:offsets[r + 1]]]
+    for r in range(out.size):
+        out[r] = py_sum(x, idx, offsets[r], offsets[r + 1])
 
 
 @jit
@@ -72,8 +79,12 @@ def lpt_pass(cost, size, order, dp, cap, rank_of):
     load = np.zeros(dp)
     used = np.zeros(dp, dtype=np.int64)
     skip = np.empty(dp, dtype=np.int64)
-    for i in order:
-        c, z = cost[i], size[i]
+    n = order.size
+    co, zo, to = np.empty(n), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for j in range(n):                # gathered first: the loop below reads them in order
+        co[j], zo[j] = cost[order[j]], size[order[j]]
+    for j in range(n):
+        c, z = co[j], zo[j]
         k = 0
         while True:
             r = rank[1]
@@ -84,12 +95,14 @@ def lpt_pass(cost, size, order, dp, cap, rank_of):
             skip[k] = r                                 # a rank without room leaves the tree
             k += 1
             _replay(key, rank, leaves + r, np.inf)
-        rank_of[i] = r
+        to[j] = r
         used[r] += z
         load[r] = load[r] + c
         _replay(key, rank, leaves + r, load[r])
-        for j in range(k):                              # and comes back
-            _replay(key, rank, leaves + skip[j], load[skip[j]])
+        for q in skip[:k]:                              # and come back
+            _replay(key, rank, leaves + q, load[q])
+    for j in range(n):
+        rank_of[order[j]] = to[j]
     return True
 
 
@@ -208,6 +221,13 @@ def slot_order(c: np.ndarray) -> list:
     return out.tolist()
 
 
+def run_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """[k] ``sum(x[idx[offsets[r]:offsets[r + 1]]].tolist())`` of every run r (``py_sum``)."""
+    out = np.empty(offsets.size - 1)
+    run_sums_pass(f64(x), i64(idx), i64(offsets), out)
+    return out
+
+
 def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
               cap_tokens: int):
     """The LPT's rank of every item [n] (``lpt_pass``), or None where one fits nowhere."""
@@ -238,3 +258,4 @@ def warm_up() -> None:
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
     slot_order(np.ones(3))
+    run_sums(one, np.arange(2), np.array([0, 1, 2]))
