@@ -35,9 +35,8 @@ import numpy as np
 
 from ..data.packing import check_bin_count, sequential_pack
 from .. import kernels
-from .plan import (BatchingError, BatchPlan, as_segment_array, as_segments, check_fits,
-                   check_long_sample_policy, check_shape_args,
-                   split_long)
+from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, as_segments,
+                   check_fits, check_long_sample_policy, check_shape_args, split_long)
 from .assignment import SABAssignment, sensitivity_key
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
@@ -48,7 +47,10 @@ CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] secon
 def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
     """(segments, their sizes [n] int64, samples split, the segments' [n, 3] array), checked."""
     check_shape_args(dp, m, max_tokens)
-    segs, arr = as_segment_array(samples)
+    if type(samples) is CheckedSegments:     # checked once for the step, only read here
+        segs, arr = samples, samples.array
+    else:
+        segs, arr = as_segment_array(samples)
     if not segs:
         raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
     check_long_sample_policy(long_sample_policy)
