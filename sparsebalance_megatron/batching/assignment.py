@@ -23,6 +23,7 @@ Pure numpy (and ``kernels``); must not import torch, megatron or torch.distribut
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Callable, Optional
@@ -31,7 +32,7 @@ import numpy as np
 
 from .. import kernels
 from .latency_cost import LatencyCost, distinct_lengths
-from .plan import BatchPlan, padded_lengths, seeded_order
+from .plan import BatchingError, BatchPlan, finish_plan, padded_lengths, seeded_order
 from . import slots as slot_search
 
 
@@ -162,9 +163,8 @@ class SABAssignment:
         return np.ones((ranks.size, self.cost_fn.num_stages)) if sc is None else sc[ranks]
 
     def fallback_bins(self) -> list:
-        """[dp][m] the sequential bins assigned by cost (``packing.fallback_bins``), once."""
+        """[dp][m] the sequential bins assigned by cost (``fallback_bins``), once."""
         if self._fallback is None:
-            from .packing import fallback_bins
             self._fallback = fallback_bins(self.sizes, self.cost, self.dp, self.m,
                                            self.max_tokens)
         return self._fallback
@@ -198,8 +198,6 @@ class SABAssignment:
 
     def rank_plan(self, mine: RankUnits, agreed: Agreement, method: str = "sab") -> BatchPlan:
         """The micro-batches of ``mine``'s ranks (one: a rank's own) after the agreement."""
-        from .packing import finish_plan
-
         return finish_plan(self._rows(mine, agreed), method, self.max_tokens, self.n_split,
                            agreed.fallback, self.segs, self.cost, indices=True,
                            arr=self.arr).with_length_multiple(self.length_multiple)
@@ -214,8 +212,6 @@ def _cut(by_rank, starts, sizes, cost, m: int, max_tokens: int, balance: bool):
     """Each rank's items (a run of ``by_rank`` from ``starts``) cut into m contiguous bins in
     slot order (``kernels.packing.rank_bins``); a rank whose cuts do not fit takes the
     first-fit-decreasing bins. None if some rank does not fit."""
-    from .packing import first_fit_decreasing, order_slots
-
     k = starts.size - 1
     bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m,
                                                     max_tokens, balance)
@@ -235,6 +231,49 @@ def _cut(by_rank, starts, sizes, cost, m: int, max_tokens: int, balance: bool):
         u = r * m
         out.append([items[cut[u + j]:cut[u + j + 1]] for j in slots[r]])
     return out
+
+
+def first_fit_decreasing(items, size, m, cap) -> Optional[list]:
+    bins, free = [[] for _ in range(m)], [cap] * m
+    for i in sorted(items, key=lambda i: -size[i]):
+        for b in range(m):
+            if free[b] >= size[i]:
+                bins[b].append(i)
+                free[b] -= size[i]
+                break
+        else:
+            return None
+    return bins
+
+
+def order_slots(bins, cost) -> list:
+    """Cheapest bin to the first slot, second cheapest to the last: they bound 1F1B's fill and
+    drain (``kernels.packing.slot_order``). The others keep their order."""
+    c = np.array([sum(map(cost.__getitem__, b)) for b in bins])
+    return [bins[j] for j in kernels.packing.slot_order(c)]
+
+
+def fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
+    """[dp][m] lists of segment indices: the sequential bins (``packing.sequential_plan``'s:
+    they fit whenever the baseline fits) assigned to ranks by LPT on cost, exactly m bins per
+    rank, each rank's in ``order_slots``."""
+    starts = kernels.packing.sequential_starts(sizes, max_tokens)
+    bins = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [sizes.size])]
+    if len(bins) > dp * m:
+        raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
+                            f"{max_tokens} tokens even packed in order; expected at most "
+                            f"dp x m = {dp * m}")
+    bins += [[] for _ in range(dp * m - len(bins))]
+    bcost = [sum(cost[i] for i in b) for b in bins]
+    heap = [(0.0, r) for r in range(dp)]
+    per_rank = [[] for _ in range(dp)]
+    for j in sorted(range(len(bins)), key=lambda j: (-bcost[j], j)):
+        load, r = heapq.heappop(heap)
+        per_rank[r].append(bins[j])
+        if len(per_rank[r]) < m:
+            heapq.heappush(heap, (load + bcost[j], r))
+    cost_l = cost.tolist()
+    return [order_slots(b, cost_l) for b in per_rank]
 
 
 def sensitivity_key(sensitivity) -> Callable:

@@ -18,7 +18,9 @@ All three take the segments of one global batch and return a ``BatchPlan`` with
   runs: with a latency model's cost (``latency_sample_cost_fn``) the slots are chosen on the
   simulated pipeline of the run's layout, and whole micro-batches may swap ranks
   (``batching.slots``); without one, the cheapest micro-batches take the first and last slots,
-  which open and close the 1F1B pipeline.
+  which open and close the 1F1B pipeline. ``sab_assignment`` stops before the packing: the
+  assignment every rank computes alike, from which a rank packs its own micro-batches only
+  (``batching.assignment``).
 
 Determinism: ties in cost are broken by a permutation drawn from ``seed``; no other randomness.
 
@@ -27,17 +29,16 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-import heapq
-from itertools import chain
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..data.packing import check_bin_count, sequential_pack
 from .. import kernels
-from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, as_segments,
-                   check_fits, check_long_sample_policy, check_shape_args, split_long)
 from .assignment import SABAssignment, sensitivity_key
+from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, as_segments,
+                   check_fits, check_long_sample_policy, check_shape_args, finish_plan,
+                   split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -118,48 +119,6 @@ def _fill_starts(sizes: np.ndarray, cap: int) -> list:
     return kernels.packing.sequential_starts(sizes, cap)
 
 
-def first_fit_decreasing(items, size, m, cap) -> Optional[list]:
-    bins, free = [[] for _ in range(m)], [cap] * m
-    for i in sorted(items, key=lambda i: -size[i]):
-        for b in range(m):
-            if free[b] >= size[i]:
-                bins[b].append(i)
-                free[b] -= size[i]
-                break
-        else:
-            return None
-    return bins
-
-
-def order_slots(bins, cost) -> list:
-    """Cheapest bin to the first slot, second cheapest to the last: they bound 1F1B's fill and
-    drain (``kernels.packing.slot_order``). The others keep their order."""
-    c = np.array([sum(map(cost.__getitem__, b)) for b in bins])
-    return [bins[j] for j in kernels.packing.slot_order(c)]
-
-
-def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
-                indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
-    """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
-    ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
-    if indices:
-        get = segs.__getitem__
-        mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
-        counts = [sum(map(len, rank)) for rank in mbs_idx_or_segs]
-        items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
-                            dtype=np.int64, count=sum(counts))
-        # every rank's sum() of its segments' costs in slot order, compiled (py_sum)
-        rank_cost = kernels.packing.run_sums(cost, items, np.r_[0, np.cumsum(counts)])
-        plan = BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
-        return plan if arr is None else plan.primed_bins(mbs_idx_or_segs, arr)
-    mbs = mbs_idx_or_segs
-    # a segment's cost at its first position, as numpy scalars: sum() adds those one by one
-    # (Python floats it would sum compensated, another rounding)
-    first = dict(zip(reversed(segs), reversed(list(cost))))
-    rank_cost = np.asarray([sum(map(first.__getitem__, chain.from_iterable(rank))) for rank in mbs])
-    return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
-
-
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                         long_sample_policy: str = "split", seed: int = 0,
                         cost_fn: Optional[CostFn] = None) -> BatchPlan:
@@ -216,28 +175,6 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                          m=num_microbatches, max_tokens=max_tokens, seed=seed,
                          key=sensitivity_key(sensitivity), cost_fn=cost_fn, arrange=arrange,
                          length_multiple=length_multiple)
-
-
-def fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
-    """Sequential bins (they fit whenever the baseline fits), assigned to ranks by LPT on cost
-    with exactly m bins per rank."""
-    starts = _fill_starts(sizes, max_tokens)
-    bins = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [sizes.size])]
-    if len(bins) > dp * m:
-        raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
-                            f"{max_tokens} tokens even packed in order; expected at most "
-                            f"dp x m = {dp * m}")
-    bins += [[] for _ in range(dp * m - len(bins))]
-    bcost = [sum(cost[i] for i in b) for b in bins]
-    heap = [(0.0, r) for r in range(dp)]
-    per_rank = [[] for _ in range(dp)]
-    for j in sorted(range(len(bins)), key=lambda j: (-bcost[j], j)):
-        load, r = heapq.heappop(heap)
-        per_rank[r].append(bins[j])
-        if len(per_rank[r]) < m:
-            heapq.heappush(heap, (load + bcost[j], r))
-    cost_l = cost.tolist()
-    return [order_slots(b, cost_l) for b in per_rank]
 
 
 def _merged(ranges):

@@ -4,7 +4,7 @@ contiguous micro-batches, the micro-batches' slots (the cheapest two first and l
 baseline's sequential fill (``sequential_starts``, ``data.packing.sequential_bins``).
 
 Every sum of costs is CPython's ``sum()`` of floats (3.12+: Neumaier's compensated sum,
-``py_sum``), so the Python fallbacks around them (``packing._first_fit_decreasing``'s bins, the
+``py_sum``), so the Python fallbacks around them (``assignment.first_fit_decreasing``'s bins, the
 sequential bins' slots) weigh bins as these do. A rank whose contiguous cuts do not fit is left
 to the first-fit-decreasing fallback.
 
