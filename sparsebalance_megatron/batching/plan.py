@@ -169,7 +169,7 @@ def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, co
         items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
                             dtype=np.int64, count=sum(counts))
         # every rank's sum() of its segments' costs in slot order, compiled (py_sum)
-        rank_cost = kernels.packing.run_sums(cost, items, np.r_[0, np.cumsum(counts)])
+        rank_cost = kernels.packing.py_sums(cost, items, np.r_[0, np.cumsum(counts)])
         plan = BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
         return plan if arr is None else plan.primed_bins(mbs_idx_or_segs, arr)
     mbs = mbs_idx_or_segs

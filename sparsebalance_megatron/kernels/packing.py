@@ -17,7 +17,7 @@ import numpy as np
 
 from . import f64, i64, jit
 
-__all__ = ["lpt_ranks", "py_sum", "rank_bins", "run_sums", "sequential_starts"]
+__all__ = ["lpt_ranks", "py_sum", "py_sums", "rank_bins", "sequential_starts"]
 
 
 @jit
@@ -39,7 +39,7 @@ def py_sum(x, idx, lo, hi):
 
 
 @jit
-def run_sums_pass(x, idx, offsets, out):
+def py_sums_pass(x, idx, offsets, out):
     # every run's py_sum: out[r] = sum of x[idx[offsets[r]:offsets[r + 1]]]
     for r in range(out.size):
         out[r] = py_sum(x, idx, offsets[r], offsets[r + 1])
@@ -221,10 +221,10 @@ def slot_order(c: np.ndarray) -> list:
     return out.tolist()
 
 
-def run_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """[k] ``sum(x[idx[offsets[r]:offsets[r + 1]]].tolist())`` of every run r (``py_sum``)."""
     out = np.empty(offsets.size - 1)
-    run_sums_pass(f64(x), i64(idx), i64(offsets), out)
+    py_sums_pass(f64(x), i64(idx), i64(offsets), out)
     return out
 
 
@@ -258,4 +258,4 @@ def warm_up() -> None:
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
     slot_order(np.ones(3))
-    run_sums(one, np.arange(2), np.array([0, 1, 2]))
+    py_sums(one, np.arange(2), np.array([0, 1, 2]))

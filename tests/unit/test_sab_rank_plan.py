@@ -108,3 +108,16 @@ def test_the_radix_cost_key_sorts_as_minus_cost():
         key = descending_key(cost, sizes)
         tie = rng.permutation(500)
         np.testing.assert_array_equal(np.lexsort((tie, key)), np.lexsort((tie, -cost)))
+
+
+def test_run_sums_are_pythons_sum_of_each_run():
+    """``kernels.packing.py_sums`` (a plan's rank costs): each run's sum() of floats."""
+    from sparsebalance_megatron.kernels.packing import py_sums
+
+    rng = np.random.default_rng(2)
+    x = rng.random(300) * 10.0 ** rng.integers(-8, 8, 300)
+    idx = rng.permutation(300)
+    offsets = np.r_[0, np.sort(rng.integers(0, 301, 12)), 300]
+    got = py_sums(x, idx, offsets)
+    want = [sum(x[idx[a:b]].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert got.tolist() == want
