@@ -186,8 +186,7 @@ class SABAssignment:
             return mine.bins
         m, c = self.m, agreed.candidates
         found, _ = slot_search.search(c.ranks, c.fwd_s, c.bwd_s, c.slots, c.span_s,
-                                      self._scale(c.ranks), self.cost_fn.p2p_s, self.cost_fn.pp,
-                                      self.dp)
+                                      self._scale(c.ranks), self.cost_fn.p2p_s, self.cost_fn.pp)
         ids = mine.ranks[:, None] * m + mine.slots
         pos = np.minimum(np.searchsorted(c.ranks, mine.ranks), c.ranks.size - 1)
         hit = c.ranks[pos] == mine.ranks

@@ -16,7 +16,9 @@ use):
    micro-batches swapped with a lighter one of the least loaded ranks (any micro-batch fits any
    slot: each holds at most ``--seq-length`` tokens); the move that lowers the larger makespan
    of the ranks it touches the most is taken, until none lowers the critical rank's by
-   ``MIN_GAIN`` (or ``ROUNDS`` rounds).
+   ``MIN_GAIN`` (or ``ROUNDS`` rounds). It reads only the micro-batches of the ranks it can
+   touch in so many rounds (``candidates``: the extreme makespans), so a rank that packs its
+   own micro-batches needs no other's but theirs (``batching.assignment``).
 
 Micro-batches move whole: what each holds (SAB's sensitivity groups) does not change, every
 segment stays in exactly one micro-batch, and the result is a pure function of the costs (ties to
@@ -76,8 +78,7 @@ def arrange_slots(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None, *,
     slots, span = seed_slots(f, b, p2p_s, pp, sc)
     slots += np.arange(dp)[:, None] * m
     c = candidates(span, rounds)
-    slots[c], span[c] = search(c, f[c], b[c], slots[c] % m, span[c], sc[c], p2p_s, pp, dp,
-                               rounds)
+    slots[c], span[c] = search(c, f[c], b[c], slots[c] % m, span[c], sc[c], p2p_s, pp, rounds)
     return slots, span
 
 
@@ -116,9 +117,9 @@ def candidates(span: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
 
 
 def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
-           span: np.ndarray, sc: np.ndarray, p2p_s: float, pp: Optional[int], dp: int,
+           span: np.ndarray, sc: np.ndarray, p2p_s: float, pp: Optional[int],
            rounds: int = ROUNDS) -> tuple[np.ndarray, np.ndarray]:
-    """The local search among ``ranks`` (``candidates``, ascending, of ``dp``): f, b [k, m,
+    """The local search among ``ranks`` (``candidates``, ascending): f, b [k, m,
     stages] their own micro-batches' seconds, slots [k, m] their seed slots (indices into
     their own), span [k], sc [k, stages]. Returns (the micro-batch of each (rank, slot) as
     an index into all dp * m, rank-major; makespans [k])."""

@@ -87,10 +87,10 @@ def test_the_search_over_the_candidates_is_the_search_over_every_rank():
         if case % 3 == 0:                          # ties among the makespans
             span[rng.integers(0, dp, dp // 2)] = span[0]
         every = np.arange(dp)
-        want, want_span = search(every, f, b, seeds, span, sc, 0.0, None, dp)
+        want, want_span = search(every, f, b, seeds, span, sc, 0.0, None)
         c = candidates(span)
         assert c.size < dp
-        got, got_span = search(c, f[c], b[c], seeds[c], span[c], sc[c], 0.0, None, dp)
+        got, got_span = search(c, f[c], b[c], seeds[c], span[c], sc[c], 0.0, None)
         rest = np.setdiff1d(every, c)
         np.testing.assert_array_equal(got, want[c])
         np.testing.assert_array_equal(got_span, want_span[c])
