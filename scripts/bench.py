@@ -33,6 +33,8 @@ STUDIES = {
     "dst_decomposed": ("DST planned per DP rank (agreed anchor and step) against the central "
                        "plan: predicted steps, densities, a rank's CPU", "BENCHMARKS.md control "
                        "plane"),
+    "sab_ranks": ("SAB's packing per DP rank: every rank's micro-batches against a rank's own "
+                  "only, by phase, DP 512 to 4,096 (thread CPU)", "BENCHMARKS.md control plane"),
     "plugin_cost": ("the plugin's own per-step cost as the simulator charges it, by part and "
                     "planner form", "BENCHMARKS.md headline (net figures)"),
     "hybrid_cp": ("Megatron's hybrid-CP scheduler against a2a CP + SAB/DST (simulated)",

@@ -62,8 +62,22 @@ class LatencyCost:
                                                                % self.pp]
 
     def __call__(self, lengths: np.ndarray) -> np.ndarray:
-        f, b = self.stage_costs(lengths)
-        return (f + b).sum(axis=1)
+        L = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        distinct, at = distinct_lengths(L)          # a step's 10^5 segments: 10^3 lengths
+        f, b = self.stage_costs(distinct)
+        return (f + b).sum(axis=1)[at]
+
+
+def distinct_lengths(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values of the lengths ``L`` ascending, each length's index into them):
+    ``np.unique(L, return_inverse=True)``, through a table of every length up to the longest
+    where that is not much longer than ``L`` (no sort)."""
+    if L.size == 0 or L.min() < 0 or L.max() > 4 * L.size + 65536:
+        return np.unique(L, return_inverse=True)
+    seen = np.zeros(int(L.max()) + 1, dtype=bool)
+    seen[L] = True
+    distinct = np.flatnonzero(seen)
+    return distinct, (np.cumsum(seen) - 1)[L]
 
 
 def latency_sample_cost_fn(model, density: float) -> LatencyCost:

@@ -18,7 +18,9 @@ All three take the segments of one global batch and return a ``BatchPlan`` with
   runs: with a latency model's cost (``latency_sample_cost_fn``) the slots are chosen on the
   simulated pipeline of the run's layout, and whole micro-batches may swap ranks
   (``batching.slots``); without one, the cheapest micro-batches take the first and last slots,
-  which open and close the 1F1B pipeline.
+  which open and close the 1F1B pipeline. ``sab_assignment`` stops before the packing: the
+  assignment every rank computes alike, from which a rank packs its own micro-batches only
+  (``batching.assignment``).
 
 Determinism: ties in cost are broken by a permutation drawn from ``seed``; no other randomness.
 
@@ -27,16 +29,15 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-import heapq
-from itertools import chain
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..data.packing import check_bin_count, sequential_pack
 from .. import kernels
-from .plan import (BatchingError, BatchPlan, as_segment_array, as_segments, check_fits,
-                   check_long_sample_policy, check_shape_args, padded_lengths, seeded_order,
+from .assignment import SABAssignment, sensitivity_key
+from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, as_segments,
+                   check_fits, check_long_sample_policy, check_shape_args, finish_plan,
                    split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
@@ -47,7 +48,10 @@ CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] secon
 def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
     """(segments, their sizes [n] int64, samples split, the segments' [n, 3] array), checked."""
     check_shape_args(dp, m, max_tokens)
-    segs, arr = as_segment_array(samples)
+    if type(samples) is CheckedSegments:     # checked once for the step, only read here
+        segs, arr = samples, samples.array
+    else:
+        segs, arr = as_segment_array(samples)
     if not segs:
         raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
     check_long_sample_policy(long_sample_policy)
@@ -115,76 +119,6 @@ def _fill_starts(sizes: np.ndarray, cap: int) -> list:
     return kernels.packing.sequential_starts(sizes, cap)
 
 
-def _first_fit_decreasing(items, size, m, cap) -> Optional[list]:
-    bins, free = [[] for _ in range(m)], [cap] * m
-    for i in sorted(items, key=lambda i: -size[i]):
-        for b in range(m):
-            if free[b] >= size[i]:
-                bins[b].append(i)
-                free[b] -= size[i]
-                break
-        else:
-            return None
-    return bins
-
-
-def _order_slots(bins, cost) -> list:
-    """Cheapest bin to the first slot, second cheapest to the last: they bound 1F1B's fill and
-    drain (``kernels.packing.slot_order``). The others keep their order."""
-    c = np.array([sum(map(cost.__getitem__, b)) for b in bins])
-    return [bins[j] for j in kernels.packing.slot_order(c)]
-
-
-def _balanced(sizes, cost, key, dp, m, max_tokens, seed, balance_bins=True):
-    """LPT of segments (sizes [n]) over ranks by ``cost``, then each rank's segments sorted by
-    ``key`` and cut into m contiguous bins (``kernels.packing``); a rank whose cuts do not fit
-    takes the first-fit-decreasing bins. None if some rank does not fit."""
-    tie = np.random.default_rng(seed).permutation(sizes.size)
-    order = seeded_order(tie, -cost)                   # cost descending, seeded ties
-    rank_of = kernels.packing.lpt_ranks(cost, sizes, order, dp, m * max_tokens)
-    if rank_of is None:
-        return None
-    by_rank = seeded_order(tie, key, rank_of)          # by rank, key, seeded ties
-    starts = np.r_[0, np.cumsum(np.bincount(rank_of, minlength=dp))]
-    bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m,
-                                                    max_tokens, balance_bins)
-    # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends
-    cut = np.r_[0, np.cumsum(np.bincount(np.repeat(np.arange(dp), np.diff(starts)) * m
-                                         + bin_of, minlength=dp * m))].tolist()
-    items, slots, starts = by_rank.tolist(), slot_of.tolist(), starts.tolist()
-    size, cost_l = sizes.tolist(), cost.tolist()
-    out = []
-    for r in range(dp):
-        if not ok[r]:
-            bins = _first_fit_decreasing(items[starts[r]:starts[r + 1]], size, m, max_tokens)
-            if bins is None:
-                return None
-            out.append(_order_slots(bins, cost_l))
-            continue
-        u = r * m
-        out.append([items[cut[u + j]:cut[u + j + 1]] for j in slots[r]])
-    return out
-
-
-def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
-                indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
-    """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
-    ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
-    if indices:
-        get, cost_l = segs.__getitem__, cost.tolist()
-        mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
-        rank_cost = np.asarray([sum(map(cost_l.__getitem__, chain.from_iterable(rank)))
-                                for rank in mbs_idx_or_segs])
-        plan = BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
-        return plan if arr is None else plan.primed_bins(mbs_idx_or_segs, arr)
-    mbs = mbs_idx_or_segs
-    # a segment's cost at its first position, as numpy scalars: sum() adds those one by one
-    # (Python floats it would sum compensated, another rounding)
-    first = dict(zip(reversed(segs), reversed(list(cost))))
-    rank_cost = np.asarray([sum(map(first.__getitem__, chain.from_iterable(rank))) for rank in mbs])
-    return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
-
-
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                         long_sample_policy: str = "split", seed: int = 0,
                         cost_fn: Optional[CostFn] = None) -> BatchPlan:
@@ -192,7 +126,8 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
     tokens = sizes.astype(np.float64)
-    plan = _balanced(sizes, tokens, np.zeros(len(segs)), dp, num_microbatches, max_tokens, seed)
+    plan = SABAssignment(segs, arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
+                         max_tokens=max_tokens, seed=seed, key=np.zeros(len(segs))).units().bins
     cost = sample_costs(sizes, cost_fn)
     if plan is None:
         seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
@@ -219,66 +154,27 @@ def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     micro-batches between ranks on the simulated pipeline (``batching.slots``; False: cheapest
     micro-batches first and last, the others as cut).
     """
+    return sab_assignment(samples, dp=dp, num_microbatches=num_microbatches,
+                          max_tokens=max_tokens, cost_fn=cost_fn, sensitivity=sensitivity,
+                          long_sample_policy=long_sample_policy, seed=seed,
+                          length_multiple=length_multiple, arrange=arrange).plan()
+
+
+def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
+                   cost_fn: Optional[CostFn] = None,
+                   sensitivity: Optional[SensitivityTracker | Callable] = None,
+                   long_sample_policy: str = "split", seed: int = 0, length_multiple: int = 0,
+                   arrange: bool = True) -> SABAssignment:
+    """``sab_plan``'s assignment of the segments to the DP ranks, before any rank packs its
+    micro-batches (``assignment.SABAssignment``: ``plan()`` is ``sab_plan``'s plan; a rank's
+    own, ``rank_plan(units([r]), agreement)``). The arguments are ``sab_plan``'s; a callable
+    ``sensitivity`` must price each segment alone (a rank asks it of its own segments)."""
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
-    cost = sample_costs(sizes, cost_fn)
-    ids = [i for i, _, _ in segs]
-    lengths = sizes
-    tracker = sensitivity if sensitivity is not None else SensitivityTracker()
-    est = tracker.estimate if isinstance(tracker, SensitivityTracker) else tracker
-    sens = np.asarray(est(ids, lengths), dtype=np.float64).reshape(-1)
-    if sens.shape != (len(segs),):
-        raise ValueError(f"sensitivity returned {sens.shape}: expected one value per segment "
-                         f"({len(segs)})")
-    plan = _balanced(sizes, cost, sens, dp, num_microbatches, max_tokens, seed)
-    fallback = plan is None
-    if fallback:
-        plan = _fallback_bins(sizes, cost, dp, num_microbatches, max_tokens)
-    if arrange and isinstance(cost_fn, LatencyCost):
-        plan = _arranged(plan, cost_fn, sizes, max_tokens, length_multiple)
-    return finish_plan(plan, "sab", max_tokens, n_split, fallback, segs, cost, indices=True,
-                   arr=arr).with_length_multiple(length_multiple)
-
-
-def _arranged(per_rank, cost_fn: LatencyCost, sizes, max_tokens: int,
-              length_multiple: int) -> list:
-    """``per_rank`` ([dp][m] bins of segment indices) in the slots ``slots.arrange_slots``
-    chooses on the latency model's per-stage costs of the packed micro-batches."""
-    from .slots import arrange_slots
-
-    dp, m = len(per_rank), len(per_rank[0])
-    bins = [b for rank in per_rank for b in rank]
-    counts = np.fromiter(map(len, bins), dtype=np.int64, count=dp * m)
-    lengths = sizes[np.fromiter(chain.from_iterable(bins), dtype=np.int64,
-                                count=int(counts.sum()))]
-    lengths, counts = padded_lengths(lengths, counts, max_tokens, length_multiple)
-    f, b = cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
-    nv = f.shape[1]
-    src, _ = arrange_slots(f.reshape(dp, m, nv), b.reshape(dp, m, nv), cost_fn.p2p_s,
-                           pp=cost_fn.pp, scale=cost_fn.scale(dp))
-    return [[bins[u] for u in row] for row in src.tolist()]
-
-
-def _fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
-    """Sequential bins (they fit whenever the baseline fits), assigned to ranks by LPT on cost
-    with exactly m bins per rank."""
-    starts = _fill_starts(sizes, max_tokens)
-    bins = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [sizes.size])]
-    if len(bins) > dp * m:
-        raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
-                            f"{max_tokens} tokens even packed in order; expected at most "
-                            f"dp x m = {dp * m}")
-    bins += [[] for _ in range(dp * m - len(bins))]
-    bcost = [sum(cost[i] for i in b) for b in bins]
-    heap = [(0.0, r) for r in range(dp)]
-    per_rank = [[] for _ in range(dp)]
-    for j in sorted(range(len(bins)), key=lambda j: (-bcost[j], j)):
-        load, r = heapq.heappop(heap)
-        per_rank[r].append(bins[j])
-        if len(per_rank[r]) < m:
-            heapq.heappush(heap, (load + bcost[j], r))
-    cost_l = cost.tolist()
-    return [_order_slots(b, cost_l) for b in per_rank]
+    return SABAssignment(segs, arr, sizes, n_split, sample_costs(sizes, cost_fn), dp=dp,
+                         m=num_microbatches, max_tokens=max_tokens, seed=seed,
+                         key=sensitivity_key(sensitivity), cost_fn=cost_fn, arrange=arrange,
+                         length_multiple=length_multiple)
 
 
 def _merged(ranges):

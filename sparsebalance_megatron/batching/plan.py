@@ -11,17 +11,18 @@ documents: positions of the document + EOD, see ``data/packing.py``). A micro-ba
 Also here: splitting samples longer than ``max_tokens`` (``long_sample_policy``) and the checks
 every planner shares.
 
-Pure Python + numpy; must not import torch, megatron or torch.distributed.
+Pure Python + numpy (and ``kernels``); must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
+from .. import kernels
 from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
 
 
@@ -155,6 +156,28 @@ class BatchPlan:
                                count=3 * n)
             self._cache["segments"] = flat.reshape(n, 3)
         return self._cache["segments"]
+
+
+def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
+                indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
+    """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
+    ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
+    if indices:
+        get = segs.__getitem__
+        mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
+        counts = [sum(map(len, rank)) for rank in mbs_idx_or_segs]
+        items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
+                            dtype=np.int64, count=sum(counts))
+        # every rank's sum() of its segments' costs in slot order, compiled (py_sum)
+        rank_cost = kernels.packing.py_sums(cost, items, np.r_[0, np.cumsum(counts)])
+        plan = BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
+        return plan if arr is None else plan.primed_bins(mbs_idx_or_segs, arr)
+    mbs = mbs_idx_or_segs
+    # a segment's cost at its first position, as numpy scalars: sum() adds those one by one
+    # (Python floats it would sum compensated, another rounding)
+    first = dict(zip(reversed(segs), reversed(list(cost))))
+    rank_cost = np.asarray([sum(map(first.__getitem__, chain.from_iterable(rank))) for rank in mbs])
+    return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
 
 
 _UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding

@@ -16,7 +16,9 @@ use):
    micro-batches swapped with a lighter one of the least loaded ranks (any micro-batch fits any
    slot: each holds at most ``--seq-length`` tokens); the move that lowers the larger makespan
    of the ranks it touches the most is taken, until none lowers the critical rank's by
-   ``MIN_GAIN`` (or ``ROUNDS`` rounds).
+   ``MIN_GAIN`` (or ``ROUNDS`` rounds). It reads only the micro-batches of the ranks it can
+   touch in so many rounds (``candidates``: the extreme makespans), so a rank that packs its
+   own micro-batches needs no other's but theirs (``batching.assignment``).
 
 Micro-batches move whole: what each holds (SAB's sensitivity groups) does not change, every
 segment stays in exactly one micro-batch, and the result is a pure function of the costs (ties to
@@ -67,31 +69,70 @@ def arrange_slots(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None, *,
     every rank's predicted makespan with them. fwd_s, bwd_s: [dp, m, stages] seconds as
     packed; pp: pipeline ranks when the stages are the interleaved schedule's virtual stages;
     scale: [dp, stages] factor of each rank's times (the calibration's; a micro-batch moved to
-    another rank takes that rank's factor)."""
+    another rank takes that rank's factor). The seed orders are every rank's own
+    (``seed_slots``); the search reads only the ``candidates``' micro-batches."""
     f = np.asarray(fwd_s, dtype=np.float64)
     b = np.asarray(bwd_s, dtype=np.float64)
     dp, m, nv = f.shape
-    fu, bu = f.reshape(dp * m, nv), b.reshape(dp * m, nv)
     sc = np.ones((dp, nv)) if scale is None else np.asarray(scale, dtype=np.float64)
-    cost = (fu + bu).sum(axis=1)                              # [dp * m] a micro-batch's weight
-
-    def makespans(rows: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-        s = sc[ranks][:, None, :]
-        return pipeline_makespan_s(fu[rows] * s, bu[rows] * s, p2p_s, pp=pp)
-
-    own = np.arange(dp * m).reshape(dp, m)
-    seeds = np.take_along_axis(own[:, None, :], _seed_orders(cost[own]), axis=2)  # [dp, k, m]
-    k = seeds.shape[1]
-    t = makespans(seeds.reshape(dp * k, m), np.repeat(np.arange(dp), k)).reshape(dp, k)
-    pick = t.argmin(axis=1)
-    slots = seeds[np.arange(dp), pick].copy()                 # [dp, m]
-    span = t[np.arange(dp), pick]
-    if m < 2 and dp < 2:
-        return slots, span
-    ranks = nv if pp is None else pp
-    kernels.slots.search(event_graph(m, ranks, nv // ranks).record(p2p_s), fu, bu, sc, cost,
-                         slots, span, _moves(m), (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
+    slots, span = seed_slots(f, b, p2p_s, pp, sc)
+    slots += np.arange(dp)[:, None] * m
+    c = candidates(span, rounds)
+    slots[c], span[c] = search(c, f[c], b[c], slots[c] % m, span[c], sc[c], p2p_s, pp, rounds)
     return slots, span
+
+
+def seed_slots(f: np.ndarray, b: np.ndarray, p2p_s: float, pp: Optional[int],
+               sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(slots [k, m], makespan_s [k]) of k ranks alone: each rank's own micro-batches (f, b
+    [k, m, stages] seconds, sc [k, stages] its scale) in the best of the seed orders (indices
+    0..m-1 into its own)."""
+    k, m, nv = f.shape
+    fu, bu = f.reshape(k * m, nv), b.reshape(k * m, nv)
+    own = np.arange(k * m).reshape(k, m)
+    seeds = np.take_along_axis(own[:, None, :], _seed_orders((fu + bu).sum(axis=1)[own]),
+                               axis=2)                                    # [k, orders, m]
+    n = seeds.shape[1]
+    s = sc[np.repeat(np.arange(k), n)][:, None, :]
+    rows = seeds.reshape(k * n, m)
+    t = pipeline_makespan_s(fu[rows] * s, bu[rows] * s, p2p_s, pp=pp).reshape(k, n)
+    pick = t.argmin(axis=1)
+    return seeds[np.arange(k), pick] - own[:, :1], t[np.arange(k), pick]
+
+
+def candidates(span: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
+    """The ranks (ascending) the search can touch in ``rounds`` rounds: the ``2 rounds +
+    PARTNERS + 1`` largest makespans and as many smallest (ties to the lower rank). A round
+    changes at most two ranks (the critical one and a partner); a rank outside these is never
+    the first largest nor among the first ``PARTNERS`` smallest while it keeps its makespan,
+    as as many ranks before it in that order keep theirs. So the search over them alone makes
+    the same moves as over every rank, and a rank needs only their micro-batches."""
+    k = 2 * rounds + PARTNERS + 1
+    dp = span.size
+    if dp <= 2 * k:
+        return np.arange(dp)
+    order = np.lexsort((np.arange(dp), span))                 # (makespan, rank) ascending
+    desc = np.lexsort((np.arange(dp), -span))                 # (-makespan, rank) ascending
+    return np.union1d(order[:k], desc[:k])
+
+
+def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
+           span: np.ndarray, sc: np.ndarray, p2p_s: float, pp: Optional[int],
+           rounds: int = ROUNDS) -> tuple[np.ndarray, np.ndarray]:
+    """The local search among ``ranks`` (``candidates``, ascending): f, b [k, m,
+    stages] their own micro-batches' seconds, slots [k, m] their seed slots (indices into
+    their own), span [k], sc [k, stages]. Returns (the micro-batch of each (rank, slot) as
+    an index into all dp * m, rank-major; makespans [k])."""
+    k, m, nv = f.shape
+    slots = slots + np.arange(k)[:, None] * m
+    span = np.array(span, dtype=np.float64)
+    if k > 1 or m > 1:
+        fu, bu = f.reshape(k * m, nv), b.reshape(k * m, nv)
+        ranks_pp = nv if pp is None else pp
+        kernels.slots.search(event_graph(m, ranks_pp, nv // ranks_pp).record(p2p_s), fu, bu,
+                             sc, (fu + bu).sum(axis=1), slots, span, _moves(m),
+                             (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
+    return np.asarray(ranks)[slots // m] * m + slots % m, span
 
 
 @lru_cache(maxsize=64)

@@ -4,7 +4,7 @@ contiguous micro-batches, the micro-batches' slots (the cheapest two first and l
 baseline's sequential fill (``sequential_starts``, ``data.packing.sequential_bins``).
 
 Every sum of costs is CPython's ``sum()`` of floats (3.12+: Neumaier's compensated sum,
-``py_sum``), so the Python fallbacks around them (``packing._first_fit_decreasing``'s bins, the
+``py_sum``), so the Python fallbacks around them (``assignment.first_fit_decreasing``'s bins, the
 sequential bins' slots) weigh bins as these do. A rank whose contiguous cuts do not fit is left
 to the first-fit-decreasing fallback.
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from . import f64, i64, jit
 
-__all__ = ["lpt_ranks", "py_sum", "rank_bins", "sequential_starts"]
+__all__ = ["lpt_ranks", "py_sum", "py_sums", "rank_bins", "sequential_starts"]
 
 
 @jit
@@ -39,65 +39,70 @@ def py_sum(x, idx, lo, hi):
 
 
 @jit
-def _before(la, ra, lb, rb):
-    # (load a, rank a) < (load b, rank b), as Python compares the heap's tuples
-    return la < lb or (la == lb and ra < rb)
+def py_sums_pass(x, idx, offsets, out):
+    # every run's py_sum: out[r] = sum of x[idx[offsets[r]:offsets[r + 1]]]
+    for r in range(out.size):
+        out[r] = py_sum(x, idx, offsets[r], offsets[r + 1])
 
 
 @jit
-def _sift_up(load, rank, k):
-    while k > 0:
-        p = (k - 1) >> 1
-        if not _before(load[k], rank[k], load[p], rank[p]):
-            break
-        load[k], load[p] = load[p], load[k]
-        rank[k], rank[p] = rank[p], rank[k]
-        k = p
-
-
-@jit
-def _sift_down(load, rank, k, n):
-    while True:
-        a, b, m = 2 * k + 1, 2 * k + 2, k
-        if a < n and _before(load[a], rank[a], load[m], rank[m]):
-            m = a
-        if b < n and _before(load[b], rank[b], load[m], rank[m]):
-            m = b
-        if m == k:
-            return
-        load[k], load[m] = load[m], load[k]
-        rank[k], rank[m] = rank[m], rank[k]
-        k = m
+def _replay(key, rank, leaf, value):
+    # a winner tree (node k: the (load, rank) that wins its subtree, k's children 2k, 2k + 1):
+    # ``leaf`` set to ``value``, the winners on its path to the root replayed against their
+    # siblings, ties to the lower rank (as Python compares (load, rank) tuples)
+    k = leaf
+    wk, wr = value, rank[leaf]
+    key[k] = wk
+    while k > 1:
+        sk, sr = key[k ^ 1], rank[k ^ 1]
+        if sk < wk or (sk == wk and sr < wr):
+            wk, wr = sk, sr
+        k >>= 1
+        key[k], rank[k] = wk, wr
 
 
 @jit
 def lpt_pass(cost, size, order, dp, cap, rank_of):
-    # items in ``order`` to the least loaded rank with token room; False if one fits nowhere
+    # items in ``order`` to the least loaded rank with token room (ties to the lower rank);
+    # False if one fits nowhere. The ranks' (load, rank) in a winner tree: an item costs one
+    # path of log2(dp) comparisons; a rank without room for it leaves (its load infinite)
+    # until the item is placed
+    leaves = 1
+    while leaves < dp:
+        leaves <<= 1
+    key = np.full(2 * leaves, np.inf)          # padding leaves never win over a rank
+    rank = np.empty(2 * leaves, dtype=np.int64)
+    for k in range(leaves):
+        rank[leaves + k] = k
+    for k in range(dp):
+        _replay(key, rank, leaves + k, 0.0)
     load = np.zeros(dp)
-    rank = np.arange(dp)
     used = np.zeros(dp, dtype=np.int64)
-    skip_l = np.empty(dp)
-    skip_r = np.empty(dp, dtype=np.int64)
-    n = dp
-    for i in order:
+    skip = np.empty(dp, dtype=np.int64)
+    n = order.size
+    co, zo, to = np.empty(n), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    for j in range(n):                # gathered first: the loop below reads them in order
+        co[j], zo[j] = cost[order[j]], size[order[j]]
+    for j in range(n):
+        c, z = co[j], zo[j]
         k = 0
-        while n > 0 and used[rank[0]] + size[i] > cap:      # pop the ranks without room
-            skip_l[k], skip_r[k] = load[0], rank[0]
+        while True:
+            r = rank[1]
+            if key[1] == np.inf:                        # no rank left with room
+                return False
+            if used[r] + z <= cap:
+                break
+            skip[k] = r                                 # a rank without room leaves the tree
             k += 1
-            n -= 1
-            load[0], rank[0] = load[n], rank[n]
-            _sift_down(load, rank, 0, n)
-        if n == 0:
-            return False
-        r = rank[0]
-        rank_of[i] = r
-        used[r] += size[i]
-        load[0] = load[0] + cost[i]
-        _sift_down(load, rank, 0, n)
-        for j in range(k):                                   # and put them back
-            load[n], rank[n] = skip_l[j], skip_r[j]
-            _sift_up(load, rank, n)
-            n += 1
+            _replay(key, rank, leaves + r, np.inf)
+        to[j] = r
+        used[r] += z
+        load[r] = load[r] + c
+        _replay(key, rank, leaves + r, load[r])
+        for q in skip[:k]:                              # and come back
+            _replay(key, rank, leaves + q, load[q])
+    for j in range(n):
+        rank_of[order[j]] = to[j]
     return True
 
 
@@ -216,6 +221,13 @@ def slot_order(c: np.ndarray) -> list:
     return out.tolist()
 
 
+def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """[k] ``sum(x[idx[offsets[r]:offsets[r + 1]]].tolist())`` of every run r (``py_sum``)."""
+    out = np.empty(offsets.size - 1)
+    py_sums_pass(f64(x), i64(idx), i64(offsets), out)
+    return out
+
+
 def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
               cap_tokens: int):
     """The LPT's rank of every item [n] (``lpt_pass``), or None where one fits nowhere."""
@@ -246,3 +258,4 @@ def warm_up() -> None:
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
     slot_order(np.ones(3))
+    py_sums(one, np.arange(2), np.array([0, 1, 2]))

@@ -1,0 +1,284 @@
+"""SAB's assignment of a global batch's segments to the DP ranks, the same on every rank, and
+each rank's own micro-batches from it (docs/DESIGN.md section 6, "DST and SAB at scale").
+
+What every rank computes alike from the whole batch's lengths, on arrays (``SABAssignment``):
+the segments' costs (each distinct length priced once, ``LatencyCost``), their order (cost
+descending, ties by the seeded permutation: one radix sort of the costs' ranks) and the LPT over
+the DP ranks (``kernels.packing.lpt_ranks``, a winner tree: n log dp). Then, per rank:
+
+- ``units(ranks)``: those ranks' segments, ordered by their own sensitivity estimates, cut into
+  m micro-batches (``kernels.packing.rank_bins``; first-fit-decreasing where a cut does not fit),
+  with (given a ``LatencyCost``) their per-stage costs and the seed slots on the simulated
+  pipeline (``slots.seed_slots``): ``RankUnits``, what a rank brings to the agreement;
+- ``agree(units)``: what the ranks agree on (``Agreement``): whether every rank's cut fits (else
+  every rank packs the sequential bins, ``fallback_bins``) and the units of the
+  ``slots.candidates``, the only ones the cross-rank search reads. In a run: an all-reduce of a
+  flag and of the (makespan, rank) extremes, and a gather of at most 2 x 19 ranks' units (a
+  fixed size); here made in-process from every rank's units;
+- ``rank_plan(mine, agreed)``: one rank's micro-batches after the search, a one-row
+  ``BatchPlan``; ``plan()``: every rank's (``packing.sab_plan``'s), the same functions over all.
+
+Pure numpy (and ``kernels``); must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, replace
+from itertools import chain
+from typing import Callable, Optional
+
+import numpy as np
+
+from .. import kernels
+from .latency_cost import LatencyCost, distinct_lengths
+from .plan import BatchingError, BatchPlan, finish_plan, padded_lengths, seeded_order
+from . import slots as slot_search
+
+
+@dataclass
+class RankUnits:
+    """Some DP ranks' micro-batches as packed, before the cross-rank search."""
+
+    ranks: np.ndarray                 # [k] DP ranks, ascending
+    bins: Optional[list]              # [k][m] lists of segment indices, in the cut's slots
+    fits: bool                        # every one of these ranks' micro-batches fits
+    fwd_s: Optional[np.ndarray] = None    # [k, m, stages] seconds (with a LatencyCost)
+    bwd_s: Optional[np.ndarray] = None
+    slots: Optional[np.ndarray] = None    # [k, m] seed slots (indices into the rank's own)
+    span_s: Optional[np.ndarray] = None   # [k] makespan with them
+
+    def take(self, idx: np.ndarray) -> "RankUnits":
+        """The units of ``ranks[idx]`` (``idx`` ascending)."""
+        pick = (lambda a: None if a is None else a[idx])
+        return replace(self, ranks=self.ranks[idx], bins=[self.bins[i] for i in idx.tolist()],
+                       fwd_s=pick(self.fwd_s), bwd_s=pick(self.bwd_s), slots=pick(self.slots),
+                       span_s=pick(self.span_s))
+
+
+@dataclass
+class Agreement:
+    """What every rank of the step holds alike after the reductions: ``fallback`` (some rank's
+    micro-batches do not fit: the sequential bins, every rank alike) and the candidates' units
+    (``slots.candidates``; None where nothing is arranged)."""
+
+    fallback: bool
+    candidates: Optional[RankUnits]
+
+
+def descending_key(cost: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """A key whose stable sort puts ``cost`` in decreasing order (equal costs equal keys): where
+    a cost is a function of its segment's size (as every ``CostFn``'s) and there are at most
+    65,536 distinct costs, each one's rank among them as uint16 (numpy sorts those by radix);
+    else ``-cost``."""
+    if sizes.size and sizes.min() >= 0:
+        distinct, at = distinct_lengths(sizes)
+        by_size = np.zeros(distinct.size)
+        by_size[at] = cost
+        if distinct.size <= 65536 and np.array_equal(by_size[at], cost):
+            _, rank = np.unique(-by_size, return_inverse=True)
+            return rank.astype(np.uint16)[at]
+    return -cost
+
+
+def _ordered(tie: np.ndarray, key: np.ndarray, rank_of: np.ndarray, dp: int) -> np.ndarray:
+    """The items by rank, then ``key``, then ``tie`` (``seeded_order``; ``tie`` a permutation
+    of 0..n-1 of these items), the ranks as uint16 where they fit (a radix sort)."""
+    return seeded_order(tie, key, rank_of.astype(np.uint16) if dp <= 65536 else rank_of)
+
+
+class SABAssignment:
+    """One global batch's segments (``packing.prepare_samples``' segs, [n, 3] array, sizes [n],
+    samples split) assigned to ``dp`` ranks of ``m`` micro-batches of ``max_tokens`` by
+    ``cost`` [n] (the module docstring); ``key``: each segment's sensitivity, as a function
+    of (sample ids, lengths) of any of them or an [n] array; ``cost_fn``: a ``LatencyCost`` to
+    arrange the slots with (else none; ``arrange`` False: none either)."""
+
+    def __init__(self, segs, arr, sizes, n_split: int, cost: np.ndarray, *, dp: int, m: int,
+                 max_tokens: int, seed: int, key, cost_fn=None, arrange: bool = True,
+                 length_multiple: int = 0, balance_bins: bool = True):
+        self.segs, self.arr, self.sizes, self.n_split, self.cost = segs, arr, sizes, n_split, cost
+        self.dp, self.m, self.max_tokens, self.key = dp, m, max_tokens, key
+        self.cost_fn = cost_fn if arrange and isinstance(cost_fn, LatencyCost) else None
+        self.length_multiple, self.balance_bins = length_multiple, balance_bins
+        self.tie = np.random.default_rng(seed).permutation(sizes.size)
+        order = seeded_order(self.tie, descending_key(cost, sizes))  # cost descending
+        self.rank_of = kernels.packing.lpt_ranks(cost, sizes, order, dp, m * max_tokens)
+        self._fallback = None
+
+    def _keys(self, items: Optional[np.ndarray]) -> np.ndarray:
+        if not callable(self.key):
+            return self.key if items is None else self.key[items]
+        ids, lengths = (self.arr[:, 0], self.sizes) if items is None else \
+            (self.arr[items, 0], self.sizes[items])
+        sens = np.asarray(self.key(ids, lengths), dtype=np.float64).reshape(-1)
+        if sens.shape != lengths.shape:
+            raise ValueError(f"sensitivity returned {sens.shape}: expected one value per "
+                             f"segment ({lengths.size})")
+        return sens
+
+    def units(self, ranks: Optional[np.ndarray] = None) -> RankUnits:
+        """The micro-batches of ``ranks`` (ascending; None: every rank) as packed, priced."""
+        ranks = np.arange(self.dp) if ranks is None else np.asarray(ranks, dtype=np.int64)
+        if self.rank_of is None:                       # the LPT found no room for a segment
+            return RankUnits(ranks, None, False)
+        if ranks.size == self.dp:
+            items, tie = None, self.tie
+            rank_of = self.rank_of
+        else:
+            items = np.flatnonzero(np.isin(self.rank_of, ranks))
+            tie = np.argsort(np.argsort(self.tie[items]))      # their own tie order
+            rank_of = np.searchsorted(ranks, self.rank_of[items])
+        by_rank = _ordered(tie, self._keys(items), rank_of, ranks.size)
+        if items is not None:
+            by_rank = items[by_rank]
+        starts = np.r_[0, np.cumsum(np.bincount(rank_of, minlength=ranks.size))]
+        bins = _cut(by_rank, starts, self.sizes, self.cost, self.m, self.max_tokens,
+                    self.balance_bins)
+        if bins is None:
+            return RankUnits(ranks, None, False)
+        return self._priced(ranks, bins)
+
+    def _priced(self, ranks: np.ndarray, bins: list) -> RankUnits:
+        """``RankUnits`` of these bins: their costs and seed slots (with a ``LatencyCost``)."""
+        out = RankUnits(ranks, bins, True)
+        if self.cost_fn is None:
+            return out
+        k, m = ranks.size, self.m
+        flat = [b for rank in bins for b in rank]
+        counts = np.fromiter(map(len, flat), dtype=np.int64, count=k * m)
+        lengths = self.sizes[np.fromiter(chain.from_iterable(flat), dtype=np.int64,
+                                         count=int(counts.sum()))]
+        lengths, counts = padded_lengths(lengths, counts, self.max_tokens,
+                                         self.length_multiple)
+        f, b = self.cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
+        nv = f.shape[1]
+        out.fwd_s, out.bwd_s = f.reshape(k, m, nv), b.reshape(k, m, nv)
+        out.slots, out.span_s = slot_search.seed_slots(out.fwd_s, out.bwd_s, self.cost_fn.p2p_s,
+                                                       self.cost_fn.pp, self._scale(ranks))
+        return out
+
+    def _scale(self, ranks: np.ndarray) -> np.ndarray:
+        sc = self.cost_fn.scale(self.dp)
+        return np.ones((ranks.size, self.cost_fn.num_stages)) if sc is None else sc[ranks]
+
+    def fallback_bins(self) -> list:
+        """[dp][m] the sequential bins assigned by cost (``fallback_bins``), once."""
+        if self._fallback is None:
+            self._fallback = fallback_bins(self.sizes, self.cost, self.dp, self.m,
+                                           self.max_tokens)
+        return self._fallback
+
+    def agree(self, units: RankUnits) -> Agreement:
+        """The agreement from every rank's ``units`` (in a run: the reductions)."""
+        fallback = not units.fits
+        if fallback:
+            units = self._priced(np.arange(self.dp), self.fallback_bins())
+        if self.cost_fn is None:
+            return Agreement(fallback, None)
+        return Agreement(fallback, units.take(slot_search.candidates(units.span_s)))
+
+    def _rows(self, mine: RankUnits, agreed: Agreement) -> list:
+        """[k][m] bins of ``mine.ranks`` in their slots after the search over the candidates."""
+        if agreed.fallback:
+            mine = self._priced(mine.ranks, [self.fallback_bins()[r] for r in mine.ranks])
+        if agreed.candidates is None:
+            return mine.bins
+        m, c = self.m, agreed.candidates
+        found, _ = slot_search.search(c.ranks, c.fwd_s, c.bwd_s, c.slots, c.span_s,
+                                      self._scale(c.ranks), self.cost_fn.p2p_s, self.cost_fn.pp)
+        ids = mine.ranks[:, None] * m + mine.slots
+        pos = np.minimum(np.searchsorted(c.ranks, mine.ranks), c.ranks.size - 1)
+        hit = c.ranks[pos] == mine.ranks
+        ids[hit] = found[pos[hit]]
+        where = {int(r): b for r, b in zip(mine.ranks, mine.bins)}
+        where.update((int(r), b) for r, b in zip(c.ranks, c.bins))
+        return [[where[u // m][u % m] for u in row] for row in ids.tolist()]
+
+    def rank_plan(self, mine: RankUnits, agreed: Agreement, method: str = "sab") -> BatchPlan:
+        """The micro-batches of ``mine``'s ranks (one: a rank's own) after the agreement."""
+        return finish_plan(self._rows(mine, agreed), method, self.max_tokens, self.n_split,
+                           agreed.fallback, self.segs, self.cost, indices=True,
+                           arr=self.arr).with_length_multiple(self.length_multiple)
+
+    def plan(self, method: str = "sab") -> BatchPlan:
+        """Every rank's micro-batches (``rank_plan`` over all ranks)."""
+        mine = self.units()
+        return self.rank_plan(mine, self.agree(mine), method)
+
+
+def _cut(by_rank, starts, sizes, cost, m: int, max_tokens: int, balance: bool):
+    """Each rank's items (a run of ``by_rank`` from ``starts``) cut into m contiguous bins in
+    slot order (``kernels.packing.rank_bins``); a rank whose cuts do not fit takes the
+    first-fit-decreasing bins. None if some rank does not fit."""
+    k = starts.size - 1
+    bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m,
+                                                    max_tokens, balance)
+    # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends
+    cut = np.r_[0, np.cumsum(np.bincount(np.repeat(np.arange(k), np.diff(starts)) * m
+                                         + bin_of, minlength=k * m))].tolist()
+    items, slots, starts = by_rank.tolist(), slot_of.tolist(), starts.tolist()
+    size_l, cost_l = (sizes.tolist(), cost.tolist()) if not ok.all() else (None, None)
+    out = []
+    for r in range(k):
+        if not ok[r]:
+            bins = first_fit_decreasing(items[starts[r]:starts[r + 1]], size_l, m, max_tokens)
+            if bins is None:
+                return None
+            out.append(order_slots(bins, cost_l))
+            continue
+        u = r * m
+        out.append([items[cut[u + j]:cut[u + j + 1]] for j in slots[r]])
+    return out
+
+
+def first_fit_decreasing(items, size, m, cap) -> Optional[list]:
+    bins, free = [[] for _ in range(m)], [cap] * m
+    for i in sorted(items, key=lambda i: -size[i]):
+        for b in range(m):
+            if free[b] >= size[i]:
+                bins[b].append(i)
+                free[b] -= size[i]
+                break
+        else:
+            return None
+    return bins
+
+
+def order_slots(bins, cost) -> list:
+    """Cheapest bin to the first slot, second cheapest to the last: they bound 1F1B's fill and
+    drain (``kernels.packing.slot_order``). The others keep their order."""
+    c = np.array([sum(map(cost.__getitem__, b)) for b in bins])
+    return [bins[j] for j in kernels.packing.slot_order(c)]
+
+
+def fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
+    """[dp][m] lists of segment indices: the sequential bins (``packing.sequential_plan``'s:
+    they fit whenever the baseline fits) assigned to ranks by LPT on cost, exactly m bins per
+    rank, each rank's in ``order_slots``."""
+    starts = kernels.packing.sequential_starts(sizes, max_tokens)
+    bins = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [sizes.size])]
+    if len(bins) > dp * m:
+        raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
+                            f"{max_tokens} tokens even packed in order; expected at most "
+                            f"dp x m = {dp * m}")
+    bins += [[] for _ in range(dp * m - len(bins))]
+    bcost = [sum(cost[i] for i in b) for b in bins]
+    heap = [(0.0, r) for r in range(dp)]
+    per_rank = [[] for _ in range(dp)]
+    for j in sorted(range(len(bins)), key=lambda j: (-bcost[j], j)):
+        load, r = heapq.heappop(heap)
+        per_rank[r].append(bins[j])
+        if len(per_rank[r]) < m:
+            heapq.heappush(heap, (load + bcost[j], r))
+    cost_l = cost.tolist()
+    return [order_slots(b, cost_l) for b in per_rank]
+
+
+def sensitivity_key(sensitivity) -> Callable:
+    """A sensitivity (a ``SensitivityTracker``, a callable (ids, lengths) -> [n], or None: the
+    length prior) as the callable ``SABAssignment`` asks its ranks' estimates of."""
+    from .sensitivity import SensitivityTracker
+
+    tracker = sensitivity if sensitivity is not None else SensitivityTracker()
+    return tracker.estimate if isinstance(tracker, SensitivityTracker) else tracker

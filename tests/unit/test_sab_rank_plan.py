@@ -1,0 +1,123 @@
+"""SAB's per-rank packing (``batching.assignment``): a rank's own micro-batches, made from the
+shared assignment, its own units and the agreement, are row r of ``sab_plan``'s whole plan bit
+for bit (segments, slots, predicted cost), with and without the slot search, the fallback to
+the sequential bins included; the slot search over the candidates alone makes the moves the
+search over every rank makes (brute force: the search run on all ranks); the cost order's radix
+key sorts as ``-cost`` does."""
+
+import numpy as np
+import pytest
+
+from sparsebalance_megatron.batching import SensitivityTracker, latency_sample_cost_fn
+from sparsebalance_megatron.batching.assignment import descending_key
+from sparsebalance_megatron.batching.packing import sab_assignment, sab_plan
+from sparsebalance_megatron.batching.slots import (PARTNERS, ROUNDS, candidates, search,
+                                                   seed_slots)
+from sparsebalance_megatron.data.packing import GlobalBatchSampler
+from sparsebalance_megatron.latency import LatencyModel
+
+
+def _batch(seed, dp, m, cap, n_docs=600, scale=300):
+    rng = np.random.default_rng(seed)
+    lengths = (rng.pareto(1.1, size=n_docs) * scale + 16).astype(np.int64)
+    return GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
+                              seed=seed).next_global_batch()
+
+
+def _rows_equal(dp, m, cap, segs, **kw):
+    whole = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap, **kw)
+    asg = sab_assignment(segs, dp=dp, num_microbatches=m, max_tokens=cap, **kw)
+    agreed = asg.agree(asg.units())                 # in a run: the ranks' reductions
+    for r in range(dp):
+        own = asg.rank_plan(asg.units([r]), agreed)
+        assert own.dp == 1 and own.micro_batches[0] == whole.micro_batches[r], (dp, r)
+        assert own.predicted_rank_cost_s[0] == whole.predicted_rank_cost_s[r]
+        assert own.fallback == whole.fallback and own.length_multiple == whole.length_multiple
+        np.testing.assert_array_equal(own.unit_csr(True)[1],
+                                      np.concatenate(whole.flat_lengths(True)[r * m:(r + 1) * m]))
+    return whole
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_ranks_own_plan_is_its_row_of_the_whole(dp, seed):
+    m, cap = 4, 4096
+    segs = _batch(seed, dp, m, cap)
+    model = LatencyModel.analytic(pp=2)
+    tracker = SensitivityTracker()
+    rng = np.random.default_rng(seed)
+    ids = np.unique([i for i, _, _ in segs])[::3]
+    tracker.update(ids, rng.integers(16, 3000, ids.size), rng.uniform(1, 6, ids.size))
+    for kw in (dict(cost_fn=latency_sample_cost_fn(model, 0.3), sensitivity=tracker),
+               dict(cost_fn=latency_sample_cost_fn(model, 0.3), length_multiple=128),
+               dict(cost_fn=latency_sample_cost_fn(model, 0.3), arrange=False),
+               dict()):
+        _rows_equal(dp, m, cap, segs, seed=seed, **kw)
+
+
+def test_a_ranks_own_plan_after_the_fallback_is_its_row_too():
+    """Tight batches (a few fall back to the sequential bins), the latency cost and a
+    quadratic one; and the batch whose cost-first packing fragments the bins."""
+    rng, fell = np.random.default_rng(5), 0
+    model = LatencyModel.analytic(pp=2)
+    for case in range(60):
+        dp, m, cap = int(rng.integers(1, 5)), int(rng.integers(1, 5)), 128
+        lengths = (np.random.default_rng(100 + case).pareto(1.1, size=200) * 40 + 16)
+        segs = GlobalBatchSampler(lengths.astype(np.int64), capacity=cap, dp=dp,
+                                  num_microbatches=m, seed=case).next_global_batch()
+        for cost_fn in (latency_sample_cost_fn(model, 0.5), lambda x: x.astype(float) ** 2):
+            fell += _rows_equal(dp, m, cap, segs, cost_fn=cost_fn, seed=case).fallback
+    segs = [(0, 0, 60), (1, 0, 40), (2, 0, 70), (3, 0, 30), (4, 0, 55), (5, 0, 45),
+            (6, 0, 80), (7, 0, 20)]
+    fell += _rows_equal(2, 2, 100, segs, cost_fn=latency_sample_cost_fn(model, 0.5)).fallback
+    assert fell >= 3
+
+
+def test_the_search_over_the_candidates_is_the_search_over_every_rank():
+    """Many ranks, few candidates: the search run over all of them (the brute force: no rank
+    left out) moves the same micro-batches to the same slots."""
+    rng = np.random.default_rng(0)
+    k = 2 * ROUNDS + PARTNERS + 1
+    for case in range(12):
+        dp, m, nv = int(rng.integers(2 * k + 1, 4 * k)), int(rng.integers(2, 6)), 2
+        f = rng.uniform(0.5, 2.0, (dp, m, nv)) * rng.uniform(0.5, 1.5, (dp, 1, 1))
+        b = 2 * f
+        sc = rng.uniform(0.9, 1.1, (dp, nv))
+        seeds, span = seed_slots(f, b, 0.0, None, sc)
+        if case % 3 == 0:                          # ties among the makespans
+            span[rng.integers(0, dp, dp // 2)] = span[0]
+        every = np.arange(dp)
+        want, want_span = search(every, f, b, seeds, span, sc, 0.0, None)
+        c = candidates(span)
+        assert c.size < dp
+        got, got_span = search(c, f[c], b[c], seeds[c], span[c], sc[c], 0.0, None)
+        rest = np.setdiff1d(every, c)
+        np.testing.assert_array_equal(got, want[c])
+        np.testing.assert_array_equal(got_span, want_span[c])
+        np.testing.assert_array_equal(want[rest], rest[:, None] * m + seeds[rest])
+
+
+def test_the_radix_cost_key_sorts_as_minus_cost():
+    rng = np.random.default_rng(1)
+    for case in range(20):
+        sizes = rng.integers(1, 50 if case % 2 else 100000, 500)
+        cost = (sizes.astype(float) ** 1.5 if case % 3 else
+                rng.integers(0, 4, 500).astype(float))      # not a function of the size
+        if case % 5 == 0:
+            cost[sizes == sizes[0]] = 0.0
+        key = descending_key(cost, sizes)
+        tie = rng.permutation(500)
+        np.testing.assert_array_equal(np.lexsort((tie, key)), np.lexsort((tie, -cost)))
+
+
+def test_run_sums_are_pythons_sum_of_each_run():
+    """``kernels.packing.py_sums`` (a plan's rank costs): each run's sum() of floats."""
+    from sparsebalance_megatron.kernels.packing import py_sums
+
+    rng = np.random.default_rng(2)
+    x = rng.random(300) * 10.0 ** rng.integers(-8, 8, 300)
+    idx = rng.permutation(300)
+    offsets = np.r_[0, np.sort(rng.integers(0, 301, 12)), 300]
+    got = py_sums(x, idx, offsets)
+    want = [sum(x[idx[a:b]].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert got.tolist() == want
