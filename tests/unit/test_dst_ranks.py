@@ -71,9 +71,30 @@ def test_the_decomposed_plan_keeps_the_floors_and_is_close(objective):
         if q is not None:
             assert q.plan_cost(d) <= 1e-12
         ratios.append(t / step_time_of(costs, central.densities))
-    # the study (scripts/bench.py dst_decomposed) measures the runtime's drafts; on 40 such
-    # cases a side run found the ratio in [0.994, 1.004], median 1.0001
-    assert max(ratios) <= 1.01 and np.median(ratios) <= 1.003, ratios
+    # the study (scripts/bench.py dst_decomposed) measures the runtime's drafts; here the
+    # decomposed step is within issue 77's 0.5% of the central one (max 1.0018 on these 20;
+    # 1.0067 before the ranks' fills and shared budgets)
+    assert max(ratios) <= 1.005 and np.median(ratios) <= 1.0, ratios
+
+
+def test_the_other_ranks_raises_pay_a_critical_ranks_cuts():
+    """The miss a rank descending alone made (issue 77): DP 3, rank 1 critical; the descent's
+    start has no slack over the floors, so rank 1 alone could barely cut (1.47% slower than the
+    central plan, whose rounds raise the other ranks while they cut rank 1). With the other
+    ranks' fills agreed as supply and the slack split by demand, the decomposed plan keeps the
+    floors and is no slower than the central one."""
+    costs = synthetic_costs(3, 5, 4, seed=1016568231, lm_head=0.8111650382573556)
+    q, s = _quality(4), DSTSettings(D0, DMIN, DMAX, **FLOORS)
+    central = plan_dst_with_floor(costs, None, s, quality=q)
+    dec = plan_dst_decomposed(costs, None, s, quality=q)
+    d, w = dec.densities, costs.weights()
+    assert step_time_of(costs, d) <= step_time_of(costs, central.densities)
+    assert step_time_of(costs, d) < central.report.step_time_static_s * 0.93
+    assert weighted_mean_density(d, w) >= D0 - 1e-9 and q.plan_cost(d) <= 1e-12
+    assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
+    critical = int(np.argmax([step_time_of(costs, np.full(costs.shape, D0), r)
+                              for r in range(3)]))
+    assert critical == 1 and (d[1] < D0).sum() > 0 and (d[2] > D0).sum() > 0
 
 
 def test_the_tree_holds_every_candidate_the_search_asks_for():
@@ -152,3 +173,21 @@ def test_the_study_runs_on_the_runtimes_drafts():
             assert x["rank_cpu_s"]["max"] > 0
         if dp == 1:
             assert pt["ratio_max"] == 1.0 and pt["packing_ratio_max"] == 1.0
+
+
+def test_the_studys_missed_row_at_128k():
+    """The study's row that missed by most (DP 2 at 128K, step 1, the baseline packing: 1.0141
+    when each rank descended alone): the decomposed step is within 0.5% of the central one."""
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    from studies import dst_decomposed
+
+    pt = dst_decomposed.measure(2, 16, 4, steps=2, repeat=1, seq=131072)
+    row = pt["steps"][1]["packings"][1]
+    assert row["static_s"] > row["central_s"] * 1.01           # the descent has work to do
+    assert row["ratio"] <= 1.005, row["ratio"]
+    assert row["decomposed_density"] >= 0.5 - 1e-9 and row["decomposed_quality"] <= 1e-12
