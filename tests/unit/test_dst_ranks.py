@@ -191,3 +191,50 @@ def test_the_studys_missed_row_at_128k():
     assert row["static_s"] > row["central_s"] * 1.01           # the descent has work to do
     assert row["ratio"] <= 1.005, row["ratio"]
     assert row["decomposed_density"] >= 0.5 - 1e-9 and row["decomposed_quality"] <= 1e-12
+
+
+def test_the_reductions_do_not_grow_with_dp(monkeypatch):
+    """Every rank's parts of the five reductions (AR1, AR2, AR3, AR3b, AR4) have the same
+    sizes at DP 2 and DP 7: what crosses the DP group is fixed by m, the stages and the
+    settings (AR3b, the largest: P x (3 stages + 6) + stages + 2 floats)."""
+    from sparsebalance_megatron.policy import dst_ranks
+    from sparsebalance_megatron.policy.dst_probes import PROBES
+
+    sizes, run = {}, {}
+
+    def spy(name):
+        f = getattr(dst_ranks.RankDST, name)
+
+        def wrapped(self, *a):
+            out = f(self, *a)
+            size = sum(np.size(v) for part in out.values() for v in part.values())
+            sizes.setdefault(run["dp"], {}).setdefault(name, set()).add(size)
+            return out
+        monkeypatch.setattr(dst_ranks.RankDST, name, wrapped)
+
+    for name in ("ar1", "cut", "raise_", "descent_start", "probe"):
+        spy(name)
+    m, pp = 6, 3
+    for dp in (2, 7):
+        run["dp"] = dp
+        costs = synthetic_costs(dp, m, pp, seed=50 + dp, lm_head=1.5)
+        plan_dst_decomposed(costs, None, DSTSettings(D0, DMIN, DMAX, **FLOORS),
+                            quality=_quality(pp))
+    assert sizes[2] == sizes[7]
+    assert all(len(v) == 1 for v in sizes[7].values())
+    assert sizes[7]["descent_start"] == {PROBES * (3 * pp + 6) + pp + 2}
+    assert sizes[7]["probe"] == {2 * PROBES * (pp + 2)}
+
+
+def test_a_ranks_budget_is_its_demand_and_a_share_of_what_is_left():
+    """``dst_probes._share``: where the ranks' summed demand fits the slack, a rank gets its
+    demand and an even part of the rest; where it does not, its part of the slack in
+    proportion to its demand (the budgets never sum past the slack)."""
+    from sparsebalance_megatron.policy.dst_probes import _share
+
+    slack, total, n = np.array([10.0, 4.0]), np.array([6.0, 8.0]), np.array([2.0, 2.0])
+    a, b = _share(slack, np.array([1.0, 2.0]), total, n), _share(slack, np.array([5.0, 6.0]),
+                                                                   total, n)
+    np.testing.assert_allclose(a, [1.0 + 2.0, 4.0 * 2 / 8])
+    np.testing.assert_allclose(b, [5.0 + 2.0, 4.0 * 6 / 8])
+    assert np.all(a + b <= slack + 1e-12)
