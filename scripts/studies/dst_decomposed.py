@@ -10,8 +10,9 @@ are planned twice:
 - **decomposed**: ``dst_ranks_local.plan_dst_decomposed``: every DP rank plans its own [1, m, stages]
   slice, the ranks coupled only by fixed-size sums and maxima (reduced in-process here; in a run,
   all-reduces): the band search's every candidate planned at once and chosen on the agreed
-  verdicts, then each rank's critical-path descent toward ``PROBES`` agreed probe steps, the
-  fastest probe whose sums meet the global floors kept.
+  verdicts, then the probed critical-path descent (``policy.dst_probes``: each rank's raises
+  and descents toward ``PROBES`` agreed steps, the slack over the floors split on agreed supply
+  and demand), the fastest plan whose sums meet the global floors kept.
 
 Per packing: both predicted steps (the simulator's, ``plan_step_time_s``), their ratio, the
 work-weighted mean density and quality cost of each; per draft the do-no-harm choice (the faster

@@ -1,8 +1,9 @@
 """DST planned by every DP rank on its own units (issue 77 items 2-3; docs/DESIGN.md section 6,
 "DST and SAB at scale"): ``dst.plan_dst_with_floor``'s band search made by each DP rank on its
 [1, m, stages] slice of the costs, the ranks coupled only by fixed-size vectors that a caller
-reduces across the DP group (``plan_dst_decomposed`` reduces them in-process: the study and the
-tests: ``dst_ranks_local``; in a run they would be the adapter's all-reduces, not wired yet).
+reduces across the DP group (``dst_rounds``: one generator of the rounds per rank, reduced
+in-process by ``dst_ranks_local`` for the studies and tests, by the DP group's all-reduces in a
+run).
 
 Why the band search decomposes: a band's plan (``dst_band.plan_dst_candidates``) is planned per
 DP rank except for three numbers, the anchor (the mean of the static busy seconds [dp, pp]), the
@@ -25,27 +26,32 @@ everything:
 So up to the band the decomposed plan is the central plan (the same densities; a mean of
 per-rank sums rounds differently from one sum, so a verdict on a floor's very edge could differ).
 What differs is the critical-path descent (``critical_path.refine_plan``), each of whose rounds
-is a global verdict. Here it is probed: after AR3b (the start's sums and step: the band plan where
-it meets the descent's neutral floors, else the static plan, as ``refine_plan``), every rank
-descends toward each of ``PROBES`` agreed steps below the start's (``probe_steps``), each from the
-last, spending at most the whole global slack as if alone (``RankDST.probe``); AR4 sums every
-probe's kept work and quality cost and takes its step (a max), and every rank keeps the fastest
-probe that meets the global floors (``RankDST.pick``), the band plan where none is faster by
+is a global verdict. Here it is probed (``dst_probes``): after AR3 every rank knows the start
+(the band plan where it meets the descent's neutral floors, else the static plan, as
+``refine_plan``) and its step, and works on ``PROBES`` agreed steps below it (``probe_steps``):
+a rank at or below a probe raises its floats toward it (the supply its raises give the floors),
+a rank above descends to it with no floors (its demand on them); AR3b sums both with the
+start's sums and the free plans'; below the fastest free plan whose sums meet the floors, every
+rank descends again under a budget of the agreed slack (its share, and all of it); AR4 sums
+those plans' kept work and quality and takes their steps, and every rank keeps the fastest that
+meets the global floors (``RankDST.pick``), the band plan where none is faster by
 ``dst.SPEED_TIE``. A rank stops at each probe (``_descent``'s ``goal``), so it spends no slack
 below a step another rank sets. Where plans differ: a probe is 0.005-20% below the start (a
-step between probes is missed), and a rank's descent sees only its own floats (the central rounds'
-raises on other ranks can pay a critical rank's cuts). At DP 1 every reduction is the identity
-and the rank runs ``refine_plan`` itself: the plan is the central plan bit for bit
-(``tests/unit/test_dst_ranks.py``). Five reductions a step (AR1, AR2, AR3, AR3b, AR4), the
-largest AR3's K x (2 stages + 6) floats (K = 65 candidates at the default 6 search steps: 11 KB
-at 8 virtual stages), none growing with DP; a rank's work is a DP-1 pass of K candidates and a
-descent through P = ``PROBES`` probes. The design (docs/DESIGN.md) asked for two: the band search's
-verdicts and the descent's probes each need their own.
+step between probes is missed), the ranks' budgets are a split agreed ahead, not the central
+rounds' joint verdicts, and the probes' descents search more than ``refine_plan``'s 8 rounds
+(the decomposed plan is often faster: ``scripts/bench.py dst_decomposed``). At DP 1 every
+reduction is the identity and the rank runs ``refine_plan`` itself: the plan is the central
+plan bit for bit (``tests/unit/test_dst_ranks.py``). Five reductions a step (AR1, AR2, AR3,
+AR3b, AR4), the largest AR3b's P x (3 stages + 6) + stages + 2 floats (15 KB at P = 64 and 8
+virtual stages; AR3 K x (2 stages + 6), K = 65 candidates at the default 6 search steps: 11 KB;
+AR4 2P x (stages + 2): 10 KB), none growing with DP; a rank's work is a DP-1 pass of K
+candidates, P / 8 fills and at most three chains of P descents. The design (docs/DESIGN.md)
+asked for two: the band search's verdicts and the descent's probes each need their own.
 
 Covered: both objectives, with and without the descent (the quality objective without it runs
-both band searches, every row of both planned at once: 2K rows); every anchor (the median's
-AR1 gathers the static busy seconds, dp x pp floats: the one part that grows with DP). The slow-GPU test (``bands.straggler_present``) is an agreed
-boolean the caller passes (``narrow``).
+both band searches, every row of both planned at once: 2K rows); every anchor (the median's AR1
+gathers the static busy seconds, dp x pp floats: the one part that grows with DP). The slow-GPU
+test (``bands.straggler_present``) is an agreed boolean the caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -59,14 +65,13 @@ import numpy as np
 
 from .bands import band_ladder
 from .costs import UnitCosts
-from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent
+from .critical_path import NEUTRAL_DENSITY
 from .dst import SPEED_TIE, _band_search
 from .dst_band import BandCache, DSTPlan, DSTReport, _band, _cut, _pass, _plans, _raise
+from .dst_probes import PROBES, RankProbes, probe_steps  # noqa: F401 (re-exported)
 from .dst_settings import DSTSettings
 
 PHASES = ("static", "cut", "raise", "choose", "descent", "pick")   # between the reductions
-PROBES = 64               # the decomposed descent's probe steps ...
-PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
 
 
 def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
@@ -299,7 +304,8 @@ class RankDST:
     def descent_start(self, a3: dict) -> dict:
         """After ``choose``: the descent's start, the band plan where it meets the descent's
         neutral floors globally (AR3's verdict: the same on every rank), else the static plan,
-        as ``refine_plan``; the rank's parts of the start's sums (``parts``)."""
+        as ``refine_plan``; AR3b's parts: the rank's parts of the start's sums (``parts``) and
+        of every probe's supply and demand (``dst_probes.RankProbes.first``)."""
         s, r, k = self.settings, self.chosen_report, self.chosen
         floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0 - 1e-12
         stage_floor = s.stage_density_floor * s.d0 - 1e-12
@@ -314,7 +320,15 @@ class RankDST:
             i0 = self.costs.index_of(s.d0)
             self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.cache.mk0.max()),
                         s.d0 * self.w.sum(axis=(0, 1)), 0.0)
-        return self.parts()
+        # the start's agreed step: AR3's (the band plan's) or AR1's (the static plan's)
+        self.start_step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
+        self.probes = RankProbes(self.costs, self.w, s, self._quality_sum
+                                 if self.quality is not None else None, self.cur,
+                                 probe_steps(self.start_step))
+        out, more = self.parts(), self.probes.first()
+        out["sum"].update(more["sum"])
+        out["max"].update(more["max"])
+        return out
 
     def parts(self) -> dict:
         """The rank's parts of its current plan's agreed numbers: kept work by stage and
@@ -323,76 +337,17 @@ class RankDST:
         return {"sum": {"kept_s": kept_s, "quality": q}, "max": {"mk": mk}}
 
     def probe(self, agreed: dict) -> dict:
-        """The rank's descent toward every probe step (``probe_steps`` of the start's agreed
-        step), each from the last (``critical_path._descent`` with the probe as its goal),
-        under the global floors with the other ranks held at the start (the rank may spend the
-        whole slack; the sums decide): AR4's parts, its makespans [P] (max) and kept work by
-        stage [P, stages] and quality sums [P] (sums) at every probe. A rank already at or
-        below a probe keeps its plan there."""
-        s, costs, a1, g, w = self.settings, self.costs, self.a1, self.costs.densities, self.w
-        i0, i_min, i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
-        idx, mk, kept_r, q_r = self.cur
-        floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0
-        stage_floor = s.stage_density_floor * s.d0
-        kept_all, q_all = agreed["kept_s"], float(agreed["quality"])
-        min_kept = float(kept_r.sum()) - (float(kept_all.sum()) + a1.dense - floor * a1.tot)
-        min_kept_s = kept_r - (kept_all + a1.dense_s - stage_floor * a1.tot_s)
-        max_q = q_r + (1e-12 * a1.units - q_all)
-
-        def floors_at(i):
-            kept = (g.take(costs.effective_index(i, i0)) * w).sum(axis=(0, 1))
-            return bool(float(kept.sum()) >= min_kept and np.all(kept >= min_kept_s))
-
-        def meets_at(i):
-            return floors_at(i) and (self.quality is None or
-                                     self._quality_sum(costs.effective_index(i, i0)) <= max_q)
-
+        """AR4's parts (AR3b's sums ``agreed``): the rank's plans at every probe step
+        (``probe_steps`` of the start's agreed step) in two chains (``dst_probes``): makespans
+        [2P] (max), kept work by stage [2P, stages] and quality sums [2P] (sums)."""
         self.start_step = float(agreed["mk"])
-        steps = probe_steps(self.start_step)
-        p = steps.size
-        out_mk, out_kept, out_q = np.empty(p), np.empty((p, kept_r.size)), np.empty(p)
-        self.probes = []
-        stuck = False
-        for j, goal in enumerate(steps):
-            if mk > goal and not stuck:
-                new, step, _ = _descent(costs, idx, i_min, i_max, s.p2p_s, s.raise_headroom,
-                                        meets_at, ROUNDS, floors_at, goal=float(goal))
-                if step < mk:
-                    idx = costs.effective_index(new, i0)
-                    mk, kept_r = float(step), (g.take(idx) * w).sum(axis=(0, 1))
-                    q_r = self._quality_sum(idx) if self.quality is not None else 0.0
-                stuck = mk > goal * (1.0 + 1e-9)   # deeper probes would start from here too
-            self.probes.append((idx, mk, kept_r, q_r))
-            out_mk[j], out_kept[j], out_q[j] = mk, kept_r, q_r
-        return {"sum": {"kept_s": out_kept, "quality": out_q}, "max": {"mk": out_mk}}
+        return self.probes.probe(agreed, self.a1)
 
     def pick(self, a4: dict) -> int:
-        """The probe every rank keeps (AR4's sums and maxima): the fastest that meets the
-        neutral floors globally, the shallowest of equal steps; -1: none is faster than the
-        start. The rank's plan becomes its part of it."""
-        s, a1 = self.settings, self.a1
-        floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0 - 1e-12
-        stage_floor = s.stage_density_floor * s.d0 - 1e-12
-        best, best_step = -1, self.start_step
-        for j in range(a4["mk"].size):
-            kept_s = a4["kept_s"][j] + a1.dense_s
-            ok_s = a1.tot_s > 0
-            mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else 1.0
-            stage = np.where(ok_s, kept_s / np.where(ok_s, a1.tot_s, 1.0), np.inf)
-            meets = (mean >= floor and float(stage.min()) >= stage_floor
-                     and not (self.quality is not None and a4["quality"][j] / a1.units > 1e-12))
-            if meets and float(a4["mk"][j]) < best_step:
-                best, best_step = j, float(a4["mk"][j])
+        """The plan every rank keeps (AR4's sums and maxima): the fastest that meets the
+        neutral floors globally, the first of equal steps; -1: none is faster than the start.
+        The rank's plan becomes its part of it."""
+        best = self.probes.best(a4, self.a1, self.start_step)
         if best >= 0:
-            self.cur = self.probes[best]
+            self.cur = self.probes.plans[best]
         return best
-
-
-def probe_steps(step: float) -> np.ndarray:
-    """The descent's probe steps below the start's agreed ``step``: ``PROBES`` steps over the
-    ``PROBE_SPAN`` below it, quadratically spaced (the first 0.005% below, the last 20%; evenly
-    spaced ones missed the 0.3% a descent finds on well-balanced drafts, and a 10% span the
-    20-30% it finds on the baseline packing at 128K; ``scripts/bench.py dst_decomposed``): the
-    resolution the decomposed descent gives up against the central one."""
-    return step * (1.0 - PROBE_SPAN * (np.arange(1, PROBES + 1) / PROBES) ** 2)
-

@@ -71,9 +71,30 @@ def test_the_decomposed_plan_keeps_the_floors_and_is_close(objective):
         if q is not None:
             assert q.plan_cost(d) <= 1e-12
         ratios.append(t / step_time_of(costs, central.densities))
-    # the study (scripts/bench.py dst_decomposed) measures the runtime's drafts; on 40 such
-    # cases a side run found the ratio in [0.994, 1.004], median 1.0001
-    assert max(ratios) <= 1.01 and np.median(ratios) <= 1.003, ratios
+    # the study (scripts/bench.py dst_decomposed) measures the runtime's drafts; here the
+    # decomposed step is within issue 77's 0.5% of the central one (max 1.0018 on these 20;
+    # 1.0067 before the ranks' fills and shared budgets)
+    assert max(ratios) <= 1.005 and np.median(ratios) <= 1.0, ratios
+
+
+def test_the_other_ranks_raises_pay_a_critical_ranks_cuts():
+    """The miss a rank descending alone made (issue 77): DP 3, rank 1 critical; the descent's
+    start has no slack over the floors, so rank 1 alone could barely cut (1.47% slower than the
+    central plan, whose rounds raise the other ranks while they cut rank 1). With the other
+    ranks' fills agreed as supply and the slack split by demand, the decomposed plan keeps the
+    floors and is no slower than the central one."""
+    costs = synthetic_costs(3, 5, 4, seed=1016568231, lm_head=0.8111650382573556)
+    q, s = _quality(4), DSTSettings(D0, DMIN, DMAX, **FLOORS)
+    central = plan_dst_with_floor(costs, None, s, quality=q)
+    dec = plan_dst_decomposed(costs, None, s, quality=q)
+    d, w = dec.densities, costs.weights()
+    assert step_time_of(costs, d) <= step_time_of(costs, central.densities)
+    assert step_time_of(costs, d) < central.report.step_time_static_s * 0.93
+    assert weighted_mean_density(d, w) >= D0 - 1e-9 and q.plan_cost(d) <= 1e-12
+    assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
+    critical = int(np.argmax([step_time_of(costs, np.full(costs.shape, D0), r)
+                              for r in range(3)]))
+    assert critical == 1 and (d[1] < D0).sum() > 0 and (d[2] > D0).sum() > 0
 
 
 def test_the_tree_holds_every_candidate_the_search_asks_for():
@@ -157,3 +178,68 @@ def test_the_study_runs_on_the_runtimes_drafts():
             assert x["rank_cpu_s"]["max"] > 0
         if dp == 1:
             assert pt["ratio_max"] == 1.0 and pt["packing_ratio_max"] == 1.0
+
+
+def test_the_studys_missed_row_at_128k():
+    """The study's row that missed by most (DP 2 at 128K, step 1, the baseline packing: 1.0141
+    when each rank descended alone): the decomposed step is within 0.5% of the central one."""
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    if str(scripts) not in sys.path:
+        sys.path.insert(0, str(scripts))
+    from studies import dst_decomposed
+
+    pt = dst_decomposed.measure(2, 16, 4, steps=2, repeat=1, seq=131072)
+    row = pt["steps"][1]["packings"][1]
+    assert row["static_s"] > row["central_s"] * 1.01           # the descent has work to do
+    assert row["ratio"] <= 1.005, row["ratio"]
+    assert row["decomposed_density"] >= 0.5 - 1e-9 and row["decomposed_quality"] <= 1e-12
+
+
+def test_the_reductions_do_not_grow_with_dp(monkeypatch):
+    """Every rank's parts of the five reductions (AR1, AR2, AR3, AR3b, AR4) have the same
+    sizes at DP 2 and DP 7: what crosses the DP group is fixed by m, the stages and the
+    settings (AR3b, the largest: P x (3 stages + 6) + stages + 2 floats)."""
+    from sparsebalance_megatron.policy import dst_ranks
+    from sparsebalance_megatron.policy.dst_probes import PROBES
+
+    sizes, run = {}, {}
+
+    def spy(name):
+        f = getattr(dst_ranks.RankDST, name)
+
+        def wrapped(self, *a):
+            out = f(self, *a)
+            size = sum(np.size(v) for part in out.values() for v in part.values())
+            sizes.setdefault(run["dp"], {}).setdefault(name, set()).add(size)
+            return out
+        monkeypatch.setattr(dst_ranks.RankDST, name, wrapped)
+
+    for name in ("ar1", "cut", "raise_", "descent_start", "probe"):
+        spy(name)
+    m, pp = 6, 3
+    for dp in (2, 7):
+        run["dp"] = dp
+        costs = synthetic_costs(dp, m, pp, seed=50 + dp, lm_head=1.5)
+        plan_dst_decomposed(costs, None, DSTSettings(D0, DMIN, DMAX, **FLOORS),
+                            quality=_quality(pp))
+    assert sizes[2] == sizes[7]
+    assert all(len(v) == 1 for v in sizes[7].values())
+    assert sizes[7]["descent_start"] == {PROBES * (3 * pp + 6) + pp + 2}
+    assert sizes[7]["probe"] == {2 * PROBES * (pp + 2)}
+
+
+def test_a_ranks_budget_is_its_demand_and_a_share_of_what_is_left():
+    """``dst_probes._share``: where the ranks' summed demand fits the slack, a rank gets its
+    demand and an even part of the rest; where it does not, its part of the slack in
+    proportion to its demand (the budgets never sum past the slack)."""
+    from sparsebalance_megatron.policy.dst_probes import _share
+
+    slack, total, n = np.array([10.0, 4.0]), np.array([6.0, 8.0]), np.array([2.0, 2.0])
+    a, b = _share(slack, np.array([1.0, 2.0]), total, n), _share(slack, np.array([5.0, 6.0]),
+                                                                   total, n)
+    np.testing.assert_allclose(a, [1.0 + 2.0, 4.0 * 2 / 8])
+    np.testing.assert_allclose(b, [5.0 + 2.0, 4.0 * 6 / 8])
+    assert np.all(a + b <= slack + 1e-12)

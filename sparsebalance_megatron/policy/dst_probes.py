@@ -1,0 +1,260 @@
+"""The decomposed DST's critical-path descent, one DP rank's part (``dst_ranks.RankDST``'s
+``descent_start``, ``probe`` and ``pick``; issue 77, docs/DESIGN.md section 6).
+
+The central descent (``critical_path.refine_plan``) rounds over all DP ranks at once: a round
+cuts the units on paths longer than its target and raises every unit with float, on every rank,
+and is kept if the whole plan meets the floors; a rank off the critical path keeps what early
+rounds raised while the later ones cut the critical ranks. So the critical ranks' cuts are paid
+by the others' raises (the baseline packing at 128K, DP 2, step 1: the critical rank's cuts
+cost +0.009 of summed predicted loss, the other rank's raises -0.019). A rank descending alone
+(as this module did first) had only the start's slack over the floors, which is often none, and
+each critical rank spent all of it: 1.4% slower than the central plan there. Here every rank
+works on ``PROBES`` agreed steps below the start's (``probe_steps``) and two reductions agree
+what a rank cannot see:
+
+1. ``first`` (its parts ride AR3b): at the probes at or above the rank's start makespan, its
+   **fills**: the descent's raise with the probe as target (every unit grown by a fraction of
+   its float at (1 - h) x the probe, the rank no slower than max((1 - h) x probe, its
+   makespan)), in rounds until nothing moves, at every ``FILL_EVERY``-th such probe from the
+   deepest, each from the last; at a probe the rank keeps the shallowest fill whose makespan is
+   within it (what early rounds raise, a rank keeps); its gain over the start in kept work by
+   stage and quality sum is the rank's **supply**. Below its makespan, its **free** descent to
+   every probe with no floors (``critical_path._descent`` with the probe as goal, each from the
+   last, from the shallowest fill): what that takes from the kept work and adds to the quality
+   sum (each at least 0) is its **demand**. AR3b sums supply, demand, the number of ranks
+   descending and the free plans' kept work and quality, and takes their steps.
+2. ``probe`` (AR4): every rank finds on the free plans' sums the fastest that meets the
+   floors; below it, two chains of descents under the floors with the rest held: **shared**,
+   each rank spending its demand and an even part of what the slack (the start's surplus over
+   the floors plus the summed supply) leaves, or its part of the slack in proportion to its
+   demand where the ranks ask for more (kept work, by stage and quality apart); **alone**, each
+   spending the whole slack (the sums decide). A chain's descent that misses its probe is tried
+   again from the chain's start; a second miss ends the chain (deeper probes keep its plan).
+3. ``pick``: the fastest of AR4's 2P plans (the free plans down to their fastest, then each
+   chain's) whose sums meet the descent's floors globally.
+
+Cost: a rank's ``FILL_EVERY``-th fills and at most three chains of P descents, the chains under
+floors starting below the free plans' fastest; AR3b [P x (3 stages + 6)] floats, AR4
+[2P x (stages + 2)], none growing with DP.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels
+from ..kernels.descent import SCALE
+from ..kernels.records import Tables
+from ..sim.pipeline import event_graph
+from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent
+
+PROBES = 64               # the descent's probe steps ...
+PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
+FILL_EVERY = 8            # a fill every 8th probe at or above the rank's makespan
+
+
+def probe_steps(step: float) -> np.ndarray:
+    """The descent's probe steps below the start's agreed ``step``: ``PROBES`` steps over the
+    ``PROBE_SPAN`` below it, quadratically spaced (the first 0.005% below, the last 20%; evenly
+    spaced ones missed the 0.3% a descent finds on well-balanced drafts, and a 10% span the
+    20-30% it finds on the baseline packing at 128K; ``scripts/bench.py dst_decomposed``): the
+    resolution the decomposed descent gives up against the central one."""
+    return step * (1.0 - PROBE_SPAN * (np.arange(1, PROBES + 1) / PROBES) ** 2)
+
+
+class RankProbes:
+    """One DP rank's probed descent from ``start`` = (grid indices [1, m, stages], makespan,
+    kept work by stage, quality sum) toward ``steps`` (module docstring). ``w``: the rank's
+    work weights; ``qsum(idx)``: its quality sum of a plan (None: no quality objective)."""
+
+    def __init__(self, costs, w, settings, qsum, start: tuple, steps: np.ndarray):
+        s = settings
+        self.costs, self.w, self.s, self.qsum, self.start, self.steps = \
+            costs, w, s, qsum, start, steps
+        self.i0, self.i_min, self.i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
+        self.floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0
+        self.stage_floor = s.stage_density_floor * s.d0
+
+    def _record(self, idx, mk: float) -> tuple:
+        """(effective grid indices, makespan, kept work by stage, quality sum) of a plan."""
+        e = self.costs.effective_index(idx, self.i0)
+        kept = (self.costs.densities.take(e) * self.w).sum(axis=(0, 1))
+        return e, float(mk), kept, self.qsum(e) if self.qsum is not None else 0.0
+
+    def first(self) -> dict:
+        """The fills and the free descents: AR3b's parts, every probe's supply, demand and
+        whether the rank descends there, and the free plans' kept work by stage and quality
+        (sums) and makespans (``free_mk``: max)."""
+        idx, mk, kept0, q0 = self.start
+        p, nv = self.steps.size, kept0.size
+        self.fills, self.free = [None] * p, [None] * p
+        supply_k, supply_q = np.zeros((p, nv)), np.zeros(p)
+        demand_k, demand_t, demand_q = np.zeros((p, nv)), np.zeros(p), np.zeros(p)
+        below = np.flatnonzero(self.steps >= mk)
+        if below.size:
+            tried = np.unique(np.append(below[::FILL_EVERY], below[-1]))
+            cur, filler, own = idx, _Fill(self.costs, self.i_min, self.i_max, self.s), []
+            for j in tried[::-1]:                  # deepest first, each from the last
+                cur, f_mk = filler.fill(cur, float(self.steps[j]))
+                own.insert(0, self._record(cur, f_mk))
+            for j in below:         # the shallowest fill below the probe (raised earlier)
+                self.fills[j] = self.free[j] = next(f for f in own if f[1] <= self.steps[j])
+                supply_k[j], supply_q[j] = self.fills[j][2] - kept0, self.fills[j][3] - q0
+        self.top = own[0] if below.size else self.start
+        for j, plan in self._chain(lambda j: None):
+            self.free[j] = plan
+            demand_k[j] = np.maximum(kept0 - plan[2], 0.0)
+            demand_t[j] = max(float(kept0.sum() - plan[2].sum()), 0.0)
+            demand_q[j] = max(plan[3] - q0, 0.0)
+        return {"sum": {"supply_kept": supply_k, "supply_q": supply_q, "demand_kept": demand_k,
+                        "demand_total": demand_t, "demand_q": demand_q,
+                        "descending": np.array([f is None for f in self.fills], dtype=float),
+                        "free_kept": np.stack([f[2] for f in self.free]),
+                        "free_q": np.array([f[3] for f in self.free])},
+                "max": {"free_mk": np.array([f[1] for f in self.free])}}
+
+    def _chain(self, budget, first: int = 0):
+        """(probe, plan) for every probe below the start's makespan: from ``first`` on, the
+        descent to it from the last, under ``budget(j)`` = (kept work, kept work by stage,
+        quality) the rank may spend from the start's (None: no floors). A descent that misses
+        its probe is tried again from the chain's start (the chain's own cuts may be what
+        blocks it); a second miss ends the chain's descents."""
+        costs, s = self.costs, self.s
+        mk, kept0, q0 = self.start[1:]
+        plan, lim = self.top, None
+
+        def floors_at(i):
+            kept = (costs.densities.take(costs.effective_index(i, self.i0)) * self.w).sum(
+                axis=(0, 1))
+            return bool(float(kept.sum()) >= float(kept0.sum()) - lim[0]
+                        and np.all(kept >= kept0 - lim[1]))
+
+        def meets_at(i):
+            return floors_at(i) and (self.qsum is None or
+                                     self.qsum(costs.effective_index(i, self.i0)) <= q0 + lim[2])
+
+        def descend(start, goal):
+            new, step, _ = _descent(costs, start[0], self.i_min, self.i_max, s.p2p_s,
+                                    s.raise_headroom,
+                                    (lambda i: True) if lim is None else meets_at, ROUNDS,
+                                    None if lim is None else floors_at, goal=goal)
+            return self._record(new, step) if step < start[1] else start
+
+        for j in np.flatnonzero(self.steps < mk):
+            goal = float(self.steps[j])
+            lim = budget(j)
+            if plan[1] > goal and j >= first:
+                got = descend(plan, goal)
+                if got[1] > goal * (1.0 + 1e-9) and plan is not self.top:
+                    again = descend(self.top, goal)
+                    got = again if again[1] < got[1] else got
+                plan = got
+                if plan[1] > goal * (1.0 + 1e-9):
+                    first = self.steps.size
+            yield j, plan
+
+    def probe(self, agreed: dict, a1) -> dict:
+        """AR4's parts [2P] (AR3b's sums ``agreed``, AR1's totals ``a1``): the shared and the
+        alone chains' plans, each the free plan down to the free plans' fastest that meets the
+        floors: makespans (max), kept work by stage and quality sums (sums)."""
+        kept_all, q_all = agreed["kept_s"], float(agreed["quality"])
+        sup_k, sup_q = agreed["supply_kept"], agreed["supply_q"]
+        slack = (kept_all.sum() + sup_k.sum(axis=1) + a1.dense - self.floor * a1.tot,
+                 kept_all + sup_k + a1.dense_s - self.stage_floor * a1.tot_s,
+                 1e-12 * a1.units - q_all - sup_q)
+        n = np.maximum(agreed["descending"], 1.0)
+        total = (agreed["demand_total"], agreed["demand_kept"], agreed["demand_q"])
+        share = [_share(x, o, t, n if x.ndim == 1 else n[:, None])
+                 for x, o, t in zip(slack, self._demand(), total)]
+        free = self.best({"kept_s": agreed["free_kept"], "quality": agreed["free_q"],
+                          "mk": agreed["free_mk"]}, a1, float(agreed["mk"]))
+        self.plans, n_p = list(self.free) + list(self.free), self.steps.size
+        for c, budget in enumerate((share, slack)):
+            for j, plan in self._chain(lambda j: tuple(x[j] for x in budget), first=free + 1):
+                if j > free:
+                    self.plans[c * n_p + j] = plan
+        return {"sum": {"kept_s": np.stack([x[2] for x in self.plans]),
+                        "quality": np.array([x[3] for x in self.plans])},
+                "max": {"mk": np.array([x[1] for x in self.plans])}}
+
+    def _demand(self) -> tuple:
+        """The rank's own demand at every probe: kept work [P], by stage [P, stages], quality
+        [P]."""
+        kept0, q0 = self.start[2], self.start[3]
+        p = self.steps.size
+        t, k, q = np.zeros(p), np.zeros((p, kept0.size)), np.zeros(p)
+        for j, plan in enumerate(self.free):
+            if self.fills[j] is None:
+                t[j] = max(float(kept0.sum() - plan[2].sum()), 0.0)
+                k[j], q[j] = np.maximum(kept0 - plan[2], 0.0), max(plan[3] - q0, 0.0)
+        return t, k, q
+
+    def best(self, a: dict, a1, start_step: float) -> int:
+        """The fastest of plans whose agreed sums ``a`` (kept work by stage, quality sums,
+        makespans: [P, ...]) meet the descent's floors globally, the first of equal steps; -1:
+        none is faster than ``start_step``."""
+        floor, stage_floor = self.floor - 1e-12, self.stage_floor - 1e-12
+        best, best_step = -1, start_step
+        ok_s = a1.tot_s > 0
+        for j in range(a["mk"].size):
+            kept_s = a["kept_s"][j] + a1.dense_s
+            mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else 1.0
+            stage = np.where(ok_s, kept_s / np.where(ok_s, a1.tot_s, 1.0), np.inf)
+            meets = (mean >= floor and float(stage.min()) >= stage_floor
+                     and not (self.qsum is not None and a["quality"][j] / a1.units > 1e-12))
+            if meets and float(a["mk"][j]) < best_step:
+                best, best_step = j, float(a["mk"][j])
+        return best
+
+
+def _share(slack, own, total, n):
+    """A rank's budget of ``slack``: its demand ``own`` and an n-th of what the ranks'
+    ``total`` leaves; its part of the slack in proportion where they ask for more."""
+    over = total > slack
+    return np.where(over, slack * own / np.where(over, total, 1.0), own + (slack - total) / n)
+
+
+class _Fill:
+    """The descent's raise (``kernels.descent.Round``'s, after a cut that finds nothing) with a
+    fixed target, on one rank at or below it: what the central rounds give a rank off the
+    critical path."""
+
+    def __init__(self, costs, i_min: int, i_max: int, s):
+        dp, m, nv = costs.shape
+        self.graph = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
+        tables = Tables.of(costs.fwd_s, costs.bwd_s, costs.total_s, costs.formula)
+        self.rnd = kernels.descent.Round(self.graph.record(s.p2p_s), tables, costs.shape,
+                                         i_min, i_max)
+        self.t_min = np.ascontiguousarray(costs.total_s[..., i_min]).reshape(-1)
+        self.costs, self.p2p, self.h = costs, s.p2p_s, s.raise_headroom
+
+    def _sim(self, idx):
+        f, b = self.costs.at(idx)
+        dur = self.graph.durations(f, b)
+        ef = self.graph.earliest_finish(dur, self.p2p)
+        return f, b, dur, ef, self.graph.makespan(ef)
+
+    def fill(self, idx, target: float, rounds: int = ROUNDS) -> tuple:
+        """(grid indices, makespan) of ``idx`` (makespan at most ``target``) raised with
+        ``target`` in rounds until nothing moves."""
+        rnd, deadline = self.rnd, target * (1.0 - self.h)
+        f, b, dur, ef, mk = self._sim(idx)
+        for _ in range(rounds):
+            rnd.plan_changed()
+            now = rnd.plan(dur, ef, f, b, idx)
+            on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(now, self.t_min, target)
+            cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
+                now, mk, (on, cut_i, ranks, mk_p, dur_p, ef_p), deadline)
+            if not up.size:
+                break
+            limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15
+            raised = rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), limit)[-1]
+            new = cut.copy()
+            np.put(new, up, raised)
+            if np.array_equal(new, idx):
+                break
+            idx = new
+            f, b, dur, ef, mk = self._sim(idx)
+        return idx, float(mk.max())
