@@ -100,7 +100,8 @@ class RankProbes:
                 cur, f_mk = filler.fill(cur, float(self.steps[j]))
                 own.insert(0, self._record(cur, f_mk))
             for j in below:         # the shallowest fill below the probe (raised earlier)
-                self.fills[j] = self.free[j] = next(f for f in own if f[1] <= self.steps[j])
+                self.fills[j] = self.free[j] = next((f for f in own if f[1] <= self.steps[j]),
+                                                    self.start)    # within SCALE of a probe
                 supply_k[j], supply_q[j] = self.fills[j][2] - kept0, self.fills[j][3] - q0
         self.top = own[0] if below.size else self.start
         for j, plan in self._chain(lambda j: None):
