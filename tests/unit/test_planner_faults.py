@@ -307,7 +307,7 @@ def test_the_rounds_run_once_on_the_reader_thread_or_not_at_all(steps):
             with pytest.raises(PlannerProcessError, match="is late"):
                 pending.result()
             pending._thread.join(timeout=120)           # it comes back: dropped, not agreed
-            assert not pending._thread.is_alive() and pending._draft is None and calls == []
+            assert not pending._thread.is_alive() and pending.dropped and calls == []
         finally:
             proc.close()
 
