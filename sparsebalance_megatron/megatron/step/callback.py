@@ -17,7 +17,8 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   one ignored the plan or packed differently, calibrate the latency model, refine sensitivities,
   report metrics,
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
-  plan (rank 0 plans, broadcasts; every rank holds identical budgets), each committed only where
+  plan (every rank plans its own units, agreed over the DP group; every rank holds identical
+  budgets), each committed only where
   predicted no slower than the static baseline (do no harm, ``step/choice.py``).
 - ``record_loss`` (the loss function), ``state_dict`` (Megatron's ``--dataloader-save`` hook; with
   model chunks, the start of Megatron's checkpoint save: ``state.save_at_checkpoints``).
@@ -29,9 +30,10 @@ With ``--sb-replay-plans`` a step's packing and densities are another run's reco
 (``launch/replay.py``) instead of SAB's and DST's; the resume state is ``step/state.py``'s.
 
 By default (``--sb-planner process``; ``thread`` alike, ``step/ahead.py``) the next step's draft
-(documents, packing, latency features, rank 0's DST plan: no collective) is made while the step
-trains, by the rank's planner process, from the state after the previous step; ``end_step``
-joins it before it updates that state, and only the plan's broadcast stays on the critical path.
+(documents, packing, latency features: no collective) is made while the step trains, by the
+rank's planner process, from the state after the previous step, and its DST agreed with the other
+DP ranks on the planner's reader thread as soon as it is back; ``end_step`` joins it before it
+updates that state.
 So a step's plan always uses the state after the step before the previous one, and a checkpoint
 also holds that older state (``ahead_basis``): a resumed run re-plans its first step from it and
 repeats the uninterrupted run. ``--sb-planner inline`` plans after the step, on its critical
@@ -149,7 +151,7 @@ class SparseBalanceCallback(StepPlanning):
     # --- Megatron hooks ----------------------------------------------------------------------
     def train_iterator(self, chunk: int = 0):
         """The train data iterator of model chunk ``chunk`` (all ranks; collective for the first
-        chunk: the first plan is broadcast)."""
+        chunk: the first plan's DST is agreed over the DP group)."""
         from .data import TrainIterator
 
         if chunk:

@@ -3,7 +3,7 @@
 ``SparseBalanceCallback`` packs a step's documents with SAB and, when the rule is on
 (``--sb-stand-down`` not ``off``), also the baseline's way; ``choose`` then races the packings
 (``--sb-stand-down-compare``: DST's plans of both, or their static plans, DST planning the one
-chosen; rank 0: the plan is broadcast) or, without DST, compares the static plans (every rank: the
+chosen; in a run every rank plans its own units, agreed over the DP group) or, without DST, compares the static plans (every rank: the
 latency model and the packings are identical on every rank, so is the choice), and returns
 what to commit: the densities, DST's report describing the *committed* plan, and the stand-down
 record the metrics count. The same ``choose_step`` decides in the simulated study.

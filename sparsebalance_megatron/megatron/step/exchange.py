@@ -1,7 +1,9 @@
 """The per-step control plane: each rank's ``RankReport`` gathered into the ``StepSummary`` every
-rank ends a step with, and rank 0's DST plan broadcast, as fixed-size float64 tensors over the
-process groups Megatron already has (``runtime/comm.py`` moves them; ``step/record.py`` and
-``step/plan_record.py`` lay them out).
+rank ends a step with, as fixed-size float64 tensors over the process groups Megatron already has
+(``runtime/comm.py`` moves them; ``step/record.py`` lays them out), and the gloo copy of the DP
+group DST's rounds use (``ExchangeGroups.rounds``, ``step/dst_agree.py``). ``broadcast_plan``
+(rank 0's whole plan, ``step/plan_record.py``) is what runs did before DST was planned per rank:
+the control-plane study still prices it.
 
 The gather, in three levels:
 
@@ -17,8 +19,8 @@ bytes with the same function. A rank receives (t - 1) rank records, (pp - 1) cel
 (dp - 1) lines, not world-size pickles, and a ring's latency grows with t + pp + dp, not with
 t x pp x dp.
 
-The plan goes down the same tree: rank 0 (rank 0 of all three groups) to its pipeline group,
-each stage's rank to its data-parallel group, then each cell.
+``broadcast_plan`` went down the same tree: rank 0 (rank 0 of all three groups) to its pipeline
+group, each stage's rank to its data-parallel group, then each cell.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class StepPlanning(PlanBasis):
         return draft
 
     def _commit(self, draft: Draft) -> None:
-        """The draft becomes the prepared step (collective: rank 0's DST plan is broadcast)."""
+        """The draft becomes the prepared step (collective where its DST is not agreed yet)."""
         plan, report, sb, stand = None, None, self.sb, draft.stand_down
         if self.replay is not None and sb.sparse_attention_enabled:   # every rank read it
             plan = BudgetPlan(draft.iteration, draft.replayed)
