@@ -8,11 +8,12 @@ the adapter's reducer). So a rank's plan does not depend on who reduced its part
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
 one dict of every key, sums summed and maxima taken over the DP ranks; an optional ``"cat"``
-part is gathered (every rank's array, in rank order: the median anchor's busy seconds only). The rounds: AR1 (the
-static plans), AR2 (every candidate's cut), AR3 (every candidate's raise), then with the
-descent AR3b (its start) and AR4 (its probes), and, where a probe is kept, AR5 (the kept plan's
-report sums: they decide nothing; in a run they can ride the next step's AR1). At DP 1 the rank
-runs ``refine_plan`` itself after AR3: the central plan bit for bit. No round grows with DP.
+part is gathered (every rank's array, in rank order: the median anchor's busy seconds only).
+The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
+raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
+AR5 (the kept plan's report sums: they decide nothing; in a run they can ride the next step's
+AR1). At DP 1 the rank runs ``refine_plan`` itself after AR3: the central plan bit for bit. No
+round grows with DP but the median anchor's gather.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """

@@ -3,8 +3,9 @@
 ``SparseBalanceCallback`` packs a step's documents with SAB and, when the rule is on
 (``--sb-stand-down`` not ``off``), also the baseline's way; ``choose`` then races the packings
 (``--sb-stand-down-compare``: DST's plans of both, or their static plans, DST planning the one
-chosen; in a run every rank plans its own units, agreed over the DP group) or, without DST, compares the static plans (every rank: the
-latency model and the packings are identical on every rank, so is the choice), and returns
+chosen; in a run every rank plans its own units, agreed over the DP group) or, without DST,
+compares the static plans (every rank: the latency model and the packings are identical on
+every rank, so is the choice), and returns
 what to commit: the densities, DST's report describing the *committed* plan, and the stand-down
 record the metrics count. The same ``choose_step`` decides in the simulated study.
 
@@ -50,9 +51,10 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     and ``agree`` (a ``dst_agree.DPReducer`` over the DP group: collective) this rank plans
     only its own units, every step time and sum the choice reads agreed over the group, and
     the ranks' rows are gathered into the whole plan (a run); without them every DP rank's
-    rounds are made here in lockstep (the studies and tests: the same plan). The stand-down record is ``StepChoice.as_dict()``:
-    ``packing_index`` says which option to commit. tables: a ``TableMemory`` per option, the
-    cost tables' memory kept between steps (None: fresh arrays)."""
+    rounds are made here in lockstep (the studies and tests: the same plan). The stand-down
+    record is ``StepChoice.as_dict()``: ``packing_index`` says which option to commit. tables:
+    a ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
+    arrays)."""
     from ...policy.bands import straggler_present
     from ...policy.dst import dst_inputs
     from ...policy.dst_ranks_local import plan_dst_decomposed
