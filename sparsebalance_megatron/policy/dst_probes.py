@@ -198,11 +198,8 @@ class RankProbes:
         none is faster than ``start_step``."""
         floor, stage_floor = self.floor - 1e-12, self.stage_floor - 1e-12
         best, best_step = -1, start_step
-        ok_s = a1.tot_s > 0
         for j in range(a["mk"].size):
-            kept_s = a["kept_s"][j] + a1.dense_s
-            mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else 1.0
-            stage = np.where(ok_s, kept_s / np.where(ok_s, a1.tot_s, 1.0), np.inf)
+            mean, stage = a1.densities(a["kept_s"][j])
             meets = (mean >= floor and float(stage.min()) >= stage_floor
                      and not (self.qsum is not None and a["quality"][j] / a1.units > 1e-12))
             if meets and float(a["mk"][j]) < best_step:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 
@@ -133,6 +134,20 @@ class Agreed1:
     units: int                  # micro-batches over all ranks (the quality cost's mean)
     dp: int = 1                 # DP ranks
     mk0_mean: float = 0.0       # the static makespans' mean
+
+    def densities(self, kept_s: np.ndarray, plain_s: Optional[np.ndarray] = None) -> tuple:
+        """(mean, per-stage [stages]) work-weighted density of a plan whose agreed kept work by
+        stage is ``kept_s`` (routed work added here). Where the weights are zero: ``plain_s``,
+        the plan's plain mean density by stage; None (a floor check): 1.0 and inf, no floor
+        applies."""
+        kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
+        ok = self.tot_s > 0
+        if self.tot > 0:
+            mean = float(kept_s.sum() / self.tot)
+        else:
+            mean = 1.0 if plain_s is None else float(plain_s.sum() / plain_s.size)
+        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0),
+                              np.inf if plain_s is None else plain_s)
 
 
 class RankDST:
@@ -231,13 +246,7 @@ class RankDST:
         a1, p = self.a1, self.plans[k]
         if a1.dp == 1:
             return p.report
-        kept_s = a3["kept_s"][k] + a1.dense_s
-        plain_s = a3["plain_s"][k] / a1.units           # a stage's plain mean density
-        mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else \
-            float(plain_s.sum() / plain_s.size)
-        ok = a1.tot_s > 0
-        stage = tuple(float(x) for x in np.where(ok, kept_s / np.where(ok, a1.tot_s, 1.0),
-                                                 plain_s))
+        mean, stage = a1.densities(a3["kept_s"][k], a3["plain_s"][k] / a1.units)
         step, mean_mk = float(a3["mk"][k]), float(a3["mk_sum"][k]) / a1.dp
         cut, raised, reverted = (int(x) for x in a3["counts"][k])
         return replace(p.report, step_time_planned_s=step, speedup=a1.t0 / step if step > 0
@@ -245,7 +254,7 @@ class RankDST:
                        else 1.0, imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
                        units_cut=cut, units_raised=raised, ranks_reverted=reverted,
                        step_time_cut_s=float(self.t1[k]), mean_density=mean,
-                       density_per_stage=stage,
+                       density_per_stage=tuple(float(x) for x in stage),
                        quality_cost=float(a3["quality"][k]) / a1.units
                        if self.quality is not None and self.water[k] else float("nan"))
 

@@ -115,25 +115,14 @@ def report_parts(rk: RankDST) -> Parts:
 def descended_report(r: DSTReport, a1: Agreed1, a5: dict, quality: bool) -> DSTReport:
     """The report of the descended plan from AR5's agreed sums (the band report ``r``'s other
     fields kept)."""
-    mean, stage = agreed_densities(a1, a5["kept_s"], a5["plain_s"] / a5["units"])
+    mean, stage = a1.densities(a5["kept_s"], a5["plain_s"] / a5["units"])
     step, mean_mk = float(a5["mk"]), float(a5["mk_sum"]) / a1.dp
     cut, raised = (int(x) for x in a5["counts"])
     return replace(r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
                    imbalance_after=step / mean_mk if mean_mk > 0 else 1.0, mean_density=mean,
                    units_cut=cut, units_raised=raised, ranks_reverted=0,
-                   density_per_stage=stage,
+                   density_per_stage=tuple(float(x) for x in stage),
                    quality_cost=float(a5["quality"]) / a1.units if quality else r.quality_cost)
-
-
-def agreed_densities(a1: Agreed1, kept_s: np.ndarray, plain_s: np.ndarray) -> tuple:
-    """(mean, per-stage) work-weighted density of a plan whose agreed kept work by stage is
-    ``kept_s`` (routed work added here); ``plain_s``: its plain mean density by stage, read
-    where the weights are zero."""
-    kept_s = np.asarray(kept_s, dtype=np.float64) + a1.dense_s
-    mean = float(kept_s.sum() / a1.tot) if a1.tot > 0 else float(plain_s.sum() / plain_s.size)
-    ok = a1.tot_s > 0
-    stage = np.where(ok, kept_s / np.where(ok, a1.tot_s, 1.0), plain_s)
-    return mean, tuple(float(x) for x in stage)
 
 
 def run_rounds(rounds: Generator[Parts, dict, RankPlan],
