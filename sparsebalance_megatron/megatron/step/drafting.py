@@ -155,6 +155,15 @@ class Drafter:
             return None
         return self.latency.unit_features(batch.unit_csr(with_padding=True))
 
+    def settle(self, draft: Draft, *, rank: int, agree) -> tuple:
+        """(densities, report) of ``draft``'s step as DP rank ``rank`` commits it: its DST of
+        its own units, agreed with the other DP ranks through ``agree`` (a ``DPReducer`` or
+        anything with its ``__call__``, ``max`` and ``gather``: collective). The one entry for
+        a rank's agreement, wherever it runs."""
+        densities, report, _ = self.choose([draft.packing(i) for i in range(draft.options)],
+                                           dst=True, rank=rank, agree=agree)
+        return densities, report
+
     def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None):
         """(densities, DST report, stand-down record) of the step: DST on each packing option,
         under the do-no-harm rule (``step_choice.choose``); with ``rank`` and ``agree`` (the

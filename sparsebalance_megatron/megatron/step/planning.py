@@ -148,10 +148,8 @@ class StepPlanning(PlanBasis):
         with the other DP ranks' over the DP group's gloo copy (collective: every rank, once a
         step, on the reader or planner thread while the step trains, else on the training
         thread before the step's end changes the state the draft read)."""
-        densities, report, _ = self.drafter().choose(
-            [draft.packing(i) for i in range(draft.options)], dst=True, rank=self.dp_rank,
-            agree=DPReducer(self.exchange.groups.rounds))
-        return densities, report
+        return self.drafter().settle(draft, rank=self.dp_rank,
+                                     agree=DPReducer(self.exchange.groups.rounds))
 
     def _agreeing(self) -> bool:
         return self.sb.dst_enabled and self.replay is None
