@@ -228,8 +228,9 @@ def check_shape_args(dp: int, num_microbatches: int, max_tokens: int) -> None:
 
 
 def as_segments(samples) -> list:
-    """Segments from a list of (sample_id, start, end) triples or a [n] array of lengths
-    (sample i = tokens [0, length_i))."""
+    """Segments from a list of (sample_id, start, end) triples, an [n, 3] integer array of them
+    (``GlobalBatchSampler.next_bin_array``) or a [n] array of lengths (sample i = tokens
+    [0, length_i))."""
     return as_segment_array(samples)[0]
 
 
@@ -261,6 +262,11 @@ def as_segment_array(samples) -> tuple[list, np.ndarray]:
         return list(samples), samples.array
     if isinstance(samples, np.ndarray) and samples.ndim == 1:
         samples = [(i, 0, int(n)) for i, n in enumerate(samples.tolist())]
+    elif isinstance(samples, np.ndarray) and samples.ndim == 2 and samples.shape[1] == 3 \
+            and samples.dtype.kind in "iu" and len(samples):    # the sampler's rows
+        a = samples.astype(np.int64)
+        if bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
+            return list(map(tuple, a.tolist())), a
     if len(samples):
         try:
             a = np.asarray(samples, dtype=np.int64)

@@ -272,6 +272,7 @@ class GlobalBatchSampler:
         self.current: Optional[int] = None   # source of the document being cut (offset > 0)
         self.offset, self.step, self.bins = 0, 0, 0
         self._orders: dict = {}
+        self._stream: tuple = (None,)        # (epochs, orders end to end, their starts)
 
     def _check_sources(self, sources) -> list:
         n = self.n_positions.size
@@ -336,33 +337,51 @@ class GlobalBatchSampler:
 
     def next_bins(self, n_bins: int) -> list[Segment]:
         """Segments of the next ``n_bins`` bins, in order (the last bin may be part-filled)."""
+        return list(map(tuple, self.next_bin_array(n_bins).tolist()))
+
+    def next_bin_array(self, n_bins: int) -> np.ndarray:
+        """``next_bins`` as an [n, 3] int64 array of (doc, start, end) rows: the stream cut by
+        a compiled pass (``kernels.packing.stream_pass``: a document at a time, in each
+        source's order, from the source furthest behind its share; a piece that does not fit
+        what is free in the bin opens the next one), with no Python object per segment (what
+        the planner is sent at every step)."""
+        from .. import kernels
+
         n_bins = _check_positive_int("n_bins", n_bins)
-        out: list[Segment] = []
-        bins_left, free = n_bins, 0
+        k = len(self.sources)
+        sizes = np.fromiter((src.size for src in self.sources), dtype=np.int64, count=k)
+        positions = np.asarray(self.positions, dtype=np.int64)
+        taken = np.asarray(self.taken, dtype=np.int64)
+        state = np.array([-1 if self.current is None else self.current, self.offset, n_bins,
+                          0, 0], dtype=np.int64)
+        out = np.empty((8 * n_bins + 16, 3), dtype=np.int64)
         while True:
-            src = self._pick_source()
-            doc = int(self.source_order(src, self.epochs[src])[self.positions[src]])
-            n = int(self.n_positions[doc])
-            end = min(n, self.offset + self.capacity)
-            size = end - self.offset
-            if size > free:
-                if bins_left == 0:
-                    break
-                bins_left -= 1
-                free = self.capacity
-            if self.offset == 0:
-                self.taken[src] += n
-            out.append((doc, self.offset, end))
-            free -= size
-            self.offset = end
-            self.current = src
-            if self.offset == n:
-                self.offset, self.current = 0, None
-                self.positions[src] += 1
-                if self.positions[src] == self.sources[src].size:
-                    self.positions[src], self.epochs[src] = 0, self.epochs[src] + 1
+            order, lo = self._stream_orders(sizes)
+            stop = kernels.packing.stream_pass(order, lo, kernels.i64(self.n_positions),
+                                               kernels.f64(self.weights),
+                                               self.capacity, positions, sizes, taken, state,
+                                               out)
+            if stop == -1:
+                break
+            if stop == -2:                       # more pieces than rows: twice the rows
+                out = np.concatenate([out, np.empty_like(out)])
+            else:                                # source ``stop`` read all its documents
+                self.epochs[stop] += 1
+        self.positions, self.taken = positions.tolist(), taken.tolist()
+        cur, self.offset = int(state[0]), int(state[1])
+        self.current = None if cur < 0 else cur
         self.bins += n_bins
-        return out
+        return out[:int(state[4])].copy()
+
+    def _stream_orders(self, sizes: np.ndarray) -> tuple:
+        """(every source's order this epoch, end to end; where each starts), remade only when
+        an epoch changes (``source_order``)."""
+        key = tuple(self.epochs)
+        if self._stream[0] != key:
+            orders = [self.source_order(s, e) for s, e in enumerate(self.epochs)]
+            self._stream = (key, orders[0] if len(orders) == 1 else np.concatenate(orders),
+                            np.r_[0, np.cumsum(sizes)[:-1]].astype(np.int64))
+        return self._stream[1], self._stream[2]
 
     def next_global_batch(self) -> list[Segment]:
         """Segments of this step: ``dp * num_microbatches`` bins."""
@@ -377,7 +396,7 @@ class GlobalBatchSampler:
         left = int(n_bins)
         while left:
             chunk = min(left, 4096)
-            self.next_bins(chunk)
+            self.next_bin_array(chunk)
             left -= chunk
 
     def skip_steps(self, n_steps: int) -> None:

@@ -1,7 +1,8 @@
 """SAB's per-segment loops, compiled (``batching.packing``): the LPT assignment of segments to
 DP ranks (the least loaded rank with token room, ties to the lowest rank), each rank's cut into
 contiguous micro-batches, the micro-batches' slots (the cheapest two first and last), and the
-baseline's sequential fill (``sequential_starts``, ``data.packing.sequential_bins``).
+baseline's sequential fill (``sequential_starts``, ``data.packing.sequential_bins``), and the
+document stream's cut into bins (``stream_pass``, ``data.packing.GlobalBatchSampler``).
 
 Every sum of costs is CPython's ``sum()`` of floats (3.12+: Neumaier's compensated sum,
 ``py_sum``), so the Python fallbacks around them (``assignment.first_fit_decreasing``'s bins, the
@@ -17,7 +18,7 @@ import numpy as np
 
 from . import f64, i64, jit
 
-__all__ = ["lpt_ranks", "py_sum", "py_sums", "rank_bins", "sequential_starts"]
+__all__ = ["lpt_ranks", "py_sum", "py_sums", "rank_bins", "sequential_starts", "stream_pass"]
 
 
 @jit
@@ -204,6 +205,56 @@ def seq_starts_pass(size, cap, starts):
     return n
 
 
+@jit
+def stream_pass(order, lo, n_positions, weights, capacity, positions, sizes, taken, state, out):
+    # GlobalBatchSampler's stream: the next documents cut into bins of ``capacity`` positions.
+    # order[lo[s] + i]: source s's i-th document this epoch, sizes[s] its documents;
+    # state = [current source (-1: none), offset in its document, bins left, free positions,
+    # rows of ``out`` [cap, 3] written]. Returns -1 (no bin left for the next piece), -2 (out
+    # full) or s >= 0 (source s just ended its epoch: its order is renewed, then called again);
+    # positions, taken and state carry on where it stopped.
+    cur, off, left, free, n = state[0], state[1], state[2], state[3], state[4]
+    k = sizes.size
+    stop = -1
+    while True:
+        src = cur
+        if src < 0:
+            src = 0
+            if k > 1:
+                best = taken[0] / weights[0]
+                for s in range(1, k):
+                    v = taken[s] / weights[s]
+                    if v < best:
+                        best, src = v, s
+        if n == out.shape[0]:
+            stop = -2
+            break
+        doc = order[lo[src] + positions[src]]
+        npos = n_positions[doc]
+        end = min(npos, off + capacity)
+        size = end - off
+        if size > free:
+            if left == 0:
+                break
+            left -= 1
+            free = capacity
+        if off == 0:
+            taken[src] += npos
+        out[n, 0], out[n, 1], out[n, 2] = doc, off, end
+        n += 1
+        free -= size
+        off, cur = end, src
+        if off == npos:
+            off, cur = 0, -1
+            positions[src] += 1
+            if positions[src] == sizes[src]:
+                positions[src] = 0
+                stop = src
+                break
+    state[0], state[1], state[2], state[3], state[4] = cur, off, left, free, n
+    return stop
+
+
 def sequential_starts(size: np.ndarray, cap: int) -> list:
     """``[b[0] for b in data.packing.sequential_bins(size, cap)]`` compiled (its ValueError
     for a segment over ``cap``)."""
@@ -257,5 +308,8 @@ def warm_up() -> None:
     lpt_ranks(one, i1, np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
+    stream_pass(np.arange(2), np.zeros(1, dtype=np.int64), i1, one[:1], 4, np.zeros(1, np.int64),
+                np.array([2]), np.zeros(1, np.int64), np.array([-1, 0, 1, 0, 0]),
+                np.zeros((4, 3), dtype=np.int64))
     slot_order(np.ones(3))
     py_sums(one, np.arange(2), np.array([0, 1, 2]))

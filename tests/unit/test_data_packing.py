@@ -259,3 +259,62 @@ def test_variable_length_micro_batches_end_at_their_documents_rounded_up():
         materialize(segs, corpus, 64, length_multiple=32)
     with pytest.raises(ValueError, match="multiple=-2"):
         packed_length(5, 64, -2)
+
+
+def _stream_oracle(s: GlobalBatchSampler, n_bins: int) -> list:
+    """The sampler's stream a document at a time in Python, on its own state (the brute-force
+    reference ``next_bin_array``'s compiled pass must equal)."""
+    out, left, free = [], n_bins, 0
+    while True:
+        if s.current is not None:
+            src = s.current
+        else:
+            behind = [t / w for t, w in zip(s.taken, s.weights.tolist())]
+            src = behind.index(min(behind))
+        doc = int(s.source_order(src, s.epochs[src])[s.positions[src]])
+        n = int(s.n_positions[doc])
+        end = min(n, s.offset + s.capacity)
+        if end - s.offset > free:
+            if left == 0:
+                break
+            left, free = left - 1, s.capacity
+        if s.offset == 0:
+            s.taken[src] += n
+        out.append((doc, s.offset, end))
+        free -= end - s.offset
+        s.offset, s.current = end, src
+        if s.offset == n:
+            s.offset, s.current = 0, None
+            s.positions[src] += 1
+            if s.positions[src] == s.sources[src].size:
+                s.positions[src], s.epochs[src] = 0, s.epochs[src] + 1
+    s.bins += n_bins
+    return out
+
+
+def test_the_compiled_stream_is_the_document_at_a_time_stream():
+    """``next_bins`` (``next_bin_array``'s compiled pass) cuts the same segments and leaves the
+    same state as the stream read a document at a time: one and several sources, blend weights,
+    CP padding, split documents, epochs turning mid-call, calls of any size one after another."""
+    rng = np.random.default_rng(1)
+    for case in range(150):
+        n = int(rng.integers(3, 40))
+        lengths = rng.integers(1, 300, n)
+        cap = int(rng.choice([8, 16, 64, 256]))
+        kw = dict(capacity=cap, seed=int(rng.integers(0, 5)),
+                  pad_multiple=int(rng.choice([1, 2, 4, 8])))
+        if case % 2:
+            perm = rng.permutation(n)
+            kw["sources"] = np.split(perm, sorted(rng.choice(np.arange(1, n), 2, replace=False)))
+            if case % 4 == 1:
+                kw["weights"] = (rng.random(3) + 0.1).tolist()
+        got, want = GlobalBatchSampler(lengths, **kw), GlobalBatchSampler(lengths, **kw)
+        for _ in range(5):
+            bins = int(rng.integers(1, 30))
+            segs = got.next_bins(bins)
+            assert segs == _stream_oracle(want, bins), case
+            assert all(type(x) is int for seg in segs for x in seg)
+            assert (got.epochs, got.positions, got.taken, got.offset, got.current, got.bins) \
+                == (want.epochs, want.positions, want.taken, want.offset, want.current,
+                    want.bins), case
+        assert np.array_equal(got.next_bin_array(7), np.asarray(_stream_oracle(want, 7)))

@@ -64,8 +64,11 @@ plan_dst_with_floor(costs, rng.random((6, 8)), DSTSettings(
     quality=_quality(4))
 lm.calibrate_ranks(np.ones((6, 4)), np.full((6, 4), 1.1))
 UnitCosts.from_latency(lm, lengths, 6, 8, grid)
+from sparsebalance_megatron.data.packing import GlobalBatchSampler
+GlobalBatchSampler(np.concatenate(lengths), capacity=8192, seed=0, sources=[np.arange(20),
+                   np.arange(20, 30)]).next_bin_array(12)          # the step's documents
 after = signatures()
-assert before == after and sum(n > 0 for n in after.values()) == 21, (before, after)
+assert before == after and sum(n > 0 for n in after.values()) == 22, (before, after)
 print("ok")
 """
 

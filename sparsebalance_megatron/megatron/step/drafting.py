@@ -79,7 +79,7 @@ class Drafter:
     def draft(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
               with_dst: bool) -> Draft:
         """The step's packing(s), latency features and, with ``with_dst`` (the rank that plans),
-        DST's plan; ``segments``: the step's global batch (the sampler's ``next_bins``)."""
+        DST's plan; ``segments``: the step's global batch (the sampler's ``next_bin_array``)."""
         t0 = time.thread_time()
         sb = self.sb
         replayed, payload, stand = None, None, None

@@ -107,7 +107,7 @@ class StepPlanning(PlanBasis):
         """The step's documents (the sampler's next bins), packing, latency features and
         (rank 0) DST plan; no collective (safe on the planner thread)."""
         first_bin = self.sampler.bins
-        segments = self.sampler.next_bins(self.dp * num_microbatches)
+        segments = self.sampler.next_bin_array(self.dp * num_microbatches)
         return self._timed_draft(iteration=iteration, first_bin=first_bin, segments=segments,
                                  num_microbatches=num_microbatches, with_dst=False)
 
@@ -175,7 +175,7 @@ class StepPlanning(PlanBasis):
             self._planner = Drafted(self._draft(it, m), basis)
             return
         first_bin = self.sampler.bins
-        segments = self.sampler.next_bins(self.dp * m)
+        segments = self.sampler.next_bin_array(self.dp * m)
         fault = self._planner_fault(it)
         if fault in ("planner-stop", "planner-kill-drafting"):
             self._process.stop_for_test()    # it can answer nothing now
