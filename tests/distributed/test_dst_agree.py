@@ -2,7 +2,9 @@
 planning only its own DP rank's slice, the reductions all-reduced (``megatron/step/dst_agree``),
 must end with the plan the in-process driver makes from the whole step (the same grid indices,
 the same report up to a sum's rounding), every rank of a DP rank's pipeline with the same rows,
-and a rank sending the same bytes a round at DP 2 and DP 4."""
+and a rank sending the same bytes a round at DP 2 and DP 4. SAB's agreement over the same groups
+(``batching.sab_rounds``) must be the one made from every rank's units, and each rank's packing
+its row of ``sab_plan``."""
 
 from __future__ import annotations
 
@@ -68,6 +70,33 @@ def _choices(rank: int, group, dp: int) -> dict:
     return out
 
 
+def _sab(dp: int):
+    """A step's SAB assignment every rank builds alike (sab_plan's)."""
+    from sparsebalance_megatron.batching import latency_sample_cost_fn, sab_plan
+    from sparsebalance_megatron.batching.packing import sab_assignment
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=8192), pp=2)
+    lengths = np.minimum(np.random.default_rng(dp).pareto(1.1, size=40 * dp) * 600 + 64,
+                         8000).astype(np.int64)
+    lengths = lengths[np.cumsum(lengths) <= 0.6 * dp * 4 * 8192]
+    kw = dict(dp=dp, num_microbatches=4, max_tokens=8192, cost_fn=latency_sample_cost_fn(lm, 0.5))
+    return sab_assignment(lengths, **kw), sab_plan(lengths, **kw)
+
+
+def _sab_rows(rank: int, group, dp: int):
+    """(this rank's row after the agreement over ``group``, the bytes of its rounds)."""
+    from sparsebalance_megatron.batching.sab_rounds import agreement_rounds
+    from sparsebalance_megatron.megatron.step.dst_agree import DPReducer
+    from sparsebalance_megatron.policy.dst_rounds import run_rounds
+
+    asg, _ = _sab(dp)
+    mine = asg.units([rank])
+    reducer = DPReducer(group)
+    agreed = run_rounds(agreement_rounds(asg, mine), reducer)
+    return asg.rank_plan(mine, agreed).micro_batches[0], reducer.sent
+
+
 def _worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as dist
 
@@ -89,6 +118,7 @@ def _worker(rank: int, init_file: str, out_dir: str):
         out[name] = dict(dp_rank=r, index=plan.grid_index, report=plan.report,
                          candidate=plan.candidate, probe=plan.probe, sent=reducer.sent,
                          choices=_choices(r, group, dp) if "median" not in name else None)
+        out[name]["sab"] = _sab_rows(r, group, dp)
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
     dist.destroy_process_group()
@@ -177,3 +207,15 @@ def test_a_ranks_choice_over_the_dp_group_is_the_whole_steps(runs):
                 assert np.shape(report["unit_sensitivity"]) == (dp, 4)
                 moved += report["units_cut"] + report["units_raised"]
     assert moved > 0                            # DST moved densities: the plans say something
+
+
+def test_sabs_agreement_over_the_dp_group_packs_each_ranks_row(runs):
+    """Each rank packs only its own micro-batches and agrees the candidates' over the group:
+    its row is ``sab_plan``'s (two rounds: a flag, counts and the makespans; the candidates'
+    block)."""
+    for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
+        _, whole = _sab(dp)
+        for run in runs:
+            row, sent = run[name]["sab"]
+            assert row == whole.micro_batches[run[name]["dp_rank"]], name
+            assert len(sent) == 3, sent            # round 1: max and cat; round 2: sum

@@ -121,3 +121,75 @@ def test_run_sums_are_pythons_sum_of_each_run():
     got = py_sums(x, idx, offsets)
     want = [sum(x[idx[a:b]].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
     assert got.tolist() == want
+
+
+def _agree_in_lockstep(asg):
+    """Every rank's ``agreement_rounds`` driven in lockstep, reduced in-process (a run's
+    all-reduces, ``policy.dst_rounds.reduce_in_process``): their agreements, in rank order."""
+    from sparsebalance_megatron.batching.sab_rounds import agreement_rounds
+    from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
+
+    return plan_rounds_in_process([agreement_rounds(asg, asg.units([r]))
+                                   for r in range(asg.dp)])
+
+
+def _same_units(a, b):
+    assert (a is None) == (b is None)
+    if a is None:
+        return
+    np.testing.assert_array_equal(a.ranks, b.ranks)
+    assert a.bins == b.bins and a.fits == b.fits
+    for f in ("fwd_s", "bwd_s", "slots", "span_s"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None), f
+        if x is not None:
+            assert x.dtype == y.dtype, f
+            np.testing.assert_array_equal(x, y, err_msg=f)
+
+
+@pytest.mark.parametrize("dp", [1, 3, 8, 50])
+def test_the_ranks_rounds_agree_what_every_ranks_units_agree(dp):
+    """The agreement each rank makes from its own units and two rounds of reductions is the one
+    made from every rank's units (``SABAssignment.agree``), field for field, past the candidates'
+    cut (DP 50 > 2 x 19 candidates), with and without a latency cost; each rank's plan after it
+    is its row of ``sab_plan``."""
+    m, cap = 4, 4096
+    segs = _batch(dp, dp, m, cap, n_docs=40 * dp)
+    model = LatencyModel.analytic(pp=2)
+    for kw in (dict(cost_fn=latency_sample_cost_fn(model, 0.3)), dict()):
+        asg = sab_assignment(segs, dp=dp, num_microbatches=m, max_tokens=cap, seed=dp, **kw)
+        want = asg.agree(asg.units())
+        whole = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=cap, seed=dp, **kw)
+        for r, got in enumerate(_agree_in_lockstep(asg)):
+            assert got.fallback == want.fallback
+            _same_units(got.candidates, want.candidates)
+            assert asg.rank_plan(asg.units([r]), got).micro_batches[0] == whole.micro_batches[r]
+
+
+def test_the_ranks_rounds_fall_back_together():
+    """A rank's cut does not fit: every rank's rounds agree the sequential bins, as the whole
+    agreement does, and each rank's plan is its row of the fallback plan (the batch whose
+    cost-first packing fragments the bins, and tight random batches)."""
+    model = LatencyModel.analytic(pp=2)
+    cases = [((0, 0, 60), (1, 0, 40), (2, 0, 70), (3, 0, 30), (4, 0, 55), (5, 0, 45),
+              (6, 0, 80), (7, 0, 20))]
+    shapes = [(2, 2, 100)]
+    for case in range(30):
+        rng = np.random.default_rng(300 + case)
+        dp, m, cap = int(rng.integers(2, 5)), int(rng.integers(1, 4)), 128
+        lengths = (rng.pareto(1.1, size=200) * 40 + 16).astype(np.int64)
+        cases.append(GlobalBatchSampler(lengths, capacity=cap, dp=dp, num_microbatches=m,
+                                        seed=case).next_global_batch())
+        shapes.append((dp, m, cap))
+    fell = 0
+    for segs, (dp, m, cap) in zip(cases, shapes):
+        kw = dict(dp=dp, num_microbatches=m, max_tokens=cap,
+                  cost_fn=latency_sample_cost_fn(model, 0.5))
+        asg, whole = sab_assignment(list(segs), **kw), sab_plan(list(segs), **kw)
+        want = asg.agree(asg.units())
+        for r, got in enumerate(_agree_in_lockstep(asg)):
+            assert got.fallback == want.fallback == whole.fallback
+            _same_units(got.candidates, want.candidates)
+            assert asg.rank_plan(asg.units([r]), got).micro_batches[0] == whole.micro_batches[r]
+        fell += whole.fallback
+    assert fell >= 1

@@ -1,0 +1,85 @@
+"""SAB's agreement as a DP rank makes it (issue 77): ``agreement_rounds`` is one rank's generator
+of rounds, in the form of ``policy.dst_rounds`` (it yields the rank's part of a round,
+``{"sum": ..., "max": ..., "cat": ...}``, and is sent what the group agreed), so the same
+reductions carry it: in-process in lockstep (the tests), over the DP group in a run
+(``megatron/step/dst_agree.DPReducer``). It returns the ``assignment.Agreement`` that
+``SABAssignment.agree`` makes from every rank's units, field for field, from the rank's own units
+(``SABAssignment.units([r])``) and two rounds:
+
+1. max of a flag (some rank's cut does not fit: every rank then packs the sequential bins, which
+   every rank prices alike, ``SABAssignment.agree``'s fallback) and of the ranks' segment counts
+   (the width of round 2's rows); the ranks' makespans gathered in DP order (8 bytes a rank: the
+   one part that grows with DP), from which every rank takes the same ``slots.candidates``;
+2. sum of a [candidates, width] float64 block in which each candidate rank fills its own row (its
+   per-stage costs, seed slots, makespan, bin sizes and segment indices; every other row is zero,
+   so the sum is the row, exactly: integers below 2**53 travel as float64).
+
+Without a ``LatencyCost`` nothing is arranged and round 1's flag is the whole agreement.
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Generator
+
+import numpy as np
+
+from . import slots as slot_search
+from .assignment import Agreement, RankUnits, SABAssignment
+
+
+def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict, Agreement]:
+    """DP rank ``mine.ranks[0]``'s rounds of ``a``'s agreement (``mine``: its ``units``)."""
+    if mine.ranks.size != 1:
+        raise ValueError(f"agreement_rounds takes one rank's units, got ranks "
+                         f"{mine.ranks.tolist()}")
+    priced = a.cost_fn is not None
+    fits = bool(mine.fits)
+    nseg = sum(map(len, mine.bins[0])) if fits else 0
+    span = float(mine.span_s[0]) if fits and priced else 0.0
+    got = yield {"sum": {}, "max": {"unfit": int(not fits), "nseg": int(nseg)},
+                 "cat": {"span": np.array([span])} if priced else {}}
+    if got["unfit"]:                   # every rank alike: the sequential bins
+        return a.agree(RankUnits(np.arange(a.dp), None, False))
+    if not priced:
+        return Agreement(False, None)
+    ranks = slot_search.candidates(np.asarray(got["span"], dtype=np.float64))
+    block = np.zeros((ranks.size, _width(mine, int(got["nseg"]))))
+    at = int(np.searchsorted(ranks, mine.ranks[0]))
+    if at < ranks.size and ranks[at] == mine.ranks[0]:
+        block[at] = _row(mine, block.shape[1])
+    got = yield {"sum": {"candidates": block}, "max": {}}
+    return Agreement(False, _units(ranks, np.asarray(got["candidates"]), mine))
+
+
+def _width(mine: RankUnits, nseg: int) -> int:
+    """A candidate's row: fwd and bwd [m, stages], seed slots [m], makespan, bin sizes [m],
+    up to ``nseg`` segment indices."""
+    _, m, nv = mine.fwd_s.shape
+    return 2 * m * nv + 2 * m + 1 + nseg
+
+
+def _row(mine: RankUnits, width: int) -> np.ndarray:
+    bins = mine.bins[0]
+    items = [i for b in bins for i in b]
+    row = np.concatenate([mine.fwd_s[0].reshape(-1), mine.bwd_s[0].reshape(-1),
+                          mine.slots[0], mine.span_s[:1], [len(b) for b in bins], items])
+    return np.pad(row.astype(np.float64), (0, width - row.size))
+
+
+def _units(ranks: np.ndarray, rows: np.ndarray, mine: RankUnits) -> RankUnits:
+    """The candidates' ``RankUnits`` from round 2's rows."""
+    _, m, nv = mine.fwd_s.shape
+    k, mn = ranks.size, m * nv
+    fwd = rows[:, :mn].reshape(k, m, nv)
+    bwd = rows[:, mn:2 * mn].reshape(k, m, nv)
+    slots = rows[:, 2 * mn:2 * mn + m].astype(mine.slots.dtype)
+    span = rows[:, 2 * mn + m].astype(mine.span_s.dtype)
+    sizes = rows[:, 2 * mn + m + 1:2 * mn + 2 * m + 1].astype(np.int64)
+    items = rows[:, 2 * mn + 2 * m + 1:].astype(np.int64).tolist()
+    bins = []
+    for r in range(k):
+        cut = np.r_[0, np.cumsum(sizes[r])].tolist()
+        bins.append([items[r][cut[j]:cut[j + 1]] for j in range(m)])
+    return RankUnits(ranks, bins, True, fwd.astype(mine.fwd_s.dtype, copy=False),
+                     bwd.astype(mine.bwd_s.dtype, copy=False), slots, span)
