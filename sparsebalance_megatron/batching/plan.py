@@ -16,6 +16,7 @@ Pure Python + numpy (and ``kernels``); must not import torch, megatron or torch.
 
 from __future__ import annotations
 
+from collections import abc
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Optional, Sequence
@@ -52,11 +53,25 @@ class BatchPlan:
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
-        """Pickled without ``_cache``: derived arrays, several times the plan's own size, that
-        the planner process would otherwise send back with every draft."""
+        """Pickled as arrays: the segments [n, 3] and each micro-batch's count, not a Python
+        object per segment (the planner process sends the plan back at every step), and
+        without ``_cache``'s other derived arrays."""
         state = dict(self.__dict__)
-        state["_cache"] = {}
+        offsets = self.unit_csr()[0]
+        state.update(micro_batches=None, _cache={}, _packed=(
+            self.segment_array(), np.diff(offsets), self.dp, self.num_microbatches))
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """The micro-batches as ``SegmentRows`` (a rank's lists made when first read) over the
+        arrays, which also serve ``segment_array`` and ``unit_csr``."""
+        segments, counts, dp, m = state.pop("_packed")
+        self.__dict__.update(state)
+        offsets = np.zeros(counts.size + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        self.micro_batches = SegmentRows(segments, offsets, dp, m)
+        self._cache[("csr", False)] = (offsets, segments[:, 2] - segments[:, 1])
+        self._cache["segments"] = segments
 
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
@@ -136,8 +151,10 @@ class BatchPlan:
 
     def tokens(self) -> np.ndarray:
         """[dp, m] tokens per micro-batch."""
-        return np.asarray([[sum(e - s for _, s, e in mb) for mb in rank]
-                           for rank in self.micro_batches], dtype=np.int64)
+        offsets, lengths = self.unit_csr()
+        run = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=run[1:])
+        return (run[offsets[1:]] - run[offsets[:-1]]).reshape(self.dp, self.num_microbatches)
 
     def packed_lengths(self) -> np.ndarray:
         """[dp, m] positions of every packed micro-batch (its tokens and the padding that fills
@@ -156,6 +173,36 @@ class BatchPlan:
                                count=3 * n)
             self._cache["segments"] = flat.reshape(n, 3)
         return self._cache["segments"]
+
+
+class SegmentRows(abc.Sequence):
+    """``BatchPlan.micro_batches`` of an unpickled plan: rank r's [m] lists of (sample id,
+    start, end) tuples made from the [n, 3] ``segments`` when first read (a rank reads its own;
+    the plan's consumers read the arrays), equal to the nested lists they stand for."""
+
+    def __init__(self, segments: np.ndarray, offsets: np.ndarray, dp: int, m: int):
+        self._segments, self._offsets, self._dp, self._m = segments, offsets, dp, m
+        self._rows: dict = {}
+
+    def __len__(self) -> int:
+        return self._dp
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(self._dp))]
+        r = range(self._dp)[r]
+        if r not in self._rows:
+            cut = self._offsets[r * self._m:(r + 1) * self._m + 1] - self._offsets[r * self._m]
+            segs = list(map(tuple, self._segments[self._offsets[r * self._m]:
+                                                   self._offsets[(r + 1) * self._m]].tolist()))
+            self._rows[r] = [segs[a:b] for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
+        return self._rows[r]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"SegmentRows(dp={self._dp}, m={self._m}, segments={len(self._segments)})"
 
 
 def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,

@@ -205,9 +205,12 @@ def test_unit_csr_is_the_padded_lengths_and_computed_once():
             assert plan.unit_csr(with_padding=pad) is plan.unit_csr(with_padding=pad)
             assert [x.tolist() for x in plan.flat_lengths(pad)] == [x.tolist() for x in got]
         assert (plan.tokens() == 2048).any()
-        # pickled (the planner process's draft) without the cache, which it computes again
+        # pickled (the planner process's draft) as the segments' arrays, which give back the
+        # unpadded CSR; the padded one is computed again
         back = pickle.loads(pickle.dumps(plan))
-        assert back._cache == {} and back.micro_batches == plan.micro_batches
+        assert set(back._cache) == {("csr", False), "segments"}
+        assert back.micro_batches == plan.micro_batches and plan.micro_batches == back.micro_batches
+        assert np.array_equal(back.tokens(), plan.tokens()) and back.segments() == plan.segments()
         assert [np.array_equal(a, b) for a, b in zip(back.unit_csr(True), plan.unit_csr(True))] \
             == [True, True]
 

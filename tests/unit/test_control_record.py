@@ -286,3 +286,64 @@ def test_the_furthest_attention_fallback_of_any_rank_reaches_every_rank():
                                       for b in (0, backend)]), shape)
         lines.append(join_pipeline(cell[None], shape))
     assert decode_step(np.stack(lines), shape, slots).backend == 2
+
+
+def _plans():
+    """SAB and sequential plans of random batches (empty micro-batches and split documents
+    among them), each with its pickled copy (the planner process's: arrays, rows made lazily)."""
+    import pickle
+
+    from sparsebalance_megatron.batching import sab_plan, sequential_plan
+    from sparsebalance_megatron.data.packing import GlobalBatchSampler
+
+    rng = np.random.default_rng(3)
+    for case in range(30):
+        dp, m = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        segs = GlobalBatchSampler(rng.integers(1, 9000, 200), capacity=4096, dp=dp,
+                                  num_microbatches=m, seed=case).next_global_batch()
+        for pack in (sab_plan, sequential_plan):
+            plan = pack(segs[:max(dp, len(segs) // 2)], dp=dp, num_microbatches=m,
+                        max_tokens=4096)
+            yield plan, pickle.loads(pickle.dumps(plan))
+
+
+def test_doc_slots_and_lengths_are_the_per_segment_definitions():
+    """Each DP rank's sorted document ids and a document's length (its last piece's, rank-major)
+    from the plan's arrays, as the per-segment walk defines them, on a plan and its pickled
+    copy; a document not in the step is refused by name."""
+    from sparsebalance_megatron.megatron.step.checks import doc_lengths
+
+    for plan, back in _plans():
+        want = [np.unique(np.asarray([s[0] for mb in rank for s in mb], dtype=np.int64))
+                for rank in plan.micro_batches]
+        last = {d: e - s for d, s, e in plan.segments()}
+        ids = np.asarray(sorted(last), dtype=np.int64)
+        for p in (plan, back, plan.micro_batches):
+            got = doc_slots(p)
+            assert len(got) == len(want)
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))
+        for p in (plan, back):
+            assert doc_lengths(p, ids).tolist() == [last[i] for i in ids.tolist()]
+    with pytest.raises(KeyError, match="not in the step's packing"):
+        doc_lengths(plan, np.array([ids.max() + 1]))
+
+
+def test_the_fingerprint_names_the_packing_in_every_process():
+    """A plan and its pickled copy have one fingerprint; moving one segment to another rank,
+    or swapping two micro-batches, changes it."""
+    from sparsebalance_megatron.batching.plan import BatchPlan
+    from sparsebalance_megatron.megatron.step.checks import fingerprint
+
+    moved = 0
+    for plan, back in _plans():
+        assert fingerprint(plan) == fingerprint(back)
+        rows = [list(map(list, r)) for r in plan.micro_batches]
+        if plan.dp > 1 and rows[0][0]:
+            rows[1][0].append(rows[0][0].pop())
+            other = BatchPlan(rows, plan.method, plan.max_tokens)
+            assert fingerprint(other) != fingerprint(plan)
+            moved += 1
+        if plan.num_microbatches > 1 and rows[0][0] != rows[0][1]:
+            rows[0][0], rows[0][1] = rows[0][1], rows[0][0]
+            assert fingerprint(BatchPlan(rows, plan.method, plan.max_tokens)) != fingerprint(plan)
+    assert moved >= 10

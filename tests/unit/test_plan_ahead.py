@@ -80,7 +80,7 @@ def _plain(d: Draft, plan_of: Draft = None) -> bytes:
     (the baseline's where SAB stood down), its features and its plan."""
     batch, units = d.packing(_index(d, plan_of or d))
     return pickle.dumps((d.iteration, d.first_bin, d.num_microbatches, d.payload,
-                         batch.micro_batches, d.stand_down,
+                         list(batch.micro_batches), d.stand_down,
                          units.work_grid(np.array([0.25, 0.5, 1.0]))))
 
 

@@ -56,8 +56,8 @@ import torch
 from ...config import SparseBalanceConfig
 from ..model.budget import BudgetContext
 from ..runtime import comm
-from .checks import (budget_error, budget_violations, fingerprint, min_kept, recall_sums,
-                     sum_by_doc, unit_order)
+from .checks import (budget_error, budget_violations, doc_lengths, fingerprint, min_kept,
+                     recall_sums, sum_by_doc, unit_order)
 from .planner_worker import warm_up_kernels
 from .exchange import ExchangeGroups, StepExchange
 from .planning import PlannerFailures, PreparedStep, StepPlanning
@@ -403,8 +403,7 @@ class SparseBalanceCallback(StepPlanning):
         ids, sums = summary.doc_ids, summary.doc_sums
         if not ids.size:
             return
-        lengths = {d: e - s for d, s, e in step.batch.segments()}
-        self._track(ids, [lengths[i] for i in ids.tolist()], sums[:, 0] / sums[:, 1])
+        self._track(ids, doc_lengths(step.batch, ids), sums[:, 0] / sums[:, 1])
 
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:

@@ -11,6 +11,7 @@ Plain Python and numpy: no torch.distributed, no megatron.
 
 from __future__ import annotations
 
+import hashlib
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -59,7 +60,29 @@ def _sorted_rows(a: np.ndarray) -> np.ndarray:
 
 
 def fingerprint(batch: BatchPlan) -> int:
-    return hash(tuple(tuple(tuple(mb) for mb in rank) for rank in batch.micro_batches))
+    """The packing as one int64 every rank compares: a digest of its segments and micro-batch
+    sizes in rank-major slot order (the same bytes in every process, wherever the plan was
+    made or unpickled)."""
+    offsets, _ = batch.unit_csr()
+    h = hashlib.blake2b(np.asarray([batch.dp, batch.num_microbatches], np.int64).tobytes(), digest_size=8)
+    h.update(np.ascontiguousarray(batch.segment_array(), dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(offsets, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def doc_lengths(batch, ids: np.ndarray) -> np.ndarray:
+    """[n] the length of each of ``ids`` (documents of ``batch``, a ``BatchPlan``) as the
+    tracker learns it: its last segment's in rank-major slot order (a split document's last
+    piece)."""
+    segs = batch.segment_array()
+    uniq, first = np.unique(segs[::-1, 0], return_index=True)    # reversed: the last one
+    last = segs.shape[0] - 1 - first
+    ids = np.asarray(ids, dtype=np.int64)
+    at = np.minimum(np.searchsorted(uniq, ids), max(uniq.size - 1, 0))
+    if ids.size and (uniq.size == 0 or not np.array_equal(uniq[at], ids)):
+        missing = ids[(uniq.size == 0) | (uniq[at] != ids)] if uniq.size else ids
+        raise KeyError(f"documents {missing[:5].tolist()} are not in the step's packing")
+    return (segs[last, 2] - segs[last, 1])[at]
 
 
 def unit_order(fwd_order: list, layout, pp_rank: int) -> list:

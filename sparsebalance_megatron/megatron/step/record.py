@@ -134,11 +134,22 @@ class StepSummary:
     backend: int = 0                     # the furthest attention fallback of any rank (0: none)
 
 
-def doc_slots(micro_batches) -> list:
-    """[dp] sorted document ids of each DP rank's micro-batches: the slots its record's
-    per-document sums fill (a document split over DP ranks has a slot on each)."""
-    return [np.unique(np.asarray([s[0] for mb in rank for s in mb], dtype=np.int64))
-            for rank in micro_batches]
+def doc_slots(batch) -> list:
+    """[dp] sorted document ids of each DP rank's micro-batches (``batch``: a ``BatchPlan``, or
+    its [dp][m] lists of segments): the slots its record's per-document sums fill (a document
+    split over DP ranks has a slot on each)."""
+    if hasattr(batch, "segment_array"):           # the plan's arrays
+        ids, offsets = batch.segment_array()[:, 0], batch.unit_csr()[0]
+        ends = offsets[::max(batch.num_microbatches, 1)][1:] if batch.dp else offsets[:0]
+    else:
+        ids = np.asarray([s[0] for rank in batch for mb in rank for s in mb], dtype=np.int64)
+        ends = np.cumsum([sum(map(len, rank)) for rank in batch], dtype=np.int64)
+    rank = np.repeat(np.arange(len(ends), dtype=np.int64), np.diff(np.r_[0, ends]))
+    order = np.lexsort((ids, rank))                     # by rank, then id
+    ids, rank = ids[order], rank[order]
+    keep = np.ones(ids.size, dtype=bool)
+    keep[1:] = (ids[1:] != ids[:-1]) | (rank[1:] != rank[:-1])
+    return np.split(ids[keep], np.searchsorted(rank[keep], np.arange(1, len(ends))))
 
 
 def step_record_shape(batch, vp: int, *, signal: bool, per_interval: bool) -> tuple:
@@ -147,7 +158,7 @@ def step_record_shape(batch, vp: int, *, signal: bool, per_interval: bool) -> tu
     only where ``per_interval`` (``--sb-metrics-file`` writes them); document sums only with a
     sensitivity ``signal``."""
     timed = batch.num_microbatches * vp
-    slots = doc_slots(batch.micro_batches) if signal else []
+    slots = doc_slots(batch) if signal else []
     shape = RecordShape(1, timed, timed if per_interval else 0,
                         max((len(x) for x in slots), default=0))
     return shape, slots

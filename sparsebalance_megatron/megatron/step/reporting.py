@@ -77,7 +77,7 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
     """Positions of the step's documents (tokens and EOD), per-document padding (context
     parallelism) left out; ``doc_positions[d]`` = document d's tokens + 1 (None: count the
     segments whole)."""
-    segs = np.asarray(batch.segments(), dtype=np.int64).reshape(-1, 3)
+    segs = batch.segment_array()
     if doc_positions is None or not segs.size:
         return int((segs[:, 2] - segs[:, 1]).sum())
     return int((np.minimum(segs[:, 2], doc_positions[segs[:, 0]]) - segs[:, 1]).sum())
