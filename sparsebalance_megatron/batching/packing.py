@@ -36,9 +36,9 @@ import numpy as np
 from ..data.packing import check_bin_count, sequential_pack
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
-from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, as_segments,
-                   check_fits, check_long_sample_policy, check_shape_args, finish_plan,
-                   split_long)
+from .plan import (BatchingError, BatchPlan, CheckedSegments, SegmentRows, as_segment_array,
+                   as_segments, check_fits, check_long_sample_policy, check_shape_args,
+                   finish_plan, split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -95,7 +95,7 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
 def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_split: int
                          ) -> BatchPlan:
     """``sequential_pack``'s bins (fill in order, a new bin when the next segment does not
-    fit; bin k x dp + r is rank r's micro-batch k) as slices of ``segs``, and each rank's
+    fit; bin k x dp + r is rank r's micro-batch k) as rows of ``arr``, and each rank's
     tokens as its cost: the plan ``finish_plan`` makes of them (the costs are whole numbers of
     tokens, so their sums are exact in any order), without a tuple and a look-up per segment
     (the baseline packing of every draft)."""
@@ -104,14 +104,15 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
-    ends = starts[1:] + [len(segs)]
-    bins = [segs[a:b] for a, b in zip(starts, ends)] + [[] for _ in range(dp * m - len(starts))]
     bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
-    mbs = [[bins[k * dp + r] for k in range(m)] for r in range(dp)]
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
-    return BatchPlan(mbs, "sequential", max_tokens, n_split, False, rank_cost).primed(
-        np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m), arr, sizes)
+    items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
+    offsets = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    rows = SegmentRows(arr[items], offsets, dp, m)       # a rank's tuples made when read
+    return BatchPlan(rows, "sequential", max_tokens, n_split, False, rank_cost).primed(
+        items, counts, arr, sizes)
 
 
 def _fill_starts(sizes: np.ndarray, cap: int) -> list:

@@ -16,7 +16,6 @@ Pure Python + numpy (and ``kernels``); must not import torch, megatron or torch.
 
 from __future__ import annotations
 
-from collections import abc
 from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Optional, Sequence
@@ -25,6 +24,8 @@ import numpy as np
 
 from .. import kernels
 from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
+from .segments import (CheckedSegments, SegmentRows, as_segment_array,  # noqa: F401 (re-exported)
+                       as_segments, checked_segments)
 
 
 class BatchingError(ValueError):
@@ -175,50 +176,31 @@ class BatchPlan:
         return self._cache["segments"]
 
 
-class SegmentRows(abc.Sequence):
-    """``BatchPlan.micro_batches`` of an unpickled plan: rank r's [m] lists of (sample id,
-    start, end) tuples made from the [n, 3] ``segments`` when first read (a rank reads its own;
-    the plan's consumers read the arrays), equal to the nested lists they stand for."""
-
-    def __init__(self, segments: np.ndarray, offsets: np.ndarray, dp: int, m: int):
-        self._segments, self._offsets, self._dp, self._m = segments, offsets, dp, m
-        self._rows: dict = {}
-
-    def __len__(self) -> int:
-        return self._dp
-
-    def __getitem__(self, r):
-        if isinstance(r, slice):
-            return [self[i] for i in range(*r.indices(self._dp))]
-        r = range(self._dp)[r]
-        if r not in self._rows:
-            cut = self._offsets[r * self._m:(r + 1) * self._m + 1] - self._offsets[r * self._m]
-            segs = list(map(tuple, self._segments[self._offsets[r * self._m]:
-                                                   self._offsets[(r + 1) * self._m]].tolist()))
-            self._rows[r] = [segs[a:b] for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
-        return self._rows[r]
-
-    def __eq__(self, other) -> bool:
-        return list(self) == list(other)
-
-    def __repr__(self) -> str:
-        return f"SegmentRows(dp={self._dp}, m={self._m}, segments={len(self._segments)})"
-
-
 def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
                 indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
     """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
     ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
     if indices:
-        get = segs.__getitem__
-        mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
         counts = [sum(map(len, rank)) for rank in mbs_idx_or_segs]
         items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
                             dtype=np.int64, count=sum(counts))
         # every rank's sum() of its segments' costs in slot order, compiled (py_sum)
         rank_cost = kernels.packing.py_sums(cost, items, np.r_[0, np.cumsum(counts)])
-        plan = BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
-        return plan if arr is None else plan.primed_bins(mbs_idx_or_segs, arr)
+        arr = getattr(segs, "array", None) if arr is None else arr
+        if arr is None:
+            get = segs.__getitem__
+            mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
+            return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
+        # the rows of ``arr`` the bins index, a rank's tuples made when read (SegmentRows)
+        dp = len(mbs_idx_or_segs)
+        m = len(mbs_idx_or_segs[0]) if dp else 0
+        sizes = np.fromiter((len(b) for rank in mbs_idx_or_segs for b in rank), np.int64,
+                            count=dp * m)
+        offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        rows = SegmentRows(arr[items], offsets, dp, m)
+        plan = BatchPlan(rows, method, max_tokens, n_split, fallback, rank_cost)
+        return plan.primed(items, sizes, arr, arr[:, 2] - arr[:, 1])
     mbs = mbs_idx_or_segs
     # a segment's cost at its first position, as numpy scalars: sum() adds those one by one
     # (Python floats it would sum compensated, another rounding)
@@ -272,72 +254,6 @@ def check_shape_args(dp: int, num_microbatches: int, max_tokens: int) -> None:
                     ("max_tokens", max_tokens)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name}={v!r}: expected an integer >= 1")
-
-
-def as_segments(samples) -> list:
-    """Segments from a list of (sample_id, start, end) triples, an [n, 3] integer array of them
-    (``GlobalBatchSampler.next_bin_array``) or a [n] array of lengths (sample i = tokens
-    [0, length_i))."""
-    return as_segment_array(samples)[0]
-
-
-class CheckedSegments(list):
-    """A step's segments as ``as_segment_array`` returns them (a list of (sample_id, start,
-    end) triples of Python ints), checked once, with their [n, 3] int64 array (``array``):
-    every packing of the step takes them without converting and checking again. Made by
-    ``checked_segments``; not to be modified (the array would no longer match)."""
-
-    array: np.ndarray
-
-
-def checked_segments(samples) -> CheckedSegments:
-    """``samples`` checked and converted once (``as_segment_array``; its errors)."""
-    if type(samples) is CheckedSegments:
-        return samples
-    segs, arr = as_segment_array(samples)
-    out = CheckedSegments(segs)
-    out.array = arr
-    return out
-
-
-def as_segment_array(samples) -> tuple[list, np.ndarray]:
-    """``as_segments`` and the same segments as an [n, 3] int64 array. A well-formed list of
-    triples (the sampler's) is checked in one vectorised pass; anything else goes through the
-    per-item path, whose errors name the offending sample. ``CheckedSegments`` are returned as
-    they were checked."""
-    if type(samples) is CheckedSegments:
-        return list(samples), samples.array
-    if isinstance(samples, np.ndarray) and samples.ndim == 1:
-        samples = [(i, 0, int(n)) for i, n in enumerate(samples.tolist())]
-    elif isinstance(samples, np.ndarray) and samples.ndim == 2 and samples.shape[1] == 3 \
-            and samples.dtype.kind in "iu" and len(samples):    # the sampler's rows
-        a = samples.astype(np.int64)
-        if bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
-            return list(map(tuple, a.tolist())), a
-    if len(samples):
-        try:
-            a = np.asarray(samples, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            a = None
-        if a is not None and a.ndim == 2 and a.shape[1] == 3 \
-                and bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
-            if set(map(type, samples)) == {tuple} \
-                    and set(map(type, chain.from_iterable(samples))) == {int}:
-                return list(samples), a          # already triples of Python ints (the sampler's)
-            return list(map(tuple, a.tolist())), a
-    out = []
-    for k, seg in enumerate(samples):
-        if isinstance(seg, (int, np.integer)):
-            seg = (k, 0, int(seg))
-        try:
-            i, s, e = seg
-            i, s, e = int(i), int(s), int(e)
-        except (TypeError, ValueError):
-            raise ValueError(f"sample {k}: {seg!r}: expected (sample_id, start, end)") from None
-        if not 0 <= s < e:
-            raise ValueError(f"sample {k}: segment {(i, s, e)}: expected 0 <= start < end")
-        out.append((i, s, e))
-    return out, np.asarray(out, dtype=np.int64).reshape(-1, 3)
 
 
 def check_long_sample_policy(long_sample_policy: str) -> None:

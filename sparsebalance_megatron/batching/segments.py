@@ -1,0 +1,144 @@
+"""A step's segments as arrays: the forms a global batch arrives in, checked once
+(``checked_segments``: the sampler's [n, 3] int64 rows, their tuples made only where read), and
+the micro-batches of a plan made from such rows (``SegmentRows``: a rank's lists of tuples made
+when first read), so a packer, the planner's pipe and the plan's consumers move arrays, not a
+Python object per segment.
+
+Pure numpy; must not import torch, megatron or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections import abc
+from itertools import chain
+from typing import Optional
+
+import numpy as np
+
+
+def as_segments(samples) -> list:
+    """Segments from a list of (sample_id, start, end) triples, an [n, 3] integer array of them
+    (``GlobalBatchSampler.next_bin_array``) or a [n] array of lengths (sample i = tokens
+    [0, length_i))."""
+    return as_segment_array(samples)[0]
+
+
+class CheckedSegments(abc.Sequence):
+    """A step's segments checked once (``checked_segments``): their [n, 3] int64 ``array``, and
+    the (sample_id, start, end) tuples of Python ints ``as_segment_array`` gives, made only when
+    read (a packer reads the array; a rank's own micro-batches index a few). Every packing of the
+    step takes them without converting and checking again; not to be modified."""
+
+    def __init__(self, array: np.ndarray, tuples: Optional[list] = None):
+        self.array, self._tuples = array, tuples
+
+    def _list(self) -> list:
+        if self._tuples is None:
+            self._tuples = list(map(tuple, self.array.tolist()))
+        return self._tuples
+
+    def __len__(self) -> int:
+        return self.array.shape[0]
+
+    def __getitem__(self, i):
+        if self._tuples is not None or isinstance(i, slice):
+            return self._list()[i]
+        return tuple(self.array[i].tolist())
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        return self._list() == list(other)
+
+    def __repr__(self) -> str:
+        return f"CheckedSegments({len(self)} segments)"
+
+
+def checked_segments(samples) -> CheckedSegments:
+    """``samples`` checked and converted once (``as_segment_array``'s checks and errors; the
+    sampler's [n, 3] array is checked as it is, its tuples left for when they are read)."""
+    if type(samples) is CheckedSegments:
+        return samples
+    arr = _checked_rows(samples)
+    if arr is not None:
+        return CheckedSegments(arr)
+    segs, arr = as_segment_array(samples)
+    return CheckedSegments(arr, segs)
+
+
+def _checked_rows(samples) -> Optional[np.ndarray]:
+    """An [n >= 1, 3] integer array of well-formed segments as int64, else None."""
+    if isinstance(samples, np.ndarray) and samples.ndim == 2 and samples.shape[1] == 3 \
+            and samples.dtype.kind in "iu" and len(samples):
+        a = samples.astype(np.int64)
+        if bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
+            return a
+    return None
+
+
+def as_segment_array(samples) -> tuple[list, np.ndarray]:
+    """``as_segments`` and the same segments as an [n, 3] int64 array. A well-formed list of
+    triples (the sampler's) is checked in one vectorised pass; anything else goes through the
+    per-item path, whose errors name the offending sample. ``CheckedSegments`` are returned as
+    they were checked."""
+    if type(samples) is CheckedSegments:
+        return list(samples), samples.array
+    if isinstance(samples, np.ndarray) and samples.ndim == 1:
+        samples = [(i, 0, int(n)) for i, n in enumerate(samples.tolist())]
+    elif (a := _checked_rows(samples)) is not None:             # the sampler's rows
+        return list(map(tuple, a.tolist())), a
+    if len(samples):
+        try:
+            a = np.asarray(samples, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            a = None
+        if a is not None and a.ndim == 2 and a.shape[1] == 3 \
+                and bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
+            if set(map(type, samples)) == {tuple} \
+                    and set(map(type, chain.from_iterable(samples))) == {int}:
+                return list(samples), a          # already triples of Python ints (the sampler's)
+            return list(map(tuple, a.tolist())), a
+    out = []
+    for k, seg in enumerate(samples):
+        if isinstance(seg, (int, np.integer)):
+            seg = (k, 0, int(seg))
+        try:
+            i, s, e = seg
+            i, s, e = int(i), int(s), int(e)
+        except (TypeError, ValueError):
+            raise ValueError(f"sample {k}: {seg!r}: expected (sample_id, start, end)") from None
+        if not 0 <= s < e:
+            raise ValueError(f"sample {k}: segment {(i, s, e)}: expected 0 <= start < end")
+        out.append((i, s, e))
+    return out, np.asarray(out, dtype=np.int64).reshape(-1, 3)
+
+
+class SegmentRows(abc.Sequence):
+    """``BatchPlan.micro_batches`` of an unpickled plan: rank r's [m] lists of (sample id,
+    start, end) tuples made from the [n, 3] ``segments`` when first read (a rank reads its own;
+    the plan's consumers read the arrays), equal to the nested lists they stand for."""
+
+    def __init__(self, segments: np.ndarray, offsets: np.ndarray, dp: int, m: int):
+        self._segments, self._offsets, self._dp, self._m = segments, offsets, dp, m
+        self._rows: dict = {}
+
+    def __len__(self) -> int:
+        return self._dp
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(self._dp))]
+        r = range(self._dp)[r]
+        if r not in self._rows:
+            cut = self._offsets[r * self._m:(r + 1) * self._m + 1] - self._offsets[r * self._m]
+            segs = list(map(tuple, self._segments[self._offsets[r * self._m]:
+                                                   self._offsets[(r + 1) * self._m]].tolist()))
+            self._rows[r] = [segs[a:b] for a, b in zip(cut[:-1].tolist(), cut[1:].tolist())]
+        return self._rows[r]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"SegmentRows(dp={self._dp}, m={self._m}, segments={len(self._segments)})"
