@@ -106,6 +106,18 @@ class BatchPlan:
         counts = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
         return self.primed(items, counts, segments, segments[:, 2] - segments[:, 1])
 
+    def row_plan(self, r: int) -> "BatchPlan":
+        """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
+        holds): the same segments, cost and padding, its arrays sliced from this plan's."""
+        m, (offsets, lengths) = self.num_microbatches, self.unit_csr()
+        lo, hi = int(offsets[r * m]), int(offsets[(r + 1) * m])
+        out = replace(self, micro_batches=[self.micro_batches[r]],
+                      predicted_rank_cost_s=None if self.predicted_rank_cost_s is None
+                      else self.predicted_rank_cost_s[r:r + 1])
+        out._cache[("csr", False)] = (offsets[r * m:(r + 1) * m + 1] - lo, lengths[lo:hi])
+        out._cache["segments"] = self.segment_array()[lo:hi]
+        return out
+
     @property
     def dp(self) -> int:
         return len(self.micro_batches)

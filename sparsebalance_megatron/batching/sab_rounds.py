@@ -15,6 +15,11 @@ reductions carry it: in-process in lockstep (the tests), over the DP group in a 
    so the sum is the row, exactly: integers below 2**53 travel as float64).
 
 Without a ``LatencyCost`` nothing is arranged and round 1's flag is the whole agreement.
+
+``packing_rounds`` goes on to the rank's own micro-batches (``rank_plan``) and checks them with
+one more sum: every rank's segment count and two 26-bit halves of a hash of its segments, summed
+over the group, must be the whole batch's (every rank computes those from the batch alike), or no
+rank packs (a packer that dropped or duplicated a segment anywhere is named on every rank).
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -26,6 +31,7 @@ import numpy as np
 
 from . import slots as slot_search
 from .assignment import Agreement, RankUnits, SABAssignment
+from .plan import BatchPlan
 
 
 def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict, Agreement]:
@@ -83,3 +89,36 @@ def _units(ranks: np.ndarray, rows: np.ndarray, mine: RankUnits) -> RankUnits:
         bins.append([items[r][cut[j]:cut[j + 1]] for j in range(m)])
     return RankUnits(ranks, bins, True, fwd.astype(mine.fwd_s.dtype, copy=False),
                      bwd.astype(mine.bwd_s.dtype, copy=False), slots, span)
+
+
+def packing_rounds(a: SABAssignment, mine: RankUnits, method: str = "sab"
+                   ) -> Generator[dict, dict, BatchPlan]:
+    """DP rank ``mine.ranks[0]``'s own micro-batches (a one-row ``BatchPlan``: its row of
+    ``a.plan()``) after ``agreement_rounds`` and the check round (module docstring)."""
+    agreed = yield from agreement_rounds(a, mine)
+    plan = a.rank_plan(mine, agreed, method)
+    got = yield {"sum": {"segments": _digest(plan.segment_array())}, "max": {}}
+    want = _digest(a.arr)
+    if not np.array_equal(np.asarray(got["segments"]), want):
+        raise RuntimeError(f"SAB's ranks packed {int(got['segments'][0])} segments (digest "
+                           f"{got['segments'][1:].tolist()}), the global batch has "
+                           f"{int(want[0])} ({want[1:].tolist()}): a packer dropped or "
+                           f"duplicated segments of the global batch")
+    return plan
+
+
+HALF = (1 << 26) - 1
+
+
+def _digest(rows: np.ndarray) -> np.ndarray:
+    """[count, low sum, high sum] of segments [n, 3]: each row's 52-bit hash cut in two 26-bit
+    halves, each summed (exact in float64 below 2**27 segments); a multiset's, in any order."""
+    r = np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
+    with np.errstate(over="ignore"):
+        h = r[:, 0] * np.uint64(0x9E3779B97F4A7C15) ^ r[:, 1] * np.uint64(0xC2B2AE3D27D4EB4F) \
+            ^ r[:, 2] * np.uint64(0x165667B19E3779F9)
+        h ^= h >> np.uint64(29)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(32)
+    lo, hi = h & np.uint64(HALF), (h >> np.uint64(26)) & np.uint64(HALF)
+    return np.array([r.shape[0], float(lo.sum()), float(hi.sum())], dtype=np.float64)

@@ -260,7 +260,7 @@ class UnitCosts:
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
                      densities: np.ndarray, calibrated: bool = True,
                      kept_units=None, out: Optional[TableMemory] = None,
-                     rank: Optional[int] = None) -> "UnitCosts":
+                     rank: Optional[int] = None, rank_units: bool = False) -> "UnitCosts":
         """Tabulate a ``latency.LatencyModel`` for one step.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
@@ -270,8 +270,9 @@ class UnitCosts:
         but a density move that keeps more padding blocks and no document block buys nothing.
         None: ``mb_doc_lengths``' own blocks. ``out``: memory the tables are written into
         (``TableMemory``; None: fresh arrays). ``rank``: DP rank r's [1, m, stages] costs alone
-        (its units of the dp x m given, calibrated as rank r: what a rank that plans its own
-        units tabulates, at a cost that does not grow with dp). The stage axis is the
+        (its units of the dp x m given, or with ``rank_units`` the m given are its own,
+        calibrated as rank r: what a rank that plans its own units tabulates, at a cost that
+        does not grow with dp). The stage axis is the
         model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
         model's online correction of rank r, and by that of its pipeline rank where the model
         has learned one (``correction_grid``: virtual stage v runs on pipeline rank v mod pp).
@@ -285,9 +286,10 @@ class UnitCosts:
         if rank is not None:
             if not 0 <= rank < dp:
                 raise ValueError(f"rank {rank!r}: expected a DP rank in [0, {dp})")
-            mb_doc_lengths = unit_rows(mb_doc_lengths, rank * m, (rank + 1) * m, dp * m)
-            kept_units = None if kept_units is None else \
-                unit_rows(kept_units, rank * m, (rank + 1) * m, dp * m)
+            if not rank_units:
+                mb_doc_lengths = unit_rows(mb_doc_lengths, rank * m, (rank + 1) * m, dp * m)
+                kept_units = None if kept_units is None else \
+                    unit_rows(kept_units, rank * m, (rank + 1) * m, dp * m)
             rows = 1
         feats = model.unit_features(mb_doc_lengths)
         n, pp = feats.num_units, model.num_stages

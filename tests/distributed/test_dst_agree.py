@@ -97,6 +97,41 @@ def _sab_rows(rank: int, group, dp: int):
     return asg.rank_plan(mine, agreed).micro_batches[0], reducer.sent
 
 
+def _drafter(dp: int, objective: str):
+    """The runtime's Drafter of a step every rank builds alike (SAB, the stand-down's baseline,
+    DST with ``objective``), and the step's segments (the sampler's array)."""
+    from sparsebalance_megatron.batching import SensitivityTracker
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+    from sparsebalance_megatron.megatron.step.drafting import Drafter
+
+    lm = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=8192), pp=2)
+    rng = np.random.default_rng(10 + dp)
+    lengths = np.minimum(rng.pareto(1.1, size=40 * dp) * 600 + 64, 8000).astype(np.int64)
+    lengths = lengths[np.cumsum(lengths) <= 0.6 * dp * 4 * 8192]
+    segs = np.stack([np.arange(lengths.size), np.zeros_like(lengths), lengths], axis=1)
+    tracker = SensitivityTracker()
+    tracker.update(segs[::2, 0], lengths[::2], rng.uniform(1, 3, segs[::2].shape[0]))
+    sb = SparseBalanceConfig(sparse_balance=True, density=0.5, dst_objective=objective)
+    return Drafter(sb, lm, tracker, dp=dp, capacity=8192, attention_layers=[4, 4]), segs
+
+
+def _own_drafts(rank: int, group, dp: int) -> dict:
+    """This rank's own draft settled over ``group``: (its rows, densities, report's do-no-harm
+    record and planned step) per objective."""
+    from sparsebalance_megatron.megatron.step.dst_agree import DPReducer
+
+    out = {}
+    for objective in ("quality", "density"):
+        drafter, segs = _drafter(dp, objective)
+        draft = drafter.draft(1, 0, segs, 4, with_dst=False, rank=rank)
+        dens, report = drafter.settle(draft, rank=rank, agree=DPReducer(group))
+        batch = draft.packing(report["stand_down"]["packing_index"])[0]
+        out[objective] = (list(batch.micro_batches), np.asarray(dens), report["stand_down"],
+                          report["step_time_planned_s"])
+    return out
+
+
 def _worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as dist
 
@@ -119,6 +154,7 @@ def _worker(rank: int, init_file: str, out_dir: str):
                          candidate=plan.candidate, probe=plan.probe, sent=reducer.sent,
                          choices=_choices(r, group, dp) if "median" not in name else None)
         out[name]["sab"] = _sab_rows(r, group, dp)
+        out[name]["own"] = _own_drafts(r, group, dp) if "median" not in name else None
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
     dist.destroy_process_group()
@@ -219,3 +255,24 @@ def test_sabs_agreement_over_the_dp_group_packs_each_ranks_row(runs):
             row, sent = run[name]["sab"]
             assert row == whole.micro_batches[run[name]["dp_rank"]], name
             assert len(sent) == 3, sent            # round 1: max and cat; round 2: sum
+
+
+def test_a_ranks_own_draft_settles_to_its_row_of_the_whole_steps(runs):
+    """``Drafter.draft(rank=r)`` packs only the rank's SAB units and its baseline row, and
+    ``settle`` agrees SAB, the do-no-harm race and DST over the group: the rank commits its row
+    of what the whole-step draft commits (the same packing chosen, the same micro-batches, the
+    same densities, the same planned step)."""
+    for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
+        for objective in ("quality", "density"):
+            drafter, segs = _drafter(dp, objective)
+            whole = drafter.draft(1, 0, segs, 4, with_dst=True)
+            dens, report = whole.payload
+            index = report["stand_down"]["packing_index"]
+            batch = whole.packing(index)[0]
+            for run in runs:
+                rows, own, record, step_s = run[name]["own"][objective]
+                r = run[name]["dp_rank"]
+                assert record["packing_index"] == index, (name, objective)
+                assert rows == [batch.micro_batches[r]], (name, objective, r)
+                np.testing.assert_array_equal(own, np.asarray(dens)[r:r + 1])
+                assert step_s == pytest.approx(report["step_time_planned_s"], rel=1e-12)

@@ -399,3 +399,27 @@ def test_seeded_order_is_the_lexsort_it_replaces():
         key, rank = rng.choice(np.array([0.0, 0.5, 1.0]), n), rng.integers(0, 8, n)
         for keys in ((-cost,), (key, rank), (cost, key, rank)):
             np.testing.assert_array_equal(seeded_order(tie, *keys), np.lexsort((tie,) + keys))
+
+
+def test_a_row_plan_is_its_rank_of_the_whole():
+    """``BatchPlan.row_plan(r)``: rank r's micro-batches as a one-row plan, its arrays (CSR with
+    and without padding, segments, tokens) and predicted cost those of the whole plan's row, on
+    a plan and on its pickled copy (arrays, rows made when read)."""
+    segs = global_batch(7, 4, 3, 2048)
+    for plan in (sab_plan(segs, dp=4, num_microbatches=3, max_tokens=2048, cost_fn=quad_cost),
+                 sequential_plan(segs, dp=4, num_microbatches=3, max_tokens=2048)
+                 .with_length_multiple(128)):
+        for p in (plan, pickle.loads(pickle.dumps(plan))):
+            for r in range(4):
+                row = p.row_plan(r)
+                assert row.dp == 1 and row.micro_batches == [plan.micro_batches[r]]
+                assert row.length_multiple == plan.length_multiple
+                assert row.predicted_rank_cost_s.tolist() == \
+                    plan.predicted_rank_cost_s[r:r + 1].tolist()
+                fresh = type(plan)([plan.micro_batches[r]], plan.method, plan.max_tokens,
+                                   length_multiple=plan.length_multiple)
+                for pad in (False, True):
+                    assert [a.tolist() for a in row.unit_csr(pad)] == \
+                        [a.tolist() for a in fresh.unit_csr(pad)]
+                assert row.segment_array().tolist() == fresh.segment_array().tolist()
+                assert row.tokens().tolist() == plan.tokens()[r:r + 1].tolist()

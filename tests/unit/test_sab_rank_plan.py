@@ -193,3 +193,35 @@ def test_the_ranks_rounds_fall_back_together():
             assert asg.rank_plan(asg.units([r]), got).micro_batches[0] == whole.micro_batches[r]
         fell += whole.fallback
     assert fell >= 1
+
+
+def test_the_packing_rounds_pack_each_row_and_refuse_a_lost_segment():
+    """``packing_rounds``: each rank's own micro-batches after the agreement are its row of
+    ``sab_plan``; where one rank's row loses a segment (or holds one twice), the check round's
+    sums differ from the batch's and the rounds refuse, naming the counts."""
+    from sparsebalance_megatron.batching.plan import BatchPlan
+    from sparsebalance_megatron.batching.sab_rounds import _digest, packing_rounds
+    from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
+
+    dp, m, cap = 6, 4, 4096
+    segs = _batch(9, dp, m, cap, n_docs=300)
+    kw = dict(dp=dp, num_microbatches=m, max_tokens=cap, seed=9,
+              cost_fn=latency_sample_cost_fn(LatencyModel.analytic(pp=2), 0.3))
+    asg, whole = sab_assignment(segs, **kw), sab_plan(segs, **kw)
+    rows = plan_rounds_in_process([packing_rounds(asg, asg.units([r])) for r in range(dp)])
+    assert [r.micro_batches[0] for r in rows] == list(whole.micro_batches)
+    rng = np.random.default_rng(0)
+    perm = whole.segment_array()[rng.permutation(len(whole.segments()))]
+    assert np.array_equal(_digest(perm), _digest(whole.segment_array()))
+    plan_of = asg.rank_plan
+    for change in ("drop", "twice"):
+        def tampered(mine, agreed, method="sab"):
+            plan = plan_of(mine, agreed, method)
+            if mine.ranks[0] != 2:
+                return plan
+            row = [list(mb) for mb in plan.micro_batches[0]]
+            row[0] = row[0][:-1] if change == "drop" else row[0] + row[0][-1:]
+            return BatchPlan([row], plan.method, plan.max_tokens)
+        asg.rank_plan = tampered
+        with pytest.raises(RuntimeError, match="dropped or duplicated segments"):
+            plan_rounds_in_process([packing_rounds(asg, asg.units([r])) for r in range(dp)])

@@ -27,6 +27,12 @@ def check_assignment(segments, batch: BatchPlan, capacity: int, given=None) -> N
     want = segment_counts(segments) if given is None else given
     if not np.array_equal(_sorted_rows(batch.segment_array()), want):     # as multisets
         raise RuntimeError("packer dropped or duplicated segments of the global batch")
+    check_capacity(batch, capacity)
+
+
+def check_capacity(batch: BatchPlan, capacity: int, rank: int = 0) -> None:
+    """No micro-batch of ``batch`` holds more than ``capacity`` tokens (``rank``: the DP rank
+    of its first row, for the message)."""
     offsets, lengths = batch.unit_csr()
     ends = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=ends[1:])
@@ -34,8 +40,8 @@ def check_assignment(segments, batch: BatchPlan, capacity: int, given=None) -> N
     over = np.flatnonzero(tokens > capacity)
     if over.size:
         r, j = divmod(int(over[0]), batch.num_microbatches)
-        raise RuntimeError(f"packer put {int(tokens[over[0]])} tokens in micro-batch ({r}, {j}), "
-                           f"capacity {capacity}")
+        raise RuntimeError(f"packer put {int(tokens[over[0]])} tokens in micro-batch "
+                           f"({r + rank}, {j}), capacity {capacity}")
 
 
 def segment_counts(segments) -> np.ndarray:

@@ -41,8 +41,8 @@ def raise_headroom(sb: SparseBalanceConfig, latency, dp: int) -> float:
 
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
            tracker=None, dst: bool, raise_headroom: Optional[float] = None,
-           stage_layers=None, tables=None, rank: Optional[int] = None, agree=None
-           ) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
+           stage_layers=None, tables=None, rank: Optional[int] = None, agree=None,
+           own_rows: bool = False) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
     """(densities [dp][m][stages] or None, DST report or None, stand-down record or None).
 
     options: (BatchPlan, UnitFeatures) of SAB's packing and, if packed, the baseline's, SAB's
@@ -50,8 +50,11 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     density 1 without). DST is the decomposed planner (``policy.dst_rounds``): with ``rank``
     and ``agree`` (a ``dst_agree.DPReducer`` over the DP group: collective) this rank plans
     only its own units, every step time and sum the choice reads agreed over the group, and
-    the ranks' rows are gathered into the whole plan (a run); without them every DP rank's
-    rounds are made here in lockstep (the studies and tests: the same plan). The stand-down
+    the ranks' rows are gathered into the whole plan (a run); ``own_rows``: the options are
+    this rank's own micro-batches (one-row plans, SAB per rank), its rows are what it commits
+    (densities [1][m][stages]) and the static comparison is agreed too; without ``rank`` and
+    ``agree`` every DP rank's rounds are made here in lockstep (the studies and tests: the same
+    plan). The stand-down
     record is ``StepChoice.as_dict()``: ``packing_index`` says which option to commit. tables:
     a ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
     arrays)."""
@@ -60,13 +63,13 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     from ...policy.dst_ranks_local import plan_dst_decomposed
     from ...policy.dst_rounds import rank_rounds, run_rounds
 
-    own = rank is not None and agree is not None and dst
+    own = rank is not None and agree is not None and (dst or own_rows)
     d0 = sb.density if sb.sparse_attention_enabled else 1.0
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
     costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid,
                                     kept_units=batch.unit_csr() if dst else None,
                                     out=None if tables is None else tables[i],
-                                    rank=rank if own else None)
+                                    rank=rank if own else None, rank_units=own_rows)
              for i, (batch, units) in enumerate(options)]
     sens = {}
 
@@ -75,7 +78,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
         once and only for a packing DST plans."""
         if i not in sens:
             sens[i] = batch_sensitivity(options[i][0], tracker) if tracker is not None else None
-        return sens[i] if sens[i] is None or not own else sens[i][rank:rank + 1]
+        return sens[i] if sens[i] is None or not own or own_rows else sens[i][rank:rank + 1]
 
     plan_fn = None
     if dst:
@@ -107,7 +110,10 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     densities = out.densities
     # the committed plan's uncorrected busy seconds, which every rank calibrates against after
     # the step: predicted once here, with the plan
-    if own:
+    if own_rows:                 # what this rank commits: its own rows
+        busy = latency.busy_s(units, densities)
+        chosen = sensitivity(choice.index)
+    elif own:
         m, pp = densities.shape[1:]
         busy = latency.busy_s(unit_rows(units, rank * m, (rank + 1) * m, dp * m), densities)
         chosen = sensitivity(choice.index)

@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
+
 from ...batching.plan import BatchingError, BatchPlan, checked_segments
 from ...policy.table_memory import TableLease
-from .checks import check_assignment, segment_counts
+from .checks import check_assignment, check_capacity, segment_counts
 from .choice import wants_baseline_packing
 
 
@@ -47,6 +49,9 @@ class Draft:
                                    # varies by step), kept where the packing itself is not
     agreed: Optional[tuple] = None  # the run's (densities, report): this rank's DST rounds
                                    # agreed over the DP group (``StepPlanning._agree``)
+    own_rank: Optional[int] = None  # a rank's own draft (``Drafter.own_draft``): its DP rank
+    sab: Optional[tuple] = None    # its (SAB's assignment, the rank's units), packed by
+                                   # ``Drafter.settle`` after the agreement
 
     def packing(self, index: int) -> tuple:
         """(batch, units) of candidate packing ``index``: 0 SAB's (or the only one), 1 the
@@ -77,12 +82,16 @@ class Drafter:
         self._tables = TableLease()     # the cost tables' memory, kept from draft to draft
 
     def draft(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
-              with_dst: bool) -> Draft:
+              with_dst: bool, rank: Optional[int] = None) -> Draft:
         """The step's packing(s), latency features and, with ``with_dst`` (the rank that plans),
-        DST's plan; ``segments``: the step's global batch (the sampler's ``next_bin_array``)."""
+        DST's plan; ``segments``: the step's global batch (the sampler's ``next_bin_array``).
+        ``rank``: DP rank r's own draft (``own_draft``: its SAB units, its rows of the other
+        packings; ``settle`` packs and plans it)."""
         t0 = time.thread_time()
         sb = self.sb
         replayed, payload, stand = None, None, None
+        if rank is not None and self.replay is None:
+            return self.own_draft(iteration, first_bin, segments, num_microbatches, rank, t0)
         if self.replay is not None:            # the recorded packing and densities
             batch, replayed = self.replay.step(iteration, first_bin, segments, num_microbatches)
             options = [self.checked(segments, batch)]
@@ -108,6 +117,42 @@ class Drafter:
                      baseline=options[1] if len(options) > 1 else None, stand_down=stand,
                      options=len(options), num_microbatches=int(num_microbatches),
                      counts=tuple(b.num_microbatches for b, _ in options))
+
+    def own_draft(self, iteration: int, first_bin: int, segments, num_microbatches: int,
+                  rank: int, t0: float) -> Draft:
+        """DP rank ``rank``'s draft (no collective): SAB's assignment of the whole batch (every
+        rank's alike, n log dp) and the rank's own units, or the rank's row of any other
+        packing; the baseline's row where the stand-down races it."""
+        from ...batching.packing import latency_sample_cost_fn, sab_assignment
+
+        sb, m = self.sb, int(num_microbatches)
+        segments = checked_segments(segments)
+        own, sab = (None, None), None
+        if sb.packing_method == "sab":
+            a = sab_assignment(segments, dp=self.dp, num_microbatches=m,
+                               max_tokens=self.capacity,
+                               cost_fn=latency_sample_cost_fn(self.latency, sb.density),
+                               sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
+                               seed=sb.seed, length_multiple=sb.length_multiple)
+            sab = (a, a.units(np.array([rank])))
+        else:
+            own = self._own_row(self.pack(segments, m), rank)
+        baseline = None
+        if wants_baseline_packing(sb, self.latency):
+            try:
+                baseline = self._own_row(self.pack(segments, m, sb.stand_down), rank)
+            except BatchingError:
+                if sb.stand_down != "dp_balanced":
+                    raise
+        return Draft(iteration, first_bin, *own, None, cpu_s=time.thread_time() - t0,
+                     baseline=baseline, options=1 + (baseline is not None),
+                     num_microbatches=m, own_rank=rank, sab=sab)
+
+    def _own_row(self, batch: BatchPlan, rank: int) -> tuple:
+        """(row ``rank`` of ``batch`` as a one-row plan, its features), checked to fit."""
+        row = batch.row_plan(rank)
+        check_capacity(row, self.capacity, rank)
+        return row, self.units(row)
 
     def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
         """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
@@ -159,12 +204,29 @@ class Drafter:
         """(densities, report) of ``draft``'s step as DP rank ``rank`` commits it: its DST of
         its own units, agreed with the other DP ranks through ``agree`` (a ``DPReducer`` or
         anything with its ``__call__``, ``max`` and ``gather``: collective). The one entry for
-        a rank's agreement, wherever it runs."""
-        densities, report, _ = self.choose([draft.packing(i) for i in range(draft.options)],
-                                           dst=True, rank=rank, agree=agree)
+        a rank's agreement, wherever it runs. A rank's own draft (``own_draft``) is packed here
+        first (SAB's rounds: ``batching.sab_rounds``) and commits its own rows: densities
+        [1][m][stages] (without DST: (None, None), its stand-down record on the draft)."""
+        own = draft.own_rank is not None
+        if draft.sab is not None:       # SAB's agreement, then this rank's micro-batches
+            from ...batching.sab_rounds import packing_rounds
+            from ...policy.dst_rounds import run_rounds
+
+            a, mine = draft.sab
+            draft.batch = run_rounds(packing_rounds(a, mine), agree)
+            check_capacity(draft.batch, self.capacity, rank)
+            draft.units, draft.sab = self.units(draft.batch), None
+        options = [draft.packing(i) for i in range(draft.options)]
+        if not self.sb.dst_enabled:     # a rank's own packings: the static race, agreed
+            draft.stand_down = self.choose(options, dst=False, rank=rank, agree=agree,
+                                           own_rows=True)[2] if own and len(options) > 1 else None
+            return None, None
+        densities, report, _ = self.choose(options, dst=True, rank=rank, agree=agree,
+                                           own_rows=own)
         return densities, report
 
-    def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None):
+    def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None,
+               own_rows: bool = False):
         """(densities, DST report, stand-down record) of the step: DST on each packing option,
         under the do-no-harm rule (``step_choice.choose``); with ``rank`` and ``agree`` (the
         DP group's reductions: collective) this rank plans its own units."""
@@ -174,4 +236,4 @@ class Drafter:
             return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
                           dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
                           if dst else None, stage_layers=self.attention_layers, tables=tables,
-                          rank=rank, agree=agree)
+                          rank=rank, agree=agree, own_rows=own_rows)
