@@ -105,6 +105,19 @@ def test_a_state_that_fails_to_load_starts_fresh_with_the_flag(tmp_path, capsys)
     assert f"warning: SparseBalance state {path} cannot be loaded (ValueError" in out
 
 
+def test_a_damaged_state_beside_a_good_plan_ahead_basis_is_refused(tmp_path):
+    """Plan-ahead: the first step is planned from the saved basis and the state itself loaded
+    after it; a state whose own part cannot be loaded is refused at the resume, naming the file,
+    not when the first step is prepared."""
+    path = _state_file(tmp_path, dict(GOOD, sensitivity=dict(GOOD["sensitivity"],
+                                                             signal="recall"),
+                                      ahead_basis={"sensitivity": GOOD["sensitivity"]}))
+    cb = _callback(tmp_path, fresh=False)
+    assert cb.sb.plan_ahead
+    with pytest.raises(LaunchError, match=f"SparseBalance state {path} cannot be loaded"):
+        restore_saved_state(cb)
+
+
 @pytest.mark.reliability(area="resume", case="a dense run's checkpoint (plugin state without "
                          "latency calibration or sensitivities) loaded with --sparse-balance",
                          expect="one line (rank 0) saying the balancer starts fresh")

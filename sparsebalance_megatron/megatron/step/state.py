@@ -268,6 +268,8 @@ def restore_saved_state(cb):
     ahead = bool(cb.sb.plan_ahead and state is not None and state.get("ahead_basis"))
     path, fresh = plugin_state_path(args, args.load, args.iteration), cb._state_basis()
     try:
+        if ahead:       # the state itself is loaded once the first step is prepared: checked now
+            cb.load_state_dict(state)
         # plan-ahead: the first step is re-planned from the state it was planned from
         cb.load_state_dict(dict(state, **state["ahead_basis"]) if ahead else state)
     except (ValueError, KeyError, TypeError) as e:
