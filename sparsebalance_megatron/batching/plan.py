@@ -188,6 +188,24 @@ class BatchPlan:
         return self._cache["segments"]
 
 
+def gathered_plan(batch, gather):
+    """Every DP rank's micro-batches as one ``BatchPlan`` from each rank's own one-row
+    ``batch``; ``gather``: a float64 row -> every rank's [dp, n] (a collective in a run: the
+    counts, then the segments padded to the longest)."""
+
+    counts = gather(np.diff(batch.unit_csr()[0]).astype(np.float64)).astype(np.int64)
+    per_rank = counts.sum(axis=1)
+    seg = batch.segment_array()
+    pad = np.zeros((int(per_rank.max()), 3))
+    pad[:len(seg)] = seg
+    rows = gather(pad.reshape(-1)).reshape(len(counts), -1, 3).astype(np.int64)
+    segments = np.concatenate([rows[r, :n] for r, n in enumerate(per_rank.tolist())])
+    offsets = np.r_[0, np.cumsum(counts.reshape(-1))].astype(np.int64)
+    return BatchPlan(SegmentRows(segments, offsets, *counts.shape), batch.method,
+                     batch.max_tokens, batch.num_split_samples, batch.fallback,
+                     length_multiple=batch.length_multiple)
+
+
 def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
                 indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
     """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:

@@ -72,7 +72,7 @@ def _worker(rank: int, init_file: str, out_dir: str):
     ex = StepExchange(groups)
     assert ex.sizes == (TP, PP, DP) and ex.ranks == (where[2], where[1], where[0])
     shape, slots = _shape()
-    summary = ex.gather(_report(*where), shape, slots)
+    summary = ex.gather(_report(*where), shape, slots[where[0]])
     payload, plan_shape = _plan()
     plan = ex.broadcast_plan(payload if rank == 0 else None, plan_shape)
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
@@ -82,17 +82,21 @@ def _worker(rank: int, init_file: str, out_dir: str):
 
 
 def _reference():
-    """The summary the pure functions give from every rank's report, in one process."""
-    from sparsebalance_megatron.megatron.step.record import (combine_cell, decode_step,
-                                                              encode_rank, join_pipeline)
+    """The summary the pure functions give from every rank's report, in one process: the lines
+    decoded without their documents, and each DP rank's documents from its own line."""
+    from sparsebalance_megatron.megatron.step.record import (RecordShape, combine_cell,
+                                                              decode_step, encode_rank,
+                                                              join_pipeline, split_docs)
 
     shape, slots = _shape()
     cells = {(d, p): combine_cell(np.stack([encode_rank(_report(d, p, t), shape, slots[d])
                                             for t in range(TP)]), shape)
              for d, p in itertools.product(range(DP), range(PP))}
-    lines = np.stack([join_pipeline(np.stack([cells[d, p] for p in range(PP)]), shape)
-                      for d in range(DP)])
-    return decode_step(lines, shape.with_stages(PP), slots)
+    split = [split_docs(join_pipeline(np.stack([cells[d, p] for p in range(PP)]), shape),
+                        shape.with_stages(PP), slots[d]) for d in range(DP)]
+    bare = RecordShape(PP, shape.timed, shape.units)
+    return decode_step(np.stack([x[0] for x in split]), bare, ()), \
+        [x[1:] for x in split], bare
 
 
 def test_every_rank_ends_with_the_same_summary_and_plan(tmp_path):
@@ -103,21 +107,22 @@ def test_every_rank_ends_with_the_same_summary_and_plan(tmp_path):
     runs = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(TP * PP * DP)]
     assert sorted(r["where"] for r in runs) == sorted(itertools.product(range(DP), range(PP),
                                                                         range(TP)))
-    want = _reference()
+    want, docs, bare = _reference()
     (dens, report), plan_shape = _plan()
     for r in runs:
         s = r["summary"]
         assert np.array_equal(s.busy_s, want.busy_s) and s.step_s == want.step_s
         assert s.loss == want.loss and s.unit_times == want.unit_times
-        assert np.array_equal(s.doc_ids, want.doc_ids)
-        assert np.array_equal(s.doc_sums, want.doc_sums)        # bit for bit
+        ids, sums = docs[r["where"][0]]              # its DP rank's documents alone
+        assert ids.size and np.array_equal(s.doc_ids, ids)
+        assert np.array_equal(s.doc_sums, sums)                 # bit for bit
         assert s.violations == 1 and s.examples == want.examples
         assert s.examples == ["(dp 1, stage 1, micro-batch 2): 0.3 != 0.5"]
         assert s.fingerprints_agree
         # what a rank received: its TP peer's record, its pipeline peer's cell, its DP peer's
-        # line (TP 2 x PP 2 x DP 2), not a world of pickles
+        # line without its documents (TP 2 x PP 2 x DP 2), not a world of pickles
         shape, _ = _shape()
-        assert s.bytes_received == shape.nbytes * 2 + shape.with_stages(PP).nbytes
+        assert s.bytes_received == shape.nbytes * 2 + bare.nbytes
         # the plan: once from each group above the rank, rank 0 none (TP 2 x PP 2 x DP 2)
         hops = (r["where"][2] == 0 and r["where"][0] == 0 and r["where"][1] > 0) \
             + (r["where"][2] == 0 and r["where"][0] > 0) + (r["where"][2] > 0)

@@ -128,7 +128,8 @@ def _own_drafts(rank: int, group, dp: int) -> dict:
         dens, report = drafter.settle(draft, rank=rank, agree=DPReducer(group))
         batch = draft.packing(report["stand_down"]["packing_index"])[0]
         out[objective] = (list(batch.micro_batches), np.asarray(dens), report["stand_down"],
-                          report["step_time_planned_s"])
+                          report["step_time_planned_s"], draft.predicted_busy,
+                          report["unit_sensitivity"])
     return out
 
 
@@ -261,7 +262,8 @@ def test_a_ranks_own_draft_settles_to_its_row_of_the_whole_steps(runs):
     """``Drafter.draft(rank=r)`` packs only the rank's SAB units and its baseline row, and
     ``settle`` agrees SAB, the do-no-harm race and DST over the group: the rank commits its row
     of what the whole-step draft commits (the same packing chosen, the same micro-batches, the
-    same densities, the same planned step)."""
+    same densities, the same planned step), and every rank's rows gathered are the whole
+    step's (densities, predicted busy seconds, sensitivities)."""
     for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
         for objective in ("quality", "density"):
             drafter, segs = _drafter(dp, objective)
@@ -270,9 +272,11 @@ def test_a_ranks_own_draft_settles_to_its_row_of_the_whole_steps(runs):
             index = report["stand_down"]["packing_index"]
             batch = whole.packing(index)[0]
             for run in runs:
-                rows, own, record, step_s = run[name]["own"][objective]
+                rows, got, record, step_s, busy, sens = run[name]["own"][objective]
                 r = run[name]["dp_rank"]
                 assert record["packing_index"] == index, (name, objective)
                 assert rows == [batch.micro_batches[r]], (name, objective, r)
-                np.testing.assert_array_equal(own, np.asarray(dens)[r:r + 1])
+                np.testing.assert_array_equal(got, np.asarray(dens))
+                np.testing.assert_array_equal(busy, np.asarray(report["predicted_busy_s"]))
+                assert sens == report["unit_sensitivity"]
                 assert step_s == pytest.approx(report["step_time_planned_s"], rel=1e-12)

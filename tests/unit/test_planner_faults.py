@@ -72,7 +72,7 @@ def test_a_planner_killed_while_drafting_or_stalled_is_named_and_its_request_kep
             assert e.value.phase == kind and e.value.iteration == 2
             assert proc.proc.poll() == -9        # the stopped process killed and reaped
             assert pending.request == dict(iteration=2, first_bin=7, segments=steps.segments[2],
-                                           num_microbatches=M, with_dst=True)
+                                           num_microbatches=M, with_dst=True, rank=None)
         finally:
             proc.close()
     # (where the deadline comes from: test_the_deadline_is_three_recent_drafts_floored_capped)

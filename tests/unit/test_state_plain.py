@@ -55,7 +55,7 @@ def _callback(load_dir=".", *, pp=2, fresh=False):
                                                 planner="process"),
                          latency=lm, tracker=SensitivityTracker(signal="loss"),
                          reporter=SimpleNamespace(stood=StandDownCounts()), _ready_basis=None,
-                         dp=2, pp=pp, vp=1, _ready=None)
+                         dp=2, dp_rank=0, pp=pp, vp=1, _ready=None)
     for name in ("state_dict", "load_state_dict", "_planning_state", "_state_basis",
                  "_tracker_loaded", "ahead_basis"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))

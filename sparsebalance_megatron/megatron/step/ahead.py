@@ -199,16 +199,17 @@ class PlannerProcess:
 
     def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
                with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict,
-               agree=None) -> "PendingDraft":
+               agree=None, rank: Optional[int] = None) -> "PendingDraft":
         """Start the draft of ``iteration`` from these inputs; ``tracker_sync``: None (no
         tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]); ``agree``:
         what the reader thread runs on the draft once read (DST's rounds over the DP group),
         its result the draft's ``agreed``. A process that ended gives a draft whose ``result``
-        raises that (the request kept for the caller)."""
+        raises that (the request kept for the caller). ``rank``: a DP rank's own draft
+        (``Drafter.own_draft``)."""
         if self._pending is not None:
             raise RuntimeError("a draft of the planner process is still pending")
         request = dict(iteration=iteration, first_bin=first_bin, segments=segments,
-                       num_microbatches=num_microbatches, with_dst=with_dst)
+                       num_microbatches=num_microbatches, with_dst=with_dst, rank=rank)
         c0, err = time.thread_time(), None
         try:
             self.wait_ready()

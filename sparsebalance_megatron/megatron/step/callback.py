@@ -117,7 +117,8 @@ class SparseBalanceCallback(StepPlanning):
         self.vp = self.layout.vp
         # A rank with several model chunks finds each layer's virtual stage by its number.
         self.layer_stages = self.layout.layer_stages() if self.vp > 1 else None
-        self.reporter = StepReporter(args, sb, dp=self.dp, layout=self.layout,
+        self.reporter = StepReporter(args, sb, dp=self.dp, dp_rank=self.dp_rank,
+                                     layout=self.layout,
                                      doc_positions=np.asarray(self.corpus.lengths,
                                                               dtype=np.int64) + 1,
                                      dense_below_tokens=routing,
@@ -281,7 +282,8 @@ class SparseBalanceCallback(StepPlanning):
             if self._losses else (0.0, 0.0)
         shape, slots = step_record_shape(step.batch, self.vp, signal=self.signal is not None,
                                          per_interval=bool(self.sb.metrics_file))
-        summary = self.exchange.gather(self._report(step, timings, loss), shape, slots)
+        summary = self.exchange.gather(self._report(step, timings, loss), shape,
+                                       slots[step.row] if slots else ())
         if not summary.fingerprints_agree:
             raise RuntimeError(f"iteration {iteration}: ranks packed different micro-batches "
                                f"(the sampler/packer must be deterministic on every rank)")
@@ -316,7 +318,8 @@ class SparseBalanceCallback(StepPlanning):
         t1, c1 = time.perf_counter(), time.thread_time()
         self.reporter.report(iteration + 1, step, summary, measured, calib,
                              overhead_s=self._overhead_s, own_s=self._own_s,
-                             planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None)
+                             planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None,
+                             gather=self.exchange.gather_rows)
         # the report's own cost (metrics, writers, log line) counts in the next step's figure
         self._overhead_s, self._own_s = time.perf_counter() - t1, time.thread_time() - c1
 
@@ -340,6 +343,8 @@ class SparseBalanceCallback(StepPlanning):
         """[dp, pp] uncorrected predicted fwd+bwd seconds of the step's units under its plan
         (a pipeline rank's model chunks together): DST's planner predicted them with the plan,
         from the same units and densities (``choice.choose``); predicted here otherwise."""
+        if step.predicted_busy is not None:      # every rank's, gathered with the plan
+            return np.array(step.predicted_busy, dtype=np.float64)
         known = step.report.get("predicted_busy_s") if step.report is not None else None
         if known is not None:
             return np.array(known, dtype=np.float64)

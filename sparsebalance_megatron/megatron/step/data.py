@@ -239,7 +239,7 @@ class TrainIterator:
         cb.note_forward(j, self.chunk)
         batch = self._step.batch
         # the packing's own lengths (Megatron's dp_balanced: its documents only, at any length)
-        return microbatch_inputs(batch.micro_batches[cb.dp_rank][j], cb.corpus, cb.capacity,
+        return microbatch_inputs(self._step.own[j], cb.corpus, cb.capacity,
                                  self.device, step=self._step.iteration, index=j,
                                  **dict(cb.mb_args, length_multiple=batch.length_multiple))
 

@@ -52,6 +52,8 @@ class Draft:
     own_rank: Optional[int] = None  # a rank's own draft (``Drafter.own_draft``): its DP rank
     sab: Optional[tuple] = None    # its (SAB's assignment, the rank's units), packed by
                                    # ``Drafter.settle`` after the agreement
+    predicted_busy: Optional[object] = None  # [dp, pipeline ranks] uncorrected predicted busy
+                                   # seconds of the committed plan, gathered (``settle``)
 
     def packing(self, index: int) -> tuple:
         """(batch, units) of candidate packing ``index``: 0 SAB's (or the only one), 1 the
@@ -217,13 +219,41 @@ class Drafter:
             check_capacity(draft.batch, self.capacity, rank)
             draft.units, draft.sab = self.units(draft.batch), None
         options = [draft.packing(i) for i in range(draft.options)]
+        densities, report = None, None
         if not self.sb.dst_enabled:     # a rank's own packings: the static race, agreed
             draft.stand_down = self.choose(options, dst=False, rank=rank, agree=agree,
                                            own_rows=True)[2] if own and len(options) > 1 else None
-            return None, None
-        densities, report, _ = self.choose(options, dst=True, rank=rank, agree=agree,
-                                           own_rows=own)
+        else:
+            densities, report, _ = self.choose(options, dst=True, rank=rank, agree=agree,
+                                               own_rows=own)
+        if own:
+            densities = self._gathered(draft, agree, densities, report)
         return densities, report
+
+    def _gathered(self, draft: Draft, agree, densities, report):
+        """Every DP rank's rows of what a rank's own draft commits, gathered once (collective,
+        [dp, m x stages + pipeline ranks + m] floats): the densities (None: a static plan's),
+        the uncorrected predicted busy seconds the calibration compares with the step's
+        (``Draft.predicted_busy``; NaN without a plan) and the units' sensitivities, written
+        into the report where it has them; the whole step's densities."""
+        stand = report["stand_down"] if report is not None else draft.stand_down
+        batch, units = draft.packing(int(stand["packing_index"]) if stand else 0)
+        m, nv, lm = batch.num_microbatches, len(self.attention_layers), self.latency
+        pp = lm.layout.pp if lm is not None else 0
+        d = np.asarray(densities, dtype=np.float64) if densities is not None else (
+            np.full((1, m, nv), self.sb.density) if self.sb.sparse_attention_enabled else None)
+        busy = lm.busy_s(units, d) if lm is not None and d is not None else np.full((1, pp),
+                                                                                     np.nan)
+        sens = report.get("unit_sensitivity") if report is not None else None
+        rows = agree.gather(np.concatenate([
+            np.zeros(m * nv) if densities is None else d.reshape(-1), busy.reshape(-1),
+            np.zeros(m) if sens is None else np.asarray(sens, np.float64).reshape(-1)]))
+        draft.predicted_busy = rows[:, m * nv:m * nv + pp]
+        if report is None:
+            return None
+        report.update(predicted_busy_s=draft.predicted_busy.tolist(), unit_sensitivity=None
+                      if sens is None else rows[:, m * nv + pp:].tolist())
+        return rows[:, :m * nv].reshape(-1, m, nv).tolist()
 
     def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None,
                own_rows: bool = False):

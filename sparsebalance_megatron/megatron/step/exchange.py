@@ -11,7 +11,9 @@ The gather, in three levels:
    the usual layout): every rank's record; each rank combines them (``combine_cell``);
 2. the pipeline group: the cells of this DP rank's pipeline, joined into its line
    (``join_pipeline``);
-3. the data-parallel group: every DP rank's line, decoded (``decode_step``).
+3. the data-parallel group: every DP rank's line without its document sums, decoded
+   (``decode_step``); a DP rank's documents are its own (SAB per rank: a rank holds only its
+   micro-batches), learned from its own line.
 
 Every rank takes part in every level: the TP/CP ranks of a cell hold the same combined record, so
 their parallel copies of levels 2 and 3 carry identical data, and every rank decodes the same
@@ -35,7 +37,7 @@ import torch
 from ..runtime import comm
 from .plan_record import PlanShape, decode_plan, encode_plan
 from .record import (RankReport, RecordShape, StepSummary, combine_cell, decode_step,
-                     encode_rank, join_pipeline)
+                     encode_rank, join_pipeline, split_docs)
 
 
 @dataclass
@@ -111,17 +113,26 @@ class StepExchange:
 
     def gather(self, report: RankReport, shape: RecordShape, slots) -> StepSummary:
         """The step's ``StepSummary`` (collective: every rank of the job, once per step).
-        ``shape``: one rank's record (``stages`` 1); ``slots``: every DP rank's document slots
-        (``record.doc_slots``; only read with ``shape.docs``)."""
+        ``shape``: one rank's record (``stages`` 1); ``slots``: the document slots of this
+        rank's DP rank (``record.doc_slots``; only read with ``shape.docs``): its documents'
+        sums travel in its cell and pipeline only, so the summary's are its DP rank's."""
         cell_g, pipe_g, data_g = self.groups.cell, self.groups.pipeline, self.groups.data
         self._wait_s, self._bytes = 0.0, 0
-        mine = encode_rank(report, shape, slots[report.dp] if shape.docs else ())
+        mine = encode_rank(report, shape, slots if shape.docs else ())
         cell = combine_cell(self._all_gather(mine, cell_g), shape)
         line = join_pipeline(self._all_gather(cell, pipe_g), shape)
-        lines = self._all_gather(line, data_g)
-        summary = decode_step(lines, shape.with_stages(self.sizes[1]), slots)
+        pipeline = shape.with_stages(self.sizes[1])
+        bare = RecordShape(pipeline.stages, pipeline.timed, pipeline.units)
+        line, ids, sums = split_docs(line, pipeline, slots)
+        summary = decode_step(self._all_gather(line, data_g), bare, ())
+        summary.doc_ids, summary.doc_sums = ids, sums
         summary.comm_s, summary.bytes_received = self._wait_s, self._bytes
         return summary
+
+    def gather_rows(self, row: np.ndarray) -> np.ndarray:
+        """[dp, len(row)]: every DP rank's float64 ``row`` (the same length on every rank) over
+        the data-parallel group, in DP order (collective: every rank, in the same order)."""
+        return self._all_gather(np.ascontiguousarray(row, dtype=np.float64), self.groups.data)
 
     def broadcast_plan(self, payload: Optional[tuple], shape: PlanShape) -> tuple:
         """Rank 0's ``(densities, report)`` on every rank (collective); the others pass None."""

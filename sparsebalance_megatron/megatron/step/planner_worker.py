@@ -118,7 +118,8 @@ def serve(inp: Connection, out: Connection) -> None:
         try:
             sync_state(drafter, req["latency"], req["tracker"])
             draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
-                                  req["num_microbatches"], with_dst=req["with_dst"])
+                                  req["num_microbatches"], with_dst=req["with_dst"],
+                                  rank=req.get("rank"))
             answer = ("ok", reply(draft))
         except Exception as e:                             # raised on the training thread
             text = traceback.format_exc()

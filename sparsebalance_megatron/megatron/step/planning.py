@@ -68,11 +68,20 @@ class PreparedStep:
     stand_down: Optional[dict] = None  # do-no-harm record (step_choice.choose); None: no choice
     samples: int = 0               # Megatron's samples the step consumes (dp x its micro-batch
                                    # count); 0: the batch's own (dp_balanced's count may differ)
+    row: int = 0                   # this rank's row of ``batch`` (0: the batch is its own
+                                   # micro-batches alone; its DP rank: a replayed whole plan)
+    predicted_busy: Optional[np.ndarray] = None  # [dp, pipeline ranks] uncorrected predicted
+                                   # busy seconds of the plan, every DP rank's (gathered)
 
     @property
     def megatron_samples(self) -> int:
         """Megatron's samples the step consumes (``samples``, or the batch's own)."""
         return self.samples or self.batch.dp * self.batch.num_microbatches
+
+    @property
+    def own(self) -> list:
+        """This rank's micro-batches ([m] lists of segments)."""
+        return self.batch.micro_batches[self.row]
 
     @property
     def consumed_samples(self) -> int:
@@ -109,7 +118,8 @@ class StepPlanning(PlanBasis):
         first_bin = self.sampler.bins
         segments = self.sampler.next_bin_array(self.dp * num_microbatches)
         return self._timed_draft(iteration=iteration, first_bin=first_bin, segments=segments,
-                                 num_microbatches=num_microbatches, with_dst=False)
+                                 num_microbatches=num_microbatches, with_dst=False,
+                                 rank=self.dp_rank)
 
     def _timed_draft(self, **request) -> Draft:
         """A draft made here; its wall time joins the planner process's recent drafts (the
@@ -122,13 +132,14 @@ class StepPlanning(PlanBasis):
 
     def _commit(self, draft: Draft) -> None:
         """The draft becomes the prepared step (collective where its DST is not agreed yet)."""
-        plan, report, sb, stand = None, None, self.sb, draft.stand_down
+        plan, report, sb = None, None, self.sb
         if self.replay is not None and sb.sparse_attention_enabled:   # every rank read it
             plan = BudgetPlan(draft.iteration, draft.replayed)
-        elif sb.dst_enabled:              # in-line: agreed here, after the calibration
+        elif self._agreeing():            # in-line: agreed here, after the calibration
             densities, report = draft.agreed or self._agree(draft)
-            plan = BudgetPlan(draft.iteration, np.asarray(densities))
-            stand = report.get("stand_down")
+            if densities is not None:
+                plan = BudgetPlan(draft.iteration, np.asarray(densities))
+        stand = report.get("stand_down") if report is not None else draft.stand_down
         # SAB's packing, or the baseline's where SAB stood down
         batch, units = draft.packing(1 if stand is not None and stand["packing_index"] == 1
                                      else 0)
@@ -136,7 +147,9 @@ class StepPlanning(PlanBasis):
             plan = BudgetPlan.static(draft.iteration, sb.density, self.dp,
                                      batch.num_microbatches, self.layout.num_stages)
         self._ready = PreparedStep(draft.iteration, draft.first_bin, batch, plan, report,
-                                   units, stand, self.dp * draft.num_microbatches)
+                                   units, stand, self.dp * draft.num_microbatches,
+                                   row=0 if draft.own_rank is not None else self.dp_rank,
+                                   predicted_busy=draft.predicted_busy)
         self._advance_basis(draft.basis)
         self._ready_basis = draft.basis
         if not self._layout_checked:
@@ -152,7 +165,10 @@ class StepPlanning(PlanBasis):
                                      agree=DPReducer(self.exchange.groups.rounds))
 
     def _agreeing(self) -> bool:
-        return self.sb.dst_enabled and self.replay is None
+        """Whether a draft is settled over the DP group: every rank's own draft is (SAB's
+        agreement, the do-no-harm race, DST, the rows the step's consumers read); a replayed
+        whole plan is not."""
+        return self.replay is None
 
     def _plan_ahead(self) -> None:
         """--sb-planner process/thread: start drafting the step after the prepared one, from
@@ -182,7 +198,8 @@ class StepPlanning(PlanBasis):
         elif fault == "planner-kill-idle":
             self._process.kill()
         self._planner = self._process.submit(
-            it, first_bin, segments, m, with_dst=False, latency_state=basis.latency,
+            it, first_bin, segments, m, with_dst=False, rank=self.dp_rank,
+            latency_state=basis.latency,
             tracker_sync=self._tracker_sync(), basis=basis,
             agree=self._agree if self._agreeing() else None)
         if fault == "planner-kill-drafting":
@@ -330,6 +347,6 @@ class StepPlanning(PlanBasis):
         if comm.rank() != 0 or self.latency is None or self.layout.pp < 2 \
                 or self.layout.pattern is not None:   # the search splits GPT layers only
             return
-        if line := layout_warning(self.latency, units, self.dp, batch.num_microbatches,
+        if line := layout_warning(self.latency, units, batch.dp, batch.num_microbatches,
                                   self.layout, self.sb.density):
             comm.say(line)

@@ -124,7 +124,7 @@ class StepSummary:
     doc_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] sorted
     doc_sums: np.ndarray = field(default_factory=lambda: np.zeros((0, DOC_WORDS)))  # [n, 2]
     #                                    (sum, count) of the sensitivity signal per document
-    fingerprints_agree: bool = True      # every rank packed the same micro-batches
+    fingerprints_agree: bool = True      # every rank of a DP rank packed its micro-batches alike
     violations: int = 0                  # (micro-batch, stage) units that ignored the plan
     examples: list = field(default_factory=list)   # the first MAX_EXAMPLES, described
     unit_times: dict = field(default_factory=dict)  # {(dp, pp): (units, fwd_s, bwd_s)}
@@ -319,6 +319,16 @@ def join_pipeline(cells: np.ndarray, shape: RecordShape) -> np.ndarray:
     return out
 
 
+def split_docs(line: np.ndarray, shape: RecordShape, slots) -> tuple:
+    """(``line`` without its document sums, its header saying none; the sorted document ids and
+    [n, 2] sums of its DP rank's document ``slots``)."""
+    check_record(line, shape, "line")
+    cut = len(line) - DOC_WORDS * shape.docs
+    bare = line[:cut].copy()
+    bare.view(np.int64)[5] = 0
+    return (bare,) + _doc_sums(line[cut:].reshape(1, shape.docs, DOC_WORDS), [slots])
+
+
 def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence) -> StepSummary:
     """The ``StepSummary`` of every DP rank's line ``lines`` [dp, words] (DP rank order; ``shape``
     with ``stages`` = pp) and each DP rank's document ``slots``."""
@@ -341,8 +351,9 @@ def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence) -> StepS
     ib = ints[:, h:h + b].reshape(dp, pp, shape.block)
     step_s = np.fmax.reduce(fb[:, :, _F["step_s"]].reshape(-1))
     loss = _ordered_sum(fb[:, :, [_F["loss_sum"], _F["loss_tokens"]]].reshape(-1, 2))
-    agree = np.unique(ib[:, :, _I["fingerprint"]]).size == 1 \
-        and not ib[:, :, _I["fingerprints_differ"]].any()
+    # a DP rank's ranks packed alike (its cells and stages); DP ranks pack their own rows
+    fp = ib[:, :, _I["fingerprint"]]
+    agree = bool((fp == fp[:, :1]).all()) and not ib[:, :, _I["fingerprints_differ"]].any()
     bad_at = np.argwhere(ib[:, :, _I["bad_kind"]] != 0)[:MAX_EXAMPLES]
     examples = [_violation(ib[r, s], fb[r, s]).describe(int(r)) for r, s in bad_at]
     unit_times: dict = {}

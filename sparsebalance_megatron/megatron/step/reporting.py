@@ -27,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 
+from ...batching.plan import gathered_plan
 from ...config import SparseBalanceConfig
 from ...policy.stand_down import StandDownCounts
 from ..runtime import comm
@@ -88,7 +89,7 @@ def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict
                 layers=None, attention_layers=None,
                 doc_positions: Optional[np.ndarray] = None,
                 dense_work: Optional[np.ndarray] = None,
-                kept: Optional[np.ndarray] = None) -> dict:
+                kept: Optional[np.ndarray] = None, totals: Optional[tuple] = None) -> dict:
     """Everything known about a finished step (identical on every rank), from the step's gathered
     ``summary`` (``step/record.py``'s ``StepSummary``). Densities are weighted
     by attention layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per
@@ -98,6 +99,7 @@ def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict
     ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
     ``positions`` what the step computed (padding included). ``kept`` [dp, m, stages]: kept block
     pairs at the planned densities (``kept_work``): the kept density beside the planned one.
+    ``totals``: (tokens, positions) of every DP rank where ``step.batch`` is one rank's own.
     ``overhead_s``: the plugin's wall seconds on the step's critical path (this rank); ``own_s``:
     of those, its own work (the training thread's CPU seconds): the rest (``sb_wait_s``) is
     waiting, for the other ranks in the step's collectives and for the planner's draft."""
@@ -106,10 +108,12 @@ def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict
     batch = step.batch
     loss_sum, loss_tokens = summary.loss
     step_s = summary.step_s
-    tokens = document_tokens(batch, doc_positions)
+    if totals is None:              # the batch is every rank's: its own sums
+        totals = (document_tokens(batch, doc_positions), int(batch.packed_lengths().sum()))
+    tokens, positions = totals
     # Megatron's samples: the bins the documents came from (dp_balanced packs its own count)
     samples = step.consumed_samples - step.first_bin
-    rec = {"step": iteration, "tokens": tokens, "positions": int(batch.packed_lengths().sum()),
+    rec = {"step": iteration, "tokens": tokens, "positions": positions,
            "samples": samples, "microbatches": batch.num_microbatches,
            "consumed_samples": step.consumed_samples,
            "loss": loss_sum / loss_tokens if loss_tokens else None,
@@ -191,7 +195,7 @@ def scalars(rec: dict) -> dict:
     return {PREFIX + name: float(v) for name, v in named if v is not None and np.isfinite(v)}
 
 
-def unit_details(step, summary, work: np.ndarray, *, dp: int, layout,
+def unit_details(step, summary, work: np.ndarray, *, dp: int, layout, batch=None,
                  dense_work: Optional[np.ndarray] = None, pad_multiple: int = 1,
                  seed: Optional[int] = None) -> dict:
     """Per-unit detail for ``--sb-metrics-file`` (scripts that study plans): the densities
@@ -206,7 +210,8 @@ def unit_details(step, summary, work: np.ndarray, *, dp: int, layout,
     ``--sb-replay-plans`` replays."""
     from ...batching.replay import plan_record
 
-    m, nv, vp = step.batch.num_microbatches, layout.num_stages, layout.vp
+    batch = step.batch if batch is None else batch      # every DP rank's micro-batches
+    m, nv, vp = batch.num_microbatches, layout.num_stages, layout.vp
     fwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
     bwd = [[[None] * nv for _ in range(m)] for _ in range(dp)]
     for (r, pp), (units, fwd_s, bwd_s) in sorted(summary.unit_times.items()):
@@ -217,7 +222,7 @@ def unit_details(step, summary, work: np.ndarray, *, dp: int, layout,
                 bwd[r][j][back] = float(bwd_s[k])
     out = {"attn_work": np.asarray(work).tolist(), "microbatch_fwd_s": fwd,
            "microbatch_bwd_s": bwd,
-           "plan": plan_record(step.batch, step.first_bin, pad_multiple, seed)}
+           "plan": plan_record(batch, step.first_bin, pad_multiple, seed)}
     if dense_work is not None:
         out["dense_work"] = np.asarray(dense_work).tolist()
     if step.plan is not None:
@@ -228,7 +233,8 @@ def unit_details(step, summary, work: np.ndarray, *, dp: int, layout,
 class StepReporter:
     """Sends each step's record to the metrics file, Megatron's writers and the console."""
 
-    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, layout=None,
+    def __init__(self, args, sb: SparseBalanceConfig, *, dp: int, dp_rank: int = 0,
+                 layout=None,
                  doc_positions: Optional[np.ndarray] = None, dense_below_tokens: int = 0,
                  pad_multiple: int = 1):
         """``doc_positions``: [documents] tokens + EOD of every document of the corpus, so that
@@ -237,7 +243,7 @@ class StepReporter:
         ``pad_multiple``: what documents are padded to (recorded with the plan)."""
         from ...latency.layout import PipelineLayout
 
-        self.args, self.sb, self.dp = args, sb, dp
+        self.args, self.sb, self.dp, self.dp_rank = args, sb, dp, dp_rank
         self.dense_below_tokens = dense_below_tokens
         self.layout = layout if layout is not None else PipelineLayout(1, 1, (1,))
         self.stages = self.layout.num_stages
@@ -252,19 +258,48 @@ class StepReporter:
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
         self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
 
+    def _gathered(self, step, units, work, dense, d, gather) -> tuple:
+        """(work [dp, m], routed work [dp, m] or None, kept pairs [dp, m, stages] or None,
+        (tokens, positions)) of every DP rank, each rank's rows gathered (collective): block
+        pair counts and token counts, exact in float64."""
+        m, batch = step.batch.num_microbatches, step.batch
+        nv = 0 if d is None else d.shape[2]
+        kept = None if d is None else \
+            kept_work(batch, self.sb, d, self.dense_below_tokens, units)
+        rows = gather(np.concatenate([
+            work.reshape(-1), np.zeros(m) if dense is None else dense.reshape(-1),
+            np.zeros(0) if kept is None else kept.reshape(-1),
+            [document_tokens(batch, self.doc_positions), batch.packed_lengths().sum()]]))
+        dp = rows.shape[0]
+        return (rows[:, :m], None if dense is None else rows[:, m:2 * m],
+                None if kept is None else rows[:, 2 * m:2 * m + m * nv].reshape(dp, m, nv),
+                (int(rows[:, -2].sum()), int(rows[:, -1].sum())))
+
     def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
-               own_s: Optional[float] = None, planned_ahead_s: Optional[float] = None):
+               own_s: Optional[float] = None, planned_ahead_s: Optional[float] = None,
+               gather=None):
         """``overhead_s``: the plugin's seconds on the step's critical path (this rank), ``own_s``
         of them its own work (``step_record``); ``planned_ahead_s``: CPU seconds the planner's
-        draft of the next step took (--sb-planner process/thread; off the critical path)."""
+        draft of the next step took (--sb-planner process/thread; off the critical path);
+        ``gather``: every DP rank's row of a vector (``StepExchange.gather_rows``: collective),
+        which a step of one rank's own micro-batches reports the whole step's figures from."""
         units = step_features(step.batch, self.sb, self.dense_below_tokens, step.units)
         work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens, units)
-        kept = None if step.plan is None else \
-            kept_work(step.batch, self.sb, step.plan.densities, self.dense_below_tokens, units)
+        d = None if step.plan is None else step.plan.densities
+        totals, batch = None, step.batch
+        if batch.dp < self.dp:            # this rank's micro-batches: every DP rank's rows
+            d = None if d is None else d[self.dp_rank:self.dp_rank + 1]
+            work, dense, kept, totals = self._gathered(step, units, work, dense, d, gather)
+            if self.sb.metrics_file:     # the plan's record: every rank's micro-batches
+                batch = gathered_plan(batch, gather)
+        else:
+            kept = None if d is None else \
+                kept_work(batch, self.sb, d, self.dense_below_tokens, units)
         rec = step_record(iteration, step, summary, measured, calib, overhead_s=overhead_s,
                           own_s=own_s, work=work, layers=self.layout.layers,
                           attention_layers=self.layout.attention_layers,
-                          doc_positions=self.doc_positions, dense_work=dense, kept=kept)
+                          doc_positions=self.doc_positions, dense_work=dense, kept=kept,
+                          totals=totals)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         # every rank's planner process deaths and stalls, reported with the step after them
@@ -282,7 +317,7 @@ class StepReporter:
         if self.stood.dst_steps or self.stood.sab_steps:
             rec["stood_down_total"] = self.stood.state_dict()
         if self.sb.metrics_file and comm.rank() == 0:
-            line = dict(rec, **unit_details(step, summary, work, dp=self.dp,
+            line = dict(rec, **unit_details(step, summary, work, dp=self.dp, batch=batch,
                                             layout=self.layout, dense_work=dense,
                                             pad_multiple=self.pad_multiple,
                                             seed=self.sb.seed))

@@ -12,8 +12,8 @@ one iterator it is given and ``train()`` gives it the list of the chunks' iterat
 its checkpoint save: ``save_checkpoint_and_time`` starts its ``save-checkpoint`` timer before
 ``save_checkpoint`` writes anything, and the tracker file comes after every rank's save.
 
-``load_plugin_state`` reads it back (DP rank 0's file, for every rank) with errors that name the
-file; ``restore_saved_state`` loads it into the callback. With --sb-fresh-state a missing or
+``load_plugin_state`` reads it back (the rank's DP rank's file, else DP rank 0's) with errors
+that name the file; ``restore_saved_state`` loads it into the callback. With --sb-fresh-state a missing or
 damaged state starts the balancer fresh (a warning names the file); a state without the
 balancer's parts (a dense run's checkpoint) starts them fresh with one line saying so.
 
@@ -51,15 +51,17 @@ def state_file_path(checkpoint_dir: str, iteration: int, *, pipeline_parallel: b
                                expert_rank=0, basename=f"train_dataloader_dprank{dp_rank:03d}.pt")
 
 
-def plugin_state_path(args, load_dir: str, iteration: int) -> str:
-    """The state file a resume reads (DP rank 0's: every rank holds the same state). Its folder
-    is named by the pipeline of the run that saved it (``mp_rank_00`` or ``mp_rank_00_000``):
-    a resume on another pipeline (``step/relayout.py``) reads the other where this run's is
-    missing."""
+def plugin_state_path(args, load_dir: str, iteration: int, dp_rank: int = 0) -> str:
+    """The state file a resume reads: DP rank ``dp_rank``'s (a rank's sensitivity tracker and
+    plan-ahead basis are its own: it learns its own documents), else DP rank 0's (a resume on
+    more DP ranks than saved). Its folder is named by the pipeline of the run that saved it
+    (``mp_rank_00`` or ``mp_rank_00_000``): a resume on another pipeline
+    (``step/relayout.py``) reads the other where this run's is missing."""
     pp = args.pipeline_model_parallel_size > 1
-    path = state_file_path(load_dir, iteration, pipeline_parallel=pp, dp_rank=0)
-    other = state_file_path(load_dir, iteration, pipeline_parallel=not pp, dp_rank=0)
-    return other if not os.path.exists(path) and os.path.exists(other) else path
+    ranks = (dp_rank, 0) if dp_rank else (0,)
+    found = [state_file_path(load_dir, iteration, pipeline_parallel=p, dp_rank=r)
+             for r in ranks for p in (pp, not pp)]
+    return next((f for f in found if os.path.exists(f)), found[-1 if dp_rank else 0])
 
 
 def write_state_file(path: str, state: dict) -> None:
@@ -196,11 +198,13 @@ def read_state_file(path: str) -> dict:
     return plain_state(saved["dataloader_state_dict"])
 
 
-def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = False):
-    """The state the callback saved with the checkpoint of ``iteration``; None (start the
-    balancer fresh) when it is missing or damaged and ``fresh`` (--sb-fresh-state) says so, with
-    a warning naming the file; else a ``LaunchError`` naming the file and both ways out."""
-    path = plugin_state_path(args, load_dir, iteration)
+def load_plugin_state(args, load_dir: str, iteration: int, *, fresh: bool = False,
+                      dp_rank: int = 0):
+    """The state the callback saved with the checkpoint of ``iteration`` (``plugin_state_path``
+    of ``dp_rank``); None (start the balancer fresh) when it is missing or damaged and ``fresh``
+    (--sb-fresh-state) says so, with a warning naming the file; else a ``LaunchError`` naming
+    the file and both ways out."""
+    path = plugin_state_path(args, load_dir, iteration, dp_rank)
     if not os.path.exists(path):
         if fresh:
             from ..runtime.comm import say
@@ -263,10 +267,12 @@ def restore_saved_state(cb):
     args = cb.args
     if cb.latency is None and cb.tracker is None:
         return None, False                       # nothing to restore
+    dp_rank = cb.dp_rank
     state = _relayout(cb, load_plugin_state(args, args.load, args.iteration,
-                                            fresh=cb.sb.fresh_state))
+                                            fresh=cb.sb.fresh_state, dp_rank=dp_rank))
     ahead = bool(cb.sb.plan_ahead and state is not None and state.get("ahead_basis"))
-    path, fresh = plugin_state_path(args, args.load, args.iteration), cb._state_basis()
+    path = plugin_state_path(args, args.load, args.iteration, dp_rank)
+    fresh = cb._state_basis()
     try:
         if ahead:       # the state itself is loaded once the first step is prepared: checked now
             cb.load_state_dict(state)
