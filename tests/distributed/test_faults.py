@@ -157,3 +157,43 @@ def test_a_dead_or_stalled_planner_costs_a_step_not_the_job(tmp_path, small_json
     total = read_scalars(tmp_path / "tb")["sparsebalance/planner/events_total"]
     assert total[max(total)] == len(warnings)
     assert _planner_orphans() == []
+
+
+@pytest.mark.reliability(area="fault", case="PP=2 x DP=2, SAB + DST: rank 1's planner process "
+                         "killed after the first DST round it settles iteration 3's draft with, "
+                         "rank 2's at iteration 4", expect="the run finishes; one warning line "
+                         "each naming the rank, pid and 'while settling', the round replayed; "
+                         "every step's plan and loss equal the uninterrupted run's; no process "
+                         "left")
+def test_a_planner_killed_mid_rounds_leaves_every_plan_as_the_uninterrupted_runs(
+        tmp_path, small_jsonl, tiny_latency_table_pp2):
+    """The rounds the dead process made were made with its DP peers (relayed by the rank's
+    reader thread): the training thread drafts the step again, replays them and makes the rest
+    beside the peers' relayed ones, so the plan is the one the uninterrupted run made."""
+    common = [*TINY_MODEL, "--sparse-balance", "--sb-density", "0.5", "--sb-min-density",
+              "0.25", "--sb-block-size", "32", "--sb-tokenizer", "byte", "--eval-iters", "0",
+              "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+              "--train-iters", "6", "--data-path", small_jsonl,
+              "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
+              "--sb-timing-source", "model", "--sb-straggler-rank", "1",
+              "--sb-straggler-slowdown", "2"]
+    run_entry(4, [*common, "--sb-metrics-file", tmp_path / "base.jsonl"], cwd=tmp_path)
+    out = run_entry(4, [*common, "--sb-fault",
+                        "1:3:planner-kill-agreeing,2:4:planner-kill-agreeing",
+                        "--sb-metrics-file", tmp_path / "faulty.jsonl"], cwd=tmp_path).stdout
+    for rank, it in ((1, 3), (2, 4)):
+        line = re.search(rf"warning: rank {rank}: the SparseBalance planner process \(pid \d+\) "
+                         rf"ended while settling iteration {it}'s DST .*", out)
+        assert line and "signal 9 (SIGKILL)" in line[0], out[-4000:]
+        assert "its 1 DST round(s) over the DP group replayed, the rest made" in line[0]
+    base, faulty = read_metrics(tmp_path / "base.jsonl"), read_metrics(tmp_path / "faulty.jsonl")
+    assert [r["step"] for r in faulty] == [r["step"] for r in base] == list(range(1, 7))
+    assert any(r["units_cut"] or r["units_raised"] for r in base), "DST never moved a unit"
+    for a, b in zip(base, faulty):
+        for key in ("tokens", "densities", "predicted_step_s", "predicted_static_s",
+                    "units_cut", "units_raised", "dst_stood_down"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["step"], a["loss"],
+                                                                     b["loss"])
+    assert faulty[-1]["planner_events_total"] >= 2
+    assert _planner_orphans() == []

@@ -4,7 +4,7 @@ thread; a process killed, stopped or late mid-rounds leaves the training thread 
 step again and settle it, the rounds already made replayed (the peers saw them) and the rest
 made live: the same plan, one set of rounds; a replayed round that differs is refused naming
 it. A stand-in DP group (``Mirror``: every rank this one's twin) answers the rounds here; the
-real group's, over gloo: tests/distributed/test_settle_relay.py."""
+real group's, over gloo: tests/distributed/test_relayed_rounds.py."""
 
 from __future__ import annotations
 
