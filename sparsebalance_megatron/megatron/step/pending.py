@@ -67,7 +67,11 @@ class PendingDraft:
         msg = planner._message("drafting", it)
         while msg[0] == ROUND:              # the process settles: each collective relayed
             self.phase = "agreeing"
-            made, result = rounds.perform(msg[1], msg[2])
+            try:
+                made, result = rounds.perform(msg[1], msg[2])
+            except BaseException:           # it waits for an answer that will not come
+                planner.kill()
+                raise
             if made and self._on_round is not None:
                 self._on_round(len(rounds.done))
             try:
@@ -78,10 +82,10 @@ class PendingDraft:
             msg = planner._message("agreeing", it)
             if msg == (CANCELLED,):         # the training thread settles this step
                 return
+        c0 = time.thread_time()
         if msg == ("drafted",):
             self.phase = "sending"
             msg = planner._message("sending", it)
-        c0 = time.thread_time()
         self._draft = planner._answer(msg)
         self.recv_s = time.thread_time() - c0
         planner.drafts += 1
