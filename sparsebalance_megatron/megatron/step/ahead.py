@@ -19,11 +19,12 @@ the same inputs as the in-line planner (a unit test compares the three). It ends
 training process closes the pipe (its exit included, a crash too), and with its rank however the
 rank ends (``runtime.children.die_with_parent``: SIGKILL when the rank that started it ends). A
 draft's error is raised on the training thread. The process's death or stall is a
-``PlannerProcessError`` that says what it was doing (``idle``, ``drafting``, ``sending`` its
-draft, ``stalled``, ``late``), for which iteration, and its exit code or signal; the request stays
+``PlannerProcessError`` that says what it was doing (``idle``, ``drafting``, ``agreeing``: its
+settle's rounds, ``sending`` its draft, ``stalled``, ``late``), for which iteration, and its exit code or signal; the request stays
 with the ``PendingDraft``, so the training thread can draft the same step itself
 (``step/planning.py`` decides what the run does then). A draft is overdue when it is not read
-back ``PlannerProcess.deadline_s`` after it was asked for (3x the recent drafts' median, at least
+back ``PlannerProcess.deadline_s`` after it was asked for, or while it settles, its next round
+not asked that long after the last one's answer (3x the recent drafts' median, at least
 ``STALL_FLOOR_S``, at most ``--sb-planner-timeout`` capped at half the distributed timeout): a
 process that cannot answer (stopped, state T) is then killed (``stalled``), one that runs is left
 to finish and its draft dropped (``late``).
@@ -79,7 +80,8 @@ RECENT_DRAFTS = 8       # the drafts that median is taken over
 class PlannerProcessError(RuntimeError):
     """The planner process ended or stalled without answering (killed, crashed, out of memory,
     stopped): its ``pid``, its ``phase`` (``starting``, ``idle``: before it was sent the draft,
-    ``drafting``, ``sending``: its answer begun, ``stalled``), the draft's ``iteration`` (0-based,
+    ``drafting``, ``agreeing``: settling it, its rounds relayed, ``sending``: its answer begun,
+    ``stalled``, ``late``), the draft's ``iteration`` (0-based,
     None while starting) and its exit ``code`` (minus the signal that ended it; None alive)."""
 
     def __init__(self, message: str, *, pid: int, phase: str, iteration: Optional[int],
