@@ -222,3 +222,31 @@ def test_a_replayed_round_that_differs_is_refused_naming_it():
         assert replay.live.made == []
     with pytest.raises(RuntimeError, match="only once the reader thread has stopped"):
         Rounds(Mirror(2)).replaying()
+
+
+@pytest.mark.reliability(area="fault", case="the planner process's draft late before the first "
+                         "DST round it settles with (the step claimed by the training thread "
+                         "first)", expect="the process's first round answered 'cancel': no "
+                         "round relayed, all made by the training thread; the process drafts "
+                         "the next step")
+def test_a_draft_claimed_before_its_first_round_is_cancelled_and_settled_here(steps, drafter):
+    k = 1
+    _, want, made = _in_thread(drafter, steps, k)
+    proc = PlannerProcess(drafter, timeout_s=30.0)
+    try:
+        proc.wait_ready()
+        os.kill(proc.pid, signal.SIGSTOP)        # it cannot ask a round before the claim
+        group = Mirror()
+        pending = _submit(proc, drafter, steps, k, group)
+        assert not pending.rounds.claim_when_due(lambda last: 0.0)   # claimed at once
+        os.kill(proc.pid, signal.SIGCONT)
+        pending._thread.join(120)
+        assert not pending._thread.is_alive() and pending._draft is None
+        assert pending._err is None and pending.rounds.done == [] and group.made == []
+        got, replay = _resume(drafter, steps, k, pending)
+        assert _plain(got) == _plain(want) and replay.replayed == 0 and group.made == made
+        pending._planner._pending = None         # (result() would have raised it late)
+        again = _submit(proc, drafter, steps, k, Mirror()).result()
+        assert _plain(again.agreed) == _plain(want)
+    finally:
+        proc.close()
