@@ -32,7 +32,7 @@ TIMING_SOURCES = ("measured", "model")
 PLANNERS = ("process", "thread", "inline")   # megatron/step/ahead.py
 PLANNER_TIMEOUT_S = 30.0   # --sb-planner-timeout's default (megatron/step/ahead.py)
 FAULT_KINDS = ("raise", "hang", "kill", "exit", "planner-kill-idle", "planner-kill-drafting",
-               "planner-stop", "fa4-fails", "triton-fails")
+               "planner-kill-agreeing", "planner-stop", "fa4-fails", "triton-fails")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
@@ -304,8 +304,10 @@ class SparseBalanceConfig:
         "iteration STEP (1-based); KIND is raise (an exception), hang (the rank stops "
         "answering), kill (the process dies) or exit (the process leaves with os._exit(0)); or "
         "into its planner process as it is asked for iteration STEP's draft: planner-kill-idle "
-        "(killed before it is asked), planner-kill-drafting (killed once asked) or "
-        "planner-stop (stopped with SIGSTOP: it stalls); or into the attention kernels: "
+        "(killed before it is asked), planner-kill-drafting (killed once asked), "
+        "planner-kill-agreeing (killed after the first of DST's rounds over the DP group it "
+        "settles the draft with) or planner-stop (stopped with SIGSTOP: it stalls); or into the "
+        "attention kernels: "
         "fa4-fails / triton-fails (that kernel raises on rank RANK from iteration STEP on, as a "
         "compile failure on a new shape; the run's kernels then stand in for the GPU ones: "
         "auto's pick is fa4 and fa4, triton and flex each compute with the torch kernel under "

@@ -295,10 +295,15 @@ def main(argv=None) -> int:
                         "(default: the simulated step of 64 DP x 16 x PP4 on the best layout)")
     p.add_argument("--no-slowdown", action="store_true",
                    help="skip the training-thread slowdown test")
+    p.add_argument("--reader", action="store_true",
+                   help="only the reader thread's CPU per step with a rank's DST settled on it "
+                        "against settled in the planner process, relayed (studies/_relay_cost.py)")
     args = p.parse_args(argv)
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective=args.dst_objective,
                              dst_descent=args.dst_descent,
                              stand_down_compare=args.stand_down_compare)
+    if args.reader:
+        return _reader_only(sb, args)
 
     rng = np.random.default_rng(7)
     grid = density_grid(0.5, 0.125, 1.0)
@@ -373,4 +378,24 @@ def main(argv=None) -> int:
             "planner": sb.planner, "reference_ms": ref_ms,
             "steps": steps, "shapes": shapes, "launch_slowdown": slow,
             "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]})
+    return 0
+
+
+def _reader_only(sb, args) -> int:
+    """``--reader``: the reader thread's CPU per step, settle on it against relayed."""
+    from ._relay_cost import reader_cpu
+
+    rows = {f"{dp} DP": reader_cpu(sb, dp=dp, steps=args.repeats + 1) for dp in (64, 4)}
+    print("reader thread CPU per step, median ms (of which reading the draft back); the "
+          "settle's own CPU where the reader ran it")
+    print(f"{'shape':<60} {'settle on reader':>18} {'relayed':>16} {'settle':>7} rounds same")
+    for r in rows.values():
+        print(f"{r['shape']:<60} {r['reader_ms_settle_on_reader']:>7.2f} "
+              f"({r['recv_ms_settle_on_reader']:>5.2f}) ms {r['reader_ms_settle_in_process']:>6.2f}"
+              f" ({r['recv_ms_settle_in_process']:>5.2f}) ms {r['settle_ms_on_reader']:>5.1f} "
+              f"{r['rounds_relayed']:>6} {r['same_plans']}"
+              + (f"; {len(r['late'])} late draft(s) not counted" if r["late"] else ""))
+    if args.json:
+        write_result(args.json, {"machine": platform.processor() or platform.machine(),
+                                 "clock": "reader thread CPU time", "reader_cpu": rows})
     return 0

@@ -97,6 +97,34 @@ def _planner_orphans(wait_s: float = 30.0) -> list:
 PLANNER_FAULTS = "1:3:planner-kill-idle,2:4:planner-kill-drafting,3:5:planner-stop"
 
 
+@pytest.fixture(scope="module")
+def planner_base(tmp_path_factory, small_jsonl, tiny_latency_table_pp2):
+    """(flags, metrics) of the uninterrupted PP=2 x DP=2 SAB + DST run the planner-fault runs
+    are compared with (one for the module)."""
+    tmp = tmp_path_factory.mktemp("planner_base")
+    common = [*TINY_MODEL, "--sparse-balance", "--sb-density", "0.5", "--sb-min-density",
+              "0.25", "--sb-block-size", "32", "--sb-tokenizer", "byte", "--eval-iters", "0",
+              "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+              "--train-iters", "6", "--data-path", small_jsonl,
+              "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
+              "--sb-timing-source", "model", "--sb-straggler-rank", "1",
+              "--sb-straggler-slowdown", "2"]
+    run_entry(4, [*common, "--sb-metrics-file", tmp / "base.jsonl"], cwd=tmp)
+    return common, read_metrics(tmp / "base.jsonl")
+
+
+def _assert_plans_as_uninterrupted(base: list, faulty: list) -> None:
+    """Every step's plan and loss of the faulty run equal the uninterrupted run's."""
+    assert [r["step"] for r in faulty] == [r["step"] for r in base] == list(range(1, 7))
+    assert any(r["units_cut"] or r["units_raised"] for r in base), "DST never moved a unit"
+    for a, b in zip(base, faulty):
+        for key in ("tokens", "densities", "predicted_step_s", "predicted_static_s",
+                    "units_cut", "units_raised", "dst_stood_down"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["step"], a["loss"],
+                                                                     b["loss"])
+
+
 @pytest.mark.reliability(area="fault", case="PP=2 x DP=2, SAB + DST: rank 1's planner process "
                          "killed while idle (iteration 3's draft), rank 2's while drafting (4), "
                          "rank 3's stopped with SIGSTOP (5; the default --sb-planner-timeout, "
@@ -106,19 +134,11 @@ PLANNER_FAULTS = "1:3:planner-kill-idle,2:4:planner-kill-drafting,3:5:planner-st
                          "recent drafts' median, at least 0.5 s), not 30 s; every step's plan "
                          "and loss equal the uninterrupted run's; TensorBoard counts the "
                          "events; no process left")
-def test_a_dead_or_stalled_planner_costs_a_step_not_the_job(tmp_path, small_jsonl,
-                                                            tiny_latency_table_pp2):
+def test_a_dead_or_stalled_planner_costs_a_step_not_the_job(tmp_path, planner_base):
     """Modelled timings (a 2x straggler), so the plans depend on nothing measured: the faulty
     run must plan every step as the uninterrupted one did, each failed draft redone on the
     training thread from the same inputs."""
-    common = [*TINY_MODEL, "--sparse-balance", "--sb-density", "0.5", "--sb-min-density",
-              "0.25", "--sb-block-size", "32", "--sb-tokenizer", "byte", "--eval-iters", "0",
-              "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
-              "--train-iters", "6", "--data-path", small_jsonl,
-              "--sb-latency-table", tiny_latency_table_pp2, "--sb-latency-table-force",
-              "--sb-timing-source", "model", "--sb-straggler-rank", "1",
-              "--sb-straggler-slowdown", "2"]
-    run_entry(4, [*common, "--sb-metrics-file", tmp_path / "base.jsonl"], cwd=tmp_path)
+    common, base = planner_base
     proc = run_entry(4, [*common, "--sb-fault", PLANNER_FAULTS,
                          "--sb-metrics-file", tmp_path / "faulty.jsonl",
                          "--tensorboard-dir", tmp_path / "tb"], cwd=tmp_path)
@@ -143,17 +163,36 @@ def test_a_dead_or_stalled_planner_costs_a_step_not_the_job(tmp_path, small_json
     # (whether a restarted process is ready before the run's last draft depends on the
     # machine: the restart itself is tested on fake processes, tests/unit/test_plan_ahead.py)
     assert "restart 1 of 3" in out
-    base, faulty = read_metrics(tmp_path / "base.jsonl"), read_metrics(tmp_path / "faulty.jsonl")
-    assert [r["step"] for r in faulty] == [r["step"] for r in base] == list(range(1, 7))
-    assert any(r["units_cut"] or r["units_raised"] for r in base), "DST never moved a unit"
-    for a, b in zip(base, faulty):
-        for key in ("tokens", "densities", "predicted_step_s", "predicted_static_s",
-                    "units_cut", "units_raised", "dst_stood_down"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["step"], a["loss"],
-                                                                     b["loss"])
+    faulty = read_metrics(tmp_path / "faulty.jsonl")
+    _assert_plans_as_uninterrupted(base, faulty)
     # every event counted once, over every rank (a loaded machine may add a true stall)
     assert faulty[-1]["planner_events_total"] == len(warnings) >= 3
     total = read_scalars(tmp_path / "tb")["sparsebalance/planner/events_total"]
     assert total[max(total)] == len(warnings)
+    assert _planner_orphans() == []
+
+
+@pytest.mark.reliability(area="fault", case="PP=2 x DP=2, SAB + DST: rank 1's planner process "
+                         "killed after the first DST round it settles iteration 3's draft with, "
+                         "rank 2's at iteration 4", expect="the run finishes; one warning line "
+                         "each naming the rank, pid and 'while settling', the round replayed; "
+                         "every step's plan and loss equal the uninterrupted run's; no process "
+                         "left")
+def test_a_planner_killed_mid_rounds_leaves_every_plan_as_the_uninterrupted_runs(
+        tmp_path, planner_base):
+    """The rounds the dead process made were made with its DP peers (relayed by the rank's
+    reader thread): the training thread drafts the step again, replays them and makes the rest
+    beside the peers' relayed ones, so the plan is the one the uninterrupted run made."""
+    common, base = planner_base
+    out = run_entry(4, [*common, "--sb-fault",
+                        "1:3:planner-kill-agreeing,2:4:planner-kill-agreeing",
+                        "--sb-metrics-file", tmp_path / "faulty.jsonl"], cwd=tmp_path).stdout
+    for rank, it in ((1, 3), (2, 4)):
+        line = re.search(rf"warning: rank {rank}: the SparseBalance planner process \(pid \d+\) "
+                         rf"ended while settling iteration {it}'s DST .*", out)
+        assert line and "signal 9 (SIGKILL)" in line[0], out[-4000:]
+        assert "its 1 DST round(s) over the DP group replayed, the rest made" in line[0]
+    faulty = read_metrics(tmp_path / "faulty.jsonl")
+    _assert_plans_as_uninterrupted(base, faulty)
+    assert faulty[-1]["planner_events_total"] >= 2
     assert _planner_orphans() == []

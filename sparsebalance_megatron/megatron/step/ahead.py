@@ -19,18 +19,24 @@ the same inputs as the in-line planner (a unit test compares the three). It ends
 training process closes the pipe (its exit included, a crash too), and with its rank however the
 rank ends (``runtime.children.die_with_parent``: SIGKILL when the rank that started it ends). A
 draft's error is raised on the training thread. The process's death or stall is a
-``PlannerProcessError`` that says what it was doing (``idle``, ``drafting``, ``sending`` its
-draft, ``stalled``, ``late``), for which iteration, and its exit code or signal; the request stays
+``PlannerProcessError`` that says what it was doing (``idle``, ``drafting``, ``agreeing``: its
+settle's rounds, ``sending`` its draft, ``stalled``, ``late``), for which iteration, and its exit code or signal; the request stays
 with the ``PendingDraft``, so the training thread can draft the same step itself
 (``step/planning.py`` decides what the run does then). A draft is overdue when it is not read
-back ``PlannerProcess.deadline_s`` after it was asked for (3x the recent drafts' median, at least
+back ``PlannerProcess.deadline_s`` after it was asked for, or while it settles, its next round
+not asked that long after the last one's answer (3x the recent drafts' median, at least
 ``STALL_FLOOR_S``, at most ``--sb-planner-timeout`` capped at half the distributed timeout): a
 process that cannot answer (stopped, state T) is then killed (``stalled``), one that runs is left
 to finish and its draft dropped (``late``).
 
+Where the run plans DST per DP rank, the process also settles the draft (``Drafter.settle``, all
+of DST's compute) and the reader thread only relays its collectives over the DP group
+(``step/relay.py``); a process that dies, stalls or is late mid-rounds leaves the training
+thread to settle the step, the rounds already made replayed (``step/pending.py``).
+
 The process starts from the rank's ``sys.path`` and says which package it imported before
 anything else; another copy than the rank's is refused (``step/planner_boot.py``). The worker
-side is ``step/planner_worker.py``.
+side is ``step/planner_worker.py``; a draft in flight, ``step/pending.py``.
 """
 
 from __future__ import annotations
@@ -49,11 +55,12 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 from ...config import PLANNER_TIMEOUT_S
-from ..runtime.children import process_state
-from .drafting import Draft, Drafter
+from .drafting import Drafter
 from .planner_boot import (BOOT, PlannerPackageMismatch, describe_exit, package_identity,
                            package_mismatch, stop_process, widen_pipe)
 from .planner_thread import Drafted, Planner  # noqa: F401  (this module's API, one body there)
+from .pending import PendingDraft
+from .relay import Rounds
 
 POLL_S = 1.0            # how often a wait for the planner process checks that it is alive
 STALL_FACTOR = 3        # a draft is late after this many times the recent drafts' median ...
@@ -73,7 +80,8 @@ RECENT_DRAFTS = 8       # the drafts that median is taken over
 class PlannerProcessError(RuntimeError):
     """The planner process ended or stalled without answering (killed, crashed, out of memory,
     stopped): its ``pid``, its ``phase`` (``starting``, ``idle``: before it was sent the draft,
-    ``drafting``, ``sending``: its answer begun, ``stalled``), the draft's ``iteration`` (0-based,
+    ``drafting``, ``agreeing``: settling it, its rounds relayed, ``sending``: its answer begun,
+    ``stalled``, ``late``), the draft's ``iteration`` (0-based,
     None while starting) and its exit ``code`` (minus the signal that ended it; None alive)."""
 
     def __init__(self, message: str, *, pid: int, phase: str, iteration: Optional[int],
@@ -114,7 +122,8 @@ class PlannerProcess:
         self._ready = False
         self._identity: Optional[tuple] = None            # what it said it imported
         self._finalize = weakref.finalize(self, stop_process, self.proc, self._out, self._in)
-        self._out.send(("init", drafter))
+        self._send_lock = threading.Lock()
+        self._send(("init", drafter))
 
     @property
     def pid(self) -> int:
@@ -199,13 +208,17 @@ class PlannerProcess:
 
     def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
                with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict,
-               agree=None, rank: Optional[int] = None) -> "PendingDraft":
+               agree=None, settle: Optional[tuple] = None, on_round=None,
+               rank: Optional[int] = None) -> "PendingDraft":
         """Start the draft of ``iteration`` from these inputs; ``tracker_sync``: None (no
-        tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]); ``agree``:
-        what the reader thread runs on the draft once read (DST's rounds over the DP group),
-        its result the draft's ``agreed``. A process that ended gives a draft whose ``result``
-        raises that (the request kept for the caller). ``rank``: a DP rank's own draft
-        (``Drafter.own_draft``)."""
+        tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]); ``rank``: a DP
+        rank's own draft (``Drafter.own_draft``); ``settle``: (DP rank, its ``DPReducer`` on the
+        rounds group): the process settles the draft as that rank (``Drafter.settle``, its
+        ``agreed``), the reader thread relaying its collectives (``step/relay.py``); ``agree``:
+        instead, what the reader thread runs on the draft once read (its result the draft's
+        ``agreed``); ``on_round(k)``: called on the reader thread after the k-th relayed round
+        (``--sb-fault planner-kill-agreeing``). A process that ended gives a draft whose
+        ``result`` raises that (the request kept for the caller)."""
         if self._pending is not None:
             raise RuntimeError("a draft of the planner process is still pending")
         request = dict(iteration=iteration, first_bin=first_bin, segments=segments,
@@ -215,15 +228,23 @@ class PlannerProcess:
             self.wait_ready()
             if self.proc.poll() is not None:
                 raise self._died("idle", iteration)
-            self._out.send(("draft", dict(request, latency=latency_state,
-                                          tracker=tracker_sync)))
+            self._send(("draft", dict(request, latency=latency_state, tracker=tracker_sync,
+                                      settle=None if settle is None else int(settle[0]))))
         except (BrokenPipeError, OSError):
             err = self._died("idle", iteration)
         except PlannerProcessError as e:
             err = e
         self._pending = PendingDraft(self, basis, request, send_s=time.thread_time() - c0,
-                                     error=err, agree=agree)
+                                     error=err, agree=agree,
+                                     rounds=Rounds(None if settle is None else settle[1]),
+                                     on_round=on_round)
         return self._pending
+
+    def _send(self, msg) -> None:
+        """``msg`` down the pipe (the training thread's requests, the reader thread's answers
+        to a settle's rounds: one writer at a time)."""
+        with self._send_lock:
+            self._out.send(msg)
 
     def _answer(self, msg):
         """An answer's value, or its error raised here."""
@@ -243,6 +264,9 @@ class PlannerProcess:
                         f"iteration {None if iteration is None else iteration + 1}'s",
                 "drafting": f"while drafting iteration "
                             f"{None if iteration is None else iteration + 1}",
+                "agreeing": f"while settling iteration "
+                            f"{None if iteration is None else iteration + 1}'s DST (its "
+                            f"rounds relayed over the DP group)",
                 "sending": f"while sending its draft of iteration "
                            f"{None if iteration is None else iteration + 1}"}[phase]
         return self._error(phase, iteration, f"ended {what} with "
@@ -265,124 +289,3 @@ class PlannerProcess:
 
     def close(self) -> None:
         self._finalize()
-
-
-class PendingDraft:
-    """A draft the planner process is making: a reader thread waits for it (the GIL released)
-    and reads it back as soon as it is made, while the step trains; ``result`` joins it
-    (``Planner``'s API) and raises what the draft or the process raised. ``request``: the
-    draft's inputs (what the training thread drafts from where the process fails); ``send_s``:
-    the training thread's CPU seconds pickling the inputs; ``recv_s``: the reader thread's
-    reading the draft back (off the critical path; it holds the GIL while it unpickles, which a
-    launch-bound training thread beside it pays: ``planner_cost``'s slowdown study);
-    ``wait_s``: wall seconds the training thread waited at the join."""
-
-    def __init__(self, planner: PlannerProcess, basis: dict, request: dict, send_s: float,
-                 error: Optional[PlannerProcessError] = None, agree=None):
-        self._planner, self.basis, self.request = planner, basis, request
-        # the rounds run once per step and rank: by the reader thread where the draft comes
-        # before the training thread gives up on it (``_overdue`` claims it), else by the
-        # training thread on its own draft (``_lock`` orders the two decisions)
-        self._agree, self._lock = agree, threading.Lock()
-        self._claimed = self._agreeing = False
-        self.send_s, self.recv_s, self.wait_s = send_s, 0.0, 0.0
-        self.asked = time.monotonic()
-        self.phase = "drafting"       # then "sending" once the process says its draft is made
-        self.dropped = False          # late: the training thread drafted it instead
-        self._draft: Optional[Draft] = None
-        self._err: Optional[BaseException] = error
-        self._thread = None
-        if error is None:
-            self._thread = threading.Thread(target=self._read, daemon=True,
-                                            name="sparsebalance-planner-reader")
-            self._thread.start()
-
-    @property
-    def pid(self) -> int:
-        return self._planner.pid
-
-    def _read(self) -> None:
-        planner, it = self._planner, self.request["iteration"]
-        try:
-            planner._wait("drafting", it)
-            msg = planner._message("drafting", it)
-            if msg == ("drafted",):
-                self.phase = "sending"
-                msg = planner._message("sending", it)
-            c0 = time.thread_time()
-            self._draft = planner._answer(msg)
-            self.recv_s = time.thread_time() - c0
-            planner.drafts += 1
-            planner.note_draft_s(time.monotonic() - self.asked)
-            if self.dropped:                    # the training thread drafted it: not needed
-                self._draft = None
-            if self._agree is not None and self._draft is not None:
-                with self._lock:
-                    self._agreeing = not self._claimed
-                if self._agreeing:
-                    self._draft.agreed = self._agree(self._draft)
-        except BaseException as e:          # raised on the training thread by result()
-            self._err = e
-
-    def done(self) -> bool:
-        """Whether the draft is read back (``result`` would not wait)."""
-        return self._thread is None or not self._thread.is_alive()
-
-    def still_stalled(self) -> PlannerProcessError:
-        """A late draft still not back when the next is due: the process is killed (its
-        reader ends) and named as stalled."""
-        planner, it = self._planner, self.request["iteration"]
-        state = process_state(planner.pid)
-        planner.kill()
-        self._thread.join()
-        planner._late = None
-        return planner._error("stalled", it, f"stalled: iteration {it + 1}'s draft, late at "
-                                             f"its step's end, was still not back "
-                                             f"{time.monotonic() - self.asked:.2f} s after it "
-                                             f"was asked for (it ran, state {state}); killed")
-
-    def result(self) -> Draft:
-        """The draft, waiting at most until ``deadline_s`` after it was asked for. Past that,
-        PlannerProcessError: ``stalled`` where the process is stopped (state T) or otherwise
-        cannot answer (it is killed), ``late`` where it still runs (it is left to finish: its
-        draft is read and dropped, ``PlannerProcess.still_late``); either way the training
-        thread drafts the request itself."""
-        t0 = time.perf_counter()
-        if self._thread is not None:
-            self._thread.join(max(0.0, self.asked + self._planner.deadline_s() - time.monotonic()))
-            if self._thread.is_alive():
-                self._overdue(time.perf_counter() - t0)
-        self.wait_s = time.perf_counter() - t0
-        self._planner._pending = None
-        if self._err is not None:
-            raise self._err
-        self._draft.basis = self.basis
-        return self._draft
-
-    def _overdue(self, waited: float) -> None:
-        planner, it = self._planner, self.request["iteration"]
-        with self._lock:
-            self._claimed = not self._agreeing
-        if not self._claimed:                   # the draft came: its rounds wait for peers
-            self._thread.join()
-            return
-        if planner.proc.poll() is not None:    # it ended, not stalled: the reader names how
-            self._thread.join()
-            return
-        state = process_state(planner.pid)
-        made = "sent" if self.phase == "sending" else "made"
-        what = (f"iteration {it + 1}'s draft was not {made} "
-                f"{time.monotonic() - self.asked:.2f} s after it was asked for "
-                f"({planner.describe_deadline()}; waited {waited:.2f} s at the step's end)")
-        if state in ("R", "S", "D"):           # it runs: leave it, drop its draft when it comes
-            self.dropped = True
-            planner._late = self
-            self._err = planner._error("late", it, f"is late: {what}; it runs (state "
-                                                   f"{state}), its draft is dropped when it "
-                                                   f"comes")
-            return
-        how = {"T": "stopped (state T)", "t": "stopped by a tracer (state t)",
-               "Z": "a zombie (state Z)", None: "gone"}.get(state, f"in state {state}")
-        planner.kill()
-        self._thread.join()
-        self._err = planner._error("stalled", it, f"stalled: {what}; it was {how}; killed")

@@ -9,7 +9,9 @@ before; the plan's consumers read every rank's rows).
 Every rank of a DP rank's pipeline (and its TP/CP peers) plans the same rounds on the same slice,
 so the reductions may run over any of the DP groups Megatron lays out: each holds one rank of
 every DP rank. The group must be one no other thread uses meanwhile (a dedicated gloo group where
-the rounds run beside training). A round's keys, shapes and dtypes are the same on every rank;
+the rounds run beside training). In a run the planner process settles the draft and the rank's
+reader thread makes each of its calls with a ``DPReducer`` (``step/relay.py``), which the training
+thread resumes where it takes the step over: ``sent`` counts each round once, wherever made. A round's keys, shapes and dtypes are the same on every rank;
 integers travel as float64, exact below 2**53.
 """
 

@@ -5,8 +5,10 @@ It first says which package it imported (``("package", version, path)``: the ran
 another), then reads its copy of the rank's ``Drafter`` (``init``), imports what a draft uses and makes the
 planner's compiled kernels ready before it says ``ready``, then answers ``draft`` requests in
 order: the training process's latency calibration and tracker updates applied first
-(``sync_state``), then ``("drafted",)`` once the draft is made and the draft itself (``reply``:
-without the packing the rank will not commit), or the draft's error. It ends at ``stop`` or at
+(``sync_state``), the draft settled as the request's DP rank where it names one
+(``Drafter.settle``, its collectives relayed by the rank: ``step/relay.py``; ``cancelled`` where
+the rank took the step over), then ``("drafted",)`` once the draft is made and the draft itself
+(``reply``: without the packing the rank will not commit), or the draft's error. It ends at ``stop`` or at
 the training process's end (EOF), and with its rank however that ends
 (``runtime.children.die_with_parent``). It runs single-threaded (BLAS, OpenMP and numba pools at
 one thread) at a lower CPU priority than training (``NICE``), and imports numpy and the
@@ -23,6 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 from .drafting import Draft, Drafter
+from .relay import CANCELLED, RelayClosed, RelayReducer, SettleCancelled
 
 NICE = 5                # the process's CPU priority below the training process's
 
@@ -42,13 +45,17 @@ def sync_state(drafter: Drafter, latency_state: Optional[dict], tracker_sync) ->
 
 def committed_index(draft: Draft) -> Optional[int]:
     """Which packing this rank knows the step commits (0 SAB's, 1 the baseline's), or None where
-    it learns it from rank 0's broadcast: its own stand-down choice, or as the rank that plans
-    DST, the plan's."""
+    it learns it from rank 0's broadcast: its own stand-down choice, as the rank that plans
+    DST the plan's, or the one its settled DST (``agreed``) commits."""
+    if draft.options < 2:
+        return 0
+    if draft.agreed is not None:                  # as ``StepPlanning._commit`` reads it
+        report = draft.agreed[1]                  # None: no DST (the stand-down on the draft)
+        stand = report.get("stand_down") if report is not None else draft.stand_down
+        return 1 if stand is not None and stand["packing_index"] == 1 else 0
     stand = draft.stand_down
     if draft.payload is not None:
         stand = draft.payload[1].get("stand_down")
-    if draft.options < 2:
-        return 0
     return None if stand is None else int(stand["packing_index"])
 
 
@@ -77,7 +84,7 @@ def _import_draft_modules() -> None:
     """What a draft imports on first use (packing, DST, the quality cost), imported at start-up
     instead of during the first draft, and the compiled kernels made ready."""
     from ...batching import packing  # noqa: F401
-    from ...policy import critical_path, dst, quality  # noqa: F401
+    from ...policy import critical_path, dst, dst_rounds, quality  # noqa: F401
     from . import choice  # noqa: F401
 
     warm_up_kernels()
@@ -120,7 +127,14 @@ def serve(inp: Connection, out: Connection) -> None:
             draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
                                   req["num_microbatches"], with_dst=req["with_dst"],
                                   rank=req.get("rank"))
+            if req.get("settle") is not None:             # settled here, rounds relayed
+                draft.agreed = drafter.settle(draft, rank=req["settle"],
+                                              agree=RelayReducer(inp, out))
             answer = ("ok", reply(draft))
+        except SettleCancelled:                            # the training thread settles it
+            answer = (CANCELLED,)
+        except RelayClosed:                                # the training process ended
+            return
         except Exception as e:                             # raised on the training thread
             text = traceback.format_exc()
             try:

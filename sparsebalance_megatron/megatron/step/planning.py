@@ -156,13 +156,17 @@ class StepPlanning(PlanBasis):
             self._layout_checked = True
             self._check_layout(batch, units)
 
-    def _agree(self, draft: Draft) -> tuple:
+    def _agree(self, draft: Draft, replay=None) -> tuple:
         """(densities, report) of ``draft``'s step: this rank's DST of its own units, agreed
         with the other DP ranks' over the DP group's gloo copy (collective: every rank, once a
-        step, on the reader or planner thread while the step trains, else on the training
-        thread before the step's end changes the state the draft read)."""
-        return self.drafter().settle(draft, rank=self.dp_rank,
-                                     agree=DPReducer(self.exchange.groups.rounds))
+        step, in the planner process while the step trains, its rounds relayed by the reader
+        thread, or on the planner thread, else on the training thread before the step's end
+        changes the state the draft read). ``replay``: the reducer that resumes the rounds the
+        planner process began (``relay.ReplayingReducer``)."""
+        return self.drafter().settle(draft, rank=self.dp_rank, agree=replay or self._reducer())
+
+    def _reducer(self) -> DPReducer:
+        return DPReducer(self.exchange.groups.rounds)
 
     def _agreeing(self) -> bool:
         """Whether a draft is settled over the DP group: every rank's own draft is (SAB's
@@ -192,16 +196,18 @@ class StepPlanning(PlanBasis):
             return
         first_bin = self.sampler.bins
         segments = self.sampler.next_bin_array(self.dp * m)
-        fault = self._planner_fault(it)
+        fault, process = self._planner_fault(it), self._process
         if fault in ("planner-stop", "planner-kill-drafting"):
-            self._process.stop_for_test()    # it can answer nothing now
+            process.stop_for_test()          # it can answer nothing now
         elif fault == "planner-kill-idle":
-            self._process.kill()
-        self._planner = self._process.submit(
+            process.kill()
+        self._planner = process.submit(
             it, first_bin, segments, m, with_dst=False, rank=self.dp_rank,
             latency_state=basis.latency,
             tracker_sync=self._tracker_sync(), basis=basis,
-            agree=self._agree if self._agreeing() else None)
+            settle=(self.dp_rank, self._reducer()) if self._agreeing() else None,
+            on_round=(lambda k: k == 1 and process.kill())
+            if fault == "planner-kill-agreeing" else None)   # killed after its first round
         if fault == "planner-kill-drafting":
             self._process.kill()
 
@@ -263,12 +269,16 @@ class StepPlanning(PlanBasis):
         planner, self._planner = self._planner, None
         if planner is None:
             return None
-        return self._agreed(self._joined(planner))
+        draft = self._joined(planner)
+        rounds = getattr(planner, "rounds", None)      # the process's settle, relayed
+        return self._agreed(draft, None if rounds is None or rounds.reducer is None
+                            else rounds.replaying())
 
-    def _agreed(self, draft: Draft) -> Draft:
-        """``draft`` with its DST agreed (``_agree``) where it is not yet."""
+    def _agreed(self, draft: Draft, replay=None) -> Draft:
+        """``draft`` with its DST agreed (``_agree``) where it is not yet; ``replay``: the
+        rounds the planner process made before it stopped, replayed first."""
         if self._agreeing() and draft.agreed is None:
-            draft.agreed = self._agree(draft)
+            draft.agreed = self._agree(draft, replay)
         return draft
 
     def _joined(self, planner) -> Draft:
@@ -281,10 +291,11 @@ class StepPlanning(PlanBasis):
         try:
             return planner.result()
         except PlannerProcessError as e:
+            made = len(planner.rounds.done)     # DST rounds it made: replayed, then the rest
             if e.phase == "late":               # it runs: left to finish, its draft dropped
-                self._planner_late(e, planner.request["iteration"])
+                self._planner_late(e, planner.request["iteration"], made)
             else:
-                self._planner_failed(e, planner.request["iteration"])
+                self._planner_failed(e, planner.request["iteration"], made)
             draft = self._timed_draft(**planner.request)
             draft.basis = planner.basis
             return draft
@@ -292,9 +303,10 @@ class StepPlanning(PlanBasis):
             if watchdog is not None:
                 watchdog.leave(waiting)
 
-    def _planner_failed(self, err: PlannerProcessError, iteration: int) -> None:
+    def _planner_failed(self, err: PlannerProcessError, iteration: int, made: int = 0) -> None:
         """One line naming the rank, the process, what ended it and what the run does now; the
-        process ended and reaped; the next one due ``PLANNER_RESTARTS`` says when."""
+        process ended and reaped; the next one due ``PLANNER_RESTARTS`` says when. ``made``:
+        the DST rounds it made (the training thread replays them)."""
         self._process.kill()
         self._process.close()
         self._process, self._failures.restarting = None, False
@@ -305,21 +317,22 @@ class StepPlanning(PlanBasis):
             wait = 2 ** (n - 1)
             self._failures.down_until = iteration + wait
             now = (f"the training thread drafts iteration {iteration + 1} from the same inputs "
-                   f"(the same plan), and a new planner process starts for iteration "
-                   f"{iteration + wait + 1}'s draft (restart {n} of {PLANNER_RESTARTS})")
+                   f"(the same plan{_resumed(made)}), and a new planner process starts for "
+                   f"iteration {iteration + wait + 1}'s draft (restart {n} of {PLANNER_RESTARTS})")
         else:
             self._failures.down_until = math.inf
             now = (f"the training thread drafts every step from now on (the same plans; "
-                   f"{PLANNER_RESTARTS} restarts used)")
+                   f"{PLANNER_RESTARTS} restarts used{_resumed(made)})")
         comm.say_rank(f"warning: rank {comm.rank()}: {err}; {now}")
 
-    def _planner_late(self, err: PlannerProcessError, iteration: int) -> None:
+    def _planner_late(self, err: PlannerProcessError, iteration: int, made: int = 0) -> None:
         """A draft past its deadline from a process that still runs: the training thread drafts
         it (one line, counted as an event); the process goes on and its draft is dropped when it
         comes. Still not back at the next draft, it counts as stalled (``_plan_ahead``)."""
         self._failures.unreported += 1
         comm.say_rank(f"warning: rank {comm.rank()}: {err}; the training thread drafts "
-                      f"iteration {iteration + 1} from the same inputs (the same plan)")
+                      f"iteration {iteration + 1} from the same inputs (the same plan"
+                      f"{_resumed(made)})")
 
     def _planner_fault(self, iteration: int) -> Optional[str]:
         """--sb-fault RANK:STEP:planner-* (tests): the kind, at the draft of iteration STEP on
@@ -350,3 +363,8 @@ class StepPlanning(PlanBasis):
         if line := layout_warning(self.latency, units, batch.dp, batch.num_microbatches,
                                   self.layout, self.sb.density):
             comm.say(line)
+
+
+def _resumed(made: int) -> str:
+    """What the warning adds where the planner process had made some of the step's rounds."""
+    return f"; its {made} DST round(s) over the DP group replayed, the rest made" if made else ""
