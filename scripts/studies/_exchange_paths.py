@@ -53,9 +53,10 @@ def _placement(n: int, stride: int) -> tuple:
 
 
 def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> float:
-    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it) or
-    ``broadcast`` (``nbytes``: the message) over ``n`` ranks ``stride`` apart, as NCCL's tuner
-    prices it (the cheaper of LL and Simple), plus the host's copies."""
+    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it),
+    ``allreduce`` (``nbytes``: the vector) or ``broadcast`` (``nbytes``: the message) over
+    ``n`` ranks ``stride`` apart, as NCCL's tuner prices it (the cheaper of LL and Simple),
+    plus the host's copies."""
     if n <= 1:
         return 0.0
     nodes, ppn = _placement(n, stride)
@@ -74,11 +75,15 @@ def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> 
             steps, inter_steps = n - 1, nodes - 1
             lat = model["base_lat_us"][p] + (steps - inter_steps) * intra + inter_steps * inter
             alg = bus * n / steps
+        elif kind == "allreduce":     # ring: reduce-scatter then all-gather
+            steps, inter_steps = 2 * (n - 1), 2 * (nodes - 1)
+            lat = model["base_lat_us"][p] + (steps - inter_steps) * intra + inter_steps * inter
+            alg = bus * n / steps
         elif kind == "broadcast":      # a chain: every hop's latency (ring, not sameChannels)
             lat = model["base_lat_us"][p] + n * (inter if nodes > 1 else intra)
             alg = bus
         else:
-            raise ValueError(f"collective {kind!r}: expected allgather or broadcast")
+            raise ValueError(f"collective {kind!r}: expected allgather, allreduce or broadcast")
         best = min(best, lat * 1e-6 + nbytes / (alg * 1e9))
     return best + model["host_us"] * 1e-6
 
