@@ -42,6 +42,7 @@ plan broadcast gone), ``growth`` (fits), ``targets`` (each met or not, and why).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -187,7 +188,7 @@ def build_rows(points: list, max_world: int, m: int, repeats: int) -> tuple:
     rows = []
     for tp, pp, dp in ladder(max_world):
         q = at.get((dp, pp))
-        near = min((p for p in points if p["pp"] == pp) or four,
+        near = min([p for p in points if p["pp"] == pp] or four,
                    key=lambda p: abs(math.log(p["dp"] / dp)))    # sizes and step of the nearest
         work = {k: q[k] if q else fits[k]["coefficient"] * dp ** fits[k]["exponent"]
                 * (pp_ratio[k] if pp == 8 else 1.0) for k in WORK}
@@ -256,15 +257,25 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--max-world", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=1, help="repeats of the record gather's CPU")
+    p.add_argument("--points-from", default=None,
+                   help="a JSON of this study: its measured points reused (the table, bytes and "
+                        "prices made again; their provenance kept as points_measured)")
     args = p.parse_args(argv)
     from sparsebalance_megatron.megatron.step.planner_worker import warm_up_kernels
 
-    m = args.microbatches
-    warm_up_kernels()
-    measure_point(2, m, 4)                                 # compiles every kernel once
-    shapes = [(int(x), 4) for x in args.dp.split(",")] + \
+    m, points, measured = args.microbatches, [], None
+    if args.points_from:
+        with open(args.points_from) as f:
+            old = json.load(f)
+        points = old["points"]
+        measured = old.get("points_measured") or {k: old.get(k) for k in (
+            "command", "commit", "dirty", "versions", "device")}
+        m = points[0]["m"]
+    else:
+        warm_up_kernels()
+        measure_point(2, m, 4)                             # compiles every kernel once
+    shapes = [] if args.points_from else [(int(x), 4) for x in args.dp.split(",")] + \
         [(int(x), 8) for x in args.pp8_dp.split(",") if x]
-    points = []
     for dp, pp in shapes:
         q = measure_point(dp, m, pp)
         points.append(q)
@@ -278,7 +289,7 @@ def main(argv=None) -> int:
     if args.json:
         write_result(args.json, {
             "model": MODEL, "seq": SEQ, "d0": D0, "microbatches": m,
-            "points": points, "table": rows, "rows": simulator_rows(rows),
+            "points": points, "points_measured": measured, "table": rows, "rows": simulator_rows(rows),
             "growth": {"in_dp_pp4": fits, "pp8_over_pp4": pp_ratio}, "targets": tg,
             "clock": "a rank's work: thread CPU time, the collector paused (DST: each phase's "
                      "maximum over the DP ranks); network: NCCL's alpha-beta model (MODEL)"})
