@@ -10,9 +10,9 @@ exact, each collective flagged fixed or growing with DP).
   costs and seed slots); ``sab.rank_plan``: ``rank_plan`` (the slot search over the agreed
   candidates, its one-row plan); ``features``: its micro-batches' latency features;
   ``sensitivity``: its units' sensitivity (``batch_sensitivity`` of its row);
-- ``baseline``: the do-no-harm baseline's packing (``Drafter.pack`` by ``--sb-stand-down``: the
-  whole batch's sequential bins, as the package has no per-rank baseline yet) and its own row's
-  features;
+- ``baseline.pack``: the do-no-harm baseline's packing (``Drafter.pack`` by
+  ``--sb-stand-down``: the whole batch's sequential bins, as the package has no per-rank
+  baseline yet); ``baseline.features``: the whole packing's CSR and its own row's features;
 - ``unit_costs``: ``UnitCosts.from_latency(..., rank=r)`` of both packings (its own units);
 - ``dst.<phase>``: DST's rounds of both packings (``dst_rounds.rank_rounds``, the default
   ``--sb-stand-down-compare planned`` plans both), each phase's MAXIMUM OVER THE DP RANKS (the
@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 SAB = ("sab.assign", "sab.units", "sab.rank_plan", "features", "sensitivity")
-OWN = SAB + ("baseline", "unit_costs")
+OWN = SAB + ("baseline.pack", "baseline.features", "unit_costs")
 
 
 def _timed(out: dict, key: str, f, *args, **kw):
@@ -118,11 +118,11 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
         if own.micro_batches[0] != whole.micro_batches[r]:
             raise SystemExit(f"rank {r}: its own plan is not row {r} of the whole plan")
         # the baseline's packing (whole batch) and its own row's features
+        base = _timed(t, "baseline.pack", drafter.pack, segs, m, sb.stand_down)
         c0 = time.thread_time()
-        base = drafter.pack(segs, m, sb.stand_down)
         lm.unit_features(unit_rows(base.unit_csr(with_padding=True), r * m, (r + 1) * m,
                                    dp * m))
-        t["baseline"] = time.thread_time() - c0
+        t["baseline.features"] = time.thread_time() - c0
         # DST of both packings
         grid = density_grid(sb.density, sb.min_density, sb.max_density)
         h = raise_headroom(sb, lm, dp)
