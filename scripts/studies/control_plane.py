@@ -20,8 +20,9 @@ Four parts:
   19 ranks' rows), the committed rows' all-gather, the median anchor's gather (only with
   ``--sb-dst-anchor median``; the default is mean), and the per-step record gather's three
   levels (TP, PP: fixed; DP: every pipeline's line). Each flagged ``fixed`` or ``grows`` (with
-  DP); priced with ``_exchange_paths.MODEL`` (NCCL's tuner's ring, DGX H100 nodes; the DST
-  rounds run on a gloo copy of the DP group in a run, which this prices as NCCL).
+  DP); priced with ``_exchange_paths.MODEL`` (NCCL's tuner: a ring, or for an all-reduce the
+  cheaper of ring and tree; DGX H100 nodes; the DST rounds run on a gloo copy of the DP group in
+  a run, which this prices as NCCL).
 - **After-step work and handoff** (measured, the collector paused): ``planner_cost.after_step``
   (calibration of every DP rank, a fresh tracker's update with every document, the reports'
   weights: whole-world arrays, as today's code does them; the min of 2) and the handoff (the step's request pickled for the planner
