@@ -26,7 +26,8 @@ STUDIES = {
                      "BENCHMARKS.md headline"),
     "planner_ab": ("the planner's draft CPU and plans, this checkout against another, "
                    "alternated", "BENCHMARKS.md the planner's own cost"),
-    "control_plane": ("per-step gather + plan broadcast, bytes and seconds, 8 to 16,384 ranks",
+    "control_plane": ("a rank's draft by phase, its bytes and the critical path on the per-rank "
+                      "path, 128 to 16,384 GPUs",
                       "BENCHMARKS.md control plane"),
     "planner_phases": ("the draft, handoff, after-step work and gather by phase, DP 32 to 4,096 "
                        "(thread CPU; growth in DP)", "BENCHMARKS.md control plane"),

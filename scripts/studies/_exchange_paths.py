@@ -1,23 +1,21 @@
-"""The two paths of the step's control plane, priced (``control_plane``'s study): the fixed-size
-tensor path (``step/exchange.py``) and the old pickled path, for one step of a given shape.
+"""The step's control plane priced (``control_plane``'s and ``planner_phases``' studies): the
+fixed-size tensor path of the per-step record gather (``step/exchange.py``) and any collective a
+rank takes part in, for one step of a given shape.
 
-- bytes each rank receives, exact, from the records' shapes at the default flags;
+- bytes each rank receives, exact, from the records' shapes at the default flags
+  (``tensor_path``, ``record_shapes``);
 - network seconds under an alpha-beta model with NCCL's constants (``MODEL``: every constant and
-  where it comes from; ``collective_s`` prices one ring all-gather or broadcast);
-- the host CPU of each path, measured here (thread CPU time): encoding, combining and decoding
-  the records, or pickling and unpickling;
-- both paths end to end on spawned gloo processes (``gloo_point``).
+  where it comes from; ``collective_s`` prices one ring all-gather, all-reduce or broadcast);
+- the host CPU of the gather, measured here (thread CPU time): encoding, combining and decoding
+  the records (``tensor_cpu_s``).
 """
 
 from __future__ import annotations
 
 import math
-import pickle
 import statistics
-import tempfile
 import time
 from dataclasses import replace
-from functools import lru_cache
 
 import numpy as np
 
@@ -29,6 +27,8 @@ GPUS_PER_NODE = 8
 # GB/s line rate, ~45 GB/s bus bandwidth); LL caps at llMaxBws (Hopper one node 141, several
 # nodes of Intel x86 20.4 GB/s). ``host_us``: copying a small record to the GPU and back and
 # waiting for it (two cudaMemcpy of a few KB, ~10 us each: an assumption, not measured here).
+# An all-reduce is the cheaper of the ring and the tree (latency base + 2 x (intra-node hops x
+# NVLink's + log2 nodes x the network tree's); the tree's base latency taken as the ring's).
 MODEL = {
     "source": "NVIDIA/nccl src/graph/tuning.cc: ncclTunerConstantsDefaults, ncclTopoTuneModel",
     "base_lat_us": {"LL": 6.6, "Simple": 8.4},             # baseLatencies, Ring
@@ -39,6 +39,7 @@ MODEL = {
     "bus_gbps": {"intra": 360.0, "inter": 45.0},           # Simple ring bus bandwidth
     "ll_max_gbps": {"intra": 141.0, "inter": 20.4},        # llMaxBws: Hopper N1, Intel N4
     "ll_bw_factor": 0.5,                                   # Ring/LL: busBw * .5
+    "tree_bw_factor": 0.92 * 0.5,                          # Tree: busBw * .92, allreduce's .5
     "host_us": 20.0,
     "gpus_per_node": GPUS_PER_NODE,
 }
@@ -53,9 +54,10 @@ def _placement(n: int, stride: int) -> tuple:
 
 
 def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> float:
-    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it) or
-    ``broadcast`` (``nbytes``: the message) over ``n`` ranks ``stride`` apart, as NCCL's tuner
-    prices it (the cheaper of LL and Simple), plus the host's copies."""
+    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it),
+    ``allreduce`` (``nbytes``: the vector) or ``broadcast`` (``nbytes``: the message) over
+    ``n`` ranks ``stride`` apart, as NCCL's tuner prices it (the cheaper of LL and Simple),
+    plus the host's copies."""
     if n <= 1:
         return 0.0
     nodes, ppn = _placement(n, stride)
@@ -74,11 +76,18 @@ def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> 
             steps, inter_steps = n - 1, nodes - 1
             lat = model["base_lat_us"][p] + (steps - inter_steps) * intra + inter_steps * inter
             alg = bus * n / steps
+        elif kind == "allreduce":     # ring (reduce-scatter, all-gather) or tree, the cheaper
+            steps, inter_steps = 2 * (n - 1), 2 * (nodes - 1)
+            lat = model["base_lat_us"][p] + (steps - inter_steps) * intra + inter_steps * inter
+            alg = bus * n / steps
+            tree = model["base_lat_us"][p] + 2 * ((ppn - 1) * model["nvlink_lat_us"][p]
+                                                  + math.log2(nodes) * model["net_tree_lat_us"][p])
+            best = min(best, tree * 1e-6 + nbytes / (bus * model["tree_bw_factor"] * 1e9))
         elif kind == "broadcast":      # a chain: every hop's latency (ring, not sameChannels)
             lat = model["base_lat_us"][p] + n * (inter if nodes > 1 else intra)
             alg = bus
         else:
-            raise ValueError(f"collective {kind!r}: expected allgather or broadcast")
+            raise ValueError(f"collective {kind!r}: expected allgather, allreduce or broadcast")
         best = min(best, lat * 1e-6 + nbytes / (alg * 1e9))
     return best + model["host_us"] * 1e-6
 
@@ -111,16 +120,7 @@ def tensor_path(dp: int, pp: int, tp: int, m: int, docs: int) -> dict:
             "broadcast_network_s": sum(collective_s(*lv) for lv in levels[3:])}
 
 
-def pickled_path(world: int, record_bytes: int, plan_bytes: int) -> dict:
-    """The same for the pickled path: ``all_gather_object`` (sizes, then every rank's pickle
-    padded to the largest) and ``broadcast_object_list`` (size, then the pickle) over the world."""
-    levels = [("allgather", world, 1, 8 * world), ("allgather", world, 1, record_bytes * world),
-              ("broadcast", world, 1, 8), ("broadcast", world, 1, plan_bytes)]
-    return {"bytes_per_rank": int((world - 1) * (record_bytes + 8) + plan_bytes + 8),
-            "network_s": sum(collective_s(k, n, s, b) for k, n, s, b in levels)}
-
-
-# --- host CPU of both paths, measured ------------------------------------------------------------
+# --- host CPU of the record gather, measured --------------------------------------------------
 
 def _median_s(fn, repeats: int) -> float:
     """Median thread CPU seconds of ``fn`` after a warm-up call (CPU time: a loaded machine's
@@ -185,93 +185,3 @@ def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3)
         decode_plan(plan, plan_shape)
 
     return {"gather_s": _median_s(gather, repeats), "broadcast_s": _median_s(broadcast, repeats)}
-
-
-def _old_rank_dict(pp_rank: int, pp: int, m: int, docs: int, rng) -> dict:
-    """A rank's dict as the pickled path's ``end_step`` filled it (loss signal: per-document
-    losses on the last stage only)."""
-    return dict(dp=0, pp=pp_rank, fwd_s=rng.uniform(0, 1, m).tolist(),
-                bwd_s=rng.uniform(0, 1, m).tolist(), step_s=2.0, stats={},
-                served={(j, pp_rank): 0.5 for j in range(m)},
-                used={(j, pp_rank): float(rng.uniform(0.5, 1)) for j in range(m)},
-                units=[(j, pp_rank) for j in range(m)], fingerprint=hash(("x", m)),
-                loss=(1.0, 2.0),
-                doc_loss={int(d): [float(rng.uniform(1, 9)), 40.0] for d in range(docs)}
-                if pp_rank == pp - 1 else {})
-
-
-@lru_cache(maxsize=None)
-def pickled_cpu(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> dict:
-    """Pickled sizes and one rank's host seconds of the pickled path: pickling its dict, then
-    unpickling the world's (every stage's dict, measured once each, times the ranks that send
-    it), pickling (rank 0) and unpickling the plan."""
-    rng = np.random.default_rng(0)
-    world = dp * pp * tp
-    dicts = [_old_rank_dict(s, pp, m, docs, rng) for s in range(pp)]
-    blobs = [pickle.dumps(d) for d in dicts]
-    _, _, payload = _synthetic_step(dp, pp, tp, m, docs, rng)
-    plan_blob = pickle.dumps(payload)
-    loads = [_median_s(lambda b=b: pickle.loads(b), 5 * repeats) for b in blobs]
-    cpu = (_median_s(lambda: pickle.dumps(dicts[-1]), repeats) + world / pp * sum(loads)
-           + _median_s(lambda: pickle.dumps(payload), repeats)
-           + _median_s(lambda: pickle.loads(plan_blob), repeats))
-    return {"record_bytes": max(map(len, blobs)), "plan_bytes": len(plan_blob), "cpu_s": cpu}
-
-
-# --- gloo, measured --------------------------------------------------------------------------------
-
-def _gloo_worker(rank: int, world: int, tp: int, pp: int, dp: int, m: int, docs: int,
-                 repeats: int, init_file: str, out):
-    import torch.distributed as dist
-
-    from sparsebalance_megatron.megatron.runtime import comm
-    from sparsebalance_megatron.megatron.step.exchange import ExchangeGroups, StepExchange
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    (r_dp, r_pp, _), groups = ExchangeGroups.for_layout(tp, pp, dp)
-    ex = StepExchange(groups)
-    cell_shape, _, plan_shape = record_shapes(dp, pp, m, docs)
-    rng = np.random.default_rng(rank)
-    report, slots, payload = _synthetic_step(dp, pp, tp, m, docs, np.random.default_rng(0))
-    report.dp, report.pp = r_dp, r_pp
-    report.doc_values = {int(d): (1.0, 2.0) for d in slots[r_dp]}
-    mine = _old_rank_dict(r_pp, pp, m, docs, rng)
-
-    def old():
-        comm.all_gather_object(mine)
-        comm.broadcast_object(payload if rank == 0 else None, src=0)
-
-    def new():
-        ex.gather(report, cell_shape, slots)
-        ex.broadcast_plan(payload if rank == 0 else None, plan_shape)
-
-    times = {}
-    for name, fn in (("pickled", old), ("tensor", new)) * 2:   # interleaved, twice
-        got = []
-        for _ in range(repeats):
-            comm.barrier()
-            t0 = time.perf_counter()
-            fn()
-            got.append(time.perf_counter() - t0)
-        times.setdefault(name, []).extend(got)
-    out[rank] = times
-    dist.destroy_process_group()
-
-
-def gloo_point(tp: int, pp: int, dp: int, m: int, docs: int, repeats: int) -> dict:
-    """Both paths end to end on ``tp x pp x dp`` spawned gloo processes (``docs`` documents per
-    DP rank): per repetition the slowest rank's seconds, the median over repetitions."""
-    import torch.multiprocessing as mp
-
-    world = tp * pp * dp
-    with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
-        out = manager.dict()
-        mp.spawn(_gloo_worker, args=(world, tp, pp, dp, m, docs, repeats, f"{tmp}/rdv", out),
-                 nprocs=world, join=True)
-        ranks = [dict(out[r]) for r in range(world)]
-    row = {"tp": tp, "pp": pp, "dp": dp, "world": world, "m": m, "docs_per_dp_rank": docs}
-    for name in ("pickled", "tensor"):
-        slowest = np.max(np.array([r[name] for r in ranks]), axis=0)
-        row[f"{name}_s"] = float(np.median(slowest))
-    return row

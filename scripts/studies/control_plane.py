@@ -1,158 +1,152 @@
-"""The plugin's per-step control plane as the job grows: bytes per rank and seconds of the step's
-gather and plan broadcast, old pickled path against the fixed-size tensor path, from 8 to 16,384
-ranks (TP 8, 4 and 1 x PP 4 and 8), with the planner's time beside it and the share of a 32K step
-on the critical path (issue 77's target: <= 0.5% at 16,384 GPUs, TP 1 and TP 8 x PP 4).
+"""The plugin's per-step planning and control plane on the per-rank path, from 32 to 16,384
+GPUs (TP 8, 4 and 1 x PP 4 and 8, 16 micro-batches of 32K tokens, Qwen2.5-0.5B analytic table,
+best static layout, built-in corpus with the Qwen tokenizer, default flags), against issue 77's
+targets: a rank's draft <= 50 ms at DP 4,096 x 16 x PP 4 growing no faster than log DP; the
+critical path <= 0.5% of the step at 16,384 GPUs (TP 1 and TP 8 x PP 4); bytes received per rank
+independent of DP.
 
 Four parts:
 
-- **Sizes** (exact): the bytes each rank receives per step. Tensor path (``step/exchange.py``): a
-  cell record from each other TP rank, a cell record from each other pipeline stage, a pipeline
-  line from each other DP rank, the plan three times down the same groups. Pickled path (before):
-  every rank's pickled dict from every other rank (``all_gather_object`` pads to the largest) and
-  the pickled plan from rank 0, with the dicts' fields as ``end_step`` filled them (per-interval
-  timings, served and kept densities, units, the last stage's per-document losses). Documents
-  per DP rank come from the built-in corpus at 32K tokens per micro-batch (Qwen tokenizer).
-- **Time under an alpha-beta model with NCCL's constants**: each collective is a ring all-gather
-  or broadcast priced as NCCL's tuner prices it (``ncclTopoTuneModel`` in NVIDIA/nccl
-  ``src/graph/tuning.cc``, ``ncclTunerConstantsDefaults``: latencies in us, LL and Simple
-  protocols, the cheaper taken) on DGX H100 nodes of 8 GPUs (``_exchange_paths.MODEL`` says every
-  constant and where it comes from), plus the host CPU work measured here in this process: encoding,
-  combining and decoding the records (tensor path), pickling and unpickling (pickled path).
-- **Planner and after-step work** (measured here, thread CPU time): the step's draft (SAB
-  packing, latency features, unit costs, DST: ``planner_cost``'s runtime calls) and the in-line
-  work after the step (calibration, the sensitivity tracker's update, the reports' weights) on
-  the built-in corpus, Qwen2.5-0.5B analytic table, best static layout; fitted as a power of
-  DP x micro-batches where not measured (marked so; ``--planner-dp`` up to 4,096 measures
-  every PP 4 row of 16 micro-batches to 16,384 GPUs at TP 1). Where its time goes by phase:
-  ``planner_phases``.
-- **gloo, measured**: spawned processes on this machine (TP 2 x PP 2 x DP n), both paths end to
-  end, the slowest rank's median seconds per step.
+- **A rank's draft, measured** (``_rank_draft.rank_step``: thread CPU by phase, the collector
+  paused): its SAB assignment, own units, candidate search and row, its latency features and
+  sensitivity, the baseline's packing, its unit costs, DST's rounds of both packings (each
+  phase's maximum over the DP ranks, every rank's rounds driven in lockstep here) and its busy
+  seconds. Measured at every ``--dp`` (PP 4) and at ``--pp8-dp`` (PP 8); other rows fitted as
+  a power of DP (PP 8: scaled by the measured PP 8 / PP 4 ratio), marked so.
+- **Bytes each rank receives per step** (exact, from the sizes the rounds and records have):
+  DST's rounds (``DPReducer``: one all-reduce of the sums and one of the maxima a round, both
+  packings), the do-no-harm step maxima, SAB's agreement (the fits flag, every rank's makespan
+  gathered for the candidates, the candidates' units as a fixed-size reduction of at most 2 x
+  19 ranks' rows), the committed rows' all-gather, the median anchor's gather (only with
+  ``--sb-dst-anchor median``; the default is mean), and the per-step record gather's three
+  levels (TP, PP: fixed; DP: every pipeline's line). Each flagged ``fixed`` or ``grows`` (with
+  DP); priced with ``_exchange_paths.MODEL`` (NCCL's tuner: a ring, or for an all-reduce the
+  cheaper of ring and tree; DGX H100 nodes; the DST rounds run on a gloo copy of the DP group in
+  a run, which this prices as NCCL).
+- **After-step work and handoff** (measured, the collector paused): ``planner_cost.after_step``
+  (calibration of every DP rank, a fresh tracker's update with every document, the reports'
+  weights: whole-world arrays, as today's code does them; the min of 2) and the handoff (the step's request pickled for the planner
+  process: the global batch's segments and the tracker's update).
+- **The critical path** at the default ``--sb-planner process``: the record gather (network and
+  host CPU, measured), the handoff, the after-step work, and the draft's excess over the step
+  (the draft with its agreement's collectives overlaps the step: what outlasts it is waited
+  for). The step: the simulator's static step at d0 on the measured shape's packing.
 
-The two paths are priced in ``_exchange_paths.py`` (sizes, the network model, host CPU, gloo);
-this module measures the planner's side, builds the table and writes the JSON.
-
-The denominator: the simulator's static step at d0 (every unit at 0.5) for the Qwen2.5-0.5B
-shape at 32K tokens per micro-batch on the analytic table's best static layout (TP 1: the table
-prices one GPU per stage; with TP 8 this 0.5B model's step would be shorter, which the
-``share_if_tp_scaled`` column shows). The critical path at the default ``--sb-planner
-process``: the control plane, the handoff to the planner process (the step's segments and the
-tracker's updates sent, the draft read back: training-thread CPU, measured with a planner process
-at each measured shape), the after-step work and the draft's excess over the step (a draft that
-outlasts the step is waited for); in-line planning adds the whole draft instead of the handoff.
-The planner's effect on a launch-bound training thread is ``planner_cost``'s
-(``launch_slowdown``).
-
-JSON: ``table`` (every shape: bytes and seconds of both paths, the planner's draft and
-after-step work, the critical path and its share of the step), ``rows`` (for the simulated
-studies, ``experiments/plugin_cost.py``: TP 1 x PP 4 by ``world_size`` and ``microbatches``,
-``gather_ms`` and ``broadcast_ms`` of the tensor path, network and host), ``growth`` (fitted
-exponents), ``target_row``, ``planner_points``, ``step_time``, ``gloo``, ``model``.
+JSON: ``points`` (every measured shape: phases, sizes, step), ``table`` (every shape: the
+draft, each collective's bytes and seconds, the critical path and its share), ``rows`` (for
+the simulated studies, ``experiments/plugin_cost.py``: TP 1 x PP 4 by ``world_size`` and
+``microbatches``: ``gather_ms`` the record gather on the critical path, ``broadcast_ms`` 0, the
+plan broadcast gone), ``growth`` (fits), ``targets`` (each met or not, and why).
 
     .venv/bin/python scripts/bench.py control_plane --json docs/results/control_plane.json
 """
 
 from __future__ import annotations
 
-import statistics
+import gc
+import json
+import math
 import time
-from functools import lru_cache
 
 import numpy as np
 
-from ._exchange_paths import (MODEL, gloo_point, pickled_cpu, pickled_path, tensor_cpu_s,
-                              tensor_path)
+from ._exchange_paths import MODEL, collective_s, record_shapes, tensor_cpu_s
 from .common import parser, write_result
 
 SEQ = 32768
 D0 = 0.5
-TARGET_SHARE = 0.005          # issue 44: <= 0.5% of a 32K step at 1,024 GPUs
-TARGET = dict(dp=32, pp=4, tp=8, m=16)
-DRAFT_DEADLINE_S = 1800.0     # the planner processes' stall deadline in this study (wall clock)
+TARGET_SHARE = 0.005
+TARGET_DRAFT_S = 0.050
+WORK = ("draft_s", "after_step_s", "handoff_s")
 
 
-# --- corpus, planner, after-step work ------------------------------------------------------------
+def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) -> dict:
+    """One shape: a rank's draft by phase (``_rank_draft.rank_step``), the sizes its bytes are
+    priced from, the after-step work, the handoff and the static step (module docstring)."""
+    from dataclasses import replace
+    from multiprocessing.reduction import ForkingPickler
 
-@lru_cache(maxsize=None)
-def _corpus_lengths():
-    from sparsebalance_megatron.data import load_corpus
-
-    return np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
-
-
-@lru_cache(maxsize=None)
-def docs_per_dp_rank(dp: int, m: int) -> int:
-    """The most documents any DP rank's micro-batches hold in one global batch of the built-in
-    corpus (32K tokens each, long documents split, Megatron's sequential packing)."""
-    from sparsebalance_megatron.batching.packing import sequential_plan
-    from sparsebalance_megatron.data import GlobalBatchSampler
-    from sparsebalance_megatron.megatron.step.record import doc_slots
-
-    sampler = GlobalBatchSampler(_corpus_lengths(), capacity=SEQ, dp=dp, num_microbatches=m,
-                                 seed=1, long_sample_policy="split")
-    plan = sequential_plan(sampler.next_global_batch(), dp=dp, num_microbatches=m,
-                           max_tokens=SEQ)
-    return max(len(s) for s in doc_slots(plan.micro_batches))
-
-
-WORK = ("draft_s", "after_step_s", "handoff_s")   # a planner point's measured parts
-
-
-def planner_point(dp: int, m: int, pp: int, repeats: int = 2) -> dict:
-    """Measured at one shape (thread CPU time, medians), each step run as the default flags run
-    it: the draft (SAB, features and unit costs, sensitivity and DST) made by a planner process
-    from the calibration the training side sends (``_drafts.submit_draft``), the handoff (the
-    training thread's CPU sending the step: the slower of rank 0, which plans DST, and a rank
-    without DST; the draft is read back by a reader thread while the step trains), the after-step work
-    (``planner_cost.after_step``: the calibration's prediction and every DP rank's update, the
-    tracker's update with every document, the reports' weights), and the static step the
-    simulator predicts at d0 (best static layout)."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
-    from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
-    from ._drafts import make_drafter, submit_draft
-    from .planner_cost import after_step, committed
+    from ._drafts import make_drafter
+    from ._rank_draft import rank_step
+    from .planner_cost import after_step
+    from .planner_phases import _update_of
 
     sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
-    corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=SEQ, layout="best", pp=pp)
-    lm = corpus.lm
-    grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    drafter = make_drafter(lm, sb, dp, SEQ)               # the training process's state
-    tracker, rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
-    drafts, after, steps, handoffs = [], [], [], []
-    # a copy before any draft, as at launch, and a rank that does not plan DST; the deadline
-    # long (a draft at DP 4,096 takes tens of seconds of wall clock on a loaded 2-core machine)
-    proc = PlannerProcess(make_drafter(lm, sb, dp, SEQ), timeout_s=DRAFT_DEADLINE_S)
-    other = PlannerProcess(make_drafter(lm, sb, dp, SEQ), timeout_s=DRAFT_DEADLINE_S)
-    try:
-        for k, segs in enumerate(corpus.segments):    # as the default flags run a step:
-            c0 = time.thread_time()
-            pending = submit_draft("process", drafter, proc, k, segs, m)   # hand the step over
-            send = time.thread_time() - c0
-            c1 = time.thread_time()
-            pend_other = submit_draft("process", drafter, other, k, segs, m, with_dst=False)
-            send_other = time.thread_time() - c1
-            d = pending.result()                      # read its draft back
-            batch, units, dens = committed(d)
-            pend_other.result().packing(d.payload[1]["stand_down"]["packing_index"])
-            costs = UnitCosts.from_latency(lm, units, dp, m, grid)
-            idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
-            f, b = costs.at(idx)
-            steps.append(float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max()))
-            a = after_step(lm, sb, d, tracker, rng) / 1e3   # end_step's work, as it runs it
-            if k:                                      # the first is a warm-up
-                drafts.append(d.cpu_s)                 # the planner process's thread CPU
-                handoffs.append(max(send, send_other))
-                after.append(a)
+    corpus = corpus_steps(dp, m, sb.density, 1, seq=seq, layout="best", pp=pp)
+    lm, raw = corpus.lm, corpus.segments[0]
+    drafter = make_drafter(lm, sb, dp, seq)
+    q = rank_step(drafter, raw, m, rank)
+    costs = q.pop("costs")
+    idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
+    f, b = costs.at(idx)
+    step_s = float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max())
+    # the after-step work on the committed plan (SAB's), as end_step runs it
+    d = drafter.draft(0, 0, raw, m, with_dst=False)
+    dens = q.pop("densities")
+    payload = (dens, {"predicted_busy_s": lm.busy_s(q.pop("units"), dens),
+                      "stand_down": {"packing_index": 0}})
+    d = replace(d, payload=payload)
+    q.pop("batch")
+    rng = np.random.default_rng(0)
+    gc.collect()
+    gc.disable()                        # the collector paused, as for the draft
+    try:                                # the min of 2 (a fresh tracker each), then the handoff
+        after = min(after_step(lm, sb, d, SensitivityTracker(), rng) for _ in range(2)) / 1e3
+        req = ("draft", dict(iteration=1, first_bin=0, segments=raw, num_microbatches=m,
+                             with_dst=True, latency=lm.calibration_state(),
+                             tracker=("updates", [_update_of(d, rng)])))
+        c0 = time.thread_time()
+        blob = ForkingPickler.dumps(req)
+        handoff = time.thread_time() - c0
     finally:
-        proc.close()
-        other.close()
-    return {"dp": dp, "m": m, "pp": pp, "layout": lm.layout.describe(),
-            "draft_s": statistics.median(drafts), "after_step_s": statistics.median(after),
-            "handoff_s": statistics.median(handoffs), "static_step_s": statistics.median(steps)}
+        gc.enable()
+    return dict(q, dp=dp, m=m, pp=pp, layout=lm.layout.describe(),
+                virtual_stages=int(dens.shape[2]), static_step_s=step_s, after_step_s=after,
+                handoff_s=handoff, handoff_bytes=len(blob))
+
+
+def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
+    """Every collective a rank takes part in per step on the per-rank path (module docstring):
+    ``name``, ``where`` (draft: overlapped; step: on the critical path), ``grows`` (with DP),
+    ``bytes`` received per rank (exact), ``seconds`` (``collective_s``). ``q``: a measured
+    point's sizes (its rounds, row, units, candidates)."""
+    out = []
+
+    def add(name, where, grows, kind, n, stride, payload, received):
+        out.append({"name": name, "where": where, "grows": grows, "bytes": int(received),
+                    "seconds": collective_s(kind, n, stride, payload) if n > 1 else 0.0})
+
+    ar = 2.0 * (dp - 1) / dp                # a ring all-reduce: what a rank receives per byte
+    for op in ("sum", "max"):
+        floats = [sum(r[op].values()) for r in q["rounds"] if r[op]]
+        nb = [8 * f for f in floats]
+        out.append({"name": f"dst.rounds.{op}", "where": "draft", "grows": False,
+                    "bytes": int(round(ar * sum(nb))), "count": len(nb),
+                    "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
+    add("dst.step_max", "draft", False, "allreduce", dp, tp, 8, 2 * ar * 8)
+    out[-1]["seconds"] *= 2                          # one per packing
+    add("sab.fits", "draft", False, "allreduce", dp, tp, 8, ar * 8)
+    add("sab.spans", "draft", True, "allgather", dp, tp, 8 * dp, 8 * (dp - 1))
+    from sparsebalance_megatron.batching.slots import PARTNERS, ROUNDS
+
+    cand = min(2 * (2 * ROUNDS + PARTNERS + 1), dp) * (q["unit_floats"] + docs) * 8
+    add("sab.candidates", "draft", False, "allreduce", dp, tp, cand, ar * cand)
+    add("rows", "draft", True, "allgather", dp, tp, 8 * q["row_floats"] * dp,
+        8 * q["row_floats"] * (dp - 1))
+    cell, line, _ = record_shapes(dp, pp, m, docs)
+    add("record.tp", "step", False, "allgather", tp, 1, tp * cell.nbytes, (tp - 1) * cell.nbytes)
+    add("record.pp", "step", False, "allgather", pp, tp * dp, pp * cell.nbytes,
+        (pp - 1) * cell.nbytes)
+    add("record.dp", "step", True, "allgather", dp, tp, dp * line.nbytes, (dp - 1) * line.nbytes)
+    median = 8 * pp                          # the static busy seconds of its pipeline ranks
+    add("median_anchor (--sb-dst-anchor median only)", "off", True, "allgather", dp, tp,
+        median * dp, median * (dp - 1))
+    return out
 
 
 def power_fit(x, y) -> dict:
@@ -162,210 +156,165 @@ def power_fit(x, y) -> dict:
     return {"exponent": float(k), "coefficient": float(np.exp(logc))}
 
 
-# --- the study ---------------------------------------------------------------------------------
+def log_fit(x, y) -> dict:
+    """y = a + b log2 x by least squares, and the largest relative residual."""
+    lx, y = np.log2(np.asarray(x, float)), np.asarray(y, float)
+    b, a = np.polyfit(lx, y, 1)
+    return {"a": float(a), "b_per_doubling": float(b),
+            "max_rel_residual": float(np.max(np.abs(a + b * lx - y) / y))}
 
-def ladder(max_world: int, tps=(8, 4, 1)) -> list:
-    """(tp, pp, dp) of the table: TP 8, 4 and 1 x PP 4 or 8 x DP 1, 2, 4, ... within
+
+def ladder(max_world: int, tps=(8, 4, 1), dp_min: int = 32) -> list:
+    """(tp, pp, dp) of the table: TP 8, 4 and 1 x PP 4 or 8 x DP 32, 64, ... within
     ``max_world`` ranks."""
-    out = []
-    for tp in tps:
-        for pp in (4, 8):
-            dp = 1
-            while tp * pp * dp <= max_world:
-                out.append((tp, pp, dp))
-                dp *= 2
-    return out
+    return [(tp, pp, dp) for tp in tps for pp in (4, 8)
+            for dp in (2 ** k for k in range(int(math.log2(dp_min)), 15))
+            if tp * pp * dp <= max_world]
 
 
 def simulator_rows(rows: list) -> list:
-    """The tensor path's critical-path ms per step by world size and micro-batches, for the
-    simulated studies (``experiments/plugin_cost.py`` reads ``rows`` of ``world_size``,
-    ``microbatches``, ``gather_ms``, ``broadcast_ms``): their jobs are one GPU per (DP rank,
-    stage), PP 4, so the TP 1 x PP 4 rows (a CP group is a cell like a TP group)."""
+    """The critical path's control plane per step (the record gather: network and host) by
+    world size and micro-batches for the simulated studies (``experiments/plugin_cost.py``
+    reads ``world_size``, ``microbatches``, ``gather_ms``, ``broadcast_ms``): the TP 1 x PP 4
+    rows. ``broadcast_ms`` is 0: the plan broadcast is gone (the rows are gathered inside the
+    overlapped draft)."""
     return [{"world_size": r["world"], "microbatches": r["m"], "tp": r["tp"], "pp": r["pp"],
-             "dp": r["dp"],
-             "gather_ms": 1e3 * (r["tensor"]["gather_network_s"] + r["tensor"]["gather_cpu_s"]),
-             "broadcast_ms": 1e3 * (r["tensor"]["broadcast_network_s"]
-                                    + r["tensor"]["broadcast_cpu_s"]),
-             "bytes_per_rank": r["tensor"]["bytes_per_rank"]}
+             "dp": r["dp"], "gather_ms": 1e3 * r["critical_path_parts_s"]["record_gather"],
+             "broadcast_ms": 0.0, "bytes_per_rank": r["bytes_per_rank"]}
             for r in rows if r["tp"] == 1 and r["pp"] == 4]
+
+
+def build_rows(points: list, max_world: int, m: int, repeats: int) -> tuple:
+    """The table (every ladder shape) from the measured points, and the fits."""
+    four = sorted((q for q in points if q["pp"] == 4), key=lambda q: q["dp"])
+    fits = {k: power_fit([q["dp"] for q in four], [q[k] for q in four]) for k in WORK}
+    at = {(q["dp"], q["pp"]): q for q in points}
+    pairs = [(q, at[q["dp"], 4]) for q in points if q["pp"] == 8 and (q["dp"], 4) in at]
+    pp_ratio = {k: float(np.median([a[k] / b[k] for a, b in pairs])) if pairs else 1.0
+                for k in WORK}
+    rows = []
+    for tp, pp, dp in ladder(max_world):
+        q = at.get((dp, pp))
+        near = min([p for p in points if p["pp"] == pp] or four,
+                   key=lambda p: abs(math.log(p["dp"] / dp)))    # sizes and step of the nearest
+        work = {k: q[k] if q else fits[k]["coefficient"] * dp ** fits[k]["exponent"]
+                * (pp_ratio[k] if pp == 8 else 1.0) for k in WORK}
+        docs = near["docs_max"]
+        coll = rank_bytes(tp, pp, dp, m, near, docs)
+        cpu = tensor_cpu_s(dp, pp, tp, m, docs, repeats)["gather_s"]
+        record = sum(c["seconds"] for c in coll if c["name"].startswith("record.")) + cpu
+        agree = sum(c["seconds"] for c in coll if c["where"] == "draft")
+        step_s = near["static_step_s"]
+        draft_wall = work["draft_s"] + agree
+        parts = {"record_gather": record, "handoff": work["handoff_s"],
+                 "after_step": work["after_step_s"],
+                 "draft_past_the_step": max(0.0, draft_wall - step_s)}
+        crit = sum(parts.values())
+        rows.append({"tp": tp, "pp": pp, "dp": dp, "m": m, "world": tp * pp * dp,
+                     "docs_per_dp_rank": docs, "measured": q is not None, "work": work,
+                     "agreement_s": agree, "draft_wall_s": draft_wall,
+                     "collectives": coll, "record_cpu_s": cpu,
+                     "bytes_per_rank": sum(c["bytes"] for c in coll if c["where"] != "off"),
+                     "bytes_fixed": sum(c["bytes"] for c in coll
+                                        if c["where"] != "off" and not c["grows"]),
+                     "bytes_growing": sum(c["bytes"] for c in coll
+                                          if c["where"] != "off" and c["grows"]),
+                     "step_s": step_s, "critical_path_s": crit, "critical_path_parts_s": parts,
+                     "share_of_step": crit / step_s})
+    return rows, fits, pp_ratio
+
+
+def targets(rows: list, points: list) -> dict:
+    """Issue 77's targets, each with the figure and met or not."""
+    four = sorted((q for q in points if q["pp"] == 4 and q["m"] == 16), key=lambda q: q["dp"])
+    out = {}
+    q = next((p for p in four if p["dp"] == 4096), None)
+    if q:
+        out["draft_at_dp4096_pp4"] = {"value_s": q["draft_s"], "target_s": TARGET_DRAFT_S,
+                                      "met": q["draft_s"] <= TARGET_DRAFT_S}
+    if len(four) > 1:
+        dps = [p["dp"] for p in four]
+        lo, hi = four[0], four[-1]
+        ratio = hi["draft_s"] / lo["draft_s"]
+        log_ratio = math.log(hi["dp"]) / math.log(lo["dp"])
+        out["draft_growth"] = {
+            "power": power_fit(dps, [p["draft_s"] for p in four]),
+            "log": log_fit(dps, [p["draft_s"] for p in four]),
+            "ratio": ratio, "log_dp_ratio": log_ratio, "met": ratio <= log_ratio,
+            "phases": {k: power_fit(dps, [max(p["phases_s"][k], 1e-7) for p in four])
+                       for k in four[0]["phases_s"]}}
+    for tp in (1, 8):
+        r = next((r for r in rows if r["world"] == 16384 and r["tp"] == tp and r["pp"] == 4),
+                 None)
+        if r:
+            out[f"critical_path_16384_tp{tp}_pp4"] = {"share": r["share_of_step"],
+                                                      "target": TARGET_SHARE,
+                                                      "met": r["share_of_step"] <= TARGET_SHARE}
+    growing = sorted({c["name"] for r in rows for c in r["collectives"]
+                      if c["grows"] and c["where"] != "off"})
+    out["bytes_independent_of_dp"] = {"met": not growing, "growing": growing}
+    return out
 
 
 def main(argv=None) -> int:
     p = parser(__doc__, "control_plane")
-    p.add_argument("--microbatches", default="16,32,64",
-                   help="micro-batches per step of the table (comma-separated)")
+    p.add_argument("--dp", default="32,128,512,2048,4096",
+                   help="DP sizes a rank's draft is measured at (PP 4)")
+    p.add_argument("--pp8-dp", default="512", help="DP sizes it is measured at with PP 8")
+    p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--max-world", type=int, default=16384)
-    p.add_argument("--planner-dp", default="4,8,16,32,64",
-                   help="DP sizes the planner and after-step work are measured at (PP 4)")
-    p.add_argument("--planner-side-dp", type=int, default=None,
-                   help="the DP the planner is also measured at with PP 8 and at the "
-                        "micro-batch counts not in --planner-m (default: the largest of "
-                        "--planner-dp); the other rows there are fitted")
-    p.add_argument("--planner-m", default="16,64",
-                   help="micro-batches the planner is measured at")
-    p.add_argument("--gloo-dp", default="1,2",
-                   help="DP sizes of the gloo runs (TP 2 x PP 2 x DP; 0: none)")
-    p.add_argument("--gloo-repeats", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=3, help="repeats of each CPU measurement")
+    p.add_argument("--repeats", type=int, default=1, help="repeats of the record gather's CPU")
+    p.add_argument("--points-from", default=None,
+                   help="a JSON of this study: its measured points reused (the table, bytes and "
+                        "prices made again; their provenance kept as points_measured)")
     args = p.parse_args(argv)
-    ms = [int(x) for x in args.microbatches.split(",")]
+    from sparsebalance_megatron.megatron.step.planner_worker import warm_up_kernels
 
-    # planner and after-step work: measured at PP 4, fitted in DP x micro-batches; at PP 8 and
-    # the other micro-batch counts at one DP (its step time, and how the work scales to PP 8)
-    dps = [int(x) for x in args.planner_dp.split(",")]
-    side = args.planner_side_dp or dps[-1]
-    pm = [int(x) for x in args.planner_m.split(",")]
-    points = [planner_point(dp, m, 4) for m in sorted(set(pm + ms))
-              for dp in (dps if m in pm else [side])]
-    points += [planner_point(side, m, 8) for m in ms]
-    four = [q for q in points if q["pp"] == 4]
-    units = [q["dp"] * q["m"] for q in four]
-    fits = {k: power_fit(units, [q[k] for q in four]) for k in WORK}
-    measured_at = {(q["dp"], q["m"], q["pp"]): q for q in points}
-    step_by = {}             # (m, pp) -> the point of the largest DP measured there
-    for q in sorted(points, key=lambda q: q["dp"]):
-        step_by[q["m"], q["pp"]] = q
-    pairs = [(q, measured_at[q["dp"], q["m"], 4]) for q in points
-             if q["pp"] == 8 and (q["dp"], q["m"], 4) in measured_at]
-    pp_ratio = {k: statistics.median(a[k] / b[k] for a, b in pairs) for k in WORK}
-
-    rows = []
-    for m in ms:
-        for tp, pp, dp in ladder(args.max_world):
-            docs = docs_per_dp_rank(dp, m)
-            new = tensor_path(dp, pp, tp, m, docs)
-            cpu = tensor_cpu_s(dp, pp, tp, m, docs, args.repeats)
-            new.update(gather_cpu_s=cpu["gather_s"], broadcast_cpu_s=cpu["broadcast_s"])
-            new["network_s"] = new["gather_network_s"] + new["broadcast_network_s"]
-            new["cpu_s"] = cpu["gather_s"] + cpu["broadcast_s"]
-            new["total_s"] = new["network_s"] + new["cpu_s"]
-            oldc = pickled_cpu(dp, pp, tp, m, docs, args.repeats)
-            old = pickled_path(tp * pp * dp, oldc["record_bytes"], oldc["plan_bytes"])
-            old.update(record_bytes=oldc["record_bytes"], plan_bytes=oldc["plan_bytes"],
-                       cpu_s=oldc["cpu_s"], total_s=old["network_s"] + oldc["cpu_s"])
-            q = measured_at.get((dp, m, pp))
-            work = {k: q[k] if q else fits[k]["coefficient"] * (dp * m) ** fits[k]["exponent"]
-                    * (pp_ratio[k] if pp == 8 else 1.0) for k in WORK}
-            draft, after, handoff = work["draft_s"], work["after_step_s"], work["handoff_s"]
-            # the static step of this shape where measured, else of the largest measured DP
-            step_s = (q or step_by[m, pp])["static_step_s"]
-            row = {"tp": tp, "pp": pp, "dp": dp, "m": m, "world": tp * pp * dp,
-                   "docs_per_dp_rank": docs, "tensor": new, "pickled": old,
-                   "planner": {"draft_s": draft, "after_step_s": after,
-                               "handoff_s": handoff, "measured": q is not None},
-                   "step_s": step_s}
-            ahead = new["total_s"] + handoff + after + max(0.0, draft - step_s)
-            row["critical_path_s"] = {"plan_ahead": ahead,
-                                      "in_line": new["total_s"] + after + draft}
-            row["critical_path_parts_s"] = {"control_plane": new["total_s"],
-                                            "handoff": handoff, "after_step": after,
-                                            "draft_past_the_step": max(0.0, draft - step_s)}
-            row["share_of_step"] = {k: v / step_s for k, v in row["critical_path_s"].items()}
-            row["share_if_tp_scaled"] = ahead / (step_s / tp)
-            rows.append(row)
-
-    # growth: the tensor path's seconds and bytes against DP x micro-batches (TP 8, PP 4)
-    sub = [r for r in rows if r["tp"] == 8 and r["pp"] == 4]
-    growth = {
-        "tensor_total_s": power_fit([r["dp"] * r["m"] for r in sub],
-                                    [r["tensor"]["total_s"] for r in sub]),
-        "tensor_bytes_per_rank": power_fit([r["dp"] * r["m"] for r in sub],
-                                           [r["tensor"]["bytes_per_rank"] for r in sub]),
-        "pickled_total_s": power_fit([r["dp"] * r["m"] for r in sub],
-                                     [r["pickled"]["total_s"] for r in sub]),
-        "critical_path_plan_ahead_s": power_fit(
-            [r["dp"] * r["m"] for r in sub], [r["critical_path_s"]["plan_ahead"] for r in sub]),
-        "planner_draft_s": fits["draft_s"], "after_step_s": fits["after_step_s"],
-        "handoff_s": fits["handoff_s"],
-        "variable": "DP x micro-batches (TP 8, PP 4; planner: PP 4, measured points)"}
-    for name, pick, var in (("in_dp_at_m16", lambda r: r["m"] == 16, "dp"),
-                            ("in_m_at_dp32", lambda r: r["dp"] == 32, "m")):
-        part = [r for r in sub if pick(r)]
-        if len({r[var] for r in part}) > 1:
-            growth[name] = {k: power_fit([r[var] for r in part], [f(r) for r in part])
-                            for k, f in (("tensor_total_s", lambda r: r["tensor"]["total_s"]),
-                                         ("critical_path_plan_ahead_s",
-                                          lambda r: r["critical_path_s"]["plan_ahead"]))}
-    target = next((r for r in rows if all(r[k] == v for k, v in TARGET.items())), None)
-    widest = [r for r in rows if r["world"] == args.max_world and r["pp"] == 4 and r["m"] == 16]
-
-    gloo = []
-    for dp in (int(x) for x in args.gloo_dp.split(",") if int(x) > 0):
-        gloo.append(gloo_point(2, 2, dp, 16, docs_per_dp_rank(dp, 16), args.gloo_repeats))
-
-    _print(rows, ms, growth, target, gloo, points)
-    for r in widest:
-        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["critical_path_parts_s"].items())
-        print(f"{r['world']} GPUs, TP {r['tp']} x PP 4 x DP {r['dp']}: critical path "
-              f"{r['critical_path_s']['plan_ahead'] * 1e3:.1f} ms = "
-              f"{100 * r['share_of_step']['plan_ahead']:.2f}% of the {r['step_s']:.2f} s step "
-              f"({parts}; draft {r['planner']['draft_s'] * 1e3:.0f} ms, "
-              f"{'measured' if r['planner']['measured'] else 'fitted'}; target <= "
-              f"{100 * TARGET_SHARE:.1f}%)")
+    m, points, measured = args.microbatches, [], None
+    if args.points_from:
+        with open(args.points_from) as f:
+            old = json.load(f)
+        points = old["points"]
+        measured = old.get("points_measured") or {k: old.get(k) for k in (
+            "command", "commit", "dirty", "versions", "device")}
+        m = points[0]["m"]
+    else:
+        warm_up_kernels()
+        measure_point(2, m, 4)                             # compiles every kernel once
+    shapes = [] if args.points_from else [(int(x), 4) for x in args.dp.split(",")] + \
+        [(int(x), 8) for x in args.pp8_dp.split(",") if x]
+    for dp, pp in shapes:
+        q = measure_point(dp, m, pp)
+        points.append(q)
+        print(f"DP {dp} x PP {pp}: a rank's draft {q['draft_s'] * 1e3:.1f} ms ("
+              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in q["phases_s"].items())
+              + f"), after the step {q['after_step_s'] * 1e3:.1f} ms, handoff "
+              f"{q['handoff_s'] * 1e3:.1f} ms, step {q['static_step_s']:.3f} s", flush=True)
+    rows, fits, pp_ratio = build_rows(points, args.max_world, m, args.repeats)
+    tg = targets(rows, points)
+    _print(rows, tg)
     if args.json:
         write_result(args.json, {
-            "model": MODEL, "seq": SEQ, "d0": D0, "target": dict(TARGET, share=TARGET_SHARE),
-            "step_time": [{k: q[k] for k in ("dp", "m", "pp", "layout", "static_step_s")}
-                          for q in step_by.values()],
-            "planner_pp8_over_pp4": pp_ratio,
-            "planner_points": points, "growth": growth, "table": rows,
-            "rows": simulator_rows(rows),
-            "target_row": target, "gloo": gloo,
-            "widest": [{k: r[k] for k in ("tp", "pp", "dp", "world", "step_s", "critical_path_s",
-                                          "critical_path_parts_s", "share_of_step", "planner")}
-                       for r in widest],
-            "clock": "host work: thread CPU time (codec, pickle, planner, after-step work); "
-                     "network: NCCL's alpha-beta model (MODEL); gloo: wall clock"})
+            "model": MODEL, "seq": SEQ, "d0": D0, "microbatches": m,
+            "points": points, "points_measured": measured, "table": rows, "rows": simulator_rows(rows),
+            "growth": {"in_dp_pp4": fits, "pp8_over_pp4": pp_ratio}, "targets": tg,
+            "clock": "a rank's work: thread CPU time, the collector paused (DST: each phase's "
+                     "maximum over the DP ranks); network: NCCL's alpha-beta model (MODEL)"})
     return 0
 
 
-def _print(rows, ms, growth, target, gloo, points) -> None:
-    print(f"{'TP':>3} {'PP':>3} {'DP':>4} {'m':>3} {'GPUs':>5} {'docs':>5} | "
-          f"{'tensor KB':>9} {'net ms':>7} {'cpu ms':>7} | {'pickled KB':>10} {'net ms':>7} "
-          f"{'cpu ms':>8} | {'crit ms':>8} {'% step':>7}")
+def _print(rows: list, tg: dict) -> None:
+    print(f"{'TP':>3} {'PP':>3} {'DP':>5} {'GPUs':>6} | {'draft ms':>9} {'agree ms':>8} | "
+          f"{'KB/rank':>8} {'fixed':>7} {'grows':>8} | {'after':>6} {'gather':>7} "
+          f"{'crit ms':>8} {'% step':>7}")
     for r in rows:
-        t, o = r["tensor"], r["pickled"]
-        crit = r.get("critical_path_s", {}).get("plan_ahead")
-        share = r.get("share_of_step", {}).get("plan_ahead")
-        print(f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>4} {r['m']:>3} {r['world']:>5} "
-              f"{r['docs_per_dp_rank']:>5} | {t['bytes_per_rank'] / 1e3:>9.1f} "
-              f"{t['network_s'] * 1e3:>7.2f} {t['cpu_s'] * 1e3:>7.2f} | "
-              f"{o['bytes_per_rank'] / 1e3:>10.1f} {o['network_s'] * 1e3:>7.2f} "
-              f"{o['cpu_s'] * 1e3:>8.1f} | "
-              f"{'-' if crit is None else f'{crit * 1e3:.2f}':>8} "
-              f"{'-' if share is None else f'{100 * share:.3f}':>7}")
-    print("\nplanner and after-step work (measured, best static layout, thread CPU):")
-    for q in points:
-        print(f"  DP {q['dp']:>3} x m {q['m']:>3} x PP {q['pp']}: draft "
-              f"{q['draft_s'] * 1e3:8.1f} ms, handoff {q['handoff_s'] * 1e3:5.1f} ms, after "
-              f"the step {q['after_step_s'] * 1e3:6.1f} ms, static step {q['static_step_s']:.3f}"
-              f" s ({q['layout']})")
-    print("\ngrowth exponents in DP x micro-batches (TP 8, PP 4): " + ", ".join(
-        f"{k} {v['exponent']:.2f}" for k, v in growth.items()
-        if isinstance(v, dict) and "exponent" in v))
-    for name in ("in_dp_at_m16", "in_m_at_dp32"):
-        if name in growth:
-            print(f"  {name}: " + ", ".join(f"{k} {v['exponent']:.2f}"
-                                            for k, v in growth[name].items()))
-    t = target
-    if t is None:
-        print(f"\n(the target's shape, {TARGET}, is not among the rows)")
-    else:
-        print(f"\ntarget: {t['world']} GPUs (DP {t['dp']} x PP {t['pp']} x TP {t['tp']}, "
-              f"{t['m']} micro-batches, 32K): critical path with the default --sb-planner process "
-              f"{t['critical_path_s']['plan_ahead'] * 1e3:.2f} ms = "
-              f"{100 * t['share_of_step']['plan_ahead']:.3f}% of the simulated {t['step_s']:.2f} s "
-              f"step (control plane {t['critical_path_parts_s']['control_plane'] * 1e3:.2f} ms, "
-              f"handoff {t['critical_path_parts_s']['handoff'] * 1e3:.2f} ms, after the step "
-              f"{t['critical_path_parts_s']['after_step'] * 1e3:.2f} ms; target <= "
-              f"{100 * TARGET_SHARE:.1f}%: "
-              f"{'met' if t['share_of_step']['plan_ahead'] <= TARGET_SHARE else 'NOT met'}); "
-              f"in-line planning {100 * t['share_of_step']['in_line']:.2f}%; with TP 8 scaling "
-              f"the step 8x: {100 * t['share_if_tp_scaled']:.3f}%")
-    if gloo:
-        print("\ngloo on this machine (TP 2 x PP 2 x DP n, 16 micro-batches, slowest rank, "
-              "median):")
-        for g in gloo:
-            print(f"  {g['world']:>3} ranks: pickled {g['pickled_s'] * 1e3:7.2f} ms, tensor "
-                  f"{g['tensor_s'] * 1e3:7.2f} ms")
+        print(f"{r['tp']:>3} {r['pp']:>3} {r['dp']:>5} {r['world']:>6} | "
+              f"{r['work']['draft_s'] * 1e3:>8.1f}{'' if r['measured'] else '*'} "
+              f"{r['agreement_s'] * 1e3:>8.2f} | {r['bytes_per_rank'] / 1e3:>8.1f} "
+              f"{r['bytes_fixed'] / 1e3:>7.1f} {r['bytes_growing'] / 1e3:>8.1f} | "
+              f"{r['work']['after_step_s'] * 1e3:>6.1f} "
+              f"{r['critical_path_parts_s']['record_gather'] * 1e3:>7.2f} "
+              f"{r['critical_path_s'] * 1e3:>8.2f} {100 * r['share_of_step']:>7.3f}")
+    print("(* fitted in DP)")
+    for k, v in tg.items():
+        print(f"target {k}: " + ", ".join(f"{a}={b}" for a, b in v.items() if a != "phases"))

@@ -1,0 +1,162 @@
+"""One DP rank's per-step planning on the per-rank path (``control_plane``'s study, issue 77):
+what a rank computes (``rank_step``: thread CPU by phase) and what it receives (``rank_bytes``:
+exact, each collective flagged fixed or growing with DP).
+
+``rank_step`` times, for one rank, the package's per-rank entries in the order a step runs them:
+
+- ``sab.assign``: ``packing.sab_assignment`` (the segments, their costs, the cost order and the
+  LPT over the DP ranks: every rank computes the same, n log dp);
+- ``sab.units``: its own ``units([r])`` (its segments by its sensitivity estimates, its cut,
+  costs and seed slots); ``sab.rank_plan``: ``rank_plan`` (the slot search over the agreed
+  candidates, its one-row plan); ``features``: its micro-batches' latency features;
+  ``sensitivity``: its units' sensitivity (``batch_sensitivity`` of its row);
+- ``baseline.pack``: the do-no-harm baseline's packing (``Drafter.pack`` by
+  ``--sb-stand-down``: the whole batch's sequential bins, as the package has no per-rank
+  baseline yet); ``baseline.features``: the whole packing's CSR and its own row's features;
+- ``unit_costs``: ``UnitCosts.from_latency(..., rank=r)`` of both packings (its own units);
+- ``dst.<phase>``: DST's rounds of both packings (``dst_rounds.rank_rounds``, the default
+  ``--sb-stand-down-compare planned`` plans both), each phase's MAXIMUM OVER THE DP RANKS (the
+  ranks wait for each other at every reduction: the wall time of a rank's DST less the
+  reductions'), as ``dst_decomposed`` takes it: every rank's rounds are driven here in lockstep
+  (``dst_rounds.plan_rounds_in_process``), each rank's CPU by ``dst_ranks.PHASES``;
+- ``busy_s``: the committed plan's busy seconds of its own units (``choice.choose``'s).
+
+The representative rank of the SAB and cost phases is the critical one (the largest seed
+makespan among the candidates, which the search touches most). The agreement (every rank's
+units, ``SABAssignment.agree``) is made off the clock: in a run the other ranks make theirs.
+The rank's row is checked to be the whole plan's row (the study stops otherwise).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import numpy as np
+
+SAB = ("sab.assign", "sab.units", "sab.rank_plan", "features", "sensitivity")
+OWN = SAB + ("baseline.pack", "baseline.features", "unit_costs")
+
+
+def _timed(out: dict, key: str, f, *args, **kw):
+    c0 = time.thread_time()
+    got = f(*args, **kw)
+    out[key] = out.get(key, 0.0) + time.thread_time() - c0
+    return got
+
+
+def _recorded(rounds, log):
+    """``rounds`` (a rank's generator) passed through, each part's shapes logged (``log``:
+    a list, or None: not logged)."""
+    parts = next(rounds)
+    while True:
+        if log is not None:
+            log.append({op: {k: int(np.asarray(v).size) for k, v in parts.get(op, {}).items()}
+                        for op in ("sum", "max", "cat")})
+        try:
+            agreed = yield parts
+            parts = rounds.send(agreed)
+        except StopIteration as done:
+            return done.value
+
+
+def dst_all_ranks(costs, sens, settings, quality, rank_scale):
+    """(every rank's ``RankPlan``, rank 0's rounds' sizes in floats): the package's rounds of
+    every DP rank driven in lockstep (``plan_rounds_in_process``), as ``plan_dst_decomposed``
+    drives them, with rank 0's parts logged."""
+    from sparsebalance_megatron.policy.bands import straggler_present
+    from sparsebalance_megatron.policy.dst_ranks import rank_slice
+    from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process, rank_rounds
+
+    dp, log = costs.shape[0], []
+    narrow = straggler_present(rank_scale, settings.tolerance)
+    gens = [_recorded(rank_rounds(rank_slice(costs, r), None if sens is None else sens[r:r + 1],
+                                  settings, quality=quality, narrow=narrow), log if r == 0
+                      else None) for r in range(dp)]
+    return plan_rounds_in_process(gens), log
+
+
+def rank_step(drafter, raw, m: int, rank=None) -> dict:
+    """One step of ``raw`` (the step's segments) as DP rank ``rank`` plans it (module docstring;
+    None: the critical rank): ``phases_s`` (thread CPU), ``draft_s`` (their sum), ``rank``,
+    the sizes the bytes are priced from (``rounds``: each DST round's floats, both packings;
+    ``row_floats``: the committed row; ``unit_floats``: a candidate rank's units), and for the
+    rest of the study the whole plan's ``costs``, ``batch``, ``units`` and ``densities``."""
+    from sparsebalance_megatron.batching.packing import latency_sample_cost_fn, sab_assignment
+    from sparsebalance_megatron.batching.plan import checked_segments
+    from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
+    from sparsebalance_megatron.megatron.step.choice import raise_headroom
+    from sparsebalance_megatron.megatron.step.record import doc_slots
+    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid, unit_rows
+    from sparsebalance_megatron.policy.dst import dst_inputs
+    from sparsebalance_megatron.policy.dst_ranks import PHASES
+
+    sb, lm, dp = drafter.sb, drafter.latency, drafter.dp
+    seq = drafter.capacity
+    t: dict = {}
+    gc.collect()
+    gc.disable()
+    try:
+        segs = checked_segments(raw)
+        kw = dict(dp=dp, num_microbatches=m, max_tokens=seq, sensitivity=drafter.tracker,
+                  cost_fn=latency_sample_cost_fn(lm, sb.density), seed=sb.seed,
+                  long_sample_policy=sb.long_sample_policy, length_multiple=sb.length_multiple)
+        # off the clock: the other ranks' parts of the agreement, and the whole plan
+        whole_asg = sab_assignment(segs, **kw)
+        every = whole_asg.units()
+        agreed = whole_asg.agree(every)
+        whole = whole_asg.rank_plan(every, agreed)
+        c = agreed.candidates
+        r = rank if rank is not None else (int(c.ranks[np.argmax(c.span_s)]) if c is not None
+                                           else 0)
+        # the rank's own SAB
+        asg = _timed(t, "sab.assign", sab_assignment, segs, **kw)
+        mine = _timed(t, "sab.units", asg.units, [r])
+        own = _timed(t, "sab.rank_plan", asg.rank_plan, mine, agreed)
+        _timed(t, "features", lm.unit_features, own.unit_csr(with_padding=True))
+        _timed(t, "sensitivity", batch_sensitivity, own, drafter.tracker)
+        if own.micro_batches[0] != whole.micro_batches[r]:
+            raise SystemExit(f"rank {r}: its own plan is not row {r} of the whole plan")
+        # the baseline's packing (whole batch) and its own row's features
+        base = _timed(t, "baseline.pack", drafter.pack, segs, m, sb.stand_down)
+        c0 = time.thread_time()
+        lm.unit_features(unit_rows(base.unit_csr(with_padding=True), r * m, (r + 1) * m,
+                                   dp * m))
+        t["baseline.features"] = time.thread_time() - c0
+        # DST of both packings
+        grid = density_grid(sb.density, sb.min_density, sb.max_density)
+        h = raise_headroom(sb, lm, dp)
+        dst = np.zeros(len(PHASES))
+        rounds, sizes = [], {}
+        densities = None
+        for i, batch in enumerate((whole, base)):
+            units = drafter.units(batch)                                 # off the clock
+            kept = batch.unit_csr()
+            _timed(t, "unit_costs", UnitCosts.from_latency, lm, units, dp, m, grid,
+                   kept_units=kept, rank=r)
+            costs = UnitCosts.from_latency(lm, units, dp, m, grid, kept_units=kept)
+            sens = batch_sensitivity(batch, drafter.tracker)
+            settings, quality = dst_inputs(sb, costs.shape[2], lm.p2p_s, h,
+                                           drafter.attention_layers)
+            plans, log = dst_all_ranks(costs, sens, settings, quality,
+                                       lm.correction_grid(dp, costs.pipeline_ranks))
+            dst += np.max([p.cpu_s for p in plans], axis=0)              # per phase, over ranks
+            rounds += log
+            if i == 0:
+                idx = np.concatenate([p.grid_index for p in plans])
+                densities = costs.densities[idx]
+                sizes = dict(costs=costs, batch=batch, units=units, sens=sens)
+        busy = _timed(t, "busy_s", lm.busy_s, unit_rows(sizes["units"], r * m, (r + 1) * m,
+                                                         dp * m), densities[r:r + 1])
+    finally:
+        gc.enable()
+    for k, v in zip(PHASES, dst):
+        t[f"dst.{k}"] = float(v)
+    nv = densities.shape[2]
+    row = nv * m + busy.size + (0 if sizes["sens"] is None else sizes["sens"][r].size)
+    return {"rank": r, "phases_s": t, "draft_s": float(sum(t.values())), "rounds": rounds,
+            "row_floats": int(row), "unit_floats": int(2 * m * nv + 2 * m + 2),
+            "candidates": 0 if c is None else int(c.ranks.size),
+            "docs_max": int(max(len(s) for s in doc_slots(whole.micro_batches))),
+            "costs": sizes["costs"], "batch": whole, "units": sizes["units"],
+            "densities": densities}

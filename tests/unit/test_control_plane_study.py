@@ -1,0 +1,66 @@
+"""The control-plane study's per-rank measurement (``scripts/bench.py control_plane``): a rank's
+draft is split into phases that add up to it, made through the package's per-rank entries (its
+row is the whole plan's: the study stops otherwise), and the bytes a rank receives are fixed in
+DP where the study says so and grow where it says they grow. No timing is asserted."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+if str(SCRIPTS) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS))
+
+from studies import control_plane  # noqa: E402
+from studies._rank_draft import OWN  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def points():
+    return {dp: control_plane.measure_point(dp, m=4, pp=4, seq=8192) for dp in (2, 4)}
+
+
+def test_a_ranks_draft_is_its_phases_and_the_same_rounds_at_dp_2_and_4(points):
+    from sparsebalance_megatron.policy.dst_ranks import PHASES
+
+    for dp, q in points.items():
+        assert set(q["phases_s"]) == set(OWN) | {"busy_s"} | {f"dst.{k}" for k in PHASES}
+        assert all(v >= 0 for v in q["phases_s"].values())
+        assert sum(q["phases_s"].values()) == pytest.approx(q["draft_s"], abs=1e-12)
+        assert 0 <= q["rank"] < dp and q["static_step_s"] > 0 and q["handoff_bytes"] > 0
+        assert q["candidates"] == dp                      # few ranks: every one a candidate
+    a, b = points[2], points[4]
+    # the rounds' vectors (AR1, AR2, AR3, AR3b, AR4 of SAB's packing), the row, a unit: fixed
+    assert a["rounds"][:5] == b["rounds"][:5] and len(a["rounds"]) >= 10
+    assert (a["row_floats"], a["unit_floats"]) == (b["row_floats"], b["unit_floats"])
+
+
+def test_fixed_collectives_stay_bounded_and_growing_ones_grow_with_dp(points):
+    q = points[4]
+    got = {dp: {c["name"]: c for c in control_plane.rank_bytes(1, 4, dp, 4, q, 50)}
+           for dp in (2, 64, 4096)}
+    assert set(got[2]) == set(got[64]) == set(got[4096])
+    for name, c in got[2].items():
+        mid, big = got[64][name], got[4096][name]
+        assert c["grows"] == big["grows"]
+        if c["grows"]:
+            assert big["bytes"] >= 1000 * c["bytes"] > 0, name
+        else:      # a ring all-reduce of a vector capped in size: 2 (n - 1) / n of it
+            assert mid["bytes"] <= big["bytes"] <= 1.05 * mid["bytes"], name
+    assert {n for n, c in got[2].items() if c["grows"]} == {
+        "sab.spans", "rows", "record.dp", "median_anchor (--sb-dst-anchor median only)"}
+
+
+def test_the_table_and_the_simulators_rows_from_measured_points(points):
+    pts = [dict(q, dp=dp) for dp, q in points.items()]
+    rows, fits, _ = control_plane.build_rows(pts, 256, 4, 1)
+    assert [(r["tp"], r["pp"], r["dp"]) for r in rows] == [(1, 4, 32), (1, 4, 64), (1, 8, 32)]
+    assert set(fits) == set(control_plane.WORK)
+    for r in rows:
+        assert r["critical_path_s"] == pytest.approx(sum(r["critical_path_parts_s"].values()))
+        assert r["bytes_per_rank"] == r["bytes_fixed"] + r["bytes_growing"]
+        assert not r["measured"]                        # DP 32 and up: fitted from DP 2 and 4
+    sim = control_plane.simulator_rows(rows)
+    assert sim and all(s["tp"] == 1 and s["pp"] == 4 and s["broadcast_ms"] == 0.0 for s in sim)
+    assert {"world_size", "microbatches", "gather_ms", "broadcast_ms"} <= set(sim[0])
