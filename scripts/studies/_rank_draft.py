@@ -4,16 +4,13 @@ exact, each collective flagged fixed or growing with DP).
 
 ``rank_step`` times, for one rank, the package's per-rank entries in the order a step runs them:
 
-- ``sab.assign``: ``packing.sab_assignment`` (the segments, their costs, the cost order and the
-  LPT over the DP ranks: every rank computes the same, n log dp);
-- ``sab.units``: its own ``units([r])`` (its segments by its sensitivity estimates, its cut,
-  costs and seed slots); ``sab.rank_plan``: ``rank_plan`` (the slot search over the agreed
-  candidates, its one-row plan); ``features``: its micro-batches' latency features;
-  ``sensitivity``: its units' sensitivity (``batch_sensitivity`` of its row);
-- ``baseline.pack``: the do-no-harm baseline's packing (``Drafter.pack`` by
-  ``--sb-stand-down``: the whole batch's sequential bins, as the package has no per-rank
-  baseline yet); ``baseline.features``: the whole packing's CSR and its own row's features;
-- ``unit_costs``: ``UnitCosts.from_latency(..., rank=r)`` of both packings (its own units);
+- ``own_draft``: the runtime's ``Drafter.draft(rank=r)`` (``own_draft``: SAB's assignment, every
+  rank's alike, n log dp; its ``units([r])``; its row of the do-no-harm baseline, packed whole
+  and sliced, with its features);
+- settle's compute: ``sab.rank_plan`` (the slot search over the agreed candidates, its one-row
+  plan), ``features`` (its micro-batches' latency features), ``sensitivity`` (its units'),
+  ``unit_costs`` (``UnitCosts.from_latency(rank=r, rank_units=True)`` of both packings' own
+  rows);
 - ``dst.<phase>``: DST's rounds of both packings (``dst_rounds.rank_rounds``, the default
   ``--sb-stand-down-compare planned`` plans both), each phase's MAXIMUM OVER THE DP RANKS (the
   ranks wait for each other at every reduction: the wall time of a rank's DST less the
@@ -34,8 +31,7 @@ import time
 
 import numpy as np
 
-SAB = ("sab.assign", "sab.units", "sab.rank_plan", "features", "sensitivity")
-OWN = SAB + ("baseline.pack", "baseline.features", "unit_costs")
+OWN = ("own_draft", "sab.rank_plan", "features", "sensitivity", "unit_costs")
 
 
 def _timed(out: dict, key: str, f, *args, **kw):
@@ -87,7 +83,7 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
     from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
     from sparsebalance_megatron.megatron.step.choice import raise_headroom
     from sparsebalance_megatron.megatron.step.record import doc_slots
-    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid, unit_rows
+    from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
     from sparsebalance_megatron.policy.dst import dst_inputs
     from sparsebalance_megatron.policy.dst_ranks import PHASES
 
@@ -109,20 +105,18 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
         c = agreed.candidates
         r = rank if rank is not None else (int(c.ranks[np.argmax(c.span_s)]) if c is not None
                                            else 0)
-        # the rank's own SAB
-        asg = _timed(t, "sab.assign", sab_assignment, segs, **kw)
-        mine = _timed(t, "sab.units", asg.units, [r])
+        # the rank's own draft as the runtime makes it (``Drafter.own_draft``: SAB's assignment
+        # and its units, its row of the baseline with its features), then settle's compute
+        d = _timed(t, "own_draft", drafter.draft, 1, 0, segs, m, with_dst=False, rank=r)
+        asg, mine = d.sab
         own = _timed(t, "sab.rank_plan", asg.rank_plan, mine, agreed)
-        _timed(t, "features", lm.unit_features, own.unit_csr(with_padding=True))
+        _timed(t, "features", drafter.units, own)
         _timed(t, "sensitivity", batch_sensitivity, own, drafter.tracker)
         if own.micro_batches[0] != whole.micro_batches[r]:
             raise SystemExit(f"rank {r}: its own plan is not row {r} of the whole plan")
-        # the baseline's packing (whole batch) and its own row's features
-        base = _timed(t, "baseline.pack", drafter.pack, segs, m, sb.stand_down)
-        c0 = time.thread_time()
-        lm.unit_features(unit_rows(base.unit_csr(with_padding=True), r * m, (r + 1) * m,
-                                   dp * m))
-        t["baseline.features"] = time.thread_time() - c0
+        base = drafter.pack(segs, m, sb.stand_down)                       # off the clock
+        own_units = {0: drafter.units(own), 1: d.baseline[1]}
+        own_rows = {0: own, 1: d.baseline[0]}
         # DST of both packings
         grid = density_grid(sb.density, sb.min_density, sb.max_density)
         h = raise_headroom(sb, lm, dp)
@@ -132,8 +126,8 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
         for i, batch in enumerate((whole, base)):
             units = drafter.units(batch)                                 # off the clock
             kept = batch.unit_csr()
-            _timed(t, "unit_costs", UnitCosts.from_latency, lm, units, dp, m, grid,
-                   kept_units=kept, rank=r)
+            _timed(t, "unit_costs", UnitCosts.from_latency, lm, own_units[i], dp, m, grid,
+                   kept_units=own_rows[i].unit_csr(), rank=r, rank_units=True)
             costs = UnitCosts.from_latency(lm, units, dp, m, grid, kept_units=kept)
             sens = batch_sensitivity(batch, drafter.tracker)
             settings, quality = dst_inputs(sb, costs.shape[2], lm.p2p_s, h,
@@ -146,8 +140,7 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
                 idx = np.concatenate([p.grid_index for p in plans])
                 densities = costs.densities[idx]
                 sizes = dict(costs=costs, batch=batch, units=units, sens=sens)
-        busy = _timed(t, "busy_s", lm.busy_s, unit_rows(sizes["units"], r * m, (r + 1) * m,
-                                                         dp * m), densities[r:r + 1])
+        busy = _timed(t, "busy_s", lm.busy_s, own_units[0], densities[r:r + 1])
     finally:
         gc.enable()
     for k, v in zip(PHASES, dst):
@@ -156,7 +149,36 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
     row = nv * m + busy.size + (0 if sizes["sens"] is None else sizes["sens"][r].size)
     return {"rank": r, "phases_s": t, "draft_s": float(sum(t.values())), "rounds": rounds,
             "row_floats": int(row), "unit_floats": int(2 * m * nv + 2 * m + 2),
+            "report_floats": int(2 * m + m * nv + 2),
             "candidates": 0 if c is None else int(c.ranks.size),
             "docs_max": int(max(len(s) for s in doc_slots(whole.micro_batches))),
             "costs": sizes["costs"], "batch": whole, "units": sizes["units"],
-            "densities": densities}
+            "densities": densities, "own": own, "own_units": own_units[0]}
+
+
+def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tracker,
+                    rng) -> float:
+    """Thread CPU seconds of a rank's work after the step, as ``end_step`` does it on the
+    per-rank path: the calibration of every rank's factors from the gathered predicted and
+    measured busy seconds ([dp, pp]: a stand-in measurement, the prediction x 0.9-1.1), the
+    tracker's update with its own documents (``checks.doc_lengths``), and its rows of the
+    reports' weights (work, kept pairs, tokens; their gather is priced as a collective).
+    ``predicted``: [dp, pp] the committed plan's uncorrected busy seconds of every rank."""
+    from sparsebalance_megatron.megatron.step.checks import doc_lengths
+    from sparsebalance_megatron.megatron.step.record import doc_slots
+    from sparsebalance_megatron.megatron.step.reporting import (document_tokens, kept_work,
+                                                                unit_work)
+
+    predicted = np.asarray(predicted, dtype=np.float64)          # every rank's, gathered
+    noise = rng.uniform(0.9, 1.1, predicted.shape)
+    ids = doc_slots(own)[0]
+    signal = rng.uniform(1, 6, ids.size)
+    routing = lm.dense_below_tokens or 0
+    c0 = time.thread_time()
+    lm.calibrate_ranks(predicted, predicted * noise)
+    tracker.update(ids, doc_lengths(own, ids), signal)
+    unit_work(own, sb, routing, units=own_units)
+    kept_work(own, sb, densities[rank:rank + 1], routing, units=own_units)
+    document_tokens(own, None), own.packed_lengths().sum()
+    return time.thread_time() - c0
+

@@ -63,7 +63,6 @@ WORK = ("draft_s", "after_step_s", "handoff_s")
 def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) -> dict:
     """One shape: a rank's draft by phase (``_rank_draft.rank_step``), the sizes its bytes are
     priced from, the after-step work, the handoff and the static step (module docstring)."""
-    from dataclasses import replace
     from multiprocessing.reduction import ForkingPickler
 
     from sparsebalance_megatron.batching import SensitivityTracker
@@ -71,10 +70,11 @@ def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
+    from sparsebalance_megatron.megatron.step.checks import doc_lengths
+    from sparsebalance_megatron.megatron.step.record import doc_slots
+
     from ._drafts import make_drafter
-    from ._rank_draft import rank_step
-    from .planner_cost import after_step
-    from .planner_phases import _update_of
+    from ._rank_draft import rank_after_step, rank_step
 
     sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
     corpus = corpus_steps(dp, m, sb.density, 1, seq=seq, layout="best", pp=pp)
@@ -85,21 +85,22 @@ def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) 
     idx = np.searchsorted(costs.densities, np.full(costs.shape, D0) - 1e-12)
     f, b = costs.at(idx)
     step_s = float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max())
-    # the after-step work on the committed plan (SAB's), as end_step runs it
-    d = drafter.draft(0, 0, raw, m, with_dst=False)
-    dens = q.pop("densities")
-    payload = (dens, {"predicted_busy_s": lm.busy_s(q.pop("units"), dens),
-                      "stand_down": {"packing_index": 0}})
-    d = replace(d, payload=payload)
+    # the after-step work on the committed plan (SAB's), as end_step runs it per rank
+    dens, own, own_units = q.pop("densities"), q.pop("own"), q.pop("own_units")
+    predicted = lm.busy_s(q.pop("units"), dens)
     q.pop("batch")
     rng = np.random.default_rng(0)
+    ids = doc_slots(own)[0]
+    update = (ids, doc_lengths(own, ids), rng.uniform(1, 6, ids.size))   # its own documents
+    segments = np.asarray(raw, dtype=np.int64)                          # the sampler's array
     gc.collect()
     gc.disable()                        # the collector paused, as for the draft
     try:                                # the min of 2 (a fresh tracker each), then the handoff
-        after = min(after_step(lm, sb, d, SensitivityTracker(), rng) for _ in range(2)) / 1e3
-        req = ("draft", dict(iteration=1, first_bin=0, segments=raw, num_microbatches=m,
-                             with_dst=True, latency=lm.calibration_state(),
-                             tracker=("updates", [_update_of(d, rng)])))
+        after = min(rank_after_step(lm, sb, own, own_units, dens, predicted, q["rank"],
+                                    SensitivityTracker(), rng) for _ in range(2))
+        req = ("draft", dict(iteration=1, first_bin=0, segments=segments, num_microbatches=m,
+                             with_dst=False, rank=q["rank"], latency=lm.calibration_state(),
+                             tracker=("updates", [update])))
         c0 = time.thread_time()
         blob = ForkingPickler.dumps(req)
         handoff = time.thread_time() - c0
@@ -138,11 +139,16 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
     add("sab.candidates", "draft", False, "allreduce", dp, tp, cand, ar * cand)
     add("rows", "draft", True, "allgather", dp, tp, 8 * q["row_floats"] * dp,
         8 * q["row_floats"] * (dp - 1))
+    from sparsebalance_megatron.megatron.step.record import RecordShape
+
     cell, line, _ = record_shapes(dp, pp, m, docs)
+    line = RecordShape(line.stages, line.timed, line.units)    # the DP level: no documents
     add("record.tp", "step", False, "allgather", tp, 1, tp * cell.nbytes, (tp - 1) * cell.nbytes)
     add("record.pp", "step", False, "allgather", pp, tp * dp, pp * cell.nbytes,
         (pp - 1) * cell.nbytes)
     add("record.dp", "step", True, "allgather", dp, tp, dp * line.nbytes, (dp - 1) * line.nbytes)
+    report = 8 * q["report_floats"]          # the reports' rows: work, kept pairs, tokens
+    add("report.rows", "step", True, "allgather", dp, tp, report * dp, report * (dp - 1))
     median = 8 * pp                          # the static busy seconds of its pipeline ranks
     add("median_anchor (--sb-dst-anchor median only)", "off", True, "allgather", dp, tp,
         median * dp, median * (dp - 1))
