@@ -77,13 +77,19 @@ def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> np.ndarray:
 
 
 def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-                    long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None
-                    ) -> BatchPlan:
-    """Megatron's default packing (see the module docstring)."""
+                    long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None,
+                    rank: Optional[int] = None) -> BatchPlan:
+    """Megatron's default packing (see the module docstring). ``rank``: DP rank r's row alone,
+    as a one-row plan (the whole plan's ``row_plan(r)``, the other rows never made; priced in
+    tokens)."""
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
     if cost_fn is None:            # priced in tokens: the bins by their first segments
-        return _sequential_by_tokens(segs, sizes, arr, dp, num_microbatches, max_tokens, n_split)
+        return _sequential_by_tokens(segs, sizes, arr, dp, num_microbatches, max_tokens, n_split,
+                                     rank)
+    if rank is not None:
+        raise ValueError(f"rank={rank!r}: a rank's own sequential row is priced in tokens "
+                         f"(cost_fn None)")
     try:
         mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
     except ValueError as e:
@@ -92,18 +98,30 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                        sample_costs(sizes, cost_fn))
 
 
-def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_split: int
-                         ) -> BatchPlan:
+def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_split: int,
+                          rank: Optional[int] = None) -> BatchPlan:
     """``sequential_pack``'s bins (fill in order, a new bin when the next segment does not
     fit; bin k x dp + r is rank r's micro-batch k) as rows of ``arr``, and each rank's
     tokens as its cost: the plan ``finish_plan`` makes of them (the costs are whole numbers of
     tokens, so their sums are exact in any order), without a tuple and a look-up per segment
-    (the baseline packing of every draft)."""
+    (the baseline packing of every draft); ``rank``: that rank's row alone."""
     try:                                  # Megatron's fill rule, as sequential_pack applies it
         starts = _fill_starts(sizes, max_tokens)
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
+    if rank is not None:                  # its bins rank, dp + rank, ...: ranges of the items
+        first = np.asarray(starts, dtype=np.int64)
+        ends = np.append(first[1:], len(segs))
+        b = rank + dp * np.arange(m)
+        lo, hi = np.where(b < first.size, first[np.minimum(b, first.size - 1)], 0), \
+            np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
+        items = np.concatenate([np.arange(x, y) for x, y in zip(lo.tolist(), hi.tolist())])
+        counts = (hi - lo).astype(np.int64)
+        rows = SegmentRows(arr[items], np.r_[0, np.cumsum(counts)].astype(np.int64), 1, m)
+        cost = np.array([float(sizes[items].sum())])
+        return BatchPlan(rows, "sequential", max_tokens, n_split, False, cost).primed(
+            items, counts, arr, sizes)
     bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major

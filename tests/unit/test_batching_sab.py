@@ -423,3 +423,31 @@ def test_a_row_plan_is_its_rank_of_the_whole():
                         [a.tolist() for a in fresh.unit_csr(pad)]
                 assert row.segment_array().tolist() == fresh.segment_array().tolist()
                 assert row.tokens().tolist() == plan.tokens()[r:r + 1].tolist()
+
+
+def test_a_ranks_sequential_row_is_its_row_of_the_whole():
+    """``sequential_plan(rank=r)`` makes only rank r's row: the whole plan's ``row_plan(r)``
+    (segments, cost, arrays), with ranks past the filled bins (empty micro-batches) and split
+    documents; priced by a cost function it is refused (a row is priced in tokens)."""
+    from sparsebalance_megatron.data.packing import GlobalBatchSampler
+
+    rng = np.random.default_rng(11)
+    for case in range(40):
+        dp, m = int(rng.integers(1, 7)), int(rng.integers(1, 5))
+        segs = GlobalBatchSampler(rng.integers(1, 9000, 120), capacity=4096, dp=dp,
+                                  num_microbatches=m, seed=case).next_global_batch()
+        segs = segs[:max(dp, int(len(segs) * rng.uniform(0.3, 1.0)))]
+        whole = sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096)
+        for r in range(dp):
+            own, want = sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096,
+                                        rank=r), whole.row_plan(r)
+            assert own.micro_batches == want.micro_batches, (case, r)
+            assert own.predicted_rank_cost_s.tolist() == want.predicted_rank_cost_s.tolist()
+            assert (own.num_split_samples, own.fallback) == (want.num_split_samples, False)
+            for pad in (False, True):
+                assert [a.tolist() for a in own.unit_csr(pad)] == \
+                    [a.tolist() for a in want.unit_csr(pad)]
+            assert own.segment_array().tolist() == want.segment_array().tolist()
+    with pytest.raises(ValueError, match="rank=0: a rank's own sequential row is priced"):
+        sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096, rank=0,
+                        cost_fn=quad_cost)

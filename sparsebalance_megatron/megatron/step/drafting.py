@@ -138,11 +138,11 @@ class Drafter:
                                seed=sb.seed, length_multiple=sb.length_multiple)
             sab = (a, a.units(np.array([rank])))
         else:
-            own = self._own_row(self.pack(segments, m), rank)
+            own = self._own_row(self.pack(segments, m, rank=rank), rank)
         baseline = None
         if wants_baseline_packing(sb, self.latency):
             try:
-                baseline = self._own_row(self.pack(segments, m, sb.stand_down), rank)
+                baseline = self._own_row(self.pack(segments, m, sb.stand_down, rank=rank), rank)
             except BatchingError:
                 if sb.stand_down != "dp_balanced":
                     raise
@@ -151,16 +151,19 @@ class Drafter:
                      num_microbatches=m, own_rank=rank, sab=sab)
 
     def _own_row(self, batch: BatchPlan, rank: int) -> tuple:
-        """(row ``rank`` of ``batch`` as a one-row plan, its features), checked to fit."""
-        row = batch.row_plan(rank)
+        """(row ``rank`` of ``batch`` (or ``batch``, that row already) as a one-row plan, its
+        features), checked to fit."""
+        row = batch.row_plan(rank) if batch.dp == self.dp else batch
         check_capacity(row, self.capacity, rank)
         return row, self.units(row)
 
-    def pack(self, segments, num_microbatches: int, method: Optional[str] = None) -> BatchPlan:
+    def pack(self, segments, num_microbatches: int, method: Optional[str] = None,
+             rank: Optional[int] = None) -> BatchPlan:
         """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
         token_balanced, SAB, or (a stand-down's baseline) Megatron's dp_balanced: its own
         micro-batch count, each micro-batch its documents only (``own_length_multiple`` at
-        fixed length), as Megatron's packer makes them."""
+        fixed length), as Megatron's packer makes them. ``rank``: the sequential packing gives
+        that DP rank's row alone (the others every rank's)."""
         from ...batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
                                          token_balanced_plan)
 
@@ -180,8 +183,8 @@ class Drafter:
             plan = dp_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
                                     microbatch_group_size_per_vp_stage=self.vpp_group, **kw)
             return plan.with_length_multiple(sb.length_multiple or self.own_length_multiple)
-        else:
-            plan = sequential_plan(segments, **kw)
+        else:                   # sequential: with ``rank``, that rank's row alone
+            plan = sequential_plan(segments, rank=rank, **kw)
         # variable-length micro-batches: the planner's units end where the packed tensors do
         return plan.with_length_multiple(sb.length_multiple)
 
