@@ -277,6 +277,14 @@ def test_a_stalled_planner_costs_its_deadline_not_the_timeout(steps):
         proc.close()
 
 
+def _slow_batch() -> list:
+    """A step of 200,000 one-token documents (three quarters of the step's room): sent, read
+    and drafted it takes the process a few tenths of a second, so the draft asked for with a
+    1 ms deadline is late however soon the test looks (a step of the corpus drafts in about
+    1 ms, which a loaded machine's scheduler could let finish before the look)."""
+    return [(i, 0, 1) for i in range(200_000)]
+
+
 @pytest.mark.reliability(area="fault", case="DST's rounds over the DP group, with a draft back "
                          "in time and with a late one", expect="the reader thread agrees a draft "
                          "back in time, once; a late one, claimed by the training thread (which "
@@ -298,8 +306,9 @@ def test_the_rounds_run_once_on_the_reader_thread_or_not_at_all(steps):
                               timeout_s=timeout_s)
         try:
             proc.wait_ready()
-            pending = proc.submit(0, 0, steps.segments[0], M, with_dst=False,
-                                  latency_state=None, tracker_sync=None, basis={}, agree=agree)
+            pending = proc.submit(0, 0, _slow_batch() if late else steps.segments[0], M,
+                                  with_dst=False, latency_state=None, tracker_sync=None,
+                                  basis={}, agree=agree)
             if not late:
                 assert pending.result().agreed == ("densities", "report")
                 assert calls == ["sparsebalance-planner-reader"]
@@ -326,7 +335,7 @@ def test_a_late_planner_that_runs_is_left_and_its_draft_dropped(steps):
                           timeout_s=1e-3)                  # every draft is late
     try:
         proc.wait_ready()
-        pending = proc.submit(0, 0, steps.segments[0], M, with_dst=True, latency_state=None,
+        pending = proc.submit(0, 0, _slow_batch(), M, with_dst=True, latency_state=None,
                               tracker_sync=None, basis={})
         with pytest.raises(PlannerProcessError, match=r"is late: iteration 1's draft was not "
                            r"(made|sent) .* it runs \(state [RSD]\), its draft is dropped") as e:
