@@ -78,7 +78,6 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
     the sizes the bytes are priced from (``rounds``: each DST round's floats, both packings;
     ``row_floats``: the committed row; ``unit_floats``: a candidate rank's units), and for the
     rest of the study the whole plan's ``costs``, ``batch``, ``units`` and ``densities``."""
-    from sparsebalance_megatron.batching.packing import latency_sample_cost_fn, sab_assignment
     from sparsebalance_megatron.batching.plan import checked_segments
     from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
     from sparsebalance_megatron.megatron.step.choice import raise_headroom
@@ -88,17 +87,12 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
     from sparsebalance_megatron.policy.dst_ranks import PHASES
 
     sb, lm, dp = drafter.sb, drafter.latency, drafter.dp
-    seq = drafter.capacity
     t: dict = {}
     gc.collect()
     gc.disable()
     try:
         segs = checked_segments(raw)
-        kw = dict(dp=dp, num_microbatches=m, max_tokens=seq, sensitivity=drafter.tracker,
-                  cost_fn=latency_sample_cost_fn(lm, sb.density), seed=sb.seed,
-                  long_sample_policy=sb.long_sample_policy, length_multiple=sb.length_multiple)
-        # off the clock: the other ranks' parts of the agreement, and the whole plan
-        whole_asg = sab_assignment(segs, **kw)
+        whole_asg = drafter.assignment(segs, m)
         every = whole_asg.units()
         agreed = whole_asg.agree(every)
         whole = whole_asg.rank_plan(every, agreed)

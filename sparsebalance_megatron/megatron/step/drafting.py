@@ -125,17 +125,11 @@ class Drafter:
         """DP rank ``rank``'s draft (no collective): SAB's assignment of the whole batch (every
         rank's alike, n log dp) and the rank's own units, or the rank's row of any other
         packing; the baseline's row where the stand-down races it."""
-        from ...batching.packing import latency_sample_cost_fn, sab_assignment
-
         sb, m = self.sb, int(num_microbatches)
         segments = checked_segments(segments)
         own, sab = (None, None), None
         if sb.packing_method == "sab":
-            a = sab_assignment(segments, dp=self.dp, num_microbatches=m,
-                               max_tokens=self.capacity,
-                               cost_fn=latency_sample_cost_fn(self.latency, sb.density),
-                               sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
-                               seed=sb.seed, length_multiple=sb.length_multiple)
+            a = self.assignment(segments, m)
             sab = (a, a.units(np.array([rank])))
         else:
             own = self._own_row(self.pack(segments, m, rank=rank), rank)
@@ -157,6 +151,19 @@ class Drafter:
         check_capacity(row, self.capacity, rank)
         return row, self.units(row)
 
+    def assignment(self, segments, num_microbatches: int):
+        """SAB's assignment of the step (``packing.sab_assignment``: every rank's alike), priced
+        with the micro-batches' own padding and arranged on this run's pipeline; its
+        ``plan()`` is the SAB packing, a rank's own ``rank_plan(units([r]), agreement)``."""
+        from ...batching.packing import latency_sample_cost_fn, sab_assignment
+
+        sb = self.sb
+        return sab_assignment(segments, dp=self.dp, num_microbatches=num_microbatches,
+                              max_tokens=self.capacity,
+                              cost_fn=latency_sample_cost_fn(self.latency, sb.density),
+                              sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
+                              seed=sb.seed, length_multiple=sb.length_multiple)
+
     def pack(self, segments, num_microbatches: int, method: Optional[str] = None,
              rank: Optional[int] = None) -> BatchPlan:
         """The step's micro-batches by --sb-packing (or ``method``): sequential (Megatron),
@@ -164,17 +171,13 @@ class Drafter:
         micro-batch count, each micro-batch its documents only (``own_length_multiple`` at
         fixed length), as Megatron's packer makes them. ``rank``: the sequential packing gives
         that DP rank's row alone (the others every rank's)."""
-        from ...batching.packing import (latency_sample_cost_fn, sab_plan, sequential_plan,
-                                         token_balanced_plan)
+        from ...batching.packing import sequential_plan, token_balanced_plan
 
         sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
                                max_tokens=self.capacity)
         method = method or sb.packing_method
         if method == "sab":
-            # priced with the micro-batches' own padding, arranged on this run's pipeline
-            plan = sab_plan(segments, cost_fn=latency_sample_cost_fn(self.latency, sb.density),
-                            sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
-                            seed=sb.seed, length_multiple=sb.length_multiple, **kw)
+            plan = self.assignment(segments, num_microbatches).plan()   # sab_plan's
         elif method == "token_balanced":
             plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
                                        seed=sb.seed, **kw)
