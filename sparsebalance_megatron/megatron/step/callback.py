@@ -341,13 +341,10 @@ class SparseBalanceCallback(StepPlanning):
 
     def _predicted_busy(self, step: PreparedStep) -> np.ndarray:
         """[dp, pp] uncorrected predicted fwd+bwd seconds of the step's units under its plan
-        (a pipeline rank's model chunks together): DST's planner predicted them with the plan,
-        from the same units and densities (``choice.choose``); predicted here otherwise."""
-        if step.predicted_busy is not None:      # every rank's, gathered with the plan
+        (a pipeline rank's model chunks together): every rank's, predicted with the plan and
+        gathered (``Drafter.settle``); predicted here from the whole plan otherwise (a replay)."""
+        if step.predicted_busy is not None:
             return np.array(step.predicted_busy, dtype=np.float64)
-        known = step.report.get("predicted_busy_s") if step.report is not None else None
-        if known is not None:
-            return np.array(known, dtype=np.float64)
         units = step.units if step.units is not None else self._units(step.batch)
         return self.latency.busy_s(units, step.plan.densities)
 
