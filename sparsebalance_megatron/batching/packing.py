@@ -82,6 +82,9 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     """Megatron's default packing (see the module docstring). ``rank``: DP rank r's row alone,
     as a one-row plan (the whole plan's ``row_plan(r)``, the other rows never made; priced in
     tokens)."""
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))
+                             or not 0 <= rank < dp):
+        raise ValueError(f"rank={rank!r}: expected a DP rank in [0, {dp})")
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
     if cost_fn is None:            # priced in tokens: the bins by their first segments

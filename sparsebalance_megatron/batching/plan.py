@@ -109,6 +109,8 @@ class BatchPlan:
     def row_plan(self, r: int) -> "BatchPlan":
         """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
         holds): the same segments, cost and padding, its arrays sliced from this plan's."""
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.dp:
+            raise ValueError(f"rank={r!r}: expected a DP rank in [0, {self.dp})")
         m, (offsets, lengths) = self.num_microbatches, self.unit_csr()
         lo, hi = int(offsets[r * m]), int(offsets[(r + 1) * m])
         out = replace(self, micro_batches=[self.micro_batches[r]],

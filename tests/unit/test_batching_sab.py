@@ -423,6 +423,9 @@ def test_a_row_plan_is_its_rank_of_the_whole():
                         [a.tolist() for a in fresh.unit_csr(pad)]
                 assert row.segment_array().tolist() == fresh.segment_array().tolist()
                 assert row.tokens().tolist() == plan.tokens()[r:r + 1].tolist()
+            for bad in (-1, 4, 1.0):
+                with pytest.raises(ValueError, match=rf"rank={bad!r}: expected a DP rank"):
+                    p.row_plan(bad)
 
 
 def test_a_ranks_sequential_row_is_its_row_of_the_whole():
@@ -448,6 +451,8 @@ def test_a_ranks_sequential_row_is_its_row_of_the_whole():
                 assert [a.tolist() for a in own.unit_csr(pad)] == \
                     [a.tolist() for a in want.unit_csr(pad)]
             assert own.segment_array().tolist() == want.segment_array().tolist()
+    with pytest.raises(ValueError, match=rf"rank={dp}: expected a DP rank in \[0, {dp}\)"):
+        sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096, rank=dp)
     with pytest.raises(ValueError, match="rank=0: a rank's own sequential row is priced"):
         sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096, rank=0,
                         cost_fn=quad_cost)
