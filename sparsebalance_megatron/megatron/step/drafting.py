@@ -152,17 +152,23 @@ class Drafter:
         return row, self.units(row)
 
     def assignment(self, segments, num_microbatches: int):
-        """SAB's assignment of the step (``packing.sab_assignment``: every rank's alike), priced
-        with the micro-batches' own padding and arranged on this run's pipeline; its
-        ``plan()`` is the SAB packing, a rank's own ``rank_plan(units([r]), agreement)``."""
-        from ...batching.packing import latency_sample_cost_fn, sab_assignment
+        """SAB's assignment of the step (``packing.sab_assignment``: every rank's alike); its
+        ``plan()`` is the SAB packing (``pack``), a rank's own ``rank_plan(units([r]),
+        agreement)``."""
+        from ...batching.packing import sab_assignment
+
+        return sab_assignment(segments, **self._sab_args(num_microbatches))
+
+    def _sab_args(self, num_microbatches: int) -> dict:
+        """SAB's arguments in this run: priced with the micro-batches' own padding, arranged on
+        its pipeline, grouped by the tracker's sensitivities."""
+        from ...batching.packing import latency_sample_cost_fn
 
         sb = self.sb
-        return sab_assignment(segments, dp=self.dp, num_microbatches=num_microbatches,
-                              max_tokens=self.capacity,
-                              cost_fn=latency_sample_cost_fn(self.latency, sb.density),
-                              sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
-                              seed=sb.seed, length_multiple=sb.length_multiple)
+        return dict(dp=self.dp, num_microbatches=num_microbatches, max_tokens=self.capacity,
+                    cost_fn=latency_sample_cost_fn(self.latency, sb.density),
+                    sensitivity=self.tracker, long_sample_policy=sb.long_sample_policy,
+                    seed=sb.seed, length_multiple=sb.length_multiple)
 
     def pack(self, segments, num_microbatches: int, method: Optional[str] = None,
              rank: Optional[int] = None) -> BatchPlan:
@@ -171,13 +177,13 @@ class Drafter:
         micro-batch count, each micro-batch its documents only (``own_length_multiple`` at
         fixed length), as Megatron's packer makes them. ``rank``: the sequential packing gives
         that DP rank's row alone (the others every rank's)."""
-        from ...batching.packing import sequential_plan, token_balanced_plan
+        from ...batching.packing import sab_plan, sequential_plan, token_balanced_plan
 
         sb, kw = self.sb, dict(dp=self.dp, num_microbatches=num_microbatches,
                                max_tokens=self.capacity)
         method = method or sb.packing_method
         if method == "sab":
-            plan = self.assignment(segments, num_microbatches).plan()   # sab_plan's
+            plan = sab_plan(segments, **self._sab_args(num_microbatches))
         elif method == "token_balanced":
             plan = token_balanced_plan(segments, long_sample_policy=sb.long_sample_policy,
                                        seed=sb.seed, **kw)
