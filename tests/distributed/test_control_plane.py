@@ -75,9 +75,11 @@ def _worker(rank: int, init_file: str, out_dir: str):
     summary = ex.gather(_report(*where), shape, slots[where[0]])
     payload, plan_shape = _plan()
     plan = ex.broadcast_plan(payload if rank == 0 else None, plan_shape)
+    reduced = ex.reduce({"sum": {"n": np.array([where[0] + 1.0, 1.0])},
+                         "max": {"top": float(where[0]), "neg": -float(where[0])}})
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
         pickle.dump({"where": where, "summary": summary, "plan": plan,
-                     "plan_bytes": ex.broadcast_bytes}, f)
+                     "plan_bytes": ex.broadcast_bytes, "reduced": reduced}, f)
     dist.destroy_process_group()
 
 
@@ -127,6 +129,10 @@ def test_every_rank_ends_with_the_same_summary_and_plan(tmp_path):
         hops = (r["where"][2] == 0 and r["where"][0] == 0 and r["where"][1] > 0) \
             + (r["where"][2] == 0 and r["where"][0] > 0) + (r["where"][2] > 0)
         assert r["plan_bytes"] == hops * plan_shape.nbytes
+        # the DP group's sums and maxima (``StepExchange.reduce``): over the DP ranks alone
+        red = r["reduced"]
+        assert red["n"].tolist() == [DP * (DP + 1) / 2, DP]
+        assert red["top"] == DP - 1 and red["neg"] == 0.0
         got_d, got = r["plan"]
         assert np.array_equal(got_d, dens)
         assert json.dumps(got, sort_keys=True) == json.dumps(

@@ -134,6 +134,19 @@ class StepExchange:
         the data-parallel group, in DP order (collective: every rank, in the same order)."""
         return self._all_gather(np.ascontiguousarray(row, dtype=np.float64), self.groups.data)
 
+    def reduce(self, parts: dict) -> dict:
+        """The data-parallel group's sums and maxima of ``parts`` (``{"sum": {name: value},
+        "max": {...}}``, the same names and shapes on every rank): one all-reduce of a
+        fixed-size float64 vector per op, whatever the DP size (``dst_agree.DPReducer``;
+        collective: every rank, in the same order)."""
+        from .dst_agree import DPReducer
+
+        t0, reducer = time.perf_counter(), DPReducer(self.groups.data)
+        out = reducer(dict(parts, cat={}))
+        self._wait_s += time.perf_counter() - t0
+        self._bytes += sum(reducer.sent)
+        return out
+
     def broadcast_plan(self, payload: Optional[tuple], shape: PlanShape) -> tuple:
         """Rank 0's ``(densities, report)`` on every rank (collective); the others pass None."""
         cell_r, pipe_r, data_r = self.ranks
