@@ -134,15 +134,15 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
                 idx = np.concatenate([p.grid_index for p in plans])
                 densities = costs.densities[idx]
                 sizes = dict(costs=costs, batch=batch, units=units, sens=sens)
-        busy = _timed(t, "busy_s", lm.busy_s, own_units[0], densities[r:r + 1])
+        _timed(t, "busy_s", lm.busy_s, own_units[0], densities[r:r + 1])
     finally:
         gc.enable()
     for k, v in zip(PHASES, dst):
         t[f"dst.{k}"] = float(v)
     nv = densities.shape[2]
-    row = nv * m + busy.size + (0 if sizes["sens"] is None else sizes["sens"][r].size)
+    row = nv * m + (0 if sizes["sens"] is None else sizes["sens"][r].size)
     return {"rank": r, "phases_s": t, "draft_s": float(sum(t.values())), "rounds": rounds,
-            "row_floats": int(row), "unit_floats": int(2 * m * nv + 2 * m + 2),
+            "row_floats": int(row), "unit_floats": int(2 * m * nv + nv + 2 * m + 2),
             "report_floats": int(2 * m + m * nv + 2),
             "candidates": 0 if c is None else int(c.ranks.size),
             "docs_max": int(max(len(s) for s in doc_slots(whole.micro_batches))),
@@ -153,23 +153,23 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
 def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tracker,
                     rng) -> float:
     """Thread CPU seconds of a rank's work after the step, as ``end_step`` does it on the
-    per-rank path: the calibration of every rank's factors from the gathered predicted and
-    measured busy seconds ([dp, pp]: a stand-in measurement, the prediction x 0.9-1.1), the
+    per-rank path: the calibration of its own pipeline's factors from its predicted and
+    measured busy seconds ([1, pp]: a stand-in measurement, the prediction x 0.9-1.1), the
     tracker's update with its own documents (``checks.doc_lengths``), and its rows of the
     reports' weights (work, kept pairs, tokens; their gather is priced as a collective).
-    ``predicted``: [dp, pp] the committed plan's uncorrected busy seconds of every rank."""
+    ``predicted``: [dp, pp] the committed plan's uncorrected busy seconds (its row read)."""
     from sparsebalance_megatron.megatron.step.checks import doc_lengths
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.megatron.step.reporting import (document_tokens, kept_work,
                                                                 unit_work)
 
-    predicted = np.asarray(predicted, dtype=np.float64)          # every rank's, gathered
+    predicted = np.asarray(predicted, dtype=np.float64)[rank:rank + 1]     # its own
     noise = rng.uniform(0.9, 1.1, predicted.shape)
     ids = doc_slots(own)[0]
     signal = rng.uniform(1, 6, ids.size)
     routing = lm.dense_below_tokens or 0
     c0 = time.thread_time()
-    lm.calibrate_ranks(predicted, predicted * noise)
+    lm.calibrate_ranks(predicted, predicted * noise, first=rank)
     tracker.update(ids, doc_lengths(own, ids), signal)
     unit_work(own, sb, routing, units=own_units)
     kept_work(own, sb, densities[rank:rank + 1], routing, units=own_units)

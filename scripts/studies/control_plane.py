@@ -131,6 +131,16 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
                     "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
     add("dst.step_max", "draft", False, "allreduce", dp, tp, 8, 2 * ar * 8)
     out[-1]["seconds"] *= 2                          # one per packing
+    from sparsebalance_megatron.policy.agreed_stats import BINS, ERRORS_PER_RANK, EXACT_VALUES
+
+    # the straggler test's and the 'auto' headroom's medians: each rank's own factors and
+    # errors gathered where the group's fit the exact block, else two summed histograms
+    if dp * max(pp, ERRORS_PER_RANK) <= EXACT_VALUES:
+        add("dst.agreed_stats", "draft", False, "allgather", dp, tp,
+            8 * dp * (pp + 2 * ERRORS_PER_RANK), 8 * (dp - 1) * (pp + 2 * ERRORS_PER_RANK))
+    else:
+        add("dst.agreed_stats", "draft", False, "allreduce", dp, tp, 16 * (BINS + 2),
+            ar * 16 * (BINS + 2))
     add("sab.fits", "draft", False, "allreduce", dp, tp, 8, ar * 8)
     add("sab.spans", "draft", True, "allgather", dp, tp, 8 * dp, 8 * (dp - 1))
     from sparsebalance_megatron.batching.slots import PARTNERS, ROUNDS

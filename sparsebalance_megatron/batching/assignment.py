@@ -47,13 +47,14 @@ class RankUnits:
     bwd_s: Optional[np.ndarray] = None
     slots: Optional[np.ndarray] = None    # [k, m] seed slots (indices into the rank's own)
     span_s: Optional[np.ndarray] = None   # [k] makespan with them
+    scale: Optional[np.ndarray] = None    # [k, stages] their calibration factors (priced with)
 
     def take(self, idx: np.ndarray) -> "RankUnits":
         """The units of ``ranks[idx]`` (``idx`` ascending)."""
         pick = (lambda a: None if a is None else a[idx])
         return replace(self, ranks=self.ranks[idx], bins=[self.bins[i] for i in idx.tolist()],
                        fwd_s=pick(self.fwd_s), bwd_s=pick(self.bwd_s), slots=pick(self.slots),
-                       span_s=pick(self.span_s))
+                       span_s=pick(self.span_s), scale=pick(self.scale))
 
 
 @dataclass
@@ -154,13 +155,21 @@ class SABAssignment:
         f, b = self.cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
         nv = f.shape[1]
         out.fwd_s, out.bwd_s = f.reshape(k, m, nv), b.reshape(k, m, nv)
+        out.scale = self._scale(ranks)
         out.slots, out.span_s = slot_search.seed_slots(out.fwd_s, out.bwd_s, self.cost_fn.p2p_s,
-                                                       self.cost_fn.pp, self._scale(ranks))
+                                                       self.cost_fn.pp, out.scale)
         return out
 
     def _scale(self, ranks: np.ndarray) -> np.ndarray:
+        """[k, stages] the calibration factors of ``ranks`` as this process knows them: in a run
+        a rank's own (each DP rank calibrates its pipeline; the candidates' travel with their
+        units, ``sab_rounds``), in one process every rank's."""
         sc = self.cost_fn.scale(self.dp)
         return np.ones((ranks.size, self.cost_fn.num_stages)) if sc is None else sc[ranks]
+
+    def fallback_units(self, ranks: np.ndarray) -> RankUnits:
+        """``ranks``' sequential bins (``fallback_bins``), priced."""
+        return self._priced(ranks, [self.fallback_bins()[r] for r in ranks.tolist()])
 
     def fallback_bins(self) -> list:
         """[dp][m] the sequential bins assigned by cost (``fallback_bins``), once."""
@@ -173,7 +182,7 @@ class SABAssignment:
         """The agreement from every rank's ``units`` (in a run: the reductions)."""
         fallback = not units.fits
         if fallback:
-            units = self._priced(np.arange(self.dp), self.fallback_bins())
+            units = self.fallback_units(np.arange(self.dp))
         if self.cost_fn is None:
             return Agreement(fallback, None)
         return Agreement(fallback, units.take(slot_search.candidates(units.span_s)))
@@ -181,12 +190,12 @@ class SABAssignment:
     def _rows(self, mine: RankUnits, agreed: Agreement) -> list:
         """[k][m] bins of ``mine.ranks`` in their slots after the search over the candidates."""
         if agreed.fallback:
-            mine = self._priced(mine.ranks, [self.fallback_bins()[r] for r in mine.ranks])
+            mine = self.fallback_units(mine.ranks)
         if agreed.candidates is None:
             return mine.bins
         m, c = self.m, agreed.candidates
-        found, _ = slot_search.search(c.ranks, c.fwd_s, c.bwd_s, c.slots, c.span_s,
-                                      self._scale(c.ranks), self.cost_fn.p2p_s, self.cost_fn.pp)
+        found, _ = slot_search.search(c.ranks, c.fwd_s, c.bwd_s, c.slots, c.span_s, c.scale,
+                                      self.cost_fn.p2p_s, self.cost_fn.pp)
         ids = mine.ranks[:, None] * m + mine.slots
         pos = np.minimum(np.searchsorted(c.ranks, mine.ranks), c.ranks.size - 1)
         hit = c.ranks[pos] == mine.ranks

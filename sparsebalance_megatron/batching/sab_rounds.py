@@ -6,13 +6,16 @@ reductions carry it: in-process in lockstep (the tests), over the DP group in a 
 ``SABAssignment.agree`` makes from every rank's units, field for field, from the rank's own units
 (``SABAssignment.units([r])``) and two rounds:
 
-1. max of a flag (some rank's cut does not fit: every rank then packs the sequential bins, which
-   every rank prices alike, ``SABAssignment.agree``'s fallback) and of the ranks' segment counts
-   (the width of round 2's rows); the ranks' makespans gathered in DP order (8 bytes a rank: the
-   one part that grows with DP), from which every rank takes the same ``slots.candidates``;
+1. max of a flag (some rank's cut does not fit: every rank then packs the sequential bins,
+   ``SABAssignment.agree``'s fallback, each rank's priced with its own factors, and round 1 is
+   made again over them) and of the ranks' segment counts (the width of round 2's rows);
+   the ranks' makespans gathered in DP order (8 bytes a rank: the one part that grows with DP),
+   from which every rank takes the same ``slots.candidates``;
 2. sum of a [candidates, width] float64 block in which each candidate rank fills its own row (its
-   per-stage costs, seed slots, makespan, bin sizes and segment indices; every other row is zero,
-   so the sum is the row, exactly: integers below 2**53 travel as float64).
+   per-stage costs, its calibration factors (each DP rank calibrates only its own pipeline, and
+   the search prices the candidates with theirs), seed slots, makespan, bin sizes and segment
+   indices; every other row is zero, so the sum is the row, exactly: integers below 2**53
+   travel as float64).
 
 Without a ``LatencyCost`` nothing is arranged and round 1's flag is the whole agreement.
 
@@ -45,31 +48,35 @@ def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict,
     span = float(mine.span_s[0]) if fits and priced else 0.0
     got = yield {"sum": {}, "max": {"unfit": int(not fits), "nseg": int(nseg)},
                  "cat": {"span": np.array([span])} if priced else {}}
-    if got["unfit"]:                   # every rank alike: the sequential bins
-        return a.agree(RankUnits(np.arange(a.dp), None, False))
+    fallback = bool(got["unfit"])
     if not priced:
-        return Agreement(False, None)
+        return Agreement(fallback, None)
+    if fallback:                       # every rank alike: the sequential bins, its own priced
+        mine = a.fallback_units(mine.ranks)
+        got = yield {"sum": {}, "max": {"nseg": sum(map(len, mine.bins[0]))},
+                     "cat": {"span": mine.span_s[:1].astype(np.float64)}}
     ranks = slot_search.candidates(np.asarray(got["span"], dtype=np.float64))
     block = np.zeros((ranks.size, _width(mine, int(got["nseg"]))))
     at = int(np.searchsorted(ranks, mine.ranks[0]))
     if at < ranks.size and ranks[at] == mine.ranks[0]:
         block[at] = _row(mine, block.shape[1])
     got = yield {"sum": {"candidates": block}, "max": {}}
-    return Agreement(False, _units(ranks, np.asarray(got["candidates"]), mine))
+    return Agreement(fallback, _units(ranks, np.asarray(got["candidates"]), mine))
 
 
 def _width(mine: RankUnits, nseg: int) -> int:
-    """A candidate's row: fwd and bwd [m, stages], seed slots [m], makespan, bin sizes [m],
-    up to ``nseg`` segment indices."""
+    """A candidate's row: fwd and bwd [m, stages], its calibration factors [stages], seed
+    slots [m], makespan, bin sizes [m], up to ``nseg`` segment indices."""
     _, m, nv = mine.fwd_s.shape
-    return 2 * m * nv + 2 * m + 1 + nseg
+    return 2 * m * nv + nv + 2 * m + 1 + nseg
 
 
 def _row(mine: RankUnits, width: int) -> np.ndarray:
     bins = mine.bins[0]
     items = [i for b in bins for i in b]
     row = np.concatenate([mine.fwd_s[0].reshape(-1), mine.bwd_s[0].reshape(-1),
-                          mine.slots[0], mine.span_s[:1], [len(b) for b in bins], items])
+                          mine.scale[0], mine.slots[0], mine.span_s[:1],
+                          [len(b) for b in bins], items])
     return np.pad(row.astype(np.float64), (0, width - row.size))
 
 
@@ -79,16 +86,17 @@ def _units(ranks: np.ndarray, rows: np.ndarray, mine: RankUnits) -> RankUnits:
     k, mn = ranks.size, m * nv
     fwd = rows[:, :mn].reshape(k, m, nv)
     bwd = rows[:, mn:2 * mn].reshape(k, m, nv)
-    slots = rows[:, 2 * mn:2 * mn + m].astype(mine.slots.dtype)
-    span = rows[:, 2 * mn + m].astype(mine.span_s.dtype)
-    sizes = rows[:, 2 * mn + m + 1:2 * mn + 2 * m + 1].astype(np.int64)
-    items = rows[:, 2 * mn + 2 * m + 1:].astype(np.int64).tolist()
+    scale, at = rows[:, 2 * mn:2 * mn + nv], 2 * mn + nv
+    slots = rows[:, at:at + m].astype(mine.slots.dtype)
+    span = rows[:, at + m].astype(mine.span_s.dtype)
+    sizes = rows[:, at + m + 1:at + 2 * m + 1].astype(np.int64)
+    items = rows[:, at + 2 * m + 1:].astype(np.int64).tolist()
     bins = []
     for r in range(k):
         cut = np.r_[0, np.cumsum(sizes[r])].tolist()
         bins.append([items[r][cut[j]:cut[j + 1]] for j in range(m)])
     return RankUnits(ranks, bins, True, fwd.astype(mine.fwd_s.dtype, copy=False),
-                     bwd.astype(mine.bwd_s.dtype, copy=False), slots, span)
+                     bwd.astype(mine.bwd_s.dtype, copy=False), slots, span, scale)
 
 
 def packing_rounds(a: SABAssignment, mine: RankUnits, method: str = "sab"

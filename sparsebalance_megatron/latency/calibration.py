@@ -87,21 +87,23 @@ class Calibration:
         self._errors.append(abs(old * ps - ms) / ms)
         self._correction[int(rank)] = (1.0 - w) * old + w * clipped
 
-    def calibrate_ranks(self, predicted_s, measured_s) -> None:
-        """One step's calibration of every DP rank: ``predicted_s``, ``measured_s`` [dp, pp]
-        uncorrected predicted and measured busy seconds per (DP rank, pipeline rank). Each DP
+    def calibrate_ranks(self, predicted_s, measured_s, first: int = 0) -> None:
+        """One step's calibration of DP ranks ``first``, ``first + 1``, ...: ``predicted_s``,
+        ``measured_s`` [ranks, pp] uncorrected predicted and measured busy seconds per (DP
+        rank, pipeline rank) (in a run one row: a DP rank calibrates its own pipeline). Each DP
         rank's factor by ``calibrate`` (a row with a missing or NaN time keeps it) and its
         pipeline ranks' by ``calibrate_stages``."""
         predicted = np.asarray(predicted_s, dtype=np.float64)
         measured = np.asarray(measured_s, dtype=np.float64)
-        if self._calibrate_all(predicted, measured):
+        if self._calibrate_all(predicted, measured, int(first)):
             return
-        for r in range(predicted.shape[0]):
-            ok = np.isfinite(measured[r]).all()      # missing/NaN: keep the previous factor
-            self.calibrate(r, predicted[r] if ok else None, measured[r] if ok else None)
-            self.calibrate_stages(r, predicted[r], measured[r])
+        for i in range(predicted.shape[0]):
+            ok = np.isfinite(measured[i]).all()      # missing/NaN: keep the previous factor
+            r = int(first) + i
+            self.calibrate(r, predicted[i] if ok else None, measured[i] if ok else None)
+            self.calibrate_stages(r, predicted[i], measured[i])
 
-    def _calibrate_all(self, p: np.ndarray, m: np.ndarray) -> bool:
+    def _calibrate_all(self, p: np.ndarray, m: np.ndarray, first: int = 0) -> bool:
         """``calibrate_ranks`` as array operations over every DP rank, for the common step where
         every time is usable and no update needs a warning: the same operations per element in
         the same order as ``calibrate`` and ``calibrate_stages``, so the factors and errors are
@@ -115,7 +117,8 @@ class Calibration:
         if not ((ps > 0).all() and (ms > 0).all()):
             return False
         dp, pp = p.shape
-        old = np.array([self._correction.get(r, 1.0) for r in range(dp)], dtype=np.float64)
+        old = np.array([self._correction.get(first + r, 1.0) for r in range(dp)],
+                       dtype=np.float64)
         ratio = ms / ps
         clipped = np.minimum(np.maximum(ratio, old / CALIBRATION_CLIP), old * CALIBRATION_CLIP)
         if not self._warned_clipped and (clipped != ratio).any():
@@ -125,7 +128,8 @@ class Calibration:
         if pp >= 2:
             stage_rows = (p > 0).all(axis=1) & (m > 0).all(axis=1)
             rows = np.flatnonzero(stage_rows)
-            s_old = np.array([[self._stage_correction.get((int(r), s), 1.0) for s in range(pp)]
+            s_old = np.array([[self._stage_correction.get((first + int(r), s), 1.0)
+                               for s in range(pp)]
                               for r in rows], dtype=np.float64).reshape(rows.size, pp)
             overall = ms[rows] / ps[rows]
             s_ratio = (m[rows] / p[rows]) / overall[:, None]
@@ -134,11 +138,11 @@ class Calibration:
             s_new = ((1.0 - w) * s_old + w * s_ratio).tolist()
         self._errors.extend((np.abs(old * ps - ms) / ms).tolist())
         for r, f in enumerate(((1.0 - w) * old + w * clipped).tolist()):
-            self._correction[r] = f
+            self._correction[first + r] = f
         if stage_rows.any():
             for r, row in zip(rows.tolist(), s_new):
                 for s, f in enumerate(row):
-                    self._stage_correction[r, s] = f
+                    self._stage_correction[first + r, s] = f
         return True
 
     def stage_correction(self, rank: Optional[int], stage: int) -> float:
@@ -185,6 +189,12 @@ class Calibration:
         if not self._errors:
             return None
         return float(np.median(list(self._errors)[-max(int(last), 1):]))
+
+    def recent_errors(self, last: int = 8) -> list:
+        """The ``last`` calibration errors (oldest first): in a run, this DP rank's own last
+        steps (each rank calibrates its own pipeline), which the group's median agrees from
+        (``policy.agreed_stats``)."""
+        return list(self._errors)[-max(int(last), 1):]
 
     def corrections(self) -> dict[int, float]:
         return dict(self._correction)

@@ -52,11 +52,26 @@ def straggler_present(rank_scale: Optional[np.ndarray], tolerance: float) -> boo
     if s.size == 0 or not np.all(np.isfinite(s)) or np.any(s <= 0):
         raise ValueError(f"rank_scale must be positive finite [dp, pp] factors, got {s.tolist()}")
     median = float(np.median(s))
-    excess = float(s.max()) - median
-    if not excess > median * float(tolerance) / 2.0:
+    top = float(s.max())
+    if not excess_matters(median, top, tolerance):
         return False
-    spread = 1.4826 * float(np.median(np.abs(s - median)))
-    return excess > spread * (math.sqrt(2.0 * math.log(s.size)) + NOISE_MARGIN)
+    return excess_stands_out(median, top, MAD_SIGMA * float(np.median(np.abs(s - median))),
+                             s.size)
+
+
+MAD_SIGMA = 1.4826      # a normal sample's standard deviation per median absolute deviation
+
+
+def excess_matters(median: float, top: float, tolerance: float) -> bool:
+    """The slowest factor ``top`` is more than half the band (``tolerance`` x the median) above
+    the ``median`` one (``straggler_present``'s first test)."""
+    return top - median > median * float(tolerance) / 2.0
+
+
+def excess_stands_out(median: float, top: float, spread: float, n: int) -> bool:
+    """``top``'s excess over the ``median`` stands out of the noise of ``n`` factors of this
+    ``spread`` (a standard deviation): more than sqrt(2 ln n) + ``NOISE_MARGIN`` of it."""
+    return top - median > spread * (math.sqrt(2.0 * math.log(n)) + NOISE_MARGIN)
 
 
 def band_ladder(anchor: str, tolerance: float) -> list[tuple[str, float]]:

@@ -262,8 +262,9 @@ def test_a_ranks_own_draft_settles_to_its_row_of_the_whole_steps(runs):
     """``Drafter.draft(rank=r)`` packs only the rank's SAB units and its baseline row, and
     ``settle`` agrees SAB, the do-no-harm race and DST over the group: the rank commits its row
     of what the whole-step draft commits (the same packing chosen, the same micro-batches, the
-    same densities, the same planned step), and every rank's rows gathered are the whole
-    step's (densities, predicted busy seconds, sensitivities)."""
+    same densities, the same planned step), every rank's rows gathered are the whole step's
+    (densities, sensitivities), and its predicted busy seconds (what it calibrates its own
+    pipeline with) are its row of the whole step's."""
     for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
         for objective in ("quality", "density"):
             drafter, segs = _drafter(dp, objective)
@@ -277,6 +278,7 @@ def test_a_ranks_own_draft_settles_to_its_row_of_the_whole_steps(runs):
                 assert record["packing_index"] == index, (name, objective)
                 assert rows == [batch.micro_batches[r]], (name, objective, r)
                 np.testing.assert_array_equal(got, np.asarray(dens))
-                np.testing.assert_array_equal(busy, np.asarray(report["predicted_busy_s"]))
+                np.testing.assert_array_equal(busy,
+                                              np.asarray(report["predicted_busy_s"])[r:r + 1])
                 assert sens == report["unit_sensitivity"]
                 assert step_s == pytest.approx(report["step_time_planned_s"], rel=1e-12)

@@ -270,10 +270,13 @@ def test_interleaved_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, s
         folder = tmp_path / ckpt / f"iter_{it:07d}" / "mp_rank_00_000"
         names = sorted(p.name for p in folder.iterdir() if "dataloader" in p.name)
         assert names == ["train_dataloader_dprank000.pt", "train_dataloader_dprank001.pt"]
-        # shared but for each DP rank's sensitivity tracker: it learns its own documents
+        # shared but for each DP rank's sensitivity tracker and latency calibration: it learns
+        # its own documents and its own pipeline's factors
         files = [read_state_file(folder / n) for n in names]
-        for f in files:
+        for r, f in enumerate(files):
             assert f.pop("sensitivity") and f.get("ahead_basis", {}).pop("sensitivity", 1)
+            for latency in (f.pop("latency"), f.get("ahead_basis", {}).pop("latency", None)):
+                assert latency is None or list(latency["corrections"]) == [str(r)]
         assert files[0] == files[1]
         assert not [p for p in folder.iterdir() if ".tmp" in p.name]
     resume_on_other_layouts(tmp_path, small_jsonl, tiny_latency_table_pp2, tiny_latency_table)
@@ -281,9 +284,9 @@ def test_interleaved_pp2_dp2_checkpoint_resumes_with_its_calibration(tmp_path, s
 
 def resume_on_other_layouts(tmp_path, small_jsonl, table_pp2, table_pp1) -> None:
     """The PP=2 x DP=2 x 2 virtual stages checkpoint at RESUME_AT resumed for one step on DP 1
-    (the same pipeline: DP rank 0's calibration kept, rank 1's dropped), on PP 1 (DP 2) and
-    without virtual stages (DP 1 x PP 2: another pipeline, the calibration dropped); the
-    sensitivities kept. The
+    (the same pipeline: DP rank 0's file, its own calibration, kept whole: each DP rank saved only
+    its own pipeline's), on PP 1 (DP 2) and without virtual stages (DP 1 x PP 2: another
+    pipeline, the calibration dropped); the sensitivities kept. The
     first step of a process is its warm-up (no latency sample), so the state each saves at its
     end holds what it restored."""
     from sparsebalance_megatron.megatron.step.state import read_state_file
@@ -295,18 +298,15 @@ def resume_on_other_layouts(tmp_path, small_jsonl, table_pp2, table_pp1) -> None
             "measured", "--sb-dst-objective", "density", "--load", tmp_path / "ckpt",
             "--ckpt-step", str(RESUME_AT), "--save-interval", "100"]
     pp2 = ["--pipeline-model-parallel-size", "2", "--sb-latency-table", table_pp2]
-    keep0 = {"corrections": {"0": saved["latency"]["corrections"]["0"]},
-             "errors": saved["latency"]["errors"],
-             "stage_corrections": {k: v for k, v in saved["latency"]["stage_corrections"].items()
-                                   if k.startswith("0,")}}
+    keep0 = saved["latency"]
+    assert list(keep0["corrections"]) == ["0"]
     for name, ranks, flags, folder, latency, said in (
             ("dp1", 2, [*pp2, "--num-virtual-stages-per-pipeline-rank", "2"], "mp_rank_00_000",
-             keep0, "drops the calibration of DP rank(s) 1 (gone: 1 factor(s), 2 stage "
-                    "factor(s))"),
+             keep0, "the calibration of DP rank(s) 0 and its recent errors; drops nothing"),
             ("pp1", 2, ["--sb-latency-table", table_pp1], "mp_rank_00", None,
-             "drops the whole latency calibration (2 DP rank factor(s), 4 stage factor(s)"),
+             "drops the whole latency calibration (1 DP rank factor(s), 2 stage factor(s)"),
             ("novpp", 2, pp2, "mp_rank_00_000", None,        # DP 1 too: 2 ranks
-             "drops the whole latency calibration (2 DP rank factor(s), 4 stage factor(s)")):
+             "drops the whole latency calibration (1 DP rank factor(s), 2 stage factor(s)")):
         proc = run_entry(ranks, [*base, *flags, "--save", tmp_path / name], cwd=tmp_path)
         lines = [ln for ln in proc.stdout.splitlines() if "resuming on another layout" in ln]
         assert len(lines) == 1 and said in lines[0], (name, lines)
@@ -345,18 +345,24 @@ def assert_measured_resume(tmp_path) -> list:
     one. Returns the uninterrupted run's metrics rows."""
     from sparsebalance_megatron.megatron.step.state import read_state_file
 
-    name = "mp_rank_00_000/train_dataloader_dprank000.pt"
-    saved = read_state_file(tmp_path / "ckpt" / f"iter_{RESUME_AT:07d}" / name)
-    restored = read_state_file(tmp_path / "again" / f"iter_{ITERS:07d}" / name)
-    stages = saved["latency"]["stage_corrections"]
-    assert sorted(stages) == ["0,0", "0,1", "1,0", "1,1"]           # (DP rank, pipeline rank)
-    measured = [*saved["latency"]["corrections"].values(), *stages.values()]
-    assert len(measured) == 6 and 1.0 not in measured                # timings reached them
-    assert restored["latency"] == saved["latency"]
+    factors = []
+    for r in "01":               # each DP rank's state file: the factors of its own pipeline
+        name = f"mp_rank_00_000/train_dataloader_dprank00{r}.pt"
+        saved = read_state_file(tmp_path / "ckpt" / f"iter_{RESUME_AT:07d}" / name)
+        restored = read_state_file(tmp_path / "again" / f"iter_{ITERS:07d}" / name)
+        stages = saved["latency"]["stage_corrections"]
+        assert sorted(stages) == [f"{r},0", f"{r},1"]               # (DP rank, pipeline rank)
+        assert list(saved["latency"]["corrections"]) == [r]
+        measured = [*saved["latency"]["corrections"].values(), *stages.values()]
+        assert len(measured) == 3 and 1.0 not in measured            # timings reached them
+        assert restored["latency"] == saved["latency"]
+        factors.append(saved["latency"]["corrections"][r])
     full, resumed = read_metrics(tmp_path / "full.jsonl"), read_metrics(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in full] == list(range(1, ITERS + 1))
     assert [r["step"] for r in resumed] == [ITERS]
-    assert full[RESUME_AT - 1]["calibration"] == [saved["latency"]["corrections"][r] for r in "01"]
+    assert full[RESUME_AT - 1]["calibration"] == factors
+    assert full[RESUME_AT - 1]["calibration_min"] == min(factors)
+    assert full[RESUME_AT - 1]["calibration_max"] == max(factors)
     assert any(r["units_cut"] or r["units_raised"] for r in full), "DST never moved a unit"
     a, b = full[-1], resumed[0]
     for key in ("tokens", "densities", "predicted_step_s", "predicted_static_s",

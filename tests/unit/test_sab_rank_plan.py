@@ -139,7 +139,7 @@ def _same_units(a, b):
         return
     np.testing.assert_array_equal(a.ranks, b.ranks)
     assert a.bins == b.bins and a.fits == b.fits
-    for f in ("fwd_s", "bwd_s", "slots", "span_s"):
+    for f in ("fwd_s", "bwd_s", "slots", "span_s", "scale"):
         x, y = getattr(a, f), getattr(b, f)
         assert (x is None) == (y is None), f
         if x is not None:
@@ -225,3 +225,54 @@ def test_the_packing_rounds_pack_each_row_and_refuse_a_lost_segment():
         asg.rank_plan = tampered
         with pytest.raises(RuntimeError, match="dropped or duplicated segments"):
             plan_rounds_in_process([packing_rounds(asg, asg.units([r])) for r in range(dp)])
+
+
+def _own_factors(dp, pp, seed):
+    """A model calibrated on every rank's (predicted, measured) and one per rank calibrated on
+    its own pipeline's alone (``calibrate_ranks(first=r)``: what each DP rank learns in a run),
+    whose own row is the whole model's."""
+    rng = np.random.default_rng(seed)
+    pred = rng.uniform(1, 2, (dp, pp))
+    meas = pred * rng.uniform(0.7, 1.6, (dp, pp))
+    full = LatencyModel.analytic(pp=pp)
+    full.calibrate_ranks(pred, meas)
+    owns = []
+    for r in range(dp):
+        own = LatencyModel.analytic(pp=pp)
+        own.calibrate_ranks(pred[r:r + 1], meas[r:r + 1], first=r)
+        np.testing.assert_array_equal(own.correction_grid(dp, pp)[r],
+                                      full.correction_grid(dp, pp)[r])
+        assert own.correction_grid(dp, pp)[(r + 1) % dp].tolist() == [1.0] * pp
+        owns.append(own)
+    return full, owns
+
+
+@pytest.mark.parametrize("case", ["search", "fallback"])
+def test_ranks_that_know_only_their_own_factors_pack_the_whole_plans_rows(case):
+    """Each DP rank calibrates only its own pipeline: the candidates' factors travel with their
+    units (``sab_rounds``), so every rank's own micro-batches after the rounds are its row of
+    the plan one process makes knowing every rank's factors, the slot search's moves and the
+    fallback's included; the factors change the searched plan (the test would see a rank that
+    priced the candidates with its own, unlearned, view of them)."""
+    from sparsebalance_megatron.batching.sab_rounds import packing_rounds
+    from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
+
+    if case == "search":
+        dp, m, cap = 6, 4, 4096
+        segs = _batch(11, dp, m, cap, n_docs=300)
+    else:
+        dp, m, cap = 2, 2, 100          # the batch whose cost-first packing fragments the bins
+        segs = [(0, 0, 60), (1, 0, 40), (2, 0, 70), (3, 0, 30), (4, 0, 55), (5, 0, 45),
+                (6, 0, 80), (7, 0, 20)]
+    full, owns = _own_factors(dp, 2, 11)
+    kw = dict(dp=dp, num_microbatches=m, max_tokens=cap, seed=11)
+    whole = sab_plan(segs, cost_fn=latency_sample_cost_fn(full, 0.3), **kw)
+    assert whole.fallback == (case == "fallback")
+    asgs = [sab_assignment(segs, cost_fn=latency_sample_cost_fn(o, 0.3), **kw) for o in owns]
+    rows = plan_rounds_in_process([packing_rounds(a, a.units([r])) for r, a in enumerate(asgs)])
+    assert [x.micro_batches[0] for x in rows] == list(whole.micro_batches)
+    assert [x.predicted_rank_cost_s[0] for x in rows] == list(whole.predicted_rank_cost_s)
+    if case == "search":
+        bare = sab_plan(segs, cost_fn=latency_sample_cost_fn(LatencyModel.analytic(pp=2), 0.3),
+                        **kw)
+        assert list(bare.micro_batches) != list(whole.micro_batches)

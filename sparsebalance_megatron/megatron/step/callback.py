@@ -293,7 +293,7 @@ class SparseBalanceCallback(StepPlanning):
             measured = self._modelled_busy(step)
             warm = True                        # a modelled time has no warm-up in it
         else:
-            measured = summary.busy_s
+            measured = summary.busy_s[self.dp_rank:self.dp_rank + 1]   # its own pipeline's
             # The first step of a process pays for warm-up (allocations, lazy init): no sample.
             warm = self.steps_done > 0
         # The next step's draft read the state this step is about to change: join it first.
@@ -340,36 +340,50 @@ class SparseBalanceCallback(StepPlanning):
         return calc.get()
 
     def _predicted_busy(self, step: PreparedStep) -> np.ndarray:
-        """[dp, pp] uncorrected predicted fwd+bwd seconds of the step's units under its plan
-        (a pipeline rank's model chunks together): every rank's, predicted with the plan and
-        gathered (``Drafter.settle``); predicted here from the whole plan otherwise (a replay)."""
+        """[1, pp] uncorrected predicted fwd+bwd seconds of this DP rank's units under the
+        step's plan (a pipeline rank's model chunks together): predicted with the plan
+        (``Drafter.settle``), or here from the replayed whole plan's row."""
         if step.predicted_busy is not None:
             return np.array(step.predicted_busy, dtype=np.float64)
         units = step.units if step.units is not None else self._units(step.batch)
-        return self.latency.busy_s(units, step.plan.densities)
+        busy = self.latency.busy_s(units, step.plan.densities)
+        return busy[self.dp_rank:self.dp_rank + 1] if busy.shape[0] > 1 else busy
 
     def _modelled_busy(self, step: PreparedStep) -> np.ndarray:
         """--sb-timing-source model: the prediction, --sb-straggler-slowdown times on the
         straggler rank (its --sb-straggler-stage alone if given); a deterministic stand-in for
-        Megatron's timers."""
+        Megatron's timers. [1, pp]: this DP rank's."""
         busy = self._predicted_busy(step)
-        if 0 <= self.sb.straggler_rank < self.dp:
+        if self.sb.straggler_rank == self.dp_rank:
             stages = slice(None) if self.sb.straggler_stage < 0 else self.sb.straggler_stage
-            busy[self.sb.straggler_rank, stages] *= self.sb.straggler_slowdown
+            busy[0, stages] *= self.sb.straggler_slowdown
         return busy
 
     def _calibrate(self, step: PreparedStep, measured: np.ndarray) -> dict:
-        """Per DP rank: measured fwd+bwd over its stages vs the uncorrected prediction; with
-        PP, each pipeline rank's share of it too (one slow GPU of a pipeline)."""
+        """This DP rank's pipeline (its factors alone: each DP rank calibrates its own):
+        measured fwd+bwd over its stages vs the uncorrected prediction, and with PP each
+        pipeline rank's share of it too (one slow GPU of a pipeline). ``measured``: [1, pp].
+        The record's figures are the group's: the mean error (a sum) and the factors' range
+        (maxima); with ``--sb-metrics-file`` every rank's factors (a gather, opt-in)."""
+        r = self.dp_rank
         predicted = self._predicted_busy(step)
-        corrected = predicted * self.latency.correction_grid(*predicted.shape)
-        self.latency.calibrate_ranks(predicted, measured)
-        busy = measured.sum(axis=1)
-        err = np.abs(corrected.sum(axis=1) - busy) / np.maximum(busy, 1e-12)
-        return {"predicted_busy_s": corrected.sum(axis=1).tolist(),
-                "latency_error": float(np.nanmean(err)) if np.isfinite(err).any() else None,
-                "calibration": [self.latency.correction(r) for r in range(self.dp)],
-                "stage_calibration": self.latency.correction_grid(*predicted.shape).tolist()}
+        grid = self.latency.correction_grid(r + 1, predicted.shape[1])[r:]
+        corrected = float((predicted * grid).sum())
+        self.latency.calibrate_ranks(predicted, measured, first=r)
+        busy = float(measured.sum())
+        err = abs(corrected - busy) / max(busy, 1e-12)
+        ok = bool(np.isfinite(err))
+        factor = self.latency.correction(r)
+        got = self.exchange.reduce({"sum": {"err": err if ok else 0.0, "n": float(ok)},
+                                    "max": {"top": factor, "low": -factor}})
+        out = {"latency_error": got["err"] / got["n"] if got["n"] else None,
+               "calibration_min": -got["low"], "calibration_max": got["top"]}
+        if self.sb.metrics_file:            # per-rank detail, opt-in: every rank's factors
+            rows = self.exchange.gather_rows(np.r_[corrected, factor, self.latency.
+                                                   correction_grid(r + 1, predicted.shape[1])[r]])
+            out.update(predicted_busy_s=rows[:, 0].tolist(), calibration=rows[:, 1].tolist(),
+                       stage_calibration=rows[:, 2:].tolist())
+        return out
 
     def _pop_doc_losses(self) -> dict:
         """{doc_id: [loss sum, tokens]} of this rank's step (a document split over micro-batches

@@ -33,10 +33,35 @@ def raise_headroom(sb: SparseBalanceConfig, latency, dp: int) -> float:
     """--sb-raise-headroom, or for 'auto' the latency model's median error over the last
     8 steps (``DEFAULT_RAISE_HEADROOM`` before any), capped at ``MAX_RAISE_HEADROOM``."""
     fixed = sb.raise_headroom_value
+    return fixed if fixed is not None else headroom(sb, latency.recent_error(last=8 * dp))
+
+
+def headroom(sb: SparseBalanceConfig, error: Optional[float]) -> float:
+    """--sb-raise-headroom, or for 'auto' ``error`` (the latency model's median error over the
+    last 8 steps of every DP rank; ``DEFAULT_RAISE_HEADROOM`` before any), capped at
+    ``MAX_RAISE_HEADROOM``."""
+    fixed = sb.raise_headroom_value
     if fixed is not None:
         return fixed
-    err = latency.recent_error(last=8 * dp)
-    return DEFAULT_RAISE_HEADROOM if err is None else min(err, MAX_RAISE_HEADROOM)
+    return DEFAULT_RAISE_HEADROOM if error is None else min(error, MAX_RAISE_HEADROOM)
+
+
+def agreed_inputs(sb: SparseBalanceConfig, latency, scale, rank: int, dp: int, agree
+                  ) -> tuple[bool, Optional[float]]:
+    """(a slow GPU stands out, the raise headroom or None: the one given) where each DP rank
+    calibrated only its own pipeline: both agreed over the group (``policy.agreed_stats``:
+    collective, no round where neither is wanted). ``scale``: this rank's [dp, pp] correction
+    grid (its own row learned), None without calibration."""
+    from ...policy.agreed_stats import agreed_rounds
+    from ...policy.dst_rounds import run_rounds
+
+    auto = sb.raise_headroom_value is None
+    if scale is None and not auto:
+        return False, None
+    narrow, error = run_rounds(agreed_rounds(
+        None if scale is None else scale[rank], latency.recent_errors() if auto else (),
+        dp=dp, tolerance=sb.tolerance, error_cap=MAX_RAISE_HEADROOM), agree)
+    return narrow, headroom(sb, error) if auto else None
 
 
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
@@ -58,7 +83,6 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     record is ``StepChoice.as_dict()``: ``packing_index`` says which option to commit. tables:
     a ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
     arrays)."""
-    from ...policy.bands import straggler_present
     from ...policy.dst import dst_inputs
     from ...policy.dst_ranks_local import plan_dst_decomposed
     from ...policy.dst_rounds import rank_rounds, run_rounds
@@ -84,6 +108,9 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     if dst:
         grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
         scale = grid_fn(dp, costs[0].pipeline_ranks) if grid_fn else None
+        if own:         # each rank calibrated its own pipeline: the group's statistics
+            narrow, agreed_headroom = agreed_inputs(sb, latency, scale, rank, dp, agree)
+            raise_headroom = agreed_headroom if agreed_headroom is not None else raise_headroom
         settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s, raise_headroom,
                                        stage_layers)
 
@@ -93,7 +120,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
                                         rank_scale=scale)
                 return p.densities, p
             p = run_rounds(rank_rounds(c, sensitivity(i), settings, quality=quality,
-                                       narrow=straggler_present(scale, settings.tolerance)),
+                                       narrow=narrow),
                            agree)
             return c.densities[p.grid_index], p
         plan_fn = plan_dst

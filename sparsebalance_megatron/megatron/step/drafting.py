@@ -52,8 +52,8 @@ class Draft:
     own_rank: Optional[int] = None  # a rank's own draft (``Drafter.own_draft``): its DP rank
     sab: Optional[tuple] = None    # its (SAB's assignment, the rank's units), packed by
                                    # ``Drafter.settle`` after the agreement
-    predicted_busy: Optional[object] = None  # [dp, pipeline ranks] uncorrected predicted busy
-                                   # seconds of the committed plan, gathered (``settle``)
+    predicted_busy: Optional[object] = None  # [1, pipeline ranks] this rank's uncorrected
+                                   # predicted busy seconds of the committed plan (``settle``)
 
     def packing(self, index: int) -> tuple:
         """(batch, units) of candidate packing ``index``: 0 SAB's (or the only one), 1 the
@@ -244,27 +244,27 @@ class Drafter:
 
     def _gathered(self, draft: Draft, agree, densities, report):
         """Every DP rank's rows of what a rank's own draft commits, gathered once (collective,
-        [dp, m x stages + pipeline ranks + m] floats): the densities (None: a static plan's),
-        the uncorrected predicted busy seconds the calibration compares with the step's
-        (``Draft.predicted_busy``; NaN without a plan) and the units' sensitivities, written
-        into the report where it has them; the whole step's densities."""
+        [dp, m x stages + m] floats): the densities (None: a static plan's) and the units'
+        sensitivities, written into the report where it has them; the whole step's densities.
+        The rank's own uncorrected predicted busy seconds, which it calibrates its pipeline
+        with after the step, stay its own (``Draft.predicted_busy``, [1, pipeline ranks]; NaN
+        without a plan)."""
         stand = report["stand_down"] if report is not None else draft.stand_down
         batch, units = draft.packing(int(stand["packing_index"]) if stand else 0)
         m, nv, lm = batch.num_microbatches, len(self.attention_layers), self.latency
         pp = lm.layout.pp if lm is not None else 0
         d = np.asarray(densities, dtype=np.float64) if densities is not None else (
             np.full((1, m, nv), self.sb.density) if self.sb.sparse_attention_enabled else None)
-        busy = lm.busy_s(units, d) if lm is not None and d is not None else np.full((1, pp),
-                                                                                     np.nan)
+        draft.predicted_busy = lm.busy_s(units, d) if lm is not None and d is not None else \
+            np.full((1, pp), np.nan)
         sens = report.get("unit_sensitivity") if report is not None else None
         rows = agree.gather(np.concatenate([
-            np.zeros(m * nv) if densities is None else d.reshape(-1), busy.reshape(-1),
+            np.zeros(m * nv) if densities is None else d.reshape(-1),
             np.zeros(m) if sens is None else np.asarray(sens, np.float64).reshape(-1)]))
-        draft.predicted_busy = rows[:, m * nv:m * nv + pp]
         if report is None:
             return None
         report.update(predicted_busy_s=draft.predicted_busy.tolist(), unit_sensitivity=None
-                      if sens is None else rows[:, m * nv + pp:].tolist())
+                      if sens is None else rows[:, m * nv:].tolist())
         return rows[:, :m * nv].reshape(-1, m, nv).tolist()
 
     def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None,

@@ -70,8 +70,8 @@ class PreparedStep:
                                    # count); 0: the batch's own (dp_balanced's count may differ)
     row: int = 0                   # this rank's row of ``batch`` (0: the batch is its own
                                    # micro-batches alone; its DP rank: a replayed whole plan)
-    predicted_busy: Optional[np.ndarray] = None  # [dp, pipeline ranks] uncorrected predicted
-                                   # busy seconds of the plan, every DP rank's (gathered)
+    predicted_busy: Optional[np.ndarray] = None  # [1, pipeline ranks] uncorrected predicted
+                                   # busy seconds of the plan, this DP rank's (``settle``)
 
     @property
     def megatron_samples(self) -> int:
