@@ -155,13 +155,17 @@ def _synthetic_step(dp: int, pp: int, tp: int, m: int, docs: int, rng):
     return report, slots, (rng.uniform(0.25, 1, (dp, m, pp)).tolist(), dst)
 
 
-def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> dict:
+def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3,
+                 own_line: bool = False) -> dict:
     """One rank's host seconds of the tensor path on the critical path: ``gather_s`` (encode,
-    combine its cell's TP records, join its pipeline, decode every DP rank's line) and
-    ``broadcast_s`` (rank 0 encodes the plan, every rank decodes it)."""
+    combine its cell's TP records, join its pipeline, decode every DP rank's line; with
+    ``own_line``, as a run does now, split its documents off and decode its own line alone: the
+    DP level's sums and maxima are collectives) and ``broadcast_s`` (rank 0 encodes the plan,
+    every rank decodes it)."""
     from sparsebalance_megatron.megatron.step.plan_record import decode_plan, encode_plan
-    from sparsebalance_megatron.megatron.step.record import (combine_cell, decode_step,
-                                                              encode_rank, join_pipeline)
+    from sparsebalance_megatron.megatron.step.record import (RecordShape, combine_cell,
+                                                              decode_step, encode_rank,
+                                                              join_pipeline, split_docs)
 
     cell_shape, line_shape, plan_shape = record_shapes(dp, pp, m, docs)
     report, slots, payload = _synthetic_step(dp, pp, tp, m, docs, np.random.default_rng(0))
@@ -175,10 +179,15 @@ def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3)
                       for r in range(dp)])
     plan = encode_plan(*payload, plan_shape)
 
+    bare = RecordShape(line_shape.stages, line_shape.timed, line_shape.units)
+
     def gather():
         combine_cell(np.stack([encode_rank(report, cell_shape, slots[0])] * tp), cell_shape)
-        join_pipeline(cells, cell_shape)
-        decode_step(lines, line_shape, slots)
+        line = join_pipeline(cells, cell_shape)
+        if own_line:
+            decode_step(split_docs(line, line_shape, slots[0])[0][None], bare, ())
+        else:
+            decode_step(lines, line_shape, slots)
 
     def broadcast():
         encode_plan(*payload, plan_shape)

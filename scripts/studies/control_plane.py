@@ -149,14 +149,15 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
     add("sab.candidates", "draft", False, "allreduce", dp, tp, cand, ar * cand)
     add("rows", "draft", True, "allgather", dp, tp, 8 * q["row_floats"] * dp,
         8 * q["row_floats"] * (dp - 1))
-    from sparsebalance_megatron.megatron.step.record import RecordShape
-
-    cell, line, _ = record_shapes(dp, pp, m, docs)
-    line = RecordShape(line.stages, line.timed, line.units)    # the DP level: no documents
+    cell, _, _ = record_shapes(dp, pp, m, docs)
     add("record.tp", "step", False, "allgather", tp, 1, tp * cell.nbytes, (tp - 1) * cell.nbytes)
     add("record.pp", "step", False, "allgather", pp, tp * dp, pp * cell.nbytes,
         (pp - 1) * cell.nbytes)
-    add("record.dp", "step", True, "allgather", dp, tp, dp * line.nbytes, (dp - 1) * line.nbytes)
+    # the DP level: its line's sums (loss, tokens, violations, planner events) and maxima (step
+    # time, fallback, a packing that differed); every line only for --sb-metrics-file or an error
+    add("record.dp", "step", False, "allreduce", dp, tp, 8 * 4, ar * 8 * 4)
+    out[-1]["seconds"] += collective_s("allreduce", dp, tp, 8 * 3) if dp > 1 else 0.0
+    out[-1]["bytes"] += int(round(ar * 8 * 3))
     report = 8 * q["report_floats"]          # the reports' rows: work, kept pairs, tokens
     add("report.rows", "step", True, "allgather", dp, tp, report * dp, report * (dp - 1))
     median = 8 * pp                          # the static busy seconds of its pipeline ranks
@@ -217,7 +218,7 @@ def build_rows(points: list, max_world: int, m: int, repeats: int) -> tuple:
                 * (pp_ratio[k] if pp == 8 else 1.0) for k in WORK}
         docs = near["docs_max"]
         coll = rank_bytes(tp, pp, dp, m, near, docs)
-        cpu = tensor_cpu_s(dp, pp, tp, m, docs, repeats)["gather_s"]
+        cpu = tensor_cpu_s(dp, pp, tp, m, docs, repeats, own_line=True)["gather_s"]
         record = sum(c["seconds"] for c in coll if c["where"] == "step") + cpu   # + report
         agree = sum(c["seconds"] for c in coll if c["where"] == "draft")
         step_s = near["static_step_s"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import pickle
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def _batch():
             for _ in range(DP)]
 
 
-def _report(dp: int, pp: int, tp: int):
+def _report(dp: int, pp: int, tp: int, bad: bool = True):
     from sparsebalance_megatron.megatron.step.checks import Violation
     from sparsebalance_megatron.megatron.step.record import RankReport, doc_slots
 
@@ -35,7 +36,7 @@ def _report(dp: int, pp: int, tp: int):
                       bwd_s=rng.uniform(0, 1, M).tolist(), units=[(j, pp) for j in range(M)],
                       step_s=float(rng.uniform(2, 3)), loss=(float(rng.uniform(1, 2)), 7.0),
                       violations=[Violation("request", pp, 2, 0.3, 0.5)]
-                      if (dp, pp, tp) == (1, 1, 1) else [],
+                      if bad and (dp, pp, tp) == (1, 1, 1) else [],
                       doc_values={int(d): (float(rng.uniform(0, 1)), 2.0) for d in slots})
 
 
@@ -75,11 +76,14 @@ def _worker(rank: int, init_file: str, out_dir: str):
     summary = ex.gather(_report(*where), shape, slots[where[0]])
     payload, plan_shape = _plan()
     plan = ex.broadcast_plan(payload if rank == 0 else None, plan_shape)
+    # a healthy step without --sb-metrics-file's unit times: the DP level is two reductions
+    healthy = ex.gather(_report(*where, bad=False), replace(shape, units=0), slots[where[0]])
     reduced = ex.reduce({"sum": {"n": np.array([where[0] + 1.0, 1.0])},
                          "max": {"top": float(where[0]), "neg": -float(where[0])}})
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
         pickle.dump({"where": where, "summary": summary, "plan": plan,
-                     "plan_bytes": ex.broadcast_bytes, "reduced": reduced}, f)
+                     "plan_bytes": ex.broadcast_bytes, "reduced": reduced,
+                     "healthy": healthy}, f)
     dist.destroy_process_group()
 
 
@@ -113,7 +117,8 @@ def test_every_rank_ends_with_the_same_summary_and_plan(tmp_path):
     (dens, report), plan_shape = _plan()
     for r in runs:
         s = r["summary"]
-        assert np.array_equal(s.busy_s, want.busy_s) and s.step_s == want.step_s
+        dp_r = r["where"][0]                          # its DP rank's busy seconds alone
+        assert np.array_equal(s.busy_s, want.busy_s[dp_r:dp_r + 1]) and s.step_s == want.step_s
         assert s.loss == want.loss and s.unit_times == want.unit_times
         ids, sums = docs[r["where"][0]]              # its DP rank's documents alone
         assert ids.size and np.array_equal(s.doc_ids, ids)
@@ -121,14 +126,20 @@ def test_every_rank_ends_with_the_same_summary_and_plan(tmp_path):
         assert s.violations == 1 and s.examples == want.examples
         assert s.examples == ["(dp 1, stage 1, micro-batch 2): 0.3 != 0.5"]
         assert s.fingerprints_agree
-        # what a rank received: its TP peer's record, its pipeline peer's cell, its DP peer's
-        # line without its documents (TP 2 x PP 2 x DP 2), not a world of pickles
+        # what a rank received: its TP peer's record, its pipeline peer's cell, the DP group's
+        # sums (4 floats) and maxima (3), and, as a violation is to be described (and per-unit
+        # times travel), its DP peer's line without its documents (TP 2 x PP 2 x DP 2)
         shape, _ = _shape()
-        assert s.bytes_received == shape.nbytes * 2 + bare.nbytes
+        assert s.bytes_received == shape.nbytes * 2 + 8 * 7 + bare.nbytes
         # the plan: once from each group above the rank, rank 0 none (TP 2 x PP 2 x DP 2)
         hops = (r["where"][2] == 0 and r["where"][0] == 0 and r["where"][1] > 0) \
             + (r["where"][2] == 0 and r["where"][0] > 0) + (r["where"][2] > 0)
         assert r["plan_bytes"] == hops * plan_shape.nbytes
+        h = r["healthy"]
+        assert h.violations == 0 and h.examples == [] and h.unit_times == {}
+        assert (h.loss, h.step_s, h.fingerprints_agree) == (want.loss, want.step_s, True)
+        assert np.array_equal(h.busy_s, want.busy_s[dp_r:dp_r + 1])
+        assert h.bytes_received == replace(shape, units=0).nbytes * 2 + 8 * 7   # no line
         # the DP group's sums and maxima (``StepExchange.reduce``): over the DP ranks alone
         red = r["reduced"]
         assert red["n"].tolist() == [DP * (DP + 1) / 2, DP]

@@ -51,7 +51,7 @@ def test_fixed_collectives_stay_bounded_and_growing_ones_grow_with_dp(points):
             assert big["bytes"] <= top["bytes"] <= 1.05 * big["bytes"], name
             assert mid["bytes"] <= 2 * big["bytes"], name
     assert {n for n, c in got[2].items() if c["grows"]} == {
-        "sab.spans", "rows", "record.dp", "report.rows",
+        "sab.spans", "rows", "report.rows",
         "median_anchor (--sb-dst-anchor median only)"}
 
 

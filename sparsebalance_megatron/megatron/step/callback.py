@@ -293,7 +293,7 @@ class SparseBalanceCallback(StepPlanning):
             measured = self._modelled_busy(step)
             warm = True                        # a modelled time has no warm-up in it
         else:
-            measured = summary.busy_s[self.dp_rank:self.dp_rank + 1]   # its own pipeline's
+            measured = summary.busy_s             # [1, pp]: its own pipeline's
             # The first step of a process pays for warm-up (allocations, lazy init): no sample.
             warm = self.steps_done > 0
         # The next step's draft read the state this step is about to change: join it first.

@@ -11,15 +11,17 @@ The gather, in three levels:
    the usual layout): every rank's record; each rank combines them (``combine_cell``);
 2. the pipeline group: the cells of this DP rank's pipeline, joined into its line
    (``join_pipeline``);
-3. the data-parallel group: every DP rank's line without its document sums, decoded
-   (``decode_step``); a DP rank's documents are its own (SAB per rank: a rank holds only its
-   micro-batches), learned from its own line.
+3. the data-parallel group: the sums and maxima of the DP rank's line (losses, budget
+   violations, planner events; the step time, the attention fallback, a packing that
+   differed), one fixed-size all-reduce per op whatever the DP size (``reduce``). A DP rank's
+   busy seconds and documents are its own (SAB per rank: a rank holds only its micro-batches
+   and calibrates only its pipeline), decoded from its own line (``decode_step``). Every DP
+   rank's line is gathered only where a budget violation is to be described (the error names
+   the first few anywhere) or ``--sb-metrics-file`` writes every unit's times.
 
 Every rank takes part in every level: the TP/CP ranks of a cell hold the same combined record, so
-their parallel copies of levels 2 and 3 carry identical data, and every rank decodes the same
-bytes with the same function. A rank receives (t - 1) rank records, (pp - 1) cell records and
-(dp - 1) lines, not world-size pickles, and a ring's latency grows with t + pp + dp, not with
-t x pp x dp.
+their parallel copies of levels 2 and 3 carry identical data. A rank receives (t - 1) rank
+records, (pp - 1) cell records and two reductions of a few floats, not world-size pickles.
 
 ``broadcast_plan`` went down the same tree: rank 0 (rank 0 of all three groups) to its pipeline
 group, each stage's rank to its data-parallel group, then each cell.
@@ -124,8 +126,20 @@ class StepExchange:
         pipeline = shape.with_stages(self.sizes[1])
         bare = RecordShape(pipeline.stages, pipeline.timed, pipeline.units)
         line, ids, sums = split_docs(line, pipeline, slots)
-        summary = decode_step(self._all_gather(line, data_g), bare, ())
+        summary = decode_step(line[None], bare, (), first=self.ranks[2])     # its DP rank's
         summary.doc_ids, summary.doc_sums = ids, sums
+        step_s = -np.inf if summary.step_s is None else summary.step_s
+        got = self.reduce({"sum": {"loss": np.array(summary.loss), "bad": summary.violations,
+                                   "events": summary.planner_events},
+                           "max": {"step_s": step_s, "backend": summary.backend,
+                                   "differ": int(not summary.fingerprints_agree)}})
+        if got["bad"] or bare.units:     # an error's examples, --sb-metrics-file's unit times
+            whole = decode_step(self._all_gather(line, data_g), bare, ())
+            summary.examples, summary.unit_times = whole.examples, whole.unit_times
+        summary.loss = (float(got["loss"][0]), float(got["loss"][1]))
+        summary.step_s = None if got["step_s"] == -np.inf else float(got["step_s"])
+        summary.violations, summary.planner_events = int(got["bad"]), int(got["events"])
+        summary.backend, summary.fingerprints_agree = int(got["backend"]), not got["differ"]
         summary.comm_s, summary.bytes_received = self._wait_s, self._bytes
         return summary
 

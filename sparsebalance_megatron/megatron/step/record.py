@@ -9,8 +9,8 @@ One layout (``RecordShape``) at three levels:
   time, summed losses and counts, the first budget violation), as ``measured_busy`` took the
   slowest of the ranks that wait for each other in their collectives;
 - the cells of a pipeline join into one line (``join_pipeline``: a block per stage, the document
-  sums added), and every DP rank's line decodes into the ``StepSummary`` each rank ends with
-  (``decode_step``).
+  sums added), which decodes into its DP rank's ``StepSummary`` (``decode_step``); over the DP
+  group travel its sums and maxima (``StepExchange.gather``), every line only for --sb-metrics-file.
 
 The layout is sized from the step's shape, known on every rank before the step ends: the timed
 intervals of a pipeline rank (micro-batches x model chunks), whether per-interval times travel
@@ -116,9 +116,9 @@ class RankReport:
 
 @dataclass
 class StepSummary:
-    """What every rank knows after a step's gather, identical everywhere."""
+    """What a rank knows after a step's gather (busy seconds and documents: its DP rank's)."""
 
-    busy_s: Optional[np.ndarray] = None  # [dp, pp] fwd+bwd s, slowest TP/CP rank (NaN: untimed)
+    busy_s: Optional[np.ndarray] = None  # [k, pp] fwd+bwd s, slowest TP/CP rank, NaN untimed
     step_s: Optional[float] = None       # the slowest rank's time since its schedule began
     loss: tuple = (0.0, 0.0)             # (loss sum, tokens) over every rank
     doc_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [n] sorted
@@ -329,9 +329,10 @@ def split_docs(line: np.ndarray, shape: RecordShape, slots) -> tuple:
     return (bare,) + _doc_sums(line[cut:].reshape(1, shape.docs, DOC_WORDS), [slots])
 
 
-def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence) -> StepSummary:
-    """The ``StepSummary`` of every DP rank's line ``lines`` [dp, words] (DP rank order; ``shape``
-    with ``stages`` = pp) and each DP rank's document ``slots``."""
+def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence,
+                first: int = 0) -> StepSummary:
+    """The ``StepSummary`` of DP ranks ``first``, ``first + 1``, ...'s lines ``lines`` [k, words]
+    (DP rank order; ``shape`` with ``stages`` = pp) and each DP rank's document ``slots``."""
     lines = np.asarray(lines)
     if lines.dtype != np.float64 or lines.ndim != 2 or lines.shape[1] != shape.words:
         raise ValueError(f"lines of the data-parallel group: {lines.dtype} {lines.shape}, "
@@ -341,12 +342,11 @@ def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence) -> StepS
     head = ints[:, :h]
     want = np.array([MAGIC, 0, pp, shape.timed, shape.units, shape.docs])
     wrong = np.flatnonzero((head[:, [0, 2, 3, 4, 5]] != want[[0, 2, 3, 4, 5]]).any(axis=1)
-                           | (head[:, 1] != np.arange(dp)))
+                           | (head[:, 1] != first + np.arange(dp)))
     if wrong.size:
-        r = int(wrong[0])
-        raise ValueError(f"line {r} of the data-parallel group: header "
-                         f"{dict(zip(HEADER, head[r].tolist()))} does not match DP rank {r} "
-                         f"of {shape} (ranks disagree on the step's shape?)")
+        r, got = int(wrong[0]), dict(zip(HEADER, head[int(wrong[0])].tolist()))
+        raise ValueError(f"line {r} of the data-parallel group: header {got} does not match "
+                         f"DP rank {first + r} of {shape} (ranks disagree on the step's shape?)")
     fb = lines[:, h:h + b].reshape(dp, pp, shape.block)
     ib = ints[:, h:h + b].reshape(dp, pp, shape.block)
     step_s = np.fmax.reduce(fb[:, :, _F["step_s"]].reshape(-1))
@@ -355,12 +355,12 @@ def decode_step(lines: np.ndarray, shape: RecordShape, slots: Sequence) -> StepS
     fp = ib[:, :, _I["fingerprint"]]
     agree = bool((fp == fp[:, :1]).all()) and not ib[:, :, _I["fingerprints_differ"]].any()
     bad_at = np.argwhere(ib[:, :, _I["bad_kind"]] != 0)[:MAX_EXAMPLES]
-    examples = [_violation(ib[r, s], fb[r, s]).describe(int(r)) for r, s in bad_at]
+    examples = [_violation(ib[r, s], fb[r, s]).describe(first + int(r)) for r, s in bad_at]
     unit_times: dict = {}
     if shape.units:
         for r in range(dp):
             for s in range(pp):
-                _unit_times(unit_times, (r, s), fb[r, s], ib[r, s], shape.units)
+                _unit_times(unit_times, (first + r, s), fb[r, s], ib[r, s], shape.units)
     ids, sums = _doc_sums(lines[:, h + b:].reshape(dp, shape.docs, DOC_WORDS), slots)
     return StepSummary(busy_s=fb[:, :, _F["busy_s"]].copy(),
                        step_s=None if np.isnan(step_s) else float(step_s),
@@ -393,8 +393,7 @@ def _violation(i: np.ndarray, f: np.ndarray) -> Violation:
 
 
 def _unit_times(out: dict, key: tuple, f: np.ndarray, i: np.ndarray, units: int) -> None:
-    u = f[BLOCK_FIELDS:].reshape(units, UNIT_WORDS)
-    ui = i[BLOCK_FIELDS:].reshape(units, UNIT_WORDS)
+    u, ui = (x[BLOCK_FIELDS:].reshape(units, UNIT_WORDS) for x in (f, i))
     if (ui[:, 2] >= 0).all():
         out[key] = ([(int(a), int(b)) for a, b in ui[:, 2:].tolist()], u[:, 0].tolist(),
                     u[:, 1].tolist())
