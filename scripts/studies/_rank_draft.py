@@ -189,6 +189,6 @@ def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tra
         own, sb, densities[rank:rank + 1], layers=layout.layers,
         attention_layers=layout.attention_layers, dense_below_tokens=routing, units=own_units,
         busy=float((predicted[rank] * noise[rank]).sum()))]), layers=layout.layers,
-        attention_layers=layout.attention_layers, routed=bool(routing))
+        attention_layers=layout.attention_layers)
     return time.thread_time() - c0
 

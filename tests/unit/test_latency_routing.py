@@ -220,7 +220,7 @@ def test_reported_density_counts_routed_documents_at_one():
         total = summed_parts([rank_parts(batch.row_plan(r), sb, step.plan.densities[r:r + 1],
                                          dense_below_tokens=routing) for r in range(2)])
         return step_record(1, step, gathered, {}, overhead_s=0.0,
-                           figures=step_figures(total, routed=bool(routing)))
+                           figures=step_figures(total))
 
     work, dense = unit_work(batch, sb)
     assert dense is None

@@ -125,18 +125,16 @@ def summed_parts(parts: list) -> dict:
         k: np.max([p["max"][k] for p in parts], axis=0) for k in parts[0]["max"]}
 
 
-def step_figures(total: dict, *, layers=None, attention_layers=None,
-                 routed: bool = False) -> dict:
+def step_figures(total: dict, *, layers=None, attention_layers=None) -> dict:
     """The record's figures of the whole step from ``total``, the DP group's sums and maxima
     of every rank's ``rank_parts``: ``tokens``, ``positions``; with a plan the work-weighted
     mean density (``mean_density``), per stage (``density_per_stage``), the DP ranks' least and
     greatest (``density_rank_min`` / ``_max``) and the kept density (``kept_density``: kept
     pairs / causal pairs, routed documents keeping all); with busy seconds from every rank
-    ``busy_max_s``, ``busy_mean_s`` and ``measured_imbalance`` (max / mean). ``routed``: the
-    run routes short documents dense (the means' ``dense_weights``). The means are
-    ``density_means.WeightTotals``' of the summed weights: those of the whole [dp, m, stages]
-    arrays (``weighted_mean_density``, ``stage_mean_densities``) to float rounding (the
-    weights' sums are integers, exact)."""
+    ``busy_max_s``, ``busy_mean_s`` and ``measured_imbalance`` (max / mean). The means are
+    ``density_means.WeightTotals``' of the summed weights (routed work 0 without routing):
+    those of the whole [dp, m, stages] arrays (``weighted_mean_density``,
+    ``stage_mean_densities``) to float rounding (the weights' sums are integers, exact)."""
     from ...policy.density_means import WeightTotals
 
     rec = {"tokens": int(total["tokens"]), "positions": int(total["positions"])}
@@ -144,7 +142,7 @@ def step_figures(total: dict, *, layers=None, attention_layers=None,
         kept_s, plain_s = (np.asarray(total[k], dtype=np.float64) for k in ("kept_s", "plain_s"))
         units, nv = float(total["units"]), kept_s.size
         lay, att = _attention_layers(nv, layers, attention_layers)
-        t = WeightTotals.of_sums(total["work_s"], float(total["dense"]) * att if routed else None)
+        t = WeightTotals.of_sums(total["work_s"], float(total["dense"]) * att)
         rec.update(budgets_consistent=True,
                    mean_density=t.mean(float(kept_s.sum()),
                                        lambda: float(plain_s.sum()) / (units * nv)),
@@ -154,7 +152,7 @@ def step_figures(total: dict, *, layers=None, attention_layers=None,
                    density_rank_min=-float(total["density_neg_min"]),
                    density_rank_max=float(total["density_max"]))
         if t.tot > 0:             # kept pairs / causal pairs; routed documents keep every pair
-            rec["kept_density"] = (float(total["pairs"]) + (t.dense or 0.0)) / t.tot
+            rec["kept_density"] = (float(total["pairs"]) + t.dense) / t.tot
     if "busy" in total and not total["busy_missing"]:
         mean = float(total["busy"]) / float(total["ranks"])
         rec.update(busy_max_s=float(total["busy_max"]), busy_mean_s=mean,

@@ -233,8 +233,7 @@ class StepReporter:
         else:
             total = reduce(self._parts(step, self.dp_rank, measured, units))
         figures = step_figures(total, layers=self.layout.layers,
-                               attention_layers=self.layout.attention_layers,
-                               routed=bool(self.dense_below_tokens))
+                               attention_layers=self.layout.attention_layers)
         rec = step_record(iteration, step, summary, calib, figures=figures,
                           overhead_s=overhead_s, own_s=own_s)
         if planned_ahead_s is not None:
