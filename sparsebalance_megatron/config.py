@@ -358,7 +358,10 @@ class SparseBalanceConfig:
     metrics_file: Optional[str] = _f(
         None, "Append one JSON line per step (loss, step time, tokens/s, plan statistics) to "
         "this file on rank 0; it records every step's plan (documents per micro-batch, "
-        "densities), which --sb-replay-plans replays.", path="output")
+        "densities), which --sb-replay-plans replays. Its per-unit detail gathers every DP "
+        "rank's rows each step (work per micro-batch and the plan's segments: bytes that grow "
+        "with the DP size; the step's figures without it are a fixed-size all-reduce).",
+        path="output")
     replay_plans: Optional[str] = _f(
         None, "Replay the plans another run recorded in its --sb-metrics-file instead of "
         "planning: every step packs the recorded documents into the recorded micro-batches "

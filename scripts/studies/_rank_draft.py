@@ -143,11 +143,23 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
     row = nv * m + (0 if sizes["sens"] is None else sizes["sens"][r].size)
     return {"rank": r, "phases_s": t, "draft_s": float(sum(t.values())), "rounds": rounds,
             "row_floats": int(row), "unit_floats": int(2 * m * nv + nv + 2 * m + 2),
-            "report_floats": int(2 * m + m * nv + 2),
+            "report_floats": report_floats(drafter, own, own_units[0], densities[r:r + 1]),
             "candidates": 0 if c is None else int(c.ranks.size),
             "docs_max": int(max(len(s) for s in doc_slots(whole.micro_batches))),
             "costs": sizes["costs"], "batch": whole, "units": sizes["units"],
             "densities": densities, "own": own, "own_units": own_units[0]}
+
+
+def report_floats(drafter, own, own_units, densities) -> dict:
+    """Floats of the report's two all-reduced vectors (``{"sum": n, "max": n}``), from the
+    rank's ``report_sums.rank_parts`` of its own row (fixed: stages, not DP or m)."""
+    from sparsebalance_megatron.megatron.step.report_sums import rank_parts
+
+    lm = drafter.latency
+    parts = rank_parts(own, drafter.sb, densities, layers=lm.layout.layers,
+                       attention_layers=lm.layout.attention_layers,
+                       dense_below_tokens=lm.dense_below_tokens or 0, units=own_units, busy=0.0)
+    return {op: int(sum(np.size(v) for v in parts[op].values())) for op in ("sum", "max")}
 
 
 def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tracker,
@@ -155,13 +167,14 @@ def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tra
     """Thread CPU seconds of a rank's work after the step, as ``end_step`` does it on the
     per-rank path: the calibration of its own pipeline's factors from its predicted and
     measured busy seconds ([1, pp]: a stand-in measurement, the prediction x 0.9-1.1), the
-    tracker's update with its own documents (``checks.doc_lengths``), and its rows of the
-    reports' weights (work, kept pairs, tokens; their gather is priced as a collective).
+    tracker's update with its own documents (``checks.doc_lengths``), and the report's sums of
+    its own units and the figures made of them (``report_sums.rank_parts``, ``step_figures``,
+    as ``StepReporter.report``; their all-reduce is priced as a collective).
     ``predicted``: [dp, pp] the committed plan's uncorrected busy seconds (its row read)."""
     from sparsebalance_megatron.megatron.step.checks import doc_lengths
     from sparsebalance_megatron.megatron.step.record import doc_slots
-    from sparsebalance_megatron.megatron.step.reporting import (document_tokens, kept_work,
-                                                                unit_work)
+    from sparsebalance_megatron.megatron.step.report_sums import (rank_parts, step_figures,
+                                                                  summed_parts)
 
     predicted = np.asarray(predicted, dtype=np.float64)[rank:rank + 1]     # its own
     noise = rng.uniform(0.9, 1.1, predicted.shape)
@@ -171,8 +184,11 @@ def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tra
     c0 = time.thread_time()
     lm.calibrate_ranks(predicted, predicted * noise, first=rank)
     tracker.update(ids, doc_lengths(own, ids), signal)
-    unit_work(own, sb, routing, units=own_units)
-    kept_work(own, sb, densities[rank:rank + 1], routing, units=own_units)
-    document_tokens(own, None), own.packed_lengths().sum()
+    layout = lm.layout                  # the group's sums stand in for this rank's own
+    step_figures(summed_parts([rank_parts(
+        own, sb, densities[rank:rank + 1], layers=layout.layers,
+        attention_layers=layout.attention_layers, dense_below_tokens=routing, units=own_units,
+        busy=float((predicted[0] * noise[0]).sum()))]), layers=layout.layers,
+        attention_layers=layout.attention_layers)
     return time.thread_time() - c0
 

@@ -18,15 +18,17 @@ Four parts:
   packings), the do-no-harm step maxima, SAB's agreement (the fits flag, every rank's makespan
   gathered for the candidates, the candidates' units as a fixed-size reduction of at most 2 x
   19 ranks' rows), the committed rows' all-gather, the median anchor's gather (only with
-  ``--sb-dst-anchor median``; the default is mean), and the per-step record gather's three
-  levels (TP, PP: fixed; DP: every pipeline's line). Each flagged ``fixed`` or ``grows`` (with
-  DP); priced with ``_exchange_paths.MODEL`` (NCCL's tuner: a ring, or for an all-reduce the
-  cheaper of ring and tree; DGX H100 nodes; the DST rounds run on a gloo copy of the DP group in
-  a run, which this prices as NCCL).
+  ``--sb-dst-anchor median``; the default is mean), the per-step record gather's three
+  levels (TP, PP: fixed; DP: every pipeline's line) and the report's figures (an all-reduce of
+  its sums and one of its maxima: ``report_sums``, a fixed size). Each flagged ``fixed`` or
+  ``grows`` (with DP); priced with ``_exchange_paths.MODEL`` (NCCL's tuner: a ring, or for an
+  all-reduce the cheaper of ring and tree; DGX H100 nodes; the DST rounds run on a gloo copy of
+  the DP group in a run, which this prices as NCCL).
 - **After-step work and handoff** (measured, the collector paused): ``planner_cost.after_step``
-  (calibration of every DP rank, a fresh tracker's update with every document, the reports'
-  weights: whole-world arrays, as today's code does them; the min of 2) and the handoff (the step's request pickled for the planner
-  process: the global batch's segments and the tracker's update).
+  (calibration of every DP rank, a fresh tracker's update with every document, the report's
+  sums of the rank's own units and its figures, ``report_sums``; the min of 2) and the
+  handoff (the step's request pickled for the planner process: the global batch's segments and
+  the tracker's update).
 - **The critical path** at the default ``--sb-planner process``: the record gather (network and
   host CPU, measured), the handoff, the after-step work, and the draft's excess over the step
   (the draft with its agreement's collectives overlaps the step: what outlasts it is waited
@@ -158,8 +160,9 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
     add("record.dp", "step", False, "allreduce", dp, tp, 8 * 4, ar * 8 * 4)
     out[-1]["seconds"] += collective_s("allreduce", dp, tp, 8 * 3) if dp > 1 else 0.0
     out[-1]["bytes"] += int(round(ar * 8 * 3))
-    report = 8 * q["report_floats"]          # the reports' rows: work, kept pairs, tokens
-    add("report.rows", "step", True, "allgather", dp, tp, report * dp, report * (dp - 1))
+    for op in ("sum", "max"):     # the report's figures: its sums and maxima, a fixed size
+        nb = 8 * q["report_floats"][op]
+        add(f"report.{op}", "step", False, "allreduce", dp, tp, nb, ar * nb)
     median = 8 * pp                          # the static busy seconds of its pipeline ranks
     add("median_anchor (--sb-dst-anchor median only)", "off", True, "allgather", dp, tp,
         median * dp, median * (dp - 1))

@@ -128,7 +128,7 @@ def after_step(lm, sb, draft, tracker=None, rng=None) -> float:
     weights and kept work. ``tracker``: a ``SensitivityTracker`` (None: a fresh one)."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.record import doc_slots
-    from sparsebalance_megatron.megatron.step.reporting import kept_work, unit_work
+    from sparsebalance_megatron.megatron.step.report_sums import kept_work, unit_work
 
     batch, units, densities = committed(draft)
     tracker = SensitivityTracker() if tracker is None else tracker

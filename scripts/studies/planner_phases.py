@@ -115,7 +115,7 @@ AFTER_PHASES = (
     ("after.tracker", "the sensitivity tracker's update",
      [P + "batching.sensitivity:SensitivityTracker.update"]),
     ("after.reports", "the reports' weights and kept work",
-     [P + "megatron.step.reporting:unit_work", P + "megatron.step.reporting:kept_work"]),
+     [P + "megatron.step.report_sums:unit_work", P + "megatron.step.report_sums:kept_work"]),
     ("after.documents", "the step's documents and their lengths (every segment)",
      [P + "batching.plan:BatchPlan.segments"]),
 )

@@ -31,6 +31,20 @@ class WeightTotals:
             self.dense = float(self._dw.sum())
             self.tot = self.tot + self.dense
 
+    @classmethod
+    def of_sums(cls, weight_s: np.ndarray, dense_s: Optional[np.ndarray] = None
+                ) -> "WeightTotals":
+        """The totals from per-stage sums made elsewhere (a DP group's all-reduced sums, where
+        no rank holds every unit's weights): ``weight_s`` [pp] the weights', ``dense_s`` [pp]
+        the routed work's (None without routing). No ``w``: ``mean`` and ``stage`` only."""
+        t = cls.__new__(cls)
+        t.w, ws = None, np.asarray(weight_s, dtype=np.float64)
+        t.dense_s = None if dense_s is None else np.asarray(dense_s, dtype=np.float64)
+        t.dense = None if dense_s is None else float(t.dense_s.sum())
+        t.tot = float(ws.sum()) + (t.dense or 0.0)
+        t.tot_s = ws if dense_s is None else ws + t.dense_s
+        return t
+
     @functools.cached_property
     def tot_s(self) -> np.ndarray:
         tot = self.w.sum(axis=(0, 1))

@@ -36,7 +36,8 @@ def test_tensorboard_eval_and_exit_interval(tmp_path, small_jsonl, tiny_latency_
     # Megatron's own scalars and ours, at Megatron's iteration numbers; the run exited at 3.
     assert sorted(tb["lm loss"]) == [1, 2, 3]
     for tag in ("sparsebalance/density/mean", "sparsebalance/density/stage0",
-                "sparsebalance/density/rank1", "sparsebalance/step_time/predicted_s",
+                "sparsebalance/density/rank_min", "sparsebalance/density/rank_max",
+                "sparsebalance/step_time/predicted_s",
                 "sparsebalance/step_time/static_s", "sparsebalance/imbalance/predicted_after",
                 "sparsebalance/units/cut", "sparsebalance/units/raised",
                 "sparsebalance/overhead_s", "sparsebalance/loss",

@@ -135,8 +135,8 @@ def _train_and_resume(script: Path, tmp_path: Path, data: Path, table, name: str
     # DST acts in the resumed steps (here it raises: the straggler leaves the others slack)
     assert any(r["units_cut"] or r["units_raised"] for r in full[2:]), "DST never moved"
     for a, b in zip(full[2:], resumed, strict=True):
-        for key in ("tokens", "mean_density", "density_per_rank", "units_cut", "units_raised",
-                    "predicted_step_s"):
+        for key in ("tokens", "mean_density", "density_rank_min", "density_rank_max",
+                    "units_cut", "units_raised", "predicted_step_s"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a["loss"], b["loss"])
     return full, resumed

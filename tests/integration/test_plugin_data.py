@@ -154,7 +154,7 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     assert rec["tokens"] == 350 and rec["positions"] == 512      # segments whole, fixed length
     for writer in (tb, wandb):
         tags = {t for t, _, s in writer.calls if s == 1}
-        assert {"sparsebalance/density/mean", "sparsebalance/density/rank1",
+        assert {"sparsebalance/density/mean", "sparsebalance/density/rank_max",
                 "sparsebalance/step_time/measured_s", "sparsebalance/overhead_s"} <= tags
         assert all(t.startswith("sparsebalance/") for t, _, _ in writer.calls)
     line = json.loads((tmp_path / "m.jsonl").read_text())

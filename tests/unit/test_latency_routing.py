@@ -202,7 +202,9 @@ def test_reported_density_counts_routed_documents_at_one():
 
     from sparsebalance_megatron.batching.packing import sequential_plan
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.megatron.step.reporting import step_record, unit_work
+    from sparsebalance_megatron.megatron.step.report_sums import (rank_parts, step_figures,
+                                                                  summed_parts, unit_work)
+    from sparsebalance_megatron.megatron.step.reporting import step_record
     from sparsebalance_megatron.plan import BudgetPlan
 
     sb = SparseBalanceConfig(sparse_attention=True, block_size=16)
@@ -213,15 +215,20 @@ def test_reported_density_counts_routed_documents_at_one():
     from sparsebalance_megatron.megatron.step.record import StepSummary
 
     gathered = StepSummary(loss=(1.0, 1.0))
+
+    def record(routing):      # both DP ranks' sums, as the DP group's reduce adds them
+        total = summed_parts([rank_parts(batch.row_plan(r), sb, step.plan.densities[r:r + 1],
+                                         dense_below_tokens=routing) for r in range(2)])
+        return step_record(1, step, gathered, {}, overhead_s=0.0,
+                           figures=step_figures(total))
+
     work, dense = unit_work(batch, sb)
     assert dense is None
-    plain = step_record(1, step, gathered, np.full((2, 1), np.nan), {}, overhead_s=0.0,
-                        work=work)
+    plain = record(0)
     assert plain["mean_density"] == pytest.approx(0.5)
     work, dense = unit_work(batch, sb, dense_below_tokens=100)
     assert dense.sum() > 0 and np.all(work + dense == unit_work(batch, sb)[0])
-    rec = step_record(1, step, gathered, np.full((2, 1), np.nan), {}, overhead_s=0.0,
-                      work=work, dense_work=dense)
+    rec = record(100)
     want = (0.5 * work.sum() + dense.sum()) / (work.sum() + dense.sum())
     assert rec["mean_density"] == pytest.approx(want) and rec["mean_density"] > 0.5
     assert rec["density_per_stage"] == [pytest.approx(want)]

@@ -5,9 +5,10 @@ Modules: ``ahead`` (the planner process and thread) and ``planner_worker`` (the 
 ``callback``, ``checks``, ``choice``, ``data``, ``drafting``, ``exchange`` (the per-step gather and
 plan broadcast), ``plan_record`` and ``record`` (their fixed-size records),
 ``microbatches`` (a step's own micro-batch count through Megatron's calculator), ``planning``,
-``reporting``, ``state``, ``timing``. May import: ``errors``, ``runtime``, ``model``,
-``launch`` (and megatron and the pure layers); never a room after it (docs/DESIGN.md section 2). Its
-exports: ``_PUBLIC`` (``lazy_exports``).
+``reporting`` (and ``report_sums``, its figures as sums over the DP group), ``state``,
+``timing``. May import: ``errors``, ``runtime``, ``model``, ``launch`` (and megatron and the
+pure layers); never a room after it (docs/DESIGN.md section 2). Its exports: ``_PUBLIC``
+(``lazy_exports``).
 """
 
 from .. import lazy_exports
@@ -21,7 +22,7 @@ _PUBLIC = {
     "Planner": "ahead",
     "PlannerProcess": "ahead",
     "Drafter": "drafting",
-    "unit_work": "reporting",
+    "unit_work": "report_sums",
     "MicrobatchTimers": "timing",
     "TeeTimers": "timing",
 }

@@ -319,7 +319,7 @@ class SparseBalanceCallback(StepPlanning):
         self.reporter.report(iteration + 1, step, summary, measured, calib,
                              overhead_s=self._overhead_s, own_s=self._own_s,
                              planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None,
-                             gather=self.exchange.gather_rows)
+                             reduce=self.exchange.reduce, gather=self.exchange.gather_rows)
         # the report's own cost (metrics, writers, log line) counts in the next step's figure
         self._overhead_s, self._own_s = time.perf_counter() - t1, time.thread_time() - c1
 

@@ -17,6 +17,13 @@ Two are reported: the planned density (``density``, what the plan asked every un
 kept one (``kept``: kept key blocks / causal key blocks, the blocks the attention's selection
 keeps, which can never fall below the sink, local and diagonal blocks every query block keeps;
 on short documents these are most of a document's blocks, so the kept density is higher).
+
+The figures are the whole step's, made of fixed-size sums over the DP group
+(``report_sums``: each rank's own micro-batches, one all-reduce, whatever the DP size): the
+means overall and per stage, the DP ranks' least and greatest density (``density_rank_min`` /
+``_max``) and busy seconds (``busy_max_s``, ``busy_mean_s``, ``measured_imbalance`` = max /
+mean), tokens and positions. Only ``--sb-metrics-file``'s per-unit detail gathers every rank's
+rows (its work and the plan: [dp, m] figures, opt-in).
 """
 
 from __future__ import annotations
@@ -31,89 +38,27 @@ from ...batching.plan import gathered_plan
 from ...config import SparseBalanceConfig
 from ...policy.stand_down import StandDownCounts
 from ..runtime import comm
+from .report_sums import rank_parts, step_features, step_figures, summed_parts, unit_work
 
 PREFIX = "sparsebalance/"
 
 
-def step_features(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0, units=None):
-    """The ``UnitFeatures`` of the step's micro-batches with the attention's block parameters
-    and routing: ``units`` (the latency model's features of the step, built by the planner)
-    where they were built with the same parameters, else built here."""
-    from ...latency.features import UnitFeatures
-
-    want = (sb.block_size, sb.sink_blocks, sb.local_blocks, "kept", 16, dense_below_tokens)
-    if isinstance(units, UnitFeatures) and (
-            units.block_size, units.sink_blocks, units.local_blocks, units.work_mode,
-            units.query_chunk_blocks, units.dense_below_tokens) == want:
-        return units
-    return UnitFeatures.build(batch.unit_csr(with_padding=True), *want)
-
-
-def unit_work(batch, sb: SparseBalanceConfig, dense_below_tokens: int = 0, units=None
-              ) -> tuple[np.ndarray, Optional[np.ndarray]]:
-    """([dp, m] dense attention work (kept block pairs at density 1) of every micro-batch's
-    documents on the sparse path: the weight of its planned density in every density figure (a
-    stage's layers all run at that density); [dp, m] that of its documents routed dense
-    (shorter than ``dense_below_tokens``), which count at density 1, or None without routing).
-    ``units``: the step's features if already built (``step_features``)."""
-    feats = step_features(batch, sb, dense_below_tokens, units)
-    shape = (batch.dp, batch.num_microbatches)
-    return (feats.attention_work(1.0).reshape(shape),
-            feats.dense_work.reshape(shape) if dense_below_tokens else None)
-
-
-def kept_work(batch, sb: SparseBalanceConfig, densities: np.ndarray,
-              dense_below_tokens: int = 0, units=None) -> np.ndarray:
-    """[dp, m, stages] kept block pairs of every unit's documents on the sparse path at the
-    unit's planned density (``densities`` [dp, m, stages]): the count the selection keeps
-    (``latency/work.py``'s kept rule: ``ceil(density x causal blocks)`` per query block, never
-    fewer than its sink, local and diagonal blocks). ``units`` as in ``unit_work``."""
-    feats = step_features(batch, sb, dense_below_tokens, units)
-    d = np.asarray(densities, dtype=np.float64)
-    return np.stack([feats.attention_work(d[:, :, s].reshape(-1)).reshape(d.shape[:2])
-                     for s in range(d.shape[2])], axis=2)
-
-
-def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
-    """Positions of the step's documents (tokens and EOD), per-document padding (context
-    parallelism) left out; ``doc_positions[d]`` = document d's tokens + 1 (None: count the
-    segments whole)."""
-    segs = batch.segment_array()
-    if doc_positions is None or not segs.size:
-        return int((segs[:, 2] - segs[:, 1]).sum())
-    return int((np.minimum(segs[:, 2], doc_positions[segs[:, 0]]) - segs[:, 1]).sum())
-
-
-def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict, *,
-                overhead_s: float, work: np.ndarray, own_s: Optional[float] = None,
-                layers=None, attention_layers=None,
-                doc_positions: Optional[np.ndarray] = None,
-                dense_work: Optional[np.ndarray] = None,
-                kept: Optional[np.ndarray] = None, totals: Optional[tuple] = None) -> dict:
+def step_record(iteration: int, step, summary, calib: dict, *, figures: dict,
+                overhead_s: float, own_s: Optional[float] = None) -> dict:
     """Everything known about a finished step (identical on every rank), from the step's gathered
-    ``summary`` (``step/record.py``'s ``StepSummary``). Densities are weighted
-    by attention layers x attention work (``work`` [dp, m], ``layers`` [pp] decoder layers per
-    stage, the run's pipeline layout, None = equal; ``attention_layers`` [pp] those with
-    attention, a HybridModel's ``*`` layers, None = all); per stage and per DP rank as well as
-    overall; routed documents (``dense_work`` [dp, m], None without routing) count at density 1.
-    ``tokens`` (and tokens/s) count the documents' tokens and EOD (``document_tokens``);
-    ``positions`` what the step computed (padding included). ``kept`` [dp, m, stages]: kept block
-    pairs at the planned densities (``kept_work``): the kept density beside the planned one.
-    ``totals``: (tokens, positions) of every DP rank where ``step.batch`` is one rank's own.
-    ``overhead_s``: the plugin's wall seconds on the step's critical path (this rank); ``own_s``:
-    of those, its own work (the training thread's CPU seconds): the rest (``sb_wait_s``) is
-    waiting, for the other ranks in the step's collectives and for the planner's draft."""
-    from ...policy.costs import stage_mean_densities, weighted_mean_density
-
+    ``summary`` (``step/record.py``'s ``StepSummary``) and ``figures``, the whole step's
+    (``step_figures``: the DP group's sums). ``tokens`` (and tokens/s) count the documents'
+    tokens and EOD (``document_tokens``); ``positions`` what the step computed (padding
+    included). ``overhead_s``: the plugin's wall seconds on the step's critical path (this
+    rank); ``own_s``: of those, its own work (the training thread's CPU seconds): the rest
+    (``sb_wait_s``) is waiting, for the other ranks in the step's collectives and for the
+    planner's draft."""
     batch = step.batch
     loss_sum, loss_tokens = summary.loss
-    step_s = summary.step_s
-    if totals is None:              # the batch is every rank's: its own sums
-        totals = (document_tokens(batch, doc_positions), int(batch.packed_lengths().sum()))
-    tokens, positions = totals
+    step_s, tokens = summary.step_s, figures["tokens"]
     # Megatron's samples: the bins the documents came from (dp_balanced packs its own count)
     samples = step.consumed_samples - step.first_bin
-    rec = {"step": iteration, "tokens": tokens, "positions": positions,
+    rec = {"step": iteration, "tokens": tokens, "positions": figures["positions"],
            "samples": samples, "microbatches": batch.num_microbatches,
            "consumed_samples": step.consumed_samples,
            "loss": loss_sum / loss_tokens if loss_tokens else None,
@@ -122,32 +67,7 @@ def step_record(iteration: int, step, summary, measured: np.ndarray, calib: dict
            "sb_overhead_s": overhead_s}
     if own_s is not None:
         rec.update(sb_own_s=own_s, sb_wait_s=max(overhead_s - own_s, 0.0))
-    if step.plan is not None:
-        d = step.plan.densities                                     # [dp, m, pp]
-        lay = np.ones(d.shape[2]) if layers is None else np.asarray(layers, dtype=np.float64)
-        att = lay if attention_layers is None else np.asarray(attention_layers, np.float64)
-        w = np.asarray(work, dtype=np.float64)[:, :, None] * att[None, None, :]
-        dw = None if dense_work is None else \
-            np.asarray(dense_work, dtype=np.float64)[:, :, None] * att[None, None, :]
-        per_rank = stage_mean_densities(d.transpose(2, 1, 0), w.transpose(2, 1, 0),
-                                        None if dw is None else dw.transpose(2, 1, 0))
-        rec.update(budgets_consistent=True, mean_density=weighted_mean_density(d, w, dw),
-                   layers_per_stage=[int(x) for x in lay],
-                   attention_layers_per_stage=[int(x) for x in att],
-                   density_per_rank=[float(x) for x in per_rank],
-                   density_per_stage=[float(x) for x in stage_mean_densities(d, w, dw)])
-        if kept is not None:
-            # kept pairs / causal pairs, both over attention layers; routed documents keep all
-            k = np.asarray(kept, dtype=np.float64) * att[None, None, :]
-            num, den = float(k.sum()), float(w.sum())
-            if dw is not None:
-                num, den = num + float(dw.sum()), den + float(dw.sum())
-            if den > 0:
-                rec["kept_density"] = num / den
-    if np.isfinite(measured).all():
-        busy = measured.sum(axis=1)
-        rec.update(rank_busy_s=[float(x) for x in busy],
-                   measured_imbalance=float(busy.max() / max(busy.mean(), 1e-12)))
+    rec.update(figures)
     rec.update(calib)
     r = step.report
     if r is not None:
@@ -175,10 +95,14 @@ SCALARS = (
     ("loss", "loss"), ("step_time/measured_s", "step_time_s"),
     ("step_time/predicted_s", "predicted_step_s"), ("step_time/static_s", "predicted_static_s"),
     ("density/mean", "mean_density"), ("density/kept", "kept_density"),
+    ("density/rank_min", "density_rank_min"), ("density/rank_max", "density_rank_max"),
     ("imbalance/predicted_before", "imbalance_before"),
     ("imbalance/predicted_after", "imbalance_after"), ("imbalance/measured", "measured_imbalance"),
+    ("busy/max_s", "busy_max_s"), ("busy/mean_s", "busy_mean_s"),
     ("units/cut", "units_cut"), ("units/raised", "units_raised"),
     ("latency_model/error", "latency_error"), ("raise_headroom", "raise_headroom"),
+    ("latency_model/correction_min", "calibration_min"),
+    ("latency_model/correction_max", "calibration_max"),
     ("overhead_s", "sb_overhead_s"), ("overhead/own_s", "sb_own_s"),
     ("overhead/wait_s", "sb_wait_s"), ("planned_ahead_s", "sb_planned_ahead_s"),
     ("dst_stood_down", "dst_stood_down"), ("sab_stood_down", "sab_stood_down"),
@@ -188,10 +112,9 @@ SCALARS = (
 
 def scalars(rec: dict) -> dict:
     """The record's numbers as ``sparsebalance/...`` scalars (``SCALARS``, then the density of
-    each stage and rank); a missing or non-finite number is left out."""
+    each stage); a missing or non-finite number is left out."""
     named = [(name, rec.get(key)) for name, key in SCALARS]
     named += [(f"density/stage{s}", v) for s, v in enumerate(rec.get("density_per_stage") or [])]
-    named += [(f"density/rank{r}", v) for r, v in enumerate(rec.get("density_per_rank") or [])]
     return {PREFIX + name: float(v) for name, v in named if v is not None and np.isfinite(v)}
 
 
@@ -258,48 +181,63 @@ class StepReporter:
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
         self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
 
-    def _gathered(self, step, units, work, dense, d, gather) -> tuple:
-        """(work [dp, m], routed work [dp, m] or None, kept pairs [dp, m, stages] or None,
-        (tokens, positions)) of every DP rank, each rank's rows gathered (collective): block
-        pair counts and token counts, exact in float64."""
-        m, batch = step.batch.num_microbatches, step.batch
-        nv = 0 if d is None else d.shape[2]
-        kept = None if d is None else \
-            kept_work(batch, self.sb, d, self.dense_below_tokens, units)
-        rows = gather(np.concatenate([
-            work.reshape(-1), np.zeros(m) if dense is None else dense.reshape(-1),
-            np.zeros(0) if kept is None else kept.reshape(-1),
-            [document_tokens(batch, self.doc_positions), batch.packed_lengths().sum()]]))
-        dp = rows.shape[0]
-        return (rows[:, :m], None if dense is None else rows[:, m:2 * m],
-                None if kept is None else rows[:, 2 * m:2 * m + m * nv].reshape(dp, m, nv),
-                (int(rows[:, -2].sum()), int(rows[:, -1].sum())))
+    def _parts(self, step, row: int, measured, units=None) -> dict:
+        """DP rank ``row``'s ``rank_parts`` of ``step`` (its row of a whole plan, or the batch
+        that is its own), with its busy seconds: its row of ``measured`` ([dp, pp] or its own
+        [1, pp])."""
+        batch = step.batch
+        own = batch if batch.dp == 1 else batch.row_plan(row)
+        busy = np.asarray(measured, dtype=np.float64)
+        busy = busy[row if busy.shape[0] == self.dp else 0].sum()
+        return rank_parts(own, self.sb, None if step.plan is None else
+                          step.plan.densities[row:row + 1], layers=self.layout.layers,
+                          attention_layers=self.layout.attention_layers,
+                          dense_below_tokens=self.dense_below_tokens,
+                          doc_positions=self.doc_positions,
+                          units=units if batch.dp == 1 else None, busy=busy)
+
+    def _detail(self, step, units, gather) -> tuple:
+        """(work [dp, m], routed work [dp, m] or None, the plan of every DP rank) for the
+        metrics file's per-unit detail (``unit_details``); where the step's batch is this
+        rank's own, every rank's rows gathered (collective: [dp, 2m] floats, and the plan's
+        segments, ``gathered_plan``)."""
+        batch = step.batch
+        work, dense = unit_work(batch, self.sb, self.dense_below_tokens, units)
+        if batch.dp < self.dp:
+            m = batch.num_microbatches
+            rows = gather(np.concatenate([work.reshape(-1), np.zeros(m) if dense is None
+                                          else dense.reshape(-1)]))
+            work, dense = rows[:, :m], None if dense is None else rows[:, m:]
+            batch = gathered_plan(batch, gather)
+        return work, dense, batch
 
     def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
                own_s: Optional[float] = None, planned_ahead_s: Optional[float] = None,
-               gather=None):
+               reduce=None, gather=None):
         """``overhead_s``: the plugin's seconds on the step's critical path (this rank), ``own_s``
         of them its own work (``step_record``); ``planned_ahead_s``: CPU seconds the planner's
         draft of the next step took (--sb-planner process/thread; off the critical path);
-        ``gather``: every DP rank's row of a vector (``StepExchange.gather_rows``: collective),
-        which a step of one rank's own micro-batches reports the whole step's figures from."""
-        units = step_features(step.batch, self.sb, self.dense_below_tokens, step.units)
-        work, dense = unit_work(step.batch, self.sb, self.dense_below_tokens, units)
-        d = None if step.plan is None else step.plan.densities
-        totals, batch = None, step.batch
-        if batch.dp < self.dp:            # this rank's micro-batches: every DP rank's rows
-            d = None if d is None else d[self.dp_rank:self.dp_rank + 1]
-            work, dense, kept, totals = self._gathered(step, units, work, dense, d, gather)
-            if self.sb.metrics_file:     # the plan's record: every rank's micro-batches
-                batch = gathered_plan(batch, gather)
+        ``measured``: busy seconds [dp, pp] or this rank's [1, pp] (NaN: untimed).
+        The figures are the DP group's sums of every rank's own parts: ``reduce``
+        (``StepExchange.reduce``: collective, a fixed size); None: the step's batch is every
+        rank's (a whole plan in one process) and every row's parts are summed here. ``gather``:
+        every DP rank's row of a vector (``StepExchange.gather_rows``: collective), only for
+        ``--sb-metrics-file``'s per-unit detail where the batch is this rank's own."""
+        batch = step.batch
+        if reduce is None and batch.dp != self.dp:
+            raise ValueError(f"the step's batch holds {batch.dp} of {self.dp} DP ranks' "
+                             f"micro-batches: its figures need the DP group's reduce")
+        units = step_features(batch, self.sb, self.dense_below_tokens, step.units) \
+            if batch.dp == 1 else step.units      # a whole plan's: each row builds its own
+        if reduce is None:
+            total = summed_parts([self._parts(step, r, measured, units)
+                                  for r in range(self.dp)])
         else:
-            kept = None if d is None else \
-                kept_work(batch, self.sb, d, self.dense_below_tokens, units)
-        rec = step_record(iteration, step, summary, measured, calib, overhead_s=overhead_s,
-                          own_s=own_s, work=work, layers=self.layout.layers,
-                          attention_layers=self.layout.attention_layers,
-                          doc_positions=self.doc_positions, dense_work=dense, kept=kept,
-                          totals=totals)
+            total = reduce(self._parts(step, self.dp_rank, measured, units))
+        figures = step_figures(total, layers=self.layout.layers,
+                               attention_layers=self.layout.attention_layers)
+        rec = step_record(iteration, step, summary, calib, figures=figures,
+                          overhead_s=overhead_s, own_s=own_s)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         # every rank's planner process deaths and stalls, reported with the step after them
@@ -316,7 +254,9 @@ class StepReporter:
         self.stood.add(rec.get("dst_stood_down"), rec.get("sab_stood_down"))
         if self.stood.dst_steps or self.stood.sab_steps:
             rec["stood_down_total"] = self.stood.state_dict()
-        if self.sb.metrics_file and comm.rank() == 0:
+        detail = self._detail(step, units, gather) if self.sb.metrics_file else None
+        if detail is not None and comm.rank() == 0:
+            work, dense, batch = detail
             line = dict(rec, **unit_details(step, summary, work, dp=self.dp, batch=batch,
                                             layout=self.layout, dense_work=dense,
                                             pad_multiple=self.pad_multiple,
