@@ -149,8 +149,9 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
 
     cand = min(2 * (2 * ROUNDS + PARTNERS + 1), dp) * (q["unit_floats"] + docs) * 8
     add("sab.candidates", "draft", False, "allreduce", dp, tp, cand, ar * cand)
-    add("rows", "draft", True, "allgather", dp, tp, 8 * q["row_floats"] * dp,
-        8 * q["row_floats"] * (dp - 1))
+    # every rank's committed rows (densities, sensitivities): only what --sb-metrics-file records
+    add("rows (--sb-metrics-file only)", "off", True, "allgather", dp, tp,
+        8 * q["row_floats"] * dp, 8 * q["row_floats"] * (dp - 1))
     cell, _, _ = record_shapes(dp, pp, m, docs)
     add("record.tp", "step", False, "allgather", tp, 1, tp * cell.nbytes, (tp - 1) * cell.nbytes)
     add("record.pp", "step", False, "allgather", pp, tp * dp, pp * cell.nbytes,

@@ -112,7 +112,9 @@ def _drafter(dp: int, objective: str):
     segs = np.stack([np.arange(lengths.size), np.zeros_like(lengths), lengths], axis=1)
     tracker = SensitivityTracker()
     tracker.update(segs[::2, 0], lengths[::2], rng.uniform(1, 3, segs[::2].shape[0]))
-    sb = SparseBalanceConfig(sparse_balance=True, density=0.5, dst_objective=objective)
+    # the quality objective's runs record every unit (--sb-metrics-file: the rows gathered)
+    sb = SparseBalanceConfig(sparse_balance=True, density=0.5, dst_objective=objective,
+                             metrics_file="metrics.jsonl" if objective == "quality" else None)
     return Drafter(sb, lm, tracker, dp=dp, capacity=8192, attention_layers=[4, 4]), segs
 
 
@@ -262,9 +264,9 @@ def test_a_ranks_own_draft_settles_to_its_row_of_the_whole_steps(runs):
     """``Drafter.draft(rank=r)`` packs only the rank's SAB units and its baseline row, and
     ``settle`` agrees SAB, the do-no-harm race and DST over the group: the rank commits its row
     of what the whole-step draft commits (the same packing chosen, the same micro-batches, the
-    same densities, the same planned step), every rank's rows gathered are the whole step's
-    (densities, sensitivities), and its predicted busy seconds (what it calibrates its own
-    pipeline with) are its row of the whole step's."""
+    same densities, the same planned step) and its predicted busy seconds (what it calibrates
+    its own pipeline with); with --sb-metrics-file every rank's rows gathered are the whole
+    step's (densities, sensitivities)."""
     for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
         for objective in ("quality", "density"):
             drafter, segs = _drafter(dp, objective)
@@ -277,8 +279,12 @@ def test_a_ranks_own_draft_settles_to_its_row_of_the_whole_steps(runs):
                 r = run[name]["dp_rank"]
                 assert record["packing_index"] == index, (name, objective)
                 assert rows == [batch.micro_batches[r]], (name, objective, r)
-                np.testing.assert_array_equal(got, np.asarray(dens))
+                if objective == "quality":   # --sb-metrics-file: every rank's rows gathered
+                    np.testing.assert_array_equal(got, np.asarray(dens))
+                    assert sens == report["unit_sensitivity"]
+                else:                        # its own rows alone, no sensitivities reported
+                    np.testing.assert_array_equal(got, np.asarray(dens)[r:r + 1])
+                    assert sens is None
                 np.testing.assert_array_equal(busy,
                                               np.asarray(report["predicted_busy_s"])[r:r + 1])
-                assert sens == report["unit_sensitivity"]
                 assert step_s == pytest.approx(report["step_time_planned_s"], rel=1e-12)

@@ -243,12 +243,12 @@ class Drafter:
         return densities, report
 
     def _gathered(self, draft: Draft, agree, densities, report):
-        """Every DP rank's rows of what a rank's own draft commits, gathered once (collective,
-        [dp, m x stages + m] floats): the densities (None: a static plan's) and the units'
-        sensitivities, written into the report where it has them; the whole step's densities.
-        The rank's own uncorrected predicted busy seconds, which it calibrates its pipeline
-        with after the step, stay its own (``Draft.predicted_busy``, [1, pipeline ranks]; NaN
-        without a plan)."""
+        """What a rank's own draft commits: its own rows (densities [1][m][stages]; None: a
+        static plan's), and its uncorrected predicted busy seconds, which it calibrates its
+        pipeline with after the step (``Draft.predicted_busy``, [1, pipeline ranks]; NaN
+        without a plan). Only ``--sb-metrics-file``, which records every unit, gathers every
+        DP rank's rows (collective, [dp, m x stages + m] floats): the densities and the units'
+        sensitivities (the report's; without the file it holds none)."""
         stand = report["stand_down"] if report is not None else draft.stand_down
         batch, units = draft.packing(int(stand["packing_index"]) if stand else 0)
         m, nv, lm = batch.num_microbatches, len(self.attention_layers), self.latency
@@ -258,6 +258,11 @@ class Drafter:
         draft.predicted_busy = lm.busy_s(units, d) if lm is not None and d is not None else \
             np.full((1, pp), np.nan)
         sens = report.get("unit_sensitivity") if report is not None else None
+        if not self.sb.metrics_file:
+            if report is not None:
+                report.update(predicted_busy_s=draft.predicted_busy.tolist(),
+                              unit_sensitivity=None)
+            return densities
         rows = agree.gather(np.concatenate([
             np.zeros(m * nv) if densities is None else d.reshape(-1),
             np.zeros(m) if sens is None else np.asarray(sens, np.float64).reshape(-1)]))

@@ -137,8 +137,9 @@ class StepPlanning(PlanBasis):
             plan = BudgetPlan(draft.iteration, draft.replayed)
         elif self._agreeing():            # in-line: agreed here, after the calibration
             densities, report = draft.agreed or self._agree(draft)
-            if densities is not None:
-                plan = BudgetPlan(draft.iteration, np.asarray(densities))
+            if densities is not None:          # its own rows, or every rank's (gathered)
+                d = np.asarray(densities)
+                plan = BudgetPlan(draft.iteration, d, 0 if len(d) == self.dp else self.dp_rank)
         stand = report.get("stand_down") if report is not None else draft.stand_down
         # SAB's packing, or the baseline's where SAB stood down
         batch, units = draft.packing(1 if stand is not None and stand["packing_index"] == 1

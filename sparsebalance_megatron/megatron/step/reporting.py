@@ -190,7 +190,7 @@ class StepReporter:
         busy = np.asarray(measured, dtype=np.float64)
         busy = busy[row if busy.shape[0] == self.dp else 0].sum()
         return rank_parts(own, self.sb, None if step.plan is None else
-                          step.plan.densities[row:row + 1], layers=self.layout.layers,
+                          step.plan.rows(row), layers=self.layout.layers,
                           attention_layers=self.layout.attention_layers,
                           dense_below_tokens=self.dense_below_tokens,
                           doc_positions=self.doc_positions,
