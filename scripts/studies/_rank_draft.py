@@ -15,7 +15,10 @@ exact, each collective flagged fixed or growing with DP).
   ``--sb-stand-down-compare planned`` plans both), each phase's MAXIMUM OVER THE DP RANKS (the
   ranks wait for each other at every reduction: the wall time of a rank's DST less the
   reductions'), as ``dst_decomposed`` takes it: every rank's rounds are driven here in lockstep
-  (``dst_rounds.plan_rounds_in_process``), each rank's CPU by ``dst_ranks.PHASES``;
+  (``dst_rounds.plan_rounds_in_process``), each rank's CPU by ``dst_ranks.PHASES``, the least of
+  ``repeats`` runs per rank and phase (one run's maximum over 4,096 ranks measured one after
+  another on a shared CPU is its preemptions': ``dst_rank_s`` keeps each run's sum of phase
+  maxima, and the median, p99 and maximum over ranks of a rank's DST);
 - ``busy_s``: the committed plan's busy seconds of its own units (``choice.choose``'s).
 
 The representative rank of the SAB and cost phases is the critical one (the largest seed
@@ -72,7 +75,7 @@ def dst_all_ranks(costs, sens, settings, quality, rank_scale):
     return plan_rounds_in_process(gens), log
 
 
-def rank_step(drafter, raw, m: int, rank=None) -> dict:
+def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
     """One step of ``raw`` (the step's segments) as DP rank ``rank`` plans it (module docstring;
     None: the critical rank): ``phases_s`` (thread CPU), ``draft_s`` (their sum), ``rank``,
     the sizes the bytes are priced from (``rounds``: each DST round's floats, both packings;
@@ -115,7 +118,7 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
         grid = density_grid(sb.density, sb.min_density, sb.max_density)
         h = raise_headroom(sb, lm, dp)
         dst = np.zeros(len(PHASES))
-        rounds, sizes = [], {}
+        rounds, sizes, single, totals = [], {}, [], []
         densities = None
         for i, batch in enumerate((whole, base)):
             units = drafter.units(batch)                                 # off the clock
@@ -126,9 +129,17 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
             sens = batch_sensitivity(batch, drafter.tracker)
             settings, quality = dst_inputs(sb, costs.shape[2], lm.p2p_s, h,
                                            drafter.attention_layers)
-            plans, log = dst_all_ranks(costs, sens, settings, quality,
-                                       lm.correction_grid(dp, costs.pipeline_ranks))
-            dst += np.max([p.cpu_s for p in plans], axis=0)              # per phase, over ranks
+            # each rank's CPU per phase, the least of ``repeats`` lockstep runs (this shared
+            # CPU's preemptions are not the rank's work), then each phase's max over the ranks
+            cpu = None
+            for rep in range(repeats):
+                plans, log = dst_all_ranks(costs, sens, settings, quality,
+                                           lm.correction_grid(dp, costs.pipeline_ranks))
+                got = np.array([p.cpu_s for p in plans])                  # [dp, phases]
+                cpu = got if cpu is None else np.minimum(cpu, got)
+                single.append(float(got.max(axis=0).sum()))
+            dst += cpu.max(axis=0)
+            totals.append(cpu.sum(axis=1))
             rounds += log
             if i == 0:
                 idx = np.concatenate([p.grid_index for p in plans])
@@ -141,7 +152,12 @@ def rank_step(drafter, raw, m: int, rank=None) -> dict:
         t[f"dst.{k}"] = float(v)
     nv = densities.shape[2]
     row = nv * m + (0 if sizes["sens"] is None else sizes["sens"][r].size)
+    per_rank = np.sum(totals, axis=0)            # both packings' DST of each rank, min of runs
     return {"rank": r, "phases_s": t, "draft_s": float(sum(t.values())), "rounds": rounds,
+            "dst_rank_s": {"median": float(np.median(per_rank)),
+                           "p99": float(np.percentile(per_rank, 99)),
+                           "max": float(per_rank.max()),
+                           "single_run_phase_maxima": single},
             "row_floats": int(row), "unit_floats": int(2 * m * nv + nv + 2 * m + 2),
             "report_floats": report_floats(drafter, own, own_units[0], densities[r:r + 1]),
             "candidates": 0 if c is None else int(c.ranks.size),

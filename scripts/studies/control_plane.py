@@ -310,7 +310,12 @@ def main(argv=None) -> int:
         print(f"DP {dp} x PP {pp}: a rank's draft {q['draft_s'] * 1e3:.1f} ms ("
               + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in q["phases_s"].items())
               + f"), after the step {q['after_step_s'] * 1e3:.1f} ms, handoff "
-              f"{q['handoff_s'] * 1e3:.1f} ms, step {q['static_step_s']:.3f} s", flush=True)
+              f"{q['handoff_s'] * 1e3:.1f} ms, step {q['static_step_s']:.3f} s; a rank's DST "
+              f"over ranks: median {q['dst_rank_s']['median'] * 1e3:.1f}, p99 "
+              f"{q['dst_rank_s']['p99'] * 1e3:.1f}, max {q['dst_rank_s']['max'] * 1e3:.1f} ms "
+              f"(one run's phase maxima: " + ", ".join(
+                  f"{x * 1e3:.1f}" for x in q['dst_rank_s']['single_run_phase_maxima'])
+              + " ms)", flush=True)
     rows, fits, pp_ratio = build_rows(points, args.max_world, m, args.repeats)
     tg = targets(rows, points)
     _print(rows, tg)

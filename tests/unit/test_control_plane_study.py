@@ -30,6 +30,9 @@ def test_a_ranks_draft_is_its_phases_and_the_same_rounds_at_dp_2_and_4(points):
         assert sum(q["phases_s"].values()) == pytest.approx(q["draft_s"], abs=1e-12)
         assert 0 <= q["rank"] < dp and q["static_step_s"] > 0 and q["handoff_bytes"] > 0
         assert q["candidates"] == dp                      # few ranks: every one a candidate
+        d = q["dst_rank_s"]                  # a rank's DST over ranks, the least of 3 runs each
+        assert 0 < d["median"] <= d["p99"] <= d["max"]
+        assert len(d["single_run_phase_maxima"]) == 3 * 2  # 3 runs x both packings
     a, b = points[2], points[4]
     # the rounds' vectors (AR1, AR2, AR3, AR3b, AR4 of SAB's packing), the row, a unit: fixed
     assert a["rounds"][:5] == b["rounds"][:5] and len(a["rounds"]) >= 10
