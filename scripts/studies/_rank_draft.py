@@ -59,6 +59,23 @@ def _recorded(rounds, log):
             return done.value
 
 
+def span_rounds(span: np.ndarray) -> list:
+    """The sizes (floats: ``{"sum": n, "max": n}``) of rank 0's parts, round by round, of the
+    candidates' agreement from every rank's makespan ``span`` (``span_select``), every rank's
+    rounds driven in lockstep; checked to agree ``slots.candidates``."""
+    from sparsebalance_megatron.batching.slots import candidate_count, candidates
+    from sparsebalance_megatron.batching.span_select import candidate_rounds
+    from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
+
+    dp, log = span.size, []
+    gens = [_recorded(candidate_rounds(float(span[r]), r, dp, candidate_count()),
+                      log if r == 0 else None) for r in range(dp)] if dp > 2 * candidate_count() \
+        else []
+    if gens and not np.array_equal(plan_rounds_in_process(gens)[0], candidates(span)):
+        raise SystemExit("the candidates' rounds disagree with slots.candidates")
+    return [{op: sum(r[op].values()) for op in ("sum", "max")} for r in log]
+
+
 def dst_all_ranks(costs, sens, settings, quality, rank_scale):
     """(every rank's ``RankPlan``, rank 0's rounds' sizes in floats): the package's rounds of
     every DP rank driven in lockstep (``plan_rounds_in_process``), as ``plan_dst_decomposed``
@@ -161,6 +178,7 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
             "row_floats": int(row), "unit_floats": int(2 * m * nv + nv + 2 * m + 2),
             "report_floats": report_floats(drafter, own, own_units[0], densities[r:r + 1]),
             "candidates": 0 if c is None else int(c.ranks.size),
+            "span_rounds": [] if c is None else span_rounds(every.span_s),
             "docs_max": int(max(len(s) for s in doc_slots(whole.micro_batches))),
             "costs": sizes["costs"], "batch": whole, "units": sizes["units"],
             "densities": densities, "own": own, "own_units": own_units[0]}

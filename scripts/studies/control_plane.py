@@ -15,17 +15,19 @@ Four parts:
   a power of DP (PP 8: scaled by the measured PP 8 / PP 4 ratio), marked so.
 - **Bytes each rank receives per step** (exact, from the sizes the rounds and records have):
   DST's rounds (``DPReducer``: one all-reduce of the sums and one of the maxima a round, both
-  packings), the do-no-harm step maxima, SAB's agreement (the fits flag, every rank's makespan
-  gathered for the candidates, the candidates' units as a fixed-size reduction of at most 2 x
-  19 ranks' rows), the committed rows' all-gather, the median anchor's gather (only with
-  ``--sb-dst-anchor median``; the default is mean), the per-step record gather's three
-  levels (TP, PP: fixed; DP: every pipeline's line) and the report's figures (an all-reduce of
-  its sums and one of its maxima: ``report_sums``, a fixed size). Each flagged ``fixed`` or
+  packings), the do-no-harm step maxima, the agreed medians (``agreed_stats``), SAB's agreement
+  (the fits flag, the candidates agreed from every rank's makespan in the rounds
+  ``span_select`` made on the step's makespans, the candidates' units as a fixed-size reduction
+  of at most 2 x 19 ranks' rows), the committed rows' all-gather (only with
+  ``--sb-metrics-file``), the median anchor's gather (only with ``--sb-dst-anchor median``; the
+  default is mean), the per-step record's levels (TP, PP gathers: fixed; DP: its sums and
+  maxima) and the report's figures (an all-reduce of its sums and one of its maxima:
+  ``report_sums``, a fixed size). Each flagged ``fixed`` or
   ``grows`` (with DP); priced with ``_exchange_paths.MODEL`` (NCCL's tuner: a ring, or for an
   all-reduce the cheaper of ring and tree; DGX H100 nodes; the DST rounds run on a gloo copy of
   the DP group in a run, which this prices as NCCL).
 - **After-step work and handoff** (measured, the collector paused): ``planner_cost.after_step``
-  (calibration of every DP rank, a fresh tracker's update with every document, the report's
+  (calibration of its own pipeline, a fresh tracker's update with its documents, the report's
   sums of the rank's own units and its figures, ``report_sums``; the min of 2) and the
   handoff (the step's request pickled for the planner process: the global batch's segments and
   the tracker's update).
@@ -144,7 +146,12 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
         add("dst.agreed_stats", "draft", False, "allreduce", dp, tp, 16 * (BINS + 2),
             ar * 16 * (BINS + 2))
     add("sab.fits", "draft", False, "allreduce", dp, tp, 8, ar * 8)
-    add("sab.spans", "draft", True, "allgather", dp, tp, 8 * dp, 8 * (dp - 1))
+    # the candidates from every rank's makespan: the range, refinements, hash-slot gathers
+    for op in ("sum", "max"):
+        nb = [8 * r[op] for r in q["span_rounds"] if r[op]]
+        out.append({"name": f"sab.candidate_rounds.{op}", "where": "draft", "grows": False,
+                    "bytes": int(round(ar * sum(nb))), "count": len(nb),
+                    "seconds": sum(collective_s("allreduce", dp, tp, x) for x in nb)})
     from sparsebalance_megatron.batching.slots import PARTNERS, ROUNDS
 
     cand = min(2 * (2 * ROUNDS + PARTNERS + 1), dp) * (q["unit_floats"] + docs) * 8

@@ -8,9 +8,9 @@ reductions carry it: in-process in lockstep (the tests), over the DP group in a 
 
 1. max of a flag (some rank's cut does not fit: every rank then packs the sequential bins,
    ``SABAssignment.agree``'s fallback, each rank's priced with its own factors, and round 1 is
-   made again over them) and of the ranks' segment counts (the width of round 2's rows);
-   the ranks' makespans gathered in DP order (8 bytes a rank: the one part that grows with DP),
-   from which every rank takes the same ``slots.candidates``;
+   made again over them) and of the ranks' segment counts (the width of round 2's rows); then
+   ``slots.candidates`` of every rank's makespan, agreed in a few fixed-size rounds without
+   gathering the makespans (``span_select``);
 2. sum of a [candidates, width] float64 block in which each candidate rank fills its own row (its
    per-stage costs, its calibration factors (each DP rank calibrates only its own pipeline, and
    the search prices the candidates with theirs), seed slots, makespan, bin sizes and segment
@@ -35,6 +35,7 @@ import numpy as np
 from . import slots as slot_search
 from .assignment import Agreement, RankUnits, SABAssignment
 from .plan import BatchPlan
+from .span_select import candidate_rounds
 
 
 def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict, Agreement]:
@@ -45,17 +46,15 @@ def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict,
     priced = a.cost_fn is not None
     fits = bool(mine.fits)
     nseg = sum(map(len, mine.bins[0])) if fits else 0
-    span = float(mine.span_s[0]) if fits and priced else 0.0
-    got = yield {"sum": {}, "max": {"unfit": int(not fits), "nseg": int(nseg)},
-                 "cat": {"span": np.array([span])} if priced else {}}
+    got = yield {"sum": {}, "max": {"unfit": int(not fits), "nseg": int(nseg)}}
     fallback = bool(got["unfit"])
     if not priced:
         return Agreement(fallback, None)
     if fallback:                       # every rank alike: the sequential bins, its own priced
         mine = a.fallback_units(mine.ranks)
-        got = yield {"sum": {}, "max": {"nseg": sum(map(len, mine.bins[0]))},
-                     "cat": {"span": mine.span_s[:1].astype(np.float64)}}
-    ranks = slot_search.candidates(np.asarray(got["span"], dtype=np.float64))
+        got = yield {"sum": {}, "max": {"nseg": sum(map(len, mine.bins[0]))}}
+    ranks = yield from candidate_rounds(float(mine.span_s[0]), int(mine.ranks[0]), a.dp,
+                                        slot_search.candidate_count())
     block = np.zeros((ranks.size, _width(mine, int(got["nseg"]))))
     at = int(np.searchsorted(ranks, mine.ranks[0]))
     if at < ranks.size and ranks[at] == mine.ranks[0]:

@@ -100,6 +100,11 @@ def seed_slots(f: np.ndarray, b: np.ndarray, p2p_s: float, pp: Optional[int],
     return seeds[np.arange(k), pick] - own[:, :1], t[np.arange(k), pick]
 
 
+def candidate_count(rounds: int = ROUNDS) -> int:
+    """How many of the largest makespans, and of the smallest, ``candidates`` keeps."""
+    return 2 * rounds + PARTNERS + 1
+
+
 def candidates(span: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
     """The ranks (ascending) the search can touch in ``rounds`` rounds: the ``2 rounds +
     PARTNERS + 1`` largest makespans and as many smallest (ties to the lower rank). A round
@@ -107,7 +112,7 @@ def candidates(span: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
     the first largest nor among the first ``PARTNERS`` smallest while it keeps its makespan,
     as as many ranks before it in that order keep theirs. So the search over them alone makes
     the same moves as over every rank, and a rank needs only their micro-batches."""
-    k = 2 * rounds + PARTNERS + 1
+    k = candidate_count(rounds)
     dp = span.size
     if dp <= 2 * k:
         return np.arange(dp)

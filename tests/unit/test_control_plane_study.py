@@ -54,8 +54,7 @@ def test_fixed_collectives_stay_bounded_and_growing_ones_grow_with_dp(points):
             assert big["bytes"] <= top["bytes"] <= 1.05 * big["bytes"], name
             assert mid["bytes"] <= 2 * big["bytes"], name
     assert {n for n, c in got[2].items() if c["grows"]} == {
-        "sab.spans", "rows (--sb-metrics-file only)",
-        "median_anchor (--sb-dst-anchor median only)"}
+        "rows (--sb-metrics-file only)", "median_anchor (--sb-dst-anchor median only)"}
     # the report's figures and the record's DP level: all-reduces of a few floats (issue 77)
     assert not got[4096]["report.sum"]["grows"] and got[4096]["report.max"]["bytes"] < 100
     assert not got[4096]["record.dp"]["grows"] and got[4096]["record.dp"]["bytes"] < 200
@@ -73,3 +72,25 @@ def test_the_table_and_the_simulators_rows_from_measured_points(points):
     sim = control_plane.simulator_rows(rows)
     assert sim and all(s["tp"] == 1 and s["pp"] == 4 and s["broadcast_ms"] == 0.0 for s in sim)
     assert {"world_size", "microbatches", "gather_ms", "broadcast_ms"} <= set(sim[0])
+
+
+def test_the_candidates_rounds_are_priced_from_the_rounds_made():
+    """Past 2 x 19 ranks the candidates' agreement is rounds of fixed-size parts (the range, the
+    refinements, the hash-slot gathers), made on the step's makespans and checked to agree
+    ``slots.candidates``; the pricing adds them as all-reduces that do not grow with DP."""
+    import numpy as np
+    from sparsebalance_megatron.batching import span_select
+    from studies._rank_draft import span_rounds
+
+    assert span_rounds(np.linspace(1, 2, 38)) == []
+    sizes = span_rounds(np.random.default_rng(0).lognormal(0, 0.05, 500))
+    assert sizes[0] == {"sum": 0, "max": 2} and len(sizes) <= 7
+    assert all(s["sum"] in (2 * span_select.BINS, 3 * span_select.SLOTS) for s in sizes[1:])
+    q = {"rounds": [], "unit_floats": 10, "row_floats": 10, "report_floats": {"sum": 1, "max": 1},
+         "span_rounds": sizes}
+    got = {dp: {c["name"]: c for c in control_plane.rank_bytes(1, 4, dp, 4, q, 5)}
+           for dp in (64, 4096)}
+    for op in ("sum", "max"):
+        a, b = got[64][f"sab.candidate_rounds.{op}"], got[4096][f"sab.candidate_rounds.{op}"]
+        assert a["count"] == b["count"] == sum(1 for s in sizes if s[op])
+        assert not b["grows"] and a["bytes"] <= b["bytes"] <= 1.05 * a["bytes"]
