@@ -192,7 +192,8 @@ def report_floats(drafter, own, own_units, densities) -> dict:
     lm = drafter.latency
     parts = rank_parts(own, drafter.sb, densities, layers=lm.layout.layers,
                        attention_layers=lm.layout.attention_layers,
-                       dense_below_tokens=lm.dense_below_tokens or 0, units=own_units, busy=0.0)
+                       dense_below_tokens=lm.dense_below_tokens or 0, units=own_units, busy=0.0,
+                       calibration=(0.0, 1.0))
     return {op: int(sum(np.size(v) for v in parts[op].values())) for op in ("sum", "max")}
 
 
@@ -222,7 +223,8 @@ def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tra
     step_figures(summed_parts([rank_parts(
         own, sb, densities[rank:rank + 1], layers=layout.layers,
         attention_layers=layout.attention_layers, dense_below_tokens=routing, units=own_units,
-        busy=float((predicted[0] * noise[0]).sum()))]), layers=layout.layers,
+        busy=float((predicted[0] * noise[0]).sum()),
+        calibration=(0.05, lm.correction(rank)))]), layers=layout.layers,
         attention_layers=layout.attention_layers)
     return time.thread_time() - c0
 

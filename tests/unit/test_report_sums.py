@@ -106,6 +106,25 @@ def test_an_untimed_rank_leaves_the_busy_figures_out():
     assert "mean_density" in got
 
 
+def test_the_calibration_figures_are_the_ranks_mean_error_and_factor_range():
+    """Each DP rank calibrates its own pipeline: the record's latency error is the mean over
+    the ranks with an error this step (NaN: none), its factors' least and greatest, reduced
+    with the report's sums; no rank with an error: None."""
+    sb = SparseBalanceConfig(sparse_attention=True, block_size=BLOCK)
+    batch, d, pos = _step()
+    cal = [(0.1, 1.2), (np.nan, 0.8), (0.3, 1.0), (0.2, 1.5)]
+
+    def figures(cal):
+        return step_figures(summed_parts([rank_parts(batch.row_plan(r), sb, d[r:r + 1],
+                                                     calibration=cal[r])
+                                          for r in range(batch.dp)]))
+    got = figures(cal)
+    assert got["latency_error"] == pytest.approx(0.2, rel=1e-12)
+    assert (got["calibration_min"], got["calibration_max"]) == (0.8, 1.5)
+    assert figures([(np.nan, f) for _, f in cal])["latency_error"] is None
+    assert "latency_error" not in figures([None] * batch.dp)
+
+
 def test_weight_totals_of_sums_are_the_arrays_means_with_zero_weights():
     """A stage whose weights are all zero falls back to its plain mean, from the sums as from
     the arrays."""

@@ -8,35 +8,32 @@ import pytest
 
 from sparsebalance_megatron.batching import span_select
 from sparsebalance_megatron.batching.slots import candidate_count, candidates
-from sparsebalance_megatron.policy.dst_rounds import reduce_in_process
+from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process, run_rounds
 
 K = candidate_count()
 
 
 def _agree(span):
-    """Every rank's candidates, and the sizes (floats) of rank 0's parts, round by round."""
-    dp = len(span)
-    gens = [span_select.candidate_rounds(float(span[r]), r, dp, K) for r in range(dp)]
-    sizes = []
-    try:
-        parts = [next(g) for g in gens]
-    except StopIteration as done:          # DP <= 2k: no round
-        return [done.value] * dp, sizes
-    for _ in range(64):
-        sizes.append(sum(np.asarray(v).size for op in ("sum", "max")
-                         for v in parts[0][op].values()))
-        agreed = reduce_in_process(parts)
-        out, nxt = [], []
-        for g in gens:
+    """Every rank's candidates (``dst_rounds.plan_rounds_in_process``), and the sizes (floats)
+    of rank 0's parts, round by round."""
+    dp, sizes = len(span), []
+
+    def logged(rounds):                  # rank 0's parts measured on their way
+        parts = next(rounds)
+        while True:
+            sizes.append(sum(np.asarray(v).size for op in ("sum", "max")
+                             for v in parts[op].values()))
+            assert len(sizes) <= 64, "no agreement in 64 rounds"
+            agreed = yield parts
             try:
-                nxt.append(g.send(agreed))
+                parts = rounds.send(agreed)
             except StopIteration as done:
-                out.append(done.value)
-        if out:
-            assert not nxt, "the ranks' rounds disagree"
-            return out, sizes
-        parts = nxt
-    raise AssertionError("no agreement in 64 rounds")
+                return done.value
+
+    gens = [span_select.candidate_rounds(float(span[r]), r, dp, K) for r in range(dp)]
+    if dp <= 2 * K:                      # no round: every rank a candidate
+        return [run_rounds(g, None) for g in gens], sizes
+    return plan_rounds_in_process([logged(gens[0])] + gens[1:]), sizes
 
 
 def _spans(kind: int, dp: int, rng) -> np.ndarray:

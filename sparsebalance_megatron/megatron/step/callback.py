@@ -363,21 +363,17 @@ class SparseBalanceCallback(StepPlanning):
         """This DP rank's pipeline (its factors alone: each DP rank calibrates its own):
         measured fwd+bwd over its stages vs the uncorrected prediction, and with PP each
         pipeline rank's share of it too (one slow GPU of a pipeline). ``measured``: [1, pp].
-        The record's figures are the group's: the mean error (a sum) and the factors' range
-        (maxima); with ``--sb-metrics-file`` every rank's factors (a gather, opt-in)."""
+        The record's figures are the group's, reduced with the report's
+        (``calibration_own``: the rank's error and factor; ``report_sums``): the mean error and
+        the factors' range; with ``--sb-metrics-file`` every rank's factors (a gather, opt-in)."""
         r = self.dp_rank
         predicted = self._predicted_busy(step)
         grid = self.latency.correction_grid(r + 1, predicted.shape[1])[r:]
         corrected = float((predicted * grid).sum())
         self.latency.calibrate_ranks(predicted, measured, first=r)
         busy = float(measured.sum())
-        err = abs(corrected - busy) / max(busy, 1e-12)
-        ok = bool(np.isfinite(err))
         factor = self.latency.correction(r)
-        got = self.exchange.reduce({"sum": {"err": err if ok else 0.0, "n": float(ok)},
-                                    "max": {"top": factor, "low": -factor}})
-        out = {"latency_error": got["err"] / got["n"] if got["n"] else None,
-               "calibration_min": -got["low"], "calibration_max": got["top"]}
+        out = {"calibration_own": (abs(corrected - busy) / max(busy, 1e-12), factor)}
         if self.sb.metrics_file:            # per-rank detail, opt-in: every rank's factors
             rows = self.exchange.gather_rows(np.r_[corrected, factor, self.latency.
                                                    correction_grid(r + 1, predicted.shape[1])[r]])

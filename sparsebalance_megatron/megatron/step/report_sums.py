@@ -70,7 +70,7 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
 def rank_parts(batch, sb: SparseBalanceConfig, densities: Optional[np.ndarray], *,
                layers=None, attention_layers=None, dense_below_tokens: int = 0,
                doc_positions: Optional[np.ndarray] = None, units=None,
-               busy: Optional[float] = None) -> dict:
+               busy: Optional[float] = None, calibration: Optional[tuple] = None) -> dict:
     """One DP rank's parts of the step's figures, ``{"sum": ..., "max": ...}`` for
     ``StepExchange.reduce`` (the DP group's sums and maxima: a fixed size whatever the DP size;
     ``step_figures`` reads them). ``batch``: the rank's one-row plan; ``densities`` [1, m,
@@ -83,8 +83,10 @@ def rank_parts(batch, sb: SparseBalanceConfig, densities: Optional[np.ndarray], 
     (density 1, per layer: x attention layers in the means) and the kept pairs ``pairs``
     (``kept_work`` x attention layers); maxima: the rank's density (work-weighted over its
     units and stages) as ``density_max`` and negated as ``density_neg_min``, its busy seconds
-    (``busy_max``; ``busy_missing``: 1 where a rank has none). Pair and token counts are
-    integers, exact in float64."""
+    (``busy_max``; ``busy_missing``: 1 where a rank has none); ``calibration``: (its latency
+    model's relative error this step, NaN: none; its factor) of its own pipeline, summed
+    (``cal_err``, ``cal_n``) and as the factors' range (``cal_max``, ``cal_neg_min``). Pair and
+    token counts are integers, exact in float64."""
     from ...policy.density_means import WeightTotals
 
     feats = step_features(batch, sb, dense_below_tokens, units)
@@ -108,6 +110,11 @@ def rank_parts(batch, sb: SparseBalanceConfig, densities: Optional[np.ndarray], 
         ok = bool(np.isfinite(busy))
         out["sum"]["busy"] = float(busy) if ok else 0.0
         out["max"].update(busy_max=float(busy) if ok else 0.0, busy_missing=float(not ok))
+    if calibration is not None:
+        err, factor = (float(x) for x in calibration)
+        ok = bool(np.isfinite(err))
+        out["sum"].update(cal_err=err if ok else 0.0, cal_n=float(ok))
+        out["max"].update(cal_max=factor, cal_neg_min=-factor)
     return out
 
 
@@ -131,7 +138,9 @@ def step_figures(total: dict, *, layers=None, attention_layers=None) -> dict:
     mean density (``mean_density``), per stage (``density_per_stage``), the DP ranks' least and
     greatest (``density_rank_min`` / ``_max``) and the kept density (``kept_density``: kept
     pairs / causal pairs, routed documents keeping all); with busy seconds from every rank
-    ``busy_max_s``, ``busy_mean_s`` and ``measured_imbalance`` (max / mean). The means are
+    ``busy_max_s``, ``busy_mean_s`` and ``measured_imbalance`` (max / mean); with the ranks'
+    calibration the mean ``latency_error`` and the factors' ``calibration_min`` / ``_max``. The
+    means are
     ``density_means.WeightTotals``' of the summed weights (routed work 0 without routing):
     those of the whole [dp, m, stages] arrays (``weighted_mean_density``,
     ``stage_mean_densities``) to float rounding (the weights' sums are integers, exact)."""
@@ -157,4 +166,9 @@ def step_figures(total: dict, *, layers=None, attention_layers=None) -> dict:
         mean = float(total["busy"]) / float(total["ranks"])
         rec.update(busy_max_s=float(total["busy_max"]), busy_mean_s=mean,
                    measured_imbalance=float(total["busy_max"]) / max(mean, 1e-12))
+    if "cal_n" in total:
+        n = float(total["cal_n"])
+        rec.update(latency_error=float(total["cal_err"]) / n if n else None,
+                   calibration_min=-float(total["cal_neg_min"]),
+                   calibration_max=float(total["cal_max"]))
     return rec

@@ -181,10 +181,10 @@ class StepReporter:
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
         self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
 
-    def _parts(self, step, row: int, measured, units=None) -> dict:
+    def _parts(self, step, row: int, measured, units=None, calibration=None) -> dict:
         """DP rank ``row``'s ``rank_parts`` of ``step`` (its row of a whole plan, or the batch
         that is its own), with its busy seconds: its row of ``measured`` ([dp, pp] or its own
-        [1, pp])."""
+        [1, pp]), and this rank's ``calibration`` (``rank_parts``')."""
         batch = step.batch
         own = batch if batch.dp == 1 else batch.row_plan(row)
         busy = np.asarray(measured, dtype=np.float64)
@@ -194,7 +194,8 @@ class StepReporter:
                           attention_layers=self.layout.attention_layers,
                           dense_below_tokens=self.dense_below_tokens,
                           doc_positions=self.doc_positions,
-                          units=units if batch.dp == 1 else None, busy=busy)
+                          units=units if batch.dp == 1 else None, busy=busy,
+                          calibration=calibration)
 
     def _detail(self, step, units, gather) -> tuple:
         """(work [dp, m], routed work [dp, m] or None, the plan of every DP rank) for the
@@ -217,7 +218,9 @@ class StepReporter:
         """``overhead_s``: the plugin's seconds on the step's critical path (this rank), ``own_s``
         of them its own work (``step_record``); ``planned_ahead_s``: CPU seconds the planner's
         draft of the next step took (--sb-planner process/thread; off the critical path);
-        ``measured``: busy seconds [dp, pp] or this rank's [1, pp] (NaN: untimed).
+        ``measured``: busy seconds [dp, pp] or this rank's [1, pp] (NaN: untimed); ``calib``:
+        the record's calibration fields, its ``calibration_own`` (this rank's error and factor)
+        reduced with the figures.
         The figures are the DP group's sums of every rank's own parts: ``reduce``
         (``StepExchange.reduce``: collective, a fixed size); None: the step's batch is every
         rank's (a whole plan in one process) and every row's parts are summed here. ``gather``:
@@ -229,11 +232,13 @@ class StepReporter:
                              f"micro-batches: its figures need the DP group's reduce")
         units = step_features(batch, self.sb, self.dense_below_tokens, step.units) \
             if batch.dp == 1 else step.units      # a whole plan's: each row builds its own
+        calib = dict(calib)
+        own = calib.pop("calibration_own", None)
         if reduce is None:
-            total = summed_parts([self._parts(step, r, measured, units)
+            total = summed_parts([self._parts(step, r, measured, units, own)
                                   for r in range(self.dp)])
         else:
-            total = reduce(self._parts(step, self.dp_rank, measured, units))
+            total = reduce(self._parts(step, self.dp_rank, measured, units, own))
         figures = step_figures(total, layers=self.layout.layers,
                                attention_layers=self.layout.attention_layers)
         rec = step_record(iteration, step, summary, calib, figures=figures,
