@@ -11,9 +11,9 @@ count reaches k are in, that bin is the next boundary, with its exact range. Whe
 all equal the ties are split the same way by rank (distinct integers). Once an end's members
 (in, and the boundary) are at most ``GATHERED``, they are gathered into ``SLOTS`` hash slots
 (summed: count, rank + 1, key; a rank whose slot two ranks share tries again with the next salt)
-and every rank sorts them exactly. A refinement round is 3 x 2 x ``BINS`` floats (3 KB), a gather
-round 3 x ``SLOTS`` (6 KB): at DP 4,096 four to six rounds, about 18 KB, where the makespans'
-gather was 32 KB and grew 8 bytes a rank.
+and every rank sorts them exactly. A refinement round is 3 x ``BINS`` floats per end refined (at
+most 3 KB), a gather round 3 x ``SLOTS`` (6 KB): at DP 4,096 four to six rounds, about 18 KB,
+where the makespans' gather was 32 KB and grew 8 bytes a rank.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -92,14 +92,14 @@ def candidate_rounds(span: float, rank: int, dp: int, k: int
     ends = [_End(span, rank, k, dp, -got["low"], got["top"]),          # smallest makespans
             _End(-span, rank, k, dp, -got["top"], got["low"])]         # largest
     members = [dp, dp]
-    while max(members) > GATHERED:
-        parts = [e.parts() for e in ends]
-        got = yield {"sum": {f"h{i}": p[0] for i, p in enumerate(parts)},
-                     "max": {**{f"t{i}": p[1] for i, p in enumerate(parts)},
-                             **{f"l{i}": p[2] for i, p in enumerate(parts)}}}
-        members = [e.advance(got[f"h{i}"], got[f"t{i}"], got[f"l{i}"])
-                   if members[i] > GATHERED else members[i] for i, e in enumerate(ends)]
-        # an end already small enough keeps its members: its boundary is not refined
+    while max(members) > GATHERED:      # an end small enough is not refined further
+        refine = [i for i in range(2) if members[i] > GATHERED]
+        parts = {i: ends[i].parts() for i in refine}
+        got = yield {"sum": {f"h{i}": p[0] for i, p in parts.items()},
+                     "max": {**{f"t{i}": p[1] for i, p in parts.items()},
+                             **{f"l{i}": p[2] for i, p in parts.items()}}}
+        for i in refine:
+            members[i] = ends[i].advance(got[f"h{i}"], got[f"t{i}"], got[f"l{i}"])
     mine = any(e.state != "out" for e in ends)
     placed: dict = {}
     salt = 0

@@ -48,7 +48,7 @@ def headroom(sb: SparseBalanceConfig, error: Optional[float]) -> float:
 
 def agreed_inputs(sb: SparseBalanceConfig, latency, scale, rank: int, dp: int, agree
                   ) -> tuple[bool, Optional[float]]:
-    """(a slow GPU stands out, the raise headroom or None: the one given) where each DP rank
+    """(a slow GPU stands out, the raise headroom: ``headroom``'s) where each DP rank
     calibrated only its own pipeline: both agreed over the group (``policy.agreed_stats``:
     collective, no round where neither is wanted). ``scale``: this rank's [dp, pp] correction
     grid (its own row learned), None without calibration."""
@@ -57,11 +57,11 @@ def agreed_inputs(sb: SparseBalanceConfig, latency, scale, rank: int, dp: int, a
 
     auto = sb.raise_headroom_value is None
     if scale is None and not auto:
-        return False, None
+        return False, headroom(sb, None)
     narrow, error = run_rounds(agreed_rounds(
         None if scale is None else scale[rank], latency.recent_errors() if auto else (),
         dp=dp, tolerance=sb.tolerance, error_cap=MAX_RAISE_HEADROOM), agree)
-    return narrow, headroom(sb, error) if auto else None
+    return narrow, headroom(sb, error)
 
 
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
@@ -109,8 +109,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
         grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
         scale = grid_fn(dp, costs[0].pipeline_ranks) if grid_fn else None
         if own:         # each rank calibrated its own pipeline: the group's statistics
-            narrow, agreed_headroom = agreed_inputs(sb, latency, scale, rank, dp, agree)
-            raise_headroom = agreed_headroom if agreed_headroom is not None else raise_headroom
+            narrow, raise_headroom = agreed_inputs(sb, latency, scale, rank, dp, agree)
         settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s, raise_headroom,
                                        stage_layers)
 

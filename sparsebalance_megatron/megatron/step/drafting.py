@@ -239,10 +239,10 @@ class Drafter:
             densities, report, _ = self.choose(options, dst=True, rank=rank, agree=agree,
                                                own_rows=own)
         if own:
-            densities = self._gathered(draft, agree, densities, report)
+            densities = self._committed(draft, agree, densities, report)
         return densities, report
 
-    def _gathered(self, draft: Draft, agree, densities, report):
+    def _committed(self, draft: Draft, agree, densities, report):
         """What a rank's own draft commits: its own rows (densities [1][m][stages]; None: a
         static plan's), and its uncorrected predicted busy seconds, which it calibrates its
         pipeline with after the step (``Draft.predicted_busy``, [1, pipeline ranks]; NaN
@@ -279,8 +279,10 @@ class Drafter:
         DP group's reductions: collective) this rank plans its own units."""
         from .choice import choose, raise_headroom
 
+        # a rank that plans its own units agrees the headroom with the group (``choose``)
+        local = dst and (rank is None or agree is None)
         with self._tables.lease() as tables:   # nothing made in them outlives the block
             return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
                           dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                          if dst else None, stage_layers=self.attention_layers, tables=tables,
+                          if local else None, stage_layers=self.attention_layers, tables=tables,
                           rank=rank, agree=agree, own_rows=own_rows)
