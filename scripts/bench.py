@@ -29,8 +29,6 @@ STUDIES = {
     "control_plane": ("a rank's draft by phase, its bytes and the critical path on the per-rank "
                       "path, 128 to 16,384 GPUs",
                       "BENCHMARKS.md control plane"),
-    "planner_phases": ("the draft, handoff, after-step work and gather by phase, DP 32 to 4,096 "
-                       "(thread CPU; growth in DP)", "BENCHMARKS.md control plane"),
     "dst_decomposed": ("DST planned per DP rank (agreed anchor and step) against the central "
                        "plan: predicted steps, densities, a rank's CPU", "BENCHMARKS.md control "
                        "plane"),

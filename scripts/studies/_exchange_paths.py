@@ -1,13 +1,13 @@
-"""The step's control plane priced (``control_plane``'s and ``planner_phases``' studies): the
-fixed-size tensor path of the per-step record gather (``step/exchange.py``) and any collective a
-rank takes part in, for one step of a given shape.
+"""The step's control plane priced (``control_plane``'s study): the fixed-size records of the
+per-step gather (``step/exchange.py``) and any collective a rank takes part in, for one step of a
+given shape.
 
-- bytes each rank receives, exact, from the records' shapes at the default flags
-  (``tensor_path``, ``record_shapes``);
+- the records' shapes at the default flags (``record_shapes``), from which the study counts the
+  bytes each rank receives, exact;
 - network seconds under an alpha-beta model with NCCL's constants (``MODEL``: every constant and
   where it comes from; ``collective_s`` prices one ring all-gather, all-reduce or broadcast);
-- the host CPU of the gather, measured here (thread CPU time): encoding, combining and decoding
-  the records (``tensor_cpu_s``).
+- the host CPU of the record's path, measured here (thread CPU time): encoding, combining and
+  decoding the records (``tensor_cpu_s``).
 """
 
 from __future__ import annotations
@@ -93,31 +93,12 @@ def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> 
 
 
 def record_shapes(dp: int, pp: int, m: int, docs: int):
-    """(cell RecordShape, line RecordShape, PlanShape) of a step, as the runtime sizes them at
-    the default flags (no per-interval detail: no --sb-metrics-file; a tracker: documents and
-    unit sensitivity travel; the do-no-harm baseline: two candidate packings; the planner's
-    predicted busy seconds per (DP rank, pipeline rank))."""
-    from sparsebalance_megatron.megatron.step.plan_record import PlanShape
+    """(cell RecordShape, line RecordShape) of a step, as the runtime sizes them at the default
+    flags (no per-interval detail: no --sb-metrics-file; a tracker: documents travel)."""
     from sparsebalance_megatron.megatron.step.record import RecordShape
 
     cell = RecordShape(1, m, 0, docs)
-    return cell, cell.with_stages(pp), PlanShape(dp, m, pp, 2, True, pp)
-
-
-def tensor_path(dp: int, pp: int, tp: int, m: int, docs: int) -> dict:
-    """Bytes each rank receives and modelled network seconds of the tensor path's six
-    collectives (three gathers, three plan broadcasts)."""
-    cell, line, plan = record_shapes(dp, pp, m, docs)
-    levels = [("allgather", tp, 1, tp * cell.nbytes), ("allgather", pp, tp * dp, pp * cell.nbytes),
-              ("allgather", dp, tp, dp * line.nbytes), ("broadcast", pp, tp * dp, plan.nbytes),
-              ("broadcast", dp, tp, plan.nbytes), ("broadcast", tp, 1, plan.nbytes)]
-    received = (tp - 1) * cell.nbytes + (pp - 1) * cell.nbytes + (dp - 1) * line.nbytes \
-        + plan.nbytes * ((pp > 1) + (dp > 1) + (tp > 1))
-    return {"bytes_per_rank": int(received), "record_bytes": {"cell": cell.nbytes,
-                                                              "line": line.nbytes,
-                                                              "plan": plan.nbytes},
-            "gather_network_s": sum(collective_s(*lv) for lv in levels[:3]),
-            "broadcast_network_s": sum(collective_s(*lv) for lv in levels[3:])}
+    return cell, cell.with_stages(pp)
 
 
 # --- host CPU of the record gather, measured --------------------------------------------------
@@ -134,63 +115,40 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(out)
 
 
-def _synthetic_step(dp: int, pp: int, tp: int, m: int, docs: int, rng):
-    """A rank's RankReport, every DP rank's document slots, and rank 0's plan payload of the
-    step's shape (random values: sizes and layout matter here, not the numbers)."""
+def _synthetic_step(dp: int, pp: int, m: int, docs: int, rng):
+    """A rank's RankReport and every DP rank's document slots of the step's shape (random
+    values: sizes and layout matter here, not the numbers)."""
     from sparsebalance_megatron.megatron.step.record import RankReport
-    from sparsebalance_megatron.policy.dst_band import DSTReport
 
     slots = [np.arange(r * docs, (r + 1) * docs) for r in range(dp)]
     report = RankReport(0, pp - 1, 12345, fwd_s=rng.uniform(0, 1, m).tolist(),
                         bwd_s=rng.uniform(0, 1, m).tolist(), units=[(j, pp - 1) for j in range(m)],
                         step_s=2.0, loss=(1.0, 2.0),
                         doc_values={int(d): (1.0, 2.0) for d in slots[0]})
-    dst = DSTReport(1.0, 0.9, 0.8, 1.25, 1.3, 1.1, 0.5, 0.55, 0.5, 0.49, 3, 2, 0,
-                    density_per_stage=tuple(rng.uniform(0.3, 1, pp)), quality_cost=0.01).as_dict()
-    dst.update(raise_headroom=0.05, unit_sensitivity=np.round(rng.uniform(size=(dp, m)),
-                                                              6).tolist(),
-               stand_down={"dst_stood_down": False, "sab_stood_down": False, "packing_index": 0,
-                           "predicted_step_s": [2.0, 2.1], "predicted_static_s": 2.1,
-                           "predicted_dst_s": 2.0})
-    return report, slots, (rng.uniform(0.25, 1, (dp, m, pp)).tolist(), dst)
+    return report, slots
 
 
-def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3,
-                 own_line: bool = False) -> dict:
-    """One rank's host seconds of the tensor path on the critical path: ``gather_s`` (encode,
-    combine its cell's TP records, join its pipeline, decode every DP rank's line; with
-    ``own_line``, as a run does now, split its documents off and decode its own line alone: the
-    DP level's sums and maxima are collectives) and ``broadcast_s`` (rank 0 encodes the plan,
-    every rank decodes it)."""
-    from sparsebalance_megatron.megatron.step.plan_record import decode_plan, encode_plan
+def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3) -> float:
+    """One rank's host seconds of the record's path on the critical path: encode, combine its
+    cell's TP records, join its pipeline, split its documents off and decode its own line (the
+    DP level's sums and maxima are collectives)."""
     from sparsebalance_megatron.megatron.step.record import (RecordShape, combine_cell,
                                                               decode_step, encode_rank,
                                                               join_pipeline, split_docs)
 
-    cell_shape, line_shape, plan_shape = record_shapes(dp, pp, m, docs)
-    report, slots, payload = _synthetic_step(dp, pp, tp, m, docs, np.random.default_rng(0))
+    cell_shape, line_shape = record_shapes(dp, pp, m, docs)
+    report, slots = _synthetic_step(dp, pp, m, docs, np.random.default_rng(0))
 
-    def cell_of(r: int, s: int) -> np.ndarray:
-        rep = replace(report, dp=r, pp=s, doc_values={int(d): (1.0, 2.0) for d in slots[r]})
-        return combine_cell(np.stack([encode_rank(rep, cell_shape, slots[r])] * tp), cell_shape)
+    def cell_of(s: int) -> np.ndarray:
+        rep = replace(report, pp=s)
+        return combine_cell(np.stack([encode_rank(rep, cell_shape, slots[0])] * tp), cell_shape)
 
-    cells = np.stack([cell_of(0, s) for s in range(pp)])
-    lines = np.stack([join_pipeline(np.stack([cell_of(r, s) for s in range(pp)]), cell_shape)
-                      for r in range(dp)])
-    plan = encode_plan(*payload, plan_shape)
-
+    cells = np.stack([cell_of(s) for s in range(pp)])
     bare = RecordShape(line_shape.stages, line_shape.timed, line_shape.units)
 
     def gather():
         combine_cell(np.stack([encode_rank(report, cell_shape, slots[0])] * tp), cell_shape)
         line = join_pipeline(cells, cell_shape)
-        if own_line:
-            decode_step(split_docs(line, line_shape, slots[0])[0][None], bare, ())
-        else:
-            decode_step(lines, line_shape, slots)
+        decode_step(split_docs(line, line_shape, slots[0])[0][None], bare, ())
 
-    def broadcast():
-        encode_plan(*payload, plan_shape)
-        decode_plan(plan, plan_shape)
-
-    return {"gather_s": _median_s(gather, repeats), "broadcast_s": _median_s(broadcast, repeats)}
+    return _median_s(gather, repeats)

@@ -1,4 +1,4 @@
-"""Thread CPU time of a call split by phase (``planner_phases``' profiler): the planner's public
+"""Thread CPU time of a call split by phase (``sab_ranks``' profiler): the planner's public
 and module-level functions wrapped from outside for the length of a ``PhaseProfile`` block, each
 call's thread CPU time charged to the innermost phase open on the thread (exclusive time), and
 the garbage collector's pauses to a phase of their own.

@@ -159,7 +159,7 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
     # every rank's committed rows (densities, sensitivities): only what --sb-metrics-file records
     add("rows (--sb-metrics-file only)", "off", True, "allgather", dp, tp,
         8 * q["row_floats"] * dp, 8 * q["row_floats"] * (dp - 1))
-    cell, _, _ = record_shapes(dp, pp, m, docs)
+    cell, _ = record_shapes(dp, pp, m, docs)
     add("record.tp", "step", False, "allgather", tp, 1, tp * cell.nbytes, (tp - 1) * cell.nbytes)
     add("record.pp", "step", False, "allgather", pp, tp * dp, pp * cell.nbytes,
         (pp - 1) * cell.nbytes)
@@ -229,7 +229,7 @@ def build_rows(points: list, max_world: int, m: int, repeats: int) -> tuple:
                 * (pp_ratio[k] if pp == 8 else 1.0) for k in WORK}
         docs = near["docs_max"]
         coll = rank_bytes(tp, pp, dp, m, near, docs)
-        cpu = tensor_cpu_s(dp, pp, tp, m, docs, repeats, own_line=True)["gather_s"]
+        cpu = tensor_cpu_s(dp, pp, tp, m, docs, repeats)
         record = sum(c["seconds"] for c in coll if c["where"] == "step") + cpu   # + report
         agree = sum(c["seconds"] for c in coll if c["where"] == "draft")
         step_s = near["static_step_s"]

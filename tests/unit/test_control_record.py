@@ -1,21 +1,17 @@
-"""The per-step control plane's records (``megatron/step/record.py``, ``plan_record.py``): what a
-rank reports and the plan rank 0 sends travel as fixed-size float64 vectors. Their round trips
-are exact, the combining levels (cell, pipeline, job) give what the old per-rank dicts gave
-(the slowest TP/CP rank's time, losses and document sums added, the first violation named), and a
-record that does not fit its layout is refused with an error naming the size."""
+"""The per-step control plane's records (``megatron/step/record.py``): what a rank reports travels
+as fixed-size float64 vectors. Their round trips are exact, the combining levels (cell,
+pipeline, job) give what the old per-rank dicts gave (the slowest TP/CP rank's time, losses and
+document sums added, the first violation named), and a record that does not fit its layout is
+refused with an error naming the size."""
 
 from __future__ import annotations
 
 import itertools
-import json
 
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.megatron.step.checks import Violation, budget_violations
-from sparsebalance_megatron.megatron.step.plan_record import (PlanShape, decode_plan,
-                                                               encode_plan)
 from sparsebalance_megatron.megatron.step.record import (MAX_BYTES, RankReport, RecordShape,
                                                           check_record, combine_cell,
                                                           decode_step, doc_slots,
@@ -182,87 +178,7 @@ def test_records_that_do_not_fit_their_layout_are_refused():
         decode_step(line[None, :-1], shape, [np.array([3, 7])])
 
 
-# --- the plan record ---------------------------------------------------------------------------
-
-def _choose(stand_down: str = "sequential"):
-    """A real DST plan and report (``step/choice.py``'s ``choose``) of 2 DP x 2 micro-batches x
-    PP 2, with the do-no-harm baseline packing as a second candidate."""
-    from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
-                                                 sab_plan, sequential_plan)
-    from sparsebalance_megatron.latency import LatencyModel, ModelShape
-    from sparsebalance_megatron.megatron.step import choice
-
-    lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
-    lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])
-    kw = dict(dp=2, num_microbatches=2, max_tokens=4096)
-    options = [(b, lm.unit_features(b.unit_csr(with_padding=True))) for b in
-               (sab_plan(lengths, cost_fn=latency_sample_cost_fn(lm, 0.5), **kw),
-                sequential_plan(lengths, **kw))]
-    sb = SparseBalanceConfig(sparse_balance=True, density=0.5, stand_down=stand_down)
-    n = 2 if choice.wants_baseline_packing(sb, lm) else 1
-    dens, report, _ = choice.choose(sb, lm, options[:n], 2, tracker=SensitivityTracker(),
-                                    dst=True, raise_headroom=0.05, stage_layers=[2, 2])
-    return dens, report, PlanShape(2, 2, 2, options=n, sensitivity=True, ranks=2)
-
-
-@pytest.mark.parametrize("stand_down", ["sequential", "off"])
-def test_a_real_plan_round_trips_exactly(stand_down):
-    dens, report, shape = _choose(stand_down)
-    buf = encode_plan(dens, report, shape)
-    assert buf.shape == (shape.words,) and buf.dtype == np.float64
-    got_d, got = decode_plan(buf, shape)
-    assert got_d.tolist() == dens
-    # the planner's prediction every rank calibrates against: the committed plan's, exactly
-    assert np.shape(report["predicted_busy_s"]) == (2, 2)
-    assert set(got) == set(report)
-    for k, v in report.items():       # the same values and the same JSON (int stays int)
-        w = tuple(v) if k == "density_per_stage" and v is not None else v
-        assert got[k] == w or (isinstance(v, float) and np.isnan(v) and np.isnan(got[k])), k
-        assert json.dumps(got[k]) == json.dumps(w), k
-
-
-def test_optional_report_entries_travel_as_none():
-    dens, report, shape = _choose()
-    report = dict(report, density_per_stage=None, unit_sensitivity=None, raise_headroom=None,
-                  stand_down=dict(report["stand_down"], sab_stood_down=None,
-                                  predicted_dst_s=None))
-    _, got = decode_plan(encode_plan(dens, report, shape), shape)
-    assert got["density_per_stage"] is None and got["unit_sensitivity"] is None
-    assert got["raise_headroom"] is None
-    _, got = decode_plan(encode_plan(dens, dict(report, predicted_busy_s=None), shape), shape)
-    assert got["predicted_busy_s"] is None
-    assert got["stand_down"]["sab_stood_down"] is None
-    assert got["stand_down"]["predicted_dst_s"] is None
-
-
-def test_plans_that_do_not_fit_their_layout_are_refused():
-    dens, report, shape = _choose()
-    with pytest.raises(ValueError, match=r"densities of shape \(2, 2, 2\): expected .*\(3, 2, 2\)"):
-        encode_plan(dens, report, PlanShape(3, 2, 2, 2, True, 2))
-    with pytest.raises(ValueError, match=r"entry 'surprise' has no slot"):
-        encode_plan(dens, dict(report, surprise=1.0), shape)
-    with pytest.raises(ValueError, match=r"units_cut=2.5: expected an integer"):
-        encode_plan(dens, dict(report, units_cut=2.5), shape)
-    with pytest.raises(ValueError, match=r"unit_sensitivity of shape \(1, 2\)"):
-        encode_plan(dens, dict(report, unit_sensitivity=[[0.1, 0.2]]), shape)
-    with pytest.raises(ValueError, match=r"predicted_step_s: 2 values, the record has 1"):
-        encode_plan(dens, report, PlanShape(2, 2, 2, 1, True, 2))
-    with pytest.raises(ValueError, match=r"predicted_busy_s of shape \(2, 2\): expected .*"
-                                         r"\(2, 4\)"):
-        encode_plan(dens, report, PlanShape(2, 2, 2, 2, True, 4))
-    buf = encode_plan(dens, report, shape)
-    with pytest.raises(ValueError, match=r"expected float64"):
-        decode_plan(buf[:-1], shape)
-    with pytest.raises(ValueError, match=r"header .* does not match"):
-        decode_plan(buf, PlanShape(2, 2, 2, 2, False, 2))
-    for bad in (dict(dp=0), dict(microbatches=-1), dict(stages=True), dict(options=1.0)):
-        with pytest.raises(ValueError, match=r"expected an integer >= 1"):
-            PlanShape(**{**dict(dp=2, microbatches=2, stages=2), **bad})
-    with pytest.raises(ValueError, match=r"ranks=-1: expected an integer >= 0"):
-        PlanShape(2, 2, 2, ranks=-1)
-    with pytest.raises(ValueError, match=r"over the 64 MiB"):
-        PlanShape(1024, 1024, 8)
-
+# --- the checks' sums and the packing's identity ------------------------------------------------
 
 def test_recall_sums_count_training_forwards_only():
     from sparsebalance_megatron.megatron.step.checks import recall_sums

@@ -3,7 +3,7 @@ choice, timers, metrics, data iterator and resume state.
 
 Modules: ``ahead`` (the planner process and thread) and ``planner_worker`` (the process's own side),
 ``callback``, ``checks``, ``choice``, ``data``, ``drafting``, ``exchange`` (the per-step gather and
-plan broadcast), ``plan_record`` and ``record`` (their fixed-size records),
+reductions) and ``record`` (its fixed-size records),
 ``microbatches`` (a step's own micro-batch count through Megatron's calculator), ``planning``,
 ``reporting`` (and ``report_sums``, its figures as sums over the DP group), ``state``,
 ``timing``. May import: ``errors``, ``runtime``, ``model``, ``launch`` (and megatron and the

@@ -82,7 +82,7 @@ class SparseBalanceCallback(StepPlanning):
         self.pp, self.pp_rank = args.pipeline_model_parallel_size, \
             ps.get_pipeline_model_parallel_rank()
         self.capacity = args.seq_length * args.micro_batch_size
-        # the per-step gather and plan broadcast, over Megatron's TP x CP, PP and DP groups
+        # the per-step gather and reductions, over Megatron's TP x CP, PP and DP groups
         self.exchange = StepExchange(ExchangeGroups.from_megatron())
         if self.exchange.sizes[1:] != (self.pp, self.dp):
             raise RuntimeError(f"Megatron's pipeline and data-parallel groups have "

@@ -42,8 +42,8 @@ class Draft:
     baseline: Optional[tuple] = None   # (batch, units) packed the baseline's way (stand-down)
     stand_down: Optional[dict] = None  # without DST: every rank's own packing choice
     options: int = 1               # packings drafted (2: SAB and the baseline), on every rank
-                                   # alike: the plan record's size, even where the planner
-                                   # process sends one of them back (``planner_worker.reply``)
+                                   # alike, even where the planner process sends one of them
+                                   # back (``planner_worker.reply``)
     num_microbatches: int = 0      # Megatron's micro-batches per DP rank (its samples per rank)
     counts: tuple = ()             # each packing's own micro-batches per DP rank (dp_balanced's
                                    # varies by step), kept where the packing itself is not

@@ -1,9 +1,9 @@
 """The per-step control plane: each rank's ``RankReport`` gathered into the ``StepSummary`` every
 rank ends a step with, as fixed-size float64 tensors over the process groups Megatron already has
 (``runtime/comm.py`` moves them; ``step/record.py`` lays them out), and the gloo copy of the DP
-group DST's rounds use (``ExchangeGroups.rounds``, ``step/dst_agree.py``). ``broadcast_plan``
-(rank 0's whole plan, ``step/plan_record.py``) is what runs did before DST was planned per rank:
-the control-plane study still prices it.
+group DST's rounds use (``ExchangeGroups.rounds``, ``step/dst_agree.py``). No plan travels: each
+DP rank plans its own rows (``Drafter.own_draft``, ``settle``) and agrees the rest in DST's and
+SAB's fixed-size reductions.
 
 The gather, in three levels:
 
@@ -22,22 +22,17 @@ The gather, in three levels:
 Every rank takes part in every level: the TP/CP ranks of a cell hold the same combined record, so
 their parallel copies of levels 2 and 3 carry identical data. A rank receives (t - 1) rank
 records, (pp - 1) cell records and two reductions of a few floats, not world-size pickles.
-
-``broadcast_plan`` went down the same tree: rank 0 (rank 0 of all three groups) to its pipeline
-group, each stage's rank to its data-parallel group, then each cell.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
 
 from ..runtime import comm
-from .plan_record import PlanShape, decode_plan, encode_plan
 from .record import (RankReport, RecordShape, StepSummary, combine_cell, decode_step,
                      encode_rank, join_pipeline, split_docs)
 
@@ -85,7 +80,7 @@ class ExchangeGroups:
 
 
 class StepExchange:
-    """One rank's end of the per-step gather and plan broadcast."""
+    """One rank's end of the per-step gather and reductions."""
 
     def __init__(self, groups: ExchangeGroups):
         self.groups = groups
@@ -93,9 +88,6 @@ class StepExchange:
                                                          groups.data))
         self.ranks = tuple(comm.group_rank(g) for g in (groups.cell, groups.pipeline,
                                                          groups.data))
-        # the last plan broadcast's seconds in collectives and bytes received (the gather's are
-        # in its StepSummary)
-        self.broadcast_s, self.broadcast_bytes = 0.0, 0
         self._wait_s, self._bytes = 0.0, 0
 
     def _all_gather(self, buf: np.ndarray, group) -> np.ndarray:
@@ -103,14 +95,6 @@ class StepExchange:
         out = comm.all_gather_tensor(torch.from_numpy(buf), group).numpy()
         self._wait_s += time.perf_counter() - t0
         self._bytes += buf.nbytes * (len(out) - 1)
-        return out
-
-    def _broadcast(self, buf: np.ndarray, group, root: bool) -> np.ndarray:
-        t0 = time.perf_counter()
-        out = comm.broadcast_tensor(torch.from_numpy(buf), group, 0).numpy()
-        self._wait_s += time.perf_counter() - t0
-        if not root and comm.group_size(group) > 1:
-            self._bytes += buf.nbytes
         return out
 
     def gather(self, report: RankReport, shape: RecordShape, slots) -> StepSummary:
@@ -160,20 +144,3 @@ class StepExchange:
         self._wait_s += time.perf_counter() - t0
         self._bytes += sum(reducer.sent)
         return out
-
-    def broadcast_plan(self, payload: Optional[tuple], shape: PlanShape) -> tuple:
-        """Rank 0's ``(densities, report)`` on every rank (collective); the others pass None."""
-        cell_r, pipe_r, data_r = self.ranks
-        root = cell_r == pipe_r == data_r == 0
-        if root and payload is None:
-            raise RuntimeError("the plan broadcast's root (rank 0 of its cell, pipeline and "
-                               "data-parallel groups) holds no plan")
-        self._wait_s, self._bytes = 0.0, 0
-        buf = encode_plan(*payload, shape) if root else np.zeros(shape.words)
-        if cell_r == 0 and data_r == 0:            # rank 0 to the first DP rank's stages
-            buf = self._broadcast(buf, self.groups.pipeline, root)
-        if cell_r == 0:                            # each stage's first DP rank to the others
-            buf = self._broadcast(buf, self.groups.data, root or data_r == 0)
-        buf = self._broadcast(buf, self.groups.cell, cell_r == 0)
-        self.broadcast_s, self.broadcast_bytes = self._wait_s, self._bytes
-        return decode_plan(buf, shape)

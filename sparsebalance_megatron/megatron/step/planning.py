@@ -104,7 +104,8 @@ class StepPlanning(PlanBasis):
         return self._drafter
 
     def prepare_step(self, iteration: int, num_microbatches: int) -> None:
-        """Documents, packing and budgets of ``iteration`` (collective: DST plan broadcast)."""
+        """Documents, packing and budgets of ``iteration`` (collective: the DP group agrees SAB's
+        candidates and DST's rounds)."""
         t0, c0 = time.perf_counter(), time.thread_time()
         draft = self._draft(iteration, num_microbatches)
         draft.basis = self._state_basis() if self.sb.plan_ahead else None
