@@ -202,7 +202,8 @@ class UnitCosts:
             self._effective[i0] = self._nearest_same_blocks(int(i0))
         near, rows = self._effective[i0]
         to = near.take(rows + idx)                   # [..., dp, m, pp] like idx
-        flat_to, flat_idx = to.reshape(-1), np.broadcast_to(idx, to.shape).reshape(-1)
+        flat_to = to.reshape(-1)
+        flat_idx = (idx if idx.shape == to.shape else np.broadcast_to(idx, to.shape)).reshape(-1)
         # a raise comes down as it is (it costs no more); a cut goes up only to the same seconds
         up = np.flatnonzero(flat_to > flat_idx)
         if up.size:

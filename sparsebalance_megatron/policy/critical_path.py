@@ -78,18 +78,32 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
                     None if floors is None else lambda i: floors(costs.densities[i]))[:2]
 
 
-def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-             raise_headroom: float, meets_at, rounds: int, floors_at=None, goal: float = 0.0):
-    """``descend``, and the DP ranks' makespans [dp] of the plan it returns; ``meets_at`` and
-    ``floors_at`` take a plan's grid indices (``descend``'s take its densities). Each round's
-    phases are ``kernels.descent.Round``'s. ``goal``: no round asks for a step below it, and
-    the descent stops there (``dst_ranks``: a DP rank's descent to each of the agreed probe
-    steps); 0: none."""
-    dp, m, nv = costs.shape
+def descent_setup(costs: UnitCosts, i_min: int, i_max: int, p2p_s: float) -> tuple:
+    """What every descent on ``costs`` within [i_min, i_max] makes first: (the event graph,
+    the cost tables' record, the round's phases (``kernels.descent.Round``), every unit's
+    seconds at d_min). A caller that descends many times on the same costs (``dst_probes``: a
+    rank's ~25 descents) makes it once and passes it to each (``_descent``'s ``setup``)."""
+    _, m, nv = costs.shape
     graph = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
     tables = Tables.of(costs.fwd_s, costs.bwd_s, costs.total_s, costs.formula)
     rnd = kernels.descent.Round(graph.record(p2p_s), tables, costs.shape, i_min, i_max)
     t_min = np.ascontiguousarray(costs.total_s[..., i_min]).reshape(-1)
+    return graph, tables, rnd, t_min
+
+
+def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
+             raise_headroom: float, meets_at, rounds: int, floors_at=None, goal: float = 0.0,
+             setup: tuple = None):
+    """``descend``, and the DP ranks' makespans [dp] of the plan it returns; ``meets_at`` and
+    ``floors_at`` take a plan's grid indices (``descend``'s take its densities). Each round's
+    phases are ``kernels.descent.Round``'s. ``goal``: no round asks for a step below it, and
+    the descent stops there (``dst_ranks``: a DP rank's descent to each of the agreed probe
+    steps); 0: none. ``setup``: ``descent_setup`` of the same costs, bounds and p2p (its
+    round's picks forgotten here), else made here."""
+    if setup is None:
+        setup = descent_setup(costs, i_min, i_max, p2p_s)
+    graph, tables, rnd, t_min = setup
+    rnd.plan_changed()                  # a fresh round: no pick or look-up of another plan
     f, b = costs.at(idx)
     dur = graph.durations(f, b)
     ef = graph.earliest_finish(dur, p2p_s)

@@ -44,11 +44,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
 from ..kernels.descent import SCALE
-from ..kernels.records import Tables
-from ..sim.pipeline import event_graph
-from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent
+from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent, descent_setup
 
 PROBES = 64               # the descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
@@ -76,6 +73,8 @@ class RankProbes:
         self.i0, self.i_min, self.i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
         self.floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0
         self.stage_floor = s.stage_density_floor * s.d0
+        # the graph, tables and round every descent and fill of the rank share
+        self.setup = descent_setup(costs, self.i_min, self.i_max, s.p2p_s)
 
     def _record(self, idx, mk: float) -> tuple:
         """(effective grid indices, makespan, kept work by stage, quality sum) of a plan."""
@@ -95,7 +94,7 @@ class RankProbes:
         below = np.flatnonzero(self.steps >= mk)
         if below.size:
             tried = np.unique(np.append(below[::FILL_EVERY], below[-1]))
-            cur, filler, own = idx, _Fill(self.costs, self.i_min, self.i_max, self.s), []
+            cur, filler, own = idx, _Fill(self.costs, self.s, self.setup), []
             for j in tried[::-1]:                  # deepest first, each from the last
                 cur, f_mk = filler.fill(cur, float(self.steps[j]))
                 own.insert(0, self._record(cur, f_mk))
@@ -122,30 +121,46 @@ class RankProbes:
         quality) the rank may spend from the start's (None: no floors). A descent that misses
         its probe is tried again from the chain's start (the chain's own cuts may be what
         blocks it); a second miss ends the chain's descents."""
-        costs, s = self.costs, self.s
+        costs, s, qsum = self.costs, self.s, self.qsum
         mk, kept0, q0 = self.start[1:]
-        plan, lim = self.top, None
+        plan, lim, total0 = self.top, None, float(kept0.sum())
+        met = [None]            # the last plan ``meets_at`` passed: (it, its record's parts)
+
+        def kept_ok(e):
+            kept = (costs.densities.take(e) * self.w).sum(axis=(0, 1))
+            return kept, bool(float(kept.sum()) >= lim_total and np.all(kept >= lim_stage))
 
         def floors_at(i):
-            kept = (costs.densities.take(costs.effective_index(i, self.i0)) * self.w).sum(
-                axis=(0, 1))
-            return bool(float(kept.sum()) >= float(kept0.sum()) - lim[0]
-                        and np.all(kept >= kept0 - lim[1]))
+            return kept_ok(costs.effective_index(i, self.i0))[1]
 
         def meets_at(i):
-            return floors_at(i) and (self.qsum is None or
-                                     self.qsum(costs.effective_index(i, self.i0)) <= q0 + lim[2])
+            e = costs.effective_index(i, self.i0)
+            kept, ok = kept_ok(e)
+            if not ok:
+                return False
+            q = qsum(e) if qsum is not None else 0.0
+            if qsum is not None and not q <= q0 + lim[2]:
+                return False
+            met[0] = (i, e, kept, q)          # a round kept: the descent's plan, unless a
+            return True                       # later round is kept too
 
         def descend(start, goal):
             new, step, _ = _descent(costs, start[0], self.i_min, self.i_max, s.p2p_s,
                                     s.raise_headroom,
                                     (lambda i: True) if lim is None else meets_at, ROUNDS,
-                                    None if lim is None else floors_at, goal=goal)
-            return self._record(new, step) if step < start[1] else start
+                                    None if lim is None else floors_at, goal=goal,
+                                    setup=self.setup)
+            if not step < start[1]:
+                return start
+            if met[0] is not None and met[0][0] is new:      # its record made by meets_at
+                return met[0][1], float(step), met[0][2], met[0][3]
+            return self._record(new, step)
 
         for j in np.flatnonzero(self.steps < mk):
             goal = float(self.steps[j])
-            lim = budget(j)
+            lim, met[0] = budget(j), None
+            if lim is not None:
+                lim_total, lim_stage = total0 - lim[0], kept0 - lim[1]
             if plan[1] > goal and j >= first:
                 got = descend(plan, goal)
                 if got[1] > goal * (1.0 + 1e-9) and plan is not self.top:
@@ -197,14 +212,14 @@ class RankProbes:
         makespans: [P, ...]) meet the descent's floors globally, the first of equal steps; -1:
         none is faster than ``start_step``."""
         floor, stage_floor = self.floor - 1e-12, self.stage_floor - 1e-12
-        best, best_step = -1, start_step
-        for j in range(a["mk"].size):
-            mean, stage = a1.densities(a["kept_s"][j])
-            meets = (mean >= floor and float(stage.min()) >= stage_floor
-                     and not (self.qsum is not None and a["quality"][j] / a1.units > 1e-12))
-            if meets and float(a["mk"][j]) < best_step:
-                best, best_step = j, float(a["mk"][j])
-        return best
+        mean, stage = a1.densities_of(a["kept_s"])          # every plan's, as ``densities``
+        mk = np.asarray(a["mk"], dtype=np.float64)
+        meets = (mean >= floor) & (stage.min(axis=1) >= stage_floor) & (mk < start_step)
+        if self.qsum is not None:
+            meets &= ~(np.asarray(a["quality"]) / a1.units > 1e-12)
+        if not meets.any():
+            return -1
+        return int(np.argmin(np.where(meets, mk, np.inf)))   # the first of equal steps
 
 
 def _share(slack, own, total, n):
@@ -219,14 +234,9 @@ class _Fill:
     fixed target, on one rank at or below it: what the central rounds give a rank off the
     critical path."""
 
-    def __init__(self, costs, i_min: int, i_max: int, s):
-        dp, m, nv = costs.shape
-        self.graph = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
-        tables = Tables.of(costs.fwd_s, costs.bwd_s, costs.total_s, costs.formula)
-        self.rnd = kernels.descent.Round(self.graph.record(s.p2p_s), tables, costs.shape,
-                                         i_min, i_max)
-        self.t_min = np.ascontiguousarray(costs.total_s[..., i_min]).reshape(-1)
-        self.costs, self.p2p, self.h = costs, s.p2p_s, s.raise_headroom
+    def __init__(self, costs, s, setup: tuple):
+        self.graph, _, self.rnd, self.t_min = setup   # ``descent_setup``'s (a fill's every
+        self.costs, self.p2p, self.h = costs, s.p2p_s, s.raise_headroom   # round resets it)
 
     def _sim(self, idx):
         f, b = self.costs.at(idx)
