@@ -94,20 +94,31 @@ class RankProbes:
         below = np.flatnonzero(self.steps >= mk)
         if below.size:
             tried = np.unique(np.append(below[::FILL_EVERY], below[-1]))
-            cur, filler, own = idx, _Fill(self.costs, self.s, self.setup), []
+            cur, filler, own = idx, _Fill(self.s, self.setup), []
             for j in tried[::-1]:                  # deepest first, each from the last
                 cur, f_mk = filler.fill(cur, float(self.steps[j]))
                 own.insert(0, self._record(cur, f_mk))
-            for j in below:         # the shallowest fill below the probe (raised earlier)
-                self.fills[j] = self.free[j] = next((f for f in own if f[1] <= self.steps[j]),
-                                                    self.start)    # within SCALE of a probe
-                supply_k[j], supply_q[j] = self.fills[j][2] - kept0, self.fills[j][3] - q0
+            own_mk, fills = [f[1] for f in own], []
+            for j, step in zip(below.tolist(), self.steps[below].tolist()):
+                # the shallowest fill below the probe (raised earlier), within SCALE of it
+                f = next((own[i] for i, x in enumerate(own_mk) if x <= step), self.start)
+                self.fills[j] = self.free[j] = f
+                fills.append(f)
+            supply_k[below] = np.stack([f[2] for f in fills]) - kept0
+            supply_q[below] = np.array([f[3] for f in fills]) - q0
         self.top = own[0] if below.size else self.start
-        for j, plan in self._chain(lambda j: None):
-            self.free[j] = plan
-            demand_k[j] = np.maximum(kept0 - plan[2], 0.0)
-            demand_t[j] = max(float(kept0.sum() - plan[2].sum()), 0.0)
-            demand_q[j] = max(plan[3] - q0, 0.0)
+        chain = list(self._chain(lambda j: None))
+        if chain:
+            js = [j for j, _ in chain]
+            for j, plan in chain:
+                self.free[j] = plan
+            kept = np.stack([plan[2] for _, plan in chain])        # [n, stages]
+            demand_k[js] = np.maximum(kept0 - kept, 0.0)
+            demand_t[js] = np.maximum(kept0.sum() - kept.sum(axis=1), 0.0)   # a row's sum:
+            demand_q[js] = np.maximum(np.array([plan[3] for _, plan in chain]) - q0, 0.0)
+        # (numpy's of the row alone). The rank's own demand, for ``probe`` (copies: a reducer
+        # may sum its parts in place)
+        self.demand = (demand_t.copy(), demand_k.copy(), demand_q.copy())
         return {"sum": {"supply_kept": supply_k, "supply_q": supply_q, "demand_kept": demand_k,
                         "demand_total": demand_t, "demand_q": demand_q,
                         "descending": np.array([f is None for f in self.fills], dtype=float),
@@ -183,7 +194,7 @@ class RankProbes:
         n = np.maximum(agreed["descending"], 1.0)
         total = (agreed["demand_total"], agreed["demand_kept"], agreed["demand_q"])
         share = [_share(x, o, t, n if x.ndim == 1 else n[:, None])
-                 for x, o, t in zip(slack, self._demand(), total)]
+                 for x, o, t in zip(slack, self.demand, total)]
         free = self.best({"kept_s": agreed["free_kept"], "quality": agreed["free_q"],
                           "mk": agreed["free_mk"]}, a1, float(agreed["mk"]))
         self.plans, n_p = list(self.free) + list(self.free), self.steps.size
@@ -194,18 +205,6 @@ class RankProbes:
         return {"sum": {"kept_s": np.stack([x[2] for x in self.plans]),
                         "quality": np.array([x[3] for x in self.plans])},
                 "max": {"mk": np.array([x[1] for x in self.plans])}}
-
-    def _demand(self) -> tuple:
-        """The rank's own demand at every probe: kept work [P], by stage [P, stages], quality
-        [P]."""
-        kept0, q0 = self.start[2], self.start[3]
-        p = self.steps.size
-        t, k, q = np.zeros(p), np.zeros((p, kept0.size)), np.zeros(p)
-        for j, plan in enumerate(self.free):
-            if self.fills[j] is None:
-                t[j] = max(float(kept0.sum() - plan[2].sum()), 0.0)
-                k[j], q[j] = np.maximum(kept0 - plan[2], 0.0), max(plan[3] - q0, 0.0)
-        return t, k, q
 
     def best(self, a: dict, a1, start_step: float) -> int:
         """The fastest of plans whose agreed sums ``a`` (kept work by stage, quality sums,
@@ -234,21 +233,15 @@ class _Fill:
     fixed target, on one rank at or below it: what the central rounds give a rank off the
     critical path."""
 
-    def __init__(self, costs, s, setup: tuple):
-        self.graph, _, self.rnd, self.t_min = setup   # ``descent_setup``'s (a fill's every
-        self.costs, self.p2p, self.h = costs, s.p2p_s, s.raise_headroom   # round resets it)
-
-    def _sim(self, idx):
-        f, b = self.costs.at(idx)
-        dur = self.graph.durations(f, b)
-        ef = self.graph.earliest_finish(dur, self.p2p)
-        return f, b, dur, ef, self.graph.makespan(ef)
+    def __init__(self, s, setup):
+        self.setup, self.rnd, self.t_min = setup, setup.rnd, setup.t_min   # ``descent_setup``'s
+        self.h = s.raise_headroom                         # (a fill's every round resets rnd)
 
     def fill(self, idx, target: float, rounds: int = ROUNDS) -> tuple:
         """(grid indices, makespan) of ``idx`` (makespan at most ``target``) raised with
         ``target`` in rounds until nothing moves."""
         rnd, deadline = self.rnd, target * (1.0 - self.h)
-        f, b, dur, ef, mk = self._sim(idx)
+        f, b, dur, ef, mk = self.setup.simulate(idx)
         for _ in range(rounds):
             rnd.plan_changed()
             now = rnd.plan(dur, ef, f, b, idx)
@@ -264,5 +257,5 @@ class _Fill:
             if np.array_equal(new, idx):
                 break
             idx = new
-            f, b, dur, ef, mk = self._sim(idx)
+            f, b, dur, ef, mk = self.setup.simulate(idx)
         return idx, float(mk.max())
