@@ -167,12 +167,12 @@ class RankProbes:
                 return met[0][1], float(step), met[0][2], met[0][3]
             return self._record(new, step)
 
-        for j in np.flatnonzero(self.steps < mk):
+        for j in np.flatnonzero(self.steps < mk).tolist():
             goal = float(self.steps[j])
-            lim, met[0] = budget(j), None
-            if lim is not None:
-                lim_total, lim_stage = total0 - lim[0], kept0 - lim[1]
             if plan[1] > goal and j >= first:
+                lim, met[0] = budget(j), None         # read where the rank descends only
+                if lim is not None:
+                    lim_total, lim_stage = total0 - lim[0], kept0 - lim[1]
                 got = descend(plan, goal)
                 if got[1] > goal * (1.0 + 1e-9) and plan is not self.top:
                     again = descend(self.top, goal)

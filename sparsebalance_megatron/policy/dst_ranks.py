@@ -59,6 +59,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Optional
 
@@ -99,13 +100,19 @@ def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
 def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
     """Every (anchor, tolerance) ``dst._band_search`` can ask for, in its order: the configured
     band (and the narrower ones with ``narrow``), the no-cut plan, then every round's 3
-    tolerances in each of the 4 sub-intervals the previous round can leave."""
-    anchor, tol = settings.anchor, settings.tolerance
+    tolerances in each of the 4 sub-intervals the previous round can leave. Made once per
+    (anchor, tolerance, search steps, ``narrow``): every rank's and step's alike."""
+    return list(_candidate_tree(settings.anchor, settings.tolerance, settings.search_steps,
+                                bool(narrow)))
+
+
+@lru_cache(maxsize=64, typed=True)
+def _candidate_tree(anchor: str, tol: float, search_steps: int, narrow: bool) -> tuple:
     out = list(band_ladder(anchor, tol) if narrow else [(anchor, tol)])
     out.append(("max", tol))
     per_round = 3
     level = [(max(float(tol), 1e-3), 10.0)]
-    for _ in range(max(settings.search_steps // 2, 1)):
+    for _ in range(max(search_steps // 2, 1)):
         nxt = []
         for lo, hi in level:
             ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
@@ -118,7 +125,7 @@ def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
         if c not in seen:
             seen.add(c)
             uniq.append(c)
-    return uniq
+    return tuple(uniq)
 
 
 @dataclass
