@@ -296,6 +296,9 @@ class Round:
     def __init__(self, graph: Graph, tables: Tables, shape: tuple, i_min: int, i_max: int):
         self.graph, self.tables = graph, tables
         self.shape, self.i_min, self.i_max = shape, int(i_min), int(i_max)
+        # no look-up and no pick known (the kernels read ``_was``, never write it: shared)
+        self._none = (np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64),
+                      np.full(shape[0], -1, dtype=np.int64))
         self.plan_changed()
 
     def plan_changed(self, same=None) -> None:
@@ -304,13 +307,12 @@ class Round:
         (flat, optional: none kept without it) says which did not. A unit's look-ups depend on
         its own grid index alone (its seconds there and at d_min, the fractions), so those
         of the units a round left alone are the next cut's (about three in four)."""
-        on, at, _ = getattr(self, "_was", (np.zeros(0, dtype=np.int64),) * 3)
+        on, at, _ = getattr(self, "_was", self._none)
         if same is None or not on.size:
-            on, at = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
-        else:
-            keep = same[on]
-            on, at = on[keep], np.ascontiguousarray(at[:, keep])
-        self._was = (on, at, np.full(self.shape[0], -1, dtype=np.int64))   # no pick known
+            self._was = self._none
+            return
+        keep = same[on]
+        self._was = (on[keep], np.ascontiguousarray(at[:, keep]), self._none[2])  # no pick
 
     @staticmethod
     def plan(dur, ef, f, b, idx) -> Plan:

@@ -199,10 +199,23 @@ class UnitCosts:
         if self.kept_grid is None:
             return idx
         if i0 not in self._effective:
-            self._effective[i0] = self._nearest_same_blocks(int(i0))
-        near, rows = self._effective[i0]
+            near, rows = self._nearest_same_blocks(int(i0))
+            whole = None                 # a small slice (a DP rank's): every (unit, index)'s
+            if self.fwd_s.size <= 1 << 15:              # answer made once, then one gather
+                g = self.densities.size
+                every = self._moved(np.arange(g).reshape(g, 1, 1, 1) + np.zeros(
+                    self.shape, dtype=np.int64), near, rows)               # [g, dp, m, pp]
+                whole = (np.ascontiguousarray(np.moveaxis(every, 0, -1)).reshape(-1),
+                         np.arange(0, self.fwd_s.size, g).reshape(self.shape))
+            self._effective[i0] = (near, rows, whole)
+        near, rows, whole = self._effective[i0]
+        return self._moved(idx, near, rows) if whole is None else whole[0].take(whole[1] + idx)
+
+    def _moved(self, idx: np.ndarray, near: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """``effective_index`` from ``_nearest_same_blocks``' (a unit's answer: its index's)."""
         to = near.take(rows + idx)                   # [..., dp, m, pp] like idx
-        flat_to, flat_idx = to.reshape(-1), np.broadcast_to(idx, to.shape).reshape(-1)
+        flat_to = to.reshape(-1)
+        flat_idx = (idx if idx.shape == to.shape else np.broadcast_to(idx, to.shape)).reshape(-1)
         # a raise comes down as it is (it costs no more); a cut goes up only to the same seconds
         up = np.flatnonzero(flat_to > flat_idx)
         if up.size:

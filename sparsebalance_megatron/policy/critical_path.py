@@ -43,12 +43,13 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from .. import kernels
 from ..kernels.descent import CUT_FRACTIONS, RAISE_FRACTIONS, SCALE  # noqa: F401 (re-exported)
-from ..kernels.records import Tables
+from ..kernels.records import NO_START, Tables
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
 from .dst_settings import DSTSettings
@@ -78,22 +79,60 @@ def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: fl
                     None if floors is None else lambda i: floors(costs.densities[i]))[:2]
 
 
+class DescentSetup(NamedTuple):
+    """What every descent on one costs object within [i_min, i_max] makes first
+    (``descent_setup``): the event graph, its record with the p2p latency, the cost tables'
+    record, the round's phases (``kernels.descent.Round``), every unit's seconds at d_min
+    (flat) and every unit's offset in the flat tables ([dp, m, nv]). A caller that descends
+    many times on the same costs (``dst_probes``: a rank's ~25 descents and its fills) makes
+    it once and passes it to each (``_descent``'s ``setup``)."""
+
+    graph: object
+    record: object
+    tables: Tables
+    rnd: object
+    t_min: np.ndarray
+    base: np.ndarray
+
+    def simulate(self, idx: np.ndarray) -> tuple:
+        """(fwd and bwd seconds [dp, m, nv], event durations and earliest finishes [E, dp],
+        makespans [dp]) of the plan at grid indices ``idx`` [dp, m, nv] (``UnitCosts.at``'s
+        gathers, ``EventGraph``'s simulation)."""
+        at = self.base + idx
+        f, b = self.tables.fwd.take(at), self.tables.bwd.take(at)
+        dur = self.graph.durations(f, b)
+        ef = np.empty(dur.shape)
+        kernels.graph.earliest_finish(self.record, dur, np.arange(dur.shape[1]), ef, NO_START)
+        return f, b, dur, ef, self.graph.makespan(ef)
+
+
+def descent_setup(costs: UnitCosts, i_min: int, i_max: int, p2p_s: float) -> DescentSetup:
+    """``DescentSetup`` of ``costs``, the bounds and the p2p latency."""
+    _, m, nv = costs.shape
+    graph = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
+    tables = Tables.of(costs.fwd_s, costs.bwd_s, costs.total_s, costs.formula)
+    record = graph.record(p2p_s)
+    rnd = kernels.descent.Round(record, tables, costs.shape, i_min, i_max)
+    t_min = np.ascontiguousarray(costs.total_s[..., i_min]).reshape(-1)
+    g = costs.densities.size
+    base = np.arange(0, t_min.size * g, g).reshape(costs.shape)
+    return DescentSetup(graph, record, tables, rnd, t_min, base)
+
+
 def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-             raise_headroom: float, meets_at, rounds: int, floors_at=None, goal: float = 0.0):
+             raise_headroom: float, meets_at, rounds: int, floors_at=None, goal: float = 0.0,
+             setup: DescentSetup = None):
     """``descend``, and the DP ranks' makespans [dp] of the plan it returns; ``meets_at`` and
     ``floors_at`` take a plan's grid indices (``descend``'s take its densities). Each round's
     phases are ``kernels.descent.Round``'s. ``goal``: no round asks for a step below it, and
     the descent stops there (``dst_ranks``: a DP rank's descent to each of the agreed probe
-    steps); 0: none."""
-    dp, m, nv = costs.shape
-    graph = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
-    tables = Tables.of(costs.fwd_s, costs.bwd_s, costs.total_s, costs.formula)
-    rnd = kernels.descent.Round(graph.record(p2p_s), tables, costs.shape, i_min, i_max)
-    t_min = np.ascontiguousarray(costs.total_s[..., i_min]).reshape(-1)
-    f, b = costs.at(idx)
-    dur = graph.durations(f, b)
-    ef = graph.earliest_finish(dur, p2p_s)
-    mk = graph.makespan(ef)
+    steps); 0: none. ``setup``: ``descent_setup`` of the same costs, bounds and p2p (its
+    round's picks forgotten here), else made here."""
+    if setup is None:
+        setup = descent_setup(costs, i_min, i_max, p2p_s)
+    tables, rnd, t_min = setup.tables, setup.rnd, setup.t_min
+    rnd.plan_changed()                  # a fresh round: no pick or look-up of another plan
+    f, b, dur, ef, mk = setup.simulate(idx)
     step, eta = float(mk.max()), ETA_START
     for _ in range(rounds):
         if eta < ETA_MIN or step <= goal:

@@ -275,18 +275,23 @@ def _plans(ps: _Pass, candidates, d0: float, band: tuple, raised: tuple) -> list
         weighted_mean_density(np.full(dens_c.shape[1:], float(d0)), weights, costs.dense_work)
     flat_c = idx_c.reshape(k, -1)
     cut_c, raised_c = (flat_c < i0).sum(axis=1).tolist(), (flat_c > i0).sum(axis=1).tolist()
+    # every candidate's makespans' max and mean at once (a row's mean is numpy's over the same
+    # elements in the same order as the row's own: the same floats)
+    top_c, mean_mk_c = mk_c.max(axis=1).tolist(), mk_c.mean(axis=1).tolist()
+    rev_n = rev_c.sum(axis=1).tolist()
+    step1_c, anchors_c, bands_c = (np.asarray(x, dtype=np.float64).reshape(k).tolist()
+                                   for x in (step1, anchors, bands))
     for c, (_, tolerance) in enumerate(candidates):
-        mk_end = mk_c[c]
+        top, mean_mk = top_c[c], mean_mk_c[c]
         report = DSTReport(
-            step_time_static_s=step0, step_time_cut_s=float(step1[c]),
-            step_time_planned_s=float(mk_end.max()),
-            speedup=step0 / float(mk_end.max()) if mk_end.max() > 0 else 1.0,
+            step_time_static_s=step0, step_time_cut_s=step1_c[c],
+            step_time_planned_s=top, speedup=step0 / top if top > 0 else 1.0,
             imbalance_before=imb0,
-            imbalance_after=float(mk_end.max() / mk_end.mean()) if mk_end.mean() > 0 else 1.0,
-            anchor_s=float(anchors[c]), band_s=float(bands[c]),
+            imbalance_after=top / mean_mk if mean_mk > 0 else 1.0,
+            anchor_s=anchors_c[c], band_s=bands_c[c],
             mean_density_static=mean_static, mean_density=mean_c[c],
             units_cut=cut_c[c], units_raised=raised_c[c],
-            ranks_reverted=int(rev_c[c].sum()), tolerance_used=float(tolerance),
+            ranks_reverted=rev_n[c], tolerance_used=float(tolerance),
             density_per_stage=stage_c[c])
         plans.append(DSTPlan(dens_c[c], report, idx_c[c].reshape(dp, m, nv)))
     return plans

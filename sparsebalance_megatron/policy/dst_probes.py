@@ -44,11 +44,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kernels
 from ..kernels.descent import SCALE
-from ..kernels.records import Tables
-from ..sim.pipeline import event_graph
-from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent
+from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent, descent_setup
 
 PROBES = 64               # the descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
@@ -76,6 +73,8 @@ class RankProbes:
         self.i0, self.i_min, self.i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
         self.floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0
         self.stage_floor = s.stage_density_floor * s.d0
+        # the graph, tables and round every descent and fill of the rank share
+        self.setup = descent_setup(costs, self.i_min, self.i_max, s.p2p_s)
 
     def _record(self, idx, mk: float) -> tuple:
         """(effective grid indices, makespan, kept work by stage, quality sum) of a plan."""
@@ -95,20 +94,31 @@ class RankProbes:
         below = np.flatnonzero(self.steps >= mk)
         if below.size:
             tried = np.unique(np.append(below[::FILL_EVERY], below[-1]))
-            cur, filler, own = idx, _Fill(self.costs, self.i_min, self.i_max, self.s), []
+            cur, filler, own = idx, _Fill(self.s, self.setup), []
             for j in tried[::-1]:                  # deepest first, each from the last
                 cur, f_mk = filler.fill(cur, float(self.steps[j]))
                 own.insert(0, self._record(cur, f_mk))
-            for j in below:         # the shallowest fill below the probe (raised earlier)
-                self.fills[j] = self.free[j] = next((f for f in own if f[1] <= self.steps[j]),
-                                                    self.start)    # within SCALE of a probe
-                supply_k[j], supply_q[j] = self.fills[j][2] - kept0, self.fills[j][3] - q0
+            own_mk, fills = [f[1] for f in own], []
+            for j, step in zip(below.tolist(), self.steps[below].tolist()):
+                # the shallowest fill below the probe (raised earlier), within SCALE of it
+                f = next((own[i] for i, x in enumerate(own_mk) if x <= step), self.start)
+                self.fills[j] = self.free[j] = f
+                fills.append(f)
+            supply_k[below] = np.stack([f[2] for f in fills]) - kept0
+            supply_q[below] = np.array([f[3] for f in fills]) - q0
         self.top = own[0] if below.size else self.start
-        for j, plan in self._chain(lambda j: None):
-            self.free[j] = plan
-            demand_k[j] = np.maximum(kept0 - plan[2], 0.0)
-            demand_t[j] = max(float(kept0.sum() - plan[2].sum()), 0.0)
-            demand_q[j] = max(plan[3] - q0, 0.0)
+        chain = list(self._chain(lambda j: None))
+        if chain:
+            js = [j for j, _ in chain]
+            for j, plan in chain:
+                self.free[j] = plan
+            kept = np.stack([plan[2] for _, plan in chain])        # [n, stages]
+            demand_k[js] = np.maximum(kept0 - kept, 0.0)
+            demand_t[js] = np.maximum(kept0.sum() - kept.sum(axis=1), 0.0)   # a row's sum:
+            demand_q[js] = np.maximum(np.array([plan[3] for _, plan in chain]) - q0, 0.0)
+        # (numpy's of the row alone). The rank's own demand, for ``probe`` (copies: a reducer
+        # may sum its parts in place)
+        self.demand = (demand_t.copy(), demand_k.copy(), demand_q.copy())
         return {"sum": {"supply_kept": supply_k, "supply_q": supply_q, "demand_kept": demand_k,
                         "demand_total": demand_t, "demand_q": demand_q,
                         "descending": np.array([f is None for f in self.fills], dtype=float),
@@ -122,31 +132,47 @@ class RankProbes:
         quality) the rank may spend from the start's (None: no floors). A descent that misses
         its probe is tried again from the chain's start (the chain's own cuts may be what
         blocks it); a second miss ends the chain's descents."""
-        costs, s = self.costs, self.s
+        costs, s, qsum = self.costs, self.s, self.qsum
         mk, kept0, q0 = self.start[1:]
-        plan, lim = self.top, None
+        plan, lim, total0 = self.top, None, float(kept0.sum())
+        met = [None]            # the last plan ``meets_at`` passed: (it, its record's parts)
+
+        def kept_ok(e):
+            kept = (costs.densities.take(e) * self.w).sum(axis=(0, 1))
+            return kept, bool(float(kept.sum()) >= lim_total and np.all(kept >= lim_stage))
 
         def floors_at(i):
-            kept = (costs.densities.take(costs.effective_index(i, self.i0)) * self.w).sum(
-                axis=(0, 1))
-            return bool(float(kept.sum()) >= float(kept0.sum()) - lim[0]
-                        and np.all(kept >= kept0 - lim[1]))
+            return kept_ok(costs.effective_index(i, self.i0))[1]
 
         def meets_at(i):
-            return floors_at(i) and (self.qsum is None or
-                                     self.qsum(costs.effective_index(i, self.i0)) <= q0 + lim[2])
+            e = costs.effective_index(i, self.i0)
+            kept, ok = kept_ok(e)
+            if not ok:
+                return False
+            q = qsum(e) if qsum is not None else 0.0
+            if qsum is not None and not q <= q0 + lim[2]:
+                return False
+            met[0] = (i, e, kept, q)          # a round kept: the descent's plan, unless a
+            return True                       # later round is kept too
 
         def descend(start, goal):
             new, step, _ = _descent(costs, start[0], self.i_min, self.i_max, s.p2p_s,
                                     s.raise_headroom,
                                     (lambda i: True) if lim is None else meets_at, ROUNDS,
-                                    None if lim is None else floors_at, goal=goal)
-            return self._record(new, step) if step < start[1] else start
+                                    None if lim is None else floors_at, goal=goal,
+                                    setup=self.setup)
+            if not step < start[1]:
+                return start
+            if met[0] is not None and met[0][0] is new:      # its record made by meets_at
+                return met[0][1], float(step), met[0][2], met[0][3]
+            return self._record(new, step)
 
-        for j in np.flatnonzero(self.steps < mk):
+        for j in np.flatnonzero(self.steps < mk).tolist():
             goal = float(self.steps[j])
-            lim = budget(j)
             if plan[1] > goal and j >= first:
+                lim, met[0] = budget(j), None         # read where the rank descends only
+                if lim is not None:
+                    lim_total, lim_stage = total0 - lim[0], kept0 - lim[1]
                 got = descend(plan, goal)
                 if got[1] > goal * (1.0 + 1e-9) and plan is not self.top:
                     again = descend(self.top, goal)
@@ -168,7 +194,7 @@ class RankProbes:
         n = np.maximum(agreed["descending"], 1.0)
         total = (agreed["demand_total"], agreed["demand_kept"], agreed["demand_q"])
         share = [_share(x, o, t, n if x.ndim == 1 else n[:, None])
-                 for x, o, t in zip(slack, self._demand(), total)]
+                 for x, o, t in zip(slack, self.demand, total)]
         free = self.best({"kept_s": agreed["free_kept"], "quality": agreed["free_q"],
                           "mk": agreed["free_mk"]}, a1, float(agreed["mk"]))
         self.plans, n_p = list(self.free) + list(self.free), self.steps.size
@@ -180,31 +206,19 @@ class RankProbes:
                         "quality": np.array([x[3] for x in self.plans])},
                 "max": {"mk": np.array([x[1] for x in self.plans])}}
 
-    def _demand(self) -> tuple:
-        """The rank's own demand at every probe: kept work [P], by stage [P, stages], quality
-        [P]."""
-        kept0, q0 = self.start[2], self.start[3]
-        p = self.steps.size
-        t, k, q = np.zeros(p), np.zeros((p, kept0.size)), np.zeros(p)
-        for j, plan in enumerate(self.free):
-            if self.fills[j] is None:
-                t[j] = max(float(kept0.sum() - plan[2].sum()), 0.0)
-                k[j], q[j] = np.maximum(kept0 - plan[2], 0.0), max(plan[3] - q0, 0.0)
-        return t, k, q
-
     def best(self, a: dict, a1, start_step: float) -> int:
         """The fastest of plans whose agreed sums ``a`` (kept work by stage, quality sums,
         makespans: [P, ...]) meet the descent's floors globally, the first of equal steps; -1:
         none is faster than ``start_step``."""
         floor, stage_floor = self.floor - 1e-12, self.stage_floor - 1e-12
-        best, best_step = -1, start_step
-        for j in range(a["mk"].size):
-            mean, stage = a1.densities(a["kept_s"][j])
-            meets = (mean >= floor and float(stage.min()) >= stage_floor
-                     and not (self.qsum is not None and a["quality"][j] / a1.units > 1e-12))
-            if meets and float(a["mk"][j]) < best_step:
-                best, best_step = j, float(a["mk"][j])
-        return best
+        mean, stage = a1.densities_of(a["kept_s"])          # every plan's, as ``densities``
+        mk = np.asarray(a["mk"], dtype=np.float64)
+        meets = (mean >= floor) & (stage.min(axis=1) >= stage_floor) & (mk < start_step)
+        if self.qsum is not None:
+            meets &= ~(np.asarray(a["quality"]) / a1.units > 1e-12)
+        if not meets.any():
+            return -1
+        return int(np.argmin(np.where(meets, mk, np.inf)))   # the first of equal steps
 
 
 def _share(slack, own, total, n):
@@ -219,26 +233,15 @@ class _Fill:
     fixed target, on one rank at or below it: what the central rounds give a rank off the
     critical path."""
 
-    def __init__(self, costs, i_min: int, i_max: int, s):
-        dp, m, nv = costs.shape
-        self.graph = event_graph(m, costs.pipeline_ranks, nv // costs.pipeline_ranks)
-        tables = Tables.of(costs.fwd_s, costs.bwd_s, costs.total_s, costs.formula)
-        self.rnd = kernels.descent.Round(self.graph.record(s.p2p_s), tables, costs.shape,
-                                         i_min, i_max)
-        self.t_min = np.ascontiguousarray(costs.total_s[..., i_min]).reshape(-1)
-        self.costs, self.p2p, self.h = costs, s.p2p_s, s.raise_headroom
-
-    def _sim(self, idx):
-        f, b = self.costs.at(idx)
-        dur = self.graph.durations(f, b)
-        ef = self.graph.earliest_finish(dur, self.p2p)
-        return f, b, dur, ef, self.graph.makespan(ef)
+    def __init__(self, s, setup):
+        self.setup, self.rnd, self.t_min = setup, setup.rnd, setup.t_min   # ``descent_setup``'s
+        self.h = s.raise_headroom                         # (a fill's every round resets rnd)
 
     def fill(self, idx, target: float, rounds: int = ROUNDS) -> tuple:
         """(grid indices, makespan) of ``idx`` (makespan at most ``target``) raised with
         ``target`` in rounds until nothing moves."""
         rnd, deadline = self.rnd, target * (1.0 - self.h)
-        f, b, dur, ef, mk = self._sim(idx)
+        f, b, dur, ef, mk = self.setup.simulate(idx)
         for _ in range(rounds):
             rnd.plan_changed()
             now = rnd.plan(dur, ef, f, b, idx)
@@ -254,5 +257,5 @@ class _Fill:
             if np.array_equal(new, idx):
                 break
             idx = new
-            f, b, dur, ef, mk = self._sim(idx)
+            f, b, dur, ef, mk = self.setup.simulate(idx)
         return idx, float(mk.max())

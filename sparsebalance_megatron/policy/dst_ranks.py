@@ -59,6 +59,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Optional
 
@@ -99,13 +100,19 @@ def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
 def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
     """Every (anchor, tolerance) ``dst._band_search`` can ask for, in its order: the configured
     band (and the narrower ones with ``narrow``), the no-cut plan, then every round's 3
-    tolerances in each of the 4 sub-intervals the previous round can leave."""
-    anchor, tol = settings.anchor, settings.tolerance
+    tolerances in each of the 4 sub-intervals the previous round can leave. Made once per
+    (anchor, tolerance, search steps, ``narrow``): every rank's and step's alike."""
+    return list(_candidate_tree(settings.anchor, settings.tolerance, settings.search_steps,
+                                bool(narrow)))
+
+
+@lru_cache(maxsize=64, typed=True)
+def _candidate_tree(anchor: str, tol: float, search_steps: int, narrow: bool) -> tuple:
     out = list(band_ladder(anchor, tol) if narrow else [(anchor, tol)])
     out.append(("max", tol))
     per_round = 3
     level = [(max(float(tol), 1e-3), 10.0)]
-    for _ in range(max(settings.search_steps // 2, 1)):
+    for _ in range(max(search_steps // 2, 1)):
         nxt = []
         for lo, hi in level:
             ts = lo * (hi / lo) ** (np.arange(1, per_round + 1) / (per_round + 1))
@@ -118,7 +125,7 @@ def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
         if c not in seen:
             seen.add(c)
             uniq.append(c)
-    return uniq
+    return tuple(uniq)
 
 
 @dataclass
@@ -148,6 +155,15 @@ class Agreed1:
             mean = 1.0 if plain_s is None else float(plain_s.sum() / plain_s.size)
         return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0),
                               np.inf if plain_s is None else plain_s)
+
+    def densities_of(self, kept_s: np.ndarray) -> tuple:
+        """``densities(kept_s[j])`` (a floor check's) of every row j of ``kept_s`` [n, stages]
+        at once: (means [n], per-stage [n, stages]), the same floats (a row's sum is numpy's
+        over the same elements in the same order)."""
+        kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
+        ok = self.tot_s > 0
+        mean = kept_s.sum(axis=1) / self.tot if self.tot > 0 else np.ones(kept_s.shape[0])
+        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0), np.inf)
 
 
 class RankDST:
@@ -222,10 +238,11 @@ class RankDST:
         plain_s = dens.sum(axis=(1, 2))                          # where a stage weighs 0
         q = np.zeros(len(self.plans))
         if self.quality is not None:
-            q = np.array([self._quality_sum(i) for i in idx])
-            for p, w in zip(self.plans, self.water):   # the rank's own (at DP 1 the verdicts
-                if w:                                   # read it): the water-filling rows'
-                    p.report.quality_cost = p.quality_cost(self.quality, self.costs.densities)
+            q = self._quality_sums(idx)
+            units = idx.shape[1] * idx.shape[2]        # ``plan_cost_at``: the sum's mean
+            for p, w, qk in zip(self.plans, self.water, q.tolist()):   # the rank's own (at DP
+                if w:                               # 1 the verdicts read it): the water rows'
+                    p.report.quality_cost = qk / units
         mk = np.array([p.report.step_time_planned_s for p in self.plans])
         self.kept_s, self.q, self.mk = kept_s, q, mk
         counts = np.array([[p.report.units_cut, p.report.units_raised,
@@ -236,9 +253,23 @@ class RankDST:
 
     def _quality_sum(self, idx: np.ndarray) -> float:
         """The quality cost's sum over the rank's micro-batches (``plan_cost_at`` x m)."""
-        g = self.costs.densities
-        flat = self.quality._grid_table(g).reshape(-1)
-        return float(flat.take(idx + np.arange(idx.shape[2]) * g.size).sum(axis=2).sum())
+        flat, offsets = self._quality_table()
+        return float(flat.take(idx + offsets).sum(axis=2).sum())
+
+    def _quality_sums(self, idx: np.ndarray) -> np.ndarray:
+        """``_quality_sum`` of every plan of ``idx`` [k, 1, m, stages] at once (a plan's sums
+        are numpy's over the same elements in the same order: the same floats)."""
+        flat, offsets = self._quality_table()
+        return flat.take(idx + offsets).sum(axis=3).sum(axis=(1, 2))
+
+    def _quality_table(self) -> tuple:
+        """(the quality cost's grid table, flat; each stage's offset in it [stages]), made
+        once per rank (its grid and quality cost do not change)."""
+        if getattr(self, "_qtable", None) is None:
+            g = self.costs.densities
+            self._qtable = (self.quality._grid_table(g).reshape(-1),
+                            np.arange(self.costs.shape[2]) * g.size)
+        return self._qtable
 
     def global_report(self, k: int, a3: dict) -> DSTReport:
         """Candidate k's report with the agreed step, densities, quality cost and counts (at

@@ -131,3 +131,29 @@ def test_a_raise_that_keeps_only_padding_blocks_pays_for_no_cut():
     assert plans["documents"].tolist() == [0.25, 0.25]
     with pytest.raises(ValueError, match="kept_units has 1 micro-batches"):
         UnitCosts.from_latency(lm, padded, 2, 1, grid, kept_units=docs[:1])
+
+
+def test_effective_index_of_a_small_slice_is_one_gather_with_the_same_answers():
+    """A small costs object (a DP rank's slice, at most 2^15 table entries) answers from every
+    (unit, index)'s answer made once; a larger one moves the units it is given: a rank's slice
+    answers as the whole step's costs do for its rows, whatever the plans' leading axes."""
+    from sparsebalance_megatron.policy.dst_ranks import rank_slice
+    rng = np.random.default_rng(3)
+    dp, m, pp, g = 9, 16, 4, 57
+    grid = np.linspace(0.125, 1.0, g)
+    kept = np.cumsum(rng.random((dp, m, g)) < 0.3, axis=-1).astype(float)   # runs of equals
+    f = 1.0 + kept[:, :, None, :] + np.where(rng.random((dp, m, pp, g)) < 0.2, 0.5, 0.0)
+    f = np.maximum.accumulate(f, axis=-1)               # padding: some runs' seconds differ
+    whole = UnitCosts(grid, f, 2 * f, kept_grid=kept)
+    assert whole.fwd_s.size > 1 << 15
+    for i0 in (0, 20, g - 1):
+        idx = rng.integers(0, g, (5, dp, m, pp))
+        want = whole.effective_index(idx, i0)
+        assert whole._effective[i0][2] is None                      # moved unit by unit
+        for r in range(dp):
+            part = rank_slice(whole, r)
+            got = part.effective_index(idx[:, r:r + 1], i0)
+            assert part._effective[i0][2] is not None               # one gather
+            assert np.array_equal(got, want[:, r:r + 1])
+            assert np.array_equal(part.effective_index(idx[0, r:r + 1], i0), want[0, r:r + 1])
+        assert not rank_slice(whole, 0)._effective                  # made per costs object
