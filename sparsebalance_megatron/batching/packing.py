@@ -114,8 +114,7 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
     if rank is not None:                  # its bins rank, dp + rank, ...: ranges of the items
-        first = np.asarray(starts, dtype=np.int64)
-        ends = np.append(first[1:], len(segs))
+        first, ends = starts, np.append(starts[1:], len(segs))
         b = rank + dp * np.arange(m)
         lo, hi = np.where(b < first.size, first[np.minimum(b, first.size - 1)], 0), \
             np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
@@ -136,9 +135,9 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
         items, counts, arr, sizes)
 
 
-def _fill_starts(sizes: np.ndarray, cap: int) -> list:
-    """Where ``data.packing.sequential_bins`` opens each bin (``kernels.packing``)."""
-    return kernels.packing.sequential_starts(sizes, cap)
+def _fill_starts(sizes: np.ndarray, cap: int) -> np.ndarray:
+    """Where ``data.packing.sequential_bins`` opens each bin (``kernels.packing``), [bins]."""
+    return kernels.packing.sequential_starts(sizes, cap, as_array=True)
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
