@@ -1,5 +1,6 @@
 """SAB's per-segment loops, compiled (``batching.packing``): the LPT assignment of segments to
-DP ranks (the least loaded rank with token room, ties to the lowest rank), each rank's cut into
+DP ranks (by cost descending, ties by the seeded permutation, a counting sort; each to the least
+loaded rank with token room, ties to the lowest rank), each rank's cut into
 contiguous micro-batches, the micro-batches' slots (the cheapest two first and last), and the
 baseline's sequential fill (``sequential_starts``, ``data.packing.sequential_bins``), and the
 document stream's cut into bins (``stream_pass``, ``data.packing.GlobalBatchSampler``).
@@ -105,6 +106,28 @@ def lpt_pass(cost, size, order, dp, cap, rank_of):
     for j in range(n):
         rank_of[order[j]] = to[j]
     return True
+
+
+@jit
+def lpt_by_pass(cost, size, tie, at, rank, dp, cap, rank_of):
+    # lpt_pass over the items by rank[at[i]] ascending, then tie[i] (a permutation of 0..n-1):
+    # the items in tie order, counted into their ranks' runs (a stable counting sort)
+    n = tie.size
+    by_tie = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        by_tie[tie[i]] = i
+    start = np.zeros(rank.size + 1, dtype=np.int64)
+    for i in range(n):
+        start[rank[at[i]] + 1] += 1
+    for k in range(rank.size):
+        start[k + 1] += start[k]
+    order = np.empty(n, dtype=np.int64)
+    for t in range(n):
+        i = by_tie[t]
+        k = rank[at[i]]
+        order[start[k]] = i
+        start[k] += 1
+    return lpt_pass(cost, size, order, dp, cap, rank_of)
 
 
 @jit
@@ -279,11 +302,14 @@ def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
-def lpt_ranks(cost: np.ndarray, size: np.ndarray, order: np.ndarray, dp: int,
-              cap_tokens: int):
-    """The LPT's rank of every item [n] (``lpt_pass``), or None where one fits nowhere."""
+def lpt_ranks(cost: np.ndarray, size: np.ndarray, tie: np.ndarray, at: np.ndarray,
+              rank: np.ndarray, dp: int, cap_tokens: int):
+    """The LPT's rank of every item [n] (``lpt_pass``) in the order
+    ``batching.plan.seeded_order(tie, rank[at])`` makes (``lpt_by_pass``: ``rank`` [k] the
+    order of k values, ``at`` [n] each item's one), or None where one fits nowhere."""
     rank_of = np.zeros(cost.size, dtype=np.int64)
-    ok = lpt_pass(f64(cost), i64(size), i64(order), int(dp), int(cap_tokens), rank_of)
+    ok = lpt_by_pass(f64(cost), i64(size), i64(tie), i64(at), i64(rank), int(dp),
+                     int(cap_tokens), rank_of)
     return rank_of if ok else None
 
 
@@ -305,7 +331,7 @@ def warm_up() -> None:
     """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with a
     draft's argument types."""
     one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
-    lpt_ranks(one, i1, np.arange(2), 2, 4)
+    lpt_ranks(one, i1, np.arange(2), np.arange(2), np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
     stream_pass(np.arange(2), np.zeros(1, dtype=np.int64), i1, one[:1], 4, np.zeros(1, np.int64),

@@ -68,6 +68,33 @@ def test_lpt_gives_each_item_the_least_loaded_rank_with_room(form):
     assert 0 < nowhere < 150
 
 
+@FORMS
+def test_lpt_by_ranks_orders_the_items_as_the_seeded_sort(form):
+    """``lpt_by_pass`` counts the items into their values' ranks in tie order: the LPT of
+    ``np.lexsort((tie, rank[at]))``'s order, equal ranks (equal costs) many, the ranks as
+    ``np.unique`` gives them for sizes' costs and for any costs (``at`` the items)."""
+    rng = np.random.default_rng(6)
+    for case in range(120):
+        dp, cap = int(rng.integers(1, 6)), int(rng.integers(50, 300))
+        n = int(rng.integers(0, 4 * dp * 3))
+        size = rng.integers(1, cap // 2, n).astype(np.int64)
+        if case % 2:
+            per = rng.integers(0, 4, 7).astype(np.float64)       # many equal costs
+            at = rng.integers(0, per.size, n)
+            rank = np.unique(-per, return_inverse=True)[1]
+            cost = per[at]
+        else:
+            cost = rng.integers(1, 5, n) * (rng.random(n) < 0.5) + rng.random(n).round(1)
+            at, rank = np.arange(n), np.unique(-cost, return_inverse=True)[1]
+        tie = rng.permutation(n)
+        want, got = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        ok = packing.lpt_pass(cost, size, np.lexsort((tie, -cost)), dp, 3 * cap, want)
+        assert _form(packing.lpt_by_pass, form)(cost, size, tie, at, rank, dp, 3 * cap,
+                                                got) == ok
+        if ok:
+            np.testing.assert_array_equal(got, want)
+
+
 def _cut_oracle(items, size, cost, m, cap, balance):
     """A rank's contiguous cut as its rule says: close a bin where the next item does not fit,
     where (balanced) it reached the rank's mean cost per bin or the next item alone reaches it,
