@@ -110,23 +110,23 @@ def lpt_pass(cost, size, order, dp, cap, rank_of):
 
 @jit
 def lpt_by_pass(cost, size, tie, at, rank, dp, cap, rank_of):
-    # lpt_pass over the items by rank[at[i]] ascending, then tie[i] (a permutation of 0..n-1):
-    # the items in tie order, counted into their ranks' runs (a stable counting sort)
+    # lpt_pass over the items by rank[at[i]] ascending, then tie[i] (a permutation of 0..n-1,
+    # n < 2^31): each item's (value, index) packed into one int64 at its tie position, then
+    # counted in tie order into its value's run (a stable counting sort)
     n = tie.size
-    by_tie = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        by_tie[tie[i]] = i
+    packed = np.empty(n, dtype=np.int64)
     start = np.zeros(rank.size + 1, dtype=np.int64)
     for i in range(n):
-        start[rank[at[i]] + 1] += 1
-    for k in range(rank.size):
-        start[k + 1] += start[k]
+        v = rank[at[i]]
+        packed[tie[i]] = (v << 32) | i
+        start[v + 1] += 1
+    for v in range(rank.size):
+        start[v + 1] += start[v]
     order = np.empty(n, dtype=np.int64)
     for t in range(n):
-        i = by_tie[t]
-        k = rank[at[i]]
-        order[start[k]] = i
-        start[k] += 1
+        v = packed[t] >> 32
+        order[start[v]] = packed[t] & 0xFFFFFFFF
+        start[v] += 1
     return lpt_pass(cost, size, order, dp, cap, rank_of)
 
 
@@ -307,6 +307,8 @@ def lpt_ranks(cost: np.ndarray, size: np.ndarray, tie: np.ndarray, at: np.ndarra
     """The LPT's rank of every item [n] (``lpt_pass``) in the order
     ``batching.plan.seeded_order(tie, rank[at])`` makes (``lpt_by_pass``: ``rank`` [k] the
     order of k values, ``at`` [n] each item's one), or None where one fits nowhere."""
+    if cost.size >= 2 ** 31:
+        raise ValueError(f"{cost.size} items: at most 2^31 - 1 in one LPT")
     rank_of = np.zeros(cost.size, dtype=np.int64)
     ok = lpt_by_pass(f64(cost), i64(size), i64(tie), i64(at), i64(rank), int(dp),
                      int(cap_tokens), rank_of)
