@@ -146,7 +146,8 @@ class SABAssignment:
             items, tie = None, self.tie
             rank_of = self.rank_of
         else:
-            items = np.flatnonzero(np.isin(self.rank_of, ranks))
+            items = np.flatnonzero(self.rank_of == ranks[0] if ranks.size == 1 else
+                                   np.isin(self.rank_of, ranks))
             tie = np.argsort(np.argsort(self.tie[items]))      # their own tie order
             rank_of = np.searchsorted(ranks, self.rank_of[items])
         by_rank = _ordered(tie, self._keys(items), rank_of, ranks.size)
