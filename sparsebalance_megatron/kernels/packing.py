@@ -15,6 +15,8 @@ Pure numpy and numba; imports nothing of this package but ``kernels``.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import f64, i64, jit
@@ -109,10 +111,42 @@ def lpt_pass(cost, size, order, dp, cap, rank_of):
 
 
 @jit
-def lpt_by_pass(cost, size, tie, at, rank, dp, cap, rank_of):
+def _permutation(u, tie):
+    # numpy 2's Generator.permutation(n) into tie [n] from u, that generator's uint32 draws
+    # (PCG64's: each 64-bit output's low half, then its high half): arange(n), then for
+    # i = n-1..1 tie[i] swapped with tie[j], j = random_interval(i) (the next draw masked to
+    # i's bits, again until one is <= i). False where u runs out
+    n = tie.size
+    for i in range(n):
+        tie[i] = i
+    k = 0
+    for i in range(n - 1, 0, -1):
+        mask = i | (i >> 1)
+        mask |= mask >> 2
+        mask |= mask >> 4
+        mask |= mask >> 8
+        mask |= mask >> 16
+        while True:
+            if k == u.size:
+                return False
+            j = np.int64(u[k]) & mask
+            k += 1
+            if j <= i:
+                break
+        t = tie[i]
+        tie[i] = tie[j]
+        tie[j] = t
+    return True
+
+
+@jit
+def lpt_by_pass(cost, size, u, tie, at, rank, dp, cap, rank_of):
     # lpt_pass over the items by rank[at[i]] ascending, then tie[i] (a permutation of 0..n-1,
-    # n < 2^31): each item's (value, index) packed into one int64 at its tie position, then
-    # counted in tie order into its value's run (a stable counting sort)
+    # n < 2^31; with draws u, drawn first: ``_permutation``, -1 where u runs out): each item's
+    # (value, index) packed into one int64 at its tie position, then counted in tie order
+    # into its value's run (a stable counting sort). 1: placed, 0: one fits nowhere
+    if u.size and not _permutation(u, tie):
+        return -1
     n = tie.size
     packed = np.empty(n, dtype=np.int64)
     start = np.zeros(rank.size + 1, dtype=np.int64)
@@ -127,7 +161,7 @@ def lpt_by_pass(cost, size, tie, at, rank, dp, cap, rank_of):
         v = packed[t] >> 32
         order[start[v]] = packed[t] & 0xFFFFFFFF
         start[v] += 1
-    return lpt_pass(cost, size, order, dp, cap, rank_of)
+    return 1 if lpt_pass(cost, size, order, dp, cap, rank_of) else 0
 
 
 @jit
@@ -302,17 +336,33 @@ def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
-def lpt_ranks(cost: np.ndarray, size: np.ndarray, tie: np.ndarray, at: np.ndarray,
-              rank: np.ndarray, dp: int, cap_tokens: int):
-    """The LPT's rank of every item [n] (``lpt_pass``) in the order
+def lpt_ranks(cost: np.ndarray, size: np.ndarray, seed, at: np.ndarray, rank: np.ndarray,
+              dp: int, cap_tokens: int) -> tuple:
+    """(``tie = np.random.default_rng(seed).permutation(n)``, the LPT's rank of every item [n]
+    (``lpt_pass``; None where one fits nowhere)) in the order
     ``batching.plan.seeded_order(tie, rank[at])`` makes (``lpt_by_pass``: ``rank`` [k] the
-    order of k values, ``at`` [n] each item's one), or None where one fits nowhere."""
-    if cost.size >= 2 ** 31:
-        raise ValueError(f"{cost.size} items: at most 2^31 - 1 in one LPT")
-    rank_of = np.zeros(cost.size, dtype=np.int64)
-    ok = lpt_by_pass(f64(cost), i64(size), i64(tie), i64(at), i64(rank), int(dp),
-                     int(cap_tokens), rank_of)
-    return rank_of if ok else None
+    order of k values, ``at`` [n] each item's one). An int seed's permutation is drawn in the
+    kernel (``_permutation``) from the generator's raw outputs, the same values."""
+    n = cost.size
+    if n >= 2 ** 31:
+        raise ValueError(f"{n} items: at most 2^31 - 1 in one LPT")
+    rank_of = np.zeros(n, dtype=np.int64)
+    args = (i64(at), i64(rank), int(dp), int(cap_tokens), rank_of)
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) \
+            and sys.byteorder == "little":
+        tie, words = np.empty(n, dtype=np.int64), n // 2 + n // 4 + 64   # ~0.7 n used
+        while (ok := lpt_by_pass(f64(cost), i64(size), _draws(seed, words), tie, *args)) < 0:
+            words *= 2
+    else:
+        tie = np.random.default_rng(seed).permutation(n)
+        ok = lpt_by_pass(f64(cost), i64(size), np.empty(0, dtype=np.uint32), tie, *args)
+    return tie, (rank_of if ok else None)
+
+
+def _draws(seed, words: int) -> np.ndarray:
+    """The first ``2 words`` uint32 draws of ``np.random.default_rng(seed)`` (PCG64 serves
+    each 64-bit output as its low half, then its high half)."""
+    return np.random.default_rng(seed).bit_generator.random_raw(words).view(np.uint32)
 
 
 def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.ndarray,
@@ -333,7 +383,7 @@ def warm_up() -> None:
     """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with a
     draft's argument types."""
     one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
-    lpt_ranks(one, i1, np.arange(2), np.arange(2), np.arange(2), 2, 4)
+    lpt_ranks(one, i1, 0, np.arange(2), np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
     stream_pass(np.arange(2), np.zeros(1, dtype=np.int64), i1, one[:1], 4, np.zeros(1, np.int64),
