@@ -119,23 +119,17 @@ def _permutation(u, tie):
     n = tie.size
     for i in range(n):
         tie[i] = i
-    k = 0
+    k, mask = 0, (1 << 31) - 1            # mask: the least 2^b - 1 >= i (n <= 2^31)
     for i in range(n - 1, 0, -1):
-        mask = i | (i >> 1)
-        mask |= mask >> 2
-        mask |= mask >> 4
-        mask |= mask >> 8
-        mask |= mask >> 16
-        while True:
+        while mask >> 1 >= i:
+            mask >>= 1
+        j = i + 1
+        while j > i:
             if k == u.size:
                 return False
             j = np.int64(u[k]) & mask
             k += 1
-            if j <= i:
-                break
-        t = tie[i]
-        tie[i] = tie[j]
-        tie[j] = t
+        tie[i], tie[j] = tie[j], tie[i]
     return True
 
 
@@ -339,17 +333,14 @@ def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def lpt_ranks(cost: np.ndarray, size: np.ndarray, seed, at: np.ndarray, rank: np.ndarray,
               dp: int, cap_tokens: int) -> tuple:
     """(``tie = np.random.default_rng(seed).permutation(n)``, the LPT's rank of every item [n]
-    (``lpt_pass``; None where one fits nowhere)) in the order
-    ``batching.plan.seeded_order(tie, rank[at])`` makes (``lpt_by_pass``: ``rank`` [k] the
-    order of k values, ``at`` [n] each item's one). An int seed's permutation is drawn in the
-    kernel (``_permutation``) from the generator's raw outputs, the same values."""
+    (``lpt_pass``; None where one fits nowhere)) in the order ``seeded_order(tie, rank[at])``
+    makes (``lpt_by_pass``: ``rank`` [k] the order of k values, ``at`` [n] each item's one)."""
     n = cost.size
     if n >= 2 ** 31:
         raise ValueError(f"{n} items: at most 2^31 - 1 in one LPT")
     rank_of = np.zeros(n, dtype=np.int64)
     args = (i64(at), i64(rank), int(dp), int(cap_tokens), rank_of)
-    if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool) \
-            and sys.byteorder == "little":
+    if _drawn_here(seed):                 # the permutation drawn in the kernel, numpy's
         tie, words = np.empty(n, dtype=np.int64), n // 2 + n // 4 + 64   # ~0.7 n used
         while (ok := lpt_by_pass(f64(cost), i64(size), _draws(seed, words), tie, *args)) < 0:
             words *= 2
@@ -360,9 +351,25 @@ def lpt_ranks(cost: np.ndarray, size: np.ndarray, seed, at: np.ndarray, rank: np
 
 
 def _draws(seed, words: int) -> np.ndarray:
-    """The first ``2 words`` uint32 draws of ``np.random.default_rng(seed)`` (PCG64 serves
-    each 64-bit output as its low half, then its high half)."""
+    """``default_rng(seed)``'s first 2 ``words`` uint32 draws (PCG64's: low, then high half)."""
     return np.random.default_rng(seed).bit_generator.random_raw(words).view(np.uint32)
+
+
+_SAME = []          # whether _permutation draws this numpy's permutation (checked once)
+
+
+def _drawn_here(seed) -> bool:
+    """An int seed on a little-endian machine, where the kernel's permutation of 1,000 items
+    is this numpy's (checked once per process)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+            or sys.byteorder != "little":
+        return False
+    if not _SAME:
+        _SAME.append(True)                # the check itself drawn in the kernel
+        z = np.zeros(1000, dtype=np.int64)
+        _SAME[0] = np.array_equal(lpt_ranks(z * 1.0, z, 0, z, z[:1], 1, 1)[0],
+                                  np.random.default_rng(0).permutation(1000))
+    return _SAME[0]
 
 
 def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.ndarray,

@@ -112,7 +112,9 @@ def test_the_drawn_permutation_is_numpys(form):
 
 def test_lpt_ranks_draws_more_where_its_draws_run_out(monkeypatch):
     """Equal costs: the items go to ranks 0, 1, 0, ... in the seeded permutation's order, the
-    permutation numpy's even where the first draws were too few."""
+    permutation numpy's even where the first draws were too few (drawn in the kernel: this
+    numpy's, as checked once per process)."""
+    assert packing._drawn_here(7) and not packing._drawn_here(None)
     real, asked = packing._draws, []
     monkeypatch.setattr(packing, "_draws", lambda seed, words: (
         asked.append(words), real(seed, 2 if len(asked) == 1 else words))[1])
