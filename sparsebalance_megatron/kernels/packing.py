@@ -243,16 +243,17 @@ def rank_bins_pass(items, starts, size, cost, m, cap, balance, bin_of, slot_of, 
 @jit
 def seq_starts_pass(size, cap, starts):
     # data.packing.sequential_bins' fill: the first segment of every bin (a new bin where the
-    # next segment does not fit what is free), their count; -(i + 1): segment i is over cap
+    # next segment does not fit what is free) into starts (a slot per segment), their count;
+    # -(i + 1): segment i is over cap. Without a branch: starts[n] = i kept where a bin opens
     n, free = 0, 0
     for i in range(size.size):
-        if size[i] > cap:
+        z = size[i]
+        if z > cap:
             return -(i + 1)
-        if size[i] > free:
-            starts[n] = i
-            n += 1
-            free = cap
-        free -= size[i]
+        new = z > free
+        starts[n] = i
+        n += new
+        free = (cap if new else free) - z
     return n
 
 
@@ -359,8 +360,7 @@ _SAME = []          # whether _permutation draws this numpy's permutation (check
 
 
 def _drawn_here(seed) -> bool:
-    """An int seed on a little-endian machine, where the kernel's permutation of 1,000 items
-    is this numpy's (checked once per process)."""
+    """An int seed, little-endian, and the kernel's permutation of 1,000 numpy's (once)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
             or sys.byteorder != "little":
         return False
