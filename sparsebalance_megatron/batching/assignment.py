@@ -3,8 +3,9 @@ each rank's own micro-batches from it (docs/DESIGN.md section 6, "DST and SAB at
 
 What every rank computes alike from the whole batch's lengths, on arrays (``SABAssignment``):
 the segments' costs (each distinct length priced once, ``LatencyCost``), their order (cost
-descending, ties by the seeded permutation: one radix sort of the costs' ranks) and the LPT over
-the DP ranks (``kernels.packing.lpt_ranks``, a winner tree: n log dp). Then, per rank:
+descending, ties by the seeded permutation: the items in tie order counted into their costs'
+ranks) and the LPT over the DP ranks (``kernels.packing.lpt_ranks``, both compiled; a winner
+tree: n log dp). Then, per rank:
 
 - ``units(ranks)``: those ranks' segments, ordered by their own sensitivity estimates, cut into
   m micro-batches (``kernels.packing.rank_bins``; first-fit-decreasing where a cut does not fit),
@@ -67,19 +68,33 @@ class Agreement:
     candidates: Optional[RankUnits]
 
 
-def descending_key(cost: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """A key whose stable sort puts ``cost`` in decreasing order (equal costs equal keys): where
-    a cost is a function of its segment's size (as every ``CostFn``'s) and there are at most
-    65,536 distinct costs, each one's rank among them as uint16 (numpy sorts those by radix);
-    else ``-cost``."""
-    if sizes.size and sizes.min() >= 0:
+def cost_ranks(cost: np.ndarray, sizes: np.ndarray, priced=None) -> Optional[tuple]:
+    """Where a cost is a function of its segment's size (as every ``CostFn``'s) and there are
+    at most 65,536 distinct sizes: (each segment's index into the distinct sizes [n], the
+    rank of each one's cost among the distinct costs, decreasing [k]); else None. ``priced``:
+    (that index, the distinct sizes' costs), as ``packing.sample_costs`` found them."""
+    if priced is not None:
+        at, by_size = priced
+    elif sizes.size and sizes.min() >= 0:
         distinct, at = distinct_lengths(sizes)
         by_size = np.zeros(distinct.size)
         by_size[at] = cost
-        if distinct.size <= 65536 and np.array_equal(by_size[at], cost):
-            _, rank = np.unique(-by_size, return_inverse=True)
-            return rank.astype(np.uint16)[at]
-    return -cost
+        if distinct.size > 65536 or not np.array_equal(by_size[at], cost):
+            return None
+    else:
+        return None
+    if by_size.size > 65536:
+        return None
+    _, rank = np.unique(-by_size, return_inverse=True)
+    return at, rank
+
+
+def descending_key(cost: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """A key whose stable sort puts ``cost`` in decreasing order (equal costs equal keys): each
+    cost's rank among the distinct costs as uint16 (``cost_ranks``: numpy sorts those by
+    radix); else ``-cost``."""
+    ranked = cost_ranks(cost, sizes)
+    return -cost if ranked is None else ranked[1].astype(np.uint16)[ranked[0]]
 
 
 def _ordered(tie: np.ndarray, key: np.ndarray, rank_of: np.ndarray, dp: int) -> np.ndarray:
@@ -93,18 +108,22 @@ class SABAssignment:
     samples split) assigned to ``dp`` ranks of ``m`` micro-batches of ``max_tokens`` by
     ``cost`` [n] (the module docstring); ``key``: each segment's sensitivity, as a function
     of (sample ids, lengths) of any of them or an [n] array; ``cost_fn``: a ``LatencyCost`` to
-    arrange the slots with (else none; ``arrange`` False: none either)."""
+    arrange the slots with (else none; ``arrange`` False: none either); ``priced``: the costs'
+    distinct sizes where ``packing.sample_costs`` found them (``cost_ranks``)."""
 
     def __init__(self, segs, arr, sizes, n_split: int, cost: np.ndarray, *, dp: int, m: int,
                  max_tokens: int, seed: int, key, cost_fn=None, arrange: bool = True,
-                 length_multiple: int = 0, balance_bins: bool = True):
+                 length_multiple: int = 0, balance_bins: bool = True, priced=None):
         self.segs, self.arr, self.sizes, self.n_split, self.cost = segs, arr, sizes, n_split, cost
         self.dp, self.m, self.max_tokens, self.key = dp, m, max_tokens, key
         self.cost_fn = cost_fn if arrange and isinstance(cost_fn, LatencyCost) else None
         self.length_multiple, self.balance_bins = length_multiple, balance_bins
-        self.tie = np.random.default_rng(seed).permutation(sizes.size)
-        order = seeded_order(self.tie, descending_key(cost, sizes))  # cost descending
-        self.rank_of = kernels.packing.lpt_ranks(cost, sizes, order, dp, m * max_tokens)
+        # cost descending (each cost's rank among them), ties by the seeded permutation
+        # (self.tie: np.random.default_rng(seed).permutation(n))
+        ranked = cost_ranks(cost, sizes, priced) or (
+            np.arange(cost.size), np.unique(-cost, return_inverse=True)[1])
+        self.tie, self.rank_of = kernels.packing.lpt_ranks(cost, sizes, seed, *ranked, dp,
+                                                           m * max_tokens)
         self._fallback = None
 
     def _keys(self, items: Optional[np.ndarray]) -> np.ndarray:
@@ -127,7 +146,8 @@ class SABAssignment:
             items, tie = None, self.tie
             rank_of = self.rank_of
         else:
-            items = np.flatnonzero(np.isin(self.rank_of, ranks))
+            items = np.flatnonzero(self.rank_of == ranks[0] if ranks.size == 1 else
+                                   np.isin(self.rank_of, ranks))
             tie = np.argsort(np.argsort(self.tie[items]))      # their own tie order
             rank_of = np.searchsorted(ranks, self.rank_of[items])
         by_rank = _ordered(tie, self._keys(items), rank_of, ranks.size)

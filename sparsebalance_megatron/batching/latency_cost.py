@@ -62,10 +62,16 @@ class LatencyCost:
                                                                % self.pp]
 
     def __call__(self, lengths: np.ndarray) -> np.ndarray:
+        return self.priced(lengths)[0]
+
+    def priced(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the costs [n] of these lengths (``__call__``), each one's index into the distinct
+        lengths [n], the distinct lengths' costs [k]): each distinct length priced once."""
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
         distinct, at = distinct_lengths(L)          # a step's 10^5 segments: 10^3 lengths
         f, b = self.stage_costs(distinct)
-        return (f + b).sum(axis=1)[at]
+        per = (f + b).sum(axis=1)
+        return per[at], at, per
 
 
 def distinct_lengths(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

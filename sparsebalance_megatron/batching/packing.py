@@ -65,15 +65,29 @@ def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
     return segs, sizes, n_split, arr
 
 
-def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> np.ndarray:
+def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn], with_ranks: bool = False):
+    """[n] each segment's cost (its tokens without ``cost_fn``); ``with_ranks``: (that, where
+    ``cost_fn`` is a ``LatencyCost``: (each segment's index into the distinct sizes [n], their
+    costs [k]), else None): the distinct sizes found once for the costs and their order
+    (``assignment.cost_ranks``)."""
+    if with_ranks and type(cost_fn) is LatencyCost and isinstance(sizes, np.ndarray) \
+            and sizes.dtype == np.int64 and sizes.ndim == 1:
+        cost, at, per = cost_fn.priced(sizes)       # every cost one of per's, each of those one
+        if not np.all(np.isfinite(per)) or np.any(per < 0):
+            _bad_costs(cost.shape, sizes.size)
+        return cost, (at, per)
     sizes = np.asarray(sizes, dtype=np.float64)
     if cost_fn is None:
-        return sizes
+        return (sizes, None) if with_ranks else sizes
     c = np.asarray(cost_fn(sizes.astype(np.int64)), dtype=np.float64).reshape(-1)
     if c.shape != sizes.shape or not np.all(np.isfinite(c)) or np.any(c < 0):
-        raise ValueError(f"sample cost function returned {c.shape} values (finite >= 0 "
-                         f"expected, one per segment: {sizes.size})")
-    return c
+        _bad_costs(c.shape, sizes.size)
+    return (c, None) if with_ranks else c
+
+
+def _bad_costs(shape, n: int):
+    raise ValueError(f"sample cost function returned {shape} values (finite >= 0 "
+                     f"expected, one per segment: {n})")
 
 
 def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -114,8 +128,7 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
     if rank is not None:                  # its bins rank, dp + rank, ...: ranges of the items
-        first = np.asarray(starts, dtype=np.int64)
-        ends = np.append(first[1:], len(segs))
+        first, ends = starts, np.append(starts[1:], len(segs))
         b = rank + dp * np.arange(m)
         lo, hi = np.where(b < first.size, first[np.minimum(b, first.size - 1)], 0), \
             np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
@@ -136,9 +149,9 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
         items, counts, arr, sizes)
 
 
-def _fill_starts(sizes: np.ndarray, cap: int) -> list:
-    """Where ``data.packing.sequential_bins`` opens each bin (``kernels.packing``)."""
-    return kernels.packing.sequential_starts(sizes, cap)
+def _fill_starts(sizes: np.ndarray, cap: int) -> np.ndarray:
+    """Where ``data.packing.sequential_bins`` opens each bin (``kernels.packing``), [bins]."""
+    return kernels.packing.sequential_starts(sizes, cap, as_array=True)
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -193,10 +206,11 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     ``sensitivity`` must price each segment alone (a rank asks it of its own segments)."""
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
-    return SABAssignment(segs, arr, sizes, n_split, sample_costs(sizes, cost_fn), dp=dp,
-                         m=num_microbatches, max_tokens=max_tokens, seed=seed,
-                         key=sensitivity_key(sensitivity), cost_fn=cost_fn, arrange=arrange,
-                         length_multiple=length_multiple)
+    cost, priced = sample_costs(sizes, cost_fn, with_ranks=True)
+    return SABAssignment(segs, arr, sizes, n_split, cost, dp=dp, m=num_microbatches,
+                         max_tokens=max_tokens, seed=seed, key=sensitivity_key(sensitivity),
+                         cost_fn=cost_fn, arrange=arrange, length_multiple=length_multiple,
+                         priced=priced)
 
 
 def _merged(ranges):

@@ -110,6 +110,25 @@ def test_the_radix_cost_key_sorts_as_minus_cost():
         np.testing.assert_array_equal(np.lexsort((tie, key)), np.lexsort((tie, -cost)))
 
 
+def test_latency_costs_priced_once_rank_as_the_radix_key():
+    """``packing.sample_costs(with_ranks=True)`` (a ``LatencyCost``'s distinct lengths priced
+    once) gives its costs, and their ranks (``cost_ranks``) order as ``descending_key``."""
+    from sparsebalance_megatron.batching.assignment import cost_ranks
+    from sparsebalance_megatron.batching.packing import latency_sample_cost_fn, sample_costs
+    from sparsebalance_megatron.latency import LatencyModel, ModelShape
+
+    cost_fn = latency_sample_cost_fn(LatencyModel.analytic(ModelShape(seq_length=8192), pp=2),
+                                     0.5)
+    rng = np.random.default_rng(3)
+    for case in range(6):
+        sizes = rng.integers(1, 40 if case % 2 else 8192, 400).astype(np.int64)
+        cost, priced = sample_costs(sizes, cost_fn, with_ranks=True)
+        np.testing.assert_array_equal(cost, sample_costs(sizes, cost_fn))
+        at, rank = cost_ranks(cost, sizes, priced)
+        np.testing.assert_array_equal(rank[at], descending_key(cost, sizes))
+        assert sample_costs(sizes, None, with_ranks=True)[1] is None
+
+
 def test_run_sums_are_pythons_sum_of_each_run():
     """``kernels.packing.py_sums`` (a plan's rank costs): each run's sum() of floats."""
     from sparsebalance_megatron.kernels.packing import py_sums
