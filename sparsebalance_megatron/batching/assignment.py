@@ -118,12 +118,12 @@ class SABAssignment:
         self.dp, self.m, self.max_tokens, self.key = dp, m, max_tokens, key
         self.cost_fn = cost_fn if arrange and isinstance(cost_fn, LatencyCost) else None
         self.length_multiple, self.balance_bins = length_multiple, balance_bins
+        self.tie = np.random.default_rng(seed).permutation(sizes.size)
         # cost descending (each cost's rank among them), ties by the seeded permutation
-        # (self.tie: np.random.default_rng(seed).permutation(n))
         ranked = cost_ranks(cost, sizes, priced) or (
             np.arange(cost.size), np.unique(-cost, return_inverse=True)[1])
-        self.tie, self.rank_of = kernels.packing.lpt_ranks(cost, sizes, seed, *ranked, dp,
-                                                           m * max_tokens)
+        self.rank_of = kernels.packing.lpt_ranks(cost, sizes, self.tie, *ranked, dp,
+                                                 m * max_tokens)
         self._fallback = None
 
     def _keys(self, items: Optional[np.ndarray]) -> np.ndarray:

@@ -15,8 +15,6 @@ Pure numpy and numba; imports nothing of this package but ``kernels``.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from . import f64, i64, jit
@@ -111,36 +109,10 @@ def lpt_pass(cost, size, order, dp, cap, rank_of):
 
 
 @jit
-def _permutation(u, tie):
-    # numpy 2's Generator.permutation(n) into tie [n] from u, that generator's uint32 draws
-    # (PCG64's: each 64-bit output's low half, then its high half): arange(n), then for
-    # i = n-1..1 tie[i] swapped with tie[j], j = random_interval(i) (the next draw masked to
-    # i's bits, again until one is <= i). False where u runs out
-    n = tie.size
-    for i in range(n):
-        tie[i] = i
-    k, mask = 0, (1 << 31) - 1            # mask: the least 2^b - 1 >= i (n <= 2^31)
-    for i in range(n - 1, 0, -1):
-        while mask >> 1 >= i:
-            mask >>= 1
-        j = i + 1
-        while j > i:
-            if k == u.size:
-                return False
-            j = np.int64(u[k]) & mask
-            k += 1
-        tie[i], tie[j] = tie[j], tie[i]
-    return True
-
-
-@jit
-def lpt_by_pass(cost, size, u, tie, at, rank, dp, cap, rank_of):
+def lpt_by_pass(cost, size, tie, at, rank, dp, cap, rank_of):
     # lpt_pass over the items by rank[at[i]] ascending, then tie[i] (a permutation of 0..n-1,
-    # n < 2^31; with draws u, drawn first: ``_permutation``, -1 where u runs out): each item's
-    # (value, index) packed into one int64 at its tie position, then counted in tie order
-    # into its value's run (a stable counting sort). 1: placed, 0: one fits nowhere
-    if u.size and not _permutation(u, tie):
-        return -1
+    # n < 2^31): each item's (value, index) packed into one int64 at its tie position, then
+    # counted in tie order into its value's run (a stable counting sort)
     n = tie.size
     packed = np.empty(n, dtype=np.int64)
     start = np.zeros(rank.size + 1, dtype=np.int64)
@@ -155,7 +127,7 @@ def lpt_by_pass(cost, size, u, tie, at, rank, dp, cap, rank_of):
         v = packed[t] >> 32
         order[start[v]] = packed[t] & 0xFFFFFFFF
         start[v] += 1
-    return 1 if lpt_pass(cost, size, order, dp, cap, rank_of) else 0
+    return lpt_pass(cost, size, order, dp, cap, rank_of)
 
 
 @jit
@@ -331,45 +303,17 @@ def py_sums(x: np.ndarray, idx: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return out
 
 
-def lpt_ranks(cost: np.ndarray, size: np.ndarray, seed, at: np.ndarray, rank: np.ndarray,
-              dp: int, cap_tokens: int) -> tuple:
-    """(``tie = np.random.default_rng(seed).permutation(n)``, the LPT's rank of every item [n]
-    (``lpt_pass``; None where one fits nowhere)) in the order ``seeded_order(tie, rank[at])``
-    makes (``lpt_by_pass``: ``rank`` [k] the order of k values, ``at`` [n] each item's one)."""
-    n = cost.size
-    if n >= 2 ** 31:
-        raise ValueError(f"{n} items: at most 2^31 - 1 in one LPT")
-    rank_of = np.zeros(n, dtype=np.int64)
-    args = (i64(at), i64(rank), int(dp), int(cap_tokens), rank_of)
-    if _drawn_here(seed):                 # the permutation drawn in the kernel, numpy's
-        tie, words = np.empty(n, dtype=np.int64), n // 2 + n // 4 + 64   # ~0.7 n used
-        while (ok := lpt_by_pass(f64(cost), i64(size), _draws(seed, words), tie, *args)) < 0:
-            words *= 2
-    else:
-        tie = np.random.default_rng(seed).permutation(n)
-        ok = lpt_by_pass(f64(cost), i64(size), np.empty(0, dtype=np.uint32), tie, *args)
-    return tie, (rank_of if ok else None)
-
-
-def _draws(seed, words: int) -> np.ndarray:
-    """``default_rng(seed)``'s first 2 ``words`` uint32 draws (PCG64's: low, then high half)."""
-    return np.random.default_rng(seed).bit_generator.random_raw(words).view(np.uint32)
-
-
-_SAME = []          # whether _permutation draws this numpy's permutation (checked once)
-
-
-def _drawn_here(seed) -> bool:
-    """An int seed, little-endian, and the kernel's permutation of 1,000 numpy's (once)."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
-            or sys.byteorder != "little":
-        return False
-    if not _SAME:
-        _SAME.append(True)                # the check itself drawn in the kernel
-        z = np.zeros(1000, dtype=np.int64)
-        _SAME[0] = np.array_equal(lpt_ranks(z * 1.0, z, 0, z, z[:1], 1, 1)[0],
-                                  np.random.default_rng(0).permutation(1000))
-    return _SAME[0]
+def lpt_ranks(cost: np.ndarray, size: np.ndarray, tie: np.ndarray, at: np.ndarray,
+              rank: np.ndarray, dp: int, cap_tokens: int):
+    """The LPT's rank of every item [n] (``lpt_pass``) in the order
+    ``batching.plan.seeded_order(tie, rank[at])`` makes (``lpt_by_pass``: ``rank`` [k] the
+    order of k values, ``at`` [n] each item's one), or None where one fits nowhere."""
+    if cost.size >= 2 ** 31:
+        raise ValueError(f"{cost.size} items: at most 2^31 - 1 in one LPT")
+    rank_of = np.zeros(cost.size, dtype=np.int64)
+    ok = lpt_by_pass(f64(cost), i64(size), i64(tie), i64(at), i64(rank), int(dp),
+                     int(cap_tokens), rank_of)
+    return rank_of if ok else None
 
 
 def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.ndarray,
@@ -390,7 +334,7 @@ def warm_up() -> None:
     """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with a
     draft's argument types."""
     one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
-    lpt_ranks(one, i1, 0, np.arange(2), np.arange(2), 2, 4)
+    lpt_ranks(one, i1, np.arange(2), np.arange(2), np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
     sequential_starts(i1, 4)
     stream_pass(np.arange(2), np.zeros(1, dtype=np.int64), i1, one[:1], 4, np.zeros(1, np.int64),

@@ -89,41 +89,10 @@ def test_lpt_by_ranks_orders_the_items_as_the_seeded_sort(form):
         tie = rng.permutation(n)
         want, got = np.zeros(n, np.int64), np.zeros(n, np.int64)
         ok = packing.lpt_pass(cost, size, np.lexsort((tie, -cost)), dp, 3 * cap, want)
-        assert _form(packing.lpt_by_pass, form)(cost, size, np.empty(0, np.uint32), tie, at,
-                                                rank, dp, 3 * cap, got) == ok
+        assert _form(packing.lpt_by_pass, form)(cost, size, tie, at, rank, dp, 3 * cap,
+                                                got) == ok
         if ok:
             np.testing.assert_array_equal(got, want)
-
-
-@FORMS
-def test_the_drawn_permutation_is_numpys(form):
-    """``_permutation`` from a seed's raw draws is ``np.random.default_rng(seed)
-    .permutation(n)`` (numpy 2's shuffle: masked rejection draws), small n, odd and even
-    draw counts, a step's 286,385; short draws are refused, and ``lpt_ranks`` then draws
-    more."""
-    sizes = [0, 1, 2, 3, 5, 64, 1000, 4097] + ([286385] if form == "compiled" else [])
-    for seed in (0, 1, 12345):
-        for n in sizes:
-            tie = np.empty(n, np.int64)
-            assert _form(packing._permutation, form)(packing._draws(seed, n + 64), tie)
-            np.testing.assert_array_equal(tie, np.random.default_rng(seed).permutation(n))
-    assert not _form(packing._permutation, form)(packing._draws(0, 10), np.empty(64, np.int64))
-
-
-def test_lpt_ranks_draws_more_where_its_draws_run_out(monkeypatch):
-    """Equal costs: the items go to ranks 0, 1, 0, ... in the seeded permutation's order, the
-    permutation numpy's even where the first draws were too few (drawn in the kernel: this
-    numpy's, as checked once per process)."""
-    assert packing._drawn_here(7) and not packing._drawn_here(None)
-    real, asked = packing._draws, []
-    monkeypatch.setattr(packing, "_draws", lambda seed, words: (
-        asked.append(words), real(seed, 2 if len(asked) == 1 else words))[1])
-    n = 300
-    tie, rank_of = packing.lpt_ranks(np.ones(n), np.ones(n, np.int64), 7,
-                                     np.zeros(n, np.int64), np.zeros(1, np.int64), 2, n)
-    np.testing.assert_array_equal(tie, np.random.default_rng(7).permutation(n))
-    np.testing.assert_array_equal(rank_of, tie % 2)
-    assert len(asked) == 2 and asked[1] == 2 * asked[0]
 
 
 def _cut_oracle(items, size, cost, m, cap, balance):
