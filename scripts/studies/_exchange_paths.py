@@ -5,7 +5,7 @@ given shape.
 - the records' shapes at the default flags (``record_shapes``), from which the study counts the
   bytes each rank receives, exact;
 - network seconds under an alpha-beta model with NCCL's constants (``MODEL``: every constant and
-  where it comes from; ``collective_s`` prices one ring all-gather, all-reduce or broadcast);
+  where it comes from; ``collective_s`` prices one ring all-gather or all-reduce);
 - the host CPU of the record's path, measured here (thread CPU time): encoding, combining and
   decoding the records (``tensor_cpu_s``).
 """
@@ -54,9 +54,8 @@ def _placement(n: int, stride: int) -> tuple:
 
 
 def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> float:
-    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it),
-    ``allreduce`` (``nbytes``: the vector) or ``broadcast`` (``nbytes``: the message) over
-    ``n`` ranks ``stride`` apart, as NCCL's tuner prices it (the cheaper of LL and Simple),
+    """Seconds of one ring ``allgather`` (``nbytes``: every rank's part, all of it) or
+    ``allreduce`` (``nbytes``: the vector) over ``n`` ranks ``stride`` apart, as NCCL's tuner prices it (the cheaper of LL and Simple),
     plus the host's copies."""
     if n <= 1:
         return 0.0
@@ -83,11 +82,8 @@ def collective_s(kind: str, n: int, stride: int, nbytes: float, model=MODEL) -> 
             tree = model["base_lat_us"][p] + 2 * ((ppn - 1) * model["nvlink_lat_us"][p]
                                                   + math.log2(nodes) * model["net_tree_lat_us"][p])
             best = min(best, tree * 1e-6 + nbytes / (bus * model["tree_bw_factor"] * 1e9))
-        elif kind == "broadcast":      # a chain: every hop's latency (ring, not sameChannels)
-            lat = model["base_lat_us"][p] + n * (inter if nodes > 1 else intra)
-            alg = bus
         else:
-            raise ValueError(f"collective {kind!r}: expected allgather, allreduce or broadcast")
+            raise ValueError(f"collective {kind!r}: expected allgather or allreduce")
         best = min(best, lat * 1e-6 + nbytes / (alg * 1e9))
     return best + model["host_us"] * 1e-6
 

@@ -89,14 +89,6 @@ def cost_ranks(cost: np.ndarray, sizes: np.ndarray, priced=None) -> Optional[tup
     return at, rank
 
 
-def descending_key(cost: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """A key whose stable sort puts ``cost`` in decreasing order (equal costs equal keys): each
-    cost's rank among the distinct costs as uint16 (``cost_ranks``: numpy sorts those by
-    radix); else ``-cost``."""
-    ranked = cost_ranks(cost, sizes)
-    return -cost if ranked is None else ranked[1].astype(np.uint16)[ranked[0]]
-
-
 def _ordered(tie: np.ndarray, key: np.ndarray, rank_of: np.ndarray, dp: int) -> np.ndarray:
     """The items by rank, then ``key``, then ``tie`` (``seeded_order``; ``tie`` a permutation
     of 0..n-1 of these items), the ranks as uint16 where they fit (a radix sort)."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.batching import SensitivityTracker, latency_sample_cost_fn
-from sparsebalance_megatron.batching.assignment import descending_key
+from sparsebalance_megatron.batching.assignment import cost_ranks
 from sparsebalance_megatron.batching.packing import sab_assignment, sab_plan
 from sparsebalance_megatron.batching.slots import (PARTNERS, ROUNDS, candidates, search,
                                                    seed_slots)
@@ -97,6 +97,13 @@ def test_the_search_over_the_candidates_is_the_search_over_every_rank():
         np.testing.assert_array_equal(want[rest], rest[:, None] * m + seeds[rest])
 
 
+def descending_key(cost: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The order ``SABAssignment`` gives the LPT, as a sort key: each cost's rank among the
+    distinct costs (``cost_ranks``), else ``-cost``."""
+    ranked = cost_ranks(cost, sizes)
+    return -cost if ranked is None else ranked[1][ranked[0]]
+
+
 def test_the_radix_cost_key_sorts_as_minus_cost():
     rng = np.random.default_rng(1)
     for case in range(20):
@@ -113,7 +120,6 @@ def test_the_radix_cost_key_sorts_as_minus_cost():
 def test_latency_costs_priced_once_rank_as_the_radix_key():
     """``packing.sample_costs(with_ranks=True)`` (a ``LatencyCost``'s distinct lengths priced
     once) gives its costs, and their ranks (``cost_ranks``) order as ``descending_key``."""
-    from sparsebalance_megatron.batching.assignment import cost_ranks
     from sparsebalance_megatron.batching.packing import latency_sample_cost_fn, sample_costs
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
 
