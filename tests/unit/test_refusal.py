@@ -6,7 +6,12 @@ threads here sharing an in-memory store; torchrun itself: tests/distributed/test
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +36,7 @@ def test_the_first_rank_says_it_and_every_rank_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(comm, "job_store", lambda timeout_s: store)
     monkeypatch.setattr(refusal, "_world_size", lambda: ranks)
     monkeypatch.setattr(refusal, "_exit_together", lambda: left.append(dict(store.data)))
+    monkeypatch.setattr(refusal, "_exit_on_terminate", lambda: None)   # (pytest's process)
     results = {}
 
     def rank(r):
@@ -43,8 +49,9 @@ def test_the_first_rank_says_it_and_every_rank_exits_1(monkeypatch, capsys):
         t.join(timeout=60)
     assert sorted(map(str, results.values())) == ["1", "1", "1", LINE]
     assert capsys.readouterr().err == LINE + "\n"             # said once, at once
-    # every rank left only once every rank had met the refusal (none stopped on its way)
-    assert [list(d.values()) for d in left] == [[ranks]] * ranks
+    # every rank left only once every rank had met the refusal and left its error file (none
+    # stopped on its way): both counts full
+    assert [sorted(d.values()) for d in left] == [[ranks, ranks]] * ranks
     # another line is another claim: said too (its rank waits for ranks that never come)
     monkeypatch.setattr(refusal, "ALL_MET_S", 0.2)
     assert refusal.refusal(LINE + " (another)").code == LINE + " (another)"
@@ -91,3 +98,44 @@ def test_a_store_that_fails_says_it_here(monkeypatch):
     monkeypatch.setattr(comm, "job_store", broken)
     monkeypatch.setattr(refusal, "_world_size", lambda: 4)
     assert refusal._refuse(LINE) is True                # said twice rather than never
+
+
+def test_a_rank_stopped_by_torchrun_while_it_waits_exits_with_the_refusals_code():
+    """torchrun SIGTERMs the ranks still running once one has left: a rank that met the refusal
+    leaves with 1 all the same (-15 was a second failure, whichever rank happened to be
+    slower). Driven by a signal sent once the rank is waiting, not by timing."""
+    child = textwrap.dedent("""
+        import time
+        from sparsebalance_megatron.megatron.runtime import comm, refusal
+
+        class Store:
+            def __init__(self):
+                self.data = {}
+
+            def add(self, key, n):
+                self.data[key] = self.data.get(key, 0) + n
+                return self.data[key]
+
+        store = Store()
+        comm.job_store = lambda timeout_s: store
+        refusal._world_size = lambda: 2        # the other rank never comes
+
+        def wait(store, key, world):
+            print("waiting", flush=True)
+            time.sleep(600)
+
+        refusal._wait_for_all = wait
+        refusal._refuse("error: --sb-density=0.0: expected a number in (0, 1]")
+        print("returned", flush=True)
+    """)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, (out, err)
+    assert err.strip() == LINE and "returned" not in out

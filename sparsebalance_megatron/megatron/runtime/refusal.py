@@ -13,12 +13,13 @@ group):
 - every rank leaves torchrun its error file (``TORCHELASTIC_ERROR_FILE``): the rank that said
   the line puts the line there, the others a note that points to it, dated a second later, so
   that torchrun's "Root Cause" (the earliest failure) is the line;
-- every rank exits with the same code, 1, together: each waits (``ALL_MET_S`` at most) until
-  every rank has met the refusal, then leaves at once (``os._exit`` after flushing: nothing of a
-  run exists yet to tear down, and a slow interpreter exit would let torchrun, which stops the
-  other ranks as soon as one fails, end them with SIGTERM: another exit code, another failure).
-  A rank that never meets it (a refusal of one rank's own, a file only its node lacks) is not
-  waited for past ``ALL_MET_S``.
+- every rank exits with the same code, 1: each waits (``ALL_MET_S`` at most) until every rank
+  has met the refusal and left its error file (a second key counts the ranks that are done), then
+  leaves at once (``os._exit`` after flushing: nothing of a run exists yet to tear down). The
+  ranks cannot leave at the same instant, and torchrun stops the others with SIGTERM as soon as
+  one has failed, so a rank that has met the refusal answers SIGTERM by leaving with the same
+  code: which rank is faster decides nothing. A rank that never meets it (a refusal of one
+  rank's own, a file only its node lacks) is not waited for past ``ALL_MET_S``.
 
 Without a store (another launcher, before the process group) every rank that meets it says it
 (rank 0 alone could be stopped by its launcher before it says it, as soon as a silent rank has
@@ -34,13 +35,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Optional
 
 EXIT_CODE = 1
 STORE_TIMEOUT_S = 10.0      # connecting to torchrun's agent store (it is up before the ranks)
-ALL_MET_S = 10.0            # how long a refusing rank waits for the others to meet it
+ALL_MET_S = 30.0            # how long a refusing rank waits for the others to meet it (ranks
+                            # importing torch on a loaded machine meet it seconds apart)
 
 
 def refusal(line: str) -> SystemExit:
@@ -74,6 +78,7 @@ def _refuse(line: str) -> bool:
         return True
     key = (f"sparsebalance/refusal/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
            f"{hashlib.sha1(line.encode()).hexdigest()[:16]}")
+    _exit_on_terminate()
     try:
         said = int(store.add(key, 1)) == 1
     except Exception:                           # noqa: BLE001 - said twice rather than never
@@ -82,7 +87,12 @@ def _refuse(line: str) -> bool:
     _leave_error_file(line, said)
     if said:
         print(line, file=sys.stderr, flush=True)
-    _wait_for_all(store, key, world)
+    done = key + "/done"                        # said (or not) and the error file left
+    try:
+        store.add(done, 1)
+    except Exception:                           # noqa: BLE001 - the store went: leave now
+        pass
+    _wait_for_all(store, done, world)
     _exit_together()
     return said                                 # (a test's _exit_together returns)
 
@@ -106,8 +116,17 @@ def _store():
     return comm.job_store(timeout_s=STORE_TIMEOUT_S)
 
 
+def _exit_on_terminate() -> None:
+    """SIGTERM (torchrun stopping the ranks once the first has left) ends this rank with the
+    refusal's code, not -15. Only the main thread may set a handler; a refusal met elsewhere
+    keeps the default."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: _exit_together())
+
+
 def _wait_for_all(store, key: str, world: int) -> None:
-    """Until every rank has claimed ``key`` (met the same refusal), ``ALL_MET_S`` at most."""
+    """Until every rank has counted itself on ``key`` (met the same refusal, its error file
+    left), ``ALL_MET_S`` at most."""
     end = time.monotonic() + ALL_MET_S
     try:
         while int(store.add(key, 0)) < world and time.monotonic() < end:
