@@ -29,9 +29,6 @@ STUDIES = {
     "control_plane": ("a rank's draft by phase, its bytes and the critical path on the per-rank "
                       "path, 128 to 16,384 GPUs",
                       "BENCHMARKS.md control plane"),
-    "dst_decomposed": ("DST planned per DP rank (agreed anchor and step) against the central "
-                       "plan: predicted steps, densities, a rank's CPU", "BENCHMARKS.md control "
-                       "plane"),
     "sab_ranks": ("SAB's packing per DP rank: every rank's micro-batches against a rank's own "
                   "only, by phase, DP 512 to 4,096 (thread CPU)", "BENCHMARKS.md control plane"),
     "plugin_cost": ("the plugin's own per-step cost as the simulator charges it, by part and "
@@ -67,6 +64,9 @@ STUDIES = {
                       "packing, paired steps", "BENCHMARKS.md against dense, README results"),
     "quality_cost": ("measure a model's loss per layer group and density (the quality cost)",
                      "BENCHMARKS.md DST's accuracy side"),
+    "plan_quality": ("the quality model DST plans by: fitted on a real model's loss by depth "
+                     "group, density and length, checked on whole plans it has not seen",
+                     "BENCHMARKS.md quality model, QUALITY.md"),
     "dst_plans": ("DST's plans evaluated on a real model's loss and retrieval",
                   "BENCHMARKS.md DST's accuracy side"),
     "dst_quality": ("the quality objective against the density one (simulated plans)",
@@ -90,6 +90,8 @@ STUDIES = {
                           "kept density, with a positive control and a pilot's margin: a verdict",
                           "QUALITY.md"),
 }
+# what the studies share (modules of scripts/studies/ that are not studies)
+SHARED = ("common", "smollm2")
 # studies that are still scripts of their own in scripts/ (run as they are)
 EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",
             "latency_eval": "eval_latency_model.py"}

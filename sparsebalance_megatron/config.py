@@ -34,6 +34,7 @@ PLANNER_TIMEOUT_S = 30.0   # --sb-planner-timeout's default (megatron/step/ahead
 FAULT_KINDS = ("raise", "hang", "kill", "exit", "planner-kill-idle", "planner-kill-drafting",
                "planner-kill-agreeing", "planner-stop", "fa4-fails", "triton-fails")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
+DEFAULT_EXCHANGE_RATE = 0.002  # --sb-exchange-rate: nats of loss per token one % of step time is worth
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
 
@@ -209,9 +210,20 @@ class SparseBalanceConfig:
         "the band rule alone decides what is cut.",
         choices=DST_DESCENTS)
     quality_cost: Optional[str] = _f(
-        None, "Quality cost JSON for --sb-dst-objective quality (scripts/bench.py quality_cost:"
-        " LM-loss increase against density per depth range of a real model); default: the "
-        "shipped SmolLM2-135M measurement.", path="input")
+        None, "Quality model JSON for --sb-dst-objective quality (scripts/bench.py plan_quality "
+        "--calibrate: held-out loss against density per depth group and document length of a "
+        "real model, convex, with its bootstrap uncertainty); default: the shipped SmolLM2-135M "
+        "model.", path="input")
+    exchange_rate: float = _f(
+        DEFAULT_EXCHANGE_RATE, "With --sb-dst-objective quality: what one percent of "
+        "predicted step time is worth in predicted held-out loss (nats per token). A plan that "
+        "cuts is adopted only where its speed gain x this rate pays for the loss its cuts add "
+        "over DST's plan without cuts (raises into the pipeline's bubbles only), and only where "
+        "its predicted loss change plus the quality model's uncertainty is at most 0; else the "
+        "step keeps the plan without cuts. The default is about what 1% more training tokens "
+        "buys late in pretraining (a data exponent of 0.28 at 0.5-1 nats above the irreducible "
+        "loss: 0.0014-0.0028). 0: quality alone decides (a cut never pays); larger: the "
+        "fastest plan the uncertainty rule allows.")
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "
@@ -554,6 +566,9 @@ class SparseBalanceConfig:
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")
+        x = self.exchange_rate
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < float("inf"):
+            bad("exchange_rate", x, "a number of nats per token >= 0")
         pt = self.planner_timeout
         if isinstance(pt, bool) or not isinstance(pt, (int, float)) or not (0 < pt < float("inf")):
             bad("planner_timeout", pt, "a number of seconds > 0")

@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid
     from sparsebalance_megatron.policy.dst import (BandCache, _plan_with_floor,
                                                    plan_dst_from_config)
-    from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
+    from sparsebalance_megatron.policy.quality import load_quality_cost
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
     dp, m, d0 = args.dp, args.microbatches, args.d0

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     from .quality_cost import answer_scores, load_model, window_loss, windows_of
 
     from sparsebalance_megatron.eval import make_sample
-    from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
+    from sparsebalance_megatron.policy.quality import load_quality_cost
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
 
     t0 = time.perf_counter()
     plans, layout = plans_from(args.plans_from) if args.plans_from else \

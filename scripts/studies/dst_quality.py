@@ -34,7 +34,8 @@ def run(dp: int, d0: float, layout: str, steps: int = 3, m: int = 8, seq: int = 
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.costs import stage_mean_densities, weighted_mean_density
     from sparsebalance_megatron.policy.dst import plan_dst_from_config
-    from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
+    from sparsebalance_megatron.policy.quality import load_quality_cost
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
     from sparsebalance_megatron.sim import pipeline_makespan_s
 
     corpus = corpus_steps(dp, m, d0, steps, seq=seq, layout=layout)

@@ -9,8 +9,9 @@ and its attention hooks in ``scripts/bench.py long_context``.
 
 from .assets import HAYSTACKS, MissingDataPackageError, lce_json_dir
 from .scoring import answer_token_accuracy, greedy_exact_match, mean_by, string_match
-from .tasks import TASKS, TaskLengthError, TaskSample, make_sample, make_suite
+from .tasks import (TASKS, TEXT_SOURCES, TaskLengthError, TaskSample, make_sample, make_suite,
+                    make_text_window)
 
-__all__ = ["TASKS", "HAYSTACKS", "TaskSample", "TaskLengthError", "MissingDataPackageError",
+__all__ = ["TASKS", "TEXT_SOURCES", "make_text_window", "HAYSTACKS", "TaskSample", "TaskLengthError", "MissingDataPackageError",
            "make_sample", "make_suite", "lce_json_dir", "answer_token_accuracy",
            "greedy_exact_match", "string_match", "mean_by"]

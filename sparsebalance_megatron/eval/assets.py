@@ -76,6 +76,22 @@ def haystack_sentences(source: str = "essays", cache_dir: str | None = None) -> 
     raise ValueError(f"haystack={source!r}: expected one of {HAYSTACKS}")
 
 
+@functools.lru_cache(maxsize=4)
+def text_files(source: str, cache_dir: str | None = None) -> tuple[str, ...]:
+    """Paths of natural text: ``code`` (the standard library's Python sources) or ``prose``
+    (Shakespeare's plays, from the data cache)."""
+    from ..data import sources
+    if source == "code":
+        return tuple(p for _, p in sources.stdlib_files())
+    if source == "prose":
+        cache = cache_dir or sources.default_cache_dir()
+        try:
+            return tuple(p for _, p in sources.shakespeare_files(cache))
+        except sources.SourceUnavailableError as e:
+            raise MissingDataPackageError(f"Shakespeare texts unavailable: {e}") from e
+    raise ValueError(f"source={source!r}: expected 'code' or 'prose'")
+
+
 @functools.lru_cache(maxsize=1)
 def squad_items() -> tuple:
     """SQuAD v2 answerable questions: (question, answers tuple, context paragraph)."""

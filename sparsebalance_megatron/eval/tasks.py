@@ -7,7 +7,14 @@
 - ``needle_multikey``: four "magic number for <key>" needles, one asked for, three distractors;
 - ``needle_multivalue``: four numbers for the same key, all asked for (in order of appearance);
 - ``variable_tracking``: a chain ``VAR A = 12345; VAR B = VAR A; ...``, all names asked for;
-- ``qa``: a SQuAD or HotpotQA question, its gold paragraph(s) among distractor paragraphs.
+- ``qa``: a SQuAD or HotpotQA question, its gold paragraph(s) among distractor paragraphs;
+- ``needle_multiquery``: four "magic number for <key>" needles, each asked for in turn after the
+  prompt: the answer tokens of all four are scored (``answer_mask``), so one sample carries four
+  retrievals and its answer NLL spreads less than one question's.
+
+``make_text_window(source, length, seed, encode)``: a window of natural text (``code``: the
+Python standard library's sources; ``prose``: Shakespeare's plays) with no question, for loss
+measurements on text as it is.
 
 The haystack is RULER's Paul Graham essays (or Shakespeare) for the needle tasks and other
 questions' paragraphs for ``qa``. The asked-for needle (the first of a chain) sits at ``depth``
@@ -26,7 +33,9 @@ from typing import Callable, Iterator, List, Sequence, Tuple
 
 from . import assets
 
-TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_tracking", "qa")
+TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_tracking", "qa",
+         "needle_multiquery")
+TEXT_SOURCES = ("code", "prose")
 Encode = Callable[[str], List[int]]
 
 _WORDS = ("amber", "brisk", "cobalt", "dusty", "eager", "fabled", "gentle", "hollow", "icy",
@@ -61,6 +70,11 @@ class TaskSample:
     answer_ids: List[int]                # gold continuation (teacher forcing target)
     answers: Tuple[str, ...]             # gold strings (all must appear, except qa: any)
     needle_spans: List[Tuple[int, int]] = field(default_factory=list)  # [start, end) in prompt
+    answer_mask: List[bool] = field(default_factory=list)  # per answer id: scored (empty: all)
+
+    def scored(self) -> List[bool]:
+        """Per answer id, whether it is an answer token (later questions are not)."""
+        return list(self.answer_mask) or [True] * len(self.answer_ids)
 
 
 def _number(rng: random.Random, digits: int) -> str:
@@ -137,6 +151,8 @@ def make_sample(task: str, length: int, depth: float, seed: int, encode: Encode,
     if task == "qa":
         return _make_qa(length, depth, seed, rng, encode)
     filler = _filler_units(assets.haystack_sentences(haystack), rng, " ")
+    if task == "needle_multiquery":
+        return _make_multiquery(length, depth, seed, rng, encode, filler, num_needles)
     if task == "needle_single":
         key = _number(rng, 7)
         needles = [(depth, f" The pass key is {key}. Remember it. {key} is the pass key.")]
@@ -189,6 +205,68 @@ def make_sample(task: str, length: int, depth: float, seed: int, encode: Encode,
         answer = " " + ", ".join(answers)
     answer_ids = encode(answer)[len(lead):]
     return TaskSample(task, length, float(depth), seed, ids, answer_ids, answers, spans)
+
+
+def _make_multiquery(length: int, depth: float, seed: int, rng: random.Random, encode: Encode,
+                     filler, num_needles: int) -> TaskSample:
+    """``num_needles`` keyed numbers, each asked for in turn (the one at ``depth`` first): the
+    prompt ends with the first question, ``answer_ids`` hold its answer, then each next
+    question and its answer, the questions' tokens masked out of the score."""
+    keys: List[str] = []
+    while len(keys) < num_needles:
+        k = _key(rng)
+        if k not in keys:
+            keys.append(k)
+    values = [_number(rng, 7) for _ in keys]
+    depths = [depth] + _other_depths(rng, num_needles - 1)
+    needles = [(d, f" One of the special magic numbers for {k} is: {v}.")
+               for d, k, v in zip(depths, keys, values)]
+
+    def question(k):
+        return f"\nWhat is the special magic number for {k}? The special magic number for {k} is"
+
+    lead = _leading_space_token(encode, values[0])
+    ids, spans = _assemble(encode, length, _NIAH_PREFIX, needles, question(keys[0]), filler,
+                           "needle_multiquery", lead)
+    answer_ids: List[int] = []
+    mask: List[bool] = []
+    for i, (k, v) in enumerate(zip(keys, values)):
+        if i:
+            q = encode(question(k)) + lead
+            answer_ids += q
+            mask += [False] * len(q)
+        a = encode(" " + v)[len(lead):]
+        answer_ids += a
+        mask += [True] * len(a)
+    return TaskSample("needle_multiquery", length, float(depth), seed, ids, answer_ids,
+                      tuple(values), spans, mask)
+
+
+def make_text_window(source: str, length: int, seed: int, encode: Encode) -> TaskSample:
+    """``length`` tokens of natural text from a seeded place (``TEXT_SOURCES``): ``code`` the
+    standard library's Python sources, ``prose`` Shakespeare's plays, files read in order from a
+    seeded first one. No question: ``answer_ids`` is empty (the loss is the text's own)."""
+    if source not in TEXT_SOURCES:
+        raise ValueError(f"source={source!r}: expected one of {TEXT_SOURCES}")
+    if isinstance(length, bool) or not isinstance(length, int) or length <= 0:
+        raise ValueError(f"length={length!r}: expected a positive token count")
+    rng = random.Random(f"text:{source}:{length}:{seed}")
+    paths = assets.text_files(source)
+    i = rng.randrange(len(paths))
+    ids: List[int] = []
+    for _ in range(len(paths)):
+        with open(paths[i], encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if not ids:                          # a seeded start inside the first file, at a line
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[rng.randrange(max(len(lines) // 2, 1)):])
+        ids += encode(text)
+        if len(ids) >= length:
+            break
+        i = (i + 1) % len(paths)
+    if len(ids) < length:
+        raise TaskLengthError(f"length={length}: the {source} texts hold only {len(ids)} tokens")
+    return TaskSample(f"text_{source}", length, 0.0, seed, ids[:length], [], ())
 
 
 def _leading_space_token(encode: Encode, answer: str) -> List[int]:

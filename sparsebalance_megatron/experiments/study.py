@@ -27,7 +27,7 @@ schedule for a layout with vp > 1). Variants (names are what the tables print):
 - any DST variant + ``_acc`` (e.g. ``sab_dst_acc``): ``--sb-raise-to static``, the raises go up
   to the static plan's step time: what balancing saved becomes density ("free accuracy").
 
-DST is the runtime's own planner (``dst_ranks_local.plan_dst_decomposed``: every DP rank's
+DST is the runtime's own planner (``policy.plan_dst``: every DP rank's
 rounds, reduced in-process) with the floors and the raise headroom of a ``SparseBalanceConfig``
 (``StudyConfig.sb``, ``StudyConfig.policy``). Every run of a study is (variant, layout):
 the same global batches and packings are timed on each run's layout. Do no harm (issue 27) is the
@@ -75,8 +75,9 @@ from ..data import GlobalBatchSampler
 from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
 from ..policy.dst import dst_inputs
-from ..policy.dst_ranks_local import plan_dst_decomposed
-from ..policy.quality import StageQuality, load_quality_cost
+from ..policy.dst import plan_dst
+from ..policy.quality import load_quality_cost
+from ..policy.quality_stages import StageQuality
 from ..policy.stand_down import NetGate, choose_step
 from .heterogeneous import rank_scale, scale_costs
 from .study_rows import VariantAccumulator, format_table  # noqa: F401  (format_table: re-exported)
@@ -324,10 +325,9 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
                     settings, q = dst_inputs(pol, c.shape[2], lm.p2p_s, None, layers)
                     # every DP rank's rounds, as the runtime's ranks make them; the slow GPUs'
                     # factors as the runtime's calibration learns them
-                    plan = plan_dst_decomposed(c, sens[cands[i]], settings, quality=q,
-                                               rank_scale=rank_scale(cfg.slow_ranks, dp,
-                                                                     c.pipeline_ranks)
-                                               if cfg.slow_ranks else None)
+                    plan = plan_dst(c, sens[cands[i]], settings, quality=q,
+                                    rank_scale=rank_scale(cfg.slow_ranks, dp, c.pipeline_ranks)
+                                    if cfg.slow_ranks else None)
                     return plan.densities, plan
             a = acc[name]
             if a.gate is not None and not a.gate.plans():   # do no harm, net: the baseline
@@ -373,7 +373,7 @@ def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int,
                                           planner=pol.planner, stand_down=stand_down,
                                           compare=pol.stand_down_compare)
         if a.charge is not None and stand_down:
-            a.gate = NetGate()
+            a.gate = NetGate(pol.exchange_rate if pol.dst_objective == "quality" else None)
 
 
 def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:

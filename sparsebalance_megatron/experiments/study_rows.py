@@ -71,7 +71,7 @@ class VariantAccumulator:
         if plan_ms is not None:
             self.plan_ms.append(plan_ms)
         if quality is not None:
-            self.loss.append(quality.plan_cost(densities))
+            self.loss.append(quality.bind(costs).plan_cost(densities))
 
     def row(self, baseline_step_s: Optional[float], baseline_net_s: Optional[float] = None
             ) -> dict:

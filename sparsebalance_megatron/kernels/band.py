@@ -1,4 +1,4 @@
-"""One DST band pass, compiled (``policy.dst_band.plan_dst_candidates``): every DP-rank row's
+"""One DST band pass, compiled (``policy.dst_band.band_pass``): every DP-rank row's
 cut of the load units above its band (``cut_rows``), the floats of its cut plan, and each raise
 try below the new bottleneck (``raise_try_rows``), each row its objective's way: the quality
 objective's water-filling (``water_fill``) or the density objective's moves in sensitivity
@@ -300,7 +300,7 @@ def raise_try_rows(graph, tables, rows_of, fill, cut, rows, alpha, water, i_max,
 
 
 class BandPass:
-    """What the compiled phases of one ``plan_dst_candidates`` pass read: the cost tables
+    """What the compiled phases of one ``policy.dst_band`` pass read: the cost tables
     (``Tables``), the event graph (``Graph``), the rows (``Rows``: units, the rank-level
     sensitivity orders of the cut and the raise) and, with the quality objective, the
     water-filling's gain tables (``Fill``, its shift and first laid [slots, pp]) and seconds

@@ -1,5 +1,5 @@
 """The critical-path descent's floor verdicts, compiled (``policy.floors.FloorCheck``): a plan's
-kept work and quality cost summed in one pass, in an order of its own, with a bound on how far
+kept work summed in one pass, in an order of its own, with a bound on how far
 any order's sum can be from it; a verdict within that bound of a floor is left to the floors'
 own sums (-1), so the verdicts are theirs either way (``tests/unit/test_floor_check.py``).
 Pure numpy and numba; imports nothing of this package but ``kernels``.
@@ -75,33 +75,9 @@ def floors_verdict(grid, idx, floors, sums):
     return out
 
 
-@jit
-def quality_verdict(flat, idx, g, nv):
-    # the quality rule's verdict on the plan at grid indices idx, mean over the units' rows of
-    # their stages' costs (flat[stage x g + index]) <= 1e-12 (1, 0; -1: numpy's sums must
-    # decide), from the sum in an order of its own and its terms' magnitudes (numpy sums each
-    # row's stages, then the rows: within (n + rows) eps x the magnitudes of any order's)
-    total, mag, base = 0.0, 0.0, 0
-    for u in range(idx.size):
-        j = idx[u]
-        if j < 0 or j >= g:                         # numpy's take raises: left to it
-            return -1
-        x = flat[base + j]
-        total += x
-        mag += abs(x)
-        base += g
-        if base == nv * g:
-            base = 0
-    rows = max(idx.size // nv, 1)
-    mean = total / rows
-    return _verdict_of(1e-12, 2.0 * (idx.size + rows) * _EPS * mag / rows
-                       + 4.0 * _EPS * abs(mean), mean)      # 1e-12 >= mean
-
-
 def warm_up() -> None:
     """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with the
     argument types a check passes."""
     grid, idx, ones = np.array([0.5, 1.0]), np.array([0, 1], dtype=np.int64), np.ones(2)
     floors_verdict(grid, idx, Floors(ones, 2, 2.0, 0.0, ones, np.zeros(2), 0.5, 0.5, True),
                    np.empty(4))
-    quality_verdict(np.zeros(4), idx, 2, 2)

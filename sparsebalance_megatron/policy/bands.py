@@ -12,8 +12,8 @@ by more than the factors' own noise could make one of them (per-step timing nois
 factor a little off, and the largest of thousands of noisy factors is well above the median:
 at a spread of 2.4%, as the planner-cost study's stand-in timings give, the largest of 256 is
 6-7% up, and planning the narrow bands there would cut density for noise),
-``plan_dst_with_floor`` plans the configured band and ``NARROW_FRACTIONS`` of it (p/2, p/4 and
-0: cut everything above the anchor) in the same batched pass (``plan_dst_candidates``; the
+the band search plans the configured band and ``NARROW_FRACTIONS`` of it (p/2, p/4 and
+0: cut everything above the anchor) in the same batched pass (``dst_band``; the
 candidates are rows of the same vectorised calls), and keeps a narrower band's plan only when it
 meets the same floors and quality condition and is predicted faster than the wider band's by more
 than ``NARROW_MARGIN``: a cut that buys less than that is within what the band exists to ignore,

@@ -85,6 +85,10 @@ class UnitCosts:
     proportional to that when time is affine in kept block pairs.
     dense_work: optional [dp, m, pp] work (same unit as attn_work) of the documents routed to the
     dense kernel: counted at density 1 in every mean density (None: no routing).
+    unit_docs: optional (offsets [dp * m + 1], lengths [docs], tokens [dp * m], sparse [docs])
+    of every micro-batch's documents (padding left out): their lengths, each micro-batch's tokens
+    and which documents run sparse (the others are routed dense). The quality model weighs a
+    unit's loss change by them (``quality.StageQuality.bind``); None: every unit alike.
     kept_grid: optional [dp, m, g] block pairs the attention keeps of each micro-batch at each
     grid density (``UnitFeatures.kept_grid``), non-decreasing along the grid; where two
     densities of a unit keep as many, they keep the same blocks at the same cost. With it a
@@ -101,6 +105,7 @@ class UnitCosts:
     pipeline_ranks: Optional[int] = None
     dense_work: Optional[np.ndarray] = None
     kept_grid: Optional[np.ndarray] = None
+    unit_docs: Optional[tuple] = None
     # ``effective_index``'s tables by d0's grid index, made on first use
     _effective: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # the tables are already known finite, >= 0 and non-decreasing (``from_latency`` proves it
@@ -341,6 +346,7 @@ class UnitCosts:
         layers = np.asarray(model.layout.attention_layers, dtype=np.float64)
         routed = None if not model.dense_below_tokens else \
             feats.dense_work.reshape(rows, m)[:, :, None] * layers[None, None, :]
+        docs = feats
         if kept_units is not None:
             docs = model.unit_features(kept_units)
             if docs.num_units != n:
@@ -349,9 +355,14 @@ class UnitCosts:
             kept = docs.kept_grid(g)                                 # [n, g] documents only
         else:
             kept = work if feats.work_mode == "kept" else feats.kept_grid(g)
+        lengths = np.asarray(docs.lengths, dtype=np.int64)
+        unit_docs = (np.asarray(docs.offsets, dtype=np.int64), lengths,
+                     np.asarray(docs.tokens, dtype=np.float64),
+                     lengths >= max(int(model.dense_below_tokens or 0), 1))
         return cls(g, f, b, dense[:, :, None] * layers[None, None, :],
                    pipeline_ranks=model.layout.pp, dense_work=routed,
-                   kept_grid=kept.reshape(rows, m, g.size), tables_checked=checked,
+                   kept_grid=kept.reshape(rows, m, g.size), unit_docs=unit_docs,
+                   tables_checked=checked,
                    _total=total.reshape(rows, m, pp, g.size) if checked else None,
                    _formula=formula if checked else None)
 

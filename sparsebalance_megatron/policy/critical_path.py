@@ -33,8 +33,9 @@ The descent spends no density: its plan keeps the work-weighted mean density at 
 comes from the pipeline's shape, not from attention dropped, so it is also what the layout
 study counts as a win (a layout qualifies only at mean density >= d0).
 
-So the result is never slower than the plan it starts from, and ``plan_dst_with_floor`` keeps it
-only when it is predicted faster by more than ``dst.SPEED_TIE``. Cost: ``ROUNDS`` rounds of two
+So the result is never slower than the plan it starts from, and the planner keeps it only when
+it is predicted faster by more than ``dst_band.SPEED_TIE`` (at DP 1 ``refine_plan``; above, each
+rank descends toward agreed probe steps, ``dst_probes``). Cost: ``ROUNDS`` rounds of two
 float passes and two searches.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
@@ -60,32 +61,13 @@ ETA_START, ETA_MAX, ETA_MIN = 0.02, 0.1, 1e-3   # step-time reduction asked of a
 NEUTRAL_DENSITY = 1.0                        # the descent's mean-density floor, x d0
 
 
-def descend(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-            raise_headroom: float, meets, rounds: int = ROUNDS, floors=None):
-    """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
-    docstring); ``meets(densities)`` says whether a plan keeps the floors. Returns (grid
-    indices, predicted step time s) of the best plan found, ``idx`` itself if none is faster.
-
-    Only what a round can change is searched and simulated: a unit off every path longer
-    than T' keeps its density under every cut fraction (its own time is its threshold), and
-    a unit whose next grid density does not fit under the largest raise fraction keeps it
-    under every fraction; a DP rank none of whose units moves keeps its simulation.
-    ``floors(densities)`` (optional) is a part of ``meets`` that no raise can break (true of a
-    plan, true of every plan at or above it unit by unit, as mean-density floors are): a round
-    whose largest raise fails it is given up before its raises are simulated, as the round
-    would be after (its plan is at or below that one)."""
-    return _descent(costs, idx, i_min, i_max, p2p_s, raise_headroom,
-                    lambda i: meets(costs.densities[i]), rounds,
-                    None if floors is None else lambda i: floors(costs.densities[i]))[:2]
-
-
 class DescentSetup(NamedTuple):
     """What every descent on one costs object within [i_min, i_max] makes first
     (``descent_setup``): the event graph, its record with the p2p latency, the cost tables'
     record, the round's phases (``kernels.descent.Round``), every unit's seconds at d_min
     (flat) and every unit's offset in the flat tables ([dp, m, nv]). A caller that descends
     many times on the same costs (``dst_probes``: a rank's ~25 descents and its fills) makes
-    it once and passes it to each (``_descent``'s ``setup``)."""
+    it once and passes it to each (``descend_at``'s ``setup``)."""
 
     graph: object
     record: object
@@ -119,15 +101,21 @@ def descent_setup(costs: UnitCosts, i_min: int, i_max: int, p2p_s: float) -> Des
     return DescentSetup(graph, record, tables, rnd, t_min, base)
 
 
-def _descent(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-             raise_headroom: float, meets_at, rounds: int, floors_at=None, goal: float = 0.0,
-             setup: DescentSetup = None):
-    """``descend``, and the DP ranks' makespans [dp] of the plan it returns; ``meets_at`` and
-    ``floors_at`` take a plan's grid indices (``descend``'s take its densities). Each round's
-    phases are ``kernels.descent.Round``'s. ``goal``: no round asks for a step below it, and
-    the descent stops there (``dst_ranks``: a DP rank's descent to each of the agreed probe
-    steps); 0: none. ``setup``: ``descent_setup`` of the same costs, bounds and p2p (its
-    round's picks forgotten here), else made here."""
+def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
+               raise_headroom: float, meets_at, rounds: int = ROUNDS, floors_at=None,
+               goal: float = 0.0, setup: DescentSetup = None):
+    """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
+    docstring): (grid indices, predicted step time s, the DP ranks' makespans [dp]) of the best
+    plan found, ``idx`` itself if none is faster. ``meets_at(idx)`` says whether a plan keeps
+    the floors; ``floors_at(idx)`` (optional) is a part of it that no raise can break (true of
+    a plan, true of every plan at or above it unit by unit, as mean-density floors are): a
+    round whose largest raise fails it is given up before its raises are simulated. Only what a
+    round can change is searched and simulated (a unit off every path longer than T' keeps its
+    density under every cut fraction; a DP rank none of whose units moves keeps its
+    simulation). Each round's phases are ``kernels.descent.Round``'s. ``goal``: no round asks
+    for a step below it, and the descent stops there (``dst_probes``: a DP rank's descent to
+    each of the agreed probe steps); 0: none. ``setup``: ``descent_setup`` of the same costs,
+    bounds and p2p (its round's picks forgotten here), else made here."""
     if setup is None:
         setup = descent_setup(costs, i_min, i_max, p2p_s)
     tables, rnd, t_min = setup.tables, setup.rnd, setup.t_min
@@ -195,7 +183,7 @@ def refine_plan(plan, costs: UnitCosts, settings: DSTSettings, *, quality=None,
     i0, i_min, i_max = (costs.index_of(d) for d in (d0, settings.d_min, settings.d_max))
     idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
     # the floors weigh every unit at its effective density (``UnitCosts.effective_index``)
-    idx, step, mk = _descent(costs, idx0, i_min, i_max, settings.p2p_s, settings.raise_headroom,
+    idx, step, mk = descend_at(costs, idx0, i_min, i_max, settings.p2p_s, settings.raise_headroom,
                              lambda i: check.meets_at(costs.effective_index(i, i0)), rounds,
                              lambda i: check.floors_at(costs.effective_index(i, i0)))
     if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):

@@ -1,29 +1,44 @@
-"""One band's DST plan (``plan_dst``; ``plan_dst_candidates`` for several bands in one pass).
+"""One DP rank's DST bands: the candidates' plans, batched as rows of one compiled pass, and
+the band search that chooses among them (docs/DESIGN.md section 5).
 
-Steps 1-4 of the rule in ``policy/dst.py``'s docstring: the static plan simulated, the anchor, the
-cut of the load units above the band, the raise below the new bottleneck checked with the 1F1B
-simulator (a rank that overshoots is re-planned with less slack, or reverted to its cuts). The
-moves and their simulation are ``kernels.band``'s, compiled; here what they are made of (the
-units' table offsets, the anchor, the sensitivities by unit, the quality objective's gain
-tables); the band search under density floors, the quality objective and the config entry are
-``dst.py``'s. Also the plan's types.
+A band's plan, steps 1-4 of the rule: the static plan simulated (``static_band``), the anchor
+over the (rank, stage) busy seconds at d0 and the band (1 + tolerance) x anchor, the cut of the
+load units above the band (``cut_rows``: least sensitive micro-batch first, or by quality
+water-filling), the raise below the new bottleneck checked with the 1F1B simulator
+(``raise_rows``: a rank that overshoots is re-planned with half the slack, then a quarter, ...,
+and one that clears none keeps its cut), and the reports (``plan_reports``). Every candidate
+band's copy of the rows is stacked in one pass (``band_pass``; the moves and their simulation
+are ``kernels.band``'s, compiled), so K candidates cost far less than K passes. Between the
+phases the DP ranks agree the anchor, the static step and every cut step (``dst_ranks``).
+
+The band search (``band_search``): under the mean and per-stage density floors (and, with the
+quality objective, no predicted loss against uniform d0), the configured band, else a band
+widened until the floors hold: ``search_steps // 2`` rounds of 3 tolerances spaced
+geometrically inside the interval where the floors start to hold, between the tolerance and 10
+(the widest band cuts nothing: the ``max`` anchor, which only raises, always meets them). Its
+candidates are known before any verdict (``candidate_tree``), so a rank plans them all in one
+pass and replays the search on the agreed verdicts.
+
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Optional
 
 import numpy as np
 
 from .. import kernels
 from ..kernels.records import Fill, Tables
+from .bands import band_ladder, pick_band
 from ..sim.pipeline import event_graph
-from .costs import UnitCosts, check_anchor_tolerance, weighted_mean_density
+from .costs import UnitCosts, weighted_mean_density
 from .density_means import WeightTotals
 from .dst_settings import DSTSettings
 
+SPEED_TIE = 1e-3          # plans within 0.1% of the fastest count as as fast
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
 FILL_ITERS = 12           # bisection steps on log(lambda) in [-20, 20] (quality water-filling)
 _REL_EPS = 1e-9           # float slack when comparing makespans
@@ -50,6 +65,9 @@ class DSTReport:
     tolerance_used: float = float("nan")  # band actually applied (wider under a density floor)
     density_per_stage: tuple = ()         # work-weighted mean density of every stage, final plan
     quality_cost: float = float("nan")    # predicted loss change vs uniform d0 (quality objective)
+    quality_sd: float = float("nan")      # its uncertainty (the quality model's bootstrap)
+    adopted: str = ""                     # quality objective: "dst", or "no_cuts" where the
+    #                                       cuts did not pay at --sb-exchange-rate
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,34 +80,16 @@ class DSTPlan:
     grid_index: Optional[np.ndarray] = None   # the densities' indices on the costs' grid
 
     def quality_cost(self, quality, grid: np.ndarray) -> float:
-        """``quality.plan_cost`` of the plan (a ``StageQuality``) on the costs' ``grid``: from
+        """``quality.plan_cost`` of the plan (a ``BoundQuality``) on the costs' ``grid``: from
         the grid indices where the plan has them (the same floats, without the search)."""
         if self.grid_index is not None:
             return quality.plan_cost_at(self.grid_index, grid)
         return quality.plan_cost(self.densities, grid)
 
 
-def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], d0: float, d_min: float,
-             d_max: float, anchor: str = "mean", tolerance: float = 0.1,
-             p2p_s: float = 0.0, raise_headroom: float = 0.0,
-             raise_to: str = "bottleneck") -> DSTPlan:
-    """Plan densities [dp, m, pp] for one step.
-
-    costs: predicted fwd/bwd seconds of every unit over a density grid that contains d0, d_min
-    and d_max (``density_grid``); sensitivity: [dp, m] or [dp, m, pp], higher = loses more
-    accuracy when sparsified (mean over a micro-batch's samples), None = all equal;
-    raise_headroom: h in [0, 0.5], raises stop at (1 - h) x the raise target; raise_to: the
-    target, the cut plan's step time (``bottleneck``) or the static plan's (``static``: what
-    balancing saved is spent on density instead of speed).
-    """
-    settings = DSTSettings(d0, d_min, d_max, anchor=anchor, tolerance=tolerance, p2p_s=p2p_s,
-                           raise_headroom=raise_headroom, raise_to=raise_to)
-    return plan_dst_candidates(costs, sensitivity, settings, [(anchor, tolerance)])[0]
-
-
 @dataclass
 class BandCache:
-    """What the passes of one band search share (``plan_dst_candidates``' ``cache``): they
+    """What the passes of one band search share (``band_pass``' ``cache``): they
     plan the same costs, sensitivity and bounds, so each of these is made by the first pass
     that needs it."""
 
@@ -104,9 +104,9 @@ class BandCache:
 
 
 @dataclass
-class _Pass:
+class RowsPass:
     """One pass over k candidates: the costs, the rows (candidate c x dp + rank: every
-    candidate's copy of the step), which rows water-fill, and the compiled pass
+    candidate's copy of the rank), which rows water-fill, and the compiled pass
     (``kernels.band.BandPass``)."""
 
     costs: UnitCosts
@@ -120,41 +120,8 @@ class _Pass:
         return self.costs.shape[0]
 
 
-def plan_dst_candidates(costs: UnitCosts, sensitivity: Optional[np.ndarray],
-                        settings: DSTSettings, candidates, cache: Optional[BandCache] = None,
-                        quality=None, water=None) -> list[DSTPlan]:
-    """``plan_dst`` for every (anchor, tolerance) of ``candidates``, in one pass: the candidates'
-    copies of the DP ranks are stacked as rows of the same compiled cut, raise and simulator
-    calls (a plan's rows never interact with another candidate's), so K plans cost far less than
-    K calls. ``settings``: the bounds, p2p latency and raise rule (its band is the
-    candidates'). ``cache``: a ``BandCache`` the caller keeps between passes over the same costs,
-    sensitivity and bounds. ``quality`` (a ``policy.quality.StageQuality``): cuts and raises by
-    quality water-filling (``kernels.band.water_fill``) instead of sensitivity order; with
-    ``water`` (one bool per candidate) only the candidates marked True do, the others take
-    sensitivity order, so both objectives' bands share one pass (``dst.plan_dst_with_floor``).
-
-    Phases: the band (the static plan, its anchors and the bands, ``_band``), the cut of the
-    units above it (``_cut``), the raise below the new bottleneck (``_raise``) and the
-    reports (``_plans``)."""
-    for anchor, tolerance in candidates:
-        check_anchor_tolerance(anchor, tolerance)
-    s = settings
-    k = len(candidates)
-    water = np.array([quality is not None] * k if water is None else water, dtype=bool)
-    if water.shape != (k,) or (water.any() and quality is None):
-        raise ValueError(f"water={water.tolist()!r}: expected one bool per candidate ({k}), "
-                         f"True only with a quality cost")
-    ps = _pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), k, water, quality, s.p2p_s,
-               BandCache() if cache is None else cache)
-    step0, anchors, bands = _band(ps, candidates)
-    step1, cut = _cut(ps, candidates, bands)
-    idx, mk_final, reverted = _raise(ps, cut, step0, step1, s.raise_headroom, s.raise_to)
-    return _plans(ps, candidates, s.d0, (step0, step1, anchors, bands),
-                  (idx, mk_final, reverted))
-
-
-def _pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
-          cache: BandCache) -> _Pass:
+def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
+          cache: BandCache) -> RowsPass:
     """The pass's rows and what the cache holds for them (made where it does not yet). The
     load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
     model chunks: its units are then the (micro-batch, chunk) pairs, so every array is
@@ -174,20 +141,23 @@ def _pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
         # the water-filling's gain tables and the units' seconds per unit of density depend on
         # the costs and the quality cost only: made once per cache (the passes of one search)
         span = costs.densities[i_max] - costs.densities[i_min]
+        # (a unit's seconds per unit of density over its quality weight: the fill compares
+        # marginal quality per second, and a unit's quality weighs by its documents)
+        weight = np.repeat(quality.unit_scale(), vp, axis=1)[:, :, None]     # [dp, slots, 1]
         cache.water = (
             quality, gain_fill(quality.marginal_gain(costs.densities), slots, pp, vp),
             ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
-             / span) if span > 0 else np.zeros(rank_units.shape))
+             / span / np.maximum(weight, 1e-300)) if span > 0 else np.zeros(rank_units.shape))
         cache.band.pop(True, None)                    # its compiled pass holds the tables
     if kind not in cache.band:                        # the pass's tables and orders
         cache.band[kind] = kernels.band.BandPass(
             Tables.of(costs.fwd_s, costs.bwd_s, t_grid), event_graph(m, pp, vp).record(p2p_s),
             rank_units, dp, cache.sens, *(cache.water[1:] if kind else ()))
-    return _Pass(costs, cache, k, np.repeat(water, dp),
+    return RowsPass(costs, cache, k, np.repeat(water, dp),
                  cache.band[kind].with_units(np.tile(rank_units, (k, 1, 1))))
 
 
-def _band(ps: _Pass, candidates) -> tuple:
+def static_band(ps: RowsPass, candidates) -> tuple:
     """Step 1: the static plan (the same for every candidate, simulated once per cache), its
     anchors and the candidates' bands (1 + tolerance) x anchor: (its step time, anchors [k],
     bands [k])."""
@@ -203,7 +173,7 @@ def _band(ps: _Pass, candidates) -> tuple:
     return float(c.mk0.max()), anchors, np.array([(1.0 + t) for _, t in candidates]) * anchors
 
 
-def _cut(ps: _Pass, candidates, bands) -> tuple:
+def cut_rows(ps: RowsPass, candidates, bands) -> tuple:
     """Step 2: every row's load units above its band cut (``kernels.band.cut_rows``): least
     sensitive micro-batch first (stable sort: ties keep micro-batch order), or by
     water-filling: (the cut's step time per candidate [k], (grid indices, makespans, event
@@ -217,7 +187,7 @@ def _cut(ps: _Pass, candidates, bands) -> tuple:
     return step1, cut
 
 
-def _raise(ps: _Pass, cut, step0: float, step1, raise_headroom: float, raise_to: str) -> tuple:
+def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float, raise_to: str) -> tuple:
     """Step 3: every row raised below the new bottleneck, most sensitive first (or by
     water-filling), checked with the simulator; a rank that overshoots is re-planned alone
     with half the slack, then a quarter, ... (ranks are independent pipelines), and one that
@@ -253,7 +223,7 @@ def _raise(ps: _Pass, cut, step0: float, step1, raise_headroom: float, raise_to:
     return idx, mk_final, reverted
 
 
-def _plans(ps: _Pass, candidates, d0: float, band: tuple, raised: tuple) -> list[DSTPlan]:
+def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple) -> list[DSTPlan]:
     """Step 4: every candidate's plan and report, from the band (static step time, cut step
     times [k], anchors, bands) and the raise (grid indices, makespans, reverted)."""
     costs, k, dp, mk0 = ps.costs, ps.k, ps.dp, ps.cache.mk0
@@ -365,3 +335,80 @@ def broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
     if not np.all(np.isfinite(s)):
         raise ValueError("sensitivity must be finite")
     return s
+
+
+def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, guard=None):
+    """The band search (module docstring) as a generator: it yields each round's candidates,
+    is sent their plans (quality costs set for the quality objective) and returns the plan
+    kept. ``narrow``: a slow GPU stands out (``bands.straggler_present``): the narrower bands
+    of ``bands.band_ladder`` are tried first; ``guard``: what a narrower band's density-order
+    plan must not lose in quality (``guard.plan_cost(densities)``)."""
+    anchor, tolerance = settings.anchor, settings.tolerance
+    density_floor, stage_density_floor = settings.density_floor, settings.stage_density_floor
+    floor = density_floor * settings.d0 - 1e-12
+    stage_floor = stage_density_floor * settings.d0 - 1e-12
+
+    def meets(p: DSTPlan) -> bool:
+        r = p.report
+        return (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
+                and not r.quality_cost > 1e-12)
+
+    best, *narrower = yield (band_ladder(anchor, tolerance) if narrow
+                             else [(anchor, tolerance)])
+    if guard is not None and quality is None:       # a narrower band must not lose quality
+        for p in narrower:
+            p.report.quality_cost = guard.plan_cost(p.densities)
+    ok = [p for p in narrower if meets(p)]
+    if (density_floor <= 0 and stage_density_floor <= 0 and quality is None) \
+            or anchor == "max" \
+            or meets(best):
+        return pick_band([best] + ok)
+    lo, hi = max(float(tolerance), 1e-3), 10.0
+    for rnd in range(max(settings.search_steps // 2, 1)):
+        ts = _tolerances(lo, hi)
+        cands = [(anchor, float(t)) for t in ts]
+        found = yield ([("max", tolerance)] if rnd == 0 else []) + cands
+        if rnd == 0:
+            ok.append(found.pop(0))                                  # no cuts: always meets
+        hits = [i for i, p in enumerate(found) if meets(p)]
+        ok += [found[i] for i in hits]
+        if hits:
+            lo, hi = (float(ts[hits[0] - 1]) if hits[0] > 0 else lo), float(ts[hits[0]])
+        else:
+            lo = float(ts[-1])
+    return min(ok, key=lambda p: p.report.step_time_planned_s)
+
+
+def _tolerances(lo: float, hi: float) -> np.ndarray:
+    """A search round's 3 tolerances, spaced geometrically inside (lo, hi)."""
+    return lo * (hi / lo) ** (np.arange(1, 4) / 4)
+
+
+def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
+    """Every (anchor, tolerance) ``band_search`` can ask for, in its order: the configured
+    band (and the narrower ones with ``narrow``), the no-cut plan, then every round's 3
+    tolerances in each of the 4 sub-intervals the previous round can leave. Made once per
+    (anchor, tolerance, search steps, ``narrow``): every rank's and step's alike."""
+    return list(_candidate_tree(settings.anchor, settings.tolerance, settings.search_steps,
+                                bool(narrow)))
+
+
+@lru_cache(maxsize=64, typed=True)
+def _candidate_tree(anchor: str, tol: float, search_steps: int, narrow: bool) -> tuple:
+    out = list(band_ladder(anchor, tol) if narrow else [(anchor, tol)])
+    out.append(("max", tol))
+    level = [(max(float(tol), 1e-3), 10.0)]
+    for _ in range(max(search_steps // 2, 1)):
+        nxt = []
+        for lo, hi in level:
+            ts = _tolerances(lo, hi)
+            out += [(anchor, float(t)) for t in ts]
+            edges = [lo] + [float(t) for t in ts]
+            nxt += [(edges[i], float(ts[i])) for i in range(3)] + [(float(ts[-1]), hi)]
+        level = nxt
+    seen, uniq = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            uniq.append(c)
+    return tuple(uniq)

@@ -19,7 +19,7 @@ what a rank cannot see:
    deepest, each from the last; at a probe the rank keeps the shallowest fill whose makespan is
    within it (what early rounds raise, a rank keeps); its gain over the start in kept work by
    stage and quality sum is the rank's **supply**. Below its makespan, its **free** descent to
-   every probe with no floors (``critical_path._descent`` with the probe as goal, each from the
+   every probe with no floors (``critical_path.descend_at`` with the probe as goal, each from the
    last, from the shallowest fill): what that takes from the kept work and adds to the quality
    sum (each at least 0) is its **demand**. AR3b sums supply, demand, the number of ranks
    descending and the free plans' kept work and quality, and takes their steps.
@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.descent import SCALE
-from .critical_path import NEUTRAL_DENSITY, ROUNDS, _descent, descent_setup
+from .critical_path import NEUTRAL_DENSITY, ROUNDS, descend_at, descent_setup
 
 PROBES = 64               # the descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
@@ -156,7 +156,7 @@ class RankProbes:
             return True                       # later round is kept too
 
         def descend(start, goal):
-            new, step, _ = _descent(costs, start[0], self.i_min, self.i_max, s.p2p_s,
+            new, step, _ = descend_at(costs, start[0], self.i_min, self.i_max, s.p2p_s,
                                     s.raise_headroom,
                                     (lambda i: True) if lim is None else meets_at, ROUNDS,
                                     None if lim is None else floors_at, goal=goal,
@@ -190,7 +190,7 @@ class RankProbes:
         sup_k, sup_q = agreed["supply_kept"], agreed["supply_q"]
         slack = (kept_all.sum() + sup_k.sum(axis=1) + a1.dense - self.floor * a1.tot,
                  kept_all + sup_k + a1.dense_s - self.stage_floor * a1.tot_s,
-                 1e-12 * a1.units - q_all - sup_q)
+                 1e-12 * a1.tokens - q_all - sup_q)
         n = np.maximum(agreed["descending"], 1.0)
         total = (agreed["demand_total"], agreed["demand_kept"], agreed["demand_q"])
         share = [_share(x, o, t, n if x.ndim == 1 else n[:, None])
@@ -215,7 +215,7 @@ class RankProbes:
         mk = np.asarray(a["mk"], dtype=np.float64)
         meets = (mean >= floor) & (stage.min(axis=1) >= stage_floor) & (mk < start_step)
         if self.qsum is not None:
-            meets &= ~(np.asarray(a["quality"]) / a1.units > 1e-12)
+            meets &= ~(np.asarray(a["quality"]) / a1.tokens > 1e-12)
         if not meets.any():
             return -1
         return int(np.argmin(np.where(meets, mk, np.inf)))   # the first of equal steps

@@ -1,7 +1,7 @@
 """One DP rank's decomposed DST as the rounds it takes (issue 77; ``dst_ranks`` says why it
 decomposes): ``rank_rounds`` is a generator that yields the rank's parts of each reduction and
 is sent back what the DP group agreed. Whoever reduces drives the same generator: the in-process
-driver of the study and the tests (``dst_ranks_local.plan_dst_decomposed``: every rank's
+driver of the studies and the tests (``dst.plan_dst``: every rank's
 generator in lockstep) and a run's all-reduces over the data-parallel group (``run_rounds`` with
 the adapter's reducer). So a rank's plan does not depend on who reduced its parts.
 
@@ -11,9 +11,10 @@ one dict of every key, sums summed and maxima taken over the DP ranks; an option
 part is gathered (every rank's array, in rank order: the median anchor's busy seconds only).
 The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
 raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
-AR5 (the kept plan's report sums: they decide nothing; in a run they can ride the next step's
-AR1). At DP 1 the rank runs ``refine_plan`` itself after AR3: the central plan bit for bit. No
-round grows with DP but the median anchor's gather.
+AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
+rule reads, ``RankDST.adopt``). At DP 1 every reduction is the identity and the rank descends
+with ``critical_path.refine_plan`` itself after AR3. No round grows with DP but the median
+anchor's gather.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -27,8 +28,7 @@ from typing import Callable, Generator
 import numpy as np
 
 from .critical_path import ROUNDS, refine_plan
-from .dst import SPEED_TIE
-from .dst_band import DSTPlan, DSTReport
+from .dst_band import SPEED_TIE, DSTPlan, DSTReport
 from .dst_ranks import PHASES, Agreed1, RankDST
 from .dst_settings import DSTSettings
 
@@ -58,7 +58,7 @@ def agreed1(a: dict) -> Agreed1:
     return Agreed1(anchors=anchors, t0=float(a["mk0"]),
                    tot=float(np.asarray(a["tot_s"]).sum()) + dense, tot_s=a["tot_s"] + dense_s,
                    dense=dense, dense_s=dense_s, units=int(a["units"]), dp=int(a["ranks"]),
-                   mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]))
+                   mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]), tokens=float(a["tokens"]))
 
 
 def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
@@ -80,23 +80,31 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
     a3 = yield timed(2, rk.raise_, a2)
     k = timed(3, rk.choose, a3)
     idx, report, j = rk.plans[k].grid_index, rk.chosen_report, -1
-    if not rk.descend_on:
-        return RankPlan(idx, report, k, j, cpu)
-    if a1.dp == 1:                      # the one rank's floors are the global ones
+    replicates = a3["quality_b"][k]          # the plan's quality under the model's replicates
+    if rk.descend_on and a1.dp == 1:    # the one rank's floors are the global ones
         band = DSTPlan(rk.plans[k].densities, report, idx)
-        plan = timed(4, refine_plan, band, costs, settings, quality=quality, margin=SPEED_TIE,
-                     rounds=ROUNDS)
-        return RankPlan(plan.grid_index, plan.report, k, j, cpu)
-    start = yield timed(3, rk.descent_start, a3)                # AR3b
-    a4 = yield timed(4, rk.probe, start)                        # AR4
-    j = timed(5, rk.pick, a4)
-    step = float(a4["mk"][j]) if j >= 0 else float("inf")
-    if step < min(report.step_time_planned_s, report.step_time_static_s) * (1.0 - SPEED_TIE):
-        idx = rk.cur[0]
-        a5 = yield timed(5, report_parts, rk)                   # AR5: the report's sums
-        report = descended_report(report, a1, a5, quality is not None)
-    else:                                # the band plan, as ``refine_plan``
-        j = -1
+        plan = timed(4, refine_plan, band, costs, settings, quality=rk.quality,
+                     margin=SPEED_TIE, rounds=ROUNDS)
+        if plan is not band:
+            idx, report = plan.grid_index, plan.report
+            if quality is not None:
+                replicates = rk.quality.replicate_sums_at(idx, costs.densities)
+    elif rk.descend_on:
+        start = yield timed(3, rk.descent_start, a3)            # AR3b
+        a4 = yield timed(4, rk.probe, start)                    # AR4
+        j = timed(5, rk.pick, a4)
+        step = float(a4["mk"][j]) if j >= 0 else float("inf")
+        if step < min(report.step_time_planned_s, report.step_time_static_s) * (1.0 - SPEED_TIE):
+            idx = rk.cur[0]
+            a5 = yield timed(5, report_parts, rk)               # AR5: the report's sums
+            report = descended_report(report, a1, a5, quality is not None)
+            replicates = a5["quality_b"]
+        else:                            # the band plan, as ``refine_plan``
+            j = -1
+    if quality is not None:              # do the cuts pay for themselves?
+        idx, report, free = timed(5, rk.adopt, idx, report, replicates, a3)
+        if free >= 0:
+            k, j = free, -1
     return RankPlan(idx, report, k, j, cpu)
 
 
@@ -107,8 +115,10 @@ def report_parts(rk: RankDST) -> Parts:
     i0 = rk.costs.index_of(rk.settings.d0)
     dens = rk.costs.densities[idx]
     counts = np.array([(idx < i0).sum(), (idx > i0).sum()], dtype=np.int64)
+    qb = np.zeros(0) if rk.quality is None else \
+        rk.quality.replicate_sums_at(idx, rk.costs.densities)
     return {"sum": {"kept_s": kept_s, "plain_s": dens.sum(axis=(0, 1)), "quality": q,
-                    "mk_sum": mk, "counts": counts, "units": idx.shape[1]},
+                    "quality_b": qb, "mk_sum": mk, "counts": counts, "units": idx.shape[1]},
             "max": {"mk": mk}}
 
 
@@ -122,7 +132,7 @@ def descended_report(r: DSTReport, a1: Agreed1, a5: dict, quality: bool) -> DSTR
                    imbalance_after=step / mean_mk if mean_mk > 0 else 1.0, mean_density=mean,
                    units_cut=cut, units_raised=raised, ranks_reverted=0,
                    density_per_stage=tuple(float(x) for x in stage),
-                   quality_cost=float(a5["quality"]) / a1.units if quality else r.quality_cost)
+                   quality_cost=float(a5["quality"]) / a1.tokens if quality else r.quality_cost)
 
 
 def run_rounds(rounds: Generator[Parts, dict, RankPlan],

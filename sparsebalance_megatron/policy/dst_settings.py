@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import DEFAULT_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
+from ..config import DEFAULT_EXCHANGE_RATE, DEFAULT_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
 from .costs import check_anchor_tolerance, check_density_bounds, check_raise_headroom
 
 
@@ -29,7 +29,9 @@ class DSTSettings:
     ``tolerance``); the p2p latency between stages (seconds); the mean and per-stage density
     floors (fractions of d0); the band search's ``search_steps``; the raise headroom h and
     target (``raise_to``); whether the critical-path descent refines the band plan
-    (``descent``). A bad value raises where the record is made, naming it."""
+    (``descent``); the quality objective's ``exchange_rate`` (nats per token that 1% of step
+    time is worth: when a plan's cuts pay for themselves). A bad value raises where the record
+    is made, naming it."""
 
     d0: float
     d_min: float
@@ -44,6 +46,7 @@ class DSTSettings:
     raise_headroom: float = 0.0
     raise_to: str = "bottleneck"
     descent: bool = True
+    exchange_rate: float = DEFAULT_EXCHANGE_RATE
 
     def __post_init__(self):
         check_anchor_tolerance(self.anchor, self.tolerance)
@@ -58,6 +61,9 @@ class DSTSettings:
                 raise ConfigError(f"{flag}={v!r}: expected a number in [0, 1]")
         if not _number(self.p2p_s) or not 0.0 <= self.p2p_s < float("inf"):
             raise ValueError(f"p2p_s={self.p2p_s!r}: expected a time in seconds >= 0")
+        if not _number(self.exchange_rate) or not 0.0 <= self.exchange_rate < float("inf"):
+            raise ConfigError(f"--sb-exchange-rate={self.exchange_rate!r}: expected a number "
+                              f"of nats per token >= 0")
         if isinstance(self.search_steps, bool) or not isinstance(self.search_steps, int) \
                 or self.search_steps < 1:
             raise ValueError(f"search_steps={self.search_steps!r}: expected an integer >= 1")
@@ -77,4 +83,4 @@ class DSTSettings:
                    density_floor=config.density_floor,
                    stage_density_floor=config.stage_density_floor,
                    raise_headroom=raise_headroom, raise_to=config.raise_to,
-                   descent=config.dst_descent != "off")
+                   descent=config.dst_descent != "off", exchange_rate=config.exchange_rate)

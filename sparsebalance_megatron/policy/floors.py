@@ -26,8 +26,8 @@ class FloorCheck:
     """The critical-path descent's floors (``critical_path.refine_plan``) on a plan, given by
     its densities or its grid indices (``*_at``): the work-weighted mean density >=
     ``mean_floor``, every stage's >= ``stage_floor`` (each less 1e-12) and, with ``quality``
-    (a ``StageQuality``), no predicted loss against uniform d0. The verdicts
-    ``weighted_mean_density``, ``stage_mean_densities`` and ``StageQuality.plan_cost`` give:
+    (a ``quality.BoundQuality``), no predicted loss against uniform d0. The verdicts
+    ``weighted_mean_density``, ``stage_mean_densities`` and ``BoundQuality.plan_cost`` give:
     the same sums of the same products, with what does not depend on the plan (the weights'
     totals, the routed work: ``WeightTotals``) summed once, not on every check of a descent's
     rounds; by grid index, first from a compiled pass's sums and their bound (module
@@ -47,8 +47,6 @@ class FloorCheck:
                 self._w, self._nv, float(t.tot), float(t.dense or 0.0), f64(t.tot_s),
                 np.zeros(self._nv) if t.dense is None else f64(t.dense_s),
                 float(self.mean_floor), float(self.stage_floor), not bool(np.all(t.tot_s > 0)))
-            self._costs = None if quality is None else f64(
-                quality._grid_table(self._g).reshape(-1))
 
     def floors_at(self, idx: np.ndarray) -> bool:
         """The density floors of the plan at grid indices ``idx`` (non-decreasing in every
@@ -86,12 +84,5 @@ class FloorCheck:
 
     def _no_loss_at(self, idx: np.ndarray) -> bool:
         """The quality rule on the plan at grid indices ``idx``: its predicted loss against
-        uniform d0 <= 1e-12, from the compiled sums where they decide it."""
-        if self._fast and self._costs is not None:
-            i = np.asarray(idx).reshape(-1)
-            if i.dtype == np.int64 and i.size == self._w.size:
-                got = kernels.floors.quality_verdict(
-                    self._costs, i, self._g.size, self._nv)
-                if got >= 0:
-                    return bool(got)
+        uniform d0 <= 1e-12."""
         return self.quality.plan_cost_at(idx, self.grid) <= 1e-12

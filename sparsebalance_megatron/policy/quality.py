@@ -1,29 +1,35 @@
-"""Quality cost of attention sparsity per layer group: the LM-loss increase against density,
-measured on a real model (``scripts/bench.py quality_cost``) and fitted convex.
+"""The quality model DST plans by: a sample's held-out loss change against the density of each
+depth group of the model's layers and the sample's length, measured on a real model and fitted
+convex (``scripts/bench.py plan_quality``; the fit is ``quality_fit``).
 
-docs/DESIGN.md section 7: loss was measured convex in per-layer density: cutting a few layers hard
-costs more than the same mean density spread evenly. A planner that only keeps a mean density
-cannot see that; this module gives it a cost to minimise.
+The model (docs/DESIGN.md section 7). A document of ``n`` tokens whose layers in depth group g
+run at density d_g loses, per token, against dense attention
 
-The measurement: one group of consecutive layers (a depth range of the model) runs at density d
-while every other layer stays at the reference density d_ref; the cost of (group, d) is the mean
-over paired text windows of ``loss(group at d) - loss(all at d_ref)`` in nats per token. The fit
-per group is the lower convex envelope of the measured points and (d_ref, 0), made non-increasing
-(more density never costs quality; a measured rise above d_ref is noise), linear below the
-lowest measured density and flat above the highest.
+    E(n, d) = rho(n) S(d) + gamma rho(n)^2 S(d)^2,    S(d) = sum_g c_g(d_g),
+    rho(n) = (n / length_ref) ** length_exponent,
 
-Groups are depth ranges as fractions of the model ([0, 0.25), ...), so a cost measured on one
-model maps onto another model's pipeline stages by relative depth (``stage_costs``).
+where each c_g is convex and non-increasing in density (piecewise linear through its knots,
+linear below the first, flat above the last): loss is convex in a group's density, so
+concentrated cuts cost more than the same kept blocks spread, and a long document's blocks are
+many and each worth less (``length_exponent`` < 0 where the measurement says so); ``gamma``
+is the groups' interaction (cuts in two groups cost more, or less, than the sum). A plan's
+change against uniform d0 is ``E(n, d) - E(n, d0)`` summed over its documents' tokens and divided
+by the step's tokens (token-weighted, as a training loss weighs them). Its uncertainty is the
+spread of the same change under the fit's bootstrap replicates (``bootstrap``).
 
-JSON (``version`` 1)::
+Groups are depth ranges as fractions of the model ([0, 1/3), ...), so a model measured on one
+network maps onto another's pipeline (virtual) stages by the share of each group's layers a stage
+holds (``stage_weights``; the planner's side is ``quality_stages``). A version-1 file (one group
+moved at a time on text windows, no length term, no interaction) is read as such a model.
 
-    {"kind": "sparsebalance-quality-cost", "version": 1, "model": str,
-     "reference_density": d_ref, "reference_loss": nats, "windows": W, "window_tokens": L,
-     "text": str, "groups": [{"depth": [lo, hi], "layers": [first, last],
-                              "densities": [...], "delta_loss": [...], "stderr": [...]}]}
+JSON (``version`` 2; 1 is read)::
 
-Also here: ``StageQuality``, the cost mapped onto a pipeline layout, which DST's quality objective
-evaluates (``--sb-dst-objective quality``).
+    {"kind": "sparsebalance-quality-cost", "version": 2, "model": str,
+     "reference_density": d0, "reference_loss": nats, "windows": samples,
+     "window_tokens": mean tokens, "text": str, "length_ref": tokens, "length_exponent": b,
+     "interaction": gamma, "groups": [{"depth": [lo, hi], "layers": [first, last],
+     "knots": [...], "cost": [...]}], "bootstrap": [{"length_exponent": b, "interaction": g,
+     "cost": [[...] per group]}], "fit": {...}}
 
 Pure numpy; must not import torch or megatron.
 """
@@ -34,13 +40,13 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
 
 KIND = "sparsebalance-quality-cost"
-VERSION = 1
+VERSION = 2
 
 
 class QualityCostError(ValueError):
@@ -49,7 +55,8 @@ class QualityCostError(ValueError):
 
 def convex_fit(densities: Sequence[float], delta: Sequence[float], d_ref: float
                ) -> tuple[np.ndarray, np.ndarray]:
-    """(knots, cost) of the non-increasing lower convex envelope of the points and (d_ref, 0)."""
+    """(knots, cost) of the non-increasing lower convex envelope of the points and (d_ref, 0):
+    how a version-1 file's measured points become a curve."""
     d = np.append(np.asarray(densities, dtype=np.float64), float(d_ref))
     c = np.append(np.asarray(delta, dtype=np.float64), 0.0)
     order = np.lexsort((c, d))
@@ -71,25 +78,37 @@ def convex_fit(densities: Sequence[float], delta: Sequence[float], d_ref: float
     return kd[:low + 1].copy(), kc[:low + 1].copy()
 
 
+def curve(knots: np.ndarray, cost: np.ndarray, density) -> np.ndarray:
+    """A group's cost at ``density``: linear between knots, the first segment's slope below
+    them, flat above."""
+    d = np.asarray(density, dtype=np.float64)
+    out = np.interp(d, knots, cost)
+    if knots.size >= 2:
+        slope = (cost[1] - cost[0]) / (knots[1] - knots[0])
+        out = np.where(d < knots[0], cost[0] + slope * (d - knots[0]), out)
+    return out
+
+
 @dataclass(frozen=True)
 class GroupCost:
     depth: tuple                # (lo, hi) fraction of the model's depth
     layers: tuple               # (first, last) 1-based layers of the measured model
-    densities: tuple
-    delta_loss: tuple
-    stderr: tuple
     knots: np.ndarray
     cost_at_knots: np.ndarray
+    measured: tuple = ()        # version 1: (densities, delta_loss, stderr) as measured
 
     def cost(self, density) -> np.ndarray:
-        """Convex, non-increasing loss increase (nats/token) at density (scalar or array)."""
-        d = np.asarray(density, dtype=np.float64)
-        k, c = self.knots, self.cost_at_knots
-        out = np.interp(d, k, c)
-        if k.size >= 2:                            # below the data: the first segment's slope
-            slope = (c[1] - c[0]) / (k[1] - k[0])
-            out = np.where(d < k[0], c[0] + slope * (d - k[0]), out)
-        return out
+        """Convex, non-increasing loss increase (nats per token, at rho = 1)."""
+        return curve(self.knots, self.cost_at_knots, density)
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """One bootstrap replicate of the fit: its exponent, interaction and curves (on the
+    groups' knots)."""
+    length_exponent: float
+    interaction: float
+    cost: tuple                 # [G] arrays
 
 
 @dataclass(frozen=True)
@@ -97,36 +116,44 @@ class QualityCost:
     model: str
     reference_density: float
     reference_loss: float
-    windows: int
-    window_tokens: int
+    windows: int                # samples measured
+    window_tokens: int          # their mean tokens
     text: str
     groups: tuple
+    length_ref: float = 0.0     # tokens (0: no length term)
+    length_exponent: float = 0.0
+    interaction: float = 0.0
+    bootstrap: tuple = ()       # [B] Replicate
+    fit: dict = field(default_factory=dict, compare=False)
 
-    def group_at(self, depth: float) -> GroupCost:
-        for g in self.groups:
-            if g.depth[0] <= depth < g.depth[1] or (depth == 1.0 and g.depth[1] == 1.0):
-                return g
-        raise QualityCostError(f"depth {depth!r}: no group covers it")
-
-    def stage_costs(self, stage_layers: Sequence[int]) -> list:
-        """Per pipeline (virtual) stage of a model with ``stage_layers`` decoder layers each:
-        the cost function of the group at the stage's middle depth, per layer of the measured
-        group (a stage's cost is that times its share of the model's layers)."""
+    def stage_weights(self, stage_layers: Sequence[float]) -> np.ndarray:
+        """[stages, G]: the share of group g's depth that stage s holds (stages laid in order
+        over the model's depth by their layer counts): a stage's cost at density d is
+        ``sum_g w[s, g] c_g(d)``."""
         layers = np.asarray(stage_layers, dtype=np.float64)
         if layers.ndim != 1 or layers.size < 1 or np.any(layers < 0) or layers.sum() <= 0:
             raise QualityCostError(f"stage_layers={list(stage_layers)!r}: expected layer counts "
                                    f">= 0, at least one layer")
         edges = np.concatenate([[0.0], np.cumsum(layers)]) / layers.sum()
-        return [self.group_at(float((a + b) / 2)) for a, b in zip(edges[:-1], edges[1:])]
+        lo, hi = (np.array([g.depth[i] for g in self.groups]) for i in (0, 1))
+        over = np.clip(np.minimum(edges[1:, None], hi) - np.maximum(edges[:-1, None], lo),
+                       0.0, None)
+        return over / (hi - lo)
 
     def as_dict(self) -> dict:
         return {"kind": KIND, "version": VERSION, "model": self.model,
                 "reference_density": self.reference_density,
                 "reference_loss": self.reference_loss, "windows": self.windows,
                 "window_tokens": self.window_tokens, "text": self.text,
+                "length_ref": self.length_ref, "length_exponent": self.length_exponent,
+                "interaction": self.interaction,
                 "groups": [{"depth": list(g.depth), "layers": list(g.layers),
-                            "densities": list(g.densities), "delta_loss": list(g.delta_loss),
-                            "stderr": list(g.stderr)} for g in self.groups]}
+                            "knots": g.knots.tolist(), "cost": g.cost_at_knots.tolist()}
+                           for g in self.groups],
+                "bootstrap": [{"length_exponent": r.length_exponent,
+                               "interaction": r.interaction,
+                               "cost": [c.tolist() for c in r.cost]} for r in self.bootstrap],
+                "fit": self.fit}
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -138,17 +165,23 @@ class QualityCost:
             return QualityCostError(f"{where}: {msg}")
         if not isinstance(d, dict) or d.get("kind") != KIND:
             raise bad(f"kind={d.get('kind') if isinstance(d, dict) else None!r}: expected {KIND!r}")
-        if d.get("version") != VERSION:
-            raise bad(f"version={d.get('version')!r}: expected {VERSION}")
+        version = d.get("version")
+        if version not in (1, 2):
+            raise bad(f"version={version!r}: expected 1 or 2")
         try:
             d_ref = float(d["reference_density"])
             groups = d["groups"]
             head = (str(d["model"]), float(d["reference_loss"]), int(d["windows"]),
                     int(d["window_tokens"]), str(d["text"]))
+            extra = (float(d.get("length_ref", 0.0)), float(d.get("length_exponent", 0.0)),
+                     float(d.get("interaction", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"missing or malformed field: {e}") from None
         if not 0.0 < d_ref <= 1.0:
             raise bad(f"reference_density={d_ref!r}: expected a number in (0, 1]")
+        if not all(math.isfinite(x) for x in extra) or extra[0] < 0:
+            raise bad(f"length_ref, length_exponent, interaction = {extra}: expected finite "
+                      f"numbers, length_ref >= 0")
         if not isinstance(groups, list) or not groups:
             raise bad("groups: expected a non-empty list")
         out, edge = [], 0.0
@@ -156,28 +189,50 @@ class QualityCost:
             try:
                 lo, hi = (float(x) for x in g["depth"])
                 first, last = (int(x) for x in g["layers"])
-                dens = [float(x) for x in g["densities"]]
-                delta = [float(x) for x in g["delta_loss"]]
-                err = [float(x) for x in g["stderr"]]
+                if version == 1:
+                    dens = [float(x) for x in g["densities"]]
+                    delta = [float(x) for x in g["delta_loss"]]
+                    err = [float(x) for x in g["stderr"]]
+                else:
+                    knots = np.asarray([float(x) for x in g["knots"]])
+                    cost = np.asarray([float(x) for x in g["cost"]])
             except (KeyError, TypeError, ValueError) as e:
                 raise bad(f"group {i}: missing or malformed field: {e}") from None
             if abs(lo - edge) > 1e-9 or not lo < hi <= 1.0:
                 raise bad(f"group {i}: depth [{lo}, {hi}]: expected to start at {edge:g} and "
                           f"end in ({lo}, 1]: the groups must tile the model's depth")
-            if not (len(dens) == len(delta) == len(err) >= 1):
-                raise bad(f"group {i}: densities ({len(dens)}), delta_loss ({len(delta)}) and "
-                          f"stderr ({len(err)}) must have the same length >= 1")
-            if any(not 0.0 < x <= 1.0 for x in dens):
-                raise bad(f"group {i}: densities {dens}: expected numbers in (0, 1]")
-            if any(not math.isfinite(x) for x in delta + err) or any(x < 0 for x in err):
-                raise bad(f"group {i}: delta_loss and stderr must be finite (stderr >= 0)")
-            knots, cost = convex_fit(dens, delta, d_ref)
-            out.append(GroupCost((lo, hi), (first, last), tuple(dens), tuple(delta), tuple(err),
-                                 knots, cost))
+            if version == 1:
+                if not (len(dens) == len(delta) == len(err) >= 1):
+                    raise bad(f"group {i}: densities ({len(dens)}), delta_loss ({len(delta)}) "
+                              f"and stderr ({len(err)}) must have the same length >= 1")
+                if any(not 0.0 < x <= 1.0 for x in dens):
+                    raise bad(f"group {i}: densities {dens}: expected numbers in (0, 1]")
+                if any(not math.isfinite(x) for x in delta + err) or any(x < 0 for x in err):
+                    raise bad(f"group {i}: delta_loss and stderr must be finite (stderr >= 0)")
+                knots, cost = convex_fit(dens, delta, d_ref)
+                measured = (tuple(dens), tuple(delta), tuple(err))
+            else:
+                _check_curve(knots, cost, lambda m, i=i: bad(f"group {i}: {m}"))
+                measured = ()
+            out.append(GroupCost((lo, hi), (first, last), knots, cost, measured))
             edge = hi
         if abs(edge - 1.0) > 1e-9:
             raise bad(f"groups end at depth {edge:g}: expected 1")
-        return cls(head[0], d_ref, head[1], head[2], head[3], head[4], tuple(out))
+        reps = []
+        for j, r in enumerate(d.get("bootstrap", []) if version == 2 else []):
+            try:
+                costs = tuple(np.asarray([float(x) for x in c]) for c in r["cost"])
+                rep = Replicate(float(r["length_exponent"]), float(r["interaction"]), costs)
+            except (KeyError, TypeError, ValueError) as e:
+                raise bad(f"bootstrap {j}: missing or malformed field: {e}") from None
+            if len(costs) != len(out):
+                raise bad(f"bootstrap {j}: {len(costs)} curves, expected one per group "
+                          f"({len(out)})")
+            for g, c in zip(out, costs):
+                _check_curve(g.knots, c, lambda m, j=j: bad(f"bootstrap {j}: {m}"))
+            reps.append(rep)
+        return cls(head[0], d_ref, head[1], head[2], head[3], head[4], tuple(out), *extra,
+                   tuple(reps), dict(d.get("fit", {})))
 
     @classmethod
     def load(cls, path: str) -> "QualityCost":
@@ -186,7 +241,7 @@ class QualityCost:
                 d = json.load(f)
         except FileNotFoundError:
             raise QualityCostError(f"quality cost file {path!r} not found (make one with "
-                                   f"python scripts/bench.py quality_cost)") from None
+                                   f"python scripts/bench.py plan_quality --calibrate)") from None
         except json.JSONDecodeError as e:
             raise QualityCostError(f"{path}: not JSON ({e})") from None
         except UnicodeDecodeError as e:
@@ -201,105 +256,16 @@ class QualityCost:
         return cls.from_dict(d, where=path)
 
 
-_FROM_COST: dict = {}      # StageQuality.from_cost's: (id(cost), layers, d0) -> (cost, quality)
-
-
-@dataclass(frozen=True)
-class StageQuality:
-    """A quality cost mapped onto a pipeline's (virtual) stages: stage s's layers run at a
-    unit's density, costing ``scale[s] x (Q_s(d) - Q_s(d0))`` nats per token of that micro-batch,
-    where Q_s is the measured group at the stage's middle depth and ``scale[s]`` the stage's
-    share of the model's depth over the group's (a group's cost spread over its layers)."""
-
-    groups: tuple               # [nv] GroupCost
-    scale: np.ndarray           # [nv]
-    d0: float
-
-    @classmethod
-    def from_cost(cls, cost: "QualityCost", stage_layers: Sequence[int], d0: float
-                  ) -> "StageQuality":
-        """The stages' quality of ``cost``; the same object for the same cost object, layers
-        and d0 (DST asks every step: its grid tables, ``_grid_table``, are then made once)."""
-        key = (id(cost), tuple(float(x) for x in stage_layers), float(d0))
-        hit = _FROM_COST.get(key)
-        if hit is not None and hit[0] is cost:
-            return hit[1]
-        groups = cost.stage_costs(stage_layers)
-        layers = np.asarray(stage_layers, dtype=np.float64)
-        share = layers / layers.sum()
-        width = np.asarray([g.depth[1] - g.depth[0] for g in groups])
-        out = cls(tuple(groups), share / width, float(d0))
-        if len(_FROM_COST) >= 16:
-            _FROM_COST.clear()
-        _FROM_COST[key] = (cost, out)          # the cost held: its id is not reused meanwhile
-        return out
-
-    def unit_costs(self, densities: np.ndarray) -> np.ndarray:
-        """[dp, m, nv] predicted loss change of every unit against uniform d0."""
-        d = np.asarray(densities, dtype=np.float64)
-        if d.ndim != 3 or d.shape[2] != len(self.groups):
-            raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
-                                   f"{len(self.groups)}] (one per stage)")
-        out = np.empty_like(d)
-        for s, (g, at_d0) in enumerate(zip(self.groups, self._at_d0)):
-            out[..., s] = self.scale[s] * (g.cost(d[..., s]) - at_d0)
-        return out
-
-    @functools.cached_property
-    def _at_d0(self) -> tuple:
-        """Every stage's Q_s(d0), computed once (the planner asks for plan costs many times a
-        step): the same values each ``g.cost(self.d0)`` call gives."""
-        return tuple(g.cost(self.d0) for g in self.groups)
-
-    def grid_table(self, grid: np.ndarray) -> np.ndarray:
-        """[nv, g] ``unit_costs`` of a unit at every density of the grid, per stage."""
-        g = np.asarray(grid, dtype=np.float64)
-        return np.stack([self.scale[s] * (grp.cost(g) - grp.cost(self.d0))
-                         for s, grp in enumerate(self.groups)])
-
-    def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
-        """[nv, g] quality gained per unit of density by stepping up to each grid index from the
-        one below (+inf at index 0), non-increasing along the grid (the cost is convex): what
-        DST's quality water-filling weighs against attention seconds."""
-        g = np.asarray(grid, dtype=np.float64)
-        q = self._grid_table(g)
-        out = np.full(q.shape, np.inf)
-        out[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(g), 0.0)
-        return np.minimum.accumulate(out, axis=1)
-
-    def plan_cost(self, densities: np.ndarray, grid: Optional[np.ndarray] = None) -> float:
-        """Predicted loss change (nats per token) of a plan against uniform d0: every
-        micro-batch's stages summed, micro-batches averaged (each holds the same tokens).
-        ``grid`` (the plan's density grid, sorted): where every density is on it, each unit's
-        cost is looked up in ``grid_table`` (computed once per grid) instead of interpolated:
-        the same floats (the table's entries are ``unit_costs``' operations on the same
-        values), for a fraction of the time DST's many checks of a step would take."""
-        d = np.asarray(densities, dtype=np.float64)
-        if grid is not None and d.ndim == 3 and d.shape[2] == len(self.groups):
-            g = np.asarray(grid, dtype=np.float64)
-            idx = np.minimum(np.searchsorted(g, d), g.size - 1)
-            if np.array_equal(g.take(idx), d):
-                flat = self._grid_table(g).reshape(-1)
-                return float(flat.take(idx + np.arange(d.shape[2]) * g.size).sum(axis=2).mean())
-        return float(self.unit_costs(d).sum(axis=2).mean())
-
-    def plan_cost_at(self, idx: np.ndarray, grid: np.ndarray) -> float:
-        """``plan_cost`` of the plan at grid indices ``idx`` [dp, m, nv] of ``grid`` (sorted,
-        distinct): the floats ``plan_cost(grid[idx], grid)`` gives (its search finds ``idx``
-        again), without the search. The planner's checks hold indices already."""
-        g = np.asarray(grid, dtype=np.float64)
-        flat = self._grid_table(g).reshape(-1)
-        return float(flat.take(idx + np.arange(idx.shape[2]) * g.size).sum(axis=2).mean())
-
-    def _grid_table(self, grid: np.ndarray) -> np.ndarray:
-        key = grid.tobytes()
-        cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
-        got = cache.get(key)            # one read: a planner thread and a report may share it
-        if got is None:
-            got = self.grid_table(grid)
-            cache.clear()                                   # one grid per planner config
-            cache[key] = got
-        return got
+def _check_curve(knots: np.ndarray, cost: np.ndarray, bad) -> None:
+    if knots.size < 1 or knots.size != cost.size:
+        raise bad(f"knots ({knots.size}) and cost ({cost.size}) must have the same length >= 1")
+    if np.any(~np.isfinite(knots)) or np.any(~np.isfinite(cost)) or np.any(np.diff(knots) <= 0) \
+            or knots[0] <= 0 or knots[-1] > 1:
+        raise bad(f"knots {knots.tolist()}: expected increasing densities in (0, 1], finite costs")
+    if np.any(np.diff(cost) > 1e-12):
+        raise bad(f"cost {cost.tolist()}: expected non-increasing in density")
+    if knots.size >= 3 and np.any(np.diff(np.diff(cost) / np.diff(knots)) < -1e-9):
+        raise bad(f"cost {cost.tolist()}: expected convex in density")
 
 
 DEFAULT_QUALITY_COST = os.path.join(os.path.dirname(__file__), "quality_cost_smollm2.json")
@@ -307,7 +273,7 @@ DEFAULT_QUALITY_COST = os.path.join(os.path.dirname(__file__), "quality_cost_smo
 
 @functools.lru_cache(maxsize=8)
 def load_quality_cost(path: Optional[str] = None) -> QualityCost:
-    """``path``, or the shipped default: SmolLM2-135M measured on real text
-    (``DEFAULT_QUALITY_COST``, made by ``scripts/bench.py quality_cost``). Read once per path
-    (DST asks every step)."""
+    """``path``, or the shipped default: SmolLM2-135M measured on retrieval samples and natural
+    text (``DEFAULT_QUALITY_COST``, made by ``scripts/bench.py plan_quality --calibrate``). Read
+    once per path (DST asks every step)."""
     return QualityCost.load(path or DEFAULT_QUALITY_COST)

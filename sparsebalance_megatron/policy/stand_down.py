@@ -198,8 +198,12 @@ class NetGate:
     gather or broadcast). A probe plans again after ``probe_every`` steps, and every probe that
     does not pay doubles the wait (up to ``max_probe_every``), so what probing costs a run
     where planning never pays shrinks towards nothing. A run whose plans pay their cost is
-    never stood down: a healthy run is unaffected. The first step plans (nothing is known yet)."""
+    never stood down: a healthy run is unaffected. The first step plans (nothing is known yet).
+    With the quality objective (``exchange_rate``: ``--sb-exchange-rate``, None: speed alone)
+    a plan's predicted loss gain counts too, at the rate (nats per token a 1% faster step is
+    worth): a plan that only raises into bubbles pays in quality."""
 
+    exchange_rate: Optional[float] = None
     probe_every: int = 8
     max_probe_every: int = 256
     net_gain_s: Optional[float] = None     # of the last planned step (None: none yet)
@@ -225,12 +229,24 @@ class NetGate:
         probe = self.net_gain_s is not None and self.net_gain_s < 0.0
         self.steps += 1
         self.skipped = 0
-        self.net_gain_s = float(choice.baseline_s - choice.outcome.step_s - cost_s)
+        self.net_gain_s = float(choice.baseline_s - choice.outcome.step_s - cost_s
+                                + self.quality_worth_s(choice))
         if self.net_gain_s >= 0.0:
             self.wait = self.probe_every
         elif probe:                                   # a probe that did not pay: back off
             self.wait = min(2 * self.wait, self.max_probe_every)
         return self.net_gain_s
+
+    def quality_worth_s(self, choice: StepChoice) -> float:
+        """The committed plan's predicted loss gain in seconds of the baseline step, at the
+        exchange rate (0 without one, or where the plan gains none)."""
+        report = getattr(choice.outcome.plan, "report", None)
+        gain = -float(getattr(report, "quality_cost", float("nan")))
+        if self.exchange_rate is None or choice.dst_stood_down or not gain > 0:
+            return 0.0
+        if self.exchange_rate <= 0:
+            return float("inf")
+        return gain / (100.0 * self.exchange_rate) * float(choice.baseline_s)
 
     def skip(self) -> None:
         """Record a step that stood down without planning."""

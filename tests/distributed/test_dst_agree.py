@@ -28,8 +28,10 @@ def _costs(dp: int, anchor: str = "mean"):
 
     costs = synthetic_costs(dp, M, PP, seed=7 + dp, lm_head=2.0)
     sens = np.random.default_rng(dp).random((dp, M))
+    # speed worth any loss the model allows: the descent's probes, not the plan without cuts
+    # (the last rule's own test: tests/unit/test_dst_quality.py), decide these plans
     settings = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
-                           anchor=anchor)
+                           anchor=anchor, exchange_rate=1e9)
     return costs, sens, settings, _quality(PP)
 
 
@@ -174,12 +176,12 @@ def runs(tmp_path_factory):
 
 
 def test_the_rounds_over_the_dp_group_make_the_in_process_plan(runs):
-    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
+    from sparsebalance_megatron.policy.dst import plan_dst
 
     probes = []
     for name, dp in (("pp2_dp2", 2), ("dp4", 4), ("dp4_median", 4)):
         costs, sens, settings, quality = _costs(dp, "median" if "median" in name else "mean")
-        want = plan_dst_decomposed(costs, sens, settings, quality=quality)
+        want = plan_dst(costs, sens, settings, quality=quality)
         got = {}
         for run in runs:
             x = run[name]
@@ -193,7 +195,9 @@ def test_the_rounds_over_the_dp_group_make_the_in_process_plan(runs):
         mine, ref = got[0]["report"].as_dict(), want.report.as_dict()
         for key, value in ref.items():
             if isinstance(value, float):
-                assert mine[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+                assert mine[key] == pytest.approx(value, rel=1e-12, abs=1e-15, nan_ok=True), key
+            elif isinstance(value, str):
+                assert mine[key] == value, key
             else:
                 assert mine[key] == pytest.approx(value, rel=1e-12), key
         probes.append(got[0]["probe"])
@@ -210,7 +214,7 @@ def _choice_in_process(dp: int, objective: str):
     from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
     from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
     from sparsebalance_megatron.policy.dst import dst_inputs
-    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
+    from sparsebalance_megatron.policy.dst import plan_dst
     from sparsebalance_megatron.policy.stand_down import choose_step
 
     sb, lm, tracker, options = _step(dp, objective)
@@ -220,7 +224,7 @@ def _choice_in_process(dp: int, objective: str):
     settings, quality = dst_inputs(sb, 2, lm.p2p_s, 0.05, [4, 4])
 
     def plan_fn(i, c):
-        p = plan_dst_decomposed(c, batch_sensitivity(options[i][0], tracker), settings,
+        p = plan_dst(c, batch_sensitivity(options[i][0], tracker), settings,
                                 quality=quality, rank_scale=lm.correction_grid(dp, 2))
         return p.densities, p
     return choose_step(costs, sb.density, lm.p2p_s, plan_fn, compare=sb.stand_down_compare)

@@ -30,7 +30,7 @@ def test_every_study_is_a_module_with_main_or_a_script_beside_the_runner():
         mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
         assert mains and mains[0].args.args, f"study {name}: no main(argv)"
     modules = {p.stem for p in (SCRIPTS / "studies").glob("*.py")
-               if not p.stem.startswith("_")} - {"common"}      # _demo: a helper, not a study
+               if not p.stem.startswith("_")} - set(bench.SHARED)   # _demo: a helper
     assert modules <= set(bench.STUDIES), f"studies the runner does not name: {modules - set(bench.STUDIES)}"
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
-from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst_from_config,
-                                           plan_dst_with_floor, weighted_mean_density)
+from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
+                                           plan_dst_from_config, weighted_mean_density)
 from sparsebalance_megatron.policy.costs import stage_mean_densities
-from sparsebalance_megatron.policy.critical_path import descend
+from sparsebalance_megatron.policy.critical_path import descend_at
 from sparsebalance_megatron.policy.floors import FloorCheck
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
@@ -26,9 +26,9 @@ def test_descent_never_slower_keeps_the_floors_and_quality():
         costs = synthetic_costs(dp, m, pp, seed=700 + case, lm_head=float(rng.uniform(0.3, 3)))
         sens = rng.random((dp, m))
         q = _quality(pp) if case % 2 else None
-        band = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, descent=False,
+        band = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, descent=False,
                                                             **FLOORS), quality=q)
-        plan = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, **FLOORS), quality=q)
+        plan = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, **FLOORS), quality=q)
         d, r = plan.densities, plan.report
         t, t_band = step_time_of(costs, d), step_time_of(costs, band.densities)
         assert t <= t_band * (1 + 1e-12)                      # never slower than the band plan
@@ -38,7 +38,7 @@ def test_descent_never_slower_keeps_the_floors_and_quality():
         assert weighted_mean_density(d, w) >= 0.9 * D0 - 1e-9
         assert stage_mean_densities(d, w).min() >= 0.75 * D0 - 1e-9
         if q is not None:
-            assert q.plan_cost(d) <= 1e-12
+            assert q.bind(costs).plan_cost(d) <= 1e-12
         if not np.array_equal(d, band.densities):             # descended: spends no density
             assert weighted_mean_density(d, w) >= D0 - 1e-9
         # the report describes the plan returned
@@ -54,12 +54,20 @@ def test_descent_only_under_a_floor_a_cut_and_the_bottleneck_target():
     raise target are left as they were."""
     costs = synthetic_costs(3, 6, 4, seed=1)
     for kw in (dict(), dict(anchor="max", **FLOORS), dict(raise_to="static", **FLOORS)):
-        on = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, **kw))
-        off = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **kw))
+        on = plan_dst(costs, None, DSTSettings(D0, DMIN, DMAX, **kw))
+        off = plan_dst(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **kw))
         np.testing.assert_array_equal(on.densities, off.densities)
-    on = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, **FLOORS))
-    off = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS))
+    on = plan_dst(costs, None, DSTSettings(D0, DMIN, DMAX, **FLOORS))
+    off = plan_dst(costs, None, DSTSettings(D0, DMIN, DMAX, descent=False, **FLOORS))
     assert on.report.step_time_planned_s < off.report.step_time_planned_s * 0.99
+
+
+def descend(costs, idx, i_min, i_max, p2p_s=0.0, raise_headroom=0.0, meets=None, rounds=8,
+            floors=None):
+    """``descend_at`` with floors given on a plan's densities: (grid indices, step)."""
+    return descend_at(costs, idx, i_min, i_max, p2p_s, raise_headroom,
+                      lambda i: meets(costs.densities[i]), rounds,
+                      None if floors is None else lambda i: floors(costs.densities[i]))[:2]
 
 
 def test_descend_keeps_the_start_when_nothing_meets():
@@ -80,7 +88,7 @@ def test_config_flag_switches_the_descent_and_names_itself_on_bad_values():
               dst_objective="density", raise_headroom="0.05")
     on = plan_dst_from_config(SparseBalanceConfig(**kw), costs, None)
     off = plan_dst_from_config(SparseBalanceConfig(dst_descent="off", **kw), costs, None)
-    ref = plan_dst_with_floor(costs, None, DSTSettings(D0, DMIN, DMAX, raise_headroom=0.05,
+    ref = plan_dst(costs, None, DSTSettings(D0, DMIN, DMAX, raise_headroom=0.05,
                                                        descent=False, **FLOORS))
     np.testing.assert_array_equal(off.densities, ref.densities)
     assert on.report.step_time_planned_s < off.report.step_time_planned_s
@@ -287,7 +295,7 @@ def test_the_descents_floor_check_is_the_floors_functions_bit_for_bit():
         if case % 3 == 2:                                 # no attention work on stage 0
             costs.attn_work = costs.weights().copy()
             costs.attn_work[..., 0] = 0.0
-        q = _quality(pp) if case % 2 else None
+        q = _quality(pp).bind(costs) if case % 2 else None
         w, dense, g = costs.weights(), costs.dense_work, costs.densities
         mean_floor, stage_floor = float(rng.uniform(0.8, 1.1)) * D0, 0.75 * D0
         check = FloorCheck(costs, mean_floor, stage_floor, q)

@@ -8,8 +8,8 @@ meaning."""
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid, plan_dst,
-                                           plan_dst_with_floor)
+from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid, plan_dst
+from tests.unit._bands import band_plan
 from sparsebalance_megatron.policy.bands import (NARROW_MARGIN, band_ladder, pick_band,
                                                  straggler_present)
 
@@ -65,12 +65,12 @@ def test_pick_band_keeps_the_wider_band_unless_clearly_faster(times, want):
 def test_ten_percent_slow_rank_is_cut_under_the_default_tolerance():
     costs = _slow_rank_costs()
     # the configured band alone: the slow rank sits inside (1 + 0.1) x the mean, nothing is cut
-    alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    alone = band_plan(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     assert (alone.densities[1] < D0).sum() == 0
     assert alone.report.speedup == pytest.approx(1.0)
-    unknown = plan_dst_with_floor(costs, None, BAND)
+    unknown = plan_dst(costs, None, BAND)
     np.testing.assert_array_equal(unknown.densities, alone.densities)   # no calibration: as set
-    plan = plan_dst_with_floor(costs, None, BAND, rank_scale=_scale())
+    plan = plan_dst(costs, None, BAND, rank_scale=_scale())
     rep, d = plan.report, plan.densities
     assert rep.tolerance_used < 0.1
     assert (d[1] < D0).sum() > 0                     # the slow rank is cut ...
@@ -81,18 +81,36 @@ def test_ten_percent_slow_rank_is_cut_under_the_default_tolerance():
 
 def test_slow_rank_is_absorbed_under_the_default_floors_and_quality_objective():
     """The runtime's defaults (density floor 0.9, stage floor 0.75, quality objective): the cut
-    on the slow rank is paid back by raises on the others, so the narrower band qualifies."""
-    from sparsebalance_megatron.policy.quality import StageQuality, load_quality_cost
+    on the slow rank is paid back by raises on the others, so the narrower band qualifies; it
+    is adopted where its speed pays at the exchange rate for the quality the plan without
+    cuts (the other ranks raised up to the slow one) would have bought, and not otherwise."""
+    from dataclasses import replace
+
+    from sparsebalance_megatron.policy.quality import load_quality_cost
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
     costs = _slow_rank_costs()
     q = StageQuality.from_cost(load_quality_cost(None), [12, 12], D0)
     floors = DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1, density_floor=0.9,
                          stage_density_floor=0.75)
-    plan = plan_dst_with_floor(costs, None, floors, quality=q, rank_scale=_scale())
-    assert plan.report.speedup > 1.03
-    assert plan.report.quality_cost <= 1e-12
-    assert plan.report.mean_density >= 0.9 * D0
-    uniform = plan_dst_with_floor(_slow_rank_costs(factor=1.0), None, floors,
-                                  quality=q, rank_scale=_scale(factor=1.0))
+    fast = plan_dst(costs, None, replace(floors, exchange_rate=1.0), quality=q,
+                    rank_scale=_scale())
+    assert fast.report.adopted == "dst" and fast.report.speedup > 1.03
+    assert fast.report.quality_cost <= 1e-12
+    assert fast.report.mean_density >= 0.9 * D0
+    free = plan_dst(costs, None, replace(floors, exchange_rate=0.0), quality=q,
+                    rank_scale=_scale())
+    assert free.report.adopted == "no_cuts" and free.report.units_cut == 0
+    assert free.report.quality_cost < fast.report.quality_cost
+    assert free.report.step_time_planned_s <= free.report.step_time_static_s
+    # the default rate keeps whichever is worth more at it
+    plan = plan_dst(costs, None, floors, quality=q, rank_scale=_scale())
+
+    def value(r):
+        return floors.exchange_rate * 100 * (1 - 1 / r.speedup) - r.quality_cost
+
+    assert value(plan.report) == pytest.approx(max(value(fast.report), value(free.report)))
+    uniform = plan_dst(_slow_rank_costs(factor=1.0), None, floors, quality=q,
+                       rank_scale=_scale(factor=1.0))
     assert uniform.report.speedup == pytest.approx(1.0)      # nothing to absorb
 
 
@@ -100,8 +118,8 @@ def test_uniform_ranks_keep_the_configured_band():
     """No straggler: no narrower band is meaningfully faster, so the plan is the configured
     band's, as before the ladder."""
     costs = _slow_rank_costs(factor=1.0)
-    plan = plan_dst_with_floor(costs, None, BAND, rank_scale=_scale(factor=1.0))
-    alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    plan = plan_dst(costs, None, BAND, rank_scale=_scale(factor=1.0))
+    alone = band_plan(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     assert plan.report.tolerance_used == 0.1
     np.testing.assert_array_equal(plan.densities, alone.densities)
 
@@ -112,13 +130,13 @@ def test_a_heavier_stage_inside_the_band_stays_uncut_without_a_slow_gpu():
     fixed = np.ones((2, 4, 2))
     fixed[..., 1] *= 1.05
     costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, np.full((2, 4, 2), 1.2))
-    alone = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    alone = band_plan(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     for scale in (None, np.ones((2, 2)), np.array([[1.0, 1.04], [1.0, 1.0]])):
-        plan = plan_dst_with_floor(costs, None, BAND, rank_scale=scale)
+        plan = plan_dst(costs, None, BAND, rank_scale=scale)
         np.testing.assert_array_equal(plan.densities, alone.densities)
         assert plan.report.units_cut == 0
     # the same costs with a GPU the calibration says is slow: the narrower band cuts that stage
-    slow = plan_dst_with_floor(costs, None, BAND, rank_scale=np.array([[1.0, 1.2], [1.0, 1.0]]))
+    slow = plan_dst(costs, None, BAND, rank_scale=np.array([[1.0, 1.2], [1.0, 1.0]]))
     assert slow.report.units_cut > 0 and slow.report.tolerance_used < 0.1
 
 
@@ -154,7 +172,7 @@ def test_straggler_present_ignores_the_largest_of_many_noisy_factors():
 
 @pytest.mark.parametrize("dense", [False, True])
 def test_a_pass_reports_each_candidates_density_as_the_per_plan_functions_do(dense):
-    """``plan_dst_candidates`` reports every candidate's mean and per-stage density from one
+    """A band pass reports every candidate's mean and per-stage density from one
     [k, ...] pass (``dst_band._density_stats``): the floats of ``weighted_mean_density`` and
     ``stage_mean_densities`` on that candidate alone, routed dense work or none, zero weights
     (the plain mean) included."""

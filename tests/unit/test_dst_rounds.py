@@ -1,13 +1,14 @@
-"""A rank's decomposed DST as rounds (policy/dst_rounds.py, issue 77): one generator, driven
-alone (a DP group of one: the central plan bit for bit) or in lockstep with its peers; ranks
-whose rounds do not line up are named, not silently mixed."""
+"""A rank's DST as rounds (policy/dst_rounds.py): one generator, driven alone (a DP group of
+one: the band search and descent over all rows, ``_bands.central_plan``, bit for bit) or in
+lockstep with its peers; ranks whose rounds do not line up are named, not silently mixed."""
 
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import DSTSettings, plan_dst_with_floor
+from sparsebalance_megatron.policy import DSTSettings, plan_dst
 from sparsebalance_megatron.policy.dst_rounds import (plan_rounds_in_process, rank_rounds,
                                                       reduce_in_process, run_rounds)
+from tests.unit._bands import central_plan, rule_free, without_adoption
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, synthetic_costs
 
@@ -18,12 +19,15 @@ def test_one_rank_driven_alone_is_the_central_plan():
     for seed in range(4):
         costs = synthetic_costs(1, 5, 3, seed=seed, lm_head=1.5)
         sens = np.random.default_rng(seed).random((1, 5))
-        s, q = DSTSettings(D0, DMIN, DMAX, **FLOORS), _quality(3)
+        s, q = rule_free(DSTSettings(D0, DMIN, DMAX, **FLOORS)), _quality(3)
         plan = run_rounds(rank_rounds(costs, sens, s, quality=q),
                           lambda parts: reduce_in_process([parts]))
-        central = plan_dst_with_floor(costs, sens, s, quality=q)
+        central = central_plan(costs, sens, s, quality=q.bind(costs))
         np.testing.assert_array_equal(costs.densities[plan.grid_index], central.densities)
-        assert plan.report == central.report and plan.cpu_s.sum() > 0
+        assert without_adoption(plan.report) == central.report and plan.cpu_s.sum() > 0
+        assert plan.report.adopted == "dst"
+        again = plan_dst(costs, sens, s, quality=q)        # driven in-process: the same rounds
+        assert again.report == plan.report
 
 
 def test_the_in_process_reduction_sums_and_maximises_key_by_key():
@@ -86,20 +90,18 @@ def test_the_quality_objective_without_the_descent_is_the_central_plan(flags):
     floor), the quality objective runs both objectives' band searches and keeps the one the
     quality cost prefers at the same speed: decomposed, every candidate of both planned at
     once and the verdicts replayed on the agreed sums, the central plan at every DP."""
-    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
-
     rng = np.random.default_rng(17)
     for dp in (1, 2, 3, 5):
         m, pp = int(rng.integers(2, 8)), int(rng.integers(2, 5))
         costs = synthetic_costs(dp, m, pp, seed=int(rng.integers(1 << 30)),
                                 lm_head=float(rng.uniform(0.3, 3)))
         sens, q = rng.random((dp, m)), _quality(pp)
-        s = DSTSettings(D0, DMIN, DMAX, **dict(FLOORS, **flags))
-        central = plan_dst_with_floor(costs, sens, s, quality=q)
-        dec = plan_dst_decomposed(costs, sens, s, quality=q)
+        s = rule_free(DSTSettings(D0, DMIN, DMAX, **dict(FLOORS, **flags)))
+        central = central_plan(costs, sens, s, quality=q.bind(costs))
+        dec = plan_dst(costs, sens, s, quality=q)
         np.testing.assert_array_equal(dec.densities, central.densities)
         if dp == 1:
-            assert dec.report == central.report
+            assert without_adoption(dec.report) == central.report
         else:
             assert dec.report.quality_cost == pytest.approx(central.report.quality_cost,
                                                             rel=1e-9, abs=1e-15)
@@ -110,14 +112,15 @@ def test_a_slow_gpus_narrower_bands_are_guarded_by_the_agreed_quality_cost():
     reads the whole step's agreed cost (a rank's rows alone would misjudge it)."""
     from dataclasses import replace
 
-    from sparsebalance_megatron.policy.dst_ranks_local import plan_dst_decomposed
+    from sparsebalance_megatron.policy.bands import straggler_present
     from test_dst_bands import BAND, _scale, _slow_rank_costs
 
     costs = _slow_rank_costs()
     q = _quality(costs.shape[2])
+    narrow = straggler_present(_scale(), BAND.tolerance)
     for flags in (dict(descent=False), {}):
-        s = replace(BAND, **flags)
-        central = plan_dst_with_floor(costs, None, s, quality=q, rank_scale=_scale())
-        dec = plan_dst_decomposed(costs, None, s, quality=q, rank_scale=_scale())
+        s = rule_free(replace(BAND, **flags))
+        central = central_plan(costs, None, s, quality=q.bind(costs), narrow=narrow)
+        dec = plan_dst(costs, None, s, quality=q, rank_scale=_scale())
         np.testing.assert_array_equal(dec.densities, central.densities)
         assert dec.report.quality_cost == pytest.approx(central.report.quality_cost, rel=1e-9)

@@ -11,7 +11,7 @@ from sparsebalance_megatron.attention.api import block_sparse_attention
 from sparsebalance_megatron.latency.features import UnitFeatures
 from sparsebalance_megatron.latency.work import attention_work
 from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
-from sparsebalance_megatron.policy.dst import plan_dst_with_floor
+from sparsebalance_megatron.policy.dst import plan_dst
 from sparsebalance_megatron.policy.dst_settings import DSTSettings
 
 BLOCK = 32
@@ -72,7 +72,7 @@ def test_a_raise_that_keeps_no_block_pays_for_no_cut():
     plan = {}
     for kept_grid in (False, True):
         costs = _costs(kept_grid)
-        p = plan_dst_with_floor(costs, None, DSTSettings(0.25, 0.125, 0.6, density_floor=1.0,
+        p = plan_dst(costs, None, DSTSettings(0.25, 0.125, 0.6, density_floor=1.0,
                                                          stage_density_floor=0.0))
         kept = [attention_work([BLOCK * 16], p.densities[0, 0, 0], BLOCK),
                 attention_work([BLOCK * 3] * 10, p.densities[1, 0, 0], BLOCK)]
@@ -124,7 +124,7 @@ def test_a_raise_that_keeps_only_padding_blocks_pays_for_no_cut():
     plans = {}
     for name, kept_units in (("padding counted", None), ("documents", docs)):
         costs = UnitCosts.from_latency(lm, padded, 2, 1, grid, kept_units=kept_units)
-        plans[name] = plan_dst_with_floor(costs, None, settings).densities.reshape(-1)
+        plans[name] = plan_dst(costs, None, settings).densities.reshape(-1)
     # counted with its padding, rank 1's raise keeps more blocks and lets rank 0 be cut
     assert plans["padding counted"][1] > 0.25 and plans["padding counted"][0] < 0.25
     # with the documents' blocks the raise keeps nothing more: no raise, no cut

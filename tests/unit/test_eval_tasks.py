@@ -136,3 +136,32 @@ def test_recall_against_brute_force():
     assert rec["static@0.25"]["oracle_recall"] < rec["static@1"]["oracle_recall"]
     with pytest.raises(ValueError, match="multiple"):
         true_block_shares(torch.randn(10, 3, 8), torch.randn(10, 2, 8), bs)
+
+
+def test_multiquery_scores_every_answer_and_no_question():
+    s = make_sample("needle_multiquery", 2000, 0.4, 5, enc)
+    mask = s.scored()
+    assert len(mask) == len(s.answer_ids) and len(s.answers) == 4
+    scored = dec([t for t, m in zip(s.answer_ids, mask) if m])
+    assert scored == "".join(s.answers)        # the four answers in turn (the lone space before
+    #                                            each ends its question, as in needle_single)
+    questions = dec([t for t, m in zip(s.answer_ids, mask) if not m])
+    assert questions.count("What is the special magic number for") == 3
+    assert all(a in dec(s.input_ids) for a in s.answers)       # every needle in the prompt
+    assert make_sample("needle_single", 2000, 0.4, 5, enc).scored() == [True] * 7
+
+
+@pytest.mark.parametrize("source", ["code", "prose"])
+def test_text_window_is_exact_seeded_and_has_no_answer(source):
+    from sparsebalance_megatron.eval import make_text_window
+    from sparsebalance_megatron.data.sources import SourceUnavailableError
+
+    try:
+        a = make_text_window(source, 3000, 4, enc)
+    except (MissingDataPackageError, SourceUnavailableError):
+        pytest.skip(f"no {source} texts here")
+    b, c = make_text_window(source, 3000, 4, enc), make_text_window(source, 3000, 5, enc)
+    assert len(a.input_ids) == 3000 and a.answer_ids == [] and a.task == f"text_{source}"
+    assert a.input_ids == b.input_ids and a.input_ids != c.input_ids
+    with pytest.raises(ValueError, match="source='poetry'"):
+        make_text_window("poetry", 3000, 4, enc)

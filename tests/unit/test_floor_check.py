@@ -6,7 +6,7 @@ import numpy as np
 from sparsebalance_megatron.policy.costs import stage_mean_densities, weighted_mean_density
 from sparsebalance_megatron.policy.floors import FloorCheck
 
-from test_policy_dst import _quality, synthetic_costs
+from test_policy_dst import synthetic_costs
 
 
 def _counting(monkeypatch, cls, name: str) -> tuple:
@@ -67,42 +67,3 @@ def test_the_floor_checks_compiled_sums_decide_only_what_no_summation_order_can_
             else:
                 decided += not used_numpy
     assert fell_back == 64 and decided == 32          # ties to numpy, clear cases not
-
-
-def test_the_quality_checks_compiled_sum_decides_only_what_no_summation_order_can_change(
-        monkeypatch):
-    """The quality rule (no predicted loss over 1e-12) by grid index: a plan whose mean cost is
-    1e-12 itself, or within rounding of it, is checked with numpy's sums; one clearly off it
-    by the compiled sum alone; every verdict is ``plan_cost_at``'s."""
-    from sparsebalance_megatron.policy.quality import StageQuality
-
-    numpy_checks, real = _counting(monkeypatch, StageQuality, "plan_cost_at")
-    rng = np.random.default_rng(13)
-    decided = fell_back = 0
-    for case in range(8):
-        dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 6)), int(rng.integers(2, 5))
-        costs = synthetic_costs(dp, m, pp, seed=990 + case)
-        g = costs.densities
-        q = _quality(pp)
-        table = rng.uniform(-1e-3, 1e-3, (pp, g.size))       # mixed signs: gains and losses
-        table[:, 0] = 0.0
-        q.__dict__["_tables"] = {np.asarray(g, dtype=np.float64).tobytes(): table}
-        idx = np.zeros(costs.shape, dtype=np.int64)
-        one = (int(rng.integers(0, dp)), int(rng.integers(0, m)), int(rng.integers(0, pp)))
-        cell = int(rng.integers(1, g.size))
-        idx[one] = cell
-        rows = dp * m
-        for k, value in enumerate((1e-12 * rows, np.nextafter(1e-12 * rows, 1.0),
-                                   np.nextafter(1e-12 * rows, -1.0),
-                                   1e-12 * rows * (1 - 1e-6), 1e-12 * rows * (1 + 1e-6))):
-            table[one[2], cell] = value
-            check = FloorCheck(costs, 0.0, 0.0, q)
-            want = real(q, idx, g) <= 1e-12
-            before = len(numpy_checks)
-            assert check.meets_at(idx) == want, (case, k)
-            used_numpy = len(numpy_checks) > before
-            if k < 3:
-                fell_back += used_numpy
-            else:
-                decided += not used_numpy
-    assert fell_back == 24 and decided == 16

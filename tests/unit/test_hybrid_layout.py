@@ -14,7 +14,8 @@ from sparsebalance_megatron.latency import LatencyModel, LayoutError, ModelShape
 from sparsebalance_megatron.latency.analytic import analytic_table
 from sparsebalance_megatron.latency.hybrid import attention_share, layer_kind_coefficients
 from sparsebalance_megatron.latency.layout import PipelineLayout as L
-from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
+from sparsebalance_megatron.policy import UnitCosts, density_grid
+from tests.unit._bands import band_plan
 
 
 def megatron_segments(monkeypatch, pattern: str, pp: int, vp: int, first=None, last=None
@@ -126,7 +127,7 @@ def test_dst_budgets_only_the_attention_layers(tiny):
     units = [[256], [32] * 8, [128, 128], [64] * 4]
     costs = UnitCosts.from_latency(m, units, 2, 2, grid)
     assert np.all(costs.attn_work[:, :, 1] == 0) and np.all(costs.attn_work[:, :, 0] > 0)
-    plan = plan_dst(costs, None, 0.5, 0.25, 1.0, p2p_s=m.p2p_s)
+    plan = band_plan(costs, None, 0.5, 0.25, 1.0, p2p_s=m.p2p_s)
     r = plan.report
     assert plan.densities.shape == (2, 2, 2)
     assert r.step_time_planned_s <= r.step_time_static_s * (1 + 1e-9)

@@ -13,7 +13,8 @@ from sparsebalance_megatron.latency.features import MODEL_FEATURES, UnitFeatures
 from sparsebalance_megatron.latency.table import validate_table
 from sparsebalance_megatron.latency.work import (attention_work, chunked_attention_work,
                                                  selection_work)
-from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
+from sparsebalance_megatron.policy import UnitCosts, density_grid
+from tests.unit._bands import band_plan
 
 UNITS = [[40, 300, 10, 23, 267], [500], [20, 30]]
 BS, N = 16, 100
@@ -184,7 +185,7 @@ def test_dst_does_not_cut_a_unit_it_cannot_and_counts_routed_documents_at_densit
     costs = UnitCosts.from_latency(m, units, dp=2, num_microbatches=2,
                                    densities=density_grid(D0, DMIN, DMAX))
     assert costs.dense_work[0, 0, 0] > 0 and costs.attn_work[0, 0, 0] == 0
-    plan = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.0)
+    plan = band_plan(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.0)
     d, rep = plan.densities, plan.report
     assert d[0, 0, 0] == D0 and d[0, 1, 0] < D0          # only the long unit was cut
     assert rep.units_cut == 1

@@ -8,7 +8,8 @@ import pytest
 
 from sparsebalance_megatron.latency import (LatencyModel, LayoutError, ModelShape,
                                             PipelineLayout, analytic_table, candidate_layouts)
-from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
+from sparsebalance_megatron.policy import UnitCosts, density_grid
+from tests.unit._bands import band_plan
 from sparsebalance_megatron.sim.pipeline import event_float_s
 from sparsebalance_megatron.sim.pipeline import (pipeline_makespan_s, simulate_1f1b,
                                                  simulate_interleaved_1f1b)
@@ -183,7 +184,7 @@ def test_dst_plans_every_layout_and_never_slows_the_step(qwen, lay):
     dp, mb = 4, 8
     docs = [list(rng.integers(512, 12000, size=rng.integers(1, 6))) for _ in range(dp * mb)]
     costs = UnitCosts.from_latency(m, docs, dp, mb, density_grid(0.5, 0.125, 1.0))
-    plan = plan_dst(costs, None, 0.5, 0.125, 1.0, p2p_s=m.p2p_s)
+    plan = band_plan(costs, None, 0.5, 0.125, 1.0, p2p_s=m.p2p_s)
     r = plan.report
     assert plan.densities.shape == (dp, mb, lay.num_stages)
     assert r.step_time_planned_s <= r.step_time_static_s * (1 + 1e-9)

@@ -10,6 +10,7 @@ import pytest
 from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid, plan_dst,
                                            weighted_mean_density)
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
+from tests.unit._bands import band_plan, band_plans
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
 
@@ -49,7 +50,7 @@ def test_properties_over_random_cases():
         sens = rng.random((dp, m))
         anchor = ("mean", "median", "min", "max")[case % 4]
         tol = float(rng.choice([0.0, 0.05, 0.1, 0.3]))
-        plan = plan_dst(costs, sens, D0, DMIN, DMAX, anchor=anchor, tolerance=tol)
+        plan = band_plan(costs, sens, D0, DMIN, DMAX, anchor=anchor, tolerance=tol)
         d, rep = plan.densities, plan.report
         static = step_time_of(costs, np.full((dp, m, pp), D0))
         planned = step_time_of(costs, d)
@@ -62,7 +63,7 @@ def test_properties_over_random_cases():
             assert np.all(d >= D0 - 1e-12) and rep.units_cut == 0
         assert rep.units_cut == int((d < D0 - 1e-12).sum())
         assert rep.units_raised == int((d > D0 + 1e-12).sum())
-        again = plan_dst(costs, sens.copy(), D0, DMIN, DMAX, anchor=anchor, tolerance=tol)
+        again = band_plan(costs, sens.copy(), D0, DMIN, DMAX, anchor=anchor, tolerance=tol)
         assert np.array_equal(again.densities, d)
 
 
@@ -73,7 +74,7 @@ def test_straggler_rank_is_cut_least_sensitive_first_and_others_raised():
     attn[2] = 3.0                                   # rank 2 holds the long documents
     costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
     sens = np.tile(np.array([0.3, 0.1, 0.4, 0.2]), (dp, 1))
-    plan = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    plan = band_plan(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     d, rep = plan.densities[..., 0], plan.report
     assert rep.step_time_planned_s < 0.8 * rep.step_time_static_s
     assert d[2].mean() < 0.5 * D0 and d[2].max() <= D0
@@ -84,7 +85,7 @@ def test_straggler_rank_is_cut_least_sensitive_first_and_others_raised():
     assert d[0, 2] == d[0].max()
     assert rep.imbalance_after < rep.imbalance_before
     # never cut below d_min even if the band is unreachable
-    hard = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="min", tolerance=0.0)
+    hard = band_plan(costs, sens, D0, DMIN, DMAX, anchor="min", tolerance=0.0)
     assert hard.densities.min() >= DMIN
 
 
@@ -94,7 +95,7 @@ def test_cheaper_stage_is_raised_without_growing_step_time():
     fixed[..., 1] = 1.8                             # last stage: LM head + loss
     attn = np.full((dp, m, pp), 0.6)
     costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
-    plan = plan_dst(costs, None, D0, DMIN, DMAX, anchor="max")
+    plan = band_plan(costs, None, D0, DMIN, DMAX, anchor="max")
     d = plan.densities
     assert np.all(d[:, 1:-1, 0] > D0)               # first stage fills its bubble
     assert np.all(d[..., 0] >= D0)
@@ -105,7 +106,7 @@ def test_cheaper_stage_is_raised_without_growing_step_time():
 
 def test_mean_anchor_cuts_heavy_last_stage_and_raises_the_rest():
     costs = synthetic_costs(8, 8, 4, seed=3, lm_head=0.8)
-    plan = plan_dst(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+    plan = band_plan(costs, None, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     d = plan.densities
     assert d[..., -1].mean() < D0 < d[..., 0].mean()
     assert plan.report.speedup > 1.02
@@ -128,7 +129,7 @@ def test_weighted_mean_density():
 def test_bad_anchor_or_tolerance_names_the_flag(kw, flag):
     costs = synthetic_costs(2, 2, 2, seed=0)
     with pytest.raises(ValueError, match=flag):
-        plan_dst(costs, None, D0, DMIN, DMAX, **kw)
+        band_plan(costs, None, D0, DMIN, DMAX, **kw)
 
 
 @pytest.mark.parametrize("kw, named", [
@@ -158,13 +159,13 @@ def test_settings_from_config_are_the_configs_knobs():
 def test_bad_bounds_and_shapes():
     costs = synthetic_costs(2, 3, 2, seed=0)
     with pytest.raises(ValueError, match="--sb-density"):
-        plan_dst(costs, None, 0.05, DMIN, DMAX)
+        band_plan(costs, None, 0.05, DMIN, DMAX)
     with pytest.raises(ValueError, match="--sb-max-density"):
         density_grid(D0, DMIN, 1.5)
     with pytest.raises(ValueError, match="sensitivity"):
-        plan_dst(costs, np.zeros((3, 3)), D0, DMIN, DMAX)
+        band_plan(costs, np.zeros((3, 3)), D0, DMIN, DMAX)
     with pytest.raises(ValueError, match="not on the cost grid"):
-        plan_dst(costs, None, 0.51, DMIN, DMAX)
+        band_plan(costs, None, 0.51, DMIN, DMAX)
     with pytest.raises(ValueError, match="bwd_s"):
         UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s[:, :1])
     with pytest.raises(ValueError, match="finite"):
@@ -183,8 +184,8 @@ def test_planning_64_ranks_16_microbatches_4_stages_is_deterministic():
     is measured by scripts/bench.py planner_cost, not here: no wall clock in tests)."""
     costs = synthetic_costs(64, 16, 4, seed=7)
     sens = np.random.default_rng(7).random((64, 16))
-    a = plan_dst(costs, sens, D0, DMIN, DMAX)
-    b = plan_dst(costs, sens, D0, DMIN, DMAX)
+    a = band_plan(costs, sens, D0, DMIN, DMAX)
+    b = band_plan(costs, sens, D0, DMIN, DMAX)
     assert a.densities.shape == (64, 16, 4)
     assert np.array_equal(a.densities, b.densities)
     assert np.all((a.densities >= DMIN - 1e-12) & (a.densities <= DMAX + 1e-12))
@@ -211,7 +212,7 @@ def test_unit_costs_from_latency_model_match_its_predictions():
 def test_plan_from_config_uses_its_knobs():
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.policy import plan_dst_from_config
-    from sparsebalance_megatron.policy.dst import DEFAULT_RAISE_HEADROOM
+    from sparsebalance_megatron.config import DEFAULT_RAISE_HEADROOM
     # the density objective's plan is plan_dst's (the quality objective's default is tested below)
     cfg = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max",
                               dst_objective="density")
@@ -219,15 +220,15 @@ def test_plan_from_config_uses_its_knobs():
     plan = plan_dst_from_config(cfg, costs, None)
     assert plan.report.units_cut == 0 and plan.densities.max() <= 0.5
     # 'auto' headroom without a measured error: the default
-    assert np.array_equal(plan.densities, plan_dst(
+    assert np.array_equal(plan.densities, band_plan(
         costs, None, 0.25, 0.125, 0.5, anchor="max",
         raise_headroom=DEFAULT_RAISE_HEADROOM).densities)
     fixed = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max",
                                 raise_headroom="0", dst_objective="density")
     assert np.array_equal(plan_dst_from_config(fixed, costs, None).densities,
-                          plan_dst(costs, None, 0.25, 0.125, 0.5, anchor="max").densities)
+                          band_plan(costs, None, 0.25, 0.125, 0.5, anchor="max").densities)
     assert np.array_equal(plan_dst_from_config(fixed, costs, None, raise_headroom=0.2).densities,
-                          plan_dst(costs, None, 0.25, 0.125, 0.5, anchor="max",
+                          band_plan(costs, None, 0.25, 0.125, 0.5, anchor="max",
                                    raise_headroom=0.2).densities)
 
 
@@ -239,9 +240,9 @@ def test_raise_headroom_keeps_raised_ranks_below_the_lowered_target():
         sens = rng.random((dp, m))
         prev_density = None
         for h in (0.0, 0.05, 0.2):
-            plan = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
+            plan = band_plan(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
                             raise_headroom=h)
-            cut_only = plan_dst(costs, sens, D0, DMIN, D0, anchor="mean", tolerance=0.1)
+            cut_only = band_plan(costs, sens, D0, DMIN, D0, anchor="mean", tolerance=0.1)
             t1 = plan.report.step_time_cut_s
             assert plan.report.step_time_cut_s == pytest.approx(cut_only.report.step_time_cut_s)
             assert plan.report.step_time_planned_s <= t1 * (1 + 1e-9)
@@ -259,16 +260,15 @@ def test_raise_headroom_keeps_raised_ranks_below_the_lowered_target():
     # must not stop its light stages from filling their bubbles.
     costs = synthetic_costs(1, 4, 2, seed=7, lm_head=1.5)
     for h in (0.0, 0.05):
-        plan = plan_dst(costs, None, D0, DMIN, DMAX, anchor="max", raise_headroom=h)
+        plan = band_plan(costs, None, D0, DMIN, DMAX, anchor="max", raise_headroom=h)
         assert plan.report.units_raised > 0, h
         assert plan.densities[0, :, 0].mean() > D0 and np.all(plan.densities[0, :, 1] == D0)
         assert plan.report.step_time_planned_s <= plan.report.step_time_static_s * (1 + 1e-9)
     with pytest.raises(ValueError, match="--sb-raise-headroom=0.7"):
-        plan_dst(costs, None, D0, DMIN, DMAX, raise_headroom=0.7)
+        band_plan(costs, None, D0, DMIN, DMAX, raise_headroom=0.7)
 
 
 def test_density_floor_keeps_the_mean_budget_and_the_step_time():
-    from sparsebalance_megatron.policy import plan_dst_with_floor, weighted_mean_density
     rng = np.random.default_rng(11)
     below = 0
     for case in range(30):
@@ -276,9 +276,9 @@ def test_density_floor_keeps_the_mean_budget_and_the_step_time():
         # A heavy last stage (LM head) that DST can only cut: the case the floor is for.
         costs = synthetic_costs(dp, m, pp, seed=100 + case, lm_head=float(rng.uniform(0.5, 3)))
         sens = rng.random((dp, m))
-        raw = plan_dst(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
+        raw = band_plan(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
         # the band search alone (the critical-path descent has its own tests)
-        floored = plan_dst_with_floor(costs, sens, DSTSettings(
+        floored = plan_dst(costs, sens, DSTSettings(
             D0, DMIN, DMAX, anchor="mean", tolerance=0.1, density_floor=0.9, descent=False))
         static = step_time_of(costs, np.full((dp, m, pp), D0))
         mean = weighted_mean_density(floored.densities, costs.weights())
@@ -298,7 +298,6 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
     """A heavy last stage (LM head) is the bottleneck: DST cuts its attention while raising the
     other stages. The per-stage floor stops that concentration (quality is convex in per-layer
     density: docs/DESIGN.md section 7), and the step time still never exceeds the static plan's."""
-    from sparsebalance_megatron.policy import plan_dst_with_floor
     from sparsebalance_megatron.policy.costs import stage_mean_densities
     rng = np.random.default_rng(21)
     starved = 0
@@ -307,8 +306,8 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
         costs = synthetic_costs(dp, m, pp, seed=300 + case, lm_head=float(rng.uniform(0.5, 3)))
         sens = rng.random((dp, m))
         w = costs.weights()
-        raw = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9))
-        fed = plan_dst_with_floor(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9,
+        raw = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9))
+        fed = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9,
                                                            stage_density_floor=0.75))
         per_stage = stage_mean_densities(fed.densities, w)
         assert np.all(per_stage >= 0.75 * D0 - 1e-9), (case, per_stage)
@@ -333,15 +332,15 @@ def test_raise_to_static_spends_the_balance_gain_on_density():
     for case in range(12):
         costs = synthetic_costs(4, 6, 3, seed=100 + case)
         sens = np.random.default_rng(case).random((4, 6))
-        fast = plan_dst(costs, sens, D0, DMIN, DMAX)
-        dense = plan_dst(costs, sens, D0, DMIN, DMAX, raise_to="static")
+        fast = band_plan(costs, sens, D0, DMIN, DMAX)
+        dense = band_plan(costs, sens, D0, DMIN, DMAX, raise_to="static")
         static = step_time_of(costs, np.full((4, 6, 3), D0))
         assert step_time_of(costs, dense.densities) <= static * (1 + 1e-9)
         assert dense.report.mean_density >= fast.report.mean_density - 1e-12
         gained += dense.report.mean_density > fast.report.mean_density + 1e-6
     assert gained >= 6, "raising to the static step time never added density"
     with pytest.raises(ConfigError, match="--sb-raise-to='later'"):
-        plan_dst(costs, None, D0, DMIN, DMAX, raise_to="later")
+        band_plan(costs, None, D0, DMIN, DMAX, raise_to="later")
 
 
 def test_floor_search_passes_share_the_static_simulation_exactly():
@@ -349,7 +348,7 @@ def test_floor_search_passes_share_the_static_simulation_exactly():
     static plan's simulation, anchors, the compiled pass's tables and orders, the quality
     water-filling's index): each candidate's plan is the one a fresh pass gives, for either
     objective and for passes that mix them."""
-    from sparsebalance_megatron.policy.dst import BandCache, plan_dst_candidates
+    from sparsebalance_megatron.policy.dst_band import BandCache
 
     costs = synthetic_costs(4, 6, 3, seed=7, lm_head=2.0)
     sens = np.random.default_rng(7).random((4, 6))
@@ -360,22 +359,22 @@ def test_floor_search_passes_share_the_static_simulation_exactly():
         for cands in ([("mean", 0.1)], [("max", 0.1), ("mean", 0.3), ("median", 1.0),
                                         ("mean", 0.1)]):
             w = None if water is None else (water * 4)[:len(cands)]
-            kw = dict(quality=None if water is None else q, water=w)
-            got = plan_dst_candidates(costs, sens, settings, cands, cache=shared, **kw)
+            kw = dict(quality=None if water is None else q.bind(costs), water=w)
+            got = band_plans(costs, sens, settings, cands, cache=shared, **kw)
             assert shared.mk0 is not None
             for c, p in enumerate(got):
                 alone = dict(quality=kw["quality"], water=None if w is None else [w[c]])
-                want = plan_dst_candidates(costs, sens, settings, [cands[c]], **alone)[0]
+                want = band_plans(costs, sens, settings, [cands[c]], **alone)[0]
                 np.testing.assert_array_equal(p.densities, want.densities)
                 assert p.report == want.report
 
 
 def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
     """``water`` marks the candidates that water-fill by quality; a pass mixing both objectives
-    (what ``plan_dst_with_floor``'s lock-step band searches send) gives every candidate the
+    (what the quality objective's two band searches send) gives every candidate the
     plan, bit for bit, of a pass of its objective alone (interleaved too, p2p, headroom)."""
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy.dst import BandCache, plan_dst_candidates
+    from sparsebalance_megatron.policy.dst_band import BandCache
 
     for case, (dp, m, ranks, vp) in enumerate([(4, 6, 3, 1), (3, 4, 2, 2), (5, 8, 4, 1)]):
         costs = synthetic_costs(dp, m, ranks * vp, seed=40 + case, lm_head=2.0)
@@ -383,24 +382,23 @@ def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
             costs = UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s, costs.attn_work,
                               pipeline_ranks=ranks)
         sens = np.random.default_rng(case).random((dp, m))
-        q = _quality(ranks * vp)
+        q = _quality(ranks * vp).bind(costs)
         mine = [("mean", 0.1), ("mean", 0.4), ("median", 0.0)]
         theirs = [("max", 0.1), ("mean", 0.1), ("mean", 1.5)]
         settings = DSTSettings(D0, DMIN, DMAX, p2p_s=1e-3 * case, raise_headroom=0.05)
-        mixed = plan_dst_candidates(costs, sens, settings, mine + theirs, quality=q,
-                                    water=[True] * 3 + [False] * 3)
-        alone = plan_dst_candidates(costs, sens, settings, mine, quality=q) + \
-            plan_dst_candidates(costs, sens, settings, theirs)
+        mixed = band_plans(costs, sens, settings, mine + theirs, quality=q,
+                           water=[True] * 3 + [False] * 3)
+        alone = band_plans(costs, sens, settings, mine, quality=q) + \
+            band_plans(costs, sens, settings, theirs)
         for got, want in zip(mixed, alone):
             np.testing.assert_array_equal(got.densities, want.densities)
             assert got.report == want.report
-    with pytest.raises(ValueError, match="water"):
-        plan_dst_candidates(costs, sens, settings, mine, water=[True] * 3)
 
 
 def _quality(pp):
     """A convex, measured-looking quality cost (deeper layers a little more sensitive)."""
-    from sparsebalance_megatron.policy.quality import QualityCost, StageQuality
+    from sparsebalance_megatron.policy.quality import QualityCost
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
     groups = [{"depth": [g / 2, (g + 1) / 2], "layers": [15 * g + 1, 15 * g + 15],
                "densities": [0.125, 0.25, 0.375, 0.75, 1.0],
                "delta_loss": [c * 0.085, c * 0.032, c * 0.014, -c * 0.025, -c * 0.035],

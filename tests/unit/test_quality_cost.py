@@ -1,5 +1,7 @@
-"""The quality-cost file (policy.quality): convex, non-increasing fit of measured loss
-increases per layer group, validation that names the field, mapping onto pipeline stages."""
+"""The quality model (policy.quality, policy.quality_stages): a version-1 file's convex fit of
+measured loss increases per layer group, version 2's fitted curves with a length term, an
+interaction and bootstrap replicates, validation that names the field, the mapping onto
+pipeline stages and a step's units, and the one rule every plan check goes through."""
 
 import json
 
@@ -51,13 +53,16 @@ def test_cost_interpolates_extrapolates_below_and_is_flat_above():
     assert np.all(np.diff(c, 2) >= -1e-12)                        # convex on a uniform grid
 
 
-def test_stages_take_the_group_at_their_middle_depth():
-    q = QualityCost.from_dict(doc())
-    # 24 layers as 7/8/8/1: middles at 0.15, 0.46, 0.79, 0.98
-    got = q.stage_costs([7, 8, 8, 1])
-    assert [g.layers for g in got] == [(1, 15), (1, 15), (16, 30), (16, 30)]
+def test_stages_hold_their_share_of_every_group():
+    q = QualityCost.from_dict(doc())                     # groups [0, 0.5) and [0.5, 1]
+    w = q.stage_weights([7, 8, 8, 1])                    # depths 0-7/24, 7/24-15/24, ...
+    assert w.shape == (4, 2)
+    np.testing.assert_allclose(w.sum(axis=0), [1.0, 1.0])          # every group held once
+    np.testing.assert_allclose(w[0], [7 / 12, 0.0])
+    np.testing.assert_allclose(w[1], [5 / 12, 3 / 12])             # it straddles the middle
+    np.testing.assert_allclose(w[3], [0.0, 1 / 12])
     with pytest.raises(QualityCostError, match="stage_layers"):
-        q.stage_costs([0, 0])
+        q.stage_weights([0, 0])
 
 
 def test_save_load_round_trip(tmp_path):
@@ -69,7 +74,7 @@ def test_save_load_round_trip(tmp_path):
 
 @pytest.mark.parametrize("over, needle", [
     ({"kind": "latency"}, "kind='latency': expected 'sparsebalance-quality-cost'"),
-    ({"version": 2}, "version=2: expected 1"),
+    ({"version": 3}, "version=3: expected 1 or 2"),
     ({"reference_density": 0.0}, "reference_density=0.0: expected a number in (0, 1]"),
     ({"groups": []}, "groups: expected a non-empty list"),
     ({"groups": [dict(doc()["groups"][0], depth=[0.0, 0.4]), doc()["groups"][1]]},
@@ -91,11 +96,17 @@ def test_bad_files_name_the_field(over, needle, tmp_path):
 
 
 def test_missing_or_non_json_file(tmp_path):
-    with pytest.raises(QualityCostError, match="not found .*scripts/bench.py quality_cost"):
+    with pytest.raises(QualityCostError, match="not found .*scripts/bench.py plan_quality"):
         QualityCost.load(str(tmp_path / "none.json"))
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(QualityCostError, match="not JSON"):
         QualityCost.load(str(tmp_path / "x.json"))
+
+
+def _costs(shape, docs=None):
+    """Stand-in costs: what ``bind`` reads (their shape and documents)."""
+    from types import SimpleNamespace
+    return SimpleNamespace(shape=shape, unit_docs=docs)
 
 
 def test_a_plans_cost_looked_up_on_its_grid_is_the_interpolated_one():
@@ -103,26 +114,98 @@ def test_a_plans_cost_looked_up_on_its_grid_is_the_interpolated_one():
     # interpolation's sum (below the data, inside it, flat above); a plan off the grid, or a
     # grid of another planner, falls back to the interpolation
     from sparsebalance_megatron.policy.costs import density_grid
-    from sparsebalance_megatron.policy.quality import StageQuality
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
 
     q = StageQuality.from_cost(QualityCost.from_dict(doc()), [3, 5, 4], 0.25)
     grid = density_grid(0.25, 0.0625, 1.0)
     rng = np.random.default_rng(2)
+    b = q.bind(_costs((4, 6, 3)))
     for _ in range(20):
         d = grid[rng.integers(0, grid.size, (4, 6, 3))]
-        assert q.plan_cost(d, grid) == q.plan_cost(d)
+        assert b.plan_cost(d, grid) == pytest.approx(b.plan_cost(d), abs=1e-15)
         off = d.copy()
         off[0, 0, 0] = 0.3
-        assert q.plan_cost(off, grid) == q.plan_cost(off)
+        assert b.plan_cost(off, grid) == b.plan_cost(off)
     other = density_grid(0.25, 0.125, 0.5)
-    d = other[rng.integers(0, other.size, (2, 6, 3))]
-    assert q.plan_cost(d, other) == q.plan_cost(d) and q.plan_cost(d, grid) == q.plan_cost(d)
+    d = other[rng.integers(0, other.size, (4, 6, 3))]
+    assert b.plan_cost(d, other) == pytest.approx(b.plan_cost(d), abs=1e-15)
     with pytest.raises(QualityCostError, match="one per stage"):
-        q.plan_cost(np.full((2, 6, 2), 0.25), grid)
+        b.plan_cost(np.full((4, 6, 2), 0.25), grid)
     # the planner's checks hold grid indices: the same floats without the search
     for _ in range(20):
-        i = rng.integers(0, grid.size, (3, 5, 3))
-        assert q.plan_cost_at(i, grid) == q.plan_cost(grid[i], grid) == q.plan_cost(grid[i])
+        i = rng.integers(0, grid.size, (4, 6, 3))
+        assert b.plan_cost_at(i, grid) == b.plan_cost(grid[i], grid)
+    # uniform d0 costs nothing; every unit denser costs less, sparser more
+    assert b.plan_cost(np.full((4, 6, 3), 0.25)) == 0.0
+    assert b.plan_cost(np.full((4, 6, 3), 0.5)) < 0 < b.plan_cost(np.full((4, 6, 3), 0.125))
+
+
+def v2(length_exponent=0.0, interaction=0.0, replicates=()):
+    """A version-2 model of two groups (the second twice as sensitive)."""
+    knots = [0.25, 0.5, 1.0]
+    return QualityCost.from_dict({
+        "kind": "sparsebalance-quality-cost", "version": 2, "model": "m",
+        "reference_density": 0.5, "reference_loss": 3.0, "windows": 8, "window_tokens": 3000,
+        "text": "t", "length_ref": 2000.0, "length_exponent": length_exponent,
+        "interaction": interaction,
+        "groups": [{"depth": [0.0, 0.5], "layers": [1, 15], "knots": knots,
+                    "cost": [0.1, 0.03, 0.0]},
+                   {"depth": [0.5, 1.0], "layers": [16, 30], "knots": knots,
+                    "cost": [0.2, 0.06, 0.0]}],
+        "bootstrap": [{"length_exponent": length_exponent, "interaction": interaction,
+                       "cost": [[0.1 * f, 0.03 * f, 0.0], [0.2 * f, 0.06 * f, 0.0]]}
+                      for f in replicates]})
+
+
+def test_version_2_round_trips_and_refuses_a_curve_that_is_not_convex(tmp_path):
+    q = v2(-0.5, 1.5, replicates=(0.9, 1.1))
+    q.save(tmp_path / "q.json")
+    again = QualityCost.load(str(tmp_path / "q.json"))
+    assert again.as_dict() == q.as_dict() and len(again.bootstrap) == 2
+    d = q.as_dict()
+    d["groups"][0]["cost"] = [0.1, 0.09, 0.0]            # slope steeper above: concave
+    with pytest.raises(QualityCostError, match="group 0: cost .* expected convex"):
+        QualityCost.from_dict(d)
+    d = q.as_dict()
+    d["bootstrap"][1]["cost"] = [[0.1, 0.03, 0.0]]
+    with pytest.raises(QualityCostError, match="bootstrap 1: 1 curves, expected one per group"):
+        QualityCost.from_dict(d)
+
+
+def test_one_rule_for_documents_and_units_length_interaction_and_uncertainty():
+    """A document's change is rho(n) S + gamma rho^2 S (S + 2 S0) against uniform d0; a unit's is
+    its documents' token-weighted sum (routed documents change nothing); every check (the
+    documents', the units' sums, the plan cost) is that one rule."""
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
+
+    cost = v2(-0.5, 2.0, replicates=(0.8, 1.0, 1.2))
+    q = StageQuality.from_cost(cost, [15, 15], 0.5)
+    d = np.array([[0.25, 0.5], [0.5, 0.25], [1.0, 1.0]])
+    s0 = 0.03 + 0.06
+    s = np.array([0.1 + 0.06, 0.03 + 0.2, 0.0]) - s0
+    for n in (1000, 2000, 8000):
+        rho = (n / 2000.0) ** -0.5
+        want = rho * s + 2.0 * rho * rho * s * (s + 2 * s0)
+        np.testing.assert_allclose(q.doc_change(d, [n] * 3), want)
+    # a longer document loses less per token here (length exponent < 0)
+    assert q.doc_change(d[:1], [8000])[0] < q.doc_change(d[:1], [1000])[0]
+    # two units: one of documents 1000 + 3000 (and a routed one of 500), one of 2000 + 2000
+    docs = (np.array([0, 3, 5]), np.array([1000, 3000, 500, 2000, 2000]),
+            np.array([4500.0, 4000.0]), np.array([True, True, False, True, True]))
+    b = q.bind(_costs((1, 2, 2), docs))
+    assert b.tokens == 8500.0
+    plan = np.array([[[0.25, 0.5], [0.5, 0.25]]])                 # [1, 2, 2]
+    per_doc = np.concatenate([q.doc_change(np.repeat(plan[0, u:u + 1], k, 0), n)
+                              for u, (k, n) in enumerate(((2, [1000, 3000]), (2, [2000] * 2)))])
+    want = (per_doc * np.array([1000, 3000, 2000, 2000])).sum() / 8500.0
+    assert b.plan_cost(plan) == pytest.approx(want)
+    grid = np.array([0.25, 0.5, 1.0])
+    assert b.plan_cost_at(np.array([[[0, 1], [1, 0]]]), grid) == pytest.approx(want)
+    # the bootstrap: each replicate's sums, their spread the uncertainty
+    reps = b.replicate_sums_at(np.array([[[0, 1], [1, 0]]]), grid)
+    assert reps.shape == (3,) and reps[0] < reps[1] < reps[2]
+    assert float(b.uncertainty(reps)) == pytest.approx(reps.std(ddof=1) / 8500.0)
+    assert float(q.bind(_costs((1, 2, 2))).uncertainty(np.zeros(0))) == 0.0
 
 
 def test_stage_quality_is_made_once_per_cost_layers_and_d0():
@@ -131,13 +214,13 @@ def test_stage_quality_is_made_once_per_cost_layers_and_d0():
     other layers or another d0 give another; a cost object freed and another loaded is never
     taken for it."""
     from sparsebalance_megatron.policy.costs import density_grid
-    from sparsebalance_megatron.policy.quality import StageQuality
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
 
     cost = QualityCost.from_dict(doc())
     q = StageQuality.from_cost(cost, [3, 5, 4], 0.25)
     assert StageQuality.from_cost(cost, (3, 5, 4), 0.25) is q
     assert StageQuality.from_cost(cost, np.array([3, 5, 4]), 0.25) is q
-    fresh = StageQuality(*(getattr(q, f) for f in ("groups", "scale", "d0")))
+    fresh = StageQuality(q.cost, q.weights, q.d0)
     grid = density_grid(0.25, 0.0625, 1.0)
     assert np.array_equal(q.marginal_gain(grid), fresh.marginal_gain(grid))
     assert np.array_equal(q.grid_table(grid), fresh.grid_table(grid))
@@ -149,4 +232,4 @@ def test_stage_quality_is_made_once_per_cost_layers_and_d0():
     changed["groups"][0]["delta_loss"] = [0.6, 0.16, -0.02, -0.024]
     for _ in range(4):                          # ids of freed costs may come back
         got = StageQuality.from_cost(QualityCost.from_dict(changed), [3, 5, 4], 0.25)
-        assert got.groups[0].delta_loss == (0.6, 0.16, -0.02, -0.024)
+        assert got.cost.groups[0].measured[1] == (0.6, 0.16, -0.02, -0.024)

@@ -227,7 +227,7 @@ def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
     and the report (what the metrics print) describes that plan, not DST's."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.megatron.step import choice as step_choice
-    from sparsebalance_megatron.policy import dst_ranks_local
+    from sparsebalance_megatron.policy import dst
 
     lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
     lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])
@@ -237,14 +237,14 @@ def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
     dens, report, record = step_choice.choose(sb, lm, options, 2, dst=True, raise_headroom=0.05,
                                               stage_layers=[2, 2])
     assert record["dst_stood_down"] is False and report["stand_down"] == record
-    real = dst_ranks_local.plan_dst_decomposed
+    real = dst.plan_dst
 
     def all_raised(costs, *a, **kw):
         p = real(costs, *a, **kw)
         p.densities, p.grid_index = np.full(costs.shape, 1.0), None
         return p
 
-    monkeypatch.setattr(dst_ranks_local, "plan_dst_decomposed", all_raised)
+    monkeypatch.setattr(dst, "plan_dst", all_raised)
     dens, report, record = step_choice.choose(sb, lm, options, 2, dst=True, raise_headroom=0.05,
                                               stage_layers=[2, 2])
     assert record["dst_stood_down"] is True
@@ -289,18 +289,18 @@ def test_runtime_plans_dst_on_both_packings_by_default_and_once_when_static(monk
     one."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.megatron.step import choice as step_choice
-    from sparsebalance_megatron.policy import dst_ranks_local
+    from sparsebalance_megatron.policy import dst
 
     lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
     lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])
     options = _runtime_options(lm, lengths)
-    real, calls = dst_ranks_local.plan_dst_decomposed, []
+    real, calls = dst.plan_dst, []
 
     def counted(costs, *a, **kw):
         calls.append(costs.shape)
         return real(costs, *a, **kw)
 
-    monkeypatch.setattr(dst_ranks_local, "plan_dst_decomposed", counted)
+    monkeypatch.setattr(dst, "plan_dst", counted)
     records = {}
     for compare, planned in (("static", 1), ("planned", 2)):
         calls.clear()

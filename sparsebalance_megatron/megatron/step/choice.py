@@ -84,7 +84,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     a ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
     arrays)."""
     from ...policy.dst import dst_inputs
-    from ...policy.dst_ranks_local import plan_dst_decomposed
+    from ...policy.dst import plan_dst as plan_in_process
     from ...policy.dst_rounds import rank_rounds, run_rounds
 
     own = rank is not None and agree is not None and (dst or own_rows)
@@ -115,7 +115,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
 
         def plan_dst(i, c):
             if not own:                 # every rank's rounds here, in lockstep
-                p = plan_dst_decomposed(c, sensitivity(i), settings, quality=quality,
+                p = plan_in_process(c, sensitivity(i), settings, quality=quality,
                                         rank_scale=scale)
                 return p.densities, p
             p = run_rounds(rank_rounds(c, sensitivity(i), settings, quality=quality,

@@ -77,9 +77,13 @@ def step_record(iteration: int, step, summary, calib: dict, *, figures: dict,
                    units_cut=r["units_cut"], units_raised=r["units_raised"],
                    raise_headroom=r.get("raise_headroom"),
                    unit_sensitivity=r.get("unit_sensitivity"))
-        q = r.get("quality_cost")
+        q, sd = r.get("quality_cost"), r.get("quality_sd")
         if q is not None and np.isfinite(q):
             rec["predicted_loss_change"] = float(q)
+        if sd is not None and np.isfinite(sd):
+            rec["predicted_loss_sd"] = float(sd)
+        if r.get("adopted"):            # the quality objective: 1 where the cuts did not pay
+            rec["dst_no_cuts"] = int(r["adopted"] == "no_cuts")
     sd = getattr(step, "stand_down", None)
     if sd is not None:                   # do no harm (policy.stand_down): 1 = stood down
         for part in ("dst", "sab"):
@@ -106,6 +110,8 @@ SCALARS = (
     ("overhead_s", "sb_overhead_s"), ("overhead/own_s", "sb_own_s"),
     ("overhead/wait_s", "sb_wait_s"), ("planned_ahead_s", "sb_planned_ahead_s"),
     ("dst_stood_down", "dst_stood_down"), ("sab_stood_down", "sab_stood_down"),
+    ("quality/predicted_loss_change", "predicted_loss_change"),
+    ("quality/predicted_loss_sd", "predicted_loss_sd"), ("dst/no_cuts", "dst_no_cuts"),
     ("planner/events", "planner_events"), ("planner/events_total", "planner_events_total"),
 )
 
@@ -178,6 +184,10 @@ class StepReporter:
         self.compiles = WATCH if sb.sparse_attention_enabled and (
             WATCH.available or WATCH.install()) else None
         self.stood = StandDownCounts()   # cumulative over the run (checkpointed by the callback)
+        # DST's predictions over the steps this process planned: static and planned seconds,
+        # predicted loss change (token-weighted, summed), steps, steps without cuts
+        self.predicted = {"static_s": 0.0, "planned_s": 0.0, "loss": 0.0, "steps": 0,
+                          "no_cuts": 0, "quality_steps": 0}
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
         self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
 
@@ -256,6 +266,7 @@ class StepReporter:
         if self.compiles is not None:     # this rank's, since the last step
             rec["kernel_compiles"], rec["kernel_compile_s"] = self.compiles.take()
         self.history.append(rec)
+        self._predicted(rec)
         self.stood.add(rec.get("dst_stood_down"), rec.get("sab_stood_down"))
         if self.stood.dst_steps or self.stood.sab_steps:
             rec["stood_down_total"] = self.stood.state_dict()
@@ -278,10 +289,40 @@ class StepReporter:
         exit_every = getattr(self.args, "exit_interval", None)   # Megatron's clean stop
         last = iteration == self.args.train_iters or bool(exit_every and
                                                           iteration % exit_every == 0)
-        if last and comm.rank() == comm.world_size() - 1 and self.stood.describe():
-            print(f"[sparsebalance] run summary: {self.stood.describe()} of the steps "
-                  f"(do no harm: --sb-stand-down {self.sb.stand_down})", flush=True)
+        if last and comm.rank() == comm.world_size() - 1:
+            if self.stood.describe():
+                print(f"[sparsebalance] run summary: {self.stood.describe()} of the steps "
+                      f"(do no harm: --sb-stand-down {self.sb.stand_down})", flush=True)
+            if self.predicted["steps"]:
+                print(f"[sparsebalance] run summary: {self.describe_predicted()}", flush=True)
         return rec
+
+    def _predicted(self, rec: dict) -> None:
+        """Add a step's predictions to the run's (``describe_predicted``)."""
+        if rec.get("predicted_step_s") is None:
+            return
+        p = self.predicted
+        p["static_s"] += rec["predicted_static_s"]
+        p["planned_s"] += rec["predicted_step_s"]
+        p["steps"] += 1
+        if rec.get("predicted_loss_change") is not None:
+            p["loss"] += rec["predicted_loss_change"]
+            p["quality_steps"] += 1
+        p["no_cuts"] += rec.get("dst_no_cuts", 0)
+
+    def describe_predicted(self) -> str:
+        """What DST predicted over the steps this process planned: the step against static,
+        the loss change against uniform --sb-density, and where its cuts did not pay."""
+        p = self.predicted
+        gain = 100.0 * (1.0 - p["planned_s"] / p["static_s"]) if p["static_s"] else 0.0
+        out = (f"DST planned {p['steps']} steps, predicted {gain:+.2f}% faster than the static "
+               f"plan")
+        if p["quality_steps"]:
+            out += (f" and {p['loss'] / p['quality_steps']:+.4f} nats of loss per token against "
+                    f"uniform density {self.sb.density:g} (mean of the steps); the plan without "
+                    f"cuts was kept on {p['no_cuts']}/{p['quality_steps']} steps (cuts that did "
+                    f"not pay at --sb-exchange-rate {self.sb.exchange_rate:g})")
+        return out
 
     def _write(self, iteration: int, values: dict) -> None:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
@@ -316,13 +357,22 @@ class StepReporter:
                          + (f" (stages {'/'.join(f'{x:.2f}' for x in stages)})"
                             if self.stages > 1 else ""))
         if mean("step_time/predicted_s") is not None:
-            parts.append(f"pred {mean('step_time/predicted_s'):.3f} s (static "
-                         f"{mean('step_time/static_s'):.3f} s)")
+            pred, static = mean("step_time/predicted_s"), mean("step_time/static_s")
+            parts.append(f"pred {pred:.3f} s (static {static:.3f} s, "
+                         f"{100.0 * (1.0 - pred / static):+.2f}%)" if static else
+                         f"pred {pred:.3f} s")
+            if mean("quality/predicted_loss_change") is not None:
+                sd = mean("quality/predicted_loss_sd")
+                parts.append(f"dL {mean('quality/predicted_loss_change'):+.4f}"
+                             + (f"±{sd:.4f}" if sd else ""))
             parts.append(f"imb {mean('imbalance/predicted_before'):.2f}->"
                          f"{mean('imbalance/predicted_after'):.2f}")
             cut = sum(self._interval.get(PREFIX + "units/cut", []))
             raised = sum(self._interval.get(PREFIX + "units/raised", []))
-            parts.append(f"cut {int(cut)} raised {int(raised)}")
+            no_cuts = self._interval.get(PREFIX + "dst/no_cuts", [])
+            parts.append(f"cut {int(cut)} raised {int(raised)}"
+                         + (f" (no cuts kept {int(sum(no_cuts))}/{len(no_cuts)})"
+                            if sum(no_cuts) else ""))
         if mean("latency_model/error") is not None:
             parts.append(f"lat err {100 * mean('latency_model/error'):.1f}%")
         if rec.get("split_docs"):

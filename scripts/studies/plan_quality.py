@@ -1,0 +1,417 @@
+"""The quality model DST plans by, measured and checked on whole plans it has not seen (issue 84):
+SmolLM2-135M's held-out loss against the density of each depth group of its layers, per sample
+length, fitted convex, its uncertainty by bootstrap; then its predictions of whole plans scored
+against measured loss on samples never used to fit it.
+
+Two steps, each one command:
+
+- ``--calibrate``: ``--samples`` samples of ``--kinds`` (RULER-style retrieval and natural text,
+  ``--lengths`` tokens), each scored under every vector of ``CALIBRATION`` (one density per depth
+  group: one group moved at a time, all moved together, and skewed mixes); the fit
+  (``policy.quality_fit``) writes the model (``--model-out``) and the study's JSON.
+- ``--validate``: fresh samples (other seeds, two batches of DP 4 x 2 micro-batches of 8K)
+  scored at uniform d0, under every vector of ``MENU`` (3 stages, and 2 for PP 2's plans) and
+  under DST's own plans of their batch (the runtime's draft: the quality objective at PP 3 x DP
+  4 and PP 2 x DP 4, the density objective at PP 3 x DP 4). Whole plans (``plans``, fixed from
+  the samples' lengths and a seed before any forward): every micro-batch at one menu vector
+  (uniform at several densities, skewed between layers), the long micro-batches at one vector
+  and the short at another (density moved between samples), each micro-batch at a random menu
+  vector, and DST's own. Per plan its measured loss change against uniform d0 (token-weighted;
+  its standard error from the samples' paired differences) against each model's prediction:
+  the fitted one (``--model``), the same fit without its length term or interaction (refitted
+  from ``--calibration-cache``) and the model fitted before on essay windows one group at a
+  time (``--old-model``): Spearman, and the share of plans whose sign is right where the
+  measured change exceeds two standard errors.
+
+Every forward is cached (``--cache``, JSON lines keyed by sample and vector): a run stopped
+part-way continues where it stopped.
+
+    .venv/bin/python scripts/bench.py plan_quality --calibrate --json docs/results/plan_quality_fit.json
+    .venv/bin/python scripts/bench.py plan_quality --validate --json docs/results/plan_quality_check.json
+    .venv/bin/python scripts/bench.py plan_quality --calibrate --quick --json /tmp/pq.json  # smoke
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import numpy as np
+
+from . import smollm2
+from .common import ROOT, parser, write_result
+
+GROUPS = 3                       # depth groups: thirds of the model's layers
+# every calibration sample's vectors (one density per group; d0 0.5 is the reference)
+CALIBRATION = ([(0.5, 0.5, 0.5)]
+               + [tuple(d if g == k else 0.5 for g in range(GROUPS))
+                  for k in range(GROUPS) for d in (0.3, 0.4, 0.7, 1.0)]
+               + [(d, d, d) for d in (0.3, 0.4, 0.7, 1.0)]
+               + [(1.0, 1.0, 0.35), (0.35, 0.7, 0.7), (0.7, 0.35, 1.0)])
+CALIBRATION_SEED_BASE = 200_000
+VALIDATION_SEED_BASE = 300_000
+DEFAULT_MODEL = os.path.join(ROOT, "sparsebalance_megatron", "policy",
+                             "quality_model_smollm2.json")
+
+
+def parse_args(argv=None):
+    ap = parser(__doc__, "plan_quality")
+    step = ap.add_mutually_exclusive_group(required=True)
+    step.add_argument("--calibrate", action="store_true", help="measure and fit the model")
+    step.add_argument("--validate", action="store_true", help="check it on unseen plans")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="calibration 24, validation 36 (--quick: 3)")
+    ap.add_argument("--kinds", nargs="+", default=["needle_multikey", "text_code",
+                                                    "needle_single", "text_prose"],
+                    choices=smollm2.KINDS)
+    ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
+    ap.add_argument("--density", type=float, default=0.5, help="d0, the reference")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--loss-stride", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=None, help="a cut of the model (--quick: 3)")
+    ap.add_argument("--cache", default=None, metavar="PATH.jsonl",
+                    help="the forwards' cache (default runs/plan_quality/<step>.jsonl)")
+    ap.add_argument("--model-out", default=DEFAULT_MODEL,
+                    help="--calibrate: where the fitted model goes")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="--validate: the model checked")
+    ap.add_argument("--calibration-cache", default=os.path.join(ROOT, "runs", "plan_quality",
+                                                                 "calibrate.jsonl"),
+                    help="--validate: the calibration's forwards (to refit the model without "
+                         "its length term or interaction)")
+    ap.add_argument("--old-model", default=None,
+                    help="--validate: a model to compare (default: the one fitted before on "
+                         "essay windows, docs/results/quality_cost_smollm2.json)")
+    ap.add_argument("--seed", type=int, default=0, help="--validate: the random plans' seed")
+    ap.add_argument("--shard", default="0/1", metavar="K/N",
+                    help="measure every N-th forward from the K-th only (processes sharing the "
+                         "cache; the fit and report wait for a run without --shard)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 3 layers, 3 samples of 256-512 tokens, block 16")
+    args = ap.parse_args(argv)
+    try:
+        k, n = (int(x) for x in args.shard.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        ap.error(f"--shard {args.shard}: expected K/N with 0 <= K < N")
+    args.shard = (k, n)
+    if args.quick:
+        args.layers, args.lengths, args.block_size = 3, [256, 512], 16
+        args.samples = args.samples or 3
+    if args.samples is None:
+        args.samples = 24 if args.calibrate else 36
+    step = "calibrate" if args.calibrate else "validate"
+    if args.validate and args.quick and args.calibration_cache.endswith("calibrate.jsonl"):
+        args.calibration_cache = args.calibration_cache[:-6] + "_quick.jsonl"
+    if args.cache is None:
+        args.cache = os.path.join(ROOT, "runs", "plan_quality",
+                                  f"{step}{'_quick' if args.quick else ''}.jsonl")
+    return args
+
+
+class Cache:
+    """Forwards by (sample key, vector), appended as JSON lines as they are made; several
+    processes (``--shard``) may share one, each reading what the others appended."""
+
+    def __init__(self, path: str):
+        self.path, self.rows, self.offset = path, {}, 0
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the lines appended since the last read (whole lines only)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            while True:
+                line = f.readline()
+                if not line.endswith("\n"):
+                    break
+                self.offset += len(line.encode())
+                if line.strip():
+                    r = json.loads(line)
+                    self.rows[(r["sample"], tuple(r["vector"]))] = r
+
+    def get(self, sample_key: str, vector) -> dict | None:
+        key = (sample_key, tuple(round(float(x), 6) for x in vector))
+        if key not in self.rows:
+            self.refresh()
+        return self.rows.get(key)
+
+    def put(self, row: dict) -> None:
+        row["vector"] = [round(float(x), 6) for x in row["vector"]]
+        self.rows[(row["sample"], tuple(row["vector"]))] = row
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def measure(args, jobs: list, samples: list, cache: Cache) -> list:
+    """Every (sample index, group vector) of ``jobs`` scored (from the cache where it is there):
+    its rows, in ``jobs``' order; with ``--shard K/N`` only every N-th job from the K-th (the
+    others' rows where the cache has them). The model is loaded only if a forward is missing."""
+    model = None
+    k, n_shards = args.shard
+    out, t0, made = [], time.perf_counter(), 0
+    for n, (i, vec) in enumerate(jobs):
+        s = samples[i]
+        row = cache.get(smollm2.key(s), vec)
+        if row is None and n % n_shards != k:
+            continue
+        if row is None:
+            if model is None:
+                model, budget, _, a = smollm2.load(args.density, args.block_size, args.layers,
+                                                   args.threads)
+                t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            res = smollm2.score(model, budget, s, smollm2.layer_densities(vec, a.num_layers),
+                                args.loss_stride)
+            row = {"sample": smollm2.key(s), "vector": list(vec), "kind": s.task,
+                   "length": s.length, "tokens": smollm2.tokens(s), **res,
+                   "seconds": round(time.perf_counter() - t1, 2)}
+            cache.put(row)
+            made += 1
+            if made % 10 == 0 or n + 1 == len(jobs):
+                rate = (time.perf_counter() - t0) / made
+                print(f"[{n + 1}/{len(jobs)}] {made} forwards, {rate:.1f} s each, "
+                      f"~{rate * (len(jobs) - n - 1) / 60:.0f} min left", flush=True)
+        out.append(row)
+    return out
+
+
+def num_layers(args) -> int:
+    return args.layers or smollm2.arch().num_layers
+
+
+def calibrate(args) -> int:
+    enc = smollm2.encoder(smollm2.tokenizer())
+    samples = smollm2.samples(args.kinds, args.samples, args.lengths, CALIBRATION_SEED_BASE, enc)
+    jobs = [(i, v) for i in range(len(samples)) for v in CALIBRATION]
+    print(f"{len(samples)} calibration samples x {len(CALIBRATION)} vectors = {len(jobs)} "
+          f"forwards (cache {args.cache})", flush=True)
+    rows = measure(args, jobs, samples, Cache(args.cache))
+    if args.shard[1] > 1:
+        print(f"shard {args.shard[0]}/{args.shard[1]} done")
+        return 0
+    from sparsebalance_megatron.policy import quality_fit
+
+    model, report = quality_fit.fit(rows, d0=args.density, groups=GROUPS,
+                                    num_layers=num_layers(args),
+                                    model_name=f"SmolLM2-135M ({num_layers(args)} layers, "
+                                               f"block {args.block_size})",
+                                    text=" + ".join(args.kinds),
+                                    block_size=args.block_size)
+    if not args.quick:
+        model.save(args.model_out)
+        print(f"wrote {os.path.relpath(args.model_out, ROOT)}")
+    write_result(args.json, {"config": {k: v for k, v in vars(args).items() if k != "json"},
+                             "vectors": [list(v) for v in CALIBRATION],
+                             "model": model.as_dict(), "fit": report, "rows": rows})
+    print(quality_fit.summary(report))
+    return 0
+
+
+# ---- the check on plans the model has not seen ---------------------------------------------
+
+MENU = ((0.35, 0.35, 0.35), (0.6, 0.6, 0.6), (0.8, 0.8, 0.8),
+        (0.8, 0.5, 0.3), (0.3, 0.5, 0.8), (1.0, 1.0, 0.35), (0.35, 0.35, 1.0), (0.7, 0.35, 0.5),
+        (1.0, 0.4), (0.4, 0.8))
+REFERENCE = (0.5, 0.5, 0.5)
+VALIDATION_SEED_BASE = 300_000
+BATCHES = 2
+LAYOUTS = (("quality", 3), ("quality", 2), ("density", 3))    # DST's own plans: objective, PP
+DP, MICROBATCHES, SEQ = 4, 2, 8192
+OLD_MODEL = os.path.join(ROOT, "docs", "results", "quality_cost_smollm2.json")
+
+
+def fill(lengths: list, seq: int = SEQ) -> list:
+    """Micro-batches (lists of sample indices) of consecutive samples, Megatron's fill rule."""
+    bins, cur = [], []
+    for i, n in enumerate(lengths):
+        if cur and sum(lengths[j] for j in cur) + n > seq:
+            bins.append(cur)
+            cur = []
+        cur.append(i)
+    return bins + [cur]
+
+
+def plans(lengths: list, seed: int = 0) -> list:
+    """The checked plans, from the samples' lengths alone: (name, {sample: vector})."""
+    rng = random.Random(seed)
+    out = []
+    n = len(lengths)
+    for b in range(BATCHES):
+        idx = list(range(b * n // BATCHES, (b + 1) * n // BATCHES))
+        mbs = [[idx[j] for j in mb] for mb in fill([lengths[i] for i in idx])]
+        for v in MENU:                                              # every micro-batch alike
+            out.append((f"b{b} all {v}", {i: v for mb in mbs for i in mb}))
+        mean_len = [np.mean([lengths[i] for i in mb]) for mb in mbs]
+        long = [mb for mb, x in zip(mbs, mean_len) if x >= np.median(mean_len)]
+        short = [mb for mb, x in zip(mbs, mean_len) if x < np.median(mean_len)]
+        pairs = [((0.35,) * 3, (0.8,) * 3), ((0.8,) * 3, (0.35,) * 3),
+                 ((0.35,) * 3, (0.6,) * 3), ((0.6,) * 3, (0.35,) * 3),
+                 ((1.0, 1.0, 0.35), (0.35,) * 3), ((0.35,) * 3, (1.0, 1.0, 0.35)),
+                 ((0.3, 0.5, 0.8), (0.8, 0.5, 0.3)), ((1.0, 0.4), (0.4, 0.8))]
+        for a, c in pairs:                          # density moved between long and short
+            plan = {i: a for mb in long for i in mb}
+            plan.update({i: c for mb in short for i in mb})
+            out.append((f"b{b} long {a} short {c}", plan))
+        for r in range(8):                          # each micro-batch its own menu vector
+            plan = {}
+            for mb in mbs:
+                v = MENU[rng.randrange(len(MENU))]
+                plan.update({i: v for i in mb})
+            out.append((f"b{b} random {r}", plan))
+    return out
+
+
+def dst_plans(args, a, lengths: list) -> list:
+    """DST's own plans of each batch: (name, {sample: its micro-batch's stage vector})."""
+    from sparsebalance_megatron.config import SparseBalanceConfig
+
+    out, n = [], len(lengths)
+    for objective, pp in LAYOUTS:
+        sb = SparseBalanceConfig(sparse_balance=True, density=args.density,
+                                 block_size=args.block_size, dense_below_tokens="0",
+                                 raise_headroom="0", dst_objective=objective,
+                                 quality_cost=args.model)
+        for b in range(BATCHES):
+            idx = list(range(b * n // BATCHES, (b + 1) * n // BATCHES))
+            got = smollm2.runtime_plans(sb, a, [lengths[i] + 1 for i in idx], dp=DP,
+                                        microbatches=MICROBATCHES, pp=pp, seq_length=SEQ)
+            plan = {i: tuple(round(float(x), 6) for x in got["stage_densities"][j])
+                    for j, i in enumerate(idx)}
+            out.append((f"b{b} DST {objective} PP {pp}", plan, got["steps"]))
+    return out
+
+
+def predictor(cost, d0: float, layers: int):
+    """predict(vector, length) -> the model's per-token change against uniform d0."""
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
+
+    def predict(vec, length):
+        q = StageQuality.from_cost(cost, [layers / len(vec)] * len(vec), d0)
+        return float(q.doc_change(np.asarray([vec], dtype=np.float64), [length])[0])
+
+    def spread(vec, length):
+        q = StageQuality.from_cost(cost, [layers / len(vec)] * len(vec), d0)
+        reps = [float(q.doc_change(np.asarray([vec]), [length], r)[0])
+                for r in range(len(cost.bootstrap))]
+        return reps
+
+    return predict, spread
+
+
+def score_plans(checked: list, rows: dict, samples: list, models: dict) -> list:
+    """Per plan: measured change (token-weighted) and its SE, each model's prediction."""
+    out = []
+    for name, plan, *steps in checked:
+        ids = sorted(plan)
+        w = np.array([smollm2.tokens(samples[i]) for i in ids], dtype=np.float64)
+        d = np.array([rows[i, plan[i]]["loss"] - rows[i, REFERENCE]["loss"] for i in ids])
+        mean = float(np.dot(w, d) / w.sum())
+        se = float(np.sqrt(np.sum(w ** 2 * (d - mean) ** 2) / w.sum() ** 2
+                           * len(ids) / max(len(ids) - 1, 1)))
+        row = {"plan": name, "samples": len(ids), "measured": mean, "se": se,
+               "kept": float(np.dot(w, [rows[i, plan[i]]["kept"] for i in ids]) / w.sum()),
+               "predicted": {}}
+        for key, (predict, spread) in models.items():
+            p = [predict(plan[i], samples[i].length) for i in ids]
+            row["predicted"][key] = float(np.dot(w, p) / w.sum())
+            if spread is not None:
+                reps = np.array([spread(plan[i], samples[i].length) for i in ids])   # [n, B]
+                if reps.size:
+                    row["uncertainty"] = float((w @ reps / w.sum()).std(ddof=1))
+        if steps:
+            row["dst_steps"] = steps[0]
+        out.append(row)
+    return out
+
+
+def metrics(scored: list, key: str) -> dict:
+    """Spearman of predicted against measured, and the sign rule on the clear plans."""
+    pred = np.array([r["predicted"][key] for r in scored])
+    meas = np.array([r["measured"] for r in scored])
+    se = np.array([r["se"] for r in scored])
+    clear = np.abs(meas) > 2 * se
+    right = np.sign(pred[clear]) == np.sign(meas[clear])
+
+    def rank(x):
+        return np.argsort(np.argsort(x)).astype(float)
+
+    rho = float(np.corrcoef(rank(pred), rank(meas))[0, 1]) if len(scored) > 2 else float("nan")
+    return {"plans": len(scored), "spearman": rho, "pearson": float(np.corrcoef(pred, meas)[0, 1]),
+            "mae": float(np.mean(np.abs(pred - meas))), "clear": int(clear.sum()),
+            "sign_right": int(right.sum()),
+            "sign_right_share": float(right.mean()) if clear.any() else float("nan")}
+
+
+def validate(args) -> int:
+    from sparsebalance_megatron.policy import quality_fit
+    from sparsebalance_megatron.policy.quality import QualityCost
+
+    enc = smollm2.encoder(smollm2.tokenizer())
+    samples = smollm2.samples(args.kinds, args.samples, args.lengths, VALIDATION_SEED_BASE, enc)
+    lengths = [smollm2.tokens(s) for s in samples]
+    checked = plans(lengths, seed=args.seed)
+    own = [] if args.quick else dst_plans(args, smollm2.arch(), lengths)   # (full model only)
+    vectors = {REFERENCE, *MENU, *{v for _, p, _ in own for v in p.values()}}
+    jobs = [(i, v) for i in range(len(samples)) for v in sorted(vectors)
+            if v in (REFERENCE, *MENU) or any(p.get(i) == v for _, p, _ in own)]
+    print(f"{len(samples)} held-out samples, {len(checked) + len(own)} plans, {len(jobs)} "
+          f"forwards (cache {args.cache})", flush=True)
+    got = measure(args, jobs, samples, Cache(args.cache))
+    if args.shard[1] > 1:
+        print(f"shard {args.shard[0]}/{args.shard[1]} done")
+        return 0
+    rows = {(i, tuple(v)): r for (i, v), r in zip(jobs, got)}
+    layers = num_layers(args)
+    model = QualityCost.load(args.model)
+    models = {"fitted": predictor(model, args.density, layers)}
+    calib = [r for r in Cache(args.calibration_cache).rows.values()] \
+        if os.path.exists(args.calibration_cache) else []
+    if calib:                       # the same fit without its length term, interaction, both
+        for name, betas, gammas in (("no length term", (0.0,), quality_fit.GAMMAS),
+                                    ("no interaction", quality_fit.BETAS, (0.0,)),
+                                    ("neither", (0.0,), (0.0,))):
+            variant, _ = quality_fit.fit(calib, d0=args.density, groups=GROUPS,
+                                         num_layers=layers, model_name=name, text="",
+                                         block_size=args.block_size, replicates=0,
+                                         betas=betas, gammas=gammas)
+            models[name] = (predictor(variant, args.density, layers)[0], None)
+    old = args.old_model or OLD_MODEL
+    if os.path.exists(old):
+        models["essay windows, one group at a time (before)"] = (
+            predictor(QualityCost.load(old), args.density, layers)[0], None)
+    scored = score_plans(checked + own, rows, samples, models)
+    result = {k: metrics(scored, k) for k in models}
+    dst_only = [r for r in scored if "dst_steps" in r]
+    for r in scored:
+        if "uncertainty" in r:
+            r["within"] = bool(abs(r["predicted"]["fitted"] - r["measured"]) <= 2 * np.hypot(
+                r["se"], r["uncertainty"]))
+    doc = {"config": {k: v for k, v in vars(args).items() if k != "json"},
+           "menu": [list(v) for v in MENU], "calibration_vectors": [list(v) for v in CALIBRATION],
+           "metrics": result,
+           "dst_plans": [{k: r[k] for k in ("plan", "measured", "se", "predicted", "dst_steps")}
+                         for r in dst_only],
+           "coverage_2sd": float(np.mean([r["within"] for r in scored if "within" in r]))
+           if any("within" in r for r in scored) else None,
+           "plans": scored, "rows": got}
+    write_result(args.json, doc)
+    for k, m in result.items():
+        print(f"{k}: Spearman {m['spearman']:.3f} over {m['plans']} plans, sign right "
+              f"{m['sign_right']}/{m['clear']} clear ones, MAE {m['mae']:.4f}")
+    for r in dst_only:
+        print(f"{r['plan']}: measured {r['measured']:+.4f} (SE {r['se']:.4f}), predicted "
+              f"{r['predicted']['fitted']:+.4f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.calibrate:
+        return calibrate(args)
+    return validate(args)

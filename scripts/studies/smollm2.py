@@ -1,0 +1,217 @@
+"""SmolLM2-135M in Megatron with the plugin's sparse attention, scored one sample at a time: the
+model every quality study of a pretrained model uses (``inference_quality``, ``plan_quality``).
+
+- ``load``: the GGUF's tensors (``gguf_weights``) converted into megatron-core's GPTModel with the
+  plugin's block-sparse attention (``--layers``: the first N layers, the smoke tests' cut);
+- ``score``: one teacher-forced forward of a sample with one density per decoder layer set
+  through the attention's own budget: the held-out loss of every ``stride``-th position's next
+  token (the LM head runs on those and on the answer's positions only), the answer's NLL and
+  exact match where the sample has an answer, and the kept density the kernel reported;
+- ``samples``: RULER-style tasks (``eval.make_sample``) and natural-text windows
+  (``eval.make_text_window``), by kind (``KINDS``), seeded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+
+import numpy as np
+
+KINDS = ("needle_single", "needle_multikey", "needle_multiquery", "text_code", "text_prose")
+
+
+def arch():
+    """SmolLM2-135M's architecture from its GGUF's config (no weights read)."""
+    from transformers import AutoConfig
+
+    from sparsebalance_megatron.megatron.model import hf_convert
+
+    d, name = os.path.split(hf_convert.smollm2_gguf_path())
+    return hf_convert.arch_from_hf_config(AutoConfig.from_pretrained(d, gguf_file=name))
+
+
+def load(density: float, block_size: int, layers=None, threads: int = 1):
+    """(model with the plugin's sparse attention, its budget, tokenizer, architecture)."""
+    import torch
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
+    from sparsebalance_megatron.megatron.launch.profile import init_single_process
+    from sparsebalance_megatron.megatron.model import gguf_weights, hf_convert
+
+    activate_cpu_shims()
+    init_single_process()
+    torch.set_num_threads(threads)
+    gguf = hf_convert.smollm2_gguf_path()
+    _, tok = hf_convert.load_hf_gguf(gguf, with_model=False)
+    with tempfile.TemporaryDirectory(prefix="smollm2_weights_") as tmp:
+        gguf_weights.pack_gguf(gguf, tmp, layers)
+        hf_sd, a = gguf_weights.load_packed(tmp)
+    sb = SparseBalanceConfig(sparse_attention=True, density=density, block_size=block_size,
+                             dense_below_tokens="0", attention_backend="torch")
+    model = hf_convert.build_gpt_model(a, "sparse", sb)
+    hf_convert.load_converted_weights(model, hf_convert.convert_hf_state_dict(hf_sd, a))
+    model.eval().requires_grad_(False)
+    return model, model.decoder.layers[0].self_attention.core_attention.budget, tok, a
+
+
+def tokenizer():
+    """SmolLM2's tokenizer (from its GGUF, no weights read)."""
+    from sparsebalance_megatron.megatron.model import hf_convert
+
+    return hf_convert.load_hf_gguf(hf_convert.smollm2_gguf_path(), with_model=False)[1]
+
+
+def encoder(tok):
+    return lambda s: tok(s, add_special_tokens=False)["input_ids"]
+
+
+def make(kind: str, length: int, depth: float, seed: int, encode):
+    """One sample of ``kind`` (``KINDS``)."""
+    from sparsebalance_megatron.eval import make_sample, make_text_window
+
+    if kind.startswith("text_"):
+        return make_text_window(kind[len("text_"):], length, seed, encode)
+    return make_sample(kind, length, depth, seed, encode)
+
+
+def samples(kinds, n: int, lengths, seed_base: int, encode) -> list:
+    """``n`` samples, kinds in turn, lengths uniform in ``lengths``, needles at depths uniform
+    in [0.1, 0.9], seeds ``seed_base`` + i."""
+    rng = random.Random(seed_base)
+    return [make(kinds[i % len(kinds)], rng.randint(*lengths), round(rng.uniform(0.1, 0.9), 3),
+                 seed_base + i, encode) for i in range(n)]
+
+
+def key(sample) -> str:
+    """A sample's identity in a measurement cache."""
+    return f"{sample.task}:{sample.length}:{sample.depth}:{sample.seed}"
+
+
+def tokens(sample) -> int:
+    """The positions a forward of the sample predicts (prompt + answer, less one)."""
+    return len(sample.input_ids) + len(sample.answer_ids) - 1
+
+
+def score(model, budget, sample, layer_dens, stride: int) -> dict:
+    """One teacher-forced forward of prompt + answer with ``layer_dens`` (one density a decoder
+    layer): ``loss`` the mean next-token loss of every ``stride``-th position of the whole
+    sequence; with an answer, ``answer_nll`` (mean over its scored tokens), ``exact`` (every
+    scored token's argmax right) and ``token_accuracy``; ``kept`` the layer-mean kept density
+    the kernel reported."""
+    import torch
+
+    dev = next(model.parameters()).device
+    full = sample.input_ids + sample.answer_ids
+    ids = full[:-1]
+    n_prompt = len(sample.input_ids)
+    mask = sample.scored()
+    answer = [n_prompt - 1 + j for j, m in enumerate(mask) if m]     # predicting answer tokens
+    strided = list(range(0, len(ids), stride))
+    pos = sorted(set(strided) | set(answer))
+    at = torch.tensor(pos, device=dev)
+    where = {p: i for i, p in enumerate(pos)}
+
+    def keep(_module, _inp, out):                   # the LM head on these positions only
+        h = out[0] if isinstance(out, tuple) else out                  # [s, b, h]
+        return (h[at],) + tuple(out[1:]) if isinstance(out, tuple) else h[at]
+
+    budget.set_layer_densities({j + 1: float(d) for j, d in enumerate(layer_dens)})
+    budget.pop_stats()
+    handle = model.decoder.register_forward_hook(keep)
+    try:
+        with torch.enable_grad():                  # the kernel reports its kept densities
+            logits = model(torch.tensor([ids], device=dev),
+                           torch.arange(len(ids), device=dev)[None],
+                           attention_mask=None)[0].float()              # [len(pos), V]
+    finally:
+        handle.remove()
+    kept: dict = {}
+    for _, _, layer, k, _ in budget.pop_stats():
+        kept.setdefault(layer, []).extend(k)
+    target = torch.tensor(full, device=dev)[at + 1]
+    nll = -torch.log_softmax(logits, -1).gather(1, target[:, None])[:, 0]
+    out = {"loss": float(nll[[where[p] for p in strided]].mean()),
+           "kept": float(np.mean([np.mean(v) for v in kept.values()]))}
+    if answer:
+        rows = [where[p] for p in answer]
+        right = (logits[rows].argmax(-1) == target[rows]).tolist()
+        out.update(answer_nll=float(nll[rows].mean()), exact=float(all(right)),
+                   token_accuracy=sum(right) / len(right))
+    return out
+
+
+def layer_densities(group_densities, n_layers: int) -> list:
+    """One density a decoder layer from one a depth group (groups of equal depth, in order)."""
+    g = len(group_densities)
+    return [float(group_densities[min(j * g // n_layers, g - 1)]) for j in range(n_layers)]
+
+
+def latency_model(a, seq_length: int, pp: int, block_size: int):
+    """The analytic H100 table of architecture ``a`` (micro-batches of ``seq_length`` tokens on
+    ``pp`` stages): the timings the studies plan with."""
+    from sparsebalance_megatron.latency import LatencyModel
+    from sparsebalance_megatron.latency.shape import ModelShape
+
+    shape = ModelShape(num_layers=a.num_layers, hidden_size=a.hidden_size,
+                       ffn_hidden_size=a.ffn_hidden_size,
+                       num_attention_heads=a.num_attention_heads,
+                       num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
+                       vocab_size=a.vocab_size, seq_length=seq_length)
+    return LatencyModel.analytic(shape, pp=pp, block_size=block_size)
+
+
+def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
+                  seq_length: int) -> dict:
+    """The runtime's own plans of documents of ``lengths`` tokens (each with its EOD), in
+    order: consecutive documents fill micro-batches of ``seq_length`` (Megatron's fill rule),
+    ``dp`` x ``microbatches`` of them a step, and each step goes through the runtime's draft
+    (``step.drafting.Drafter``: SAB's packing and the sequential baseline's under do-no-harm,
+    DST on the committed one) with ``sb`` (a ``SparseBalanceConfig``), a fresh sensitivity
+    tracker and the analytic table of ``a`` on ``pp`` stages. Per document its micro-batch's
+    density per stage (``stage_densities`` [n, pp]) and its unit; per step what DST did."""
+    from sparsebalance_megatron.batching.sensitivity import SensitivityTracker
+    from sparsebalance_megatron.megatron.step.drafting import Drafter
+
+    lm = latency_model(a, seq_length, pp, sb.block_size)
+    lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
+    bins, cur = [], []
+    for i, n in enumerate(lengths):
+        if cur and sum(lengths[j] for j in cur) + n > seq_length:
+            bins.append(cur)
+            cur = []
+        cur.append(i)
+    bins.append(cur)
+    per_step = dp * microbatches
+    stages = np.full((len(lengths), pp), np.nan)
+    unit, steps = [None] * len(lengths), []
+    for k in range(0, len(bins), per_step):
+        ids = sum(bins[k:k + per_step], [])
+        m = min(microbatches, -(-len(bins[k:k + per_step]) // dp))
+        drafter = Drafter(sb, lm, SensitivityTracker(signal=sb.sensitivity_signal), dp=dp,
+                          capacity=seq_length, attention_layers=lm.layout.layers)
+        draft = drafter.draft(len(steps), 0, [(i, 0, lengths[i]) for i in ids], m,
+                              with_dst=True)
+        dens, report = draft.payload
+        index = (report.get("stand_down") or {}).get("packing_index", 0)
+        batch = draft.packing(index)[0]
+        for r, rank in enumerate(batch.micro_batches):
+            for mb, segs in enumerate(rank):
+                for sid, _, _ in segs:
+                    stages[sid] = dens[r][mb]
+                    unit[sid] = [len(steps), r, mb]
+        steps.append({"samples": len(ids), "micro_batches": m, "packing": batch.method,
+                      "units_cut": report["units_cut"], "units_raised": report["units_raised"],
+                      "adopted": report.get("adopted", ""),
+                      "predicted_loss_change": report.get("quality_cost"),
+                      "predicted_loss_sd": report.get("quality_sd"),
+                      "step_time_planned_s": report["step_time_planned_s"],
+                      "step_time_static_s": report["step_time_static_s"],
+                      "predicted_step_vs_static": report["step_time_planned_s"]
+                      / report["step_time_static_s"]})
+    if np.isnan(stages).any():
+        raise RuntimeError("a document was left out of every micro-batch of its step's plan")
+    return {"stage_densities": stages, "unit": unit, "steps": steps,
+            "stage_layers": list(lm.layout.layers), "latency": lm}

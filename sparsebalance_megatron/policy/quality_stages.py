@@ -1,0 +1,233 @@
+"""The quality model (``policy.quality``) on a pipeline's stages and one step's units: every
+check DST makes of a plan's quality goes through here.
+
+``StageQuality``: the model mapped onto the (virtual) stages of a layout (a stage's cost at
+density d is ``sum_g w[s, g] c_g(d)``), with its grid tables; ``BoundQuality``: that on one
+step's units, weighted by their documents' lengths and tokens (``bind``): a plan's change
+against uniform d0 summed over the units (and under each bootstrap replicate: its uncertainty),
+and the water-filling's per-unit scale.
+
+Pure numpy; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .quality import QualityCost, QualityCostError, curve
+
+UNCERTAINTY_Z = 1.0           # a plan's uncertainty: this many bootstrap standard deviations
+
+_FROM_COST: dict = {}      # StageQuality.from_cost's: (id(cost), layers, d0) -> (cost, quality)
+
+
+@dataclass(frozen=True)
+class StageQuality:
+    """A quality model mapped onto a pipeline's (virtual) stages: stage s's layers at density d
+    cost ``sum_g weights[s, g] c_g(d)`` (``QualityCost.stage_weights``). Planning binds it to a
+    step's units (``bind``): their documents' lengths and tokens."""
+
+    cost: QualityCost
+    weights: np.ndarray         # [nv, G]
+    d0: float
+
+    @classmethod
+    def from_cost(cls, cost: QualityCost, stage_layers: Sequence[int], d0: float
+                  ) -> "StageQuality":
+        """The stages' quality of ``cost``; the same object for the same cost object, layers
+        and d0 (DST asks every step: its grid tables are then made once)."""
+        key = (id(cost), tuple(float(x) for x in stage_layers), float(d0))
+        hit = _FROM_COST.get(key)
+        if hit is not None and hit[0] is cost:
+            return hit[1]
+        out = cls(cost, cost.stage_weights(stage_layers), float(d0))
+        if len(_FROM_COST) >= 16:
+            _FROM_COST.clear()
+        _FROM_COST[key] = (cost, out)          # the cost held: its id is not reused meanwhile
+        return out
+
+    @property
+    def stages(self) -> int:
+        return self.weights.shape[0]
+
+    def curves(self, density, rep: Optional[int] = None) -> np.ndarray:
+        """[..., nv] every stage's cost against dense with all its layers at ``density`` [...]
+        (a scalar or a grid); ``rep``: a bootstrap replicate's curves."""
+        d = np.asarray(density, dtype=np.float64)
+        per = [curve(g.knots, c, d) for g, c in zip(self.cost.groups, _costs(self, rep))]
+        return np.stack(per, axis=-1) @ self.weights.T                 # [..., nv]
+
+    def stage_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
+        """[nv, g] every stage's cost against dense at every grid density (cached per grid)."""
+        g = np.asarray(grid, dtype=np.float64)
+        key = (g.tobytes(), rep)
+        cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
+        got = cache.get(key)            # one read: a planner thread and a report may share it
+        if got is None:
+            if len(cache) > 4 * (len(self.cost.bootstrap) + 1):
+                cache.clear()
+            got = np.ascontiguousarray(self.curves(g, rep).T)
+            cache[key] = got
+        return got
+
+    def reference(self, rep: Optional[int] = None) -> np.ndarray:
+        """[nv] every stage's cost against dense at d0."""
+        return self.curves(self.d0, rep)
+
+    def grid_table(self, grid: np.ndarray) -> np.ndarray:
+        """[nv, g] a stage's change against d0 at every grid density (rho = 1)."""
+        return self.stage_table(grid) - self.reference()[:, None]
+
+    def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
+        """[nv, g] quality gained per unit of density by stepping up to each grid index from the
+        one below (+inf at index 0), non-increasing along the grid (the cost is convex): what
+        DST's quality water-filling weighs against attention seconds (scaled per unit by its
+        documents, ``BoundQuality.unit_scale``)."""
+        g = np.asarray(grid, dtype=np.float64)
+        q = self.stage_table(g)
+        out = np.full(q.shape, np.inf)
+        out[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(g), 0.0)
+        return np.minimum.accumulate(out, axis=1)
+
+    def factors(self, lengths, tokens, rep: Optional[int] = None) -> tuple:
+        """(rho, rho^2) summed over documents, token-weighted: ``lengths`` and ``tokens`` per
+        document, any shape; a model without a length term gives the tokens themselves."""
+        c = self.cost
+        beta = c.length_exponent if rep is None else c.bootstrap[rep].length_exponent
+        t = np.asarray(tokens, dtype=np.float64)
+        if c.length_ref <= 0 or beta == 0:
+            return t, t
+        rho = (np.maximum(np.asarray(lengths, dtype=np.float64), 1.0) / c.length_ref) ** beta
+        return t * rho, t * rho * rho
+
+    def change(self, diff: np.ndarray, f1: np.ndarray, f2: np.ndarray,
+               rep: Optional[int] = None) -> np.ndarray:
+        """Loss change against d0 (nats, summed over tokens) of documents or units whose
+        stage-summed cost against d0 is ``diff`` and whose factors are (f1, f2) (``factors``):
+        ``f1 diff + gamma f2 diff (diff + 2 S0)``, S0 the stages' cost at d0. The one body of the
+        model's rule: every check of a plan goes through it."""
+        c = self.cost
+        gamma = c.interaction if rep is None else c.bootstrap[rep].interaction
+        out = f1 * diff
+        if gamma:
+            out = out + gamma * f2 * diff * (diff + 2.0 * float(self.reference(rep).sum()))
+        return out
+
+    def doc_change(self, densities: np.ndarray, lengths, rep: Optional[int] = None
+                   ) -> np.ndarray:
+        """[n] per-token loss change against uniform d0 of documents of ``lengths`` [n] whose
+        stages run at ``densities`` [n, nv]."""
+        d = np.asarray(densities, dtype=np.float64)
+        if d.ndim != 2 or d.shape[1] != self.stages:
+            raise QualityCostError(f"densities shape {d.shape}: expected [n, {self.stages}] "
+                                   f"(one per stage)")
+        diff = _stagewise(self, d, rep).sum(axis=1) - self.reference(rep).sum()
+        f1, f2 = self.factors(lengths, np.ones(d.shape[0]), rep)
+        return self.change(diff, f1, f2, rep)
+
+    def bind(self, costs) -> "BoundQuality":
+        """This model on ``costs``' units (a ``UnitCosts``): their documents' factors (each
+        unit one token of the reference length where the costs carry no documents)."""
+        docs = getattr(costs, "unit_docs", None)
+        dp, m = costs.shape[:2]
+        reps = [None] + list(range(len(self.cost.bootstrap)))
+        if docs is None:
+            ones = np.ones((dp, m))
+            return BoundQuality(self, [(ones, ones)] * len(reps), float(dp * m))
+        offsets, lengths, tokens, sparse = docs
+        unit = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+        fs = []
+        for r in reps:
+            f1, f2 = self.factors(lengths, lengths * sparse, r)
+            fs.append(tuple(np.bincount(unit, x, minlength=dp * m).reshape(dp, m)
+                            for x in (f1, f2)))
+        return BoundQuality(self, fs, max(float(np.asarray(tokens).sum()), 1.0))
+
+
+def _costs(q: StageQuality, rep) -> tuple:
+    """The groups' cost at their knots: the fit's, or bootstrap replicate ``rep``'s."""
+    return tuple(g.cost_at_knots for g in q.cost.groups) if rep is None \
+        else q.cost.bootstrap[rep].cost
+
+
+def _stagewise(q: StageQuality, d: np.ndarray, rep) -> np.ndarray:
+    """[..., nv] stage s's cost against dense at its own density d[..., s]."""
+    per = np.stack([curve(g.knots, c, d) for g, c in zip(q.cost.groups, _costs(q, rep))],
+                   axis=-1)                                                  # [..., nv, G]
+    return (per * q.weights).sum(axis=-1)
+
+
+@dataclass(frozen=True)
+class BoundQuality:
+    """A ``StageQuality`` on one step's units: every plan check DST makes (sums of the model's
+    change over the units, their bootstrap spread, the water-filling's per-unit scale)."""
+
+    stage: StageQuality
+    factors: list               # [1 + B] of (f1, f2) [dp, m]: the fit's, then each replicate's
+    tokens: float               # the units' tokens (the plan cost's denominator; at least 1)
+
+    @property
+    def replicates(self) -> int:
+        return len(self.factors) - 1
+
+    def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
+        return self.stage.marginal_gain(grid)
+
+    def unit_scale(self) -> np.ndarray:
+        """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of
+        ``change`` there per unit of stage-summed cost): the water-filling's per-unit factor."""
+        f1, f2 = self.factors[0]
+        gamma = self.stage.cost.interaction
+        return f1 + 2.0 * gamma * f2 * float(self.stage.reference().sum())
+
+    def sums_at(self, idx: np.ndarray, grid: np.ndarray, rep: Optional[int] = None
+                ) -> np.ndarray:
+        """[...] the model's change summed over the units of plans at grid indices ``idx``
+        [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change)."""
+        g = np.asarray(grid, dtype=np.float64)
+        table = self.stage.stage_table(g, rep) - self.stage.reference(rep)[:, None]
+        nv = table.shape[0]
+        diff = table.reshape(-1).take(idx + np.arange(nv) * g.size).sum(axis=-1)  # [..., dp, m]
+        f1, f2 = self.factors[0 if rep is None else rep + 1]
+        return self.stage.change(diff, f1, f2, rep).sum(axis=(-2, -1))
+
+    def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
+        """[..., B] ``sums_at`` under every bootstrap replicate."""
+        if not self.replicates:
+            return np.zeros(np.shape(idx)[:-3] + (0,))
+        return np.stack([self.sums_at(idx, grid, r) for r in range(self.replicates)], axis=-1)
+
+    def plan_cost_at(self, idx: np.ndarray, grid: np.ndarray) -> float:
+        """The per-token loss change against uniform d0 of the plan at grid indices ``idx``
+        [dp, m, nv] of ``grid``."""
+        return float(self.sums_at(idx, grid)) / self.tokens
+
+    def plan_cost(self, densities: np.ndarray, grid: Optional[np.ndarray] = None) -> float:
+        """``plan_cost_at`` of a plan given by its densities [dp, m, nv] (on ``grid`` where
+        every density is there, else interpolated)."""
+        d = np.asarray(densities, dtype=np.float64)
+        if d.ndim != 3 or d.shape[2] != self.stage.stages:
+            raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
+                                   f"{self.stage.stages}] (one per stage)")
+        if grid is not None:
+            g = np.asarray(grid, dtype=np.float64)
+            idx = np.minimum(np.searchsorted(g, d), g.size - 1)
+            if np.array_equal(g.take(idx), d):
+                return self.plan_cost_at(idx, g)
+        diff = _stagewise(self.stage, d, None).sum(axis=-1) - self.stage.reference().sum()
+        f1, f2 = self.factors[0]
+        return float(self.stage.change(diff, f1, f2).sum()) / self.tokens
+
+    def uncertainty(self, replicate_sums: np.ndarray, tokens: Optional[float] = None
+                    ) -> np.ndarray:
+        """[...] the per-token uncertainty of plans whose ``replicate_sums`` [..., B] are given
+        (summed over ``tokens``, the bound units' by default): ``UNCERTAINTY_Z`` bootstrap SDs
+        (0 without replicates)."""
+        r = np.asarray(replicate_sums, dtype=np.float64)
+        if r.shape[-1] < 2:
+            return np.zeros(r.shape[:-1])
+        return UNCERTAINTY_Z * r.std(axis=-1, ddof=1) / (self.tokens if tokens is None
+                                                            else tokens)

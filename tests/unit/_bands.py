@@ -1,0 +1,96 @@
+"""The DST band machinery run over every DP rank at once (one process, no reductions): the
+oracle the tests hold the planner's per-rank rounds against ("the same code run another way").
+
+``band_plans``: the plans of several (anchor, tolerance) candidates in one pass over all rows of
+the costs (``dst_band``'s phases in order); ``band_plan``: one band's; ``central_plan``: the band
+search over those plans, then the critical-path descent over every rank (what the planner's
+rounds make at DP 1, bit for bit; at DP > 1 its probes differ)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from sparsebalance_megatron.policy.critical_path import ROUNDS, refine_plan
+from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, BandCache, band_pass,
+                                                     band_search, cut_rows, plan_reports,
+                                                     raise_rows, static_band)
+from sparsebalance_megatron.policy.dst_settings import DSTSettings
+
+
+def band_plans(costs, sensitivity, settings: DSTSettings, candidates, cache=None, quality=None,
+               water=None) -> list:
+    """Every candidate's plan, all DP ranks' rows in one pass (``quality``: bound to
+    ``costs``; ``water``: which candidates water-fill, all of them with ``quality``)."""
+    s, k = settings, len(candidates)
+    water = np.array([quality is not None] * k if water is None else water, dtype=bool)
+    ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), k, water, quality, s.p2p_s,
+                   BandCache() if cache is None else cache)
+    step0, anchors, bands = static_band(ps, candidates)
+    step1, cut = cut_rows(ps, candidates, bands)
+    raised = raise_rows(ps, cut, step0, step1, s.raise_headroom, s.raise_to)
+    plans = plan_reports(ps, candidates, s.d0, (step0, step1, anchors, bands), raised)
+    if quality is not None:
+        for p, w in zip(plans, water):
+            if w:
+                p.report.quality_cost = p.quality_cost(quality, costs.densities)
+    return plans
+
+
+def band_plan(costs, sensitivity, d0, d_min, d_max, anchor="mean", tolerance=0.1, p2p_s=0.0,
+              raise_headroom=0.0, raise_to="bottleneck"):
+    """One band's plan (steps 1-4 of the rule) over every DP rank."""
+    settings = DSTSettings(d0, d_min, d_max, anchor=anchor, tolerance=tolerance, p2p_s=p2p_s,
+                           raise_headroom=raise_headroom, raise_to=raise_to)
+    return band_plans(costs, sensitivity, settings, [(anchor, tolerance)])[0]
+
+
+def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow=False,
+                 objectives=None):
+    """The band search over all ranks' rows at once, then ``refine_plan``'s descent where the
+    settings ask (``quality``: bound to ``costs``). With the quality objective and no descent
+    both objectives search and the quality cost chooses within ``SPEED_TIE`` of the faster, as
+    the planner's rounds do (``objectives``: [water-fills?] of the searches to run instead;
+    the last one's plan is returned). Without the planner's last rule (``RankDST.adopt``)."""
+    s = settings
+    descend = s.descent and s.raise_to == "bottleneck" and s.anchor != "max" \
+        and s.density_floor > 0
+    both = quality is not None and not descend and objectives is None
+    found = []
+    for water in objectives or ([False, True] if both else [quality is not None]):
+        cache = BandCache()
+        search = band_search(s, narrow=narrow, quality=quality if water else None,
+                             guard=quality if both and not water else None)
+        cands = next(search)
+        while True:
+            try:
+                cands = search.send(band_plans(costs, sensitivity, s, cands, cache,
+                                               quality if water else None))
+            except StopIteration as done:
+                found.append(done.value)
+                break
+    plan = found[-1]
+    if both:
+        ordered, filled = found
+        ordered.report.quality_cost = ordered.quality_cost(quality, costs.densities)
+        fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
+        fastest = min(p.report.step_time_planned_s for p in fair)
+        plan = min((p for p in fair if p.report.step_time_planned_s
+                    <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
+    return refine_plan(plan, costs, s, quality=quality, margin=SPEED_TIE,
+                       rounds=ROUNDS if descend else 0)
+
+
+def rule_free(settings: DSTSettings) -> DSTSettings:
+    """``settings`` with a speed worth any loss the model allows: the quality objective's last
+    rule (``RankDST.adopt``) then keeps the plan the search and the descent made wherever it
+    predicts no loss (what a comparison with ``central_plan`` isolates)."""
+    return replace(settings, exchange_rate=1e9)
+
+
+def without_adoption(report):
+    """A report without the fields the last rule adds (to compare with ``central_plan``'s;
+    the fields' own defaults, so that NaN is the same object)."""
+    fields = type(report).__dataclass_fields__
+    return replace(report, **{k: fields[k].default for k in ("quality_sd", "adopted")})
