@@ -142,12 +142,12 @@ QUALITY_PLAN: Tuple[Call, ...] = (
               "objective) in that order, DP 2 on the one GPU over gloo, then every checkpoint scored on the "
               "held-out RULER-style samples; no arm starts that would end after 260 s"),
 )
-# The inference plan (issue 73's GPU form, sized by ``inference_quality --gpu-form-from``): two
-# calls that stage pieces of the bundle (``inference_quality --prepare``: 357 samples of 15-16K
-# tokens planned here, SmolLM2's packed tensors), then the study, one call: no sample starts
-# after 400 s. 610 s of device time with the start and the transfers
+# The inference plan (issue 84's GPU form of the inference study): two calls that stage pieces
+# of the bundle (``inference_quality_gpu --prepare``: samples of 15-16K tokens planned here at
+# both layouts, SmolLM2's packed tensors), then the study, one call: no forward starts after
+# 400 s. 610 s of device time with the start and the transfers
 INFERENCE = ".sb-inference"
-INFERENCE_RUN = ("mkdir -p {out}; python3 scripts/bench.py inference_quality --bundle "
+INFERENCE_RUN = ("mkdir -p {out}; python3 scripts/bench.py inference_quality_gpu --bundle "
                  f"{STAGE}/{INFERENCE}/files --device cuda --budget-s {{budget_s}} "
                  "--json {out}/inference_quality_gpu.json")
 INFERENCE_PLAN: Tuple[Call, ...] = (
@@ -157,17 +157,17 @@ INFERENCE_PLAN: Tuple[Call, ...] = (
          what="stages the inference bundle's second piece"),
     Call("inference", (), 480, 400, carry=(f"{INFERENCE}/3", ".whl"), complete=True,
          run=INFERENCE_RUN, outputs=("inference_quality_gpu.json",),
-         what="the inference-quality study's GPU form (scripts/studies/_inference_bundle.py): "
+         what="the inference study's GPU form (scripts/studies/inference_quality_gpu.py): "
               "SmolLM2-135M in bf16 with the triton backend scores the bundle's samples under "
-              "uniform d0, DST's densities, uniform at DST's kept density, shuffled, 0.9 x d0 "
-              "and dense, in the bundle's balanced order; no sample starts after 400 s"),
+              "uniform d0, 0.9 x d0 and, per layout, DST's plan, uniform at DST's predicted "
+              "step time and at its kept density; no forward starts after 400 s"),
 )
 PLANS = {"issue74": PLAN, "quality": QUALITY_PLAN, "kernels": KERNEL_CALLS,
          "inference": INFERENCE_PLAN}
 PLAN_NOTES = {"issue74": "the open work of issue 74 (fa4's kernel table inside): the default",
               "quality": "issue 62's trained-quality study; replaces issue 74's plan in a "
                          "session that runs it",
-              "inference": "issue 73's GPU form (the inference-quality study at 16K); a "
+              "inference": "the inference study's GPU form (at 16K); a "
                            "session of its own",
               "kernels": "issue 61's two kernel calls alone (triton and flex, then fa4 and "
                          "flash), after a kernel changes"}
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     if verb in ("pack-quality", "pack-inference"):
         plan, folder, study = ((QUALITY_PLAN, QUALITY, "trained_quality_gpu")
                                if verb == "pack-quality" else
-                               (INFERENCE_PLAN, INFERENCE, "inference_quality"))
+                               (INFERENCE_PLAN, INFERENCE, "inference_quality_gpu"))
         src = argv[0] if argv else os.path.join(folder, "bundle")
         if not os.path.exists(os.path.join(src, "bundle.json")):
             print(f"{verb} {src}: no bundle.json there: expected the folder "

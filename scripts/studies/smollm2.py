@@ -13,23 +13,29 @@ model every quality study of a pretrained model uses (``inference_quality``, ``p
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import tempfile
+import time
 
 import numpy as np
 
 KINDS = ("needle_single", "needle_multikey", "needle_multiquery", "text_code", "text_prose")
 
 
-def arch():
-    """SmolLM2-135M's architecture from its GGUF's config (no weights read)."""
+def arch(layers=None):
+    """SmolLM2-135M's architecture from its GGUF's config (no weights read); ``layers``: its
+    cut to the first N layers (the smoke tests')."""
+    from dataclasses import replace
+
     from transformers import AutoConfig
 
     from sparsebalance_megatron.megatron.model import hf_convert
 
     d, name = os.path.split(hf_convert.smollm2_gguf_path())
-    return hf_convert.arch_from_hf_config(AutoConfig.from_pretrained(d, gguf_file=name))
+    a = hf_convert.arch_from_hf_config(AutoConfig.from_pretrained(d, gguf_file=name))
+    return replace(a, num_layers=layers) if layers else a
 
 
 def load(density: float, block_size: int, layers=None, threads: int = 1):
@@ -149,6 +155,16 @@ def layer_densities(group_densities, n_layers: int) -> list:
     return [float(group_densities[min(j * g // n_layers, g - 1)]) for j in range(n_layers)]
 
 
+def regroup(stage_densities, groups: int) -> tuple:
+    """A vector of one density per stage of an even split, as one per each of ``groups`` equal
+    depth groups (``groups`` a multiple of the stages: a study's arms share one form, so the
+    same per-layer densities are one forward)."""
+    v = [float(x) for x in stage_densities]
+    if groups % len(v):
+        raise ValueError(f"{len(v)} stages do not split into {groups} equal groups")
+    return tuple(round(v[g * len(v) // groups], 6) for g in range(groups))
+
+
 def latency_model(a, seq_length: int, pp: int, block_size: int):
     """The analytic H100 table of architecture ``a`` (micro-batches of ``seq_length`` tokens on
     ``pp`` stages): the timings the studies plan with."""
@@ -161,6 +177,27 @@ def latency_model(a, seq_length: int, pp: int, block_size: int):
                        num_query_groups=a.num_query_groups, kv_channels=a.kv_channels,
                        vocab_size=a.vocab_size, seq_length=seq_length)
     return LatencyModel.analytic(shape, pp=pp, block_size=block_size)
+
+
+def equal_time_density(lm, batch, units, dp: int, target_s: float, d0: float) -> tuple:
+    """(the densest uniform density whose predicted step on ``batch``'s micro-batches is no
+    slower than ``target_s``, that step's seconds): on a grid of 1/256, the step linear
+    between its points (the predicted step is non-decreasing in a uniform density)."""
+    from sparsebalance_megatron.policy import UnitCosts
+    from sparsebalance_megatron.policy.stand_down import plan_step_time_s
+
+    grid = np.unique(np.append(np.arange(16, 257) / 256.0, d0))
+    costs = UnitCosts.from_latency(lm, units, dp, batch.num_microbatches, grid,
+                                   kept_units=batch.unit_csr())
+    t = np.array([plan_step_time_s(costs, np.full(costs.shape, d), lm.p2p_s) for d in grid])
+    ok = np.flatnonzero(t <= target_s * (1 + 1e-12))
+    if not ok.size:
+        return float(grid[0]), float(t[0])
+    i = int(ok.max())
+    if i + 1 < grid.size and t[i + 1] > t[i]:      # within the step to the next point
+        f = (target_s - t[i]) / (t[i + 1] - t[i])
+        return float(grid[i] + f * (grid[i + 1] - grid[i])), float(target_s)
+    return float(grid[i]), float(t[i])
 
 
 def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
@@ -196,7 +233,9 @@ def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
                               with_dst=True)
         dens, report = draft.payload
         index = (report.get("stand_down") or {}).get("packing_index", 0)
-        batch = draft.packing(index)[0]
+        batch, units = draft.packing(index)
+        eq, eq_s = equal_time_density(lm, batch, units, dp, report["step_time_planned_s"],
+                                      sb.density)
         for r, rank in enumerate(batch.micro_batches):
             for mb, segs in enumerate(rank):
                 for sid, _, _ in segs:
@@ -210,8 +249,81 @@ def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
                       "step_time_planned_s": report["step_time_planned_s"],
                       "step_time_static_s": report["step_time_static_s"],
                       "predicted_step_vs_static": report["step_time_planned_s"]
-                      / report["step_time_static_s"]})
+                      / report["step_time_static_s"],
+                      "equal_time_density": eq,
+                      "equal_time_vs_static": eq_s / report["step_time_static_s"]})
     if np.isnan(stages).any():
         raise RuntimeError("a document was left out of every micro-batch of its step's plan")
     return {"stage_densities": stages, "unit": unit, "steps": steps,
             "stage_layers": list(lm.layout.layers), "latency": lm}
+
+
+# ---- forwards, cached ---------------------------------------------------------------------------
+
+class Cache:
+    """Forwards by (sample key, vector), appended as JSON lines as they are made; several
+    processes (``--shard``) may share one, each reading what the others appended."""
+
+    def __init__(self, path: str):
+        self.path, self.rows, self.offset = path, {}, 0
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the lines appended since the last read (whole lines only)."""
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            f.seek(self.offset)
+            while True:
+                line = f.readline()
+                if not line.endswith("\n"):
+                    break
+                self.offset += len(line.encode())
+                if line.strip():
+                    r = json.loads(line)
+                    self.rows[(r["sample"], tuple(r["vector"]))] = r
+
+    def get(self, sample_key: str, vector) -> dict | None:
+        key = (sample_key, tuple(round(float(x), 6) for x in vector))
+        if key not in self.rows:
+            self.refresh()
+        return self.rows.get(key)
+
+    def put(self, row: dict) -> None:
+        row["vector"] = [round(float(x), 6) for x in row["vector"]]
+        self.rows[(row["sample"], tuple(row["vector"]))] = row
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def measure(args, jobs: list, samples: list, cache: Cache) -> list:
+    """Every (sample index, group vector) of ``jobs`` scored (from the cache where it is there):
+    its rows, in ``jobs``' order; with ``--shard K/N`` only every N-th job from the K-th (the
+    others' rows where the cache has them). The model is loaded only if a forward is missing."""
+    model = None
+    k, n_shards = args.shard
+    out, t0, made = [], time.perf_counter(), 0
+    for n, (i, vec) in enumerate(jobs):
+        s = samples[i]
+        row = cache.get(key(s), vec)
+        if row is None and n % n_shards != k:
+            continue
+        if row is None:
+            if model is None:
+                model, budget, _, a = load(args.density, args.block_size, args.layers,
+                                           args.threads)
+                t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            res = score(model, budget, s, layer_densities(vec, a.num_layers), args.loss_stride)
+            row = {"sample": key(s), "vector": list(vec), "kind": s.task,
+                   "length": s.length, "tokens": tokens(s), **res,
+                   "seconds": round(time.perf_counter() - t1, 2)}
+            cache.put(row)
+            made += 1
+            if made % 10 == 0 or n + 1 == len(jobs):
+                rate = (time.perf_counter() - t0) / made
+                print(f"[{n + 1}/{len(jobs)}] {made} forwards, {rate:.1f} s each, "
+                      f"~{rate * (len(jobs) - n - 1) / 60:.0f} min left", flush=True)
+        out.append(row)
+    return out

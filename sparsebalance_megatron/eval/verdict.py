@@ -210,10 +210,12 @@ def density_match(kept: Union[Number, Sequence[Number]],
 
 def verdict(diffs: Sequence[Number], control_diffs: Sequence[Number], margin: float, *,
             kept, kept_reference, tolerance: float, alpha: float = ALPHA,
-            power: float = POWER) -> dict:
+            power: float = POWER, matched_on: str = "kept density") -> dict:
     """The verdict (module docstring) of ``diffs`` (arm - reference) within ``margin``, with the
     positive control's ``control_diffs`` (control - its reference) and the arms' kept densities
-    (``kept``, ``kept_reference``: per replicate or overall) matched within ``tolerance``."""
+    (``kept``, ``kept_reference``: per replicate or overall) matched within ``tolerance``; or
+    another quantity the arms are matched on (``matched_on``: e.g. their predicted step
+    time), given the same way."""
     if not margin > 0:
         raise ValueError(f"margin={margin}: expected > 0, fixed before the run")
     cmp, ctl = paired_bound(diffs, alpha), paired_bound(control_diffs, alpha)
@@ -222,6 +224,7 @@ def verdict(diffs: Sequence[Number], control_diffs: Sequence[Number], margin: fl
     out = {"margin": margin, "alpha": alpha,
            "method": "paired Student t, one-sided, n - 1 degrees of freedom",
            "comparison": cmp, "control": dict(ctl, detected=detected), "density": match,
+           "matched_on": matched_on,
            "worse_than_reference": cmp["lower"] is not None and cmp["lower"] > 0,
            "power": power_report(cmp, ctl, margin, alpha, power)}
 
@@ -229,8 +232,8 @@ def verdict(diffs: Sequence[Number], control_diffs: Sequence[Number], margin: fl
         return dict(out, verdict=v, reason=reason)
     if not match["matched"]:
         worst = max(match["gaps"], key=abs)
-        return say("not matched", f"kept densities differ by {worst:+.4f}, beyond the "
-                                  f"tolerance {tolerance:g}: no verdict on quality")
+        return say("not matched", f"the arms' {matched_on} differs by {worst:+.4f}, beyond "
+                                  f"the tolerance {tolerance:g}: no verdict on quality")
     if cmp["lower"] is None:
         return say("uninformative", f"{cmp['n']} replicate(s): no spread, no bound")
     if all(float(x) == 0.0 for x in diffs):

@@ -1,7 +1,7 @@
-"""The pure pieces of issue 73's quality studies, without a model: the inference study's plans
-(the runtime's draft, a density per stage for every sample), its matched arm (uniform at DST's
-kept density, within the tolerance), its shuffle, and both studies' refusal of a pilot's margin
-fixed in another setting; the training study's documents (three needles, the answer's
+"""The pure pieces of the quality studies, without a model: the inference study's arms (the
+runtime's draft at each layout, a density per stage for every sample; uniform at DST's predicted
+step time; uniform at its kept density), its verdicts, and both studies' refusal of a pilot's
+margin fixed in another setting; the training study's documents (three needles, the answer's
 positions)."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 from studies import _continued_report as cr  # noqa: E402
-from studies import _inference_report as ir  # noqa: E402
 from studies import continued_quality as cq  # noqa: E402
 from studies import inference_quality as iq  # noqa: E402
 
@@ -32,57 +31,58 @@ def planned():
     args = iq.parse_args(["--pilot", "--samples", "40"])
     rng = random.Random(0)
     tokens = [rng.randint(2048, 4096) + 6 for _ in range(40)]
-    return args, tokens, iq.plan(args, SMOLLM2, [t + 1 for t in tokens])
+    return args, tokens, iq.arms(args, SMOLLM2, tokens)
 
 
-def test_every_sample_gets_its_micro_batch_densities_and_dst_moves(planned):
+def test_every_sample_gets_its_micro_batch_densities_at_each_layout(planned):
     args, tokens, p = planned
-    assert p["stage_layers"] == [10, 10, 10]
-    dens = p["stage_densities"]
-    assert dens.shape == (40, 3) and np.isfinite(dens).all()
-    assert ((dens > 0) & (dens <= 1)).all()
-    assert sum(s["samples"] for s in p["steps"]) == 40
-    assert sum(s["units_cut"] + s["units_raised"] for s in p["steps"]) > 0   # DST moved
-    units = {tuple(u) for u in p["unit"]}
-    for u in units:                 # the samples of one micro-batch share its densities
-        rows = dens[[i for i, v in enumerate(p["unit"]) if tuple(v) == u]]
-        assert (rows == rows[0]).all()
+    for lay, stages in (("pp3", 3), ("pp2", 2)):
+        got = p["layouts"][lay]
+        assert got["stage_layers"] == [30 // stages] * stages
+        dens = np.asarray(got["stage_densities"])
+        assert dens.shape == (40, stages) and ((dens > 0) & (dens <= 1)).all()
+        assert sum(s["samples"] for s in got["steps"]) == 40
+        units = {tuple(u) for u in got["unit"]}
+        for u in units:                 # the samples of one micro-batch share its densities
+            rows = dens[[i for i, v in enumerate(got["unit"]) if tuple(v) == u]]
+            assert (rows == rows[0]).all()
+        for i in range(40):            # one vector of sixths of the layers, the stages' own
+            v = p["vectors"][f"dst@{lay}"][i]
+            assert len(v) == iq.GROUPS and v[0] == pytest.approx(dens[i][0], abs=1e-6)
+        for s in got["steps"]:          # no uniform density denser is predicted as fast
+            assert s["equal_time_vs_static"] <= s["predicted_step_vs_static"] * (1 + 1e-9)
+            assert s["equal_time_vs_static"] == pytest.approx(s["predicted_step_vs_static"],
+                                                              rel=5e-3)
+            if s["predicted_step_vs_static"] >= 1 - 1e-12:     # as slow as static: d0 or above
+                assert s["equal_time_density"] >= args.density - 1e-9
+    assert p["vectors"]["uniform"][0] == (0.5,) * iq.GROUPS
+    assert p["vectors"]["control"][0] == (0.45,) * iq.GROUPS
 
 
-def test_matched_arm_keeps_dsts_density_and_the_shuffle_permutes(planned):
+def test_matched_arm_keeps_dsts_kept_density(planned):
     args, tokens, p = planned
-    d = iq.arm_densities(args, p, tokens, 30)
-    kept = d["kept_planned"]
-    assert abs(kept["matched"] - kept["dst"]) <= args.match_tolerance
-    assert kept["control"] < kept["uniform"] < kept["dense"] == 1.0
-    assert d["layers"]["uniform"][0] == [0.5] * 30
-    assert sorted(map(tuple, d["layers"]["shuffled"])) == sorted(map(tuple, d["layers"]["dst"]))
-    assert d["layers"]["dst"][0][:10] == [p["stage_densities"][0][0]] * 10
+    kept = p["kept_planned"]
+    for lay in ("pp3", "pp2"):
+        assert abs(kept[f"matched@{lay}"] - kept[f"dst@{lay}"]) <= 0.005
+    assert kept["control"] < kept["uniform"]
 
 
 def test_a_margin_fixed_in_another_setting_is_refused(tmp_path):
     pilot = tmp_path / "pilot.json"
     args = iq.parse_args(["--pilot"])
     pilot.write_text(json.dumps({"config": vars(args), "margin": {"answer_nll": 0.01},
-                                 "summary": {"n": 30, "pairs": {"control-uniform": {
-                                     k: {"mean": 0.02} for k in iq.METRICS}}}}))
-    fixed = ir.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
-    assert fixed["margin"] == {"answer_nll": 0.01} and fixed["margin_source"]["n"] == 30
+                                 "summary": {"n": 16, "control": {
+                                     k: {"mean": 0.02} for k in iq.METRICS}}}))
+    fixed = iq.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
+    assert fixed["margin"] == {"answer_nll": 0.01} and fixed["margin_source"]["n"] == 16
     with pytest.raises(SystemExit, match="density"):
-        ir.read_margin(iq.parse_args(["--margin-from", str(pilot), "--density", "0.25"]))
-    # the GPU form (--prepare) may lengthen the samples, and says so; nothing else
-    longer = ["--margin-from", str(pilot), "--lengths", "16384", "16384", "--seq-length", "16384"]
+        iq.read_margin(iq.parse_args(["--margin-from", str(pilot), "--density", "0.25"]))
     with pytest.raises(SystemExit, match="lengths, seq_length"):
-        ir.read_margin(iq.parse_args(longer))
-    fixed = ir.read_margin(iq.parse_args(longer), ignore=("lengths", "seq_length"))
-    assert fixed["margin_source"]["changed_since_pilot"] == {
-        "lengths": [[2048, 4096], [16384, 16384]], "seq_length": [8192, 16384]}
-    with pytest.raises(SystemExit, match="density"):
-        ir.read_margin(iq.parse_args(longer + ["--density", "0.25"]), ignore=("lengths",
-                                                                               "seq_length"))
+        iq.read_margin(iq.parse_args(["--margin-from", str(pilot), "--lengths", "16384",
+                                      "16384", "--seq-length", "16384"]))
     pilot.write_text(json.dumps({"config": dict(vars(args), pilot=False)}))
     with pytest.raises(SystemExit, match="not a pilot"):
-        ir.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
+        iq.read_margin(iq.parse_args(["--margin-from", str(pilot)]))
     cpilot = tmp_path / "cpilot.json"
     cargs = cq.parse_args(["--pilot", "--out", str(tmp_path)])
     cpilot.write_text(json.dumps({"config": vars(cargs), "margin": {"answer_nll": 0.01},
@@ -118,38 +118,37 @@ def test_training_documents_hold_three_needles_and_their_answer_positions():
 
 
 def test_inference_summary_states_the_verdicts_with_the_fixed_margin():
-    """Synthetic per-sample scores: DST within 0.001 of matched, the control 0.02 worse than
-    uniform on both metrics: non-inferior within a margin of 0.01, the control detected."""
-    args = iq.parse_args(["--margin-from", "x.json"])
+    """Synthetic per-sample scores: DST 0.01 better than uniform on the loss, within 0.001 of
+    the equal-time and matched arms, the control 0.02 worse than uniform on both metrics: DST
+    better than uniform, non-inferior to both within a margin of 0.01, the control detected;
+    the token-weighted loss weighs a sample by its tokens."""
+    args = iq.parse_args(["--margin-from", "x.json", "--layouts", "pp3"])
     rng = random.Random(5)
     samples = []
+    names = ("uniform", "control", "dst@pp3", "eqtime@pp3", "matched@pp3")
     for i in range(60):
         base = {"answer_nll": rng.uniform(0, 2), "loss": rng.uniform(2, 4), "exact": 1.0,
                 "token_accuracy": 1.0, "kept": 0.6}
-        noise = {k: rng.gauss(0, 0.002) for k in iq.METRICS}
-        arms = {a: dict(base) for a in iq.ARMS}
+        arms = {a: dict(base) for a in names}
         for k in iq.METRICS:
-            arms["dst"][k] += noise[k]
+            for a in ("dst@pp3", "eqtime@pp3", "matched@pp3"):
+                arms[a][k] += -0.01 + rng.gauss(0, 0.0005)
             arms["control"][k] += 0.02 + rng.gauss(0, 0.005)
-        samples.append({"tokens": 3000 + i, "arms": arms})
-    out = ir.summarize({"samples": samples}, args, {"answer_nll": 0.01, "loss": 0.01})
-    assert out["n"] == 60 and set(out["pairs"]) == {f"{a}-{b}" for a, b in iq.PAIRS}
-    for k in iq.METRICS:
-        v = out["verdicts"][k]
-        assert v["verdict"] == "non-inferior" and v["control"]["detected"], v["reason"]
-    assert ir.summarize({"samples": samples}, args)["verdicts"] == {}   # no margin, no verdict
-
-
-def test_scoring_order_keeps_a_cut_run_about_matched(planned):
-    """Scored in ``balanced_order``, every prefix of 20 or more samples keeps DST's kept density
-    within 0.01 of the matched arm's, so a run cut short still compares like with like."""
-    args, tokens, p = planned
-    d = iq.arm_densities(args, p, tokens, 30)
-    order = iq.balanced_order(tokens, d["layers"]["dst"], d["layers"]["matched"], args)
-    assert sorted(order) == list(range(len(tokens)))
-    for k in range(20, len(order) + 1):
-        sub = order[:k]
-        gap = iq.study_kept([tokens[i] for i in sub], [d["layers"]["dst"][i] for i in sub],
-                            args) - iq.study_kept([tokens[i] for i in sub],
-                                                  [d["layers"]["matched"][i] for i in sub], args)
-        assert abs(gap) <= 0.01, (k, gap)
+        samples.append({"index": i, "tokens": 3000 + 10 * i, "arms": arms})
+    doc = {"samples": samples, "layouts": {"pp3": {
+        "unit": [[0, 0, 0]] * 60, "steps": [{"predicted_step_vs_static": 0.99,
+                                             "equal_time_vs_static": 0.99}]}}}
+    out = iq.summarize(doc, args, {"answer_nll": 0.01, "loss": 0.01})
+    assert out["n"] == 60 and all(c["detected"] for c in out["control"].values())
+    v = out["verdicts"]
+    assert v["pp3: dst - uniform (loss, token-weighted)"]["verdict"] == "better"
+    for ref in ("eqtime", "matched"):
+        got = v[f"pp3: dst - {ref} (answer_nll)"]
+        assert got["verdict"] == "non-inferior", got["reason"]
+    assert v["pp3: dst - eqtime (loss, token-weighted)"]["matched_on"] == "predicted step time"
+    w = np.array([r["tokens"] for r in samples], dtype=float)
+    d = np.array([r["arms"]["dst@pp3"]["loss"] - r["arms"]["uniform"]["loss"] for r in samples])
+    got = out["comparisons"]["pp3: dst - uniform (loss, token-weighted)"]["mean"]
+    assert got == pytest.approx(np.dot(w, d) / w.sum())
+    assert "pp3: dst - eqtime (loss, token-weighted)" not in iq.summarize(
+        doc, args, {})["verdicts"]                                # no margin, no such verdict
