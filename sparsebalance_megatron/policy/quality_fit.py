@@ -24,7 +24,7 @@ import numpy as np
 from .quality import GroupCost, QualityCost, Replicate
 
 KNOTS = (0.35, 0.4, 0.5, 0.7, 1.0)
-BETAS = tuple(np.round(np.arange(-1.5, 1.01, 0.25), 4))
+BETAS = tuple(np.round(np.arange(-2.5, 1.01, 0.25), 4))
 GAMMAS = tuple(np.round(np.arange(-4.0, 4.01, 0.5), 4))
 ITERATIONS = 8
 FOLDS = 6
@@ -69,6 +69,8 @@ class Data:
 
     def __init__(self, rows: list, d0: float, groups: int):
         ref = {r["sample"]: r for r in rows if all(abs(x - d0) < 1e-9 for x in r["vector"])}
+        if len(ref) < 2:
+            raise ValueError(f"{len(ref)} samples with a uniform-d0 row: expected >= 2")
         keep = [r for r in rows if r["sample"] in ref and r is not ref[r["sample"]]]
         names = sorted(ref)
         index = {s: i for i, s in enumerate(names)}

@@ -373,6 +373,12 @@ class StepReporter:
             parts.append(f"cut {int(cut)} raised {int(raised)}"
                          + (f" (no cuts kept {int(sum(no_cuts))}/{len(no_cuts)})"
                             if sum(no_cuts) else ""))
+            h = mean("raise_headroom")
+            if not cut and not raised:          # why nothing moved
+                parts.append(f"nothing moved: no cut the {self.sb.tolerance:g} band and the "
+                             f"floors allow" + (f", raises held {100 * h:.0f}% under the "
+                                                f"bottleneck (the latency model's error, "
+                                                f"--sb-raise-headroom)" if h else ""))
         if mean("latency_model/error") is not None:
             parts.append(f"lat err {100 * mean('latency_model/error'):.1f}%")
         if rec.get("split_docs"):
