@@ -6,12 +6,14 @@ The model (docs/DESIGN.md section 7). A document of ``n`` tokens whose layers in
 run at density d_g loses, per token, against dense attention
 
     E(n, d) = rho(n) S(d) + gamma rho(n)^2 S(d)^2,    S(d) = sum_g c_g(d_g),
-    rho(n) = (n / length_ref) ** length_exponent,
+    rho(n) = (clip(n, *length_range) / length_ref) ** length_exponent,
 
 where each c_g is convex and non-increasing in density (piecewise linear through its knots,
 linear below the first, flat above the last): loss is convex in a group's density, so
 concentrated cuts cost more than the same kept blocks spread, and a long document's blocks are
-many and each worth less (``length_exponent`` < 0 where the measurement says so); ``gamma``
+many and each worth less (``length_exponent`` < 0 where the measurement says so; outside the
+lengths measured, ``length_range``, a document counts as the nearest measured length);
+``gamma``
 is the groups' interaction (cuts in two groups cost more, or less, than the sum). A plan's
 change against uniform d0 is ``E(n, d) - E(n, d0)`` summed over its documents' tokens and divided
 by the step's tokens (token-weighted, as a training loss weighs them). Its uncertainty is the
@@ -26,7 +28,8 @@ JSON (``version`` 2; 1 is read)::
 
     {"kind": "sparsebalance-quality-cost", "version": 2, "model": str,
      "reference_density": d0, "reference_loss": nats, "windows": samples,
-     "window_tokens": mean tokens, "text": str, "length_ref": tokens, "length_exponent": b,
+     "window_tokens": mean tokens, "text": str, "length_ref": tokens,
+     "length_range": [shortest, longest], "length_exponent": b,
      "interaction": gamma, "groups": [{"depth": [lo, hi], "layers": [first, last],
      "knots": [...], "cost": [...]}], "bootstrap": [{"length_exponent": b, "interaction": g,
      "cost": [[...] per group]}], "fit": {...}}
@@ -124,6 +127,7 @@ class QualityCost:
     length_exponent: float = 0.0
     interaction: float = 0.0
     bootstrap: tuple = ()       # [B] Replicate
+    length_range: tuple = (0.0, float("inf"))   # the lengths measured (rho is clipped to them)
     fit: dict = field(default_factory=dict, compare=False)
 
     def stage_weights(self, stage_layers: Sequence[float]) -> np.ndarray:
@@ -145,7 +149,8 @@ class QualityCost:
                 "reference_density": self.reference_density,
                 "reference_loss": self.reference_loss, "windows": self.windows,
                 "window_tokens": self.window_tokens, "text": self.text,
-                "length_ref": self.length_ref, "length_exponent": self.length_exponent,
+                "length_ref": self.length_ref, "length_range": list(self.length_range),
+                "length_exponent": self.length_exponent,
                 "interaction": self.interaction,
                 "groups": [{"depth": list(g.depth), "layers": list(g.layers),
                             "knots": g.knots.tolist(), "cost": g.cost_at_knots.tolist()}
@@ -175,6 +180,7 @@ class QualityCost:
                     int(d["window_tokens"]), str(d["text"]))
             extra = (float(d.get("length_ref", 0.0)), float(d.get("length_exponent", 0.0)),
                      float(d.get("interaction", 0.0)))
+            span = tuple(float(x) for x in d.get("length_range", (0.0, float("inf"))))
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"missing or malformed field: {e}") from None
         if not 0.0 < d_ref <= 1.0:
@@ -231,8 +237,10 @@ class QualityCost:
             for g, c in zip(out, costs):
                 _check_curve(g.knots, c, lambda m, j=j: bad(f"bootstrap {j}: {m}"))
             reps.append(rep)
+        if len(span) != 2 or not 0 <= span[0] <= span[1]:
+            raise bad(f"length_range={list(span)}: expected [shortest, longest] tokens")
         return cls(head[0], d_ref, head[1], head[2], head[3], head[4], tuple(out), *extra,
-                   tuple(reps), dict(d.get("fit", {})))
+                   tuple(reps), length_range=span, fit=dict(d.get("fit", {})))
 
     @classmethod
     def load(cls, path: str) -> "QualityCost":

@@ -208,8 +208,9 @@ def fit(rows: list, *, d0: float, groups: int, num_layers: int, model_name: str,
     model = QualityCost(model_name, float(d0), ref_loss, data.samples,
                         int(round(float(data.tokens.mean()))), text, tuple(group_list), n_ref,
                         float(beta), float(gamma), tuple(reps),
-                        {k: report[k] for k in ("cv_rmse", "in_sample_rmse", "variants",
-                                                "residual_sd")} | {"block_size": block_size})
+                        length_range=(float(data.length.min()), float(data.length.max())),
+                        fit={k: report[k] for k in ("cv_rmse", "in_sample_rmse", "variants",
+                                                    "residual_sd")} | {"block_size": block_size})
     return model, report
 
 

@@ -100,7 +100,9 @@ class StageQuality:
         t = np.asarray(tokens, dtype=np.float64)
         if c.length_ref <= 0 or beta == 0:
             return t, t
-        rho = (np.maximum(np.asarray(lengths, dtype=np.float64), 1.0) / c.length_ref) ** beta
+        n = np.clip(np.asarray(lengths, dtype=np.float64), max(c.length_range[0], 1.0),
+                    c.length_range[1])                  # no extrapolation past the measured
+        rho = (n / c.length_ref) ** beta
         return t * rho, t * rho * rho
 
     def change(self, diff: np.ndarray, f1: np.ndarray, f2: np.ndarray,

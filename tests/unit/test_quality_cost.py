@@ -189,6 +189,12 @@ def test_one_rule_for_documents_and_units_length_interaction_and_uncertainty():
         np.testing.assert_allclose(q.doc_change(d, [n] * 3), want)
     # a longer document loses less per token here (length exponent < 0)
     assert q.doc_change(d[:1], [8000])[0] < q.doc_change(d[:1], [1000])[0]
+    # outside the lengths measured a document counts as the nearest measured one
+    from dataclasses import replace
+    clipped = StageQuality.from_cost(replace(cost, length_range=(2000.0, 4000.0)), [15, 15],
+                                     0.5)
+    assert clipped.doc_change(d[:1], [500])[0] == q.doc_change(d[:1], [2000])[0]
+    assert clipped.doc_change(d[:1], [32768])[0] == q.doc_change(d[:1], [4000])[0]
     # two units: one of documents 1000 + 3000 (and a routed one of 500), one of 2000 + 2000
     docs = (np.array([0, 3, 5]), np.array([1000, 3000, 500, 2000, 2000]),
             np.array([4500.0, 4000.0]), np.array([True, True, False, True, True]))
