@@ -23,7 +23,6 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
-from ..config import ANCHORS, MAX_RAISE_HEADROOM, ConfigError
 from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 from .table_memory import TableMemory
 
@@ -52,23 +51,6 @@ def check_density_bounds(d0: float, d_min: float, d_max: float) -> None:
     if not (d_min <= d0 <= d_max):
         raise ValueError(f"--sb-density={d0!r}: expected d_min <= d0 <= d_max with "
                          f"--sb-min-density={d_min!r}, --sb-max-density={d_max!r}")
-
-
-def check_raise_headroom(h: float) -> None:
-    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
-    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
-        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
-                          f"[0, {MAX_RAISE_HEADROOM}]")
-
-
-def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
-    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
-    if anchor not in ANCHORS:
-        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
-    t = tolerance
-    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
-            or t < 0 or t > 10):
-        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
 
 
 @dataclass

@@ -1,18 +1,13 @@
 """Critical-path descent: a DST candidate that shortens the pipeline's longest path, not its
-busiest stage (issue 27's headroom study).
+busiest stage.
 
-DST's cut phase (``policy.dst``) lowers the densities of load units, (DP rank, pipeline stage),
-whose busy time is above a band around the anchor; its raise phase fills float. Once SAB has
-balanced the DP ranks, what is left is the pipeline's own shape: the step is the longest path
-through the schedule's events (fill, steady state, drain; with the interleaved schedule a path
-that crosses every rank several times), and no stage's busy time is far above the others'. Then
-nothing is outside the band, or cutting a stage's busy time down to it moves the longest path
-little, and the floors (mean density, per-stage density, predicted quality) widen the band back.
-On issue 27's robustness cases (long-document mixes, interleaved layouts) a linear program over
-the same event graph, floors, bounds and quality rule (continuous densities, costs linear in
-density; a one-off check with scipy, not kept here) put the optimum 10-20% below the step time
-of DST's band plan; on short documents (``lognormal_short``) even every unit at d_min is only
-2-5% faster, so nothing is left there.
+DST's cut phase lowers the densities of load units (DP rank, pipeline stage) whose busy time is
+above a band around the anchor; its raise phase fills float. Once SAB has balanced the DP ranks,
+what is left is the pipeline's own shape: the step is the longest path through the schedule's
+events (fill, steady state, drain; with the interleaved schedule a path that crosses every rank
+several times), no stage's busy time is far outside the band, and the floors widen the band back.
+A linear program over the same event graph, floors and quality rule put the optimum well below
+the band plan on long-document mixes (docs/DESIGN.md section 5).
 
 The descent here approaches that optimum with the simulator and the float of every event
 (``sim.pipeline.EventGraph``), vectorised over DP ranks; each round (its cut and raise are

@@ -17,7 +17,7 @@ The rule (docs/DESIGN.md section 5):
    (1 - h) x T0: what balancing saved is spent on density.
 
 Then under the density floors the band search widens the band until the floors (and, with the
-quality objective, no predicted loss against uniform d0) hold (``dst_band.band_search``), and the
+quality objective, no predicted loss against uniform d0) hold (``bands.band_search``), and the
 critical-path descent shortens the pipeline's longest path without spending density
 (``critical_path``). Every DP rank plans its own units, coupled by a few fixed-size reductions
 (``dst_ranks``, ``dst_rounds``); at DP 1 every reduction is the identity.

@@ -11,13 +11,8 @@ band's copy of the rows is stacked in one pass (``band_pass``; the moves and the
 are ``kernels.band``'s, compiled), so K candidates cost far less than K passes. Between the
 phases the DP ranks agree the anchor, the static step and every cut step (``dst_ranks``).
 
-The band search (``band_search``): under the mean and per-stage density floors (and, with the
-quality objective, no predicted loss against uniform d0), the configured band, else a band
-widened until the floors hold: ``search_steps // 2`` rounds of 3 tolerances spaced
-geometrically inside the interval where the floors start to hold, between the tolerance and 10
-(the widest band cuts nothing: the ``max`` anchor, which only raises, always meets them). Its
-candidates are known before any verdict (``candidate_tree``), so a rank plans them all in one
-pass and replays the search on the agreed verdicts.
+The band search that chooses among the bands (``bands.band_search``) replays on the agreed
+verdicts of these plans.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -25,18 +20,15 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 from typing import Optional
 
 import numpy as np
 
 from .. import kernels
 from ..kernels.records import Fill, Tables
-from .bands import band_ladder, pick_band
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts, weighted_mean_density
 from .density_means import WeightTotals
-from .dst_settings import DSTSettings
 
 SPEED_TIE = 1e-3          # plans within 0.1% of the fastest count as as fast
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
@@ -335,80 +327,3 @@ def broadcast_sensitivity(sensitivity, shape) -> np.ndarray:
     if not np.all(np.isfinite(s)):
         raise ValueError("sensitivity must be finite")
     return s
-
-
-def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, guard=None):
-    """The band search (module docstring) as a generator: it yields each round's candidates,
-    is sent their plans (quality costs set for the quality objective) and returns the plan
-    kept. ``narrow``: a slow GPU stands out (``bands.straggler_present``): the narrower bands
-    of ``bands.band_ladder`` are tried first; ``guard``: what a narrower band's density-order
-    plan must not lose in quality (``guard.plan_cost(densities)``)."""
-    anchor, tolerance = settings.anchor, settings.tolerance
-    density_floor, stage_density_floor = settings.density_floor, settings.stage_density_floor
-    floor = density_floor * settings.d0 - 1e-12
-    stage_floor = stage_density_floor * settings.d0 - 1e-12
-
-    def meets(p: DSTPlan) -> bool:
-        r = p.report
-        return (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
-                and not r.quality_cost > 1e-12)
-
-    best, *narrower = yield (band_ladder(anchor, tolerance) if narrow
-                             else [(anchor, tolerance)])
-    if guard is not None and quality is None:       # a narrower band must not lose quality
-        for p in narrower:
-            p.report.quality_cost = guard.plan_cost(p.densities)
-    ok = [p for p in narrower if meets(p)]
-    if (density_floor <= 0 and stage_density_floor <= 0 and quality is None) \
-            or anchor == "max" \
-            or meets(best):
-        return pick_band([best] + ok)
-    lo, hi = max(float(tolerance), 1e-3), 10.0
-    for rnd in range(max(settings.search_steps // 2, 1)):
-        ts = _tolerances(lo, hi)
-        cands = [(anchor, float(t)) for t in ts]
-        found = yield ([("max", tolerance)] if rnd == 0 else []) + cands
-        if rnd == 0:
-            ok.append(found.pop(0))                                  # no cuts: always meets
-        hits = [i for i, p in enumerate(found) if meets(p)]
-        ok += [found[i] for i in hits]
-        if hits:
-            lo, hi = (float(ts[hits[0] - 1]) if hits[0] > 0 else lo), float(ts[hits[0]])
-        else:
-            lo = float(ts[-1])
-    return min(ok, key=lambda p: p.report.step_time_planned_s)
-
-
-def _tolerances(lo: float, hi: float) -> np.ndarray:
-    """A search round's 3 tolerances, spaced geometrically inside (lo, hi)."""
-    return lo * (hi / lo) ** (np.arange(1, 4) / 4)
-
-
-def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
-    """Every (anchor, tolerance) ``band_search`` can ask for, in its order: the configured
-    band (and the narrower ones with ``narrow``), the no-cut plan, then every round's 3
-    tolerances in each of the 4 sub-intervals the previous round can leave. Made once per
-    (anchor, tolerance, search steps, ``narrow``): every rank's and step's alike."""
-    return list(_candidate_tree(settings.anchor, settings.tolerance, settings.search_steps,
-                                bool(narrow)))
-
-
-@lru_cache(maxsize=64, typed=True)
-def _candidate_tree(anchor: str, tol: float, search_steps: int, narrow: bool) -> tuple:
-    out = list(band_ladder(anchor, tol) if narrow else [(anchor, tol)])
-    out.append(("max", tol))
-    level = [(max(float(tol), 1e-3), 10.0)]
-    for _ in range(max(search_steps // 2, 1)):
-        nxt = []
-        for lo, hi in level:
-            ts = _tolerances(lo, hi)
-            out += [(anchor, float(t)) for t in ts]
-            edges = [lo] + [float(t) for t in ts]
-            nxt += [(edges[i], float(ts[i])) for i in range(3)] + [(float(ts[-1]), hi)]
-        level = nxt
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return tuple(uniq)

@@ -1,14 +1,10 @@
-"""The decomposed DST's critical-path descent, one DP rank's part (``dst_ranks.RankDST``'s
-``descent_start``, ``probe`` and ``pick``; issue 77, docs/DESIGN.md section 6).
+"""The critical-path descent, one DP rank's part (``dst_ranks.RankDST``'s ``descent_start``,
+``probe`` and ``pick``; docs/DESIGN.md section 6).
 
-The central descent (``critical_path.refine_plan``) rounds over all DP ranks at once: a round
-cuts the units on paths longer than its target and raises every unit with float, on every rank,
-and is kept if the whole plan meets the floors; a rank off the critical path keeps what early
-rounds raised while the later ones cut the critical ranks. So the critical ranks' cuts are paid
-by the others' raises (the baseline packing at 128K, DP 2, step 1: the critical rank's cuts
-cost +0.009 of summed predicted loss, the other rank's raises -0.019). A rank descending alone
-(as this module did first) had only the start's slack over the floors, which is often none, and
-each critical rank spent all of it: 1.4% slower than the central plan there. Here every rank
+Over all ranks at once (``critical_path.refine_plan``, the DP-1 case) a round cuts the units on
+paths longer than its target and raises every unit with float, and is kept if the whole plan
+meets the floors: the critical ranks' cuts are paid by the other ranks' raises. A rank
+descending alone would have only the start's slack over the floors, often none. So every rank
 works on ``PROBES`` agreed steps below the start's (``probe_steps``) and two reductions agree
 what a rank cannot see:
 

@@ -7,7 +7,7 @@ Why it decomposes: a band's plan (``dst_band``) is planned per DP rank except fo
 numbers, the anchor (the mean of the static busy seconds [dp, pp]), the static step T0 and the
 raise target T1 (the largest cut makespan); the search's verdicts read the plan's step (a max),
 its work-weighted densities and its quality cost (sums). The search's candidates are known
-before any verdict (``dst_band.candidate_tree``), so a rank plans all of them in one batched
+before any verdict (``bands.candidate_tree``), so a rank plans all of them in one batched
 pass and three reductions agree everything:
 
 1. ``RankDST.__init__``: the rank's static plan; AR1 = (sum: busy seconds, weight totals by
@@ -15,7 +15,7 @@ pass and three reductions agree everything:
 2. ``RankDST.cut``: every candidate's cut; AR2 = (max: cut makespans [K]) gives every T1;
 3. ``RankDST.raise_``: every candidate's raise toward (1 - h) x T1; AR3 = (max: makespans [K];
    sum: kept work by stage, quality change and its bootstrap replicates [K]);
-4. ``RankDST.choose``: ``dst_band.band_search`` driven by the agreed verdicts: every rank
+4. ``RankDST.choose``: ``bands.band_search`` driven by the agreed verdicts: every rank
    keeps the same candidate.
 
 The descent's rounds are global verdicts; it is probed instead (``dst_probes``): after AR3 every
@@ -43,8 +43,9 @@ import numpy as np
 
 from .costs import UnitCosts
 from .critical_path import NEUTRAL_DENSITY
-from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, band_search,
-                       candidate_tree, cut_rows, plan_reports, raise_rows, static_band)
+from .bands import band_search, candidate_tree
+from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
+                       plan_reports, raise_rows, static_band)
 from .dst_probes import PROBES, RankProbes, probe_steps  # noqa: F401 (re-exported)
 from .dst_settings import DSTSettings
 

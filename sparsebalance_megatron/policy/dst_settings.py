@@ -15,8 +15,26 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import DEFAULT_EXCHANGE_RATE, DEFAULT_RAISE_HEADROOM, RAISE_TARGETS, ConfigError
-from .costs import check_anchor_tolerance, check_density_bounds, check_raise_headroom
+from ..config import (ANCHORS, DEFAULT_EXCHANGE_RATE, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM,
+                      RAISE_TARGETS, ConfigError)
+from .costs import check_density_bounds
+
+
+def check_raise_headroom(h: float) -> None:
+    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
+    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
+        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
+                          f"[0, {MAX_RAISE_HEADROOM}]")
+
+
+def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
+    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
+    if anchor not in ANCHORS:
+        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
+    t = tolerance
+    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
+            or t < 0 or t > 10):
+        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
 
 
 def _number(v) -> bool:

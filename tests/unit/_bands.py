@@ -13,9 +13,9 @@ from dataclasses import replace
 import numpy as np
 
 from sparsebalance_megatron.policy.critical_path import ROUNDS, refine_plan
-from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, BandCache, band_pass,
-                                                     band_search, cut_rows, plan_reports,
-                                                     raise_rows, static_band)
+from sparsebalance_megatron.policy.bands import band_search
+from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, BandCache, band_pass, cut_rows,
+                                                     plan_reports, raise_rows, static_band)
 from sparsebalance_megatron.policy.dst_settings import DSTSettings
 
 
