@@ -217,9 +217,10 @@ class SparseBalanceConfig:
     exchange_rate: float = _f(
         DEFAULT_EXCHANGE_RATE, "With --sb-dst-objective quality: what one percent of "
         "predicted step time is worth in predicted held-out loss (nats per token). A plan that "
-        "cuts is adopted only where its speed gain x this rate pays for the loss its cuts add "
-        "over DST's plan without cuts (raises into the pipeline's bubbles only), and only where "
-        "its predicted loss change plus the quality model's uncertainty is at most 0; else the "
+        "cuts is adopted only where its speed gain x this rate pays for its predicted loss "
+        "change plus the quality model's uncertainty (one bootstrap SD), against DST's plan "
+        "without cuts (raises into the pipeline's bubbles only), and only where it is not "
+        "predicted worse than uniform --sb-density by more than that uncertainty; else the "
         "step keeps the plan without cuts. The default is about what 1% more training tokens "
         "buys late in pretraining (a data exponent of 0.28 at 0.5-1 nats above the irreducible "
         "loss: 0.0014-0.0028). 0: quality alone decides (a cut never pays); larger: the "

@@ -335,10 +335,11 @@ class RankDST:
     def adopt(self, idx: np.ndarray, report: DSTReport, replicates, a3: dict) -> tuple:
         """The quality objective's last word on the plan at ``idx`` (``report``: the agreed
         one; ``replicates``: its quality change under the model's bootstrap replicates, summed
-        over the step): kept where its predicted loss change plus the model's uncertainty is at
-        most 0 and its speed gain at ``exchange_rate`` pays for what its cuts add over the
-        plan without cuts (the ``max`` band: raises into bubbles only), else that plan. (grid
-        indices, report, the kept row or -1 for ``idx``)."""
+        over the step): kept where it is not predicted worse than uniform d0 by more than the
+        model's uncertainty u, and where its speed gain at ``exchange_rate`` pays for its loss
+        change at the model's pessimistic end (change + u) against the plan without cuts (the
+        ``max`` band: raises into bubbles only, never slower than static, never worse than
+        uniform d0); else that plan. (grid indices, report, the kept row or -1 for ``idx``)."""
         a1, rate = self.a1, self.settings.exchange_rate
         free = next(i for i, (c, w) in enumerate(zip(self.rows, self.water))
                     if c[0] == "max" and w)
@@ -346,10 +347,10 @@ class RankDST:
         nocut = self.global_report(free, a3)
         u_free = float(self.quality.uncertainty(a3["quality_b"][free], a1.tokens))
 
-        def value(r: DSTReport) -> float:
-            return rate * 100.0 * (1.0 - r.step_time_planned_s / a1.t0) - r.quality_cost
+        def value(r: DSTReport, u: float = 0.0) -> float:
+            return rate * 100.0 * (1.0 - r.step_time_planned_s / a1.t0) - r.quality_cost - u
 
-        if report.quality_cost + u <= 1e-12 and value(report) >= value(nocut) - 1e-15:
+        if report.quality_cost <= u + 1e-12 and value(report, u) >= value(nocut) - 1e-15:
             return idx, replace(report, quality_sd=u, adopted="dst"), -1
         return self.plans[free].grid_index, replace(nocut, quality_sd=u_free,
                                                     adopted="no_cuts"), free

@@ -276,7 +276,7 @@ def _check_curve(knots: np.ndarray, cost: np.ndarray, bad) -> None:
         raise bad(f"cost {cost.tolist()}: expected convex in density")
 
 
-DEFAULT_QUALITY_COST = os.path.join(os.path.dirname(__file__), "quality_cost_smollm2.json")
+DEFAULT_QUALITY_COST = os.path.join(os.path.dirname(__file__), "quality_model_smollm2.json")
 
 
 @functools.lru_cache(maxsize=8)

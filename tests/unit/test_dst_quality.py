@@ -183,7 +183,7 @@ def test_a_cut_is_adopted_only_where_it_pays_and_the_model_is_sure():
             r = plan.report
             assert r.quality_sd == 0.0                           # a model without replicates
             if searched.report.quality_cost <= 1e-12 and \
-                    value(searched.report) >= value(nocut.report) - 1e-15:
+                    value(searched.report) >= value(nocut.report) - 1e-15:   # u is 0 here
                 assert r.adopted == "dst"
                 np.testing.assert_array_equal(plan.densities, searched.densities)
             else:
