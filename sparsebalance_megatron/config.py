@@ -34,7 +34,7 @@ PLANNER_TIMEOUT_S = 30.0   # --sb-planner-timeout's default (megatron/step/ahead
 FAULT_KINDS = ("raise", "hang", "kill", "exit", "planner-kill-idle", "planner-kill-drafting",
                "planner-kill-agreeing", "planner-stop", "fa4-fails", "triton-fails")
 CP_COMM_TYPES = ("a2a",)   # Megatron's --cp-comm-type values the plugin's attention implements
-DEFAULT_EXCHANGE_RATE = 0.002  # --sb-exchange-rate: nats of loss per token one % of step time is worth
+MAX_EXCHANGE_RATE = 1.0  # nats per token per 1% of step: 'auto' where density buys no time
 DEFAULT_RAISE_HEADROOM = 0.05  # --sb-raise-headroom auto, before any step has measured the error
 MAX_RAISE_HEADROOM = 0.5
 
@@ -214,17 +214,18 @@ class SparseBalanceConfig:
         "--calibrate: held-out loss against density per depth group and document length of a "
         "real model, convex, with its bootstrap uncertainty); default: the shipped SmolLM2-135M "
         "model.", path="input")
-    exchange_rate: float = _f(
-        DEFAULT_EXCHANGE_RATE, "With --sb-dst-objective quality: what one percent of "
-        "predicted step time is worth in predicted held-out loss (nats per token). A plan that "
-        "cuts is adopted only where its speed gain x this rate pays for its predicted loss "
-        "change plus the quality model's uncertainty (one bootstrap SD), against DST's plan "
-        "without cuts (raises into the pipeline's bubbles only), and only where it is not "
-        "predicted worse than uniform --sb-density by more than that uncertainty; else the "
-        "step keeps the plan without cuts. The default is about what 1% more training tokens "
-        "buys late in pretraining (a data exponent of 0.28 at 0.5-1 nats above the irreducible "
-        "loss: 0.0014-0.0028). 0: quality alone decides (a cut never pays); larger: the "
-        "fastest plan the uncertainty rule allows.")
+    exchange_rate: str = _f(
+        "auto", "With --sb-dst-objective quality: what one percent of predicted step time is "
+        "worth in predicted held-out loss (nats per token). A plan that cuts is adopted only "
+        "where its speed gain x this rate pays for its predicted loss change plus the quality "
+        "model's uncertainty (one bootstrap SD), against DST's plan without cuts (raises into "
+        "the pipeline's bubbles only), and only where it is not predicted worse than uniform "
+        "--sb-density by more than that uncertainty; else the step keeps the plan without "
+        "cuts. 'auto': the step's own uniform trade, the loss per percent of step time that "
+        "lowering every unit's density from --sb-density to 0.9x saves (predicted by the same "
+        "quality and latency models), so DST's cuts are kept where they trade speed for "
+        "quality at least as well as uniform sparsity would; a number >= 0 fixes it (0: quality "
+        "alone decides; large: the fastest plan the uncertainty rule allows).")
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "
@@ -480,6 +481,17 @@ class SparseBalanceConfig:
         return s if s == s and 0.0 <= s < float("inf") else None
 
     @property
+    def exchange_rate_value(self) -> Optional[float]:
+        """The fixed exchange rate, or None for 'auto' (or a value out of its domain)."""
+        if self.exchange_rate == "auto":
+            return None
+        try:
+            x = float(self.exchange_rate)
+        except (TypeError, ValueError):
+            return None
+        return x if 0.0 <= x < float("inf") else None
+
+    @property
     def raise_headroom_value(self) -> Optional[float]:
         """The fixed raise headroom, or None for 'auto' (or a value out of its domain)."""
         if self.raise_headroom == "auto":
@@ -567,9 +579,8 @@ class SparseBalanceConfig:
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")
-        x = self.exchange_rate
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < float("inf"):
-            bad("exchange_rate", x, "a number of nats per token >= 0")
+        if self.exchange_rate != "auto" and self.exchange_rate_value is None:
+            bad("exchange_rate", self.exchange_rate, "'auto' or a number of nats per token >= 0")
         pt = self.planner_timeout
         if isinstance(pt, bool) or not isinstance(pt, (int, float)) or not (0 < pt < float("inf")):
             bad("planner_timeout", pt, "a number of seconds > 0")

@@ -373,7 +373,7 @@ def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int,
                                           planner=pol.planner, stand_down=stand_down,
                                           compare=pol.stand_down_compare)
         if a.charge is not None and stand_down:
-            a.gate = NetGate(pol.exchange_rate if pol.dst_objective == "quality" else None)
+            a.gate = NetGate(quality=pol.dst_objective == "quality")
 
 
 def run_config(dp: int, cfg: StudyConfig, lm, lengths, variants) -> dict:

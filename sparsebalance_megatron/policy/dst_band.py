@@ -58,6 +58,7 @@ class DSTReport:
     density_per_stage: tuple = ()         # work-weighted mean density of every stage, final plan
     quality_cost: float = float("nan")    # predicted loss change vs uniform d0 (quality objective)
     quality_sd: float = float("nan")      # its uncertainty (the quality model's bootstrap)
+    exchange_rate: float = float("nan")   # nats per token 1% of the step was worth (the rule's)
     adopted: str = ""                     # quality objective: "dst", or "no_cuts" where the
     #                                       cuts did not pay at --sb-exchange-rate
 
@@ -163,6 +164,14 @@ def static_band(ps: RowsPass, candidates) -> tuple:
             c.anchors[a] = anchor_s(c.busy0, a)
     anchors = np.array([c.anchors[a] for a, _ in candidates])
     return float(c.mk0.max()), anchors, np.array([(1.0 + t) for _, t in candidates]) * anchors
+
+
+def uniform_makespans(ps: RowsPass, i: int) -> np.ndarray:
+    """[dp] the rows' makespans with every unit at grid index ``i`` (a cut of nothing)."""
+    c, dp = ps.cache, ps.dp
+    return ps.fused.with_units(c.rank_units).cut(
+        np.full(c.rank_units.shape, i), np.zeros((dp, c.rank_units.shape[2])),
+        np.full(dp, np.inf), np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)[1]
 
 
 def cut_rows(ps: RowsPass, candidates, bands) -> tuple:

@@ -45,10 +45,12 @@ from .costs import UnitCosts
 from .critical_path import NEUTRAL_DENSITY
 from .bands import band_search, candidate_tree
 from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
-                       plan_reports, raise_rows, static_band)
+                       plan_reports, raise_rows, static_band, uniform_makespans)
 from .dst_probes import PROBES, RankProbes, probe_steps  # noqa: F401 (re-exported)
 from .dst_settings import DSTSettings
 
+UNIFORM_STEP = 0.9           # the 'auto' exchange rate: the uniform trade from d0 to 0.9 x d0
+MAX_EXCHANGE_RATE = 1.0      # nats per token per 1%: where a lower density buys no time
 PHASES = ("static", "cut", "raise", "choose", "descent", "pick")   # between the reductions
 
 
@@ -93,6 +95,17 @@ class Agreed1:
     units: int                  # micro-batches over all ranks
     dp: int = 1                 # DP ranks
     tokens: float = 0.0         # the step's tokens (the quality change's denominator)
+    mk_lo: float = 0.0          # the step with every unit at the uniform trade's lower density
+    q_lo: float = 0.0           # that plan's quality change, summed over the step's units
+
+    def uniform_rate(self) -> float:
+        """The step's uniform trade: nats per token that lowering every unit's density to the
+        lower one costs, per percent of step time it saves (``MAX_EXCHANGE_RATE`` where it
+        saves none)."""
+        gain = 100.0 * (1.0 - self.mk_lo / self.t0) if self.t0 > 0 else 0.0
+        if gain <= 1e-9:
+            return MAX_EXCHANGE_RATE
+        return float(min(max(self.q_lo / self.tokens / gain, 0.0), MAX_EXCHANGE_RATE))
     mk0_mean: float = 0.0       # the static makespans' mean
 
     def densities(self, kept_s: np.ndarray, plain_s: Optional[np.ndarray] = None) -> tuple:
@@ -147,6 +160,13 @@ class RankDST:
         self.ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), len(self.rows),
                             self.water, quality, s.p2p_s, self.cache)
         static_band(self.ps, [])                                  # the static plan: mk0, busy0
+        # the uniform trade (the 'auto' exchange rate): every unit one step of density lower
+        g = costs.densities
+        i_lo = int(np.searchsorted(g, UNIFORM_STEP * s.d0 + 1e-12)) - 1
+        i_lo = max(i_lo, self.cache.bounds[1])
+        self.lo = (float(uniform_makespans(self.ps, i_lo).max()), 0.0)
+        if quality is not None and i_lo < self.cache.bounds[0]:
+            self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
         w = costs.weights()
         self.w = w
         dw = costs.dense_work
@@ -161,8 +181,10 @@ class RankDST:
                         "tot_s": self.w.sum(axis=(0, 1)),
                         "dense_s": np.zeros(pp) if dw is None else dw.sum(axis=(0, 1)),
                         "units": self.w.shape[1], "ranks": 1, "tokens": self.tokens,
+                        "q_lo": self.lo[1],
                         "mk0_sum": float(c.mk0.max())},
-                "max": {"mk0": float(c.mk0.max()), "busy_max": float(c.busy0.max()),
+                "max": {"mk0": float(c.mk0.max()), "mk_lo": self.lo[0],
+                        "busy_max": float(c.busy0.max()),
                         "busy_min_neg": -float(c.busy0.min())},
                 "cat": {"busy_all": c.busy0.reshape(-1)}        # the median: every rank's
                 if self.settings.anchor == "median" else {}}
@@ -341,6 +363,7 @@ class RankDST:
         ``max`` band: raises into bubbles only, never slower than static, never worse than
         uniform d0); else that plan. (grid indices, report, the kept row or -1 for ``idx``)."""
         a1, rate = self.a1, self.settings.exchange_rate
+        rate = a1.uniform_rate() if rate is None else rate
         free = next(i for i, (c, w) in enumerate(zip(self.rows, self.water))
                     if c[0] == "max" and w)
         u = float(self.quality.uncertainty(replicates, a1.tokens))
@@ -351,6 +374,6 @@ class RankDST:
             return rate * 100.0 * (1.0 - r.step_time_planned_s / a1.t0) - r.quality_cost - u
 
         if report.quality_cost <= u + 1e-12 and value(report, u) >= value(nocut) - 1e-15:
-            return idx, replace(report, quality_sd=u, adopted="dst"), -1
-        return self.plans[free].grid_index, replace(nocut, quality_sd=u_free,
-                                                    adopted="no_cuts"), free
+            return idx, replace(report, quality_sd=u, adopted="dst", exchange_rate=rate), -1
+        return self.plans[free].grid_index, replace(nocut, quality_sd=u_free, adopted="no_cuts",
+                                                    exchange_rate=rate), free

@@ -58,7 +58,8 @@ def agreed1(a: dict) -> Agreed1:
     return Agreed1(anchors=anchors, t0=float(a["mk0"]),
                    tot=float(np.asarray(a["tot_s"]).sum()) + dense, tot_s=a["tot_s"] + dense_s,
                    dense=dense, dense_s=dense_s, units=int(a["units"]), dp=int(a["ranks"]),
-                   mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]), tokens=float(a["tokens"]))
+                   mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]), tokens=float(a["tokens"]),
+                   mk_lo=float(a["mk_lo"]), q_lo=float(a["q_lo"]))
 
 
 def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,

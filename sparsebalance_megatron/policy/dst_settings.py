@@ -15,8 +15,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import (ANCHORS, DEFAULT_EXCHANGE_RATE, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM,
-                      RAISE_TARGETS, ConfigError)
+from ..config import (ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, RAISE_TARGETS,
+                      ConfigError)
 from .costs import check_density_bounds
 
 
@@ -48,8 +48,8 @@ class DSTSettings:
     floors (fractions of d0); the band search's ``search_steps``; the raise headroom h and
     target (``raise_to``); whether the critical-path descent refines the band plan
     (``descent``); the quality objective's ``exchange_rate`` (nats per token that 1% of step
-    time is worth: when a plan's cuts pay for themselves). A bad value raises where the record
-    is made, naming it."""
+    time is worth: when a plan's cuts pay for themselves; None: the step's own uniform trade).
+    A bad value raises where the record is made, naming it."""
 
     d0: float
     d_min: float
@@ -64,7 +64,7 @@ class DSTSettings:
     raise_headroom: float = 0.0
     raise_to: str = "bottleneck"
     descent: bool = True
-    exchange_rate: float = DEFAULT_EXCHANGE_RATE
+    exchange_rate: Optional[float] = None
 
     def __post_init__(self):
         check_anchor_tolerance(self.anchor, self.tolerance)
@@ -79,9 +79,10 @@ class DSTSettings:
                 raise ConfigError(f"{flag}={v!r}: expected a number in [0, 1]")
         if not _number(self.p2p_s) or not 0.0 <= self.p2p_s < float("inf"):
             raise ValueError(f"p2p_s={self.p2p_s!r}: expected a time in seconds >= 0")
-        if not _number(self.exchange_rate) or not 0.0 <= self.exchange_rate < float("inf"):
-            raise ConfigError(f"--sb-exchange-rate={self.exchange_rate!r}: expected a number "
-                              f"of nats per token >= 0")
+        x = self.exchange_rate
+        if x is not None and (not _number(x) or not 0.0 <= x < float("inf")):
+            raise ConfigError(f"--sb-exchange-rate={x!r}: expected 'auto' or a number of nats "
+                              f"per token >= 0")
         if isinstance(self.search_steps, bool) or not isinstance(self.search_steps, int) \
                 or self.search_steps < 1:
             raise ValueError(f"search_steps={self.search_steps!r}: expected an integer >= 1")
@@ -101,4 +102,5 @@ class DSTSettings:
                    density_floor=config.density_floor,
                    stage_density_floor=config.stage_density_floor,
                    raise_headroom=raise_headroom, raise_to=config.raise_to,
-                   descent=config.dst_descent != "off", exchange_rate=config.exchange_rate)
+                   descent=config.dst_descent != "off",
+                   exchange_rate=config.exchange_rate_value)

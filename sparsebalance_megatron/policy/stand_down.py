@@ -199,11 +199,11 @@ class NetGate:
     does not pay doubles the wait (up to ``max_probe_every``), so what probing costs a run
     where planning never pays shrinks towards nothing. A run whose plans pay their cost is
     never stood down: a healthy run is unaffected. The first step plans (nothing is known yet).
-    With the quality objective (``exchange_rate``: ``--sb-exchange-rate``, None: speed alone)
-    a plan's predicted loss gain counts too, at the rate (nats per token a 1% faster step is
-    worth): a plan that only raises into bubbles pays in quality."""
+    With the quality objective (``quality``) a plan's predicted loss gain counts too, at the
+    exchange rate its report says it was planned at (nats per token a 1% faster step is worth):
+    a plan that only raises into bubbles pays in quality."""
 
-    exchange_rate: Optional[float] = None
+    quality: bool = False
     probe_every: int = 8
     max_probe_every: int = 256
     net_gain_s: Optional[float] = None     # of the last planned step (None: none yet)
@@ -242,11 +242,12 @@ class NetGate:
         exchange rate (0 without one, or where the plan gains none)."""
         report = getattr(choice.outcome.plan, "report", None)
         gain = -float(getattr(report, "quality_cost", float("nan")))
-        if self.exchange_rate is None or choice.dst_stood_down or not gain > 0:
+        rate = float(getattr(report, "exchange_rate", float("nan")))
+        if not self.quality or choice.dst_stood_down or not gain > 0 or not rate == rate:
             return 0.0
-        if self.exchange_rate <= 0:
+        if rate <= 0:
             return float("inf")
-        return gain / (100.0 * self.exchange_rate) * float(choice.baseline_s)
+        return gain / (100.0 * rate) * float(choice.baseline_s)
 
     def skip(self) -> None:
         """Record a step that stood down without planning."""

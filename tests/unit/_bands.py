@@ -93,4 +93,5 @@ def without_adoption(report):
     """A report without the fields the last rule adds (to compare with ``central_plan``'s;
     the fields' own defaults, so that NaN is the same object)."""
     fields = type(report).__dataclass_fields__
-    return replace(report, **{k: fields[k].default for k in ("quality_sd", "adopted")})
+    return replace(report, **{k: fields[k].default for k in ("quality_sd", "adopted",
+                                                                      "exchange_rate")})

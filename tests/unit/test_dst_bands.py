@@ -83,7 +83,8 @@ def test_slow_rank_is_absorbed_under_the_default_floors_and_quality_objective():
     """The runtime's defaults (density floor 0.9, stage floor 0.75, quality objective): the cut
     on the slow rank is paid back by raises on the others, so the narrower band qualifies; it
     is adopted where its speed pays at the exchange rate for the quality the plan without
-    cuts (the other ranks raised up to the slow one) would have bought, and not otherwise."""
+    cuts (the other ranks raised up to the slow one) would have bought, and not otherwise; the
+    default rate ('auto') is the step's own uniform trade."""
     from dataclasses import replace
 
     from sparsebalance_megatron.policy.quality import load_quality_cost
@@ -105,8 +106,11 @@ def test_slow_rank_is_absorbed_under_the_default_floors_and_quality_objective():
     # the default rate keeps whichever is worth more at it
     plan = plan_dst(costs, None, floors, quality=q, rank_scale=_scale())
 
+    rate = plan.report.exchange_rate                   # 'auto': the step's uniform trade
+    assert 0 < rate < 1
+
     def value(r):
-        return floors.exchange_rate * 100 * (1 - 1 / r.speedup) - r.quality_cost
+        return rate * 100 * (1 - 1 / r.speedup) - r.quality_cost
 
     assert value(plan.report) == pytest.approx(max(value(fast.report), value(free.report)))
     uniform = plan_dst(_slow_rank_costs(factor=1.0), None, floors, quality=q,

@@ -52,15 +52,16 @@ def _plan(costs, sb, lm):
 
 
 def test_dst_cuts_the_slow_gpu_and_gains_more_than_without_it():
-    """Where speed is worth the loss (a high --sb-exchange-rate), DST cuts the slow GPU; at the
-    default rate its peer's raises into the wait buy more predicted quality than the cut's 5%
-    is worth, and the plan without cuts is kept (``test_dst_quality``: the rule)."""
+    """At the default exchange rate (the step's uniform trade) DST cuts the slow GPU: the cut
+    buys its 5% for far less predicted loss than lowering every unit's density would; where
+    speed is worth nothing (rate 0) its peer's raises into the wait are kept instead, no cut
+    (``test_dst_quality``: the rule)."""
     from dataclasses import replace
 
     lm = LatencyModel.analytic(ModelShape(num_layers=8, seq_length=32768), pp=2)
     dp, m = 2, 4
-    default = SparseBalanceConfig(sparse_balance=True)
-    sb = replace(default, exchange_rate=1.0)
+    sb = SparseBalanceConfig(sparse_balance=True)
+    free = replace(sb, exchange_rate="0")
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
     costs = UnitCosts.from_latency(lm, [[32768]] * (dp * m), dp, m, grid)
     uniform, gain_uniform = _plan(costs, sb, lm)
@@ -68,8 +69,8 @@ def test_dst_cuts_the_slow_gpu_and_gains_more_than_without_it():
     assert slow[1, :, 1].mean() < uniform[1, :, 1].mean()      # the slow GPU is cut
     assert slow[0, :, 1].mean() > uniform[0, :, 1].mean()      # its peer waits: raised instead
     assert gain_slow > gain_uniform + 0.02                     # DST over static on one layout
-    kept, gain_kept = _plan(scale_costs(costs, [SlowRank(3, 1.1)]), default, lm)
-    assert np.all(kept >= default.density) and gain_kept == pytest.approx(1.0)   # no cut
+    kept, gain_kept = _plan(scale_costs(costs, [SlowRank(3, 1.1)]), free, lm)
+    assert np.all(kept >= sb.density) and gain_kept == pytest.approx(1.0)   # no cut
     assert kept[0, :, 1].mean() > uniform[0, :, 1].mean()      # the peer raised into the wait
 
 

@@ -84,6 +84,7 @@ def step_record(iteration: int, step, summary, calib: dict, *, figures: dict,
             rec["predicted_loss_sd"] = float(sd)
         if r.get("adopted"):            # the quality objective: 1 where the cuts did not pay
             rec["dst_no_cuts"] = int(r["adopted"] == "no_cuts")
+            rec["exchange_rate"] = float(r["exchange_rate"])
     sd = getattr(step, "stand_down", None)
     if sd is not None:                   # do no harm (policy.stand_down): 1 = stood down
         for part in ("dst", "sab"):
@@ -112,6 +113,7 @@ SCALARS = (
     ("dst_stood_down", "dst_stood_down"), ("sab_stood_down", "sab_stood_down"),
     ("quality/predicted_loss_change", "predicted_loss_change"),
     ("quality/predicted_loss_sd", "predicted_loss_sd"), ("dst/no_cuts", "dst_no_cuts"),
+    ("quality/exchange_rate", "exchange_rate"),
     ("planner/events", "planner_events"), ("planner/events_total", "planner_events_total"),
 )
 
@@ -187,7 +189,7 @@ class StepReporter:
         # DST's predictions over the steps this process planned: static and planned seconds,
         # predicted loss change (token-weighted, summed), steps, steps without cuts
         self.predicted = {"static_s": 0.0, "planned_s": 0.0, "loss": 0.0, "steps": 0,
-                          "no_cuts": 0, "quality_steps": 0}
+                          "no_cuts": 0, "quality_steps": 0, "rate": 0.0}
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
         self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
 
@@ -309,6 +311,7 @@ class StepReporter:
             p["loss"] += rec["predicted_loss_change"]
             p["quality_steps"] += 1
         p["no_cuts"] += rec.get("dst_no_cuts", 0)
+        p["rate"] += rec.get("exchange_rate", 0.0)
 
     def describe_predicted(self) -> str:
         """What DST predicted over the steps this process planned: the step against static,
@@ -321,7 +324,8 @@ class StepReporter:
             out += (f" and {p['loss'] / p['quality_steps']:+.4f} nats of loss per token against "
                     f"uniform density {self.sb.density:g} (mean of the steps); the plan without "
                     f"cuts was kept on {p['no_cuts']}/{p['quality_steps']} steps (cuts that did "
-                    f"not pay at --sb-exchange-rate {self.sb.exchange_rate:g})")
+                    f"not pay at --sb-exchange-rate {self.sb.exchange_rate}: "
+                    f"{p['rate'] / p['quality_steps']:.4f} nats per 1% on average)")
         return out
 
     def _write(self, iteration: int, values: dict) -> None:
