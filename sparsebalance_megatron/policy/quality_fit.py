@@ -153,17 +153,28 @@ def search(data: Data, n_ref: float, samples: np.ndarray | None = None, betas=BE
     return best[0], best[1], cv[best], variants
 
 
+TERMS = ("length", "interaction")
+
+
 def fit(rows: list, *, d0: float, groups: int, num_layers: int, model_name: str, text: str,
         block_size: int, replicates: int = REPLICATES, seed: int = 0, betas=BETAS,
-        gammas=GAMMAS) -> tuple:
+        gammas=GAMMAS, terms=TERMS) -> tuple:
     """(``QualityCost``, report) of the measurement rows (module docstring) of a model of
     ``num_layers`` layers in ``groups`` depth groups; ``betas``, ``gammas``: the grids searched
-    (one value: fixed)."""
+    (one value: fixed); ``terms``: which of the length term and the interaction the model keeps
+    (the report's cross-validation covers all of them either way)."""
     data = Data(rows, d0, groups)
     if data.samples < 2:
         raise ValueError(f"{data.samples} samples with a uniform-d0 row: expected >= 2")
+    if not set(terms) <= set(TERMS):
+        raise ValueError(f"terms={terms!r}: expected a subset of {TERMS}")
     n_ref = float(np.exp(np.mean(np.log(data.length))))
-    beta, gamma, cv, variants = search(data, n_ref, betas=betas, gammas=gammas)
+    _, _, _, variants = search(data, n_ref, betas=betas, gammas=gammas)
+    name = {("interaction", "length"): "length and interaction", ("length",): "no interaction",
+            ("interaction",): "no length term", (): "neither"}[tuple(sorted(terms))]
+    (beta, gamma), cv = variants[name]
+    betas = betas if "length" in terms else (0.0,)
+    gammas = gammas if "interaction" in terms else (0.0,)
     all_rows = np.arange(data.y.size)
     a = fit_curves(data, all_rows, beta, gamma, n_ref)
     rng = np.random.default_rng(seed)
