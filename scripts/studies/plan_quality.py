@@ -321,6 +321,8 @@ def validate(args) -> int:
             predictor(QualityCost.load(old), args.density, layers)[0], None)
     scored = score_plans(checked + own, rows, samples, models)
     result = {k: metrics(scored, k) for k in models}
+    moves = [r for r in scored if " all " not in r["plan"]]     # density moved between units
+    result_moves = {k: metrics(moves, k) for k in models}
     dst_only = [r for r in scored if "dst_steps" in r]
     for r in scored:
         if "uncertainty" in r:
@@ -328,7 +330,7 @@ def validate(args) -> int:
                 r["se"], r["uncertainty"]))
     doc = {"config": {k: v for k, v in vars(args).items() if k != "json"},
            "menu": [list(v) for v in MENU], "calibration_vectors": [list(v) for v in CALIBRATION],
-           "metrics": result,
+           "metrics": result, "metrics_moves_only": result_moves,
            "dst_plans": [{k: r[k] for k in ("plan", "measured", "se", "predicted", "dst_steps")}
                          for r in dst_only],
            "coverage_2sd": float(np.mean([r["within"] for r in scored if "within" in r]))
