@@ -16,7 +16,7 @@ from sparsebalance_megatron.megatron.launch.checks import LaunchError
 from sparsebalance_megatron.megatron.launch.preflight import check_config
 
 NOT_PATHS = {"fault", "raise_headroom", "dense_below_tokens", "watchdog_seconds",
-             "microbatch_multiple"}   # strings that name no file
+             "microbatch_multiple", "exchange_rate"}   # strings that name no file
 
 
 def test_every_path_flag_is_declared():

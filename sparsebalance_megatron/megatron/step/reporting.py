@@ -296,7 +296,7 @@ class StepReporter:
                 print(f"[sparsebalance] run summary: {self.stood.describe()} of the steps "
                       f"(do no harm: --sb-stand-down {self.sb.stand_down})", flush=True)
             if self.predicted["steps"]:
-                print(f"[sparsebalance] run summary: {self.describe_predicted()}", flush=True)
+                print(f"[sparsebalance] run predictions: {self.describe_predicted()}", flush=True)
         return rec
 
     def _predicted(self, rec: dict) -> None:
