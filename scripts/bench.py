@@ -62,17 +62,9 @@ STUDIES = {
                 "BENCHMARKS.md context parallelism, attention alone"),
     "dense_sab_run": ("dense attention, pretrain() on CPU: SAB vs sequential vs token-balanced "
                       "packing, paired steps", "BENCHMARKS.md against dense, README results"),
-    "quality_cost": ("measure a model's loss per layer group and density (the quality cost)",
-                     "BENCHMARKS.md DST's accuracy side"),
     "plan_quality": ("the quality model DST plans by: fitted on a real model's loss by depth "
                      "group, density and length, checked on whole plans it has not seen",
                      "BENCHMARKS.md quality model, QUALITY.md"),
-    "dst_plans": ("DST's plans evaluated on a real model's loss and retrieval",
-                  "BENCHMARKS.md DST's accuracy side"),
-    "dst_quality": ("the quality objective against the density one (simulated plans)",
-                    "BENCHMARKS.md DST's accuracy side"),
-    "dst_fill": ("bubble filling: the density objective's raise against the quality one",
-                 "BENCHMARKS.md DST's accuracy side"),
     "sensitivity_signal": ("which online signal tracks measured sparsity sensitivity",
                            "BENCHMARKS.md DST's accuracy side"),
     "long_context": ("long-context retrieval (needle, variable tracking, QA) in Megatron",
