@@ -69,12 +69,9 @@ STUDIES = {
                            "BENCHMARKS.md DST's accuracy side"),
     "long_context": ("long-context retrieval (needle, variable tracking, QA) in Megatron",
                      "QUALITY.md"),
-    "trained_quality": ("dense, static sparse, --sparse-balance, DST (density objective) "
-                        "trained from scratch on CPU: held-out loss, retrieval by depth",
-                        "docs/history/QUALITY-2026-11-27-trained-from-scratch.md"),
-    "trained_quality_gpu": ("the same four arms continuing SmolLM2-135M at 16K on one GPU, "
-                            "scored on RULER-style tasks (--prepare here, --bundle there)",
-                            "QUALITY.md"),
+    "trained_quality_gpu": ("dense, static sparse, --sparse-balance and DST (density objective) "
+                            "continuing SmolLM2-135M at 16K on one GPU, scored on RULER-style "
+                            "tasks (--prepare here, --bundle there)", "QUALITY.md"),
     "continued_quality": ("a dense-trained base continued under static, --sparse-balance, SAB "
                           "alone, matched static and a 0.9 x d0 control on CPU: a verdict",
                           "QUALITY.md"),
@@ -83,7 +80,7 @@ STUDIES = {
                           "QUALITY.md"),
 }
 # what the studies share (modules of scripts/studies/ that are not studies)
-SHARED = ("common", "smollm2")
+SHARED = ("common", "smollm2", "trained_quality")
 # studies that are still scripts of their own in scripts/ (run as they are)
 EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",
             "latency_eval": "eval_latency_model.py"}
