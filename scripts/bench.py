@@ -5,15 +5,14 @@
     python scripts/bench.py NAME [flags] --json docs/results/NAME.json
 
 Every study writes JSON that records its command, commit, versions and device
-(``studies/common.py``). The studies live in ``scripts/studies/``; three still live beside this
-file as scripts of their own (``EXTERNAL``) and run unchanged through it.
+(``studies/common.py``). Each study is a module of ``scripts/studies/`` with ``main(argv)``; what
+studies share is in the few modules ``SHARED`` names.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,10 +79,7 @@ STUDIES = {
                           "QUALITY.md"),
 }
 # what the studies share (modules of scripts/studies/ that are not studies)
-SHARED = ("common", "smollm2", "trained_quality")
-# studies that are still scripts of their own in scripts/ (run as they are)
-EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",
-            "latency_eval": "eval_latency_model.py"}
+SHARED = ("common", "kernels", "smollm2", "trained_quality")
 
 
 def usage() -> str:
@@ -105,14 +101,6 @@ def main(argv=None) -> int:
         return 2
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
-    if name in EXTERNAL:
-        path = os.path.join(HERE, EXTERNAL[name])
-        sys.argv = [os.path.relpath(path), *rest]
-        try:
-            runpy.run_path(path, run_name="__main__")
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return 0
     from studies import common
     common.COMMAND = ["python", "scripts/bench.py", name, *rest]
     sys.argv = [f"scripts/bench.py {name}", *rest]

@@ -6,7 +6,7 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
 - ``env``: device, torch / triton / CUDA versions, which optional packages import, whether the
   ``flash`` backend (flex's FlashAttention-4 kernel) can run;
 - ``tests``: ``pytest tests/gpu``;
-- ``bench``: the kernel table, ``scripts/bench_attention_gpu.py``, pass by pass against cuDNN's
+- ``bench``: the kernel table, ``scripts/bench.py attention_gpu``, pass by pass against cuDNN's
   kernel: one 32K document and a packed 32K micro-batch of whole files, 8/2 x 128 and
   Qwen2.5-0.5B's 14/2 x 64, bf16, densities 0.25 / 0.5 / 1 / 0.125, each backend of ours that
   can run here (``--bench-backends``: ``triton``, ``fa4``, ``flex``, ``flash``) checked against
@@ -21,7 +21,7 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
   time apart and its kernels from a profiler trace: FA4's side passes, our selection and lists,
   copies and fills);
 - ``latency``: a GPU latency table (``profile_cli --quick``, the train step's model) and its
-  held-out MAPE (``scripts/eval_latency_model.py``), priced by the sparse call's price of this
+  held-out MAPE (``scripts/bench.py latency_eval``), priced by the sparse call's price of this
   call's kernel table (``--kernel-table``, or the ``bench`` step's) where there is one
   (``latency.model``: the fixed cost per call is a term of that price);
 - ``dst``: DST with GPU timings (``scripts/bench.py dst_gpu``: a PP 4 x DP 4 step's units
@@ -191,8 +191,8 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
             if rc == 0:
                 ev = os.path.join(work, "latency_eval_gpu.json")
                 limit2 = max(30, min(LIMIT_S[name] - sec, deadline - time.time()))
-                rc, sec2, tail = _run([py, "scripts/eval_latency_model.py", "--table", table,
-                                       "--json", ev, "--n", "8"],
+                rc, sec2, tail = _run([py, "scripts/bench.py", "latency_eval", "--table",
+                                       table, "--json", ev, "--n", "8"],
                                       os.path.join(work, "latency_eval.log"), limit2, env)
                 res.update(ok=rc == 0, rc=rc, eval_seconds=sec2)
                 if rc == 0:
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
                          "table's, 32K); two or more give each backend a price per call, per "
                          "token and per tile (latency/sparse_call.py) for the simulator")
     ap.add_argument("--kernel-table", metavar="JSON",
-                    help="a kernel table of this device kind (bench_attention_gpu.py's JSON) "
+                    help="a kernel table of this device kind (attention_gpu's JSON) "
                          "whose price of the sparse call prices the latency step's table "
                          "(default: the bench step's, where this call ran it)")
     ap.add_argument("--latency-table", metavar="JSON",

@@ -1,6 +1,6 @@
 """gpu_check's kernel-side steps (``scripts/gpu_check.py``): ``env`` (versions, imports, the torch
 signatures every GPU path calls), ``bench`` / ``smoke`` (the kernel table,
-``bench_attention_gpu.py``, its rows as measured), ``pieces`` (one call's kernels from a
+``scripts/bench.py attention_gpu``, its rows as measured), ``pieces`` (one call's kernels from a
 profiler trace, host and GPU apart: ``fa4_pieces``), ``autotune`` and the ``recompile`` child
 (graphs and host syncs of training-shaped calls).
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 
-from ._kernel_summary import summarize
 from ._train_step import run_logged as _run
 from .common import ROOT
 
@@ -85,7 +84,7 @@ def step_bench(py, out_dir, work, limit, env, backends, smoke=False, lengths=Non
     for f in (jsonl, path):
         if os.path.exists(f):
             os.remove(f)     # never stale rows
-    cmd = [py, "scripts/bench_attention_gpu.py", "--jsonl", jsonl, "--json", path,
+    cmd = [py, "scripts/bench.py", "attention_gpu", "--jsonl", jsonl, "--json", path,
            "--deadline-s", str(max(10, limit - 10)), "--backends", *backends,
            *(["--lengths", *map(str, lengths)] if lengths and not smoke else [])]
     smoke_args = ["--cases", "single", "--shapes", "8/2/128", "--densities", "0.25",
@@ -103,6 +102,8 @@ def step_bench(py, out_dir, work, limit, env, backends, smoke=False, lengths=Non
         res["ms"] = {r["backend"]: r.get("ours_ms") for r in rows if r.get("kind") == "call"}
         res["dense_ms"] = next((r["dense_ms"] for r in rows if r.get("kind") == "dense"), None)
     else:
+        from .kernels import summarize     # (imports torch: inside the step)
+
         res["summary"] = summarize(rows)
         res["rows_dense_files"] = sorted({r["dense_varlen_ms"] for r in rows
                                           if r.get("kind") == "dense"

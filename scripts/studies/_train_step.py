@@ -284,7 +284,7 @@ def dense_tile_costs(shape=SHAPE, seq_lens=(32768, 65536), reps=10):
     import torch
     if not torch.cuda.is_available():
         return {}
-    from ._kernel_passes import BLOCK, Case, dense_passes
+    from .kernels import BLOCK, Case, dense_passes
     nh = int(shape[shape.index("--num-attention-heads") + 1])
     ng = int(shape[shape.index("--num-query-groups") + 1])
     hn = int(shape[shape.index("--kv-channels") + 1])

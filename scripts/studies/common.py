@@ -22,6 +22,13 @@ from importlib import metadata
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Set by scripts/bench.py to the command line that ran the study (`python scripts/bench.py NAME ...`).
 COMMAND: list[str] | None = None
+# the simulated studies' model shapes (ModelShape fields; sim_study, hybrid_cp)
+MODELS = {
+    "qwen2.5-0.5b": {},          # ModelShape's defaults
+    "llama3.2-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
+                        num_attention_heads=32, num_query_groups=8, kv_channels=64,
+                        vocab_size=128256),
+}
 DISTRIBUTIONS = ("torch", "numpy", "numba", "megatron-core", "sparsebalance_megatron", "triton")
 
 

@@ -5,15 +5,15 @@ A line through fa4's pass times against kept tiles crosses zero tiles at 0.3-0.7
 1.3-1.6 ms backward (issue 74). This probe says what that is made of, on one document (block
 128), per backend, shape and density in the order given (the target's d 0.25 first):
 
-- **what** it times: FA4's kernel alone on one selection's lists (``_kernel_passes.kernel_fn``)
+- **what** it times: FA4's kernel alone on one selection's lists (``kernels.kernel_fn``)
   in both GQA backward forms (``kernel accumulated``: dK/dV summed over the group's heads in
   float32 accumulators, FA4's fills and conversion passes; ``kernel per head``: K/V repeated
   per query head, the heads summed after), and each backend's whole per-layer call (``call``:
-  selection, lists, pad, kernel, unpad; ``_kernel_passes.call_fn``): fa4's, and triton's, whose
+  selection, lists, pad, kernel, unpad; ``kernels.call_fn``): fa4's, and triton's, whose
   fused selection and lists fa4's call runs too;
 - **per pass**, the forward with autograd recording and the backward replayed from one retained
   graph: its synchronised time, its host time with nothing awaited and its GPU time alone
-  (``_kernel_passes.pass_times``; ``host_over_gpu_ms`` > 0: the GPU waits for the host), and
+  (``kernels.pass_times``; ``host_over_gpu_ms`` > 0: the GPU waits for the host), and
   its kernels from a profiler trace of ``--reps`` calls (``_gpu_trace.summarize_trace``), per
   call (``per_call``): attention per pass with FA4's side passes apart (``bwd_preprocess``:
   delta and the dQ accumulator's zeroing; ``dq_convert``; ``dkv_convert`` and ``dkv_fill``:
@@ -125,7 +125,7 @@ def pass_kernels(fn, inputs, g, calls: int) -> dict:
 
 def timed_pieces(fn, case, reps: int) -> dict:
     """One row's measurement of ``fn`` on ``case`` (module docstring)."""
-    from ._kernel_passes import pass_times
+    from .kernels import pass_times
     inputs = [case.q, case.k, case.v]
     times = pass_times(fn, inputs, case.g, reps)
     kernels = pass_kernels(fn, inputs, case.g, reps)
@@ -136,7 +136,7 @@ def timed_pieces(fn, case, reps: int) -> dict:
 
 def measure(backend: str, shape: str, tokens: int, densities, reps: int, clock, log) -> bool:
     """``backend``'s rows at ``shape`` (module docstring); False once the clock stops new rows."""
-    from ._kernel_passes import Case, Lists, call_fn, kernel_fn
+    from .kernels import Case, Lists, call_fn, kernel_fn
     case = Case("single", [tokens], shape)
     for d in densities:
         lists = Lists(case, d) if backend == "fa4" else None
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no row later than this many seconds minus a margin")
     args = p.parse_args(argv)
-    from ._kernel_passes import Clock, RowLog, parse_shape
+    from .kernels import Clock, RowLog, parse_shape
     try:
         for s in args.shapes:
             parse_shape(s)

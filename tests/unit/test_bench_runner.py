@@ -19,19 +19,21 @@ import bench  # noqa: E402
 from studies import common  # noqa: E402
 
 
-def test_every_study_is_a_module_with_main_or_a_script_beside_the_runner():
+def test_every_study_is_a_module_with_main_and_every_module_a_study_or_shared():
     for name in bench.STUDIES:
-        if name in bench.EXTERNAL:
-            assert (SCRIPTS / bench.EXTERNAL[name]).is_file(), name
-            continue
         path = SCRIPTS / "studies" / f"{name}.py"
         assert path.is_file(), f"study {name}: no {path.relative_to(REPO)}"
         tree = ast.parse(path.read_text())
         mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
         assert mains and mains[0].args.args, f"study {name}: no main(argv)"
     modules = {p.stem for p in (SCRIPTS / "studies").glob("*.py")
-               if not p.stem.startswith("_")} - set(bench.SHARED)   # _demo: a helper
+               if not p.stem.startswith("_")} - set(bench.SHARED)
     assert modules <= set(bench.STUDIES), f"studies the runner does not name: {modules - set(bench.STUDIES)}"
+    assert not set(bench.SHARED) & set(bench.STUDIES), "a module is a study or shared, not both"
+    assert all((SCRIPTS / "studies" / f"{n}.py").is_file() for n in bench.SHARED), bench.SHARED
+    scripts = {p.name for p in SCRIPTS.glob("*.py")}     # tools; a study is a module of studies/
+    assert scripts <= {"bench.py", "gpu_check.py", "gpu_plan.py", "autotune_triton.py",
+                       "convert_hf_to_megatron.py", "plot_timeline.py"}, scripts
 
 
 @pytest.mark.reliability(area="benchmarks", case="unknown study name",

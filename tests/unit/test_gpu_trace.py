@@ -299,7 +299,7 @@ def test_a_pieces_row_is_measured_end_to_end_on_cpu(monkeypatch):
     without a device: no host/GPU split, no GPU kernel): one row per call with its pass times,
     pieces and per-pass kernels; a clock out of time starts none."""
     import torch
-    from studies import _kernel_passes as kp
+    from studies import kernels as kp
     from studies import fa4_pieces as fp
     init = kp.Case.__init__
     monkeypatch.setattr(kp.Case, "__init__", lambda self, *a, **k: init(

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Held-out accuracy of the latency model: fit on a table's grid, predict real micro-batches.
 
 The held-out micro-batches are packed from the real document lengths of the built-in corpus
@@ -7,19 +6,20 @@ them (documents in shuffled order, long ones split, the remainder padded in 256-
 at densities drawn off the grid. Each is timed on the table's stage kinds with the table's repeats
 and statistic, then compared with the prediction.
 
-    python scripts/eval_latency_model.py --table lat_cpu.json --json eval.json [--n 12]
+    python scripts/bench.py latency_eval --table lat_cpu.json --json eval.json [--n 12]
 
-Writes ``{"mape": float, "n": int, "device": str, ...}``.
+Writes ``{"mape": float, "n": int, "device": str, ...}`` (``common.write_result``: with the
+command, commit and versions).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import warnings
 
 import numpy as np
+
+from .common import parser, write_result
 
 
 def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") -> list[list[int]]:
@@ -79,9 +79,8 @@ def predict_many_timing(model, seq_length: int, grid, n: int = 4096, seed: int =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "latency_eval", json_required=True)
     p.add_argument("--table", required=True)
-    p.add_argument("--json", required=True, help="where to write the result")
     p.add_argument("--n", type=int, default=12, help="held-out micro-batches per stage kind")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--doc-unit", choices=("file", "section"), default="file")
@@ -162,10 +161,5 @@ def main(argv=None) -> int:
           f"prebuilt UnitFeatures")
     print(f"held-out MAPE {100 * out['mape']:.1f}% over n={out['n']} micro-batches "
           f"(max {100 * out['max_error']:.1f}%) on {out['device']}")
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(out, fh, indent=1)
+    write_result(args.json, out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
