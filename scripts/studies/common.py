@@ -1,6 +1,8 @@
 """What every study and device script shares: its argument parser, percentiles, the median time
-of a call (CUDA events on a GPU), and the result writer that records the command, commit,
-versions and device beside the figures.
+of a call (CUDA events on a GPU), the result writer that records the command, commit, versions
+and device beside the figures, the simulated studies' model shapes, and one run of the README's
+CPU job (``examples/run_cpu_demo.sh``) with extra flags, its per-step metrics and timed steps
+(``cp_step``, ``dense_sab_run``).
 
 Nothing here imports torch or megatron: a study that needs them imports them itself, and the
 writer reads their versions from the installed distributions (``median_ms`` and
@@ -231,3 +233,35 @@ def write_result(path: str | None, doc: dict) -> dict:
             json.dump(out, f, indent=1)
         print(f"wrote {path}")
     return out
+
+
+# ---- the README's CPU job ---------------------------------------------------------------------
+
+UNTIMED_STEPS = 2     # the README job's warm-up steps (run_demo): not timed
+
+
+def add_steps_arg(ap, default: int) -> None:
+    ap.add_argument("--steps", type=int, default=default,
+                    help=f"training steps per run (>= 4; the first {UNTIMED_STEPS} are not timed)")
+
+
+def check_steps(ap, steps: int) -> None:
+    if steps < UNTIMED_STEPS + 2:
+        ap.error(f"--steps {steps}: expected >= {UNTIMED_STEPS + 2} (the first "
+                 f"{UNTIMED_STEPS} steps are not timed)")
+
+
+def run_demo(extra: list, out: str, label: str, steps: int, prefix=(), **env) -> tuple:
+    """Run the README job with ``extra`` flags into ``out`` (``env``: NPROC, PP, ...).
+    Returns (per-step metrics rows, the timed steps' seconds, the finished process); a failed
+    run stops the benchmark with its output."""
+    env = dict(os.environ, OUT=out, TRAIN_ITERS=str(steps), OMP_NUM_THREADS="1",
+               PY=sys.executable, **{k: str(v) for k, v in env.items()})
+    p = subprocess.run([*prefix, "bash", "examples/run_cpu_demo.sh", *extra], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{label} run failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n"
+                         f"{p.stderr[-3000:]}")
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
+    return rows, [r["step_time_s"] for r in rows[UNTIMED_STEPS:]], p
+
