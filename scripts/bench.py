@@ -79,7 +79,7 @@ STUDIES = {
                           "QUALITY.md"),
 }
 # what the studies share (modules of scripts/studies/ that are not studies)
-SHARED = ("common", "kernels", "smollm2", "trained_quality")
+SHARED = ("common", "device", "gpu_trace", "kernels", "smollm2", "trained_quality")
 
 
 def usage() -> str:

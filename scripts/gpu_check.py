@@ -28,7 +28,7 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
   timed on this device, composed by the simulator: DST, static and dense + SAB);
 - ``train``: end to end, Megatron ``pretrain()`` of the full-depth Qwen2.5-0.5B (24 layers) on
   the corpus's documents of 16K+ tokens in 32K and 64K micro-batches (128K where it fits),
-  ``studies/_train_step.py``: dense + SAB through torch's varlen call and through cuDNN SDPA (a
+  ``studies/device.py``: dense + SAB through torch's varlen call and through cuDNN SDPA (a
   long document alone in its call, as a Transformer Engine user's: the measured baseline,
   ``cudnn_measured``), ``--sparse-balance`` at d0 0.25 and 0.5, Megatron's own dense last.
   The step first times cuDNN's kernel and the varlen call per tile at 32K and 64K
@@ -54,8 +54,8 @@ docs/GPU.md says how to bring the dependencies to a machine without network, and
 device plan (``scripts/gpu_plan.py``: the calls, each with ``--steps``, ``--budget-s`` and
 ``--bundle``).
 
-The train step's runs live in ``studies/_train_step.py``, their comparisons in
-``studies/_train_report.py``.
+The train step's runs live in ``studies/device.py``, their comparisons in
+``studies/gpu_trace.py``.
 """
 
 from __future__ import annotations
@@ -69,13 +69,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from studies._train_report import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
-                                   cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
-                                   train_summary)
-from studies._train_step import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
-                                 dense_tile_costs, run_logged as _run, step_train)
-from studies._kernel_steps import (rows_of, step_autotune, step_bench,  # noqa: E402,F401
-                                   step_env, step_pieces, step_recompile)
+from studies.device import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
+                            dense_tile_costs, rows_of, run_logged as _run, step_autotune,
+                            step_bench, step_env, step_pieces, step_recompile, step_train)
+from studies.gpu_trace import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
+                               cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
+                               train_summary)
 STEPS = ("env", "smoke", "pieces", "bench", "tests", "autotune", "recompile", "latency", "dst",
          "train")
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
@@ -213,7 +212,7 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
             given = table if os.path.exists(table) else None
             res = step_train(work, given, limit - (time.time() - t0), env, train_backend, costs)
             res["latency_table"] = latency_table or ("the latency step's" if given else
-                                                     "priced from run 5 (_device_tables)")
+                                                     "priced from run 5 (studies/device.py)")
         results[name] = res
         print(f"[gpu_check] {name}: {'ok' if res.get('ok') else 'FAILED'} "
               f"({time.time() - deadline + LIMIT_TOTAL:.0f} s elapsed)", flush=True)

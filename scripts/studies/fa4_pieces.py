@@ -14,7 +14,7 @@ A line through fa4's pass times against kept tiles crosses zero tiles at 0.3-0.7
 - **per pass**, the forward with autograd recording and the backward replayed from one retained
   graph: its synchronised time, its host time with nothing awaited and its GPU time alone
   (``kernels.pass_times``; ``host_over_gpu_ms`` > 0: the GPU waits for the host), and
-  its kernels from a profiler trace of ``--reps`` calls (``_gpu_trace.summarize_trace``), per
+  its kernels from a profiler trace of ``--reps`` calls (``gpu_trace.summarize_trace``), per
   call (``per_call``): attention per pass with FA4's side passes apart (``bwd_preprocess``:
   delta and the dQ accumulator's zeroing; ``dq_convert``; ``dkv_convert`` and ``dkv_fill``:
   GQA's float32 dK/dV accumulators; ``other``: the per-head form's copies and sum), our
@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from . import _gpu_trace
+from . import gpu_trace
 from .common import gpu_provenance, parser, write_result
 
 SHAPES = ("8/2/128", "14/2/64")
@@ -50,7 +50,7 @@ SIDE_PASSES = ("bwd_preprocess", "dq_convert", "dkv_convert", "dkv_fill", "other
 
 def pieces_row(host: dict, account: dict) -> dict:
     """One row's pieces from its host/GPU timings (``{name: {host_ms, gpu_ms, held}}``, per
-    pass) and the ``_gpu_trace.account`` of one forward + backward: milliseconds per piece, the
+    pass) and the ``gpu_trace.account`` of one forward + backward: milliseconds per piece, the
     backward's side passes summed (``bwd_side_ms``) beside its main kernel, and per timed pass
     the host's lead (``host_ms - gpu_ms``: > 0, the GPU waits for the host)."""
     passes = account.get("attention_passes", {})
@@ -67,7 +67,7 @@ def pieces_row(host: dict, account: dict) -> dict:
 
 
 def per_call(summary: dict, calls: int) -> dict:
-    """A trace's summary (``_gpu_trace.summarize_trace``) of ``calls`` calls, per call: kernel
+    """A trace's summary (``gpu_trace.summarize_trace``) of ``calls`` calls, per call: kernel
     counts and milliseconds divided, the busy fraction as it is."""
     if calls < 1:
         raise ValueError(f"calls={calls}: expected at least one profiled call")
@@ -111,7 +111,7 @@ def traced(run, calls: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
-        return per_call(_gpu_trace.summarize_trace(path), calls)
+        return per_call(gpu_trace.summarize_trace(path), calls)
 
 
 def pass_kernels(fn, inputs, g, calls: int) -> dict:
