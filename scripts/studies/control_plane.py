@@ -57,13 +57,12 @@ from __future__ import annotations
 import gc
 import json
 import math
-import statistics
 import time
 from dataclasses import replace
 
 import numpy as np
 
-from .common import parser, write_result
+from .common import median_ms, parser, write_result
 
 SEQ = 32768
 D0 = 0.5
@@ -443,18 +442,6 @@ def record_shapes(dp: int, pp: int, m: int, docs: int):
 
 # --- host CPU of the record gather, measured --------------------------------------------------
 
-def _median_s(fn, repeats: int) -> float:
-    """Median thread CPU seconds of ``fn`` after a warm-up call (CPU time: a loaded machine's
-    waits for a core are not the work's)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        fn()
-        out.append(time.thread_time() - t0)
-    return statistics.median(out)
-
-
 def _synthetic_step(dp: int, pp: int, m: int, docs: int, rng):
     """A rank's RankReport and every DP rank's document slots of the step's shape (random
     values: sizes and layout matter here, not the numbers)."""
@@ -491,4 +478,4 @@ def tensor_cpu_s(dp: int, pp: int, tp: int, m: int, docs: int, repeats: int = 3)
         line = join_pipeline(cells, cell_shape)
         decode_step(split_docs(line, line_shape, slots[0])[0][None], bare, ())
 
-    return _median_s(gather, repeats)
+    return median_ms(gather, repeats, warmup=1, cuda=False, clock=time.thread_time) / 1e3

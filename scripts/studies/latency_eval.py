@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from .common import parser, write_result
+from .common import median_ms, parser, write_result
 
 
 def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") -> list[list[int]]:
@@ -54,7 +54,6 @@ def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") ->
 
 def predict_many_timing(model, seq_length: int, grid, n: int = 4096, seed: int = 0) -> dict:
     """Median wall time of predict_many over a global batch of n micro-batches."""
-    import time
     rng = np.random.default_rng(seed)
     units = [np.diff(np.r_[0, np.sort(rng.choice(seq_length - 1, rng.integers(0, 30),
                                                  replace=False) + 1), seq_length])
@@ -62,14 +61,8 @@ def predict_many_timing(model, seq_length: int, grid, n: int = 4096, seed: int =
     d_grid = rng.choice(np.asarray(grid), n)
     d_cont = rng.uniform(min(grid), 1.0, n)
 
-    def med(fn, reps=5):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(ts))
+    def med(fn):
+        return median_ms(fn, 5, warmup=1, cuda=False)
     feats = model.unit_features(units)
     terms = model.unit_terms(feats, 0)
     return {"predict_many_4096_ms": med(lambda: model.predict_many(units, d_grid, 0)),

@@ -59,22 +59,12 @@ import numpy as np
 from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, STAND_DOWN_COMPARES,
                                            SparseBalanceConfig)
 
-from .common import parser, write_result
+from .common import median_ms, parser, write_result
 from ._slowdown import launch_slowdown
 from ._drafts import make_drafter, submit_draft
 
 TARGET_SHARE = 0.005          # issue 44: the plugin's critical-path cost, share of the step
 SHAPES = (("64x16", 64, 16, ("even", "best")), ("4x16", 4, 16, ("best",)))
-
-
-def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        out.append((clock() - t0) * 1e3)
-    return float(np.median(out))
 
 
 def reference_ms(repeats: int = 5) -> float:
@@ -98,7 +88,7 @@ def reference_ms(repeats: int = 5) -> float:
             lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
         np.sort(rng.permutation(keys))
 
-    return _median_ms(work, repeats)
+    return median_ms(work, repeats, warmup=1, cuda=False, clock=time.thread_time)
 
 
 def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
@@ -322,12 +312,14 @@ def main(argv=None) -> int:
     costs = UnitCosts.affine(grid, fixed, attn)
     sens = rng.random((64, 16))
     settings = DSTSettings(0.5, 0.125, 1.0)
-    plan_ms = _median_ms(lambda: plan_dst(costs, sens, settings), 9)
+    plan_ms = median_ms(lambda: plan_dst(costs, sens, settings), 9, warmup=1, cuda=False,
+                        clock=time.thread_time)
     lm = LatencyModel.analytic(pp=4)
     units = [np.diff(np.r_[0, np.sort(rng.choice(32767, rng.integers(1, 30), replace=False) + 1),
                            32768]) for _ in range(4096)]
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
-    predict_ms = _median_ms(lambda: lm.predict_many(units, d, 1), 5)
+    predict_ms = median_ms(lambda: lm.predict_many(units, d, 1), 5, warmup=1, cuda=False,
+                           clock=time.thread_time)
     ref_ms = reference_ms()
 
     steps, shapes = {}, {}
