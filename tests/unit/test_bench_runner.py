@@ -80,7 +80,7 @@ def test_the_pages_start_every_study_through_the_runner(page):
 
 
 def test_the_page_check_catches_a_script_beside_the_runner(tmp_path):
-    page = tmp_path / "p.md"
+    page = tmp_path / "page.txt"       # (a name ending .md would read as a cited page)
     page.write_text("run `scripts/bench_x.py --a` and `scripts/bench.py gone --b`.\n\n"
                     "`scripts/bench.py sim_study`, `scripts/gpu_check.py`\n\n"
                     "then `scripts/old.py`, which ran at abc1234\n")
