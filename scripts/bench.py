@@ -5,15 +5,14 @@
     python scripts/bench.py NAME [flags] --json docs/results/NAME.json
 
 Every study writes JSON that records its command, commit, versions and device
-(``studies/common.py``). The studies live in ``scripts/studies/``; three still live beside this
-file as scripts of their own (``EXTERNAL``) and run unchanged through it.
+(``studies/common.py``). Each study is a module of ``scripts/studies/`` with ``main(argv)``; what
+studies share is in the few modules ``SHARED`` names.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import runpy
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,27 +61,16 @@ STUDIES = {
                 "BENCHMARKS.md context parallelism, attention alone"),
     "dense_sab_run": ("dense attention, pretrain() on CPU: SAB vs sequential vs token-balanced "
                       "packing, paired steps", "BENCHMARKS.md against dense, README results"),
-    "quality_cost": ("measure a model's loss per layer group and density (the quality cost)",
-                     "BENCHMARKS.md DST's accuracy side"),
     "plan_quality": ("the quality model DST plans by: fitted on a real model's loss by depth "
                      "group, density and length, checked on whole plans it has not seen",
                      "BENCHMARKS.md quality model, QUALITY.md"),
-    "dst_plans": ("DST's plans evaluated on a real model's loss and retrieval",
-                  "BENCHMARKS.md DST's accuracy side"),
-    "dst_quality": ("the quality objective against the density one (simulated plans)",
-                    "BENCHMARKS.md DST's accuracy side"),
-    "dst_fill": ("bubble filling: the density objective's raise against the quality one",
-                 "BENCHMARKS.md DST's accuracy side"),
     "sensitivity_signal": ("which online signal tracks measured sparsity sensitivity",
                            "BENCHMARKS.md DST's accuracy side"),
     "long_context": ("long-context retrieval (needle, variable tracking, QA) in Megatron",
                      "QUALITY.md"),
-    "trained_quality": ("dense, static sparse, --sparse-balance, DST (density objective) "
-                        "trained from scratch on CPU: held-out loss, retrieval by depth",
-                        "docs/history/QUALITY-2026-11-27-trained-from-scratch.md"),
-    "trained_quality_gpu": ("the same four arms continuing SmolLM2-135M at 16K on one GPU, "
-                            "scored on RULER-style tasks (--prepare here, --bundle there)",
-                            "QUALITY.md"),
+    "trained_quality_gpu": ("dense, static sparse, --sparse-balance and DST (density objective) "
+                            "continuing SmolLM2-135M at 16K on one GPU, scored on RULER-style "
+                            "tasks (--prepare here, --bundle there)", "QUALITY.md"),
     "continued_quality": ("a dense-trained base continued under static, --sparse-balance, SAB "
                           "alone, matched static and a 0.9 x d0 control on CPU: a verdict",
                           "QUALITY.md"),
@@ -94,10 +82,7 @@ STUDIES = {
                           "QUALITY.md"),
 }
 # what the studies share (modules of scripts/studies/ that are not studies)
-SHARED = ("common", "smollm2")
-# studies that are still scripts of their own in scripts/ (run as they are)
-EXTERNAL = {"sim_study": "bench_sim_study.py", "attention_gpu": "bench_attention_gpu.py",
-            "latency_eval": "eval_latency_model.py"}
+SHARED = ("common", "device", "gpu_trace", "kernels", "smollm2", "trained_quality")
 
 
 def usage() -> str:
@@ -119,14 +104,6 @@ def main(argv=None) -> int:
         return 2
     if HERE not in sys.path:
         sys.path.insert(0, HERE)
-    if name in EXTERNAL:
-        path = os.path.join(HERE, EXTERNAL[name])
-        sys.argv = [os.path.relpath(path), *rest]
-        try:
-            runpy.run_path(path, run_name="__main__")
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return 0
     from studies import common
     common.COMMAND = ["python", "scripts/bench.py", name, *rest]
     sys.argv = [f"scripts/bench.py {name}", *rest]

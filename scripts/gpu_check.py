@@ -6,7 +6,7 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
 - ``env``: device, torch / triton / CUDA versions, which optional packages import, whether the
   ``flash`` backend (flex's FlashAttention-4 kernel) can run;
 - ``tests``: ``pytest tests/gpu``;
-- ``bench``: the kernel table, ``scripts/bench_attention_gpu.py``, pass by pass against cuDNN's
+- ``bench``: the kernel table, ``scripts/bench.py attention_gpu``, pass by pass against cuDNN's
   kernel: one 32K document and a packed 32K micro-batch of whole files, 8/2 x 128 and
   Qwen2.5-0.5B's 14/2 x 64, bf16, densities 0.25 / 0.5 / 1 / 0.125, each backend of ours that
   can run here (``--bench-backends``: ``triton``, ``fa4``, ``flex``, ``flash``) checked against
@@ -21,14 +21,14 @@ Steps (each a subprocess with its own time limit; a failed step is recorded and 
   time apart and its kernels from a profiler trace: FA4's side passes, our selection and lists,
   copies and fills);
 - ``latency``: a GPU latency table (``profile_cli --quick``, the train step's model) and its
-  held-out MAPE (``scripts/eval_latency_model.py``), priced by the sparse call's price of this
+  held-out MAPE (``scripts/bench.py latency_eval``), priced by the sparse call's price of this
   call's kernel table (``--kernel-table``, or the ``bench`` step's) where there is one
   (``latency.model``: the fixed cost per call is a term of that price);
 - ``dst``: DST with GPU timings (``scripts/bench.py dst_gpu``: a PP 4 x DP 4 step's units
   timed on this device, composed by the simulator: DST, static and dense + SAB);
 - ``train``: end to end, Megatron ``pretrain()`` of the full-depth Qwen2.5-0.5B (24 layers) on
   the corpus's documents of 16K+ tokens in 32K and 64K micro-batches (128K where it fits),
-  ``studies/_train_step.py``: dense + SAB through torch's varlen call and through cuDNN SDPA (a
+  ``studies/device.py``: dense + SAB through torch's varlen call and through cuDNN SDPA (a
   long document alone in its call, as a Transformer Engine user's: the measured baseline,
   ``cudnn_measured``), ``--sparse-balance`` at d0 0.25 and 0.5, Megatron's own dense last.
   The step first times cuDNN's kernel and the varlen call per tile at 32K and 64K
@@ -54,8 +54,8 @@ docs/GPU.md says how to bring the dependencies to a machine without network, and
 device plan (``scripts/gpu_plan.py``: the calls, each with ``--steps``, ``--budget-s`` and
 ``--bundle``).
 
-The train step's runs live in ``studies/_train_step.py``, their comparisons in
-``studies/_train_report.py``.
+The train step's runs live in ``studies/device.py``, their comparisons in
+``studies/gpu_trace.py``.
 """
 
 from __future__ import annotations
@@ -69,13 +69,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from studies._train_report import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
-                                   cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
-                                   train_summary)
-from studies._train_step import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
-                                 dense_tile_costs, run_logged as _run, step_train)
-from studies._kernel_steps import (rows_of, step_autotune, step_bench,  # noqa: E402,F401
-                                   step_env, step_pieces, step_recompile)
+from studies.device import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
+                            dense_tile_costs, rows_of, run_logged as _run, step_autotune,
+                            step_bench, step_env, step_pieces, step_recompile, step_train)
+from studies.gpu_trace import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
+                               cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
+                               train_summary)
 STEPS = ("env", "smoke", "pieces", "bench", "tests", "autotune", "recompile", "latency", "dst",
          "train")
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
@@ -191,8 +190,8 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
             if rc == 0:
                 ev = os.path.join(work, "latency_eval_gpu.json")
                 limit2 = max(30, min(LIMIT_S[name] - sec, deadline - time.time()))
-                rc, sec2, tail = _run([py, "scripts/eval_latency_model.py", "--table", table,
-                                       "--json", ev, "--n", "8"],
+                rc, sec2, tail = _run([py, "scripts/bench.py", "latency_eval", "--table",
+                                       table, "--json", ev, "--n", "8"],
                                       os.path.join(work, "latency_eval.log"), limit2, env)
                 res.update(ok=rc == 0, rc=rc, eval_seconds=sec2)
                 if rc == 0:
@@ -213,7 +212,7 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
             given = table if os.path.exists(table) else None
             res = step_train(work, given, limit - (time.time() - t0), env, train_backend, costs)
             res["latency_table"] = latency_table or ("the latency step's" if given else
-                                                     "priced from run 5 (_device_tables)")
+                                                     "priced from run 5 (studies/device.py)")
         results[name] = res
         print(f"[gpu_check] {name}: {'ok' if res.get('ok') else 'FAILED'} "
               f"({time.time() - deadline + LIMIT_TOTAL:.0f} s elapsed)", flush=True)
@@ -337,7 +336,7 @@ def main(argv=None) -> int:
                          "table's, 32K); two or more give each backend a price per call, per "
                          "token and per tile (latency/sparse_call.py) for the simulator")
     ap.add_argument("--kernel-table", metavar="JSON",
-                    help="a kernel table of this device kind (bench_attention_gpu.py's JSON) "
+                    help="a kernel table of this device kind (attention_gpu's JSON) "
                          "whose price of the sparse call prices the latency step's table "
                          "(default: the bench step's, where this call ran it)")
     ap.add_argument("--latency-table", metavar="JSON",

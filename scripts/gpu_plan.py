@@ -76,7 +76,7 @@ KERNEL_CALLS: Tuple[Call, ...] = (
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
          bench_lengths=(32768, 16384),
-         what="versions, imports, signatures; the kernel table (bench_attention_gpu.py) pass by "
+         what="versions, imports, signatures; the kernel table (bench.py attention_gpu) pass by "
               "pass against cuDNN, each pass's host and GPU time apart: triton (pinned one-pass "
               "and every split backward) first, then flex; each kernel checked against float64 "
               "first; one document of 32K and of 16K; FA4's first piece staged"),

@@ -73,6 +73,23 @@ def load_script(name: str):
     return mod
 
 
+def load_study(name: str):
+    """A fresh copy of ``scripts/studies/<name>.py`` (``studies.<name>`` in ``sys.modules``, its
+    package's other modules imported as they are): a test may change its attributes."""
+    import importlib.util
+
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    import studies  # noqa: F401  (the package the study's relative imports resolve in)
+
+    spec = importlib.util.spec_from_file_location(f"studies.{name}",
+                                                  REPO / f"scripts/studies/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def stdlib_texts(n: int, max_chars: int = 6000) -> list[str]:
     """Real text with varied lengths: the first ``n`` CPython stdlib modules, in sorted order."""
     root = Path(sysconfig.get_paths()["stdlib"])

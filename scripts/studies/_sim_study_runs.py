@@ -1,8 +1,8 @@
-"""What the simulator study (``scripts/bench_sim_study.py``) runs for each length mix, d0, DP
+"""What the simulator study (``sim_study``) runs for each length mix, d0, DP
 size and CP size: the layout searches and the comparison rows of one point (``study_one``; its
 dense rows alone: ``packers_one``), the stage-floor sweep, the decomposition of ``sab_dst``'s gain,
 and the tables each mix prints. The command line, the latency source and the JSON stay in the
-script.
+study.
 """
 
 from __future__ import annotations
@@ -19,12 +19,7 @@ from sparsebalance_megatron.experiments.robustness import same_layout_slow_rank
 from sparsebalance_megatron.experiments.study import is_dense, packing_of
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
 
-MODELS = {
-    "qwen2.5-0.5b": {},          # ModelShape's defaults
-    "llama3.2-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
-                        num_attention_heads=32, num_query_groups=8, kv_channels=64,
-                        vocab_size=128256),
-}
+from .common import MODELS
 
 
 def idle_bound(rows: dict, layout, m: int) -> dict:

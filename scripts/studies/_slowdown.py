@@ -16,6 +16,9 @@ the slowdown per window:
   left is what the draft's own time costs the training thread. The no-planner windows are
   split the same way (at the last planner window's draft time) as the control: their figure is
   the estimator's own bias and noise, and each planner's ``local`` is reported net of it.
+
+Why private and apart: ``planner_ab`` loads this file by its path into another checkout's tree
+(the same estimator for both checkouts), where ``studies._drafts`` is that checkout's.
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ def main(argv=None) -> int:
     rows = []
     if not args.no_timing and cuda:
         # a GPU's timings are the kernel table's (pass by pass against cuDNN), not this study's
-        print("timing on a GPU: python scripts/bench_attention_gpu.py (the kernel table)")
+        print("timing on a GPU: python scripts/bench.py attention_gpu (the kernel table)")
     elif not args.no_timing:
         rows += bench_kernels(device, seq_lens, dtype, nh, ng, hn, reps, args.block_size)
     if args.mem_seq_len and not cuda:

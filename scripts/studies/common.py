@@ -1,6 +1,8 @@
 """What every study and device script shares: its argument parser, percentiles, the median time
-of a call (CUDA events on a GPU), and the result writer that records the command, commit,
-versions and device beside the figures.
+of a call (CUDA events on a GPU), the result writer that records the command, commit, versions
+and device beside the figures, the simulated studies' model shapes, and one run of the README's
+CPU job (``examples/run_cpu_demo.sh``) with extra flags, its per-step metrics and timed steps
+(``cp_step``, ``dense_sab_run``).
 
 Nothing here imports torch or megatron: a study that needs them imports them itself, and the
 writer reads their versions from the installed distributions (``median_ms`` and
@@ -22,6 +24,13 @@ from importlib import metadata
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Set by scripts/bench.py to the command line that ran the study (`python scripts/bench.py NAME ...`).
 COMMAND: list[str] | None = None
+# the simulated studies' model shapes (ModelShape fields; sim_study, hybrid_cp)
+MODELS = {
+    "qwen2.5-0.5b": {},          # ModelShape's defaults
+    "llama3.2-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
+                        num_attention_heads=32, num_query_groups=8, kv_channels=64,
+                        vocab_size=128256),
+}
 DISTRIBUTIONS = ("torch", "numpy", "numba", "megatron-core", "sparsebalance_megatron", "triton")
 
 
@@ -77,10 +86,11 @@ def percentiles(values, qs=(50, 90, 99)) -> dict:
     return out
 
 
-def median_ms(fn, reps: int, warmup: int = 2, cuda: bool | None = None) -> float:
+def median_ms(fn, reps: int, warmup: int = 2, cuda: bool | None = None, clock=None) -> float:
     """Median milliseconds of ``fn`` over ``reps`` calls after ``warmup`` calls: by CUDA events
-    where ``cuda`` (default: torch sees a GPU), synchronised after each call, else by the wall
-    clock (a CPU check of a GPU script under ``TRITON_INTERPRET=1``)."""
+    where ``cuda`` (default: torch sees a GPU), synchronised after each call, else by ``clock``
+    (default the wall clock: a CPU check of a GPU script under ``TRITON_INTERPRET=1``;
+    ``time.thread_time``: the calling thread's CPU, what a loaded machine's waits leave out)."""
     if reps < 1:
         raise ValueError(f"reps={reps}: expected at least one timed call")
     torch = sys.modules.get("torch")
@@ -90,10 +100,11 @@ def median_ms(fn, reps: int, warmup: int = 2, cuda: bool | None = None) -> float
         fn()
     times = []
     if not cuda:
+        clock = clock or time.perf_counter
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((clock() - t0) * 1e3)
         return statistics.median(times)
     torch.cuda.synchronize()
     for _ in range(reps):
@@ -224,3 +235,35 @@ def write_result(path: str | None, doc: dict) -> dict:
             json.dump(out, f, indent=1)
         print(f"wrote {path}")
     return out
+
+
+# ---- the README's CPU job ---------------------------------------------------------------------
+
+UNTIMED_STEPS = 2     # the README job's warm-up steps (run_demo): not timed
+
+
+def add_steps_arg(ap, default: int) -> None:
+    ap.add_argument("--steps", type=int, default=default,
+                    help=f"training steps per run (>= 4; the first {UNTIMED_STEPS} are not timed)")
+
+
+def check_steps(ap, steps: int) -> None:
+    if steps < UNTIMED_STEPS + 2:
+        ap.error(f"--steps {steps}: expected >= {UNTIMED_STEPS + 2} (the first "
+                 f"{UNTIMED_STEPS} steps are not timed)")
+
+
+def run_demo(extra: list, out: str, label: str, steps: int, prefix=(), **env) -> tuple:
+    """Run the README job with ``extra`` flags into ``out`` (``env``: NPROC, PP, ...).
+    Returns (per-step metrics rows, the timed steps' seconds, the finished process); a failed
+    run stops the benchmark with its output."""
+    env = dict(os.environ, OUT=out, TRAIN_ITERS=str(steps), OMP_NUM_THREADS="1",
+               PY=sys.executable, **{k: str(v) for k, v in env.items()})
+    p = subprocess.run([*prefix, "bash", "examples/run_cpu_demo.sh", *extra], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{label} run failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n"
+                         f"{p.stderr[-3000:]}")
+    rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if x.strip()]
+    return rows, [r["step_time_s"] for r in rows[UNTIMED_STEPS:]], p
+

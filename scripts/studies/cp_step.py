@@ -18,8 +18,7 @@ import re
 import statistics
 import tempfile
 
-from ._demo import add_steps_arg, check_steps, run_demo
-from .common import parser, write_result
+from .common import add_steps_arg, check_steps, parser, run_demo, write_result
 
 
 def run(cp: int, args, out: str) -> dict:

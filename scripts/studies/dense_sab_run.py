@@ -54,8 +54,7 @@ import os
 import statistics
 import tempfile
 
-from ._demo import UNTIMED_STEPS, add_steps_arg, check_steps, run_demo
-from .common import parser, write_result
+from .common import UNTIMED_STEPS, add_steps_arg, check_steps, parser, run_demo, write_result
 
 DP = 2                 # the README job: PP=2 x DP=2 (``--pp 1``: DP=2 alone)
 PACKINGS = {"sequential": ["--sb-packing", "sequential"],

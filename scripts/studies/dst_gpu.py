@@ -17,7 +17,7 @@ three arms on the same documents:
   kernel (cuDNN SDPA on a GPU, ``--sb-dense-kernel sdpa``).
 
 The plans come from the latency table before anything is timed: on a GPU the analytic table of
-the model priced by run 5's kernel table of the kernel ``auto`` runs here (``_device_tables``:
+the model priced by run 5's kernel table of the kernel ``auto`` runs here (``device.priced_table``:
 fa4 where FlashAttention-4 is installed, else triton), on the CPU the analytic H100 table.
 Each arm's predicted step (the table's unit times through the same simulator) stands beside its
 measured one; the gain DST measured over static against the gain the table predicted (target:
@@ -62,7 +62,7 @@ def latency_model(s: dict, cuda: bool, backend: str):
     """(LatencyModel, words) that plan the step (module docstring)."""
     from sparsebalance_megatron.latency import LatencyModel
     if cuda:
-        from ._device_tables import priced_table
+        from .device import priced_table
         table = priced_table(backend, layers=s["layers"], pp=s["pp"],
                              seq_length=s["seq_length"])
         return LatencyModel.from_table(table), table["sparse_call"]["described"]
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
 
     from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
 
-    from ._device_tables import length_free_backend
+    from .device import length_free_backend
     cuda = torch.cuda.is_available() and not args.tiny
     s = dict(TINY_SHAPE if args.tiny or not cuda else GPU_SHAPE)
     s.update({k: v for k, v in vars(args).items() if k in s and v is not None})

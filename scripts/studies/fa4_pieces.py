@@ -5,16 +5,16 @@ A line through fa4's pass times against kept tiles crosses zero tiles at 0.3-0.7
 1.3-1.6 ms backward (issue 74). This probe says what that is made of, on one document (block
 128), per backend, shape and density in the order given (the target's d 0.25 first):
 
-- **what** it times: FA4's kernel alone on one selection's lists (``_kernel_passes.kernel_fn``)
+- **what** it times: FA4's kernel alone on one selection's lists (``kernels.kernel_fn``)
   in both GQA backward forms (``kernel accumulated``: dK/dV summed over the group's heads in
   float32 accumulators, FA4's fills and conversion passes; ``kernel per head``: K/V repeated
   per query head, the heads summed after), and each backend's whole per-layer call (``call``:
-  selection, lists, pad, kernel, unpad; ``_kernel_passes.call_fn``): fa4's, and triton's, whose
+  selection, lists, pad, kernel, unpad; ``kernels.call_fn``): fa4's, and triton's, whose
   fused selection and lists fa4's call runs too;
 - **per pass**, the forward with autograd recording and the backward replayed from one retained
   graph: its synchronised time, its host time with nothing awaited and its GPU time alone
-  (``_kernel_passes.pass_times``; ``host_over_gpu_ms`` > 0: the GPU waits for the host), and
-  its kernels from a profiler trace of ``--reps`` calls (``_gpu_trace.summarize_trace``), per
+  (``kernels.pass_times``; ``host_over_gpu_ms`` > 0: the GPU waits for the host), and
+  its kernels from a profiler trace of ``--reps`` calls (``gpu_trace.summarize_trace``), per
   call (``per_call``): attention per pass with FA4's side passes apart (``bwd_preprocess``:
   delta and the dQ accumulator's zeroing; ``dq_convert``; ``dkv_convert`` and ``dkv_fill``:
   GQA's float32 dK/dV accumulators; ``other``: the per-head form's copies and sum), our
@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 
-from . import _gpu_trace
+from . import gpu_trace
 from .common import gpu_provenance, parser, write_result
 
 SHAPES = ("8/2/128", "14/2/64")
@@ -50,7 +50,7 @@ SIDE_PASSES = ("bwd_preprocess", "dq_convert", "dkv_convert", "dkv_fill", "other
 
 def pieces_row(host: dict, account: dict) -> dict:
     """One row's pieces from its host/GPU timings (``{name: {host_ms, gpu_ms, held}}``, per
-    pass) and the ``_gpu_trace.account`` of one forward + backward: milliseconds per piece, the
+    pass) and the ``gpu_trace.account`` of one forward + backward: milliseconds per piece, the
     backward's side passes summed (``bwd_side_ms``) beside its main kernel, and per timed pass
     the host's lead (``host_ms - gpu_ms``: > 0, the GPU waits for the host)."""
     passes = account.get("attention_passes", {})
@@ -67,7 +67,7 @@ def pieces_row(host: dict, account: dict) -> dict:
 
 
 def per_call(summary: dict, calls: int) -> dict:
-    """A trace's summary (``_gpu_trace.summarize_trace``) of ``calls`` calls, per call: kernel
+    """A trace's summary (``gpu_trace.summarize_trace``) of ``calls`` calls, per call: kernel
     counts and milliseconds divided, the busy fraction as it is."""
     if calls < 1:
         raise ValueError(f"calls={calls}: expected at least one profiled call")
@@ -111,7 +111,7 @@ def traced(run, calls: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
-        return per_call(_gpu_trace.summarize_trace(path), calls)
+        return per_call(gpu_trace.summarize_trace(path), calls)
 
 
 def pass_kernels(fn, inputs, g, calls: int) -> dict:
@@ -125,7 +125,7 @@ def pass_kernels(fn, inputs, g, calls: int) -> dict:
 
 def timed_pieces(fn, case, reps: int) -> dict:
     """One row's measurement of ``fn`` on ``case`` (module docstring)."""
-    from ._kernel_passes import pass_times
+    from .kernels import pass_times
     inputs = [case.q, case.k, case.v]
     times = pass_times(fn, inputs, case.g, reps)
     kernels = pass_kernels(fn, inputs, case.g, reps)
@@ -136,7 +136,7 @@ def timed_pieces(fn, case, reps: int) -> dict:
 
 def measure(backend: str, shape: str, tokens: int, densities, reps: int, clock, log) -> bool:
     """``backend``'s rows at ``shape`` (module docstring); False once the clock stops new rows."""
-    from ._kernel_passes import Case, Lists, call_fn, kernel_fn
+    from .kernels import Case, Lists, call_fn, kernel_fn
     case = Case("single", [tokens], shape)
     for d in densities:
         lists = Lists(case, d) if backend == "fa4" else None
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no row later than this many seconds minus a margin")
     args = p.parse_args(argv)
-    from ._kernel_passes import Clock, RowLog, parse_shape
+    from .kernels import Clock, RowLog, parse_shape
     try:
         for s in args.shapes:
             parse_shape(s)

@@ -42,8 +42,7 @@ from sparsebalance_megatron.data import GlobalBatchSampler, load_corpus
 from sparsebalance_megatron.experiments import StudyConfig, run_study
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 
-from ._sim_study_runs import MODELS  # the same model shapes as the layout study
-from .common import parser, write_result
+from .common import MODELS, parser, write_result   # the same model shapes as sim_study
 
 
 class _Group:

@@ -11,7 +11,7 @@ coefficients >= 0), it reports:
   of ``scripts/bench.py latency_eval``), the held-out MAPE of the refit model; the same for the
   model plus each candidate feature of ``CANDIDATES`` (computed here from the documents, not part
   of the model), so a new term is judged by cross-validation and held-out rows together;
-- with ``--kernel-table`` (a device kernel table of the same device, ``bench_attention_gpu.py``):
+- with ``--kernel-table`` (a device kernel table of the same device, ``attention_gpu``):
   the same checks of the model fitted *priced* (``price_fit.attach_price``: the sparse calls
   at the table's layers x the kernel table's price of the table's backend and head shape, the
   rest fitted), and the price's own held-out error (``price_heldout``: each density of the
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     p = parser(__doc__, "latency_cv")
     p.add_argument("--table", required=True, help="a profiled latency table (JSON)")
     p.add_argument("--eval", help="held-out rows: the JSON of scripts/bench.py latency_eval")
-    p.add_argument("--kernel-table", help="a device kernel table (bench_attention_gpu.py's JSON) "
+    p.add_argument("--kernel-table", help="a device kernel table (attention_gpu's JSON) "
                    "whose price of the table's backend at its head shape prices the sparse call")
     args = p.parse_args(argv)
 

@@ -36,6 +36,16 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
   drafts are timed back to back, as the planner process makes them; the parts in a pass of
   their own.
 
+``--reader``: the training process's reader-thread CPU per step where a rank settles its DST per
+DP rank (``Drafter.settle``): settled on the reader thread (``agree``: how the rank ran it before
+the relay) against settled in the planner process with the reader thread relaying its
+collectives (``settle``: ``step/relay.py``). The reader thread's own CPU time
+(``PendingDraft.reader_s``: reading the draft back, and the settle's compute or its relaying) is
+what a launch-bound training thread beside it pays for the GIL. The DP group is a stand-in
+(``Twins``: every rank this one's twin, so that one process plans at any DP size; its
+arithmetic, on the reader thread, stands in for the collective's); the settle's compute is this
+rank's at that DP size.
+
     .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost_quality_descent.json
 """
 
@@ -49,22 +59,12 @@ import numpy as np
 from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, STAND_DOWN_COMPARES,
                                            SparseBalanceConfig)
 
-from .common import parser, write_result
+from .common import median_ms, parser, write_result
 from ._slowdown import launch_slowdown
 from ._drafts import make_drafter, submit_draft
 
 TARGET_SHARE = 0.005          # issue 44: the plugin's critical-path cost, share of the step
 SHAPES = (("64x16", 64, 16, ("even", "best")), ("4x16", 4, 16, ("best",)))
-
-
-def _median_ms(fn, repeats: int, clock=time.thread_time) -> float:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        out.append((clock() - t0) * 1e3)
-    return float(np.median(out))
 
 
 def reference_ms(repeats: int = 5) -> float:
@@ -88,7 +88,7 @@ def reference_ms(repeats: int = 5) -> float:
             lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
         np.sort(rng.permutation(keys))
 
-    return _median_ms(work, repeats)
+    return median_ms(work, repeats, warmup=1, cuda=False, clock=time.thread_time)
 
 
 def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
@@ -277,7 +277,7 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
 
 def main(argv=None) -> int:
     from sparsebalance_megatron.latency import LatencyModel
-    from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst
+    from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid, plan_dst
 
     defaults = SparseBalanceConfig()
     p = parser(__doc__, "planner_cost")
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
                    help="skip the training-thread slowdown test")
     p.add_argument("--reader", action="store_true",
                    help="only the reader thread's CPU per step with a rank's DST settled on it "
-                        "against settled in the planner process, relayed (studies/_relay_cost.py)")
+                        "against settled in the planner process, relayed (``reader_cpu``)")
     args = p.parse_args(argv)
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective=args.dst_objective,
                              dst_descent=args.dst_descent,
@@ -311,12 +311,15 @@ def main(argv=None) -> int:
     attn = rng.uniform(0.0, 0.4, (64, 16, 4))
     costs = UnitCosts.affine(grid, fixed, attn)
     sens = rng.random((64, 16))
-    plan_ms = _median_ms(lambda: plan_dst(costs, sens, 0.5, 0.125, 1.0), 9)
+    settings = DSTSettings(0.5, 0.125, 1.0)
+    plan_ms = median_ms(lambda: plan_dst(costs, sens, settings), 9, warmup=1, cuda=False,
+                        clock=time.thread_time)
     lm = LatencyModel.analytic(pp=4)
     units = [np.diff(np.r_[0, np.sort(rng.choice(32767, rng.integers(1, 30), replace=False) + 1),
                            32768]) for _ in range(4096)]
     d = rng.choice(np.linspace(0.125, 1.0, 8), 4096)
-    predict_ms = _median_ms(lambda: lm.predict_many(units, d, 1), 5)
+    predict_ms = median_ms(lambda: lm.predict_many(units, d, 1), 5, warmup=1, cuda=False,
+                           clock=time.thread_time)
     ref_ms = reference_ms()
 
     steps, shapes = {}, {}
@@ -383,8 +386,6 @@ def main(argv=None) -> int:
 
 def _reader_only(sb, args) -> int:
     """``--reader``: the reader thread's CPU per step, settle on it against relayed."""
-    from ._relay_cost import reader_cpu
-
     rows = {f"{dp} DP": reader_cpu(sb, dp=dp, steps=args.repeats + 1) for dp in (64, 4)}
     print("reader thread CPU per step, median ms (of which reading the draft back); the "
           "settle's own CPU where the reader ran it")
@@ -399,3 +400,91 @@ def _reader_only(sb, args) -> int:
         write_result(args.json, {"machine": platform.processor() or platform.machine(),
                                  "clock": "reader thread CPU time", "reader_cpu": rows})
     return 0
+
+
+# ---- --reader: the reader thread's CPU, settle on it against relayed --------------------------
+
+class Twins:
+    """A DP group of ``dp`` ranks that are all this rank's twins (``DPReducer``'s interface)."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+
+    def __call__(self, parts):
+        out = {k: v * self.dp for k, v in parts["sum"].items()}
+        out.update(parts["max"])
+        for k, v in parts.get("cat", {}).items():
+            out[k] = np.tile(np.asarray(v).reshape(-1), self.dp)
+        return out
+
+    def max(self, x):
+        return float(x)
+
+    def gather(self, row):
+        return np.tile(np.asarray(row, dtype=np.float64).reshape(1, -1), (self.dp, 1))
+
+
+def reader_cpu(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
+               steps: int = 6, rank: int = 0, step_s: float = 1.0) -> dict:
+    """Median reader-thread CPU ms per step (after one warm-up step) with the settle on the
+    reader thread (``agree``) and in the planner process (``settle``), alternated step by step,
+    each step's draft made while a stand-in step sleeps ``step_s`` (the GIL released); with the
+    settle's own thread CPU in either place and both plans' equality."""
+    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
+    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess, PlannerProcessError
+
+    corpus = corpus_steps(dp, m, sb.density, steps + 1, seq=seq, layout=layout, pp=4)
+    drafter = make_drafter(corpus.lm, sb, dp, seq)
+    proc = PlannerProcess(drafter)
+    got = {"agree": [], "settle": []}
+    recv = {"agree": [], "settle": []}
+    rounds, late = [], []
+    settle_ms, same = [], True
+    try:
+        proc.wait_ready()
+        for k, segs in enumerate(corpus.segments):
+            plans = {}
+            for how in ("agree", "settle") if k % 2 else ("settle", "agree"):
+                spent = []
+
+                def agree(draft):
+                    c0 = time.thread_time()
+                    out = drafter.settle(draft, rank=rank, agree=Twins(dp))
+                    spent.append(time.thread_time() - c0)
+                    return out
+                kw = dict(agree=agree) if how == "agree" else dict(settle=(rank, Twins(dp)))
+                pending = proc.submit(k, 0, segs, m, with_dst=False,
+                                      latency_state=drafter.latency.calibration_state(),
+                                      tracker_sync=("reset", drafter.tracker.state_dict()),
+                                      basis={}, **kw)
+                time.sleep(step_s)
+                try:
+                    plans[how] = pending.result().agreed
+                except PlannerProcessError as e:     # a loaded host starves it: not counted
+                    late.append(f"step {k} {how}: {e}")
+                    pending._thread.join()
+                    plans[how] = drafter.settle(drafter.draft(**pending.request), rank=rank,
+                                                agree=pending.rounds.replaying()
+                                                if how == "settle" else Twins(dp))
+                    continue
+                if k:
+                    got[how].append(pending.reader_s * 1e3)
+                    recv[how].append(pending.recv_s * 1e3)
+                    if how == "settle":
+                        rounds.append(len(pending.rounds.done))
+                    if spent:
+                        settle_ms.append(spent[0] * 1e3)
+            same &= np.array_equal(np.asarray(plans["agree"][0]), np.asarray(plans["settle"][0]))
+    finally:
+        proc.close()
+    med = {k: float(np.median(v)) for k, v in got.items()}
+    return {"shape": f"{dp} DP x {m} micro-batches x PP4, {seq} tokens, {layout} layout, rank "
+                     f"{rank}", "steps": steps,
+            "reader_ms_settle_on_reader": med["agree"],
+            "reader_ms_settle_in_process": med["settle"],
+            "reader_ms_each": {k: [round(x, 2) for x in v] for k, v in got.items()},
+            "recv_ms_settle_on_reader": float(np.median(recv["agree"])),
+            "recv_ms_settle_in_process": float(np.median(recv["settle"])),
+            "rounds_relayed": int(np.median(rounds)),
+            "settle_ms_on_reader": float(np.median(settle_ms)), "same_plans": bool(same),
+            "late": late}

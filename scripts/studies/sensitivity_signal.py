@@ -21,12 +21,20 @@ bootstrap interval.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from . import smollm2
 from .common import parser, write_result
 
+
+def window_loss(model, budget, ids, dens: list) -> float:
+    """Mean next-token loss (nats) over every position of the window ``ids`` with ``dens`` (one
+    density a decoder layer): ``smollm2.score`` of the window as a sample without an answer."""
+    window = SimpleNamespace(input_ids=list(ids), answer_ids=[], scored=lambda: [])
+    return smollm2.score(model, budget, window, dens, stride=1)["loss"]
 
 
 def spearman(a, b) -> float:
@@ -47,13 +55,13 @@ def main(argv=None) -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from .quality_cost import load_model, window_loss
-
     from sparsebalance_megatron.batching.sensitivity import prior_sensitivity
     from sparsebalance_megatron.data.sources import read_text, shakespeare_files, stdlib_files
 
     t0 = time.perf_counter()
-    model, tok, budget, n_layers = load_model(None, args.d0, args.block_size)
+    model, budget, tok, a = smollm2.load(args.d0, args.block_size,
+                                         threads=torch.get_num_threads())
+    n_layers = a.num_layers
     rng = np.random.default_rng(args.seed)
     files = stdlib_files()
     plays = shakespeare_files()
@@ -67,8 +75,8 @@ def main(argv=None) -> int:
         if n < args.min_tokens // 2:
             continue
         ids = ids[:n]
-        losses = {d: window_loss(model, budget, ids, {j: d for j in range(1, n_layers + 1)},
-                                 args.block_size) for d in (1.0, args.d0, args.low)}
+        losses = {d: window_loss(model, budget, ids, [d] * n_layers)
+                  for d in (1.0, args.d0, args.low)}
         # the estimator's kept mass at d0 (window_loss consumed its own statistics)
         budget.set_layer_densities({j: args.d0 for j in range(1, n_layers + 1)})
         budget.pop_stats()

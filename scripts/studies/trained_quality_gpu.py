@@ -233,7 +233,7 @@ def train_cmd(args, arch: dict, arm: str, dp: int, bundle: str, init: str, run_d
 
 def evaluate(args, arch, ckpt: str, held: list) -> dict:
     """Held-out loss, answer accuracy by task, length and depth, kept density, at density 1
-    and at d0 (``trained_quality.score_densities``, the CPU study's scoring)."""
+    and at d0 (``trained_quality.score_densities``)."""
     import torch
 
     from sparsebalance_megatron.config import SparseBalanceConfig

@@ -33,7 +33,7 @@ the density. ``bwd_per_head`` (``BWD_PER_HEAD`` by default) instead hands the ba
 repeated per query head (one KV head per query head: each program stores its own dK/dV tile,
 no accumulator), then sums the group's heads in float32; it costs the copies of K and V and
 rounds each head's dK/dV to the input dtype before the sum. Which is faster is the device's to
-say: the kernel table times both (``scripts/bench_attention_gpu.py``, variant ``bwd per head``).
+say: the kernel table times both (``scripts/bench.py attention_gpu``, variant ``bwd per head``).
 
 The lists. For query block i the diagonal block i is the only partial block: documents start on
 block boundaries, so it holds its own document's tokens then padding, and causality by position

@@ -7,7 +7,7 @@ output), with the fixed cost per call cut; ``kernel`` is the attention kernel ru
 ``triton`` (``sparse_triton`` on the unpadded tokens, no padded copy) or ``fa4``
 (FlashAttention-4's block-sparse kernels, ``fa4_cute``, on the layout's block-aligned tokens:
 one pad and one unpad copy). On an H200 the fused selection and lists cost 0.6-0.8 ms a call
-where the generic selection fa4 took before cost 1.1 ms (``scripts/bench_attention_gpu.py``,
+where the generic selection fa4 took before cost 1.1 ms (``scripts/bench.py attention_gpu``,
 32K, 2026-11-26):
 
 ==================  =========  ================================================================

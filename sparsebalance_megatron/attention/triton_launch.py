@@ -119,7 +119,7 @@ PINNED: Dict[Tuple[int, int, int], LaunchConfig] = {
     # JSON ("pinned") or the kernel table's kernel rows, with the command, commit, versions and
     # device above the entry.
     # python scripts/gpu_check.py --steps env bench --bench-backends triton (the kernel table,
-    # scripts/bench_attention_gpu.py, pass by pass), 2026-11-26, NVIDIA H200, triton 3.6.0,
+    # scripts/bench.py attention_gpu, pass by pass), 2026-11-26, NVIDIA H200, triton 3.6.0,
     # torch 2.11.0+cu130, commit 93ea910: the split backward (dQ in its own 128-row kernel)
     # against the one pass pinned before (32x128 w8 s2, dQ by atomics), one 32K document:
     # backward 5.44 / 10.09 / 19.66 / 3.34 ms against 6.80 / 12.62 / 24.26 / 4.03 at densities

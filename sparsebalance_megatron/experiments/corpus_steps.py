@@ -1,6 +1,6 @@
 """Steps of the built-in corpus packed the way the runtime packs them, at any scale: the set-up
-the planning studies share (``scripts/bench.py dst_quality``, ``scripts/bench.py dst_plans``,
-``scripts/bench.py planner_cost``).
+the planning studies share (``scripts/bench.py planner_cost``, ``planner_ab``, ``sab_ranks``,
+``control_plane``, ``plugin_cost``).
 
 Pure numpy; must not import torch or megatron.
 """

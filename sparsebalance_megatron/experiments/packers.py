@@ -1,6 +1,6 @@
 """Dense attention's packings against each other (issue 41): SAB packing (``--sb-batching`` alone)
 against Megatron's own packer (``dp_balanced``), its sequential fill and token-balanced packing,
-each on its own best layout, over the rows of a simulator study (``scripts/bench_sim_study.py``).
+each on its own best layout, over the rows of a simulator study (``scripts/bench.py sim_study``).
 
 SAB's ratios are stated gross and, where the study priced the plugin's own cost (issue 44), net:
 ``dense_sab`` pays its per-step cost (``experiments.plugin_cost``), the other packings nothing.

@@ -1,6 +1,6 @@
 """Simulated step-time study of the SparseBalance variants on a real length mix.
 
-Shared by ``scripts/bench_sim_study.py`` and the layout search. For one DP size: the corpus
+Shared by ``scripts/bench.py sim_study`` and the layout search. For one DP size: the corpus
 lengths are cut into global batches by the data pipeline's ``GlobalBatchSampler`` (sequential
 fill of dp x m micro-batches of ``seq_length`` tokens), packed by Megatron's sequential order, a
 token balancer, Megatron's dp_balanced or SAB, timed by a latency model over a density grid

@@ -1,4 +1,4 @@
-"""A sparse call's price fitted from a device kernel table (``scripts/bench_attention_gpu.py``'s
+"""A sparse call's price fitted from a device kernel table (``scripts/bench.py attention_gpu``'s
 rows, ``sparse_call``'s docstring): the rows read (``kernel_rows``, ``price_rows``: one document
 and packed micro-batches, their kept tiles), the fit (``fit_price``: per call, per token and per
 kept tile, each pass apart, by ``fit.fit_nonneg``), and a profiled latency table given the price
@@ -22,7 +22,7 @@ from .work import attention_work
 
 def kernel_rows(path: str) -> list:
     """Single-document rows ``{backend, tokens, density, ms, block_size}`` of a device kernel
-    table at the reference shape, sink 1: ``scripts/bench_attention_gpu.py``'s JSON (``rows``
+    table at the reference shape, sink 1: ``scripts/bench.py attention_gpu``'s JSON (``rows``
     with ``case`` / ``shape`` / ``backend``, the whole call in ``ours_ms``; runs 1-3 kept them
     under ``results``) or the older one of run2 (``results``, the flex path only)."""
     with open(path) as f:
@@ -31,7 +31,7 @@ def kernel_rows(path: str) -> list:
     results = data.get("results") or []
     if "rows" not in data and results and "case" in results[0]:
         data = {"rows": results}   # the per-backend table of runs 1-3, its rows in "results"
-    elif "results" in data:        # scripts/bench_attention_gpu.py before the backends column
+    elif "results" in data:        # the kernel table before the backends column
         if list(data.get("heads", [])) != [8, 2, 128]:
             raise ValueError(f"{path}: heads {data.get('heads')}: expected [8, 2, 128]")
         for r in data["results"]:
@@ -44,7 +44,7 @@ def kernel_rows(path: str) -> list:
 
 
 def price_rows(rows: list, shape: str = REFERENCE_SHAPE, kind: str = "call") -> list:
-    """``kernel_rows``' rows from a kernel table's own (``scripts/bench_attention_gpu.py``) at
+    """``kernel_rows``' rows from a kernel table's own (``scripts/bench.py attention_gpu``) at
     ``shape``, no routing: ``kind`` "call" (the whole call: ``ours_ms``, its passes
     ``call_fwd_ms`` / ``call_bwd_ms``) or "kernel" (a kernel alone: ``fwd_ms`` / ``bwd_ms``, its
     ``variant``). Kept tiles per row: the kernel rows' count of the same micro-batch and density

@@ -12,7 +12,7 @@ this one place:
 - the analytic table takes a ``SparseCallPrice``: ``auto_price()`` is what ``auto`` runs on an
   H100 today, ``FLEX_H100`` (flex is the only kernel ever timed on one, and what ``auto`` runs
   unmeasured); ``auto_price(kernel_rows(path))`` prices every backend of a device kernel table
-  (``scripts/bench_attention_gpu.py``) from its own rows and takes the fastest at the
+  (``scripts/bench.py attention_gpu``) from its own rows and takes the fastest at the
   micro-batch length and d0, as ``fastest_backend`` would;
 - ``triton_estimate()``: the plugin's own Triton kernel before any device measurement: an
   ESTIMATE (FLOPs and dQ bytes per tile from ``attention/work_model.py`` at flex's measured
@@ -32,7 +32,7 @@ x head dim, the per-call constant not at all (launches). A measured call include
 selection (``selection_in_call``: the latency model's ``selection_work`` is then 0); an
 estimate prices the selection by FLOPs instead. Split into passes like the dense kernel's
 (``analytic``): tiles 1 : 2.5, calls 1 : 2, unless the price was fitted from rows that timed the
-passes apart (a device kernel table, ``bench_attention_gpu.py``), whose shares it then carries
+passes apart (a device kernel table, ``attention_gpu``), whose shares it then carries
 (``tile_bwd_share``, ``call_bwd_share``: on the H200, run 5, FA4's backward holds 60-70% of
 its fixed cost per call).
 

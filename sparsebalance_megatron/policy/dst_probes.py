@@ -52,7 +52,7 @@ def probe_steps(step: float) -> np.ndarray:
     """The descent's probe steps below the start's agreed ``step``: ``PROBES`` steps over the
     ``PROBE_SPAN`` below it, quadratically spaced (the first 0.005% below, the last 20%; evenly
     spaced ones missed the 0.3% a descent finds on well-balanced drafts, and a 10% span the
-    20-30% it finds on the baseline packing at 128K; ``scripts/bench.py dst_decomposed``): the
+    20-30% it finds on the baseline packing at 128K; the ``dst_decomposed`` study, at cb3f41a): the
     resolution the decomposed descent gives up against the central one."""
     return step * (1.0 - PROBE_SPAN * (np.arange(1, PROBES + 1) / PROBES) ** 2)
 

@@ -4,8 +4,8 @@ bundle in pieces: ``test_gpu_check.py``), and the study run from it: the packed 
 converted to a release checkpoint,
 one arm (``--sparse-balance``) continued for a step by two ranks over gloo with
 ``--local-rank 0`` (what shares one GPU there), evaluated at density 1 and d0, the JSON complete.
-The other arms' flags are the CPU study's (its quick form trains all four). What the numbers say
-is not checked."""
+The other arms' flags are ``trained_quality.ARMS`` (continued_quality's test trains dense, static
+and --sparse-balance with the same flags). What the numbers say is not checked."""
 
 from __future__ import annotations
 

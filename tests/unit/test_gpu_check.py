@@ -57,7 +57,7 @@ def test_train_summary_skips_warmup_steps():
 def test_autotune_step_says_when_its_script_is_missing(monkeypatch, tmp_path):
     gc = _script("gpu_check")
     import importlib
-    monkeypatch.setattr(importlib.import_module("studies._kernel_steps"), "ROOT", str(tmp_path))
+    monkeypatch.setattr(importlib.import_module("studies.device"), "ROOT", str(tmp_path))
     got = gc.step_autotune("python3", str(tmp_path), 100, {})
     assert not got["ok"] and "autotune_triton.py" in got["missing"]
 
@@ -176,13 +176,13 @@ def test_host_and_gpu_ms_tells_the_hosts_cost_from_the_kernels():
 
 
 def test_a_profiled_steps_trace_says_how_busy_the_gpu_was(tmp_path):
-    """``_gpu_trace.summarize_trace``: kernels summed, their union as the GPU's busy time
+    """``gpu_trace.summarize_trace``: kernels summed, their union as the GPU's busy time
     (overlapping streams once) against the span from the first to the last, the recorded
     step's host time, the costliest kernels; a CPU trace has no kernel, a broken one says so."""
     import gzip
     import json
     sys.path.insert(0, str(REPO / "scripts"))
-    from studies._gpu_trace import profile_flags, summarize_trace, trace_path
+    from studies.gpu_trace import profile_flags, summarize_trace, trace_path
     events = [{"ph": "X", "cat": "cpu_op", "name": "ProfilerStep#2", "ts": 0, "dur": 10_000},
               {"ph": "X", "cat": "kernel", "name": "flash_bwd", "ts": 1_000, "dur": 3_000},
               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 2_000, "dur": 1_000},  # overlaps

@@ -239,7 +239,7 @@ def test_the_kernel_calls_time_two_lengths_for_the_simulators_price(monkeypatch,
     keep theirs."""
     gc, plan = _script("gpu_check"), _script("gpu_plan")
     import importlib
-    ks = importlib.import_module("studies._kernel_steps")
+    ks = importlib.import_module("studies.device")
     for call in (c for c in plan.PLAN + plan.KERNEL_CALLS if "bench" in c.steps):
         assert "--bench-lengths 32768 16384 " in plan.command(call)
     cmds = []

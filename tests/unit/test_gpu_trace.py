@@ -1,4 +1,4 @@
-"""``scripts/studies/_gpu_trace.py``: a steady step's profiler trace accounted (non-attention,
+"""``scripts/studies/gpu_trace.py``: a steady step's profiler trace accounted (non-attention,
 attention per pass with FA4's side passes apart, selection and lists, copies and fills, GPU idle),
 on synthetic CUDA events named as the real kernels are (cuDNN SDPA, FA4's CuTe kernels, our
 Triton kernels, cuBLAS GEMMs, memcpy / memset, fills) and on a real CPU profiler trace of the
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO / "scripts") not in sys.path:
     sys.path.insert(0, str(REPO / "scripts"))
 
-from studies import _gpu_trace as gt  # noqa: E402
+from studies import gpu_trace as gt  # noqa: E402
 from studies.fa4_pieces import pieces_row  # noqa: E402
 
 CUDNN_FWD = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0"
@@ -272,7 +272,7 @@ def test_gpu_checks_pieces_step_runs_the_one_probe(monkeypatch, tmp_path):
     document), rows to the call's ``$OUT`` as measured, a deadline under the step's limit."""
     import importlib
     import json
-    ks = importlib.import_module("studies._kernel_steps")
+    ks = importlib.import_module("studies.device")
     from studies import fa4_pieces as fp
     assert (fp.BACKENDS, fp.SHAPES, fp.DENSITIES, fp.TOKENS) == (
         ("fa4", "triton"), ("8/2/128", "14/2/64"), (0.25, 1.0), 32768)
@@ -299,7 +299,7 @@ def test_a_pieces_row_is_measured_end_to_end_on_cpu(monkeypatch):
     without a device: no host/GPU split, no GPU kernel): one row per call with its pass times,
     pieces and per-pass kernels; a clock out of time starts none."""
     import torch
-    from studies import _kernel_passes as kp
+    from studies import kernels as kp
     from studies import fa4_pieces as fp
     init = kp.Case.__init__
     monkeypatch.setattr(kp.Case, "__init__", lambda self, *a, **k: init(

@@ -1,4 +1,4 @@
-"""gpu_check's train step on CPU (studies/_train_step.py, _train_report.py, full_depth.py): the
+"""gpu_check's train step on CPU (studies/device.py, gpu_trace.py, full_depth.py): the
 full-depth model's runs in order, cut by time and by memory, profiled, re-priced at cuDNN's
 kernel and beside their bounds; and DST with GPU timings (studies/dst_gpu.py) on a tiny model."""
 
@@ -24,7 +24,7 @@ def test_the_train_step_runs_the_target_comparisons_first_and_megatrons_dense_la
     SAB, the base of every re-pricing and bound, then d0 0.25 and 0.5 at 32K, dense + SAB and
     d0 0.25 at 64K, the measured cuDNN run), Megatron's fixed-micro-batch dense runs last (run 3
     spent its budget on them before the sparse runs could start)."""
-    ts = _studies("_train_step")
+    ts = _studies("device")
     assert ts.SHAPE[ts.SHAPE.index("--num-layers") + 1] == "24"
     order = ts.train_order({"long_docs": [], "long_docs_64k": [], "long_docs_128k": [],
                             "files": []})
@@ -64,7 +64,7 @@ def test_the_train_step_fails_for_a_target_run_cut_short_or_not_fitting(monkeypa
     fit and the seventh starts (the step passes); at 220 s the measured cuDNN run is cut (it
     fails). 64K runs with Megatron's full recomputation, 32K without; 128K is held back by the
     memory estimate. On an H100 (78 GiB) 32K recomputes and 64K does not fit (it fails)."""
-    ts = _studies("_train_step")
+    ts = _studies("device")
     ran = _fake_train(monkeypatch, tmp_path, ts)
     res = ts.step_train(str(tmp_path), None, limit, {}, "auto", memory_gib=gib)
     assert res["ok"] is ok and len(ran) == runs and res["layers"] == 24
@@ -113,7 +113,7 @@ def test_the_full_depth_estimate_fits_each_data_set_to_the_device():
     assert e32["cudnn_priced_step_s"] == pytest.approx(
         e32["nonattention_s"] + 3 * parts["long_docs"]["attention_cudnn_s"])
     # the target runs fit the e2e call's train step on the H200 (their estimated seconds)
-    ts = _studies("_train_step")
+    ts = _studies("device")
     gc = _script("gpu_check")
     total = sum(est[d]["runs"][v]["run_s"] for d, v in ts.TARGET_RUNS[:5])
     assert total + 20 < gc.LIMIT_S["train"]
@@ -127,7 +127,7 @@ def test_each_step_is_stated_beside_its_bound():
     """``step_bounds``: a step's non-attention seconds are dense + SAB's less its attention at
     varlen's tile cost; the bound adds d x the same tiles at cuDNN's (d the step's kept
     density; 1 for dense); ``vs_bound`` over the steps."""
-    tr = _studies("_train_report")
+    tr = _studies("gpu_trace")
     tiles = {"32768": {"cudnn": 0.5, "varlen": 0.75, "block": 128}}
     # 24 layers x 10,000 tiles: 0.18 s of varlen attention, 0.12 s of cuDNN's
     runs = {"long_docs/dense_sab": {"step_s": {"4": 0.3, "5": 0.4},
@@ -142,7 +142,7 @@ def test_each_step_is_stated_beside_its_bound():
                              "5": pytest.approx(0.22 + 0.5 * 0.12)}
     assert sb["vs_bound"] == pytest.approx(0.5 / (0.15 + 0.28))
     assert runs["long_docs/dense_sab_sdpa"]["bound_s"]["4"] == pytest.approx(0.24)
-    assert _studies("_gpu_trace").step_bound(1.0, 2.0, 0.25) == 1.5   # the one body
+    assert _studies("gpu_trace").step_bound(1.0, 2.0, 0.25) == 1.5   # the one body
     gc = _script("gpu_check")
     t = gc.targets({"train": {"runs": runs}})
     assert t["train_long_docs/sb_d0.25_within_5%_of_bound"] is False
@@ -155,7 +155,7 @@ def test_each_step_is_stated_beside_its_bound():
 def test_the_runs_plan_with_a_table_of_the_full_depth_model(tmp_path):
     """Without ``--latency-table`` each data set's sparse runs get the 24-layer model's table
     priced by run 5's kernel table (fa4 where it can run, else triton: off CUDA, triton)."""
-    ts = _studies("_train_step")
+    ts = _studies("device")
     from sparsebalance_megatron.latency import LatencyModel, read_table
     path = ts.run_table(str(tmp_path), "long_docs_64k", "auto", None)
     assert os.path.basename(path) == "latency_triton_65536.json"
@@ -238,7 +238,7 @@ def test_the_train_step_profiles_the_steady_steps_at_32k_and_64k(monkeypatch, tm
     """The profiled runs (dense + SAB both ways, d0 0.5 and 0.25, at 32K and 64K) get
     Megatron's profiler flags for step 6 and their step's summary; the step after it (the
     trace's export) counts in no rate; the others get neither."""
-    ts = _studies("_train_step")
+    ts = _studies("device")
     cmds = {}
 
     def fake_run(cmd, log, left, env):
@@ -286,7 +286,7 @@ def test_the_profiled_step_cross_checks_the_bound():
     less its attention kernels; cuDNN's attention is the measured cuDNN run's kernels (32K) or
     dense + SAB's priced at cuDNN's per tile over varlen's (64K); each profiled run's host step
     beside it, with its kept density (1 for dense)."""
-    tr = _studies("_train_report")
+    tr = _studies("gpu_trace")
     tiles = {"32768": {"cudnn": 0.5, "varlen": 0.75, "block": 128}}
 
     def prof(host, attention):

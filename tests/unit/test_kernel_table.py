@@ -1,13 +1,14 @@
-"""The kernel table's logic on CPU (scripts/bench_attention_gpu.py): the crossover, the target
-summary (the fastest backend against cuDNN, e per pass, the packed micro-batches, the cost per
-call, the backward to keep, the simulator's price), the order of its cases, its rows written as
-measured and cut at the deadline, and its own code path under the Triton interpreter."""
+"""The kernel table's logic on CPU (``scripts/bench.py attention_gpu``, ``studies/kernels.py``):
+the crossover, the target summary (the fastest backend against cuDNN, e per pass, the packed
+micro-batches, the cost per call, the backward to keep, the simulator's price), the order of its
+cases, its rows written as measured and cut at the deadline, and its own code path under the
+Triton interpreter."""
 
 import sys
 
 import pytest
 
-from tests.conftest import REPO, load_script as _script
+from tests.conftest import REPO, load_script as _script, load_study
 
 
 def _row(backend, tokens, ours, dense=10.0, d=0.25, shape="8/2/128", case="single",
@@ -27,7 +28,7 @@ def _kernel(backend, variant, d, e_fwd, e_bwd, shape="8/2/128"):
 
 
 def test_crossover_is_where_ours_stays_faster():
-    kt = _script("bench_attention_gpu")
+    kt = load_study("kernels")
     rows = [_row("triton", 4096, 12), _row("triton", 8192, 9), _row("triton", 16384, 11),
             _row("triton", 32768, 4), _row("triton", 65536, 3),
             _row("flex", 32768, 30), _row("triton", 32768, 1, d=0.5, shape="32/8/128")]
@@ -43,7 +44,7 @@ def test_summary_checks_the_issue_targets():
     """Issue 61's targets per shape from the 32K document's call rows against cuDNN (the fastest
     backend), e from each backend's best variant per pass at its worst density, the packed
     micro-batches' worst call (routed rows where there are any), the fastest per density."""
-    kt = _script("bench_attention_gpu")
+    kt = load_study("kernels")
     rows = [_row("flex", 32768, 6.6), _row("triton", 32768, 2.9, select=0.25),
             dict(_row("triton", 32768, 6.0, d=0.5, select=0.35), select_gpu_ms=0.2,
                  select_host_ms=0.4),
@@ -79,7 +80,7 @@ def test_the_summary_names_the_backward_that_is_faster_at_every_density():
     """``backward_choice``: fa4's two backward forms (``BWD_PER_HEAD``) on the 32K document; the
     per-head form wins at every density here, so the summary names it; where each form wins
     somewhere, none; a backend timed in one form is not listed."""
-    kt = _script("bench_attention_gpu")
+    kt = load_study("kernels")
 
     def k(variant, d, bwd, backend="fa4"):
         return dict(kind="kernel", case="single", shape="8/2/128", tokens=32768, backend=backend,
@@ -102,7 +103,7 @@ def test_the_summary_prices_each_call_for_the_simulator_where_two_lengths_were_t
     simulator's price (``sparse_call.fit_price``); triton at two densities gets none; other
     shapes do not count, nor packed micro-batches whose kept tiles no kernel row counts."""
     from sparsebalance_megatron.latency.work import attention_work
-    kt = _script("bench_attention_gpu")
+    kt = load_study("kernels")
 
     def ms(t, d):          # 0.9 ms a call + 0.02 ms per 1K tokens + 0.2 us per kept tile
         return 0.9 + 0.02 * t / 1024 + 0.2e-3 * attention_work([t], d, 128, 1)
@@ -126,7 +127,7 @@ def test_the_price_is_fitted_pass_by_pass_on_every_micro_batch_the_table_timed()
     timed apart give the price its shares; a packed micro-batch counts with the kept tiles its
     kernel rows counted (``tiles`` over the query heads); ``fixed_ms`` per micro-batch is the
     same fit's call term (no line of its own)."""
-    kt = _script("bench_attention_gpu")
+    kt = load_study("kernels")
 
     def passes(kept):            # fwd 0.3 ms + 0.1 us a tile, bwd 1.2 ms + 0.25 us a tile
         return 0.3 + 0.1e-3 * kept, 1.2 + 0.25e-3 * kept
@@ -152,14 +153,14 @@ def test_the_price_is_fitted_pass_by_pass_on_every_micro_batch_the_table_timed()
 
 
 def test_shape_argument_is_checked():
-    kt = _script("bench_attention_gpu")
+    kt = load_study("attention_gpu")
     assert kt.parse_shape("14/2/64") == (14, 2, 64)
     for bad in ("14/3/64", "14-2-64", "0/1/64"):
         with pytest.raises(ValueError, match=bad):
             kt.parse_shape(bad)
 
 
-# --- the bench's order, rows as they come, deadline (scripts/bench_attention_gpu.py) ----------
+# --- the bench's order, rows as they come, deadline (studies/attention_gpu.py) --------------
 
 def _args(kt, **kw):
     import argparse
@@ -171,7 +172,7 @@ def _args(kt, **kw):
 
 
 def test_bench_runs_the_cases_that_decide_the_targets_first():
-    kt = _script("bench_attention_gpu")
+    kt = load_study("attention_gpu")
     mixes = {"file": [[30000, 2768], [32768]], "section": [[16384] * 2, [8192] * 4]}
     jobs = kt.plan_cases(_args(kt), mixes)
     # the default grid: one 32K document at each shape, then one packed micro-batch of files
@@ -199,7 +200,7 @@ def test_rows_are_written_as_measured_and_the_deadline_stops_new_rows(tmp_path, 
     backend by backend, kernel rows (every variant) before the call row at each density; no row
     starts once the deadline is nearer than 1.5x the longest row so far."""
     import json
-    kt = _script("bench_attention_gpu")
+    kt = load_study("attention_gpu")
     now = _FakeTime()
     jsonl = tmp_path / "rows.jsonl"
     on_disk = []
@@ -266,7 +267,7 @@ def check_kernel_table_runs_on_cpu():
     import functools
 
     import torch
-    kt = _script("bench_attention_gpu")
+    kt = load_study("attention_gpu")
     kt.Case = functools.partial(kt.Case, device="cpu", dtype=torch.float16)
     kt.CHECK_LENS = (130, 1, 60, 65)
     variants = kt.variants
@@ -291,7 +292,7 @@ def check_kernel_table_runs_on_cpu():
 def check_the_correctness_check_fails_a_wrong_kernel():
     import torch
     sys.path.insert(0, str(REPO / "scripts"))
-    from studies._kernel_passes import Case, Lists, check, kernel_fn
+    from studies.kernels import Case, Lists, check, kernel_fn
     case = Case("check", (130, 1, 60, 65), "2/1/32", device="cpu", dtype=torch.float16)
     lists = Lists(case, 0.3)
     right = kernel_fn("triton", lists, case)
@@ -329,15 +330,15 @@ def test_the_summary_names_each_kernels_fixed_cost_per_call():
     """``fixed_costs``: each kernel's price on one micro-batch (``sparse_call.fit_price``, the
     simulator's fit; issue 74: one body, no line of its own) crosses zero kept tiles at its cost
     per call, every density in; below three rows, none."""
-    kt = _script("bench_attention_gpu")
+    kn = load_study("kernels")
     rows = [dict(kind="kernel", shape="8/2/128", backend="fa4", variant="fa4", case="single",
                  tokens=32768, density=d, tiles=8 * k, fwd_ms=0.3 + 0.1e-3 * k,
                  bwd_ms=1.4 + 0.25e-3 * k)
             for d, k in ((0.125, 4231), (0.25, 8323), (0.5, 16513), (1.0, 32896))]
-    got = kt.fixed_costs(rows, "8/2/128")
+    got = kn.fixed_costs(rows, "8/2/128")
     assert list(got) == ["fa4 fa4 single 32768"]
     assert got["fa4 fa4 single 32768"] == {"fwd": pytest.approx(0.3), "bwd": pytest.approx(1.4)}
-    assert kt.fixed_costs(rows[:2], "8/2/128") == {}           # two rows only
+    assert kn.fixed_costs(rows[:2], "8/2/128") == {}           # two rows only
 
 
 def test_gpu_check_reads_the_rows_of_a_cut_run(tmp_path):
@@ -350,11 +351,11 @@ def test_gpu_check_reads_the_rows_of_a_cut_run(tmp_path):
 
 
 @pytest.mark.parametrize("script, argv, needle", [
-    ("bench_attention_gpu", ["--lengths", "32768", "64"], "--lengths 64: expected token counts"),
+    ("attention_gpu", ["--lengths", "32768", "64"], "--lengths 64: expected token counts"),
     ("gpu_check", ["--bench-lengths", "0"], "--bench-lengths 0: expected token counts >= 128")])
 def test_a_length_under_one_block_is_named_before_any_work(script, argv, needle, capsys, tmp_path):
     with pytest.raises(SystemExit):
-        _script(script).main([*argv, *(["--out-dir", str(tmp_path / "o")]
-                                       if script == "gpu_check" else [])])
+        main = _script(script).main if script == "gpu_check" else load_study(script).main
+        main([*argv, *(["--out-dir", str(tmp_path / "o")] if script == "gpu_check" else [])])
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -1,4 +1,4 @@
-"""The studies' per-phase profiler (``studies/_phases.py``, ``scripts/bench.py sab_ranks``): it
+"""The studies' per-phase profiler (``PhaseProfile`` of ``scripts/bench.py sab_ranks``): it
 charges each call's thread CPU to the innermost phase, patches a function wherever the package
 imported it and puts everything back. No timing is asserted: only the accounting."""
 
@@ -12,7 +12,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
-from studies import _phases  # noqa: E402
+from studies import sab_ranks  # noqa: E402
 
 
 @pytest.fixture
@@ -37,11 +37,11 @@ def test_inner_calls_are_charged_to_their_own_phase_and_the_wrappers_go_away(toy
     a, b, inner, outer = toy
     phases = [("outer", [f"{b.__name__}:outer"]), ("inner", [f"{a.__name__}:inner"]),
               ("gone", [f"{a.__name__}:no_such_function", "no_such_module:f"])]
-    with _phases.PhaseProfile(phases) as prof:
+    with sab_ranks.PhaseProfile(phases) as prof:
         assert b.inner is not inner and a.inner is b.inner      # the alias wrapped too
-        c0 = _phases._now()[0]
+        c0 = sab_ranks._now()[0]
         b.outer(20000)
-        total = _phases._now()[0] - c0
+        total = sab_ranks._now()[0] - c0
     assert a.inner is inner and b.inner is inner and b.outer is outer
     assert prof.calls == {"outer": 1, "inner": 2, "gone": 0}
     assert prof.absent == [f"{a.__name__}:no_such_function", "no_such_module:f"]

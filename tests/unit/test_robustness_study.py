@@ -1,4 +1,4 @@
-"""The robustness mode of scripts/bench_sim_study.py (issue 27): mixes x seeds, the slow-rank
+"""The robustness mode of ``scripts/bench.py sim_study`` (issue 27): mixes x seeds, the slow-rank
 comparison on one layout, the summary (every row, worst, median, rows meeting the target) and the
 JSON's provenance. A small analytic model, one step: seconds, deterministic."""
 
@@ -8,11 +8,11 @@ import pytest
 
 from sparsebalance_megatron.experiments.robustness import (MEDIAN_TARGET, ROW_TARGET,
                                                            format_summary, summarize)
-from tests.conftest import REPO, load_script
+from tests.conftest import REPO, load_study
 
 
 def _script():
-    return load_script("bench_sim_study")
+    return load_study("sim_study")
 
 
 def _row(speedup):
@@ -31,19 +31,23 @@ def test_summary_reports_worst_median_and_rows_meeting_the_target():
     assert "2 of 3 rows >= 1.00x" in text and text.count(" NO") == 1
 
 
-def test_robustness_mode_runs_mixes_seeds_and_a_slow_rank(tmp_path, capsys):
+def test_robustness_mode_runs_mixes_seeds_and_a_slow_rank(tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
-    _script().main(["--mixes", "long_tail", "lognormal_short", "--seeds", "0", "1",
-                    "--ranks", "2", "--densities", "0.5", "--steps", "1", "--pp", "2",
-                    "--vp", "1", "--microbatches", "2", "--seq-length", "8192",
-                    "--total-tokens", "200000", "--floor-sweep", "--slow-rank", "3:1.1", "1:1.1",
-                    "--json", str(out)])
+    study = _script()
+    from studies import common
+    argv = ["--mixes", "long_tail", "lognormal_short", "--seeds", "0", "1", "--ranks", "2",
+            "--densities", "0.5", "--steps", "1", "--pp", "2", "--vp", "1", "--microbatches", "2",
+            "--seq-length", "8192", "--total-tokens", "200000", "--floor-sweep", "--slow-rank",
+            "3:1.1", "1:1.1", "--json", str(out)]
+    monkeypatch.setattr(common, "COMMAND", ["python", "scripts/bench.py", "sim_study", *argv])
+    study.main(argv)
     doc = json.loads(out.read_text())
     keys = ["long_tail/seed=0/d0=0.5/dp=2", "long_tail/seed=1/d0=0.5/dp=2",
             "lognormal_short/seed=0/d0=0.5/dp=2", "lognormal_short/seed=1/d0=0.5/dp=2"]
     assert list(doc["results"]) == keys
-    assert doc["command"].startswith("bench_sim_study.py --mixes long_tail")
-    assert len(doc["commit"]) == 40 and doc["numpy"] and doc["config"]["slow_rank"] == ["3:1.1", "1:1.1"]
+    assert doc["command"].startswith("python scripts/bench.py sim_study --mixes long_tail")
+    assert len(doc["commit"]) == 40 and doc["versions"]["numpy"]
+    assert doc["config"]["slow_rank"] == ["3:1.1", "1:1.1"]
     # the seed changes the draw: different mixes, different batches
     assert doc["corpus"]["long_tail/seed=0"] != doc["corpus"]["long_tail/seed=1"]
     rows = doc["summary"]["rows"]

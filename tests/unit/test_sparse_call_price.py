@@ -44,7 +44,7 @@ def test_auto_without_a_device_measurement_is_flex_as_the_runtime_picks():
 
 
 def _device_rows(tmp_path, triton_ms):
-    """A kernel table in scripts/bench_attention_gpu.py's format: flex as run2 measured it and a
+    """A kernel table in ``scripts/bench.py attention_gpu``'s format: flex as run2 measured it and a
     triton kernel with the given ms per (tokens, density)."""
     rows = [dict(case="single", shape="8/2/128", tokens=r["tokens"], backend="flex",
                  density=r["density"], routing="none", ours_ms=r["ms"])

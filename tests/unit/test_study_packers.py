@@ -93,13 +93,13 @@ def test_dp_balanced_pays_no_fill_unless_every_run_varies(lm, lengths):
 
 
 def test_packers_only_mode_runs_the_dense_rows_of_the_full_study(tmp_path):
-    """``bench_sim_study.py --packers-only``: the full study's dense rows exactly (the same
+    """``sim_study --packers-only``: the full study's dense rows exactly (the same
     layout searches, so the same candidates), without its other runs, and the packer table."""
     import json
 
-    from tests.conftest import load_script
+    from tests.conftest import load_study
 
-    script = load_script("bench_sim_study")
+    script = load_study("sim_study")
     argv = ["--mixes", "long_tail", "--seeds", "0", "--ranks", "2", "--densities", "0.5",
             "--steps", "1", "--pp", "2", "--vp", "1", "--microbatches", "2", "--seq-length",
             "8192", "--total-tokens", "200000"]

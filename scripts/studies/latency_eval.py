@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Held-out accuracy of the latency model: fit on a table's grid, predict real micro-batches.
 
 The held-out micro-batches are packed from the real document lengths of the built-in corpus
@@ -7,19 +6,20 @@ them (documents in shuffled order, long ones split, the remainder padded in 256-
 at densities drawn off the grid. Each is timed on the table's stage kinds with the table's repeats
 and statistic, then compared with the prediction.
 
-    python scripts/eval_latency_model.py --table lat_cpu.json --json eval.json [--n 12]
+    python scripts/bench.py latency_eval --table lat_cpu.json --json eval.json [--n 12]
 
-Writes ``{"mape": float, "n": int, "device": str, ...}``.
+Writes ``{"mape": float, "n": int, "device": str, ...}`` (``common.write_result``: with the
+command, commit and versions).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import warnings
 
 import numpy as np
+
+from .common import median_ms, parser, write_result
 
 
 def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") -> list[list[int]]:
@@ -54,7 +54,6 @@ def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") ->
 
 def predict_many_timing(model, seq_length: int, grid, n: int = 4096, seed: int = 0) -> dict:
     """Median wall time of predict_many over a global batch of n micro-batches."""
-    import time
     rng = np.random.default_rng(seed)
     units = [np.diff(np.r_[0, np.sort(rng.choice(seq_length - 1, rng.integers(0, 30),
                                                  replace=False) + 1), seq_length])
@@ -62,14 +61,8 @@ def predict_many_timing(model, seq_length: int, grid, n: int = 4096, seed: int =
     d_grid = rng.choice(np.asarray(grid), n)
     d_cont = rng.uniform(min(grid), 1.0, n)
 
-    def med(fn, reps=5):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(ts))
+    def med(fn):
+        return median_ms(fn, 5, warmup=1, cuda=False)
     feats = model.unit_features(units)
     terms = model.unit_terms(feats, 0)
     return {"predict_many_4096_ms": med(lambda: model.predict_many(units, d_grid, 0)),
@@ -79,9 +72,8 @@ def predict_many_timing(model, seq_length: int, grid, n: int = 4096, seed: int =
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, "latency_eval", json_required=True)
     p.add_argument("--table", required=True)
-    p.add_argument("--json", required=True, help="where to write the result")
     p.add_argument("--n", type=int, default=12, help="held-out micro-batches per stage kind")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--doc-unit", choices=("file", "section"), default="file")
@@ -162,10 +154,5 @@ def main(argv=None) -> int:
           f"prebuilt UnitFeatures")
     print(f"held-out MAPE {100 * out['mape']:.1f}% over n={out['n']} micro-batches "
           f"(max {100 * out['max_error']:.1f}%) on {out['device']}")
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump(out, fh, indent=1)
+    write_result(args.json, out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

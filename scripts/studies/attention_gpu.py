@@ -1,10 +1,9 @@
-#!/usr/bin/env python
 """GPU kernel table: our block-sparse kernels against cuDNN's dense attention, pass by pass.
 
 What a Megatron user runs today is dense attention in one fused cuDNN call per packed
 micro-batch (Transformer Engine). This table says, per shape and density, what a kept tile of
 each of our kernels costs against a tile of cuDNN's, in the forward and in the backward apart,
-and what the whole per-layer call costs against the dense one (``studies/_kernel_passes.py``:
+and what the whole per-layer call costs against the dense one (``studies/kernels.py``:
 how each pass is timed, ``e``, the tile count):
 
 - **rows** (``kind``): ``dense`` (cuDNN's kernel alone, ``cudnn``; the dense calls ``sdpa`` and
@@ -34,18 +33,17 @@ and host parts, ``select_gpu_ms`` / ``select_host_ms``, beside it); no packed mi
 
 Where one call's time goes kernel by kernel (FA4's side passes, our selection and lists, host
 and GPU apart) is ``scripts/bench.py fa4_pieces``'s. The summary (``--summarize``) is
-``studies/_kernel_summary.py``'s.
+``studies/kernels.py``'s.
 
-    python scripts/bench_attention_gpu.py --json runs/kernel_table.json --jsonl runs/rows.jsonl \
+    python scripts/bench.py attention_gpu --json runs/kernel_table.json --jsonl runs/rows.jsonl \
         --deadline-s 200
-    python scripts/bench_attention_gpu.py --backends fa4 flash --deadline-s 150
-    python scripts/bench_attention_gpu.py --lengths 8192 16384 32768 --cases single file section
-    python scripts/bench_attention_gpu.py --make-mixes docs/results/packed_mixes_32k.json  # CPU
+    python scripts/bench.py attention_gpu --backends fa4 flash --deadline-s 150
+    python scripts/bench.py attention_gpu --lengths 8192 16384 32768 --cases single file section
+    python scripts/bench.py attention_gpu --make-mixes docs/results/packed_mixes_32k.json  # CPU
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -53,14 +51,11 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from studies.common import gpu_provenance  # noqa: E402
-from studies._kernel_passes import (Case, Clock, Lists, RowLog, call_fn,  # noqa: E402
-                                   check, dense_passes, e_against, kernel_fn, make_mixes,
-                                   parse_shape, pass_times, rates)
-from studies._kernel_summary import (MIX_TOKENS, TARGET_32K, call_prices,  # noqa: E402,F401
-                                     crossover_of, fixed_costs, print_table, summarize)
+from .common import ROOT, gpu_provenance, parser, write_result
+from .kernels import (Case, Clock, Lists, RowLog, call_fn, check, crossover_of, dense_passes,
+                      e_against, kernel_fn, make_mixes, parse_shape, pass_times, print_table,
+                      rates, summarize)
+
 DENSITIES = (0.25, 0.5, 1.0, 0.125)
 SINGLE_LENGTHS = (32768,)
 TARGET_SHAPE = "8/2/128"
@@ -300,7 +295,7 @@ def run(args, backends, log, clock, mixes) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "attention_gpu", json_arg=False)
     ap.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                     help="in the order they run")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), metavar="NP/NG/HN")
@@ -363,12 +358,5 @@ def main(argv=None) -> int:
                summary=dict(summarize(rows), crossover_tokens=crossovers), rows=rows)
     print_table(rows, doc["device"])
     print(json.dumps(doc["summary"], indent=1))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(doc, fh, indent=1)
+    write_result(args.json, doc)
     return 1 if any("failed" in r or r.get("ok") is False for r in rows) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

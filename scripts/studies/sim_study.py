@@ -48,7 +48,7 @@ timed on a GPU at two lengths and auto's choice before any measurement; with
 ``--microbatch-multiple`` > 0, auto chooses among the length-free kernels only, as the runtime
 does, and flex's figure stands in, labelled, until a kernel table times one; triton: the
 plugin's own kernel, an ESTIMATE from attention/work_model.py until a device times it);
-``--kernel-table PATH...``: device kernel tables (scripts/bench_attention_gpu.py) whose
+``--kernel-table PATH...``: device kernel tables (``scripts/bench.py attention_gpu``) whose
 measurements replace the committed one and the estimate. Every row names the kernel that priced
 it (``attention_kernel``, the tables' ``kernel`` column; ``attention_priced_by`` in full).
 
@@ -69,7 +69,7 @@ scheme, the assumed NVLink all-to-all bandwidth of ``DeviceProfile``); DP and PP
 each CP size uses CP times the GPUs. The query heads must split over every size (Qwen2.5-0.5B's 14
 do only for 2: use ``--model llama3.2-1b``, 32 query / 8 KV heads).
 
-    python scripts/bench_sim_study.py --json runs/sim_study.json
+    python scripts/bench.py sim_study --json runs/sim_study.json
 
 Robustness (issue 27): ``--mixes`` also takes the seeded families of ``experiments.mixes``
 (``lognormal_short``, ``long_tail``, ``both``) and ``--seeds 0 1 2`` repeats every mix with each
@@ -82,7 +82,7 @@ dp_balanced and the faster of sequential / token-balanced, every row and the med
 (``experiments.robustness``): every row's sab_dst speedup over the best static, worst, median,
 how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON as ``summary``.
 
-    python scripts/bench_sim_study.py --mixes file section lognormal_short long_tail both \
+    python scripts/bench.py sim_study --mixes file section lognormal_short long_tail both \
         --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
         --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
         --json runs/sim_study_robustness.json
@@ -95,17 +95,11 @@ the static sparse, SparseBalance, accuracy and floor-sweep runs that cost the fu
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
-
-import numpy as np
 
 from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, MAX_RAISE_HEADROOM,
                                            PLANNERS, STAND_DOWN_COMPARES, ConfigError,
                                            SparseBalanceConfig)
-from sparsebalance_megatron.experiments import StudyConfig
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
 from sparsebalance_megatron.experiments.mixes import DEFAULT_TOKENS, MIXES
 from sparsebalance_megatron.experiments.packers import format_packers, packer_summary
@@ -113,30 +107,8 @@ from sparsebalance_megatron.experiments.robustness import format_summary, summar
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 from sparsebalance_megatron.latency.sparse_call import kernel_rows, price_named
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from studies._sim_study_runs import MODELS, study_mix  # noqa: E402  (the study's points)
-
-
-def provenance() -> dict:
-    """The commit (and whether the tree had changes), Python, numpy and the package's version."""
-    import platform
-    import subprocess
-    from pathlib import Path
-
-    from sparsebalance_megatron import __version__
-
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], capture_output=True, text=True, timeout=30,
-                                  cwd=Path(__file__).resolve().parent).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    # the result files themselves (a study rewriting the one it re-runs) are not code changes
-    dirty = git("status", "--porcelain", "--", "..", ":(exclude)../docs/results")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(dirty),
-            "python": platform.python_version(), "numpy": np.__version__,
-            "sparsebalance_megatron": __version__}
+from ._sim_study_runs import study_mix          # the study's points
+from .common import MODELS, parser, write_result
 
 
 def _slow_rank(text):
@@ -147,7 +119,7 @@ def _slow_rank(text):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, "sim_study")
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 32])
     p.add_argument("--densities", type=float, nargs="+", default=[0.5, 0.25], help="d0 values")
     p.add_argument("--mixes", nargs="+", default=["file", "section"], choices=MIXES,
@@ -184,9 +156,8 @@ def parse_args(argv=None):
                         "(auto: what --sb-attention-backend auto runs, measured; triton: the "
                         "plugin's own kernel, an estimate until a device measures it)")
     p.add_argument("--kernel-table", nargs="+", default=None, metavar="PATH",
-                   help="analytic table only: device kernel tables (scripts/"
-                        "bench_attention_gpu.py JSONs, e.g. a run's two calls) whose rows price "
-                        "the sparse kernels")
+                   help="analytic table only: device kernel tables (attention_gpu's "
+                        "JSONs, e.g. a run's two calls) whose rows price the sparse kernels")
     p.add_argument("--plugin-cost", choices=("on", "off"), default="on",
                    help="on: every SparseBalance row pays the plugin's own per-step cost "
                         "(net figures beside the gross); off: gross only")
@@ -236,7 +207,6 @@ def parse_args(argv=None):
                         "sparse, SparseBalance or floor-sweep runs; dense runs "
                         "ignore d0, so the first --densities value keys the rows")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     # checked here, before any search: the runtime's own checks, named by this script's flags
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
@@ -312,9 +282,7 @@ def main(argv=None):
           f"steps={args.steps} dst_objective={args.dst_objective} "
           f"dst_descent={args.dst_descent}")
     t0 = time.perf_counter()
-    out = {"command": " ".join(["python", *sys.argv]) if argv is None else
-           " ".join(["bench_sim_study.py", *argv]),
-           "config": {k: ([s.describe() for s in v] if k == "slow_rank" else v)
+    out = {"config": {k: ([s.describe() for s in v] if k == "slow_rank" else v)
                       for k, v in vars(args).items()
                       if k not in ("json", "price", "plugin_cost_model")},
            "latency_source": source, "sparse_kernel": models_price(lm0),
@@ -322,7 +290,6 @@ def main(argv=None):
                "planner": plugin_cost.planner.source, "control_plane": plugin_cost.control.source,
                "dst_flags": plugin_cost.dst_flags, "notes": plugin_cost.notes},
            "results": {}}
-    out.update(provenance())
     for cp, lm in models.items():
         for mix in args.mixes:
             for seed in (args.seeds or [None]):
@@ -334,10 +301,8 @@ def main(argv=None):
         print(format_summary(out["summary"]))
     out["wall_s"] = time.perf_counter() - t0
     print(f"\n({out['wall_s']:.1f} s)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+    write_result(args.json, out)
+    return 0
 
 
 def models_price(lm) -> dict:
@@ -345,7 +310,3 @@ def models_price(lm) -> dict:
     the device table's kernel)."""
     from sparsebalance_megatron.latency.sparse_call import kernel_labels
     return lm.table.get("sparse_call") or {"described": kernel_labels(lm.table)["sparse"][1]}
-
-
-if __name__ == "__main__":
-    main()
