@@ -62,9 +62,12 @@ def summarize(doc: dict, args) -> dict:
     return out
 
 
-def doc_pairs(arms: list) -> list:
-    from .continued_quality import PAIRS
+# the paired comparisons the summary reports, (arm, against)
+PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
+         ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
 
+
+def doc_pairs(arms: list) -> list:
     return [(a, b) for a, b in PAIRS if a in arms and b in arms]
 
 

@@ -58,8 +58,6 @@ from .common import parser, write_result
 ARMS = {"static": ["--sb-sparse-attention"], "sparse_balance": ["--sparse-balance"],
         "sab": ["--sb-sparse-attention", "--sb-batching"],
         "matched": ["--sb-sparse-attention"], "control": ["--sb-sparse-attention"]}
-PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
-         ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
 METRICS = ("answer_nll", "heldout_loss")
 MARKERS = ("\x01", "\x03", "\x04")
 # one alphabet of 8 control bytes per needle (none occurs in the corpus): the key of needle j
