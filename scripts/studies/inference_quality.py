@@ -242,9 +242,17 @@ def summarize(doc: dict, args, margin: dict) -> dict:
     tok = np.asarray([r["tokens"] for r in rows], dtype=np.float64)
     arm_means = {a: {k: float(np.mean([r["arms"][a].get(k, np.nan) for r in rows]))
                      for k in SCORES} for a in names}
+    from sparsebalance_megatron.latency.work import attention_work
+
+    # the kept density the kernel reported, weighted as the matched arm is chosen: by each
+    # sample's attention work (a per-sample match cannot hold: DST gives samples different
+    # densities, the matched arm one)
+    work = np.asarray([attention_work([int(t)], 1.0, args.block_size) for t in tok])
     for a in names:
         arm_means[a]["loss_token_weighted"] = float(
             np.dot(tok, [r["arms"][a]["loss"] for r in rows]) / tok.sum())
+        arm_means[a]["kept_work_weighted"] = float(
+            np.dot(work, [r["arms"][a]["kept"] for r in rows]) / work.sum())
     out = {"n": len(rows), "arms": arm_means, "comparisons": {}, "verdicts": {}}
     ctl = {m: V.paired_bound(pair(rows, "control", "uniform", m, m == "loss")) for m in METRICS}
     for m in METRICS:
@@ -267,8 +275,9 @@ def summarize(doc: dict, args, margin: dict) -> dict:
                           [steps[u[0]]["predicted_step_vs_static"] for u in unit(doc, lay)],
                           [steps[u[0]]["equal_time_vs_static"] for u in unit(doc, lay)],
                           0.005) if ref == "eqtime" else (
-                        "kept density", [r["arms"][f"dst@{lay}"]["kept"] for r in rows],
-                        [r["arms"][f"matched@{lay}"]["kept"] for r in rows], 0.01)
+                        "kept density (work-weighted, as reported by the kernel)",
+                        arm_means[f"dst@{lay}"]["kept_work_weighted"],
+                        arm_means[f"matched@{lay}"]["kept_work_weighted"], 0.01)
                     out["verdicts"][key] = V.verdict(
                         d, pair(rows, "control", "uniform", m, m == "loss"), margin[m],
                         kept=on[1], kept_reference=on[2], tolerance=on[3], matched_on=on[0])
