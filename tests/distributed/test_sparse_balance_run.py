@@ -76,7 +76,7 @@ def test_sparse_balance_plans_are_identical_on_every_rank(tmp_path, small_jsonl,
     assert any(abs(c - 1.0) > 1e-6 for c in rows[-1]["calibration"])
     # Raise headroom 'auto': the default until a step has been measured against its prediction
     # (step 2's end), then the model's measured error (capped at 0.5).
-    from sparsebalance_megatron.policy.dst import DEFAULT_RAISE_HEADROOM
+    from sparsebalance_megatron.config import DEFAULT_RAISE_HEADROOM
     assert [r["raise_headroom"] for r in rows[:2]] == [DEFAULT_RAISE_HEADROOM] * 2
     assert 0.0 <= rows[2]["raise_headroom"] <= 0.5
     assert rows[2]["raise_headroom"] != DEFAULT_RAISE_HEADROOM
