@@ -3,7 +3,7 @@ margin and power calculation, and the margin a main run reads from its pilot."""
 
 from __future__ import annotations
 
-import json
+from .common import read_pilot
 
 METRICS = ("answer_nll", "heldout_loss")
 SHOWN = METRICS + ("token_accuracy", "exact", "train_kept")
@@ -73,15 +73,7 @@ def doc_pairs(arms: list) -> list:
 
 def read_margin(args) -> dict:
     """The pilot's margin, refused if the pilot is not one or ran with other settings."""
-    with open(args.margin_from) as f:
-        pilot = json.load(f)
-    if not (pilot.get("config") or {}).get("pilot") or not pilot.get("margin"):
-        raise SystemExit(f"error: --margin-from {args.margin_from}: not a pilot's JSON with a "
-                         f"margin (run --pilot first)")
-    differ = [k for k in SAME if pilot["config"].get(k) != getattr(args, k)]
-    if differ:
-        raise SystemExit(f"error: --margin-from {args.margin_from}: the pilot ran with other "
-                         f"{', '.join(differ)}: a margin holds for the setting it was fixed in")
+    pilot = read_pilot(args.margin_from, SAME, args)
     return {"margin": pilot["margin"], "margin_source": {
         "path": args.margin_from, "commit": pilot.get("commit"),
         "seeds": pilot["config"]["seeds"], "fraction": pilot["config"]["margin_fraction"],

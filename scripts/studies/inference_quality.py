@@ -43,14 +43,13 @@ What runs (every choice is a flag; the defaults are the committed study's):
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import numpy as np
 
 from . import smollm2
-from .common import ROOT, parser, write_result
+from .common import ROOT, parser, read_pilot, write_result
 
 GROUPS = 6                      # every arm's vector: one density per sixth of the layers
 LAYOUTS = {"pp3": 3, "pp2": 2}  # pipeline stages (DP --dp, micro-batches --microbatches)
@@ -96,12 +95,7 @@ def parse_args(argv=None):
                     help="a smoke run: 6 layers, 4 samples of 256-512 tokens, block 16, DP 2 x "
                          "2 micro-batches of 1K (what the test runs; its numbers mean nothing)")
     args = ap.parse_args(argv)
-    try:
-        k, n = (int(x) for x in args.shard.split("/"))
-        assert 0 <= k < n
-    except (ValueError, AssertionError):
-        ap.error(f"--shard {args.shard}: expected K/N with 0 <= K < N")
-    args.shard = (k, n)
+    args.shard = smollm2.parse_shard(ap, args.shard)
     if args.quick:
         args.layers, args.lengths, args.samples = 6, [256, 512], args.samples or 4
         args.dp, args.microbatches, args.seq_length = 2, 2, 1024
@@ -314,15 +308,7 @@ def pilot_plan(summary: dict, args) -> dict:
 
 def read_margin(args) -> dict:
     """The pilot's margins, refused if the pilot is not one or ran in another setting."""
-    with open(args.margin_from) as f:
-        pilot = json.load(f)
-    if not (pilot.get("config") or {}).get("pilot") or not pilot.get("margin"):
-        raise SystemExit(f"error: --margin-from {args.margin_from}: not a pilot's JSON with a "
-                         f"margin (run --pilot first)")
-    differ = [k for k in SAME if pilot["config"].get(k) != getattr(args, k)]
-    if differ:
-        raise SystemExit(f"error: --margin-from {args.margin_from}: the pilot ran with other "
-                         f"{', '.join(differ)}: a margin holds for the setting it was fixed in")
+    pilot = read_pilot(args.margin_from, SAME, args)
     return {"margin": pilot["margin"], "margin_source": {
         "path": args.margin_from, "commit": pilot.get("commit"), "n": pilot["summary"]["n"],
         "control_harm": {m: pilot["summary"]["control"][m]["mean"] for m in METRICS},

@@ -97,12 +97,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 3 layers, 3 samples of 256-512 tokens, block 16")
     args = ap.parse_args(argv)
-    try:
-        k, n = (int(x) for x in args.shard.split("/"))
-        assert 0 <= k < n
-    except (ValueError, AssertionError):
-        ap.error(f"--shard {args.shard}: expected K/N with 0 <= K < N")
-    args.shard = (k, n)
+    args.shard = smollm2.parse_shard(ap, args.shard)
     if args.quick:
         args.layers, args.lengths, args.block_size = 3, [256, 512], 16
         args.samples = args.samples or 3

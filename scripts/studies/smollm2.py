@@ -258,6 +258,16 @@ def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
             "stage_layers": list(lm.layout.layers), "latency": lm}
 
 
+def parse_shard(ap, text: str) -> tuple:
+    """``--shard K/N`` as (K, N), refused through ``ap`` unless 0 <= K < N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+        assert 0 <= k < n
+    except (ValueError, AssertionError):
+        ap.error(f"--shard {text}: expected K/N with 0 <= K < N")
+    return k, n
+
+
 # ---- forwards, cached ---------------------------------------------------------------------------
 
 class Cache:

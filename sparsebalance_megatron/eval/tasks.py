@@ -159,15 +159,7 @@ def make_sample(task: str, length: int, depth: float, seed: int, encode: Encode,
         question = "\nWhat is the pass key? The pass key is"
         answers, answer, prefix = (key,), " " + key, _PASSKEY_PREFIX
     elif task == "needle_multikey":
-        keys = []
-        while len(keys) < num_needles:
-            k = _key(rng)
-            if k not in keys:
-                keys.append(k)
-        values = [_number(rng, 7) for _ in keys]
-        depths = [depth] + _other_depths(rng, num_needles - 1)
-        needles = [(d, f" One of the special magic numbers for {k} is: {v}.")
-                   for d, k, v in zip(depths, keys, values)]
+        keys, values, needles = _keyed_needles(rng, num_needles, depth)
         question = (f"\nWhat is the special magic number for {keys[0]} mentioned in the provided "
                     f"text? The special magic number for {keys[0]} mentioned in the provided "
                     f"text is")
@@ -207,11 +199,9 @@ def make_sample(task: str, length: int, depth: float, seed: int, encode: Encode,
     return TaskSample(task, length, float(depth), seed, ids, answer_ids, answers, spans)
 
 
-def _make_multiquery(length: int, depth: float, seed: int, rng: random.Random, encode: Encode,
-                     filler, num_needles: int) -> TaskSample:
-    """``num_needles`` keyed numbers, each asked for in turn (the one at ``depth`` first): the
-    prompt ends with the first question, ``answer_ids`` hold its answer, then each next
-    question and its answer, the questions' tokens masked out of the score."""
+def _keyed_needles(rng: random.Random, num_needles: int, depth: float) -> tuple:
+    """``num_needles`` distinct keys, a 7-digit number each, and their needle sentences (the
+    first at ``depth``, the others at random depths): (keys, values, needles)."""
     keys: List[str] = []
     while len(keys) < num_needles:
         k = _key(rng)
@@ -221,6 +211,15 @@ def _make_multiquery(length: int, depth: float, seed: int, rng: random.Random, e
     depths = [depth] + _other_depths(rng, num_needles - 1)
     needles = [(d, f" One of the special magic numbers for {k} is: {v}.")
                for d, k, v in zip(depths, keys, values)]
+    return keys, values, needles
+
+
+def _make_multiquery(length: int, depth: float, seed: int, rng: random.Random, encode: Encode,
+                     filler, num_needles: int) -> TaskSample:
+    """``num_needles`` keyed numbers, each asked for in turn (the one at ``depth`` first): the
+    prompt ends with the first question, ``answer_ids`` hold its answer, then each next
+    question and its answer, the questions' tokens masked out of the score."""
+    keys, values, needles = _keyed_needles(rng, num_needles, depth)
 
     def question(k):
         return f"\nWhat is the special magic number for {k}? The special magic number for {k} is"
