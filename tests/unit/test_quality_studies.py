@@ -152,3 +152,40 @@ def test_inference_summary_states_the_verdicts_with_the_fixed_margin():
     assert got == pytest.approx(np.dot(w, d) / w.sum())
     assert "pp3: dst - eqtime (loss, token-weighted)" not in iq.summarize(
         doc, args, {})["verdicts"]                                # no margin, no such verdict
+
+
+def test_the_matched_arm_is_matched_on_the_studys_work_weighted_kept_density():
+    """DST keeps more of long samples and less of short ones; the matched arm one uniform
+    density. Matched on the kept density weighted by attention work (as the arm is chosen),
+    sample by sample they differ: the verdict is given; a matched arm 0.05 off is refused."""
+    from sparsebalance_megatron.latency.work import attention_work
+
+    args = iq.parse_args(["--margin-from", "x.json", "--layouts", "pp3"])
+    tokens = [2048 + 256 * (i % 9) for i in range(40)]
+    kept = [0.8 if t > 3000 else 0.4 for t in tokens]
+    work = np.array([attention_work([t], 1.0, args.block_size) for t in tokens])
+    study = float(np.dot(work, kept) / work.sum())
+
+    def doc(matched_kept):
+        rng = random.Random(3)
+        samples = []
+        for i, (t, k) in enumerate(zip(tokens, kept)):
+            base = {"answer_nll": 1.0, "loss": 3.0, "exact": 0.0, "token_accuracy": 0.5}
+            arms = {a: dict(base, kept=0.5) for a in ("uniform", "eqtime@pp3")}
+            arms["dst@pp3"] = dict(base, kept=k)
+            arms["matched@pp3"] = dict(base, kept=matched_kept)
+            arms["control"] = dict(base, kept=0.45)
+            for m in iq.METRICS:
+                arms["control"][m] += 0.02 + rng.gauss(0, 0.005)
+                arms["dst@pp3"][m] += rng.gauss(0, 0.0005)
+            samples.append({"index": i, "tokens": t, "arms": arms})
+        return {"samples": samples, "layouts": {"pp3": {
+            "unit": [[0, 0, 0]] * len(tokens), "steps": [
+                {"predicted_step_vs_static": 0.99, "equal_time_vs_static": 0.99}]}}}
+
+    key = "pp3: dst - matched (loss, token-weighted)"
+    got = iq.summarize(doc(study), args, {"answer_nll": 0.01, "loss": 0.01})
+    assert got["arms"]["dst@pp3"]["kept_work_weighted"] == pytest.approx(study)
+    assert got["verdicts"][key]["verdict"] == "non-inferior", got["verdicts"][key]["reason"]
+    off = iq.summarize(doc(study + 0.05), args, {"answer_nll": 0.01, "loss": 0.01})
+    assert off["verdicts"][key]["verdict"] == "not matched"
