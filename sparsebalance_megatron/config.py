@@ -71,6 +71,18 @@ def _auto_or_count(v) -> Optional[int]:
     return v if isinstance(v, int) and v >= 0 else None
 
 
+def _auto_or_number(v, hi: float = float("inf")) -> Optional[float]:
+    """A field that is 'auto' or a number in [0, hi] (``hi`` itself excluded where infinite):
+    the number, or None for 'auto' or a value out of that domain (``validate`` names those)."""
+    if isinstance(v, bool) or v == "auto":
+        return None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if 0.0 <= x <= hi and x < float("inf") else None
+
+
 def flag_name(field_name: str) -> str:
     """CLI flag of a config field: ``sparse_balance`` -> ``--sparse-balance``, else ``--sb-<name>``."""
     if field_name == "sparse_balance":
@@ -471,36 +483,17 @@ class SparseBalanceConfig:
     def watchdog_seconds_value(self) -> Optional[float]:
         """The fixed watchdog threshold in seconds (0: off), or None for 'auto' (or a value out
         of its domain)."""
-        v = self.watchdog_seconds
-        if v == "auto" or isinstance(v, bool):
-            return None
-        try:
-            s = float(v)
-        except (TypeError, ValueError):
-            return None
-        return s if s == s and 0.0 <= s < float("inf") else None
+        return _auto_or_number(self.watchdog_seconds)
 
     @property
     def exchange_rate_value(self) -> Optional[float]:
         """The fixed exchange rate, or None for 'auto' (or a value out of its domain)."""
-        if self.exchange_rate == "auto":
-            return None
-        try:
-            x = float(self.exchange_rate)
-        except (TypeError, ValueError):
-            return None
-        return x if 0.0 <= x < float("inf") else None
+        return _auto_or_number(self.exchange_rate)
 
     @property
     def raise_headroom_value(self) -> Optional[float]:
         """The fixed raise headroom, or None for 'auto' (or a value out of its domain)."""
-        if self.raise_headroom == "auto":
-            return None
-        try:
-            h = float(self.raise_headroom)
-        except (TypeError, ValueError):
-            return None
-        return h if 0.0 <= h <= MAX_RAISE_HEADROOM else None
+        return _auto_or_number(self.raise_headroom, MAX_RAISE_HEADROOM)
 
     @classmethod
     def unchecked(cls, **values) -> "SparseBalanceConfig":
