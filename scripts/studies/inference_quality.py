@@ -147,14 +147,20 @@ def kept_share(tokens: int, d: float, block_size: int) -> float:
     return attention_work([tokens], d, block_size) / attention_work([tokens], 1.0, block_size)
 
 
-def study_kept(tokens: list, vectors: list, block_size: int) -> float:
-    """Kept density over the study's documents: per document its groups' mean kept share,
-    weighted by its causal block pairs (a long document counts as its attention work does)."""
+def work_mean(tokens: list, values: list, block_size: int) -> float:
+    """The mean of per-document ``values`` weighted by each document's causal block pairs (a
+    long document counts as its attention work does): how the study weighs kept densities."""
     from sparsebalance_megatron.latency.work import attention_work
 
-    w = [attention_work([t], 1.0, block_size) for t in tokens]
-    k = [np.mean([kept_share(t, d, block_size) for d in v]) for t, v in zip(tokens, vectors)]
-    return float(np.dot(w, k) / np.sum(w))
+    w = [attention_work([int(t)], 1.0, block_size) for t in tokens]
+    return float(np.dot(w, values) / np.sum(w))
+
+
+def study_kept(tokens: list, vectors: list, block_size: int) -> float:
+    """Kept density over the study's documents, as planned: per document its groups' mean kept
+    share, weighted by attention work (``work_mean``)."""
+    return work_mean(tokens, [np.mean([kept_share(t, d, block_size) for d in v])
+                              for t, v in zip(tokens, vectors)], block_size)
 
 
 def matched_density(tokens: list, vectors: list, block_size: int, lo: float) -> float:
@@ -236,17 +242,14 @@ def summarize(doc: dict, args, margin: dict) -> dict:
     tok = np.asarray([r["tokens"] for r in rows], dtype=np.float64)
     arm_means = {a: {k: float(np.mean([r["arms"][a].get(k, np.nan) for r in rows]))
                      for k in SCORES} for a in names}
-    from sparsebalance_megatron.latency.work import attention_work
-
-    # the kept density the kernel reported, weighted as the matched arm is chosen: by each
-    # sample's attention work (a per-sample match cannot hold: DST gives samples different
-    # densities, the matched arm one)
-    work = np.asarray([attention_work([int(t)], 1.0, args.block_size) for t in tok])
     for a in names:
         arm_means[a]["loss_token_weighted"] = float(
             np.dot(tok, [r["arms"][a]["loss"] for r in rows]) / tok.sum())
-        arm_means[a]["kept_work_weighted"] = float(
-            np.dot(work, [r["arms"][a]["kept"] for r in rows]) / work.sum())
+        # the kept density the kernel reported, weighted as the matched arm is chosen (a
+        # per-sample match cannot hold: DST gives samples different densities, the matched
+        # arm one)
+        arm_means[a]["kept_work_weighted"] = work_mean(
+            tok, [r["arms"][a]["kept"] for r in rows], args.block_size)
     out = {"n": len(rows), "arms": arm_means, "comparisons": {}, "verdicts": {}}
     ctl = {m: V.paired_bound(pair(rows, "control", "uniform", m, m == "loss")) for m in METRICS}
     for m in METRICS:
