@@ -62,14 +62,18 @@ class StageQuality:
 
     def stage_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
         """[nv, g] every stage's cost against dense at every grid density (cached per grid)."""
+        return self._cached("cost", grid, rep, lambda g: np.ascontiguousarray(
+            self.curves(g, rep).T))
+
+    def _cached(self, kind: str, grid, rep: Optional[int], make) -> np.ndarray:
         g = np.asarray(grid, dtype=np.float64)
-        key = (g.tobytes(), rep)
+        key = (kind, g.tobytes(), rep)
         cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
         got = cache.get(key)            # one read: a planner thread and a report may share it
         if got is None:
-            if len(cache) > 4 * (len(self.cost.bootstrap) + 1):
+            if len(cache) > 8 * (len(self.cost.bootstrap) + 1):
                 cache.clear()
-            got = np.ascontiguousarray(self.curves(g, rep).T)
+            got = make(g)
             cache[key] = got
         return got
 
@@ -77,9 +81,11 @@ class StageQuality:
         """[nv] every stage's cost against dense at d0."""
         return self.curves(self.d0, rep)
 
-    def grid_table(self, grid: np.ndarray) -> np.ndarray:
-        """[nv, g] a stage's change against d0 at every grid density (rho = 1)."""
-        return self.stage_table(grid) - self.reference()[:, None]
+    def grid_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
+        """[nv, g] a stage's change against d0 at every grid density (rho = 1; cached per grid:
+        DST sums plans by it many times a step)."""
+        return self._cached("change", grid, rep, lambda g: np.ascontiguousarray(
+            self.stage_table(g, rep) - self.reference(rep)[:, None]))
 
     def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
         """[nv, g] quality gained per unit of density by stepping up to each grid index from the
@@ -190,7 +196,7 @@ class BoundQuality:
         """[...] the model's change summed over the units of plans at grid indices ``idx``
         [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change)."""
         g = np.asarray(grid, dtype=np.float64)
-        table = self.stage.stage_table(g, rep) - self.stage.reference(rep)[:, None]
+        table = self.stage.grid_table(g, rep)
         nv = table.shape[0]
         diff = table.reshape(-1).take(idx + np.arange(nv) * g.size).sum(axis=-1)  # [..., dp, m]
         f1, f2 = self.factors[0 if rep is None else rep + 1]
