@@ -82,3 +82,17 @@ def test_refresh_every_two_iterations(tmp_path, small_jsonl, analytic_latency_ta
         for key in ("loss", "densities", "predicted_loss_change", "quality_scales",
                     "quality_refresh_change"):
             assert a.get(key) == b.get(key), (a["step"], key, a.get(key), b.get(key))
+
+
+def test_no_held_out_documents_is_refused_before_training(tmp_path, small_jsonl,
+                                                          analytic_latency_table_pp1):
+    """A valid split without documents leaves the refresh nothing to measure: one line, before
+    the first step."""
+    proc = run_entry(1, [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--split", "100,0,0",
+                         "--global-batch-size", "2", "--train-iters", "3",
+                         "--sb-latency-table", analytic_latency_table_pp1, "--sb-latency-table-force",
+                         "--sb-quality-refresh-interval", "1"], cwd=tmp_path, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
+    assert "--sb-quality-refresh-interval 1: the valid split holds no documents" in errors[0]
+    assert "iteration        1/" not in proc.stdout
