@@ -96,3 +96,19 @@ def test_no_held_out_documents_is_refused_before_training(tmp_path, small_jsonl,
     assert proc.returncode != 0 and len(errors) == 1, proc.stdout[-3000:]
     assert "--sb-quality-refresh-interval 1: the valid split holds no documents" in errors[0]
     assert "iteration        1/" not in proc.stdout
+
+
+def test_refresh_over_two_data_parallel_ranks(tmp_path, small_jsonl, analytic_latency_table_pp1):
+    """DP=2: each DP rank measures its own held-out micro-batch and the sums meet in the DP
+    group's all-reduce (the probe stops the run where the ranks' scales differ): the held-out
+    documents of both ranks count, so the change has a standard error and is shrunk by it."""
+    proc = run_entry(2, [*TINY_MODEL, *SB, "--data-path", small_jsonl, "--global-batch-size", "4",
+                         "--train-iters", "3", "--sb-latency-table", analytic_latency_table_pp1,
+                         "--sb-latency-table-force", "--sb-quality-refresh-interval", "2",
+                         "--sb-metrics-file", tmp_path / "m.jsonl"], cwd=tmp_path)
+    rows = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in rows if "quality_refresh_s" in r] == [2]
+    line = next(x for x in proc.stdout.splitlines() if "quality refresh at iteration 2" in x)
+    se = [float(v) for v in re.search(r"\+- \[([^\]]*)\]", line).group(1).split(",")]
+    assert len(se) == 3 and any(v > 0 for v in se), line     # documents of both DP ranks
+    assert all(0.25 <= s <= 4 for s in rows[1]["quality_scales"])
