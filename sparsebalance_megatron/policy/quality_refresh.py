@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -67,8 +68,7 @@ def predicted_changes(cost: QualityCost, d0: float, tested: Sequence[float],
     g = len(cost.groups)
     widths = [grp.depth[1] - grp.depth[0] for grp in cost.groups]
     q = StageQuality.from_cost(cost, widths, d0)        # one stage per group: weights = I
-    n = np.atleast_1d(np.asarray(cost.length_ref if lengths is None else lengths, np.float64))
-    t = np.ones(n.size) if tokens is None else np.atleast_1d(np.asarray(tokens, np.float64))
+    n, t = _documents(cost, lengths, tokens)
     out = np.empty(g)
     for k in range(g):
         d = np.full((n.size, g), float(d0))
@@ -98,7 +98,7 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
     per token) of group g at ``tested[g]`` against uniform ``d0``, with its ``stderr`` (None:
     no shrinkage); ``lengths`` and ``tokens``: the measured documents'."""
     g = len(cost.groups)
-    if not (isinstance(d0, (int, float)) and 0.0 < d0 <= 1.0):
+    if not (isinstance(d0, numbers.Real) and not isinstance(d0, bool) and 0.0 < d0 <= 1.0):
         raise QualityCostError(f"d0={d0!r}: expected a number in (0, 1]")
     t = _checked_vector(tested, g, "tested densities")
     if np.any(t <= 0) or np.any(t >= d0):
@@ -108,8 +108,10 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
     se = np.zeros(g) if stderr is None else _checked_vector(stderr, g, "stderr")
     if np.any(se < 0):
         raise QualityCostError(f"stderr {se.tolist()}: expected numbers >= 0")
-    if not (math.isfinite(max_scale) and max_scale >= 1.0):
+    if not (isinstance(max_scale, numbers.Real) and math.isfinite(max_scale)
+            and max_scale >= 1.0):
         raise QualityCostError(f"max_scale={max_scale!r}: expected a finite number >= 1")
+    _documents(cost, lengths, tokens)                  # refused before any work
     p = predicted_changes(cost, d0, t, lengths, tokens)
     if np.any(p <= 0):
         raise QualityCostError(f"the model predicts no loss at the tested densities "
@@ -151,3 +153,20 @@ def _checked_vector(values, g: int, what: str) -> np.ndarray:
     if not np.all(np.isfinite(v)):
         raise QualityCostError(f"{what} {v.tolist()}: expected finite numbers")
     return v
+
+
+def _documents(cost: QualityCost, lengths, tokens) -> tuple:
+    """(lengths [n], tokens [n]) of the measured documents: lengths > 0 (None: one document of
+    the model's reference length), tokens >= 0 with a positive sum (None: one each)."""
+    n = np.atleast_1d(np.asarray(cost.length_ref if lengths is None else lengths, np.float64))
+    if n.ndim != 1 or n.size < 1 or not np.all(np.isfinite(n)) or np.any(n <= 0):
+        raise QualityCostError(f"document lengths {np.asarray(lengths).tolist()}: expected "
+                               f"finite numbers > 0, at least one")
+    if tokens is None:
+        return n, np.ones(n.size)
+    t = np.atleast_1d(np.asarray(tokens, np.float64))
+    if t.shape != n.shape or not np.all(np.isfinite(t)) or np.any(t < 0) or t.sum() <= 0:
+        raise QualityCostError(f"document tokens {np.asarray(tokens).tolist()}: expected "
+                               f"{n.size} finite numbers >= 0 (one per length), summing to more "
+                               f"than 0")
+    return n, t

@@ -73,6 +73,13 @@ def test_a_scale_is_clamped_and_noise_shrinks_it_towards_one():
     (dict(d0=1.5, tested=[0.45, 0.45], measured=[0.01, 0.01]), "d0=1.5"),
     (dict(d0=0.5, tested=[0.45, 0.45], measured=["a", 0.01]), "measured changes"),
     (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01], max_scale=0.5), "max_scale"),
+    (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01], lengths=[100.0, -1.0]),
+     "document lengths"),
+    (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01], lengths=[100.0, 200.0],
+          tokens=[5.0]), "document tokens"),
+    (dict(d0=0.5, tested=[0.45, 0.45], measured=[0.01, 0.01], lengths=[100.0],
+          tokens=[0.0]), "summing to more than 0"),
+    (dict(d0=True, tested=[0.45, 0.45], measured=[0.01, 0.01]), "d0=True"),
 ])
 def test_bad_measurements_are_refused_naming_the_value(args, needle):
     with pytest.raises(QualityCostError) as e:
