@@ -226,6 +226,18 @@ class SparseBalanceConfig:
         "--calibrate: held-out loss against density per depth group and document length of a "
         "real model, convex, with its bootstrap uncertainty); default: the shipped SmolLM2-135M "
         "model.", path="input")
+    quality_refresh_interval: int = _f(
+        0, "With --sb-dst-objective quality: every N iterations (0: never, the default) the "
+        "quality model DST plans by follows the network being trained: every rank runs "
+        "forward-only passes (Megatron's schedule, evaluation mode, no gradient) of a fixed "
+        "held-out micro-batch per DP rank from the valid split, at uniform --sb-density and "
+        "with each depth group of the model's layers in turn at 0.9x, and each group's curve "
+        "is scaled by the measured loss change over the predicted one (clamped to [1/4, 4], "
+        "shrunk by its standard error over the documents), so the plans drafted after it "
+        "price cuts and raises as the network now pays them. Costs 1 + groups forward passes "
+        "of one micro-batch per refresh (the metrics' quality_refresh_s, part of "
+        "sb_overhead_s). Off by default: the shipped model was measured on a trained network, "
+        "and a network early in training is noisy to measure.")
     exchange_rate: str = _f(
         "auto", "With --sb-dst-objective quality: what one percent of predicted step time is "
         "worth in predicted held-out loss (nats per token). A plan that cuts is adopted only "
@@ -572,6 +584,9 @@ class SparseBalanceConfig:
         t = self.tolerance
         if not isinstance(t, (int, float)) or t != t or t < 0 or t > 10:
             bad("tolerance", t, "a number in [0, 10]")
+        ri = self.quality_refresh_interval
+        if isinstance(ri, bool) or not isinstance(ri, int) or ri < 0:
+            bad("quality_refresh_interval", ri, "an integer >= 0 (0: never)")
         if self.exchange_rate != "auto" and self.exchange_rate_value is None:
             bad("exchange_rate", self.exchange_rate, "'auto' or a number of nats per token >= 0")
         pt = self.planner_timeout

@@ -17,6 +17,11 @@ time (issue 44): every speedup a study states is net of it, at the flags its row
 - **calibration and reporting**: after the step, the calibration's prediction and the reports'
   density weights (the planner_cost study's last part; the log line and metrics writers are not
   timed).
+- **quality refresh** (``--sb-quality-refresh-interval N``, DST's quality objective;
+  ``refresh_s``): 1 + groups forward passes of one held-out micro-batch through the pipeline
+  every N steps, each priced as the step's mean micro-batch at d0 crossing every (virtual) stage
+  forward (the DP ranks run theirs at once), spread over the N steps; the simulated plans do
+  not follow the refreshed model (the study's quality model is the launch-time one).
 
 Costs come from the project's measurements, read from ``docs/results`` JSONs by name, so a
 newer measurement replaces an older one without a code change:
@@ -339,3 +344,14 @@ class PluginCost:
                          source=f"{self.planner.source} (planning, calibration; measured at "
                                 f"{m.dp} DP x {m.microbatches} x {m.virtual_stages} stages"
                                 f"{note}); {self.control.source} (control plane)")
+
+
+def refresh_s(costs, d0: float, interval: int, groups: int) -> float:
+    """--sb-quality-refresh-interval's share of a step (seconds; 0 when ``interval`` is 0): 1 +
+    ``groups`` forward passes of a micro-batch through every stage of ``costs`` (a
+    ``UnitCosts``: the step's mean unit's forward seconds at ``d0``, summed over the stages)
+    every ``interval`` steps."""
+    if not interval:
+        return 0.0
+    one = float(costs.fwd_s[..., costs.index_of(d0)].sum(axis=2).mean())   # [dp, m] -> mean
+    return (1 + int(groups)) * one / int(interval)

@@ -339,12 +339,16 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
             choice = choose_step(cs, d0, lm.p2p_s, plan_fn, enabled=fallback is not None,
                                  compare=compare)
             charged = a.charge.plan_s if a.charge is not None else 0.0
+            parts = a.charge.parts_ms if a.charge is not None else None
+            again = _refresh_s(cfg, cs[choice.index], d0, quality[lay]) \
+                if a.charge is not None and anchor is not None else 0.0   # DST's refresh
+            if again:
+                charged, parts = charged + again, dict(parts, quality_refresh=1e3 * again)
             if a.gate is not None:
                 a.gate.planned(choice, charged)
             a.add(cs[choice.index], choice.outcome.densities, lm.p2p_s,
                   (time.perf_counter() - t) * 1e3 if anchor is not None else None,
-                  quality=quality[lay], choice=choice, cost_s=charged,
-                  parts_ms=a.charge.parts_ms if a.charge is not None else None)
+                  quality=quality[lay], choice=choice, cost_s=charged, parts_ms=parts)
     base = acc[baseline]
     base_net = base.step_s + base.cost_s if cfg.plugin_cost is not None else None
     labels = kernel_labels(lm.table)      # which kernel prices each row (issue 40)
@@ -354,6 +358,16 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         short, long = labels["dense" if is_dense(runs[name][0]) else "sparse"]
         out[name].update(attention_kernel=short, attention_priced_by=long)
     return out
+
+
+def _refresh_s(cfg: StudyConfig, costs, d0: float, quality) -> float:
+    """A DST run's quality refresh per step (``plugin_cost.refresh_s``; the quality objective's
+    alone: it refreshes that objective's model)."""
+    from .plugin_cost import refresh_s
+
+    pol = cfg.policy()
+    return refresh_s(costs, d0, pol.quality_refresh_interval if pol.dst_objective == "quality"
+                     else 0, len(quality.cost.groups))
 
 
 def _charge_runs(cfg: StudyConfig, acc: dict, runs: dict, models: dict, dp: int, lm) -> None:

@@ -242,6 +242,11 @@ def _build_runtime(model: list) -> list:
         # alone: only CP rank 0 writes it (the others would write the same file at once).
         args.dataloader_save = None
     _run.callback = SparseBalanceCallback(args, _run.sb, _run.budget, _run.data, device=device())
+    if _run.sb.quality_refresh_interval:     # the quality model follows the network
+        try:
+            _run.callback.start_quality_probe(model, _forward_step)
+        except LaunchError as e:             # no held-out documents: before any step
+            raise refusal(f"error: {e}") from None
     from .step import microbatches
     if _run.sb.varies_microbatch_count:      # dp_balanced's own count reaches the schedule
         microbatches.install(_run.callback)

@@ -85,23 +85,25 @@ def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndar
 
 
 def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
-               stage_layers=None) -> tuple:
+               stage_layers=None, quality_scales: Optional[tuple] = None) -> tuple:
     """(``DSTSettings``, the quality objective's ``StageQuality`` or None) of a
     ``SparseBalanceConfig`` for costs of ``stages`` (virtual) stages. ``raise_headroom``
     overrides the config's (the runtime passes the measured error when the config says 'auto';
     'auto' without one is ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality`` (the
     default), ``stage_layers`` (the decoder layers of every (virtual) stage) maps the quality
     model onto the stages: without it a ``ValueError`` (no silent fall-back to the density
-    objective); ``dst_objective="density"`` needs none."""
+    objective); ``dst_objective="density"`` needs none. ``quality_scales``: the depth groups'
+    scales of the run's last quality refresh (``quality_refresh``; None: the model as loaded)."""
     quality = None
     if config.dst_objective == "quality":
-        from .quality import load_quality_cost
+        from .quality_refresh import scaled_quality_cost
         from .quality_stages import StageQuality
         if stage_layers is None or len(stage_layers) != stages:
             raise ValueError(f"--sb-dst-objective quality (the default) needs the decoder "
                              f"layers of each of the {stages} stages, got "
                              f"{stage_layers!r}; pass stage_layers, or plan with "
                              f"--sb-dst-objective density, which needs none")
-        quality = StageQuality.from_cost(load_quality_cost(config.quality_cost), stage_layers,
-                                         config.density)
+        cost = scaled_quality_cost(config.quality_cost,
+                                   None if quality_scales is None else tuple(quality_scales))
+        quality = StageQuality.from_cost(cost, stage_layers, config.density)
     return DSTSettings.from_config(config, p2p_s=p2p_s, raise_headroom=raise_headroom), quality

@@ -89,6 +89,15 @@ def test_a_mistake_is_named_as_the_flags_are_parsed(case, model, flags, needle, 
     assert needle in _refusal([*MODEL, *flags], model, capsys, monkeypatch)
 
 
+def test_a_quality_refresh_it_cannot_serve_is_refused_as_the_flags_are_parsed(capsys,
+                                                                              monkeypatch):
+    """--sb-quality-refresh-interval refreshes the quality objective's model: with the density
+    objective there is none to refresh, and the launch ends in one line before Megatron's."""
+    msg = _refusal([*MODEL, "--sparse-balance", "--sb-dst-objective", "density",
+                    "--sb-quality-refresh-interval", "10"], "gpt", capsys, monkeypatch)
+    assert "--sb-quality-refresh-interval 10 without DST's quality objective" in msg
+
+
 def test_the_same_flags_without_the_mistake_parse(monkeypatch):
     """The checks refuse the mistake, not the launch: a good GPT and hybrid set of flags parses."""
     import argparse

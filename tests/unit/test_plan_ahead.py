@@ -199,9 +199,10 @@ def test_the_saved_basis_is_the_state_each_draft_started_from():
 
     cb = SimpleNamespace(latency=LatencyModel.analytic(pp=2), tracker=SensitivityTracker(),
                          _process=None, _tracker_log=[], _tracker_synced=False, _updates=0,
-                         _basis_tracker=None, _basis_log=[], _basis_mark=0, _ready_basis=None)
+                         _basis_tracker=None, _basis_log=[], _basis_mark=0, _ready_basis=None,
+                         _drafter=SimpleNamespace(quality_scales=None))
     for name in ("_lagged_basis", "_advance_basis", "ahead_basis", "_track", "_tracker_loaded",
-                 "_planning_state"):
+                 "_planning_state", "_quality_scales"):
         setattr(cb, name, types.MethodType(getattr(StepPlanning, name), cb))
     rng = np.random.default_rng(5)
     pending, expected = None, None
@@ -220,6 +221,7 @@ def test_the_saved_basis_is_the_state_each_draft_started_from():
             cb._track(rng.integers(0, 50, 8).tolist(), rng.integers(100, 4000, 8).tolist(),
                       rng.uniform(1, 4, 8).tolist())
             cb.latency.calibrate(step % 2, np.ones(2), rng.uniform(0.8, 1.5, 2))
+        cb._drafter.quality_scales = (1.0 + step, 0.5)     # a quality refresh after the step
     assert cb._updates == 12 and len(cb._basis_log) <= 4     # the copy stays one draft behind
 
 

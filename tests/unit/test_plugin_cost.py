@@ -10,7 +10,8 @@ import pytest
 from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.experiments import StudyConfig, run_study
 from sparsebalance_megatron.experiments.plugin_cost import (AheadCost, ControlPlaneCost,
-                                                            PlannerCost, PluginCost, Shape)
+                                                            PlannerCost, PluginCost, Shape,
+                                                            refresh_s)
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
 from sparsebalance_megatron.policy.stand_down import NetGate, StepChoice, PackingOutcome
 
@@ -133,6 +134,29 @@ def test_net_step_time_is_gross_plus_the_named_costs(tmp_path):
     ahead = _study(cost)["sab_dst"]                # the default: --sb-planner process
     assert ahead["plugin_cost_ms"] < rows["sab_dst"]["plugin_cost_ms"]
     assert "--sb-planner process" in ahead["plugin_flags"]
+
+
+def test_the_quality_refresh_is_charged_to_the_runs_that_plan_dst(tmp_path):
+    """--sb-quality-refresh-interval N: 1 + groups forward passes of a micro-batch through the
+    pipeline every N steps, charged to the DST runs only, on top of their other parts."""
+    from sparsebalance_megatron.policy.costs import UnitCosts
+
+    fwd = np.zeros((2, 3, 2, 2))
+    fwd[..., 0] = np.arange(12).reshape(2, 3, 2) * 0.01     # at d0 = 0.5: stage sums 0.01..0.21
+    costs = UnitCosts(np.array([0.5, 1.0]), fwd + np.array([0.0, 1.0]), np.ones((2, 3, 2, 2)))
+    assert refresh_s(costs, 0.5, 4, 3) == pytest.approx(4 * 0.11 / 4)   # mean stage sum 0.11
+    assert refresh_s(costs, 0.5, 0, 3) == 0.0
+    cost = _cost(tmp_path, planner=_scaled(PLANNER, 1e-3))
+    plain = _study(cost, planner="inline")
+    fresh = _study(cost, planner="inline", quality_refresh_interval=2)
+    for name in ("sab_dst", "dst"):
+        a, b = plain[name], fresh[name]
+        assert "quality_refresh" not in a["plugin_cost_parts_ms"]
+        r = b["plugin_cost_parts_ms"]["quality_refresh"]
+        assert r > 0 and b["plugin_cost_ms"] == pytest.approx(a["plugin_cost_ms"] + r)
+        assert b["step_time_s"] == a["step_time_s"]          # the plans are the same
+    for name in ("static", "dense_sab", "dense"):
+        assert fresh[name]["plugin_cost_ms"] == plain[name]["plugin_cost_ms"]
 
 
 def test_do_no_harm_compares_net_times(tmp_path):

@@ -34,7 +34,7 @@ from sparsebalance_megatron.policy.stand_down import StandDownCounts
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "landed_state_pp2"
 FIELDS = {"version", "iteration", "latency", "sensitivity", "timing_source", "stand_down",
-          "ahead_basis", "layout"}
+          "ahead_basis", "layout", "quality_scales"}
 PLAIN = (type(None), bool, int, float, str)
 
 
@@ -55,9 +55,11 @@ def _callback(load_dir=".", *, pp=2, fresh=False):
                                                 planner="process"),
                          latency=lm, tracker=SensitivityTracker(signal="loss"),
                          reporter=SimpleNamespace(stood=StandDownCounts()), _ready_basis=None,
-                         dp=2, dp_rank=0, pp=pp, vp=1, _ready=None)
+                         dp=2, dp_rank=0, pp=pp, vp=1, _ready=None,
+                         _drafter=SimpleNamespace(quality_scales=None),
+                         quality_probe=SimpleNamespace(scales=None))
     for name in ("state_dict", "load_state_dict", "_planning_state", "_state_basis",
-                 "_tracker_loaded", "ahead_basis"):
+                 "_tracker_loaded", "ahead_basis", "_quality_scales", "drafter"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))
     return cb
 
@@ -77,6 +79,7 @@ def _populated(cb):
         cb.reporter.stood.add(np.bool_(step == 0), np.bool_(True))
         if step == 0:
             cb._ready_basis = cb._state_basis()
+            cb._drafter.quality_scales = (1.5, 0.25, 4.0)    # refreshed after the basis
     cb.args.curr_iteration = 1
     return cb
 
@@ -106,7 +109,9 @@ def _numbers_everywhere(cb):
     cb._ready_basis = {"latency": dict(cb._ready_basis["latency"],
                                        errors=np.asarray(cb._ready_basis["latency"]["errors"])),
                        "sensitivity": dict(cb._ready_basis["sensitivity"],
-                                           all=np.float32(cb._ready_basis["sensitivity"]["all"]))}
+                                           all=np.float32(cb._ready_basis["sensitivity"]["all"])),
+                       "quality_scales": cb._ready_basis["quality_scales"]}
+    cb._drafter.quality_scales = tuple(next(f)(s) for s in cb._drafter.quality_scales)
     return cb
 
 
@@ -145,10 +150,12 @@ def _expected(cb) -> dict:
             "layout": {"dp": 2, "pp": 2, "vp": 1, "microbatches": None},   # issue 76
             "stand_down": {k: int(getattr(st, k)) for k in ("dst_steps", "dst_stood_down",
                                                             "sab_steps", "sab_stood_down")},
+            "quality_scales": [float(s) for s in cb._drafter.quality_scales],
             "ahead_basis": {"latency": dict(basis["latency"],
                                             errors=[float(e) for e in basis["latency"]["errors"]]),
                             "sensitivity": dict(basis["sensitivity"],
-                                                all=float(basis["sensitivity"]["all"]))}}
+                                                all=float(basis["sensitivity"]["all"])),
+                            "quality_scales": None}}
 
 
 def test_a_populated_state_round_trips_through_weights_only_load():

@@ -85,8 +85,10 @@ def _callback(tmp_path, *, fresh: bool, latency=None):
                          sb=SparseBalanceConfig(sparse_balance=True, fresh_state=fresh),
                          latency=latency, tracker=SensitivityTracker(signal="loss"),
                          reporter=SimpleNamespace(stood=StandDownCounts()), dp=1, pp=1, vp=1,
-                         dp_rank=0)
-    for name in ("load_state_dict", "_planning_state", "_state_basis", "_tracker_loaded"):
+                         dp_rank=0, _drafter=SimpleNamespace(quality_scales=None),
+                         quality_probe=None)
+    for name in ("load_state_dict", "_planning_state", "_state_basis", "_tracker_loaded",
+                 "_quality_scales", "drafter"):
         setattr(cb, name, types.MethodType(getattr(SparseBalanceCallback, name), cb))
     return cb
 

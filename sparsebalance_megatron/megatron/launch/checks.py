@@ -29,7 +29,7 @@ from ...attention.flex import flash_kernel_missing
 from ...config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ...latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
 from ..errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
-from .data_checks import data_conflicts, packer_conflicts
+from .data_checks import data_conflicts, packer_conflicts, refresh_conflicts
 from .lengths import LENGTH_FREE_BACKENDS, length_need
 from .preflight import attention_dropout_conflicts, config_problems, dense_kernel_conflicts
 
@@ -342,7 +342,7 @@ def flag_conflicts(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         bad += _hybrid_conflicts(args, sb, hybrid, plugin_data)
     bad += _context_parallel_conflicts(args, sb, plugin_data)
     bad += _microbatch_length_conflicts(args, sb, plugin_data)
-    bad += packer_conflicts(args, sb, plugin_data)
+    bad += packer_conflicts(args, sb, plugin_data) + refresh_conflicts(args, sb, plugin_data)
     if plugin_data:
         if getattr(args, "iterations_to_skip", None):
             bad.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "

@@ -70,3 +70,33 @@ def data_conflicts(args) -> list[str]:
                    f"documents in one row of --seq-length tokens: use --micro-batch-size 1 and "
                    f"raise --seq-length or --global-batch-size)")
     return out
+
+
+def refresh_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """What ``--sb-quality-refresh-interval`` (``step/quality_probe.py``) cannot serve: it
+    refreshes the model DST's quality objective plans by; its held-out micro-batch is one per
+    DP rank on the plugin's data path, each document's loss whole on one rank (no
+    context-parallel split), run by the one-chunk schedules."""
+    if not sb.quality_refresh_interval:
+        return []
+    what = f"{flag_name('quality_refresh_interval')} {sb.quality_refresh_interval}"
+    out = []
+    if not sb.dst_enabled or sb.dst_objective != "quality":
+        out.append(f"{what} without DST's quality objective (the quality model is what it "
+                   f"refreshes: --sparse-balance or --sb-dst, with "
+                   f"{flag_name('dst_objective')} quality)")
+    elif sb.replay_plans:
+        out.append(f"{what} with {flag_name('replay_plans')} (the plans are replayed, not made "
+                   f"by the model it refreshes)")
+    if not plugin_data:
+        out.append(f"{what} without the plugin's data path (its held-out micro-batch is "
+                   f"packed by it)")
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        out.append(f"{what} with --context-parallel-size {cp} (a document's loss is split over "
+                   f"the CP ranks; the refresh measures it whole): refresh with CP 1")
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vp is not None and vp > 1:
+        out.append(f"{what} with the interleaved schedule (virtual pipeline size {vp}): the "
+                   f"refresh runs one micro-batch through the one-chunk schedules")
+    return out

@@ -5,6 +5,7 @@ Modules: ``ahead`` (the planner process and thread) and ``planner_worker`` (the 
 ``callback``, ``checks``, ``choice``, ``data``, ``drafting``, ``exchange`` (the per-step gather and
 reductions) and ``record`` (its fixed-size records),
 ``microbatches`` (a step's own micro-batch count through Megatron's calculator), ``planning``,
+``quality_probe`` (the quality model refreshed from forward passes of the network in training),
 ``reporting`` (and ``report_sums``, its figures as sums over the DP group), ``state``,
 ``timing``. May import: ``errors``, ``runtime``, ``model``, ``launch`` (and megatron and the
 pure layers); never a room after it (docs/DESIGN.md section 2). Its exports: ``_PUBLIC``

@@ -209,7 +209,8 @@ class PlannerProcess:
     def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
                with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict,
                agree=None, settle: Optional[tuple] = None, on_round=None,
-               rank: Optional[int] = None) -> "PendingDraft":
+               rank: Optional[int] = None, quality_scales: Optional[tuple] = None
+               ) -> "PendingDraft":
         """Start the draft of ``iteration`` from these inputs; ``tracker_sync``: None (no
         tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]); ``rank``: a DP
         rank's own draft (``Drafter.own_draft``); ``settle``: (DP rank, its ``DPReducer`` on the
@@ -217,7 +218,9 @@ class PlannerProcess:
         ``agreed``), the reader thread relaying its collectives (``step/relay.py``); ``agree``:
         instead, what the reader thread runs on the draft once read (its result the draft's
         ``agreed``); ``on_round(k)``: called on the reader thread after the k-th relayed round
-        (``--sb-fault planner-kill-agreeing``). A process that ended gives a draft whose
+        (``--sb-fault planner-kill-agreeing``); ``quality_scales``: the quality model's
+        refreshed group scales the rank's drafts use (``Drafter.quality_scales``). A process
+        that ended gives a draft whose
         ``result`` raises that (the request kept for the caller)."""
         if self._pending is not None:
             raise RuntimeError("a draft of the planner process is still pending")
@@ -229,6 +232,7 @@ class PlannerProcess:
             if self.proc.poll() is not None:
                 raise self._died("idle", iteration)
             self._send(("draft", dict(request, latency=latency_state, tracker=tracker_sync,
+                                      quality=quality_scales,
                                       settle=None if settle is None else int(settle[0]))))
         except (BrokenPipeError, OSError):
             err = self._died("idle", iteration)

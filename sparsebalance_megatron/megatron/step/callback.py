@@ -15,7 +15,8 @@ Megatron's loop runs unchanged; the callback is reached through its hooks only:
   every rank's timings, losses and sensitivity sums (``step/exchange.py``: a fixed-size record
   per (DP rank, stage) cell, over the TP x CP, pipeline and DP groups), stop every rank alike if
   one ignored the plan or packed differently, calibrate the latency model, refine sensitivities,
-  report metrics,
+  every ``--sb-quality-refresh-interval`` iterations refresh the quality model DST plans by
+  (``step/quality_probe.py``: forward-only passes, collective), report metrics,
   and prepare the next step: its documents (bins = Megatron's samples), SAB packing, and the DST
   plan (every rank plans its own units, agreed over the DP group; every rank holds identical
   budgets), each committed only where
@@ -148,6 +149,22 @@ class SparseBalanceCallback(StepPlanning):
         self._basis_tracker = None                 # the tracker as of the prepared step's basis
         self._basis_log: list = []                 # updates since then
         self._basis_mark = 0                       # updates the copy has
+        self.quality_probe = None                  # --sb-quality-refresh-interval (hooks)
+
+    def start_quality_probe(self, model: list, forward_step) -> None:
+        """--sb-quality-refresh-interval: the refresh's measurer (``step/quality_probe.py``) of
+        ``model`` (Megatron's chunks) through the run's ``forward_step``, its held-out
+        micro-batch built now (a valid split without documents is refused before training)."""
+        from .data import held_out_microbatch
+        from .quality_probe import QualityProbe
+
+        mb, lengths = held_out_microbatch(self.data, self.sb, capacity=self.capacity,
+                                          dp=self.dp, dp_rank=self.dp_rank, device=self.device,
+                                          mb_args=self.mb_args)
+        self.quality_probe = QualityProbe(self.sb, self.args, model=model,
+                                          forward_step=forward_step, budget=self.budget,
+                                          exchange=self.exchange, held_out=mb, lengths=lengths,
+                                          pp_rank=self.pp_rank)
 
     # --- Megatron hooks ----------------------------------------------------------------------
     def train_iterator(self, chunk: int = 0):
@@ -306,6 +323,10 @@ class SparseBalanceCallback(StepPlanning):
         if self.tracker is not None:
             self._update_sensitivity(step, summary)
         self._current, self._chunks_read = None, set()
+        refreshed = None          # the drafts from here on plan by the refreshed quality model
+        if self.quality_probe is not None and self.quality_probe.due(iteration):
+            refreshed = self.quality_probe.refresh(iteration)
+            self.drafter().quality_scales = self.quality_probe.scales
         args = self.args
         if draft is not None:
             self._ahead_s = draft.cpu_s
@@ -319,7 +340,8 @@ class SparseBalanceCallback(StepPlanning):
         self.reporter.report(iteration + 1, step, summary, measured, calib,
                              overhead_s=self._overhead_s, own_s=self._own_s,
                              planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None,
-                             reduce=self.exchange.reduce, gather=self.exchange.gather_rows)
+                             reduce=self.exchange.reduce, gather=self.exchange.gather_rows,
+                             extra=refreshed)
         # the report's own cost (metrics, writers, log line) counts in the next step's figure
         self._overhead_s, self._own_s = time.perf_counter() - t1, time.thread_time() - c1
 
@@ -438,3 +460,7 @@ class SparseBalanceCallback(StepPlanning):
             self.tracker.load_state_dict(state["sensitivity"])
             self._tracker_loaded()
         self.reporter.stood.load_state_dict(state.get("stand_down"))   # cumulative counts
+        if self.quality_probe is not None:        # the refreshed quality model (None: none)
+            scales = state.get("quality_scales")
+            self.quality_probe.scales = None if scales is None else tuple(scales)
+            self.drafter().quality_scales = self.quality_probe.scales

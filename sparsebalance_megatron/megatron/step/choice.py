@@ -67,7 +67,8 @@ def agreed_inputs(sb: SparseBalanceConfig, latency, scale, rank: int, dp: int, a
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
            tracker=None, dst: bool, raise_headroom: Optional[float] = None,
            stage_layers=None, tables=None, rank: Optional[int] = None, agree=None,
-           own_rows: bool = False) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
+           own_rows: bool = False, quality_scales: Optional[tuple] = None
+           ) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
     """(densities [dp][m][stages] or None, DST report or None, stand-down record or None).
 
     options: (BatchPlan, UnitFeatures) of SAB's packing and, if packed, the baseline's, SAB's
@@ -82,7 +83,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     plan). The stand-down
     record is ``StepChoice.as_dict()``: ``packing_index`` says which option to commit. tables:
     a ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
-    arrays)."""
+    arrays); ``quality_scales``: the quality model's refreshed group scales (``dst_inputs``)."""
     from ...policy.dst import dst_inputs
     from ...policy.dst import plan_dst as plan_in_process
     from ...policy.dst_rounds import rank_rounds, run_rounds
@@ -111,7 +112,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
         if own:         # each rank calibrated its own pipeline: the group's statistics
             narrow, raise_headroom = agreed_inputs(sb, latency, scale, rank, dp, agree)
         settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s, raise_headroom,
-                                       stage_layers)
+                                       stage_layers, quality_scales)
 
         def plan_dst(i, c):
             if not own:                 # every rank's rounds here, in lockstep

@@ -269,6 +269,24 @@ class EvalIterator:
                                  **self.mb_args)
 
 
+def held_out_microbatch(data, sb, *, capacity: int, dp: int, dp_rank: int, device,
+                        mb_args: dict) -> tuple:
+    """(this DP rank's micro-batch, every DP rank's documents' lengths [n]) of the valid
+    split's first ``dp`` bins, packed as ``EvalIterator`` packs them: the quality refresh's
+    fixed held-out batch (``step/quality_probe.py``). ``LaunchError`` where the split holds no
+    documents."""
+    sampler = data.sampler("valid", capacity=capacity, seed=sb.seed,
+                           long_sample_policy=sb.long_sample_policy,
+                           pad_multiple=mb_args["pad_multiple"])
+    if sampler is None:
+        raise LaunchError(f"{flag_name('quality_refresh_interval')} "
+                          f"{sb.quality_refresh_interval}: the valid split holds no documents "
+                          f"to measure the network on (give --split a valid share)")
+    rows = sequential_pack(sampler.next_bins(dp), capacity=capacity, dp=dp, num_microbatches=1)
+    lengths = np.array([e - s for row in rows for _, s, e in row[0]], dtype=np.float64)
+    return microbatch_inputs(rows[dp_rank][0], data.corpus, capacity, device, **mb_args), lengths
+
+
 def plugin_datasets(cb, data, sb, args, vp_stage):
     """The plugin's train, valid and test iterators for ``hooks.datasets_provider`` (every rank
     builds its own): the callback's train iterator of model chunk ``vp_stage``, and evaluation

@@ -82,6 +82,9 @@ class Drafter:
         # (their documents only) are rounded up to (what CP and sequence parallelism need)
         self.vpp_group, self.own_length_multiple = vpp_group, int(own_length_multiple)
         self._tables = TableLease()     # the cost tables' memory, kept from draft to draft
+        # the quality model's depth-group scales of the run's last refresh (None: as loaded;
+        # step/quality_probe.py): set between drafts, sent to the planner process with each
+        self.quality_scales: Optional[tuple] = None
 
     def draft(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
               with_dst: bool, rank: Optional[int] = None) -> Draft:
@@ -285,4 +288,5 @@ class Drafter:
             return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
                           dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
                           if local else None, stage_layers=self.attention_layers, tables=tables,
-                          rank=rank, agree=agree, own_rows=own_rows)
+                          rank=rank, agree=agree, own_rows=own_rows,
+                          quality_scales=self.quality_scales)

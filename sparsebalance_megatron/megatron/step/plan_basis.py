@@ -14,19 +14,28 @@ from typing import Optional
 @dataclass
 class LaggedBasis:
     """A plan-ahead draft's basis without a copy of the tracker (``StepPlanning._lagged_basis``):
-    the latency calibration as it was, and how many tracker updates the draft saw."""
+    the latency calibration as it was, how many tracker updates the draft saw, and the quality
+    model's refreshed scales it planned by."""
 
     latency: Optional[dict]
     mark: int
+    quality_scales: Optional[list] = None
 
 
 class PlanBasis:
     """The plan's basis and the tracker's followers (a base of ``StepPlanning``)."""
 
     def _planning_state(self) -> dict:
-        """The state plans are made from: latency calibration and sensitivities."""
+        """The state plans are made from: latency calibration, sensitivities and the quality
+        model's refreshed scales (``step/quality_probe.py``; None: the launch-time model)."""
         return {"latency": self.latency.calibration_state() if self.latency else None,
-                "sensitivity": self.tracker.state_dict() if self.tracker else None}
+                "sensitivity": self.tracker.state_dict() if self.tracker else None,
+                "quality_scales": self._quality_scales()}
+
+    def _quality_scales(self) -> Optional[list]:
+        """The scales the rank's drafts plan by now (a list: the checkpoint's plain type)."""
+        scales = None if self._drafter is None else self._drafter.quality_scales
+        return None if scales is None else list(scales)
 
     def _state_basis(self) -> dict:
         """``_planning_state`` as it is now, unchanged by later steps: its containers are built
@@ -45,7 +54,7 @@ class PlanBasis:
             self._basis_tracker.load_state_dict(self.tracker.state_dict())
             self._basis_log, self._basis_mark = [], self._updates
         return LaggedBasis(self.latency.calibration_state() if self.latency else None,
-                           self._updates)
+                           self._updates, self._quality_scales())
 
     def _advance_basis(self, basis) -> None:
         """The tracker's copy brought to ``basis`` (a ``LaggedBasis`` being committed)."""
@@ -66,7 +75,7 @@ class PlanBasis:
         if isinstance(basis, LaggedBasis):
             return {"latency": basis.latency,
                     "sensitivity": None if self._basis_tracker is None
-                    else self._basis_tracker.state_dict()}
+                    else self._basis_tracker.state_dict(), "quality_scales": basis.quality_scales}
         return basis
 
     def _tracker_sync(self):

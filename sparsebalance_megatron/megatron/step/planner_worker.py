@@ -30,8 +30,11 @@ from .relay import CANCELLED, RelayClosed, RelayReducer, SettleCancelled
 NICE = 5                # the process's CPU priority below the training process's
 
 
-def sync_state(drafter: Drafter, latency_state: Optional[dict], tracker_sync) -> None:
-    """Bring ``drafter``'s latency calibration and tracker to the training process's state."""
+def sync_state(drafter: Drafter, latency_state: Optional[dict], tracker_sync,
+               quality_scales: Optional[tuple] = None) -> None:
+    """Bring ``drafter``'s latency calibration, tracker and quality model's refreshed scales to
+    the training process's state."""
+    drafter.quality_scales = quality_scales
     if latency_state is not None and drafter.latency is not None:
         drafter.latency.load_calibration_state(latency_state)
     if tracker_sync is not None and drafter.tracker is not None:
@@ -123,7 +126,7 @@ def serve(inp: Connection, out: Connection) -> None:
             continue
         req = msg[1]
         try:
-            sync_state(drafter, req["latency"], req["tracker"])
+            sync_state(drafter, req["latency"], req["tracker"], req.get("quality"))
             draft = drafter.draft(req["iteration"], req["first_bin"], req["segments"],
                                   req["num_microbatches"], with_dst=req["with_dst"],
                                   rank=req.get("rank"))

@@ -207,6 +207,7 @@ class StepPlanning(PlanBasis):
             it, first_bin, segments, m, with_dst=False, rank=self.dp_rank,
             latency_state=basis.latency,
             tracker_sync=self._tracker_sync(), basis=basis,
+            quality_scales=self.drafter().quality_scales,
             settle=(self.dp_rank, self._reducer()) if self._agreeing() else None,
             on_round=(lambda k: k == 1 and process.kill())
             if fault == "planner-kill-agreeing" else None)   # killed after its first round

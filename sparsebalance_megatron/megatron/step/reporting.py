@@ -113,7 +113,7 @@ SCALARS = (
     ("dst_stood_down", "dst_stood_down"), ("sab_stood_down", "sab_stood_down"),
     ("quality/predicted_loss_change", "predicted_loss_change"),
     ("quality/predicted_loss_sd", "predicted_loss_sd"), ("dst/no_cuts", "dst_no_cuts"),
-    ("quality/exchange_rate", "exchange_rate"),
+    ("quality/exchange_rate", "exchange_rate"), ("quality/refresh_s", "quality_refresh_s"),
     ("planner/events", "planner_events"), ("planner/events_total", "planner_events_total"),
 )
 
@@ -226,7 +226,7 @@ class StepReporter:
 
     def report(self, iteration: int, step, summary, measured, calib, *, overhead_s: float,
                own_s: Optional[float] = None, planned_ahead_s: Optional[float] = None,
-               reduce=None, gather=None):
+               reduce=None, gather=None, extra: Optional[dict] = None):
         """``overhead_s``: the plugin's seconds on the step's critical path (this rank), ``own_s``
         of them its own work (``step_record``); ``planned_ahead_s``: CPU seconds the planner's
         draft of the next step took (--sb-planner process/thread; off the critical path);
@@ -237,7 +237,8 @@ class StepReporter:
         (``StepExchange.reduce``: collective, a fixed size); None: the step's batch is every
         rank's (a whole plan in one process) and every row's parts are summed here. ``gather``:
         every DP rank's row of a vector (``StepExchange.gather_rows``: collective), only for
-        ``--sb-metrics-file``'s per-unit detail where the batch is this rank's own."""
+        ``--sb-metrics-file``'s per-unit detail where the batch is this rank's own. ``extra``:
+        the record's fields of the step's quality refresh (``step/quality_probe.py``)."""
         batch = step.batch
         if reduce is None and batch.dp != self.dp:
             raise ValueError(f"the step's batch holds {batch.dp} of {self.dp} DP ranks' "
@@ -257,6 +258,7 @@ class StepReporter:
                           overhead_s=overhead_s, own_s=own_s)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
+        rec.update(extra or {})
         # every rank's planner process deaths and stalls, reported with the step after them
         self.planner_events_total += summary.planner_events
         if self.planner_events_total:

@@ -1,0 +1,172 @@
+"""The quality model refreshed from the network being trained (issue 84): the depth groups'
+curves rescaled by what forward passes of the model at hand measure.
+
+A refresh measures, on held-out documents, the loss at uniform d0 and with each depth group g
+in turn at a lower density t_g (the others at d0): ``measured[g]`` nats per token, with its
+standard error where known. The model predicts that change (``predicted_changes``: the model's
+own rule, ``StageQuality.change``, on the measured documents' lengths); group g's curve is
+scaled by the ratio of measured to predicted (``c_g <- s_g c_g``), so the next plans price cuts
+and raises as the network now pays them. The scale is
+
+    s_g = clip(r_g, 1 / max_scale, max_scale) ** w_g,   w_g = m_g^2 / (m_g^2 + se_g^2),
+
+the ratio ``r_g`` clamped, then shrunk towards 1 by the measurement's signal to noise (a change
+within its noise moves nothing): noise cannot turn a curve upside down (a scale is positive, so
+every curve stays convex and non-increasing) nor swing the planner by more than ``max_scale``.
+With an interaction term the prediction is not linear in s_g; the ratio is then iterated to the
+scale that reproduces the measurement (``ITERATIONS``). Bootstrap replicates are scaled alike,
+so the plans' uncertainty follows.
+
+A run keeps the launch-time model and the scales relative to it (``scaled``): they are what
+travels to another process, and the one cached object per scales keeps ``StageQuality``'s cache
+serving it step after step (``scaled_quality_cost``).
+
+Pure numpy; must not import torch or megatron.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .quality import GroupCost, QualityCost, QualityCostError, Replicate, load_quality_cost
+
+MAX_SCALE = 4.0         # a refresh moves a group's curve by at most this factor either way
+ITERATIONS = 20         # fixed-point steps of the ratio where the interaction term is not 0
+
+
+def probe_density(d0: float, ratio: float = 0.9) -> float:
+    """The density a refresh moves each group to: ``ratio`` x d0 (a cut the model prices
+    on its steepest, most used part, and one the loss can see)."""
+    return float(d0) * float(ratio)
+
+
+def group_of_layer(cost: QualityCost, layer: int, layers: int) -> int:
+    """The depth group of 1-based decoder layer ``layer`` of a ``layers``-layer model: the group
+    holding the layer's middle (``(layer - 0.5) / layers``)."""
+    if layers < 1 or not 1 <= layer <= layers:
+        raise QualityCostError(f"layer {layer!r} of {layers!r}: expected 1 <= layer <= layers")
+    mid = (layer - 0.5) / layers
+    for g, grp in enumerate(cost.groups):
+        if grp.depth[0] <= mid < grp.depth[1]:
+            return g
+    return len(cost.groups) - 1
+
+
+def predicted_changes(cost: QualityCost, d0: float, tested: Sequence[float],
+                      lengths=None, tokens=None) -> np.ndarray:
+    """[G] the model's per-token loss change when group g alone runs at ``tested[g]`` and the
+    others at ``d0``, token-weighted over documents of ``lengths`` and ``tokens`` (None: one
+    document of the model's reference length)."""
+    from .quality_stages import StageQuality
+
+    g = len(cost.groups)
+    widths = [grp.depth[1] - grp.depth[0] for grp in cost.groups]
+    q = StageQuality.from_cost(cost, widths, d0)        # one stage per group: weights = I
+    n, t = _documents(cost, lengths, tokens)
+    out = np.empty(g)
+    for k in range(g):
+        d = np.full((n.size, g), float(d0))
+        d[:, k] = tested[k]
+        out[k] = float(np.dot(q.doc_change(d, n), t) / t.sum())
+    return out
+
+
+def scaled(cost: QualityCost, scales: Sequence[float]) -> QualityCost:
+    """``cost`` with group g's curve (the fit's and every bootstrap replicate's) times
+    ``scales[g]`` (positive: each curve stays convex and non-increasing)."""
+    s = _checked_vector(scales, len(cost.groups), "scales")
+    if np.any(s <= 0):
+        raise QualityCostError(f"scales={s.tolist()}: expected positive numbers")
+    groups = tuple(GroupCost(g.depth, g.layers, g.knots, g.cost_at_knots * k, g.measured)
+                   for g, k in zip(cost.groups, s))
+    reps = tuple(Replicate(r.length_exponent, r.interaction,
+                           tuple(c * k for c, k in zip(r.cost, s))) for r in cost.bootstrap)
+    return replace(cost, groups=groups, bootstrap=reps,
+                   fit=dict(cost.fit, refresh_scales=s.tolist()))
+
+
+def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
+                   measured: Sequence[float], stderr: Optional[Sequence[float]] = None, *,
+                   lengths=None, tokens=None, max_scale: float = MAX_SCALE) -> np.ndarray:
+    """[G] each group's scale (the module's rule) from ``measured[g]``, the loss change (nats
+    per token) of group g at ``tested[g]`` against uniform ``d0``, with its ``stderr`` (None:
+    no shrinkage); ``lengths`` and ``tokens``: the measured documents'."""
+    g = len(cost.groups)
+    if not (isinstance(d0, numbers.Real) and not isinstance(d0, bool) and 0.0 < d0 <= 1.0):
+        raise QualityCostError(f"d0={d0!r}: expected a number in (0, 1]")
+    t = _checked_vector(tested, g, "tested densities")
+    if np.any(t <= 0) or np.any(t >= d0):
+        raise QualityCostError(f"tested densities {t.tolist()}: expected numbers in (0, d0 = "
+                               f"{d0:g})")
+    m = _checked_vector(measured, g, "measured changes")
+    se = np.zeros(g) if stderr is None else _checked_vector(stderr, g, "stderr")
+    if np.any(se < 0):
+        raise QualityCostError(f"stderr {se.tolist()}: expected numbers >= 0")
+    if not (isinstance(max_scale, numbers.Real) and math.isfinite(max_scale)
+            and max_scale >= 1.0):
+        raise QualityCostError(f"max_scale={max_scale!r}: expected a finite number >= 1")
+    _documents(cost, lengths, tokens)                  # refused before any work
+    p = predicted_changes(cost, d0, t, lengths, tokens)
+    if np.any(p <= 0):
+        raise QualityCostError(f"the model predicts no loss at the tested densities "
+                               f"{t.tolist()} (changes {p.tolist()}): nothing to scale; "
+                               f"test below the curves' flat part")
+    s = np.ones(g)
+    for _ in range(ITERATIONS if cost.interaction else 1):
+        s = np.clip(s * m / p, 1.0 / max_scale, max_scale)   # a change <= 0: the lowest
+        if cost.interaction:
+            p = predicted_changes(scaled(cost, s), d0, t, lengths, tokens)
+    w = np.where(m * m + se * se > 0, m * m / np.maximum(m * m + se * se, 1e-300), 0.0)
+    return s ** w
+
+
+def refresh(cost: QualityCost, d0: float, tested: Sequence[float], measured: Sequence[float],
+            stderr: Optional[Sequence[float]] = None, **kw) -> QualityCost:
+    """``cost`` refreshed by a measurement: ``scaled`` by ``refresh_scales``."""
+    return scaled(cost, refresh_scales(cost, d0, tested, measured, stderr, **kw))
+
+
+@functools.lru_cache(maxsize=8)
+def scaled_quality_cost(path: Optional[str], scales: Optional[tuple]) -> QualityCost:
+    """``load_quality_cost(path)`` scaled by ``scales`` (None: as loaded): one object per
+    (path, scales), so ``StageQuality.from_cost``'s cache (by the object) serves every step
+    planned with the same refresh, and a new refresh a new object."""
+    base = load_quality_cost(path)
+    return base if scales is None else scaled(base, scales)
+
+
+def _checked_vector(values, g: int, what: str) -> np.ndarray:
+    try:
+        v = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise QualityCostError(f"{what} {values!r}: expected {g} numbers, one per depth "
+                               f"group") from None
+    if v.shape != (g,):
+        raise QualityCostError(f"{what} {np.asarray(values).tolist()}: expected {g} numbers, "
+                               f"one per depth group")
+    if not np.all(np.isfinite(v)):
+        raise QualityCostError(f"{what} {v.tolist()}: expected finite numbers")
+    return v
+
+
+def _documents(cost: QualityCost, lengths, tokens) -> tuple:
+    """(lengths [n], tokens [n]) of the measured documents: lengths > 0 (None: one document of
+    the model's reference length), tokens >= 0 with a positive sum (None: one each)."""
+    n = np.atleast_1d(np.asarray(cost.length_ref if lengths is None else lengths, np.float64))
+    if n.ndim != 1 or n.size < 1 or not np.all(np.isfinite(n)) or np.any(n <= 0):
+        raise QualityCostError(f"document lengths {np.asarray(lengths).tolist()}: expected "
+                               f"finite numbers > 0, at least one")
+    if tokens is None:
+        return n, np.ones(n.size)
+    t = np.atleast_1d(np.asarray(tokens, np.float64))
+    if t.shape != n.shape or not np.all(np.isfinite(t)) or np.any(t < 0) or t.sum() <= 0:
+        raise QualityCostError(f"document tokens {np.asarray(tokens).tolist()}: expected "
+                               f"{n.size} finite numbers >= 0 (one per length), summing to more "
+                               f"than 0")
+    return n, t
