@@ -98,6 +98,21 @@ def dst_all_ranks(costs, sens, settings, quality, rank_scale):
     return plan_rounds_in_process(gens), log
 
 
+def rank_dst(costs, sens, settings, quality, rank_scale, repeats: int = 3) -> dict:
+    """A rank's DST of one packing as this study prices it (``rank_step``, module docstring):
+    every rank's rounds driven in lockstep ``repeats`` times (``dst_all_ranks``), each rank's
+    thread CPU by ``dst_ranks.PHASES`` the least of the runs (``cpu`` [dp, phases]; a rank's
+    DST: ``cpu.max(axis=0).sum()``, each phase's maximum over the ranks), each run's sum of the
+    phases' maxima (``single``), the last run's plans and rank 0's rounds' sizes (``log``)."""
+    cpu, single = None, []
+    for _ in range(repeats):
+        plans, log = dst_all_ranks(costs, sens, settings, quality, rank_scale)
+        got = np.array([p.cpu_s for p in plans])                          # [dp, phases]
+        cpu = got if cpu is None else np.minimum(cpu, got)
+        single.append(float(got.max(axis=0).sum()))
+    return {"cpu": cpu, "single": single, "plans": plans, "log": log}
+
+
 def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
     """One step of ``raw`` (the step's segments) as DP rank ``rank`` plans it (module docstring;
     None: the critical rank): ``phases_s`` (thread CPU), ``draft_s`` (their sum), ``rank``,
@@ -160,16 +175,13 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
                                            drafter.attention_layers)
             # each rank's CPU per phase, the least of ``repeats`` lockstep runs (this shared
             # CPU's preemptions are not the rank's work), then each phase's max over the ranks
-            cpu = None
-            for rep in range(repeats):
-                plans, log = dst_all_ranks(costs, sens, settings, quality,
-                                           lm.correction_grid(dp, costs.pipeline_ranks))
-                got = np.array([p.cpu_s for p in plans])                  # [dp, phases]
-                cpu = got if cpu is None else np.minimum(cpu, got)
-                single.append(float(got.max(axis=0).sum()))
+            got = rank_dst(costs, sens, settings, quality,
+                           lm.correction_grid(dp, costs.pipeline_ranks), repeats)
+            cpu, plans = got["cpu"], got["plans"]
+            single += got["single"]
             dst += cpu.max(axis=0)
             totals.append(cpu.sum(axis=1))
-            rounds += log
+            rounds += got["log"]
             if i == 0:
                 idx = np.concatenate([p.grid_index for p in plans])
                 densities = costs.densities[idx]

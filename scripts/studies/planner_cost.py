@@ -4,18 +4,26 @@ what a planner beside it costs a launch-bound training thread.
 Prints a table and writes JSON (``--json``). These are speed targets, kept out of the unit tests
 (no wall clock in tests; ``tests/unit/test_planner_work.py`` counts the planner's work instead):
 
-- ``plan_dst`` of 64 DP ranks x 16 micro-batches x 4 stages (synthetic unit costs, the DST unit
-  test's shape), median thread CPU time of 9 runs after a warm-up; target < 10 ms.
+- A rank's DST rounds at 64 DP ranks x 16 micro-batches x 4 stages (synthetic unit costs, the
+  DST unit test's shape), priced as ``control_plane`` prices them (``_rank_draft.rank_dst``):
+  every rank's rounds driven in lockstep 9 times, each rank's thread CPU by phase the least of
+  the runs, each phase's maximum over the ranks (the ranks wait for each other at every
+  reduction); target < 10 ms.
 - ``LatencyModel.predict_many`` over a global batch of 4,096 micro-batches of 32K tokens
   (analytic table, PP=4), median of 5; target well under 250 ms.
 - One step's SparseBalance work at 64 DP x 16 micro-batches x PP=4 and at the paper's DP 4 x PP 4
   (16 micro-batches), 32K tokens, on the built-in corpus, with the flags given (default: the
-  defaults): the runtime's draft (``step/drafting.py``: SAB's and the baseline's packing, their
-  latency features, DST on both under the do-no-harm rule), broken down for SAB's packing into
-  its parts (packing, features and unit costs, sensitivities and DST), and after the step the
-  calibration's prediction and the reports' density weights; against the simulated step time of
-  the plan (analytic Qwen2.5-0.5B table). Twice at 64 DP: on Megatron's even split (the LM-head
-  stage heavy) and on the best static layout.
+  defaults): a DP rank's draft as ``control_plane`` measures it (``_rank_draft.rank_step``: its
+  own draft, settle's compute on its rows, its DST rounds of both packings, each phase's maximum
+  over the ranks), broken down for SAB's packing into parts (the whole batch's packing, its
+  features and unit costs; the sensitivities and a rank's DST rounds, ``rank_dst``), and after
+  the step the calibration's prediction and the reports' density weights (the runtime's whole
+  draft, every rank's DST made serially in one process, as ``draft_all_ranks_ms``: what a
+  process planning for every rank would pay, no longer a rank's work); against the simulated
+  step time of the plan (analytic Qwen2.5-0.5B table). Twice at 64 DP: on Megatron's even split
+  (the LM-head stage heavy) and on the best static layout. The DST part is a rank's
+  (``per_rank``), so ``experiments/plugin_cost.py``, which scales every part as a whole batch's
+  by the step's units, refuses these results.
 - Planning ahead (``--sb-planner process``, the default, and ``thread``): each step's draft made
   by the runtime's planner while a stand-in step runs (``time.sleep`` of the simulated step:
   the GIL released, as in CUDA synchronisation and NCCL waits), and what stays on the training
@@ -31,10 +39,10 @@ Prints a table and writes JSON (``--json``). These are speed targets, kept out o
   the planner process: on a machine whose cores are all busy the process's draft takes CPU
   time from the training thread like any other process.
 - The draft's CPU time over a fixed reference computation's (numpy and Python, run in the same
-  process, just before and just after each shape's drafts: this VM's speed drifts by 10% and
-  more within minutes): a machine-independent figure a planner twice as slow doubles. The
-  drafts are timed back to back, as the planner process makes them; the parts in a pass of
-  their own.
+  process, just before and just after each shape's whole drafts: this VM's speed drifts by 10%
+  and more within minutes): a machine-independent figure a planner twice as slow doubles. The
+  whole drafts are made back to back, as the planner process makes them; a rank's draft and the
+  parts in a pass of their own, each at its draft's calibration.
 
 ``--reader``: the training process's reader-thread CPU per step where a rank settles its DST per
 DP rank (``Drafter.settle``): settled on the reader thread (``agree``: how the rank ran it before
@@ -93,10 +101,13 @@ def reference_ms(repeats: int = 5) -> float:
 
 def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
     """Thread CPU ms of SAB's packing's parts, with the runtime's calls: packing, the latency
-    features and unit costs, the micro-batch sensitivities and DST."""
+    features and unit costs, the micro-batch sensitivities and a rank's DST rounds
+    (``_rank_draft.rank_dst``: each phase's maximum over the ranks)."""
     from sparsebalance_megatron.batching import latency_sample_cost_fn, sab_plan, unit_sensitivity
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy.dst import plan_dst_from_config
+    from sparsebalance_megatron.policy.dst import dst_inputs
+
+    from ._rank_draft import rank_dst
 
     t = [time.thread_time()]
     plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq,
@@ -105,10 +116,13 @@ def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
     costs = UnitCosts.from_latency(lm, lm.unit_features(plan.unit_csr(with_padding=True)), dp, m,
                                    grid)
     t.append(time.thread_time())
-    plan_dst_from_config(sb, costs, unit_sensitivity(plan.micro_batches, tracker),
-                         p2p_s=lm.p2p_s, stage_layers=lm.layout.attention_layers)
+    sens = unit_sensitivity(plan.micro_batches, tracker)
     t.append(time.thread_time())
-    return [(b - a) * 1e3 for a, b in zip(t[:-1], t[1:])]
+    settings, quality = dst_inputs(sb, costs.shape[2], lm.p2p_s,
+                                   stage_layers=lm.layout.attention_layers)
+    dst = rank_dst(costs, sens, settings, quality, None)     # a rank's rounds: phase maxima
+    out = [(b - a) * 1e3 for a, b in zip(t[:-1], t[1:])]
+    return out[:2] + [out[2] + 1e3 * float(dst["cpu"].max(axis=0).sum())]
 
 
 def committed(draft) -> tuple:
@@ -157,6 +171,8 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.stand_down import plan_step_time_s
 
+    from ._rank_draft import rank_step
+
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout, pp=pp)
     lm, batches = corpus.lm, corpus.segments
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
@@ -167,6 +183,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     names = ("sab_plan", "features + UnitCosts.from_latency", "sensitivity + DST",
              "after the step: busy_s + unit_work")
     parts, drafts, step_s, searched, stood = {k: [] for k in names}, [], [], [], []
+    whole = []
     # the drafts back to back, as the planner process makes them (with the after-step work
     # between, which moves the calibration as end_step does), then the parts at each draft's
     # calibration: timed between the drafts, the parts' own tables and searches evicted the
@@ -182,14 +199,16 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     for k, segs in enumerate(batches):
         lm.load_calibration_state(states[k])
         got = _parts(lm, sb, grid, tracker, segs, dp, m, seq) + [done[k][1]]
+        own = rank_step(drafter, segs, m)           # a rank's draft, as control_plane's
         if k == 0:
             continue                                          # warm-up
         for name, v in zip(names, got):
             parts[name].append(v)
+        drafts.append(own["draft_s"] * 1e3)
     for k, (d, _) in enumerate(done):
         if k == 0:
             continue
-        drafts.append(d.cpu_s * 1e3)
+        whole.append(d.cpu_s * 1e3)
         lm.load_calibration_state(states[k + 1] if k + 1 < len(states) else final)
         _, units, densities = committed(d)
         step_s.append(plan_step_time_s(UnitCosts.from_latency(lm, units, dp, m, grid),
@@ -207,6 +226,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
            and drafter.sb.stand_down_compare == "planned" else 1,
            "parts_ms": med, "draft_ms": float(np.median(drafts)),
            "draft_ms_each": [round(x, 2) for x in drafts],
+           "draft_all_ranks_ms": float(np.median(whole)), "per_rank": True,
            "reference_ms_around": ref_around,
            "total_ms": float(np.median(drafts)) + after,
            "step_s": float(np.median(step_s)), "floor_search_steps": int(sum(searched)),
@@ -277,7 +297,9 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
 
 def main(argv=None) -> int:
     from sparsebalance_megatron.latency import LatencyModel
-    from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid, plan_dst
+    from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid
+
+    from ._rank_draft import rank_dst
 
     defaults = SparseBalanceConfig()
     p = parser(__doc__, "planner_cost")
@@ -312,8 +334,8 @@ def main(argv=None) -> int:
     costs = UnitCosts.affine(grid, fixed, attn)
     sens = rng.random((64, 16))
     settings = DSTSettings(0.5, 0.125, 1.0)
-    plan_ms = median_ms(lambda: plan_dst(costs, sens, settings), 9, warmup=1, cuda=False,
-                        clock=time.thread_time)
+    plan_ms = 1e3 * float(rank_dst(costs, sens, settings, None, None, repeats=9)["cpu"]
+                          .max(axis=0).sum())
     lm = LatencyModel.analytic(pp=4)
     units = [np.diff(np.r_[0, np.sort(rng.choice(32767, rng.integers(1, 30), replace=False) + 1),
                            32768]) for _ in range(4096)]
@@ -330,16 +352,18 @@ def main(argv=None) -> int:
             shapes[f"{name} {lay}"] = out
             if name == "64x16":
                 steps[lay] = out            # the keys earlier results used
-    rows = [("plan_dst 64 x 16 x 4", plan_ms, 10.0),
+    rows = [("a rank's DST rounds 64 x 16 x 4", plan_ms, 10.0),
             ("predict_many 4,096 x 32K (pp 4)", predict_ms, 250.0),
             ("reference computation (the unit of 'x ref')", ref_ms, None)]
     for tag, step in shapes.items():
         tag = f"{tag} {step['layout']}"
         budget = TARGET_SHARE * step["step_s"] * 1e3
         rows += [(f"{tag}: {k}", v, None) for k, v in step["parts_ms"].items()]
-        rows.append((f"{tag}: draft ({step['candidates']} packings, DST on "
+        rows.append((f"{tag}: a rank's draft ({step['candidates']} packings, DST on "
                      f"{step['dst_candidates']}; "
                      f"{step['draft_over_reference']:.1f} x ref)", step["draft_ms"], 50.0))
+        rows.append((f"{tag}: the whole draft, every rank's DST serially",
+                     step["draft_all_ranks_ms"], None))
         rows.append((f"{tag}: --sb-planner inline, critical path", step["total_ms"], budget))
         for key in ("plan_ahead", "plan_ahead_thread"):
             a = step[key]

@@ -165,6 +165,10 @@ class PlannerCost:
         if step is None:
             raise ValueError(f"{path}: no steps.{layout}: expected a scripts/bench.py "
                              f"planner_cost result")
+        if step.get("per_rank"):          # a DP rank's parts: the charge scales a whole batch's
+            raise ValueError(f"{path}: steps.{layout} prices a DP rank's draft (its own DST "
+                             f"rounds), not the whole batch's parts the charge scales by the "
+                             f"step's units")
         if all(k in step for k in ("dp", "microbatches", "pp", "seq_length")):
             dp, m, pp, seq = (int(step[k]) for k in ("dp", "microbatches", "pp", "seq_length"))
         else:

@@ -14,9 +14,11 @@ pass and three reductions agree everything:
    stage, tokens; max: static makespan) gives the anchor and T0;
 2. ``RankDST.cut``: every candidate's cut; AR2 = (max: cut makespans [K]) gives every T1;
 3. ``RankDST.raise_``: every candidate's raise toward (1 - h) x T1; AR3 = (max: makespans [K];
-   sum: kept work by stage, quality change and its bootstrap replicates [K]);
+   sum: kept work by stage, quality change [K]);
 4. ``RankDST.choose``: ``bands.band_search`` driven by the agreed verdicts: every rank
-   keeps the same candidate.
+   keeps the same candidate. With the quality objective the kept row's and the no-cut row's
+   quality under the model's bootstrap replicates are summed after it (``replicate_parts``:
+   the quality rule reads those two rows' alone).
 
 The descent's rounds are global verdicts; it is probed instead (``dst_probes``): after AR3 every
 rank knows the start (the band plan where it meets the descent's neutral floors, else the
@@ -214,10 +216,9 @@ class RankDST:
         dens = self.costs.densities[idx]
         kept_s = (dens * self.w).sum(axis=(1, 2))                # [K, nv]
         plain_s = dens.sum(axis=(1, 2))                          # where a stage weighs 0
-        q, qb = np.zeros(len(self.plans)), np.zeros((len(self.plans), 0))
+        q = np.zeros(len(self.plans))
         if self.quality is not None:
-            grid = self.costs.densities
-            q, qb = self.quality.sums_at(idx, grid), self.quality.replicate_sums_at(idx, grid)
+            q = self.quality.sums_at(idx, self.costs.densities)
             for p, w, qk in zip(self.plans, self.water, q.tolist()):   # the rank's own (at DP
                 if w:                               # 1 the verdicts read it): the water rows'
                     p.report.quality_cost = qk / self.tokens
@@ -225,9 +226,20 @@ class RankDST:
         self.kept_s, self.q, self.mk = kept_s, q, mk
         counts = np.array([[p.report.units_cut, p.report.units_raised,
                             p.report.ranks_reverted] for p in self.plans], dtype=np.int64)
-        return {"sum": {"kept_s": kept_s, "plain_s": plain_s, "quality": q, "quality_b": qb,
-                        "mk_sum": mk, "counts": counts},
+        return {"sum": {"kept_s": kept_s, "plain_s": plain_s, "quality": q, "mk_sum": mk,
+                        "counts": counts},
                 "max": {"mk": mk}}
+
+    def replicate_parts(self) -> dict:
+        """After ``choose`` (the quality objective): the rank's parts of the kept row's and the
+        no-cut row's (``adopt``'s) quality change under the model's bootstrap replicates, sums
+        [2, B]; they ride AR3b where the rank descends, else a round of their own (AR3q). Only
+        these two rows' are read, so AR3 carries no replicates."""
+        self.free = next(i for i, (c, w) in enumerate(zip(self.rows, self.water))
+                         if c[0] == "max" and w)
+        idx = np.stack([self.plans[i].grid_index for i in (self.chosen, self.free)])
+        return {"sum": {"quality_b": self.quality.replicate_sums_at(idx, self.costs.densities)},
+                "max": {}}
 
     def _quality_sum(self, idx: np.ndarray) -> float:
         """The quality model's change summed over the rank's units of the plan at ``idx``."""
@@ -330,6 +342,8 @@ class RankDST:
         out, more = self.parts(), self.probes.first()
         out["sum"].update(more["sum"])
         out["max"].update(more["max"])
+        if self.quality is not None:
+            out["sum"].update(self.replicate_parts()["sum"])
         return out
 
     def parts(self) -> dict:
@@ -354,21 +368,21 @@ class RankDST:
             self.cur = self.probes.plans[best]
         return best
 
-    def adopt(self, idx: np.ndarray, report: DSTReport, replicates, a3: dict) -> tuple:
+    def adopt(self, idx: np.ndarray, report: DSTReport, replicates, free_replicates,
+              a3: dict) -> tuple:
         """The quality objective's last word on the plan at ``idx`` (``report``: the agreed
-        one; ``replicates``: its quality change under the model's bootstrap replicates, summed
-        over the step): kept where it is not predicted worse than uniform d0 by more than the
+        one; ``replicates``, ``free_replicates``: its and the no-cut plan's quality change under
+        the model's bootstrap replicates, summed over the step): kept where it is not predicted worse than uniform d0 by more than the
         model's uncertainty u, and where its speed gain at ``exchange_rate`` pays for its loss
         change at the model's pessimistic end (change + u) against the plan without cuts (the
         ``max`` band: raises into bubbles only, never slower than static, never worse than
         uniform d0); else that plan. (grid indices, report, the kept row or -1 for ``idx``)."""
         a1, rate = self.a1, self.settings.exchange_rate
         rate = a1.uniform_rate() if rate is None else rate
-        free = next(i for i, (c, w) in enumerate(zip(self.rows, self.water))
-                    if c[0] == "max" and w)
+        free = self.free
         u = float(self.quality.uncertainty(replicates, a1.tokens))
         nocut = self.global_report(free, a3)
-        u_free = float(self.quality.uncertainty(a3["quality_b"][free], a1.tokens))
+        u_free = float(self.quality.uncertainty(free_replicates, a1.tokens))
 
         def value(r: DSTReport, u: float = 0.0) -> float:
             return rate * 100.0 * (1.0 - r.step_time_planned_s / a1.t0) - r.quality_cost - u

@@ -12,9 +12,10 @@ part is gathered (every rank's array, in rank order: the median anchor's busy se
 The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
 raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
 AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
-rule reads, ``RankDST.adopt``). At DP 1 every reduction is the identity and the rank descends
-with ``critical_path.refine_plan`` itself after AR3. No round grows with DP but the median
-anchor's gather.
+rule reads, ``RankDST.adopt``). The quality rule's replicates of the band search's kept row and
+of the no-cut row ride AR3b, or without the descent take a round of their own (AR3q). At DP 1
+every reduction is the identity and the rank descends with ``critical_path.refine_plan`` itself
+after AR3. No round grows with DP but the median anchor's gather.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -81,7 +82,10 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
     a3 = yield timed(2, rk.raise_, a2)
     k = timed(3, rk.choose, a3)
     idx, report, j = rk.plans[k].grid_index, rk.chosen_report, -1
-    replicates = a3["quality_b"][k]          # the plan's quality under the model's replicates
+    if quality is not None and not (rk.descend_on and a1.dp > 1):   # AR3q (at DP 1: its own)
+        part = timed(3, rk.replicate_parts)     # the plan's and the no-cut plan's quality under
+        replicates, free_replicates = part["sum"]["quality_b"] if a1.dp == 1 \
+            else (yield part)["quality_b"]      # the model's replicates
     if rk.descend_on and a1.dp == 1:    # the one rank's floors are the global ones
         band = DSTPlan(rk.plans[k].densities, report, idx)
         plan = timed(4, refine_plan, band, costs, settings, quality=rk.quality,
@@ -92,6 +96,8 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
                 replicates = rk.quality.replicate_sums_at(idx, costs.densities)
     elif rk.descend_on:
         start = yield timed(3, rk.descent_start, a3)            # AR3b
+        if quality is not None:
+            replicates, free_replicates = start["quality_b"]
         a4 = yield timed(4, rk.probe, start)                    # AR4
         j = timed(5, rk.pick, a4)
         step = float(a4["mk"][j]) if j >= 0 else float("inf")
@@ -103,7 +109,7 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
         else:                            # the band plan, as ``refine_plan``
             j = -1
     if quality is not None:              # do the cuts pay for themselves?
-        idx, report, free = timed(5, rk.adopt, idx, report, replicates, a3)
+        idx, report, free = timed(5, rk.adopt, idx, report, replicates, free_replicates, a3)
         if free >= 0:
             k, j = free, -1
     return RankPlan(idx, report, k, j, cpu)

@@ -82,10 +82,53 @@ class StageQuality:
         return self.curves(self.d0, rep)
 
     def grid_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
-        """[nv, g] a stage's change against d0 at every grid density (rho = 1; cached per grid:
-        DST sums plans by it many times a step)."""
-        return self._cached("change", grid, rep, lambda g: np.ascontiguousarray(
-            self.stage_table(g, rep) - self.reference(rep)[:, None]))
+        """[nv, g] a stage's change against d0 at every grid density (rho = 1): ``grid_tables``'
+        row of the fit or of replicate ``rep``."""
+        return self.grid_tables(grid)[0 if rep is None else rep + 1]
+
+    def grid_tables(self, grid: np.ndarray) -> np.ndarray:
+        """[1 + B, nv, g] ``grid_table`` of the fit, then of every bootstrap replicate (cached
+        per grid: DST sums plans by them many times a step, under every model at once)."""
+        reps = [None] + list(range(len(self.cost.bootstrap)))
+        return self._cached("change", grid, None, lambda g: np.stack(
+            [self.stage_table(g, r) - self.reference(r)[:, None] for r in reps]))
+
+    def rule(self) -> tuple:
+        """(gamma [1 + B], S0 [1 + B]): the interaction and the stages' summed cost at d0 of the
+        fit, then of every bootstrap replicate (``change``'s constants; made once)."""
+        got = self.__dict__.get("_rule")
+        if got is None:
+            reps = [None] + list(range(len(self.cost.bootstrap)))
+            got = (np.array([self.cost.interaction] + [r.interaction for r in self.cost.bootstrap],
+                            dtype=np.float64),
+                   np.array([float(self.reference(r).sum()) for r in reps]))
+            self.__dict__["_rule"] = got              # frozen: not a field
+        return got
+
+    def operands(self, models, ndim: int, g: int) -> tuple:
+        """``BoundQuality``'s gather of ``models`` for plans of ``ndim`` dimensions on a grid of
+        ``g`` densities (made once): the models' offsets in the flat ``grid_tables`` and their
+        constants (``rule``; gamma 0.0 where no model has an interaction). ``models``: one (an
+        index: the fit 0, replicate r r + 1; offsets [nv], constants floats) or a slice of them
+        (offsets [R, 1, ..., 1, 1, nv], constants [R, 1, ..., 1, 1])."""
+        one = not isinstance(models, slice)
+        key = (models, ndim, g) if one else (models.start, models.stop, ndim, g)
+        cache = self.__dict__.setdefault("_operands", {})       # frozen: not a field
+        got = cache.get(key)
+        if got is None:
+            nv, (gamma, s0) = self.stages, self.rule()
+            if one:
+                got = (models * nv * g + np.arange(nv) * g, float(gamma[models]),
+                       float(s0[models]))
+            else:
+                first, stop, _ = models.indices(s0.size)
+                lead = (stop - first,) + (1,) * (ndim - 3)
+                at = (np.arange(first, stop) * (nv * g))[:, None] + np.arange(nv) * g  # [R, nv]
+                got = (at.reshape(lead + (1, 1, nv)),
+                       gamma[models].reshape(lead + (1, 1)) if gamma.any() else 0.0,
+                       s0[models].reshape(lead + (1, 1)))
+            cache[key] = got
+        return got
 
     def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
         """[nv, g] quality gained per unit of density by stepping up to each grid index from the
@@ -117,12 +160,8 @@ class StageQuality:
         stage-summed cost against d0 is ``diff`` and whose factors are (f1, f2) (``factors``):
         ``f1 diff + gamma f2 diff (diff + 2 S0)``, S0 the stages' cost at d0. The one body of the
         model's rule: every check of a plan goes through it."""
-        c = self.cost
-        gamma = c.interaction if rep is None else c.bootstrap[rep].interaction
-        out = f1 * diff
-        if gamma:
-            out = out + gamma * f2 * diff * (diff + 2.0 * float(self.reference(rep).sum()))
-        return out
+        gamma, s0 = (float(x[0 if rep is None else rep + 1]) for x in self.rule())
+        return _change(diff, f1, f2, gamma, s0)
 
     def doc_change(self, densities: np.ndarray, lengths, rep: Optional[int] = None
                    ) -> np.ndarray:
@@ -143,16 +182,31 @@ class StageQuality:
         dp, m = costs.shape[:2]
         reps = [None] + list(range(len(self.cost.bootstrap)))
         if docs is None:
-            ones = np.ones((dp, m))
-            return BoundQuality(self, [(ones, ones)] * len(reps), float(dp * m))
+            ones = np.ones((len(reps), dp, m))
+            return BoundQuality(self, ones, ones.copy(), float(dp * m))
         offsets, lengths, tokens, sparse = docs
         unit = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
-        fs = []
-        for r in reps:
-            f1, f2 = self.factors(lengths, lengths * sparse, r)
-            fs.append(tuple(np.bincount(unit, x, minlength=dp * m).reshape(dp, m)
-                            for x in (f1, f2)))
-        return BoundQuality(self, fs, max(float(np.asarray(tokens).sum()), 1.0))
+        c, fs, made = self.cost, [], {}
+        for r in reps:                  # a model's factors differ only by its length exponent
+            beta = c.length_exponent if r is None else c.bootstrap[r].length_exponent
+            key = beta if c.length_ref > 0 and beta != 0 else None
+            if key not in made:
+                f1, f2 = self.factors(lengths, lengths * sparse, r)
+                made[key] = tuple(np.bincount(unit, x, minlength=dp * m).reshape(dp, m)
+                                  for x in (f1, f2))
+            fs.append(made[key])
+        return BoundQuality(self, np.stack([f[0] for f in fs]), np.stack([f[1] for f in fs]),
+                            max(float(np.asarray(tokens).sum()), 1.0))
+
+
+def _change(diff, f1, f2, gamma, s0) -> np.ndarray:
+    """``StageQuality.change``'s rule with the model's constants given: ``gamma`` and ``s0``
+    scalars, or arrays that broadcast against ``diff`` (several models at once; a model whose
+    gamma is 0 has no interaction term, as a scalar one)."""
+    out = f1 * diff
+    if np.ndim(gamma) or gamma:
+        out = np.where(np.asarray(gamma) != 0, out + gamma * f2 * diff * (diff + 2.0 * s0), out)
+    return out
 
 
 def _costs(q: StageQuality, rep) -> tuple:
@@ -174,12 +228,13 @@ class BoundQuality:
     change over the units, their bootstrap spread, the water-filling's per-unit scale)."""
 
     stage: StageQuality
-    factors: list               # [1 + B] of (f1, f2) [dp, m]: the fit's, then each replicate's
+    f1: np.ndarray              # [1 + B, dp, m] the units' factors (``StageQuality.factors``):
+    f2: np.ndarray              # the fit's, then each bootstrap replicate's
     tokens: float               # the units' tokens (the plan cost's denominator; at least 1)
 
     @property
     def replicates(self) -> int:
-        return len(self.factors) - 1
+        return self.f1.shape[0] - 1
 
     def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
         return self.stage.marginal_gain(grid)
@@ -187,26 +242,34 @@ class BoundQuality:
     def unit_scale(self) -> np.ndarray:
         """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of
         ``change`` there per unit of stage-summed cost): the water-filling's per-unit factor."""
-        f1, f2 = self.factors[0]
-        gamma = self.stage.cost.interaction
-        return f1 + 2.0 * gamma * f2 * float(self.stage.reference().sum())
+        gamma, s0 = (float(x[0]) for x in self.stage.rule())
+        return self.f1[0] + 2.0 * gamma * self.f2[0] * s0
+
+    def _sums(self, idx: np.ndarray, grid: np.ndarray, models) -> np.ndarray:
+        """[...] the change summed over the units of plans at grid indices ``idx``
+        [..., dp, m, nv] under one model (``models`` an index: the fit 0, replicate r r + 1),
+        or [R, ...] under a slice of them, every model in one gather."""
+        tables = self.stage.grid_tables(grid)                            # [1 + B, nv, g]
+        at, gamma, s0 = self.stage.operands(models, idx.ndim, tables.shape[2])
+        diff = tables.reshape(-1).take(idx + at).sum(axis=-1)            # [(R,) ..., dp, m]
+        f1, f2 = self.f1[models], self.f2[models]
+        if isinstance(models, slice) and diff.ndim > 3:                 # [R, 1, ..., dp, m]
+            shape = at.shape[:-3] + f1.shape[1:]
+            f1, f2 = f1.reshape(shape), f2.reshape(shape)
+        return _change(diff, f1, f2, gamma, s0).sum(axis=(-2, -1))
 
     def sums_at(self, idx: np.ndarray, grid: np.ndarray, rep: Optional[int] = None
                 ) -> np.ndarray:
         """[...] the model's change summed over the units of plans at grid indices ``idx``
-        [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change)."""
-        g = np.asarray(grid, dtype=np.float64)
-        table = self.stage.grid_table(g, rep)
-        nv = table.shape[0]
-        diff = table.reshape(-1).take(idx + np.arange(nv) * g.size).sum(axis=-1)  # [..., dp, m]
-        f1, f2 = self.factors[0 if rep is None else rep + 1]
-        return self.stage.change(diff, f1, f2, rep).sum(axis=(-2, -1))
+        [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change); ``rep``: under
+        bootstrap replicate ``rep``."""
+        return self._sums(idx, grid, 0 if rep is None else rep + 1)
 
     def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[..., B] ``sums_at`` under every bootstrap replicate."""
         if not self.replicates:
             return np.zeros(np.shape(idx)[:-3] + (0,))
-        return np.stack([self.sums_at(idx, grid, r) for r in range(self.replicates)], axis=-1)
+        return np.moveaxis(self._sums(idx, grid, slice(1, None)), 0, -1)
 
     def plan_cost_at(self, idx: np.ndarray, grid: np.ndarray) -> float:
         """The per-token loss change against uniform d0 of the plan at grid indices ``idx``
@@ -226,8 +289,7 @@ class BoundQuality:
             if np.array_equal(g.take(idx), d):
                 return self.plan_cost_at(idx, g)
         diff = _stagewise(self.stage, d, None).sum(axis=-1) - self.stage.reference().sum()
-        f1, f2 = self.factors[0]
-        return float(self.stage.change(diff, f1, f2).sum()) / self.tokens
+        return float(self.stage.change(diff, self.f1[0], self.f2[0]).sum()) / self.tokens
 
     def uncertainty(self, replicate_sums: np.ndarray, tokens: Optional[float] = None
                     ) -> np.ndarray:

@@ -96,6 +96,12 @@ def test_a_bad_measurement_is_refused_naming_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no control-plane measurement"):
         (tmp_path / "planner_cost_quality_descent.json").write_text(json.dumps(PLANNER))
         PluginCost.from_results("quality", "critical_path", results=str(tmp_path))
+    # planner_cost's per-rank results (a DP rank's DST rounds): not the whole batch's parts
+    rank = json.loads(json.dumps(PLANNER))
+    rank["steps"]["best"]["per_rank"] = True
+    (tmp_path / "p.json").write_text(json.dumps(rank))
+    with pytest.raises(ValueError, match="prices a DP rank's draft"):
+        PlannerCost.load(str(tmp_path / "p.json"))
 
 
 def _study(cost, steps=3, **kw):

@@ -214,6 +214,39 @@ def test_one_rule_for_documents_and_units_length_interaction_and_uncertainty():
     assert float(q.bind(_costs((1, 2, 2))).uncertainty(np.zeros(0))) == 0.0
 
 
+def test_every_model_summed_in_one_gather_is_each_models_rule_bit_for_bit():
+    """DST sums many plans under the fit and every bootstrap replicate in one gather
+    (``BoundQuality._sums``): each model's sums are, bit for bit, its own rule
+    (``StageQuality.change``) applied to its units' change looked up in its own grid table and
+    summed over the units; a replicate without an interaction term has none, as a fit without
+    one."""
+    from dataclasses import replace
+
+    from sparsebalance_megatron.policy.quality_stages import StageQuality
+
+    cost = v2(-0.5, 2.0, replicates=(0.8, 1.0, 1.2))
+    reps = list(cost.bootstrap)
+    reps[1] = replace(reps[1], interaction=0.0)
+    q = StageQuality.from_cost(replace(cost, bootstrap=tuple(reps)), [15, 15], 0.5)
+    docs = (np.array([0, 3, 5, 6, 8]), np.array([1000, 3000, 500, 2000, 2000, 700, 900, 4000]),
+            np.array([4500.0, 4000.0, 700.0, 4900.0]),
+            np.array([True, True, False, True, True, True, True, True]))
+    b = q.bind(_costs((2, 2, 2), docs))
+    grid = np.array([0.25, 0.5, 1.0])
+    idx = np.random.default_rng(0).integers(0, 3, (5, 2, 2, 2))        # 5 plans [dp, m, nv]
+    got_reps = b.replicate_sums_at(idx, grid)                           # [5, B]
+    for r in (None, 0, 1, 2):
+        table = q.grid_table(grid, r)                                   # [nv, g]
+        diff = table[np.arange(2), idx].sum(axis=-1)                    # [5, dp, m]
+        k = 0 if r is None else r + 1
+        want = q.change(diff, b.f1[k], b.f2[k], r).sum(axis=(-2, -1))
+        got = b.sums_at(idx, grid, r)
+        assert np.array_equal(got, want)
+        if r is not None:
+            assert np.array_equal(got_reps[:, r], want)
+    assert np.array_equal(b.sums_at(idx[0], grid), b.sums_at(idx, grid)[0])
+
+
 def test_stage_quality_is_made_once_per_cost_layers_and_d0():
     """DST asks for the stages' quality every step: the same cost object, layers and d0 give
     the same object (its grid tables made once), equal to a fresh one; another cost object,
