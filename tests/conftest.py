@@ -202,15 +202,28 @@ def _profile_tiny(out: Path, pp: int) -> Path:
             "2", "--vocab-size", "384", "--seq-length", "256", "--sb-block-size", "32",
             "--pipeline-model-parallel-size", str(pp),
             "--mixes", "3", "--densities", "0.25", "1.0", "--repeats", "1"]
-    if LAUNCHER == "fork":      # `python -m module args`, in a process forked from the server
-        proc = _forked_ranks().run(f"-m {module}", args, 0, REPO,
-                                   dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
-        if proc.returncode != 0:
-            raise AssertionError(f"-m {module} failed:\n{proc.stdout[-4000:]}")
-    else:
-        subprocess.run([sys.executable, "-m", module, *args], check=True,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = run_python(["-m", module, *args], cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if proc.returncode != 0:
+        raise AssertionError(f"-m {module} failed:\n{proc.stdout[-4000:]}")
     return out
+
+
+def run_python(argv: list, *, cwd: Path, env: dict = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python ARGV`` (a script, ``-m module`` or ``-c code``, then its arguments) in ``cwd``,
+    with ``env`` as its whole environment (default this process's); returns what
+    ``subprocess.run`` returns, stdout and stderr merged. Under the fork launcher (the default)
+    the process is forked from the server, which has imported megatron-core, transformers and
+    the plugin (6-8 s of CPU a fresh interpreter spends first); with SB_TEST_LAUNCHER=torchrun
+    it is a fresh interpreter."""
+    argv = [str(a) for a in argv]
+    env = dict(os.environ) if env is None else env
+    if LAUNCHER == "fork":
+        entry, args = (" ".join(argv[:2]), argv[2:]) if argv[0] in ("-m", "-c") else \
+            (argv[0], argv[1:])
+        return _forked_ranks().run(entry, args, 0, cwd, env, timeout)
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
 def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: bool = True,
@@ -233,6 +246,18 @@ def run_entry(nproc: int, args: list, *, cwd: Path, timeout: int = 300, check: b
         raise AssertionError(f"{proc.args[0]} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-6000:]}")
     return proc
+
+
+def spawn(fn, nprocs: int, *args, cwd: Path, timeout: int = 600) -> None:
+    """``fn(rank, *args)`` on ``nprocs`` ranks (a test's own gloo group), as
+    ``torch.multiprocessing.spawn`` runs it, through ``run_entry`` (``tests/spawned_rank.py``):
+    forked from the server, a rank skips a fresh interpreter's imports of torch, megatron-core
+    and the plugin (1.5-10 s of CPU a process). ``args``: JSON values; a rank that raises
+    fails the call with its traceback."""
+    import inspect
+
+    run_entry(nprocs, [inspect.getfile(fn), fn.__module__, fn.__name__, json.dumps(list(args))],
+              cwd=cwd, timeout=timeout, entry=REPO / "tests" / "spawned_rank.py")
 
 
 def script_launch_env() -> dict:

@@ -3,7 +3,10 @@ megatron-core once, instead of torchrun's fresh interpreter per rank.
 
 Importing megatron-core costs about 8-10 s of CPU per process (it imports dynamo and inductor),
 which was half of the suite's CPU when every rank of every launch paid it. Here one server
-process per pytest worker imports it once; each launch forks a job leader, which forks the ranks.
+process per pytest worker imports it once (``PRELOAD``), with what a rank imports next
+(megatron's text tokenizers, which import transformers, and the plugin's step and planner with
+numba's kernels loaded: about 2.3 s of a forked rank's 3 s of CPU in a short run before they
+were preloaded); each launch forks a job leader, which forks the ranks.
 A rank sets the variables torchrun would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE``, ...), then runs the entry
 script as ``__main__`` with ``runpy``: everything from the argument parser on is the code a
@@ -15,15 +18,19 @@ What only torchrun gives (its failure summary, ``TORCHELASTIC_ERROR_FILE``, its 
 forwarding) is tested with torchrun itself: ``run_entry(..., launcher="torchrun")``, and
 ``SB_TEST_LAUNCHER=torchrun`` runs every launch that way.
 
-Two clients: ``run_entry`` in tests/conftest.py, and this file's command line, which takes
-torchrun's arguments (``python tests/forked_ranks.py --standalone --nproc_per_node=2 ENTRY ...``)
-for scripts that start their own runs: a test gives such a script ``SB_FORKED_RANKS`` (the
-server's socket) and ``SB_TORCHRUN`` naming this file (``conftest.script_launch_env``), and the
-study launches through it (``scripts/studies/common.py`` ``torchrun``).
+Two clients: tests/conftest.py (``run_entry``; ``spawn``, a test's own gloo group of
+processes, through it; ``run_python``, one plain process: a script, ``-m module`` or ``-c
+code``, without torchrun's variables, which ends as the process ends), and this file's command
+line, which takes torchrun's arguments (``python tests/forked_ranks.py --standalone
+--nproc_per_node=2 ENTRY ...``) for scripts that start their own runs: a test gives such a
+script ``SB_FORKED_RANKS`` (the server's socket) and ``SB_TORCHRUN`` naming this file
+(``conftest.script_launch_env``), and the study launches through it
+(``scripts/studies/common.py`` ``torchrun``).
 
 Protocol, on the server's Unix socket, one launch per connection and one at a time (a pytest
-worker runs one test at a time): the client sends one JSON line ``{"entry", "args", "nproc",
-"cwd", "env"}`` with its stdout and stderr as file descriptors (SCM_RIGHTS); the server answers
+worker runs one test at a time): the client sends one JSON line ``{"entry"`` (or ``"module"``,
+``"code"``) ``, "args", "nproc", "cwd", "env"}`` with its stdout and stderr as file
+descriptors (SCM_RIGHTS); the server answers
 ``{"pid": leader}`` and, when the job has ended, ``{"rc": code}``.
 """
 
@@ -44,7 +51,11 @@ SOCKET_ENV = "SB_FORKED_RANKS"
 # what every entry imports first: megatron-core's training stack and the plugin's hooks
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.training",
            "megatron.training.arguments", "megatron.training.argument_utils",
-           "sparsebalance_megatron.megatron.hooks")
+           "sparsebalance_megatron.megatron.hooks",
+           # what a run imports next: megatron's text tokenizers (transformers), the plugin's
+           # step (its callback, the planner's drafting and numba)
+           "megatron.core.tokenizers.text", "sparsebalance_megatron.megatron.step.callback",
+           "sparsebalance_megatron.megatron.step.drafting")
 STOP_GRACE_S = 5.0   # a failed job's other ranks: SIGTERM, then SIGKILL after this long
 PARENT_POLL_S = 5.0  # how often an idle server checks that the process that started it lives
 
@@ -59,7 +70,7 @@ def _free_port() -> int:
 
 def _run_rank(req: dict, rank: int | None, port: int) -> None:
     """In a forked rank: torchrun's variables (none where ``rank`` is None: a plain process),
-    then the entry script or ``-m`` module as ``__main__``; never returns."""
+    then the entry script, ``-m`` module or ``-c`` code as ``__main__``; never returns."""
     import runpy
     import threading
     import traceback
@@ -72,16 +83,18 @@ def _run_rank(req: dict, rank: int | None, port: int) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                           TORCHELASTIC_RUN_ID="forked_ranks", TORCHELASTIC_USE_AGENT_STORE="True")
-    entry, module = req.get("entry"), req.get("module")
-    if module:
-        sys.argv = ["-m", *req["args"]]
+    entry, module, source = req.get("entry"), req.get("module"), req.get("code")
+    if module or source is not None:
+        sys.argv = ["-m" if module else "-c", *req["args"]]
         sys.path[0] = os.getcwd()
     else:
         sys.argv = [entry, *req["args"]]
         sys.path[0] = os.path.dirname(os.path.abspath(entry))
     code = 0
     try:
-        if module:
+        if source is not None:
+            exec(compile(source, "<string>", "exec"), {"__name__": "__main__"})
+        elif module:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(entry, run_name="__main__")
@@ -125,7 +138,9 @@ def _agent_store(port: int):
 
 def _lead(req: dict, out_fd: int, err_fd: int) -> None:
     """In the forked job leader: its own session, the client's stdout and stderr, the ranks
-    forked and watched; exits 0, or 1 when a rank failed (as torchrun does)."""
+    forked and watched; exits 0, or 1 when a rank failed (as torchrun does); a plain process's
+    leader ends as the process did (its exit code, or its signal), as ``subprocess.run`` sees
+    an interpreter end."""
     os.setsid()
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
@@ -155,6 +170,12 @@ def _lead(req: dict, out_fd: int, err_fd: int) -> None:
             continue
         rank = ranks.pop(pid, None)
         code = os.waitstatus_to_exitcode(status)
+        if not req["nproc"] and rank is not None:   # a plain process: its own status
+            if code < 0:                            # killed by a signal: so is the leader
+                if -code != signal.SIGKILL:
+                    signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code)
         if rank is not None and code != 0 and failed is None:
             failed = rank
             sys.stderr.write(f"forked_ranks: rank {rank} exited with {code}; stopping the "
@@ -178,6 +199,8 @@ def serve(path: str) -> None:
         warnings.simplefilter("ignore")
         for name in () if light else PRELOAD:
             importlib.import_module(name)
+        if not light:    # the planner's numba kernels, loaded from their disk cache once here
+            importlib.import_module("sparsebalance_megatron.kernels").warm_up()   # not per rank
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(4)
@@ -228,13 +251,14 @@ def serve(path: str) -> None:
 
 def launch(path: str, entry, args: list, nproc: int, cwd, env: dict, out_fd: int, err_fd: int,
            timeout: float | None = None) -> int:
-    """Run ``entry`` (a script, or ``-m module``) on ``nproc`` forked ranks of the server at
-    ``path`` (``nproc`` 0: one process without torchrun's variables), writing to ``out_fd`` and
-    ``err_fd``; returns the job's exit status. Past ``timeout`` the job is killed and
-    ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
+    """Run ``entry`` (a script, ``-m module`` or ``-c code``) on ``nproc`` forked ranks of the
+    server at ``path`` (``nproc`` 0: one process without torchrun's variables), writing to
+    ``out_fd`` and ``err_fd``; returns the job's exit status. Past ``timeout`` the job is
+    killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
     entry = str(entry)
+    kind = {"-m ": "module", "-c ": "code"}.get(entry[:3], "entry")
     req = dict(args=[str(a) for a in args], nproc=nproc, cwd=str(cwd), env=env,
-               **({"module": entry[3:]} if entry.startswith("-m ") else {"entry": entry}))
+               **{kind: entry[3:] if kind != "entry" else entry})
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
         socket.send_fds(conn, [(json.dumps(req) + "\n").encode()], [out_fd, err_fd])

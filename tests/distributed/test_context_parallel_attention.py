@@ -1,6 +1,6 @@
 """Context parallelism of the sparse core attention alone: CP=2 on gloo equals CP=1.
 
-Two gloo processes (torch.multiprocessing) form the CP group. Each builds the same packed
+Two gloo processes (``conftest.spawn``) form the CP group. Each builds the same packed
 micro-batch (documents shorter and longer than 2 x CP tokens), runs ``SparseCoreAttention`` with
 CP=1 on the whole unpadded micro-batch (the reference), then with CP=2 on its share of the padded
 micro-batch in Megatron's per-document zigzag order (padding filled with noise that differs per
@@ -18,6 +18,8 @@ import types
 import numpy as np
 import pytest
 import torch
+
+from tests.conftest import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -163,7 +165,5 @@ def _worker(rank, init_file):
 
 
 def test_cp2_equals_cp1_outputs_and_gradients(tmp_path):
-    import torch.multiprocessing as mp
-
-    # a failed assertion in either process fails the spawn (ProcessRaisedException)
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"),), nprocs=CP, join=True)
+    # a failed assertion in either process fails the job (its traceback in the error)
+    spawn(_worker, CP, str(tmp_path / "rendezvous"), cwd=tmp_path)

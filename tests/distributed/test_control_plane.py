@@ -13,6 +13,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from tests.conftest import spawn
+
 pytestmark = pytest.mark.distributed
 
 TP, PP, DP, M = 2, 2, 2, 3
@@ -86,10 +88,7 @@ def _reference():
 
 
 def test_every_rank_ends_with_the_same_summary(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=TP * PP * DP,
-             join=True)
+    spawn(_worker, TP * PP * DP, str(tmp_path / "rendezvous"), str(tmp_path), cwd=tmp_path)
     runs = [pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in range(TP * PP * DP)]
     assert sorted(r["where"] for r in runs) == sorted(itertools.product(range(DP), range(PP),
                                                                         range(TP)))

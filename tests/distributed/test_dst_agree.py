@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import spawn
+
 pytestmark = pytest.mark.distributed
 
 WORLD, M, PP = 4, 6, 3
@@ -168,10 +170,8 @@ def _worker(rank: int, init_file: str, out_dir: str):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """What every one of the 4 processes planned (one spawn for the module's tests)."""
-    import torch.multiprocessing as mp
-
     tmp = tmp_path_factory.mktemp("dst_agree")
-    mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, str(tmp / "rendezvous"), str(tmp), cwd=tmp)
     return [pickle.loads((tmp / f"{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 

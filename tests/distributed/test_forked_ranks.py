@@ -1,7 +1,8 @@
 """The suite's launcher (tests/forked_ranks.py) does what torchrun does for the tests that use it:
 torchrun's variables on every rank, a process group that forms, one failed rank ending the job
 with exit status 1 and the others stopped, a timeout that kills the job, the torchrun-style
-command line for scripts."""
+command line for scripts; a test's own group of processes (``conftest.spawn``) fails with its
+rank's error; and a plain process (``conftest.run_python``) ends as an interpreter would."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, _forked_ranks
+from tests.conftest import REPO, _forked_ranks, run_python, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -67,6 +68,37 @@ def test_a_job_past_its_timeout_is_killed(script):
         _run(script, "hang", timeout=8)
     proc = _run(script, "ok")              # the server takes the next job
     assert proc.returncode == 0, proc.stdout
+
+
+def _spawned(rank: int, out: str, fail_on: int):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = __import__("torch").tensor([float(rank) + 1])
+    dist.all_reduce(t)
+    if rank == fail_on:
+        raise RuntimeError(f"rank {rank} fails on purpose")
+    with open(f"{out}/{rank}", "w") as f:
+        f.write(f"{t.item():g} {os.environ['WORLD_SIZE']}")
+
+
+def test_a_spawned_function_runs_on_every_rank_and_a_failure_fails_the_call(tmp_path):
+    spawn(_spawned, 3, str(tmp_path), -1, cwd=tmp_path)
+    assert [(tmp_path / str(r)).read_text() for r in range(3)] == ["6 3"] * 3
+    with pytest.raises(AssertionError, match="RuntimeError: rank 1 fails on purpose"):
+        spawn(_spawned, 2, str(tmp_path), 1, cwd=tmp_path)
+
+
+def test_a_plain_process_ends_as_an_interpreter_would(tmp_path):
+    code = "import os, sys; print(sys.argv, 'RANK' in os.environ, os.getcwd()); sys.exit(3)"
+    proc = run_python(["-c", code, "a"], cwd=tmp_path)
+    assert proc.returncode == 3 and f"['-c', 'a'] False {tmp_path}" in proc.stdout, proc.stdout
+    proc = run_python(["-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
+                      cwd=tmp_path)
+    assert proc.returncode == -15, proc.stdout
+    proc = run_python(["-c", "raise ValueError('bad')"], cwd=tmp_path)
+    assert proc.returncode == 1 and "ValueError: bad" in proc.stdout
+    assert "forked_ranks:" not in proc.stdout       # a plain process's failure: its own output
 
 
 def test_a_script_launches_with_torchruns_command_line(script):

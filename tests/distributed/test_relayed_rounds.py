@@ -11,6 +11,8 @@ import pickle
 import numpy as np
 import pytest
 
+from tests.conftest import spawn
+
 pytestmark = pytest.mark.distributed
 
 WORLD, M, SEQ = 2, 8, 8192
@@ -70,10 +72,8 @@ def _worker(rank: int, init_file: str, out_dir: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     tmp = tmp_path_factory.mktemp("settle_relay")
-    mp.spawn(_worker, args=(str(tmp / "rendezvous"), str(tmp)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, str(tmp / "rendezvous"), str(tmp), cwd=tmp)
     return [pickle.loads((tmp / f"{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 

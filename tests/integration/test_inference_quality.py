@@ -8,20 +8,18 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_python
 
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 
 def bench(*argv) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "scripts/bench.py", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(["scripts/bench.py", *argv], cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     return proc
 
 

@@ -20,13 +20,13 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_megatron_hooks import BUILD_ARGS, _megatron_args
+from tests.conftest import run_python
 from tests.integration.test_megatron_patch import parse_patch, pre_image, run_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,9 +228,7 @@ def _pretrain(tmp_path: Path, mode: str, table: Path, data: Path) -> subprocess.
              "--sb-tokenizer", "byte", "--sb-data-cache-dir", str(tmp_path / "cache"),
              "--sb-latency-table", str(table), "--sb-latency-table-force",
              "--sb-timing-source", "model", "--sb-dense-below-tokens", "0"]
-    return subprocess.run([sys.executable, str(script), mode, *argv], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=400)
+    return run_python([script, mode, *argv], cwd=tmp_path, env=env, timeout=400)
 
 
 def test_pretrain_builds_the_installed_config_not_the_model_provider(tmp_path, small_jsonl,

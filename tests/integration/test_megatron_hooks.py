@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import types
 
 import pytest
+
+from tests.conftest import run_python
 
 pytestmark = pytest.mark.integration
 
@@ -268,9 +268,8 @@ def test_hooked_model_config_builds_a_sparse_gpt_with_megatrons_builder(tmp_path
         port = sock.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1",
                RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _BUILD, *BUILD_ARGS, "--sb-sparse-attention",
-                           "--sb-block-size", "64", "--sb-density", "0.5"], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    proc = run_python(["-c", _BUILD, *BUILD_ARGS, "--sb-sparse-attention", "--sb-block-size",
+                       "64", "--sb-density", "0.5"], cwd=tmp_path, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CORE "))
     module, name, _, loss = line.split()[1:]

@@ -2,8 +2,6 @@
 and is refused for a SwiGLU one; it records the execution setup (TP size, transformer
 implementation, recomputation) the run checks, and refuses to profile TP > 1."""
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from sparsebalance_megatron.latency import LatencyModel, read_table
 from sparsebalance_megatron.latency.table import FORMAT_VERSION, LatencyTableMismatch
 from sparsebalance_megatron.latency.shape import ModelShape
+from tests.conftest import REPO, run_python
 
 
 def test_no_swiglu_profile_matches_a_gelu_run_only(tmp_path):
@@ -20,10 +19,10 @@ def test_no_swiglu_profile_matches_a_gelu_run_only(tmp_path):
                            pipeline_model_parallel_size=1, swiglu=False)
     shape = ModelShape.from_megatron_args(args)
     out = tmp_path / "gelu.json"
-    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
+    cmd = ["-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--no-progress", "--out", str(out), *shape.cli_flags(), "--sb-block-size", "32",
            "--mixes", "2", "--densities", "0.5", "1.0", "--repeats", "1"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = run_python(cmd, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:]
     m = LatencyModel.load(str(out), expect={"model": shape.as_table_model()})
     assert m.table["model"]["swiglu"] is False and m.predict([128], 0.5, 0) > 0
@@ -48,10 +47,10 @@ def recompute_table(tmp_path_factory):
     """A quick table of a full-recompute run, profiled with the flags the run would pass."""
     out = tmp_path_factory.mktemp("lat") / "full.json"
     shape = ModelShape.from_megatron_args(_run_args())
-    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
+    cmd = ["-m", "sparsebalance_megatron.megatron.profile_cli", "--quick",
            "--no-progress", "--out", str(out), *shape.cli_flags(), "--sb-block-size", "32",
            "--mixes", "2", "--densities", "0.5", "1.0", "--repeats", "1"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = run_python(cmd, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return str(out)
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
+
+from tests.conftest import run_python
 
 pytestmark = pytest.mark.integration
 
@@ -111,9 +112,7 @@ def _run_flow(kind: str, argv: list, tmp_path) -> subprocess.CompletedProcess:
         port = sock.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1",
                RANK="0", LOCAL_RANK="0", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-c", _FLOW, kind, *argv], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=300)
+    return run_python(["-c", _FLOW, kind, *argv], cwd=tmp_path, env=env, timeout=300)
 
 
 @pytest.mark.parametrize("kind, argv, layers", [
