@@ -262,11 +262,18 @@ class EvalIterator:
         return self
 
     def __next__(self) -> dict:
-        segments = self.sampler.next_bins(self.dp)
-        rank = sequential_pack(segments, capacity=self.capacity, dp=self.dp,
-                               num_microbatches=1)[self.dp_rank]
-        return microbatch_inputs(rank[0], self.corpus, self.capacity, self.device,
-                                 **self.mb_args)
+        return self.inputs(self.next_rows())
+
+    def next_rows(self) -> list:
+        """The next ``dp`` bins in Megatron's sequential order, one row (micro-batch) per DP
+        rank: every DP rank's."""
+        return sequential_pack(self.sampler.next_bins(self.dp), capacity=self.capacity,
+                               dp=self.dp, num_microbatches=1)
+
+    def inputs(self, rows: list) -> dict:
+        """This DP rank's micro-batch of ``rows`` (``next_rows``)."""
+        return microbatch_inputs(rows[self.dp_rank][0], self.corpus, self.capacity,
+                                 self.device, **self.mb_args)
 
 
 def held_out_microbatch(data, sb, *, capacity: int, dp: int, dp_rank: int, device,
@@ -282,9 +289,11 @@ def held_out_microbatch(data, sb, *, capacity: int, dp: int, dp_rank: int, devic
         raise LaunchError(f"{flag_name('quality_refresh_interval')} "
                           f"{sb.quality_refresh_interval}: the valid split holds no documents "
                           f"to measure the network on (give --split a valid share)")
-    rows = sequential_pack(sampler.next_bins(dp), capacity=capacity, dp=dp, num_microbatches=1)
+    it = EvalIterator(sampler, data.corpus, capacity=capacity, dp=dp, dp_rank=dp_rank,
+                      device=device, mb_args=mb_args)
+    rows = it.next_rows()
     lengths = np.array([e - s for row in rows for _, s, e in row[0]], dtype=np.float64)
-    return microbatch_inputs(rows[dp_rank][0], data.corpus, capacity, device, **mb_args), lengths
+    return it.inputs(rows), lengths
 
 
 def plugin_datasets(cb, data, sb, args, vp_stage):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 from typing import Callable, Optional
 
@@ -133,7 +134,7 @@ class QualityProbe:
             get_forward_backward_func()(
                 forward_step_func=functools.partial(_probe_step, self.forward_step, docs,
                                                     self.held_out),
-                data_iterator=_Repeat(self.held_out), model=self.model, num_microbatches=1,
+                data_iterator=itertools.repeat(self.held_out), model=self.model, num_microbatches=1,
                 seq_length=self.args.seq_length, micro_batch_size=self.args.micro_batch_size,
                 decoder_seq_length=self.args.decoder_seq_length, forward_only=True)
         finally:
@@ -157,19 +158,6 @@ def _probe_step(forward_step: Callable, docs: list, mb: dict, data_iterator, mod
         docs.append(torch.stack([s, n], dim=1).double().cpu().numpy())
         return out
     return output, with_docs
-
-
-class _Repeat:
-    """The held-out micro-batch, as often as the schedule reads it."""
-
-    def __init__(self, item: dict):
-        self.item = item
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        return self.item
 
 
 @contextlib.contextmanager
