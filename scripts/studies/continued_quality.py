@@ -19,6 +19,10 @@ What runs (every choice is a flag; ``trained_quality``'s model, training and eva
 - **Base**: the 2-layer GPT of ``trained_quality`` trained dense from scratch for
   ``--base-steps`` on documents of [``--base-min-doc``, 1023] bytes (17 up: short ones teach
   the lookup at short range first) that no held-out one shares a section with.
+- **Layout**: two DP ranks of one stage, or with ``--pipeline N`` N stages of one DP rank
+  (``--num-layers`` a multiple of N; the latency table profiled with N stages), where DST moves
+  density between stages (raising the stages that idle behind the bottleneck) as well as
+  between micro-batches.
 - **Arms** (``ARMS``), each continuing the base for ``--steps`` with ``--seeds`` (data order:
   ``--seed`` and ``--sb-seed``): ``static`` (``--sb-sparse-attention`` at d0, sequential
   packing); ``sparse_balance`` (``--sparse-balance``: SAB + DST); ``sab`` (SAB packing alone,
@@ -178,6 +182,9 @@ def parse_args(argv=None):
     ap.add_argument("--needles", type=int, default=3, choices=(1, 2, 3))
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--pipeline", type=int, default=1,
+                    help="pipeline stages (1: two DP ranks; N > 1: N stages of one DP rank, "
+                         "DST moving density between stages as well as micro-batches)")
     ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq-length", type=int, default=1024)
@@ -206,6 +213,9 @@ def parse_args(argv=None):
         args.pilot = args.margin_from is None
     if args.pilot == (args.margin_from is not None):
         ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
+    if args.pipeline < 1 or args.num_layers % args.pipeline:
+        ap.error(f"--pipeline {args.pipeline}: expected a positive divisor of --num-layers "
+                 f"{args.num_layers} (each stage the same number of layers)")
     if min(args.base_min_doc, args.min_doc) < 5 * args.needles + 2:
         ap.error(f"--base-min-doc / --min-doc: {args.needles} needles and their query take "
                  f"{5 * args.needles + 2} bytes: expected at least that")

@@ -67,6 +67,8 @@ def latency_table(args, out: str) -> str:
            "--no-progress", *model_flags(args, profile=True),
            "--sb-block-size", str(args.block_size), "--sb-density", str(args.density)]
     cmd += ["--analytic"] if args.table == "analytic" else ["--quick", "--threads", "1"]
+    if getattr(args, "pipeline", 1) > 1:        # the first, middle and last stages' kinds
+        cmd += ["--pipeline-model-parallel-size", str(args.pipeline)]
     run(cmd, os.path.join(out, "latency.log"))
     return path
 
@@ -106,7 +108,11 @@ def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str, *,
                   "--sb-attention-backend", "torch", "--sb-dense-below-tokens", "0",
                   "--sb-timing-source", "model", "--sb-latency-table", table,
                   "--sb-latency-table-force"]
-    return [*torchrun(2), "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
+    pp = getattr(args, "pipeline", 1)      # PP > 1: one DP rank, each stage its own process
+    if pp > 1:
+        flags += ["--pipeline-model-parallel-size", pp]
+    return [*torchrun(2 if pp == 1 else pp), "examples/pretrain_gpt_sparsebalance.py",
+            *map(str, flags)]
 
 
 def run(cmd: list, log_path: str) -> float:

@@ -102,6 +102,20 @@ def test_pilot_or_margin_not_both_nor_neither():
             iq.parse_args(argv)
 
 
+def test_training_study_runs_n_stages_of_one_dp_rank_or_refuses_uneven_stages(capsys):
+    from studies import trained_quality as tq
+
+    args = cq.parse_args(["--pilot", "--out", "x", "--pipeline", "3", "--num-layers", "3"])
+    cmd = tq.train_cmd(args, "static", 1, "d.jsonl", "t.json", "run")
+    assert "--nproc_per_node=3" in cmd
+    assert cmd[cmd.index("--pipeline-model-parallel-size") + 1] == "3"
+    one = tq.train_cmd(cq.parse_args(["--pilot", "--out", "x"]), "static", 1, "d", "t", "r")
+    assert "--nproc_per_node=2" in one and "--pipeline-model-parallel-size" not in one
+    with pytest.raises(SystemExit):
+        cq.parse_args(["--pilot", "--out", "x", "--pipeline", "3"])     # 2 layers
+    assert "--pipeline 3: expected a positive divisor of --num-layers 2" in capsys.readouterr().err
+
+
 def test_training_documents_hold_three_needles_and_their_answer_positions():
     rng = random.Random(1)
     text = "".join(f"line {i} of the haystack\n" for i in range(200))
