@@ -9,7 +9,7 @@ METRICS = ("answer_nll", "heldout_loss")
 SHOWN = METRICS + ("token_accuracy", "exact", "train_kept")
 # settings a pilot's margin holds for: the main run refuses a pilot that ran with others
 SAME = ("density", "control_factor", "needles", "block_size", "num_layers", "hidden_size",
-        "heads", "seq_length", "global_batch_size", "continue_lr", "base_steps", "steps",
+        "heads", "seq_length", "pipeline", "global_batch_size", "continue_lr", "base_steps", "steps",
         "train_docs", "min_doc", "base_min_doc", "heldout", "data_seed", "table")
 
 
@@ -73,7 +73,7 @@ def doc_pairs(arms: list) -> list:
 
 def read_margin(args) -> dict:
     """The pilot's margin, refused if the pilot is not one or ran with other settings."""
-    pilot = read_pilot(args.margin_from, SAME, args)
+    pilot = read_pilot(args.margin_from, SAME, args, before={"pipeline": 1})
     return {"margin": pilot["margin"], "margin_source": {
         "path": args.margin_from, "commit": pilot.get("commit"),
         "seeds": pilot["config"]["seeds"], "fraction": pilot["config"]["margin_fraction"],

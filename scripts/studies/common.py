@@ -242,16 +242,18 @@ def write_result(path: str | None, doc: dict) -> dict:
 UNTIMED_STEPS = 2     # the README job's warm-up steps (run_demo): not timed
 
 
-def read_pilot(path: str, same, args) -> dict:
+def read_pilot(path: str, same, args, before: dict | None = None) -> dict:
     """A pilot's JSON for a main run's ``--margin-from``: refused unless it is a pilot's with a
     margin and ran with the main run's ``same`` settings (a margin holds for the setting it
-    was fixed in)."""
+    was fixed in); ``before``: the value of a setting added since, for a pilot that predates
+    it."""
     with open(path) as f:
         pilot = json.load(f)
     if not (pilot.get("config") or {}).get("pilot") or not pilot.get("margin"):
         raise SystemExit(f"error: --margin-from {path}: not a pilot's JSON with a margin (run "
                          f"--pilot first)")
-    differ = [k for k in same if pilot["config"].get(k) != getattr(args, k)]
+    before = before or {}
+    differ = [k for k in same if pilot["config"].get(k, before.get(k)) != getattr(args, k)]
     if differ:
         raise SystemExit(f"error: --margin-from {path}: the pilot ran with other "
                          f"{', '.join(differ)}: a margin holds for the setting it was fixed in")
