@@ -13,11 +13,40 @@ SAME = ("density", "control_factor", "needles", "block_size", "num_layers", "hid
         "train_docs", "min_doc", "base_min_doc", "heldout", "data_seed", "table")
 
 
-def per_seed(run: dict) -> dict:
-    ev = run["eval"][f"{run['eval_density']:g}"]
+def per_seed(run: dict, density=None) -> dict:
+    """A run's scores at ``density`` (default: its arm's evaluation density)."""
+    ev = run["eval"][f"{run['eval_density'] if density is None else density:g}"]
     return {"answer_nll": ev["answer_nll"], "heldout_loss": ev["heldout_loss"],
             "token_accuracy": ev["token_accuracy"], "exact": ev["exact"],
             "train_kept": run["train"].get("doc_kept_density")}
+
+
+STEP_TOLERANCE = 0.005   # DST's predicted step may be at most 0.5% slower than static's
+
+
+def equal_time(table: dict, seeds: list, runs: dict, args, margin: dict) -> dict:
+    """``sparse_balance`` against ``static`` at a predicted step no slower than static's, both
+    scored at d0 (the same held-out condition: what training under DST's plan did to the
+    model): per metric the non-inferiority verdict (the arms matched on DST's predicted step
+    over static's, a faster one counted as equal) and the superiority reading (free accuracy:
+    better where the upper bound is below 0), each with the control."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    sb = {s: per_seed(runs["sparse_balance"][s], args.density) for s in seeds}
+    ratio = [runs["sparse_balance"][s]["train"].get("predicted_step_vs_static") for s in seeds]
+    if any(r is None for r in ratio):
+        return {}
+    out = {}
+    for k in METRICS:
+        d = [sb[s][k] - table["static"][s][k] for s in seeds]
+        ctl = [table["control"][s][k] - table["static"][s][k] for s in seeds]
+        out[k] = {"better": V.superiority(d, ctl), "predicted_step_vs_static": ratio}
+        if margin.get(k):
+            out[k]["non_inferior"] = V.verdict(
+                d, ctl, margin[k], kept=[max(r, 1.0) for r in ratio],
+                kept_reference=[1.0] * len(seeds), tolerance=STEP_TOLERANCE,
+                matched_on="predicted step time over static's (a faster one as equal)")
+    return out
 
 
 def summarize(doc: dict, args) -> dict:
@@ -49,6 +78,8 @@ def summarize(doc: dict, args) -> dict:
             kept=[table["sparse_balance"][s]["train_kept"] for s in seeds],
             kept_reference=[table["matched"][s]["train_kept"] for s in seeds],
             tolerance=args.match_tolerance) for k in METRICS if margin.get(k)}
+    if all(a in arms for a in ("sparse_balance", "static", "control")):
+        out["verdicts_equal_time"] = equal_time(table, seeds, runs, args, margin or {})
     if args.pilot and "control-static" in pairs:
         out["margin"], out["seeds_needed"] = {}, {}
         for k in METRICS:
@@ -99,5 +130,11 @@ def print_summary(doc: dict) -> None:
               f"{h['x_chance']:.1f}x chance ({'held' if h['held'] else 'NOT held'})")
     for k, v in (doc.get("verdicts") or {}).items():
         print(f"verdict {k}: {one_line(v)}")
+    for k, v in (doc.get("verdicts_equal_time") or {}).items():
+        b = v["better"]
+        print(f"equal step time, sparse_balance - static at d0, {k}: {b['verdict']} "
+              f"{b['mean']:+.5f}" + ("" if b["upper"] is None else
+                                     f" [{b['lower']:+.5f}, {b['upper']:+.5f}]")
+              + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
     if doc.get("margin") and doc["config"]["pilot"]:
         print(f"margin fixed: {doc['margin']}; seeds needed: {doc.get('seeds_needed')}")

@@ -36,7 +36,10 @@ What runs (every choice is a flag; ``trained_quality``'s model, training and eva
 - **Verdict**: per seed, sparse_balance - matched on answer NLL and held-out loss, the
   control's harm (control - static) detected, training kept densities matched within
   ``--match-tolerance``, the margin the pilot fixed (``--margin-from``); SAB alone (sab -
-  static) and DST apart (sparse_balance - sab) beside it. ``--pilot`` runs base, static and
+  static) and DST apart (sparse_balance - sab) beside it. At equal step time
+  (``verdicts_equal_time``): sparse_balance - static with both scored at d0, where DST's
+  predicted step is no slower than static's (within 0.5%): non-inferior within the margin, and
+  better (free accuracy) where the upper bound is below 0. ``--pilot`` runs base, static and
   control for its seeds (from 101: none is a main-run seed), reports static's accuracy against
   chance and writes the margin and the seeds the power calculation asks for.
 
@@ -282,7 +285,8 @@ def main(argv=None) -> int:
             "train": {k: v for k, v in summary.items() if k not in ("tokens", "train_losses")},
             "eval_density": d_eval[arm],
             "eval": evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
-                             [d_eval[arm], 1.0])}
+                             [d_eval[arm], 1.0] + ([args.density] if arm == "sparse_balance"
+                                                   and d_eval[arm] != args.density else []))}
         print(f"evaluated {arm} seed {s}: " + ", ".join(
             f"d {d}: answer NLL {e['answer_nll']:.4f} token acc {e['token_accuracy']:.3f} "
             f"loss {e['heldout_loss']:.4f}" for d, e in runs[arm][str(s)]["eval"].items()),

@@ -215,21 +215,6 @@ def pair(rows: list, a: str, b: str, metric: str, by_tokens: bool) -> list:
     return weighted(d, [r["tokens"] for r in rows]) if by_tokens else d
 
 
-def better(diffs: list, control: dict) -> dict:
-    """A superiority reading of ``arm - reference`` differences: better where the one-sided
-    95% upper bound is below 0, worse where the lower bound is above 0, with the control."""
-    from sparsebalance_megatron.eval import verdict as V
-
-    b = V.paired_bound(diffs)
-    if b["upper"] is None:
-        v = "uninformative"
-    elif not control["detected"]:
-        v = "uninformative (control not detected)"
-    else:
-        v = "better" if b["upper"] < 0 else "worse" if b["lower"] > 0 else "no difference shown"
-    return dict(b, verdict=v)
-
-
 def summarize(doc: dict, args, margin: dict) -> dict:
     """Per arm the means (token-weighted loss beside the equal-weighted) and kept densities;
     per comparison the paired bounds; the verdicts."""
@@ -263,7 +248,8 @@ def summarize(doc: dict, args, margin: dict) -> dict:
                          m == "loss")
                 out["comparisons"][key] = V.paired_bound(d)
                 if ref == "uniform":
-                    out["verdicts"][key] = better(d, ctl[m])
+                    out["verdicts"][key] = V.superiority(
+                        d, pair(rows, "control", "uniform", m, m == "loss"))
                 elif margin.get(m):
                     steps = doc["layouts"][lay]["steps"]
                     # equal time: per sample its step's predicted step, DST's and the

@@ -144,6 +144,8 @@ def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
     raised = [r.get("units_raised") or 0 for r in rows]
     losses = [r["loss"] for r in rows]
     tail = losses[-max(1, len(losses) // 10):]
+    ratio = [r["predicted_dst_s"] / r["predicted_static_s"] for r in rows
+             if r.get("predicted_dst_s") and r.get("predicted_static_s")]
     return {"steps": len(rows), "final_train_loss": sum(tail) / len(tail),
             "train_losses": losses,
             "mean_kept_density": mean("kept_density") or 1.0,
@@ -152,7 +154,10 @@ def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
             "dst_units_cut": sum(cut), "dst_units_raised": sum(raised),
             "dst_stood_down": sum(int(r.get("dst_stood_down") or 0) for r in rows),
             "sab_stood_down": sum(int(r.get("sab_stood_down") or 0) for r in rows),
-            "tokens": [r["tokens"] for r in rows], **document_densities(rows, block_size, d0)}
+            "tokens": [r["tokens"] for r in rows],
+            # DST's predicted step over the static plan's, the mean over the steps it planned
+            "predicted_step_vs_static": sum(ratio) / len(ratio) if ratio else None,
+            **document_densities(rows, block_size, d0)}
 
 
 def document_densities(rows: list, block_size: int, d0: float) -> dict:

@@ -252,6 +252,22 @@ def verdict(diffs: Sequence[Number], control_diffs: Sequence[Number], margin: fl
                                 f"(about {out['power'].get('n_for_margin')} for an equal arm)")
 
 
+def superiority(diffs: Sequence[Number], control_diffs: Sequence[Number],
+                alpha: float = ALPHA) -> dict:
+    """A superiority reading of ``diffs`` (arm - reference, a loss): ``better`` where the
+    one-sided (1 - alpha) upper bound is below 0, ``worse`` where the lower bound is above 0,
+    ``no difference shown`` between; ``uninformative`` with fewer than 2 replicates or where
+    the positive control (``control_diffs``) is not detected."""
+    b, ctl = paired_bound(diffs, alpha), paired_bound(control_diffs, alpha)
+    if b["upper"] is None:
+        v = "uninformative"
+    elif ctl["lower"] is None or not ctl["lower"] > 0:
+        v = "uninformative (control not detected)"
+    else:
+        v = "better" if b["upper"] < 0 else "worse" if b["lower"] > 0 else "no difference shown"
+    return dict(b, verdict=v)
+
+
 def one_line(v: dict) -> str:
     """The verdict in one line: the difference's mean and upper bound, the margin, the control."""
     c, k = v["comparison"], v["control"]

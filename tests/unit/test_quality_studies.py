@@ -203,3 +203,33 @@ def test_the_matched_arm_is_matched_on_the_studys_work_weighted_kept_density():
     assert got["verdicts"][key]["verdict"] == "non-inferior", got["verdicts"][key]["reason"]
     off = iq.summarize(doc(study + 0.05), args, {"answer_nll": 0.01, "loss": 0.01})
     assert off["verdicts"][key]["verdict"] == "not matched"
+
+
+def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_step():
+    args = cq.parse_args(["--out", "x", "--pipeline", "3", "--num-layers", "3",
+                          "--margin-from", "p.json"])
+    seeds = ["1", "2", "3", "4"]
+
+    def run(loss, ratio=None, extra=None):
+        ev = {"0.5": {"answer_nll": 1.0, "heldout_loss": loss, "token_accuracy": 0.5,
+                      "exact": 0.1}}
+        ev.update(extra or {})
+        return {"eval_density": 0.5 if extra is None else 0.61, "eval": ev,
+                "train": {"doc_kept_density": 0.5, "predicted_step_vs_static": ratio}}
+    # sparse_balance evaluated at its matched density (0.61: worse there) and at d0 (better)
+    runs = {"static": {s: run(2.0 + 0.01 * i) for i, s in enumerate(seeds)},
+            "control": {s: run(2.02 + 0.01 * i + 0.001 * (i % 2)) for i, s in enumerate(seeds)},
+            "sparse_balance": {s: run(1.99 + 0.01 * i - 0.0005 * (i % 2), r, {"0.61": {
+                "answer_nll": 1.0, "heldout_loss": 9.0, "token_accuracy": 0.5, "exact": 0.1}})
+                for (i, s), r in zip(enumerate(seeds), (1.0, 0.998, 1.001, 1.0))}}
+    table = {a: {s: cr.per_seed(runs[a][s]) for s in seeds} for a in runs}
+    got = cr.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
+    loss = got["heldout_loss"]
+    assert loss["better"]["verdict"] == "better"
+    assert loss["better"]["mean"] == pytest.approx(-0.01 - 0.00025)
+    assert loss["non_inferior"]["verdict"] == "non-inferior"
+    assert loss["non_inferior"]["density"]["gaps"] == pytest.approx([0, 0, 0.001, 0])
+    assert "non_inferior" not in got["answer_nll"]                  # no margin for it
+    runs["sparse_balance"]["3"]["train"]["predicted_step_vs_static"] = 1.02   # 2% slower
+    got = cr.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
+    assert got["heldout_loss"]["non_inferior"]["verdict"] == "not matched"

@@ -113,3 +113,14 @@ def test_power_calculation_matches_a_simulation_of_the_test():
                    for _ in range(3000))
         assert hits / 3000 == pytest.approx(want, abs=0.03)
     assert V.power_at(effect, sd, n) == pytest.approx(0.8, abs=1e-6)
+
+
+def test_superiority_says_better_or_worse_only_past_zero_and_with_the_control():
+    control = [0.02, 0.03, 0.025, 0.028]                    # detected: lower bound above 0
+    assert V.superiority([-0.02, -0.03, -0.025, -0.022], control)["verdict"] == "better"
+    assert V.superiority([0.02, 0.03, 0.025, 0.022], control)["verdict"] == "worse"
+    assert V.superiority([-0.02, 0.03, -0.01, 0.004], control)["verdict"] == \
+        "no difference shown"
+    assert V.superiority([-0.02, -0.03, -0.025, -0.022], [0.02, -0.03, 0.01, -0.01])[
+        "verdict"] == "uninformative (control not detected)"
+    assert V.superiority([-0.02], control)["verdict"] == "uninformative"
