@@ -74,8 +74,6 @@ STUDIES = {
     "continued_quality": ("a dense-trained base continued under static, --sparse-balance, SAB "
                           "alone, matched static and a 0.9 x d0 control on CPU: a verdict",
                           "QUALITY.md"),
-    "inference_quality_gpu": ("the inference study's GPU form: a bundle prepared here, scored "
-                              "on the device", "QUALITY.md, scripts/gpu_plan.py"),
     "inference_quality": ("SmolLM2-135M under the runtime's DST plans at two layouts against "
                           "uniform d0 and uniform at DST's predicted step time, with a positive "
                           "control and a pilot's margins: free accuracy, a verdict",

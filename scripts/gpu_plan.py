@@ -16,7 +16,6 @@ warm), then ``give_back``. The pieces themselves: ``studies/_pieces.py``.
 
     python scripts/gpu_plan.py show [quality]            # the calls, as docs/GPU.md lists them
     python scripts/gpu_plan.py pack-quality .sb-quality/bundle   # the quality plan's pieces
-    python scripts/gpu_plan.py pack-inference .sb-inference/bundle   # the inference plan's
     python scripts/gpu_plan.py check .whl                # the tree + these folders vs 60 MiB
     python scripts/gpu_plan.py manifest .whl             # .whl/SHA256SUMS (gpu_wheels.sh)
     python scripts/gpu_plan.py piece-mib .whl            # the largest piece beside tree + .whl
@@ -44,7 +43,7 @@ CARRY_LIMIT = 60 * MIB          # the machine's 64 MiB less a margin for files a
 CALL_LIMIT_S = 600
 START_S = 40                    # the machine's start (35-40 s on 2026-11-26)
 TRANSFER_S = 10                 # a call's copies there and back
-DEVICE_S = {"issue74": 720, "quality": 900, "kernels": 900, "inference": 900}
+DEVICE_S = {"issue74": 720, "quality": 900, "kernels": 900}
 PLAN_LIMIT_S = 810              # the calls' timeouts of a 15-minute session (start and waits out)
 MAX_CARRY_PATHS = 8
 MAX_OUT_FILES = 8
@@ -142,33 +141,10 @@ QUALITY_PLAN: Tuple[Call, ...] = (
               "objective) in that order, DP 2 on the one GPU over gloo, then every checkpoint scored on the "
               "held-out RULER-style samples; no arm starts that would end after 260 s"),
 )
-# The inference plan (issue 84's GPU form of the inference study): two calls that stage pieces
-# of the bundle (``inference_quality_gpu --prepare``: samples of 15-16K tokens planned here at
-# both layouts, SmolLM2's packed tensors), then the study, one call: no forward starts after
-# 400 s. 610 s of device time with the start and the transfers
-INFERENCE = ".sb-inference"
-INFERENCE_RUN = ("mkdir -p {out}; python3 scripts/bench.py inference_quality_gpu --bundle "
-                 f"{STAGE}/{INFERENCE}/files --device cuda --budget-s {{budget_s}} "
-                 "--json {out}/inference_quality_gpu.json")
-INFERENCE_PLAN: Tuple[Call, ...] = (
-    Call("stage-1", (), 30, 20, carry=(f"{INFERENCE}/1",), run="echo staged", outputs=(),
-         what="stages the inference bundle's first piece"),
-    Call("stage-2", (), 30, 20, carry=(f"{INFERENCE}/2",), run="echo staged", outputs=(),
-         what="stages the inference bundle's second piece"),
-    Call("inference", (), 480, 400, carry=(f"{INFERENCE}/3", ".whl"), complete=True,
-         run=INFERENCE_RUN, outputs=("inference_quality_gpu.json",),
-         what="the inference study's GPU form (scripts/studies/inference_quality_gpu.py): "
-              "SmolLM2-135M in bf16 with the triton backend scores the bundle's samples under "
-              "uniform d0, 0.9 x d0 and, per layout, DST's plan, uniform at DST's predicted "
-              "step time and at its kept density; no forward starts after 400 s"),
-)
-PLANS = {"issue74": PLAN, "quality": QUALITY_PLAN, "kernels": KERNEL_CALLS,
-         "inference": INFERENCE_PLAN}
+PLANS = {"issue74": PLAN, "quality": QUALITY_PLAN, "kernels": KERNEL_CALLS}
 PLAN_NOTES = {"issue74": "the open work of issue 74 (fa4's kernel table inside): the default",
               "quality": "issue 62's trained-quality study; replaces issue 74's plan in a "
                          "session that runs it",
-              "inference": "the inference study's GPU form (at 16K); a "
-                           "session of its own",
               "kernels": "issue 61's two kernel calls alone (triton and flex, then fa4 and "
                          "flash), after a kernel changes"}
 
@@ -282,14 +258,13 @@ def piece_bytes_for(tree: int, others: int = 0, limit: int = CARRY_LIMIT) -> int
     return room
 
 
-def quality_rooms(tree: int, plan: Sequence[Call] = QUALITY_PLAN,
-                  folder: str = QUALITY) -> List[int]:
-    """Per call of the quality plan (or ``plan``, its bundle in ``folder``) that carries a piece
-    of its bundle, the room it has beside the tree and the call's other carries (a MiB of
-    slack, as ``piece_bytes_for``; none left: 0), in the plan's order."""
+def quality_rooms(tree: int) -> List[int]:
+    """Per call of the quality plan that carries a piece of its bundle, the room it has beside
+    the tree and the call's other carries (a MiB of slack, as ``piece_bytes_for``; none left:
+    0), in the plan's order."""
     rooms = []
-    for c in plan:
-        others = [p for p in c.carry if not p.startswith(folder + "/")]
+    for c in QUALITY_PLAN:
+        others = [p for p in c.carry if not p.startswith(QUALITY + "/")]
         if len(others) < len(c.carry):
             used = tree + sum(folder_bytes(os.path.join(ROOT, p)) for p in others) + MIB
             rooms.append(max(0, CARRY_LIMIT - used))
@@ -314,19 +289,15 @@ def main(argv=None) -> int:
         print("other plans (python scripts/gpu_plan.py show NAME; docs/GPU.md): " + "; ".join(
             f"{n}: {PLAN_NOTES[n]}" for n in PLANS if n != name))
         return 1 if plan_problems(plan) else 0
-    if verb in ("pack-quality", "pack-inference"):
-        plan, folder, study = ((QUALITY_PLAN, QUALITY, "trained_quality_gpu")
-                               if verb == "pack-quality" else
-                               (INFERENCE_PLAN, INFERENCE, "inference_quality_gpu"))
-        src = argv[0] if argv else os.path.join(folder, "bundle")
+    if verb == "pack-quality":
+        src = argv[0] if argv else os.path.join(QUALITY, "bundle")
         if not os.path.exists(os.path.join(src, "bundle.json")):
             print(f"{verb} {src}: no bundle.json there: expected the folder "
-                  f"'{study} --prepare' writes", file=sys.stderr)
+                  f"'trained_quality_gpu --prepare' writes", file=sys.stderr)
             return 2
         for i in range(1, 10):
-            shutil.rmtree(os.path.join(ROOT, folder, str(i)), ignore_errors=True)
-        for f in pack(src, os.path.join(ROOT, folder),
-                      quality_rooms(tree_bytes(), plan, folder)):
+            shutil.rmtree(os.path.join(ROOT, QUALITY, str(i)), ignore_errors=True)
+        for f in pack(src, os.path.join(ROOT, QUALITY), quality_rooms(tree_bytes())):
             print(f, f"{folder_bytes(f) / MIB:.1f} MiB")
         return 0
     if verb == "check":
@@ -357,7 +328,7 @@ def main(argv=None) -> int:
             return 3
         return 0
     print(f"unknown verb {verb!r}: expected show, check, manifest, "
-          f"piece-mib, pack, pack-quality, pack-inference or unpack", file=sys.stderr)
+          f"piece-mib, pack, pack-quality or unpack", file=sys.stderr)
     return 2
 
 
