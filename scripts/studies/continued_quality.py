@@ -53,7 +53,7 @@ import random
 import time
 
 from . import trained_quality as tq
-from .common import parser, write_result
+from .common import parser, read_pilot, write_result
 
 ARMS = {"static": ["--sb-sparse-attention"], "sparse_balance": ["--sparse-balance"],
         "sab": ["--sb-sparse-attention", "--sb-batching"],
@@ -214,12 +214,109 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    from . import _continued_report as rep
+# the summary: per-seed metrics, paired bounds, the verdicts, the pilot's margin and power
+# calculation, and the margin a main run reads from its pilot
+SHOWN = METRICS + ("token_accuracy", "exact", "train_kept")
+# settings a pilot's margin holds for: the main run refuses a pilot that ran with others
+SAME = ("density", "control_factor", "needles", "block_size", "num_layers", "hidden_size",
+        "heads", "seq_length", "global_batch_size", "continue_lr", "base_steps", "steps",
+        "train_docs", "min_doc", "base_min_doc", "heldout", "data_seed", "table")
 
+
+def per_seed(run: dict) -> dict:
+    ev = run["eval"][f"{run['eval_density']:g}"]
+    return {"answer_nll": ev["answer_nll"], "heldout_loss": ev["heldout_loss"],
+            "token_accuracy": ev["token_accuracy"], "exact": ev["exact"],
+            "train_kept": run["train"].get("doc_kept_density")}
+
+
+def summarize(doc: dict, args) -> dict:
+    """Means per arm, paired per-seed bounds, the verdicts (with a margin), whether static
+    holds the task (token accuracy >= 3x chance), and for a pilot the margin and the seeds the
+    power calculation asks for."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    runs, seeds = doc["runs"], [str(s) for s in args.seeds]
+    arms = [a for a in runs if a != "base"]
+    table = {a: {s: per_seed(runs[a][s]) for s in seeds} for a in arms}
+    means = {a: {k: sum(table[a][s][k] for s in seeds) / len(seeds) for k in SHOWN
+                 if all(table[a][s][k] is not None for s in seeds)} for a in arms}
+    diffs = {f"{a}-{b}": {k: [table[a][s][k] - table[b][s][k] for s in seeds]
+                          for k in SHOWN if k in means[a] and k in means[b]}
+             for a, b in doc_pairs(arms)}
+    pairs = {p: {k: dict(V.paired_bound(v), per_seed=v) for k, v in d.items()}
+             for p, d in diffs.items()}
+    chance = doc["chance"]["token_accuracy"]
+    out = {"per_seed": table, "means": means, "pairs": pairs,
+           "static_holds_task": None if "static" not in means else {
+               "token_accuracy": means["static"]["token_accuracy"], "chance": chance,
+               "x_chance": means["static"]["token_accuracy"] / chance,
+               "held": means["static"]["token_accuracy"] >= 3 * chance}}
+    margin = doc.get("margin")
+    if margin and "sparse_balance-matched" in diffs and "control-static" in diffs:
+        out["verdicts"] = {k: V.verdict(
+            diffs["sparse_balance-matched"][k], diffs["control-static"][k], margin[k],
+            kept=[table["sparse_balance"][s]["train_kept"] for s in seeds],
+            kept_reference=[table["matched"][s]["train_kept"] for s in seeds],
+            tolerance=args.match_tolerance) for k in METRICS if margin.get(k)}
+    if args.pilot and "control-static" in pairs:
+        out["margin"], out["seeds_needed"] = {}, {}
+        for k in METRICS:
+            c = pairs["control-static"][k]
+            out["margin"][k] = args.margin_fraction * c["mean"] if c["mean"] > 0 else None
+            if c["mean"] > 0 and c["sd"]:
+                # the arm comparison's SD is not measured by the pilot: the control's paired SD
+                # (two continued runs on the same data order) stands in for it
+                out["seeds_needed"][k] = {"control": V.n_needed(c["sd"], c["mean"]),
+                                          "non_inferior": V.n_needed(c["sd"], out["margin"][k])}
+    return out
+
+
+# the paired comparisons the summary reports, (arm, against)
+PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
+         ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
+
+
+def doc_pairs(arms: list) -> list:
+    return [(a, b) for a, b in PAIRS if a in arms and b in arms]
+
+
+def read_margin(args) -> dict:
+    """The pilot's margin, refused if the pilot is not one or ran with other settings."""
+    pilot = read_pilot(args.margin_from, SAME, args)
+    return {"margin": pilot["margin"], "margin_source": {
+        "path": args.margin_from, "commit": pilot.get("commit"),
+        "seeds": pilot["config"]["seeds"], "fraction": pilot["config"]["margin_fraction"],
+        "control_harm": {k: pilot["pairs"]["control-static"][k]["mean"] for k in METRICS}}}
+
+
+def print_summary(doc: dict) -> None:
+    from sparsebalance_megatron.eval.verdict import one_line
+
+    print("\n| arm | eval density | " + " | ".join(SHOWN) + " |")
+    print("|---|---:|" + "---:|" * len(SHOWN))
+    for a, m in doc["means"].items():
+        print(f"| {a} | {doc['arms'][a]['eval_density']:.4f} | "
+              + " | ".join(f"{m[k]:.4f}" if k in m else "-" for k in SHOWN) + " |")
+    for p, ms in doc["pairs"].items():
+        print(f"{p}: " + ", ".join(
+            f"{k} {v['mean']:+.4f}" + ("" if v["upper"] is None else
+                                       f" [{v['lower']:+.4f}, {v['upper']:+.4f}]")
+            for k, v in ms.items() if k in METRICS + ("train_kept",)))
+    if doc.get("static_holds_task"):
+        h = doc["static_holds_task"]
+        print(f"static holds the task: token accuracy {h['token_accuracy']:.3f} = "
+              f"{h['x_chance']:.1f}x chance ({'held' if h['held'] else 'NOT held'})")
+    for k, v in (doc.get("verdicts") or {}).items():
+        print(f"verdict {k}: {one_line(v)}")
+    if doc.get("margin") and doc["config"]["pilot"]:
+        print(f"margin fixed: {doc['margin']}; seeds needed: {doc.get('seeds_needed')}")
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    fixed = rep.read_margin(args) if args.margin_from else {}
+    fixed = read_margin(args) if args.margin_from else {}
     os.makedirs(args.out, exist_ok=True)
     (base_data, data), held = build_data(args, args.out)
     docs = [{"ids": list(d["text"].encode("ascii")), "answer_positions": d["answer_positions"],
@@ -283,8 +380,8 @@ def main(argv=None) -> int:
            "chance": {"token_accuracy": 1 / len(ALPHABETS[0]),
                       "exact": len(ALPHABETS[0]) ** -args.needles},
            "runs": runs, "train_wall_s": walls}
-    doc.update(rep.summarize(doc, args))
+    doc.update(summarize(doc, args))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     write_result(args.json, doc)
-    rep.print_summary(doc)
+    print_summary(doc)
     return 0

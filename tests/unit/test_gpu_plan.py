@@ -1,6 +1,6 @@
-"""The device plan and its carries on CPU (scripts/gpu_plan.py, studies/_pieces.py): the calls
-fit the machine's limits and its device time, each names its commit, the pieces are checksummed,
-staged and joined."""
+"""The device plan and its carries on CPU (scripts/gpu_plan.py): the calls fit the machine's
+limits and its device time, each names its commit, the pieces are checksummed, staged and
+joined."""
 
 import os
 import sys

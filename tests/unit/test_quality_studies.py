@@ -17,7 +17,6 @@ import pytest
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from studies import _continued_report as cr  # noqa: E402
 from studies import continued_quality as cq  # noqa: E402
 from studies import inference_quality as iq  # noqa: E402
 
@@ -87,12 +86,12 @@ def test_a_margin_fixed_in_another_setting_is_refused(tmp_path):
     cargs = cq.parse_args(["--pilot", "--out", str(tmp_path)])
     cpilot.write_text(json.dumps({"config": vars(cargs), "margin": {"answer_nll": 0.01},
                                   "pairs": {"control-static": {k: {"mean": 0.02}
-                                                               for k in cr.METRICS}}}))
+                                                               for k in cq.METRICS}}}))
     main = cq.parse_args(["--margin-from", str(cpilot), "--out", str(tmp_path)])
-    assert cr.read_margin(main)["margin_source"]["seeds"] == [101, 102, 103]
+    assert cq.read_margin(main)["margin_source"]["seeds"] == [101, 102, 103]
     assert main.seeds == list(range(1, 11))
     with pytest.raises(SystemExit, match="steps"):
-        cr.read_margin(cq.parse_args(["--margin-from", str(cpilot), "--out", str(tmp_path),
+        cq.read_margin(cq.parse_args(["--margin-from", str(cpilot), "--out", str(tmp_path),
                                       "--steps", "10"]))
 
 
