@@ -1,55 +1,20 @@
-"""Trained quality on one GPU (issue 62, the GPU form): SmolLM2-135M continued at 16K tokens
-four ways (dense, static sparse at d0, --sparse-balance, DST with the density objective) in
-Megatron's pretrain(), each then scored on held-out RULER-style tasks (``eval/tasks.py``).
+"""Trained quality on one GPU (issue 62, the GPU form; QUALITY.md): SmolLM2-135M continued at 16K
+tokens four ways (dense, static sparse at d0, --sparse-balance, DST with the density objective)
+in Megatron's pretrain(), each then scored on held-out RULER-style tasks (``eval/tasks.py``).
 
-Two halves, because the GPU machine has no network, no tokenizer or GGUF reader, and takes at
-most 64 MiB a call (docs/GPU.md):
-
-- ``--prepare BUNDLE`` (here, where transformers and gguf are installed) writes everything the
-  device needs and nothing it would have to compute with those packages: SmolLM2's tensors as
-  stored in the GGUF (``gguf_weights.pack_gguf``: Q8_0 / Q4_1 blocks, dequantized there with
-  torch), the training documents already tokenized with SmolLM2's tokenizer (a Megatron indexed
-  data set), the held-out samples as token ids, and an analytic latency table of the model's
-  shape. ``scripts/gpu_plan.py`` packs it into pieces for the plan's calls.
-- ``--bundle BUNDLE`` (there) converts the weights to a release checkpoint
-  (``convert_hf_to_megatron.py --packed``), trains the arms from it in order (``ARM_ORDER``:
-  static and --sparse-balance first, the pair the targets compare), each a torchrun
-  job of ``--dp`` ranks, evaluates every trained checkpoint at density 1 and at d0, and writes
-  one JSON. No arm starts once ``--budget-s`` would be passed by a run as long as the longest
-  so far; the JSON says which were left.
-
-The data: every training document is a RULER-style sample (``--tasks``: a pass key, four keyed
-numbers with three distractors, a variable chain; the Paul Graham essays as haystack) of a length
-drawn log-uniformly from [``--min-doc``, ``--seq-length`` - 64] tokens with its needle at a
-random depth, followed by its answer and the end-of-text token: language modelling in which the
-answer needs attention to reach back to the needle, on documents of mixed lengths (what DST's
-imbalance comes from). Held-out samples (other seeds) sit at ``--eval-lengths`` x ``--depths``.
-Scoring is teacher-forced: an answer counts when every answer token is the argmax (what greedy
-decoding would emit), and the held-out loss is the mean next-token loss over the whole sample.
-
-The sparse arms: block ``--block-size`` (128, what fa4 and triton run), every document sparse at
-its planned density whatever its length (``--sb-dense-below-tokens 0``, as in the CPU study, in
-training and evaluation alike), the plugin's triton kernel on the GPU in training and evaluation
-(torch on the CPU): it takes any micro-batch length, so SAB's arms pack variable-length
-micro-batches (``--sb-microbatch-multiple auto``), and it runs on every device the plan may get
-(``auto`` would choose from a measured table; the bundle's is analytic, and with no measurement
-it picks flex, which compiles a kernel per shape). The dense arm runs cuDNN SDPA
-(``--sb-dense-kernel sdpa``). The JSON is written after each evaluated arm,
-so a call cut at its limit keeps what it finished.
-
-What a device session's six minutes buy: one seed, ``--steps`` 20 of ``--global-batch-size`` 4 x
-16K tokens (1.3M tokens an arm), lr 1e-4 cosine. That is a continuation, not a training run: it
-asks whether DST's budgets cost retrieval at the length and on the pretrained model the paper
-uses, where the CPU study (trained from scratch, several seeds) could not score retrieval at all.
-
-Parallelism: a one-GPU machine cannot run two NCCL ranks on its one device (NCCL's "duplicate
-GPU" error; not tried here), and at DP 1 DST has no idle rank to act on. So ``--dp 2`` runs two ranks on the
-one GPU over gloo (``--distributed-backend gloo --local-rank 0`` for both; gloo reduces CUDA
-tensors through the host). Both ranks then share the GPU, so a measured micro-batch time would
-measure the other rank too: DST and SAB plan with modelled timings (``--sb-timing-source
-model``) from the bundle's analytic table, as the CPU study does. If the first arm fails at DP 2,
-the study says so in the JSON (``dp2_error``) and runs every arm at DP 1 (over NCCL), where the
-DST arms can only be compared with dense, not with static.
+Two halves, because the GPU machine has no network, tokenizer or GGUF reader and takes at most
+64 MiB a call (docs/GPU.md): ``--prepare BUNDLE`` (here) writes SmolLM2's tensors as the GGUF
+stores them (``gguf_weights.pack_gguf``), the training documents tokenized (a Megatron indexed
+data set), the held-out samples as token ids and an analytic latency table; ``--bundle BUNDLE``
+(there) converts the weights to a checkpoint, trains the arms in ``ARM_ORDER`` (each a torchrun
+job of ``--dp`` ranks), scores every checkpoint at density 1 and at d0 (teacher-forced: an
+answer counts when every answer token is the argmax) and writes the JSON after each arm. No arm
+starts that ``--budget-s`` would cut. Training documents are RULER-style samples of lengths
+log-uniform in [``--min-doc``, ``--seq-length`` - 64]; the sparse arms run the triton kernel
+(torch on the CPU) with every document sparse (``--sb-dense-below-tokens 0``) and SAB's arms
+variable-length micro-batches; the dense arm cuDNN SDPA. ``--dp 2`` runs two ranks on the one
+GPU over gloo, DST and SAB planning from modelled timings; if the first arm fails at DP 2 the
+JSON says so (``dp2_error``) and every arm runs at DP 1.
 
     python scripts/bench.py trained_quality_gpu --prepare .sb-quality/bundle      # here
     python scripts/gpu_plan.py pack-quality .sb-quality/bundle                   # pieces
