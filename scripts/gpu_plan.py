@@ -15,8 +15,7 @@ session for the others): the calls run back to back (a call within 30 s finds th
 warm), then ``give_back``. The pieces (below) are pure Python: they run there with nothing
 installed.
 
-    python scripts/gpu_plan.py show [quality]            # the calls, as docs/GPU.md lists them
-    python scripts/gpu_plan.py pack-quality .sb-quality/bundle   # the quality plan's pieces
+    python scripts/gpu_plan.py show [kernels]            # the calls, as docs/GPU.md lists them
     python scripts/gpu_plan.py check .whl                # the tree + these folders vs 60 MiB
     python scripts/gpu_plan.py manifest .whl             # .whl/SHA256SUMS (gpu_wheels.sh)
     python scripts/gpu_plan.py piece-mib .whl            # the largest piece beside tree + .whl
@@ -27,7 +26,6 @@ installed.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import lzma
@@ -50,7 +48,7 @@ CARRY_LIMIT = 60 * MIB          # the machine's 64 MiB less a margin for files a
 CALL_LIMIT_S = 600
 START_S = 40                    # the machine's start (35-40 s on 2026-11-26)
 TRANSFER_S = 10                 # a call's copies there and back
-DEVICE_S = {"issue74": 720, "quality": 900, "kernels": 900}
+DEVICE_S = {"issue74": 720, "kernels": 900}
 PLAN_LIMIT_S = 810              # the calls' timeouts of a 15-minute session (start and waits out)
 MAX_CARRY_PATHS = 8
 MAX_OUT_FILES = 8
@@ -76,8 +74,7 @@ class Call:
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
 # Issue 61's kernel calls (FlashAttention-4's wheels, 96 MiB, come in two pieces: the first
 # call times every kernel that needs no FA4 and stages the first piece; the second, at once on
-# the warm machine, joins them and times FA4). The kernels plan, and the quality plan's first
-# two calls. Measured on the H200 (runs 4-5): 75-99 s each with the start
+# the warm machine, joins them and times FA4). The kernels plan. Measured on the H200 (runs 4-5): 75-99 s each with the start
 KERNEL_CALLS: Tuple[Call, ...] = (
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
@@ -125,33 +122,8 @@ PLAN: Tuple[Call, ...] = (
               "SAB)"),
 )
 
-# The quality plan (issue 62's GPU form): the kernel calls as above, each also staging a piece
-# of the study's bundle (``pack-quality``: SmolLM2's packed tensors and the tokenized data, about
-# 90 MiB compressed), two calls that only stage pieces, then the study. It replaces the
-# end-to-end call in a session that runs it: 795 s of the 810
-QUALITY = ".sb-quality"
-QUALITY_RUN = ("mkdir -p {out}; python3 scripts/bench.py trained_quality_gpu --bundle "
-               f"{STAGE}/{QUALITY}/files --out /tmp/tq --budget-s {{budget_s}} "
-               "--json {out}/trained_quality_gpu.json; rc=$?; tar czf {out}/logs.tar.gz "
-               "-C /tmp/tq --exclude=ckpt --exclude=init . ; exit $rc")
-QUALITY_PLAN: Tuple[Call, ...] = (
-    dataclasses.replace(KERNEL_CALLS[0], carry=KERNEL_CALLS[0].carry + (f"{QUALITY}/1",)),
-    dataclasses.replace(KERNEL_CALLS[1], carry=KERNEL_CALLS[1].carry + (f"{QUALITY}/2",)),
-    Call("stage-3", (), 30, 20, carry=(f"{QUALITY}/3",), run="echo staged", outputs=(),
-         what="stages the bundle's third piece"),
-    Call("stage-4", (), 30, 20, carry=(f"{QUALITY}/4",), run="echo staged", outputs=(),
-         what="stages the bundle's fourth piece"),
-    Call("quality", (), 380, 260, carry=(f"{QUALITY}/5", ".whl"), complete=True,
-         run=QUALITY_RUN, outputs=("trained_quality_gpu.json", "logs.tar.gz"),
-         what="the trained-quality study (scripts/studies/trained_quality_gpu.py): SmolLM2-135M "
-              "continued at 16K, static d0 0.25, --sparse-balance, dense and DST (density "
-              "objective) in that order, DP 2 on the one GPU over gloo, then every checkpoint scored on the "
-              "held-out RULER-style samples; no arm starts that would end after 260 s"),
-)
-PLANS = {"issue74": PLAN, "quality": QUALITY_PLAN, "kernels": KERNEL_CALLS}
+PLANS = {"issue74": PLAN, "kernels": KERNEL_CALLS}
 PLAN_NOTES = {"issue74": "the open work of issue 74 (fa4's kernel table inside): the default",
-              "quality": "issue 62's trained-quality study; replaces issue 74's plan in a "
-                         "session that runs it",
               "kernels": "issue 61's two kernel calls alone (triton and flex, then fa4 and "
                          "flash), after a kernel changes"}
 
@@ -265,19 +237,6 @@ def piece_bytes_for(tree: int, others: int = 0, limit: int = CARRY_LIMIT) -> int
     return room
 
 
-def quality_rooms(tree: int) -> List[int]:
-    """Per call of the quality plan that carries a piece of its bundle, the room it has beside
-    the tree and the call's other carries (a MiB of slack, as ``piece_bytes_for``; none left:
-    0), in the plan's order."""
-    rooms = []
-    for c in QUALITY_PLAN:
-        others = [p for p in c.carry if not p.startswith(QUALITY + "/")]
-        if len(others) < len(c.carry):
-            used = tree + sum(folder_bytes(os.path.join(ROOT, p)) for p in others) + MIB
-            rooms.append(max(0, CARRY_LIMIT - used))
-    return rooms
-
-
 # --- pieces: wheels and bundles packed here into checksummed pieces (one xz-compressed tar cut
 # to the rooms the plan's calls have), and there verified against their SHA256SUMS, staged until
 # their set is whole, joined, checked whole and installed (pip --no-index --no-deps --target)
@@ -343,11 +302,9 @@ def _stored(path: str) -> bytes:
 def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
     """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside,
     which xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70
-    MiB) cut into pieces: the fewest equal ones of at most ``piece_bytes``, or, given a list of
-    sizes (the room each call of a plan has), one piece per size, each in proportion to it, so
-    that every call of the plan carries its piece. ``dest/1/piece.00``, ``dest/2/piece.01``..., each folder with a manifest of its
-    piece and of the whole archive (``all.tar.xz``), checked on the machine before anything is
-    unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
+    MiB) cut into the fewest equal pieces of at most ``piece_bytes``: ``dest/1/piece.00``,
+    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole archive
+    (``all.tar.xz``), checked on the machine before anything is unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
     if not os.path.isdir(src) or not os.listdir(src):
         raise ValueError(f"{src}: expected a folder of files to pack")
     buf = io.BytesIO()
@@ -362,16 +319,8 @@ def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
                 tar.addfile(info, io.BytesIO(data))
     data = lzma.compress(buf.getvalue(), preset=preset)
     whole = hashlib.sha256(data).hexdigest()
-    if isinstance(piece_bytes, int):
-        n = max(1, -(-len(data) // piece_bytes))
-        sizes = [-(-len(data) // n)] * n
-    else:
-        room = sum(piece_bytes)
-        if len(data) > room:
-            raise ValueError(f"{src}: {len(data) / MIB:.1f} MiB compressed, more than the "
-                             f"{room / MIB:.1f} MiB the pieces can hold")
-        ends = [len(data) * sum(piece_bytes[:i + 1]) // room for i in range(len(piece_bytes))]
-        sizes = [b - a for a, b in zip([0] + ends, ends)]
+    n = max(1, -(-len(data) // piece_bytes))
+    sizes = [-(-len(data) // n)] * n
     n, at, folders = len(sizes), 0, []
     for i, size in enumerate(sizes):
         folder = os.path.join(dest, str(i + 1))
@@ -409,7 +358,7 @@ def join_pieces(stage: str, out_dir: str) -> bool:
 def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
            complete=False) -> str:
     """There: verify each folder, then install its wheels into ``site`` (``--no-deps``). A piece
-    is staged in ``stage/<its set>`` (the folder above it: ``.whl-fa4``, ``.sb-quality``) until
+    is staged in ``stage/<its set>`` (the folder above it: ``.whl-fa4``) until
     its set is complete; a complete set is unpacked into ``stage/<set>/files``, and the wheels
     among its files are installed. Returns what was done, in words. ``complete`` (True: every
     folder; or the folders it names): a set of those whose other pieces are not staged is a
@@ -463,17 +412,6 @@ def main(argv=None) -> int:
         print("other plans (python scripts/gpu_plan.py show NAME; docs/GPU.md): " + "; ".join(
             f"{n}: {PLAN_NOTES[n]}" for n in PLANS if n != name))
         return 1 if plan_problems(plan) else 0
-    if verb == "pack-quality":
-        src = argv[0] if argv else os.path.join(QUALITY, "bundle")
-        if not os.path.exists(os.path.join(src, "bundle.json")):
-            print(f"{verb} {src}: no bundle.json there: expected the folder "
-                  f"'trained_quality_gpu --prepare' writes", file=sys.stderr)
-            return 2
-        for i in range(1, 10):
-            shutil.rmtree(os.path.join(ROOT, QUALITY, str(i)), ignore_errors=True)
-        for f in pack(src, os.path.join(ROOT, QUALITY), quality_rooms(tree_bytes())):
-            print(f, f"{folder_bytes(f) / MIB:.1f} MiB")
-        return 0
     if verb == "check":
         tree = tree_bytes()
         carried = {p: folder_bytes(p) for p in argv}
@@ -502,7 +440,7 @@ def main(argv=None) -> int:
             return 3
         return 0
     print(f"unknown verb {verb!r}: expected show, check, manifest, "
-          f"piece-mib, pack, pack-quality or unpack", file=sys.stderr)
+          f"piece-mib, pack or unpack", file=sys.stderr)
     return 2
 
 
