@@ -68,7 +68,6 @@ class Call:
     complete: bool = False       # unpack --complete: the first carried folder's set must be whole
     latency_table: str = ""      # gpu_check.py --latency-table (a committed table of the kind)
     bench_lengths: Tuple[int, ...] = ()    # gpu_check.py --bench-lengths (): the table's own)
-    run: str = ""                # a command of its own instead of gpu_check.py's steps
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
@@ -160,8 +159,6 @@ def command(call: Call) -> str:
         bench += f"--latency-table {call.latency_table} "
     head = (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
             + f"export SPARSEBALANCE_COMMIT={head_commit()}; ")
-    if call.run:
-        return head + call.run.format(out=f"$OUT/{call.name}", budget_s=call.budget_s)
     return head + (f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
                    f"--budget-s {call.budget_s} {backend}{bench}--bundle "
                    f"--out-dir $OUT/{call.name}")
