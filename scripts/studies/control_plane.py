@@ -9,7 +9,7 @@ received per rank independent of DP.
 - **Bytes each rank receives per step**, exact, from the records' sizes (``record_shapes``), each
   ``fixed`` or ``grows``; priced with ``MODEL`` (NCCL's tuner's alpha-beta constants, every one
   sourced; ``collective_s``).
-- **After-step work and handoff**, measured (``planner_cost.after_step``, the pickled request).
+- **After-step work and handoff**, measured (``_rank_draft.rank_after_step``, the pickled request).
 - **The critical path** at ``--sb-planner process``: the record gather (network and host CPU,
   ``tensor_cpu_s``), the handoff, the after-step work and the draft's excess over the simulated
   static step.
