@@ -68,21 +68,16 @@ STUDIES = {
                            "BENCHMARKS.md DST's accuracy side"),
     "long_context": ("long-context retrieval (needle, variable tracking, QA) in Megatron",
                      "QUALITY.md"),
-    "trained_quality_gpu": ("dense, static sparse, --sparse-balance and DST (density objective) "
-                            "continuing SmolLM2-135M at 16K on one GPU, scored on RULER-style "
-                            "tasks (--prepare here, --bundle there)", "QUALITY.md"),
     "continued_quality": ("a dense-trained base continued under static, --sparse-balance, SAB "
                           "alone, matched static and a 0.9 x d0 control on CPU: a verdict",
                           "QUALITY.md"),
-    "inference_quality_gpu": ("the inference study's GPU form: a bundle prepared here, scored "
-                              "on the device", "QUALITY.md, scripts/gpu_plan.py"),
     "inference_quality": ("SmolLM2-135M under the runtime's DST plans at two layouts against "
                           "uniform d0 and uniform at DST's predicted step time, with a positive "
                           "control and a pilot's margins: free accuracy, a verdict",
                           "QUALITY.md"),
 }
 # what the studies share (modules of scripts/studies/ that are not studies)
-SHARED = ("common", "device", "gpu_trace", "kernels", "smollm2", "trained_quality")
+SHARED = ("common", "device", "gpu_trace", "kernels", "smollm2")
 
 
 def usage() -> str:

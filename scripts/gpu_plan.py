@@ -12,11 +12,10 @@ device time, the machine's start (about 40 s on 2026-11-26) and its idle wait af
 plan's timeouts, the machine's start (``START_S``) and each call's transfers (``TRANSFER_S``) add
 up to at most its device time (``DEVICE_S``: 12 minutes for issue 74's plan, the 15 of the
 session for the others): the calls run back to back (a call within 30 s finds the machine
-warm), then ``give_back``. The pieces themselves: ``studies/_pieces.py``.
+warm), then ``give_back``. The pieces (below) are pure Python: they run there with nothing
+installed.
 
-    python scripts/gpu_plan.py show [quality]            # the calls, as docs/GPU.md lists them
-    python scripts/gpu_plan.py pack-quality .sb-quality/bundle   # the quality plan's pieces
-    python scripts/gpu_plan.py pack-inference .sb-inference/bundle   # the inference plan's
+    python scripts/gpu_plan.py show [kernels]            # the calls, as docs/GPU.md lists them
     python scripts/gpu_plan.py check .whl                # the tree + these folders vs 60 MiB
     python scripts/gpu_plan.py manifest .whl             # .whl/SHA256SUMS (gpu_wheels.sh)
     python scripts/gpu_plan.py piece-mib .whl            # the largest piece beside tree + .whl
@@ -27,24 +26,29 @@ warm), then ``give_back``. The pieces themselves: ``studies/_pieces.py``.
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
+import io
+import lzma
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-from studies._pieces import (MANIFEST, MIB, SITE, STAGE, join_pieces, pack,  # noqa: E402,F401
-                             read_manifest, sha256_file, unpack, verify, write_manifest)
 
+MIB = 1 << 20
+MANIFEST = "SHA256SUMS"
+SITE = "/tmp/site"
+STAGE = "/tmp/wheel_pieces"
 CARRY_LIMIT = 60 * MIB          # the machine's 64 MiB less a margin for files added later
 CALL_LIMIT_S = 600
 START_S = 40                    # the machine's start (35-40 s on 2026-11-26)
 TRANSFER_S = 10                 # a call's copies there and back
-DEVICE_S = {"issue74": 720, "quality": 900, "kernels": 900, "inference": 900}
+DEVICE_S = {"issue74": 720, "kernels": 900}
 PLAN_LIMIT_S = 810              # the calls' timeouts of a 15-minute session (start and waits out)
 MAX_CARRY_PATHS = 8
 MAX_OUT_FILES = 8
@@ -64,14 +68,12 @@ class Call:
     complete: bool = False       # unpack --complete: the first carried folder's set must be whole
     latency_table: str = ""      # gpu_check.py --latency-table (a committed table of the kind)
     bench_lengths: Tuple[int, ...] = ()    # gpu_check.py --bench-lengths (): the table's own)
-    run: str = ""                # a command of its own instead of gpu_check.py's steps
 
 
 KERNEL_OUTPUTS = ("gpu_check.json", "kernel_rows.jsonl", "bundle.tar.gz")
 # Issue 61's kernel calls (FlashAttention-4's wheels, 96 MiB, come in two pieces: the first
 # call times every kernel that needs no FA4 and stages the first piece; the second, at once on
-# the warm machine, joins them and times FA4). The kernels plan, and the quality plan's first
-# two calls. Measured on the H200 (runs 4-5): 75-99 s each with the start
+# the warm machine, joins them and times FA4). The kernels plan. Measured on the H200 (runs 4-5): 75-99 s each with the start
 KERNEL_CALLS: Tuple[Call, ...] = (
     Call("kernel", ("env", "bench"), 185, 170, carry=(".whl-fa4/1",),
          bench_backends=("triton", "flex"), outputs=KERNEL_OUTPUTS,
@@ -119,56 +121,8 @@ PLAN: Tuple[Call, ...] = (
               "SAB)"),
 )
 
-# The quality plan (issue 62's GPU form): the kernel calls as above, each also staging a piece
-# of the study's bundle (``pack-quality``: SmolLM2's packed tensors and the tokenized data, about
-# 90 MiB compressed), two calls that only stage pieces, then the study. It replaces the
-# end-to-end call in a session that runs it: 795 s of the 810
-QUALITY = ".sb-quality"
-QUALITY_RUN = ("mkdir -p {out}; python3 scripts/bench.py trained_quality_gpu --bundle "
-               f"{STAGE}/{QUALITY}/files --out /tmp/tq --budget-s {{budget_s}} "
-               "--json {out}/trained_quality_gpu.json; rc=$?; tar czf {out}/logs.tar.gz "
-               "-C /tmp/tq --exclude=ckpt --exclude=init . ; exit $rc")
-QUALITY_PLAN: Tuple[Call, ...] = (
-    dataclasses.replace(KERNEL_CALLS[0], carry=KERNEL_CALLS[0].carry + (f"{QUALITY}/1",)),
-    dataclasses.replace(KERNEL_CALLS[1], carry=KERNEL_CALLS[1].carry + (f"{QUALITY}/2",)),
-    Call("stage-3", (), 30, 20, carry=(f"{QUALITY}/3",), run="echo staged", outputs=(),
-         what="stages the bundle's third piece"),
-    Call("stage-4", (), 30, 20, carry=(f"{QUALITY}/4",), run="echo staged", outputs=(),
-         what="stages the bundle's fourth piece"),
-    Call("quality", (), 380, 260, carry=(f"{QUALITY}/5", ".whl"), complete=True,
-         run=QUALITY_RUN, outputs=("trained_quality_gpu.json", "logs.tar.gz"),
-         what="the trained-quality study (scripts/studies/trained_quality_gpu.py): SmolLM2-135M "
-              "continued at 16K, static d0 0.25, --sparse-balance, dense and DST (density "
-              "objective) in that order, DP 2 on the one GPU over gloo, then every checkpoint scored on the "
-              "held-out RULER-style samples; no arm starts that would end after 260 s"),
-)
-# The inference plan (issue 84's GPU form of the inference study): two calls that stage pieces
-# of the bundle (``inference_quality_gpu --prepare``: samples of 15-16K tokens planned here at
-# both layouts, SmolLM2's packed tensors), then the study, one call: no forward starts after
-# 400 s. 610 s of device time with the start and the transfers
-INFERENCE = ".sb-inference"
-INFERENCE_RUN = ("mkdir -p {out}; python3 scripts/bench.py inference_quality_gpu --bundle "
-                 f"{STAGE}/{INFERENCE}/files --device cuda --budget-s {{budget_s}} "
-                 "--json {out}/inference_quality_gpu.json")
-INFERENCE_PLAN: Tuple[Call, ...] = (
-    Call("stage-1", (), 30, 20, carry=(f"{INFERENCE}/1",), run="echo staged", outputs=(),
-         what="stages the inference bundle's first piece"),
-    Call("stage-2", (), 30, 20, carry=(f"{INFERENCE}/2",), run="echo staged", outputs=(),
-         what="stages the inference bundle's second piece"),
-    Call("inference", (), 480, 400, carry=(f"{INFERENCE}/3", ".whl"), complete=True,
-         run=INFERENCE_RUN, outputs=("inference_quality_gpu.json",),
-         what="the inference study's GPU form (scripts/studies/inference_quality_gpu.py): "
-              "SmolLM2-135M in bf16 with the triton backend scores the bundle's samples under "
-              "uniform d0, 0.9 x d0 and, per layout, DST's plan, uniform at DST's predicted "
-              "step time and at its kept density; no forward starts after 400 s"),
-)
-PLANS = {"issue74": PLAN, "quality": QUALITY_PLAN, "kernels": KERNEL_CALLS,
-         "inference": INFERENCE_PLAN}
+PLANS = {"issue74": PLAN, "kernels": KERNEL_CALLS}
 PLAN_NOTES = {"issue74": "the open work of issue 74 (fa4's kernel table inside): the default",
-              "quality": "issue 62's trained-quality study; replaces issue 74's plan in a "
-                         "session that runs it",
-              "inference": "the inference study's GPU form (at 16K); a "
-                           "session of its own",
               "kernels": "issue 61's two kernel calls alone (triton and flex, then fa4 and "
                          "flash), after a kernel changes"}
 
@@ -205,8 +159,6 @@ def command(call: Call) -> str:
         bench += f"--latency-table {call.latency_table} "
     head = (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
             + f"export SPARSEBALANCE_COMMIT={head_commit()}; ")
-    if call.run:
-        return head + call.run.format(out=f"$OUT/{call.name}", budget_s=call.budget_s)
     return head + (f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
                    f"--budget-s {call.budget_s} {backend}{bench}--bundle "
                    f"--out-dir $OUT/{call.name}")
@@ -282,18 +234,161 @@ def piece_bytes_for(tree: int, others: int = 0, limit: int = CARRY_LIMIT) -> int
     return room
 
 
-def quality_rooms(tree: int, plan: Sequence[Call] = QUALITY_PLAN,
-                  folder: str = QUALITY) -> List[int]:
-    """Per call of the quality plan (or ``plan``, its bundle in ``folder``) that carries a piece
-    of its bundle, the room it has beside the tree and the call's other carries (a MiB of
-    slack, as ``piece_bytes_for``; none left: 0), in the plan's order."""
-    rooms = []
-    for c in plan:
-        others = [p for p in c.carry if not p.startswith(folder + "/")]
-        if len(others) < len(c.carry):
-            used = tree + sum(folder_bytes(os.path.join(ROOT, p)) for p in others) + MIB
-            rooms.append(max(0, CARRY_LIMIT - used))
-    return rooms
+# --- pieces: wheels and bundles packed here into checksummed pieces (one xz-compressed tar cut
+# to the rooms the plan's calls have), and there verified against their SHA256SUMS, staged until
+# their set is whole, joined, checked whole and installed (pip --no-index --no-deps --target)
+
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def write_manifest(folder: str, extra: Dict[str, str] = ()) -> str:
+    """``folder/SHA256SUMS``: ``sha256  name`` per file (sha256sum's format), plus ``extra``."""
+    lines = {n: sha256_file(os.path.join(folder, n)) for n in sorted(os.listdir(folder))
+             if n != MANIFEST and os.path.isfile(os.path.join(folder, n))}
+    lines.update(dict(extra))
+    path = os.path.join(folder, MANIFEST)
+    with open(path, "w") as fh:
+        fh.writelines(f"{h}  {n}\n" for n, h in lines.items())
+    return path
+
+
+def read_manifest(folder: str) -> Dict[str, str]:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise ValueError(f"{folder}: no {MANIFEST}: expected the folder gpu_wheels.sh made")
+    out = {}
+    for line in open(path):
+        if line.strip():
+            h, name = line.split(None, 1)
+            out[name.strip()] = h
+    return out
+
+
+def verify(folder: str, names=None) -> None:
+    """Every file of ``folder``'s manifest (or ``names`` of it) has its sha256, else ValueError."""
+    want = read_manifest(folder)
+    stray = [n for n in os.listdir(folder) if (n.endswith(".whl") or n.startswith("piece."))
+             and n not in want]
+    if stray:
+        raise ValueError(f"{folder}: {', '.join(sorted(stray))} not in {MANIFEST}")
+    for name in (names if names is not None else
+                 [n for n in want if os.path.exists(os.path.join(folder, n))]):
+        path = os.path.join(folder, name)
+        if name not in want or not os.path.exists(path):
+            raise ValueError(f"{path}: missing or not in {MANIFEST}")
+        got = sha256_file(path)
+        if got != want[name]:
+            raise ValueError(f"{path}: sha256 {got[:16]}..., expected {want[name][:16]}... "
+                             f"(a broken or mixed carry)")
+
+
+def _stored(path: str) -> bytes:
+    """A wheel (a zip) rewritten with its members stored, not deflated, so that xz sees the
+    files themselves: the same wheel to pip (RECORD hashes the members, not the archive)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            info.compress_type = zipfile.ZIP_STORED
+            dst.writestr(info, data)
+    return out.getvalue()
+
+
+def pack(src: str, dest: str, piece_bytes, preset: int = 9) -> List[str]:
+    """The files under ``src`` as one xz-compressed tar (wheels stored uncompressed inside,
+    which xz then packs about a third smaller than their own deflate: FA4's set 97.5 -> ~70
+    MiB) cut into the fewest equal pieces of at most ``piece_bytes``: ``dest/1/piece.00``,
+    ``dest/2/piece.01``..., each folder with a manifest of its piece and of the whole archive
+    (``all.tar.xz``), checked on the machine before anything is unpacked. ``preset``: xz's (9, the smallest; a test's quick packing may take less)."""
+    if not os.path.isdir(src) or not os.listdir(src):
+        raise ValueError(f"{src}: expected a folder of files to pack")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for d, dirs, files in sorted(os.walk(src)):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(d, name)
+                data = _stored(path) if name.endswith(".whl") else open(path, "rb").read()
+                info = tarfile.TarInfo(os.path.relpath(path, src))
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+    data = lzma.compress(buf.getvalue(), preset=preset)
+    whole = hashlib.sha256(data).hexdigest()
+    n = max(1, -(-len(data) // piece_bytes))
+    sizes = [-(-len(data) // n)] * n
+    n, at, folders = len(sizes), 0, []
+    for i, size in enumerate(sizes):
+        folder = os.path.join(dest, str(i + 1))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"piece.{i:02d}"), "wb") as fh:
+            fh.write(data[at:at + size])
+        at += size
+        write_manifest(folder, {"all.tar.xz": whole, f"pieces.{n}": "0" * 64})
+        folders.append(folder)
+    return folders
+
+
+def join_pieces(stage: str, out_dir: str) -> bool:
+    """Unpack the archive whose pieces sit in ``stage`` (their manifests copied alongside) into
+    ``out_dir`` when all have come; False while some are missing. Checks the whole archive's
+    sha256 before decompressing or extracting anything."""
+    man = read_manifest(stage)
+    n = int(next(k for k in man if k.startswith("pieces.")).split(".")[1])
+    names = [f"piece.{i:02d}" for i in range(n)]
+    if not all(os.path.exists(os.path.join(stage, p)) for p in names):
+        return False
+    h, data = hashlib.sha256(), bytearray()
+    for p in names:
+        chunk = open(os.path.join(stage, p), "rb").read()
+        h.update(chunk)
+        data += chunk
+    if h.hexdigest() != man["all.tar.xz"]:
+        raise ValueError(f"{stage}: the joined pieces' sha256 differs from the manifest's "
+                         f"all.tar.xz")
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(bytes(data)))) as tar:
+        tar.extractall(out_dir, filter="data")
+    return True
+
+
+def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
+           complete=False) -> str:
+    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``). A piece
+    is staged in ``stage/<its set>`` (the folder above it: ``.whl-fa4``) until
+    its set is complete; a complete set is unpacked into ``stage/<set>/files``, and the wheels
+    among its files are installed. Returns what was done, in words. ``complete`` (True: every
+    folder; or the folders it names): a set of those whose other pieces are not staged is a
+    ValueError (the machine came back bare)."""
+    wheels, waiting, unpacked = [], [], []
+    for folder in folders:
+        verify(folder)
+        names = os.listdir(folder)
+        if any(n.startswith("piece.") for n in names):
+            where = os.path.join(stage, os.path.basename(os.path.dirname(os.path.abspath(folder))))
+            os.makedirs(where, exist_ok=True)
+            for n in names:
+                if n.startswith("piece."):
+                    shutil.copyfile(os.path.join(folder, n), os.path.join(where, n))
+            with open(os.path.join(folder, MANIFEST)) as src, \
+                    open(os.path.join(where, MANIFEST), "w") as dst:
+                dst.write(src.read())
+            joined = os.path.join(where, "files")
+            if not join_pieces(where, joined):
+                if complete is True or folder in (complete or ()):
+                    raise ValueError(f"{folder}: the other pieces are not in {where} (a bare "
+                                     f"machine: the calls that carry them must run first)")
+                waiting.append(f"{folder}: staged; waiting for the other pieces in {where}")
+                continue
+            unpacked.append(f"{folder}: its set unpacked into {joined}")
+            wheels += [os.path.join(joined, n) for n in os.listdir(joined) if n.endswith(".whl")]
+        else:
+            wheels += [os.path.join(folder, n) for n in names if n.endswith(".whl")]
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--no-compile", "--no-cache-dir", "--upgrade", "--target", site,
+                        *sorted(wheels)], check=True)
+    return "; ".join([f"installed {len(wheels)} wheels into {site}"] + unpacked + waiting)
 
 
 def main(argv=None) -> int:
@@ -314,21 +409,6 @@ def main(argv=None) -> int:
         print("other plans (python scripts/gpu_plan.py show NAME; docs/GPU.md): " + "; ".join(
             f"{n}: {PLAN_NOTES[n]}" for n in PLANS if n != name))
         return 1 if plan_problems(plan) else 0
-    if verb in ("pack-quality", "pack-inference"):
-        plan, folder, study = ((QUALITY_PLAN, QUALITY, "trained_quality_gpu")
-                               if verb == "pack-quality" else
-                               (INFERENCE_PLAN, INFERENCE, "inference_quality_gpu"))
-        src = argv[0] if argv else os.path.join(folder, "bundle")
-        if not os.path.exists(os.path.join(src, "bundle.json")):
-            print(f"{verb} {src}: no bundle.json there: expected the folder "
-                  f"'{study} --prepare' writes", file=sys.stderr)
-            return 2
-        for i in range(1, 10):
-            shutil.rmtree(os.path.join(ROOT, folder, str(i)), ignore_errors=True)
-        for f in pack(src, os.path.join(ROOT, folder),
-                      quality_rooms(tree_bytes(), plan, folder)):
-            print(f, f"{folder_bytes(f) / MIB:.1f} MiB")
-        return 0
     if verb == "check":
         tree = tree_bytes()
         carried = {p: folder_bytes(p) for p in argv}
@@ -357,7 +437,7 @@ def main(argv=None) -> int:
             return 3
         return 0
     print(f"unknown verb {verb!r}: expected show, check, manifest, "
-          f"piece-mib, pack, pack-quality, pack-inference or unpack", file=sys.stderr)
+          f"piece-mib, pack or unpack", file=sys.stderr)
     return 2
 
 

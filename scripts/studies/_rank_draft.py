@@ -1,30 +1,15 @@
-"""One DP rank's per-step planning on the per-rank path (``control_plane``'s study, issue 77):
-what a rank computes (``rank_step``: thread CPU by phase) and what it receives (``rank_bytes``:
-exact, each collective flagged fixed or growing with DP).
+"""One DP rank's per-step planning on the per-rank path (``control_plane``, ``planner_cost``;
+issue 77): what a rank computes (``rank_step``: thread CPU by phase) and receives
+(``rank_bytes``: exact, each collective flagged fixed or growing with DP).
 
-``rank_step`` times, for one rank, the package's per-rank entries in the order a step runs them:
-
-- ``own_draft``: the runtime's ``Drafter.draft(rank=r)`` (``own_draft``: SAB's assignment, every
-  rank's alike, n log dp; its ``units([r])``; its row of the do-no-harm baseline, packed whole
-  and sliced, with its features), the least of ``repeats`` runs;
-- settle's compute: ``sab.rank_plan`` (the slot search over the agreed candidates, its one-row
-  plan), ``features`` (its micro-batches' latency features), ``sensitivity`` (its units'),
-  ``unit_costs`` (``UnitCosts.from_latency(rank=r, rank_units=True)`` of both packings' own
-  rows), each the least of ``repeats`` calls;
-- ``dst.<phase>``: DST's rounds of both packings (``dst_rounds.rank_rounds``, the default
-  ``--sb-stand-down-compare planned`` plans both), each phase's MAXIMUM OVER THE DP RANKS (the
-  ranks wait for each other at every reduction: the wall time of a rank's DST less the
-  reductions'), as ``dst_decomposed`` takes it: every rank's rounds are driven here in lockstep
-  (``dst_rounds.plan_rounds_in_process``), each rank's CPU by ``dst_ranks.PHASES``, the least of
-  ``repeats`` runs per rank and phase (one run's maximum over 4,096 ranks measured one after
-  another on a shared CPU is its preemptions': ``dst_rank_s`` keeps each run's sum of phase
-  maxima, and the median, p99 and maximum over ranks of a rank's DST);
-- ``busy_s``: the committed plan's busy seconds of its own units (``choice.choose``'s).
-
-The representative rank of the SAB and cost phases is the critical one (the largest seed
-makespan among the candidates, which the search touches most). The agreement (every rank's
-units, ``SABAssignment.agree``) is made off the clock: in a run the other ranks make theirs.
-The rank's row is checked to be the whole plan's row (the study stops otherwise).
+``rank_step`` times the package's per-rank entries in a step's order, each the least of
+``repeats`` runs: ``own_draft`` (``Drafter.draft(rank=r)``), settle's compute (``rank_plan``,
+``features``, ``sensitivity``, ``unit_costs``), ``dst.<phase>`` (DST's rounds of both packings,
+every rank's driven here in lockstep, each phase's MAXIMUM OVER THE DP RANKS: the ranks wait for
+each other at every reduction; ``dst_rank_s`` keeps each run's sum of phase maxima and the
+median, p99 and maximum over ranks) and ``busy_s``. The SAB and cost phases' rank is the
+critical one; the agreement is made off the clock; the rank's row is checked to be the whole
+plan's.
 """
 
 from __future__ import annotations

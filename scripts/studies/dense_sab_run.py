@@ -1,47 +1,15 @@
 """Dense attention with SAB packing in Megatron's pretrain() on CPU: measured step times against
 Megatron's sequential fill and token-balanced packing, paired step by step over several seeds.
 
-Runs the README's job (``examples/run_cpu_demo.sh``: the tiny GPT, ``torchrun``, PP=2 x DP=2,
-gloo, one thread per process; ``--pp 1``: PP=1 x DP=2, two processes) with dense attention and no
-sparse call, once per (seed, packing):
-
-- ``sequential``: ``--sb-packing sequential`` (Megatron's fill of the plugin's data path), fixed
-  ``--seq-length`` micro-batches (padding fills what the documents leave);
-- ``sequential_var``: the same with variable-length micro-batches (``--sb-microbatch-multiple
-  128``: no fill, as Megatron's ``dp_balanced`` packer sends them);
-- ``token_balanced``: ``--sb-packing token_balanced`` (balance token counts), fixed length;
-- ``sab``: ``--sb-batching`` alone, as shipped: SAB packs by the dense kernel's predicted time and
-  stands down to sequential packing in a step where it is predicted no faster
-  (``--sb-stand-down``, default); ``--sb-microbatch-multiple auto`` makes its micro-batches
-  variable-length (multiples of 128 tokens);
-- ``sab_fixed``: SAB at fixed length (``--sb-microbatch-multiple 0``).
-
-So sequential / sab_fixed and sequential_var / sab are SAB's balance at equal padding (fixed,
-and none), and sequential / sab the shipped default's whole gain, the fill included.
-
-Every run of a seed trains on the same documents in the same steps (the plugin's sampler cuts the
-global batches before any packing; ``--sb-seed`` and ``--seed`` are the seed), so step k of one
-packing is paired with step k of another: the paired ratio sequential / sab of one step is the
-speedup of that step. The first ``UNTIMED_STEPS`` steps are not timed. The runs of a seed go in a
-rotated order (seed i starts with packing i mod 3), so a load that drifts during the study does
-not always favour the same packing.
-
-The data: the built-in corpus with the byte tokenizer (``--sb-tokenizer byte``), so the tiny
-model's LM head costs about what a large model's does beside its layers (the Qwen BPE's
-vocabulary over hidden 128 makes the head most of the step, and attention, what SAB balances,
-would hardly show), cut into sections by default (``--doc-unit``): 71% of its tokens are in
-documents of 4,096 bytes or more, among many short ones. Whole files (``--doc-unit file``, 98% of
-the tokens in documents of 4,096 bytes or more) are cut by a 4,096-position micro-batch into
-full-length pieces of equal attention work, so there is nothing to balance: SAB's own prediction
-stands it down in most steps there.
-
-CPU attention costs are not GPU costs: the figure shows the mechanism works end to end in
-Megatron's loop (the plugin's packing, its stand-down, its timers), not what a GPU would gain.
-Every process needs a free core (four at PP=2 x DP=2): on fewer they time-share, a step's wall
-time follows the total work (the same for every packing of the same documents) rather than the
-slowest rank, and the balance SAB buys hardly shows; the study says so when the machine has fewer
-cores (``cores`` in the JSON), and a loaded machine's figures are noise. On a 2-core machine
-``--pp 1`` (DP=2, two processes) is the form whose balance shows.
+Runs the README's job (``examples/run_cpu_demo.sh``: PP=2 x DP=2, gloo; ``--pp 1``: DP=2) with
+dense attention, once per (seed, packing): ``sequential``, ``sequential_var`` (variable-length
+micro-batches, no fill), ``token_balanced``, ``sab`` (``--sb-batching`` as shipped: stand-down
+on, variable length) and ``sab_fixed``. Every run of a seed trains on the same documents in the
+same steps, so step k of one packing pairs with step k of another; the first
+``UNTIMED_STEPS`` are not timed; each seed rotates the runs' order. Data: the built-in corpus,
+byte tokenizer, cut into sections (``--doc-unit``). CPU attention costs are not GPU costs: the
+figure shows the mechanism works end to end in Megatron's loop. Every process needs a free core
+(``cores`` in the JSON); on 2 cores ``--pp 1`` is the form whose balance shows.
 
     .venv/bin/python scripts/bench.py dense_sab_run --json docs/results/dense_sab_run_cpu.json
     .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --seeds 1 2 3 4 \\

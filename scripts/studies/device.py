@@ -1,52 +1,20 @@
 """What gpu_check's steps run on the device (``scripts/gpu_check.py``; ``dst_gpu`` plans with its
-tables too): the latency tables of the device calls, the train step's runs, and the kernel-side
-steps. Pure Python; torch, megatron and the package are imported inside the functions that need
-them.
+tables too). Pure Python; torch, megatron and the package are imported inside the functions.
 
-**The device calls' latency tables** (``priced_table``), made from committed device
-measurements, not profiled there: the analytic table (``latency.analytic``: the GEMMs at published throughputs) with the
-attention as the H200 measured it in run 5 (cuDNN's dense kernel per causal tile, and the
-sparse call's price of the backend the call will run, ``latency.sparse_call.fit_price``, at the
-model's own head shape).
-
-The end-to-end call trains a 24-layer model that no committed table describes (the H200's fa4
-table is the 8-layer one's, with no middle stage to scale from), and the DST call plans a
-PP 4 x DP 4 step of it: both plan with ``priced_table`` and say so.
-
-**The train step** (``step_train``): Megatron ``pretrain()`` runs of the full-depth Qwen2.5-0.5B
-(24 layers, ``gpu_trace.SHAPE``) on the corpus's documents of 16K+ tokens, and their comparisons
-(``gpu_trace``).
-
-The runs, in ``TRAIN_RUNS``' order (what the issue-74 targets count first; the budget cuts the
-rest): dense + SAB through torch's varlen call (``dense_sab``: the base every comparison
-re-prices and every bound's non-attention time comes from) and ``--sparse-balance`` at d0 0.25
-and 0.5 in 32K micro-batches, the same dense + SAB and d0 0.25 in 64K ones, dense + SAB
-through cuDNN SDPA at 32K (``dense_sab_sdpa``, a long document alone in its call: the measured
-baseline), then d0 0.5 at 64K, the 128K data set, whole files and Megatron's plain dense.
-A data set runs without activation recomputation where its estimated peak fits the device,
-with Megatron's full recomputation where only that fits, and not at all otherwise
-(``full_depth.memory_plan``, the device's memory read here: on the H200 32K plain, 64K
-recomputed, 128K not run); every run of a data set has the same flags. The runs plan with
-``--latency-table`` or, without one, a table of this model priced by run 5's kernel table of
-the backend ``auto`` runs (``priced_table``).
-
-The 32K and 64K runs of dense + SAB (both kernels) and of d0 0.5 and 0.25 (``TRAIN_PROFILED``)
-record their steady step ``PROFILE_STEP`` with Megatron's PyTorch profiler; the step's trace is
-summarised (``gpu_trace.summarize_step``: non-attention, attention per pass with FA4's side
-passes, selection and lists, copies and fills, GPU idle, the busy fraction, the longest host
-gaps) while the next run trains, into the run's ``gpu_profile``, and the trace removed. Its
-export adds seconds to the step after, which no rate counts (``left_out_steps``). Each run's
-steps beside their bound: ``bound_s`` / ``vs_bound`` per steady step (the headline), and the
-profiled step's ``profiled_bound`` (the cross-check; ``gpu_trace``).
-
-**The kernel-side steps**: ``env`` (versions, imports, the torch signatures every GPU path
-calls), ``bench`` / ``smoke`` (the kernel table, ``scripts/bench.py attention_gpu``, its rows as
-measured), ``pieces`` (one call's kernels from a profiler trace, host and GPU apart:
-``fa4_pieces``), ``autotune`` and the ``recompile`` child (graphs and host syncs of
-training-shaped calls). Each step returns its record for ``gpu_check.json``.
-
-Why this is long: one device check's steps, which share its runner (``run_logged``) and its
-tables; each step is a function of its own.
+- **The device calls' latency tables** (``priced_table``): the analytic table with the attention
+  as the H200 measured it in run 5 (cuDNN per causal tile, the sparse call's price of the
+  backend the call runs), made from committed measurements, not profiled there: the 24-layer
+  model of the end-to-end and DST calls has no committed table of its own.
+- **The train step** (``step_train``): ``pretrain()`` runs of the full-depth Qwen2.5-0.5B on
+  documents of 16K+ tokens, in ``TRAIN_RUNS``' order (the budget cuts the rest; docs/GPU.md
+  lists them), each data set without recomputation where its estimated peak fits, with full
+  recomputation where only that fits, else not run (``full_depth.memory_plan``). The
+  ``TRAIN_PROFILED`` runs record step ``PROFILE_STEP`` under Megatron's profiler, summarised
+  by ``gpu_trace.summarize_step`` while the next run trains; every run's steps beside their
+  bound (``gpu_trace``).
+- **The kernel-side steps**: ``env``, ``bench`` / ``smoke`` (the kernel table,
+  ``scripts/bench.py attention_gpu``), ``pieces`` (``fa4_pieces``), ``autotune`` and the
+  ``recompile`` child. Each step returns its record for ``gpu_check.json``.
 """
 
 from __future__ import annotations

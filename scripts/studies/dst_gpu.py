@@ -1,35 +1,19 @@
 """DST measured with GPU timings (issue 74): the units of a PP x DP step, each (rank,
 micro-batch, stage) forward and backward at its planned density, timed one after another on
-one device, and the step composed by the simulator (``sim.pipeline.simulate_1f1b``, exact
-against the oracles) from the measured times.
+one device, and the step composed by the simulator (``sim.pipeline.simulate_1f1b``) from them.
 
     python scripts/bench.py dst_gpu --json runs/dst_gpu.json            # a GPU: the real shape
     python scripts/bench.py dst_gpu --tiny --json runs/dst_gpu_cpu.json  # CPU, a tiny model
 
-One global batch of the corpus's documents of ``--min-doc-tokens`` or more (default the
-end-to-end call's 16K; ``GlobalBatchSampler``, DP x micro-batches x ``--seq-length`` tokens),
-three arms on the same documents:
-
-- ``static``: Megatron's sequential packing, every unit at d0 (``--sb-density``);
-- ``dst``: ``--sparse-balance`` as the runtime plans it (``megatron.step.choice.choose``: SAB's
-  packing and the sequential one raced under the do-no-harm rule, DST's densities);
-- ``dense_sab``: SAB's packing priced for dense attention, every document through the dense
-  kernel (cuDNN SDPA on a GPU, ``--sb-dense-kernel sdpa``).
-
-The plans come from the latency table before anything is timed: on a GPU the analytic table of
-the model priced by run 5's kernel table of the kernel ``auto`` runs here (``device.priced_table``:
-fa4 where FlashAttention-4 is installed, else triton), on the CPU the analytic H100 table.
-Each arm's predicted step (the table's unit times through the same simulator) stands beside its
-measured one; the gain DST measured over static against the gain the table predicted (target:
-within 2 points, never below static), DST against dense + SAB, and the table's held-out error on
-the timed units (``unit_mape``: the units are real micro-batches the table never saw).
-
-On a GPU every unit is timed with CUDA events around its forward and its backward (median of
-``--reps`` after a warm-up), the stage models being the profiler's (``megatron.launch.profile.
-build_stage``: first, middle and last stages of ``--layers / --pp`` layers). Units that share
-their stage kind, documents and density are timed once. The first two arms are timed before
-dense + SAB; a unit that would start after ``--budget-s`` is not timed, and an arm with an
-untimed unit reports no measured step.
+One global batch of documents of ``--min-doc-tokens`` or more, three arms on the same documents:
+``static`` (sequential packing at d0), ``dst`` (``--sparse-balance`` as the runtime plans it,
+``step.choice.choose``) and ``dense_sab`` (SAB's packing, dense attention). Plans come from the
+latency table first (on a GPU ``device.priced_table``, on the CPU the analytic H100 table); each
+arm's predicted step stands beside its measured one, with DST's measured gain over static
+against the predicted (target: within 2 points, never below static) and the table's held-out
+error on the timed units (``unit_mape``). On a GPU each unit is timed with CUDA events (median of
+``--reps``), units alike in stage kind, documents and density once; no unit starts after
+``--budget-s`` (an arm with an untimed unit reports no measured step).
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """Where one sparse call's time goes on the GPU, kernel by kernel: FA4's fixed cost per call
-taken apart (issue 74, item 3), host and GPU apart.
+taken apart (issue 74, item 3; docs/GPU.md), host and GPU apart.
 
-A line through fa4's pass times against kept tiles crosses zero tiles at 0.3-0.7 ms forward and
-1.3-1.6 ms backward (issue 74). This probe says what that is made of, on one document (block
-128), per backend, shape and density in the order given (the target's d 0.25 first):
-
-- **what** it times: FA4's kernel alone on one selection's lists (``kernels.kernel_fn``)
-  in both GQA backward forms (``kernel accumulated``: dK/dV summed over the group's heads in
-  float32 accumulators, FA4's fills and conversion passes; ``kernel per head``: K/V repeated
-  per query head, the heads summed after), and each backend's whole per-layer call (``call``:
-  selection, lists, pad, kernel, unpad; ``kernels.call_fn``): fa4's, and triton's, whose
-  fused selection and lists fa4's call runs too;
-- **per pass**, the forward with autograd recording and the backward replayed from one retained
-  graph: its synchronised time, its host time with nothing awaited and its GPU time alone
-  (``kernels.pass_times``; ``host_over_gpu_ms`` > 0: the GPU waits for the host), and
-  its kernels from a profiler trace of ``--reps`` calls (``gpu_trace.summarize_trace``), per
-  call (``per_call``): attention per pass with FA4's side passes apart (``bwd_preprocess``:
-  delta and the dQ accumulator's zeroing; ``dq_convert``; ``dkv_convert`` and ``dkv_fill``:
-  GQA's float32 dK/dV accumulators; ``other``: the per-head form's copies and sum), our
-  selection and lists, copies and fills, the rest; the busy fraction; the costliest kernels;
-- **the row's pieces** (``pieces_row``): both passes' accounts summed: the main kernels, the
-  backward's side passes (``bwd_side_ms``), selection and copies.
-
-Rows go to ``--jsonl`` as measured (a call cut at its limit keeps every finished row); no row
-starts once ``--deadline-s`` is nearer than max(15 s, 1.5x the longest row so far). The sums are
-pure and tested on CPU; the measurement needs a CUDA device (fa4: Hopper and flash-attn-4). The
-device plan's ``fa4`` call runs it first (``gpu_check.py --steps pieces``):
+On one document (block 128), per backend, shape and density: FA4's kernel alone
+(``kernels.kernel_fn``) in both GQA backward forms (``kernel accumulated``, ``kernel per head``)
+and each backend's whole call (``kernels.call_fn``: fa4's, triton's); per pass its synchronised,
+host and GPU-alone times (``kernels.pass_times``) and its kernels from a profiler trace of
+``--reps`` calls (``gpu_trace.summarize_trace``, ``per_call``); ``pieces_row`` sums both
+passes' accounts. Rows go to ``--jsonl`` as measured; no row starts once ``--deadline-s`` is
+nearer than max(15 s, 1.5x the longest row). The sums are tested on CPU; the measurement needs
+CUDA (``gpu_check.py --steps pieces``):
 
     python scripts/bench.py fa4_pieces --json runs/fa4_pieces.json --jsonl runs/pieces_rows.jsonl
 """

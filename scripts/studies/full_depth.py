@@ -4,23 +4,12 @@ seconds per step, per run and per call, from the committed run-5 figures of the 
 
     python scripts/bench.py full_depth [--device-gib 139] [--json PATH]
 
-Time. Run 5 timed, step for step, dense + SAB through torch's varlen call on the same global
-batches as the sparse runs, and cuDNN's and varlen's seconds per causal tile in the same call
-(``dense_tile_us``): a step's attention is 8 layers x its causal tiles x varlen's, the rest is
-its non-attention time. At 24 layers the attention (dense or the sparse runs' own, their step
-less the non-attention) is 3x; the non-attention part grows as its GEMM FLOPs (the layers' 3x,
-the LM head's and the loss's once: ``nonattention_scale``); with full activation recomputation
-the layers' forward runs again (their non-attention part x 4/3, the attention's forward share
-``ATTENTION_FWD_SHARE`` again). A run's seconds are its fixed part as run 5 measured it (its
-seconds less its ten steps: Megatron's start, the model build, the compiles) plus ten steps.
-
-Memory. ``latency.memory.MemoryModel`` of the whole model on one GPU, two micro-batches, the
-logits counted at 6 bytes each (the bf16 logits and the cross entropy's fp32 copy together);
-a data set is run without recomputation where that fits ``FIT_SHARE`` of the device, with
-Megatron's full recomputation (``RECOMPUTE_FLAGS``) where only that fits, and not at all
-otherwise (128K on an H200: the loss alone holds 111 GiB).
-
-Pure Python; imports neither torch nor megatron (the train step imports ``memory_plan``).
+Time: run 5's attention (per causal tile, ``dense_tile_us``) x 3 for 24 layers, its
+non-attention time scaled by GEMM FLOPs (``nonattention_scale``), full recomputation adding the
+layers' forward (``ATTENTION_FWD_SHARE``), a run's fixed part as run 5 measured it. Memory:
+``MemoryModel`` of the whole model on one GPU; a data set runs without recomputation where that
+fits ``FIT_SHARE`` of the device, with full recomputation (``RECOMPUTE_FLAGS``) where only that
+fits, else not at all. Pure Python (the train step imports ``memory_plan``).
 """
 
 from __future__ import annotations

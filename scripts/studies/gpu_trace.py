@@ -1,69 +1,21 @@
-"""Where a training step's time goes on the GPU: Megatron's own PyTorch profiler on one step of a
-``pretrain()`` run, and the accounting of the trace it writes.
+"""Where a training step's time goes on the GPU (Megatron's own PyTorch profiler on one step of a
+``pretrain()`` run, ``profile_flags`` / ``trace_path``), and the train step's comparisons that
+read it (``scripts/gpu_check.py --steps train``). Pure Python; imports neither torch nor megatron.
 
-``profile_flags(run_dir, step=2)`` are the flags that make ``pretrain()`` record step ``step``
-with ``torch.profiler`` (``--profile --use-pytorch-profiler``; Megatron writes the Chrome trace to
-``<tensorboard-dir>/../torch_profile/rank-0.json.gz``: ``trace_path``). The profiler waits
-``step - 1`` steps and warms up on one; the trace is written at the start of the next step,
-whose time it adds to. Step 2 (the default) is a warm-up step; a steady step (``step`` past the
-warm-ups) costs the step after it the export, so a run's rates should leave that step out.
+``summarize_trace`` (a whole trace: a probe's) and ``summarize_step`` (one ``ProfilerStep#``)
+sum the GPU's kernels, copies and fills, their busy union against the span, the host's step
+time, the top kernels and ``account``'s split: ``attention`` per pass (``fwd``, ``bwd`` and the
+side passes: ``bwd_preprocess``, ``dq_convert``, ``dkv_convert``, ``dkv_fill``, ``bwd_convert``,
+``other``) and per implementation, ``selection`` (our Triton kernels and whatever runs inside
+``sparsebalance::selection``), ``copies`` and ``non_attention``, plus ``gpu_idle_ms``,
+``busy_fraction`` and the longest gaps. A kernel is tied to its launch by the profiler's
+``correlation``, and the launch to the CPU ops open on its thread.
 
-``summarize_trace(path)`` reads a whole trace (a probe's: ``fa4_pieces``' passes): the GPU's
-kernels (and copies and fills) summed, the time the GPU was busy (their union: streams that
-overlap count once) against the span from the first to the last, the recorded step's host time
-(``ProfilerStep#``), the kernels that took the most time, and the ``account`` below. A busy
-fraction well under 1 means the GPU waited for the host: a faster kernel does not make such a
-step faster.
-
-``summarize_step(path, step=None)`` is the same for one ``ProfilerStep#`` (the last one by
-default): the GPU events launched inside it. ``account(gpu_events, cpu_ranges)`` splits kernel
-time into what the issue's table names:
-
-- ``attention``: attention kernels per pass (``fwd``, ``bwd``, and the side passes apart:
-  ``bwd_preprocess`` (FA4's/flash's ``delta = rowsum(dO * O)`` and dQ-accumulator zeroing,
-  triton's ``bwd_pre_kernel``), ``dq_convert`` (the float32 dQ accumulator cast),
-  ``dkv_convert`` (GQA's float32 dK/dV accumulators cast), ``dkv_fill`` (their zero fills),
-  ``bwd_convert`` (triton's one cast pass), ``other`` (anything else inside our attention
-  ops: copies of ``bwd_per_head``, the sum over a group's heads), and by implementation
-  (``cudnn``, ``fa4``, ``triton``, ``flex``, ``flash``, ``efficient``);
-- ``selection``: the selection and block lists (our Triton kernels by name, and every kernel
-  launched inside the ``sparsebalance::selection`` range the attention opens);
-- ``copies``: memcpy / memset and copy or fill kernels elsewhere;
-- ``non_attention``: every other kernel;
-- ``gpu_idle_ms``: the span the GPU spent waiting (span minus the busy union), the
-  ``busy_fraction``, and the longest gaps with the CPU op that launched the kernel after each.
-
-A kernel is tied to its launch by the profiler's ``correlation`` (runtime / driver launch
-events), and the launch to the CPU ops and annotations open on its thread at that moment.
-``step_bound(non_attention_ms, cudnn_attention_ms, density)`` is a step's bound (its
-non-attention time plus ``d`` x cuDNN's attention time), the one body of it: the train step's
-headline bound per steady step (``step_bounds``) calls it, and so does its
-cross-check on the profiled step (``profiled_bounds``), whose inputs
-``dense_split`` takes from a dense run's profiled step and ``bound_record`` states beside the
-measured step.
-
-The train step's runs compared (``scripts/gpu_check.py --steps train``): each run's rates
-from its per-step metrics (``train_summary``), and each sparse run of a data set against its
-dense runs: the fastest of them (``compare_with_dense``), dense + SAB measured through cuDNN
-(``cudnn_measured``) and dense + SAB re-priced at cuDNN's kernel per tile (``cudnn_priced``),
-step for step where both ran the same global batch (``paired_speedup``).
-
-Every run's steps beside their bound (``step_bound``, the one body of it: the step's
-non-attention time plus d x cuDNN's attention time, the distance to it being the plugin's
-overhead), from two inputs:
-
-- ``step_bounds``, **the e2e JSON's headline bound** (``bound_s``, ``vs_bound``: the issue-74
-  target "within 5% of its bound"): every steady step of every run, its non-attention time
-  dense + SAB's through the varlen call less its attention priced per tile, cuDNN's attention
-  the same tiles at cuDNN's price;
-- ``profiled_bounds``, **the cross-check** (``profiled_bound``): the one profiled step of each
-  profiled run, from the kernels its trace holds (``dense_split``,
-  ``bound_record``).
-
-Pure Python; reads files, imports neither torch nor megatron.
-
-Why this is long: a step's trace accounted and the train step's comparisons that read it (the
-bound's one body, ``step_bound``, serves both).
+``step_bound`` (non-attention time plus d x cuDNN's attention time) is the one body of a step's
+bound: ``step_bounds`` (the e2e JSON's headline, every steady step) and ``profiled_bounds`` (the
+cross-check on the profiled step, from ``dense_split`` / ``bound_record``) call it. The runs
+compared: ``train_summary``, ``compare_with_dense``, ``cudnn_measured``, ``cudnn_priced`` and
+``paired_speedup`` (step for step on the same global batch).
 """
 
 from __future__ import annotations

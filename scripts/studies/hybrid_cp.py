@@ -1,30 +1,13 @@
-"""Megatron's hybrid context parallelism against a2a CP + SparseBalance, in the simulator (issue 14).
+"""Megatron's hybrid context parallelism against a2a CP + SparseBalance, in the simulator (issue
+14; docs/CONTEXT_PARALLEL.md).
 
-Megatron's hybrid CP (``--hybrid-context-parallel``; ``megatron/core/datasets/data_schedule.py:
-HybridCPDataLoaderWrapper`` and ``megatron/core/pipeline_parallel/hybrid_cp_schedule.py``) takes
-the documents of a global batch apart: every document is a sub-sample run alone (its own forward
-and backward) on a CP group of ``2 ** ceil(log2(L / max_seqlen_per_dp_cp_rank))`` of the DP x CP
-GPUs, and ``BalancedCPScheduler.get_groups_and_subsamples`` places them in groups (a barrier after
-each) balancing its own estimate of the work, ``L ** 2 / cp``. No pipeline parallelism (Megatron:
-"PP not yet supported").
-
-This script runs Megatron's own scheduler (imported, not copied; the process group is a stand-in
-that only answers ``size()``) on the documents of the same global batches the a2a runs see
-(the data pipeline's sampler, ``long_sample_policy="split"``), and times what it schedules with
-this plugin's latency model: a sub-sample of ``L`` tokens on ``k`` GPUs costs
-``LatencyModel.with_context_parallel(k)`` of a micro-batch holding that one document, at d0. On a
-GPU the sub-samples run in its list's order, each starting when every GPU sharing it is ready;
-a group ends at its slowest GPU (Megatron's barrier). The a2a side: DP ranks x m micro-batches of
-``--seq-length`` tokens, each on a CP group of the run's size, PP=1 (``experiments.run_study``):
-``static`` (sequential packing at d0), ``token_balanced``, ``dp_balanced`` (Megatron's own
-packer, ``batching/dp_balanced.py``: its groups fill --seq-length = max_seqlen_per_dp_cp_rank x CP)
-and ``sab_dst`` (SAB + DST, planned by the runtime's DST). Same GPUs (DP x CP), same latency model and interconnect for both: the
-comparison isolates the scheduling, not Megatron's CP kernels (transformer-engine's p2p/a2a,
-which this model does not describe). Hybrid CP's ``max_seqlen_per_dp_cp_rank`` is
-``--seq-length / CP``: no GPU holds more tokens of a document than an a2a CP rank holds.
-The a2a runs go twice: fixed-length micro-batches (padding fills each to ``--seq-length``), and
-variable-length ones (``--sb-microbatch-multiple``: each micro-batch its documents rounded up to
-``--microbatch-multiple`` tokens, so the fill costs nothing; every a2a variant alike).
+Megatron's own scheduler (``BalancedCPScheduler``, imported, with a stand-in process group) is
+run on the documents of the same global batches the a2a runs see: every document a sub-sample
+alone on a CP group of ``2 ** ceil(log2(L / max_seqlen_per_dp_cp_rank))`` GPUs, groups separated
+by barriers; each sub-sample priced by ``LatencyModel.with_context_parallel(k)`` at d0. The a2a
+side (PP 1, ``experiments.run_study``): ``static``, ``token_balanced``, ``dp_balanced`` and
+``sab_dst``, at fixed and at variable micro-batch length (``--microbatch-multiple``). Same GPUs,
+latency model and interconnect for both: the comparison isolates the scheduling.
 
     python scripts/bench.py hybrid_cp --json docs/results/hybrid_cp_sim.json
 """

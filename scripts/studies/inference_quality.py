@@ -53,8 +53,6 @@ from .common import ROOT, parser, read_pilot, write_result
 
 GROUPS = 6                      # every arm's vector: one density per sixth of the layers
 LAYOUTS = {"pp3": 3, "pp2": 2}  # pipeline stages (DP --dp, micro-batches --microbatches)
-PER_LAYOUT = ("dst", "eqtime", "matched")
-SHARED_ARMS = ("uniform", "control")
 METRICS = ("loss", "answer_nll")        # the verdicts' (lower is better)
 SCORES = METRICS + ("exact", "token_accuracy", "kept")
 MAIN_SEED_BASE, PILOT_SEED_BASE = 400_000, 500_000

@@ -1,49 +1,21 @@
 """The kernel table's pieces (``attention_gpu``; ``fa4_pieces`` and gpu_check's steps time with
 them too): one attention call on the GPU, pass by pass, and the summary of the rows.
 
-Each pass is timed apart: the **forward** with autograd recording (it saves what the backward
-needs, as in training), the **backward** replayed from one retained graph (a call whose graph
-cannot be retained, compiled flex, gets ``(fwd + bwd) - fwd``; ``bwd_method`` says which).
-On a GPU each pass is also split into its host time (nothing awaited) and its GPU time alone
-(queued behind a sleep kernel: ``common.host_and_gpu_ms``), which tells a fixed cost per call
-apart as the host's (Python, launches) or the kernels'.
+Each pass is timed apart: the forward with autograd recording, the backward replayed from one
+retained graph (else ``(fwd + bwd) - fwd``: ``bwd_method``); on a GPU also its host time and its
+GPU time alone (``common.host_and_gpu_ms``). Rows: **dense** (``cudnn`` alone on one document,
+the reference of ``e``; ``sdpa`` and ``varlen``, ``dense_varlen_attention``'s whole calls),
+**kernel** (our block-sparse kernels alone on one shared selection's lists: ``triton`` at a
+``LaunchConfig``, ``fa4``) and **call** (``block_sparse_attention`` whole, per backend).
 
-- **dense**: ``cudnn`` is cuDNN's fused SDPA kernel alone on a single document laid out outside
-  the timing (contiguous ``[1, heads, L, hn]``, KV heads expanded; ``dense.cudnn_call``):
-  the pass a Transformer Engine user pays, the reference of ``e``; ``sdpa`` and ``varlen`` are
-  ``dense_varlen_attention``'s whole calls (copies included; ``sdpa`` is cuDNN over documents
-  grouped by length, the cuDNN row of a packed micro-batch; ``varlen`` is torch's
-  ``varlen_attn``, a second reference).
-- **kernel**: our block-sparse kernels alone on one selection's lists (``build_block_lists``,
-  made once per case and density and shared by every kernel, so each computes the same tiles):
-  ``triton`` at a ``LaunchConfig`` (the pinned one, and the split backward's), ``fa4``.
-- **call**: ``block_sparse_attention`` whole (selection, lists, kernel, pad/unpad), per
-  backend: what a layer pays. ``call_fwd_ms - kernel fwd`` is the selection and lists' cost.
-
-Work is counted in tiles: a kept (query block, key block) pair of one query head is one tile
-(diagonal ones whole), a dense causal document of ``n`` blocks has ``n (n + 1) / 2`` per head.
-FLOPs per tile are ``work_model``'s (2 GEMMs forward, 5 backward, ``B x B x hn`` each) for
-every kernel, dense included, so a pass's ``e = TFLOP/s(ours) / TFLOP/s(cuDNN)`` is the kept
-tile's speed relative to cuDNN's and ``ours_ms = kept / causal x cudnn_ms / e``.
-
-Correctness (``check``): bf16 output and gradients of every kernel against
-``reference_attention`` on the same selection in float64, passing where the error is at most
-``max(2 x the bf16 reference's own, 1e-2)``; ``repeats`` calls must hold no NaN or inf, give the
-same output bit for bit, and gradients within that bar of the first call's (dQ is summed by
-float32 atomics in FA4's backward and triton's one pass: its order, so its last bits, vary).
-
-``Clock`` and ``RowLog``: a call's deadline and its rows written as measured, for the kernel
-table and for ``fa4_pieces`` (where one call's time goes, kernel by kernel).
-
-The summary (``summarize``, ``print_table``; ``attention_gpu --summarize``): the issue-61 target
-checks per shape from the rows of one 32K document, ``e`` per pass, the packed micro-batches
-against dense, the fastest choice per density, each kernel's fixed cost per call and the
-simulator's price of each backend's call (both ``latency.sparse_call.fit_price``, one fit),
-which backward form is faster everywhere, and the crossover length. It reads rows only; the
-module imports torch (gpu_check's steps import the summary inside the step that needs it).
-
-Why this is long: the passes and the summary of one table, read together (each row's keys are
-written by one half and read by the other).
+Work is counted in tiles (a kept (query block, key block) pair of one head); FLOPs per tile are
+``work_model``'s for every kernel, so ``e = TFLOP/s(ours) / TFLOP/s(cuDNN)`` is the kept tile's
+speed relative to cuDNN's. ``check``: bf16 output and gradients against ``reference_attention``
+in float64 within ``max(2 x the bf16 reference's own, 1e-2)``, and ``repeats`` calls finite and
+bit-equal in output. ``Clock`` and ``RowLog``: a call's deadline and its rows written as measured.
+The summary (``summarize``, ``print_table``; ``attention_gpu --summarize``) reads rows only:
+targets per shape, ``e`` per pass, packed micro-batches against dense, the fastest choice per
+density, each kernel's fixed cost and price (``latency.sparse_call.fit_price``) and the crossover.
 """
 
 from __future__ import annotations

@@ -3,38 +3,15 @@
     python scripts/bench.py latency_cv --table T.json [--eval E.json] [--json out.json] \
         [--kernel-table K.json]
 
-For every stage kind, fitted as ``LatencyModel.fit`` fits (relative least squares, work
-coefficients >= 0), it reports:
-
-- the fit: grid MAPE, leave-one-mix-out cross-validation (every density of one document mix left
-  out at a time: how well the grid predicts a mix it has not seen) and, with ``--eval`` (the JSON
-  of ``scripts/bench.py latency_eval``), the held-out MAPE of the refit model; the same for the
-  model plus each candidate feature of ``CANDIDATES`` (computed here from the documents, not part
-  of the model), so a new term is judged by cross-validation and held-out rows together;
-- with ``--kernel-table`` (a device kernel table of the same device, ``attention_gpu``):
-  the same checks of the model fitted *priced* (``price_fit.attach_price``: the sparse calls
-  at the table's layers x the kernel table's price of the table's backend and head shape, the
-  rest fitted), and the price's own held-out error (``price_heldout``: each density of the
-  kernel table left out in turn, per pass);
-- every error also over the micro-batches of at most ``FEW`` sequences (``cv_mape_few``,
-  ``heldout_mape_few``): the regime of long documents that the end-to-end runs train on, where a
-  grid's many-sequence points (host-bound on the H200) say little;
-- the repeats' own spread (``repeat_spread``: each point's passes against their median,
-  averaged): no model predicts a point closer than its samples agree;
-- drift between the repeats: each pass over the grid against the median of the other passes,
-  forward and backward. Repeats are passes over the whole grid, so a change of state in the
-  middle of the profile (a recompiled kernel, a throttled clock) shows as a first pass that
-  differs from the rest on the points measured before the change;
-- held-out rows whose documents equal a grid mix, against that mix's grid times interpolated in
-  attention work to the row's density: a held-out micro-batch and the same grid micro-batch
-  should take the same time. Measured in another state they do not, and no model of the grid
-  can predict them.
-
-The H100 table of docs/benchmarks/attention-gpu.md "GPU latency model (H100)"
-(docs/results/latency_table_h100_full_run3.json with latency_eval_h100_full_run3.json) shows
-both: its first pass timed the backward of the 16K-token points 8-17% lower until the grid's first
-8K-token micro-batch, and the held-out 16K document matches that first pass, not the rest of
-the grid.
+For every stage kind, fitted as ``LatencyModel.fit`` fits: the grid MAPE, leave-one-mix-out
+cross-validation and, with ``--eval`` (``scripts/bench.py latency_eval``'s JSON), the refit
+model's held-out MAPE, for the model and the model plus each feature of ``CANDIDATES``; with
+``--kernel-table`` the same for the model fitted *priced* (``price_fit.attach_price``) and the
+price's own held-out error (``price_heldout``); every error also over micro-batches of at most
+``FEW`` sequences (``*_few``); the repeats' own spread (``repeat_spread``: the floor no model
+beats); drift between the repeats (each pass over the grid against the others' median); and
+held-out rows whose documents equal a grid mix against that mix's grid times
+(``same_mix_check``: measured in another state, no model of the grid predicts them).
 """
 
 from __future__ import annotations

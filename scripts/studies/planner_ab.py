@@ -1,25 +1,14 @@
 """The planner's draft, this checkout against another one side by side (issue 44): the draft's
 thread CPU per step and a hash of every plan it made, and the launch-bound training thread's
-slowdown beside the planner process, alternated so that a change in this machine's speed falls
-on both.
-
-A VM's speed moves within a day (the study's reference computation took 12.8 ms one morning
-and 10.2 ms that evening), so a draft measured in one sitting is compared with another checkout
-measured in the same sitting, not with an earlier run. Each round runs, in a subprocess per
-checkout, ``--steps`` drafts at 64 DP x 16 x PP4 (built-in corpus, live calibration between
-steps, ``planner_cost``'s drafter and after-step work), then optionally ``launch_slowdown``
-(this checkout's ``studies/_slowdown.py``, the same estimates for both checkouts: the whole
-windows' speed and the local one). The first draft of a loop is left out of the times (numba's
-kernels load on it). Reported per checkout: every draft's ms, the median, and the plans' hash; ``same_plans``
-says whether the two checkouts planned the same densities and reports bit for bit.
-
-``--other`` is a checkout of another commit (``git worktree add /tmp/old <commit>``): its package
-and its ``scripts/studies/planner_cost.py`` helpers are used for its loops.
+slowdown beside the planner process (``studies/_slowdown.py``), alternated round by round so
+that a change in this machine's speed falls on both. Each round runs, in a subprocess per
+checkout, ``--steps`` drafts at 64 DP x 16 x PP 4 (``planner_cost``'s drafter; the first draft
+left out: numba's kernels load on it); ``same_plans`` says whether both planned the same bit for
+bit. ``--other`` is a checkout of another commit (``git worktree add /tmp/old <commit>``);
+``--layout even`` times Megatron's even split instead of the best static layout.
 
     .venv/bin/python scripts/bench.py planner_ab --other /tmp/old --rounds 3 --slowdown \\
         --json runs/planner_ab.json
-
-``--layout even`` times Megatron's even split instead of the best static layout.
 """
 
 from __future__ import annotations

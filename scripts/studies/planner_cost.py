@@ -1,58 +1,24 @@
-"""Cost of the per-step planning work on this machine: the runtime's draft, in-line and ahead, and
-what a planner beside it costs a launch-bound training thread.
+"""Cost of the per-step planning work on this machine (BENCHMARKS.md, the planner's own cost):
+speed targets, kept out of the unit tests (``tests/unit/test_planner_work.py`` counts work).
 
-Prints a table and writes JSON (``--json``). These are speed targets, kept out of the unit tests
-(no wall clock in tests; ``tests/unit/test_planner_work.py`` counts the planner's work instead):
+- A rank's DST rounds at 64 DP x 16 micro-batches x PP 4 (synthetic unit costs), priced as
+  ``control_plane`` prices them (``_rank_draft.rank_dst``: lockstep runs, each phase's maximum
+  over the ranks); target < 10 ms.
+- ``LatencyModel.predict_many`` over 4,096 micro-batches of 32K tokens; target well under 250 ms.
+- One step's work at 64 DP x 16 x PP 4 (even split and best static layout) and DP 4 x PP 4, 32K
+  tokens, built-in corpus: a DP rank's draft as ``control_plane`` measures it
+  (``_rank_draft.rank_step``), its parts, the after-step work, and the whole draft with every
+  rank's DST made serially (``draft_all_ranks_ms``), against the simulated step. The DST part is
+  a rank's (``per_rank``), so ``experiments/plugin_cost.py`` refuses these results.
+- Planning ahead (``--sb-planner process`` and ``thread``) beside a stand-in step (``time.sleep``):
+  what stays on the training thread's critical path. Target <= 0.5% of the step.
+- The training thread's slowdown beside the planner (``studies/_slowdown.py``); target <= 0.5%.
+- Each draft's CPU time over a fixed reference computation's, measured around it (this VM's
+  speed drifts): a machine-independent figure.
 
-- A rank's DST rounds at 64 DP ranks x 16 micro-batches x 4 stages (synthetic unit costs, the
-  DST unit test's shape), priced as ``control_plane`` prices them (``_rank_draft.rank_dst``):
-  every rank's rounds driven in lockstep 9 times, each rank's thread CPU by phase the least of
-  the runs, each phase's maximum over the ranks (the ranks wait for each other at every
-  reduction); target < 10 ms.
-- ``LatencyModel.predict_many`` over a global batch of 4,096 micro-batches of 32K tokens
-  (analytic table, PP=4), median of 5; target well under 250 ms.
-- One step's SparseBalance work at 64 DP x 16 micro-batches x PP=4 and at the paper's DP 4 x PP 4
-  (16 micro-batches), 32K tokens, on the built-in corpus, with the flags given (default: the
-  defaults): a DP rank's draft as ``control_plane`` measures it (``_rank_draft.rank_step``: its
-  own draft, settle's compute on its rows, its DST rounds of both packings, each phase's maximum
-  over the ranks), broken down for SAB's packing into parts (the whole batch's packing, its
-  features and unit costs; the sensitivities and a rank's DST rounds, ``rank_dst``), and after
-  the step the calibration's prediction and the reports' density weights (the runtime's whole
-  draft, every rank's DST made serially in one process, as ``draft_all_ranks_ms``: what a
-  process planning for every rank would pay, no longer a rank's work); against the simulated
-  step time of the plan (analytic Qwen2.5-0.5B table). Twice at 64 DP: on Megatron's even split
-  (the LM-head stage heavy) and on the best static layout. The DST part is a rank's
-  (``per_rank``), so ``experiments/plugin_cost.py``, which scales every part as a whole batch's
-  by the step's units, refuses these results.
-- Planning ahead (``--sb-planner process``, the default, and ``thread``): each step's draft made
-  by the runtime's planner while a stand-in step runs (``time.sleep`` of the simulated step:
-  the GIL released, as in CUDA synchronisation and NCCL waits), and what stays on the training
-  thread's critical path: sending the draft's inputs, the wait at the join, and the after-step
-  work (the draft is read back by a reader thread while the step trains), on rank 0 (DST) and
-  on a rank without DST. Target: <= 0.5% of the step.
-- The training thread's slowdown (``studies/_slowdown.py``): a launch-bound stand-in (small
-  torch ops one after another, as a GPU step's kernel launches hold the GIL between kernels)
-  runs step windows with no planner, then with each planner drafting the next step beside it
-  (64 DP x 16 x PP4, best layout); reported: its ops per second against the no-planner
-  windows, and the local estimate (the bursts during the draft against those after it in the
-  same window, net of a no-planner control) (target: <= 0.5% slower). It needs a core for
-  the planner process: on a machine whose cores are all busy the process's draft takes CPU
-  time from the training thread like any other process.
-- The draft's CPU time over a fixed reference computation's (numpy and Python, run in the same
-  process, just before and just after each shape's whole drafts: this VM's speed drifts by 10%
-  and more within minutes): a machine-independent figure a planner twice as slow doubles. The
-  whole drafts are made back to back, as the planner process makes them; a rank's draft and the
-  parts in a pass of their own, each at its draft's calibration.
-
-``--reader``: the training process's reader-thread CPU per step where a rank settles its DST per
-DP rank (``Drafter.settle``): settled on the reader thread (``agree``: how the rank ran it before
-the relay) against settled in the planner process with the reader thread relaying its
-collectives (``settle``: ``step/relay.py``). The reader thread's own CPU time
-(``PendingDraft.reader_s``: reading the draft back, and the settle's compute or its relaying) is
-what a launch-bound training thread beside it pays for the GIL. The DP group is a stand-in
-(``Twins``: every rank this one's twin, so that one process plans at any DP size; its
-arithmetic, on the reader thread, stands in for the collective's); the settle's compute is this
-rank's at that DP size.
+``--reader``: the reader thread's CPU per step with DST settled on it (``agree``) against
+settled in the planner process with the reader relaying its collectives (``settle``), on a
+stand-in DP group (``Twins``).
 
     .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost_quality_descent.json
 """

@@ -1,30 +1,15 @@
 """The plugin's own per-step cost on the critical path, as the simulator studies charge it
 (``sparsebalance_megatron/experiments/plugin_cost.py``), by part and by planner form.
 
-The charge per step, by part (planning, gather, broadcast, calibration), at the shapes the
-benchmarks state (the studies' 8 and 32 DP x PP 4 x 8 micro-batches at 32K; issue 44's 64 DP x
-16 x PP 4, the paper's DP 4 x PP 4 and 1,024 GPUs as DP 32 x PP 4 x TP 8), for SAB + DST with
-every ``--sb-planner`` form (process, the default; thread; inline), from the measurements the
-studies read (``PluginCost.from_results``: ``planner_cost``'s JSON and the control plane's,
-``docs/results/control_plane.json`` when it exists), against the simulated static step of the
-analytic table where one is given.
-
-Beside it, the pickled-object control plane the runtime had before the fixed-size one (issue 44
-item 4; the studies' control-plane cost when ``control_plane.json`` is absent): every rank
-``all_gather_object``ed its step record (a pickled dict: per-micro-batch timings, served and kept
-densities, timer units, the fingerprint, the loss and per-document losses) over the whole world,
-and with DST rank 0 ``broadcast_object``ed the plan (densities [dp][m][stages] and DST's report).
-Measured on this machine (thread CPU time, the fastest of 7 repeats: CPU work on a shared machine
-is only ever slowed), per world size W and micro-batches m: the record's pickled bytes, its
-pickling, and unpickling all W records (what every rank did after the gather: W loads, timed on
-64 and scaled); the plan's bytes, pickling and unpickling. The collectives themselves are priced,
-not measured: torch's object collectives make two each (sizes, then the padded bytes), NCCL's
-ring takes W - 1 hops, a hop ``ALPHA_INTRA_S`` inside a node of ``GPUS_PER_NODE`` and
-``ALPHA_INTER_S`` between nodes, bytes at ``BUS_BYTES_PER_S`` per rank (assumptions, NCCL-like:
-NVLink hops of a few us, InfiniBand 200 Gb/s). The records are built with the runtime's keys and
-plain types at a stated shape (15 documents per micro-batch, the default loss signal), not taken
-from a run. Per row: ``gather_ms`` = pickle + collectives + unpickle W records, ``broadcast_ms`` =
-pickle + collectives + unpickle one plan, at DP = W / PP (PP 4, TP = CP = 1).
+The charge per step by part (planning, gather, broadcast, calibration) at the shapes the
+benchmarks state, for SAB + DST with every ``--sb-planner`` form, from the measurements the
+studies read (``PluginCost.from_results``), against the analytic table's static step. Beside it,
+the pickled-object control plane the runtime had before the fixed-size one (issue 44 item 4):
+the step record's and the plan's pickled bytes, pickling and unpickling measured here (thread
+CPU, the fastest of 7), the object collectives priced (two each, a ring of W - 1 hops at
+``ALPHA_INTRA_S`` / ``ALPHA_INTER_S`` and ``BUS_BYTES_PER_S``: NCCL-like assumptions), on
+records built with the runtime's keys at a stated shape; per row ``gather_ms`` and
+``broadcast_ms`` at DP = W / PP (PP 4).
 
     .venv/bin/python scripts/bench.py plugin_cost --json docs/results/plugin_cost.json
 """

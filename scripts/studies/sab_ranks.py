@@ -1,45 +1,18 @@
-"""SAB's packing as a DP rank pays for it (issue 77; docs/DESIGN.md section 6, "DST and SAB at
-scale"): every rank's micro-batches packed on every rank (today's draft) against a rank's own
-only, by phase, at DP 512 to 4,096 (the control-plane study's shape: Qwen2.5-0.5B analytic
-table, best static layout, 16 micro-batches of 32K tokens, PP 4, built-in corpus, default flags).
-
-- **whole**: the draft's SAB part as the runtime makes it: the step's segments checked once
-  (``checked_segments``, ``segment_counts``), ``Drafter.pack`` by SAB (``sab_plan``), the
-  packing checked (``check_assignment``) and its latency features (``unit_features``), split by
-  phase (``PhaseProfile``);
-- **own**: what rank r computes: ``sab_assignment`` (the segments, their costs, the cost order
-  and the LPT over the DP ranks: the same on every rank), its ``units([r])`` (its segments by
-  its sensitivity estimates, its cut, costs and seed slots), its ``rank_plan`` (the slot search
-  over the agreed candidates, its row) and the latency features of its micro-batches. The
-  agreement (every rank's units reduced: in a run the other ranks make theirs and the reductions
-  carry the candidates) is made beforehand, off the clock. Measured for rank 0, the middle and
-  last ranks and the critical one; the row is checked to be the whole plan's (the study stops
-  otherwise); the figure is the slowest of them.
-
-Thread CPU time, the garbage collector paused, each figure the min over ``--repeat`` runs (the
-machine is shared: the run least disturbed).
+"""SAB's packing as a DP rank pays for it (issue 77; docs/DESIGN.md section 6): every rank's
+micro-batches packed on every rank (``whole``: the draft's SAB part as the runtime makes it)
+against a rank's own only (``own``: ``sab_assignment``, its ``units([r])``, its ``rank_plan``
+and its micro-batches' features; the agreement made off the clock; rank 0, the middle, last and
+critical ranks, the row checked to be the whole plan's), by phase, at DP 512 to 4,096 (the
+control-plane study's shape). Thread CPU time, the collector paused, each figure the least of
+``--repeat`` runs.
 
     .venv/bin/python scripts/bench.py sab_ranks --json docs/results/sab_ranks.json
 
-The per-phase profiler (``PhaseProfile``): the planner's public and module-level functions
-wrapped from outside for the length of a ``PhaseProfile`` block, each call's thread CPU time
-charged to the innermost phase open on the thread (exclusive time), and the garbage
-collector's pauses to a phase of their own.
-
-A phase is a name and the functions that open it, each named ``module:qualname`` (a function of
-a module, or a method, classmethod or staticmethod of a class). A function imported by name into
-other modules of the package (``from .dst import plan_dst``) is wrapped there
-too, so the phase opens whichever module calls it. A target the tree does not have (renamed or
-merged by a rewrite) is skipped and listed in ``absent``: its time stays with the phase that
-calls it, so the profile runs against whichever planner is in the tree, and the remainder of a
-call outside every phase is reported as ``other`` by the caller.
-
-Beside the CPU time, each phase's share of it spent in the kernel (``sys_s``: on Linux mostly
-zeroing the pages of fresh allocations; ``getrusage(RUSAGE_THREAD)``, whose user/system split is
-the kernel's tick-sampled estimate) and its minor page faults (``faults``, exact).
-
-Only the thread that opened the block is profiled (another thread's calls run unwrapped). The
-wrappers cost a few microseconds a call; ``calls`` says how many each phase took.
+``PhaseProfile`` wraps the planner's functions (``module:qualname``, also where imported by
+name) from outside for the length of a block and charges each call's thread CPU to the innermost
+open phase (exclusive time; the collector's pauses apart), with its system time (``sys_s``) and
+minor page faults (``faults``); a target the tree lacks is skipped and listed in ``absent``.
+Only the opening thread is profiled.
 """
 
 from __future__ import annotations

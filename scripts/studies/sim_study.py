@@ -1,95 +1,31 @@
-"""Simulator study of SparseBalance against the best static Megatron configuration (issue 12).
+"""Simulator study of SparseBalance against the best static Megatron configuration (issue 12;
+BENCHMARKS.md: headline, robustness, do no harm, CP).
 
-For every length mix (the built-in corpus cut into whole files, or into sections: a heavy tail of
-short documents), d0 and DP size, the layout search (``experiments.layout_search``, what
-``sparsebalance-layout`` runs) finds:
-
-- ``best_static``: the fastest static configuration: the whole ``--pipeline-model-parallel-layout``
-  space (issue 27: uneven chunks, empty and LM-head-only stages, vp 1-4; ``--count-flags-only``:
-  the count-flag splits of issue 12) x Megatron's sequential packing, the plugin's
-  token-balanced packing or Megatron's dp_balanced packer (issue 41; ``batching.dp_balanced``),
-  all at d0 (the JSON names the packing);
-- ``best_plain_static``: the same with Megatron's sequential packing only (no plugin at all);
-- ``best_dense``: the fastest dense configuration (every split x sequential, token-balanced,
-  dp_balanced and SAB packing, dense attention, issue 41; ``speedup_vs_dense`` divides by it);
-  ``dense_sequential``, ``dense_token_balanced``, ``dense_dp_balanced`` and ``dense_sab`` (SAB
-  packing with dense attention, ``--sb-batching`` alone, standing down to the faster of the
-  dense sequential and token-balanced configurations) are each packing on its own best layout,
-  and ``dp_balanced`` is static sparse attention with Megatron's packer on its own best layout.
-  Dense attention is priced by the table's dense kernel: on the analytic table cuDNN's measured
-  H100 costs (``latency/analytic.py``), not the sparse kernel at density 1;
-- ``sab_dst``: the fastest SAB + DST layout (vp 1 or 2) whose plan keeps the layer-weighted
-  density >= d0 and every stage >= the stage floor x d0.
-
-Rows, all on the same global batches, speedups vs ``best_static``:
-``static_even`` (Megatron's default: even split, sequential packing; the old baseline, labelled),
-``best_static``, ``sab`` and ``dst`` (each alone on the best plain-1F1B static layout),
-the dense and dp_balanced rows above, ``sab_dst`` (on its own best layout), ``sab_dst_max`` (SAB + DST that never cuts, on the best
-plain static layout) and ``sab_dst_acc`` (SAB + DST with ``--sb-raise-to static`` on the layout
-no slower than best_static's with the lowest predicted loss, the densest under the density
-objective: the "free accuracy" row).
-Do no harm (issue 27, ``--stand-down``): every SAB run stands down to the best static
-configuration's packing in a step where SAB is predicted no faster (``--stand-down-compare``:
-on DST's plans of both, the runtime's default, or on the packings' static plans), and every DST
-plan to the static plan where it is predicted slower (``policy.stand_down``); the ``dst_sd`` /
-``sab_sd`` columns are the fractions of steps that stood down. ``--stand-down off`` is the
-ablation.
-DST is the runtime's own ``plan_dst_from_config`` (floors, raise headroom, and the runtime's default
-``--sb-dst-objective`` unless ``--dst-objective`` names one; the JSON's config records which).
-Densities are weighted by layers x dense attention work, overall and per stage; ``predicted_loss`` is the LM-loss change
-against uniform d0 that the shipped quality cost predicts for a run's plans (both objectives).
-
-Latency: the analytic Qwen2.5-0.5B / H100 table (published throughputs for the GEMMs; attention
-measured on an H100: dense cuDNN, and the sparse call of the kernel ``--sb-attention-backend auto``
-runs, ``latency/sparse_call.py``; its micro-batch is --seq-length tokens), another model's shape
-(--model), or --table (a device latency table: its own measured kernel prices everything).
-``--sparse-kernel``: which sparse kernel prices the analytic table (auto: flex, the only one
-timed on a GPU at two lengths and auto's choice before any measurement; with
-``--microbatch-multiple`` > 0, auto chooses among the length-free kernels only, as the runtime
-does, and flex's figure stands in, labelled, until a kernel table times one; triton: the
-plugin's own kernel, an ESTIMATE from attention/work_model.py until a device times it);
-``--kernel-table PATH...``: device kernel tables (``scripts/bench.py attention_gpu``) whose
-measurements replace the committed one and the estimate. Every row names the kernel that priced
-it (``attention_kernel``, the tables' ``kernel`` column; ``attention_priced_by`` in full).
-
-Net of the plugin's own cost (issue 44, default ``--plugin-cost on``): every SparseBalance row
-pays its per-step critical-path cost (``experiments/plugin_cost.py``: planning as ``--planner``
-says, default the runtime's ``--sb-planner process``, ahead of the step; ``inline`` on it; the
-control plane at the row's world size, calibration), from the
-measurements it names (``plugin_cost_source``; the JSON's ``plugin_cost``); rows carry gross and
-net step times and speedups side by side (``speedup_vs_static_net``, ``speedup_vs_dense_net``),
-and do no harm compares net times (``net_sd``: steps stood down without planning). ``--routing derived``: the analytic table routes documents below the
-dense/sparse crossover derived from its own costs at each d0 (as the runtime routes at a
-profiled table's crossover); default ``off``: every document of a sparse run goes sparse.
-Prints tables; ``--json PATH`` writes everything.
-
-Context parallelism (issue 14): ``--context-parallel 2 4 8`` repeats the study with the latency
-model of one rank of a CP group of that size (``LatencyModel.with_context_parallel``: the a2a
-scheme, the assumed NVLink all-to-all bandwidth of ``DeviceProfile``); DP and PP stay as given, so
-each CP size uses CP times the GPUs. The query heads must split over every size (Qwen2.5-0.5B's 14
-do only for 2: use ``--model llama3.2-1b``, 32 query / 8 KV heads).
+For every length mix, d0, DP size (and ``--context-parallel`` size) the layout search
+(``experiments.layout_search``) finds ``best_static`` (the whole layout space x sequential,
+token-balanced and dp_balanced packing at d0), ``best_plain_static`` (sequential only),
+``best_dense`` and each dense packing on its own best layout, and ``sab_dst`` (the fastest SAB +
+DST layout keeping the layer-weighted density >= d0 and every stage >= the floor x d0). Every
+row (``static_even``, ``sab``, ``dst``, ``sab_dst_max``, ``sab_dst_acc``, the dense and
+dp_balanced rows) runs on the same global batches; speedups are against ``best_static``. DST is
+the runtime's ``plan_dst_from_config``; ``--stand-down`` is do no harm (``dst_sd`` / ``sab_sd``:
+steps that stood down). Latency: the analytic Qwen2.5-0.5B / H100 table (``--model`` another
+shape, ``--sparse-kernel`` / ``--kernel-table`` its sparse price), or ``--table``; every row names
+the kernel that priced it. ``--plugin-cost on`` (default) charges every SparseBalance row the
+plugin's own per-step cost (``experiments/plugin_cost.py``): net figures beside the gross.
 
     python scripts/bench.py sim_study --json runs/sim_study.json
 
-Robustness (issue 27): ``--mixes`` also takes the seeded families of ``experiments.mixes``
-(``lognormal_short``, ``long_tail``, ``both``) and ``--seeds 0 1 2`` repeats every mix with each
-seed (the synthetic mix's draw and the sampler's shuffle; results keyed ``MIX/seed=S/...``).
-``--slow-rank R:FACTOR`` (``experiments.heterogeneous``: global rank R = dp_rank + dp x pipeline
-rank computes FACTOR times slower; several are studied one at a time) adds to every row static,
-DST, SAB and SAB + DST on the best static configuration's layout with and without that GPU
-slowed. After the tables, dense attention by packing (``experiments.packers``: SAB against
-dp_balanced and the faster of sequential / token-balanced, every row and the median) and a summary
-(``experiments.robustness``): every row's sab_dst speedup over the best static, worst, median,
-how many rows meet >= 1.00x, and DST over static with the slow rank; in the JSON as ``summary``.
+Robustness (issue 27): seeded mixes (``experiments.mixes``), ``--seeds``, ``--slow-rank
+R:FACTOR`` (the same-layout comparison with and without a slowed GPU), then dense attention by
+packing (``experiments.packers``) and the summary (``experiments.robustness``):
 
     python scripts/bench.py sim_study --mixes file section lognormal_short long_tail both \
         --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
         --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
         --json runs/sim_study_robustness.json
 
-``--packers-only``: that dense table alone (issue 41's SAB vs dp_balanced): the same layout
-searches, so the same candidate layouts and the same four dense rows as the full study, without
-the static sparse, SparseBalance, accuracy and floor-sweep runs that cost the full study an hour.
+``--packers-only``: that dense table alone (the same searches, without the sparse runs).
 """
 
 from __future__ import annotations
@@ -100,15 +36,246 @@ import time
 from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, MAX_RAISE_HEADROOM,
                                            PLANNERS, STAND_DOWN_COMPARES, ConfigError,
                                            SparseBalanceConfig)
+from sparsebalance_megatron.data import length_stats
+from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
-from sparsebalance_megatron.experiments.mixes import DEFAULT_TOKENS, MIXES
-from sparsebalance_megatron.experiments.packers import format_packers, packer_summary
-from sparsebalance_megatron.experiments.robustness import format_summary, summarize
-from sparsebalance_megatron.latency import LatencyModel, ModelShape
+from sparsebalance_megatron.experiments.layout_search import stand_down_config
+from sparsebalance_megatron.experiments.mixes import DEFAULT_TOKENS, MIXES, mix_lengths
+from sparsebalance_megatron.experiments.packers import (dp_balanced_stops, format_packers,
+                                                        packer_summary)
+from sparsebalance_megatron.experiments.robustness import (format_summary,
+                                                           same_layout_slow_rank, summarize)
+from sparsebalance_megatron.experiments.study import is_dense, packing_of
+from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
 from sparsebalance_megatron.latency.sparse_call import kernel_rows, price_named
 
-from ._sim_study_runs import study_mix          # the study's points
 from .common import MODELS, parser, write_result
+
+
+# --- one mix's runs: the layout searches and rows of a point, its dense rows alone, the
+# stage-floor sweep, the decomposition of sab_dst's gain, and the tables each mix prints
+
+def idle_bound(rows: dict, layout, m: int) -> dict:
+    """How much faster the best static run could get at the same work: its bubble fraction
+    against the floor of its own schedule with equal units, (pp - 1) / (vp * m + pp - 1)
+    (1F1B: vp = 1; interleaved 1F1B: Megatron's bubble shrinks with vp)."""
+    pp, vp = layout.pp, layout.vp
+    floor = (pp - 1) / (vp * m + pp - 1)
+    bubble = rows["best_static"]["bubble_fraction"]
+    return {"schedule": "1F1B" if vp == 1 else f"interleaved 1F1B, vp={vp}",
+            "bubble_floor": floor, "best_static_bubble": bubble,
+            "bound": (1 - floor) / (1 - bubble) if bubble < 1 else float("inf")}
+
+
+def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
+              whole_space: bool = True) -> dict:
+    """The search and the comparison rows of one (mix, d0, dp); with ``slow`` ranks also the
+    same-layout comparison on the best static layout with and without them."""
+    t0 = time.perf_counter()
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space)
+    search_s = time.perf_counter() - t0
+    best_static, best_sb = found["static"][0], found["sparsebalance"][0]
+    # what the search's SparseBalance runs used
+    cfg = stand_down_config(cfg, best_static, found["static"], found["dense"])
+    best_dense = found["dense"][0]
+
+    def best_of(choices, variant):     # each packing on its own best layout
+        return next(c for c in choices if c.variant == variant).layout
+    best_acc = found["accuracy"][0] if found["accuracy"] else best_sb
+    plain = next(c for c in found["static"] if c.layout.vp == 1).layout  # best 1F1B static
+    even = PipelineLayout.even(best_static.layout.num_layers, pp)
+    plain_static = found["plain_static"]
+    runs = {"best_dense": (best_dense.variant, best_dense.layout),
+            **{v if v != "dense" else "dense_sequential": (v, best_of(found["dense"], v))
+               for v in ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")},
+            "dp_balanced": ("dp_balanced", best_of(found["static"], "dp_balanced")),
+            "static_even": ("static", even),
+            "best_static": (best_static.variant, best_static.layout),
+            "best_plain_static": ("static", plain_static.layout),
+            "sab": ("sab", plain), "dst": ("dst", plain),
+            "sab_dst": ("sab_dst", best_sb.layout),
+            "sab_dst_max": ("sab_dst_max", plain),
+            "sab_dst_acc": ("sab_dst_acc", best_acc.layout),
+            # the decomposition's steps, on sab_dst's own layout (gain_parts)
+            "static_on_sab_dst_layout": (best_static.variant, best_sb.layout),
+            "sab_on_sab_dst_layout": ("sab", best_sb.layout)}
+    rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_static")
+    # net, the best dense run is the fastest dense packing after its own cost (dense_sab pays
+    # the plugin's; the others nothing), which can differ from the fastest gross
+    dense_runs = [k for k in runs if k != "best_dense" and is_dense(runs[k][0])]
+    net_of = {k: rows[k].get("step_time_net_s", rows[k]["step_time_s"]) for k in dense_runs}
+    best_dense_net = min(dense_runs, key=net_of.get)
+    for r in rows.values():   # what users run today: dense attention on its own best layout
+        r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
+        if "step_time_net_s" in r:
+            r["speedup_vs_dense_net"] = net_of[best_dense_net] / r["step_time_net_s"]
+    layouts = {name: lay.describe() for name, (_, lay) in runs.items()}
+    gain = gain_parts(rows)
+    extra = {} if not slow else {"slow_rank": {s.describe(): same_layout_slow_rank(
+        lm, lengths, cfg, dp, best_static.layout, [s]) for s in slow}}
+    lb = found["static_lower_bound_s"]
+    return {"rows": rows, "layouts": layouts, **extra, "gain_parts": gain,
+            "best_static_packing": best_static.variant, "best_dense_packing": best_dense.variant,
+            "best_dense_net": {"run": best_dense_net, "step_time_net_s": net_of[best_dense_net]},
+            "stand_down": cfg.sb.stand_down, "dense_stand_down": cfg.dense_stand_down,
+            "stand_down_compare": cfg.policy().stand_down_compare,
+            # steps Megatron's own dp_balanced stops on (the rows give it empty micro-batches)
+            "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
+            "space": found["space"],
+            "excluded_memory": found["excluded_memory"],
+            "static_lower_bound_s": lb,
+            "static_gap_vs_bound": (best_static.step_time_s / lb - 1) if lb else None,
+            "idle_bound": idle_bound(rows, best_static.layout, cfg.microbatches),
+            "best_static": best_static.as_dict(), "best_plain_static": plain_static.as_dict(),
+            "best_sparsebalance": best_sb.as_dict(),
+            "best_dense": best_dense.as_dict(),
+            "search_s": search_s,
+            "static_top5": [c.as_dict() for c in found["static"][:5]],
+            "sparsebalance_top5": [c.as_dict() for c in found["sparsebalance"][:5]]}
+
+
+def gain_parts(rows: dict) -> dict:
+    """Which part of ``sab_dst``'s net speedup over the best static configuration is the layout,
+    the packing, DST and the plugin's own cost: the best static configuration, then its packing
+    on ``sab_dst``'s layout (``layout``), SAB's packing there at the static density
+    (``packing``), DST's plans on it (``dst``: ``sab_dst`` gross) and what the plugin costs a
+    step (``plugin_cost``, <= 1). Ratios of step times; their product is the net speedup."""
+    t = {k: rows[k]["step_time_s"] for k in ("best_static", "static_on_sab_dst_layout",
+                                             "sab_on_sab_dst_layout", "sab_dst")}
+    net = rows["sab_dst"].get("step_time_net_s", t["sab_dst"])
+    return {"layout": t["best_static"] / t["static_on_sab_dst_layout"],
+            "packing": t["static_on_sab_dst_layout"] / t["sab_on_sab_dst_layout"],
+            "dst": t["sab_on_sab_dst_layout"] / t["sab_dst"],
+            "plugin_cost": t["sab_dst"] / net, "net": t["best_static"] / net}
+
+
+def packers_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps,
+                whole_space: bool = True) -> dict:
+    """``--packers-only``: study_one's dense rows alone (every dense packing on its own best
+    layout among the same candidates)."""
+    t0 = time.perf_counter()
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space,
+                         dense_only=True)
+    search_s = time.perf_counter() - t0
+    cfg = stand_down_config(cfg, found["dense"][0], (), found["dense"])
+    best_dense = found["dense"][0]
+    runs = {"best_dense": (best_dense.variant, best_dense.layout),
+            **{v if v != "dense" else "dense_sequential":
+               (v, next(c for c in found["dense"] if c.variant == v).layout)
+               for v in ("dense", "dense_token_balanced", "dense_dp_balanced", "dense_sab")}}
+    rows = run_study(dp, cfg, lm, lengths, runs, baseline="best_dense")
+    for r in rows.values():
+        r["speedup_vs_dense"] = rows["best_dense"]["step_time_s"] / r["step_time_s"]
+    return {"rows": rows, "layouts": {name: lay.describe() for name, (_, lay) in runs.items()},
+            "best_dense_packing": best_dense.variant, "dense_stand_down": cfg.dense_stand_down,
+            "dp_balanced_megatron_stops": [dp_balanced_stops(lengths, cfg, dp), cfg.steps],
+            "space": found["space"], "excluded_memory": found["excluded_memory"],
+            "best_dense": best_dense.as_dict(), "search_s": search_s}
+
+
+def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) -> dict:
+    """sab_dst at every stage floor, on the even split and on its best layout, against the
+    best static configuration found for this (mix, d0, dp)."""
+    best = found["best_static"]
+    static_layout = PipelineLayout.from_dict(best["layout"])
+    if cfg.sb.stand_down != "off":   # stand down as the study's runs did (the best static's one)
+        cfg = cfg.with_flags(stand_down=found.get("stand_down") or packing_of(best["variant"]))
+    sb_layout = PipelineLayout.from_dict(found["best_sparsebalance"]["layout"])
+    even = PipelineLayout.even(static_layout.num_layers, pp)
+    out = {}
+    for name, lay in ((f"even {even.describe()}", even),
+                      (f"best {sb_layout.describe()}", sb_layout)):
+        out[name] = {}
+        for f in floors:
+            c = cfg.with_flags(stage_density_floor=float(f))
+            rows = run_study(dp, c, lm, lengths, {"base": (best["variant"], static_layout),
+                                                  "sb": ("sab_dst", lay)}, baseline="base")
+            out[name][str(f)] = rows["sb"]
+    return out
+
+
+def routed_model(lm, args, d0: float, cp: int):
+    """The analytic model of ``args`` routing at the crossover its costs give at ``d0``."""
+    shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
+    routed = LatencyModel.analytic(shape, pp=args.pp, routing_density=d0,
+                                   sparse_price=args.price)
+    print(f"routing at d0={d0}: documents under {routed.dense_below_tokens} tokens run dense")
+    return routed.with_context_parallel(cp)
+
+
+def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
+    """Every d0 and DP size of one length mix (and seed) at one CP size, into ``out``."""
+    tag = "" if cp == 1 else f"/cp={cp}"
+    name = mix if seed is None else f"{mix}/seed={seed}"
+    seed = args.seed if seed is None else seed
+    lengths = mix_lengths(mix, seed, total_tokens=args.total_tokens, tokenizer=args.tokenizer)
+    out.setdefault("corpus", {})[name] = length_stats(lengths)
+    mix = name
+    for d0 in args.densities[:1] if args.packers_only else args.densities:
+        if args.routing == "derived":      # the crossover depends on d0
+            lm = routed_model(lm, args, d0, cp)
+        flags = dict(density=d0, min_density=args.min_density, max_density=args.max_density,
+                     dst_objective=args.dst_objective, tolerance=args.tolerance,
+                     dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
+                     stand_down="off" if args.stand_down == "off" else None,
+                     stand_down_compare=args.stand_down_compare,
+                     planner=None if args.planner == "default" else args.planner)
+        cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
+                          steps=args.steps, seed=seed, sb=SparseBalanceConfig(
+                              sparse_balance=True,
+                              **{k: v for k, v in flags.items() if v is not None}),
+                          microbatch_multiple=args.microbatch_multiple,
+                          device_memory_gib=args.device_memory_gib,
+                          plugin_cost=args.plugin_cost_model)
+        res = {}
+        if args.packers_only:
+            for dp in args.ranks:
+                r = packers_one(lm, lengths, cfg, dp, args.pp, args.vp,
+                                whole_space=not args.count_flags_only)
+                out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
+                print(f"{mix} dp={dp}: " + ", ".join(f"{k} {r['rows'][k]['step_time_s']:.3f} s "
+                      f"({v})" for k, v in r["layouts"].items()) + f"; search "
+                      f"{r['search_s']:.1f} s", flush=True)
+            continue
+        for dp in args.ranks:
+            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank,
+                          whole_space=not args.count_flags_only)
+            r["dense_below_tokens"] = lm.dense_below_tokens     # 0: no routing
+            res[str(dp)] = r
+            out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
+        if args.floor_sweep:
+            dp = args.ranks[-1]
+            sweep = floor_sweep(lm, lengths, cfg, dp, args.pp, args.floor_sweep,
+                                res[str(dp)])
+            out.setdefault("floor_sweep", {})[f"{mix}/d0={d0}/dp={dp}{tag}"] = sweep
+            print(f"\nstage floor sweep (sab_dst, {mix}, d0={d0}, {dp} ranks; speedup vs "
+                  f"best static, layer-weighted density, lowest stage, predicted loss "
+                  f"change vs uniform d0):")
+            for name, rows in sweep.items():
+                print(f"  {name:<22} " + "  ".join(
+                    f"floor {f}: {r['speedup_vs_static']:.3f}x d={r['mean_density']:.3f} "
+                    f"min={r['min_stage_density']:.3f} loss={r['predicted_loss']:+.4f}"
+                    for f, r in rows.items()))
+        title = (f"mix={mix} ({len(lengths)} docs), d0={d0}"
+                 f"{f', CP={cp}' if cp > 1 else ''}: speedup vs the best static "
+                 f"configuration")
+        print(format_table(title, {dp: r["rows"] for dp, r in res.items()}))
+        for dp, r in res.items():
+            lay = ", ".join(f"{k} {v}" for k, v in r["layouts"].items())
+            st = " ".join(f"{x:.2f}" for x in r["rows"]["sab_dst"]["density_per_stage"])
+            ib = r["idle_bound"]
+            gap = r["static_gap_vs_bound"]
+            g = r["gain_parts"]
+            print(f"{dp:>6} sab_dst vs best static, net {g['net']:.3f}x = layout "
+                  f"{g['layout']:.3f} x packing {g['packing']:.3f} x DST {g['dst']:.3f} x "
+                  f"the plugin's cost {g['plugin_cost']:.4f}")
+            print(f"{dp:>6} layouts: {lay}; best static packing "
+                  f"{r['best_static']['variant']}; sab_dst per stage {st}; "
+                  f"search {r['search_s']:.1f} s; static lower bound "
+                  f"{r['static_lower_bound_s'] or float('nan'):.3f} s (gap "
+                  f"{'-' if gap is None else f'{gap:.3f}'}); idle-time bound {ib['bound']:.3f}x "
+                  f"({ib['schedule']}, floor {ib['bubble_floor']:.3f}); layouts over the "
+                  f"memory limit: {r['excluded_memory']}")
 
 
 def _slow_rank(text):

@@ -110,15 +110,6 @@ def test_result_records_command_commit_versions_and_device(tmp_path, monkeypatch
     assert doc["device"] == "H100 (measured)" and "commit" in doc
 
 
-def test_percentiles():
-    assert common.percentiles([3, 1, 2], qs=(0, 50, 100)) == {"p0": 1, "p50": 2, "p100": 3}
-    assert common.percentiles(range(11), qs=(90,)) == {"p90": pytest.approx(9.0)}
-    with pytest.raises(ValueError, match="no values"):
-        common.percentiles([])
-    with pytest.raises(ValueError, match="percentile 101"):
-        common.percentiles([1], qs=(101,))
-
-
 def test_a_script_is_recorded_by_its_path_from_the_repository_root(monkeypatch):
     monkeypatch.setattr(common, "COMMAND", None)
     monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "autotune_triton.py"), "--out", "o"])

@@ -17,7 +17,6 @@ import pytest
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from studies import _continued_report as cr  # noqa: E402
 from studies import continued_quality as cq  # noqa: E402
 from studies import inference_quality as iq  # noqa: E402
 
@@ -87,12 +86,12 @@ def test_a_margin_fixed_in_another_setting_is_refused(tmp_path):
     cargs = cq.parse_args(["--pilot", "--out", str(tmp_path)])
     cpilot.write_text(json.dumps({"config": vars(cargs), "margin": {"answer_nll": 0.01},
                                   "pairs": {"control-static": {k: {"mean": 0.02}
-                                                               for k in cr.METRICS}}}))
+                                                               for k in cq.METRICS}}}))
     main = cq.parse_args(["--margin-from", str(cpilot), "--out", str(tmp_path)])
-    assert cr.read_margin(main)["margin_source"]["seeds"] == [101, 102, 103]
+    assert cq.read_margin(main)["margin_source"]["seeds"] == [101, 102, 103]
     assert main.seeds == list(range(1, 11))
     with pytest.raises(SystemExit, match="steps"):
-        cr.read_margin(cq.parse_args(["--margin-from", str(cpilot), "--out", str(tmp_path),
+        cq.read_margin(cq.parse_args(["--margin-from", str(cpilot), "--out", str(tmp_path),
                                       "--steps", "10"]))
 
 
@@ -103,13 +102,11 @@ def test_pilot_or_margin_not_both_nor_neither():
 
 
 def test_training_study_runs_n_stages_of_one_dp_rank_or_refuses_uneven_stages(capsys):
-    from studies import trained_quality as tq
-
     args = cq.parse_args(["--pilot", "--out", "x", "--pipeline", "3", "--num-layers", "3"])
-    cmd = tq.train_cmd(args, "static", 1, "d.jsonl", "t.json", "run")
+    cmd = cq.train_cmd(args, "static", 1, "d.jsonl", "t.json", "run")
     assert "--nproc_per_node=3" in cmd
     assert cmd[cmd.index("--pipeline-model-parallel-size") + 1] == "3"
-    one = tq.train_cmd(cq.parse_args(["--pilot", "--out", "x"]), "static", 1, "d", "t", "r")
+    one = cq.train_cmd(cq.parse_args(["--pilot", "--out", "x"]), "static", 1, "d", "t", "r")
     assert "--nproc_per_node=2" in one and "--pipeline-model-parallel-size" not in one
     with pytest.raises(SystemExit):
         cq.parse_args(["--pilot", "--out", "x", "--pipeline", "3"])     # 2 layers
@@ -222,8 +219,8 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
             "sparse_balance": {s: run(1.99 + 0.01 * i - 0.0005 * (i % 2), r, {"0.61": {
                 "answer_nll": 1.0, "heldout_loss": 9.0, "token_accuracy": 0.5, "exact": 0.1}})
                 for (i, s), r in zip(enumerate(seeds), (1.0, 0.998, 1.001, 1.0))}}
-    table = {a: {s: cr.per_seed(runs[a][s]) for s in seeds} for a in runs}
-    got = cr.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
+    table = {a: {s: cq.per_seed(runs[a][s]) for s in seeds} for a in runs}
+    got = cq.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
     loss = got["heldout_loss"]
     assert loss["better"]["verdict"] == "better"
     assert loss["better"]["mean"] == pytest.approx(-0.01 - 0.00025)
@@ -231,5 +228,5 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
     assert loss["non_inferior"]["density"]["gaps"] == pytest.approx([0, 0, 0.001, 0])
     assert "non_inferior" not in got["answer_nll"]                  # no margin for it
     runs["sparse_balance"]["3"]["train"]["predicted_step_vs_static"] = 1.02   # 2% slower
-    got = cr.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
+    got = cq.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
     assert got["heldout_loss"]["non_inferior"]["verdict"] == "not matched"
