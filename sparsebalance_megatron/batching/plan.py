@@ -98,14 +98,6 @@ class BatchPlan:
         self._cache["segments"] = segments[items]
         return self
 
-    def primed_bins(self, bins: list, segments: np.ndarray) -> "BatchPlan":
-        """``primed`` from the packer's [dp][m] lists of item indices (``segments``: the
-        [N, 3] array they index)."""
-        flat = list(chain.from_iterable(bins))
-        items = np.fromiter(chain.from_iterable(flat), dtype=np.int64)
-        counts = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
-        return self.primed(items, counts, segments, segments[:, 2] - segments[:, 1])
-
     def row_plan(self, r: int) -> "BatchPlan":
         """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
         holds): the same segments, cost and padding, its arrays sliced from this plan's."""
@@ -211,7 +203,7 @@ def gathered_plan(batch, gather):
 def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
                 indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
     """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
-    ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
+    ``segs`` as an [n, 3] array, ``BatchPlan.primed``)."""
     if indices:
         counts = [sum(map(len, rank)) for rank in mbs_idx_or_segs]
         items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
