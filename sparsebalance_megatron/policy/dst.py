@@ -1,26 +1,10 @@
 """Dynamic sparsity tuning (DST): one attention density per (dp_rank, micro-batch, stage).
 
-The rule (docs/DESIGN.md section 5):
-
-1. Static plan: every unit at d0; simulate the 1F1B step (``sim.pipeline``) -> step time T0.
-2. Anchor over the *load units* at d0, one (dp rank, pipeline stage) each, its time the stage's
-   busy seconds over the step: DP ranks wait for each other at the gradient all-reduce, and
-   within a rank the pipeline's steady state runs at the pace of its busiest stage. ``mean`` |
-   ``median`` | ``min`` over all dp x pp load units; ``max`` = the largest, i.e. never cut.
-3. Cut: every load unit above (1 + p) x anchor has its micro-batches' densities on that stage
-   lowered (least sensitive micro-batch first, or where quality costs least per second), each
-   down to d_min at most, until the stage's busy time is inside the band.
-4. Raise (bubble filling): every unit may grow into its float below the new bottleneck's
-   (1 - h) x T1 (h, the raise headroom, about the latency model's error), most sensitive first
-   (or where quality gains most per second), up to d_max; checked with the simulator, a rank
-   that overshoots is re-planned with less slack. With ``--sb-raise-to static`` the target is
-   (1 - h) x T0: what balancing saved is spent on density.
-
-Then under the density floors the band search widens the band until the floors (and, with the
-quality objective, no predicted loss against uniform d0) hold (``bands.band_search``), and the
-critical-path descent shortens the pipeline's longest path without spending density
-(``critical_path``). Every DP rank plans its own units, coupled by a few fixed-size reductions
-(``dst_ranks``, ``dst_rounds``); at DP 1 every reduction is the identity.
+The rule is docs/DESIGN.md section 5: the static plan (T0), the anchor over the load units, the
+cut above (1 + p) x anchor, the raise into float below (1 - h) x T1, the band search under the
+floors (``bands.band_search``) and the critical-path descent (``critical_path``). Every DP rank
+plans its own units, coupled by a few fixed-size reductions (``dst_ranks``, ``dst_rounds``); at
+DP 1 every reduction is the identity.
 
 Here: ``plan_dst``, the planner with every rank's rounds made in one process (the studies and
 tests; a run makes the same rounds over the DP group, ``megatron/step/dst_agree.py``), and its

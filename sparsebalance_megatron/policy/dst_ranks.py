@@ -1,36 +1,22 @@
-"""One DP rank's part of DST (docs/DESIGN.md section 5): the band search and the
-critical-path descent made on the rank's [1, m, stages] slice of the costs, the ranks coupled
-only by fixed-size vectors a caller reduces across the DP group (``dst_rounds``: the rounds
-as a generator; ``dst.plan_dst`` reduces them in-process, a run over the DP group).
+"""One DP rank's part of DST (docs/DESIGN.md section 6, "DST and SAB at scale"): the band search
+and the critical-path descent on the rank's [1, m, stages] slice of the costs, the ranks coupled
+only by fixed-size vectors a caller reduces across the DP group (``dst_rounds``).
 
-Why it decomposes: a band's plan (``dst_band``) is planned per DP rank except for three
-numbers, the anchor (the mean of the static busy seconds [dp, pp]), the static step T0 and the
-raise target T1 (the largest cut makespan); the search's verdicts read the plan's step (a max),
-its work-weighted densities and its quality cost (sums). The search's candidates are known
-before any verdict (``bands.candidate_tree``), so a rank plans all of them in one batched
-pass and three reductions agree everything:
+The band search decomposes exactly: its candidates are known before any verdict
+(``bands.candidate_tree``), so a rank plans them all in one batched pass and three reductions
+agree the verdicts:
 
-1. ``RankDST.__init__``: the rank's static plan; AR1 = (sum: busy seconds, weight totals by
-   stage, tokens; max: static makespan) gives the anchor and T0;
-2. ``RankDST.cut``: every candidate's cut; AR2 = (max: cut makespans [K]) gives every T1;
+1. ``RankDST.ar1``: the static plan's sums (busy seconds, weight totals, tokens) and maximum
+   (makespan) give the anchor and T0;
+2. ``RankDST.cut``: every candidate's cut; the maximum of the cut makespans [K] gives every T1;
 3. ``RankDST.raise_``: every candidate's raise toward (1 - h) x T1; AR3 = (max: makespans [K];
    sum: kept work by stage, quality change [K]);
-4. ``RankDST.choose``: ``bands.band_search`` driven by the agreed verdicts: every rank
-   keeps the same candidate. With the quality objective the kept row's and the no-cut row's
-   quality under the model's bootstrap replicates are summed after it (``replicate_parts``:
-   the quality rule reads those two rows' alone).
+4. ``RankDST.choose``: ``bands.band_search`` replayed on the agreed verdicts (with the quality
+   objective the kept and no-cut rows' bootstrap replicates follow, ``replicate_parts``).
 
-The descent's rounds are global verdicts; it is probed instead (``dst_probes``): after AR3 every
-rank knows the start (the band plan where it meets the descent's neutral floors, else the
-static plan) and its step, and works on ``PROBES`` agreed steps below it; AR3b sums the ranks'
-supply and demand of density and quality, AR4 every probe's plans, and every rank keeps the
-fastest that meets the global floors (``RankDST.pick``). At DP 1 the rank descends with
-``critical_path.refine_plan`` itself. None of the reductions grows with DP but the median
-anchor's gather (dp x pp floats).
-
-Covered: both objectives, with and without the descent (the quality objective without it runs
-both band searches, every row of both planned at once: 2K rows); every anchor. The slow-GPU test
-(``bands.straggler_present``) is an agreed boolean the caller passes (``narrow``).
+The descent is probed (``dst_probes``: AR3b, AR4, ``RankDST.pick``); at DP 1 the rank descends
+with ``critical_path.refine_plan`` itself. The slow-GPU test (``bands.straggler_present``) is an
+agreed boolean the caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
