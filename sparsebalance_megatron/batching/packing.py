@@ -1,25 +1,18 @@
-"""Sparsity-aware batching (SAB) and the two baselines it is compared with.
-
-All three take the segments of one global batch and return a ``BatchPlan`` with
-``dp x num_microbatches`` micro-batches of at most ``max_tokens`` tokens:
+"""Sparsity-aware batching (SAB) and the two baselines it is compared with (the rules:
+docs/DESIGN.md section 6). Each takes the segments of one global batch and returns a
+``BatchPlan`` of ``dp x num_microbatches`` micro-batches of at most ``max_tokens`` tokens:
 
 - ``sequential_plan``: Megatron's default (``data/packing.sequential_pack``): fill micro-batches
   in sample order, micro-batch j to DP rank j % dp, slot j // dp.
-- ``token_balanced_plan``: what a length-aware balancer does: LPT on *token counts* over ranks,
-  then even token counts over a rank's micro-batches.
-- ``sab_plan``: LPT on *predicted cost* (latency model at the expected density: attention grows
-  with the square of a document's length, so equal tokens are not equal time): segments in
-  decreasing cost go to the least loaded rank that still has token room. Within a rank the
-  segments are ordered by sensitivity and cut into contiguous micro-batches of about equal cost,
-  so each micro-batch holds samples of similar sensitivity (DST then cuts whole insensitive
-  micro-batches and raises sensitive ones). If the cost-aware packing does not fit a rank's
-  micro-batches, SAB falls back to the sequential bins re-assigned to ranks by cost (LPT with m
-  bins per rank): whatever the sequential baseline fits, SAB fits. Then where each micro-batch
-  runs: with a latency model's cost (``latency_sample_cost_fn``) the slots are chosen on the
-  simulated pipeline of the run's layout, and whole micro-batches may swap ranks
-  (``batching.slots``); without one, the cheapest micro-batches take the first and last slots,
-  which open and close the 1F1B pipeline. ``sab_assignment`` stops before the packing: the
-  assignment every rank computes alike, from which a rank packs its own micro-batches only
+- ``token_balanced_plan``: LPT on *token counts* over ranks, then even token counts over a
+  rank's micro-batches.
+- ``sab_plan``: LPT on *predicted cost*, each rank's segments by sensitivity cut into contiguous
+  micro-batches of about equal cost, falling back to the sequential bins re-assigned to ranks by
+  cost where a rank's cut does not fit. With a latency model's cost
+  (``latency_sample_cost_fn``) the slots are chosen on the simulated pipeline and whole
+  micro-batches may swap ranks (``batching.slots``); without one, the cheapest micro-batches
+  take the first and last slots. ``sab_assignment`` stops before the packing: the assignment
+  every rank computes alike, from which a rank packs its own micro-batches only
   (``batching.assignment``).
 
 Determinism: ties in cost are broken by a permutation drawn from ``seed``; no other randomness.
@@ -123,7 +116,7 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
     tokens, so their sums are exact in any order), without a tuple and a look-up per segment
     (the baseline packing of every draft); ``rank``: that rank's row alone."""
     try:                                  # Megatron's fill rule, as sequential_pack applies it
-        starts = _fill_starts(sizes, max_tokens)
+        starts = kernels.packing.sequential_starts(sizes, max_tokens, as_array=True)
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
@@ -147,11 +140,6 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
     rows = SegmentRows(arr[items], offsets, dp, m)       # a rank's tuples made when read
     return BatchPlan(rows, "sequential", max_tokens, n_split, False, rank_cost).primed(
         items, counts, arr, sizes)
-
-
-def _fill_starts(sizes: np.ndarray, cap: int) -> np.ndarray:
-    """Where ``data.packing.sequential_bins`` opens each bin (``kernels.packing``), [bins]."""
-    return kernels.packing.sequential_starts(sizes, cap, as_array=True)
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,

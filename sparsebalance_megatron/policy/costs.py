@@ -6,10 +6,8 @@ many densities, so it is tabulated once per step on a small grid of densities (m
 between d_min and d_max, plus d0). On the grid, planning is exact table look-ups: no latency-model
 calls inside the planning loop.
 
-Also here: the attention-work-weighted mean density that every report quotes. Documents routed to
-the dense kernel (``dense_work``) count at density 1 in it, whatever the plan: they keep every
-causal block, and no plan can cut them (their time does not depend on the density, so a unit of
-them alone has a flat cost curve and DST neither gains by cutting it nor pays for raising it).
+Documents routed to the dense kernel (``dense_work``) count at density 1 in every mean density
+(``density_means``), whatever the plan: no plan can cut them.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -173,15 +171,9 @@ class UnitCosts:
         """Grid indices ``idx`` [..., dp, m, pp] of plans, each unit moved to the index nearest
         ``i0`` (d0's) that keeps the blocks ``idx`` keeps (``kept_grid``) at the same seconds:
         a raise to the lowest density that keeps its blocks, a cut to the highest, and a move
-        that keeps what d0 keeps back to d0. Why: a unit's kept blocks change only where
-        ``ceil(d x available)`` passes an integer above its forced sink and diagonal blocks
-        (a micro-batch of documents of at most 7 blocks keeps the same blocks at every density
-        from 0.125 to 2/7); a move inside such a step buys no block and no second, and counted
-        at its nominal density in the floors it would pay for a real cut. ``idx`` itself
-        without ``kept_grid``. A move toward d0 from above costs no more seconds (the tables
-        are non-decreasing); one from below is made only where its seconds are the same (a cut
-        that keeps as many document blocks but less padding saves time: it stays). A gather
-        from a [dp, m, g] table made once per ``i0``, and the moved units' seconds compared."""
+        that keeps what d0 keeps back to d0 (why: docs/DESIGN.md section 5, issue 62). ``idx``
+        itself without ``kept_grid``. A cut moves up only where its seconds are the same (one
+        that keeps as many document blocks but less padding saves time: it stays)."""
         idx = np.asarray(idx)
         if self.kept_grid is None:
             return idx
