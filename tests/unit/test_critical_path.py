@@ -12,6 +12,7 @@ from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
 from sparsebalance_megatron.policy.costs import stage_mean_densities
 from sparsebalance_megatron.policy.critical_path import descend_at
 from sparsebalance_megatron.policy.floors import FloorCheck
+from tests.unit._floats import unit_floats
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
 
@@ -151,7 +152,7 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
             g.makespan(ef).reshape(i.shape[:-3] + (dp,))
 
     def floats(dur, ef, deadline):
-        return g.unit_floats(dur, ef, deadline, p2p_s).reshape(-1, m, nv)
+        return unit_floats(g, dur, ef, deadline, p2p_s).reshape(-1, m, nv)
 
     f, b, dur, ef, mk = sim(idx)
     step, eta = float(mk.max()), cp.ETA_START
