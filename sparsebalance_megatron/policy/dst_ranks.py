@@ -33,7 +33,7 @@ from .costs import UnitCosts
 from .critical_path import NEUTRAL_DENSITY
 from .bands import band_search, candidate_tree
 from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
-                       plan_reports, raise_rows, static_band, uniform_makespans)
+                       plan_reports, raise_rows, static_band, uniform_cut)
 from .dst_probes import PROBES, RankProbes, probe_steps  # noqa: F401 (re-exported)
 from .dst_settings import DSTSettings
 
@@ -152,7 +152,7 @@ class RankDST:
         g = costs.densities
         i_lo = int(np.searchsorted(g, UNIFORM_STEP * s.d0 + 1e-12)) - 1
         i_lo = max(i_lo, self.cache.bounds[1])
-        self.lo = (float(uniform_makespans(self.ps, i_lo).max()), 0.0)
+        self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
         if quality is not None and i_lo < self.cache.bounds[0]:
             self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
         w = costs.weights()
