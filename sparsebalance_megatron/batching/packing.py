@@ -29,7 +29,7 @@ import numpy as np
 from ..data.packing import check_bin_count, sequential_pack
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
-from .plan import (BatchingError, BatchPlan, CheckedSegments, SegmentRows, as_segment_array,
+from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array,
                    as_segments, check_fits, check_long_sample_policy, check_shape_args,
                    finish_plan, split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
@@ -127,19 +127,15 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
             np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
         items = np.concatenate([np.arange(x, y) for x, y in zip(lo.tolist(), hi.tolist())])
         counts = (hi - lo).astype(np.int64)
-        rows = SegmentRows(arr[items], np.r_[0, np.cumsum(counts)].astype(np.int64), 1, m)
         cost = np.array([float(sizes[items].sum())])
-        return BatchPlan(rows, "sequential", max_tokens, n_split, False, cost).primed(
-            items, counts, arr, sizes)
+        return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
+                                  n_split, False, cost, sizes=sizes)
     bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
     items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
-    offsets = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    rows = SegmentRows(arr[items], offsets, dp, m)       # a rank's tuples made when read
-    return BatchPlan(rows, "sequential", max_tokens, n_split, False, rank_cost).primed(
-        items, counts, arr, sizes)
+    return BatchPlan.of_items(arr, items, counts, dp, m, "sequential", max_tokens, n_split,
+                              False, rank_cost, sizes=sizes)
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,

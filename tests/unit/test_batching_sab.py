@@ -218,7 +218,7 @@ def test_unit_csr_is_the_padded_lengths_and_computed_once():
 @pytest.mark.parametrize("split", [False, True])
 def test_packers_primed_arrays_are_their_micro_batches(split):
     """A packer that works on item indices hands its plan the segment array and the plain CSR
-    gathered from them (``BatchPlan.primed``): equal to what the micro-batches' tuples give,
+    gathered from them (``BatchPlan.of_items``): equal to what the micro-batches' tuples give,
     for every packer, SAB's fallback, split long samples, empty micro-batches and a length
     multiple (whose plan keeps them; the padded CSR is still computed)."""
     from sparsebalance_megatron.batching.dp_balanced import dp_balanced_plan
