@@ -359,9 +359,7 @@ def _bools(a) -> np.ndarray:
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: the cut, floats and a raise try of one quality and one
-    sensitivity-order row on ``records.SAMPLE``'s one-unit graph, with a draft's argument
-    types."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     from .records import SAMPLE
 
     g, units = SAMPLE.tables.g, np.zeros((2, 1, 1), dtype=np.int64)

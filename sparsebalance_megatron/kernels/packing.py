@@ -331,8 +331,7 @@ def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with a
-    draft's argument types."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
     lpt_ranks(one, i1, np.arange(2), np.arange(2), np.arange(2), 2, 4)
     rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
