@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Optional
 
 import numpy as np
 
@@ -85,6 +84,7 @@ class Agreed1:
     tokens: float = 0.0         # the step's tokens (the quality change's denominator)
     mk_lo: float = 0.0          # the step with every unit at the uniform trade's lower density
     q_lo: float = 0.0           # that plan's quality change, summed over the step's units
+    mk0_mean: float = 0.0       # the static makespans' mean
 
     def uniform_rate(self) -> float:
         """The step's uniform trade: nats per token that lowering every unit's density to the
@@ -94,26 +94,21 @@ class Agreed1:
         if gain <= 1e-9:
             return MAX_EXCHANGE_RATE
         return float(min(max(self.q_lo / self.tokens / gain, 0.0), MAX_EXCHANGE_RATE))
-    mk0_mean: float = 0.0       # the static makespans' mean
 
-    def densities(self, kept_s: np.ndarray, plain_s: Optional[np.ndarray] = None) -> tuple:
+    def densities(self, kept_s: np.ndarray, plain_s: np.ndarray) -> tuple:
         """(mean, per-stage [stages]) work-weighted density of a plan whose agreed kept work by
-        stage is ``kept_s`` (routed work added here). Where the weights are zero: ``plain_s``,
-        the plan's plain mean density by stage; None (a floor check): 1.0 and inf, no floor
-        applies."""
+        stage is ``kept_s`` (routed work added here); where the weights are zero, ``plain_s``,
+        the plan's plain mean density by stage."""
         kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
         ok = self.tot_s > 0
-        if self.tot > 0:
-            mean = float(kept_s.sum() / self.tot)
-        else:
-            mean = 1.0 if plain_s is None else float(plain_s.sum() / plain_s.size)
-        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0),
-                              np.inf if plain_s is None else plain_s)
+        mean = float(kept_s.sum() / self.tot) if self.tot > 0 else \
+            float(plain_s.sum() / plain_s.size)
+        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0), plain_s)
 
     def densities_of(self, kept_s: np.ndarray) -> tuple:
-        """``densities(kept_s[j])`` (a floor check's) of every row j of ``kept_s`` [n, stages]
-        at once: (means [n], per-stage [n, stages]), the same floats (a row's sum is numpy's
-        over the same elements in the same order)."""
+        """A floor check's ``densities`` of every row j of ``kept_s`` [n, stages] at once:
+        (means [n], per-stage [n, stages]); where the weights are zero 1.0 and inf (no floor
+        applies). A row's sum is numpy's over the same elements in the same order."""
         kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
         ok = self.tot_s > 0
         mean = kept_s.sum(axis=1) / self.tot if self.tot > 0 else np.ones(kept_s.shape[0])
