@@ -21,7 +21,6 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
-from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 from .table_memory import TableMemory
 
 GRID_STEP = 1.0 / 64

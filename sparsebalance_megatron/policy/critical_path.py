@@ -31,10 +31,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import kernels
-from ..kernels.descent import CUT_FRACTIONS, RAISE_FRACTIONS, SCALE  # noqa: F401 (re-exported)
+from ..kernels.descent import SCALE
 from ..kernels.records import NO_START, Tables
 from ..sim.pipeline import event_graph
-from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
+from .costs import UnitCosts
+from .density_means import stage_mean_densities, weighted_mean_density
 from .dst_settings import DSTSettings
 from .floors import FloorCheck
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .bands import straggler_present
 from .costs import UnitCosts
-from .dst_band import DSTPlan, DSTReport  # noqa: F401 (re-exported)
+from .dst_band import DSTPlan
 from .dst_ranks import rank_slice
 from .dst_rounds import plan_rounds_in_process, rank_rounds
 from .dst_settings import DSTSettings

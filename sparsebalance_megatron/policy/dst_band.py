@@ -18,8 +18,8 @@ import numpy as np
 from .. import kernels
 from ..kernels.records import Fill, Tables
 from ..sim.pipeline import event_graph
-from .costs import UnitCosts, weighted_mean_density
-from .density_means import WeightTotals
+from .costs import UnitCosts
+from .density_means import WeightTotals, weighted_mean_density
 
 SPEED_TIE = 1e-3          # plans within 0.1% of the fastest count as as fast
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only

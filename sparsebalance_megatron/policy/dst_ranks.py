@@ -33,7 +33,7 @@ from .critical_path import NEUTRAL_DENSITY
 from .bands import band_search, candidate_tree
 from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
                        plan_reports, raise_rows, static_band, uniform_cut)
-from .dst_probes import PROBES, RankProbes, probe_steps  # noqa: F401 (re-exported)
+from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
 
 UNIFORM_STEP = 0.9           # the 'auto' exchange rate: the uniform trade from d0 to 0.9 x d0
