@@ -130,7 +130,7 @@ def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
         weight = np.repeat(quality.unit_scale(), vp, axis=1)[:, :, None]     # [dp, slots, 1]
         t = t_grid.reshape(-1)
         cache.water = (
-            quality, gain_fill(quality.marginal_gain(costs.densities), slots, pp, vp),
+            quality, gain_fill(quality.stage.marginal_gain(costs.densities), slots, pp, vp),
             ((t.take(rank_units + i_max) - t.take(rank_units + i_min)) / span
              / np.maximum(weight, 1e-300)) if span > 0 else np.zeros(rank_units.shape))
         cache.band.pop(True, None)                    # its compiled pass holds the tables

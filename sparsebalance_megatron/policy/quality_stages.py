@@ -232,9 +232,6 @@ class BoundQuality:
     def replicates(self) -> int:
         return self.f1.shape[0] - 1
 
-    def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
-        return self.stage.marginal_gain(grid)
-
     def unit_scale(self) -> np.ndarray:
         """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of
         ``change`` there per unit of stage-summed cost): the water-filling's per-unit factor."""
