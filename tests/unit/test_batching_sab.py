@@ -343,7 +343,7 @@ def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
 
     def bins(size, cost):
         bin_of, slot_of, ok = rank_bins(np.arange(6), np.array([0, 6]), np.array(size),
-                                        np.array(cost), 3, 1024, True)
+                                        np.array(cost), 3, 1024)
         return [np.flatnonzero(bin_of == j).tolist() for j in range(3)]
 
     # mean per bin of 3: 4.67
