@@ -26,11 +26,11 @@ from .table_memory import TableMemory
 GRID_STEP = 1.0 / 64
 
 
-def density_grid(d0: float, d_min: float, d_max: float, step: float = GRID_STEP) -> np.ndarray:
-    """[g] sorted densities: multiples of ``step`` inside [d_min, d_max], plus d_min, d0, d_max."""
+def density_grid(d0: float, d_min: float, d_max: float) -> np.ndarray:
+    """[g] sorted densities: multiples of ``GRID_STEP`` inside [d_min, d_max], plus d_min, d0,
+    d_max."""
     check_density_bounds(d0, d_min, d_max)
-    if not (0.0 < step <= 1.0):
-        raise ValueError(f"grid step={step!r}: expected a number in (0, 1]")
+    step = GRID_STEP
     k0 = int(np.ceil(d_min / step - 1e-9))
     k1 = int(np.floor(d_max / step + 1e-9))
     pts = [k * step for k in range(max(k0, 1), k1 + 1)]
@@ -340,22 +340,20 @@ class UnitCosts:
                    _formula=formula if checked else None)
 
     @classmethod
-    def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,
-               fwd_fraction: float = 1.0 / 3.0, attn_work: Optional[np.ndarray] = None
+    def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray
                ) -> "UnitCosts":
-        """Closed form t(d) = fixed_s + d * attn_s_dense per unit ([dp, m, pp] each), split into
-        forward and backward by ``fwd_fraction`` (1/3: backward costs about twice the forward)."""
+        """Closed form t(d) = fixed_s + d * attn_s_dense per unit ([dp, m, pp] each), a third
+        of it forward (backward costs about twice the forward); attention work
+        ``attn_s_dense``."""
         g = np.asarray(densities, dtype=np.float64)
         fixed = np.asarray(fixed_s, dtype=np.float64)
         attn = np.asarray(attn_s_dense, dtype=np.float64)
         if fixed.shape != attn.shape or fixed.ndim != 3:
             raise ValueError(f"fixed_s {fixed.shape} and attn_s_dense {attn.shape} must both "
                              "be [dp, m, pp]")
-        if not (0.0 < fwd_fraction < 1.0):
-            raise ValueError(f"fwd_fraction={fwd_fraction!r}: expected a number in (0, 1)")
         t = fixed[..., None] + attn[..., None] * g                  # [dp, m, pp, g]
-        w = attn if attn_work is None else attn_work
-        return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, w)
+        fwd_fraction = 1.0 / 3.0
+        return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, attn)
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

@@ -28,16 +28,14 @@ from .dst_settings import DSTSettings
 
 
 def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTSettings, *,
-             quality=None, rank_scale=None, timer=None) -> DSTPlan:
+             quality=None, rank_scale=None) -> DSTPlan:
     """DST's plan of ``costs`` [dp, m, stages] (the module's rule), every DP rank's rounds made
     here and their reductions made in-process, as the DP group makes them in a run.
 
     ``sensitivity``: [dp, m] or [dp, m, stages], higher = loses more accuracy when sparsified
     (None: all equal); ``quality``: the quality objective's ``StageQuality`` (None: the density
     objective); ``rank_scale``: the calibration's [dp, pp] factors (a slow GPU gets narrower
-    bands, ``bands.straggler_present``); ``timer`` (optional): called as ``timer(rank,
-    seconds)`` with the thread CPU of every rank's own parts by ``dst_ranks.PHASES`` (a [6]
-    array)."""
+    bands, ``bands.straggler_present``)."""
     dp = costs.shape[0]
     narrow = straggler_present(rank_scale, settings.tolerance)
     sens = [None if sensitivity is None else np.asarray(sensitivity)[r:r + 1] for r in range(dp)]
@@ -46,9 +44,6 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTS
                                     for r in range(dp)])
     agreed = {(p.candidate, p.probe) for p in plans}
     assert len(agreed) == 1, agreed                 # every rank keeps the same plan
-    if timer is not None:
-        for r, p in enumerate(plans):
-            timer(r, p.cpu_s.copy())
     idx = np.concatenate([p.grid_index for p in plans])
     return DSTPlan(costs.densities[idx], plans[0].report, idx)
 
@@ -60,12 +55,12 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
                          p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
-                         stage_layers=None, rank_scale=None) -> DSTPlan:
+                         stage_layers=None) -> DSTPlan:
     """``plan_dst`` with the settings of a ``SparseBalanceConfig`` (``dst_inputs``); the costs
     must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``."""
     settings, quality = dst_inputs(config, costs.shape[2], p2p_s, raise_headroom, stage_layers)
-    return plan_dst(costs, sensitivity, settings, quality=quality, rank_scale=rank_scale)
+    return plan_dst(costs, sensitivity, settings, quality=quality)
 
 
 def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
