@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..data.packing import check_bin_count, sequential_pack
+from ..data.packing import check_bin_count
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
 from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array,
@@ -84,37 +84,19 @@ def _bad_costs(shape, n: int):
 
 
 def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-                    long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None,
-                    rank: Optional[int] = None) -> BatchPlan:
-    """Megatron's default packing (see the module docstring). ``rank``: DP rank r's row alone,
-    as a one-row plan (the whole plan's ``row_plan(r)``, the other rows never made; priced in
-    tokens)."""
+                    long_sample_policy: str = "split", rank: Optional[int] = None) -> BatchPlan:
+    """Megatron's default packing (see the module docstring): ``sequential_pack``'s bins (fill in
+    order, a new bin when the next segment does not fit; bin k x dp + r is rank r's micro-batch
+    k) as rows of the segments' array, each rank's tokens its cost (whole numbers: their sums
+    are exact in any order), without a tuple and a look-up per segment (the baseline packing of
+    every draft). ``rank``: DP rank r's row alone, as a one-row plan (the whole plan's
+    ``row_plan(r)``, the other rows never made)."""
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))
                              or not 0 <= rank < dp):
         raise ValueError(f"rank={rank!r}: expected a DP rank in [0, {dp})")
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
-    if cost_fn is None:            # priced in tokens: the bins by their first segments
-        return _sequential_by_tokens(segs, sizes, arr, dp, num_microbatches, max_tokens, n_split,
-                                     rank)
-    if rank is not None:
-        raise ValueError(f"rank={rank!r}: a rank's own sequential row is priced in tokens "
-                         f"(cost_fn None)")
-    try:
-        mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
-    except ValueError as e:
-        raise BatchingError(f"sequential packing: {e}") from None
-    return finish_plan(mbs, "sequential", max_tokens, n_split, False, segs,
-                       sample_costs(sizes, cost_fn))
-
-
-def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_split: int,
-                          rank: Optional[int] = None) -> BatchPlan:
-    """``sequential_pack``'s bins (fill in order, a new bin when the next segment does not
-    fit; bin k x dp + r is rank r's micro-batch k) as rows of ``arr``, and each rank's
-    tokens as its cost: the plan ``finish_plan`` makes of them (the costs are whole numbers of
-    tokens, so their sums are exact in any order), without a tuple and a look-up per segment
-    (the baseline packing of every draft); ``rank``: that rank's row alone."""
+    m = num_microbatches
     try:                                  # Megatron's fill rule, as sequential_pack applies it
         starts = kernels.packing.sequential_starts(sizes, max_tokens, as_array=True)
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
@@ -139,21 +121,20 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-                        long_sample_policy: str = "split", seed: int = 0,
-                        cost_fn: Optional[CostFn] = None) -> BatchPlan:
-    """Length-aware baseline: balance token counts over ranks and micro-batches."""
+                        long_sample_policy: str = "split", seed: int = 0) -> BatchPlan:
+    """Length-aware baseline: balance token counts over ranks and micro-batches (each rank's
+    cost: its tokens)."""
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
     tokens = sizes.astype(np.float64)
     plan = SABAssignment(segs, arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
                          max_tokens=max_tokens, seed=seed, key=np.zeros(len(segs))).units().bins
-    cost = sample_costs(sizes, cost_fn)
     if plan is None:
         seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
         return finish_plan(seq.micro_batches, "token_balanced", max_tokens, n_split, True,
-                           segs, cost)
-    return finish_plan(plan, "token_balanced", max_tokens, n_split, False, segs, cost,
+                           segs, tokens)
+    return finish_plan(plan, "token_balanced", max_tokens, n_split, False, segs, tokens,
                        indices=True, arr=arr)
 
 

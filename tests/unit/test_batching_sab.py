@@ -431,7 +431,7 @@ def test_a_row_plan_is_its_rank_of_the_whole():
 def test_a_ranks_sequential_row_is_its_row_of_the_whole():
     """``sequential_plan(rank=r)`` makes only rank r's row: the whole plan's ``row_plan(r)``
     (segments, cost, arrays), with ranks past the filled bins (empty micro-batches) and split
-    documents; priced by a cost function it is refused (a row is priced in tokens)."""
+    documents."""
     from sparsebalance_megatron.data.packing import GlobalBatchSampler
 
     rng = np.random.default_rng(11)
@@ -453,6 +453,3 @@ def test_a_ranks_sequential_row_is_its_row_of_the_whole():
             assert own.segment_array().tolist() == want.segment_array().tolist()
     with pytest.raises(ValueError, match=rf"rank={dp}: expected a DP rank in \[0, {dp}\)"):
         sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096, rank=dp)
-    with pytest.raises(ValueError, match="rank=0: a rank's own sequential row is priced"):
-        sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096, rank=0,
-                        cost_fn=quad_cost)
