@@ -105,11 +105,11 @@ class SABAssignment:
 
     def __init__(self, segs, arr, sizes, n_split: int, cost: np.ndarray, *, dp: int, m: int,
                  max_tokens: int, seed: int, key, cost_fn=None, arrange: bool = True,
-                 length_multiple: int = 0, balance_bins: bool = True, priced=None):
+                 length_multiple: int = 0, priced=None):
         self.segs, self.arr, self.sizes, self.n_split, self.cost = segs, arr, sizes, n_split, cost
         self.dp, self.m, self.max_tokens, self.key = dp, m, max_tokens, key
         self.cost_fn = cost_fn if arrange and isinstance(cost_fn, LatencyCost) else None
-        self.length_multiple, self.balance_bins = length_multiple, balance_bins
+        self.length_multiple = length_multiple
         self.tie = np.random.default_rng(seed).permutation(sizes.size)
         # cost descending (each cost's rank among them), ties by the seeded permutation
         ranked = cost_ranks(cost, sizes, priced) or (
@@ -146,8 +146,7 @@ class SABAssignment:
         if items is not None:
             by_rank = items[by_rank]
         starts = np.r_[0, np.cumsum(np.bincount(rank_of, minlength=ranks.size))]
-        bins = _cut(by_rank, starts, self.sizes, self.cost, self.m, self.max_tokens,
-                    self.balance_bins)
+        bins = _cut(by_rank, starts, self.sizes, self.cost, self.m, self.max_tokens)
         if bins is None:
             return RankUnits(ranks, None, False)
         return self._priced(ranks, bins)
@@ -228,13 +227,12 @@ class SABAssignment:
         return self.rank_plan(mine, self.agree(mine), method)
 
 
-def _cut(by_rank, starts, sizes, cost, m: int, max_tokens: int, balance: bool):
+def _cut(by_rank, starts, sizes, cost, m: int, max_tokens: int):
     """Each rank's items (a run of ``by_rank`` from ``starts``) cut into m contiguous bins in
     slot order (``kernels.packing.rank_bins``); a rank whose cuts do not fit takes the
     first-fit-decreasing bins. None if some rank does not fit."""
     k = starts.size - 1
-    bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m,
-                                                    max_tokens, balance)
+    bin_of, slot_of, ok = kernels.packing.rank_bins(by_rank, starts, sizes, cost, m, max_tokens)
     # every (rank, bin)'s items are a run of by_rank: cut it at the runs' ends
     cut = np.r_[0, np.cumsum(np.bincount(np.repeat(np.arange(k), np.diff(starts)) * m
                                          + bin_of, minlength=k * m))].tolist()

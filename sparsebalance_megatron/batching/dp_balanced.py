@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .packing import CostFn, finish_plan, prepare_samples, sample_costs
+from .packing import finish_plan, prepare_samples
 from .plan import BatchingError, BatchPlan, split_long
 
 ORDERS = ("megatron", "sampler")
@@ -113,9 +113,7 @@ def megatron_order(n: int, dp: int, micro_batch_size: int = 1) -> np.ndarray:
 
 def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                      long_sample_policy: str = "split", order: str = "megatron",
-                     micro_batch_size: int = 1,
-                     max_seqlen_per_dp_cp_rank: Optional[int] = None,
-                     cost_fn: Optional[CostFn] = None, empty_groups: bool = False,
+                     max_seqlen_per_dp_cp_rank: Optional[int] = None, empty_groups: bool = False,
                      microbatch_group_size_per_vp_stage: Optional[int] = None) -> BatchPlan:
     """Megatron's dp_balanced packing of one global batch (module docstring).
 
@@ -142,7 +140,7 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
         segs, more = split_long(segs, cap, long_sample_policy)
         sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)
         n_split += more
-    idx = megatron_order(len(segs), dp, micro_batch_size) if order == "megatron" \
+    idx = megatron_order(len(segs), dp) if order == "megatron" \
         else np.arange(len(segs))
     groups = dp_balanced_groups(
         sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=cap, dp=dp, empty_groups=empty_groups,
@@ -150,5 +148,5 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
     stops = any(not g for mb in groups for g in mb)
     per_rank = [[idx[groups[i][r]].tolist() for i in range(len(groups))] for r in range(dp)]
     plan = finish_plan(per_rank, "dp_balanced", max_tokens, n_split, stops, segs,
-                       sample_costs(sizes, cost_fn), indices=True)
+                       sizes.astype(np.float64), indices=True)
     return plan.with_length_multiple(1)

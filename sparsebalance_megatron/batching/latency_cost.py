@@ -87,9 +87,6 @@ def distinct_lengths(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def latency_sample_cost_fn(model, density: float) -> LatencyCost:
-    """Cost of a segment as a document of a packed micro-batch: the seconds it adds to the
-    micro-batch, fwd + bwd, summed over the pipeline's (virtual) stages, from a ``LatencyModel``
-    at ``density`` (time of the micro-batch with it minus the empty micro-batch), without the
-    kernels' per-call costs (a micro-batch pays each call once, whatever its documents); its
-    per-stage parts let ``sab_plan`` arrange the micro-batches' slots (``LatencyCost``)."""
+    """SAB's ``CostFn`` from a ``LatencyModel`` at ``density`` (``LatencyCost``: a segment's
+    seconds added to a packed micro-batch, ``LatencyCost.stage_costs``)."""
     return LatencyCost(model, density)

@@ -1,25 +1,18 @@
-"""Sparsity-aware batching (SAB) and the two baselines it is compared with.
-
-All three take the segments of one global batch and return a ``BatchPlan`` with
-``dp x num_microbatches`` micro-batches of at most ``max_tokens`` tokens:
+"""Sparsity-aware batching (SAB) and the two baselines it is compared with (the rules:
+docs/DESIGN.md section 6). Each takes the segments of one global batch and returns a
+``BatchPlan`` of ``dp x num_microbatches`` micro-batches of at most ``max_tokens`` tokens:
 
 - ``sequential_plan``: Megatron's default (``data/packing.sequential_pack``): fill micro-batches
   in sample order, micro-batch j to DP rank j % dp, slot j // dp.
-- ``token_balanced_plan``: what a length-aware balancer does: LPT on *token counts* over ranks,
-  then even token counts over a rank's micro-batches.
-- ``sab_plan``: LPT on *predicted cost* (latency model at the expected density: attention grows
-  with the square of a document's length, so equal tokens are not equal time): segments in
-  decreasing cost go to the least loaded rank that still has token room. Within a rank the
-  segments are ordered by sensitivity and cut into contiguous micro-batches of about equal cost,
-  so each micro-batch holds samples of similar sensitivity (DST then cuts whole insensitive
-  micro-batches and raises sensitive ones). If the cost-aware packing does not fit a rank's
-  micro-batches, SAB falls back to the sequential bins re-assigned to ranks by cost (LPT with m
-  bins per rank): whatever the sequential baseline fits, SAB fits. Then where each micro-batch
-  runs: with a latency model's cost (``latency_sample_cost_fn``) the slots are chosen on the
-  simulated pipeline of the run's layout, and whole micro-batches may swap ranks
-  (``batching.slots``); without one, the cheapest micro-batches take the first and last slots,
-  which open and close the 1F1B pipeline. ``sab_assignment`` stops before the packing: the
-  assignment every rank computes alike, from which a rank packs its own micro-batches only
+- ``token_balanced_plan``: LPT on *token counts* over ranks, then even token counts over a
+  rank's micro-batches.
+- ``sab_plan``: LPT on *predicted cost*, each rank's segments by sensitivity cut into contiguous
+  micro-batches of about equal cost, falling back to the sequential bins re-assigned to ranks by
+  cost where a rank's cut does not fit. With a latency model's cost
+  (``latency_sample_cost_fn``) the slots are chosen on the simulated pipeline and whole
+  micro-batches may swap ranks (``batching.slots``); without one, the cheapest micro-batches
+  take the first and last slots. ``sab_assignment`` stops before the packing: the assignment
+  every rank computes alike, from which a rank packs its own micro-batches only
   (``batching.assignment``).
 
 Determinism: ties in cost are broken by a permutation drawn from ``seed``; no other randomness.
@@ -33,10 +26,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from ..data.packing import check_bin_count, sequential_pack
+from ..data.packing import check_bin_count
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
-from .plan import (BatchingError, BatchPlan, CheckedSegments, SegmentRows, as_segment_array,
+from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array,
                    as_segments, check_fits, check_long_sample_policy, check_shape_args,
                    finish_plan, split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
@@ -91,39 +84,21 @@ def _bad_costs(shape, n: int):
 
 
 def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-                    long_sample_policy: str = "split", cost_fn: Optional[CostFn] = None,
-                    rank: Optional[int] = None) -> BatchPlan:
-    """Megatron's default packing (see the module docstring). ``rank``: DP rank r's row alone,
-    as a one-row plan (the whole plan's ``row_plan(r)``, the other rows never made; priced in
-    tokens)."""
+                    long_sample_policy: str = "split", rank: Optional[int] = None) -> BatchPlan:
+    """Megatron's default packing (see the module docstring): ``sequential_pack``'s bins (fill in
+    order, a new bin when the next segment does not fit; bin k x dp + r is rank r's micro-batch
+    k) as rows of the segments' array, each rank's tokens its cost (whole numbers: their sums
+    are exact in any order), without a tuple and a look-up per segment (the baseline packing of
+    every draft). ``rank``: DP rank r's row alone, as a one-row plan (the whole plan's
+    ``row_plan(r)``, the other rows never made)."""
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))
                              or not 0 <= rank < dp):
         raise ValueError(f"rank={rank!r}: expected a DP rank in [0, {dp})")
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
-    if cost_fn is None:            # priced in tokens: the bins by their first segments
-        return _sequential_by_tokens(segs, sizes, arr, dp, num_microbatches, max_tokens, n_split,
-                                     rank)
-    if rank is not None:
-        raise ValueError(f"rank={rank!r}: a rank's own sequential row is priced in tokens "
-                         f"(cost_fn None)")
-    try:
-        mbs = sequential_pack(segs, capacity=max_tokens, dp=dp, num_microbatches=num_microbatches)
-    except ValueError as e:
-        raise BatchingError(f"sequential packing: {e}") from None
-    return finish_plan(mbs, "sequential", max_tokens, n_split, False, segs,
-                       sample_costs(sizes, cost_fn))
-
-
-def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_split: int,
-                          rank: Optional[int] = None) -> BatchPlan:
-    """``sequential_pack``'s bins (fill in order, a new bin when the next segment does not
-    fit; bin k x dp + r is rank r's micro-batch k) as rows of ``arr``, and each rank's
-    tokens as its cost: the plan ``finish_plan`` makes of them (the costs are whole numbers of
-    tokens, so their sums are exact in any order), without a tuple and a look-up per segment
-    (the baseline packing of every draft); ``rank``: that rank's row alone."""
+    m = num_microbatches
     try:                                  # Megatron's fill rule, as sequential_pack applies it
-        starts = _fill_starts(sizes, max_tokens)
+        starts = kernels.packing.sequential_starts(sizes, max_tokens, as_array=True)
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
@@ -134,42 +109,32 @@ def _sequential_by_tokens(segs, sizes, arr, dp: int, m: int, max_tokens: int, n_
             np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
         items = np.concatenate([np.arange(x, y) for x, y in zip(lo.tolist(), hi.tolist())])
         counts = (hi - lo).astype(np.int64)
-        rows = SegmentRows(arr[items], np.r_[0, np.cumsum(counts)].astype(np.int64), 1, m)
         cost = np.array([float(sizes[items].sum())])
-        return BatchPlan(rows, "sequential", max_tokens, n_split, False, cost).primed(
-            items, counts, arr, sizes)
+        return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
+                                  n_split, False, cost, sizes=sizes)
     bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
     items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
-    offsets = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    rows = SegmentRows(arr[items], offsets, dp, m)       # a rank's tuples made when read
-    return BatchPlan(rows, "sequential", max_tokens, n_split, False, rank_cost).primed(
-        items, counts, arr, sizes)
-
-
-def _fill_starts(sizes: np.ndarray, cap: int) -> np.ndarray:
-    """Where ``data.packing.sequential_bins`` opens each bin (``kernels.packing``), [bins]."""
-    return kernels.packing.sequential_starts(sizes, cap, as_array=True)
+    return BatchPlan.of_items(arr, items, counts, dp, m, "sequential", max_tokens, n_split,
+                              False, rank_cost, sizes=sizes)
 
 
 def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-                        long_sample_policy: str = "split", seed: int = 0,
-                        cost_fn: Optional[CostFn] = None) -> BatchPlan:
-    """Length-aware baseline: balance token counts over ranks and micro-batches."""
+                        long_sample_policy: str = "split", seed: int = 0) -> BatchPlan:
+    """Length-aware baseline: balance token counts over ranks and micro-batches (each rank's
+    cost: its tokens)."""
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
     tokens = sizes.astype(np.float64)
     plan = SABAssignment(segs, arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
                          max_tokens=max_tokens, seed=seed, key=np.zeros(len(segs))).units().bins
-    cost = sample_costs(sizes, cost_fn)
     if plan is None:
         seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
         return finish_plan(seq.micro_batches, "token_balanced", max_tokens, n_split, True,
-                           segs, cost)
-    return finish_plan(plan, "token_balanced", max_tokens, n_split, False, segs, cost,
+                           segs, tokens)
+    return finish_plan(plan, "token_balanced", max_tokens, n_split, False, segs, tokens,
                        indices=True, arr=arr)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from .. import kernels
 from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
 from .segments import (CheckedSegments, SegmentRows, as_segment_array,  # noqa: F401 (re-exported)
-                       as_segments, checked_segments)
+                       as_segments, checked_segments, offsets_of)
 
 
 class BatchingError(ValueError):
@@ -68,8 +68,7 @@ class BatchPlan:
         arrays, which also serve ``segment_array`` and ``unit_csr``."""
         segments, counts, dp, m = state.pop("_packed")
         self.__dict__.update(state)
-        offsets = np.zeros(counts.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
+        offsets = offsets_of(counts)
         self.micro_batches = SegmentRows(segments, offsets, dp, m)
         self._cache[("csr", False)] = (offsets, segments[:, 2] - segments[:, 1])
         self._cache["segments"] = segments
@@ -84,27 +83,22 @@ class BatchPlan:
         out._cache.update((k, v) for k, v in self._cache.items() if k in _UNPADDED)
         return out
 
-    def primed(self, items: np.ndarray, counts: np.ndarray, segments: np.ndarray,
-               sizes: np.ndarray) -> "BatchPlan":
-        """This plan, which a packer made from item indices: ``items`` [n] the segments'
-        indices rank-major in slot order, ``counts`` [dp * m] how many each micro-batch holds,
-        ``segments`` [N, 3] and ``sizes`` [N] the array and lengths of the segments indexed.
-        ``segment_array`` and ``unit_csr`` are then gathered from them instead of walked out
-        of the micro-batches' tuples (the same numbers: the micro-batches are those indices'
-        segments; ``tests/unit/test_batching_sab.py`` checks each packer's)."""
-        offsets = np.zeros(counts.size + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        self._cache[("csr", False)] = (offsets, sizes[items])
-        self._cache["segments"] = segments[items]
-        return self
-
-    def primed_bins(self, bins: list, segments: np.ndarray) -> "BatchPlan":
-        """``primed`` from the packer's [dp][m] lists of item indices (``segments``: the
-        [N, 3] array they index)."""
-        flat = list(chain.from_iterable(bins))
-        items = np.fromiter(chain.from_iterable(flat), dtype=np.int64)
-        counts = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
-        return self.primed(items, counts, segments, segments[:, 2] - segments[:, 1])
+    @classmethod
+    def of_items(cls, arr: np.ndarray, items: np.ndarray, counts: np.ndarray, dp: int, m: int,
+                 *args, sizes: Optional[np.ndarray] = None) -> "BatchPlan":
+        """The plan a packer made from item indices: ``items`` [n] indices of rows of ``arr``
+        [N, 3] rank-major in slot order, ``counts`` [dp * m] how many each micro-batch holds,
+        ``args`` the plan's fields after the micro-batches. Its micro-batches are
+        ``SegmentRows`` (a rank's tuples made when read); ``segment_array`` and ``unit_csr``
+        are gathered from the arrays (``sizes`` [N]: ``arr``'s lengths, where the caller has
+        them) instead of walked out of the tuples (``tests/unit/test_batching_sab.py`` checks
+        each packer's)."""
+        offsets = offsets_of(counts)
+        plan = cls(SegmentRows(arr[items], offsets, dp, m), *args)
+        plan._cache[("csr", False)] = (offsets, (arr[:, 2] - arr[:, 1] if sizes is None
+                                                 else sizes)[items])
+        plan._cache["segments"] = arr[items]
+        return plan
 
     def row_plan(self, r: int) -> "BatchPlan":
         """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
@@ -150,9 +144,7 @@ class BatchPlan:
                 counts = np.fromiter((len(mb) for rank in mbs for mb in rank), dtype=np.int64)
                 lengths = np.fromiter((e - s for rank in mbs for mb in rank for _, s, e in mb),
                                       dtype=np.int64, count=int(counts.sum()))
-            offsets = np.zeros(counts.size + 1, dtype=np.int64)
-            np.cumsum(counts, out=offsets[1:])
-            self._cache[key] = (offsets, lengths)
+            self._cache[key] = (offsets_of(counts), lengths)
         return self._cache[key]
 
     def flat_lengths(self, with_padding: bool = False) -> list:
@@ -202,8 +194,8 @@ def gathered_plan(batch, gather):
     pad[:len(seg)] = seg
     rows = gather(pad.reshape(-1)).reshape(len(counts), -1, 3).astype(np.int64)
     segments = np.concatenate([rows[r, :n] for r, n in enumerate(per_rank.tolist())])
-    offsets = np.r_[0, np.cumsum(counts.reshape(-1))].astype(np.int64)
-    return BatchPlan(SegmentRows(segments, offsets, *counts.shape), batch.method,
+    return BatchPlan(SegmentRows(segments, offsets_of(counts.reshape(-1)), *counts.shape),
+                     batch.method,
                      batch.max_tokens, batch.num_split_samples, batch.fallback,
                      length_multiple=batch.length_multiple)
 
@@ -211,28 +203,24 @@ def gathered_plan(batch, gather):
 def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
                 indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
     """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
-    ``segs`` as an [n, 3] array, ``BatchPlan.primed_bins``)."""
+    ``segs`` as an [n, 3] array, ``BatchPlan.of_items``)."""
     if indices:
         counts = [sum(map(len, rank)) for rank in mbs_idx_or_segs]
         items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
                             dtype=np.int64, count=sum(counts))
         # every rank's sum() of its segments' costs in slot order, compiled (py_sum)
-        rank_cost = kernels.packing.py_sums(cost, items, np.r_[0, np.cumsum(counts)])
+        rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts))
         arr = getattr(segs, "array", None) if arr is None else arr
         if arr is None:
             get = segs.__getitem__
             mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
             return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
-        # the rows of ``arr`` the bins index, a rank's tuples made when read (SegmentRows)
         dp = len(mbs_idx_or_segs)
         m = len(mbs_idx_or_segs[0]) if dp else 0
         sizes = np.fromiter((len(b) for rank in mbs_idx_or_segs for b in rank), np.int64,
                             count=dp * m)
-        offsets = np.zeros(sizes.size + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        rows = SegmentRows(arr[items], offsets, dp, m)
-        plan = BatchPlan(rows, method, max_tokens, n_split, fallback, rank_cost)
-        return plan.primed(items, sizes, arr, arr[:, 2] - arr[:, 1])
+        return BatchPlan.of_items(arr, items, sizes, dp, m, method, max_tokens, n_split,
+                                  fallback, rank_cost)
     mbs = mbs_idx_or_segs
     # a segment's cost at its first position, as numpy scalars: sum() adds those one by one
     # (Python floats it would sum compensated, another rounding)

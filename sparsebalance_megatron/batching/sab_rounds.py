@@ -98,12 +98,11 @@ def _units(ranks: np.ndarray, rows: np.ndarray, mine: RankUnits) -> RankUnits:
                      bwd.astype(mine.bwd_s.dtype, copy=False), slots, span, scale)
 
 
-def packing_rounds(a: SABAssignment, mine: RankUnits, method: str = "sab"
-                   ) -> Generator[dict, dict, BatchPlan]:
+def packing_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict, BatchPlan]:
     """DP rank ``mine.ranks[0]``'s own micro-batches (a one-row ``BatchPlan``: its row of
     ``a.plan()``) after ``agreement_rounds`` and the check round (module docstring)."""
     agreed = yield from agreement_rounds(a, mine)
-    plan = a.rank_plan(mine, agreed, method)
+    plan = a.rank_plan(mine, agreed)
     got = yield {"sum": {"segments": _digest(plan.segment_array())}, "max": {}}
     want = _digest(a.arr)
     if not np.array_equal(np.asarray(got["segments"]), want):

@@ -114,6 +114,13 @@ def as_segment_array(samples) -> tuple[list, np.ndarray]:
     return out, np.asarray(out, dtype=np.int64).reshape(-1, 3)
 
 
+def offsets_of(counts) -> np.ndarray:
+    """[k + 1] int64 offsets of runs of ``counts`` [k] (a CSR's)."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
 class SegmentRows(abc.Sequence):
     """``BatchPlan.micro_batches`` of an unpickled plan: rank r's [m] lists of (sample id,
     start, end) tuples made from the [n, 3] ``segments`` when first read (a rank reads its own;

@@ -49,17 +49,8 @@ SIGNALS = ("loss", "recall")
 
 
 class SensitivityTracker:
-    """Remembers a measured signal per sample and per length bucket (EMA with weight ``ema``).
-
-    ``signal``:
-    - ``loss`` (default): the sample's mean next-token loss in its last training forward; the
-      sensitivity estimate is minus that loss (a well-predicted sample, e.g. code, loses most
-      when sparsified: measured on SmolLM2-135M, Spearman +0.50 against the loss change at
-      density 0.25, BENCHMARKS.md). Unmeasured samples take their bucket's EMA, else the EMA
-      over all samples, and before any measurement the length prior.
-    - ``recall``: the estimator's kept attention mass at the sample's density; sensitivity =
-      1 - recall (the original signal; measured anti-correlated, Spearman -0.45).
-    """
+    """Remembers a measured signal (``signal``: ``loss`` or ``recall``, module docstring) per
+    sample and per length bucket (EMA with weight ``ema``)."""
 
     def __init__(self, ema: float = 0.3, signal: str = "loss"):
         if not (0.0 < ema <= 1.0):

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import f64, i64, jit
+from . import contiguous, f64, i64, jit
 from .graph import earliest_finish, makespan, put_units, unit_floats
 from .grid import highest_within, row_of
 from .records import Fill, Graph, Tables
@@ -332,7 +332,7 @@ class BandPass:
         out = (np.empty(units.shape, dtype=np.int64), np.empty(rows), np.empty((n_ev, rows)),
                np.empty((n_ev, rows)), np.empty((rows, units.shape[2])))
         cut_rows(self.graph, self.tables, self.down, self.fill, i64(cur), f64(busy), f64(band),
-                 _bools(water), int(i_min), int(iters), out)
+                 contiguous(water, np.bool_), int(i_min), int(iters), out)
         return out
 
     def floats(self, dur, ef, deadline) -> np.ndarray:
@@ -349,19 +349,13 @@ class BandPass:
         units = self.up.units
         out = (np.empty((rows.size,) + units.shape[1:], dtype=np.int64), np.empty(rows.size))
         raise_try_rows(self.graph, self.tables, self.up, self.fill,
-                       (i64(cur), f64(cap), f64(slack)), i64(rows), f64(alpha), _bools(water),
-                       int(i_max), int(iters), out)
+                       (i64(cur), f64(cap), f64(slack)), i64(rows), f64(alpha),
+                       contiguous(water, np.bool_), int(i_max), int(iters), out)
         return out
 
 
-def _bools(a) -> np.ndarray:
-    return np.require(a, dtype=np.bool_, requirements="CW")
-
-
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: the cut, floats and a raise try of one quality and one
-    sensitivity-order row on ``records.SAMPLE``'s one-unit graph, with a draft's argument
-    types."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     from .records import SAMPLE
 
     g, units = SAMPLE.tables.g, np.zeros((2, 1, 1), dtype=np.int64)

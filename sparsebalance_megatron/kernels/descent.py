@@ -351,9 +351,7 @@ class Round:
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: a round's phases compiled (or loaded from numba's
-    disk cache) with a draft's argument types, on ``records.SAMPLE``'s one-unit graph, its
-    tables with a formula and without."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     from .records import SAMPLE
 
     graph, t = SAMPLE.graph, SAMPLE.tables

@@ -20,7 +20,6 @@ def run_sums(table_t, blocks, unit, count, out):
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with
-    the argument types a draft passes."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     run_sums(np.ones((2, 2)), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
              np.ones(1), np.zeros((1, 2)))

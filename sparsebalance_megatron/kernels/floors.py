@@ -76,8 +76,7 @@ def floors_verdict(grid, idx, floors, sums):
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with the
-    argument types a check passes."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     grid, idx, ones = np.array([0.5, 1.0]), np.array([0, 1], dtype=np.int64), np.ones(2)
     floors_verdict(grid, idx, Floors(ones, 2, 2.0, 0.0, ones, np.zeros(2), 0.5, 0.5, True),
                    np.empty(4))

@@ -126,8 +126,7 @@ def put_units(graph, tables, u, idx, dur, j):
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: the passes compiled (or loaded from numba's disk
-    cache) with a draft's argument types, on ``records.SAMPLE``'s graph."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     graph, dur = SAMPLE.graph, np.ones((2, 2))
     end, cols = np.empty((2, 2)), np.arange(2)
     earliest_finish(graph, dur, cols, end, NO_START)

@@ -108,8 +108,7 @@ def unit_tables(work, per_pair, fixed, corr, scaled, out, tot):
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with
-    the argument types a draft passes."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     from .records import SAMPLE
 
     highest_within(SAMPLE.tables.tot, SAMPLE.tables.work, row_of(0), 0, 1, 1.5)

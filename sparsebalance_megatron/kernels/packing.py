@@ -186,7 +186,7 @@ def _slot_order(c, out):
 
 
 @jit
-def rank_bins_pass(items, starts, size, cost, m, cap, balance, bin_of, slot_of, ok):
+def rank_bins_pass(items, starts, size, cost, m, cap, bin_of, slot_of, ok):
     # per rank (items[starts[r]:starts[r + 1]], by sensitivity): the bins (balanced, else
     # unbalanced; ok[r] False: neither fits) and the slot of every bin, the cheapest first and
     # the second cheapest last (``_slot_order``; bin costs as sum() adds them)
@@ -194,8 +194,8 @@ def rank_bins_pass(items, starts, size, cost, m, cap, balance, bin_of, slot_of, 
     c = np.empty(m)
     for r in range(dp):
         lo, hi = starts[r], starts[r + 1]
-        fit = _bins(items, lo, hi, size, cost, m, cap, balance, bin_of)
-        if not fit and balance:
+        fit = _bins(items, lo, hi, size, cost, m, cap, True, bin_of)
+        if not fit:
             fit = _bins(items, lo, hi, size, cost, m, cap, False, bin_of)
         ok[r] = fit
         if not fit:                  # left to the fallback: its positions in bin 0
@@ -317,7 +317,7 @@ def lpt_ranks(cost: np.ndarray, size: np.ndarray, tie: np.ndarray, at: np.ndarra
 
 
 def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.ndarray,
-              m: int, cap: int, balance: bool) -> tuple:
+              m: int, cap: int) -> tuple:
     """Every rank's contiguous bins (balanced, else unbalanced) and their slots
     (``rank_bins_pass``): (bin of every position of ``items`` [n], bin of every (rank, slot)
     [dp, m], whether the rank's cut fits [dp])."""
@@ -325,17 +325,16 @@ def rank_bins(items: np.ndarray, starts: np.ndarray, size: np.ndarray, cost: np.
     bin_of = np.zeros(items.size, dtype=np.int64)
     slot_of = np.zeros((dp, m), dtype=np.int64)
     ok = np.zeros(dp, dtype=np.bool_)
-    rank_bins_pass(i64(items), i64(starts), i64(size), f64(cost), int(m), int(cap),
-                   bool(balance), bin_of, slot_of, ok)
+    rank_bins_pass(i64(items), i64(starts), i64(size), f64(cost), int(m), int(cap), bin_of,
+                   slot_of, ok)
     return bin_of, slot_of, ok
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: compiled (or loaded from numba's disk cache) with a
-    draft's argument types."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     one, i1 = np.ones(2), np.ones(2, dtype=np.int64)
     lpt_ranks(one, i1, np.arange(2), np.arange(2), np.arange(2), 2, 4)
-    rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4, True)
+    rank_bins(np.arange(2), np.array([0, 1, 2]), i1, one, 3, 4)
     sequential_starts(i1, 4)
     stream_pass(np.arange(2), np.zeros(1, dtype=np.int64), i1, one[:1], 4, np.zeros(1, np.int64),
                 np.array([2]), np.zeros(1, np.int64), np.array([-1, 0, 1, 0, 0]),

@@ -5,7 +5,7 @@
 passes a ``NamedTuple`` of arrays by value and reads its fields by name, so a kernel's
 signature says what it reads, not thirty arrays in a row.
 
-Pure numpy; imports nothing of this package.
+Pure numpy; imports nothing of this package but ``kernels``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-
-def _f(a) -> np.ndarray:
-    return np.require(a, dtype=np.float64, requirements="CW")
-
-
-def _i(a) -> np.ndarray:
-    return np.require(a, dtype=np.int64, requirements="CW")
+from . import f64, i64
 
 
 class Graph(NamedTuple):
@@ -43,7 +37,7 @@ class Graph(NamedTuple):
     def of(cls, links, last, unit_events, p2p_s: float = 0.0) -> "Graph":
         """The record of an event graph's ``links`` ([5, E]: prev, dep, cross, next,
         successor), ``last`` [ranks] and ``unit_events`` [2, units] (forward, backward)."""
-        return cls(*(_i(a) for a in (*links, last, *unit_events)), float(p2p_s))
+        return cls(*(i64(a) for a in (*links, last, *unit_events)), float(p2p_s))
 
 
 class Floors(NamedTuple):
@@ -86,8 +80,8 @@ class Tables(NamedTuple):
         scaled), or None."""
         work, per_pair, fixed, corr, scaled = formula if formula is not None else (
             np.zeros((0, 0)), np.zeros((2, 1)), np.zeros((2, 0, 1)), np.zeros((0, 1)), False)
-        return cls(_f(fwd.reshape(-1)), _f(bwd.reshape(-1)), _f(tot.reshape(-1)),
-                   int(tot.shape[-1]), _f(work), _f(per_pair), _f(fixed), _f(corr),
+        return cls(f64(fwd.reshape(-1)), f64(bwd.reshape(-1)), f64(tot.reshape(-1)),
+                   int(tot.shape[-1]), f64(work), f64(per_pair), f64(fixed), f64(corr),
                    bool(scaled))
 
 
@@ -118,7 +112,7 @@ class Fill(NamedTuple):
 
     @classmethod
     def of(cls, flat, shift, first, low: float, high: float) -> "Fill":
-        return cls(_f(flat), _f(shift), _i(first), float(low), float(high), fill_exps())
+        return cls(f64(flat), f64(shift), i64(first), float(low), float(high), fill_exps())
 
 
 NO_START = np.empty((0, 0))

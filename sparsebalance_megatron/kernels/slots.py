@@ -134,8 +134,7 @@ def search(graph: Graph, fu, bu, sc, cost, slots, span, moves: tuple, rules: tup
 
 
 def warm_up() -> None:
-    """``kernels.warm_up`` for this room: one round on two ranks of one micro-batch of
-    ``records.SAMPLE``'s one-unit graph, with a draft's argument types."""
+    """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
     from .records import SAMPLE
 
     f = np.array([[2.0], [1.0]])

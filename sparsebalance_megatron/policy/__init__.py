@@ -4,10 +4,10 @@ Plain arrays in, densities out; identical inputs give identical plans on every r
 Must not import torch, megatron or torch.distributed.
 """
 
-from .costs import (GRID_STEP, UnitCosts, check_density_bounds, density_grid,
-                    weighted_mean_density)
-from .dst import (DSTPlan, DSTReport, dst_inputs, plan_dst, plan_dst_from_config,
-                  static_plan)
+from .costs import GRID_STEP, UnitCosts, check_density_bounds, density_grid
+from .density_means import weighted_mean_density
+from .dst import dst_inputs, plan_dst, plan_dst_from_config, static_plan
+from .dst_band import DSTPlan, DSTReport
 from .dst_settings import DSTSettings
 
 __all__ = ["GRID_STEP", "UnitCosts", "check_density_bounds", "density_grid",

@@ -25,7 +25,7 @@ from typing import Generator, Optional
 
 import numpy as np
 
-from .bands import MAD_SIGMA, excess_matters, excess_stands_out
+from .bands import MAD_SIGMA, excess_matters, excess_stands_out, straggler_present
 
 EXACT_VALUES = 2048      # values per statistic the group shares exactly (16 KB)
 BINS = 4096              # histogram bins (plus one below and one above the range)
@@ -93,7 +93,6 @@ def agreed_rounds(factors: Optional[np.ndarray], errors: np.ndarray, *, dp: int,
     if f is None:
         return False, error
     if exact_f:
-        from .bands import straggler_present
         return straggler_present(np.asarray(got["factors"]).reshape(-1, f.size),
                                  tolerance), error
     median = 2.0 ** histogram_median(np.asarray(got["factors"]), *FACTOR_LOG2)

@@ -1,26 +1,21 @@
 """Narrower tolerance bands beside the configured one (issue 27: absorb a persistent straggler).
 
 DST cuts a load unit (dp rank, pipeline stage) only above (1 + p) x the anchor (``--sb-tolerance``
-p, default 0.1). The band guards against the latency model's error: a unit a few percent above
-the anchor may only look heavy. But a GPU that is persistently 10% slow (the per-(DP rank,
-pipeline rank) calibration carries it into the costs) sits inside that band, so nothing is cut
-and the whole step waits for it.
+p, default 0.1): the band guards against the latency model's error. But a GPU that is
+persistently 10% slow (the calibration carries it into the costs) sits inside that band, so
+nothing is cut and the whole step waits for it.
 
 So when the calibration says a GPU is persistently slower than its peers by more than half the
-band (``straggler_present`` on the [dp, pp] compute-time factors the costs were scaled by), and
-by more than the factors' own noise could make one of them (per-step timing noise leaves every
-factor a little off, and the largest of thousands of noisy factors is well above the median:
-at a spread of 2.4%, as the planner-cost study's stand-in timings give, the largest of 256 is
-6-7% up, and planning the narrow bands there would cut density for noise),
-the band search plans the configured band and ``NARROW_FRACTIONS`` of it (p/2, p/4 and
-0: cut everything above the anchor) in the same batched pass (``dst_band``; the
-candidates are rows of the same vectorised calls), and keeps a narrower band's plan only when it
-meets the same floors and quality condition and is predicted faster than the wider band's by more
-than ``NARROW_MARGIN``: a cut that buys less than that is within what the band exists to ignore,
-and the wider band keeps more density. The do-no-harm stand-down (``policy.stand_down``) still
-replaces any plan predicted slower than static. Without such a GPU the band is the configured
-one alone: ``--sb-tolerance`` keeps its meaning (a narrower band would also cut the structural
-imbalance the user chose to tolerate, e.g. a slightly heavier LM-head stage).
+band, and by more than the factors' own noise could make one of them (``straggler_present``: at
+a spread of 2.4% the largest of 256 noisy factors is 6-7% up, and narrow bands planned there
+would cut density for noise), the band search plans the configured band and
+``NARROW_FRACTIONS`` of it (p/2, p/4 and 0: cut everything above the anchor) in the same
+batched pass (``dst_band``), and keeps a narrower band's plan only when it meets the same floors
+and quality condition and is predicted faster than the wider band's by more than
+``NARROW_MARGIN``: a cut that buys less than that is within what the band exists to ignore, and
+the wider band keeps more density. Without such a GPU the band is the configured one alone:
+``--sb-tolerance`` keeps its meaning (a narrower band would also cut the structural imbalance the
+user chose to tolerate, e.g. a slightly heavier LM-head stage).
 
 The band search (``band_search``): under the mean and per-stage density floors (and, with the
 quality objective, no predicted loss against uniform d0), the configured band, else a band
@@ -174,9 +169,4 @@ def _candidate_tree(anchor: str, tol: float, search_steps: int, narrow: bool) ->
             edges = [lo] + [float(t) for t in ts]
             nxt += [(edges[i], float(ts[i])) for i in range(3)] + [(float(ts[-1]), hi)]
         level = nxt
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return tuple(uniq)
+    return tuple(dict.fromkeys(out))                # each once, in first-asked order

@@ -6,10 +6,8 @@ many densities, so it is tabulated once per step on a small grid of densities (m
 between d_min and d_max, plus d0). On the grid, planning is exact table look-ups: no latency-model
 calls inside the planning loop.
 
-Also here: the attention-work-weighted mean density that every report quotes. Documents routed to
-the dense kernel (``dense_work``) count at density 1 in it, whatever the plan: they keep every
-causal block, and no plan can cut them (their time does not depend on the density, so a unit of
-them alone has a flat cost curve and DST neither gains by cutting it nor pays for raising it).
+Documents routed to the dense kernel (``dense_work``) count at density 1 in every mean density
+(``density_means``), whatever the plan: no plan can cut them.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -23,17 +21,16 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
-from .density_means import stage_mean_densities, weighted_mean_density  # noqa: F401
 from .table_memory import TableMemory
 
 GRID_STEP = 1.0 / 64
 
 
-def density_grid(d0: float, d_min: float, d_max: float, step: float = GRID_STEP) -> np.ndarray:
-    """[g] sorted densities: multiples of ``step`` inside [d_min, d_max], plus d_min, d0, d_max."""
+def density_grid(d0: float, d_min: float, d_max: float) -> np.ndarray:
+    """[g] sorted densities: multiples of ``GRID_STEP`` inside [d_min, d_max], plus d_min, d0,
+    d_max."""
     check_density_bounds(d0, d_min, d_max)
-    if not (0.0 < step <= 1.0):
-        raise ValueError(f"grid step={step!r}: expected a number in (0, 1]")
+    step = GRID_STEP
     k0 = int(np.ceil(d_min / step - 1e-9))
     k1 = int(np.floor(d_max / step + 1e-9))
     pts = [k * step for k in range(max(k0, 1), k1 + 1)]
@@ -173,15 +170,9 @@ class UnitCosts:
         """Grid indices ``idx`` [..., dp, m, pp] of plans, each unit moved to the index nearest
         ``i0`` (d0's) that keeps the blocks ``idx`` keeps (``kept_grid``) at the same seconds:
         a raise to the lowest density that keeps its blocks, a cut to the highest, and a move
-        that keeps what d0 keeps back to d0. Why: a unit's kept blocks change only where
-        ``ceil(d x available)`` passes an integer above its forced sink and diagonal blocks
-        (a micro-batch of documents of at most 7 blocks keeps the same blocks at every density
-        from 0.125 to 2/7); a move inside such a step buys no block and no second, and counted
-        at its nominal density in the floors it would pay for a real cut. ``idx`` itself
-        without ``kept_grid``. A move toward d0 from above costs no more seconds (the tables
-        are non-decreasing); one from below is made only where its seconds are the same (a cut
-        that keeps as many document blocks but less padding saves time: it stays). A gather
-        from a [dp, m, g] table made once per ``i0``, and the moved units' seconds compared."""
+        that keeps what d0 keeps back to d0 (why: docs/DESIGN.md section 5, issue 62). ``idx``
+        itself without ``kept_grid``. A cut moves up only where its seconds are the same (one
+        that keeps as many document blocks but less padding saves time: it stays)."""
         idx = np.asarray(idx)
         if self.kept_grid is None:
             return idx
@@ -349,22 +340,20 @@ class UnitCosts:
                    _formula=formula if checked else None)
 
     @classmethod
-    def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray,
-               fwd_fraction: float = 1.0 / 3.0, attn_work: Optional[np.ndarray] = None
+    def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray
                ) -> "UnitCosts":
-        """Closed form t(d) = fixed_s + d * attn_s_dense per unit ([dp, m, pp] each), split into
-        forward and backward by ``fwd_fraction`` (1/3: backward costs about twice the forward)."""
+        """Closed form t(d) = fixed_s + d * attn_s_dense per unit ([dp, m, pp] each), a third
+        of it forward (backward costs about twice the forward); attention work
+        ``attn_s_dense``."""
         g = np.asarray(densities, dtype=np.float64)
         fixed = np.asarray(fixed_s, dtype=np.float64)
         attn = np.asarray(attn_s_dense, dtype=np.float64)
         if fixed.shape != attn.shape or fixed.ndim != 3:
             raise ValueError(f"fixed_s {fixed.shape} and attn_s_dense {attn.shape} must both "
                              "be [dp, m, pp]")
-        if not (0.0 < fwd_fraction < 1.0):
-            raise ValueError(f"fwd_fraction={fwd_fraction!r}: expected a number in (0, 1)")
         t = fixed[..., None] + attn[..., None] * g                  # [dp, m, pp, g]
-        w = attn if attn_work is None else attn_work
-        return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, w)
+        fwd_fraction = 1.0 / 3.0
+        return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, attn)
 
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:

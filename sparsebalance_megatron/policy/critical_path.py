@@ -1,17 +1,8 @@
 """Critical-path descent: a DST candidate that shortens the pipeline's longest path, not its
-busiest stage.
+busiest stage (why: docs/DESIGN.md section 5).
 
-DST's cut phase lowers the densities of load units (DP rank, pipeline stage) whose busy time is
-above a band around the anchor; its raise phase fills float. Once SAB has balanced the DP ranks,
-what is left is the pipeline's own shape: the step is the longest path through the schedule's
-events (fill, steady state, drain; with the interleaved schedule a path that crosses every rank
-several times), no stage's busy time is far outside the band, and the floors widen the band back.
-A linear program over the same event graph, floors and quality rule put the optimum well below
-the band plan on long-document mixes (docs/DESIGN.md section 5).
-
-The descent here approaches that optimum with the simulator and the float of every event
-(``sim.pipeline.EventGraph``), vectorised over DP ranks; each round (its cut and raise are
-``kernels.descent``'s, compiled):
+Each round, vectorised over DP ranks on the float of every event (``sim.pipeline.EventGraph``;
+its cut and raise are ``kernels.descent``'s, compiled):
 
 1. target T' = (1 - eta) x the plan's step time;
 2. cut: every unit on a path longer than T' (negative float at deadline T') sheds the same
@@ -24,14 +15,10 @@ The descent here approaches that optimum with the simulator and the float of eve
    quality objective, loses no predicted quality against uniform d0); else halve eta.
 
 The descent spends no density: its plan keeps the work-weighted mean density at d0 or above
-(``NEUTRAL_DENSITY``), even where the density floor would let the band plan go lower. Its speed
-comes from the pipeline's shape, not from attention dropped, so it is also what the layout
-study counts as a win (a layout qualifies only at mean density >= d0).
-
-So the result is never slower than the plan it starts from, and the planner keeps it only when
-it is predicted faster by more than ``dst_band.SPEED_TIE`` (at DP 1 ``refine_plan``; above, each
-rank descends toward agreed probe steps, ``dst_probes``). Cost: ``ROUNDS`` rounds of two
-float passes and two searches.
+(``NEUTRAL_DENSITY``), so the layout study can count it as a win. The result is never slower
+than its start, and the planner keeps it only when predicted faster by more than
+``dst_band.SPEED_TIE`` (at DP 1 ``refine_plan``; above, each rank descends toward agreed probe
+steps, ``dst_probes``). Cost: ``ROUNDS`` rounds of two float passes and two searches.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -44,10 +31,11 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import kernels
-from ..kernels.descent import CUT_FRACTIONS, RAISE_FRACTIONS, SCALE  # noqa: F401 (re-exported)
+from ..kernels.descent import SCALE
 from ..kernels.records import NO_START, Tables
 from ..sim.pipeline import event_graph
-from .costs import UnitCosts, stage_mean_densities, weighted_mean_density
+from .costs import UnitCosts
+from .density_means import stage_mean_densities, weighted_mean_density
 from .dst_settings import DSTSettings
 from .floors import FloorCheck
 

@@ -1,26 +1,10 @@
 """Dynamic sparsity tuning (DST): one attention density per (dp_rank, micro-batch, stage).
 
-The rule (docs/DESIGN.md section 5):
-
-1. Static plan: every unit at d0; simulate the 1F1B step (``sim.pipeline``) -> step time T0.
-2. Anchor over the *load units* at d0, one (dp rank, pipeline stage) each, its time the stage's
-   busy seconds over the step: DP ranks wait for each other at the gradient all-reduce, and
-   within a rank the pipeline's steady state runs at the pace of its busiest stage. ``mean`` |
-   ``median`` | ``min`` over all dp x pp load units; ``max`` = the largest, i.e. never cut.
-3. Cut: every load unit above (1 + p) x anchor has its micro-batches' densities on that stage
-   lowered (least sensitive micro-batch first, or where quality costs least per second), each
-   down to d_min at most, until the stage's busy time is inside the band.
-4. Raise (bubble filling): every unit may grow into its float below the new bottleneck's
-   (1 - h) x T1 (h, the raise headroom, about the latency model's error), most sensitive first
-   (or where quality gains most per second), up to d_max; checked with the simulator, a rank
-   that overshoots is re-planned with less slack. With ``--sb-raise-to static`` the target is
-   (1 - h) x T0: what balancing saved is spent on density.
-
-Then under the density floors the band search widens the band until the floors (and, with the
-quality objective, no predicted loss against uniform d0) hold (``bands.band_search``), and the
-critical-path descent shortens the pipeline's longest path without spending density
-(``critical_path``). Every DP rank plans its own units, coupled by a few fixed-size reductions
-(``dst_ranks``, ``dst_rounds``); at DP 1 every reduction is the identity.
+The rule is docs/DESIGN.md section 5: the static plan (T0), the anchor over the load units, the
+cut above (1 + p) x anchor, the raise into float below (1 - h) x T1, the band search under the
+floors (``bands.band_search``) and the critical-path descent (``critical_path``). Every DP rank
+plans its own units, coupled by a few fixed-size reductions (``dst_ranks``, ``dst_rounds``); at
+DP 1 every reduction is the identity.
 
 Here: ``plan_dst``, the planner with every rank's rounds made in one process (the studies and
 tests; a run makes the same rounds over the DP group, ``megatron/step/dst_agree.py``), and its
@@ -37,23 +21,21 @@ import numpy as np
 
 from .bands import straggler_present
 from .costs import UnitCosts
-from .dst_band import DSTPlan, DSTReport  # noqa: F401 (re-exported)
+from .dst_band import DSTPlan
 from .dst_ranks import rank_slice
 from .dst_rounds import plan_rounds_in_process, rank_rounds
 from .dst_settings import DSTSettings
 
 
 def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTSettings, *,
-             quality=None, rank_scale=None, timer=None) -> DSTPlan:
+             quality=None, rank_scale=None) -> DSTPlan:
     """DST's plan of ``costs`` [dp, m, stages] (the module's rule), every DP rank's rounds made
     here and their reductions made in-process, as the DP group makes them in a run.
 
     ``sensitivity``: [dp, m] or [dp, m, stages], higher = loses more accuracy when sparsified
     (None: all equal); ``quality``: the quality objective's ``StageQuality`` (None: the density
     objective); ``rank_scale``: the calibration's [dp, pp] factors (a slow GPU gets narrower
-    bands, ``bands.straggler_present``); ``timer`` (optional): called as ``timer(rank,
-    seconds)`` with the thread CPU of every rank's own parts by ``dst_ranks.PHASES`` (a [6]
-    array)."""
+    bands, ``bands.straggler_present``)."""
     dp = costs.shape[0]
     narrow = straggler_present(rank_scale, settings.tolerance)
     sens = [None if sensitivity is None else np.asarray(sensitivity)[r:r + 1] for r in range(dp)]
@@ -62,9 +44,6 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTS
                                     for r in range(dp)])
     agreed = {(p.candidate, p.probe) for p in plans}
     assert len(agreed) == 1, agreed                 # every rank keeps the same plan
-    if timer is not None:
-        for r, p in enumerate(plans):
-            timer(r, p.cpu_s.copy())
     idx = np.concatenate([p.grid_index for p in plans])
     return DSTPlan(costs.densities[idx], plans[0].report, idx)
 
@@ -76,12 +55,12 @@ def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
 
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
                          p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
-                         stage_layers=None, rank_scale=None) -> DSTPlan:
+                         stage_layers=None) -> DSTPlan:
     """``plan_dst`` with the settings of a ``SparseBalanceConfig`` (``dst_inputs``); the costs
     must be tabulated on ``density_grid(config.density, config.min_density,
     config.max_density)``."""
     settings, quality = dst_inputs(config, costs.shape[2], p2p_s, raise_headroom, stage_layers)
-    return plan_dst(costs, sensitivity, settings, quality=quality, rank_scale=rank_scale)
+    return plan_dst(costs, sensitivity, settings, quality=quality)
 
 
 def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,

@@ -1,18 +1,9 @@
-"""One DP rank's DST bands: the candidates' plans, batched as rows of one compiled pass, and
-the band search that chooses among them (docs/DESIGN.md section 5).
-
-A band's plan, steps 1-4 of the rule: the static plan simulated (``static_band``), the anchor
-over the (rank, stage) busy seconds at d0 and the band (1 + tolerance) x anchor, the cut of the
-load units above the band (``cut_rows``: least sensitive micro-batch first, or by quality
-water-filling), the raise below the new bottleneck checked with the 1F1B simulator
-(``raise_rows``: a rank that overshoots is re-planned with half the slack, then a quarter, ...,
-and one that clears none keeps its cut), and the reports (``plan_reports``). Every candidate
-band's copy of the rows is stacked in one pass (``band_pass``; the moves and their simulation
-are ``kernels.band``'s, compiled), so K candidates cost far less than K passes. Between the
-phases the DP ranks agree the anchor, the static step and every cut step (``dst_ranks``).
-
-The band search that chooses among the bands (``bands.band_search``) replays on the agreed
-verdicts of these plans.
+"""One DP rank's DST bands: the candidates' plans, steps 1-4 of the rule (docs/DESIGN.md
+section 5: ``static_band``, ``cut_rows``, ``raise_rows``, ``plan_reports``), every candidate
+band's copy of the rows stacked in one pass (``band_pass``; the moves and their simulation are
+``kernels.band``'s, compiled), so K candidates cost far less than K passes. Between the phases
+the DP ranks agree the anchor, the static step and every cut step (``dst_ranks``); the band
+search (``bands.band_search``) replays on the agreed verdicts of these plans.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -27,8 +18,8 @@ import numpy as np
 from .. import kernels
 from ..kernels.records import Fill, Tables
 from ..sim.pipeline import event_graph
-from .costs import UnitCosts, weighted_mean_density
-from .density_means import WeightTotals
+from .costs import UnitCosts
+from .density_means import WeightTotals, weighted_mean_density
 
 SPEED_TIE = 1e-3          # plans within 0.1% of the fastest count as as fast
 RAISE_ROUNDS = 5          # halvings of a rank's slack tried before it falls back to cut-only
@@ -137,10 +128,11 @@ def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
         # (a unit's seconds per unit of density over its quality weight: the fill compares
         # marginal quality per second, and a unit's quality weighs by its documents)
         weight = np.repeat(quality.unit_scale(), vp, axis=1)[:, :, None]     # [dp, slots, 1]
+        t = t_grid.reshape(-1)
         cache.water = (
-            quality, gain_fill(quality.marginal_gain(costs.densities), slots, pp, vp),
-            ((lookup(t_grid, rank_units, i_max) - lookup(t_grid, rank_units, i_min))
-             / span / np.maximum(weight, 1e-300)) if span > 0 else np.zeros(rank_units.shape))
+            quality, gain_fill(quality.stage.marginal_gain(costs.densities), slots, pp, vp),
+            ((t.take(rank_units + i_max) - t.take(rank_units + i_min)) / span
+             / np.maximum(weight, 1e-300)) if span > 0 else np.zeros(rank_units.shape))
         cache.band.pop(True, None)                    # its compiled pass holds the tables
     if kind not in cache.band:                        # the pass's tables and orders
         cache.band[kind] = kernels.band.BandPass(
@@ -154,11 +146,9 @@ def static_band(ps: RowsPass, candidates) -> tuple:
     """Step 1: the static plan (the same for every candidate, simulated once per cache), its
     anchors and the candidates' bands (1 + tolerance) x anchor: (its step time, anchors [k],
     bands [k])."""
-    c, dp = ps.cache, ps.dp
-    if c.mk0 is None:                         # every unit at d0: a cut of nothing
-        _, c.mk0, _, _, c.busy0 = ps.fused.with_units(c.rank_units).cut(
-            np.full(c.rank_units.shape, c.bounds[0]), np.zeros((dp, c.rank_units.shape[2])),
-            np.full(dp, np.inf), np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)
+    c = ps.cache
+    if c.mk0 is None:                         # every unit at d0
+        _, c.mk0, _, _, c.busy0 = uniform_cut(ps, c.bounds[0])
     for a, _ in candidates:
         if a not in c.anchors:
             c.anchors[a] = anchor_s(c.busy0, a)
@@ -166,12 +156,13 @@ def static_band(ps: RowsPass, candidates) -> tuple:
     return float(c.mk0.max()), anchors, np.array([(1.0 + t) for _, t in candidates]) * anchors
 
 
-def uniform_makespans(ps: RowsPass, i: int) -> np.ndarray:
-    """[dp] the rows' makespans with every unit at grid index ``i`` (a cut of nothing)."""
+def uniform_cut(ps: RowsPass, i: int) -> tuple:
+    """The ranks' plan with every unit at grid index ``i``, as ``cut_rows``' second part (a cut
+    of nothing): (grid indices, makespans [dp], durations, earliest finishes, busy seconds)."""
     c, dp = ps.cache, ps.dp
     return ps.fused.with_units(c.rank_units).cut(
         np.full(c.rank_units.shape, i), np.zeros((dp, c.rank_units.shape[2])),
-        np.full(dp, np.inf), np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)[1]
+        np.full(dp, np.inf), np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)
 
 
 def cut_rows(ps: RowsPass, candidates, bands) -> tuple:
@@ -283,13 +274,8 @@ def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
 
 
 def anchor_s(busy_s: np.ndarray, anchor: str) -> float:
-    if anchor == "mean":
-        return float(busy_s.mean())
-    if anchor == "median":
-        return float(np.median(busy_s))
-    if anchor == "min":
-        return float(busy_s.min())
-    return float(busy_s.max())
+    """The anchor over the load units' busy seconds (``max``: the largest, never cut)."""
+    return float({"mean": np.mean, "median": np.median, "min": np.min}.get(anchor, np.max)(busy_s))
 
 
 def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:
@@ -298,11 +284,6 @@ def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:
     _, m, pp = shape
     return ((rows[:, None, None] * m + np.arange(m)[None, :, None]) * pp
             + np.arange(pp)[None, None, :]) * g
-
-
-def lookup(a: np.ndarray, units: np.ndarray, idx) -> np.ndarray:
-    """a[unit, idx] for a [dp, m, pp, g] table, unit offsets (``unit_base``) and grid indices."""
-    return a.reshape(-1).take(units + idx)
 
 
 def gain_fill(marg: np.ndarray, slots: int, pp: int, vp: int) -> Fill:

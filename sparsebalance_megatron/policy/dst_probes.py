@@ -90,9 +90,9 @@ class RankProbes:
         below = np.flatnonzero(self.steps >= mk)
         if below.size:
             tried = np.unique(np.append(below[::FILL_EVERY], below[-1]))
-            cur, filler, own = idx, _Fill(self.s, self.setup), []
+            cur, own = idx, []
             for j in tried[::-1]:                  # deepest first, each from the last
-                cur, f_mk = filler.fill(cur, float(self.steps[j]))
+                cur, f_mk = self._fill(cur, float(self.steps[j]))
                 own.insert(0, self._record(cur, f_mk))
             own_mk, fills = [f[1] for f in own], []
             for j, step in zip(below.tolist(), self.steps[below].tolist()):
@@ -121,6 +121,31 @@ class RankProbes:
                         "free_kept": np.stack([f[2] for f in self.free]),
                         "free_q": np.array([f[3] for f in self.free])},
                 "max": {"free_mk": np.array([f[1] for f in self.free])}}
+
+    def _fill(self, idx, target: float) -> tuple:
+        """The descent's raise (``kernels.descent.Round``'s, after a cut that finds nothing)
+        with a fixed ``target``, on the rank at or below it, in rounds until nothing moves:
+        what the central rounds give a rank off the critical path. (grid indices, makespan)."""
+        setup, deadline = self.setup, target * (1.0 - self.s.raise_headroom)
+        rnd = setup.rnd                                  # a fill's every round resets it
+        f, b, dur, ef, mk = setup.simulate(idx)
+        for _ in range(ROUNDS):
+            rnd.plan_changed()
+            now = rnd.plan(dur, ef, f, b, idx)
+            on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(now, setup.t_min, target)
+            cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
+                now, mk, (on, cut_i, ranks, mk_p, dur_p, ef_p), deadline)
+            if not up.size:
+                break
+            limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15
+            raised = rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), limit)[-1]
+            new = cut.copy()
+            np.put(new, up, raised)
+            if np.array_equal(new, idx):
+                break
+            idx = new
+            f, b, dur, ef, mk = setup.simulate(idx)
+        return idx, float(mk.max())
 
     def _chain(self, budget, first: int = 0):
         """(probe, plan) for every probe below the start's makespan: from ``first`` on, the
@@ -222,36 +247,3 @@ def _share(slack, own, total, n):
     ``total`` leaves; its part of the slack in proportion where they ask for more."""
     over = total > slack
     return np.where(over, slack * own / np.where(over, total, 1.0), own + (slack - total) / n)
-
-
-class _Fill:
-    """The descent's raise (``kernels.descent.Round``'s, after a cut that finds nothing) with a
-    fixed target, on one rank at or below it: what the central rounds give a rank off the
-    critical path."""
-
-    def __init__(self, s, setup):
-        self.setup, self.rnd, self.t_min = setup, setup.rnd, setup.t_min   # ``descent_setup``'s
-        self.h = s.raise_headroom                         # (a fill's every round resets rnd)
-
-    def fill(self, idx, target: float, rounds: int = ROUNDS) -> tuple:
-        """(grid indices, makespan) of ``idx`` (makespan at most ``target``) raised with
-        ``target`` in rounds until nothing moves."""
-        rnd, deadline = self.rnd, target * (1.0 - self.h)
-        f, b, dur, ef, mk = self.setup.simulate(idx)
-        for _ in range(rounds):
-            rnd.plan_changed()
-            now = rnd.plan(dur, ef, f, b, idx)
-            on, ranks, _, _, mk_p, dur_p, ef_p, cut_i = rnd.cut(now, self.t_min, target)
-            cut, _, _, mk_cut, dur1, _, cap, t1, up, first = rnd.after_cut(
-                now, mk, (on, cut_i, ranks, mk_p, dur_p, ef_p), deadline)
-            if not up.size:
-                break
-            limit = np.maximum(deadline, mk_cut) * SCALE + 1e-15
-            raised = rnd.raise_fit(dur1, up, first, t1, cap, cut.reshape(-1), limit)[-1]
-            new = cut.copy()
-            np.put(new, up, raised)
-            if np.array_equal(new, idx):
-                break
-            idx = new
-            f, b, dur, ef, mk = self.setup.simulate(idx)
-        return idx, float(mk.max())

@@ -1,36 +1,22 @@
-"""One DP rank's part of DST (docs/DESIGN.md section 5): the band search and the
-critical-path descent made on the rank's [1, m, stages] slice of the costs, the ranks coupled
-only by fixed-size vectors a caller reduces across the DP group (``dst_rounds``: the rounds
-as a generator; ``dst.plan_dst`` reduces them in-process, a run over the DP group).
+"""One DP rank's part of DST (docs/DESIGN.md section 6, "DST and SAB at scale"): the band search
+and the critical-path descent on the rank's [1, m, stages] slice of the costs, the ranks coupled
+only by fixed-size vectors a caller reduces across the DP group (``dst_rounds``).
 
-Why it decomposes: a band's plan (``dst_band``) is planned per DP rank except for three
-numbers, the anchor (the mean of the static busy seconds [dp, pp]), the static step T0 and the
-raise target T1 (the largest cut makespan); the search's verdicts read the plan's step (a max),
-its work-weighted densities and its quality cost (sums). The search's candidates are known
-before any verdict (``bands.candidate_tree``), so a rank plans all of them in one batched
-pass and three reductions agree everything:
+The band search decomposes exactly: its candidates are known before any verdict
+(``bands.candidate_tree``), so a rank plans them all in one batched pass and three reductions
+agree the verdicts:
 
-1. ``RankDST.__init__``: the rank's static plan; AR1 = (sum: busy seconds, weight totals by
-   stage, tokens; max: static makespan) gives the anchor and T0;
-2. ``RankDST.cut``: every candidate's cut; AR2 = (max: cut makespans [K]) gives every T1;
+1. ``RankDST.ar1``: the static plan's sums (busy seconds, weight totals, tokens) and maximum
+   (makespan) give the anchor and T0;
+2. ``RankDST.cut``: every candidate's cut; the maximum of the cut makespans [K] gives every T1;
 3. ``RankDST.raise_``: every candidate's raise toward (1 - h) x T1; AR3 = (max: makespans [K];
    sum: kept work by stage, quality change [K]);
-4. ``RankDST.choose``: ``bands.band_search`` driven by the agreed verdicts: every rank
-   keeps the same candidate. With the quality objective the kept row's and the no-cut row's
-   quality under the model's bootstrap replicates are summed after it (``replicate_parts``:
-   the quality rule reads those two rows' alone).
+4. ``RankDST.choose``: ``bands.band_search`` replayed on the agreed verdicts (with the quality
+   objective the kept and no-cut rows' bootstrap replicates follow, ``replicate_parts``).
 
-The descent's rounds are global verdicts; it is probed instead (``dst_probes``): after AR3 every
-rank knows the start (the band plan where it meets the descent's neutral floors, else the
-static plan) and its step, and works on ``PROBES`` agreed steps below it; AR3b sums the ranks'
-supply and demand of density and quality, AR4 every probe's plans, and every rank keeps the
-fastest that meets the global floors (``RankDST.pick``). At DP 1 the rank descends with
-``critical_path.refine_plan`` itself. None of the reductions grows with DP but the median
-anchor's gather (dp x pp floats).
-
-Covered: both objectives, with and without the descent (the quality objective without it runs
-both band searches, every row of both planned at once: 2K rows); every anchor. The slow-GPU test
-(``bands.straggler_present``) is an agreed boolean the caller passes (``narrow``).
+The descent is probed (``dst_probes``: AR3b, AR4, ``RankDST.pick``); at DP 1 the rank descends
+with ``critical_path.refine_plan`` itself. The slow-GPU test (``bands.straggler_present``) is an
+agreed boolean the caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -39,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
-from typing import Optional
 
 import numpy as np
 
@@ -47,8 +32,8 @@ from .costs import UnitCosts
 from .critical_path import NEUTRAL_DENSITY
 from .bands import band_search, candidate_tree
 from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
-                       plan_reports, raise_rows, static_band, uniform_makespans)
-from .dst_probes import PROBES, RankProbes, probe_steps  # noqa: F401 (re-exported)
+                       plan_reports, raise_rows, static_band, uniform_cut)
+from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
 
 UNIFORM_STEP = 0.9           # the 'auto' exchange rate: the uniform trade from d0 to 0.9 x d0
@@ -99,6 +84,7 @@ class Agreed1:
     tokens: float = 0.0         # the step's tokens (the quality change's denominator)
     mk_lo: float = 0.0          # the step with every unit at the uniform trade's lower density
     q_lo: float = 0.0           # that plan's quality change, summed over the step's units
+    mk0_mean: float = 0.0       # the static makespans' mean
 
     def uniform_rate(self) -> float:
         """The step's uniform trade: nats per token that lowering every unit's density to the
@@ -108,26 +94,21 @@ class Agreed1:
         if gain <= 1e-9:
             return MAX_EXCHANGE_RATE
         return float(min(max(self.q_lo / self.tokens / gain, 0.0), MAX_EXCHANGE_RATE))
-    mk0_mean: float = 0.0       # the static makespans' mean
 
-    def densities(self, kept_s: np.ndarray, plain_s: Optional[np.ndarray] = None) -> tuple:
+    def densities(self, kept_s: np.ndarray, plain_s: np.ndarray) -> tuple:
         """(mean, per-stage [stages]) work-weighted density of a plan whose agreed kept work by
-        stage is ``kept_s`` (routed work added here). Where the weights are zero: ``plain_s``,
-        the plan's plain mean density by stage; None (a floor check): 1.0 and inf, no floor
-        applies."""
+        stage is ``kept_s`` (routed work added here); where the weights are zero, ``plain_s``,
+        the plan's plain mean density by stage."""
         kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
         ok = self.tot_s > 0
-        if self.tot > 0:
-            mean = float(kept_s.sum() / self.tot)
-        else:
-            mean = 1.0 if plain_s is None else float(plain_s.sum() / plain_s.size)
-        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0),
-                              np.inf if plain_s is None else plain_s)
+        mean = float(kept_s.sum() / self.tot) if self.tot > 0 else \
+            float(plain_s.sum() / plain_s.size)
+        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0), plain_s)
 
     def densities_of(self, kept_s: np.ndarray) -> tuple:
-        """``densities(kept_s[j])`` (a floor check's) of every row j of ``kept_s`` [n, stages]
-        at once: (means [n], per-stage [n, stages]), the same floats (a row's sum is numpy's
-        over the same elements in the same order)."""
+        """A floor check's ``densities`` of every row j of ``kept_s`` [n, stages] at once:
+        (means [n], per-stage [n, stages]); where the weights are zero 1.0 and inf (no floor
+        applies). A row's sum is numpy's over the same elements in the same order."""
         kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
         ok = self.tot_s > 0
         mean = kept_s.sum(axis=1) / self.tot if self.tot > 0 else np.ones(kept_s.shape[0])
@@ -166,7 +147,7 @@ class RankDST:
         g = costs.densities
         i_lo = int(np.searchsorted(g, UNIFORM_STEP * s.d0 + 1e-12)) - 1
         i_lo = max(i_lo, self.cache.bounds[1])
-        self.lo = (float(uniform_makespans(self.ps, i_lo).max()), 0.0)
+        self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
         if quality is not None and i_lo < self.cache.bounds[0]:
             self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
         w = costs.weights()

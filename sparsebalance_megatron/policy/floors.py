@@ -50,16 +50,19 @@ class FloorCheck:
 
     def floors_at(self, idx: np.ndarray) -> bool:
         """The density floors of the plan at grid indices ``idx`` (non-decreasing in every
-        density: rounding is monotone)."""
-        if self._fast:
-            got = self._floors_fast(idx)
-            if got is not None:
-                return got
+        density: rounding is monotone): from the compiled sums (``kernels.floors``) where they
+        decide, else numpy's."""
+        i = np.asarray(idx).reshape(-1)
+        if self._fast and i.dtype == np.int64 and i.size == self._w.size:
+            got = kernels.floors.floors_verdict(self._g, i, self._record, self._sums)
+            if got >= 0:
+                return bool(got)
         return self._floors(self.grid.take(idx))
 
     def meets_at(self, idx: np.ndarray) -> bool:
         """``floors_at`` and the quality rule."""
-        return self.floors_at(idx) and (self.quality is None or self._no_loss_at(idx))
+        return self.floors_at(idx) and (
+            self.quality is None or self.quality.plan_cost_at(idx, self.grid) <= 1e-12)
 
     def meets(self, dens: np.ndarray) -> bool:
         """``meets_at`` of a plan given by its densities."""
@@ -72,17 +75,3 @@ class FloorCheck:
             return False
         stage = self.totals.stage(kept.sum(axis=(0, 1)), lambda: d.mean(axis=(0, 1)))
         return float(np.min(stage)) >= self.stage_floor
-
-    def _floors_fast(self, idx: np.ndarray):
-        """``_floors``' verdict from the compiled sums (``kernels.floors``), or None where
-        it needs numpy's."""
-        i = np.asarray(idx).reshape(-1)
-        if i.dtype != np.int64 or i.size != self._w.size:
-            return None
-        got = kernels.floors.floors_verdict(self._g, i, self._record, self._sums)
-        return None if got < 0 else bool(got)
-
-    def _no_loss_at(self, idx: np.ndarray) -> bool:
-        """The quality rule on the plan at grid indices ``idx``: its predicted loss against
-        uniform d0 <= 1e-12."""
-        return self.quality.plan_cost_at(idx, self.grid) <= 1e-12

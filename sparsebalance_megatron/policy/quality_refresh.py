@@ -126,12 +126,6 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
     return s ** w
 
 
-def refresh(cost: QualityCost, d0: float, tested: Sequence[float], measured: Sequence[float],
-            stderr: Optional[Sequence[float]] = None, **kw) -> QualityCost:
-    """``cost`` refreshed by a measurement: ``scaled`` by ``refresh_scales``."""
-    return scaled(cost, refresh_scales(cost, d0, tested, measured, stderr, **kw))
-
-
 @functools.lru_cache(maxsize=8)
 def scaled_quality_cost(path: Optional[str], scales: Optional[tuple]) -> QualityCost:
     """``load_quality_cost(path)`` scaled by ``scales`` (None: as loaded): one object per

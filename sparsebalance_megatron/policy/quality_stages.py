@@ -81,14 +81,10 @@ class StageQuality:
         """[nv] every stage's cost against dense at d0."""
         return self.curves(self.d0, rep)
 
-    def grid_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
-        """[nv, g] a stage's change against d0 at every grid density (rho = 1): ``grid_tables``'
-        row of the fit or of replicate ``rep``."""
-        return self.grid_tables(grid)[0 if rep is None else rep + 1]
-
     def grid_tables(self, grid: np.ndarray) -> np.ndarray:
-        """[1 + B, nv, g] ``grid_table`` of the fit, then of every bootstrap replicate (cached
-        per grid: DST sums plans by them many times a step, under every model at once)."""
+        """[1 + B, nv, g] every stage's change against d0 at every grid density (rho = 1) under
+        the fit, then under every bootstrap replicate (cached per grid: DST sums plans by them
+        many times a step, under every model at once)."""
         reps = [None] + list(range(len(self.cost.bootstrap)))
         return self._cached("change", grid, None, lambda g: np.stack(
             [self.stage_table(g, r) - self.reference(r)[:, None] for r in reps]))
@@ -235,9 +231,6 @@ class BoundQuality:
     @property
     def replicates(self) -> int:
         return self.f1.shape[0] - 1
-
-    def marginal_gain(self, grid: np.ndarray) -> np.ndarray:
-        return self.stage.marginal_gain(grid)
 
     def unit_scale(self) -> np.ndarray:
         """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of

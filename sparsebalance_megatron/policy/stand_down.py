@@ -147,20 +147,17 @@ def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
 def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
                 plan_fn: Optional[Callable[[int, UnitCosts], tuple]] = None,
                 enabled: bool = True, compare: str = "planned", step_max=float) -> StepChoice:
-    """The do-no-harm choice of one step.
+    """The do-no-harm choice of one step (the module docstring's rule).
 
-    costs: the unit costs of each candidate packing of the same documents, the preferred one
-    (SAB's) first and the baseline second (one entry: no packing choice); plan_fn(i, costs_i) ->
-    (densities [dp, m, stages], payload) is DST's plan for candidate i (None: static runs).
-    ``compare`` (``--sb-stand-down-compare``): ``planned``, each candidate is planned and goes
-    through the DST rule, and the first is committed only if then predicted faster;
-    ``static``, the first candidate is committed only if its static plan is predicted faster
-    than the second's, and only the committed candidate is planned (the other's ``step_s`` is
-    its static plan's). ``enabled`` False commits the first candidate and DST's plan as they
-    are (the ablation), still reporting what the rule would have predicted (both planned).
+    costs: the unit costs of each candidate packing of the same documents, SAB's first and the
+    baseline second (one entry: no packing choice); plan_fn(i, costs_i) -> (densities
+    [dp, m, stages], payload) is DST's plan for candidate i (None: static runs); ``compare``:
+    ``planned`` or ``static`` (with ``static`` the candidate not committed is not planned: its
+    ``step_s`` is its static plan's). ``enabled`` False commits the first candidate and DST's
+    plan as they are (the ablation), still reporting what the rule would have predicted.
     ``step_max``: a DP rank that holds only its own [1, m, stages] costs passes the DP group's
-    maximum of a step time (an all-reduce), so its choice is every rank's: each step time the
-    rule reads is a maximum over DP ranks (float: the costs are the whole step's).
+    maximum of a step time (an all-reduce), so its choice is every rank's (float: the costs
+    are the whole step's).
     """
     if not costs:
         raise ValueError("choose_step needs at least one candidate packing")
@@ -187,21 +184,17 @@ def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
 
 @dataclass
 class NetGate:
-    """Do no harm on net (issue 44): a run plans a step only while planning pays for itself.
-
-    The plugin's own work on the critical path (planning, the control plane, calibration:
-    ``experiments.plugin_cost``) is paid before ``choose_step`` chooses, so the choice cannot
-    weigh it. This gate decides before a step is planned: the step plans unless the last planned
-    step's net gain, its predicted gain over the baseline (``StepChoice.baseline_s`` minus the
-    committed step) less its own cost, was below zero; then the step stands down without
-    planning and runs as the static baseline (the baseline packing at d0: nothing to plan,
-    gather or broadcast). A probe plans again after ``probe_every`` steps, and every probe that
-    does not pay doubles the wait (up to ``max_probe_every``), so what probing costs a run
-    where planning never pays shrinks towards nothing. A run whose plans pay their cost is
-    never stood down: a healthy run is unaffected. The first step plans (nothing is known yet).
-    With the quality objective (``quality``) a plan's predicted loss gain counts too, at the
-    exchange rate its report says it was planned at (nats per token a 1% faster step is worth):
-    a plan that only raises into bubbles pays in quality."""
+    """Do no harm on net (issue 44; the module docstring's last paragraph): the step plans
+    unless the last planned step's net gain, its predicted gain over the baseline
+    (``StepChoice.baseline_s`` minus the committed step) less its own cost, was below zero; then
+    the step stands down without planning and runs as the static baseline (the baseline packing
+    at d0: nothing to plan, gather or broadcast). A probe plans again after ``probe_every``
+    steps, and every probe that does not pay doubles the wait (up to ``max_probe_every``), so
+    what probing costs a run where planning never pays shrinks towards nothing. A run whose
+    plans pay their cost is never stood down: a healthy run is unaffected. The first step plans
+    (nothing is known yet). With the quality objective (``quality``) a plan's predicted loss
+    gain counts too, at the exchange rate its report says it was planned at (nats per token a 1%
+    faster step is worth): a plan that only raises into bubbles pays in quality."""
 
     quality: bool = False
     probe_every: int = 8

@@ -231,30 +231,6 @@ class EventGraph:
         """[cols] makespan: the latest of the ranks' last events."""
         return end[self.last].max(axis=0)
 
-    def latest_finish(self, dur: np.ndarray, deadline_s, p2p_s: float) -> np.ndarray:
-        """[E, cols] latest finish of every event with every rank's last event due at
-        ``deadline_s`` ([cols] or one for all): before the next event on its rank starts, and
-        before the event that waits for it starts (less p2p when that wait crosses ranks)."""
-        d = f64(dur)
-        lf = np.empty(d.shape)
-        kernels.graph.latest_finish(self.record(p2p_s), d, _deadlines(deadline_s, d.shape[1]),
-                                    lf)
-        return lf
-
-    def unit_floats(self, dur: np.ndarray, ef: np.ndarray, deadline_s, p2p_s: float
-                    ) -> np.ndarray:
-        """[cols, m * nv] the smaller of every unit's forward and backward float (what it may
-        grow by) of a simulation already run (``dur``, ``ef`` [E, cols])."""
-        d = f64(dur)
-        out = np.empty((d.shape[1], self.unit_events.shape[1]))
-        kernels.graph.unit_floats(self.record(p2p_s), d, f64(ef),
-                                  _deadlines(deadline_s, d.shape[1]), out)
-        return out
-
-
-def _deadlines(deadline, cols: int) -> np.ndarray:
-    return f64(np.broadcast_to(np.asarray(deadline, dtype=np.float64), (cols,)))
-
 
 @lru_cache(maxsize=256)
 def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
@@ -280,20 +256,6 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     unit_events[unit_rows] = np.arange(n)
     return EventGraph(ranks, kinds, mbs, vs, last, unit_rows, unit_events.reshape(2, -1),
                       np.stack([prev, dep, np.asarray(crosses, dtype=np.int64), nxt, succ]))
-
-
-def event_float_s(fwd_s: np.ndarray, bwd_s: np.ndarray, deadline_s, p2p_s: float = 0.0,
-                  pp=None) -> tuple:
-    """Float of every forward and backward event: two arrays [dp, m, stages] of seconds (>= 0
-    where the rank meets ``deadline_s`` [dp]); ``fwd_s``, ``bwd_s`` [dp, m, stages] seconds
-    (with ``pp`` smaller than the stage axis, the interleaved schedule's virtual stages)."""
-    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
-    dp, m, nv = f.shape
-    ranks = nv if pp is None else int(pp)
-    g = event_graph(m, ranks, nv // ranks)
-    dur = g.durations(f, b)                                        # [E, dp]
-    fl = g.latest_finish(dur, deadline_s, p) - g.earliest_finish(dur, p)
-    return tuple(fl.take(ev, axis=0).T.reshape(dp, m, nv) for ev in g.unit_events)
 
 
 def _run(f, b, p, record, pp=None):

@@ -218,7 +218,7 @@ def test_unit_csr_is_the_padded_lengths_and_computed_once():
 @pytest.mark.parametrize("split", [False, True])
 def test_packers_primed_arrays_are_their_micro_batches(split):
     """A packer that works on item indices hands its plan the segment array and the plain CSR
-    gathered from them (``BatchPlan.primed``): equal to what the micro-batches' tuples give,
+    gathered from them (``BatchPlan.of_items``): equal to what the micro-batches' tuples give,
     for every packer, SAB's fallback, split long samples, empty micro-batches and a length
     multiple (whose plan keeps them; the padded CSR is still computed)."""
     from sparsebalance_megatron.batching.dp_balanced import dp_balanced_plan
@@ -343,7 +343,7 @@ def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
 
     def bins(size, cost):
         bin_of, slot_of, ok = rank_bins(np.arange(6), np.array([0, 6]), np.array(size),
-                                        np.array(cost), 3, 1024, True)
+                                        np.array(cost), 3, 1024)
         return [np.flatnonzero(bin_of == j).tolist() for j in range(3)]
 
     # mean per bin of 3: 4.67
@@ -431,7 +431,7 @@ def test_a_row_plan_is_its_rank_of_the_whole():
 def test_a_ranks_sequential_row_is_its_row_of_the_whole():
     """``sequential_plan(rank=r)`` makes only rank r's row: the whole plan's ``row_plan(r)``
     (segments, cost, arrays), with ranks past the filled bins (empty micro-batches) and split
-    documents; priced by a cost function it is refused (a row is priced in tokens)."""
+    documents."""
     from sparsebalance_megatron.data.packing import GlobalBatchSampler
 
     rng = np.random.default_rng(11)
@@ -453,6 +453,3 @@ def test_a_ranks_sequential_row_is_its_row_of_the_whole():
             assert own.segment_array().tolist() == want.segment_array().tolist()
     with pytest.raises(ValueError, match=rf"rank={dp}: expected a DP rank in \[0, {dp}\)"):
         sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096, rank=dp)
-    with pytest.raises(ValueError, match="rank=0: a rank's own sequential row is priced"):
-        sequential_plan(segs, dp=dp, num_microbatches=m, max_tokens=4096, rank=0,
-                        cost_fn=quad_cost)

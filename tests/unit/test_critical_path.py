@@ -9,9 +9,10 @@ import pytest
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
                                            plan_dst_from_config, weighted_mean_density)
-from sparsebalance_megatron.policy.costs import stage_mean_densities
+from sparsebalance_megatron.policy.density_means import stage_mean_densities
 from sparsebalance_megatron.policy.critical_path import descend_at
 from sparsebalance_megatron.policy.floors import FloorCheck
+from tests.unit._floats import unit_floats
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
 
@@ -126,6 +127,7 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
     searches every unit under every fraction, looks up every candidate plan whole and
     simulates every DP rank (every grid index tried for the grid search)."""
     from sparsebalance_megatron.policy import critical_path as cp
+    from sparsebalance_megatron.kernels.descent import CUT_FRACTIONS, RAISE_FRACTIONS
     from sparsebalance_megatron.sim.pipeline import event_graph
 
     dp, m, nv = costs.shape
@@ -151,7 +153,7 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
             g.makespan(ef).reshape(i.shape[:-3] + (dp,))
 
     def floats(dur, ef, deadline):
-        return g.unit_floats(dur, ef, deadline, p2p_s).reshape(-1, m, nv)
+        return unit_floats(g, dur, ef, deadline, p2p_s).reshape(-1, m, nv)
 
     f, b, dur, ef, mk = sim(idx)
     step, eta = float(mk.max()), cp.ETA_START
@@ -161,7 +163,7 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
         target = step * (1.0 - eta)
         crit = floats(dur, ef, np.full(dp, target)) < 0
         t = f + b
-        thr = np.where(crit, t - cp.CUT_FRACTIONS[:, None, None, None]
+        thr = np.where(crit, t - CUT_FRACTIONS[:, None, None, None]
                        * (t - t_grid[..., i_min]), t)
         cand = highest(thr, i_min, idx)
         fk, bk, dur_k, ef_k, mk_k = sim(cand)
@@ -174,7 +176,7 @@ def _plain_descend(costs, idx, i_min, i_max, p2p_s, raise_headroom, meets, round
         deadline = np.full(dp, target * (1.0 - raise_headroom))
         cap = np.maximum(floats(dur_k[:, cols], ef_k[:, cols], deadline), 0.0)
         t1 = fk[pick, rows] + bk[pick, rows]
-        cand = highest(t1 + cp.RAISE_FRACTIONS[:, None, None, None] * cap, cut, i_max)
+        cand = highest(t1 + RAISE_FRACTIONS[:, None, None, None] * cap, cut, i_max)
         fr, br, dur_r, ef_r, mk_r = sim(cand)
         pick = np.argmax(mk_r <= np.maximum(deadline, mk_cut) * (1 + eps) + 1e-15, axis=0)
         new, new_step = cand[pick, rows], float(mk_r[pick, rows].max())

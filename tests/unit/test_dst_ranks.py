@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.policy import DSTSettings, plan_dst, weighted_mean_density
-from sparsebalance_megatron.policy.costs import stage_mean_densities
+from sparsebalance_megatron.policy.density_means import stage_mean_densities
 from sparsebalance_megatron.policy.bands import candidate_tree
 from sparsebalance_megatron.policy.dst_ranks import rank_slice
 from tests.unit._bands import central_plan, rule_free, without_adoption

@@ -3,7 +3,7 @@ where no summation order can change the verdict, and is numpy's verdict everywhe
 
 import numpy as np
 
-from sparsebalance_megatron.policy.costs import stage_mean_densities, weighted_mean_density
+from sparsebalance_megatron.policy.density_means import stage_mean_densities, weighted_mean_density
 from sparsebalance_megatron.policy.floors import FloorCheck
 
 from test_policy_dst import synthetic_costs

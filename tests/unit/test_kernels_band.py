@@ -12,6 +12,7 @@ from sparsebalance_megatron.kernels import band
 from sparsebalance_megatron.kernels.records import FILL_GRID, Tables, fill_exps
 from sparsebalance_megatron.policy.dst_band import FILL_ITERS, gain_fill, unit_base
 from sparsebalance_megatron.sim.pipeline import event_graph
+from tests.unit._floats import unit_floats
 
 FORMS = pytest.mark.parametrize("form", ["python", "compiled"])
 
@@ -216,7 +217,7 @@ def test_a_band_pass_is_its_rows_moved_and_simulated(pp, vp):
     assert np.any(want != cur)
     target = mk * 1.02
     cap = bp.floats(dur, ef, target)
-    fl = np.maximum(event_graph(m, pp, vp).unit_floats(dur, ef, target, 1e-3), 0.0)
+    fl = np.maximum(unit_floats(event_graph(m, pp, vp), dur, ef, target, 1e-3), 0.0)
     np.testing.assert_array_equal(cap, fl.reshape(cap.shape))
     slack = np.maximum(target[:, None] - busy, 0.0)
     alpha, i_max = rng.uniform(0.3, 1.0, rows), g - 1

@@ -10,6 +10,7 @@ import pytest
 from sparsebalance_megatron.kernels import descent, graph, grid
 from sparsebalance_megatron.kernels.records import Tables
 from sparsebalance_megatron.sim.pipeline import event_graph
+from tests.unit._floats import latest_finish, unit_floats
 
 FORMS = pytest.mark.parametrize("form", ["python", "compiled"])
 
@@ -96,8 +97,8 @@ def test_a_units_float_is_what_it_may_grow_by():
         dur = g.durations(f, 2 * f)
         deadline = g.makespan(g.earliest_finish(dur, 1e-3)) * 1.05
         ef = g.earliest_finish(dur, 1e-3)
-        floats = g.unit_floats(dur, ef, deadline, 1e-3)[0]
-        event = (g.latest_finish(dur, deadline, 1e-3) - ef)[:, 0]
+        floats = unit_floats(g, dur, ef, deadline, 1e-3)[0]
+        event = (latest_finish(g, dur, deadline, 1e-3) - ef)[:, 0]
         for u in rng.choice(m * pp * vp, 6, replace=False):
             fwd, bwd = g.unit_events[:, u]
             tight = fwd if event[fwd] <= event[bwd] else bwd
@@ -171,7 +172,7 @@ def test_a_descent_cut_is_every_fraction_simulated(form, by_formula):
     for target in (float(mk.min()) * 0.99, float(mk.max()) * 0.3):
         got = _form(descent.cut_round, form)(rec, tables, plan, t_min, target, 0, none)
         on, ranks, col, fits, mk_p, _, _, cut_i = got[:8]
-        floats = g.unit_floats(dur, ef, target, 1e-3).reshape(-1)
+        floats = unit_floats(g, dur, ef, target, 1e-3).reshape(-1)
         np.testing.assert_array_equal(on, np.flatnonzero(floats < 0))
         assert len(ranks) == dp
         for j, r in enumerate(ranks):

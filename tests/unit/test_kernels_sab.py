@@ -132,8 +132,8 @@ def test_a_ranks_bins_are_its_contiguous_cut_in_slot_order(form):
         items = rng.permutation(n)
         bin_of, slot_of, ok = np.zeros(n, np.int64), np.zeros((dp, m), np.int64), \
             np.zeros(dp, np.bool_)
-        _form(packing.rank_bins_pass, form)(items, starts, size, cost, m, cap, True, bin_of,
-                                            slot_of, ok)
+        _form(packing.rank_bins_pass, form)(items, starts, size, cost, m, cap, bin_of, slot_of,
+                                            ok)
         for r in range(dp):
             mine = items[starts[r]:starts[r + 1]].tolist()
             bins = _cut_oracle(mine, size, cost.tolist(), m, cap, True)

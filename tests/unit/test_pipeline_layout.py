@@ -10,7 +10,7 @@ from sparsebalance_megatron.latency import (LatencyModel, LayoutError, ModelShap
                                             PipelineLayout, analytic_table, candidate_layouts)
 from sparsebalance_megatron.policy import UnitCosts, density_grid
 from tests.unit._bands import band_plan
-from sparsebalance_megatron.sim.pipeline import event_float_s
+from tests.unit._floats import event_float_s
 from sparsebalance_megatron.sim.pipeline import (pipeline_makespan_s, simulate_1f1b,
                                                  simulate_interleaved_1f1b)
 

@@ -236,9 +236,9 @@ def test_every_model_summed_in_one_gather_is_each_models_rule_bit_for_bit():
     idx = np.random.default_rng(0).integers(0, 3, (5, 2, 2, 2))        # 5 plans [dp, m, nv]
     got_reps = b.replicate_sums_at(idx, grid)                           # [5, B]
     for r in (None, 0, 1, 2):
-        table = q.grid_table(grid, r)                                   # [nv, g]
-        diff = table[np.arange(2), idx].sum(axis=-1)                    # [5, dp, m]
         k = 0 if r is None else r + 1
+        table = q.grid_tables(grid)[k]                                  # [nv, g]
+        diff = table[np.arange(2), idx].sum(axis=-1)                    # [5, dp, m]
         want = q.change(diff, b.f1[k], b.f2[k], r).sum(axis=(-2, -1))
         got = b.sums_at(idx, grid, r)
         assert np.array_equal(got, want)
@@ -262,7 +262,7 @@ def test_stage_quality_is_made_once_per_cost_layers_and_d0():
     fresh = StageQuality(q.cost, q.weights, q.d0)
     grid = density_grid(0.25, 0.0625, 1.0)
     assert np.array_equal(q.marginal_gain(grid), fresh.marginal_gain(grid))
-    assert np.array_equal(q.grid_table(grid), fresh.grid_table(grid))
+    assert np.array_equal(q.grid_tables(grid), fresh.grid_tables(grid))
     for other in (StageQuality.from_cost(cost, [3, 5, 5], 0.25),
                   StageQuality.from_cost(cost, [3, 5, 4], 0.5),
                   StageQuality.from_cost(QualityCost.from_dict(doc()), [3, 5, 4], 0.25)):

@@ -10,7 +10,7 @@ from sparsebalance_megatron.policy import DSTSettings, plan_dst
 from sparsebalance_megatron.policy.quality import (QualityCost, QualityCostError,
                                                    load_quality_cost)
 from sparsebalance_megatron.policy.quality_refresh import (
-    MAX_SCALE, group_of_layer, predicted_changes, refresh, refresh_scales, scaled,
+    MAX_SCALE, group_of_layer, predicted_changes, refresh_scales, scaled,
     scaled_quality_cost, probe_density)
 from sparsebalance_megatron.policy.quality_stages import StageQuality
 
@@ -31,7 +31,8 @@ def test_recovers_the_scale_that_made_the_measurement(interaction, lengths):
     measured = predicted_changes(scaled(cost, truth), 0.5, tested, lengths, tokens)
     s = refresh_scales(cost, 0.5, tested, measured, lengths=lengths, tokens=tokens)
     assert s == pytest.approx(truth, rel=1e-6)
-    fresh = refresh(cost, 0.5, tested, measured, lengths=lengths, tokens=tokens)
+    fresh = scaled(cost, refresh_scales(cost, 0.5, tested, measured, lengths=lengths,
+                                        tokens=tokens))
     assert predicted_changes(fresh, 0.5, tested, lengths, tokens) == pytest.approx(measured)
 
 
@@ -131,7 +132,8 @@ def test_a_group_made_dearer_is_cut_less():
     stage's layers) four times dearer than the model said: the refreshed plan cuts that stage
     less, and prices the old plan higher than the old model did."""
     base = load_quality_cost(None)
-    dearer = refresh(base, D0, [0.45] * 3, predicted_changes(base, D0, [0.45] * 3) * [1, 1, 4])
+    dearer = scaled(base, refresh_scales(base, D0, [0.45] * 3,
+                                         predicted_changes(base, D0, [0.45] * 3) * [1, 1, 4]))
     assert dearer.fit["refresh_scales"] == pytest.approx([1.0, 1.0, 4.0])
     settings = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75)
     cut_before = cut_after = 0.0
