@@ -22,12 +22,22 @@ Two steps, each one command:
   from ``--calibration-cache``) and the model fitted before on essay windows one group at a
   time (``--old-model``): Spearman, and the share of plans whose sign is right where the
   measured change exceeds two standard errors.
+- ``--validate --refresh``: the in-run refresh (``--sb-quality-refresh-interval``) measured on
+  the trained model as the runtime measures it (``megatron/step/quality_probe.py``): fresh
+  held-out samples (seeds ``REFRESH_SEED_BASE`` on, never calibrated or validated on) packed
+  into micro-batches of 8K by the fill rule, the first ``--refresh-microbatches`` of them (the
+  runtime's one a DP rank), each document scored at uniform d0 and with each depth group at
+  ``probe_density(d0)`` (0.9 d0); its per-document loss sums give the change and its standard
+  error by the probe's own ``pass_stats`` and ``changes``, the scales the policy's
+  ``refresh_scales``, from the first 1, 2, 4, ... micro-batches. The same plans are then scored
+  by each refreshed model (``scaled_quality_cost``) beside the launch-time one.
 
 Every forward is cached (``--cache``, JSON lines keyed by sample and vector): a run stopped
 part-way continues where it stopped.
 
     .venv/bin/python scripts/bench.py plan_quality --calibrate --json docs/results/plan_quality_fit.json
     .venv/bin/python scripts/bench.py plan_quality --validate --json docs/results/plan_quality_check.json
+    .venv/bin/python scripts/bench.py plan_quality --validate --refresh --json docs/results/plan_quality_refresh.json
     .venv/bin/python scripts/bench.py plan_quality --calibrate --quick --json /tmp/pq.json  # smoke
 """
 
@@ -91,6 +101,15 @@ def parse_args(argv=None):
     ap.add_argument("--menu-only", action="store_true",
                     help="--validate: only the menu's forwards (they need no model; DST's "
                          "plans and the scores wait for a run without it)")
+    ap.add_argument("--refresh", action="store_true",
+                    help="--validate: also measure the in-run quality refresh's probe on fresh "
+                         "held-out micro-batches and score the plans by the refreshed models")
+    ap.add_argument("--refresh-microbatches", type=int, default=4,
+                    help="--refresh: held-out micro-batches of 8K measured (the runtime's one a "
+                         "DP rank); scales from the first 1, 2, 4, ... of them")
+    ap.add_argument("--refresh-cache", default=None, metavar="PATH.jsonl",
+                    help="--refresh: its forwards' cache (default runs/plan_quality/"
+                         "refresh.jsonl)")
     ap.add_argument("--shard", default="0/1", metavar="K/N",
                     help="measure every N-th forward from the K-th only (processes sharing the "
                          "cache; the fit and report wait for a run without --shard)")
@@ -109,6 +128,13 @@ def parse_args(argv=None):
     if args.cache is None:
         args.cache = os.path.join(ROOT, "runs", "plan_quality",
                                   f"{step}{'_quick' if args.quick else ''}.jsonl")
+    if args.refresh and not args.validate:
+        ap.error("--refresh goes with --validate")
+    if args.refresh_microbatches < 1:
+        ap.error(f"--refresh-microbatches {args.refresh_microbatches}: expected at least 1")
+    if args.refresh_cache is None:
+        args.refresh_cache = os.path.join(ROOT, "runs", "plan_quality",
+                                          f"refresh{'_quick' if args.quick else ''}.jsonl")
     return args
 
 
@@ -261,6 +287,15 @@ def score_plans(checked: list, rows: dict, samples: list, models: dict) -> list:
     return out
 
 
+def refreshed_models(path: str, found: dict, d0: float, layers: int) -> dict:
+    """{name: (predict, None)} of the model at ``path`` refreshed by each of ``found``'s scales,
+    as a run plans with them (``scaled_quality_cost``)."""
+    from sparsebalance_megatron.policy.quality_refresh import scaled_quality_cost
+
+    return {name: (predictor(scaled_quality_cost(path, tuple(float(x) for x in s)), d0,
+                             layers)[0], None) for name, s in found.items()}
+
+
 def metrics(scored: list, key: str) -> dict:
     """Spearman of predicted against measured, and the sign rule on the clear plans."""
     pred = np.array([r["predicted"][key] for r in scored])
@@ -277,6 +312,102 @@ def metrics(scored: list, key: str) -> dict:
             "mae": float(np.mean(np.abs(pred - meas))), "clear": int(clear.sum()),
             "sign_right": int(right.sum()),
             "sign_right_share": float(right.mean()) if clear.any() else float("nan")}
+
+
+# ---- the in-run refresh, measured on the trained model ---------------------------------------
+
+REFRESH_SEED_BASE = 400_000
+QUICK_SEQ = 1024                 # --quick's micro-batches (its samples are 256-512 tokens)
+
+
+def refresh_vectors(d0: float, groups: int = GROUPS) -> list:
+    """The probe's passes as group vectors: uniform d0, then each group alone at
+    ``probe_density(d0)`` (the runtime's order)."""
+    from sparsebalance_megatron.policy.quality_refresh import probe_density
+
+    t = round(probe_density(d0), 6)
+    return [(float(d0),) * groups] + [tuple(t if g == k else float(d0) for g in range(groups))
+                                      for k in range(groups)]
+
+
+def held_out_bins(lengths: list, count: int, seq: int = SEQ) -> list:
+    """The first ``count`` micro-batches (sample indices) by the fill rule, each closed (the
+    next sample did not fit): the runtime's held-out micro-batches, one a DP rank."""
+    bins = fill(lengths, seq)
+    if len(bins) <= count:
+        raise ValueError(f"{len(lengths)} samples fill {len(bins)} micro-batches: {count} "
+                         f"closed ones need more")
+    return bins[:count]
+
+
+def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
+    """The refresh the runtime would make of the measured documents: ``docs`` one per
+    document, (its length in tokens, [rows of the passes of ``refresh_vectors``]) with each
+    row's ``loss`` (the mean over ``tokens`` positions every ``stride``-th) and ``tokens``.
+    Each pass's per-document (loss sum, loss tokens) go through the probe's ``pass_stats`` and
+    ``changes``, the scales through ``refresh_scales`` (the documents' lengths weighting the
+    prediction, as ``QualityProbe.refresh`` passes them)."""
+    from sparsebalance_megatron.megatron.step.quality_probe import changes, pass_stats
+    from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, probe_density,
+                                                               refresh_scales)
+
+    g = len(cost.groups)
+    per_pass = []
+    for k in range(g + 1):
+        scored = np.array([len(range(0, rows[k]["tokens"], stride)) for _, rows in docs],
+                          dtype=np.float64)
+        loss = np.array([rows[k]["loss"] for _, rows in docs], dtype=np.float64)
+        per_pass.append(np.stack([loss * scored, scored], axis=1))
+    change, se, base_loss = changes(pass_stats(per_pass), g)
+    lengths = np.array([n for n, _ in docs], dtype=np.float64)
+    tested = [probe_density(d0)] * g
+    predicted = predicted_changes(cost, d0, tested, lengths, lengths)
+    scales = refresh_scales(cost, d0, tested, change, se, lengths=lengths, tokens=lengths)
+    return {"documents": len(docs), "tokens": int(lengths.sum()), "held_out_loss": base_loss,
+            "tested_density": tested[0], "measured": change.tolist(), "se": se.tolist(),
+            "predicted": predicted.tolist(), "ratio": (change / predicted).tolist(),
+            "weight": (change ** 2 / np.maximum(change ** 2 + se ** 2, 1e-300)).tolist(),
+            "scales": scales.tolist()}
+
+
+def refresh_counts(n: int) -> list:
+    """The micro-batch counts reported: 1, 2, 4, ... below ``n``, and ``n``."""
+    return [k for k in (1, 2, 4, 8, 16, 32) if k < n] + [n]
+
+
+def measure_refresh(args, cost) -> tuple:
+    """--refresh: the probe's forwards on fresh held-out micro-batches (micro-batch by
+    micro-batch, so a run stopped part-way has the first ones whole); (its report [per count
+    of micro-batches], {name: scales})."""
+    enc = smollm2.encoder(smollm2.tokenizer())
+    seq = QUICK_SEQ if args.quick else SEQ
+    n = (seq // args.lengths[0] + 1) * (args.refresh_microbatches + 1)
+    samples = smollm2.samples(args.kinds, n, args.lengths, REFRESH_SEED_BASE, enc)
+    lengths = [smollm2.tokens(s) + 1 for s in samples]      # a document: prompt + answer
+    bins = held_out_bins(lengths, args.refresh_microbatches, seq)
+    vectors = refresh_vectors(args.density)
+    jobs = [(i, v) for mb in bins for i in mb for v in vectors]
+    print(f"refresh: {len(bins)} held-out micro-batches of {sum(map(len, bins))} documents, "
+          f"{len(jobs)} forwards (cache {args.refresh_cache})", flush=True)
+    got = measure(args, jobs, samples, Cache(args.refresh_cache))
+    if args.shard[1] > 1:
+        return None, None
+    rows = {(i, tuple(v)): r for (i, v), r in zip(jobs, got)}
+    report, found = [], {}
+    for k in refresh_counts(len(bins)):
+        docs = [(lengths[i], [rows[i, v] for v in vectors]) for mb in bins[:k] for i in mb]
+        r = {"microbatches": k, **probe_refresh(cost, args.density, docs, args.loss_stride),
+             "samples": [smollm2.key(samples[i]) for mb in bins[:k] for i in mb]}
+        report.append(r)
+        found[f"refreshed on {k} held-out micro-batch{'es' if k > 1 else ''}"] = r["scales"]
+        print(f"refresh on {k} micro-batch(es), {r['documents']} documents: measured "
+              f"{_fmt(r['measured'])} +- {_fmt(r['se'])}, predicted {_fmt(r['predicted'])}; "
+              f"scales {_fmt(r['scales'])}", flush=True)
+    return report, found
+
+
+def _fmt(values) -> str:
+    return "[" + ", ".join(f"{float(v):.4g}" for v in values) + "]"
 
 
 def validate(args) -> int:
@@ -301,6 +432,13 @@ def validate(args) -> int:
     layers = num_layers(args)
     model = QualityCost.load(args.model)
     models = {"fitted": predictor(model, args.density, layers)}
+    refreshed = {}
+    if args.refresh:
+        refresh_report, refreshed = measure_refresh(args, model)
+        if refresh_report is None:
+            print(f"shard {args.shard[0]}/{args.shard[1]} done")
+            return 0
+        models.update(refreshed_models(args.model, refreshed, args.density, layers))
     calib = [r for r in Cache(args.calibration_cache).rows.values()] \
         if os.path.exists(args.calibration_cache) else []
     if calib:                       # the same measurement fitted with the optional terms
@@ -331,6 +469,9 @@ def validate(args) -> int:
            "coverage_2sd": float(np.mean([r["within"] for r in scored if "within" in r]))
            if any("within" in r for r in scored) else None,
            "plans": scored, "rows": got}
+    if args.refresh:
+        doc["refresh"] = {"seed_base": REFRESH_SEED_BASE, "by_microbatches": refresh_report,
+                          "launch_model": "fitted", "models": refreshed}
     write_result(args.json, doc)
     for k, m in result.items():
         print(f"{k}: Spearman {m['spearman']:.3f} over {m['plans']} plans, sign right "
