@@ -349,7 +349,7 @@ def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
     prediction, as ``QualityProbe.refresh`` passes them)."""
     from sparsebalance_megatron.megatron.step.quality_probe import changes, pass_stats
     from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, probe_density,
-                                                               refresh_scales)
+                                                               refresh_scales, shrink_weight)
 
     g = len(cost.groups)
     per_pass = []
@@ -366,7 +366,7 @@ def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
     return {"documents": len(docs), "tokens": int(lengths.sum()), "held_out_loss": base_loss,
             "tested_density": tested[0], "measured": change.tolist(), "se": se.tolist(),
             "predicted": predicted.tolist(), "ratio": (change / predicted).tolist(),
-            "weight": (change ** 2 / np.maximum(change ** 2 + se ** 2, 1e-300)).tolist(),
+            "weight": shrink_weight(change, se).tolist(),
             "scales": scales.tolist()}
 
 

@@ -122,8 +122,14 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
         s = np.clip(s * m / p, 1.0 / max_scale, max_scale)   # a change <= 0: the lowest
         if cost.interaction:
             p = predicted_changes(scaled(cost, s), d0, t, lengths, tokens)
-    w = np.where(m * m + se * se > 0, m * m / np.maximum(m * m + se * se, 1e-300), 0.0)
-    return s ** w
+    return s ** shrink_weight(m, se)
+
+
+def shrink_weight(measured, stderr) -> np.ndarray:
+    """How far a group's scale moves from 1 (the exponent of ``refresh_scales``): m^2 / (m^2 +
+    se^2) of its measured change m and standard error se, 0 where both are 0."""
+    m, se = np.asarray(measured, dtype=np.float64), np.asarray(stderr, dtype=np.float64)
+    return np.where(m * m + se * se > 0, m * m / np.maximum(m * m + se * se, 1e-300), 0.0)
 
 
 @functools.lru_cache(maxsize=8)
