@@ -197,29 +197,34 @@ def _as_list(x) -> list:
 
 
 def density_match(kept: Union[Number, Sequence[Number]],
-                  kept_reference: Union[Number, Sequence[Number]], tolerance: float) -> dict:
+                  kept_reference: Union[Number, Sequence[Number]], tolerance: float,
+                  at_most: bool = False) -> dict:
     """Whether the arm's kept densities are within ``tolerance`` of the reference's in every
-    replicate (scalars: one comparison; lists: paired)."""
+    replicate (scalars: one comparison; lists: paired); ``at_most``: only a gap above the
+    reference counts (e.g. a predicted step no slower than the reference's)."""
     a, b = _as_list(kept), _as_list(kept_reference)
     if len(a) != len(b):
         raise ValueError(f"kept densities: {len(a)} values against {len(b)} of the reference")
     gaps = [x - y for x, y in zip(a, b)]
     return {"kept": sum(a) / len(a), "kept_reference": sum(b) / len(b), "gaps": gaps,
-            "tolerance": tolerance, "matched": all(abs(g) <= tolerance for g in gaps)}
+            "tolerance": tolerance, "at_most": at_most,
+            "matched": all((g if at_most else abs(g)) <= tolerance for g in gaps)}
 
 
 def verdict(diffs: Sequence[Number], control_diffs: Sequence[Number], margin: float, *,
             kept, kept_reference, tolerance: float, alpha: float = ALPHA,
-            power: float = POWER, matched_on: str = "kept density") -> dict:
+            power: float = POWER, matched_on: str = "kept density",
+            at_most: bool = False) -> dict:
     """The verdict (module docstring) of ``diffs`` (arm - reference) within ``margin``, with the
     positive control's ``control_diffs`` (control - its reference) and the arms' kept densities
     (``kept``, ``kept_reference``: per replicate or overall) matched within ``tolerance``; or
     another quantity the arms are matched on (``matched_on``: e.g. their predicted step
-    time), given the same way."""
+    time), given the same way; ``at_most``: the arm may fall below its reference by any
+    amount (``density_match``)."""
     if not margin > 0:
         raise ValueError(f"margin={margin}: expected > 0, fixed before the run")
     cmp, ctl = paired_bound(diffs, alpha), paired_bound(control_diffs, alpha)
-    match = density_match(kept, kept_reference, tolerance)
+    match = density_match(kept, kept_reference, tolerance, at_most)
     detected = ctl["lower"] is not None and ctl["lower"] > 0
     out = {"margin": margin, "alpha": alpha,
            "method": "paired Student t, one-sided, n - 1 degrees of freedom",

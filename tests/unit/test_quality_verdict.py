@@ -124,3 +124,9 @@ def test_superiority_says_better_or_worse_only_past_zero_and_with_the_control():
     assert V.superiority([-0.02, -0.03, -0.025, -0.022], [0.02, -0.03, 0.01, -0.01])[
         "verdict"] == "uninformative (control not detected)"
     assert V.superiority([-0.02], control)["verdict"] == "uninformative"
+
+
+def test_at_most_matching_counts_only_a_gap_above_the_reference():
+    assert V.density_match([0.9, 1.004], [1.0, 1.0], 0.005, at_most=True)["matched"]
+    assert not V.density_match([0.9, 1.004], [1.0, 1.0], 0.005)["matched"]
+    assert not V.density_match([1.0, 1.006], [1.0, 1.0], 0.005, at_most=True)["matched"]
