@@ -27,8 +27,8 @@ Two steps, each one command:
   held-out samples (seeds ``REFRESH_SEED_BASE`` on, never calibrated or validated on) packed
   into micro-batches of 8K by the fill rule, the first ``--refresh-microbatches`` of them (the
   runtime's one a DP rank), each document scored at uniform d0 and with each depth group at
-  ``probe_density(d0)`` (0.9 d0); its per-document loss sums give the change and its standard
-  error by the probe's own ``pass_stats`` and ``changes``, the scales the policy's
+  ``probe_density(d0)`` (the runtime's 0.9 d0; ``--refresh-probe`` another ratio); its
+  per-document loss sums give the change and its standard error by the probe's own ``pass_stats`` and ``changes``, the scales the policy's
   ``refresh_scales``, from the first 1, 2, 4, ... micro-batches. The same plans are then scored
   by each refreshed model (``scaled_quality_cost``) beside the launch-time one.
 
@@ -107,6 +107,9 @@ def parse_args(argv=None):
     ap.add_argument("--refresh-microbatches", type=int, default=4,
                     help="--refresh: held-out micro-batches of 8K measured (the runtime's one a "
                          "DP rank); scales from the first 1, 2, 4, ... of them")
+    ap.add_argument("--refresh-probe", type=float, default=None, metavar="RATIO",
+                    help="--refresh: each group probed at RATIO x d0 (default: the runtime's, "
+                         "probe_density's)")
     ap.add_argument("--refresh-cache", default=None, metavar="PATH.jsonl",
                     help="--refresh: its forwards' cache (default runs/plan_quality/"
                          "refresh.jsonl)")
@@ -132,6 +135,8 @@ def parse_args(argv=None):
         ap.error("--refresh goes with --validate")
     if args.refresh_microbatches < 1:
         ap.error(f"--refresh-microbatches {args.refresh_microbatches}: expected at least 1")
+    if args.refresh_probe is not None and not 0.0 < args.refresh_probe < 1.0:
+        ap.error(f"--refresh-probe {args.refresh_probe}: expected a ratio of d0 in (0, 1)")
     if args.refresh_cache is None:
         args.refresh_cache = os.path.join(ROOT, "runs", "plan_quality",
                                           f"refresh{'_quick' if args.quick else ''}.jsonl")
@@ -320,12 +325,10 @@ REFRESH_SEED_BASE = 400_000
 QUICK_SEQ = 1024                 # --quick's micro-batches (its samples are 256-512 tokens)
 
 
-def refresh_vectors(d0: float, groups: int = GROUPS) -> list:
+def refresh_vectors(d0: float, groups: int = GROUPS, ratio=None) -> list:
     """The probe's passes as group vectors: uniform d0, then each group alone at
-    ``probe_density(d0)`` (the runtime's order)."""
-    from sparsebalance_megatron.policy.quality_refresh import probe_density
-
-    t = round(probe_density(d0), 6)
+    ``probe_tested(d0, ratio)`` (the runtime's order)."""
+    t = probe_tested(d0, ratio)
     return [(float(d0),) * groups] + [tuple(t if g == k else float(d0) for g in range(groups))
                                       for k in range(groups)]
 
@@ -340,7 +343,14 @@ def held_out_bins(lengths: list, count: int, seq: int = SEQ) -> list:
     return bins[:count]
 
 
-def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
+def probe_tested(d0: float, ratio=None) -> float:
+    """The probe's density: ``probe_density(d0)`` at the runtime's ratio (None) or ``ratio``."""
+    from sparsebalance_megatron.policy.quality_refresh import probe_density
+
+    return round(probe_density(d0) if ratio is None else probe_density(d0, ratio), 6)
+
+
+def probe_refresh(cost, d0: float, docs: list, stride: int, ratio=None) -> dict:
     """The refresh the runtime would make of the measured documents: ``docs`` one per
     document, (its length in tokens, [rows of the passes of ``refresh_vectors``]) with each
     row's ``loss`` (the mean over ``tokens`` positions every ``stride``-th) and ``tokens``.
@@ -348,8 +358,8 @@ def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
     ``changes``, the scales through ``refresh_scales`` (the documents' lengths weighting the
     prediction, as ``QualityProbe.refresh`` passes them)."""
     from sparsebalance_megatron.megatron.step.quality_probe import changes, pass_stats
-    from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, probe_density,
-                                                               refresh_scales, shrink_weight)
+    from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, refresh_scales,
+                                                               shrink_weight)
 
     g = len(cost.groups)
     per_pass = []
@@ -360,7 +370,7 @@ def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
         per_pass.append(np.stack([loss * scored, scored], axis=1))
     change, se, base_loss = changes(pass_stats(per_pass), g)
     lengths = np.array([n for n, _ in docs], dtype=np.float64)
-    tested = [probe_density(d0)] * g
+    tested = [probe_tested(d0, ratio)] * g
     predicted = predicted_changes(cost, d0, tested, lengths, lengths)
     scales = refresh_scales(cost, d0, tested, change, se, lengths=lengths, tokens=lengths)
     return {"documents": len(docs), "tokens": int(lengths.sum()), "held_out_loss": base_loss,
@@ -385,7 +395,7 @@ def measure_refresh(args, cost) -> tuple:
     samples = smollm2.samples(args.kinds, n, args.lengths, REFRESH_SEED_BASE, enc)
     lengths = [smollm2.tokens(s) + 1 for s in samples]      # a document: prompt + answer
     bins = held_out_bins(lengths, args.refresh_microbatches, seq)
-    vectors = refresh_vectors(args.density)
+    vectors = refresh_vectors(args.density, ratio=args.refresh_probe)
     jobs = [(i, v) for mb in bins for i in mb for v in vectors]
     print(f"refresh: {len(bins)} held-out micro-batches of {sum(map(len, bins))} documents, "
           f"{len(jobs)} forwards (cache {args.refresh_cache})", flush=True)
@@ -396,7 +406,8 @@ def measure_refresh(args, cost) -> tuple:
     report, found = [], {}
     for k in refresh_counts(len(bins)):
         docs = [(lengths[i], [rows[i, v] for v in vectors]) for mb in bins[:k] for i in mb]
-        r = {"microbatches": k, **probe_refresh(cost, args.density, docs, args.loss_stride),
+        r = {"microbatches": k, **probe_refresh(cost, args.density, docs, args.loss_stride,
+                                                         args.refresh_probe),
              "samples": [smollm2.key(samples[i]) for mb in bins[:k] for i in mb]}
         report.append(r)
         found[f"refreshed on {k} held-out micro-batch{'es' if k > 1 else ''}"] = r["scales"]
