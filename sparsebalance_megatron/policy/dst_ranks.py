@@ -71,7 +71,7 @@ def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
 
 @dataclass
 class Agreed1:
-    """AR1's results: the anchors (mean, min, max), the static step T0 and the weight totals
+    """AR1's results: the anchors (mean, max), the static step T0 and the weight totals
     (every rank's)."""
     anchors: dict
     t0: float
@@ -156,7 +156,7 @@ class RankDST:
         self.dense_w = None if dw is None else np.asarray(dw, dtype=np.float64)
 
     def ar1(self) -> dict:
-        """The rank's AR1 parts: sums and maxima (and for the median anchor its busy seconds)."""
+        """The rank's AR1 parts: sums and maxima."""
         c = self.cache
         dw = self.dense_w
         pp = self.w.shape[2]
@@ -167,10 +167,7 @@ class RankDST:
                         "q_lo": self.lo[1],
                         "mk0_sum": float(c.mk0.max())},
                 "max": {"mk0": float(c.mk0.max()), "mk_lo": self.lo[0],
-                        "busy_max": float(c.busy0.max()),
-                        "busy_min_neg": -float(c.busy0.min())},
-                "cat": {"busy_all": c.busy0.reshape(-1)}        # the median: every rank's
-                if self.settings.anchor == "median" else {}}
+                        "busy_max": float(c.busy0.max())}}
 
     def cut(self, a1: Agreed1) -> dict:
         """Every candidate's cut under the agreed anchor: AR2's parts, the cut makespans [K]
