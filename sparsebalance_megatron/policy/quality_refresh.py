@@ -83,7 +83,7 @@ def scaled(cost: QualityCost, scales: Sequence[float]) -> QualityCost:
     s = _checked_vector(scales, len(cost.groups), "scales")
     if np.any(s <= 0):
         raise QualityCostError(f"scales={s.tolist()}: expected positive numbers")
-    groups = tuple(GroupCost(g.depth, g.layers, g.knots, g.cost_at_knots * k, g.measured)
+    groups = tuple(GroupCost(g.depth, g.layers, g.knots, g.cost_at_knots * k)
                    for g, k in zip(cost.groups, s))
     reps = tuple(Replicate(r.length_exponent, r.interaction,
                            tuple(c * k for c, k in zip(r.cost, s))) for r in cost.bootstrap)

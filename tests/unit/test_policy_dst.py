@@ -400,10 +400,10 @@ def _quality(pp):
     from sparsebalance_megatron.policy.quality import QualityCost
     from sparsebalance_megatron.policy.quality_stages import StageQuality
     groups = [{"depth": [g / 2, (g + 1) / 2], "layers": [15 * g + 1, 15 * g + 15],
-               "densities": [0.125, 0.25, 0.375, 0.75, 1.0],
-               "delta_loss": [c * 0.085, c * 0.032, c * 0.014, -c * 0.025, -c * 0.035],
-               "stderr": [0.005] * 5} for g, c in ((0, 1.0), (1, 1.4))]
-    qc = QualityCost.from_dict({"kind": "sparsebalance-quality-cost", "version": 1,
+               "knots": [0.125, 0.25, 0.375, 0.5, 0.75, 1.0],
+               "cost": [c * 0.085, c * 0.032, c * 0.014, 0.0, -c * 0.025, -c * 0.035]}
+              for g, c in ((0, 1.0), (1, 1.4))]
+    qc = QualityCost.from_dict({"kind": "sparsebalance-quality-cost", "version": 2,
                                 "model": "synthetic", "reference_density": 0.5,
                                 "reference_loss": 3.0, "windows": 6, "window_tokens": 2048,
                                 "text": "essays", "groups": groups})
