@@ -1,22 +1,11 @@
 """One DP rank's part of DST (docs/DESIGN.md section 6, "DST and SAB at scale"): the band search
 and the critical-path descent on the rank's [1, m, stages] slice of the costs, the ranks coupled
-only by fixed-size vectors a caller reduces across the DP group (``dst_rounds``).
-
-The band search decomposes exactly: its candidates are known before any verdict
-(``bands.candidate_tree``), so a rank plans them all in one batched pass and three reductions
-agree the verdicts:
-
-1. ``RankDST.ar1``: the static plan's sums (busy seconds, weight totals, tokens) and maximum
-   (makespan) give the anchor and T0;
-2. ``RankDST.cut``: every candidate's cut; the maximum of the cut makespans [K] gives every T1;
-3. ``RankDST.raise_``: every candidate's raise toward (1 - h) x T1; AR3 = (max: makespans [K];
-   sum: kept work by stage, quality change [K]);
-4. ``RankDST.choose``: ``bands.band_search`` replayed on the agreed verdicts (with the quality
-   objective the kept and no-cut rows' bootstrap replicates follow, ``replicate_parts``).
-
-The descent is probed (``dst_probes``: AR3b, AR4, ``RankDST.pick``); at DP 1 the rank descends
-with ``critical_path.refine_plan`` itself. The slow-GPU test (``bands.straggler_present``) is an
-agreed boolean the caller passes (``narrow``).
+only by fixed-size vectors a caller reduces across the DP group. ``RankDST``'s methods are the
+rounds' steps, in the order ``dst_rounds`` lists them. The band search decomposes exactly: its
+candidates are known before any verdict (``bands.candidate_tree``), so a rank plans them all in
+one batched pass and ``choose`` replays the search on the agreed verdicts; the descent is probed
+(``dst_probes``). The slow-GPU test (``bands.straggler_present``) is an agreed boolean the
+caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
