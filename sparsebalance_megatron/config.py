@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-ANCHORS = ("mean", "median", "min", "max")
+ANCHORS = ("mean", "max")
 BACKENDS = ("auto", "triton", "fa4", "flex", "flash", "torch", "reference")
 DENSE_KERNELS = ("auto", "varlen", "sdpa")   # attention/dense.py: the dense kernels of routing
 SELECTION_MODES = ("density", "mass")
@@ -169,8 +169,8 @@ class SparseBalanceConfig:
 
     # --- DST ------------------------------------------------------------------------------
     anchor: str = _f(
-        "mean", "DST anchor over predicted unit times: mean, median, min (aggressive) or "
-        "max (never cut, only raise).", choices=ANCHORS)
+        "mean", "DST anchor over predicted unit times: mean, or max (never cut, only "
+        "raise).", choices=ANCHORS)
     tolerance: float = _f(0.1, "DST tolerance p >= 0: units above (1+p) x anchor are cut.")
     density_floor: float = _f(
         0.9, "DST keeps each step's mean density (weighted by layers x attention work) at or above this "

@@ -146,9 +146,6 @@ def rank_bytes(tp: int, pp: int, dp: int, m: int, q: dict, docs: int) -> list:
     for op in ("sum", "max"):     # the report's figures: its sums and maxima, a fixed size
         nb = 8 * q["report_floats"][op]
         add(f"report.{op}", "step", False, "allreduce", dp, tp, nb, ar * nb)
-    median = 8 * pp                          # the static busy seconds of its pipeline ranks
-    add("median_anchor (--sb-dst-anchor median only)", "off", True, "allgather", dp, tp,
-        median * dp, median * (dp - 1))
     return out
 
 

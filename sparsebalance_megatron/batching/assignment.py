@@ -1,23 +1,13 @@
 """SAB's assignment of a global batch's segments to the DP ranks, the same on every rank, and
-each rank's own micro-batches from it (docs/DESIGN.md section 6, "DST and SAB at scale").
-
-What every rank computes alike from the whole batch's lengths, on arrays (``SABAssignment``):
-the segments' costs (each distinct length priced once, ``LatencyCost``), their order (cost
-descending, ties by the seeded permutation: the items in tie order counted into their costs'
-ranks) and the LPT over the DP ranks (``kernels.packing.lpt_ranks``, both compiled; a winner
-tree: n log dp). Then, per rank:
-
-- ``units(ranks)``: those ranks' segments, ordered by their own sensitivity estimates, cut into
-  m micro-batches (``kernels.packing.rank_bins``; first-fit-decreasing where a cut does not fit),
-  with (given a ``LatencyCost``) their per-stage costs and the seed slots on the simulated
-  pipeline (``slots.seed_slots``): ``RankUnits``, what a rank brings to the agreement;
-- ``agree(units)``: what the ranks agree on (``Agreement``): whether every rank's cut fits (else
-  every rank packs the sequential bins, ``fallback_bins``) and the units of the
-  ``slots.candidates``, the only ones the cross-rank search reads. In a run: an all-reduce of a
-  flag and of the (makespan, rank) extremes, and a gather of at most 2 x 19 ranks' units (a
-  fixed size); here made in-process from every rank's units;
-- ``rank_plan(mine, agreed)``: one rank's micro-batches after the search, a one-row
-  ``BatchPlan``; ``plan()``: every rank's (``packing.sab_plan``'s), the same functions over all.
+each rank's own micro-batches from it (docs/DESIGN.md section 6, "DST and SAB at scale", SAB's
+part). ``SABAssignment`` computes alike from the whole batch's lengths, on arrays: the costs,
+their order and the LPT over the ranks (``kernels.packing.lpt_ranks``). Per rank: ``units``
+(its segments by its own sensitivity, cut into m micro-batches with ``kernels.packing.rank_bins``,
+first-fit-decreasing where a cut does not fit, and with a ``LatencyCost`` their per-stage costs
+and seed slots: ``RankUnits``); ``agree`` (``Agreement``: whether every cut fits, else every rank
+packs ``fallback_bins``, and the ``slots.candidates``' units; in a run ``sab_rounds``);
+``rank_plan`` (the rank's micro-batches after the slot search); ``plan`` (every rank's:
+``packing.sab_plan``'s).
 
 Pure numpy (and ``kernels``); must not import torch, megatron or torch.distributed.
 """

@@ -1,34 +1,14 @@
-"""Megatron's own packer, ``DpBalancedScheduler``, as a ``BatchPlan``: the baseline SAB is proven
-against where the project compares packings.
-
-The rule, as megatron-core implements it (``megatron/core/datasets/data_schedule.py``, Megatron-LM
-main and dev, 2026-08; ``--sequence-packing-scheduler dp_balanced`` on dev):
-
-- every DP rank loads its share of the global batch, the sequence lengths are gathered, and each
-  sequence gets a global id ordered by DP rank, then by its index on that rank
-  (``data_schedule_utils.get_batch_and_global_seqlens``);
-- ``get_groups_and_subsamples`` walks the sequences in that order and closes a group when the next
-  one would take it past ``max_seqlen_per_dp_cp_rank x cp`` tokens (dev: or past
-  ``max_num_seqs`` sequences, ``--thd-max-packed-sequences``);
-- while the number of groups is not a multiple of ``dp`` (x ``microbatch_group_size_per_vp_stage``
-  with VPP), the last sequence of the last group holding more than one is moved into a group of
-  its own, appended at the end;
-- where every group left holds one sequence and the count is still short, Megatron stops (an
-  assertion: the step cannot run; main stops before taking from group 0, dev after, as here); with ``empty_groups`` the rule appends empty groups there
-  instead, so a study can still time the step (``BatchPlan.fallback`` says so);
-- group ``g`` is DP rank ``g % dp``'s micro-batch ``g // dp``: the number of micro-batches is
-  ``groups / dp``, so it **varies from step to step**;
-- a micro-batch is its sequences packed back to back (THD), no padding up to the capacity unless
-  ``--pad-packed-seq-alignment`` asks for it.
-
-``dp_balanced_groups`` is that rule on a list of lengths, with the same output as
-``get_groups_and_subsamples`` (a test compares the two where megatron-core ships the class).
-``dp_balanced_plan`` runs it on one global batch of the project's sampler: in Megatron's own
-order (``order="megatron"``: the varlen data set's one sequence per sample, dealt to DP ranks by
-``MegatronPretrainingSampler``, sample k to rank ``(k // micro_batch_size) % dp``, then gathered
-rank by rank) or in the sampler's order (``order="sampler"``, where its groups are exactly the
-``sequential`` plan's bins). The plan's micro-batches hold their documents only
-(``length_multiple`` 1: no fill up to ``max_tokens``), as Megatron packs them by default.
+"""Megatron's own packer, ``DpBalancedScheduler`` (``megatron/core/datasets/data_schedule.py``),
+as a ``BatchPlan``: the baseline SAB is proven against (docs/DESIGN.md section 6 states the
+rule). ``dp_balanced_groups`` is the rule on a list of lengths, with the output of
+``get_groups_and_subsamples`` (a test compares the two where megatron-core ships the class);
+where every group holds one sequence and the count is still short of a multiple of dp, Megatron
+stops (an assertion), while ``empty_groups`` appends empty groups so a study can time the step
+(``BatchPlan.fallback`` says so). ``dp_balanced_plan`` runs it on one global batch in Megatron's
+order (``order="megatron"``: ``MegatronPretrainingSampler`` deals sample k to rank
+``(k // micro_batch_size) % dp``, then the ranks' sequences are gathered rank by rank) or the
+sampler's (``"sampler"``: its groups are the ``sequential`` plan's bins); its micro-batches hold
+their documents only (``length_multiple`` 1), as Megatron packs them by default.
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """

@@ -1,21 +1,12 @@
 """Sparsity-aware batching (SAB) and the two baselines it is compared with (the rules:
-docs/DESIGN.md section 6). Each takes the segments of one global batch and returns a
-``BatchPlan`` of ``dp x num_microbatches`` micro-batches of at most ``max_tokens`` tokens:
-
-- ``sequential_plan``: Megatron's default (``data/packing.sequential_pack``): fill micro-batches
-  in sample order, micro-batch j to DP rank j % dp, slot j // dp.
-- ``token_balanced_plan``: LPT on *token counts* over ranks, then even token counts over a
-  rank's micro-batches.
-- ``sab_plan``: LPT on *predicted cost*, each rank's segments by sensitivity cut into contiguous
-  micro-batches of about equal cost, falling back to the sequential bins re-assigned to ranks by
-  cost where a rank's cut does not fit. With a latency model's cost
-  (``latency_sample_cost_fn``) the slots are chosen on the simulated pipeline and whole
-  micro-batches may swap ranks (``batching.slots``); without one, the cheapest micro-batches
-  take the first and last slots. ``sab_assignment`` stops before the packing: the assignment
-  every rank computes alike, from which a rank packs its own micro-batches only
-  (``batching.assignment``).
-
-Determinism: ties in cost are broken by a permutation drawn from ``seed``; no other randomness.
+docs/DESIGN.md section 6): ``sequential_plan`` (Megatron's fill, ``data/packing.sequential_pack``:
+micro-batch j to DP rank j % dp, slot j // dp), ``token_balanced_plan`` (LPT on token counts) and
+``sab_plan`` (LPT on predicted cost, sensitivity-grouped cuts; with a ``latency_sample_cost_fn``
+the slots are chosen on the simulated pipeline, ``batching.slots``). Each takes the segments of
+one global batch and returns a ``BatchPlan`` of ``dp x num_microbatches`` micro-batches of at
+most ``max_tokens`` tokens; ties in cost are broken by a permutation drawn from ``seed``.
+``sab_assignment`` stops before the packing: the assignment every rank computes alike, from
+which a rank packs its own micro-batches (``batching.assignment``).
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """

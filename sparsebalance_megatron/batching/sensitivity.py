@@ -1,23 +1,10 @@
-"""Per-sample sparsity sensitivity: a length prior refined by a measured signal (the sample's
-training loss by default, or the attention-mass recall of the sparse selection).
-
-Signals (``--sb-sensitivity-signal``), checked against the loss change sparsification causes on
-real documents (SmolLM2-135M, 22 documents, ``scripts/bench.py sensitivity_signal``):
-- ``loss``: sensitivity = minus the document's mean next-token loss in its last training forward
-  (the loss function records it per document). Well-predicted text (code) loses the most when
-  sparsified: Spearman +0.50.
-- ``recall``: sensitivity = 1 - recall, the share of attention mass the sparse selection kept
-  (recorded by the attention). Measured anti-correlated: Spearman -0.45.
-
-Estimate of a sample, best first:
-1. its value measured the last time it went through training;
-2. an EMA of the values measured on samples of its length bucket (powers of two);
-3. (loss) an EMA over all measured samples, so measured and unmeasured estimates share a scale;
-4. a prior by length: recall rises with length at a fixed density (docs/DESIGN.md section 3:
-   oracle top-k recall 0.85 at 2K and 0.88 at 4K tokens, density 0.25, SmolLM2-135M), so the
-   prior is ``recall = 0.85 + 0.03 * log2(length / 2048)`` clipped to [0.5, 0.99] (shorter is
-   more sensitive, +0.38 against the measured change). Only the order of the estimates matters
-   to SAB and DST, and measurements replace the prior after the first step.
+"""Per-sample sparsity sensitivity (docs/DESIGN.md section 6, "Sensitivity"): a length prior
+refined by a measured signal (``--sb-sensitivity-signal``: minus the document's training loss by
+default, or 1 - the sparse selection's kept attention mass). A sample's estimate, best first: its
+own last measurement; its length bucket's EMA (powers of two); (loss) the EMA over all measured
+samples, so measured and unmeasured estimates share a scale; the prior ``recall = 0.85 + 0.03 *
+log2(length / 2048)`` clipped to [0.5, 0.99] (recall rises with length, DESIGN section 3). Only
+the order of the estimates matters to SAB and DST.
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """

@@ -1,20 +1,11 @@
-"""The planner's compiled kernels (numba): one room for every pass and rule of the simulator,
-DST and SAB, each written once; their callers (``sim``, ``policy``, ``batching``, ``latency``)
-prepare the records and read the answers.
-
-Rooms: ``graph`` (an event graph's earliest and latest finishes, units' floats), ``grid``
-(the grid search every move makes, the cost tables), ``band`` (a DST band pass: its cut,
-raise, water-filling and sensitivity-order moves), ``descent`` (a critical-path round),
-``floors`` (the descent's floor verdicts), ``packing`` and ``slots`` (SAB's loops),
-``features`` (the latency features' run sums). ``records`` holds the typed records (``Graph``,
-``Tables``, ``Fill``, ``Floors``) the kernels take instead of long positional lists, and the
-inputs the warm-ups compile with.
-
-Every kernel is a module-level function compiled where it is defined (``jit``): a kernel that
-calls another imports it by name, so numba resolves the compiled callee. A room is imported on
-first use (``kernels.graph``), so numba's import (a few tenths of a second) is paid only where
-a planner runs. The tests run a kernel's Python form (``py_func``) on small cases against
-brute-force oracles of their own.
+"""The planner's compiled kernels (numba; docs/DESIGN.md section 5, "The planner's loops run
+compiled"): one room for every pass and rule of the simulator, DST and SAB, each written once.
+Rooms: ``graph`` (an event graph's finishes and floats), ``grid`` (the grid search, the cost
+tables), ``band`` (a DST band pass), ``descent`` (a critical-path round), ``floors`` (the
+descent's floor verdicts), ``packing`` and ``slots`` (SAB's loops), ``features`` (the latency
+features' run sums); ``records`` holds the typed records they take. A kernel is a module-level
+function compiled where it is defined (``jit``); a kernel that calls another imports it by name,
+so numba resolves the compiled callee. A room is imported on first use (``kernels.graph``).
 
 Pure numpy and numba; imports nothing of this package but ``kernels``.
 """

@@ -1,28 +1,9 @@
-"""Narrower tolerance bands beside the configured one (issue 27: absorb a persistent straggler).
-
-DST cuts a load unit (dp rank, pipeline stage) only above (1 + p) x the anchor (``--sb-tolerance``
-p, default 0.1): the band guards against the latency model's error. But a GPU that is
-persistently 10% slow (the calibration carries it into the costs) sits inside that band, so
-nothing is cut and the whole step waits for it.
-
-So when the calibration says a GPU is persistently slower than its peers by more than half the
-band, and by more than the factors' own noise could make one of them (``straggler_present``: at
-a spread of 2.4% the largest of 256 noisy factors is 6-7% up, and narrow bands planned there
-would cut density for noise), the band search plans the configured band and
-``NARROW_FRACTIONS`` of it (p/2, p/4 and 0: cut everything above the anchor) in the same
-batched pass (``dst_band``), and keeps a narrower band's plan only when it meets the same floors
-and quality condition and is predicted faster than the wider band's by more than
-``NARROW_MARGIN``: a cut that buys less than that is within what the band exists to ignore, and
-the wider band keeps more density. Without such a GPU the band is the configured one alone:
-``--sb-tolerance`` keeps its meaning (a narrower band would also cut the structural imbalance the
-user chose to tolerate, e.g. a slightly heavier LM-head stage).
-
-The band search (``band_search``): under the mean and per-stage density floors (and, with the
-quality objective, no predicted loss against uniform d0), the configured band, else a band
-widened until the floors hold: ``search_steps // 2`` rounds of 3 tolerances spaced
-geometrically inside the interval where the floors start to hold, between the tolerance and 10
-(the widest band cuts nothing: the ``max`` anchor, which only raises, always meets them). Its
-candidates are known before any verdict (``candidate_tree``), so a rank plans them all in one
+"""DST's band search (``band_search``) and the narrower bands planned beside the configured one
+for a persistently slow GPU (``straggler_present``; issue 27): docs/DESIGN.md section 5, steps 3
+and "Floors". A narrower band (``NARROW_FRACTIONS`` of p) is kept only where it meets the same
+floors and quality condition and is predicted faster by more than ``NARROW_MARGIN``; where the
+configured band misses the floors it is widened in ``search_steps // 2`` rounds of 3 tolerances.
+Every candidate is known before any verdict (``candidate_tree``), so a rank plans them all in one
 pass (``dst_band``) and replays the search on the agreed verdicts (``dst_ranks``).
 
 Pure; must not import torch, megatron or torch.distributed.

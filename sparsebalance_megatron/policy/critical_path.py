@@ -1,24 +1,11 @@
 """Critical-path descent: a DST candidate that shortens the pipeline's longest path, not its
-busiest stage (why: docs/DESIGN.md section 5).
-
-Each round, vectorised over DP ranks on the float of every event (``sim.pipeline.EventGraph``;
-its cut and raise are ``kernels.descent``'s, compiled):
-
-1. target T' = (1 - eta) x the plan's step time;
-2. cut: every unit on a path longer than T' (negative float at deadline T') sheds the same
-   fraction alpha of its cuttable time (its time above d_min); per DP rank the smallest alpha of
-   ``CUT_FRACTIONS`` that brings the rank within T' (a binary search over the fractions);
-3. raise: every unit grows by beta x its float at (1 - h) x T' (h: the raise headroom, as in
-   DST's raise), up to d_max; per rank the largest beta of ``RAISE_FRACTIONS`` the simulator
-   clears (a rank may not end above max((1 - h) x T', its cut makespan));
-4. keep the round only if the step got faster and the plan meets the floors (and, with the
-   quality objective, loses no predicted quality against uniform d0); else halve eta.
-
-The descent spends no density: its plan keeps the work-weighted mean density at d0 or above
-(``NEUTRAL_DENSITY``), so the layout study can count it as a win. The result is never slower
-than its start, and the planner keeps it only when predicted faster by more than
-``dst_band.SPEED_TIE`` (at DP 1 ``refine_plan``; above, each rank descends toward agreed probe
-steps, ``dst_probes``). Cost: ``ROUNDS`` rounds of two float passes and two searches.
+busiest stage (docs/DESIGN.md section 5, "Critical-path descent"). A round cuts every unit on a
+path longer than (1 - eta) x the step by one of ``CUT_FRACTIONS`` of its cuttable time and
+raises every unit by one of ``RAISE_FRACTIONS`` of its float before (1 - h) x that target
+(``kernels.descent``, compiled); it is kept only if the step got faster and the floors (with
+``NEUTRAL_DENSITY``: the descent spends no density) and quality rule hold, else eta halves. At
+DP 1 ``refine_plan`` descends; above, each rank descends toward agreed probe steps
+(``dst_probes``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """

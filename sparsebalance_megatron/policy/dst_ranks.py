@@ -1,22 +1,11 @@
 """One DP rank's part of DST (docs/DESIGN.md section 6, "DST and SAB at scale"): the band search
 and the critical-path descent on the rank's [1, m, stages] slice of the costs, the ranks coupled
-only by fixed-size vectors a caller reduces across the DP group (``dst_rounds``).
-
-The band search decomposes exactly: its candidates are known before any verdict
-(``bands.candidate_tree``), so a rank plans them all in one batched pass and three reductions
-agree the verdicts:
-
-1. ``RankDST.ar1``: the static plan's sums (busy seconds, weight totals, tokens) and maximum
-   (makespan) give the anchor and T0;
-2. ``RankDST.cut``: every candidate's cut; the maximum of the cut makespans [K] gives every T1;
-3. ``RankDST.raise_``: every candidate's raise toward (1 - h) x T1; AR3 = (max: makespans [K];
-   sum: kept work by stage, quality change [K]);
-4. ``RankDST.choose``: ``bands.band_search`` replayed on the agreed verdicts (with the quality
-   objective the kept and no-cut rows' bootstrap replicates follow, ``replicate_parts``).
-
-The descent is probed (``dst_probes``: AR3b, AR4, ``RankDST.pick``); at DP 1 the rank descends
-with ``critical_path.refine_plan`` itself. The slow-GPU test (``bands.straggler_present``) is an
-agreed boolean the caller passes (``narrow``).
+only by fixed-size vectors a caller reduces across the DP group. ``RankDST``'s methods are the
+rounds' steps, in the order ``dst_rounds`` lists them. The band search decomposes exactly: its
+candidates are known before any verdict (``bands.candidate_tree``), so a rank plans them all in
+one batched pass and ``choose`` replays the search on the agreed verdicts; the descent is probed
+(``dst_probes``). The slow-GPU test (``bands.straggler_present``) is an agreed boolean the
+caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -71,7 +60,7 @@ def rank_slice(costs: UnitCosts, r: int) -> UnitCosts:
 
 @dataclass
 class Agreed1:
-    """AR1's results: the anchors (mean, min, max), the static step T0 and the weight totals
+    """AR1's results: the anchors (mean, max), the static step T0 and the weight totals
     (every rank's)."""
     anchors: dict
     t0: float
@@ -156,7 +145,7 @@ class RankDST:
         self.dense_w = None if dw is None else np.asarray(dw, dtype=np.float64)
 
     def ar1(self) -> dict:
-        """The rank's AR1 parts: sums and maxima (and for the median anchor its busy seconds)."""
+        """The rank's AR1 parts: sums and maxima."""
         c = self.cache
         dw = self.dense_w
         pp = self.w.shape[2]
@@ -167,10 +156,7 @@ class RankDST:
                         "q_lo": self.lo[1],
                         "mk0_sum": float(c.mk0.max())},
                 "max": {"mk0": float(c.mk0.max()), "mk_lo": self.lo[0],
-                        "busy_max": float(c.busy0.max()),
-                        "busy_min_neg": -float(c.busy0.min())},
-                "cat": {"busy_all": c.busy0.reshape(-1)}        # the median: every rank's
-                if self.settings.anchor == "median" else {}}
+                        "busy_max": float(c.busy0.max())}}
 
     def cut(self, a1: Agreed1) -> dict:
         """Every candidate's cut under the agreed anchor: AR2's parts, the cut makespans [K]

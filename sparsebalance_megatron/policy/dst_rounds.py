@@ -7,15 +7,15 @@ the adapter's reducer). So a rank's plan does not depend on who reduced its part
 
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
-one dict of every key, sums summed and maxima taken over the DP ranks; an optional ``"cat"``
-part is gathered (every rank's array, in rank order: the median anchor's busy seconds only).
+one dict of every key, sums summed and maxima taken over the DP ranks (an optional ``"cat"``
+part is gathered, every rank's array in rank order: SAB's and ``agreed_stats``' rounds).
 The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
 raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
 AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
 rule reads, ``RankDST.adopt``). The quality rule's replicates of the band search's kept row and
 of the no-cut row ride AR3b, or without the descent take a round of their own (AR3q). At DP 1
 every reduction is the identity and the rank descends with ``critical_path.refine_plan`` itself
-after AR3. No round grows with DP but the median anchor's gather.
+after AR3. No round grows with DP.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -50,10 +50,7 @@ class RankPlan:
 
 def agreed1(a: dict) -> Agreed1:
     """AR1's agreed sums and maxima (``RankDST.ar1``'s keys) as the numbers the rounds read."""
-    anchors = {"mean": float(a["busy"] / a["busy_n"]), "min": -float(a["busy_min_neg"]),
-               "max": float(a["busy_max"])}
-    if "busy_all" in a:                     # every rank's, in rank order
-        anchors["median"] = float(np.median(a["busy_all"]))
+    anchors = {"mean": float(a["busy"] / a["busy_n"]), "max": float(a["busy_max"])}
     dense_s = np.asarray(a["dense_s"], dtype=np.float64)
     dense = float(dense_s.sum())
     return Agreed1(anchors=anchors, t0=float(a["mk0"]),

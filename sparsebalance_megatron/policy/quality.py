@@ -21,10 +21,9 @@ spread of the same change under the fit's bootstrap replicates (``bootstrap``).
 
 Groups are depth ranges as fractions of the model ([0, 1/3), ...), so a model measured on one
 network maps onto another's pipeline (virtual) stages by the share of each group's layers a stage
-holds (``stage_weights``; the planner's side is ``quality_stages``). A version-1 file (one group
-moved at a time on text windows, no length term, no interaction) is read as such a model.
+holds (``stage_weights``; the planner's side is ``quality_stages``).
 
-JSON (``version`` 2; 1 is read)::
+JSON (``version`` 2)::
 
     {"kind": "sparsebalance-quality-cost", "version": 2, "model": str,
      "reference_density": d0, "reference_loss": nats, "windows": samples,
@@ -56,31 +55,6 @@ class QualityCostError(ValueError):
     """A quality-cost file or measurement is malformed."""
 
 
-def convex_fit(densities: Sequence[float], delta: Sequence[float], d_ref: float
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """(knots, cost) of the non-increasing lower convex envelope of the points and (d_ref, 0):
-    how a version-1 file's measured points become a curve."""
-    d = np.append(np.asarray(densities, dtype=np.float64), float(d_ref))
-    c = np.append(np.asarray(delta, dtype=np.float64), 0.0)
-    order = np.lexsort((c, d))
-    d, c = d[order], c[order]
-    keep = np.ones(d.size, dtype=bool)
-    keep[1:] = d[1:] != d[:-1]                     # one point per density: the lowest cost
-    d, c = d[keep], c[keep]
-    hull: list[int] = []
-    for i in range(d.size):                        # Andrew's monotone chain, lower hull
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            cross = (d[b] - d[a]) * (c[i] - c[a]) - (c[b] - c[a]) * (d[i] - d[a])
-            if cross > 0:
-                break
-            hull.pop()
-        hull.append(i)
-    kd, kc = d[hull], c[hull]
-    low = int(np.argmin(kc))                       # non-increasing: flat after the minimum
-    return kd[:low + 1].copy(), kc[:low + 1].copy()
-
-
 def curve(knots: np.ndarray, cost: np.ndarray, density) -> np.ndarray:
     """A group's cost at ``density``: linear between knots, the first segment's slope below
     them, flat above."""
@@ -98,7 +72,6 @@ class GroupCost:
     layers: tuple               # (first, last) 1-based layers of the measured model
     knots: np.ndarray
     cost_at_knots: np.ndarray
-    measured: tuple = ()        # version 1: (densities, delta_loss, stderr) as measured
 
     def cost(self, density) -> np.ndarray:
         """Convex, non-increasing loss increase (nats per token, at rho = 1)."""
@@ -171,8 +144,8 @@ class QualityCost:
         if not isinstance(d, dict) or d.get("kind") != KIND:
             raise bad(f"kind={d.get('kind') if isinstance(d, dict) else None!r}: expected {KIND!r}")
         version = d.get("version")
-        if version not in (1, 2):
-            raise bad(f"version={version!r}: expected 1 or 2")
+        if version != VERSION:
+            raise bad(f"version={version!r}: expected {VERSION}")
         try:
             d_ref = float(d["reference_density"])
             groups = d["groups"]
@@ -195,37 +168,20 @@ class QualityCost:
             try:
                 lo, hi = (float(x) for x in g["depth"])
                 first, last = (int(x) for x in g["layers"])
-                if version == 1:
-                    dens = [float(x) for x in g["densities"]]
-                    delta = [float(x) for x in g["delta_loss"]]
-                    err = [float(x) for x in g["stderr"]]
-                else:
-                    knots = np.asarray([float(x) for x in g["knots"]])
-                    cost = np.asarray([float(x) for x in g["cost"]])
+                knots = np.asarray([float(x) for x in g["knots"]])
+                cost = np.asarray([float(x) for x in g["cost"]])
             except (KeyError, TypeError, ValueError) as e:
                 raise bad(f"group {i}: missing or malformed field: {e}") from None
             if abs(lo - edge) > 1e-9 or not lo < hi <= 1.0:
                 raise bad(f"group {i}: depth [{lo}, {hi}]: expected to start at {edge:g} and "
                           f"end in ({lo}, 1]: the groups must tile the model's depth")
-            if version == 1:
-                if not (len(dens) == len(delta) == len(err) >= 1):
-                    raise bad(f"group {i}: densities ({len(dens)}), delta_loss ({len(delta)}) "
-                              f"and stderr ({len(err)}) must have the same length >= 1")
-                if any(not 0.0 < x <= 1.0 for x in dens):
-                    raise bad(f"group {i}: densities {dens}: expected numbers in (0, 1]")
-                if any(not math.isfinite(x) for x in delta + err) or any(x < 0 for x in err):
-                    raise bad(f"group {i}: delta_loss and stderr must be finite (stderr >= 0)")
-                knots, cost = convex_fit(dens, delta, d_ref)
-                measured = (tuple(dens), tuple(delta), tuple(err))
-            else:
-                _check_curve(knots, cost, lambda m, i=i: bad(f"group {i}: {m}"))
-                measured = ()
-            out.append(GroupCost((lo, hi), (first, last), knots, cost, measured))
+            _check_curve(knots, cost, lambda m, i=i: bad(f"group {i}: {m}"))
+            out.append(GroupCost((lo, hi), (first, last), knots, cost))
             edge = hi
         if abs(edge - 1.0) > 1e-9:
             raise bad(f"groups end at depth {edge:g}: expected 1")
         reps = []
-        for j, r in enumerate(d.get("bootstrap", []) if version == 2 else []):
+        for j, r in enumerate(d.get("bootstrap", [])):
             try:
                 costs = tuple(np.asarray([float(x) for x in c]) for c in r["cost"])
                 rep = Replicate(float(r["length_exponent"]), float(r["interaction"]), costs)

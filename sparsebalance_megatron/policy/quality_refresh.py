@@ -1,25 +1,11 @@
-"""The quality model refreshed from the network being trained (issue 84): the depth groups'
-curves rescaled by what forward passes of the model at hand measure.
-
-A refresh measures, on held-out documents, the loss at uniform d0 and with each depth group g
-in turn at a lower density t_g (the others at d0): ``measured[g]`` nats per token, with its
-standard error where known. The model predicts that change (``predicted_changes``: the model's
-own rule, ``StageQuality.change``, on the measured documents' lengths); group g's curve is
-scaled by the ratio of measured to predicted (``c_g <- s_g c_g``), so the next plans price cuts
-and raises as the network now pays them. The scale is
-
-    s_g = clip(r_g, 1 / max_scale, max_scale) ** w_g,   w_g = m_g^2 / (m_g^2 + se_g^2),
-
-the ratio ``r_g`` clamped, then shrunk towards 1 by the measurement's signal to noise (a change
-within its noise moves nothing): noise cannot turn a curve upside down (a scale is positive, so
-every curve stays convex and non-increasing) nor swing the planner by more than ``max_scale``.
-With an interaction term the prediction is not linear in s_g; the ratio is then iterated to the
-scale that reproduces the measurement (``ITERATIONS``). Bootstrap replicates are scaled alike,
-so the plans' uncertainty follows.
-
-A run keeps the launch-time model and the scales relative to it (``scaled``): they are what
-travels to another process, and the one cached object per scales keeps ``StageQuality``'s cache
-serving it step after step (``scaled_quality_cost``).
+"""The quality model refreshed from the network being trained (issue 84; the rule is docs/DESIGN.md
+section 7, ``--sb-quality-refresh-interval``): group g's curve, and its bootstrap replicates,
+scaled by the measured loss change over the predicted one (``predicted_changes``: the model's own
+rule, ``StageQuality.change``, on the measured documents), clamped to [1 / max_scale, max_scale]
+and shrunk towards 1 by ``shrink_weight``; with an interaction term the ratio is iterated to the
+scale that reproduces the measurement (``ITERATIONS``). A run keeps the launch-time model and the
+scales relative to it (``scaled``): they travel to the planner process, and the one cached object
+per scales keeps ``StageQuality``'s cache serving it (``scaled_quality_cost``).
 
 Pure numpy; must not import torch or megatron.
 """
@@ -83,7 +69,7 @@ def scaled(cost: QualityCost, scales: Sequence[float]) -> QualityCost:
     s = _checked_vector(scales, len(cost.groups), "scales")
     if np.any(s <= 0):
         raise QualityCostError(f"scales={s.tolist()}: expected positive numbers")
-    groups = tuple(GroupCost(g.depth, g.layers, g.knots, g.cost_at_knots * k, g.measured)
+    groups = tuple(GroupCost(g.depth, g.layers, g.knots, g.cost_at_knots * k)
                    for g, k in zip(cost.groups, s))
     reps = tuple(Replicate(r.length_exponent, r.interaction,
                            tuple(c * k for c, k in zip(r.cost, s))) for r in cost.bootstrap)

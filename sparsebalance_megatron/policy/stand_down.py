@@ -1,34 +1,8 @@
-"""Do no harm (issue 27): per step, commit SAB's packing and DST's plan only where they are
-predicted no slower than what a static run of the same step would do.
-
-One rule, used by the runtime (``megatron/step/callback.py``) and the simulated study
-(``experiments/study.py``) alike, on the same predictor DST plans with (the latency model's unit
-costs stepped through the pipeline simulator, ``sim.pipeline.pipeline_makespan_s``):
-
-- DST: the plan is compared with the static plan (every unit at d0) of the *same* micro-batches;
-  if it is predicted slower (beyond ``REL_EPS``), the static plan is committed instead. A plan
-  raised into idle time (``--sb-raise-to static``) may equal the static step time, never exceed
-  it.
-- SAB: the step is predicted with SAB's packing and with the baseline packing (``--sb-stand-down``:
-  Megatron's sequential fill, or token-balanced); unless SAB's is predicted faster (beyond
-  ``REL_EPS``), the baseline packing is used. Both packings come from the same global batch of
-  documents, so the data a step trains on is the same either way; only the micro-batches differ.
-  What is predicted (``--sb-stand-down-compare``): ``planned`` (the default) races the plans DST
-  would commit for each packing (DST plans both); ``static`` races the packings' static plans and
-  DST then plans only the packing chosen (half the planner's DST work, issue 44's draft). The two
-  choose differently only where DST recovers more of the baseline's imbalance than the static
-  gap between the packings: ``static`` then keeps SAB's packing although the baseline's, planned
-  too, is predicted faster (0.1-0.9% slower steps in 4 of the 10 ``sab_dst`` rows of the 32 DP
-  and 128K headline studies; BENCHMARKS.md, "The planner's own cost").
-
-Either way every committed step is predicted no slower than the baseline packing at d0 (with
-``static``: the committed plan is no slower than its packing's static plan, which is faster than
-the baseline's). The choice is a pure function of the costs: every rank, and a resumed run,
-makes the same one.
-
-Net of the plugin's own cost (issue 44, ``NetGate``): planning, the control plane and calibration
-are paid before the choice above, so they cannot enter it; whether to plan at all is decided
-before a step is planned, from what the last planned step gained against what it cost.
+"""Do no harm (issue 27; docs/DESIGN.md section 5, "Do no harm"): per step, commit SAB's packing
+and DST's plan only where they are predicted no slower than what a static run of the same step
+would do (``choose_step``; ``--sb-stand-down``, ``--sb-stand-down-compare``), on the predictor DST
+plans with; and whether to plan at all, net of the plugin's own cost (issue 44, ``NetGate``).
+One rule for the runtime (``megatron/step/choice.py``) and the simulated study.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """

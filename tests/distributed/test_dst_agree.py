@@ -22,7 +22,7 @@ pytestmark = pytest.mark.distributed
 WORLD, M, PP = 4, 6, 3
 
 
-def _costs(dp: int, anchor: str = "mean"):
+def _costs(dp: int):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     from test_policy_dst import D0, DMAX, DMIN, _quality, synthetic_costs
 
@@ -33,7 +33,7 @@ def _costs(dp: int, anchor: str = "mean"):
     # speed worth any loss the model allows: the descent's probes, not the plan without cuts
     # (the last rule's own test: tests/unit/test_dst_quality.py), decide these plans
     settings = DSTSettings(D0, DMIN, DMAX, density_floor=0.9, stage_density_floor=0.75,
-                           anchor=anchor, exchange_rate=1e9)
+                           exchange_rate=1e9)
     return costs, sens, settings, _quality(PP)
 
 
@@ -153,15 +153,15 @@ def _worker(rank: int, init_file: str, out_dir: str):
     world = dist.new_group(list(range(WORLD)), backend="gloo")
     out = {}
     for name, dp, r, group in (("pp2_dp2", 2, rank % 2, stages[rank // 2]),
-                               ("dp4", 4, rank, world), ("dp4_median", 4, rank, world)):
-        costs, sens, settings, quality = _costs(dp, "median" if "median" in name else "mean")
+                               ("dp4", 4, rank, world)):
+        costs, sens, settings, quality = _costs(dp)
         plan, reducer = plan_rank(rank_slice(costs, r), sens[r:r + 1], settings, group,
                                   quality=quality)
         out[name] = dict(dp_rank=r, index=plan.grid_index, report=plan.report,
                          candidate=plan.candidate, probe=plan.probe, sent=reducer.sent,
-                         choices=_choices(r, group, dp) if "median" not in name else None)
+                         choices=_choices(r, group, dp))
         out[name]["sab"] = _sab_rows(r, group, dp)
-        out[name]["own"] = _own_drafts(r, group, dp) if "median" not in name else None
+        out[name]["own"] = _own_drafts(r, group, dp)
     with open(f"{out_dir}/{rank}.pkl", "wb") as f:
         pickle.dump(out, f)
     dist.destroy_process_group()
@@ -179,8 +179,8 @@ def test_the_rounds_over_the_dp_group_make_the_in_process_plan(runs):
     from sparsebalance_megatron.policy.dst import plan_dst
 
     probes = []
-    for name, dp in (("pp2_dp2", 2), ("dp4", 4), ("dp4_median", 4)):
-        costs, sens, settings, quality = _costs(dp, "median" if "median" in name else "mean")
+    for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
+        costs, sens, settings, quality = _costs(dp)
         want = plan_dst(costs, sens, settings, quality=quality)
         got = {}
         for run in runs:

@@ -128,6 +128,7 @@ def test_bad_values_name_the_flag_and_the_value(argv, flag, value):
 
 @pytest.mark.parametrize("argv, flag, value", [
     (["--sb-anchor", "avg"], "--sb-anchor", "avg"),
+    (["--sb-anchor", "median"], "--sb-anchor", "median"),      # removed (issue 85): mean or max
     (["--sb-attention-backend", "cudnn"], "--sb-attention-backend", "cudnn"),
     (["--sb-stand-down", "sab"], "--sb-stand-down", "sab"),
 ])
@@ -139,7 +140,8 @@ def test_bad_choices_name_the_flag_and_the_value(argv, flag, value, capsys):
     assert flag in err and value in err, err
 
 
-@pytest.mark.parametrize("field, value", [("anchor", "avg"), ("attention_backend", "cudnn"),
+@pytest.mark.parametrize("field, value", [("anchor", "avg"), ("anchor", "min"),
+                                          ("attention_backend", "cudnn"),
                                           ("stand_down", "on")])
 def test_bad_choices_in_the_config_name_the_flag_and_the_value(field, value):
     with pytest.raises(ConfigError, match=f"{flag_name(field)}={value!r}"):

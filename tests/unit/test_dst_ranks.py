@@ -120,20 +120,6 @@ def test_a_rank_slice_is_the_ranks_rows():
     np.testing.assert_array_equal(c.weights()[0], costs.weights()[1])
 
 
-def test_the_median_anchor_gathers_the_static_busy_times():
-    """The median is no sum: its AR1 gathers every rank's static busy seconds, and the band
-    plan is the central one (without the descent: every DP; with it: DP 1 bit for bit)."""
-    rng = np.random.default_rng(61)
-    for dp in (1, 2, 4):
-        costs, sens, _ = _case(rng, dp)
-        for descent in (False, True):
-            s = DSTSettings(D0, DMIN, DMAX, anchor="median", descent=descent, **FLOORS)
-            central = _central(costs, sens, rule_free(s))
-            dec = plan_dst(costs, sens, rule_free(s))
-            if dp == 1 or not descent:
-                np.testing.assert_array_equal(dec.densities, central.densities)
-
-
 def test_a_slow_gpu_narrows_the_band_alike():
     """The slow-GPU verdict (``narrow``) is agreed: the narrower bands are candidates of every
     rank, and the band plan is the central one (a 10% slow rank, cut under the default band)."""

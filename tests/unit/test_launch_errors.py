@@ -184,7 +184,7 @@ def test_quality_objective_needs_a_readable_quality_cost(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"kind": "sparsebalance-quality-cost", "version": 7}')
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective="quality", quality_cost=str(bad))
-    assert "version=7: expected 1" in refused(launch_args(), sb)
+    assert "version=7: expected 2" in refused(launch_args(), sb)
     check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True, dst_objective="quality"),
                  plugin_data=True)                 # the shipped default
     check_launch(launch_args(), SparseBalanceConfig(sparse_balance=True),

@@ -1,6 +1,5 @@
-"""The quality model (policy.quality, policy.quality_stages): a version-1 file's convex fit of
-measured loss increases per layer group, version 2's fitted curves with a length term, an
-interaction and bootstrap replicates, validation that names the field, the mapping onto
+"""The quality model (policy.quality, policy.quality_stages): its fitted convex curves per
+layer group with a length term, an interaction and bootstrap replicates, validation that names the field, the mapping onto
 pipeline stages and a step's units, and the one rule every plan check goes through."""
 
 import json
@@ -8,36 +7,20 @@ import json
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy.quality import (QualityCost, QualityCostError,
-                                                      convex_fit)
+from sparsebalance_megatron.policy.quality import QualityCost, QualityCostError
 
 
 def doc(**over):
-    d = {"kind": "sparsebalance-quality-cost", "version": 1, "model": "m",
+    d = {"kind": "sparsebalance-quality-cost", "version": 2, "model": "m",
          "reference_density": 0.5, "reference_loss": 3.0, "windows": 6, "window_tokens": 2048,
          "text": "essays",
          "groups": [{"depth": [0.0, 0.5], "layers": [1, 15],
-                     "densities": [0.125, 0.25, 0.75, 1.0],
-                     "delta_loss": [0.30, 0.08, -0.01, -0.012], "stderr": [0.02] * 4},
+                     "knots": [0.125, 0.25, 0.5, 0.75, 1.0],
+                     "cost": [0.30, 0.08, 0.0, -0.01, -0.012]},
                     {"depth": [0.5, 1.0], "layers": [16, 30],
-                     "densities": [0.125, 0.25, 0.375, 0.75, 1.0],
-                     "delta_loss": [0.20, 0.12, 0.01, 0.004, -0.003], "stderr": [0.01] * 5}]}
+                     "knots": [0.125, 0.375, 0.5, 1.0], "cost": [0.20, 0.01, 0.0, -0.003]}]}
     d.update(over)
     return d
-
-
-def test_fit_is_the_convex_non_increasing_envelope_through_the_reference():
-    knots, cost = convex_fit([0.125, 0.25, 0.375, 0.75, 1.0], [0.20, 0.12, 0.01, 0.004, -0.003],
-                             0.5)
-    # (0.25, 0.12) lies above the chord from 0.125 to 0.375, (0.75, 0.004) above the one from
-    # the reference (0.5, 0) to 1.0: both dropped
-    assert knots.tolist() == [0.125, 0.375, 0.5, 1.0]
-    assert cost[2] == 0.0 and np.all(np.diff(cost) <= 0)
-    slopes = np.diff(cost) / np.diff(knots)
-    assert np.all(np.diff(slopes) >= -1e-12)                      # convex
-    # a measured rise above the reference is noise: flat after the minimum
-    k2, c2 = convex_fit([0.25, 0.75, 1.0], [0.1, -0.02, 0.01], 0.5)
-    assert k2.tolist() == [0.25, 0.5, 0.75] and c2[-1] == -0.02
 
 
 def test_cost_interpolates_extrapolates_below_and_is_flat_above():
@@ -74,15 +57,15 @@ def test_save_load_round_trip(tmp_path):
 
 @pytest.mark.parametrize("over, needle", [
     ({"kind": "latency"}, "kind='latency': expected 'sparsebalance-quality-cost'"),
-    ({"version": 3}, "version=3: expected 1 or 2"),
+    ({"version": 1}, "version=1: expected 2"),
     ({"reference_density": 0.0}, "reference_density=0.0: expected a number in (0, 1]"),
     ({"groups": []}, "groups: expected a non-empty list"),
     ({"groups": [dict(doc()["groups"][0], depth=[0.0, 0.4]), doc()["groups"][1]]},
      "group 1: depth [0.5, 1.0]: expected to start at 0.4"),
-    ({"groups": [dict(doc()["groups"][0], depth=[0.0, 1.0], stderr=[0.1])]},
-     "group 0: densities (4), delta_loss (4) and stderr (1) must have the same length"),
-    ({"groups": [dict(doc()["groups"][0], depth=[0.0, 1.0], densities=[0, 0.25, 0.75, 1])]},
-     "group 0: densities [0.0, 0.25, 0.75, 1.0]: expected numbers in (0, 1]"),
+    ({"groups": [dict(doc()["groups"][0], depth=[0.0, 1.0], cost=[0.1])]},
+     "group 0: knots (5) and cost (1) must have the same length"),
+    ({"groups": [dict(doc()["groups"][0], depth=[0.0, 1.0], knots=[0, 0.25, 0.5, 0.75, 1])]},
+     "group 0: knots [0.0, 0.25, 0.5, 0.75, 1.0]: expected increasing densities in (0, 1]"),
     ({"groups": [dict(doc()["groups"][0], depth=[0.0, 0.5])]}, "groups end at depth 0.5"),
 ])
 def test_bad_files_name_the_field(over, needle, tmp_path):
@@ -268,7 +251,7 @@ def test_stage_quality_is_made_once_per_cost_layers_and_d0():
                   StageQuality.from_cost(QualityCost.from_dict(doc()), [3, 5, 4], 0.25)):
         assert other is not q
     changed = doc()
-    changed["groups"][0]["delta_loss"] = [0.6, 0.16, -0.02, -0.024]
+    changed["groups"][0]["cost"] = [0.6, 0.16, 0.0, -0.02, -0.024]
     for _ in range(4):                          # ids of freed costs may come back
         got = StageQuality.from_cost(QualityCost.from_dict(changed), [3, 5, 4], 0.25)
-        assert got.cost.groups[0].measured[1] == (0.6, 0.16, -0.02, -0.024)
+        assert got.cost.groups[0].cost_at_knots.tolist() == [0.6, 0.16, 0.0, -0.02, -0.024]
