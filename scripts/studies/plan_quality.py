@@ -8,7 +8,7 @@ Two steps, each one command:
 - ``--calibrate``: ``--samples`` samples of ``--kinds`` (RULER-style retrieval and natural text,
   ``--lengths`` tokens), each scored under every vector of ``CALIBRATION`` (one density per depth
   group: one group moved at a time, all moved together, and skewed mixes); the fit
-  (``policy.quality_fit``) writes the model (``--model-out``) and the study's JSON.
+  (``eval.quality_fit``) writes the model (``--model-out``) and the study's JSON.
 - ``--validate``: fresh samples (other seeds, two batches of DP 4 x 2 micro-batches of 8K)
   scored at uniform d0, under every vector of ``MENU`` (3 stages, and 2 for PP 2's plans) and
   under DST's own plans of their batch (the runtime's draft: the quality objective at PP 3 x DP
@@ -157,7 +157,7 @@ def calibrate(args) -> int:
     if args.shard[1] > 1:
         print(f"shard {args.shard[0]}/{args.shard[1]} done")
         return 0
-    from sparsebalance_megatron.policy import quality_fit
+    from sparsebalance_megatron.eval import quality_fit
 
     model, report = quality_fit.fit(rows, d0=args.density, groups=GROUPS,
                                     num_layers=num_layers(args),
@@ -422,7 +422,7 @@ def _fmt(values) -> str:
 
 
 def validate(args) -> int:
-    from sparsebalance_megatron.policy import quality_fit
+    from sparsebalance_megatron.eval import quality_fit
     from sparsebalance_megatron.policy.quality import QualityCost
 
     enc = smollm2.encoder(smollm2.tokenizer())

@@ -1,6 +1,6 @@
 """The quality model DST plans by: a sample's held-out loss change against the density of each
 depth group of the model's layers and the sample's length, measured on a real model and fitted
-convex (``scripts/bench.py plan_quality``; the fit is ``quality_fit``).
+convex (``scripts/bench.py plan_quality``; the fit, offline, is ``eval.quality_fit``).
 
 The model (docs/DESIGN.md section 7). A document of ``n`` tokens whose layers in depth group g
 run at density d_g loses, per token, against dense attention

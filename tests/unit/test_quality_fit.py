@@ -1,4 +1,4 @@
-"""The quality model's fit (policy.quality_fit): non-negative least squares against a brute-force
+"""The quality model's fit (eval.quality_fit): non-negative least squares against a brute-force
 oracle, and a synthetic measurement made from a known model (curves, length exponent,
 interaction) recovered by the fit, its cross-validated choice and its bootstrap; the fitted
 model predicts through the planner's one rule (StageQuality.change)."""
@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import quality_fit as qf
+from sparsebalance_megatron.eval import quality_fit as qf
 from sparsebalance_megatron.policy.quality_stages import StageQuality
 
 

@@ -1,5 +1,5 @@
-"""Fitting the quality model (``policy.quality``) to measured losses (``scripts/bench.py
-plan_quality --calibrate``).
+"""Fitting the planner's quality model (``policy.quality``) to measured losses, offline
+(``scripts/bench.py plan_quality --calibrate``; the planner only reads the fitted file).
 
 A measurement row is one sample scored with one density per depth group (``vector``): its
 held-out loss, length and tokens. Against the same sample at uniform d0, the model says
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .quality import GroupCost, QualityCost, Replicate
+from ..policy.quality import GroupCost, QualityCost, Replicate
 
 KNOTS = (0.35, 0.4, 0.5, 0.7, 1.0)
 BETAS = tuple(np.round(np.arange(-2.5, 1.01, 0.25), 4))
