@@ -1,21 +1,11 @@
 #!/usr/bin/env python
 """Autotune the ``triton`` backend's launch settings on a GPU; print the entries to pin.
 
-One device step: at the target shape (8 query / 2 KV heads, head dim 128, block 128, one 32K
-document, bf16, fwd+bwd) it sweeps the ``triton_launch.candidates`` that pass the sm_90a
-compile gate (``compile_gate``: a candidate that spills or cannot launch is never timed; the
-gate's results for the device's triton are committed, the rest compile here first, one
-process each) and the default first: forward
-tiles x warps x stages timed on the forward, backward tiles x warps x stages x ``kv_chunk``
-timed on forward+backward, each summed over the densities (0.25 and 0.5: the targets'). The
-best forward and the best backward are combined, timed against the default, and checked
-against the default's output and gradients (a config that computes something else, or fails
-to compile, is dropped, never pinned). Every row is appended to ``<out>/autotune_triton.jsonl``
-as it is measured, so a run cut by its deadline still leaves its rows; the summary JSON
-(``<out>/autotune_triton.json``) holds the command, commit, versions, device, the table and
-``pinned``: the ``triton_launch.PINNED`` entries to paste (``paste``: as Python).
-
-Without CUDA it prints why and exits 0 (nothing to tune here).
+At each target shape it times the ``triton_launch.candidates`` that pass the sm_90a compile gate
+(the default first): forward configs on the forward, backward configs on forward+backward, summed
+over densities 0.25 and 0.5; the best pair is checked against the default's output and gradients
+and never pinned otherwise. Rows go to ``<out>/autotune_triton.jsonl`` as measured, the summary
+and the ``PINNED`` entries to ``<out>/autotune_triton.json``. Without CUDA it exits 0.
 
     python scripts/autotune_triton.py --out runs/autotune
     python scripts/autotune_triton.py --out runs/autotune --shapes 8/2/128 14/2/64 --deadline-s 420

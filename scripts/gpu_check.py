@@ -1,20 +1,7 @@
 #!/usr/bin/env python
-"""GPU acceptance check: one command, one JSON, under 10 minutes on one H100 (docs/GPU.md lists
-the steps and the device plan, ``scripts/gpu_plan.py``).
-
-Steps, each a subprocess with its own time limit (a failed step is recorded, the next runs):
-``env`` (versions, imports, which backends can run), ``tests`` (``pytest tests/gpu``), ``bench``
-(the kernel table, ``scripts/bench.py attention_gpu``), ``recompile`` (Dynamo graphs and host
-syncs of 20 training-shaped calls), ``pieces`` (``scripts/bench.py fa4_pieces``), ``latency`` (a
-GPU latency table and its held-out MAPE, ``scripts/bench.py latency_eval``), ``dst``
-(``scripts/bench.py dst_gpu``) and ``train`` (``pretrain()`` of the full-depth Qwen2.5-0.5B at
-32K and 64K: ``studies/device.py`` runs it, ``studies/gpu_trace.py`` compares the runs).
-
-Targets checked: the kernel table's (issue 61); end to end >= 1.3x the fastest dense run's
-tokens/s at d0 0.5 on documents of 16K+ tokens, >= 1.1x on whole files, never below 1.0x;
-against dense + SAB priced at cuDNN's kernel (issue 74) >= 1.35x at 32K d0 0.25, >= 1.5x at 64K
-d0 0.25, >= 1.2x at 32K d0 0.5, each sparse run within 5% of its bound; no recompiles after
-warm-up; no host syncs per layer; latency MAPE <= 5%.
+"""GPU acceptance check: one command, one JSON (docs/GPU.md lists the steps, their targets and the
+device plan, ``scripts/gpu_plan.py``). Each step is a subprocess with its own time limit; a failed
+step is recorded and the next runs.
 
     python scripts/gpu_check.py --out-dir runs/gpu_check          # or: make gpu-check
     python scripts/gpu_check.py --steps bench recompile           # a subset

@@ -1,12 +1,8 @@
 """What a planner drafting beside it costs a launch-bound training thread (issue 44), for
-``planner_cost`` and ``planner_ab``: a stand-in thread issues small torch ops in bursts through
-step windows, each planner window drafting the next step beside it. ``slowdown``: the windows'
-ops per second against the no-planner windows'; ``local``: within each window, the bursts during
-the draft against those after it, net of the no-planner windows split the same way (a change in
-the machine's speed between windows cancels).
+``planner_cost`` and ``planner_ab``: the ops per second of planner windows against no-planner
+windows (``slowdown``), and within each window during the draft against after it (``local``).
 
-Why private and apart: ``planner_ab`` loads this file by its path into another checkout's tree
-(the same estimator for both checkouts), where ``studies._drafts`` is that checkout's.
+Private and apart: ``planner_ab`` loads this file by its path into another checkout's tree.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""What every study and device script shares: its argument parser, the median time of a call
-(CUDA events on a GPU), the result writer that records the command, commit, versions and device
-beside the figures, the simulated studies' model shapes, and one run of the README's
-CPU job (``examples/run_cpu_demo.sh``) with extra flags, its per-step metrics and timed steps
-(``cp_step``, ``dense_sab_run``).
+"""What every study and device script shares: its argument parser, the median time of a call, the
+result writer (command, commit, versions and device beside the figures), the simulated studies'
+model shapes, and one run of the README's CPU job (``cp_step``, ``dense_sab_run``).
 
-Nothing here imports torch or megatron: a study that needs them imports them itself, and the
-writer reads their versions from the installed distributions (``median_ms`` and
-``gpu_provenance`` use the torch their caller has imported).
+Nothing here imports torch or megatron (``median_ms`` and ``gpu_provenance`` use the torch their
+caller has imported).
 """
 
 from __future__ import annotations

