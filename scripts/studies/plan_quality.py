@@ -19,6 +19,8 @@ import random
 
 import numpy as np
 
+from sparsebalance_megatron.data.packing import sequential_bins
+
 from . import smollm2
 from .smollm2 import Cache, measure
 from .common import ROOT, parser, write_result
@@ -154,17 +156,6 @@ DP, MICROBATCHES, SEQ = 4, 2, 8192
 OLD_MODEL = os.path.join(ROOT, "docs", "results", "quality_cost_smollm2.json")
 
 
-def fill(lengths: list, seq: int = SEQ) -> list:
-    """Micro-batches (lists of sample indices) of consecutive samples, Megatron's fill rule."""
-    bins, cur = [], []
-    for i, n in enumerate(lengths):
-        if cur and sum(lengths[j] for j in cur) + n > seq:
-            bins.append(cur)
-            cur = []
-        cur.append(i)
-    return bins + [cur]
-
-
 def plans(lengths: list, seed: int = 0) -> list:
     """The checked plans, from the samples' lengths alone: (name, {sample: vector})."""
     rng = random.Random(seed)
@@ -172,7 +163,7 @@ def plans(lengths: list, seed: int = 0) -> list:
     n = len(lengths)
     for b in range(BATCHES):
         idx = list(range(b * n // BATCHES, (b + 1) * n // BATCHES))
-        mbs = [[idx[j] for j in mb] for mb in fill([lengths[i] for i in idx])]
+        mbs = [[idx[j] for j in mb] for mb in sequential_bins([lengths[i] for i in idx], SEQ)]
         for v in MENU:                                              # every micro-batch alike
             out.append((f"b{b} all {v}", {i: v for mb in mbs for i in mb}))
         mean_len = [np.mean([lengths[i] for i in mb]) for mb in mbs]
@@ -304,7 +295,7 @@ def refresh_vectors(d0: float, groups: int = GROUPS) -> list:
 def held_out_bins(lengths: list, count: int, seq: int = SEQ) -> list:
     """The first ``count`` micro-batches (sample indices) by the fill rule, each closed (the
     next sample did not fit): the runtime's held-out micro-batches, one a DP rank."""
-    bins = fill(lengths, seq)
+    bins = sequential_bins(lengths, seq)
     if len(bins) <= count:
         raise ValueError(f"{len(lengths)} samples fill {len(bins)} micro-batches: {count} "
                          f"closed ones need more")
