@@ -346,12 +346,10 @@ def join_pieces(stage: str, out_dir: str) -> bool:
 
 def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
            complete=False) -> str:
-    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``). A piece
-    is staged in ``stage/<its set>`` (the folder above it: ``.whl-fa4``) until
-    its set is complete; a complete set is unpacked into ``stage/<set>/files``, and the wheels
-    among its files are installed. Returns what was done, in words. ``complete`` (True: every
-    folder; or the folders it names): a set of those whose other pieces are not staged is a
-    ValueError (the machine came back bare)."""
+    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``); a piece
+    waits in ``stage/<its set>`` until its set is complete. ``complete`` (True: every folder; or
+    the folders it names): a set of those with pieces missing is a ValueError. Returns what was
+    done, in words."""
     wheels, waiting, unpacked = [], [], []
     for folder in folders:
         verify(folder)

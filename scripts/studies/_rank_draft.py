@@ -202,11 +202,8 @@ def report_floats(drafter, own, own_units, densities) -> dict:
 def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tracker,
                     rng) -> float:
     """Thread CPU seconds of a rank's work after the step, as ``end_step`` does it on the
-    per-rank path: the calibration of its own pipeline's factors from its predicted and
-    measured busy seconds ([1, pp]: a stand-in measurement, the prediction x 0.9-1.1), the
-    tracker's update with its own documents (``checks.doc_lengths``), and the report's sums of
-    its own units and the figures made of them (``report_sums.rank_parts``, ``step_figures``,
-    as ``StepReporter.report``; their all-reduce is priced as a collective).
+    per-rank path: its pipeline's calibration (a stand-in measurement, the prediction x 0.9-1.1),
+    the tracker's update with its own documents, and the report's sums of its own units.
     ``predicted``: [dp, pp] the committed plan's uncorrected busy seconds (its row read)."""
     from sparsebalance_megatron.megatron.step.checks import doc_lengths
     from sparsebalance_megatron.megatron.step.record import doc_slots

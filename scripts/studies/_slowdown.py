@@ -30,12 +30,10 @@ def local_share(during: tuple, after: tuple, elapsed_s: float) -> float:
 
 def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
                     window_s: float = 2.0, rounds: int = 6, ops: int = 200) -> dict:
-    """The training thread's speed beside each planner (module docstring): step windows of
-    ``window_s`` seconds of bursts of ``ops`` small torch ops, each planner window drafting
-    the next step (``dp`` x ``m`` x PP4, ``layout``, the built-in corpus); the no-planner
-    windows alternate with the planners' (``rounds`` each) so that a load change on the machine
-    falls on all. Returns ops per second, each planner's ``slowdown`` and ``local`` slowdown
-    (net of the no-planner control's), the draft's wall time and the wait at the join."""
+    """The training thread's speed beside each planner (module docstring): windows of ``window_s``
+    seconds of bursts of ``ops`` small torch ops, each planner window drafting the next step, the
+    no-planner windows alternating with the planners' (``rounds`` each). Returns ops per second,
+    each planner's ``slowdown`` and ``local`` slowdown, the draft's wall time and the join's wait."""
     import torch
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps

@@ -102,13 +102,9 @@ SLEEP_MS = 20.0      # the GPU's head start in host_and_gpu_ms: longer than any 
 
 def host_and_gpu_ms(fn, reps: int, sleep_ms: float = SLEEP_MS) -> dict:
     """Where a call's time goes on a GPU (``{}`` without one): ``host_ms``, the median wall time
-    of ``fn()`` on the host with nothing awaited (Python, argument checks, launches), and
-    ``gpu_ms``, the median time of its work on the GPU alone: its start and end events are
-    queued behind a ``sleep_ms`` sleep kernel, so the GPU never waits for the host between
-    them. ``held`` counts the calls whose host time reached the sleep: the host waited for the
-    GPU inside ``fn`` (a device-to-host read), so those calls' ``gpu_ms`` counts host time too.
-    ``median_ms`` of a synchronised call counts both where they do not overlap: a cost per call
-    that shows in ``host_ms`` is the host's, one in ``gpu_ms`` the kernels'."""
+    of ``fn()`` with nothing awaited, and ``gpu_ms``, the median time of its work on the GPU alone
+    (its events queued behind a ``sleep_ms`` sleep kernel). ``held`` counts the calls whose host
+    time reached the sleep (a device-to-host read inside ``fn``: their ``gpu_ms`` counts host time)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return {}

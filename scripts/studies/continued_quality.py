@@ -164,13 +164,10 @@ def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
 
 
 def document_densities(rows: list, block_size: int, d0: float) -> dict:
-    """Planned and kept density of the documents alone, from the recorded plans: the metrics'
-    ``mean_density`` and ``kept_density`` weigh the padding pieces that fill each micro-batch
-    (256-token pseudo-documents, whose blocks no loss reads) like documents, and how much
-    padding a step has depends on the packing, so static (sequential) and SAB differ in it.
-    Per step, weighted by causal block pairs as the metrics are: ``planned``, ``kept`` (the
-    selection's rule, ``latency/work.py``) and ``kept_d0`` (what the same documents keep at
-    d0); per DST move, whether it kept any other block of a document than d0 does."""
+    """Planned and kept density of the documents alone, from the recorded plans (the metrics'
+    densities weigh the padding pieces like documents, and padding depends on the packing): per
+    step, weighted by causal block pairs, ``planned``, ``kept`` and ``kept_d0``; per DST move,
+    whether it kept any other block of a document than d0 does."""
     import numpy as np
 
     from sparsebalance_megatron.config import SparseBalanceConfig
@@ -230,12 +227,9 @@ def load_model(args, ckpt: str, sb):
 
 def score_docs(model, budget, docs: list) -> list:
     """Per document (``ids``, the answer's ``answer_at`` and ``answer_len``, or its
-    ``answer_positions`` where the answer is not one run of tokens), run alone on the model's
-    device: the summed next-token loss and its token count, the answer tokens' mean NLL
-    (``answer_nll``), whether every answer token is the teacher-forced argmax (``exact``: what
-    greedy decoding emits) and the share that is, and the kept density the sparse attention
-    reported (grad mode on, though no weight needs grad: the budget then records what it
-    kept)."""
+    ``answer_positions``), run alone: the summed next-token loss and its token count, the answer's
+    mean NLL, ``exact`` (every answer token the argmax) and the share that is, and the kept density
+    the sparse attention reported (grad mode on: the budget then records what it kept)."""
     import torch
     import torch.nn.functional as F
 

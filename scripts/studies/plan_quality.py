@@ -303,12 +303,9 @@ def held_out_bins(lengths: list, count: int, seq: int = SEQ) -> list:
 
 
 def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
-    """The refresh the runtime would make of the measured documents: ``docs`` one per
-    document, (its length in tokens, [rows of the passes of ``refresh_vectors``]) with each
-    row's ``loss`` (the mean over ``tokens`` positions every ``stride``-th) and ``tokens``.
-    Each pass's per-document (loss sum, loss tokens) go through the probe's ``pass_stats`` and
-    ``changes``, the scales through ``refresh_scales`` (the documents' lengths weighting the
-    prediction, as ``QualityProbe.refresh`` passes them)."""
+    """The refresh the runtime would make of the measured documents: ``docs`` one per document,
+    (its length, [rows of the passes of ``refresh_vectors``] with ``loss`` and ``tokens``),
+    through the probe's ``pass_stats`` and ``changes`` and the policy's ``refresh_scales``."""
     from sparsebalance_megatron.megatron.step.quality_probe import changes, pass_stats
     from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, probe_density,
                                                                refresh_scales, shrink_weight)

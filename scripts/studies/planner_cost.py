@@ -82,12 +82,10 @@ def committed(draft) -> tuple:
 
 
 def after_step(lm, sb, draft, tracker=None, rng=None) -> float:
-    """Thread CPU ms of the after-step work on the training thread, as ``end_step`` runs it:
-    the calibration's prediction (the plan's own, ``predicted_busy_s``, read from the broadcast
-    report) and every DP rank's calibration update (against a
-    stand-in measurement: the prediction x 0.9-1.1 noise), the sensitivity tracker's update with
-    every document of the step (``tracker``; a stand-in signal), and the reports' density
-    weights and kept work. ``tracker``: a ``SensitivityTracker`` (None: a fresh one)."""
+    """Thread CPU ms of the after-step work on the training thread, as ``end_step`` runs it: the
+    calibration's prediction and every DP rank's update (a stand-in measurement, x 0.9-1.1), the
+    tracker's update with every document of the step, and the reports' density weights and kept
+    work. ``tracker``: a ``SensitivityTracker`` (None: a fresh one)."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.megatron.step.report_sums import kept_work, unit_work
@@ -188,16 +186,11 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
 
 
 def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str) -> dict:
-    """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner
-    while the training thread stands in for a GPU-bound step (blocked ``step_s`` seconds with
-    the GIL released); on the training thread: sending the inputs (``handoff_ms``, thread CPU),
-    the wait at the join (wall), and the after-step work (thread CPU). The planner process's
-    draft is read back by a reader thread while the step trains (``reader_ms``, its thread CPU:
-    off the critical path; what its GIL costs a launch-bound training thread is in
-    ``launch_slowdown``). Rank 0 plans DST and reads back the packing its plan commits; every
-    other rank drafts both packings without DST and reads both back (``handoff_other_ms``,
-    ``reader_other_ms``: a second planner beside the first, as on a node of several ranks). The
-    critical path is the slower rank's."""
+    """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner while
+    the training thread stands in for a GPU-bound step (``step_s`` seconds, GIL released); on the
+    training thread the handoff (thread CPU), the wait at the join and the after-step work; the
+    reader thread's CPU beside it. Rank 0 plans DST; another rank drafts both packings without it
+    (``handoff_other_ms``, ``reader_other_ms``). The critical path is the slower rank's."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
 

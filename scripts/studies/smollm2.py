@@ -195,24 +195,17 @@ def equal_time_density(lm, batch, units, dp: int, target_s: float, d0: float) ->
 def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
                   seq_length: int) -> dict:
     """The runtime's own plans of documents of ``lengths`` tokens (each with its EOD), in
-    order: consecutive documents fill micro-batches of ``seq_length`` (Megatron's fill rule),
-    ``dp`` x ``microbatches`` of them a step, and each step goes through the runtime's draft
-    (``step.drafting.Drafter``: SAB's packing and the sequential baseline's under do-no-harm,
-    DST on the committed one) with ``sb`` (a ``SparseBalanceConfig``), a fresh sensitivity
-    tracker and the analytic table of ``a`` on ``pp`` stages. Per document its micro-batch's
-    density per stage (``stage_densities`` [n, pp]) and its unit; per step what DST did."""
+    order: ``sequential_bins`` of ``seq_length``, ``dp`` x ``microbatches`` a step, each step
+    through the runtime's ``Drafter`` with ``sb`` on ``a``'s analytic table at ``pp`` stages.
+    Per document its micro-batch's density per stage (``stage_densities`` [n, pp]) and its
+    unit; per step what DST did."""
     from sparsebalance_megatron.batching.sensitivity import SensitivityTracker
+    from sparsebalance_megatron.data.packing import sequential_bins
     from sparsebalance_megatron.megatron.step.drafting import Drafter
 
     lm = latency_model(a, seq_length, pp, sb.block_size)
     lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
-    bins, cur = [], []
-    for i, n in enumerate(lengths):
-        if cur and sum(lengths[j] for j in cur) + n > seq_length:
-            bins.append(cur)
-            cur = []
-        cur.append(i)
-    bins.append(cur)
+    bins = sequential_bins(lengths, seq_length)
     per_step = dp * microbatches
     stages = np.full((len(lengths), pp), np.nan)
     unit, steps = [None] * len(lengths), []
