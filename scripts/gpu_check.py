@@ -19,16 +19,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies.device import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
-                            dense_tile_costs, rows_of, run_logged as _run, step_autotune,
-                            step_bench, step_env, step_pieces, step_recompile, step_train)
+                            dense_tile_costs, rows_of, run_logged as _run, step_bench,
+                            step_env, step_pieces, step_recompile, step_train)
 from studies.gpu_trace import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
                                cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
                                train_summary)
-STEPS = ("env", "smoke", "pieces", "bench", "tests", "autotune", "recompile", "latency", "dst",
-         "train")
+STEPS = ("env", "smoke", "pieces", "bench", "tests", "recompile", "latency", "dst", "train")
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
-LIMIT_S = {"env": 20, "smoke": 110, "pieces": 40, "bench": 75, "tests": 150, "autotune": 50,
-           "recompile": 180, "latency": 110, "dst": 90, "train": 385}
+LIMIT_S = {"env": 20, "smoke": 110, "pieces": 40, "bench": 75, "tests": 150, "recompile": 180,
+           "latency": 110, "dst": 90, "train": 385}
+
+
 def price_table(table_path, kernel_table, shape="14/2/64"):
     """Rewrite a profiled latency table to carry the sparse call's price of its backend at
     ``shape`` from ``kernel_table`` (``price_fit.attach_price``: ``LatencyModel.fit`` then
@@ -111,8 +112,6 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
         elif name in ("smoke", "bench"):
             res = step_bench(py, out_dir, work, limit, env, bench_backends,
                              smoke=name == "smoke", lengths=bench_lengths)
-        elif name == "autotune":
-            res = step_autotune(py, work, limit, env)
         elif name == "recompile":
             res = {"ok": True}
             for backend in bench_backends:
@@ -172,7 +171,7 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
 
 
 def bundle(work, path, max_file=8 << 20):
-    """``work``'s files (logs, tables, the autotune's and training's outputs) as one tar.gz:
+    """``work``'s files (logs, tables, training's outputs) as one tar.gz:
     the device returns at most 8 files per call. Files over ``max_file`` (the long-document
     data set) stay behind."""
     import tarfile

@@ -441,21 +441,6 @@ def step_bench(py, out_dir, work, limit, env, backends, smoke=False, lengths=Non
     return res
 
 
-def step_autotune(py, work, limit, env):
-    """The Triton kernel's autotune (scripts/autotune_triton.py, written for issue 35), into
-    ``work/autotune``; reported missing when this checkout has no such script."""
-    script = os.path.join(ROOT, "scripts", "autotune_triton.py")
-    if not os.path.exists(script):
-        return {"ok": False, "missing": "scripts/autotune_triton.py is not in this checkout"}
-    rc, sec, tail = _run([py, script, "--out", os.path.join(work, "autotune"),
-                          "--deadline-s", str(max(10, limit - 20))],
-                         os.path.join(work, "autotune.log"), limit, env)
-    res = {"ok": rc == 0, "rc": rc, "seconds": sec}
-    if rc != 0:
-        res["tail"] = tail[-1500:]
-    return res
-
-
 def step_recompile(backend="flex"):
     """Child process: training-shaped calls through ``backend``; graphs and host syncs."""
     import warnings
