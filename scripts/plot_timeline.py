@@ -2,8 +2,8 @@
 """Draw a pipeline timeline (Gantt chart per DP rank and stage) of a simulated or measured step.
 
     python scripts/plot_timeline.py --example straggler --out docs/timeline_example.png
-    python scripts/plot_timeline.py --times times.json --out timeline.png    # fwd_s, bwd_s [dp][m][pp]
-    python scripts/plot_timeline.py --events measured.json --out timeline.png  # start_s, end_s [dp][m][pp][2]
+    python scripts/plot_timeline.py --times t.json --out t.png   # fwd_s, bwd_s [dp][m][pp]
+    python scripts/plot_timeline.py --events e.json --out t.png  # start_s, end_s [dp][m][pp][2]
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
     """The training thread's speed beside each planner (module docstring): windows of ``window_s``
     seconds of bursts of ``ops`` small torch ops, each planner window drafting the next step, the
     no-planner windows alternating with the planners' (``rounds`` each). Returns ops per second,
-    each planner's ``slowdown`` and ``local`` slowdown, the draft's wall time and the join's wait."""
+    each planner's ``slowdown`` and ``local`` slowdown, the draft's wall time and the join's
+    wait."""
     import torch
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps

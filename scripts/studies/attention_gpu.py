@@ -55,8 +55,8 @@ def plan_cases(args, mixes):
 def variants(backend: str, case) -> list:
     """``[(variant, config or None)]`` of a kernel backend: triton at the settings it trains
     with (``launch_config``: pinned, else the default), then every split backward of
-    ``candidates`` (a dQ kernel of its own); fa4 as it is, then its backward on K/V repeated per query
-    head (``fa4_cute.BWD_PER_HEAD``'s other form) where the shape has GQA."""
+    ``candidates`` (a dQ kernel of its own); fa4 as it is, then its backward on K/V repeated per
+    query head (``fa4_cute.BWD_PER_HEAD``'s other form) where the shape has GQA."""
     if backend == "fa4":
         out = [("fa4", None)]
         if case.nh > case.ng:

@@ -104,7 +104,7 @@ def host_and_gpu_ms(fn, reps: int, sleep_ms: float = SLEEP_MS) -> dict:
     """Where a call's time goes on a GPU (``{}`` without one): ``host_ms``, the median wall time
     of ``fn()`` with nothing awaited, and ``gpu_ms``, the median time of its work on the GPU alone
     (its events queued behind a ``sleep_ms`` sleep kernel). ``held`` counts the calls whose host
-    time reached the sleep (a device-to-host read inside ``fn``: their ``gpu_ms`` counts host time)."""
+    time reached the sleep (a device-to-host read inside ``fn``: their ``gpu_ms`` counts it)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return {}

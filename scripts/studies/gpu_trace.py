@@ -409,10 +409,11 @@ def _tile_seconds(tile_us, data_name):
 
 def step_bounds(runs, data_name, tile_us, layers=None):
     """The e2e JSON's headline bound: each run of ``data_name`` beside its bound step by step
-    (``step_bound``): non-attention seconds are dense + SAB's (``dense_sab``, the same global batch)
-    less its attention (``layers`` x the step's causal tiles x varlen's seconds per tile), cuDNN's
-    attention the same tiles at cuDNN's; ``d`` the step's kept density (1 for a dense run). Each run
-    gets ``bound_s``, ``vs_bound`` and ``nonattention_s``; a refused step goes to ``bound_refused``."""
+    (``step_bound``): non-attention seconds are dense + SAB's (``dense_sab``, the same global
+    batch) less its attention (``layers`` x the step's causal tiles x varlen's seconds per tile),
+    cuDNN's attention the same tiles at cuDNN's; ``d`` the step's kept density (1 for a dense
+    run). Each run gets ``bound_s``, ``vs_bound`` and ``nonattention_s``; a refused step goes to
+    ``bound_refused``."""
     base = runs.get(f"{data_name}/dense_sab", {})
     work, secs = base.get("step_dense_work") or {}, base.get("step_s") or {}
     per_tile = _tile_seconds(tile_us or {}, data_name)
