@@ -5,12 +5,6 @@ into a megatron-core dist_checkpointing checkpoint, and check logits parity on t
     python scripts/convert_hf_to_megatron.py --hf-dir path/to/hf_model --save ckpt/x
     python scripts/convert_hf_to_megatron.py --pack packed/ [--num-layers 2]  # GGUF -> packed
     python scripts/convert_hf_to_megatron.py --packed packed/ --save ckpt/x  # there: torch only
-
-``--pack`` stores the GGUF's tensors as they are (``gguf_weights``: 92 MiB, no tokenizer) for a
-machine without transformers or gguf; ``--packed`` converts them there with torch alone (no parity check: no
-Hugging Face model exists there; the tests compare the packed weights with transformers' here).
-A machine with a transfer limit gets the packed directory in checksummed pieces
-(``scripts/gpu_plan.py pack``).
 """
 
 from __future__ import annotations

@@ -2,17 +2,9 @@
 """The device plan (docs/GPU.md, "The device plan"): the calls in order, what each carries, and
 the carry arithmetic; the wheels packed here into checksummed pieces and unpacked there.
 
-The GPU machine takes at most 64 MiB with each command (the working tree, tracked and untracked
-files that git does not ignore, plus the carried folders), at most 8 carried folders, runs one
-command at most 10 minutes, returns at most 8 files of what the command writes under ``$OUT``
-(2 folders down), may come back bare for the next command, and gives a session 15 minutes of
-device time, the machine's start (about 40 s on 2026-11-26) and its idle wait after each call
-(30 s, unless given back) included. So every call unpacks its own wheels, carries at most
-``CARRY_LIMIT`` (60 MiB, a margin under 64), stops starting work before its own deadline, and a
-plan's timeouts, the machine's start (``START_S``) and each call's transfers (``TRANSFER_S``) add
-up to at most its device time (``DEVICE_S``: 12 minutes for issue 74's plan, the 15 of the
-session for the others): the calls run back to back (a call within 30 s finds the machine
-warm), then ``give_back``. The pieces (below) are pure Python: they run there with nothing
+Each call unpacks its own wheels, carries at most ``CARRY_LIMIT``, stops starting work before its
+deadline, and a plan's timeouts, start (``START_S``) and transfers (``TRANSFER_S``) add up to at
+most its device time (``DEVICE_S``). The pieces are pure Python: they run there with nothing
 installed.
 
     python scripts/gpu_plan.py show [kernels]            # the calls, as docs/GPU.md lists them
@@ -354,12 +346,10 @@ def join_pieces(stage: str, out_dir: str) -> bool:
 
 def unpack(folders: Sequence[str], site: str = SITE, stage: str = STAGE,
            complete=False) -> str:
-    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``). A piece
-    is staged in ``stage/<its set>`` (the folder above it: ``.whl-fa4``) until
-    its set is complete; a complete set is unpacked into ``stage/<set>/files``, and the wheels
-    among its files are installed. Returns what was done, in words. ``complete`` (True: every
-    folder; or the folders it names): a set of those whose other pieces are not staged is a
-    ValueError (the machine came back bare)."""
+    """There: verify each folder, then install its wheels into ``site`` (``--no-deps``); a piece
+    waits in ``stage/<its set>`` until its set is complete. ``complete`` (True: every folder; or
+    the folders it names): a set of those with pieces missing is a ValueError. Returns what was
+    done, in words."""
     wheels, waiting, unpacked = [], [], []
     for folder in folders:
         verify(folder)

@@ -1,16 +1,9 @@
 #!/usr/bin/env python
 """Draw a pipeline timeline (Gantt chart per DP rank and stage) of a simulated or measured step.
 
-Forward and backward events are coloured, idle time (pipeline bubbles and waits behind a
-straggler) is hatched grey, the makespan of every rank is marked, so stragglers and bubbles are
-seen rather than read.
-
-    # the README example: 2 DP ranks x PP=4, rank 0 holds one 32K-token document
     python scripts/plot_timeline.py --example straggler --out docs/timeline_example.png
-    # times from a file: {"fwd_s": [dp][m][pp], "bwd_s": [dp][m][pp], "p2p_s": 0.0}
-    python scripts/plot_timeline.py --times times.json --out timeline.png
-    # measured events: {"start_s": [dp][m][pp][2], "end_s": [dp][m][pp][2]} (2 = fwd, bwd)
-    python scripts/plot_timeline.py --events measured.json --out timeline.png
+    python scripts/plot_timeline.py --times t.json --out t.png   # fwd_s, bwd_s [dp][m][pp]
+    python scripts/plot_timeline.py --events e.json --out t.png  # start_s, end_s [dp][m][pp][2]
 """
 
 from __future__ import annotations

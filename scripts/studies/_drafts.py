@@ -1,11 +1,9 @@
-"""One planner's draft as the runtime makes it, for the studies that time or compare drafts
-(``planner_cost``, ``planner_ab``, ``control_plane``, ``sab_ranks``, ``_slowdown``): the runtime's
-``Drafter`` on a latency model, and a draft of step ``k`` submitted to a thread or a planner
-process.
+"""One planner's draft as the runtime makes it (the runtime's ``Drafter`` on a latency model, and
+step ``k``'s draft submitted to a thread or a planner process), for the studies that time drafts.
 
-Why private and apart: ``planner_ab`` runs its draft loop in another checkout's tree, where it
-imports ``studies._drafts`` (every checkout since 9a6f65d has it under this name), and loads this
-checkout's ``_slowdown.py``, which imports it there too."""
+Private and apart: ``planner_ab`` imports it in another checkout's tree (every checkout since
+9a6f65d has it under this name).
+"""
 
 from __future__ import annotations
 

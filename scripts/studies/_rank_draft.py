@@ -1,15 +1,7 @@
 """One DP rank's per-step planning on the per-rank path (``control_plane``, ``planner_cost``;
-issue 77): what a rank computes (``rank_step``: thread CPU by phase) and receives
-(``rank_bytes``: exact, each collective flagged fixed or growing with DP).
-
-``rank_step`` times the package's per-rank entries in a step's order, each the least of
-``repeats`` runs: ``own_draft`` (``Drafter.draft(rank=r)``), settle's compute (``rank_plan``,
-``features``, ``sensitivity``, ``unit_costs``), ``dst.<phase>`` (DST's rounds of both packings,
-every rank's driven here in lockstep, each phase's MAXIMUM OVER THE DP RANKS: the ranks wait for
-each other at every reduction; ``dst_rank_s`` keeps each run's sum of phase maxima and the
-median, p99 and maximum over ranks) and ``busy_s``. The SAB and cost phases' rank is the
-critical one; the agreement is made off the clock; the rank's row is checked to be the whole
-plan's.
+issue 77): what a rank computes (``rank_step``: thread CPU by phase, each the least of
+``repeats`` runs; DST's phases are the maximum over the ranks, driven here in lockstep) and
+receives (``rank_bytes``: exact, each collective flagged fixed or growing with DP).
 """
 
 from __future__ import annotations
@@ -210,11 +202,8 @@ def report_floats(drafter, own, own_units, densities) -> dict:
 def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tracker,
                     rng) -> float:
     """Thread CPU seconds of a rank's work after the step, as ``end_step`` does it on the
-    per-rank path: the calibration of its own pipeline's factors from its predicted and
-    measured busy seconds ([1, pp]: a stand-in measurement, the prediction x 0.9-1.1), the
-    tracker's update with its own documents (``checks.doc_lengths``), and the report's sums of
-    its own units and the figures made of them (``report_sums.rank_parts``, ``step_figures``,
-    as ``StepReporter.report``; their all-reduce is priced as a collective).
+    per-rank path: its pipeline's calibration (a stand-in measurement, the prediction x 0.9-1.1),
+    the tracker's update with its own documents, and the report's sums of its own units.
     ``predicted``: [dp, pp] the committed plan's uncorrected busy seconds (its row read)."""
     from sparsebalance_megatron.megatron.step.checks import doc_lengths
     from sparsebalance_megatron.megatron.step.record import doc_slots

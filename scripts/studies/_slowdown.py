@@ -1,12 +1,8 @@
 """What a planner drafting beside it costs a launch-bound training thread (issue 44), for
-``planner_cost`` and ``planner_ab``: a stand-in thread issues small torch ops in bursts through
-step windows, each planner window drafting the next step beside it. ``slowdown``: the windows'
-ops per second against the no-planner windows'; ``local``: within each window, the bursts during
-the draft against those after it, net of the no-planner windows split the same way (a change in
-the machine's speed between windows cancels).
+``planner_cost`` and ``planner_ab``: the ops per second of planner windows against no-planner
+windows (``slowdown``), and within each window during the draft against after it (``local``).
 
-Why private and apart: ``planner_ab`` loads this file by its path into another checkout's tree
-(the same estimator for both checkouts), where ``studies._drafts`` is that checkout's.
+Private and apart: ``planner_ab`` loads this file by its path into another checkout's tree.
 """
 
 from __future__ import annotations
@@ -34,12 +30,11 @@ def local_share(during: tuple, after: tuple, elapsed_s: float) -> float:
 
 def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
                     window_s: float = 2.0, rounds: int = 6, ops: int = 200) -> dict:
-    """The training thread's speed beside each planner (module docstring): step windows of
-    ``window_s`` seconds of bursts of ``ops`` small torch ops, each planner window drafting
-    the next step (``dp`` x ``m`` x PP4, ``layout``, the built-in corpus); the no-planner
-    windows alternate with the planners' (``rounds`` each) so that a load change on the machine
-    falls on all. Returns ops per second, each planner's ``slowdown`` and ``local`` slowdown
-    (net of the no-planner control's), the draft's wall time and the wait at the join."""
+    """The training thread's speed beside each planner (module docstring): windows of ``window_s``
+    seconds of bursts of ``ops`` small torch ops, each planner window drafting the next step, the
+    no-planner windows alternating with the planners' (``rounds`` each). Returns ops per second,
+    each planner's ``slowdown`` and ``local`` slowdown, the draft's wall time and the join's
+    wait."""
     import torch
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps

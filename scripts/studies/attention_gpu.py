@@ -1,19 +1,6 @@
 """GPU kernel table: our block-sparse kernels against cuDNN's dense attention, pass by pass
-(``studies/kernels.py``: how each pass is timed, ``e``, the tile count; docs/GPU.md).
-
-- **rows** (``kind``): ``dense`` (``cudnn`` alone; the dense calls ``sdpa`` and ``varlen``),
-  ``kernel`` (``triton`` at its pinned and split-backward launch settings, ``fa4``), ``call``
-  (each backend's whole call against the fastest dense call) and ``check`` (bf16 against float64,
-  FA4's repeated calls);
-- **grid**: one 32K document and a packed 32K micro-batch of whole files
-  (``docs/results/packed_mixes_32k.json``, ``--make-mixes``), 8/2 x 128 and 14/2 x 64,
-  densities 0.25 / 0.5 / 1 / 0.125, bf16, block 128; ``--lengths``, ``--cases``, ``--shapes``;
-- **order**: backend by backend, its check first, the deciding cases first; every row appended to
-  ``--jsonl`` as measured; ``--deadline-s`` starts no row it cannot finish.
-
-Targets (issue 61, one 32K document, the fastest backend's call against cuDNN's): density 0.25
-<= 0.30x, 0.5 <= 0.58x; ``e`` >= 0.9 per pass; selection and lists <= 0.3 ms; no packed
-micro-batch above 1.02x dense. ``--summarize`` is ``studies/kernels.py``'s summary.
+(``studies/kernels.py`` times and summarises; docs/GPU.md and docs/benchmarks/attention-gpu.md
+give the rows, grid and targets).
 
     python scripts/bench.py attention_gpu --json runs/kernel_table.json --jsonl runs/rows.jsonl \
         --deadline-s 200
@@ -67,9 +54,9 @@ def plan_cases(args, mixes):
 
 def variants(backend: str, case) -> list:
     """``[(variant, config or None)]`` of a kernel backend: triton at the settings it trains
-    with (``launch_config``: pinned, else the default), then every split backward the autotune
-    sweeps (a dQ kernel of its own); fa4 as it is, then its backward on K/V repeated per query
-    head (``fa4_cute.BWD_PER_HEAD``'s other form) where the shape has GQA."""
+    with (``launch_config``: pinned, else the default), then every split backward of
+    ``candidates`` (a dQ kernel of its own); fa4 as it is, then its backward on K/V repeated per
+    query head (``fa4_cute.BWD_PER_HEAD``'s other form) where the shape has GQA."""
     if backend == "fa4":
         out = [("fa4", None)]
         if case.nh > case.ng:

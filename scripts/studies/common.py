@@ -1,12 +1,9 @@
-"""What every study and device script shares: its argument parser, the median time of a call
-(CUDA events on a GPU), the result writer that records the command, commit, versions and device
-beside the figures, the simulated studies' model shapes, and one run of the README's
-CPU job (``examples/run_cpu_demo.sh``) with extra flags, its per-step metrics and timed steps
-(``cp_step``, ``dense_sab_run``).
+"""What every study and device script shares: its argument parser, the median time of a call, the
+result writer (command, commit, versions and device beside the figures), the simulated studies'
+model shapes, and one run of the README's CPU job (``cp_step``, ``dense_sab_run``).
 
-Nothing here imports torch or megatron: a study that needs them imports them itself, and the
-writer reads their versions from the installed distributions (``median_ms`` and
-``gpu_provenance`` use the torch their caller has imported).
+Nothing here imports torch or megatron (``median_ms`` and ``gpu_provenance`` use the torch their
+caller has imported).
 """
 
 from __future__ import annotations
@@ -105,13 +102,9 @@ SLEEP_MS = 20.0      # the GPU's head start in host_and_gpu_ms: longer than any 
 
 def host_and_gpu_ms(fn, reps: int, sleep_ms: float = SLEEP_MS) -> dict:
     """Where a call's time goes on a GPU (``{}`` without one): ``host_ms``, the median wall time
-    of ``fn()`` on the host with nothing awaited (Python, argument checks, launches), and
-    ``gpu_ms``, the median time of its work on the GPU alone: its start and end events are
-    queued behind a ``sleep_ms`` sleep kernel, so the GPU never waits for the host between
-    them. ``held`` counts the calls whose host time reached the sleep: the host waited for the
-    GPU inside ``fn`` (a device-to-host read), so those calls' ``gpu_ms`` counts host time too.
-    ``median_ms`` of a synchronised call counts both where they do not overlap: a cost per call
-    that shows in ``host_ms`` is the host's, one in ``gpu_ms`` the kernels'."""
+    of ``fn()`` with nothing awaited, and ``gpu_ms``, the median time of its work on the GPU alone
+    (its events queued behind a ``sleep_ms`` sleep kernel). ``held`` counts the calls whose host
+    time reached the sleep (a device-to-host read inside ``fn``: their ``gpu_ms`` counts it)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return {}

@@ -1,11 +1,5 @@
-"""The H100 compile gate: every Triton kernel compiled for sm_90a here, per kernel x launch config.
-
-Compiles (one process per compile, the way a launch compiles; ``attention/compile_gate.py``)
-every kernel of the ``triton`` backend at the target shapes in the default config, every pinned
-entry and every autotune candidate, and prints registers, spill bytes, STL/LDL, HGMMA/HMMA,
-atomics, UTMALDG/LDGSTS and shared memory with the gate's verdict. Results whose key (kernel
-source hash, spec, triton version) is already in ``--cache`` files are reused unless
-``--fresh``. Exit status 1 when the gate fails.
+"""The H100 compile gate: every Triton kernel compiled for sm_90a here, per kernel x launch config
+(``attention/compile_gate.py``; docs/GPU.md). Exit status 1 when the gate fails.
 
     python scripts/bench.py compile_gate --json docs/results/compile_gate_sm90.json
     # the device's triton 3.6 (make compile-gate-triton36, or make device-stack):

@@ -1,14 +1,6 @@
-"""Context parallelism of the sparse attention on one long document: CP=1 vs CP=N, CPU, gloo.
-
-Runs ``SparseCoreAttention`` (torch backend) forward + backward on one packed micro-batch holding
-a single document of ``--tokens`` tokens, first alone (CP=1, one process), then split over ``N``
-gloo processes (``--context-parallel-size``, Megatron's per-document zigzag order, the a2a
-scheme). Each process uses ``--threads`` threads, so CP=N uses N times the cores of CP=1: the
-comparison is the wall time of a step when the cores are there, and the memory per rank.
-Prints, per CP size: the median fwd+bwd wall time over ``--repeats`` steps after one warm-up (the
-slowest rank), the time of the step's four all-to-alls measured alone (q/k/v and output, forward
-and backward, each the median of 5 after a warm-up), the bytes autograd saves for the backward
-(per rank, unique storages: the attention's activation memory) and each process's peak RSS.
+"""Context parallelism of the sparse attention on one long document: CP=1 vs CP=N, CPU, gloo
+(``SparseCoreAttention`` fwd+bwd; wall time, the all-to-alls alone, saved bytes and peak RSS per
+rank; docs/CONTEXT_PARALLEL.md).
 
     .venv/bin/python scripts/bench.py context_parallel --tokens 8192 \\
         --json docs/results/context_parallel_cpu.json

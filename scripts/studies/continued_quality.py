@@ -1,48 +1,7 @@
 """Continued-training quality on CPU (issue 73): a dense-trained base continued under static
 sparsity, --sparse-balance, SAB alone, static at DST's kept density (the matched control) and
 static at 0.9 x d0 (the positive control), seeds of the continued phase paired, and a verdict
-fixed in advance (``eval.verdict``).
-
-What runs (every choice is a flag; the model, training and evaluation code are those of the
-trained-quality study, which git keeps at 95dd824):
-
-- **Task** (``make_document``): sections of the built-in corpus cut to lengths log-uniform in
-  [``--min-doc``, ``--seq-length`` - 1] = [512, 1023] bytes, i.e. 32-64 key blocks of
-  ``--block-size`` 16, with ``--needles`` 3 needles at random depths, each a marker byte (0x01,
-  0x03, 0x04) and a key (one of its own alphabet of 8 control bytes) on its own line; at the
-  end the query marker 0x02 and, for each needle in turn, its marker and key. The answer is the
-  3 keys (their positions: ``answer_positions``), scored as their mean NLL, their token
-  accuracy (chance 1/8) and exact match of all 3 (chance 1/512). Each key is a one-hop content
-  lookup (the one byte of its alphabet in the document), the kind of task the earlier study's
-  dense model learned; three needles at three depths make the last query block need three
-  distant blocks, so the selection matters. The product's sink block (1) and no local block
-  (``--sb-local-blocks`` default 0) are kept.
-- **Base**: the trained-quality study's 2-layer GPT trained dense from scratch for
-  ``--base-steps`` on documents of [``--base-min-doc``, 1023] bytes (17 up: short ones teach
-  the lookup at short range first) that no held-out one shares a section with.
-- **Layout**: two DP ranks of one stage, or with ``--pipeline N`` N stages of one DP rank
-  (``--num-layers`` a multiple of N; the latency table profiled with N stages), where DST moves
-  density between stages (raising the stages that idle behind the bottleneck) as well as
-  between micro-batches.
-- **Arms** (``ARMS``), each continuing the base for ``--steps`` with ``--seeds`` (data order:
-  ``--seed`` and ``--sb-seed``): ``static`` (``--sb-sparse-attention`` at d0, sequential
-  packing); ``sparse_balance`` (``--sparse-balance``: SAB + DST); ``sab`` (SAB packing alone,
-  ``--sb-batching``, at d0); ``matched`` (static at the density whose kept density on the
-  static runs' documents equals sparse_balance's, found after the sparse_balance runs); and
-  ``control`` (static at ``--control-factor`` x d0). DST and SAB plan with modelled timings
-  from one latency table profiled on this CPU, as the trained-quality study did.
-- **Evaluation**: ``--heldout`` documents (1,000), each scored alone at the uniform density whose
-  kept density is the arm's training one (static and sab at d0, control at 0.9 x d0, matched and
-  sparse_balance at the matched density) and at density 1; the per-sample answer NLLs are kept.
-- **Verdict**: per seed, sparse_balance - matched on answer NLL and held-out loss, the
-  control's harm (control - static) detected, training kept densities matched within
-  ``--match-tolerance``, the margin the pilot fixed (``--margin-from``); SAB alone (sab -
-  static) and DST apart (sparse_balance - sab) beside it. At equal step time
-  (``verdicts_equal_time``): sparse_balance - static with both scored at d0, where DST's
-  predicted step is no slower than static's (within 0.5%): non-inferior within the margin, and
-  better (free accuracy) where the upper bound is below 0. ``--pilot`` runs base, static and
-  control for its seeds (from 101: none is a main-run seed), reports static's accuracy against
-  chance and writes the margin and the seeds the power calculation asks for.
+fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md.
 
     .venv/bin/python scripts/bench.py continued_quality --pilot --out runs/cq \
         --json docs/results/continued_quality_pilot.json
@@ -205,13 +164,10 @@ def train_summary(rows: list, block_size: int = 32, d0: float = 0.25) -> dict:
 
 
 def document_densities(rows: list, block_size: int, d0: float) -> dict:
-    """Planned and kept density of the documents alone, from the recorded plans: the metrics'
-    ``mean_density`` and ``kept_density`` weigh the padding pieces that fill each micro-batch
-    (256-token pseudo-documents, whose blocks no loss reads) like documents, and how much
-    padding a step has depends on the packing, so static (sequential) and SAB differ in it.
-    Per step, weighted by causal block pairs as the metrics are: ``planned``, ``kept`` (the
-    selection's rule, ``latency/work.py``) and ``kept_d0`` (what the same documents keep at
-    d0); per DST move, whether it kept any other block of a document than d0 does."""
+    """Planned and kept density of the documents alone, from the recorded plans (the metrics'
+    densities weigh the padding pieces like documents, and padding depends on the packing): per
+    step, weighted by causal block pairs, ``planned``, ``kept`` and ``kept_d0``; per DST move,
+    whether it kept any other block of a document than d0 does."""
     import numpy as np
 
     from sparsebalance_megatron.config import SparseBalanceConfig
@@ -271,12 +227,9 @@ def load_model(args, ckpt: str, sb):
 
 def score_docs(model, budget, docs: list) -> list:
     """Per document (``ids``, the answer's ``answer_at`` and ``answer_len``, or its
-    ``answer_positions`` where the answer is not one run of tokens), run alone on the model's
-    device: the summed next-token loss and its token count, the answer tokens' mean NLL
-    (``answer_nll``), whether every answer token is the teacher-forced argmax (``exact``: what
-    greedy decoding emits) and the share that is, and the kept density the sparse attention
-    reported (grad mode on, though no weight needs grad: the budget then records what it
-    kept)."""
+    ``answer_positions``), run alone: the summed next-token loss and its token count, the answer's
+    mean NLL, ``exact`` (every answer token the argmax) and the share that is, and the kept density
+    the sparse attention reported (grad mode on: the budget then records what it kept)."""
     import torch
     import torch.nn.functional as F
 

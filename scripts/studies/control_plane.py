@@ -1,21 +1,6 @@
-"""The plugin's per-step planning and control plane on the per-rank path, 32 to 16,384 GPUs (TP
-8, 4 and 1 x PP 4 and 8, 16 micro-batches of 32K tokens, analytic Qwen2.5-0.5B table, best
-static layout, default flags), against issue 77's targets: a rank's draft <= 50 ms at DP 4,096
-growing no faster than log DP; the critical path <= 0.5% of the step at 16,384 GPUs; bytes
-received per rank independent of DP.
-
-- **A rank's draft, measured** (``_rank_draft.rank_step``: thread CPU by phase) at every
-  ``--dp`` (PP 4) and ``--pp8-dp`` (PP 8); other rows fitted as a power of DP, marked so.
-- **Bytes each rank receives per step**, exact, from the records' sizes (``record_shapes``), each
-  ``fixed`` or ``grows``; priced with ``MODEL`` (NCCL's tuner's alpha-beta constants, every one
-  sourced; ``collective_s``).
-- **After-step work and handoff**, measured (``_rank_draft.rank_after_step``, the pickled request).
-- **The critical path** at ``--sb-planner process``: the record gather (network and host CPU,
-  ``tensor_cpu_s``), the handoff, the after-step work and the draft's excess over the simulated
-  static step.
-
-JSON: ``points`` (measured shapes), ``table`` (every shape), ``rows`` (for
-``experiments/plugin_cost.py``: ``gather_ms``, ``broadcast_ms`` 0), ``growth``, ``targets``.
+"""The plugin's per-step planning and control plane on the per-rank path, 32 to 16,384 GPUs, against
+issue 77's targets (BENCHMARKS.md, "Control plane"): a rank's draft by phase, the bytes each rank
+receives, the after-step work and handoff, and the critical path at ``--sb-planner process``.
 
     .venv/bin/python scripts/bench.py control_plane --json docs/results/control_plane.json
 """

@@ -1,12 +1,5 @@
-"""Whole training steps with context parallelism on CPU: CP=1 vs CP=2 through ``pretrain()``.
-
-Runs the README's CPU job (``examples/run_cpu_demo.sh``: the tiny GPT, real data, ``torchrun``,
-``--sparse-balance``) at PP=1 on long micro-batches of whole files, once on one process (CP=1) and
-once on two (``--context-parallel-size 2 --cp-comm-type a2a``), one thread per process, both with
-the same per-document padding (``--sb-seq-pad-multiple 4``) so they train on the same
-micro-batches. Prints, per run: the median step time over the steps after the first two (the
-plugin's metrics file), the loss of the last step, and the largest process's peak RSS
-(``/usr/bin/time``: the most any rank held). CP=2 uses twice the cores of CP=1.
+"""Whole training steps with context parallelism on CPU: CP=1 vs CP=2 through ``pretrain()`` (the
+README's CPU job at PP=1 on whole files; median step time, last loss, largest peak RSS).
 
     .venv/bin/python scripts/bench.py cp_step --json docs/results/context_parallel_step_cpu.json
 """

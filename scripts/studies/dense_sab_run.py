@@ -1,15 +1,6 @@
 """Dense attention with SAB packing in Megatron's pretrain() on CPU: measured step times against
-Megatron's sequential fill and token-balanced packing, paired step by step over several seeds.
-
-Runs the README's job (``examples/run_cpu_demo.sh``: PP=2 x DP=2, gloo; ``--pp 1``: DP=2) with
-dense attention, once per (seed, packing): ``sequential``, ``sequential_var`` (variable-length
-micro-batches, no fill), ``token_balanced``, ``sab`` (``--sb-batching`` as shipped: stand-down
-on, variable length) and ``sab_fixed``. Every run of a seed trains on the same documents in the
-same steps, so step k of one packing pairs with step k of another; the first
-``UNTIMED_STEPS`` are not timed; each seed rotates the runs' order. Data: the built-in corpus,
-byte tokenizer, cut into sections (``--doc-unit``). CPU attention costs are not GPU costs: the
-figure shows the mechanism works end to end in Megatron's loop. Every process needs a free core
-(``cores`` in the JSON); on 2 cores ``--pp 1`` is the form whose balance shows.
+Megatron's sequential fill and token-balanced packing, paired step by step over several seeds
+(the README's job; BENCHMARKS.md, "Against dense attention").
 
     .venv/bin/python scripts/bench.py dense_sab_run --json docs/results/dense_sab_run_cpu.json
     .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --seeds 1 2 3 4 \\

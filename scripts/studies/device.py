@@ -1,20 +1,7 @@
-"""What gpu_check's steps run on the device (``scripts/gpu_check.py``; ``dst_gpu`` plans with its
-tables too). Pure Python; torch, megatron and the package are imported inside the functions.
-
-- **The device calls' latency tables** (``priced_table``): the analytic table with the attention
-  as the H200 measured it in run 5 (cuDNN per causal tile, the sparse call's price of the
-  backend the call runs), made from committed measurements, not profiled there: the 24-layer
-  model of the end-to-end and DST calls has no committed table of its own.
-- **The train step** (``step_train``): ``pretrain()`` runs of the full-depth Qwen2.5-0.5B on
-  documents of 16K+ tokens, in ``TRAIN_RUNS``' order (the budget cuts the rest; docs/GPU.md
-  lists them), each data set without recomputation where its estimated peak fits, with full
-  recomputation where only that fits, else not run (``full_depth.memory_plan``). The
-  ``TRAIN_PROFILED`` runs record step ``PROFILE_STEP`` under Megatron's profiler, summarised
-  by ``gpu_trace.summarize_step`` while the next run trains; every run's steps beside their
-  bound (``gpu_trace``).
-- **The kernel-side steps**: ``env``, ``bench`` / ``smoke`` (the kernel table,
-  ``scripts/bench.py attention_gpu``), ``pieces`` (``fa4_pieces``), ``autotune`` and the
-  ``recompile`` child. Each step returns its record for ``gpu_check.json``.
+"""What gpu_check's steps run on the device (``scripts/gpu_check.py``; docs/GPU.md): the calls'
+latency tables priced from committed measurements (``priced_table``), the train step's
+``pretrain()`` runs (``step_train``) and the kernel-side steps. Pure Python; torch, megatron and
+the package are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -449,21 +436,6 @@ def step_bench(py, out_dir, work, limit, env, backends, smoke=False, lengths=Non
                                           and r["case"].startswith("file#")
                                           and r["shape"] == "14/2/64"   # the train step's shape
                                           and r["dense_varlen_ms"]})
-    if rc != 0:
-        res["tail"] = tail[-1500:]
-    return res
-
-
-def step_autotune(py, work, limit, env):
-    """The Triton kernel's autotune (scripts/autotune_triton.py, written for issue 35), into
-    ``work/autotune``; reported missing when this checkout has no such script."""
-    script = os.path.join(ROOT, "scripts", "autotune_triton.py")
-    if not os.path.exists(script):
-        return {"ok": False, "missing": "scripts/autotune_triton.py is not in this checkout"}
-    rc, sec, tail = _run([py, script, "--out", os.path.join(work, "autotune"),
-                          "--deadline-s", str(max(10, limit - 20))],
-                         os.path.join(work, "autotune.log"), limit, env)
-    res = {"ok": rc == 0, "rc": rc, "seconds": sec}
     if rc != 0:
         res["tail"] = tail[-1500:]
     return res

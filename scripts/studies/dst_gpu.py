@@ -1,19 +1,9 @@
-"""DST measured with GPU timings (issue 74): the units of a PP x DP step, each (rank,
-micro-batch, stage) forward and backward at its planned density, timed one after another on
-one device, and the step composed by the simulator (``sim.pipeline.simulate_1f1b``) from them.
+"""DST measured with GPU timings (issue 74): the units of a PP x DP step timed one after another on
+one device, and the step composed by the simulator from them; ``static``, ``dst`` and
+``dense_sab`` on the same documents, each predicted step beside its measured one.
 
     python scripts/bench.py dst_gpu --json runs/dst_gpu.json            # a GPU: the real shape
     python scripts/bench.py dst_gpu --tiny --json runs/dst_gpu_cpu.json  # CPU, a tiny model
-
-One global batch of documents of ``--min-doc-tokens`` or more, three arms on the same documents:
-``static`` (sequential packing at d0), ``dst`` (``--sparse-balance`` as the runtime plans it,
-``step.choice.choose``) and ``dense_sab`` (SAB's packing, dense attention). Plans come from the
-latency table first (on a GPU ``device.priced_table``, on the CPU the analytic H100 table); each
-arm's predicted step stands beside its measured one, with DST's measured gain over static
-against the predicted (target: within 2 points, never below static) and the table's held-out
-error on the timed units (``unit_mape``). On a GPU each unit is timed with CUDA events (median of
-``--reps``), units alike in stage kind, documents and density once; no unit starts after
-``--budget-s`` (an arm with an untimed unit reports no measured step).
 """
 
 from __future__ import annotations

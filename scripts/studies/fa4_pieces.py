@@ -1,14 +1,6 @@
 """Where one sparse call's time goes on the GPU, kernel by kernel: FA4's fixed cost per call
-taken apart (issue 74, item 3; docs/GPU.md), host and GPU apart.
-
-On one document (block 128), per backend, shape and density: FA4's kernel alone
-(``kernels.kernel_fn``) in both GQA backward forms (``kernel accumulated``, ``kernel per head``)
-and each backend's whole call (``kernels.call_fn``: fa4's, triton's); per pass its synchronised,
-host and GPU-alone times (``kernels.pass_times``) and its kernels from a profiler trace of
-``--reps`` calls (``gpu_trace.summarize_trace``, ``per_call``); ``pieces_row`` sums both
-passes' accounts. Rows go to ``--jsonl`` as measured; no row starts once ``--deadline-s`` is
-nearer than max(15 s, 1.5x the longest row). The sums are tested on CPU; the measurement needs
-CUDA (``gpu_check.py --steps pieces``):
+taken apart (issue 74, item 3; docs/GPU.md), host and GPU apart. The sums are tested on CPU;
+the measurement needs CUDA (``gpu_check.py --steps pieces``):
 
     python scripts/bench.py fa4_pieces --json runs/fa4_pieces.json --jsonl runs/pieces_rows.jsonl
 """

@@ -1,15 +1,9 @@
 """The end-to-end call's full-depth Qwen2.5-0.5B (24 layers) before a device runs it: memory and
 seconds per step, per run and per call, from the committed run-5 figures of the 8-layer model
-(``docs/results/gpu_check_h200_run5_e2e.json``) and the memory model (``latency.memory``).
+(``docs/results/gpu_check_h200_run5_e2e.json``) and the memory model (``latency.memory``). Pure
+Python (the train step imports ``memory_plan``).
 
     python scripts/bench.py full_depth [--device-gib 139] [--json PATH]
-
-Time: run 5's attention (per causal tile, ``dense_tile_us``) x 3 for 24 layers, its
-non-attention time scaled by GEMM FLOPs (``nonattention_scale``), full recomputation adding the
-layers' forward (``ATTENTION_FWD_SHARE``), a run's fixed part as run 5 measured it. Memory:
-``MemoryModel`` of the whole model on one GPU; a data set runs without recomputation where that
-fits ``FIT_SHARE`` of the device, with full recomputation (``RECOMPUTE_FLAGS``) where only that
-fits, else not at all. Pure Python (the train step imports ``memory_plan``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Where a training step's time goes on the GPU (Megatron's own PyTorch profiler on one step of a
-``pretrain()`` run, ``profile_flags`` / ``trace_path``), and the train step's comparisons that
-read it (``scripts/gpu_check.py --steps train``). Pure Python; imports neither torch nor megatron.
+"""Where a training step's time goes on the GPU (Megatron's PyTorch profiler on one step of a
+``pretrain()`` run), and the train step's comparisons that read it. Pure Python.
 
-``summarize_trace`` (a whole trace: a probe's) and ``summarize_step`` (one ``ProfilerStep#``)
-sum the GPU's kernels, copies and fills, their busy union against the span, the host's step
-time, the top kernels and ``account``'s split: ``attention`` per pass (``fwd``, ``bwd`` and the
-side passes: ``bwd_preprocess``, ``dq_convert``, ``dkv_convert``, ``dkv_fill``, ``bwd_convert``,
-``other``) and per implementation, ``selection`` (our Triton kernels and whatever runs inside
-``sparsebalance::selection``), ``copies`` and ``non_attention``, plus ``gpu_idle_ms``,
-``busy_fraction`` and the longest gaps. A kernel is tied to its launch by the profiler's
-``correlation``, and the launch to the CPU ops open on its thread.
-
-``step_bound`` (non-attention time plus d x cuDNN's attention time) is the one body of a step's
-bound: ``step_bounds`` (the e2e JSON's headline, every steady step) and ``profiled_bounds`` (the
-cross-check on the profiled step, from ``dense_split`` / ``bound_record``) call it. The runs
-compared: ``train_summary``, ``compare_with_dense``, ``cudnn_measured``, ``cudnn_priced`` and
-``paired_speedup`` (step for step on the same global batch).
+``summarize_trace`` / ``summarize_step`` account the GPU's events (``account``: attention per
+pass and implementation, ``selection``, ``copies``, ``non_attention``) with the busy time and
+gaps; ``step_bound`` is the one body of a step's bound (non-attention + d x cuDNN's attention),
+which ``step_bounds`` and ``profiled_bounds`` call.
 """
 
 from __future__ import annotations
@@ -328,14 +317,11 @@ def runs_of(runs: dict, data_name: str) -> dict:
 
 
 def train_summary(records, left_out=()):
-    """Per run, after the warm-up steps: tokens/s as all their tokens over all their seconds
-    (each step's global batch holds different documents, so one step's tokens/s swings with its
-    padding: the H200 run of 2026-11-26 read 35-101K tokens/s in one run), the median step's
-    tokens/s beside it, and each step's seconds (``step_s``, for the paired comparison of
-    ``paired_speedup``); the losses of every step; the last step's work-weighted mean density
-    and per-stage densities. Records without ``tokens``/``step_time_s`` give the median.
-    ``left_out``: step numbers no rate counts (a profiled run's step after the profiled one,
-    which pays the trace's export), named in ``left_out_steps`` with their seconds."""
+    """Per run, after the warm-up steps: tokens/s as all their tokens over all their seconds (one
+    step's tokens/s swings with its padding), the median step's beside it, each step's seconds
+    (``step_s``, for ``paired_speedup``), every step's loss, the last step's densities; the rates
+    without the steps that compiled a Triton kernel beside them. ``left_out``: step numbers no
+    rate counts (named in ``left_out_steps``)."""
     steady = [r for r in records if r.get("step", 0) > TRAIN_WARMUP and r.get("tokens_per_s")
               and r.get("step") not in left_out]
     median = sorted(r["tokens_per_s"] for r in steady)[len(steady) // 2] if steady else None
@@ -374,14 +360,10 @@ def train_summary(records, left_out=()):
 
 
 def cudnn_priced(runs, data_name, tile_us, layers=None):
-    """Dense + SAB through the varlen call (``dense_sab``) re-priced as cuDNN's kernel would run
-    it: each steady step less ``layers x dense work x (varlen - cuDNN) us per tile`` (the tile
-    costs of the longest length measured at most the micro-batch's), then every sparse run of
-    ``data_name`` against it (``vs_cudnn_priced``: all steady steps; ``_no_compile``: without
-    the steps that compiled a Triton kernel; ``paired_vs_cudnn_priced``: the median step ratio).
-    The dense run gets ``cudnn_priced_tokens_per_s``; the measured cuDNN run
-    (``cudnn_measured``) ``vs_cudnn_priced``, its tokens/s over the priced rate: the check of
-    the one against the other (below 1 by its padding and by steps that built a cuDNN graph)."""
+    """Dense + SAB through the varlen call re-priced as cuDNN's kernel would run it (each steady
+    step less ``layers x dense work x (varlen - cuDNN) us per tile``), then every sparse run of
+    ``data_name`` against it (``vs_cudnn_priced``, ``_no_compile``, ``paired_vs_cudnn_priced``).
+    The measured cuDNN run gets ``vs_cudnn_priced``: the check of the one against the other."""
     base = runs.get(f"{data_name}/dense_sab", {})
     work, secs, toks = (base.get(k) or {} for k in ("step_dense_work", "step_s", "step_tokens"))
     tiles = _tile_seconds(tile_us, data_name)
@@ -426,15 +408,12 @@ def _tile_seconds(tile_us, data_name):
 
 
 def step_bounds(runs, data_name, tile_us, layers=None):
-    """The e2e JSON's headline bound (module docstring): each run of ``data_name`` beside its
-    bound step by step (``step_bound``): a step's non-attention seconds are dense + SAB's
-    through the varlen call (``dense_sab``, the same global batch) less its attention
-    (``layers`` x the step's causal tiles x varlen's seconds per tile), cuDNN's attention the
-    same tiles at cuDNN's; ``d`` is the step's kept density (``step_density``; 1 for a dense
-    run). Each run gets ``bound_s`` per step, ``vs_bound`` (its seconds over the bound's over
-    the steps both have: 1.0 is at the bound) and ``nonattention_s``; nothing where dense + SAB
-    or the tile costs were not measured. A step the bound refuses (non-attention priced below
-    zero, no kept density) is named in ``bound_refused`` instead."""
+    """The e2e JSON's headline bound: each run of ``data_name`` beside its bound step by step
+    (``step_bound``): non-attention seconds are dense + SAB's (``dense_sab``, the same global
+    batch) less its attention (``layers`` x the step's causal tiles x varlen's seconds per tile),
+    cuDNN's attention the same tiles at cuDNN's; ``d`` the step's kept density (1 for a dense
+    run). Each run gets ``bound_s``, ``vs_bound`` and ``nonattention_s``; a refused step goes to
+    ``bound_refused``."""
     base = runs.get(f"{data_name}/dense_sab", {})
     work, secs = base.get("step_dense_work") or {}, base.get("step_s") or {}
     per_tile = _tile_seconds(tile_us or {}, data_name)
@@ -465,17 +444,11 @@ def step_bounds(runs, data_name, tile_us, layers=None):
 
 
 def profiled_bounds(runs, data_name, tile_us, step: int):
-    """The cross-check of ``step_bounds`` (module docstring) on the profiled step ``step``, the
-    same global batch in every run: each profiled run of ``data_name`` (``gpu_profile``, the
-    trace's ``gpu_trace.summarize_step``) gets ``profiled_bound`` (``bound_record``: the bound
-    beside the step's host time in its trace, ``measured_ms``, and ``over_bound``), with the
-    step's seconds in the metrics beside (``metrics_step_s``) and where each input came from.
-    Non-attention: dense + SAB's profiled step through the varlen call less its attention
-    kernels (``dense_split``: its other kernels, copies and GPU idle). cuDNN's attention: the
-    measured cuDNN run's attention kernels in its profiled step (``dense_sab_sdpa``: a long
-    document alone in its call, at 32K), else dense + SAB's attention kernels priced at cuDNN's
-    seconds per tile over varlen's (64K: no measured cuDNN run; the trace's kernels count a
-    recomputed forward too). Nothing where dense + SAB's step was not profiled."""
+    """The cross-check of ``step_bounds`` on the profiled step ``step`` (the same global batch in
+    every run): each profiled run of ``data_name`` gets ``profiled_bound`` (``bound_record`` beside
+    the step's host time in its trace). Non-attention: dense + SAB's profiled step less its
+    attention kernels (``dense_split``); cuDNN's attention: the measured cuDNN run's kernels
+    (``dense_sab_sdpa``), else dense + SAB's priced at cuDNN's over varlen's seconds per tile."""
     base = runs.get(f"{data_name}/dense_sab", {}).get("gpu_profile") or {}
     split = dense_split(base)
     if split is None:
@@ -509,12 +482,9 @@ def profiled_bounds(runs, data_name, tile_us, step: int):
 
 def cudnn_measured(runs, data_name):
     """Every sparse run of ``data_name`` against the measured dense + SAB run through cuDNN
-    (``dense_sab_sdpa``, its calls at padded lengths from a bounded set): ``vs_cudnn_dense``
-    (all steady steps), ``vs_cudnn_dense_no_compile`` (without the steps that compiled a
-    Triton kernel), ``paired_vs_cudnn_dense`` (the median step ratio). The cuDNN run gets
-    ``cudnn_graph_steps``: its steady steps over 1.25x the median of its step-for-step ratio
-    to the varlen run (the same global batch: where torch most likely built a cuDNN graph for
-    a new padded shape), and ``tokens_per_s_no_graph`` without them."""
+    (``vs_cudnn_dense``, ``_no_compile``, ``paired_vs_cudnn_dense``). The cuDNN run gets
+    ``cudnn_graph_steps`` (steps over 1.25x the median ratio to the varlen run: where torch most
+    likely built a graph) and ``tokens_per_s_no_graph`` without them."""
     base = runs.get(f"{data_name}/dense_sab_sdpa", {})
     rate = base.get("tokens_per_s")
     if not rate:

@@ -1,13 +1,6 @@
 """Megatron's hybrid context parallelism against a2a CP + SparseBalance, in the simulator (issue
-14; docs/CONTEXT_PARALLEL.md).
-
-Megatron's own scheduler (``BalancedCPScheduler``, imported, with a stand-in process group) is
-run on the documents of the same global batches the a2a runs see: every document a sub-sample
-alone on a CP group of ``2 ** ceil(log2(L / max_seqlen_per_dp_cp_rank))`` GPUs, groups separated
-by barriers; each sub-sample priced by ``LatencyModel.with_context_parallel(k)`` at d0. The a2a
-side (PP 1, ``experiments.run_study``): ``static``, ``token_balanced``, ``dp_balanced`` and
-``sab_dst``, at fixed and at variable micro-batch length (``--microbatch-multiple``). Same GPUs,
-latency model and interconnect for both: the comparison isolates the scheduling.
+14; docs/CONTEXT_PARALLEL.md): Megatron's own ``BalancedCPScheduler`` on the same global batches
+the a2a runs see, both priced by the same latency model.
 
     python scripts/bench.py hybrid_cp --json docs/results/hybrid_cp_sim.json
 """

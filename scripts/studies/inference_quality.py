@@ -1,37 +1,8 @@
 """Free accuracy at equal step time (issue 84): SmolLM2-135M in Megatron scored on fresh
 RULER-style samples under the runtime's own DST plans, against uniform d0, against the uniform
-density whose predicted step is DST's, with a positive control and margins fixed by a pilot.
-
-What runs (every choice is a flag; the defaults are the committed study's):
-
-- **Samples**: ``needle_multiquery`` (four keyed 7-digit numbers in an essay haystack, each
-  asked for in turn: one sample carries four retrievals, so its answer NLL spreads less than
-  one question's) of ``--lengths`` 2048-4096 tokens, seeds ``--seed-base`` + i (the main run's
-  from 400000, the pilot's from 500000; the quality model was fitted on seeds from 200000 and
-  checked on 300000: no sample is reused).
-- **Planned as the runtime plans** (``smollm2.runtime_plans``), once per layout
-  (``--layouts``: PP 3 x DP 4 and PP 2 x DP 4, 4 micro-batches of 8K a rank): consecutive
-  samples fill the micro-batches, each step goes through the runtime's draft with
-  ``--sparse-balance``'s defaults at d0 (the quality objective, its model, the exchange rate;
-  no document routed dense; the analytic H100 table of this model, modelled timings).
-- **Arms**, per sample one density per layer: ``uniform`` d0; ``control`` (``--control-factor``
-  x d0: a known small harm the study must detect); per layout ``dst`` (its micro-batch's
-  density in each stage), ``eqtime`` (the densest uniform density whose predicted step, on
-  the step's committed packing, is no slower than DST's: the comparison that says whether DST
-  is worth running) and ``matched`` (uniform at DST's kept density over the study's samples: a
-  diagnostic). Arms with the same densities share one forward.
-- **Scores** (one teacher-forced forward, ``smollm2.score``): the held-out loss of every
-  ``--loss-stride``-th token (token-weighted across samples, as a training loss weighs them;
-  equal-weighted beside it), the answer NLL over the four answers, exact match.
-- **Verdicts** (``eval.verdict``, paired one-sided t over samples): per layout, ``dst -
-  uniform`` (free accuracy: better where the upper bound is below 0), ``dst - eqtime``
-  (non-inferior within the margin, matched on predicted step time) and ``dst - matched``
-  (matched on kept density, a diagnostic); the control (``control - uniform``) detected.
-  ``--pilot`` fixes the margins (``--margin-fraction`` of the control's harm per metric) and
-  the n the power calculation asks for; the main run reads them (``--margin-from``) before
-  its first forward.
-- Forwards are cached (``--cache``) and can be split over processes (``--shard K/N``, then a
-  run without it for the summary).
+density whose predicted step is DST's, with a positive control and margins fixed by a pilot
+(the arms, scores and verdicts: QUALITY.md). Forwards are cached (``--cache``) and can be split
+over processes (``--shard K/N``, then a run without it for the summary).
 
     .venv/bin/python scripts/bench.py inference_quality --pilot \\
         --json docs/results/inference_quality_pilot.json

@@ -1,21 +1,9 @@
 """The kernel table's pieces (``attention_gpu``; ``fa4_pieces`` and gpu_check's steps time with
 them too): one attention call on the GPU, pass by pass, and the summary of the rows.
 
-Each pass is timed apart: the forward with autograd recording, the backward replayed from one
-retained graph (else ``(fwd + bwd) - fwd``: ``bwd_method``); on a GPU also its host time and its
-GPU time alone (``common.host_and_gpu_ms``). Rows: **dense** (``cudnn`` alone on one document,
-the reference of ``e``; ``sdpa`` and ``varlen``, ``dense_varlen_attention``'s whole calls),
-**kernel** (our block-sparse kernels alone on one shared selection's lists: ``triton`` at a
-``LaunchConfig``, ``fa4``) and **call** (``block_sparse_attention`` whole, per backend).
-
-Work is counted in tiles (a kept (query block, key block) pair of one head); FLOPs per tile are
-``work_model``'s for every kernel, so ``e = TFLOP/s(ours) / TFLOP/s(cuDNN)`` is the kept tile's
-speed relative to cuDNN's. ``check``: bf16 output and gradients against ``reference_attention``
-in float64 within ``max(2 x the bf16 reference's own, 1e-2)``, and ``repeats`` calls finite and
-bit-equal in output. ``Clock`` and ``RowLog``: a call's deadline and its rows written as measured.
-The summary (``summarize``, ``print_table``; ``attention_gpu --summarize``) reads rows only:
-targets per shape, ``e`` per pass, packed micro-batches against dense, the fastest choice per
-density, each kernel's fixed cost and price (``latency.sparse_call.fit_price``) and the crossover.
+Work is counted in tiles (a kept (query block, key block) pair of one head), FLOPs per tile by
+``work_model``, so ``e = TFLOP/s(ours) / TFLOP/s(cuDNN)``. ``Clock`` and ``RowLog``: a call's
+deadline and its rows written as measured.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""Offline checks of a profiled latency table (and its held-out evaluation): no device needed.
+"""Offline checks of a profiled latency table (and its held-out evaluation): no device needed
+(grid MAPE, leave-one-mix-out, held-out MAPE per feature set, priced or not, the repeats' spread
+and drift; docs/benchmarks/attention-gpu.md).
 
     python scripts/bench.py latency_cv --table T.json [--eval E.json] [--json out.json] \
         [--kernel-table K.json]
-
-For every stage kind, fitted as ``LatencyModel.fit`` fits: the grid MAPE, leave-one-mix-out
-cross-validation and, with ``--eval`` (``scripts/bench.py latency_eval``'s JSON), the refit
-model's held-out MAPE, for the model and the model plus each feature of ``CANDIDATES``; with
-``--kernel-table`` the same for the model fitted *priced* (``price_fit.attach_price``) and the
-price's own held-out error (``price_heldout``); every error also over micro-batches of at most
-``FEW`` sequences (``*_few``); the repeats' own spread (``repeat_spread``: the floor no model
-beats); drift between the repeats (each pass over the grid against the others' median); and
-held-out rows whose documents equal a grid mix against that mix's grid times
-(``same_mix_check``: measured in another state, no model of the grid predicts them).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Held-out accuracy of the latency model: fit on a table's grid, predict real micro-batches.
-
-The held-out micro-batches are packed from the real document lengths of the built-in corpus
-(CPython stdlib + Shakespeare, Qwen2 BPE; ``sparsebalance_megatron.data``) the way training packs
-them (documents in shuffled order, long ones split, the remainder padded in 256-token pieces),
-at densities drawn off the grid. Each is timed on the table's stage kinds with the table's repeats
-and statistic, then compared with the prediction.
+"""Held-out accuracy of the latency model: fit on a table's grid, predict real micro-batches
+(packed from the built-in corpus as training packs them, at densities off the grid).
 
     python scripts/bench.py latency_eval --table lat_cpu.json --json eval.json [--n 12]
-
-Writes ``{"mape": float, "n": int, "device": str, ...}`` (``common.write_result``: with the
-command, commit and versions).
 """
 
 from __future__ import annotations

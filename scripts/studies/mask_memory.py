@@ -1,14 +1,5 @@
-"""Bytes of the FlexAttention mask structures per layer: now vs the per-head, NB-wide lists before.
-
-For one document of 32K and 128K tokens, blocks of 64 and 128, density 0.25 (and 1.0), two head
-shapes (Qwen2.5-0.5B: 14 query / 2 KV heads; a 32 / 8 model), this builds the selection (from
-random shares: the sizes depend only on the layout and the budget) and the BlockMask tensors of
-``attention/flex.py`` on the CPU and counts their bytes. "before" is the layout the code had
-until issue 13, computed from its shapes: four ``[1, np, NB, NB]`` int32 index lists (kv and the
-transposed q lists, partial and full), four ``[1, np, NB]`` counts, a ``[ng, NB, NB]`` bool
-selection for mask_mod. Per-micro-batch tables shared by all layers (document id and real-token
-flag per padded slot) are listed apart. One document is the widest case: the query-side lists
-are as wide as the longest document's block count (a sink block is kept by all its queries).
+"""Bytes of the FlexAttention mask structures per layer: now vs the per-head, NB-wide lists before
+(docs/benchmarks/attention-cpu.md).
 
     python scripts/bench.py mask_memory --json docs/results/mask_memory.json
 """

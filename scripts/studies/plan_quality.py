@@ -1,39 +1,10 @@
 """The quality model DST plans by, measured and checked on whole plans it has not seen (issue 84):
 SmolLM2-135M's held-out loss against the density of each depth group of its layers, per sample
 length, fitted convex, its uncertainty by bootstrap; then its predictions of whole plans scored
-against measured loss on samples never used to fit it.
-
-Two steps, each one command:
-
-- ``--calibrate``: ``--samples`` samples of ``--kinds`` (RULER-style retrieval and natural text,
-  ``--lengths`` tokens), each scored under every vector of ``CALIBRATION`` (one density per depth
-  group: one group moved at a time, all moved together, and skewed mixes); the fit
-  (``eval.quality_fit``) writes the model (``--model-out``) and the study's JSON.
-- ``--validate``: fresh samples (other seeds, two batches of DP 4 x 2 micro-batches of 8K)
-  scored at uniform d0, under every vector of ``MENU`` (3 stages, and 2 for PP 2's plans) and
-  under DST's own plans of their batch (the runtime's draft: the quality objective at PP 3 x DP
-  4 and PP 2 x DP 4, the density objective at PP 3 x DP 4). Whole plans (``plans``, fixed from
-  the samples' lengths and a seed before any forward): every micro-batch at one menu vector
-  (uniform at several densities, skewed between layers), the long micro-batches at one vector
-  and the short at another (density moved between samples), each micro-batch at a random menu
-  vector, and DST's own. Per plan its measured loss change against uniform d0 (token-weighted;
-  its standard error from the samples' paired differences) against each model's prediction:
-  the fitted one (``--model``), the same fit without its length term or interaction (refitted
-  from ``--calibration-cache``) and the model fitted before on essay windows one group at a
-  time (``--old-model``): Spearman, and the share of plans whose sign is right where the
-  measured change exceeds two standard errors.
-- ``--validate --refresh``: the in-run refresh (``--sb-quality-refresh-interval``) measured on
-  the trained model as the runtime measures it (``megatron/step/quality_probe.py``): fresh
-  held-out samples (seeds ``REFRESH_SEED_BASE`` on, never calibrated or validated on) packed
-  into micro-batches of 8K by the fill rule, the first ``--refresh-microbatches`` of them (the
-  runtime's one a DP rank), each document scored at uniform d0 and with each depth group at
-  ``probe_density(d0)`` (the runtime's 0.9 d0; ``--refresh-probe`` another ratio); its
-  per-document loss sums give the change and its standard error by the probe's own ``pass_stats`` and ``changes``, the scales the policy's
-  ``refresh_scales``, from the first 1, 2, 4, ... micro-batches. The same plans are then scored
-  by each refreshed model (``scaled_quality_cost``) beside the launch-time one.
-
-Every forward is cached (``--cache``, JSON lines keyed by sample and vector): a run stopped
-part-way continues where it stopped.
+against measured loss on samples never used to fit it (BENCHMARKS.md, "The quality model";
+QUALITY.md). ``--validate --refresh``: the in-run quality refresh's probe measured on fresh
+held-out micro-batches, the plans scored by each refreshed model. Every forward is cached
+(``--cache``): a run stopped part-way continues where it stopped.
 
     .venv/bin/python scripts/bench.py plan_quality --calibrate --json docs/results/plan_quality_fit.json
     .venv/bin/python scripts/bench.py plan_quality --validate --json docs/results/plan_quality_check.json
@@ -47,6 +18,8 @@ import os
 import random
 
 import numpy as np
+
+from sparsebalance_megatron.data.packing import sequential_bins
 
 from . import smollm2
 from .smollm2 import Cache, measure
@@ -188,17 +161,6 @@ DP, MICROBATCHES, SEQ = 4, 2, 8192
 OLD_MODEL = os.path.join(ROOT, "docs", "results", "quality_cost_smollm2.json")
 
 
-def fill(lengths: list, seq: int = SEQ) -> list:
-    """Micro-batches (lists of sample indices) of consecutive samples, Megatron's fill rule."""
-    bins, cur = [], []
-    for i, n in enumerate(lengths):
-        if cur and sum(lengths[j] for j in cur) + n > seq:
-            bins.append(cur)
-            cur = []
-        cur.append(i)
-    return bins + [cur]
-
-
 def plans(lengths: list, seed: int = 0) -> list:
     """The checked plans, from the samples' lengths alone: (name, {sample: vector})."""
     rng = random.Random(seed)
@@ -206,7 +168,7 @@ def plans(lengths: list, seed: int = 0) -> list:
     n = len(lengths)
     for b in range(BATCHES):
         idx = list(range(b * n // BATCHES, (b + 1) * n // BATCHES))
-        mbs = [[idx[j] for j in mb] for mb in fill([lengths[i] for i in idx])]
+        mbs = [[idx[j] for j in mb] for mb in sequential_bins([lengths[i] for i in idx], SEQ)]
         for v in MENU:                                              # every micro-batch alike
             out.append((f"b{b} all {v}", {i: v for mb in mbs for i in mb}))
         mean_len = [np.mean([lengths[i] for i in mb]) for mb in mbs]
@@ -336,7 +298,7 @@ def refresh_vectors(d0: float, groups: int = GROUPS, ratio=None) -> list:
 def held_out_bins(lengths: list, count: int, seq: int = SEQ) -> list:
     """The first ``count`` micro-batches (sample indices) by the fill rule, each closed (the
     next sample did not fit): the runtime's held-out micro-batches, one a DP rank."""
-    bins = fill(lengths, seq)
+    bins = sequential_bins(lengths, seq)
     if len(bins) <= count:
         raise ValueError(f"{len(lengths)} samples fill {len(bins)} micro-batches: {count} "
                          f"closed ones need more")
@@ -351,12 +313,10 @@ def probe_tested(d0: float, ratio=None) -> float:
 
 
 def probe_refresh(cost, d0: float, docs: list, stride: int, ratio=None) -> dict:
-    """The refresh the runtime would make of the measured documents: ``docs`` one per
-    document, (its length in tokens, [rows of the passes of ``refresh_vectors``]) with each
-    row's ``loss`` (the mean over ``tokens`` positions every ``stride``-th) and ``tokens``.
-    Each pass's per-document (loss sum, loss tokens) go through the probe's ``pass_stats`` and
-    ``changes``, the scales through ``refresh_scales`` (the documents' lengths weighting the
-    prediction, as ``QualityProbe.refresh`` passes them)."""
+    """The refresh the runtime would make of the measured documents: ``docs`` one per document,
+    (its length, [rows of the passes of ``refresh_vectors``] with ``loss`` and ``tokens``),
+    through the probe's ``pass_stats`` and ``changes`` and the policy's ``refresh_scales``; the
+    probe at ``ratio`` x d0 (None: the runtime's)."""
     from sparsebalance_megatron.megatron.step.quality_probe import changes, pass_stats
     from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, refresh_scales,
                                                                shrink_weight)

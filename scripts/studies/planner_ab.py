@@ -1,11 +1,6 @@
-"""The planner's draft, this checkout against another one side by side (issue 44): the draft's
-thread CPU per step and a hash of every plan it made, and the launch-bound training thread's
-slowdown beside the planner process (``studies/_slowdown.py``), alternated round by round so
-that a change in this machine's speed falls on both. Each round runs, in a subprocess per
-checkout, ``--steps`` drafts at 64 DP x 16 x PP 4 (``planner_cost``'s drafter; the first draft
-left out: numba's kernels load on it); ``same_plans`` says whether both planned the same bit for
-bit. ``--other`` is a checkout of another commit (``git worktree add /tmp/old <commit>``);
-``--layout even`` times Megatron's even split instead of the best static layout.
+"""The planner's draft, this checkout against another one side by side (issue 44): thread CPU per
+draft, a hash of every plan, and the training thread's slowdown beside the planner process,
+alternated round by round. ``--other``: a checkout of another commit (``git worktree add``).
 
     .venv/bin/python scripts/bench.py planner_ab --other /tmp/old --rounds 3 --slowdown \\
         --json runs/planner_ab.json

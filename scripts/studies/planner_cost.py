@@ -1,24 +1,6 @@
 """Cost of the per-step planning work on this machine (BENCHMARKS.md, the planner's own cost):
-speed targets, kept out of the unit tests (``tests/unit/test_planner_work.py`` counts work).
-
-- A rank's DST rounds at 64 DP x 16 micro-batches x PP 4 (synthetic unit costs), priced as
-  ``control_plane`` prices them (``_rank_draft.rank_dst``: lockstep runs, each phase's maximum
-  over the ranks); target < 10 ms.
-- ``LatencyModel.predict_many`` over 4,096 micro-batches of 32K tokens; target well under 250 ms.
-- One step's work at 64 DP x 16 x PP 4 (even split and best static layout) and DP 4 x PP 4, 32K
-  tokens, built-in corpus: a DP rank's draft as ``control_plane`` measures it
-  (``_rank_draft.rank_step``), its parts, the after-step work, and the whole draft with every
-  rank's DST made serially (``draft_all_ranks_ms``), against the simulated step. The DST part is
-  a rank's (``per_rank``), so ``experiments/plugin_cost.py`` refuses these results.
-- Planning ahead (``--sb-planner process`` and ``thread``) beside a stand-in step (``time.sleep``):
-  what stays on the training thread's critical path. Target <= 0.5% of the step.
-- The training thread's slowdown beside the planner (``studies/_slowdown.py``); target <= 0.5%.
-- Each draft's CPU time over a fixed reference computation's, measured around it (this VM's
-  speed drifts): a machine-independent figure.
-
-``--reader``: the reader thread's CPU per step with DST settled on it (``agree``) against
-settled in the planner process with the reader relaying its collectives (``settle``), on a
-stand-in DP group (``Twins``).
+speed targets, kept out of the unit tests. ``--reader``: the reader thread's CPU per step with DST
+settled on it against settled in the planner process.
 
     .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost_quality_descent.json
 """
@@ -100,12 +82,10 @@ def committed(draft) -> tuple:
 
 
 def after_step(lm, sb, draft, tracker=None, rng=None) -> float:
-    """Thread CPU ms of the after-step work on the training thread, as ``end_step`` runs it:
-    the calibration's prediction (the plan's own, ``predicted_busy_s``, read from the broadcast
-    report) and every DP rank's calibration update (against a
-    stand-in measurement: the prediction x 0.9-1.1 noise), the sensitivity tracker's update with
-    every document of the step (``tracker``; a stand-in signal), and the reports' density
-    weights and kept work. ``tracker``: a ``SensitivityTracker`` (None: a fresh one)."""
+    """Thread CPU ms of the after-step work on the training thread, as ``end_step`` runs it: the
+    calibration's prediction and every DP rank's update (a stand-in measurement, x 0.9-1.1), the
+    tracker's update with every document of the step, and the reports' density weights and kept
+    work. ``tracker``: a ``SensitivityTracker`` (None: a fresh one)."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.megatron.step.report_sums import kept_work, unit_work
@@ -206,16 +186,11 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
 
 
 def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str) -> dict:
-    """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner
-    while the training thread stands in for a GPU-bound step (blocked ``step_s`` seconds with
-    the GIL released); on the training thread: sending the inputs (``handoff_ms``, thread CPU),
-    the wait at the join (wall), and the after-step work (thread CPU). The planner process's
-    draft is read back by a reader thread while the step trains (``reader_ms``, its thread CPU:
-    off the critical path; what its GIL costs a launch-bound training thread is in
-    ``launch_slowdown``). Rank 0 plans DST and reads back the packing its plan commits; every
-    other rank drafts both packings without DST and reads both back (``handoff_other_ms``,
-    ``reader_other_ms``: a second planner beside the first, as on a node of several ranks). The
-    critical path is the slower rank's."""
+    """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner while
+    the training thread stands in for a GPU-bound step (``step_s`` seconds, GIL released); on the
+    training thread the handoff (thread CPU), the wait at the join and the after-step work; the
+    reader thread's CPU beside it. Rank 0 plans DST; another rank drafts both packings without it
+    (``handoff_other_ms``, ``reader_other_ms``). The critical path is the slower rank's."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
 

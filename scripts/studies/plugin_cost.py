@@ -1,15 +1,6 @@
 """The plugin's own per-step cost on the critical path, as the simulator studies charge it
-(``sparsebalance_megatron/experiments/plugin_cost.py``), by part and by planner form.
-
-The charge per step by part (planning, gather, broadcast, calibration) at the shapes the
-benchmarks state, for SAB + DST with every ``--sb-planner`` form, from the measurements the
-studies read (``PluginCost.from_results``), against the analytic table's static step. Beside it,
-the pickled-object control plane the runtime had before the fixed-size one (issue 44 item 4):
-the step record's and the plan's pickled bytes, pickling and unpickling measured here (thread
-CPU, the fastest of 7), the object collectives priced (two each, a ring of W - 1 hops at
-``ALPHA_INTRA_S`` / ``ALPHA_INTER_S`` and ``BUS_BYTES_PER_S``: NCCL-like assumptions), on
-records built with the runtime's keys at a stated shape; per row ``gather_ms`` and
-``broadcast_ms`` at DP = W / PP (PP 4).
+(``experiments/plugin_cost.py``), by part and by planner form, beside the pickled-object control
+plane the runtime had before (issue 44 item 4).
 
     .venv/bin/python scripts/bench.py plugin_cost --json docs/results/plugin_cost.json
 """

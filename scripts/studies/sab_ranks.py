@@ -1,18 +1,8 @@
 """SAB's packing as a DP rank pays for it (issue 77; docs/DESIGN.md section 6): every rank's
-micro-batches packed on every rank (``whole``: the draft's SAB part as the runtime makes it)
-against a rank's own only (``own``: ``sab_assignment``, its ``units([r])``, its ``rank_plan``
-and its micro-batches' features; the agreement made off the clock; rank 0, the middle, last and
-critical ranks, the row checked to be the whole plan's), by phase, at DP 512 to 4,096 (the
-control-plane study's shape). Thread CPU time, the collector paused, each figure the least of
-``--repeat`` runs.
+micro-batches packed on every rank (``whole``) against a rank's own only (``own``), by phase, at
+DP 512 to 4,096. Thread CPU time, each figure the least of ``--repeat`` runs.
 
     .venv/bin/python scripts/bench.py sab_ranks --json docs/results/sab_ranks.json
-
-``PhaseProfile`` wraps the planner's functions (``module:qualname``, also where imported by
-name) from outside for the length of a block and charges each call's thread CPU to the innermost
-open phase (exclusive time; the collector's pauses apart), with its system time (``sys_s``) and
-minor page faults (``faults``); a target the tree lacks is skipped and listed in ``absent``.
-Only the opening thread is profiled.
 """
 
 from __future__ import annotations

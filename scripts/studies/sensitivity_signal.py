@@ -1,19 +1,6 @@
 """Is the sensitivity signal SAB and DST use related to what sparsification costs a sample?
-
-Samples are real documents of the built-in corpus's sources (CPython standard-library modules
-and Shakespeare plays), cut to a length drawn between ``--min-tokens`` and ``--max-tokens``
-(SmolLM2's tokenizer). Per sample, SmolLM2-135M (Megatron GPTModel, sparse spec) measures the LM
-loss dense (density 1.0), at d0 and at ``--low``; the measured sensitivity is ``loss(low) -
-loss(dense)`` (nats per token). The cheap signals, each available to the runtime:
-
-- ``recall``: 1 - the estimator's kept attention mass at d0, from the same forward's own
-  statistics (what ``SensitivityTracker`` records per sample: the runtime's signal);
-- ``length_prior``: the tracker's prior by length (``prior_sensitivity``);
-- ``loss_d0_minus_dense``: the loss change at d0 itself (not cheap: a dense forward; a bound on
-  what any signal could reach).
-
-Reported: Spearman rank correlation of each signal with the measured sensitivity, and a
-bootstrap interval.
+(SmolLM2-135M on the built-in corpus: Spearman of each cheap signal with the measured loss
+change; docs/benchmarks/dst-accuracy.md.)
 
     .venv/bin/python scripts/bench.py sensitivity_signal --json docs/results/sensitivity_signal.json
 """

@@ -1,31 +1,11 @@
 """Simulator study of SparseBalance against the best static Megatron configuration (issue 12;
-BENCHMARKS.md: headline, robustness, do no harm, CP).
-
-For every length mix, d0, DP size (and ``--context-parallel`` size) the layout search
-(``experiments.layout_search``) finds ``best_static`` (the whole layout space x sequential,
-token-balanced and dp_balanced packing at d0), ``best_plain_static`` (sequential only),
-``best_dense`` and each dense packing on its own best layout, and ``sab_dst`` (the fastest SAB +
-DST layout keeping the layer-weighted density >= d0 and every stage >= the floor x d0). Every
-row (``static_even``, ``sab``, ``dst``, ``sab_dst_max``, ``sab_dst_acc``, the dense and
-dp_balanced rows) runs on the same global batches; speedups are against ``best_static``. DST is
-the runtime's ``plan_dst_from_config``; ``--stand-down`` is do no harm (``dst_sd`` / ``sab_sd``:
-steps that stood down). Latency: the analytic Qwen2.5-0.5B / H100 table (``--model`` another
-shape, ``--sparse-kernel`` / ``--kernel-table`` its sparse price), or ``--table``; every row names
-the kernel that priced it. ``--plugin-cost on`` (default) charges every SparseBalance row the
-plugin's own per-step cost (``experiments/plugin_cost.py``): net figures beside the gross.
+BENCHMARKS.md: headline, robustness, do no harm, CP). ``--packers-only``: the dense table alone.
 
     python scripts/bench.py sim_study --json runs/sim_study.json
-
-Robustness (issue 27): seeded mixes (``experiments.mixes``), ``--seeds``, ``--slow-rank
-R:FACTOR`` (the same-layout comparison with and without a slowed GPU), then dense attention by
-packing (``experiments.packers``) and the summary (``experiments.robustness``):
-
     python scripts/bench.py sim_study --mixes file section lognormal_short long_tail both \
         --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
         --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
         --json runs/sim_study_robustness.json
-
-``--packers-only``: that dense table alone (the same searches, without the sparse runs).
 """
 
 from __future__ import annotations

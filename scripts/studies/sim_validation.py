@@ -1,16 +1,8 @@
-"""Validate the 1F1B simulator against a real torchrun run: simulated vs measured step time.
-
-Runs the training entry (Megatron's ``pretrain()`` with the plugin) under torchrun with
-``--sb-metrics-file``; the per-step callback writes every rank's per-micro-batch forward/backward
-seconds (Megatron's ``forward-compute`` / ``backward-compute`` timers) and the measured schedule
-time (from the start of Megatron's ``forward-backward`` timer to the end of the last backward,
-maximum over ranks). The simulator is fed the measured per-micro-batch times of every (dp rank,
-stage); its makespan is compared with the measured schedule time.
+"""Validate the 1F1B simulator against a real torchrun run: simulated vs measured step time (the
+simulator fed every rank's measured per-micro-batch times; docs/benchmarks/latency-model.md).
 
     python scripts/bench.py sim_validation --json sim_validation.json --nproc 2 -- \
         --pipeline-model-parallel-size 2 --num-layers 4 ... (the entry's flags)
-
-Writes ``{"steps": [...], "mean_abs_error": float, "device": str, ...}``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """SmolLM2-135M in Megatron with the plugin's sparse attention, scored one sample at a time: the
-model every quality study of a pretrained model uses (``inference_quality``, ``plan_quality``).
-
-- ``load``: the GGUF's tensors (``gguf_weights``) converted into megatron-core's GPTModel with the
-  plugin's block-sparse attention (``--layers``: the first N layers, the smoke tests' cut);
-- ``score``: one teacher-forced forward of a sample with one density per decoder layer set
-  through the attention's own budget: the held-out loss of every ``stride``-th position's next
-  token (the LM head runs on those and on the answer's positions only), the answer's NLL and
-  exact match where the sample has an answer, and the kept density the kernel reported;
-- ``samples``: RULER-style tasks (``eval.make_sample``) and natural-text windows
-  (``eval.make_text_window``), by kind (``KINDS``), seeded.
+model every quality study of a pretrained model uses (``load``, ``score``: one teacher-forced
+forward at one density per layer, ``samples``: RULER-style tasks and text windows by kind).
 """
 
 from __future__ import annotations
@@ -203,24 +195,17 @@ def equal_time_density(lm, batch, units, dp: int, target_s: float, d0: float) ->
 def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
                   seq_length: int) -> dict:
     """The runtime's own plans of documents of ``lengths`` tokens (each with its EOD), in
-    order: consecutive documents fill micro-batches of ``seq_length`` (Megatron's fill rule),
-    ``dp`` x ``microbatches`` of them a step, and each step goes through the runtime's draft
-    (``step.drafting.Drafter``: SAB's packing and the sequential baseline's under do-no-harm,
-    DST on the committed one) with ``sb`` (a ``SparseBalanceConfig``), a fresh sensitivity
-    tracker and the analytic table of ``a`` on ``pp`` stages. Per document its micro-batch's
-    density per stage (``stage_densities`` [n, pp]) and its unit; per step what DST did."""
+    order: ``sequential_bins`` of ``seq_length``, ``dp`` x ``microbatches`` a step, each step
+    through the runtime's ``Drafter`` with ``sb`` on ``a``'s analytic table at ``pp`` stages.
+    Per document its micro-batch's density per stage (``stage_densities`` [n, pp]) and its
+    unit; per step what DST did."""
     from sparsebalance_megatron.batching.sensitivity import SensitivityTracker
+    from sparsebalance_megatron.data.packing import sequential_bins
     from sparsebalance_megatron.megatron.step.drafting import Drafter
 
     lm = latency_model(a, seq_length, pp, sb.block_size)
     lm = lm.with_routing(sb.routing_threshold(lm.dense_below_tokens))
-    bins, cur = [], []
-    for i, n in enumerate(lengths):
-        if cur and sum(lengths[j] for j in cur) + n > seq_length:
-            bins.append(cur)
-            cur = []
-        cur.append(i)
-    bins.append(cur)
+    bins = sequential_bins(lengths, seq_length)
     per_step = dp * microbatches
     stages = np.full((len(lengths), pp), np.nan)
     unit, steps = [None] * len(lengths), []

@@ -268,8 +268,8 @@ def verdict(c: Compile, found: List[str]) -> str:
 
 def judge_configs(target: Tuple[int, int, int, int], configs, cache=None, jobs: int = 0):
     """Which ``LaunchConfig``s of ``target`` (np, ng, hn, block) pass the gate as autotune
-    candidates -> ``(passed, {config: why not}, rows)`` (what ``scripts/autotune_triton.py``
-    sweeps: nothing the gate refuses)."""
+    candidates -> ``(passed, {config: why not}, rows)`` (a device sweep times nothing the gate
+    refuses)."""
     nh, ng, hn, bs = target
     per = [(cfg, _attention(nh, ng, hn, bs, cfg, "candidate")) for cfg in configs]
     rows = run(list(dict.fromkeys(c for _, cs in per for c in cs)), cache, jobs)

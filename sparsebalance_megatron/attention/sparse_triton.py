@@ -45,8 +45,8 @@ Design (``sparse_triton_kernels`` has the kernels, ``work_model`` their cost):
   than ``kv_chunk`` entries (a document's sink) is split over several programs that add their
   dK/dV atomically; no program walks a whole sink column.
 - launch settings (tiles, warps, stages, ``kv_chunk``) per (head dim, block, GQA ratio) from
-  ``triton_launch.launch_config``: pinned by the device's autotune
-  (``scripts/autotune_triton.py``), register-sized defaults until then.
+  ``triton_launch.launch_config``: pinned from the device's kernel table, register-sized
+  defaults until then.
 - per call: forward 1 launch, backward 3 (4 split); no host sync, no per-length recompile
   (one kernel per head dim, block size, GQA ratio, dtype and launch config). The whole
   per-layer call on the unpadded tokens, selection included, is

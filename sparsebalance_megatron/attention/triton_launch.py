@@ -1,10 +1,10 @@
 """Launch settings of the ``triton`` backend's kernels, pinned per (head dim, block, GQA ratio).
 
 ``launch_config(head_dim, block_size, rep)`` is what ``sparse_triton`` launches with: the
-``PINNED`` entry for that key when the device's autotune has filled one, else ``default_config``
-(register-sized first choices). ``scripts/autotune_triton.py`` sweeps ``candidates`` on a GPU at
-the target shape and prints the entries to paste into ``PINNED`` (with the command, commit,
-versions and device it ran on, which go in the comment above each entry).
+``PINNED`` entry for that key when a device measurement has filled one, else ``default_config``
+(register-sized first choices). The device's kernel table (``scripts/bench.py attention_gpu``)
+times the pinned settings beside the split-backward ``candidates``; the faster is pasted into
+``PINNED`` with the command, commit, versions and device in the comment above the entry.
 
 A ``LaunchConfig`` changes only speed, never the result: every field is checked for the tile
 shapes the kernels accept (powers of two, the dK/dV key tile dividing the block).
@@ -115,9 +115,8 @@ def refused(cfg: LaunchConfig, head_dim: int) -> Optional[str]:
 
 
 PINNED: Dict[Tuple[int, int, int], LaunchConfig] = {
-    # (head_dim, block_size, rep): LaunchConfig(...), pasted from scripts/autotune_triton.py's
-    # JSON ("pinned") or the kernel table's kernel rows, with the command, commit, versions and
-    # device above the entry.
+    # (head_dim, block_size, rep): LaunchConfig(...), pasted from the kernel table's kernel rows,
+    # with the command, commit, versions and device above the entry.
     # python scripts/gpu_check.py --steps env bench --bench-backends triton (the kernel table,
     # scripts/bench.py attention_gpu, pass by pass), 2026-11-26, NVIDIA H200, triton 3.6.0,
     # torch 2.11.0+cu130, commit 93ea910: the split backward (dQ in its own 128-row kernel)

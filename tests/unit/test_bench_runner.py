@@ -20,7 +20,7 @@ if str(SCRIPTS) not in sys.path:
 import bench  # noqa: E402
 from studies import common  # noqa: E402
 
-TOOLS = {"bench", "gpu_check", "gpu_plan", "autotune_triton", "convert_hf_to_megatron",
+TOOLS = {"bench", "gpu_check", "gpu_plan", "convert_hf_to_megatron",
          "plot_timeline"}                     # scripts beside the runner; none is a study
 
 
@@ -112,8 +112,8 @@ def test_result_records_command_commit_versions_and_device(tmp_path, monkeypatch
 
 def test_a_script_is_recorded_by_its_path_from_the_repository_root(monkeypatch):
     monkeypatch.setattr(common, "COMMAND", None)
-    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "autotune_triton.py"), "--out", "o"])
-    assert common.command() == "python scripts/autotune_triton.py --out o"
+    monkeypatch.setattr(sys, "argv", [str(SCRIPTS / "gpu_check.py"), "--out-dir", "o"])
+    assert common.command() == "python scripts/gpu_check.py --out-dir o"
     monkeypatch.setattr(sys, "argv", ["/elsewhere/x.py", "-v"])
     assert common.command() == "python /elsewhere/x.py -v"
 

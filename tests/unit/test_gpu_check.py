@@ -54,14 +54,6 @@ def test_train_summary_skips_warmup_steps():
     assert gc.train_summary([])["tokens_per_s"] is None
 
 
-def test_autotune_step_says_when_its_script_is_missing(monkeypatch, tmp_path):
-    gc = _script("gpu_check")
-    import importlib
-    monkeypatch.setattr(importlib.import_module("studies.device"), "ROOT", str(tmp_path))
-    got = gc.step_autotune("python3", str(tmp_path), 100, {})
-    assert not got["ok"] and "autotune_triton.py" in got["missing"]
-
-
 def test_every_call_names_its_device_commit_and_versions(tmp_path):
     """The e2e call runs no ``env`` step; its JSON still names the device and the versions."""
     gc = _script("gpu_check")
