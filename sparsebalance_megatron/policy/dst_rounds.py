@@ -1,14 +1,16 @@
 """One DP rank's decomposed DST as the rounds it takes (issue 77; ``dst_ranks`` says why it
 decomposes): ``rank_rounds`` is a generator that yields the rank's parts of each reduction and
-is sent back what the DP group agreed. Whoever reduces drives the same generator: the in-process
-driver of the studies and the tests (``dst.plan_dst``: every rank's
-generator in lockstep) and a run's all-reduces over the data-parallel group (``run_rounds`` with
-the adapter's reducer). So a rank's plan does not depend on who reduced its parts.
+is sent back what the DP group agreed; it holds no loop of its own. Whoever reduces drives the
+same generator: the in-process driver of the studies and the tests (``plan_rounds_in_process``,
+``dst.plan_dst``: every rank's generator in lockstep) and, in a run, the step's one driver of
+its rounds over the data-parallel group (``megatron/step/agreement.py``). So a rank's plan does
+not depend on who reduced its parts.
 
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
 one dict of every key, sums summed and maxima taken over the DP ranks; an optional ``"cat"``
-part is gathered (every rank's array, in rank order: the median anchor's busy seconds only).
+part is gathered (every rank's array, in rank order: the median anchor's busy seconds, and
+``agreed_stats``' values where the group's fit its exact limit).
 The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
 raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
 AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Generator
+from typing import Generator
 
 import numpy as np
 
@@ -140,18 +142,6 @@ def descended_report(r: DSTReport, a1: Agreed1, a5: dict, quality: bool) -> DSTR
                    units_cut=cut, units_raised=raised, ranks_reverted=0,
                    density_per_stage=tuple(float(x) for x in stage),
                    quality_cost=float(a5["quality"]) / a1.tokens if quality else r.quality_cost)
-
-
-def run_rounds(rounds: Generator[Parts, dict, RankPlan],
-               reduce: Callable[[Parts], dict]) -> RankPlan:
-    """One rank's generator driven by ``reduce`` (its part of a round -> the agreed dict), as a
-    run drives it with the DP group's all-reduces."""
-    try:
-        parts = next(rounds)
-        while True:
-            parts = rounds.send(reduce(parts))
-    except StopIteration as done:
-        return done.value
 
 
 def reduce_in_process(parts: list) -> dict:

@@ -22,6 +22,7 @@ from ...batching.sensitivity import batch_sensitivity
 from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
 from ...policy.costs import UnitCosts, density_grid, unit_rows
 from ...policy.stand_down import choose_step
+from .agreement import drive
 
 
 def wants_baseline_packing(sb: SparseBalanceConfig, latency) -> bool:
@@ -53,12 +54,11 @@ def agreed_inputs(sb: SparseBalanceConfig, latency, scale, rank: int, dp: int, a
     collective, no round where neither is wanted). ``scale``: this rank's [dp, pp] correction
     grid (its own row learned), None without calibration."""
     from ...policy.agreed_stats import agreed_rounds
-    from ...policy.dst_rounds import run_rounds
 
     auto = sb.raise_headroom_value is None
     if scale is None and not auto:
         return False, headroom(sb, None)
-    narrow, error = run_rounds(agreed_rounds(
+    narrow, error = drive(agreed_rounds(
         None if scale is None else scale[rank], latency.recent_errors() if auto else (),
         dp=dp, tolerance=sb.tolerance, error_cap=MAX_RAISE_HEADROOM), agree)
     return narrow, headroom(sb, error)
@@ -74,7 +74,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     options: (BatchPlan, UnitFeatures) of SAB's packing and, if packed, the baseline's, SAB's
     first; dst: plan with DST, else the static plans are compared (d0 with sparse attention,
     density 1 without). DST is the decomposed planner (``policy.dst_rounds``): with ``rank``
-    and ``agree`` (a ``dst_agree.DPReducer`` over the DP group: collective) this rank plans
+    and ``agree`` (an ``agreement.DPReducer`` over the DP group: collective) this rank plans
     only its own units, every step time and sum the choice reads agreed over the group, and
     the ranks' rows are gathered into the whole plan (a run); ``own_rows``: the options are
     this rank's own micro-batches (one-row plans, SAB per rank), its rows are what it commits
@@ -86,7 +86,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
     arrays); ``quality_scales``: the quality model's refreshed group scales (``dst_inputs``)."""
     from ...policy.dst import dst_inputs
     from ...policy.dst import plan_dst as plan_in_process
-    from ...policy.dst_rounds import rank_rounds, run_rounds
+    from ...policy.dst_rounds import rank_rounds
 
     own = rank is not None and agree is not None and (dst or own_rows)
     d0 = sb.density if sb.sparse_attention_enabled else 1.0
@@ -119,9 +119,8 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
                 p = plan_in_process(c, sensitivity(i), settings, quality=quality,
                                         rank_scale=scale)
                 return p.densities, p
-            p = run_rounds(rank_rounds(c, sensitivity(i), settings, quality=quality,
-                                       narrow=narrow),
-                           agree)
+            p = drive(rank_rounds(c, sensitivity(i), settings, quality=quality,
+                                  narrow=narrow), agree)
             return c.densities[p.grid_index], p
         plan_fn = plan_dst
     elif len(options) < 2:

@@ -22,6 +22,7 @@ import numpy as np
 
 from ...batching.plan import BatchingError, BatchPlan, checked_segments
 from ...policy.table_memory import TableLease
+from .agreement import drive
 from .checks import check_assignment, check_capacity, segment_counts
 from .choice import wants_baseline_packing
 
@@ -227,10 +228,9 @@ class Drafter:
         own = draft.own_rank is not None
         if draft.sab is not None:       # SAB's agreement, then this rank's micro-batches
             from ...batching.sab_rounds import packing_rounds
-            from ...policy.dst_rounds import run_rounds
 
             a, mine = draft.sab
-            draft.batch = run_rounds(packing_rounds(a, mine), agree)
+            draft.batch = drive(packing_rounds(a, mine), agree)
             check_capacity(draft.batch, self.capacity, rank)
             draft.units, draft.sab = self.units(draft.batch), None
         options = [draft.packing(i) for i in range(draft.options)]

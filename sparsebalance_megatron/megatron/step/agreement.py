@@ -1,0 +1,124 @@
+"""A rank's agreement of a step with the other DP ranks (issue 77): the one driver of every round
+a step makes (``drive``) and the DP group's reductions (``DPReducer``).
+
+The pure floors state each agreement as a generator of rounds, and nothing more: DST's
+(``policy.dst_rounds.rank_rounds``), the slow-GPU verdict and the raise headroom
+(``policy.agreed_stats.agreed_rounds``) and SAB's packing (``batching.sab_rounds``). Each yield
+is the rank's part of one reduction (``{"sum": ..., "max": ..., "cat": ...}``, the protocol of
+``policy.dst_rounds``) and is sent back what the group agreed. ``drive`` runs such a generator
+to its end with a reducer: ``DPReducer`` in a run, the planner process's ``RelayReducer`` and
+the training thread's ``ReplayingReducer`` (``step/relay.py``), or a test's stand-in group; the
+step also asks its reducer directly for the do-no-harm rule's maxima (``max``) and the
+committed rows (``gather``). The studies and the tests drive every rank's generators in lockstep
+in one process (``policy.dst_rounds.plan_rounds_in_process``): the same rounds, so a rank's
+plan does not depend on who reduced its parts.
+
+``DPReducer`` turns one round into at most two all-reduces of one float64 vector each, so a rank
+sends and receives the same few kilobytes a round whatever the DP size; the committed plan's
+rows are gathered (``gather``: [DP, m x stages + ...] floats). Every rank of a DP rank's
+pipeline (and its TP/CP peers) makes the same rounds on the same slice, so the reductions may
+run over any of the DP groups Megatron lays out: each holds one rank of every DP rank. The group
+must be one no other thread uses meanwhile (a dedicated gloo group where the rounds run beside
+training). ``sent`` counts each round once, wherever made. A round's keys, shapes and dtypes
+are the same on every rank; integers travel as float64, exact below 2**53.
+
+Numpy only where it is imported: torch and ``runtime.comm`` are loaded by ``DPReducer`` when it
+reduces (the planner process drives its rounds through this module and holds no group).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generator, TypeVar
+
+import numpy as np
+
+from ...policy.dst_rounds import Parts, RankPlan, rank_rounds
+
+T = TypeVar("T")
+
+
+def drive(rounds: Generator[Parts, dict, T], reduce: Callable[[Parts], dict]) -> T:
+    """What the rank's generator ``rounds`` returns, each of its parts reduced by ``reduce``
+    (a ``DPReducer``, or anything with its ``__call__``: collective) and the agreed dict sent
+    back; a generator that ends before its first round is never reduced."""
+    try:
+        parts = next(rounds)
+        while True:
+            parts = rounds.send(reduce(parts))
+    except StopIteration as done:
+        return done.value
+
+
+class DPReducer:
+    """The DP group's reduction of one round's parts (``__call__``); ``sent``: the bytes of
+    each round's vectors (what a ring moves per rank grows with them, not with the group's
+    size)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.sent: list[int] = []
+
+    def __call__(self, parts: Parts) -> dict:
+        torch, comm = _collectives()
+        self.sent.append(0)
+        out = {}
+        for op in ("sum", "max"):
+            part = parts[op]
+            if not part:
+                continue
+            keys = sorted(part)
+            flat = [np.asarray(part[k]).reshape(-1) for k in keys]
+            vec = torch.from_numpy(np.concatenate([f.astype(np.float64) for f in flat]))
+            self.sent[-1] += vec.numel() * 8
+            got = comm.all_reduce_tensor(vec, self.group, op).numpy()
+            pos = 0
+            for k, f in zip(keys, flat):
+                out[k] = _like(part[k], got[pos:pos + f.size])
+                pos += f.size
+        for k, value in sorted(parts.get("cat", {}).items()):   # every rank's, in DP order
+            out[k] = self.gather(value).reshape(-1)
+        return out
+
+    def max(self, x: float) -> float:
+        """The group's maximum of ``x`` (a step time this rank predicted for its pipeline)."""
+        torch, comm = _collectives()
+        self.sent.append(8)
+        return float(comm.all_reduce_tensor(torch.tensor([float(x)], dtype=torch.float64),
+                                            self.group, "max")[0])
+
+    def gather(self, row: np.ndarray) -> np.ndarray:
+        """[DP, len(row)]: every DP rank's ``row`` (the same length on every rank), in the
+        group's rank order (DP order)."""
+        torch, comm = _collectives()
+        row = np.asarray(row, dtype=np.float64).reshape(-1)
+        self.sent.append(row.size * 8)
+        return comm.all_gather_tensor(torch.from_numpy(row), self.group).numpy()
+
+
+def _collectives():
+    """(torch, ``runtime.comm``), loaded where a ``DPReducer`` first reduces (the module
+    docstring: the planner process drives rounds here and never loads torch)."""
+    import torch
+
+    from ..runtime import comm
+
+    return torch, comm
+
+
+def _like(value, flat: np.ndarray):
+    """``flat`` (float64) in ``value``'s shape and type: a Python int or float for a scalar,
+    an array of its dtype otherwise."""
+    if np.ndim(value) == 0:
+        return int(flat[0]) if isinstance(value, (int, np.integer)) else float(flat[0])
+    arr = np.asarray(value)
+    return flat.reshape(arr.shape).astype(arr.dtype, copy=False)
+
+
+def plan_rank(costs, sensitivity, settings, group, *, quality=None,
+              narrow: bool = False) -> tuple[RankPlan, DPReducer]:
+    """This rank's decomposed DST plan (``costs``: its DP rank's [1, m, stages] slice), the
+    rounds reduced over ``group``; with the reducer (its rounds' bytes)."""
+    reducer = DPReducer(group)
+    plan = drive(rank_rounds(costs, sensitivity, settings, quality=quality, narrow=narrow),
+                 reducer)
+    return plan, reducer
