@@ -163,11 +163,11 @@ def reduce_in_process(parts: list) -> dict:
 
 
 def plan_rounds_in_process(rounds: list) -> list:
-    """Every rank's generator driven in lockstep, the reductions in-process: their
-    ``RankPlan``s, in rank order."""
-    parts = [next(g) for g in rounds]
+    """Every rank's generator driven in lockstep, the reductions in-process: what each returns
+    (a ``RankPlan``, an agreement, ...), in rank order (a generator may end before its first
+    round)."""
+    agreed = None                       # a fresh generator's first send: next()
     while True:
-        agreed = reduce_in_process(parts)
         out, nxt = [], []
         for g in rounds:
             try:
@@ -179,4 +179,25 @@ def plan_rounds_in_process(rounds: list) -> list:
                 raise RuntimeError(f"the ranks' rounds disagree: {len(out)} ended where "
                                    f"{len(nxt)} yielded another part")
             return out
-        parts = nxt
+        agreed = reduce_in_process(nxt)
+
+
+def planned_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
+                   narrow: bool = False) -> Generator[Parts, dict, tuple]:
+    """``rank_rounds``' plan as the do-no-harm race reads a candidate's
+    (``stand_down.choice_rounds``): (its densities [1, m, stages], the ``RankPlan``)."""
+    plan = yield from rank_rounds(costs, sensitivity, settings, quality=quality, narrow=narrow)
+    return costs.densities[plan.grid_index], plan
+
+
+def group_max(value: float) -> Generator[Parts, dict, float]:
+    """One round: the DP group's maximum of ``value`` (a step time a rank predicted from its
+    own units; ``value`` itself where one process holds the whole step's)."""
+    return (yield {"sum": {}, "max": {"step_s": value}})["step_s"]
+
+
+def gathered(row) -> Generator[Parts, dict, np.ndarray]:
+    """One round: [DP, len(row)] every DP rank's float64 ``row`` (the same length on every
+    rank), in DP order."""
+    row = np.asarray(row, dtype=np.float64).reshape(-1)
+    return (yield {"sum": {}, "max": {}, "cat": {"rows": row}})["rows"].reshape(-1, row.size)

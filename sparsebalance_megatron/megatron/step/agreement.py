@@ -47,6 +47,8 @@ def drive(rounds: Generator[Parts, dict, T], reduce: Callable[[Parts], dict]) ->
             parts = rounds.send(reduce(parts))
     except StopIteration as done:
         return done.value
+    finally:                    # a round that raised (a cancelled relay): the generator's
+        rounds.close()          # blocks (the cost tables' lease) end here, not when collected
 
 
 class DPReducer:
@@ -76,7 +78,9 @@ class DPReducer:
                 out[k] = _like(part[k], got[pos:pos + f.size])
                 pos += f.size
         for k, value in sorted(parts.get("cat", {}).items()):   # every rank's, in DP order
-            out[k] = self.gather(value).reshape(-1)
+            row = np.asarray(value, dtype=np.float64).reshape(-1)
+            self.sent[-1] += row.size * 8
+            out[k] = comm.all_gather_tensor(torch.from_numpy(row), self.group).numpy().reshape(-1)
         return out
 
     def max(self, x: float) -> float:
