@@ -6,16 +6,19 @@ The pure floors state each agreement as a generator of rounds, and nothing more:
 (``policy.agreed_stats.agreed_rounds``) and SAB's packing (``batching.sab_rounds``). Each yield
 is the rank's part of one reduction (``{"sum": ..., "max": ..., "cat": ...}``, the protocol of
 ``policy.dst_rounds``) and is sent back what the group agreed. ``drive`` runs such a generator
-to its end with a reducer: ``DPReducer`` in a run, the planner process's ``RelayReducer`` and
-the training thread's ``ReplayingReducer`` (``step/relay.py``), or a test's stand-in group; the
-step also asks its reducer directly for the do-no-harm rule's maxima (``max``) and the
-committed rows (``gather``). The studies and the tests drive every rank's generators in lockstep
+to its end with a reducer, one call a round: ``DPReducer`` in a run, the planner process's
+``RelayReducer`` and the training thread's ``ReplayingReducer`` (``step/relay.py``), or a test's
+stand-in group. A step's whole settle is one such generator (``Drafter.settle_rounds``: SAB's
+packing, the agreed statistics, the do-no-harm race's step times and DST's rounds,
+``policy.stand_down.choice_rounds``, and the committed rows' gather), so the pure floors never
+call back up into the step. The studies and the tests drive every rank's generators in lockstep
 in one process (``policy.dst_rounds.plan_rounds_in_process``): the same rounds, so a rank's
 plan does not depend on who reduced its parts.
 
 ``DPReducer`` turns one round into at most two all-reduces of one float64 vector each, so a rank
-sends and receives the same few kilobytes a round whatever the DP size; the committed plan's
-rows are gathered (``gather``: [DP, m x stages + ...] floats). Every rank of a DP rank's
+sends and receives the same few kilobytes a round whatever the DP size; a round's ``cat`` part
+is all-gathered (the committed plan's rows, [DP, m x stages + ...] floats; the median anchor's
+busy seconds; the agreed statistics' exact values). Every rank of a DP rank's
 pipeline (and its TP/CP peers) makes the same rounds on the same slice, so the reductions may
 run over any of the DP groups Megatron lays out: each holds one rank of every DP rank. The group
 must be one no other thread uses meanwhile (a dedicated gloo group where the rounds run beside
@@ -39,7 +42,7 @@ T = TypeVar("T")
 
 def drive(rounds: Generator[Parts, dict, T], reduce: Callable[[Parts], dict]) -> T:
     """What the rank's generator ``rounds`` returns, each of its parts reduced by ``reduce``
-    (a ``DPReducer``, or anything with its ``__call__``: collective) and the agreed dict sent
+    (a ``DPReducer``, or any callable of a round's parts: collective) and the agreed dict sent
     back; a generator that ends before its first round is never reduced."""
     try:
         parts = next(rounds)
@@ -61,7 +64,10 @@ class DPReducer:
         self.sent: list[int] = []
 
     def __call__(self, parts: Parts) -> dict:
-        torch, comm = _collectives()
+        import torch            # here, not at the top: the module docstring's last paragraph
+
+        from ..runtime import comm
+
         self.sent.append(0)
         out = {}
         for op in ("sum", "max"):
@@ -82,31 +88,6 @@ class DPReducer:
             self.sent[-1] += row.size * 8
             out[k] = comm.all_gather_tensor(torch.from_numpy(row), self.group).numpy().reshape(-1)
         return out
-
-    def max(self, x: float) -> float:
-        """The group's maximum of ``x`` (a step time this rank predicted for its pipeline)."""
-        torch, comm = _collectives()
-        self.sent.append(8)
-        return float(comm.all_reduce_tensor(torch.tensor([float(x)], dtype=torch.float64),
-                                            self.group, "max")[0])
-
-    def gather(self, row: np.ndarray) -> np.ndarray:
-        """[DP, len(row)]: every DP rank's ``row`` (the same length on every rank), in the
-        group's rank order (DP order)."""
-        torch, comm = _collectives()
-        row = np.asarray(row, dtype=np.float64).reshape(-1)
-        self.sent.append(row.size * 8)
-        return comm.all_gather_tensor(torch.from_numpy(row), self.group).numpy()
-
-
-def _collectives():
-    """(torch, ``runtime.comm``), loaded where a ``DPReducer`` first reduces (the module
-    docstring: the planner process drives rounds here and never loads torch)."""
-    import torch
-
-    from ..runtime import comm
-
-    return torch, comm
 
 
 def _like(value, flat: np.ndarray):
