@@ -9,8 +9,12 @@ not depend on who reduced its parts.
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
 one dict of every key, sums summed and maxima taken over the DP ranks; an optional ``"cat"``
-part is gathered (every rank's array, in rank order: the median anchor's busy seconds, and
-``agreed_stats``' values where the group's fit its exact limit).
+part is gathered (every rank's array, in rank order: the median anchor's busy seconds,
+``agreed_stats``' values where the group's fit its exact limit, a step's committed rows).
+Single rounds for the step's other agreements: ``group_max`` (the do-no-harm race's step
+times, ``stand_down.choice_rounds``) and ``gathered`` (every rank's row); ``planned_rounds`` is a
+candidate packing's DST plan as the race reads it.
+
 The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
 raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
 AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
