@@ -285,12 +285,10 @@ class Drafter:
                       if sens is None else rows[:, m * nv:].tolist())
         return rows[:, :m * nv].reshape(-1, m, nv).tolist()
 
-    def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None,
-               own_rows: bool = False):
-        """(densities, DST report, stand-down record) of the step: ``choose_rounds`` driven to
-        its end (without ``agree``: in one process, no round)."""
-        return drive(self.choose_rounds(options, dst=dst, rank=rank, agreed=agree is not None,
-                                        own_rows=own_rows), agree)
+    def choose(self, options: list, *, dst: bool):
+        """(densities, DST report, stand-down record) of the whole step, planned in one process
+        (every DP rank's rounds in lockstep: ``choose_rounds`` asks none of a group)."""
+        return drive(self.choose_rounds(options, dst=dst), None)
 
     def choose_rounds(self, options: list, *, dst: bool, rank: Optional[int] = None,
                       agreed: bool = False, own_rows: bool = False
@@ -300,7 +298,7 @@ class Drafter:
         ``agreed`` (the rounds reduced over the DP group) this rank plans its own units."""
         from .choice import choose_rounds, raise_headroom
 
-        # a rank that plans its own units agrees the headroom with the group (``choose``)
+        # a rank that plans its own units agrees the headroom with the group (``choose_rounds``)
         local = dst and (rank is None or not agreed)
         with self._tables.lease() as tables:   # nothing made in them outlives the block
             return (yield from choose_rounds(
