@@ -382,12 +382,6 @@ class Twins:
             out[k] = np.tile(np.asarray(v).reshape(-1), self.dp)
         return out
 
-    def max(self, x):
-        return float(x)
-
-    def gather(self, row):
-        return np.tile(np.asarray(row, dtype=np.float64).reshape(1, -1), (self.dp, 1))
-
 
 def reader_cpu(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
                steps: int = 6, rank: int = 0, step_s: float = 1.0) -> dict:

@@ -2,7 +2,7 @@
 of rounds, in the form of ``policy.dst_rounds`` (it yields the rank's part of a round,
 ``{"sum": ..., "max": ..., "cat": ...}``, and is sent what the group agreed), so the same
 reductions carry it: in-process in lockstep (the tests), over the DP group in a run
-(``megatron/step/dst_agree.DPReducer``). It returns the ``assignment.Agreement`` that
+(the step's driver, ``megatron/step/agreement.py``). It returns the ``assignment.Agreement`` that
 ``SABAssignment.agree`` makes from every rank's units, field for field, from the rank's own units
 (``SABAssignment.units([r])``) and two rounds:
 

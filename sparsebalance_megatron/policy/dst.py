@@ -7,7 +7,7 @@ plans its own units, coupled by a few fixed-size reductions (``dst_ranks``, ``ds
 DP 1 every reduction is the identity.
 
 Here: ``plan_dst``, the planner with every rank's rounds made in one process (the studies and
-tests; a run makes the same rounds over the DP group, ``megatron/step/dst_agree.py``), and its
+tests; a run drives the same rounds over the DP group, ``megatron/step/agreement.py``), and its
 inputs from a ``SparseBalanceConfig``.
 
 Pure numpy; must not import torch, megatron or torch.distributed.

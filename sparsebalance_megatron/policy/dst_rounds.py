@@ -1,14 +1,19 @@
 """One DP rank's decomposed DST as the rounds it takes (issue 77; ``dst_ranks`` says why it
 decomposes): ``rank_rounds`` is a generator that yields the rank's parts of each reduction and
-is sent back what the DP group agreed. Whoever reduces drives the same generator: the in-process
-driver of the studies and the tests (``dst.plan_dst``: every rank's
-generator in lockstep) and a run's all-reduces over the data-parallel group (``run_rounds`` with
-the adapter's reducer). So a rank's plan does not depend on who reduced its parts.
+is sent back what the DP group agreed; it holds no loop of its own. Whoever reduces drives the
+same generator: the in-process driver of the studies and the tests (``plan_rounds_in_process``,
+``dst.plan_dst``: every rank's generator in lockstep) and, in a run, the step's one driver of
+its rounds over the data-parallel group (``megatron/step/agreement.py``). So a rank's plan does
+not depend on who reduced its parts.
 
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
-one dict of every key, sums summed and maxima taken over the DP ranks (an optional ``"cat"``
-part is gathered, every rank's array in rank order: SAB's and ``agreed_stats``' rounds).
+one dict of every key, sums summed and maxima taken over the DP ranks; an optional ``"cat"``
+part is gathered (every rank's array, in rank order: SAB's and ``agreed_stats``' rounds, a
+step's committed rows). Single rounds for the step's other agreements: ``group_max`` (the
+do-no-harm race's step times, ``stand_down.choice_rounds``) and ``gathered`` (every rank's
+row); ``planned_rounds`` is a candidate packing's DST plan as the race reads it.
+
 The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
 raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
 AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Generator
+from typing import Generator
 
 import numpy as np
 
@@ -139,18 +144,6 @@ def descended_report(r: DSTReport, a1: Agreed1, a5: dict, quality: bool) -> DSTR
                    quality_cost=float(a5["quality"]) / a1.tokens if quality else r.quality_cost)
 
 
-def run_rounds(rounds: Generator[Parts, dict, RankPlan],
-               reduce: Callable[[Parts], dict]) -> RankPlan:
-    """One rank's generator driven by ``reduce`` (its part of a round -> the agreed dict), as a
-    run drives it with the DP group's all-reduces."""
-    try:
-        parts = next(rounds)
-        while True:
-            parts = rounds.send(reduce(parts))
-    except StopIteration as done:
-        return done.value
-
-
 def reduce_in_process(parts: list) -> dict:
     """The DP group's reduction of every rank's ``parts`` made in one process: sums (in rank
     order) and maxima, key by key."""
@@ -170,11 +163,11 @@ def reduce_in_process(parts: list) -> dict:
 
 
 def plan_rounds_in_process(rounds: list) -> list:
-    """Every rank's generator driven in lockstep, the reductions in-process: their
-    ``RankPlan``s, in rank order."""
-    parts = [next(g) for g in rounds]
+    """Every rank's generator driven in lockstep, the reductions in-process: what each returns
+    (a ``RankPlan``, an agreement, ...), in rank order (a generator may end before its first
+    round)."""
+    agreed = None                       # a fresh generator's first send: next()
     while True:
-        agreed = reduce_in_process(parts)
         out, nxt = [], []
         for g in rounds:
             try:
@@ -186,4 +179,25 @@ def plan_rounds_in_process(rounds: list) -> list:
                 raise RuntimeError(f"the ranks' rounds disagree: {len(out)} ended where "
                                    f"{len(nxt)} yielded another part")
             return out
-        parts = nxt
+        agreed = reduce_in_process(nxt)
+
+
+def planned_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
+                   narrow: bool = False) -> Generator[Parts, dict, tuple]:
+    """``rank_rounds``' plan as the do-no-harm race reads a candidate's
+    (``stand_down.choice_rounds``): (its densities [1, m, stages], the ``RankPlan``)."""
+    plan = yield from rank_rounds(costs, sensitivity, settings, quality=quality, narrow=narrow)
+    return costs.densities[plan.grid_index], plan
+
+
+def group_max(value: float) -> Generator[Parts, dict, float]:
+    """One round: the DP group's maximum of ``value`` (a step time a rank predicted from its
+    own units; ``value`` itself where one process holds the whole step's)."""
+    return (yield {"sum": {}, "max": {"step_s": value}})["step_s"]
+
+
+def gathered(row) -> Generator[Parts, dict, np.ndarray]:
+    """One round: [DP, len(row)] every DP rank's float64 ``row`` (the same length on every
+    rank), in DP order."""
+    row = np.asarray(row, dtype=np.float64).reshape(-1)
+    return (yield {"sum": {}, "max": {}, "cat": {"rows": row}})["rows"].reshape(-1, row.size)

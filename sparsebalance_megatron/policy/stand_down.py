@@ -10,13 +10,14 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Generator, Optional, Sequence
 
 import numpy as np
 
 from ..config import STAND_DOWN_COMPARES
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts
+from .dst_rounds import group_max, plan_rounds_in_process
 
 REL_EPS = 1e-9   # float slack when comparing predicted step times (the planner's own _REL_EPS)
 
@@ -99,29 +100,11 @@ class StepChoice:
                 "predicted_static_s": o.static_s, "predicted_dst_s": o.planned_s}
 
 
-def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
-                plan: Optional[np.ndarray] = None, enabled: bool = True, payload=None,
-                static_s: Optional[float] = None, step_max=float) -> PackingOutcome:
-    """The DST rule on one packing: ``plan`` (DST's densities, None: static run) is kept unless
-    it is predicted slower than the static plan of the same micro-batches (``enabled`` False:
-    always kept, the ablation); ``static_s``: that static plan's step time where the caller
-    has predicted it already; ``step_max``: as in ``choose_step``."""
-    static = np.full(costs.shape, float(d0))
-    if static_s is None:
-        static_s = step_max(_static_time_s(costs, d0, p2p_s))
-    if plan is None:
-        return PackingOutcome(static, static_s, static_s, None, None, payload)
-    plan = np.asarray(plan, dtype=np.float64)
-    planned_s = step_max(_planned_time_s(costs, plan, p2p_s, payload))
-    if enabled and slower(planned_s, static_s):
-        return PackingOutcome(static, static_s, static_s, planned_s, True, payload)
-    return PackingOutcome(plan, planned_s, static_s, planned_s, False, payload)
-
-
 def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
                 plan_fn: Optional[Callable[[int, UnitCosts], tuple]] = None,
-                enabled: bool = True, compare: str = "planned", step_max=float) -> StepChoice:
-    """The do-no-harm choice of one step (the module docstring's rule).
+                enabled: bool = True, compare: str = "planned") -> StepChoice:
+    """The do-no-harm choice of one step (the module docstring's rule), in one process: the
+    costs are the whole step's (``choice_rounds`` with a DP group of one).
 
     costs: the unit costs of each candidate packing of the same documents, SAB's first and the
     baseline second (one entry: no packing choice); plan_fn(i, costs_i) -> (densities
@@ -129,31 +112,77 @@ def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
     ``planned`` or ``static`` (with ``static`` the candidate not committed is not planned: its
     ``step_s`` is its static plan's). ``enabled`` False commits the first candidate and DST's
     plan as they are (the ablation), still reporting what the rule would have predicted.
-    ``step_max``: a DP rank that holds only its own [1, m, stages] costs passes the DP group's
-    maximum of a step time (an all-reduce), so its choice is every rank's (float: the costs
-    are the whole step's).
     """
+    plans = None if plan_fn is None else [_called(plan_fn, i, c) for i, c in enumerate(costs)]
+    return plan_rounds_in_process([choice_rounds(costs, d0, p2p_s, plans, enabled,
+                                                 compare)])[0]
+
+
+def _called(fn: Callable, *args) -> Generator[dict, dict, tuple]:
+    """``fn(*args)`` as a candidate's plan of no rounds, called only where the rule plans it."""
+    return fn(*args)
+    yield  # noqa: the yield makes this a generator (the call waits for the first send)
+
+
+def choice_rounds(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
+                  plans: Optional[Sequence[Generator]] = None, enabled: bool = True,
+                  compare: str = "planned") -> Generator[dict, dict, StepChoice]:
+    """``choose_step``'s rule as a DP rank's rounds (``policy.dst_rounds``' protocol): every
+    step time it compares is the DP group's maximum (``dst_rounds.group_max``: a rank holding
+    only its own [1, m, stages] costs chooses as every rank does), and ``plans[i]``, candidate
+    i's DST plan as rounds that return (densities, payload) (``dst_rounds.planned_rounds``;
+    None: static runs), is driven only where the rule plans candidate i."""
     if not costs:
         raise ValueError("choose_step needs at least one candidate packing")
     if compare not in STAND_DOWN_COMPARES:
         raise ValueError(f"compare={compare!r}: expected one of {', '.join(STAND_DOWN_COMPARES)}")
     if enabled and compare == "static" and len(costs) > 1:
-        static = [step_max(_static_time_s(c, d0, p2p_s)) for c in costs]
+        static = []
+        for c in costs:
+            static.append((yield from group_max(_static_time_s(c, d0, p2p_s))))
         i = 0 if slower(static[1], static[0]) else 1        # SAB's static plan strictly faster
-        plan, payload = plan_fn(i, costs[i]) if plan_fn is not None else (None, None)
-        out = dst_outcome(costs[i], d0, p2p_s, plan, enabled, payload, static[i], step_max)
+        plan, payload = (yield from plans[i]) if plans is not None else (None, None)
+        out = yield from outcome_rounds(costs[i], d0, p2p_s, plan, enabled, payload, static[i])
         times = static[:i] + [out.step_s] + static[i + 1:]
         return StepChoice(i, out, i != 0, times, static[-1])
     outs = []
     for i, c in enumerate(costs):
-        plan, payload = plan_fn(i, c) if plan_fn is not None else (None, None)
-        outs.append(dst_outcome(c, d0, p2p_s, plan, enabled, payload, step_max=step_max))
+        plan, payload = (yield from plans[i]) if plans is not None else (None, None)
+        outs.append((yield from outcome_rounds(c, d0, p2p_s, plan, enabled, payload)))
     times = [o.step_s for o in outs]
     if len(outs) == 1:
         return StepChoice(0, outs[0], None, times, outs[0].static_s)
     keep = (not enabled) or slower(times[1], times[0])      # SAB strictly faster
     return StepChoice(0 if keep else 1, outs[0 if keep else 1], not keep, times,
                       outs[-1].static_s)
+
+
+def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
+                plan: Optional[np.ndarray] = None, enabled: bool = True, payload=None,
+                static_s: Optional[float] = None) -> PackingOutcome:
+    """The DST rule on one packing: ``plan`` (DST's densities, None: static run) is kept unless
+    it is predicted slower than the static plan of the same micro-batches (``enabled`` False:
+    always kept, the ablation); ``static_s``: that static plan's step time where the caller
+    has predicted it already. In one process (``outcome_rounds`` with a DP group of one)."""
+    return plan_rounds_in_process([outcome_rounds(costs, d0, p2p_s, plan, enabled, payload,
+                                                  static_s)])[0]
+
+
+def outcome_rounds(costs: UnitCosts, d0: float, p2p_s: float, plan: Optional[np.ndarray],
+                   enabled: bool, payload, static_s: Optional[float] = None
+                   ) -> Generator[dict, dict, PackingOutcome]:
+    """``dst_outcome``'s rule as a DP rank's rounds: each step time it compares is the DP
+    group's maximum (``dst_rounds.group_max``)."""
+    static = np.full(costs.shape, float(d0))
+    if static_s is None:
+        static_s = yield from group_max(_static_time_s(costs, d0, p2p_s))
+    if plan is None:
+        return PackingOutcome(static, static_s, static_s, None, None, payload)
+    plan = np.asarray(plan, dtype=np.float64)
+    planned_s = yield from group_max(_planned_time_s(costs, plan, p2p_s, payload))
+    if enabled and slower(planned_s, static_s):
+        return PackingOutcome(static, static_s, static_s, planned_s, True, payload)
+    return PackingOutcome(plan, planned_s, static_s, planned_s, False, payload)
 
 
 @dataclass

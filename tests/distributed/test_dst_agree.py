@@ -1,5 +1,5 @@
 """The decomposed DST's rounds over real process groups (issue 77): 4 gloo processes, each
-planning only its own DP rank's slice, the reductions all-reduced (``megatron/step/dst_agree``),
+planning only its own DP rank's slice, the reductions all-reduced (``megatron/step/agreement``),
 must end with the plan the in-process driver makes from the whole step (the same grid indices,
 the same report up to a sum's rounding), every rank of a DP rank's pipeline with the same rows,
 and a rank sending the same bytes a round at DP 2 and DP 4. SAB's agreement over the same groups
@@ -63,7 +63,7 @@ def _step(dp: int, objective: str):
 
 def _choices(rank: int, group, dp: int) -> dict:
     from sparsebalance_megatron.megatron.step.choice import choose
-    from sparsebalance_megatron.megatron.step.dst_agree import DPReducer
+    from sparsebalance_megatron.megatron.step.agreement import DPReducer
 
     out = {}
     for objective in ("quality", "density"):
@@ -91,13 +91,12 @@ def _sab(dp: int):
 def _sab_rows(rank: int, group, dp: int):
     """(this rank's row after the agreement over ``group``, the bytes of its rounds)."""
     from sparsebalance_megatron.batching.sab_rounds import agreement_rounds
-    from sparsebalance_megatron.megatron.step.dst_agree import DPReducer
-    from sparsebalance_megatron.policy.dst_rounds import run_rounds
+    from sparsebalance_megatron.megatron.step.agreement import DPReducer, drive
 
     asg, _ = _sab(dp)
     mine = asg.units([rank])
     reducer = DPReducer(group)
-    agreed = run_rounds(agreement_rounds(asg, mine), reducer)
+    agreed = drive(agreement_rounds(asg, mine), reducer)
     return asg.rank_plan(mine, agreed).micro_batches[0], reducer.sent
 
 
@@ -125,7 +124,7 @@ def _drafter(dp: int, objective: str):
 def _own_drafts(rank: int, group, dp: int) -> dict:
     """This rank's own draft settled over ``group``: (its rows, densities, report's do-no-harm
     record and planned step) per objective."""
-    from sparsebalance_megatron.megatron.step.dst_agree import DPReducer
+    from sparsebalance_megatron.megatron.step.agreement import DPReducer
 
     out = {}
     for objective in ("quality", "density"):
@@ -142,7 +141,7 @@ def _own_drafts(rank: int, group, dp: int) -> dict:
 def _worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as dist
 
-    from sparsebalance_megatron.megatron.step.dst_agree import plan_rank
+    from sparsebalance_megatron.megatron.step.agreement import plan_rank
     from sparsebalance_megatron.policy.dst_ranks import rank_slice
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

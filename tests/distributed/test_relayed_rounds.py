@@ -32,7 +32,7 @@ def _worker(rank: int, init_file: str, out_dir: str):
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess, PlannerProcessError
-    from sparsebalance_megatron.megatron.step.dst_agree import DPReducer
+    from sparsebalance_megatron.megatron.step.agreement import DPReducer
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.policy import DSTSettings, plan_dst
+from sparsebalance_megatron.megatron.step.agreement import drive
 from sparsebalance_megatron.policy.dst_rounds import (plan_rounds_in_process, rank_rounds,
-                                                      reduce_in_process, run_rounds)
+                                                      reduce_in_process)
 from tests.unit._bands import central_plan, rule_free, without_adoption
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, synthetic_costs
@@ -20,8 +21,8 @@ def test_one_rank_driven_alone_is_the_central_plan():
         costs = synthetic_costs(1, 5, 3, seed=seed, lm_head=1.5)
         sens = np.random.default_rng(seed).random((1, 5))
         s, q = rule_free(DSTSettings(D0, DMIN, DMAX, **FLOORS)), _quality(3)
-        plan = run_rounds(rank_rounds(costs, sens, s, quality=q),
-                          lambda parts: reduce_in_process([parts]))
+        plan = drive(rank_rounds(costs, sens, s, quality=q),
+                     lambda parts: reduce_in_process([parts]))
         central = central_plan(costs, sens, s, quality=q.bind(costs))
         np.testing.assert_array_equal(costs.densities[plan.grid_index], central.densities)
         assert without_adoption(plan.report) == central.report and plan.cpu_s.sum() > 0

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.megatron.step.ahead import PlannerProcess, PlannerProcessError
-from sparsebalance_megatron.megatron.step.relay import ReplayingReducer, Rounds
+from sparsebalance_megatron.megatron.step.relay import ReplayingReducer, Rounds, signature
 from sparsebalance_megatron.policy.dst_rounds import reduce_in_process
 from tests.unit.test_plan_ahead import DP, M, _drafter, steps  # noqa: F401  (fixture)
 
@@ -27,22 +27,14 @@ RANK = 1
 
 class Mirror:
     """A DP group of ``DP`` ranks that are all this rank's twins (``DPReducer``'s interface),
-    counting the collectives it made."""
+    recording the rounds it reduced (their signatures)."""
 
     def __init__(self, dp: int = DP):
         self.dp, self.made, self.sent = dp, [], []
 
     def __call__(self, parts):
-        self.made.append("call")
+        self.made.append(signature(parts))
         return reduce_in_process([parts] * self.dp)
-
-    def max(self, x):
-        self.made.append("max")
-        return float(x)
-
-    def gather(self, row):
-        self.made.append("gather")
-        return np.tile(np.asarray(row, dtype=np.float64).reshape(1, -1), (self.dp, 1))
 
 
 def _plain(agreed) -> bytes:
@@ -80,7 +72,7 @@ def test_the_process_settles_the_draft_as_the_training_thread_does(steps, drafte
             got = pending.result()
             assert _plain(got.agreed) == _plain(want), f"step {k}"
             assert group.made == made and len(pending.rounds.done) == len(made) >= 3
-            assert [kind for kind, _, _ in pending.rounds.done] == made
+            assert [sig for sig, _ in pending.rounds.done] == made
             # only the packing the agreed plan commits comes back
             index = want[1]["stand_down"]["packing_index"]
             assert got.packing(index)[0].micro_batches == draft.packing(index)[0].micro_batches
@@ -200,28 +192,35 @@ def test_a_late_planner_mid_rounds_is_cancelled_and_kept(steps, drafter):
 def test_a_replayed_round_that_differs_is_refused_naming_it():
     rounds = Rounds(Mirror(2))
     parts = {"sum": {"n": 3, "w": np.ones(4)}, "max": {"t": 1.5}}
-    assert rounds.perform("call", parts)[0] and rounds.perform("max", 2.0)[0]
+    top = {"sum": {}, "max": {"step_s": 2.0}}                    # a step time's maximum
+    rows = {"sum": {}, "max": {}, "cat": {"rows": np.ones(3)}}   # a gather of every rank's
+    assert rounds.perform(parts)[0] and rounds.perform(top)[0]
     rounds.claimed = True                        # the training thread's claim
-    assert rounds.perform("gather", np.ones(3)) == (False, None)   # the reader makes no more
-    assert rounds.reducer.made == ["call", "max"]
+    assert rounds.perform(rows) == (False, None)                 # the reader makes no more
+    assert rounds.reducer.made == [signature(parts), signature(top)]
 
     replay = rounds.replaying()
-    assert replay(parts) == rounds.done[0][2] and replay.max(9.0) == 2.0
-    assert replay.gather(np.ones(3)).shape == (2, 3)              # live from here on
-    assert rounds.reducer.made == ["call", "max", "gather"]
-    for bad, what in ((lambda r: r.max(1.0), r"round 1 .* it made call .*, the training "
-                       r"thread's draft asks max \(\)"),
+    assert replay(parts) == rounds.done[0][1]
+    assert replay({"sum": {}, "max": {"step_s": 9.0}})["step_s"] == 2.0
+    assert replay(rows)["rows"].shape == (6,)                    # live from here on
+    assert rounds.reducer.made == [signature(parts), signature(top), signature(rows)]
+    for bad, what in ((lambda r: r(top), r"round 1 .* it made \(\('sum', \(\('n', 1\), "
+                       r"\('w', 4\)\)\), \('max', \(\('t', 1\),\)\)\), the training thread's "
+                       r"draft asks \(\('max', \(\('step_s', 1\),\)\),\)"),
                       (lambda r: r({"sum": {"n": 3, "w": np.ones(5)}, "max": {"t": 1.5}}),
                        r"round 1 .*\('w', 4\).*\('w', 5\)"),
-                      (lambda r: (r(parts), r.gather(np.ones(2))),
-                       r"round 2 of this step, replayed .* it made max \(\), the training "
-                       r"thread's draft asks gather \(2,\)")):
+                      (lambda r: (r(parts), r(rows)),
+                       r"round 2 of this step, replayed .* it made \(\('max', \(\('step_s', 1\),"
+                       r"\)\),\), the training thread's draft asks \(\('cat', \(\('rows', 3\),"
+                       r"\)\),\)")):
         replay = ReplayingReducer(list(rounds.done), Mirror(2))
         with pytest.raises(RuntimeError, match=what):
             bad(replay)
         assert replay.live.made == []
     with pytest.raises(RuntimeError, match="only once the reader thread has stopped"):
         Rounds(Mirror(2)).replaying()
+    with pytest.raises(RuntimeError, match=r"asked a round of float 2.0, not a round's parts"):
+        Rounds(Mirror(2)).perform(2.0)
 
 
 @pytest.mark.reliability(area="fault", case="the planner process's draft late before the first "

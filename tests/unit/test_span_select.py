@@ -8,7 +8,8 @@ import pytest
 
 from sparsebalance_megatron.batching import span_select
 from sparsebalance_megatron.batching.slots import candidate_count, candidates
-from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process, run_rounds
+from sparsebalance_megatron.megatron.step.agreement import drive
+from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
 
 K = candidate_count()
 
@@ -32,7 +33,7 @@ def _agree(span):
 
     gens = [span_select.candidate_rounds(float(span[r]), r, dp, K) for r in range(dp)]
     if dp <= 2 * K:                      # no round: every rank a candidate
-        return [run_rounds(g, None) for g in gens], sizes
+        return [drive(g, None) for g in gens], sizes
     return plan_rounds_in_process([logged(gens[0])] + gens[1:]), sizes
 
 

@@ -3,7 +3,7 @@ context-parallel collectives of the sparse attention.
 
 Used by the callback's control plane (``step/exchange.py``: each step's records gathered as
 fixed-size tensors over Megatron's groups; DST's rounds all-reduced over a gloo copy of the DP
-group, ``step/dst_agree.py``, so every TP, PP, CP and DP rank holds identical budgets), the
+group, ``step/agreement.py``, so every TP, PP, CP and DP rank holds identical budgets), the
 profiler, the console lines, and
 ``context_parallel`` (all-to-all of q/k/v and outputs, the all-reduce of block shares).
 """

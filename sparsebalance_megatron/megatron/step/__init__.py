@@ -1,8 +1,9 @@
 """The adapter's ``step`` room: one training step: the callback and its planning, checks, do-no-harm
 choice, timers, metrics, data iterator and resume state.
 
-Modules: ``ahead`` (the planner process and thread) and ``planner_worker`` (the process's own side),
-``callback``, ``checks``, ``choice``, ``data``, ``drafting``, ``exchange`` (the per-step gather and
+Modules: ``agreement`` (a step's rounds with the other DP ranks: their one driver and the DP
+group's reductions), ``ahead`` (the planner process and thread) and ``planner_worker`` (the
+process's own side), ``callback``, ``checks``, ``choice``, ``data``, ``drafting``, ``exchange`` (the per-step gather and
 reductions) and ``record`` (its fixed-size records),
 ``microbatches`` (a step's own micro-batch count through Megatron's calculator), ``planning``,
 ``quality_probe`` (the quality model refreshed from forward passes of the network in training),

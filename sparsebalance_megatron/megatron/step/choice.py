@@ -14,14 +14,15 @@ No torch, no megatron: plain lists and arrays in and out.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import numpy as np
 
 from ...batching.sensitivity import batch_sensitivity
 from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
 from ...policy.costs import UnitCosts, density_grid, unit_rows
-from ...policy.stand_down import choose_step
+from ...policy.stand_down import choice_rounds, choose_step
+from .agreement import drive
 
 
 def wants_baseline_packing(sb: SparseBalanceConfig, latency) -> bool:
@@ -46,49 +47,58 @@ def headroom(sb: SparseBalanceConfig, error: Optional[float]) -> float:
     return DEFAULT_RAISE_HEADROOM if error is None else min(error, MAX_RAISE_HEADROOM)
 
 
-def agreed_inputs(sb: SparseBalanceConfig, latency, scale, rank: int, dp: int, agree
-                  ) -> tuple[bool, Optional[float]]:
-    """(a slow GPU stands out, the raise headroom: ``headroom``'s) where each DP rank
-    calibrated only its own pipeline: both agreed over the group (``policy.agreed_stats``:
-    collective, no round where neither is wanted). ``scale``: this rank's [dp, pp] correction
-    grid (its own row learned), None without calibration."""
+def agreed_inputs(sb: SparseBalanceConfig, latency, scale, rank: int, dp: int
+                  ) -> Generator[dict, dict, tuple[bool, Optional[float]]]:
+    """The rounds of (a slow GPU stands out, the raise headroom: ``headroom``'s) where each DP
+    rank calibrated only its own pipeline: both agreed over the group (``policy.agreed_stats``;
+    no round where neither is wanted). ``scale``: this rank's [dp, pp] correction grid (its own
+    row learned), None without calibration."""
     from ...policy.agreed_stats import agreed_rounds
-    from ...policy.dst_rounds import run_rounds
 
     auto = sb.raise_headroom_value is None
     if scale is None and not auto:
         return False, headroom(sb, None)
-    narrow, error = run_rounds(agreed_rounds(
+    narrow, error = yield from agreed_rounds(
         None if scale is None else scale[rank], latency.recent_errors() if auto else (),
-        dp=dp, tolerance=sb.tolerance, error_cap=MAX_RAISE_HEADROOM), agree)
+        dp=dp, tolerance=sb.tolerance, error_cap=MAX_RAISE_HEADROOM)
     return narrow, headroom(sb, error)
 
 
 def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
-           tracker=None, dst: bool, raise_headroom: Optional[float] = None,
-           stage_layers=None, tables=None, rank: Optional[int] = None, agree=None,
-           own_rows: bool = False, quality_scales: Optional[tuple] = None
-           ) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
-    """(densities [dp][m][stages] or None, DST report or None, stand-down record or None).
+           agree=None, **kw) -> tuple[Optional[list], Optional[dict], Optional[dict]]:
+    """``choose_rounds`` driven to its end (``agreement.drive``): with ``agree`` (a
+    ``DPReducer`` over the DP group: collective) as a rank of a run, without it in one process
+    (the studies and tests)."""
+    return drive(choose_rounds(sb, latency, options, dp, agreed=agree is not None, **kw), agree)
+
+
+def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
+                  tracker=None, dst: bool, raise_headroom: Optional[float] = None,
+                  stage_layers=None, tables=None, rank: Optional[int] = None,
+                  agreed: bool = False, own_rows: bool = False,
+                  quality_scales: Optional[tuple] = None) -> Generator[dict, dict, tuple]:
+    """The step's choice as its rounds with the other DP ranks; it returns (densities
+    [dp][m][stages] or None, DST report or None, stand-down record or None).
 
     options: (BatchPlan, UnitFeatures) of SAB's packing and, if packed, the baseline's, SAB's
     first; dst: plan with DST, else the static plans are compared (d0 with sparse attention,
     density 1 without). DST is the decomposed planner (``policy.dst_rounds``): with ``rank``
-    and ``agree`` (a ``dst_agree.DPReducer`` over the DP group: collective) this rank plans
-    only its own units, every step time and sum the choice reads agreed over the group, and
-    the ranks' rows are gathered into the whole plan (a run); ``own_rows``: the options are
-    this rank's own micro-batches (one-row plans, SAB per rank), its rows are what it commits
-    (densities [1][m][stages]) and the static comparison is agreed too; without ``rank`` and
-    ``agree`` every DP rank's rounds are made here in lockstep (the studies and tests: the same
-    plan). The stand-down
-    record is ``StepChoice.as_dict()``: ``packing_index`` says which option to commit. tables:
-    a ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
-    arrays); ``quality_scales``: the quality model's refreshed group scales (``dst_inputs``)."""
+    and ``agreed`` (the rounds reduced over the DP group) this rank plans only its own units,
+    every step time and sum the choice reads is agreed over the group (the do-no-harm race:
+    ``stand_down.choice_rounds``) and the ranks' rows are gathered into the whole plan (a run);
+    ``own_rows``: the options are this rank's own micro-batches (one-row plans, SAB per rank),
+    its rows are what it commits (densities [1][m][stages]) and the static comparison is
+    agreed too; otherwise every DP rank's rounds are made here in lockstep and no round is
+    yielded (the studies and tests: the same plan). The stand-down record is
+    ``StepChoice.as_dict()``: ``packing_index`` says which option to commit. tables: a
+    ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
+    arrays); ``quality_scales``: the quality model's refreshed group scales
+    (``dst_inputs``)."""
     from ...policy.dst import dst_inputs
     from ...policy.dst import plan_dst as plan_in_process
-    from ...policy.dst_rounds import rank_rounds, run_rounds
+    from ...policy.dst_rounds import gathered, planned_rounds
 
-    own = rank is not None and agree is not None and (dst or own_rows)
+    own = rank is not None and agreed and (dst or own_rows)
     d0 = sb.density if sb.sparse_attention_enabled else 1.0
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
     costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid,
@@ -105,30 +115,28 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
             sens[i] = batch_sensitivity(options[i][0], tracker) if tracker is not None else None
         return sens[i] if sens[i] is None or not own or own_rows else sens[i][rank:rank + 1]
 
-    plan_fn = None
+    plans, plan_fn = None, None
     if dst:
         grid_fn = getattr(latency, "correction_grid", None)   # learned slow GPUs
         scale = grid_fn(dp, costs[0].pipeline_ranks) if grid_fn else None
         if own:         # each rank calibrated its own pipeline: the group's statistics
-            narrow, raise_headroom = agreed_inputs(sb, latency, scale, rank, dp, agree)
+            narrow, raise_headroom = yield from agreed_inputs(sb, latency, scale, rank, dp)
         settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s, raise_headroom,
                                        stage_layers, quality_scales)
+        if own:         # this rank's rounds, driven where the rule plans the packing
+            plans = [planned_rounds(c, sensitivity(i), settings, quality=quality,
+                                    narrow=narrow) for i, c in enumerate(costs)]
+        else:           # every rank's rounds here, in lockstep
 
-        def plan_dst(i, c):
-            if not own:                 # every rank's rounds here, in lockstep
+            def plan_fn(i, c):
                 p = plan_in_process(c, sensitivity(i), settings, quality=quality,
-                                        rank_scale=scale)
+                                    rank_scale=scale)
                 return p.densities, p
-            p = run_rounds(rank_rounds(c, sensitivity(i), settings, quality=quality,
-                                       narrow=narrow),
-                           agree)
-            return c.densities[p.grid_index], p
-        plan_fn = plan_dst
     elif len(options) < 2:
         return None, None, None
-    choice = choose_step(costs, d0, latency.p2p_s, plan_fn, enabled=sb.stand_down != "off",
-                         compare=sb.stand_down_compare,
-                         step_max=agree.max if own else float)
+    rule = dict(enabled=sb.stand_down != "off", compare=sb.stand_down_compare)
+    choice = (yield from choice_rounds(costs, d0, latency.p2p_s, plans, **rule)) if own \
+        else choose_step(costs, d0, latency.p2p_s, plan_fn, **rule)
     record = choice.as_dict()
     if not dst:
         return None, None, record
@@ -144,7 +152,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
         m, pp = densities.shape[1:]
         busy = latency.busy_s(unit_rows(units, rank * m, (rank + 1) * m, dp * m), densities)
         chosen = sensitivity(choice.index)
-        rows = agree.gather(np.concatenate([densities.reshape(-1), busy.reshape(-1)] + (
+        rows = yield from gathered(np.concatenate([densities.reshape(-1), busy.reshape(-1)] + (
             [] if chosen is None else [np.asarray(chosen, dtype=np.float64).reshape(-1)])))
         densities = rows[:, :m * pp].reshape(dp, m, pp)
         busy = rows[:, m * pp:m * pp + busy.shape[1]]

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Generator, Optional
 
 import numpy as np
 
 from ...batching.plan import BatchingError, BatchPlan, checked_segments
+from ...policy.dst_rounds import gathered
 from ...policy.table_memory import TableLease
+from .agreement import drive
 from .checks import check_assignment, check_capacity, segment_counts
 from .choice import wants_baseline_packing
 
@@ -218,34 +220,42 @@ class Drafter:
         return self.latency.unit_features(batch.unit_csr(with_padding=True))
 
     def settle(self, draft: Draft, *, rank: int, agree) -> tuple:
-        """(densities, report) of ``draft``'s step as DP rank ``rank`` commits it: its DST of
-        its own units, agreed with the other DP ranks through ``agree`` (a ``DPReducer`` or
-        anything with its ``__call__``, ``max`` and ``gather``: collective). The one entry for
-        a rank's agreement, wherever it runs. A rank's own draft (``own_draft``) is packed here
-        first (SAB's rounds: ``batching.sab_rounds``) and commits its own rows: densities
-        [1][m][stages] (without DST: (None, None), its stand-down record on the draft)."""
+        """(densities, report) of ``draft``'s step as DP rank ``rank`` commits it:
+        ``settle_rounds`` driven to its end through ``agree`` (a ``DPReducer``, or anything with
+        its ``__call__``: collective), the step's one exchange with the other DP ranks. The one
+        entry for a rank's agreement, wherever it runs."""
+        return drive(self.settle_rounds(draft, rank=rank), agree)
+
+    def settle_rounds(self, draft: Draft, *, rank: int) -> Generator[dict, dict, tuple]:
+        """Every round DP rank ``rank`` makes to commit ``draft``'s step, in order: its DST of
+        its own units, agreed with the other DP ranks. A rank's own draft (``own_draft``) is
+        packed here first (SAB's rounds: ``batching.sab_rounds``) and commits its own rows:
+        densities [1][m][stages] (without DST: (None, None), its stand-down record on the
+        draft)."""
         own = draft.own_rank is not None
         if draft.sab is not None:       # SAB's agreement, then this rank's micro-batches
             from ...batching.sab_rounds import packing_rounds
-            from ...policy.dst_rounds import run_rounds
 
             a, mine = draft.sab
-            draft.batch = run_rounds(packing_rounds(a, mine), agree)
+            draft.batch = yield from packing_rounds(a, mine)
             check_capacity(draft.batch, self.capacity, rank)
             draft.units, draft.sab = self.units(draft.batch), None
         options = [draft.packing(i) for i in range(draft.options)]
         densities, report = None, None
         if not self.sb.dst_enabled:     # a rank's own packings: the static race, agreed
-            draft.stand_down = self.choose(options, dst=False, rank=rank, agree=agree,
-                                           own_rows=True)[2] if own and len(options) > 1 else None
+            if own and len(options) > 1:
+                draft.stand_down = (yield from self.choose_rounds(
+                    options, dst=False, rank=rank, agreed=True, own_rows=True))[2]
+            else:
+                draft.stand_down = None
         else:
-            densities, report, _ = self.choose(options, dst=True, rank=rank, agree=agree,
-                                               own_rows=own)
+            densities, report, _ = yield from self.choose_rounds(
+                options, dst=True, rank=rank, agreed=True, own_rows=own)
         if own:
-            densities = self._committed(draft, agree, densities, report)
+            densities = yield from self._committed(draft, densities, report)
         return densities, report
 
-    def _committed(self, draft: Draft, agree, densities, report):
+    def _committed(self, draft: Draft, densities, report) -> Generator[dict, dict, object]:
         """What a rank's own draft commits: its own rows (densities [1][m][stages]; None: a
         static plan's), and its uncorrected predicted busy seconds, which it calibrates its
         pipeline with after the step (``Draft.predicted_busy``, [1, pipeline ranks]; NaN
@@ -266,7 +276,7 @@ class Drafter:
                 report.update(predicted_busy_s=draft.predicted_busy.tolist(),
                               unit_sensitivity=None)
             return densities
-        rows = agree.gather(np.concatenate([
+        rows = yield from gathered(np.concatenate([
             np.zeros(m * nv) if densities is None else d.reshape(-1),
             np.zeros(m) if sens is None else np.asarray(sens, np.float64).reshape(-1)]))
         if report is None:
@@ -275,18 +285,24 @@ class Drafter:
                       if sens is None else rows[:, m * nv:].tolist())
         return rows[:, :m * nv].reshape(-1, m, nv).tolist()
 
-    def choose(self, options: list, *, dst: bool, rank: Optional[int] = None, agree=None,
-               own_rows: bool = False):
-        """(densities, DST report, stand-down record) of the step: DST on each packing option,
-        under the do-no-harm rule (``step_choice.choose``); with ``rank`` and ``agree`` (the
-        DP group's reductions: collective) this rank plans its own units."""
-        from .choice import choose, raise_headroom
+    def choose(self, options: list, *, dst: bool):
+        """(densities, DST report, stand-down record) of the whole step, planned in one process
+        (every DP rank's rounds in lockstep: ``choose_rounds`` asks none of a group)."""
+        return drive(self.choose_rounds(options, dst=dst), None)
 
-        # a rank that plans its own units agrees the headroom with the group (``choose``)
-        local = dst and (rank is None or agree is None)
+    def choose_rounds(self, options: list, *, dst: bool, rank: Optional[int] = None,
+                      agreed: bool = False, own_rows: bool = False
+                      ) -> Generator[dict, dict, tuple]:
+        """The rounds of the step's (densities, DST report, stand-down record): DST on each
+        packing option, under the do-no-harm rule (``step/choice.py``); with ``rank`` and
+        ``agreed`` (the rounds reduced over the DP group) this rank plans its own units."""
+        from .choice import choose_rounds, raise_headroom
+
+        # a rank that plans its own units agrees the headroom with the group (``choose_rounds``)
+        local = dst and (rank is None or not agreed)
         with self._tables.lease() as tables:   # nothing made in them outlives the block
-            return choose(self.sb, self.latency, options, self.dp, tracker=self.tracker,
-                          dst=dst, raise_headroom=raise_headroom(self.sb, self.latency, self.dp)
-                          if local else None, stage_layers=self.attention_layers, tables=tables,
-                          rank=rank, agree=agree, own_rows=own_rows,
-                          quality_scales=self.quality_scales)
+            return (yield from choose_rounds(
+                self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
+                raise_headroom=raise_headroom(self.sb, self.latency, self.dp) if local else None,
+                stage_layers=self.attention_layers, tables=tables, rank=rank, agreed=agreed,
+                own_rows=own_rows, quality_scales=self.quality_scales))

@@ -1,7 +1,7 @@
 """The per-step control plane: each rank's ``RankReport`` gathered into the ``StepSummary`` every
 rank ends a step with, as fixed-size float64 tensors over the process groups Megatron already has
 (``runtime/comm.py`` moves them; ``step/record.py`` lays them out), and the gloo copy of the DP
-group DST's rounds use (``ExchangeGroups.rounds``, ``step/dst_agree.py``). No plan travels: each
+group DST's rounds use (``ExchangeGroups.rounds``, ``step/agreement.py``). No plan travels: each
 DP rank plans its own rows (``Drafter.own_draft``, ``settle``) and agrees the rest in DST's and
 SAB's fixed-size reductions.
 
@@ -45,7 +45,7 @@ class ExchangeGroups:
     pipeline: object = None    # the pipeline stages of this DP rank (stage order)
     data: object = None        # the DP ranks at this rank's stage and TP/CP place (DP order)
     rounds: object = None      # a gloo copy of ``data``: DST's rounds, beside the training
-                               # thread (``step/dst_agree.py``)
+                               # thread (``step/agreement.py``)
 
     @classmethod
     def from_megatron(cls) -> "ExchangeGroups":
@@ -135,9 +135,9 @@ class StepExchange:
     def reduce(self, parts: dict) -> dict:
         """The data-parallel group's sums and maxima of ``parts`` (``{"sum": {name: value},
         "max": {...}}``, the same names and shapes on every rank): one all-reduce of a
-        fixed-size float64 vector per op, whatever the DP size (``dst_agree.DPReducer``;
+        fixed-size float64 vector per op, whatever the DP size (``agreement.DPReducer``;
         collective: every rank, in the same order)."""
-        from .dst_agree import DPReducer
+        from .agreement import DPReducer
 
         t0, reducer = time.perf_counter(), DPReducer(self.groups.data)
         out = reducer(dict(parts, cat={}))

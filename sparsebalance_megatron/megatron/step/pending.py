@@ -68,7 +68,7 @@ class PendingDraft:
         while msg[0] == ROUND:              # the process settles: each collective relayed
             self.phase = "agreeing"
             try:
-                made, result = rounds.perform(msg[1], msg[2])
+                made, result = rounds.perform(msg[1])
             except BaseException:           # it waits for an answer that will not come
                 planner.kill()
                 raise

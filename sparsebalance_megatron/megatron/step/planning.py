@@ -30,7 +30,7 @@ from .checks import layout_warning
 from .ahead import Drafted, PendingDraft, Planner, PlannerProcess, PlannerProcessError
 from .planner_boot import PlannerPackageMismatch
 from .drafting import Draft, Drafter  # noqa: F401  (Draft: the planners' result type)
-from .dst_agree import DPReducer
+from .agreement import DPReducer
 from .plan_basis import LaggedBasis, PlanBasis  # noqa: F401  (LaggedBasis: its API)
 
 PLANNER_RESTARTS = 3

@@ -1,13 +1,14 @@
-"""DST's rounds of a draft settled in the planner process, their collectives relayed by the
-training process (``--sb-planner process``; ``step/ahead.py``, ``step/planner_worker.py``).
+"""A draft's rounds settled in the planner process (SAB's, DST's, the do-no-harm race's), their
+collectives relayed by the training process (``--sb-planner process``; ``step/ahead.py``,
+``step/planner_worker.py``).
 
-The process runs ``Drafter.settle`` (all of DST's compute) with a ``RelayReducer``: each of its
-calls (``__call__`` a round's parts, ``max`` a scalar, ``gather`` a row) goes up the pipe, and
-the rank's reader thread makes it with the rank's ``DPReducer`` on the rounds group
+The process runs ``Drafter.settle`` (all of DST's compute) with a ``RelayReducer``: each round
+the step's driver asks of it (a round's parts, ``policy.dst_rounds``' protocol) goes up the
+pipe, and the rank's reader thread reduces it with the rank's ``DPReducer`` on the rounds group
 (``Rounds.perform``, recorded) and sends the answer down. The messages of a settle, after the
 draft is made and before its ``("drafted",)``::
 
-    process -> rank   ("round", kind, arg)     kind: "call", "max" or "gather"
+    process -> rank   ("round", parts)         one round of the settle
     rank -> process   ("agreed", result)       the DP group's answer
     rank -> process   ("cancel",)              instead: the training thread took the step over;
     process -> rank   ("cancelled",)           the process stops settling and answers this
@@ -17,7 +18,7 @@ where the training thread has not claimed the step (``claim_when_due``), and the
 claims only between rounds, so the group is never used by two threads and a step's rounds run
 once. A claim after ``k`` rounds (the process died, stalled or is late mid-rounds) leaves the
 training thread to draft the step again from the same inputs and settle it with
-``Rounds.replaying``: its first ``k`` calls answered from the record (each checked to be the
+``Rounds.replaying``: its first ``k`` rounds answered from the record (each checked to be the
 round recorded), the rest made live on the same group; the peers, which took part in those ``k``
 collectives, see one set of rounds.
 
@@ -33,7 +34,6 @@ from typing import Callable, Optional
 import numpy as np
 
 ROUND, AGREED, CANCEL, CANCELLED = "round", "agreed", "cancel", "cancelled"
-KINDS = ("call", "max", "gather")
 
 
 class SettleCancelled(Exception):
@@ -45,52 +45,38 @@ class RelayClosed(Exception):
 
 
 class RelayReducer:
-    """The planner process's reducer: ``DPReducer``'s interface, each call sent up ``out`` and
-    answered on ``inp`` by the rank's reader thread."""
+    """The planner process's reducer (``DPReducer``'s ``__call__``): each round sent up ``out``
+    and answered on ``inp`` by the rank's reader thread."""
 
     def __init__(self, inp, out):
         self._in, self._out = inp, out
         self.rounds = 0
 
-    def _ask(self, kind: str, arg):
+    def __call__(self, parts: dict) -> dict:
         try:
-            self._out.send((ROUND, kind, arg))
+            self._out.send((ROUND, parts))
             msg = self._in.recv()
         except (EOFError, OSError):
             raise RelayClosed() from None
         if msg[0] == CANCEL:
             raise SettleCancelled()
         if msg[0] != AGREED:
-            raise RuntimeError(f"the planner process asked round {self.rounds + 1} ({kind}) "
-                               f"and was answered {msg[0]!r}, not {AGREED!r}")
+            raise RuntimeError(f"the planner process asked round {self.rounds + 1} and was "
+                               f"answered {msg[0]!r}, not {AGREED!r}")
         self.rounds += 1
         return msg[1]
 
-    def __call__(self, parts: dict) -> dict:
-        return self._ask("call", parts)
 
-    def max(self, x: float) -> float:
-        return self._ask("max", float(x))
-
-    def gather(self, row) -> np.ndarray:
-        return self._ask("gather", np.asarray(row, dtype=np.float64).reshape(-1))
-
-
-def signature(kind: str, arg) -> tuple:
-    """What a replayed round must match: a call's keys and sizes per operation, a gather's row
-    size (a max is one scalar)."""
-    if kind == "call":
-        return tuple((op, tuple((k, int(np.size(v))) for k, v in sorted(arg[op].items())))
-                     for op in ("sum", "max", "cat") if arg.get(op))
-    if kind == "gather":
-        return (int(np.size(arg)),)
-    return ()
+def signature(parts: dict) -> tuple:
+    """What a replayed round must match: its keys and sizes per operation."""
+    return tuple((op, tuple((k, int(np.size(v))) for k, v in sorted(parts[op].items())))
+                 for op in ("sum", "max", "cat") if parts.get(op))
 
 
 class Rounds:
     """A step's rounds on this rank (module docstring): made by the reader thread through
     ``reducer`` (a ``DPReducer``; None where the process does not settle) until the training
-    thread claims them. ``done``: (kind, signature, result) of each round made, in order;
+    thread claims them. ``done``: (signature, result) of each round made, in order;
     ``wait_s``: wall seconds in them (the peers' time, not the process's)."""
 
     def __init__(self, reducer=None):
@@ -118,17 +104,16 @@ class Rounds:
                 self.wait_s += self._last - t0
                 self._cond.notify_all()
 
-    def perform(self, kind: str, arg) -> tuple[bool, object]:
-        """Round ``kind`` of the process's settle made with the rank's reducer and recorded
-        (``take``'s answer)."""
-        if kind not in KINDS:
-            raise RuntimeError(f"the planner process asked a round of kind {kind!r} (not one "
-                               f"of {', '.join(KINDS)})")
+    def perform(self, parts: dict) -> tuple[bool, object]:
+        """The process's round ``parts`` made with the rank's reducer and recorded (``take``'s
+        answer)."""
+        if not isinstance(parts, dict):
+            raise RuntimeError(f"the planner process asked a round of {type(parts).__name__} "
+                               f"{parts!r}, not a round's parts (a dict)")
 
         def one():
-            result = {"call": self.reducer, "max": self.reducer.max,
-                      "gather": self.reducer.gather}[kind](arg)
-            self.done.append((kind, signature(kind, arg), result))
+            result = self.reducer(parts)
+            self.done.append((signature(parts), result))
             return result
         return self.take(one)
 
@@ -165,7 +150,7 @@ class Rounds:
 
 
 class ReplayingReducer:
-    """``DPReducer``'s interface: the first ``len(done)`` calls answered from ``done`` (each
+    """``DPReducer``'s ``__call__``: the first ``len(done)`` rounds answered from ``done`` (each
     checked against its record: a mismatch is a RuntimeError naming the round), then ``live``'s
     (whose ``sent`` counts every round's bytes once: the replayed ones went when recorded)."""
 
@@ -180,26 +165,16 @@ class ReplayingReducer:
     def sent(self) -> list:
         return self.live.sent
 
-    def _round(self, kind: str, arg, live: Callable):
+    def __call__(self, parts: dict) -> dict:
         i, self.calls = self.calls, self.calls + 1
         if i >= len(self._done):
-            return live(arg)
-        was_kind, was, result = self._done[i]
-        now = signature(kind, arg)
-        if (was_kind, was) != (kind, now):
+            return self.live(parts)
+        was, result = self._done[i]
+        now = signature(parts)
+        if was != now:
             raise RuntimeError(
                 f"DST's round {i + 1} of this step, replayed on the training thread after the "
                 f"planner process stopped mid-rounds, is not the round the process made: it made "
-                f"{was_kind} {was}, the training thread's draft asks {kind} {now} (the two drafts "
-                f"differ, so the peers' rounds cannot be resumed)")
+                f"{was}, the training thread's draft asks {now} (the two drafts differ, so the "
+                f"peers' rounds cannot be resumed)")
         return result
-
-    def __call__(self, parts: dict) -> dict:
-        return self._round("call", parts, self.live)
-
-    def max(self, x: float) -> float:
-        return self._round("max", float(x), self.live.max)
-
-    def gather(self, row) -> np.ndarray:
-        return self._round("gather", np.asarray(row, dtype=np.float64).reshape(-1),
-                           self.live.gather)
