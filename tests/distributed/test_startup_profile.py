@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import spawn
+
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,12 +88,11 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """Both ranks' results of every mode (one spawn of two processes for the module)."""
-    import torch.multiprocessing as mp
-
+    """Both ranks' results of every mode (one ``conftest.spawn`` of two processes for the
+    module: forked from the server, which has imported torch and the plugin; two fresh
+    interpreters of ``torch.multiprocessing`` cost 3-4 s more CPU)."""
     out = tmp_path_factory.mktemp("startup")
-    mp.start_processes(_rank_main, args=(_free_port(), str(out)), nprocs=2,
-                       start_method="spawn", join=True)
+    spawn(_rank_main, 2, _free_port(), str(out), cwd=out)
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
