@@ -249,6 +249,20 @@ def serve(path: str) -> None:
 
 # --- client side ---------------------------------------------------------------------------------
 
+def _kill_job(leader: int) -> None:
+    """SIGKILL to the job's process group; to its leader alone where the leader has not yet
+    made its own session (its first act, before it forks a rank): a timeout that struck
+    before then raised ProcessLookupError and left the job running."""
+    try:
+        os.killpg(leader, signal.SIGKILL)
+    except ProcessLookupError:
+        _signal([leader], signal.SIGKILL)
+        try:                      # ranks it forked in between, in the session it made
+            os.killpg(leader, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def launch(path: str, entry, args: list, nproc: int, cwd, env: dict, out_fd: int, err_fd: int,
            timeout: float | None = None) -> int:
     """Run ``entry`` (a script, ``-m module`` or ``-c code``) on ``nproc`` forked ranks of the
@@ -268,10 +282,10 @@ def launch(path: str, entry, args: list, nproc: int, cwd, env: dict, out_fd: int
         try:
             line = replies.readline()
         except TimeoutError:
-            os.killpg(pid, signal.SIGKILL)
+            _kill_job(pid)
             raise subprocess.TimeoutExpired(["forked_ranks", str(entry)], timeout) from None
         except BaseException:
-            os.killpg(pid, signal.SIGKILL)
+            _kill_job(pid)
             raise
         if not line:
             raise RuntimeError(f"forked_ranks: the server at {path} ended during the job")

@@ -36,6 +36,9 @@ def test_a_step_with_dp_balanceds_own_microbatch_count_trains(pp, tmp_path, shor
               "--sb-tokenizer", "byte", "--sb-latency-table", table, "--sb-latency-table-force",
               "--sb-timing-source", "model", "--sb-microbatch-multiple", "0",
               "--sb-stand-down", "dp_balanced", "--data-path", short_docs_jsonl,
+              # the default planner process's plans, without its interpreter per rank (about
+              # 1 s of CPU each): as in test_context_parallel_run.py
+              "--sb-planner", "thread",
               "--sb-data-cache-dir", tmp_path / "cache", "--global-batch-size", str(gbs),
               "--train-iters", str(iters), "--eval-iters", "0"]
     run_entry(dp * pp, [*common, "--sb-metrics-file", tmp_path / "m.jsonl",

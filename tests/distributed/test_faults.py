@@ -81,23 +81,29 @@ def test_a_hung_rank_is_named_before_the_users_timeout(tmp_path, small_jsonl, ti
     assert "in _inject_fault" in proc.stdout and "rank 1 ends itself" in proc.stdout
     assert "exitcode  : 3" in proc.stdout   # torchrun's root cause: the hung rank
     assert wall < BOUND_S, wall
-    assert _planner_orphans() == []        # every rank's planner process died with it
+    assert _planner_orphans(tmp_path) == []   # every rank's planner process died with it
 
 
-def _planner_orphans(wait_s: float = 30.0) -> list:
-    """Planner processes whose rank is gone (reparented to pid 1), after the kernel had
-    ``wait_s`` to deliver their SIGKILL (``PR_SET_PDEATHSIG`` acts asynchronously)."""
+def _planner_orphans(cwd, wait_s: float = 30.0) -> list:
+    """Planner processes left by the job that ran in ``cwd`` (the test's ``tmp_path``: a planner
+    starts in its rank's working directory), after the kernel had ``wait_s`` to deliver their
+    SIGKILL (``PR_SET_PDEATHSIG`` acts asynchronously). Called once the job has ended, so every
+    such process outlived its rank. Matched by working directory, not by a parent of pid 1: the
+    planners of tests running beside this one (another pytest worker, another checkout's suite)
+    are not this job's, and a subreaper would adopt an orphan in pid 1's place."""
+    root = os.path.realpath(cwd)
     deadline = time.monotonic() + wait_s
     while True:
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-                state, ppid = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:2]
+                state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+                where = os.readlink(f"/proc/{pid}/cwd")
             except OSError:
                 continue
             if b"sparsebalance_megatron.megatron.step.planner_worker" in cmd and state != "Z" \
-                    and ppid == "1":
+                    and (where == root or where.startswith(root + os.sep)):
                 found.append(int(pid))
         if not found or time.monotonic() > deadline:
             return found
@@ -179,7 +185,7 @@ def test_a_dead_or_stalled_planner_costs_a_step_not_the_job(tmp_path, planner_ba
     assert faulty[-1]["planner_events_total"] == len(warnings) >= 3
     total = read_scalars(tmp_path / "tb")["sparsebalance/planner/events_total"]
     assert total[max(total)] == len(warnings)
-    assert _planner_orphans() == []
+    assert _planner_orphans(tmp_path) == []
 
 
 @pytest.mark.reliability(area="fault", case="PP=2 x DP=2, SAB + DST: rank 1's planner process "
@@ -205,4 +211,4 @@ def test_a_planner_killed_mid_rounds_leaves_every_plan_as_the_uninterrupted_runs
     faulty = read_metrics(tmp_path / "faulty.jsonl")
     _assert_plans_as_uninterrupted(base, faulty)
     assert faulty[-1]["planner_events_total"] >= 2
-    assert _planner_orphans() == []
+    assert _planner_orphans(tmp_path) == []

@@ -13,8 +13,11 @@ from tests.conftest import TINY_MODEL, close, read_scalars, run_entry
 
 pytestmark = pytest.mark.distributed
 
+# --sb-planner thread: the default planner process's packings (tests/unit/test_plan_ahead.py draws
+# all three planners'), without its fresh interpreter per rank (about 1 s of CPU each): where the
+# planning runs is not what these equivalences test (tests/distributed/test_context_parallel_run.py)
 SPARSE = ["--sb-sparse-attention", "--sb-density", "0.5", "--sb-block-size", "32",
-          "--sb-tokenizer", "byte", "--eval-iters", "0"]
+          "--sb-tokenizer", "byte", "--eval-iters", "0", "--sb-planner", "thread"]
 
 
 @pytest.fixture(scope="module")

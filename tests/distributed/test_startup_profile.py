@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import spawn
+
 pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,16 +31,10 @@ JOB_TIMEOUT_S = 2.0
 PROFILE_S = 5.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 MODES = ("shared", "fail", "barrier")
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, out_dir: str) -> None:
     """One rank: join a 2-rank job whose collectives time out after JOB_TIMEOUT_S, then for each
     of MODES wait for a profile (rank 0's) that takes PROFILE_S: ``shared_table`` with a profile
     that succeeds, one that fails, and the former barrier (the control, last: it breaks the
@@ -50,8 +45,11 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
     out = Path(out_dir)
     sys.stdout = open(out / f"rank{rank}.log", "w", buffering=1)
-    # The rendezvous may take a loaded machine longer than the job's timeout: a store of its own.
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
+    # The rendezvous may take a loaded machine longer than the job's timeout: the launcher's
+    # store (its leader's, as torchrun's agent hosts it), reached with a timeout of its own; a
+    # port picked free by the test could be taken before rank 0 bound it (by the leader's store).
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 2, False,
+                          timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=JOB_TIMEOUT_S))
     results = {}
@@ -86,12 +84,11 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, list[dict]]:
-    """Both ranks' results of every mode (one spawn of two processes for the module)."""
-    import torch.multiprocessing as mp
-
+    """Both ranks' results of every mode (one ``conftest.spawn`` of two processes for the
+    module: forked from the server, which has imported torch and the plugin; two fresh
+    interpreters of ``torch.multiprocessing`` cost 3-4 s more CPU)."""
     out = tmp_path_factory.mktemp("startup")
-    mp.start_processes(_rank_main, args=(_free_port(), str(out)), nprocs=2,
-                       start_method="spawn", join=True)
+    spawn(_rank_main, 2, str(out), cwd=out)
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -54,17 +54,42 @@ os._exit(3)            # no finaliser runs: as a rank the watchdog ends, or one 
 def test_the_forked_results_server_ends_with_its_rank(tmp_path):
     """A rank that ends without finalisers (``os._exit``, SIGKILL) must not leave the server
     behind: it would hold the job's output pipe open, and torchrun, the test harness or a
-    user's ``| tee`` would wait for it."""
+    user's ``| tee`` would wait for it. The rank is a plain process forked from the suite's
+    server (``run_python``'s launcher: megatron-core imported once; a fresh interpreter spent
+    about 5 s of CPU importing it), writing to a pipe of this test's, which must reach EOF."""
     import os
+    import select
     import subprocess
     import sys
     import time
 
-    proc = subprocess.run([sys.executable, "-c", EXIT_EARLY], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True, timeout=120)   # EOF: no holder
-    assert proc.returncode == 3
-    server = int(proc.stdout.split()[-1])
-    for _ in range(300):               # 30 s: a generous bound for a loaded machine
+    from tests.conftest import LAUNCHER, _forked_ranks
+    from tests.forked_ranks import launch
+
+    read_end, write_end = os.pipe()
+    if LAUNCHER == "fork":
+        server = _forked_ranks()
+        server.start()
+        rc = launch(server.path, "-c " + EXIT_EARLY, [], 0, tmp_path, dict(os.environ),
+                    write_end, write_end, timeout=120)
+    else:
+        rc = subprocess.run([sys.executable, "-c", EXIT_EARLY], stdout=write_end,
+                            stderr=subprocess.DEVNULL, timeout=120).returncode
+    os.close(write_end)
+    assert rc == 3
+    out, deadline = b"", time.monotonic() + 30   # a generous bound for a loaded machine
+    while True:              # EOF once no process holds the pipe: the server is gone too
+        if not select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            os.close(read_end)
+            raise AssertionError(f"the results server {out.split()} outlived its rank: it "
+                                 f"holds the rank's output pipe after 30 s")
+        chunk = os.read(read_end, 4096)
+        if not chunk:
+            break
+        out += chunk
+    os.close(read_end)
+    server = int(out.split()[-1])
+    for _ in range(300):               # reaped, not a zombie holding its pid
         try:
             os.kill(server, 0)
         except ProcessLookupError:
