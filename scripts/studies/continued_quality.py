@@ -21,7 +21,8 @@ import subprocess
 import sys
 import time
 
-from .common import parser, read_pilot, torchrun, write_result
+from . import common
+from .common import add_pilot_args, check_pilot, parser, torchrun, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ)
@@ -351,9 +352,7 @@ def parse_args(argv=None):
     ap = parser(__doc__, "continued_quality")
     ap.add_argument("--out", required=True, help="runs, data and checkpoints (kept: a run "
                     "whose checkpoint is there is not trained again)")
-    ap.add_argument("--pilot", action="store_true")
-    ap.add_argument("--margin-from", default=None, metavar="PILOT.json")
-    ap.add_argument("--margin-fraction", type=float, default=0.5)
+    add_pilot_args(ap)
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="continued-phase seeds (main: 1-10; pilot: 101-103)")
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=None)
@@ -393,8 +392,7 @@ def parse_args(argv=None):
         args.base_steps, args.steps, args.heldout, args.table = 3, 2, 8, "analytic"
         args.seeds = args.seeds or [1]
         args.pilot = args.margin_from is None
-    if args.pilot == (args.margin_from is not None):
-        ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
+    check_pilot(ap, args)
     if args.pipeline < 1 or args.num_layers % args.pipeline:
         ap.error(f"--pipeline {args.pipeline}: expected a positive divisor of --num-layers "
                  f"{args.num_layers} (each stage the same number of layers)")
@@ -506,11 +504,9 @@ def doc_pairs(arms: list) -> list:
 
 def read_margin(args) -> dict:
     """The pilot's margin, refused if the pilot is not one or ran with other settings."""
-    pilot = read_pilot(args.margin_from, SAME, args, before={"pipeline": 1})
-    return {"margin": pilot["margin"], "margin_source": {
-        "path": args.margin_from, "commit": pilot.get("commit"),
-        "seeds": pilot["config"]["seeds"], "fraction": pilot["config"]["margin_fraction"],
-        "control_harm": {k: pilot["pairs"]["control-static"][k]["mean"] for k in METRICS}}}
+    return common.read_margin(
+        args, SAME, before={"pipeline": 1}, seeds=lambda p: p["config"]["seeds"],
+        control_harm=lambda p: {k: p["pairs"]["control-static"][k]["mean"] for k in METRICS})
 
 
 def print_summary(doc: dict) -> None:

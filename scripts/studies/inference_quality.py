@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from . import smollm2
-from .common import ROOT, parser, read_pilot, write_result
+from . import common
+from .common import ROOT, add_pilot_args, check_pilot, parser, write_result
 
 GROUPS = 6                      # every arm's vector: one density per sixth of the layers
 LAYOUTS = {"pp3": 3, "pp2": 2}  # pipeline stages (DP --dp, micro-batches --microbatches)
@@ -35,12 +36,7 @@ SAME = ("task", "needles", "lengths", "density", "control_factor", "dp", "microb
 def parse_args(argv=None):
     ap = parser(__doc__, "inference_quality")
     ap.add_argument("--samples", type=int, default=None, help="main 60, pilot 16")
-    ap.add_argument("--pilot", action="store_true",
-                    help="fix the margins and the n for the main run (seeds from 500000)")
-    ap.add_argument("--margin-from", default=None, metavar="PILOT.json",
-                    help="the pilot's JSON: its margins (the main run)")
-    ap.add_argument("--margin-fraction", type=float, default=0.5,
-                    help="the pilot's margin: this share of the control's mean harm")
+    add_pilot_args(ap)
     ap.add_argument("--task", default="needle_multiquery")
     ap.add_argument("--needles", type=int, default=4, help="keyed needles a sample, all asked")
     ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
@@ -74,8 +70,7 @@ def parse_args(argv=None):
         args.samples = 16 if args.pilot else 60
     if args.seed_base is None:
         args.seed_base = PILOT_SEED_BASE if args.pilot else MAIN_SEED_BASE
-    if args.pilot == (args.margin_from is not None):
-        ap.error("give --pilot (fix the margins) or --margin-from PILOT.json (the main run)")
+    check_pilot(ap, args)
     if not 0 < args.control_factor < 1 or not 0 < args.density <= 1:
         ap.error(f"--control-factor {args.control_factor} and --density {args.density}: "
                  f"expected in (0, 1)")
@@ -266,11 +261,9 @@ def pilot_plan(summary: dict, args) -> dict:
 
 def read_margin(args) -> dict:
     """The pilot's margins, refused if the pilot is not one or ran in another setting."""
-    pilot = read_pilot(args.margin_from, SAME, args)
-    return {"margin": pilot["margin"], "margin_source": {
-        "path": args.margin_from, "commit": pilot.get("commit"), "n": pilot["summary"]["n"],
-        "control_harm": {m: pilot["summary"]["control"][m]["mean"] for m in METRICS},
-        "fraction": pilot["config"]["margin_fraction"]}}
+    return common.read_margin(
+        args, SAME, n=lambda p: p["summary"]["n"],
+        control_harm=lambda p: {m: p["summary"]["control"][m]["mean"] for m in METRICS})
 
 
 # ---- the run -------------------------------------------------------------------------------------
