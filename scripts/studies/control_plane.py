@@ -244,17 +244,13 @@ def targets(rows: list, points: list) -> dict:
 
 def main(argv=None) -> int:
     p = parser(__doc__, "control_plane")
-    p.add_argument("--dp", default="32,128,512,2048,4096",
-                   help="DP sizes a rank's draft is measured at (PP 4)")
-    p.add_argument("--microbatches", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=1, help="repeats of the record gather's CPU")
     args = p.parse_args(argv)
     from sparsebalance_megatron.megatron.step.planner_worker import warm_up_kernels
 
-    m, points = args.microbatches, []
+    m, points = 16, []
     warm_up_kernels()
     measure_point(2, m, 4)                                 # compiles every kernel once
-    for dp, pp in [(int(x), 4) for x in args.dp.split(",")] + [(PP8_DP, 8)]:
+    for dp, pp in [(dp, 4) for dp in (32, 128, 512, 2048, 4096)] + [(PP8_DP, 8)]:
         q = measure_point(dp, m, pp)
         points.append(q)
         print(f"DP {dp} x PP {pp}: a rank's draft {q['draft_s'] * 1e3:.1f} ms ("
@@ -266,7 +262,7 @@ def main(argv=None) -> int:
               f"(one run's phase maxima: " + ", ".join(
                   f"{x * 1e3:.1f}" for x in q['dst_rank_s']['single_run_phase_maxima'])
               + " ms)", flush=True)
-    rows, fits, pp_ratio = build_rows(points, MAX_WORLD, m, args.repeats)
+    rows, fits, pp_ratio = build_rows(points, MAX_WORLD, m, repeats=1)
     tg = targets(rows, points)
     _print(rows, tg)
     if args.json:

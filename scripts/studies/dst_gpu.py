@@ -231,7 +231,6 @@ def main(argv=None) -> int:
     p = parser(__doc__, "dst_gpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model (the CPU test's)")
     p.add_argument("--density", type=float, default=0.25, help="d0")
-    p.add_argument("--backend", default="auto", help="--sb-attention-backend of the units")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seed", type=int, default=0, help="the corpus stream's")
     p.add_argument("--budget-s", type=float, default=90.0)
@@ -249,8 +248,7 @@ def main(argv=None) -> int:
     s.update({k: v for k, v in vars(args).items() if k in s and v is not None})
     # 'auto' as the runtime runs it at variable lengths (fa4, else triton; the torch kernel
     # off CUDA)
-    backend = args.backend if args.backend != "auto" else (
-        length_free_backend() if cuda else "torch")
+    backend = length_free_backend() if cuda else "torch"
     priced = backend if backend in ("fa4", "triton") else "triton"
     lm, described = latency_model(s, cuda, priced)
     lengths = np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
