@@ -234,6 +234,20 @@ def check_pilot(ap, args) -> None:
         ap.error("give --pilot (fix the margins) or --margin-from PILOT.json (the main run)")
 
 
+def pilot_margin(args, harm: float, sd, compare_sd) -> tuple:
+    """A pilot's (margin, n needed) of one metric: ``--margin-fraction`` of the control's mean
+    ``harm`` (None where the control did no harm), and the n at 80% power that detects the
+    control (its SD ``sd``) and finds the arm non-inferior at that margin (``compare_sd``: that
+    comparison's SD; none measured: 2); None where the harm or ``sd`` is 0."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    margin = args.margin_fraction * harm if harm > 0 else None
+    if not (harm > 0 and sd):
+        return margin, None
+    return margin, {"control": V.n_needed(sd, harm),
+                    "non_inferior": V.n_needed(compare_sd, margin) if compare_sd else 2}
+
+
 def read_margin(args, same, before: dict | None = None, **source) -> dict:
     """The margins of the pilot at ``--margin-from``, refused unless it is a pilot's JSON with a
     margin that ran with the main run's ``same`` settings (a margin holds for the setting it

@@ -481,12 +481,11 @@ def summarize(doc: dict, args) -> dict:
         out["margin"], out["seeds_needed"] = {}, {}
         for k in METRICS:
             c = pairs["control-static"][k]
-            out["margin"][k] = args.margin_fraction * c["mean"] if c["mean"] > 0 else None
-            if c["mean"] > 0 and c["sd"]:
-                # the arm comparison's SD is not measured by the pilot: the control's paired SD
-                # (two continued runs on the same data order) stands in for it
-                out["seeds_needed"][k] = {"control": V.n_needed(c["sd"], c["mean"]),
-                                          "non_inferior": V.n_needed(c["sd"], out["margin"][k])}
+            # the arm comparison's SD is not measured by the pilot: the control's paired SD
+            # (two continued runs on the same data order) stands in for it
+            out["margin"][k], need = common.pilot_margin(args, c["mean"], c["sd"], c["sd"])
+            if need:
+                out["seeds_needed"][k] = need
     return out
 
 

@@ -240,20 +240,15 @@ def pilot_plan(summary: dict, args) -> dict:
     """The margins (``--margin-fraction`` of the control's harm, per metric) and the n the
     power calculation asks for: the control detected, and DST found non-inferior to the
     equal-time arm, each at 80% power, from the pilot's SDs."""
-    from sparsebalance_megatron.eval import verdict as V
-
     out = {"margin": {}, "n_needed": {}}
     lay = args.layouts[0]
     for m in METRICS:
         ctl = summary["control"][m]
         cmp = summary["comparisons"][f"{lay}: dst - eqtime ({m}"
                                      f"{', token-weighted' if m == 'loss' else ''})"]
-        harm = ctl["mean"]
-        out["margin"][m] = args.margin_fraction * harm if harm > 0 else None
-        if harm > 0 and ctl["sd"]:
-            out["n_needed"][m] = {"control": V.n_needed(ctl["sd"], harm), "non_inferior":
-                                  V.n_needed(cmp["sd"], out["margin"][m]) if cmp["sd"]
-                                  else 2}
+        out["margin"][m], need = common.pilot_margin(args, ctl["mean"], ctl["sd"], cmp["sd"])
+        if need:
+            out["n_needed"][m] = need
     return out
 
 
