@@ -13,6 +13,8 @@ import numpy as np
 
 from .common import parser, write_result
 
+SEED = 7            # the held-out micro-batches' and their densities'
+
 
 def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") -> list[list[int]]:
     from sparsebalance_megatron.data import load_corpus, padding_lengths
@@ -48,9 +50,7 @@ def main(argv=None) -> int:
     p = parser(__doc__, "latency_eval", json_required=True)
     p.add_argument("--table", required=True)
     p.add_argument("--n", type=int, default=12, help="held-out micro-batches per stage kind")
-    p.add_argument("--seed", type=int, default=7)
     p.add_argument("--doc-unit", choices=("file", "section"), default="file")
-    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
 
     import torch
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                                                                 init_single_process, time_microbatch)
     warnings.filterwarnings("ignore", message=".*RNG state changed.*")
     if not torch.cuda.is_available():
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(1)
     table = read_table(args.table)
     model = LatencyModel.fit(table, where=args.table)        # fit on the grid only
     if device_name() != table["device"]:
@@ -80,8 +80,8 @@ def main(argv=None) -> int:
                              query_chunk_blocks=att.get("query_chunk_blocks", 16))
     repeats, stat = int(prof.get("repeats", 3)), prof.get("statistic", "median")
     init_single_process(sb.seed)
-    rng = np.random.default_rng(args.seed)
-    mixes = heldout_mixes(shape.seq_length, args.n, args.seed, args.doc_unit)
+    rng = np.random.default_rng(SEED)
+    mixes = heldout_mixes(shape.seq_length, args.n, SEED, args.doc_unit)
     grid = sorted({m["density"] for m in table["measurements"]})
     rows = []
     kinds = table["pipeline"]["stage_kinds"]
