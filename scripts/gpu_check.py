@@ -24,9 +24,9 @@ from studies.device import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
 from studies.gpu_trace import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
                                cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
                                train_summary)
-STEPS = ("env", "smoke", "pieces", "bench", "tests", "recompile", "latency", "dst", "train")
+STEPS = ("env", "pieces", "bench", "tests", "recompile", "latency", "dst", "train")
 # per-step limits, sized so each call of the device plan (gpu_plan.PLAN) ends inside its budget
-LIMIT_S = {"env": 20, "smoke": 110, "pieces": 40, "bench": 75, "tests": 150, "recompile": 180,
+LIMIT_S = {"env": 20, "pieces": 40, "bench": 75, "tests": 150, "recompile": 180,
            "latency": 110, "dst": 90, "train": 385}
 
 
@@ -109,9 +109,8 @@ def run_steps(steps, out_dir, deadline, train_backend="auto", work=None, bench_b
                                  tail, re.M)
             res = {"ok": rc == 0, "rc": rc, "seconds": sec,
                    "summary": summary[-1] if summary else tail[-300:]}
-        elif name in ("smoke", "bench"):
-            res = step_bench(py, out_dir, work, limit, env, bench_backends,
-                             smoke=name == "smoke", lengths=bench_lengths)
+        elif name == "bench":
+            res = step_bench(py, out_dir, work, limit, env, bench_backends, bench_lengths)
         elif name == "recompile":
             res = {"ok": True}
             for backend in bench_backends:
@@ -293,8 +292,6 @@ def main(argv=None) -> int:
     ap.add_argument("--bundle", action="store_true",
                     help="keep logs and step outputs in a work folder under /tmp and put them "
                          "in OUT_DIR/bundle.tar.gz (a device call returns at most 8 files)")
-    ap.add_argument("--plan", action="store_true",
-                    help="print the device plan (scripts/gpu_plan.py) and exit")
     ap.add_argument("--child-recompile", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--child-backend", default="flex", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -302,9 +299,6 @@ def main(argv=None) -> int:
         with open(args.child_recompile, "w") as fh:
             json.dump(step_recompile(args.child_backend), fh, indent=1)
         return 0
-    if args.plan:
-        import gpu_plan
-        return gpu_plan.main(["show"])
     bad = [n for n in args.bench_lengths or () if n < 128]
     if bad:
         ap.error(f"--bench-lengths {bad[0]}: expected token counts >= 128 (one attention block)")

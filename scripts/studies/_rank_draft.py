@@ -119,12 +119,8 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
                                            else 0)
         # the rank's own draft as the runtime makes it (``Drafter.own_draft``: SAB's assignment
         # and its units, its row of the baseline with its features), then settle's compute
-        spent = []                      # the least of ``repeats`` (as DST's, below)
-        for _ in range(repeats):
-            c0 = time.thread_time()
-            d = drafter.draft(1, 0, segs, m, with_dst=False, rank=r)
-            spent.append(time.thread_time() - c0)
-        t["own_draft"] = min(spent)
+        d = _timed(t, "own_draft", drafter.draft, 1, 0, segs, m, with_dst=False, rank=r,
+                   repeats=repeats)
         asg, mine = d.sab
         own = _timed(t, "sab.rank_plan", asg.rank_plan, mine, agreed, repeats=repeats)
         _timed(t, "features", drafter.units, own, repeats=repeats)

@@ -23,6 +23,7 @@ from sparsebalance_megatron.attention.selection import estimate_block_shares, se
 from .common import parser, write_result
 
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
+MEM_DENSITY = 0.125         # --mem-seq-len's density
 
 
 def _median_ms(fn, reps: int, warmup: int = 1):
@@ -251,19 +252,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smallest sizes; under a minute on CPU")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (median)")
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--train-steps", type=int, default=None)
-    ap.add_argument("--no-recall", action="store_true")
-    ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--mem-seq-len", type=int, default=None,
                     help="CPU: also measure the peak-RSS growth of one fwd+bwd at this length")
-    ap.add_argument("--mem-density", type=float, default=0.125)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's); 1 is steadier on a shared host")
     args = ap.parse_args(argv)
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    train_note = None
     cuda = torch.cuda.is_available()
     if cuda:
         seq_lens, dtype, nh, ng, hn = ([8192] if args.quick else [8192, 32768]), \
@@ -276,33 +272,31 @@ def main(argv=None) -> int:
                f"{torch.get_num_threads()} threads)"
     reps = args.reps or (1 if args.quick else 3)
     rows = []
-    if not args.no_timing and cuda:
+    if cuda:
         # a GPU's timings are the kernel table's (pass by pass against cuDNN), not this study's
         print("timing on a GPU: python scripts/bench.py attention_gpu (the kernel table)")
-    elif not args.no_timing:
+    else:
         rows += bench_kernels(seq_lens, dtype, nh, ng, hn, reps, args.block_size)
     if args.mem_seq_len and not cuda:
-        row = peak_memory_row(args.mem_seq_len, args.mem_density, nh, ng, hn, args.block_size)
-        print(f"memory: {args.mem_seq_len} tokens, density {args.mem_density}: peak RSS grew "
+        row = peak_memory_row(args.mem_seq_len, MEM_DENSITY, nh, ng, hn, args.block_size)
+        print(f"memory: {args.mem_seq_len} tokens, density {MEM_DENSITY}: peak RSS grew "
               f"{row['peak_rss_growth_mib']:.0f} MiB during fwd+bwd ({row['fwd_bwd_cpu_ms']:.0f} "
               f"ms CPU); one fp32 L x L score matrix per head would be "
               f"{row['dense_scores_per_head_mib']:.0f} MiB")
         rows.append(row)
-    if not args.no_recall:
-        steps = args.train_steps or (20 if args.quick else 200)
-        seq_len, eval_len = (512, 1024) if args.quick else (1024, 2048)
-        t0 = time.perf_counter()
-        model, tokens, losses = train_tiny_lm(steps, seq_len, batch=4, eval_len=eval_len)
-        train_note = (f"tiny LM (2 layers, dim 128, 4 q / 2 kv heads, RoPE) trained {steps} "
-                      f"steps x 4 x {seq_len} tokens of CPython stdlib sources: loss "
-                      f"{losses[0]:.2f} -> {statistics.mean(losses[-5:]):.2f}")
-        print(f"  {train_note} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        rows += recall_rows(model, tokens, args.block_size, DENSITIES)
+    steps = 20 if args.quick else 200
+    seq_len, eval_len = (512, 1024) if args.quick else (1024, 2048)
+    t0 = time.perf_counter()
+    model, tokens, losses = train_tiny_lm(steps, seq_len, batch=4, eval_len=eval_len)
+    train_note = (f"tiny LM (2 layers, dim 128, 4 q / 2 kv heads, RoPE) trained {steps} "
+                  f"steps x 4 x {seq_len} tokens of CPython stdlib sources: loss "
+                  f"{losses[0]:.2f} -> {statistics.mean(losses[-5:]):.2f}")
+    print(f"  {train_note} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    rows += recall_rows(model, tokens, args.block_size, DENSITIES)
 
     print(f"device: {name}; torch {torch.__version__}; block_size {args.block_size}; "
           f"threads {torch.get_num_threads()}")
-    if train_note:
-        print(f"recall model: {train_note}")
+    print(f"recall model: {train_note}")
     print(f"| {'kind':7} | {'seq_len':>7} | {'density':>7} | {'backend':>15} | {'fwd_bwd_ms':>10} "
           f"| {'vs_d1.0':>7} | {'vs_sdpa':>7} | {'cpu_ms':>8} | {'cpu_vs_d1.0':>11} "
           f"| {'select_ms':>9} | {'recall':>6} |")

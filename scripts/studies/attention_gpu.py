@@ -47,7 +47,7 @@ def plan_cases(args, mixes):
         out += [dict(case="single", lens=[t], shape=shape, packed=False) for t in singles]
     for shape in args.shapes:
         for unit in (c for c in args.cases if c != "single"):
-            for i, lens in enumerate(mixes.get(unit, [])[:args.micro_batches]):
+            for i, lens in enumerate(mixes.get(unit, [])[:1]):     # one packed micro-batch
                 out.append(dict(case=f"{unit}#{i}", lens=list(lens), shape=shape, packed=True))
     return out
 
@@ -271,8 +271,6 @@ def main(argv=None) -> int:
                     default=["single", "file"])
     ap.add_argument("--lengths", type=int, nargs="+", default=list(SINGLE_LENGTHS),
                     help="single-document lengths (tokens)")
-    ap.add_argument("--mixes", default=MIXES_PATH, help="packed micro-batches (JSON)")
-    ap.add_argument("--micro-batches", type=int, default=1, help="packed micro-batches per mix")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip the correctness checks against float64")
@@ -312,7 +310,7 @@ def main(argv=None) -> int:
     log = RowLog(args.jsonl)
     mixes = {}
     if any(c != "single" for c in args.cases):
-        with open(args.mixes) as fh:
+        with open(MIXES_PATH) as fh:
             mixes = json.load(fh)["mixes"]
     finished = run(args, backends, log, clock, mixes)
     rows = log.rows

@@ -218,11 +218,42 @@ def write_result(path: str | None, doc: dict) -> dict:
 UNTIMED_STEPS = 2     # the README job's warm-up steps (run_demo): not timed
 
 
-def read_pilot(path: str, same, args, before: dict | None = None) -> dict:
-    """A pilot's JSON for a main run's ``--margin-from``: refused unless it is a pilot's with a
-    margin and ran with the main run's ``same`` settings (a margin holds for the setting it
-    was fixed in); ``before``: the value of a setting added since, for a pilot that predates
-    it."""
+# ---- the quality studies' pilot: it fixes the margins a main run's verdicts use ---------------
+
+def add_pilot_args(ap) -> None:
+    ap.add_argument("--pilot", action="store_true",
+                    help="fix the margins and the n for the main run")
+    ap.add_argument("--margin-from", default=None, metavar="PILOT.json",
+                    help="the pilot's JSON: its margins (the main run)")
+    ap.add_argument("--margin-fraction", type=float, default=0.5,
+                    help="the pilot's margin: this share of the control's mean harm")
+
+
+def check_pilot(ap, args) -> None:
+    if args.pilot == (args.margin_from is not None):
+        ap.error("give --pilot (fix the margins) or --margin-from PILOT.json (the main run)")
+
+
+def pilot_margin(args, harm: float, sd, compare_sd) -> tuple:
+    """A pilot's (margin, n needed) of one metric: ``--margin-fraction`` of the control's mean
+    ``harm`` (None where the control did no harm), and the n at 80% power that detects the
+    control (its SD ``sd``) and finds the arm non-inferior at that margin (``compare_sd``: that
+    comparison's SD; none measured: 2); None where the harm or ``sd`` is 0."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    margin = args.margin_fraction * harm if harm > 0 else None
+    if not (harm > 0 and sd):
+        return margin, None
+    return margin, {"control": V.n_needed(sd, harm),
+                    "non_inferior": V.n_needed(compare_sd, margin) if compare_sd else 2}
+
+
+def read_margin(args, same, before: dict | None = None, **source) -> dict:
+    """The margins of the pilot at ``--margin-from``, refused unless it is a pilot's JSON with a
+    margin that ran with the main run's ``same`` settings (a margin holds for the setting it
+    was fixed in); ``before``: the value of a setting added since, for a pilot that predates it;
+    ``source``: {key: f(pilot)} recorded in ``margin_source`` beside its path and commit."""
+    path = args.margin_from
     with open(path) as f:
         pilot = json.load(f)
     if not (pilot.get("config") or {}).get("pilot") or not pilot.get("margin"):
@@ -233,7 +264,9 @@ def read_pilot(path: str, same, args, before: dict | None = None) -> dict:
     if differ:
         raise SystemExit(f"error: --margin-from {path}: the pilot ran with other "
                          f"{', '.join(differ)}: a margin holds for the setting it was fixed in")
-    return pilot
+    return {"margin": pilot["margin"], "margin_source": {
+        "path": path, "commit": pilot.get("commit"),
+        "fraction": pilot["config"]["margin_fraction"], **{k: f(pilot) for k, f in source.items()}}}
 
 
 def add_steps_arg(ap, default: int) -> None:

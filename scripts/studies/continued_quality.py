@@ -21,7 +21,8 @@ import subprocess
 import sys
 import time
 
-from .common import parser, read_pilot, torchrun, write_result
+from . import common
+from .common import add_pilot_args, check_pilot, parser, torchrun, write_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ)
@@ -351,9 +352,7 @@ def parse_args(argv=None):
     ap = parser(__doc__, "continued_quality")
     ap.add_argument("--out", required=True, help="runs, data and checkpoints (kept: a run "
                     "whose checkpoint is there is not trained again)")
-    ap.add_argument("--pilot", action="store_true")
-    ap.add_argument("--margin-from", default=None, metavar="PILOT.json")
-    ap.add_argument("--margin-fraction", type=float, default=0.5)
+    add_pilot_args(ap)
     ap.add_argument("--seeds", type=int, nargs="+", default=None,
                     help="continued-phase seeds (main: 1-10; pilot: 101-103)")
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=None)
@@ -372,29 +371,25 @@ def parse_args(argv=None):
     ap.add_argument("--seq-length", type=int, default=1024)
     ap.add_argument("--global-batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--continue-lr", type=float, default=1e-3)
-    ap.add_argument("--init-std", type=float, default=0.08)
-    ap.add_argument("--train-docs", type=int, default=30000)
     ap.add_argument("--min-doc", type=int, default=512)
     ap.add_argument("--base-min-doc", type=int, default=17,
                     help="the base's shortest document (17: three needles and their query "
                          "alone, the shortest teach the lookup first)")
-    ap.add_argument("--heldout", type=int, default=1000)
-    ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--table", choices=("analytic", "profile"), default="profile")
-    ap.add_argument("--match-tolerance", type=float, default=0.01)
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 256 tokens, block 8, 3 base and 2 continued steps, 1 "
                          "seed, 8 held-out documents (what the test runs)")
     args = ap.parse_args(argv)
+    # settings no documented run changed (a pilot's margin holds for them: SAME)
+    args.continue_lr, args.init_std, args.train_docs, args.heldout = 1e-3, 0.08, 30000, 1000
+    args.data_seed, args.match_tolerance = 0, 0.01
     if args.quick:
         args.seq_length, args.min_doc, args.block_size, args.train_docs = 256, 128, 8, 200
         args.base_min_doc = 32
         args.base_steps, args.steps, args.heldout, args.table = 3, 2, 8, "analytic"
         args.seeds = args.seeds or [1]
         args.pilot = args.margin_from is None
-    if args.pilot == (args.margin_from is not None):
-        ap.error("give --pilot (fix the margin) or --margin-from PILOT.json (the main run)")
+    check_pilot(ap, args)
     if args.pipeline < 1 or args.num_layers % args.pipeline:
         ap.error(f"--pipeline {args.pipeline}: expected a positive divisor of --num-layers "
                  f"{args.num_layers} (each stage the same number of layers)")
@@ -486,12 +481,11 @@ def summarize(doc: dict, args) -> dict:
         out["margin"], out["seeds_needed"] = {}, {}
         for k in METRICS:
             c = pairs["control-static"][k]
-            out["margin"][k] = args.margin_fraction * c["mean"] if c["mean"] > 0 else None
-            if c["mean"] > 0 and c["sd"]:
-                # the arm comparison's SD is not measured by the pilot: the control's paired SD
-                # (two continued runs on the same data order) stands in for it
-                out["seeds_needed"][k] = {"control": V.n_needed(c["sd"], c["mean"]),
-                                          "non_inferior": V.n_needed(c["sd"], out["margin"][k])}
+            # the arm comparison's SD is not measured by the pilot: the control's paired SD
+            # (two continued runs on the same data order) stands in for it
+            out["margin"][k], need = common.pilot_margin(args, c["mean"], c["sd"], c["sd"])
+            if need:
+                out["seeds_needed"][k] = need
     return out
 
 
@@ -506,11 +500,9 @@ def doc_pairs(arms: list) -> list:
 
 def read_margin(args) -> dict:
     """The pilot's margin, refused if the pilot is not one or ran with other settings."""
-    pilot = read_pilot(args.margin_from, SAME, args, before={"pipeline": 1})
-    return {"margin": pilot["margin"], "margin_source": {
-        "path": args.margin_from, "commit": pilot.get("commit"),
-        "seeds": pilot["config"]["seeds"], "fraction": pilot["config"]["margin_fraction"],
-        "control_harm": {k: pilot["pairs"]["control-static"][k]["mean"] for k in METRICS}}}
+    return common.read_margin(
+        args, SAME, before={"pipeline": 1}, seeds=lambda p: p["config"]["seeds"],
+        control_harm=lambda p: {k: p["pairs"]["control-static"][k]["mean"] for k in METRICS})
 
 
 def print_summary(doc: dict) -> None:

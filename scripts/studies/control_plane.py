@@ -8,7 +8,6 @@ receives, the after-step work and handoff, and the critical path at ``--sb-plann
 from __future__ import annotations
 
 import gc
-import json
 import math
 import time
 from dataclasses import replace
@@ -22,6 +21,8 @@ D0 = 0.5
 TARGET_SHARE = 0.005
 TARGET_DRAFT_S = 0.050
 WORK = ("draft_s", "after_step_s", "handoff_s")
+MAX_WORLD = 16384       # the GPUs the table reaches
+PP8_DP = 512            # the DP size a rank's draft is also measured at with PP 8
 
 
 def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) -> dict:
@@ -243,32 +244,13 @@ def targets(rows: list, points: list) -> dict:
 
 def main(argv=None) -> int:
     p = parser(__doc__, "control_plane")
-    p.add_argument("--dp", default="32,128,512,2048,4096",
-                   help="DP sizes a rank's draft is measured at (PP 4)")
-    p.add_argument("--pp8-dp", default="512", help="DP sizes it is measured at with PP 8")
-    p.add_argument("--microbatches", type=int, default=16)
-    p.add_argument("--max-world", type=int, default=16384)
-    p.add_argument("--repeats", type=int, default=1, help="repeats of the record gather's CPU")
-    p.add_argument("--points-from", default=None,
-                   help="a JSON of this study: its measured points reused (the table, bytes and "
-                        "prices made again; their provenance kept as points_measured)")
     args = p.parse_args(argv)
     from sparsebalance_megatron.megatron.step.planner_worker import warm_up_kernels
 
-    m, points, measured = args.microbatches, [], None
-    if args.points_from:
-        with open(args.points_from) as f:
-            old = json.load(f)
-        points = old["points"]
-        measured = old.get("points_measured") or {k: old.get(k) for k in (
-            "command", "commit", "dirty", "versions", "device")}
-        m = points[0]["m"]
-    else:
-        warm_up_kernels()
-        measure_point(2, m, 4)                             # compiles every kernel once
-    shapes = [] if args.points_from else [(int(x), 4) for x in args.dp.split(",")] + \
-        [(int(x), 8) for x in args.pp8_dp.split(",") if x]
-    for dp, pp in shapes:
+    m, points = 16, []
+    warm_up_kernels()
+    measure_point(2, m, 4)                                 # compiles every kernel once
+    for dp, pp in [(dp, 4) for dp in (32, 128, 512, 2048, 4096)] + [(PP8_DP, 8)]:
         q = measure_point(dp, m, pp)
         points.append(q)
         print(f"DP {dp} x PP {pp}: a rank's draft {q['draft_s'] * 1e3:.1f} ms ("
@@ -280,13 +262,13 @@ def main(argv=None) -> int:
               f"(one run's phase maxima: " + ", ".join(
                   f"{x * 1e3:.1f}" for x in q['dst_rank_s']['single_run_phase_maxima'])
               + " ms)", flush=True)
-    rows, fits, pp_ratio = build_rows(points, args.max_world, m, args.repeats)
+    rows, fits, pp_ratio = build_rows(points, MAX_WORLD, m, repeats=1)
     tg = targets(rows, points)
     _print(rows, tg)
     if args.json:
         write_result(args.json, {
             "model": MODEL, "seq": SEQ, "d0": D0, "microbatches": m,
-            "points": points, "points_measured": measured, "table": rows, "rows": simulator_rows(rows),
+            "points": points, "table": rows, "rows": simulator_rows(rows),
             "growth": {"in_dp_pp4": fits, "pp8_over_pp4": pp_ratio}, "targets": tg,
             "clock": "a rank's work: thread CPU time, the collector paused (DST: each phase's "
                      "maximum over the DP ranks); network: NCCL's alpha-beta model (MODEL)"})

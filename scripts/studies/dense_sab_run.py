@@ -92,14 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, choices=(1, 2), default=2,
                     help="pipeline stages: 2 (the README job, PP=2 x DP=2, 4 processes) or 1 "
                          "(DP=2, 2 processes: what a 2-core machine can time without sharing)")
-    ap.add_argument("--packings", nargs="+", choices=list(PACKINGS), default=list(PACKINGS),
-                    help="the runs of each seed (default: all; the summary pairs what is there)")
     add_steps_arg(ap, 8)
     args = ap.parse_args(argv)
     check_steps(ap, args.steps)
-    if "sab" not in args.packings and "sab_fixed" not in args.packings:
-        ap.error(f"--packings {' '.join(args.packings)}: expected sab or sab_fixed among them "
-                 f"(every ratio is against SAB)")
     if args.global_batch_size < 4 or args.global_batch_size % 2:
         ap.error(f"--global-batch-size {args.global_batch_size}: expected an even number >= 4 "
                  f"(2 DP ranks, at least 2 micro-batches each)")
@@ -108,7 +103,7 @@ def main(argv=None) -> int:
         print(f"warning: {cores} CPU cores for {processes} training processes: the ranks "
               f"time-share the cores, so the balance between them hardly changes a step's wall "
               f"time; run on >= {processes} free cores for a figure of SAB's balance")
-    names = [p for p in PACKINGS if p in args.packings]
+    names = list(PACKINGS)
     per_seed = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, seed in enumerate(args.seeds):

@@ -399,46 +399,45 @@ def rows_of(jsonl):
     return rows
 
 
-def step_bench(py, out_dir, work, limit, env, backends, smoke=False, lengths=None):
-    """The kernel table (or the smoke rows): rows to ``out_dir`` as measured, a deadline 10 s
-    under ``limit``; the summary from the rows that finished, even when the run was cut.
+def step_bench(py, out_dir, work, limit, env, backends, lengths=None):
+    """The kernel table: rows to ``out_dir`` as measured, a deadline 10 s under ``limit``; the
+    summary from the rows that finished, even when the run was cut.
     ``lengths``: the single documents' token counts (None: the table's default, 32K)."""
-    name = "smoke" if smoke else "kernel"
     if not backends:
         return {"ok": False, "rows": 0, "skipped": "no sparse backend can run here"}
-    jsonl = os.path.join(out_dir, f"{name}_rows.jsonl")
-    path = os.path.join(work, f"{name}_table.json")
-    for f in (jsonl, path):
-        if os.path.exists(f):
-            os.remove(f)     # never stale rows
-    cmd = [py, "scripts/bench.py", "attention_gpu", "--jsonl", jsonl, "--json", path,
-           "--deadline-s", str(max(10, limit - 10)), "--backends", *backends,
-           *(["--lengths", *map(str, lengths)] if lengths and not smoke else [])]
-    smoke_args = ["--cases", "single", "--shapes", "8/2/128", "--densities", "0.25",
-                  "--no-check", "--reps", "3"]
-    rc, sec, tail = _run(cmd + (smoke_args if smoke else []),
-                         os.path.join(work, f"{name}.log"), limit, env)
-    rows = rows_of(jsonl)
-    res = {"ok": rc == 0 and bool(rows), "rc": rc, "seconds": sec, "rows": len(rows),
-           "failed_rows": [f"{r.get('backend', 'dense')} {r.get('case', 'check')} "
-                           f"d={r.get('density', 1)}: {r['failed'][:160]}"
-                           for r in rows if "failed" in r][:8]}
+    rows, res = run_rows(py, "attention_gpu", os.path.join(out_dir, "kernel_rows.jsonl"),
+                         os.path.join(work, "kernel_table.json"),
+                         os.path.join(work, "kernel.log"), limit, env,
+                         ["--backends", *backends,
+                          *(["--lengths", *map(str, lengths)] if lengths else [])])
+    res["failed_rows"] = [f"{r.get('backend', 'dense')} {r.get('case', 'check')} "
+                          f"d={r.get('density', 1)}: {r['failed'][:160]}"
+                          for r in rows if "failed" in r][:8]
     res["failed_checks"] = [f"{r['backend']} {r['variant']} {r['shape']}" for r in rows
                             if r.get("kind") == "check" and not r["ok"]]
-    if smoke:
-        res["ms"] = {r["backend"]: r.get("ours_ms") for r in rows if r.get("kind") == "call"}
-        res["dense_ms"] = next((r["dense_ms"] for r in rows if r.get("kind") == "dense"), None)
-    else:
-        from .kernels import summarize     # (imports torch: inside the step)
-        res["summary"] = summarize(rows)
-        res["rows_dense_files"] = sorted({r["dense_varlen_ms"] for r in rows
-                                          if r.get("kind") == "dense"
-                                          and r["case"].startswith("file#")
-                                          and r["shape"] == "14/2/64"   # the train step's shape
-                                          and r["dense_varlen_ms"]})
+    from .kernels import summarize     # (imports torch: inside the step)
+    res["summary"] = summarize(rows)
+    res["rows_dense_files"] = sorted({r["dense_varlen_ms"] for r in rows
+                                      if r.get("kind") == "dense" and r["case"].startswith("file#")
+                                      and r["shape"] == "14/2/64"   # the train step's shape
+                                      and r["dense_varlen_ms"]})
+    return res
+
+
+def run_rows(py, study, jsonl, path, log, limit, env, extra=()):
+    """``scripts/bench.py study``: its rows to ``jsonl`` as measured, its JSON to ``path`` (both
+    removed first: never stale rows), a deadline 10 s under ``limit``. Returns (the rows, even
+    of a cut run; the step's ``ok``, ``rc``, ``seconds``, ``rows`` and a failed run's tail)."""
+    for f in (jsonl, path):
+        if os.path.exists(f):
+            os.remove(f)
+    rc, sec, tail = _run([py, "scripts/bench.py", study, "--jsonl", jsonl, "--json", path,
+                          "--deadline-s", str(max(10, limit - 10)), *extra], log, limit, env)
+    rows = rows_of(jsonl)
+    res = {"ok": rc == 0 and bool(rows), "rc": rc, "seconds": sec, "rows": len(rows)}
     if rc != 0:
         res["tail"] = tail[-1500:]
-    return res
+    return rows, res
 
 
 def step_recompile(backend="flex"):
@@ -509,18 +508,9 @@ def step_pieces(py, out_dir, work, limit, env):
     14/2 x 64, densities 0.25 and 1, one 32K document; each pass's host and GPU time apart and
     its kernels from a profiler trace. Rows to ``out_dir`` as measured, the JSON to ``work``,
     a deadline 10 s under ``limit``."""
-    jsonl = os.path.join(out_dir, "pieces_rows.jsonl")
-    path = os.path.join(work, "fa4_pieces.json")
-    for f in (jsonl, path):
-        if os.path.exists(f):
-            os.remove(f)     # never stale rows
-    rc, sec, tail = _run([py, "scripts/bench.py", "fa4_pieces", "--jsonl", jsonl, "--json", path,
-                          "--deadline-s", str(max(10, limit - 10))],
-                         os.path.join(work, "pieces.log"), limit, env)
-    rows = rows_of(jsonl)
-    res = {"ok": rc == 0 and bool(rows), "rc": rc, "seconds": sec, "rows": len(rows),
-           "failed_rows": [f"{r['backend']} {r['what']} {r['shape']} d={r['density']}: "
-                           f"{r['failed'][:160]}" for r in rows if "failed" in r][:8]}
-    if rc != 0:
-        res["tail"] = tail[-1500:]
+    rows, res = run_rows(py, "fa4_pieces", os.path.join(out_dir, "pieces_rows.jsonl"),
+                         os.path.join(work, "fa4_pieces.json"), os.path.join(work, "pieces.log"),
+                         limit, env)
+    res["failed_rows"] = [f"{r['backend']} {r['what']} {r['shape']} d={r['density']}: "
+                          f"{r['failed'][:160]}" for r in rows if "failed" in r][:8]
     return res

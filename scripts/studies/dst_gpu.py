@@ -20,6 +20,7 @@ GPU_SHAPE = dict(layers=24, pp=4, dp=4, microbatches=4, seq_length=32768, block=
 TINY_SHAPE = dict(layers=2, pp=2, dp=2, microbatches=2, seq_length=256, block=32,
                   hidden=32, ffn=64, heads=4, groups=2, head_dim=8, vocab=256,
                   min_doc_tokens=64)
+D0 = 0.25                   # the static arm's density and DST's d0
 ARMS = ("static", "dst", "dense_sab")
 DENSE_ALL = 1 << 30          # a routing threshold above every document: all of them dense
 
@@ -230,13 +231,8 @@ def compare(arms: dict, measured: dict, p2p: float) -> dict:
 def main(argv=None) -> int:
     p = parser(__doc__, "dst_gpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model (the CPU test's)")
-    p.add_argument("--density", type=float, default=0.25, help="d0")
-    p.add_argument("--backend", default="auto", help="--sb-attention-backend of the units")
     p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0, help="the corpus stream's")
     p.add_argument("--budget-s", type=float, default=90.0)
-    for k in ("dp", "pp", "microbatches", "layers", "seq_length", "min_doc_tokens"):
-        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
     args = p.parse_args(argv)
     t0 = time.time()
     import torch
@@ -246,19 +242,17 @@ def main(argv=None) -> int:
     from .device import length_free_backend
     cuda = torch.cuda.is_available() and not args.tiny
     s = dict(TINY_SHAPE if args.tiny or not cuda else GPU_SHAPE)
-    s.update({k: v for k, v in vars(args).items() if k in s and v is not None})
     # 'auto' as the runtime runs it at variable lengths (fa4, else triton; the torch kernel
     # off CUDA)
-    backend = args.backend if args.backend != "auto" else (
-        length_free_backend() if cuda else "torch")
+    backend = length_free_backend() if cuda else "torch"
     priced = backend if backend in ("fa4", "triton") else "triton"
     lm, described = latency_model(s, cuda, priced)
     lengths = np.asarray(load_corpus(tokenizer="qwen").lengths, dtype=np.int64)
     lengths = lengths[lengths >= s["min_doc_tokens"]]
     sampler = GlobalBatchSampler(lengths, capacity=s["seq_length"], dp=s["dp"],
-                                 num_microbatches=s["microbatches"], seed=args.seed,
+                                 num_microbatches=s["microbatches"], seed=0,
                                  long_sample_policy="split")
-    arms = plan_arms(lm, sampler.next_global_batch(), s, args.density, s["block"])
+    arms = plan_arms(lm, sampler.next_global_batch(), s, D0, s["block"])
     report = arms.pop("_report")
     timer = UnitTimer(s, backend, cuda)
     measured = measure(timer, arms, args.reps, t0 + args.budget_s)
@@ -269,7 +263,7 @@ def main(argv=None) -> int:
         targets = {"dst_gain_within_2_points_of_predicted": abs(summ["gain_gap_points"]) <= 2,
                    "dst_never_below_static": summ["measured_gain_vs_static"] >= 1.0}
     doc = {"shape": s, "backend": backend, "device": "cuda" if cuda else "cpu",
-           "table": described, "d0": args.density, "units_timed": len(timer.cache),
+           "table": described, "d0": D0, "units_timed": len(timer.cache),
            "p2p_s": lm.p2p_s,
            "dst_report": {k: report.get(k) for k in ("units_cut", "units_raised", "speedup",
                                                      "step_time_planned_s",

@@ -154,27 +154,13 @@ def missing(backend: str):
 
 def main(argv=None) -> int:
     p = parser(__doc__, "fa4_pieces")
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
-                   help="in the order they run (default: %(default)s)")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), metavar="NP/NG/HN")
-    p.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
-    p.add_argument("--tokens", type=int, default=TOKENS, help="one document of this many tokens")
-    p.add_argument("--reps", type=int, default=REPS, help="timed and profiled calls per pass")
     p.add_argument("--jsonl", metavar="PATH", help="each row appended as it is measured")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no row later than this many seconds minus a margin")
     args = p.parse_args(argv)
-    from .kernels import Clock, RowLog, parse_shape
-    try:
-        for s in args.shapes:
-            parse_shape(s)
-    except ValueError as e:
-        p.error(str(e))
-    if args.tokens < 128 or args.reps < 1:
-        p.error(f"--tokens {args.tokens} --reps {args.reps}: expected at least 128 tokens (one "
-                f"attention block) and one call")
+    from .kernels import Clock, RowLog
     usable = []
-    for b in args.backends:
+    for b in BACKENDS:
         why = missing(b)
         if why is None:
             usable.append(b)
@@ -183,9 +169,9 @@ def main(argv=None) -> int:
     if not usable:
         return 2
     t0, clock, log = time.time(), Clock(args.deadline_s), RowLog(args.jsonl)
-    finished = all(measure(b, s, args.tokens, args.densities, args.reps, clock, log)
-                   for b in usable for s in args.shapes)
-    write_result(args.json, {"study": "fa4_pieces", "tokens": args.tokens, "reps": args.reps,
+    finished = all(measure(b, s, TOKENS, DENSITIES, REPS, clock, log)
+                   for b in usable for s in SHAPES)
+    write_result(args.json, {"study": "fa4_pieces", "tokens": TOKENS, "reps": REPS,
                              "seconds": time.time() - t0, "cut_by_deadline": not finished,
                              "rows": log.rows, **gpu_provenance()})
     return 1 if any("failed" in r for r in log.rows) else 0

@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from . import smollm2
-from .common import ROOT, parser, read_pilot, write_result
+from . import common
+from .common import ROOT, add_pilot_args, check_pilot, parser, write_result
 
 GROUPS = 6                      # every arm's vector: one density per sixth of the layers
 LAYOUTS = {"pp3": 3, "pp2": 2}  # pipeline stages (DP --dp, micro-batches --microbatches)
@@ -35,16 +36,9 @@ SAME = ("task", "needles", "lengths", "density", "control_factor", "dp", "microb
 def parse_args(argv=None):
     ap = parser(__doc__, "inference_quality")
     ap.add_argument("--samples", type=int, default=None, help="main 60, pilot 16")
-    ap.add_argument("--pilot", action="store_true",
-                    help="fix the margins and the n for the main run (seeds from 500000)")
-    ap.add_argument("--margin-from", default=None, metavar="PILOT.json",
-                    help="the pilot's JSON: its margins (the main run)")
-    ap.add_argument("--margin-fraction", type=float, default=0.5,
-                    help="the pilot's margin: this share of the control's mean harm")
-    ap.add_argument("--task", default="needle_multiquery")
+    add_pilot_args(ap)
     ap.add_argument("--needles", type=int, default=4, help="keyed needles a sample, all asked")
     ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
-    ap.add_argument("--seed-base", type=int, default=None)
     ap.add_argument("--density", type=float, default=0.5, help="d0")
     ap.add_argument("--control-factor", type=float, default=0.9)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -64,6 +58,7 @@ def parse_args(argv=None):
                     help="a smoke run: 6 layers, 4 samples of 256-512 tokens, block 16, DP 2 x "
                          "2 micro-batches of 1K (what the test runs; its numbers mean nothing)")
     args = ap.parse_args(argv)
+    args.task = "needle_multiquery"          # every documented run's (a setting of SAME)
     args.shard = smollm2.parse_shard(ap, args.shard)
     if args.quick:
         args.layers, args.lengths, args.samples = 6, [256, 512], args.samples or 4
@@ -72,10 +67,8 @@ def parse_args(argv=None):
         args.needles = 2
     if args.samples is None:
         args.samples = 16 if args.pilot else 60
-    if args.seed_base is None:
-        args.seed_base = PILOT_SEED_BASE if args.pilot else MAIN_SEED_BASE
-    if args.pilot == (args.margin_from is not None):
-        ap.error("give --pilot (fix the margins) or --margin-from PILOT.json (the main run)")
+    args.seed_base = PILOT_SEED_BASE if args.pilot else MAIN_SEED_BASE
+    check_pilot(ap, args)
     if not 0 < args.control_factor < 1 or not 0 < args.density <= 1:
         ap.error(f"--control-factor {args.control_factor} and --density {args.density}: "
                  f"expected in (0, 1)")
@@ -247,30 +240,23 @@ def pilot_plan(summary: dict, args) -> dict:
     """The margins (``--margin-fraction`` of the control's harm, per metric) and the n the
     power calculation asks for: the control detected, and DST found non-inferior to the
     equal-time arm, each at 80% power, from the pilot's SDs."""
-    from sparsebalance_megatron.eval import verdict as V
-
     out = {"margin": {}, "n_needed": {}}
     lay = args.layouts[0]
     for m in METRICS:
         ctl = summary["control"][m]
         cmp = summary["comparisons"][f"{lay}: dst - eqtime ({m}"
                                      f"{', token-weighted' if m == 'loss' else ''})"]
-        harm = ctl["mean"]
-        out["margin"][m] = args.margin_fraction * harm if harm > 0 else None
-        if harm > 0 and ctl["sd"]:
-            out["n_needed"][m] = {"control": V.n_needed(ctl["sd"], harm), "non_inferior":
-                                  V.n_needed(cmp["sd"], out["margin"][m]) if cmp["sd"]
-                                  else 2}
+        out["margin"][m], need = common.pilot_margin(args, ctl["mean"], ctl["sd"], cmp["sd"])
+        if need:
+            out["n_needed"][m] = need
     return out
 
 
 def read_margin(args) -> dict:
     """The pilot's margins, refused if the pilot is not one or ran in another setting."""
-    pilot = read_pilot(args.margin_from, SAME, args)
-    return {"margin": pilot["margin"], "margin_source": {
-        "path": args.margin_from, "commit": pilot.get("commit"), "n": pilot["summary"]["n"],
-        "control_harm": {m: pilot["summary"]["control"][m]["mean"] for m in METRICS},
-        "fraction": pilot["config"]["margin_fraction"]}}
+    return common.read_margin(
+        args, SAME, n=lambda p: p["summary"]["n"],
+        control_harm=lambda p: {m: p["summary"]["control"][m]["mean"] for m in METRICS})
 
 
 # ---- the run -------------------------------------------------------------------------------------

@@ -24,33 +24,27 @@ ALL_TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_
 
 def parse_args(argv=None):
     ap = parser(__doc__, "long_context")
-    ap.add_argument("--load", default=None, help="converted/trained checkpoint directory")
-    ap.add_argument("--arch-from", default=None,
-                    help="converted checkpoint whose hf_architecture.json describes --load "
-                         "(for checkpoints written by training runs)")
-    ap.add_argument("--gguf", default=None, help="GGUF for weights (if no --load) and tokenizer")
+    ap.add_argument("--gguf", default=None, help="GGUF for weights and tokenizer")
     ap.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=ALL_TASKS)
     ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
     ap.add_argument("--depths", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     ap.add_argument("--samples", type=int, default=2, help="seeds per (task, length, depth)")
     ap.add_argument("--densities", nargs="+", type=float, default=[0.75, 0.5, 0.25, 0.125])
-    ap.add_argument("--mass-threshold", type=float, default=0.9)
     ap.add_argument("--no-mass", action="store_true")
     ap.add_argument("--min-density", type=float, default=0.125)
     ap.add_argument("--max-density", type=float, default=1.0)
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--sink-blocks", type=int, default=1)
-    ap.add_argument("--local-blocks", type=int, default=0)
-    ap.add_argument("--estimator", default="maxkey", choices=["maxkey", "pooled"])
     ap.add_argument("--recall-samples", type=int, default=1,  # 0: no recall measurement
                     help="samples per (task, length) whose dense forward also measures recall")
-    ap.add_argument("--haystack", default="essays", choices=["essays", "shakespeare"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--quick", action="store_true",
                     help="2K tokens, needle_single + needle_multikey, depth 0.5, 2 seeds, "
                          "densities 0.5 and 0.25, mass mode")
     args = ap.parse_args(argv)
+    # the settings every documented run used (recorded in the JSON's settings)
+    args.sink_blocks, args.local_blocks, args.estimator = 1, 0, "maxkey"
+    args.mass_threshold, args.haystack = 0.9, "essays"
     if args.quick:
         args.tasks, args.lengths, args.depths = ["needle_single", "needle_multikey"], [2048], [0.5]
         args.samples, args.densities, args.recall_samples = 2, [0.5, 0.25], 1
@@ -63,16 +57,10 @@ def build_models(args, sb):
     """(dense local-spec model, sparse-spec model sharing the weights' values, arch, tokenizer)."""
     from sparsebalance_megatron.megatron.model import hf_convert
 
-    if args.load:
-        expected = hf_convert.read_checkpoint_arch(args.arch_from) if args.arch_from else None
-        dense, arch = hf_convert.load_checkpoint(args.load, "local", expected=expected)
-        _, tok = hf_convert.load_hf_gguf(args.gguf, with_model=False)
-        name = os.path.basename(os.path.normpath(args.load))
-    else:
-        hf, tok = hf_convert.load_hf_gguf(args.gguf)
-        dense, arch = hf_convert.hf_to_megatron(hf)
-        del hf
-        name = os.path.basename(args.gguf or hf_convert.smollm2_gguf_path())
+    hf, tok = hf_convert.load_hf_gguf(args.gguf)
+    dense, arch = hf_convert.hf_to_megatron(hf)
+    del hf
+    name = os.path.basename(args.gguf or hf_convert.smollm2_gguf_path())
     sparse = hf_convert.build_gpt_model(arch, "sparse", sb)
     sparse.load_state_dict(dense.state_dict(), strict=False)
     for m in (dense, sparse):

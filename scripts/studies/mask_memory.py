@@ -53,13 +53,12 @@ def measure(t: int, bs: int, nh: int, ng: int, density: float) -> dict:
 
 def main(argv=None) -> int:
     ap = parser(__doc__, "mask_memory")
-    ap.add_argument("--densities", type=float, nargs="+", default=[0.25, 1.0])
     args = ap.parse_args(argv)
     rows = []
     for name, (nh, ng) in HEADS.items():
         for t in (32768, 131072):
             for bs in (64, 128):
-                for d in args.densities:
+                for d in (0.25, 1.0):
                     r = measure(t, bs, nh, ng, d)
                     r["model"] = name
                     rows.append(r)

@@ -45,9 +45,6 @@ def parse_args(argv=None):
     step.add_argument("--validate", action="store_true", help="check it on unseen plans")
     ap.add_argument("--samples", type=int, default=None,
                     help="calibration 16, validation 24 (--quick: 3)")
-    ap.add_argument("--kinds", nargs="+", default=["needle_multikey", "text_code",
-                                                    "needle_single", "text_prose"],
-                    choices=smollm2.KINDS)
     ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
     ap.add_argument("--density", type=float, default=0.5, help="d0, the reference")
     ap.add_argument("--block-size", type=int, default=64)
@@ -56,42 +53,24 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=None, help="a cut of the model (--quick: 3)")
     ap.add_argument("--cache", default=None, metavar="PATH.jsonl",
                     help="the forwards' cache (default runs/plan_quality/<step>.jsonl)")
-    ap.add_argument("--model-out", default=DEFAULT_MODEL,
-                    help="--calibrate: where the fitted model goes")
-    ap.add_argument("--terms", nargs="*", default=[], choices=("length", "interaction"),
-                    help="--calibrate: the model's optional terms (default none: on whole "
-                         "held-out plans the length term predicted moves between long and "
-                         "short samples 2-3x too large, and the interaction changed nothing)")
     ap.add_argument("--model", default=DEFAULT_MODEL, help="--validate: the model checked")
-    ap.add_argument("--calibration-cache", default=os.path.join(ROOT, "runs", "plan_quality",
-                                                                 "calibrate.jsonl"),
-                    help="--validate: the calibration's forwards (to refit the model without "
-                         "its length term or interaction)")
-    ap.add_argument("--old-model", default=None,
-                    help="--validate: a model to compare (default: the one fitted before on "
-                         "essay windows, docs/results/quality_cost_smollm2.json)")
     ap.add_argument("--seed", type=int, default=0, help="--validate: the random plans' seed")
-    ap.add_argument("--menu-only", action="store_true",
-                    help="--validate: only the menu's forwards (they need no model; DST's "
-                         "plans and the scores wait for a run without it)")
     ap.add_argument("--refresh", action="store_true",
                     help="--validate: also measure the in-run quality refresh's probe on fresh "
                          "held-out micro-batches and score the plans by the refreshed models")
-    ap.add_argument("--refresh-microbatches", type=int, default=4,
-                    help="--refresh: held-out micro-batches of 8K measured (the runtime's one a "
-                         "DP rank); scales from the first 1, 2, 4, ... of them")
-    ap.add_argument("--refresh-probe", type=float, default=None, metavar="RATIO",
-                    help="--refresh: each group probed at RATIO x d0 (default: the runtime's, "
-                         "probe_density's)")
-    ap.add_argument("--refresh-cache", default=None, metavar="PATH.jsonl",
-                    help="--refresh: its forwards' cache (default runs/plan_quality/"
-                         "refresh.jsonl)")
     ap.add_argument("--shard", default="0/1", metavar="K/N",
                     help="measure every N-th forward from the K-th only (processes sharing the "
                          "cache; the fit and report wait for a run without --shard)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 3 layers, 3 samples of 256-512 tokens, block 16")
     args = ap.parse_args(argv)
+    # the text kinds, the calibration's cache (--validate refits it without its optional
+    # terms) and the refresh's held-out micro-batches of 8K (the runtime's: one a DP rank)
+    args.kinds = ["needle_multikey", "text_code", "needle_single", "text_prose"]
+    quick = "_quick" if args.quick else ""
+    args.calibration_cache = os.path.join(ROOT, "runs", "plan_quality", f"calibrate{quick}.jsonl")
+    args.refresh_cache = os.path.join(ROOT, "runs", "plan_quality", f"refresh{quick}.jsonl")
+    args.refresh_microbatches = 4
     args.shard = smollm2.parse_shard(ap, args.shard)
     if args.quick:
         args.layers, args.lengths, args.block_size = 3, [256, 512], 16
@@ -99,20 +78,10 @@ def parse_args(argv=None):
     if args.samples is None:
         args.samples = 16 if args.calibrate else 24
     step = "calibrate" if args.calibrate else "validate"
-    if args.validate and args.quick and args.calibration_cache.endswith("calibrate.jsonl"):
-        args.calibration_cache = args.calibration_cache[:-6] + "_quick.jsonl"
     if args.cache is None:
-        args.cache = os.path.join(ROOT, "runs", "plan_quality",
-                                  f"{step}{'_quick' if args.quick else ''}.jsonl")
+        args.cache = os.path.join(ROOT, "runs", "plan_quality", f"{step}{quick}.jsonl")
     if args.refresh and not args.validate:
         ap.error("--refresh goes with --validate")
-    if args.refresh_microbatches < 1:
-        ap.error(f"--refresh-microbatches {args.refresh_microbatches}: expected at least 1")
-    if args.refresh_probe is not None and not 0.0 < args.refresh_probe < 1.0:
-        ap.error(f"--refresh-probe {args.refresh_probe}: expected a ratio of d0 in (0, 1)")
-    if args.refresh_cache is None:
-        args.refresh_cache = os.path.join(ROOT, "runs", "plan_quality",
-                                          f"refresh{'_quick' if args.quick else ''}.jsonl")
     return args
 
 
@@ -137,10 +106,10 @@ def calibrate(args) -> int:
                                     model_name=f"SmolLM2-135M ({num_layers(args)} layers, "
                                                f"block {args.block_size})",
                                     text=" + ".join(args.kinds),
-                                    block_size=args.block_size, terms=args.terms)
+                                    block_size=args.block_size, terms=())   # --validate scores them
     if not args.quick:
-        model.save(args.model_out)
-        print(f"wrote {os.path.relpath(args.model_out, ROOT)}")
+        model.save(DEFAULT_MODEL)
+        print(f"wrote {os.path.relpath(DEFAULT_MODEL, ROOT)}")
     write_result(args.json, {"config": {k: v for k, v in vars(args).items() if k != "json"},
                              "vectors": [list(v) for v in CALIBRATION],
                              "model": model.as_dict(), "fit": report, "rows": rows})
@@ -287,10 +256,10 @@ REFRESH_SEED_BASE = 400_000
 QUICK_SEQ = 1024                 # --quick's micro-batches (its samples are 256-512 tokens)
 
 
-def refresh_vectors(d0: float, groups: int = GROUPS, ratio=None) -> list:
+def refresh_vectors(d0: float, groups: int = GROUPS) -> list:
     """The probe's passes as group vectors: uniform d0, then each group alone at
-    ``probe_tested(d0, ratio)`` (the runtime's order)."""
-    t = probe_tested(d0, ratio)
+    ``probe_tested(d0)`` (the runtime's order)."""
+    t = probe_tested(d0)
     return [(float(d0),) * groups] + [tuple(t if g == k else float(d0) for g in range(groups))
                                       for k in range(groups)]
 
@@ -305,18 +274,17 @@ def held_out_bins(lengths: list, count: int, seq: int = SEQ) -> list:
     return bins[:count]
 
 
-def probe_tested(d0: float, ratio=None) -> float:
-    """The probe's density: ``probe_density(d0)`` at the runtime's ratio (None) or ``ratio``."""
+def probe_tested(d0: float) -> float:
+    """The probe's density: ``probe_density(d0)`` at the runtime's ratio."""
     from sparsebalance_megatron.policy.quality_refresh import probe_density
 
-    return round(probe_density(d0) if ratio is None else probe_density(d0, ratio), 6)
+    return round(probe_density(d0), 6)
 
 
-def probe_refresh(cost, d0: float, docs: list, stride: int, ratio=None) -> dict:
+def probe_refresh(cost, d0: float, docs: list, stride: int) -> dict:
     """The refresh the runtime would make of the measured documents: ``docs`` one per document,
     (its length, [rows of the passes of ``refresh_vectors``] with ``loss`` and ``tokens``),
-    through the probe's ``pass_stats`` and ``changes`` and the policy's ``refresh_scales``; the
-    probe at ``ratio`` x d0 (None: the runtime's)."""
+    through the probe's ``pass_stats`` and ``changes`` and the policy's ``refresh_scales``."""
     from sparsebalance_megatron.megatron.step.quality_probe import changes, pass_stats
     from sparsebalance_megatron.policy.quality_refresh import (predicted_changes, refresh_scales,
                                                                shrink_weight)
@@ -330,7 +298,7 @@ def probe_refresh(cost, d0: float, docs: list, stride: int, ratio=None) -> dict:
         per_pass.append(np.stack([loss * scored, scored], axis=1))
     change, se, base_loss = changes(pass_stats(per_pass), g)
     lengths = np.array([n for n, _ in docs], dtype=np.float64)
-    tested = [probe_tested(d0, ratio)] * g
+    tested = [probe_tested(d0)] * g
     predicted = predicted_changes(cost, d0, tested, lengths, lengths)
     scales = refresh_scales(cost, d0, tested, change, se, lengths=lengths, tokens=lengths)
     return {"documents": len(docs), "tokens": int(lengths.sum()), "held_out_loss": base_loss,
@@ -355,7 +323,7 @@ def measure_refresh(args, cost) -> tuple:
     samples = smollm2.samples(args.kinds, n, args.lengths, REFRESH_SEED_BASE, enc)
     lengths = [smollm2.tokens(s) + 1 for s in samples]      # a document: prompt + answer
     bins = held_out_bins(lengths, args.refresh_microbatches, seq)
-    vectors = refresh_vectors(args.density, ratio=args.refresh_probe)
+    vectors = refresh_vectors(args.density)
     jobs = [(i, v) for mb in bins for i in mb for v in vectors]
     print(f"refresh: {len(bins)} held-out micro-batches of {sum(map(len, bins))} documents, "
           f"{len(jobs)} forwards (cache {args.refresh_cache})", flush=True)
@@ -366,8 +334,7 @@ def measure_refresh(args, cost) -> tuple:
     report, found = [], {}
     for k in refresh_counts(len(bins)):
         docs = [(lengths[i], [rows[i, v] for v in vectors]) for mb in bins[:k] for i in mb]
-        r = {"microbatches": k, **probe_refresh(cost, args.density, docs, args.loss_stride,
-                                                         args.refresh_probe),
+        r = {"microbatches": k, **probe_refresh(cost, args.density, docs, args.loss_stride),
              "samples": [smollm2.key(samples[i]) for mb in bins[:k] for i in mb]}
         report.append(r)
         found[f"refreshed on {k} held-out micro-batch{'es' if k > 1 else ''}"] = r["scales"]
@@ -389,14 +356,14 @@ def validate(args) -> int:
     samples = smollm2.samples(args.kinds, args.samples, args.lengths, VALIDATION_SEED_BASE, enc)
     lengths = [smollm2.tokens(s) for s in samples]
     checked = plans(lengths, seed=args.seed)
-    own = [] if args.quick or args.menu_only else dst_plans(args, smollm2.arch(), lengths)
+    own = [] if args.quick else dst_plans(args, smollm2.arch(), lengths)
     vectors = {REFERENCE, *MENU, *{v for _, p, _ in own for v in p.values()}}
     jobs = [(i, v) for i in range(len(samples)) for v in sorted(vectors)
             if v in (REFERENCE, *MENU) or any(p.get(i) == v for _, p, _ in own)]
     print(f"{len(samples)} held-out samples, {len(checked) + len(own)} plans, {len(jobs)} "
           f"forwards (cache {args.cache})", flush=True)
     got = measure(args, jobs, samples, Cache(args.cache))
-    if args.shard[1] > 1 or args.menu_only:
+    if args.shard[1] > 1:
         print(f"shard {args.shard[0]}/{args.shard[1]} done")
         return 0
     rows = {(i, tuple(v)): r for (i, v), r in zip(jobs, got)}
@@ -419,10 +386,9 @@ def validate(args) -> int:
                                          block_size=args.block_size, replicates=0, terms=terms)
             models["with " + " and ".join(terms)] = (
                 predictor(variant, args.density, layers)[0], None)
-    old = args.old_model or OLD_MODEL
-    if os.path.exists(old):
+    if os.path.exists(OLD_MODEL):
         models["essay windows, one group at a time (before)"] = (
-            predictor(QualityCost.load(old), args.density, layers)[0], None)
+            predictor(QualityCost.load(OLD_MODEL), args.density, layers)[0], None)
     scored = score_plans(checked + own, rows, samples, models)
     result = {k: metrics(scored, k) for k in models}
     moves = [r for r in scored if " all " not in r["plan"]]     # density moved between units

@@ -12,8 +12,7 @@ import time
 
 import numpy as np
 
-from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, STAND_DOWN_COMPARES,
-                                           SparseBalanceConfig)
+from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
 
 from .common import median_ms, parser, write_result
 from ._slowdown import launch_slowdown
@@ -248,14 +247,8 @@ def main(argv=None) -> int:
                    help="DST's objective in the per-step rows (--sb-dst-objective)")
     p.add_argument("--dst-descent", default=defaults.dst_descent, choices=DST_DESCENTS,
                    help="DST's critical-path descent in the per-step rows (--sb-dst-descent)")
-    p.add_argument("--stand-down-compare", default=defaults.stand_down_compare,
-                   choices=STAND_DOWN_COMPARES, help="--sb-stand-down-compare of the drafts "
-                   "('static': DST plans only the packing the static plans chose)")
     p.add_argument("--repeats", type=int, default=5, help="steps timed per shape (after one "
                    "warm-up step)")
-    p.add_argument("--slowdown-window-s", type=float, default=None,
-                   help="length of a step window of the training-thread slowdown test "
-                        "(default: the simulated step of 64 DP x 16 x PP4 on the best layout)")
     p.add_argument("--no-slowdown", action="store_true",
                    help="skip the training-thread slowdown test")
     p.add_argument("--reader", action="store_true",
@@ -263,8 +256,7 @@ def main(argv=None) -> int:
                         "against settled in the planner process, relayed (``reader_cpu``)")
     args = p.parse_args(argv)
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective=args.dst_objective,
-                             dst_descent=args.dst_descent,
-                             stand_down_compare=args.stand_down_compare)
+                             dst_descent=args.dst_descent)
     if args.reader:
         return _reader_only(sb, args)
 
@@ -311,7 +303,7 @@ def main(argv=None) -> int:
             rows.append((f"{tag}: --sb-planner {a['planner']}, critical path",
                          a["critical_path_ms"], budget))
     slow = None if args.no_slowdown else launch_slowdown(
-        sb, window_s=args.slowdown_window_s or shapes["64x16 best"]["step_s"])
+        sb, window_s=shapes["64x16 best"]["step_s"])
     print(f"{'what':<78} {'median ms':>10} {'target ms':>10}")
     for name, ms, target in rows:
         print(f"{name:<78} {ms:>10.2f} {'-' if target is None else f'{target:.1f}':>10}")
@@ -342,7 +334,7 @@ def main(argv=None) -> int:
         write_result(args.json, {
             "machine": platform.processor() or platform.machine(),
             "clock": "thread CPU time", "dst_objective": args.dst_objective,
-            "dst_descent": args.dst_descent, "stand_down_compare": args.stand_down_compare,
+            "dst_descent": args.dst_descent, "stand_down_compare": sb.stand_down_compare,
             "planner": sb.planner, "reference_ms": ref_ms,
             "steps": steps, "shapes": shapes, "launch_slowdown": slow,
             "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]})

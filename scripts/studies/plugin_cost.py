@@ -8,7 +8,6 @@ plane the runtime had before (issue 44 item 4).
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import time
 

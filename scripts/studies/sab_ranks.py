@@ -1,6 +1,6 @@
 """SAB's packing as a DP rank pays for it (issue 77; docs/DESIGN.md section 6): every rank's
 micro-batches packed on every rank (``whole``) against a rank's own only (``own``), by phase, at
-DP 512 to 4,096. Thread CPU time, each figure the least of ``--repeat`` runs.
+DP 512 to 4,096. Thread CPU time, each figure the least of ``REPEAT`` runs.
 
     .venv/bin/python scripts/bench.py sab_ranks --json docs/results/sab_ranks.json
 """
@@ -23,6 +23,7 @@ from .common import parser, write_result
 
 PACKAGE = "sparsebalance_megatron"
 FIGURES = ("cpu_s", "sys_s", "faults")
+REPEAT = 3             # runs of each figure (thread CPU: the minimum)
 
 
 def _now() -> tuple:
@@ -289,22 +290,17 @@ def measure(dp: int, m: int, pp: int, repeat: int, seq: int = 32768) -> dict:
 
 def main(argv=None) -> int:
     p = parser(__doc__, "sab_ranks")
-    p.add_argument("--dp", default="512,1024,2048,4096", help="DP sizes, comma-separated")
-    p.add_argument("--microbatches", type=int, default=16)
-    p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3, help="runs of each (thread CPU: the min)")
-    p.add_argument("--seq", type=int, default=32768, help="tokens per micro-batch")
     a = p.parse_args(argv)
     points = []
-    for dp in (int(x) for x in a.dp.split(",")):
-        pt = measure(dp, a.microbatches, a.pp, a.repeat, a.seq)
+    for dp in (512, 1024, 2048, 4096):
+        pt = measure(dp, m=16, pp=4, repeat=REPEAT)
         points.append(pt)
         print(f"DP {dp}: {pt['segments']} segments, whole {1e3 * pt['whole_s']:.1f} ms, own "
               f"{1e3 * pt['own_max_s']:.1f} ms (slowest of ranks {sorted(pt['own_s'])})",
               flush=True)
     _print(points)
     write_result(a.json, {"clock": "thread CPU time, the collector paused; each figure the "
-                                   "minimum over --repeat runs",
+                                   f"minimum over {REPEAT} runs",
                           "whole_phases": {k: w for k, w, _ in WHOLE}, "points": points})
     return 0
 

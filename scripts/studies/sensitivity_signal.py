@@ -35,13 +35,10 @@ def spearman(a, b) -> float:
 def main(argv=None) -> int:
     ap = parser(__doc__, "sensitivity_signal")
     ap.add_argument("--samples", type=int, default=24)
-    ap.add_argument("--min-tokens", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=2048)
-    ap.add_argument("--d0", type=float, default=0.5)
-    ap.add_argument("--low", type=float, default=0.25)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    args.min_tokens, args.max_tokens, args.d0, args.low = 512, 2048, 0.5, 0.25   # the settings
     from sparsebalance_megatron.batching.sensitivity import prior_sensitivity
     from sparsebalance_megatron.data.sources import read_text, shakespeare_files, stdlib_files
 

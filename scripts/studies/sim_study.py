@@ -14,8 +14,7 @@ import argparse
 import time
 
 from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, MAX_RAISE_HEADROOM,
-                                           PLANNERS, STAND_DOWN_COMPARES, ConfigError,
-                                           SparseBalanceConfig)
+                                           ConfigError, SparseBalanceConfig)
 from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
@@ -47,12 +46,11 @@ def idle_bound(rows: dict, layout, m: int) -> dict:
             "bound": (1 - floor) / (1 - bubble) if bubble < 1 else float("inf")}
 
 
-def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=(),
-              whole_space: bool = True) -> dict:
+def study_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps, slow=()) -> dict:
     """The search and the comparison rows of one (mix, d0, dp); with ``slow`` ranks also the
     same-layout comparison on the best static layout with and without them."""
     t0 = time.perf_counter()
-    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space)
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps)
     search_s = time.perf_counter() - t0
     best_static, best_sb = found["static"][0], found["sparsebalance"][0]
     # what the search's SparseBalance runs used
@@ -129,13 +127,11 @@ def gain_parts(rows: dict) -> dict:
             "plugin_cost": t["sab_dst"] / net, "net": t["best_static"] / net}
 
 
-def packers_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps,
-                whole_space: bool = True) -> dict:
+def packers_one(lm, lengths, cfg: StudyConfig, dp: int, pp: int, vps) -> dict:
     """``--packers-only``: study_one's dense rows alone (every dense packing on its own best
     layout among the same candidates)."""
     t0 = time.perf_counter()
-    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, whole_space=whole_space,
-                         dense_only=True)
+    found = best_layouts(lm, lengths, cfg, dp, pp=pp, vps=vps, dense_only=True)
     search_s = time.perf_counter() - t0
     cfg = stand_down_config(cfg, found["dense"][0], (), found["dense"])
     best_dense = found["dense"][0]
@@ -197,29 +193,25 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
         flags = dict(density=d0, min_density=args.min_density, max_density=args.max_density,
                      dst_objective=args.dst_objective, tolerance=args.tolerance,
                      dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
-                     stand_down="off" if args.stand_down == "off" else None,
-                     stand_down_compare=args.stand_down_compare,
-                     planner=None if args.planner == "default" else args.planner)
+                     stand_down="off" if args.stand_down == "off" else None)
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
                           steps=args.steps, seed=seed, sb=SparseBalanceConfig(
                               sparse_balance=True,
                               **{k: v for k, v in flags.items() if v is not None}),
                           microbatch_multiple=args.microbatch_multiple,
                           device_memory_gib=args.device_memory_gib,
-                          plugin_cost=args.plugin_cost_model)
+                          plugin_cost=args.plugin_cost)
         res = {}
         if args.packers_only:
             for dp in args.ranks:
-                r = packers_one(lm, lengths, cfg, dp, args.pp, args.vp,
-                                whole_space=not args.count_flags_only)
+                r = packers_one(lm, lengths, cfg, dp, args.pp, args.vp)
                 out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
                 print(f"{mix} dp={dp}: " + ", ".join(f"{k} {r['rows'][k]['step_time_s']:.3f} s "
                       f"({v})" for k, v in r["layouts"].items()) + f"; search "
                       f"{r['search_s']:.1f} s", flush=True)
             continue
         for dp in args.ranks:
-            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank,
-                          whole_space=not args.count_flags_only)
+            r = study_one(lm, lengths, cfg, dp, args.pp, args.vp, args.slow_rank)
             r["dense_below_tokens"] = lm.dense_below_tokens     # 0: no routing
             res[str(dp)] = r
             out["results"][f"{mix}/d0={d0}/dp={dp}{tag}"] = r
@@ -286,16 +278,11 @@ def parse_args(argv=None):
     p.add_argument("--device-memory-gib", type=float, default=None,
                    help="the layout search never picks a layout whose fullest rank is "
                         "estimated over this (latency/memory.py); default: no limit")
-    p.add_argument("--count-flags-only", action="store_true",
-                   help="search only the layouts Megatron's count flags build (before issue 27)")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
     p.add_argument("--seq-length", type=int, default=32768, help="tokens per micro-batch")
-    p.add_argument("--min-density", type=float, default=0.125)
-    p.add_argument("--max-density", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=3, help="global batches per configuration")
     p.add_argument("--table", default=None, help="profiled latency table (JSON); default: "
                    "the analytic Qwen2.5-0.5B H100 table")
-    p.add_argument("--table-force", action="store_true")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b",
                    help="the analytic table's model shape (without --table)")
     p.add_argument("--sparse-kernel", choices=("auto", "flex", "triton"), default="auto",
@@ -305,12 +292,6 @@ def parse_args(argv=None):
     p.add_argument("--kernel-table", nargs="+", default=None, metavar="PATH",
                    help="analytic table only: device kernel tables (attention_gpu's "
                         "JSONs, e.g. a run's two calls) whose rows price the sparse kernels")
-    p.add_argument("--plugin-cost", choices=("on", "off"), default="on",
-                   help="on: every SparseBalance row pays the plugin's own per-step cost "
-                        "(net figures beside the gross); off: gross only")
-    p.add_argument("--planner", choices=("default",) + PLANNERS, default="default",
-                   help="--sb-planner the rows assume (prices their planning; default: the "
-                        "runtime's default, process: planning ahead)")
     p.add_argument("--routing", choices=("off", "derived"), default="off",
                    help="analytic table only: 'derived' routes documents shorter than the "
                         "crossover derived from the table's costs at each d0 to the dense kernel "
@@ -318,8 +299,6 @@ def parse_args(argv=None):
     p.add_argument("--context-parallel", type=int, nargs="+", default=[1],
                    help="CP sizes (a2a scheme) to study; each one's results are keyed .../cp=N "
                         "when N > 1")
-    p.add_argument("--tokenizer", default="qwen")
-    p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--floor-sweep", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9],
                    help="--sb-stage-density-floor values tried for sab_dst on the even split and "
                         "on its best layout (the evidence for the default); none: skip")
@@ -342,11 +321,6 @@ def parse_args(argv=None):
                    help="do no harm (issue 27, --sb-stand-down): SAB runs stand down to the best "
                         "static configuration's packing and DST plans to the static plan when "
                         "predicted no faster (best_static), or never (off: the ablation)")
-    p.add_argument("--stand-down-compare", choices=STAND_DOWN_COMPARES, default=None,
-                   help="--sb-stand-down-compare of the SAB runs (default: the runtime's, "
-                        f"{SparseBalanceConfig().stand_down_compare}): DST's plans of both "
-                        "packings, or their static plans, DST planning the one chosen "
-                        "('static')")
     p.add_argument("--packers-only", action="store_true",
                    help="dense attention by packing alone (sequential, token-balanced, "
                         "dp_balanced, SAB, each on its own best layout; the SAB vs dp_balanced "
@@ -355,6 +329,8 @@ def parse_args(argv=None):
                         "ignore d0, so the first --densities value keys the rows")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     args = p.parse_args(argv)
+    # what every documented run used (recorded in the JSON's config)
+    args.min_density, args.max_density, args.tokenizer, args.seed = 0.125, 1.0, "qwen", 1234
     # checked here, before any search: the runtime's own checks, named by this script's flags
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
         p.error(f"--device-memory-gib {args.device_memory_gib}: expected a number of GiB > 0")
@@ -392,7 +368,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.table:
-        lm0 = LatencyModel.load(args.table, force=args.table_force)
+        lm0 = LatencyModel.load(args.table)
         source = f"table {args.table} ({lm0.table.get('device')})"
     else:
         shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
@@ -415,15 +391,11 @@ def main(argv=None):
         args.dst_objective = SparseBalanceConfig().dst_objective
     if args.dst_descent is None:
         args.dst_descent = SparseBalanceConfig().dst_descent
-    plugin_cost = None
-    if args.plugin_cost == "on":
-        from sparsebalance_megatron.experiments.plugin_cost import PluginCost
-        plugin_cost = PluginCost.from_results(args.dst_objective, args.dst_descent)
-    args.plugin_cost_model = plugin_cost
-    if plugin_cost is not None:
-        print("; ".join([f"plugin cost (net rows): {plugin_cost.planner.source} (planning, "
-                         f"calibration), {plugin_cost.control.source} (control plane)"]
-                        + plugin_cost.notes))
+    from sparsebalance_megatron.experiments.plugin_cost import PluginCost
+    plugin_cost = args.plugin_cost = PluginCost.from_results(args.dst_objective, args.dst_descent)
+    print("; ".join([f"plugin cost (net rows): {plugin_cost.planner.source} (planning, "
+                     f"calibration), {plugin_cost.control.source} (control plane)"]
+                    + plugin_cost.notes))
     print(f"latency: {source}\npp={args.pp} vp={args.vp} m={args.microbatches} "
           f"seq_length={args.seq_length} d in [{args.min_density}, {args.max_density}] "
           f"steps={args.steps} dst_objective={args.dst_objective} "
@@ -431,9 +403,9 @@ def main(argv=None):
     t0 = time.perf_counter()
     out = {"config": {k: ([s.describe() for s in v] if k == "slow_rank" else v)
                       for k, v in vars(args).items()
-                      if k not in ("json", "price", "plugin_cost_model")},
+                      if k not in ("json", "price", "plugin_cost")},
            "latency_source": source, "sparse_kernel": models_price(lm0),
-           "plugin_cost": None if plugin_cost is None else {
+           "plugin_cost": {
                "planner": plugin_cost.planner.source, "control_plane": plugin_cost.control.source,
                "dst_flags": plugin_cost.dst_flags, "notes": plugin_cost.notes},
            "results": {}}

@@ -19,6 +19,7 @@ import numpy as np
 from .common import parser, torchrun, write_result
 
 REPO = Path(__file__).resolve().parents[2]
+P2P_S = 0.0          # the p2p latency given to the simulator (every documented run)
 ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
 
 
@@ -31,7 +32,6 @@ def main(argv=None) -> int:
         own, rest = argv, []
     p = parser(__doc__, "sim_validation", json_required=True)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--p2p-s", type=float, default=0.0, help="p2p latency given to the simulator")
     args = p.parse_args(own)
 
     from sparsebalance_megatron.megatron.launch.profile import device_name
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         b = np.asarray(r["microbatch_bwd_s"], dtype=np.float64)
         if not (np.isfinite(f).all() and np.isfinite(b).all()):
             continue
-        sim = simulate_1f1b(f, b, args.p2p_s)
+        sim = simulate_1f1b(f, b, P2P_S)
         measured = r["step_time_s"]
         records.append({"step": r["step"], "measured_s": measured,
                         "simulated_s": sim.step_time_s,
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     steady = records[1:] or records          # the first step pays for warm-up
     err = np.array([r["error"] for r in steady])
     dp, m, pp = np.asarray(lines[0]["microbatch_fwd_s"]).shape
-    result = {"device": device_name(), "dp": int(dp), "pp": int(pp), "p2p_s": args.p2p_s,
+    result = {"device": device_name(), "dp": int(dp), "pp": int(pp), "p2p_s": P2P_S,
               "n_steps": len(steady), "mean_abs_error": float(np.mean(np.abs(err))),
               "mean_error": float(np.mean(err)), "max_abs_error": float(np.max(np.abs(err))),
               "entry_args": rest, "steps": records}

@@ -204,8 +204,7 @@ def test_unpack_installs_plain_wheels_beside_a_staged_piece(tmp_path, monkeypatc
 def test_the_kernel_calls_time_two_lengths_for_the_simulators_price(monkeypatch, tmp_path):
     """Every kernel call asks for single documents of 32K and 16K (``fit_price`` needs rows at
     two lengths for a per-token part: fa4's and triton's prices, the length-free kernels
-    ``auto`` runs at variable lengths); gpu_check hands them to the kernel table, the smoke rows
-    keep theirs."""
+    ``auto`` runs at variable lengths); gpu_check hands them to the kernel table."""
     gc, plan = _script("gpu_check"), _script("gpu_plan")
     import importlib
     ks = importlib.import_module("studies.device")
@@ -215,7 +214,6 @@ def test_the_kernel_calls_time_two_lengths_for_the_simulators_price(monkeypatch,
     monkeypatch.setattr(ks, "_run", lambda cmd, log, limit, env: (cmds.append(cmd), (0, 1, ""))[1])
     monkeypatch.setattr(ks, "rows_of", lambda path: [])
     gc.step_bench("py", str(tmp_path), str(tmp_path), 100, {}, ["fa4"], lengths=[32768, 16384])
-    gc.step_bench("py", str(tmp_path), str(tmp_path), 100, {}, ["fa4"], smoke=True,
-                  lengths=[32768, 16384])
+    gc.step_bench("py", str(tmp_path), str(tmp_path), 100, {}, ["fa4"])
     assert cmds[0][cmds[0].index("--lengths") + 1:][:2] == ["32768", "16384"]
     assert "--lengths" not in cmds[1]

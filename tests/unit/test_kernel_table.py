@@ -165,8 +165,7 @@ def test_shape_argument_is_checked():
 def _args(kt, **kw):
     import argparse
     a = dict(densities=list(kt.DENSITIES), shapes=list(kt.SHAPES),
-             lengths=list(kt.SINGLE_LENGTHS), cases=["single", "file"], micro_batches=1,
-             reps=1, check=True)
+             lengths=list(kt.SINGLE_LENGTHS), cases=["single", "file"], reps=1, check=True)
     a.update(kw)
     return argparse.Namespace(**a)
 
@@ -180,11 +179,10 @@ def test_bench_runs_the_cases_that_decide_the_targets_first():
         ("single", 32768, "8/2/128"), ("single", 32768, "14/2/64"),
         ("file#0", 32768, "8/2/128"), ("file#0", 32768, "14/2/64")]
     assert kt.DENSITIES[:2] == (0.25, 0.5)          # the target densities first
-    jobs = kt.plan_cases(_args(kt, lengths=[8192, 32768], cases=["single", "section"],
-                               micro_batches=2), mixes)
+    jobs = kt.plan_cases(_args(kt, lengths=[8192, 32768], cases=["single", "section"]), mixes)
     assert [(j["case"], j["lens"][0], j["shape"]) for j in jobs][:3] == [
         ("single", 32768, "8/2/128"), ("single", 8192, "8/2/128"), ("single", 32768, "14/2/64")]
-    assert sum(j["packed"] for j in jobs) == 4 and jobs[-1]["case"] == "section#1"
+    assert sum(j["packed"] for j in jobs) == 2 and jobs[-1]["case"] == "section#0"
 
 
 class _FakeTime:
@@ -273,7 +271,7 @@ def check_kernel_table_runs_on_cpu():
     variants = kt.variants
     kt.variants = lambda b, case: variants(b, case)[:2]          # pinned, one split
     args = argparse.Namespace(shapes=["2/1/32"], densities=[0.5], cases=["single"],
-                              lengths=[256], micro_batches=1, reps=1, check=True)
+                              lengths=[256], reps=1, check=True)
     log = kt.RowLog(None)
     assert kt.run(args, ["triton"], log, kt.Clock(None), {})
     kinds = [(r["kind"], r.get("variant")) for r in log.rows]

@@ -56,18 +56,6 @@ def test_the_probes_passes_move_the_layers_the_runtime_moves():
         assert smollm2.layer_densities(vec, LAYERS) == pytest.approx(want)
 
 
-def test_another_probe_ratio_moves_the_passes_and_the_prediction_with_it():
-    cost = shipped()
-    vectors = pq.refresh_vectors(D0, ratio=0.7)
-    assert [v[g] for g, v in enumerate(vectors[1:])] == [0.35] * pq.GROUPS
-    p = predicted_changes(cost, D0, [0.35] * pq.GROUPS, LENGTHS, LENGTHS)
-    assert np.all(p > predicted_changes(cost, D0, [probe_density(D0)] * pq.GROUPS, LENGTHS,
-                                        LENGTHS))
-    got = pq.probe_refresh(cost, D0, fake_docs(p * [1.0, 0.5, 1.0]), STRIDE, 0.7)
-    assert got["tested_density"] == 0.35
-    assert got["scales"] == pytest.approx([1.0, 0.5, 1.0], rel=1e-9)
-
-
 def test_held_out_micro_batches_are_the_fill_rules_first_closed_bins():
     lengths = [3000, 4000, 2000, 5000, 3500, 4100, 2000]
     assert pq.held_out_bins(lengths, 2) == [[0, 1], [2, 3]]
