@@ -48,6 +48,9 @@ def parse_args(argv=None):
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--loss-stride", type=int, default=4)
     ap.add_argument("--layers", type=int, default=None, help="a cut of the model (--quick: 6)")
+    ap.add_argument("--seed-base", type=int, default=None,
+                    help="the samples' first seed (default: main %d, pilot %d); a confirmatory "
+                         "run takes fresh ones" % (MAIN_SEED_BASE, PILOT_SEED_BASE))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default=None, metavar="PATH.jsonl",
                     help="the forwards' cache (default runs/inference_quality/<run>.jsonl)")
@@ -67,7 +70,10 @@ def parse_args(argv=None):
         args.needles = 2
     if args.samples is None:
         args.samples = 16 if args.pilot else 60
-    args.seed_base = PILOT_SEED_BASE if args.pilot else MAIN_SEED_BASE
+    if args.seed_base is None:
+        args.seed_base = PILOT_SEED_BASE if args.pilot else MAIN_SEED_BASE
+    elif args.seed_base < 0:
+        ap.error(f"--seed-base {args.seed_base}: expected an integer >= 0")
     check_pilot(ap, args)
     if not 0 < args.control_factor < 1 or not 0 < args.density <= 1:
         ap.error(f"--control-factor {args.control_factor} and --density {args.density}: "

@@ -232,3 +232,12 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
     runs["sparse_balance"]["3"]["train"]["predicted_step_vs_static"] = 1.02   # 2% slower
     got = cq.equal_time(table, seeds, runs, args, {"heldout_loss": 0.01})
     assert got["heldout_loss"]["non_inferior"]["verdict"] == "not matched"
+
+
+def test_a_confirmatory_inference_run_takes_fresh_seeds_or_refuses_negative_ones(capsys):
+    assert iq.parse_args(["--margin-from", "x.json"]).seed_base == iq.MAIN_SEED_BASE
+    assert iq.parse_args(["--pilot"]).seed_base == iq.PILOT_SEED_BASE
+    assert iq.parse_args(["--margin-from", "x.json", "--seed-base", "600000"]).seed_base == 600000
+    with pytest.raises(SystemExit):
+        iq.parse_args(["--margin-from", "x.json", "--seed-base", "-1"])
+    assert "--seed-base -1: expected an integer >= 0" in capsys.readouterr().err
