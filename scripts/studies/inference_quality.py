@@ -259,10 +259,19 @@ def pilot_plan(summary: dict, args) -> dict:
 
 
 def read_margin(args) -> dict:
-    """The pilot's margins, refused if the pilot is not one or ran in another setting."""
-    return common.read_margin(
+    """The pilot's margins, refused if the pilot is not one, ran in another setting, or scored
+    any of this run's samples (seeds ``seed_base`` .. + ``samples``)."""
+    out = common.read_margin(
         args, SAME, n=lambda p: p["summary"]["n"],
-        control_harm=lambda p: {m: p["summary"]["control"][m]["mean"] for m in METRICS})
+        control_harm=lambda p: {m: p["summary"]["control"][m]["mean"] for m in METRICS},
+        seeds=lambda p: [p["config"]["seed_base"], p["config"]["seed_base"]
+                         + p["config"]["samples"]])
+    lo, hi = out["margin_source"]["seeds"]
+    if lo < args.seed_base + args.samples and args.seed_base < hi:
+        raise SystemExit(f"--seed-base {args.seed_base} with --samples {args.samples}: the "
+                         f"pilot {args.margin_from} scored seeds {lo}-{hi - 1}; expected seeds "
+                         f"it never used")
+    return out
 
 
 # ---- the run -------------------------------------------------------------------------------------

@@ -241,3 +241,16 @@ def test_a_confirmatory_inference_run_takes_fresh_seeds_or_refuses_negative_ones
     with pytest.raises(SystemExit):
         iq.parse_args(["--margin-from", "x.json", "--seed-base", "-1"])
     assert "--seed-base -1: expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_a_main_run_on_the_pilots_samples_is_refused_before_any_forward(tmp_path):
+    pilot = tmp_path / "pilot.json"
+    pargs = iq.parse_args(["--pilot"])                          # seeds 500000 .. 500015
+    pilot.write_text(json.dumps({"config": vars(pargs), "margin": {"answer_nll": 0.01},
+                                 "summary": {"n": 2, "control": {m: {"mean": 0.1}
+                                                                  for m in iq.METRICS}}}))
+    ok = iq.read_margin(iq.parse_args(["--margin-from", str(pilot), "--seed-base", "600000"]))
+    assert ok["margin_source"]["seeds"] == [500000, 500016]
+    with pytest.raises(SystemExit, match="--seed-base 499990 with --samples 60: the pilot .* "
+                                         "scored seeds 500000-500015"):
+        iq.read_margin(iq.parse_args(["--margin-from", str(pilot), "--seed-base", "499990"]))
