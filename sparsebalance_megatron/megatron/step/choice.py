@@ -110,7 +110,8 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
 
     def sensitivity(i):
         """Packing i's unit sensitivities (this rank's rows where it plans its own), estimated
-        once and only for a packing DST plans."""
+        once: in one process only for a packing DST plans; a rank planning its own units
+        estimates every candidate's before the race (its rounds take them as arrays)."""
         if i not in sens:
             sens[i] = batch_sensitivity(options[i][0], tracker) if tracker is not None else None
         return sens[i] if sens[i] is None or not own or own_rows else sens[i][rank:rank + 1]
