@@ -176,6 +176,7 @@ def document_densities(rows: list, block_size: int, d0: float) -> dict:
 
     sb = SparseBalanceConfig()
     per = {"planned": [], "kept": [], "kept_d0": []}
+    stages = []                                                          # per step, per stage
     moves = {"raised": 0, "raised_keeping_no_block": 0, "cut": 0, "cut_keeping_no_block": 0}
     for r in rows:
         if r.get("densities") is None or r.get("plan") is None:
@@ -199,8 +200,10 @@ def document_densities(rows: list, block_size: int, d0: float) -> dict:
         den = float(layers.sum() * w.sum())
         for key in per:
             per[key].append(num[key] / den)
+        stages.append([float((d[:, :, s].reshape(-1) * w).sum() / w.sum())
+                       for s in range(d.shape[2])])
     return {**{f"doc_{key}_density": sum(v) / len(v) for key, v in per.items()},
-            "dst_moves": moves}
+            "doc_planned_per_stage": np.mean(stages, axis=0).tolist(), "dst_moves": moves}
 
 
 def checkpoint_arch(args, ckpt: str):
@@ -327,24 +330,77 @@ def matched_density(static_rows: list, target: float, args) -> float:
         sum(kept_at(r, args, d) for r in static_rows) / len(static_rows) - target))
 
 
-def evaluate(args, ckpt: str, docs: list, densities) -> dict:
-    """Per density, the per-document scores and their means (``score_docs``)."""
+def reading_key(reading) -> str:
+    """The name of an evaluation ``reading``: a uniform density (``0.5``) or one density per
+    decoder layer (``layers 0.6012/0.4981/0.4421``)."""
+    if isinstance(reading, (int, float)):
+        return f"{reading:g}"
+    return "layers " + "/".join(f"{float(d):.4f}" for d in reading)
+
+
+def trained_profile(summary: dict, args) -> list:
+    """One density per decoder layer: the documents' planned density of its stage, the mean
+    over the run's steps (what DST trained each layer at)."""
+    per_stage = summary["doc_planned_per_stage"]
+    return [round(per_stage[j * len(per_stage) // args.num_layers], 4)
+            for j in range(args.num_layers)]
+
+
+def equal_work(profile: list, lengths: list, args) -> list:
+    """``profile`` scaled by the one factor that makes its kept attention work on documents of
+    ``lengths`` (summed over layers) that of uniform d0: the trained shape at d0's cost."""
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency.work import attention_work
+
+    sb = SparseBalanceConfig()
+
+    def work(d: float) -> float:
+        return attention_work(lengths, min(1.0, d), args.block_size, sb.sink_blocks,
+                              sb.local_blocks)
+    target = len(profile) * work(args.density)
+    lo, hi = 0.0, 1.0 / min(profile)
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sum(work(mid * p) for p in profile) < target else (lo, mid)
+    return [round(min(1.0, hi * p), 4) for p in profile]
+
+
+def evaluate(args, ckpt: str, docs: list, readings) -> dict:
+    """Per reading (``reading_key``), the per-document scores and their means (``score_docs``).
+    Scores are kept beside the checkpoint (``eval.json``, for these documents), so a rerun in
+    the same ``--out`` scores only readings it has not scored."""
+    import hashlib
+
     from sparsebalance_megatron.config import SparseBalanceConfig
 
-    sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
-                             block_size=args.block_size, attention_backend="torch",
-                             dense_below_tokens="0")
-    model = load_model(args, ckpt, sb)
-    budget = model.decoder.layers[0].self_attention.core_attention.budget
-    out = {}
-    for d in densities:
-        sb.density = budget.default_density = d
+    path = os.path.join(os.path.dirname(ckpt), "eval.json")
+    digest = hashlib.sha256(json.dumps([[d["ids"], d["answer_positions"]] for d in docs])
+                            .encode()).hexdigest()[:16]
+    kept = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        kept = saved["scores"] if saved.get("documents") == digest else {}
+    out = {reading_key(r): kept[reading_key(r)] for r in readings if reading_key(r) in kept}
+    todo = [r for r in readings if reading_key(r) not in out]
+    if todo:
+        sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
+                                 block_size=args.block_size, attention_backend="torch",
+                                 dense_below_tokens="0")
+        model = load_model(args, ckpt, sb)
+        budget = model.decoder.layers[0].self_attention.core_attention.budget
+    for reading in todo:
+        uniform = isinstance(reading, (int, float))
+        sb.density = budget.default_density = reading if uniform else args.density
+        budget.set_layer_densities(None if uniform else dict(enumerate(reading, start=1)))
         rows = score_docs(model, budget, docs)
-        out[f"{d:g}"] = {
+        out[reading_key(reading)] = {
             "heldout_loss": sum(r["nll"] for r in rows) / sum(r["tokens"] for r in rows),
             **{k: sum(r[k] for r in rows) / len(rows)
                for k in ("answer_nll", "exact", "token_accuracy", "kept")},
             "per_sample_answer_nll": [round(r["answer_nll"], 4) for r in rows]}
+        with open(path, "w") as f:
+            json.dump({"documents": digest, "scores": {**kept, **out}}, f)
     return out
 
 
@@ -410,12 +466,15 @@ SAME = ("density", "control_factor", "needles", "block_size", "num_layers", "hid
         "train_docs", "min_doc", "base_min_doc", "heldout", "data_seed", "table")
 
 
-def per_seed(run: dict, density=None) -> dict:
-    """A run's scores at ``density`` (default: its arm's evaluation density)."""
-    ev = run["eval"][f"{run['eval_density'] if density is None else density:g}"]
+def per_seed(run: dict, reading=None) -> dict:
+    """A run's scores at ``reading`` (a density or a ``reading_key``; default: its arm's
+    evaluation density)."""
+    key = reading if isinstance(reading, str) else reading_key(
+        run["eval_density"] if reading is None else reading)
+    ev = run["eval"][key]
     return {"answer_nll": ev["answer_nll"], "heldout_loss": ev["heldout_loss"],
             "token_accuracy": ev["token_accuracy"], "exact": ev["exact"],
-            "train_kept": run["train"].get("doc_kept_density")}
+            "train_kept": run["train"].get("doc_kept_density"), "eval_kept": ev.get("kept")}
 
 
 STEP_TOLERANCE = 0.005   # DST's predicted step may be at most 0.5% slower than static's
@@ -443,6 +502,45 @@ def equal_time(table: dict, seeds: list, runs: dict, args, margin: dict) -> dict
                 d, ctl, margin[k], kept=ratio, kept_reference=[1.0] * len(seeds),
                 tolerance=STEP_TOLERANCE, at_most=True,
                 matched_on="predicted step time over static's, no slower")
+    return out
+
+
+def read_as_trained(seeds: list, runs: dict, args, margin: dict) -> dict:
+    """``sparse_balance`` read at the per-layer densities it trained at, scaled to uniform d0's
+    kept work (``equal_work``), against ``static`` at d0 and against ``static`` read at the same
+    densities (what training under DST did, apart from the allocation's own worth); and both
+    read dense (``1``): per
+    reading and metric the superiority reading and, with a margin, the verdict matched on the
+    kept density the attention reported at evaluation. The training step is matched as in
+    ``equal_time`` (DST's predicted step no slower). The control: as everywhere here, each
+    control run at its own density against static at d0."""
+    from sparsebalance_megatron.eval import verdict as V
+
+    sb_runs = runs["sparse_balance"]
+    if any("equal_work_profile" not in sb_runs[s] for s in seeds):
+        return {}
+    ctl = {s: (per_seed(runs["control"][s]), per_seed(runs["static"][s])) for s in seeds}
+    out = {}
+    profile = {s: reading_key(sb_runs[s]["equal_work_profile"]) for s in seeds}
+    for name, mine, theirs in (
+            ("trained_profile_at_d0_work", profile.get, lambda s: args.density),
+            ("both_at_dsts_profile", profile.get, profile.get),
+            ("dense", lambda s: "1", lambda s: "1")):
+        if name == "both_at_dsts_profile" and any(
+                profile[s] not in runs["static"][s]["eval"] for s in seeds):
+            continue
+        a = {s: per_seed(sb_runs[s], mine(s)) for s in seeds}
+        b = {s: per_seed(runs["static"][s], theirs(s)) for s in seeds}
+        out[name] = {}
+        for k in METRICS:
+            d = [a[s][k] - b[s][k] for s in seeds]
+            c = [ctl[s][0][k] - ctl[s][1][k] for s in seeds]
+            out[name][k] = {"better": V.superiority(d, c)}
+            if margin.get(k):
+                out[name][k]["non_inferior"] = V.verdict(
+                    d, c, margin[k], kept=[a[s]["eval_kept"] for s in seeds],
+                    kept_reference=[b[s]["eval_kept"] for s in seeds],
+                    tolerance=args.match_tolerance, matched_on="kept density at evaluation")
     return out
 
 
@@ -477,6 +575,7 @@ def summarize(doc: dict, args) -> dict:
             tolerance=args.match_tolerance) for k in METRICS if margin.get(k)}
     if all(a in arms for a in ("sparse_balance", "static", "control")):
         out["verdicts_equal_time"] = equal_time(table, seeds, runs, args, margin or {})
+        out["verdicts_as_trained"] = read_as_trained(seeds, runs, args, margin or {})
     if args.pilot and "control-static" in pairs:
         out["margin"], out["seeds_needed"] = {}, {}
         for k in METRICS:
@@ -530,6 +629,12 @@ def print_summary(doc: dict) -> None:
               f"{b['mean']:+.5f}" + ("" if b["upper"] is None else
                                      f" [{b['lower']:+.5f}, {b['upper']:+.5f}]")
               + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
+    for name, ms in (doc.get("verdicts_as_trained") or {}).items():
+        for k, v in ms.items():
+            b = v["better"]
+            print(f"read {name.replace('_', ' ')}, sparse_balance - static, {k}: {b['verdict']} "
+                  f"{b['mean']:+.5f} [{b['lower']:+.5f}, {b['upper']:+.5f}]"
+                  + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
     if doc.get("margin") and doc["config"]["pilot"]:
         print(f"margin fixed: {doc['margin']}; seeds needed: {doc.get('seeds_needed')}")
 
@@ -584,14 +689,28 @@ def main(argv=None) -> int:
     init_single_process()
     runs = {"base": {"eval": evaluate(args, os.path.join(base, "ckpt"), docs,
                                       [1.0, args.density])}}
-    for (arm, s), rows in train.items():
-        summary = train_summary(rows, args.block_size, d_train[arm])
-        runs.setdefault(arm, {})[str(s)] = {
+    lengths = [len(d["ids"]) for d in docs]
+    summaries = {key: train_summary(rows, args.block_size, d_train[key[0]])
+                 for key, rows in train.items()}
+    profiles = {}                       # per seed DST's trained profile, raw and at d0's work
+    for (arm, s), summary in summaries.items():
+        if arm == "sparse_balance" and summary.get("doc_planned_per_stage"):
+            raw = trained_profile(summary, args)
+            profiles[s] = {"trained_profile": raw,
+                           "equal_work_profile": equal_work(raw, lengths, args)}
+    for (arm, s), summary in summaries.items():
+        run = runs.setdefault(arm, {})[str(s)] = {
             "train": {k: v for k, v in summary.items() if k not in ("tokens", "train_losses")},
-            "eval_density": d_eval[arm],
-            "eval": evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
-                             [d_eval[arm], 1.0] + ([args.density] if arm == "sparse_balance"
-                                                   and d_eval[arm] != args.density else []))}
+            "eval_density": d_eval[arm]}
+        readings = [d_eval[arm], 1.0]
+        if arm == "sparse_balance" and s in profiles:
+            run.update(profiles[s])
+            readings += [args.density, *profiles[s].values()]
+        elif arm == "static" and s in profiles:     # the same seed's profile on a static network
+            run["equal_work_profile"] = profiles[s]["equal_work_profile"]
+            readings.append(run["equal_work_profile"])
+        run["eval"] = evaluate(args, os.path.join(dirs[(arm, s)], "ckpt"), docs,
+                               list({reading_key(r): r for r in readings}.values()))
         print(f"evaluated {arm} seed {s}: " + ", ".join(
             f"d {d}: answer NLL {e['answer_nll']:.4f} token acc {e['token_accuracy']:.3f} "
             f"loss {e['heldout_loss']:.4f}" for d, e in runs[arm][str(s)]["eval"].items()),

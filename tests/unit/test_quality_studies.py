@@ -234,6 +234,102 @@ def test_continued_equal_time_verdict_reads_both_arms_at_d0_and_dsts_predicted_s
     assert got["heldout_loss"]["non_inferior"]["verdict"] == "not matched"
 
 
+def test_the_trained_profile_read_at_d0s_work_keeps_its_shape_and_d0s_blocks():
+    from sparsebalance_megatron.config import SparseBalanceConfig
+    from sparsebalance_megatron.latency.work import attention_work
+
+    args = cq.parse_args(["--out", "x", "--pipeline", "3", "--num-layers", "6",
+                          "--margin-from", "p.json"])
+    summary = {"doc_planned_per_stage": [0.61234, 0.5, 0.44]}
+    profile = cq.trained_profile(summary, args)
+    assert profile == [0.6123, 0.6123, 0.5, 0.5, 0.44, 0.44]      # a stage's layers alike
+    assert cq.reading_key(profile[:3]) == "layers 0.6123/0.6123/0.5000"
+    assert cq.reading_key(0.5) == "0.5" and cq.reading_key(1.0) == "1"
+    lengths = [600, 700, 1000, 1023]
+    scaled = cq.equal_work(profile, lengths, args)
+    sb = SparseBalanceConfig()
+
+    def work(ds):
+        return sum(attention_work(lengths, d, args.block_size, sb.sink_blocks, sb.local_blocks)
+                   for d in ds)
+    # d0's kept blocks, to within the one block a 4-decimal density can move
+    assert abs(work(scaled) - work([args.density] * 6)) <= 6 * len(lengths)
+    assert work(profile) > work([args.density] * 6) * 1.01        # the raw profile keeps more
+    ratio = [a / b for a, b in zip(scaled, profile)]
+    assert max(ratio) - min(ratio) < 1e-3 and ratio[0] < 1         # one factor, scaled down
+
+
+def test_evaluate_scores_a_reading_once_for_the_same_documents(tmp_path, monkeypatch):
+    args = cq.parse_args(["--out", "x", "--margin-from", "p.json"])
+    budget = SimpleNamespace(default_density=None, layer_densities="unset")
+    budget.set_layer_densities = lambda d: setattr(budget, "layer_densities", d)
+    model = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(
+        self_attention=SimpleNamespace(core_attention=SimpleNamespace(budget=budget)))]))
+    seen = []
+
+    def score(_model, b, docs):
+        seen.append((b.default_density, b.layer_densities))
+        return [{"nll": 2.0, "tokens": 4, "answer_nll": 1.0, "exact": 0.0,
+                 "token_accuracy": 0.5, "kept": 0.5} for _ in docs]
+    monkeypatch.setattr(cq, "load_model", lambda *a: model)
+    monkeypatch.setattr(cq, "score_docs", score)
+    docs = [{"ids": [1, 2, 3, 4, 5], "answer_positions": [4]}]
+    ckpt = str(tmp_path / "run" / "ckpt")
+    (tmp_path / "run").mkdir()
+    first = cq.evaluate(args, ckpt, docs, [0.5, [0.6, 0.4]])
+    assert seen == [(0.5, None), (args.density, {1: 0.6, 2: 0.4})]
+    assert set(first) == {"0.5", "layers 0.6000/0.4000"} and first["0.5"]["heldout_loss"] == 0.5
+    again = cq.evaluate(args, ckpt, docs, [[0.6, 0.4], 1.0])
+    assert seen[2:] == [(1.0, None)]                               # only the new reading
+    assert again["layers 0.6000/0.4000"] == first["layers 0.6000/0.4000"]
+    cq.evaluate(args, ckpt, [dict(docs[0], answer_positions=[3])], [0.5])
+    assert seen[3:] == [(0.5, None)]                   # other documents: scored again
+
+
+def test_the_as_trained_readings_compare_dsts_profile_and_dense_against_static():
+    args = cq.parse_args(["--out", "x", "--pipeline", "3", "--num-layers", "3",
+                          "--margin-from", "p.json"])
+    seeds = ["1", "2", "3", "4"]
+    prof = [0.55, 0.5, 0.45]
+
+    def ev(loss, kept):
+        return {"answer_nll": 1.0, "heldout_loss": loss, "token_accuracy": 0.5, "exact": 0.1,
+                "kept": kept}
+
+    def run(d, i, profile_loss=None):
+        out = {"eval_density": d, "train": {"doc_kept_density": d},
+               "eval": {f"{d:g}": ev(2.0 + 0.01 * i, d), "1": ev(1.9 + 0.01 * i, 1.0)}}
+        if profile_loss is not None:
+            out["eval"][cq.reading_key(prof)] = ev(profile_loss, 0.502)
+            out["eval"]["1"] = ev(1.9 + 0.01 * i + 0.003 + 0.0002 * (i % 2), 1.0)
+            out["equal_work_profile"] = prof
+        return out
+    runs = {"static": {s: run(0.5, i) for i, s in enumerate(seeds)},
+            "control": {s: dict(run(0.45, i), eval={"0.45": ev(2.02 + 0.01 * i + 0.001 * (i % 2),
+                                                                0.45)})
+                        for i, s in enumerate(seeds)},
+            "sparse_balance": {s: run(0.5, i, 1.995 + 0.01 * i - 0.0003 * (i % 2))
+                               for i, s in enumerate(seeds)}}
+    got = cq.read_as_trained(seeds, runs, args, {"heldout_loss": 0.01})
+    prof_loss = got["trained_profile_at_d0_work"]["heldout_loss"]
+    assert prof_loss["better"]["verdict"] == "better"
+    assert prof_loss["better"]["mean"] == pytest.approx(-0.005 - 0.00015)
+    assert prof_loss["non_inferior"]["verdict"] == "non-inferior"
+    assert prof_loss["non_inferior"]["density"]["gaps"] == pytest.approx([0.002] * 4)
+    dense = got["dense"]["heldout_loss"]
+    assert dense["better"]["verdict"] == "worse"                    # +0.003 read dense
+    assert dense["better"]["mean"] == pytest.approx(0.003 + 0.0001)
+    assert "non_inferior" not in got["dense"]["answer_nll"]        # no margin for it
+    assert "both_at_dsts_profile" not in got                       # static not read there
+    for i, s in enumerate(seeds):                                  # static at DST's profile
+        runs["static"][s]["eval"][cq.reading_key(prof)] = ev(1.996 + 0.01 * i, 0.502)
+    same = cq.read_as_trained(seeds, runs, args, {"heldout_loss": 0.01})["both_at_dsts_profile"]
+    assert same["heldout_loss"]["better"]["mean"] == pytest.approx(-0.001 - 0.00015)
+    assert same["heldout_loss"]["non_inferior"]["density"]["gaps"] == pytest.approx([0] * 4)
+    del runs["sparse_balance"]["2"]["equal_work_profile"]          # a run without the readings
+    assert cq.read_as_trained(seeds, runs, args, {}) == {}
+
+
 def test_a_confirmatory_inference_run_takes_fresh_seeds_or_refuses_negative_ones(capsys):
     assert iq.parse_args(["--margin-from", "x.json"]).seed_base == iq.MAIN_SEED_BASE
     assert iq.parse_args(["--pilot"]).seed_base == iq.PILOT_SEED_BASE
