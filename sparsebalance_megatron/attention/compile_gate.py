@@ -266,25 +266,6 @@ def verdict(c: Compile, found: List[str]) -> str:
     return "pass" if not bad else "fail: " + "; ".join(bad)
 
 
-def judge_configs(target: Tuple[int, int, int, int], configs, cache=None, jobs: int = 0):
-    """Which ``LaunchConfig``s of ``target`` (np, ng, hn, block) pass the gate as autotune
-    candidates -> ``(passed, {config: why not}, rows)`` (a device sweep times nothing the gate
-    refuses)."""
-    nh, ng, hn, bs = target
-    per = [(cfg, _attention(nh, ng, hn, bs, cfg, "candidate")) for cfg in configs]
-    rows = run(list(dict.fromkeys(c for _, cs in per for c in cs)), cache, jobs)
-    by_spec = {(r["kernel"], json.dumps(r["spec"], sort_keys=True)): r for r in rows}
-    passed, dropped = [], {}
-    for cfg, cs in per:
-        why = [by_spec[(c.name, json.dumps(c.spec(), sort_keys=True))]["verdict"] for c in cs]
-        why = [f"{c.name}: {w}" for c, w in zip(cs, why) if w != "pass"]
-        if why:
-            dropped[cfg] = "; ".join(why)
-        else:
-            passed.append(cfg)
-    return passed, dropped, rows
-
-
 def load_cache(paths: Iterable[str]) -> Dict[str, dict]:
     """key -> result from gate JSON files (``write_result``'s ``rows``) that exist."""
     out = {}
@@ -323,4 +304,4 @@ def failures(rows: List[dict]) -> List[str]:
 
 
 __all__ = ["Compile", "SHARED_LIMIT", "TARGETS", "compile_one", "compiles", "failures",
-           "judge_configs", "key", "load_cache", "problems", "run", "table", "verdict"]
+           "key", "load_cache", "problems", "run", "table", "verdict"]

@@ -128,6 +128,23 @@ def batch_sensitivity(batch, tracker: SensitivityTracker) -> np.ndarray:
                        np.diff(batch.unit_csr()[0]), batch.dp, batch.num_microbatches)
 
 
+class LazySensitivity:
+    """``batch_sensitivity`` of one packing, estimated the first time it is asked for and then
+    kept (a race that plans only some of its candidates estimates only theirs); ``rank``: that
+    DP rank's row alone ([1, m]); without a tracker, None."""
+
+    def __init__(self, batch, tracker, rank=None):
+        self.batch, self.tracker, self.rank = batch, tracker, rank
+        self.done, self.value = tracker is None, None
+
+    def __call__(self):
+        if not self.done:
+            v = batch_sensitivity(self.batch, self.tracker)
+            self.value = v if self.rank is None else v[self.rank:self.rank + 1]
+            self.done = True
+        return self.value
+
+
 def unit_sensitivity(micro_batches, tracker: SensitivityTracker) -> np.ndarray:
     """[dp, m] mean sensitivity of each micro-batch's segments (0 for an empty micro-batch):
     the per-unit sensitivity DST takes."""

@@ -113,15 +113,17 @@ def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
     ``step_s`` is its static plan's). ``enabled`` False commits the first candidate and DST's
     plan as they are (the ablation), still reporting what the rule would have predicted.
     """
-    plans = None if plan_fn is None else [_called(plan_fn, i, c) for i, c in enumerate(costs)]
+    plans = None if plan_fn is None else [_no_rounds(plan_fn, i, c)
+                                          for i, c in enumerate(costs)]
     return plan_rounds_in_process([choice_rounds(costs, d0, p2p_s, plans, enabled,
                                                  compare)])[0]
 
 
-def _called(fn: Callable, *args) -> Generator[dict, dict, tuple]:
-    """``fn(*args)`` as a candidate's plan of no rounds, called only where the rule plans it."""
+def _no_rounds(fn: Callable, *args) -> Generator[dict, dict, tuple]:
+    """``fn(*args)`` as a candidate's plan that exchanges no round: called when the race
+    first drives it, so only a candidate the rule plans is planned."""
+    yield from ()
     return fn(*args)
-    yield  # noqa: the yield makes this a generator (the call waits for the first send)
 
 
 def choice_rounds(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,

@@ -64,3 +64,28 @@ def test_a_generator_that_needs_no_round_is_never_reduced():
         yield  # noqa: a generator of no rounds
 
     assert drive(none(), None) == "agreed alone"
+
+
+def test_a_race_estimates_only_the_sensitivities_of_the_packings_dst_plans(steps, monkeypatch):
+    """With ``--sb-stand-down-compare static`` the race plans SAB's packing with DST and runs
+    the baseline static: the baseline's unit sensitivities are never estimated (a rank
+    planning its own units estimated every candidate's before the race: 2 a step)."""
+    from sparsebalance_megatron.batching import SensitivityTracker
+    from sparsebalance_megatron.batching import sensitivity as S
+
+    real, calls = S.batch_sensitivity, []
+
+    def counted(batch, tracker):
+        calls.append(batch)
+        return real(batch, tracker)
+    monkeypatch.setattr(S, "batch_sensitivity", counted)
+    drafter = _drafter(copy.deepcopy(steps.lm), SensitivityTracker(),
+                       stand_down_compare="static")
+    raced = 0
+    for k in range(len(steps.segments)):
+        draft = drafter.draft(k, 0, steps.segments[k], M, with_dst=False)
+        calls.clear()
+        _, report = drafter.settle(draft, rank=1, agree=Twins())
+        raced += len(report["stand_down"]["predicted_step_s"]) > 1
+        assert len(calls) == 1, (k, len(calls))            # SAB's packing, the one DST plans
+    assert raced, "no step raced two packings: the test checks nothing"

@@ -18,7 +18,7 @@ from typing import Generator, Optional, Sequence
 
 import numpy as np
 
-from ...batching.sensitivity import batch_sensitivity
+from ...batching.sensitivity import LazySensitivity
 from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
 from ...policy.costs import UnitCosts, density_grid, unit_rows
 from ...policy.stand_down import choice_rounds, choose_step
@@ -106,15 +106,10 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
                                     out=None if tables is None else tables[i],
                                     rank=rank if own else None, rank_units=own_rows)
              for i, (batch, units) in enumerate(options)]
-    sens = {}
-
-    def sensitivity(i):
-        """Packing i's unit sensitivities (this rank's rows where it plans its own), estimated
-        once: in one process only for a packing DST plans; a rank planning its own units
-        estimates every candidate's before the race (its rounds take them as arrays)."""
-        if i not in sens:
-            sens[i] = batch_sensitivity(options[i][0], tracker) if tracker is not None else None
-        return sens[i] if sens[i] is None or not own or own_rows else sens[i][rank:rank + 1]
+    # each packing's unit sensitivities (this rank's rows where it plans its own), estimated
+    # only for a packing DST plans, once
+    sensitivity = [LazySensitivity(batch, tracker, rank if own and not own_rows else None)
+                   for batch, _ in options]
 
     plans, plan_fn = None, None
     if dst:
@@ -125,12 +120,12 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
         settings, quality = dst_inputs(sb, costs[0].shape[2], latency.p2p_s, raise_headroom,
                                        stage_layers, quality_scales)
         if own:         # this rank's rounds, driven where the rule plans the packing
-            plans = [planned_rounds(c, sensitivity(i), settings, quality=quality,
+            plans = [planned_rounds(c, sensitivity[i], settings, quality=quality,
                                     narrow=narrow) for i, c in enumerate(costs)]
         else:           # every rank's rounds here, in lockstep
 
             def plan_fn(i, c):
-                p = plan_in_process(c, sensitivity(i), settings, quality=quality,
+                p = plan_in_process(c, sensitivity[i](), settings, quality=quality,
                                     rank_scale=scale)
                 return p.densities, p
     elif len(options) < 2:
@@ -148,11 +143,11 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
     # the step: predicted once here, with the plan
     if own_rows:                 # what this rank commits: its own rows
         busy = latency.busy_s(units, densities)
-        chosen = sensitivity(choice.index)
+        chosen = sensitivity[choice.index]()
     elif own:
         m, pp = densities.shape[1:]
         busy = latency.busy_s(unit_rows(units, rank * m, (rank + 1) * m, dp * m), densities)
-        chosen = sensitivity(choice.index)
+        chosen = sensitivity[choice.index]()
         rows = yield from gathered(np.concatenate([densities.reshape(-1), busy.reshape(-1)] + (
             [] if chosen is None else [np.asarray(chosen, dtype=np.float64).reshape(-1)])))
         densities = rows[:, :m * pp].reshape(dp, m, pp)
@@ -160,7 +155,7 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
         chosen = None if chosen is None else rows[:, m * pp + busy.shape[1]:]
     else:
         busy = latency.busy_s(units, densities)
-        chosen = sensitivity(choice.index)
+        chosen = sensitivity[choice.index]()
     report = dict(out.plan.report.as_dict(), raise_headroom=raise_headroom,
                   unit_sensitivity=None if chosen is None else np.round(chosen, 6).tolist(),
                   predicted_busy_s=busy.tolist(), stand_down=record)
