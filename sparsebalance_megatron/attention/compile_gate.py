@@ -36,7 +36,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 TARGETS: Tuple[Tuple[int, int, int, int], ...] = ((8, 2, 128, 128), (14, 2, 64, 128),
