@@ -159,22 +159,14 @@ def choice_rounds(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
                       outs[-1].static_s)
 
 
-def dst_outcome(costs: UnitCosts, d0: float, p2p_s: float = 0.0,
-                plan: Optional[np.ndarray] = None, enabled: bool = True, payload=None,
-                static_s: Optional[float] = None) -> PackingOutcome:
-    """The DST rule on one packing: ``plan`` (DST's densities, None: static run) is kept unless
-    it is predicted slower than the static plan of the same micro-batches (``enabled`` False:
-    always kept, the ablation); ``static_s``: that static plan's step time where the caller
-    has predicted it already. In one process (``outcome_rounds`` with a DP group of one)."""
-    return plan_rounds_in_process([outcome_rounds(costs, d0, p2p_s, plan, enabled, payload,
-                                                  static_s)])[0]
-
-
 def outcome_rounds(costs: UnitCosts, d0: float, p2p_s: float, plan: Optional[np.ndarray],
                    enabled: bool, payload, static_s: Optional[float] = None
                    ) -> Generator[dict, dict, PackingOutcome]:
-    """``dst_outcome``'s rule as a DP rank's rounds: each step time it compares is the DP
-    group's maximum (``dst_rounds.group_max``)."""
+    """The DST rule on one packing, as a DP rank's rounds: ``plan`` (DST's densities, None:
+    static run) is kept unless it is predicted slower than the static plan of the same
+    micro-batches (``enabled`` False: always kept, the ablation); ``static_s``: that static
+    plan's step time where the caller has predicted it already. Each step time it compares is
+    the DP group's maximum (``dst_rounds.group_max``)."""
     static = np.full(costs.shape, float(d0))
     if static_s is None:
         static_s = yield from group_max(_static_time_s(costs, d0, p2p_s))

@@ -7,12 +7,19 @@ import pytest
 
 from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst_from_config
+from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
 from sparsebalance_megatron.policy.stand_down import (StandDownCounts, choose_step,
-                                                      dst_outcome, plan_step_time_s)
+                                                      outcome_rounds, plan_step_time_s)
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
 
 D0 = 0.5
 GRID = density_grid(D0, 0.125, 1.0)
+
+
+def dst_outcome(costs, d0, p2p_s=0.0, plan=None, enabled=True, payload=None):
+    """The DST rule on one packing in one process: ``outcome_rounds`` with a DP group of one."""
+    return plan_rounds_in_process([outcome_rounds(costs, d0, p2p_s, plan, enabled,
+                                                  payload)])[0]
 
 
 def affine(fixed, attn):
