@@ -376,12 +376,12 @@ def evaluate(args, ckpt: str, docs: list, readings) -> dict:
     path = os.path.join(os.path.dirname(ckpt), "eval.json")
     digest = hashlib.sha256(json.dumps([[d["ids"], d["answer_positions"]] for d in docs])
                             .encode()).hexdigest()[:16]
-    kept = {}
+    saved = {}
     if os.path.exists(path):
         with open(path) as f:
-            saved = json.load(f)
-        kept = saved["scores"] if saved.get("documents") == digest else {}
-    out = {reading_key(r): kept[reading_key(r)] for r in readings if reading_key(r) in kept}
+            got = json.load(f)
+        saved = got["scores"] if got.get("documents") == digest else {}
+    out = {reading_key(r): saved[reading_key(r)] for r in readings if reading_key(r) in saved}
     todo = [r for r in readings if reading_key(r) not in out]
     if todo:
         sb = SparseBalanceConfig(sparse_attention=True, density=args.density,
@@ -400,7 +400,7 @@ def evaluate(args, ckpt: str, docs: list, readings) -> dict:
                for k in ("answer_nll", "exact", "token_accuracy", "kept")},
             "per_sample_answer_nll": [round(r["answer_nll"], 4) for r in rows]}
         with open(path, "w") as f:
-            json.dump({"documents": digest, "scores": {**kept, **out}}, f)
+            json.dump({"documents": digest, "scores": {**saved, **out}}, f)
     return out
 
 
@@ -509,9 +509,8 @@ def read_as_trained(seeds: list, runs: dict, args, margin: dict) -> dict:
     """``sparse_balance`` read at the per-layer densities it trained at, scaled to uniform d0's
     kept work (``equal_work``), against ``static`` at d0 and against ``static`` read at the same
     densities (what training under DST did, apart from the allocation's own worth); and both
-    read dense (``1``): per
-    reading and metric the superiority reading and, with a margin, the verdict matched on the
-    kept density the attention reported at evaluation. The training step is matched as in
+    read dense (``1``): per reading and metric the superiority reading and, with a margin, the
+    verdict matched on the kept density the attention reported at evaluation. The training step is matched as in
     ``equal_time`` (DST's predicted step no slower). The control: as everywhere here, each
     control run at its own density against static at d0."""
     from sparsebalance_megatron.eval import verdict as V
@@ -623,18 +622,16 @@ def print_summary(doc: dict) -> None:
               f"{h['x_chance']:.1f}x chance ({'held' if h['held'] else 'NOT held'})")
     for k, v in (doc.get("verdicts") or {}).items():
         print(f"verdict {k}: {one_line(v)}")
-    for k, v in (doc.get("verdicts_equal_time") or {}).items():
+    def reading(label: str, v: dict) -> str:
         b = v["better"]
-        print(f"equal step time, sparse_balance - static at d0, {k}: {b['verdict']} "
-              f"{b['mean']:+.5f}" + ("" if b["upper"] is None else
-                                     f" [{b['lower']:+.5f}, {b['upper']:+.5f}]")
-              + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
+        return (f"{label}: {b['verdict']} {b['mean']:+.5f}"
+                + ("" if b["upper"] is None else f" [{b['lower']:+.5f}, {b['upper']:+.5f}]")
+                + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
+    for k, v in (doc.get("verdicts_equal_time") or {}).items():
+        print(reading(f"equal step time, sparse_balance - static at d0, {k}", v))
     for name, ms in (doc.get("verdicts_as_trained") or {}).items():
         for k, v in ms.items():
-            b = v["better"]
-            print(f"read {name.replace('_', ' ')}, sparse_balance - static, {k}: {b['verdict']} "
-                  f"{b['mean']:+.5f} [{b['lower']:+.5f}, {b['upper']:+.5f}]"
-                  + (f"; {one_line(v['non_inferior'])}" if "non_inferior" in v else ""))
+            print(reading(f"read {name.replace('_', ' ')}, sparse_balance - static, {k}", v))
     if doc.get("margin") and doc["config"]["pilot"]:
         print(f"margin fixed: {doc['margin']}; seeds needed: {doc.get('seeds_needed')}")
 

@@ -186,11 +186,10 @@ def planned_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
                    narrow: bool = False) -> Generator[Parts, dict, tuple]:
     """``rank_rounds``' plan as the do-no-harm race reads a candidate's
     (``stand_down.choice_rounds``): (its densities [1, m, stages], the ``RankPlan``);
-    ``sensitivity`` may be a callable of no arguments (``batching.LazySensitivity``), asked
-    only once the race drives this candidate."""
-    if callable(sensitivity):
-        sensitivity = sensitivity()
-    plan = yield from rank_rounds(costs, sensitivity, settings, quality=quality, narrow=narrow)
+    ``sensitivity``: a callable of no arguments (``batching.LazySensitivity``), asked only once
+    the race drives this candidate."""
+    plan = yield from rank_rounds(costs, sensitivity(), settings, quality=quality,
+                                  narrow=narrow)
     return costs.densities[plan.grid_index], plan
 
 
