@@ -17,17 +17,11 @@ KINDS = ("needle_single", "needle_multikey", "needle_multiquery", "text_code", "
 
 
 def arch(layers=None):
-    """SmolLM2-135M's architecture from its GGUF's config (no weights read); ``layers``: its
-    cut to the first N layers (the smoke tests')."""
-    from dataclasses import replace
+    """SmolLM2-135M's architecture from its GGUF (no weights read); ``layers``: its cut to the
+    first N layers (the smoke tests')."""
+    from sparsebalance_megatron.megatron.model import gguf_weights, hf_convert
 
-    from transformers import AutoConfig
-
-    from sparsebalance_megatron.megatron.model import hf_convert
-
-    d, name = os.path.split(hf_convert.smollm2_gguf_path())
-    a = hf_convert.arch_from_hf_config(AutoConfig.from_pretrained(d, gguf_file=name))
-    return replace(a, num_layers=layers) if layers else a
+    return gguf_weights.read_architecture(hf_convert.smollm2_gguf_path(), layers)
 
 
 def load(density: float, block_size: int, layers=None, threads: int = 1):

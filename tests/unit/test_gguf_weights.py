@@ -18,9 +18,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from sparsebalance_megatron.megatron.model import hf_convert  # noqa: E402
+from sparsebalance_megatron.megatron.model import gguf_weights, hf_convert  # noqa: E402
 from sparsebalance_megatron.megatron.model.gguf_weights import (  # noqa: E402
-          dequantize, load_packed, pack_gguf)
+          dequantize, load_packed, pack_gguf, read_architecture)
 
 try:
     GGUF_PATH = hf_convert.smollm2_gguf_path()
@@ -91,6 +91,8 @@ def test_packed_equals_transformers(packed, hf_model):
     sd, arch = load_packed(directory)
     assert record["architecture"] == arch.to_dict()
     assert arch == hf_convert.arch_from_hf_config(hf_model.config)   # 2 layers on both sides
+    assert read_architecture(GGUF_PATH, LAYERS) == arch                # without packing
+    assert read_architecture(GGUF_PATH).num_layers == 30
     assert record["source"]["file"] == os.path.basename(GGUF_PATH)
     assert all(e["offset"] % 64 == 0 for e in record["tensors"])
     ref = hf_model.state_dict()
@@ -121,6 +123,7 @@ def test_pack_and_load_errors(packed, tmp_path, reader, monkeypatch):
     other = types.SimpleNamespace(get_field=lambda key: types.SimpleNamespace(
         contents=lambda: "qwen2") if key == "general.architecture" else None)
     monkeypatch.setattr(gguf, "GGUFReader", lambda path: other)
+    gguf_weights._open.cache_clear()            # the file is parsed once a process
     with pytest.raises(ValueError, match="general.architecture='qwen2', expected 'llama'"):
         pack_gguf(GGUF_PATH, str(tmp_path / "x"))
 

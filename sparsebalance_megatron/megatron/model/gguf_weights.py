@@ -6,16 +6,19 @@ they are, into ``weights.bin`` (every tensor at a 64-byte aligned offset) and de
 "sha256"}, "tensors": [{"name" (Hugging Face Llama name), "type", "shape" (torch order), "offset",
 "nbytes"}]}``. ``load_packed`` reads the pair on a machine without ``gguf`` or ``transformers``:
 float32 tensors keyed by Hugging Face names, q/k rows back in Hugging Face's RoPE layout (llama.cpp
-permutes them), ready for ``hf_convert.convert_hf_state_dict``.
+permutes them), ready for ``hf_convert.convert_hf_state_dict``. ``read_architecture``: the
+architecture alone, from the same parse (a GGUF is parsed once a process: its metadata, the
+tokenizer's vocabulary included, takes seconds).
 
 Stored types: Q8_0 (blocks of 32: fp16 d, 32 int8 q; w = d*q), Q4_1 (blocks of 32: fp16 d,
 fp16 m, 16 bytes, element j the low nibble of byte j and element j+16 its high nibble;
-w = d*q + m), F32, F16. May import torch and ``hf_convert``, and (lazily, in ``pack_gguf``
-only) ``gguf``; never megatron or transformers.
+w = d*q + m), F32, F16. May import torch and ``hf_convert``, and (lazily, in ``pack_gguf`` and
+``read_architecture`` only) ``gguf``; never megatron or transformers.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -103,11 +106,9 @@ def _architecture(reader, block_count_kept: int, vocab: int, tied: bool) -> HFAr
         max_position_embeddings=int(_meta(reader, "llama.context_length")))
 
 
-def pack_gguf(gguf_path: str, out_dir: str, num_layers: Optional[int] = None) -> dict:
-    """Write ``out_dir/weights.bin`` and ``weights.json`` from a llama GGUF; return the json dict.
-
-    ``num_layers``: keep only the first N blocks (1..llama.block_count), a cut-down model.
-    """
+@functools.lru_cache(maxsize=2)
+def _open(gguf_path: str):
+    """The GGUF's reader (its tensors memory-mapped), once a process; a llama, little-endian."""
     require_package("gguf", "gguf")
     import gguf
 
@@ -118,13 +119,37 @@ def pack_gguf(gguf_path: str, out_dir: str, num_layers: Optional[int] = None) ->
         raise ValueError(f"{gguf_path!r}: general.architecture={arch_name!r}, expected 'llama'")
     if reader.endianess != gguf.GGUFEndian.LITTLE:
         raise ValueError(f"{gguf_path!r}: a big-endian GGUF, expected little-endian")
+    if "token_embd.weight" not in {t.name for t in reader.tensors}:
+        raise ValueError(f"{gguf_path!r} has no token_embd.weight: expected a llama model")
+    return reader
+
+
+def _kept(reader, gguf_path: str, num_layers) -> int:
     blocks = int(_meta(reader, "llama.block_count"))
     keep = blocks if num_layers is None else num_layers
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= blocks:
         raise ValueError(f"num_layers={num_layers!r}: expected an int in 1..{blocks} "
                          f"(llama.block_count of {os.path.basename(gguf_path)})")
+    return keep
 
-    entries, chunks, offset, names = [], [], 0, {t.name for t in reader.tensors}
+
+def read_architecture(gguf_path: str, num_layers: Optional[int] = None) -> HFArchitecture:
+    """The architecture ``pack_gguf`` records, without packing (``num_layers``: its)."""
+    reader = _open(os.path.abspath(gguf_path))
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    tied = "output.weight" not in {t.name for t in reader.tensors}
+    return _architecture(reader, _kept(reader, gguf_path, num_layers),
+                         int(embed.shape.tolist()[-1]), tied)
+
+
+def pack_gguf(gguf_path: str, out_dir: str, num_layers: Optional[int] = None) -> dict:
+    """Write ``out_dir/weights.bin`` and ``weights.json`` from a llama GGUF; return the json dict.
+
+    ``num_layers``: keep only the first N blocks (1..llama.block_count), a cut-down model.
+    """
+    reader = _open(os.path.abspath(gguf_path))
+    keep = _kept(reader, gguf_path, num_layers)
+    entries, chunks, offset = [], [], 0
     for t in reader.tensors:
         layer, name = hf_name(t.name)
         if layer is not None and layer >= keep:
@@ -140,10 +165,7 @@ def pack_gguf(gguf_path: str, out_dir: str, num_layers: Optional[int] = None) ->
                         "nbytes": nbytes})
         chunks.append((offset, reader.data[t.data_offset:t.data_offset + nbytes]))
         offset += nbytes
-    if "token_embd.weight" not in names:
-        raise ValueError(f"{gguf_path!r} has no token_embd.weight: expected a llama model")
-    vocab = next(e["shape"][0] for e in entries if e["name"] == "model.embed_tokens.weight")
-    arch = _architecture(reader, keep, vocab, tied="output.weight" not in names)
+    arch = read_architecture(gguf_path, keep)
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, BIN_FILE), "wb") as f:

@@ -20,6 +20,7 @@ must not touch torch.distributed directly (``profile.init_single_process`` does 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -360,18 +361,28 @@ def smollm2_gguf_path() -> str:
 
 def load_hf_gguf(gguf_path: Optional[str] = None, with_model: bool = True):
     """``(hf_model or None, tokenizer)`` from a local GGUF, dequantized to fp32, offline."""
+    path = os.path.abspath(gguf_path or smollm2_gguf_path())
+    tok = _gguf_tokenizer(path)             # checks the packages first
+    model = None
+    if with_model:
+        from transformers import AutoModelForCausalLM
+
+        d, name = os.path.split(path)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    return model, tok
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str):
+    """A GGUF's tokenizer, once a process: transformers parses the whole file's metadata for it
+    (3.5 s for SmolLM2's, of one core), and a study asks for it more than once."""
     for mod, pip in (("transformers", "transformers"), ("gguf", "gguf"),
                      ("accelerate", "accelerate")):
         require_package(mod, pip)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    path = gguf_path or smollm2_gguf_path()
-    d, name = os.path.split(os.path.abspath(path))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = None
-    if with_model:
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    return model, tok
+    d, name = os.path.split(path)
+    return AutoTokenizer.from_pretrained(d, gguf_file=name)
