@@ -142,7 +142,7 @@ def test_a_rank_that_exits_early_is_named(tmp_path):
 
 
 @pytest.mark.reliability(area="watchdog (healthy)", case="a slow stage (three waits of 0.4 T "
-                         "between progress points), evaluation steps of 0.6 T and a checkpoint "
+                         "between progress points), two evaluation steps of 0.6 T and a checkpoint "
                          "save of 1.5 T, threshold T = 4 s (`torchrun --nproc_per_node=3 "
                          "tests/distributed/watchdog_worker.py healthy 4 DIR`)",
                          expect="nothing named, every rank finishes, the checkpoint is complete")

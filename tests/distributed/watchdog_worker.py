@@ -6,8 +6,9 @@ threshold in seconds. The process groups' timeout is 300 s: only the watchdog en
 
 ``healthy DIR``: a healthy run shaped like the ones the watchdog once killed (issue 34), each
 delay injected, in units of the threshold T: a slow last stage (rank 2 computes 0.4 T before each
-of three all-reduces per forward step: the others wait 1.2 T between their progress points, in
-three collectives), three evaluation steps of 0.6 T on rank 1 inside Megatron's 'evaluate' timer,
+of three all-reduces in a forward step: the others wait 1.2 T between their progress points, in
+three collectives), two evaluation steps of 0.6 T on rank 1 inside Megatron's 'evaluate' timer
+(1.2 T in the timer),
 and a checkpoint save inside its 'save-checkpoint' timer in which rank 0 writes ``DIR/ckpt.bin``
 for 1.5 T while the others wait in the save's barrier. The timers are the watchdog's
 ``PhaseTimers`` around a stand-in for Megatron's ``Timers`` (start/stop with a barrier).
@@ -53,14 +54,13 @@ class _Timer:
 def _healthy(wd: Watchdog, rank: int, threshold: float, out: Path) -> None:
     timers = PhaseTimers(lambda name, log_level=None: _Timer(), wd)
     x = torch.ones(1)
-    for step in range(2):                       # a slow last stage
-        wd.tick(step, f"forward step, iteration {step + 1}")
-        for _ in range(3):
-            if rank == 2:
-                time.sleep(0.4 * threshold)
-            comm.all_reduce_sum_(x, None)
-    timers("evaluate").start(barrier=True)      # slow evaluation forwards
+    wd.tick(0, "forward step, iteration 1")     # a slow last stage
     for _ in range(3):
+        if rank == 2:
+            time.sleep(0.4 * threshold)
+        comm.all_reduce_sum_(x, None)
+    timers("evaluate").start(barrier=True)      # slow evaluation forwards
+    for _ in range(2):
         wd.tick(None, "evaluation")
         if rank == 1:
             time.sleep(0.6 * threshold)
@@ -77,7 +77,7 @@ def _healthy(wd: Watchdog, rank: int, threshold: float, out: Path) -> None:
         part.rename(out / "ckpt.bin")
     comm.barrier()                              # Megatron's save ends in collectives too
     timers("save-checkpoint").stop(barrier=False)
-    wd.tick(2, "forward step, iteration 3")
+    wd.tick(1, "forward step, iteration 2")
     comm.all_reduce_sum_(x, None)
 
 
