@@ -16,6 +16,14 @@ ENTRY = REPO / "examples" / "pretrain_gpt_sparsebalance.py"
 HYBRID_ENTRY = REPO / "examples" / "pretrain_hybrid_sparsebalance.py"
 SLOW_ENV = "SB_SLOW_TESTS"
 
+# Under pytest-xdist the workers are the suite's parallelism (make test: two on two cores), and
+# torch's default of one thread a core had them oversubscribe the machine: each worker, and each
+# process it starts, computes on one thread (as every rank the tests launch already did).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (resumes, checkout comparisons: minutes each) run only with
