@@ -7,7 +7,9 @@ package with ``ast``.
 2. Only ``sparsebalance_megatron/megatron/runtime/comm.py`` imports ``torch.distributed`` (other adapter
    modules may use Megatron's own distributed helpers), and only it touches ``torch.distributed.*``.
 3. ``import sparsebalance_megatron`` and every pure subpackage (every one but ``megatron``) with all
-   of its modules import in a fresh interpreter without ``megatron`` entering ``sys.modules``.
+   of its modules import in a fresh interpreter without ``megatron`` entering ``sys.modules``
+   (one interpreter imports them all in turn: none of them pulls megatron in together, so none
+   does alone).
 4. No import circle between the package's modules. Imports inside functions count as much as
    module-level ones (a lazy import hides a circle from Python, not from the reader); imports
    under ``if TYPE_CHECKING:`` do not (they never run). ``from pkg import mod`` is an edge to the
@@ -252,32 +254,47 @@ PURE = ["sparsebalance_megatron"] + sorted(
     if (p.is_dir() and (p / "__init__.py").exists() and p.name != "megatron")
     or (p.suffix == ".py" and p.name != "__init__.py"))
 
+# One fresh interpreter imports every pure package in turn with all its modules: megatron absent
+# from sys.modules after all of them is absent after each alone (the modules each runs are a part
+# of what all run), at the CPU of one interpreter instead of one a package. Each package's result:
+# what it imported and the megatron modules first imported during it, each with the module that
+# imported it (a finder on sys.meta_path sees every import), or its import's traceback.
 _CHECK = r"""
-import importlib, json, pkgutil, sys
-name = sys.argv[1]
-mod = importlib.import_module(name)
-names = [name]
-if hasattr(mod, "__path__") and name != "sparsebalance_megatron":  # the root: itself only
-    for info in pkgutil.walk_packages(mod.__path__, name + "."):
-        if info.name.rsplit(".", 1)[-1] != "__main__":
-            importlib.import_module(info.name)
-            names.append(info.name)
-print(json.dumps({"imported": names,
-                  "megatron": sorted(m for m in sys.modules if m == "megatron" or m.startswith(("megatron.", "sparsebalance_megatron.megatron")))}))
+import importlib, json, pkgutil, sys, traceback
+seen = {}
+class Watch:
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "megatron" or fullname.startswith(("megatron.", "sparsebalance_megatron.megatron")):
+            f = sys._getframe(1)
+            while f is not None and f.f_code.co_filename.startswith("<frozen"):
+                f = f.f_back
+            seen.setdefault(fullname, f.f_globals.get("__name__") if f is not None else "?")
+        return None
+sys.meta_path.insert(0, Watch())
+out = {}
+for name in sys.argv[1:]:
+    names, before = [name], set(seen)
+    try:
+        mod = importlib.import_module(name)
+        if hasattr(mod, "__path__") and name != "sparsebalance_megatron":  # the root: itself only
+            for info in pkgutil.walk_packages(mod.__path__, name + "."):
+                if info.name.rsplit(".", 1)[-1] != "__main__":
+                    importlib.import_module(info.name)
+                    names.append(info.name)
+        out[name] = {"imported": names, "megatron": sorted(f"{m} (imported by {seen[m]})" for m in set(seen) - before)}
+    except Exception:
+        out[name] = {"error": traceback.format_exc()}
+print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def fresh_imports() -> dict:
-    """Each pure (sub)package imported with all its modules in its own interpreter, concurrently."""
-    procs = {name: subprocess.Popen([sys.executable, "-c", _CHECK, name], cwd=REPO,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name in PURE}
-    out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
-        out[name] = (p.returncode, stdout, stderr)
-    return out
+    """Every pure (sub)package imported with all its modules, in one fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _CHECK, *PURE], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_pure_list_covers_the_named_subpackages():
@@ -288,9 +305,8 @@ def test_pure_list_covers_the_named_subpackages():
 
 @pytest.mark.parametrize("name", PURE)
 def test_pure_packages_import_without_megatron(name, fresh_imports):
-    rc, stdout, stderr = fresh_imports[name]
-    assert rc == 0, f"import {name} failed:\n{stderr[-3000:]}"
-    result = json.loads(stdout.strip().splitlines()[-1])
+    result = fresh_imports[name]
+    assert "error" not in result, f"import {name} failed:\n{result.get('error', '')[-3000:]}"
     assert name in result["imported"]
     assert result["megatron"] == [], f"importing {name} pulled in {result['megatron'][:5]}"
 
