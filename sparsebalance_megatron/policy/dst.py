@@ -48,11 +48,6 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTS
     return DSTPlan(costs.densities[idx], plans[0].report, idx)
 
 
-def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
-    """[dp, m, pp] all at d0 (the baseline DST is compared with)."""
-    return np.full(costs.shape, float(d0))
-
-
 def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
                          p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
                          stage_layers=None) -> DSTPlan:
