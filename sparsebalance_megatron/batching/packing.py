@@ -21,7 +21,8 @@ from ..data.packing import check_bin_count
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
 from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, check_fits,
-                   check_long_sample_policy, check_shape_args, finish_plan, split_long)
+                   check_long_sample_policy, check_rank, check_shape_args, finish_plan,
+                   split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -81,9 +82,8 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     are exact in any order), without a tuple and a look-up per segment (the baseline packing of
     every draft). ``rank``: DP rank r's row alone, as a one-row plan (the whole plan's
     ``row_plan(r)``, the other rows never made)."""
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))
-                             or not 0 <= rank < dp):
-        raise ValueError(f"rank={rank!r}: expected a DP rank in [0, {dp})")
+    if rank is not None:
+        check_rank(rank, dp)
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
     m = num_microbatches
