@@ -1,14 +1,9 @@
-"""Dynamic sparsity tuning (DST): one attention density per (dp_rank, micro-batch, stage).
+"""Dynamic sparsity tuning (DST): one attention density per (dp_rank, micro-batch, stage), by
+the rule of docs/DESIGN.md section 5.
 
-The rule is docs/DESIGN.md section 5: the static plan (T0), the anchor over the load units, the
-cut above (1 + p) x anchor, the raise into float below (1 - h) x T1, the band search under the
-floors (``bands.band_search``) and the critical-path descent (``critical_path``). Every DP rank
-plans its own units, coupled by a few fixed-size reductions (``dst_ranks``, ``dst_rounds``); at
-DP 1 every reduction is the identity.
-
-Here: ``plan_dst``, the planner with every rank's rounds made in one process (the studies and
-tests; a run drives the same rounds over the DP group, ``megatron/step/agreement.py``), and its
-inputs from a ``SparseBalanceConfig``.
+``plan_dst``: every DP rank's rounds (``dst_ranks``, ``dst_rounds``) made in one process (the
+studies and tests; a run drives the same rounds over the DP group,
+``megatron/step/agreement.py``); ``dst_inputs``: its inputs from a ``SparseBalanceConfig``.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
