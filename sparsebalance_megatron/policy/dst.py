@@ -43,16 +43,6 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTS
     return DSTPlan(costs.densities[idx], plans[0].report, idx)
 
 
-def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
-                         p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
-                         stage_layers=None) -> DSTPlan:
-    """``plan_dst`` with the settings of a ``SparseBalanceConfig`` (``dst_inputs``); the costs
-    must be tabulated on ``density_grid(config.density, config.min_density,
-    config.max_density)``."""
-    settings, quality = dst_inputs(config, costs.shape[2], p2p_s, raise_headroom, stage_layers)
-    return plan_dst(costs, sensitivity, settings, quality=quality)
-
-
 def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
                stage_layers=None, quality_scales: Optional[tuple] = None) -> tuple:
     """(``DSTSettings``, the quality objective's ``StageQuality`` or None) of a
