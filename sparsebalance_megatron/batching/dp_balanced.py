@@ -20,15 +20,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .packing import finish_plan, prepare_samples
-from .plan import BatchingError, BatchPlan, split_long
+from .plan import BatchingError, BatchPlan, check_int, split_long
 
 ORDERS = ("megatron", "sampler")
-
-
-def _check_int(name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name}={value!r}: expected an integer >= {low}")
-    return int(value)
 
 
 def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int, dp: int,
@@ -39,12 +33,12 @@ def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int
     order (the module docstring). Where Megatron's rule has no answer (it runs out of groups
     holding more than one sequence): BatchingError, or with ``empty_groups`` empty groups up to
     the multiple."""
-    cap = _check_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank) * \
-        _check_int("cp", cp)
-    dp = _check_int("dp", dp)
+    cap = check_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank) * \
+        check_int("cp", cp)
+    dp = check_int("dp", dp)
     if max_num_seqs is not None:
-        max_num_seqs = _check_int("max_num_seqs", max_num_seqs)
-    multiple = dp * (_check_int("microbatch_group_size_per_vp_stage",
+        max_num_seqs = check_int("max_num_seqs", max_num_seqs)
+    multiple = dp * (check_int("microbatch_group_size_per_vp_stage",
                                 microbatch_group_size_per_vp_stage)
                      if microbatch_group_size_per_vp_stage is not None else 1)
     lengths = [int(n) for n in seqlens]
@@ -86,8 +80,8 @@ def megatron_order(n: int, dp: int, micro_batch_size: int = 1) -> np.ndarray:
     """[n] positions of the global batch's samples in Megatron's gathered order: sample k goes to
     DP rank ``(k // micro_batch_size) % dp`` (``MegatronPretrainingSampler``), each rank keeps its
     samples in order, and the ranks are concatenated in rank order."""
-    dp, mbs = _check_int("dp", dp), _check_int("micro_batch_size", micro_batch_size)
-    k = np.arange(_check_int("n", n, 0))
+    dp, mbs = check_int("dp", dp), check_int("micro_batch_size", micro_batch_size)
+    k = np.arange(check_int("n", n, 0))
     return np.lexsort((k, (k // mbs) % dp))
 
 
@@ -109,7 +103,7 @@ def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int
     """
     if order not in ORDERS:
         raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
-    cap = max_tokens if max_seqlen_per_dp_cp_rank is None else _check_int(
+    cap = max_tokens if max_seqlen_per_dp_cp_rank is None else check_int(
         "max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)
     if cap > max_tokens:
         raise ValueError(f"max_seqlen_per_dp_cp_rank={cap}: expected at most max_tokens "

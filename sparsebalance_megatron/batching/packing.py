@@ -13,16 +13,16 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 
 from ..data.packing import check_bin_count
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
-from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array,
-                   as_segments, check_fits, check_long_sample_policy, check_shape_args,
-                   finish_plan, split_long)
+from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, check_fits,
+                   check_long_sample_policy, check_rank, check_shape_args, finish_plan,
+                   split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -82,9 +82,8 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     are exact in any order), without a tuple and a look-up per segment (the baseline packing of
     every draft). ``rank``: DP rank r's row alone, as a one-row plan (the whole plan's
     ``row_plan(r)``, the other rows never made)."""
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))
-                             or not 0 <= rank < dp):
-        raise ValueError(f"rank={rank!r}: expected a DP rank in [0, {dp})")
+    if rank is not None:
+        check_rank(rank, dp)
     segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
                                                 max_tokens, long_sample_policy)
     m = num_microbatches
@@ -168,34 +167,3 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                          cost_fn=cost_fn, arrange=arrange, length_multiple=length_multiple,
                          priced=priced)
 
-
-def _merged(ranges):
-    out = []
-    for s, e in sorted(ranges):
-        if out and out[-1][1] == s:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
-def check_plan_covers(plan: BatchPlan, samples: Sequence, max_tokens: int) -> None:
-    """AssertionError unless every token of every sample is in exactly one segment of the plan
-    and no micro-batch exceeds ``max_tokens`` (used by tests and by the data path's checks)."""
-    want, got = {}, {}
-    for i, s, e in as_segments(samples):
-        want.setdefault(i, []).append((s, e))
-    assert len(plan.micro_batches) == plan.dp
-    for rank in plan.micro_batches:
-        assert len(rank) == plan.num_microbatches, "ranks differ in micro-batch count"
-        for mb in rank:
-            assert sum(e - s for _, s, e in mb) <= max_tokens, "micro-batch over max_tokens"
-            for i, s, e in mb:
-                assert e - s <= max_tokens
-                got.setdefault(i, []).append((s, e))
-    assert set(got) == set(want), "samples missing or invented"
-    for i in want:
-        n_want = sum(e - s for s, e in want[i])
-        n_got = sum(e - s for s, e in got[i])
-        assert n_got == n_want, f"sample {i}: {n_got} tokens planned, {n_want} given"
-        assert _merged(got[i]) == _merged(want[i]), f"sample {i}: pieces do not tile its ranges"

@@ -103,8 +103,7 @@ class BatchPlan:
     def row_plan(self, r: int) -> "BatchPlan":
         """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
         holds): the same segments, cost and padding, its arrays sliced from this plan's."""
-        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.dp:
-            raise ValueError(f"rank={r!r}: expected a DP rank in [0, {self.dp})")
+        check_rank(r, self.dp)
         m, (offsets, lengths) = self.num_microbatches, self.unit_csr()
         lo, hi = int(offsets[r * m]), int(offsets[(r + 1) * m])
         out = replace(self, micro_batches=[self.micro_batches[r]],
@@ -269,11 +268,23 @@ def seeded_order(tie: np.ndarray, *keys: np.ndarray) -> np.ndarray:
     return p
 
 
+def check_int(name: str, value, low: int = 1) -> int:
+    """``value`` as an int, else a ValueError naming ``name`` (an integer >= ``low`` expected)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name}={value!r}: expected an integer >= {low}")
+    return int(value)
+
+
+def check_rank(rank, dp: int) -> None:
+    """ValueError unless ``rank`` is a DP rank in [0, dp)."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < dp:
+        raise ValueError(f"rank={rank!r}: expected a DP rank in [0, {dp})")
+
+
 def check_shape_args(dp: int, num_microbatches: int, max_tokens: int) -> None:
     for name, v in (("dp", dp), ("num_microbatches", num_microbatches),
                     ("max_tokens", max_tokens)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}={v!r}: expected an integer >= 1")
+        check_int(name, v)
 
 
 def check_long_sample_policy(long_sample_policy: str) -> None:

@@ -1,10 +1,7 @@
 """SAB's agreement as a DP rank makes it (issue 77): ``agreement_rounds`` is one rank's generator
-of rounds, in the form of ``policy.dst_rounds`` (it yields the rank's part of a round,
-``{"sum": ..., "max": ..., "cat": ...}``, and is sent what the group agreed), so the same
-reductions carry it: in-process in lockstep (the tests), over the DP group in a run
-(the step's driver, ``megatron/step/agreement.py``). It returns the ``assignment.Agreement`` that
-``SABAssignment.agree`` makes from every rank's units, field for field, from the rank's own units
-(``SABAssignment.units([r])``) and two rounds:
+of rounds in ``policy.dst_rounds``' protocol, so the same drivers reduce it. It returns the
+``assignment.Agreement`` that ``SABAssignment.agree`` makes from every rank's units, field for
+field, from the rank's own units (``SABAssignment.units([r])``) and two rounds:
 
 1. max of a flag (some rank's cut does not fit: every rank then packs the sequential bins,
    ``SABAssignment.agree``'s fallback, each rank's priced with its own factors, and round 1 is

@@ -1,6 +1,6 @@
 """Simulated studies built on the policies: the variant study of the benchmarks and the pipeline
 layout search of ``sparsebalance-layout``. They call the runtime's own policy functions
-(``plan_dst_from_config``, SAB, the latency model), so what they measure is what trains.
+(``plan_dst``, SAB, the latency model), so what they measure is what trains.
 
 Pure numpy; must not import torch or megatron.
 """

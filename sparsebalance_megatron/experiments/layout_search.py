@@ -17,7 +17,7 @@ on the same global batches (``study.run_study``):
   the layouts no slower than the best static configuration, the one with the lowest predicted
   LM-loss change under the quality objective (the default), the highest layer-weighted density
   under the density objective;
-- SparseBalance: SAB + DST (the runtime's ``plan_dst_from_config``, floors included), on the same
+- SparseBalance: SAB + DST (the runtime's ``plan_dst``, floors included), on the same
   layouts, the interleaved schedule included (DST plans every model chunk). A layout qualifies
   only if its plan keeps the layer-weighted density of the sparse path's documents >= d0 (a
   routed document counts 1.0 in every run alike and must not pay for cuts elsewhere) and every

@@ -6,10 +6,10 @@ Must not import torch, megatron or torch.distributed.
 
 from .costs import GRID_STEP, UnitCosts, check_density_bounds, density_grid
 from .density_means import weighted_mean_density
-from .dst import dst_inputs, plan_dst, plan_dst_from_config, static_plan
+from .dst import dst_inputs, plan_dst
 from .dst_band import DSTPlan, DSTReport
 from .dst_settings import DSTSettings
 
 __all__ = ["GRID_STEP", "UnitCosts", "check_density_bounds", "density_grid",
            "weighted_mean_density", "DSTPlan", "DSTReport", "DSTSettings", "dst_inputs",
-           "plan_dst", "plan_dst_from_config", "static_plan"]
+           "plan_dst"]

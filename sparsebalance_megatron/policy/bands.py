@@ -88,14 +88,10 @@ def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, gu
     of ``bands.band_ladder`` are tried first; ``guard``: what a narrower band's density-order
     plan must not lose in quality (``guard.plan_cost(densities)``)."""
     anchor, tolerance = settings.anchor, settings.tolerance
-    density_floor, stage_density_floor = settings.density_floor, settings.stage_density_floor
-    floor = density_floor * settings.d0 - 1e-12
-    stage_floor = stage_density_floor * settings.d0 - 1e-12
+    floors = settings.density_floor * settings.d0, settings.stage_density_floor * settings.d0
 
     def meets(p) -> bool:
-        r = p.report
-        return (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
-                and not r.quality_cost > 1e-12)
+        return p.report.meets(*floors)
 
     best, *narrower = yield (band_ladder(anchor, tolerance) if narrow
                              else [(anchor, tolerance)])
@@ -103,9 +99,8 @@ def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, gu
         for p in narrower:
             p.report.quality_cost = guard.plan_cost(p.densities)
     ok = [p for p in narrower if meets(p)]
-    if (density_floor <= 0 and stage_density_floor <= 0 and quality is None) \
-            or anchor == "max" \
-            or meets(best):
+    if (settings.density_floor <= 0 and settings.stage_density_floor <= 0 and quality is None) \
+            or anchor == "max" or meets(best):
         return pick_band([best] + ok)
     lo, hi = max(float(tolerance), 1e-3), 10.0
     for rnd in range(max(settings.search_steps // 2, 1)):

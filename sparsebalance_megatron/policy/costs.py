@@ -166,6 +166,11 @@ class UnitCosts:
                              f"[{self.densities[0]}, ..., {self.densities[-1]}]")
         return i
 
+    def grid_index(self, densities) -> np.ndarray:
+        """Indices of the nearest grid density at or above each density (the top one above)."""
+        d, g = np.asarray(densities, dtype=np.float64), self.densities
+        return np.minimum(np.searchsorted(g, d - 1e-12), g.size - 1)
+
     def effective_index(self, idx: np.ndarray, i0: int) -> np.ndarray:
         """Grid indices ``idx`` [..., dp, m, pp] of plans, each unit moved to the index nearest
         ``i0`` (d0's) that keeps the blocks ``idx`` keeps (``kept_grid``) at the same seconds:

@@ -132,6 +132,13 @@ def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s:
     return idx, step, mk
 
 
+def descent_floors(settings: DSTSettings) -> tuple:
+    """The descent's (mean, stage) density floors: max(density_floor, ``NEUTRAL_DENSITY``) x d0
+    and stage_density_floor x d0."""
+    return (max(float(settings.density_floor), NEUTRAL_DENSITY) * settings.d0,
+            settings.stage_density_floor * settings.d0)
+
+
 def refine_plan(plan, costs: UnitCosts, settings: DSTSettings, *, quality=None,
                 margin: float = 1e-3, rounds: int = ROUNDS):
     """``plan`` (a ``dst.DSTPlan``), or the critical-path descent from it when that is predicted
@@ -143,15 +150,14 @@ def refine_plan(plan, costs: UnitCosts, settings: DSTSettings, *, quality=None,
     if rounds <= 0:
         return plan
     d0 = settings.d0
-    check = FloorCheck(costs, max(float(settings.density_floor), NEUTRAL_DENSITY) * d0,
-                        settings.stage_density_floor * d0, quality)
+    check = FloorCheck(costs, *descent_floors(settings), quality)
     meets = check.meets
     r = plan.report
     start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
     if r.step_time_planned_s > r.step_time_static_s or not meets(start):
         start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
     i0, i_min, i_max = (costs.index_of(d) for d in (d0, settings.d_min, settings.d_max))
-    idx0 = np.clip(np.searchsorted(costs.densities, start - 1e-12), 0, costs.densities.size - 1)
+    idx0 = costs.grid_index(start)
     # the floors weigh every unit at its effective density (``UnitCosts.effective_index``)
     idx, step, mk = descend_at(costs, idx0, i_min, i_max, settings.p2p_s, settings.raise_headroom,
                              lambda i: check.meets_at(costs.effective_index(i, i0)), rounds,

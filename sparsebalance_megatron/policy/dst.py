@@ -1,14 +1,9 @@
-"""Dynamic sparsity tuning (DST): one attention density per (dp_rank, micro-batch, stage).
+"""Dynamic sparsity tuning (DST): one attention density per (dp_rank, micro-batch, stage), by
+the rule of docs/DESIGN.md section 5.
 
-The rule is docs/DESIGN.md section 5: the static plan (T0), the anchor over the load units, the
-cut above (1 + p) x anchor, the raise into float below (1 - h) x T1, the band search under the
-floors (``bands.band_search``) and the critical-path descent (``critical_path``). Every DP rank
-plans its own units, coupled by a few fixed-size reductions (``dst_ranks``, ``dst_rounds``); at
-DP 1 every reduction is the identity.
-
-Here: ``plan_dst``, the planner with every rank's rounds made in one process (the studies and
-tests; a run drives the same rounds over the DP group, ``megatron/step/agreement.py``), and its
-inputs from a ``SparseBalanceConfig``.
+``plan_dst``: every DP rank's rounds (``dst_ranks``, ``dst_rounds``) made in one process (the
+studies and tests; a run drives the same rounds over the DP group,
+``megatron/step/agreement.py``); ``dst_inputs``: its inputs from a ``SparseBalanceConfig``.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -46,21 +41,6 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTS
     assert len(agreed) == 1, agreed                 # every rank keeps the same plan
     idx = np.concatenate([p.grid_index for p in plans])
     return DSTPlan(costs.densities[idx], plans[0].report, idx)
-
-
-def static_plan(costs: UnitCosts, d0: float) -> np.ndarray:
-    """[dp, m, pp] all at d0 (the baseline DST is compared with)."""
-    return np.full(costs.shape, float(d0))
-
-
-def plan_dst_from_config(config, costs: UnitCosts, sensitivity: Optional[np.ndarray],
-                         p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
-                         stage_layers=None) -> DSTPlan:
-    """``plan_dst`` with the settings of a ``SparseBalanceConfig`` (``dst_inputs``); the costs
-    must be tabulated on ``density_grid(config.density, config.min_density,
-    config.max_density)``."""
-    settings, quality = dst_inputs(config, costs.shape[2], p2p_s, raise_headroom, stage_layers)
-    return plan_dst(costs, sensitivity, settings, quality=quality)
 
 
 def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,

@@ -56,6 +56,13 @@ class DSTReport:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def meets(self, mean_floor: float, stage_floor: float, quality: bool = True) -> bool:
+        """The plan's mean and every stage's density at their floors (each less 1e-12) and,
+        with ``quality``, no predicted loss against uniform d0."""
+        return (self.mean_density >= mean_floor - 1e-12
+                and min(self.density_per_stage) >= stage_floor - 1e-12
+                and not (quality and self.quality_cost > 1e-12))
+
 
 @dataclass
 class DSTPlan:

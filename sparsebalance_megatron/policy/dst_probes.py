@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.descent import SCALE
-from .critical_path import NEUTRAL_DENSITY, ROUNDS, descend_at, descent_setup
+from .critical_path import ROUNDS, descend_at, descent_floors, descent_setup
 
 PROBES = 64               # the descent's probe steps ...
 PROBE_SPAN = 0.2          # ... over the 20% below the start's step (``probe_steps``)
@@ -67,8 +67,7 @@ class RankProbes:
         self.costs, self.w, self.s, self.qsum, self.start, self.steps = \
             costs, w, s, qsum, start, steps
         self.i0, self.i_min, self.i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
-        self.floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0
-        self.stage_floor = s.stage_density_floor * s.d0
+        self.floor, self.stage_floor = descent_floors(s)
         # the graph, tables and round every descent and fill of the rank share
         self.setup = descent_setup(costs, self.i_min, self.i_max, s.p2p_s)
 

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .costs import UnitCosts
-from .critical_path import NEUTRAL_DENSITY
+from .critical_path import descent_floors
 from .bands import band_search, candidate_tree
 from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
                        plan_reports, raise_rows, static_band, uniform_cut)
@@ -288,10 +288,7 @@ class RankDST:
         as ``refine_plan``; AR3b's parts: the rank's parts of the start's sums (``parts``) and
         of every probe's supply and demand (``dst_probes.RankProbes.first``)."""
         s, r, k = self.settings, self.chosen_report, self.chosen
-        floor = max(float(s.density_floor), NEUTRAL_DENSITY) * s.d0 - 1e-12
-        stage_floor = s.stage_density_floor * s.d0 - 1e-12
-        ok = (r.mean_density >= floor and min(r.density_per_stage) >= stage_floor
-              and not (self.quality is not None and r.quality_cost > 1e-12)
+        ok = (r.meets(*descent_floors(s), quality=self.quality is not None)
               and not r.step_time_planned_s > r.step_time_static_s)
         self.from_band = ok
         if ok:

@@ -29,8 +29,7 @@ def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0
     d = np.asarray(densities, dtype=np.float64)
     if d.shape != costs.shape:
         raise ValueError(f"densities {d.shape} do not match the costs' units {costs.shape}")
-    idx = np.minimum(np.searchsorted(costs.densities, d - 1e-12), costs.densities.size - 1)
-    return _step_time_at(costs, idx, p2p_s)
+    return _step_time_at(costs, costs.grid_index(d), p2p_s)
 
 
 def _step_time_at(costs: UnitCosts, idx: np.ndarray, p2p_s: float) -> float:
@@ -42,9 +41,8 @@ def _step_time_at(costs: UnitCosts, idx: np.ndarray, p2p_s: float) -> float:
 def _static_time_s(costs: UnitCosts, d0: float, p2p_s: float) -> float:
     """``plan_step_time_s`` of every unit at d0: the grid index every unit's search finds,
     found once."""
-    g = costs.densities
-    i = min(int(np.searchsorted(g, np.float64(d0) - 1e-12)), g.size - 1)
-    return _step_time_at(costs, np.full(costs.shape, i, dtype=np.int64), p2p_s)
+    return _step_time_at(costs, np.full(costs.shape, costs.grid_index(d0), dtype=np.int64),
+                         p2p_s)
 
 
 def _planned_time_s(costs: UnitCosts, plan: np.ndarray, p2p_s: float, payload) -> float:

@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pytest
 
+from _plans import check_plan_covers
 from sparsebalance_megatron.batching import (BatchingError, LongSampleError, SensitivityTracker,
-                                             check_plan_covers, latency_sample_cost_fn,
+                                             latency_sample_cost_fn,
                                              sab_plan, sequential_plan, token_balanced_plan,
                                              unit_sensitivity)
 from sparsebalance_megatron.data.packing import PAD_SEQ_TOKENS, GlobalBatchSampler

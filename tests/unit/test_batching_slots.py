@@ -16,8 +16,9 @@ import itertools
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.batching import (SensitivityTracker, check_plan_covers,
-                                             latency_sample_cost_fn, sab_plan)
+from _plans import check_plan_covers
+from sparsebalance_megatron.batching import (SensitivityTracker, latency_sample_cost_fn,
+                                             sab_plan)
 from sparsebalance_megatron.batching.slots import arrange_slots
 from sparsebalance_megatron.latency import LatencyModel, PipelineLayout
 from sparsebalance_megatron.policy import UnitCosts

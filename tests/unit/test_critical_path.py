@@ -8,13 +8,14 @@ import pytest
 
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
-                                           plan_dst_from_config, weighted_mean_density)
+                                           weighted_mean_density)
 from sparsebalance_megatron.policy.density_means import stage_mean_densities
 from sparsebalance_megatron.policy.critical_path import descend_at
 from sparsebalance_megatron.policy.floors import FloorCheck
 from tests.unit._floats import unit_floats
 
-from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
+from test_policy_dst import (D0, DMAX, DMIN, _quality, plan_dst_from_config, step_time_of,
+                             synthetic_costs)
 
 FLOORS = dict(density_floor=0.9, stage_density_floor=0.75)
 

@@ -8,9 +8,9 @@ import inspect
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.batching import (BatchingError, check_plan_covers,
-                                             dp_balanced_groups, dp_balanced_plan,
-                                             sequential_plan)
+from _plans import check_plan_covers
+from sparsebalance_megatron.batching import (BatchingError, dp_balanced_groups,
+                                             dp_balanced_plan, sequential_plan)
 from sparsebalance_megatron.batching.dp_balanced import megatron_order
 from sparsebalance_megatron.data import GlobalBatchSampler
 

@@ -10,7 +10,8 @@ from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid, 
 from sparsebalance_megatron.policy.dst_band import SPEED_TIE
 from tests.unit._bands import band_plan, band_plans, central_plan, rule_free
 
-from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
+from test_policy_dst import (D0, DMAX, DMIN, _quality, plan_dst_from_config, step_time_of,
+                             synthetic_costs)
 
 
 def test_quality_water_filling_spreads_cuts_over_equal_micro_batches():
@@ -93,7 +94,6 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
 
 def test_quality_objective_from_config_needs_the_stage_layers():
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.policy import plan_dst_from_config
     costs = synthetic_costs(2, 4, 2, seed=3)
     cfg = SparseBalanceConfig(sparse_balance=True, dst_objective="quality")
     with pytest.raises(ValueError, match="needs the decoder layers of each of the 2 stages"):
@@ -110,7 +110,6 @@ def test_the_default_objective_is_quality_and_density_stays_selectable():
     (with a message naming the density objective, which needs none: no silent fall-back), and
     the density objective, still selectable, plans without a quality cost."""
     from sparsebalance_megatron.config import DEFAULT_RAISE_HEADROOM, SparseBalanceConfig
-    from sparsebalance_megatron.policy import plan_dst_from_config
     assert SparseBalanceConfig().dst_objective == "quality"
     rng = np.random.default_rng(16)
     moved = 0

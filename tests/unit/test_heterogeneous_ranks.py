@@ -10,8 +10,8 @@ from sparsebalance_megatron.experiments.heterogeneous import (SlowRank, parse_sl
                                                               rank_scale, scale_costs)
 from sparsebalance_megatron.latency import LatencyModel, ModelShape, PipelineLayout
 from sparsebalance_megatron.policy import UnitCosts, density_grid
-from sparsebalance_megatron.policy.dst import plan_dst_from_config
 from sparsebalance_megatron.sim.pipeline import pipeline_makespan_s
+from test_policy_dst import plan_dst_from_config
 
 
 def test_parse_and_place_a_slow_rank():

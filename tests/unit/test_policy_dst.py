@@ -7,8 +7,8 @@ objective's own tests: ``test_dst_quality.py``."""
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid, plan_dst,
-                                           weighted_mean_density)
+from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid, dst_inputs,
+                                           plan_dst, weighted_mean_density)
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
 from tests.unit._bands import band_plan, band_plans
 
@@ -30,6 +30,13 @@ def synthetic_costs(dp, m, pp, seed, grid=None, lm_head=0.3, attn_scale=1.6):
     attn_s = np.broadcast_to(attn[:, :, None] * attn_scale, (dp, m, pp)).copy()
     g = density_grid(D0, DMIN, DMAX) if grid is None else grid
     return UnitCosts.affine(g, fixed, attn_s)
+
+
+def plan_dst_from_config(config, costs, sensitivity, p2p_s=0.0, raise_headroom=None,
+                         stage_layers=None):
+    """``plan_dst`` with the settings of a ``SparseBalanceConfig`` (``dst_inputs``)."""
+    settings, quality = dst_inputs(config, costs.shape[2], p2p_s, raise_headroom, stage_layers)
+    return plan_dst(costs, sensitivity, settings, quality=quality)
 
 
 def step_time_of(costs, densities, rank=None):
@@ -211,7 +218,6 @@ def test_unit_costs_from_latency_model_match_its_predictions():
 
 def test_plan_from_config_uses_its_knobs():
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.policy import plan_dst_from_config
     from sparsebalance_megatron.config import DEFAULT_RAISE_HEADROOM
     # the density objective's plan is plan_dst's (the quality objective's default is tested below)
     cfg = SparseBalanceConfig(density=0.25, min_density=0.125, max_density=0.5, anchor="max",

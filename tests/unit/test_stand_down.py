@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.config import SparseBalanceConfig
-from sparsebalance_megatron.policy import UnitCosts, density_grid, plan_dst_from_config
+from sparsebalance_megatron.policy import UnitCosts, density_grid
 from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
 from sparsebalance_megatron.policy.stand_down import (StandDownCounts, choose_step,
                                                       outcome_rounds, plan_step_time_s)
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
+from test_policy_dst import plan_dst_from_config
 
 D0 = 0.5
 GRID = density_grid(D0, 0.125, 1.0)
