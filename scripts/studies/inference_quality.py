@@ -123,14 +123,8 @@ def study_kept(tokens: list, vectors: list, block_size: int) -> float:
 
 def matched_density(tokens: list, vectors: list, block_size: int, lo: float) -> float:
     """The uniform density whose study-level kept density is nearest ``vectors``'."""
-    target = study_kept(tokens, vectors, block_size)
-    a, b = lo, 1.0
-    for _ in range(40):
-        mid = 0.5 * (a + b)
-        a, b = (mid, b) if study_kept(tokens, [(mid,)] * len(tokens), block_size) < target \
-            else (a, mid)
-    return min((a, b), key=lambda d: abs(study_kept(tokens, [(d,)] * len(tokens),
-                                                    block_size) - target))
+    return common.matched_uniform(lambda d: study_kept(tokens, [(d,)] * len(tokens), block_size),
+                                  study_kept(tokens, vectors, block_size), lo, steps=40)
 
 
 def arms(args, arch, tokens: list) -> dict:
