@@ -1,15 +1,12 @@
 #!/usr/bin/env python
-"""Draw a pipeline timeline (Gantt chart per DP rank and stage) of a simulated or measured step.
+"""Draw a pipeline timeline (Gantt chart per DP rank and stage) of a simulated step.
 
     python scripts/plot_timeline.py --example straggler --out docs/timeline_example.png
-    python scripts/plot_timeline.py --times t.json --out t.png   # fwd_s, bwd_s [dp][m][pp]
-    python scripts/plot_timeline.py --events e.json --out t.png  # start_s, end_s [dp][m][pp][2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -103,38 +100,17 @@ def straggler_example(density: float = 0.5, m: int = 8, seed: int = 0):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--example", choices=("straggler",))
-    src.add_argument("--times", help="JSON with fwd_s, bwd_s [dp][m][pp] (and p2p_s)")
-    src.add_argument("--events", help="JSON with measured start_s, end_s [dp][m][pp][2]")
+    p.add_argument("--example", choices=("straggler",), required=True)
     p.add_argument("--out", required=True, help="PNG path")
     p.add_argument("--density", type=float, default=0.5)
     args = p.parse_args(argv)
-    from sparsebalance_megatron.sim import simulate_1f1b
-
-    highlight = ()
-    if args.example:
-        sim, model = straggler_example(args.density)
-        highlight = ((0, 3),)
-        title = (f"Simulated 1F1B step, 2 DP ranks x PP=4, Qwen2.5-0.5B shape, 32K tokens per "
-                 f"micro-batch, density {args.density} (ANALYTIC H100 latency table)\n"
-                 f"rank 0 micro-batch 3 is one 32K-token document: step {1e3 * sim.step_time_s:.0f}"
-                 f" ms, imbalance {sim.imbalance:.2f}, bubble fraction {sim.bubble_fraction:.2f}")
-        start, end = sim.start_s, sim.end_s
-    elif args.times:
-        d = json.load(open(args.times))
-        sim = simulate_1f1b(np.asarray(d["fwd_s"]), np.asarray(d["bwd_s"]), d.get("p2p_s", 0.0),
-                            record=True)
-        start, end = sim.start_s, sim.end_s
-        title = (f"Simulated step from {args.times}: {1e3 * sim.step_time_s:.0f} ms, "
-                 f"imbalance {sim.imbalance:.2f}, bubble {sim.bubble_fraction:.2f}")
-    else:
-        d = json.load(open(args.events))
-        start, end = np.asarray(d["start_s"], float), np.asarray(d["end_s"], float)
-        t0 = start.min()
-        start, end = start - t0, end - t0
-        title = f"Measured step from {args.events}: {1e3 * end.max():.0f} ms"
-    plot_timeline(start, end, args.out, title=title, highlight=highlight)
+    sim, _ = straggler_example(args.density)
+    title = (f"Simulated 1F1B step, 2 DP ranks x PP=4, Qwen2.5-0.5B shape, 32K tokens per "
+             f"micro-batch, density {args.density} (ANALYTIC H100 latency table)\n"
+             f"rank 0 micro-batch 3 is one 32K-token document: step {1e3 * sim.step_time_s:.0f}"
+             f" ms, imbalance {sim.imbalance:.2f}, bubble fraction {sim.bubble_fraction:.2f}")
+    start, end = sim.start_s, sim.end_s
+    plot_timeline(start, end, args.out, title=title, highlight=((0, 3),))
     print(f"wrote {args.out}: step {1e3 * float(end.max()):.1f} ms")
     return 0
 

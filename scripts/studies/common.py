@@ -269,6 +269,16 @@ def read_margin(args, same, before: dict | None = None, **source) -> dict:
         "fraction": pilot["config"]["margin_fraction"], **{k: f(pilot) for k, f in source.items()}}}
 
 
+def matched_uniform(kept_of, target: float, lo: float, steps: int) -> float:
+    """The uniform density in [``lo``, 1] whose kept density ``kept_of(d)`` (rising with d) is
+    nearest ``target``: ``steps`` halvings, then the nearer end."""
+    a, b = lo, 1.0
+    for _ in range(steps):
+        mid = 0.5 * (a + b)
+        a, b = (mid, b) if kept_of(mid) < target else (a, mid)
+    return min((a, b), key=lambda d: abs(kept_of(d) - target))
+
+
 def add_steps_arg(ap, default: int) -> None:
     ap.add_argument("--steps", type=int, default=default,
                     help=f"training steps per run (>= 4; the first {UNTIMED_STEPS} are not timed)")

@@ -321,13 +321,9 @@ def kept_at(rows: list, args, density: float) -> float:
 
 def matched_density(static_rows: list, target: float, args) -> float:
     """The uniform density whose kept density on the static runs' documents is ``target``."""
-    lo, hi = 0.05, 1.0
-    for _ in range(30):
-        mid = 0.5 * (lo + hi)
-        kept = sum(kept_at(r, args, mid) for r in static_rows) / len(static_rows)
-        lo, hi = (mid, hi) if kept < target else (lo, mid)
-    return min((lo, hi), key=lambda d: abs(
-        sum(kept_at(r, args, d) for r in static_rows) / len(static_rows) - target))
+    return common.matched_uniform(
+        lambda d: sum(kept_at(r, args, d) for r in static_rows) / len(static_rows), target,
+        lo=0.05, steps=30)
 
 
 def reading_key(reading) -> str:

@@ -26,7 +26,7 @@ PP8_DP = 512            # the DP size a rank's draft is also measured at with PP
 
 
 def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) -> dict:
-    """One shape: a rank's draft by phase (``_rank_draft.rank_step``), the sizes its bytes are
+    """One shape: a rank's draft by phase (``drafts.rank_step``), the sizes its bytes are
     priced from, the after-step work, the handoff and the static step (module docstring)."""
     from multiprocessing.reduction import ForkingPickler
 
@@ -38,8 +38,7 @@ def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) 
     from sparsebalance_megatron.megatron.step.checks import doc_lengths
     from sparsebalance_megatron.megatron.step.record import doc_slots
 
-    from ._drafts import make_drafter
-    from ._rank_draft import rank_after_step, rank_step
+    from .drafts import make_drafter, rank_after_step, rank_step
 
     sb = SparseBalanceConfig(sparse_balance=True)      # the default flags
     corpus = corpus_steps(dp, m, sb.density, 1, seq=seq, layout="best", pp=pp)

@@ -38,31 +38,21 @@ def parse_args(argv=None):
     ap.add_argument("--samples", type=int, default=None, help="main 60, pilot 16")
     add_pilot_args(ap)
     ap.add_argument("--needles", type=int, default=4, help="keyed needles a sample, all asked")
-    ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
     ap.add_argument("--density", type=float, default=0.5, help="d0")
     ap.add_argument("--control-factor", type=float, default=0.9)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--seq-length", type=int, default=8192)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--loss-stride", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=None, help="a cut of the model (--quick: 6)")
     ap.add_argument("--seed-base", type=int, default=None,
                     help="the samples' first seed (default: main %d, pilot %d); a confirmatory "
                          "run takes fresh ones" % (MAIN_SEED_BASE, PILOT_SEED_BASE))
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--cache", default=None, metavar="PATH.jsonl",
-                    help="the forwards' cache (default runs/inference_quality/<run>.jsonl)")
-    ap.add_argument("--shard", default="0/1", metavar="K/N",
-                    help="score every N-th forward from the K-th only (processes sharing the "
-                         "cache; the summary waits for a run without --shard)")
+    smollm2.add_measure_args(ap, "inference_quality", threads=1, quick_layers=6)
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 6 layers, 4 samples of 256-512 tokens, block 16, DP 2 x "
                          "2 micro-batches of 1K (what the test runs; its numbers mean nothing)")
     args = ap.parse_args(argv)
     args.task = "needle_multiquery"          # every documented run's (a setting of SAME)
-    args.shard = smollm2.parse_shard(ap, args.shard)
     if args.quick:
         args.layers, args.lengths, args.samples = 6, [256, 512], args.samples or 4
         args.dp, args.microbatches, args.seq_length = 2, 2, 1024
@@ -133,14 +123,8 @@ def study_kept(tokens: list, vectors: list, block_size: int) -> float:
 
 def matched_density(tokens: list, vectors: list, block_size: int, lo: float) -> float:
     """The uniform density whose study-level kept density is nearest ``vectors``'."""
-    target = study_kept(tokens, vectors, block_size)
-    a, b = lo, 1.0
-    for _ in range(40):
-        mid = 0.5 * (a + b)
-        a, b = (mid, b) if study_kept(tokens, [(mid,)] * len(tokens), block_size) < target \
-            else (a, mid)
-    return min((a, b), key=lambda d: abs(study_kept(tokens, [(d,)] * len(tokens),
-                                                    block_size) - target))
+    return common.matched_uniform(lambda d: study_kept(tokens, [(d,)] * len(tokens), block_size),
+                                  study_kept(tokens, vectors, block_size), lo, steps=40)
 
 
 def arms(args, arch, tokens: list) -> dict:

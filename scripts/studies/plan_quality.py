@@ -45,22 +45,13 @@ def parse_args(argv=None):
     step.add_argument("--validate", action="store_true", help="check it on unseen plans")
     ap.add_argument("--samples", type=int, default=None,
                     help="calibration 16, validation 24 (--quick: 3)")
-    ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
     ap.add_argument("--density", type=float, default=0.5, help="d0, the reference")
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--loss-stride", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=None, help="a cut of the model (--quick: 3)")
-    ap.add_argument("--cache", default=None, metavar="PATH.jsonl",
-                    help="the forwards' cache (default runs/plan_quality/<step>.jsonl)")
+    smollm2.add_measure_args(ap, "plan_quality", threads=2, quick_layers=3)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="--validate: the model checked")
     ap.add_argument("--seed", type=int, default=0, help="--validate: the random plans' seed")
     ap.add_argument("--refresh", action="store_true",
                     help="--validate: also measure the in-run quality refresh's probe on fresh "
                          "held-out micro-batches and score the plans by the refreshed models")
-    ap.add_argument("--shard", default="0/1", metavar="K/N",
-                    help="measure every N-th forward from the K-th only (processes sharing the "
-                         "cache; the fit and report wait for a run without --shard)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 3 layers, 3 samples of 256-512 tokens, block 16")
     args = ap.parse_args(argv)
@@ -71,7 +62,6 @@ def parse_args(argv=None):
     args.calibration_cache = os.path.join(ROOT, "runs", "plan_quality", f"calibrate{quick}.jsonl")
     args.refresh_cache = os.path.join(ROOT, "runs", "plan_quality", f"refresh{quick}.jsonl")
     args.refresh_microbatches = 4
-    args.shard = smollm2.parse_shard(ap, args.shard)
     if args.quick:
         args.layers, args.lengths, args.block_size = 3, [256, 512], 16
         args.samples = args.samples or 3

@@ -28,7 +28,10 @@ def draft_loop(steps: int = 6, dp: int = 64, m: int = 16, layout: str = "best") 
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from studies._drafts import make_drafter
+    try:
+        from studies.drafts import make_drafter
+    except ImportError:                 # a checkout before drafts.py
+        from studies._drafts import make_drafter
     from studies.planner_cost import after_step
 
     if steps < 2:
@@ -49,15 +52,15 @@ def draft_loop(steps: int = 6, dp: int = 64, m: int = 16, layout: str = "best") 
 
 
 def _slowdown() -> dict:
-    """This checkout's ``studies/_slowdown.py`` (the same estimator for both checkouts) beside
+    """This checkout's ``studies/slowdown.py`` (the same estimator for both checkouts) beside
     the process planner of the package on the path."""
     import importlib.util
 
     from sparsebalance_megatron.config import SparseBalanceConfig
 
     spec = importlib.util.spec_from_file_location(
-        "studies._slowdown", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                         "_slowdown.py"))
+        "studies.slowdown", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "slowdown.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = mod.launch_slowdown(SparseBalanceConfig(sparse_balance=True))["process"]
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
                    help="the pipeline layout of the 64 DP x 16 x PP4 step: the best static one "
                         "(interleaved) or Megatron's even split")
     p.add_argument("--slowdown", action="store_true",
-                   help="also the training thread's slowdown per round (studies/_slowdown.py, "
+                   help="also the training thread's slowdown per round (studies/slowdown.py, "
                         "about 30 s each)")
     args = p.parse_args(argv)
     other = os.path.abspath(args.other)

@@ -15,8 +15,8 @@ import numpy as np
 from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
 
 from .common import median_ms, parser, write_result
-from ._slowdown import launch_slowdown
-from ._drafts import make_drafter, submit_draft
+from .drafts import make_drafter, rank_dst, rank_step, submit_draft
+from .slowdown import launch_slowdown
 
 TARGET_SHARE = 0.005          # issue 44: the plugin's critical-path cost, share of the step
 SHAPES = (("64x16", 64, 16, ("even", "best")), ("4x16", 4, 16, ("best",)))
@@ -49,12 +49,10 @@ def reference_ms(repeats: int = 5) -> float:
 def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
     """Thread CPU ms of SAB's packing's parts, with the runtime's calls: packing, the latency
     features and unit costs, the micro-batch sensitivities and a rank's DST rounds
-    (``_rank_draft.rank_dst``: each phase's maximum over the ranks)."""
+    (``drafts.rank_dst``: each phase's maximum over the ranks)."""
     from sparsebalance_megatron.batching import latency_sample_cost_fn, sab_plan, unit_sensitivity
     from sparsebalance_megatron.policy import UnitCosts
     from sparsebalance_megatron.policy.dst import dst_inputs
-
-    from ._rank_draft import rank_dst
 
     t = [time.thread_time()]
     plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq,
@@ -115,8 +113,6 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.policy import UnitCosts, density_grid
     from sparsebalance_megatron.policy.stand_down import plan_step_time_s
-
-    from ._rank_draft import rank_step
 
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout, pp=pp)
     lm, batches = corpus.lm, corpus.segments
@@ -238,8 +234,6 @@ def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str)
 def main(argv=None) -> int:
     from sparsebalance_megatron.latency import LatencyModel
     from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid
-
-    from ._rank_draft import rank_dst
 
     defaults = SparseBalanceConfig()
     p = parser(__doc__, "planner_cost")

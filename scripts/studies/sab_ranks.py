@@ -257,7 +257,7 @@ def measure(dp: int, m: int, pp: int, repeat: int, seq: int = 32768) -> dict:
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.planner_worker import warm_up_kernels
 
-    from ._drafts import make_drafter
+    from .drafts import make_drafter
 
     warm_up_kernels()
     sb = SparseBalanceConfig(sparse_balance=True)               # the default flags

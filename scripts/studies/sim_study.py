@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from sparsebalance_megatron.config import (DST_DESCENTS, DST_OBJECTIVES, MAX_RAISE_HEADROOM,
-                                           ConfigError, SparseBalanceConfig)
+from sparsebalance_megatron.config import MAX_RAISE_HEADROOM, ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.data import length_stats
 from sparsebalance_megatron.experiments import StudyConfig, best_layouts, format_table, run_study
 from sparsebalance_megatron.experiments.heterogeneous import parse_slow_rank
@@ -170,15 +169,6 @@ def floor_sweep(lm, lengths, cfg: StudyConfig, dp: int, pp: int, floors, found) 
     return out
 
 
-def routed_model(lm, args, d0: float, cp: int):
-    """The analytic model of ``args`` routing at the crossover its costs give at ``d0``."""
-    shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
-    routed = LatencyModel.analytic(shape, pp=args.pp, routing_density=d0,
-                                   sparse_price=args.price)
-    print(f"routing at d0={d0}: documents under {routed.dense_below_tokens} tokens run dense")
-    return routed.with_context_parallel(cp)
-
-
 def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
     """Every d0 and DP size of one length mix (and seed) at one CP size, into ``out``."""
     tag = "" if cp == 1 else f"/cp={cp}"
@@ -188,11 +178,8 @@ def study_mix(args, out: dict, lm, cp: int, mix: str, seed=None) -> None:
     out.setdefault("corpus", {})[name] = length_stats(lengths)
     mix = name
     for d0 in args.densities[:1] if args.packers_only else args.densities:
-        if args.routing == "derived":      # the crossover depends on d0
-            lm = routed_model(lm, args, d0, cp)
         flags = dict(density=d0, min_density=args.min_density, max_density=args.max_density,
-                     dst_objective=args.dst_objective, tolerance=args.tolerance,
-                     dst_descent=args.dst_descent, raise_headroom=args.raise_headroom,
+                     raise_headroom=args.raise_headroom,
                      stand_down="off" if args.stand_down == "off" else None)
         cfg = StudyConfig(microbatches=args.microbatches, seq_length=args.seq_length,
                           steps=args.steps, seed=seed, sb=SparseBalanceConfig(
@@ -292,28 +279,15 @@ def parse_args(argv=None):
     p.add_argument("--kernel-table", nargs="+", default=None, metavar="PATH",
                    help="analytic table only: device kernel tables (attention_gpu's "
                         "JSONs, e.g. a run's two calls) whose rows price the sparse kernels")
-    p.add_argument("--routing", choices=("off", "derived"), default="off",
-                   help="analytic table only: 'derived' routes documents shorter than the "
-                        "crossover derived from the table's costs at each d0 to the dense kernel "
-                        "(what the runtime does with a profiled table); 'off': no routing")
     p.add_argument("--context-parallel", type=int, nargs="+", default=[1],
                    help="CP sizes (a2a scheme) to study; each one's results are keyed .../cp=N "
                         "when N > 1")
     p.add_argument("--floor-sweep", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.9],
                    help="--sb-stage-density-floor values tried for sab_dst on the even split and "
                         "on its best layout (the evidence for the default); none: skip")
-    p.add_argument("--dst-objective", choices=DST_OBJECTIVES, default=None,
-                   help="--sb-dst-objective of every DST plan (default: the runtime's, "
-                        f"{SparseBalanceConfig().dst_objective})")
-    p.add_argument("--dst-descent", choices=DST_DESCENTS, default=None,
-                   help="--sb-dst-descent of every DST plan (default: the runtime's, "
-                        f"{SparseBalanceConfig().dst_descent}; 'off': the band rule alone)")
     p.add_argument("--raise-headroom", default=None,
                    help="--sb-raise-headroom of every DST plan: a fraction in [0, 0.5] or 'auto' "
                         "(default: the runtime's; 'auto' is its pre-measurement value here)")
-    p.add_argument("--tolerance", type=float, default=SparseBalanceConfig().tolerance,
-                   help="--sb-tolerance p of every DST plan (units above (1 + p) x the anchor "
-                        "are cut)")
     p.add_argument("--microbatch-multiple", type=int, default=0,
                    help="--sb-microbatch-multiple of every run (0: fixed --seq-length "
                         "micro-batches; K: each micro-batch its documents rounded up to K)")
@@ -329,14 +303,15 @@ def parse_args(argv=None):
                         "ignore d0, so the first --densities value keys the rows")
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     args = p.parse_args(argv)
-    # what every documented run used (recorded in the JSON's config)
+    # what every documented run used (recorded in the JSON's config): DST at the runtime's
+    # objective, descent and tolerance, no routing (a --table routes at its own crossover)
     args.min_density, args.max_density, args.tokenizer, args.seed = 0.125, 1.0, "qwen", 1234
+    sb = SparseBalanceConfig()
+    args.routing, args.dst_objective, args.dst_descent, args.tolerance = \
+        "off", sb.dst_objective, sb.dst_descent, sb.tolerance
     # checked here, before any search: the runtime's own checks, named by this script's flags
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
         p.error(f"--device-memory-gib {args.device_memory_gib}: expected a number of GiB > 0")
-    if args.routing != "off" and args.table:
-        p.error(f"--routing {args.routing}: only with the analytic table (a --table routes at "
-                f"its own measured crossover)")
     if args.table and (args.sparse_kernel != "auto" or args.kernel_table):
         p.error("--sparse-kernel / --kernel-table: only with the analytic table (a --table is "
                 "priced by its own measured kernel)")
@@ -378,8 +353,6 @@ def main(argv=None):
                   f"an H100)")
     from sparsebalance_megatron.latency.sparse_call import table_sparse_kernel
     source += f"; sparse call priced by {table_sparse_kernel(lm0.table)}"
-    if args.routing == "derived":
-        source += "; routing at the crossover derived at each d0"
     models = {cp: lm0.with_context_parallel(cp) for cp in args.context_parallel}
     if args.context_parallel != [1]:
         dev = lm0.table.get("device_profile") or {}
@@ -387,10 +360,6 @@ def main(argv=None):
         source += (f"; CP a2a at an ASSUMED {cost.a2a_bytes_per_s / 1e9:.0f} GB/s per rank, "
                    f"{cost.collective_latency_s * 1e6:.0f} us per collective"
                    + ("" if dev else " (DeviceProfile defaults)"))
-    if args.dst_objective is None:
-        args.dst_objective = SparseBalanceConfig().dst_objective
-    if args.dst_descent is None:
-        args.dst_descent = SparseBalanceConfig().dst_descent
     from sparsebalance_megatron.experiments.plugin_cost import PluginCost
     plugin_cost = args.plugin_cost = PluginCost.from_results(args.dst_objective, args.dst_descent)
     print("; ".join([f"plugin cost (net rows): {plugin_cost.planner.source} (planning, "

@@ -5,6 +5,7 @@ forward at one density per layer, ``samples``: RULER-style tasks and text window
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -237,14 +238,30 @@ def runtime_plans(sb, a, lengths: list, *, dp: int, microbatches: int, pp: int,
             "stage_layers": list(lm.layout.layers), "latency": lm}
 
 
-def parse_shard(ap, text: str) -> tuple:
-    """``--shard K/N`` as (K, N), refused through ``ap`` unless 0 <= K < N."""
+def shard(text: str) -> tuple:
+    """``--shard K/N`` as (K, N), refused unless 0 <= K < N."""
     try:
         k, n = (int(x) for x in text.split("/"))
         assert 0 <= k < n
     except (ValueError, AssertionError):
-        ap.error(f"--shard {text}: expected K/N with 0 <= K < N")
+        raise argparse.ArgumentTypeError(f"{text}: expected K/N with 0 <= K < N") from None
     return k, n
+
+
+def add_measure_args(ap, study: str, threads: int, quick_layers: int) -> None:
+    """The options ``measure`` reads (and the samples' ``--lengths``), one body for the studies
+    that score SmolLM2's forwards."""
+    ap.add_argument("--lengths", type=int, nargs=2, default=[2048, 4096], metavar=("LO", "HI"))
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--loss-stride", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"a cut of the model (--quick: {quick_layers})")
+    ap.add_argument("--cache", default=None, metavar="PATH.jsonl",
+                    help=f"the forwards' cache (default runs/{study}/<run>.jsonl)")
+    ap.add_argument("--shard", type=shard, default=(0, 1), metavar="K/N",
+                    help="make every N-th forward from the K-th only (processes sharing the "
+                         "cache; what reads the forwards waits for a run without --shard)")
 
 
 # ---- forwards, cached ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ if str(SCRIPTS) not in sys.path:
     sys.path.insert(0, str(SCRIPTS))
 
 from studies import control_plane  # noqa: E402
-from studies._rank_draft import OWN  # noqa: E402
+from studies.drafts import OWN  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_the_candidates_rounds_are_priced_from_the_rounds_made():
     ``slots.candidates``; the pricing adds them as all-reduces that do not grow with DP."""
     import numpy as np
     from sparsebalance_megatron.batching import span_select
-    from studies._rank_draft import span_rounds
+    from studies.drafts import span_rounds
 
     assert span_rounds(np.linspace(1, 2, 38)) == []
     sizes = span_rounds(np.random.default_rng(0).lognormal(0, 0.05, 500))

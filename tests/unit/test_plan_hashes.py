@@ -63,7 +63,7 @@ sys.path.insert(0, "scripts")
 from sparsebalance_megatron.batching import SensitivityTracker
 from sparsebalance_megatron.config import SparseBalanceConfig
 from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-from studies._drafts import make_drafter
+from studies.drafts import make_drafter
 from studies.planner_cost import after_step
 
 out = []

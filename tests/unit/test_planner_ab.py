@@ -47,7 +47,7 @@ def test_a_directory_that_is_no_checkout_is_refused(tmp_path, capsys):
 def test_the_local_slowdown_is_the_draft_bursts_excess_over_the_windows_pace():
     # the estimate's arithmetic on made-up bursts (no clock): 10 bursts in 1.1 s while the
     # draft ran, 90 in 9.0 s after it: 0.1 s beyond the 0.1 s pace, of a 10.1 s window
-    from studies._slowdown import _done, local_share
+    from studies.slowdown import _done, local_share
 
     assert local_share((10, 1.1), (90, 9.0), 10.1) == pytest.approx(0.1 / 10.1)
     assert local_share((10, 1.0), (90, 9.0), 10.0) == pytest.approx(0.0, abs=1e-15)

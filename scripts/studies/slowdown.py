@@ -2,7 +2,7 @@
 ``planner_cost`` and ``planner_ab``: the ops per second of planner windows against no-planner
 windows (``slowdown``), and within each window during the draft against after it (``local``).
 
-Private and apart: ``planner_ab`` loads this file by its path into another checkout's tree.
+``planner_ab`` loads this file by its path into another checkout's tree.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
-    from studies._drafts import make_drafter, submit_draft
+    try:
+        from studies.drafts import make_drafter, submit_draft
+    except ImportError:                 # a checkout before drafts.py
+        from studies._drafts import make_drafter, submit_draft
 
     corpus = corpus_steps(dp, m, sb.density, 3, seq=seq, layout=layout, pp=4)
     a, b, c = torch.randn(64), torch.randn(64), torch.empty(64)

@@ -1,4 +1,8 @@
-"""One DP rank's per-step planning on the per-rank path (``control_plane``, ``planner_cost``;
+"""A planner's draft as the runtime makes it, for the studies that time drafts: the runtime's
+``Drafter`` on a latency model and step ``k``'s draft submitted to a thread or a planner process
+(``make_drafter``, ``submit_draft``; ``planner_ab`` and ``slowdown`` run these in another
+checkout's tree too, where a checkout before this module has them in ``studies/_drafts.py``),
+and one DP rank's per-step planning on the per-rank path (``control_plane``, ``planner_cost``;
 issue 77): what a rank computes (``rank_step``: thread CPU by phase, each the least of
 ``repeats`` runs; DST's phases are the maximum over the ranks, driven here in lockstep) and
 receives (``rank_bytes``: exact, each collective flagged fixed or growing with DP).
@@ -10,6 +14,30 @@ import gc
 import time
 
 import numpy as np
+
+
+def make_drafter(lm, sb, dp: int, seq: int):
+    """The runtime's ``Drafter`` for ``sb`` on ``lm`` (``dp`` ranks, ``seq`` tokens a
+    micro-batch), with a fresh sensitivity tracker."""
+    from sparsebalance_megatron.batching import SensitivityTracker
+    from sparsebalance_megatron.megatron.step.drafting import Drafter
+
+    return Drafter(sb, lm, SensitivityTracker(signal=sb.sensitivity_signal), dp=dp,
+                   capacity=seq, attention_layers=lm.layout.attention_layers)
+
+
+def submit_draft(planner: str, drafter, proc, k: int, segs, m: int, with_dst: bool = True):
+    """Start the draft of step ``k`` on ``planner`` ('process': ``proc``, a PlannerProcess);
+    ``with_dst``: as the rank that plans DST (else as any other rank)."""
+    from sparsebalance_megatron.megatron.step.ahead import Planner
+
+    if planner == "thread":
+        return Planner(lambda: drafter.draft(k, 0, segs, m, with_dst=with_dst), basis={})
+    return proc.submit(k, 0, segs, m, with_dst=with_dst,
+                       latency_state=drafter.latency.calibration_state(),
+                       tracker_sync=("updates", []) if k else
+                       ("reset", drafter.tracker.state_dict()), basis={})
+
 
 OWN = ("own_draft", "sab.rank_plan", "features", "sensitivity", "unit_costs")
 
