@@ -66,3 +66,30 @@ def test_every_layer_runs_the_backend_the_latency_table_picked(monkeypatch):
     core.budget.set_backend("reference")
     core(q, k, v, None)
     assert seen == ["auto", "reference"]
+
+
+def test_unpacked_setup_is_kept_for_one_shape_and_density_at_a_time():
+    """The module keeps the setup (layout and what derives from it) of its last (b, sq,
+    density) only: a call alike reuses it, another length or density replaces it, so scoring
+    inputs of many lengths and densities holds one setup, not one each (a cache per shape grew
+    without bound and its small tensors fragmented the host heap)."""
+    core = _core_attention(4, 2, 16, "torch", 0.5)
+    g = torch.Generator().manual_seed(0)
+
+    def run(sq):
+        core(*(torch.randn(sq, 2, h, 16, generator=g) for h in (4, 2, 2)), None)
+        cache = core._unpacked_cache
+        layouts = [(key, lay) for key, lay in cache.items() if key[0] == "layout"]
+        assert len(layouts) == 1 and layouts[0][0][1] == 2 * sq     # this shape's, alone
+        dens = [key for key in layouts[0][1].memo if key[0] == "density"]
+        return len(cache), layouts[0][1], dens
+
+    entries, first, _ = run(48)
+    assert run(48)[1] is first                  # the same shape again: its layout reused
+    for sq in range(17, 80, 7):                 # many lengths: one setup at a time
+        n, lay, dens = run(sq)
+        assert n == entries and lay is not first and dens == [("density", 0.5)]
+    last = run(79)[1]
+    core.budget.set_layer_densities({1: 0.25})  # another density at the same shape
+    n, lay, dens = run(79)
+    assert n == entries and lay is not last and dens == [("density", 0.25)]
