@@ -29,6 +29,7 @@ STAND_DOWN_COMPARES = ("static", "planned")   # policy/stand_down.py: what the p
 DST_OBJECTIVES = ("density", "quality")
 DST_DESCENTS = ("critical_path", "off")   # policy/critical_path.py
 TIMING_SOURCES = ("measured", "model")
+EVAL_DENSITIES = ("d0", "trained")   # megatron/step/eval_profile.py
 PLANNERS = ("process", "thread", "inline")   # megatron/step/ahead.py
 PLANNER_TIMEOUT_S = 30.0   # --sb-planner-timeout's default (megatron/step/ahead.py)
 FAULT_KINDS = ("raise", "hang", "kill", "exit", "planner-kill-idle", "planner-kill-drafting",
@@ -251,6 +252,16 @@ class SparseBalanceConfig:
         "quality and latency models), so DST's cuts are kept where they trade speed for "
         "quality at least as well as uniform sparsity would; a number >= 0 fixes it (0: quality "
         "alone decides; large: the fastest plan the uncertainty rule allows).")
+    eval_density: str = _f(
+        "d0", "The density of Megatron's evaluation forwards (--eval-interval, --skip-train) in "
+        "a run with DST: 'd0' (the default), uniform --sb-density; 'trained', the network read "
+        "as it trained: each decoder layer at the mean, over the run's steps so far, of the "
+        "work-weighted density DST planned its pipeline stage at, the profile scaled by one "
+        "factor so that the model's kept attention work (planned density x each layer's work) "
+        "is uniform --sb-density's. A network trained under DST's plans loses more read back "
+        "at uniform d0 than read at its own profile (QUALITY.md, the three-stage training "
+        "study). The profile is checkpointed; each step's record holds it "
+        "(eval_density_per_stage).", choices=EVAL_DENSITIES)
     raise_headroom: str = _f(
         "auto", "Bubble filling raises a unit only while its predicted time stays below "
         "(1 - h) x the step's bottleneck, so that a latency-model error of h does not turn the "

@@ -346,19 +346,14 @@ def equal_work(profile: list, lengths: list, args) -> list:
     """``profile`` scaled by the one factor that makes its kept attention work on documents of
     ``lengths`` (summed over layers) that of uniform d0: the trained shape at d0's cost."""
     from sparsebalance_megatron.config import SparseBalanceConfig
-    from sparsebalance_megatron.latency.work import attention_work
+    from sparsebalance_megatron.latency.work import attention_work, scaled_to_work
 
     sb = SparseBalanceConfig()
 
     def work(d: float) -> float:
         return attention_work(lengths, min(1.0, d), args.block_size, sb.sink_blocks,
                               sb.local_blocks)
-    target = len(profile) * work(args.density)
-    lo, hi = 0.0, 1.0 / min(profile)
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if sum(work(mid * p) for p in profile) < target else (lo, mid)
-    return [round(min(1.0, hi * p), 4) for p in profile]
+    return scaled_to_work(profile, work, len(profile) * work(args.density))
 
 
 def evaluate(args, ckpt: str, docs: list, readings) -> dict:

@@ -96,6 +96,18 @@ def attention_work(doc_lengths: DocLengths, density: float, block_size: int,
     return float(table[nb].sum())
 
 
+def scaled_to_work(profile: Sequence[float], work, target: float) -> list:
+    """``profile`` (one density per layer) times the one factor that makes the layers' summed
+    ``work(density)`` equal ``target``, each density capped at 1 (bisection, 50 halvings; the
+    result rounded to 4 digits): a per-layer allocation's shape at another cost. ``work``: a
+    layer's kept work at a density in (0, 1], increasing."""
+    lo, hi = 0.0, 1.0 / max(min(profile), 1e-12)
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sum(work(min(1.0, mid * p)) for p in profile) < target else (lo, mid)
+    return [round(min(1.0, hi * p), 4) for p in profile]
+
+
 def selection_work(doc_lengths: DocLengths, block_size: int) -> float:
     """Scoring cost in block pairs: ``NB ** 2`` for the ``NB`` blocks of the micro-batch."""
     check_block_params(block_size, 0, 0)

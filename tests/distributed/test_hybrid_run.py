@@ -3,13 +3,15 @@ PP=2 x DP=2, four processes on gloo, in Megatron's own ``pretrain()``.
 
 What only a run shows: the plan has one stage per pipeline rank and weights each by its attention
 layers (the pattern's ``*``), DST moves units with one rank's stage slow in its measured timings,
-Megatron evaluates, and a checkpoint resumes with its calibration (step 3); the slow form
+Megatron evaluates (at the trained profile, ``--sb-eval-density trained``), and a checkpoint
+resumes with its calibration and that profile (step 3); the slow form
 resumes with modelled timings, steps 3 and 4 after an evaluation, equal to the uninterrupted
 run.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.conftest import HYBRID_ENTRY, TINY_MODEL, read_metrics, run_entry
@@ -47,7 +49,7 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
     # others' noise, which reached 6x once on a quiet machine (a one-off cost on rank 0)
     common = [*_common("*-*-", small_jsonl, tiny_latency_table_pp2), *MEASURED_STRAGGLER,
               "--sb-straggler-slowdown", "10", "--sb-straggler-stage", "1",
-              "--train-iters", str(ITERS)]
+              "--train-iters", str(ITERS), "--sb-eval-density", "trained"]
     proc = run_entry(4, [*common, "--eval-interval", "3", "--eval-iters", "1",
                          "--save", tmp_path / "ckpt", "--save-interval", str(RESUME_AT),
                          "--sb-metrics-file", tmp_path / "full.jsonl"], cwd=tmp_path,
@@ -55,6 +57,7 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
     out = proc.stdout
     assert "in the 2 attention layers of HybridModel '*-*-'" in out and "DST on" in out
     assert "packing sab" in out and "validation loss at iteration 3" in out
+    assert "[sparsebalance] evaluation reads the trained profile: stage densities " in out
     run_entry(4, [*common, "--eval-iters", "0", "--load", tmp_path / "ckpt", "--ckpt-step", str(RESUME_AT),
                   "--save", tmp_path / "again", "--save-interval", "100",
                   "--sb-metrics-file", tmp_path / "resumed.jsonl"], cwd=tmp_path,
@@ -74,6 +77,16 @@ def test_hybrid_entry_trains_pp2_dp2_with_dst_sab_and_eval(tmp_path, small_jsonl
     # quiet machine, 6x another time), so the test checks the floor, not the order.
     grid = rows[-1]["stage_calibration"]
     assert grid[1][1] >= 3.0, grid
+    # --sb-eval-density trained: after each step, the mean of the steps' stage densities scaled
+    # to d0's work (one attention layer a stage, none capped: one factor); the resumed run's
+    # mean takes in the checkpoint's three steps
+    for i, r in enumerate(rows):
+        mean = np.mean([q["density_per_stage"] for q in rows[:i + 1]], axis=0)
+        assert r["eval_density_per_stage"] == pytest.approx(mean * 0.5 * 2 / mean.sum(),
+                                                            abs=2e-4)
+    resumed = read_metrics(tmp_path / "resumed.jsonl")[-1]
+    assert resumed["eval_density_per_stage"] == pytest.approx(rows[-1]["eval_density_per_stage"],
+                                                              abs=1e-9)
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ def _callback(load_dir=".", *, pp=2, fresh=False):
                          sb=SparseBalanceConfig(sparse_balance=True, fresh_state=fresh,
                                                 planner="process"),
                          latency=lm, tracker=SensitivityTracker(signal="loss"),
-                         reporter=SimpleNamespace(stood=StandDownCounts()), _ready_basis=None,
+                         reporter=SimpleNamespace(stood=StandDownCounts(), eval_profile=None), _ready_basis=None,
                          dp=2, dp_rank=0, pp=pp, vp=1, _ready=None,
                          _drafter=SimpleNamespace(quality_scales=None),
                          quality_probe=SimpleNamespace(scales=None))

@@ -84,7 +84,7 @@ def _callback(tmp_path, *, fresh: bool, latency=None):
     cb = SimpleNamespace(args=SimpleNamespace(**vars(ARGS), load=str(tmp_path), iteration=2),
                          sb=SparseBalanceConfig(sparse_balance=True, fresh_state=fresh),
                          latency=latency, tracker=SensitivityTracker(signal="loss"),
-                         reporter=SimpleNamespace(stood=StandDownCounts()), dp=1, pp=1, vp=1,
+                         reporter=SimpleNamespace(stood=StandDownCounts(), eval_profile=None), dp=1, pp=1, vp=1,
                          dp_rank=0, _drafter=SimpleNamespace(quality_scales=None),
                          quality_probe=None)
     for name in ("load_state_dict", "_planning_state", "_state_basis", "_tracker_loaded",

@@ -360,6 +360,9 @@ def flag_conflicts(args, sb: SparseBalanceConfig, *, plugin_data: bool,
                        "sparse attention takes document boundaries from packed cu_seqlens; use "
                        "--dataloader-inter-document-masking (or the plugin's data path, "
                        "--sb-batching / --sparse-balance, which packs documents apart)")
+    if sb.eval_density == "trained" and not sb.dst_enabled:
+        bad.append(f"{flag_name('eval_density')} trained without DST (the profile is the "
+                   f"densities DST's plans give each stage: --sparse-balance or --sb-dst)")
     if sb.dst_enabled and sb.selection_mode == "mass":
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "

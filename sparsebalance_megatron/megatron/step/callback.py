@@ -342,6 +342,7 @@ class SparseBalanceCallback(StepPlanning):
                              planned_ahead_s=self._ahead_s if self.sb.plan_ahead else None,
                              reduce=self.exchange.reduce, gather=self.exchange.gather_rows,
                              extra=refreshed)
+        self._serve_eval_profile()
         # the report's own cost (metrics, writers, log line) counts in the next step's figure
         self._overhead_s, self._own_s = time.perf_counter() - t1, time.thread_time() - c1
 
@@ -439,6 +440,12 @@ class SparseBalanceCallback(StepPlanning):
             return
         self._track(ids, doc_lengths(step.batch, ids), sums[:, 0] / sums[:, 1])
 
+    def _serve_eval_profile(self) -> None:
+        """--sb-eval-density trained: evaluation (outside any step plan) reads the layers at
+        the trained profile so far (``eval_profile.py``)."""
+        if self.reporter.eval_profile is not None:
+            self.budget.set_layer_densities(self.reporter.eval_profile.layer_densities())
+
     # --- checkpoint state (inside Megatron's iter_* folder, via --dataloader-save) -----------
     def state_dict(self) -> dict:
         """Everything a resume restores, as plain Python types (``state.plain_state``: the one
@@ -447,6 +454,8 @@ class SparseBalanceCallback(StepPlanning):
                **self._planning_state(), "timing_source": self.sb.timing_source,
                "stand_down": self.reporter.stood.state_dict(), "layout": layout_record(
                    self.dp, self.pp, self.vp, self._ready and self._ready.megatron_samples // self.dp)}
+        if self.reporter.eval_profile is not None:
+            out["eval_profile"] = self.reporter.eval_profile.state_dict()
         if self._ready_basis is not None:        # plan-ahead: what the next step was planned from
             out["ahead_basis"] = self.ahead_basis()
         return plain_state(out)
@@ -460,6 +469,12 @@ class SparseBalanceCallback(StepPlanning):
             self.tracker.load_state_dict(state["sensitivity"])
             self._tracker_loaded()
         self.reporter.stood.load_state_dict(state.get("stand_down"))   # cumulative counts
+        if self.reporter.eval_profile is not None:
+            note = self.reporter.eval_profile.load_state_dict(state.get("eval_profile"))
+            if note:
+                from ..runtime.comm import say
+                say(note)
+            self._serve_eval_profile()
         if self.quality_probe is not None:        # the refreshed quality model (None: none)
             scales = state.get("quality_scales")
             self.quality_probe.scales = None if scales is None else tuple(scales)

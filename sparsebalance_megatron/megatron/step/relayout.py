@@ -102,6 +102,8 @@ def relayout(state: dict, now: dict, *, latency: bool = True, sensitivity: bool 
         kept.append("the sensitivities")
     if state.get("stand_down") is not None:
         kept.append("the stand-down counts")
+    if state.get("eval_profile"):              # per decoder layer: any layout's
+        kept.append("the evaluation's trained profile")
     if latency and same_pipeline and state.get("latency"):
         ranks = sorted(int(r) for r in out["latency"].get("corrections") or {})
         kept.append(f"the calibration of DP rank(s) {', '.join(map(str, ranks))} and its "

@@ -38,6 +38,7 @@ from ...batching.plan import gathered_plan
 from ...config import SparseBalanceConfig
 from ...policy.stand_down import StandDownCounts
 from ..runtime import comm
+from .eval_profile import TrainedProfile
 from .report_sums import rank_parts, step_features, step_figures, summed_parts, unit_work
 
 PREFIX = "sparsebalance/"
@@ -120,9 +121,11 @@ SCALARS = (
 
 def scalars(rec: dict) -> dict:
     """The record's numbers as ``sparsebalance/...`` scalars (``SCALARS``, then the density of
-    each stage); a missing or non-finite number is left out."""
+    each stage, and with --sb-eval-density trained each stage's evaluation density); a missing or non-finite number is left out."""
     named = [(name, rec.get(key)) for name, key in SCALARS]
     named += [(f"density/stage{s}", v) for s, v in enumerate(rec.get("density_per_stage") or [])]
+    named += [(f"density/eval_stage{s}", v)
+              for s, v in enumerate(rec.get("eval_density_per_stage") or []) if v is not None]
     return {PREFIX + name: float(v) for name, v in named if v is not None and np.isfinite(v)}
 
 
@@ -192,6 +195,9 @@ class StepReporter:
                           "no_cuts": 0, "quality_steps": 0, "rate": 0.0}
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
         self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
+        # --sb-eval-density trained: DST's mean planned density per layer (checkpointed)
+        self.eval_profile = TrainedProfile(self.layout, sb.density) \
+            if sb.eval_density == "trained" and sb.dst_enabled else None
 
     def _parts(self, step, row: int, measured, units=None, calibration=None) -> dict:
         """DP rank ``row``'s ``rank_parts`` of ``step`` (its row of a whole plan, or the batch
@@ -258,6 +264,9 @@ class StepReporter:
                           overhead_s=overhead_s, own_s=own_s)
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
+        if self.eval_profile is not None:
+            self.eval_profile.add(rec.get("density_per_stage"))
+            rec["eval_density_per_stage"] = self.eval_profile.stage_densities()
         rec.update(extra or {})
         # every rank's planner process deaths and stalls, reported with the step after them
         self.planner_events_total += summary.planner_events
@@ -299,6 +308,11 @@ class StepReporter:
                       f"(do no harm: --sb-stand-down {self.sb.stand_down})", flush=True)
             if self.predicted["steps"]:
                 print(f"[sparsebalance] run predictions: {self.describe_predicted()}", flush=True)
+            if rec.get("eval_density_per_stage"):
+                print(f"[sparsebalance] evaluation reads the trained profile: stage densities "
+                      f"{'/'.join(f'{d:.4f}' for d in rec['eval_density_per_stage'] if d)} "
+                      f"(DST's mean over {self.eval_profile.steps} steps, at uniform "
+                      f"{self.sb.density:g}'s kept work; --sb-eval-density trained)", flush=True)
         return rec
 
     def _predicted(self, rec: dict) -> None:

@@ -1,0 +1,80 @@
+"""``--sb-eval-density trained``: Megatron's evaluation reads the network at the densities DST
+trained it at.
+
+Every planned step's record holds each (virtual) pipeline stage's work-weighted mean density
+(``density_per_stage``). ``TrainedProfile`` keeps their mean over the run's steps per decoder
+layer (a layer: its stage's), and gives evaluation, which runs outside any step plan
+(``BudgetContext.layer_densities``), that profile scaled by the one factor that makes the
+model's kept attention work uniform ``--sb-density``'s (``latency.work.scaled_to_work``, work
+counted as planned density x each attention layer's full work): the network as it trained, at
+d0's cost. Kept per layer in the checkpoint, so a resume on another pipeline layout keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ...latency.layout import ATTENTION, PipelineLayout
+from ...latency.work import scaled_to_work
+
+
+class TrainedProfile:
+    """The mean planned density of every decoder layer over the steps ``add`` was given."""
+
+    def __init__(self, layout: PipelineLayout, density: float):
+        self.stage_of_layer = np.asarray(layout.layer_stages(), dtype=np.int64)
+        self.num_stages = layout.num_stages
+        pattern = layout.pattern or ATTENTION * layout.num_layers
+        # Megatron's 1-based global numbers of the layers the sparse attention budgets
+        self.attention = [n + 1 for n, c in enumerate(pattern) if c == ATTENTION]
+        self.density = float(density)
+        self.sums = np.zeros(layout.num_layers)
+        self.steps = 0
+
+    def add(self, density_per_stage) -> None:
+        """One planned step's ``density_per_stage`` (None: the step had no plan)."""
+        if density_per_stage is None:
+            return
+        d = np.asarray(density_per_stage, dtype=np.float64)
+        if d.shape != (self.num_stages,):
+            raise ValueError(f"density_per_stage {list(d)}: expected {self.num_stages} "
+                             f"stages' densities")
+        self.sums += d[self.stage_of_layer]
+        self.steps += 1
+
+    def layer_densities(self) -> Optional[dict]:
+        """{layer number: density} of every attention layer, the profile at uniform d0's kept
+        work; None before any planned step (evaluation at uniform d0)."""
+        if not self.steps:
+            return None
+        profile = (self.sums / self.steps)[np.asarray(self.attention) - 1]
+        scaled = scaled_to_work(profile.tolist(), lambda d: d, self.density * len(profile))
+        return dict(zip(self.attention, scaled))
+
+    def stage_densities(self) -> Optional[list]:
+        """``layer_densities`` per stage (the mean of its attention layers'; None for a stage
+        without one): the record's ``eval_density_per_stage``."""
+        per_layer = self.layer_densities()
+        if per_layer is None:
+            return None
+        out = [[] for _ in range(self.num_stages)]
+        for n, d in per_layer.items():
+            out[self.stage_of_layer[n - 1]].append(d)
+        return [round(sum(v) / len(v), 4) if v else None for v in out]
+
+    def state_dict(self) -> dict:
+        return {"layer_sums": self.sums.tolist(), "steps": self.steps}
+
+    def load_state_dict(self, state: Optional[dict]) -> Optional[str]:
+        """Restore a checkpoint's profile; a note (str) where it cannot be kept."""
+        if not state:                  # a checkpoint without one: from this run's steps
+            self.sums, self.steps = np.zeros(self.sums.size), 0
+            return None
+        sums = state.get("layer_sums") or []
+        if len(sums) != self.sums.size:
+            return (f"--sb-eval-density trained: the checkpoint's profile covers {len(sums)} "
+                    f"decoder layers, this model has {self.sums.size}: it starts afresh")
+        self.sums, self.steps = np.asarray(sums, dtype=np.float64), int(state["steps"])
+        return None
