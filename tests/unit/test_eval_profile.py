@@ -10,7 +10,7 @@ import pytest
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.latency.layout import PipelineLayout
 from sparsebalance_megatron.latency.work import attention_work, scaled_to_work
-from sparsebalance_megatron.megatron.launch.checks import flag_conflicts
+from sparsebalance_megatron.megatron.launch.data_checks import quality_conflicts
 from sparsebalance_megatron.megatron.step.eval_profile import TrainedProfile
 
 
@@ -82,15 +82,12 @@ def test_the_profile_survives_a_checkpoint_on_another_layout():
 
 
 def test_trained_needs_dst_and_a_bad_value_is_refused():
-    args = SimpleNamespace(pipeline_model_parallel_size=1, context_parallel_size=1)
-    bad = [b for b in flag_conflicts(args, SparseBalanceConfig(sparse_attention=True,
-                                                               eval_density="trained"),
-                                     plugin_data=True, hybrid=None)
-           if "eval-density" in b]
-    assert bad == ["--sb-eval-density trained without DST (the profile is the densities DST's "
-                   "plans give each stage: --sparse-balance or --sb-dst)"]
-    assert not [b for b in flag_conflicts(args, SparseBalanceConfig(sparse_balance=True,
-                                                                    eval_density="trained"),
-                                          plugin_data=True, hybrid=None) if "eval-density" in b]
+    args = SimpleNamespace(context_parallel_size=1)
+    assert quality_conflicts(args, SparseBalanceConfig(sparse_attention=True,
+                                                       eval_density="trained"), True) == [
+        "--sb-eval-density trained without DST (the profile is the densities DST's plans give "
+        "each stage: --sparse-balance or --sb-dst)"]
+    assert quality_conflicts(args, SparseBalanceConfig(sparse_balance=True,
+                                                       eval_density="trained"), True) == []
     with pytest.raises(ConfigError, match="--sb-eval-density='profile': expected one of d0, trained"):
         SparseBalanceConfig(eval_density="profile")

@@ -1,5 +1,5 @@
 """The quality refresh's runtime side without a run (``megatron/step/quality_probe.py``,
-``launch/data_checks.refresh_conflicts``): the statistics every rank sums give the documents'
+``launch/data_checks.quality_conflicts``): the statistics every rank sums give the documents'
 loss change and its ratio-estimator error whatever the split over ranks; the refresh is due
 every N-th iteration but the last; a launch it cannot serve is refused naming the flag."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
-from sparsebalance_megatron.megatron.launch.data_checks import refresh_conflicts
+from sparsebalance_megatron.megatron.launch.data_checks import quality_conflicts
 from sparsebalance_megatron.megatron.step.quality_probe import QualityProbe, changes, pass_stats
 
 
@@ -60,14 +60,14 @@ def _args(**kw):
 ])
 def test_a_launch_it_cannot_serve_is_refused(sb, args, plugin_data, needle):
     cfg = SparseBalanceConfig(quality_refresh_interval=3, **sb)
-    bad = refresh_conflicts(_args(**args), cfg, plugin_data)
+    bad = quality_conflicts(_args(**args), cfg, plugin_data)
     assert len(bad) == 1 and needle in bad[0]
     assert bad[0].startswith("--sb-quality-refresh-interval 3")
-    assert refresh_conflicts(_args(**args), SparseBalanceConfig(**sb), plugin_data) == []
+    assert quality_conflicts(_args(**args), SparseBalanceConfig(**sb), plugin_data) == []
 
 
 def test_served_launch_and_bad_values():
-    assert refresh_conflicts(_args(), SparseBalanceConfig(sparse_balance=True,
+    assert quality_conflicts(_args(), SparseBalanceConfig(sparse_balance=True,
                                                           quality_refresh_interval=5), True) == []
     for v in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="quality-refresh-interval"):

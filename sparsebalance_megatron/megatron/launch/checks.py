@@ -29,7 +29,7 @@ from ...attention.flex import flash_kernel_missing
 from ...config import CP_COMM_TYPES, SparseBalanceConfig, flag_name
 from ...latency.layout import ATTENTION, HYBRID_SYMBOLS, MLP, LayoutError, PipelineLayout
 from ..errors import LaunchError  # noqa: F401  (re-exported: callers import it from here)
-from .data_checks import data_conflicts, packer_conflicts, refresh_conflicts
+from .data_checks import data_conflicts, packer_conflicts, quality_conflicts
 from .lengths import LENGTH_FREE_BACKENDS, length_need
 from .preflight import attention_dropout_conflicts, config_problems, dense_kernel_conflicts
 
@@ -342,7 +342,7 @@ def flag_conflicts(args, sb: SparseBalanceConfig, *, plugin_data: bool,
         bad += _hybrid_conflicts(args, sb, hybrid, plugin_data)
     bad += _context_parallel_conflicts(args, sb, plugin_data)
     bad += _microbatch_length_conflicts(args, sb, plugin_data)
-    bad += packer_conflicts(args, sb, plugin_data) + refresh_conflicts(args, sb, plugin_data)
+    bad += packer_conflicts(args, sb, plugin_data) + quality_conflicts(args, sb, plugin_data)
     if plugin_data:
         if getattr(args, "iterations_to_skip", None):
             bad.append(f"--iterations-to-skip {args.iterations_to_skip} with the plugin's data "
@@ -360,9 +360,6 @@ def flag_conflicts(args, sb: SparseBalanceConfig, *, plugin_data: bool,
                        "sparse attention takes document boundaries from packed cu_seqlens; use "
                        "--dataloader-inter-document-masking (or the plugin's data path, "
                        "--sb-batching / --sparse-balance, which packs documents apart)")
-    if sb.eval_density == "trained" and not sb.dst_enabled:
-        bad.append(f"{flag_name('eval_density')} trained without DST (the profile is the "
-                   f"densities DST's plans give each stage: --sparse-balance or --sb-dst)")
     if sb.dst_enabled and sb.selection_mode == "mass":
         bad.append(f"{flag_name('selection_mode')} mass with DST (--sparse-balance / --sb-dst): "
                    f"mass mode picks its own density per query block and would ignore the plan; "

@@ -72,15 +72,18 @@ def data_conflicts(args) -> list[str]:
     return out
 
 
-def refresh_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
-    """What ``--sb-quality-refresh-interval`` (``step/quality_probe.py``) cannot serve: it
-    refreshes the model DST's quality objective plans by; its held-out micro-batch is one per
-    DP rank on the plugin's data path, each document's loss whole on one rank (no
-    context-parallel split), run by the one-chunk schedules."""
+def quality_conflicts(args, sb: SparseBalanceConfig, plugin_data: bool) -> list[str]:
+    """What the quality side of DST cannot serve. ``--sb-eval-density trained`` reads DST's
+    plans (``step/eval_profile.py``). ``--sb-quality-refresh-interval``
+    (``step/quality_probe.py``) refreshes the model DST's quality objective plans by; its
+    held-out micro-batch is one per DP rank on the plugin's data path, each document's loss
+    whole on one rank (no context-parallel split), run by the one-chunk schedules."""
+    out = [] if sb.eval_density != "trained" or sb.dst_enabled else [
+        f"{flag_name('eval_density')} trained without DST (the profile is the densities DST's "
+        f"plans give each stage: --sparse-balance or --sb-dst)"]
     if not sb.quality_refresh_interval:
-        return []
+        return out
     what = f"{flag_name('quality_refresh_interval')} {sb.quality_refresh_interval}"
-    out = []
     if not sb.dst_enabled or sb.dst_objective != "quality":
         out.append(f"{what} without DST's quality objective (the quality model is what it "
                    f"refreshes: --sparse-balance or --sb-dst, with "

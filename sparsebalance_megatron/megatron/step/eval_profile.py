@@ -33,16 +33,24 @@ class TrainedProfile:
         self.sums = np.zeros(layout.num_layers)
         self.steps = 0
 
-    def add(self, density_per_stage) -> None:
-        """One planned step's ``density_per_stage`` (None: the step had no plan)."""
+    @classmethod
+    def of(cls, layout: PipelineLayout, sb) -> Optional["TrainedProfile"]:
+        """The run's profile: None unless ``--sb-eval-density trained`` (with DST)."""
+        return cls(layout, sb.density) if sb.eval_density == "trained" and sb.dst_enabled \
+            else None
+
+    def add(self, density_per_stage) -> Optional[list]:
+        """One planned step's ``density_per_stage`` (None: the step had no plan); returns
+        ``stage_densities`` after it (the record's ``eval_density_per_stage``)."""
         if density_per_stage is None:
-            return
+            return self.stage_densities()
         d = np.asarray(density_per_stage, dtype=np.float64)
         if d.shape != (self.num_stages,):
             raise ValueError(f"density_per_stage {list(d)}: expected {self.num_stages} "
                              f"stages' densities")
         self.sums += d[self.stage_of_layer]
         self.steps += 1
+        return self.stage_densities()
 
     def layer_densities(self) -> Optional[dict]:
         """{layer number: density} of every attention layer, the profile at uniform d0's kept
@@ -63,6 +71,13 @@ class TrainedProfile:
         for n, d in per_layer.items():
             out[self.stage_of_layer[n - 1]].append(d)
         return [round(sum(v) / len(v), 4) if v else None for v in out]
+
+    def describe(self) -> str:
+        """The run summary's line."""
+        stages = "/".join(f"{d:.4f}" for d in self.stage_densities() if d is not None)
+        return (f"evaluation reads the trained profile: stage densities {stages} (DST's mean "
+                f"over {self.steps} steps, at uniform {self.density:g}'s kept work; "
+                f"--sb-eval-density trained)")
 
     def state_dict(self) -> dict:
         return {"layer_sums": self.sums.tolist(), "steps": self.steps}

@@ -3,8 +3,8 @@
 - TensorBoard and W&B: Megatron's writers (``get_tensorboard_writer`` / ``get_wandb_writer``, which
   exist on the last rank when ``--tensorboard-dir`` / ``--wandb-project`` are given), scalars under
   ``sparsebalance/`` at Megatron's iteration numbers, every ``--tensorboard-log-interval``.
-- The console: one ``[sparsebalance]`` line per ``--log-interval`` from the last rank (where
-  Megatron prints its own line), averaged over the interval like Megatron's.
+- The console (``console.py``): one ``[sparsebalance]`` line per ``--log-interval`` from the last
+  rank (where Megatron prints its own line), averaged over the interval like Megatron's.
 - ``--sb-metrics-file``: one JSON line per step on rank 0, for scripts; it records the step's
   plan (``batching.replay.plan_record`` and the densities), which ``--sb-replay-plans`` replays.
 - Do no harm (``--sb-stand-down``): per step ``dst_stood_down`` / ``sab_stood_down`` (1: the
@@ -38,10 +38,10 @@ from ...batching.plan import gathered_plan
 from ...config import SparseBalanceConfig
 from ...policy.stand_down import StandDownCounts
 from ..runtime import comm
+from .console import PREFIX, console_line
 from .eval_profile import TrainedProfile
 from .report_sums import rank_parts, step_features, step_figures, summed_parts, unit_work
 
-PREFIX = "sparsebalance/"
 
 
 def step_record(iteration: int, step, summary, calib: dict, *, figures: dict,
@@ -121,11 +121,11 @@ SCALARS = (
 
 def scalars(rec: dict) -> dict:
     """The record's numbers as ``sparsebalance/...`` scalars (``SCALARS``, then the density of
-    each stage, and with --sb-eval-density trained each stage's evaluation density); a missing or non-finite number is left out."""
+    each stage, and with --sb-eval-density trained its evaluation density); a missing or
+    non-finite number is left out."""
     named = [(name, rec.get(key)) for name, key in SCALARS]
-    named += [(f"density/stage{s}", v) for s, v in enumerate(rec.get("density_per_stage") or [])]
-    named += [(f"density/eval_stage{s}", v)
-              for s, v in enumerate(rec.get("eval_density_per_stage") or []) if v is not None]
+    for tag, key in (("stage", "density_per_stage"), ("eval_stage", "eval_density_per_stage")):
+        named += [(f"density/{tag}{s}", v) for s, v in enumerate(rec.get(key) or [])]
     return {PREFIX + name: float(v) for name, v in named if v is not None and np.isfinite(v)}
 
 
@@ -181,7 +181,7 @@ class StepReporter:
         self.dense_below_tokens = dense_below_tokens
         self.layout = layout if layout is not None else PipelineLayout(1, 1, (1,))
         self.stages = self.layout.num_stages
-        self._interval: dict = defaultdict(list)
+        self.interval: dict = defaultdict(list)
         self.history: list = []   # records of this process (tests, scripts in the same process)
         self.doc_positions = doc_positions
         self.pad_multiple = pad_multiple
@@ -195,9 +195,7 @@ class StepReporter:
                           "no_cuts": 0, "quality_steps": 0, "rate": 0.0}
         self.planner_events_total = 0    # planner deaths and stalls over the run, every rank
         self.fallback: Optional[dict] = None   # the attention kernel fallback (fallback_sync)
-        # --sb-eval-density trained: DST's mean planned density per layer (checkpointed)
-        self.eval_profile = TrainedProfile(self.layout, sb.density) \
-            if sb.eval_density == "trained" and sb.dst_enabled else None
+        self.eval_profile = TrainedProfile.of(self.layout, sb)   # --sb-eval-density trained
 
     def _parts(self, step, row: int, measured, units=None, calibration=None) -> dict:
         """DP rank ``row``'s ``rank_parts`` of ``step`` (its row of a whole plan, or the batch
@@ -265,8 +263,7 @@ class StepReporter:
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         if self.eval_profile is not None:
-            self.eval_profile.add(rec.get("density_per_stage"))
-            rec["eval_density_per_stage"] = self.eval_profile.stage_densities()
+            rec["eval_density_per_stage"] = self.eval_profile.add(rec.get("density_per_stage"))
         rec.update(extra or {})
         # every rank's planner process deaths and stalls, reported with the step after them
         self.planner_events_total += summary.planner_events
@@ -295,10 +292,11 @@ class StepReporter:
         values = scalars(rec)
         self._write(iteration, values)
         for k, v in values.items():
-            self._interval[k].append(v)
+            self.interval[k].append(v)
         if iteration % max(self.args.log_interval, 1) == 0 or iteration == self.args.train_iters:
-            self._log_line(iteration, rec)
-            self._interval.clear()
+            if comm.rank() == comm.world_size() - 1:   # where Megatron prints its log line
+                print(console_line(iteration, rec, self), flush=True)
+            self.interval.clear()
         exit_every = getattr(self.args, "exit_interval", None)   # Megatron's clean stop
         last = iteration == self.args.train_iters or bool(exit_every and
                                                           iteration % exit_every == 0)
@@ -308,11 +306,8 @@ class StepReporter:
                       f"(do no harm: --sb-stand-down {self.sb.stand_down})", flush=True)
             if self.predicted["steps"]:
                 print(f"[sparsebalance] run predictions: {self.describe_predicted()}", flush=True)
-            if rec.get("eval_density_per_stage"):
-                print(f"[sparsebalance] evaluation reads the trained profile: stage densities "
-                      f"{'/'.join(f'{d:.4f}' for d in rec['eval_density_per_stage'] if d)} "
-                      f"(DST's mean over {self.eval_profile.steps} steps, at uniform "
-                      f"{self.sb.density:g}'s kept work; --sb-eval-density trained)", flush=True)
+            if self.eval_profile is not None and self.eval_profile.steps:
+                print(f"[sparsebalance] {self.eval_profile.describe()}", flush=True)
         return rec
 
     def _predicted(self, rec: dict) -> None:
@@ -357,55 +352,3 @@ class StepReporter:
         wandb = get_wandb_writer()
         if wandb:
             wandb.log(values, iteration)
-
-    def _log_line(self, iteration: int, rec: dict) -> None:
-        if comm.rank() != comm.world_size() - 1:   # where Megatron prints its log line
-            return
-
-        def mean(name):
-            v = self._interval.get(PREFIX + name)
-            return float(np.mean(v)) if v else None
-
-        parts = [f"[sparsebalance] iteration {iteration:>6d}/{self.args.train_iters}"]
-        if mean("step_time/measured_s") is not None:
-            parts.append(f"fwd-bwd {mean('step_time/measured_s'):.3f} s")
-        if mean("density/mean") is not None:
-            stages = [mean(f"density/stage{s}") for s in range(self.stages)]
-            kept = mean("density/kept")
-            parts.append(f"density {mean('density/mean'):.3f}"
-                         + (f" kept {kept:.3f}" if kept is not None else "")
-                         + (f" (stages {'/'.join(f'{x:.2f}' for x in stages)})"
-                            if self.stages > 1 else ""))
-        if mean("step_time/predicted_s") is not None:
-            pred, static = mean("step_time/predicted_s"), mean("step_time/static_s")
-            parts.append(f"pred {pred:.3f} s (static {static:.3f} s, "
-                         f"{100.0 * (1.0 - pred / static):+.2f}%)" if static else
-                         f"pred {pred:.3f} s")
-            if mean("quality/predicted_loss_change") is not None:
-                sd = mean("quality/predicted_loss_sd")
-                parts.append(f"dL {mean('quality/predicted_loss_change'):+.4f}"
-                             + (f"±{sd:.4f}" if sd else ""))
-            parts.append(f"imb {mean('imbalance/predicted_before'):.2f}->"
-                         f"{mean('imbalance/predicted_after'):.2f}")
-            cut = sum(self._interval.get(PREFIX + "units/cut", []))
-            raised = sum(self._interval.get(PREFIX + "units/raised", []))
-            no_cuts = self._interval.get(PREFIX + "dst/no_cuts", [])
-            parts.append(f"cut {int(cut)} raised {int(raised)}"
-                         + (f" (no cuts kept {int(sum(no_cuts))}/{len(no_cuts)})"
-                            if sum(no_cuts) else ""))
-            h = mean("raise_headroom")
-            if not cut and not raised:          # why nothing moved
-                parts.append(f"nothing moved: no cut the {self.sb.tolerance:g} band and the "
-                             f"floors allow" + (f", raises held {100 * h:.0f}% under the "
-                                                f"bottleneck (the latency model's error, "
-                                                f"--sb-raise-headroom)" if h else ""))
-        if mean("latency_model/error") is not None:
-            parts.append(f"lat err {100 * mean('latency_model/error'):.1f}%")
-        if rec.get("split_docs"):
-            parts.append(f"split docs {rec['split_docs']}")
-        if self.stood.describe():                    # cumulative over the run
-            parts.append(self.stood.describe())
-        own, wait = mean("overhead/own_s"), mean("overhead/wait_s")
-        parts.append(f"overhead {mean('overhead_s') or 0.0:.3f} s"
-                     + (f" (own {own:.3f} s, waiting {wait:.3f} s)" if own is not None else ""))
-        print(" | ".join(parts), flush=True)
