@@ -257,8 +257,8 @@ class SparseBalanceConfig:
         "a run with DST: 'd0' (the default), uniform --sb-density; 'trained', the network read "
         "as it trained: each decoder layer at the mean, over the run's steps so far, of the "
         "work-weighted density DST planned its pipeline stage at, the profile scaled by one "
-        "factor so that the model's kept attention work (planned density x each layer's work) "
-        "is uniform --sb-density's. A network trained under DST's plans loses more read back "
+        "factor so that the model's kept attention work on the documents trained on (the blocks "
+        "the selection keeps, sink, local and diagonal included) is uniform --sb-density's. A network trained under DST's plans loses more read back "
         "at uniform d0 than read at its own profile (QUALITY.md, the three-stage training "
         "study). The profile is checkpointed; each step's record holds it "
         "(eval_density_per_stage).", choices=EVAL_DENSITIES)

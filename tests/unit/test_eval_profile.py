@@ -53,6 +53,25 @@ def test_the_profile_is_the_mean_of_the_steps_at_d0s_work():
         prof.add([0.5, 0.5])
 
 
+def test_with_the_documents_kept_work_the_profile_keeps_d0s_kept_pairs():
+    """The kept pairs of the documents trained on, counted at the grid: the scaled profile
+    keeps (to the grid's interpolation) what uniform d0 keeps of them, the study's reading."""
+    lengths, block = [40, 90, 200, 300, 700, 1500], 32
+    prof = TrainedProfile(PipelineLayout.even(3, pp=3), 0.5)
+
+    def kept(d):
+        return attention_work(lengths, d, block)
+    curve = [kept(g) for g in TrainedProfile.GRID]
+    prof.add([0.62, 0.5, 0.41], curve)
+    prof.add([0.60, 0.5, 0.43], curve)
+    got = list(prof.layer_densities().values())
+    assert sum(kept(d) for d in got) == pytest.approx(3 * kept(0.5), rel=5e-3)
+    assert np.array(got) / got[1] == pytest.approx(np.array([0.61, 0.5, 0.42]) / 0.5, abs=1e-3)
+    planned = TrainedProfile(PipelineLayout.even(3, pp=3), 0.5)
+    planned.add([0.61, 0.5, 0.42])
+    assert sum(kept(d) for d in planned.layer_densities().values()) > 3 * kept(0.5) * 1.005
+
+
 def test_a_capped_layer_leaves_the_work_to_the_others():
     prof = TrainedProfile(PipelineLayout.even(2, pp=2), 0.8)
     prof.add([1.0, 0.2])
@@ -73,6 +92,7 @@ def test_the_profile_survives_a_checkpoint_on_another_layout():
     other = TrainedProfile(PipelineLayout.even(4, pp=4), 0.5)   # per layer: any layout's
     assert other.load_state_dict(state) is None
     assert other.layer_densities() == saved.layer_densities()
+    assert other.curve.tolist() == saved.curve.tolist()
     other.add([0.5, 0.5, 0.5, 0.5])
     assert other.steps == 2
     deeper = TrainedProfile(PipelineLayout.even(6, pp=2), 0.5)

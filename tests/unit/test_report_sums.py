@@ -241,3 +241,16 @@ def test_the_rank_parts_alone_make_no_plan_figures_without_a_plan():
     assert got == {"tokens": document_tokens(batch, pos),
                    "positions": int(batch.packed_lengths().sum())}
     assert got["tokens"] > 0
+
+
+def test_the_kept_curve_summed_over_the_group_is_the_steps_kept_pairs_at_each_density():
+    """``kept_curve`` (--sb-eval-density trained): every DP rank's units at each density of
+    the grid, summed by the reduce, as ``kept_work`` counts the whole step at that density
+    (routed documents left out)."""
+    batch, d, _ = _step(3)
+    sb = SparseBalanceConfig(sparse_attention=True, block_size=BLOCK)
+    grid = np.array([0.1, 0.5, 0.77, 1.0])
+    parts = [rank_parts(batch.row_plan(r), sb, d[r:r + 1], dense_below_tokens=ROUTING,
+                        kept_curve_grid=grid) for r in range(DP)]
+    want = [kept_work(batch, sb, np.full((DP, M, 1), g), ROUTING).sum() for g in grid]
+    assert summed_parts(parts)["kept_curve"].tolist() == want

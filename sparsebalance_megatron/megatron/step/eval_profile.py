@@ -5,9 +5,13 @@ Every planned step's record holds each (virtual) pipeline stage's work-weighted 
 (``density_per_stage``). ``TrainedProfile`` keeps their mean over the run's steps per decoder
 layer (a layer: its stage's), and gives evaluation, which runs outside any step plan
 (``BudgetContext.layer_densities``), that profile scaled by the one factor that makes the
-model's kept attention work uniform ``--sb-density``'s (``latency.work.scaled_to_work``, work
-counted as planned density x each attention layer's full work): the network as it trained, at
-d0's cost. Kept per layer in the checkpoint, so a resume on another pipeline layout keeps it.
+model's kept attention work uniform ``--sb-density``'s (``latency.work.scaled_to_work``). Kept
+work is what the selection keeps of the documents trained on so far: every step adds the kept
+block pairs of its documents at each density of ``GRID`` (``report_sums.rank_parts``'
+``kept_curve``, summed over the DP group), so a profile that moves density between layers is
+charged the sink, local and diagonal blocks each query block keeps whatever its density (the
+training study's reading, QUALITY.md, scales the same way on its held-out documents). Kept per
+layer in the checkpoint, so a resume on another pipeline layout keeps it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from ...latency.work import scaled_to_work
 
 
 class TrainedProfile:
-    """The mean planned density of every decoder layer over the steps ``add`` was given."""
+    """The mean planned density of every decoder layer over the steps ``add`` was given, and
+    the kept work of their documents against density."""
+
+    GRID = np.arange(1, 101) / 100.0     # densities the kept work is counted at (interpolated)
 
     def __init__(self, layout: PipelineLayout, density: float):
         self.stage_of_layer = np.asarray(layout.layer_stages(), dtype=np.int64)
@@ -30,7 +37,7 @@ class TrainedProfile:
         # Megatron's 1-based global numbers of the layers the sparse attention budgets
         self.attention = [n + 1 for n, c in enumerate(pattern) if c == ATTENTION]
         self.density = float(density)
-        self.sums = np.zeros(layout.num_layers)
+        self.sums, self.curve = np.zeros(layout.num_layers), np.zeros(self.GRID.size)
         self.steps = 0
 
     @classmethod
@@ -39,9 +46,10 @@ class TrainedProfile:
         return cls(layout, sb.density) if sb.eval_density == "trained" and sb.dst_enabled \
             else None
 
-    def add(self, density_per_stage) -> Optional[list]:
-        """One planned step's ``density_per_stage`` (None: the step had no plan); returns
-        ``stage_densities`` after it (the record's ``eval_density_per_stage``)."""
+    def add(self, density_per_stage, kept_curve=None) -> Optional[list]:
+        """One planned step's ``density_per_stage`` (None: the step had no plan) and the kept
+        pairs of its documents at ``GRID`` (None: not counted); returns ``stage_densities``
+        after it (the record's ``eval_density_per_stage``)."""
         if density_per_stage is None:
             return self.stage_densities()
         d = np.asarray(density_per_stage, dtype=np.float64)
@@ -50,7 +58,15 @@ class TrainedProfile:
                              f"stages' densities")
         self.sums += d[self.stage_of_layer]
         self.steps += 1
+        if kept_curve is not None:
+            self.curve += np.asarray(kept_curve, dtype=np.float64)
         return self.stage_densities()
+
+    def work(self, density: float) -> float:
+        """A layer's kept work at ``density`` on the documents so far (before any: the
+        density itself, planned work)."""
+        return float(np.interp(density, self.GRID, self.curve)) if self.curve[-1] > 0 \
+            else density
 
     def layer_densities(self) -> Optional[dict]:
         """{layer number: density} of every attention layer, the profile at uniform d0's kept
@@ -58,7 +74,8 @@ class TrainedProfile:
         if not self.steps:
             return None
         profile = (self.sums / self.steps)[np.asarray(self.attention) - 1]
-        scaled = scaled_to_work(profile.tolist(), lambda d: d, self.density * len(profile))
+        scaled = scaled_to_work(profile.tolist(), self.work,
+                                len(profile) * self.work(self.density))
         return dict(zip(self.attention, scaled))
 
     def stage_densities(self) -> Optional[list]:
@@ -80,16 +97,18 @@ class TrainedProfile:
                 f"--sb-eval-density trained)")
 
     def state_dict(self) -> dict:
-        return {"layer_sums": self.sums.tolist(), "steps": self.steps}
+        return {"layer_sums": self.sums.tolist(), "steps": self.steps,
+                "kept_curve": self.curve.tolist()}
 
     def load_state_dict(self, state: Optional[dict]) -> Optional[str]:
         """Restore a checkpoint's profile; a note (str) where it cannot be kept."""
+        self.sums, self.curve, self.steps = np.zeros(self.sums.size), np.zeros(self.GRID.size), 0
         if not state:                  # a checkpoint without one: from this run's steps
-            self.sums, self.steps = np.zeros(self.sums.size), 0
             return None
         sums = state.get("layer_sums") or []
         if len(sums) != self.sums.size:
             return (f"--sb-eval-density trained: the checkpoint's profile covers {len(sums)} "
                     f"decoder layers, this model has {self.sums.size}: it starts afresh")
         self.sums, self.steps = np.asarray(sums, dtype=np.float64), int(state["steps"])
+        self.curve = np.asarray(state["kept_curve"], dtype=np.float64)
         return None

@@ -70,7 +70,8 @@ def document_tokens(batch, doc_positions: Optional[np.ndarray]) -> int:
 def rank_parts(batch, sb: SparseBalanceConfig, densities: Optional[np.ndarray], *,
                layers=None, attention_layers=None, dense_below_tokens: int = 0,
                doc_positions: Optional[np.ndarray] = None, units=None,
-               busy: Optional[float] = None, calibration: Optional[tuple] = None) -> dict:
+               busy: Optional[float] = None, calibration: Optional[tuple] = None,
+               kept_curve_grid: Optional[np.ndarray] = None) -> dict:
     """One DP rank's parts of the step's figures, ``{"sum": ..., "max": ...}`` for
     ``StepExchange.reduce`` (the DP group's sums and maxima: a fixed size whatever the DP size;
     ``step_figures`` reads them). ``batch``: the rank's one-row plan; ``densities`` [1, m,
@@ -85,8 +86,10 @@ def rank_parts(batch, sb: SparseBalanceConfig, densities: Optional[np.ndarray], 
     units and stages) as ``density_max`` and negated as ``density_neg_min``, its busy seconds
     (``busy_max``; ``busy_missing``: 1 where a rank has none); ``calibration``: (its latency
     model's relative error this step, NaN: none; its factor) of its own pipeline, summed
-    (``cal_err``, ``cal_n``) and as the factors' range (``cal_max``, ``cal_neg_min``). Pair and
-    token counts are integers, exact in float64."""
+    (``cal_err``, ``cal_n``) and as the factors' range (``cal_max``, ``cal_neg_min``);
+    ``kept_curve_grid``: the kept pairs of the rank's documents (one layer) at every density
+    of that grid, ``kept_curve`` (``eval_profile.py``). Pair and token counts are integers,
+    exact in float64."""
     from ...policy.density_means import WeightTotals
 
     feats = step_features(batch, sb, dense_below_tokens, units)
@@ -106,6 +109,8 @@ def rank_parts(batch, sb: SparseBalanceConfig, densities: Optional[np.ndarray], 
         out["sum"].update(kept_s=kept_s, work_s=work_s, plain_s=d.sum(axis=0),
                           pairs=float(pairs.sum()), dense=routed or 0.0)
         out["max"].update(density_max=mine, density_neg_min=-mine)
+        if kept_curve_grid is not None:
+            out["sum"]["kept_curve"] = feats.kept_grid(kept_curve_grid).sum(axis=0)
     if busy is not None:
         ok = bool(np.isfinite(busy))
         out["sum"]["busy"] = float(busy) if ok else 0.0

@@ -211,7 +211,8 @@ class StepReporter:
                           dense_below_tokens=self.dense_below_tokens,
                           doc_positions=self.doc_positions,
                           units=units if batch.dp == 1 else None, busy=busy,
-                          calibration=calibration)
+                          calibration=calibration, kept_curve_grid=None if
+                          self.eval_profile is None else self.eval_profile.GRID)
 
     def _detail(self, step, units, gather) -> tuple:
         """(work [dp, m], routed work [dp, m] or None, the plan of every DP rank) for the
@@ -263,7 +264,8 @@ class StepReporter:
         if planned_ahead_s is not None:
             rec["sb_planned_ahead_s"] = planned_ahead_s
         if self.eval_profile is not None:
-            rec["eval_density_per_stage"] = self.eval_profile.add(rec.get("density_per_stage"))
+            rec["eval_density_per_stage"] = self.eval_profile.add(rec.get("density_per_stage"),
+                                                                  total.get("kept_curve"))
         rec.update(extra or {})
         # every rank's planner process deaths and stalls, reported with the step after them
         self.planner_events_total += summary.planner_events
