@@ -31,10 +31,14 @@ $(PY):
 # compile runs on one core): without it the suite's first processes compiled what they import,
 # several at once, and a fresh clone's make test took 8 min 17 s instead of 6 min 49 s. Left out:
 # the dependencies' test folders and the transformers model families nothing here loads (24 and
-# 41 MB of the 207 MB of sources, compiled at first import if one ever is): 30.5 s -> 18.9 s.
+# 41 MB of the 207 MB of sources, compiled at first import if one ever is): 30.5 s -> 18.9 s;
+# and the trees no process of the suite read at 72c4373 (their compiled files' access times):
+# matplotlib (scripts/plot_timeline.py's), fontTools, rich, pydantic, sympy's physics, numba's
+# CUDA target, tensorboard's vendored copies, huggingface_hub's CLI and pygments' lexers but
+# Python's and diff's (16 MB of the 140 left).
 # A file that does not compile is passed over (some dependencies ship Python 2 files; pip skips
 # them too); any other error stops make.
-NOT_COMPILED := site-packages/([^/]+/)+tests?/|site-packages/transformers/models/(?!(auto|llama|qwen2|gpt2|gemma|t5|qwen3_5|encoder_decoder)/|__init__\.py)
+NOT_COMPILED := site-packages/([^/]+/)+tests?/|site-packages/transformers/models/(?!(auto|llama|qwen2|gpt2|gemma|t5|qwen3_5|encoder_decoder)/|__init__\.py)|site-packages/(matplotlib|fontTools|rich|pydantic|sympy/physics|numba/cuda|tensorboard/_vendor|huggingface_hub/cli)/|site-packages/pygments/lexers/(?!(python|diff|_mapping|__init__)\.py)
 # pip installs on one core: numba comes first, and the planner's numba kernels compile into
 # their disk cache (next to their sources; about 65 s of one core) on the other core while pip
 # installs the rest, so a fresh clone's first planner processes load them instead of each
