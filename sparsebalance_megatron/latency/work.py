@@ -26,7 +26,7 @@ Pure numpy; must not import torch or megatron.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -96,15 +96,19 @@ def attention_work(doc_lengths: DocLengths, density: float, block_size: int,
     return float(table[nb].sum())
 
 
-def scaled_to_work(profile: Sequence[float], work, target: float) -> list:
+def scaled_to_work(profile: Sequence[float], work, target: float,
+                   weights: Optional[Sequence[float]] = None) -> list:
     """``profile`` (one density per layer) times the one factor that makes the layers' summed
     ``work(density)`` equal ``target``, each density capped at 1 (bisection, 50 halvings; the
     result rounded to 4 digits): a per-layer allocation's shape at another cost. ``work``: a
-    layer's kept work at a density in (0, 1], increasing."""
+    layer's kept work at a density in (0, 1], increasing; ``weights``: how many layers each
+    entry of ``profile`` stands for (default 1 each)."""
+    weights = [1.0] * len(profile) if weights is None else weights
     lo, hi = 0.0, 1.0 / max(min(profile), 1e-12)
     for _ in range(50):
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if sum(work(min(1.0, mid * p)) for p in profile) < target else (lo, mid)
+        got = sum(w * work(min(1.0, mid * p)) for p, w in zip(profile, weights))
+        lo, hi = (mid, hi) if got < target else (lo, mid)
     return [round(min(1.0, hi * p), 4) for p in profile]
 
 

@@ -39,6 +39,7 @@ class TrainedProfile:
         self.density = float(density)
         self.sums, self.curve = np.zeros(layout.num_layers), np.zeros(self.GRID.size)
         self.steps = 0
+        self._layers: Optional[dict] = None     # layer_densities, made once a change
 
     @classmethod
     def of(cls, layout: PipelineLayout, sb) -> Optional["TrainedProfile"]:
@@ -60,6 +61,7 @@ class TrainedProfile:
         self.steps += 1
         if kept_curve is not None:
             self.curve += np.asarray(kept_curve, dtype=np.float64)
+        self._layers = self._scaled()
         return self.stage_densities()
 
     def work(self, density: float) -> float:
@@ -71,21 +73,26 @@ class TrainedProfile:
     def layer_densities(self) -> Optional[dict]:
         """{layer number: density} of every attention layer, the profile at uniform d0's kept
         work; None before any planned step (evaluation at uniform d0)."""
+        return None if self._layers is None else dict(self._layers)
+
+    def _scaled(self) -> Optional[dict]:
+        """``layer_densities`` from the sums: the bisection over the profile's distinct
+        densities, each weighted by its layers (a stage's layers share one)."""
         if not self.steps:
             return None
         profile = (self.sums / self.steps)[np.asarray(self.attention) - 1]
-        scaled = scaled_to_work(profile.tolist(), self.work,
-                                len(profile) * self.work(self.density))
-        return dict(zip(self.attention, scaled))
+        values, inverse, counts = np.unique(profile, return_inverse=True, return_counts=True)
+        scaled = scaled_to_work(values.tolist(), self.work, len(profile) * self.work(self.density),
+                                weights=counts.tolist())
+        return dict(zip(self.attention, np.asarray(scaled)[inverse].tolist()))
 
     def stage_densities(self) -> Optional[list]:
         """``layer_densities`` per stage (the mean of its attention layers'; None for a stage
         without one): the record's ``eval_density_per_stage``."""
-        per_layer = self.layer_densities()
-        if per_layer is None:
+        if self._layers is None:
             return None
         out = [[] for _ in range(self.num_stages)]
-        for n, d in per_layer.items():
+        for n, d in self._layers.items():
             out[self.stage_of_layer[n - 1]].append(d)
         return [round(sum(v) / len(v), 4) if v else None for v in out]
 
@@ -103,6 +110,7 @@ class TrainedProfile:
     def load_state_dict(self, state: Optional[dict]) -> Optional[str]:
         """Restore a checkpoint's profile; a note (str) where it cannot be kept."""
         self.sums, self.curve, self.steps = np.zeros(self.sums.size), np.zeros(self.GRID.size), 0
+        self._layers = None
         if not state:                  # a checkpoint without one: from this run's steps
             return None
         sums = state.get("layer_sums") or []
@@ -111,4 +119,5 @@ class TrainedProfile:
                     f"decoder layers, this model has {self.sums.size}: it starts afresh")
         self.sums, self.steps = np.asarray(sums, dtype=np.float64), int(state["steps"])
         self.curve = np.asarray(state["kept_curve"], dtype=np.float64)
+        self._layers = self._scaled()
         return None
