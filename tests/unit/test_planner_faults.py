@@ -326,9 +326,6 @@ def test_the_rounds_run_once_on_the_reader_thread_or_not_at_all(steps):
                          "process is left running and its late draft dropped; stopped before the "
                          "next draft is asked, it is killed as stalled at that draft's deadline")
 def test_a_late_planner_that_runs_is_left_and_its_draft_dropped(steps):
-    import os
-    import signal
-
     from sparsebalance_megatron.batching import SensitivityTracker
 
     proc = PlannerProcess(_drafter(copy.deepcopy(steps.lm), SensitivityTracker()),
@@ -346,7 +343,7 @@ def test_a_late_planner_that_runs_is_left_and_its_draft_dropped(steps):
         # the next one stopped before it can come (stopped before the request is sent: were
         # it stopped after, a process quicker than this one's next line could have answered,
         # and the outcome would depend on which ran first): stalled at its deadline, killed
-        os.kill(proc.pid, signal.SIGSTOP)
+        proc.stop_for_test()
         pending = proc.submit(1, 0, steps.segments[1], M, with_dst=True, latency_state=None,
                               tracker_sync=None, basis={})
         with pytest.raises(PlannerProcessError) as e:
@@ -364,9 +361,6 @@ def test_a_late_draft_still_not_back_at_the_next_is_stalled_and_killed(steps):
     is killed as stalled (``PendingDraft.still_stalled``). Whether the stop lands before the
     draft ends depends on the scheduler (3 workers on 2 cores once let the process finish
     first), so this runs with SB_SLOW_TESTS=1; the suite stops the process before asking."""
-    import os
-    import signal
-
     from sparsebalance_megatron.batching import SensitivityTracker
 
     proc = PlannerProcess(_drafter(copy.deepcopy(steps.lm), SensitivityTracker()),
@@ -377,7 +371,7 @@ def test_a_late_draft_still_not_back_at_the_next_is_stalled_and_killed(steps):
                               tracker_sync=None, basis={})
         with pytest.raises(PlannerProcessError) as e:
             pending.result()
-        os.kill(proc.pid, signal.SIGSTOP)
+        proc.stop_for_test()
         assert e.value.phase == "late" and proc.still_late() is pending
         err = pending.still_stalled()
         assert err.phase == "stalled" and "late at its step's end" in str(err)

@@ -127,7 +127,7 @@ def test_a_planner_stopped_mid_rounds_is_killed_and_its_rounds_resumed(steps, dr
 
     def stop(n):
         if n == 1:
-            os.kill(proc.pid, signal.SIGSTOP)
+            proc.stop_for_test()
             proc.timeout_s = 0.05                # its deadline from here on: 0.05 s
             stopped.set()
     try:
@@ -234,7 +234,7 @@ def test_a_draft_claimed_before_its_first_round_is_cancelled_and_settled_here(st
     proc = PlannerProcess(drafter, timeout_s=30.0)
     try:
         proc.wait_ready()
-        os.kill(proc.pid, signal.SIGSTOP)        # it cannot ask a round before the claim
+        proc.stop_for_test()        # it cannot ask a round before the claim
         group = Mirror()
         pending = _submit(proc, drafter, steps, k, group)
         assert not pending.rounds.claim_when_due(lambda last: 0.0)   # claimed at once

@@ -59,6 +59,7 @@ from .drafting import Drafter
 from .planner_boot import (BOOT, PlannerPackageMismatch, describe_exit, package_identity,
                            package_mismatch, stop_process, widen_pipe)
 from .planner_thread import Drafted, Planner  # noqa: F401  (this module's API, one body there)
+from ..runtime.children import process_state
 from .pending import PendingDraft
 from .relay import Rounds
 
@@ -281,9 +282,15 @@ class PlannerProcess:
                                    pid=self.pid, phase=phase, iteration=iteration,
                                    code=self.proc.poll())
 
-    def stop_for_test(self) -> None:
-        """--sb-fault: stop the process (SIGSTOP): it answers nothing until killed."""
+    def stop_for_test(self, wait_s: float = 30.0) -> None:
+        """--sb-fault: stop the process (SIGSTOP): it answers nothing until killed. Returns
+        once the process reads as stopped (state T), at most ``wait_s`` later: the signal takes
+        effect when the process next runs, so on a loaded machine a check made right after the
+        kill could still find it running and call it late instead of stalled."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + wait_s
+        while process_state(self.pid) not in ("T", None) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def kill(self) -> None:
         """End the process now (SIGKILL: a stopped one too) and reap it."""
