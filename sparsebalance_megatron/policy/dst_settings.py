@@ -1,5 +1,6 @@
 """DST's settings as one frozen record (``DSTSettings``), made from a ``SparseBalanceConfig``
-in one place (``DSTSettings.from_config``).
+in one place (``DSTSettings.from_config``; ``dst_inputs``: with the quality objective's model
+of the run's stages).
 
 Every layer of the planner (the band search, one band pass, the critical-path descent) reads
 the same bounds, band, floors and raise rule; one record passed down instead of a dozen loose
@@ -104,3 +105,28 @@ class DSTSettings:
                    raise_headroom=raise_headroom, raise_to=config.raise_to,
                    descent=config.dst_descent != "off",
                    exchange_rate=config.exchange_rate_value)
+
+
+def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
+               stage_layers=None, quality_scales: Optional[tuple] = None) -> tuple:
+    """(``DSTSettings``, the quality objective's ``StageQuality`` or None) of a
+    ``SparseBalanceConfig`` for costs of ``stages`` (virtual) stages. ``raise_headroom``
+    overrides the config's (the runtime passes the measured error when the config says 'auto';
+    'auto' without one is ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality`` (the
+    default), ``stage_layers`` (the decoder layers of every (virtual) stage) maps the quality
+    model onto the stages: without it a ``ValueError`` (no silent fall-back to the density
+    objective); ``dst_objective="density"`` needs none. ``quality_scales``: the depth groups'
+    scales of the run's last quality refresh (``quality_refresh``; None: the model as loaded)."""
+    quality = None
+    if config.dst_objective == "quality":
+        from .quality_refresh import scaled_quality_cost
+        from .quality_stages import StageQuality
+        if stage_layers is None or len(stage_layers) != stages:
+            raise ValueError(f"--sb-dst-objective quality (the default) needs the decoder "
+                             f"layers of each of the {stages} stages, got "
+                             f"{stage_layers!r}; pass stage_layers, or plan with "
+                             f"--sb-dst-objective density, which needs none")
+        cost = scaled_quality_cost(config.quality_cost,
+                                   None if quality_scales is None else tuple(quality_scales))
+        quality = StageQuality.from_cost(cost, stage_layers, config.density)
+    return DSTSettings.from_config(config, p2p_s=p2p_s, raise_headroom=raise_headroom), quality
