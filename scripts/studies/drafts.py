@@ -129,7 +129,7 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
     from sparsebalance_megatron.megatron.step.choice import raise_headroom
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
-    from sparsebalance_megatron.policy.dst import dst_inputs
+    from sparsebalance_megatron.policy.dst_settings import dst_inputs
     from sparsebalance_megatron.policy.dst_ranks import PHASES
 
     sb, lm, dp = drafter.sb, drafter.latency, drafter.dp
