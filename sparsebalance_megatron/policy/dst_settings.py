@@ -21,23 +21,6 @@ from ..config import (ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, RAISE
 from .costs import check_density_bounds
 
 
-def check_raise_headroom(h: float) -> None:
-    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
-    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
-        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
-                          f"[0, {MAX_RAISE_HEADROOM}]")
-
-
-def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
-    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
-    if anchor not in ANCHORS:
-        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
-    t = tolerance
-    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
-            or t < 0 or t > 10):
-        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
-
-
 def _number(v) -> bool:
     return isinstance(v, (int, float, np.floating)) and not isinstance(v, bool) and v == v
 
@@ -68,16 +51,17 @@ class DSTSettings:
     exchange_rate: Optional[float] = None
 
     def __post_init__(self):
-        check_anchor_tolerance(self.anchor, self.tolerance)
-        check_raise_headroom(self.raise_headroom)
-        if self.raise_to not in RAISE_TARGETS:
-            raise ConfigError(f"--sb-raise-to={self.raise_to!r}: expected one of "
-                              f"{', '.join(RAISE_TARGETS)}")
+        for flag, v, choices in (("--sb-anchor", self.anchor, ANCHORS),
+                                 ("--sb-raise-to", self.raise_to, RAISE_TARGETS)):
+            if v not in choices:
+                raise ConfigError(f"{flag}={v!r}: expected one of {', '.join(choices)}")
         check_density_bounds(self.d0, self.d_min, self.d_max)
-        for flag, v in (("--sb-density-floor", self.density_floor),
-                        ("--sb-stage-density-floor", self.stage_density_floor)):
-            if not _number(v) or not 0.0 <= v <= 1.0:
-                raise ConfigError(f"{flag}={v!r}: expected a number in [0, 1]")
+        for flag, v, hi in (("--sb-tolerance", self.tolerance, 10),
+                            ("--sb-raise-headroom", self.raise_headroom, MAX_RAISE_HEADROOM),
+                            ("--sb-density-floor", self.density_floor, 1),
+                            ("--sb-stage-density-floor", self.stage_density_floor, 1)):
+            if not _number(v) or not 0.0 <= v <= hi:
+                raise ConfigError(f"{flag}={v!r}: expected a number in [0, {hi}]")
         if not _number(self.p2p_s) or not 0.0 <= self.p2p_s < float("inf"):
             raise ValueError(f"p2p_s={self.p2p_s!r}: expected a time in seconds >= 0")
         x = self.exchange_rate
