@@ -34,7 +34,7 @@ from typing import Generator, Optional
 
 import numpy as np
 
-from .bands import straggler_present
+from .agreed_stats import straggler_present
 from .costs import UnitCosts
 from .critical_path import ROUNDS, refine_plan
 from .dst_band import SPEED_TIE, DSTPlan, DSTReport
@@ -193,7 +193,7 @@ def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTS
     ``sensitivity``: [dp, m] or [dp, m, stages], higher = loses more accuracy when sparsified
     (None: all equal); ``quality``: the quality objective's ``StageQuality`` (None: the density
     objective); ``rank_scale``: the calibration's [dp, pp] factors (a slow GPU gets narrower
-    bands, ``bands.straggler_present``)."""
+    bands, ``agreed_stats.straggler_present``)."""
     dp = costs.shape[0]
     narrow = straggler_present(rank_scale, settings.tolerance)
     sens = [None if sensitivity is None else np.asarray(sensitivity)[r:r + 1] for r in range(dp)]
