@@ -91,7 +91,7 @@ def dst_all_ranks(costs, sens, settings, quality, rank_scale):
     """(every rank's ``RankPlan``, rank 0's rounds' sizes in floats): the package's rounds of
     every DP rank driven in lockstep (``plan_rounds_in_process``), as ``plan_dst_decomposed``
     drives them, with rank 0's parts logged."""
-    from sparsebalance_megatron.policy.bands import straggler_present
+    from sparsebalance_megatron.policy.agreed_stats import straggler_present
     from sparsebalance_megatron.policy.dst_ranks import rank_slice
     from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process, rank_rounds
 
