@@ -91,7 +91,7 @@ def dst_all_ranks(costs, sens, settings, quality, rank_scale):
     """(every rank's ``RankPlan``, rank 0's rounds' sizes in floats): the package's rounds of
     every DP rank driven in lockstep (``plan_rounds_in_process``), as ``plan_dst_decomposed``
     drives them, with rank 0's parts logged."""
-    from sparsebalance_megatron.policy.bands import straggler_present
+    from sparsebalance_megatron.policy.agreed_stats import straggler_present
     from sparsebalance_megatron.policy.dst_ranks import rank_slice
     from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process, rank_rounds
 
@@ -129,7 +129,7 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
     from sparsebalance_megatron.megatron.step.choice import raise_headroom
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
-    from sparsebalance_megatron.policy.dst import dst_inputs
+    from sparsebalance_megatron.policy.dst_settings import dst_inputs
     from sparsebalance_megatron.policy.dst_ranks import PHASES
 
     sb, lm, dp = drafter.sb, drafter.latency, drafter.dp

@@ -52,7 +52,7 @@ def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
     (``drafts.rank_dst``: each phase's maximum over the ranks)."""
     from sparsebalance_megatron.batching import latency_sample_cost_fn, sab_plan, unit_sensitivity
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy.dst import dst_inputs
+    from sparsebalance_megatron.policy.dst_settings import dst_inputs
 
     t = [time.thread_time()]
     plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq,

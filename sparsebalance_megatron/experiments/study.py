@@ -74,8 +74,8 @@ from ..config import STAND_DOWNS, SparseBalanceConfig
 from ..data import GlobalBatchSampler
 from ..latency.sparse_call import kernel_labels
 from ..policy import UnitCosts, density_grid
-from ..policy.dst import dst_inputs
-from ..policy.dst import plan_dst
+from ..policy.dst_rounds import plan_dst
+from ..policy.dst_settings import dst_inputs
 from ..policy.quality import load_quality_cost
 from ..policy.quality_stages import StageQuality
 from ..policy.stand_down import NetGate, choose_step

@@ -1,5 +1,5 @@
-"""The critical-path descent's floor verdicts, compiled (``policy.floors.FloorCheck``): a plan's
-kept work summed in one pass, in an order of its own, with a bound on how far
+"""The critical-path descent's floor verdicts, compiled (``policy.density_means.FloorCheck``):
+a plan's kept work summed in one pass, in an order of its own, with a bound on how far
 any order's sum can be from it; a verdict within that bound of a floor is left to the floors'
 own sums (-1), so the verdicts are theirs either way (``tests/unit/test_floor_check.py``).
 Pure numpy and numba; imports nothing of this package but ``kernels``.
@@ -28,8 +28,8 @@ def _verdict_of(value, bound, floor):
 
 @jit
 def floors_verdict(grid, idx, floors, sums):
-    # ``policy.floors.FloorCheck._floors``' verdict on the plan at grid indices idx (1, 0;
-    # -1: numpy's sums must decide): the kept work grid[idx] x w summed per stage (unit u's
+    # ``policy.density_means.FloorCheck._floors``' verdict on the plan at grid indices idx
+    # (1, 0; -1: numpy's sums must decide): the kept work grid[idx] x w summed per stage (unit u's
     # stage: u mod nv) and, with ``plain`` (a stage without work: its plain mean), the
     # densities, in an order of their own (``floors``: a ``records.Floors``). Every term is
     # >= 0 (FloorCheck runs this only then), so a sum of n of them in any order is within

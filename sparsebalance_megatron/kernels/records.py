@@ -41,10 +41,10 @@ class Graph(NamedTuple):
 
 
 class Floors(NamedTuple):
-    """What a floor verdict weighs a plan's densities by (``policy.floors.FloorCheck``): per
-    unit its weight [units], the stages (unit u's: u mod nv), the weights' total and the
-    routed work's, the same per stage [nv], the mean and per-stage floors, and whether a stage
-    without work takes its plain mean of densities."""
+    """What a floor verdict weighs a plan's densities by
+    (``policy.density_means.FloorCheck``): per unit its weight [units], the stages (unit u's:
+    u mod nv), the weights' total and the routed work's, the same per stage [nv], the mean and
+    per-stage floors, and whether a stage without work takes its plain mean of densities."""
 
     w: np.ndarray
     nv: int

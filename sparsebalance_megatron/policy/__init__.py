@@ -6,9 +6,9 @@ Must not import torch, megatron or torch.distributed.
 
 from .costs import GRID_STEP, UnitCosts, check_density_bounds, density_grid
 from .density_means import weighted_mean_density
-from .dst import dst_inputs, plan_dst
 from .dst_band import DSTPlan, DSTReport
-from .dst_settings import DSTSettings
+from .dst_rounds import plan_dst
+from .dst_settings import DSTSettings, dst_inputs
 
 __all__ = ["GRID_STEP", "UnitCosts", "check_density_bounds", "density_grid",
            "weighted_mean_density", "DSTPlan", "DSTReport", "DSTSettings", "dst_inputs",

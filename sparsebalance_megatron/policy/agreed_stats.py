@@ -1,7 +1,7 @@
-"""The two statistics DST reads from every DP rank's calibration, agreed where each rank has
-calibrated only its own pipeline (issue 77): whether a slow GPU stands out of the calibration
-factors (``bands.straggler_present``: narrower bands) and the median of the latency model's
-recent errors (the 'auto' raise headroom, ``step/choice.headroom``).
+"""The two statistics DST reads from every DP rank's calibration: whether a slow GPU stands out
+of the calibration factors (``straggler_present``: narrower bands, ``bands``) and the median of
+the latency model's recent errors (the 'auto' raise headroom, ``step/choice.headroom``), agreed
+where each rank has calibrated only its own pipeline (issue 77).
 
 Both are medians over the group, which no sum or maximum gives. ``agreed_rounds`` makes them in
 the rounds' form of ``dst_rounds`` (a rank yields its part, ``{"sum": ..., "max": ...}``, and
@@ -21,17 +21,52 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
+import math
 from typing import Generator, Optional
 
 import numpy as np
-
-from .bands import MAD_SIGMA, excess_matters, excess_stands_out, straggler_present
 
 EXACT_VALUES = 2048      # values per statistic the group shares exactly (16 KB)
 BINS = 4096              # histogram bins (plus one below and one above the range)
 ERRORS_PER_RANK = 8      # each rank's last errors: the 'auto' headroom's 8 steps
 FACTOR_LOG2 = (-8.0, 8.0)      # factors 1/256 .. 256
 SPREAD_LOG2 = (-40.0, 8.0)     # absolute deviations from the median
+MAD_SIGMA = 1.4826        # a normal sample's standard deviation per median absolute deviation
+NOISE_MARGIN = 1.5        # sigmas a straggler stands above where the largest of N noisy
+#                           factors lies, sqrt(2 ln N) sigmas up
+
+
+def straggler_present(rank_scale: Optional[np.ndarray], tolerance: float) -> bool:
+    """Some (DP rank, pipeline rank) computes more than (1 + p/2) x the median one's time, and
+    stands out of the factors' noise: its excess over the median is more than
+    (sqrt(2 ln N) + ``NOISE_MARGIN``) x their spread (1.4826 x the median absolute deviation, a
+    standard deviation that the few slow GPUs themselves do not inflate; sqrt(2 ln N) is about
+    where the largest of N normal draws lies). Noise-free factors (a spread of 0) need only the
+    half band. ``rank_scale``: [dp, pp] factors, the calibration's ``correction_grid``; None:
+    unknown."""
+    if rank_scale is None:
+        return False
+    s = np.asarray(rank_scale, dtype=np.float64)
+    if s.size == 0 or not np.all(np.isfinite(s)) or np.any(s <= 0):
+        raise ValueError(f"rank_scale must be positive finite [dp, pp] factors, got {s.tolist()}")
+    median = float(np.median(s))
+    top = float(s.max())
+    if not excess_matters(median, top, tolerance):
+        return False
+    return excess_stands_out(median, top, MAD_SIGMA * float(np.median(np.abs(s - median))),
+                             s.size)
+
+
+def excess_matters(median: float, top: float, tolerance: float) -> bool:
+    """The slowest factor ``top`` is more than half the band (``tolerance`` x the median) above
+    the ``median`` one (``straggler_present``'s first test)."""
+    return top - median > median * float(tolerance) / 2.0
+
+
+def excess_stands_out(median: float, top: float, spread: float, n: int) -> bool:
+    """``top``'s excess over the ``median`` stands out of the noise of ``n`` factors of this
+    ``spread`` (a standard deviation): more than sqrt(2 ln n) + ``NOISE_MARGIN`` of it."""
+    return top - median > spread * (math.sqrt(2.0 * math.log(n)) + NOISE_MARGIN)
 
 
 def histogram(x: np.ndarray, lo: float, hi: float) -> np.ndarray:

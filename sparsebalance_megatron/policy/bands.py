@@ -1,8 +1,9 @@
 """DST's band search (``band_search``) and the narrower bands planned beside the configured one
-for a persistently slow GPU (``straggler_present``; issue 27): docs/DESIGN.md section 5, steps 3
-and "Floors". A narrower band (``NARROW_FRACTIONS`` of p) is kept only where it meets the same
-floors and quality condition and is predicted faster by more than ``NARROW_MARGIN``; where the
-configured band misses the floors it is widened in ``search_steps // 2`` rounds of 3 tolerances.
+for a persistently slow GPU (``agreed_stats.straggler_present``; issue 27): docs/DESIGN.md
+section 5, steps 3 and "Floors". A narrower band (``NARROW_FRACTIONS`` of p) is kept only where
+it meets the same floors and quality condition and is predicted faster by more than
+``NARROW_MARGIN``; where the configured band misses the floors it is widened in
+``search_steps // 2`` rounds of 3 tolerances.
 Every candidate is known before any verdict (``candidate_tree``), so a rank plans them all in one
 pass (``dst_band``) and replays the search on the agreed verdicts (``dst_ranks``).
 
@@ -11,9 +12,7 @@ Pure; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
-from typing import Optional
 
 import numpy as np
 
@@ -21,44 +20,6 @@ from .dst_settings import DSTSettings
 
 NARROW_FRACTIONS = (0.5, 0.25, 0.0)   # narrower bands planned beside p, as fractions of p
 NARROW_MARGIN = 2e-3                  # a narrower band must be predicted this much faster
-NOISE_MARGIN = 1.5                    # sigmas a straggler stands above where the largest
-#                                       of N noisy factors lies, sqrt(2 ln N) sigmas up
-
-
-def straggler_present(rank_scale: Optional[np.ndarray], tolerance: float) -> bool:
-    """Some (DP rank, pipeline rank) computes more than (1 + p/2) x the median one's time, and
-    stands out of the factors' noise: its excess over the median is more than
-    (sqrt(2 ln N) + ``NOISE_MARGIN``) x their spread (1.4826 x the median absolute deviation, a
-    standard deviation that the few slow GPUs themselves do not inflate; sqrt(2 ln N) is about
-    where the largest of N normal draws lies). Noise-free factors (a spread of 0) need only the
-    half band. ``rank_scale``: [dp, pp] factors, the calibration's ``correction_grid``; None:
-    unknown."""
-    if rank_scale is None:
-        return False
-    s = np.asarray(rank_scale, dtype=np.float64)
-    if s.size == 0 or not np.all(np.isfinite(s)) or np.any(s <= 0):
-        raise ValueError(f"rank_scale must be positive finite [dp, pp] factors, got {s.tolist()}")
-    median = float(np.median(s))
-    top = float(s.max())
-    if not excess_matters(median, top, tolerance):
-        return False
-    return excess_stands_out(median, top, MAD_SIGMA * float(np.median(np.abs(s - median))),
-                             s.size)
-
-
-MAD_SIGMA = 1.4826      # a normal sample's standard deviation per median absolute deviation
-
-
-def excess_matters(median: float, top: float, tolerance: float) -> bool:
-    """The slowest factor ``top`` is more than half the band (``tolerance`` x the median) above
-    the ``median`` one (``straggler_present``'s first test)."""
-    return top - median > median * float(tolerance) / 2.0
-
-
-def excess_stands_out(median: float, top: float, spread: float, n: int) -> bool:
-    """``top``'s excess over the ``median`` stands out of the noise of ``n`` factors of this
-    ``spread`` (a standard deviation): more than sqrt(2 ln n) + ``NOISE_MARGIN`` of it."""
-    return top - median > spread * (math.sqrt(2.0 * math.log(n)) + NOISE_MARGIN)
 
 
 def band_ladder(anchor: str, tolerance: float) -> list[tuple[str, float]]:

@@ -22,9 +22,8 @@ from ..kernels.descent import SCALE
 from ..kernels.records import NO_START, Tables
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts
-from .density_means import stage_mean_densities, weighted_mean_density
+from .density_means import FloorCheck, stage_mean_densities, weighted_mean_density
 from .dst_settings import DSTSettings
-from .floors import FloorCheck
 
 ROUNDS = 8                                   # descent rounds per plan
 ETA_START, ETA_MAX, ETA_MIN = 0.02, 0.1, 1e-3   # step-time reduction asked of a round

@@ -4,8 +4,8 @@ only by fixed-size vectors a caller reduces across the DP group. ``RankDST``'s m
 rounds' steps, in the order ``dst_rounds`` lists them. The band search decomposes exactly: its
 candidates are known before any verdict (``bands.candidate_tree``), so a rank plans them all in
 one batched pass and ``choose`` replays the search on the agreed verdicts; the descent is probed
-(``dst_probes``). The slow-GPU test (``bands.straggler_present``) is an agreed boolean the
-caller passes (``narrow``).
+(``dst_probes``). The slow-GPU test (``agreed_stats.straggler_present``) is an agreed boolean
+the caller passes (``narrow``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -107,7 +107,8 @@ class Agreed1:
 class RankDST:
     """One DP rank's part of the decomposed band search (module docstring). ``costs``: the
     rank's [1, m, stages] slice (``rank_slice``); ``sensitivity``: its [1, m(, stages)] rows;
-    ``narrow``: the agreed slow-GPU verdict (``bands.straggler_present`` of all ranks)."""
+    ``narrow``: the agreed slow-GPU verdict (``agreed_stats.straggler_present`` of all
+    ranks)."""
 
     def __init__(self, costs: UnitCosts, sensitivity, settings: DSTSettings, *, quality=None,
                  narrow: bool = False):

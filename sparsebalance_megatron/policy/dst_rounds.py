@@ -1,10 +1,11 @@
-"""One DP rank's decomposed DST as the rounds it takes (issue 77; ``dst_ranks`` says why it
-decomposes): ``rank_rounds`` is a generator that yields the rank's parts of each reduction and
-is sent back what the DP group agreed; it holds no loop of its own. Whoever reduces drives the
-same generator: the in-process driver of the studies and the tests (``plan_rounds_in_process``,
-``dst.plan_dst``: every rank's generator in lockstep) and, in a run, the step's one driver of
-its rounds over the data-parallel group (``megatron/step/agreement.py``). So a rank's plan does
-not depend on who reduced its parts.
+"""Dynamic sparsity tuning (DST), one attention density per (dp_rank, micro-batch, stage), as
+the rounds one DP rank takes (issue 77; ``dst_ranks`` says why it decomposes): ``rank_rounds``
+is a generator that yields the rank's parts of each reduction and is sent back what the DP
+group agreed; it holds no loop of its own. Whoever reduces drives the same generator: the
+in-process driver of the studies and the tests (``plan_rounds_in_process``, ``plan_dst``: every
+rank's generator in lockstep) and, in a run, the step's one driver of its rounds over the
+data-parallel group (``megatron/step/agreement.py``). So a rank's plan does not depend on who
+reduced its parts.
 
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
@@ -29,13 +30,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Generator
+from typing import Generator, Optional
 
 import numpy as np
 
+from .agreed_stats import straggler_present
+from .costs import UnitCosts
 from .critical_path import ROUNDS, refine_plan
 from .dst_band import SPEED_TIE, DSTPlan, DSTReport
-from .dst_ranks import PHASES, Agreed1, RankDST
+from .dst_ranks import PHASES, Agreed1, RankDST, rank_slice
 from .dst_settings import DSTSettings
 
 Parts = dict          # {"sum": {key: value}, "max": {key: value}}: one rank's part of a round
@@ -180,6 +183,27 @@ def plan_rounds_in_process(rounds: list) -> list:
                                    f"{len(nxt)} yielded another part")
             return out
         agreed = reduce_in_process(nxt)
+
+
+def plan_dst(costs: UnitCosts, sensitivity: Optional[np.ndarray], settings: DSTSettings, *,
+             quality=None, rank_scale=None) -> DSTPlan:
+    """DST's plan of ``costs`` [dp, m, stages] (docs/DESIGN.md section 5), every DP rank's
+    rounds made here and their reductions made in-process, as the DP group makes them in a run.
+
+    ``sensitivity``: [dp, m] or [dp, m, stages], higher = loses more accuracy when sparsified
+    (None: all equal); ``quality``: the quality objective's ``StageQuality`` (None: the density
+    objective); ``rank_scale``: the calibration's [dp, pp] factors (a slow GPU gets narrower
+    bands, ``agreed_stats.straggler_present``)."""
+    dp = costs.shape[0]
+    narrow = straggler_present(rank_scale, settings.tolerance)
+    sens = [None if sensitivity is None else np.asarray(sensitivity)[r:r + 1] for r in range(dp)]
+    plans = plan_rounds_in_process([rank_rounds(rank_slice(costs, r), sens[r], settings,
+                                                quality=quality, narrow=narrow)
+                                    for r in range(dp)])
+    agreed = {(p.candidate, p.probe) for p in plans}
+    assert len(agreed) == 1, agreed                 # every rank keeps the same plan
+    idx = np.concatenate([p.grid_index for p in plans])
+    return DSTPlan(costs.densities[idx], plans[0].report, idx)
 
 
 def planned_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,

@@ -1,5 +1,6 @@
 """DST's settings as one frozen record (``DSTSettings``), made from a ``SparseBalanceConfig``
-in one place (``DSTSettings.from_config``).
+in one place (``DSTSettings.from_config``; ``dst_inputs``: with the quality objective's model
+of the run's stages).
 
 Every layer of the planner (the band search, one band pass, the critical-path descent) reads
 the same bounds, band, floors and raise rule; one record passed down instead of a dozen loose
@@ -18,23 +19,6 @@ import numpy as np
 from ..config import (ANCHORS, DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, RAISE_TARGETS,
                       ConfigError)
 from .costs import check_density_bounds
-
-
-def check_raise_headroom(h: float) -> None:
-    """ConfigError naming ``--sb-raise-headroom`` unless h is a number in [0, 0.5]."""
-    if not isinstance(h, (int, float)) or h != h or not 0.0 <= h <= MAX_RAISE_HEADROOM:
-        raise ConfigError(f"--sb-raise-headroom={h!r}: expected a number in "
-                          f"[0, {MAX_RAISE_HEADROOM}]")
-
-
-def check_anchor_tolerance(anchor: str, tolerance: float) -> None:
-    """ConfigError (a ValueError) naming ``--sb-anchor`` / ``--sb-tolerance`` on bad values."""
-    if anchor not in ANCHORS:
-        raise ConfigError(f"--sb-anchor={anchor!r}: expected one of {', '.join(ANCHORS)}")
-    t = tolerance
-    if (not isinstance(t, (int, float, np.floating)) or isinstance(t, bool) or t != t
-            or t < 0 or t > 10):
-        raise ConfigError(f"--sb-tolerance={t!r}: expected a number in [0, 10]")
 
 
 def _number(v) -> bool:
@@ -67,16 +51,17 @@ class DSTSettings:
     exchange_rate: Optional[float] = None
 
     def __post_init__(self):
-        check_anchor_tolerance(self.anchor, self.tolerance)
-        check_raise_headroom(self.raise_headroom)
-        if self.raise_to not in RAISE_TARGETS:
-            raise ConfigError(f"--sb-raise-to={self.raise_to!r}: expected one of "
-                              f"{', '.join(RAISE_TARGETS)}")
+        for flag, v, choices in (("--sb-anchor", self.anchor, ANCHORS),
+                                 ("--sb-raise-to", self.raise_to, RAISE_TARGETS)):
+            if v not in choices:
+                raise ConfigError(f"{flag}={v!r}: expected one of {', '.join(choices)}")
         check_density_bounds(self.d0, self.d_min, self.d_max)
-        for flag, v in (("--sb-density-floor", self.density_floor),
-                        ("--sb-stage-density-floor", self.stage_density_floor)):
-            if not _number(v) or not 0.0 <= v <= 1.0:
-                raise ConfigError(f"{flag}={v!r}: expected a number in [0, 1]")
+        for flag, v, hi in (("--sb-tolerance", self.tolerance, 10),
+                            ("--sb-raise-headroom", self.raise_headroom, MAX_RAISE_HEADROOM),
+                            ("--sb-density-floor", self.density_floor, 1),
+                            ("--sb-stage-density-floor", self.stage_density_floor, 1)):
+            if not _number(v) or not 0.0 <= v <= hi:
+                raise ConfigError(f"{flag}={v!r}: expected a number in [0, {hi}]")
         if not _number(self.p2p_s) or not 0.0 <= self.p2p_s < float("inf"):
             raise ValueError(f"p2p_s={self.p2p_s!r}: expected a time in seconds >= 0")
         x = self.exchange_rate
@@ -104,3 +89,28 @@ class DSTSettings:
                    raise_headroom=raise_headroom, raise_to=config.raise_to,
                    descent=config.dst_descent != "off",
                    exchange_rate=config.exchange_rate_value)
+
+
+def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
+               stage_layers=None, quality_scales: Optional[tuple] = None) -> tuple:
+    """(``DSTSettings``, the quality objective's ``StageQuality`` or None) of a
+    ``SparseBalanceConfig`` for costs of ``stages`` (virtual) stages. ``raise_headroom``
+    overrides the config's (the runtime passes the measured error when the config says 'auto';
+    'auto' without one is ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality`` (the
+    default), ``stage_layers`` (the decoder layers of every (virtual) stage) maps the quality
+    model onto the stages: without it a ``ValueError`` (no silent fall-back to the density
+    objective); ``dst_objective="density"`` needs none. ``quality_scales``: the depth groups'
+    scales of the run's last quality refresh (``quality_refresh``; None: the model as loaded)."""
+    quality = None
+    if config.dst_objective == "quality":
+        from .quality_refresh import scaled_quality_cost
+        from .quality_stages import StageQuality
+        if stage_layers is None or len(stage_layers) != stages:
+            raise ValueError(f"--sb-dst-objective quality (the default) needs the decoder "
+                             f"layers of each of the {stages} stages, got "
+                             f"{stage_layers!r}; pass stage_layers, or plan with "
+                             f"--sb-dst-objective density, which needs none")
+        cost = scaled_quality_cost(config.quality_cost,
+                                   None if quality_scales is None else tuple(quality_scales))
+        quality = StageQuality.from_cost(cost, stage_layers, config.density)
+    return DSTSettings.from_config(config, p2p_s=p2p_s, raise_headroom=raise_headroom), quality

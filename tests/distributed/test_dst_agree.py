@@ -175,7 +175,7 @@ def runs(tmp_path_factory):
 
 
 def test_the_rounds_over_the_dp_group_make_the_in_process_plan(runs):
-    from sparsebalance_megatron.policy.dst import plan_dst
+    from sparsebalance_megatron.policy.dst_rounds import plan_dst
 
     probes = []
     for name, dp in (("pp2_dp2", 2), ("dp4", 4)):
@@ -212,8 +212,8 @@ def _choice_in_process(dp: int, objective: str):
     them, each packing's DST made by the in-process driver (the same rounds)."""
     from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
     from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
-    from sparsebalance_megatron.policy.dst import dst_inputs
-    from sparsebalance_megatron.policy.dst import plan_dst
+    from sparsebalance_megatron.policy.dst_settings import dst_inputs
+    from sparsebalance_megatron.policy.dst_rounds import plan_dst
     from sparsebalance_megatron.policy.stand_down import choose_step
 
     sb, lm, tracker, options = _step(dp, objective)

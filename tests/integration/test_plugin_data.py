@@ -161,7 +161,7 @@ def test_metrics_go_to_megatrons_writers_under_one_prefix(monkeypatch, tmp_path)
     assert line["densities"] == [[[0.5]], [[0.5]]] and len(line["attn_work"]) == 2
     assert line["microbatch_fwd_s"] == [[[0.1]], [[0.1]]]
     # the line records the plan, which --sb-replay-plans reads back as it was
-    from sparsebalance_megatron.batching.replay import RecordedPlans, StepShape
+    from sparsebalance_megatron.megatron.launch.replay import RecordedPlans, StepShape
     replayed, dens = RecordedPlans.read(str(tmp_path / "m.jsonl")).step(
         0, 0, batch.segments(), StepShape(2, 1, 256, 1, 0, 1))
     assert replayed.micro_batches == batch.micro_batches and dens.tolist() == line["densities"]

@@ -1,13 +1,13 @@
 """The group's straggler test and median error where each DP rank knows only its own
 calibration (``policy.agreed_stats``), its rounds run in lockstep with in-process reductions:
-exactly ``bands.straggler_present`` and ``np.median`` where the values fit the exact block, and
+exactly ``straggler_present`` and ``np.median`` where the values fit the exact block, and
 within a histogram bin of them past it (a brute-force oracle over every rank's values)."""
 
 import numpy as np
 import pytest
 
 from sparsebalance_megatron.policy import agreed_stats as ags
-from sparsebalance_megatron.policy.bands import straggler_present
+from sparsebalance_megatron.policy.agreed_stats import straggler_present
 from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
 
 CAP = 0.5

@@ -10,8 +10,8 @@ import pytest
 
 from sparsebalance_megatron.policy import DSTSettings, UnitCosts, density_grid, plan_dst
 from tests.unit._bands import band_plan
-from sparsebalance_megatron.policy.bands import (NARROW_MARGIN, band_ladder, pick_band,
-                                                 straggler_present)
+from sparsebalance_megatron.policy.agreed_stats import straggler_present
+from sparsebalance_megatron.policy.bands import NARROW_MARGIN, band_ladder, pick_band
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
 BAND = DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1)

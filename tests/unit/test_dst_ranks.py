@@ -19,7 +19,7 @@ FLOORS = dict(density_floor=0.9, stage_density_floor=0.75)
 
 
 def _central(costs, sens, s, quality=None, rank_scale=None):
-    from sparsebalance_megatron.policy.bands import straggler_present
+    from sparsebalance_megatron.policy.agreed_stats import straggler_present
     return central_plan(costs, sens, s, None if quality is None else quality.bind(costs),
                         narrow=straggler_present(rank_scale, s.tolerance))
 

@@ -113,7 +113,7 @@ def test_a_slow_gpus_narrower_bands_are_guarded_by_the_agreed_quality_cost():
     reads the whole step's agreed cost (a rank's rows alone would misjudge it)."""
     from dataclasses import replace
 
-    from sparsebalance_megatron.policy.bands import straggler_present
+    from sparsebalance_megatron.policy.agreed_stats import straggler_present
     from test_dst_bands import BAND, _scale, _slow_rank_costs
 
     costs = _slow_rank_costs()

@@ -11,7 +11,7 @@ from sparsebalance_megatron.attention.api import block_sparse_attention
 from sparsebalance_megatron.latency.features import UnitFeatures
 from sparsebalance_megatron.latency.work import attention_work
 from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
-from sparsebalance_megatron.policy.dst import plan_dst
+from sparsebalance_megatron.policy.dst_rounds import plan_dst
 from sparsebalance_megatron.policy.dst_settings import DSTSettings
 
 BLOCK = 32

@@ -1,10 +1,10 @@
-"""The descent's floor check (``policy.floors.FloorCheck``) decides by the compiled sums only
-where no summation order can change the verdict, and is numpy's verdict everywhere."""
+"""The descent's floor check (``policy.density_means.FloorCheck``) decides by the compiled sums
+only where no summation order can change the verdict, and is numpy's verdict everywhere."""
 
 import numpy as np
 
 from sparsebalance_megatron.policy.density_means import stage_mean_densities, weighted_mean_density
-from sparsebalance_megatron.policy.floors import FloorCheck
+from sparsebalance_megatron.policy.density_means import FloorCheck
 
 from test_policy_dst import synthetic_costs
 

@@ -144,7 +144,7 @@ def test_a_namespace_without_megatrons_optional_sizes_still_resolves():
 
 def test_a_replay_takes_the_multiple_its_plans_were_packed_at(tmp_path):
     from sparsebalance_megatron.batching.packing import sequential_plan
-    from sparsebalance_megatron.batching.replay import plan_record
+    from sparsebalance_megatron.megatron.launch.replay import plan_record
 
     segs = [(i, 0, n) for i, n in enumerate([100, 60, 200, 40])]
     for k in (0, 64):

@@ -49,7 +49,7 @@ def tables(tmp_path_factory):
     out["broken"] = d / "broken.json"
     # a --sb-metrics-file line of a run with --seq-length 512 (BASE has 256)
     from sparsebalance_megatron.batching.packing import sequential_plan
-    from sparsebalance_megatron.batching.replay import plan_record
+    from sparsebalance_megatron.megatron.launch.replay import plan_record
     batch = sequential_plan([(0, 0, 100), (1, 0, 300)], dp=1, num_microbatches=2, max_tokens=512)
     (d / "plans512.jsonl").write_text(json.dumps(
         {"step": 1, "plan": plan_record(batch, 0, 1), "densities": [[[0.5], [0.5]]]}) + "\n")

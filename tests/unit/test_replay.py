@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.batching.packing import sequential_plan
-from sparsebalance_megatron.batching.replay import (RecordedPlans, ReplayError, StepShape,
-                                                    plan_record)
 from sparsebalance_megatron.config import SparseBalanceConfig
+from sparsebalance_megatron.megatron.launch.replay import (RecordedPlans, ReplayError,
+                                                           StepShape, plan_record)
 
 SEGMENTS = [(0, 0, 100), (1, 0, 60), (2, 0, 200), (3, 0, 40), (4, 0, 120), (5, 0, 80),
             (6, 0, 36), (7, 0, 252)]

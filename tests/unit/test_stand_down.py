@@ -235,7 +235,7 @@ def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
     and the report (what the metrics print) describes that plan, not DST's."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.megatron.step import choice as step_choice
-    from sparsebalance_megatron.policy import dst
+    from sparsebalance_megatron.policy import dst_rounds as dst
 
     lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
     lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])
@@ -297,7 +297,7 @@ def test_runtime_plans_dst_on_both_packings_by_default_and_once_when_static(monk
     one."""
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
     from sparsebalance_megatron.megatron.step import choice as step_choice
-    from sparsebalance_megatron.policy import dst
+    from sparsebalance_megatron.policy import dst_rounds as dst
 
     lm = LatencyModel.analytic(ModelShape(num_layers=4, seq_length=4096), pp=2)
     lengths = np.array([4000, 96, 2000, 1800, 200, 3900, 150, 2000, 700, 900])

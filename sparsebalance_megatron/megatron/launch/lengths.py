@@ -54,7 +54,7 @@ def _one_token_total(path: str) -> Optional[bool]:
 def _recorded_multiple(path: str) -> Optional[int]:
     """The length multiple of the first step recorded in ``path`` (None: unreadable; the
     replay's own launch check names that)."""
-    from ...batching.replay import RecordedPlans, ReplayError
+    from .replay import RecordedPlans, ReplayError
 
     try:
         recorded = RecordedPlans.read(path)

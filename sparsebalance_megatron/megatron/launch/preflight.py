@@ -114,7 +114,7 @@ def _quality_cost_problems(sb: SparseBalanceConfig) -> list[str]:
 
 
 def _replay_plans_problems(sb: SparseBalanceConfig) -> list[str]:
-    from ...batching.replay import RecordedPlans, ReplayError
+    from .replay import RecordedPlans, ReplayError
 
     try:
         RecordedPlans.read(sb.replay_plans)

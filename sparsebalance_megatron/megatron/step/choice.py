@@ -94,9 +94,9 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
     ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
     arrays); ``quality_scales``: the quality model's refreshed group scales
     (``dst_inputs``)."""
-    from ...policy.dst import dst_inputs
-    from ...policy.dst import plan_dst as plan_in_process
     from ...policy.dst_rounds import gathered, planned_rounds
+    from ...policy.dst_rounds import plan_dst as plan_in_process
+    from ...policy.dst_settings import dst_inputs
 
     own = rank is not None and agreed and (dst or own_rows)
     d0 = sb.density if sb.sparse_attention_enabled else 1.0

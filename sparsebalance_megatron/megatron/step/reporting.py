@@ -6,7 +6,7 @@
 - The console (``console.py``): one ``[sparsebalance]`` line per ``--log-interval`` from the last
   rank (where Megatron prints its own line), averaged over the interval like Megatron's.
 - ``--sb-metrics-file``: one JSON line per step on rank 0, for scripts; it records the step's
-  plan (``batching.replay.plan_record`` and the densities), which ``--sb-replay-plans`` replays.
+  plan (``launch.replay.plan_record`` and the densities), which ``--sb-replay-plans`` replays.
 - Do no harm (``--sb-stand-down``): per step ``dst_stood_down`` / ``sab_stood_down`` (1: the
   static plan / the baseline packing was committed), the cumulative counts in the console line
   (``stood down DST n/N (p%) SAB ...``) and in a last ``run summary`` line.
@@ -139,10 +139,10 @@ def unit_details(step, summary, work: np.ndarray, *, dp: int, layout, batch=None
     slowest TP/CP rank of a cell, ``summary.unit_times``); stages are the layout's virtual
     stages. A rank's timer intervals are mapped to units by the order it ran them (``units``:
     forward order; the backward runs the model chunks reversed).
-    ``plan``: the step's packing (``batching.replay.plan_record``; documents padded to a
+    ``plan``: the step's packing (``launch.replay.plan_record``; documents padded to a
     multiple of ``pad_multiple``; ``seed``: the run's --sb-seed), which with ``densities`` is what
     ``--sb-replay-plans`` replays."""
-    from ...batching.replay import plan_record
+    from ..launch.replay import plan_record
 
     batch = step.batch if batch is None else batch      # every DP rank's micro-batches
     m, nv, vp = batch.num_microbatches, layout.num_stages, layout.vp
