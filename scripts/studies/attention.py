@@ -1,8 +1,5 @@
 """Benchmark budgeted block-sparse attention on CPU: fwd+bwd time vs density, and mass recall on
-real text (docs/benchmarks/attention-cpu.md).
-
-    python scripts/bench.py attention --quick --json /tmp/attn.json
-"""
+real text (docs/benchmarks/attention-cpu.md)."""
 
 from __future__ import annotations
 

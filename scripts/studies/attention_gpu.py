@@ -1,13 +1,6 @@
 """GPU kernel table: our block-sparse kernels against cuDNN's dense attention, pass by pass
 (``studies/kernels.py`` times and summarises; docs/GPU.md and docs/benchmarks/attention-gpu.md
-give the rows, grid and targets).
-
-    python scripts/bench.py attention_gpu --json runs/kernel_table.json --jsonl runs/rows.jsonl \
-        --deadline-s 200
-    python scripts/bench.py attention_gpu --backends fa4 flash --deadline-s 150
-    python scripts/bench.py attention_gpu --lengths 8192 16384 32768 --cases single file section
-    python scripts/bench.py attention_gpu --make-mixes docs/results/packed_mixes_32k.json  # CPU
-"""
+give the rows, grid and targets)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """Continued-training quality on CPU (issue 73): a dense-trained base continued under static
 sparsity, --sparse-balance, SAB alone, static at DST's kept density (the matched control) and
 static at 0.9 x d0 (the positive control), seeds of the continued phase paired, and a verdict
-fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md.
-
-    .venv/bin/python scripts/bench.py continued_quality --pilot --out runs/cq \
-        --json docs/results/continued_quality_pilot.json
-    .venv/bin/python scripts/bench.py continued_quality --out runs/cq \
-        --margin-from docs/results/continued_quality_pilot.json \
-        --json runs/continued_quality_cpu.json          # the main run: 10 seeds, five arms
-"""
+fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Offline checks of a profiled latency table (and its held-out evaluation): no device needed
 (grid MAPE, leave-one-mix-out, held-out MAPE per feature set, priced or not, the repeats' spread
-and drift; docs/benchmarks/attention-gpu.md).
-
-    python scripts/bench.py latency_cv --table T.json [--eval E.json] [--json out.json] \
-        [--kernel-table K.json]
-"""
+and drift; docs/benchmarks/attention-gpu.md)."""
 
 from __future__ import annotations
 

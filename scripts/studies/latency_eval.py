@@ -1,8 +1,5 @@
 """Held-out accuracy of the latency model: fit on a table's grid, predict real micro-batches
-(packed from the built-in corpus as training packs them, at densities off the grid).
-
-    python scripts/bench.py latency_eval --table lat_cpu.json --json eval.json [--n 12]
-"""
+(packed from the built-in corpus as training packs them, at densities off the grid)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Long-context retrieval quality of a converted model under dense and block-sparse attention
 (SmolLM2-135M in megatron-core: ``dense``, ``static`` at each density, ``mass`` threshold;
 RULER-style tasks; the estimator's and the oracle's recall of the dense attention mass;
-QUALITY.md).
-
-    python scripts/bench.py long_context --quick --json quality_quick.json
-    python scripts/bench.py long_context --lengths 1024 2048 4096 8192 --samples 5 --json q.json
-"""
+QUALITY.md)."""
 
 from __future__ import annotations
 

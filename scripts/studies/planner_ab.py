@@ -1,10 +1,6 @@
 """The planner's draft, this checkout against another one side by side (issue 44): thread CPU per
 draft, a hash of every plan, and the training thread's slowdown beside the planner process,
-alternated round by round. ``--other``: a checkout of another commit (``git worktree add``).
-
-    .venv/bin/python scripts/bench.py planner_ab --other /tmp/old --rounds 3 --slowdown \\
-        --json runs/planner_ab.json
-"""
+alternated round by round. ``--other``: a checkout of another commit (``git worktree add``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Is the sensitivity signal SAB and DST use related to what sparsification costs a sample?
 (SmolLM2-135M on the built-in corpus: Spearman of each cheap signal with the measured loss
-change; docs/benchmarks/dst-accuracy.md.)
-
-    .venv/bin/python scripts/bench.py sensitivity_signal --json docs/results/sensitivity_signal.json
-"""
+change; docs/benchmarks/dst-accuracy.md.)"""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """Simulator study of SparseBalance against the best static Megatron configuration (issue 12;
-BENCHMARKS.md: headline, robustness, do no harm, CP). ``--packers-only``: the dense table alone.
-
-    python scripts/bench.py sim_study --json runs/sim_study.json
-    python scripts/bench.py sim_study --mixes file section lognormal_short long_tail both \
-        --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
-        --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
-        --json runs/sim_study_robustness.json
-"""
+BENCHMARKS.md: headline, robustness, do no harm, CP). ``--packers-only``: the dense table alone."""
 
 from __future__ import annotations
 
