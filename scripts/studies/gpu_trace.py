@@ -137,16 +137,24 @@ def _classify(e: dict, stack: tuple, after_bwd: bool):
     return "non_attention", None, None
 
 
+def _launches(events: list, gpu: list) -> list:
+    """Each of the ``gpu`` events' launch among ``events`` (its CUDA runtime or driver call),
+    else ``{"ts": its own start}``."""
+    launch = {e["args"]["correlation"]: e for e in events
+              if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    return [launch.get(e.get("args", {}).get("correlation"), {"ts": e["ts"]}) for e in gpu]
+
+
+def _profiler_steps(spans: list) -> list:
+    return [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
+            and e.get("cat") != "gpu_user_annotation"]
+
+
 def account(gpu: list, events: list) -> dict:
     """The accounting of GPU events ``gpu`` (module docstring) with the trace's ``events`` for
     their launches; milliseconds, summed over the events (overlapping streams count twice)."""
-    launch = {}
-    for e in events:
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            launch[e["args"]["correlation"]] = e
     gpu = sorted(gpu, key=lambda e: e["ts"])
-    launches = [launch.get(e.get("args", {}).get("correlation"), {"ts": e["ts"]}) for e in gpu]
-    stacks = _stacks(events, launches)
+    stacks = _stacks(events, _launches(events, gpu))
     ms = {"non_attention": 0.0, "attention": 0.0, "selection": 0.0, "copies": 0.0}
     passes, impls = {}, {}
     after_bwd = {}                       # stream -> a FA4 backward ran since its last forward
@@ -190,13 +198,10 @@ def _timeline(gpu: list, events: list) -> dict:
             gaps.append((e["ts"] - end, e))
         end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
     gaps.sort(key=lambda g: -g[0])
-    launch = {e["args"]["correlation"]: e for e in events
-              if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     top_gaps = []
     if gaps:
         picked = gaps[:GAPS]
-        stacks = _stacks(events, [launch.get(e.get("args", {}).get("correlation"),
-                                             {"ts": e["ts"]}) for _, e in picked])
+        stacks = _stacks(events, _launches(events, [e for _, e in picked]))
         top_gaps = [{"ms": g / 1e3, "next": str(e.get("name", "?"))[:80],
                      "launched_in": next((s for s in reversed(stack)
                                           if not s.startswith("ProfilerStep#")), None)}
@@ -225,8 +230,7 @@ def summarize_trace(path: str) -> dict:
         return {"failed": why}
     spans = _spans(events)
     gpu = [e for e in spans if e.get("cat") in GPU_CATEGORIES]
-    steps = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
-             and e.get("cat") != "gpu_user_annotation"]
+    steps = _profiler_steps(spans)
     out = {"kernels": len(gpu),
            "host_step_ms": max((e["dur"] for e in steps), default=0.0) / 1e3 or None}
     if not gpu:
@@ -246,18 +250,15 @@ def summarize_step(path: str, step: int = None) -> dict:
     if events is None:
         return {"failed": why}
     spans = _spans(events)
-    steps = sorted((e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
-                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+    steps = sorted(_profiler_steps(spans), key=lambda e: e["ts"])
     if step is not None:
         steps = [e for e in steps if e["name"] == f"ProfilerStep#{step}"]
     if not steps:
         return {"failed": f"no ProfilerStep#{'' if step is None else step} in {path}"}
     s = steps[-1]
     t0, t1 = s["ts"], s["ts"] + s["dur"]
-    launch = {e["args"]["correlation"]: e["ts"] for e in spans
-              if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    gpu = [e for e in spans if e.get("cat") in GPU_CATEGORIES
-           and t0 <= launch.get(e.get("args", {}).get("correlation"), e["ts"]) <= t1]
+    gpu = [e for e in spans if e.get("cat") in GPU_CATEGORIES]
+    gpu = [e for e, at in zip(gpu, _launches(spans, gpu)) if t0 <= at["ts"] <= t1]
     out = {"step": s["name"], "host_step_ms": s["dur"] / 1e3, "kernels": len(gpu)}
     if not gpu:
         return out
