@@ -642,14 +642,15 @@ def main(argv=None) -> int:
     d_train = {"static": args.density, "sab": args.density, "sparse_balance": args.density,
                "control": args.control_factor * args.density}
     train, dirs, d_eval = {}, {}, dict(d_train)
-    for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
-        d = d_train[arm]
+
+    def train_arm(arm: str, name: str) -> None:
         for s in args.seeds:
-            rd = run_once(args, args.out, f"{arm}_s{s}", lambda r, arm=arm, s=s, d=d:
-                          train_cmd(cont, arm, s, data, table, r, arm_flags=ARMS[arm],
-                                       density=d, extra=load), walls)
-            train[(arm, s)] = read_metrics(rd)
-            dirs[(arm, s)] = rd
+            dirs[(arm, s)] = run_once(args, args.out, f"{name}_s{s}", lambda r, s=s: train_cmd(
+                cont, arm, s, data, table, r, arm_flags=ARMS[arm], density=d_train[arm],
+                extra=load), walls)
+            train[(arm, s)] = read_metrics(dirs[(arm, s)])
+    for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
+        train_arm(arm, arm)
     if "sparse_balance" in args.arms and "matched" in args.arms:
         target = sum(train_summary(train[("sparse_balance", s)], args.block_size,
                                       args.density)["doc_kept_density"]
@@ -657,12 +658,7 @@ def main(argv=None) -> int:
         d_m = matched_density([train[("static", s)] for s in args.seeds], target, args)
         d_eval.update(matched=d_m, sparse_balance=d_m)
         d_train["matched"] = d_m
-        for s in args.seeds:            # named by density: other seeds give another one
-            rd = run_once(args, args.out, f"matched{d_m:.4f}_s{s}", lambda r, s=s: train_cmd(
-                cont, "matched", s, data, table, r, arm_flags=ARMS["matched"], density=d_m,
-                extra=load), walls)
-            train[("matched", s)] = read_metrics(rd)
-            dirs[("matched", s)] = rd
+        train_arm("matched", f"matched{d_m:.4f}")   # named by density: other seeds, another
     import torch
 
     from sparsebalance_megatron.megatron.launch.profile import init_single_process
