@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from studies.device import (TRAIN_STEPS, TRAIN_VARIANTS,  # noqa: E402,F401
                             dense_tile_costs, rows_of, run_logged as _run, step_bench,
                             step_env, step_pieces, step_recompile, step_train)
-from studies.gpu_trace import (SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
+from studies.gpu_trace import (LAYERS, SHAPE, TRAIN_WARMUP, compare_with_dense,  # noqa: E402,F401
                                cudnn_measured, cudnn_priced, paired_speedup, step_bounds,
                                train_summary)
 STEPS = ("env", "pieces", "bench", "tests", "recompile", "latency", "dst", "train")
@@ -195,7 +195,7 @@ def attention_share(results):
     run = results.get("train", {}).get("runs", {}).get("files/dense", {})
     if not rows or not run.get("tokens_per_s"):
         return None
-    layers, mbs = int(SHAPE[SHAPE.index("--num-layers") + 1]), 2
+    layers, mbs = LAYERS, 2
     step_s = mbs * 32768 / run["tokens_per_s"]
     return layers * mbs * (sum(rows) / len(rows)) / 1000 / step_s
 

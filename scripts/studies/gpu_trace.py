@@ -308,6 +308,7 @@ def bound_record(non_attention_ms: float, cudnn_attention_ms: float, density: fl
 SHAPE = ["--num-layers", "24", "--hidden-size", "896", "--ffn-hidden-size", "4864",
          "--num-attention-heads", "14", "--num-query-groups", "2", "--kv-channels", "64",
          "--seq-length", "32768"]
+LAYERS = int(SHAPE[SHAPE.index("--num-layers") + 1])
 TRAIN_WARMUP = 3     # steps every rate leaves out (compiles, allocator growth, the profiled step)
 
 
@@ -371,7 +372,7 @@ def cudnn_priced(runs, data_name, tile_us, layers=None):
     if not (work and secs and toks and tiles):
         return
     per_tile = tiles[0] - tiles[1]
-    layers = layers or int(SHAPE[SHAPE.index("--num-layers") + 1])
+    layers = layers or LAYERS
     priced = {k: secs[k] - layers * work[k] * per_tile for k in secs if k in work and k in toks}
     if not priced:
         return
@@ -420,7 +421,7 @@ def step_bounds(runs, data_name, tile_us, layers=None):
     per_tile = _tile_seconds(tile_us or {}, data_name)
     if not (work and secs and per_tile):
         return
-    layers = layers or int(SHAPE[SHAPE.index("--num-layers") + 1])
+    layers = layers or LAYERS
     varlen, cudnn = per_tile
     rest = {k: secs[k] - layers * work[k] * varlen for k in secs if k in work}
     for variant, run in runs_of(runs, data_name).items():

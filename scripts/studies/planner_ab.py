@@ -1,5 +1,6 @@
 """The planner's draft, this checkout against another one side by side (issue 44): thread CPU per
-draft and a hash of every plan, alternated round by round. ``--other``: a checkout of another commit (``git worktree add``)."""
+draft and a hash of every plan, alternated round by round. ``--other``: a checkout of another
+commit (``git worktree add``)."""
 
 from __future__ import annotations
 
