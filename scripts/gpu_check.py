@@ -1,11 +1,7 @@
 #!/usr/bin/env python
 """GPU acceptance check: one command, one JSON (docs/GPU.md lists the steps, their targets and the
 device plan, ``scripts/gpu_plan.py``). Each step is a subprocess with its own time limit; a failed
-step is recorded and the next runs.
-
-    python scripts/gpu_check.py --out-dir runs/gpu_check          # or: make gpu-check
-    python scripts/gpu_check.py --steps bench recompile           # a subset
-"""
+step is recorded and the next runs."""
 
 from __future__ import annotations
 

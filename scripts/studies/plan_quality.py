@@ -6,9 +6,6 @@ QUALITY.md). ``--validate --refresh``: the in-run quality refresh's probe measur
 held-out micro-batches, the plans scored by each refreshed model. Every forward is cached
 (``--cache``): a run stopped part-way continues where it stopped.
 
-    .venv/bin/python scripts/bench.py plan_quality --calibrate --json docs/results/plan_quality_fit.json
-    .venv/bin/python scripts/bench.py plan_quality --validate --json docs/results/plan_quality_check.json
-    .venv/bin/python scripts/bench.py plan_quality --validate --refresh --json docs/results/plan_quality_refresh.json
     .venv/bin/python scripts/bench.py plan_quality --calibrate --quick --json /tmp/pq.json  # smoke
 """
 
