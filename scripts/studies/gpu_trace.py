@@ -79,14 +79,6 @@ def _union_us(spans: list) -> float:
     return total
 
 
-def attention_kind(name: str):
-    """(implementation, pass) of an attention kernel's name, or None."""
-    for pattern, kind in _ATTENTION:
-        if pattern.search(name):
-            return kind
-    return None
-
-
 def _stacks(events: list, launches: list) -> list:
     """For each launch (a dict with ``ts``, ``pid``, ``tid``): the names of the CPU ops and
     annotations open on its thread at its start, outermost first (they nest on a thread)."""
@@ -117,7 +109,8 @@ def _stacks(events: list, launches: list) -> list:
 def _classify(e: dict, stack: tuple, after_bwd: bool):
     """(category, implementation or None, pass or None) of one GPU event."""
     name = str(e.get("name", ""))
-    kind = attention_kind(name) if e.get("cat") == "kernel" else None
+    kind = next((k for p, k in _ATTENTION if p.search(name)), None) \
+        if e.get("cat") == "kernel" else None
     if kind is not None:
         impl, step = kind
         if step == "convert":            # FA4's postprocess: dQ first, then GQA's dK and dV

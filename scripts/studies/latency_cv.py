@@ -101,7 +101,8 @@ def evaluate(table: dict, held: list, extras=()) -> dict:
     g, c = np.concatenate(grid_err), np.concatenate(cv_err)
     out = {"features": "+".join(("model",) + tuple(extras)), "grid_mape": float(g.mean()),
            "cv_mape": float(c.mean()), "cv_max": float(c.max()), "coefficients": coefs,
-           "cv_mape_few": _few(c, [m for k in kinds_of(table)
+           "cv_mape_few": _few(c, [m for k in measured_kinds(table)            # grid_err's
+                                   if k in table["pipeline"]["stage_kinds"]
                                    for m in table["measurements"] if m["kind"] == k])}
     if held_err:
         h = np.concatenate(held_err)
@@ -109,11 +110,6 @@ def evaluate(table: dict, held: list, extras=()) -> dict:
                    heldout_signed=[float(v) for v in h],
                    heldout_mape_few=_few(np.abs(h), held))
     return out
-
-
-def kinds_of(table: dict) -> list:
-    """The stage kinds whose rows ``evaluate`` scores, in its order."""
-    return [k for k in measured_kinds(table) if k in table["pipeline"]["stage_kinds"]]
 
 
 def _few(err, rows):
