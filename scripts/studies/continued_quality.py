@@ -307,16 +307,12 @@ def run_once(args, out: str, name: str, cmd: list, walls: dict) -> str:
     return run_dir
 
 
-def kept_at(rows: list, args, density: float) -> float:
-    """The documents' kept density of a run's recorded plans at a uniform ``density``."""
-    return document_densities(rows, args.block_size, density)["doc_kept_d0_density"]
-
-
 def matched_density(static_rows: list, target: float, args) -> float:
-    """The uniform density whose kept density on the static runs' documents is ``target``."""
-    return common.matched_uniform(
-        lambda d: sum(kept_at(r, args, d) for r in static_rows) / len(static_rows), target,
-        lo=0.05, steps=30)
+    """The uniform density whose kept density on the static runs' documents (their recorded
+    plans read at that uniform density) is ``target``."""
+    return common.matched_uniform(lambda d: sum(
+        document_densities(r, args.block_size, d)["doc_kept_d0_density"]
+        for r in static_rows) / len(static_rows), target, lo=0.05, steps=30)
 
 
 def reading_key(reading) -> str:
@@ -540,7 +536,7 @@ def summarize(doc: dict, args) -> dict:
                  if all(table[a][s][k] is not None for s in seeds)} for a in arms}
     diffs = {f"{a}-{b}": {k: [table[a][s][k] - table[b][s][k] for s in seeds]
                           for k in SHOWN if k in means[a] and k in means[b]}
-             for a, b in doc_pairs(arms)}
+             for a, b in PAIRS if a in arms and b in arms}
     pairs = {p: {k: dict(V.paired_bound(v), per_seed=v) for k, v in d.items()}
              for p, d in diffs.items()}
     chance = doc["chance"]["token_accuracy"]
@@ -574,10 +570,6 @@ def summarize(doc: dict, args) -> dict:
 # the paired comparisons the summary reports, (arm, against)
 PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
          ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
-
-
-def doc_pairs(arms: list) -> list:
-    return [(a, b) for a, b in PAIRS if a in arms and b in arms]
 
 
 def read_margin(args) -> dict:
