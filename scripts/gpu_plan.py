@@ -53,12 +53,10 @@ class Call:
     timeout_s: int               # the device call's timeout_s
     budget_s: int                # gpu_check.py --budget-s: no step starts after it
     carry: Tuple[str, ...] = (".whl",)
-    train_backend: str = "auto"  # gpu_check.py --train-backend
     outputs: Tuple[str, ...] = ("gpu_check.json", "bundle.tar.gz")
     what: str = ""
     bench_backends: Tuple[str, ...] = ()   # gpu_check.py --bench-backends (): every one)
     complete: bool = False       # unpack --complete: the first carried folder's set must be whole
-    latency_table: str = ""      # gpu_check.py --latency-table (a committed table of the kind)
     bench_lengths: Tuple[int, ...] = ()    # gpu_check.py --bench-lengths (): the table's own)
 
 
@@ -142,17 +140,14 @@ def command(call: Call) -> str:
     """The device command of ``call`` (the ``run`` tool's ``command``), naming the commit it
     runs (``head_commit``)."""
     unpack = "unpack --complete" if call.complete else "unpack"
-    backend = "" if call.train_backend == "auto" else f"--train-backend {call.train_backend} "
     bench = (f"--bench-backends {' '.join(call.bench_backends)} " if call.bench_backends
              else "")
     if call.bench_lengths:
         bench += f"--bench-lengths {' '.join(map(str, call.bench_lengths))} "
-    if call.latency_table:
-        bench += f"--latency-table {call.latency_table} "
     head = (f"python3 scripts/gpu_plan.py {unpack} {' '.join(call.carry)} || exit 3; " + ENV
             + f"export SPARSEBALANCE_COMMIT={head_commit()}; ")
     return head + (f"python3 scripts/gpu_check.py --steps {' '.join(call.steps)} "
-                   f"--budget-s {call.budget_s} {backend}{bench}--bundle "
+                   f"--budget-s {call.budget_s} {bench}--bundle "
                    f"--out-dir $OUT/{call.name}")
 
 

@@ -1,8 +1,5 @@
 """Benchmark budgeted block-sparse attention on CPU: fwd+bwd time vs density, and mass recall on
-real text (docs/benchmarks/attention-cpu.md).
-
-    python scripts/bench.py attention --quick --json /tmp/attn.json
-"""
+real text (docs/benchmarks/attention-cpu.md)."""
 
 from __future__ import annotations
 
@@ -40,6 +37,13 @@ def _median_ms(fn, reps: int, warmup: int = 1):
     return statistics.median(wall), statistics.median(cpu)
 
 
+def _row(kind, seq_len, density, backend, **kw) -> dict:
+    """One table row: ``kw`` its figures (the table's columns it does not measure: None)."""
+    return {**dict(kind=kind, seq_len=seq_len, density=density, backend=backend,
+                   fwd_bwd_ms=None, ratio_vs_full_density=None, ratio_vs_dense_sdpa=None,
+                   recall=None, select_ms=None), **kw}
+
+
 def bench_kernels(seq_lens, dtype, nh, ng, hn, reps, block_size):
     device = torch.device("cpu")
     rows = []
@@ -54,11 +58,9 @@ def bench_kernels(seq_lens, dtype, nh, ng, hn, reps, block_size):
             out.float().sum().backward()
 
         dense_ms, dense_cpu = _median_ms(dense, reps)
-        rows.append(dict(kind="timing", seq_len=t, density=1.0, backend="dense_sdpa",
-                         fwd_bwd_ms=dense_ms, ratio_vs_full_density=None,
-                         ratio_vs_dense_sdpa=1.0, recall=None, select_ms=None,
-                         fwd_bwd_cpu_ms=dense_cpu, cpu_ratio_vs_full_density=None,
-                         cpu_ratio_vs_dense_sdpa=1.0))
+        rows.append(_row("timing", t, 1.0, "dense_sdpa", fwd_bwd_ms=dense_ms,
+                         ratio_vs_dense_sdpa=1.0, fwd_bwd_cpu_ms=dense_cpu,
+                         cpu_ratio_vs_full_density=None, cpu_ratio_vs_dense_sdpa=1.0))
         full_ms = full_cpu = None
         backend = "torch"
         lay = build_layout([0, t], t, block_size, device)
@@ -215,12 +217,8 @@ def recall_rows(model, tokens, block_size, densities):
                     okeep = ranks < sel.kv_num[..., None]
                     rec_o = float((group_mass * okeep[:, tok_blk]).sum(-1).mean())
                     acc.setdefault(("oracle", d), []).append(rec_o)
-    rows = []
-    for (est, d), vals in sorted(acc.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
-        rows.append(dict(kind="recall", seq_len=t, density=d, backend=f"recall:{est}",
-                         fwd_bwd_ms=None, ratio_vs_full_density=None, ratio_vs_dense_sdpa=None,
-                         recall=statistics.mean(vals), select_ms=None))
-    return rows
+    return [_row("recall", t, d, f"recall:{est}", recall=statistics.mean(vals))
+            for (est, d), vals in sorted(acc.items(), key=lambda kv: (kv[0][0], -kv[0][1]))]
 
 
 def peak_memory_row(seq_len, density, nh, ng, hn, block_size):
@@ -236,9 +234,7 @@ def peak_memory_row(seq_len, density, nh, ng, hn, block_size):
     out.sum().backward()
     cpu_ms = (time.process_time() - t0) * 1e3
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return dict(kind="memory", seq_len=seq_len, density=density, backend="torch",
-                fwd_bwd_ms=None, ratio_vs_full_density=None, ratio_vs_dense_sdpa=None,
-                recall=None, select_ms=None, fwd_bwd_cpu_ms=cpu_ms,
+    return _row("memory", seq_len, density, "torch", fwd_bwd_cpu_ms=cpu_ms,
                 peak_rss_growth_mib=peak - before,
                 dense_scores_per_head_mib=seq_len * seq_len * 4 / 2 ** 20)
 
@@ -260,20 +256,12 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        seq_lens, dtype, nh, ng, hn = ([8192] if args.quick else [8192, 32768]), \
-            torch.bfloat16, 8, 2, 128
-        name = torch.cuda.get_device_name()
-    else:
-        seq_lens, dtype, nh, ng, hn = ([4096] if args.quick else [4096, 8192]), \
-            torch.float32, 4, 2, 64
-        name = f"cpu ({platform.processor() or platform.machine()}, " \
-               f"{torch.get_num_threads()} threads)"
+    seq_lens, dtype, nh, ng, hn = [4096] if args.quick else [4096, 8192], torch.float32, 4, 2, 64
+    name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     reps = args.reps or (1 if args.quick else 3)
     rows = []
-    if cuda:
-        # a GPU's timings are the kernel table's (pass by pass against cuDNN), not this study's
+    cuda = torch.cuda.is_available()
+    if cuda:        # a GPU's timings are the kernel table's (pass by pass against cuDNN)
         print("timing on a GPU: python scripts/bench.py attention_gpu (the kernel table)")
     else:
         rows += bench_kernels(seq_lens, dtype, nh, ng, hn, reps, args.block_size)

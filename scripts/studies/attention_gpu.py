@@ -1,13 +1,6 @@
 """GPU kernel table: our block-sparse kernels against cuDNN's dense attention, pass by pass
 (``studies/kernels.py`` times and summarises; docs/GPU.md and docs/benchmarks/attention-gpu.md
-give the rows, grid and targets).
-
-    python scripts/bench.py attention_gpu --json runs/kernel_table.json --jsonl runs/rows.jsonl \
-        --deadline-s 200
-    python scripts/bench.py attention_gpu --backends fa4 flash --deadline-s 150
-    python scripts/bench.py attention_gpu --lengths 8192 16384 32768 --cases single file section
-    python scripts/bench.py attention_gpu --make-mixes docs/results/packed_mixes_32k.json  # CPU
-"""
+give the rows, grid and targets)."""
 
 from __future__ import annotations
 
@@ -19,9 +12,9 @@ import time
 import torch
 
 from .common import ROOT, gpu_provenance, parser, write_result
-from .kernels import (Case, Clock, Lists, RowLog, call_fn, check, crossover_of, dense_passes,
-                      e_against, kernel_fn, make_mixes, parse_shape, pass_times, print_table,
-                      rates, summarize)
+from .kernels import (Case, Clock, Lists, RowLog, add_row_args, call_fn, check, crossover_of,
+                      dense_passes, e_against, kernel_fn, make_mixes, parse_shape, pass_times,
+                      print_table, rates, summarize)
 
 DENSITIES = (0.25, 0.5, 1.0, 0.125)
 SINGLE_LENGTHS = (32768,)
@@ -275,9 +268,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip the correctness checks against float64")
     ap.add_argument("--json", metavar="PATH", help="the table, the summary and provenance, at the end")
-    ap.add_argument("--jsonl", metavar="PATH", help="each row appended as it is measured")
-    ap.add_argument("--deadline-s", type=float, default=None,
-                    help="start no row later than this many seconds minus a margin")
+    add_row_args(ap)
     ap.add_argument("--make-mixes", metavar="PATH", help="write the packed mixes (CPU) and exit")
     ap.add_argument("--summarize", metavar="JSON",
                     help="print the summary (targets, fixed costs per call) of a table this "

@@ -269,6 +269,15 @@ def read_margin(args, same, before: dict | None = None, **source) -> dict:
         "fraction": pilot["config"]["margin_fraction"], **{k: f(pilot) for k, f in source.items()}}}
 
 
+def spearman(a, b) -> float:
+    """Spearman's rank correlation of ``a`` and ``b`` (ties ranked in their order)."""
+    import numpy as np
+
+    ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / np.sqrt((ra ** 2).sum() * (rb ** 2).sum()))
+
+
 def matched_uniform(kept_of, target: float, lo: float, steps: int) -> float:
     """The uniform density in [``lo``, 1] whose kept density ``kept_of(d)`` (rising with d) is
     nearest ``target``: ``steps`` halvings, then the nearer end."""

@@ -1,11 +1,5 @@
 """The H100 compile gate: every Triton kernel compiled for sm_90a here, per kernel x launch config
-(``attention/compile_gate.py``; docs/GPU.md). Exit status 1 when the gate fails.
-
-    python scripts/bench.py compile_gate --json docs/results/compile_gate_sm90.json
-    # the device's triton 3.6 (make compile-gate-triton36, or make device-stack):
-    PYTHONPATH=.triton36:$PWD .venv/bin/python scripts/bench.py compile_gate \\
-        --json docs/results/compile_gate_sm90_triton36.json
-"""
+(``attention/compile_gate.py``; docs/GPU.md). Exit status 1 when the gate fails."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Context parallelism of the sparse attention on one long document: CP=1 vs CP=N, CPU, gloo
 (``SparseCoreAttention`` fwd+bwd; wall time, the all-to-alls alone, saved bytes and peak RSS per
-rank; docs/CONTEXT_PARALLEL.md).
-
-    .venv/bin/python scripts/bench.py context_parallel --tokens 8192 \\
-        --json docs/results/context_parallel_cpu.json
-"""
+rank; docs/CONTEXT_PARALLEL.md)."""
 
 from __future__ import annotations
 

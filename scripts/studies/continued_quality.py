@@ -1,14 +1,7 @@
 """Continued-training quality on CPU (issue 73): a dense-trained base continued under static
 sparsity, --sparse-balance, SAB alone, static at DST's kept density (the matched control) and
 static at 0.9 x d0 (the positive control), seeds of the continued phase paired, and a verdict
-fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md.
-
-    .venv/bin/python scripts/bench.py continued_quality --pilot --out runs/cq \
-        --json docs/results/continued_quality_pilot.json
-    .venv/bin/python scripts/bench.py continued_quality --out runs/cq \
-        --margin-from docs/results/continued_quality_pilot.json \
-        --json runs/continued_quality_cpu.json          # the main run: 10 seeds, five arms
-"""
+fixed in advance (``eval.verdict``). The task, arms and verdicts: QUALITY.md."""
 
 from __future__ import annotations
 
@@ -314,16 +307,12 @@ def run_once(args, out: str, name: str, cmd: list, walls: dict) -> str:
     return run_dir
 
 
-def kept_at(rows: list, args, density: float) -> float:
-    """The documents' kept density of a run's recorded plans at a uniform ``density``."""
-    return document_densities(rows, args.block_size, density)["doc_kept_d0_density"]
-
-
 def matched_density(static_rows: list, target: float, args) -> float:
-    """The uniform density whose kept density on the static runs' documents is ``target``."""
-    return common.matched_uniform(
-        lambda d: sum(kept_at(r, args, d) for r in static_rows) / len(static_rows), target,
-        lo=0.05, steps=30)
+    """The uniform density whose kept density on the static runs' documents (their recorded
+    plans read at that uniform density) is ``target``."""
+    return common.matched_uniform(lambda d: sum(
+        document_densities(r, args.block_size, d)["doc_kept_d0_density"]
+        for r in static_rows) / len(static_rows), target, lo=0.05, steps=30)
 
 
 def reading_key(reading) -> str:
@@ -547,7 +536,7 @@ def summarize(doc: dict, args) -> dict:
                  if all(table[a][s][k] is not None for s in seeds)} for a in arms}
     diffs = {f"{a}-{b}": {k: [table[a][s][k] - table[b][s][k] for s in seeds]
                           for k in SHOWN if k in means[a] and k in means[b]}
-             for a, b in doc_pairs(arms)}
+             for a, b in PAIRS if a in arms and b in arms}
     pairs = {p: {k: dict(V.paired_bound(v), per_seed=v) for k, v in d.items()}
              for p, d in diffs.items()}
     chance = doc["chance"]["token_accuracy"]
@@ -581,10 +570,6 @@ def summarize(doc: dict, args) -> dict:
 # the paired comparisons the summary reports, (arm, against)
 PAIRS = (("sparse_balance", "matched"), ("control", "static"), ("sab", "static"),
          ("sparse_balance", "sab"), ("sparse_balance", "static"), ("matched", "static"))
-
-
-def doc_pairs(arms: list) -> list:
-    return [(a, b) for a, b in PAIRS if a in arms and b in arms]
 
 
 def read_margin(args) -> dict:
@@ -649,14 +634,15 @@ def main(argv=None) -> int:
     d_train = {"static": args.density, "sab": args.density, "sparse_balance": args.density,
                "control": args.control_factor * args.density}
     train, dirs, d_eval = {}, {}, dict(d_train)
-    for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
-        d = d_train[arm]
+
+    def train_arm(arm: str, name: str) -> None:
         for s in args.seeds:
-            rd = run_once(args, args.out, f"{arm}_s{s}", lambda r, arm=arm, s=s, d=d:
-                          train_cmd(cont, arm, s, data, table, r, arm_flags=ARMS[arm],
-                                       density=d, extra=load), walls)
-            train[(arm, s)] = read_metrics(rd)
-            dirs[(arm, s)] = rd
+            dirs[(arm, s)] = run_once(args, args.out, f"{name}_s{s}", lambda r, s=s: train_cmd(
+                cont, arm, s, data, table, r, arm_flags=ARMS[arm], density=d_train[arm],
+                extra=load), walls)
+            train[(arm, s)] = read_metrics(dirs[(arm, s)])
+    for arm in [a for a in ARMS if a in args.arms and a != "matched"]:
+        train_arm(arm, arm)
     if "sparse_balance" in args.arms and "matched" in args.arms:
         target = sum(train_summary(train[("sparse_balance", s)], args.block_size,
                                       args.density)["doc_kept_density"]
@@ -664,12 +650,7 @@ def main(argv=None) -> int:
         d_m = matched_density([train[("static", s)] for s in args.seeds], target, args)
         d_eval.update(matched=d_m, sparse_balance=d_m)
         d_train["matched"] = d_m
-        for s in args.seeds:            # named by density: other seeds give another one
-            rd = run_once(args, args.out, f"matched{d_m:.4f}_s{s}", lambda r, s=s: train_cmd(
-                cont, "matched", s, data, table, r, arm_flags=ARMS["matched"], density=d_m,
-                extra=load), walls)
-            train[("matched", s)] = read_metrics(rd)
-            dirs[("matched", s)] = rd
+        train_arm("matched", f"matched{d_m:.4f}")   # named by density: other seeds, another
     import torch
 
     from sparsebalance_megatron.megatron.launch.profile import init_single_process

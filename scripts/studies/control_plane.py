@@ -1,9 +1,6 @@
 """The plugin's per-step planning and control plane on the per-rank path, 32 to 16,384 GPUs, against
 issue 77's targets (BENCHMARKS.md, "Control plane"): a rank's draft by phase, the bytes each rank
-receives, the after-step work and handoff, and the critical path at ``--sb-planner process``.
-
-    .venv/bin/python scripts/bench.py control_plane --json docs/results/control_plane.json
-"""
+receives, the after-step work and handoff, and the critical path at ``--sb-planner process``."""
 
 from __future__ import annotations
 

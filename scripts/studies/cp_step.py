@@ -1,8 +1,5 @@
 """Whole training steps with context parallelism on CPU: CP=1 vs CP=2 through ``pretrain()`` (the
-README's CPU job at PP=1 on whole files; median step time, last loss, largest peak RSS).
-
-    .venv/bin/python scripts/bench.py cp_step --json docs/results/context_parallel_step_cpu.json
-"""
+README's CPU job at PP=1 on whole files; median step time, last loss, largest peak RSS)."""
 
 from __future__ import annotations
 

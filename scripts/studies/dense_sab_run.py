@@ -1,11 +1,6 @@
 """Dense attention with SAB packing in Megatron's pretrain() on CPU: measured step times against
 Megatron's sequential fill and token-balanced packing, paired step by step over several seeds
-(the README's job; BENCHMARKS.md, "Against dense attention").
-
-    .venv/bin/python scripts/bench.py dense_sab_run --json docs/results/dense_sab_run_cpu.json
-    .venv/bin/python scripts/bench.py dense_sab_run --pp 1 --seeds 1 2 3 4 \\
-        --json docs/results/dense_sab_run_cpu_dp2.json
-"""
+(the README's job; BENCHMARKS.md, "Against dense attention")."""
 
 from __future__ import annotations
 

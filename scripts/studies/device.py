@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from . import gpu_trace
 from .common import ROOT
 from .full_depth import SEQUENCES, memory_plan
-from .gpu_trace import (SHAPE, compare_with_dense, cudnn_measured, cudnn_priced, profiled_bounds,
-                        step_bounds, train_summary)
+from .gpu_trace import (LAYERS, SHAPE, compare_with_dense, cudnn_measured, cudnn_priced,
+                        profiled_bounds, step_bounds, train_summary)
 
 # ---- the device calls' latency tables -----------------------------------------------------------
 
@@ -213,8 +213,7 @@ def run_table(work, data_name, backend, given):
         backend = length_free_backend()
     path = os.path.join(work, f"latency_{backend}_{seq_of(data_name)}.json")
     if not os.path.exists(path):
-        layers = int(SHAPE[SHAPE.index("--num-layers") + 1])
-        write_table(priced_table(backend, layers=layers, seq_length=seq_of(data_name)), path)
+        write_table(priced_table(backend, layers=LAYERS, seq_length=seq_of(data_name)), path)
     return path
 
 
@@ -246,7 +245,7 @@ def step_train(out_dir, table, limit, env, backend, tile_costs=None, memory_gib=
              "--no-gradient-accumulation-fusion", "--no-rope-fusion"])
     t0 = time.time()
     res = {"ok": True, "transformer_impl": impl[1], "backend": backend, "runs": {},
-           "layers": int(SHAPE[SHAPE.index("--num-layers") + 1])}
+           "layers": LAYERS}
     data, info = data_sets(out_dir)
     res.update(info)
     gib = memory_gib if memory_gib is not None else device_gib()

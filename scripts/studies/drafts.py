@@ -1,7 +1,7 @@
 """A planner's draft as the runtime makes it, for the studies that time drafts: the runtime's
 ``Drafter`` on a latency model and step ``k``'s draft submitted to a thread or a planner process
-(``make_drafter``, ``submit_draft``; ``planner_ab`` and ``slowdown`` run these in another
-checkout's tree too, where a checkout before this module has them in ``studies/_drafts.py``),
+(``make_drafter``, ``submit_draft``; ``planner_ab`` runs the first in another checkout's tree
+too, where a checkout before this module has it in ``studies/_drafts.py``),
 and one DP rank's per-step planning on the per-rank path (``control_plane``, ``planner_cost``;
 issue 77): what a rank computes (``rank_step``: thread CPU by phase, each the least of
 ``repeats`` runs; DST's phases are the maximum over the ranks, driven here in lockstep) and

@@ -1,9 +1,6 @@
 """Where one sparse call's time goes on the GPU, kernel by kernel: FA4's fixed cost per call
 taken apart (issue 74, item 3; docs/GPU.md), host and GPU apart. The sums are tested on CPU;
-the measurement needs CUDA (``gpu_check.py --steps pieces``):
-
-    python scripts/bench.py fa4_pieces --json runs/fa4_pieces.json --jsonl runs/pieces_rows.jsonl
-"""
+the measurement needs CUDA (``gpu_check.py --steps pieces``)."""
 
 from __future__ import annotations
 
@@ -154,11 +151,9 @@ def missing(backend: str):
 
 def main(argv=None) -> int:
     p = parser(__doc__, "fa4_pieces")
-    p.add_argument("--jsonl", metavar="PATH", help="each row appended as it is measured")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="start no row later than this many seconds minus a margin")
+    from .kernels import Clock, RowLog, add_row_args
+    add_row_args(p)
     args = p.parse_args(argv)
-    from .kernels import Clock, RowLog
     usable = []
     for b in BACKENDS:
         why = missing(b)
@@ -175,7 +170,3 @@ def main(argv=None) -> int:
                              "seconds": time.time() - t0, "cut_by_deadline": not finished,
                              "rows": log.rows, **gpu_provenance()})
     return 1 if any("failed" in r for r in log.rows) else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

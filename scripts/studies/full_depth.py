@@ -1,10 +1,7 @@
 """The end-to-end call's full-depth Qwen2.5-0.5B (24 layers) before a device runs it: memory and
 seconds per step, per run and per call, from the committed run-5 figures of the 8-layer model
 (``docs/results/gpu_check_h200_run5_e2e.json``) and the memory model (``latency.memory``). Pure
-Python (the train step imports ``memory_plan``).
-
-    python scripts/bench.py full_depth [--device-gib 139] [--json PATH]
-"""
+Python (the train step imports ``memory_plan``)."""
 
 from __future__ import annotations
 

@@ -79,14 +79,6 @@ def _union_us(spans: list) -> float:
     return total
 
 
-def attention_kind(name: str):
-    """(implementation, pass) of an attention kernel's name, or None."""
-    for pattern, kind in _ATTENTION:
-        if pattern.search(name):
-            return kind
-    return None
-
-
 def _stacks(events: list, launches: list) -> list:
     """For each launch (a dict with ``ts``, ``pid``, ``tid``): the names of the CPU ops and
     annotations open on its thread at its start, outermost first (they nest on a thread)."""
@@ -117,7 +109,8 @@ def _stacks(events: list, launches: list) -> list:
 def _classify(e: dict, stack: tuple, after_bwd: bool):
     """(category, implementation or None, pass or None) of one GPU event."""
     name = str(e.get("name", ""))
-    kind = attention_kind(name) if e.get("cat") == "kernel" else None
+    kind = next((k for p, k in _ATTENTION if p.search(name)), None) \
+        if e.get("cat") == "kernel" else None
     if kind is not None:
         impl, step = kind
         if step == "convert":            # FA4's postprocess: dQ first, then GQA's dK and dV
@@ -137,16 +130,24 @@ def _classify(e: dict, stack: tuple, after_bwd: bool):
     return "non_attention", None, None
 
 
+def _launches(events: list, gpu: list) -> list:
+    """Each of the ``gpu`` events' launch among ``events`` (its CUDA runtime or driver call),
+    else ``{"ts": its own start}``."""
+    launch = {e["args"]["correlation"]: e for e in events
+              if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    return [launch.get(e.get("args", {}).get("correlation"), {"ts": e["ts"]}) for e in gpu]
+
+
+def _profiler_steps(spans: list) -> list:
+    return [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
+            and e.get("cat") != "gpu_user_annotation"]
+
+
 def account(gpu: list, events: list) -> dict:
     """The accounting of GPU events ``gpu`` (module docstring) with the trace's ``events`` for
     their launches; milliseconds, summed over the events (overlapping streams count twice)."""
-    launch = {}
-    for e in events:
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            launch[e["args"]["correlation"]] = e
     gpu = sorted(gpu, key=lambda e: e["ts"])
-    launches = [launch.get(e.get("args", {}).get("correlation"), {"ts": e["ts"]}) for e in gpu]
-    stacks = _stacks(events, launches)
+    stacks = _stacks(events, _launches(events, gpu))
     ms = {"non_attention": 0.0, "attention": 0.0, "selection": 0.0, "copies": 0.0}
     passes, impls = {}, {}
     after_bwd = {}                       # stream -> a FA4 backward ran since its last forward
@@ -190,13 +191,10 @@ def _timeline(gpu: list, events: list) -> dict:
             gaps.append((e["ts"] - end, e))
         end = e["ts"] + e["dur"] if end is None else max(end, e["ts"] + e["dur"])
     gaps.sort(key=lambda g: -g[0])
-    launch = {e["args"]["correlation"]: e for e in events
-              if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     top_gaps = []
     if gaps:
         picked = gaps[:GAPS]
-        stacks = _stacks(events, [launch.get(e.get("args", {}).get("correlation"),
-                                             {"ts": e["ts"]}) for _, e in picked])
+        stacks = _stacks(events, _launches(events, [e for _, e in picked]))
         top_gaps = [{"ms": g / 1e3, "next": str(e.get("name", "?"))[:80],
                      "launched_in": next((s for s in reversed(stack)
                                           if not s.startswith("ProfilerStep#")), None)}
@@ -225,8 +223,7 @@ def summarize_trace(path: str) -> dict:
         return {"failed": why}
     spans = _spans(events)
     gpu = [e for e in spans if e.get("cat") in GPU_CATEGORIES]
-    steps = [e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
-             and e.get("cat") != "gpu_user_annotation"]
+    steps = _profiler_steps(spans)
     out = {"kernels": len(gpu),
            "host_step_ms": max((e["dur"] for e in steps), default=0.0) / 1e3 or None}
     if not gpu:
@@ -246,18 +243,15 @@ def summarize_step(path: str, step: int = None) -> dict:
     if events is None:
         return {"failed": why}
     spans = _spans(events)
-    steps = sorted((e for e in spans if str(e.get("name", "")).startswith("ProfilerStep#")
-                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+    steps = sorted(_profiler_steps(spans), key=lambda e: e["ts"])
     if step is not None:
         steps = [e for e in steps if e["name"] == f"ProfilerStep#{step}"]
     if not steps:
         return {"failed": f"no ProfilerStep#{'' if step is None else step} in {path}"}
     s = steps[-1]
     t0, t1 = s["ts"], s["ts"] + s["dur"]
-    launch = {e["args"]["correlation"]: e["ts"] for e in spans
-              if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    gpu = [e for e in spans if e.get("cat") in GPU_CATEGORIES
-           and t0 <= launch.get(e.get("args", {}).get("correlation"), e["ts"]) <= t1]
+    gpu = [e for e in spans if e.get("cat") in GPU_CATEGORIES]
+    gpu = [e for e, at in zip(gpu, _launches(spans, gpu)) if t0 <= at["ts"] <= t1]
     out = {"step": s["name"], "host_step_ms": s["dur"] / 1e3, "kernels": len(gpu)}
     if not gpu:
         return out
@@ -307,6 +301,7 @@ def bound_record(non_attention_ms: float, cudnn_attention_ms: float, density: fl
 SHAPE = ["--num-layers", "24", "--hidden-size", "896", "--ffn-hidden-size", "4864",
          "--num-attention-heads", "14", "--num-query-groups", "2", "--kv-channels", "64",
          "--seq-length", "32768"]
+LAYERS = int(SHAPE[SHAPE.index("--num-layers") + 1])
 TRAIN_WARMUP = 3     # steps every rate leaves out (compiles, allocator growth, the profiled step)
 
 
@@ -370,7 +365,7 @@ def cudnn_priced(runs, data_name, tile_us, layers=None):
     if not (work and secs and toks and tiles):
         return
     per_tile = tiles[0] - tiles[1]
-    layers = layers or int(SHAPE[SHAPE.index("--num-layers") + 1])
+    layers = layers or LAYERS
     priced = {k: secs[k] - layers * work[k] * per_tile for k in secs if k in work and k in toks}
     if not priced:
         return
@@ -419,7 +414,7 @@ def step_bounds(runs, data_name, tile_us, layers=None):
     per_tile = _tile_seconds(tile_us or {}, data_name)
     if not (work and secs and per_tile):
         return
-    layers = layers or int(SHAPE[SHAPE.index("--num-layers") + 1])
+    layers = layers or LAYERS
     varlen, cudnn = per_tile
     rest = {k: secs[k] - layers * work[k] * varlen for k in secs if k in work}
     for variant, run in runs_of(runs, data_name).items():

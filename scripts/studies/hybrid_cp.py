@@ -1,9 +1,6 @@
 """Megatron's hybrid context parallelism against a2a CP + SparseBalance, in the simulator (issue
 14; docs/CONTEXT_PARALLEL.md): Megatron's own ``BalancedCPScheduler`` on the same global batches
-the a2a runs see, both priced by the same latency model.
-
-    python scripts/bench.py hybrid_cp --json docs/results/hybrid_cp_sim.json
-"""
+the a2a runs see, both priced by the same latency model."""
 
 from __future__ import annotations
 

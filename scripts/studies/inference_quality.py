@@ -4,11 +4,6 @@ density whose predicted step is DST's, with a positive control and margins fixed
 (the arms, scores and verdicts: QUALITY.md). Forwards are cached (``--cache``) and can be split
 over processes (``--shard K/N``, then a run without it for the summary).
 
-    .venv/bin/python scripts/bench.py inference_quality --pilot \\
-        --json docs/results/inference_quality_pilot.json
-    .venv/bin/python scripts/bench.py inference_quality \\
-        --margin-from docs/results/inference_quality_pilot.json \\
-        --json docs/results/inference_quality_cpu.json
     .venv/bin/python scripts/bench.py inference_quality --quick --json /tmp/iq.json   # smoke
 """
 

@@ -60,6 +60,13 @@ class RowLog:
                 os.fsync(fh.fileno())
 
 
+def add_row_args(ap) -> None:
+    """``--jsonl`` (``RowLog``'s file) and ``--deadline-s`` (``Clock``'s deadline)."""
+    ap.add_argument("--jsonl", metavar="PATH", help="each row appended as it is measured")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no row later than this many seconds minus a margin")
+
+
 def parse_shape(text: str):
     """``'np/ng/hn'`` -> (query heads, KV heads, head dim)."""
     try:

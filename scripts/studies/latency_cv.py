@@ -1,10 +1,6 @@
 """Offline checks of a profiled latency table (and its held-out evaluation): no device needed
 (grid MAPE, leave-one-mix-out, held-out MAPE per feature set, priced or not, the repeats' spread
-and drift; docs/benchmarks/attention-gpu.md).
-
-    python scripts/bench.py latency_cv --table T.json [--eval E.json] [--json out.json] \
-        [--kernel-table K.json]
-"""
+and drift; docs/benchmarks/attention-gpu.md)."""
 
 from __future__ import annotations
 
@@ -105,7 +101,8 @@ def evaluate(table: dict, held: list, extras=()) -> dict:
     g, c = np.concatenate(grid_err), np.concatenate(cv_err)
     out = {"features": "+".join(("model",) + tuple(extras)), "grid_mape": float(g.mean()),
            "cv_mape": float(c.mean()), "cv_max": float(c.max()), "coefficients": coefs,
-           "cv_mape_few": _few(c, [m for k in kinds_of(table)
+           "cv_mape_few": _few(c, [m for k in measured_kinds(table)            # grid_err's
+                                   if k in table["pipeline"]["stage_kinds"]
                                    for m in table["measurements"] if m["kind"] == k])}
     if held_err:
         h = np.concatenate(held_err)
@@ -113,11 +110,6 @@ def evaluate(table: dict, held: list, extras=()) -> dict:
                    heldout_signed=[float(v) for v in h],
                    heldout_mape_few=_few(np.abs(h), held))
     return out
-
-
-def kinds_of(table: dict) -> list:
-    """The stage kinds whose rows ``evaluate`` scores, in its order."""
-    return [k for k in measured_kinds(table) if k in table["pipeline"]["stage_kinds"]]
 
 
 def _few(err, rows):

@@ -1,8 +1,5 @@
 """Held-out accuracy of the latency model: fit on a table's grid, predict real micro-batches
-(packed from the built-in corpus as training packs them, at densities off the grid).
-
-    python scripts/bench.py latency_eval --table lat_cpu.json --json eval.json [--n 12]
-"""
+(packed from the built-in corpus as training packs them, at densities off the grid)."""
 
 from __future__ import annotations
 
@@ -27,21 +24,19 @@ def heldout_mixes(seq_length: int, n: int, seed: int, doc_unit: str = "file") ->
     for i in order:
         rest = int(lengths[i])
         while rest > 0:
-            room = seq_length - sum(cur)
-            take = min(rest, room)
+            take = min(rest, seq_length - sum(cur))
             cur.append(take)
             rest -= take
-            if sum(cur) == seq_length:
-                mixes.append(cur)
-                cur = []
-                if len(mixes) == n:
-                    return mixes
-            if rng.random() < 0.3 and cur:   # some micro-batches end early: padding pieces
+            full = sum(cur) == seq_length
+            early = rng.random() < 0.3 and not full   # some end early: padding pieces
+            if early:
                 cur.extend(padding_lengths(seq_length - sum(cur)))
+            if full or early:
                 mixes.append(cur)
                 cur = []
                 if len(mixes) == n:
                     return mixes
+            if early:
                 break
     return mixes
 

@@ -1,11 +1,7 @@
 """Long-context retrieval quality of a converted model under dense and block-sparse attention
 (SmolLM2-135M in megatron-core: ``dense``, ``static`` at each density, ``mass`` threshold;
 RULER-style tasks; the estimator's and the oracle's recall of the dense attention mass;
-QUALITY.md).
-
-    python scripts/bench.py long_context --quick --json quality_quick.json
-    python scripts/bench.py long_context --lengths 1024 2048 4096 8192 --samples 5 --json q.json
-"""
+QUALITY.md)."""
 
 from __future__ import annotations
 
@@ -24,27 +20,24 @@ ALL_TASKS = ("needle_single", "needle_multikey", "needle_multivalue", "variable_
 
 def parse_args(argv=None):
     ap = parser(__doc__, "long_context")
-    ap.add_argument("--gguf", default=None, help="GGUF for weights and tokenizer")
     ap.add_argument("--tasks", nargs="+", default=list(ALL_TASKS), choices=ALL_TASKS)
     ap.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
     ap.add_argument("--depths", nargs="+", type=float, default=[0.25, 0.5, 0.75])
     ap.add_argument("--samples", type=int, default=2, help="seeds per (task, length, depth)")
     ap.add_argument("--densities", nargs="+", type=float, default=[0.75, 0.5, 0.25, 0.125])
     ap.add_argument("--no-mass", action="store_true")
-    ap.add_argument("--min-density", type=float, default=0.125)
-    ap.add_argument("--max-density", type=float, default=1.0)
-    ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--recall-samples", type=int, default=1,  # 0: no recall measurement
                     help="samples per (task, length) whose dense forward also measures recall")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     ap.add_argument("--quick", action="store_true",
                     help="2K tokens, needle_single + needle_multikey, depth 0.5, 2 seeds, "
                          "densities 0.5 and 0.25, mass mode")
     args = ap.parse_args(argv)
-    # the settings every documented run used (recorded in the JSON's settings)
+    # the settings every documented run used (recorded in the JSON's settings): SmolLM2's GGUF,
+    # torch's threads as they are
     args.sink_blocks, args.local_blocks, args.estimator = 1, 0, "maxkey"
     args.mass_threshold, args.haystack = 0.9, "essays"
+    args.gguf, args.min_density, args.max_density, args.block_size, args.seed = \
+        None, 0.125, 1.0, 64, 0
     if args.quick:
         args.tasks, args.lengths, args.depths = ["needle_single", "needle_multikey"], [2048], [0.5]
         args.samples, args.densities, args.recall_samples = 2, [0.5, 0.25], 1
@@ -286,8 +279,6 @@ def main(argv=None) -> int:
             print(markdown(json.load(f)))
         return 0
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from sparsebalance_megatron.megatron.launch.compat import activate_cpu_shims
     from sparsebalance_megatron.megatron.launch.profile import init_single_process
     activate_cpu_shims()
@@ -310,5 +301,4 @@ def main(argv=None) -> int:
         out = write_result(args.json, out)
         if os.path.exists(args.json + ".partial"):
             os.remove(args.json + ".partial")
-        print("wrote", args.json)
     return 0

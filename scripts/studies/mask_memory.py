@@ -1,8 +1,5 @@
 """Bytes of the FlexAttention mask structures per layer: now vs the per-head, NB-wide lists before
-(docs/benchmarks/attention-cpu.md).
-
-    python scripts/bench.py mask_memory --json docs/results/mask_memory.json
-"""
+(docs/benchmarks/attention-cpu.md)."""
 
 from __future__ import annotations
 

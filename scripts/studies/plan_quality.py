@@ -6,9 +6,6 @@ QUALITY.md). ``--validate --refresh``: the in-run quality refresh's probe measur
 held-out micro-batches, the plans scored by each refreshed model. Every forward is cached
 (``--cache``): a run stopped part-way continues where it stopped.
 
-    .venv/bin/python scripts/bench.py plan_quality --calibrate --json docs/results/plan_quality_fit.json
-    .venv/bin/python scripts/bench.py plan_quality --validate --json docs/results/plan_quality_check.json
-    .venv/bin/python scripts/bench.py plan_quality --validate --refresh --json docs/results/plan_quality_refresh.json
     .venv/bin/python scripts/bench.py plan_quality --calibrate --quick --json /tmp/pq.json  # smoke
 """
 
@@ -23,7 +20,7 @@ from sparsebalance_megatron.data.packing import sequential_bins
 
 from . import smollm2
 from .smollm2 import Cache, measure
-from .common import ROOT, parser, write_result
+from .common import ROOT, parser, spearman, write_result
 
 GROUPS = 3                       # depth groups: thirds of the model's layers
 # every calibration sample's vectors (one density per group; d0 0.5 is the reference)
@@ -229,11 +226,7 @@ def metrics(scored: list, key: str) -> dict:
     se = np.array([r["se"] for r in scored])
     clear = np.abs(meas) > 2 * se
     right = np.sign(pred[clear]) == np.sign(meas[clear])
-
-    def rank(x):
-        return np.argsort(np.argsort(x)).astype(float)
-
-    rho = float(np.corrcoef(rank(pred), rank(meas))[0, 1]) if len(scored) > 2 else float("nan")
+    rho = spearman(pred, meas) if len(scored) > 2 else float("nan")
     return {"plans": len(scored), "spearman": rho, "pearson": float(np.corrcoef(pred, meas)[0, 1]),
             "mae": float(np.mean(np.abs(pred - meas))), "clear": int(clear.sum()),
             "sign_right": int(right.sum()),

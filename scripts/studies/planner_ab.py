@@ -1,10 +1,6 @@
 """The planner's draft, this checkout against another one side by side (issue 44): thread CPU per
-draft, a hash of every plan, and the training thread's slowdown beside the planner process,
-alternated round by round. ``--other``: a checkout of another commit (``git worktree add``).
-
-    .venv/bin/python scripts/bench.py planner_ab --other /tmp/old --rounds 3 --slowdown \\
-        --json runs/planner_ab.json
-"""
+draft and a hash of every plan, alternated round by round. ``--other``: a checkout of another
+commit (``git worktree add``)."""
 
 from __future__ import annotations
 
@@ -51,37 +47,20 @@ def draft_loop(steps: int = 6, dp: int = 64, m: int = 16, layout: str = "best") 
     return {"draft_ms": ms[1:], "plans_sha256": digest.hexdigest()[:16]}
 
 
-def _slowdown() -> dict:
-    """This checkout's ``studies/slowdown.py`` (the same estimator for both checkouts) beside
-    the process planner of the package on the path."""
-    import importlib.util
-
-    from sparsebalance_megatron.config import SparseBalanceConfig
-
-    spec = importlib.util.spec_from_file_location(
-        "studies.slowdown", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                        "slowdown.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = mod.launch_slowdown(SparseBalanceConfig(sparse_balance=True))["process"]
-    return {"slowdown": out["slowdown"], "local": out["local"]}
-
-
-def _run(tree: str, what: str, steps: int, dp: int = 64, layout: str = "best") -> dict:
-    """One loop in a subprocess with ``tree``'s package and study helpers (its stdout: JSON)."""
+def _run(tree: str, steps: int, dp: int = 64, layout: str = "best") -> dict:
+    """One draft loop in a subprocess with ``tree``'s package and study helpers (its stdout:
+    JSON)."""
     env = dict(os.environ, PYTHONPATH=tree)
     code = (f"import sys, json, importlib.util; sys.path.insert(0, "
             f"{os.path.join(tree, 'scripts')!r}); import studies; "
             f"spec = importlib.util.spec_from_file_location('studies.planner_ab', "
             f"{os.path.abspath(__file__)!r}); ab = importlib.util.module_from_spec(spec); "
             f"sys.modules[spec.name] = ab; spec.loader.exec_module(ab); "
-            f"print(json.dumps(ab.draft_loop({steps}, dp={dp}, layout={layout!r}) "
-            f"if {what!r} == 'draft' "
-            f"else ab._slowdown()))")
+            f"print(json.dumps(ab.draft_loop({steps}, dp={dp}, layout={layout!r})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=900)
     if done.returncode != 0:
-        raise RuntimeError(f"the {what} loop in {tree} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"the draft loop in {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -94,9 +73,6 @@ def main(argv=None) -> int:
     p.add_argument("--layout", choices=("best", "even"), default="best",
                    help="the pipeline layout of the 64 DP x 16 x PP4 step: the best static one "
                         "(interleaved) or Megatron's even split")
-    p.add_argument("--slowdown", action="store_true",
-                   help="also the training thread's slowdown per round (studies/slowdown.py, "
-                        "about 30 s each)")
     args = p.parse_args(argv)
     other = os.path.abspath(args.other)
     if not os.path.isdir(os.path.join(other, "sparsebalance_megatron")):
@@ -105,36 +81,21 @@ def main(argv=None) -> int:
     if args.rounds < 1 or args.steps < 2:
         p.error(f"--rounds {args.rounds} / --steps {args.steps}: expected >= 1 / >= 2")
     trees = {"this": ROOT, "other": other}
-    out = {name: {"draft_ms": [], "hashes": [], "slowdown": [], "local": []} for name in trees}
+    out = {name: {"draft_ms": [], "hashes": []} for name in trees}
     for r in range(args.rounds):
         for name, tree in trees.items():
-            loop = _run(tree, "draft", args.steps, layout=args.layout)
+            loop = _run(tree, args.steps, layout=args.layout)
             out[name]["draft_ms"] += loop["draft_ms"]
             out[name]["hashes"].append(loop["plans_sha256"])
-            if args.slowdown:
-                slow = _run(tree, "slowdown", args.steps)
-                out[name]["slowdown"].append(slow["slowdown"])
-                out[name]["local"].append(slow["local"])
             print(f"round {r + 1} {name:5s}: draft ms {[round(x) for x in loop['draft_ms']]}"
-                  f" plans {loop['plans_sha256']}"
-                  + (f" slowdown {100 * out[name]['slowdown'][-1]:.2f}% (local "
-                     f"{100 * out[name]['local'][-1]:.3f}%)" if args.slowdown else ""))
+                  f" plans {loop['plans_sha256']}")
     for name in trees:
-        o = out[name]
-        o["draft_ms_median"] = statistics.median(o["draft_ms"])
-        if o["slowdown"]:
-            o["slowdown_median"] = statistics.median(o["slowdown"])
-            o["local_median"] = statistics.median(o["local"])
+        out[name]["draft_ms_median"] = statistics.median(out[name]["draft_ms"])
     same = set(out["this"]["hashes"]) == set(out["other"]["hashes"]) and \
         len(set(out["this"]["hashes"])) == 1
     ratio = out["this"]["draft_ms_median"] / out["other"]["draft_ms_median"]
     print(f"draft median: this {out['this']['draft_ms_median']:.1f} ms, other "
           f"{out['other']['draft_ms_median']:.1f} ms ({ratio:.3f}x); same plans: {same}")
-    for name in trees:
-        if out[name]["slowdown"]:
-            print(f"slowdown beside the planner process, median: {name} "
-                  f"{100 * out[name]['slowdown_median']:.2f}% (local "
-                  f"{100 * out[name]['local_median']:.3f}%)")
     write_result(args.json, {"other": other, "rounds": args.rounds, "steps": args.steps,
                              "shape": f"64 DP x 16 micro-batches x PP4, {args.layout} layout",
                              "this": out["this"], "other_checkout": out["other"],

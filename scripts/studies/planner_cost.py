@@ -1,9 +1,6 @@
 """Cost of the per-step planning work on this machine (BENCHMARKS.md, the planner's own cost):
 speed targets, kept out of the unit tests. ``--reader``: the reader thread's CPU per step with DST
-settled on it against settled in the planner process.
-
-    .venv/bin/python scripts/bench.py planner_cost --json docs/results/planner_cost_quality_descent.json
-"""
+settled on it against settled in the planner process."""
 
 from __future__ import annotations
 

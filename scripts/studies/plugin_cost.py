@@ -1,9 +1,6 @@
 """The plugin's own per-step cost on the critical path, as the simulator studies charge it
 (``experiments/plugin_cost.py``), by part and by planner form, beside the pickled-object control
-plane the runtime had before (issue 44 item 4).
-
-    .venv/bin/python scripts/bench.py plugin_cost --json docs/results/plugin_cost.json
-"""
+plane the runtime had before (issue 44 item 4)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """SAB's packing as a DP rank pays for it (issue 77; docs/DESIGN.md section 6): every rank's
 micro-batches packed on every rank (``whole``) against a rank's own only (``own``), by phase, at
-DP 512 to 4,096. Thread CPU time, each figure the least of ``REPEAT`` runs.
-
-    .venv/bin/python scripts/bench.py sab_ranks --json docs/results/sab_ranks.json
-"""
+DP 512 to 4,096. Thread CPU time, each figure the least of ``REPEAT`` runs."""
 
 from __future__ import annotations
 

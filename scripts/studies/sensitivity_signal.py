@@ -1,9 +1,6 @@
 """Is the sensitivity signal SAB and DST use related to what sparsification costs a sample?
 (SmolLM2-135M on the built-in corpus: Spearman of each cheap signal with the measured loss
-change; docs/benchmarks/dst-accuracy.md.)
-
-    .venv/bin/python scripts/bench.py sensitivity_signal --json docs/results/sensitivity_signal.json
-"""
+change; docs/benchmarks/dst-accuracy.md.)"""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import numpy as np
 import torch
 
 from . import smollm2
-from .common import parser, write_result
+from .common import parser, spearman, write_result
 
 
 def window_loss(model, budget, ids, dens: list) -> float:
@@ -22,14 +19,6 @@ def window_loss(model, budget, ids, dens: list) -> float:
     density a decoder layer): ``smollm2.score`` of the window as a sample without an answer."""
     window = SimpleNamespace(input_ids=list(ids), answer_ids=[], scored=lambda: [])
     return smollm2.score(model, budget, window, dens, stride=1)["loss"]
-
-
-def spearman(a, b) -> float:
-    ra = np.argsort(np.argsort(a)).astype(float)
-    rb = np.argsort(np.argsort(b)).astype(float)
-    ra -= ra.mean()
-    rb -= rb.mean()
-    return float((ra * rb).sum() / np.sqrt((ra ** 2).sum() * (rb ** 2).sum()))
 
 
 def main(argv=None) -> int:

@@ -1,12 +1,5 @@
 """Simulator study of SparseBalance against the best static Megatron configuration (issue 12;
-BENCHMARKS.md: headline, robustness, do no harm, CP). ``--packers-only``: the dense table alone.
-
-    python scripts/bench.py sim_study --json runs/sim_study.json
-    python scripts/bench.py sim_study --mixes file section lognormal_short long_tail both \
-        --seeds 0 1 2 --ranks 8 --densities 0.5 --steps 1 --floor-sweep \
-        --slow-rank 1:1.1 9:1.1 17:1.1 25:1.1 \
-        --json runs/sim_study_robustness.json
-"""
+BENCHMARKS.md: headline, robustness, do no harm, CP). ``--packers-only``: the dense table alone."""
 
 from __future__ import annotations
 
@@ -268,16 +261,14 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per rank per step")
     p.add_argument("--seq-length", type=int, default=32768, help="tokens per micro-batch")
     p.add_argument("--steps", type=int, default=3, help="global batches per configuration")
-    p.add_argument("--table", default=None, help="profiled latency table (JSON); default: "
-                   "the analytic Qwen2.5-0.5B H100 table")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b",
-                   help="the analytic table's model shape (without --table)")
+                   help="the analytic H100 table's model shape")
     p.add_argument("--sparse-kernel", choices=("auto", "flex", "triton"), default="auto",
-                   help="analytic table only: the sparse kernel that prices the sparse call "
+                   help="the sparse kernel that prices the sparse call "
                         "(auto: what --sb-attention-backend auto runs, measured; triton: the "
                         "plugin's own kernel, an estimate until a device measures it)")
     p.add_argument("--kernel-table", nargs="+", default=None, metavar="PATH",
-                   help="analytic table only: device kernel tables (attention_gpu's "
+                   help="device kernel tables (attention_gpu's "
                         "JSONs, e.g. a run's two calls) whose rows price the sparse kernels")
     p.add_argument("--context-parallel", type=int, nargs="+", default=[1],
                    help="CP sizes (a2a scheme) to study; each one's results are keyed .../cp=N "
@@ -304,7 +295,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="ranks 8, d0 0.5, file mix, 1 step")
     args = p.parse_args(argv)
     # what every documented run used (recorded in the JSON's config): DST at the runtime's
-    # objective, descent and tolerance, no routing (a --table routes at its own crossover)
+    # objective, descent and tolerance, no routing
     args.min_density, args.max_density, args.tokenizer, args.seed = 0.125, 1.0, "qwen", 1234
     sb = SparseBalanceConfig()
     args.routing, args.dst_objective, args.dst_descent, args.tolerance = \
@@ -312,9 +303,6 @@ def parse_args(argv=None):
     # checked here, before any search: the runtime's own checks, named by this script's flags
     if args.device_memory_gib is not None and not args.device_memory_gib > 0:
         p.error(f"--device-memory-gib {args.device_memory_gib}: expected a number of GiB > 0")
-    if args.table and (args.sparse_kernel != "auto" or args.kernel_table):
-        p.error("--sparse-kernel / --kernel-table: only with the analytic table (a --table is "
-                "priced by its own measured kernel)")
     if args.sparse_kernel == "flex" and args.microbatch_multiple:
         p.error(f"--sparse-kernel flex with --microbatch-multiple {args.microbatch_multiple}: the "
                 f"runtime refuses variable lengths with flex (a kernel compile per length); "
@@ -327,39 +315,31 @@ def parse_args(argv=None):
                     f"[0, {MAX_RAISE_HEADROOM}]")
     if args.quick:
         args.ranks, args.densities, args.mixes, args.steps = [8], [0.5], ["file"], 1
-    args.price = None
-    if not args.table:      # the analytic table's sparse price, from the kernel tables if given
-        try:
-            rows = [r for path in args.kernel_table for r in kernel_rows(path)] \
-                if args.kernel_table else None
-            args.price = price_named(args.sparse_kernel, rows, microbatch_tokens=args.seq_length,
-                                     density=args.densities[0],
-                                     length_free=args.microbatch_multiple > 0)
-        except (OSError, ValueError, KeyError) as e:
-            p.error(f"--kernel-table {' '.join(args.kernel_table or [])}: {e}")
+    try:            # the analytic table's sparse price, from the kernel tables if given
+        rows = [r for path in args.kernel_table for r in kernel_rows(path)] \
+            if args.kernel_table else None
+        args.price = price_named(args.sparse_kernel, rows, microbatch_tokens=args.seq_length,
+                                 density=args.densities[0],
+                                 length_free=args.microbatch_multiple > 0)
+    except (OSError, ValueError, KeyError) as e:
+        p.error(f"--kernel-table {' '.join(args.kernel_table or [])}: {e}")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.table:
-        lm0 = LatencyModel.load(args.table)
-        source = f"table {args.table} ({lm0.table.get('device')})"
-    else:
-        shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
-        lm0 = LatencyModel.analytic(shape, pp=args.pp, sparse_price=args.price)
-        source = (f"ANALYTIC {args.model} / {args.seq_length // 1024}K / H100 table (published "
-                  f"throughputs for the GEMMs, not measured; dense attention measured: cuDNN on "
-                  f"an H100)")
+    shape = ModelShape(**{**MODELS[args.model], "seq_length": args.seq_length})
+    lm0 = LatencyModel.analytic(shape, pp=args.pp, sparse_price=args.price)
+    source = (f"ANALYTIC {args.model} / {args.seq_length // 1024}K / H100 table (published "
+              f"throughputs for the GEMMs, not measured; dense attention measured: cuDNN on an "
+              f"H100)")
     from sparsebalance_megatron.latency.sparse_call import table_sparse_kernel
     source += f"; sparse call priced by {table_sparse_kernel(lm0.table)}"
     models = {cp: lm0.with_context_parallel(cp) for cp in args.context_parallel}
     if args.context_parallel != [1]:
-        dev = lm0.table.get("device_profile") or {}
         cost = next(m.context_parallel for m in models.values() if m.context_parallel)
         source += (f"; CP a2a at an ASSUMED {cost.a2a_bytes_per_s / 1e9:.0f} GB/s per rank, "
-                   f"{cost.collective_latency_s * 1e6:.0f} us per collective"
-                   + ("" if dev else " (DeviceProfile defaults)"))
+                   f"{cost.collective_latency_s * 1e6:.0f} us per collective")
     from sparsebalance_megatron.experiments.plugin_cost import PluginCost
     plugin_cost = args.plugin_cost = PluginCost.from_results(args.dst_objective, args.dst_descent)
     print("; ".join([f"plugin cost (net rows): {plugin_cost.planner.source} (planning, "
@@ -373,7 +353,7 @@ def main(argv=None):
     out = {"config": {k: ([s.describe() for s in v] if k == "slow_rank" else v)
                       for k, v in vars(args).items()
                       if k not in ("json", "price", "plugin_cost")},
-           "latency_source": source, "sparse_kernel": models_price(lm0),
+           "latency_source": source, "sparse_kernel": lm0.table["sparse_call"],
            "plugin_cost": {
                "planner": plugin_cost.planner.source, "control_plane": plugin_cost.control.source,
                "dst_flags": plugin_cost.dst_flags, "notes": plugin_cost.notes},
@@ -392,9 +372,3 @@ def main(argv=None):
     write_result(args.json, out)
     return 0
 
-
-def models_price(lm) -> dict:
-    """The record of what prices the sparse call (``sparse_call`` of an analytic table, else
-    the device table's kernel)."""
-    from sparsebalance_megatron.latency.sparse_call import kernel_labels
-    return lm.table.get("sparse_call") or {"described": kernel_labels(lm.table)["sparse"][1]}

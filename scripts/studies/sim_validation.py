@@ -1,9 +1,5 @@
 """Validate the 1F1B simulator against a real torchrun run: simulated vs measured step time (the
-simulator fed every rank's measured per-micro-batch times; docs/benchmarks/latency-model.md).
-
-    python scripts/bench.py sim_validation --json sim_validation.json --nproc 2 -- \
-        --pipeline-model-parallel-size 2 --num-layers 4 ... (the entry's flags)
-"""
+simulator fed every rank's measured per-micro-batch times; docs/benchmarks/latency-model.md)."""
 
 from __future__ import annotations
 

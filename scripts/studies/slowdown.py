@@ -1,22 +1,12 @@
 """What a planner drafting beside it costs a launch-bound training thread (issue 44), for
-``planner_cost`` and ``planner_ab``: the ops per second of planner windows against no-planner
-windows (``slowdown``), and within each window during the draft against after it (``local``).
-
-``planner_ab`` loads this file by its path into another checkout's tree.
-"""
+``planner_cost``: the ops per second of planner windows against no-planner windows
+(``slowdown``), and within each window during the draft against after it (``local``)."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
-
-
-def _done(pending) -> bool:
-    """Whether the draft is in (``result`` would not wait); an older checkout's pending drafts
-    have no ``done``, their reader thread says it."""
-    done = getattr(pending, "done", None)
-    return done() if done is not None else not pending._thread.is_alive()
 
 
 def local_share(during: tuple, after: tuple, elapsed_s: float) -> float:
@@ -39,10 +29,8 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
 
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
-    try:
-        from studies.drafts import make_drafter, submit_draft
-    except ImportError:                 # a checkout before drafts.py
-        from studies._drafts import make_drafter, submit_draft
+
+    from .drafts import make_drafter, submit_draft
 
     corpus = corpus_steps(dp, m, sb.density, 3, seq=seq, layout=layout, pp=4)
     a, b, c = torch.randn(64), torch.randn(64), torch.empty(64)
@@ -64,7 +52,7 @@ def launch_slowdown(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str
             part[0] += 1
             part[1] += now - last
             last, n = now, n + ops
-            if split is None and (_done(pending) if pending is not None
+            if split is None and (pending.done() if pending is not None
                                   else now - t0 >= split_s):
                 split = now - t0
         rate = n / (last - t0)
