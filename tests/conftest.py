@@ -111,6 +111,20 @@ def stdlib_texts(n: int, max_chars: int = 6000) -> list[str]:
     return out
 
 
+LENIENT_DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def lenient_draft_deadline(monkeypatch):
+    """For a test whose subject is the planner process's plans or deaths, not its deadline:
+    the deadline's floor at ``LENIENT_DEADLINE_S``, so that a loaded machine's slow draft (or one
+    waiting on a peer's rounds) does not read as late. The fault tests time the deadline itself;
+    a spawned rank sets the same floor in its own process."""
+    from sparsebalance_megatron.megatron.step import ahead
+
+    monkeypatch.setattr(ahead, "STALL_FLOOR_S", LENIENT_DEADLINE_S)
+
+
 @pytest.fixture(scope="session")
 def short_docs_jsonl(tmp_path_factory) -> Path:
     """Short real documents (40-300 characters of stdlib modules): with the byte tokenizer and

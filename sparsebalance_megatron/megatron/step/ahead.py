@@ -55,11 +55,11 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 from ...config import PLANNER_TIMEOUT_S
+from ..runtime.children import process_state
 from .drafting import Drafter
 from .planner_boot import (BOOT, PlannerPackageMismatch, describe_exit, package_identity,
                            package_mismatch, stop_process, widen_pipe)
 from .planner_thread import Drafted, Planner  # noqa: F401  (this module's API, one body there)
-from ..runtime.children import process_state
 from .pending import PendingDraft
 from .relay import Rounds
 
