@@ -22,7 +22,6 @@ STUDIES = {
     "planner_cost": "planning overhead (thread CPU) of SAB + DST [BENCHMARKS planner cost]",
     "planner_ab": "the planner's draft, this checkout vs another [BENCHMARKS planner cost]",
     "control_plane": "a rank's draft, bytes, critical path to 16K GPUs [BENCHMARKS control plane]",
-    "sab_ranks": "SAB's packing per DP rank, DP 512 to 4,096 [BENCHMARKS control plane]",
     "plugin_cost": "the plugin's per-step cost as the simulator charges it [BENCHMARKS headline]",
     "hybrid_cp": "Megatron's hybrid CP against a2a CP + SAB/DST, simulated [BENCHMARKS CP]",
     "attention": "sparse attention kernels on CPU: time, recall [BENCHMARKS attention kernel]",

@@ -1,6 +1,5 @@
 """Cost of the per-step planning work on this machine (BENCHMARKS.md, the planner's own cost):
-speed targets, kept out of the unit tests. ``--reader``: the reader thread's CPU per step with DST
-settled on it against settled in the planner process."""
+speed targets, kept out of the unit tests."""
 
 from __future__ import annotations
 
@@ -242,15 +241,9 @@ def main(argv=None) -> int:
                    "warm-up step)")
     p.add_argument("--no-slowdown", action="store_true",
                    help="skip the training-thread slowdown test")
-    p.add_argument("--reader", action="store_true",
-                   help="only the reader thread's CPU per step with a rank's DST settled on it "
-                        "against settled in the planner process, relayed (``reader_cpu``)")
     args = p.parse_args(argv)
     sb = SparseBalanceConfig(sparse_balance=True, dst_objective=args.dst_objective,
                              dst_descent=args.dst_descent)
-    if args.reader:
-        return _reader_only(sb, args)
-
     rng = np.random.default_rng(7)
     grid = density_grid(0.5, 0.125, 1.0)
     fixed = rng.uniform(0.05, 0.2, (64, 16, 4))
@@ -331,102 +324,3 @@ def main(argv=None) -> int:
             "rows": [dict(what=n, median_ms=m, target_ms=t) for n, m, t in rows]})
     return 0
 
-
-def _reader_only(sb, args) -> int:
-    """``--reader``: the reader thread's CPU per step, settle on it against relayed."""
-    rows = {f"{dp} DP": reader_cpu(sb, dp=dp, steps=args.repeats + 1) for dp in (64, 4)}
-    print("reader thread CPU per step, median ms (of which reading the draft back); the "
-          "settle's own CPU where the reader ran it")
-    print(f"{'shape':<60} {'settle on reader':>18} {'relayed':>16} {'settle':>7} rounds same")
-    for r in rows.values():
-        print(f"{r['shape']:<60} {r['reader_ms_settle_on_reader']:>7.2f} "
-              f"({r['recv_ms_settle_on_reader']:>5.2f}) ms {r['reader_ms_settle_in_process']:>6.2f}"
-              f" ({r['recv_ms_settle_in_process']:>5.2f}) ms {r['settle_ms_on_reader']:>5.1f} "
-              f"{r['rounds_relayed']:>6} {r['same_plans']}"
-              + (f"; {len(r['late'])} late draft(s) not counted" if r["late"] else ""))
-    if args.json:
-        write_result(args.json, {"machine": platform.processor() or platform.machine(),
-                                 "clock": "reader thread CPU time", "reader_cpu": rows})
-    return 0
-
-
-# ---- --reader: the reader thread's CPU, settle on it against relayed --------------------------
-
-class Twins:
-    """A DP group of ``dp`` ranks that are all this rank's twins (``DPReducer``'s interface)."""
-
-    def __init__(self, dp: int):
-        self.dp = dp
-
-    def __call__(self, parts):
-        out = {k: v * self.dp for k, v in parts["sum"].items()}
-        out.update(parts["max"])
-        for k, v in parts.get("cat", {}).items():
-            out[k] = np.tile(np.asarray(v).reshape(-1), self.dp)
-        return out
-
-
-def reader_cpu(sb, dp: int = 64, m: int = 16, seq: int = 32768, layout: str = "best",
-               steps: int = 6, rank: int = 0, step_s: float = 1.0) -> dict:
-    """Median reader-thread CPU ms per step (after one warm-up step) with the settle on the
-    reader thread (``agree``) and in the planner process (``settle``), alternated step by step,
-    each step's draft made while a stand-in step sleeps ``step_s`` (the GIL released); with the
-    settle's own thread CPU in either place and both plans' equality."""
-    from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
-    from sparsebalance_megatron.megatron.step.ahead import PlannerProcess, PlannerProcessError
-
-    corpus = corpus_steps(dp, m, sb.density, steps + 1, seq=seq, layout=layout, pp=4)
-    drafter = make_drafter(corpus.lm, sb, dp, seq)
-    proc = PlannerProcess(drafter)
-    got = {"agree": [], "settle": []}
-    recv = {"agree": [], "settle": []}
-    rounds, late = [], []
-    settle_ms, same = [], True
-    try:
-        proc.wait_ready()
-        for k, segs in enumerate(corpus.segments):
-            plans = {}
-            for how in ("agree", "settle") if k % 2 else ("settle", "agree"):
-                spent = []
-
-                def agree(draft):
-                    c0 = time.thread_time()
-                    out = drafter.settle(draft, rank=rank, agree=Twins(dp))
-                    spent.append(time.thread_time() - c0)
-                    return out
-                kw = dict(agree=agree) if how == "agree" else dict(settle=(rank, Twins(dp)))
-                pending = proc.submit(k, 0, segs, m, with_dst=False,
-                                      latency_state=drafter.latency.calibration_state(),
-                                      tracker_sync=("reset", drafter.tracker.state_dict()),
-                                      basis={}, **kw)
-                time.sleep(step_s)
-                try:
-                    plans[how] = pending.result().agreed
-                except PlannerProcessError as e:     # a loaded host starves it: not counted
-                    late.append(f"step {k} {how}: {e}")
-                    pending._thread.join()
-                    plans[how] = drafter.settle(drafter.draft(**pending.request), rank=rank,
-                                                agree=pending.rounds.replaying()
-                                                if how == "settle" else Twins(dp))
-                    continue
-                if k:
-                    got[how].append(pending.reader_s * 1e3)
-                    recv[how].append(pending.recv_s * 1e3)
-                    if how == "settle":
-                        rounds.append(len(pending.rounds.done))
-                    if spent:
-                        settle_ms.append(spent[0] * 1e3)
-            same &= np.array_equal(np.asarray(plans["agree"][0]), np.asarray(plans["settle"][0]))
-    finally:
-        proc.close()
-    med = {k: float(np.median(v)) for k, v in got.items()}
-    return {"shape": f"{dp} DP x {m} micro-batches x PP4, {seq} tokens, {layout} layout, rank "
-                     f"{rank}", "steps": steps,
-            "reader_ms_settle_on_reader": med["agree"],
-            "reader_ms_settle_in_process": med["settle"],
-            "reader_ms_each": {k: [round(x, 2) for x in v] for k, v in got.items()},
-            "recv_ms_settle_on_reader": float(np.median(recv["agree"])),
-            "recv_ms_settle_in_process": float(np.median(recv["settle"])),
-            "rounds_relayed": int(np.median(rounds)),
-            "settle_ms_on_reader": float(np.median(settle_ms)), "same_plans": bool(same),
-            "late": late}

@@ -1,5 +1,5 @@
 """Steps of the built-in corpus packed the way the runtime packs them, at any scale: the set-up
-the planning studies share (``scripts/bench.py planner_cost``, ``planner_ab``, ``sab_ranks``,
+the planning studies share (``scripts/bench.py planner_cost``, ``planner_ab``,
 ``control_plane``, ``plugin_cost``).
 
 Pure numpy; must not import torch or megatron.

@@ -40,8 +40,8 @@ newer measurement replaces an older one without a code change:
   (``shape``/``layout`` text, or ``dp``, ``microbatches``, ``pp``, ``virtual_stages``,
   ``seq_length``). A planner form the file did not measure is priced by the nearest one it did
   (process by thread, or the reverse), and the charge's source says so;
-- control plane: the first of ``CONTROL_PLANE`` that exists: ``rows`` of ``world_size``,
-  ``microbatches``, ``gather_ms``, ``broadcast_ms`` (critical path per step).
+- control plane: ``CONTROL_PLANE``'s ``rows`` of ``world_size``, ``microbatches``,
+  ``gather_ms``, ``broadcast_ms`` (critical path per step).
 
 Scaled from the measured shape to a row's: packing with the tokens of the global batch
 (dp x m x seq); features, DST, calibration and the planner's handoff with the units (dp x m x
@@ -82,9 +82,8 @@ PLANNER_COST = {
     ("density", "off"): "planner_cost.json",
 }
 """(--sb-dst-objective, --sb-dst-descent) -> the planner_cost JSON measured with those flags."""
-CONTROL_PLANE = ("control_plane.json", "plugin_cost.json")
-"""The control plane's cost per world size, the first that exists: the fixed-size tensor
-control plane's study, else today's pickled-object path (``plugin_cost`` study)."""
+CONTROL_PLANE = "control_plane.json"
+"""The control plane's cost per world size (``scripts/bench.py control_plane``)."""
 PARTS = {"packing": "sab_plan", "features": "features + UnitCosts.from_latency",
          "dst": "sensitivity + DST", "calibration": "after the step: busy_s + unit_work"}
 """Our names of the planner_cost study's parts."""
@@ -298,12 +297,11 @@ class PluginCost:
             name = PLANNER_COST[near[0]]
             notes.append(f"planning: no measurement at --sb-dst-objective {dst_objective} "
                          f"--sb-dst-descent {dst_descent}; {name} stands in")
-        cp = next((os.path.join(results, n) for n in CONTROL_PLANE
-                   if os.path.exists(os.path.join(results, n))), None)
-        if cp is None:
-            raise FileNotFoundError(f"no control-plane measurement in {results} (expected one "
-                                    f"of {list(CONTROL_PLANE)}: python scripts/bench.py "
-                                    f"plugin_cost --json docs/results/{CONTROL_PLANE[1]})")
+        cp = os.path.join(results, CONTROL_PLANE)
+        if not os.path.exists(cp):
+            raise FileNotFoundError(f"no control-plane measurement in {results} (expected "
+                                    f"{CONTROL_PLANE}: python scripts/bench.py control_plane "
+                                    f"--json docs/results/{CONTROL_PLANE})")
         return cls(PlannerCost.load(os.path.join(results, name)), ControlPlaneCost.load(cp),
                    notes, f"--sb-dst-objective {dst_objective} --sb-dst-descent {dst_descent}")
 

@@ -1,5 +1,5 @@
 """The offline check of a table (scripts/bench.py latency_cv) reproduces the stored H100 held-out
-MAPE and finds the state change of the stored H100 profile."""
+MAPE."""
 
 import importlib
 import json
@@ -37,7 +37,7 @@ def _cv_script():
     return importlib.import_module("studies.latency_cv")
 
 
-def test_offline_check_finds_the_state_change_of_the_stored_h100_profile(tmp_path):
+def test_offline_check_reproduces_the_stored_h100_errors(tmp_path):
     cv = _cv_script()
     out = tmp_path / "cv.json"
     assert cv.main(["--table", str(H100_TABLE), "--eval", str(H100_EVAL),
@@ -48,17 +48,6 @@ def test_offline_check_finds_the_state_change_of_the_stored_h100_profile(tmp_pat
     assert base["heldout_mape"] == pytest.approx(0.0797, abs=5e-4)
     assert base["grid_mape"] == pytest.approx(0.0472, abs=5e-4)
     assert 0.05 < base["cv_mape"] < base["heldout_mape"]
-    # the backward of the first samples (pass 0, before the grid's first 8K-token micro-batch)
-    # sits ~17% below the same points' later samples
-    bwd = next(c for c in res["change_points"] if c["part"] == "bwd")
-    assert bwd["split_pass"] == 0 and bwd["samples_before"] <= 15
-    assert bwd["before"] < 0.87 and bwd["after"] == pytest.approx(1.0, abs=0.01)
-    # the held-out 16K document takes what the grid's first pass took, not what the grid holds
-    same = res["same_mix"]
-    assert len(same) == 4
-    for s in same:
-        assert s["held_bwd_s"] == pytest.approx(s["grid_pass0_bwd_s"], rel=0.01)
-        assert s["grid_bwd_s"] > 1.15 * s["held_bwd_s"]
 
 
 def test_refit_of_the_regridded_h100_table_reproduces_its_heldout_mape():

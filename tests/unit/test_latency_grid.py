@@ -1,6 +1,6 @@
 """The profiling grid holds micro-batches training can have (one token count, training's padding,
 one padded length of the flex kernel), and the fit copes with the features such a grid leaves
-constant (the stored H100 profile's state change: tests/unit/test_latency_cv.py)."""
+constant (the stored H100 profile's state change: docs/benchmarks/attention-gpu.md)."""
 
 import numpy as np
 import pytest

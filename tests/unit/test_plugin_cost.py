@@ -37,7 +37,7 @@ def _scaled(planner: dict, factor: float) -> dict:
 
 def _cost(tmp_path, planner=PLANNER, control=CONTROL) -> PluginCost:
     (tmp_path / "planner_cost_quality_descent.json").write_text(json.dumps(planner))
-    (tmp_path / "plugin_cost.json").write_text(json.dumps(control))
+    (tmp_path / "control_plane.json").write_text(json.dumps(control))
     return PluginCost.from_results("quality", "critical_path", results=str(tmp_path))
 
 
@@ -75,7 +75,7 @@ def test_the_charge_is_the_named_measurements_scaled_to_the_row(tmp_path):
     with pytest.raises(ValueError, match="planner='ahead': expected one of"):
         cost.charge(same, sab=True, dst=True, planner="ahead", stand_down=True)
     assert "--sb-dst-objective quality" in ch.flags
-    assert "planner_cost_quality_descent.json" in ch.source and "plugin_cost.json" in ch.source
+    assert "planner_cost_quality_descent.json" in ch.source and "control_plane.json" in ch.source
 
 
 def test_the_control_plane_is_interpolated_in_world_size_and_scaled_by_microbatches():
