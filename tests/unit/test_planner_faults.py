@@ -164,7 +164,7 @@ def test_a_failed_planner_costs_a_step_and_restarts_with_backoff(capsys):
                                with_dst=True)
                 err = PlannerProcessError(f"died at {it}", pid=cb._process.pid,
                                           phase="drafting", iteration=it, code=-9)
-                cb._planner = PendingDraft(cb._process, {"b": it}, request, 0.0, error=err)
+                cb._planner = PendingDraft(cb._process, {"b": it}, request, error=err)
                 dead = cb._process
                 draft = cb.join_ahead()
                 assert draft.basis == {"b": it} and drafted[-1] == request and dead.killed
@@ -199,7 +199,7 @@ def test_a_failed_planner_costs_a_step_and_restarts_with_backoff(capsys):
 
     cb._process = Fake()
     request = dict(iteration=50, first_bin=0, segments=[], num_microbatches=1, with_dst=True)
-    cb._planner = Waiting(cb._process, {}, request, 0.0, error=PlannerProcessError(
+    cb._planner = Waiting(cb._process, {}, request, error=PlannerProcessError(
         "x", pid=0, phase="idle", iteration=50, code=-9))
     assert cb.join_ahead().iteration == 50
     waiting = f"waiting for the planner process (pid {Fake.started + 1000})"
@@ -285,42 +285,6 @@ def _slow_batch() -> list:
     return [(i, 0, 1) for i in range(200_000)]
 
 
-@pytest.mark.reliability(area="fault", case="DST's rounds over the DP group, with a draft back "
-                         "in time and with a late one", expect="the reader thread agrees a draft "
-                         "back in time, once; a late one, claimed by the training thread (which "
-                         "agrees its own draft), is never agreed: the rounds run once a step")
-def test_the_rounds_run_once_on_the_reader_thread_or_not_at_all(steps):
-    import threading
-
-    from sparsebalance_megatron.batching import SensitivityTracker
-
-    calls = []
-
-    def agree(draft):
-        calls.append(threading.current_thread().name)
-        return "densities", "report"
-
-    for timeout_s, late in ((30.0, False), (1e-3, True)):     # 1 ms: every draft is late
-        calls.clear()
-        proc = PlannerProcess(_drafter(copy.deepcopy(steps.lm), SensitivityTracker()),
-                              timeout_s=timeout_s)
-        try:
-            proc.wait_ready()
-            pending = proc.submit(0, 0, _slow_batch() if late else steps.segments[0], M,
-                                  with_dst=False, latency_state=None, tracker_sync=None,
-                                  basis={}, agree=agree)
-            if not late:
-                assert pending.result().agreed == ("densities", "report")
-                assert calls == ["sparsebalance-planner-reader"]
-                continue
-            with pytest.raises(PlannerProcessError, match="is late"):
-                pending.result()
-            pending._thread.join(timeout=120)           # it comes back: dropped, not agreed
-            assert not pending._thread.is_alive() and pending.dropped and calls == []
-        finally:
-            proc.close()
-
-
 @pytest.mark.reliability(area="fault", case="the planner process runs but its draft is past "
                          "its deadline", expect="the training thread drafts the step; the "
                          "process is left running and its late draft dropped; stopped before the "
@@ -403,7 +367,7 @@ def test_a_late_draft_is_drafted_here_and_the_process_kept():
     request = dict(iteration=60, first_bin=0, segments=[], num_microbatches=1, with_dst=True)
     err = PlannerProcessError("the SparseBalance planner process (pid 4242) is late: ...",
                               pid=4242, phase="late", iteration=60, code=None)
-    cb._planner = PendingDraft(process, {"b": 60}, request, 0.0, error=err)
+    cb._planner = PendingDraft(process, {"b": 60}, request, error=err)
     draft = cb.join_ahead()
     assert draft.basis == {"b": 60} and drafted == [request]
     assert not process.killed and cb._process is process and cb._failures.count == 0

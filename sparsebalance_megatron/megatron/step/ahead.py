@@ -209,16 +209,15 @@ class PlannerProcess:
 
     def submit(self, iteration: int, first_bin: int, segments, num_microbatches: int, *,
                with_dst: bool, latency_state: Optional[dict], tracker_sync, basis: dict,
-               agree=None, settle: Optional[tuple] = None, on_round=None,
+               settle: Optional[tuple] = None, on_round=None,
                rank: Optional[int] = None, quality_scales: Optional[tuple] = None
                ) -> "PendingDraft":
         """Start the draft of ``iteration`` from these inputs; ``tracker_sync``: None (no
         tracker), ("reset", state) or ("updates", [(ids, lengths, values), ...]); ``rank``: a DP
         rank's own draft (``Drafter.own_draft``); ``settle``: (DP rank, its ``DPReducer`` on the
         rounds group): the process settles the draft as that rank (``Drafter.settle``, its
-        ``agreed``), the reader thread relaying its collectives (``step/relay.py``); ``agree``:
-        instead, what the reader thread runs on the draft once read (its result the draft's
-        ``agreed``); ``on_round(k)``: called on the reader thread after the k-th relayed round
+        ``agreed``), the reader thread relaying its collectives (``step/relay.py``);
+        ``on_round(k)``: called on the reader thread after the k-th relayed round
         (``--sb-fault planner-kill-agreeing``); ``quality_scales``: the quality model's
         refreshed group scales the rank's drafts use (``Drafter.quality_scales``). A process
         that ended gives a draft whose
@@ -227,7 +226,7 @@ class PlannerProcess:
             raise RuntimeError("a draft of the planner process is still pending")
         request = dict(iteration=iteration, first_bin=first_bin, segments=segments,
                        num_microbatches=num_microbatches, with_dst=with_dst, rank=rank)
-        c0, err = time.thread_time(), None
+        err = None
         try:
             self.wait_ready()
             if self.proc.poll() is not None:
@@ -239,8 +238,7 @@ class PlannerProcess:
             err = self._died("idle", iteration)
         except PlannerProcessError as e:
             err = e
-        self._pending = PendingDraft(self, basis, request, send_s=time.thread_time() - c0,
-                                     error=err, agree=agree,
+        self._pending = PendingDraft(self, basis, request, error=err,
                                      rounds=Rounds(None if settle is None else settle[1]),
                                      on_round=on_round)
         return self._pending

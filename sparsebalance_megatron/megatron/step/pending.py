@@ -20,20 +20,17 @@ class PendingDraft:
     as soon as it is made, while the step trains; ``result`` joins it (``Planner``'s API) and
     raises what the draft or the process raised. ``request``: the draft's inputs (what the
     training thread drafts from where the process fails); ``rounds``: the step's rounds on this
-    rank (``relay.Rounds``: what the reader thread made, and the claim that stops it); ``send_s``:
-    the training thread's CPU seconds pickling the inputs; ``recv_s``: the reader thread's
-    reading the draft back; ``reader_s``: the reader thread's CPU seconds in all (the relayed
-    rounds and any ``agree`` included: off the critical path, but it holds the GIL beside a
-    launch-bound training thread: ``planner_cost``'s slowdown study); ``wait_s``: wall seconds
-    the training thread waited at the join."""
+    rank (``relay.Rounds``: what the reader thread made, and the claim that stops it); ``recv_s``:
+    the reader thread's CPU seconds reading the draft back; ``wait_s``: wall seconds the training
+    thread waited at the join (both ``planner_cost``'s)."""
 
-    def __init__(self, planner, basis: dict, request: dict, send_s: float,
-                 error: Optional[BaseException] = None, agree=None,
+    def __init__(self, planner, basis: dict, request: dict,
+                 error: Optional[BaseException] = None,
                  rounds: Optional[Rounds] = None, on_round=None):
         self._planner, self.basis, self.request = planner, basis, request
-        self._agree, self._on_round = agree, on_round
+        self._on_round = on_round
         self.rounds = Rounds() if rounds is None else rounds
-        self.send_s, self.recv_s, self.reader_s, self.wait_s = send_s, 0.0, 0.0, 0.0
+        self.recv_s, self.wait_s = 0.0, 0.0
         self.asked = time.monotonic()
         self.phase = "drafting"       # "agreeing" (its rounds relayed), "sending" its draft
         self.dropped = False          # late: the training thread drafted it instead
@@ -52,13 +49,11 @@ class PendingDraft:
         return self._planner.pid
 
     def _read(self) -> None:
-        c0 = time.thread_time()
         try:
             self._take()
         except BaseException as e:          # raised on the training thread by result()
             self._err = e
         finally:
-            self.reader_s = time.thread_time() - c0
             self.rounds.finish()
 
     def _take(self) -> None:
@@ -92,10 +87,6 @@ class PendingDraft:
         planner.note_draft_s(time.monotonic() - self.asked - rounds.wait_s)
         if self.dropped:                    # the training thread drafted it: not needed
             self._draft = None
-        if self._agree is not None and self._draft is not None:
-            made, agreed = rounds.take(lambda: self._agree(self._draft))
-            if made:
-                self._draft.agreed = agreed
 
     def done(self) -> bool:
         """Whether the draft is read back (``result`` would not wait)."""
