@@ -291,7 +291,6 @@ class RankDST:
         s, r, k = self.settings, self.chosen_report, self.chosen
         ok = (r.meets(*descent_floors(s), quality=self.quality is not None)
               and not r.step_time_planned_s > r.step_time_static_s)
-        self.from_band = ok
         if ok:
             self.cur = (self.plans[k].grid_index, float(self.mk[k]), self.kept_s[k],
                         float(self.q[k]))
