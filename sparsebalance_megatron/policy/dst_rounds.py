@@ -85,7 +85,7 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
     a3 = yield timed(2, rk.raise_, a2)
     k = timed(3, rk.choose, a3)
     idx, report, j = rk.plans[k].grid_index, rk.chosen_report, -1
-    if quality is not None and not rk.descend_on:           # AR3q
+    if quality is not None and not rk.descend_on:               # AR3q
         replicates, free_replicates = (yield timed(3, rk.replicate_parts))["quality_b"]
     if rk.descend_on:
         start = yield timed(3, rk.descent_start, a3)            # AR3b
