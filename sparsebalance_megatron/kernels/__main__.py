@@ -18,7 +18,7 @@ from . import ROOMS
 # seconds of one core to compile each room from an empty cache (measured on a 2-core VM,
 # 2026-11-27): only their ratios matter, to share the rooms evenly
 COMPILE_S = {"band": 21.3, "descent": 18.7, "grid": 9.3, "packing": 5.0, "slots": 4.3,
-             "graph": 3.6, "floors": 1.9, "features": 1.1}
+             "graph": 3.6, "features": 1.1}
 
 
 def share(rooms, jobs: int) -> list[list[str]]:

@@ -1,9 +1,8 @@
 """The typed records the kernels take instead of long positional lists: an event graph
 (``Graph``), the cost tables and their formula (``Tables``), water-filling's gain tables
-(``Fill``) and a floor check's weights (``Floors``); and the inputs the warm-ups compile with
-(``SAMPLE``). numba
-passes a ``NamedTuple`` of arrays by value and reads its fields by name, so a kernel's
-signature says what it reads, not thirty arrays in a row.
+(``Fill``); and the inputs the warm-ups compile with (``SAMPLE``). numba passes a
+``NamedTuple`` of arrays by value and reads its fields by name, so a kernel's signature says
+what it reads, not thirty arrays in a row.
 
 Pure numpy; imports nothing of this package but ``kernels``.
 """
@@ -38,23 +37,6 @@ class Graph(NamedTuple):
         """The record of an event graph's ``links`` ([5, E]: prev, dep, cross, next,
         successor), ``last`` [ranks] and ``unit_events`` [2, units] (forward, backward)."""
         return cls(*(i64(a) for a in (*links, last, *unit_events)), float(p2p_s))
-
-
-class Floors(NamedTuple):
-    """What a floor verdict weighs a plan's densities by
-    (``policy.density_means.FloorCheck``): per unit its weight [units], the stages (unit u's:
-    u mod nv), the weights' total and the routed work's, the same per stage [nv], the mean and
-    per-stage floors, and whether a stage without work takes its plain mean of densities."""
-
-    w: np.ndarray
-    nv: int
-    tot: float
-    dense: float
-    tot_s: np.ndarray
-    dense_s: np.ndarray
-    mean_floor: float
-    stage_floor: float
-    plain: bool
 
 
 class Tables(NamedTuple):

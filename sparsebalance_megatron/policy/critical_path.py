@@ -3,16 +3,14 @@ busiest stage (docs/DESIGN.md section 5, "Critical-path descent"). A round cuts 
 path longer than (1 - eta) x the step by one of ``CUT_FRACTIONS`` of its cuttable time and
 raises every unit by one of ``RAISE_FRACTIONS`` of its float before (1 - h) x that target
 (``kernels.descent``, compiled); it is kept only if the step got faster and the floors (with
-``NEUTRAL_DENSITY``: the descent spends no density) and quality rule hold, else eta halves. At
-DP 1 ``refine_plan`` descends; above, each rank descends toward agreed probe steps
-(``dst_probes``).
+``NEUTRAL_DENSITY``: the descent spends no density) and quality rule hold, else eta halves. Each
+DP rank descends toward agreed probe steps (``dst_probes``), at DP 1 as above it.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -22,7 +20,6 @@ from ..kernels.descent import SCALE
 from ..kernels.records import NO_START, Tables
 from ..sim.pipeline import event_graph
 from .costs import UnitCosts
-from .density_means import FloorCheck, stage_mean_densities, weighted_mean_density
 from .dst_settings import DSTSettings
 
 ROUNDS = 8                                   # descent rounds per plan
@@ -136,43 +133,3 @@ def descent_floors(settings: DSTSettings) -> tuple:
     and stage_density_floor x d0."""
     return (max(float(settings.density_floor), NEUTRAL_DENSITY) * settings.d0,
             settings.stage_density_floor * settings.d0)
-
-
-def refine_plan(plan, costs: UnitCosts, settings: DSTSettings, *, quality=None,
-                margin: float = 1e-3, rounds: int = ROUNDS):
-    """``plan`` (a ``dst.DSTPlan``), or the critical-path descent from it when that is predicted
-    faster by more than ``margin`` (relative) and meets the floors of ``settings``: the
-    work-weighted mean density >= max(density_floor, ``NEUTRAL_DENSITY``) x d0, every stage's >=
-    stage_density_floor x d0, and with ``quality`` (a ``StageQuality``) no predicted loss against
-    uniform d0. A plan that does not meet them is refined from the static plan (every unit at
-    d0) instead."""
-    if rounds <= 0:
-        return plan
-    d0 = settings.d0
-    check = FloorCheck(costs, *descent_floors(settings), quality)
-    meets = check.meets
-    r = plan.report
-    start, start_s = plan.densities, min(r.step_time_planned_s, r.step_time_static_s)
-    if r.step_time_planned_s > r.step_time_static_s or not meets(start):
-        start, start_s = np.full(costs.shape, float(d0)), r.step_time_static_s
-    i0, i_min, i_max = (costs.index_of(d) for d in (d0, settings.d_min, settings.d_max))
-    idx0 = costs.grid_index(start)
-    # the floors weigh every unit at its effective density (``UnitCosts.effective_index``)
-    idx, step, mk = descend_at(costs, idx0, i_min, i_max, settings.p2p_s, settings.raise_headroom,
-                             lambda i: check.meets_at(costs.effective_index(i, i0)), rounds,
-                             lambda i: check.floors_at(costs.effective_index(i, i0)))
-    if not step < min(start_s, r.step_time_planned_s) * (1.0 - margin):
-        return plan
-    idx = costs.effective_index(idx, i0)
-    dens = costs.densities[idx]
-    w, dense = costs.weights(), costs.dense_work
-    report = replace(
-        r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
-        imbalance_after=float(mk.max() / mk.mean()) if mk.mean() > 0 else 1.0,
-        mean_density=weighted_mean_density(dens, w, dense),
-        units_cut=int((idx < i0).sum()), units_raised=int((idx > i0).sum()), ranks_reverted=0,
-        density_per_stage=tuple(float(x) for x in stage_mean_densities(dens, w, dense)),
-        quality_cost=quality.plan_cost_at(idx, costs.densities) if quality is not None
-        else r.quality_cost)
-    return replace(plan, densities=dens, report=report, grid_index=idx)
-

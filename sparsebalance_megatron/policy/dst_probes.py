@@ -1,10 +1,10 @@
 """The critical-path descent, one DP rank's part (``dst_ranks.RankDST``'s ``descent_start``,
 ``probe`` and ``pick``; docs/DESIGN.md section 6).
 
-Over all ranks at once (``critical_path.refine_plan``, the DP-1 case) a round cuts the units on
-paths longer than its target and raises every unit with float, and is kept if the whole plan
-meets the floors: the critical ranks' cuts are paid by the other ranks' raises. A rank
-descending alone would have only the start's slack over the floors, often none. So every rank
+A descent's round (``critical_path.descend_at``) over all ranks at once would cut the units on
+paths longer than its target and raise every unit with float, kept if the whole plan meets the
+floors: the critical ranks' cuts paid by the other ranks' raises. A rank descending alone
+would have only the start's slack over the floors, often none. So every rank (at DP 1 the one)
 works on ``PROBES`` agreed steps below the start's (``probe_steps``) and two reductions agree
 what a rank cannot see:
 

@@ -285,13 +285,12 @@ class RankDST:
 
     def descent_start(self, a3: dict) -> dict:
         """After ``choose``: the descent's start, the band plan where it meets the descent's
-        neutral floors globally (AR3's verdict: the same on every rank), else the static plan,
-        as ``refine_plan``; AR3b's parts: the rank's parts of the start's sums (``parts``) and
+        neutral floors globally (AR3's verdict: the same on every rank), else the static plan;
+        AR3b's parts: the rank's parts of the start's sums (``parts``) and
         of every probe's supply and demand (``dst_probes.RankProbes.first``)."""
         s, r, k = self.settings, self.chosen_report, self.chosen
         ok = (r.meets(*descent_floors(s), quality=self.quality is not None)
               and not r.step_time_planned_s > r.step_time_static_s)
-        self.from_band = ok
         if ok:
             self.cur = (self.plans[k].grid_index, float(self.mk[k]), self.kept_s[k],
                         float(self.q[k]))

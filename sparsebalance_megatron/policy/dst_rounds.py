@@ -20,8 +20,7 @@ raise), then with the descent AR3b (its start) and AR4 (its probes), and, where 
 AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
 rule reads, ``RankDST.adopt``). The quality rule's replicates of the band search's kept row and
 of the no-cut row ride AR3b, or without the descent take a round of their own (AR3q). At DP 1
-every reduction is the identity and the rank descends with ``critical_path.refine_plan`` itself
-after AR3. No round grows with DP.
+the rounds are the same and every reduction is the identity. No round grows with DP.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -36,7 +35,6 @@ import numpy as np
 
 from .agreed_stats import straggler_present
 from .costs import UnitCosts
-from .critical_path import ROUNDS, refine_plan
 from .dst_band import SPEED_TIE, DSTPlan, DSTReport
 from .dst_ranks import PHASES, Agreed1, RankDST, rank_slice
 from .dst_settings import DSTSettings
@@ -87,19 +85,9 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
     a3 = yield timed(2, rk.raise_, a2)
     k = timed(3, rk.choose, a3)
     idx, report, j = rk.plans[k].grid_index, rk.chosen_report, -1
-    if quality is not None and not (rk.descend_on and a1.dp > 1):   # AR3q (at DP 1: its own)
-        part = timed(3, rk.replicate_parts)     # the plan's and the no-cut plan's quality under
-        replicates, free_replicates = part["sum"]["quality_b"] if a1.dp == 1 \
-            else (yield part)["quality_b"]      # the model's replicates
-    if rk.descend_on and a1.dp == 1:    # the one rank's floors are the global ones
-        band = DSTPlan(rk.plans[k].densities, report, idx)
-        plan = timed(4, refine_plan, band, costs, settings, quality=rk.quality,
-                     margin=SPEED_TIE, rounds=ROUNDS)
-        if plan is not band:
-            idx, report = plan.grid_index, plan.report
-            if quality is not None:
-                replicates = rk.quality.replicate_sums_at(idx, costs.densities)
-    elif rk.descend_on:
+    if quality is not None and not rk.descend_on:               # AR3q
+        replicates, free_replicates = (yield timed(3, rk.replicate_parts))["quality_b"]
+    if rk.descend_on:
         start = yield timed(3, rk.descent_start, a3)            # AR3b
         if quality is not None:
             replicates, free_replicates = start["quality_b"]
@@ -111,7 +99,7 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
             a5 = yield timed(5, report_parts, rk)               # AR5: the report's sums
             report = descended_report(report, a1, a5, quality is not None)
             replicates = a5["quality_b"]
-        else:                            # the band plan, as ``refine_plan``
+        else:                            # the band plan
             j = -1
     if quality is not None:              # do the cuts pay for themselves?
         idx, report, free = timed(5, rk.adopt, idx, report, replicates, free_replicates, a3)

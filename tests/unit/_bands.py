@@ -3,8 +3,9 @@ oracle the tests hold the planner's per-rank rounds against ("the same code run 
 
 ``band_plans``: the plans of several (anchor, tolerance) candidates in one pass over all rows of
 the costs (``dst_band``'s phases in order); ``band_plan``: one band's; ``central_plan``: the band
-search over those plans, then the critical-path descent over every rank (what the planner's
-rounds make at DP 1, bit for bit; at DP > 1 its probes differ)."""
+search over those plans (the planner's band plan at every DP, bit for bit); ``central_descent``:
+the critical-path descent over every rank at once from it, the step the planner's per-rank
+probes are held against."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from sparsebalance_megatron.policy.critical_path import ROUNDS, refine_plan
 from sparsebalance_megatron.policy.bands import band_search
+from sparsebalance_megatron.policy.critical_path import descend_at, descent_floors
+from sparsebalance_megatron.policy.density_means import (stage_mean_densities,
+                                                         weighted_mean_density)
 from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, BandCache, band_pass, cut_rows,
                                                      plan_reports, raise_rows, static_band)
 from sparsebalance_megatron.policy.dst_settings import DSTSettings
@@ -48,8 +51,7 @@ def band_plan(costs, sensitivity, d0, d_min, d_max, anchor="mean", tolerance=0.1
 
 def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow=False,
                  objectives=None):
-    """The band search over all ranks' rows at once, then ``refine_plan``'s descent where the
-    settings ask (``quality``: bound to ``costs``). With the quality objective and no descent
+    """The band search over all ranks' rows at once (``quality``: bound to ``costs``). With the quality objective and no descent
     both objectives search and the quality cost chooses within ``SPEED_TIE`` of the faster, as
     the planner's rounds do (``objectives``: [water-fills?] of the searches to run instead;
     the last one's plan is returned). Without the planner's last rule (``RankDST.adopt``)."""
@@ -78,8 +80,35 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
         fastest = min(p.report.step_time_planned_s for p in fair)
         plan = min((p for p in fair if p.report.step_time_planned_s
                     <= fastest * (1.0 + SPEED_TIE)), key=lambda p: p.report.quality_cost)
-    return refine_plan(plan, costs, s, quality=quality, margin=SPEED_TIE,
-                       rounds=ROUNDS if descend else 0)
+    return plan
+
+
+def central_descent(plan, costs, settings: DSTSettings, quality=None) -> np.ndarray:
+    """The densities of the critical-path descent over every rank at once from ``plan``
+    (``central_plan``'s; ``quality``: bound to ``costs``): ``descend_at`` on the whole plan, a
+    round kept only where the whole plan meets the descent's floors as the density functions
+    and ``plan_cost`` weigh it, from the band plan where it meets them and is no slower than
+    static, else from static; ``plan``'s own where the descent is not faster by more than
+    ``SPEED_TIE``. The reference the planner's per-rank probes are held against."""
+    s, r = settings, plan.report
+    floor, stage_floor = descent_floors(s)
+    w, dense = costs.weights(), costs.dense_work
+    i0, i_min, i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
+
+    def meets(d):
+        return (weighted_mean_density(d, w, dense) >= floor - 1e-12
+                and stage_mean_densities(d, w, dense).min() >= stage_floor - 1e-12
+                and (quality is None or quality.plan_cost(d, costs.densities) <= 1e-12))
+
+    start = plan.densities
+    if r.step_time_planned_s > r.step_time_static_s or not meets(start):
+        start = np.full(costs.shape, float(s.d0))
+    idx, step, _ = descend_at(costs, costs.grid_index(start), i_min, i_max, s.p2p_s,
+                              s.raise_headroom,
+                              lambda i: meets(costs.densities[costs.effective_index(i, i0)]))
+    if not step < min(r.step_time_planned_s, r.step_time_static_s) * (1.0 - SPEED_TIE):
+        return plan.densities
+    return costs.densities[costs.effective_index(idx, i0)]
 
 
 def rule_free(settings: DSTSettings) -> DSTSettings:

@@ -11,7 +11,6 @@ from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
                                            weighted_mean_density)
 from sparsebalance_megatron.policy.density_means import stage_mean_densities
 from sparsebalance_megatron.policy.critical_path import descend_at
-from sparsebalance_megatron.policy.density_means import FloorCheck
 from tests.unit._floats import unit_floats
 
 from test_policy_dst import (D0, DMAX, DMIN, _quality, plan_dst_from_config, step_time_of,
@@ -283,31 +282,3 @@ def test_a_round_from_the_last_rounds_search_plans_what_a_cold_search_plans(monk
         assert step == want_step
         accepted += not np.array_equal(got, start)
     assert sum(calls) >= 10 and accepted >= 4         # warm starts among the cuts checked
-
-
-def test_the_descents_floor_check_is_the_floors_functions_bit_for_bit():
-    """The descent checks its rounds' plans by grid index with the weights' totals summed once
-    (``FloorCheck``): the same verdicts as the mean and per-stage density functions and the
-    quality cost on the plan's densities, with routed work and with a stage without work."""
-    rng = np.random.default_rng(11)
-    for case in range(12):
-        dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 6)), int(rng.integers(2, 5))
-        costs = synthetic_costs(dp, m, pp, seed=900 + case)
-        if case % 3 == 1:
-            costs.dense_work = rng.random(costs.shape) * 0.3
-        if case % 3 == 2:                                 # no attention work on stage 0
-            costs.attn_work = costs.weights().copy()
-            costs.attn_work[..., 0] = 0.0
-        q = _quality(pp).bind(costs) if case % 2 else None
-        w, dense, g = costs.weights(), costs.dense_work, costs.densities
-        mean_floor, stage_floor = float(rng.uniform(0.8, 1.1)) * D0, 0.75 * D0
-        check = FloorCheck(costs, mean_floor, stage_floor, q)
-        for _ in range(25):
-            i = rng.integers(0, g.size, costs.shape)
-            d = g[i]
-            want_floors = (weighted_mean_density(d, w, dense) >= mean_floor - 1e-12
-                           and float(np.min(stage_mean_densities(d, w, dense)))
-                           >= stage_floor - 1e-12)
-            want = want_floors and (q is None or q.plan_cost(d, g) <= 1e-12)
-            assert check.floors_at(i) == want_floors
-            assert check.meets_at(i) == check.meets(d) == want
