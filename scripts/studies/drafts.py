@@ -121,8 +121,8 @@ def span_rounds(span: np.ndarray) -> list:
 
     dp, log = span.size, []
     gens = [_recorded(candidate_rounds(float(span[r]), r, dp, candidate_count()),
-                      _sizes(log) if r == 0 else None) for r in range(dp)] if dp > 2 * candidate_count() \
-        else []
+                      _sizes(log) if r == 0 else None)
+            for r in range(dp)] if dp > 2 * candidate_count() else []
     if gens and not np.array_equal(plan_rounds_in_process(gens)[0], candidates(span)):
         raise SystemExit("the candidates' rounds disagree with slots.candidates")
     return [{op: sum(r[op].values()) for op in ("sum", "max")} for r in log]
