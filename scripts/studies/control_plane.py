@@ -48,7 +48,8 @@ def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) 
     step_s = float(pipeline_makespan_s(f, b, lm.p2p_s, pp=lm.layout.pp).max())
     # the after-step work on the committed plan (SAB's), as end_step runs it per rank
     dens, own, own_units = q.pop("densities"), q.pop("own"), q.pop("own_units")
-    predicted = lm.busy_s(q.pop("units"), dens)
+    r = q["rank"]
+    predicted = lm.busy_s(q.pop("units"), dens)[r:r + 1]                # its own rows
     q.pop("batch")
     rng = np.random.default_rng(0)
     ids = doc_slots(own)[0]
@@ -57,7 +58,7 @@ def measure_point(dp: int, m: int = 16, pp: int = 4, seq: int = SEQ, rank=None) 
     gc.collect()
     gc.disable()                        # the collector paused, as for the draft
     try:                                # the min of 2 (a fresh tracker each), then the handoff
-        after = min(rank_after_step(lm, sb, own, own_units, dens, predicted, q["rank"],
+        after = min(rank_after_step(lm, sb, own, own_units, dens[r:r + 1], predicted, r,
                                     SensitivityTracker(), rng) for _ in range(2))
         req = ("draft", dict(iteration=1, first_bin=0, segments=segments, num_microbatches=m,
                              with_dst=False, rank=q["rank"], latency=lm.calibration_state(),

@@ -5,7 +5,9 @@ too, where a checkout before this module has it in ``studies/_drafts.py``),
 and one DP rank's per-step planning on the per-rank path (``control_plane``, ``planner_cost``;
 issue 77): what a rank computes (``rank_step``: thread CPU by phase, each the least of
 ``repeats`` runs; DST's phases are the maximum over the ranks, driven here in lockstep) and
-receives (``rank_bytes``: exact, each collective flagged fixed or growing with DP).
+receives (``rank_bytes``: exact, each collective flagged fixed or growing with DP), and the DP
+group a rank's planner settles its own draft with (``group_record``: every rank's settle driven
+in lockstep here, the rank's rounds answered from it by ``relay.ReplayingReducer``).
 """
 
 from __future__ import annotations
@@ -26,17 +28,50 @@ def make_drafter(lm, sb, dp: int, seq: int):
                    capacity=seq, attention_layers=lm.layout.attention_layers)
 
 
-def submit_draft(planner: str, drafter, proc, k: int, segs, m: int, with_dst: bool = True):
+def submit_draft(planner: str, drafter, proc, k: int, segs, m: int, with_dst: bool = True,
+                 settle=None):
     """Start the draft of step ``k`` on ``planner`` ('process': ``proc``, a PlannerProcess);
-    ``with_dst``: as the rank that plans DST (else as any other rank)."""
+    ``with_dst``: as the rank that plans DST (else as any other rank); ``settle``: (DP rank,
+    a reducer standing in for its DP group): that rank's own draft, settled as the runtime's
+    planner settles it (``PlannerProcess.submit(settle=)``; on a thread ``Drafter.settle``
+    after the draft, as ``StepPlanning`` drafts there)."""
     from sparsebalance_megatron.megatron.step.ahead import Planner
 
+    rank = None if settle is None else int(settle[0])
     if planner == "thread":
-        return Planner(lambda: drafter.draft(k, 0, segs, m, with_dst=with_dst), basis={})
-    return proc.submit(k, 0, segs, m, with_dst=with_dst,
+        def made():
+            d = drafter.draft(k, 0, segs, m, with_dst=with_dst, rank=rank)
+            if settle is not None:
+                d.agreed = drafter.settle(d, rank=rank, agree=settle[1])
+            return d
+        return Planner(made, basis={})
+    return proc.submit(k, 0, segs, m, with_dst=with_dst, rank=rank, settle=settle,
                        latency_state=drafter.latency.calibration_state(),
                        tracker_sync=("updates", []) if k else
                        ("reset", drafter.tracker.state_dict()), basis={})
+
+
+def group_record(drafter, k: int, segs, m: int, rank: int) -> tuple:
+    """(the DP group's answers to DP rank ``rank``'s rounds as ``relay.Rounds`` records them:
+    [(signature, agreed)], in order; what every rank's settle returned, in rank order): step
+    ``k``'s own draft of every rank settled in lockstep from ``drafter``'s state (the group a
+    run's rank settles with; its planner's settle answered from the record by
+    ``relay.ReplayingReducer`` asks the same rounds)."""
+    from sparsebalance_megatron.megatron.step.relay import signature
+    from sparsebalance_megatron.policy.dst_rounds import plan_rounds_in_process
+
+    log = []
+    gens = [drafter.settle_rounds(drafter.draft(k, 0, segs, m, with_dst=False, rank=r), rank=r)
+            for r in range(drafter.dp)]
+    gens[rank] = _recorded(gens[rank], lambda parts, agreed: log.append((signature(parts),
+                                                                          agreed)))
+    return log, plan_rounds_in_process(gens)
+
+
+def beyond_the_group(parts):
+    """The live reducer past a recorded group's rounds: a rank that asks more rounds than its
+    group made is a RuntimeError (its draft is not the one the group settled)."""
+    raise RuntimeError(f"the rank asked a round its DP group did not make: {parts!r:.200}")
 
 
 OWN = ("own_draft", "sab.rank_plan", "features", "sensitivity", "unit_costs")
@@ -55,19 +90,25 @@ def _timed(out: dict, key: str, f, *args, repeats: int = 3, **kw):
     return got
 
 
-def _recorded(rounds, log):
-    """``rounds`` (a rank's generator) passed through, each part's shapes logged (``log``:
-    a list, or None: not logged)."""
+def _recorded(rounds, note):
+    """``rounds`` (a rank's generator) passed through, ``note(parts, agreed)`` called with each
+    round's parts and the group's answer (None: nothing noted)."""
     parts = next(rounds)
     while True:
-        if log is not None:
-            log.append({op: {k: int(np.asarray(v).size) for k, v in parts.get(op, {}).items()}
-                        for op in ("sum", "max", "cat")})
         try:
             agreed = yield parts
+            if note is not None:
+                note(parts, agreed)
             parts = rounds.send(agreed)
         except StopIteration as done:
             return done.value
+
+
+def _sizes(log: list):
+    """A ``_recorded`` note that appends each round's parts' sizes to ``log``."""
+    return lambda parts, agreed: log.append(
+        {op: {k: int(np.asarray(v).size) for k, v in parts.get(op, {}).items()}
+         for op in ("sum", "max", "cat")})
 
 
 def span_rounds(span: np.ndarray) -> list:
@@ -80,8 +121,8 @@ def span_rounds(span: np.ndarray) -> list:
 
     dp, log = span.size, []
     gens = [_recorded(candidate_rounds(float(span[r]), r, dp, candidate_count()),
-                      log if r == 0 else None) for r in range(dp)] if dp > 2 * candidate_count() \
-        else []
+                      _sizes(log) if r == 0 else None)
+            for r in range(dp)] if dp > 2 * candidate_count() else []
     if gens and not np.array_equal(plan_rounds_in_process(gens)[0], candidates(span)):
         raise SystemExit("the candidates' rounds disagree with slots.candidates")
     return [{op: sum(r[op].values()) for op in ("sum", "max")} for r in log]
@@ -98,8 +139,8 @@ def dst_all_ranks(costs, sens, settings, quality, rank_scale):
     dp, log = costs.shape[0], []
     narrow = straggler_present(rank_scale, settings.tolerance)
     gens = [_recorded(rank_rounds(rank_slice(costs, r), None if sens is None else sens[r:r + 1],
-                                  settings, quality=quality, narrow=narrow), log if r == 0
-                      else None) for r in range(dp)]
+                                  settings, quality=quality, narrow=narrow),
+                      _sizes(log) if r == 0 else None) for r in range(dp)]
     return plan_rounds_in_process(gens), log
 
 
@@ -228,13 +269,14 @@ def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tra
     """Thread CPU seconds of a rank's work after the step, as ``end_step`` does it on the
     per-rank path: its pipeline's calibration (a stand-in measurement, the prediction x 0.9-1.1),
     the tracker's update with its own documents, and the report's sums of its own units.
-    ``predicted``: [dp, pp] the committed plan's uncorrected busy seconds (its row read)."""
+    ``densities`` [1, m, stages] and ``predicted`` [1, pp] (the committed plan's uncorrected
+    busy seconds): the rank's own rows, as its settle commits them."""
     from sparsebalance_megatron.megatron.step.checks import doc_lengths
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.megatron.step.report_sums import (rank_parts, step_figures,
                                                                   summed_parts)
 
-    predicted = np.asarray(predicted, dtype=np.float64)[rank:rank + 1]     # its own
+    predicted = np.asarray(predicted, dtype=np.float64).reshape(1, -1)
     noise = rng.uniform(0.9, 1.1, predicted.shape)
     ids = doc_slots(own)[0]
     signal = rng.uniform(1, 6, ids.size)
@@ -244,7 +286,7 @@ def rank_after_step(lm, sb, own, own_units, densities, predicted, rank: int, tra
     tracker.update(ids, doc_lengths(own, ids), signal)
     layout = lm.layout                  # the group's sums stand in for this rank's own
     step_figures(summed_parts([rank_parts(
-        own, sb, densities[rank:rank + 1], layers=layout.layers,
+        own, sb, densities, layers=layout.layers,
         attention_layers=layout.attention_layers, dense_below_tokens=routing, units=own_units,
         busy=float((predicted[0] * noise[0]).sum()),
         calibration=(0.05, lm.correction(rank)))]), layers=layout.layers,

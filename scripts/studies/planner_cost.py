@@ -11,7 +11,8 @@ import numpy as np
 from sparsebalance_megatron.config import DST_DESCENTS, DST_OBJECTIVES, SparseBalanceConfig
 
 from .common import median_ms, parser, write_result
-from .drafts import make_drafter, rank_dst, rank_step, submit_draft
+from .drafts import (beyond_the_group, group_record, make_drafter, rank_after_step, rank_dst,
+                     rank_step, submit_draft)
 from .slowdown import launch_slowdown
 
 TARGET_SHARE = 0.005          # issue 44: the plugin's critical-path cost, share of the step
@@ -42,28 +43,19 @@ def reference_ms(repeats: int = 5) -> float:
     return median_ms(work, repeats, warmup=1, cuda=False, clock=time.thread_time)
 
 
-def _parts(lm, sb, grid, tracker, segs, dp, m, seq) -> list:
-    """Thread CPU ms of SAB's packing's parts, with the runtime's calls: packing, the latency
-    features and unit costs, the micro-batch sensitivities and a rank's DST rounds
-    (``drafts.rank_dst``: each phase's maximum over the ranks)."""
-    from sparsebalance_megatron.batching import latency_sample_cost_fn, sab_plan, unit_sensitivity
-    from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy.dst_settings import dst_inputs
-
-    t = [time.thread_time()]
-    plan = sab_plan(segs, dp=dp, num_microbatches=m, max_tokens=seq,
-                    cost_fn=latency_sample_cost_fn(lm, sb.density), sensitivity=tracker, seed=1)
-    t.append(time.thread_time())
-    costs = UnitCosts.from_latency(lm, lm.unit_features(plan.unit_csr(with_padding=True)), dp, m,
-                                   grid)
-    t.append(time.thread_time())
-    sens = unit_sensitivity(plan.micro_batches, tracker)
-    t.append(time.thread_time())
-    settings, quality = dst_inputs(sb, costs.shape[2], lm.p2p_s,
-                                   stage_layers=lm.layout.attention_layers)
-    dst = rank_dst(costs, sens, settings, quality, None)     # a rank's rounds: phase maxima
-    out = [(b - a) * 1e3 for a, b in zip(t[:-1], t[1:])]
-    return out[:2] + [out[2] + 1e3 * float(dst["cpu"].max(axis=0).sum())]
+def rank_parts(phases: dict, after_ms: float) -> dict:
+    """A DP rank's draft by the parts ``experiments/plugin_cost.py`` reads (ms, one packing's;
+    ``phases``: ``drafts.rank_step``'s thread CPU seconds, both packings planned): its own
+    draft and SAB's rows of it (the assignment, its units, the baseline's row), the features
+    of its units and the unit costs, its sensitivities, DST's rounds and the committed plan's
+    busy seconds (the packings' phases halved: one packing's), and ``after_ms``, its work after
+    the step (``drafts.rank_after_step``)."""
+    ms = {k: 1e3 * v for k, v in phases.items()}
+    dst = sum(v for k, v in ms.items() if k.startswith("dst."))
+    return {"sab_plan": ms["own_draft"] + ms["sab.rank_plan"],
+            "features + UnitCosts.from_latency": ms["features"] + ms["unit_costs"] / 2,
+            "sensitivity + DST": ms["sensitivity"] + ms["busy_s"] + dst / 2,
+            "after the step: busy_s + unit_work": after_ms}
 
 
 def committed(draft) -> tuple:
@@ -113,18 +105,14 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     corpus = corpus_steps(dp, m, sb.density, repeats + 1, seq=seq, layout=layout, pp=pp)
     lm, batches = corpus.lm, corpus.segments
     grid = density_grid(sb.density, sb.min_density, sb.max_density)
-    drafter, tracker = make_drafter(lm, sb, dp, seq), SensitivityTracker()
+    drafter = make_drafter(lm, sb, dp, seq)
     after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
-    # the last name is the key earlier JSONs used (experiments/plugin_cost.py reads it); the
-    # part now holds the calibration updates and the tracker's update as well (``after_step``)
-    names = ("sab_plan", "features + UnitCosts.from_latency", "sensitivity + DST",
-             "after the step: busy_s + unit_work")
-    parts, drafts, step_s, searched, stood = {k: [] for k in names}, [], [], [], []
+    parts, drafts, step_s, searched, stood, ranks = {}, [], [], [], [], []
     whole = []
-    # the drafts back to back, as the planner process makes them (with the after-step work
-    # between, which moves the calibration as end_step does), then the parts at each draft's
-    # calibration: timed between the drafts, the parts' own tables and searches evicted the
-    # draft's from the caches (the draft read 8-10% slower there than in a loop of its own)
+    # the whole plan's drafts back to back (every rank's DST in one process: the step time the
+    # shape is priced against, with the after-step work between, which moves the calibration),
+    # then a DP rank's draft at each draft's calibration (``drafts.rank_step``: the critical
+    # rank's own draft and settle, its DST rounds, each phase the least of 3 runs) by parts
     states, done = [], []
     ref_before = reference_ms()         # this VM's speed drifts: measured around the drafts
     for k, segs in enumerate(batches):
@@ -135,13 +123,17 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     final = lm.calibration_state()
     for k, segs in enumerate(batches):
         lm.load_calibration_state(states[k])
-        got = _parts(lm, sb, grid, tracker, segs, dp, m, seq) + [done[k][1]]
-        own = rank_step(drafter, segs, m)           # a rank's draft, as control_plane's
+        q = rank_step(drafter, segs, m)             # a rank's draft, as control_plane's
+        r, dens = q["rank"], q["densities"]
+        after = rank_after_step(lm, sb, q["own"], q["own_units"], dens[r:r + 1],
+                                lm.busy_s(q["units"], dens)[r:r + 1], r, after_tracker,
+                                after_rng)
+        ranks.append(r)
         if k == 0:
             continue                                          # warm-up
-        for name, v in zip(names, got):
-            parts[name].append(v)
-        drafts.append(own["draft_s"] * 1e3)
+        for name, v in rank_parts(q["phases_s"], 1e3 * after).items():
+            parts.setdefault(name, []).append(v)
+        drafts.append(q["draft_s"] * 1e3)
     for k, (d, _) in enumerate(done):
         if k == 0:
             continue
@@ -154,7 +146,7 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
         stood.append(bool(d.payload[1]["stand_down"]["sab_stood_down"]))
     lm.load_calibration_state(final)
     med = {k: float(np.median(v)) for k, v in parts.items()}
-    after = med[names[-1]]
+    after = med["after the step: busy_s + unit_work"]
     out = {"shape": f"{dp} DP x {m} micro-batches x PP{pp}, {seq} tokens",
            "dp": dp, "microbatches": m, "pp": pp, "seq_length": seq,
            "virtual_stages": lm.layout.num_stages, "layout": lm.layout.describe(),
@@ -172,57 +164,67 @@ def step_overhead(sb, dp: int = 64, m: int = 16, seq: int = 32768, repeats: int 
     if ahead:
         for planner in ("process", "thread"):
             key = "plan_ahead" if planner == "process" else "plan_ahead_thread"
-            out[key] = plan_ahead_overlap(lm, sb, dp, m, seq, batches, out["step_s"], planner)
+            out[key] = plan_ahead_overlap(lm, sb, dp, m, seq, batches, out["step_s"], planner,
+                                          ranks)
     return out
 
 
-def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str) -> dict:
-    """--sb-planner ``planner`` at one shape: each step's draft made by the runtime's planner while
-    the training thread stands in for a GPU-bound step (``step_s`` seconds, GIL released); on the
-    training thread the handoff (thread CPU), the wait at the join and the after-step work; the
-    reader thread's CPU beside it. Rank 0 plans DST; another rank drafts both packings without it
-    (``handoff_other_ms``, ``reader_other_ms``). The critical path is the slower rank's."""
+def plan_ahead_overlap(lm, sb, dp, m, seq, batches, step_s: float, planner: str,
+                       ranks: list) -> dict:
+    """--sb-planner ``planner`` at one shape, for one DP rank as a run makes it: each step's own
+    draft of rank ``ranks[k]`` made and settled by the runtime's planner (``submit_draft`` with
+    ``settle``), its rounds answered by a stand-in for the DP group (``drafts.group_record``:
+    every rank's settle of the step made in lockstep beforehand, off the clock; the rank's plan
+    checked to be the group's) while the training thread stands in for a GPU-bound step
+    (``step_s`` seconds, GIL released); on the training thread the handoff (thread CPU), the
+    wait at the join and the rank's after-step work (``drafts.rank_after_step``); the reader
+    thread's CPU reading the draft back, and the wall time of its relayed rounds, beside it."""
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.megatron.step.ahead import PlannerProcess
+    from sparsebalance_megatron.megatron.step.relay import ReplayingReducer
 
-    drafter, other = make_drafter(lm, sb, dp, seq), make_drafter(lm, sb, dp, seq)
+    drafter = make_drafter(lm, sb, dp, seq)
     after_tracker, after_rng = SensitivityTracker(), np.random.default_rng(0)   # after_step's
-    procs = [PlannerProcess(d) for d in (drafter, other)] if planner == "process" \
-        else [None, None]
-    got = {k: [] for k in ("send", "send_other", "wait", "reader", "reader_other", "after",
-                           "draft")}
+    proc = PlannerProcess(drafter) if planner == "process" else None
+    got = {k: [] for k in ("send", "wait", "reader", "rounds_wall", "after", "draft")}
+    current, made = None, []
     try:
-        current = drafter.draft(0, 0, batches[0], m, with_dst=True)
-        for k, segs in enumerate(batches, start=0):    # step 0: the planners' warm-up
+        for k, segs in enumerate(batches):             # step 0: the planner's warm-up
+            r = ranks[k]
+            record, settled = group_record(drafter, k, segs, m, r)     # the DP group's answers
+            group = ReplayingReducer(record, beyond_the_group)
             c0 = time.thread_time()
-            pending = submit_draft(planner, drafter, procs[0], k, segs, m)
+            pending = submit_draft(planner, drafter, proc, k, segs, m, with_dst=False,
+                                   settle=(r, group))
             send = (time.thread_time() - c0) * 1e3
-            c1 = time.thread_time()
-            pend_other = submit_draft(planner, other, procs[1], k, segs, m, with_dst=False)
-            send_other = (time.thread_time() - c1) * 1e3
             time.sleep(step_s)                          # the step trains (GIL released)
             nxt = pending.result()                      # end_step: join the next step's draft
-            nxt_other = pend_other.result()
-            a = after_step(lm, sb, current, after_tracker, after_rng)
-            committed(nxt)                              # the commit: each rank's packing
-            nxt_other.packing(nxt.payload[1]["stand_down"]["packing_index"])   # the broadcast's
+            densities, report = nxt.agreed
+            if group.calls != len(record) or not np.array_equal(densities, settled[r][0]):
+                raise SystemExit(f"step {k}, rank {r}: the planner's settle is not the group's "
+                                 f"({group.calls} of {len(record)} rounds)")
+            batch, units = nxt.packing(report["stand_down"]["packing_index"])   # the commit
+            a = None if current is None else rank_after_step(
+                lm, sb, *current, after_tracker, after_rng)
+            current = (batch, units, np.asarray(densities), nxt.predicted_busy, r)
+            made.append(len(record))
+            relayed = getattr(pending, "rounds", None)  # the process's, relayed (a thread: none)
             if k:
-                for key, v in (("send", send), ("send_other", send_other), ("after", a),
-                               ("wait", max(pending.wait_s, pend_other.wait_s) * 1e3),
+                for key, v in (("send", send), ("after", 1e3 * a),
+                               ("wait", pending.wait_s * 1e3),
                                ("reader", getattr(pending, "recv_s", 0.0) * 1e3),
-                               ("reader_other", getattr(pend_other, "recv_s", 0.0) * 1e3),
+                               ("rounds_wall", 0.0 if relayed is None else relayed.wait_s * 1e3),
                                ("draft", nxt.cpu_s * 1e3)):
                     got[key].append(v)
-            current = nxt
     finally:
-        for proc in procs:
-            if proc is not None:
-                proc.close()
+        if proc is not None:
+            proc.close()
     med = {k: float(np.median(v)) for k, v in got.items()}
-    on_path = max(med["send"], med["send_other"]) + med["wait"] + med["after"]
-    return {"planner": planner, "stand_in_step_s": step_s, "draft_cpu_ms": med["draft"],
-            "handoff_ms": med["send"], "handoff_other_ms": med["send_other"],
-            "reader_ms": med["reader"], "reader_other_ms": med["reader_other"],
+    on_path = med["send"] + med["wait"] + med["after"]
+    return {"planner": planner, "stand_in_step_s": step_s, "per_rank": True,
+            "ranks": [int(x) for x in ranks], "rounds": made,
+            "own_draft_cpu_ms": med["draft"], "handoff_ms": med["send"],
+            "reader_ms": med["reader"], "relayed_rounds_wall_ms": med["rounds_wall"],
             "join_wait_ms": med["wait"], "after_step_ms": med["after"],
             "critical_path_ms": on_path, "share_of_step": on_path / (1e3 * step_s)}
 
@@ -294,11 +296,11 @@ def main(argv=None) -> int:
     for tag, step in shapes.items():
         print(f"{tag} {step['layout']}: simulated step {step['step_s']:.2f} s; in-line "
               f"{100 * step['inline_share_of_step']:.2f}%, ahead in a process "
-              f"{100 * step['plan_ahead']['share_of_step']:.3f}% (handoff "
-              f"{step['plan_ahead']['handoff_ms']:.1f} ms on rank 0, "
-              f"{step['plan_ahead']['handoff_other_ms']:.1f} ms on the others; read back off "
-              f"the path in {step['plan_ahead']['reader_ms']:.1f} / "
-              f"{step['plan_ahead']['reader_other_ms']:.1f} ms; join wait "
+              f"{100 * step['plan_ahead']['share_of_step']:.3f}% (a DP rank's: handoff "
+              f"{step['plan_ahead']['handoff_ms']:.1f} ms; read back off the path in "
+              f"{step['plan_ahead']['reader_ms']:.1f} ms, its "
+              f"{step['plan_ahead']['rounds'][-1]} rounds relayed in "
+              f"{step['plan_ahead']['relayed_rounds_wall_ms']:.1f} ms; join wait "
               f"{step['plan_ahead']['join_wait_ms']:.1f} ms, after-step "
               f"{step['plan_ahead']['after_step_ms']:.1f} ms), on a thread "
               f"{100 * step['plan_ahead_thread']['share_of_step']:.3f}% (target <= "

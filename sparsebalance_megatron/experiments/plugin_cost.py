@@ -3,11 +3,13 @@ time (issue 44): every speedup a study states is net of it, at the flags its row
 
     net step = gross step (simulated) + planning + control plane + calibration and reporting
 
-- **planning**, by ``--sb-planner``: ``inline``, the draft's CPU time on rank 0 (SAB packing, the
-  latency features and unit costs, DST: the runtime's draft, ``megatron/step/drafting.py``)
-  while every rank waits for the plan's broadcast; the do-no-harm rule packs every candidate
-  (SAB's and the baseline's: features twice) and DST plans both (``--sb-stand-down-compare
-  planned``, the default) or the packing it chooses (``static``). ``process`` (the default) and
+- **planning**, by ``--sb-planner``: ``inline``, the draft's CPU time on the training thread
+  (SAB packing, the latency features and unit costs, DST: the runtime's draft,
+  ``megatron/step/drafting.py``; a DP rank's own draft and its settle where the measurement is
+  one rank's, else rank 0's whole draft while every rank waits for the plan's broadcast); the
+  do-no-harm rule packs every candidate (SAB's and the baseline's: features twice) and DST
+  plans both (``--sb-stand-down-compare planned``, the default) or the packing it chooses
+  (``static``). ``process`` (the default) and
   ``thread``: the step is planned ahead while the one before trains, and only what stays on the
   critical path is charged: handing the draft's inputs over and reading it back, and the wait at
   the join (a thread planner's GIL share of the training thread is not priced here; the
@@ -49,7 +51,12 @@ virtual stages); the join wait as measured (nothing while the planner finishes w
 control plane interpolated in world size (linear between measured sizes, and beyond the last
 two), at the nearest measured micro-batch count scaled by m. Linear growth is the target of
 issue 44 (no faster than linear in DP x micro-batches); a measurement with its own exponents
-replaces it.
+replaces it. A measurement of one DP rank (``per_rank``: the study prices the rank's own draft
+and settle, its DST rounds, and its own after-step work, as every rank plans in a run) scales
+with the rank's own share instead: packing with its tokens (m x seq), features, DST,
+calibration and the after-step work with its units (m x virtual stages), not with DP; only the
+handoff, which sends the step's segments (the global batch's documents), scales with the
+global batch's tokens (dp x m x seq).
 
 Who pays: a run of SparseBalance's (SAB and / or DST: ``sab``, ``dst*``, ``sab_dst*``,
 ``dense_sab``) pays its parts every step it plans; the baselines (``BASELINES``: static and
@@ -116,6 +123,16 @@ class Shape:
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
 
+    @property
+    def rank_units(self) -> int:
+        """A DP rank's own units."""
+        return self.microbatches * self.virtual_stages
+
+    @property
+    def rank_tokens(self) -> int:
+        """A DP rank's own tokens."""
+        return self.microbatches * self.seq_length
+
 
 def _named(path: str) -> str:
     """A result file by its path from the repository root (as the docs cite it)."""
@@ -155,6 +172,8 @@ class PlannerCost:
     """Packings the measured draft packed (2 with the do-no-harm rule)."""
     dst_candidates: int = 2
     """Packings the measured draft's DST planned (1 with ``--sb-stand-down-compare static``)."""
+    per_rank: bool = False
+    """The parts are one DP rank's (module docstring: they scale with the rank's own share)."""
 
     @classmethod
     def load(cls, path: str, layout: str = "best") -> "PlannerCost":
@@ -164,10 +183,6 @@ class PlannerCost:
         if step is None:
             raise ValueError(f"{path}: no steps.{layout}: expected a scripts/bench.py "
                              f"planner_cost result")
-        if step.get("per_rank"):          # a DP rank's parts: the charge scales a whole batch's
-            raise ValueError(f"{path}: steps.{layout} prices a DP rank's draft (its own DST "
-                             f"rounds), not the whole batch's parts the charge scales by the "
-                             f"step's units")
         if all(k in step for k in ("dp", "microbatches", "pp", "seq_length")):
             dp, m, pp, seq = (int(step[k]) for k in ("dp", "microbatches", "pp", "seq_length"))
         else:
@@ -198,7 +213,20 @@ class PlannerCost:
                    ahead=ahead,
                    draft_ms=float(step["draft_ms"]) if "draft_ms" in step else None,
                    candidates=int(step.get("candidates", 2)),
-                   dst_candidates=int(step.get("dst_candidates", step.get("candidates", 2))))
+                   dst_candidates=int(step.get("dst_candidates", step.get("candidates", 2))),
+                   per_rank=bool(step.get("per_rank")))
+
+    def scale(self, shape: Shape) -> dict:
+        """A row's ``shape`` over the measured one (module docstring): ``units`` (features, DST,
+        calibration, the after-step work), ``tokens`` (packing) and ``handoff``; a DP rank's
+        own share where the measurement is one rank's (``per_rank``)."""
+        m = self.shape
+        batch = shape.tokens / m.tokens
+        if self.per_rank:
+            return {"units": shape.rank_units / m.rank_units,
+                    "tokens": shape.rank_tokens / m.rank_tokens, "handoff": batch}
+        units = shape.units / m.units
+        return {"units": units, "tokens": batch, "handoff": units}
 
     def ahead_of(self, planner: str) -> tuple[AheadCost, str]:
         """(the ahead cost of ``planner``, a note when another form's measurement stands in)."""
@@ -320,7 +348,8 @@ class PluginCost:
         cand = 2 if sab and stand_down else 1         # the draft packs each candidate packing
         planned = cand if compare == "planned" else 1   # and DST plans one, or each
         m = self.planner.shape
-        units, tokens = shape.units / m.units, shape.tokens / m.tokens
+        ratio = self.planner.scale(shape)
+        units, tokens = ratio["units"], ratio["tokens"]
         p = self.planner.parts_ms
         scale = self.planner.draft_scale()
         planning = {"packing": p["packing"] * tokens * scale if sab else 0.0,
@@ -332,7 +361,7 @@ class PluginCost:
             plan_ms, calib = sum(planning.values()), p["calibration"] * units
         else:
             ahead, note = self.planner.ahead_of(planner)
-            plan_ms = ahead.join_wait_ms + ahead.handoff_ms * units
+            plan_ms = ahead.join_wait_ms + ahead.handoff_ms * ratio["handoff"]
             calib = ahead.after_step_ms * units
         parts = {"planning": plan_ms, "gather": gather, "broadcast": bcast if dst else 0.0,
                  "calibration": calib}
@@ -345,6 +374,7 @@ class PluginCost:
         return RunCharge(plan_s=sum(parts.values()) * 1e-3, parts_ms=parts, flags=flags,
                          source=f"{self.planner.source} (planning, calibration; measured at "
                                 f"{m.dp} DP x {m.microbatches} x {m.virtual_stages} stages"
+                                f"{', one DP rank' if self.planner.per_rank else ''}"
                                 f"{note}); {self.control.source} (control plane)")
 
 

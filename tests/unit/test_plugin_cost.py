@@ -96,12 +96,34 @@ def test_a_bad_measurement_is_refused_naming_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no control-plane measurement"):
         (tmp_path / "planner_cost_quality_descent.json").write_text(json.dumps(PLANNER))
         PluginCost.from_results("quality", "critical_path", results=str(tmp_path))
-    # planner_cost's per-rank results (a DP rank's DST rounds): not the whole batch's parts
+
+
+def test_a_ranks_measurement_scales_with_the_ranks_own_units_and_tokens(tmp_path):
+    # planner_cost's per-rank result: one DP rank's own draft, settle and after-step work
     rank = json.loads(json.dumps(PLANNER))
     rank["steps"]["best"]["per_rank"] = True
-    (tmp_path / "p.json").write_text(json.dumps(rank))
-    with pytest.raises(ValueError, match="prices a DP rank's draft"):
-        PlannerCost.load(str(tmp_path / "p.json"))
+    rank["steps"]["best"]["plan_ahead"]["handoff_ms"] = 0.2
+    cost = _cost(tmp_path, planner=rank)
+    assert cost.planner.per_rank
+    whole = PlannerCost.load(str(tmp_path / "planner_cost_quality_descent.json"))
+    whole.per_rank = False                 # the same figures read as the whole batch's
+    wide = Shape(dp=16, microbatches=2, pp=2, virtual_stages=2, seq_length=8192)   # DP x 4
+    inline = cost.charge(wide, sab=True, dst=True, planner="inline", stand_down=True)
+    # a rank's parts do not grow with DP: packing once, features and DST x2 (both packings)
+    assert inline.parts_ms["planning"] == pytest.approx(3.0 + (2.0 + 10.0) * 2)
+    assert inline.parts_ms["calibration"] == pytest.approx(1.0)
+    assert "one DP rank" in inline.source
+    assert whole.scale(wide) == {"units": 4.0, "tokens": 4.0, "handoff": 4.0}
+    ahead = cost.charge(wide, sab=True, dst=True, planner="process", stand_down=True)
+    # the join wait as measured, the handoff (the global batch's segments) x4, after-step x1
+    assert ahead.parts_ms["planning"] == pytest.approx(0.5 + 0.2 * 4)
+    assert ahead.parts_ms["calibration"] == pytest.approx(1.5)
+    # twice the micro-batches and stages: the rank's tokens x2 (packing), its units x4
+    deep = Shape(dp=4, microbatches=4, pp=2, virtual_stages=4, seq_length=8192)
+    assert cost.planner.scale(deep) == {"units": 4.0, "tokens": 2.0, "handoff": 2.0}
+    ch = cost.charge(deep, sab=True, dst=True, planner="inline", stand_down=True)
+    assert ch.parts_ms["planning"] == pytest.approx(3.0 * 2 + (2.0 + 10.0) * 2 * 4)
+    assert ch.parts_ms["calibration"] == pytest.approx(1.0 * 4)
 
 
 def _study(cost, steps=3, **kw):

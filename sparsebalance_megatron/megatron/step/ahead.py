@@ -72,7 +72,7 @@ follows a steady load (the median is of the drafts' wall times, load included); 
 what a median of short drafts does not see: the process drafts at nice 5, so beside a busy
 training thread on one core it gets about a quarter of it (CFS weights 335 : 1024), and on a
 loaded host a runnable process waits tens of milliseconds per scheduling round. 0.5 s is 10x the
-50 ms a draft may take at 64 DP (BENCHMARKS.md, "Where the next step is planned": 47 ms), so a
+50 ms a draft may take at 64 DP (BENCHMARKS.md, "The planner's own cost": a rank's 50 ms), so a
 healthy draft is not late, and a stall costs a step at most this plus one draft on the training
 thread: not the 30 s of ``--sb-planner-timeout``, which now only caps the deadline."""
 RECENT_DRAFTS = 8       # the drafts that median is taken over
