@@ -68,10 +68,10 @@ def descent_setup(costs: UnitCosts, i_min: int, i_max: int, p2p_s: float) -> Des
 
 
 def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-               raise_headroom: float, meets_at, rounds: int = ROUNDS, floors_at=None,
-               goal: float = 0.0, setup: DescentSetup = None):
+               raise_headroom: float, meets_at, floors_at=None, goal: float = 0.0,
+               setup: DescentSetup = None):
     """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
-    docstring): (grid indices, predicted step time s, the DP ranks' makespans [dp]) of the best
+    docstring), ``ROUNDS`` rounds at most: (grid indices, predicted step time s) of the best
     plan found, ``idx`` itself if none is faster. ``meets_at(idx)`` says whether a plan keeps
     the floors; ``floors_at(idx)`` (optional) is a part of it that no raise can break (true of
     a plan, true of every plan at or above it unit by unit, as mean-density floors are): a
@@ -88,7 +88,7 @@ def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s:
     rnd.plan_changed()                  # a fresh round: no pick or look-up of another plan
     f, b, dur, ef, mk = setup.simulate(idx)
     step, eta = float(mk.max()), ETA_START
-    for _ in range(rounds):
+    for _ in range(ROUNDS):
         if eta < ETA_MIN or step <= goal:
             break
         target = max(step * (1.0 - eta), goal)
@@ -125,7 +125,7 @@ def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s:
             eta = min(eta * 1.5, ETA_MAX)
         else:
             eta /= 2
-    return idx, step, mk
+    return idx, step
 
 
 def descent_floors(settings: DSTSettings) -> tuple:

@@ -20,8 +20,8 @@ import numpy as np
 from .costs import UnitCosts
 from .critical_path import descent_floors
 from .bands import band_search, candidate_tree
-from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
-                       plan_reports, raise_rows, static_band, uniform_cut)
+from .dst_band import (SPEED_TIE, DSTPlan, DSTReport, band_pass, cut_rows, plan_reports,
+                       raise_rows, uniform_cut)
 from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
 
@@ -129,16 +129,14 @@ class RankDST:
         self.rows = self.cands * 2 if self.both else self.cands
         self.water = np.array([False] * k + [True] * k if self.both
                               else [quality is not None] * k)
-        self.cache = BandCache()
         self.ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), len(self.rows),
-                            self.water, quality, s.p2p_s, self.cache)
-        static_band(self.ps, [])                                  # the static plan: mk0, busy0
+                            self.water, quality, s.p2p_s)
         # the uniform trade (the 'auto' exchange rate): every unit one step of density lower
         g = costs.densities
         i_lo = int(np.searchsorted(g, UNIFORM_STEP * s.d0 + 1e-12)) - 1
-        i_lo = max(i_lo, self.cache.bounds[1])
+        i_lo = max(i_lo, self.ps.bounds[1])
         self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
-        if quality is not None and i_lo < self.cache.bounds[0]:
+        if quality is not None and i_lo < self.ps.bounds[0]:
             self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
         w = costs.weights()
         self.w = w
@@ -147,7 +145,7 @@ class RankDST:
 
     def ar1(self) -> dict:
         """The rank's AR1 parts: sums and maxima."""
-        c = self.cache
+        c = self.ps
         dw = self.dense_w
         pp = self.w.shape[2]
         return {"sum": {"busy": float(c.busy0.sum()), "busy_n": c.busy0.size,
@@ -164,9 +162,7 @@ class RankDST:
         (max)."""
         self.a1 = a1
         ps, cands = self.ps, self.rows
-        for a in {a for a, _ in cands}:            # 'max' (the no-cut plan): the report's only
-            self.cache.anchors[a] = a1.anchors[a]
-        anchors = np.array([self.cache.anchors[a] for a, _ in cands])
+        anchors = np.array([a1.anchors[a] for a, _ in cands])
         self.bands = np.array([(1.0 + t) for _, t in cands]) * anchors
         self.anchors = anchors
         _, self.cut_rows = cut_rows(ps, cands, self.bands)
@@ -296,7 +292,7 @@ class RankDST:
                         float(self.q[k]))
         else:
             i0 = self.costs.index_of(s.d0)
-            self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.cache.mk0.max()),
+            self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.ps.mk0.max()),
                         s.d0 * self.w.sum(axis=(0, 1)), 0.0)
         # the start's agreed step: AR3's (the band plan's) or AR1's (the static plan's)
         self.start_step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
