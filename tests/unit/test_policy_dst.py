@@ -143,7 +143,6 @@ def test_bad_anchor_or_tolerance_names_the_flag(kw, flag):
     (dict(density_floor=1.5), "--sb-density-floor=1.5"),
     (dict(stage_density_floor=-0.1), "--sb-stage-density-floor=-0.1"),
     (dict(p2p_s=float("nan")), "p2p_s=nan"),
-    (dict(search_steps=0), "search_steps=0"),
     (dict(raise_to="later"), "--sb-raise-to='later'"),
 ])
 def test_bad_settings_are_named_where_the_record_is_made(kw, named):
