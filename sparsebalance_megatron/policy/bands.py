@@ -48,7 +48,7 @@ def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, gu
     is sent their plans (quality costs set for the quality objective) and returns the plan
     kept. ``narrow``: a slow GPU stands out (``bands.straggler_present``): the narrower bands
     of ``bands.band_ladder`` are tried first; ``guard``: what a narrower band's density-order
-    plan must not lose in quality (``guard.plan_cost(densities)``)."""
+    plan must not lose in quality (``guard(plan)``: its quality cost)."""
     anchor, tolerance = settings.anchor, settings.tolerance
     floors = settings.density_floor * settings.d0, settings.stage_density_floor * settings.d0
 
@@ -59,7 +59,7 @@ def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, gu
                              else [(anchor, tolerance)])
     if guard is not None and quality is None:       # a narrower band must not lose quality
         for p in narrower:
-            p.report.quality_cost = guard.plan_cost(p.densities)
+            p.report.quality_cost = guard(p)
     ok = [p for p in narrower if meets(p)]
     if (settings.density_floor <= 0 and settings.stage_density_floor <= 0 and quality is None) \
             or anchor == "max" or meets(best):

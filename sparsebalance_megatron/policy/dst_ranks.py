@@ -13,7 +13,6 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -205,10 +204,6 @@ class RankDST:
         return {"sum": {"quality_b": self.quality.replicate_sums_at(idx, self.costs.densities)},
                 "max": {}}
 
-    def _quality_sum(self, idx: np.ndarray) -> float:
-        """The quality model's change summed over the rank's units of the plan at ``idx``."""
-        return float(self.quality.sums_at(idx, self.costs.densities))
-
     def global_report(self, k: int, a3: dict) -> DSTReport:
         """Candidate k's report with the agreed step, densities, quality cost and counts (at
         DP 1 the rank's own: the world's, the central report's floats)."""
@@ -250,9 +245,8 @@ class RankDST:
             return float(a3["quality"][p.k]) / self.a1.tokens
 
         if self.both:
-            # the guard of a narrower band (given the plan's densities: the rank's rows alone)
-            guard = q if self.a1.dp == 1 else SimpleNamespace(plan_cost=lambda d: agreed_cost(
-                next(p for p in views.values() if p.densities is d)))
+            # the guard of a narrower band (at DP 1 the central call itself)
+            guard = (lambda p: q.plan_cost(p.densities)) if self.a1.dp == 1 else agreed_cost
             searches = [(band_search(s, narrow=self.narrow, guard=guard), False),
                         (band_search(s, narrow=self.narrow, quality=q), True)]
         else:
@@ -296,8 +290,9 @@ class RankDST:
                         s.d0 * self.w.sum(axis=(0, 1)), 0.0)
         # the start's agreed step: AR3's (the band plan's) or AR1's (the static plan's)
         self.start_step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
-        self.probes = RankProbes(self.costs, self.w, s, self._quality_sum
-                                 if self.quality is not None else None, self.cur,
+        qsum = None if self.quality is None else \
+            (lambda i: float(self.quality.sums_at(i, self.costs.densities)))
+        self.probes = RankProbes(self.costs, self.w, s, qsum, self.cur,
                                  probe_steps(self.start_step))
         out, more = self.parts(), self.probes.first()
         out["sum"].update(more["sum"])

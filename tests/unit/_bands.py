@@ -64,8 +64,8 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
     both = quality is not None and not descend and objectives is None
     found = []
     for water in objectives or ([False, True] if both else [quality is not None]):
-        search = band_search(s, narrow=narrow, quality=quality if water else None,
-                             guard=quality if both and not water else None)
+        guard = (lambda p: quality.plan_cost(p.densities)) if both and not water else None
+        search = band_search(s, narrow=narrow, quality=quality if water else None, guard=guard)
         cands = next(search)
         while True:
             try:
