@@ -100,7 +100,8 @@ def central_descent(plan, costs, settings: DSTSettings, quality=None) -> np.ndar
     def meets(d):
         return (weighted_mean_density(d, w, dense) >= floor - 1e-12
                 and stage_mean_densities(d, w, dense).min() >= stage_floor - 1e-12
-                and (quality is None or quality.plan_cost(d, costs.densities) <= 1e-12))
+                and (quality is None
+                     or quality.plan_cost_at(costs.grid_index(d), costs.densities) <= 1e-12))
 
     start = plan.densities
     if r.step_time_planned_s > r.step_time_static_s or not meets(start):
