@@ -235,10 +235,10 @@ def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple
 
 
 def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
-    """``weighted_mean_density`` and ``stage_mean_densities`` (as a tuple of floats) of every
-    candidate's densities ``dens`` [k, dp, m, pp] in one pass: each sum is numpy's over the same
-    elements in the same order as the per-candidate calls' (a [k, ...] sum over the trailing
-    axes sums each candidate as the call sums its array), so the floats are theirs."""
+    """The mean and per-stage (a tuple of floats) work-weighted densities (``WeightTotals``) of
+    every candidate's densities ``dens`` [k, dp, m, pp] in one pass: each sum is numpy's over
+    the same elements in the same order as one candidate's alone (a [k, ...] sum over the
+    trailing axes sums each candidate as a call sums its array), so the floats are theirs."""
     k = dens.shape[0]
     totals = WeightTotals(weights, dense_work)
     kept_all = dens * totals.w

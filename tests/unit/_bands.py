@@ -15,11 +15,19 @@ import numpy as np
 
 from sparsebalance_megatron.policy.bands import band_search
 from sparsebalance_megatron.policy.critical_path import descend_at, descent_floors
-from sparsebalance_megatron.policy.density_means import (stage_mean_densities,
-                                                         weighted_mean_density)
+from sparsebalance_megatron.policy.density_means import WeightTotals, weighted_mean_density
 from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, band_pass, cut_rows, plan_reports,
                                                      raise_rows)
 from sparsebalance_megatron.policy.dst_settings import DSTSettings
+
+
+def stage_mean_densities(densities, weights, dense_weights=None) -> np.ndarray:
+    """[pp] work-weighted mean density of every (virtual) pipeline stage of a plan's densities
+    [dp, m, pp] (``dense_weights``: work of documents routed dense, at density 1): the
+    per-stage floor's rule (``WeightTotals.stage``) on one whole plan."""
+    d, w = np.asarray(densities, dtype=np.float64), np.asarray(weights, dtype=np.float64)
+    return WeightTotals(w, dense_weights).stage((d * w).sum(axis=(0, 1)),
+                                                lambda: d.mean(axis=(0, 1)))
 
 
 def band_plans(costs, sensitivity, settings: DSTSettings, candidates, quality=None,

@@ -9,8 +9,8 @@ import pytest
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
                                            weighted_mean_density)
-from sparsebalance_megatron.policy.density_means import stage_mean_densities
 from sparsebalance_megatron.policy.critical_path import descend_at
+from tests.unit._bands import stage_mean_densities
 from tests.unit._floats import unit_floats
 
 from test_policy_dst import (D0, DMAX, DMIN, _quality, plan_dst_from_config, step_time_of,

@@ -303,7 +303,7 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
     """A heavy last stage (LM head) is the bottleneck: DST cuts its attention while raising the
     other stages. The per-stage floor stops that concentration (quality is convex in per-layer
     density: docs/DESIGN.md section 7), and the step time still never exceeds the static plan's."""
-    from sparsebalance_megatron.policy.density_means import stage_mean_densities
+    from tests.unit._bands import stage_mean_densities
     rng = np.random.default_rng(21)
     starved = 0
     for case in range(30):
