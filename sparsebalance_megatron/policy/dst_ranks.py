@@ -4,8 +4,7 @@ only by fixed-size vectors a caller reduces across the DP group. ``RankDST``'s m
 rounds' steps, in the order ``dst_rounds`` lists them. The band search decomposes exactly: its
 candidates are known before any verdict (``bands.candidate_tree``), so a rank plans them all in
 one batched pass and ``choose`` replays the search on the agreed verdicts; the descent is probed
-(``dst_probes``). The slow-GPU test (``agreed_stats.straggler_present``) is an agreed boolean
-the caller passes (``narrow``).
+(``dst_probes``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -325,13 +324,12 @@ class RankDST:
 
     def adopt(self, idx: np.ndarray, report: DSTReport, replicates, free_replicates,
               a3: dict) -> tuple:
-        """The quality objective's last word on the plan at ``idx`` (``report``: the agreed
-        one; ``replicates``, ``free_replicates``: its and the no-cut plan's quality change under
-        the model's bootstrap replicates, summed over the step): kept where it is not predicted worse than uniform d0 by more than the
-        model's uncertainty u, and where its speed gain at ``exchange_rate`` pays for its loss
-        change at the model's pessimistic end (change + u) against the plan without cuts (the
-        ``max`` band: raises into bubbles only, never slower than static, never worse than
-        uniform d0); else that plan. (grid indices, report, the kept row or -1 for ``idx``)."""
+        """The quality objective's last rule (docs/DESIGN.md section 5) on the plan at ``idx``:
+        kept where its predicted loss change is within the model's uncertainty u and its speed
+        gain at the exchange rate pays for that change + u against the no-cut plan (the ``max``
+        band), else that plan. ``report``: the agreed one; ``replicates``, ``free_replicates``:
+        its and the no-cut plan's change under the bootstrap replicates, summed over the step.
+        (grid indices, report, the kept row or -1 for ``idx``)."""
         a1, rate = self.a1, self.settings.exchange_rate
         rate = a1.uniform_rate() if rate is None else rate
         free = self.free

@@ -173,14 +173,8 @@ class EventGraph:
     crosses ranks (p2p latency on the edge), and the reverse edges (-1 where none); ``last[r]``
     rank r's last event; ``unit_events[kind]`` [m * nv] the event of every (micro-batch,
     virtual stage) unit's forward and backward, ``unit_rows`` its inverse. Built once per (m,
-    pp, vp); the passes over it are ``kernels.graph``'s.
-
-    Float (slack): how much an event may grow before the step does, ``latest finish -
-    earliest finish`` with every rank's last event due at a common deadline (DST raises a unit
-    by at most the smaller float of its forward and backward: its forward precedes its
-    backward, so both lie on one path). A stage's busy time is a coarser guide: in 1F1B the
-    first stage's first forward and last backward open and close the pipeline, so growing them
-    grows the step whatever the other stages do."""
+    pp, vp); the passes over it are ``kernels.graph``'s, its floats (how much an event may grow
+    before the step does, with every rank's last event due at a common deadline) among them."""
 
     ranks: np.ndarray
     kinds: np.ndarray
