@@ -70,11 +70,6 @@ class DSTPlan:
     report: DSTReport
     grid_index: np.ndarray  # the densities' indices on the costs' grid
 
-    def quality_cost(self, quality, grid: np.ndarray) -> float:
-        """``quality.plan_cost`` of the plan (a ``BoundQuality``) on the costs' ``grid``, from
-        its grid indices (the same floats, without the search)."""
-        return quality.plan_cost_at(self.grid_index, grid)
-
 
 @dataclass
 class RowsPass:

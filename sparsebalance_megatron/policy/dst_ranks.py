@@ -136,15 +136,11 @@ class RankDST:
         self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
         if quality is not None and i_lo < self.ps.bounds[0]:
             self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
-        w = costs.weights()
-        self.w = w
-        dw = costs.dense_work
-        self.dense_w = None if dw is None else np.asarray(dw, dtype=np.float64)
+        self.w = costs.weights()
 
     def ar1(self) -> dict:
         """The rank's AR1 parts: sums and maxima."""
-        c = self.ps
-        dw = self.dense_w
+        c, dw = self.ps, self.costs.dense_work          # float64 (``UnitCosts``) or None
         pp = self.w.shape[2]
         return {"sum": {"busy": float(c.busy0.sum()), "busy_n": c.busy0.size,
                         "tot_s": self.w.sum(axis=(0, 1)),
@@ -240,7 +236,7 @@ class RankDST:
         def agreed_cost(p) -> float:
             """A row's quality cost, the whole step's (at DP 1 the central call itself)."""
             if self.a1.dp == 1:
-                return p.quality_cost(q, self.costs.densities)
+                return q.plan_cost_at(p.grid_index, self.costs.densities)
             return float(a3["quality"][p.k]) / self.a1.tokens
 
         if self.both:

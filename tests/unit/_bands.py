@@ -48,7 +48,7 @@ def band_plans(costs, sensitivity, settings: DSTSettings, candidates, quality=No
     if quality is not None:
         for p, w in zip(plans, water):
             if w:
-                p.report.quality_cost = p.quality_cost(quality, costs.densities)
+                p.report.quality_cost = quality.plan_cost_at(p.grid_index, costs.densities)
     return plans
 
 
@@ -85,7 +85,8 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
     plan = found[-1]
     if both:
         ordered, filled = found
-        ordered.report.quality_cost = ordered.quality_cost(quality, costs.densities)
+        ordered.report.quality_cost = quality.plan_cost_at(ordered.grid_index,
+                                                           costs.densities)
         fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
         fastest = min(p.report.step_time_planned_s for p in fair)
         plan = min((p for p in fair if p.report.step_time_planned_s
