@@ -324,9 +324,7 @@ class BandPass:
         return out
 
     def cut(self, cur, busy, band, water, i_min: int, iters: int) -> tuple:
-        """(cut grid indices [rows, slots, pp], makespans [rows], event durations and earliest
-        finishes [E, rows], busy seconds [rows, pp]) of every row (``cut_rows``: the load units'
-        busy seconds ``busy`` [dp, pp] above the rows' bands ``band`` [rows] shed)."""
+        """``cut_rows``' answers (its ``out``) of every row."""
         units = self.down.units
         rows, n_ev = units.shape[0], self.graph.prev.size
         out = (np.empty(units.shape, dtype=np.int64), np.empty(rows), np.empty((n_ev, rows)),
@@ -344,8 +342,7 @@ class BandPass:
         return np.maximum(cap, 0.0, out=cap).reshape(self.down.units.shape)
 
     def raise_try(self, cur, cap, slack, rows, alpha, water, i_max: int, iters: int) -> tuple:
-        """(trial grid indices [rows, slots, pp], makespans [rows]) of the raise try of
-        ``rows`` with ``alpha`` [rows] x their slack and floats (``raise_try_rows``)."""
+        """``raise_try_rows``' answers (trial grid indices, makespans) of ``rows``."""
         units = self.up.units
         out = (np.empty((rows.size,) + units.shape[1:], dtype=np.int64), np.empty(rows.size))
         raise_try_rows(self.graph, self.tables, self.up, self.fill,

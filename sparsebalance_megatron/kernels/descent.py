@@ -1,4 +1,4 @@
-"""A critical-path descent round, compiled (``policy.critical_path.descend`` runs the rounds):
+"""A critical-path descent round, compiled (``policy.critical_path.descend_at`` runs the rounds):
 the cut (the units on a path longer than the round's target shed a fraction of their cuttable
 time, per DP rank the smallest of ``CUT_FRACTIONS`` that brings it within the target), what the
 raise needs from it (the cut plan simulated, every unit's float at the raise's deadline, the
@@ -321,31 +321,26 @@ class Round:
         return Plan(f64(dur), f64(ef), f.reshape(-1), b.reshape(-1), idx.reshape(-1))
 
     def cut(self, plan: Plan, t_min, target: float) -> tuple:
-        """(units on a path longer than ``target``, ranks, column of each unit's rank, whether
-        each rank fits, makespans, durations and finishes of the picks, each unit's cut grid
-        index). Until ``plan_changed``, the next call is on the same plan at a higher target
-        (a round given up lowers its eta): it starts from this one's look-ups, and each rank's
-        search from its pick here, which fits there too (a unit on a path longer than the
-        higher target is on one here, and cuts the same way; the makespans fall with the
-        fraction): the answers of a search from scratch."""
+        """``cut_round``'s answers but its look-ups and picks, which it keeps: until
+        ``plan_changed`` the next call is on the same plan at a higher target (a round given up
+        lowers its eta), so it starts from these look-ups and each rank's search from its pick
+        here, which fits there too (a unit on a path longer than the higher target is on one
+        here and cuts the same way; the makespans fall with the fraction): a cold search's
+        answers."""
         on, ranks, col, fits, mk, dur_p, ef_p, cut_i, at, by_rank = cut_round(
             self.graph, self.tables, plan, t_min, float(target), self.i_min, self._was)
         self._was = (on, at, by_rank)
         return on, ranks, col, fits, mk, dur_p, ef_p, cut_i
 
     def after_cut(self, plan: Plan, mk, cut: tuple, deadline: float) -> tuple:
-        """(cut grid indices, its fwd and bwd seconds [dp, m, nv], makespans, durations and
-        finishes, every unit's float at ``deadline`` (>= 0) and its seconds (flat), the units
-        the largest raise fraction moves, the grid index each moves to)."""
+        """``after_cut_round``'s answers, the plan's arrays [dp, m, nv]."""
         idx, f1, b1, mk_cut, dur1, ef1, cap, t1, up, first = after_cut_round(
             self.graph, self.tables, plan, mk, cut, float(deadline), self.i_max)
         return (idx.reshape(self.shape), f1.reshape(self.shape), b1.reshape(self.shape),
                 mk_cut, dur1, ef1, cap, t1, up, first)
 
     def raise_fit(self, dur, up, first, t1, cap, lo, limit) -> tuple:
-        """(ranks, each unit's rank column, makespans, durations and finishes of the picks,
-        each unit's raised grid index) of units ``up`` (their largest fraction's grid indices
-        ``first``), the ranks' makespans limited to ``limit`` [dp]."""
+        """``raise_round``'s answers, the ranks' makespans limited to ``limit`` [dp]."""
         return raise_round(self.graph, self.tables, f64(dur), up, first, t1, cap, lo,
                            self.i_max, f64(limit))
 

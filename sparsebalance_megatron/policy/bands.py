@@ -3,7 +3,7 @@ for a persistently slow GPU (``agreed_stats.straggler_present``; issue 27): docs
 section 5, steps 3 and "Floors". A narrower band (``NARROW_FRACTIONS`` of p) is kept only where
 it meets the same floors and quality condition and is predicted faster by more than
 ``NARROW_MARGIN``; where the configured band misses the floors it is widened in
-``search_steps // 2`` rounds of 3 tolerances.
+``SEARCH_ROUNDS`` rounds of 3 tolerances.
 Every candidate is known before any verdict (``candidate_tree``), so a rank plans them all in one
 pass (``dst_band``) and replays the search on the agreed verdicts (``dst_ranks``).
 
@@ -20,6 +20,7 @@ from .dst_settings import DSTSettings
 
 NARROW_FRACTIONS = (0.5, 0.25, 0.0)   # narrower bands planned beside p, as fractions of p
 NARROW_MARGIN = 2e-3                  # a narrower band must be predicted this much faster
+SEARCH_ROUNDS = 3                     # widening rounds (with 2 a 3x-slow GPU stayed uncut)
 
 
 def band_ladder(anchor: str, tolerance: float) -> list[tuple[str, float]]:
@@ -47,7 +48,7 @@ def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, gu
     is sent their plans (quality costs set for the quality objective) and returns the plan
     kept. ``narrow``: a slow GPU stands out (``bands.straggler_present``): the narrower bands
     of ``bands.band_ladder`` are tried first; ``guard``: what a narrower band's density-order
-    plan must not lose in quality (``guard.plan_cost(densities)``)."""
+    plan must not lose in quality (``guard(plan)``: its quality cost)."""
     anchor, tolerance = settings.anchor, settings.tolerance
     floors = settings.density_floor * settings.d0, settings.stage_density_floor * settings.d0
 
@@ -58,13 +59,13 @@ def band_search(settings: DSTSettings, *, narrow: bool = False, quality=None, gu
                              else [(anchor, tolerance)])
     if guard is not None and quality is None:       # a narrower band must not lose quality
         for p in narrower:
-            p.report.quality_cost = guard.plan_cost(p.densities)
+            p.report.quality_cost = guard(p)
     ok = [p for p in narrower if meets(p)]
     if (settings.density_floor <= 0 and settings.stage_density_floor <= 0 and quality is None) \
             or anchor == "max" or meets(best):
         return pick_band([best] + ok)
     lo, hi = max(float(tolerance), 1e-3), 10.0
-    for rnd in range(max(settings.search_steps // 2, 1)):
+    for rnd in range(SEARCH_ROUNDS):
         ts = _tolerances(lo, hi)
         cands = [(anchor, float(t)) for t in ts]
         found = yield ([("max", tolerance)] if rnd == 0 else []) + cands
@@ -88,17 +89,16 @@ def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
     """Every (anchor, tolerance) ``band_search`` can ask for, in its order: the configured
     band (and the narrower ones with ``narrow``), the no-cut plan, then every round's 3
     tolerances in each of the 4 sub-intervals the previous round can leave. Made once per
-    (anchor, tolerance, search steps, ``narrow``): every rank's and step's alike."""
-    return list(_candidate_tree(settings.anchor, settings.tolerance, settings.search_steps,
-                                bool(narrow)))
+    (anchor, tolerance, ``narrow``): every rank's and step's alike."""
+    return list(_candidate_tree(settings.anchor, settings.tolerance, bool(narrow)))
 
 
 @lru_cache(maxsize=64, typed=True)
-def _candidate_tree(anchor: str, tol: float, search_steps: int, narrow: bool) -> tuple:
+def _candidate_tree(anchor: str, tol: float, narrow: bool) -> tuple:
     out = list(band_ladder(anchor, tol) if narrow else [(anchor, tol)])
     out.append(("max", tol))
     level = [(max(float(tol), 1e-3), 10.0)]
-    for _ in range(max(search_steps // 2, 1)):
+    for _ in range(SEARCH_ROUNDS):
         nxt = []
         for lo, hi in level:
             ts = _tolerances(lo, hi)

@@ -257,25 +257,19 @@ class UnitCosts:
                      densities: np.ndarray, calibrated: bool = True,
                      kept_units=None, out: Optional[TableMemory] = None,
                      rank: Optional[int] = None, rank_units: bool = False) -> "UnitCosts":
-        """Tabulate a ``latency.LatencyModel`` for one step.
+        """Tabulate a ``latency.LatencyModel`` for one step on its layout's (virtual) stages.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
-        ``UnitFeatures`` of them; every stage sees the same micro-batches. ``kept_units``: the
-        same units' documents without the padding that fills them (``BatchPlan.unit_csr()``),
-        whose kept blocks make ``kept_grid``: padding costs time (it is in ``mb_doc_lengths``)
-        but a density move that keeps more padding blocks and no document block buys nothing.
-        None: ``mb_doc_lengths``' own blocks. ``out``: memory the tables are written into
-        (``TableMemory``; None: fresh arrays). ``rank``: DP rank r's [1, m, stages] costs alone
-        (its units of the dp x m given, or with ``rank_units`` the m given are its own,
-        calibrated as rank r: what a rank that plans its own units tabulates, at a cost that
-        does not grow with dp). The stage axis is the
-        model's layout's (virtual) stages. With ``calibrated``, rank r's times are scaled by the
-        model's online correction of rank r, and by that of its pipeline rank where the model
-        has learned one (``correction_grid``: virtual stage v runs on pipeline rank v mod pp).
-        attn_work = kept block pairs at density 1 (dense causal work) x the stage's attention
-        layers (``layout.attention_layers``: a HybridModel's MLP layers have none): the
-        mean-density weights; with routing (the model's ``dense_below_tokens``) of the sparse
-        path's documents, and ``dense_work`` that of the routed ones.
+        ``UnitFeatures`` of them. ``kept_units``: the same units' documents without their
+        padding (``BatchPlan.unit_csr()``), whose kept blocks make ``kept_grid`` (padding costs
+        time, but a move that keeps only more padding blocks buys nothing; None: the units' own
+        blocks). ``out``: a ``TableMemory`` to write the tables into (None: fresh arrays).
+        ``rank``: DP rank r's [1, m, stages] costs alone (its units of the dp x m given, or with
+        ``rank_units`` the m given are its own), calibrated as rank r. With ``calibrated``, rank
+        r's times are scaled by its correction and its pipeline rank's (``correction_grid``:
+        virtual stage v runs on pipeline rank v mod pp). attn_work: kept block pairs at density
+        1 x the stage's attention layers (``layout.attention_layers``) of the sparse path's
+        documents, ``dense_work`` that of the routed ones (``dense_below_tokens``).
         """
         g = np.asarray(densities, dtype=np.float64)
         m, rows = int(num_microbatches), dp

@@ -68,27 +68,24 @@ def descent_setup(costs: UnitCosts, i_min: int, i_max: int, p2p_s: float) -> Des
 
 
 def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-               raise_headroom: float, meets_at, rounds: int = ROUNDS, floors_at=None,
-               goal: float = 0.0, setup: DescentSetup = None):
+               raise_headroom: float, meets_at, floors_at=None, goal: float = 0.0,
+               setup: DescentSetup = None):
     """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
-    docstring): (grid indices, predicted step time s, the DP ranks' makespans [dp]) of the best
-    plan found, ``idx`` itself if none is faster. ``meets_at(idx)`` says whether a plan keeps
-    the floors; ``floors_at(idx)`` (optional) is a part of it that no raise can break (true of
-    a plan, true of every plan at or above it unit by unit, as mean-density floors are): a
-    round whose largest raise fails it is given up before its raises are simulated. Only what a
-    round can change is searched and simulated (a unit off every path longer than T' keeps its
-    density under every cut fraction; a DP rank none of whose units moves keeps its
-    simulation). Each round's phases are ``kernels.descent.Round``'s. ``goal``: no round asks
-    for a step below it, and the descent stops there (``dst_probes``: a DP rank's descent to
-    each of the agreed probe steps); 0: none. ``setup``: ``descent_setup`` of the same costs,
-    bounds and p2p (its round's picks forgotten here), else made here."""
+    docstring; each round's phases ``kernels.descent.Round``'s), ``ROUNDS`` rounds at most:
+    (grid indices, predicted step time s) of the best plan found, ``idx`` itself if none is
+    faster. ``meets_at(idx)``: whether a plan keeps the floors; ``floors_at(idx)`` (optional):
+    a part of it no raise can break (true of every plan at or above a plan that passes, as
+    mean-density floors are), so a round whose largest raise fails it is given up unsimulated.
+    Only what a round can change is searched and simulated (a unit off every path longer than
+    T' keeps its density; a DP rank none of whose units moves keeps its simulation). ``goal``: no round asks for a step below it, and the descent stops there (0: none).
+    ``setup``: ``descent_setup`` of the same costs, bounds and p2p, else made here."""
     if setup is None:
         setup = descent_setup(costs, i_min, i_max, p2p_s)
     tables, rnd, t_min = setup.tables, setup.rnd, setup.t_min
     rnd.plan_changed()                  # a fresh round: no pick or look-up of another plan
     f, b, dur, ef, mk = setup.simulate(idx)
     step, eta = float(mk.max()), ETA_START
-    for _ in range(rounds):
+    for _ in range(ROUNDS):
         if eta < ETA_MIN or step <= goal:
             break
         target = max(step * (1.0 - eta), goal)
@@ -125,7 +122,7 @@ def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s:
             eta = min(eta * 1.5, ETA_MAX)
         else:
             eta /= 2
-    return idx, step, mk
+    return idx, step
 
 
 def descent_floors(settings: DSTSettings) -> tuple:

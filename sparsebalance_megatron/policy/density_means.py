@@ -18,7 +18,7 @@ class WeightTotals:
     (``tot``) and, for [dp, m, pp] weights, per stage (``tot_s``), with the work of documents
     routed dense (``dense_weights``, at density 1) added in; the routed work's own sums
     (``dense``, ``dense_s``; None without routing) are added to a plan's kept work as well.
-    The functions below make one per call; ``of_sums`` makes one of a DP group's agreed sums.
+    ``weighted_mean_density`` makes one per call; ``of_sums`` one of a DP group's agreed sums.
     ``mean`` and ``stage`` take a plan's kept work, float((d x w).sum()) and (d x
     w).sum(axis=(0, 1)), and a function giving the plain mean, read only where the weights
     are zero."""
@@ -69,19 +69,6 @@ class WeightTotals:
         if ok.all():
             return kept_s / self.tot_s
         return np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0), plain())
-
-
-def stage_mean_densities(densities: np.ndarray, weights: np.ndarray,
-                         dense_weights: Optional[np.ndarray] = None) -> np.ndarray:
-    """[pp] work-weighted mean density of every (virtual) pipeline stage (over its ranks and
-    micro-batches; a stage's layers all run at its units' densities); ``dense_weights``
-    [dp, m, pp]: work of documents routed dense, at density 1."""
-    d = np.asarray(densities, dtype=np.float64)
-    w = np.asarray(weights, dtype=np.float64)
-    if d.shape != w.shape or d.ndim != 3:
-        raise ValueError(f"densities {d.shape} and weights {w.shape} must both be [dp, m, pp]")
-    return WeightTotals(w, dense_weights).stage((d * w).sum(axis=(0, 1)),
-                                                lambda: d.mean(axis=(0, 1)))
 
 
 def weighted_mean_density(densities: np.ndarray, weights: np.ndarray,

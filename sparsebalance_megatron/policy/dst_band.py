@@ -1,5 +1,5 @@
 """One DP rank's DST bands: the candidates' plans, steps 1-4 of the rule (docs/DESIGN.md
-section 5: ``static_band``, ``cut_rows``, ``raise_rows``, ``plan_reports``), every candidate
+section 5: ``band_pass``, ``cut_rows``, ``raise_rows``, ``plan_reports``), every candidate
 band's copy of the rows stacked in one pass (``band_pass``; the moves and their simulation are
 ``kernels.band``'s, compiled), so K candidates cost far less than K passes. Between the phases
 the DP ranks agree the anchor, the static step and every cut step (``dst_ranks``); the band
@@ -10,7 +10,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
@@ -68,108 +68,71 @@ class DSTReport:
 class DSTPlan:
     densities: np.ndarray   # [dp, m, stages] planned density of every unit (virtual stages)
     report: DSTReport
-    grid_index: Optional[np.ndarray] = None   # the densities' indices on the costs' grid
-
-    def quality_cost(self, quality, grid: np.ndarray) -> float:
-        """``quality.plan_cost`` of the plan (a ``BoundQuality``) on the costs' ``grid``: from
-        the grid indices where the plan has them (the same floats, without the search)."""
-        if self.grid_index is not None:
-            return quality.plan_cost_at(self.grid_index, grid)
-        return quality.plan_cost(self.densities, grid)
-
-
-@dataclass
-class BandCache:
-    """What the passes of one band search share (``band_pass``' ``cache``): they
-    plan the same costs, sensitivity and bounds, so each of these is made by the first pass
-    that needs it."""
-
-    sens: Optional[np.ndarray] = None        # [dp, slots, pp] sensitivity by load unit
-    bounds: tuple = ()                       # grid indices of d0, d_min, d_max
-    rank_units: Optional[np.ndarray] = None  # [dp, slots, pp] every rank's units' table offsets
-    anchors: dict = field(default_factory=dict)   # anchor -> seconds, over the static plan
-    mk0: Optional[np.ndarray] = None         # [dp] the static plan's makespans
-    busy0: Optional[np.ndarray] = None       # [dp, pp] its busy seconds
-    water: Optional[tuple] = None            # (quality cost, its Fill, b [dp, slots, pp])
-    band: dict = field(default_factory=dict)  # water-filled? -> its compiled pass (BandPass)
+    grid_index: np.ndarray  # the densities' indices on the costs' grid
 
 
 @dataclass
 class RowsPass:
     """One pass over k candidates: the costs, the rows (candidate c x dp + rank: every
-    candidate's copy of the rank), which rows water-fill, and the compiled pass
-    (``kernels.band.BandPass``)."""
+    candidate's copy of the rank), which rows water-fill, the compiled pass
+    (``kernels.band.BandPass``), the grid indices of d0, d_min and d_max, every rank's units'
+    table offsets [dp, slots, pp] and the static plan (every unit at d0): its makespans [dp]
+    and busy seconds [dp, pp]."""
 
     costs: UnitCosts
-    cache: BandCache
     k: int
     wrow: np.ndarray                         # [k * dp] rows cut and raised by water-filling
     fused: object
+    bounds: tuple
+    rank_units: np.ndarray
+    mk0: Optional[np.ndarray] = None
+    busy0: Optional[np.ndarray] = None
 
     @property
     def dp(self) -> int:
         return self.costs.shape[0]
 
 
-def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float,
-          cache: BandCache) -> RowsPass:
-    """The pass's rows and what the cache holds for them (made where it does not yet). The
-    load units are (dp rank, pipeline rank). With the interleaved schedule a rank runs vp
-    model chunks: its units are then the (micro-batch, chunk) pairs, so every array is
-    [rows, m * vp, pp] (the same memory as [rows, m, nv], since v = chunk * pp + rank)."""
+def band_pass(costs, sensitivity, bounds, k: int, water, quality, p2p_s: float) -> RowsPass:
+    """The pass's rows, its compiled pass and its static plan. The load units are (dp rank,
+    pipeline rank). With the interleaved schedule a rank runs vp model chunks: its units are
+    then the (micro-batch, chunk) pairs, so every array is [rows, m * vp, pp] (the same memory
+    as [rows, m, nv], since v = chunk * pp + rank)."""
     dp, m, nv = costs.shape
     pp, vp = costs.pipeline_ranks, costs.vp
     slots = m * vp
     t_grid = costs.total_s                                          # [dp, m, nv, g]
-    if cache.sens is None:
-        cache.sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
-        cache.bounds = tuple(costs.index_of(d) for d in bounds)
-        cache.rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])
-    rank_units = cache.rank_units
-    _, i_min, i_max = cache.bounds
-    kind = bool(water.any())
-    if kind and (cache.water is None or cache.water[0] is not quality):
-        # the water-filling's gain tables and the units' seconds per unit of density depend on
-        # the costs and the quality cost only: made once per cache (the passes of one search)
+    sens = broadcast_sensitivity(sensitivity, (dp, m, nv)).reshape(dp, slots, pp)
+    ib = tuple(costs.index_of(d) for d in bounds)
+    _, i_min, i_max = ib
+    rank_units = unit_base((dp, slots, pp), np.arange(dp), t_grid.shape[-1])
+    fill = ()
+    if water.any():
+        # the water-filling's gain tables and the units' seconds per unit of density
         span = costs.densities[i_max] - costs.densities[i_min]
         # (a unit's seconds per unit of density over its quality weight: the fill compares
         # marginal quality per second, and a unit's quality weighs by its documents)
         weight = np.repeat(quality.unit_scale(), vp, axis=1)[:, :, None]     # [dp, slots, 1]
         t = t_grid.reshape(-1)
-        cache.water = (
-            quality, gain_fill(quality.stage.marginal_gain(costs.densities), slots, pp, vp),
-            ((t.take(rank_units + i_max) - t.take(rank_units + i_min)) / span
-             / np.maximum(weight, 1e-300)) if span > 0 else np.zeros(rank_units.shape))
-        cache.band.pop(True, None)                    # its compiled pass holds the tables
-    if kind not in cache.band:                        # the pass's tables and orders
-        cache.band[kind] = kernels.band.BandPass(
-            Tables.of(costs.fwd_s, costs.bwd_s, t_grid), event_graph(m, pp, vp).record(p2p_s),
-            rank_units, dp, cache.sens, *(cache.water[1:] if kind else ()))
-    return RowsPass(costs, cache, k, np.repeat(water, dp),
-                 cache.band[kind].with_units(np.tile(rank_units, (k, 1, 1))))
-
-
-def static_band(ps: RowsPass, candidates) -> tuple:
-    """Step 1: the static plan (the same for every candidate, simulated once per cache), its
-    anchors and the candidates' bands (1 + tolerance) x anchor: (its step time, anchors [k],
-    bands [k])."""
-    c = ps.cache
-    if c.mk0 is None:                         # every unit at d0
-        _, c.mk0, _, _, c.busy0 = uniform_cut(ps, c.bounds[0])
-    for a, _ in candidates:
-        if a not in c.anchors:
-            c.anchors[a] = anchor_s(c.busy0, a)
-    anchors = np.array([c.anchors[a] for a, _ in candidates])
-    return float(c.mk0.max()), anchors, np.array([(1.0 + t) for _, t in candidates]) * anchors
+        fill = (gain_fill(quality.stage.marginal_gain(costs.densities), slots, pp, vp),
+                ((t.take(rank_units + i_max) - t.take(rank_units + i_min)) / span
+                 / np.maximum(weight, 1e-300)) if span > 0 else np.zeros(rank_units.shape))
+    fused = kernels.band.BandPass(
+        Tables.of(costs.fwd_s, costs.bwd_s, t_grid), event_graph(m, pp, vp).record(p2p_s),
+        rank_units, dp, sens, *fill)
+    ps = RowsPass(costs, k, np.repeat(water, dp),
+                  fused.with_units(np.tile(rank_units, (k, 1, 1))), ib, rank_units)
+    _, ps.mk0, _, _, ps.busy0 = uniform_cut(ps, ib[0])
+    return ps
 
 
 def uniform_cut(ps: RowsPass, i: int) -> tuple:
     """The ranks' plan with every unit at grid index ``i``, as ``cut_rows``' second part (a cut
     of nothing): (grid indices, makespans [dp], durations, earliest finishes, busy seconds)."""
-    c, dp = ps.cache, ps.dp
-    return ps.fused.with_units(c.rank_units).cut(
-        np.full(c.rank_units.shape, i), np.zeros((dp, c.rank_units.shape[2])),
-        np.full(dp, np.inf), np.zeros(dp, dtype=bool), c.bounds[1], FILL_ITERS)
+    units, dp = ps.rank_units, ps.dp
+    return ps.fused.with_units(units).cut(
+        np.full(units.shape, i), np.zeros((dp, units.shape[2])), np.full(dp, np.inf),
+        np.zeros(dp, dtype=bool), ps.bounds[1], FILL_ITERS)
 
 
 def cut_rows(ps: RowsPass, candidates, bands) -> tuple:
@@ -177,10 +140,10 @@ def cut_rows(ps: RowsPass, candidates, bands) -> tuple:
     sensitive micro-batch first (stable sort: ties keep micro-batch order), or by
     water-filling: (the cut's step time per candidate [k], (grid indices, makespans, event
     durations and earliest finishes, busy seconds))."""
-    c, k, dp = ps.cache, ps.k, ps.dp
-    i0, i_min, _ = c.bounds
+    k, dp = ps.k, ps.dp
+    i0, i_min, _ = ps.bounds
     band = np.where([a == "max" for a, _ in candidates], np.inf, bands)   # max: never cut
-    cut = ps.fused.cut(np.full((k * dp,) + c.rank_units.shape[1:], i0), c.busy0,
+    cut = ps.fused.cut(np.full((k * dp,) + ps.rank_units.shape[1:], i0), ps.busy0,
                        np.repeat(band, dp), ps.wrow, i_min, FILL_ITERS)
     step1 = cut[1].reshape(k, dp).max(axis=1)                       # [k]
     return step1, cut
@@ -192,7 +155,7 @@ def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float, ra
     with half the slack, then a quarter, ... (ranks are independent pipelines), and one that
     clears none keeps its cut. Returns (grid indices, makespans, reverted) [k * dp]."""
     k, dp, fused = ps.k, ps.dp, ps.fused
-    _, i_min, i_max = ps.cache.bounds
+    _, i_min, i_max = ps.bounds
     idx_cut, mk1, dur1, ef1, busy1 = cut
     targets = (np.full(k, step0) if raise_to == "static" else step1) * (1.0 - raise_headroom)
     target = np.repeat(targets, dp)                                 # [k * dp] T1'
@@ -225,11 +188,11 @@ def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float, ra
 def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple) -> list[DSTPlan]:
     """Step 4: every candidate's plan and report, from the band (static step time, cut step
     times [k], anchors, bands) and the raise (grid indices, makespans, reverted)."""
-    costs, k, dp, mk0 = ps.costs, ps.k, ps.dp, ps.cache.mk0
+    costs, k, dp, mk0 = ps.costs, ps.k, ps.dp, ps.mk0
     step0, step1, anchors, bands = band
     idx, mk_final, reverted = raised
     _, m, nv = costs.shape
-    i0 = ps.cache.bounds[0]
+    i0 = ps.bounds[0]
     # every unit at its effective density: a move that keeps no other block is none, and
     # counts as none in the floors (the same seconds, so the makespans stand)
     idx = costs.effective_index(idx.reshape(k, dp, m, nv), i0).reshape(idx.shape)
@@ -267,10 +230,10 @@ def plan_reports(ps: RowsPass, candidates, d0: float, band: tuple, raised: tuple
 
 
 def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
-    """``weighted_mean_density`` and ``stage_mean_densities`` (as a tuple of floats) of every
-    candidate's densities ``dens`` [k, dp, m, pp] in one pass: each sum is numpy's over the same
-    elements in the same order as the per-candidate calls' (a [k, ...] sum over the trailing
-    axes sums each candidate as the call sums its array), so the floats are theirs."""
+    """The mean and per-stage (a tuple of floats) work-weighted densities (``WeightTotals``) of
+    every candidate's densities ``dens`` [k, dp, m, pp] in one pass: each sum is numpy's over
+    the same elements in the same order as one candidate's alone (a [k, ...] sum over the
+    trailing axes sums each candidate as a call sums its array), so the floats are theirs."""
     k = dens.shape[0]
     totals = WeightTotals(weights, dense_work)
     kept_all = dens * totals.w
@@ -278,11 +241,6 @@ def _density_stats(dens: np.ndarray, weights: np.ndarray, dense_work) -> tuple:
             for c, x in enumerate(kept_all.reshape(k, -1).sum(axis=1).tolist())]
     stage = totals.stage(kept_all.sum(axis=(1, 2)), lambda: dens.mean(axis=(1, 2)))
     return mean, [tuple(row) for row in stage.tolist()]
-
-
-def anchor_s(busy_s: np.ndarray, anchor: str) -> float:
-    """The anchor over the load units' busy seconds (``max``: the largest, never cut)."""
-    return float(np.mean(busy_s) if anchor == "mean" else np.max(busy_s))
 
 
 def unit_base(shape, rows: np.ndarray, g: int) -> np.ndarray:

@@ -1,37 +1,23 @@
 """The critical-path descent, one DP rank's part (``dst_ranks.RankDST``'s ``descent_start``,
-``probe`` and ``pick``; docs/DESIGN.md section 6).
+``probe`` and ``pick``; why it is probed: docs/DESIGN.md section 6, "DST and SAB at scale").
+Every rank (at DP 1 the one) works on ``PROBES`` agreed steps below the start's
+(``probe_steps``), and two reductions agree what a rank cannot see:
 
-A descent's round (``critical_path.descend_at``) over all ranks at once would cut the units on
-paths longer than its target and raise every unit with float, kept if the whole plan meets the
-floors: the critical ranks' cuts paid by the other ranks' raises. A rank descending alone
-would have only the start's slack over the floors, often none. So every rank (at DP 1 the one)
-works on ``PROBES`` agreed steps below the start's (``probe_steps``) and two reductions agree
-what a rank cannot see:
+1. ``first`` (AR3b): at the probes at or above the rank's makespan, its **fills** (``_fill``,
+   at every ``FILL_EVERY``-th such probe from the deepest, each from the last; a probe keeps the
+   shallowest fill within it), whose gain over the start in kept work by stage and quality sum
+   is its **supply**; below its makespan, its **free** descent to every probe with no floors
+   (``_chain``), whose loss of kept work and added quality sum (each at least 0) is its
+   **demand**. AR3b sums supply, demand, the ranks descending and the free plans' sums.
+2. ``probe`` (AR4): below the free plans' fastest that meets the floors, two chains of descents
+   under the floors: **shared**, each rank its demand and an even part of what the slack (the
+   start's surplus over the floors plus the supply) leaves, or its part of the slack in
+   proportion to its demand where the ranks ask for more (``_share``); **alone**, each the
+   whole slack.
+3. ``pick``: the fastest of AR4's 2P plans whose sums meet the descent's floors globally.
 
-1. ``first`` (its parts ride AR3b): at the probes at or above the rank's start makespan, its
-   **fills**: the descent's raise with the probe as target (every unit grown by a fraction of
-   its float at (1 - h) x the probe, the rank no slower than max((1 - h) x probe, its
-   makespan)), in rounds until nothing moves, at every ``FILL_EVERY``-th such probe from the
-   deepest, each from the last; at a probe the rank keeps the shallowest fill whose makespan is
-   within it (what early rounds raise, a rank keeps); its gain over the start in kept work by
-   stage and quality sum is the rank's **supply**. Below its makespan, its **free** descent to
-   every probe with no floors (``critical_path.descend_at`` with the probe as goal, each from the
-   last, from the shallowest fill): what that takes from the kept work and adds to the quality
-   sum (each at least 0) is its **demand**. AR3b sums supply, demand, the number of ranks
-   descending and the free plans' kept work and quality, and takes their steps.
-2. ``probe`` (AR4): every rank finds on the free plans' sums the fastest that meets the
-   floors; below it, two chains of descents under the floors with the rest held: **shared**,
-   each rank spending its demand and an even part of what the slack (the start's surplus over
-   the floors plus the summed supply) leaves, or its part of the slack in proportion to its
-   demand where the ranks ask for more (kept work, by stage and quality apart); **alone**, each
-   spending the whole slack (the sums decide). A chain's descent that misses its probe is tried
-   again from the chain's start; a second miss ends the chain (deeper probes keep its plan).
-3. ``pick``: the fastest of AR4's 2P plans (the free plans down to their fastest, then each
-   chain's) whose sums meet the descent's floors globally.
-
-Cost: a rank's ``FILL_EVERY``-th fills and at most three chains of P descents, the chains under
-floors starting below the free plans' fastest; AR3b [P x (3 stages + 6)] floats, AR4
-[2P x (stages + 2)], none growing with DP.
+Cost: a rank's ``FILL_EVERY``-th fills and at most three chains of P descents; AR3b
+[P x (3 stages + 6)] floats, AR4 [2P x (stages + 2)], none growing with DP.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -176,11 +162,9 @@ class RankProbes:
             return True                       # later round is kept too
 
         def descend(start, goal):
-            new, step, _ = descend_at(costs, start[0], self.i_min, self.i_max, s.p2p_s,
-                                    s.raise_headroom,
-                                    (lambda i: True) if lim is None else meets_at, ROUNDS,
-                                    None if lim is None else floors_at, goal=goal,
-                                    setup=self.setup)
+            new, step = descend_at(costs, start[0], self.i_min, self.i_max, s.p2p_s,
+                                   s.raise_headroom, (lambda i: True) if lim is None else meets_at,
+                                   None if lim is None else floors_at, goal=goal, setup=self.setup)
             if not step < start[1]:
                 return start
             if met[0] is not None and met[0][0] is new:      # its record made by meets_at

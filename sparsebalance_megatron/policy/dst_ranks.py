@@ -4,8 +4,7 @@ only by fixed-size vectors a caller reduces across the DP group. ``RankDST``'s m
 rounds' steps, in the order ``dst_rounds`` lists them. The band search decomposes exactly: its
 candidates are known before any verdict (``bands.candidate_tree``), so a rank plans them all in
 one batched pass and ``choose`` replays the search on the agreed verdicts; the descent is probed
-(``dst_probes``). The slow-GPU test (``agreed_stats.straggler_present``) is an agreed boolean
-the caller passes (``narrow``).
+(``dst_probes``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -13,15 +12,14 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 import numpy as np
 
 from .costs import UnitCosts
 from .critical_path import descent_floors
 from .bands import band_search, candidate_tree
-from .dst_band import (SPEED_TIE, BandCache, DSTPlan, DSTReport, band_pass, cut_rows,
-                       plan_reports, raise_rows, static_band, uniform_cut)
+from .dst_band import (SPEED_TIE, DSTPlan, DSTReport, band_pass, cut_rows, plan_reports,
+                       raise_rows, uniform_cut)
 from .dst_probes import RankProbes, probe_steps
 from .dst_settings import DSTSettings
 
@@ -129,26 +127,20 @@ class RankDST:
         self.rows = self.cands * 2 if self.both else self.cands
         self.water = np.array([False] * k + [True] * k if self.both
                               else [quality is not None] * k)
-        self.cache = BandCache()
         self.ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), len(self.rows),
-                            self.water, quality, s.p2p_s, self.cache)
-        static_band(self.ps, [])                                  # the static plan: mk0, busy0
+                            self.water, quality, s.p2p_s)
         # the uniform trade (the 'auto' exchange rate): every unit one step of density lower
         g = costs.densities
         i_lo = int(np.searchsorted(g, UNIFORM_STEP * s.d0 + 1e-12)) - 1
-        i_lo = max(i_lo, self.cache.bounds[1])
+        i_lo = max(i_lo, self.ps.bounds[1])
         self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
-        if quality is not None and i_lo < self.cache.bounds[0]:
+        if quality is not None and i_lo < self.ps.bounds[0]:
             self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
-        w = costs.weights()
-        self.w = w
-        dw = costs.dense_work
-        self.dense_w = None if dw is None else np.asarray(dw, dtype=np.float64)
+        self.w = costs.weights()
 
     def ar1(self) -> dict:
         """The rank's AR1 parts: sums and maxima."""
-        c = self.cache
-        dw = self.dense_w
+        c, dw = self.ps, self.costs.dense_work          # float64 (``UnitCosts``) or None
         pp = self.w.shape[2]
         return {"sum": {"busy": float(c.busy0.sum()), "busy_n": c.busy0.size,
                         "tot_s": self.w.sum(axis=(0, 1)),
@@ -164,9 +156,7 @@ class RankDST:
         (max)."""
         self.a1 = a1
         ps, cands = self.ps, self.rows
-        for a in {a for a, _ in cands}:            # 'max' (the no-cut plan): the report's only
-            self.cache.anchors[a] = a1.anchors[a]
-        anchors = np.array([self.cache.anchors[a] for a, _ in cands])
+        anchors = np.array([a1.anchors[a] for a, _ in cands])
         self.bands = np.array([(1.0 + t) for _, t in cands]) * anchors
         self.anchors = anchors
         _, self.cut_rows = cut_rows(ps, cands, self.bands)
@@ -209,10 +199,6 @@ class RankDST:
         return {"sum": {"quality_b": self.quality.replicate_sums_at(idx, self.costs.densities)},
                 "max": {}}
 
-    def _quality_sum(self, idx: np.ndarray) -> float:
-        """The quality model's change summed over the rank's units of the plan at ``idx``."""
-        return float(self.quality.sums_at(idx, self.costs.densities))
-
     def global_report(self, k: int, a3: dict) -> DSTReport:
         """Candidate k's report with the agreed step, densities, quality cost and counts (at
         DP 1 the rank's own: the world's, the central report's floats)."""
@@ -250,13 +236,12 @@ class RankDST:
         def agreed_cost(p) -> float:
             """A row's quality cost, the whole step's (at DP 1 the central call itself)."""
             if self.a1.dp == 1:
-                return p.quality_cost(q, self.costs.densities)
+                return q.plan_cost_at(p.grid_index, self.costs.densities)
             return float(a3["quality"][p.k]) / self.a1.tokens
 
         if self.both:
-            # the guard of a narrower band (given the plan's densities: the rank's rows alone)
-            guard = q if self.a1.dp == 1 else SimpleNamespace(plan_cost=lambda d: agreed_cost(
-                next(p for p in views.values() if p.densities is d)))
+            # the guard of a narrower band (at DP 1 the central call itself)
+            guard = (lambda p: q.plan_cost(p.densities)) if self.a1.dp == 1 else agreed_cost
             searches = [(band_search(s, narrow=self.narrow, guard=guard), False),
                         (band_search(s, narrow=self.narrow, quality=q), True)]
         else:
@@ -296,12 +281,13 @@ class RankDST:
                         float(self.q[k]))
         else:
             i0 = self.costs.index_of(s.d0)
-            self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.cache.mk0.max()),
+            self.cur = (np.full(self.plans[k].grid_index.shape, i0), float(self.ps.mk0.max()),
                         s.d0 * self.w.sum(axis=(0, 1)), 0.0)
         # the start's agreed step: AR3's (the band plan's) or AR1's (the static plan's)
         self.start_step = float(r.step_time_planned_s) if ok else float(self.a1.t0)
-        self.probes = RankProbes(self.costs, self.w, s, self._quality_sum
-                                 if self.quality is not None else None, self.cur,
+        qsum = None if self.quality is None else \
+            (lambda i: float(self.quality.sums_at(i, self.costs.densities)))
+        self.probes = RankProbes(self.costs, self.w, s, qsum, self.cur,
                                  probe_steps(self.start_step))
         out, more = self.parts(), self.probes.first()
         out["sum"].update(more["sum"])
@@ -334,13 +320,12 @@ class RankDST:
 
     def adopt(self, idx: np.ndarray, report: DSTReport, replicates, free_replicates,
               a3: dict) -> tuple:
-        """The quality objective's last word on the plan at ``idx`` (``report``: the agreed
-        one; ``replicates``, ``free_replicates``: its and the no-cut plan's quality change under
-        the model's bootstrap replicates, summed over the step): kept where it is not predicted worse than uniform d0 by more than the
-        model's uncertainty u, and where its speed gain at ``exchange_rate`` pays for its loss
-        change at the model's pessimistic end (change + u) against the plan without cuts (the
-        ``max`` band: raises into bubbles only, never slower than static, never worse than
-        uniform d0); else that plan. (grid indices, report, the kept row or -1 for ``idx``)."""
+        """The quality objective's last rule (docs/DESIGN.md section 5) on the plan at ``idx``:
+        kept where its predicted loss change is within the model's uncertainty u and its speed
+        gain at the exchange rate pays for that change + u against the no-cut plan (the ``max``
+        band), else that plan. ``report``: the agreed one; ``replicates``, ``free_replicates``:
+        its and the no-cut plan's change under the bootstrap replicates, summed over the step.
+        (grid indices, report, the kept row or -1 for ``idx``)."""
         a1, rate = self.a1, self.settings.exchange_rate
         rate = a1.uniform_rate() if rate is None else rate
         free = self.free

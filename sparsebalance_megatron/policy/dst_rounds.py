@@ -1,26 +1,22 @@
 """Dynamic sparsity tuning (DST), one attention density per (dp_rank, micro-batch, stage), as
-the rounds one DP rank takes (issue 77; ``dst_ranks`` says why it decomposes): ``rank_rounds``
-is a generator that yields the rank's parts of each reduction and is sent back what the DP
-group agreed; it holds no loop of its own. Whoever reduces drives the same generator: the
-in-process driver of the studies and the tests (``plan_rounds_in_process``, ``plan_dst``: every
-rank's generator in lockstep) and, in a run, the step's one driver of its rounds over the
-data-parallel group (``megatron/step/agreement.py``). So a rank's plan does not depend on who
-reduced its parts.
+the rounds one DP rank takes (docs/DESIGN.md section 6; ``dst_ranks`` says why it decomposes):
+``rank_rounds`` is a generator that yields the rank's parts of each reduction and is sent back
+what the DP group agreed; it holds no loop of its own. Whoever reduces drives it
+(``plan_rounds_in_process`` and ``plan_dst`` in one process, a run's
+``megatron/step/agreement.py`` over the group), so a rank's plan does not depend on who did.
 
 The protocol: each yield is ``{"sum": {key: value}, "max": {key: value}}`` (floats, ints or
 float/int arrays; the same keys and shapes on every rank of a round), and what is sent back is
 one dict of every key, sums summed and maxima taken over the DP ranks; an optional ``"cat"``
-part is gathered (every rank's array, in rank order: SAB's and ``agreed_stats``' rounds, a
-step's committed rows). Single rounds for the step's other agreements: ``group_max`` (the
-do-no-harm race's step times, ``stand_down.choice_rounds``) and ``gathered`` (every rank's
-row); ``planned_rounds`` is a candidate packing's DST plan as the race reads it.
+part is gathered (every rank's array, in rank order). ``group_max`` and ``gathered`` are single
+rounds for the step's other agreements; ``planned_rounds`` is a candidate packing's DST plan as
+the do-no-harm race reads it.
 
-The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's
-raise), then with the descent AR3b (its start) and AR4 (its probes), and, where a probe is kept,
-AR5 (the kept plan's report sums and its quality under the model's replicates, which the quality
-rule reads, ``RankDST.adopt``). The quality rule's replicates of the band search's kept row and
-of the no-cut row ride AR3b, or without the descent take a round of their own (AR3q). At DP 1
-the rounds are the same and every reduction is the identity. No round grows with DP.
+The rounds: AR1 (the static plans), AR2 (every candidate's cut), AR3 (every candidate's raise),
+then with the descent AR3b (its start) and AR4 (its probes), and where a probe is kept AR5 (its
+report's sums and its quality under the model's replicates). The quality rule's replicates of
+the band search's kept row and of the no-cut row ride AR3b, or without the descent AR3q. At DP
+1 the rounds are the same and every reduction is the identity; no round grows with DP.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """

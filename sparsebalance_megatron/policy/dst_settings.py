@@ -29,8 +29,7 @@ def _number(v) -> bool:
 class DSTSettings:
     """What DST plans by: d0 and its bounds [d_min, d_max]; the band (``anchor``,
     ``tolerance``); the p2p latency between stages (seconds); the mean and per-stage density
-    floors (fractions of d0); the band search's ``search_steps``; the raise headroom h and
-    target (``raise_to``); whether the critical-path descent refines the band plan
+    floors (fractions of d0); the raise headroom h and target (``raise_to``); whether the critical-path descent refines the band plan
     (``descent``); the quality objective's ``exchange_rate`` (nats per token that 1% of step
     time is worth: when a plan's cuts pay for themselves; None: the step's own uniform trade).
     A bad value raises where the record is made, naming it."""
@@ -44,7 +43,6 @@ class DSTSettings:
     p2p_s: float = 0.0
     density_floor: float = 0.0
     stage_density_floor: float = 0.0
-    search_steps: int = 6
     raise_headroom: float = 0.0
     raise_to: str = "bottleneck"
     descent: bool = True
@@ -68,9 +66,6 @@ class DSTSettings:
         if x is not None and (not _number(x) or not 0.0 <= x < float("inf")):
             raise ConfigError(f"--sb-exchange-rate={x!r}: expected 'auto' or a number of nats "
                               f"per token >= 0")
-        if isinstance(self.search_steps, bool) or not isinstance(self.search_steps, int) \
-                or self.search_steps < 1:
-            raise ValueError(f"search_steps={self.search_steps!r}: expected an integer >= 1")
 
     @classmethod
     def from_config(cls, config, p2p_s: float = 0.0,

@@ -29,13 +29,13 @@ ITERATIONS = 20         # fixed-point steps of the ratio where the interaction t
 PROBE_RATIO = 0.8       # a refresh probes each group at this fraction of d0
 
 
-def probe_density(d0: float, ratio: float = PROBE_RATIO) -> float:
-    """The density a refresh moves each group to: ``ratio`` x d0, where DST's cuts go (about
+def probe_density(d0: float) -> float:
+    """The density a refresh moves each group to: ``PROBE_RATIO`` x d0, where DST's cuts go (about
     0.8 d0): the chord the plans pay. On trained SmolLM2 a probe at 0.9 d0 measured a third to
     two thirds of the model's change there and its rescaled model mis-priced the plans' larger
     moves; at 0.8 d0 it measured the model's own change within its noise
     (docs/results/plan_quality_refresh.json)."""
-    return float(d0) * float(ratio)
+    return float(d0) * PROBE_RATIO
 
 
 def group_of_layer(cost: QualityCost, layer: int, layers: int) -> int:

@@ -251,12 +251,10 @@ class BoundQuality:
             f1, f2 = f1.reshape(shape), f2.reshape(shape)
         return _change(diff, f1, f2, gamma, s0).sum(axis=(-2, -1))
 
-    def sums_at(self, idx: np.ndarray, grid: np.ndarray, rep: Optional[int] = None
-                ) -> np.ndarray:
+    def sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[...] the model's change summed over the units of plans at grid indices ``idx``
-        [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change); ``rep``: under
-        bootstrap replicate ``rep``."""
-        return self._sums(idx, grid, 0 if rep is None else rep + 1)
+        [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change)."""
+        return self._sums(idx, grid, 0)
 
     def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[..., B] ``sums_at`` under every bootstrap replicate."""
@@ -269,18 +267,12 @@ class BoundQuality:
         [dp, m, nv] of ``grid``."""
         return float(self.sums_at(idx, grid)) / self.tokens
 
-    def plan_cost(self, densities: np.ndarray, grid: Optional[np.ndarray] = None) -> float:
-        """``plan_cost_at`` of a plan given by its densities [dp, m, nv] (on ``grid`` where
-        every density is there, else interpolated)."""
+    def plan_cost(self, densities: np.ndarray) -> float:
+        """``plan_cost_at`` of a plan given by its densities [dp, m, nv], interpolated."""
         d = np.asarray(densities, dtype=np.float64)
         if d.ndim != 3 or d.shape[2] != self.stage.stages:
             raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
                                    f"{self.stage.stages}] (one per stage)")
-        if grid is not None:
-            g = np.asarray(grid, dtype=np.float64)
-            idx = np.minimum(np.searchsorted(g, d), g.size - 1)
-            if np.array_equal(g.take(idx), d):
-                return self.plan_cost_at(idx, g)
         diff = _stagewise(self.stage, d, None).sum(axis=-1) - self.stage.reference().sum()
         return float(self.stage.change(diff, self.f1[0], self.f2[0]).sum()) / self.tokens
 

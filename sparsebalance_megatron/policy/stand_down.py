@@ -101,16 +101,13 @@ class StepChoice:
 def choose_step(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
                 plan_fn: Optional[Callable[[int, UnitCosts], tuple]] = None,
                 enabled: bool = True, compare: str = "planned") -> StepChoice:
-    """The do-no-harm choice of one step (the module docstring's rule), in one process: the
-    costs are the whole step's (``choice_rounds`` with a DP group of one).
-
-    costs: the unit costs of each candidate packing of the same documents, SAB's first and the
-    baseline second (one entry: no packing choice); plan_fn(i, costs_i) -> (densities
-    [dp, m, stages], payload) is DST's plan for candidate i (None: static runs); ``compare``:
-    ``planned`` or ``static`` (with ``static`` the candidate not committed is not planned: its
-    ``step_s`` is its static plan's). ``enabled`` False commits the first candidate and DST's
-    plan as they are (the ablation), still reporting what the rule would have predicted.
-    """
+    """The do-no-harm choice of one step in one process (``choice_rounds`` with a DP group of
+    one): costs of each candidate packing of the same documents, SAB's first and the baseline
+    second (one entry: no packing choice); plan_fn(i, costs_i) -> (densities [dp, m, stages],
+    payload) is DST's plan for candidate i (None: static runs); ``compare``: ``planned`` or
+    ``static`` (the candidate not committed is not planned: its ``step_s`` is its static
+    plan's); ``enabled`` False commits the first candidate and DST's plan as they are (the
+    ablation), still reporting what the rule would have predicted."""
     plans = None if plan_fn is None else [_no_rounds(plan_fn, i, c)
                                           for i, c in enumerate(costs)]
     return plan_rounds_in_process([choice_rounds(costs, d0, p2p_s, plans, enabled,

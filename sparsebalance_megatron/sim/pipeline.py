@@ -68,18 +68,15 @@ def interleaved_schedule_table(num_microbatches: int, vp: int, group: int) -> li
     return table
 
 
-def stage_order_interleaved(num_microbatches: int, pp: int, vp: int, stage: int,
-                            group: Optional[int] = None) -> list[tuple[int, int, int]]:
-    """Megatron's interleaved 1F1B order on one rank: (kind, micro-batch, model chunk).
-
-    ``group`` is ``microbatch_group_size_per_vp_stage`` (Megatron's default: pp). Warm-up
-    forwards ``(pp - stage - 1) * 2 + (vp - 1) * group``; backward k runs chunk
-    ``vp - 1 - chunk(k)`` of micro-batch ``mb(k)``.
-    """
-    group = pp if group is None else group
-    table = interleaved_schedule_table(num_microbatches, vp, group)
+def stage_order_interleaved(num_microbatches: int, pp: int, vp: int, stage: int
+                            ) -> list[tuple[int, int, int]]:
+    """Megatron's interleaved 1F1B order on one rank: (kind, micro-batch, model chunk), with
+    ``microbatch_group_size_per_vp_stage`` at its default, pp. Warm-up forwards
+    ``(pp - stage - 1) * 2 + (vp - 1) * pp``; backward k runs chunk ``vp - 1 - chunk(k)`` of
+    micro-batch ``mb(k)``."""
+    table = interleaved_schedule_table(num_microbatches, vp, pp)
     total = num_microbatches * vp
-    warmup = min((pp - stage - 1) * 2 + (vp - 1) * group, total)
+    warmup = min((pp - stage - 1) * 2 + (vp - 1) * pp, total)
     fwd = [(FWD, i, c) for i, c in table]
     bwd = [(BWD, i, vp - 1 - c) for i, c in table]
     order = fwd[:warmup]
@@ -90,16 +87,15 @@ def stage_order_interleaved(num_microbatches: int, pp: int, vp: int, stage: int,
     return order
 
 
-def interleaved_refusal(m: int, pp: int, group: Optional[int] = None) -> Optional[str]:
-    """Why Megatron's interleaved schedule refuses ``m`` micro-batches at ``pp`` stages with
-    ``group`` contiguous micro-batches per virtual stage (default pp), or None when it runs them
-    (``forward_backward_pipelining_with_interleaving``'s checks: pp <= group <= m, and the last
-    group empty or at least pp micro-batches)."""
-    group = pp if group is None else group
-    if not pp <= group <= m:
+def interleaved_refusal(m: int, pp: int) -> Optional[str]:
+    """Why Megatron's interleaved schedule refuses ``m`` micro-batches at ``pp`` stages (groups
+    of pp micro-batches per virtual stage, its default), or None when it runs them
+    (``forward_backward_pipelining_with_interleaving``'s checks: pp <= m, and the last group
+    empty or at least pp micro-batches)."""
+    if m < pp:
         return (f"{m} micro-batches: the interleaved schedule needs pp={pp} <= "
-                f"microbatch_group_size_per_vp_stage={group} <= micro-batches")
-    rest = m % group
+                f"microbatch_group_size_per_vp_stage={pp} <= micro-batches")
+    rest = m % pp
     if 0 < rest < pp:
         return (f"{m} micro-batches: the interleaved schedule's last group of {rest} is "
                 f"smaller than pp={pp} (Megatron refuses it: dependency bubbles)")
@@ -177,14 +173,8 @@ class EventGraph:
     crosses ranks (p2p latency on the edge), and the reverse edges (-1 where none); ``last[r]``
     rank r's last event; ``unit_events[kind]`` [m * nv] the event of every (micro-batch,
     virtual stage) unit's forward and backward, ``unit_rows`` its inverse. Built once per (m,
-    pp, vp); the passes over it are ``kernels.graph``'s.
-
-    Float (slack): how much an event may grow before the step does, ``latest finish -
-    earliest finish`` with every rank's last event due at a common deadline (DST raises a unit
-    by at most the smaller float of its forward and backward: its forward precedes its
-    backward, so both lie on one path). A stage's busy time is a coarser guide: in 1F1B the
-    first stage's first forward and last backward open and close the pipeline, so growing them
-    grows the step whatever the other stages do."""
+    pp, vp); the passes over it are ``kernels.graph``'s, its floats (how much an event may grow
+    before the step does, with every rank's last event due at a common deadline) among them."""
 
     ranks: np.ndarray
     kinds: np.ndarray

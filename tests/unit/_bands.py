@@ -15,29 +15,40 @@ import numpy as np
 
 from sparsebalance_megatron.policy.bands import band_search
 from sparsebalance_megatron.policy.critical_path import descend_at, descent_floors
-from sparsebalance_megatron.policy.density_means import (stage_mean_densities,
-                                                         weighted_mean_density)
-from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, BandCache, band_pass, cut_rows,
-                                                     plan_reports, raise_rows, static_band)
+from sparsebalance_megatron.policy.density_means import WeightTotals, weighted_mean_density
+from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, band_pass, cut_rows, plan_reports,
+                                                     raise_rows)
 from sparsebalance_megatron.policy.dst_settings import DSTSettings
 
 
-def band_plans(costs, sensitivity, settings: DSTSettings, candidates, cache=None, quality=None,
+def stage_mean_densities(densities, weights, dense_weights=None) -> np.ndarray:
+    """[pp] work-weighted mean density of every (virtual) pipeline stage of a plan's densities
+    [dp, m, pp] (``dense_weights``: work of documents routed dense, at density 1): the
+    per-stage floor's rule (``WeightTotals.stage``) on one whole plan."""
+    d, w = np.asarray(densities, dtype=np.float64), np.asarray(weights, dtype=np.float64)
+    return WeightTotals(w, dense_weights).stage((d * w).sum(axis=(0, 1)),
+                                                lambda: d.mean(axis=(0, 1)))
+
+
+def band_plans(costs, sensitivity, settings: DSTSettings, candidates, quality=None,
                water=None) -> list:
     """Every candidate's plan, all DP ranks' rows in one pass (``quality``: bound to
-    ``costs``; ``water``: which candidates water-fill, all of them with ``quality``)."""
+    ``costs``; ``water``: which candidates water-fill, all of them with ``quality``); the
+    anchor over every rank's static busy seconds (``max``: the largest, never cut)."""
     s, k = settings, len(candidates)
     water = np.array([quality is not None] * k if water is None else water, dtype=bool)
-    ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), k, water, quality, s.p2p_s,
-                   BandCache() if cache is None else cache)
-    step0, anchors, bands = static_band(ps, candidates)
+    ps = band_pass(costs, sensitivity, (s.d0, s.d_min, s.d_max), k, water, quality, s.p2p_s)
+    step0 = float(ps.mk0.max())
+    anchors = np.array([float(np.mean(ps.busy0) if a == "mean" else np.max(ps.busy0))
+                        for a, _ in candidates])
+    bands = np.array([(1.0 + t) for _, t in candidates]) * anchors
     step1, cut = cut_rows(ps, candidates, bands)
     raised = raise_rows(ps, cut, step0, step1, s.raise_headroom, s.raise_to)
     plans = plan_reports(ps, candidates, s.d0, (step0, step1, anchors, bands), raised)
     if quality is not None:
         for p, w in zip(plans, water):
             if w:
-                p.report.quality_cost = p.quality_cost(quality, costs.densities)
+                p.report.quality_cost = quality.plan_cost_at(p.grid_index, costs.densities)
     return plans
 
 
@@ -61,13 +72,12 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
     both = quality is not None and not descend and objectives is None
     found = []
     for water in objectives or ([False, True] if both else [quality is not None]):
-        cache = BandCache()
-        search = band_search(s, narrow=narrow, quality=quality if water else None,
-                             guard=quality if both and not water else None)
+        guard = (lambda p: quality.plan_cost(p.densities)) if both and not water else None
+        search = band_search(s, narrow=narrow, quality=quality if water else None, guard=guard)
         cands = next(search)
         while True:
             try:
-                cands = search.send(band_plans(costs, sensitivity, s, cands, cache,
+                cands = search.send(band_plans(costs, sensitivity, s, cands,
                                                quality if water else None))
             except StopIteration as done:
                 found.append(done.value)
@@ -75,7 +85,8 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
     plan = found[-1]
     if both:
         ordered, filled = found
-        ordered.report.quality_cost = ordered.quality_cost(quality, costs.densities)
+        ordered.report.quality_cost = quality.plan_cost_at(ordered.grid_index,
+                                                           costs.densities)
         fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
         fastest = min(p.report.step_time_planned_s for p in fair)
         plan = min((p for p in fair if p.report.step_time_planned_s
@@ -98,12 +109,13 @@ def central_descent(plan, costs, settings: DSTSettings, quality=None) -> np.ndar
     def meets(d):
         return (weighted_mean_density(d, w, dense) >= floor - 1e-12
                 and stage_mean_densities(d, w, dense).min() >= stage_floor - 1e-12
-                and (quality is None or quality.plan_cost(d, costs.densities) <= 1e-12))
+                and (quality is None
+                     or quality.plan_cost_at(costs.grid_index(d), costs.densities) <= 1e-12))
 
     start = plan.densities
     if r.step_time_planned_s > r.step_time_static_s or not meets(start):
         start = np.full(costs.shape, float(s.d0))
-    idx, step, _ = descend_at(costs, costs.grid_index(start), i_min, i_max, s.p2p_s,
+    idx, step = descend_at(costs, costs.grid_index(start), i_min, i_max, s.p2p_s,
                               s.raise_headroom,
                               lambda i: meets(costs.densities[costs.effective_index(i, i0)]))
     if not step < min(r.step_time_planned_s, r.step_time_static_s) * (1.0 - SPEED_TIE):

@@ -9,8 +9,8 @@ import pytest
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
                                            weighted_mean_density)
-from sparsebalance_megatron.policy.density_means import stage_mean_densities
 from sparsebalance_megatron.policy.critical_path import descend_at
+from tests.unit._bands import stage_mean_densities
 from tests.unit._floats import unit_floats
 
 from test_policy_dst import (D0, DMAX, DMIN, _quality, plan_dst_from_config, step_time_of,
@@ -63,12 +63,11 @@ def test_descent_only_under_a_floor_a_cut_and_the_bottleneck_target():
     assert on.report.step_time_planned_s < off.report.step_time_planned_s * 0.99
 
 
-def descend(costs, idx, i_min, i_max, p2p_s=0.0, raise_headroom=0.0, meets=None, rounds=8,
-            floors=None):
+def descend(costs, idx, i_min, i_max, p2p_s=0.0, raise_headroom=0.0, meets=None, floors=None):
     """``descend_at`` with floors given on a plan's densities: (grid indices, step)."""
     return descend_at(costs, idx, i_min, i_max, p2p_s, raise_headroom,
-                      lambda i: meets(costs.densities[i]), rounds,
-                      None if floors is None else lambda i: floors(costs.densities[i]))[:2]
+                      lambda i: meets(costs.densities[i]),
+                      None if floors is None else lambda i: floors(costs.densities[i]))
 
 
 def test_descend_keeps_the_start_when_nothing_meets():

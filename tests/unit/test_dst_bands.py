@@ -180,7 +180,8 @@ def test_a_pass_reports_each_candidates_density_as_the_per_plan_functions_do(den
     [k, ...] pass (``dst_band._density_stats``): the floats of ``weighted_mean_density`` and
     ``stage_mean_densities`` on that candidate alone, routed dense work or none, zero weights
     (the plain mean) included."""
-    from sparsebalance_megatron.policy.density_means import stage_mean_densities, weighted_mean_density
+    from sparsebalance_megatron.policy.density_means import weighted_mean_density
+    from tests.unit._bands import stage_mean_densities
     from sparsebalance_megatron.policy.dst_band import _density_stats
 
     rng = np.random.default_rng(8)

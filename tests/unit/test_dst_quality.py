@@ -72,7 +72,7 @@ def test_quality_objective_takes_the_order_plan_when_water_filling_loses():
         costs = synthetic_costs(dp, m, pp, seed=900 + case, lm_head=float(rng.uniform(0.3, 3)))
         sens, q = rng.random((dp, m)), _quality(pp).bind(costs)
         settings = rule_free(DSTSettings(D0, DMIN, DMAX, anchor="mean", tolerance=0.1,
-                                         p2p_s=0.0, density_floor=0.9, search_steps=6,
+                                         p2p_s=0.0, density_floor=0.9,
                                          raise_headroom=0.0, stage_density_floor=0.75,
                                          raise_to="static"))
         filled = central_plan(costs, sens, settings, quality=q, objectives=[True])

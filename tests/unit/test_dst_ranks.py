@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.policy import DSTSettings, plan_dst, weighted_mean_density
-from sparsebalance_megatron.policy.density_means import stage_mean_densities
 from sparsebalance_megatron.policy.bands import candidate_tree
 from sparsebalance_megatron.policy.dst_ranks import rank_slice
 from sparsebalance_megatron.policy.dst_band import SPEED_TIE
-from tests.unit._bands import central_descent, central_plan, rule_free, without_adoption
+from tests.unit._bands import (central_descent, central_plan, rule_free, stage_mean_densities,
+                               without_adoption)
 
 from test_policy_dst import D0, DMAX, DMIN, _quality, step_time_of, synthetic_costs
 

@@ -143,7 +143,6 @@ def test_bad_anchor_or_tolerance_names_the_flag(kw, flag):
     (dict(density_floor=1.5), "--sb-density-floor=1.5"),
     (dict(stage_density_floor=-0.1), "--sb-stage-density-floor=-0.1"),
     (dict(p2p_s=float("nan")), "p2p_s=nan"),
-    (dict(search_steps=0), "search_steps=0"),
     (dict(raise_to="later"), "--sb-raise-to='later'"),
 ])
 def test_bad_settings_are_named_where_the_record_is_made(kw, named):
@@ -304,7 +303,7 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
     """A heavy last stage (LM head) is the bottleneck: DST cuts its attention while raising the
     other stages. The per-stage floor stops that concentration (quality is convex in per-layer
     density: docs/DESIGN.md section 7), and the step time still never exceeds the static plan's."""
-    from sparsebalance_megatron.policy.density_means import stage_mean_densities
+    from tests.unit._bands import stage_mean_densities
     rng = np.random.default_rng(21)
     starved = 0
     for case in range(30):
@@ -349,38 +348,11 @@ def test_raise_to_static_spends_the_balance_gain_on_density():
         band_plan(costs, None, D0, DMIN, DMAX, raise_to="later")
 
 
-def test_floor_search_passes_share_the_static_simulation_exactly():
-    """The floor search's passes share what depends on the costs, sensitivity and bounds (the
-    static plan's simulation, anchors, the compiled pass's tables and orders, the quality
-    water-filling's index): each candidate's plan is the one a fresh pass gives, for either
-    objective and for passes that mix them."""
-    from sparsebalance_megatron.policy.dst_band import BandCache
-
-    costs = synthetic_costs(4, 6, 3, seed=7, lm_head=2.0)
-    sens = np.random.default_rng(7).random((4, 6))
-    q = _quality(3)
-    settings = DSTSettings(D0, DMIN, DMAX, p2p_s=1e-3, raise_headroom=0.1)
-    for water in (None, [True], [False, True, True, False]):
-        shared = BandCache()
-        for cands in ([("mean", 0.1)], [("max", 0.1), ("mean", 0.3), ("mean", 1.0),
-                                        ("mean", 0.1)]):
-            w = None if water is None else (water * 4)[:len(cands)]
-            kw = dict(quality=None if water is None else q.bind(costs), water=w)
-            got = band_plans(costs, sens, settings, cands, cache=shared, **kw)
-            assert shared.mk0 is not None
-            for c, p in enumerate(got):
-                alone = dict(quality=kw["quality"], water=None if w is None else [w[c]])
-                want = band_plans(costs, sens, settings, [cands[c]], **alone)[0]
-                np.testing.assert_array_equal(p.densities, want.densities)
-                assert p.report == want.report
-
-
 def test_both_objectives_in_one_pass_plan_what_each_plans_alone():
     """``water`` marks the candidates that water-fill by quality; a pass mixing both objectives
     (what the quality objective's two band searches send) gives every candidate the
     plan, bit for bit, of a pass of its objective alone (interleaved too, p2p, headroom)."""
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.policy.dst_band import BandCache
 
     for case, (dp, m, ranks, vp) in enumerate([(4, 6, 3, 1), (3, 4, 2, 2), (5, 8, 4, 1)]):
         costs = synthetic_costs(dp, m, ranks * vp, seed=40 + case, lm_head=2.0)

@@ -66,8 +66,8 @@ def _figures(batch, d, doc_positions, busy, routing=ROUTING):
 
 @pytest.mark.parametrize("routing", [ROUTING, 0])
 def test_the_figures_from_the_groups_sums_are_the_whole_steps(routing):
-    from sparsebalance_megatron.policy.density_means import (stage_mean_densities,
-                                                             weighted_mean_density)
+    from sparsebalance_megatron.policy.density_means import weighted_mean_density
+    from tests.unit._bands import stage_mean_densities
 
     batch, d, pos = _step()
     busy = np.array([1.0, 1.5, 0.75, 1.25])
@@ -128,7 +128,8 @@ def test_the_calibration_figures_are_the_ranks_mean_error_and_factor_range():
 def test_weight_totals_of_sums_are_the_arrays_means_with_zero_weights():
     """A stage whose weights are all zero falls back to its plain mean, from the sums as from
     the arrays."""
-    from sparsebalance_megatron.policy.density_means import WeightTotals, stage_mean_densities
+    from sparsebalance_megatron.policy.density_means import WeightTotals
+    from tests.unit._bands import stage_mean_densities
 
     rng = np.random.default_rng(1)
     d = rng.uniform(0.1, 1.0, (3, 4, 3))

@@ -144,7 +144,6 @@ def test_interleaved_counts_megatron_refuses_are_refused_and_never_searched():
     assert interleaved_refusal(8, 4) is None and interleaved_refusal(12, 4) is None
     assert "last group of 1" in interleaved_refusal(9, 4)
     assert "pp=4 <=" in interleaved_refusal(3, 4)          # fewer micro-batches than stages
-    assert interleaved_refusal(9, 4, group=9) is None      # one group of all nine runs
     f = np.ones((1, 9, 8))
     with pytest.raises(ValueError, match="9 micro-batches"):
         simulate_interleaved_1f1b(f, f, 0.0, pp=4)

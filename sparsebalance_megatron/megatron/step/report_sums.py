@@ -148,7 +148,7 @@ def step_figures(total: dict, *, layers=None, attention_layers=None) -> dict:
     means are
     ``density_means.WeightTotals``' of the summed weights (routed work 0 without routing):
     those of the whole [dp, m, stages] arrays (``weighted_mean_density``,
-    ``stage_mean_densities``) to float rounding (the weights' sums are integers, exact)."""
+    ``WeightTotals.stage``) to float rounding (the weights' sums are integers, exact)."""
     from ...policy.density_means import WeightTotals
 
     rec = {"tokens": int(total["tokens"]), "positions": int(total["positions"])}
