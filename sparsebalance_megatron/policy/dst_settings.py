@@ -29,9 +29,10 @@ def _number(v) -> bool:
 class DSTSettings:
     """What DST plans by: d0 and its bounds [d_min, d_max]; the band (``anchor``,
     ``tolerance``); the p2p latency between stages (seconds); the mean and per-stage density
-    floors (fractions of d0); the raise headroom h and target (``raise_to``); whether the critical-path descent refines the band plan
-    (``descent``); the quality objective's ``exchange_rate`` (nats per token that 1% of step
-    time is worth: when a plan's cuts pay for themselves; None: the step's own uniform trade).
+    floors (fractions of d0); the raise headroom h and target (``raise_to``); whether the
+    critical-path descent refines the band plan (``descent``); the quality objective's
+    ``exchange_rate`` (nats per token that 1% of step time is worth: when a plan's cuts pay for
+    themselves; None: the step's own uniform trade).
     A bad value raises where the record is made, naming it."""
 
     d0: float
