@@ -164,6 +164,7 @@ LAUNCHER = os.environ.get("SB_TEST_LAUNCHER", "fork")
 if LAUNCHER not in ("fork", "torchrun"):
     raise ValueError(f"SB_TEST_LAUNCHER={LAUNCHER!r}: expected 'fork' or 'torchrun'")
 _SERVER = None
+_START_ENV = dict(os.environ)   # the server's: not the variables of the test that starts it
 
 
 def _forked_ranks():
@@ -172,7 +173,7 @@ def _forked_ranks():
     from tests.forked_ranks import Server
 
     if _SERVER is None:
-        _SERVER = Server()
+        _SERVER = Server(env=_START_ENV)
     return _SERVER
 
 

@@ -293,18 +293,23 @@ def launch(path: str, entry, args: list, nproc: int, cwd, env: dict, out_fd: int
 
 
 class Server:
-    """This pytest process's server, started on first use (a dead one is started again)."""
+    """This pytest process's server, started on first use (a dead one is started again).
+    ``env``: the server's environment (None: this process's at start). The suite passes the one
+    pytest started with: a test's monkeypatched variables (a ``PYTHONPATH``, a test switch) must
+    not become every later launch's server, whichever test happens to start it."""
 
-    def __init__(self):
+    def __init__(self, env: dict | None = None):
         self.proc = None
         self.path = None
+        self.env = None if env is None else dict(env)
 
     def start(self) -> None:
         """Start the server unless it runs."""
         if self.proc is not None and self.proc.poll() is None:
             return
         self.path = os.path.join(tempfile.mkdtemp(prefix="forked_ranks."), "socket")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ if self.env is None else self.env, OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), "--serve", self.path],
                                      env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)

@@ -12,28 +12,42 @@ dense kernel ``--sb-dense-kernel`` gives its core attention; with
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_MODEL, read_metrics, run_entry
+from tests.conftest import ENTRY, TINY_MODEL, read_metrics, run_entry
 
 pytestmark = pytest.mark.distributed
 
+# The tripwire is the entry a rank runs: it replaces block_sparse_attention wherever a loaded
+# module holds it (a forked rank's modules were imported by its server, before any test: a
+# sitecustomize would never run there), then runs the real entry as __main__.
 TRIPWIRE = '''
-import os
-if os.environ.get("SB_TEST_FORBID_SPARSE") == "1":
-    import sparsebalance_megatron.attention as att
-    import sparsebalance_megatron.attention.api as api
+import runpy, sys
+import sparsebalance_megatron.megatron.model.core_attention  # noqa: F401 (what calls it)
+from sparsebalance_megatron.attention import api
 
-    def _forbidden(*a, **k):
-        raise RuntimeError("SB_TEST_FORBID_SPARSE: block_sparse_attention was called")
+def _forbidden(*a, **k):
+    raise RuntimeError("SB_TEST_FORBID_SPARSE: block_sparse_attention was called")
 
-    att.block_sparse_attention = api.block_sparse_attention = _forbidden
+original = api.block_sparse_attention
+for module in list(sys.modules.values()):
+    if getattr(module, "block_sparse_attention", None) is original:
+        module.block_sparse_attention = _forbidden
+sys.argv[0] = {entry!r}
+runpy.run_path({entry!r}, run_name="__main__")
 '''
 
 
-def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_jsonl,
-                                                              monkeypatch):
+def tripwire(tmp_path, entry) -> Path:
+    """An entry that runs ``entry`` with every sparse-attention call forbidden."""
+    path = tmp_path / "tripwire_entry.py"
+    path.write_text(TRIPWIRE.format(entry=str(entry)))
+    return path
+
+
+def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_jsonl):
     from sparsebalance_megatron.latency.analytic import analytic_table
     from sparsebalance_megatron.latency.shape import ModelShape
     from sparsebalance_megatron.latency.table import write_table
@@ -42,13 +56,6 @@ def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_js
                        num_query_groups=2, vocab_size=8192, seq_length=256)
     table = tmp_path / "analytic.json"
     write_table(analytic_table(shape, block_size=32, transformer_impl="local"), str(table))
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(TRIPWIRE)
-    import os
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    monkeypatch.setenv("SB_TEST_FORBID_SPARSE", "1")
     metrics = tmp_path / "m.jsonl"
     proc = run_entry(1, [*TINY_MODEL, "--sb-batching", "--sb-stand-down", "off",
                          "--sb-tokenizer", "byte", "--sb-block-size", "32",
@@ -57,7 +64,7 @@ def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_js
                          "--sb-dense-kernel", "sdpa",
                          "--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "0",
                          "--sb-metrics-file", metrics, "--sb-data-cache-dir", tmp_path / "c"],
-                     cwd=tmp_path)
+                     cwd=tmp_path, entry=tripwire(tmp_path, ENTRY))
     out = proc.stdout
     assert "dense attention (no sparse call; SAB packs by the dense kernel's predicted time)" \
         in out and "packing sab" in out
@@ -74,19 +81,13 @@ def test_sab_packing_with_dense_attention_runs_no_sparse_call(tmp_path, small_js
         assert math.isfinite(r["loss"])
 
 
-def test_the_tripwire_trips(tmp_path, monkeypatch):
-    """The check above cannot pass vacuously: with the tripwire, a sparse call fails."""
-    import subprocess
-    import sys
-
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(TRIPWIRE)
-    import os
-    env = dict(os.environ, SB_TEST_FORBID_SPARSE="1", PYTHONPATH=os.pathsep.join(
-        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    code = ("from sparsebalance_megatron.attention import block_sparse_attention as f\n"
-            "f(None, None, None)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode != 0 and "SB_TEST_FORBID_SPARSE" in proc.stderr
+def test_the_tripwire_trips(tmp_path):
+    """The check above cannot pass vacuously: run the same way (a rank forked from the server
+    that preloaded the plugin, or torchrun's), an entry that calls the sparse attention the way
+    Megatron's core attention does stops at the tripwire."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("from sparsebalance_megatron.megatron.model import core_attention\n"
+                     "core_attention.block_sparse_attention(None, None, None)\n")
+    proc = run_entry(1, [], cwd=tmp_path, entry=tripwire(tmp_path, probe), check=False,
+                     timeout=120)
+    assert proc.returncode != 0 and "SB_TEST_FORBID_SPARSE" in proc.stdout, proc.stdout[-3000:]

@@ -133,3 +133,28 @@ def test_a_server_whose_parent_is_gone_ends_itself(tmp_path):
         time.sleep(0.5)
     os.kill(pid, 9)
     raise AssertionError(f"the server {pid} outlived its parent by 30 s")
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_server_keeps_the_environment_it_was_given(tmp_path, monkeypatch, given):
+    """The suite's server starts with pytest's own environment, whichever test starts it: a
+    ``PYTHONPATH`` a test set for itself (here one whose sitecustomize marks the interpreter)
+    does not reach the server every later launch forks from. Without ``env`` (the control) the
+    server takes the variables of the moment, and the mark shows."""
+    from tests.forked_ranks import Server
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import builtins\nbuiltins.SB_MARKED = True\n")
+    start_env = dict(os.environ, SB_FORKED_RANKS_LIGHT="1")
+    monkeypatch.setenv("SB_FORKED_RANKS_LIGHT", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    server = Server(env=start_env if given else None)
+    try:
+        proc = server.run("-c import builtins; print(hasattr(builtins, 'SB_MARKED'))", [], 0,
+                          tmp_path, dict(start_env), 60)
+    finally:
+        server.close()
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.strip() == ("False" if given else "True"), proc.stdout
