@@ -86,17 +86,17 @@ def _ordered(tie: np.ndarray, key: np.ndarray, rank_of: np.ndarray, dp: int) -> 
 
 
 class SABAssignment:
-    """One global batch's segments (``packing.prepare_samples``' segs, [n, 3] array, sizes [n],
+    """One global batch's segments (``packing.prepare_samples``' [n, 3] array, sizes [n],
     samples split) assigned to ``dp`` ranks of ``m`` micro-batches of ``max_tokens`` by
     ``cost`` [n] (the module docstring); ``key``: each segment's sensitivity, as a function
     of (sample ids, lengths) of any of them or an [n] array; ``cost_fn``: a ``LatencyCost`` to
     arrange the slots with (else none; ``arrange`` False: none either); ``priced``: the costs'
     distinct sizes where ``packing.sample_costs`` found them (``cost_ranks``)."""
 
-    def __init__(self, segs, arr, sizes, n_split: int, cost: np.ndarray, *, dp: int, m: int,
+    def __init__(self, arr, sizes, n_split: int, cost: np.ndarray, *, dp: int, m: int,
                  max_tokens: int, seed: int, key, cost_fn=None, arrange: bool = True,
                  length_multiple: int = 0, priced=None):
-        self.segs, self.arr, self.sizes, self.n_split, self.cost = segs, arr, sizes, n_split, cost
+        self.arr, self.sizes, self.n_split, self.cost = arr, sizes, n_split, cost
         self.dp, self.m, self.max_tokens, self.key = dp, m, max_tokens, key
         self.cost_fn = cost_fn if arrange and isinstance(cost_fn, LatencyCost) else None
         self.length_multiple = length_multiple
@@ -208,8 +208,8 @@ class SABAssignment:
     def rank_plan(self, mine: RankUnits, agreed: Agreement, method: str = "sab") -> BatchPlan:
         """The micro-batches of ``mine``'s ranks (one: a rank's own) after the agreement."""
         return finish_plan(self._rows(mine, agreed), method, self.max_tokens, self.n_split,
-                           agreed.fallback, self.segs, self.cost, indices=True,
-                           arr=self.arr).with_length_multiple(self.length_multiple)
+                           agreed.fallback, self.arr, self.cost
+                           ).with_length_multiple(self.length_multiple)
 
     def plan(self, method: str = "sab") -> BatchPlan:
         """Every rank's micro-batches (``rank_plan`` over all ranks)."""

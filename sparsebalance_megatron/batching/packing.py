@@ -13,6 +13,7 @@ Pure Python + numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -21,8 +22,7 @@ from ..data.packing import check_bin_count
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
 from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, check_fits,
-                   check_long_sample_policy, check_rank, check_shape_args, finish_plan,
-                   split_long)
+                   check_int, check_long_sample_policy, check_rank, finish_plan, split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -30,23 +30,20 @@ CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] secon
 
 
 def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
-    """(segments, their sizes [n] int64, samples split, the segments' [n, 3] array), checked."""
-    check_shape_args(dp, m, max_tokens)
-    if type(samples) is CheckedSegments:     # checked once for the step, only read here
-        segs, arr = samples, samples.array
-    else:
-        segs, arr = as_segment_array(samples)
-    if not segs:
-        raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
+    """(the segments' [n, 3] int64 array, their sizes [n], samples split), checked."""
+    for name, v in (("dp", dp), ("num_microbatches", m), ("max_tokens", max_tokens)):
+        check_int(name, v)
+    # checked once for the step (``CheckedSegments``), only read here
+    arr = samples.array if type(samples) is CheckedSegments else as_segment_array(samples)[1]
     check_long_sample_policy(long_sample_policy)
     sizes = arr[:, 2] - arr[:, 1]
     n_split = 0
-    if int(sizes.max()) > max_tokens:
-        segs, n_split = split_long(segs, max_tokens, long_sample_policy)
+    if sizes.size and int(sizes.max()) > max_tokens:
+        segs, n_split = split_long(arr.tolist(), max_tokens, long_sample_policy)
         arr = np.asarray(segs, dtype=np.int64).reshape(-1, 3)
         sizes = arr[:, 2] - arr[:, 1]
-    check_fits(segs, dp, m, max_tokens, sizes=sizes)
-    return segs, sizes, n_split, arr
+    check_fits(sizes, dp, m, max_tokens)
+    return arr, sizes, n_split
 
 
 def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn], with_ranks: bool = False):
@@ -84,8 +81,8 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     ``row_plan(r)``, the other rows never made)."""
     if rank is not None:
         check_rank(rank, dp)
-    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
-                                                max_tokens, long_sample_policy)
+    arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                          long_sample_policy)
     m = num_microbatches
     try:                                  # Megatron's fill rule, as sequential_pack applies it
         starts = kernels.packing.sequential_starts(sizes, max_tokens, as_array=True)
@@ -93,7 +90,7 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
     if rank is not None:                  # its bins rank, dp + rank, ...: ranges of the items
-        first, ends = starts, np.append(starts[1:], len(segs))
+        first, ends = starts, np.append(starts[1:], sizes.size)
         b = rank + dp * np.arange(m)
         lo, hi = np.where(b < first.size, first[np.minimum(b, first.size - 1)], 0), \
             np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
@@ -102,7 +99,7 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         cost = np.array([float(sizes[items].sum())])
         return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
                                   n_split, False, cost, sizes=sizes)
-    bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
+    bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, sizes.size)))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
     items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
@@ -114,18 +111,16 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
                         long_sample_policy: str = "split", seed: int = 0) -> BatchPlan:
     """Length-aware baseline: balance token counts over ranks and micro-batches (each rank's
     cost: its tokens)."""
-    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
-                                                max_tokens, long_sample_policy)
+    arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                          long_sample_policy)
     tokens = sizes.astype(np.float64)
-    plan = SABAssignment(segs, arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
-                         max_tokens=max_tokens, seed=seed, key=np.zeros(len(segs))).units().bins
-    if plan is None:
-        seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
+    bins = SABAssignment(arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
+                         max_tokens=max_tokens, seed=seed, key=np.zeros(sizes.size)).units().bins
+    if bins is None:            # Megatron's sequential bins, as they are (each rank's tokens)
+        seq = sequential_plan(arr, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
-        return finish_plan(seq.micro_batches, "token_balanced", max_tokens, n_split, True,
-                           segs, tokens)
-    return finish_plan(plan, "token_balanced", max_tokens, n_split, False, segs, tokens,
-                       indices=True, arr=arr)
+        return replace(seq, method="token_balanced", num_split_samples=n_split, fallback=True)
+    return finish_plan(bins, "token_balanced", max_tokens, n_split, False, arr, tokens)
 
 
 def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -159,10 +154,10 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     micro-batches (``assignment.SABAssignment``: ``plan()`` is ``sab_plan``'s plan; a rank's
     own, ``rank_plan(units([r]), agreement)``). The arguments are ``sab_plan``'s; a callable
     ``sensitivity`` must price each segment alone (a rank asks it of its own segments)."""
-    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
-                                                max_tokens, long_sample_policy)
+    arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                          long_sample_policy)
     cost, priced = sample_costs(sizes, cost_fn, with_ranks=True)
-    return SABAssignment(segs, arr, sizes, n_split, cost, dp=dp, m=num_microbatches,
+    return SABAssignment(arr, sizes, n_split, cost, dp=dp, m=num_microbatches,
                          max_tokens=max_tokens, seed=seed, key=sensitivity_key(sensitivity),
                          cost_fn=cost_fn, arrange=arrange, length_multiple=length_multiple,
                          priced=priced)

@@ -251,7 +251,7 @@ def test_packers_primed_arrays_are_their_micro_batches(split):
                 assert a.dtype == b.dtype and np.array_equal(a, b)
         for a, b in zip(plan.unit_csr(True), walked.unit_csr(True)):
             assert np.array_equal(a, b)
-    assert primed == len(plans) - 1                   # all but dp_balanced
+    assert primed == len(plans)
 
 
 def test_variable_length_plans_pad_each_micro_batch_to_its_multiple_only():
@@ -356,9 +356,9 @@ def test_a_document_costing_a_micro_batchs_share_gets_one_of_its_own():
 
 def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
     # the tokens-priced sequential plan (the draft's baseline) slices the segments into bins:
-    # the same micro-batches and rank costs as sequential_pack + finish_plan, empty bins at the
+    # the same micro-batches as sequential_pack and each rank its tokens, empty bins at the
     # end, and the same refusal when the fill needs more micro-batches than dp x m
-    from sparsebalance_megatron.batching.packing import finish_plan, prepare_samples, sample_costs
+    from sparsebalance_megatron.batching.packing import prepare_samples
     from sparsebalance_megatron.data.packing import sequential_pack
 
     rng = np.random.default_rng(6)
@@ -368,22 +368,23 @@ def test_sequential_plan_in_tokens_is_megatrons_fill_as_before():
         n = int(rng.integers(dp, dp * m * 3 // 2 + 2))  # every rank gets a segment
         samples = [(int(i), 0, int(x)) for i, x in enumerate(rng.integers(1, cap, n))]
         try:
-            segs, sizes, *_ = prepare_samples(samples, dp, m, cap, "split")
+            arr, *_ = prepare_samples(samples, dp, m, cap, "split")
         except BatchingError:                           # more tokens than dp x m hold
             continue
         try:
-            mbs = sequential_pack(segs, capacity=cap, dp=dp, num_microbatches=m)
+            mbs = sequential_pack(list(map(tuple, arr.tolist())), capacity=cap, dp=dp,
+                                  num_microbatches=m)
         except ValueError as e:
             with pytest.raises(BatchingError, match=re.escape(f"sequential packing: {e}")):
                 sequential_plan(samples, dp=dp, num_microbatches=m, max_tokens=cap)
             seen["overflow"] += 1
             continue
         seen["planned"] += 1
-        want = finish_plan(mbs, "sequential", cap, 0, False, segs, sample_costs(sizes, None))
+        tokens = [float(sum(e - s for mb in rank for _, s, e in mb)) for rank in mbs]
         got = sequential_plan(samples, dp=dp, num_microbatches=m, max_tokens=cap)
-        assert got.micro_batches == want.micro_batches, case
-        assert np.array_equal(got.predicted_rank_cost_s, want.predicted_rank_cost_s)
-        assert got.predicted_rank_cost_s.dtype == want.predicted_rank_cost_s.dtype
+        assert got.micro_batches == mbs, case
+        assert np.array_equal(got.predicted_rank_cost_s, tokens)
+        assert got.predicted_rank_cost_s.dtype == np.float64
     assert seen["planned"] >= 10 and seen["overflow"] >= 3, seen
 
 
