@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import kernels
-from .latency_cost import LatencyCost, distinct_lengths
+from .latency_cost import LatencyCost
 from .plan import BatchingError, BatchPlan, finish_plan, padded_lengths, seeded_order
 from . import slots as slot_search
 
@@ -58,25 +58,12 @@ class Agreement:
     candidates: Optional[RankUnits]
 
 
-def cost_ranks(cost: np.ndarray, sizes: np.ndarray, priced=None) -> Optional[tuple]:
-    """Where a cost is a function of its segment's size (as every ``CostFn``'s) and there are
-    at most 65,536 distinct sizes: (each segment's index into the distinct sizes [n], the
-    rank of each one's cost among the distinct costs, decreasing [k]); else None. ``priced``:
-    (that index, the distinct sizes' costs), as ``packing.sample_costs`` found them."""
-    if priced is not None:
-        at, by_size = priced
-    elif sizes.size and sizes.min() >= 0:
-        distinct, at = distinct_lengths(sizes)
-        by_size = np.zeros(distinct.size)
-        by_size[at] = cost
-        if distinct.size > 65536 or not np.array_equal(by_size[at], cost):
-            return None
-    else:
-        return None
-    if by_size.size > 65536:
-        return None
-    _, rank = np.unique(-by_size, return_inverse=True)
-    return at, rank
+def cost_ranks(cost: np.ndarray, priced=None) -> tuple:
+    """(each segment's index into the costs ranked [n], the rank of each of those among them,
+    decreasing [k]): by the distinct sizes' costs where ``packing.sample_costs`` priced each
+    distinct size once (``priced``: that index, their costs), else by every segment's own."""
+    at, by = priced if priced is not None else (np.arange(cost.size), cost)
+    return at, np.unique(-by, return_inverse=True)[1]
 
 
 def _ordered(tie: np.ndarray, key: np.ndarray, rank_of: np.ndarray, dp: int) -> np.ndarray:
@@ -102,10 +89,8 @@ class SABAssignment:
         self.length_multiple = length_multiple
         self.tie = np.random.default_rng(seed).permutation(sizes.size)
         # cost descending (each cost's rank among them), ties by the seeded permutation
-        ranked = cost_ranks(cost, sizes, priced) or (
-            np.arange(cost.size), np.unique(-cost, return_inverse=True)[1])
-        self.rank_of = kernels.packing.lpt_ranks(cost, sizes, self.tie, *ranked, dp,
-                                                 m * max_tokens)
+        self.rank_of = kernels.packing.lpt_ranks(cost, sizes, self.tie, *cost_ranks(cost, priced),
+                                                 dp, m * max_tokens)
         self._fallback = None
 
     def _keys(self, items: Optional[np.ndarray]) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 from .. import kernels
 from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
 from .segments import (CheckedSegments, SegmentRows, as_segment_array,  # noqa: F401 (re-exported)
-                       as_segments, checked_segments, offsets_of)
+                       checked_segments, offsets_of)
 
 
 class BatchingError(ValueError):

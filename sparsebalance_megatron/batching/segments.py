@@ -16,13 +16,6 @@ from typing import Optional
 import numpy as np
 
 
-def as_segments(samples) -> list:
-    """Segments from a list of (sample_id, start, end) triples, an [n, 3] integer array of them
-    (``GlobalBatchSampler.next_bin_array``) or a [n] array of lengths (sample i = tokens
-    [0, length_i))."""
-    return as_segment_array(samples)[0]
-
-
 class CheckedSegments(abc.Sequence):
     """A step's segments checked once (``checked_segments``): their [n, 3] int64 ``array``, and
     the (sample_id, start, end) tuples of Python ints ``as_segment_array`` gives, made only when
@@ -78,10 +71,12 @@ def _checked_rows(samples) -> Optional[np.ndarray]:
 
 
 def as_segment_array(samples) -> tuple[list, np.ndarray]:
-    """``as_segments`` and the same segments as an [n, 3] int64 array. A well-formed list of
-    triples (the sampler's) is checked in one vectorised pass; anything else goes through the
-    per-item path, whose errors name the offending sample. ``CheckedSegments`` are returned as
-    they were checked."""
+    """(The segments as (sample_id, start, end) tuples of Python ints, the same as an [n, 3]
+    int64 array) from a list of triples, an [n, 3] integer array of them
+    (``GlobalBatchSampler.next_bin_array``) or a [n] array of lengths (sample i = tokens
+    [0, length_i)). A well-formed list of triples (the sampler's) is checked in one vectorised
+    pass; anything else goes through the per-item path, whose errors name the offending sample.
+    ``CheckedSegments`` are returned as they were checked."""
     if type(samples) is CheckedSegments:
         return list(samples), samples.array
     if isinstance(samples, np.ndarray) and samples.ndim == 1:
