@@ -285,20 +285,12 @@ def _check_interleaved(shape, pp) -> None:
                          f"least pp micro-batches (Megatron refuses fewer)")
 
 
-def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, record: bool = False) -> StepSimulation:
-    """Simulate one step; fwd_s, bwd_s: [dp, m, pp] seconds per (dp_rank, micro-batch, stage)."""
-    return _simulate(fwd_s, bwd_s, p2p_s, record, None)
-
-
-def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
-                              record: bool = False) -> StepSimulation:
-    """Megatron's interleaved 1F1B (virtual pipeline, ``microbatch_group_size_per_vp_stage`` =
-    pp). fwd_s, bwd_s: [dp, m, pp * vp] seconds per virtual stage ``v = chunk * pp + rank``;
-    busy_s is per (dp rank, physical rank); start_s/end_s are [dp, m, pp * vp, 2]."""
-    return _simulate(fwd_s, bwd_s, p2p_s, record, pp)
-
-
-def _simulate(fwd_s, bwd_s, p2p_s, record: bool, pp) -> StepSimulation:
+def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: Optional[int] = None,
+                  record: bool = False) -> StepSimulation:
+    """Simulate one step; fwd_s, bwd_s: [dp, m, stages] seconds per (dp_rank, micro-batch,
+    stage). With ``pp``, Megatron's interleaved 1F1B (virtual pipeline,
+    ``microbatch_group_size_per_vp_stage`` = pp): the stages are the virtual stages ``v = chunk
+    * pp + rank``, busy_s is per (dp rank, physical rank)."""
     f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
     dp, m, nv = f.shape
     if pp is not None:
