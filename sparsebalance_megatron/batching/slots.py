@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
+from ..kernels import f64
 from ..sim.pipeline import event_graph, pipeline_makespan_s
 
 ROUNDS = 8
@@ -132,11 +133,11 @@ def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
     slots = slots + np.arange(k)[:, None] * m
     span = np.array(span, dtype=np.float64)
     if k > 1 or m > 1:
-        fu, bu = f.reshape(k * m, nv), b.reshape(k * m, nv)
+        fu, bu = f64(f.reshape(k * m, nv)), f64(b.reshape(k * m, nv))
         ranks_pp = nv if pp is None else pp
-        kernels.slots.search(event_graph(m, ranks_pp, nv // ranks_pp).record(p2p_s), fu, bu,
-                             sc, (fu + bu).sum(axis=1), slots, span, _moves(m),
-                             (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
+        kernels.slots.rounds_pass(event_graph(m, ranks_pp, nv // ranks_pp).record(p2p_s), fu,
+                                  bu, f64(sc), (fu + bu).sum(axis=1), slots, span, _moves(m),
+                                  (int(rounds), HEAVY_MOVES, PARTNERS, MIN_GAIN))
     return np.asarray(ranks)[slots // m] * m + slots % m, span
 
 

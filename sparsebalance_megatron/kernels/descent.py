@@ -22,7 +22,7 @@ import numpy as np
 from . import f64, jit
 from .graph import earliest_finish, makespan, unit_floats
 from .grid import highest_within, seconds, source, total
-from .records import NO_START, Graph, Tables
+from .records import NO_START, SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
 
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
 RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
@@ -347,9 +347,7 @@ class Round:
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    from .records import SAMPLE
-
-    graph, t = SAMPLE.graph, SAMPLE.tables
+    graph, t = SAMPLE_GRAPH, SAMPLE_TABLES
     dur, one = np.ones((2, 1)), np.ones(1, dtype=np.int64)
     end = np.empty((2, 1))
     earliest_finish(graph, dur, np.arange(1), end, NO_START)
