@@ -46,29 +46,22 @@ def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
     return arr, sizes, n_split
 
 
-def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn], with_ranks: bool = False):
-    """[n] each segment's cost (its tokens without ``cost_fn``); ``with_ranks``: (that, where
-    ``cost_fn`` is a ``LatencyCost``: (each segment's index into the distinct sizes [n], their
-    costs [k]), else None): the distinct sizes found once for the costs and their order
-    (``assignment.cost_ranks``)."""
-    if with_ranks and type(cost_fn) is LatencyCost and isinstance(sizes, np.ndarray) \
-            and sizes.dtype == np.int64 and sizes.ndim == 1:
-        cost, at, per = cost_fn.priced(sizes)       # every cost one of per's, each of those one
-        if not np.all(np.isfinite(per)) or np.any(per < 0):
-            _bad_costs(cost.shape, sizes.size)
-        return cost, (at, per)
-    sizes = np.asarray(sizes, dtype=np.float64)
+def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> tuple:
+    """(each segment's cost [n], its tokens without ``cost_fn``; where ``cost_fn`` is a
+    ``LatencyCost``, (each segment's index into the distinct sizes [n], their costs [k]): the
+    distinct sizes priced once, ranked once (``assignment.cost_ranks``); else None)."""
+    priced = None
     if cost_fn is None:
-        return (sizes, None) if with_ranks else sizes
-    c = np.asarray(cost_fn(sizes.astype(np.int64)), dtype=np.float64).reshape(-1)
+        return sizes.astype(np.float64), None
+    if type(cost_fn) is LatencyCost:
+        c, at, per = cost_fn.priced(sizes)          # every cost one of per's, each of those one
+        priced = (at, per)
+    else:
+        c = np.asarray(cost_fn(sizes), dtype=np.float64).reshape(-1)
     if c.shape != sizes.shape or not np.all(np.isfinite(c)) or np.any(c < 0):
-        _bad_costs(c.shape, sizes.size)
-    return (c, None) if with_ranks else c
-
-
-def _bad_costs(shape, n: int):
-    raise ValueError(f"sample cost function returned {shape} values (finite >= 0 "
-                     f"expected, one per segment: {n})")
+        raise ValueError(f"sample cost function returned {c.shape} values (finite >= 0 "
+                         f"expected, one per segment: {sizes.size})")
+    return c, priced
 
 
 def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -156,7 +149,7 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
     ``sensitivity`` must price each segment alone (a rank asks it of its own segments)."""
     arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
                                           long_sample_policy)
-    cost, priced = sample_costs(sizes, cost_fn, with_ranks=True)
+    cost, priced = sample_costs(sizes, cost_fn)
     return SABAssignment(arr, sizes, n_split, cost, dp=dp, m=num_microbatches,
                          max_tokens=max_tokens, seed=seed, key=sensitivity_key(sensitivity),
                          cost_fn=cost_fn, arrange=arrange, length_multiple=length_multiple,

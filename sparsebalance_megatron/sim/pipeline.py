@@ -258,11 +258,9 @@ def _run(f, b, p, record, pp=None):
     rank_time = g.makespan(end)                                    # [dp]
     if not record:
         return rank_time, None, None
-    out_end = np.zeros((2, m, nv, dp))           # dp last, as the recorders below expect
-    out_start = np.zeros((2, m, nv, dp))
-    out_end[g.kinds, g.mbs, g.vs] = end
-    out_start[g.kinds, g.mbs, g.vs] = start
-    return rank_time, out_start, out_end
+    out = np.zeros((2, dp, m, nv, 2))            # start, end of each [dp, m, nv, kind]
+    out[:, :, g.mbs, g.vs, g.kinds] = np.stack([start, end]).transpose(0, 2, 1)
+    return rank_time, out[0], out[1]
 
 
 def pipeline_makespan_s(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None
@@ -303,7 +301,5 @@ def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: Optional[int] = None,
     sim = StepSimulation(step, rank_time, busy,
                          1.0 - float(busy.sum()) / (step * dp * ranks) if step > 0 else 0.0,
                          step / mean if mean > 0 else 1.0)
-    if record:                                  # [2, m, nv, dp] -> [dp, m, nv, 2]
-        sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
-        sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
+    sim.start_s, sim.end_s = start, end
     return sim
