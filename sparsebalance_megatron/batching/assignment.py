@@ -76,7 +76,7 @@ class SABAssignment:
     """One global batch's segments (``packing.prepare_samples``' [n, 3] array, sizes [n],
     samples split) assigned to ``dp`` ranks of ``m`` micro-batches of ``max_tokens`` by
     ``cost`` [n] (the module docstring); ``key``: each segment's sensitivity, as a function
-    of (sample ids, lengths) of any of them or an [n] array; ``cost_fn``: a ``LatencyCost`` to
+    of (sample ids, lengths) of any of them; ``cost_fn``: a ``LatencyCost`` to
     arrange the slots with (else none; ``arrange`` False: none either); ``priced``: the costs'
     distinct sizes where ``packing.sample_costs`` found them (``cost_ranks``)."""
 
@@ -94,8 +94,6 @@ class SABAssignment:
         self._fallback = None
 
     def _keys(self, items: Optional[np.ndarray]) -> np.ndarray:
-        if not callable(self.key):
-            return self.key if items is None else self.key[items]
         ids, lengths = (self.arr[:, 0], self.sizes) if items is None else \
             (self.arr[items, 0], self.sizes[items])
         sens = np.asarray(self.key(ids, lengths), dtype=np.float64).reshape(-1)
@@ -141,17 +139,13 @@ class SABAssignment:
         f, b = self.cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
         nv = f.shape[1]
         out.fwd_s, out.bwd_s = f.reshape(k, m, nv), b.reshape(k, m, nv)
-        out.scale = self._scale(ranks)
+        # the calibration factors of ``ranks`` as this process knows them: in a run a rank's
+        # own (each DP rank calibrates its pipeline; the candidates' travel with their units,
+        # ``sab_rounds``), in one process every rank's
+        out.scale = self.cost_fn.scale(self.dp)[ranks]
         out.slots, out.span_s = slot_search.seed_slots(out.fwd_s, out.bwd_s, self.cost_fn.p2p_s,
                                                        self.cost_fn.pp, out.scale)
         return out
-
-    def _scale(self, ranks: np.ndarray) -> np.ndarray:
-        """[k, stages] the calibration factors of ``ranks`` as this process knows them: in a run
-        a rank's own (each DP rank calibrates its pipeline; the candidates' travel with their
-        units, ``sab_rounds``), in one process every rank's."""
-        sc = self.cost_fn.scale(self.dp)
-        return np.ones((ranks.size, self.cost_fn.num_stages)) if sc is None else sc[ranks]
 
     def fallback_units(self, ranks: np.ndarray) -> RankUnits:
         """``ranks``' sequential bins (``fallback_bins``), priced."""

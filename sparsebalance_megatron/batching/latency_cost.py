@@ -7,8 +7,6 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 
@@ -19,12 +17,10 @@ class LatencyCost:
     (``unit_costs``, ``batching.slots``)."""
 
     def __init__(self, model, density: float):
-        self.full = model
-        self.model = model.without_call_costs() if hasattr(model, "without_call_costs") \
-            else model
+        self.full, self.model = model, model.without_call_costs()
         self.density = float(density)
         self.pp, self.num_stages = int(model.pp), int(model.num_stages)
-        self.p2p_s = float(getattr(model, "p2p_s", 0.0))
+        self.p2p_s = float(model.p2p_s)
 
     def _terms(self, model, units) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds [n, stages] of n units (lengths per unit, or CSR) at the density,
@@ -53,13 +49,9 @@ class LatencyCost:
         CSR; their padding included), the kernels' calls with them, uncalibrated."""
         return self._terms(self.full, units)
 
-    def scale(self, dp: int) -> Optional[np.ndarray]:
-        """[dp, stages] calibration factor of every (DP rank, virtual stage), or None."""
-        grid = getattr(self.full, "correction_grid", None)
-        if grid is None:
-            return None
-        return np.asarray(grid(dp, self.pp), dtype=np.float64)[:, np.arange(self.num_stages)
-                                                               % self.pp]
+    def scale(self, dp: int) -> np.ndarray:
+        """[dp, stages] calibration factor of every (DP rank, virtual stage)."""
+        return self.full.correction_grid(dp, self.pp)[:, np.arange(self.num_stages) % self.pp]
 
     def __call__(self, lengths: np.ndarray) -> np.ndarray:
         return self.priced(lengths)[0]

@@ -108,7 +108,8 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
                                           long_sample_policy)
     tokens = sizes.astype(np.float64)
     bins = SABAssignment(arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
-                         max_tokens=max_tokens, seed=seed, key=np.zeros(sizes.size)).units().bins
+                         max_tokens=max_tokens, seed=seed,
+                         key=lambda ids, lengths: np.zeros(lengths.size)).units().bins
     if bins is None:            # Megatron's sequential bins, as they are (each rank's tokens)
         seq = sequential_plan(arr, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
