@@ -21,8 +21,8 @@ import numpy as np
 from ..data.packing import check_bin_count
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
-from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, check_fits,
-                   check_int, check_long_sample_policy, check_rank, finish_plan, split_long)
+from .plan import (BatchingError, BatchPlan, check_fits, check_int, check_long_sample_policy,
+                   check_rank, checked_segments, finish_plan, split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -33,8 +33,7 @@ def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
     """(the segments' [n, 3] int64 array, their sizes [n], samples split), checked."""
     for name, v in (("dp", dp), ("num_microbatches", m), ("max_tokens", max_tokens)):
         check_int(name, v)
-    # checked once for the step (``CheckedSegments``), only read here
-    arr = samples.array if type(samples) is CheckedSegments else as_segment_array(samples)[1]
+    arr = checked_segments(samples).array       # checked once for the step: only read here
     check_long_sample_policy(long_sample_policy)
     sizes = arr[:, 2] - arr[:, 1]
     n_split = 0

@@ -24,8 +24,8 @@ import numpy as np
 
 from .. import kernels
 from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
-from .segments import (CheckedSegments, SegmentRows, as_segment_array,  # noqa: F401 (re-exported)
-                       checked_segments, offsets_of)
+from .segments import (CheckedSegments, SegmentRows, checked_segments,  # noqa: F401 (re-exported)
+                       offsets_of)
 
 
 class BatchingError(ValueError):
