@@ -1,13 +1,8 @@
 """SAB's assignment of a global batch's segments to the DP ranks, the same on every rank, and
 each rank's own micro-batches from it (docs/DESIGN.md section 6, "DST and SAB at scale", SAB's
-part). ``SABAssignment`` computes alike from the whole batch's lengths, on arrays: the costs,
-their order and the LPT over the ranks (``kernels.packing.lpt_ranks``). Per rank: ``units``
-(its segments by its own sensitivity, cut into m micro-batches with ``kernels.packing.rank_bins``,
-first-fit-decreasing where a cut does not fit, and with a ``LatencyCost`` their per-stage costs
-and seed slots: ``RankUnits``); ``agree`` (``Agreement``: whether every cut fits, else every rank
-packs ``fallback_bins``, and the ``slots.candidates``' units; in a run ``sab_rounds``);
-``rank_plan`` (the rank's micro-batches after the slot search); ``plan`` (every rank's:
-``packing.sab_plan``'s).
+part): ``SABAssignment`` computes the costs, their order and the LPT over the ranks alike from
+the whole batch's lengths, on arrays; a rank then packs only its own micro-batches (``units``),
+agrees with the others (``agree``; in a run ``sab_rounds``) and places them (``rank_plan``).
 
 Pure numpy (and ``kernels``); must not import torch, megatron or torch.distributed.
 """

@@ -1,14 +1,10 @@
 """Megatron's own packer, ``DpBalancedScheduler`` (``megatron/core/datasets/data_schedule.py``),
 as a ``BatchPlan``: the baseline SAB is proven against (docs/DESIGN.md section 6 states the
 rule). ``dp_balanced_groups`` is the rule on a list of lengths, with the output of
-``get_groups_and_subsamples`` (a test compares the two where megatron-core ships the class);
-where every group holds one sequence and the count is still short of a multiple of dp, Megatron
-stops (an assertion), while ``empty_groups`` appends empty groups so a study can time the step
-(``BatchPlan.fallback`` says so). ``dp_balanced_plan`` runs it on one global batch in Megatron's
-order (``MegatronPretrainingSampler`` deals sample k to rank ``k % dp``, then the ranks'
-sequences are gathered rank by rank), at Megatron-LM's ``--max-seqlen-per-dp-cp-rank``
-(``--seq-length``) and CP 1; its micro-batches hold their documents only (``length_multiple``
-1), as Megatron packs them by default.
+``get_groups_and_subsamples``; where Megatron stops (an assertion), ``empty_groups`` appends
+empty groups so a study can time the step. ``dp_balanced_plan`` runs it on one global batch in
+Megatron's order, at CP 1; its micro-batches hold their documents only (``length_multiple`` 1),
+as Megatron packs them by default.
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """

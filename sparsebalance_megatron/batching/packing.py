@@ -1,12 +1,9 @@
 """Sparsity-aware batching (SAB) and the two baselines it is compared with (the rules:
-docs/DESIGN.md section 6): ``sequential_plan`` (Megatron's fill, ``data/packing.sequential_pack``:
-micro-batch j to DP rank j % dp, slot j // dp), ``token_balanced_plan`` (LPT on token counts) and
-``sab_plan`` (LPT on predicted cost, sensitivity-grouped cuts; with a ``latency_sample_cost_fn``
-the slots are chosen on the simulated pipeline, ``batching.slots``). Each takes the segments of
-one global batch and returns a ``BatchPlan`` of ``dp x num_microbatches`` micro-batches of at
-most ``max_tokens`` tokens; ties in cost are broken by a permutation drawn from ``seed``.
-``sab_assignment`` stops before the packing: the assignment every rank computes alike, from
-which a rank packs its own micro-batches (``batching.assignment``).
+docs/DESIGN.md section 6): ``sequential_plan`` (Megatron's fill, ``data/packing.sequential_pack``),
+``token_balanced_plan`` and ``sab_plan``; each a ``BatchPlan`` of ``dp x num_microbatches``
+micro-batches of at most ``max_tokens`` tokens from one global batch, ties in cost broken by a
+permutation drawn from ``seed``. ``sab_assignment`` stops before the packing
+(``batching.assignment``).
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """
@@ -116,26 +113,9 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
     return finish_plan(bins, "token_balanced", max_tokens, n_split, False, arr, tokens)
 
 
-def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-             cost_fn: Optional[CostFn] = None,
-             sensitivity: Optional[SensitivityTracker | Callable] = None,
-             long_sample_policy: str = "split", seed: int = 0, length_multiple: int = 0,
-             arrange: bool = True) -> BatchPlan:
-    """Sparsity-aware batching of one global batch.
-
-    samples: (sample_id, start, end) segments, or a [n] array of lengths; cost_fn: segment
-    lengths -> predicted seconds (``latency_sample_cost_fn``; None = tokens, which reduces SAB to
-    token balancing); sensitivity: a ``SensitivityTracker`` (or a callable (ids, lengths) -> [n])
-    whose estimates group the micro-batches; None = the length prior; length_multiple: the
-    plan's ``length_multiple`` (``--sb-microbatch-multiple``: the padding its micro-batches are
-    priced with); arrange: with a ``LatencyCost``, choose the micro-batches' slots and swap whole
-    micro-batches between ranks on the simulated pipeline (``batching.slots``; False: cheapest
-    micro-batches first and last, the others as cut).
-    """
-    return sab_assignment(samples, dp=dp, num_microbatches=num_microbatches,
-                          max_tokens=max_tokens, cost_fn=cost_fn, sensitivity=sensitivity,
-                          long_sample_policy=long_sample_policy, seed=seed,
-                          length_multiple=length_multiple, arrange=arrange).plan()
+def sab_plan(samples, **kw) -> BatchPlan:
+    """Sparsity-aware batching of one global batch: ``sab_assignment(samples, **kw).plan()``."""
+    return sab_assignment(samples, **kw).plan()
 
 
 def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -144,9 +124,17 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                    long_sample_policy: str = "split", seed: int = 0, length_multiple: int = 0,
                    arrange: bool = True) -> SABAssignment:
     """``sab_plan``'s assignment of the segments to the DP ranks, before any rank packs its
-    micro-batches (``assignment.SABAssignment``: ``plan()`` is ``sab_plan``'s plan; a rank's
-    own, ``rank_plan(units([r]), agreement)``). The arguments are ``sab_plan``'s; a callable
-    ``sensitivity`` must price each segment alone (a rank asks it of its own segments)."""
+    micro-batches (``assignment.SABAssignment``; ``plan()`` packs every rank's).
+
+    samples: (sample_id, start, end) segments, or a [n] array of lengths; cost_fn: segment
+    lengths -> predicted seconds (``latency_sample_cost_fn``; None = tokens, which reduces SAB to
+    token balancing); sensitivity: a ``SensitivityTracker`` (or a callable (ids, lengths) -> [n]
+    that prices each segment alone) whose estimates group the micro-batches; None = the length
+    prior; length_multiple: the plan's ``length_multiple`` (``--sb-microbatch-multiple``: the
+    padding its micro-batches are priced with); arrange: with a ``LatencyCost``, choose the
+    micro-batches' slots and swap whole micro-batches between ranks on the simulated pipeline
+    (``batching.slots``; False: cheapest micro-batches first and last, the others as cut).
+    """
     arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
                                           long_sample_policy)
     cost, priced = sample_costs(sizes, cost_fn)
@@ -154,4 +142,3 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                          max_tokens=max_tokens, seed=seed, key=sensitivity_key(sensitivity),
                          cost_fn=cost_fn, arrange=arrange, length_multiple=length_multiple,
                          priced=priced)
-

@@ -18,9 +18,8 @@ import numpy as np
 
 class CheckedSegments(abc.Sequence):
     """A step's segments checked once (``checked_segments``): their [n, 3] int64 ``array``, and
-    the (sample_id, start, end) tuples of Python ints, made only when
-    read (a packer reads the array; a rank's own micro-batches index a few). Every packing of the
-    step takes them without converting and checking again; not to be modified."""
+    the (sample_id, start, end) tuples of Python ints, made only when read (a packer reads the
+    array; a rank's own micro-batches index a few). Not to be modified."""
 
     def __init__(self, array: np.ndarray, tuples: Optional[list] = None):
         self.array, self._tuples = array, tuples
