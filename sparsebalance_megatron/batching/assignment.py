@@ -9,7 +9,6 @@ Pure numpy (and ``kernels``); must not import torch, megatron or torch.distribut
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Callable, Optional
@@ -17,6 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import kernels
+from ..data.packing import sequential_bins
 from .latency_cost import LatencyCost
 from .plan import BatchingError, BatchPlan, finish_plan, padded_lengths, seeded_order
 from . import slots as slot_search
@@ -237,23 +237,20 @@ def order_slots(bins, cost) -> list:
 
 def fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
     """[dp][m] lists of segment indices: the sequential bins (``packing.sequential_plan``'s:
-    they fit whenever the baseline fits) assigned to ranks by LPT on cost, exactly m bins per
-    rank, each rank's in ``order_slots``."""
-    starts = kernels.packing.sequential_starts(sizes, max_tokens)
-    bins = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [sizes.size])]
+    they fit whenever the baseline fits) assigned to ranks by LPT on cost
+    (``kernels.packing.lpt_ranks``, room for m a rank), each rank's in ``order_slots``."""
+    bins = sequential_bins(sizes, max_tokens)
     if len(bins) > dp * m:
         raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
                             f"{max_tokens} tokens even packed in order; expected at most "
                             f"dp x m = {dp * m}")
     bins += [[] for _ in range(dp * m - len(bins))]
-    bcost = [sum(cost[i] for i in b) for b in bins]
-    heap = [(0.0, r) for r in range(dp)]
+    bcost = np.array([sum(cost[i] for i in b) for b in bins], dtype=np.float64)
+    rank_of = kernels.packing.lpt_ranks(bcost, np.ones(dp * m, dtype=np.int64), np.arange(dp * m),
+                                        *cost_ranks(bcost), dp, m)
     per_rank = [[] for _ in range(dp)]
-    for j in sorted(range(len(bins)), key=lambda j: (-bcost[j], j)):
-        load, r = heapq.heappop(heap)
-        per_rank[r].append(bins[j])
-        if len(per_rank[r]) < m:
-            heapq.heappush(heap, (load + bcost[j], r))
+    for j in np.argsort(-bcost, kind="stable").tolist():     # in the LPT's order
+        per_rank[rank_of[j]].append(bins[j])
     cost_l = cost.tolist()
     return [order_slots(b, cost_l) for b in per_rank]
 
