@@ -35,15 +35,6 @@ class LatencyCost:
             b[:, s] = t.bwd_fixed_s + t.bwd_attn_s_per_pair * work
         return f, b
 
-    def stage_costs(self, lengths) -> tuple[np.ndarray, np.ndarray]:
-        """(fwd, bwd) seconds [n, stages] segments of these lengths add to a micro-batch: the
-        time of a micro-batch with one of them minus the empty one's, without the kernels'
-        per-call costs (a micro-batch pays each call once, whatever its documents)."""
-        L = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        f, b = self._terms(self.model, (np.r_[0, np.arange(1, L.size + 1), L.size]
-                                        .astype(np.int64), L))
-        return f[:-1] - f[-1], b[:-1] - b[-1]
-
     def unit_costs(self, units) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds [n, stages] of whole packed micro-batches (lengths per unit, or
         CSR; their padding included), the kernels' calls with them, uncalibrated."""
@@ -58,11 +49,15 @@ class LatencyCost:
 
     def priced(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(the costs [n] of these lengths (``__call__``), each one's index into the distinct
-        lengths [n], the distinct lengths' costs [k]): each distinct length priced once."""
+        lengths [n], the distinct lengths' costs [k]): each distinct length priced once, as the
+        time of a micro-batch with it alone minus the empty one's, every virtual stage's,
+        without the kernels' per-call costs (a micro-batch pays each call once, whatever its
+        documents)."""
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        distinct, at = distinct_lengths(L)          # a step's 10^5 segments: 10^3 lengths
-        f, b = self.stage_costs(distinct)
-        per = (f + b).sum(axis=1)
+        d, at = distinct_lengths(L)          # a step's 10^5 segments: 10^3 lengths
+        f, b = self._terms(self.model, (np.r_[0, np.arange(1, d.size + 1), d.size]
+                                        .astype(np.int64), d))
+        per = ((f[:-1] - f[-1]) + (b[:-1] - b[-1])).sum(axis=1)
         return per[at], at, per
 
 

@@ -275,12 +275,10 @@ def pipeline_makespan_s(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = No
 
 
 def _check_interleaved(shape, pp) -> None:
-    _, m, nv = shape
+    # the micro-batch counts Megatron refuses are refused with the events (``interleaved_refusal``)
+    nv = shape[2]
     if isinstance(pp, bool) or not isinstance(pp, (int, np.integer)) or pp < 2 or nv % pp:
         raise ValueError(f"pp={pp!r}: expected an integer >= 2 dividing the {nv} virtual stages")
-    if m < pp:
-        raise ValueError(f"{m} micro-batches with pp={pp}: the interleaved schedule needs at "
-                         f"least pp micro-batches (Megatron refuses fewer)")
 
 
 def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: Optional[int] = None,

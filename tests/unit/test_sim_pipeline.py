@@ -131,7 +131,7 @@ def test_interleaved_with_one_chunk_is_plain_1f1b_and_respects_dependencies():
     assert np.all(s[:, :, 1:, FWD] >= e[:, :, :-1, FWD] - 1e-12)
     assert np.all(s[:, :, :-1, BWD] >= e[:, :, 1:, BWD] - 1e-12)
     np.testing.assert_allclose(sim.busy_s.sum(axis=1), (3 * f).sum(axis=(1, 2)))
-    with pytest.raises(ValueError, match="at least pp"):
+    with pytest.raises(ValueError, match="the interleaved schedule needs pp=3 <="):
         simulate_1f1b(f[:, :2], 2 * f[:, :2], pp=3)
 
 
