@@ -24,8 +24,7 @@ import numpy as np
 
 from .. import kernels
 from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
-from .segments import (CheckedSegments, SegmentRows, checked_segments,  # noqa: F401 (re-exported)
-                       offsets_of)
+from .segments import SegmentRows, checked_segments, offsets_of  # noqa: F401 (re-exported)
 
 
 class BatchingError(ValueError):
