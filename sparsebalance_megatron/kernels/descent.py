@@ -1,11 +1,6 @@
 """A critical-path descent round, compiled (``policy.critical_path.descend_at`` runs the rounds):
-the cut (the units on a path longer than the round's target shed a fraction of their cuttable
-time, per DP rank the smallest of ``CUT_FRACTIONS`` that brings it within the target), what the
-raise needs from it (the cut plan simulated, every unit's float at the raise's deadline, the
-units the largest raise fraction moves and where to), and the raise (every such unit grows by
-a fraction of its float, per rank the largest of ``RAISE_FRACTIONS`` that fits).
-
-Both phases pick per DP rank the first candidate fraction whose makespan fits
+the cut (``cut_round``), what the raise needs from it (``after_cut_round``) and the raise
+(``raise_round``). Both phases pick per DP rank the first candidate fraction whose makespan fits
 (``first_fit``): a binary search over the candidates (the makespans never rise from one
 candidate to the next), the ranks' searches stepped together so that each step simulates their
 columns side by side, each unit's grid index looked up only at the candidates its rank tries.
