@@ -78,9 +78,8 @@ def megatron_order(n: int, dp: int) -> np.ndarray:
 def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                      long_sample_policy: str = "split", empty_groups: bool = False,
                      microbatch_group_size_per_vp_stage: Optional[int] = None) -> BatchPlan:
-    """Megatron's dp_balanced packing of one global batch (module docstring).
-
-    samples: (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
+    """Megatron's dp_balanced packing of one global batch (module docstring). samples:
+    (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
     num_microbatches: the micro-batches the other packings get (checks the batch fits them; the
     plan's own count is Megatron's, ``plan.num_microbatches``); max_tokens: also Megatron's
     ``--max-seqlen-per-dp-cp-rank`` (what Megatron-LM sets from ``--seq-length``);

@@ -62,12 +62,10 @@ def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> tuple:
 
 def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                     long_sample_policy: str = "split", rank: Optional[int] = None) -> BatchPlan:
-    """Megatron's default packing (see the module docstring): ``sequential_pack``'s bins (fill in
-    order, a new bin when the next segment does not fit; bin k x dp + r is rank r's micro-batch
-    k) as rows of the segments' array, each rank's tokens its cost (whole numbers: their sums
-    are exact in any order), without a tuple and a look-up per segment (the baseline packing of
-    every draft). ``rank``: DP rank r's row alone, as a one-row plan (the whole plan's
-    ``row_plan(r)``, the other rows never made)."""
+    """Megatron's default packing: ``sequential_pack``'s bins (fill in order, a new bin when the
+    next segment does not fit; bin k x dp + r is rank r's micro-batch k) as rows of the
+    segments' array, each rank's tokens its cost (whole numbers: exact in any order). ``rank``:
+    DP rank r's row alone, as a one-row plan (the whole plan's ``row_plan(r)``)."""
     if rank is not None:
         check_rank(rank, dp)
     arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,

@@ -87,11 +87,9 @@ class BatchPlan:
                  *args, sizes: Optional[np.ndarray] = None) -> "BatchPlan":
         """The plan a packer made from item indices: ``items`` [n] indices of rows of ``arr``
         [N, 3] rank-major in slot order, ``counts`` [dp * m] how many each micro-batch holds,
-        ``args`` the plan's fields after the micro-batches. Its micro-batches are
-        ``SegmentRows`` (a rank's tuples made when read); ``segment_array`` and ``unit_csr``
-        are gathered from the arrays (``sizes`` [N]: ``arr``'s lengths, where the caller has
-        them) instead of walked out of the tuples (``tests/unit/test_batching_sab.py`` checks
-        each packer's)."""
+        ``args`` the plan's fields after the micro-batches; ``segment_array`` and ``unit_csr``
+        gathered from the arrays (``sizes`` [N]: ``arr``'s lengths, where the caller has them),
+        not walked out of the tuples."""
         offsets = offsets_of(counts)
         plan = cls(SegmentRows(arr[items], offsets, dp, m), *args)
         plan._cache[("csr", False)] = (offsets, (arr[:, 2] - arr[:, 1] if sizes is None

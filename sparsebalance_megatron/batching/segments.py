@@ -116,8 +116,6 @@ class SegmentRows(abc.Sequence):
         return self._dp
 
     def __getitem__(self, r):
-        if isinstance(r, slice):
-            return [self[i] for i in range(*r.indices(self._dp))]
         r = range(self._dp)[r]
         if r not in self._rows:
             cut = self._offsets[r * self._m:(r + 1) * self._m + 1] - self._offsets[r * self._m]

@@ -69,7 +69,6 @@ class SensitivityTracker:
             old = self._bucket.get(b)
             self._bucket[b] = x if old is None else (1 - self.ema) * old + self.ema * x
             self._all = x if self._all is None else (1 - self.ema) * self._all + self.ema * x
-        return None
 
     def _sensitivity(self, value):
         """Sensitivity of a measured value (a float or an array of them)."""
