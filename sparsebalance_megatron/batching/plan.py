@@ -69,8 +69,14 @@ class BatchPlan:
         self.__dict__.update(state)
         offsets = offsets_of(counts)
         self.micro_batches = SegmentRows(segments, offsets, dp, m)
-        self._cache[("csr", False)] = (offsets, segments[:, 2] - segments[:, 1])
+        self._primed(offsets, segments[:, 2] - segments[:, 1], segments)
+
+    def _primed(self, offsets, lengths, segments) -> "BatchPlan":
+        """This plan with its plain CSR (``offsets``, ``lengths``) and ``segments`` array
+        cached, as the packer or the plan it comes from has them."""
+        self._cache[("csr", False)] = (offsets, lengths)
         self._cache["segments"] = segments
+        return self
 
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
@@ -90,12 +96,10 @@ class BatchPlan:
         ``args`` the plan's fields after the micro-batches; ``segment_array`` and ``unit_csr``
         gathered from the arrays (``sizes`` [N]: ``arr``'s lengths, where the caller has them),
         not walked out of the tuples."""
-        offsets = offsets_of(counts)
-        plan = cls(SegmentRows(arr[items], offsets, dp, m), *args)
-        plan._cache[("csr", False)] = (offsets, (arr[:, 2] - arr[:, 1] if sizes is None
-                                                 else sizes)[items])
-        plan._cache["segments"] = arr[items]
-        return plan
+        offsets, segments = offsets_of(counts), arr[items]
+        lengths = segments[:, 2] - segments[:, 1] if sizes is None else sizes[items]
+        return cls(SegmentRows(segments, offsets, dp, m), *args)._primed(offsets, lengths,
+                                                                           segments)
 
     def row_plan(self, r: int) -> "BatchPlan":
         """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
@@ -106,9 +110,8 @@ class BatchPlan:
         out = replace(self, micro_batches=[self.micro_batches[r]],
                       predicted_rank_cost_s=None if self.predicted_rank_cost_s is None
                       else self.predicted_rank_cost_s[r:r + 1])
-        out._cache[("csr", False)] = (offsets[r * m:(r + 1) * m + 1] - lo, lengths[lo:hi])
-        out._cache["segments"] = self.segment_array()[lo:hi]
-        return out
+        return out._primed(offsets[r * m:(r + 1) * m + 1] - lo, lengths[lo:hi],
+                           self.segment_array()[lo:hi])
 
     @property
     def dp(self) -> int:
