@@ -61,12 +61,6 @@ def cost_ranks(cost: np.ndarray, priced=None) -> tuple:
     return at, np.unique(-by, return_inverse=True)[1]
 
 
-def _ordered(tie: np.ndarray, key: np.ndarray, rank_of: np.ndarray, dp: int) -> np.ndarray:
-    """The items by rank, then ``key``, then ``tie`` (``seeded_order``; ``tie`` a permutation
-    of 0..n-1 of these items), the ranks as uint16 where they fit (a radix sort)."""
-    return seeded_order(tie, key, rank_of.astype(np.uint16) if dp <= 65536 else rank_of)
-
-
 class SABAssignment:
     """One global batch's segments (``packing.prepare_samples``' [n, 3] array, sizes [n],
     samples split) assigned to ``dp`` ranks of ``m`` micro-batches of ``max_tokens`` by
@@ -110,7 +104,10 @@ class SABAssignment:
                                    np.isin(self.rank_of, ranks))
             tie = np.argsort(np.argsort(self.tie[items]))      # their own tie order
             rank_of = np.searchsorted(ranks, self.rank_of[items])
-        by_rank = _ordered(tie, self._keys(items), rank_of, ranks.size)
+        # by rank, then sensitivity, then the seeded tie (the ranks as uint16 where they fit:
+        # numpy sorts those by radix)
+        by_rank = seeded_order(tie, self._keys(items), rank_of.astype(np.uint16)
+                               if ranks.size <= 65536 else rank_of)
         if items is not None:
             by_rank = items[by_rank]
         starts = np.r_[0, np.cumsum(np.bincount(rank_of, minlength=ranks.size))]

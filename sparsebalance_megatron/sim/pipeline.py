@@ -96,7 +96,7 @@ def interleaved_refusal(m: int, pp: int) -> Optional[str]:
         return (f"{m} micro-batches: the interleaved schedule needs pp={pp} <= "
                 f"microbatch_group_size_per_vp_stage={pp} <= micro-batches")
     rest = m % pp
-    if 0 < rest < pp:
+    if rest:
         return (f"{m} micro-batches: the interleaved schedule's last group of {rest} is "
                 f"smaller than pp={pp} (Megatron refuses it: dependency bubbles)")
     return None
