@@ -72,7 +72,7 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                                           long_sample_policy)
     m = num_microbatches
     try:                                  # Megatron's fill rule, as sequential_pack applies it
-        starts = kernels.packing.sequential_starts(sizes, max_tokens, as_array=True)
+        starts = kernels.packing.sequential_starts(sizes, max_tokens)
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None

@@ -15,9 +15,6 @@ from typing import Sequence
 
 import numpy as np
 
-PRIOR_RECALL_AT_2K = 0.85
-PRIOR_RECALL_PER_DOUBLING = 0.03
-
 
 def length_bucket(lengths) -> np.ndarray:
     """[n] bucket index floor(log2(length)) (length >= 1)."""
@@ -28,7 +25,7 @@ def length_bucket(lengths) -> np.ndarray:
 def prior_sensitivity(lengths) -> np.ndarray:
     """[n] 1 - prior recall by length (see the module docstring)."""
     L = np.maximum(np.asarray(lengths, dtype=np.float64), 1.0)
-    recall = PRIOR_RECALL_AT_2K + PRIOR_RECALL_PER_DOUBLING * np.log2(L / 2048.0)
+    recall = 0.85 + 0.03 * np.log2(L / 2048.0)
     return 1.0 - np.clip(recall, 0.5, 0.99)
 
 

@@ -276,14 +276,14 @@ def stream_pass(order, lo, n_positions, weights, capacity, positions, sizes, tak
     return stop
 
 
-def sequential_starts(size: np.ndarray, cap: int, as_array: bool = False):
-    """``[b[0] for b in data.packing.sequential_bins(size, cap)]`` compiled (its ValueError
-    for a segment over ``cap``); ``as_array``: as an int64 array (no list of a bin's int)."""
+def sequential_starts(size: np.ndarray, cap: int) -> np.ndarray:
+    """[bins] int64: ``[b[0] for b in data.packing.sequential_bins(size, cap)]`` compiled (its
+    ValueError for a segment over ``cap``)."""
     starts = np.empty(size.size, dtype=np.int64)
     n = seq_starts_pass(i64(size), int(cap), starts)
     if n < 0:
         raise ValueError(f"segment {-n - 1} has {int(size[-n - 1])} tokens > capacity {cap}")
-    return starts[:n] if as_array else starts[:n].tolist()
+    return starts[:n]
 
 
 def slot_order(c: np.ndarray) -> list:

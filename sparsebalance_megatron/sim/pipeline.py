@@ -185,10 +185,6 @@ class EventGraph:
     unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
     links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ
 
-    @property
-    def size(self) -> int:
-        return self.ranks.size
-
     def record(self, p2p_s: float = 0.0) -> Graph:
         """The ``kernels.records.Graph`` of this graph with p2p latency ``p2p_s``."""
         rec = self.__dict__.get("_record")
