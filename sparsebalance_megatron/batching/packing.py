@@ -76,17 +76,16 @@ def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
-    if rank is not None:                  # its bins rank, dp + rank, ...: ranges of the items
-        first, ends = starts, np.append(starts[1:], sizes.size)
-        b = rank + dp * np.arange(m)
-        lo, hi = np.where(b < first.size, first[np.minimum(b, first.size - 1)], 0), \
-            np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
+    bounds = np.append(starts, sizes.size)          # bin k holds items bounds[k]:bounds[k + 1]
+    if rank is not None:                  # its bins rank, dp + rank, ... (none past the last)
+        b = np.minimum(rank + dp * np.arange(m), starts.size)
+        lo, hi = bounds[b], bounds[np.minimum(b + 1, starts.size)]
         items = np.concatenate([np.arange(x, y) for x, y in zip(lo.tolist(), hi.tolist())])
         counts = (hi - lo).astype(np.int64)
         cost = np.array([float(sizes[items].sum())])
         return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
                                   n_split, False, cost, sizes=sizes)
-    bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, sizes.size)))
+    bin_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
     items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
