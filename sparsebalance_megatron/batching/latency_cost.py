@@ -75,5 +75,5 @@ def distinct_lengths(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def latency_sample_cost_fn(model, density: float) -> LatencyCost:
     """SAB's ``CostFn`` from a ``LatencyModel`` at ``density`` (``LatencyCost``: a segment's
-    seconds added to a packed micro-batch, ``LatencyCost.stage_costs``)."""
+    seconds added to a packed micro-batch, ``LatencyCost.priced``)."""
     return LatencyCost(model, density)
