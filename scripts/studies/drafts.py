@@ -166,7 +166,7 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
     ``row_floats``: the committed row; ``unit_floats``: a candidate rank's units), and for the
     rest of the study the whole plan's ``costs``, ``batch``, ``units`` and ``densities``."""
     from sparsebalance_megatron.batching.plan import checked_segments
-    from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
+    from sparsebalance_megatron.batching.sensitivity import unit_sensitivity
     from sparsebalance_megatron.megatron.step.choice import raise_headroom
     from sparsebalance_megatron.megatron.step.record import doc_slots
     from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
@@ -193,7 +193,7 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
         asg, mine = d.sab
         own = _timed(t, "sab.rank_plan", asg.rank_plan, mine, agreed, repeats=repeats)
         _timed(t, "features", drafter.units, own, repeats=repeats)
-        _timed(t, "sensitivity", batch_sensitivity, own, drafter.tracker, repeats=repeats)
+        _timed(t, "sensitivity", unit_sensitivity, own, drafter.tracker, repeats=repeats)
         if own.micro_batches[0] != whole.micro_batches[r]:
             raise SystemExit(f"rank {r}: its own plan is not row {r} of the whole plan")
         base = drafter.pack(segs, m, sb.stand_down)                       # off the clock
@@ -212,7 +212,7 @@ def rank_step(drafter, raw, m: int, rank=None, repeats: int = 3) -> dict:
                    kept_units=own_rows[i].unit_csr(), rank=r, rank_units=True,
                    repeats=repeats)
             costs = UnitCosts.from_latency(lm, units, dp, m, grid, kept_units=kept)
-            sens = batch_sensitivity(batch, drafter.tracker)
+            sens = unit_sensitivity(batch, drafter.tracker)
             settings, quality = dst_inputs(sb, costs.shape[2], lm.p2p_s, h,
                                            drafter.attention_layers)
             # each rank's CPU per phase, the least of ``repeats`` lockstep runs (this shared

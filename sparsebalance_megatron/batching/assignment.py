@@ -1,20 +1,14 @@
 """SAB's assignment of a global batch's segments to the DP ranks, the same on every rank, and
 each rank's own micro-batches from it (docs/DESIGN.md section 6, "DST and SAB at scale", SAB's
-part). ``SABAssignment`` computes alike from the whole batch's lengths, on arrays: the costs,
-their order and the LPT over the ranks (``kernels.packing.lpt_ranks``). Per rank: ``units``
-(its segments by its own sensitivity, cut into m micro-batches with ``kernels.packing.rank_bins``,
-first-fit-decreasing where a cut does not fit, and with a ``LatencyCost`` their per-stage costs
-and seed slots: ``RankUnits``); ``agree`` (``Agreement``: whether every cut fits, else every rank
-packs ``fallback_bins``, and the ``slots.candidates``' units; in a run ``sab_rounds``);
-``rank_plan`` (the rank's micro-batches after the slot search); ``plan`` (every rank's:
-``packing.sab_plan``'s).
+part): ``SABAssignment`` computes the costs, their order and the LPT over the ranks alike from
+the whole batch's lengths, on arrays; a rank then packs only its own micro-batches (``units``),
+agrees with the others (``agree``; in a run ``sab_rounds``) and places them (``rank_plan``).
 
 Pure numpy (and ``kernels``); must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Callable, Optional
@@ -22,7 +16,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from .. import kernels
-from .latency_cost import LatencyCost, distinct_lengths
+from ..data.packing import sequential_bins
+from .latency_cost import LatencyCost
 from .plan import BatchingError, BatchPlan, finish_plan, padded_lengths, seeded_order
 from . import slots as slot_search
 
@@ -58,59 +53,36 @@ class Agreement:
     candidates: Optional[RankUnits]
 
 
-def cost_ranks(cost: np.ndarray, sizes: np.ndarray, priced=None) -> Optional[tuple]:
-    """Where a cost is a function of its segment's size (as every ``CostFn``'s) and there are
-    at most 65,536 distinct sizes: (each segment's index into the distinct sizes [n], the
-    rank of each one's cost among the distinct costs, decreasing [k]); else None. ``priced``:
-    (that index, the distinct sizes' costs), as ``packing.sample_costs`` found them."""
-    if priced is not None:
-        at, by_size = priced
-    elif sizes.size and sizes.min() >= 0:
-        distinct, at = distinct_lengths(sizes)
-        by_size = np.zeros(distinct.size)
-        by_size[at] = cost
-        if distinct.size > 65536 or not np.array_equal(by_size[at], cost):
-            return None
-    else:
-        return None
-    if by_size.size > 65536:
-        return None
-    _, rank = np.unique(-by_size, return_inverse=True)
-    return at, rank
-
-
-def _ordered(tie: np.ndarray, key: np.ndarray, rank_of: np.ndarray, dp: int) -> np.ndarray:
-    """The items by rank, then ``key``, then ``tie`` (``seeded_order``; ``tie`` a permutation
-    of 0..n-1 of these items), the ranks as uint16 where they fit (a radix sort)."""
-    return seeded_order(tie, key, rank_of.astype(np.uint16) if dp <= 65536 else rank_of)
+def cost_ranks(cost: np.ndarray, priced=None) -> tuple:
+    """(each segment's index into the costs ranked [n], the rank of each of those among them,
+    decreasing [k]): by the distinct sizes' costs where ``packing.sample_costs`` priced each
+    distinct size once (``priced``: that index, their costs), else by every segment's own."""
+    at, by = priced if priced is not None else (np.arange(cost.size), cost)
+    return at, np.unique(-by, return_inverse=True)[1]
 
 
 class SABAssignment:
-    """One global batch's segments (``packing.prepare_samples``' segs, [n, 3] array, sizes [n],
+    """One global batch's segments (``packing.prepare_samples``' [n, 3] array, sizes [n],
     samples split) assigned to ``dp`` ranks of ``m`` micro-batches of ``max_tokens`` by
     ``cost`` [n] (the module docstring); ``key``: each segment's sensitivity, as a function
-    of (sample ids, lengths) of any of them or an [n] array; ``cost_fn``: a ``LatencyCost`` to
+    of (sample ids, lengths) of any of them; ``cost_fn``: a ``LatencyCost`` to
     arrange the slots with (else none; ``arrange`` False: none either); ``priced``: the costs'
     distinct sizes where ``packing.sample_costs`` found them (``cost_ranks``)."""
 
-    def __init__(self, segs, arr, sizes, n_split: int, cost: np.ndarray, *, dp: int, m: int,
+    def __init__(self, arr, sizes, n_split: int, cost: np.ndarray, *, dp: int, m: int,
                  max_tokens: int, seed: int, key, cost_fn=None, arrange: bool = True,
                  length_multiple: int = 0, priced=None):
-        self.segs, self.arr, self.sizes, self.n_split, self.cost = segs, arr, sizes, n_split, cost
+        self.arr, self.sizes, self.n_split, self.cost = arr, sizes, n_split, cost
         self.dp, self.m, self.max_tokens, self.key = dp, m, max_tokens, key
         self.cost_fn = cost_fn if arrange and isinstance(cost_fn, LatencyCost) else None
         self.length_multiple = length_multiple
         self.tie = np.random.default_rng(seed).permutation(sizes.size)
         # cost descending (each cost's rank among them), ties by the seeded permutation
-        ranked = cost_ranks(cost, sizes, priced) or (
-            np.arange(cost.size), np.unique(-cost, return_inverse=True)[1])
-        self.rank_of = kernels.packing.lpt_ranks(cost, sizes, self.tie, *ranked, dp,
-                                                 m * max_tokens)
+        self.rank_of = kernels.packing.lpt_ranks(cost, sizes, self.tie, *cost_ranks(cost, priced),
+                                                 dp, m * max_tokens)
         self._fallback = None
 
     def _keys(self, items: Optional[np.ndarray]) -> np.ndarray:
-        if not callable(self.key):
-            return self.key if items is None else self.key[items]
         ids, lengths = (self.arr[:, 0], self.sizes) if items is None else \
             (self.arr[items, 0], self.sizes[items])
         sens = np.asarray(self.key(ids, lengths), dtype=np.float64).reshape(-1)
@@ -132,7 +104,10 @@ class SABAssignment:
                                    np.isin(self.rank_of, ranks))
             tie = np.argsort(np.argsort(self.tie[items]))      # their own tie order
             rank_of = np.searchsorted(ranks, self.rank_of[items])
-        by_rank = _ordered(tie, self._keys(items), rank_of, ranks.size)
+        # by rank, then sensitivity, then the seeded tie (the ranks as uint16 where they fit:
+        # numpy sorts those by radix)
+        by_rank = seeded_order(tie, self._keys(items), rank_of.astype(np.uint16)
+                               if ranks.size <= 65536 else rank_of)
         if items is not None:
             by_rank = items[by_rank]
         starts = np.r_[0, np.cumsum(np.bincount(rank_of, minlength=ranks.size))]
@@ -156,17 +131,13 @@ class SABAssignment:
         f, b = self.cost_fn.unit_costs((np.r_[0, np.cumsum(counts)].astype(np.int64), lengths))
         nv = f.shape[1]
         out.fwd_s, out.bwd_s = f.reshape(k, m, nv), b.reshape(k, m, nv)
-        out.scale = self._scale(ranks)
+        # the calibration factors of ``ranks`` as this process knows them: in a run a rank's
+        # own (each DP rank calibrates its pipeline; the candidates' travel with their units,
+        # ``sab_rounds``), in one process every rank's
+        out.scale = self.cost_fn.scale(self.dp)[ranks]
         out.slots, out.span_s = slot_search.seed_slots(out.fwd_s, out.bwd_s, self.cost_fn.p2p_s,
                                                        self.cost_fn.pp, out.scale)
         return out
-
-    def _scale(self, ranks: np.ndarray) -> np.ndarray:
-        """[k, stages] the calibration factors of ``ranks`` as this process knows them: in a run
-        a rank's own (each DP rank calibrates its pipeline; the candidates' travel with their
-        units, ``sab_rounds``), in one process every rank's."""
-        sc = self.cost_fn.scale(self.dp)
-        return np.ones((ranks.size, self.cost_fn.num_stages)) if sc is None else sc[ranks]
 
     def fallback_units(self, ranks: np.ndarray) -> RankUnits:
         """``ranks``' sequential bins (``fallback_bins``), priced."""
@@ -208,8 +179,8 @@ class SABAssignment:
     def rank_plan(self, mine: RankUnits, agreed: Agreement, method: str = "sab") -> BatchPlan:
         """The micro-batches of ``mine``'s ranks (one: a rank's own) after the agreement."""
         return finish_plan(self._rows(mine, agreed), method, self.max_tokens, self.n_split,
-                           agreed.fallback, self.segs, self.cost, indices=True,
-                           arr=self.arr).with_length_multiple(self.length_multiple)
+                           agreed.fallback, self.arr, self.cost
+                           ).with_length_multiple(self.length_multiple)
 
     def plan(self, method: str = "sab") -> BatchPlan:
         """Every rank's micro-batches (``rank_plan`` over all ranks)."""
@@ -263,23 +234,20 @@ def order_slots(bins, cost) -> list:
 
 def fallback_bins(sizes, cost, dp, m, max_tokens) -> list:
     """[dp][m] lists of segment indices: the sequential bins (``packing.sequential_plan``'s:
-    they fit whenever the baseline fits) assigned to ranks by LPT on cost, exactly m bins per
-    rank, each rank's in ``order_slots``."""
-    starts = kernels.packing.sequential_starts(sizes, max_tokens)
-    bins = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [sizes.size])]
+    they fit whenever the baseline fits) assigned to ranks by LPT on cost
+    (``kernels.packing.lpt_ranks``, room for m a rank), each rank's in ``order_slots``."""
+    bins = sequential_bins(sizes, max_tokens)
     if len(bins) > dp * m:
         raise BatchingError(f"{sizes.size} segments need {len(bins)} micro-batches of "
                             f"{max_tokens} tokens even packed in order; expected at most "
                             f"dp x m = {dp * m}")
     bins += [[] for _ in range(dp * m - len(bins))]
-    bcost = [sum(cost[i] for i in b) for b in bins]
-    heap = [(0.0, r) for r in range(dp)]
+    bcost = np.array([sum(cost[i] for i in b) for b in bins], dtype=np.float64)
+    rank_of = kernels.packing.lpt_ranks(bcost, np.ones(dp * m, dtype=np.int64), np.arange(dp * m),
+                                        *cost_ranks(bcost), dp, m)
     per_rank = [[] for _ in range(dp)]
-    for j in sorted(range(len(bins)), key=lambda j: (-bcost[j], j)):
-        load, r = heapq.heappop(heap)
-        per_rank[r].append(bins[j])
-        if len(per_rank[r]) < m:
-            heapq.heappush(heap, (load + bcost[j], r))
+    for j in np.argsort(-bcost, kind="stable").tolist():     # in the LPT's order
+        per_rank[rank_of[j]].append(bins[j])
     cost_l = cost.tolist()
     return [order_slots(b, cost_l) for b in per_rank]
 

@@ -1,14 +1,10 @@
 """Megatron's own packer, ``DpBalancedScheduler`` (``megatron/core/datasets/data_schedule.py``),
 as a ``BatchPlan``: the baseline SAB is proven against (docs/DESIGN.md section 6 states the
 rule). ``dp_balanced_groups`` is the rule on a list of lengths, with the output of
-``get_groups_and_subsamples`` (a test compares the two where megatron-core ships the class);
-where every group holds one sequence and the count is still short of a multiple of dp, Megatron
-stops (an assertion), while ``empty_groups`` appends empty groups so a study can time the step
-(``BatchPlan.fallback`` says so). ``dp_balanced_plan`` runs it on one global batch in Megatron's
-order (``order="megatron"``: ``MegatronPretrainingSampler`` deals sample k to rank
-``(k // micro_batch_size) % dp``, then the ranks' sequences are gathered rank by rank) or the
-sampler's (``"sampler"``: its groups are the ``sequential`` plan's bins); its micro-batches hold
-their documents only (``length_multiple`` 1), as Megatron packs them by default.
+``get_groups_and_subsamples``; where Megatron stops (an assertion), ``empty_groups`` appends
+empty groups so a study can time the step. ``dp_balanced_plan`` runs it on one global batch in
+Megatron's order, at CP 1; its micro-batches hold their documents only (``length_multiple`` 1),
+as Megatron packs them by default.
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """
@@ -20,24 +16,19 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .packing import finish_plan, prepare_samples
-from .plan import BatchingError, BatchPlan, check_int, split_long
-
-ORDERS = ("megatron", "sampler")
+from .plan import BatchingError, BatchPlan, check_int
 
 
 def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int, dp: int,
-                       cp: int = 1, microbatch_group_size_per_vp_stage: Optional[int] = None,
-                       max_num_seqs: Optional[int] = None, empty_groups: bool = False) -> list:
-    """``[micro-batch][dp * cp rank]`` lists of indices into ``seqlens``: Megatron's
+                       microbatch_group_size_per_vp_stage: Optional[int] = None,
+                       empty_groups: bool = False) -> list:
+    """``[micro-batch][dp rank]`` lists of indices into ``seqlens``: Megatron's
     ``DpBalancedScheduler.get_groups_and_subsamples`` on sequences of these lengths, in this
     order (the module docstring). Where Megatron's rule has no answer (it runs out of groups
     holding more than one sequence): BatchingError, or with ``empty_groups`` empty groups up to
     the multiple."""
-    cap = check_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank) * \
-        check_int("cp", cp)
+    cap = check_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)
     dp = check_int("dp", dp)
-    if max_num_seqs is not None:
-        max_num_seqs = check_int("max_num_seqs", max_num_seqs)
     multiple = dp * (check_int("microbatch_group_size_per_vp_stage",
                                 microbatch_group_size_per_vp_stage)
                      if microbatch_group_size_per_vp_stage is not None else 1)
@@ -48,7 +39,7 @@ def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int
         raise ValueError(f"sequence length {min(lengths)}: expected lengths >= 0")
     groups, cur, total = [], [], 0
     for i, n in enumerate(lengths):
-        if total + n <= cap and (max_num_seqs is None or len(cur) < max_num_seqs):
+        if total + n <= cap:
             cur.append(i)
             total += n
         else:                      # Megatron closes the group even when it is empty
@@ -73,54 +64,40 @@ def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int
         else:
             g -= 1
     m = len(groups) // dp
-    return [[groups[i * dp + j // cp] for j in range(cp * dp)] for i in range(m)]
+    return [groups[i * dp:(i + 1) * dp] for i in range(m)]
 
 
-def megatron_order(n: int, dp: int, micro_batch_size: int = 1) -> np.ndarray:
+def megatron_order(n: int, dp: int) -> np.ndarray:
     """[n] positions of the global batch's samples in Megatron's gathered order: sample k goes to
-    DP rank ``(k // micro_batch_size) % dp`` (``MegatronPretrainingSampler``), each rank keeps its
-    samples in order, and the ranks are concatenated in rank order."""
-    dp, mbs = check_int("dp", dp), check_int("micro_batch_size", micro_batch_size)
-    k = np.arange(check_int("n", n, 0))
-    return np.lexsort((k, (k // mbs) % dp))
+    DP rank ``k % dp`` (``MegatronPretrainingSampler``, one sample a micro-batch), each rank
+    keeps its samples in order, and the ranks are concatenated in rank order."""
+    k = np.arange(n)
+    return np.lexsort((k, k % dp))
 
 
 def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-                     long_sample_policy: str = "split", order: str = "megatron",
-                     max_seqlen_per_dp_cp_rank: Optional[int] = None, empty_groups: bool = False,
+                     long_sample_policy: str = "split", empty_groups: bool = False,
                      microbatch_group_size_per_vp_stage: Optional[int] = None) -> BatchPlan:
-    """Megatron's dp_balanced packing of one global batch (module docstring).
-
-    samples: (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
+    """Megatron's dp_balanced packing of one global batch (module docstring). samples:
+    (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
     num_microbatches: the micro-batches the other packings get (checks the batch fits them; the
-    plan's own count is Megatron's, ``plan.num_microbatches``); max_seqlen_per_dp_cp_rank:
-    Megatron's flag (default ``max_tokens``, what Megatron-LM sets from ``--seq-length``);
+    plan's own count is Megatron's, ``plan.num_microbatches``); max_tokens: also Megatron's
+    ``--max-seqlen-per-dp-cp-rank`` (what Megatron-LM sets from ``--seq-length``);
     empty_groups: as in ``dp_balanced_groups`` (the plan's ``fallback`` is then True where they
     were needed: a step Megatron itself would stop on).
     microbatch_group_size_per_vp_stage: what Megatron passes under VPP (``wrap_data_iterator``:
     the config's value, which defaults to pp): the group count becomes a multiple of
     dp x it, so every step interleaves; None without VPP.
     """
-    if order not in ORDERS:
-        raise ValueError(f"order={order!r}: expected one of {', '.join(ORDERS)}")
-    cap = max_tokens if max_seqlen_per_dp_cp_rank is None else check_int(
-        "max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)
-    if cap > max_tokens:
-        raise ValueError(f"max_seqlen_per_dp_cp_rank={cap}: expected at most max_tokens "
-                         f"{max_tokens} (a micro-batch's positions)")
-    segs, sizes, n_split, _ = prepare_samples(samples, dp, num_microbatches, max_tokens,
-                                              long_sample_policy)
-    if int(sizes.max()) > cap:               # Megatron's cap below the micro-batch's positions
-        segs, more = split_long(segs, cap, long_sample_policy)
-        sizes = np.asarray([e - s for _, s, e in segs], dtype=np.int64)
-        n_split += more
-    idx = megatron_order(len(segs), dp) if order == "megatron" \
-        else np.arange(len(segs))
+    arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                          long_sample_policy)
+    idx = megatron_order(sizes.size, dp)
     groups = dp_balanced_groups(
-        sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=cap, dp=dp, empty_groups=empty_groups,
+        sizes[idx].tolist(), max_seqlen_per_dp_cp_rank=max_tokens, dp=dp,
+        empty_groups=empty_groups,
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
     stops = any(not g for mb in groups for g in mb)
     per_rank = [[idx[groups[i][r]].tolist() for i in range(len(groups))] for r in range(dp)]
-    plan = finish_plan(per_rank, "dp_balanced", max_tokens, n_split, stops, segs,
-                       sizes.astype(np.float64), indices=True)
+    plan = finish_plan(per_rank, "dp_balanced", max_tokens, n_split, stops, arr,
+                       sizes.astype(np.float64))
     return plan.with_length_multiple(1)

@@ -7,8 +7,6 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 
@@ -19,12 +17,10 @@ class LatencyCost:
     (``unit_costs``, ``batching.slots``)."""
 
     def __init__(self, model, density: float):
-        self.full = model
-        self.model = model.without_call_costs() if hasattr(model, "without_call_costs") \
-            else model
+        self.full, self.model = model, model.without_call_costs()
         self.density = float(density)
         self.pp, self.num_stages = int(model.pp), int(model.num_stages)
-        self.p2p_s = float(getattr(model, "p2p_s", 0.0))
+        self.p2p_s = float(model.p2p_s)
 
     def _terms(self, model, units) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds [n, stages] of n units (lengths per unit, or CSR) at the density,
@@ -39,38 +35,29 @@ class LatencyCost:
             b[:, s] = t.bwd_fixed_s + t.bwd_attn_s_per_pair * work
         return f, b
 
-    def stage_costs(self, lengths) -> tuple[np.ndarray, np.ndarray]:
-        """(fwd, bwd) seconds [n, stages] segments of these lengths add to a micro-batch: the
-        time of a micro-batch with one of them minus the empty one's, without the kernels'
-        per-call costs (a micro-batch pays each call once, whatever its documents)."""
-        L = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        f, b = self._terms(self.model, (np.r_[0, np.arange(1, L.size + 1), L.size]
-                                        .astype(np.int64), L))
-        return f[:-1] - f[-1], b[:-1] - b[-1]
-
     def unit_costs(self, units) -> tuple[np.ndarray, np.ndarray]:
         """(fwd, bwd) seconds [n, stages] of whole packed micro-batches (lengths per unit, or
         CSR; their padding included), the kernels' calls with them, uncalibrated."""
         return self._terms(self.full, units)
 
-    def scale(self, dp: int) -> Optional[np.ndarray]:
-        """[dp, stages] calibration factor of every (DP rank, virtual stage), or None."""
-        grid = getattr(self.full, "correction_grid", None)
-        if grid is None:
-            return None
-        return np.asarray(grid(dp, self.pp), dtype=np.float64)[:, np.arange(self.num_stages)
-                                                               % self.pp]
+    def scale(self, dp: int) -> np.ndarray:
+        """[dp, stages] calibration factor of every (DP rank, virtual stage)."""
+        return self.full.correction_grid(dp, self.pp)[:, np.arange(self.num_stages) % self.pp]
 
     def __call__(self, lengths: np.ndarray) -> np.ndarray:
         return self.priced(lengths)[0]
 
     def priced(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(the costs [n] of these lengths (``__call__``), each one's index into the distinct
-        lengths [n], the distinct lengths' costs [k]): each distinct length priced once."""
+        lengths [n], the distinct lengths' costs [k]): each distinct length priced once, as the
+        time of a micro-batch with it alone minus the empty one's, every virtual stage's,
+        without the kernels' per-call costs (a micro-batch pays each call once, whatever its
+        documents)."""
         L = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        distinct, at = distinct_lengths(L)          # a step's 10^5 segments: 10^3 lengths
-        f, b = self.stage_costs(distinct)
-        per = (f + b).sum(axis=1)
+        d, at = distinct_lengths(L)          # a step's 10^5 segments: 10^3 lengths
+        f, b = self._terms(self.model, (np.r_[0, np.arange(1, d.size + 1), d.size]
+                                        .astype(np.int64), d))
+        per = ((f[:-1] - f[-1]) + (b[:-1] - b[-1])).sum(axis=1)
         return per[at], at, per
 
 
@@ -88,5 +75,5 @@ def distinct_lengths(L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def latency_sample_cost_fn(model, density: float) -> LatencyCost:
     """SAB's ``CostFn`` from a ``LatencyModel`` at ``density`` (``LatencyCost``: a segment's
-    seconds added to a packed micro-batch, ``LatencyCost.stage_costs``)."""
+    seconds added to a packed micro-batch, ``LatencyCost.priced``)."""
     return LatencyCost(model, density)

@@ -1,18 +1,16 @@
 """Sparsity-aware batching (SAB) and the two baselines it is compared with (the rules:
-docs/DESIGN.md section 6): ``sequential_plan`` (Megatron's fill, ``data/packing.sequential_pack``:
-micro-batch j to DP rank j % dp, slot j // dp), ``token_balanced_plan`` (LPT on token counts) and
-``sab_plan`` (LPT on predicted cost, sensitivity-grouped cuts; with a ``latency_sample_cost_fn``
-the slots are chosen on the simulated pipeline, ``batching.slots``). Each takes the segments of
-one global batch and returns a ``BatchPlan`` of ``dp x num_microbatches`` micro-batches of at
-most ``max_tokens`` tokens; ties in cost are broken by a permutation drawn from ``seed``.
-``sab_assignment`` stops before the packing: the assignment every rank computes alike, from
-which a rank packs its own micro-batches (``batching.assignment``).
+docs/DESIGN.md section 6): ``sequential_plan`` (Megatron's fill, ``data/packing.sequential_pack``),
+``token_balanced_plan`` and ``sab_plan``; each a ``BatchPlan`` of ``dp x num_microbatches``
+micro-batches of at most ``max_tokens`` tokens from one global batch, ties in cost broken by a
+permutation drawn from ``seed``. ``sab_assignment`` stops before the packing
+(``batching.assignment``).
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -20,9 +18,8 @@ import numpy as np
 from ..data.packing import check_bin_count
 from .. import kernels
 from .assignment import SABAssignment, sensitivity_key
-from .plan import (BatchingError, BatchPlan, CheckedSegments, as_segment_array, check_fits,
-                   check_long_sample_policy, check_rank, check_shape_args, finish_plan,
-                   split_long)
+from .plan import (BatchingError, BatchPlan, check_fits, check_int, check_long_sample_policy,
+                   check_rank, checked_segments, finish_plan, split_long)
 from .latency_cost import LatencyCost, latency_sample_cost_fn  # noqa: F401 (re-exported)
 from .sensitivity import SensitivityTracker
 
@@ -30,79 +27,65 @@ CostFn = Callable[[np.ndarray], np.ndarray]   # [n] segment lengths -> [n] secon
 
 
 def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
-    """(segments, their sizes [n] int64, samples split, the segments' [n, 3] array), checked."""
-    check_shape_args(dp, m, max_tokens)
-    if type(samples) is CheckedSegments:     # checked once for the step, only read here
-        segs, arr = samples, samples.array
-    else:
-        segs, arr = as_segment_array(samples)
-    if not segs:
-        raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
+    """(the segments' [n, 3] int64 array, their sizes [n], samples split), checked."""
+    for name, v in (("dp", dp), ("num_microbatches", m), ("max_tokens", max_tokens)):
+        check_int(name, v)
+    arr = checked_segments(samples).array       # checked once for the step: only read here
     check_long_sample_policy(long_sample_policy)
     sizes = arr[:, 2] - arr[:, 1]
     n_split = 0
-    if int(sizes.max()) > max_tokens:
-        segs, n_split = split_long(segs, max_tokens, long_sample_policy)
+    if sizes.size and int(sizes.max()) > max_tokens:
+        segs, n_split = split_long(arr.tolist(), max_tokens, long_sample_policy)
         arr = np.asarray(segs, dtype=np.int64).reshape(-1, 3)
         sizes = arr[:, 2] - arr[:, 1]
-    check_fits(segs, dp, m, max_tokens, sizes=sizes)
-    return segs, sizes, n_split, arr
+    check_fits(sizes, dp, m, max_tokens)
+    return arr, sizes, n_split
 
 
-def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn], with_ranks: bool = False):
-    """[n] each segment's cost (its tokens without ``cost_fn``); ``with_ranks``: (that, where
-    ``cost_fn`` is a ``LatencyCost``: (each segment's index into the distinct sizes [n], their
-    costs [k]), else None): the distinct sizes found once for the costs and their order
-    (``assignment.cost_ranks``)."""
-    if with_ranks and type(cost_fn) is LatencyCost and isinstance(sizes, np.ndarray) \
-            and sizes.dtype == np.int64 and sizes.ndim == 1:
-        cost, at, per = cost_fn.priced(sizes)       # every cost one of per's, each of those one
-        if not np.all(np.isfinite(per)) or np.any(per < 0):
-            _bad_costs(cost.shape, sizes.size)
-        return cost, (at, per)
-    sizes = np.asarray(sizes, dtype=np.float64)
+def sample_costs(sizes: np.ndarray, cost_fn: Optional[CostFn]) -> tuple:
+    """(each segment's cost [n], its tokens without ``cost_fn``; where ``cost_fn`` is a
+    ``LatencyCost``, (each segment's index into the distinct sizes [n], their costs [k]): the
+    distinct sizes priced once, ranked once (``assignment.cost_ranks``); else None)."""
+    priced = None
     if cost_fn is None:
-        return (sizes, None) if with_ranks else sizes
-    c = np.asarray(cost_fn(sizes.astype(np.int64)), dtype=np.float64).reshape(-1)
+        return sizes.astype(np.float64), None
+    if type(cost_fn) is LatencyCost:
+        c, at, per = cost_fn.priced(sizes)          # every cost one of per's, each of those one
+        priced = (at, per)
+    else:
+        c = np.asarray(cost_fn(sizes), dtype=np.float64).reshape(-1)
     if c.shape != sizes.shape or not np.all(np.isfinite(c)) or np.any(c < 0):
-        _bad_costs(c.shape, sizes.size)
-    return (c, None) if with_ranks else c
-
-
-def _bad_costs(shape, n: int):
-    raise ValueError(f"sample cost function returned {shape} values (finite >= 0 "
-                     f"expected, one per segment: {n})")
+        raise ValueError(f"sample cost function returned {c.shape} values (finite >= 0 "
+                         f"expected, one per segment: {sizes.size})")
+    return c, priced
 
 
 def sequential_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                     long_sample_policy: str = "split", rank: Optional[int] = None) -> BatchPlan:
-    """Megatron's default packing (see the module docstring): ``sequential_pack``'s bins (fill in
-    order, a new bin when the next segment does not fit; bin k x dp + r is rank r's micro-batch
-    k) as rows of the segments' array, each rank's tokens its cost (whole numbers: their sums
-    are exact in any order), without a tuple and a look-up per segment (the baseline packing of
-    every draft). ``rank``: DP rank r's row alone, as a one-row plan (the whole plan's
-    ``row_plan(r)``, the other rows never made)."""
+    """Megatron's default packing: ``sequential_pack``'s bins (fill in order, a new bin when the
+    next segment does not fit; bin k x dp + r is rank r's micro-batch k) as rows of the
+    segments' array, each rank's tokens its cost (whole numbers: exact in any order). ``rank``:
+    DP rank r's row alone, as a one-row plan (the whole plan's ``row_plan(r)``)."""
     if rank is not None:
         check_rank(rank, dp)
-    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
-                                                max_tokens, long_sample_policy)
+    arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                          long_sample_policy)
     m = num_microbatches
     try:                                  # Megatron's fill rule, as sequential_pack applies it
-        starts = kernels.packing.sequential_starts(sizes, max_tokens, as_array=True)
+        starts = kernels.packing.sequential_starts(sizes, max_tokens)
         check_bin_count(len(starts), sizes, max_tokens, dp, m)
     except ValueError as e:
         raise BatchingError(f"sequential packing: {e}") from None
-    if rank is not None:                  # its bins rank, dp + rank, ...: ranges of the items
-        first, ends = starts, np.append(starts[1:], len(segs))
-        b = rank + dp * np.arange(m)
-        lo, hi = np.where(b < first.size, first[np.minimum(b, first.size - 1)], 0), \
-            np.where(b < first.size, ends[np.minimum(b, first.size - 1)], 0)
+    bounds = np.append(starts, sizes.size)          # bin k holds items bounds[k]:bounds[k + 1]
+    if rank is not None:                  # its bins rank, dp + rank, ... (none past the last)
+        b = np.minimum(rank + dp * np.arange(m), starts.size)
+        lo, hi = bounds[b], bounds[np.minimum(b + 1, starts.size)]
         items = np.concatenate([np.arange(x, y) for x, y in zip(lo.tolist(), hi.tolist())])
         counts = (hi - lo).astype(np.int64)
         cost = np.array([float(sizes[items].sum())])
         return BatchPlan.of_items(arr, items, counts, 1, m, "sequential", max_tokens,
                                   n_split, False, cost, sizes=sizes)
-    bin_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(segs))))
+    bin_of = np.repeat(np.arange(len(starts)), np.diff(bounds))
     rank_cost = np.bincount(bin_of % dp, weights=sizes.astype(np.float64), minlength=dp)
     unit = bin_of % dp * m + bin_of // dp                # each segment's unit, rank-major
     items, counts = np.argsort(unit, kind="stable"), np.bincount(unit, minlength=dp * m)
@@ -114,40 +97,22 @@ def token_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: 
                         long_sample_policy: str = "split", seed: int = 0) -> BatchPlan:
     """Length-aware baseline: balance token counts over ranks and micro-batches (each rank's
     cost: its tokens)."""
-    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
-                                                max_tokens, long_sample_policy)
+    arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                          long_sample_policy)
     tokens = sizes.astype(np.float64)
-    plan = SABAssignment(segs, arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
-                         max_tokens=max_tokens, seed=seed, key=np.zeros(len(segs))).units().bins
-    if plan is None:
-        seq = sequential_plan(segs, dp=dp, num_microbatches=num_microbatches,
+    bins = SABAssignment(arr, sizes, n_split, tokens, dp=dp, m=num_microbatches,
+                         max_tokens=max_tokens, seed=seed,
+                         key=lambda ids, lengths: np.zeros(lengths.size)).units().bins
+    if bins is None:            # Megatron's sequential bins, as they are (each rank's tokens)
+        seq = sequential_plan(arr, dp=dp, num_microbatches=num_microbatches,
                               max_tokens=max_tokens)
-        return finish_plan(seq.micro_batches, "token_balanced", max_tokens, n_split, True,
-                           segs, tokens)
-    return finish_plan(plan, "token_balanced", max_tokens, n_split, False, segs, tokens,
-                       indices=True, arr=arr)
+        return replace(seq, method="token_balanced", num_split_samples=n_split, fallback=True)
+    return finish_plan(bins, "token_balanced", max_tokens, n_split, False, arr, tokens)
 
 
-def sab_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
-             cost_fn: Optional[CostFn] = None,
-             sensitivity: Optional[SensitivityTracker | Callable] = None,
-             long_sample_policy: str = "split", seed: int = 0, length_multiple: int = 0,
-             arrange: bool = True) -> BatchPlan:
-    """Sparsity-aware batching of one global batch.
-
-    samples: (sample_id, start, end) segments, or a [n] array of lengths; cost_fn: segment
-    lengths -> predicted seconds (``latency_sample_cost_fn``; None = tokens, which reduces SAB to
-    token balancing); sensitivity: a ``SensitivityTracker`` (or a callable (ids, lengths) -> [n])
-    whose estimates group the micro-batches; None = the length prior; length_multiple: the
-    plan's ``length_multiple`` (``--sb-microbatch-multiple``: the padding its micro-batches are
-    priced with); arrange: with a ``LatencyCost``, choose the micro-batches' slots and swap whole
-    micro-batches between ranks on the simulated pipeline (``batching.slots``; False: cheapest
-    micro-batches first and last, the others as cut).
-    """
-    return sab_assignment(samples, dp=dp, num_microbatches=num_microbatches,
-                          max_tokens=max_tokens, cost_fn=cost_fn, sensitivity=sensitivity,
-                          long_sample_policy=long_sample_policy, seed=seed,
-                          length_multiple=length_multiple, arrange=arrange).plan()
+def sab_plan(samples, **kw) -> BatchPlan:
+    """Sparsity-aware batching of one global batch: ``sab_assignment(samples, **kw).plan()``."""
+    return sab_assignment(samples, **kw).plan()
 
 
 def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
@@ -156,14 +121,21 @@ def sab_assignment(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                    long_sample_policy: str = "split", seed: int = 0, length_multiple: int = 0,
                    arrange: bool = True) -> SABAssignment:
     """``sab_plan``'s assignment of the segments to the DP ranks, before any rank packs its
-    micro-batches (``assignment.SABAssignment``: ``plan()`` is ``sab_plan``'s plan; a rank's
-    own, ``rank_plan(units([r]), agreement)``). The arguments are ``sab_plan``'s; a callable
-    ``sensitivity`` must price each segment alone (a rank asks it of its own segments)."""
-    segs, sizes, n_split, arr = prepare_samples(samples, dp, num_microbatches,
-                                                max_tokens, long_sample_policy)
-    cost, priced = sample_costs(sizes, cost_fn, with_ranks=True)
-    return SABAssignment(segs, arr, sizes, n_split, cost, dp=dp, m=num_microbatches,
+    micro-batches (``assignment.SABAssignment``; ``plan()`` packs every rank's).
+
+    samples: (sample_id, start, end) segments, or a [n] array of lengths; cost_fn: segment
+    lengths -> predicted seconds (``latency_sample_cost_fn``; None = tokens, which reduces SAB to
+    token balancing); sensitivity: a ``SensitivityTracker`` (or a callable (ids, lengths) -> [n]
+    that prices each segment alone) whose estimates group the micro-batches; None = the length
+    prior; length_multiple: the plan's ``length_multiple`` (``--sb-microbatch-multiple``: the
+    padding its micro-batches are priced with); arrange: with a ``LatencyCost``, choose the
+    micro-batches' slots and swap whole micro-batches between ranks on the simulated pipeline
+    (``batching.slots``; False: cheapest micro-batches first and last, the others as cut).
+    """
+    arr, sizes, n_split = prepare_samples(samples, dp, num_microbatches, max_tokens,
+                                          long_sample_policy)
+    cost, priced = sample_costs(sizes, cost_fn)
+    return SABAssignment(arr, sizes, n_split, cost, dp=dp, m=num_microbatches,
                          max_tokens=max_tokens, seed=seed, key=sensitivity_key(sensitivity),
                          cost_fn=cost_fn, arrange=arrange, length_multiple=length_multiple,
                          priced=priced)
-

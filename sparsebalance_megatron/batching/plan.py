@@ -24,8 +24,7 @@ import numpy as np
 
 from .. import kernels
 from ..data.packing import LONG_SAMPLE_POLICIES, PAD_SEQ_TOKENS, Segment, packed_length
-from .segments import (CheckedSegments, SegmentRows, as_segment_array,  # noqa: F401 (re-exported)
-                       as_segments, checked_segments, offsets_of)
+from .segments import SegmentRows, checked_segments, offsets_of  # noqa: F401 (re-exported)
 
 
 class BatchingError(ValueError):
@@ -70,8 +69,14 @@ class BatchPlan:
         self.__dict__.update(state)
         offsets = offsets_of(counts)
         self.micro_batches = SegmentRows(segments, offsets, dp, m)
-        self._cache[("csr", False)] = (offsets, segments[:, 2] - segments[:, 1])
+        self._primed(offsets, segments[:, 2] - segments[:, 1], segments)
+
+    def _primed(self, offsets, lengths, segments) -> "BatchPlan":
+        """This plan with its plain CSR (``offsets``, ``lengths``) and ``segments`` array
+        cached, as the packer or the plan it comes from has them."""
+        self._cache[("csr", False)] = (offsets, lengths)
         self._cache["segments"] = segments
+        return self
 
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
@@ -88,17 +93,13 @@ class BatchPlan:
                  *args, sizes: Optional[np.ndarray] = None) -> "BatchPlan":
         """The plan a packer made from item indices: ``items`` [n] indices of rows of ``arr``
         [N, 3] rank-major in slot order, ``counts`` [dp * m] how many each micro-batch holds,
-        ``args`` the plan's fields after the micro-batches. Its micro-batches are
-        ``SegmentRows`` (a rank's tuples made when read); ``segment_array`` and ``unit_csr``
-        are gathered from the arrays (``sizes`` [N]: ``arr``'s lengths, where the caller has
-        them) instead of walked out of the tuples (``tests/unit/test_batching_sab.py`` checks
-        each packer's)."""
-        offsets = offsets_of(counts)
-        plan = cls(SegmentRows(arr[items], offsets, dp, m), *args)
-        plan._cache[("csr", False)] = (offsets, (arr[:, 2] - arr[:, 1] if sizes is None
-                                                 else sizes)[items])
-        plan._cache["segments"] = arr[items]
-        return plan
+        ``args`` the plan's fields after the micro-batches; ``segment_array`` and ``unit_csr``
+        gathered from the arrays (``sizes`` [N]: ``arr``'s lengths, where the caller has them),
+        not walked out of the tuples."""
+        offsets, segments = offsets_of(counts), arr[items]
+        lengths = segments[:, 2] - segments[:, 1] if sizes is None else sizes[items]
+        return cls(SegmentRows(segments, offsets, dp, m), *args)._primed(offsets, lengths,
+                                                                           segments)
 
     def row_plan(self, r: int) -> "BatchPlan":
         """DP rank ``r``'s micro-batches as a one-row plan (what a rank that packs only its own
@@ -109,9 +110,8 @@ class BatchPlan:
         out = replace(self, micro_batches=[self.micro_batches[r]],
                       predicted_rank_cost_s=None if self.predicted_rank_cost_s is None
                       else self.predicted_rank_cost_s[r:r + 1])
-        out._cache[("csr", False)] = (offsets[r * m:(r + 1) * m + 1] - lo, lengths[lo:hi])
-        out._cache["segments"] = self.segment_array()[lo:hi]
-        return out
+        return out._primed(offsets[r * m:(r + 1) * m + 1] - lo, lengths[lo:hi],
+                           self.segment_array()[lo:hi])
 
     @property
     def dp(self) -> int:
@@ -199,33 +199,19 @@ def gathered_plan(batch, gather):
                      length_multiple=batch.length_multiple)
 
 
-def finish_plan(mbs_idx_or_segs, method, max_tokens, n_split, fallback, segs, cost,
-                indices: bool = False, arr: Optional[np.ndarray] = None) -> BatchPlan:
-    """The plan of micro-batches of segments, or (``indices``) of indices of ``segs`` (``arr``:
-    ``segs`` as an [n, 3] array, ``BatchPlan.of_items``)."""
-    if indices:
-        counts = [sum(map(len, rank)) for rank in mbs_idx_or_segs]
-        items = np.fromiter(chain.from_iterable(chain.from_iterable(mbs_idx_or_segs)),
-                            dtype=np.int64, count=sum(counts))
-        # every rank's sum() of its segments' costs in slot order, compiled (py_sum)
-        rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts))
-        arr = getattr(segs, "array", None) if arr is None else arr
-        if arr is None:
-            get = segs.__getitem__
-            mbs = [[list(map(get, b)) for b in rank] for rank in mbs_idx_or_segs]
-            return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
-        dp = len(mbs_idx_or_segs)
-        m = len(mbs_idx_or_segs[0]) if dp else 0
-        sizes = np.fromiter((len(b) for rank in mbs_idx_or_segs for b in rank), np.int64,
-                            count=dp * m)
-        return BatchPlan.of_items(arr, items, sizes, dp, m, method, max_tokens, n_split,
-                                  fallback, rank_cost)
-    mbs = mbs_idx_or_segs
-    # a segment's cost at its first position, as numpy scalars: sum() adds those one by one
-    # (Python floats it would sum compensated, another rounding)
-    first = dict(zip(reversed(segs), reversed(list(cost))))
-    rank_cost = np.asarray([sum(map(first.__getitem__, chain.from_iterable(rank))) for rank in mbs])
-    return BatchPlan(mbs, method, max_tokens, n_split, fallback, rank_cost)
+def finish_plan(bins, method, max_tokens, n_split, fallback, arr, cost) -> BatchPlan:
+    """The plan of micro-batches ``bins`` ([dp][m] lists of indices of rows of ``arr``, the
+    segments' [n, 3] array: ``BatchPlan.of_items``), each rank's cost the ``sum()`` of its
+    segments' ``cost`` in slot order (compiled: ``kernels.packing.py_sums``)."""
+    counts = [sum(map(len, rank)) for rank in bins]
+    items = np.fromiter(chain.from_iterable(chain.from_iterable(bins)), dtype=np.int64,
+                        count=sum(counts))
+    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts))
+    dp = len(bins)
+    m = len(bins[0]) if dp else 0
+    sizes = np.fromiter((len(b) for rank in bins for b in rank), np.int64, count=dp * m)
+    return BatchPlan.of_items(arr, items, sizes, dp, m, method, max_tokens, n_split, fallback,
+                              rank_cost)
 
 
 _UNPADDED = (("csr", False), ("flat", False), "segments")   # cache keys without the padding
@@ -281,12 +267,6 @@ def check_rank(rank, dp: int) -> None:
         raise ValueError(f"rank={rank!r}: expected a DP rank in [0, {dp})")
 
 
-def check_shape_args(dp: int, num_microbatches: int, max_tokens: int) -> None:
-    for name, v in (("dp", dp), ("num_microbatches", num_microbatches),
-                    ("max_tokens", max_tokens)):
-        check_int(name, v)
-
-
 def check_long_sample_policy(long_sample_policy: str) -> None:
     """ValueError naming ``--sb-long-sample-policy`` unless it is one of the policies."""
     if long_sample_policy not in LONG_SAMPLE_POLICIES:
@@ -315,17 +295,16 @@ def split_long(segments: Sequence[Segment], max_tokens: int, long_sample_policy:
     return out, n_split
 
 
-def check_fits(segments: Sequence[Segment], dp: int, num_microbatches: int, max_tokens: int,
-               sizes: np.ndarray | None = None) -> None:
-    """BatchingError when the global batch is empty, cannot give every DP rank a sample, or
-    holds more tokens than dp x m micro-batches of max_tokens."""
-    if len(segments) == 0:
+def check_fits(sizes: np.ndarray, dp: int, num_microbatches: int, max_tokens: int) -> None:
+    """BatchingError when the global batch (its segments' ``sizes``) is empty, cannot give every
+    DP rank a sample, or holds more tokens than dp x m micro-batches of max_tokens."""
+    if sizes.size == 0:
         raise BatchingError("empty global batch: no samples to pack (is the data set empty?)")
-    if len(segments) < dp:
+    if sizes.size < dp:
         raise BatchingError(
-            f"global batch of {len(segments)} sample segment(s) cannot fill dp={dp} DP ranks: "
+            f"global batch of {sizes.size} sample segment(s) cannot fill dp={dp} DP ranks: "
             f"every rank needs at least one sample; use a larger global batch or fewer ranks")
-    total = int(sizes.sum()) if sizes is not None else sum(e - s for _, s, e in segments)
+    total = int(sizes.sum())
     if total > dp * num_microbatches * max_tokens:
         raise BatchingError(
             f"global batch of {total} tokens does not fit dp x m = {dp} x {num_microbatches} "

@@ -1,25 +1,16 @@
-"""SAB's agreement as a DP rank makes it (issue 77): ``agreement_rounds`` is one rank's generator
-of rounds in ``policy.dst_rounds``' protocol, so the same drivers reduce it. It returns the
-``assignment.Agreement`` that ``SABAssignment.agree`` makes from every rank's units, field for
-field, from the rank's own units (``SABAssignment.units([r])``) and two rounds:
-
-1. max of a flag (some rank's cut does not fit: every rank then packs the sequential bins,
-   ``SABAssignment.agree``'s fallback, each rank's priced with its own factors, and round 1 is
-   made again over them) and of the ranks' segment counts (the width of round 2's rows); then
-   ``slots.candidates`` of every rank's makespan, agreed in a few fixed-size rounds without
-   gathering the makespans (``span_select``);
-2. sum of a [candidates, width] float64 block in which each candidate rank fills its own row (its
-   per-stage costs, its calibration factors (each DP rank calibrates only its own pipeline, and
-   the search prices the candidates with theirs), seed slots, makespan, bin sizes and segment
-   indices; every other row is zero, so the sum is the row, exactly: integers below 2**53
-   travel as float64).
-
-Without a ``LatencyCost`` nothing is arranged and round 1's flag is the whole agreement.
-
-``packing_rounds`` goes on to the rank's own micro-batches (``rank_plan``) and checks them with
-one more sum: every rank's segment count and two 26-bit halves of a hash of its segments, summed
-over the group, must be the whole batch's (every rank computes those from the batch alike), or no
-rank packs (a packer that dropped or duplicated a segment anywhere is named on every rank).
+"""SAB's agreement as a DP rank makes it (issue 77; docs/DESIGN.md section 6, "DST and SAB at
+scale"): ``agreement_rounds`` is one rank's generator of rounds in ``policy.dst_rounds``'
+protocol, so the same drivers reduce it. From the rank's own units it returns, field for field,
+the ``assignment.Agreement`` that ``SABAssignment.agree`` makes from every rank's: a max round
+(some rank's cut does not fit: every rank packs the sequential bins; the ranks' segment
+counts), ``slots.candidates`` of every rank's makespan (``span_select``), then one sum of a
+[candidates, width] float64 block in which each candidate fills its own row (its costs, its own
+calibration factors, seed slots, makespan, bins): every other row is zero, so the sum is the
+row, exactly (integers below 2**53 travel as float64). Without a ``LatencyCost`` the flag is
+the whole agreement. ``packing_rounds`` goes on to the rank's own micro-batches and checks them
+with one more sum: the ranks' segment counts and two 26-bit halves of a hash of their segments
+must sum to the whole batch's, or no rank packs (a dropped or duplicated segment is named on
+every rank).
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 

@@ -16,18 +16,10 @@ from typing import Optional
 import numpy as np
 
 
-def as_segments(samples) -> list:
-    """Segments from a list of (sample_id, start, end) triples, an [n, 3] integer array of them
-    (``GlobalBatchSampler.next_bin_array``) or a [n] array of lengths (sample i = tokens
-    [0, length_i))."""
-    return as_segment_array(samples)[0]
-
-
 class CheckedSegments(abc.Sequence):
     """A step's segments checked once (``checked_segments``): their [n, 3] int64 ``array``, and
-    the (sample_id, start, end) tuples of Python ints ``as_segment_array`` gives, made only when
-    read (a packer reads the array; a rank's own micro-batches index a few). Every packing of the
-    step takes them without converting and checking again; not to be modified."""
+    the (sample_id, start, end) tuples of Python ints, made only when read (a packer reads the
+    array; a rank's own micro-batches index a few). Not to be modified."""
 
     def __init__(self, array: np.ndarray, tuples: Optional[list] = None):
         self.array, self._tuples = array, tuples
@@ -56,38 +48,18 @@ class CheckedSegments(abc.Sequence):
 
 
 def checked_segments(samples) -> CheckedSegments:
-    """``samples`` checked and converted once (``as_segment_array``'s checks and errors; the
-    sampler's [n, 3] array is checked as it is, its tuples left for when they are read)."""
+    """``samples`` checked and converted once: a list of (sample_id, start, end) triples, an
+    [n, 3] integer array of them (``GlobalBatchSampler.next_bin_array``: checked as it is, its
+    tuples left for when they are read) or a [n] array of lengths (sample i = tokens
+    [0, length_i)). A well-formed list of triples (the sampler's) is checked in one vectorised
+    pass; anything else goes through the per-item path, whose errors name the offending
+    sample."""
     if type(samples) is CheckedSegments:
         return samples
-    arr = _checked_rows(samples)
-    if arr is not None:
-        return CheckedSegments(arr)
-    segs, arr = as_segment_array(samples)
-    return CheckedSegments(arr, segs)
-
-
-def _checked_rows(samples) -> Optional[np.ndarray]:
-    """An [n >= 1, 3] integer array of well-formed segments as int64, else None."""
-    if isinstance(samples, np.ndarray) and samples.ndim == 2 and samples.shape[1] == 3 \
-            and samples.dtype.kind in "iu" and len(samples):
-        a = samples.astype(np.int64)
-        if bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
-            return a
-    return None
-
-
-def as_segment_array(samples) -> tuple[list, np.ndarray]:
-    """``as_segments`` and the same segments as an [n, 3] int64 array. A well-formed list of
-    triples (the sampler's) is checked in one vectorised pass; anything else goes through the
-    per-item path, whose errors name the offending sample. ``CheckedSegments`` are returned as
-    they were checked."""
-    if type(samples) is CheckedSegments:
-        return list(samples), samples.array
     if isinstance(samples, np.ndarray) and samples.ndim == 1:
         samples = [(i, 0, int(n)) for i, n in enumerate(samples.tolist())]
     elif (a := _checked_rows(samples)) is not None:             # the sampler's rows
-        return list(map(tuple, a.tolist())), a
+        return CheckedSegments(a)
     if len(samples):
         try:
             a = np.asarray(samples, dtype=np.int64)
@@ -97,8 +69,8 @@ def as_segment_array(samples) -> tuple[list, np.ndarray]:
                 and bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
             if set(map(type, samples)) == {tuple} \
                     and set(map(type, chain.from_iterable(samples))) == {int}:
-                return list(samples), a          # already triples of Python ints (the sampler's)
-            return list(map(tuple, a.tolist())), a
+                return CheckedSegments(a, list(samples))   # already triples of Python ints
+            return CheckedSegments(a)
     out = []
     for k, seg in enumerate(samples):
         if isinstance(seg, (int, np.integer)):
@@ -111,7 +83,17 @@ def as_segment_array(samples) -> tuple[list, np.ndarray]:
         if not 0 <= s < e:
             raise ValueError(f"sample {k}: segment {(i, s, e)}: expected 0 <= start < end")
         out.append((i, s, e))
-    return out, np.asarray(out, dtype=np.int64).reshape(-1, 3)
+    return CheckedSegments(np.asarray(out, dtype=np.int64).reshape(-1, 3), out)
+
+
+def _checked_rows(samples) -> Optional[np.ndarray]:
+    """An [n >= 1, 3] integer array of well-formed segments as int64, else None."""
+    if isinstance(samples, np.ndarray) and samples.ndim == 2 and samples.shape[1] == 3 \
+            and samples.dtype.kind in "iu" and len(samples):
+        a = samples.astype(np.int64)
+        if bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
+            return a
+    return None
 
 
 def offsets_of(counts) -> np.ndarray:
@@ -134,8 +116,6 @@ class SegmentRows(abc.Sequence):
         return self._dp
 
     def __getitem__(self, r):
-        if isinstance(r, slice):
-            return [self[i] for i in range(*r.indices(self._dp))]
         r = range(self._dp)[r]
         if r not in self._rows:
             cut = self._offsets[r * self._m:(r + 1) * self._m + 1] - self._offsets[r * self._m]

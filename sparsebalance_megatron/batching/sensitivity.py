@@ -15,9 +15,6 @@ from typing import Sequence
 
 import numpy as np
 
-PRIOR_RECALL_AT_2K = 0.85
-PRIOR_RECALL_PER_DOUBLING = 0.03
-
 
 def length_bucket(lengths) -> np.ndarray:
     """[n] bucket index floor(log2(length)) (length >= 1)."""
@@ -28,7 +25,7 @@ def length_bucket(lengths) -> np.ndarray:
 def prior_sensitivity(lengths) -> np.ndarray:
     """[n] 1 - prior recall by length (see the module docstring)."""
     L = np.maximum(np.asarray(lengths, dtype=np.float64), 1.0)
-    recall = PRIOR_RECALL_AT_2K + PRIOR_RECALL_PER_DOUBLING * np.log2(L / 2048.0)
+    recall = 0.85 + 0.03 * np.log2(L / 2048.0)
     return 1.0 - np.clip(recall, 0.5, 0.99)
 
 
@@ -69,7 +66,6 @@ class SensitivityTracker:
             old = self._bucket.get(b)
             self._bucket[b] = x if old is None else (1 - self.ema) * old + self.ema * x
             self._all = x if self._all is None else (1 - self.ema) * self._all + self.ema * x
-        return None
 
     def _sensitivity(self, value):
         """Sensitivity of a measured value (a float or an array of them)."""
@@ -120,16 +116,8 @@ class SensitivityTracker:
         self._bucket = {int(k): float(v) for k, v in state["bucket"].items()}
 
 
-def batch_sensitivity(batch, tracker: SensitivityTracker) -> np.ndarray:
-    """``unit_sensitivity`` of a ``BatchPlan``'s micro-batches, from its cached segment array
-    and CSR offsets (the same ids, lengths and counts, as arrays)."""
-    segs = batch.segment_array()
-    return _unit_means(tracker, segs[:, 0], segs[:, 2] - segs[:, 1],
-                       np.diff(batch.unit_csr()[0]), batch.dp, batch.num_microbatches)
-
-
 class LazySensitivity:
-    """``batch_sensitivity`` of one packing, estimated the first time it is asked for and then
+    """``unit_sensitivity`` of one packing, estimated the first time it is asked for and then
     kept (a race that plans only some of its candidates estimates only theirs); ``rank``: that
     DP rank's row alone ([1, m]); without a tracker, None."""
 
@@ -139,28 +127,20 @@ class LazySensitivity:
 
     def __call__(self):
         if not self.done:
-            v = batch_sensitivity(self.batch, self.tracker)
+            v = unit_sensitivity(self.batch, self.tracker)
             self.value = v if self.rank is None else v[self.rank:self.rank + 1]
             self.done = True
         return self.value
 
 
-def unit_sensitivity(micro_batches, tracker: SensitivityTracker) -> np.ndarray:
-    """[dp, m] mean sensitivity of each micro-batch's segments (0 for an empty micro-batch):
-    the per-unit sensitivity DST takes."""
-    dp = len(micro_batches)
-    m = len(micro_batches[0]) if dp else 0
-    segs = [seg for rank in micro_batches for mb in rank for seg in mb]
-    counts = np.asarray([len(mb) for rank in micro_batches for mb in rank])
-    return _unit_means(tracker, [s[0] for s in segs], [s[2] - s[1] for s in segs], counts,
-                       dp, m)
-
-
-def _unit_means(tracker, ids, lengths, counts, dp: int, m: int) -> np.ndarray:
-    # each unit's mean of its segments' estimates (segments in unit order, ``counts`` a unit)
-    if not len(ids):
+def unit_sensitivity(batch, tracker: SensitivityTracker) -> np.ndarray:
+    """[dp, m] mean sensitivity of each micro-batch's segments of a ``BatchPlan`` (0 for an
+    empty micro-batch): the per-unit sensitivity DST takes, from the plan's segment array and
+    CSR offsets."""
+    dp, m = batch.dp, batch.num_microbatches
+    segs, counts = batch.segment_array(), np.diff(batch.unit_csr()[0])
+    if not len(segs):
         return np.zeros((dp, m))
-    est = tracker.estimate(ids, lengths)
-    unit = np.repeat(np.arange(dp * m), counts)
-    sums = np.bincount(unit, weights=est, minlength=dp * m)
+    est = tracker.estimate(segs[:, 0], segs[:, 2] - segs[:, 1])
+    sums = np.bincount(np.repeat(np.arange(dp * m), counts), weights=est, minlength=dp * m)
     return (sums / np.maximum(counts, 1)).reshape(dp, m)

@@ -1,24 +1,19 @@
 """Where SAB's packed micro-batches run: the order of every DP rank's micro-batches (its pipeline
 slots) and whole micro-batches swapped between ranks, chosen on the simulated pipeline.
 
-A rank's micro-batches of one step go through the pipeline in slot order, and the order changes
-the step: under 1F1B a heavy micro-batch in the warm-up delays every later stage's first forward,
-while in the middle of the steady state the other stages' work overlaps it; the interleaved
-schedule runs micro-batches in groups of ``pp`` through each model chunk and prefers the heavy
-ones in its first group. No fixed rule is right for both schedules and every layout, so the slots
-are chosen by predicted makespan (``sim.pipeline``, the simulator DST and the stand-down rule
-use):
-
-1. every rank's makespan under a few seed orders (as packed; heaviest in the middle; heaviest
-   first), the best kept;
-2. rounds of local search on the critical rank (the one that sets the step time): one of its
-   heaviest micro-batches moved to another slot, two neighbouring slots swapped, or one of its
-   micro-batches swapped with a lighter one of the least loaded ranks (any micro-batch fits any
-   slot: each holds at most ``--seq-length`` tokens); the move that lowers the larger makespan
-   of the ranks it touches the most is taken, until none lowers the critical rank's by
-   ``MIN_GAIN`` (or ``ROUNDS`` rounds). It reads only the micro-batches of the ranks it can
-   touch in so many rounds (``candidates``: the extreme makespans), so a rank that packs its
-   own micro-batches needs no other's but theirs (``batching.assignment``).
+A rank's micro-batches of one step go through the pipeline in slot order, and the order changes the
+step: under 1F1B a heavy micro-batch in the warm-up delays every later stage's first forward, while
+in the middle of the steady state the other stages' work overlaps it; the interleaved schedule runs
+micro-batches in groups of ``pp`` through each model chunk and prefers the heavy ones in its first
+group. No fixed rule is right for both schedules and every layout, so the slots are chosen by
+predicted makespan (``sim.pipeline``, the simulator DST and the stand-down rule use): every rank's
+best of a few seed orders (``seed_slots``), then rounds of local search on the critical rank (the
+one that sets the step time): its heaviest micro-batches moved, neighbouring slots swapped, or a
+micro-batch swapped with a lighter one of the least loaded ranks (any micro-batch fits any slot:
+each holds at most ``--seq-length`` tokens), the move that lowers the larger makespan of the ranks
+it touches the most taken (``search``). It reads only the micro-batches of the ranks it can touch
+in so many rounds (``candidates``), so a rank that packs its own micro-batches needs no other's but
+theirs (``batching.assignment``).
 
 Micro-batches move whole: what each holds (SAB's sensitivity groups) does not change, every
 segment stays in exactly one micro-batch, and the result is a pure function of the costs (ties to
@@ -36,6 +31,7 @@ from typing import Optional
 import numpy as np
 
 from .. import kernels
+from ..kernels import f64
 from ..sim.pipeline import event_graph, pipeline_makespan_s
 
 ROUNDS = 8
@@ -132,11 +128,11 @@ def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
     slots = slots + np.arange(k)[:, None] * m
     span = np.array(span, dtype=np.float64)
     if k > 1 or m > 1:
-        fu, bu = f.reshape(k * m, nv), b.reshape(k * m, nv)
+        fu, bu = f64(f.reshape(k * m, nv)), f64(b.reshape(k * m, nv))
         ranks_pp = nv if pp is None else pp
-        kernels.slots.search(event_graph(m, ranks_pp, nv // ranks_pp).record(p2p_s), fu, bu,
-                             sc, (fu + bu).sum(axis=1), slots, span, _moves(m),
-                             (rounds, HEAVY_MOVES, PARTNERS, MIN_GAIN))
+        kernels.slots.rounds_pass(event_graph(m, ranks_pp, nv // ranks_pp).record(p2p_s), fu,
+                                  bu, f64(sc), (fu + bu).sum(axis=1), slots, span, _moves(m),
+                                  (int(rounds), HEAVY_MOVES, PARTNERS, MIN_GAIN))
     return np.asarray(ranks)[slots // m] * m + slots % m, span
 
 

@@ -83,7 +83,7 @@ def _check_positive_int(name: str, value) -> int:
 def sequential_bins(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     """Indices of ``sizes`` per bin: fill in order, open a new bin when the next one does not
     fit (``kernels.packing.sequential_starts``)."""
-    starts = kernels.packing.sequential_starts(np.asarray(sizes, dtype=np.int64), capacity)
+    starts = kernels.packing.sequential_starts(np.asarray(sizes, dtype=np.int64), capacity).tolist()
     return [list(range(a, b)) for a, b in zip(starts, starts[1:] + [len(sizes)])]
 
 

@@ -295,7 +295,7 @@ def run_study(dp: int, cfg: StudyConfig, lm, lengths, runs: dict,
         feats = {(k, dense): (lm_dense if dense else lm).unit_features(
             p.flat_lengths(with_padding=True)) for k, p in plans.items() for dense in (False, True)
             if (k, dense) in needed_feats}
-        sens = {k: unit_sensitivity(p.micro_batches, tracker) for k, p in plans.items()}
+        sens = {k: unit_sensitivity(p, tracker) for k, p in plans.items()}
         costs = {}
         for name, (variant, lay) in runs.items():
             packing, dense = _layout_plan_key(variant, lay), is_dense(variant)

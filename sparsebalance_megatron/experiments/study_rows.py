@@ -18,7 +18,7 @@ import numpy as np
 
 from ..policy import UnitCosts
 from ..policy.stand_down import StandDownCounts
-from ..sim.pipeline import interleaved_refusal, simulate_1f1b, simulate_interleaved_1f1b
+from ..sim.pipeline import interleaved_refusal, simulate_1f1b
 
 
 class VariantAccumulator:
@@ -51,7 +51,7 @@ class VariantAccumulator:
         idx = np.searchsorted(costs.densities, densities - 1e-12)
         f, b = costs.at(idx)
         if costs.vp > 1:
-            sim = simulate_interleaved_1f1b(f, b, p2p_s, pp=costs.pipeline_ranks)
+            sim = simulate_1f1b(f, b, p2p_s, pp=costs.pipeline_ranks)
         else:
             sim = simulate_1f1b(f, b, p2p_s)
         self.step_s += sim.step_time_s

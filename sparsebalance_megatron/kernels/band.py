@@ -19,7 +19,7 @@ import numpy as np
 from . import contiguous, f64, i64, jit
 from .graph import earliest_finish, makespan, put_units, unit_floats
 from .grid import highest_within, row_of
-from .records import Fill, Graph, Tables
+from .records import SAMPLE_GRAPH, SAMPLE_TABLES, Fill, Graph, Tables
 
 
 class Rows(NamedTuple):
@@ -106,7 +106,7 @@ def water_fill(t, u, b, lo, hi, limit, fill, iters, out):
     quality gain per unit of density is still worth its attention seconds, gain >= lambda x b
     (b: its seconds per unit of density), lambda the smallest that keeps the column's seconds
     (summed over its slots in order) within ``limit[j]``: a bisection of ``iters`` steps on log
-    lambda in [-20, 20] (on ``records.fill_exps``' grid), then the common level between the
+    lambda in [-20, 20] (on ``records.FILL_EXPS``' grid), then the common level between the
     last lambda that does not fit and the first that does (a piecewise-linear cost has equal
     gains along a segment, so units cross it together): the highest level that fits. A unit's
     index at lambda: its position in its stage's gain table (``fill``: the stages' tables laid
@@ -353,10 +353,8 @@ class BandPass:
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    from .records import SAMPLE
-
-    g, units = SAMPLE.tables.g, np.zeros((2, 1, 1), dtype=np.int64)
-    band = BandPass(SAMPLE.tables, SAMPLE.graph, units, 1, np.zeros((1, 1, 1)),
+    g, units = SAMPLE_TABLES.g, np.zeros((2, 1, 1), dtype=np.int64)
+    band = BandPass(SAMPLE_TABLES, SAMPLE_GRAPH, units, 1, np.zeros((1, 1, 1)),
                     Fill.of(np.arange(4.0), np.zeros((1, 1)), np.ones((1, 1)), 0.0, 1.0),
                     np.ones((1, 1, 1)))
     cur, water = np.ones((2, 1, 1), dtype=np.int64), np.array([True, False])

@@ -1,11 +1,6 @@
 """A critical-path descent round, compiled (``policy.critical_path.descend_at`` runs the rounds):
-the cut (the units on a path longer than the round's target shed a fraction of their cuttable
-time, per DP rank the smallest of ``CUT_FRACTIONS`` that brings it within the target), what the
-raise needs from it (the cut plan simulated, every unit's float at the raise's deadline, the
-units the largest raise fraction moves and where to), and the raise (every such unit grows by
-a fraction of its float, per rank the largest of ``RAISE_FRACTIONS`` that fits).
-
-Both phases pick per DP rank the first candidate fraction whose makespan fits
+the cut (``cut_round``), what the raise needs from it (``after_cut_round``) and the raise
+(``raise_round``). Both phases pick per DP rank the first candidate fraction whose makespan fits
 (``first_fit``): a binary search over the candidates (the makespans never rise from one
 candidate to the next), the ranks' searches stepped together so that each step simulates their
 columns side by side, each unit's grid index looked up only at the candidates its rank tries.
@@ -22,7 +17,7 @@ import numpy as np
 from . import f64, jit
 from .graph import earliest_finish, makespan, unit_floats
 from .grid import highest_within, seconds, source, total
-from .records import NO_START, Graph, Tables
+from .records import NO_START, SAMPLE_GRAPH, SAMPLE_TABLES, Graph, Tables
 
 CUT_FRACTIONS = np.array([1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0])
 RAISE_FRACTIONS = np.array([1.0, 0.5, 0.25, 0.125, 0.0])
@@ -347,9 +342,7 @@ class Round:
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    from .records import SAMPLE
-
-    graph, t = SAMPLE.graph, SAMPLE.tables
+    graph, t = SAMPLE_GRAPH, SAMPLE_TABLES
     dur, one = np.ones((2, 1)), np.ones(1, dtype=np.int64)
     end = np.empty((2, 1))
     earliest_finish(graph, dur, np.arange(1), end, NO_START)

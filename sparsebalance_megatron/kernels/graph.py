@@ -3,9 +3,9 @@ pass's latest finishes, each one loop whatever the caller's layout (every column
 few columns of the descent's search, one column per band-pass row or slot candidate).
 
 - ``earliest_finish``: an event starts at ``max(dependency's finish + p2p, previous event's
-  finish)`` (``event_start``), events in order, over the columns asked for;
+  finish)``, events in order, over the columns asked for;
 - ``latest_finish``: an event must finish by ``min(deadline, next event's latest start,
-  successor's latest start - p2p)`` (``event_deadline``), events in reverse;
+  successor's latest start - p2p)``, events in reverse;
 - ``unit_floats``: every unit's smaller float, min(lf - ef) of its forward and backward;
 - ``makespan``: the latest of the ranks' last events; ``put_units``: a row of units' seconds
   into a column of durations.
@@ -20,50 +20,28 @@ from __future__ import annotations
 import numpy as np
 
 from . import jit
-from .records import NO_START, SAMPLE
-
-
-@jit
-def event_start(vd, vpr, d, pr, add, p):
-    """An event's start: max(its dependency's finish ``vd`` (+ p2p ``p`` when ``add``: it
-    crosses ranks), its rank's previous event's finish ``vpr``), NaN winning; 0 with neither
-    (``d``, ``pr`` -1: none)."""
-    if d >= 0:
-        v = vd + p if add else vd
-        if pr >= 0 and (vpr > v or vpr != vpr):
-            v = vpr
-        return v
-    return vpr if pr >= 0 else 0.0
-
-
-@jit
-def event_deadline(v, ls_next, ls_succ, j, k, sub, p):
-    """An event's latest finish: min(``v`` (its deadline), its rank's next event's latest
-    start ``ls_next``, its successor's latest start ``ls_succ`` (- p2p ``p`` when ``sub``: the
-    wait crosses ranks)), NaN winning; ``j``, ``k`` -1: no next event, no successor."""
-    if j >= 0:
-        if ls_next < v or ls_next != ls_next:
-            v = ls_next
-    if k >= 0:
-        x = ls_succ - p if sub else ls_succ
-        if x < v or x != x:
-            v = x
-    return v
+from .records import NO_START, SAMPLE_GRAPH, SAMPLE_TABLES
 
 
 @jit
 def earliest_finish(graph, dur, cols, end, start):
     """Columns ``cols`` of durations ``dur`` [E, *] simulated into ``end`` [E, *], events in
     order (the columns are independent: each event steps over all of them); every event's
-    start also into ``start`` where it has rows (``records.NO_START``: not kept)."""
+    start also into ``start`` where it has rows (``records.NO_START``: not kept); 0 for an
+    event that waits for none."""
     prev, dep, cross, p = graph.prev, graph.dep, graph.cross, graph.p2p
     record = start.shape[0] > 0
     for e in range(dur.shape[0]):
         d, pr = dep[e], prev[e]
         add = cross[e] != 0 and p != 0.0
         for j in cols:
-            v = event_start(end[d, j] if d >= 0 else 0.0, end[pr, j] if pr >= 0 else 0.0, d,
-                            pr, add, p)
+            v = 0.0
+            if d >= 0:
+                v = end[d, j] + p if add else end[d, j]
+                if pr >= 0 and (end[pr, j] > v or end[pr, j] != end[pr, j]):
+                    v = end[pr, j]
+            elif pr >= 0:
+                v = end[pr, j]
             if record:
                 start[e, j] = v
             end[e, j] = v + dur[e, j]
@@ -91,8 +69,13 @@ def latest_finish(graph, dur, deadline, lf):
         j, k = nxt[e], succ[e]
         sub = k >= 0 and cross[k] != 0 and p != 0.0
         for c in range(cols):
-            v = event_deadline(deadline[c], start[j, c] if j >= 0 else 0.0,
-                               start[k, c] if k >= 0 else 0.0, j, k, sub, p)
+            v = deadline[c]
+            if j >= 0 and (start[j, c] < v or start[j, c] != start[j, c]):
+                v = start[j, c]
+            if k >= 0:
+                x = start[k, c] - p if sub else start[k, c]
+                if x < v or x != x:
+                    v = x
             lf[e, c] = v
             start[e, c] = v - dur[e, c]
 
@@ -127,11 +110,11 @@ def put_units(graph, tables, u, idx, dur, j):
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    graph, dur = SAMPLE.graph, np.ones((2, 2))
+    graph, dur = SAMPLE_GRAPH, np.ones((2, 2))
     end, cols = np.empty((2, 2)), np.arange(2)
     earliest_finish(graph, dur, cols, end, NO_START)
     earliest_finish(graph, dur, cols, end, np.empty((2, 2)))
     makespan(graph.last, end, 0)
     unit_floats(graph, dur, end, np.ones(2), np.empty((2, 1)))
-    put_units(graph, SAMPLE.tables, np.zeros((1, 1), dtype=np.int64),
+    put_units(graph, SAMPLE_TABLES, np.zeros((1, 1), dtype=np.int64),
               np.zeros((1, 1), dtype=np.int64), dur, 0)

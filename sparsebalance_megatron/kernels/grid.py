@@ -109,8 +109,8 @@ def unit_tables(work, per_pair, fixed, corr, scaled, out, tot):
 
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    from .records import SAMPLE
+    from .records import SAMPLE_TABLES
 
-    highest_within(SAMPLE.tables.tot, SAMPLE.tables.work, row_of(0), 0, 1, 1.5)
+    highest_within(SAMPLE_TABLES.tot, SAMPLE_TABLES.work, row_of(0), 0, 1, 1.5)
     unit_tables(np.ones((1, 2)), np.ones((2, 1)), np.ones((2, 1, 1)), np.ones((1, 1)), True,
                 np.empty((2, 1, 1, 2)), np.empty((1, 1, 2)))

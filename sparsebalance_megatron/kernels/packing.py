@@ -1,14 +1,11 @@
-"""SAB's per-segment loops, compiled (``batching.packing``): the LPT assignment of segments to
-DP ranks (by cost descending, ties by the seeded permutation, a counting sort; each to the least
-loaded rank with token room, ties to the lowest rank), each rank's cut into
-contiguous micro-batches, the micro-batches' slots (the cheapest two first and last), and the
-baseline's sequential fill (``sequential_starts``, ``data.packing.sequential_bins``), and the
-document stream's cut into bins (``stream_pass``, ``data.packing.GlobalBatchSampler``).
+"""SAB's per-segment loops, compiled (``batching.assignment``): the LPT assignment of segments
+to DP ranks, each rank's cut into contiguous micro-batches and their slots; and Megatron's
+sequential fill (``data.packing.sequential_bins``) and the document stream's cut into bins
+(``data.packing.GlobalBatchSampler``).
 
 Every sum of costs is CPython's ``sum()`` of floats (3.12+: Neumaier's compensated sum,
 ``py_sum``), so the Python fallbacks around them (``assignment.first_fit_decreasing``'s bins, the
-sequential bins' slots) weigh bins as these do. A rank whose contiguous cuts do not fit is left
-to the first-fit-decreasing fallback.
+sequential bins' slots) weigh bins as these do.
 
 Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
@@ -279,14 +276,14 @@ def stream_pass(order, lo, n_positions, weights, capacity, positions, sizes, tak
     return stop
 
 
-def sequential_starts(size: np.ndarray, cap: int, as_array: bool = False):
-    """``[b[0] for b in data.packing.sequential_bins(size, cap)]`` compiled (its ValueError
-    for a segment over ``cap``); ``as_array``: as an int64 array (no list of a bin's int)."""
+def sequential_starts(size: np.ndarray, cap: int) -> np.ndarray:
+    """[bins] int64: ``[b[0] for b in data.packing.sequential_bins(size, cap)]`` compiled (its
+    ValueError for a segment over ``cap``)."""
     starts = np.empty(size.size, dtype=np.int64)
     n = seq_starts_pass(i64(size), int(cap), starts)
     if n < 0:
         raise ValueError(f"segment {-n - 1} has {int(size[-n - 1])} tokens > capacity {cap}")
-    return starts[:n] if as_array else starts[:n].tolist()
+    return starts[:n]
 
 
 def slot_order(c: np.ndarray) -> list:

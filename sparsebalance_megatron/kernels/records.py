@@ -1,8 +1,8 @@
 """The typed records the kernels take instead of long positional lists: an event graph
 (``Graph``), the cost tables and their formula (``Tables``), water-filling's gain tables
-(``Fill``); and the inputs the warm-ups compile with (``SAMPLE``). numba passes a
-``NamedTuple`` of arrays by value and reads its fields by name, so a kernel's signature says
-what it reads, not thirty arrays in a row.
+(``Fill``); and the inputs the warm-ups compile with (``SAMPLE_GRAPH``, ``SAMPLE_TABLES``).
+numba passes a ``NamedTuple`` of arrays by value and reads its fields by name, so a kernel's
+signature says what it reads, not thirty arrays in a row.
 
 Pure numpy; imports nothing of this package but ``kernels``.
 """
@@ -69,21 +69,14 @@ class Tables(NamedTuple):
 
 FILL_GRID = 4096
 """water-filling's bisection on log lambda in [-20, 20] visits -20 + 40 k / FILL_GRID only"""
-_EXPS: list = []
-
-
-def fill_exps() -> np.ndarray:
-    """exp of every log lambda on water-filling's bisection grid, -20 + 40 k / FILL_GRID (made
-    once per process)."""
-    if not _EXPS:
-        _EXPS.append(np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID))
-    return _EXPS[0]
+FILL_EXPS = np.exp(-20.0 + 40.0 * np.arange(FILL_GRID + 1) / FILL_GRID)
+"""exp of every log lambda on that grid"""
 
 
 class Fill(NamedTuple):
     """Water-filling's search (``policy.dst_band.gain_fill``): the stages' gain tables laid
     end to end (``flat``), each unit's shift into them and its stage's first entry, the gains'
-    clip ``low`` / ``high``, and the exps of the bisection's grid (``fill_exps``)."""
+    clip ``low`` / ``high``, and the exps of the bisection's grid (``FILL_EXPS``)."""
 
     flat: np.ndarray
     shift: np.ndarray
@@ -94,20 +87,14 @@ class Fill(NamedTuple):
 
     @classmethod
     def of(cls, flat, shift, first, low: float, high: float) -> "Fill":
-        return cls(f64(flat), f64(shift), i64(first), float(low), float(high), fill_exps())
+        return cls(f64(flat), f64(shift), i64(first), float(low), float(high), FILL_EXPS)
 
 
 NO_START = np.empty((0, 0))
 """``graph.earliest_finish``'s ``start`` where the starts are not kept"""
 
 
-class Sample(NamedTuple):
-    """The inputs the warm-ups compile with (``kernels.warm_up``): a one-unit graph (its
-    forward, then its backward, on one rank) and its cost tables on a two-point grid."""
-
-    graph: Graph
-    tables: Tables
-
-
-SAMPLE = Sample(Graph.of([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], [1], [[0], [1]]),
-                Tables.of(np.ones(2), np.ones(2), np.full(2, 2.0)))
+# the inputs the warm-ups compile with (``kernels.warm_up``): a one-unit graph (its forward,
+# then its backward, on one rank) and its cost tables on a two-point grid
+SAMPLE_GRAPH = Graph.of([[-1, 0], [-1, -1], [0, 0], [1, -1], [-1, -1]], [1], [[0], [1]])
+SAMPLE_TABLES = Tables.of(np.ones(2), np.ones(2), np.full(2, 2.0))

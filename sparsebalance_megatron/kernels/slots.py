@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import f64, i64, jit
+from . import jit
 from .graph import earliest_finish, makespan
-from .records import Graph
+from .records import SAMPLE_GRAPH
 
 
 @jit
@@ -45,8 +45,9 @@ def _heaviest(cost, own, k, out):
 
 @jit
 def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
-    # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place (``moves``:
-    # its insertion and neighbour tables; ``rules``: rounds, heavy moves, partners, min gain)
+    # arrange_slots' local search on ``slots`` [dp, m] and ``span`` [dp], in place (``graph``:
+    # the ``Graph`` record of a rank's m micro-batches; ``moves``: its insertion and neighbour
+    # tables; ``rules``: rounds, heavy moves, partners, min gain)
     ins, nb = moves
     rounds, heavy_moves, partners, min_gain = rules
     dp, m = slots.shape
@@ -122,22 +123,10 @@ def rounds_pass(graph, fu, bu, sc, cost, slots, span, moves, rules):
                 span[ranks[i]] = got[i]
 
 
-def search(graph: Graph, fu, bu, sc, cost, slots, span, moves: tuple, rules: tuple) -> None:
-    """``arrange_slots``' local search compiled, on ``slots`` [dp, m] and ``span`` [dp] in
-    place (``graph``: the ``Graph`` record of a rank's m micro-batches; ``moves``: (insertions,
-    neighbours); ``rules``: (rounds, heavy moves, partners, min gain); the others as
-    ``arrange_slots`` makes them)."""
-    ins, nb = moves
-    rounds, heavy_moves, partners, min_gain = rules
-    rounds_pass(graph, f64(fu), f64(bu), f64(sc), f64(cost), slots, span, (i64(ins), i64(nb)),
-                (int(rounds), int(heavy_moves), int(partners), float(min_gain)))
-
-
 def warm_up() -> None:
     """``kernels.warm_up``'s part: this room's kernels on a draft's argument types."""
-    from .records import SAMPLE
-
     f = np.array([[2.0], [1.0]])
-    search(SAMPLE.graph, f, f.copy(), np.ones((2, 1)), f[:, 0].copy(), np.arange(2).reshape(2, 1),
-           np.array([2.0, 1.0]), (np.zeros((1, 0, 1), dtype=np.int64),
-                                  np.zeros((0, 1), dtype=np.int64)), (1, 2, 2, 1e-3))
+    rounds_pass(SAMPLE_GRAPH, f, f.copy(), np.ones((2, 1)), f[:, 0].copy(),
+                np.arange(2).reshape(2, 1), np.array([2.0, 1.0]),
+                (np.zeros((1, 0, 1), dtype=np.int64), np.zeros((0, 1), dtype=np.int64)),
+                (1, 2, 2, 1e-3))

@@ -96,7 +96,7 @@ def interleaved_refusal(m: int, pp: int) -> Optional[str]:
         return (f"{m} micro-batches: the interleaved schedule needs pp={pp} <= "
                 f"microbatch_group_size_per_vp_stage={pp} <= micro-batches")
     rest = m % pp
-    if 0 < rest < pp:
+    if rest:
         return (f"{m} micro-batches: the interleaved schedule's last group of {rest} is "
                 f"smaller than pp={pp} (Megatron refuses it: dependency bubbles)")
     return None
@@ -185,10 +185,6 @@ class EventGraph:
     unit_events: np.ndarray         # [2, m * nv] event of each (kind, unit): unit_rows' inverse
     links: np.ndarray               # [5, E] int64 prev, dep, cross, nxt, succ
 
-    @property
-    def size(self) -> int:
-        return self.ranks.size
-
     def record(self, p2p_s: float = 0.0) -> Graph:
         """The ``kernels.records.Graph`` of this graph with p2p latency ``p2p_s``."""
         rec = self.__dict__.get("_record")
@@ -248,70 +244,47 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
                       np.stack([prev, dep, np.asarray(crosses, dtype=np.int64), nxt, succ]))
 
 
-def _run(f, b, p, record, pp=None):
+def _run(fwd_s, bwd_s, p2p_s, pp, record: bool) -> tuple:
+    """(fwd, bwd [dp, m, stages] checked, the physical ranks, every DP rank's makespan [dp],
+    and where ``record`` every event's start and end [dp, m, stages, kind]). The stage axis
+    holds one stage per rank (1F1B), or with ``pp`` smaller than it the virtual stages of the
+    interleaved schedule (``v = chunk * pp + rank``; the micro-batch counts Megatron refuses
+    are refused with the events, ``interleaved_refusal``)."""
+    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
     dp, m, nv = f.shape
-    pp = nv if pp is None else int(pp)
-    g = event_graph(m, pp, nv // pp)
+    if pp is not None and pp != nv and (isinstance(pp, bool) or not isinstance(
+            pp, (int, np.integer)) or pp < 2 or nv % pp):
+        raise ValueError(f"pp={pp!r}: expected an integer >= 2 dividing the {nv} virtual stages")
+    ranks = nv if pp is None else int(pp)
+    g = event_graph(m, ranks, nv // ranks)
     dur = g.durations(f, b)                                        # [E, dp]
     start = np.empty_like(dur) if record else None
     end = g.earliest_finish(dur, p, start)
-    rank_time = g.makespan(end)                                    # [dp]
     if not record:
-        return rank_time, None, None
-    out_end = np.zeros((2, m, nv, dp))           # dp last, as the recorders below expect
-    out_start = np.zeros((2, m, nv, dp))
-    out_end[g.kinds, g.mbs, g.vs] = end
-    out_start[g.kinds, g.mbs, g.vs] = start
-    return rank_time, out_start, out_end
+        return f, b, ranks, g.makespan(end), None, None
+    out = np.zeros((2, dp, m, nv, 2))            # start, end of each [dp, m, nv, kind]
+    out[:, :, g.mbs, g.vs, g.kinds] = np.stack([start, end]).transpose(0, 2, 1)
+    return f, b, ranks, g.makespan(end), out[0], out[1]
 
 
 def pipeline_makespan_s(fwd_s, bwd_s, p2p_s: float = 0.0, pp: Optional[int] = None
                         ) -> np.ndarray:
-    """[dp] makespan of each DP rank's pipeline; the fast path used by the policies. The stage
-    axis holds one stage per rank (1F1B), or with ``pp`` smaller than it the virtual stages of
-    the interleaved schedule (``v = chunk * pp + rank``)."""
-    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
-    if pp is not None and pp != f.shape[2]:
-        _check_interleaved(f.shape, pp)
-    return _run(f, b, p, record=False, pp=pp)[0]
+    """[dp] makespan of each DP rank's pipeline (``_run``'s stages); the fast path used by the
+    policies."""
+    return _run(fwd_s, bwd_s, p2p_s, pp, False)[3]
 
 
-def _check_interleaved(shape, pp) -> None:
-    _, m, nv = shape
-    if isinstance(pp, bool) or not isinstance(pp, (int, np.integer)) or pp < 2 or nv % pp:
-        raise ValueError(f"pp={pp!r}: expected an integer >= 2 dividing the {nv} virtual stages")
-    if m < pp:
-        raise ValueError(f"{m} micro-batches with pp={pp}: the interleaved schedule needs at "
-                         f"least pp micro-batches (Megatron refuses fewer)")
-
-
-def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, record: bool = False) -> StepSimulation:
-    """Simulate one step; fwd_s, bwd_s: [dp, m, pp] seconds per (dp_rank, micro-batch, stage)."""
-    return _simulate(fwd_s, bwd_s, p2p_s, record, None)
-
-
-def simulate_interleaved_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: int,
-                              record: bool = False) -> StepSimulation:
-    """Megatron's interleaved 1F1B (virtual pipeline, ``microbatch_group_size_per_vp_stage`` =
-    pp). fwd_s, bwd_s: [dp, m, pp * vp] seconds per virtual stage ``v = chunk * pp + rank``;
-    busy_s is per (dp rank, physical rank); start_s/end_s are [dp, m, pp * vp, 2]."""
-    return _simulate(fwd_s, bwd_s, p2p_s, record, pp)
-
-
-def _simulate(fwd_s, bwd_s, p2p_s, record: bool, pp) -> StepSimulation:
-    f, b, p = _check_times(fwd_s, bwd_s, p2p_s)
-    dp, m, nv = f.shape
-    if pp is not None:
-        _check_interleaved(f.shape, pp)
-    ranks = nv if pp is None else pp
-    rank_time, start, end = _run(f, b, p, record, pp)
+def simulate_1f1b(fwd_s, bwd_s, p2p_s: float = 0.0, *, pp: Optional[int] = None,
+                  record: bool = False) -> StepSimulation:
+    """Simulate one step; fwd_s, bwd_s: [dp, m, stages] seconds per (dp_rank, micro-batch,
+    stage). With ``pp``, Megatron's interleaved 1F1B (virtual pipeline,
+    ``microbatch_group_size_per_vp_stage`` = pp): the stages are the virtual stages ``v = chunk
+    * pp + rank``, busy_s is per (dp rank, physical rank)."""
+    f, b, ranks, rank_time, start, end = _run(fwd_s, bwd_s, p2p_s, pp, record)
+    dp, _, nv = f.shape
     busy = (f + b).sum(axis=1).reshape(dp, nv // ranks, ranks).sum(axis=1)   # [dp, ranks]
     step = float(rank_time.max())
     mean = float(rank_time.mean())
-    sim = StepSimulation(step, rank_time, busy,
-                         1.0 - float(busy.sum()) / (step * dp * ranks) if step > 0 else 0.0,
-                         step / mean if mean > 0 else 1.0)
-    if record:                                  # [2, m, nv, dp] -> [dp, m, nv, 2]
-        sim.start_s = np.transpose(start, (3, 1, 2, 0)).copy()
-        sim.end_s = np.transpose(end, (3, 1, 2, 0)).copy()
-    return sim
+    return StepSimulation(step, rank_time, busy,
+                          1.0 - float(busy.sum()) / (step * dp * ranks) if step > 0 else 0.0,
+                          step / mean if mean > 0 else 1.0, start, end)

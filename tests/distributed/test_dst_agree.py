@@ -210,7 +210,7 @@ def test_the_rounds_over_the_dp_group_make_the_in_process_plan(runs):
 def _choice_in_process(dp: int, objective: str):
     """The same step chosen in one process: the whole step's costs, the do-no-harm rule on
     them, each packing's DST made by the in-process driver (the same rounds)."""
-    from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
+    from sparsebalance_megatron.batching.sensitivity import unit_sensitivity
     from sparsebalance_megatron.policy.costs import UnitCosts, density_grid
     from sparsebalance_megatron.policy.dst_settings import dst_inputs
     from sparsebalance_megatron.policy.dst_rounds import plan_dst
@@ -223,7 +223,7 @@ def _choice_in_process(dp: int, objective: str):
     settings, quality = dst_inputs(sb, 2, lm.p2p_s, 0.05, [4, 4])
 
     def plan_fn(i, c):
-        p = plan_dst(c, batch_sensitivity(options[i][0], tracker), settings,
+        p = plan_dst(c, unit_sensitivity(options[i][0], tracker), settings,
                                 quality=quality, rank_scale=lm.correction_grid(dp, 2))
         return p.densities, p
     return choose_step(costs, sb.density, lm.p2p_s, plan_fn, compare=sb.stand_down_compare)

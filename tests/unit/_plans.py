@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from sparsebalance_megatron.batching import BatchPlan
-from sparsebalance_megatron.batching.plan import as_segments
+from sparsebalance_megatron.batching.plan import checked_segments
 
 
 def _merged(ranges):
@@ -23,7 +23,7 @@ def check_plan_covers(plan: BatchPlan, samples: Sequence, max_tokens: int) -> No
     """AssertionError unless every token of every sample is in exactly one segment of the plan
     and no micro-batch exceeds ``max_tokens`` ."""
     want, got = {}, {}
-    for i, s, e in as_segments(samples):
+    for i, s, e in checked_segments(samples):
         want.setdefault(i, []).append((s, e))
     assert len(plan.micro_batches) == plan.dp
     for rank in plan.micro_batches:

@@ -73,12 +73,12 @@ def test_a_race_estimates_only_the_sensitivities_of_the_packings_dst_plans(steps
     from sparsebalance_megatron.batching import SensitivityTracker
     from sparsebalance_megatron.batching import sensitivity as S
 
-    real, calls = S.batch_sensitivity, []
+    real, calls = S.unit_sensitivity, []
 
     def counted(batch, tracker):
         calls.append(batch)
         return real(batch, tracker)
-    monkeypatch.setattr(S, "batch_sensitivity", counted)
+    monkeypatch.setattr(S, "unit_sensitivity", counted)
     drafter = _drafter(copy.deepcopy(steps.lm), SensitivityTracker(),
                        stand_down_compare="static")
     raced = 0

@@ -3,8 +3,6 @@ lengths, its plans on the study's global batches, and, where megatron-core ships
 ``DpBalancedScheduler`` (0.20, Megatron-LM main: ``make mcore020``), the same groups as
 ``get_groups_and_subsamples`` on the same lengths."""
 
-import inspect
-
 import numpy as np
 import pytest
 
@@ -23,15 +21,10 @@ def test_groups_fill_in_order_then_move_single_sequences_to_a_multiple_of_dp():
     # already a multiple: nothing moves; group g -> rank g % dp, micro-batch g // dp
     assert dp_balanced_groups([60, 60, 60, 60], max_seqlen_per_dp_cp_rank=100, dp=2) == \
         [[[0], [1]], [[2], [3]]]
-    # vpp: a multiple of dp x microbatch_group_size_per_vp_stage; cp: each group to cp ranks
+    # vpp: a multiple of dp x microbatch_group_size_per_vp_stage
     vpp = dp_balanced_groups([10] * 6, max_seqlen_per_dp_cp_rank=25, dp=1,
                              microbatch_group_size_per_vp_stage=4)
     assert [g[0] for g in vpp] == [[0, 1], [2, 3], [4], [5]]
-    assert dp_balanced_groups([50, 50], max_seqlen_per_dp_cp_rank=50, dp=1, cp=2) == \
-        [[[0, 1], [0, 1]]]
-    # dev's --thd-max-packed-sequences: at most that many sequences per group
-    assert [g[0] for g in dp_balanced_groups([1] * 5, max_seqlen_per_dp_cp_rank=100, dp=1,
-                                             max_num_seqs=2)] == [[0, 1], [2, 3], [4]]
 
 
 def test_too_few_sequences_for_the_groups_is_one_clear_error():
@@ -43,7 +36,6 @@ def test_too_few_sequences_for_the_groups_is_one_clear_error():
 
 def test_megatron_order_deals_samples_round_robin_then_gathers_rank_by_rank():
     assert megatron_order(7, 2).tolist() == [0, 2, 4, 6, 1, 3, 5]
-    assert megatron_order(8, 2, micro_batch_size=2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
 
 
 def _batches(dp=4, m=4, cap=4096, steps=3, seed=5):
@@ -53,13 +45,13 @@ def _batches(dp=4, m=4, cap=4096, steps=3, seed=5):
     return [s.next_global_batch() for _ in range(steps)]
 
 
-def test_in_the_samplers_order_its_plan_is_megatrons_sequential_fill():
+def test_in_the_samplers_order_its_groups_are_megatrons_sequential_fill():
     for segs in _batches():
-        mine = dp_balanced_plan(segs, dp=4, num_microbatches=4, max_tokens=4096,
-                                order="sampler")
+        groups = dp_balanced_groups([e - s for _, s, e in segs], max_seqlen_per_dp_cp_rank=4096,
+                                    dp=4)
         seq = sequential_plan(segs, dp=4, num_microbatches=4, max_tokens=4096)
-        assert mine.micro_batches == seq.micro_batches
-        assert mine.method == "dp_balanced" and mine.length_multiple == 1
+        assert [[[segs[i] for i in groups[j][r]] for j in range(len(groups))]
+                for r in range(4)] == seq.micro_batches
 
 
 def test_in_megatrons_order_every_token_once_and_a_variable_micro_batch_count():
@@ -72,19 +64,6 @@ def test_in_megatrons_order_every_token_once_and_a_variable_micro_batch_count():
         # no fill up to the capacity: each micro-batch is its documents' positions
         assert np.array_equal(plan.packed_lengths(), np.maximum(plan.tokens(), 1))
     assert max(counts) > 4, counts
-
-
-def test_the_plans_cap_is_max_seqlen_per_dp_cp_rank():
-    segs = _batches(steps=1)[0]
-    plan = dp_balanced_plan(segs, dp=4, num_microbatches=4, max_tokens=4096,
-                            max_seqlen_per_dp_cp_rank=2048, order="sampler")
-    check_plan_covers(plan, segs, 4096)
-    assert plan.tokens().max() <= 2048 and plan.num_microbatches > 4
-    with pytest.raises(ValueError, match="expected at most max_tokens"):
-        dp_balanced_plan(segs, dp=4, num_microbatches=4, max_tokens=4096,
-                         max_seqlen_per_dp_cp_rank=8192)
-    with pytest.raises(ValueError, match="order='rank'"):
-        dp_balanced_plan(segs, dp=4, num_microbatches=4, max_tokens=4096, order="rank")
 
 
 def _megatron_scheduler():
@@ -103,8 +82,6 @@ def _megatron_scheduler():
                                           (4, 2, 4096), (8, 4, 8192)])
 def test_groups_equal_megatron_cores_get_groups_and_subsamples(dp, vpp, cap):
     cls = _megatron_scheduler()
-    has_max_num_seqs = "max_num_seqs" in inspect.signature(cls.__init__).parameters or \
-        "max_num_seqs" in inspect.signature(cls.__mro__[1].__init__).parameters
     rng = np.random.default_rng(dp * 31 + (vpp or 0))
     compared = 0
     for trial in range(20):
@@ -118,12 +95,6 @@ def test_groups_equal_megatron_cores_get_groups_and_subsamples(dp, vpp, cap):
         compared += 1
         assert dp_balanced_groups(lengths, max_seqlen_per_dp_cp_rank=cap, dp=dp,
                                   microbatch_group_size_per_vp_stage=vpp) == ref, trial
-        if has_max_num_seqs:
-            ref = cls(cap, 1, dp, vpp, max_num_seqs=5).get_groups_and_subsamples(
-                list(enumerate(lengths)))
-            assert dp_balanced_groups(lengths, max_seqlen_per_dp_cp_rank=cap, dp=dp,
-                                      microbatch_group_size_per_vp_stage=vpp,
-                                      max_num_seqs=5) == ref, trial
     assert compared >= 15, f"only {compared} of 20 trials compared"
 
 
@@ -138,7 +109,7 @@ def test_where_megatrons_rule_stops_the_study_gets_empty_groups_and_is_told():
                                 empty_groups=True)
     assert [len(g) for mb in groups for g in mb] == [1] * 9 + [0] * 7
     plan = dp_balanced_plan(np.asarray(lengths), dp=8, num_microbatches=2, max_tokens=4096,
-                            order="sampler", empty_groups=True)
+                            empty_groups=True)
     assert plan.fallback and plan.num_microbatches == 2
     ok = dp_balanced_plan(np.asarray([100] * 16), dp=8, num_microbatches=1, max_tokens=4096,
                           empty_groups=True)
@@ -155,8 +126,8 @@ def test_under_vpp_the_plan_interleaves_as_megatron_makes_it():
     from sparsebalance_megatron.latency.layout import PipelineLayout
     from sparsebalance_megatron.sim.pipeline import interleaved_refusal
     segs = np.full(18, 5)
-    plain = dp_balanced_plan(segs, dp=2, num_microbatches=5, max_tokens=10, order="sampler")
-    vpp = dp_balanced_plan(segs, dp=2, num_microbatches=5, max_tokens=10, order="sampler",
+    plain = dp_balanced_plan(segs, dp=2, num_microbatches=5, max_tokens=10)
+    vpp = dp_balanced_plan(segs, dp=2, num_microbatches=5, max_tokens=10,
                            microbatch_group_size_per_vp_stage=4)
     assert plain.num_microbatches == 5 and interleaved_refusal(5, 4)
     assert vpp.num_microbatches == 8 and interleaved_refusal(8, 4) is None

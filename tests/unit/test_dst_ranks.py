@@ -184,7 +184,7 @@ def _draft_costs(dp: int, m: int, pp: int, steps: int, seq: int) -> list:
     Qwen2.5-0.5B analytic table, its best static layout, default flags): (costs, sensitivity,
     settings, quality)."""
     from sparsebalance_megatron.batching import SensitivityTracker
-    from sparsebalance_megatron.batching.sensitivity import batch_sensitivity
+    from sparsebalance_megatron.batching.sensitivity import unit_sensitivity
     from sparsebalance_megatron.config import SparseBalanceConfig
     from sparsebalance_megatron.experiments.corpus_steps import corpus_steps
     from sparsebalance_megatron.megatron.step.choice import raise_headroom
@@ -205,7 +205,7 @@ def _draft_costs(dp: int, m: int, pp: int, steps: int, seq: int) -> list:
                                            kept_units=batch.unit_csr())
             settings, q = dst_inputs(sb, costs.shape[2], lm.p2p_s,
                                      raise_headroom(sb, lm, dp), drafter.attention_layers)
-            out.append((costs, batch_sensitivity(batch, drafter.tracker), settings, q))
+            out.append((costs, unit_sensitivity(batch, drafter.tracker), settings, q))
     return out
 
 

@@ -4,7 +4,7 @@ package (``f"{__name__}.{room}"``: every module under it but a ``__main__``), is
 any other. Lazy imports count too (``test_import_boundaries``' edges).
 
 1. ``kernels/`` is the ground floor: it imports nothing of the package but itself (its
-   warm-ups compile on ``kernels.records.SAMPLE``, not on the simulator's or the policy's
+   warm-ups compile on ``kernels.records``' samples, not on the simulator's or the policy's
    objects).
 2. No circle between the package's modules (a package's ``__init__`` loading its own children
    is how packages work, as in ``test_import_boundaries``), and none between its rooms (a

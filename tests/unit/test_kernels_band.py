@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sparsebalance_megatron.kernels import band
-from sparsebalance_megatron.kernels.records import FILL_GRID, Tables, fill_exps
+from sparsebalance_megatron.kernels.records import FILL_EXPS, FILL_GRID, Tables
 from sparsebalance_megatron.policy.dst_band import FILL_ITERS, gain_fill, unit_base
 from sparsebalance_megatron.sim.pipeline import event_graph
 from tests.unit._floats import unit_floats
@@ -83,7 +83,7 @@ def _fill_oracle(t, u, b, lo, hi, limit, marg, stage, fill):
     key after every entry), the bisection's ``FILL_ITERS`` steps over them, then every common
     level tried."""
     neg = np.clip(-marg[stage], fill.low, None)                      # [slots, g]
-    key = np.clip(-(fill_exps()[:, None] * b[None, :]), fill.low, fill.high)   # [K, slots]
+    key = np.clip(-(FILL_EXPS[:, None] * b[None, :]), fill.low, fill.high)   # [K, slots]
     count = (neg[None, :, :] <= key[:, :, None]).sum(axis=2) - 1
     count[np.isnan(key)] = 10 ** 6
     at = np.clip(count, lo, hi)                                      # [K, slots]

@@ -26,7 +26,7 @@ def _earliest_oracle(g, dur, p):
     ef, start = np.full(dur.shape, -np.inf), np.zeros(dur.shape)
     while True:
         before = ef.copy()
-        for e in reversed(range(g.size)):
+        for e in reversed(range(g.ranks.size)):
             ins = [ef[dep[e]] + (p if cross[e] else 0.0)] if dep[e] >= 0 else []
             ins += [ef[prev[e]]] if prev[e] >= 0 else []
             start[e] = np.maximum(*ins) if len(ins) == 2 else (ins[0] if ins else 0.0)
@@ -42,7 +42,7 @@ def _latest_oracle(g, dur, deadline, p):
     lf = np.full(dur.shape, np.inf)
     while True:
         before = lf.copy()
-        for e in range(g.size):
+        for e in range(g.ranks.size):
             v = deadline.astype(np.float64)
             if nxt[e] >= 0:
                 v = np.minimum(v, lf[nxt[e]] - dur[nxt[e]])
@@ -63,8 +63,8 @@ def test_event_passes_are_the_relaxed_fixed_point(form, m, pp, vp):
     rng = np.random.default_rng(m * 100 + pp * 10 + vp)
     for p in (0.0, 2.5e-3):
         rec = rec._replace(p2p=p)
-        dur = rng.random((g.size, 4)) * (rng.random((g.size, 4)) > 0.1)
-        dur[rng.integers(g.size), 3] = np.nan                 # NaN spreads as np.maximum's
+        dur = rng.random((g.ranks.size, 4)) * (rng.random((g.ranks.size, 4)) > 0.1)
+        dur[rng.integers(g.ranks.size), 3] = np.nan                 # NaN spreads as np.maximum's
         want, want_start = _earliest_oracle(g, dur, p)
         end, start = np.zeros(dur.shape), np.zeros(dur.shape)
         _form(graph.earliest_finish, form)(rec, dur, np.arange(4), end, start)

@@ -185,7 +185,7 @@ def test_layout_gap_runs_interleaved_layouts_on_the_interleaved_schedule(lm):
     virtual stages (which would count the chunks of one rank as separate stages)."""
     from sparsebalance_megatron.experiments.layout_search import layout_gap
     from sparsebalance_megatron.policy import UnitCosts
-    from sparsebalance_megatron.sim import simulate_1f1b, simulate_interleaved_1f1b
+    from sparsebalance_megatron.sim import simulate_1f1b
 
     rng = np.random.default_rng(2)
     mbs = [list(rng.integers(200, 4000, size=3)) for _ in range(2 * 4)]
@@ -194,7 +194,7 @@ def test_layout_gap_runs_interleaved_layouts_on_the_interleaved_schedule(lm):
         c = UnitCosts.from_latency(lm.with_layout(lay), mbs, 2, 4, np.asarray([0.5]))
         f, b = c.fwd_s[..., 0], c.bwd_s[..., 0]
         if lay.vp > 1:
-            return simulate_interleaved_1f1b(f, b, lm.p2p_s, pp=lay.pp).step_time_s
+            return simulate_1f1b(f, b, lm.p2p_s, pp=lay.pp).step_time_s
         return simulate_1f1b(f, b, lm.p2p_s).step_time_s
 
     lay = PipelineLayout.even(8, 4, vp=2)

@@ -11,8 +11,7 @@ from sparsebalance_megatron.latency import (LatencyModel, LayoutError, ModelShap
 from sparsebalance_megatron.policy import UnitCosts, density_grid
 from tests.unit._bands import band_plan
 from tests.unit._floats import event_float_s
-from sparsebalance_megatron.sim.pipeline import (pipeline_makespan_s, simulate_1f1b,
-                                                 simulate_interleaved_1f1b)
+from sparsebalance_megatron.sim.pipeline import pipeline_makespan_s, simulate_1f1b
 
 L = PipelineLayout
 
@@ -170,9 +169,9 @@ def test_event_float_is_the_growth_the_step_absorbs(m, pp, vp):
 def test_makespan_matches_the_interleaved_simulation():
     f, b = _random_times(3, 8, 8, seed=1)
     assert np.allclose(pipeline_makespan_s(f, b, 0.0, pp=4),
-                       simulate_interleaved_1f1b(f, b, 0.0, pp=4).rank_time_s)
+                       simulate_1f1b(f, b, 0.0, pp=4).rank_time_s)
     assert np.allclose(pipeline_makespan_s(f, b, 0.0), simulate_1f1b(f, b, 0.0).rank_time_s)
-    with pytest.raises(ValueError, match="at least pp micro-batches"):
+    with pytest.raises(ValueError, match="the interleaved schedule needs pp=4 <="):
         pipeline_makespan_s(f[:, :2], b[:, :2], pp=4)
 
 

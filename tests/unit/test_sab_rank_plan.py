@@ -99,9 +99,9 @@ def test_the_search_over_the_candidates_is_the_search_over_every_rank():
 
 def descending_key(cost: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """The order ``SABAssignment`` gives the LPT, as a sort key: each cost's rank among the
-    distinct costs (``cost_ranks``), else ``-cost``."""
-    ranked = cost_ranks(cost, sizes)
-    return -cost if ranked is None else ranked[1][ranked[0]]
+    distinct costs (``cost_ranks``)."""
+    at, rank = cost_ranks(cost)
+    return rank[at]
 
 
 def test_the_radix_cost_key_sorts_as_minus_cost():
@@ -118,7 +118,7 @@ def test_the_radix_cost_key_sorts_as_minus_cost():
 
 
 def test_latency_costs_priced_once_rank_as_the_radix_key():
-    """``packing.sample_costs(with_ranks=True)`` (a ``LatencyCost``'s distinct lengths priced
+    """``packing.sample_costs`` (a ``LatencyCost``'s distinct lengths priced
     once) gives its costs, and their ranks (``cost_ranks``) order as ``descending_key``."""
     from sparsebalance_megatron.batching.packing import latency_sample_cost_fn, sample_costs
     from sparsebalance_megatron.latency import LatencyModel, ModelShape
@@ -128,11 +128,11 @@ def test_latency_costs_priced_once_rank_as_the_radix_key():
     rng = np.random.default_rng(3)
     for case in range(6):
         sizes = rng.integers(1, 40 if case % 2 else 8192, 400).astype(np.int64)
-        cost, priced = sample_costs(sizes, cost_fn, with_ranks=True)
-        np.testing.assert_array_equal(cost, sample_costs(sizes, cost_fn))
-        at, rank = cost_ranks(cost, sizes, priced)
+        cost, priced = sample_costs(sizes, cost_fn)
+        np.testing.assert_array_equal(cost, priced[1][priced[0]])
+        at, rank = cost_ranks(cost, priced)
         np.testing.assert_array_equal(rank[at], descending_key(cost, sizes))
-        assert sample_costs(sizes, None, with_ranks=True)[1] is None
+        assert sample_costs(sizes, None)[1] is None
 
 
 def test_run_sums_are_pythons_sum_of_each_run():

@@ -110,44 +110,44 @@ def test_interleaved_schedule_table_matches_megatrons_example():
 
 @pytest.mark.parametrize("pp,vp,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8)])
 def test_interleaved_uniform_matches_closed_form(pp, vp, m):
-    from sparsebalance_megatron.sim import simulate_interleaved_1f1b
+    from sparsebalance_megatron.sim import simulate_1f1b
     f = np.full((1, m, pp * vp), 1.0 / vp)   # a stage's f=1, b=2 split over vp chunks
-    sim = simulate_interleaved_1f1b(f, 2 * f, pp=pp)
+    sim = simulate_1f1b(f, 2 * f, pp=pp)
     # bubble shrinks by vp: m (f + b) + (pp - 1) (f + b) / vp
     assert sim.step_time_s == pytest.approx(3.0 * m + 3.0 * (pp - 1) / vp)
     assert sim.step_time_s < simulate_1f1b(np.ones((1, m, pp)), 2 * np.ones((1, m, pp))).step_time_s
 
 
 def test_interleaved_with_one_chunk_is_plain_1f1b_and_respects_dependencies():
-    from sparsebalance_megatron.sim import simulate_interleaved_1f1b
+    from sparsebalance_megatron.sim import simulate_1f1b
     rng = np.random.default_rng(3)
     f = rng.uniform(0.5, 2.0, size=(3, 5, 2))
     b = 2 * f
-    np.testing.assert_allclose(simulate_interleaved_1f1b(f, b, 0.1, pp=2).rank_time_s,
+    np.testing.assert_allclose(simulate_1f1b(f, b, 0.1, pp=2).rank_time_s,
                                simulate_1f1b(f, b, 0.1).rank_time_s)
     f = rng.uniform(0.5, 2.0, size=(2, 6, 6))   # pp=3, vp=2
-    sim = simulate_interleaved_1f1b(f, 2 * f, 0.05, pp=3, record=True)
+    sim = simulate_1f1b(f, 2 * f, 0.05, pp=3, record=True)
     s, e = sim.start_s, sim.end_s
     assert np.all(s[:, :, 1:, FWD] >= e[:, :, :-1, FWD] - 1e-12)
     assert np.all(s[:, :, :-1, BWD] >= e[:, :, 1:, BWD] - 1e-12)
     np.testing.assert_allclose(sim.busy_s.sum(axis=1), (3 * f).sum(axis=(1, 2)))
-    with pytest.raises(ValueError, match="at least pp"):
-        simulate_interleaved_1f1b(f[:, :2], 2 * f[:, :2], pp=3)
+    with pytest.raises(ValueError, match="the interleaved schedule needs pp=3 <="):
+        simulate_1f1b(f[:, :2], 2 * f[:, :2], pp=3)
 
 
 def test_interleaved_counts_megatron_refuses_are_refused_and_never_searched():
     """Megatron's interleaved schedule refuses a last micro-batch group smaller than pp (9
     micro-batches at pp 4: dp_balanced's variable count); the simulator says so rather than
     simulating a schedule Megatron cannot run, and the layout search skips that vp."""
-    from sparsebalance_megatron.sim.pipeline import interleaved_refusal, simulate_interleaved_1f1b
+    from sparsebalance_megatron.sim.pipeline import interleaved_refusal, simulate_1f1b
 
     assert interleaved_refusal(8, 4) is None and interleaved_refusal(12, 4) is None
     assert "last group of 1" in interleaved_refusal(9, 4)
     assert "pp=4 <=" in interleaved_refusal(3, 4)          # fewer micro-batches than stages
     f = np.ones((1, 9, 8))
     with pytest.raises(ValueError, match="9 micro-batches"):
-        simulate_interleaved_1f1b(f, f, 0.0, pp=4)
-    simulate_interleaved_1f1b(np.ones((1, 8, 8)), np.ones((1, 8, 8)), 0.0, pp=4)
+        simulate_1f1b(f, f, 0.0, pp=4)
+    simulate_1f1b(np.ones((1, 8, 8)), np.ones((1, 8, 8)), 0.0, pp=4)
 
 
 def test_a_run_megatron_cannot_interleave_is_no_layout_candidate():
