@@ -31,6 +31,7 @@ import numpy as np
 
 from .agreed_stats import straggler_present
 from .costs import UnitCosts
+from .density_means import WeightTotals
 from .dst_band import SPEED_TIE, DSTPlan, DSTReport
 from .dst_ranks import PHASES, Agreed1, RankDST, rank_slice
 from .dst_settings import DSTSettings
@@ -53,11 +54,9 @@ class RankPlan:
 def agreed1(a: dict) -> Agreed1:
     """AR1's agreed sums and maxima (``RankDST.ar1``'s keys) as the numbers the rounds read."""
     anchors = {"mean": float(a["busy"] / a["busy_n"]), "max": float(a["busy_max"])}
-    dense_s = np.asarray(a["dense_s"], dtype=np.float64)
-    dense = float(dense_s.sum())
     return Agreed1(anchors=anchors, t0=float(a["mk0"]),
-                   tot=float(np.asarray(a["tot_s"]).sum()) + dense, tot_s=a["tot_s"] + dense_s,
-                   dense=dense, dense_s=dense_s, units=int(a["units"]), dp=int(a["ranks"]),
+                   totals=WeightTotals.of_sums(a["tot_s"], a["dense_s"]),
+                   units=int(a["units"]), dp=int(a["ranks"]),
                    mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]), tokens=float(a["tokens"]),
                    mk_lo=float(a["mk_lo"]), q_lo=float(a["q_lo"]))
 
@@ -121,11 +120,11 @@ def report_parts(rk: RankDST) -> Parts:
 def descended_report(r: DSTReport, a1: Agreed1, a5: dict, quality: bool) -> DSTReport:
     """The report of the descended plan from AR5's agreed sums (the band report ``r``'s other
     fields kept)."""
-    mean, stage = a1.densities(a5["kept_s"], a5["plain_s"] / a5["units"])
+    mean, stage = a1.densities(a5["kept_s"], lambda: a5["plain_s"] / a5["units"])
     step, mean_mk = float(a5["mk"]), float(a5["mk_sum"]) / a1.dp
     cut, raised = (int(x) for x in a5["counts"])
     return replace(r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
-                   imbalance_after=step / mean_mk if mean_mk > 0 else 1.0, mean_density=mean,
+                   imbalance_after=step / mean_mk if mean_mk > 0 else 1.0, mean_density=float(mean),
                    units_cut=cut, units_raised=raised, ranks_reverted=0,
                    density_per_stage=tuple(float(x) for x in stage),
                    quality_cost=float(a5["quality"]) / a1.tokens if quality else r.quality_cost)
