@@ -21,7 +21,6 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
-from .table_memory import TableMemory
 
 GRID_STEP = 1.0 / 64
 
@@ -255,16 +254,15 @@ class UnitCosts:
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
                      densities: np.ndarray, calibrated: bool = True,
-                     kept_units=None, out: Optional[TableMemory] = None,
-                     rank: Optional[int] = None, rank_units: bool = False) -> "UnitCosts":
+                     kept_units=None, rank: Optional[int] = None,
+                     rank_units: bool = False) -> "UnitCosts":
         """Tabulate a ``latency.LatencyModel`` for one step on its layout's (virtual) stages.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
         ``UnitFeatures`` of them. ``kept_units``: the same units' documents without their
         padding (``BatchPlan.unit_csr()``), whose kept blocks make ``kept_grid`` (padding costs
         time, but a move that keeps only more padding blocks buys nothing; None: the units' own
-        blocks). ``out``: a ``TableMemory`` to write the tables into (None: fresh arrays).
-        ``rank``: DP rank r's [1, m, stages] costs alone (its units of the dp x m given, or with
+        blocks). ``rank``: DP rank r's [1, m, stages] costs alone (its units of the dp x m given, or with
         ``rank_units`` the m given are its own), calibrated as rank r. With ``calibrated``, rank
         r's times are scaled by its correction and its pipeline rank's (``correction_grid``:
         virtual stage v runs on pipeline rank v mod pp). attn_work: kept block pairs at density
@@ -300,7 +298,7 @@ class UnitCosts:
                           np.stack([t.bwd_fixed_s for t in terms], axis=1)])   # [2, n, stages]
         per_pair = np.asarray([[t.fwd_attn_s_per_pair for t in terms],
                                [t.bwd_attn_s_per_pair for t in terms]], np.float64)
-        fb, total = (TableMemory() if out is None else out).arrays(n, pp, g.size)
+        fb, total = np.empty((2, n, pp, g.size)), np.empty((n, pp, g.size))
         # (work x per_pair + fixed) x correction (x 1.0 is exact: left out), and their total
         formula = (work, f64(per_pair), f64(fixed), f64(corr), not bool(np.all(corr == 1.0)))
         kernels.grid.unit_tables(*formula, fb, total)
