@@ -29,34 +29,8 @@ def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0
     d = np.asarray(densities, dtype=np.float64)
     if d.shape != costs.shape:
         raise ValueError(f"densities {d.shape} do not match the costs' units {costs.shape}")
-    return _step_time_at(costs, costs.grid_index(d), p2p_s)
-
-
-def _step_time_at(costs: UnitCosts, idx: np.ndarray, p2p_s: float) -> float:
-    """``plan_step_time_s`` of the plan at grid indices ``idx`` [dp, m, stages]."""
-    f, b = costs.at(idx)
+    f, b = costs.at(costs.grid_index(d))
     return float(pipeline_makespan_s(f, b, p2p_s, pp=costs.pipeline_ranks).max())
-
-
-def _static_time_s(costs: UnitCosts, d0: float, p2p_s: float) -> float:
-    """``plan_step_time_s`` of every unit at d0: the grid index every unit's search finds,
-    found once."""
-    return _step_time_at(costs, np.full(costs.shape, costs.grid_index(d0), dtype=np.int64),
-                         p2p_s)
-
-
-def _planned_time_s(costs: UnitCosts, plan: np.ndarray, p2p_s: float, payload) -> float:
-    """``plan_step_time_s`` of ``plan``, from the grid indices DST's plan carries
-    (``payload.grid_index``) where they are the ones the search would find: the plan's
-    densities are their grid's, and the grid's points lie more than 2e-12 apart (so the
-    search's ``- 1e-12`` cannot fall below the point below)."""
-    i, g = getattr(payload, "grid_index", None), costs.densities
-    if i is not None and g.size >= 2 and float(np.min(np.diff(g))) > 2e-12:
-        i = np.asarray(i)
-        if i.shape == costs.shape == plan.shape and i.dtype.kind in "iu" and i.size \
-                and 0 <= i.min() and i.max() < g.size and np.array_equal(g.take(i), plan):
-            return _step_time_at(costs, i, p2p_s)
-    return plan_step_time_s(costs, plan, p2p_s)
 
 
 def slower(t_s: float, reference_s: float) -> bool:
@@ -136,7 +110,7 @@ def choice_rounds(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
     if enabled and compare == "static" and len(costs) > 1:
         static = []
         for c in costs:
-            static.append((yield from group_max(_static_time_s(c, d0, p2p_s))))
+            static.append((yield from group_max(plan_step_time_s(c, np.full(c.shape, d0), p2p_s))))
         i = 0 if slower(static[1], static[0]) else 1        # SAB's static plan strictly faster
         plan, payload = (yield from plans[i]) if plans is not None else (None, None)
         out = yield from outcome_rounds(costs[i], d0, p2p_s, plan, enabled, payload, static[i])
@@ -164,11 +138,11 @@ def outcome_rounds(costs: UnitCosts, d0: float, p2p_s: float, plan: Optional[np.
     the DP group's maximum (``dst_rounds.group_max``)."""
     static = np.full(costs.shape, float(d0))
     if static_s is None:
-        static_s = yield from group_max(_static_time_s(costs, d0, p2p_s))
+        static_s = yield from group_max(plan_step_time_s(costs, static, p2p_s))
     if plan is None:
         return PackingOutcome(static, static_s, static_s, None, None, payload)
     plan = np.asarray(plan, dtype=np.float64)
-    planned_s = yield from group_max(_planned_time_s(costs, plan, p2p_s, payload))
+    planned_s = yield from group_max(plan_step_time_s(costs, plan, p2p_s))
     if enabled and slower(planned_s, static_s):
         return PackingOutcome(static, static_s, static_s, planned_s, True, payload)
     return PackingOutcome(plan, planned_s, static_s, planned_s, False, payload)
