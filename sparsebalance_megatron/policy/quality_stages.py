@@ -262,13 +262,9 @@ class BoundQuality:
             return np.zeros(np.shape(idx)[:-3] + (0,))
         return np.moveaxis(self._sums(idx, grid, slice(1, None)), 0, -1)
 
-    def plan_cost_at(self, idx: np.ndarray, grid: np.ndarray) -> float:
-        """The per-token loss change against uniform d0 of the plan at grid indices ``idx``
-        [dp, m, nv] of ``grid``."""
-        return float(self.sums_at(idx, grid)) / self.tokens
-
     def plan_cost(self, densities: np.ndarray) -> float:
-        """``plan_cost_at`` of a plan given by its densities [dp, m, nv], interpolated."""
+        """The per-token loss change against uniform d0 of a plan given by its densities
+        [dp, m, nv], interpolated (``sums_at`` / ``tokens`` of a plan on the grid)."""
         d = np.asarray(densities, dtype=np.float64)
         if d.ndim != 3 or d.shape[2] != self.stage.stages:
             raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
@@ -276,13 +272,11 @@ class BoundQuality:
         diff = _stagewise(self.stage, d, None).sum(axis=-1) - self.stage.reference().sum()
         return float(self.stage.change(diff, self.f1[0], self.f2[0]).sum()) / self.tokens
 
-    def uncertainty(self, replicate_sums: np.ndarray, tokens: Optional[float] = None
-                    ) -> np.ndarray:
-        """[...] the per-token uncertainty of plans whose ``replicate_sums`` [..., B] are given
-        (summed over ``tokens``, the bound units' by default): ``UNCERTAINTY_Z`` bootstrap SDs
-        (0 without replicates)."""
+    def uncertainty(self, replicate_sums: np.ndarray, tokens: float) -> np.ndarray:
+        """[...] the per-token uncertainty of plans whose ``replicate_sums`` [..., B] are given,
+        summed over ``tokens`` (the whole step's): ``UNCERTAINTY_Z`` bootstrap SDs (0 without
+        replicates)."""
         r = np.asarray(replicate_sums, dtype=np.float64)
         if r.shape[-1] < 2:
             return np.zeros(r.shape[:-1])
-        return UNCERTAINTY_Z * r.std(axis=-1, ddof=1) / (self.tokens if tokens is None
-                                                            else tokens)
+        return UNCERTAINTY_Z * r.std(axis=-1, ddof=1) / tokens
