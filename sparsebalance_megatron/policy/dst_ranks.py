@@ -91,6 +91,18 @@ class Agreed1:
                 t.stage(kept_s, plain))
 
 
+def agreed_report(r: DSTReport, a1: Agreed1, a: dict, **fields) -> DSTReport:
+    """``r`` with a plan's numbers the DP group agreed, ``a``: its kept and plain density by
+    stage (sums), makespan (max) and the makespans' sum, and its units cut and raised
+    (``counts``); ``fields``: the report's other fields that change."""
+    mean, stage = a1.densities(a["kept_s"], lambda: a["plain_s"] / a1.units)
+    step, mean_mk = float(a["mk"]), float(a["mk_sum"]) / a1.dp
+    return replace(r, step_time_planned_s=step, speedup=a1.t0 / step if step > 0 else 1.0,
+                   imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
+                   mean_density=float(mean), density_per_stage=tuple(float(x) for x in stage),
+                   units_cut=int(a["counts"][0]), units_raised=int(a["counts"][1]), **fields)
+
+
 class RankDST:
     """One DP rank's part of the decomposed band search (module docstring). ``costs``: the
     rank's [1, m, stages] slice (``rank_slice``); ``sensitivity``: its [1, m(, stages)] rows;
@@ -194,17 +206,12 @@ class RankDST:
         a1, p = self.a1, self.plans[k]
         if a1.dp == 1:
             return p.report
-        mean, stage = a1.densities(a3["kept_s"][k], lambda: a3["plain_s"][k] / a1.units)
-        step, mean_mk = float(a3["mk"][k]), float(a3["mk_sum"][k]) / a1.dp
-        cut, raised, reverted = (int(x) for x in a3["counts"][k])
-        return replace(p.report, step_time_planned_s=step, speedup=a1.t0 / step if step > 0
-                       else 1.0, imbalance_before=a1.t0 / a1.mk0_mean if a1.mk0_mean > 0
-                       else 1.0, imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
-                       units_cut=cut, units_raised=raised, ranks_reverted=reverted,
-                       step_time_cut_s=float(self.t1[k]), mean_density=float(mean),
-                       density_per_stage=tuple(float(x) for x in stage),
-                       quality_cost=float(a3["quality"][k]) / a1.tokens
-                       if self.quality is not None and self.water[k] else float("nan"))
+        row = {key: a3[key][k] for key in ("kept_s", "plain_s", "mk", "mk_sum", "counts")}
+        return agreed_report(p.report, a1, row, ranks_reverted=int(a3["counts"][k][2]),
+                             imbalance_before=a1.t0 / a1.mk0_mean if a1.mk0_mean > 0 else 1.0,
+                             step_time_cut_s=float(self.t1[k]),
+                             quality_cost=float(a3["quality"][k]) / a1.tokens
+                             if self.quality is not None and self.water[k] else float("nan"))
 
     def choose(self, a3: dict) -> int:
         """The band search replayed on the agreed verdicts (AR3's sums and maxima): the index
