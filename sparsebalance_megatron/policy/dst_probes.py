@@ -162,9 +162,9 @@ class RankProbes:
             return True                       # later round is kept too
 
         def descend(start, goal):
-            new, step = descend_at(costs, start[0], self.i_min, self.i_max, s.p2p_s,
-                                   s.raise_headroom, (lambda i: True) if lim is None else meets_at,
-                                   None if lim is None else floors_at, goal=goal, setup=self.setup)
+            new, step = descend_at(self.setup, start[0], s.raise_headroom,
+                                   (lambda i: True) if lim is None else meets_at,
+                                   None if lim is None else floors_at, goal=goal)
             if not step < start[1]:
                 return start
             if met[0] is not None and met[0][0] is new:      # its record made by meets_at
