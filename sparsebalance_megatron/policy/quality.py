@@ -87,7 +87,7 @@ class Replicate:
     cost: tuple                 # [G] arrays
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)      # hashed by identity (``StageQuality.from_cost``'s cache)
 class QualityCost:
     model: str
     reference_density: float

@@ -12,6 +12,7 @@ Pure numpy; must not import torch or megatron.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -20,8 +21,6 @@ import numpy as np
 from .quality import QualityCost, QualityCostError, curve
 
 UNCERTAINTY_Z = 1.0           # a plan's uncertainty: this many bootstrap standard deviations
-
-_FROM_COST: dict = {}      # StageQuality.from_cost's: (id(cost), layers, d0) -> (cost, quality)
 
 
 @dataclass(frozen=True)
@@ -39,15 +38,7 @@ class StageQuality:
                   ) -> "StageQuality":
         """The stages' quality of ``cost``; the same object for the same cost object, layers
         and d0 (DST asks every step: its grid tables are then made once)."""
-        key = (id(cost), tuple(float(x) for x in stage_layers), float(d0))
-        hit = _FROM_COST.get(key)
-        if hit is not None and hit[0] is cost:
-            return hit[1]
-        out = cls(cost, cost.stage_weights(stage_layers), float(d0))
-        if len(_FROM_COST) >= 16:
-            _FROM_COST.clear()
-        _FROM_COST[key] = (cost, out)          # the cost held: its id is not reused meanwhile
-        return out
+        return _stage_quality(cost, tuple(float(x) for x in stage_layers), float(d0))
 
     @property
     def stages(self) -> int:
@@ -193,6 +184,13 @@ class StageQuality:
             fs.append(made[key])
         return BoundQuality(self, np.stack([f[0] for f in fs]), np.stack([f[1] for f in fs]),
                             max(float(np.asarray(tokens).sum()), 1.0))
+
+
+@functools.lru_cache(maxsize=16)
+def _stage_quality(cost: QualityCost, stage_layers: tuple, d0: float) -> StageQuality:
+    """``StageQuality.from_cost``'s objects, by the cost object (a ``QualityCost`` hashes by
+    identity; the cache holds it, so its id is not reused meanwhile)."""
+    return StageQuality(cost, cost.stage_weights(stage_layers), d0)
 
 
 def _change(diff, f1, f2, gamma, s0) -> np.ndarray:
