@@ -71,11 +71,7 @@ class GroupCost:
     depth: tuple                # (lo, hi) fraction of the model's depth
     layers: tuple               # (first, last) 1-based layers of the measured model
     knots: np.ndarray
-    cost_at_knots: np.ndarray
-
-    def cost(self, density) -> np.ndarray:
-        """Convex, non-increasing loss increase (nats per token, at rho = 1)."""
-        return curve(self.knots, self.cost_at_knots, density)
+    cost_at_knots: np.ndarray   # convex, non-increasing loss increase (nats per token, rho = 1)
 
 
 @dataclass(frozen=True)

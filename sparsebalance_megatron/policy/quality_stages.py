@@ -226,10 +226,6 @@ class BoundQuality:
     f2: np.ndarray              # the fit's, then each bootstrap replicate's
     tokens: float               # the units' tokens (the plan cost's denominator; at least 1)
 
-    @property
-    def replicates(self) -> int:
-        return self.f1.shape[0] - 1
-
     def unit_scale(self) -> np.ndarray:
         """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of
         ``change`` there per unit of stage-summed cost): the water-filling's per-unit factor."""
@@ -256,7 +252,7 @@ class BoundQuality:
 
     def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[..., B] ``sums_at`` under every bootstrap replicate."""
-        if not self.replicates:
+        if self.f1.shape[0] < 2:                                        # no replicates
             return np.zeros(np.shape(idx)[:-3] + (0,))
         return np.moveaxis(self._sums(idx, grid, slice(1, None)), 0, -1)
 
