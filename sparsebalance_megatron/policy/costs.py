@@ -286,10 +286,7 @@ class UnitCosts:
         with_dense = feats.work_grid(np.append(g, 1.0))              # [n, g + 1]
         work, dense = np.ascontiguousarray(with_dense[:, :-1]), with_dense[:, -1]
         ranks = model.layout.pp
-        grid_fn = getattr(model, "correction_grid", None)
-        corr = (grid_fn(dp, ranks) if grid_fn is not None else np.array(
-            [[model.correction(r)] * ranks for r in range(dp)])) if calibrated \
-            else np.ones((dp, ranks))
+        corr = model.correction_grid(dp, ranks) if calibrated else np.ones((dp, ranks))
         if rank is not None:
             corr = corr[rank:rank + 1]
         corr = np.repeat(corr, m, axis=0)[:, np.arange(pp) % ranks]  # [n, stages] unit's rank
