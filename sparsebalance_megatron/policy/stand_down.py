@@ -8,7 +8,7 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Generator, Optional, Sequence
 
 import numpy as np
@@ -172,8 +172,7 @@ class StandDownCounts:
         return "stood down " + " ".join(parts) if parts else ""
 
     def state_dict(self) -> dict:
-        return {"dst_steps": self.dst_steps, "dst_stood_down": self.dst_stood_down,
-                "sab_steps": self.sab_steps, "sab_stood_down": self.sab_stood_down}
+        return asdict(self)
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         for k, v in (state or {}).items():
