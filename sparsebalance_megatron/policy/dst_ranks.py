@@ -233,24 +233,20 @@ class RankDST:
             """A row's quality cost, the whole step's (the guard of a narrower band)."""
             return float(a3["quality"][p.k]) / self.a1.tokens
 
-        if self.both:
-            searches = [(band_search(s, narrow=self.narrow, guard=agreed_cost), False),
-                        (band_search(s, narrow=self.narrow, quality=q), True)]
-        else:
-            searches = [(band_search(s, narrow=self.narrow, quality=q), q is not None)]
-        pending = {n: next(g) for n, (g, _) in enumerate(searches)}
-        out = [None] * len(searches)
-        while pending:
-            for n in list(pending):
-                g, w = searches[n]
+        def replay(search, water: bool):
+            """A band search driven to its end on the rows' agreed views."""
+            asked = next(search)
+            while True:
                 try:               # a KeyError: the tree missed a candidate (a bug)
-                    pending[n] = g.send([view(index[c, w]) for c in pending[n]])
+                    asked = search.send([view(index[c, water]) for c in asked])
                 except StopIteration as done:
-                    out[n] = done.value
-                    del pending[n]
-        kept = out[0]
-        if self.both:       # the quality cost chooses within SPEED_TIE of the faster
-            ordered, filled = out
+                    return done.value
+
+        if not self.both:
+            kept = replay(band_search(s, narrow=self.narrow, quality=q), q is not None)
+        else:               # the quality cost chooses within SPEED_TIE of the faster
+            ordered = replay(band_search(s, narrow=self.narrow, guard=agreed_cost), False)
+            filled = replay(band_search(s, narrow=self.narrow, quality=q), True)
             ordered.report.quality_cost = agreed_cost(ordered)
             fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] \
                 or [filled]
