@@ -13,16 +13,16 @@ from ..policy.stand_down import StepChoice
 
 @dataclass
 class NetGate:
-    """The step plans unless the last planned step's net gain, its predicted gain over the
-    baseline (``StepChoice.baseline_s`` minus the committed step) less its own cost, was below
-    zero; then the step stands down without planning and runs as the static baseline (the
-    baseline packing at d0: nothing to plan, gather or broadcast). A probe plans again after ``probe_every``
-    steps, and every probe that does not pay doubles the wait (up to ``max_probe_every``), so
-    what probing costs a run where planning never pays shrinks towards nothing. A run whose
-    plans pay their cost is never stood down: a healthy run is unaffected. The first step plans
-    (nothing is known yet). With the quality objective (``quality``) a plan's predicted loss
-    gain counts too, at the exchange rate its report says it was planned at (nats per token a 1%
-    faster step is worth): a plan that only raises into bubbles pays in quality."""
+    """The step plans unless the last planned step's net gain, its predicted gain over the baseline
+    (``StepChoice.baseline_s`` minus the committed step) less its own cost, was below zero; then the
+    step stands down without planning and runs as the static baseline (the baseline packing at d0:
+    nothing to plan, gather or broadcast). A probe plans again after ``probe_every`` steps, and
+    every probe that does not pay doubles the wait (up to ``max_probe_every``), so what probing
+    costs a run where planning never pays shrinks towards nothing. A run whose plans pay their cost
+    is never stood down: a healthy run is unaffected. The first step plans (nothing is known yet).
+    With the quality objective (``quality``) a plan's predicted loss gain counts too, at the
+    exchange rate its report says it was planned at (nats per token a 1% faster step is worth): a
+    plan that only raises into bubbles pays in quality."""
 
     quality: bool = False
     probe_every: int = 8

@@ -259,15 +259,15 @@ class UnitCosts:
         """Tabulate a ``latency.LatencyModel`` for one step on its layout's (virtual) stages.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
-        ``UnitFeatures`` of them. ``kept_units``: the same units' documents without their
-        padding (``BatchPlan.unit_csr()``), whose kept blocks make ``kept_grid`` (padding costs
-        time, but a move that keeps only more padding blocks buys nothing; None: the units' own
-        blocks). ``rank``: DP rank r's [1, m, stages] costs alone (its units of the dp x m given, or with
-        ``rank_units`` the m given are its own), calibrated as rank r. With ``calibrated``, rank
-        r's times are scaled by its correction and its pipeline rank's (``correction_grid``:
-        virtual stage v runs on pipeline rank v mod pp). attn_work: kept block pairs at density
-        1 x the stage's attention layers (``layout.attention_layers``) of the sparse path's
-        documents, ``dense_work`` that of the routed ones (``dense_below_tokens``).
+        ``UnitFeatures`` of them. ``kept_units``: the same units' documents without their padding
+        (``BatchPlan.unit_csr()``), whose kept blocks make ``kept_grid`` (padding costs time, but a
+        move that keeps only more padding blocks buys nothing; None: the units' own blocks).
+        ``rank``: DP rank r's [1, m, stages] costs alone (its units of the dp x m given, or with
+        ``rank_units`` the m given are its own), calibrated as rank r. With ``calibrated``, rank r's
+        times are scaled by its correction and its pipeline rank's (``correction_grid``: virtual
+        stage v runs on pipeline rank v mod pp). attn_work: kept block pairs at density 1 x the
+        stage's attention layers (``layout.attention_layers``) of the sparse path's documents,
+        ``dense_work`` that of the routed ones (``dense_below_tokens``).
         """
         g = np.asarray(densities, dtype=np.float64)
         m, rows = int(num_microbatches), dp
