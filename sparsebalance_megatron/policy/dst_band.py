@@ -149,7 +149,8 @@ def cut_rows(ps: RowsPass, candidates, bands) -> tuple:
     return step1, cut
 
 
-def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float, raise_to: str) -> tuple:
+def raise_rows(ps: RowsPass, cut, step0: float, step1, raise_headroom: float,
+               raise_to: str) -> tuple:
     """Step 3: every row raised below the new bottleneck, most sensitive first (or by
     water-filling), checked with the simulator; a rank that overshoots is re-planned alone
     with half the slack, then a quarter, ... (ranks are independent pipelines), and one that
