@@ -259,8 +259,9 @@ class RankDST:
     def descent_start(self, a3: dict) -> dict:
         """After ``choose``: the descent's start, the band plan where it meets the descent's
         neutral floors globally (AR3's verdict: the same on every rank), else the static plan;
-        AR3b's parts: the rank's parts of the start's sums (``parts``) and
-        of every probe's supply and demand (``dst_probes.RankProbes.first``)."""
+        AR3b's parts: the rank's parts of the start's agreed numbers (kept work by stage and
+        quality sum: sums; makespan: max) and of every probe's supply and demand
+        (``dst_probes.RankProbes.first``)."""
         s, r, k = self.settings, self.chosen_report, self.chosen
         ok = (r.meets(*descent_floors(s), quality=self.quality is not None)
               and not r.step_time_planned_s > r.step_time_static_s)
@@ -277,18 +278,13 @@ class RankDST:
             (lambda i: float(self.quality.sums_at(i, self.costs.densities)))
         self.probes = RankProbes(self.costs, self.w, s, qsum, self.cur,
                                  probe_steps(self.start_step))
-        out, more = self.parts(), self.probes.first()
-        out["sum"].update(more["sum"])
-        out["max"].update(more["max"])
+        _, mk, kept_s, q = self.cur
+        more = self.probes.first()
+        out = {"sum": {"kept_s": kept_s, "quality": q, **more["sum"]},
+               "max": {"mk": mk, **more["max"]}}
         if self.quality is not None:
             out["sum"].update(self.replicate_parts()["sum"])
         return out
-
-    def parts(self) -> dict:
-        """The rank's parts of its current plan's agreed numbers: kept work by stage and
-        quality sum (sums), makespan (max)."""
-        _, mk, kept_s, q = self.cur
-        return {"sum": {"kept_s": kept_s, "quality": q}, "max": {"mk": mk}}
 
     def probe(self, agreed: dict) -> dict:
         """AR4's parts (AR3b's sums ``agreed``): the rank's plans at every probe step
