@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
+from ..latency.features import unit_rows
 
 GRID_STEP = 1.0 / 64
 
@@ -356,20 +357,3 @@ def _non_decreasing(a: np.ndarray) -> np.ndarray:
     if a.shape[-1] < 2 or bool(np.all(a[..., 1:] >= a[..., :-1])):
         return a
     return np.maximum.accumulate(a, axis=-1)
-
-
-def unit_rows(units, lo: int, hi: int, n: int) -> tuple:
-    """Units ``lo:hi`` of ``n`` (a ``UnitFeatures``, an (offsets, lengths) CSR or a list of length
-    arrays) as a CSR of their own."""
-    if isinstance(units, tuple) and len(units) == 2 and np.ndim(units[0]) == 1 \
-            and len(units[0]) == n + 1:
-        offsets, lengths = units
-    elif hasattr(units, "offsets") and hasattr(units, "lengths"):
-        offsets, lengths = units.offsets, units.lengths
-    else:
-        return (np.r_[0, np.cumsum([len(x) for x in units[lo:hi]])].astype(np.int64),
-                np.concatenate([np.asarray(x, dtype=np.int64) for x in units[lo:hi]]))
-    if len(offsets) != n + 1:
-        raise ValueError(f"{len(offsets) - 1} micro-batches given: expected {n}")
-    offsets = np.asarray(offsets, dtype=np.int64)
-    return offsets[lo:hi + 1] - offsets[lo], np.asarray(lengths)[offsets[lo]:offsets[hi]]

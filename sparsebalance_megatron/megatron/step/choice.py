@@ -20,7 +20,8 @@ import numpy as np
 
 from ...batching.sensitivity import LazySensitivity
 from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
-from ...policy.costs import UnitCosts, density_grid, unit_rows
+from ...latency.features import unit_rows
+from ...policy.costs import UnitCosts, density_grid
 from ...policy.stand_down import choice_rounds, choose_step
 from .agreement import drive
 
