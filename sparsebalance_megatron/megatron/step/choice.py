@@ -92,8 +92,7 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
     agreed too; otherwise every DP rank's rounds are made here in lockstep and no round is
     yielded (the studies and tests: the same plan). The stand-down record is
     ``StepChoice.as_dict()``: ``packing_index`` says which option to commit.
-    ``quality_scales``: the quality model's refreshed group scales
-    (``dst_inputs``)."""
+    ``quality_scales``: the quality model's refreshed group scales (``dst_inputs``)."""
     from ...policy.dst_rounds import gathered, planned_rounds
     from ...policy.dst_rounds import plan_dst as plan_in_process
     from ...policy.dst_settings import dst_inputs
