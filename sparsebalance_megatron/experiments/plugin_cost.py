@@ -61,7 +61,7 @@ global batch's tokens (dp x m x seq).
 Who pays: a run of SparseBalance's (SAB and / or DST: ``sab``, ``dst*``, ``sab_dst*``,
 ``dense_sab``) pays its parts every step it plans; the baselines (``BASELINES``: static and
 dense attention with sequential, token-balanced or Megatron's dp_balanced packing) pay nothing, as if the plugin's control plane were off: every ratio against
-them is then conservative. Do no harm on net (``policy.stand_down.NetGate``): a run stands down
+them is then conservative. Do no harm on net (``net_gate.NetGate``): a run stands down
 without planning (the baseline packing at d0, run as the static baseline: nothing planned,
 gathered or broadcast, so nothing paid) while its last planned step's predicted gain did not
 cover its own cost, probing again after 8 steps, then 16, 32, ... (up to 256).

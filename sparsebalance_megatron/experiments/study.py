@@ -44,7 +44,7 @@ every run of SparseBalance's pays its critical-path cost per step at the flags t
 the run's world size,
 calibration); the baselines pay nothing. Rows then carry ``step_time_net_s``,
 ``speedup_vs_static_net``, ``plugin_cost_ms`` (mean per step, by part), the flags and the cost
-source, and do no harm compares net times (``policy.stand_down.NetGate``: ``net_stood_down``,
+source, and do no harm compares net times (``net_gate.NetGate``: ``net_stood_down``,
 the fraction of steps that stood down without planning). Without a cost model: gross only.
 
 Per run: step time (mean over steps), speedup vs the baseline run (sum of its step times / sum of
@@ -78,8 +78,9 @@ from ..policy.dst_rounds import plan_dst
 from ..policy.dst_settings import dst_inputs
 from ..policy.quality import load_quality_cost
 from ..policy.quality_stages import StageQuality
-from ..policy.stand_down import NetGate, choose_step
+from ..policy.stand_down import choose_step
 from .heterogeneous import rank_scale, scale_costs
+from .net_gate import NetGate
 from .study_rows import VariantAccumulator, format_table  # noqa: F401  (format_table: re-exported)
 
 _PACKING = {"dense": "sequential", "dense_sab": "sab", "static": "sequential",

@@ -299,3 +299,20 @@ def features_of(mb_doc_lengths: Union["UnitFeatures", Sequence, tuple], block_si
                 f"model's)")
         return f
     return UnitFeatures.build(mb_doc_lengths, *want)
+
+
+def unit_rows(units, lo: int, hi: int, n: int) -> tuple:
+    """Units ``lo:hi`` of ``n`` (a ``UnitFeatures``, an (offsets, lengths) CSR or a list of length
+    arrays) as a CSR of their own."""
+    if isinstance(units, tuple) and len(units) == 2 and np.ndim(units[0]) == 1 \
+            and len(units[0]) == n + 1:
+        offsets, lengths = units
+    elif isinstance(units, UnitFeatures):
+        offsets, lengths = units.offsets, units.lengths
+    else:
+        return (np.r_[0, np.cumsum([len(x) for x in units[lo:hi]])].astype(np.int64),
+                np.concatenate([np.asarray(x, dtype=np.int64) for x in units[lo:hi]]))
+    if len(offsets) != n + 1:
+        raise ValueError(f"{len(offsets) - 1} micro-batches given: expected {n}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    return offsets[lo:hi + 1] - offsets[lo], np.asarray(lengths)[offsets[lo]:offsets[hi]]

@@ -85,16 +85,13 @@ def _tolerances(lo: float, hi: float) -> np.ndarray:
     return lo * (hi / lo) ** (np.arange(1, 4) / 4)
 
 
-def candidate_tree(settings: DSTSettings, narrow: bool) -> list:
+@lru_cache(maxsize=64)
+def candidate_tree(settings: DSTSettings, narrow: bool) -> tuple:
     """Every (anchor, tolerance) ``band_search`` can ask for, in its order: the configured
     band (and the narrower ones with ``narrow``), the no-cut plan, then every round's 3
     tolerances in each of the 4 sub-intervals the previous round can leave. Made once per
-    (anchor, tolerance, ``narrow``): every rank's and step's alike."""
-    return list(_candidate_tree(settings.anchor, settings.tolerance, bool(narrow)))
-
-
-@lru_cache(maxsize=64, typed=True)
-def _candidate_tree(anchor: str, tol: float, narrow: bool) -> tuple:
+    settings and ``narrow``: every rank's and step's alike."""
+    anchor, tol = settings.anchor, settings.tolerance
     out = list(band_ladder(anchor, tol) if narrow else [(anchor, tol)])
     out.append(("max", tol))
     level = [(max(float(tol), 1e-3), 10.0)]

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import kernels
 from ..kernels import f64
-from .table_memory import TableMemory
+from ..latency.features import unit_rows
 
 GRID_STEP = 1.0 / 64
 
@@ -255,21 +255,20 @@ class UnitCosts:
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,
                      densities: np.ndarray, calibrated: bool = True,
-                     kept_units=None, out: Optional[TableMemory] = None,
-                     rank: Optional[int] = None, rank_units: bool = False) -> "UnitCosts":
+                     kept_units=None, rank: Optional[int] = None,
+                     rank_units: bool = False) -> "UnitCosts":
         """Tabulate a ``latency.LatencyModel`` for one step on its layout's (virtual) stages.
 
         mb_doc_lengths: dp * m length arrays, rank-major (``BatchPlan.flat_lengths()``), or a
-        ``UnitFeatures`` of them. ``kept_units``: the same units' documents without their
-        padding (``BatchPlan.unit_csr()``), whose kept blocks make ``kept_grid`` (padding costs
-        time, but a move that keeps only more padding blocks buys nothing; None: the units' own
-        blocks). ``out``: a ``TableMemory`` to write the tables into (None: fresh arrays).
+        ``UnitFeatures`` of them. ``kept_units``: the same units' documents without their padding
+        (``BatchPlan.unit_csr()``), whose kept blocks make ``kept_grid`` (padding costs time, but a
+        move that keeps only more padding blocks buys nothing; None: the units' own blocks).
         ``rank``: DP rank r's [1, m, stages] costs alone (its units of the dp x m given, or with
-        ``rank_units`` the m given are its own), calibrated as rank r. With ``calibrated``, rank
-        r's times are scaled by its correction and its pipeline rank's (``correction_grid``:
-        virtual stage v runs on pipeline rank v mod pp). attn_work: kept block pairs at density
-        1 x the stage's attention layers (``layout.attention_layers``) of the sparse path's
-        documents, ``dense_work`` that of the routed ones (``dense_below_tokens``).
+        ``rank_units`` the m given are its own), calibrated as rank r. With ``calibrated``, rank r's
+        times are scaled by its correction and its pipeline rank's (``correction_grid``: virtual
+        stage v runs on pipeline rank v mod pp). attn_work: kept block pairs at density 1 x the
+        stage's attention layers (``layout.attention_layers``) of the sparse path's documents,
+        ``dense_work`` that of the routed ones (``dense_below_tokens``).
         """
         g = np.asarray(densities, dtype=np.float64)
         m, rows = int(num_microbatches), dp
@@ -288,10 +287,7 @@ class UnitCosts:
         with_dense = feats.work_grid(np.append(g, 1.0))              # [n, g + 1]
         work, dense = np.ascontiguousarray(with_dense[:, :-1]), with_dense[:, -1]
         ranks = model.layout.pp
-        grid_fn = getattr(model, "correction_grid", None)
-        corr = (grid_fn(dp, ranks) if grid_fn is not None else np.array(
-            [[model.correction(r)] * ranks for r in range(dp)])) if calibrated \
-            else np.ones((dp, ranks))
+        corr = model.correction_grid(dp, ranks) if calibrated else np.ones((dp, ranks))
         if rank is not None:
             corr = corr[rank:rank + 1]
         corr = np.repeat(corr, m, axis=0)[:, np.arange(pp) % ranks]  # [n, stages] unit's rank
@@ -300,7 +296,7 @@ class UnitCosts:
                           np.stack([t.bwd_fixed_s for t in terms], axis=1)])   # [2, n, stages]
         per_pair = np.asarray([[t.fwd_attn_s_per_pair for t in terms],
                                [t.bwd_attn_s_per_pair for t in terms]], np.float64)
-        fb, total = (TableMemory() if out is None else out).arrays(n, pp, g.size)
+        fb, total = np.empty((2, n, pp, g.size)), np.empty((n, pp, g.size))
         # (work x per_pair + fixed) x correction (x 1.0 is exact: left out), and their total
         formula = (work, f64(per_pair), f64(fixed), f64(corr), not bool(np.all(corr == 1.0)))
         kernels.grid.unit_tables(*formula, fb, total)
@@ -361,20 +357,3 @@ def _non_decreasing(a: np.ndarray) -> np.ndarray:
     if a.shape[-1] < 2 or bool(np.all(a[..., 1:] >= a[..., :-1])):
         return a
     return np.maximum.accumulate(a, axis=-1)
-
-
-def unit_rows(units, lo: int, hi: int, n: int) -> tuple:
-    """Units ``lo:hi`` of ``n`` (a ``UnitFeatures``, an (offsets, lengths) CSR or a list of length
-    arrays) as a CSR of their own."""
-    if isinstance(units, tuple) and len(units) == 2 and np.ndim(units[0]) == 1 \
-            and len(units[0]) == n + 1:
-        offsets, lengths = units
-    elif hasattr(units, "offsets") and hasattr(units, "lengths"):
-        offsets, lengths = units.offsets, units.lengths
-    else:
-        return (np.r_[0, np.cumsum([len(x) for x in units[lo:hi]])].astype(np.int64),
-                np.concatenate([np.asarray(x, dtype=np.int64) for x in units[lo:hi]]))
-    if len(offsets) != n + 1:
-        raise ValueError(f"{len(offsets) - 1} micro-batches given: expected {n}")
-    offsets = np.asarray(offsets, dtype=np.int64)
-    return offsets[lo:hi + 1] - offsets[lo], np.asarray(lengths)[offsets[lo]:offsets[hi]]

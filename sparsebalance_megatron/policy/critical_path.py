@@ -33,7 +33,7 @@ class DescentSetup(NamedTuple):
     record, the round's phases (``kernels.descent.Round``), every unit's seconds at d_min
     (flat) and every unit's offset in the flat tables ([dp, m, nv]). A caller that descends
     many times on the same costs (``dst_probes``: a rank's ~25 descents and its fills) makes
-    it once and passes it to each (``descend_at``'s ``setup``)."""
+    it once and passes it to each ``descend_at``."""
 
     graph: object
     record: object
@@ -67,20 +67,18 @@ def descent_setup(costs: UnitCosts, i_min: int, i_max: int, p2p_s: float) -> Des
     return DescentSetup(graph, record, tables, rnd, t_min, base)
 
 
-def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s: float,
-               raise_headroom: float, meets_at, floors_at=None, goal: float = 0.0,
-               setup: DescentSetup = None):
-    """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] (module
-    docstring; each round's phases ``kernels.descent.Round``'s), ``ROUNDS`` rounds at most:
+def descend_at(setup: DescentSetup, idx: np.ndarray, raise_headroom: float, meets_at,
+               floors_at=None, goal: float = 0.0):
+    """Critical-path descent from the plan at grid indices ``idx`` [dp, m, nv] on the costs,
+    bounds and p2p latency of ``setup`` (``descent_setup``; module docstring; each round's
+    phases ``kernels.descent.Round``'s), ``ROUNDS`` rounds at most:
     (grid indices, predicted step time s) of the best plan found, ``idx`` itself if none is
     faster. ``meets_at(idx)``: whether a plan keeps the floors; ``floors_at(idx)`` (optional):
     a part of it no raise can break (true of every plan at or above a plan that passes, as
     mean-density floors are), so a round whose largest raise fails it is given up unsimulated.
     Only what a round can change is searched and simulated (a unit off every path longer than
-    T' keeps its density; a DP rank none of whose units moves keeps its simulation). ``goal``: no round asks for a step below it, and the descent stops there (0: none).
-    ``setup``: ``descent_setup`` of the same costs, bounds and p2p, else made here."""
-    if setup is None:
-        setup = descent_setup(costs, i_min, i_max, p2p_s)
+    T' keeps its density; a DP rank none of whose units moves keeps its simulation). ``goal``:
+    no round asks for a step below it, and the descent stops there (0: none)."""
     tables, rnd, t_min = setup.tables, setup.rnd, setup.t_min
     rnd.plan_changed()                  # a fresh round: no pick or look-up of another plan
     f, b, dur, ef, mk = setup.simulate(idx)
@@ -113,9 +111,8 @@ def descend_at(costs: UnitCosts, idx: np.ndarray, i_min: int, i_max: int, p2p_s:
         mk_new[ranks] = mk_p
         new_step = float(mk_new.max())
         if new_step < step * (1 - 1e-9) and meets_at(new):
-            g = costs.densities.size
-            np.put(f1, up, tables.fwd.take(up * g + raised))
-            np.put(b1, up, tables.bwd.take(up * g + raised))
+            np.put(f1, up, tables.fwd.take(up * tables.g + raised))
+            np.put(b1, up, tables.bwd.take(up * tables.g + raised))
             dur1[:, ranks], ef1[:, ranks] = dur_p, ef_p
             rnd.plan_changed(new.reshape(-1) == idx.reshape(-1))
             idx, f, b, step, dur, ef, mk = new, f1, b1, new_step, dur1, ef1, mk_new

@@ -27,7 +27,10 @@ class WeightTotals:
         self.w = np.asarray(weights, dtype=np.float64)
         self.tot, self.dense = float(self.w.sum()), None
         if dense_weights is not None:
-            self._dw = _dense_weights(dense_weights, self.w.shape)
+            self._dw = np.asarray(dense_weights, dtype=np.float64)
+            if self._dw.shape != self.w.shape:
+                raise ValueError(f"dense_weights {self._dw.shape} must have the densities' "
+                                 f"shape {self.w.shape}")
             self.dense = float(self._dw.sum())
             self.tot = self.tot + self.dense
 
@@ -80,10 +83,3 @@ def weighted_mean_density(densities: np.ndarray, weights: np.ndarray,
     if d.shape != w.shape:
         raise ValueError(f"densities {d.shape} and weights {w.shape} must have the same shape")
     return WeightTotals(w, dense_weights).mean(float((d * w).sum()), lambda: float(d.mean()))
-
-
-def _dense_weights(dense_weights, shape) -> np.ndarray:
-    w = np.asarray(dense_weights, dtype=np.float64)
-    if w.shape != shape:
-        raise ValueError(f"dense_weights {w.shape} must have the densities' shape {shape}")
-    return w

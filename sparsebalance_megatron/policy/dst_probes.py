@@ -162,9 +162,9 @@ class RankProbes:
             return True                       # later round is kept too
 
         def descend(start, goal):
-            new, step = descend_at(costs, start[0], self.i_min, self.i_max, s.p2p_s,
-                                   s.raise_headroom, (lambda i: True) if lim is None else meets_at,
-                                   None if lim is None else floors_at, goal=goal, setup=self.setup)
+            new, step = descend_at(self.setup, start[0], s.raise_headroom,
+                                   (lambda i: True) if lim is None else meets_at,
+                                   None if lim is None else floors_at, goal=goal)
             if not step < start[1]:
                 return start
             if met[0] is not None and met[0][0] is new:      # its record made by meets_at
@@ -192,8 +192,9 @@ class RankProbes:
         floors: makespans (max), kept work by stage and quality sums (sums)."""
         kept_all, q_all = agreed["kept_s"], float(agreed["quality"])
         sup_k, sup_q = agreed["supply_kept"], agreed["supply_q"]
-        slack = (kept_all.sum() + sup_k.sum(axis=1) + a1.dense - self.floor * a1.tot,
-                 kept_all + sup_k + a1.dense_s - self.stage_floor * a1.tot_s,
+        t = a1.totals
+        slack = (kept_all.sum() + sup_k.sum(axis=1) + t.dense - self.floor * t.tot,
+                 kept_all + sup_k + t.dense_s - self.stage_floor * t.tot_s,
                  1e-12 * a1.tokens - q_all - sup_q)
         n = np.maximum(agreed["descending"], 1.0)
         total = (agreed["demand_total"], agreed["demand_kept"], agreed["demand_q"])
@@ -215,7 +216,7 @@ class RankProbes:
         makespans: [P, ...]) meet the descent's floors globally, the first of equal steps; -1:
         none is faster than ``start_step``."""
         floor, stage_floor = self.floor - 1e-12, self.stage_floor - 1e-12
-        mean, stage = a1.densities_of(a["kept_s"])          # every plan's, as ``densities``
+        mean, stage = a1.densities(a["kept_s"])          # every plan's
         mk = np.asarray(a["mk"], dtype=np.float64)
         meets = (mean >= floor) & (stage.min(axis=1) >= stage_floor) & (mk < start_step)
         if self.qsum is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .costs import UnitCosts
+from .density_means import WeightTotals
 from .critical_path import descent_floors
 from .bands import band_search, candidate_tree
 from .dst_band import (SPEED_TIE, DSTPlan, DSTReport, band_pass, cut_rows, plan_reports,
@@ -62,10 +63,7 @@ class Agreed1:
     (every rank's)."""
     anchors: dict
     t0: float
-    tot: float                  # work-weighted mean's denominator (routed work included)
-    tot_s: np.ndarray           # [stages]
-    dense: float                # routed work at density 1 (0 without routing)
-    dense_s: np.ndarray         # [stages]
+    totals: WeightTotals        # of every rank's weights (routed work included)
     units: int                  # micro-batches over all ranks
     dp: int = 1                 # DP ranks
     tokens: float = 0.0         # the step's tokens (the quality change's denominator)
@@ -82,24 +80,27 @@ class Agreed1:
             return MAX_EXCHANGE_RATE
         return float(min(max(self.q_lo / self.tokens / gain, 0.0), MAX_EXCHANGE_RATE))
 
-    def densities(self, kept_s: np.ndarray, plain_s: np.ndarray) -> tuple:
-        """(mean, per-stage [stages]) work-weighted density of a plan whose agreed kept work by
-        stage is ``kept_s`` (routed work added here); where the weights are zero, ``plain_s``,
-        the plan's plain mean density by stage."""
-        kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
-        ok = self.tot_s > 0
-        mean = float(kept_s.sum() / self.tot) if self.tot > 0 else \
-            float(plain_s.sum() / plain_s.size)
-        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0), plain_s)
+    def densities(self, kept_s: np.ndarray, plain=lambda: np.inf) -> tuple:
+        """(mean, per-stage) work-weighted density (``WeightTotals``) of a plan whose agreed
+        kept work by stage is ``kept_s`` [stages], or of every row of ``kept_s`` [n, stages]
+        at once (a row's sum is numpy's over the same elements in the same order); ``plain()``:
+        what a mean and a stage read where the weights are zero (a floor check's: inf, no floor
+        applies)."""
+        kept_s, t = np.asarray(kept_s, dtype=np.float64), self.totals
+        return (t.mean(kept_s.sum(axis=-1), lambda: float(np.mean(plain()))),
+                t.stage(kept_s, plain))
 
-    def densities_of(self, kept_s: np.ndarray) -> tuple:
-        """A floor check's ``densities`` of every row j of ``kept_s`` [n, stages] at once:
-        (means [n], per-stage [n, stages]); where the weights are zero 1.0 and inf (no floor
-        applies). A row's sum is numpy's over the same elements in the same order."""
-        kept_s = np.asarray(kept_s, dtype=np.float64) + self.dense_s
-        ok = self.tot_s > 0
-        mean = kept_s.sum(axis=1) / self.tot if self.tot > 0 else np.ones(kept_s.shape[0])
-        return mean, np.where(ok, kept_s / np.where(ok, self.tot_s, 1.0), np.inf)
+
+def agreed_report(r: DSTReport, a1: Agreed1, a: dict, **fields) -> DSTReport:
+    """``r`` with a plan's numbers the DP group agreed, ``a``: its kept and plain density by
+    stage (sums), makespan (max) and the makespans' sum, and its units cut and raised
+    (``counts``); ``fields``: the report's other fields that change."""
+    mean, stage = a1.densities(a["kept_s"], lambda: a["plain_s"] / a1.units)
+    step, mean_mk = float(a["mk"]), float(a["mk_sum"]) / a1.dp
+    return replace(r, step_time_planned_s=step, speedup=a1.t0 / step if step > 0 else 1.0,
+                   imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
+                   mean_density=float(mean), density_per_stage=tuple(float(x) for x in stage),
+                   units_cut=int(a["counts"][0]), units_raised=int(a["counts"][1]), **fields)
 
 
 class RankDST:
@@ -205,17 +206,12 @@ class RankDST:
         a1, p = self.a1, self.plans[k]
         if a1.dp == 1:
             return p.report
-        mean, stage = a1.densities(a3["kept_s"][k], a3["plain_s"][k] / a1.units)
-        step, mean_mk = float(a3["mk"][k]), float(a3["mk_sum"][k]) / a1.dp
-        cut, raised, reverted = (int(x) for x in a3["counts"][k])
-        return replace(p.report, step_time_planned_s=step, speedup=a1.t0 / step if step > 0
-                       else 1.0, imbalance_before=a1.t0 / a1.mk0_mean if a1.mk0_mean > 0
-                       else 1.0, imbalance_after=step / mean_mk if mean_mk > 0 else 1.0,
-                       units_cut=cut, units_raised=raised, ranks_reverted=reverted,
-                       step_time_cut_s=float(self.t1[k]), mean_density=mean,
-                       density_per_stage=tuple(float(x) for x in stage),
-                       quality_cost=float(a3["quality"][k]) / a1.tokens
-                       if self.quality is not None and self.water[k] else float("nan"))
+        row = {key: a3[key][k] for key in ("kept_s", "plain_s", "mk", "mk_sum", "counts")}
+        return agreed_report(p.report, a1, row, ranks_reverted=int(a3["counts"][k][2]),
+                             imbalance_before=a1.t0 / a1.mk0_mean if a1.mk0_mean > 0 else 1.0,
+                             step_time_cut_s=float(self.t1[k]),
+                             quality_cost=float(a3["quality"][k]) / a1.tokens
+                             if self.quality is not None and self.water[k] else float("nan"))
 
     def choose(self, a3: dict) -> int:
         """The band search replayed on the agreed verdicts (AR3's sums and maxima): the index
@@ -234,31 +230,23 @@ class RankDST:
             return views[i]
 
         def agreed_cost(p) -> float:
-            """A row's quality cost, the whole step's (at DP 1 the central call itself)."""
-            if self.a1.dp == 1:
-                return q.plan_cost_at(p.grid_index, self.costs.densities)
+            """A row's quality cost, the whole step's (the guard of a narrower band)."""
             return float(a3["quality"][p.k]) / self.a1.tokens
 
-        if self.both:
-            # the guard of a narrower band (at DP 1 the central call itself)
-            guard = (lambda p: q.plan_cost(p.densities)) if self.a1.dp == 1 else agreed_cost
-            searches = [(band_search(s, narrow=self.narrow, guard=guard), False),
-                        (band_search(s, narrow=self.narrow, quality=q), True)]
-        else:
-            searches = [(band_search(s, narrow=self.narrow, quality=q), q is not None)]
-        pending = {n: next(g) for n, (g, _) in enumerate(searches)}
-        out = [None] * len(searches)
-        while pending:
-            for n in list(pending):
-                g, w = searches[n]
+        def replay(search, water: bool):
+            """A band search driven to its end on the rows' agreed views."""
+            asked = next(search)
+            while True:
                 try:               # a KeyError: the tree missed a candidate (a bug)
-                    pending[n] = g.send([view(index[c, w]) for c in pending[n]])
+                    asked = search.send([view(index[c, water]) for c in asked])
                 except StopIteration as done:
-                    out[n] = done.value
-                    del pending[n]
-        kept = out[0]
-        if self.both:       # the quality cost chooses within SPEED_TIE of the faster
-            ordered, filled = out
+                    return done.value
+
+        if not self.both:
+            kept = replay(band_search(s, narrow=self.narrow, quality=q), q is not None)
+        else:               # the quality cost chooses within SPEED_TIE of the faster
+            ordered = replay(band_search(s, narrow=self.narrow, guard=agreed_cost), False)
+            filled = replay(band_search(s, narrow=self.narrow, quality=q), True)
             ordered.report.quality_cost = agreed_cost(ordered)
             fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] \
                 or [filled]
@@ -271,8 +259,9 @@ class RankDST:
     def descent_start(self, a3: dict) -> dict:
         """After ``choose``: the descent's start, the band plan where it meets the descent's
         neutral floors globally (AR3's verdict: the same on every rank), else the static plan;
-        AR3b's parts: the rank's parts of the start's sums (``parts``) and
-        of every probe's supply and demand (``dst_probes.RankProbes.first``)."""
+        AR3b's parts: the rank's parts of the start's agreed numbers (kept work by stage and
+        quality sum: sums; makespan: max) and of every probe's supply and demand
+        (``dst_probes.RankProbes.first``)."""
         s, r, k = self.settings, self.chosen_report, self.chosen
         ok = (r.meets(*descent_floors(s), quality=self.quality is not None)
               and not r.step_time_planned_s > r.step_time_static_s)
@@ -289,18 +278,13 @@ class RankDST:
             (lambda i: float(self.quality.sums_at(i, self.costs.densities)))
         self.probes = RankProbes(self.costs, self.w, s, qsum, self.cur,
                                  probe_steps(self.start_step))
-        out, more = self.parts(), self.probes.first()
-        out["sum"].update(more["sum"])
-        out["max"].update(more["max"])
+        _, mk, kept_s, q = self.cur
+        more = self.probes.first()
+        out = {"sum": {"kept_s": kept_s, "quality": q, **more["sum"]},
+               "max": {"mk": mk, **more["max"]}}
         if self.quality is not None:
             out["sum"].update(self.replicate_parts()["sum"])
         return out
-
-    def parts(self) -> dict:
-        """The rank's parts of its current plan's agreed numbers: kept work by stage and
-        quality sum (sums), makespan (max)."""
-        _, mk, kept_s, q = self.cur
-        return {"sum": {"kept_s": kept_s, "quality": q}, "max": {"mk": mk}}
 
     def probe(self, agreed: dict) -> dict:
         """AR4's parts (AR3b's sums ``agreed``): the rank's plans at every probe step

@@ -24,15 +24,16 @@ Pure numpy; must not import torch, megatron or torch.distributed.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Generator, Optional
 
 import numpy as np
 
 from .agreed_stats import straggler_present
 from .costs import UnitCosts
+from .density_means import WeightTotals
 from .dst_band import SPEED_TIE, DSTPlan, DSTReport
-from .dst_ranks import PHASES, Agreed1, RankDST, rank_slice
+from .dst_ranks import PHASES, Agreed1, RankDST, agreed_report, rank_slice
 from .dst_settings import DSTSettings
 
 Parts = dict          # {"sum": {key: value}, "max": {key: value}}: one rank's part of a round
@@ -53,11 +54,9 @@ class RankPlan:
 def agreed1(a: dict) -> Agreed1:
     """AR1's agreed sums and maxima (``RankDST.ar1``'s keys) as the numbers the rounds read."""
     anchors = {"mean": float(a["busy"] / a["busy_n"]), "max": float(a["busy_max"])}
-    dense_s = np.asarray(a["dense_s"], dtype=np.float64)
-    dense = float(dense_s.sum())
     return Agreed1(anchors=anchors, t0=float(a["mk0"]),
-                   tot=float(np.asarray(a["tot_s"]).sum()) + dense, tot_s=a["tot_s"] + dense_s,
-                   dense=dense, dense_s=dense_s, units=int(a["units"]), dp=int(a["ranks"]),
+                   totals=WeightTotals.of_sums(a["tot_s"], a["dense_s"]),
+                   units=int(a["units"]), dp=int(a["ranks"]),
                    mk0_mean=float(a["mk0_sum"]) / int(a["ranks"]), tokens=float(a["tokens"]),
                    mk_lo=float(a["mk_lo"]), q_lo=float(a["q_lo"]))
 
@@ -93,7 +92,8 @@ def rank_rounds(costs, sensitivity, settings: DSTSettings, *, quality=None,
         if step < min(report.step_time_planned_s, report.step_time_static_s) * (1.0 - SPEED_TIE):
             idx = rk.cur[0]
             a5 = yield timed(5, report_parts, rk)               # AR5: the report's sums
-            report = descended_report(report, a1, a5, quality is not None)
+            report = agreed_report(report, a1, a5, ranks_reverted=0, quality_cost=float(
+                a5["quality"]) / a1.tokens if quality is not None else report.quality_cost)
             replicates = a5["quality_b"]
         else:                            # the band plan
             j = -1
@@ -114,21 +114,8 @@ def report_parts(rk: RankDST) -> Parts:
     qb = np.zeros(0) if rk.quality is None else \
         rk.quality.replicate_sums_at(idx, rk.costs.densities)
     return {"sum": {"kept_s": kept_s, "plain_s": dens.sum(axis=(0, 1)), "quality": q,
-                    "quality_b": qb, "mk_sum": mk, "counts": counts, "units": idx.shape[1]},
+                    "quality_b": qb, "mk_sum": mk, "counts": counts},
             "max": {"mk": mk}}
-
-
-def descended_report(r: DSTReport, a1: Agreed1, a5: dict, quality: bool) -> DSTReport:
-    """The report of the descended plan from AR5's agreed sums (the band report ``r``'s other
-    fields kept)."""
-    mean, stage = a1.densities(a5["kept_s"], a5["plain_s"] / a5["units"])
-    step, mean_mk = float(a5["mk"]), float(a5["mk_sum"]) / a1.dp
-    cut, raised = (int(x) for x in a5["counts"])
-    return replace(r, step_time_planned_s=step, speedup=r.step_time_static_s / step,
-                   imbalance_after=step / mean_mk if mean_mk > 0 else 1.0, mean_density=mean,
-                   units_cut=cut, units_raised=raised, ranks_reverted=0,
-                   density_per_stage=tuple(float(x) for x in stage),
-                   quality_cost=float(a5["quality"]) / a1.tokens if quality else r.quality_cost)
 
 
 def reduce_in_process(parts: list) -> dict:

@@ -90,12 +90,11 @@ class DSTSettings:
 def dst_inputs(config, stages: int, p2p_s: float = 0.0, raise_headroom: Optional[float] = None,
                stage_layers=None, quality_scales: Optional[tuple] = None) -> tuple:
     """(``DSTSettings``, the quality objective's ``StageQuality`` or None) of a
-    ``SparseBalanceConfig`` for costs of ``stages`` (virtual) stages. ``raise_headroom``
-    overrides the config's (the runtime passes the measured error when the config says 'auto';
-    'auto' without one is ``DEFAULT_RAISE_HEADROOM``). With ``--sb-dst-objective quality`` (the
-    default), ``stage_layers`` (the decoder layers of every (virtual) stage) maps the quality
-    model onto the stages: without it a ``ValueError`` (no silent fall-back to the density
-    objective); ``dst_objective="density"`` needs none. ``quality_scales``: the depth groups'
+    ``SparseBalanceConfig`` for costs of ``stages`` (virtual) stages (``raise_headroom``:
+    ``DSTSettings.from_config``'s). With ``--sb-dst-objective quality`` (the default),
+    ``stage_layers`` (the decoder layers of every (virtual) stage) maps the quality model onto
+    the stages: without it a ``ValueError`` (no silent fall-back to the density objective);
+    ``dst_objective="density"`` needs none. ``quality_scales``: the depth groups'
     scales of the run's last quality refresh (``quality_refresh``; None: the model as loaded)."""
     quality = None
     if config.dst_objective == "quality":

@@ -12,8 +12,7 @@ where each c_g is convex and non-increasing in density (piecewise linear through
 linear below the first, flat above the last): loss is convex in a group's density, so
 concentrated cuts cost more than the same kept blocks spread, and a long document's blocks are
 many and each worth less (``length_exponent`` < 0 where the measurement says so; outside the
-lengths measured, ``length_range``, a document counts as the nearest measured length);
-``gamma``
+lengths measured, ``length_range``, a document counts as the nearest measured length); ``gamma``
 is the groups' interaction (cuts in two groups cost more, or less, than the sum). A plan's
 change against uniform d0 is ``E(n, d) - E(n, d0)`` summed over its documents' tokens and divided
 by the step's tokens (token-weighted, as a training loss weighs them). Its uncertainty is the
@@ -23,15 +22,9 @@ Groups are depth ranges as fractions of the model ([0, 1/3), ...), so a model me
 network maps onto another's pipeline (virtual) stages by the share of each group's layers a stage
 holds (``stage_weights``; the planner's side is ``quality_stages``).
 
-JSON (``version`` 2)::
-
-    {"kind": "sparsebalance-quality-cost", "version": 2, "model": str,
-     "reference_density": d0, "reference_loss": nats, "windows": samples,
-     "window_tokens": mean tokens, "text": str, "length_ref": tokens,
-     "length_range": [shortest, longest], "length_exponent": b,
-     "interaction": gamma, "groups": [{"depth": [lo, hi], "layers": [first, last],
-     "knots": [...], "cost": [...]}], "bootstrap": [{"length_exponent": b, "interaction": g,
-     "cost": [[...] per group]}], "fit": {...}}
+The file (JSON, ``version`` 2) holds the fields ``QualityCost.as_dict`` writes; ``from_dict``
+checks them: the groups tile the depth [0, 1], and every curve (the fit's and each bootstrap
+replicate's) is convex and non-increasing over increasing knots in (0, 1].
 
 Pure numpy; must not import torch or megatron.
 """
@@ -71,11 +64,7 @@ class GroupCost:
     depth: tuple                # (lo, hi) fraction of the model's depth
     layers: tuple               # (first, last) 1-based layers of the measured model
     knots: np.ndarray
-    cost_at_knots: np.ndarray
-
-    def cost(self, density) -> np.ndarray:
-        """Convex, non-increasing loss increase (nats per token, at rho = 1)."""
-        return curve(self.knots, self.cost_at_knots, density)
+    cost_at_knots: np.ndarray   # convex, non-increasing loss increase (nats per token, rho = 1)
 
 
 @dataclass(frozen=True)
@@ -87,7 +76,7 @@ class Replicate:
     cost: tuple                 # [G] arrays
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)      # hashed by identity (``StageQuality.from_cost``'s cache)
 class QualityCost:
     model: str
     reference_density: float

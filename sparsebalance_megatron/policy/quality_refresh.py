@@ -13,7 +13,6 @@ Pure numpy; must not import torch or megatron.
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 from dataclasses import replace
 from typing import Optional, Sequence
@@ -85,7 +84,7 @@ def scaled(cost: QualityCost, scales: Sequence[float]) -> QualityCost:
 
 def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
                    measured: Sequence[float], stderr: Optional[Sequence[float]] = None, *,
-                   lengths=None, tokens=None, max_scale: float = MAX_SCALE) -> np.ndarray:
+                   lengths=None, tokens=None) -> np.ndarray:
     """[G] each group's scale (the module's rule) from ``measured[g]``, the loss change (nats
     per token) of group g at ``tested[g]`` against uniform ``d0``, with its ``stderr`` (None:
     no shrinkage); ``lengths`` and ``tokens``: the measured documents'."""
@@ -100,9 +99,6 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
     se = np.zeros(g) if stderr is None else _checked_vector(stderr, g, "stderr")
     if np.any(se < 0):
         raise QualityCostError(f"stderr {se.tolist()}: expected numbers >= 0")
-    if not (isinstance(max_scale, numbers.Real) and math.isfinite(max_scale)
-            and max_scale >= 1.0):
-        raise QualityCostError(f"max_scale={max_scale!r}: expected a finite number >= 1")
     _documents(cost, lengths, tokens)                  # refused before any work
     p = predicted_changes(cost, d0, t, lengths, tokens)
     if np.any(p <= 0):
@@ -111,7 +107,7 @@ def refresh_scales(cost: QualityCost, d0: float, tested: Sequence[float],
                                f"test below the curves' flat part")
     s = np.ones(g)
     for _ in range(ITERATIONS if cost.interaction else 1):
-        s = np.clip(s * m / p, 1.0 / max_scale, max_scale)   # a change <= 0: the lowest
+        s = np.clip(s * m / p, 1.0 / MAX_SCALE, MAX_SCALE)   # a change <= 0: the lowest
         if cost.interaction:
             p = predicted_changes(scaled(cost, s), d0, t, lengths, tokens)
     return s ** shrink_weight(m, se)

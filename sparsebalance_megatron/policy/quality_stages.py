@@ -12,6 +12,7 @@ Pure numpy; must not import torch or megatron.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -20,8 +21,6 @@ import numpy as np
 from .quality import QualityCost, QualityCostError, curve
 
 UNCERTAINTY_Z = 1.0           # a plan's uncertainty: this many bootstrap standard deviations
-
-_FROM_COST: dict = {}      # StageQuality.from_cost's: (id(cost), layers, d0) -> (cost, quality)
 
 
 @dataclass(frozen=True)
@@ -39,15 +38,7 @@ class StageQuality:
                   ) -> "StageQuality":
         """The stages' quality of ``cost``; the same object for the same cost object, layers
         and d0 (DST asks every step: its grid tables are then made once)."""
-        key = (id(cost), tuple(float(x) for x in stage_layers), float(d0))
-        hit = _FROM_COST.get(key)
-        if hit is not None and hit[0] is cost:
-            return hit[1]
-        out = cls(cost, cost.stage_weights(stage_layers), float(d0))
-        if len(_FROM_COST) >= 16:
-            _FROM_COST.clear()
-        _FROM_COST[key] = (cost, out)          # the cost held: its id is not reused meanwhile
-        return out
+        return _stage_quality(cost, tuple(float(x) for x in stage_layers), float(d0))
 
     @property
     def stages(self) -> int:
@@ -195,6 +186,13 @@ class StageQuality:
                             max(float(np.asarray(tokens).sum()), 1.0))
 
 
+@functools.lru_cache(maxsize=16)
+def _stage_quality(cost: QualityCost, stage_layers: tuple, d0: float) -> StageQuality:
+    """``StageQuality.from_cost``'s objects, by the cost object (a ``QualityCost`` hashes by
+    identity; the cache holds it, so its id is not reused meanwhile)."""
+    return StageQuality(cost, cost.stage_weights(stage_layers), d0)
+
+
 def _change(diff, f1, f2, gamma, s0) -> np.ndarray:
     """``StageQuality.change``'s rule with the model's constants given: ``gamma`` and ``s0``
     scalars, or arrays that broadcast against ``diff`` (several models at once; a model whose
@@ -228,10 +226,6 @@ class BoundQuality:
     f2: np.ndarray              # the fit's, then each bootstrap replicate's
     tokens: float               # the units' tokens (the plan cost's denominator; at least 1)
 
-    @property
-    def replicates(self) -> int:
-        return self.f1.shape[0] - 1
-
     def unit_scale(self) -> np.ndarray:
         """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of
         ``change`` there per unit of stage-summed cost): the water-filling's per-unit factor."""
@@ -258,17 +252,13 @@ class BoundQuality:
 
     def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[..., B] ``sums_at`` under every bootstrap replicate."""
-        if not self.replicates:
+        if self.f1.shape[0] < 2:                                        # no replicates
             return np.zeros(np.shape(idx)[:-3] + (0,))
         return np.moveaxis(self._sums(idx, grid, slice(1, None)), 0, -1)
 
-    def plan_cost_at(self, idx: np.ndarray, grid: np.ndarray) -> float:
-        """The per-token loss change against uniform d0 of the plan at grid indices ``idx``
-        [dp, m, nv] of ``grid``."""
-        return float(self.sums_at(idx, grid)) / self.tokens
-
     def plan_cost(self, densities: np.ndarray) -> float:
-        """``plan_cost_at`` of a plan given by its densities [dp, m, nv], interpolated."""
+        """The per-token loss change against uniform d0 of a plan given by its densities
+        [dp, m, nv], interpolated (``sums_at`` / ``tokens`` of a plan on the grid)."""
         d = np.asarray(densities, dtype=np.float64)
         if d.ndim != 3 or d.shape[2] != self.stage.stages:
             raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
@@ -276,13 +266,11 @@ class BoundQuality:
         diff = _stagewise(self.stage, d, None).sum(axis=-1) - self.stage.reference().sum()
         return float(self.stage.change(diff, self.f1[0], self.f2[0]).sum()) / self.tokens
 
-    def uncertainty(self, replicate_sums: np.ndarray, tokens: Optional[float] = None
-                    ) -> np.ndarray:
-        """[...] the per-token uncertainty of plans whose ``replicate_sums`` [..., B] are given
-        (summed over ``tokens``, the bound units' by default): ``UNCERTAINTY_Z`` bootstrap SDs
-        (0 without replicates)."""
+    def uncertainty(self, replicate_sums: np.ndarray, tokens: float) -> np.ndarray:
+        """[...] the per-token uncertainty of plans whose ``replicate_sums`` [..., B] are given,
+        summed over ``tokens`` (the whole step's): ``UNCERTAINTY_Z`` bootstrap SDs (0 without
+        replicates)."""
         r = np.asarray(replicate_sums, dtype=np.float64)
         if r.shape[-1] < 2:
             return np.zeros(r.shape[:-1])
-        return UNCERTAINTY_Z * r.std(axis=-1, ddof=1) / (self.tokens if tokens is None
-                                                            else tokens)
+        return UNCERTAINTY_Z * r.std(axis=-1, ddof=1) / tokens

@@ -1,15 +1,14 @@
 """Do no harm (issue 27; docs/DESIGN.md section 5, "Do no harm"): per step, commit SAB's packing
 and DST's plan only where they are predicted no slower than what a static run of the same step
 would do (``choose_step``; ``--sb-stand-down``, ``--sb-stand-down-compare``), on the predictor DST
-plans with; and whether to plan at all, net of the plugin's own cost (issue 44, ``NetGate``).
-One rule for the runtime (``megatron/step/choice.py``) and the simulated study.
+plans with. One rule for the runtime (``megatron/step/choice.py``) and the simulated study.
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Generator, Optional, Sequence
 
 import numpy as np
@@ -17,9 +16,8 @@ import numpy as np
 from ..config import STAND_DOWN_COMPARES
 from ..sim.pipeline import pipeline_makespan_s
 from .costs import UnitCosts
+from .dst_band import REL_EPS
 from .dst_rounds import group_max, plan_rounds_in_process
-
-REL_EPS = 1e-9   # float slack when comparing predicted step times (the planner's own _REL_EPS)
 
 
 def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0) -> float:
@@ -29,34 +27,8 @@ def plan_step_time_s(costs: UnitCosts, densities: np.ndarray, p2p_s: float = 0.0
     d = np.asarray(densities, dtype=np.float64)
     if d.shape != costs.shape:
         raise ValueError(f"densities {d.shape} do not match the costs' units {costs.shape}")
-    return _step_time_at(costs, costs.grid_index(d), p2p_s)
-
-
-def _step_time_at(costs: UnitCosts, idx: np.ndarray, p2p_s: float) -> float:
-    """``plan_step_time_s`` of the plan at grid indices ``idx`` [dp, m, stages]."""
-    f, b = costs.at(idx)
+    f, b = costs.at(costs.grid_index(d))
     return float(pipeline_makespan_s(f, b, p2p_s, pp=costs.pipeline_ranks).max())
-
-
-def _static_time_s(costs: UnitCosts, d0: float, p2p_s: float) -> float:
-    """``plan_step_time_s`` of every unit at d0: the grid index every unit's search finds,
-    found once."""
-    return _step_time_at(costs, np.full(costs.shape, costs.grid_index(d0), dtype=np.int64),
-                         p2p_s)
-
-
-def _planned_time_s(costs: UnitCosts, plan: np.ndarray, p2p_s: float, payload) -> float:
-    """``plan_step_time_s`` of ``plan``, from the grid indices DST's plan carries
-    (``payload.grid_index``) where they are the ones the search would find: the plan's
-    densities are their grid's, and the grid's points lie more than 2e-12 apart (so the
-    search's ``- 1e-12`` cannot fall below the point below)."""
-    i, g = getattr(payload, "grid_index", None), costs.densities
-    if i is not None and g.size >= 2 and float(np.min(np.diff(g))) > 2e-12:
-        i = np.asarray(i)
-        if i.shape == costs.shape == plan.shape and i.dtype.kind in "iu" and i.size \
-                and 0 <= i.min() and i.max() < g.size and np.array_equal(g.take(i), plan):
-            return _step_time_at(costs, i, p2p_s)
-    return plan_step_time_s(costs, plan, p2p_s)
 
 
 def slower(t_s: float, reference_s: float) -> bool:
@@ -136,7 +108,7 @@ def choice_rounds(costs: Sequence[UnitCosts], d0: float, p2p_s: float = 0.0,
     if enabled and compare == "static" and len(costs) > 1:
         static = []
         for c in costs:
-            static.append((yield from group_max(_static_time_s(c, d0, p2p_s))))
+            static.append((yield from group_max(plan_step_time_s(c, np.full(c.shape, d0), p2p_s))))
         i = 0 if slower(static[1], static[0]) else 1        # SAB's static plan strictly faster
         plan, payload = (yield from plans[i]) if plans is not None else (None, None)
         out = yield from outcome_rounds(costs[i], d0, p2p_s, plan, enabled, payload, static[i])
@@ -164,81 +136,14 @@ def outcome_rounds(costs: UnitCosts, d0: float, p2p_s: float, plan: Optional[np.
     the DP group's maximum (``dst_rounds.group_max``)."""
     static = np.full(costs.shape, float(d0))
     if static_s is None:
-        static_s = yield from group_max(_static_time_s(costs, d0, p2p_s))
+        static_s = yield from group_max(plan_step_time_s(costs, static, p2p_s))
     if plan is None:
         return PackingOutcome(static, static_s, static_s, None, None, payload)
     plan = np.asarray(plan, dtype=np.float64)
-    planned_s = yield from group_max(_planned_time_s(costs, plan, p2p_s, payload))
+    planned_s = yield from group_max(plan_step_time_s(costs, plan, p2p_s))
     if enabled and slower(planned_s, static_s):
         return PackingOutcome(static, static_s, static_s, planned_s, True, payload)
     return PackingOutcome(plan, planned_s, static_s, planned_s, False, payload)
-
-
-@dataclass
-class NetGate:
-    """Do no harm on net (issue 44; the module docstring's last paragraph): the step plans
-    unless the last planned step's net gain, its predicted gain over the baseline
-    (``StepChoice.baseline_s`` minus the committed step) less its own cost, was below zero; then
-    the step stands down without planning and runs as the static baseline (the baseline packing
-    at d0: nothing to plan, gather or broadcast). A probe plans again after ``probe_every``
-    steps, and every probe that does not pay doubles the wait (up to ``max_probe_every``), so
-    what probing costs a run where planning never pays shrinks towards nothing. A run whose
-    plans pay their cost is never stood down: a healthy run is unaffected. The first step plans
-    (nothing is known yet). With the quality objective (``quality``) a plan's predicted loss
-    gain counts too, at the exchange rate its report says it was planned at (nats per token a 1%
-    faster step is worth): a plan that only raises into bubbles pays in quality."""
-
-    quality: bool = False
-    probe_every: int = 8
-    max_probe_every: int = 256
-    net_gain_s: Optional[float] = None     # of the last planned step (None: none yet)
-    skipped: int = 0                       # steps stood down since then
-    stood_down: int = 0                    # steps stood down in all
-    steps: int = 0
-    wait: int = 0                          # steps to stand down before the next probe
-
-    def __post_init__(self):
-        for name in ("probe_every", "max_probe_every"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}: expected an integer >= 1")
-        self.wait = self.wait or self.probe_every
-
-    def plans(self) -> bool:
-        """Whether the next step plans (and pays for planning)."""
-        return (self.net_gain_s is None or self.net_gain_s >= 0.0
-                or self.skipped + 1 >= self.wait)
-
-    def planned(self, choice: StepChoice, cost_s: float) -> float:
-        """Record a planned step (its choice and its own cost, seconds); its net gain."""
-        probe = self.net_gain_s is not None and self.net_gain_s < 0.0
-        self.steps += 1
-        self.skipped = 0
-        self.net_gain_s = float(choice.baseline_s - choice.outcome.step_s - cost_s
-                                + self.quality_worth_s(choice))
-        if self.net_gain_s >= 0.0:
-            self.wait = self.probe_every
-        elif probe:                                   # a probe that did not pay: back off
-            self.wait = min(2 * self.wait, self.max_probe_every)
-        return self.net_gain_s
-
-    def quality_worth_s(self, choice: StepChoice) -> float:
-        """The committed plan's predicted loss gain in seconds of the baseline step, at the
-        exchange rate (0 without one, or where the plan gains none)."""
-        report = getattr(choice.outcome.plan, "report", None)
-        gain = -float(getattr(report, "quality_cost", float("nan")))
-        rate = float(getattr(report, "exchange_rate", float("nan")))
-        if not self.quality or choice.dst_stood_down or not gain > 0 or not rate == rate:
-            return 0.0
-        if rate <= 0:
-            return float("inf")
-        return gain / (100.0 * rate) * float(choice.baseline_s)
-
-    def skip(self) -> None:
-        """Record a step that stood down without planning."""
-        self.steps += 1
-        self.skipped += 1
-        self.stood_down += 1
 
 
 @dataclass
@@ -266,8 +171,7 @@ class StandDownCounts:
         return "stood down " + " ".join(parts) if parts else ""
 
     def state_dict(self) -> dict:
-        return {"dst_steps": self.dst_steps, "dst_stood_down": self.dst_stood_down,
-                "sab_steps": self.sab_steps, "sab_stood_down": self.sab_stood_down}
+        return asdict(self)
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         for k, v in (state or {}).items():

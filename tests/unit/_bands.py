@@ -14,11 +14,17 @@ from dataclasses import replace
 import numpy as np
 
 from sparsebalance_megatron.policy.bands import band_search
-from sparsebalance_megatron.policy.critical_path import descend_at, descent_floors
+from sparsebalance_megatron.policy.critical_path import descend_at, descent_floors, descent_setup
 from sparsebalance_megatron.policy.density_means import WeightTotals, weighted_mean_density
 from sparsebalance_megatron.policy.dst_band import (SPEED_TIE, band_pass, cut_rows, plan_reports,
                                                      raise_rows)
 from sparsebalance_megatron.policy.dst_settings import DSTSettings
+
+
+def plan_cost_at(quality, idx, grid) -> float:
+    """The per-token loss change against uniform d0 of the plan at grid indices ``idx`` (a
+    ``BoundQuality``'s, as the central planner read it)."""
+    return float(quality.sums_at(idx, grid)) / quality.tokens
 
 
 def stage_mean_densities(densities, weights, dense_weights=None) -> np.ndarray:
@@ -48,7 +54,7 @@ def band_plans(costs, sensitivity, settings: DSTSettings, candidates, quality=No
     if quality is not None:
         for p, w in zip(plans, water):
             if w:
-                p.report.quality_cost = quality.plan_cost_at(p.grid_index, costs.densities)
+                p.report.quality_cost = plan_cost_at(quality, p.grid_index, costs.densities)
     return plans
 
 
@@ -85,8 +91,7 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
     plan = found[-1]
     if both:
         ordered, filled = found
-        ordered.report.quality_cost = quality.plan_cost_at(ordered.grid_index,
-                                                           costs.densities)
+        ordered.report.quality_cost = plan_cost_at(quality, ordered.grid_index, costs.densities)
         fair = [p for p in (filled, ordered) if not p.report.quality_cost > 1e-12] or [filled]
         fastest = min(p.report.step_time_planned_s for p in fair)
         plan = min((p for p in fair if p.report.step_time_planned_s
@@ -110,14 +115,14 @@ def central_descent(plan, costs, settings: DSTSettings, quality=None) -> np.ndar
         return (weighted_mean_density(d, w, dense) >= floor - 1e-12
                 and stage_mean_densities(d, w, dense).min() >= stage_floor - 1e-12
                 and (quality is None
-                     or quality.plan_cost_at(costs.grid_index(d), costs.densities) <= 1e-12))
+                     or plan_cost_at(quality, costs.grid_index(d), costs.densities) <= 1e-12))
 
     start = plan.densities
     if r.step_time_planned_s > r.step_time_static_s or not meets(start):
         start = np.full(costs.shape, float(s.d0))
-    idx, step = descend_at(costs, costs.grid_index(start), i_min, i_max, s.p2p_s,
-                              s.raise_headroom,
-                              lambda i: meets(costs.densities[costs.effective_index(i, i0)]))
+    idx, step = descend_at(descent_setup(costs, i_min, i_max, s.p2p_s), costs.grid_index(start),
+                           s.raise_headroom,
+                           lambda i: meets(costs.densities[costs.effective_index(i, i0)]))
     if not step < min(r.step_time_planned_s, r.step_time_static_s) * (1.0 - SPEED_TIE):
         return plan.densities
     return costs.densities[costs.effective_index(idx, i0)]

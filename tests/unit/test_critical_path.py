@@ -9,7 +9,7 @@ import pytest
 from sparsebalance_megatron.config import ConfigError, SparseBalanceConfig
 from sparsebalance_megatron.policy import (DSTSettings, density_grid, plan_dst,
                                            weighted_mean_density)
-from sparsebalance_megatron.policy.critical_path import descend_at
+from sparsebalance_megatron.policy.critical_path import descend_at, descent_setup
 from tests.unit._bands import stage_mean_densities
 from tests.unit._floats import unit_floats
 
@@ -65,7 +65,7 @@ def test_descent_only_under_a_floor_a_cut_and_the_bottleneck_target():
 
 def descend(costs, idx, i_min, i_max, p2p_s=0.0, raise_headroom=0.0, meets=None, floors=None):
     """``descend_at`` with floors given on a plan's densities: (grid indices, step)."""
-    return descend_at(costs, idx, i_min, i_max, p2p_s, raise_headroom,
+    return descend_at(descent_setup(costs, i_min, i_max, p2p_s), idx, raise_headroom,
                       lambda i: meets(costs.densities[i]),
                       None if floors is None else lambda i: floors(costs.densities[i]))
 

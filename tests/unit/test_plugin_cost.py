@@ -13,7 +13,8 @@ from sparsebalance_megatron.experiments.plugin_cost import (AheadCost, ControlPl
                                                             PlannerCost, PluginCost, Shape,
                                                             refresh_s)
 from sparsebalance_megatron.latency import LatencyModel, ModelShape
-from sparsebalance_megatron.policy.stand_down import NetGate, StepChoice, PackingOutcome
+from sparsebalance_megatron.experiments.net_gate import NetGate
+from sparsebalance_megatron.policy.stand_down import StepChoice, PackingOutcome
 
 # planner_cost's JSON at 4 DP x 2 micro-batches x PP2 (vp 1: 2 stages), 8K tokens
 PLANNER = {"dst_objective": "quality", "dst_descent": "critical_path", "steps": {"best": {

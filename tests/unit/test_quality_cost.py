@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.policy.quality import QualityCost, QualityCostError
+from sparsebalance_megatron.policy.quality import QualityCost, QualityCostError, curve
 
 
 def doc(**over):
@@ -26,12 +26,16 @@ def doc(**over):
 def test_cost_interpolates_extrapolates_below_and_is_flat_above():
     q = QualityCost.from_dict(doc())
     g = q.groups[1]
-    assert float(g.cost(0.5)) == 0.0
-    assert float(g.cost(0.125)) == pytest.approx(0.20)
-    assert float(g.cost(0.0625)) > float(g.cost(0.125))           # the first segment's slope
-    assert float(g.cost(1.0)) == float(g.cost(0.99)) or float(g.cost(1.0)) <= float(g.cost(0.99))
+
+    def cost(d):
+        return curve(g.knots, g.cost_at_knots, d)
+
+    assert float(cost(0.5)) == 0.0
+    assert float(cost(0.125)) == pytest.approx(0.20)
+    assert float(cost(0.0625)) > float(cost(0.125))           # the first segment's slope
+    assert float(cost(1.0)) == float(cost(0.99)) or float(cost(1.0)) <= float(cost(0.99))
     d = np.linspace(0.05, 1.0, 40)
-    c = g.cost(d)
+    c = cost(d)
     assert np.all(np.diff(c) <= 1e-15)
     assert np.all(np.diff(c, 2) >= -1e-12)                        # convex on a uniform grid
 
@@ -104,7 +108,8 @@ def test_a_plans_cost_looked_up_on_its_grid_is_the_interpolated_one():
     for grid in (density_grid(0.25, 0.0625, 1.0), density_grid(0.25, 0.125, 0.5)):
         for _ in range(20):
             i = rng.integers(0, grid.size, (4, 6, 3))
-            assert b.plan_cost_at(i, grid) == pytest.approx(b.plan_cost(grid[i]), abs=1e-15)
+            assert float(b.sums_at(i, grid)) / b.tokens == pytest.approx(b.plan_cost(grid[i]),
+                                                                         abs=1e-15)
     with pytest.raises(QualityCostError, match="one per stage"):
         b.plan_cost(np.full((4, 6, 2), 0.25))
     # uniform d0 costs nothing; every unit denser costs less, sparser more
@@ -178,12 +183,12 @@ def test_one_rule_for_documents_and_units_length_interaction_and_uncertainty():
     want = (per_doc * np.array([1000, 3000, 2000, 2000])).sum() / 8500.0
     assert b.plan_cost(plan) == pytest.approx(want)
     grid = np.array([0.25, 0.5, 1.0])
-    assert b.plan_cost_at(np.array([[[0, 1], [1, 0]]]), grid) == pytest.approx(want)
+    assert float(b.sums_at(np.array([[[0, 1], [1, 0]]]), grid)) / b.tokens == pytest.approx(want)
     # the bootstrap: each replicate's sums, their spread the uncertainty
     reps = b.replicate_sums_at(np.array([[[0, 1], [1, 0]]]), grid)
     assert reps.shape == (3,) and reps[0] < reps[1] < reps[2]
-    assert float(b.uncertainty(reps)) == pytest.approx(reps.std(ddof=1) / 8500.0)
-    assert float(q.bind(_costs((1, 2, 2))).uncertainty(np.zeros(0))) == 0.0
+    assert float(b.uncertainty(reps, b.tokens)) == pytest.approx(reps.std(ddof=1) / 8500.0)
+    assert float(q.bind(_costs((1, 2, 2))).uncertainty(np.zeros(0), 1.0)) == 0.0
 
 
 def test_every_model_summed_in_one_gather_is_each_models_rule_bit_for_bit():

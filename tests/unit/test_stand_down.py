@@ -330,34 +330,3 @@ def test_runtime_plans_dst_on_both_packings_by_default_and_once_when_static(monk
         np.full((2, options[1][0].num_microbatches, 2), D0))
     for record in records.values():
         assert record["predicted_step_s"][record["packing_index"]] <= base_static * (1 + 1e-9)
-
-
-def test_the_rules_step_times_from_grid_indices_are_the_searched_ones():
-    """The rule's static time takes the one grid index every unit's search finds, and a DST
-    plan's time the grid indices the plan carries where they are the search's (its densities
-    are theirs, the grid's points more than 2e-12 apart): the same step times as
-    ``plan_step_time_s``; indices that are not the plan's, or a grid with points closer than
-    the search's slack, are searched as before."""
-    from types import SimpleNamespace
-
-    from sparsebalance_megatron.policy.stand_down import _planned_time_s, _static_time_s
-
-    rng = np.random.default_rng(8)
-    for case in range(10):
-        dp, m, pp = int(rng.integers(1, 4)), int(rng.integers(2, 5)), int(rng.integers(1, 4))
-        grid = GRID if case % 3 else np.r_[0.125, D0 - 1e-13, GRID[GRID > D0 - 1e-13]]
-        costs = UnitCosts.affine(grid, rng.uniform(0.05, 0.2, (dp, m, pp)),
-                                 rng.uniform(0.0, 0.4, (dp, m, pp)))
-        for d0 in (D0, float(grid[3]), 0.3):             # on the grid and off it
-            want = plan_step_time_s(costs, np.full(costs.shape, d0), 1e-4)
-            assert _static_time_s(costs, d0, 1e-4) == want
-        i = rng.integers(0, grid.size, costs.shape)
-        i.reshape(-1)[0] = 2                    # the upper of the close pair, in those grids
-        plan = grid[i]
-        want = plan_step_time_s(costs, plan, 1e-4)
-        for payload in (SimpleNamespace(grid_index=i), None, SimpleNamespace(grid_index=None),
-                        SimpleNamespace(grid_index=np.minimum(i + 1, grid.size - 1)),
-                        SimpleNamespace(grid_index=i.astype(np.float64))):
-            assert _planned_time_s(costs, plan, 1e-4, payload) == want
-        out = dst_outcome(costs, D0, 1e-4, plan, payload=SimpleNamespace(grid_index=i))
-        assert out.planned_s == want

@@ -20,7 +20,8 @@ import numpy as np
 
 from ...batching.sensitivity import LazySensitivity
 from ...config import DEFAULT_RAISE_HEADROOM, MAX_RAISE_HEADROOM, SparseBalanceConfig
-from ...policy.costs import UnitCosts, density_grid, unit_rows
+from ...latency.features import unit_rows
+from ...policy.costs import UnitCosts, density_grid
 from ...policy.stand_down import choice_rounds, choose_step
 from .agreement import drive
 
@@ -74,7 +75,7 @@ def choose(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, 
 
 def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp: int, *,
                   tracker=None, dst: bool, raise_headroom: Optional[float] = None,
-                  stage_layers=None, tables=None, rank: Optional[int] = None,
+                  stage_layers=None, rank: Optional[int] = None,
                   agreed: bool = False, own_rows: bool = False,
                   quality_scales: Optional[tuple] = None) -> Generator[dict, dict, tuple]:
     """The step's choice as its rounds with the other DP ranks; it returns (densities
@@ -90,10 +91,8 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
     its rows are what it commits (densities [1][m][stages]) and the static comparison is
     agreed too; otherwise every DP rank's rounds are made here in lockstep and no round is
     yielded (the studies and tests: the same plan). The stand-down record is
-    ``StepChoice.as_dict()``: ``packing_index`` says which option to commit. tables: a
-    ``TableMemory`` per option, the cost tables' memory kept between steps (None: fresh
-    arrays); ``quality_scales``: the quality model's refreshed group scales
-    (``dst_inputs``)."""
+    ``StepChoice.as_dict()``: ``packing_index`` says which option to commit.
+    ``quality_scales``: the quality model's refreshed group scales (``dst_inputs``)."""
     from ...policy.dst_rounds import gathered, planned_rounds
     from ...policy.dst_rounds import plan_dst as plan_in_process
     from ...policy.dst_settings import dst_inputs
@@ -103,9 +102,8 @@ def choose_rounds(sb: SparseBalanceConfig, latency, options: Sequence[tuple], dp
     grid = density_grid(sb.density, sb.min_density, sb.max_density) if dst else np.array([d0])
     costs = [UnitCosts.from_latency(latency, units, dp, batch.num_microbatches, grid,
                                     kept_units=batch.unit_csr() if dst else None,
-                                    out=None if tables is None else tables[i],
                                     rank=rank if own else None, rank_units=own_rows)
-             for i, (batch, units) in enumerate(options)]
+             for batch, units in options]
     # each packing's unit sensitivities (this rank's rows where it plans its own), estimated
     # only for a packing DST plans, once
     sensitivity = [LazySensitivity(batch, tracker, rank if own and not own_rows else None)

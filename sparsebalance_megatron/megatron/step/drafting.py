@@ -22,7 +22,6 @@ import numpy as np
 
 from ...batching.plan import BatchingError, BatchPlan, checked_segments
 from ...policy.dst_rounds import gathered
-from ...policy.table_memory import TableLease
 from .agreement import drive
 from .checks import check_assignment, check_capacity, segment_counts
 from .choice import wants_baseline_packing
@@ -83,7 +82,6 @@ class Drafter:
         # wrap_data_iterator passes it) and, at fixed length, the multiple its micro-batches
         # (their documents only) are rounded up to (what CP and sequence parallelism need)
         self.vpp_group, self.own_length_multiple = vpp_group, int(own_length_multiple)
-        self._tables = TableLease()     # the cost tables' memory, kept from draft to draft
         # the quality model's depth-group scales of the run's last refresh (None: as loaded;
         # step/quality_probe.py): set between drafts, sent to the planner process with each
         self.quality_scales: Optional[tuple] = None
@@ -300,9 +298,8 @@ class Drafter:
 
         # a rank that plans its own units agrees the headroom with the group (``choose_rounds``)
         local = dst and (rank is None or not agreed)
-        with self._tables.lease() as tables:   # nothing made in them outlives the block
-            return (yield from choose_rounds(
-                self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
-                raise_headroom=raise_headroom(self.sb, self.latency, self.dp) if local else None,
-                stage_layers=self.attention_layers, tables=tables, rank=rank, agreed=agreed,
-                own_rows=own_rows, quality_scales=self.quality_scales))
+        return (yield from choose_rounds(
+            self.sb, self.latency, options, self.dp, tracker=self.tracker, dst=dst,
+            raise_headroom=raise_headroom(self.sb, self.latency, self.dp) if local else None,
+            stage_layers=self.attention_layers, rank=rank, agreed=agreed, own_rows=own_rows,
+            quality_scales=self.quality_scales))
