@@ -47,18 +47,6 @@ class StepSimulation:
     end_s: Optional[np.ndarray] = None
 
 
-def stage_order_1f1b(num_microbatches: int, pp: int, stage: int) -> list[tuple[int, int]]:
-    """Megatron's 1F1B event order on one stage: a list of (kind FWD/BWD, micro-batch)."""
-    m = num_microbatches
-    warmup = min(pp - stage - 1, m)
-    order = [(FWD, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order.append((FWD, i + warmup))
-        order.append((BWD, i))
-    order.extend((BWD, i) for i in range(m - warmup, m))
-    return order
-
-
 def interleaved_schedule_table(num_microbatches: int, vp: int, group: int) -> list:
     """Megatron's ``get_schedule_table``: (micro-batch, model chunk) of each virtual micro-batch."""
     table = []
@@ -68,15 +56,16 @@ def interleaved_schedule_table(num_microbatches: int, vp: int, group: int) -> li
     return table
 
 
-def stage_order_interleaved(num_microbatches: int, pp: int, vp: int, stage: int
-                            ) -> list[tuple[int, int, int]]:
-    """Megatron's interleaved 1F1B order on one rank: (kind, micro-batch, model chunk), with
-    ``microbatch_group_size_per_vp_stage`` at its default, pp. Warm-up forwards
-    ``(pp - stage - 1) * 2 + (vp - 1) * pp``; backward k runs chunk ``vp - 1 - chunk(k)`` of
-    micro-batch ``mb(k)``."""
-    table = interleaved_schedule_table(num_microbatches, vp, pp)
+def stage_order(num_microbatches: int, pp: int, stage: int, vp: int = 1
+                ) -> list[tuple[int, int, int]]:
+    """Megatron's 1F1B event order on one rank: (kind FWD/BWD, micro-batch, model chunk).
+    Warm-up forwards ``pp - stage - 1``, or with vp model chunks (the interleaved schedule,
+    ``microbatch_group_size_per_vp_stage`` at its default, pp) ``(pp - stage - 1) * 2 + (vp -
+    1) * pp``; then steady 1F1B; backward k runs chunk ``vp - 1 - chunk(k)`` of micro-batch
+    ``mb(k)``."""
+    table = interleaved_schedule_table(num_microbatches, vp, pp)     # vp 1: in order
     total = num_microbatches * vp
-    warmup = min((pp - stage - 1) * 2 + (vp - 1) * pp, total)
+    warmup = min(pp - stage - 1 if vp == 1 else (pp - stage - 1) * 2 + (vp - 1) * pp, total)
     fwd = [(FWD, i, c) for i, c in table]
     bwd = [(BWD, i, vp - 1 - c) for i, c in table]
     order = fwd[:warmup]
@@ -111,13 +100,10 @@ def _global_order(m: int, pp: int, vp: int = 1) -> tuple:
     event has no dependency (fwd on virtual stage 0); dep_p2p = 1 when the dependency crosses ranks.
     """
     nv = pp * vp
-    if vp == 1:
-        orders = [[(k, i, 0) for k, i in stage_order_1f1b(m, pp, s)] for s in range(pp)]
-    else:
-        why = interleaved_refusal(m, pp)
-        if why:
-            raise ValueError(why)
-        orders = [stage_order_interleaved(m, pp, vp, s) for s in range(pp)]
+    why = interleaved_refusal(m, pp) if vp > 1 else None
+    if why:
+        raise ValueError(why)
+    orders = [stage_order(m, pp, s, vp) for s in range(pp)]
     pos = [0] * pp
     done = np.zeros((2, m, nv), dtype=bool)
     out = []
