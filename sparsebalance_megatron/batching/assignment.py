@@ -140,15 +140,11 @@ class SABAssignment:
         return out
 
     def fallback_units(self, ranks: np.ndarray) -> RankUnits:
-        """``ranks``' sequential bins (``fallback_bins``), priced."""
-        return self._priced(ranks, [self.fallback_bins()[r] for r in ranks.tolist()])
-
-    def fallback_bins(self) -> list:
-        """[dp][m] the sequential bins assigned by cost (``fallback_bins``), once."""
+        """``ranks``' sequential bins (``fallback_bins``, made once), priced."""
         if self._fallback is None:
             self._fallback = fallback_bins(self.sizes, self.cost, self.dp, self.m,
                                            self.max_tokens)
-        return self._fallback
+        return self._priced(ranks, [self._fallback[r] for r in ranks.tolist()])
 
     def agree(self, units: RankUnits) -> Agreement:
         """The agreement from every rank's ``units`` (in a run: the reductions)."""

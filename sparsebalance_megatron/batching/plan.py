@@ -81,10 +81,7 @@ class BatchPlan:
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
         derived arrays that do not depend on the padding come along)."""
-        if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) \
-                or multiple < 0:
-            raise ValueError(f"length multiple {multiple!r}: expected an integer >= 0")
-        out = replace(self, length_multiple=int(multiple))
+        out = replace(self, length_multiple=check_int("length_multiple", multiple, 0))
         out._cache.update((k, v) for k, v in self._cache.items() if k in _UNPADDED)
         return out
 
