@@ -1,18 +1,13 @@
-"""Discrete-event simulator of Megatron's non-interleaved 1F1B pipeline step, replicated over DP.
+"""Discrete-event simulator of Megatron's 1F1B pipeline step (interleaved too), replicated over DP.
 
 Input: forward and backward seconds per (dp_rank, micro-batch, stage) and a point-to-point latency.
 Output: the step time (max over DP ranks of each rank's pipeline makespan), busy time per
-(dp rank, stage), bubble fraction and imbalance, and every event's float (``EventGraph``).
-The event order of 1F1B does not depend on the durations, so it is computed once per (m, pp,
-vp) (``event_graph``); the passes over it, vectorised over the DP axis, are ``kernels.graph``'s.
-
-Schedule (megatron/core/pipeline_parallel/schedules.py,
-``forward_backward_pipelining_without_interleaving``), stage s of pp, m micro-batches:
-warm-up forwards ``min(pp - s - 1, m)``, then steady 1F1B (forward i + warm-up, backward i), then
-cool-down backwards. Dependencies: fwd(i, s) starts after fwd(i, s-1) ended + p2p; bwd(i, s) after
-bwd(i, s+1) ended + p2p; a stage runs its own events in order, one at a time. Sends are modelled as
-asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient all-reduce,
-optimizer and data loading are outside the model.
+(dp rank, stage), bubble fraction and imbalance (``StepSimulation``). The event order does not
+depend on the durations, so it is built once per (m, pp, vp) (``event_graph``, after
+megatron/core/pipeline_parallel/schedules.py); the passes over it, vectorised over the DP axis,
+are ``kernels.graph``'s. A rank runs its own events in order, one at a time; sends are
+asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient
+all-reduce, optimizer and data loading are outside the model.
 
 Pure numpy; imports nothing else of this package but ``kernels``.
 """
