@@ -1,16 +1,12 @@
 """SAB's agreement as a DP rank makes it (issue 77; docs/DESIGN.md section 6, "DST and SAB at
 scale"): ``agreement_rounds`` is one rank's generator of rounds in ``policy.dst_rounds``'
-protocol, so the same drivers reduce it. From the rank's own units it returns, field for field,
-the ``assignment.Agreement`` that ``SABAssignment.agree`` makes from every rank's: a max round
-(some rank's cut does not fit: every rank packs the sequential bins; the ranks' segment
-counts), ``slots.candidates`` of every rank's makespan (``span_select``), then one sum of a
-[candidates, width] float64 block in which each candidate fills its own row (its costs, its own
-calibration factors, seed slots, makespan, bins): every other row is zero, so the sum is the
-row, exactly (integers below 2**53 travel as float64). Without a ``LatencyCost`` the flag is
-the whole agreement. ``packing_rounds`` goes on to the rank's own micro-batches and checks them
-with one more sum: the ranks' segment counts and two 26-bit halves of a hash of their segments
-must sum to the whole batch's, or no rank packs (a dropped or duplicated segment is named on
-every rank).
+protocol, so the same drivers reduce it, and returns from the rank's own units, field for field,
+the ``assignment.Agreement`` that ``SABAssignment.agree`` makes from every rank's. Its last round
+sums a [candidates, width] block in which each candidate fills its own row (``_width``): every
+other row is zero, so the sum is the row, exactly (integers below 2**53 travel as float64).
+``packing_rounds`` goes on to the rank's own micro-batches and checks them with one more sum
+(``_digest``), so a dropped or duplicated segment is named on every rank.
+
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
