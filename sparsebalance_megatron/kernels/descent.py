@@ -118,17 +118,18 @@ def _set_units(j, c, sr, tables, at, buf):
 
 
 @jit
-def first_fit(graph, tables, dur, sr, at, probe_first, buf, end):
+def first_fit(graph, tables, dur, sr, at, probe_first):
     # per rank j of ``sr`` the first candidate whose makespan is <= its limit, by a binary
     # search (every candidate below a is over, every one from z fits; the first tried is the
     # middle, or candidate 0 with probe_first, where it usually fits), the ranks' searches
     # stepped together; ``at`` [k, units]: each unit's grid index at each candidate (-1: not
-    # looked up, filled in place). Returns (fits, pick (0 where none fits), makespans);
-    # columns j of buf / end [E, r]: the picks' durations and earliest finishes
+    # looked up, filled in place). Returns (fits, pick (0 where none fits), makespans, the
+    # picks' durations and earliest finishes [E, r], each unit's grid index at its pick)
     ranks, limit = sr.ranks, sr.limit
     k, r = at.shape[0], ranks.size
     fits, pick, mk, t = np.empty(r, dtype=np.bool_), np.empty(r, dtype=np.int64), \
         np.empty(r), np.empty(r)
+    buf, end = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
     for e in range(dur.shape[0]):
         for j in range(r):
             buf[e, j] = dur[e, ranks[j]]
@@ -165,7 +166,11 @@ def first_fit(graph, tables, dur, sr, at, probe_first, buf, end):
     earliest_finish(graph, buf, cols[:na], end, np.empty((0, 0)))
     for j in cols[:na]:
         mk[j] = makespan(graph.last, end, j)
-    return fits, pick, mk
+    chosen = np.empty(at.shape[1], dtype=np.int64)
+    for j in range(r):
+        for u in range(sr.seg[j], sr.seg[j + 1]):
+            chosen[u] = at[pick[j], u]
+    return fits, pick, mk, buf, end, chosen
 
 
 @jit
@@ -210,11 +215,7 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
         for c in range(r):
             if was_pick[sr.ranks[c]] >= 0:
                 sr.z0[c] = was_pick[sr.ranks[c]]
-    dur_p, ef_p = np.empty((plan.dur.shape[0], r)), np.empty((plan.dur.shape[0], r))
-    fits, pick, mk = first_fit(graph, tables, plan.dur, sr, at, False, dur_p, ef_p)
-    cut_i = np.empty(n, dtype=np.int64)
-    for j in range(n):
-        cut_i[j] = at[pick[col[j]], j]
+    fits, pick, mk, dur_p, ef_p, cut_i = first_fit(graph, tables, plan.dur, sr, at, False)
     by_rank = np.full(dp, -1, dtype=np.int64)
     for c in range(r):
         if fits[c]:
@@ -274,12 +275,7 @@ def raise_round(graph, tables, dur, up, first, t1, cap, lo, i_max, limit_s):
     at = np.full((RAISE_FRACTIONS.size, n), -1, dtype=np.int64)
     for j in range(n):
         at[0, j] = first[j]
-    r = sr.ranks.size
-    dur_p, ef_p = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
-    _, pick, mk = first_fit(graph, tables, dur, sr, at, True, dur_p, ef_p)
-    raised = np.empty(n, dtype=np.int64)
-    for j in range(n):
-        raised[j] = at[pick[col[j]], j]
+    _, _, mk, dur_p, ef_p, raised = first_fit(graph, tables, dur, sr, at, True)
     return sr.ranks, col, mk, dur_p, ef_p, raised
 
 
