@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -271,25 +271,26 @@ def check_long_sample_policy(long_sample_policy: str) -> None:
                          f"{', '.join(LONG_SAMPLE_POLICIES)}")
 
 
-def split_long(segments: Sequence[Segment], max_tokens: int, long_sample_policy: str
-               ) -> tuple[list, int]:
-    """Split segments longer than ``max_tokens`` into pieces of ``max_tokens`` counted from the
-    segment start (the last piece shorter), or refuse. Returns (segments, number split)."""
+def split_long(arr: np.ndarray, max_tokens: int, long_sample_policy: str
+               ) -> tuple[np.ndarray, int]:
+    """Split segments (rows of ``arr`` [n, 3]) longer than ``max_tokens`` into pieces of
+    ``max_tokens`` counted from the segment start (the last piece shorter), in place of the
+    segment, or refuse. Returns (segments [n', 3], number split)."""
     check_long_sample_policy(long_sample_policy)
-    out, n_split = [], 0
-    for i, s, e in segments:
-        if e - s <= max_tokens:
-            out.append((i, s, e))
-            continue
-        if long_sample_policy == "error":
-            n_long = sum(1 for _, a, b in segments if b - a > max_tokens)
-            raise LongSampleError(
-                f"sample {i} has {e - s} tokens > max_tokens {max_tokens} (--seq-length); "
-                f"{n_long} sample(s) are this long. Use --sb-long-sample-policy split or a "
-                f"larger --seq-length.")
-        n_split += 1
-        out.extend((i, a, min(a + max_tokens, e)) for a in range(s, e, max_tokens))
-    return out, n_split
+    sizes = arr[:, 2] - arr[:, 1]
+    long = sizes > max_tokens
+    if long_sample_policy == "error" and long.any():
+        i = int(np.argmax(long))
+        raise LongSampleError(
+            f"sample {int(arr[i, 0])} has {int(sizes[i])} tokens > max_tokens {max_tokens} "
+            f"(--seq-length); {int(long.sum())} sample(s) are this long. Use "
+            f"--sb-long-sample-policy split or a larger --seq-length.")
+    pieces = -(-sizes // max_tokens)
+    out = np.repeat(arr, pieces, axis=0)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)     # each piece's segment's row
+    out[:, 1] += (np.arange(len(out)) - first) * max_tokens
+    np.minimum(out[:, 1] + max_tokens, out[:, 2], out=out[:, 2])
+    return out, int(long.sum())
 
 
 def check_fits(sizes: np.ndarray, dp: int, num_microbatches: int, max_tokens: int) -> None:
