@@ -190,23 +190,22 @@ def gathered_plan(batch, gather):
     pad[:len(seg)] = seg
     rows = gather(pad.reshape(-1)).reshape(len(counts), -1, 3).astype(np.int64)
     segments = np.concatenate([rows[r, :n] for r, n in enumerate(per_rank.tolist())])
-    return BatchPlan(SegmentRows(segments, offsets_of(counts.reshape(-1)), *counts.shape),
-                     batch.method,
-                     batch.max_tokens, batch.num_split_samples, batch.fallback,
-                     length_multiple=batch.length_multiple)
+    return BatchPlan.of_items(segments, np.arange(len(segments)), counts.reshape(-1),
+                              *counts.shape, batch.method, batch.max_tokens,
+                              batch.num_split_samples, batch.fallback, None,
+                              batch.length_multiple)
 
 
 def finish_plan(bins, method, max_tokens, n_split, fallback, arr, cost) -> BatchPlan:
     """The plan of micro-batches ``bins`` ([dp][m] lists of indices of rows of ``arr``, the
     segments' [n, 3] array: ``BatchPlan.of_items``), each rank's cost the ``sum()`` of its
     segments' ``cost`` in slot order (compiled: ``kernels.packing.py_sums``)."""
-    counts = [sum(map(len, rank)) for rank in bins]
-    items = np.fromiter(chain.from_iterable(chain.from_iterable(bins)), dtype=np.int64,
-                        count=sum(counts))
-    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts))
     dp = len(bins)
     m = len(bins[0]) if dp else 0
     sizes = np.fromiter((len(b) for rank in bins for b in rank), np.int64, count=dp * m)
+    items = np.fromiter(chain.from_iterable(chain.from_iterable(bins)), dtype=np.int64,
+                        count=int(sizes.sum()))
+    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(sizes.reshape(dp, m).sum(axis=1)))
     return BatchPlan.of_items(arr, items, sizes, dp, m, method, max_tokens, n_split, fallback,
                               rank_cost)
 
