@@ -71,21 +71,19 @@ def _search(graph, tables, units, on, delta, lo, hi, fracs, limit_s):
     if tables.work.shape[0] > 0:                   # worked out once, not at every try
         for j in range(n):
             mb[j], st[j] = units[j] // nv, units[j] % nv
-    col = np.empty(n, dtype=np.int64)
+    col, rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), \
+        np.empty(n, dtype=np.int64)
+    ranks, seg = np.empty(n, dtype=np.int64), np.empty(n + 1, dtype=np.int64)
     r = 0
     for j in range(n):
-        if j == 0 or units[j] // per_rank != units[j - 1] // per_rank:
+        if r == 0 or units[j] // per_rank != ranks[r - 1]:
+            ranks[r], seg[r] = units[j] // per_rank, j
             r += 1
         col[j] = r - 1
-    ranks, seg = np.empty(r, dtype=np.int64), np.empty(r + 1, dtype=np.int64)
-    rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    seg[r] = n
-    for j in range(n):
-        if j == 0 or col[j] != col[j - 1]:
-            ranks[col[j]] = units[j] // per_rank
-            seg[col[j]] = j
         local = units[j] % per_rank
         rows_f[j], rows_b[j] = graph.ev_f[local], graph.ev_b[local]
+    seg[r] = n
+    ranks, seg = ranks[:r], seg[:r + 1]
     limit = np.empty(r)
     for j in range(r):
         limit[j] = limit_s[ranks[j]]
