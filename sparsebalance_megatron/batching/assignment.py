@@ -82,15 +82,6 @@ class SABAssignment:
                                                  dp, m * max_tokens)
         self._fallback = None
 
-    def _keys(self, items: Optional[np.ndarray]) -> np.ndarray:
-        ids, lengths = (self.arr[:, 0], self.sizes) if items is None else \
-            (self.arr[items, 0], self.sizes[items])
-        sens = np.asarray(self.key(ids, lengths), dtype=np.float64).reshape(-1)
-        if sens.shape != lengths.shape:
-            raise ValueError(f"sensitivity returned {sens.shape}: expected one value per "
-                             f"segment ({lengths.size})")
-        return sens
-
     def units(self, ranks: Optional[np.ndarray] = None) -> RankUnits:
         """The micro-batches of ``ranks`` (ascending; None: every rank) as packed, priced."""
         ranks = np.arange(self.dp) if ranks is None else np.asarray(ranks, dtype=np.int64)
@@ -104,9 +95,15 @@ class SABAssignment:
                                    np.isin(self.rank_of, ranks))
             tie = np.argsort(np.argsort(self.tie[items]))      # their own tie order
             rank_of = np.searchsorted(ranks, self.rank_of[items])
+        ids, lengths = (self.arr[:, 0], self.sizes) if items is None else \
+            (self.arr[items, 0], self.sizes[items])
+        sens = np.asarray(self.key(ids, lengths), dtype=np.float64).reshape(-1)
+        if sens.shape != lengths.shape:
+            raise ValueError(f"sensitivity returned {sens.shape}: expected one value per "
+                             f"segment ({lengths.size})")
         # by rank, then sensitivity, then the seeded tie (the ranks as uint16 where they fit:
         # numpy sorts those by radix)
-        by_rank = seeded_order(tie, self._keys(items), rank_of.astype(np.uint16)
+        by_rank = seeded_order(tie, sens, rank_of.astype(np.uint16)
                                if ranks.size <= 65536 else rank_of)
         if items is not None:
             by_rank = items[by_rank]
@@ -140,15 +137,11 @@ class SABAssignment:
         return out
 
     def fallback_units(self, ranks: np.ndarray) -> RankUnits:
-        """``ranks``' sequential bins (``fallback_bins``), priced."""
-        return self._priced(ranks, [self.fallback_bins()[r] for r in ranks.tolist()])
-
-    def fallback_bins(self) -> list:
-        """[dp][m] the sequential bins assigned by cost (``fallback_bins``), once."""
+        """``ranks``' sequential bins (``fallback_bins``, made once), priced."""
         if self._fallback is None:
             self._fallback = fallback_bins(self.sizes, self.cost, self.dp, self.m,
                                            self.max_tokens)
-        return self._fallback
+        return self._priced(ranks, [self._fallback[r] for r in ranks.tolist()])
 
     def agree(self, units: RankUnits) -> Agreement:
         """The agreement from every rank's ``units`` (in a run: the reductions)."""

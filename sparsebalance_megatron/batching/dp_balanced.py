@@ -1,10 +1,7 @@
 """Megatron's own packer, ``DpBalancedScheduler`` (``megatron/core/datasets/data_schedule.py``),
 as a ``BatchPlan``: the baseline SAB is proven against (docs/DESIGN.md section 6 states the
-rule). ``dp_balanced_groups`` is the rule on a list of lengths, with the output of
-``get_groups_and_subsamples``; where Megatron stops (an assertion), ``empty_groups`` appends
-empty groups so a study can time the step. ``dp_balanced_plan`` runs it on one global batch in
-Megatron's order, at CP 1; its micro-batches hold their documents only (``length_multiple`` 1),
-as Megatron packs them by default.
+rule), at CP 1; its micro-batches hold their documents only (``length_multiple`` 1), as Megatron
+packs them by default.
 
 Pure Python + numpy; must not import torch, megatron or torch.distributed.
 """
@@ -24,9 +21,9 @@ def dp_balanced_groups(seqlens: Sequence[int], *, max_seqlen_per_dp_cp_rank: int
                        empty_groups: bool = False) -> list:
     """``[micro-batch][dp rank]`` lists of indices into ``seqlens``: Megatron's
     ``DpBalancedScheduler.get_groups_and_subsamples`` on sequences of these lengths, in this
-    order (the module docstring). Where Megatron's rule has no answer (it runs out of groups
-    holding more than one sequence): BatchingError, or with ``empty_groups`` empty groups up to
-    the multiple."""
+    order. Where Megatron's rule has no answer (an assertion: it runs out of groups holding
+    more than one sequence): BatchingError, or with ``empty_groups`` empty groups up to the
+    multiple (so a study can time the step)."""
     cap = check_int("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)
     dp = check_int("dp", dp)
     multiple = dp * (check_int("microbatch_group_size_per_vp_stage",
@@ -78,7 +75,7 @@ def megatron_order(n: int, dp: int) -> np.ndarray:
 def dp_balanced_plan(samples, *, dp: int, num_microbatches: int, max_tokens: int,
                      long_sample_policy: str = "split", empty_groups: bool = False,
                      microbatch_group_size_per_vp_stage: Optional[int] = None) -> BatchPlan:
-    """Megatron's dp_balanced packing of one global batch (module docstring). samples:
+    """Megatron's dp_balanced packing of one global batch, in Megatron's order. samples:
     (sample_id, start, end) segments in the sampler's order, or a [n] array of lengths;
     num_microbatches: the micro-batches the other packings get (checks the batch fits them; the
     plan's own count is Megatron's, ``plan.num_microbatches``); max_tokens: also Megatron's

@@ -35,8 +35,7 @@ def prepare_samples(samples, dp, m, max_tokens, long_sample_policy):
     sizes = arr[:, 2] - arr[:, 1]
     n_split = 0
     if sizes.size and int(sizes.max()) > max_tokens:
-        segs, n_split = split_long(arr.tolist(), max_tokens, long_sample_policy)
-        arr = np.asarray(segs, dtype=np.int64).reshape(-1, 3)
+        arr, n_split = split_long(arr, max_tokens, long_sample_policy)
         sizes = arr[:, 2] - arr[:, 1]
     check_fits(sizes, dp, m, max_tokens)
     return arr, sizes, n_split

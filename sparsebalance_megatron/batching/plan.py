@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -81,10 +81,7 @@ class BatchPlan:
     def with_length_multiple(self, multiple: int) -> "BatchPlan":
         """This plan with micro-batches of ``packed_length(tokens, max_tokens, multiple)`` (the
         derived arrays that do not depend on the padding come along)."""
-        if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) \
-                or multiple < 0:
-            raise ValueError(f"length multiple {multiple!r}: expected an integer >= 0")
-        out = replace(self, length_multiple=int(multiple))
+        out = replace(self, length_multiple=check_int("length_multiple", multiple, 0))
         out._cache.update((k, v) for k, v in self._cache.items() if k in _UNPADDED)
         return out
 
@@ -193,23 +190,22 @@ def gathered_plan(batch, gather):
     pad[:len(seg)] = seg
     rows = gather(pad.reshape(-1)).reshape(len(counts), -1, 3).astype(np.int64)
     segments = np.concatenate([rows[r, :n] for r, n in enumerate(per_rank.tolist())])
-    return BatchPlan(SegmentRows(segments, offsets_of(counts.reshape(-1)), *counts.shape),
-                     batch.method,
-                     batch.max_tokens, batch.num_split_samples, batch.fallback,
-                     length_multiple=batch.length_multiple)
+    return BatchPlan.of_items(segments, np.arange(len(segments)), counts.reshape(-1),
+                              *counts.shape, batch.method, batch.max_tokens,
+                              batch.num_split_samples, batch.fallback, None,
+                              batch.length_multiple)
 
 
 def finish_plan(bins, method, max_tokens, n_split, fallback, arr, cost) -> BatchPlan:
     """The plan of micro-batches ``bins`` ([dp][m] lists of indices of rows of ``arr``, the
     segments' [n, 3] array: ``BatchPlan.of_items``), each rank's cost the ``sum()`` of its
     segments' ``cost`` in slot order (compiled: ``kernels.packing.py_sums``)."""
-    counts = [sum(map(len, rank)) for rank in bins]
-    items = np.fromiter(chain.from_iterable(chain.from_iterable(bins)), dtype=np.int64,
-                        count=sum(counts))
-    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(counts))
     dp = len(bins)
     m = len(bins[0]) if dp else 0
     sizes = np.fromiter((len(b) for rank in bins for b in rank), np.int64, count=dp * m)
+    items = np.fromiter(chain.from_iterable(chain.from_iterable(bins)), dtype=np.int64,
+                        count=int(sizes.sum()))
+    rank_cost = kernels.packing.py_sums(cost, items, offsets_of(sizes.reshape(dp, m).sum(axis=1)))
     return BatchPlan.of_items(arr, items, sizes, dp, m, method, max_tokens, n_split, fallback,
                               rank_cost)
 
@@ -274,25 +270,26 @@ def check_long_sample_policy(long_sample_policy: str) -> None:
                          f"{', '.join(LONG_SAMPLE_POLICIES)}")
 
 
-def split_long(segments: Sequence[Segment], max_tokens: int, long_sample_policy: str
-               ) -> tuple[list, int]:
-    """Split segments longer than ``max_tokens`` into pieces of ``max_tokens`` counted from the
-    segment start (the last piece shorter), or refuse. Returns (segments, number split)."""
+def split_long(arr: np.ndarray, max_tokens: int, long_sample_policy: str
+               ) -> tuple[np.ndarray, int]:
+    """Split segments (rows of ``arr`` [n, 3]) longer than ``max_tokens`` into pieces of
+    ``max_tokens`` counted from the segment start (the last piece shorter), in place of the
+    segment, or refuse. Returns (segments [n', 3], number split)."""
     check_long_sample_policy(long_sample_policy)
-    out, n_split = [], 0
-    for i, s, e in segments:
-        if e - s <= max_tokens:
-            out.append((i, s, e))
-            continue
-        if long_sample_policy == "error":
-            n_long = sum(1 for _, a, b in segments if b - a > max_tokens)
-            raise LongSampleError(
-                f"sample {i} has {e - s} tokens > max_tokens {max_tokens} (--seq-length); "
-                f"{n_long} sample(s) are this long. Use --sb-long-sample-policy split or a "
-                f"larger --seq-length.")
-        n_split += 1
-        out.extend((i, a, min(a + max_tokens, e)) for a in range(s, e, max_tokens))
-    return out, n_split
+    sizes = arr[:, 2] - arr[:, 1]
+    long = sizes > max_tokens
+    if long_sample_policy == "error" and long.any():
+        i = int(np.argmax(long))
+        raise LongSampleError(
+            f"sample {int(arr[i, 0])} has {int(sizes[i])} tokens > max_tokens {max_tokens} "
+            f"(--seq-length); {int(long.sum())} sample(s) are this long. Use "
+            f"--sb-long-sample-policy split or a larger --seq-length.")
+    pieces = -(-sizes // max_tokens)
+    out = np.repeat(arr, pieces, axis=0)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)     # each piece's segment's row
+    out[:, 1] += (np.arange(len(out)) - first) * max_tokens
+    np.minimum(out[:, 1] + max_tokens, out[:, 2], out=out[:, 2])
+    return out, int(long.sum())
 
 
 def check_fits(sizes: np.ndarray, dp: int, num_microbatches: int, max_tokens: int) -> None:

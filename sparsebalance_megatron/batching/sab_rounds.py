@@ -1,16 +1,12 @@
 """SAB's agreement as a DP rank makes it (issue 77; docs/DESIGN.md section 6, "DST and SAB at
 scale"): ``agreement_rounds`` is one rank's generator of rounds in ``policy.dst_rounds``'
-protocol, so the same drivers reduce it. From the rank's own units it returns, field for field,
-the ``assignment.Agreement`` that ``SABAssignment.agree`` makes from every rank's: a max round
-(some rank's cut does not fit: every rank packs the sequential bins; the ranks' segment
-counts), ``slots.candidates`` of every rank's makespan (``span_select``), then one sum of a
-[candidates, width] float64 block in which each candidate fills its own row (its costs, its own
-calibration factors, seed slots, makespan, bins): every other row is zero, so the sum is the
-row, exactly (integers below 2**53 travel as float64). Without a ``LatencyCost`` the flag is
-the whole agreement. ``packing_rounds`` goes on to the rank's own micro-batches and checks them
-with one more sum: the ranks' segment counts and two 26-bit halves of a hash of their segments
-must sum to the whole batch's, or no rank packs (a dropped or duplicated segment is named on
-every rank).
+protocol, so the same drivers reduce it, and returns from the rank's own units, field for field,
+the ``assignment.Agreement`` that ``SABAssignment.agree`` makes from every rank's. Its last round
+sums a [candidates, width] block in which each candidate fills its own row (``_row``): every
+other row is zero, so the sum is the row, exactly (integers below 2**53 travel as float64).
+``packing_rounds`` goes on to the rank's own micro-batches and checks them with one more sum
+(``_digest``), so a dropped or duplicated segment is named on every rank.
+
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -43,7 +39,8 @@ def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict,
         got = yield {"sum": {}, "max": {"nseg": sum(map(len, mine.bins[0]))}}
     ranks = yield from candidate_rounds(float(mine.span_s[0]), int(mine.ranks[0]), a.dp,
                                         slot_search.candidate_count())
-    block = np.zeros((ranks.size, _width(mine, int(got["nseg"]))))
+    _, m, nv = mine.fwd_s.shape
+    block = np.zeros((ranks.size, 2 * m * nv + nv + 2 * m + 1 + int(got["nseg"])))   # _row's
     at = int(np.searchsorted(ranks, mine.ranks[0]))
     if at < ranks.size and ranks[at] == mine.ranks[0]:
         block[at] = _row(mine, block.shape[1])
@@ -51,14 +48,9 @@ def agreement_rounds(a: SABAssignment, mine: RankUnits) -> Generator[dict, dict,
     return Agreement(fallback, _units(ranks, np.asarray(got["candidates"]), mine))
 
 
-def _width(mine: RankUnits, nseg: int) -> int:
-    """A candidate's row: fwd and bwd [m, stages], its calibration factors [stages], seed
-    slots [m], makespan, bin sizes [m], up to ``nseg`` segment indices."""
-    _, m, nv = mine.fwd_s.shape
-    return 2 * m * nv + nv + 2 * m + 1 + nseg
-
-
 def _row(mine: RankUnits, width: int) -> np.ndarray:
+    """A candidate's row: fwd and bwd [m, stages], its calibration factors [stages], seed
+    slots [m], makespan, bin sizes [m], its segment indices, zeros up to ``width``."""
     bins = mine.bins[0]
     items = [i for b in bins for i in b]
     row = np.concatenate([mine.fwd_s[0].reshape(-1), mine.bwd_s[0].reshape(-1),

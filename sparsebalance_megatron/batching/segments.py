@@ -49,28 +49,24 @@ class CheckedSegments(abc.Sequence):
 
 def checked_segments(samples) -> CheckedSegments:
     """``samples`` checked and converted once: a list of (sample_id, start, end) triples, an
-    [n, 3] integer array of them (``GlobalBatchSampler.next_bin_array``: checked as it is, its
-    tuples left for when they are read) or a [n] array of lengths (sample i = tokens
-    [0, length_i)). A well-formed list of triples (the sampler's) is checked in one vectorised
-    pass; anything else goes through the per-item path, whose errors name the offending
-    sample."""
+    [n, 3] integer array of them (``GlobalBatchSampler.next_bin_array``: copied, its tuples
+    left for when they are read) or a [n] array of lengths (sample i = tokens [0, length_i)).
+    Well-formed segments are checked in one vectorised pass; anything else goes through the
+    per-item path, whose errors name the offending sample."""
     if type(samples) is CheckedSegments:
         return samples
     if isinstance(samples, np.ndarray) and samples.ndim == 1:
         samples = [(i, 0, int(n)) for i, n in enumerate(samples.tolist())]
-    elif (a := _checked_rows(samples)) is not None:             # the sampler's rows
+    try:
+        a = np.array(samples, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        a = None
+    if a is not None and a.ndim == 2 and a.shape[1] == 3 and len(a) \
+            and bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
+        if not isinstance(samples, np.ndarray) and set(map(type, samples)) == {tuple} \
+                and set(map(type, chain.from_iterable(samples))) == {int}:
+            return CheckedSegments(a, list(samples))   # already triples of Python ints
         return CheckedSegments(a)
-    if len(samples):
-        try:
-            a = np.asarray(samples, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            a = None
-        if a is not None and a.ndim == 2 and a.shape[1] == 3 \
-                and bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
-            if set(map(type, samples)) == {tuple} \
-                    and set(map(type, chain.from_iterable(samples))) == {int}:
-                return CheckedSegments(a, list(samples))   # already triples of Python ints
-            return CheckedSegments(a)
     out = []
     for k, seg in enumerate(samples):
         if isinstance(seg, (int, np.integer)):
@@ -84,16 +80,6 @@ def checked_segments(samples) -> CheckedSegments:
             raise ValueError(f"sample {k}: segment {(i, s, e)}: expected 0 <= start < end")
         out.append((i, s, e))
     return CheckedSegments(np.asarray(out, dtype=np.int64).reshape(-1, 3), out)
-
-
-def _checked_rows(samples) -> Optional[np.ndarray]:
-    """An [n >= 1, 3] integer array of well-formed segments as int64, else None."""
-    if isinstance(samples, np.ndarray) and samples.ndim == 2 and samples.shape[1] == 3 \
-            and samples.dtype.kind in "iu" and len(samples):
-        a = samples.astype(np.int64)
-        if bool(np.all((a[:, 1] >= 0) & (a[:, 1] < a[:, 2]))):
-            return a
-    return None
 
 
 def offsets_of(counts) -> np.ndarray:

@@ -1,24 +1,19 @@
 """Where SAB's packed micro-batches run: the order of every DP rank's micro-batches (its pipeline
 slots) and whole micro-batches swapped between ranks, chosen on the simulated pipeline.
 
-A rank's micro-batches of one step go through the pipeline in slot order, and the order changes the
-step: under 1F1B a heavy micro-batch in the warm-up delays every later stage's first forward, while
-in the middle of the steady state the other stages' work overlaps it; the interleaved schedule runs
-micro-batches in groups of ``pp`` through each model chunk and prefers the heavy ones in its first
-group. No fixed rule is right for both schedules and every layout, so the slots are chosen by
-predicted makespan (``sim.pipeline``, the simulator DST and the stand-down rule use): every rank's
-best of a few seed orders (``seed_slots``), then rounds of local search on the critical rank (the
-one that sets the step time): its heaviest micro-batches moved, neighbouring slots swapped, or a
-micro-batch swapped with a lighter one of the least loaded ranks (any micro-batch fits any slot:
-each holds at most ``--seq-length`` tokens), the move that lowers the larger makespan of the ranks
-it touches the most taken (``search``). It reads only the micro-batches of the ranks it can touch
-in so many rounds (``candidates``), so a rank that packs its own micro-batches needs no other's but
-theirs (``batching.assignment``).
+The order changes the step: under 1F1B a heavy micro-batch in the warm-up delays every later
+stage's first forward, while in the steady state the other stages' work overlaps it; the
+interleaved schedule prefers the heavy ones in its first group of ``pp``. No fixed rule is right
+for both schedules and every layout, so the slots are chosen by predicted makespan
+(``sim.pipeline``): every rank's best seed order (``seed_slots``), then rounds of local search on
+the critical rank (``search``; any micro-batch fits any slot: each holds at most
+``--seq-length`` tokens), which reads only the ranks it can touch (``candidates``), so a rank
+that packs its own micro-batches needs no other's but theirs (``batching.assignment``).
 
 Micro-batches move whole: what each holds (SAB's sensitivity groups) does not change, every
 segment stays in exactly one micro-batch, and the result is a pure function of the costs (ties to
-the lowest index): every rank computes the same. The micro-batches' costs are the latency
-model's, per stage, of each packed micro-batch with its padding (``packing.LatencyCost``).
+the lowest index): every rank computes the same. The costs are the latency model's, per stage,
+of each packed micro-batch with its padding (``packing.LatencyCost``).
 
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
@@ -120,10 +115,11 @@ def candidates(span: np.ndarray, rounds: int = ROUNDS) -> np.ndarray:
 def search(ranks: np.ndarray, f: np.ndarray, b: np.ndarray, slots: np.ndarray,
            span: np.ndarray, sc: np.ndarray, p2p_s: float, pp: Optional[int],
            rounds: int = ROUNDS) -> tuple[np.ndarray, np.ndarray]:
-    """The local search among ``ranks`` (``candidates``, ascending): f, b [k, m,
-    stages] their own micro-batches' seconds, slots [k, m] their seed slots (indices into
-    their own), span [k], sc [k, stages]. Returns (the micro-batch of each (rank, slot) as
-    an index into all dp * m, rank-major; makespans [k])."""
+    """The local search among ``ranks`` (``candidates``, ascending; ``kernels.slots``' moves,
+    the one that lowers the larger makespan of the ranks it touches the most taken): f, b [k,
+    m, stages] their own micro-batches' seconds, slots [k, m] their seed slots (indices into
+    their own), span [k], sc [k, stages]. Returns (the micro-batch of each (rank, slot) as an
+    index into all dp * m, rank-major; makespans [k])."""
     k, m, nv = f.shape
     slots = slots + np.arange(k)[:, None] * m
     span = np.array(span, dtype=np.float64)

@@ -100,113 +100,86 @@ def _clipped(pos, first, lo, hi):
 
 
 @jit
-def water_fill(t, u, b, lo, hi, limit, fill, iters, out):
-    """Quality water-filling of n (row, stage) columns ([n, slots] arrays, a column's slots
-    side by side) into ``out``: unit s takes the highest grid index in [lo, hi] whose marginal
-    quality gain per unit of density is still worth its attention seconds, gain >= lambda x b
-    (b: its seconds per unit of density), lambda the smallest that keeps the column's seconds
-    (summed over its slots in order) within ``limit[j]``: a bisection of ``iters`` steps on log
-    lambda in [-20, 20] (on ``records.FILL_EXPS``' grid), then the common level between the
-    last lambda that does not fit and the first that does (a piecewise-linear cost has equal
-    gains along a segment, so units cross it together): the highest level that fits. A unit's
-    index at lambda: its position in its stage's gain table (``fill``: the stages' tables laid
-    end to end, ``records.Fill``), less the stage's first entry, clipped to [lo, hi].
+def water_fill(t, u, b, lo, hi, limit, fill, q, iters, out):
+    """Quality water-filling of one (row, stage q) column (its slots' ``u``, ``b``, ``lo``,
+    ``hi`` side by side) into ``out``: unit s takes the highest grid index in [lo, hi] whose
+    marginal quality gain per unit of density is still worth its attention seconds, gain >=
+    lambda x b (b: its seconds per unit of density), lambda the smallest that keeps the
+    column's seconds (summed over its slots in order) within ``limit``: a bisection of
+    ``iters`` steps on log lambda in [-20, 20] (on ``records.FILL_EXPS``' grid), then the
+    common level between the last lambda that does not fit and the first that does (a
+    piecewise-linear cost has equal gains along a segment, so units cross it together): the
+    highest level that fits. A unit's index at lambda: its position in its stage's gain table
+    (``fill``: the stages' tables laid end to end, ``records.Fill``, slot s's shift and first
+    entry at [s, q]), less the stage's first entry, clipped to [lo, hi].
 
     A unit's position falls as lambda grows where b >= 0, so a column whose b all are searches
     each unit only between its positions at the bisection's two ends, and not at all once both
     ends clip to the same grid index (every position between gives it)."""
-    exps, first, shift, flat, low, high = fill.exps, fill.first, fill.shift, fill.flat, \
-        fill.low, fill.high
-    n, slots = u.shape
-    top = flat.size
+    exps, flat, low, high = fill.exps, fill.flat, fill.low, fill.high
+    shift, first = fill.shift[:, q], fill.first[:, q]
+    slots, top = u.size, flat.size
     pos_a, pos_z = np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64)
     cur, fit = np.empty(slots, dtype=np.int64), np.empty(slots, dtype=np.int64)
-    for j in range(n):
-        a, z = 0, exps.size - 1                  # log lambda = -20 and 20
-        sign = True                              # every b >= 0 (NaN: not)
+    a, z = 0, exps.size - 1                      # log lambda = -20 and 20
+    sign = True                                  # every b >= 0 (NaN: not)
+    for s in range(slots):
+        sign = sign and b[s] >= 0.0
+    for s in range(slots):
+        pos_a[s] = _position(flat, low, high, exps[a] * b[s], shift[s], 0, top)
+        pos_z[s] = _position(flat, low, high, exps[z] * b[s], shift[s], 0,
+                             pos_a[s] if sign else top)
+    for _ in range(iters):
+        mid = (a + z) // 2
+        tot = 0.0
         for s in range(slots):
-            sign = sign and b[j, s] >= 0.0
-        for s in range(slots):
-            pos_a[s] = _position(flat, low, high, exps[a] * b[j, s], shift[j, s], 0, top)
-            pos_z[s] = _position(flat, low, high, exps[z] * b[j, s], shift[j, s], 0,
-                                 pos_a[s] if sign else top)
-        for _ in range(iters):
-            mid = (a + z) // 2
-            tot = 0.0
-            for s in range(slots):
-                i = _clipped(pos_z[s], first[j, s], lo[j, s], hi[j, s])
-                if sign and i == _clipped(pos_a[s], first[j, s], lo[j, s], hi[j, s]):
-                    cur[s] = pos_z[s]
-                else:
-                    cur[s] = _position(flat, low, high, exps[mid] * b[j, s], shift[j, s],
-                                       pos_z[s] if sign else 0, pos_a[s] if sign else top)
-                    i = _clipped(cur[s], first[j, s], lo[j, s], hi[j, s])
-                v = t[u[j, s] + i]
-                tot = v if s == 0 else tot + v
-            if tot <= limit[j]:
-                z = mid
-                pos_z[:] = cur
+            i = _clipped(pos_z[s], first[s], lo[s], hi[s])
+            if sign and i == _clipped(pos_a[s], first[s], lo[s], hi[s]):
+                cur[s] = pos_z[s]
             else:
-                a = mid
-                pos_a[:] = cur
-        lo_l, hi_l = 1 << 62, -(1 << 62)
+                cur[s] = _position(flat, low, high, exps[mid] * b[s], shift[s],
+                                   pos_z[s] if sign else 0, pos_a[s] if sign else top)
+                i = _clipped(cur[s], first[s], lo[s], hi[s])
+            v = t[u[s] + i]
+            tot = v if s == 0 else tot + v
+        if tot <= limit:
+            z = mid
+            pos_z[:] = cur
+        else:
+            a = mid
+            pos_a[:] = cur
+    lo_l, hi_l = 1 << 62, -(1 << 62)
+    for s in range(slots):
+        fit[s] = _clipped(pos_z[s], first[s], lo[s], hi[s])
+        pos_a[s] = _clipped(pos_a[s], first[s], lo[s], hi[s])       # over the limit
+        lo_l = min(lo_l, fit[s])
+        hi_l = max(hi_l, pos_a[s])
+    while lo_l < hi_l:                           # the highest common level that fits
+        mid = (lo_l + hi_l + 1) // 2
+        tot = 0.0
         for s in range(slots):
-            fit[s] = _clipped(pos_z[s], first[j, s], lo[j, s], hi[j, s])
-            pos_a[s] = _clipped(pos_a[s], first[j, s], lo[j, s], hi[j, s])   # over the limit
-            lo_l = min(lo_l, fit[s])
-            hi_l = max(hi_l, pos_a[s])
-        while lo_l < hi_l:                       # the highest common level that fits
-            mid = (lo_l + hi_l + 1) // 2
-            tot = 0.0
-            for s in range(slots):
-                v = t[u[j, s] + max(fit[s], min(pos_a[s], mid))]
-                tot = v if s == 0 else tot + v
-            if tot <= limit[j]:
-                lo_l = mid
-            else:
-                hi_l = mid - 1
-        for s in range(slots):
-            out[j, s] = max(fit[s], min(pos_a[s], lo_l))
+            v = t[u[s] + max(fit[s], min(pos_a[s], mid))]
+            tot = v if s == 0 else tot + v
+        if tot <= limit:
+            lo_l = mid
+        else:
+            hi_l = mid - 1
+    for s in range(slots):
+        out[s] = max(fit[s], min(pos_a[s], lo_l))
 
 
 @jit
-def _fill_columns(t, rows_of, fill, rows, lo, by_row, hi, limit, search, iters):
+def _fill_columns(t, rows_of, fill, rows, lo, hi, limit, search, iters):
     # water_fill of the (row, stage) columns marked in ``search`` [rows, pp] (those that do not
-    # fit at their ``hi``), gathered as its [n, slots] arrays in row-major order, the answers
-    # written over ``hi`` ([rows, slots, pp]); ``lo``: by the pass's row (``by_row``:
-    # lo[rows[i]]) or by the try's (lo[i])
-    units, brow, dp = rows_of.units, rows_of.b, rows_of.dp
-    slots, pp = units.shape[1], units.shape[2]
-    n = 0
-    for i in range(rows.size):
-        for q in range(pp):
-            n += search[i, q]
-    u2, lo2 = np.empty((n, slots), dtype=np.int64), np.empty((n, slots), dtype=np.int64)
-    hi2, fi2 = np.empty((n, slots), dtype=np.int64), np.empty((n, slots), dtype=np.int64)
-    b2, sh2, lim2 = np.empty((n, slots)), np.empty((n, slots)), np.empty(n)
-    j = 0
+    # fit at their ``hi``), the answers written over ``hi`` ([rows, slots, pp]); ``lo`` by the
+    # pass's row (lo[rows[i]])
+    units, b, dp = rows_of.units, rows_of.b, rows_of.dp
     for i in range(rows.size):
         r = rows[i]
-        for q in range(pp):
+        for q in range(units.shape[2]):
             if search[i, q]:
-                for s in range(slots):
-                    u2[j, s] = units[r, s, q]
-                    b2[j, s] = brow[r % dp, s, q]
-                    lo2[j, s] = lo[r, s, q] if by_row else lo[i, s, q]
-                    hi2[j, s] = hi[i, s, q]
-                    sh2[j, s] = fill.shift[s, q]
-                    fi2[j, s] = fill.first[s, q]
-                lim2[j] = limit[i, q]
-                j += 1
-    out2 = np.empty((n, slots), dtype=np.int64)
-    water_fill(t, u2, b2, lo2, hi2, lim2, Fill(fill.flat, sh2, fi2, fill.low, fill.high,
-                                              fill.exps), iters, out2)
-    j = 0
-    for i in range(rows.size):
-        for q in range(pp):
-            if search[i, q]:
-                hi[i, :, q] = out2[j]
-                j += 1
+                water_fill(t, units[r, :, q], b[r % dp, :, q], lo[r, :, q], hi[i, :, q],
+                           limit[i, q], fill, q, iters, hi[i, :, q])
 
 
 @jit
@@ -250,8 +223,8 @@ def cut_rows(graph, tables, rows_of, fill, cur, busy, band, water, i_min, iters,
         if not water[r]:
             moves_row(tables, units[r], cur[r], budget, rows_of.b[0], 1.0, order[r % dp], i_min,
                       False, idx[r])
-    _fill_columns(t, rows_of, fill, rows, np.full((nr, slots, pp), i_min), False, idx, limit,
-                  search, iters)
+    _fill_columns(t, rows_of, fill, rows, np.full((nr, slots, pp), i_min), idx, limit, search,
+                  iters)
     _simulate(graph, tables, units, idx, rows, mk, dur, ef)
     for r in range(nr):
         for q in range(pp):
@@ -294,7 +267,7 @@ def raise_try_rows(graph, tables, rows_of, fill, cut, rows, alpha, water, i_max,
                 at_top = t[u + top] if s == 0 else at_top + t[u + top]
             limit[i, q] = tot + a * slack[r, q]
             search[i, q] = not at_top <= limit[i, q]
-    _fill_columns(t, rows_of, fill, rows, cur, True, trial, limit, search, iters)
+    _fill_columns(t, rows_of, fill, rows, cur, trial, limit, search, iters)
     n_ev = graph.prev.size
     _simulate(graph, tables, units, trial, rows, mk, np.empty((n_ev, nr)), np.empty((n_ev, nr)))
 

@@ -71,21 +71,19 @@ def _search(graph, tables, units, on, delta, lo, hi, fracs, limit_s):
     if tables.work.shape[0] > 0:                   # worked out once, not at every try
         for j in range(n):
             mb[j], st[j] = units[j] // nv, units[j] % nv
-    col = np.empty(n, dtype=np.int64)
+    col, rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), \
+        np.empty(n, dtype=np.int64)
+    ranks, seg = np.empty(n, dtype=np.int64), np.empty(n + 1, dtype=np.int64)
     r = 0
     for j in range(n):
-        if j == 0 or units[j] // per_rank != units[j - 1] // per_rank:
+        if r == 0 or units[j] // per_rank != ranks[r - 1]:
+            ranks[r], seg[r] = units[j] // per_rank, j
             r += 1
         col[j] = r - 1
-    ranks, seg = np.empty(r, dtype=np.int64), np.empty(r + 1, dtype=np.int64)
-    rows_f, rows_b = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    seg[r] = n
-    for j in range(n):
-        if j == 0 or col[j] != col[j - 1]:
-            ranks[col[j]] = units[j] // per_rank
-            seg[col[j]] = j
         local = units[j] % per_rank
         rows_f[j], rows_b[j] = graph.ev_f[local], graph.ev_b[local]
+    seg[r] = n
+    ranks, seg = ranks[:r], seg[:r + 1]
     limit = np.empty(r)
     for j in range(r):
         limit[j] = limit_s[ranks[j]]
@@ -118,17 +116,18 @@ def _set_units(j, c, sr, tables, at, buf):
 
 
 @jit
-def first_fit(graph, tables, dur, sr, at, probe_first, buf, end):
+def first_fit(graph, tables, dur, sr, at, probe_first):
     # per rank j of ``sr`` the first candidate whose makespan is <= its limit, by a binary
     # search (every candidate below a is over, every one from z fits; the first tried is the
     # middle, or candidate 0 with probe_first, where it usually fits), the ranks' searches
     # stepped together; ``at`` [k, units]: each unit's grid index at each candidate (-1: not
-    # looked up, filled in place). Returns (fits, pick (0 where none fits), makespans);
-    # columns j of buf / end [E, r]: the picks' durations and earliest finishes
+    # looked up, filled in place). Returns (fits, pick (0 where none fits), makespans, the
+    # picks' durations and earliest finishes [E, r], each unit's grid index at its pick)
     ranks, limit = sr.ranks, sr.limit
     k, r = at.shape[0], ranks.size
     fits, pick, mk, t = np.empty(r, dtype=np.bool_), np.empty(r, dtype=np.int64), \
         np.empty(r), np.empty(r)
+    buf, end = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
     for e in range(dur.shape[0]):
         for j in range(r):
             buf[e, j] = dur[e, ranks[j]]
@@ -165,7 +164,11 @@ def first_fit(graph, tables, dur, sr, at, probe_first, buf, end):
     earliest_finish(graph, buf, cols[:na], end, np.empty((0, 0)))
     for j in cols[:na]:
         mk[j] = makespan(graph.last, end, j)
-    return fits, pick, mk
+    chosen = np.empty(at.shape[1], dtype=np.int64)
+    for j in range(r):
+        for u in range(sr.seg[j], sr.seg[j + 1]):
+            chosen[u] = at[pick[j], u]
+    return fits, pick, mk, buf, end, chosen
 
 
 @jit
@@ -210,11 +213,7 @@ def cut_round(graph, tables, plan, t_min, target, i_min, was):
         for c in range(r):
             if was_pick[sr.ranks[c]] >= 0:
                 sr.z0[c] = was_pick[sr.ranks[c]]
-    dur_p, ef_p = np.empty((plan.dur.shape[0], r)), np.empty((plan.dur.shape[0], r))
-    fits, pick, mk = first_fit(graph, tables, plan.dur, sr, at, False, dur_p, ef_p)
-    cut_i = np.empty(n, dtype=np.int64)
-    for j in range(n):
-        cut_i[j] = at[pick[col[j]], j]
+    fits, pick, mk, dur_p, ef_p, cut_i = first_fit(graph, tables, plan.dur, sr, at, False)
     by_rank = np.full(dp, -1, dtype=np.int64)
     for c in range(r):
         if fits[c]:
@@ -274,12 +273,7 @@ def raise_round(graph, tables, dur, up, first, t1, cap, lo, i_max, limit_s):
     at = np.full((RAISE_FRACTIONS.size, n), -1, dtype=np.int64)
     for j in range(n):
         at[0, j] = first[j]
-    r = sr.ranks.size
-    dur_p, ef_p = np.empty((dur.shape[0], r)), np.empty((dur.shape[0], r))
-    _, pick, mk = first_fit(graph, tables, dur, sr, at, True, dur_p, ef_p)
-    raised = np.empty(n, dtype=np.int64)
-    for j in range(n):
-        raised[j] = at[pick[col[j]], j]
+    _, _, mk, dur_p, ef_p, raised = first_fit(graph, tables, dur, sr, at, True)
     return sr.ranks, col, mk, dur_p, ef_p, raised
 
 

@@ -1,16 +1,7 @@
 """An event graph's two passes, compiled: the 1F1B simulator's earliest finishes and the float
 pass's latest finishes, each one loop whatever the caller's layout (every column of a step, a
-few columns of the descent's search, one column per band-pass row or slot candidate).
-
-- ``earliest_finish``: an event starts at ``max(dependency's finish + p2p, previous event's
-  finish)``, events in order, over the columns asked for;
-- ``latest_finish``: an event must finish by ``min(deadline, next event's latest start,
-  successor's latest start - p2p)``, events in reverse;
-- ``unit_floats``: every unit's smaller float, min(lf - ef) of its forward and backward;
-- ``makespan``: the latest of the ranks' last events; ``put_units``: a row of units' seconds
-  into a column of durations.
-
-NaN propagates as ``np.maximum`` / ``np.minimum`` propagate it.
+few columns of the descent's search, one column per band-pass row or slot candidate). NaN
+propagates as ``np.maximum`` / ``np.minimum`` propagate it.
 
 Pure numpy and numba; imports nothing of this package but ``kernels``.
 """
@@ -26,9 +17,9 @@ from .records import NO_START, SAMPLE_GRAPH, SAMPLE_TABLES
 @jit
 def earliest_finish(graph, dur, cols, end, start):
     """Columns ``cols`` of durations ``dur`` [E, *] simulated into ``end`` [E, *], events in
-    order (the columns are independent: each event steps over all of them); every event's
-    start also into ``start`` where it has rows (``records.NO_START``: not kept); 0 for an
-    event that waits for none."""
+    order, each over all the columns: an event starts at max(its dependency's finish + p2p,
+    the previous event's finish), 0 where it waits for none; every event's start also into
+    ``start`` where it has rows (``records.NO_START``: not kept)."""
     prev, dep, cross, p = graph.prev, graph.dep, graph.cross, graph.p2p
     record = start.shape[0] > 0
     for e in range(dur.shape[0]):
@@ -61,7 +52,8 @@ def makespan(last, end, j):
 @jit
 def latest_finish(graph, dur, deadline, lf):
     """[E, cols] latest finishes into ``lf``, every rank's last event of column c due at
-    ``deadline[c]``, events in reverse."""
+    ``deadline[c]``: events in reverse, each due by min(deadline, the next event's latest
+    start, its successor's latest start - p2p)."""
     nxt, succ, cross, p = graph.nxt, graph.succ, graph.cross, graph.p2p
     n, cols = dur.shape
     start = np.empty((n, cols))                      # latest starts, lf - dur

@@ -78,7 +78,7 @@ class MemoryModel:
 
     def rank_bytes(self, layout: PipelineLayout, tokens: int, num_microbatches: int) -> list:
         """[pp] estimated bytes of every pipeline rank (see the module docstring)."""
-        from ..sim.pipeline import FWD, stage_order_1f1b, stage_order_interleaved
+        from ..sim.pipeline import FWD, stage_order
 
         pp, vp, nv = layout.pp, layout.vp, layout.num_stages
         whole_layer = self.layer_activation_bytes(tokens)
@@ -95,12 +95,8 @@ class MemoryModel:
                 params += vocab * h + h
             act = {c: layout.layers[stages[c]] * per_layer_act
                    + (embed_act if stages[c] == 0 else 0.0) for c in range(vp)}
-            if vp == 1:
-                order = [(k, i, 0) for k, i in stage_order_1f1b(num_microbatches, pp, r)]
-            else:
-                order = stage_order_interleaved(num_microbatches, pp, vp, r)
             held = peak = 0.0
-            for kind, _, c in order:
+            for kind, _, c in stage_order(num_microbatches, pp, r, vp):
                 held += act[c] if kind == FWD else -act[c]
                 peak = max(peak, held)
             logits = self.logit_bytes * tokens * (h + vocab) if nv - 1 in stages else 0.0

@@ -1,18 +1,13 @@
-"""Discrete-event simulator of Megatron's non-interleaved 1F1B pipeline step, replicated over DP.
+"""Discrete-event simulator of Megatron's 1F1B pipeline step (interleaved too), replicated over DP.
 
 Input: forward and backward seconds per (dp_rank, micro-batch, stage) and a point-to-point latency.
 Output: the step time (max over DP ranks of each rank's pipeline makespan), busy time per
-(dp rank, stage), bubble fraction and imbalance, and every event's float (``EventGraph``).
-The event order of 1F1B does not depend on the durations, so it is computed once per (m, pp,
-vp) (``event_graph``); the passes over it, vectorised over the DP axis, are ``kernels.graph``'s.
-
-Schedule (megatron/core/pipeline_parallel/schedules.py,
-``forward_backward_pipelining_without_interleaving``), stage s of pp, m micro-batches:
-warm-up forwards ``min(pp - s - 1, m)``, then steady 1F1B (forward i + warm-up, backward i), then
-cool-down backwards. Dependencies: fwd(i, s) starts after fwd(i, s-1) ended + p2p; bwd(i, s) after
-bwd(i, s+1) ended + p2p; a stage runs its own events in order, one at a time. Sends are modelled as
-asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient all-reduce,
-optimizer and data loading are outside the model.
+(dp rank, stage), bubble fraction and imbalance (``StepSimulation``). The event order does not
+depend on the durations, so it is built once per (m, pp, vp) (``event_graph``, after
+megatron/core/pipeline_parallel/schedules.py); the passes over it, vectorised over the DP axis,
+are ``kernels.graph``'s. A rank runs its own events in order, one at a time; sends are
+asynchronous (the p2p latency is on the edge, it does not occupy the sender). Gradient
+all-reduce, optimizer and data loading are outside the model.
 
 Pure numpy; imports nothing else of this package but ``kernels``.
 """
@@ -47,18 +42,6 @@ class StepSimulation:
     end_s: Optional[np.ndarray] = None
 
 
-def stage_order_1f1b(num_microbatches: int, pp: int, stage: int) -> list[tuple[int, int]]:
-    """Megatron's 1F1B event order on one stage: a list of (kind FWD/BWD, micro-batch)."""
-    m = num_microbatches
-    warmup = min(pp - stage - 1, m)
-    order = [(FWD, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order.append((FWD, i + warmup))
-        order.append((BWD, i))
-    order.extend((BWD, i) for i in range(m - warmup, m))
-    return order
-
-
 def interleaved_schedule_table(num_microbatches: int, vp: int, group: int) -> list:
     """Megatron's ``get_schedule_table``: (micro-batch, model chunk) of each virtual micro-batch."""
     table = []
@@ -68,15 +51,16 @@ def interleaved_schedule_table(num_microbatches: int, vp: int, group: int) -> li
     return table
 
 
-def stage_order_interleaved(num_microbatches: int, pp: int, vp: int, stage: int
-                            ) -> list[tuple[int, int, int]]:
-    """Megatron's interleaved 1F1B order on one rank: (kind, micro-batch, model chunk), with
-    ``microbatch_group_size_per_vp_stage`` at its default, pp. Warm-up forwards
-    ``(pp - stage - 1) * 2 + (vp - 1) * pp``; backward k runs chunk ``vp - 1 - chunk(k)`` of
-    micro-batch ``mb(k)``."""
-    table = interleaved_schedule_table(num_microbatches, vp, pp)
+def stage_order(num_microbatches: int, pp: int, stage: int, vp: int = 1
+                ) -> list[tuple[int, int, int]]:
+    """Megatron's 1F1B event order on one rank: (kind FWD/BWD, micro-batch, model chunk).
+    Warm-up forwards ``pp - stage - 1``, or with vp model chunks (the interleaved schedule,
+    ``microbatch_group_size_per_vp_stage`` at its default, pp) ``(pp - stage - 1) * 2 + (vp -
+    1) * pp``; then steady 1F1B; backward k runs chunk ``vp - 1 - chunk(k)`` of micro-batch
+    ``mb(k)``."""
+    table = interleaved_schedule_table(num_microbatches, vp, pp)     # vp 1: in order
     total = num_microbatches * vp
-    warmup = min((pp - stage - 1) * 2 + (vp - 1) * pp, total)
+    warmup = min(pp - stage - 1 if vp == 1 else (pp - stage - 1) * 2 + (vp - 1) * pp, total)
     fwd = [(FWD, i, c) for i, c in table]
     bwd = [(BWD, i, vp - 1 - c) for i, c in table]
     order = fwd[:warmup]
@@ -102,50 +86,6 @@ def interleaved_refusal(m: int, pp: int) -> Optional[str]:
     return None
 
 
-@lru_cache(maxsize=256)
-def _global_order(m: int, pp: int, vp: int = 1) -> tuple:
-    """A topological order of all 2*m*pp*vp events consistent with every rank's order and the
-    cross-stage dependencies. Virtual stage ``v = chunk * pp + rank`` (Megatron's layer order).
-
-    Returns (rank, kind, microbatch, v, dep_kind, dep_v, dep_p2p) arrays; dep_v = -1 when the
-    event has no dependency (fwd on virtual stage 0); dep_p2p = 1 when the dependency crosses ranks.
-    """
-    nv = pp * vp
-    if vp == 1:
-        orders = [[(k, i, 0) for k, i in stage_order_1f1b(m, pp, s)] for s in range(pp)]
-    else:
-        why = interleaved_refusal(m, pp)
-        if why:
-            raise ValueError(why)
-        orders = [stage_order_interleaved(m, pp, vp, s) for s in range(pp)]
-    pos = [0] * pp
-    done = np.zeros((2, m, nv), dtype=bool)
-    out = []
-    total = 2 * m * nv
-    while len(out) < total:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(orders[r]):
-                kind, i, c = orders[r][pos[r]]
-                v = c * pp + r
-                if kind == FWD:
-                    dk, dv = FWD, (v - 1 if v > 0 else -1)
-                elif v < nv - 1:
-                    dk, dv = BWD, v + 1
-                else:
-                    dk, dv = FWD, v          # the last stage's backward follows its forward
-                if dv >= 0 and not done[dk, i, dv]:
-                    break
-                done[kind, i, v] = True
-                out.append((r, kind, i, v, dk, dv, int(dv >= 0 and dv % pp != r)))
-                pos[r] += 1
-                progressed = True
-        if not progressed:  # cannot happen for Megatron's schedules; guards a future one
-            raise RuntimeError(f"1F1B order deadlocks for m={m}, pp={pp}, vp={vp}")
-    arr = np.asarray(out, dtype=np.int64)
-    return tuple(arr[:, j].copy() for j in range(7))
-
-
 def _check_times(fwd_s, bwd_s, p2p_s):
     f = np.asarray(fwd_s, dtype=np.float64)
     b = np.asarray(bwd_s, dtype=np.float64)
@@ -167,7 +107,7 @@ def _check_times(fwd_s, bwd_s, p2p_s):
 
 @dataclass(frozen=True)
 class EventGraph:
-    """The events of one step in ``_global_order``'s topological order: event e is (kind,
+    """The events of one step in ``event_graph``'s topological order: event e is (kind,
     micro-batch, virtual stage) ``(kinds[e], mbs[e], vs[e])`` on ``ranks[e]``; ``links`` [5, E]
     per event the one before it on its rank, the one it waits for (its data), whether that wait
     crosses ranks (p2p latency on the edge), and the reverse edges (-1 where none); ``last[r]``
@@ -220,12 +160,42 @@ class EventGraph:
 
 @lru_cache(maxsize=256)
 def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
-    """The ``EventGraph`` of m micro-batches on pp ranks with vp model chunks each."""
-    ranks, kinds, mbs, vs, dks, dvs, crosses = _global_order(m, pp, vp)
+    """The ``EventGraph`` of m micro-batches on pp ranks with vp model chunks each: the ranks'
+    ``stage_order``s merged into one topological order of all 2 x m x pp x vp events (an event
+    waits for its data: the forward of the virtual stage ``v = chunk * pp + rank`` before it,
+    the backward of the one after it, the last stage's backward its own forward)."""
+    nv = pp * vp
+    why = interleaved_refusal(m, pp) if vp > 1 else None
+    if why:
+        raise ValueError(why)
+    orders = [stage_order(m, pp, s, vp) for s in range(pp)]
+    pos = [0] * pp
+    eid = np.full((2, m, nv), -1, dtype=np.int64)      # event of each (kind, mb, v) placed
+    out = []
+    total = 2 * m * nv
+    while len(out) < total:
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(orders[r]):
+                kind, i, c = orders[r][pos[r]]
+                v = c * pp + r
+                if kind == FWD:
+                    dk, dv = FWD, (v - 1 if v > 0 else -1)
+                elif v < nv - 1:
+                    dk, dv = BWD, v + 1
+                else:
+                    dk, dv = FWD, v
+                dep = eid[dk, i, dv] if dv >= 0 else -1
+                if dv >= 0 and dep < 0:
+                    break
+                eid[kind, i, v] = len(out)
+                out.append((r, kind, i, v, dep, int(dv >= 0 and dv % pp != r)))
+                pos[r] += 1
+                progressed = True
+        if not progressed:  # cannot happen for Megatron's schedules; guards a future one
+            raise RuntimeError(f"1F1B order deadlocks for m={m}, pp={pp}, vp={vp}")
+    ranks, kinds, mbs, vs, dep, crosses = np.asarray(out, dtype=np.int64).T.copy()
     n = len(ranks)
-    eid = np.empty((2, m, pp * vp), dtype=np.int64)
-    eid[kinds, mbs, vs] = np.arange(n)
-    dep = np.where(dvs >= 0, eid[dks, mbs, np.maximum(dvs, 0)], -1)
     prev = np.full(n, -1, dtype=np.int64)
     nxt = np.full(n, -1, dtype=np.int64)
     last = np.full(pp, -1, dtype=np.int64)
@@ -237,11 +207,11 @@ def event_graph(m: int, pp: int, vp: int = 1) -> EventGraph:
     succ = np.full(n, -1, dtype=np.int64)
     has = dep >= 0
     succ[dep[has]] = np.flatnonzero(has)
-    unit_rows = (kinds * m + mbs) * (pp * vp) + vs
+    unit_rows = (kinds * m + mbs) * nv + vs
     unit_events = np.empty(n, dtype=np.int64)
     unit_events[unit_rows] = np.arange(n)
     return EventGraph(ranks, kinds, mbs, vs, last, unit_rows, unit_events.reshape(2, -1),
-                      np.stack([prev, dep, np.asarray(crosses, dtype=np.int64), nxt, succ]))
+                      np.stack([prev, dep, crosses, nxt, succ]))
 
 
 def _run(fwd_s, bwd_s, p2p_s, pp, record: bool) -> tuple:

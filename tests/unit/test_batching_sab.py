@@ -275,7 +275,7 @@ def test_variable_length_plans_pad_each_micro_batch_to_its_multiple_only():
     assert (empty.tokens() == 0).any()          # an empty micro-batch is one multiple of padding
     assert empty.with_length_multiple(96).packed_lengths()[empty.tokens() == 0].tolist() == \
         [96] * int((empty.tokens() == 0).sum())
-    with pytest.raises(ValueError, match="length multiple -1"):
+    with pytest.raises(ValueError, match="length_multiple=-1"):
         fixed.with_length_multiple(-1)
 
 

@@ -126,12 +126,12 @@ def test_water_filling_is_every_lambda_counted(form):
     hi = np.minimum(lo + rng.integers(0, 8, (n, slots)), g - 1)
     at_lo, at_hi = (t[u + x].sum(axis=1) for x in (lo, hi))
     limit = at_lo + rng.uniform(-0.2, 1.2, n) * (at_hi - at_lo)
-    shift, first = fill.shift[0, stage][:, None], fill.first[0, stage][:, None]
-    cols = fill._replace(shift=np.repeat(shift, slots, axis=1),
-                         first=np.repeat(first, slots, axis=1))
     out = np.empty((n, slots), dtype=np.int64)
-    _form(band.water_fill, form)(t, u, b, lo, hi, limit, cols, FILL_ITERS, out)
-    for j in range(n):
+    for j in range(n):                           # column j: every slot on stage[j]
+        col = fill._replace(shift=np.full((slots, 1), fill.shift[0, stage[j]]),
+                            first=np.full((slots, 1), fill.first[0, stage[j]]))
+        _form(band.water_fill, form)(t, u[j], b[j], lo[j], hi[j], limit[j], col, 0, FILL_ITERS,
+                                     out[j])
         want = _fill_oracle(t, u[j], b[j], lo[j], hi[j], limit[j], marg,
                             np.full(slots, stage[j]), fill)
         np.testing.assert_array_equal(out[j], want, err_msg=f"column {j}")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from sparsebalance_megatron.sim import pipeline_makespan_s, simulate_1f1b, stage_order_1f1b
+from sparsebalance_megatron.sim import pipeline_makespan_s, simulate_1f1b, stage_order
 from sparsebalance_megatron.sim.pipeline import BWD, FWD
 
 
@@ -12,11 +12,16 @@ def _times(dp, m, pp, f, b):
 
 
 def test_stage_order_matches_megatron_warmup_steady_cooldown():
-    assert stage_order_1f1b(4, 4, 0) == [(FWD, 0), (FWD, 1), (FWD, 2), (FWD, 3), (BWD, 0),
-                                         (BWD, 1), (BWD, 2), (BWD, 3)]
-    assert stage_order_1f1b(4, 4, 3) == [(FWD, 0), (BWD, 0), (FWD, 1), (BWD, 1), (FWD, 2),
-                                         (BWD, 2), (FWD, 3), (BWD, 3)]
-    assert stage_order_1f1b(2, 4, 0) == [(FWD, 0), (FWD, 1), (BWD, 0), (BWD, 1)]
+    def order(m, pp, stage):                     # one model chunk: chunk 0 throughout
+        out = stage_order(m, pp, stage)
+        assert {c for _, _, c in out} == {0}
+        return [(k, i) for k, i, _ in out]
+
+    assert order(4, 4, 0) == [(FWD, 0), (FWD, 1), (FWD, 2), (FWD, 3), (BWD, 0), (BWD, 1),
+                              (BWD, 2), (BWD, 3)]
+    assert order(4, 4, 3) == [(FWD, 0), (BWD, 0), (FWD, 1), (BWD, 1), (FWD, 2), (BWD, 2),
+                              (FWD, 3), (BWD, 3)]
+    assert order(2, 4, 0) == [(FWD, 0), (FWD, 1), (BWD, 0), (BWD, 1)]
 
 
 def test_pp1_is_the_sum_of_all_work():
