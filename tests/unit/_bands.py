@@ -79,15 +79,9 @@ def central_plan(costs, sensitivity, settings: DSTSettings, quality=None, narrow
     found = []
     for water in objectives or ([False, True] if both else [quality is not None]):
         guard = (lambda p: quality.plan_cost(p.densities)) if both and not water else None
-        search = band_search(s, narrow=narrow, quality=quality if water else None, guard=guard)
-        cands = next(search)
-        while True:
-            try:
-                cands = search.send(band_plans(costs, sensitivity, s, cands,
-                                               quality if water else None))
-            except StopIteration as done:
-                found.append(done.value)
-                break
+        found.append(band_search(
+            s, lambda cands: band_plans(costs, sensitivity, s, cands, quality if water else None),
+            narrow=narrow, quality=quality if water else None, guard=guard))
     plan = found[-1]
     if both:
         ordered, filled = found
