@@ -92,28 +92,22 @@ class StageQuality:
             self.__dict__["_rule"] = got              # frozen: not a field
         return got
 
-    def operands(self, models, ndim: int, g: int) -> tuple:
-        """``BoundQuality``'s gather of ``models`` for plans of ``ndim`` dimensions on a grid of
-        ``g`` densities (made once): the models' offsets in the flat ``grid_tables`` and their
-        constants (``rule``; gamma 0.0 where no model has an interaction). ``models``: one (an
-        index: the fit 0, replicate r r + 1; offsets [nv], constants floats) or a slice of them
-        (offsets [R, 1, ..., 1, 1, nv], constants [R, 1, ..., 1, 1])."""
-        one = not isinstance(models, slice)
-        key = (models, ndim, g) if one else (models.start, models.stop, ndim, g)
+    def operands(self, models: slice, ndim: int, g: int) -> tuple:
+        """``BoundQuality``'s gather of ``models`` (a slice of the fit 0 and replicate r r + 1)
+        for plans of ``ndim`` dimensions on a grid of ``g`` densities (made once): the models'
+        offsets in the flat ``grid_tables`` [R, 1, ..., 1, 1, nv] and their constants
+        (``rule``; [R, 1, ..., 1, 1], gamma 0.0 where no model has an interaction)."""
+        key = (models.start, models.stop, ndim, g)
         cache = self.__dict__.setdefault("_operands", {})       # frozen: not a field
         got = cache.get(key)
         if got is None:
             nv, (gamma, s0) = self.stages, self.rule()
-            if one:
-                got = (models * nv * g + np.arange(nv) * g, float(gamma[models]),
-                       float(s0[models]))
-            else:
-                first, stop, _ = models.indices(s0.size)
-                lead = (stop - first,) + (1,) * (ndim - 3)
-                at = (np.arange(first, stop) * (nv * g))[:, None] + np.arange(nv) * g  # [R, nv]
-                got = (at.reshape(lead + (1, 1, nv)),
-                       gamma[models].reshape(lead + (1, 1)) if gamma.any() else 0.0,
-                       s0[models].reshape(lead + (1, 1)))
+            first, stop, _ = models.indices(s0.size)
+            lead = (stop - first,) + (1,) * (ndim - 3)
+            at = (np.arange(first, stop) * (nv * g))[:, None] + np.arange(nv) * g      # [R, nv]
+            got = (at.reshape(lead + (1, 1, nv)),
+                   gamma[models].reshape(lead + (1, 1)) if gamma.any() else 0.0,
+                   s0[models].reshape(lead + (1, 1)))
             cache[key] = got
         return got
 
@@ -232,23 +226,21 @@ class BoundQuality:
         gamma, s0 = (float(x[0]) for x in self.stage.rule())
         return self.f1[0] + 2.0 * gamma * self.f2[0] * s0
 
-    def _sums(self, idx: np.ndarray, grid: np.ndarray, models) -> np.ndarray:
-        """[...] the change summed over the units of plans at grid indices ``idx``
-        [..., dp, m, nv] under one model (``models`` an index: the fit 0, replicate r r + 1),
-        or [R, ...] under a slice of them, every model in one gather."""
+    def _sums(self, idx: np.ndarray, grid: np.ndarray, models: slice) -> np.ndarray:
+        """[R, ...] the change summed over the units of plans at grid indices ``idx``
+        [..., dp, m, nv] under a slice of the models (the fit 0, replicate r r + 1), every
+        model in one gather."""
         tables = self.stage.grid_tables(grid)                            # [1 + B, nv, g]
         at, gamma, s0 = self.stage.operands(models, idx.ndim, tables.shape[2])
-        diff = tables.reshape(-1).take(idx + at).sum(axis=-1)            # [(R,) ..., dp, m]
-        f1, f2 = self.f1[models], self.f2[models]
-        if isinstance(models, slice) and diff.ndim > 3:                 # [R, 1, ..., dp, m]
-            shape = at.shape[:-3] + f1.shape[1:]
-            f1, f2 = f1.reshape(shape), f2.reshape(shape)
+        diff = tables.reshape(-1).take(idx + at).sum(axis=-1)            # [R, ..., dp, m]
+        shape = at.shape[:-3] + self.f1.shape[1:]                        # [R, 1, ..., dp, m]
+        f1, f2 = self.f1[models].reshape(shape), self.f2[models].reshape(shape)
         return _change(diff, f1, f2, gamma, s0).sum(axis=(-2, -1))
 
     def sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[...] the model's change summed over the units of plans at grid indices ``idx``
         [..., dp, m, nv] (nats; divide by ``tokens`` for the per-token change)."""
-        return self._sums(idx, grid, 0)
+        return self._sums(idx, grid, slice(0, 1))[0]
 
     def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
         """[..., B] ``sums_at`` under every bootstrap replicate."""
