@@ -334,22 +334,6 @@ class UnitCosts:
                    _total=total.reshape(rows, m, pp, g.size) if checked else None,
                    _formula=formula if checked else None)
 
-    @classmethod
-    def affine(cls, densities: np.ndarray, fixed_s: np.ndarray, attn_s_dense: np.ndarray
-               ) -> "UnitCosts":
-        """Closed form t(d) = fixed_s + d * attn_s_dense per unit ([dp, m, pp] each), a third
-        of it forward (backward costs about twice the forward); attention work
-        ``attn_s_dense``."""
-        g = np.asarray(densities, dtype=np.float64)
-        fixed = np.asarray(fixed_s, dtype=np.float64)
-        attn = np.asarray(attn_s_dense, dtype=np.float64)
-        if fixed.shape != attn.shape or fixed.ndim != 3:
-            raise ValueError(f"fixed_s {fixed.shape} and attn_s_dense {attn.shape} must both "
-                             "be [dp, m, pp]")
-        t = fixed[..., None] + attn[..., None] * g                  # [dp, m, pp, g]
-        fwd_fraction = 1.0 / 3.0
-        return cls(g, fwd_fraction * t, (1.0 - fwd_fraction) * t, attn)
-
 
 def _non_decreasing(a: np.ndarray) -> np.ndarray:
     """Running max over the last axis (a itself when it is already non-decreasing: the common

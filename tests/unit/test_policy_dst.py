@@ -11,6 +11,7 @@ from sparsebalance_megatron.policy import (DSTSettings, UnitCosts, density_grid,
                                            plan_dst, weighted_mean_density)
 from sparsebalance_megatron.sim.pipeline import simulate_1f1b
 from tests.unit._bands import band_plan, band_plans
+from tests.unit._costs import affine_costs
 
 D0, DMIN, DMAX = 0.5, 0.125, 1.0
 
@@ -29,7 +30,7 @@ def synthetic_costs(dp, m, pp, seed, grid=None, lm_head=0.3, attn_scale=1.6):
     fixed[..., -1] += lm_head
     attn_s = np.broadcast_to(attn[:, :, None] * attn_scale, (dp, m, pp)).copy()
     g = density_grid(D0, DMIN, DMAX) if grid is None else grid
-    return UnitCosts.affine(g, fixed, attn_s)
+    return affine_costs(g, fixed, attn_s)
 
 
 def plan_dst_from_config(config, costs, sensitivity, p2p_s=0.0, raise_headroom=None,
@@ -79,7 +80,7 @@ def test_straggler_rank_is_cut_least_sensitive_first_and_others_raised():
     fixed = np.ones((dp, m, pp))
     attn = np.full((dp, m, pp), 0.4)
     attn[2] = 3.0                                   # rank 2 holds the long documents
-    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+    costs = affine_costs(density_grid(D0, DMIN, DMAX), fixed, attn)
     sens = np.tile(np.array([0.3, 0.1, 0.4, 0.2]), (dp, 1))
     plan = band_plan(costs, sens, D0, DMIN, DMAX, anchor="mean", tolerance=0.1)
     d, rep = plan.densities[..., 0], plan.report
@@ -101,7 +102,7 @@ def test_cheaper_stage_is_raised_without_growing_step_time():
     fixed = np.ones((dp, m, pp))
     fixed[..., 1] = 1.8                             # last stage: LM head + loss
     attn = np.full((dp, m, pp), 0.6)
-    costs = UnitCosts.affine(density_grid(D0, DMIN, DMAX), fixed, attn)
+    costs = affine_costs(density_grid(D0, DMIN, DMAX), fixed, attn)
     plan = band_plan(costs, None, D0, DMIN, DMAX, anchor="max")
     d = plan.densities
     assert np.all(d[:, 1:-1, 0] > D0)               # first stage fills its bubble
