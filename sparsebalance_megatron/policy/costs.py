@@ -57,11 +57,9 @@ class UnitCosts:
     densities: [g] ascending grid; fwd_s, bwd_s: [dp, m, pp, g] seconds; the stage axis holds the
     pipeline's *virtual* stages (``v = chunk * pipeline_ranks + rank``) when ``pipeline_ranks``
     is given and smaller (Megatron's interleaved schedule), else one stage per rank.
-    attn_work: optional [dp, m, pp] dense attention work of each unit, all its layers together
-    (kept block pairs at density 1 x the stage's decoder layers, or anything proportional); the
-    weights of every mean density, so a density is weighted by layers x attention work. Without
-    it the attention part of the cost is used: (t(d_max) - t(d_min)) / (d_max - d_min), which is
-    proportional to that when time is affine in kept block pairs.
+    attn_work: [dp, m, pp] dense attention work of each unit, all its layers together (kept
+    block pairs at density 1 x the stage's decoder layers, or anything proportional); the
+    weights of every mean density, so a density is weighted by layers x attention work.
     dense_work: optional [dp, m, pp] work (same unit as attn_work) of the documents routed to the
     dense kernel: counted at density 1 in every mean density (None: no routing).
     unit_docs: optional (offsets [dp * m + 1], lengths [docs], tokens [dp * m], sparse [docs])
@@ -80,7 +78,7 @@ class UnitCosts:
     densities: np.ndarray
     fwd_s: np.ndarray
     bwd_s: np.ndarray
-    attn_work: Optional[np.ndarray] = None
+    attn_work: np.ndarray
     pipeline_ranks: Optional[int] = None
     dense_work: Optional[np.ndarray] = None
     kept_grid: Optional[np.ndarray] = None
@@ -241,16 +239,6 @@ class UnitCosts:
         i = i[..., None]
         return (np.take_along_axis(self.fwd_s, i, axis=-1)[..., 0],
                 np.take_along_axis(self.bwd_s, i, axis=-1)[..., 0])
-
-    def weights(self) -> np.ndarray:
-        """[dp, m, pp] weights of the work-weighted mean density."""
-        if self.attn_work is not None:
-            return self.attn_work
-        t = self.total_s
-        span = self.densities[-1] - self.densities[0]
-        if span <= 0:
-            return np.ones(self.shape)
-        return (t[..., -1] - t[..., 0]) / span
 
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,

@@ -137,7 +137,7 @@ class RankDST:
         self.lo = (float(uniform_cut(self.ps, i_lo)[1].max()), 0.0)
         if quality is not None and i_lo < self.ps.bounds[0]:
             self.lo = (self.lo[0], float(quality.sums_at(np.full(costs.shape, i_lo), g)))
-        self.w = costs.weights()
+        self.w = costs.attn_work
 
     def ar1(self) -> dict:
         """The rank's AR1 parts: sums and maxima."""

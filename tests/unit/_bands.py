@@ -102,7 +102,7 @@ def central_descent(plan, costs, settings: DSTSettings, quality=None) -> np.ndar
     ``SPEED_TIE``. The reference the planner's per-rank probes are held against."""
     s, r = settings, plan.report
     floor, stage_floor = descent_floors(s)
-    w, dense = costs.weights(), costs.dense_work
+    w, dense = costs.attn_work, costs.dense_work
     i0, i_min, i_max = (costs.index_of(d) for d in (s.d0, s.d_min, s.d_max))
 
     def meets(d):

@@ -174,15 +174,15 @@ def test_bad_bounds_and_shapes():
     with pytest.raises(ValueError, match="not on the cost grid"):
         band_plan(costs, None, 0.51, DMIN, DMAX)
     with pytest.raises(ValueError, match="bwd_s"):
-        UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s[:, :1])
+        UnitCosts(costs.densities, costs.fwd_s, costs.bwd_s[:, :1], costs.attn_work)
     with pytest.raises(ValueError, match="finite"):
-        UnitCosts(costs.densities, -costs.fwd_s, costs.bwd_s)
+        UnitCosts(costs.densities, -costs.fwd_s, costs.bwd_s, costs.attn_work)
 
 
 def test_costs_are_made_monotone_in_density():
     g = np.array([0.25, 0.5, 1.0])
     f = np.array([1.0, 0.9, 1.2]).reshape(1, 1, 1, 3)
-    c = UnitCosts(g, f, f)
+    c = UnitCosts(g, f, f, f[..., 0])
     assert np.all(np.diff(c.fwd_s, axis=-1) >= 0)
 
 
@@ -287,7 +287,7 @@ def test_density_floor_keeps_the_mean_budget_and_the_step_time():
         floored = plan_dst(costs, sens, DSTSettings(
             D0, DMIN, DMAX, anchor="mean", tolerance=0.1, density_floor=0.9, descent=False))
         static = step_time_of(costs, np.full((dp, m, pp), D0))
-        mean = weighted_mean_density(floored.densities, costs.weights())
+        mean = weighted_mean_density(floored.densities, costs.attn_work)
         assert mean >= 0.9 * D0 - 1e-9
         assert step_time_of(costs, floored.densities) <= static * (1 + 1e-9)
         assert np.all(floored.densities >= DMIN - 1e-12)
@@ -311,7 +311,7 @@ def test_stage_floor_keeps_every_stage_fed_and_the_step_time():
         dp, m, pp = int(rng.integers(1, 5)), int(rng.integers(2, 6)), int(rng.integers(2, 5))
         costs = synthetic_costs(dp, m, pp, seed=300 + case, lm_head=float(rng.uniform(0.5, 3)))
         sens = rng.random((dp, m))
-        w = costs.weights()
+        w = costs.attn_work
         raw = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9))
         fed = plan_dst(costs, sens, DSTSettings(D0, DMIN, DMAX, density_floor=0.9,
                                                            stage_density_floor=0.75))
