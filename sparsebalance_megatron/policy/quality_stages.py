@@ -80,17 +80,14 @@ class StageQuality:
         return self._cached("change", grid, None, lambda g: np.stack(
             [self.stage_table(g, r) - self.reference(r)[:, None] for r in reps]))
 
+    @functools.cached_property
     def rule(self) -> tuple:
         """(gamma [1 + B], S0 [1 + B]): the interaction and the stages' summed cost at d0 of the
-        fit, then of every bootstrap replicate (``change``'s constants; made once)."""
-        got = self.__dict__.get("_rule")
-        if got is None:
-            reps = [None] + list(range(len(self.cost.bootstrap)))
-            got = (np.array([self.cost.interaction] + [r.interaction for r in self.cost.bootstrap],
-                            dtype=np.float64),
-                   np.array([float(self.reference(r).sum()) for r in reps]))
-            self.__dict__["_rule"] = got              # frozen: not a field
-        return got
+        fit, then of every bootstrap replicate (``change``'s constants)."""
+        reps = [None] + list(range(len(self.cost.bootstrap)))
+        return (np.array([self.cost.interaction] + [r.interaction for r in self.cost.bootstrap],
+                         dtype=np.float64),
+                np.array([float(self.reference(r).sum()) for r in reps]))
 
     def operands(self, models: slice, ndim: int, g: int) -> tuple:
         """``BoundQuality``'s gather of ``models`` (a slice of the fit 0 and replicate r r + 1)
@@ -101,7 +98,7 @@ class StageQuality:
         cache = self.__dict__.setdefault("_operands", {})       # frozen: not a field
         got = cache.get(key)
         if got is None:
-            nv, (gamma, s0) = self.stages, self.rule()
+            nv, (gamma, s0) = self.stages, self.rule
             first, stop, _ = models.indices(s0.size)
             lead = (stop - first,) + (1,) * (ndim - 3)
             at = (np.arange(first, stop) * (nv * g))[:, None] + np.arange(nv) * g      # [R, nv]
@@ -141,7 +138,7 @@ class StageQuality:
         stage-summed cost against d0 is ``diff`` and whose factors are (f1, f2) (``factors``):
         ``f1 diff + gamma f2 diff (diff + 2 S0)``, S0 the stages' cost at d0. The one body of the
         model's rule: every check of a plan goes through it."""
-        gamma, s0 = (float(x[0 if rep is None else rep + 1]) for x in self.rule())
+        gamma, s0 = (float(x[0 if rep is None else rep + 1]) for x in self.rule)
         return _change(diff, f1, f2, gamma, s0)
 
     def doc_change(self, densities: np.ndarray, lengths, rep: Optional[int] = None
@@ -223,7 +220,7 @@ class BoundQuality:
     def unit_scale(self) -> np.ndarray:
         """[dp, m] how much a unit's quality weighs against another's at d0 (the derivative of
         ``change`` there per unit of stage-summed cost): the water-filling's per-unit factor."""
-        gamma, s0 = (float(x[0]) for x in self.stage.rule())
+        gamma, s0 = (float(x[0]) for x in self.stage.rule)
         return self.f1[0] + 2.0 * gamma * self.f2[0] * s0
 
     def _sums(self, idx: np.ndarray, grid: np.ndarray, models: slice) -> np.ndarray:
