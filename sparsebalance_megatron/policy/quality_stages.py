@@ -47,9 +47,7 @@ class StageQuality:
     def curves(self, density, rep: Optional[int] = None) -> np.ndarray:
         """[..., nv] every stage's cost against dense with all its layers at ``density`` [...]
         (a scalar or a grid); ``rep``: a bootstrap replicate's curves."""
-        d = np.asarray(density, dtype=np.float64)
-        per = [curve(g.knots, c, d) for g, c in zip(self.cost.groups, _costs(self, rep))]
-        return np.stack(per, axis=-1) @ self.weights.T                 # [..., nv]
+        return _group_costs(self, np.asarray(density, dtype=np.float64), rep) @ self.weights.T
 
     def stage_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
         """[nv, g] every stage's cost against dense at every grid density (cached per grid)."""
@@ -141,6 +139,11 @@ class StageQuality:
         gamma, s0 = (float(x[0 if rep is None else rep + 1]) for x in self.rule)
         return _change(diff, f1, f2, gamma, s0)
 
+    def summed_change(self, d: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
+        """[...] the stages' summed cost against d0 where stage s runs at ``d[..., s]``."""
+        return (_group_costs(self, d, rep) * self.weights).sum(axis=-1).sum(axis=-1) \
+            - self.reference(rep).sum()
+
     def doc_change(self, densities: np.ndarray, lengths, rep: Optional[int] = None
                    ) -> np.ndarray:
         """[n] per-token loss change against uniform d0 of documents of ``lengths`` [n] whose
@@ -149,7 +152,7 @@ class StageQuality:
         if d.ndim != 2 or d.shape[1] != self.stages:
             raise QualityCostError(f"densities shape {d.shape}: expected [n, {self.stages}] "
                                    f"(one per stage)")
-        diff = _stagewise(self, d, rep).sum(axis=1) - self.reference(rep).sum()
+        diff = self.summed_change(d, rep)
         f1, f2 = self.factors(lengths, np.ones(d.shape[0]), rep)
         return self.change(diff, f1, f2, rep)
 
@@ -194,17 +197,12 @@ def _change(diff, f1, f2, gamma, s0) -> np.ndarray:
     return out
 
 
-def _costs(q: StageQuality, rep) -> tuple:
-    """The groups' cost at their knots: the fit's, or bootstrap replicate ``rep``'s."""
-    return tuple(g.cost_at_knots for g in q.cost.groups) if rep is None \
+def _group_costs(q: StageQuality, d: np.ndarray, rep) -> np.ndarray:
+    """[..., G] every depth group's cost against dense at ``d`` [...]: the fit's curves, or
+    bootstrap replicate ``rep``'s."""
+    costs = tuple(g.cost_at_knots for g in q.cost.groups) if rep is None \
         else q.cost.bootstrap[rep].cost
-
-
-def _stagewise(q: StageQuality, d: np.ndarray, rep) -> np.ndarray:
-    """[..., nv] stage s's cost against dense at its own density d[..., s]."""
-    per = np.stack([curve(g.knots, c, d) for g, c in zip(q.cost.groups, _costs(q, rep))],
-                   axis=-1)                                                  # [..., nv, G]
-    return (per * q.weights).sum(axis=-1)
+    return np.stack([curve(g.knots, c, d) for g, c in zip(q.cost.groups, costs)], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -252,7 +250,7 @@ class BoundQuality:
         if d.ndim != 3 or d.shape[2] != self.stage.stages:
             raise QualityCostError(f"densities shape {d.shape}: expected [dp, m, "
                                    f"{self.stage.stages}] (one per stage)")
-        diff = _stagewise(self.stage, d, None).sum(axis=-1) - self.stage.reference().sum()
+        diff = self.stage.summed_change(d)
         return float(self.stage.change(diff, self.f1[0], self.f2[0]).sum()) / self.tokens
 
     def uncertainty(self, replicate_sums: np.ndarray, tokens: float) -> np.ndarray:
