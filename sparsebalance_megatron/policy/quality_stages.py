@@ -238,9 +238,7 @@ class BoundQuality:
         return self._sums(idx, grid, slice(0, 1))[0]
 
     def replicate_sums_at(self, idx: np.ndarray, grid: np.ndarray) -> np.ndarray:
-        """[..., B] ``sums_at`` under every bootstrap replicate."""
-        if self.f1.shape[0] < 2:                                        # no replicates
-            return np.zeros(np.shape(idx)[:-3] + (0,))
+        """[..., B] ``sums_at`` under every bootstrap replicate (B may be 0)."""
         return np.moveaxis(self._sums(idx, grid, slice(1, None)), 0, -1)
 
     def plan_cost(self, densities: np.ndarray) -> float:
