@@ -49,23 +49,6 @@ class StageQuality:
         (a scalar or a grid); ``rep``: a bootstrap replicate's curves."""
         return _group_costs(self, np.asarray(density, dtype=np.float64), rep) @ self.weights.T
 
-    def stage_table(self, grid: np.ndarray, rep: Optional[int] = None) -> np.ndarray:
-        """[nv, g] every stage's cost against dense at every grid density (cached per grid)."""
-        return self._cached("cost", grid, rep, lambda g: np.ascontiguousarray(
-            self.curves(g, rep).T))
-
-    def _cached(self, kind: str, grid, rep: Optional[int], make) -> np.ndarray:
-        g = np.asarray(grid, dtype=np.float64)
-        key = (kind, g.tobytes(), rep)
-        cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
-        got = cache.get(key)            # one read: a planner thread and a report may share it
-        if got is None:
-            if len(cache) > 8 * (len(self.cost.bootstrap) + 1):
-                cache.clear()
-            got = make(g)
-            cache[key] = got
-        return got
-
     def reference(self, rep: Optional[int] = None) -> np.ndarray:
         """[nv] every stage's cost against dense at d0."""
         return self.curves(self.d0, rep)
@@ -74,9 +57,16 @@ class StageQuality:
         """[1 + B, nv, g] every stage's change against d0 at every grid density (rho = 1) under
         the fit, then under every bootstrap replicate (cached per grid: DST sums plans by them
         many times a step, under every model at once)."""
-        reps = [None] + list(range(len(self.cost.bootstrap)))
-        return self._cached("change", grid, None, lambda g: np.stack(
-            [self.stage_table(g, r) - self.reference(r)[:, None] for r in reps]))
+        g = np.asarray(grid, dtype=np.float64)
+        cache = self.__dict__.setdefault("_tables", {})     # frozen: not a field
+        got = cache.get(g.tobytes())    # one read: a planner thread and a report may share it
+        if got is None:
+            if len(cache) > 8:
+                cache.clear()
+            reps = [None] + list(range(len(self.cost.bootstrap)))
+            got = np.stack([self.curves(g, r).T - self.reference(r)[:, None] for r in reps])
+            cache[g.tobytes()] = got
+        return got
 
     @functools.cached_property
     def rule(self) -> tuple:
@@ -112,7 +102,7 @@ class StageQuality:
         DST's quality water-filling weighs against attention seconds (scaled per unit by its
         documents, ``BoundQuality.unit_scale``)."""
         g = np.asarray(grid, dtype=np.float64)
-        q = self.stage_table(g)
+        q = self.curves(g).T                                          # [nv, g]
         out = np.full(q.shape, np.inf)
         out[:, 1:] = np.maximum((q[:, :-1] - q[:, 1:]) / np.diff(g), 0.0)
         return np.minimum.accumulate(out, axis=1)
