@@ -6,9 +6,6 @@ many densities, so it is tabulated once per step on a small grid of densities (m
 between d_min and d_max, plus d0). On the grid, planning is exact table look-ups: no latency-model
 calls inside the planning loop.
 
-Documents routed to the dense kernel (``dense_work``) count at density 1 in every mean density
-(``density_means``), whatever the plan: no plan can cut them.
-
 Pure numpy; must not import torch, megatron or torch.distributed.
 """
 
@@ -61,7 +58,8 @@ class UnitCosts:
     block pairs at density 1 x the stage's decoder layers, or anything proportional); the
     weights of every mean density, so a density is weighted by layers x attention work.
     dense_work: optional [dp, m, pp] work (same unit as attn_work) of the documents routed to the
-    dense kernel: counted at density 1 in every mean density (None: no routing).
+    dense kernel: counted at density 1 in every mean density, whatever the plan (None: no
+    routing).
     unit_docs: optional (offsets [dp * m + 1], lengths [docs], tokens [dp * m], sparse [docs])
     of every micro-batch's documents (padding left out): their lengths, each micro-batch's tokens
     and which documents run sparse (the others are routed dense). The quality model weighs a

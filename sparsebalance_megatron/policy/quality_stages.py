@@ -1,11 +1,5 @@
-"""The quality model (``policy.quality``) on a pipeline's stages and one step's units: every
-check DST makes of a plan's quality goes through here.
-
-``StageQuality``: the model mapped onto the (virtual) stages of a layout (a stage's cost at
-density d is ``sum_g w[s, g] c_g(d)``), with its grid tables; ``BoundQuality``: that on one
-step's units, weighted by their documents' lengths and tokens (``bind``): a plan's change
-against uniform d0 summed over the units (and under each bootstrap replicate: its uncertainty),
-and the water-filling's per-unit scale.
+"""The quality model (``policy.quality``) on a pipeline's stages (``StageQuality``) and on one
+step's units (``BoundQuality``): every check DST makes of a plan's quality goes through here.
 
 Pure numpy; must not import torch or megatron.
 """
