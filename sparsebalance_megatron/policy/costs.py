@@ -226,17 +226,14 @@ class UnitCosts:
             np.arange(0, near.size, g, dtype=np.int64).reshape(k.shape[:2] + (1,))
 
     def at(self, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp]."""
+        """fwd_s, bwd_s [dp, m, pp] at grid indices idx [dp, m, pp] (one flat gather each)."""
         i = np.asarray(idx)
         g = self.densities.size
-        if i.shape == self.shape and i.dtype.kind in "iu" and i.size and 0 <= i.min() \
-                and i.max() < g and self.fwd_s.flags.c_contiguous \
-                and self.bwd_s.flags.c_contiguous:     # one flat gather per table
-            at = np.arange(0, i.size * g, g).reshape(i.shape) + i
-            return self.fwd_s.reshape(-1).take(at), self.bwd_s.reshape(-1).take(at)
-        i = i[..., None]
-        return (np.take_along_axis(self.fwd_s, i, axis=-1)[..., 0],
-                np.take_along_axis(self.bwd_s, i, axis=-1)[..., 0])
+        if i.shape != self.shape or i.dtype.kind not in "iu" or not 0 <= i.min() <= i.max() < g:
+            raise IndexError(f"grid indices of shape {i.shape}: expected {self.shape} integers "
+                             f"in [0, {g})")
+        at = np.arange(0, i.size * g, g).reshape(i.shape) + i
+        return self.fwd_s.reshape(-1).take(at), self.bwd_s.reshape(-1).take(at)
 
     @classmethod
     def from_latency(cls, model, mb_doc_lengths, dp: int, num_microbatches: int,

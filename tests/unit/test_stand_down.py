@@ -276,19 +276,18 @@ def test_runtime_choice_commits_the_static_plan_and_reports_it(monkeypatch):
 
 
 def test_unit_costs_at_grid_indices_gathers_like_take_along_axis():
-    # the flat gather (the rule's step times) against numpy's take_along_axis, and the
-    # shapes and indices the flat path leaves to it (broadcast rows, negative indices)
+    # the flat gather (the rule's step times) against numpy's take_along_axis; an index off the
+    # grid, or indices not one per unit, would read another unit's row: refused
     rng = np.random.default_rng(8)
     costs = affine(rng.random((3, 4, 2)), rng.random((3, 4, 2)))
     g = costs.densities.size
-    for idx in (rng.integers(0, g, costs.shape), rng.integers(-g, g, costs.shape),
-                rng.integers(0, g, (3, 4, 1))):
-        want = [np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
-                for t in (costs.fwd_s, costs.bwd_s)]
-        got = costs.at(idx)
-        assert all(np.array_equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(IndexError):
-        costs.at(np.full(costs.shape, g))
+    idx = rng.integers(0, g, costs.shape)
+    want = [np.take_along_axis(t, idx[..., None], axis=-1)[..., 0]
+            for t in (costs.fwd_s, costs.bwd_s)]
+    assert all(np.array_equal(a, b) for a, b in zip(costs.at(idx), want))
+    for bad in (np.full(costs.shape, g), np.full(costs.shape, -1), np.zeros((3, 4, 1), int)):
+        with pytest.raises(IndexError):
+            costs.at(bad)
 
 
 def test_runtime_plans_dst_on_both_packings_by_default_and_once_when_static(monkeypatch):
